@@ -1,0 +1,17 @@
+"""ComfyUI V3 nodes of Headroom. Thin: each node validates its inputs and calls `training/`.
+
+Each module here exposes `NODES`, a list of `io.ComfyNode` classes; the extension lists them all.
+"""
+from typing_extensions import override
+
+from comfy_api.latest import ComfyExtension, io
+
+from . import tiny_models
+
+_NODE_MODULES = [tiny_models]
+
+
+class HeadroomExtension(ComfyExtension):
+    @override
+    async def get_node_list(self) -> list[type[io.ComfyNode]]:
+        return [node for module in _NODE_MODULES for node in module.NODES]

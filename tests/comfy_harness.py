@@ -1,0 +1,82 @@
+"""Finding and importing a real ComfyUI for the integration tests.
+
+Discovery order (the README says the same): $COMFYUI_PATH, then the ComfyUI whose custom_nodes/
+holds this package, then comfy-cli's default workspace ~/comfy/ComfyUI. Nothing found: every
+ComfyUI test skips with one line saying so. Found: they run for real, never mocked.
+"""
+from __future__ import annotations
+
+import os
+import pathlib
+import sys
+import tempfile
+
+import pytest
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _looks_like_comfyui(path: pathlib.Path) -> bool:
+    return (path / "main.py").is_file() and (path / "comfy" / "model_management.py").is_file()
+
+
+def find_comfyui() -> tuple[pathlib.Path | None, str]:
+    """Return (path, how it was found) or (None, why none was found)."""
+    env = os.environ.get("COMFYUI_PATH")
+    if env:
+        path = pathlib.Path(env).expanduser().resolve()
+        if _looks_like_comfyui(path):
+            return path, "COMFYUI_PATH"
+        return None, f"COMFYUI_PATH={env} is not a ComfyUI checkout (no main.py / comfy/model_management.py)"
+    parent = REPO_ROOT.parent
+    if parent.name == "custom_nodes" and _looks_like_comfyui(parent.parent):
+        return parent.parent, "the ComfyUI holding this package in custom_nodes/"
+    default = pathlib.Path("~/comfy/ComfyUI").expanduser()
+    if _looks_like_comfyui(default):
+        return default.resolve(), "comfy-cli default workspace ~/comfy/ComfyUI"
+    return None, "no ComfyUI found (set COMFYUI_PATH, or install one at ~/comfy/ComfyUI); ComfyUI tests skipped"
+
+
+COMFYUI_PATH, COMFYUI_FOUND_BY = find_comfyui()
+_BASE_DIR = None
+
+
+def import_comfyui_in_process() -> pathlib.Path:
+    """Import ComfyUI's modules into this process, on the CPU, with a throw-away base directory.
+
+    `args.cpu` must be set before comfy.model_management is first imported; the base directory
+    keeps models/ output/ input/ of the test run out of the ComfyUI checkout.
+    """
+    global _BASE_DIR
+    if COMFYUI_PATH is None:
+        pytest.skip(COMFYUI_FOUND_BY)
+    if _BASE_DIR is None:
+        root = str(COMFYUI_PATH)
+        if root not in sys.path:
+            sys.path.insert(0, root)
+        # ComfyUI's own `utils` / `app` packages must win over any same-named module.
+        import comfy.options
+
+        comfy.options.enable_args_parsing(False)
+        from comfy.cli_args import args
+
+        _BASE_DIR = pathlib.Path(tempfile.mkdtemp(prefix="headroom-comfy-base-"))
+        args.cpu = True
+        args.base_directory = str(_BASE_DIR)
+        import comfy.model_management  # noqa: F401  (reads args.cpu at import)
+        import folder_paths  # noqa: F401  (reads args.base_directory at import)
+    return _BASE_DIR
+
+
+@pytest.fixture(scope="session")
+def comfyui() -> pathlib.Path:
+    """A real ComfyUI imported in-process on the CPU; returns its throw-away base directory."""
+    return import_comfyui_in_process()
+
+
+@pytest.fixture(scope="session")
+def headroom_nodes(comfyui):
+    """Headroom's node modules, imported the way ComfyUI imports them (through the package)."""
+    import headroom.nodes
+
+    return headroom.nodes

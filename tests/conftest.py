@@ -1,0 +1,32 @@
+"""Shared test set-up.
+
+The repository root is registered as the package `headroom` (tests import `headroom.training...`).
+No test puts the repo root on sys.path, where our `nodes/` package would shadow ComfyUI's `nodes.py`
+(pytest runs in importlib mode, see pyproject.toml). Fixtures for a real ComfyUI come from the
+harness modules in this folder.
+"""
+import importlib.util
+import pathlib
+import sys
+
+TESTS_DIR = pathlib.Path(__file__).resolve().parent
+REPO_ROOT = TESTS_DIR.parent
+
+
+def _register_package_alias(name: str = "headroom") -> None:
+    if name in sys.modules:
+        return
+    spec = importlib.util.spec_from_file_location(
+        name, REPO_ROOT / "__init__.py", submodule_search_locations=[str(REPO_ROOT)]
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+
+
+_register_package_alias()
+if str(TESTS_DIR) not in sys.path:
+    sys.path.append(str(TESTS_DIR))  # harness helper modules only; appended so they never shadow ComfyUI
+
+from comfy_harness import comfyui, headroom_nodes  # noqa: E402,F401  (fixtures)
+from server_harness import comfy_server  # noqa: E402,F401  (fixture: a real ComfyUI server subprocess)
