@@ -6,9 +6,9 @@ from typing_extensions import override
 
 from comfy_api.latest import ComfyExtension, io
 
-from . import tiny_models
+from . import data, monitor, tiny_models
 
-_NODE_MODULES = [tiny_models]
+_NODE_MODULES = [tiny_models, data, monitor]
 
 
 class HeadroomExtension(ComfyExtension):

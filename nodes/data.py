@@ -1,0 +1,46 @@
+"""Data nodes: a deterministic synthetic dataset for demos, tests and ControlNet work."""
+from comfy_api.latest import io
+
+from ..training.synthetic import generate_shapes
+
+
+class HeadroomSyntheticDataset(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="HeadroomSyntheticDataset",
+            display_name="Headroom Synthetic Dataset",
+            category="Headroom/data",
+            description=(
+                "Coloured shapes (circle, square, triangle, cross) at one of 9 grid positions on a plain "
+                "background, with captions naming colour, shape and position, and a control image per item "
+                "(the shape's mask, white on black). Same inputs give identical images."
+            ),
+            inputs=[
+                io.Int.Input("count", default=4, min=1, max=4096, tooltip="Number of images."),
+                io.Int.Input("resolution", default=64, min=32, max=2048, step=8, tooltip="Width and height in pixels."),
+                io.Int.Input("seed", default=0, min=0, max=0xFFFFFFFFFFFFFFFF, tooltip="Picks the shapes, sizes and offsets."),
+            ],
+            outputs=[
+                io.Image.Output("images", display_name="images"),
+                io.String.Output("captions", display_name="captions", tooltip="One caption per line, in image order."),
+                io.Image.Output(
+                    "control_images", display_name="control_images", tooltip="Each image's shape mask, white on black."
+                ),
+            ],
+        )
+
+    @classmethod
+    def validate_inputs(cls, resolution: int | None = None) -> bool | str:
+        # The widget steps by 8, but API prompts can send any integer. None: linked, checked at run time.
+        if resolution is not None and resolution % 8:
+            return f"HeadroomSyntheticDataset: resolution={resolution} must be a multiple of 8"
+        return True
+
+    @classmethod
+    def execute(cls, count: int, resolution: int, seed: int) -> io.NodeOutput:
+        data = generate_shapes(count, resolution, seed)
+        return io.NodeOutput(data.images, "\n".join(data.captions), data.control_images)
+
+
+NODES = [HeadroomSyntheticDataset]

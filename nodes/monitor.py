@@ -1,0 +1,199 @@
+"""Memory nodes: a pass-through VRAM monitor and the per-phase memory report of a run."""
+from __future__ import annotations
+
+import itertools
+import json
+import time
+
+import comfy.model_management
+from comfy_api.latest import io
+
+from ..training import memory_stats
+from ..training.memory_stats import PhaseRecorder, device_memory_snapshot, format_bytes
+
+MONITOR_FORMAT = "headroom.vram_monitor"
+MONITOR_VERSION = 1
+_fingerprints = itertools.count()
+
+
+def loaded_models_report() -> list[dict]:
+    """ComfyUI's loaded models (`comfy.model_management.current_loaded_models`), as plain dicts."""
+    models = []
+    for loaded in comfy.model_management.current_loaded_models:
+        patcher = loaded.model
+        if patcher is None:  # the patcher was garbage collected; ComfyUI drops the entry later
+            continue
+        size = patcher.model_size()
+        on_device = loaded.model_loaded_memory()
+        models.append(
+            {
+                "name": type(patcher.model).__name__,
+                "patcher": type(patcher).__name__,
+                "device": str(loaded.device),
+                "size_bytes": size,
+                "loaded_bytes": on_device,
+                "fully_loaded": on_device >= size,
+                "partially_loaded": 0 < on_device < size,
+                "in_use": bool(loaded.currently_used),
+            }
+        )
+    return models
+
+
+def memory_report() -> dict:
+    """What the monitor reports: ComfyUI's compute device, its memory, torch's counters, loaded models."""
+    device = comfy.model_management.get_torch_device()
+    return {
+        "format": MONITOR_FORMAT,
+        "version": MONITOR_VERSION,
+        "time": time.time(),
+        "device": str(device),
+        "device_name": comfy.model_management.get_torch_device_name(device),
+        "cpu_only": device.type == "cpu",
+        # ComfyUI's own view, the numbers it plans loads with (system RAM on a CPU device).
+        "comfy_total_bytes": comfy.model_management.get_total_memory(device),
+        "comfy_free_bytes": comfy.model_management.get_free_memory(device),
+        # Driver and torch allocator figures on CUDA; process RSS everywhere.
+        "snapshot": device_memory_snapshot(device),
+        "loaded_models": loaded_models_report(),
+    }
+
+
+def render_report_text(report: dict) -> str:
+    snapshot = report["snapshot"]
+    lines = [f"Headroom VRAM monitor: {report['device_name']}"]
+    if snapshot["cuda"]:
+        lines += [
+            (
+                f"driver: total {format_bytes(snapshot['driver_total_bytes'])}, free {format_bytes(snapshot['driver_free_bytes'])}"
+                f" (ComfyUI counts {format_bytes(report['comfy_free_bytes'])} free, torch cache included)"
+            ),
+            f"torch: allocated {format_bytes(snapshot['allocated_bytes'])}, reserved {format_bytes(snapshot['reserved_bytes'])}",
+            (
+                f"torch peak since last reset: allocated {format_bytes(snapshot['max_allocated_bytes'])},"
+                f" reserved {format_bytes(snapshot['max_reserved_bytes'])}"
+            ),
+        ]
+    elif report["cpu_only"]:
+        lines += [
+            "CPU only: no GPU, so no VRAM figures.",
+            f"system RAM: total {format_bytes(report['comfy_total_bytes'])}, available {format_bytes(report['comfy_free_bytes'])}",
+        ]
+    else:
+        lines.append(
+            f"device memory (ComfyUI's view): total {format_bytes(report['comfy_total_bytes'])},"
+            f" free {format_bytes(report['comfy_free_bytes'])}"
+        )
+    lines.append(
+        f"process RSS: {format_bytes(snapshot['process_rss_bytes'])}, peak {format_bytes(snapshot['process_peak_rss_bytes'])}"
+    )
+    models = report["loaded_models"]
+    lines.append(f"loaded models: {len(models)}" if models else "loaded models: none")
+    for model in models:
+        state = "fully loaded" if model["fully_loaded"] else "partially loaded" if model["partially_loaded"] else "offloaded"
+        lines.append(
+            f"- {model['name']}: {format_bytes(model['size_bytes'])}, {format_bytes(model['loaded_bytes'])}"
+            f" on {model['device']} ({state})"
+        )
+    if report.get("peak_reset"):
+        lines.append("peak counters reset after this report")
+    return "\n".join(lines)
+
+
+class HeadroomVRAMMonitor(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        passthrough = io.MatchType.Template("value")  # output type follows whatever is connected
+        return io.Schema(
+            node_id="HeadroomVRAMMonitor",
+            display_name="Headroom VRAM Monitor",
+            category="Headroom/memory",
+            description=(
+                "Passes its input through unchanged and reports memory at the moment it runs: device, total and "
+                "free memory, torch allocated/reserved/peak (CUDA), process RSS, and ComfyUI's loaded models. "
+                "Like any node it runs again when its input changes; with report_every_run it runs on every "
+                "queue, and then nodes fed by its output run again too."
+            ),
+            inputs=[
+                io.MatchType.Input("value", template=passthrough, tooltip="Anything; passed through unchanged."),
+                io.Boolean.Input(
+                    "reset_peak",
+                    default=False,
+                    tooltip="After reporting, reset the peak counters, so the next monitor shows the peak since this one.",
+                ),
+                io.Boolean.Input(
+                    "report_every_run",
+                    default=False,
+                    tooltip="Report on every queue instead of replaying ComfyUI's cached report. Nodes fed by this "
+                    "node's value output then run again too (ComfyUI keys its cache on upstream changes), so leave "
+                    "it off where a training node is downstream.",
+                ),
+            ],
+            outputs=[
+                io.MatchType.Output(template=passthrough, id="value", display_name="value"),
+                io.String.Output("report", display_name="report"),
+                io.String.Output("report_json", display_name="report_json"),
+            ],
+        )
+
+    @classmethod
+    def fingerprint_inputs(cls, report_every_run: bool = False, **kwargs):
+        # A new value on every queue: ComfyUI would otherwise replay the first run's report from its cache.
+        return next(_fingerprints) if report_every_run else None
+
+    @classmethod
+    def execute(cls, value, reset_peak: bool = False, report_every_run: bool = False) -> io.NodeOutput:
+        report = memory_report()
+        report["peak_reset"] = reset_peak
+        if reset_peak:
+            memory_stats.reset_peak(comfy.model_management.get_torch_device())
+        text = render_report_text(report)
+        # ui entries are lists: ComfyUI concatenates them across batched calls and stores them in /history.
+        return io.NodeOutput(value, text, json.dumps(report), ui={"text": [text], "headroom_vram": [report]})
+
+
+class HeadroomMemoryReport(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="HeadroomMemoryReport",
+            display_name="Headroom Memory Report",
+            category="Headroom/memory",
+            description=(
+                "Turns a run's per-phase memory record (caching, training, validation, save: peak memory and time "
+                "of each) into text, JSON and a bar chart of the peaks."
+            ),
+            inputs=[
+                io.String.Input(
+                    "record_json",
+                    multiline=True,
+                    tooltip="The per-phase memory record (JSON) of a Headroom training run.",
+                ),
+            ],
+            outputs=[
+                io.String.Output("report", display_name="report"),
+                io.String.Output("report_json", display_name="report_json"),
+                io.Image.Output("chart", display_name="chart"),
+            ],
+        )
+
+    @classmethod
+    def execute(cls, record_json: str) -> io.NodeOutput:
+        if not record_json.strip():
+            raise ValueError(
+                "HeadroomMemoryReport: record_json is empty; connect the record_json output of a Headroom training node"
+            )
+        try:
+            recorder = PhaseRecorder.from_json(record_json)
+        except ValueError as error:
+            raise ValueError(f"HeadroomMemoryReport: {error}") from None
+        text = recorder.render_text()
+        return io.NodeOutput(
+            text,
+            recorder.to_json(),
+            recorder.render_chart(width=320, height=160),
+            ui={"text": [text], "headroom_memory_record": [recorder.as_dict()]},
+        )
+
+
+NODES = [HeadroomVRAMMonitor, HeadroomMemoryReport]

@@ -1,0 +1,282 @@
+"""Memory figures of the training device and of this process, and per-phase peak records.
+
+On CUDA: the driver's total/free (`torch.cuda.mem_get_info`) and torch's caching-allocator
+counters. On anything else no GPU figure is reported at all, only the process's resident set
+(RSS) and its peak, so a CPU run never shows made-up VRAM numbers.
+
+`PhaseRecorder` wraps the phases of a run (caching, training, validation, save) and keeps,
+for each, the peak allocated/reserved bytes (CUDA) and the peak RSS, plus wall time; it
+serialises to JSON for the run directory and renders text and a small bar-chart image.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import resource
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+
+import torch
+
+RECORD_FORMAT = "headroom.memory_record"
+RECORD_VERSION = 1
+
+
+def _as_device(device: torch.device | str | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        # A record read back on a machine without CUDA still names a concrete device.
+        device = torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
+    return device
+
+
+def _proc_status_bytes(field: str) -> int | None:
+    """A `kB` field of /proc/self/status (Linux) in bytes, or None where there is no such file."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def process_rss_bytes() -> int | None:
+    try:
+        import psutil
+    except ImportError:
+        return _proc_status_bytes("VmRSS")
+    return psutil.Process().memory_info().rss
+
+
+def process_peak_rss_bytes() -> int:
+    """Peak RSS since the last `reset_peak` (Linux) or since the process started (elsewhere)."""
+    # VmHWM is the value that /proc/self/clear_refs resets; getrusage is the portable fallback.
+    peak = _proc_status_bytes("VmHWM")
+    if peak is not None:
+        return peak
+    max_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return max_rss if sys.platform == "darwin" else max_rss * 1024  # bytes on macOS, KiB elsewhere
+
+
+def _reset_peak_rss() -> bool:
+    """Reset the kernel's RSS high-water mark; False where the OS cannot (then peaks are per process)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")  # "5" resets only the peak RSS, nothing else (Linux >= 4.0)
+        return True
+    except OSError:
+        return False
+
+
+def reset_peak(device: torch.device | str | None = None) -> bool:
+    """Start new peak counters for `device` (and for the process RSS).
+
+    Returns whether the RSS peak could be reset; when not, RSS peaks count from process start.
+    """
+    device = _as_device(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    return _reset_peak_rss()
+
+
+def device_memory_snapshot(device: torch.device | str | None = None) -> dict:
+    """Memory figures for `device` now; GPU keys appear only for a CUDA device."""
+    device = _as_device(device)
+    snapshot = {
+        "device": str(device),
+        "cuda": device.type == "cuda",
+        "process_rss_bytes": process_rss_bytes(),
+        "process_peak_rss_bytes": process_peak_rss_bytes(),
+    }
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        snapshot.update(
+            name=torch.cuda.get_device_name(device),
+            driver_total_bytes=total,
+            driver_free_bytes=free,
+            allocated_bytes=torch.cuda.memory_allocated(device),
+            reserved_bytes=torch.cuda.memory_reserved(device),
+            max_allocated_bytes=torch.cuda.max_memory_allocated(device),
+            max_reserved_bytes=torch.cuda.max_memory_reserved(device),
+        )
+    return snapshot
+
+
+def format_bytes(value: int | None) -> str:
+    if value is None:
+        return "n/a"
+    if value >= 2**30:
+        return f"{value / 2**30:,.2f} GiB"
+    if value >= 2**20:
+        return f"{value / 2**20:,.1f} MiB"
+    return f"{value / 2**10:,.1f} KiB"
+
+
+# Bar colours of the chart, in phase order; render_text names them so text and chart line up.
+_BAR_COLOURS: list[tuple[str, tuple[float, float, float]]] = [
+    ("blue", (0.27, 0.51, 0.93)),
+    ("orange", (1.00, 0.60, 0.20)),
+    ("green", (0.30, 0.75, 0.35)),
+    ("red", (0.90, 0.30, 0.30)),
+    ("purple", (0.65, 0.45, 0.90)),
+    ("teal", (0.20, 0.75, 0.75)),
+    ("yellow", (0.95, 0.85, 0.25)),
+    ("pink", (0.95, 0.55, 0.75)),
+]
+
+
+class PhaseRecorder:
+    """Per-phase peak memory and wall time of one run.
+
+        recorder = PhaseRecorder(device)
+        with recorder.phase("training"):
+            ...
+        recorder.to_json()
+
+    Each phase resets the peak counters when it starts, so phases do not nest.
+    """
+
+    def __init__(self, device: torch.device | str | None = None, phases: list[dict] | None = None):
+        self.device = _as_device(device)
+        self.phases: list[dict] = list(phases or [])
+        self._open_phase: str | None = None
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        if self._open_phase is not None:
+            raise RuntimeError(
+                f"PhaseRecorder: phase {name!r} started inside phase {self._open_phase!r}; phases reset the "
+                "peak counters and cannot nest, end the first one before starting the next"
+            )
+        self._open_phase = name
+        on_cuda = self.device.type == "cuda"
+        if on_cuda:
+            torch.cuda.synchronize(self.device)  # earlier queued GPU work belongs to the previous phase
+        rss_peak_is_per_phase = reset_peak(self.device)
+        started = time.perf_counter()
+        completed = False
+        try:
+            yield
+            completed = True
+        finally:
+            # Recorded even when the phase raised (an OOM in validation is exactly what to see).
+            if on_cuda and completed:
+                torch.cuda.synchronize(self.device)  # the phase's time includes its queued GPU work
+            seconds = time.perf_counter() - started
+            record = {
+                "phase": name,
+                "seconds": seconds,
+                "completed": completed,
+                "device": str(self.device),
+                "cuda": self.device.type == "cuda",
+                "peak_rss_bytes": process_peak_rss_bytes(),
+                "peak_rss_scope": "phase" if rss_peak_is_per_phase else "process",
+            }
+            if on_cuda:
+                record["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(self.device)
+                record["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(self.device)
+            self.phases.append(record)
+            self._open_phase = None
+
+    def as_dict(self) -> dict:
+        return {"format": RECORD_FORMAT, "version": RECORD_VERSION, "device": str(self.device), "phases": self.phases}
+
+    def to_json(self) -> str:
+        return json.dumps(self.as_dict(), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> PhaseRecorder:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"memory record: not valid JSON ({error}); pass the record_json of a Headroom run") from None
+        if not isinstance(data, dict) or data.get("format") != RECORD_FORMAT:
+            raise ValueError(
+                f"memory record: JSON is not a {RECORD_FORMAT!r} record; pass the record_json of a Headroom run"
+            )
+        if data.get("version") != RECORD_VERSION:
+            raise ValueError(
+                f"memory record: version {data.get('version')!r} is not supported (this Headroom reads {RECORD_VERSION})"
+            )
+        phases = data.get("phases")
+        if not isinstance(phases, list) or not all(isinstance(p, dict) and "phase" in p for p in phases):
+            raise ValueError("memory record: 'phases' must be a list of objects that each name their 'phase'")
+        try:
+            device = _as_device(data.get("device", "cpu"))
+        except (RuntimeError, TypeError):
+            raise ValueError(f"memory record: device {data.get('device')!r} is not a torch device name") from None
+        return cls(device, phases)
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the JSON record atomically (a reader never sees half a file)."""
+        directory = os.path.dirname(os.path.abspath(path))
+        with tempfile.NamedTemporaryFile("w", dir=directory, suffix=".tmp", delete=False) as tmp:
+            try:
+                tmp.write(self.to_json())
+            except BaseException:
+                tmp.close()
+                os.unlink(tmp.name)
+                raise
+        os.replace(tmp.name, path)
+
+    @staticmethod
+    def _bar_value(record: dict) -> int:
+        """The figure a phase's bar shows: peak reserved on CUDA, peak RSS elsewhere."""
+        return record.get("peak_reserved_bytes", record.get("peak_rss_bytes")) or 0
+
+    def render_text(self) -> str:
+        if not self.phases:
+            return "Headroom memory report: no phases recorded."
+        lines = ["Headroom memory report (peak per phase; bar colour in the chart):"]
+        for index, record in enumerate(self.phases):
+            colour = _BAR_COLOURS[index % len(_BAR_COLOURS)][0]
+            status = "" if record.get("completed", True) else "  FAILED"
+            line = f"- {record['phase']} [{colour}]: {record.get('seconds', 0.0):.2f} s"
+            if "peak_reserved_bytes" in record:
+                line += (
+                    f", peak allocated {format_bytes(record['peak_allocated_bytes'])}, "
+                    f"peak reserved {format_bytes(record['peak_reserved_bytes'])} on {record.get('device', 'cuda')}"
+                )
+            else:
+                line += f", no GPU ({record.get('device', 'cpu')})"
+            scope = "" if record.get("peak_rss_scope", "phase") == "phase" else " (since process start)"
+            line += f", peak process RSS {format_bytes(record.get('peak_rss_bytes'))}{scope}{status}"
+            lines.append(line)
+        return "\n".join(lines)
+
+    def render_chart(self, width: int = 256, height: int = 128) -> torch.Tensor:
+        """Bars of each phase's peak (reserved on CUDA, with allocated as a brighter inner bar;
+        RSS elsewhere), scaled to the largest; an IMAGE tensor [1, height, width, 3] in 0..1."""
+        if width < 16 or height < 16:
+            raise ValueError(f"memory chart: {width}x{height} is too small; use at least 16x16 pixels")
+        # Drawn with tensor slicing: bars need no plotting library, and the node stays dependency-free.
+        image = torch.full((height, width, 3), 0.12)
+        margin = 4
+        baseline = height - margin
+        image[baseline, margin : width - margin] = 0.7
+        if not self.phases:
+            return image.unsqueeze(0)
+        values = [self._bar_value(record) for record in self.phases]
+        largest = max(values) or 1
+        slot = (width - 2 * margin) / len(self.phases)
+        usable_height = baseline - margin
+        for index, (record, value) in enumerate(zip(self.phases, values)):
+            colour = torch.tensor(_BAR_COLOURS[index % len(_BAR_COLOURS)][1])
+            left = margin + round(index * slot + slot * 0.15)
+            right = max(left + 1, margin + round((index + 1) * slot - slot * 0.15))
+            top = baseline - round(usable_height * value / largest)
+            image[top:baseline, left:right] = colour * 0.6
+            allocated = record.get("peak_allocated_bytes")
+            if allocated is not None:
+                inner_top = baseline - round(usable_height * allocated / largest)
+                image[inner_top:baseline, left:right] = colour
+            else:
+                image[top:baseline, left:right] = colour
+        return image.unsqueeze(0)
