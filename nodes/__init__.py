@@ -6,9 +6,9 @@ from typing_extensions import override
 
 from comfy_api.latest import ComfyExtension, io
 
-from . import data, monitor, tiny_models
+from . import cache, data, monitor, tiny_models
 
-_NODE_MODULES = [tiny_models, data, monitor]
+_NODE_MODULES = [tiny_models, data, cache, monitor]
 
 
 class HeadroomExtension(ComfyExtension):

@@ -1,0 +1,110 @@
+"""Aspect-ratio buckets: equal-area (width, height) sizes around a target resolution.
+
+Each image goes to the bucket whose aspect ratio is nearest to its own, is resized just enough to
+cover the bucket, then cropped to it (center, or at a seeded random offset) and optionally mirrored.
+A `CropPlan` records every one of those choices, so the cache key can cover them exactly.
+
+Written here rather than taken from a library: diffusers and torchvision have no bucketing, and the
+trainers that do (kohya, SimpleTuner) are applications, not importable libraries.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+CROP_MODES = ("center", "random")
+# Named in the cache key: changing how pixels are resized must invalidate cached latents.
+RESIZE_METHOD = "torch-bicubic-antialias-clamp-v1"
+
+
+def make_buckets(resolution: int, step: int, max_aspect: float = 4.0) -> list[tuple[int, int]]:
+    """(width, height) sizes with both sides multiples of `step`, area at most resolution**2 (the
+    long side as large as the step allows), aspect ratio within 1/max_aspect .. max_aspect."""
+    if step < 8 or step % 8:
+        raise ValueError(f"bucket side step must be a positive multiple of 8, got {step}")
+    if resolution < step or resolution % step:
+        raise ValueError(
+            f"resolution {resolution} must be a multiple of the side step {step} "
+            f"(e.g. {max(step, resolution // step * step)})"
+        )
+    area = resolution * resolution
+    buckets = set()
+    # Walk the short side up to the square; the long side is the largest step multiple that keeps
+    # the area within budget. Mirroring each size makes portrait and landscape buckets match.
+    short = step
+    while short * short <= area:
+        long = area // short // step * step
+        if long / short <= max_aspect:
+            buckets.update({(short, long), (long, short)})
+        short += step
+    return sorted(buckets)
+
+
+def nearest_bucket(width: int, height: int, buckets: list[tuple[int, int]]) -> tuple[int, int]:
+    """The bucket whose aspect ratio is nearest (in log space, so 2:1 and 1:2 are equally far from 1:1)."""
+    aspect = math.log(width / height)
+    return min(buckets, key=lambda b: (abs(math.log(b[0] / b[1]) - aspect), -b[0] * b[1]))
+
+
+@dataclass(frozen=True)
+class CropPlan:
+    """How one image becomes one bucket-sized training sample."""
+
+    bucket: tuple[int, int]  # (width, height) of the result
+    resized: tuple[int, int]  # (width, height) after resizing, before cropping
+    offset: tuple[int, int]  # (x, y) of the crop's top-left corner in the resized image
+    flip: bool  # mirrored left-right after cropping
+
+    def key_params(self) -> dict:
+        return {
+            "bucket": list(self.bucket),
+            "resized": list(self.resized),
+            "offset": list(self.offset),
+            "flip": self.flip,
+            "resize_method": RESIZE_METHOD,
+        }
+
+
+def plan_crop(
+    image_size: tuple[int, int], bucket: tuple[int, int], crop: str, seed: int, item_id: str, flip: bool
+) -> CropPlan:
+    """Plan resize + crop of an image of `image_size` (width, height) into `bucket`.
+
+    A random crop draws its offset from (seed, item_id): the same item gets the same crop on every
+    run, whatever its position in the dataset, so cached entries stay valid.
+    """
+    if crop not in CROP_MODES:
+        raise ValueError(f"crop must be one of {CROP_MODES}, got {crop!r}")
+    width, height = image_size
+    bucket_w, bucket_h = bucket
+    scale = max(bucket_w / width, bucket_h / height)  # cover the bucket; crop the overhang
+    resized = (max(bucket_w, round(width * scale)), max(bucket_h, round(height * scale)))
+    spare_x, spare_y = resized[0] - bucket_w, resized[1] - bucket_h
+    if crop == "center":
+        offset = (spare_x // 2, spare_y // 2)
+    else:
+        digest = hashlib.sha256(f"{seed}:{item_id}".encode()).digest()
+        rng = random.Random(int.from_bytes(digest[:8], "big"))
+        offset = (rng.randint(0, spare_x), rng.randint(0, spare_y))
+    return CropPlan(bucket=bucket, resized=resized, offset=offset, flip=flip)
+
+
+def apply_crop(pixels: torch.Tensor, plan: CropPlan) -> torch.Tensor:
+    """pixels [H, W, 3] float 0..1 -> [bucket_h, bucket_w, 3] float32 0..1, as the plan says."""
+    if pixels.ndim != 3 or pixels.shape[-1] != 3:
+        raise ValueError(f"expected pixels [H, W, 3], got shape {tuple(pixels.shape)}")
+    image = pixels.to(torch.float32).movedim(-1, 0).unsqueeze(0)  # [1, 3, H, W] for interpolate
+    if (image.shape[-1], image.shape[-2]) != plan.resized:
+        image = F.interpolate(
+            image, size=(plan.resized[1], plan.resized[0]), mode="bicubic", antialias=True, align_corners=False
+        ).clamp_(0.0, 1.0)  # bicubic overshoots at edges
+    x, y = plan.offset
+    image = image[:, :, y : y + plan.bucket[1], x : x + plan.bucket[0]]
+    if plan.flip:
+        image = image.flip(-1)
+    return image[0].movedim(0, -1).contiguous()
