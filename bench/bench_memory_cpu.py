@@ -1,0 +1,211 @@
+"""Benchmark: CPU step time of each offload-policy option against the plain run, on the tiny models.
+
+Trains a rank-4 LoRA on each built-in tiny model (real ComfyUI SD1.5 / SD3 / Flux classes, random weights)
+with the engine's Trainer through the ComfyUI bridge, per option (options interleaved over rounds), and
+reports the median CPU time per step of this process (both threads; what the step costs, little
+disturbed by other load on a shared machine), the best wall time, and their ratios to the plain run (resident base, no checkpointing, optimizer on the device). On a CPU
+the memory options have nothing to move, so the ratios show what each option costs in compute and
+bookkeeping: recomputation (checkpointing), the hook and copy machinery (streaming exercised with
+CPU->CPU copies), the host optimizer's copies, on-the-fly dequantisation (low-bit storage), and the
+time to park and restore optimizer state around one validation.
+
+    OMP_NUM_THREADS=1 python bench/bench_memory_cpu.py [--rounds 3] [--steps 3] [--families sd15,sd3,flux]
+
+Needs a ComfyUI checkout (found like the tests do: $COMFYUI_PATH or ~/comfy/ComfyUI). Prints a Markdown
+table to paste into docs/BENCHMARKS.md. ComfyUI's native TrainLoraNode comparison is in the LoRA
+training bench, not here.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def _import(name: str, path: Path, package: bool = False):
+    spec = importlib.util.spec_from_file_location(name, path, submodule_search_locations=[str(path.parent)] if package else None)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def setup():
+    """The package as `headroom` (the repo root is never put on sys.path) and ComfyUI in-process on the CPU."""
+    _import("headroom", REPO_ROOT / "__init__.py", package=True)
+    harness = _import("comfy_harness", REPO_ROOT / "tests" / "comfy_harness.py")
+    harness.import_comfyui_in_process()
+
+
+class MemoryLatentCache:
+    def __init__(self, latents, keys, bucket):
+        self._latents, self._keys = latents, keys
+        self.buckets = {bucket: list(range(len(latents)))}
+        self.latent_channels, self.fingerprint = latents[0].shape[0], "bench"
+
+    def __len__(self):
+        return len(self._latents)
+
+    def latent(self, i):
+        return self._latents[i]
+
+    def text_key(self, i):
+        return self._keys[i]
+
+    def control(self, i):
+        return None
+
+
+class MemoryTextCache:
+    def __init__(self, conds, empty):
+        self._conds, self._empty, self.fingerprint = conds, empty, "bench"
+
+    def conditioning(self, key):
+        return self._conds[key]
+
+    def empty_conditioning(self):
+        return self._empty
+
+
+def session_for(family, run_root, storage=None, latent_side=16):
+    from headroom.nodes.comfy_bridge import SessionConfig, TrainingSession, expected_cond_dims, model_family
+    from headroom.nodes.memory import training_blocks
+    from headroom.nodes.tiny_models import build_tiny_models
+    from headroom.training.adapters import AdapterConfig
+    from headroom.training.lowbit import LowBitBase
+    from headroom.training.optimizers import OptimizerConfig
+    from headroom.training.trainer import TrainConfig
+
+    model, _, _ = build_tiny_models(family)
+    base = None
+    if storage is not None:
+        blocks = [name for name, _ in training_blocks(model.model.diffusion_model)]
+        base = LowBitBase(model.model.diffusion_model, storage, "cpu", prefixes=blocks)
+    g = torch.Generator().manual_seed(0)
+    channels = model.model.latent_format.latent_channels
+    latents = [torch.randn(channels, latent_side, latent_side, generator=g) for _ in range(4)]
+    dims = expected_cond_dims(model.model)
+
+    def cond():
+        return {n: torch.randn(*((16, w) if n == "cross_attn" else (w,)), generator=g) for n, w in dims.items()}
+
+    conds = {f"k{i}": cond() for i in range(4)}
+    config = SessionConfig(family=model_family(model.model), adapter=AdapterConfig(rank=4, alpha=4),
+                           optimizer=OptimizerConfig(lr=1e-4), train=TrainConfig(batch_size=2, seed=1), holdout=0)
+    caches = (MemoryLatentCache(latents, list(conds), (latent_side * 8, latent_side * 8)), MemoryTextCache(conds, cond()))
+    return TrainingSession(model, *caches, config, run_root, f"{family}-{storage}"), base
+
+
+@contextlib.contextmanager
+def prepared(family, option, run_root):
+    """A training session set up for `option`, inside which `step()` runs one timed training step."""
+    import comfy.model_management
+
+    from headroom.nodes.memory import training_blocks
+    from headroom.training.optimizer_parking import HostOptimizer
+    from headroom.training.optimizers import create_optimizer, create_scheduler
+    from headroom.training.policy import OffloadPolicy, memory_features
+
+    storage = option if option in ("fp8", "int8", "nf4") else None
+    session, base = session_for(family, run_root, storage)
+    trainer = session.trainer
+    blocks = [m for _, m in training_blocks(session.patcher.model.diffusion_model)]
+    policy = {"checkpointing": OffloadPolicy(checkpointing="blocks"),
+              "checkpointing + CPU offload": OffloadPolicy(checkpointing="blocks_cpu_offload"),
+              "streamed (exercised) + checkpointing": OffloadPolicy(base_placement="streamed", checkpointing="blocks"),
+              }.get(option, OffloadPolicy())
+    if option == "optimizer state on host":
+        config = session.config.optimizer
+        trainer.optimizer = HostOptimizer(trainer.params, lambda host: create_optimizer(host, config, device="cpu"))
+        trainer.scheduler = create_scheduler(trainer.optimizer, config)
+
+    def step() -> tuple[float, float]:
+        """(wall seconds, CPU seconds of this process) of one training step."""
+        wall, cpu = time.perf_counter(), time.process_time()
+        trainer.train_step()
+        return time.perf_counter() - wall, time.process_time() - cpu
+
+    comfy.model_management.in_training = True
+    try:
+        with session.attached(), torch.inference_mode(False):
+            trainer.trainable.train(True)
+            with memory_features(policy, blocks, session.denoiser.device, exercise_on_cpu=True,
+                                 inplace_inputs=session.denoiser.inplace_blocks):
+                step()  # warm-up: allocator, ComfyUI's lazy set-up
+                yield step, trainer
+    finally:
+        comfy.model_management.in_training = False
+        session.release()
+        if base is not None:
+            base.detach()
+
+
+def park_milliseconds(family, run_root) -> float:
+    from headroom.training.optimizer_parking import parked
+
+    with prepared(family, "plain", run_root) as (step, trainer):
+        step()
+        started = time.perf_counter()
+        for _ in range(20):
+            with parked(trainer.optimizer, trainer.params, exercise_on_cpu=True):
+                pass
+        return (time.perf_counter() - started) / 20 * 1000
+
+
+OPTIONS = ["plain", "checkpointing", "checkpointing + CPU offload", "streamed (exercised) + checkpointing",
+           "optimizer state on host", "fp8", "int8", "nf4"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=3, help="rounds over all options (interleaved)")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per option and round")
+    parser.add_argument("--families", default="sd15,sd3,flux")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="intra-op threads; 1 by default: on a loaded 2-core VM two OpenMP threads spin-wait "
+                        "for each other and single steps took 60x longer at random (measured)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.set_flush_denormal(True)  # as the trainer does on a CPU: denormal moments are ~100x slower on x86
+    setup()
+    print(f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads; "
+          f"torch {torch.__version__}; python {platform.python_version()}")
+    print()
+    print("| model | option | CPU s/step | vs plain (CPU time) | wall s/step (best) | vs plain (wall) |")
+    print("|---|---|---|---|---|---|")
+    notes = []
+    with tempfile.TemporaryDirectory() as run_root:
+        for family in args.families.split(","):
+            # Options interleaved over rounds and the best step kept: on a shared machine the minimum is
+            # the figure least disturbed by other load.
+            wall, cpu = {}, {}
+            for _ in range(args.rounds):
+                for option in OPTIONS:
+                    with prepared(family, option, Path(run_root)) as (step, _trainer):
+                        times = [step() for _ in range(args.steps)]
+                    wall[option] = min(wall.get(option, float("inf")), *(w for w, _ in times))
+                    cpu.setdefault(option, []).extend(c for _, c in times)
+            cpu = {option: statistics.median(values) for option, values in cpu.items()}
+            for option in OPTIONS:
+                label = option if option not in ("fp8", "int8", "nf4") else f"low-bit base: {option}"
+                print(f"| tiny {family} | {label} | {cpu[option]:.3f} | {cpu[option] / cpu['plain']:.2f}x | "
+                      f"{wall[option]:.3f} | {wall[option] / wall['plain']:.2f}x |", flush=True)
+            notes.append(f"tiny {family}: park + restore optimizer state and gradients: "
+                         f"{park_milliseconds(family, Path(run_root)):.2f} ms")
+    print()
+    for note in notes:
+        print(note)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,404 @@
+"""The bridge between the engine (training/) and ComfyUI's model objects.
+
+- `ComfyDenoiser` implements the engine's Denoiser protocol over a ModelPatcher: cached conditioning
+  goes through the model's own `extra_conds` / `process_cond` / `cond_cat` (what the samplers do), then
+  `BaseModel.apply_model`, which returns the x0 estimate in ComfyUI's own parametrisation.
+- `sampling_descriptor` reads `model_sampling` (eps / v / flow, sigma table, SD3 or Flux shift).
+- Adapters go onto a *clone* of the MODEL through ModelPatcher injections: ComfyUI attaches them when it
+  loads the clone and takes them off when it unloads it (or loads another clone of the same weights),
+  so the module other nodes share never keeps an adapter and its weights are never written.
+- `TrainingSession` is the TRAINING_RUN value: clone + adapters + trainer + run directory.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import math
+import pathlib
+import sys
+import time
+
+import torch
+from peft.tuners.tuners_utils import BaseTunerLayer
+
+import comfy.lora
+import comfy.model_base
+import comfy.model_management
+import comfy.model_sampling
+import comfy.patcher_extension
+import comfy.samplers
+import comfy.utils
+
+from ..training.adapters import AdapterConfig, AdapterSet, select_targets
+from ..training.memory_stats import process_rss_bytes
+from ..training.cache_store import fingerprint_state_dict, fingerprint_value
+from ..training.objective import SamplingDescriptor
+from ..training.optimizers import OptimizerConfig
+from ..training.run_dir import RunDir
+from ..training.trainer import StepReport, TrainConfig, Trainer
+
+INJECTION_KEY = "headroom_adapter"
+STEP_EVENT = "headroom.train.step"  # read by js/headroom_live.js and workflows/headroom_run.py
+VALIDATE_EVENT = "headroom.validate"
+
+
+# --- what kind of model is this -------------------------------------------------------------------------
+def model_family(model: comfy.model_base.BaseModel) -> str | None:
+    """The LoRA target preset family of a ComfyUI model, or None when there is no preset for it."""
+    if isinstance(model, comfy.model_base.Flux) and not isinstance(model, comfy.model_base.Flux2):
+        return "flux"
+    if isinstance(model, comfy.model_base.SD3):
+        return "sd3"
+    if isinstance(model, (comfy.model_base.SDXL, comfy.model_base.SDXLRefiner)):
+        return "sdxl"
+    if type(model) is comfy.model_base.BaseModel and type(model.diffusion_model).__name__ == "UNetModel":
+        return "sd15"  # SD1.x / SD2.x UNets are plain BaseModels
+    return None
+
+
+def sampling_descriptor(model_sampling) -> SamplingDescriptor:
+    """The engine's view of a ComfyUI `model_sampling` object."""
+    if isinstance(model_sampling, comfy.model_sampling.CONST):
+        if isinstance(model_sampling, comfy.model_sampling.ModelSamplingFlux):
+            # Flux: sigma = e^mu / (e^mu + 1/t - 1) == SD3's shift form with shift = e^mu.
+            return SamplingDescriptor("flow", flow_shift=math.exp(float(model_sampling.shift)))
+        if isinstance(model_sampling, comfy.model_sampling.ModelSamplingDiscreteFlow):
+            return SamplingDescriptor("flow", flow_shift=float(model_sampling.shift))
+    elif isinstance(model_sampling, comfy.model_sampling.ModelSamplingDiscrete) and not isinstance(
+            model_sampling, comfy.model_sampling.ModelSamplingDiscreteEDM):
+        sigmas = model_sampling.sigmas.detach().float().cpu().clone()
+        if isinstance(model_sampling, comfy.model_sampling.V_PREDICTION):
+            return SamplingDescriptor("v", sigmas=sigmas)
+        if isinstance(model_sampling, comfy.model_sampling.EPS) and not isinstance(model_sampling, comfy.model_sampling.X0):
+            return SamplingDescriptor("eps", sigmas=sigmas)
+    raise ValueError(
+        f"model sampling {type(model_sampling).__mro__[1].__name__}+{type(model_sampling).__mro__[2].__name__} is not "
+        "supported for training (supported: discrete eps / v-prediction, and flow models such as SD3 and Flux)"
+    )
+
+
+def expected_cond_dims(model: comfy.model_base.BaseModel) -> dict[str, int]:
+    """Widths the model expects of cached conditioning: cross_attn [.., D] and pooled_output [D]."""
+    config = model.model_config.unet_config
+    dims = {}
+    context = config.get("context_dim") or config.get("context_in_dim")
+    if context is None and isinstance(config.get("context_embedder_config"), dict):
+        context = config["context_embedder_config"].get("params", {}).get("in_features")
+    if context:
+        dims["cross_attn"] = int(context)
+    pooled = config.get("adm_in_channels") or config.get("vec_in_dim")
+    if pooled and isinstance(model, (comfy.model_base.SD3, comfy.model_base.Flux)):
+        dims["pooled_output"] = int(pooled)
+    return dims
+
+
+def check_caches(model: comfy.model_base.BaseModel, latent_cache, text_cache) -> None:
+    """Wrong cache for this model -> a clear error, before any GPU work."""
+    channels = model.latent_format.latent_channels
+    if len(latent_cache) == 0:
+        raise ValueError("HeadroomTrainLoraInit: the LATENT_CACHE holds no items")
+    if int(latent_cache.latent_channels) != channels:
+        raise ValueError(
+            f"HeadroomTrainLoraInit: the LATENT_CACHE has {latent_cache.latent_channels}-channel latents but this "
+            f"model denoises {channels}-channel latents: cache the images with this model's VAE"
+        )
+    sample = text_cache.conditioning(latent_cache.text_key(0))
+    for name, width in expected_cond_dims(model).items():
+        if name not in sample:
+            raise ValueError(f"HeadroomTrainLoraInit: the TEXT_CACHE has no '{name}' but this model needs it: "
+                             "cache the captions with this model's text encoder (CLIP)")
+        if int(sample[name].shape[-1]) != width:
+            raise ValueError(
+                f"HeadroomTrainLoraInit: the TEXT_CACHE '{name}' is {sample[name].shape[-1]} wide but this model "
+                f"expects {width}: cache the captions with this model's text encoder (CLIP)"
+            )
+
+
+def model_blocks(diffusion_model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The repeated blocks: the elements of the model's top-level ModuleLists, plus a UNet's middle block."""
+    blocks = []
+    for name, child in diffusion_model.named_children():
+        if isinstance(child, torch.nn.ModuleList):
+            blocks += [(f"{name}.{i}", block) for i, block in enumerate(child)]
+        elif name == "middle_block":
+            blocks.append((name, child))
+    return blocks
+
+
+def replace_inference_tensors(module: torch.nn.Module) -> None:
+    """Give weights made under inference mode (ComfyUI's loaders run there) normal storage, same values.
+
+    Autograd cannot save inference tensors for backward, and a frozen Linear's weight is saved to get the
+    gradient of its input. On a GPU the load copies weights anyway (made normal by loading outside
+    inference mode); on the CPU they are the loader's tensors, so they are cloned once here, the way
+    ComfyUI's own weight patching swaps parameters (comfy.utils.set_attr_param).
+    """
+    with torch.inference_mode(False):
+        for name, param in list(module.named_parameters()):
+            if param.is_inference():
+                comfy.utils.set_attr_param(module, name, param.detach().clone())
+        for name, buffer in list(module.named_buffers()):
+            if buffer.is_inference():
+                comfy.utils.set_attr(module, name, buffer.clone())
+
+
+def data_fingerprint(latent_cache) -> str:
+    """Which items a run trains on: their captions and bucket sizes, in order (cache fingerprints name the encoders)."""
+    bucket_of = {i: list(bucket) for bucket, indices in latent_cache.buckets.items() for i in indices}
+    items = [[latent_cache.text_key(i), bucket_of[i]] for i in range(len(latent_cache))]
+    return hashlib.sha256(json.dumps(items).encode()).hexdigest()
+
+
+def base_fingerprint(patcher) -> str:
+    """The frozen weights a MODEL trains with: its unpatched weights plus its own weight patches (LoRAs loaded
+    before training). While another clone is loaded its patches are merged into the shared module; ComfyUI's
+    backups (shared by all clones) then hold the unpatched values."""
+    state = dict(patcher.model.diffusion_model.state_dict())
+    for key, backup in patcher.backup.items():
+        if key.startswith("diffusion_model."):
+            state[key[len("diffusion_model."):]] = backup.weight
+    combined = fingerprint_state_dict(state) + fingerprint_value(patcher.patches)
+    return hashlib.sha256(combined.encode()).hexdigest()
+
+
+# --- the denoiser -----------------------------------------------------------------------------------------
+class ComfyDenoiser:
+    """The engine's Denoiser over a ComfyUI ModelPatcher (the training clone)."""
+
+    def __init__(self, patcher):
+        self.patcher = patcher
+        self.model: comfy.model_base.BaseModel = patcher.model
+        self.sampling = sampling_descriptor(self.model.model_sampling)
+        self.device = torch.device(patcher.load_device)
+        # ComfyUI's Flux blocks add into their inputs in place (`img += ...`): see training/checkpointing.py.
+        self.inplace_blocks = isinstance(self.model, comfy.model_base.Flux)
+
+    def to_model_latent(self, latents: torch.Tensor) -> torch.Tensor:
+        return self.model.process_latent_in(latents)
+
+    def _model_conds(self, x_t: torch.Tensor, conds) -> dict:
+        per_item = []
+        for i, cond in enumerate(conds):
+            params = {name: value.unsqueeze(0).to(self.device) for name, value in cond.items() if torch.is_tensor(value)}
+            cross_attn = params.pop("cross_attn")
+            noise = x_t[i:i + 1]
+            params.update(cross_attn=cross_attn, device=self.device, noise=noise, width=noise.shape[-1] * 8,
+                          height=noise.shape[-2] * 8, prompt_type="positive")
+            model_conds = self.model.extra_conds(**params)
+            per_item.append({k: v.process_cond(batch_size=1, area=None) for k, v in model_conds.items()})
+        return comfy.samplers.cond_cat(per_item)
+
+    def predict(self, x_t: torch.Tensor, sigma: torch.Tensor, conds) -> torch.Tensor:
+        return self.model.apply_model(x_t, sigma, transformer_options={}, **self._model_conds(x_t, conds))
+
+    def blocks(self) -> list[tuple[str, torch.nn.Module]]:
+        return model_blocks(self.model.diffusion_model)
+
+
+# --- adapters on a clone ----------------------------------------------------------------------------------
+def attach_with_injection(patcher, adapters: AdapterSet) -> None:
+    """Make ComfyUI attach `adapters` whenever it loads `patcher` (a clone), and detach on unload."""
+
+    def inject(mp):
+        root = mp.model.diffusion_model
+        # The load device, where ComfyUI computes (weights of a partially loaded model are cast there too).
+        adapters.to(mp.load_device)
+        if adapters.attached_to is not root:
+            adapters.detach()
+            adapters.attach(root)
+
+    def eject(mp):
+        adapters.detach()
+
+    patcher.set_injections(INJECTION_KEY, [comfy.patcher_extension.PatcherInjection(inject=inject, eject=eject)])
+
+
+def comfy_patches(patcher, adapters: AdapterSet) -> dict:
+    """The adapter as ComfyUI weight patches, through the stock LoRA loading path."""
+    key_map = comfy.lora.model_lora_keys_unet(patcher.model, {})
+    return comfy.lora.load_lora(adapters.comfy_state_dict(), key_map, log_missing=True)
+
+
+# --- progress and events ----------------------------------------------------------------------------------
+def send_event(event: str, data: dict) -> None:
+    """A websocket event when a ComfyUI server is running in this process (nothing otherwise)."""
+    server = sys.modules.get("server")
+    instance = getattr(getattr(server, "PromptServer", None), "instance", None)
+    if instance is not None:
+        instance.send_sync(event, data)
+
+
+def memory_figures(device: torch.device) -> dict:
+    """Device memory (CUDA only: no made-up VRAM figures on a CPU) and the process's resident set."""
+    figures = {"allocated": None, "reserved": None, "peak": None, "rss": process_rss_bytes()}
+    if device.type == "cuda":
+        figures.update(allocated=torch.cuda.memory_allocated(device), reserved=torch.cuda.memory_reserved(device),
+                       peak=torch.cuda.max_memory_allocated(device))
+    return figures
+
+
+# --- the TRAINING_RUN value -------------------------------------------------------------------------------
+@dataclasses.dataclass
+class SessionConfig:
+    family: str | None
+    adapter: AdapterConfig
+    optimizer: OptimizerConfig
+    train: TrainConfig
+    holdout: int  # last N cached items held out for the validation loss (0: validate on the training items)
+
+    def to_json(self) -> dict:
+        return json.loads(json.dumps(dataclasses.asdict(self)))
+
+
+class TrainingSession:
+    """Everything of one training run inside ComfyUI: the TRAINING_RUN value nodes pass along."""
+
+    def __init__(self, model, latent_cache, text_cache, config: SessionConfig, run_root: pathlib.Path, run_name: str,
+                 policy=None):
+        self.source_model = model
+        self.latent_cache, self.text_cache = latent_cache, text_cache
+        self.config = config
+        self.policy = policy
+        self.run_dir = RunDir(run_root, run_name)
+        self.fingerprint = base_fingerprint(model)
+        stored = {
+            "session": config.to_json(), "base_fingerprint": self.fingerprint,
+            "latent_cache": getattr(latent_cache, "fingerprint", None), "text_cache": getattr(text_cache, "fingerprint", None),
+            "data": data_fingerprint(latent_cache),
+        }
+        self.run_dir.check_compatible(stored)
+        count = len(latent_cache)
+        if config.holdout >= count:
+            raise ValueError(f"holdout={config.holdout} leaves no training items of the {count} cached")
+        self.train_items = list(range(count - config.holdout))
+        self.validation_items = list(range(count - config.holdout, count)) if config.holdout else list(self.train_items)
+
+        if any(isinstance(m, BaseTunerLayer) for m in model.model.diffusion_model.modules()):
+            # A previous run's clone is loaded with its adapter attached to this shared module: unload it.
+            comfy.model_management.unload_model_and_clones(model)
+        with torch.inference_mode(False):
+            self.patcher = model.clone()
+            diffusion_model = self.patcher.model.diffusion_model
+            paths = select_targets(diffusion_model, config.family, config.adapter, [n for n, _ in model_blocks(diffusion_model)])
+            self.adapters = AdapterSet(diffusion_model, paths, config.adapter)
+            # Small: lives on the compute device from the start, so resumed optimizer state lands there too.
+            self.adapters.to(self.patcher.load_device)
+            attach_with_injection(self.patcher, self.adapters)
+            self.denoiser = ComfyDenoiser(self.patcher)
+            train = config.train
+            if self.denoiser.inplace_blocks and train.gradient_checkpointing and train.checkpoint_depth > 1:
+                raise ValueError(f"checkpoint_depth={train.checkpoint_depth}: this model's blocks update their inputs "
+                                 "in place, so gradient checkpointing works on whole blocks only: use depth 1")
+            self.trainer = Trainer(self.denoiser, self.adapters, latent_cache, text_cache, config.train, config.optimizer,
+                                   train_items=self.train_items, run_dir=self.run_dir)
+            self.resumed = self.trainer.resume()
+        if not self.run_dir.exists():
+            self.run_dir.write_config(stored)
+
+    @property
+    def step(self) -> int:
+        return self.trainer.step
+
+    @contextlib.contextmanager
+    def attached(self):
+        """The training clone loaded through ComfyUI's model management, with the adapters attached.
+
+        Outside this block the adapters are ejected again, even though the clone may stay loaded: the
+        module tree other nodes share (stock LoraLoader, KSampler on the MODEL) is then exactly ComfyUI's.
+        """
+        adapter_bytes = sum(p.numel() * 4 for p in self.adapters.parameters()) * 4  # weights, grads, 2 moments
+        with torch.inference_mode(False):  # weights copied to the device here are then usable by autograd
+            comfy.model_management.load_models_gpu([self.patcher], memory_required=adapter_bytes, force_full_load=True)
+            replace_inference_tensors(self.patcher.model.diffusion_model)
+        self.patcher.inject_model()  # a no-op when the load just injected; needed when the clone stayed loaded
+        if self.adapters.attached_to is not self.patcher.model.diffusion_model:
+            raise RuntimeError("HeadroomTrainLora: ComfyUI did not attach the adapter to the loaded model")
+        try:
+            yield
+        finally:
+            self.patcher.eject_model()
+
+    def release(self) -> None:
+        """Unload the training clone and give cached device memory back (after a cancel or an error)."""
+        self.patcher.eject_model()
+        comfy.model_management.unload_model_and_clones(self.patcher)
+        comfy.model_management.soft_empty_cache()
+
+    def train_to(self, target_step: int, node_id: str | None = None) -> None:
+        """Train to `target_step`, with a progress bar, step events and cancel (checkpoint, free, re-raise)."""
+        if target_step <= self.step:
+            return
+        start_step = self.step
+        progress = comfy.utils.ProgressBar(target_step - start_step, node_id=node_id)
+        started = time.perf_counter()
+        device = self.denoiser.device
+
+        def after_step(report: StepReport) -> None:
+            per_step = (time.perf_counter() - started) / (report.step - start_step)
+            progress.update_absolute(report.step - start_step)
+            send_event(STEP_EVENT, {
+                "node": node_id, "run": self.run_dir.name, "step": report.step, "total_steps": target_step,
+                "loss": report.loss,
+                "lr": report.lr, "s_per_step": per_step, "eta_s": per_step * (target_step - report.step),
+                **memory_figures(device),
+            })
+            comfy.model_management.throw_exception_if_processing_interrupted()
+
+        try:
+            with self.attached():
+                comfy.model_management.in_training = True
+                try:
+                    self.trainer.train_to(target_step, after_step=after_step)
+                finally:
+                    comfy.model_management.in_training = False
+        except BaseException:
+            # Cancel (InterruptProcessingException), out of memory, non-finite loss...: keep the last
+            # completed step on disk and give the device memory back before the node exits.
+            if self.trainer.saved_step != self.step and self.trainer.params_finite():
+                self.trainer.save()
+            self.release()
+            raise
+        self.trainer.save()
+
+    def loss_on(self, items, times: int = 4, seed: int = 0) -> float:
+        """The deterministic loss (fixed noise levels and noise) on cached items, with the current adapter."""
+        with self.attached():
+            return self.trainer.validation_loss(items, times=times, seed=seed)
+
+    def validation_loss(self, times: int = 4, seed: int = 0) -> float:
+        """The deterministic validation loss on the validation items, recorded in the run's history (and saved
+        with the checkpoint of this step, so a resumed run has it too)."""
+        value = self.loss_on(self.validation_items, times=times, seed=seed)
+        self.trainer.record_validation(value)
+        self.trainer.save()
+        return value
+
+    def history(self, total_steps: int | None = None) -> dict:
+        """The run's curves, as the training nodes' `headroom_history` UI output (the live view redraws from it)."""
+        losses, validations = self.trainer.loss_history, self.trainer.validation_history
+        return {
+            "run": self.run_dir.name, "total_steps": total_steps if total_steps is not None else self.step,
+            "steps": [int(s) for s, _ in losses], "loss": [float(v) for _, v in losses],
+            "val_steps": [int(s) for s, _ in validations], "val_loss": [float(v) for _, v in validations],
+        }
+
+    def patched_model(self, model=None, strength: float = 1.0):
+        """A clone of `model` (default: the MODEL the run trains) with the current adapter as weight patches."""
+        model = model if model is not None else self.source_model
+        clone = model.clone()
+        clone.add_patches(comfy_patches(clone, self.adapters), strength)
+        return clone
+
+    def lora_metadata(self) -> dict[str, str]:
+        return {
+            "headroom.format": "comfyui-lora", "headroom.base_fingerprint": self.fingerprint,
+            "headroom.family": str(self.config.family), "headroom.kind": self.config.adapter.kind,
+            "headroom.rank": str(self.config.adapter.rank), "headroom.alpha": str(self.config.adapter.alpha),
+            "headroom.steps": str(self.step), "headroom.run": self.run_dir.name,
+            "headroom.config": json.dumps(self.config.to_json(), sort_keys=True),
+        }
+
+    def __repr__(self) -> str:
+        return f"TrainingRun({self.run_dir.name}, step {self.step}, {self.config.adapter.kind} r{self.config.adapter.rank})"

@@ -1,0 +1,284 @@
+"""Offload policy and memory plan nodes, and the ComfyUI side of describing a MODEL for the planner.
+
+- HeadroomOffloadPolicy -> OFFLOAD_POLICY (training/policy.py), consumed by the caching, training and
+  validation nodes. A budget of 0 means "auto": what ComfyUI can make free on its device (free memory plus
+  what its loaded models occupy, since loading a model unloads others) minus the reserve, resolved when the
+  policy is used.
+- HeadroomMemoryPlan: MODEL (+ optional CLIP / VAE) + what is trained + batch + bucket + policy -> the
+  planner's per-phase estimate (text, JSON) and the policy to use ("estimate": the given one; "auto": the
+  fastest that fits). The model is described from its own modules and code: blocks and their weight
+  bytes from `diffusion_model` (the same blocks the trainer checkpoints and streams), activations measured
+  by running it at small calibration sizes (training/planner.py), ComfyUI's own `memory_required` for the
+  sampling working set and the VAE's `memory_used_encode/decode` for caching and decoding.
+"""
+from __future__ import annotations
+
+import torch
+
+import comfy.model_management
+from comfy_api.latest import io, ui
+
+from ..training import planner
+from ..training.adapters import TARGET_MODES, AdapterConfig, AdapterSet, select_targets
+from ..training.optimizers import OPTIMIZERS
+from ..training.policy import (CHECKPOINTING, GIB, OPTIMIZER_STATES, PLACEMENTS, STORAGES, VAE_TILED, ENCODERS,
+                               OffloadPolicy, PolicyError)
+from ..training.trainer import PRECISIONS
+from .comfy_bridge import ComfyDenoiser, expected_cond_dims, model_blocks, model_family, replace_inference_tensors
+
+OffloadPolicyType = io.Custom("OFFLOAD_POLICY")
+CATEGORY = "Headroom/memory"
+MODES = ("estimate", "auto")
+# Calibration forwards (latent height, width, text tokens): three areas, two text lengths, so that attention
+# maps (quadratic in the area, or area x text) are fitted too. Multiples of 8 latent px: every UNet level divides.
+CALIBRATION = ((16, 16, 8), (16, 32, 8), (32, 32, 8), (16, 16, 16), (16, 32, 16))
+DEFAULT_TEXT_TOKENS = {"sd15": 77, "sdxl": 77, "sd3": 154, "flux": 256}
+
+
+# --- budget -----------------------------------------------------------------------------------------------
+def available_device_bytes(device: torch.device | None = None) -> int:
+    """What ComfyUI can make free on `device`: free memory plus what loaded models occupy there."""
+    device = device or comfy.model_management.get_torch_device()
+    loaded = sum(m.model_loaded_memory() for m in comfy.model_management.current_loaded_models
+                 if m.model is not None and m.device == device)
+    return int(comfy.model_management.get_free_memory(device) + loaded)
+
+
+def budget_bytes(policy: OffloadPolicy, device: torch.device | None = None) -> int:
+    """The policy's budget in bytes on ComfyUI's device ("auto": available minus the reserve)."""
+    return policy.budget_bytes(available_device_bytes(device) if policy.budget_is_auto else None)
+
+
+# --- describing a ComfyUI MODEL ------------------------------------------------------------------------------
+def training_blocks(diffusion_model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The repeated blocks as the model actually *calls* them: `model_blocks`, with sequential containers
+    replaced by their layers. ComfyUI's UNet runs a TimestepEmbedSequential through
+    `forward_timestep_embed(block, ...)`, which calls each layer but never the block itself, so hooks or
+    wrappers on the block would never run; on its layers they do."""
+    blocks = []
+    for name, block in model_blocks(diffusion_model):
+        if isinstance(block, torch.nn.Sequential):
+            blocks += [(f"{name}.{child_name}", child) for child_name, child in block.named_children()]
+        else:
+            blocks.append((name, block))
+    return blocks
+
+
+def calibration_cond(model, text_tokens: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """Zero conditioning of the widths the model expects (what the text cache would hold)."""
+    dims = expected_cond_dims(model)
+    if model_family(model) == "sdxl":
+        dims.setdefault("pooled_output", 1280)  # CLIP-G's pooled output; the size embeddings come from extra_conds
+    cond = {"cross_attn": torch.zeros(text_tokens, dims.get("cross_attn", 768), device=device)}
+    if "pooled_output" in dims:
+        cond["pooled_output"] = torch.zeros(dims["pooled_output"], device=device)
+    return cond
+
+
+def measure_model(patcher, adapter: AdapterConfig, precision: str = "bf16") -> list[planner.ActivationSample]:
+    """Forwards of the MODEL at the calibration sizes as training runs it; per-block saved bytes.
+
+    The model is loaded through ComfyUI (as sampling would load it) and a LoRA of `adapter`'s settings is
+    attached to the module tree for the duration (detached again before returning, also on an error), so
+    autograd records exactly what the training step keeps. No backward runs.
+    """
+    in_training = comfy.model_management.in_training
+    try:
+        comfy.model_management.in_training = True  # the training code paths (e.g. Flux's differentiable RoPE)
+        return _measure(patcher, adapter, precision)
+    finally:
+        comfy.model_management.in_training = in_training
+
+
+def _measure(patcher, adapter: AdapterConfig, precision: str) -> list[planner.ActivationSample]:
+    model = patcher.model
+    diffusion_model = model.diffusion_model
+    with torch.inference_mode(False):
+        comfy.model_management.load_models_gpu([patcher])
+        replace_inference_tensors(diffusion_model)
+        denoiser = ComfyDenoiser(patcher)
+        blocks = [m for _, m in training_blocks(diffusion_model)]
+        weights = [*diffusion_model.parameters(), *diffusion_model.buffers()]
+        adapters = AdapterSet(diffusion_model, lora_target_paths(patcher, adapter), adapter)
+        adapters.to(denoiser.device)
+        channels = model.latent_format.latent_channels
+        dtype = PRECISIONS[precision]
+        samples = []
+        adapters.attach(diffusion_model)
+        try:
+            for height, width, tokens in CALIBRATION:
+                generator = torch.Generator().manual_seed(0)
+                x = torch.randn(1, channels, height, width, generator=generator).to(denoiser.device)
+                if denoiser.sampling.prediction == "flow":
+                    sigma = torch.full((1,), 0.5, device=denoiser.device)
+                else:
+                    sigma = denoiser.sampling.sigmas[len(denoiser.sampling.sigmas) // 2].reshape(1).to(denoiser.device)
+                cond = calibration_cond(model, tokens, denoiser.device)
+
+                def run(x=x, sigma=sigma, cond=cond):
+                    with torch.autocast(denoiser.device.type, dtype=dtype, enabled=dtype is not None):
+                        return denoiser.predict(x, sigma, [cond])
+
+                samples.append(planner.measure_activations(run, blocks, weights=weights, latent_area=height * width,
+                                                           text_tokens=tokens, grad_only=True))
+        finally:
+            adapters.detach()
+    return samples
+
+
+def describe_comfy_model(patcher, adapter: AdapterConfig, precision: str = "bf16", text_tokens: int | None = None,
+                         clip=None, vae=None) -> planner.ModelDescription:
+    """The planner's description of a ComfyUI MODEL (and, optionally, its CLIP and VAE) for training a
+    LoRA of `adapter`'s settings."""
+    model = patcher.model
+    diffusion_model = model.diffusion_model
+    named_blocks = training_blocks(diffusion_model)
+    if not named_blocks:
+        raise ValueError(f"HeadroomMemoryPlan: {type(diffusion_model).__name__} has no repeated blocks to plan with")
+    samples = measure_model(patcher, adapter, precision)
+    saved, inputs, outside = planner.fit_profile(samples)
+    blocks = planner.describe_blocks(named_blocks, saved, inputs)
+    channels = model.latent_format.latent_channels
+    probe = 64  # ComfyUI's estimate is linear in the latent area
+    inference = model.memory_required([1, channels, probe, probe]) / (probe * probe)
+    family = model_family(model)
+    description = dict(
+        name=type(model).__name__, blocks=blocks,
+        other_param_bytes=planner.frozen_bytes(diffusion_model) - sum(b.param_bytes for b in blocks),
+        outside_saved=outside, latent_channels=channels, latent_downscale=8,
+        text_tokens=text_tokens or DEFAULT_TEXT_TOKENS.get(family, 77),
+        inference_bytes_per_latent_px=float(inference),
+    )
+    if clip is not None:
+        description["text_encoder_bytes"] = int(clip.patcher.model_size())
+    if vae is not None:
+        side = 512
+        description["vae_bytes"] = int(vae.patcher.model_size())
+        description["vae_encode_bytes_per_px"] = vae.memory_used_encode([1, 3, side, side], vae.vae_dtype) / side ** 2
+        latent = side // vae.downscale_ratio if isinstance(vae.downscale_ratio, int) else side // 8
+        description["vae_decode_bytes_per_px"] = vae.memory_used_decode(
+            [1, vae.latent_channels, latent, latent], vae.vae_dtype) / side ** 2
+    return planner.ModelDescription(**description)
+
+
+def lora_target_paths(patcher, adapter: AdapterConfig) -> list[str]:
+    """The module paths a LoRA with these settings trains (the trainer's own target selection)."""
+    diffusion_model = patcher.model.diffusion_model
+    return select_targets(diffusion_model, model_family(patcher.model), adapter,
+                          [name for name, _ in model_blocks(diffusion_model)])
+
+
+# --- nodes ---------------------------------------------------------------------------------------------------
+class HeadroomOffloadPolicy(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="HeadroomOffloadPolicy",
+            display_name="Offload Policy (Headroom)",
+            category=CATEGORY,
+            description="How a run uses device memory: budget, where the frozen base lives and in which precision, "
+            "what is recomputed, where optimizer state sits. One policy for caching, training and validation.",
+            inputs=[
+                io.Float.Input("vram_budget_gb", default=0.0, min=0.0, max=4096.0, step=0.25,
+                               tooltip="Device memory the run may use, in GiB. 0 = auto: what ComfyUI can free on "
+                               "its device minus the reserve, measured when the policy is used."),
+                io.Float.Input("reserve_gb", default=1.0, min=0.0, max=64.0, step=0.25,
+                               tooltip="Kept free for other programs and ComfyUI itself (auto budget only)."),
+                io.Combo.Input("base_placement", options=list(PLACEMENTS), default="resident",
+                               tooltip="resident: frozen weights on the device; partial: what fits stays, the rest "
+                               "streams; streamed: every block streams from host RAM one block ahead (needs "
+                               "checkpointing)."),
+                io.Combo.Input("base_storage", options=list(STORAGES), default="as_loaded",
+                               tooltip="Precision of the frozen block linears: as loaded, or a low-bit copy (fp8, "
+                               "bitsandbytes int8 / nf4) that changes the numerics."),
+                io.Combo.Input("checkpointing", options=list(CHECKPOINTING), default="off",
+                               tooltip="blocks: recompute each block in backward; blocks_cpu_offload: also keep the "
+                               "saved block inputs in host RAM."),
+                io.Int.Input("checkpoint_depth", default=1, min=1, max=5),
+                io.Combo.Input("optimizer_state", options=list(OPTIMIZER_STATES), default="gpu",
+                               tooltip="cpu: optimizer state and fp32 master weights in host RAM."),
+                io.Boolean.Input("park_optimizer_during_validation", default=True,
+                                 tooltip="Move optimizer state and gradients to host RAM while validating."),
+                io.Combo.Input("vae_tiled_decode", options=list(VAE_TILED), default="auto"),
+                io.Combo.Input("encoders", options=list(ENCODERS), default="unload_after_use",
+                               tooltip="Text encoders and VAE are loaded for caching and validation only."),
+            ],
+            outputs=[OffloadPolicyType.Output("policy")],
+        )
+
+    @classmethod
+    def execute(cls, vram_budget_gb, reserve_gb, base_placement, base_storage, checkpointing, checkpoint_depth,
+                optimizer_state, park_optimizer_during_validation, vae_tiled_decode, encoders) -> io.NodeOutput:
+        try:
+            policy = OffloadPolicy(
+                vram_budget_gb="auto" if vram_budget_gb == 0 else float(vram_budget_gb), reserve_gb=float(reserve_gb),
+                base_placement=base_placement, base_storage=base_storage, checkpointing=checkpointing,
+                checkpoint_depth=int(checkpoint_depth), optimizer_state=optimizer_state,
+                park_optimizer_during_validation=bool(park_optimizer_during_validation),
+                vae_tiled_decode=vae_tiled_decode, encoders=encoders)
+        except PolicyError as error:
+            raise ValueError(f"HeadroomOffloadPolicy: {error}") from None
+        text = policy.describe()
+        if policy.budget_is_auto:
+            available = available_device_bytes()
+            text += (f"\nauto budget now: {available / GIB:.2f} GiB available - {policy.reserve_gb:g} GiB reserve = "
+                     f"{max(0, available - policy.reserve_gb * GIB) / GIB:.2f} GiB")
+        return io.NodeOutput(policy, ui=ui.PreviewText(text))
+
+
+class HeadroomMemoryPlan(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="HeadroomMemoryPlan",
+            display_name="Memory Plan (Headroom)",
+            category=CATEGORY,
+            description="Estimated peak device memory per phase (caching, training step, validation, save), itemised, "
+            "for training a LoRA on this MODEL; 'auto' picks the fastest policy that fits the budget and says why. "
+            "Activations are measured by running the model at small sizes (a few seconds).",
+            inputs=[
+                io.Model.Input("model"),
+                OffloadPolicyType.Input("policy", optional=True, tooltip="Default: a resident policy, auto budget."),
+                io.Combo.Input("mode", options=list(MODES), default="estimate",
+                               tooltip="estimate: plan the given policy; auto: choose the fastest policy that fits."),
+                io.Int.Input("batch_size", default=1, min=1, max=256),
+                io.Int.Input("width", default=1024, min=64, max=8192, step=8),
+                io.Int.Input("height", default=1024, min=64, max=8192, step=8),
+                io.Int.Input("rank", default=16, min=1, max=1024),
+                io.Combo.Input("targets", options=list(TARGET_MODES), default="preset"),
+                io.Combo.Input("optimizer", options=list(OPTIMIZERS), default="AdamW"),
+                io.Combo.Input("precision", options=list(PRECISIONS), default="bf16"),
+                io.Int.Input("text_tokens", default=0, min=0, max=4096,
+                             tooltip="Length of the cached text conditioning; 0 = the family's usual length."),
+                io.Clip.Input("clip", optional=True, tooltip="Adds the text encoders to the caching estimate."),
+                io.Vae.Input("vae", optional=True, tooltip="Adds VAE encode / decode to caching and validation."),
+            ],
+            outputs=[io.String.Output("plan_text"), io.String.Output("plan_json"), OffloadPolicyType.Output("policy")],
+            is_output_node=True,  # useful on its own: the plan shows on the node
+        )
+
+    @classmethod
+    def execute(cls, model, mode, batch_size, width, height, rank, targets, optimizer, precision, text_tokens,
+                policy=None, clip=None, vae=None) -> io.NodeOutput:
+        policy = policy if policy is not None else OffloadPolicy()
+        if not isinstance(policy, OffloadPolicy):
+            raise ValueError("HeadroomMemoryPlan: policy must come from a HeadroomOffloadPolicy node")
+        adapter = AdapterConfig(rank=rank, alpha=float(rank), targets=targets)
+        try:
+            budget = budget_bytes(policy, torch.device(model.load_device))
+            paths = lora_target_paths(model, adapter)
+        except (PolicyError, ValueError) as error:
+            raise ValueError(f"HeadroomMemoryPlan: {error}") from None
+        description = describe_comfy_model(model, adapter, precision, text_tokens or None, clip, vae)
+        trainable = planner.TrainableSpec.lora([model.model.diffusion_model.get_submodule(p) for p in paths], rank,
+                                               optimizer)
+        shape = planner.RunShape(batch_size, width, height, text_tokens or None)
+        if mode == "auto":
+            plan = planner.plan_auto(description, trainable, shape, policy, budget)
+        else:
+            plan = planner.estimate(description, trainable, shape, policy, budget)
+        text = plan.to_text()
+        return io.NodeOutput(text, plan.to_json(), plan.policy, ui=ui.PreviewText(text))
+
+
+NODES = [HeadroomOffloadPolicy, HeadroomMemoryPlan]

@@ -1,0 +1,436 @@
+"""LoRA training nodes: configure, train to a step, validate, save, apply; and an all-in-one node.
+
+Modular graph:  LoraConfig + OptimizerConfig + MODEL + caches -> TrainLoraInit -> TrainSteps(N)
+                -> Validate / SaveLora / ApplyTrainedLora
+TrainSteps trains the run *to* step N: queueing it again with the same N does no work, a higher N
+continues. Init with the name of an existing run resumes it from its run directory (after a restart too).
+"""
+from __future__ import annotations
+
+import os
+import pathlib
+from io import BytesIO
+
+import numpy as np
+import torch
+from PIL import Image
+
+import comfy.model_management
+import comfy.sample
+import comfy.samplers
+import folder_paths
+from comfy_api.latest import io, ui
+
+from ..training.adapters import KINDS, TARGET_MODES, AdapterConfig
+from ..training.objective import LOSS_WEIGHTINGS, TIMESTEP_SAMPLINGS, ObjectiveConfig
+from ..training.optimizers import OPTIMIZERS, SCHEDULES, OptimizerConfig
+from ..training.run_dir import atomic_save_safetensors, atomic_write_bytes, check_name, check_subfolder
+from ..training.trainer import PRECISIONS, TrainConfig
+from .comfy_bridge import VALIDATE_EVENT, SessionConfig, TrainingSession, check_caches, model_family, send_event
+
+LoraConfigType = io.Custom("LORA_CONFIG")
+OptimizerConfigType = io.Custom("OPTIMIZER_CONFIG")
+TrainingRun = io.Custom("TRAINING_RUN")
+LatentCache = io.Custom("LATENT_CACHE")
+TextCache = io.Custom("TEXT_CACHE")
+OffloadPolicy = io.Custom("OFFLOAD_POLICY")
+
+CATEGORY = "Headroom/training"
+HISTORY_KEY = "headroom_history"  # the training nodes' UI output js/headroom_live.js redraws the chart from
+RUNS_SUBFOLDER = "headroom_runs"
+
+
+def runs_root() -> pathlib.Path:
+    return pathlib.Path(folder_paths.get_output_directory()) / RUNS_SUBFOLDER
+
+
+def _node_id(cls) -> str | None:
+    return getattr(cls.hidden, "unique_id", None) if getattr(cls, "hidden", None) is not None else None
+
+
+# --- configuration nodes ------------------------------------------------------------------------------------
+class HeadroomLoraConfig(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="HeadroomLoraConfig",
+            display_name="LoRA Config (Headroom)",
+            category=CATEGORY,
+            description="What to train: adapter kind, rank, alpha and which layers.",
+            inputs=[
+                io.Combo.Input("kind", options=list(KINDS), default="lora",
+                               tooltip="lora; dora (weight-decomposed); loha (Hadamard); lokr (Kronecker)."),
+                io.Int.Input("rank", default=16, min=1, max=1024),
+                io.Float.Input("alpha", default=16.0, min=0.01, max=4096.0, step=0.01,
+                               tooltip="Scale is alpha / rank; alpha = rank means scale 1."),
+                io.Combo.Input("targets", options=list(TARGET_MODES), default="preset",
+                               tooltip="preset: the model family's attention/MLP layers (SD1.5, SDXL, SD3, Flux); "
+                               "all_linear: every linear layer inside the model's blocks (any model)."),
+                io.Boolean.Input("include_conv", default=False,
+                                 tooltip="Also train the UNet block convolutions (SD1.5 / SDXL presets, all_linear)."),
+                io.Float.Input("dropout", default=0.0, min=0.0, max=0.9, step=0.01),
+                io.Int.Input("init_seed", default=0, min=0, max=0xFFFFFFFF),
+            ],
+            outputs=[LoraConfigType.Output("lora_config")],
+        )
+
+    @classmethod
+    def execute(cls, kind, rank, alpha, targets, include_conv, dropout, init_seed) -> io.NodeOutput:
+        config = AdapterConfig(kind=kind, rank=rank, alpha=alpha, targets=targets, include_conv=include_conv,
+                               dropout=dropout, init_seed=init_seed)
+        _checked("HeadroomLoraConfig", config.validate)
+        return io.NodeOutput(config)
+
+
+class HeadroomOptimizerConfig(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="HeadroomOptimizerConfig",
+            display_name="Optimizer Config (Headroom)",
+            category=CATEGORY,
+            description="Optimizer and learning-rate schedule.",
+            inputs=[
+                io.Combo.Input("optimizer", options=list(OPTIMIZERS), default="AdamW",
+                               tooltip="AdamW (torch); AdamW8bit / PagedAdamW8bit / Lion8bit (bitsandbytes, less "
+                               "memory); Adafactor; CAME; Prodigy (set lr 1.0: it finds the step size)."),
+                io.Float.Input("learning_rate", default=1e-4, min=1e-8, max=10.0, step=1e-6),
+                io.Float.Input("weight_decay", default=0.0, min=0.0, max=1.0, step=0.001),
+                io.Combo.Input("schedule", options=list(SCHEDULES), default="constant"),
+                io.Int.Input("warmup_steps", default=0, min=0, max=100000),
+                io.Int.Input("schedule_steps", default=1000, min=1, max=1000000,
+                             tooltip="Length of decaying schedules (linear, cosine...), usually the planned steps."),
+            ],
+            outputs=[OptimizerConfigType.Output("optimizer_config")],
+        )
+
+    @classmethod
+    def execute(cls, optimizer, learning_rate, weight_decay, schedule, warmup_steps, schedule_steps) -> io.NodeOutput:
+        config = OptimizerConfig(name=optimizer, lr=learning_rate, weight_decay=weight_decay, schedule=schedule,
+                                 warmup_steps=warmup_steps, total_steps=schedule_steps)
+        _checked("HeadroomOptimizerConfig", config.validate)
+        return io.NodeOutput(config)
+
+
+def _checked(node: str, validate) -> None:
+    try:
+        validate()
+    except ValueError as error:
+        raise ValueError(f"{node}: {error}") from error
+
+
+# --- init ----------------------------------------------------------------------------------------------------
+def _train_inputs() -> list:
+    """The inputs shared by HeadroomTrainLoraInit and the all-in-one HeadroomTrainLora."""
+    return [
+        io.Model.Input("model"),
+        LatentCache.Input("latent_cache"),
+        TextCache.Input("text_cache"),
+        LoraConfigType.Input("lora_config"),
+        OptimizerConfigType.Input("optimizer_config"),
+        io.String.Input("run_name", default="my_lora",
+                        tooltip="Folder under output/headroom_runs. An existing run with the same settings resumes."),
+        io.Int.Input("seed", default=0, min=0, max=0xFFFFFFFF),
+        io.Int.Input("batch_size", default=1, min=1, max=256),
+        io.Int.Input("grad_accumulation", default=1, min=1, max=1024),
+        io.Combo.Input("precision", options=list(PRECISIONS), default="bf16",
+                       tooltip="Compute precision (autocast); trainable weights always stay fp32. fp16 uses a "
+                       "gradient scaler."),
+        io.Float.Input("max_grad_norm", default=1.0, min=0.0, max=1000.0, step=0.01, tooltip="0 disables clipping."),
+        io.Float.Input("caption_dropout", default=0.0, min=0.0, max=1.0, step=0.01,
+                       tooltip="Fraction of samples trained with the empty prompt (cached)."),
+        io.Combo.Input("timestep_sampling", options=list(TIMESTEP_SAMPLINGS), default="uniform",
+                       tooltip="shifted: times shifted as the model samples (SD3 / Flux shift)."),
+        io.Combo.Input("loss_weighting", options=list(LOSS_WEIGHTINGS), default="none",
+                       tooltip="min_snr: min-SNR-gamma weighting (eps / v models)."),
+        io.Float.Input("min_snr_gamma", default=5.0, min=0.1, max=100.0, step=0.1),
+        io.Float.Input("noise_offset", default=0.0, min=0.0, max=1.0, step=0.001),
+        io.Boolean.Input("gradient_checkpointing", default=False),
+        io.Int.Input("checkpoint_depth", default=1, min=1, max=5,
+                     tooltip="1: each model block; 2: each child of a block (finer, less memory, more recompute)."),
+        io.Int.Input("holdout", default=0, min=0, max=100000,
+                     tooltip="Last N cached items held out for the validation loss; 0 validates on training items."),
+        OffloadPolicy.Input("policy", optional=True),
+    ]
+
+
+def start_session(model, latent_cache, text_cache, lora_config, optimizer_config, run_name, seed, batch_size,
+                  grad_accumulation, precision, max_grad_norm, caption_dropout, timestep_sampling, loss_weighting,
+                  min_snr_gamma, noise_offset, gradient_checkpointing, checkpoint_depth, holdout, policy=None,
+                  node: str = "HeadroomTrainLoraInit") -> TrainingSession:
+    """Check every input (before any GPU work), then build or resume the run."""
+    try:
+        check_name(run_name, "run name")
+        if not isinstance(lora_config, AdapterConfig):
+            raise ValueError("lora_config must come from a HeadroomLoraConfig node")
+        if not isinstance(optimizer_config, OptimizerConfig):
+            raise ValueError("optimizer_config must come from a HeadroomOptimizerConfig node")
+        lora_config.validate()
+        optimizer_config.validate()
+        train = TrainConfig(
+            seed=seed, batch_size=batch_size, grad_accum=grad_accumulation, max_grad_norm=max_grad_norm,
+            precision=precision, caption_dropout=caption_dropout, gradient_checkpointing=gradient_checkpointing,
+            checkpoint_depth=checkpoint_depth,
+            objective=ObjectiveConfig(timestep_sampling=timestep_sampling, loss_weighting=loss_weighting,
+                                      min_snr_gamma=min_snr_gamma, noise_offset=noise_offset),
+        )
+        train.validate()
+        check_caches(model.model, latent_cache, text_cache)
+        config = SessionConfig(family=model_family(model.model), adapter=lora_config, optimizer=optimizer_config,
+                               train=train, holdout=holdout)
+        return TrainingSession(model, latent_cache, text_cache, config, runs_root(), run_name, policy=policy)
+    except ValueError as error:
+        message = str(error)
+        raise ValueError(message if message.startswith("Headroom") else f"{node}: {message}") from error
+
+
+class HeadroomTrainLoraInit(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="HeadroomTrainLoraInit",
+            display_name="Train LoRA: Init (Headroom)",
+            category=CATEGORY,
+            description="Set up (or resume) a LoRA training run on this MODEL from cached latents and text. "
+            "The MODEL itself is never modified: the adapter lives on a clone.",
+            inputs=_train_inputs(),
+            outputs=[TrainingRun.Output("run"), io.Int.Output("step", tooltip="Step the run starts from (resumed).")],
+        )
+
+    @classmethod
+    def execute(cls, **inputs) -> io.NodeOutput:
+        session = start_session(**inputs)
+        return io.NodeOutput(session, session.step)
+
+
+# --- train -------------------------------------------------------------------------------------------------
+class HeadroomTrainSteps(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="HeadroomTrainSteps",
+            display_name="Train LoRA: Steps (Headroom)",
+            category=CATEGORY,
+            description="Train the run to step N (not N more): the same N again does nothing, a higher N "
+            "continues. A checkpoint is written at the end, and at the last finished step on cancel.",
+            inputs=[TrainingRun.Input("run"), io.Int.Input("steps", default=100, min=1, max=10_000_000)],
+            outputs=[TrainingRun.Output("run"), io.Float.Output("loss"), io.Int.Output("step")],
+            hidden=[io.Hidden.unique_id],
+        )
+
+    @classmethod
+    def execute(cls, run: TrainingSession, steps: int) -> io.NodeOutput:
+        run.train_to(steps, node_id=_node_id(cls))
+        return io.NodeOutput(run, run.trainer.last_loss, run.step, ui={HISTORY_KEY: [run.history(steps)]})
+
+
+# --- validate ----------------------------------------------------------------------------------------------
+def _validation_inputs(optional: bool) -> list:
+    return [
+        io.Clip.Input("clip", optional=optional, tooltip="Encodes the validation prompts (as CLIP Text Encode)."),
+        io.Vae.Input("vae", optional=optional, tooltip="Decodes the samples (as VAE Decode)."),
+        io.String.Input("prompts", multiline=True, default="", optional=optional,
+                        tooltip="One prompt per line; empty: no images, only the validation loss."),
+        io.String.Input("negative", default="", optional=optional),
+        io.Int.Input("sample_seed", default=0, min=0, max=0xFFFFFFFFFFFFFFFF, optional=optional),
+        io.Int.Input("sample_steps", default=20, min=1, max=1000, optional=optional),
+        io.Float.Input("cfg", default=4.0, min=0.0, max=100.0, step=0.1, optional=optional),
+        io.Combo.Input("sampler_name", options=comfy.samplers.KSampler.SAMPLERS, default="euler", optional=optional),
+        io.Combo.Input("scheduler", options=comfy.samplers.KSampler.SCHEDULERS, default="normal", optional=optional),
+        io.Int.Input("width", default=512, min=16, max=8192, step=8, optional=optional),
+        io.Int.Input("height", default=512, min=16, max=8192, step=8, optional=optional),
+        io.Int.Input("loss_timesteps", default=4, min=1, max=64, optional=optional,
+                     tooltip="Fixed noise levels of the deterministic validation loss."),
+    ]
+
+
+def sample_images(run: TrainingSession, clip, vae, prompts: list[str], negative: str, seed: int, steps: int, cfg: float,
+                  sampler_name: str, scheduler: str, width: int, height: int) -> torch.Tensor:
+    """Stock KSampler sampling (same noise, same sampler code) on the training model + current adapter."""
+    negative_cond = clip.encode_from_tokens_scheduled(clip.tokenize(negative))
+    latents = []
+    # comfy.sample.prepare_noise reseeds the global torch RNG; fork it so validating never changes what the
+    # training run draws next (peft dropout uses the global RNG).
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.no_grad(), torch.random.fork_rng(devices=devices), run.attached():
+        for prompt in prompts:
+            positive = clip.encode_from_tokens_scheduled(clip.tokenize(prompt))
+            empty = torch.zeros([1, 4, height // 8, width // 8], device=comfy.model_management.intermediate_device())
+            latent = comfy.sample.fix_empty_latent_channels(run.patcher, empty)
+            noise = comfy.sample.prepare_noise(latent, seed)
+            latents.append(comfy.sample.sample(run.patcher, noise, steps, cfg, sampler_name, scheduler, positive,
+                                               negative_cond, latent, denoise=1.0, disable_pbar=True, seed=seed))
+    with torch.no_grad():  # decoded after the denoiser's step is done: the VAE loads on its own
+        return torch.cat([vae.decode(samples) for samples in latents])
+
+
+def save_grid(run: TrainingSession, images: torch.Tensor) -> pathlib.Path:
+    """All validation images of this step side by side, as one PNG in the run directory."""
+    row = torch.cat(list(images[..., :3]), dim=1)  # [H, N*W, 3]
+    pixels = (row.clamp(0, 1) * 255).round().to(torch.uint8).cpu().numpy()
+    path = run.run_dir.validation_dir / f"step_{run.step:08d}.png"
+    buffer = BytesIO()
+    Image.fromarray(np.ascontiguousarray(pixels)).save(buffer, format="PNG")
+    atomic_write_bytes(path, buffer.getvalue())
+    return path
+
+
+def validate(node_cls, run: TrainingSession, clip=None, vae=None, prompts="", negative="", sample_seed=0,
+             sample_steps=20, cfg=4.0, sampler_name="euler", scheduler="normal", width=512, height=512,
+             loss_timesteps=4):
+    """(images or None, previews or None, validation loss); tells the live view (`headroom.validate`)."""
+    loss = run.validation_loss(times=loss_timesteps)
+    lines = [line.strip() for line in (prompts or "").splitlines() if line.strip()]
+    images = previews = None
+    if lines:
+        if clip is None or vae is None:
+            raise ValueError("HeadroomValidate: validation prompts need the clip and vae inputs connected")
+        images = sample_images(run, clip, vae, lines, negative, sample_seed, sample_steps, cfg, sampler_name,
+                               scheduler, width, height)
+        save_grid(run, images)
+        previews = ui.PreviewImage(images, cls=node_cls)
+    send_event(VALIDATE_EVENT, {"node": _node_id(node_cls), "run": run.run_dir.name, "step": run.step,
+                                "val_loss": loss, "images": previews.values if previews is not None else []})
+    return images, previews, loss
+
+
+class HeadroomValidate(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="HeadroomValidate",
+            display_name="Validate LoRA (Headroom)",
+            category=CATEGORY,
+            description="Fixed-seed samples of the prompts with ComfyUI's own samplers on the training model and "
+            "its current adapter (no second copy of the weights), saved as a grid per step in the run folder; "
+            "and a deterministic validation loss (fixed items, noise levels and noise).",
+            is_output_node=True,
+            inputs=[TrainingRun.Input("run"), *_validation_inputs(optional=False)],
+            outputs=[io.Image.Output("images"), io.Float.Output("validation_loss"), TrainingRun.Output("run")],
+        )
+
+    @classmethod
+    def execute(cls, run: TrainingSession, **inputs) -> io.NodeOutput:
+        images, previews, loss = validate(cls, run, **inputs)
+        if images is None:  # no prompts: only the loss; a black image keeps the IMAGE output connected
+            return io.NodeOutput(torch.zeros(1, 64, 64, 3), loss, run)
+        return io.NodeOutput(images, loss, run, ui=previews)
+
+
+# --- save / apply ------------------------------------------------------------------------------------------
+SAVE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def save_lora(run: TrainingSession, subfolder: str, filename: str, dtype: str = "fp32") -> str:
+    """Write the adapter under models/loras/<subfolder>/ atomically; returns the name LoraLoader lists."""
+    check_subfolder(subfolder, "subfolder")
+    name = check_name(filename or f"{run.run_dir.name}_step{run.step:06d}", "LoRA file name")
+    if not name.endswith(".safetensors"):
+        name += ".safetensors"
+    loras_root = pathlib.Path(folder_paths.get_folder_paths("loras")[0])
+    path = loras_root / subfolder / name if subfolder else loras_root / name
+    atomic_save_safetensors(path, run.adapters.comfy_state_dict(dtype=SAVE_DTYPES[dtype]), metadata=run.lora_metadata())
+    # A new file changes its folder's mtime, which invalidates ComfyUI's file-list cache; dropping the entry too
+    # makes the new name show up in LoraLoader at once even where mtimes are coarse.
+    folder_paths.filename_list_cache.pop("loras", None)
+    return os.path.relpath(path, loras_root).replace(os.sep, "/")
+
+
+class HeadroomSaveLora(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="HeadroomSaveLora",
+            display_name="Save LoRA (Headroom)",
+            category=CATEGORY,
+            description="Save the run's adapter as a .safetensors LoRA under models/loras/<subfolder>/ that the "
+            "stock Load LoRA node reads (listed without a restart).",
+            is_output_node=True,
+            inputs=[
+                TrainingRun.Input("run"),
+                io.String.Input("subfolder", default="headroom"),
+                io.String.Input("filename", default="", tooltip="Empty: <run name>_step<N>."),
+                io.Combo.Input("dtype", options=list(SAVE_DTYPES), default="fp32"),
+            ],
+            outputs=[io.String.Output("lora_name", tooltip="The name Load LoRA lists.")],
+        )
+
+    @classmethod
+    def execute(cls, run: TrainingSession, subfolder: str, filename: str, dtype: str) -> io.NodeOutput:
+        try:
+            return io.NodeOutput(save_lora(run, subfolder, filename, dtype))
+        except ValueError as error:
+            raise ValueError(f"HeadroomSaveLora: {error}") from error
+
+
+class HeadroomApplyTrainedLora(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="HeadroomApplyTrainedLora",
+            display_name="Apply Trained LoRA (Headroom)",
+            category=CATEGORY,
+            description="The MODEL with the run's current adapter applied as ComfyUI weight patches (as Load LoRA "
+            "does), for any downstream node, without saving a file first.",
+            inputs=[io.Model.Input("model"), TrainingRun.Input("run"),
+                    io.Float.Input("strength", default=1.0, min=-100.0, max=100.0, step=0.01)],
+            outputs=[io.Model.Output("model")],
+        )
+
+    @classmethod
+    def execute(cls, model, run: TrainingSession, strength: float) -> io.NodeOutput:
+        return io.NodeOutput(run.patched_model(model, strength))
+
+
+# --- all in one --------------------------------------------------------------------------------------------
+class HeadroomTrainLora(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="HeadroomTrainLora",
+            display_name="Train LoRA (Headroom)",
+            category=CATEGORY,
+            description="Init + train to `steps` + validate every N steps + save every N steps, in one node. "
+            "Queue it again with more steps to continue the same run.",
+            is_output_node=True,
+            inputs=[
+                *_train_inputs(),
+                io.Int.Input("steps", default=1000, min=1, max=10_000_000),
+                io.Int.Input("validate_every", default=0, min=0, max=10_000_000, tooltip="0: only at the end."),
+                io.Int.Input("save_every", default=0, min=0, max=10_000_000, tooltip="0: only at the end."),
+                io.String.Input("lora_subfolder", default="headroom"),
+                *_validation_inputs(optional=True),
+            ],
+            outputs=[io.Model.Output("model", tooltip="The MODEL with the trained LoRA applied."),
+                     TrainingRun.Output("run"), io.String.Output("lora_name"), io.Float.Output("validation_loss")],
+            hidden=[io.Hidden.unique_id],
+        )
+
+    @classmethod
+    def execute(cls, steps, validate_every, save_every, lora_subfolder, **inputs) -> io.NodeOutput:
+        validation_names = {"clip", "vae", "prompts", "negative", "sample_seed", "sample_steps", "cfg", "sampler_name",
+                            "scheduler", "width", "height", "loss_timesteps"}
+        validation = {k: v for k, v in inputs.items() if k in validation_names}
+        check_subfolder(lora_subfolder, "HeadroomTrainLora: lora_subfolder")
+        session = start_session(**{k: v for k, v in inputs.items() if k not in validation_names}, node="HeadroomTrainLora")
+        previews, loss, lora_name = None, float("nan"), ""
+        while True:
+            target = min(t for t in (steps, _next(session.step, validate_every), _next(session.step, save_every)) if t)
+            session.train_to(target, node_id=_node_id(cls))
+            done = session.step >= steps
+            if done or (validate_every and session.step % validate_every == 0):
+                _, previews, loss = validate(cls, session, **validation)
+            if done or (save_every and session.step % save_every == 0):
+                lora_name = save_lora(session, lora_subfolder, f"{session.run_dir.name}_step{session.step:06d}")
+            if done:
+                break
+        outputs = {**(previews.as_dict() if previews is not None else {}), HISTORY_KEY: [session.history(steps)]}
+        return io.NodeOutput(session.patched_model(), session, lora_name, loss, ui=outputs)
+
+
+def _next(step: int, every: int) -> int | None:
+    return (step // every + 1) * every if every else None
+
+
+NODES = [HeadroomLoraConfig, HeadroomOptimizerConfig, HeadroomTrainLoraInit, HeadroomTrainSteps, HeadroomValidate,
+         HeadroomSaveLora, HeadroomApplyTrainedLora, HeadroomTrainLora]

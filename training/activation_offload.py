@@ -1,0 +1,78 @@
+"""Per-block checkpointing whose saved block inputs live in host RAM (policy checkpointing="blocks_cpu_offload").
+
+Non-reentrant `torch.utils.checkpoint` keeps, per checkpointed block, only the block's inputs; it saves the
+positional tensor inputs through autograd's saved-tensor mechanism, so torch's own
+`torch.autograd.graph.save_on_cpu(pin_memory=True)` around the call moves exactly those inputs to (pinned)
+host RAM and brings them back when backward recomputes the block. Everything the block saves *inside* the
+checkpoint is handled by the checkpoint itself (dropped, recomputed), so save_on_cpu never sees it.
+
+Tensors passed as keyword arguments are not saved that way (the checkpoint keeps them in its closure), and
+ComfyUI calls many blocks with keywords (Flux: `block(img=..., txt=..., vec=..., pe=...)`), so the
+wrapper passes every top-level tensor argument positionally and rebuilds the call inside.
+
+On the CPU there is nowhere to offload to: no hooks are installed, so it is exactly plain checkpointing
+(autograd's own check for inputs modified in place included, which a saved-tensor hook would bypass).
+Same depth semantics as training/checkpointing.py (the trainer's plain checkpointing); a forward already
+wrapped there (its in-place input protection) is wrapped once more and put back on restore.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterable
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from .checkpointing import modules_at_depth
+
+
+def _default_offload_hooks(tensors: list[torch.Tensor]) -> contextlib.AbstractContextManager:
+    if all(t.device.type == "cpu" for t in tensors):
+        return contextlib.nullcontext()
+    return torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
+
+
+def offloaded_checkpoint(forward: Callable, args: tuple, kwargs: dict,
+                         offload_hooks: Callable[[list[torch.Tensor]], contextlib.AbstractContextManager] = _default_offload_hooks):
+    """`forward(*args, **kwargs)` checkpointed, its tensor inputs saved through `offload_hooks`."""
+    tensor_keys = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
+    other_kwargs = {k: v for k, v in kwargs.items() if k not in tensor_keys}
+    n_args = len(args)
+
+    def run(*flat):
+        return forward(*flat[:n_args], **dict(zip(tensor_keys, flat[n_args:])), **other_kwargs)
+
+    flat = (*args, *(kwargs[k] for k in tensor_keys))
+    with offload_hooks([t for t in flat if isinstance(t, torch.Tensor)]):
+        return checkpoint(run, *flat, use_reentrant=False)
+
+
+def enable_offloaded_checkpointing(blocks: Iterable[torch.nn.Module], depth: int = 1,
+                                   offload_hooks=_default_offload_hooks) -> Callable[[], None]:
+    """Checkpoint the modules at `depth` below `blocks`, block inputs kept in host RAM; returns the undo.
+
+    The offloading counterpart of `checkpointing.wrap_blocks(blocks, depth)` (returns the undo function too).
+    `offload_hooks(tensors)` makes the saved-tensor hooks for one call (tests pass counting hooks).
+    """
+    wrapped = {}  # id -> (module, the instance-level forward it had before, or None)
+    for module in modules_at_depth(blocks, depth):
+        if id(module) in wrapped:
+            continue  # a module reachable twice
+        wrapped[id(module)] = (module, module.__dict__.get("forward"))
+        original = module.forward
+
+        def checkpointed(*args, _original=original, **kwargs):
+            if not torch.is_grad_enabled():
+                return _original(*args, **kwargs)
+            return offloaded_checkpoint(_original, args, kwargs, offload_hooks)
+
+        module.forward = checkpointed
+
+    def restore() -> None:
+        for module, previous in wrapped.values():
+            if previous is None:
+                module.__dict__.pop("forward", None)
+            else:
+                module.forward = previous
+
+    return restore

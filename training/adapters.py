@@ -1,0 +1,266 @@
+"""LoRA-family adapters (LoRA, DoRA, LoHa, LoKr) on a module tree, built from peft's layer classes.
+
+peft's tuner layers wrap a base module and add the adapter path in `forward`; we use them directly
+(not `get_peft_model`) so the same adapter can be swapped into and out of a module tree that other
+code shares: `attach` replaces each target submodule by its peft wrapper, `detach` puts the very same
+original submodule object back. The base module's parameters are never touched.
+
+Export writes the keys ComfyUI's stock LoraLoader maps (`comfy.lora.load_lora` + `comfy/weight_adapter`):
+  LoRA  <prefix><path>.lora_up.weight / .lora_down.weight / .alpha
+  DoRA  the same + .dora_scale
+  LoHa  <prefix><path>.hada_w1_a / hada_w1_b / hada_w2_a / hada_w2_b (/ hada_t1 / hada_t2) / .alpha
+  LoKr  <prefix><path>.lokr_w1 | lokr_w1_a+lokr_w1_b, lokr_w2 | lokr_w2_a+lokr_w2_b (/ lokr_t2) / .alpha
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Iterable
+
+import torch
+from peft import LoHaConfig, LoKrConfig, LoraConfig
+from peft.tuners import loha, lokr
+from peft.tuners.lora import layer as lora_layer
+
+KINDS = ("lora", "dora", "loha", "lokr")
+TARGET_MODES = ("preset", "all_linear", "all_layers")
+
+# Module paths (relative to the denoiser root) trained by each family preset.
+# SD1.5 / SDXL UNet: the self- and cross-attention projections of every transformer block.
+_UNET_ATTENTION = (r"\.attn[12]\.(to_q|to_k|to_v|to_out\.0)$",)
+TARGET_PRESETS: dict[str, tuple[str, ...]] = {
+    "sd15": _UNET_ATTENTION,
+    "sdxl": _UNET_ATTENTION,
+    # SD3 MMDiT: attention and MLP of both streams of each joint block.
+    "sd3": (r"^joint_blocks\.\d+\.(context_block|x_block)\.(attn\.(qkv|proj)|mlp\.fc[12])$",),
+    # Flux: attention and MLP of both streams of the double blocks, both linears of the single blocks.
+    "flux": (
+        r"^double_blocks\.\d+\.(img|txt)_(attn\.(qkv|proj)|mlp\.[02])$",
+        r"^single_blocks\.\d+\.(linear1|linear2)$",
+    ),
+}
+# Convolutions inside the UNet blocks (optional for sd15 / sdxl); the stem conv input_blocks.0.0 stays frozen.
+_UNET_CONV = r"^(input_blocks\.(?!0\.0$)|middle_block\.|output_blocks\.)"
+
+_ADAPTER_PARAM_PREFIXES = ("lora_A", "lora_B", "lora_magnitude_vector", "hada_", "lokr_")
+
+
+@dataclasses.dataclass(frozen=True)
+class AdapterConfig:
+    kind: str = "lora"  # lora | dora | loha | lokr
+    rank: int = 16
+    alpha: float = 16.0
+    # preset: the family's layers | all_linear: every Linear inside the blocks | all_layers: every Linear and
+    # Conv2d of the model (embedders and output layer too, like ComfyUI's own trainer)
+    targets: str = "preset"
+    include_conv: bool = False  # sd15 / sdxl: also the UNet block convolutions
+    dropout: float = 0.0
+    init_seed: int = 0
+
+    def validate(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"adapter kind {self.kind!r} is unknown: choose one of {KINDS}")
+        if int(self.rank) != self.rank or self.rank <= 0:
+            raise ValueError(f"rank={self.rank} must be a positive integer")
+        if self.alpha <= 0:
+            raise ValueError(f"alpha={self.alpha} must be > 0")
+        if self.targets not in TARGET_MODES:
+            raise ValueError(f"targets={self.targets!r}: choose one of {TARGET_MODES}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout={self.dropout} must be in [0, 1)")
+
+
+def select_targets(root: torch.nn.Module, family: str | None, config: AdapterConfig,
+                   block_prefixes: Iterable[str]) -> list[str]:
+    """Paths of the submodules of `root` the adapter wraps, in module order."""
+    config.validate()
+    block_prefixes = tuple(block_prefixes)
+    if config.targets == "preset":
+        if family not in TARGET_PRESETS:
+            raise ValueError(
+                f"model family {family!r} has no LoRA target preset (presets: {', '.join(TARGET_PRESETS)}); "
+                "set targets to 'all_linear' to train every linear layer inside the model's blocks"
+            )
+        patterns = [re.compile(p) for p in TARGET_PRESETS[family]]
+        conv = re.compile(_UNET_CONV) if config.include_conv and family in ("sd15", "sdxl") else None
+    elif config.targets == "all_linear" and not block_prefixes:
+        raise ValueError("targets='all_linear' needs the model's blocks, and none were found")
+    paths = []
+    for path, module in root.named_modules():
+        if not path:
+            continue
+        if config.targets == "preset":
+            if isinstance(module, torch.nn.Linear) and any(p.search(path) for p in patterns):
+                paths.append(path)
+            elif conv is not None and isinstance(module, torch.nn.Conv2d) and conv.search(path):
+                paths.append(path)
+        elif config.targets == "all_layers":
+            if isinstance(module, (torch.nn.Linear, torch.nn.Conv2d)):
+                paths.append(path)
+        elif isinstance(module, torch.nn.Linear) and any(path.startswith(b + ".") for b in block_prefixes):
+            paths.append(path)
+        elif config.include_conv and isinstance(module, torch.nn.Conv2d) and any(path.startswith(b + ".") for b in block_prefixes):
+            paths.append(path)
+    if not paths:
+        raise ValueError(f"no target modules matched for family {family!r} with targets={config.targets!r}")
+    return paths
+
+
+def _peft_layer(base: torch.nn.Module, config: AdapterConfig) -> torch.nn.Module:
+    rank, alpha = int(config.rank), float(config.alpha)
+    if config.kind in ("lora", "dora"):
+        peft_config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=config.dropout, use_dora=config.kind == "dora")
+        cls = lora_layer.Conv2d if isinstance(base, torch.nn.Conv2d) else lora_layer.Linear
+        return cls(base, "default", config=peft_config, r=rank, lora_alpha=alpha)
+    if config.kind == "loha":
+        peft_config = LoHaConfig(r=rank, alpha=alpha, module_dropout=config.dropout)
+        cls = loha.Conv2d if isinstance(base, torch.nn.Conv2d) else loha.Linear
+        return cls(base, "default", config=peft_config, r=rank, alpha=alpha)
+    peft_config = LoKrConfig(r=rank, alpha=alpha, module_dropout=config.dropout)
+    cls = lokr.Conv2d if isinstance(base, torch.nn.Conv2d) else lokr.Linear
+    return cls(base, "default", config=peft_config, r=rank, alpha=alpha)
+
+
+def _split_path(path: str) -> tuple[str, str]:
+    parent, _, child = path.rpartition(".")
+    return parent, child
+
+
+class AdapterSet:
+    """The adapter layers of one run: created once, attached to / detached from a module tree."""
+
+    def __init__(self, root: torch.nn.Module, paths: list[str], config: AdapterConfig):
+        config.validate()
+        self.config = config
+        self.layers: dict[str, torch.nn.Module] = {}
+        self.attached_to: torch.nn.Module | None = None
+        # Seeded init without disturbing the caller's global RNG stream.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(config.init_seed)
+            for path in paths:
+                base = root.get_submodule(path)
+                if not isinstance(base, (torch.nn.Linear, torch.nn.Conv2d)):
+                    raise TypeError(f"adapter target {path} is a {type(base).__name__}; only Linear and Conv2d are supported")
+                layer = _peft_layer(base, config)
+                # peft casts the adapter to the base dtype (fp16/bf16/fp8 bases): trainable weights stay fp32.
+                for name, param in self._own_parameters(layer):
+                    param.data = param.data.float()
+                self.layers[path] = layer
+
+    @staticmethod
+    def _own_parameters(layer: torch.nn.Module):
+        return [(n, p) for n, p in layer.named_parameters() if n.startswith(_ADAPTER_PARAM_PREFIXES)]
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return [p for layer in self.layers.values() for _, p in self._own_parameters(layer)]
+
+    def to(self, device: torch.device) -> "AdapterSet":
+        for param in self.parameters():
+            param.data = param.data.to(device)
+            if param.grad is not None:
+                param.grad = param.grad.to(device)
+        return self
+
+    def train(self, mode: bool = True) -> None:
+        for layer in self.layers.values():
+            for name, child in layer.named_children():
+                if name != "base_layer":
+                    child.train(mode)
+            layer.training = mode
+
+    # --- attach / detach -------------------------------------------------------------------------------
+    def attach(self, root: torch.nn.Module) -> None:
+        if self.attached_to is not None:
+            raise RuntimeError("adapter is already attached; detach it first")
+        for path, layer in self.layers.items():
+            parent_path, child = _split_path(path)
+            parent = root.get_submodule(parent_path)
+            if getattr(parent, child) is not layer.base_layer:
+                raise RuntimeError(f"cannot attach adapter: {path} is not the module the adapter was built on")
+            setattr(parent, child, layer)
+        self.attached_to = root
+
+    def detach(self) -> None:
+        if self.attached_to is None:
+            return
+        for path, layer in self.layers.items():
+            parent_path, child = _split_path(path)
+            setattr(self.attached_to.get_submodule(parent_path), child, layer.base_layer)
+        self.attached_to = None
+
+    # --- state ------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Trainable tensors under peft's own names (`<path>.<param>`): the exact resume format."""
+        return {f"{path}.{name}": p.detach().clone() for path, layer in self.layers.items()
+                for name, p in self._own_parameters(layer)}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        own = {f"{path}.{name}": p for path, layer in self.layers.items() for name, p in self._own_parameters(layer)}
+        if own.keys() != state.keys():
+            missing, extra = sorted(own.keys() - state.keys()), sorted(state.keys() - own.keys())
+            raise ValueError(f"adapter state does not match this adapter: missing {missing[:3]}, unexpected {extra[:3]}")
+        with torch.no_grad():
+            for key, param in own.items():
+                if param.shape != state[key].shape:
+                    raise ValueError(f"adapter state {key} has shape {tuple(state[key].shape)}, expected {tuple(param.shape)}")
+                param.copy_(state[key].to(param))
+
+    def comfy_state_dict(self, prefix: str = "diffusion_model.", dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+        """The adapter in the key format ComfyUI's LoraLoader maps (see module docstring)."""
+        out: dict[str, torch.Tensor] = {}
+        with torch.no_grad():
+            for path, layer in self.layers.items():
+                key = prefix + path
+                if self.config.kind in ("lora", "dora"):
+                    out.update(_export_lora(key, layer))
+                elif self.config.kind == "loha":
+                    out.update(_export_loha(key, layer))
+                else:
+                    out.update(_export_lokr(key, layer))
+        return {k: v.detach().to(dtype).contiguous().cpu() for k, v in out.items()}
+
+    def parameter_count(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+def _export_lora(key: str, layer) -> dict[str, torch.Tensor]:
+    up = layer.lora_B["default"].weight.float()
+    down = layer.lora_A["default"].weight.float()
+    alpha = float(layer.lora_alpha["default"])
+    out = {f"{key}.lora_up.weight": up, f"{key}.lora_down.weight": down, f"{key}.alpha": torch.tensor(alpha)}
+    if "default" in layer.lora_magnitude_vector:
+        base = layer.get_base_layer().weight.float()
+        delta = (up.flatten(1) @ down.flatten(1)).reshape(base.shape) * layer.scaling["default"]
+        magnitude = layer.lora_magnitude_vector["default"].weight.float().reshape(base.shape[0])
+        merged_norm = (base + delta).flatten(1).norm(dim=1)
+        # ComfyUI (comfy/weight_adapter/base.py weight_decompose, output-axis case) divides the merged weight by
+        # the norm of the *unmerged* weight plus fp32 eps; peft divides by the merged norm. Folding the ratio into
+        # dora_scale makes the stock loader reproduce peft's DoRA weight (tests check it against the real loader).
+        base_norm = base.flatten(1).norm(dim=1) + torch.finfo(torch.float32).eps
+        scale = magnitude * base_norm / merged_norm
+        out[f"{key}.dora_scale"] = scale.reshape(base.shape[0], *([1] * (base.ndim - 1)))
+    return out
+
+
+def _export_loha(key: str, layer) -> dict[str, torch.Tensor]:
+    out = {f"{key}.alpha": torch.tensor(float(layer.alpha["default"]))}
+    for name in ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b", "hada_t1", "hada_t2"):
+        params = getattr(layer, name)
+        if "default" in params:
+            out[f"{key}.{name}"] = params["default"].float()
+    return out
+
+
+def _export_lokr(key: str, layer) -> dict[str, torch.Tensor]:
+    out = {}
+    for name in ("lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b", "lokr_t2"):
+        params = getattr(layer, name)
+        if "default" in params:
+            out[f"{key}.{name}"] = params["default"].float()
+    scaling = float(layer.scaling["default"])
+    if "lokr_w1_b" in out or "lokr_w2_b" in out:
+        # ComfyUI scales by alpha / rank only when a factor is decomposed; peft always scales by alpha / r.
+        out[f"{key}.alpha"] = torch.tensor(float(layer.alpha["default"]))
+    else:
+        out[f"{key}.lokr_w1"] = out[f"{key}.lokr_w1"] * scaling
+    return out

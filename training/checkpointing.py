@@ -1,0 +1,124 @@
+"""Block wrappers for the backward pass: gradient checkpointing per block (with a depth option), and
+protection for blocks that update their inputs in place.
+
+depth 1 checkpoints each of the model's blocks; depth 2 each child module of those blocks; and so on.
+A module's `forward` is wrapped by setting an instance attribute, and `restore()` deletes it again, so
+the class forward is used afterwards and nothing remains. Checkpointing is non-reentrant (works with
+keyword arguments and with inputs that do not require grad). Later memory features (CPU offload of the
+saved block inputs) wrap the same point.
+
+In-place inputs: some blocks (ComfyUI's Flux double/single blocks: `img += ...`, `x += ...`) add into
+the very tensor they received after an op saved it for backward (LayerNorm). Autograd then refuses the
+backward, and a checkpoint that recomputes from the modified input gets wrong gradients silently.
+`inplace_inputs=True` runs such a block on clones of its tensor inputs and clones, at save time, every
+saved tensor that shares their storage: exact gradients, one extra activation per block. Checkpointed,
+such a block uses the reentrant checkpoint (see `_checkpointed_inplace_safe`).
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+_CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict)  # no forward of their own: looked through
+
+
+def modules_at_depth(blocks: Iterable[torch.nn.Module], depth: int) -> list[torch.nn.Module]:
+    if depth < 1:
+        raise ValueError(f"checkpoint depth must be >= 1, got {depth}")
+    level = list(blocks)
+    for _ in range(depth - 1):
+        below = []
+        for module in level:
+            for child in module.children():
+                below.extend(child.children() if isinstance(child, _CONTAINERS) else [child])
+        # Parameter-free children (activations, dropout) are not worth a recompute boundary.
+        level = [m for m in below if any(True for _ in m.parameters())]
+    return level
+
+
+def _inplace_safe(forward: Callable) -> Callable:
+    def safe_forward(*args, **kwargs):
+        def fresh(value):
+            return value.clone() if torch.is_tensor(value) and value.is_floating_point() else value
+
+        args = [fresh(a) for a in args]
+        kwargs = {k: fresh(v) for k, v in kwargs.items()}
+        storages = {t.untyped_storage().data_ptr() for t in [*args, *kwargs.values()]
+                    if torch.is_tensor(t) and t.is_floating_point()}
+
+        def pack(saved: torch.Tensor) -> torch.Tensor:
+            return saved.clone() if saved.untyped_storage().data_ptr() in storages else saved
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda saved: saved):
+            return forward(*args, **kwargs)
+
+    return safe_forward
+
+
+def _checkpointed_inplace_safe(forward: Callable) -> Callable:
+    """Checkpoint of an in-place block. Reentrant on purpose: the non-reentrant checkpoint works through
+    saved-tensor hooks, which the in-place protection's own hooks would override (nothing would be
+    recomputed); the reentrant one runs the forward without saving anything and recomputes under
+    enable_grad in backward, where the protection's hooks then act alone. It needs an input that
+    requires grad to be part of the graph, hence the empty anchor; tensors passed by keyword go in
+    positionally so their gradients come back."""
+    safe = _inplace_safe(forward)
+
+    def checkpointed_forward(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        tensor_names = [k for k, v in kwargs.items() if torch.is_tensor(v)]
+        others = {k: v for k, v in kwargs.items() if k not in tensor_names}
+
+        def run(_anchor, *tensors):
+            return safe(*tensors[:len(args)], **dict(zip(tensor_names, tensors[len(args):])), **others)
+
+        anchor = torch.empty(0, requires_grad=True)
+        return checkpoint(run, anchor, *args, *(kwargs[k] for k in tensor_names), use_reentrant=True)
+
+    return checkpointed_forward
+
+
+def _checkpointed(forward: Callable) -> Callable:
+    def checkpointed_forward(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    return checkpointed_forward
+
+
+def wrap_blocks(blocks: Iterable[torch.nn.Module], checkpoint_depth: int | None = None,
+                inplace_inputs: bool = False) -> Callable[[], None]:
+    """Checkpoint the modules `checkpoint_depth` below `blocks` (None: no checkpointing) and/or make the
+    blocks safe for in-place input updates. Returns the function that undoes all of it."""
+    blocks = list(blocks)
+    if inplace_inputs and checkpoint_depth is not None and checkpoint_depth > 1:
+        raise ValueError(
+            "this model's blocks update their inputs in place, so gradient checkpointing must be at depth 1 "
+            f"(whole blocks), not {checkpoint_depth}: a finer checkpoint would recompute from modified tensors"
+        )
+    block_ids = set(map(id, blocks)) if inplace_inputs else set()
+    checkpointed = modules_at_depth(blocks, checkpoint_depth) if checkpoint_depth is not None else []
+    checkpoint_ids = set(map(id, checkpointed))
+    wrapped = []
+    for module in {id(m): m for m in [*blocks, *checkpointed]}.values():
+        if "forward" in module.__dict__ or id(module) not in block_ids | checkpoint_ids:
+            continue  # already wrapped elsewhere, or nothing to do
+        forward = module.forward
+        if id(module) in block_ids and id(module) in checkpoint_ids:
+            forward = _checkpointed_inplace_safe(forward)
+        elif id(module) in block_ids:
+            forward = _inplace_safe(forward)
+        else:
+            forward = _checkpointed(forward)
+        module.forward = forward
+        wrapped.append(module)
+
+    def restore() -> None:
+        for module in wrapped:
+            module.__dict__.pop("forward", None)
+
+    return restore

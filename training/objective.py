@@ -1,0 +1,159 @@
+"""The diffusion training objective: which sigma, how x_t is built, what the loss compares.
+
+The model side is described by `SamplingDescriptor`, which the ComfyUI bridge fills from the MODEL's
+own `model_sampling` (prediction type, discrete sigma table, flow shift), so training uses exactly
+the noise parametrisation ComfyUI samples with:
+
+- eps / v (ComfyUI `EPS`, `V_PREDICTION`, discrete schedule): x_t = x0 + sigma * noise
+- flow (ComfyUI `CONST`, SD3 / Flux):                        x_t = sigma * noise + (1 - sigma) * x0
+
+The denoiser returns its x0 estimate (what ComfyUI's `BaseModel.apply_model` returns). The loss in the
+model's native space (eps, v or flow velocity) is a per-sample multiple of the x0 error:
+  eps:  |eps_hat - eps|^2 = |x0_hat - x0|^2 / sigma^2
+  v:    |v_hat - v|^2     = |x0_hat - x0|^2 * (sigma^2 + 1) / sigma^2      (sigma_data = 1)
+  flow: |u_hat - u|^2     = |x0_hat - x0|^2 / sigma^2
+so one code path serves all three, with min-SNR-gamma weighting on top for eps / v.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import torch
+
+Prediction = Literal["eps", "v", "flow"]
+PREDICTIONS = ("eps", "v", "flow")
+TIMESTEP_SAMPLINGS = ("uniform", "logit_normal", "shifted")
+LOSS_WEIGHTINGS = ("none", "min_snr")
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingDescriptor:
+    """How a model turns a noise level into its input; filled from ComfyUI's `model_sampling`.
+
+    sigmas: the discrete sigma table (ascending) for eps / v models; None for flow models, whose sigma
+    is the flow time itself in [0, 1]. flow_shift: the model's own time shift in the SD3 form
+    sigma = s*t / (1 + (s-1)*t) (Flux's exp(mu) form is converted by the bridge), 1.0 for none.
+    """
+
+    prediction: Prediction
+    sigmas: torch.Tensor | None = None
+    flow_shift: float = 1.0
+
+    def __post_init__(self):
+        if self.prediction not in PREDICTIONS:
+            raise ValueError(f"prediction={self.prediction!r} is not one of {PREDICTIONS}")
+        if self.prediction != "flow" and (self.sigmas is None or self.sigmas.ndim != 1 or len(self.sigmas) < 2):
+            raise ValueError(f"a {self.prediction} model needs its discrete sigma table (1-D, ascending)")
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectiveConfig:
+    timestep_sampling: str = "uniform"  # uniform | logit_normal | shifted
+    logit_mean: float = 0.0
+    logit_std: float = 1.0
+    shift: float | None = None  # for "shifted": None = the model's own flow shift
+    loss_weighting: str = "none"  # none | min_snr
+    min_snr_gamma: float = 5.0
+    noise_offset: float = 0.0
+
+    def validate(self, prediction: Prediction) -> None:
+        if self.timestep_sampling not in TIMESTEP_SAMPLINGS:
+            raise ValueError(f"timestep_sampling={self.timestep_sampling!r}: choose one of {TIMESTEP_SAMPLINGS}")
+        if self.loss_weighting not in LOSS_WEIGHTINGS:
+            raise ValueError(f"loss_weighting={self.loss_weighting!r}: choose one of {LOSS_WEIGHTINGS}")
+        if self.loss_weighting == "min_snr" and prediction == "flow":
+            raise ValueError("loss_weighting='min_snr' is defined for eps / v models; this is a flow model: use 'none'")
+        if self.loss_weighting == "min_snr" and self.min_snr_gamma <= 0:
+            raise ValueError(f"min_snr_gamma={self.min_snr_gamma} must be > 0")
+        if self.logit_std <= 0:
+            raise ValueError(f"logit_std={self.logit_std} must be > 0")
+        if self.shift is not None and self.shift <= 0:
+            raise ValueError(f"shift={self.shift} must be > 0")
+        if self.noise_offset < 0:
+            raise ValueError(f"noise_offset={self.noise_offset} must be >= 0")
+
+
+def time_shift(t: torch.Tensor, shift: float) -> torch.Tensor:
+    """SD3's resolution shift of a time in [0, 1]: more weight on high noise for shift > 1."""
+    if shift == 1.0:
+        return t
+    return shift * t / (1 + (shift - 1) * t)
+
+
+class Objective:
+    """Samples training noise levels and computes the loss for one model parametrisation."""
+
+    def __init__(self, sampling: SamplingDescriptor, config: ObjectiveConfig = ObjectiveConfig()):
+        config.validate(sampling.prediction)
+        self.sampling = sampling
+        self.config = config
+
+    # --- noise levels -------------------------------------------------------------------------------
+    def sample_t(self, batch: int, generator: torch.Generator) -> torch.Tensor:
+        """Times in (0, 1): the fraction of the way from clean (0) to pure noise (1)."""
+        cfg = self.config
+        if cfg.timestep_sampling == "logit_normal":
+            t = torch.sigmoid(cfg.logit_mean + cfg.logit_std * torch.randn(batch, generator=generator))
+        else:
+            t = torch.rand(batch, generator=generator)
+        if cfg.timestep_sampling == "shifted":
+            t = time_shift(t, cfg.shift if cfg.shift is not None else self.sampling.flow_shift)
+        return t
+
+    def sigma_at(self, t: torch.Tensor) -> torch.Tensor:
+        """Noise level for times in [0, 1]. Discrete models pick a table entry, as their sampler does."""
+        if self.sampling.prediction == "flow":
+            return t.clamp(1e-4, 1.0)
+        sigmas = self.sampling.sigmas
+        index = (t * len(sigmas)).long().clamp(0, len(sigmas) - 1)
+        return sigmas[index].float()
+
+    def sample_sigma(self, batch: int, generator: torch.Generator) -> torch.Tensor:
+        return self.sigma_at(self.sample_t(batch, generator))
+
+    def sample_noise(self, like: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        noise = torch.randn(like.shape, generator=generator, dtype=torch.float32)
+        if self.config.noise_offset > 0:
+            # Per-channel constant offset: lets the model learn overall brightness shifts.
+            offset = torch.randn(like.shape[:2] + (1,) * (like.ndim - 2), generator=generator)
+            noise = noise + self.config.noise_offset * offset
+        return noise
+
+    # --- x_t and loss -----------------------------------------------------------------------------------
+    def noisy(self, x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+        s = sigma.view(-1, *([1] * (x0.ndim - 1))).to(x0)
+        if self.sampling.prediction == "flow":
+            return s * noise + (1.0 - s) * x0
+        return x0 + s * noise
+
+    def sample_weight(self, sigma: torch.Tensor, min_snr: bool = True) -> torch.Tensor:
+        """Per-sample factor turning the x0 error into the native-space loss (and min-SNR on top)."""
+        sigma = sigma.float()
+        inv_sq = 1.0 / sigma.square()
+        if self.sampling.prediction == "v":
+            weight = (sigma.square() + 1.0) * inv_sq
+        else:
+            weight = inv_sq
+        if min_snr and self.config.loss_weighting == "min_snr":
+            snr = inv_sq  # x_t = x0 + sigma*eps  ->  SNR = 1 / sigma^2
+            gamma = torch.full_like(snr, self.config.min_snr_gamma)
+            denominator = snr + 1.0 if self.sampling.prediction == "v" else snr
+            weight = weight * torch.minimum(snr, gamma) / denominator
+        return weight
+
+    def loss(self, x0_hat: torch.Tensor, x0: torch.Tensor, sigma: torch.Tensor, weighted: bool = True) -> torch.Tensor:
+        """Mean native-space loss over the batch. weighted=False skips min-SNR (validation loss)."""
+        per_sample = (x0_hat.float() - x0.float()).square().flatten(1).mean(dim=1)
+        weight = self.sample_weight(sigma, min_snr=weighted)
+        return (per_sample * weight.to(per_sample.device)).mean()
+
+    def fixed_times(self, count: int) -> torch.Tensor:
+        """Evenly spread times for the deterministic validation loss (ends excluded)."""
+        return (torch.arange(count, dtype=torch.float32) + 0.5) / count
+
+
+def step_seed(seed: int, micro_step: int, salt: int = 0) -> int:
+    """A seed per micro-step: randomness depends only on (seed, step), so a resumed run draws exactly
+    what the straight run drew without saving generator states."""
+    return (seed * 1_000_003 + micro_step * 7_919 + salt) % (2**63 - 1)

@@ -1,0 +1,566 @@
+"""The memory planner: estimated peak device bytes per phase of a run, itemised, and the fastest policy
+that fits a budget.
+
+Inputs:
+- `ModelDescription`: the frozen base per block (weight bytes; how much of it is Linear weights, what
+  low-bit storage shrinks) and its activation profile per sample, as laws of the latent area and the text
+  length (`ActivationLaw`): `saved` = what autograd keeps for the block's backward without checkpointing,
+  `inputs` = the block's tensor inputs (all that checkpointing keeps). The profile is *measured* on the
+  model's own code (`measure_activations`: forwards at a few small sizes, saved tensors counted through
+  autograd's saved-tensor hooks) and fitted (`fit_profile`), then extrapolated to the bucket.
+- `TrainableSpec`: trainable parameter shapes and the optimizer (state bytes per optimizer below).
+- batch, resolution bucket, `OffloadPolicy`, budget in bytes.
+
+Items per phase (bytes on the compute device):
+- caching: the larger of text encoders and VAE + its encode working set (encoders load one at a time);
+- training: frozen weights (by placement and storage), trainable weights + gradients (fp32) + optimizer
+  state, activations (all blocks' saved tensors; or checkpointed inputs + one block recomputed; or two
+  blocks' inputs in flight when offloaded), gradient buffers of one block, allocator overhead;
+- validation: frozen weights + adapter + ComfyUI's own inference estimate (memory_required, for the
+  cond/uncond batch), optimizer state and gradients unless parked; then the VAE decode once the
+  denoiser is released (tiled when it would not fit);
+- save: weights, trainables, gradients and optimizer state, no activations.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from typing import Callable, Iterable, Sequence
+
+import torch
+
+from .policy import CHECKPOINTING, GIB, OPTIMIZER_STATES, PLACEMENTS, OffloadPolicy
+
+MIB = 1024 ** 2
+ALLOCATOR_OVERHEAD = 0.05  # caching-allocator rounding and fragmentation, on top of live tensors
+TILE_PX = 512  # ComfyUI's default tiled VAE decode tile, in pixels
+BNB_MIN_8BIT_SIZE = 4096  # bitsandbytes keeps 32-bit state for smaller tensors
+PLAN_FORMAT = "headroom.memory_plan"
+
+
+# --- descriptions -----------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class ActivationLaw:
+    """Bytes per sample as a function of the latent area A and the text length T:
+    const + per_latent_px*A + per_latent_px2*A^2 + per_text_token*T + per_px_token*A*T.
+    Linear with memory-efficient attention (SDPA / flash, what ComfyUI uses on CUDA); the quadratic and
+    cross terms are the attention maps kept by plain attention (e.g. ComfyUI's CPU path)."""
+
+    const: float = 0.0
+    per_latent_px: float = 0.0
+    per_latent_px2: float = 0.0
+    per_text_token: float = 0.0
+    per_px_token: float = 0.0
+
+    def at(self, latent_area: float, text_tokens: float) -> float:
+        a, t = latent_area, text_tokens
+        value = (self.const + self.per_latent_px * a + self.per_latent_px2 * a * a + self.per_text_token * t
+                 + self.per_px_token * a * t)
+        return max(0.0, value)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockProfile:
+    name: str
+    param_bytes: int  # frozen weights and buffers as loaded
+    linear_weight_bytes: int = 0  # the part in Linear weights (what low-bit storage shrinks)
+    linear_weight_numel: int = 0
+    linear_rows: int = 0  # sum of out_features (int8 keeps one scale per row)
+    linear_count: int = 0
+    saved: ActivationLaw = ActivationLaw()
+    inputs: ActivationLaw = ActivationLaw()
+
+    def weight_bytes(self, storage: str) -> int:
+        """Device bytes of this block's frozen weights when stored as `storage`."""
+        if storage == "as_loaded" or self.linear_count == 0:
+            return self.param_bytes
+        numel = self.linear_weight_numel
+        packed = {
+            "fp8": numel + 4 * self.linear_count,
+            "int8": numel + 4 * self.linear_rows,
+            "nf4": numel // 2 + 4 * math.ceil(numel / 64) + 64 * self.linear_count,
+        }[storage]
+        return self.param_bytes - self.linear_weight_bytes + packed
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelDescription:
+    name: str
+    blocks: tuple[BlockProfile, ...]
+    other_param_bytes: int  # weights outside the blocks (embedders, final layer): always resident
+    outside_saved: ActivationLaw = ActivationLaw()  # activations saved outside the blocks
+    latent_channels: int = 4
+    latent_downscale: int = 8
+    text_tokens: int = 77
+    inference_bytes_per_latent_px: float = 0.0  # ComfyUI's memory_required per latent pixel (batch 1)
+    text_encoder_bytes: int = 0
+    vae_bytes: int = 0
+    vae_encode_bytes_per_px: float = 0.0  # per image pixel
+    vae_decode_bytes_per_px: float = 0.0
+
+    def frozen_bytes(self, storage: str = "as_loaded") -> int:
+        return self.other_param_bytes + sum(b.weight_bytes(storage) for b in self.blocks)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ModelDescription":
+        data = dict(data)
+        blocks = tuple(BlockProfile(**{**b, "saved": ActivationLaw(**b["saved"]), "inputs": ActivationLaw(**b["inputs"])})
+                       for b in data.pop("blocks"))
+        return cls(blocks=blocks, outside_saved=ActivationLaw(**data.pop("outside_saved")), **data)
+
+
+def _optimizer_state_bytes(optimizer: str, shape: tuple[int, ...]) -> int:
+    """Bytes of optimizer state for one fp32 parameter tensor of `shape` (checked against the libraries)."""
+    numel = math.prod(shape)
+    factored = len(shape) >= 2
+    rows, cols = (math.prod(shape[:-1]), shape[-1]) if factored else (numel, 0)
+    if optimizer == "AdamW":
+        return 8 * numel
+    if optimizer in ("AdamW8bit", "PagedAdamW8bit"):
+        return 2 * numel + 8 * math.ceil(numel / 256) if numel >= BNB_MIN_8BIT_SIZE else 8 * numel
+    if optimizer == "Lion8bit":
+        return numel + 4 * math.ceil(numel / 256) if numel >= BNB_MIN_8BIT_SIZE else 4 * numel
+    if optimizer == "Adafactor":  # no first moment (beta1=None); second moment factored for matrices
+        return 4 * (rows + cols) if factored else 4 * numel
+    if optimizer == "CAME":  # full first moment, factored second moment and residual
+        return 4 * numel + 8 * (rows + cols) if factored else 8 * numel
+    if optimizer == "Prodigy":  # exp_avg, exp_avg_sq, s, p0
+        return 16 * numel
+    raise ValueError(f"planner: no state model for optimizer {optimizer!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainableSpec:
+    """Trainable fp32 tensors by shape, and the optimizer that updates them."""
+
+    shapes: tuple[tuple[int, ...], ...]
+    optimizer: str = "AdamW"
+
+    @property
+    def param_count(self) -> int:
+        return sum(math.prod(s) for s in self.shapes)
+
+    def param_bytes(self) -> int:
+        return 4 * self.param_count
+
+    def optimizer_bytes(self) -> int:
+        return sum(_optimizer_state_bytes(self.optimizer, s) for s in self.shapes)
+
+    @classmethod
+    def from_parameters(cls, params: Iterable[torch.Tensor], optimizer: str = "AdamW") -> "TrainableSpec":
+        return cls(tuple(tuple(p.shape) for p in params), optimizer)
+
+    @classmethod
+    def lora(cls, targets: Iterable[torch.nn.Module], rank: int, optimizer: str = "AdamW") -> "TrainableSpec":
+        """LoRA down/up matrices of rank `rank` on Linear / Conv2d `targets`."""
+        shapes = []
+        for module in targets:
+            if isinstance(module, torch.nn.Conv2d):
+                shapes += [(rank, module.in_channels, *module.kernel_size), (module.out_channels, rank, 1, 1)]
+            else:
+                shapes += [(rank, module.in_features), (module.out_features, rank)]
+        return cls(tuple(shapes), optimizer)
+
+
+# --- estimates ----------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class PhaseEstimate:
+    phase: str
+    items: dict[str, int]
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def total(self) -> int:
+        return sum(self.items.values())
+
+
+@dataclasses.dataclass
+class Plan:
+    policy: OffloadPolicy
+    phases: list[PhaseEstimate]
+    budget_bytes: int | None = None
+    reason: str = ""
+    host_bytes: dict[str, int] = dataclasses.field(default_factory=dict)  # what lives in host RAM instead
+
+    @property
+    def peak(self) -> PhaseEstimate:
+        return max(self.phases, key=lambda p: p.total)
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.peak.total
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.budget_bytes is None else self.peak_bytes <= self.budget_bytes
+
+    def phase(self, name: str) -> PhaseEstimate:
+        return next(p for p in self.phases if p.phase == name)
+
+    def to_dict(self) -> dict:
+        return {
+            "format": PLAN_FORMAT, "policy": self.policy.to_dict(), "budget_bytes": self.budget_bytes,
+            "fits": self.fits, "peak_phase": self.peak.phase, "peak_bytes": self.peak_bytes, "reason": self.reason,
+            "phases": [{"phase": p.phase, "total_bytes": p.total, "items": dict(p.items), "notes": list(p.notes)}
+                       for p in self.phases],
+            "host_bytes": dict(self.host_bytes),
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    def to_text(self) -> str:
+        budget = "no budget" if self.budget_bytes is None else f"budget {_gib(self.budget_bytes)}"
+        verdict = "" if self.fits is None else (" - fits" if self.fits else " - DOES NOT FIT")
+        lines = [f"Headroom memory plan: {self.policy.describe()}",
+                 f"peak {_gib(self.peak_bytes)} in {self.peak.phase} ({budget}){verdict}"]
+        for phase in self.phases:
+            lines.append(f"{phase.phase}: {_gib(phase.total)}")
+            for name, value in phase.items.items():
+                lines.append(f"  {name:<44} {_gib(value):>12}")
+            lines += [f"  note: {note}" for note in phase.notes]
+        if self.host_bytes:
+            lines.append("host RAM instead of the device: " + ", ".join(f"{k} {_gib(v)}" for k, v in self.host_bytes.items()))
+        if self.reason:
+            lines.append(self.reason)
+        return "\n".join(lines)
+
+
+def _gib(value: float) -> str:
+    """Bytes for people: GiB from 1 GiB up, MiB below."""
+    return f"{value / GIB:.2f} GiB" if value >= GIB else f"{value / MIB:.1f} MiB"
+
+
+@dataclasses.dataclass(frozen=True)
+class RunShape:
+    """What one training step processes."""
+
+    batch: int
+    width: int
+    height: int
+    text_tokens: int | None = None  # None: the description's default
+
+    def latent_area(self, description: ModelDescription) -> int:
+        d = description.latent_downscale
+        return (self.height // d) * (self.width // d)
+
+    def tokens(self, description: ModelDescription) -> int:
+        return description.text_tokens if self.text_tokens is None else self.text_tokens
+
+
+def estimate(description: ModelDescription, trainable: TrainableSpec, shape: RunShape, policy: OffloadPolicy,
+             budget_bytes: int | None = None) -> Plan:
+    """Peak device bytes per phase of a run with `policy`, itemised."""
+    area, tokens, batch = shape.latent_area(description), shape.tokens(description), shape.batch
+    blocks = description.blocks
+    storage = policy.base_storage
+    block_weights = [b.weight_bytes(storage) for b in blocks]
+    saved = [b.saved.at(area, tokens) * batch for b in blocks]
+    inputs = [b.inputs.at(area, tokens) * batch for b in blocks]
+    outside = description.outside_saved.at(area, tokens) * batch
+    host: dict[str, int] = {}  # what the policy keeps in host RAM instead
+
+    # Trainables.
+    trainables = {"trainable weights (fp32)": trainable.param_bytes(), "gradients (fp32)": trainable.param_bytes()}
+    optimizer = trainable.optimizer_bytes()
+    if policy.optimizer_state == "gpu":
+        trainables[f"optimizer state ({trainable.optimizer})"] = optimizer
+    else:
+        host["optimizer state + fp32 master weights"] = optimizer + trainable.param_bytes()
+
+    # Activations of one step.
+    activations: dict[str, int] = {}
+    if policy.checkpointing == "off":
+        activations["saved activations, all blocks"] = int(sum(saved))
+    elif policy.checkpointing == "blocks":
+        activations["checkpointed block inputs"] = int(sum(inputs))
+        activations["one block recomputed in backward"] = int(max(saved, default=0))
+    else:
+        activations["block inputs in flight (2 blocks)"] = int(2 * max(inputs, default=0))
+        activations["one block recomputed in backward"] = int(max(saved, default=0))
+        host["offloaded block inputs"] = int(sum(inputs))
+    activations["saved activations outside the blocks"] = int(outside)
+    activations["gradient buffers of one block"] = int(2 * max(inputs, default=0))
+
+    # Frozen weights by placement.
+    all_blocks = sum(block_weights)
+    weights = {"frozen weights outside the blocks": description.other_param_bytes}
+    notes = []
+    if policy.base_placement == "resident":
+        weights[f"frozen block weights ({storage})"] = all_blocks
+    else:
+        weights["streamed block buffers (2 blocks)"] = 2 * max(block_weights, default=0)  # in use + in flight
+        resident_part = 0
+        if policy.base_placement == "partial":
+            if budget_bytes is None:
+                resident_part = all_blocks
+                notes.append("partial placement without a budget: estimated as fully resident")
+            else:
+                rest = sum(weights.values()) + sum(trainables.values()) + sum(activations.values())
+                room = int(budget_bytes / (1 + ALLOCATOR_OVERHEAD)) - rest
+                resident_part = max(0, min(all_blocks, room))
+            weights[f"resident block weights ({storage}, partial)"] = resident_part
+            if resident_part >= all_blocks:
+                weights["streamed block buffers (2 blocks)"] = 0
+        if all_blocks > resident_part:
+            host["streamed block weights"] = all_blocks - resident_part
+
+    training_items = {**weights, **trainables, **activations}
+    training_items["allocator overhead (5%)"] = int(ALLOCATOR_OVERHEAD * sum(training_items.values()))
+    training = PhaseEstimate("training step", training_items, notes)
+
+    # Validation: the same frozen weights, the adapter, ComfyUI's inference estimate for cond + uncond.
+    validation_items = dict(weights)
+    validation_items["adapter weights (fp32)"] = trainable.param_bytes()
+    if not policy.park_optimizer_during_validation:
+        validation_items["gradients (fp32)"] = trainable.param_bytes()
+        if policy.optimizer_state == "gpu":
+            validation_items[f"optimizer state ({trainable.optimizer})"] = optimizer
+    validation_items["sampling working set (ComfyUI estimate, cond+uncond)"] = int(
+        description.inference_bytes_per_latent_px * area * 2)
+    validation_items["allocator overhead (5%)"] = int(ALLOCATOR_OVERHEAD * sum(validation_items.values()))
+    validation = PhaseEstimate("validation", validation_items)
+    if policy.park_optimizer_during_validation:
+        validation.notes.append("optimizer state and gradients parked in host RAM while sampling")
+    if description.inference_bytes_per_latent_px == 0:
+        validation.notes.append("no inference estimate in the model description")
+
+    pixels = shape.width * shape.height
+    decode_full = int(description.vae_decode_bytes_per_px * pixels)
+    decode_tiled = int(description.vae_decode_bytes_per_px * min(pixels, TILE_PX * TILE_PX))
+    tiled = policy.vae_tiled_decode == "on" or (
+        policy.vae_tiled_decode == "auto" and budget_bytes is not None and description.vae_bytes + decode_full > budget_bytes)
+    decode = PhaseEstimate("validation decode", {
+        "VAE weights": description.vae_bytes,
+        "decode working set" + (" (tiled 512 px)" if tiled else ""): decode_tiled if tiled else decode_full,
+    }, ["after the denoiser is released"])
+
+    cache_text = PhaseEstimate("caching (text encoders)", {"text encoder weights": description.text_encoder_bytes})
+    cache_vae = PhaseEstimate("caching (VAE encode)", {
+        "VAE weights": description.vae_bytes,
+        "encode working set": int(description.vae_encode_bytes_per_px * pixels * batch),
+    })
+    for phase in (cache_text, cache_vae, decode):
+        if not any(phase.items.values()):
+            phase.notes.append("encoder sizes not given (connect CLIP / VAE to the plan node)")
+
+    save_items = {k: v for k, v in training_items.items() if k in weights or k in trainables}
+    save_items["allocator overhead (5%)"] = int(ALLOCATOR_OVERHEAD * sum(save_items.values()))
+    save = PhaseEstimate("save", save_items)
+
+    return Plan(policy, [cache_text, cache_vae, training, validation, decode, save], budget_bytes, host_bytes=host)
+
+
+# --- choosing a policy ------------------------------------------------------------------------------------
+def candidate_policies(base: OffloadPolicy, storages: Sequence[str] | None = None) -> list[OffloadPolicy]:
+    """Every valid policy variant of `base`, fastest first: resident > partial > streamed, then no
+    checkpointing > checkpointing > offloaded checkpointing, then optimizer on the device > host;
+    with `storages`, each further storage (precision change) after all variants of the previous one."""
+    result = []
+    for storage in storages or [base.base_storage]:
+        for placement in PLACEMENTS:
+            for checkpointing in CHECKPOINTING:
+                if placement != "resident" and checkpointing == "off":
+                    continue  # invalid: see OffloadPolicy.validate
+                for optimizer_state in OPTIMIZER_STATES:
+                    result.append(base.replace(base_storage=storage, base_placement=placement,
+                                               checkpointing=checkpointing, optimizer_state=optimizer_state))
+    return result
+
+
+def plan_auto(description: ModelDescription, trainable: TrainableSpec, shape: RunShape, base: OffloadPolicy,
+              budget_bytes: int) -> Plan:
+    """The fastest policy (see candidate_policies) whose estimated peak fits `budget_bytes`, with the reason.
+
+    The frozen base's storage stays what `base` says while any variant fits; only when none does are
+    lower-precision storages (fp8, then int8, then nf4) tried, and the reason says the numerics change.
+    """
+    storages = [base.base_storage] + [s for s in ("fp8", "int8", "nf4") if s != base.base_storage and base.base_storage == "as_loaded"]
+    tried: list[Plan] = []
+    for policy in candidate_policies(base, storages):
+        plan = estimate(description, trainable, shape, policy, budget_bytes)
+        if plan.fits:
+            faster = [f"{p.policy.base_placement}/{p.policy.checkpointing}/optimizer {p.policy.optimizer_state}"
+                      f"{'' if p.policy.base_storage == policy.base_storage else '/' + p.policy.base_storage}"
+                      f" needs {_gib(p.peak_bytes)} ({p.peak.phase})" for p in tried[:3]]
+            plan.reason = (f"chosen: the fastest policy that fits - peak {_gib(plan.peak_bytes)} ({plan.peak.phase}) "
+                           f"within the budget of {_gib(budget_bytes)}.")
+            if faster:
+                plan.reason += " Faster options over budget: " + "; ".join(faster) + (" ..." if len(tried) > 3 else "") + "."
+            if policy.base_storage != base.base_storage:
+                plan.reason += (f" No policy fits with the base as loaded: the base is stored as {policy.base_storage}, "
+                                "which changes its numerics.")
+            return plan
+        tried.append(plan)
+    smallest = min(tried, key=lambda p: p.peak_bytes)
+    smallest.reason = (f"nothing fits the budget of {_gib(budget_bytes)}: the smallest estimate is "
+                       f"{_gib(smallest.peak_bytes)} ({smallest.peak.phase}) with {smallest.policy.describe()}; "
+                       "lower the batch size or resolution, or free device memory.")
+    return smallest
+
+
+def next_smaller_policy(description: ModelDescription, trainable: TrainableSpec, shape: RunShape,
+                        current: OffloadPolicy, budget_bytes: int | None = None) -> Plan | None:
+    """After an out-of-memory error: the first policy slower than `current` whose estimated peak is at
+    least 10 % below `current`'s (a smaller step would likely fail again), or None when none is."""
+    current_peak = estimate(description, trainable, shape, current, budget_bytes).peak_bytes
+    storages = [current.base_storage] + [s for s in ("fp8", "int8", "nf4") if s != current.base_storage and current.base_storage == "as_loaded"]
+    candidates = candidate_policies(current, storages)
+    start = next((i for i, p in enumerate(candidates) if p == current), -1) + 1
+    for policy in candidates[start:]:
+        plan = estimate(description, trainable, shape, policy, budget_bytes)
+        if plan.peak_bytes <= 0.9 * current_peak:
+            return plan
+    return None
+
+
+# --- measuring activations ------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class ActivationSample:
+    """Bytes measured in one forward: per block (saved for backward, tensor inputs) and outside the blocks."""
+
+    latent_area: int
+    text_tokens: int
+    block_saved: list[int]
+    block_inputs: list[int]
+    outside_saved: int
+
+    @property
+    def total_saved(self) -> int:
+        return sum(self.block_saved) + self.outside_saved
+
+
+def _storage_key(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
+
+
+def _storage_bytes(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().nbytes()
+
+
+def measure_activations(run_forward: Callable[[], object], blocks: Sequence[torch.nn.Module],
+                        weights: Iterable[torch.Tensor] = (), latent_area: int = 0, text_tokens: int = 0,
+                        grad_only: bool = False) -> ActivationSample:
+    """Count what one forward keeps for backward, per block (no checkpointing; tensors counted once each).
+
+    `run_forward()` runs the forward as training does (the trainables attached, grad enabled) and returns
+    its output, which is dropped afterwards (no backward is needed). Tensors sharing storage with
+    `weights` (the frozen parameters) are not activations and are skipped. `grad_only`: count only
+    tensors on the gradient path (requires_grad), which leaves out weight copies that a partially loaded
+    model casts per layer.
+    """
+    weight_keys = {_storage_key(w) for w in weights}
+    seen: set[int] = set()
+    current: list[int | None] = [None]
+    block_saved = [0] * len(blocks)
+    block_inputs = [0] * len(blocks)
+    outside = [0]
+
+    def add(tensor: torch.Tensor) -> None:
+        key = _storage_key(tensor)
+        if key in weight_keys or key in seen:
+            return
+        seen.add(key)
+        if current[0] is None:
+            outside[0] += _storage_bytes(tensor)
+        else:
+            block_saved[current[0]] += _storage_bytes(tensor)
+
+    def pack(tensor: torch.Tensor):
+        if tensor.requires_grad or not grad_only:
+            add(tensor)
+        return tensor
+
+    handles = []
+    for index, block in enumerate(blocks):
+        def pre(module, args, kwargs, index=index):
+            current[0] = index
+            tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+            keys = {}
+            for t in tensors:
+                keys.setdefault(_storage_key(t), _storage_bytes(t))
+            block_inputs[index] = sum(keys.values())
+
+        def post(module, args, output):
+            current[0] = None
+
+        handles.append(block.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(block.register_forward_hook(post))
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            output = run_forward()
+        del output
+    finally:
+        for handle in handles:
+            handle.remove()
+    return ActivationSample(latent_area, text_tokens, block_saved, block_inputs, outside[0])
+
+
+_LAW_TERMS = ("const", "per_latent_px", "per_latent_px2", "per_text_token", "per_px_token")
+
+
+def fit_profile(samples: Sequence[ActivationSample]) -> tuple[list[ActivationLaw], list[ActivationLaw], ActivationLaw]:
+    """Per-block laws (saved, inputs) and the outside law, least-squares from the samples. A term is fitted
+    only when the samples can tell it apart: the area term needs two areas, the quadratic term three,
+    the text term two text lengths, the cross term a second area at a second text length."""
+    areas = {s.latent_area for s in samples}
+    tokens = {s.text_tokens for s in samples}
+    if len(areas) < 2:
+        raise ValueError("fit_profile: the samples must differ in latent area")
+    terms = ["const", "per_latent_px"]
+    if len(areas) >= 3:
+        terms.append("per_latent_px2")
+    if len(tokens) >= 2:
+        terms.append("per_text_token")
+        if len({s.latent_area for s in samples if s.text_tokens != samples[0].text_tokens}) >= 2:
+            terms.append("per_px_token")
+    # Features scaled to about 1 so the solve is well conditioned.
+    a_scale = max(areas)
+    t_scale = max(max(tokens), 1)
+    scale = {"const": 1.0, "per_latent_px": a_scale, "per_latent_px2": a_scale ** 2,
+             "per_text_token": t_scale, "per_px_token": a_scale * t_scale}
+    features = {
+        "const": lambda s: 1.0, "per_latent_px": lambda s: s.latent_area / a_scale,
+        "per_latent_px2": lambda s: (s.latent_area / a_scale) ** 2, "per_text_token": lambda s: s.text_tokens / t_scale,
+        "per_px_token": lambda s: s.latent_area * s.text_tokens / (a_scale * t_scale),
+    }
+    design = torch.tensor([[features[t](s) for t in terms] for s in samples], dtype=torch.float64)
+
+    def solve(values: Sequence[int]) -> ActivationLaw:
+        target = torch.tensor(values, dtype=torch.float64).unsqueeze(1)
+        coefficients = torch.linalg.lstsq(design, target).solution.squeeze(1).tolist()
+        return ActivationLaw(**{t: c / scale[t] for t, c in zip(terms, coefficients)})
+
+    saved = [solve([s.block_saved[i] for s in samples]) for i in range(len(samples[0].block_saved))]
+    inputs = [solve([s.block_inputs[i] for s in samples]) for i in range(len(samples[0].block_inputs))]
+    return saved, inputs, solve([s.outside_saved for s in samples])
+
+
+def describe_blocks(named_blocks: Sequence[tuple[str, torch.nn.Module]], saved: Sequence[ActivationLaw],
+                    inputs: Sequence[ActivationLaw]) -> tuple[BlockProfile, ...]:
+    """BlockProfiles from the modules (frozen weight bytes, frozen Linear statistics) and fitted activation
+    laws; trainable tensors (adapters) are left out, the TrainableSpec counts them."""
+    profiles = []
+    for (name, block), saved_law, inputs_law in zip(named_blocks, saved, inputs):
+        linears = [m for m in block.modules() if isinstance(m, torch.nn.Linear)
+                   and isinstance(m.weight, torch.nn.Parameter) and not m.weight.requires_grad]
+        profiles.append(BlockProfile(
+            name=name,
+            param_bytes=frozen_bytes(block),
+            linear_weight_bytes=sum(m.weight.numel() * m.weight.element_size() for m in linears),
+            linear_weight_numel=sum(m.weight.numel() for m in linears),
+            linear_rows=sum(m.out_features for m in linears),
+            linear_count=len(linears),
+            saved=saved_law, inputs=inputs_law,
+        ))
+    return tuple(profiles)
+
+
+def frozen_bytes(module: torch.nn.Module) -> int:
+    """Bytes of a module's frozen parameters and buffers (shared tensors once)."""
+    tensors = {id(t): t for t in (*module.parameters(), *module.buffers()) if not t.requires_grad}
+    return sum(t.numel() * t.element_size() for t in tensors.values())

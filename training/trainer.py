@@ -1,0 +1,321 @@
+"""The training loop: one readable step over cached batches.
+
+    batch  = cached latents + cached conditioning of one bucket (caption dropout -> the empty prompt)
+    sigma, noise = objective.sample(...)            seeded by (run seed, micro-step)
+    x_t    = objective.noisy(x0, noise, sigma)
+    x0_hat = denoiser.predict(x_t, sigma, conds)    under autocast for bf16 / fp16
+    loss   = objective.loss(x0_hat, x0, sigma)      native eps / v / flow space, optional min-SNR
+    backward (scaled for fp16) ... every `grad_accum` micro-steps: unscale, clip, optimizer + LR step
+
+The batch, caption dropout, noise levels and noise of a micro-step come from a generator seeded by (seed,
+micro-step); what draws from torch's global RNG (peft's dropout) runs on the run's own saved copy of it.
+So a run depends only on its seed, and one resumed from its run directory draws exactly what the straight
+run drew. The model is reached only through the small `Denoiser` protocol below; ComfyUI's MODEL
+implements it in nodes/comfy_bridge.py, and unit tests drive the engine with a tiny plain-torch denoiser.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Callable, Protocol, Sequence
+
+import torch
+
+from .cache_store import bucket_batches
+from .checkpointing import wrap_blocks
+from .objective import Objective, ObjectiveConfig, SamplingDescriptor, step_seed
+from .optimizers import OptimizerConfig, create_optimizer, create_scheduler, current_lr
+from .run_dir import Checkpoint, RunDir, capture_rng, restore_rng
+
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+_SALT_BATCH, _SALT_VALIDATION, _SALT_GLOBAL = 1, 2, 3
+
+
+class Denoiser(Protocol):
+    """What the engine needs from a model."""
+
+    sampling: SamplingDescriptor
+    device: torch.device
+
+    def to_model_latent(self, latents: torch.Tensor) -> torch.Tensor:
+        """Cached (raw VAE) latents -> the latent space the model denoises in."""
+
+    def predict(self, x_t: torch.Tensor, sigma: torch.Tensor, conds: Sequence[dict[str, torch.Tensor]]) -> torch.Tensor:
+        """The model's x0 estimate for a batch; conds holds one conditioning dict per sample."""
+
+    def blocks(self) -> list[tuple[str, torch.nn.Module]]:
+        """The model's repeated blocks (name, module), for checkpointing and generic adapter targets."""
+
+    # Optional attribute `inplace_blocks: bool`: True when blocks add into their inputs in place (Flux);
+    # the trainer then runs them through checkpointing.wrap_blocks(inplace_inputs=True).
+
+
+class Trainable(Protocol):
+    """What is trained: an adapter set (training/adapters.py) or, later, a ControlNet module."""
+
+    def parameters(self) -> list[torch.nn.Parameter]: ...
+    def state_dict(self) -> dict[str, torch.Tensor]: ...
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None: ...
+    def train(self, mode: bool = True) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    seed: int = 0
+    batch_size: int = 1
+    grad_accum: int = 1
+    max_grad_norm: float = 1.0  # 0 disables clipping
+    precision: str = "fp32"  # fp32 | bf16 | fp16 (fp16 uses a GradScaler)
+    caption_dropout: float = 0.0
+    gradient_checkpointing: bool = False
+    checkpoint_depth: int = 1
+    objective: ObjectiveConfig = ObjectiveConfig()
+
+    def validate(self) -> None:
+        if self.batch_size < 1 or self.grad_accum < 1:
+            raise ValueError(f"batch_size={self.batch_size} and grad_accum={self.grad_accum} must be >= 1")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision={self.precision!r}: choose one of {', '.join(PRECISIONS)}")
+        if not 0.0 <= self.caption_dropout <= 1.0:
+            raise ValueError(f"caption_dropout={self.caption_dropout} must be in [0, 1]")
+        if self.max_grad_norm < 0:
+            raise ValueError(f"max_grad_norm={self.max_grad_norm} must be >= 0 (0 = no clipping)")
+        if self.checkpoint_depth < 1:
+            raise ValueError(f"checkpoint_depth={self.checkpoint_depth} must be >= 1")
+
+
+def _forked_rng():
+    """Restores torch's global RNG states (CPU and every CUDA device) on exit."""
+    return torch.random.fork_rng(devices=list(range(torch.cuda.device_count())) if torch.cuda.is_available() else [])
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss became NaN or infinite; the message names the step and the likely cause."""
+
+
+@dataclasses.dataclass
+class StepReport:
+    step: int
+    loss: float
+    lr: float
+    seconds: float
+
+
+class _Subset:
+    """A LatentCache seen through a subset of its items (training items, without held-out ones)."""
+
+    def __init__(self, cache, items: Sequence[int]):
+        keep = set(items)
+        self.buckets = {}
+        for bucket, indices in cache.buckets.items():
+            kept = [i for i in indices if i in keep]
+            if kept:
+                self.buckets[bucket] = kept
+
+
+class Trainer:
+    def __init__(self, denoiser: Denoiser, trainable: Trainable, latent_cache, text_cache, config: TrainConfig,
+                 optimizer_config: OptimizerConfig, train_items: Sequence[int] | None = None,
+                 run_dir: RunDir | None = None):
+        config.validate()
+        self.denoiser = denoiser
+        self.trainable = trainable
+        self.latent_cache = latent_cache
+        self.text_cache = text_cache
+        self.config = config
+        self.optimizer_config = optimizer_config
+        self.run_dir = run_dir
+        self.objective = Objective(denoiser.sampling, config.objective)
+        self.train_items = list(range(len(latent_cache))) if train_items is None else list(train_items)
+        if not self.train_items:
+            raise ValueError("no training items: the latent cache is empty or every item is held out")
+        self._view = _Subset(latent_cache, self.train_items)
+        self.batches_per_epoch = len(bucket_batches(self._view, config.batch_size, config.seed, 0))
+        self._epoch_cache: tuple[int, list[list[int]]] | None = None
+        self.params = list(trainable.parameters())
+        self.optimizer = create_optimizer(self.params, optimizer_config, device=denoiser.device)
+        self.scheduler = create_scheduler(self.optimizer, optimizer_config)
+        self.scaler = torch.amp.GradScaler(denoiser.device.type) if config.precision == "fp16" else None
+        self.step = 0
+        self.loss_history: list[list[float]] = []
+        self.validation_history: list[list[float]] = []
+        self.saved_step: int | None = None
+        # The run's own state of torch's global RNG (peft's dropout draws from it): swapped in while training,
+        # so a run depends only on its seed, and other nodes' use of the global RNG neither disturbs it nor
+        # is disturbed by it.
+        with _forked_rng():
+            torch.manual_seed(step_seed(config.seed, 0, _SALT_GLOBAL))
+            self.rng = capture_rng()
+
+    # --- data -------------------------------------------------------------------------------------------
+    def batch_items(self, micro_step: int) -> list[int]:
+        epoch, index = divmod(micro_step, self.batches_per_epoch)
+        if self._epoch_cache is None or self._epoch_cache[0] != epoch:
+            self._epoch_cache = (epoch, bucket_batches(self._view, self.config.batch_size, self.config.seed, epoch))
+        return self._epoch_cache[1][index]
+
+    def _latents(self, items: Sequence[int]) -> torch.Tensor:
+        raw = torch.stack([self.latent_cache.latent(i).float() for i in items])
+        return self.denoiser.to_model_latent(raw.to(self.denoiser.device))
+
+    def _conds(self, items: Sequence[int], dropout: torch.Tensor | None = None) -> list[dict[str, torch.Tensor]]:
+        conds = []
+        for n, i in enumerate(items):
+            if dropout is not None and dropout[n]:
+                conds.append(self.text_cache.empty_conditioning())
+            else:
+                conds.append(self.text_cache.conditioning(self.latent_cache.text_key(i)))
+        return conds
+
+    # --- one step ---------------------------------------------------------------------------------------
+    def _autocast(self):
+        dtype = PRECISIONS[self.config.precision]
+        return torch.autocast(self.denoiser.device.type, dtype=dtype, enabled=dtype is not None)
+
+    def _micro_step_loss(self, micro_step: int) -> tuple[torch.Tensor, list[int]]:
+        items = self.batch_items(micro_step)
+        generator = torch.Generator().manual_seed(step_seed(self.config.seed, micro_step, _SALT_BATCH))
+        dropout = torch.rand(len(items), generator=generator) < self.config.caption_dropout
+        x0 = self._latents(items)
+        sigma = self.objective.sample_sigma(len(items), generator).to(self.denoiser.device)
+        noise = self.objective.sample_noise(x0, generator).to(x0)
+        x_t = self.objective.noisy(x0, noise, sigma)
+        with self._autocast():
+            x0_hat = self.denoiser.predict(x_t, sigma, self._conds(items, dropout))
+        return self.objective.loss(x0_hat, x0, sigma), items
+
+    def train_step(self) -> float:
+        """One optimizer step (grad_accum micro-steps). Returns the mean loss."""
+        accum = self.config.grad_accum
+        self.optimizer.zero_grad(set_to_none=True)
+        losses = []
+        for j in range(accum):
+            loss, items = self._micro_step_loss(self.step * accum + j)
+            if not torch.isfinite(loss):
+                raise self._non_finite(loss, items)
+            scaled = loss / accum
+            (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+            losses.append(loss.item())
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        if self.config.max_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(self.params, self.config.max_grad_norm)
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)  # skips the update when fp16 gradients overflowed
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.scheduler.step()
+        self.step += 1
+        self.rng = capture_rng()  # the global RNG as this completed step left it: what a checkpoint resumes from
+        mean = sum(losses) / len(losses)
+        self.loss_history.append([self.step, mean])
+        return mean
+
+    def _non_finite(self, loss: torch.Tensor, items: list[int]) -> NonFiniteLossError:
+        step = self.step + 1
+        causes = [f"the learning rate ({current_lr(self.optimizer):.3g}) is too high for this optimizer"]
+        if self.config.precision == "fp16":
+            causes.insert(0, "fp16 overflow (use precision bf16 or fp32)")
+        causes.append(f"a corrupt cached latent or conditioning among items {items} (re-run caching)")
+        kept = ""
+        if self.run_dir is not None:
+            if self.params_finite() and self.step > 0 and self.saved_step != self.step:
+                self.save()  # the weights are still those of the last good step
+            if self.saved_step is not None:
+                kept = f" The last good checkpoint (step {self.saved_step}) is kept in {self.run_dir.path}."
+        return NonFiniteLossError(
+            f"training loss became {loss.item()} at step {step}; likely cause: " + "; or ".join(causes) + "." + kept
+        )
+
+    def train_to(self, target_step: int, after_step: Callable[[StepReport], None] | None = None) -> None:
+        """Train until `self.step == target_step` (no work when already there). `after_step` runs after each
+        completed step; it may raise (e.g. ComfyUI's interrupt), leaving the trainer at a completed step."""
+        if target_step <= self.step:
+            return
+        # Tiny gradients and optimizer moments become denormal floats, which x86 CPUs process ~100x slower;
+        # flushing them to zero costs no accuracy that matters and is what GPUs do anyway.
+        flush_denormal = self.denoiser.device.type == "cpu" and torch.set_flush_denormal(True)
+        with torch.inference_mode(False), _forked_rng():
+            restore_rng(self.rng)
+            restore = wrap_blocks([m for _, m in self.denoiser.blocks()],
+                                  self.config.checkpoint_depth if self.config.gradient_checkpointing else None,
+                                  inplace_inputs=getattr(self.denoiser, "inplace_blocks", False))
+            try:
+                self.trainable.train(True)
+                while self.step < target_step:
+                    started = time.perf_counter()
+                    loss = self.train_step()
+                    if after_step is not None:
+                        after_step(StepReport(self.step, loss, current_lr(self.optimizer), time.perf_counter() - started))
+            finally:
+                self.trainable.train(False)
+                restore()
+                if flush_denormal:
+                    torch.set_flush_denormal(False)
+
+    # --- validation loss ----------------------------------------------------------------------------------
+    def validation_loss(self, items: Sequence[int], times: int = 4, seed: int = 0) -> float:
+        """Deterministic loss on `items` at `times` fixed noise levels with fixed noise (no min-SNR)."""
+        if not items:
+            raise ValueError("validation loss needs at least one item")
+        t = self.objective.fixed_times(times)
+        sigma = self.objective.sigma_at(t).to(self.denoiser.device)
+        total = 0.0
+        with torch.inference_mode(False), torch.no_grad():
+            for item in items:
+                x0 = self._latents([item]).repeat_interleave(times, dim=0)
+                generator = torch.Generator().manual_seed(step_seed(seed, item, _SALT_VALIDATION))
+                noise = torch.randn(x0.shape, generator=generator).to(x0)
+                x_t = self.objective.noisy(x0, noise, sigma)
+                with self._autocast():
+                    x0_hat = self.denoiser.predict(x_t, sigma, self._conds([item]) * times)
+                total += self.objective.loss(x0_hat, x0, sigma, weighted=False).item()
+        return total / len(items)
+
+    def record_validation(self, value: float) -> None:
+        self.validation_history.append([self.step, value])
+
+    # --- checkpoints ----------------------------------------------------------------------------------------
+    def checkpoint(self) -> Checkpoint:
+        return Checkpoint(
+            step=self.step, micro_step=self.step * self.config.grad_accum,
+            adapter=self.trainable.state_dict(), optimizer=self.optimizer.state_dict(),
+            scheduler=self.scheduler.state_dict(), scaler=self.scaler.state_dict() if self.scaler is not None else None,
+            rng=self.rng, loss_history=[list(x) for x in self.loss_history],
+            validation_history=[list(x) for x in self.validation_history],
+        )
+
+    def restore(self, checkpoint: Checkpoint) -> None:
+        self.trainable.load_state_dict(checkpoint.adapter)
+        self.optimizer.load_state_dict(checkpoint.optimizer)
+        self.scheduler.load_state_dict(checkpoint.scheduler)
+        if self.scaler is not None and checkpoint.scaler is not None:
+            self.scaler.load_state_dict(checkpoint.scaler)
+        self.rng = checkpoint.rng
+        self.step = checkpoint.step
+        self.loss_history = [list(x) for x in checkpoint.loss_history]
+        self.validation_history = [list(x) for x in checkpoint.validation_history]
+        self.saved_step = checkpoint.step
+
+    def params_finite(self) -> bool:
+        return all(bool(torch.isfinite(p).all()) for p in self.params)
+
+    def save(self) -> None:
+        if self.run_dir is None:
+            raise RuntimeError("this trainer has no run directory to save to")
+        self.run_dir.save_checkpoint(self.checkpoint())
+        self.saved_step = self.step
+
+    def resume(self) -> bool:
+        """Load the run directory's latest checkpoint, if there is one."""
+        checkpoint = self.run_dir.load_checkpoint() if self.run_dir is not None else None
+        if checkpoint is None:
+            return False
+        self.restore(checkpoint)
+        return True
+
+    @property
+    def last_loss(self) -> float:
+        return self.loss_history[-1][1] if self.loss_history else math.nan
