@@ -95,18 +95,21 @@ def test_server_lists_every_headroom_node_and_logs_no_error(comfy_server, headro
 
 
 @pytest.mark.server
-def test_stock_nodes_are_unchanged_by_the_package(comfy_server, tmp_path):
-    with_headroom = comfy_server.run_workflow(stock_image_workflow())
+def test_stock_nodes_are_unchanged_by_the_package(tmp_path):
+    # Two fresh servers: the shared one's model folders fill up with files other tests save, which
+    # would change stock loaders' file lists for reasons that have nothing to do with the package.
+    with start_comfy_server(tmp_path / "headroom-base", with_headroom=True) as headroom_server:
+        with_headroom = headroom_server.run_workflow(stock_image_workflow())
+        headroom_info = headroom_server.object_info()
+        pixels = np.asarray(Image.open(io.BytesIO(headroom_server.view(**with_headroom.files()[0]))))
     with start_comfy_server(tmp_path / "stock-base", with_headroom=False) as stock_server:
         stock = stock_server.run_workflow(stock_image_workflow())
         stock_info = stock_server.object_info()
         stock_pixels = np.asarray(Image.open(io.BytesIO(stock_server.view(**stock.files()[0]))))
 
-    pixels = np.asarray(Image.open(io.BytesIO(comfy_server.view(**with_headroom.files()[0]))))
     assert pixels.shape == (48, 64, 3)
     np.testing.assert_array_equal(pixels, stock_pixels)
 
-    headroom_info = comfy_server.object_info()
     assert not any(name.startswith("Headroom") for name in stock_info)
     for name, definition in stock_info.items():
         assert headroom_info.get(name) == definition, f"stock node {name} is defined differently with Headroom loaded"
