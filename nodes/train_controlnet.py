@@ -1,0 +1,377 @@
+"""ControlNet training nodes: init a run, train it with HeadroomTrainSteps, validate, save; and an all-in-one.
+
+Modular graph:  OptimizerConfig + MODEL + caches (with control images) -> TrainControlNetInit -> TrainSteps(N)
+                -> Validate / SaveControlNet
+The run is the same TRAINING_RUN as a LoRA run (same engine, run directory, resume, cancel, events); what
+is trained is a ControlNet of ComfyUI's own class (nodes/controlnet_build.py) next to a clone of the frozen
+MODEL. Validation samples through ComfyUI's samplers with the control applied by the stock
+ControlNetApplyAdvanced node to the same in-memory module: no second pipeline, no copy of the weights.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import pathlib
+
+import torch
+
+import comfy.model_management
+import comfy.sample
+import folder_paths
+from comfy_api.latest import io, ui
+
+from ..training.objective import ObjectiveConfig
+from ..training.optimizers import OptimizerConfig
+from ..training.run_dir import RunDir, check_name, check_subfolder
+from ..training.trainer import TrainConfig, Trainer
+from .comfy_bridge import (ComfyDenoiser, TrainingSession, base_fingerprint, check_caches, data_fingerprint,
+                           model_blocks, replace_inference_tensors)
+from .controlnet_build import (SUPPORTED_FAMILIES, TrainableControlNet, apply_controlnet,
+                               build_controlnet, check_control_cache, comfy_controlnet, controlled_prediction,
+                               controlnet_family, prepare_hint, save_controlnet)
+from .train_lora import (CATEGORY, TrainingRun, _next, _node_id, _train_inputs, _validation_inputs, runs_root,
+                         save_grid)
+
+CONTROL_HINT = "control_hint"  # the conditioning entry that carries an item's cached control through the trainer
+
+
+# --- the engine pieces: a denoiser that adds the ControlNet, a trainer that hands it each item's control ------
+class ControlNetDenoiser(ComfyDenoiser):
+    """The base MODEL (frozen) with the ControlNet's residuals, as the samplers apply a ControlNet."""
+
+    def __init__(self, patcher, controlnet: TrainableControlNet):
+        super().__init__(patcher)
+        self.controlnet = controlnet
+
+    def predict(self, x_t: torch.Tensor, sigma: torch.Tensor, conds) -> torch.Tensor:
+        controls = [cond[CONTROL_HINT] for cond in conds]
+        text_conds = [{k: v for k, v in cond.items() if k != CONTROL_HINT} for cond in conds]
+        hint = prepare_hint(self.controlnet, controls, x_t)
+        return controlled_prediction(self.controlnet, self.model, x_t, sigma, self._model_conds(x_t, text_conds), hint)
+
+    def blocks(self) -> list[tuple[str, torch.nn.Module]]:
+        """The base's blocks and the ControlNet's copied ones (checkpointed, and made safe for Flux's in-place
+        input updates, by the trainer); its zero-initialised output projections are single layers."""
+        own = [(f"controlnet.{name}", block) for name, block in model_blocks(self.controlnet.module)
+               if not name.startswith(("zero_convs.", "controlnet_"))]
+        return super().blocks() + own
+
+
+class ControlNetTrainer(Trainer):
+    """The engine's trainer; every item's conditioning also carries its cached control. Caption dropout
+    swaps only the prompt (the control stays), which is the ControlNet paper's prompt dropout."""
+
+    def _conds(self, items, dropout=None):
+        conds = super()._conds(items, dropout)
+        return [dict(cond, **{CONTROL_HINT: self.latent_cache.control(i)}) for cond, i in zip(conds, items)]
+
+
+# --- the TRAINING_RUN value -------------------------------------------------------------------------------
+@dataclasses.dataclass
+class ControlNetSessionConfig:
+    family: str
+    blocks: int  # 0: the family default
+    init_seed: int
+    optimizer: OptimizerConfig
+    train: TrainConfig
+    holdout: int
+
+    def to_json(self) -> dict:
+        return json.loads(json.dumps(dataclasses.asdict(self)))
+
+
+class ControlNetSession(TrainingSession):
+    """A ControlNet training run. Shares TrainingSession's train_to (progress, events, cancel -> checkpoint),
+    validation_loss and release; what differs is what is trained and how it is attached."""
+
+    def __init__(self, model, latent_cache, text_cache, config: ControlNetSessionConfig, run_root: pathlib.Path,
+                 run_name: str, policy=None, validation_control: torch.Tensor | None = None,
+                 validation_strength: float = 1.0):
+        # TrainingSession.__init__ builds LoRA adapters; the shared parts are set up here the same way.
+        self.source_model = model
+        self.latent_cache, self.text_cache = latent_cache, text_cache
+        self.config = config
+        self.policy = policy
+        self.validation_strength = validation_strength
+        self.run_dir = RunDir(run_root, run_name)
+        self.fingerprint = base_fingerprint(model)
+        stored = {
+            "kind": "controlnet", "session": config.to_json(), "base_fingerprint": self.fingerprint,
+            "latent_cache": getattr(latent_cache, "fingerprint", None), "text_cache": getattr(text_cache, "fingerprint", None),
+            "data": data_fingerprint(latent_cache),
+        }
+        self.run_dir.check_compatible(stored)
+        count = len(latent_cache)
+        if config.holdout >= count:
+            raise ValueError(f"holdout={config.holdout} leaves no training items of the {count} cached")
+        self.train_items = list(range(count - config.holdout))
+        self.validation_items = list(range(count - config.holdout, count)) if config.holdout else list(self.train_items)
+        self.validation_control = validation_control if validation_control is not None else \
+            default_validation_control(latent_cache, self.validation_items)
+        with torch.inference_mode(False):
+            self.patcher = model.clone()  # the base is only read; the clone is what ComfyUI loads for training
+            self.controlnet = build_controlnet(model, blocks=config.blocks, seed=config.init_seed,
+                                               device=self.patcher.load_device)
+            self.denoiser = ControlNetDenoiser(self.patcher, self.controlnet)
+            train = config.train
+            if self.denoiser.inplace_blocks and train.gradient_checkpointing and train.checkpoint_depth > 1:
+                raise ValueError(f"checkpoint_depth={train.checkpoint_depth}: this model's blocks update their inputs "
+                                 "in place, so gradient checkpointing works on whole blocks only: use depth 1")
+            self.trainer = ControlNetTrainer(self.denoiser, self.controlnet, latent_cache, text_cache, config.train,
+                                             config.optimizer, train_items=self.train_items, run_dir=self.run_dir)
+            self.resumed = self.trainer.resume()
+        if not self.run_dir.exists():
+            self.run_dir.write_config(stored)
+
+    @contextlib.contextmanager
+    def attached(self):
+        """The base clone and the ControlNet loaded through ComfyUI's model management (the ControlNet's
+        gradients and two optimizer moments are counted as extra memory)."""
+        extra = sum(p.numel() * p.element_size() for p in self.controlnet.parameters()) * 3
+        with torch.inference_mode(False):  # weights copied to the device here are then usable by autograd
+            comfy.model_management.load_models_gpu([self.patcher, self.controlnet.patcher], memory_required=extra,
+                                                   force_full_load=True)
+            replace_inference_tensors(self.patcher.model.diffusion_model)
+        yield
+
+    def comfy_controlnet(self):
+        """A CONTROL_NET for stock nodes around the run's in-memory module (no copy)."""
+        return comfy_controlnet(self.controlnet)
+
+    def sampling_conditioning(self, positive, negative, vae=None):
+        """Validation conditioning with the run's control image applied by the stock ControlNetApplyAdvanced."""
+        if self.validation_control is None:
+            raise ValueError("this ControlNet run has no validation control image: connect validation_control on "
+                             "the init node (for latent-cached controls it cannot be taken from the cache)")
+        if self.controlnet.hint == "latents" and vae is None:
+            raise ValueError(f"a {self.controlnet.family} ControlNet VAE-encodes its control image: connect the vae")
+        return apply_controlnet(positive, negative, self.comfy_controlnet(), self.validation_control,
+                                self.validation_strength, 0.0, 1.0, vae=vae)
+
+    def controlnet_metadata(self) -> dict:
+        return {"base_fingerprint": self.fingerprint, "steps": self.step, "run": self.run_dir.name,
+                "session": self.config.to_json()}
+
+    def __repr__(self) -> str:
+        return f"TrainingRun({self.run_dir.name}, step {self.step}, {self.controlnet.family} ControlNet, {self.controlnet.blocks} blocks)"
+
+
+def default_validation_control(latent_cache, items) -> torch.Tensor | None:
+    """The first validation item's cached control image, when controls are cached as pixels."""
+    if getattr(latent_cache, "control_kind", None) != "pixels":
+        return None
+    return latent_cache.control(items[0]).to(torch.float32).unsqueeze(0)
+
+
+def start_controlnet_session(model, latent_cache, text_cache, optimizer_config, run_name, seed, batch_size,
+                             grad_accumulation, precision, max_grad_norm, caption_dropout, timestep_sampling,
+                             loss_weighting, min_snr_gamma, noise_offset, gradient_checkpointing, checkpoint_depth,
+                             holdout, blocks=0, init_seed=0, validation_control=None, validation_strength=1.0,
+                             policy=None, node: str = "HeadroomTrainControlNetInit") -> ControlNetSession:
+    """Check every input (before any GPU work), then build or resume the run."""
+    try:
+        check_name(run_name, "run name")
+        if not isinstance(optimizer_config, OptimizerConfig):
+            raise ValueError("optimizer_config must come from a HeadroomOptimizerConfig node")
+        optimizer_config.validate()
+        train = TrainConfig(
+            seed=seed, batch_size=batch_size, grad_accum=grad_accumulation, max_grad_norm=max_grad_norm,
+            precision=precision, caption_dropout=caption_dropout, gradient_checkpointing=gradient_checkpointing,
+            checkpoint_depth=checkpoint_depth,
+            objective=ObjectiveConfig(timestep_sampling=timestep_sampling, loss_weighting=loss_weighting,
+                                      min_snr_gamma=min_snr_gamma, noise_offset=noise_offset),
+        )
+        train.validate()
+        family = controlnet_family(model)
+        check_caches(model.model, latent_cache, text_cache)
+        check_control_cache(family, latent_cache, node)
+        config = ControlNetSessionConfig(family=family, blocks=blocks, init_seed=init_seed, optimizer=optimizer_config,
+                                         train=train, holdout=holdout)
+        return ControlNetSession(model, latent_cache, text_cache, config, runs_root(), run_name, policy=policy,
+                                 validation_control=validation_control, validation_strength=validation_strength)
+    except ValueError as error:  # ControlNetError is a ValueError
+        message = str(error)
+        raise ValueError(message if message.startswith("Headroom") else f"{node}: {message}") from error
+
+
+def _controlnet_inputs() -> list:
+    """HeadroomTrainLoraInit's inputs without lora_config, with ControlNet defaults and options."""
+    inputs = []
+    for item in _train_inputs():
+        if item.id == "lora_config":
+            continue
+        if item.id == "run_name":
+            item = io.String.Input("run_name", default="my_controlnet",
+                                   tooltip="Folder under output/headroom_runs. An existing run with the same settings resumes.")
+        if item.id == "caption_dropout":
+            item = io.Float.Input("caption_dropout", default=0.5, min=0.0, max=1.0, step=0.01,
+                                  tooltip="Conditioning dropout: this fraction of samples is trained with the empty "
+                                  "prompt and the control image kept, so the ControlNet learns to follow the control "
+                                  "alone (0.5 as in the ControlNet paper).")
+        inputs.append(item)
+    inputs[-1:-1] = [
+        io.Int.Input("blocks", default=0, min=0, max=1000,
+                     tooltip="Blocks copied from the base: SD3 joint blocks / Flux double blocks (0: a quarter of SD3's, "
+                     "2 for Flux). UNet ControlNets always copy the whole encoder (leave 0)."),
+        io.Int.Input("init_seed", default=0, min=0, max=0xFFFFFFFF, tooltip="Seed of the hint encoder's initial weights."),
+        io.Image.Input("validation_control", optional=True,
+                       tooltip="Control image for validation samples; default: the first validation item's cached "
+                       "control image (pixel caches only)."),
+        io.Float.Input("validation_strength", default=1.0, min=0.0, max=10.0, step=0.01,
+                       tooltip="ControlNet strength of validation samples (as ControlNetApplyAdvanced's strength)."),
+    ]
+    return inputs
+
+
+class HeadroomTrainControlNetInit(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="HeadroomTrainControlNetInit",
+            display_name="Train ControlNet: Init (Headroom)",
+            category=CATEGORY,
+            description="Set up (or resume) a ControlNet training run for this MODEL from cached latents, control "
+            "images and text; train it with Train Steps. Families: " + "; ".join(SUPPORTED_FAMILIES.values()) + ".",
+            inputs=_controlnet_inputs(),
+            outputs=[TrainingRun.Output("run"), io.Int.Output("step", tooltip="Step the run starts from (resumed)."),
+                     io.ControlNet.Output("control_net", tooltip="The run's ControlNet (in memory) for stock nodes.")],
+        )
+
+    @classmethod
+    def execute(cls, **inputs) -> io.NodeOutput:
+        session = start_controlnet_session(**inputs)
+        return io.NodeOutput(session, session.step, session.comfy_controlnet())
+
+
+# --- validation ----------------------------------------------------------------------------------------------
+def sample_controlnet_images(run: ControlNetSession, clip, vae, prompts: list[str], negative: str, seed: int,
+                             steps: int, cfg: float, sampler_name: str, scheduler: str, width: int,
+                             height: int) -> torch.Tensor:
+    """Stock KSampler sampling on the training model, the control applied by ControlNetApplyAdvanced."""
+    negative_cond = clip.encode_from_tokens_scheduled(clip.tokenize(negative))
+    latents = []
+    # prepare_noise reseeds the global torch RNG: fork it so validating never changes what training draws next.
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.no_grad(), torch.random.fork_rng(devices=devices), run.attached():
+        for prompt in prompts:
+            positive = clip.encode_from_tokens_scheduled(clip.tokenize(prompt))
+            positive, negative_with_control = run.sampling_conditioning(positive, negative_cond, vae)
+            empty = torch.zeros([1, 4, height // 8, width // 8], device=comfy.model_management.intermediate_device())
+            latent = comfy.sample.fix_empty_latent_channels(run.patcher, empty)
+            noise = comfy.sample.prepare_noise(latent, seed)
+            latents.append(comfy.sample.sample(run.patcher, noise, steps, cfg, sampler_name, scheduler, positive,
+                                               negative_with_control, latent, denoise=1.0, disable_pbar=True, seed=seed))
+    with torch.no_grad():
+        return torch.cat([vae.decode(samples) for samples in latents])
+
+
+def validate_controlnet(run: ControlNetSession, clip=None, vae=None, prompts="", negative="", sample_seed=0,
+                        sample_steps=20, cfg=4.0, sampler_name="euler", scheduler="normal", width=512, height=512,
+                        loss_timesteps=4):
+    """(images or None, validation loss), as HeadroomValidate for LoRA runs."""
+    loss = run.validation_loss(times=loss_timesteps)
+    lines = [line.strip() for line in (prompts or "").splitlines() if line.strip()]
+    if not lines:
+        return None, loss
+    if clip is None or vae is None:
+        raise ValueError("validation prompts need the clip and vae inputs connected")
+    images = sample_controlnet_images(run, clip, vae, lines, negative, sample_seed, sample_steps, cfg, sampler_name,
+                                      scheduler, width, height)
+    save_grid(run, images)
+    return images, loss
+
+
+# --- save -------------------------------------------------------------------------------------------------
+def save_trained_controlnet(run: ControlNetSession, subfolder: str, filename: str) -> str:
+    """Write the ControlNet under models/controlnet/<subfolder>/ atomically; returns the name ControlNetLoader lists."""
+    check_subfolder(subfolder, "subfolder")
+    name = check_name(filename or f"{run.run_dir.name}_step{run.step:06d}", "ControlNet file name")
+    if not name.endswith(".safetensors"):
+        name += ".safetensors"
+    root = pathlib.Path(folder_paths.get_folder_paths("controlnet")[0])
+    path = root / subfolder / name if subfolder else root / name
+    save_controlnet(run.controlnet, path, run.controlnet_metadata())
+    folder_paths.filename_list_cache.pop("controlnet", None)  # listed by ControlNetLoader without a restart
+    return os.path.relpath(path, root).replace(os.sep, "/")
+
+
+class HeadroomSaveControlNet(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="HeadroomSaveControlNet",
+            display_name="Save ControlNet (Headroom)",
+            category=CATEGORY,
+            description="Save the run's ControlNet as .safetensors under models/controlnet/<subfolder>/ in the layout "
+            "the stock Load ControlNet Model node detects for its family (listed without a restart).",
+            is_output_node=True,
+            inputs=[
+                TrainingRun.Input("run"),
+                io.String.Input("subfolder", default="headroom"),
+                io.String.Input("filename", default="", tooltip="Empty: <run name>_step<N>."),
+            ],
+            outputs=[io.String.Output("control_net_name", tooltip="The name Load ControlNet Model lists.")],
+        )
+
+    @classmethod
+    def execute(cls, run, subfolder: str, filename: str) -> io.NodeOutput:
+        if not isinstance(run, ControlNetSession):
+            raise ValueError("HeadroomSaveControlNet: the run is not a ControlNet run (use Save LoRA for LoRA runs)")
+        try:
+            return io.NodeOutput(save_trained_controlnet(run, subfolder, filename))
+        except ValueError as error:
+            raise ValueError(f"HeadroomSaveControlNet: {error}") from error
+
+
+# --- all in one ------------------------------------------------------------------------------------------------
+class HeadroomTrainControlNet(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="HeadroomTrainControlNet",
+            display_name="Train ControlNet (Headroom)",
+            category=CATEGORY,
+            description="Init + train to `steps` + validate every N steps + save every N steps, in one node. "
+            "Queue it again with more steps to continue the same run.",
+            is_output_node=True,
+            inputs=[
+                *_controlnet_inputs(),
+                io.Int.Input("steps", default=1000, min=1, max=10_000_000),
+                io.Int.Input("validate_every", default=0, min=0, max=10_000_000, tooltip="0: only at the end."),
+                io.Int.Input("save_every", default=0, min=0, max=10_000_000, tooltip="0: only at the end."),
+                io.String.Input("controlnet_subfolder", default="headroom"),
+                *_validation_inputs(optional=True),
+            ],
+            outputs=[io.ControlNet.Output("control_net", tooltip="The trained ControlNet (in memory) for stock nodes."),
+                     TrainingRun.Output("run"), io.String.Output("control_net_name"),
+                     io.Float.Output("validation_loss")],
+            hidden=[io.Hidden.unique_id],
+        )
+
+    @classmethod
+    def execute(cls, steps, validate_every, save_every, controlnet_subfolder, **inputs) -> io.NodeOutput:
+        validation_names = {"clip", "vae", "prompts", "negative", "sample_seed", "sample_steps", "cfg", "sampler_name",
+                            "scheduler", "width", "height", "loss_timesteps"}
+        validation = {k: v for k, v in inputs.items() if k in validation_names}
+        check_subfolder(controlnet_subfolder, "HeadroomTrainControlNet: controlnet_subfolder")
+        session = start_controlnet_session(**{k: v for k, v in inputs.items() if k not in validation_names},
+                                           node="HeadroomTrainControlNet")
+        images, loss, name = None, float("nan"), ""
+        while True:
+            target = min(t for t in (steps, _next(session.step, validate_every), _next(session.step, save_every)) if t)
+            session.train_to(target, node_id=_node_id(cls))
+            done = session.step >= steps
+            if done or (validate_every and session.step % validate_every == 0):
+                images, loss = validate_controlnet(session, **validation)
+            if done or (save_every and session.step % save_every == 0):
+                name = save_trained_controlnet(session, controlnet_subfolder,
+                                               f"{session.run_dir.name}_step{session.step:06d}")
+            if done:
+                break
+        previews = ui.PreviewImage(images, cls=cls) if images is not None else None
+        return io.NodeOutput(session.comfy_controlnet(), session, name, loss, ui=previews)
+
+
+NODES = [HeadroomTrainControlNetInit, HeadroomSaveControlNet, HeadroomTrainControlNet]

@@ -1,0 +1,183 @@
+"""ControlNet training runs on the tiny models through the nodes: the training forward is the stock apply
+path, the ControlNet learns to follow the control, runs resume exactly, the trained file reproduces the
+run's own validation image through stock nodes, and bad caches fail clearly. Real ComfyUI, in-process, CPU."""
+import time
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.comfyui
+
+torch.set_num_threads(2)
+
+
+def _caches(family, count=9, seed=0, control=True, encoding=None):
+    """(model, clip, vae, latent cache, text cache) of synthetic shapes, through the caching nodes."""
+    from headroom.nodes import cache as cache_nodes
+    from headroom.nodes.controlnet_build import HINT_KIND
+    from headroom.nodes.tiny_models import build_tiny_models
+    from headroom.training.synthetic import generate_shapes
+
+    model, clip, vae = build_tiny_models(family, seed)
+    shapes = generate_shapes(count, 64, seed)
+    dataset = cache_nodes.HeadroomDatasetFromImages.execute(
+        shapes.images, "\n".join(shapes.captions), resolution=64, step=64 if family == "sd15" else 16, crop="center",
+        flip=False, seed=seed, control_images=shapes.control_images if control else None).args[0]
+    encoding = encoding or HINT_KIND["unet" if family == "sd15" else family]
+    latent_cache = cache_nodes.HeadroomCacheLatents.execute(dataset, vae, encoding).args[0]
+    text_cache = cache_nodes.HeadroomCacheText.execute(dataset, clip).args[0]
+    return model, clip, vae, latent_cache, text_cache
+
+
+def _init_inputs(model, latent_cache, text_cache, run_name, lr=1e-3, batch_size=3, **overrides):
+    from headroom.nodes.train_lora import HeadroomOptimizerConfig
+
+    optimizer = HeadroomOptimizerConfig.execute("AdamW", lr, 0.0, "constant", 0, 1000).args[0]
+    inputs = dict(model=model, latent_cache=latent_cache, text_cache=text_cache, optimizer_config=optimizer,
+                  run_name=run_name, seed=0, batch_size=batch_size, grad_accumulation=1, precision="fp32",
+                  max_grad_norm=1.0, caption_dropout=0.5, timestep_sampling="uniform", loss_weighting="none",
+                  min_snr_gamma=5.0, noise_offset=0.0, gradient_checkpointing=False, checkpoint_depth=1, holdout=0)
+    inputs.update(overrides)
+    return inputs
+
+
+def _unique(name):
+    return f"{name}_{time.time_ns()}"
+
+
+@pytest.mark.parametrize("family", ["sd15", "sd3", "flux"])
+def test_training_forward_is_the_stock_apply_path(comfyui, family):
+    """The differentiable forward the trainer uses gives exactly what ComfyUI's own ControlNet.get_control +
+    apply_model give during sampling, and its gradient reaches the ControlNet."""
+    import comfy.model_management
+    import comfy.samplers
+    import nodes
+    from headroom.nodes import controlnet_build as build
+    from headroom.nodes.tiny_models import build_tiny_models
+    from headroom.nodes.train_controlnet import ControlNetDenoiser
+    from headroom.training.checkpointing import wrap_blocks
+
+    model, clip, vae = build_tiny_models(family)
+    controlnet = build.build_controlnet(model, seed=1)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for layer in build._zero_initialised(controlnet.family, controlnet.module):
+            for param in layer.parameters():
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
+    base = model.model
+    image = torch.zeros(1, 64, 64, 3)
+    image[:, 10:30, 20:50] = 1.0
+    with torch.inference_mode():
+        positive = nodes.CLIPTextEncode().encode(clip, "a box")[0]
+    x = torch.randn(1, vae.latent_channels, 8, 8, generator=generator)
+    sigma = torch.tensor([0.5 if family != "sd15" else 3.0])
+    extras = {k: v for k, v in positive[0][1].items() if torch.is_tensor(v)}
+    conds = base.extra_conds(cross_attn=positive[0][0], device="cpu", noise=x, width=64, height=64,
+                             prompt_type="positive", **extras)
+    cond = comfy.samplers.cond_cat([{k: v.process_cond(batch_size=1, area=None) for k, v in conds.items()}])
+
+    stock = build.comfy_controlnet(controlnet).copy().set_cond_hint(image.movedim(-1, 1), 1.0, (0.0, 1.0), vae=vae)
+    stock.pre_run(base, lambda percent: base.model_sampling.percent_to_sigma(percent))
+    with torch.no_grad():
+        expected = base.apply_model(x, sigma, control=stock.get_control(x, sigma, cond, 1, {}), transformer_options={}, **cond)
+        cached_control = image[0] if controlnet.hint == "pixels" else vae.encode(image)[0]  # what the cache holds
+    hint = build.prepare_hint(controlnet, [cached_control], x)
+    blocks = ControlNetDenoiser(model, controlnet).blocks()
+    with torch.inference_mode(False):
+        # As the session and trainer set up a step: Flux's differentiable RoPE, in-place-safe blocks.
+        comfy.model_management.in_training = True
+        restore = wrap_blocks([block for _, block in blocks], None, inplace_inputs=family == "flux")
+        try:
+            predicted = build.controlled_prediction(controlnet, base, x, sigma, cond, hint)
+            predicted.square().mean().backward()
+        finally:
+            restore()
+            comfy.model_management.in_training = False
+    assert torch.equal(predicted.detach(), expected)
+    grads = [p.grad for p in controlnet.module.controlnet_blocks.parameters()] if family != "sd15" else \
+        [p.grad for p in controlnet.module.zero_convs.parameters()]
+    assert all(g is not None and g.abs().sum() > 0 for g in grads)
+    assert all(p.grad is None for p in base.diffusion_model.parameters()), "the base stays frozen"
+
+
+
+def test_resume_through_train_steps_is_exact(comfyui):
+    from headroom.nodes.train_controlnet import HeadroomTrainControlNetInit
+    from headroom.nodes.train_lora import HeadroomTrainSteps
+
+    model, clip, vae, latent_cache, text_cache = _caches("sd15", count=4)
+    name = _unique("resume")
+    straight = HeadroomTrainControlNetInit.execute(**_init_inputs(model, latent_cache, text_cache, name + "_a", batch_size=2)).args[0]
+    HeadroomTrainSteps.execute(straight, 6)
+    first = HeadroomTrainControlNetInit.execute(**_init_inputs(model, latent_cache, text_cache, name + "_b", batch_size=2)).args[0]
+    HeadroomTrainSteps.execute(first, 3)
+    resumed, step = HeadroomTrainControlNetInit.execute(**_init_inputs(model, latent_cache, text_cache, name + "_b", batch_size=2)).args[:2]
+    assert step == 3 and resumed.resumed
+    HeadroomTrainSteps.execute(resumed, 6)
+    HeadroomTrainSteps.execute(resumed, 6)  # the same target again: no work
+    assert resumed.step == 6
+    a, b = straight.controlnet.state_dict(), resumed.controlnet.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_trained_file_through_stock_nodes_reproduces_the_run_validation_image(comfyui):
+    import folder_paths
+    import nodes
+    from headroom.nodes.train_controlnet import HeadroomSaveControlNet, HeadroomTrainControlNetInit, validate_controlnet
+    from headroom.nodes.train_lora import HeadroomTrainSteps
+
+    model, clip, vae, latent_cache, text_cache = _caches("sd15", count=4)
+    run = HeadroomTrainControlNetInit.execute(**_init_inputs(model, latent_cache, text_cache, _unique("stock"),
+                                                             validation_strength=0.9)).args[0]
+    HeadroomTrainSteps.execute(run, 10)
+    settings = dict(sample_seed=5, sample_steps=4, cfg=2.0, sampler_name="euler", scheduler="normal", width=64, height=64)
+    images, _ = validate_controlnet(run, clip, vae, prompts="a red circle", negative="blurry", **settings)
+
+    name = HeadroomSaveControlNet.execute(run, "headroom-tests", "").args[0]
+    assert name in folder_paths.get_filename_list("controlnet")
+    with torch.inference_mode():  # the stock graph: ControlNetLoader -> ControlNetApplyAdvanced -> KSampler -> VAEDecode
+        control_net = nodes.ControlNetLoader().load_controlnet(name)[0]
+        positive = nodes.CLIPTextEncode().encode(clip, "a red circle")[0]
+        negative = nodes.CLIPTextEncode().encode(clip, "blurry")[0]
+        positive, negative = nodes.ControlNetApplyAdvanced().apply_controlnet(
+            positive, negative, control_net, run.validation_control, 0.9, 0.0, 1.0, vae=vae)
+        latent = nodes.EmptyLatentImage().generate(64, 64, 1)[0]
+        samples = nodes.KSampler().sample(model, 5, 4, 2.0, "euler", "normal", positive, negative, latent)[0]
+        stock_images = nodes.VAEDecode().decode(vae, samples)[0]
+    plain = nodes.VAEDecode().decode(vae, nodes.KSampler().sample(
+        model, 5, 4, 2.0, "euler", "normal", nodes.CLIPTextEncode().encode(clip, "a red circle")[0],
+        nodes.CLIPTextEncode().encode(clip, "blurry")[0], nodes.EmptyLatentImage().generate(64, 64, 1)[0])[0])[0]
+    assert (images - plain).abs().max() > 1e-3, "after 10 steps the ControlNet must change the image"
+    assert (stock_images - images).abs().max() <= 1e-3
+
+
+def test_bad_control_caches_fail_clearly(comfyui):
+    from headroom.nodes.train_controlnet import HeadroomTrainControlNetInit
+
+    model, clip, vae, latent_cache, text_cache = _caches("sd15", count=2, control=False)
+    with pytest.raises(ValueError, match="HeadroomTrainControlNetInit: the LATENT_CACHE has no control images"):
+        HeadroomTrainControlNetInit.execute(**_init_inputs(model, latent_cache, text_cache, _unique("nocontrol")))
+
+    model, clip, vae, latent_cache, text_cache = _caches("sd3", count=2, encoding="pixels")
+    with pytest.raises(ValueError, match="takes control latents but the LATENT_CACHE holds control pixels; "
+                                         "cache with control_encoding=latents"):
+        HeadroomTrainControlNetInit.execute(**_init_inputs(model, latent_cache, text_cache, _unique("kind")))
+
+    model, clip, vae, latent_cache, text_cache = _caches("sd3", count=2)
+    with pytest.raises(ValueError, match="blocks=5 is more than the base model's 2 joint blocks"):
+        HeadroomTrainControlNetInit.execute(**_init_inputs(model, latent_cache, text_cache, _unique("deep"), blocks=5))
+
+
+def test_node_schemas_match_what_they_call(comfyui):
+    """Node ids and categories follow the package's rules, and the init inputs (shared with the LoRA init
+    node) are exactly the parameters of the function they are handed to."""
+    import inspect
+
+    from headroom.nodes import train_controlnet
+
+    for node in train_controlnet.NODES:
+        schema = node.define_schema()
+        assert schema.node_id.startswith("Headroom") and schema.category == "Headroom/training"
+    ids = {item.id for item in train_controlnet._controlnet_inputs()}
+    parameters = set(inspect.signature(train_controlnet.start_controlnet_session).parameters) - {"node"}
+    assert ids == parameters

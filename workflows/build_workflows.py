@@ -1,0 +1,563 @@
+"""Builds the shipped workflows, each in both formats, from one description each.
+
+    python workflows/build_workflows.py --server http://127.0.0.1:8188      # a running ComfyUI with Headroom
+    python workflows/build_workflows.py --object-info object_info.json
+
+For every workflow below it writes `<name>.json` (UI format: what the graph editor opens, with node
+positions, links and widget values) and `<name>_api.json` (API format: what `POST /prompt`,
+`comfy run --workflow` and workflows/headroom_run.py take). Widget order, output slots and types come
+from the server's /object_info, so both files always say the same thing. Re-run it after a node's
+inputs change; tests/test_workflows.py fails when the shipped files differ from what this builds.
+It talks to the server over HTTP only and never imports ComfyUI.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import pathlib
+import sys
+import tempfile
+import urllib.request
+import uuid
+
+HERE = pathlib.Path(__file__).resolve().parent
+
+# Node types the graph editor provides itself: they have no /object_info entry and no API form.
+FRONTEND_ONLY_TYPES = {"Note", "MarkdownNote", "Reroute", "PrimitiveNode"}
+WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
+SEED_NAMES = {"seed", "noise_seed"}  # the editor gives these INT widgets a "control after generate" widget
+
+GAP = 40
+TITLE_HEIGHT = 30
+
+
+# --- the description of a workflow --------------------------------------------------------------------------
+@dataclasses.dataclass
+class Node:
+    id: int
+    type: str
+    column: int  # layout: nodes are stacked top to bottom in columns, left to right
+    values: dict = dataclasses.field(default_factory=dict)  # widget values by input name (else the default)
+    links: dict = dataclasses.field(default_factory=dict)  # input name -> (source node id, output name or index)
+    title: str | None = None
+    width: int = 340
+    extra_height: int = 0  # room for what a frontend extension draws (the live training chart)
+
+
+@dataclasses.dataclass
+class Note:
+    id: int
+    column: int
+    text: str
+    title: str = "Read me"
+    width: int = 380
+    height: int = 220
+
+
+@dataclasses.dataclass
+class Workflow:
+    name: str
+    nodes: list  # Node and Note, in layout order
+
+
+# --- object_info helpers --------------------------------------------------------------------------------------
+def input_specs(info: dict) -> list[tuple[str, str, list]]:
+    """(name, "required"/"optional", spec) in the node's declared order."""
+    order = info.get("input_order") or {k: list(v) for k, v in info["input"].items()}
+    specs = []
+    for section in ("required", "optional"):
+        for name in order.get(section, []):
+            specs.append((name, section, info["input"][section][name]))
+    return specs
+
+
+def spec_type(spec: list) -> str:
+    return "COMBO" if isinstance(spec[0], list) else spec[0]
+
+
+def spec_options(spec: list) -> dict:
+    return spec[1] if len(spec) > 1 and isinstance(spec[1], dict) else {}
+
+
+def combo_choices(spec: list) -> list:
+    return spec[0] if isinstance(spec[0], list) else spec_options(spec).get("options", [])
+
+
+def is_widget(spec: list) -> bool:
+    return spec_type(spec) in WIDGET_TYPES and not spec_options(spec).get("forceInput")
+
+
+def has_control_widget(name: str, spec: list) -> bool:
+    """Whether the editor adds a "control after generate" widget right after this one (saved in widgets_values)."""
+    control = spec_options(spec).get("control_after_generate")
+    if control is None:
+        return spec_type(spec) == "INT" and name in SEED_NAMES
+    return bool(control)
+
+
+def default_value(spec: list):
+    options = spec_options(spec)
+    if "default" in options:
+        return options["default"]
+    kind = spec_type(spec)
+    if kind == "COMBO":
+        choices = combo_choices(spec)
+        return choices[0] if choices else ""
+    return {"INT": 0, "FLOAT": 0.0, "STRING": "", "BOOLEAN": False}[kind]
+
+
+def output_index(info: dict, node: Node, output) -> int:
+    if isinstance(output, int):
+        return output
+    names = info["output_name"]
+    if output in names:
+        return names.index(output)
+    raise ValueError(f"{node.type} (node {node.id}) has no output {output!r}; outputs: {names}")
+
+
+# --- layout ---------------------------------------------------------------------------------------------------
+def estimated_height(item, info: dict | None) -> int:
+    if isinstance(item, Note):
+        return item.height
+    specs = input_specs(info)
+    widgets = sum(1 + has_control_widget(n, s) for n, _, s in specs if is_widget(s))
+    text_boxes = sum(1 for _, _, s in specs if is_widget(s) and spec_options(s).get("multiline"))
+    sockets = sum(1 for _, _, s in specs if not is_widget(s))
+    return 46 + 22 * max(sockets, len(info["output"])) + 26 * widgets + 60 * text_boxes + item.extra_height
+
+
+def layout(workflow: Workflow, object_info: dict) -> dict[int, tuple[list, list]]:
+    """pos and size per node id: columns of stacked nodes, each column as wide as its widest node."""
+    columns = sorted({item.column for item in workflow.nodes})
+    widths = {c: max(item.width for item in workflow.nodes if item.column == c) for c in columns}
+    column_x = {}
+    x = 0
+    for column in columns:
+        column_x[column] = x
+        x += widths[column] + GAP
+    next_y: dict[int, int] = {}
+    placed = {}
+    for item in workflow.nodes:
+        info = None if isinstance(item, Note) else object_info[item.type]
+        height = estimated_height(item, info)
+        y = next_y.get(item.column, TITLE_HEIGHT)
+        placed[item.id] = ([column_x[item.column], y], [item.width, height])
+        next_y[item.column] = y + height + GAP + TITLE_HEIGHT  # the title bar sits above the node's body
+    return placed
+
+
+# --- the two formats ------------------------------------------------------------------------------------------
+def check_description(workflow: Workflow, object_info: dict) -> None:
+    ids = [item.id for item in workflow.nodes]
+    if len(ids) != len(set(ids)):
+        raise ValueError(f"{workflow.name}: node ids repeat: {ids}")
+    by_id = {item.id: item for item in workflow.nodes}
+    for node in (n for n in workflow.nodes if isinstance(n, Node)):
+        if node.type not in object_info:
+            raise ValueError(f"{workflow.name}: node {node.id}: {node.type} is not in /object_info; is its package loaded?")
+        names = {name for name, _, _ in input_specs(object_info[node.type])}
+        for name in [*node.values, *node.links]:
+            if name not in names:
+                raise ValueError(f"{workflow.name}: node {node.id} ({node.type}) has no input {name!r}; inputs: {sorted(names)}")
+        for name, (source, _) in node.links.items():
+            if not isinstance(by_id.get(source), Node):
+                raise ValueError(f"{workflow.name}: node {node.id} input {name!r} links to missing node {source}")
+
+
+def api_format(workflow: Workflow, object_info: dict) -> dict:
+    prompt = {}
+    by_id = {item.id: item for item in workflow.nodes}
+    for node in (n for n in workflow.nodes if isinstance(n, Node)):
+        info = object_info[node.type]
+        inputs = {}
+        for name, _, spec in input_specs(info):
+            if name in node.links:
+                source, output = node.links[name]
+                source_node = by_id[source]
+                inputs[name] = [str(source), output_index(object_info[source_node.type], source_node, output)]
+            elif is_widget(spec):
+                inputs[name] = node.values.get(name, default_value(spec))
+        prompt[str(node.id)] = {
+            "class_type": node.type,
+            "inputs": inputs,
+            "_meta": {"title": node.title or info.get("display_name") or node.type},
+        }
+    return prompt
+
+
+def ui_format(workflow: Workflow, object_info: dict) -> dict:
+    placed = layout(workflow, object_info)
+    by_id = {item.id: item for item in workflow.nodes}
+    links = []  # [link id, source id, source slot, target id, target slot, type]
+    outgoing: dict[tuple[int, int], list[int]] = {}
+    nodes = []
+    for order, item in enumerate(workflow.nodes):
+        pos, size = placed[item.id]
+        if isinstance(item, Note):
+            nodes.append({
+                "id": item.id, "type": "Note", "pos": pos, "size": size, "flags": {}, "order": order, "mode": 0,
+                "title": item.title, "properties": {}, "widgets_values": [item.text],
+                "color": "#432", "bgcolor": "#653",
+            })
+            continue
+        info = object_info[item.type]
+        inputs = []
+        widgets_values = []
+        for name, section, spec in input_specs(info):
+            linked = name in item.links
+            if is_widget(spec):
+                widgets_values.append(item.values.get(name, default_value(spec)))
+                if has_control_widget(name, spec):
+                    widgets_values.append("fixed")  # shipped workflows repeat exactly
+            if not linked and is_widget(spec):
+                continue  # unconnected widget inputs have no socket entry in the saved format
+            slot = {"name": name, "type": spec_type(spec), "link": None}
+            if is_widget(spec):
+                slot["widget"] = {"name": name}
+            if section == "optional":
+                slot["shape"] = 7  # the editor draws optional sockets hollow
+            if linked:
+                source, output = item.links[name]
+                source_node = by_id[source]
+                source_slot = output_index(object_info[source_node.type], source_node, output)
+                link_id = len(links) + 1
+                links.append([link_id, source, source_slot, item.id, len(inputs),
+                              object_info[source_node.type]["output"][source_slot]])
+                outgoing.setdefault((source, source_slot), []).append(link_id)
+                slot["link"] = link_id
+            inputs.append(slot)
+        node = {
+            "id": item.id, "type": item.type, "pos": pos, "size": size, "flags": {}, "order": order, "mode": 0,
+            "inputs": inputs,
+            "outputs": [{"name": name, "type": kind, "links": None}
+                        for name, kind in zip(info["output_name"], info["output"])],
+            "properties": {"Node name for S&R": item.type},
+            "widgets_values": widgets_values,
+        }
+        if item.title:
+            node["title"] = item.title
+        nodes.append(node)
+    for node in nodes:
+        for slot_index, output in enumerate(node.get("outputs", [])):
+            output["links"] = outgoing.get((node["id"], slot_index), [])
+    return {
+        # A stable id: the live view matches a reloaded graph with its runs in /history by it.
+        "id": str(uuid.uuid5(uuid.NAMESPACE_URL, f"comfyui-headroom/workflows/{workflow.name}")),
+        "revision": 0,
+        "last_node_id": max(item.id for item in workflow.nodes),
+        "last_link_id": len(links),
+        "nodes": nodes,
+        "links": links,
+        "groups": [],
+        "config": {},
+        "extra": {"ds": {"scale": 0.8, "offset": [120, 60]}},
+        "version": 0.4,
+    }
+
+
+def build(workflow: Workflow, object_info: dict) -> tuple[dict, dict]:
+    """(UI format, API format) of one workflow."""
+    check_description(workflow, object_info)
+    return ui_format(workflow, object_info), api_format(workflow, object_info)
+
+
+def render(data: dict) -> str:
+    return json.dumps(data, indent=1, ensure_ascii=False) + "\n"
+
+
+def write_atomically(path: pathlib.Path, text: str) -> None:
+    fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        handle.write(text)
+    os.replace(temp, path)
+
+
+# --- the shipped workflows ------------------------------------------------------------------------------------
+LIVE_CHART_HEIGHT = 260  # the live loss/VRAM chart js/headroom_live.js draws on training nodes
+
+TINY_NOTE = """Tiny demo LoRA: runs anywhere, even on a CPU, in a minute or two.
+
+A built-in tiny SD1.5-style model (random weights, no download) learns a synthetic data set of coloured shapes.
+Data -> cached latents and text -> LoRA + optimizer settings -> train -> validate (loss + preview images) -> save -> memory report.
+
+Watch the loss and memory chart on the Train steps node. The LoRA lands in models/loras/headroom/."""
+
+
+def tiny_lora() -> Workflow:
+    return Workflow("tiny_lora", [
+        Note(100, 0, TINY_NOTE, width=380, height=260),
+        Node(1, "HeadroomTinyModel", 0, {"family": "sd15", "seed": 0}, title="Tiny SD1.5 model"),
+        Node(2, "HeadroomSyntheticDataset", 0, {"count": 8, "resolution": 64, "seed": 0}, title="Synthetic shapes"),
+        Node(3, "HeadroomDatasetFromImages", 1, {"resolution": 64, "step": 64},
+             links={"images": (2, "images"), "captions": (2, "captions")}, title="Dataset"),
+        Node(4, "HeadroomCacheLatents", 1, links={"dataset": (3, "dataset"), "vae": (1, "VAE")}, title="Cache latents"),
+        Node(5, "HeadroomCacheText", 1, links={"dataset": (3, "dataset"), "clip": (1, "CLIP")}, title="Cache text"),
+        Node(6, "HeadroomLoraConfig", 2, {"rank": 4, "alpha": 4.0}, title="LoRA"),
+        Node(7, "HeadroomOptimizerConfig", 2, {"learning_rate": 1e-3}, title="Optimizer"),
+        Node(8, "HeadroomTrainLoraInit", 3, {"run_name": "tiny_demo", "precision": "fp32"},
+             links={"model": (1, "MODEL"), "latent_cache": (4, "latent_cache"), "text_cache": (5, "text_cache"),
+                    "lora_config": (6, "lora_config"), "optimizer_config": (7, "optimizer_config")},
+             title="Start (or resume) run"),
+        Node(9, "HeadroomTrainSteps", 4, {"steps": 30}, links={"run": (8, "run")}, title="Train steps",
+             width=440, extra_height=LIVE_CHART_HEIGHT),
+        Node(10, "HeadroomValidate", 5,
+             {"prompts": "a red circle in the center\na blue square at the top left", "sample_steps": 4,
+              "width": 64, "height": 64, "loss_timesteps": 2},
+             links={"run": (9, "run"), "clip": (1, "CLIP"), "vae": (1, "VAE")}, title="Validate"),
+        Node(11, "HeadroomSaveLora", 6, {"subfolder": "headroom"}, links={"run": (10, "run")}, title="Save LoRA"),
+        Node(12, "HeadroomVRAMMonitor", 6, links={"value": (11, "lora_name")}, title="Memory after the run"),
+        # The monitor is not an output node: ComfyUI runs it because this one shows its report.
+        Node(13, "PreviewAny", 6, links={"source": (12, "report")}, title="Memory report"),
+    ])
+
+
+@dataclasses.dataclass
+class RealModel:
+    """What differs between the real-model LoRA workflows."""
+    name: str
+    label: str
+    loaders: list  # Node list producing the MODEL, CLIP and VAE
+    model: tuple
+    clip: tuple
+    vae: tuple
+    downloads: str  # what to put where, for the Note
+    resolution: int
+    bucket_step: int  # 64 for UNets, 16 for DiTs
+    rank: int
+    optimizer: str
+    learning_rate: float
+    precision: str
+    timestep_sampling: str
+    sampling: dict  # validation sampler settings
+    policy: dict  # HeadroomOffloadPolicy settings that suit the model on a 12-24 GB card
+
+
+def real_model_lora(spec: RealModel) -> Workflow:
+    note = f"""{spec.label} LoRA with cached latents and text, validation and a memory report.
+
+Download (file -> ComfyUI folder):
+{spec.downloads}
+
+Your images: a folder inside ComfyUI's input/ folder (here input/my_dataset), each image with a same-name .txt caption (photo1.png + photo1.txt).
+
+The offload policy says how the run uses device memory; workflows/memory_plan.json estimates a model's peak per phase on your card and picks the fastest policy that fits.
+
+Queue it: latents and text embeddings are cached once (the text encoders and VAE are unloaded before training), then the LoRA trains with a validation every 250 steps (loss + preview images) and a save every 500 steps to models/loras/headroom/. The chart on the Train LoRA node shows loss and memory live. Queue again with more steps to continue the same run."""
+    sampling = {"sample_seed": 0, **spec.sampling}
+    return Workflow(spec.name, [
+        Note(100, 0, note, width=420, height=330),
+        *spec.loaders,
+        Node(5, "HeadroomOffloadPolicy", 0, spec.policy, title="Offload policy"),
+        Node(10, "HeadroomDatasetFromFolder", 1,
+             {"folder": "my_dataset", "resolution": spec.resolution, "step": spec.bucket_step}, title="Dataset folder"),
+        Node(11, "HeadroomCacheLatents", 1, links={"dataset": (10, "dataset"), "vae": spec.vae, "policy": (5, "policy")},
+             title="Cache latents"),
+        Node(12, "HeadroomCacheText", 1, links={"dataset": (10, "dataset"), "clip": spec.clip, "policy": (5, "policy")},
+             title="Cache text"),
+        Node(13, "HeadroomLoraConfig", 2, {"rank": spec.rank, "alpha": float(spec.rank)}, title="LoRA"),
+        Node(14, "HeadroomOptimizerConfig", 2,
+             {"optimizer": spec.optimizer, "learning_rate": spec.learning_rate, "schedule_steps": 2000}, title="Optimizer"),
+        Node(15, "HeadroomTrainLora", 3,
+             {"run_name": spec.name, "precision": spec.precision, "timestep_sampling": spec.timestep_sampling,
+              "gradient_checkpointing": spec.policy["checkpointing"] != "off", "steps": 2000, "validate_every": 250,
+              "save_every": 500, "lora_subfolder": "headroom",
+              "prompts": "a photo of sks person smiling\na photo of sks person in a forest", **sampling},
+             links={"model": spec.model, "latent_cache": (11, "latent_cache"), "text_cache": (12, "text_cache"),
+                    "lora_config": (13, "lora_config"), "optimizer_config": (14, "optimizer_config"),
+                    "clip": spec.clip, "vae": spec.vae, "policy": (5, "policy")},
+             title=f"Train LoRA ({spec.label})", width=460, extra_height=LIVE_CHART_HEIGHT),
+        Node(16, "HeadroomVRAMMonitor", 4, links={"value": (15, "lora_name")}, title="Memory after the run"),
+        Node(17, "PreviewAny", 4, links={"source": (16, "report")}, title="Memory report"),
+    ])
+
+
+def policy(base_placement: str, checkpointing: str) -> dict:
+    # Budget 0 = auto: what ComfyUI can free on the device, minus the reserve.
+    return {"vram_budget_gb": 0.0, "base_placement": base_placement, "checkpointing": checkpointing}
+
+
+def checkpoint(file: str) -> Node:
+    return Node(1, "CheckpointLoaderSimple", 0, {"ckpt_name": file}, title="Load checkpoint")
+
+
+def sd15_lora() -> Workflow:
+    return real_model_lora(RealModel(
+        "sd15_lora", "SD1.5", [checkpoint("v1-5-pruned-emaonly.safetensors")], (1, "MODEL"), (1, "CLIP"), (1, "VAE"),
+        "- v1-5-pruned-emaonly.safetensors -> models/checkpoints/",
+        resolution=512, bucket_step=64, rank=16, optimizer="AdamW8bit", learning_rate=1e-4, precision="fp16",
+        timestep_sampling="uniform", policy=policy("resident", "off"),
+        sampling={"sample_steps": 20, "cfg": 7.0, "sampler_name": "euler", "scheduler": "normal", "width": 512, "height": 512},
+    ))
+
+
+def sdxl_lora() -> Workflow:
+    return real_model_lora(RealModel(
+        "sdxl_lora", "SDXL", [checkpoint("sd_xl_base_1.0.safetensors")], (1, "MODEL"), (1, "CLIP"), (1, "VAE"),
+        "- sd_xl_base_1.0.safetensors -> models/checkpoints/",
+        resolution=1024, bucket_step=64, rank=16, optimizer="AdamW8bit", learning_rate=1e-4, precision="bf16",
+        timestep_sampling="uniform", policy=policy("resident", "blocks"),
+        sampling={"sample_steps": 25, "cfg": 6.0, "sampler_name": "euler", "scheduler": "normal", "width": 1024, "height": 1024},
+    ))
+
+
+def sd35_lora() -> Workflow:
+    return real_model_lora(RealModel(
+        "sd35_lora", "SD3.5 Large",
+        [checkpoint("sd3.5_large.safetensors"),
+         Node(2, "TripleCLIPLoader", 0, {"clip_name1": "clip_l.safetensors", "clip_name2": "clip_g.safetensors",
+                                          "clip_name3": "t5xxl_fp16.safetensors"}, title="Load text encoders")],
+        (1, "MODEL"), (2, "CLIP"), (1, "VAE"),
+        "- sd3.5_large.safetensors -> models/checkpoints/\n"
+        "- clip_l.safetensors, clip_g.safetensors, t5xxl_fp16.safetensors -> models/text_encoders/",
+        resolution=1024, bucket_step=16, rank=16, optimizer="AdamW8bit", learning_rate=1e-4, precision="bf16",
+        timestep_sampling="logit_normal", policy=policy("partial", "blocks"),
+        sampling={"sample_steps": 28, "cfg": 4.5, "sampler_name": "euler", "scheduler": "sgm_uniform", "width": 1024, "height": 1024},
+    ))
+
+
+def flux_lora() -> Workflow:
+    return real_model_lora(RealModel(
+        "flux_lora", "Flux.1 dev",
+        [Node(1, "UNETLoader", 0, {"unet_name": "flux1-dev.safetensors"}, title="Load diffusion model"),
+         Node(2, "DualCLIPLoader", 0, {"clip_name1": "clip_l.safetensors", "clip_name2": "t5xxl_fp16.safetensors",
+                                        "type": "flux"}, title="Load text encoders"),
+         Node(3, "VAELoader", 0, {"vae_name": "ae.safetensors"}, title="Load VAE")],
+        (1, "MODEL"), (2, "CLIP"), (3, "VAE"),
+        "- flux1-dev.safetensors -> models/diffusion_models/\n"
+        "- clip_l.safetensors, t5xxl_fp16.safetensors -> models/text_encoders/\n"
+        "- ae.safetensors -> models/vae/",
+        resolution=1024, bucket_step=16, rank=16, optimizer="AdamW8bit", learning_rate=1e-4, precision="bf16",
+        timestep_sampling="shifted", policy=policy("partial", "blocks"),
+        sampling={"sample_steps": 20, "cfg": 1.0, "sampler_name": "euler", "scheduler": "simple", "width": 1024, "height": 1024},
+    ))
+
+
+TINY_CONTROLNET_NOTE = """Tiny demo ControlNet: runs anywhere, even on a CPU.
+
+The built-in tiny SD1.5-style model (random weights, no download) and synthetic shapes with their masks as control images. Latents, control images and text are cached; a ControlNet of ComfyUI's own class trains next to the frozen model, is validated with the stock ControlNet apply path and saved to models/controlnet/headroom/, where the stock Load ControlNet Model node finds it.
+
+Watch the loss and memory chart on the Train ControlNet node."""
+
+
+def tiny_controlnet() -> Workflow:
+    return Workflow("tiny_controlnet", [
+        Note(100, 0, TINY_CONTROLNET_NOTE, width=380, height=280),
+        Node(1, "HeadroomTinyModel", 0, {"family": "sd15", "seed": 0}, title="Tiny SD1.5 model"),
+        Node(2, "HeadroomSyntheticDataset", 0, {"count": 8, "resolution": 64, "seed": 0}, title="Synthetic shapes + masks"),
+        Node(3, "HeadroomDatasetFromImages", 1, {"resolution": 64, "step": 64},
+             links={"images": (2, "images"), "captions": (2, "captions"), "control_images": (2, "control_images")},
+             title="Dataset with control images"),
+        Node(4, "HeadroomCacheLatents", 1, {"control_encoding": "pixels"},
+             links={"dataset": (3, "dataset"), "vae": (1, "VAE")}, title="Cache latents + control"),
+        Node(5, "HeadroomCacheText", 1, links={"dataset": (3, "dataset"), "clip": (1, "CLIP")}, title="Cache text"),
+        Node(6, "HeadroomOptimizerConfig", 2, {"learning_rate": 1e-3}, title="Optimizer"),
+        Node(7, "HeadroomTrainControlNet", 3,
+             {"run_name": "tiny_controlnet", "precision": "fp32", "steps": 20, "controlnet_subfolder": "headroom",
+              "prompts": "a red circle in the center", "sample_steps": 4, "width": 64, "height": 64,
+              "loss_timesteps": 2},
+             links={"model": (1, "MODEL"), "latent_cache": (4, "latent_cache"), "text_cache": (5, "text_cache"),
+                    "optimizer_config": (6, "optimizer_config"), "clip": (1, "CLIP"), "vae": (1, "VAE")},
+             title="Train ControlNet", width=460, extra_height=LIVE_CHART_HEIGHT),
+        Node(8, "HeadroomVRAMMonitor", 4, links={"value": (7, "control_net_name")}, title="Memory after the run"),
+        Node(9, "PreviewAny", 4, links={"source": (8, "report")}, title="Memory report"),
+    ])
+
+
+SD15_CONTROLNET_NOTE = """SD1.5 ControlNet with cached latents, control images and text, an offload policy, validation and a memory report.
+
+Download (file -> ComfyUI folder):
+- v1-5-pruned-emaonly.safetensors -> models/checkpoints/
+
+Your data, inside ComfyUI's input/ folder:
+- input/my_dataset: the images, each with a same-name .txt caption (photo1.png + photo1.txt)
+- input/my_dataset_control: the control image of each (photo1.png: its edge map, depth map, pose...)
+
+Queue it: the ControlNet (a copy of the UNet encoder, ComfyUI's own class) trains next to the frozen model, is validated every 500 steps with the first held-out control image and saved every 1000 steps to models/controlnet/headroom/ for the stock Load ControlNet Model node. Half of the samples train with the empty prompt (caption_dropout 0.5) so the ControlNet learns to follow the control alone."""
+
+
+def sd15_controlnet() -> Workflow:
+    return Workflow("sd15_controlnet", [
+        Note(100, 0, SD15_CONTROLNET_NOTE, width=420, height=330),
+        checkpoint("v1-5-pruned-emaonly.safetensors"),
+        Node(5, "HeadroomOffloadPolicy", 0, policy("resident", "blocks"), title="Offload policy"),
+        Node(10, "HeadroomDatasetFromFolder", 1,
+             {"folder": "my_dataset", "control_folder": "my_dataset_control", "resolution": 512, "step": 64},
+             title="Dataset + control folders"),
+        Node(11, "HeadroomCacheLatents", 1, {"control_encoding": "pixels"},
+             links={"dataset": (10, "dataset"), "vae": (1, "VAE"), "policy": (5, "policy")}, title="Cache latents + control"),
+        Node(12, "HeadroomCacheText", 1, links={"dataset": (10, "dataset"), "clip": (1, "CLIP"), "policy": (5, "policy")},
+             title="Cache text"),
+        Node(14, "HeadroomOptimizerConfig", 2,
+             {"optimizer": "AdamW8bit", "learning_rate": 1e-5, "schedule_steps": 5000}, title="Optimizer"),
+        Node(15, "HeadroomTrainControlNet", 3,
+             {"run_name": "sd15_controlnet", "precision": "fp16", "gradient_checkpointing": True, "holdout": 1,
+              "steps": 5000, "validate_every": 500, "save_every": 1000, "controlnet_subfolder": "headroom",
+              "prompts": "a photo of a living room\na photo of a city street at night", "sample_steps": 20, "cfg": 7.0,
+              "width": 512, "height": 512},
+             links={"model": (1, "MODEL"), "latent_cache": (11, "latent_cache"), "text_cache": (12, "text_cache"),
+                    "optimizer_config": (14, "optimizer_config"), "clip": (1, "CLIP"), "vae": (1, "VAE"),
+                    "policy": (5, "policy")},
+             title="Train ControlNet (SD1.5)", width=460, extra_height=LIVE_CHART_HEIGHT),
+        Node(16, "HeadroomVRAMMonitor", 4, links={"value": (15, "control_net_name")}, title="Memory after the run"),
+        Node(17, "PreviewAny", 4, links={"source": (16, "report")}, title="Memory report"),
+    ])
+
+
+MEMORY_PLAN_NOTE = """Memory plan only: how much device memory a LoRA run on this model needs, per phase (caching, training step, validation, save), itemised, and, in mode "auto", the fastest offload policy that fits the budget, with the reason. Nothing is trained.
+
+Set vram_budget_gb on the policy node to plan for a card other than this one (0 = this device, measured). Swap the loaders for your model; the Flux.1 dev files:
+- flux1-dev.safetensors -> models/diffusion_models/
+- clip_l.safetensors, t5xxl_fp16.safetensors -> models/text_encoders/
+- ae.safetensors -> models/vae/
+
+Feed the plan's policy output into the Cache and Train LoRA nodes of a training workflow to use it."""
+
+
+def memory_plan() -> Workflow:
+    return Workflow("memory_plan", [
+        Note(100, 0, MEMORY_PLAN_NOTE, width=420, height=330),
+        Node(1, "UNETLoader", 0, {"unet_name": "flux1-dev.safetensors"}, title="Load diffusion model"),
+        Node(2, "DualCLIPLoader", 0, {"clip_name1": "clip_l.safetensors", "clip_name2": "t5xxl_fp16.safetensors",
+                                       "type": "flux"}, title="Load text encoders"),
+        Node(3, "VAELoader", 0, {"vae_name": "ae.safetensors"}, title="Load VAE"),
+        Node(4, "HeadroomOffloadPolicy", 1, {"vram_budget_gb": 0.0}, title="Budget and starting policy"),
+        Node(5, "HeadroomMemoryPlan", 2,
+             {"mode": "auto", "width": 1024, "height": 1024, "rank": 16, "optimizer": "AdamW8bit", "precision": "bf16"},
+             links={"model": (1, "MODEL"), "policy": (4, "policy"), "clip": (2, "CLIP"), "vae": (3, "VAE")},
+             title="Memory plan"),
+        # The plan node is not an output node: ComfyUI runs it because this one shows its text.
+        Node(6, "PreviewAny", 3, links={"source": (5, "plan_text")}, title="Plan", width=520),
+    ])
+
+
+WORKFLOWS = [tiny_lora, sd15_lora, sdxl_lora, sd35_lora, flux_lora, tiny_controlnet, sd15_controlnet, memory_plan]
+# Workflows small enough to run to completion on a CPU in the test suite (tests/test_workflows.py).
+TINY_WORKFLOWS = {"tiny_lora", "tiny_controlnet"}
+
+
+def fetch_object_info(server: str) -> dict:
+    with urllib.request.urlopen(server.rstrip("/") + "/object_info", timeout=120) as response:
+        return json.load(response)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--server", help="URL of a running ComfyUI that has Headroom installed")
+    source.add_argument("--object-info", type=pathlib.Path, help="a saved /object_info JSON")
+    parser.add_argument("--out", type=pathlib.Path, default=HERE, help="folder to write to (default: this one)")
+    args = parser.parse_args(argv)
+    object_info = fetch_object_info(args.server) if args.server else json.loads(args.object_info.read_text())
+    for make in WORKFLOWS:
+        workflow = make()
+        ui, api = build(workflow, object_info)
+        write_atomically(args.out / f"{workflow.name}.json", render(ui))
+        write_atomically(args.out / f"{workflow.name}_api.json", render(api))
+        print(f"wrote {workflow.name}.json and {workflow.name}_api.json", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
