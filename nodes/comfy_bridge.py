@@ -127,6 +127,20 @@ def model_blocks(diffusion_model: torch.nn.Module) -> list[tuple[str, torch.nn.M
     return blocks
 
 
+def training_blocks(diffusion_model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The repeated blocks as the model actually *calls* them: `model_blocks`, with sequential containers
+    replaced by their layers. ComfyUI's UNet runs a TimestepEmbedSequential through
+    `forward_timestep_embed(block, ...)`, which calls each layer but never the block itself, so hooks or
+    checkpoint wrappers on the block would never run; on its layers they do."""
+    blocks = []
+    for name, block in model_blocks(diffusion_model):
+        if isinstance(block, torch.nn.Sequential):
+            blocks += [(f"{name}.{child_name}", child) for child_name, child in block.named_children()]
+        else:
+            blocks.append((name, block))
+    return blocks
+
+
 def replace_inference_tensors(module: torch.nn.Module) -> None:
     """Give weights made under inference mode (ComfyUI's loaders run there) normal storage, same values.
 
@@ -194,7 +208,7 @@ class ComfyDenoiser:
         return self.model.apply_model(x_t, sigma, transformer_options={}, **self._model_conds(x_t, conds))
 
     def blocks(self) -> list[tuple[str, torch.nn.Module]]:
-        return model_blocks(self.model.diffusion_model)
+        return training_blocks(self.model.diffusion_model)  # what checkpointing wraps: blocks that get called
 
 
 # --- adapters on a clone ----------------------------------------------------------------------------------

@@ -24,7 +24,8 @@ from ..training.optimizers import OPTIMIZERS
 from ..training.policy import (CHECKPOINTING, GIB, OPTIMIZER_STATES, PLACEMENTS, STORAGES, VAE_TILED, ENCODERS,
                                OffloadPolicy, PolicyError)
 from ..training.trainer import PRECISIONS
-from .comfy_bridge import ComfyDenoiser, expected_cond_dims, model_blocks, model_family, replace_inference_tensors
+from .comfy_bridge import (ComfyDenoiser, expected_cond_dims, model_blocks, model_family, replace_inference_tensors,
+                           training_blocks)
 
 OffloadPolicyType = io.Custom("OFFLOAD_POLICY")
 CATEGORY = "Headroom/memory"
@@ -50,20 +51,6 @@ def budget_bytes(policy: OffloadPolicy, device: torch.device | None = None) -> i
 
 
 # --- describing a ComfyUI MODEL ------------------------------------------------------------------------------
-def training_blocks(diffusion_model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """The repeated blocks as the model actually *calls* them: `model_blocks`, with sequential containers
-    replaced by their layers. ComfyUI's UNet runs a TimestepEmbedSequential through
-    `forward_timestep_embed(block, ...)`, which calls each layer but never the block itself, so hooks or
-    wrappers on the block would never run; on its layers they do."""
-    blocks = []
-    for name, block in model_blocks(diffusion_model):
-        if isinstance(block, torch.nn.Sequential):
-            blocks += [(f"{name}.{child_name}", child) for child_name, child in block.named_children()]
-        else:
-            blocks.append((name, block))
-    return blocks
-
-
 def calibration_cond(model, text_tokens: int, device: torch.device) -> dict[str, torch.Tensor]:
     """Zero conditioning of the widths the model expects (what the text cache would hold)."""
     dims = expected_cond_dims(model)
