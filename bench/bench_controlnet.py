@@ -84,12 +84,21 @@ def common_inputs(model, latent_cache, text_cache, optimizer, batch: int, name: 
 
 
 def step_times(session, steps: int, warmup: int = 2) -> list[float]:
-    session.train_to(session.step + warmup)
+    """Seconds of each engine step (the run's model loaded once, as in TrainingSession.train_to, without its
+    progress events and end-of-call checkpoint)."""
+    import comfy.model_management
+
     times = []
-    for _ in range(steps):
-        started = time.perf_counter()
-        session.train_to(session.step + 1)
-        times.append(time.perf_counter() - started)
+    with session.attached():
+        comfy.model_management.in_training = True
+        try:
+            session.trainer.train_to(session.step + warmup)
+            for _ in range(steps):
+                started = time.perf_counter()
+                session.trainer.train_to(session.step + 1)
+                times.append(time.perf_counter() - started)
+        finally:
+            comfy.model_management.in_training = False
     return times
 
 
@@ -146,7 +155,7 @@ def main() -> None:
     print("|---|---|---|---|---|")
     lora_median = statistics.median(lora_times)
     for name, session, times in (("LoRA r16 (preset targets)", lora, lora_times),
-                                 (f"ControlNet ({controlnet.controlnet.family}, {controlnet.controlnet.blocks} blocks)",
+                                 (f"ControlNet ({controlnet.controlnet.family}, blocks={controlnet.controlnet.blocks})",
                                   controlnet, controlnet_times)):
         median = statistics.median(times)
         print(f"| {name} | {trainable_count(session):,} | {median:.3f} | {min(times):.3f} | {median / lora_median:.2f} |")
