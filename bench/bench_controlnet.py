@@ -108,7 +108,7 @@ def trainable_count(session) -> int:
 
 def gpu_peaks(session, clip, vae, steps: int) -> tuple[float, float]:
     """Peak allocated MiB of `steps` training steps, then of one validation (loss + one controlled sample)."""
-    from headroom.nodes.train_controlnet import validate_controlnet
+    from headroom.nodes.train_lora import HeadroomValidate, validate
 
     device = session.denoiser.device
     torch.cuda.synchronize(device)
@@ -117,7 +117,7 @@ def gpu_peaks(session, clip, vae, steps: int) -> tuple[float, float]:
     torch.cuda.synchronize(device)
     training = torch.cuda.max_memory_allocated(device) / 2**20
     torch.cuda.reset_peak_memory_stats(device)
-    validate_controlnet(session, clip, vae, prompts="a shape", sample_steps=4, cfg=1.0, width=64, height=64)
+    validate(HeadroomValidate, session, clip, vae, prompts="a shape", sample_steps=4, cfg=1.0, width=64, height=64)
     torch.cuda.synchronize(device)
     validation = torch.cuda.max_memory_allocated(device) / 2**20
     return training, validation

@@ -28,6 +28,7 @@ from ..training.cache_store import (
     CacheStoreError, ShardStore, cache_latents, cache_text, fingerprint_state_dict, fingerprint_value,
 )
 from ..training.dataset import dataset_from_folder, dataset_from_tensors, folder_signature, split_captions
+from ..training.memory_stats import PhaseRecorder
 
 log = logging.getLogger(__name__)
 
@@ -280,16 +281,19 @@ class HeadroomCacheLatents(io.ComfyNode):
             "dtype": str(vae.vae_dtype),
             "output_dtype": str(vae.vae_output_dtype()),
         }
+        recorder = PhaseRecorder(vae.device)
         try:
-            cache, report = cache_latents(
-                dataset, store, vae.encode, encoder_fingerprint(vae.patcher), options,
-                control_encoding=control_encoding, progress=_ProgressBar(),
-                check_interrupt=comfy.model_management.throw_exception_if_processing_interrupted,
-            )
+            with recorder.phase("caching latents"):
+                cache, report = cache_latents(
+                    dataset, store, vae.encode, encoder_fingerprint(vae.patcher), options,
+                    control_encoding=control_encoding, progress=_ProgressBar(),
+                    check_interrupt=comfy.model_management.throw_exception_if_processing_interrupted,
+                )
         except CacheStoreError as error:
             raise CacheStoreError(f"{error}. {_RELOCATE_HINT}") from error
         finally:
             unload_encoder(vae.patcher)
+        cache.memory_phases = recorder.phases  # a training run built on this cache starts its memory record with it
         return io.NodeOutput(cache, report.summary())
 
 
@@ -341,16 +345,19 @@ class HeadroomCacheText(io.ComfyNode):
                     dropped.add(name)  # e.g. "hooks": a sampling-time feature, not part of the text embedding
             return tensors
 
+        recorder = PhaseRecorder(clip.patcher.load_device)
         try:
-            cache, report = cache_text(
-                [item.caption for item in dataset.items], store, encode, encoder_fingerprint(clip.patcher), options,
-                progress=_ProgressBar(),
-                check_interrupt=comfy.model_management.throw_exception_if_processing_interrupted,
-            )
+            with recorder.phase("caching text"):
+                cache, report = cache_text(
+                    [item.caption for item in dataset.items], store, encode, encoder_fingerprint(clip.patcher), options,
+                    progress=_ProgressBar(),
+                    check_interrupt=comfy.model_management.throw_exception_if_processing_interrupted,
+                )
         except CacheStoreError as error:
             raise CacheStoreError(f"{error}. {_RELOCATE_HINT}") from error
         finally:
             unload_encoder(clip.patcher)
+        cache.memory_phases = recorder.phases
         if dropped:
             report.warnings.append(f"non-tensor conditioning entries not cached: {', '.join(sorted(dropped))}")
         return io.NodeOutput(cache, report.summary())

@@ -32,11 +32,13 @@ import comfy.samplers
 import comfy.utils
 
 from ..training.adapters import AdapterConfig, AdapterSet, select_targets
-from ..training.memory_stats import process_rss_bytes
 from ..training.cache_store import fingerprint_state_dict, fingerprint_value
+from ..training.memory_stats import PhaseRecorder, process_rss_bytes
 from ..training.objective import SamplingDescriptor
+from ..training.oom import is_out_of_memory, out_of_memory
 from ..training.optimizers import OptimizerConfig
-from ..training.run_dir import RunDir
+from ..training.policy import OffloadPolicy
+from ..training.run_dir import RunDir, atomic_write_json
 from ..training.trainer import StepReport, TrainConfig, Trainer
 
 INJECTION_KEY = "headroom_adapter"
@@ -98,20 +100,20 @@ def check_caches(model: comfy.model_base.BaseModel, latent_cache, text_cache) ->
     """Wrong cache for this model -> a clear error, before any GPU work."""
     channels = model.latent_format.latent_channels
     if len(latent_cache) == 0:
-        raise ValueError("HeadroomTrainLoraInit: the LATENT_CACHE holds no items")
+        raise ValueError("the LATENT_CACHE holds no items")
     if int(latent_cache.latent_channels) != channels:
         raise ValueError(
-            f"HeadroomTrainLoraInit: the LATENT_CACHE has {latent_cache.latent_channels}-channel latents but this "
+            f"the LATENT_CACHE has {latent_cache.latent_channels}-channel latents but this "
             f"model denoises {channels}-channel latents: cache the images with this model's VAE"
         )
     sample = text_cache.conditioning(latent_cache.text_key(0))
     for name, width in expected_cond_dims(model).items():
         if name not in sample:
-            raise ValueError(f"HeadroomTrainLoraInit: the TEXT_CACHE has no '{name}' but this model needs it: "
+            raise ValueError(f"the TEXT_CACHE has no '{name}' but this model needs it: "
                              "cache the captions with this model's text encoder (CLIP)")
         if int(sample[name].shape[-1]) != width:
             raise ValueError(
-                f"HeadroomTrainLoraInit: the TEXT_CACHE '{name}' is {sample[name].shape[-1]} wide but this model "
+                f"the TEXT_CACHE '{name}' is {sample[name].shape[-1]} wide but this model "
                 f"expects {width}: cache the captions with this model's text encoder (CLIP)"
             )
 
@@ -270,7 +272,36 @@ class TrainingSession:
     """Everything of one training run inside ComfyUI: the TRAINING_RUN value nodes pass along."""
 
     def __init__(self, model, latent_cache, text_cache, config: SessionConfig, run_root: pathlib.Path, run_name: str,
-                 policy=None):
+                 policy: OffloadPolicy | None = None):
+        stored = self._open_run(model, latent_cache, text_cache, config, run_root, run_name, policy, {})
+        if any(isinstance(m, BaseTunerLayer) for m in model.model.diffusion_model.modules()):
+            # A previous run's clone is loaded with its adapter attached to this shared module: unload it.
+            comfy.model_management.unload_model_and_clones(model)
+        with torch.inference_mode(False):
+            # A classic ModelPatcher even under dynamic VRAM: autograd keeps the weights a layer used until backward,
+            # which aimdo-managed weights do not guarantee (docs/MEMORY.md). Elsewhere this is a plain clone.
+            self.patcher = model.clone(disable_dynamic=True)
+            diffusion_model = self.patcher.model.diffusion_model
+            paths = select_targets(diffusion_model, config.family, config.adapter, [n for n, _ in model_blocks(diffusion_model)])
+            self.adapters = AdapterSet(diffusion_model, paths, config.adapter)
+            # Small: lives on the compute device from the start, so resumed optimizer state lands there too.
+            self.adapters.to(self.patcher.load_device)
+            attach_with_injection(self.patcher, self.adapters)
+            self.denoiser = ComfyDenoiser(self.patcher)
+            trainer = Trainer(self.denoiser, self.adapters, latent_cache, text_cache, config.train, config.optimizer,
+                              train_items=self.train_items, run_dir=self.run_dir, policy=policy)
+        self._finish_open(trainer, stored)
+
+    # --- shared by every kind of run (LoRA here, ControlNet in nodes/train_controlnet.py) ---------------------
+    def _open_run(self, model, latent_cache, text_cache, config, run_root, run_name, policy, kind: dict) -> dict:
+        """The run directory (checked against this configuration), the holdout split and the memory record."""
+        if policy is not None and not isinstance(policy, OffloadPolicy):
+            raise ValueError("policy must come from a HeadroomOffloadPolicy or HeadroomMemoryPlan node")
+        if policy is not None and policy.base_storage != "as_loaded":
+            # The engine has it (training/lowbit.py, tested); swapping the low-bit layers in through ComfyUI's load
+            # without ComfyUI also loading the full-precision weights is not built yet.
+            raise ValueError(f"policy base_storage={policy.base_storage!r} is not applied by the training nodes yet: "
+                             "set base_storage to 'as_loaded' in the Offload Policy node")
         self.source_model = model
         self.latent_cache, self.text_cache = latent_cache, text_cache
         self.config = config
@@ -278,7 +309,7 @@ class TrainingSession:
         self.run_dir = RunDir(run_root, run_name)
         self.fingerprint = base_fingerprint(model)
         stored = {
-            "session": config.to_json(), "base_fingerprint": self.fingerprint,
+            **kind, "session": config.to_json(), "base_fingerprint": self.fingerprint,
             "latent_cache": getattr(latent_cache, "fingerprint", None), "text_cache": getattr(text_cache, "fingerprint", None),
             "data": data_fingerprint(latent_cache),
         }
@@ -288,32 +319,66 @@ class TrainingSession:
             raise ValueError(f"holdout={config.holdout} leaves no training items of the {count} cached")
         self.train_items = list(range(count - config.holdout))
         self.validation_items = list(range(count - config.holdout, count)) if config.holdout else list(self.train_items)
+        self.memory = self._memory_record(torch.device(model.load_device))
+        return stored
 
-        if any(isinstance(m, BaseTunerLayer) for m in model.model.diffusion_model.modules()):
-            # A previous run's clone is loaded with its adapter attached to this shared module: unload it.
-            comfy.model_management.unload_model_and_clones(model)
+    def _finish_open(self, trainer: Trainer, stored: dict) -> None:
+        policy = trainer.policy
+        if self.denoiser.inplace_blocks and policy.checkpointing_enabled and policy.checkpoint_depth > 1:
+            raise ValueError(f"checkpoint_depth={policy.checkpoint_depth}: this model's blocks update their inputs "
+                             "in place, so gradient checkpointing works on whole blocks only: use depth 1")
+        self.trainer = trainer
         with torch.inference_mode(False):
-            self.patcher = model.clone()
-            diffusion_model = self.patcher.model.diffusion_model
-            paths = select_targets(diffusion_model, config.family, config.adapter, [n for n, _ in model_blocks(diffusion_model)])
-            self.adapters = AdapterSet(diffusion_model, paths, config.adapter)
-            # Small: lives on the compute device from the start, so resumed optimizer state lands there too.
-            self.adapters.to(self.patcher.load_device)
-            attach_with_injection(self.patcher, self.adapters)
-            self.denoiser = ComfyDenoiser(self.patcher)
-            train = config.train
-            if self.denoiser.inplace_blocks and train.gradient_checkpointing and train.checkpoint_depth > 1:
-                raise ValueError(f"checkpoint_depth={train.checkpoint_depth}: this model's blocks update their inputs "
-                                 "in place, so gradient checkpointing works on whole blocks only: use depth 1")
-            self.trainer = Trainer(self.denoiser, self.adapters, latent_cache, text_cache, config.train, config.optimizer,
-                                   train_items=self.train_items, run_dir=self.run_dir)
-            self.resumed = self.trainer.resume()
+            self.resumed = trainer.resume()
         if not self.run_dir.exists():
             self.run_dir.write_config(stored)
+
+    def _memory_record(self, device: torch.device) -> PhaseRecorder:
+        """The run's per-phase memory record: continued from the run directory (a resumed run), or started with
+        how its caches were built."""
+        path = self.run_dir.memory_record_path
+        if path.is_file():
+            try:
+                return PhaseRecorder(device, phases=PhaseRecorder.from_json(path.read_text()).phases)
+            except ValueError:
+                pass  # unreadable: start a new record (it is a report, not training state)
+        cached = [*getattr(self.latent_cache, "memory_phases", []), *getattr(self.text_cache, "memory_phases", [])]
+        return PhaseRecorder(device, phases=[dict(phase) for phase in cached])
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        """Record one phase of the run (training, validation, save) in the run's memory record, on disk after it."""
+        try:
+            with self.memory.phase(name):
+                yield
+        finally:
+            atomic_write_json(self.run_dir.memory_record_path, self.memory.as_dict())
 
     @property
     def step(self) -> int:
         return self.trainer.step
+
+    def _device_extra_bytes(self) -> int:
+        """What the run adds on the device beyond the MODEL's weights (for ComfyUI's memory accounting):
+        the trainable weights and gradients, and the optimizer's two moments where they live on the device."""
+        trainable = sum(p.numel() * p.element_size() for p in self.trainer.params)
+        return trainable * (2 if self.trainer.policy.optimizer_state == "cpu" else 4)
+
+    def _load(self, patchers) -> None:
+        """Load the training patchers through ComfyUI's model management, as the policy places the frozen base."""
+        placement = self.trainer.policy.base_placement
+        with torch.inference_mode(False):  # weights copied to the device here are then usable by autograd
+            # "partial" / "streamed": ComfyUI may keep part of the base in host RAM (its lowvram load); the
+            # trainer's WeightStreamer brings those blocks to the device one block ahead.
+            comfy.model_management.load_models_gpu(patchers, memory_required=self._device_extra_bytes(),
+                                                   force_full_load=placement == "resident")
+            if placement == "streamed" and self.patcher.load_device != self.patcher.offload_device:
+                # Every block's frozen weights back to host RAM through ComfyUI's own partial unload, so its
+                # accounting stays right; non-block weights (embedders, final layers) stay resident.
+                block_bytes = sum(p.numel() * p.element_size() for _, block in training_blocks(self.patcher.model.diffusion_model)
+                                  for p in block.parameters() if not p.requires_grad)
+                self.patcher.partially_unload(self.patcher.offload_device, memory_to_free=block_bytes)
+            replace_inference_tensors(self.patcher.model.diffusion_model)
 
     @contextlib.contextmanager
     def attached(self):
@@ -322,10 +387,7 @@ class TrainingSession:
         Outside this block the adapters are ejected again, even though the clone may stay loaded: the
         module tree other nodes share (stock LoraLoader, KSampler on the MODEL) is then exactly ComfyUI's.
         """
-        adapter_bytes = sum(p.numel() * 4 for p in self.adapters.parameters()) * 4  # weights, grads, 2 moments
-        with torch.inference_mode(False):  # weights copied to the device here are then usable by autograd
-            comfy.model_management.load_models_gpu([self.patcher], memory_required=adapter_bytes, force_full_load=True)
-            replace_inference_tensors(self.patcher.model.diffusion_model)
+        self._load([self.patcher])
         self.patcher.inject_model()  # a no-op when the load just injected; needed when the clone stayed loaded
         if self.adapters.attached_to is not self.patcher.model.diffusion_model:
             raise RuntimeError("HeadroomTrainLora: ComfyUI did not attach the adapter to the loaded model")
@@ -333,6 +395,17 @@ class TrainingSession:
             yield
         finally:
             self.patcher.eject_model()
+
+    @contextlib.contextmanager
+    def validating(self):
+        """The model attached for validation, with the optimizer state and gradients parked in host RAM when the
+        policy says so (restored bitwise after): validation then needs no more device memory than training."""
+        with self.trainer.parked_for_validation(), self.attached():
+            yield
+
+    def sampling_conditioning(self, positive, negative, vae=None):
+        """Validation conditioning for ComfyUI's samplers: the prompts as encoded (a ControlNet run adds its control)."""
+        return positive, negative
 
     def release(self) -> None:
         """Unload the training clone and give cached device memory back (after a cancel or an error)."""
@@ -361,24 +434,43 @@ class TrainingSession:
             comfy.model_management.throw_exception_if_processing_interrupted()
 
         try:
-            with self.attached():
+            with self.phase("training"), self.attached():
                 comfy.model_management.in_training = True
                 try:
                     self.trainer.train_to(target_step, after_step=after_step)
                 finally:
                     comfy.model_management.in_training = False
-        except BaseException:
+        except BaseException as error:
             # Cancel (InterruptProcessingException), out of memory, non-finite loss...: keep the last
             # completed step on disk and give the device memory back before the node exits.
-            if self.trainer.saved_step != self.step and self.trainer.params_finite():
-                self.trainer.save()
-            self.release()
+            self.fail("training step", error)
             raise
         self.trainer.save()
 
+    def fail(self, phase: str, error: BaseException) -> None:
+        """After an error in `phase`: last completed step saved, device memory freed; an out-of-memory error is
+        raised again as one that names the phase, the measured peak and the planner's next policy."""
+        def save_if_needed():
+            if self.trainer.saved_step != self.step and self.trainer.params_finite():
+                self.trainer.save()
+
+        if is_out_of_memory(error):
+            raise out_of_memory(phase, error, self.denoiser.device, save_checkpoint=save_if_needed,
+                                free_memory=self.release, next_plan=self._next_plan) from None
+        save_if_needed()
+        self.release()
+
+    def _next_plan(self):
+        """The planner's next smaller policy for this run (None when it cannot tell)."""
+        from .memory import next_plan_for  # nodes/memory.py imports this module
+        try:
+            return next_plan_for(self)
+        except Exception:  # the error being reported is the out-of-memory one
+            return None
+
     def loss_on(self, items, times: int = 4, seed: int = 0) -> float:
         """The deterministic loss (fixed noise levels and noise) on cached items, with the current adapter."""
-        with self.attached():
+        with self.validating():
             return self.trainer.validation_loss(items, times=times, seed=seed)
 
     def validation_loss(self, times: int = 4, seed: int = 0) -> float:

@@ -155,6 +155,21 @@ def lora_target_paths(patcher, adapter: AdapterConfig) -> list[str]:
                           [name for name, _ in model_blocks(diffusion_model)])
 
 
+def next_plan_for(session) -> planner.Plan | None:
+    """After an out-of-memory error in a training run (nodes/comfy_bridge.py TrainingSession): the planner's
+    next smaller policy for that run's model, trainable weights, batch, largest bucket and text length."""
+    config = session.config
+    adapter = getattr(config, "adapter", None) or AdapterConfig()  # ControlNet runs: activations as with a LoRA
+    description = describe_comfy_model(session.source_model, adapter, config.train.precision)
+    trainable = planner.TrainableSpec.from_parameters(session.trainer.params, config.optimizer.name)
+    width, height = max(session.latent_cache.buckets, key=lambda size: size[0] * size[1])
+    tokens = session.text_cache.conditioning(session.latent_cache.text_key(0))["cross_attn"].shape[0]
+    shape = planner.RunShape(config.train.batch_size, width, height, int(tokens))
+    policy = session.trainer.policy
+    budget = budget_bytes(policy, torch.device(session.source_model.load_device))
+    return planner.next_smaller_policy(description, trainable, shape, policy, budget)
+
+
 # --- nodes ---------------------------------------------------------------------------------------------------
 class HeadroomOffloadPolicy(io.ComfyNode):
     @classmethod

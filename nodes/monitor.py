@@ -164,10 +164,17 @@ class HeadroomMemoryReport(io.ComfyNode):
                 "of each) into text, JSON and a bar chart of the peaks."
             ),
             inputs=[
+                io.Custom("TRAINING_RUN").Input(
+                    "run", optional=True,
+                    tooltip="A training run: its record (caching, training, validation and save phases so far, "
+                    "also kept in the run folder as memory_record.json).",
+                ),
                 io.String.Input(
                     "record_json",
                     multiline=True,
-                    tooltip="The per-phase memory record (JSON) of a Headroom training run.",
+                    default="",
+                    optional=True,
+                    tooltip="Or a per-phase memory record as JSON (a run folder's memory_record.json).",
                 ),
             ],
             outputs=[
@@ -178,15 +185,19 @@ class HeadroomMemoryReport(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls, record_json: str) -> io.NodeOutput:
-        if not record_json.strip():
+    def execute(cls, run=None, record_json: str = "") -> io.NodeOutput:
+        if run is not None:
+            recorder = PhaseRecorder(run.memory.device, phases=list(run.memory.phases))
+        elif record_json.strip():
+            try:
+                recorder = PhaseRecorder.from_json(record_json)
+            except ValueError as error:
+                raise ValueError(f"HeadroomMemoryReport: {error}") from None
+        else:
             raise ValueError(
-                "HeadroomMemoryReport: record_json is empty; connect the record_json output of a Headroom training node"
+                "HeadroomMemoryReport: connect the run output of a Headroom training node, or paste a run folder's "
+                "memory_record.json into record_json"
             )
-        try:
-            recorder = PhaseRecorder.from_json(record_json)
-        except ValueError as error:
-            raise ValueError(f"HeadroomMemoryReport: {error}") from None
         text = recorder.render_text()
         return io.NodeOutput(
             text,

@@ -17,27 +17,24 @@ import pathlib
 
 import torch
 
-import comfy.model_management
-import comfy.sample
 import folder_paths
-from comfy_api.latest import io, ui
+from comfy_api.latest import io
 
 from ..training.objective import ObjectiveConfig
 from ..training.optimizers import OptimizerConfig
-from ..training.run_dir import RunDir, check_name, check_subfolder
+from ..training.run_dir import check_name, check_subfolder
 from ..training.trainer import TrainConfig, Trainer
-from .comfy_bridge import (ComfyDenoiser, TrainingSession, base_fingerprint, check_caches, data_fingerprint,
-                           model_blocks, replace_inference_tensors)
+from .comfy_bridge import ComfyDenoiser, TrainingSession, check_caches, model_blocks
 from .controlnet_build import (SUPPORTED_FAMILIES, TrainableControlNet, apply_controlnet,
                                build_controlnet, check_control_cache, comfy_controlnet, controlled_prediction,
                                controlnet_family, prepare_hint, save_controlnet)
-from .train_lora import (CATEGORY, TrainingRun, _next, _node_id, _train_inputs, _validation_inputs, runs_root,
-                         save_grid)
+from .train_lora import (CATEGORY, HISTORY_KEY, TrainingRun, _next, _node_id, _train_inputs, _validation_inputs,
+                         runs_root, validate)
 
 CONTROL_HINT = "control_hint"  # the conditioning entry that carries an item's cached control through the trainer
 
 
-# --- the engine pieces: a denoiser that adds the ControlNet, a trainer that hands it each item's control ------
+# --- the engine piece: a denoiser that adds the ControlNet's residuals ----------------------------------------
 class ControlNetDenoiser(ComfyDenoiser):
     """The base MODEL (frozen) with the ControlNet's residuals, as the samplers apply a ControlNet."""
 
@@ -57,15 +54,6 @@ class ControlNetDenoiser(ComfyDenoiser):
         own = [(f"controlnet.{name}", block) for name, block in model_blocks(self.controlnet.module)
                if not name.startswith(("zero_convs.", "controlnet_"))]
         return super().blocks() + own
-
-
-class ControlNetTrainer(Trainer):
-    """The engine's trainer; every item's conditioning also carries its cached control. Caption dropout
-    swaps only the prompt (the control stays), which is the ControlNet paper's prompt dropout."""
-
-    def _conds(self, items, dropout=None):
-        conds = super()._conds(items, dropout)
-        return [dict(cond, **{CONTROL_HINT: self.latent_cache.control(i)}) for cond, i in zip(conds, items)]
 
 
 # --- the TRAINING_RUN value -------------------------------------------------------------------------------
@@ -89,51 +77,34 @@ class ControlNetSession(TrainingSession):
     def __init__(self, model, latent_cache, text_cache, config: ControlNetSessionConfig, run_root: pathlib.Path,
                  run_name: str, policy=None, validation_control: torch.Tensor | None = None,
                  validation_strength: float = 1.0):
-        # TrainingSession.__init__ builds LoRA adapters; the shared parts are set up here the same way.
-        self.source_model = model
-        self.latent_cache, self.text_cache = latent_cache, text_cache
-        self.config = config
-        self.policy = policy
+        stored = self._open_run(model, latent_cache, text_cache, config, run_root, run_name, policy, {"kind": "controlnet"})
         self.validation_strength = validation_strength
-        self.run_dir = RunDir(run_root, run_name)
-        self.fingerprint = base_fingerprint(model)
-        stored = {
-            "kind": "controlnet", "session": config.to_json(), "base_fingerprint": self.fingerprint,
-            "latent_cache": getattr(latent_cache, "fingerprint", None), "text_cache": getattr(text_cache, "fingerprint", None),
-            "data": data_fingerprint(latent_cache),
-        }
-        self.run_dir.check_compatible(stored)
-        count = len(latent_cache)
-        if config.holdout >= count:
-            raise ValueError(f"holdout={config.holdout} leaves no training items of the {count} cached")
-        self.train_items = list(range(count - config.holdout))
-        self.validation_items = list(range(count - config.holdout, count)) if config.holdout else list(self.train_items)
         self.validation_control = validation_control if validation_control is not None else \
             default_validation_control(latent_cache, self.validation_items)
         with torch.inference_mode(False):
-            self.patcher = model.clone()  # the base is only read; the clone is what ComfyUI loads for training
+            # A classic ModelPatcher even under dynamic VRAM: autograd keeps the weights a layer used until backward,
+            # which aimdo-managed weights do not guarantee (docs/MEMORY.md). Elsewhere this is a plain clone.
+            self.patcher = model.clone(disable_dynamic=True)
             self.controlnet = build_controlnet(model, blocks=config.blocks, seed=config.init_seed,
                                                device=self.patcher.load_device)
             self.denoiser = ControlNetDenoiser(self.patcher, self.controlnet)
-            train = config.train
-            if self.denoiser.inplace_blocks and train.gradient_checkpointing and train.checkpoint_depth > 1:
-                raise ValueError(f"checkpoint_depth={train.checkpoint_depth}: this model's blocks update their inputs "
-                                 "in place, so gradient checkpointing works on whole blocks only: use depth 1")
-            self.trainer = ControlNetTrainer(self.denoiser, self.controlnet, latent_cache, text_cache, config.train,
-                                             config.optimizer, train_items=self.train_items, run_dir=self.run_dir)
-            self.resumed = self.trainer.resume()
-        if not self.run_dir.exists():
-            self.run_dir.write_config(stored)
+            # Every item's conditioning also carries its cached control. Caption dropout swaps only the prompt
+            # (the control stays): the ControlNet paper's prompt dropout.
+            trainer = Trainer(self.denoiser, self.controlnet, latent_cache, text_cache, config.train, config.optimizer,
+                              train_items=self.train_items, run_dir=self.run_dir, policy=policy,
+                              item_extras=lambda item: {CONTROL_HINT: latent_cache.control(item)})
+        self._finish_open(trainer, stored)
+
+    def _device_extra_bytes(self) -> int:
+        # The ControlNet's weights are loaded by its own ModelPatcher (counted by ComfyUI): gradients and the
+        # optimizer's moments where they live on the device.
+        trainable = sum(p.numel() * p.element_size() for p in self.trainer.params)
+        return trainable * (1 if self.trainer.policy.optimizer_state == "cpu" else 3)
 
     @contextlib.contextmanager
     def attached(self):
-        """The base clone and the ControlNet loaded through ComfyUI's model management (the ControlNet's
-        gradients and two optimizer moments are counted as extra memory)."""
-        extra = sum(p.numel() * p.element_size() for p in self.controlnet.parameters()) * 3
-        with torch.inference_mode(False):  # weights copied to the device here are then usable by autograd
-            comfy.model_management.load_models_gpu([self.patcher, self.controlnet.patcher], memory_required=extra,
-                                                   force_full_load=True)
-            replace_inference_tensors(self.patcher.model.diffusion_model)
+        """The base clone and the ControlNet loaded through ComfyUI's model management."""
+        self._load([self.patcher, self.controlnet.patcher])
         yield
 
     def comfy_controlnet(self):
@@ -245,44 +216,6 @@ class HeadroomTrainControlNetInit(io.ComfyNode):
         return io.NodeOutput(session, session.step, session.comfy_controlnet())
 
 
-# --- validation ----------------------------------------------------------------------------------------------
-def sample_controlnet_images(run: ControlNetSession, clip, vae, prompts: list[str], negative: str, seed: int,
-                             steps: int, cfg: float, sampler_name: str, scheduler: str, width: int,
-                             height: int) -> torch.Tensor:
-    """Stock KSampler sampling on the training model, the control applied by ControlNetApplyAdvanced."""
-    negative_cond = clip.encode_from_tokens_scheduled(clip.tokenize(negative))
-    latents = []
-    # prepare_noise reseeds the global torch RNG: fork it so validating never changes what training draws next.
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-    with torch.no_grad(), torch.random.fork_rng(devices=devices), run.attached():
-        for prompt in prompts:
-            positive = clip.encode_from_tokens_scheduled(clip.tokenize(prompt))
-            positive, negative_with_control = run.sampling_conditioning(positive, negative_cond, vae)
-            empty = torch.zeros([1, 4, height // 8, width // 8], device=comfy.model_management.intermediate_device())
-            latent = comfy.sample.fix_empty_latent_channels(run.patcher, empty)
-            noise = comfy.sample.prepare_noise(latent, seed)
-            latents.append(comfy.sample.sample(run.patcher, noise, steps, cfg, sampler_name, scheduler, positive,
-                                               negative_with_control, latent, denoise=1.0, disable_pbar=True, seed=seed))
-    with torch.no_grad():
-        return torch.cat([vae.decode(samples) for samples in latents])
-
-
-def validate_controlnet(run: ControlNetSession, clip=None, vae=None, prompts="", negative="", sample_seed=0,
-                        sample_steps=20, cfg=4.0, sampler_name="euler", scheduler="normal", width=512, height=512,
-                        loss_timesteps=4):
-    """(images or None, validation loss), as HeadroomValidate for LoRA runs."""
-    loss = run.validation_loss(times=loss_timesteps)
-    lines = [line.strip() for line in (prompts or "").splitlines() if line.strip()]
-    if not lines:
-        return None, loss
-    if clip is None or vae is None:
-        raise ValueError("validation prompts need the clip and vae inputs connected")
-    images = sample_controlnet_images(run, clip, vae, lines, negative, sample_seed, sample_steps, cfg, sampler_name,
-                                      scheduler, width, height)
-    save_grid(run, images)
-    return images, loss
-
-
 # --- save -------------------------------------------------------------------------------------------------
 def save_trained_controlnet(run: ControlNetSession, subfolder: str, filename: str) -> str:
     """Write the ControlNet under models/controlnet/<subfolder>/ atomically; returns the name ControlNetLoader lists."""
@@ -292,7 +225,8 @@ def save_trained_controlnet(run: ControlNetSession, subfolder: str, filename: st
         name += ".safetensors"
     root = pathlib.Path(folder_paths.get_folder_paths("controlnet")[0])
     path = root / subfolder / name if subfolder else root / name
-    save_controlnet(run.controlnet, path, run.controlnet_metadata())
+    with run.phase("save"):
+        save_controlnet(run.controlnet, path, run.controlnet_metadata())
     folder_paths.filename_list_cache.pop("controlnet", None)  # listed by ControlNetLoader without a restart
     return os.path.relpath(path, root).replace(os.sep, "/")
 
@@ -358,20 +292,20 @@ class HeadroomTrainControlNet(io.ComfyNode):
         check_subfolder(controlnet_subfolder, "HeadroomTrainControlNet: controlnet_subfolder")
         session = start_controlnet_session(**{k: v for k, v in inputs.items() if k not in validation_names},
                                            node="HeadroomTrainControlNet")
-        images, loss, name = None, float("nan"), ""
+        previews, loss, name = None, float("nan"), ""
         while True:
             target = min(t for t in (steps, _next(session.step, validate_every), _next(session.step, save_every)) if t)
             session.train_to(target, node_id=_node_id(cls))
             done = session.step >= steps
             if done or (validate_every and session.step % validate_every == 0):
-                images, loss = validate_controlnet(session, **validation)
+                _, previews, loss = validate(cls, session, **validation)
             if done or (save_every and session.step % save_every == 0):
                 name = save_trained_controlnet(session, controlnet_subfolder,
                                                f"{session.run_dir.name}_step{session.step:06d}")
             if done:
                 break
-        previews = ui.PreviewImage(images, cls=cls) if images is not None else None
-        return io.NodeOutput(session.comfy_controlnet(), session, name, loss, ui=previews)
+        outputs = {**(previews.as_dict() if previews is not None else {}), HISTORY_KEY: [session.history(steps)]}
+        return io.NodeOutput(session.comfy_controlnet(), session, name, loss, ui=outputs)
 
 
 NODES = [HeadroomTrainControlNetInit, HeadroomSaveControlNet, HeadroomTrainControlNet]

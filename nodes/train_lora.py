@@ -26,6 +26,7 @@ from ..training.objective import LOSS_WEIGHTINGS, TIMESTEP_SAMPLINGS, ObjectiveC
 from ..training.optimizers import OPTIMIZERS, SCHEDULES, OptimizerConfig
 from ..training.run_dir import atomic_save_safetensors, atomic_write_bytes, check_name, check_subfolder
 from ..training.trainer import PRECISIONS, TrainConfig
+from .cache import unload_encoder
 from .comfy_bridge import VALIDATE_EVENT, SessionConfig, TrainingSession, check_caches, model_family, send_event
 
 LoraConfigType = io.Custom("LORA_CONFIG")
@@ -245,33 +246,47 @@ def _validation_inputs(optional: bool) -> list:
 
 
 def sample_images(run: TrainingSession, clip, vae, prompts: list[str], negative: str, seed: int, steps: int, cfg: float,
-                  sampler_name: str, scheduler: str, width: int, height: int) -> torch.Tensor:
-    """Stock KSampler sampling (same noise, same sampler code) on the training model + current adapter."""
+                  sampler_name: str, scheduler: str, width: int, height: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stock KSampler sampling (same noise, same sampler code) on the training model + what the run trains (a
+    ControlNet run adds its control as ControlNetApplyAdvanced does). Returns (images, sampled latents)."""
     negative_cond = clip.encode_from_tokens_scheduled(clip.tokenize(negative))
     latents = []
     # comfy.sample.prepare_noise reseeds the global torch RNG; fork it so validating never changes what the
     # training run draws next (peft dropout uses the global RNG).
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-    with torch.no_grad(), torch.random.fork_rng(devices=devices), run.attached():
+    with torch.no_grad(), torch.random.fork_rng(devices=devices), run.validating():
         for prompt in prompts:
             positive = clip.encode_from_tokens_scheduled(clip.tokenize(prompt))
+            positive, negative_run = run.sampling_conditioning(positive, negative_cond, vae)
             empty = torch.zeros([1, 4, height // 8, width // 8], device=comfy.model_management.intermediate_device())
             latent = comfy.sample.fix_empty_latent_channels(run.patcher, empty)
             noise = comfy.sample.prepare_noise(latent, seed)
             latents.append(comfy.sample.sample(run.patcher, noise, steps, cfg, sampler_name, scheduler, positive,
-                                               negative_cond, latent, denoise=1.0, disable_pbar=True, seed=seed))
+                                               negative_run, latent, denoise=1.0, disable_pbar=True, seed=seed))
+    samples = torch.cat(latents)
     with torch.no_grad():  # decoded after the denoiser's step is done: the VAE loads on its own
-        return torch.cat([vae.decode(samples) for samples in latents])
+        return decode(run, vae, samples), samples
 
 
-def save_grid(run: TrainingSession, images: torch.Tensor) -> pathlib.Path:
-    """All validation images of this step side by side, as one PNG in the run directory."""
+def decode(run: TrainingSession, vae, samples: torch.Tensor) -> torch.Tensor:
+    """VAE Decode as the stock node does ("auto": it falls back to tiles when a full decode runs out of memory),
+    or tiled from the start when the policy says so."""
+    if run.policy is not None and run.policy.vae_tiled_decode == "on":
+        return vae.decode_tiled(samples)
+    return vae.decode(samples)
+
+
+def save_validation(run: TrainingSession, images: torch.Tensor, samples: torch.Tensor) -> pathlib.Path:
+    """This step's validation images side by side as one PNG in the run directory, and the sampled latents
+    (float, before decoding) next to it."""
     row = torch.cat(list(images[..., :3]), dim=1)  # [H, N*W, 3]
     pixels = (row.clamp(0, 1) * 255).round().to(torch.uint8).cpu().numpy()
     path = run.run_dir.validation_dir / f"step_{run.step:08d}.png"
     buffer = BytesIO()
     Image.fromarray(np.ascontiguousarray(pixels)).save(buffer, format="PNG")
     atomic_write_bytes(path, buffer.getvalue())
+    atomic_save_safetensors(path.with_name(f"step_{run.step:08d}_latents.safetensors"),
+                            {"samples": samples.detach().float().cpu()})
     return path
 
 
@@ -279,16 +294,26 @@ def validate(node_cls, run: TrainingSession, clip=None, vae=None, prompts="", ne
              sample_steps=20, cfg=4.0, sampler_name="euler", scheduler="normal", width=512, height=512,
              loss_timesteps=4):
     """(images or None, previews or None, validation loss); tells the live view (`headroom.validate`)."""
-    loss = run.validation_loss(times=loss_timesteps)
     lines = [line.strip() for line in (prompts or "").splitlines() if line.strip()]
+    if lines and (clip is None or vae is None):
+        raise ValueError("HeadroomValidate: validation prompts need the clip and vae inputs connected")
     images = previews = None
-    if lines:
-        if clip is None or vae is None:
-            raise ValueError("HeadroomValidate: validation prompts need the clip and vae inputs connected")
-        images = sample_images(run, clip, vae, lines, negative, sample_seed, sample_steps, cfg, sampler_name,
-                               scheduler, width, height)
-        save_grid(run, images)
-        previews = ui.PreviewImage(images, cls=node_cls)
+    try:
+        with run.phase("validation"):
+            loss = run.validation_loss(times=loss_timesteps)
+            if lines:
+                images, samples = sample_images(run, clip, vae, lines, negative, sample_seed, sample_steps, cfg,
+                                                sampler_name, scheduler, width, height)
+                save_validation(run, images, samples)
+                previews = ui.PreviewImage(images, cls=node_cls)
+    except BaseException as error:  # cancel, out of memory, a wrong input...: checkpoint kept, device memory freed
+        run.fail("validation", error)
+        raise
+    finally:
+        # policy encoders="unload_after_use": text encoder and VAE leave the device once validation is done.
+        for encoder in (clip, vae):
+            if encoder is not None:
+                unload_encoder(encoder.patcher)
     send_event(VALIDATE_EVENT, {"node": _node_id(node_cls), "run": run.run_dir.name, "step": run.step,
                                 "val_loss": loss, "images": previews.values if previews is not None else []})
     return images, previews, loss
@@ -302,8 +327,9 @@ class HeadroomValidate(io.ComfyNode):
             display_name="Validate LoRA (Headroom)",
             category=CATEGORY,
             description="Fixed-seed samples of the prompts with ComfyUI's own samplers on the training model and "
-            "its current adapter (no second copy of the weights), saved as a grid per step in the run folder; "
-            "and a deterministic validation loss (fixed items, noise levels and noise).",
+            "what the run trains (its current adapter, or its ControlNet applied to the run's control image), no "
+            "second copy of the weights, saved as a grid per step in the run folder; and a deterministic "
+            "validation loss (fixed items, noise levels and noise).",
             is_output_node=True,
             inputs=[TrainingRun.Input("run"), *_validation_inputs(optional=False)],
             outputs=[io.Image.Output("images"), io.Float.Output("validation_loss"), TrainingRun.Output("run")],
@@ -329,7 +355,9 @@ def save_lora(run: TrainingSession, subfolder: str, filename: str, dtype: str = 
         name += ".safetensors"
     loras_root = pathlib.Path(folder_paths.get_folder_paths("loras")[0])
     path = loras_root / subfolder / name if subfolder else loras_root / name
-    atomic_save_safetensors(path, run.adapters.comfy_state_dict(dtype=SAVE_DTYPES[dtype]), metadata=run.lora_metadata())
+    with run.phase("save"):
+        atomic_save_safetensors(path, run.adapters.comfy_state_dict(dtype=SAVE_DTYPES[dtype]),
+                                metadata=run.lora_metadata())
     # A new file changes its folder's mtime, which invalidates ComfyUI's file-list cache; dropping the entry too
     # makes the new name show up in LoraLoader at once even where mtimes are coarse.
     folder_paths.filename_list_cache.pop("loras", None)
@@ -357,6 +385,8 @@ class HeadroomSaveLora(io.ComfyNode):
 
     @classmethod
     def execute(cls, run: TrainingSession, subfolder: str, filename: str, dtype: str) -> io.NodeOutput:
+        if not hasattr(run, "adapters"):
+            raise ValueError("HeadroomSaveLora: the run is not a LoRA run (use Save ControlNet for ControlNet runs)")
         try:
             return io.NodeOutput(save_lora(run, subfolder, filename, dtype))
         except ValueError as error:

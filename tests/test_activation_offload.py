@@ -6,6 +6,7 @@ import contextlib
 import pytest
 import torch
 
+from headroom.training import activation_offload
 from headroom.training.activation_offload import enable_offloaded_checkpointing
 from headroom.training.checkpointing import wrap_blocks
 
@@ -106,13 +107,17 @@ def test_no_grad_calls_are_not_checkpointed():
 
 
 class InPlaceBlock(torch.nn.Module):
-    """Adds to its input in place, as ComfyUI's Flux double blocks do (`img += ...`)."""
+    """Adds to its input in place, as ComfyUI's Flux double blocks do (`img += ...`); `inplace=False` is the
+    same arithmetic out of place, which plain autograd can differentiate."""
 
-    def __init__(self):
+    def __init__(self, inplace=True):
         super().__init__()
         self.a = torch.nn.Linear(8, 8)
+        self.inplace = inplace
 
     def forward(self, x):
+        if not self.inplace:
+            return x + self.a(x)
         x += self.a(x)
         return x
 
@@ -133,8 +138,6 @@ def test_inputs_changed_in_place_are_still_caught_on_cpu(enable):
 
 def test_save_on_cpu_is_used_for_device_tensors(monkeypatch):
     # The default hooks are torch's own save_on_cpu whenever a block input is not on the CPU.
-    from headroom.training import activation_offload
-
     chosen = []
     monkeypatch.setattr(torch.autograd.graph, "save_on_cpu",
                         lambda pin_memory: chosen.append(pin_memory) or contextlib.nullcontext())
@@ -142,3 +145,41 @@ def test_save_on_cpu_is_used_for_device_tensors(monkeypatch):
     activation_offload._default_offload_hooks([torch.zeros(1), on_device])
     activation_offload._default_offload_hooks([torch.zeros(1)])
     assert chosen == [torch.cuda.is_available()]
+
+
+def inplace_run(inplace=True, offload_hooks=None):
+    """Gradients (input's first) and the number of block computations of two InPlaceBlocks called by keyword;
+    in-place blocks protected by wrap_blocks and, given offload_hooks, offload-checkpointed on top, as the
+    policy composes them."""
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList([InPlaceBlock(inplace) for _ in range(2)])
+    calls = []
+    for block in blocks:
+        block.a.register_forward_pre_hook(lambda *_: calls.append(1))
+    restores = [wrap_blocks(blocks, None, inplace_inputs=True)] if inplace else []
+    if offload_hooks is not None:
+        restores.append(enable_offloaded_checkpointing(blocks, offload_hooks=offload_hooks))
+    x = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    out = x
+    for block in blocks:
+        out = block(x=out)
+    out.square().mean().backward()
+    for restore in reversed(restores):
+        restore()
+    assert not any("forward" in m.__dict__ for m in blocks.modules())
+    return [x.grad, *(p.grad for p in blocks.parameters())], len(calls)
+
+
+@pytest.mark.parametrize("recording", [False, True])
+def test_blocks_updating_inputs_in_place_get_the_uncheckpointed_gradients(recording):
+    offload_hooks = RecordingHooks() if recording else activation_offload._default_offload_hooks
+    reference, reference_calls = inplace_run(inplace=False)
+    protected, _ = inplace_run()
+    offloaded, calls = inplace_run(offload_hooks=offload_hooks)
+    for a, b, c in zip(reference, protected, offloaded, strict=True):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    assert (reference_calls, calls) == (2, 4)  # each block recomputed once in backward
+    if recording:
+        # per block: the reentrant checkpoint's empty anchor and the block input, each brought back once
+        assert offload_hooks.packed == [(0,), (2, 5, 8)] * 2
+        assert offload_hooks.unpacked == 4

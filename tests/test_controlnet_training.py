@@ -195,15 +195,17 @@ def test_resume_through_train_steps_is_exact(comfyui):
 def test_trained_file_through_stock_nodes_reproduces_the_run_validation_image(comfyui):
     import folder_paths
     import nodes
-    from headroom.nodes.train_controlnet import HeadroomSaveControlNet, HeadroomTrainControlNetInit, validate_controlnet
-    from headroom.nodes.train_lora import HeadroomTrainSteps
+    from headroom.nodes.train_controlnet import HeadroomSaveControlNet, HeadroomTrainControlNetInit
+    from headroom.nodes.train_lora import HeadroomTrainSteps, HeadroomValidate
 
     model, clip, vae, latent_cache, text_cache = _caches("sd15", count=4)
     run = HeadroomTrainControlNetInit.execute(**_init_inputs(model, latent_cache, text_cache, _unique("stock"),
                                                              validation_strength=0.9)).args[0]
     HeadroomTrainSteps.execute(run, 10)
     settings = dict(sample_seed=5, sample_steps=4, cfg=2.0, sampler_name="euler", scheduler="normal", width=64, height=64)
-    images, _ = validate_controlnet(run, clip, vae, prompts="a red circle", negative="blurry", **settings)
+    # The shared Validate node applies the run's control (as ControlNetApplyAdvanced) on a ControlNet run.
+    images = HeadroomValidate.execute(run, clip=clip, vae=vae, prompts="a red circle", negative="blurry",
+                                      loss_timesteps=4, **settings).args[0]
 
     name = HeadroomSaveControlNet.execute(run, "headroom-tests", "").args[0]
     assert name in folder_paths.get_filename_list("controlnet")

@@ -265,9 +265,25 @@ def test_all_in_one_node_validates_and_saves(comfyui):
     assert run.step == 6 and lora_name == "headroom/all_in_one_step000006.safetensors"
     assert "headroom/all_in_one_step000004.safetensors" in folder_paths.get_filename_list("loras")
     assert [step for step, _ in run.trainer.validation_history] == [3, 6]
-    assert sorted(p.name for p in run.run_dir.validation_dir.iterdir()) == ["step_00000003.png", "step_00000006.png"]
+    assert sorted(p.name for p in run.run_dir.validation_dir.iterdir()) == [
+        "step_00000003.png", "step_00000003_latents.safetensors", "step_00000006.png", "step_00000006_latents.safetensors"]
     assert validation_loss == run.trainer.validation_history[-1][1]
     assert patched is not model and len(patched.patches) > 0
+
+    # The run's memory record: caching, then training / validation / save in the order they ran, kept on disk.
+    from headroom.nodes.monitor import HeadroomMemoryReport
+    from headroom.training.memory_stats import PhaseRecorder
+
+    phases = [record["phase"] for record in run.memory.phases]
+    assert phases == ["caching latents", "caching text", "training", "validation", "training", "save", "training",
+                      "validation", "save"]
+    assert all(record["completed"] and record["seconds"] > 0 and record["peak_rss_bytes"] > 0
+               for record in run.memory.phases)
+    on_disk = PhaseRecorder.from_json(run.run_dir.memory_record_path.read_text())
+    assert on_disk.phases == run.memory.phases
+    text, record_json, chart = HeadroomMemoryReport.execute(run=run).args
+    assert "validation" in text and "caching latents" in text and chart.shape[-1] == 3
+    assert PhaseRecorder.from_json(record_json).phases == run.memory.phases
 
 
 def test_flux_gradient_checkpointing_gives_the_same_weights(comfyui):
@@ -328,3 +344,65 @@ def test_validating_mid_run_does_not_change_training(comfyui):
         T.HeadroomTrainSteps.execute(validated, 6)
     a, b = straight.adapters.state_dict(), validated.adapters.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _policy(**fields):
+    from headroom.nodes.memory import HeadroomOffloadPolicy
+
+    settings = dict(vram_budget_gb=0.0, reserve_gb=1.0, base_placement="resident", base_storage="as_loaded",
+                    checkpointing="off", checkpoint_depth=1, optimizer_state="gpu",
+                    park_optimizer_during_validation=True, vae_tiled_decode="auto", encoders="unload_after_use")
+    settings.update(fields)
+    return HeadroomOffloadPolicy.execute(**settings).args[0]
+
+
+def test_offload_policy_is_applied_by_the_training_nodes_and_keeps_the_weights(comfyui):
+    """A run with streamed blocks, offloaded checkpoints, optimizer state in host RAM and parking during
+    validation trains exactly the weights of the plain run (CPU: streaming is a no-op, the rest runs)."""
+    from headroom.nodes import train_lora as T
+    from headroom.training.optimizer_parking import HostOptimizer
+
+    model, clip, vae, latents, texts = _data("sd15")
+    plain = _init(model, latents, texts, "policy_plain", rank=4)
+    policy = _policy(base_placement="streamed", checkpointing="blocks_cpu_offload", optimizer_state="cpu")
+    offloaded = _init(model, latents, texts, "policy_offloaded", rank=4, policy=policy)
+    assert isinstance(offloaded.trainer.optimizer, HostOptimizer) and offloaded.trainer.policy == policy
+    settings = dict(clip=clip, vae=vae, prompts="a red circle", negative="", sample_seed=1, sample_steps=2, cfg=2.0,
+                    sampler_name="euler", scheduler="normal", width=32, height=32, loss_timesteps=2)
+    results = []
+    for run in (plain, offloaded):
+        T.HeadroomTrainSteps.execute(run, 3)
+        images, loss, _ = T.HeadroomValidate.execute(run, **settings).args
+        T.HeadroomTrainSteps.execute(run, 4)  # after validation: the parked state came back intact
+        results.append((run.adapters.state_dict(), images, loss))
+    (a, images_a, loss_a), (b, images_b, loss_b) = results
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert torch.equal(images_a, images_b) and loss_a == loss_b
+    assert _no_adapter_attached(model)
+
+
+def test_out_of_memory_in_training_saves_frees_and_names_the_phase(comfyui, monkeypatch):
+    import comfy.model_management
+    from headroom.nodes import train_lora as T
+    from headroom.training.oom import PhaseOutOfMemoryError
+
+    model, clip, vae, latents, texts = _data("sd15")
+    run = _init(model, latents, texts, "oom_run", rank=4)
+    T.HeadroomTrainSteps.execute(run, 2)
+    predict = run.denoiser.predict
+    calls = []
+
+    def runs_out_at_the_second_step(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return predict(*args, **kwargs)
+
+    monkeypatch.setattr(run.denoiser, "predict", runs_out_at_the_second_step)
+    with pytest.raises(PhaseOutOfMemoryError, match="Out of memory during training step") as raised:
+        T.HeadroomTrainSteps.execute(run, 5)
+    assert raised.value.phase == "training step" and "The last completed step is saved" in str(raised.value)
+    assert run.run_dir.latest_step() == 3  # the step before the failed one
+    assert not any(loaded.model is run.patcher for loaded in comfy.model_management.current_loaded_models)
+    assert _no_adapter_attached(model)
+    assert run.memory.phases[-1]["phase"] == "training" and not run.memory.phases[-1]["completed"]

@@ -10,6 +10,12 @@ Tensors passed as keyword arguments are not saved that way (the checkpoint keeps
 ComfyUI calls many blocks with keywords (Flux: `block(img=..., txt=..., vec=..., pe=...)`), so the
 wrapper passes every top-level tensor argument positionally and rebuilds the call inside.
 
+Blocks that update their inputs in place (Flux) are first protected by `checkpointing.wrap_blocks(...,
+inplace_inputs=True)`; the protection works through saved-tensor hooks of its own, which would override the
+non-reentrant checkpoint's (nothing recomputed, nothing offloaded). Such a protected forward is therefore
+checkpointed reentrantly, exactly as wrap_blocks does (`checkpointing.checkpoint_inplace_safe`): that
+checkpoint saves its tensor inputs with `save_for_backward`, so the same save_on_cpu moves them to host RAM.
+
 On the CPU there is nowhere to offload to: no hooks are installed, so it is exactly plain checkpointing
 (autograd's own check for inputs modified in place included, which a saved-tensor hook would bypass).
 Same depth semantics as training/checkpointing.py (the trainer's plain checkpointing); a forward already
@@ -23,7 +29,7 @@ from typing import Callable, Iterable
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from .checkpointing import modules_at_depth
+from .checkpointing import checkpoint_inplace_safe, modules_at_depth, protects_inplace_inputs
 
 
 def _default_offload_hooks(tensors: list[torch.Tensor]) -> contextlib.AbstractContextManager:
@@ -44,6 +50,8 @@ def offloaded_checkpoint(forward: Callable, args: tuple, kwargs: dict,
 
     flat = (*args, *(kwargs[k] for k in tensor_keys))
     with offload_hooks([t for t in flat if isinstance(t, torch.Tensor)]):
+        if protects_inplace_inputs(forward):
+            return checkpoint_inplace_safe(forward, args, kwargs)
         return checkpoint(run, *flat, use_reentrant=False)
 
 

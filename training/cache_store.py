@@ -409,6 +409,7 @@ class LatentCache:
         # items: (entry key, shard file, bucket (w, h), text key, has control, display name)
         self.root = Path(root)
         self.fingerprint = fingerprint
+        self.memory_phases: list[dict] = []  # how building it went (memory_stats.PhaseRecorder records)
         self.latent_channels = latent_channels
         self.control_kind = control_kind  # None, "pixels" or "latents"
         self._items = items
@@ -456,6 +457,7 @@ class TextCache:
         # entries: text key -> (entry key, shard file, tensor names)
         self.root = Path(root)
         self.fingerprint = fingerprint
+        self.memory_phases: list[dict] = []  # how building it went (memory_stats.PhaseRecorder records)
         self._entries = entries
         self._empty_key = empty_key
         self._reader = _ShardReader(self.root / "shards")

@@ -12,7 +12,7 @@ the very tensor they received after an op saved it for backward (LayerNorm). Aut
 backward, and a checkpoint that recomputes from the modified input gets wrong gradients silently.
 `inplace_inputs=True` runs such a block on clones of its tensor inputs and clones, at save time, every
 saved tensor that shares their storage: exact gradients, one extra activation per block. Checkpointed,
-such a block uses the reentrant checkpoint (see `_checkpointed_inplace_safe`).
+such a block uses the reentrant checkpoint (see `checkpoint_inplace_safe`).
 """
 from __future__ import annotations
 
@@ -54,29 +54,40 @@ def _inplace_safe(forward: Callable) -> Callable:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda saved: saved):
             return forward(*args, **kwargs)
 
+    safe_forward.protects_inplace_inputs = True  # activation_offload checkpoints such a forward reentrantly
     return safe_forward
 
 
+def protects_inplace_inputs(forward: Callable) -> bool:
+    """Whether `forward` is a block forward made safe for in-place input updates by `wrap_blocks`."""
+    return getattr(forward, "protects_inplace_inputs", False)
+
+
+def checkpoint_inplace_safe(safe_forward: Callable, args: tuple, kwargs: dict):
+    """`safe_forward(*args, **kwargs)` (an in-place-safe forward) checkpointed. Reentrant on purpose: the
+    non-reentrant checkpoint works through saved-tensor hooks, which the in-place protection's own hooks
+    would override (nothing would be recomputed); the reentrant one runs the forward without saving
+    anything and recomputes under enable_grad in backward, where the protection's hooks then act alone.
+    It saves its tensor inputs with `save_for_backward`, so saved-tensor hooks around this call see
+    exactly those. It needs an input that requires grad to be part of the graph, hence the empty anchor;
+    tensors passed by keyword go in positionally so their gradients come back."""
+    tensor_names = [k for k, v in kwargs.items() if torch.is_tensor(v)]
+    others = {k: v for k, v in kwargs.items() if k not in tensor_names}
+
+    def run(_anchor, *tensors):
+        return safe_forward(*tensors[:len(args)], **dict(zip(tensor_names, tensors[len(args):])), **others)
+
+    anchor = torch.empty(0, requires_grad=True)
+    return checkpoint(run, anchor, *args, *(kwargs[k] for k in tensor_names), use_reentrant=True)
+
+
 def _checkpointed_inplace_safe(forward: Callable) -> Callable:
-    """Checkpoint of an in-place block. Reentrant on purpose: the non-reentrant checkpoint works through
-    saved-tensor hooks, which the in-place protection's own hooks would override (nothing would be
-    recomputed); the reentrant one runs the forward without saving anything and recomputes under
-    enable_grad in backward, where the protection's hooks then act alone. It needs an input that
-    requires grad to be part of the graph, hence the empty anchor; tensors passed by keyword go in
-    positionally so their gradients come back."""
     safe = _inplace_safe(forward)
 
     def checkpointed_forward(*args, **kwargs):
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
-        tensor_names = [k for k, v in kwargs.items() if torch.is_tensor(v)]
-        others = {k: v for k, v in kwargs.items() if k not in tensor_names}
-
-        def run(_anchor, *tensors):
-            return safe(*tensors[:len(args)], **dict(zip(tensor_names, tensors[len(args):])), **others)
-
-        anchor = torch.empty(0, requires_grad=True)
-        return checkpoint(run, anchor, *args, *(kwargs[k] for k in tensor_names), use_reentrant=True)
+        return checkpoint_inplace_safe(safe, args, kwargs)
 
     return checkpointed_forward
 

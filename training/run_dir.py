@@ -111,6 +111,11 @@ class RunDir:
     def validation_dir(self) -> pathlib.Path:
         return self.path / "validation"
 
+    @property
+    def memory_record_path(self) -> pathlib.Path:
+        """The run's per-phase memory record (memory_stats.PhaseRecorder JSON), rewritten after every phase."""
+        return self.path / "memory_record.json"
+
     def exists(self) -> bool:
         return self.config_path.is_file()
 

@@ -15,6 +15,7 @@ implements it in nodes/comfy_bridge.py, and unit tests drive the engine with a t
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
@@ -23,9 +24,10 @@ from typing import Callable, Protocol, Sequence
 import torch
 
 from .cache_store import bucket_batches
-from .checkpointing import wrap_blocks
 from .objective import Objective, ObjectiveConfig, SamplingDescriptor, step_seed
+from .optimizer_parking import HostOptimizer, parked
 from .optimizers import OptimizerConfig, create_optimizer, create_scheduler, current_lr
+from .policy import OffloadPolicy, memory_features
 from .run_dir import Checkpoint, RunDir, capture_rng, restore_rng
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -49,6 +51,11 @@ class Denoiser(Protocol):
 
     # Optional attribute `inplace_blocks: bool`: True when blocks add into their inputs in place (Flux);
     # the trainer then runs them through checkpointing.wrap_blocks(inplace_inputs=True).
+
+
+ItemExtras = Callable[[int], dict]
+"""Extra conditioning entries of a cached item, e.g. its control image for a ControlNet run: added to the
+item's conditioning dict (also when caption dropout swaps its prompt for the empty one)."""
 
 
 class Trainable(Protocol):
@@ -117,7 +124,8 @@ class _Subset:
 class Trainer:
     def __init__(self, denoiser: Denoiser, trainable: Trainable, latent_cache, text_cache, config: TrainConfig,
                  optimizer_config: OptimizerConfig, train_items: Sequence[int] | None = None,
-                 run_dir: RunDir | None = None):
+                 run_dir: RunDir | None = None, policy: OffloadPolicy | None = None,
+                 item_extras: ItemExtras | None = None):
         config.validate()
         self.denoiser = denoiser
         self.trainable = trainable
@@ -126,6 +134,8 @@ class Trainer:
         self.config = config
         self.optimizer_config = optimizer_config
         self.run_dir = run_dir
+        self.policy = self._step_policy(policy, config)
+        self.item_extras = item_extras
         self.objective = Objective(denoiser.sampling, config.objective)
         self.train_items = list(range(len(latent_cache))) if train_items is None else list(train_items)
         if not self.train_items:
@@ -134,7 +144,10 @@ class Trainer:
         self.batches_per_epoch = len(bucket_batches(self._view, config.batch_size, config.seed, 0))
         self._epoch_cache: tuple[int, list[list[int]]] | None = None
         self.params = list(trainable.parameters())
-        self.optimizer = create_optimizer(self.params, optimizer_config, device=denoiser.device)
+        if self.policy.optimizer_state == "cpu":
+            self.optimizer = HostOptimizer(self.params, lambda host: create_optimizer(host, optimizer_config, device="cpu"))
+        else:
+            self.optimizer = create_optimizer(self.params, optimizer_config, device=denoiser.device)
         self.scheduler = create_scheduler(self.optimizer, optimizer_config)
         self.scaler = torch.amp.GradScaler(denoiser.device.type) if config.precision == "fp16" else None
         self.step = 0
@@ -147,6 +160,15 @@ class Trainer:
         with _forked_rng():
             torch.manual_seed(step_seed(config.seed, 0, _SALT_GLOBAL))
             self.rng = capture_rng()
+
+    @staticmethod
+    def _step_policy(policy: OffloadPolicy | None, config: TrainConfig) -> OffloadPolicy:
+        """The offload policy the steps run under: the run's policy (default: everything resident), with the
+        trainer's own `gradient_checkpointing` switch turning on per-block checkpointing where the policy has none."""
+        policy = policy or OffloadPolicy()
+        if config.gradient_checkpointing and not policy.checkpointing_enabled:
+            policy = policy.replace(checkpointing="blocks", checkpoint_depth=config.checkpoint_depth)
+        return policy
 
     # --- data -------------------------------------------------------------------------------------------
     def batch_items(self, micro_step: int) -> list[int]:
@@ -166,6 +188,8 @@ class Trainer:
                 conds.append(self.text_cache.empty_conditioning())
             else:
                 conds.append(self.text_cache.conditioning(self.latent_cache.text_key(i)))
+            if self.item_extras is not None:
+                conds[-1] = {**conds[-1], **self.item_extras(i)}
         return conds
 
     # --- one step ---------------------------------------------------------------------------------------
@@ -239,19 +263,18 @@ class Trainer:
         flush_denormal = self.denoiser.device.type == "cpu" and torch.set_flush_denormal(True)
         with torch.inference_mode(False), _forked_rng():
             restore_rng(self.rng)
-            restore = wrap_blocks([m for _, m in self.denoiser.blocks()],
-                                  self.config.checkpoint_depth if self.config.gradient_checkpointing else None,
-                                  inplace_inputs=getattr(self.denoiser, "inplace_blocks", False))
             try:
-                self.trainable.train(True)
-                while self.step < target_step:
-                    started = time.perf_counter()
-                    loss = self.train_step()
-                    if after_step is not None:
-                        after_step(StepReport(self.step, loss, current_lr(self.optimizer), time.perf_counter() - started))
+                # Checkpointing, offloaded checkpoints and streamed blocks, as the policy says (training/policy.py).
+                with memory_features(self.policy, [m for _, m in self.denoiser.blocks()], self.denoiser.device,
+                                     inplace_inputs=getattr(self.denoiser, "inplace_blocks", False)):
+                    self.trainable.train(True)
+                    while self.step < target_step:
+                        started = time.perf_counter()
+                        loss = self.train_step()
+                        if after_step is not None:
+                            after_step(StepReport(self.step, loss, current_lr(self.optimizer), time.perf_counter() - started))
             finally:
                 self.trainable.train(False)
-                restore()
                 if flush_denormal:
                     torch.set_flush_denormal(False)
 
@@ -273,6 +296,13 @@ class Trainer:
                     x0_hat = self.denoiser.predict(x_t, sigma, self._conds([item]) * times)
                 total += self.objective.loss(x0_hat, x0, sigma, weighted=False).item()
         return total / len(items)
+
+    def parked_for_validation(self):
+        """Optimizer state and gradients in host RAM for the block, when the policy says so (validation then
+        holds only the weights on the device); restored bitwise afterwards."""
+        if self.policy.park_optimizer_during_validation:
+            return parked(self.optimizer, self.params)
+        return contextlib.nullcontext()
 
     def record_validation(self, value: float) -> None:
         self.validation_history.append([self.step, value])
