@@ -33,6 +33,7 @@ import comfy.utils
 
 from ..training.adapters import AdapterConfig, AdapterSet, select_targets
 from ..training.cache_store import fingerprint_state_dict, fingerprint_value
+from ..training.lowbit import LowBitBase, LowBitLinear
 from ..training.memory_stats import PhaseRecorder, process_rss_bytes
 from ..training.objective import SamplingDescriptor
 from ..training.oom import is_out_of_memory, out_of_memory
@@ -274,16 +275,15 @@ class TrainingSession:
     def __init__(self, model, latent_cache, text_cache, config: SessionConfig, run_root: pathlib.Path, run_name: str,
                  policy: OffloadPolicy | None = None):
         stored = self._open_run(model, latent_cache, text_cache, config, run_root, run_name, policy, {})
-        if any(isinstance(m, BaseTunerLayer) for m in model.model.diffusion_model.modules()):
-            # A previous run's clone is loaded with its adapter attached to this shared module: unload it.
-            comfy.model_management.unload_model_and_clones(model)
         with torch.inference_mode(False):
             # A classic ModelPatcher even under dynamic VRAM: autograd keeps the weights a layer used until backward,
             # which aimdo-managed weights do not guarantee (docs/MEMORY.md). Elsewhere this is a plain clone.
             self.patcher = model.clone(disable_dynamic=True)
             diffusion_model = self.patcher.model.diffusion_model
+            low_bit = self._low_bit_base(policy)  # the adapters are built on the low-bit layers they will wrap
             paths = select_targets(diffusion_model, config.family, config.adapter, [n for n, _ in model_blocks(diffusion_model)])
             self.adapters = AdapterSet(diffusion_model, paths, config.adapter)
+            self._load_in_low_bit(low_bit)
             # Small: lives on the compute device from the start, so resumed optimizer state lands there too.
             self.adapters.to(self.patcher.load_device)
             attach_with_injection(self.patcher, self.adapters)
@@ -297,11 +297,9 @@ class TrainingSession:
         """The run directory (checked against this configuration), the holdout split and the memory record."""
         if policy is not None and not isinstance(policy, OffloadPolicy):
             raise ValueError("policy must come from a HeadroomOffloadPolicy or HeadroomMemoryPlan node")
-        if policy is not None and policy.base_storage != "as_loaded":
-            # The engine has it (training/lowbit.py, tested); swapping the low-bit layers in through ComfyUI's load
-            # without ComfyUI also loading the full-precision weights is not built yet.
-            raise ValueError(f"policy base_storage={policy.base_storage!r} is not applied by the training nodes yet: "
-                             "set base_storage to 'as_loaded' in the Offload Policy node")
+        if any(isinstance(m, (BaseTunerLayer, LowBitLinear)) for m in model.model.diffusion_model.modules()):
+            # A previous run's clone is loaded with its adapter or low-bit layers in this shared module: unload it.
+            comfy.model_management.unload_model_and_clones(model)
         self.source_model = model
         self.latent_cache, self.text_cache = latent_cache, text_cache
         self.config = config
@@ -332,6 +330,32 @@ class TrainingSession:
             self.resumed = trainer.resume()
         if not self.run_dir.exists():
             self.run_dir.write_config(stored)
+
+    def _low_bit_base(self, policy: OffloadPolicy | None) -> LowBitBase | None:
+        """policy base_storage fp8 / int8 / nf4: low-bit copies of the frozen Linear layers of the blocks, swapped
+        into the (shared) module for now; `_load_in_low_bit` hands them to ComfyUI."""
+        if policy is None or policy.base_storage == "as_loaded":
+            return None
+        blocks = [name for name, _ in model_blocks(self.patcher.model.diffusion_model)]
+        patched = sorted(key for key in self.patcher.patches
+                         if any(key.startswith(f"diffusion_model.{block}.") for block in blocks))
+        if patched:
+            raise ValueError(f"base_storage={policy.base_storage!r}: the MODEL carries weight patches (a LoRA loaded "
+                             f"before training, e.g. {patched[0]}) that a low-bit copy would drop: train on the model "
+                             "without them, or use base_storage 'as_loaded'")
+        return LowBitBase(self.patcher.model.diffusion_model, policy.base_storage, self.patcher.offload_device,
+                          prefixes=blocks)
+
+    def _load_in_low_bit(self, low_bit: LowBitBase | None) -> None:
+        """The shared module gets its full-precision layers back, and ComfyUI swaps the low-bit ones in as object
+        patches of the training clone: set before it moves weights to the device (so the full-precision block
+        weights stay in host RAM) and restored when it unloads the clone."""
+        if low_bit is None:
+            return
+        low_bit.detach()
+        for path, layer in low_bit.replacements.items():
+            self.patcher.add_object_patch(f"diffusion_model.{path}", layer)
+        self.low_bit_bytes = low_bit.packed_bytes(), low_bit.original_bytes()
 
     def _memory_record(self, device: torch.device) -> PhaseRecorder:
         """The run's per-phase memory record: continued from the run directory (a resumed run), or started with
@@ -375,8 +399,9 @@ class TrainingSession:
             if placement == "streamed" and self.patcher.load_device != self.patcher.offload_device:
                 # Every block's frozen weights back to host RAM through ComfyUI's own partial unload, so its
                 # accounting stays right; non-block weights (embedders, final layers) stay resident.
-                block_bytes = sum(p.numel() * p.element_size() for _, block in training_blocks(self.patcher.model.diffusion_model)
-                                  for p in block.parameters() if not p.requires_grad)
+                blocks = [block for _, block in training_blocks(self.patcher.model.diffusion_model)]
+                block_bytes = sum(t.numel() * t.element_size() for block in blocks
+                                  for t in [*block.parameters(), *block.buffers()] if not t.requires_grad)
                 self.patcher.partially_unload(self.patcher.offload_device, memory_to_free=block_bytes)
             replace_inference_tensors(self.patcher.model.diffusion_model)
 

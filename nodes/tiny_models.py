@@ -52,10 +52,13 @@ _MMDIT_SD3 = {
     "num_patches": 32 * 32, "pos_embed_max_size": 32, "pos_embed_scaling_factor": None,
     "x_block_self_attn_layers": [],
 }
+# Flux's head geometry is the real one (one 128-wide head, RoPE axes [16, 56, 56], mlp_ratio 4): ComfyUI's
+# Flux detection (used by the stock ControlNetLoader) fixes it and derives only the head count from the
+# width, so a saved ControlNet of this tiny Flux loads back exactly; one head keeps the width at 128.
 _DIT_FLUX = {
     "image_model": "flux", "in_channels": 16, "out_channels": 16, "patch_size": 2,
-    "vec_in_dim": _CLIP_L["hidden_size"], "context_in_dim": _T5["d_model"], "hidden_size": 64, "mlp_ratio": 2.0,
-    "num_heads": 2, "depth": 1, "depth_single_blocks": 2, "axes_dim": [8, 12, 12], "theta": 10000,
+    "vec_in_dim": _CLIP_L["hidden_size"], "context_in_dim": _T5["d_model"], "hidden_size": 128, "mlp_ratio": 4.0,
+    "num_heads": 1, "depth": 1, "depth_single_blocks": 2, "axes_dim": [16, 56, 56], "theta": 10000,
     "qkv_bias": True, "guidance_embed": True, "txt_ids_dims": [],
 }
 

@@ -86,7 +86,8 @@ class ControlNetSession(TrainingSession):
             # which aimdo-managed weights do not guarantee (docs/MEMORY.md). Elsewhere this is a plain clone.
             self.patcher = model.clone(disable_dynamic=True)
             self.controlnet = build_controlnet(model, blocks=config.blocks, seed=config.init_seed,
-                                               device=self.patcher.load_device)
+                                               device=self.patcher.load_device)  # copied from the full-precision base
+            self._load_in_low_bit(self._low_bit_base(policy))
             self.denoiser = ControlNetDenoiser(self.patcher, self.controlnet)
             # Every item's conditioning also carries its cached control. Caption dropout swaps only the prompt
             # (the control stays): the ControlNet paper's prompt dropout.

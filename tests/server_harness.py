@@ -13,6 +13,7 @@ ComfyUI is found by comfy_harness.find_comfyui(); none found: the tests skip wit
 from __future__ import annotations
 
 import ctypes
+import io
 import os
 import pathlib
 import signal
@@ -22,7 +23,9 @@ import sys
 import time
 import urllib.error
 
+import numpy as np
 import pytest
+from PIL import Image
 from comfy_harness import COMFYUI_FOUND_BY, COMFYUI_PATH, REPO_ROOT
 from headroom.workflows.headroom_run import ComfyClient, WorkflowError  # noqa: F401  (WorkflowError: for tests)
 
@@ -94,6 +97,12 @@ class ComfyServer(ComfyClient):
 
     def __exit__(self, *exc_info) -> None:
         self.stop()
+
+
+def output_pixels(server: ComfyServer, execution) -> np.ndarray:
+    """The one PNG an execution saved to the output folder, as int16 pixels (differences do not wrap)."""
+    [file] = [f for f in execution.files() if f.get("type") == "output" and f["filename"].endswith(".png")]
+    return np.asarray(Image.open(io.BytesIO(server.view(**file))), dtype=np.int16)
 
 
 def start_comfy_server(base_dir: pathlib.Path, with_headroom: bool = True, extra_args: tuple[str, ...] = (),

@@ -6,14 +6,13 @@ adapter on the MODEL other nodes share.
 What is loaded is read from HeadroomVRAMMonitor's report in /history (ComfyUI's `current_loaded_models`).
 """
 import copy
-import io
 import json
 import pathlib
 import uuid
 
 import numpy as np
 import pytest
-from PIL import Image
+from server_harness import output_pixels
 
 pytestmark = pytest.mark.server
 
@@ -66,8 +65,7 @@ def stock_image_of_the_trained_model(server) -> np.ndarray:
         "2": {"class_type": "HeadroomVRAMMonitor", "inputs": {"value": ["1", 0], "reset_peak": False, "report_every_run": True}},
         **_stock_sampling(["2", 0], ["1", 1], ["1", 2], seed=5, prefix="stock_trained_model"),
     }
-    [file] = server.run_workflow(prompt).outputs["45"]["images"]
-    return np.asarray(Image.open(io.BytesIO(server.view(**file))), dtype=np.int16)
+    return output_pixels(server, server.run_workflow(prompt))
 
 
 MONITOR_PROMPT = {

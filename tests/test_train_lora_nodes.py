@@ -406,3 +406,44 @@ def test_out_of_memory_in_training_saves_frees_and_names_the_phase(comfyui, monk
     assert not any(loaded.model is run.patcher for loaded in comfy.model_management.current_loaded_models)
     assert _no_adapter_attached(model)
     assert run.memory.phases[-1]["phase"] == "training" and not run.memory.phases[-1]["completed"]
+
+
+@pytest.mark.parametrize("storage", ["fp8", "int8"])
+def test_low_bit_base_storage_trains_on_low_bit_layers_and_leaves_the_shared_model_intact(comfyui, storage):
+    import comfy.model_management
+    from headroom.nodes import train_lora as T
+    from headroom.training.lowbit import LowBitLinear
+
+    def low_bit_layers(model):
+        return sum(isinstance(m, LowBitLinear) for m in model.model.diffusion_model.modules())
+
+    model, clip, vae, latents, texts = _data("sd15")
+    base = _base_weights(model)
+    plain = _init(model, latents, texts, f"lowbit_plain_{storage}", rank=4)
+    T.HeadroomTrainSteps.execute(plain, 3)
+    run = _init(model, latents, texts, f"lowbit_{storage}", rank=4, policy=_policy(base_storage=storage))
+    start = {k: v.clone() for k, v in run.adapters.state_dict().items()}
+    assert low_bit_layers(model) == 0  # built, then handed to ComfyUI as object patches of the training clone
+    T.HeadroomTrainSteps.execute(run, 3)
+    assert low_bit_layers(run.patcher) > 0  # the clone is still loaded: ComfyUI swapped the low-bit layers in
+    packed, original = run.low_bit_bytes
+    assert packed < original / 2 + 4096  # 8-bit weights (plus scales) instead of fp32
+    # The numerics change, but little: the same run's losses and weights stay close to the full-precision run's.
+    losses, plain_losses = [v for _, v in run.trainer.loss_history], [v for _, v in plain.trainer.loss_history]
+    assert all(abs(a - b) <= 0.05 * abs(b) for a, b in zip(losses, plain_losses, strict=True))
+    # Adapters start equal (same init seed); training moves them the same way (Adam's per-element normalisation
+    # turns small gradient differences into sign flips on near-zero gradients, so compare directions).
+    a, b = run.adapters.state_dict(), plain.adapters.state_dict()
+    moved_a = torch.cat([(a[k] - start[k]).flatten() for k in a])
+    moved_b = torch.cat([(b[k] - start[k]).flatten() for k in b])
+    assert not torch.equal(moved_a, moved_b)
+    assert torch.nn.functional.cosine_similarity(moved_a, moved_b, dim=0) >= 0.8
+
+    # A stock load of the MODEL (here: unloading the clone) puts the full-precision layers back, unchanged.
+    comfy.model_management.unload_model_and_clones(run.patcher)
+    assert low_bit_layers(model) == 0 and _no_adapter_attached(model)
+    assert all(torch.equal(base[k], v) for k, v in _base_weights(model).items())
+    T.HeadroomTrainSteps.execute(run, 4)  # and the next queue loads the low-bit layers again
+    assert low_bit_layers(run.patcher) > 0
+    run.release()
+    assert low_bit_layers(model) == 0

@@ -1,13 +1,12 @@
 """LoRA training on a real ComfyUI server: the saved file through stock nodes, and /interrupt mid-run."""
 import copy
-import io
 import json
 import pathlib
 import uuid
 
 import numpy as np
 import pytest
-from PIL import Image
+from server_harness import output_pixels
 
 pytestmark = pytest.mark.server
 
@@ -42,19 +41,14 @@ def _stock_prompt(lora_name: str) -> dict:
     }
 
 
-def _pixels(server, execution) -> np.ndarray:
-    [file] = [f for f in execution.files() if f.get("type") == "output" and f["filename"].endswith(".png")]
-    return np.asarray(Image.open(io.BytesIO(server.view(**file))), dtype=np.int16)
-
-
 def test_saved_lora_through_stock_loraloader_reproduces_validation_image(comfy_server):
     run_name = f"roundtrip_{uuid.uuid4().hex[:8]}"
     trained = comfy_server.run_workflow(_training_prompt(run_name, steps=10), timeout=900)
-    validation = _pixels(comfy_server, trained)
+    validation = output_pixels(comfy_server, trained)
     lora_file = comfy_server.base_dir / "models" / "loras" / "server_roundtrip" / f"{run_name}.safetensors"
     assert lora_file.is_file()
 
-    stock = _pixels(comfy_server, comfy_server.run_workflow(_stock_prompt(f"server_roundtrip/{run_name}.safetensors")))
+    stock = output_pixels(comfy_server, comfy_server.run_workflow(_stock_prompt(f"server_roundtrip/{run_name}.safetensors")))
     # Both images went through 8-bit PNG files here; the float comparison (<= 1e-3) is in
     # tests/test_train_lora_nodes.py. One 8-bit level allows only rounding at the boundary.
     assert validation.shape == stock.shape == (64, 64, 3)
