@@ -28,8 +28,8 @@ from .comfy_bridge import ComfyDenoiser, TrainingSession, check_caches, model_bl
 from .controlnet_build import (SUPPORTED_FAMILIES, TrainableControlNet, apply_controlnet,
                                build_controlnet, check_control_cache, comfy_controlnet, controlled_prediction,
                                controlnet_family, prepare_hint, save_controlnet)
-from .train_lora import (CATEGORY, HISTORY_KEY, TrainingRun, _next, _node_id, _train_inputs, _validation_inputs,
-                         runs_root, validate)
+from .train_lora import (CATEGORY, TrainingRun, _schedule_inputs, _train_inputs, _validation_inputs, runs_root,
+                         train_validate_save)
 
 CONTROL_HINT = "control_hint"  # the conditioning entry that carries an item's cached control through the trainer
 
@@ -271,14 +271,7 @@ class HeadroomTrainControlNet(io.ComfyNode):
             description="Init + train to `steps` + validate every N steps + save every N steps, in one node. "
             "Queue it again with more steps to continue the same run.",
             is_output_node=True,
-            inputs=[
-                *_controlnet_inputs(),
-                io.Int.Input("steps", default=1000, min=1, max=10_000_000),
-                io.Int.Input("validate_every", default=0, min=0, max=10_000_000, tooltip="0: only at the end."),
-                io.Int.Input("save_every", default=0, min=0, max=10_000_000, tooltip="0: only at the end."),
-                io.String.Input("controlnet_subfolder", default="headroom"),
-                *_validation_inputs(optional=True),
-            ],
+            inputs=[*_controlnet_inputs(), *_schedule_inputs("controlnet_subfolder"), *_validation_inputs(optional=True)],
             outputs=[io.ControlNet.Output("control_net", tooltip="The trained ControlNet (in memory) for stock nodes."),
                      TrainingRun.Output("run"), io.String.Output("control_net_name"),
                      io.Float.Output("validation_loss")],
@@ -287,26 +280,12 @@ class HeadroomTrainControlNet(io.ComfyNode):
 
     @classmethod
     def execute(cls, steps, validate_every, save_every, controlnet_subfolder, **inputs) -> io.NodeOutput:
-        validation_names = {"clip", "vae", "prompts", "negative", "sample_seed", "sample_steps", "cfg", "sampler_name",
-                            "scheduler", "width", "height", "loss_timesteps"}
-        validation = {k: v for k, v in inputs.items() if k in validation_names}
         check_subfolder(controlnet_subfolder, "HeadroomTrainControlNet: controlnet_subfolder")
-        session = start_controlnet_session(**{k: v for k, v in inputs.items() if k not in validation_names},
-                                           node="HeadroomTrainControlNet")
-        previews, loss, name = None, float("nan"), ""
-        while True:
-            target = min(t for t in (steps, _next(session.step, validate_every), _next(session.step, save_every)) if t)
-            session.train_to(target, node_id=_node_id(cls))
-            done = session.step >= steps
-            if done or (validate_every and session.step % validate_every == 0):
-                _, previews, loss = validate(cls, session, **validation)
-            if done or (save_every and session.step % save_every == 0):
-                name = save_trained_controlnet(session, controlnet_subfolder,
-                                               f"{session.run_dir.name}_step{session.step:06d}")
-            if done:
-                break
-        outputs = {**(previews.as_dict() if previews is not None else {}), HISTORY_KEY: [session.history(steps)]}
-        return io.NodeOutput(session.comfy_controlnet(), session, name, loss, ui=outputs)
+        run, name, loss, outputs = train_validate_save(
+            cls, lambda **init: start_controlnet_session(**init, node="HeadroomTrainControlNet"),
+            lambda run: save_trained_controlnet(run, controlnet_subfolder, f"{run.run_dir.name}_step{run.step:06d}"),
+            steps, validate_every, save_every, inputs)
+        return io.NodeOutput(run.comfy_controlnet(), run, name, loss, ui=outputs)
 
 
 NODES = [HeadroomTrainControlNetInit, HeadroomSaveControlNet, HeadroomTrainControlNet]

@@ -413,6 +413,45 @@ class HeadroomApplyTrainedLora(io.ComfyNode):
 
 
 # --- all in one --------------------------------------------------------------------------------------------
+VALIDATION_NAMES = {"clip", "vae", "prompts", "negative", "sample_seed", "sample_steps", "cfg", "sampler_name",
+                    "scheduler", "width", "height", "loss_timesteps"}
+
+
+def _schedule_inputs(subfolder_input: str) -> list:
+    """The all-in-one nodes' steps / validate / save schedule (LoRA and ControlNet)."""
+    return [
+        io.Int.Input("steps", default=1000, min=1, max=10_000_000),
+        io.Int.Input("validate_every", default=0, min=0, max=10_000_000, tooltip="0: only at the end."),
+        io.Int.Input("save_every", default=0, min=0, max=10_000_000, tooltip="0: only at the end."),
+        io.String.Input(subfolder_input, default="headroom"),
+    ]
+
+
+def train_validate_save(node_cls, start, save, steps: int, validate_every: int, save_every: int, inputs: dict):
+    """The all-in-one loop: `start(**init inputs)` builds or resumes the run, which then trains to `steps`,
+    validating every `validate_every` and saving (`save(run)` -> name) every `save_every` steps, and at the end.
+    Returns (run, saved name, validation loss, UI output)."""
+    validation = {k: v for k, v in inputs.items() if k in VALIDATION_NAMES}
+    run = start(**{k: v for k, v in inputs.items() if k not in VALIDATION_NAMES})
+    previews, loss, name = None, float("nan"), ""
+    while True:
+        target = min(t for t in (steps, _next(run.step, validate_every), _next(run.step, save_every)) if t)
+        run.train_to(target, node_id=_node_id(node_cls))
+        done = run.step >= steps
+        if done or (validate_every and run.step % validate_every == 0):
+            _, previews, loss = validate(node_cls, run, **validation)
+        if done or (save_every and run.step % save_every == 0):
+            name = save(run)
+        if done:
+            break
+    outputs = {**(previews.as_dict() if previews is not None else {}), HISTORY_KEY: [run.history(steps)]}
+    return run, name, loss, outputs
+
+
+def _next(step: int, every: int) -> int | None:
+    return (step // every + 1) * every if every else None
+
+
 class HeadroomTrainLora(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
@@ -423,14 +462,7 @@ class HeadroomTrainLora(io.ComfyNode):
             description="Init + train to `steps` + validate every N steps + save every N steps, in one node. "
             "Queue it again with more steps to continue the same run.",
             is_output_node=True,
-            inputs=[
-                *_train_inputs(),
-                io.Int.Input("steps", default=1000, min=1, max=10_000_000),
-                io.Int.Input("validate_every", default=0, min=0, max=10_000_000, tooltip="0: only at the end."),
-                io.Int.Input("save_every", default=0, min=0, max=10_000_000, tooltip="0: only at the end."),
-                io.String.Input("lora_subfolder", default="headroom"),
-                *_validation_inputs(optional=True),
-            ],
+            inputs=[*_train_inputs(), *_schedule_inputs("lora_subfolder"), *_validation_inputs(optional=True)],
             outputs=[io.Model.Output("model", tooltip="The MODEL with the trained LoRA applied."),
                      TrainingRun.Output("run"), io.String.Output("lora_name"), io.Float.Output("validation_loss")],
             hidden=[io.Hidden.unique_id],
@@ -438,28 +470,12 @@ class HeadroomTrainLora(io.ComfyNode):
 
     @classmethod
     def execute(cls, steps, validate_every, save_every, lora_subfolder, **inputs) -> io.NodeOutput:
-        validation_names = {"clip", "vae", "prompts", "negative", "sample_seed", "sample_steps", "cfg", "sampler_name",
-                            "scheduler", "width", "height", "loss_timesteps"}
-        validation = {k: v for k, v in inputs.items() if k in validation_names}
         check_subfolder(lora_subfolder, "HeadroomTrainLora: lora_subfolder")
-        session = start_session(**{k: v for k, v in inputs.items() if k not in validation_names}, node="HeadroomTrainLora")
-        previews, loss, lora_name = None, float("nan"), ""
-        while True:
-            target = min(t for t in (steps, _next(session.step, validate_every), _next(session.step, save_every)) if t)
-            session.train_to(target, node_id=_node_id(cls))
-            done = session.step >= steps
-            if done or (validate_every and session.step % validate_every == 0):
-                _, previews, loss = validate(cls, session, **validation)
-            if done or (save_every and session.step % save_every == 0):
-                lora_name = save_lora(session, lora_subfolder, f"{session.run_dir.name}_step{session.step:06d}")
-            if done:
-                break
-        outputs = {**(previews.as_dict() if previews is not None else {}), HISTORY_KEY: [session.history(steps)]}
-        return io.NodeOutput(session.patched_model(), session, lora_name, loss, ui=outputs)
-
-
-def _next(step: int, every: int) -> int | None:
-    return (step // every + 1) * every if every else None
+        run, lora_name, loss, outputs = train_validate_save(
+            cls, lambda **init: start_session(**init, node="HeadroomTrainLora"),
+            lambda run: save_lora(run, lora_subfolder, f"{run.run_dir.name}_step{run.step:06d}"),
+            steps, validate_every, save_every, inputs)
+        return io.NodeOutput(run.patched_model(), run, lora_name, loss, ui=outputs)
 
 
 NODES = [HeadroomLoraConfig, HeadroomOptimizerConfig, HeadroomTrainLoraInit, HeadroomTrainSteps, HeadroomValidate,
