@@ -18,6 +18,7 @@ from headroom.training.optimizer_parking import HostOptimizer, parked
 from headroom.training.optimizers import OptimizerConfig, create_optimizer, create_scheduler
 from headroom.training.policy import OffloadPolicy, memory_features
 from headroom.training.trainer import TrainConfig, Trainer
+from memory_caches import MemoryLatentCache, MemoryTextCache
 
 torch.set_num_threads(2)
 STEPS = 3
@@ -97,36 +98,6 @@ class ToyDenoiser:
     def blocks(self):
         return [(f"double_blocks.{i}", b) for i, b in enumerate(self.net.double_blocks)] + \
                [(f"single_blocks.{i}", b) for i, b in enumerate(self.net.single_blocks)]
-
-
-class MemoryLatentCache:
-    def __init__(self, latents, keys):
-        self._latents, self._keys = latents, keys
-        self.buckets = {(32, 32): list(range(len(latents)))}
-        self.latent_channels, self.fingerprint = latents[0].shape[0], "memory"
-
-    def __len__(self):
-        return len(self._latents)
-
-    def latent(self, i):
-        return self._latents[i]
-
-    def text_key(self, i):
-        return self._keys[i]
-
-    def control(self, i):
-        return None
-
-
-class MemoryTextCache:
-    def __init__(self, conds, empty):
-        self._conds, self._empty, self.fingerprint = conds, empty, "memory"
-
-    def conditioning(self, key):
-        return self._conds[key]
-
-    def empty_conditioning(self):
-        return self._empty
 
 
 def make_trainer(optimizer=OptimizerConfig(lr=1e-2)) -> Trainer:

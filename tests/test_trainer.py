@@ -11,6 +11,7 @@ from headroom.training.objective import ObjectiveConfig, SamplingDescriptor
 from headroom.training.optimizers import OptimizerConfig
 from headroom.training.run_dir import RunDir
 from headroom.training.trainer import NonFiniteLossError, TrainConfig, Trainer
+from memory_caches import MemoryLatentCache, MemoryTextCache
 
 
 
@@ -76,38 +77,6 @@ class ToyDenoiser:
 
     def blocks(self):
         return [(f"blocks.{i}", b) for i, b in enumerate(self.net.blocks)]
-
-
-class MemoryLatentCache:
-    """The LATENT_CACHE contract, in memory."""
-
-    def __init__(self, latents, text_keys, buckets=None):
-        self._latents, self._keys = latents, text_keys
-        self.buckets = buckets or {(32, 32): list(range(len(latents)))}
-        self.latent_channels, self.fingerprint = latents[0].shape[0], "memory"
-
-    def __len__(self):
-        return len(self._latents)
-
-    def latent(self, i):
-        return self._latents[i]
-
-    def text_key(self, i):
-        return self._keys[i]
-
-    def control(self, i):
-        return None
-
-
-class MemoryTextCache:
-    def __init__(self, conds, empty):
-        self._conds, self._empty, self.fingerprint = conds, empty, "memory"
-
-    def conditioning(self, key):
-        return self._conds[key]
-
-    def empty_conditioning(self):
-        return self._empty
 
 
 def toy_data(count=4, seed=0):

@@ -1,0 +1,32 @@
+"""The LATENT_CACHE / TEXT_CACHE contracts (training/cache_store.py) in memory, for engine tests with toy models."""
+from __future__ import annotations
+
+
+class MemoryLatentCache:
+    def __init__(self, latents, text_keys, buckets=None):
+        self._latents, self._keys = latents, text_keys
+        self.buckets = buckets or {(32, 32): list(range(len(latents)))}
+        self.latent_channels, self.fingerprint = latents[0].shape[0], "memory"
+
+    def __len__(self):
+        return len(self._latents)
+
+    def latent(self, i):
+        return self._latents[i]
+
+    def text_key(self, i):
+        return self._keys[i]
+
+    def control(self, i):
+        return None
+
+
+class MemoryTextCache:
+    def __init__(self, conds, empty):
+        self._conds, self._empty, self.fingerprint = conds, empty, "memory"
+
+    def conditioning(self, key):
+        return self._conds[key]
+
+    def empty_conditioning(self):
+        return self._empty
