@@ -1,25 +1,34 @@
-"""Benchmark: CPU step time of each offload-policy option against the plain run, on the tiny models.
+"""Benchmark: CPU step time of each offload-policy option against the plain run and against ComfyUI's native
+TrainLoraNode, on the tiny models, in one run.
 
-Trains a rank-4 LoRA on each built-in tiny model (real ComfyUI SD1.5 / SD3 / Flux classes, random weights)
-with the engine's Trainer through the ComfyUI bridge, per option (options interleaved over rounds), and
-reports the median CPU time per step of this process (both threads; what the step costs, little
-disturbed by other load on a shared machine), the best wall time, and their ratios to the plain run (resident base, no checkpointing, optimizer on the device). On a CPU
-the memory options have nothing to move, so the ratios show what each option costs in compute and
-bookkeeping: recomputation (checkpointing), the hook and copy machinery (streaming exercised with
-CPU->CPU copies), the host optimizer's copies, on-the-fly dequantisation (low-bit storage), and the
-time to park and restore optimizer state around one validation.
+Trains a rank-4 LoRA on every Linear and Conv2d (`all_layers`, as the native node adapts every weight) of each
+built-in tiny model (real ComfyUI SD1.5 / SD3 / Flux classes, random weights) with the engine's Trainer through the
+ComfyUI bridge, per option, and ComfyUI's own TrainLoraNode on the same model and data (same latents, same
+conditioning, batch, rank, learning rate, AdamW, fp32) with gradient checkpointing off / on and offloading off / on;
+everything interleaved over rounds. Reports the median CPU time per step of this process (both threads; what the
+step costs, little disturbed by other load on a shared machine), the best wall time, and the ratios to the plain
+run (resident base, no checkpointing, optimizer on the device) and to the native node. The native reference of a
+row is the native run with the same gradient-checkpointing setting (off for plain / host optimizer / low-bit, on for
+the checkpointing options), offloading off in one column and on in the other; where the native node cannot train
+without checkpointing (Flux), the reference is the native run with checkpointing, marked *. The native node is timed
+per run (between its progress updates after the first and the last step), ours per step.
+
+On a CPU the memory options have nothing to move, so the ratios show what each option costs in compute and
+bookkeeping: recomputation (checkpointing), the hook and copy machinery (streaming exercised with CPU->CPU copies),
+the host optimizer's copies, on-the-fly dequantisation (low-bit storage), and the time to park and restore
+optimizer state around one validation.
 
     OMP_NUM_THREADS=1 python bench/bench_memory_cpu.py [--rounds 3] [--steps 3] [--families sd15,sd3,flux]
 
 Needs a ComfyUI checkout (found like the tests do: $COMFYUI_PATH or ~/comfy/ComfyUI). Prints a Markdown
-table to paste into docs/BENCHMARKS.md. ComfyUI's native TrainLoraNode comparison is in the LoRA
-training bench, not here.
+table to paste into docs/BENCHMARKS.md.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import importlib.util
+import os
 import platform
 import statistics
 import sys
@@ -29,7 +38,10 @@ from pathlib import Path
 
 import torch
 
+from bench_train_step import failure_text, native_train  # the native node's runner, shared
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
+BATCH, LEARNING_RATE = 2, 1e-4  # both trainers
 
 
 def _import(name: str, path: Path, package: bool = False):
@@ -77,8 +89,25 @@ class MemoryTextCache:
         return self._empty
 
 
+def bench_data(model, latent_side=16):
+    """4 random latents and 4 random conditionings (key k<i> goes with latent i) shaped for `model`, plus an
+    empty-prompt conditioning; the same for every run of a family."""
+    from headroom.nodes.comfy_bridge import expected_cond_dims
+
+    g = torch.Generator().manual_seed(0)
+    channels = model.model.latent_format.latent_channels
+    latents = [torch.randn(channels, latent_side, latent_side, generator=g) for _ in range(4)]
+    dims = expected_cond_dims(model.model)
+
+    def cond():
+        return {n: torch.randn(*((16, w) if n == "cross_attn" else (w,)), generator=g) for n, w in dims.items()}
+
+    conds = {f"k{i}": cond() for i in range(4)}
+    return latents, conds, cond()
+
+
 def session_for(family, run_root, storage=None, latent_side=16):
-    from headroom.nodes.comfy_bridge import SessionConfig, TrainingSession, expected_cond_dims, model_family
+    from headroom.nodes.comfy_bridge import SessionConfig, TrainingSession, model_family
     from headroom.nodes.memory import training_blocks
     from headroom.nodes.tiny_models import build_tiny_models
     from headroom.training.adapters import AdapterConfig
@@ -91,19 +120,27 @@ def session_for(family, run_root, storage=None, latent_side=16):
     if storage is not None:
         blocks = [name for name, _ in training_blocks(model.model.diffusion_model)]
         base = LowBitBase(model.model.diffusion_model, storage, "cpu", prefixes=blocks)
-    g = torch.Generator().manual_seed(0)
-    channels = model.model.latent_format.latent_channels
-    latents = [torch.randn(channels, latent_side, latent_side, generator=g) for _ in range(4)]
-    dims = expected_cond_dims(model.model)
-
-    def cond():
-        return {n: torch.randn(*((16, w) if n == "cross_attn" else (w,)), generator=g) for n, w in dims.items()}
-
-    conds = {f"k{i}": cond() for i in range(4)}
-    config = SessionConfig(family=model_family(model.model), adapter=AdapterConfig(rank=4, alpha=4),
-                           optimizer=OptimizerConfig(lr=1e-4), train=TrainConfig(batch_size=2, seed=1), holdout=0)
-    caches = (MemoryLatentCache(latents, list(conds), (latent_side * 8, latent_side * 8)), MemoryTextCache(conds, cond()))
+    latents, conds, empty = bench_data(model, latent_side)
+    config = SessionConfig(family=model_family(model.model), adapter=AdapterConfig(rank=4, alpha=4, targets="all_layers"),
+                           optimizer=OptimizerConfig(lr=LEARNING_RATE), train=TrainConfig(batch_size=BATCH, seed=1),
+                           holdout=0)
+    caches = (MemoryLatentCache(latents, list(conds), (latent_side * 8, latent_side * 8)), MemoryTextCache(conds, empty))
     return TrainingSession(model, *caches, config, run_root, f"{family}-{storage}"), base
+
+
+def native_step(family, checkpointing: bool, offloading: bool, steps: int) -> tuple[float, float]:
+    """(wall, CPU seconds of this process) per step of ComfyUI's TrainLoraNode on the data `session_for` trains on:
+    the mean over `steps` steps after one warm-up step."""
+    from headroom.nodes.tiny_models import build_tiny_models
+
+    model, _, _ = build_tiny_models(family)
+    latents, conds, _ = bench_data(model)
+    # ComfyUI conditioning: one [cross_attn [1, T, D], {extras [1, ...]}] entry per latent, in latent order.
+    positive = [[cond["cross_attn"][None], {name: value[None] for name, value in cond.items() if name != "cross_attn"}]
+                for cond in conds.values()]
+    timing = native_train(model, torch.stack(latents), positive, steps=1 + steps, batch=BATCH, lr=LEARNING_RATE,
+                          rank=4, checkpointing=checkpointing, offloading=offloading)
+    return timing["step_wall"], timing["step_cpu"]
 
 
 @contextlib.contextmanager
@@ -164,6 +201,41 @@ def park_milliseconds(family, run_root) -> float:
 
 OPTIONS = ["plain", "checkpointing", "checkpointing + CPU offload", "streamed (exercised) + checkpointing",
            "optimizer state on host", "fp8", "int8", "nf4"]
+CHECKPOINTING_OPTIONS = {"checkpointing", "checkpointing + CPU offload", "streamed (exercised) + checkpointing"}
+NATIVE = [(checkpointing, offloading) for checkpointing in (False, True) for offloading in (False, True)]
+
+
+def native_label(checkpointing: bool, offloading: bool) -> str:
+    return (f"ComfyUI TrainLoraNode, checkpointing {'on' if checkpointing else 'off'}, "
+            f"offloading {'on' if offloading else 'off'}")
+
+
+def print_rows(family: str, cpu: dict, wall: dict, failed: dict) -> None:
+    """The family's table rows: the native runs, then each option (`cpu` / `wall`: seconds per step by run, a run
+    being an option name or a native (checkpointing, offloading) pair; `failed`: error text by native run)."""
+
+    def versus_native(checkpointing: bool, offloading: bool, seconds: float) -> str:
+        """The ratio to the native run with this checkpointing setting, or with checkpointing where the native
+        node fails without it (marked *)."""
+        if (checkpointing, offloading) not in failed:
+            return f"{seconds / cpu[checkpointing, offloading]:.2f}x"
+        if (True, offloading) not in failed:
+            return f"{seconds / cpu[True, offloading]:.2f}x*"
+        return "native fails"
+
+    def row(label, run, checkpointing):
+        if run in failed:
+            print(f"| tiny {family} | {label} | fails: {failed[run]} | | | | | |", flush=True)
+            return
+        print(f"| tiny {family} | {label} | {cpu[run]:.3f} | {cpu[run] / cpu['plain']:.2f}x | "
+              f"{versus_native(checkpointing, False, cpu[run])} | {versus_native(checkpointing, True, cpu[run])} | "
+              f"{wall[run]:.3f} | {wall[run] / wall['plain']:.2f}x |", flush=True)
+
+    for native in NATIVE:
+        row(native_label(*native), native, native[0])
+    for option in OPTIONS:
+        row(option if option not in ("fp8", "int8", "nf4") else f"low-bit base: {option}", option,
+            option in CHECKPOINTING_OPTIONS)
 
 
 def main() -> None:
@@ -175,36 +247,46 @@ def main() -> None:
                         help="intra-op threads; 1 by default: on a loaded 2-core VM two OpenMP threads spin-wait "
                         "for each other and single steps took 60x longer at random (measured)")
     args = parser.parse_args()
+    started = time.perf_counter()
     torch.set_num_threads(args.threads)
     torch.set_flush_denormal(True)  # as the trainer does on a CPU: denormal moments are ~100x slower on x86
     setup()
     print(f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads; "
-          f"torch {torch.__version__}; python {platform.python_version()}")
+          f"torch {torch.__version__}; python {platform.python_version()}; load average at start: "
+          + ", ".join(f"{x:.1f}" for x in os.getloadavg()))
     print()
-    print("| model | option | CPU s/step | vs plain (CPU time) | wall s/step (best) | vs plain (wall) |")
-    print("|---|---|---|---|---|---|")
+    print("| model | run | CPU s/step | vs plain (CPU time) | vs native, offloading off (CPU time) | "
+          "vs native, offloading on (CPU time) | wall s/step (best) | vs plain (wall) |")
+    print("|---|---|---|---|---|---|---|---|")
     notes = []
     with tempfile.TemporaryDirectory() as run_root:
         for family in args.families.split(","):
-            # Options interleaved over rounds and the best step kept: on a shared machine the minimum is
-            # the figure least disturbed by other load.
-            wall, cpu = {}, {}
+            # Everything interleaved over rounds and the best wall time kept: on a shared machine the minimum
+            # is the figure least disturbed by other load.
+            wall, cpu, failed = {}, {}, {}
             for _ in range(args.rounds):
                 for option in OPTIONS:
                     with prepared(family, option, Path(run_root)) as (step, _trainer):
                         times = [step() for _ in range(args.steps)]
                     wall[option] = min(wall.get(option, float("inf")), *(w for w, _ in times))
                     cpu.setdefault(option, []).extend(c for _, c in times)
-            cpu = {option: statistics.median(values) for option, values in cpu.items()}
-            for option in OPTIONS:
-                label = option if option not in ("fp8", "int8", "nf4") else f"low-bit base: {option}"
-                print(f"| tiny {family} | {label} | {cpu[option]:.3f} | {cpu[option] / cpu['plain']:.2f}x | "
-                      f"{wall[option]:.3f} | {wall[option] / wall['plain']:.2f}x |", flush=True)
+                for native in NATIVE:
+                    if native in failed:
+                        continue
+                    try:
+                        step_wall, step_cpu = native_step(family, *native, args.steps)
+                    except RuntimeError as error:  # Flux without checkpointing: its blocks add into their inputs
+                        failed[native] = failure_text(error)
+                        continue
+                    wall[native] = min(wall.get(native, float("inf")), step_wall)
+                    cpu.setdefault(native, []).append(step_cpu)
+            print_rows(family, {run: statistics.median(values) for run, values in cpu.items()}, wall, failed)
             notes.append(f"tiny {family}: park + restore optimizer state and gradients: "
                          f"{park_milliseconds(family, Path(run_root)):.2f} ms")
     print()
     for note in notes:
         print(note)
+    print(f"total wall time: {time.perf_counter() - started:.0f} s")
 
 
 if __name__ == "__main__":

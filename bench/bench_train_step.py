@@ -16,7 +16,8 @@ our Init) is left out of it; set-up plus the W warm-up steps is reported separat
         [--threads 1] [--write docs/BENCHMARKS.md]
 
 Needs a ComfyUI checkout (found like the tests do: $COMFYUI_PATH or ~/comfy/ComfyUI); runs on the CPU.
-Prints a Markdown section; --write appends it to the given file.
+Prints a Markdown section; --write puts it into the given file in place of its previous version (heading to the end
+of the table; notes below the table are kept), or at the end.
 """
 from __future__ import annotations
 
@@ -85,23 +86,62 @@ def headroom_step_time(model, latents, texts, optimizer: str, precision: str, ch
     return (time.perf_counter() - started) / args.steps, setup_seconds
 
 
+def native_train(model, samples: torch.Tensor, positive: list, *, steps: int, batch: int, lr: float, rank: int,
+                 dtype: str = "fp32", checkpointing: bool = False, offloading: bool = False) -> dict[str, float]:
+    """Train once with ComfyUI's TrainLoraNode (AdamW, MSE, fp32 LoRA weights, checkpoint depth 1) and time it.
+
+    `samples` [N, C, h, w] are the latents, `positive` one ComfyUI conditioning entry per latent. Returns the
+    wall seconds of the whole call ("total") and, for steps >= 2, the wall and CPU seconds of the process per
+    step after the first ("step_wall", "step_cpu"): measured between the progress updates ComfyUI always sends
+    after the first and after the last step, so the node's set-up (deep copy of the model, loading) and the
+    first step are left out.
+    """
+    import comfy.utils
+    from comfy_extras.nodes_train import TrainLoraNode
+
+    marks = {}
+
+    def on_progress(value, total, preview, node_id=None):
+        if total == steps:
+            marks[value] = (time.perf_counter(), time.process_time())
+
+    previous_hook = comfy.utils.PROGRESS_BAR_HOOK
+    comfy.utils.set_progress_bar_global_hook(on_progress)
+    started = time.perf_counter()
+    try:
+        with torch.inference_mode():  # as ComfyUI runs nodes
+            TrainLoraNode.execute(
+                model=[model], latents=[{"samples": samples}], positive=[positive], batch_size=[batch],
+                steps=[steps], grad_accumulation_steps=[1], learning_rate=[lr], rank=[rank], optimizer=["AdamW"],
+                loss_function=["MSE"], seed=[0], training_dtype=[dtype], lora_dtype=["fp32"],
+                quantized_backward=[False], algorithm=["LoRA"], gradient_checkpointing=[checkpointing],
+                checkpoint_depth=[1], offloading=[offloading], existing_lora=["[None]"], bucket_mode=[False],
+                bypass_mode=[False])
+    finally:
+        comfy.utils.set_progress_bar_global_hook(previous_hook)
+    timing = {"total": time.perf_counter() - started}
+    if steps >= 2:
+        (wall_first, cpu_first), (wall_last, cpu_last) = marks[1], marks[steps]
+        timing["step_wall"] = (wall_last - wall_first) / (steps - 1)
+        timing["step_cpu"] = (cpu_last - cpu_first) / (steps - 1)
+    return timing
+
+
+def failure_text(error: Exception) -> str:
+    """The first sentence of an error, short enough for a table cell."""
+    return str(error).split(".")[0][:90]
+
+
 def native_step_time(model, clip, latents, captions, dtype: str, checkpointing: bool, args) -> tuple[float, float]:
     """(seconds per step, seconds of set-up + warm-up steps) of ComfyUI's TrainLoraNode on the same data."""
     import nodes
-    from comfy_extras.nodes_train import TrainLoraNode
 
     samples = torch.stack([latents.latent(i).float() for i in range(len(latents))])
     positive = [entry for caption in captions for entry in nodes.CLIPTextEncode().encode(clip, caption)[0]]
 
     def run(steps: int) -> float:
-        started = time.perf_counter()
-        TrainLoraNode.execute(
-            model=[model], latents=[{"samples": samples}], positive=[positive], batch_size=[args.batch],
-            steps=[steps], grad_accumulation_steps=[1], learning_rate=[args.lr], rank=[args.rank],
-            optimizer=["AdamW"], loss_function=["MSE"], seed=[0], training_dtype=[dtype], lora_dtype=["fp32"],
-            quantized_backward=[False], algorithm=["LoRA"], gradient_checkpointing=[checkpointing], checkpoint_depth=[1],
-            offloading=[False], existing_lora=["[None]"], bucket_mode=[False], bypass_mode=[False])
-        return time.perf_counter() - started
+        return native_train(model, samples, positive, steps=steps, batch=args.batch, lr=args.lr, rank=args.rank,
+                            dtype=dtype, checkpointing=checkpointing)["total"]
 
     short = run(args.warmup)
     long = run(args.warmup + args.steps)
@@ -118,7 +158,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--resolution", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--write", type=Path, help="append the Markdown section to this file")
+    parser.add_argument("--write", type=Path, help="write the Markdown section into this file, replacing its previous version")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     setup()
@@ -165,7 +205,7 @@ def main() -> None:
                     native[precision, checkpointing] = native_step_time(model, clip, latents, captions, precision,
                                                                         checkpointing, args)
                 except RuntimeError as error:  # ComfyUI's own trainer on models whose blocks update inputs in place
-                    native[precision, checkpointing] = str(error).split(".")[0][:90]
+                    native[precision, checkpointing] = failure_text(error)
                 row(family, "ComfyUI TrainLoraNode", "AdamW", precision, checkpointing, native[precision, checkpointing],
                     native[precision, checkpointing])
             combos = [("AdamW", p, False) for p in PRECISIONS] + [("AdamW", "fp32", True)]
@@ -180,8 +220,27 @@ def main() -> None:
     section = "\n".join(lines) + "\n"
     print(section)
     if args.write:
-        with open(args.write, "a") as handle:
-            handle.write("\n" + section)
+        write_section(args.write, section)
+
+
+def write_section(path: Path, section: str) -> None:
+    """Put `section` (a "## " heading, lines, one table) into `path`: in place of the previous version (from the
+    same heading to the end of its table; the notes written below the table stay), or at the end. Atomic."""
+    lines = path.read_text().splitlines() if path.exists() else []
+    heading = section.splitlines()[0]
+    if heading in lines:
+        start = lines.index(heading)
+        end = start + 1
+        while end < len(lines) and not lines[end].startswith("|"):  # down to the old table...
+            end += 1
+        while end < len(lines) and lines[end].startswith("|"):  # ...and past it
+            end += 1
+        lines[start:end] = section.rstrip("\n").splitlines()
+    else:
+        lines += ["", *section.rstrip("\n").splitlines()]
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text("\n".join(lines) + "\n")
+    os.replace(temporary, path)
 
 
 if __name__ == "__main__":
