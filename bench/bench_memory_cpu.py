@@ -59,36 +59,6 @@ def setup():
     harness.import_comfyui_in_process()
 
 
-class MemoryLatentCache:
-    def __init__(self, latents, keys, bucket):
-        self._latents, self._keys = latents, keys
-        self.buckets = {bucket: list(range(len(latents)))}
-        self.latent_channels, self.fingerprint = latents[0].shape[0], "bench"
-
-    def __len__(self):
-        return len(self._latents)
-
-    def latent(self, i):
-        return self._latents[i]
-
-    def text_key(self, i):
-        return self._keys[i]
-
-    def control(self, i):
-        return None
-
-
-class MemoryTextCache:
-    def __init__(self, conds, empty):
-        self._conds, self._empty, self.fingerprint = conds, empty, "bench"
-
-    def conditioning(self, key):
-        return self._conds[key]
-
-    def empty_conditioning(self):
-        return self._empty
-
-
 def bench_data(model, latent_side=16):
     """4 random latents and 4 random conditionings (key k<i> goes with latent i) shaped for `model`, plus an
     empty-prompt conditioning; the same for every run of a family."""
@@ -124,7 +94,9 @@ def session_for(family, run_root, storage=None, latent_side=16):
     config = SessionConfig(family=model_family(model.model), adapter=AdapterConfig(rank=4, alpha=4, targets="all_layers"),
                            optimizer=OptimizerConfig(lr=LEARNING_RATE), train=TrainConfig(batch_size=BATCH, seed=1),
                            holdout=0)
-    caches = (MemoryLatentCache(latents, list(conds), (latent_side * 8, latent_side * 8)), MemoryTextCache(conds, empty))
+    memory_caches = _import("memory_caches", REPO_ROOT / "tests" / "memory_caches.py")  # the tests' in-memory caches
+    caches = (memory_caches.MemoryLatentCache(latents, list(conds), {(latent_side * 8, latent_side * 8): [0, 1, 2, 3]}),
+              memory_caches.MemoryTextCache(conds, empty))
     return TrainingSession(model, *caches, config, run_root, f"{family}-{storage}"), base
 
 

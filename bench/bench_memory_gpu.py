@@ -20,7 +20,6 @@ OOM where it does not fit. Training runs on classic (non-dynamic) ModelPatchers,
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import importlib.util
 import math
@@ -159,36 +158,6 @@ def build_model(name: str, smoke: bool):
     return comfy.model_patcher.ModelPatcher(model, load_device=device, offload_device=torch.device("cpu"))
 
 
-class MemoryLatentCache:
-    def __init__(self, latent, bucket):
-        self._latent = latent
-        self.buckets = {bucket: [0, 1]}
-        self.latent_channels, self.fingerprint = latent.shape[0], "bench"
-
-    def __len__(self):
-        return 2
-
-    def latent(self, i):
-        return self._latent
-
-    def text_key(self, i):
-        return "caption"
-
-    def control(self, i):
-        return None
-
-
-class MemoryTextCache:
-    def __init__(self, cond):
-        self._cond, self.fingerprint = cond, "bench"
-
-    def conditioning(self, key):
-        return self._cond
-
-    def empty_conditioning(self):
-        return self._cond
-
-
 # --- one policy ---------------------------------------------------------------------------------------------
 def place_blocks(blocks, device, streamed: bool) -> None:
     """Streamed: the blocks' frozen tensors in pinned host RAM. Otherwise on the device."""
@@ -223,8 +192,7 @@ def run_policy(patcher, policy, size: int, text_tokens: int, steps: int) -> dict
     from headroom.nodes.memory import calibration_cond, lora_target_paths, training_blocks
     from headroom.training.adapters import AdapterConfig, AdapterSet
     from headroom.training.lowbit import LowBitBase
-    from headroom.training.optimizer_parking import HostOptimizer, parked
-    from headroom.training.optimizers import OptimizerConfig, create_optimizer, create_scheduler
+    from headroom.training.optimizers import OptimizerConfig
     from headroom.training.policy import memory_features
     from headroom.training.trainer import TrainConfig, Trainer
 
@@ -252,12 +220,12 @@ def run_policy(patcher, policy, size: int, text_tokens: int, steps: int) -> dict
             channels = model.latent_format.latent_channels
             latent = torch.randn(channels, size // 8, size // 8, generator=torch.Generator().manual_seed(0))
             cond = {k: v.cpu() for k, v in calibration_cond(model, text_tokens, torch.device("cpu")).items()}
-            optimizer_config = OptimizerConfig(lr=1e-4)
-            trainer = Trainer(denoiser, adapters, MemoryLatentCache(latent, (size, size)), MemoryTextCache(cond),
-                              TrainConfig(batch_size=1, precision="bf16", seed=0), optimizer_config)
-            if policy.optimizer_state == "cpu":
-                trainer.optimizer = HostOptimizer(trainer.params, lambda host: create_optimizer(host, optimizer_config, device="cpu"))
-                trainer.scheduler = create_scheduler(trainer.optimizer, optimizer_config)
+            memory_caches = _import("memory_caches", REPO_ROOT / "tests" / "memory_caches.py")  # the tests' in-memory caches
+            latent_cache = memory_caches.MemoryLatentCache([latent, latent], ["caption", "caption"], {(size, size): [0, 1]})
+            text_cache = memory_caches.MemoryTextCache({"caption": cond}, cond)
+            # The policy's optimizer placement and parking come from the trainer; placement is done above.
+            trainer = Trainer(denoiser, adapters, latent_cache, text_cache, TrainConfig(batch_size=1, precision="bf16", seed=0),
+                              OptimizerConfig(lr=1e-4), policy=policy)
             trainer.trainable.train(True)
             with memory_features(policy, blocks, device, inplace_inputs=denoiser.inplace_blocks):
                 trainer.train_step()  # warm-up: kernels, allocator, optimizer state
@@ -270,8 +238,7 @@ def run_policy(patcher, policy, size: int, text_tokens: int, steps: int) -> dict
                         torch.cuda.synchronize(device)
                     times.append(time.perf_counter() - started)
                 train_alloc, train_reserved = peaks(device)
-                with (parked(trainer.optimizer, trainer.params) if policy.park_optimizer_during_validation
-                      else contextlib.nullcontext()):
+                with trainer.parked_for_validation():
                     reset_peaks(device)
                     trainer.validation_loss([0], times=2)  # a cond + uncond sized forward, no grad
                     validation_alloc, _ = peaks(device)

@@ -281,9 +281,12 @@ class TrainingSession:
             self.patcher = model.clone(disable_dynamic=True)
             diffusion_model = self.patcher.model.diffusion_model
             low_bit = self._low_bit_base(policy)  # the adapters are built on the low-bit layers they will wrap
-            paths = select_targets(diffusion_model, config.family, config.adapter, [n for n, _ in model_blocks(diffusion_model)])
-            self.adapters = AdapterSet(diffusion_model, paths, config.adapter)
-            self._load_in_low_bit(low_bit)
+            try:
+                paths = select_targets(diffusion_model, config.family, config.adapter,
+                                       [n for n, _ in model_blocks(diffusion_model)])
+                self.adapters = AdapterSet(diffusion_model, paths, config.adapter)
+            finally:  # the shared module is full precision again even when building the adapters failed
+                self._load_in_low_bit(low_bit)
             # Small: lives on the compute device from the start, so resumed optimizer state lands there too.
             self.adapters.to(self.patcher.load_device)
             attach_with_injection(self.patcher, self.adapters)
@@ -350,12 +353,12 @@ class TrainingSession:
         """The shared module gets its full-precision layers back, and ComfyUI swaps the low-bit ones in as object
         patches of the training clone: set before it moves weights to the device (so the full-precision block
         weights stay in host RAM) and restored when it unloads the clone."""
+        self.low_bit_bytes = None if low_bit is None else (low_bit.packed_bytes(), low_bit.original_bytes())
         if low_bit is None:
             return
         low_bit.detach()
         for path, layer in low_bit.replacements.items():
             self.patcher.add_object_patch(f"diffusion_model.{path}", layer)
-        self.low_bit_bytes = low_bit.packed_bytes(), low_bit.original_bytes()
 
     def _memory_record(self, device: torch.device) -> PhaseRecorder:
         """The run's per-phase memory record: continued from the run directory (a resumed run), or started with

@@ -24,17 +24,19 @@ from comfy_api.latest import io, ui
 from ..training.adapters import KINDS, TARGET_MODES, AdapterConfig
 from ..training.objective import LOSS_WEIGHTINGS, TIMESTEP_SAMPLINGS, ObjectiveConfig
 from ..training.optimizers import OPTIMIZERS, SCHEDULES, OptimizerConfig
+from ..training.policy import OffloadPolicy, PolicyError
 from ..training.run_dir import atomic_save_safetensors, atomic_write_bytes, check_name, check_subfolder
 from ..training.trainer import PRECISIONS, TrainConfig
 from .cache import unload_encoder
 from .comfy_bridge import VALIDATE_EVENT, SessionConfig, TrainingSession, check_caches, model_family, send_event
+from .memory import budget_bytes
 
 LoraConfigType = io.Custom("LORA_CONFIG")
 OptimizerConfigType = io.Custom("OPTIMIZER_CONFIG")
 TrainingRun = io.Custom("TRAINING_RUN")
 LatentCache = io.Custom("LATENT_CACHE")
 TextCache = io.Custom("TEXT_CACHE")
-OffloadPolicy = io.Custom("OFFLOAD_POLICY")
+OffloadPolicyType = io.Custom("OFFLOAD_POLICY")
 
 CATEGORY = "Headroom/training"
 HISTORY_KEY = "headroom_history"  # the training nodes' UI output js/headroom_live.js redraws the chart from
@@ -151,7 +153,7 @@ def _train_inputs() -> list:
                      tooltip="1: each model block; 2: each child of a block (finer, less memory, more recompute)."),
         io.Int.Input("holdout", default=0, min=0, max=100000,
                      tooltip="Last N cached items held out for the validation loss; 0 validates on training items."),
-        OffloadPolicy.Input("policy", optional=True),
+        OffloadPolicyType.Input("policy", optional=True),
     ]
 
 
@@ -269,11 +271,18 @@ def sample_images(run: TrainingSession, clip, vae, prompts: list[str], negative:
 
 
 def decode(run: TrainingSession, vae, samples: torch.Tensor) -> torch.Tensor:
-    """VAE Decode as the stock node does ("auto": it falls back to tiles when a full decode runs out of memory),
-    or tiled from the start when the policy says so."""
-    if run.policy is not None and run.policy.vae_tiled_decode == "on":
-        return vae.decode_tiled(samples)
-    return vae.decode(samples)
+    """VAE Decode, tiled (ComfyUI's tiled decode) when the policy says "on", or for "auto" when the VAE's weights
+    plus its full-decode working set would not fit the run's budget (the planner's rule, training/planner.py);
+    otherwise the stock VAE Decode, which itself retries in tiles after an out-of-memory error."""
+    policy = run.policy or OffloadPolicy()
+    tiled = policy.vae_tiled_decode == "on"
+    if policy.vae_tiled_decode == "auto":
+        needed = vae.patcher.model_size() + vae.memory_used_decode(samples.shape, vae.vae_dtype)
+        try:
+            tiled = needed > budget_bytes(policy, torch.device(vae.device))
+        except PolicyError:  # an "auto" budget with nothing free: the smallest working set
+            tiled = True
+    return vae.decode_tiled(samples) if tiled else vae.decode(samples)
 
 
 def save_validation(run: TrainingSession, images: torch.Tensor, samples: torch.Tensor) -> pathlib.Path:

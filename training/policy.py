@@ -14,7 +14,8 @@ optimizer state sits. One policy serves the whole run (caching, training, valida
   saved block inputs in host RAM, see activation_offload.py); checkpoint_depth as the trainer's option.
 - optimizer_state: "gpu" or "cpu" (the optimizer steps fp32 host copies, see optimizer_parking.py).
 - park_optimizer_during_validation: optimizer state and gradients go to host RAM while validating.
-- vae_tiled_decode: "auto" (tiled when the plan says a full decode would not fit), "on", "off".
+- vae_tiled_decode: "auto" (tiled when the VAE plus a full decode would not fit the budget), "on", "off" (the
+  stock full decode, which ComfyUI itself retries in tiles after an out-of-memory error).
 - encoders: "unload_after_use" (text encoders and VAE are loaded for caching / validation only).
 """
 from __future__ import annotations

@@ -59,7 +59,7 @@ item's conditioning dict (also when caption dropout swaps its prompt for the emp
 
 
 class Trainable(Protocol):
-    """What is trained: an adapter set (training/adapters.py) or, later, a ControlNet module."""
+    """What is trained: an adapter set (training/adapters.py) or a ControlNet (nodes/controlnet_build.py)."""
 
     def parameters(self) -> list[torch.nn.Parameter]: ...
     def state_dict(self) -> dict[str, torch.Tensor]: ...
