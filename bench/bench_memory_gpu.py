@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib.util
-import math
 import platform
 import statistics
 import sys
@@ -35,39 +34,6 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parent.parent
 GIB = 1024 ** 3
 
-# unet_config dicts as comfy/model_detection.py derives them from the released checkpoints.
-ARCHITECTURES = {
-    "sdxl": {
-        "text_tokens": 77,
-        "unet_config": {
-            "use_checkpoint": False, "image_size": 32, "out_channels": 4, "use_spatial_transformer": True,
-            "legacy": False, "num_classes": "sequential", "adm_in_channels": 2816, "in_channels": 4,
-            "model_channels": 320, "num_res_blocks": [2, 2, 2], "transformer_depth": [0, 0, 2, 2, 10, 10],
-            "channel_mult": [1, 2, 4], "transformer_depth_middle": 10, "use_linear_in_transformer": True,
-            "context_dim": 2048, "num_head_channels": 64, "transformer_depth_output": [0, 0, 0, 2, 2, 2, 10, 10, 10],
-            "use_temporal_attention": False, "use_temporal_resblock": False,
-        },
-    },
-    "sd35_large": {
-        "text_tokens": 154,
-        "unet_config": {
-            "in_channels": 16, "patch_size": 2, "out_channels": 16, "depth": 38, "input_size": None,
-            "adm_in_channels": 2048,
-            "context_embedder_config": {"target": "torch.nn.Linear", "params": {"in_features": 4096, "out_features": 2432}},
-            "num_patches": 36864, "pos_embed_max_size": 192, "qk_norm": "rms", "pos_embed_scaling_factor": None,
-            "x_block_self_attn_layers": [],
-        },
-    },
-    "flux_dev": {
-        "text_tokens": 256,
-        "unet_config": {
-            "image_model": "flux", "axes_dim": [16, 56, 56], "num_heads": 24, "mlp_ratio": 4.0, "theta": 10000,
-            "out_channels": 16, "qkv_bias": True, "txt_ids_dims": [], "in_channels": 16, "hidden_size": 3072,
-            "context_in_dim": 4096, "patch_size": 2, "vec_in_dim": 768, "depth": 19, "depth_single_blocks": 38,
-            "guidance_embed": True, "yak_mlp": False, "txt_norm": False,
-        },
-    },
-}
 SMOKE_FAMILIES = {"sdxl": "sd15", "sd35_large": "sd3", "flux_dev": "flux"}  # --smoke: the tiny stand-ins
 
 POLICIES = {  # name -> OffloadPolicy fields
@@ -112,50 +78,20 @@ def import_comfyui(cpu: bool) -> None:
 
 
 # --- models ------------------------------------------------------------------------------------------------
-@torch.no_grad()
-def random_init_(module: torch.nn.Module, seed: int = 0) -> None:
-    """Seeded random weights made where they live (ComfyUI's ops skip torch's init; checkpoints would
-    fill them in): norms 1 / 0, biases 0, other vectors N(0, 0.02), matrices N(0, 1/fan_in)."""
-    from comfy.ldm.modules.diffusionmodules.mmdit import get_2d_sincos_pos_embed
-
-    device = next(module.parameters()).device
-    generator = torch.Generator(device=device).manual_seed(seed)
-    for sub in module.modules():
-        norm = "Norm" in type(sub).__name__
-        for name, param in sub.named_parameters(recurse=False):
-            if norm:
-                param.fill_(1.0 if name in ("weight", "scale") else 0.0)
-            elif name == "bias":
-                param.zero_()
-            elif param.ndim < 2:
-                param.normal_(0.0, 0.02, generator=generator)
-            else:
-                param.normal_(0.0, 1.0 / math.sqrt(math.prod(param.shape[1:])), generator=generator)
-    pos_embed = getattr(module, "pos_embed", None)
-    if isinstance(pos_embed, torch.Tensor) and not isinstance(pos_embed, torch.nn.Parameter):
-        grid = int(math.isqrt(pos_embed.shape[1]))  # MMDiT's fixed sin-cos table, a buffer checkpoints fill in
-        table = torch.from_numpy(get_2d_sincos_pos_embed(pos_embed.shape[2], grid))
-        pos_embed.copy_(table.reshape(pos_embed.shape).to(pos_embed))
-
-
 def build_model(name: str, smoke: bool):
-    """A classic ModelPatcher of the named architecture (random weights on the compute device)."""
-    import comfy.model_detection
+    """A classic ModelPatcher of the named architecture (random bf16 weights made on the compute device), from the
+    builders the real-size test tier uses (tests/realsize_models.py)."""
     import comfy.model_management as mm
-    import comfy.model_patcher
 
     if smoke:
         from headroom.nodes.tiny_models import build_tiny_model_patcher
 
         return build_tiny_model_patcher(SMOKE_FAMILIES[name], disable_dynamic=True)
-    config = comfy.model_detection.model_config_from_unet_config(dict(ARCHITECTURES[name]["unet_config"]))
-    if config is None:
-        raise RuntimeError(f"ComfyUI did not recognise the {name} config")
-    device = mm.get_torch_device()
-    config.set_inference_dtype(torch.bfloat16, None, device=device)
-    model = config.get_model({}, "", device=device)
-    random_init_(model.diffusion_model)
-    return comfy.model_patcher.ModelPatcher(model, load_device=device, offload_device=torch.device("cpu"))
+    return realsize_models().build_model(name, device=mm.get_torch_device())
+
+
+def realsize_models():
+    return sys.modules.get("realsize_models") or _import("realsize_models", REPO_ROOT / "tests" / "realsize_models.py")
 
 
 # --- one policy ---------------------------------------------------------------------------------------------
@@ -286,7 +222,8 @@ def _gib(value: float | None) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--models", default=",".join(ARCHITECTURES), help=f"comma list of {', '.join(ARCHITECTURES)}")
+    architectures = realsize_models().ARCHITECTURES
+    parser.add_argument("--models", default=",".join(architectures), help=f"comma list of {', '.join(architectures)}")
     parser.add_argument("--policies", default="all", help="comma list of policy names, or all: " + "; ".join(POLICIES))
     parser.add_argument("--steps", type=int, default=3, help="timed steps per policy (after one warm-up step)")
     parser.add_argument("--size", type=int, default=1024, help="square training resolution in pixels")
@@ -313,7 +250,7 @@ def main() -> None:
           "| validation peak GiB | planner validation GiB |")
     print("|---|---|---|---|---|---|---|---|---|")
     for name in args.models.split(","):
-        spec = ARCHITECTURES[name]
+        spec = architectures[name]
         text_tokens = 8 if args.smoke else spec["text_tokens"]
         patcher = build_model(name, args.smoke)
         description, trainable = describe(patcher, text_tokens)

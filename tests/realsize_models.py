@@ -1,0 +1,223 @@
+"""Real-size models from ComfyUI's own classes, with seeded random weights (nothing is downloaded).
+
+Shared by the real-size test tier (tests/test_realsize.py, tests/realsize_worker.py) and the benchmarks
+(bench/bench_realsize.py, bench/bench_memory_gpu.py). Each builder mirrors nodes/tiny_models.py at real width:
+
+- diffusion models: the `unet_config` ComfyUI's model_detection derives from the released checkpoints, through
+  `model_config_from_unet_config` -> `supported_models` config -> `model_base` model -> ModelPatcher. SDXL is
+  full size (2.57 B); SD3.5-Large and Flux-dev keep their real width (2432 / 3072) with a selectable depth.
+- text encoders: `comfy.sd.CLIP` with ComfyUI's CLIP-L / CLIP-G / T5-XXL classes and their shipped configs and
+  tokenizers; T5-XXL keeps its width (4096, d_ff 10240, 64 heads) with fewer layers through ComfyUI's own
+  `t5xxl_model_config` model option.
+- VAEs: `comfy.sd.VAE` through its state-dict detection path, as a real file takes it: the SD / SDXL VAE
+  (AutoencoderKL, 4 latent channels) or the SD3 / Flux VAE (AutoencodingEngine, 16 latent channels).
+
+No builder holds a second copy of the weights: ComfyUI's ops allocate parameters uninitialised (`torch.empty`)
+and `random_init_` fills each one in place, one tensor at a time.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+
+import torch
+
+# unet_config dicts as comfy/model_detection.py derives them from the released checkpoints.
+ARCHITECTURES = {
+    "sdxl": {
+        "text_tokens": 77, "text_encoder": "sdxl", "latent_channels": 4, "depth": None,
+        "unet_config": {
+            "use_checkpoint": False, "image_size": 32, "out_channels": 4, "use_spatial_transformer": True,
+            "legacy": False, "num_classes": "sequential", "adm_in_channels": 2816, "in_channels": 4,
+            "model_channels": 320, "num_res_blocks": [2, 2, 2], "transformer_depth": [0, 0, 2, 2, 10, 10],
+            "channel_mult": [1, 2, 4], "transformer_depth_middle": 10, "use_linear_in_transformer": True,
+            "context_dim": 2048, "num_head_channels": 64, "transformer_depth_output": [0, 0, 0, 2, 2, 2, 10, 10, 10],
+            "use_temporal_attention": False, "use_temporal_resblock": False,
+        },
+    },
+    "sd35_large": {
+        # MMDiT's width is 64 * depth by construction (depth 38 -> 2432 wide, 38 heads); `num_blocks` sets how many
+        # joint blocks there are, so a reduced-depth model keeps the real width.
+        "text_tokens": 154, "text_encoder": "sd3", "latent_channels": 16, "depth": 38,
+        "unet_config": {
+            "in_channels": 16, "patch_size": 2, "out_channels": 16, "depth": 38, "input_size": None,
+            "adm_in_channels": 2048,
+            "context_embedder_config": {"target": "torch.nn.Linear", "params": {"in_features": 4096, "out_features": 2432}},
+            "num_patches": 36864, "pos_embed_max_size": 192, "qk_norm": "rms", "pos_embed_scaling_factor": None,
+            "x_block_self_attn_layers": [],
+        },
+    },
+    "flux_dev": {
+        "text_tokens": 256, "text_encoder": "flux", "latent_channels": 16, "depth": (19, 38),
+        "unet_config": {
+            "image_model": "flux", "axes_dim": [16, 56, 56], "num_heads": 24, "mlp_ratio": 4.0, "theta": 10000,
+            "out_channels": 16, "qkv_bias": True, "txt_ids_dims": [], "in_channels": 16, "hidden_size": 3072,
+            "context_in_dim": 4096, "patch_size": 2, "vec_in_dim": 768, "depth": 19, "depth_single_blocks": 38,
+            "guidance_embed": True, "yak_mlp": False, "txt_norm": False,
+        },
+    },
+}
+T5XXL_LAYERS = 24  # the released T5-XXL encoder
+
+
+def unet_config(name: str, depth=None) -> dict:
+    """The architecture's unet_config; `depth` reduces it at real width: SD3.5 joint blocks (int), Flux
+    (double blocks, single blocks). SDXL is always full size."""
+    config = dict(ARCHITECTURES[name]["unet_config"])
+    if depth is None:
+        return config
+    if name == "sd35_large":
+        config["num_blocks"] = int(depth)
+    elif name == "flux_dev":
+        config["depth"], config["depth_single_blocks"] = (int(d) for d in depth)
+    else:
+        raise ValueError(f"{name} is built at full size only (depth=None)")
+    return config
+
+
+@torch.no_grad()
+def random_init_(module: torch.nn.Module, seed: int = 0) -> None:
+    """Seeded random weights made where they live, one tensor at a time (ComfyUI's ops skip torch's init; a
+    checkpoint would fill them in): norms 1 / 0, biases 0, embeddings N(0, 0.02), other vectors N(0, 0.02),
+    matrices N(0, 1/fan_in); scalars such as CLIP's logit_scale keep their constructor value."""
+    from comfy.ldm.modules.diffusionmodules.mmdit import get_2d_sincos_pos_embed
+
+    device = next(module.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    for sub in module.modules():
+        norm = "Norm" in type(sub).__name__
+        for name, param in sub.named_parameters(recurse=False):
+            if param.numel() == 1 and name != "weight":
+                continue
+            if norm:
+                param.fill_(1.0 if name in ("weight", "scale") else 0.0)
+            elif name == "bias":
+                param.zero_()
+            elif param.ndim < 2 or isinstance(sub, torch.nn.Embedding):
+                param.normal_(0.0, 0.02, generator=generator)
+            else:
+                param.normal_(0.0, 1.0 / math.sqrt(math.prod(param.shape[1:])), generator=generator)
+    pos_embed = getattr(module, "pos_embed", None)
+    if isinstance(pos_embed, torch.Tensor) and not isinstance(pos_embed, torch.nn.Parameter):
+        grid = int(math.isqrt(pos_embed.shape[1]))  # MMDiT's fixed sin-cos table, a buffer checkpoints fill in
+        table = torch.from_numpy(get_2d_sincos_pos_embed(pos_embed.shape[2], grid))
+        pos_embed.copy_(table.reshape(pos_embed.shape).to(pos_embed))
+
+
+def tensor_bytes(module: torch.nn.Module) -> int:
+    """Bytes of a module's parameters and buffers (its weights as stored)."""
+    return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
+
+
+def build_model(name: str, depth=None, seed: int = 0, dtype: torch.dtype = torch.bfloat16, device=None,
+                disable_dynamic: bool = True):
+    """A ModelPatcher of the named architecture with `dtype` storage; ComfyUI picks the compute (manual cast)
+    dtype for the load device as its loaders do (fp32 on a CPU for bf16 weights)."""
+    import comfy.model_detection
+    import comfy.model_management as mm
+    import comfy.model_patcher
+
+    config = comfy.model_detection.model_config_from_unet_config(unet_config(name, depth))
+    if config is None:
+        raise RuntimeError(f"ComfyUI did not recognise the {name} config")
+    load_device = mm.get_torch_device()
+    device = load_device if device is None else torch.device(device)
+    manual_cast = mm.unet_manual_cast(dtype, load_device, config.supported_inference_dtypes)
+    config.set_inference_dtype(dtype, manual_cast, device=load_device)
+    model = config.get_model({}, "", device=device)
+    random_init_(model.diffusion_model, seed)
+    patcher_class = comfy.model_patcher.ModelPatcher if disable_dynamic else comfy.model_patcher.CoreModelPatcher
+    patcher = patcher_class(model, load_device=load_device, offload_device=mm.unet_offload_device())
+    patcher.cached_patcher_init = (_model_patcher, (name, depth, seed, dtype))
+    return patcher
+
+
+def _model_patcher(name, depth=None, seed=0, dtype=torch.bfloat16, disable_dynamic=False):
+    return build_model(name, depth, seed, dtype, disable_dynamic=disable_dynamic)
+
+
+def clip_target(text_encoder: str):
+    """ComfyUI's ClipTarget (tokenizer + text-encoder class) of a family: sdxl (CLIP-L + CLIP-G), sd3 (CLIP-L +
+    CLIP-G + T5-XXL), flux (CLIP-L + T5-XXL)."""
+    import comfy.supported_models
+    import comfy.supported_models_base
+    import comfy.text_encoders.flux
+    import comfy.text_encoders.sd3_clip
+
+    if text_encoder == "sdxl":
+        return comfy.supported_models.SDXL(unet_config("sdxl")).clip_target()
+    if text_encoder == "sd3":
+        return comfy.supported_models_base.ClipTarget(
+            comfy.text_encoders.sd3_clip.SD3Tokenizer, comfy.text_encoders.sd3_clip.sd3_clip(clip_l=True, clip_g=True, t5=True))
+    if text_encoder == "flux":
+        return comfy.supported_models_base.ClipTarget(comfy.text_encoders.flux.FluxTokenizer,
+                                                      comfy.text_encoders.flux.flux_clip())
+    raise ValueError(f"unknown text encoder family {text_encoder!r}: sdxl, sd3 or flux")
+
+
+def build_clip(text_encoder: str, t5_layers: int = T5XXL_LAYERS, seed: int = 1, dtype: torch.dtype | None = None,
+               disable_dynamic: bool = False):
+    """comfy.sd.CLIP of a family at real width; T5-XXL with `t5_layers` encoder layers. `dtype` None: the dtype
+    ComfyUI's loaders pick for text encoders on this device."""
+    import comfy.sd
+
+    options = {"t5xxl_model_config": {"num_layers": int(t5_layers), "num_decoder_layers": int(t5_layers)}}
+    if dtype is not None:
+        options["dtype"] = dtype
+    clip = comfy.sd.CLIP(clip_target(text_encoder), parameters=0, model_options=options, disable_dynamic=disable_dynamic)
+    random_init_(clip.cond_stage_model, seed)
+    clip.patcher.cached_patcher_init = (_clip_patcher, (text_encoder, t5_layers, seed, dtype))
+    return clip
+
+
+def _clip_patcher(text_encoder, t5_layers=T5XXL_LAYERS, seed=1, dtype=None, disable_dynamic=False):
+    return build_clip(text_encoder, t5_layers, seed, dtype, disable_dynamic=disable_dynamic).patcher
+
+
+class _DropMissingKeys(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Missing VAE keys")
+
+
+@contextlib.contextmanager
+def _quiet_missing_keys():
+    """The VAE is made from a key sketch, so every other key is missing by design: drop that one warning."""
+    drop = _DropMissingKeys()
+    root = logging.getLogger()
+    root.addFilter(drop)
+    try:
+        yield
+    finally:
+        root.removeFilter(drop)
+
+
+def build_vae(latent_channels: int, seed: int = 2):
+    """comfy.sd.VAE of the SD / SDXL (4 channels) or SD3 / Flux (16 channels) VAE, through ComfyUI's state-dict
+    detection: the keys it reads to pick the class are given, the rest is made uninitialised and filled in place."""
+    import comfy.sd
+
+    if latent_channels not in (4, 16):
+        raise ValueError("latent_channels: 4 (SD / SDXL VAE) or 16 (SD3 / Flux VAE)")
+    # decoder.conv_in: 512 = 128 base channels x ch_mult[-1] 4; a fourth level (the 8x VAEs, not the x4 upscaler's);
+    # the SD VAE has post_quant_conv, SD3 / Flux have none.
+    sketch = {"decoder.conv_in.weight": torch.zeros(512, latent_channels, 3, 3),
+              "decoder.up.3.upsample.conv.weight": torch.zeros(512, 512, 3, 3)}
+    if latent_channels == 4:
+        sketch["post_quant_conv.weight"] = torch.zeros(4, 4, 1, 1)
+    with _quiet_missing_keys():
+        vae = comfy.sd.VAE(sd=sketch)
+    random_init_(vae.first_stage_model, seed)
+    vae.patcher.cached_patcher_init = (_vae_patcher, (latent_channels, seed))
+    return vae
+
+
+def _vae_patcher(latent_channels, seed=2, disable_dynamic=False):
+    return build_vae(latent_channels, seed).patcher
+
+
+def build_family(name: str, depth=None, t5_layers: int = 2, seed: int = 0):
+    """(MODEL patcher, CLIP, VAE) of an architecture, all at real width."""
+    spec = ARCHITECTURES[name]
+    return (build_model(name, depth, seed), build_clip(spec["text_encoder"], t5_layers, seed + 1),
+            build_vae(spec["latent_channels"], seed + 2))
