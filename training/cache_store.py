@@ -74,6 +74,33 @@ def text_key(caption: str) -> str:
     return hashlib.sha256(caption.encode("utf-8")).hexdigest()
 
 
+HASH_CHUNK_BYTES = 64 << 20  # a strided or expanded tensor is hashed through contiguous pieces of at most this
+
+
+def _contiguous_pieces(tensor: torch.Tensor, limit: int = HASH_CHUNK_BYTES):
+    """A tensor's values in C order as contiguous 1-D CPU pieces: views of a contiguous tensor, and bounded
+    copies of a strided or expanded one (never the whole of it at once)."""
+    if tensor.is_contiguous():
+        flat = tensor.reshape(-1)
+        step = max(1, limit // max(flat.element_size(), 1))
+        for start in range(0, flat.numel(), step):
+            yield flat[start:start + step].to("cpu")
+        return
+    row_bytes = tensor[0].numel() * tensor.element_size() if tensor.shape[0] else 0
+    if row_bytes <= limit:
+        rows = max(1, limit // max(row_bytes, 1))
+        for start in range(0, tensor.shape[0], rows):
+            yield tensor[start:start + rows].to("cpu").contiguous().reshape(-1)
+    else:
+        for index in range(tensor.shape[0]):
+            yield from _contiguous_pieces(tensor[index], limit)
+
+
+def _hash_tensor_bytes(hasher, tensor: torch.Tensor) -> None:
+    for piece in _contiguous_pieces(tensor.detach()):
+        hasher.update(piece.view(torch.uint8).numpy())
+
+
 def _tensor_bytes(tensor: torch.Tensor) -> bytes:
     flat = tensor.detach().to("cpu").contiguous().reshape(-1)
     return flat.view(torch.uint8).numpy().tobytes()
@@ -82,21 +109,37 @@ def _tensor_bytes(tensor: torch.Tensor) -> bytes:
 def tensor_digest(tensor: torch.Tensor) -> str:
     """sha256 of a tensor's dtype, shape and raw bytes (the per-entry checksum)."""
     hasher = hashlib.sha256(f"{tensor.dtype}|{tuple(tensor.shape)}|".encode())
-    hasher.update(_tensor_bytes(tensor))
+    _hash_tensor_bytes(hasher, tensor)
     return hasher.hexdigest()
 
 
+def sample_indices(numel: int, samples: int) -> torch.Tensor:
+    """`samples` evenly spaced flat indices from 0 to numel - 1 (all of them when numel <= samples).
+
+    Integer arithmetic: float32 indices (torch.linspace's default) round past 2**24 elements, which pointed
+    the last sample one past the end of every real-size weight."""
+    if numel <= samples:
+        return torch.arange(numel, dtype=torch.int64)
+    if samples <= 1:
+        return torch.zeros(max(samples, 0), dtype=torch.int64)
+    return torch.arange(samples, dtype=torch.int64) * (numel - 1) // (samples - 1)
+
+
 def _sample_bytes(tensor: torch.Tensor, samples: int) -> bytes:
-    """Raw bytes of up to `samples` evenly strided values of `tensor` (all of it when small)."""
+    """Raw bytes of up to `samples` evenly strided values of `tensor` (all of it when small), read through the
+    tensor's own strides: a strided or expanded view is never copied whole."""
     if tensor.is_meta:
         return b"meta"
-    flat = tensor.detach().reshape(-1)
-    if flat.numel() > samples:
-        flat = flat[torch.linspace(0, flat.numel() - 1, samples, device=flat.device).long()]
+    tensor = tensor.detach()
+    indices = sample_indices(tensor.numel(), samples).to(tensor.device)
+    if tensor.is_contiguous():
+        values = tensor.reshape(-1)[indices]
+    else:  # gathered through the strides: reshape(-1) would copy the whole view
+        values = tensor[torch.unravel_index(indices, tensor.shape)]
     try:
-        return _tensor_bytes(flat)
+        return _tensor_bytes(values)
     except (RuntimeError, TypeError):  # tensor subclasses (e.g. quantized storage) without a byte view
-        return _tensor_bytes(flat.to(torch.float32))
+        return _tensor_bytes(values.to(torch.float32))
 
 
 def fingerprint_state_dict(state_dict: Mapping[str, object], samples: int = FINGERPRINT_SAMPLES) -> str:
