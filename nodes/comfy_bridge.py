@@ -272,6 +272,8 @@ class SessionConfig:
 class TrainingSession:
     """Everything of one training run inside ComfyUI: the TRAINING_RUN value nodes pass along."""
 
+    precision_note = ""  # how the init node chose the compute precision (nodes/train_lora.py resolve_precision)
+
     def __init__(self, model, latent_cache, text_cache, config: SessionConfig, run_root: pathlib.Path, run_name: str,
                  policy: OffloadPolicy | None = None):
         stored = self._open_run(model, latent_cache, text_cache, config, run_root, run_name, policy, {})

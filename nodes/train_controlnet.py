@@ -18,7 +18,7 @@ import pathlib
 import torch
 
 import folder_paths
-from comfy_api.latest import io
+from comfy_api.latest import io, ui
 
 from ..training.objective import ObjectiveConfig
 from ..training.optimizers import OptimizerConfig
@@ -28,8 +28,8 @@ from .comfy_bridge import ComfyDenoiser, TrainingSession, check_caches, model_bl
 from .controlnet_build import (SUPPORTED_FAMILIES, TrainableControlNet, apply_controlnet,
                                build_controlnet, check_control_cache, comfy_controlnet, controlled_prediction,
                                controlnet_family, prepare_hint, save_controlnet)
-from .train_lora import (CATEGORY, TrainingRun, _schedule_inputs, _train_inputs, _validation_inputs, runs_root,
-                         train_validate_save)
+from .train_lora import (CATEGORY, TrainingRun, _schedule_inputs, _train_inputs, _validation_inputs, resolve_precision,
+                         runs_root, train_validate_save)
 
 CONTROL_HINT = "control_hint"  # the conditioning entry that carries an item's cached control through the trainer
 
@@ -148,6 +148,7 @@ def start_controlnet_session(model, latent_cache, text_cache, optimizer_config, 
         if not isinstance(optimizer_config, OptimizerConfig):
             raise ValueError("optimizer_config must come from a HeadroomOptimizerConfig node")
         optimizer_config.validate()
+        precision, note = resolve_precision(precision, model.load_device, run_name, node)
         train = TrainConfig(
             seed=seed, batch_size=batch_size, grad_accum=grad_accumulation, max_grad_norm=max_grad_norm,
             precision=precision, caption_dropout=caption_dropout, gradient_checkpointing=gradient_checkpointing,
@@ -161,8 +162,10 @@ def start_controlnet_session(model, latent_cache, text_cache, optimizer_config, 
         check_control_cache(family, latent_cache, node)
         config = ControlNetSessionConfig(family=family, blocks=blocks, init_seed=init_seed, optimizer=optimizer_config,
                                          train=train, holdout=holdout)
-        return ControlNetSession(model, latent_cache, text_cache, config, runs_root(), run_name, policy=policy,
-                                 validation_control=validation_control, validation_strength=validation_strength)
+        session = ControlNetSession(model, latent_cache, text_cache, config, runs_root(), run_name, policy=policy,
+                                    validation_control=validation_control, validation_strength=validation_strength)
+        session.precision_note = note
+        return session
     except ValueError as error:  # ControlNetError is a ValueError
         message = str(error)
         raise ValueError(message if message.startswith("Headroom") else f"{node}: {message}") from error
@@ -214,7 +217,7 @@ class HeadroomTrainControlNetInit(io.ComfyNode):
     @classmethod
     def execute(cls, **inputs) -> io.NodeOutput:
         session = start_controlnet_session(**inputs)
-        return io.NodeOutput(session, session.step, session.comfy_controlnet())
+        return io.NodeOutput(session, session.step, session.comfy_controlnet(), ui=ui.PreviewText(session.precision_note))
 
 
 # --- save -------------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ continues. Init with the name of an existing run resumes it from its run directo
 """
 from __future__ import annotations
 
+import logging
 import os
 import pathlib
 from io import BytesIO
@@ -25,8 +26,8 @@ from ..training.adapters import KINDS, TARGET_MODES, AdapterConfig
 from ..training.objective import LOSS_WEIGHTINGS, TIMESTEP_SAMPLINGS, ObjectiveConfig
 from ..training.optimizers import OPTIMIZERS, SCHEDULES, OptimizerConfig
 from ..training.policy import OffloadPolicy, PolicyError
-from ..training.run_dir import atomic_save_safetensors, atomic_write_bytes, check_name, check_subfolder
-from ..training.trainer import PRECISIONS, TrainConfig
+from ..training.run_dir import RunDir, atomic_save_safetensors, atomic_write_bytes, check_name, check_subfolder
+from ..training.trainer import PRECISIONS, TrainConfig, auto_precision
 from .cache import unload_encoder
 from .comfy_bridge import VALIDATE_EVENT, SessionConfig, TrainingSession, check_caches, model_family, send_event
 from .memory import budget_bytes
@@ -136,9 +137,11 @@ def _train_inputs() -> list:
         io.Int.Input("seed", default=0, min=0, max=0xFFFFFFFF),
         io.Int.Input("batch_size", default=1, min=1, max=256),
         io.Int.Input("grad_accumulation", default=1, min=1, max=1024),
-        io.Combo.Input("precision", options=list(PRECISIONS), default="bf16",
-                       tooltip="Compute precision (autocast); trainable weights always stay fp32. fp16 uses a "
-                       "gradient scaler."),
+        io.Combo.Input("precision", options=["auto", *PRECISIONS], default="auto",
+                       tooltip="Compute precision (autocast); trainable weights always stay fp32. auto: bf16 on a "
+                       "CUDA GPU that supports it, fp16 on other CUDA GPUs, fp32 on a CPU (bf16 there is far slower: "
+                       "no native kernels); a resumed run keeps the precision it started with. fp16 uses a gradient "
+                       "scaler."),
         io.Float.Input("max_grad_norm", default=1.0, min=0.0, max=1000.0, step=0.01, tooltip="0 disables clipping."),
         io.Float.Input("caption_dropout", default=0.0, min=0.0, max=1.0, step=0.01,
                        tooltip="Fraction of samples trained with the empty prompt (cached)."),
@@ -157,6 +160,30 @@ def _train_inputs() -> list:
     ]
 
 
+def resolve_precision(precision: str, device, run_name: str, node: str) -> tuple[str, str]:
+    """(the precision the run computes in, a note saying why). "auto": what a resumed run was started with, else
+    the device's fast one (training/trainer.py auto_precision); the resolved value is what the run stores. An
+    explicit bf16 / fp16 on a CPU is honoured, with a warning: it runs far slower than fp32 there."""
+    device = torch.device(device)
+    if precision == "auto":
+        stored = RunDir(runs_root(), run_name).read_config() or {}
+        resumed = stored.get("session", {}).get("train", {}).get("precision")
+        if resumed in PRECISIONS:
+            note = f"{node}: precision auto -> {resumed}, as run '{run_name}' was started"
+        else:
+            resumed = auto_precision(device)
+            why = {"cpu": "a CPU has no fast bf16 / fp16 kernels"}.get(device.type, f"the fast precision of {device}")
+            note = f"{node}: precision auto -> {resumed} on {device} ({why})"
+        logging.info(note)
+        return resumed, note
+    note = f"{node}: precision {precision} on {device}"
+    if device.type == "cpu" and precision != "fp32":
+        note += (f": honoured, but a CPU has no fast {precision} kernels, so training and validation run many times "
+                 "slower than in fp32 (bf16 convolutions ~180x); choose auto or fp32 for speed")
+        logging.warning(note)
+    return precision, note
+
+
 def start_session(model, latent_cache, text_cache, lora_config, optimizer_config, run_name, seed, batch_size,
                   grad_accumulation, precision, max_grad_norm, caption_dropout, timestep_sampling, loss_weighting,
                   min_snr_gamma, noise_offset, gradient_checkpointing, checkpoint_depth, holdout, policy=None,
@@ -170,6 +197,7 @@ def start_session(model, latent_cache, text_cache, lora_config, optimizer_config
             raise ValueError("optimizer_config must come from a HeadroomOptimizerConfig node")
         lora_config.validate()
         optimizer_config.validate()
+        precision, note = resolve_precision(precision, model.load_device, run_name, node)
         train = TrainConfig(
             seed=seed, batch_size=batch_size, grad_accum=grad_accumulation, max_grad_norm=max_grad_norm,
             precision=precision, caption_dropout=caption_dropout, gradient_checkpointing=gradient_checkpointing,
@@ -181,7 +209,9 @@ def start_session(model, latent_cache, text_cache, lora_config, optimizer_config
         check_caches(model.model, latent_cache, text_cache)
         config = SessionConfig(family=model_family(model.model), adapter=lora_config, optimizer=optimizer_config,
                                train=train, holdout=holdout)
-        return TrainingSession(model, latent_cache, text_cache, config, runs_root(), run_name, policy=policy)
+        session = TrainingSession(model, latent_cache, text_cache, config, runs_root(), run_name, policy=policy)
+        session.precision_note = note
+        return session
     except ValueError as error:
         message = str(error)
         raise ValueError(message if message.startswith("Headroom") else f"{node}: {message}") from error
@@ -203,7 +233,7 @@ class HeadroomTrainLoraInit(io.ComfyNode):
     @classmethod
     def execute(cls, **inputs) -> io.NodeOutput:
         session = start_session(**inputs)
-        return io.NodeOutput(session, session.step)
+        return io.NodeOutput(session, session.step, ui=ui.PreviewText(session.precision_note))
 
 
 # --- train -------------------------------------------------------------------------------------------------
@@ -453,7 +483,8 @@ def train_validate_save(node_cls, start, save, steps: int, validate_every: int, 
             name = save(run)
         if done:
             break
-    outputs = {**(previews.as_dict() if previews is not None else {}), HISTORY_KEY: [run.history(steps)]}
+    outputs = {**(previews.as_dict() if previews is not None else {}), HISTORY_KEY: [run.history(steps)],
+               "text": [run.precision_note]}
     return run, name, loss, outputs
 
 
