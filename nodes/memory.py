@@ -107,7 +107,7 @@ def _measure(patcher, adapter: AdapterConfig, precision: str) -> list[planner.Ac
                         return denoiser.predict(x, sigma, [cond])
 
                 samples.append(planner.measure_activations(run, blocks, weights=weights, latent_area=height * width,
-                                                           text_tokens=tokens, grad_only=True))
+                                                           text_tokens=tokens))
         finally:
             adapters.detach()
     return samples
@@ -124,7 +124,7 @@ def describe_comfy_model(patcher, adapter: AdapterConfig, precision: str = "bf16
         raise ValueError(f"HeadroomMemoryPlan: {type(diffusion_model).__name__} has no repeated blocks to plan with")
     samples = measure_model(patcher, adapter, precision)
     saved, inputs, outside = planner.fit_profile(samples)
-    blocks = planner.describe_blocks(named_blocks, saved, inputs)
+    blocks = planner.describe_blocks(named_blocks, saved, inputs, samples)
     channels = model.latent_format.latent_channels
     probe = 64  # ComfyUI's estimate is linear in the latent area
     inference = model.memory_required([1, channels, probe, probe]) / (probe * probe)

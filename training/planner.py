@@ -70,6 +70,18 @@ class BlockProfile:
     linear_count: int = 0
     saved: ActivationLaw = ActivationLaw()
     inputs: ActivationLaw = ActivationLaw()
+    # Copies of this block's frozen weights that autograd keeps for backward: ComfyUI's manual cast computes with
+    # a cast copy of each weight (bf16 weights on a CPU -> fp32; fp8 weights on a GPU -> bf16), and a layer whose
+    # input needs a gradient saves that copy until backward. Measured with the base as loaded; the part made by
+    # Linear layers goes away with low-bit storage (its layers keep only the packed weight, training/lowbit.py).
+    weight_copy_bytes: int = 0
+    linear_copy_bytes: int = 0
+
+    def copies_kept(self, storage: str) -> int:
+        """Bytes of weight copies this block's forward keeps for backward, with the base stored as `storage`."""
+        if storage == "as_loaded":
+            return self.weight_copy_bytes
+        return max(0, self.weight_copy_bytes - self.linear_copy_bytes)
 
     def weight_bytes(self, storage: str) -> int:
         """Device bytes of this block's frozen weights when stored as `storage`."""
@@ -260,6 +272,7 @@ def estimate(description: ModelDescription, trainable: TrainableSpec, shape: Run
     storage = policy.base_storage
     block_weights = [b.weight_bytes(storage) for b in blocks]
     saved = [b.saved.at(area, tokens) * batch for b in blocks]
+    copies = [b.copies_kept(storage) for b in blocks]  # per block, whatever the batch
     inputs = [b.inputs.at(area, tokens) * batch for b in blocks]
     outside = description.outside_saved.at(area, tokens) * batch
     host: dict[str, int] = {}  # what the policy keeps in host RAM instead
@@ -274,14 +287,16 @@ def estimate(description: ModelDescription, trainable: TrainableSpec, shape: Run
 
     # Activations of one step.
     activations: dict[str, int] = {}
+    recomputed = max((a + c for a, c in zip(saved, copies)), default=0)  # one block's saved set, copies included
     if policy.checkpointing == "off":
         activations["saved activations, all blocks"] = int(sum(saved))
+        activations["weight copies kept for backward, all blocks (manual cast)"] = int(sum(copies))
     elif policy.checkpointing == "blocks":
         activations["checkpointed block inputs"] = int(sum(inputs))
-        activations["one block recomputed in backward"] = int(max(saved, default=0))
+        activations["one block recomputed in backward"] = int(recomputed)
     else:
         activations["block inputs in flight (2 blocks)"] = int(2 * max(inputs, default=0))
-        activations["one block recomputed in backward"] = int(max(saved, default=0))
+        activations["one block recomputed in backward"] = int(recomputed)
         host["offloaded block inputs"] = int(sum(inputs))
     activations["saved activations outside the blocks"] = int(outside)
     activations["gradient buffers of one block"] = int(2 * max(inputs, default=0))
@@ -425,13 +440,15 @@ class ActivationSample:
 
     latent_area: int
     text_tokens: int
-    block_saved: list[int]
+    block_saved: list[int]  # activations (weight copies not included)
     block_inputs: list[int]
-    outside_saved: int
+    outside_saved: int  # everything saved outside the blocks (their few weight copies included)
+    block_weight_copies: list[int] = dataclasses.field(default_factory=list)  # see BlockProfile.weight_copy_bytes
+    block_linear_copies: list[int] = dataclasses.field(default_factory=list)  # the part made by Linear layers
 
     @property
     def total_saved(self) -> int:
-        return sum(self.block_saved) + self.outside_saved
+        return sum(self.block_saved) + sum(self.block_weight_copies) + self.outside_saved
 
 
 def _storage_key(tensor: torch.Tensor) -> int:
@@ -443,37 +460,68 @@ def _storage_bytes(tensor: torch.Tensor) -> int:
 
 
 def measure_activations(run_forward: Callable[[], object], blocks: Sequence[torch.nn.Module],
-                        weights: Iterable[torch.Tensor] = (), latent_area: int = 0, text_tokens: int = 0,
-                        grad_only: bool = False) -> ActivationSample:
+                        weights: Iterable[torch.Tensor] = (), latent_area: int = 0, text_tokens: int = 0
+                        ) -> ActivationSample:
     """Count what one forward keeps for backward, per block (no checkpointing; tensors counted once each).
 
     `run_forward()` runs the forward as training does (the trainables attached, grad enabled) and returns
     its output, which is dropped afterwards (no backward is needed). Tensors sharing storage with
-    `weights` (the frozen parameters) are not activations and are skipped. `grad_only`: count only
-    tensors on the gradient path (requires_grad), which leaves out weight copies that a partially loaded
-    model casts per layer.
+    `weights` (the frozen parameters) are not activations and are skipped. A saved tensor that a layer of a
+    block made from its own weight (a cast copy: same shape as the layer's weight, no gradient) is counted
+    apart, as that block's weight copies: they do not grow with the latent area, and low-bit storage drops
+    those of Linear layers.
     """
     weight_keys = {_storage_key(w) for w in weights}
     seen: set[int] = set()
     current: list[int | None] = [None]
+    layers: list[torch.nn.Module] = []  # the layers (modules with their own weight) running now, innermost last
     block_saved = [0] * len(blocks)
     block_inputs = [0] * len(blocks)
+    block_copies = [0] * len(blocks)
+    linear_copies = [0] * len(blocks)
     outside = [0]
+
+    def is_weight_copy(tensor: torch.Tensor) -> bool:
+        if tensor.requires_grad or not layers:
+            return False
+        own = layers[-1]._parameters.get("weight")
+        # Compared by size, not shape: a matmul saves the transposed view of the copy.
+        return own is not None and tensor.numel() == own.numel()
 
     def add(tensor: torch.Tensor) -> None:
         key = _storage_key(tensor)
         if key in weight_keys or key in seen:
             return
         seen.add(key)
+        size = _storage_bytes(tensor)
         if current[0] is None:
-            outside[0] += _storage_bytes(tensor)
+            outside[0] += size
+        elif is_weight_copy(tensor):
+            block_copies[current[0]] += size
+            if isinstance(layers[-1], torch.nn.Linear):
+                linear_copies[current[0]] += size
         else:
-            block_saved[current[0]] += _storage_bytes(tensor)
+            block_saved[current[0]] += size
 
-    def pack(tensor: torch.Tensor):
-        if tensor.requires_grad or not grad_only:
-            add(tensor)
-        return tensor
+    # The saved tensors are held here, not in the graph: a pack hook that returns the tensor itself makes
+    # autograd hold a strong reference from the graph to a tensor whose grad_fn is in that graph, a cycle
+    # through C++ that gc cannot see, so every measured forward stayed in memory (a Flux-width model: +2.8
+    # GiB per plan). Holding them until the forward ends also keeps storage addresses unique while counting.
+    kept: list[torch.Tensor] = []
+
+    def pack(tensor: torch.Tensor) -> int:
+        add(tensor)
+        kept.append(tensor)
+        return len(kept) - 1
+
+    def unpack(index: int):
+        raise RuntimeError("planner.measure_activations: a calibration forward cannot run backward")
+
+    def enter_layer(module, args) -> None:
+        layers.append(module)
+
+    def leave_layer(module, args, output) -> None:  # returns None: a forward hook's result would replace the output
+        layers.pop()
 
     handles = []
     for index, block in enumerate(blocks):
@@ -490,14 +538,19 @@ def measure_activations(run_forward: Callable[[], object], blocks: Sequence[torc
 
         handles.append(block.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(block.register_forward_hook(post))
+        for layer in block.modules():
+            if layer._parameters.get("weight") is not None:
+                handles.append(layer.register_forward_pre_hook(enter_layer))
+                handles.append(layer.register_forward_hook(leave_layer))
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             output = run_forward()
         del output
     finally:
+        kept.clear()
         for handle in handles:
             handle.remove()
-    return ActivationSample(latent_area, text_tokens, block_saved, block_inputs, outside[0])
+    return ActivationSample(latent_area, text_tokens, block_saved, block_inputs, outside[0], block_copies, linear_copies)
 
 
 _LAW_TERMS = ("const", "per_latent_px", "per_latent_px2", "per_text_token", "per_px_token")
@@ -541,11 +594,12 @@ def fit_profile(samples: Sequence[ActivationSample]) -> tuple[list[ActivationLaw
 
 
 def describe_blocks(named_blocks: Sequence[tuple[str, torch.nn.Module]], saved: Sequence[ActivationLaw],
-                    inputs: Sequence[ActivationLaw]) -> tuple[BlockProfile, ...]:
-    """BlockProfiles from the modules (frozen weight bytes, frozen Linear statistics) and fitted activation
-    laws; trainable tensors (adapters) are left out, the TrainableSpec counts them."""
+                    inputs: Sequence[ActivationLaw], samples: Sequence[ActivationSample] = ()) -> tuple[BlockProfile, ...]:
+    """BlockProfiles from the modules (frozen weight bytes, frozen Linear statistics), fitted activation laws
+    and the weight copies the `samples` measured (the largest seen: they do not depend on the size); trainable
+    tensors (adapters) are left out, the TrainableSpec counts them."""
     profiles = []
-    for (name, block), saved_law, inputs_law in zip(named_blocks, saved, inputs):
+    for index, ((name, block), saved_law, inputs_law) in enumerate(zip(named_blocks, saved, inputs)):
         linears = [m for m in block.modules() if isinstance(m, torch.nn.Linear)
                    and isinstance(m.weight, torch.nn.Parameter) and not m.weight.requires_grad]
         profiles.append(BlockProfile(
@@ -556,6 +610,8 @@ def describe_blocks(named_blocks: Sequence[tuple[str, torch.nn.Module]], saved: 
             linear_rows=sum(m.out_features for m in linears),
             linear_count=len(linears),
             saved=saved_law, inputs=inputs_law,
+            weight_copy_bytes=max((s.block_weight_copies[index] for s in samples if s.block_weight_copies), default=0),
+            linear_copy_bytes=max((s.block_linear_copies[index] for s in samples if s.block_linear_copies), default=0),
         ))
     return tuple(profiles)
 
