@@ -163,6 +163,10 @@ def _policy_tooltip() -> str:
 # Nodes
 
 
+_DATASET_TOOLTIP = ("The items (images, captions, crops; pixels load when cached), for Cache Latents and Cache "
+                    "Text (Headroom).")
+
+
 def _bucket_inputs() -> list:
     return [
         io.Int.Input("resolution", default=512, min=64, max=4096, step=8,
@@ -186,7 +190,7 @@ class HeadroomDatasetFromFolder(io.ComfyNode):
         return io.Schema(
             node_id="HeadroomDatasetFromFolder",
             display_name="Dataset From Folder (Headroom)",
-            category="Headroom/cache",
+            category="Headroom/data",
             description="Images with same-name .txt captions from a folder inside ComfyUI's input directory "
             "(or a folder the server's owner allows), with optional control images. Nothing is decoded here.",
             inputs=[
@@ -200,7 +204,7 @@ class HeadroomDatasetFromFolder(io.ComfyNode):
                                  tooltip="Leave out unreadable images, missing captions and missing or mismatched "
                                  "control images (listed as warnings) instead of stopping with an error."),
             ],
-            outputs=[Dataset.Output("dataset")],
+            outputs=[Dataset.Output("dataset", tooltip=_DATASET_TOOLTIP)],
         )
 
     @classmethod
@@ -229,18 +233,18 @@ class HeadroomDatasetFromImages(io.ComfyNode):
         return io.Schema(
             node_id="HeadroomDatasetFromImages",
             display_name="Dataset From Images (Headroom)",
-            category="Headroom/cache",
+            category="Headroom/data",
             description="A dataset from an IMAGE batch and its captions (one per line, in image order), with an "
             "optional control IMAGE batch of the same size.",
             inputs=[
-                io.Image.Input("images"),
+                io.Image.Input("images", tooltip="The training images as an IMAGE batch (e.g. from Load Image)."),
                 io.String.Input("captions", multiline=True, default="",
                                 tooltip="One caption per line, in the order of the images."),
                 io.Image.Input("control_images", optional=True,
                                tooltip="One control image per image, of the same size."),
                 *_bucket_inputs(),
             ],
-            outputs=[Dataset.Output("dataset")],
+            outputs=[Dataset.Output("dataset", tooltip=_DATASET_TOOLTIP)],
         )
 
     @classmethod
@@ -262,14 +266,16 @@ class HeadroomCacheLatents(io.ComfyNode):
             "stock VAE Encode does, into a cache on disk. Cached items are reused without loading the VAE; the "
             "VAE is unloaded from the compute device when caching ends.",
             inputs=[
-                Dataset.Input("dataset"),
-                io.Vae.Input("vae"),
+                Dataset.Input("dataset", tooltip="From a Dataset node (Headroom)."),
+                io.Vae.Input("vae", tooltip="The VAE of the model you will train (as VAE Encode uses it)."),
                 io.Combo.Input("control_encoding", options=["pixels", "latents"], default="pixels",
                                tooltip="How control images are cached: pixels at the bucket size, or VAE latents "
                                "for ControlNet families that take latent hints (e.g. SD3 / Flux ones)."),
                 OffloadPolicy.Input("policy", optional=True, tooltip=_policy_tooltip()),
             ],
-            outputs=[LatentCache.Output("latent_cache"), io.String.Output("summary")],
+            outputs=[LatentCache.Output("latent_cache", tooltip="The cached latents (and control images), for the "
+                                        "training nodes' latent_cache."),
+                     io.String.Output("summary", tooltip="Items encoded, items reused from the cache, warnings.")],
         )
 
     @classmethod
@@ -308,11 +314,14 @@ class HeadroomCacheText(io.ComfyNode):
             "encoders as stock CLIP Text Encode does, keeping the pooled output and every other tensor it "
             "gives. Cached captions are reused without loading the encoders; they are unloaded when done.",
             inputs=[
-                Dataset.Input("dataset"),
-                io.Clip.Input("clip"),
+                Dataset.Input("dataset", tooltip="From a Dataset node (Headroom)."),
+                io.Clip.Input("clip", tooltip="The text encoder(s) of the model you will train (the CLIP of its "
+                              "loader)."),
                 OffloadPolicy.Input("policy", optional=True, tooltip=_policy_tooltip()),
             ],
-            outputs=[TextCache.Output("text_cache"), io.String.Output("summary")],
+            outputs=[TextCache.Output("text_cache", tooltip="The encoded captions, for the training nodes' "
+                                      "text_cache."),
+                     io.String.Output("summary", tooltip="Captions encoded, captions reused from the cache, warnings.")],
         )
 
     @classmethod

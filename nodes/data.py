@@ -9,7 +9,7 @@ class HeadroomSyntheticDataset(io.ComfyNode):
     def define_schema(cls) -> io.Schema:
         return io.Schema(
             node_id="HeadroomSyntheticDataset",
-            display_name="Headroom Synthetic Dataset",
+            display_name="Synthetic Dataset (Headroom)",
             category="Headroom/data",
             description=(
                 "Coloured shapes (circle, square, triangle, cross) at one of 9 grid positions on a plain "
@@ -22,7 +22,8 @@ class HeadroomSyntheticDataset(io.ComfyNode):
                 io.Int.Input("seed", default=0, min=0, max=0xFFFFFFFFFFFFFFFF, tooltip="Picks the shapes, sizes and offsets."),
             ],
             outputs=[
-                io.Image.Output("images", display_name="images"),
+                io.Image.Output("images", display_name="images",
+                                tooltip="The images, resolution x resolution, as an IMAGE batch."),
                 io.String.Output("captions", display_name="captions", tooltip="One caption per line, in image order."),
                 io.Image.Output(
                     "control_images", display_name="control_images", tooltip="Each image's shape mask, white on black."

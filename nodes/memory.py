@@ -196,16 +196,22 @@ class HeadroomOffloadPolicy(io.ComfyNode):
                 io.Combo.Input("checkpointing", options=list(CHECKPOINTING), default="off",
                                tooltip="blocks: recompute each block in backward; blocks_cpu_offload: also keep the "
                                "saved block inputs in host RAM."),
-                io.Int.Input("checkpoint_depth", default=1, min=1, max=5),
+                io.Int.Input("checkpoint_depth", default=1, min=1, max=5,
+                             tooltip="1: recompute each model block; 2: each child of a block (finer, less memory, "
+                             "more recompute)."),
                 io.Combo.Input("optimizer_state", options=list(OPTIMIZER_STATES), default="gpu",
                                tooltip="cpu: optimizer state and fp32 master weights in host RAM."),
                 io.Boolean.Input("park_optimizer_during_validation", default=True,
                                  tooltip="Move optimizer state and gradients to host RAM while validating."),
-                io.Combo.Input("vae_tiled_decode", options=list(VAE_TILED), default="auto"),
+                io.Combo.Input("vae_tiled_decode", options=list(VAE_TILED), default="auto",
+                               tooltip="VAE decode of validation samples. auto: tiled when the VAE plus a full decode "
+                               "would not fit the budget; on: always tiled; off: the stock decode (which retries in "
+                               "tiles after running out of memory)."),
                 io.Combo.Input("encoders", options=list(ENCODERS), default="unload_after_use",
                                tooltip="Text encoders and VAE are loaded for caching and validation only."),
             ],
-            outputs=[OffloadPolicyType.Output("policy")],
+            outputs=[OffloadPolicyType.Output("policy", tooltip="For the policy input of the Cache, Train and Memory "
+                                              "Plan nodes (Headroom).")],
         )
 
     @classmethod
@@ -239,23 +245,32 @@ class HeadroomMemoryPlan(io.ComfyNode):
             "for training a LoRA on this MODEL; 'auto' picks the fastest policy that fits the budget and says why. "
             "Activations are measured by running the model at small sizes (a few seconds).",
             inputs=[
-                io.Model.Input("model"),
+                io.Model.Input("model", tooltip="The MODEL to plan for (e.g. from Load Checkpoint); it is loaded and "
+                               "run at small sizes to measure it."),
                 OffloadPolicyType.Input("policy", optional=True, tooltip="Default: a resident policy, auto budget."),
                 io.Combo.Input("mode", options=list(MODES), default="estimate",
                                tooltip="estimate: plan the given policy; auto: choose the fastest policy that fits."),
-                io.Int.Input("batch_size", default=1, min=1, max=256),
-                io.Int.Input("width", default=1024, min=64, max=8192, step=8),
-                io.Int.Input("height", default=1024, min=64, max=8192, step=8),
-                io.Int.Input("rank", default=16, min=1, max=1024),
-                io.Combo.Input("targets", options=list(TARGET_MODES), default="preset"),
-                io.Combo.Input("optimizer", options=list(OPTIMIZERS), default="AdamW"),
-                io.Combo.Input("precision", options=list(PRECISIONS), default="bf16"),
+                io.Int.Input("batch_size", default=1, min=1, max=256, tooltip="Batch size of the planned run."),
+                io.Int.Input("width", default=1024, min=64, max=8192, step=8,
+                             tooltip="Width in pixels of the largest training bucket."),
+                io.Int.Input("height", default=1024, min=64, max=8192, step=8,
+                             tooltip="Height in pixels of the largest training bucket."),
+                io.Int.Input("rank", default=16, min=1, max=1024, tooltip="LoRA rank of the planned run."),
+                io.Combo.Input("targets", options=list(TARGET_MODES), default="preset",
+                               tooltip="Which layers the planned LoRA trains, as LoRA Config's targets."),
+                io.Combo.Input("optimizer", options=list(OPTIMIZERS), default="AdamW",
+                               tooltip="The planned optimizer (its state size), as Optimizer Config's optimizer."),
+                io.Combo.Input("precision", options=list(PRECISIONS), default="bf16",
+                               tooltip="Compute precision of the planned run (bf16 / fp16 on a GPU)."),
                 io.Int.Input("text_tokens", default=0, min=0, max=4096,
                              tooltip="Length of the cached text conditioning; 0 = the family's usual length."),
                 io.Clip.Input("clip", optional=True, tooltip="Adds the text encoders to the caching estimate."),
                 io.Vae.Input("vae", optional=True, tooltip="Adds VAE encode / decode to caching and validation."),
             ],
-            outputs=[io.String.Output("plan_text"), io.String.Output("plan_json"), OffloadPolicyType.Output("policy")],
+            outputs=[io.String.Output("plan_text", tooltip="The plan as text (also shown on the node)."),
+                     io.String.Output("plan_json", tooltip="The plan as JSON: each phase's estimate, itemised."),
+                     OffloadPolicyType.Output("policy", tooltip="The policy planned (estimate) or chosen (auto), for "
+                                              "the policy input of the Cache and Train nodes.")],
             is_output_node=True,  # useful on its own: the plan shows on the node
         )
 

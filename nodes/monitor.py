@@ -106,7 +106,7 @@ class HeadroomVRAMMonitor(io.ComfyNode):
         passthrough = io.MatchType.Template("value")  # output type follows whatever is connected
         return io.Schema(
             node_id="HeadroomVRAMMonitor",
-            display_name="Headroom VRAM Monitor",
+            display_name="VRAM Monitor (Headroom)",
             category="Headroom/memory",
             description=(
                 "Passes its input through unchanged and reports memory at the moment it runs: device, total and "
@@ -130,9 +130,11 @@ class HeadroomVRAMMonitor(io.ComfyNode):
                 ),
             ],
             outputs=[
-                io.MatchType.Output(template=passthrough, id="value", display_name="value"),
-                io.String.Output("report", display_name="report"),
-                io.String.Output("report_json", display_name="report_json"),
+                io.MatchType.Output(template=passthrough, id="value", display_name="value",
+                                    tooltip="The input, unchanged."),
+                io.String.Output("report", display_name="report", tooltip="The memory report as text."),
+                io.String.Output("report_json", display_name="report_json",
+                                 tooltip="The memory report as JSON (also in /history)."),
             ],
         )
 
@@ -157,7 +159,7 @@ class HeadroomMemoryReport(io.ComfyNode):
     def define_schema(cls) -> io.Schema:
         return io.Schema(
             node_id="HeadroomMemoryReport",
-            display_name="Headroom Memory Report",
+            display_name="Memory Report (Headroom)",
             category="Headroom/memory",
             description=(
                 "Turns a run's per-phase memory record (caching, training, validation, save: peak memory and time "
@@ -178,9 +180,9 @@ class HeadroomMemoryReport(io.ComfyNode):
                 ),
             ],
             outputs=[
-                io.String.Output("report", display_name="report"),
-                io.String.Output("report_json", display_name="report_json"),
-                io.Image.Output("chart", display_name="chart"),
+                io.String.Output("report", display_name="report", tooltip="Each phase's peak memory and time, as text."),
+                io.String.Output("report_json", display_name="report_json", tooltip="The record as JSON."),
+                io.Image.Output("chart", display_name="chart", tooltip="A bar chart of each phase's peak, as an IMAGE."),
             ],
         )
 

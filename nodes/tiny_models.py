@@ -193,7 +193,9 @@ class HeadroomTinyModel(io.ComfyNode):
                                "double/single-stream DiT with guidance input."),
                 io.Int.Input("seed", default=0, min=0, max=0xFFFFFFFF, tooltip="Seed of the random weights."),
             ],
-            outputs=[io.Model.Output(), io.Clip.Output(), io.Vae.Output()],
+            outputs=[io.Model.Output(tooltip="The diffusion model, as a checkpoint loader's MODEL."),
+                     io.Clip.Output(tooltip="Its text encoder(s), as a checkpoint loader's CLIP."),
+                     io.Vae.Output(tooltip="Its VAE (8x downscale), as a checkpoint loader's VAE.")],
         )
 
     @classmethod

@@ -210,7 +210,8 @@ class HeadroomTrainControlNetInit(io.ComfyNode):
             description="Set up (or resume) a ControlNet training run for this MODEL from cached latents, control "
             "images and text; train it with Train Steps. Families: " + "; ".join(SUPPORTED_FAMILIES.values()) + ".",
             inputs=_controlnet_inputs(),
-            outputs=[TrainingRun.Output("run"), io.Int.Output("step", tooltip="Step the run starts from (resumed)."),
+            outputs=[TrainingRun.Output("run", tooltip="The training run, for Train Steps, Validate and Save."),
+                     io.Int.Output("step", tooltip="Step the run starts from (resumed)."),
                      io.ControlNet.Output("control_net", tooltip="The run's ControlNet (in memory) for stock nodes.")],
         )
 
@@ -246,8 +247,9 @@ class HeadroomSaveControlNet(io.ComfyNode):
             "the stock Load ControlNet Model node detects for its family (listed without a restart).",
             is_output_node=True,
             inputs=[
-                TrainingRun.Input("run"),
-                io.String.Input("subfolder", default="headroom"),
+                TrainingRun.Input("run", tooltip="The ControlNet run to save (its current step)."),
+                io.String.Input("subfolder", default="headroom",
+                                tooltip="Folder under models/controlnet/ (empty: models/controlnet/ itself)."),
                 io.String.Input("filename", default="", tooltip="Empty: <run name>_step<N>."),
             ],
             outputs=[io.String.Output("control_net_name", tooltip="The name Load ControlNet Model lists.")],
@@ -276,8 +278,10 @@ class HeadroomTrainControlNet(io.ComfyNode):
             is_output_node=True,
             inputs=[*_controlnet_inputs(), *_schedule_inputs("controlnet_subfolder"), *_validation_inputs(optional=True)],
             outputs=[io.ControlNet.Output("control_net", tooltip="The trained ControlNet (in memory) for stock nodes."),
-                     TrainingRun.Output("run"), io.String.Output("control_net_name"),
-                     io.Float.Output("validation_loss")],
+                     TrainingRun.Output("run", tooltip="The training run, for Validate and Save nodes."),
+                     io.String.Output("control_net_name",
+                                      tooltip="The last saved ControlNet, as Load ControlNet Model lists it."),
+                     io.Float.Output("validation_loss", tooltip="Validation loss at the end.")],
             hidden=[io.Hidden.unique_id],
         )
 

@@ -64,18 +64,24 @@ class HeadroomLoraConfig(io.ComfyNode):
             inputs=[
                 io.Combo.Input("kind", options=list(KINDS), default="lora",
                                tooltip="lora; dora (weight-decomposed); loha (Hadamard); lokr (Kronecker)."),
-                io.Int.Input("rank", default=16, min=1, max=1024),
+                io.Int.Input("rank", default=16, min=1, max=1024,
+                             tooltip="Size of the low-rank update: higher learns more detail and takes more memory "
+                             "and file size; 4-32 is usual."),
                 io.Float.Input("alpha", default=16.0, min=0.01, max=4096.0, step=0.01,
                                tooltip="Scale is alpha / rank; alpha = rank means scale 1."),
                 io.Combo.Input("targets", options=list(TARGET_MODES), default="preset",
                                tooltip="preset: the model family's attention/MLP layers (SD1.5, SDXL, SD3, Flux); "
-                               "all_linear: every linear layer inside the model's blocks (any model)."),
+                               "all_linear: every linear layer inside the model's blocks (any model); all_layers: "
+                               "every linear and conv layer of the model, embedders and output layer too."),
                 io.Boolean.Input("include_conv", default=False,
                                  tooltip="Also train the UNet block convolutions (SD1.5 / SDXL presets, all_linear)."),
-                io.Float.Input("dropout", default=0.0, min=0.0, max=0.9, step=0.01),
-                io.Int.Input("init_seed", default=0, min=0, max=0xFFFFFFFF),
+                io.Float.Input("dropout", default=0.0, min=0.0, max=0.9, step=0.01,
+                               tooltip="Dropout on the adapter's input while training (0: none)."),
+                io.Int.Input("init_seed", default=0, min=0, max=0xFFFFFFFF,
+                             tooltip="Seed of the adapter's initial weights."),
             ],
-            outputs=[LoraConfigType.Output("lora_config")],
+            outputs=[LoraConfigType.Output("lora_config",
+                                           tooltip="What to train, for a Train LoRA (Init) node's lora_config.")],
         )
 
     @classmethod
@@ -98,14 +104,22 @@ class HeadroomOptimizerConfig(io.ComfyNode):
                 io.Combo.Input("optimizer", options=list(OPTIMIZERS), default="AdamW",
                                tooltip="AdamW (torch); AdamW8bit / PagedAdamW8bit / Lion8bit (bitsandbytes, less "
                                "memory); Adafactor; CAME; Prodigy (set lr 1.0: it finds the step size)."),
-                io.Float.Input("learning_rate", default=1e-4, min=1e-8, max=10.0, step=1e-6),
-                io.Float.Input("weight_decay", default=0.0, min=0.0, max=1.0, step=0.001),
-                io.Combo.Input("schedule", options=list(SCHEDULES), default="constant"),
-                io.Int.Input("warmup_steps", default=0, min=0, max=100000),
+                io.Float.Input("learning_rate", default=1e-4, min=1e-8, max=10.0, step=1e-6,
+                               tooltip="Learning rate after warm-up (the schedule scales it from there): about 1e-4 "
+                               "for a LoRA with AdamW; 1.0 for Prodigy."),
+                io.Float.Input("weight_decay", default=0.0, min=0.0, max=1.0, step=0.001,
+                               tooltip="Decoupled weight decay of the trained weights (0: none)."),
+                io.Combo.Input("schedule", options=list(SCHEDULES), default="constant",
+                               tooltip="How the learning rate changes after warm-up over schedule_steps "
+                               "(diffusers' schedules): constant keeps it."),
+                io.Int.Input("warmup_steps", default=0, min=0, max=100000,
+                             tooltip="Steps over which the learning rate rises linearly from 0 (0: no warm-up)."),
                 io.Int.Input("schedule_steps", default=1000, min=1, max=1000000,
                              tooltip="Length of decaying schedules (linear, cosine...), usually the planned steps."),
             ],
-            outputs=[OptimizerConfigType.Output("optimizer_config")],
+            outputs=[OptimizerConfigType.Output("optimizer_config",
+                                                tooltip="Optimizer and schedule, for a training node's "
+                                                "optimizer_config.")],
         )
 
     @classmethod
@@ -127,16 +141,21 @@ def _checked(node: str, validate) -> None:
 def _train_inputs() -> list:
     """The inputs shared by HeadroomTrainLoraInit and the all-in-one HeadroomTrainLora."""
     return [
-        io.Model.Input("model"),
-        LatentCache.Input("latent_cache"),
-        TextCache.Input("text_cache"),
-        LoraConfigType.Input("lora_config"),
-        OptimizerConfigType.Input("optimizer_config"),
+        io.Model.Input("model", tooltip="The MODEL to train on (e.g. from Load Checkpoint); it is never modified."),
+        LatentCache.Input("latent_cache", tooltip="The dataset's latents, from Cache Latents (Headroom)."),
+        TextCache.Input("text_cache", tooltip="The dataset's captions encoded, from Cache Text (Headroom)."),
+        LoraConfigType.Input("lora_config", tooltip="What to train, from LoRA Config (Headroom)."),
+        OptimizerConfigType.Input("optimizer_config", tooltip="From Optimizer Config (Headroom)."),
         io.String.Input("run_name", default="my_lora",
                         tooltip="Folder under output/headroom_runs. An existing run with the same settings resumes."),
-        io.Int.Input("seed", default=0, min=0, max=0xFFFFFFFF),
-        io.Int.Input("batch_size", default=1, min=1, max=256),
-        io.Int.Input("grad_accumulation", default=1, min=1, max=1024),
+        io.Int.Input("seed", default=0, min=0, max=0xFFFFFFFF,
+                     tooltip="Seed of the item order, noise levels and noise: the same seed trains the same run, and a "
+                     "resumed run continues exactly."),
+        io.Int.Input("batch_size", default=1, min=1, max=256,
+                     tooltip="Items per step, drawn from one aspect-ratio bucket."),
+        io.Int.Input("grad_accumulation", default=1, min=1, max=1024,
+                     tooltip="Batches whose gradients add up before each optimizer step: effective batch size = "
+                     "batch_size x this, memory of one batch."),
         io.Combo.Input("precision", options=["auto", *PRECISIONS], default="auto",
                        tooltip="Compute precision (autocast); trainable weights always stay fp32. auto: bf16 on a "
                        "CUDA GPU that supports it, fp16 on other CUDA GPUs, fp32 on a CPU (bf16 there is far slower: "
@@ -149,14 +168,21 @@ def _train_inputs() -> list:
                        tooltip="shifted: times shifted as the model samples (SD3 / Flux shift)."),
         io.Combo.Input("loss_weighting", options=list(LOSS_WEIGHTINGS), default="none",
                        tooltip="min_snr: min-SNR-gamma weighting (eps / v models)."),
-        io.Float.Input("min_snr_gamma", default=5.0, min=0.1, max=100.0, step=0.1),
-        io.Float.Input("noise_offset", default=0.0, min=0.0, max=1.0, step=0.001),
-        io.Boolean.Input("gradient_checkpointing", default=False),
+        io.Float.Input("min_snr_gamma", default=5.0, min=0.1, max=100.0, step=0.1,
+                       tooltip="Gamma of the min_snr loss weighting (used only when loss_weighting is min_snr)."),
+        io.Float.Input("noise_offset", default=0.0, min=0.0, max=1.0, step=0.001,
+                       tooltip="Adds this much of a per-channel constant to the noise, which helps learn very dark "
+                       "or bright images (0: off)."),
+        io.Boolean.Input("gradient_checkpointing", default=False,
+                         tooltip="Recompute each block's activations in backward: much less memory, slower steps. "
+                         "A policy's own checkpointing setting takes precedence."),
         io.Int.Input("checkpoint_depth", default=1, min=1, max=5,
                      tooltip="1: each model block; 2: each child of a block (finer, less memory, more recompute)."),
         io.Int.Input("holdout", default=0, min=0, max=100000,
                      tooltip="Last N cached items held out for the validation loss; 0 validates on training items."),
-        OffloadPolicyType.Input("policy", optional=True),
+        OffloadPolicyType.Input("policy", optional=True,
+                                tooltip="Optional, from Offload Policy or Memory Plan (Headroom): budget, where the "
+                                "frozen base and optimizer state live, checkpointing. None: all on the device."),
     ]
 
 
@@ -227,7 +253,8 @@ class HeadroomTrainLoraInit(io.ComfyNode):
             description="Set up (or resume) a LoRA training run on this MODEL from cached latents and text. "
             "The MODEL itself is never modified: the adapter lives on a clone.",
             inputs=_train_inputs(),
-            outputs=[TrainingRun.Output("run"), io.Int.Output("step", tooltip="Step the run starts from (resumed).")],
+            outputs=[TrainingRun.Output("run", tooltip="The training run, for Train Steps, Validate, Save and Apply."),
+                     io.Int.Output("step", tooltip="Step the run starts from (resumed).")],
         )
 
     @classmethod
@@ -246,8 +273,13 @@ class HeadroomTrainSteps(io.ComfyNode):
             category=CATEGORY,
             description="Train the run to step N (not N more): the same N again does nothing, a higher N "
             "continues. A checkpoint is written at the end, and at the last finished step on cancel.",
-            inputs=[TrainingRun.Input("run"), io.Int.Input("steps", default=100, min=1, max=10_000_000)],
-            outputs=[TrainingRun.Output("run"), io.Float.Output("loss"), io.Int.Output("step")],
+            inputs=[TrainingRun.Input("run", tooltip="A training run: from an Init node, or another Train Steps."),
+                    io.Int.Input("steps", default=100, min=1, max=10_000_000,
+                                 tooltip="The step to train the run to (a total, not a number of more steps). At or "
+                                 "below the run's current step nothing is trained.")],
+            outputs=[TrainingRun.Output("run", tooltip="The same run, trained to `steps`."),
+                     io.Float.Output("loss", tooltip="Training loss of the run's last step."),
+                     io.Int.Output("step", tooltip="The run's step now.")],
             hidden=[io.Hidden.unique_id],
         )
 
@@ -264,14 +296,21 @@ def _validation_inputs(optional: bool) -> list:
         io.Vae.Input("vae", optional=optional, tooltip="Decodes the samples (as VAE Decode)."),
         io.String.Input("prompts", multiline=True, default="", optional=optional,
                         tooltip="One prompt per line; empty: no images, only the validation loss."),
-        io.String.Input("negative", default="", optional=optional),
-        io.Int.Input("sample_seed", default=0, min=0, max=0xFFFFFFFFFFFFFFFF, optional=optional),
-        io.Int.Input("sample_steps", default=20, min=1, max=1000, optional=optional),
-        io.Float.Input("cfg", default=4.0, min=0.0, max=100.0, step=0.1, optional=optional),
-        io.Combo.Input("sampler_name", options=comfy.samplers.KSampler.SAMPLERS, default="euler", optional=optional),
-        io.Combo.Input("scheduler", options=comfy.samplers.KSampler.SCHEDULERS, default="normal", optional=optional),
-        io.Int.Input("width", default=512, min=16, max=8192, step=8, optional=optional),
-        io.Int.Input("height", default=512, min=16, max=8192, step=8, optional=optional),
+        io.String.Input("negative", default="", optional=optional, tooltip="Negative prompt of every sample."),
+        io.Int.Input("sample_seed", default=0, min=0, max=0xFFFFFFFFFFFFFFFF, optional=optional,
+                     tooltip="Noise seed of the samples: the same at every validation, so steps compare."),
+        io.Int.Input("sample_steps", default=20, min=1, max=1000, optional=optional,
+                     tooltip="Sampling steps, as KSampler's steps."),
+        io.Float.Input("cfg", default=4.0, min=0.0, max=100.0, step=0.1, optional=optional,
+                       tooltip="Classifier-free guidance scale, as KSampler's cfg."),
+        io.Combo.Input("sampler_name", options=comfy.samplers.KSampler.SAMPLERS, default="euler", optional=optional,
+                       tooltip="Sampler, as KSampler's sampler_name."),
+        io.Combo.Input("scheduler", options=comfy.samplers.KSampler.SCHEDULERS, default="normal", optional=optional,
+                       tooltip="Noise schedule, as KSampler's scheduler."),
+        io.Int.Input("width", default=512, min=16, max=8192, step=8, optional=optional,
+                     tooltip="Width of the samples in pixels."),
+        io.Int.Input("height", default=512, min=16, max=8192, step=8, optional=optional,
+                     tooltip="Height of the samples in pixels."),
         io.Int.Input("loss_timesteps", default=4, min=1, max=64, optional=optional,
                      tooltip="Fixed noise levels of the deterministic validation loss."),
     ]
@@ -370,8 +409,12 @@ class HeadroomValidate(io.ComfyNode):
             "second copy of the weights, saved as a grid per step in the run folder; and a deterministic "
             "validation loss (fixed items, noise levels and noise).",
             is_output_node=True,
-            inputs=[TrainingRun.Input("run"), *_validation_inputs(optional=False)],
-            outputs=[io.Image.Output("images"), io.Float.Output("validation_loss"), TrainingRun.Output("run")],
+            inputs=[TrainingRun.Input("run", tooltip="The run to validate, e.g. from Train Steps."),
+                    *_validation_inputs(optional=False)],
+            outputs=[io.Image.Output("images", tooltip="One sample per prompt (a black 64x64 image without prompts)."),
+                     io.Float.Output("validation_loss",
+                                     tooltip="Deterministic loss on the validation items: comparable across steps."),
+                     TrainingRun.Output("run", tooltip="The same run: chain Save after Validate to save after it.")],
         )
 
     @classmethod
@@ -414,10 +457,12 @@ class HeadroomSaveLora(io.ComfyNode):
             "stock Load LoRA node reads (listed without a restart).",
             is_output_node=True,
             inputs=[
-                TrainingRun.Input("run"),
-                io.String.Input("subfolder", default="headroom"),
+                TrainingRun.Input("run", tooltip="The LoRA run to save (its current step)."),
+                io.String.Input("subfolder", default="headroom",
+                                tooltip="Folder under models/loras/ (empty: models/loras/ itself)."),
                 io.String.Input("filename", default="", tooltip="Empty: <run name>_step<N>."),
-                io.Combo.Input("dtype", options=list(SAVE_DTYPES), default="fp32"),
+                io.Combo.Input("dtype", options=list(SAVE_DTYPES), default="fp32",
+                               tooltip="Precision of the saved weights: fp32 as trained; bf16 / fp16 half the file size."),
             ],
             outputs=[io.String.Output("lora_name", tooltip="The name Load LoRA lists.")],
         )
@@ -441,9 +486,11 @@ class HeadroomApplyTrainedLora(io.ComfyNode):
             category=CATEGORY,
             description="The MODEL with the run's current adapter applied as ComfyUI weight patches (as Load LoRA "
             "does), for any downstream node, without saving a file first.",
-            inputs=[io.Model.Input("model"), TrainingRun.Input("run"),
-                    io.Float.Input("strength", default=1.0, min=-100.0, max=100.0, step=0.01)],
-            outputs=[io.Model.Output("model")],
+            inputs=[io.Model.Input("model", tooltip="The MODEL to patch, usually the one the run trains on."),
+                    TrainingRun.Input("run", tooltip="The LoRA run whose current adapter is applied."),
+                    io.Float.Input("strength", default=1.0, min=-100.0, max=100.0, step=0.01,
+                                   tooltip="As Load LoRA's strength: 1 as trained, 0 off.")],
+            outputs=[io.Model.Output("model", tooltip="A copy of the MODEL with the adapter applied.")],
         )
 
     @classmethod
@@ -459,10 +506,12 @@ VALIDATION_NAMES = {"clip", "vae", "prompts", "negative", "sample_seed", "sample
 def _schedule_inputs(subfolder_input: str) -> list:
     """The all-in-one nodes' steps / validate / save schedule (LoRA and ControlNet)."""
     return [
-        io.Int.Input("steps", default=1000, min=1, max=10_000_000),
+        io.Int.Input("steps", default=1000, min=1, max=10_000_000,
+                     tooltip="The step to train the run to (a total): queue again with a higher number to continue."),
         io.Int.Input("validate_every", default=0, min=0, max=10_000_000, tooltip="0: only at the end."),
         io.Int.Input("save_every", default=0, min=0, max=10_000_000, tooltip="0: only at the end."),
-        io.String.Input(subfolder_input, default="headroom"),
+        io.String.Input(subfolder_input, default="headroom",
+                        tooltip="Folder under ComfyUI's models folder (loras/ or controlnet/) the saves go to."),
     ]
 
 
@@ -504,7 +553,9 @@ class HeadroomTrainLora(io.ComfyNode):
             is_output_node=True,
             inputs=[*_train_inputs(), *_schedule_inputs("lora_subfolder"), *_validation_inputs(optional=True)],
             outputs=[io.Model.Output("model", tooltip="The MODEL with the trained LoRA applied."),
-                     TrainingRun.Output("run"), io.String.Output("lora_name"), io.Float.Output("validation_loss")],
+                     TrainingRun.Output("run", tooltip="The training run, for Validate, Save and Apply nodes."),
+                     io.String.Output("lora_name", tooltip="The last saved LoRA, as Load LoRA lists it."),
+                     io.Float.Output("validation_loss", tooltip="Validation loss at the end.")],
             hidden=[io.Hidden.unique_id],
         )
 
