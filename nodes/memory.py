@@ -23,7 +23,7 @@ from ..training.adapters import TARGET_MODES, AdapterConfig, AdapterSet, select_
 from ..training.optimizers import OPTIMIZERS
 from ..training.policy import (CHECKPOINTING, GIB, OPTIMIZER_STATES, PLACEMENTS, STORAGES, VAE_TILED, ENCODERS,
                                OffloadPolicy, PolicyError)
-from ..training.trainer import PRECISIONS
+from ..training.trainer import PRECISIONS, auto_precision
 from .comfy_bridge import (ComfyDenoiser, expected_cond_dims, model_blocks, model_family, replace_inference_tensors,
                            training_blocks)
 
@@ -129,15 +129,25 @@ def describe_comfy_model(patcher, adapter: AdapterConfig, precision: str = "bf16
     probe = 64  # ComfyUI's estimate is linear in the latent area
     inference = model.memory_required([1, channels, probe, probe]) / (probe * probe)
     family = model_family(model)
+    # The dtype layers compute in: the autocast precision, else ComfyUI's manual-cast dtype, else the weights' own.
+    compute_dtype = PRECISIONS[precision] or model.manual_cast_dtype or model.get_dtype()
+    linears = [m.weight for _, block in named_blocks for m in block.modules()
+               if isinstance(m, torch.nn.Linear) and not m.weight.requires_grad]
     description = dict(
         name=type(model).__name__, blocks=blocks,
         other_param_bytes=planner.frozen_bytes(diffusion_model) - sum(b.param_bytes for b in blocks),
         outside_saved=outside, latent_channels=channels, latent_downscale=8,
         text_tokens=text_tokens or DEFAULT_TEXT_TOKENS.get(family, 77),
         inference_bytes_per_latent_px=float(inference),
+        weight_copy_in_flight_bytes=planner.largest_weight_copy_bytes(diffusion_model, model.manual_cast_dtype),
+        largest_linear_numel=max((w.numel() for w in linears), default=0),
+        compute_element_size=torch.empty((), dtype=compute_dtype).element_size(),
     )
     if clip is not None:
         description["text_encoder_bytes"] = int(clip.patcher.model_size())
+        # ComfyUI's text encoders compute through manual-cast ops in fp32 (comfy/sd1_clip.py).
+        description["text_encoder_copy_in_flight_bytes"] = planner.largest_weight_copy_bytes(
+            clip.cond_stage_model, torch.float32)
     if vae is not None:
         side = 512
         description["vae_bytes"] = int(vae.patcher.model_size())
@@ -260,8 +270,9 @@ class HeadroomMemoryPlan(io.ComfyNode):
                                tooltip="Which layers the planned LoRA trains, as LoRA Config's targets."),
                 io.Combo.Input("optimizer", options=list(OPTIMIZERS), default="AdamW",
                                tooltip="The planned optimizer (its state size), as Optimizer Config's optimizer."),
-                io.Combo.Input("precision", options=list(PRECISIONS), default="bf16",
-                               tooltip="Compute precision of the planned run (bf16 / fp16 on a GPU)."),
+                io.Combo.Input("precision", options=["auto", *PRECISIONS], default="auto",
+                               tooltip="Compute precision of the planned run, as the training nodes' input: auto is "
+                               "bf16 on a CUDA GPU that supports it, fp16 on other CUDA GPUs, fp32 on a CPU."),
                 io.Int.Input("text_tokens", default=0, min=0, max=4096,
                              tooltip="Length of the cached text conditioning; 0 = the family's usual length."),
                 io.Clip.Input("clip", optional=True, tooltip="Adds the text encoders to the caching estimate."),
@@ -281,6 +292,8 @@ class HeadroomMemoryPlan(io.ComfyNode):
         if not isinstance(policy, OffloadPolicy):
             raise ValueError("HeadroomMemoryPlan: policy must come from a HeadroomOffloadPolicy node")
         adapter = AdapterConfig(rank=rank, alpha=float(rank), targets=targets)
+        if precision == "auto":
+            precision = auto_precision(model.load_device)
         try:
             budget = budget_bytes(policy, torch.device(model.load_device))
             paths = lora_target_paths(model, adapter)

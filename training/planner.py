@@ -110,6 +110,12 @@ class ModelDescription:
     vae_bytes: int = 0
     vae_encode_bytes_per_px: float = 0.0  # per image pixel
     vae_decode_bytes_per_px: float = 0.0
+    # One layer's weight in compute precision, made for the product and freed after it (ComfyUI's manual cast of
+    # weights stored in another dtype; low-bit storage dequantises the same way): what one layer adds in flight.
+    weight_copy_in_flight_bytes: int = 0  # the largest block or outer weight, as loaded
+    largest_linear_numel: int = 0  # the largest block Linear weight, dequantised when stored low-bit
+    compute_element_size: int = 2
+    text_encoder_copy_in_flight_bytes: int = 0
 
     def frozen_bytes(self, storage: str = "as_loaded") -> int:
         return self.other_param_bytes + sum(b.weight_bytes(storage) for b in self.blocks)
@@ -300,6 +306,10 @@ def estimate(description: ModelDescription, trainable: TrainableSpec, shape: Run
         host["offloaded block inputs"] = int(sum(inputs))
     activations["saved activations outside the blocks"] = int(outside)
     activations["gradient buffers of one block"] = int(2 * max(inputs, default=0))
+    in_flight = description.weight_copy_in_flight_bytes
+    if storage != "as_loaded":
+        in_flight = max(in_flight, description.largest_linear_numel * description.compute_element_size)
+    activations["one layer's weight copy in flight (cast / dequantised)"] = int(in_flight)
 
     # Frozen weights by placement.
     all_blocks = sum(block_weights)
@@ -337,6 +347,7 @@ def estimate(description: ModelDescription, trainable: TrainableSpec, shape: Run
             validation_items[f"optimizer state ({trainable.optimizer})"] = optimizer
     validation_items["sampling working set (ComfyUI estimate, cond+uncond)"] = int(
         description.inference_bytes_per_latent_px * area * 2)
+    validation_items["one layer's weight copy in flight (cast / dequantised)"] = int(in_flight)
     validation_items["allocator overhead (5%)"] = int(ALLOCATOR_OVERHEAD * sum(validation_items.values()))
     validation = PhaseEstimate("validation", validation_items)
     if policy.park_optimizer_during_validation:
@@ -354,7 +365,10 @@ def estimate(description: ModelDescription, trainable: TrainableSpec, shape: Run
         "decode working set" + (" (tiled 512 px)" if tiled else ""): decode_tiled if tiled else decode_full,
     }, ["after the denoiser is released"])
 
-    cache_text = PhaseEstimate("caching (text encoders)", {"text encoder weights": description.text_encoder_bytes})
+    cache_text = PhaseEstimate("caching (text encoders)", {
+        "text encoder weights": description.text_encoder_bytes,
+        "one weight copy in flight (fp32 cast)": description.text_encoder_copy_in_flight_bytes,
+    })
     cache_vae = PhaseEstimate("caching (VAE encode)", {
         "VAE weights": description.vae_bytes,
         "encode working set": int(description.vae_encode_bytes_per_px * pixels * batch),
@@ -614,6 +628,16 @@ def describe_blocks(named_blocks: Sequence[tuple[str, torch.nn.Module]], saved: 
             linear_copy_bytes=max((s.block_linear_copies[index] for s in samples if s.block_linear_copies), default=0),
         ))
     return tuple(profiles)
+
+
+def largest_weight_copy_bytes(module: torch.nn.Module, compute_dtype: torch.dtype | None) -> int:
+    """Bytes of the largest frozen weight of `module` cast to `compute_dtype` (0 when nothing needs a cast: every
+    weight already in that dtype, or no cast dtype)."""
+    if compute_dtype is None:
+        return 0
+    size = torch.empty((), dtype=compute_dtype).element_size()
+    return max((t.numel() * size for t in module.parameters() if not t.requires_grad and t.dtype != compute_dtype),
+               default=0)
 
 
 def frozen_bytes(module: torch.nn.Module) -> int:
