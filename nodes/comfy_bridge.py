@@ -45,6 +45,9 @@ from ..training.trainer import StepReport, TrainConfig, Trainer
 INJECTION_KEY = "headroom_adapter"
 STEP_EVENT = "headroom.train.step"  # read by js/headroom_live.js and workflows/headroom_run.py
 VALIDATE_EVENT = "headroom.validate"
+# How validation applies a LoRA run's adapter: what the stock loader makes of the saved file, or computed beside the
+# frozen weights (TrainingSession.sampling_model).
+LORA_APPLICATIONS = ("as_saved_file", "unmerged")
 
 
 # --- what kind of model is this -------------------------------------------------------------------------
@@ -432,6 +435,26 @@ class TrainingSession:
         policy says so (restored bitwise after): validation then needs no more device memory than training."""
         with self.trainer.parked_for_validation(), self.attached():
             yield
+
+    @contextlib.contextmanager
+    def sampling_model(self, lora_application: str = "unmerged"):
+        """The ModelPatcher validation samples with. "unmerged": the training clone with the adapter attached (its
+        low-bit base too), computing the LoRA next to the frozen weights. "as_saved_file": what the stock LoraLoader
+        makes of the saved (fp32) file: a clone of the run's MODEL with the adapter as ComfyUI weight patches, baked
+        into the weights in their own dtype (comfy.lora + stochastic rounding) when ComfyUI loads the clone.
+        Either way the optimizer state is parked as the policy says."""
+        if lora_application not in LORA_APPLICATIONS:
+            raise ValueError(f"lora_application={lora_application!r}: choose one of {', '.join(LORA_APPLICATIONS)}")
+        if lora_application == "unmerged":
+            with self.validating():
+                yield self.patcher
+            return
+        with self.trainer.parked_for_validation():
+            model = self.patched_model()
+            try:
+                yield model
+            finally:  # the patched weights leave memory now, not when gc finds the clone
+                comfy.model_management.unload_model_and_clones(model, unload_additional_models=False)
 
     def sampling_conditioning(self, positive, negative, vae=None):
         """Validation conditioning for ComfyUI's samplers: the prompts as encoded (a ControlNet run adds its control)."""

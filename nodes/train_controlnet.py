@@ -108,6 +108,12 @@ class ControlNetSession(TrainingSession):
         self._load([self.patcher, self.controlnet.patcher])
         yield
 
+    @contextlib.contextmanager
+    def sampling_model(self, lora_application: str = "unmerged"):
+        """The base clone with the ControlNet loaded; a LoRA's `lora_application` does not apply to a ControlNet."""
+        with self.validating():
+            yield self.patcher
+
     def comfy_controlnet(self):
         """A CONTROL_NET for stock nodes around the run's in-memory module (no copy)."""
         return comfy_controlnet(self.controlnet)

@@ -29,7 +29,7 @@ from ..training.policy import OffloadPolicy, PolicyError
 from ..training.run_dir import RunDir, atomic_save_safetensors, atomic_write_bytes, check_name, check_subfolder
 from ..training.trainer import PRECISIONS, TrainConfig, auto_precision
 from .cache import unload_encoder
-from .comfy_bridge import VALIDATE_EVENT, SessionConfig, TrainingSession, check_caches, model_family, send_event
+from .comfy_bridge import LORA_APPLICATIONS, VALIDATE_EVENT, SessionConfig, TrainingSession, check_caches, model_family, send_event
 from .memory import budget_bytes
 
 LoraConfigType = io.Custom("LORA_CONFIG")
@@ -313,26 +313,35 @@ def _validation_inputs(optional: bool) -> list:
                      tooltip="Height of the samples in pixels."),
         io.Int.Input("loss_timesteps", default=4, min=1, max=64, optional=optional,
                      tooltip="Fixed noise levels of the deterministic validation loss."),
+        # Optional everywhere: workflows saved before this input existed keep working.
+        io.Combo.Input("lora_application", options=list(LORA_APPLICATIONS), default="as_saved_file", optional=True,
+                       tooltip="How the samples apply a LoRA run's adapter. as_saved_file: exactly what the stock Load "
+                       "LoRA node makes of the saved file (the adapter baked into the weights in their own dtype), so "
+                       "the images predict what users get. unmerged: computed next to the frozen weights in full "
+                       "precision (no weight patching; differs by the rounding of bf16 / fp16 weights). ControlNet "
+                       "runs ignore it."),
     ]
 
 
 def sample_images(run: TrainingSession, clip, vae, prompts: list[str], negative: str, seed: int, steps: int, cfg: float,
-                  sampler_name: str, scheduler: str, width: int, height: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stock KSampler sampling (same noise, same sampler code) on the training model + what the run trains (a
-    ControlNet run adds its control as ControlNetApplyAdvanced does). Returns (images, sampled latents)."""
+                  sampler_name: str, scheduler: str, width: int, height: int, lora_application: str = "as_saved_file"
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stock KSampler sampling (same noise, same sampler code) on the training model + what the run trains (a LoRA
+    as `lora_application` says, TrainingSession.sampling_model; a ControlNet run adds its control as
+    ControlNetApplyAdvanced does). Returns (images, sampled latents)."""
     negative_cond = clip.encode_from_tokens_scheduled(clip.tokenize(negative))
     latents = []
     # comfy.sample.prepare_noise reseeds the global torch RNG; fork it so validating never changes what the
     # training run draws next (peft dropout uses the global RNG).
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-    with torch.no_grad(), torch.random.fork_rng(devices=devices), run.validating():
+    with torch.no_grad(), torch.random.fork_rng(devices=devices), run.sampling_model(lora_application) as model:
         for prompt in prompts:
             positive = clip.encode_from_tokens_scheduled(clip.tokenize(prompt))
             positive, negative_run = run.sampling_conditioning(positive, negative_cond, vae)
             empty = torch.zeros([1, 4, height // 8, width // 8], device=comfy.model_management.intermediate_device())
-            latent = comfy.sample.fix_empty_latent_channels(run.patcher, empty)
+            latent = comfy.sample.fix_empty_latent_channels(model, empty)
             noise = comfy.sample.prepare_noise(latent, seed)
-            latents.append(comfy.sample.sample(run.patcher, noise, steps, cfg, sampler_name, scheduler, positive,
+            latents.append(comfy.sample.sample(model, noise, steps, cfg, sampler_name, scheduler, positive,
                                                negative_run, latent, denoise=1.0, disable_pbar=True, seed=seed))
     samples = torch.cat(latents)
     with torch.no_grad():  # decoded after the denoiser's step is done: the VAE loads on its own
@@ -370,7 +379,7 @@ def save_validation(run: TrainingSession, images: torch.Tensor, samples: torch.T
 
 def validate(node_cls, run: TrainingSession, clip=None, vae=None, prompts="", negative="", sample_seed=0,
              sample_steps=20, cfg=4.0, sampler_name="euler", scheduler="normal", width=512, height=512,
-             loss_timesteps=4):
+             loss_timesteps=4, lora_application="as_saved_file"):
     """(images or None, previews or None, validation loss); tells the live view (`headroom.validate`)."""
     lines = [line.strip() for line in (prompts or "").splitlines() if line.strip()]
     if lines and (clip is None or vae is None):
@@ -381,7 +390,7 @@ def validate(node_cls, run: TrainingSession, clip=None, vae=None, prompts="", ne
             loss = run.validation_loss(times=loss_timesteps)
             if lines:
                 images, samples = sample_images(run, clip, vae, lines, negative, sample_seed, sample_steps, cfg,
-                                                sampler_name, scheduler, width, height)
+                                                sampler_name, scheduler, width, height, lora_application)
                 save_validation(run, images, samples)
                 previews = ui.PreviewImage(images, cls=node_cls)
     except BaseException as error:  # cancel, out of memory, a wrong input...: checkpoint kept, device memory freed
@@ -500,7 +509,7 @@ class HeadroomApplyTrainedLora(io.ComfyNode):
 
 # --- all in one --------------------------------------------------------------------------------------------
 VALIDATION_NAMES = {"clip", "vae", "prompts", "negative", "sample_seed", "sample_steps", "cfg", "sampler_name",
-                    "scheduler", "width", "height", "loss_timesteps"}
+                    "scheduler", "width", "height", "loss_timesteps", "lora_application"}
 
 
 def _schedule_inputs(subfolder_input: str) -> list:

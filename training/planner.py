@@ -632,11 +632,13 @@ def describe_blocks(named_blocks: Sequence[tuple[str, torch.nn.Module]], saved: 
 
 def largest_weight_copy_bytes(module: torch.nn.Module, compute_dtype: torch.dtype | None) -> int:
     """Bytes of the largest frozen weight of `module` cast to `compute_dtype` (0 when nothing needs a cast: every
-    weight already in that dtype, or no cast dtype)."""
+    weight already in that dtype, or no cast dtype). Embedding tables are left out: a lookup reads rows, ComfyUI
+    does not cast the table for it."""
     if compute_dtype is None:
         return 0
     size = torch.empty((), dtype=compute_dtype).element_size()
-    return max((t.numel() * size for t in module.parameters() if not t.requires_grad and t.dtype != compute_dtype),
+    return max((t.numel() * size for layer in module.modules() if not isinstance(layer, torch.nn.Embedding)
+                for t in layer.parameters(recurse=False) if not t.requires_grad and t.dtype != compute_dtype),
                default=0)
 
 

@@ -1,0 +1,66 @@
+"""Validation predicts the saved LoRA file in stock ComfyUI, at real width (Flux-dev, 3072 wide, one double and one
+single block, bf16 weights computed in fp32 on a CPU through ComfyUI's manual cast).
+
+The stock LoraLoader bakes a LoRA into the bf16 weights (comfy/lora.py, stochastic rounding seeded by the key);
+validation with lora_application="as_saved_file" samples exactly that, so its latents equal what LoraLoader +
+KSampler give from the saved file. "unmerged" computes the LoRA beside the frozen weights in full precision; its
+difference from the stock result is printed (docs/BENCHMARKS.md states it).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+pytestmark = [pytest.mark.comfyui, pytest.mark.realsize]
+
+PROMPT = "a red circle in the center"
+SAMPLING = dict(sample_seed=3, sample_steps=3, cfg=1.0, sampler_name="euler", scheduler="simple", width=64, height=64)
+
+
+def test_as_saved_file_validation_equals_the_stock_loader_at_real_width(comfyui):
+    import comfy.model_management
+    import nodes
+    import realsize_models
+    from headroom.nodes import cache as cache_nodes, data as data_nodes, train_lora as T
+
+    with torch.inference_mode():  # as ComfyUI's loaders and nodes run
+        model, clip, vae = realsize_models.build_family("flux_dev", (1, 1), t5_layers=1)
+        images, captions, _ = data_nodes.HeadroomSyntheticDataset.execute(2, 64, 0).args
+        dataset = cache_nodes.HeadroomDatasetFromImages.execute(images, captions, 64, 64, "center", False, 0).args[0]
+        latents = cache_nodes.HeadroomCacheLatents.execute(dataset, vae).args[0]
+        texts = cache_nodes.HeadroomCacheText.execute(dataset, clip).args[0]
+        lora = T.HeadroomLoraConfig.execute("lora", 8, 8.0, "preset", False, 0.0, 0).args[0]
+        optimizer = T.HeadroomOptimizerConfig.execute("AdamW", 2e-3, 0.0, "constant", 0, 100).args[0]
+        run = T.HeadroomTrainLoraInit.execute(
+            model=model, latent_cache=latents, text_cache=texts, lora_config=lora, optimizer_config=optimizer,
+            run_name="as_saved_file", seed=0, batch_size=1, grad_accumulation=1, precision="auto", max_grad_norm=1.0,
+            caption_dropout=0.0, timestep_sampling="uniform", loss_weighting="none", min_snr_gamma=5.0,
+            noise_offset=0.0, gradient_checkpointing=True, checkpoint_depth=1, holdout=0).args[0]
+        T.HeadroomTrainSteps.execute(run, 3)
+        validation_latents = {}
+        for mode in ("unmerged", "as_saved_file"):
+            T.HeadroomValidate.execute(run, clip=clip, vae=vae, prompts=PROMPT, negative="", loss_timesteps=1,
+                                       lora_application=mode, **SAMPLING)
+            path = run.run_dir.validation_dir / f"step_{run.step:08d}_latents.safetensors"
+            validation_latents[mode] = load_file(str(path))["samples"]
+        name = T.HeadroomSaveLora.execute(run, "tests", "", "fp32").args[0]
+
+        positive = nodes.CLIPTextEncode().encode(clip, PROMPT)[0]
+        negative = nodes.CLIPTextEncode().encode(clip, "")[0]
+        empty = nodes.EmptyLatentImage().generate(64, 64, 1)[0]
+        ksampler = dict(seed=3, steps=3, cfg=1.0, sampler_name="euler", scheduler="simple", positive=positive,
+                        negative=negative, latent=empty)
+        lora_model = nodes.LoraLoader().load_lora(model, clip, name, 1.0, 0.0)[0]
+        stock = nodes.common_ksampler(lora_model, **ksampler)[0]["samples"].float()
+        comfy.model_management.unload_all_models()  # the patched clone gives the shared weights back
+        base = nodes.common_ksampler(model, **ksampler)[0]["samples"].float()
+
+    effect = (stock - base).norm().item()
+    as_saved = (validation_latents["as_saved_file"] - stock).abs().max().item()
+    unmerged = (validation_latents["unmerged"] - stock).norm().item() / effect
+    print(f"\nFlux-dev width: LoRA effect |stock - base| = {effect:.4g}; as_saved_file vs stock max abs diff "
+          f"{as_saved:.3g}; unmerged vs stock {100 * unmerged:.2f} % of the LoRA's effect")
+    assert effect > 0.0, "the trained LoRA should change the sample"
+    assert as_saved == 0.0
+    assert torch.equal(validation_latents["as_saved_file"], stock)
