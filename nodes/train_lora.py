@@ -41,6 +41,7 @@ OffloadPolicyType = io.Custom("OFFLOAD_POLICY")
 
 CATEGORY = "Headroom/training"
 HISTORY_KEY = "headroom_history"  # the training nodes' UI output js/headroom_live.js redraws the chart from
+VALIDATION_KEY = "headroom_validation"  # HeadroomValidate's UI output: the chart of the same run takes its images
 RUNS_SUBFOLDER = "headroom_runs"
 
 
@@ -285,8 +286,27 @@ class HeadroomTrainSteps(io.ComfyNode):
 
     @classmethod
     def execute(cls, run: TrainingSession, steps: int) -> io.NodeOutput:
+        note = steps_note("HeadroomTrainSteps", run, steps, "steps")
         run.train_to(steps, node_id=_node_id(cls))
-        return io.NodeOutput(run, run.trainer.last_loss, run.step, ui={HISTORY_KEY: [run.history(steps)]})
+        history = {**run.history(steps), **({"note": note} if note else {})}
+        return io.NodeOutput(run, run.trainer.last_loss, run.step,
+                             ui={HISTORY_KEY: [history], **({"text": [note]} if note else {})})
+
+
+def steps_note(node: str, run: TrainingSession, steps: int, input_name: str) -> str | None:
+    """What to tell the user when `steps` (a step to train *to*) trains nothing: the run is there already, or
+    further (logged as a warning: lowering the number never rewinds a run)."""
+    if steps > run.step:
+        return None
+    name = run.run_dir.name
+    if steps == run.step:
+        note = f"{node}: run '{name}' is at step {run.step} already: nothing to train (raise {input_name} to continue)"
+        logging.info(note)
+    else:
+        note = (f"{node}: run '{name}' is at step {run.step}, past {input_name}={steps}: nothing trained, and the run "
+                f"is not rewound. Set {input_name} above {run.step} to continue, or use a new run_name to start over.")
+        logging.warning(note)
+    return note
 
 
 # --- validate ----------------------------------------------------------------------------------------------
@@ -388,10 +408,12 @@ def validate(node_cls, run: TrainingSession, clip=None, vae=None, prompts="", ne
         run.fail("validation", error)
         raise
     finally:
-        # policy encoders="unload_after_use": text encoder and VAE leave the device once validation is done.
+        # policy encoders="unload_after_use" (default): text encoder and VAE leave the device once validation is done.
         for encoder in (clip, vae):
             if encoder is not None:
-                unload_encoder(encoder.patcher)
+                unload_encoder(encoder.patcher, run.policy)
+    if previews is not None:
+        run.last_validation = {"step": run.step, "images": previews.values}
     send_event(VALIDATE_EVENT, {"node": _node_id(node_cls), "run": run.run_dir.name, "step": run.step,
                                 "val_loss": loss, "images": previews.values if previews is not None else []})
     return images, previews, loss
@@ -420,9 +442,13 @@ class HeadroomValidate(io.ComfyNode):
     @classmethod
     def execute(cls, run: TrainingSession, **inputs) -> io.NodeOutput:
         images, previews, loss = validate(cls, run, **inputs)
+        # The chart of the training node showing this run restores its thumbnails from here after a reload.
+        validation = {"run": run.run_dir.name, "step": run.step, "val_loss": loss,
+                      "images": previews.values if previews is not None else []}
+        ui_output = {**(previews.as_dict() if previews is not None else {}), VALIDATION_KEY: [validation]}
         if images is None:  # no prompts: only the loss; a black image keeps the IMAGE output connected
-            return io.NodeOutput(torch.zeros(1, 64, 64, 3), loss, run)
-        return io.NodeOutput(images, loss, run, ui=previews)
+            return io.NodeOutput(torch.zeros(1, 64, 64, 3), loss, run, ui=ui_output)
+        return io.NodeOutput(images, loss, run, ui=ui_output)
 
 
 # --- save / apply ------------------------------------------------------------------------------------------
@@ -521,6 +547,7 @@ def train_validate_save(node_cls, start, save, steps: int, validate_every: int, 
     Returns (run, saved name, validation loss, UI output)."""
     validation = {k: v for k, v in inputs.items() if k in VALIDATION_NAMES}
     run = start(**{k: v for k, v in inputs.items() if k not in VALIDATION_NAMES})
+    note = steps_note(node_cls.__name__, run, steps, "steps")
     previews, loss, name = None, float("nan"), ""
     while True:
         target = min(t for t in (steps, _next(run.step, validate_every), _next(run.step, save_every)) if t)
@@ -532,8 +559,9 @@ def train_validate_save(node_cls, start, save, steps: int, validate_every: int, 
             name = save(run)
         if done:
             break
-    outputs = {**(previews.as_dict() if previews is not None else {}), HISTORY_KEY: [run.history(steps)],
-               "text": [run.precision_note]}
+    history = {**run.history(steps), **({"note": note} if note else {})}
+    outputs = {**(previews.as_dict() if previews is not None else {}), HISTORY_KEY: [history],
+               "text": [run.precision_note, *([note] if note else [])]}
     return run, name, loss, outputs
 
 
