@@ -166,12 +166,13 @@ def queue_in_editor(page) -> None:
     page.evaluate("async () => { await window.app.queuePrompt(0, 1); }")
 
 
-def demo_workflow(run_name: str) -> tuple[dict, str, str]:
-    """The shipped UI workflow with its Init node's run_name set: (workflow, training node id, init node id)."""
+def demo_workflow(run_name: str) -> tuple[dict, str]:
+    """The shipped UI workflow with its Init node's run_name set: (workflow, training node id)."""
     workflow = json.loads((WORKFLOWS / f"{DEMO}.json").read_text())
     init = next(node for node in workflow["nodes"] if node["type"] == "HeadroomTrainLoraInit")
-    init["widgets_values"][0] = run_name  # run_name is the Init node's first widget
-    return workflow, node_id_of(workflow, "HeadroomTrainSteps"), str(init["id"])
+    assert isinstance(init["widgets_values"][0], str), init  # run_name: the Init node's first widget
+    init["widgets_values"][0] = run_name
+    return workflow, node_id_of(workflow, "HeadroomTrainSteps")
 
 
 class LossDoesNotFall(AssertionError):
@@ -188,7 +189,7 @@ def test_live_chart_draws_a_falling_loss_and_everything_comes_back_after_reload(
     already reached its steps would resume and train nothing."""
     page, log = browser_page
     run_name = f"browser_{uuid.uuid4().hex[:8]}"
-    workflow, train_node, init_node = demo_workflow(run_name)
+    workflow, train_node = demo_workflow(run_name)
     steps = next(node["widgets_values"][0] for node in workflow["nodes"] if node["type"] == "HeadroomTrainSteps")
     load_workflow(page, workflow)
     widget_nodes = headroom_widget_nodes(page)
@@ -244,7 +245,7 @@ def test_a_graph_never_shows_another_runs_data(comfy_server, browser_page):
     the chart, live or from /history, and a freshly loaded graph starts empty; its own run does come back."""
     page, log = browser_page
     mine, other = f"mine_{uuid.uuid4().hex[:8]}", f"other_{uuid.uuid4().hex[:8]}"
-    workflow, train_node, _ = demo_workflow(mine)
+    workflow, train_node = demo_workflow(mine)
     load_workflow(page, workflow)
 
     prompt = json.loads((WORKFLOWS / f"{DEMO}_api.json").read_text())
@@ -258,7 +259,7 @@ def test_a_graph_never_shows_another_runs_data(comfy_server, browser_page):
     page.screenshot(path=str(ARTIFACTS / "other_run_not_shown_live.png"))
     assert chart_state(page, train_node)["run"] is None, "another client's run was drawn on this graph"
 
-    fresh, _, _ = demo_workflow(f"fresh_{uuid.uuid4().hex[:8]}")
+    fresh, _ = demo_workflow(f"fresh_{uuid.uuid4().hex[:8]}")
     load_workflow(page, fresh)
     page.wait_for_timeout(1000)  # the restore from /history has run (or would have)
     show_node(page, train_node)
@@ -266,7 +267,7 @@ def test_a_graph_never_shows_another_runs_data(comfy_server, browser_page):
     assert chart_state(page, train_node)["run"] is None, "a fresh graph shows another run's chart"
 
     # Positive control: the graph that names the headless run shows that run, from /history.
-    own, _, _ = demo_workflow(other)
+    own, _ = demo_workflow(other)
     load_workflow(page, own)
     page.wait_for_function("(id) => window.__headroomLive.drawnPoints(id) > 0", arg=train_node, timeout=30_000)
     state = chart_state(page, train_node)
