@@ -204,8 +204,14 @@ export function drawTrainingView(canvas, run) {
     return 0;
   }
   drawHeader(ctx, run, cssWidth);
+  let chartTop = 34;
+  if (run.note) {
+    // Why the last queue trained nothing (e.g. steps below the run's step): said where the user looks.
+    ctx.fillStyle = COLORS.validation;
+    ctx.fillText(run.note, 0, 42, cssWidth);
+    chartTop += 14;
+  }
   const memoryHeight = 64;
-  const chartTop = 34;
   const chartHeight = cssHeight - chartTop - memoryHeight - 8;
   const drawn = drawLossChart(ctx, run, 0, chartTop, cssWidth, Math.max(chartHeight, 20));
   drawMemory(ctx, run, 0, cssHeight - memoryHeight, cssWidth, memoryHeight);

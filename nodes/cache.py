@@ -125,8 +125,11 @@ def encoder_fingerprint(patcher) -> str:
     return hashlib.sha256("|".join(parts).encode()).hexdigest()
 
 
-def unload_encoder(patcher) -> None:
-    """Take the encoder (and its clones) off the compute device through ComfyUI's own accounting."""
+def unload_encoder(patcher, policy=None) -> None:
+    """Take the encoder (and its clones) off the compute device through ComfyUI's own accounting, unless the
+    policy keeps encoders loaded (then ComfyUI unloads them when it needs the room, as for stock nodes)."""
+    if getattr(policy, "encoders", None) == "keep_loaded":
+        return
     comfy.model_management.unload_model_and_clones(patcher)
 
 
@@ -155,8 +158,8 @@ def _unbatch(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _policy_tooltip() -> str:
-    return ("Optional offload policy. Caching encodes one item at a time with ComfyUI's own loading and "
-            "always unloads the encoder when done, so the policy does not change caching.")
+    return ("Optional offload policy. Caching encodes one item at a time with ComfyUI's own loading; the "
+            "policy's encoders setting says whether the encoder is unloaded when done (default) or kept loaded.")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -298,7 +301,7 @@ class HeadroomCacheLatents(io.ComfyNode):
         except CacheStoreError as error:
             raise CacheStoreError(f"{error}. {_RELOCATE_HINT}") from error
         finally:
-            unload_encoder(vae.patcher)
+            unload_encoder(vae.patcher, policy)
         cache.memory_phases = recorder.phases  # a training run built on this cache starts its memory record with it
         return io.NodeOutput(cache, report.summary())
 
@@ -365,7 +368,7 @@ class HeadroomCacheText(io.ComfyNode):
         except CacheStoreError as error:
             raise CacheStoreError(f"{error}. {_RELOCATE_HINT}") from error
         finally:
-            unload_encoder(clip.patcher)
+            unload_encoder(clip.patcher, policy)
         cache.memory_phases = recorder.phases
         if dropped:
             report.warnings.append(f"non-tensor conditioning entries not cached: {', '.join(sorted(dropped))}")

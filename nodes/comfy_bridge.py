@@ -247,7 +247,11 @@ def send_event(event: str, data: dict) -> None:
     server = sys.modules.get("server")
     instance = getattr(getattr(server, "PromptServer", None), "instance", None)
     if instance is not None:
-        instance.send_sync(event, data)
+        # Sent to every client: the prompt id lets an editor tell its own prompts from others' (js/headroom_live.js).
+        instance.send_sync(event, {"prompt_id": getattr(instance, "last_prompt_id", None), **data})
+
+
+MEMORY_KEYS = ("allocated", "reserved", "peak", "rss")  # memory_figures' keys, in bytes
 
 
 def memory_figures(device: torch.device) -> dict:
@@ -257,6 +261,23 @@ def memory_figures(device: torch.device) -> dict:
         figures.update(allocated=torch.cuda.memory_allocated(device), reserved=torch.cuda.memory_reserved(device),
                        peak=torch.cuda.max_memory_allocated(device))
     return figures
+
+
+def history_extras(figures: list[tuple | None], last_validation: dict | None) -> dict:
+    """What `headroom_history` carries beyond the curves, compactly: lr per step (4 significant digits), memory
+    per step in MiB (only the series that have values: a CPU reports RSS only), the last speed and the last
+    validation's images. Per step: aligned with "steps", null where this ComfyUI process did not train that step
+    (a run resumed from disk). Older entries without these keys still draw (js/headroom_live.js)."""
+    extras = {}
+    if any(figures):
+        extras["lr"] = [None if f is None or f[0] is None else float(f"{f[0]:.4g}") for f in figures]
+        memory = {key: [None if f is None or f[2].get(key) is None else round(f[2][key] / 2**20) for f in figures]
+                  for key in MEMORY_KEYS}
+        extras["memory_mib"] = {key: values for key, values in memory.items() if any(v is not None for v in values)}
+        extras["s_per_step"] = next(f[1] for f in reversed(figures) if f is not None)
+    if last_validation is not None:
+        extras["images"], extras["images_step"] = last_validation["images"], last_validation["step"]
+    return extras
 
 
 # --- the TRAINING_RUN value -------------------------------------------------------------------------------
@@ -326,6 +347,8 @@ class TrainingSession:
         self.train_items = list(range(count - config.holdout))
         self.validation_items = list(range(count - config.holdout, count)) if config.holdout else list(self.train_items)
         self.memory = self._memory_record(torch.device(model.load_device))
+        self.step_figures: dict[int, tuple] = {}  # step -> (lr, s/step, memory figures): for history()
+        self.last_validation: dict | None = None  # {"step", "images"} of the last validation with images
         return stored
 
     def _finish_open(self, trainer: Trainer, stored: dict) -> None:
@@ -478,11 +501,13 @@ class TrainingSession:
         def after_step(report: StepReport) -> None:
             per_step = (time.perf_counter() - started) / (report.step - start_step)
             progress.update_absolute(report.step - start_step)
+            figures = memory_figures(device)
+            self.step_figures[report.step] = (report.lr, per_step, figures)
             send_event(STEP_EVENT, {
                 "node": node_id, "run": self.run_dir.name, "step": report.step, "total_steps": target_step,
                 "loss": report.loss,
                 "lr": report.lr, "s_per_step": per_step, "eta_s": per_step * (target_step - report.step),
-                **memory_figures(device),
+                **figures,
             })
             comfy.model_management.throw_exception_if_processing_interrupted()
 
@@ -537,11 +562,13 @@ class TrainingSession:
     def history(self, total_steps: int | None = None) -> dict:
         """The run's curves, as the training nodes' `headroom_history` UI output (the live view redraws from it)."""
         losses, validations = self.trainer.loss_history, self.trainer.validation_history
-        return {
+        entry = {
             "run": self.run_dir.name, "total_steps": total_steps if total_steps is not None else self.step,
             "steps": [int(s) for s, _ in losses], "loss": [float(v) for _, v in losses],
             "val_steps": [int(s) for s, _ in validations], "val_loss": [float(v) for _, v in validations],
         }
+        entry.update(history_extras([self.step_figures.get(int(s)) for s, _ in losses], self.last_validation))
+        return entry
 
     def patched_model(self, model=None, strength: float = 1.0):
         """A clone of `model` (default: the MODEL the run trains) with the current adapter as weight patches."""

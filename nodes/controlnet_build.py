@@ -49,6 +49,7 @@ import comfy.model_patcher
 import comfy.ops
 import comfy.utils
 
+from ..training import public_module
 from ..training.run_dir import atomic_save_safetensors
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,8 @@ EXTRA_CONDS = {"unet": ("y",), "sd3": ("y",), "flux": ("y", "guidance")}
 
 class ControlNetError(ValueError):
     """Bad input to a ControlNet builder: the message names the value and what to do."""
+
+    __module__ = public_module(__name__)  # a clean type name in ComfyUI's error report
 
 
 def _supported_text() -> str:

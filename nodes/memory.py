@@ -218,7 +218,11 @@ class HeadroomOffloadPolicy(io.ComfyNode):
                                "would not fit the budget; on: always tiled; off: the stock decode (which retries in "
                                "tiles after running out of memory)."),
                 io.Combo.Input("encoders", options=list(ENCODERS), default="unload_after_use",
-                               tooltip="Text encoders and VAE are loaded for caching and validation only."),
+                               tooltip="unload_after_use: text encoders and VAE leave the device after caching "
+                               "and after each validation, leaving the most room for training. keep_loaded: they "
+                               "stay loaded, as stock nodes leave them, and ComfyUI unloads them when a model needs "
+                               "the room; faster repeated validation where memory is to spare (not counted in the "
+                               "budget)."),
             ],
             outputs=[OffloadPolicyType.Output("policy", tooltip="For the policy input of the Cache, Train and Memory "
                                               "Plan nodes (Headroom).")],

@@ -28,8 +28,8 @@ from .comfy_bridge import ComfyDenoiser, TrainingSession, check_caches, model_bl
 from .controlnet_build import (SUPPORTED_FAMILIES, TrainableControlNet, apply_controlnet,
                                build_controlnet, check_control_cache, comfy_controlnet, controlled_prediction,
                                controlnet_family, prepare_hint, save_controlnet)
-from .train_lora import (CATEGORY, TrainingRun, _schedule_inputs, _train_inputs, _validation_inputs, resolve_precision,
-                         runs_root, train_validate_save)
+from .train_lora import (CATEGORY, SAVED_KEY, TrainingRun, _schedule_inputs, _train_inputs, _validation_inputs,
+                         resolve_precision, runs_root, saved_file, train_validate_save)
 
 CONTROL_HINT = "control_hint"  # the conditioning entry that carries an item's cached control through the trainer
 
@@ -266,9 +266,10 @@ class HeadroomSaveControlNet(io.ComfyNode):
         if not isinstance(run, ControlNetSession):
             raise ValueError("HeadroomSaveControlNet: the run is not a ControlNet run (use Save LoRA for LoRA runs)")
         try:
-            return io.NodeOutput(save_trained_controlnet(run, subfolder, filename))
+            name = save_trained_controlnet(run, subfolder, filename)
         except ValueError as error:
             raise ValueError(f"HeadroomSaveControlNet: {error}") from error
+        return io.NodeOutput(name, ui={SAVED_KEY: [saved_file("ControlNet", "controlnet", name)]})
 
 
 # --- all in one ------------------------------------------------------------------------------------------------
@@ -297,7 +298,7 @@ class HeadroomTrainControlNet(io.ComfyNode):
         run, name, loss, outputs = train_validate_save(
             cls, lambda **init: start_controlnet_session(**init, node="HeadroomTrainControlNet"),
             lambda run: save_trained_controlnet(run, controlnet_subfolder, f"{run.run_dir.name}_step{run.step:06d}"),
-            steps, validate_every, save_every, inputs)
+            steps, validate_every, save_every, inputs, saved_as=("ControlNet", "controlnet"))
         return io.NodeOutput(run.comfy_controlnet(), run, name, loss, ui=outputs)
 
 

@@ -41,7 +41,15 @@ OffloadPolicyType = io.Custom("OFFLOAD_POLICY")
 
 CATEGORY = "Headroom/training"
 HISTORY_KEY = "headroom_history"  # the training nodes' UI output js/headroom_live.js redraws the chart from
+VALIDATION_KEY = "headroom_validation"  # HeadroomValidate's UI output: the chart of the same run takes its images
+SAVED_KEY = "headroom_saved"  # files a node wrote for the user; workflows/headroom_run.py prints them
 RUNS_SUBFOLDER = "headroom_runs"
+
+
+def saved_file(kind: str, folder: str, name: str) -> dict:
+    """A `headroom_saved` UI entry: `name` relative to ComfyUI's `folder` ("loras", "controlnet": a models/
+    folder; "output")."""
+    return {"kind": kind, "folder": folder, "name": name}
 
 
 def runs_root() -> pathlib.Path:
@@ -285,8 +293,27 @@ class HeadroomTrainSteps(io.ComfyNode):
 
     @classmethod
     def execute(cls, run: TrainingSession, steps: int) -> io.NodeOutput:
+        note = steps_note("HeadroomTrainSteps", run, steps, "steps")
         run.train_to(steps, node_id=_node_id(cls))
-        return io.NodeOutput(run, run.trainer.last_loss, run.step, ui={HISTORY_KEY: [run.history(steps)]})
+        history = {**run.history(steps), **({"note": note} if note else {})}
+        return io.NodeOutput(run, run.trainer.last_loss, run.step,
+                             ui={HISTORY_KEY: [history], **({"text": [note]} if note else {})})
+
+
+def steps_note(node: str, run: TrainingSession, steps: int, input_name: str) -> str | None:
+    """What to tell the user when `steps` (a step to train *to*) trains nothing: the run is there already, or
+    further (logged as a warning: lowering the number never rewinds a run)."""
+    if steps > run.step:
+        return None
+    name = run.run_dir.name
+    if steps == run.step:
+        note = f"{node}: run '{name}' is at step {run.step} already: nothing to train (raise {input_name} to continue)"
+        logging.info(note)
+    else:
+        note = (f"{node}: run '{name}' is at step {run.step}, past {input_name}={steps}: nothing trained, and the run "
+                f"is not rewound. Set {input_name} above {run.step} to continue, or use a new run_name to start over.")
+        logging.warning(note)
+    return note
 
 
 # --- validate ----------------------------------------------------------------------------------------------
@@ -384,23 +411,27 @@ def validate(node_cls, run: TrainingSession, clip=None, vae=None, prompts="", ne
     lines = [line.strip() for line in (prompts or "").splitlines() if line.strip()]
     if lines and (clip is None or vae is None):
         raise ValueError("HeadroomValidate: validation prompts need the clip and vae inputs connected")
-    images = previews = None
+    images = previews = grid = None
     try:
         with run.phase("validation"):
             loss = run.validation_loss(times=loss_timesteps)
             if lines:
                 images, samples = sample_images(run, clip, vae, lines, negative, sample_seed, sample_steps, cfg,
                                                 sampler_name, scheduler, width, height, lora_application)
-                save_validation(run, images, samples)
+                grid = save_validation(run, images, samples)
                 previews = ui.PreviewImage(images, cls=node_cls)
     except BaseException as error:  # cancel, out of memory, a wrong input...: checkpoint kept, device memory freed
         run.fail("validation", error)
         raise
     finally:
-        # policy encoders="unload_after_use": text encoder and VAE leave the device once validation is done.
+        # policy encoders="unload_after_use" (default): text encoder and VAE leave the device once validation is done.
         for encoder in (clip, vae):
             if encoder is not None:
-                unload_encoder(encoder.patcher)
+                unload_encoder(encoder.patcher, run.policy)
+    if previews is not None:
+        output_dir = folder_paths.get_output_directory()
+        run.last_validation = {"step": run.step, "images": previews.values,
+                               "grid": os.path.relpath(grid, output_dir).replace(os.sep, "/")}
     send_event(VALIDATE_EVENT, {"node": _node_id(node_cls), "run": run.run_dir.name, "step": run.step,
                                 "val_loss": loss, "images": previews.values if previews is not None else []})
     return images, previews, loss
@@ -429,9 +460,15 @@ class HeadroomValidate(io.ComfyNode):
     @classmethod
     def execute(cls, run: TrainingSession, **inputs) -> io.NodeOutput:
         images, previews, loss = validate(cls, run, **inputs)
+        # The chart of the training node showing this run restores its thumbnails from here after a reload.
+        validation = {"run": run.run_dir.name, "step": run.step, "val_loss": loss,
+                      "images": previews.values if previews is not None else []}
+        ui_output = {**(previews.as_dict() if previews is not None else {}), VALIDATION_KEY: [validation]}
+        if previews is not None:
+            ui_output[SAVED_KEY] = [saved_file("validation grid", "output", run.last_validation["grid"])]
         if images is None:  # no prompts: only the loss; a black image keeps the IMAGE output connected
-            return io.NodeOutput(torch.zeros(1, 64, 64, 3), loss, run)
-        return io.NodeOutput(images, loss, run, ui=previews)
+            return io.NodeOutput(torch.zeros(1, 64, 64, 3), loss, run, ui=ui_output)
+        return io.NodeOutput(images, loss, run, ui=ui_output)
 
 
 # --- save / apply ------------------------------------------------------------------------------------------
@@ -481,9 +518,10 @@ class HeadroomSaveLora(io.ComfyNode):
         if not hasattr(run, "adapters"):
             raise ValueError("HeadroomSaveLora: the run is not a LoRA run (use Save ControlNet for ControlNet runs)")
         try:
-            return io.NodeOutput(save_lora(run, subfolder, filename, dtype))
+            name = save_lora(run, subfolder, filename, dtype)
         except ValueError as error:
             raise ValueError(f"HeadroomSaveLora: {error}") from error
+        return io.NodeOutput(name, ui={SAVED_KEY: [saved_file("LoRA", "loras", name)]})
 
 
 class HeadroomApplyTrainedLora(io.ComfyNode):
@@ -524,25 +562,31 @@ def _schedule_inputs(subfolder_input: str) -> list:
     ]
 
 
-def train_validate_save(node_cls, start, save, steps: int, validate_every: int, save_every: int, inputs: dict):
+def train_validate_save(node_cls, start, save, steps: int, validate_every: int, save_every: int, inputs: dict,
+                        saved_as: tuple[str, str] = ("LoRA", "loras")):
     """The all-in-one loop: `start(**init inputs)` builds or resumes the run, which then trains to `steps`,
     validating every `validate_every` and saving (`save(run)` -> name) every `save_every` steps, and at the end.
     Returns (run, saved name, validation loss, UI output)."""
     validation = {k: v for k, v in inputs.items() if k in VALIDATION_NAMES}
     run = start(**{k: v for k, v in inputs.items() if k not in VALIDATION_NAMES})
-    previews, loss, name = None, float("nan"), ""
+    note = steps_note(node_cls.__name__, run, steps, "steps")
+    previews, loss, name, saved = None, float("nan"), "", []
     while True:
         target = min(t for t in (steps, _next(run.step, validate_every), _next(run.step, save_every)) if t)
         run.train_to(target, node_id=_node_id(node_cls))
         done = run.step >= steps
         if done or (validate_every and run.step % validate_every == 0):
             _, previews, loss = validate(node_cls, run, **validation)
+            if previews is not None:
+                saved.append(saved_file("validation grid", "output", run.last_validation["grid"]))
         if done or (save_every and run.step % save_every == 0):
             name = save(run)
+            saved.append(saved_file(*saved_as, name))
         if done:
             break
-    outputs = {**(previews.as_dict() if previews is not None else {}), HISTORY_KEY: [run.history(steps)],
-               "text": [run.precision_note]}
+    history = {**run.history(steps), **({"note": note} if note else {})}
+    outputs = {**(previews.as_dict() if previews is not None else {}), HISTORY_KEY: [history],
+               "text": [run.precision_note, *([note] if note else [])], SAVED_KEY: saved}
     return run, name, loss, outputs
 
 

@@ -22,7 +22,6 @@ CHROMIUM_FLAGS = [
     "--disable-background-networking", "--disable-component-update", "--disable-sync",
 ]
 DEMO = "tiny_lora"
-BROWSER_STEPS = 6  # enough points for a curve, few enough for a CPU
 
 if CHROMIUM is None:
     pytest.skip("browser tests skipped: no `chromium` on PATH (run .ci/setup-browser)", allow_module_level=True)
@@ -139,29 +138,25 @@ def node_id_of(workflow: dict, node_type: str) -> str:
     return str(next(node["id"] for node in workflow["nodes"] if node["type"] == node_type))
 
 
-def set_widget(page, node_id: str, name: str, value) -> None:
-    page.evaluate("""([id, name, value]) => {
-        const widget = window.app.graph.getNodeById(id).widgets.find((w) => w.name === name);
-        if (!widget) throw new Error(`node ${id} has no widget ${name}`);
-        widget.value = value;
-    }""", [node_id, name, value])
+def chart_state(page, node_id: str) -> dict:
+    """What the node's live view holds and drew, and whether its thumbnails loaded."""
+    return page.evaluate("""(id) => {
+        const view = window.app.graph.getNodeById(id).headroomLive;
+        const images = [...view.thumbnails.querySelectorAll('img')];
+        return {run: window.__headroomLive.run(id), drawn: window.__headroomLive.drawnPoints(id),
+                thumbnails: images.length, thumbnails_loaded: images.filter((i) => i.complete && i.naturalWidth > 0).length};
+    }""", node_id)
 
 
-def test_live_chart_draws_while_training_and_after_reload(comfy_server, browser_page):
-    page, log = browser_page
-    workflow = json.loads((WORKFLOWS / f"{DEMO}.json").read_text())
-    train_node = node_id_of(workflow, "HeadroomTrainSteps")
-    init_node = node_id_of(workflow, "HeadroomTrainLoraInit")
-    load_workflow(page, workflow)
+def falls(values: list[float]) -> bool:
+    """The loss falls over the run: the mean of its last quarter is below that of its first quarter (per-step
+    loss is noisy, its trend is what the chart shows)."""
+    quarter = max(len(values) // 4, 1)
+    return sum(values[-quarter:]) / quarter < sum(values[:quarter]) / quarter
 
-    widget_nodes = headroom_widget_nodes(page)
-    assert widget_nodes == ["HeadroomTrainSteps"], f"the live view belongs on training nodes only, got {widget_nodes}"
 
-    # A run name of its own: a run that already reached its steps would resume and train nothing. (The chart
-    # may already show an earlier run of this node from the server's history: the name tells them apart.)
-    run_name = f"browser_{uuid.uuid4().hex[:8]}"
-    set_widget(page, init_node, "run_name", run_name)
-    set_widget(page, train_node, "steps", BROWSER_STEPS)
+def queue_in_editor(page) -> None:
+    """Queue the editor's graph; `window.__testOutcome` becomes 'success' or the error when it ends."""
     page.evaluate("""() => {
         window.__testOutcome = null;
         const api = window.comfyAPI.api.api;
@@ -170,7 +165,39 @@ def test_live_chart_draws_while_training_and_after_reload(comfy_server, browser_
     }""")
     page.evaluate("async () => { await window.app.queuePrompt(0, 1); }")
 
-    # Points arrive while the workflow is still running (training, then validation and saving).
+
+def demo_workflow(run_name: str) -> tuple[dict, str]:
+    """The shipped UI workflow with its Init node's run_name set: (workflow, training node id)."""
+    workflow = json.loads((WORKFLOWS / f"{DEMO}.json").read_text())
+    init = next(node for node in workflow["nodes"] if node["type"] == "HeadroomTrainLoraInit")
+    assert isinstance(init["widgets_values"][0], str), init  # run_name: the Init node's first widget
+    init["widgets_values"][0] = run_name
+    return workflow, node_id_of(workflow, "HeadroomTrainSteps")
+
+
+class LossDoesNotFall(AssertionError):
+    """The demo's chart shows no learning (checked last, after everything else the test asserts)."""
+
+
+# Only this one failure is expected, and strictly: every other assertion fails the test as usual, and once the
+# shipped workflow learns, the test passes unexpectedly and fails, so the marker is removed then.
+@pytest.mark.xfail(strict=True, raises=LossDoesNotFall,
+                   reason="the shipped tiny_lora workflow trains a random-weight tiny model whose loss stays flat "
+                   "(issue 14: a pretrained tiny model that learns); remove this marker when the demo learns")
+def test_live_chart_draws_a_falling_loss_and_everything_comes_back_after_reload(comfy_server, browser_page):
+    """The shipped workflow as it is (its own steps, model and data), under a run name of its own: a run that
+    already reached its steps would resume and train nothing."""
+    page, log = browser_page
+    run_name = f"browser_{uuid.uuid4().hex[:8]}"
+    workflow, train_node = demo_workflow(run_name)
+    steps = next(node["widgets_values"][0] for node in workflow["nodes"] if node["type"] == "HeadroomTrainSteps")
+    load_workflow(page, workflow)
+    widget_nodes = headroom_widget_nodes(page)
+    assert widget_nodes == ["HeadroomTrainSteps"], f"the live view belongs on training nodes only, got {widget_nodes}"
+    assert page.evaluate("(id) => window.__headroomLive.runName(id)", train_node) == run_name
+    assert chart_state(page, train_node)["run"] is None, "a never-run run name must show an empty chart"
+
+    queue_in_editor(page)
     page.wait_for_function(
         "([id, name]) => (window.__headroomLive.run(id)?.run === name && window.__headroomLive.points(id) > 0)"
         " || window.__testOutcome !== null", arg=[train_node, run_name], timeout=300_000)
@@ -181,22 +208,72 @@ def test_live_chart_draws_while_training_and_after_reload(comfy_server, browser_
     assert outcome == "success", f"the demo workflow failed in the editor: {outcome}\n{comfy_server.log_tail()}"
 
     show_node(page, train_node)
-    run = page.evaluate("(id) => window.__headroomLive.run(id)", train_node)
-    drawn = page.evaluate("(id) => window.__headroomLive.drawnPoints(id)", train_node)
+    page.wait_for_function("(id) => [...window.app.graph.getNodeById(id).headroomLive.thumbnails"
+                           ".querySelectorAll('img')].every((i) => i.complete)", arg=train_node, timeout=30_000)
+    live = chart_state(page, train_node)
     page.screenshot(path=str(ARTIFACTS / "live_chart.png"))
-    assert run["run"] == run_name and run["steps"] == list(range(1, BROWSER_STEPS + 1)), run
-    assert drawn == BROWSER_STEPS, f"the chart drew {drawn} of {BROWSER_STEPS} loss points"
+    run = live["run"]
+    assert run["run"] == run_name and run["steps"] == list(range(1, steps + 1)), run
+    assert live["drawn"] == steps, f"the chart drew {live['drawn']} of {steps} loss points"
     assert chart_pixels(page, train_node) > 1000, "the chart canvas is blank"
+    assert all(lr is not None for lr in run["lrs"]) and all(rss is not None for rss in run["rss"]), run
+    assert live["thumbnails"] > 0 and live["thumbnails_loaded"] == live["thumbnails"], live
 
-    # After a reload the editor restores the workflow; the chart comes back from the run's history.
+    # After a reload the editor restores the workflow, and the chart all it showed: loss, lr, memory, thumbnails.
     page.reload()
     open_editor(page, comfy_server.url)
-    page.wait_for_function("(id) => window.__headroomLive.drawnPoints(id) > 0", arg=train_node, timeout=60_000)
+    page.wait_for_function("(id) => window.__headroomLive.drawnPoints(id) > 0 && [...window.app.graph.getNodeById(id)"
+                           ".headroomLive.thumbnails.querySelectorAll('img')].every((i) => i.complete)",
+                           arg=train_node, timeout=60_000)
     show_node(page, train_node)
-    restored = page.evaluate("(id) => window.__headroomLive.run(id)", train_node)
+    restored = chart_state(page, train_node)
     page.screenshot(path=str(ARTIFACTS / "live_chart_after_reload.png"))
     log.save("console_live_and_reload.log")
-    assert restored["steps"] == run["steps"] and restored["run"] == run["run"], restored
+    back = restored["run"]
+    assert (back["run"], back["steps"], back["loss"]) == (run["run"], run["steps"], run["loss"])
+    assert back["lrs"] == pytest.approx(run["lrs"], rel=1e-3) and back["lr"] == pytest.approx(run["lr"], rel=1e-3)
+    assert back["rss"] == pytest.approx(run["rss"], abs=2**20)  # carried in whole MiB
+    assert (back["val_steps"], back["images"]) == (run["val_steps"], run["images"]) and back["s_per_step"] > 0
+    assert restored["drawn"] == steps and restored["thumbnails_loaded"] == live["thumbnails"], restored
+    assert log.headroom_errors() == [], "\n".join(log.headroom_errors())
+    if not falls(run["loss"]):
+        raise LossDoesNotFall(f"the loss does not fall over the demo's {steps} steps: {run['loss']}")
+
+
+def test_a_graph_never_shows_another_runs_data(comfy_server, browser_page):
+    """The same node ids under other run names: another client's run (headless, same workflow) never lands on
+    the chart, live or from /history, and a freshly loaded graph starts empty; its own run does come back."""
+    page, log = browser_page
+    mine, other = f"mine_{uuid.uuid4().hex[:8]}", f"other_{uuid.uuid4().hex[:8]}"
+    workflow, train_node = demo_workflow(mine)
+    load_workflow(page, workflow)
+
+    prompt = json.loads((WORKFLOWS / f"{DEMO}_api.json").read_text())
+    init = next(n for n in prompt.values() if n["class_type"] == "HeadroomTrainLoraInit")
+    train = next(n for n in prompt.values() if n["class_type"] == "HeadroomTrainSteps")
+    init["inputs"]["run_name"], train["inputs"]["steps"] = other, 3
+    seen = []
+    comfy_server.run_workflow(prompt, timeout=600, on_event=lambda m: seen.append(m["type"]))
+    assert "headroom.train.step" in seen  # the events went out (to every client) while the page was open
+    show_node(page, train_node)
+    page.screenshot(path=str(ARTIFACTS / "other_run_not_shown_live.png"))
+    assert chart_state(page, train_node)["run"] is None, "another client's run was drawn on this graph"
+
+    fresh, _ = demo_workflow(f"fresh_{uuid.uuid4().hex[:8]}")
+    load_workflow(page, fresh)
+    page.wait_for_timeout(1000)  # the restore from /history has run (or would have)
+    show_node(page, train_node)
+    page.screenshot(path=str(ARTIFACTS / "fresh_graph_empty.png"))
+    assert chart_state(page, train_node)["run"] is None, "a fresh graph shows another run's chart"
+
+    # Positive control: the graph that names the headless run shows that run, from /history.
+    own, _ = demo_workflow(other)
+    load_workflow(page, own)
+    page.wait_for_function("(id) => window.__headroomLive.drawnPoints(id) > 0", arg=train_node, timeout=30_000)
+    state = chart_state(page, train_node)
+    show_node(page, train_node)
+    page.screenshot(path=str(ARTIFACTS / "own_run_restored.png"))
+    assert state["run"]["run"] == other and state["run"]["steps"] == [1, 2, 3], state
     assert log.headroom_errors() == [], "\n".join(log.headroom_errors())
 
 

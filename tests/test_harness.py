@@ -18,6 +18,7 @@ from server_harness import WorkflowError, start_comfy_server
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 HEADROOM_RUN = REPO_ROOT / "workflows" / "headroom_run.py"
 DEMO_WORKFLOW = REPO_ROOT / "workflows" / "demo_tiny_api.json"
+TINY_LORA_WORKFLOW = REPO_ROOT / "workflows" / "tiny_lora_api.json"
 FAMILIES = ["sd15", "sd3", "flux"]
 
 
@@ -146,6 +147,41 @@ def test_headroom_run_succeeds_and_applies_set(comfy_server, tmp_path):
     relative_path = output_lines[0].split()[1]
     assert relative_path.startswith("output/cli/run_")
     assert Image.open(comfy_server.base_dir / relative_path).size == (32, 48)
+
+
+@pytest.mark.server
+def test_headroom_run_prints_progress_saved_files_and_notes_with_or_without_websocket(comfy_server, tmp_path):
+    """The demo workflow headless: training progress lines, the saved LoRA (relative to ComfyUI's models/ folder)
+    and validation grid, previews marked temporary. Then without websocket-client: a warning, polling lines, the
+    same summary, and the note that lowering steps trained nothing."""
+    run_name = f"cli_{time.time_ns()}"
+    workflow = json.loads(TINY_LORA_WORKFLOW.read_text())
+    set_run = ["--set", f"HeadroomTrainLoraInit.run_name={run_name}"]
+    result = run_headroom_run(comfy_server, workflow, tmp_path, *set_run, "--set", "HeadroomTrainSteps.steps=4",
+                              timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    assert any(line.strip().startswith("step 4/4  loss ") for line in lines), result.stdout
+    lora = f"models/loras/headroom/{run_name}_step000004.safetensors"
+    grid = f"output/headroom_runs/{run_name}/validation/step_00000004.png"
+    assert f"saved LoRA: {lora}" in lines and f"saved validation grid: {grid}" in lines, result.stdout
+    assert (comfy_server.base_dir / lora).is_file() and (comfy_server.base_dir / grid).is_file()
+    assert [line for line in lines if "temp/" in line] and all(
+        line.startswith("preview (temporary): temp/") for line in lines if "temp/" in line), result.stdout
+
+    without_websocket = ("import runpy, sys; sys.modules['websocket'] = None; sys.argv = sys.argv[1:]; "
+                         "runpy.run_path(sys.argv[0], run_name='__main__')")
+    workflow_path = tmp_path / "workflow_api.json"  # written by run_headroom_run above
+    result = subprocess.run(
+        [sys.executable, "-c", without_websocket, str(HEADROOM_RUN), str(workflow_path), "--port",
+         str(comfy_server.port), *set_run, "--set", "HeadroomTrainSteps.steps=3"],
+        check=False, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "websocket-client is not installed" in result.stderr and "pip install websocket-client" in result.stderr
+    lines = result.stdout.splitlines()
+    assert any(line.startswith(("queued (", "running (")) for line in lines), result.stdout
+    assert any(line.startswith(f"note: HeadroomTrainSteps: run '{run_name}' is at step 4, past steps=3") for line in lines)
+    assert f"saved LoRA: {lora}" in lines, result.stdout
 
 
 @pytest.mark.server

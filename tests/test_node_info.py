@@ -36,3 +36,30 @@ def test_display_names_and_categories_follow_one_convention(headroom_info):
     categories = {name: node["category"] for name, node in headroom_info.items()}
     assert {categories[name] for name in DATA_NODES} == {"Headroom/data"}, categories
     assert all(category.startswith("Headroom/") for category in categories.values()), categories
+
+
+def test_default_resolutions_agree(headroom_info):
+    """The nodes a user wires together start at one size (SD1.5's native 512), so the defaults never rescale
+    the dataset or sample at a size it was not trained at."""
+    def default(node: str, name: str) -> int:
+        spec = {**headroom_info[node]["input"].get("required", {}), **headroom_info[node]["input"].get("optional", {})}
+        return spec[name][1]["default"]
+
+    defaults = {(node, name): default(node, name) for node, name in [
+        ("HeadroomSyntheticDataset", "resolution"), ("HeadroomDatasetFromImages", "resolution"),
+        ("HeadroomDatasetFromFolder", "resolution"), ("HeadroomValidate", "width"), ("HeadroomValidate", "height"),
+        ("HeadroomTrainLora", "width"), ("HeadroomTrainControlNet", "height")]}
+    assert set(defaults.values()) == {512}, defaults
+
+
+def test_errors_name_a_clean_exception_type(comfy_server):
+    """ComfyUI names an exception's type module + "." + class, and imports a custom node package under its
+    folder path: our own exception types must not show that path."""
+    prompt = {"1": {"class_type": "HeadroomDatasetFromFolder",
+                    "inputs": {"folder": "no_such_dataset", "control_folder": "", "resolution": 64, "step": 64,
+                               "crop": "center", "flip": False, "seed": 0, "skip_bad": False}},
+              "2": {"class_type": "PreviewAny", "inputs": {"source": ["1", 0]}}}
+    execution = comfy_server.wait(comfy_server.queue(prompt), timeout=120)
+    assert execution.status == "error", execution
+    assert execution.error["exception_type"] == "headroom.training.dataset.DatasetError", execution.error
+    assert "no_such_dataset" in execution.error["exception_message"]

@@ -106,3 +106,20 @@ def test_memory_features_streaming_undone_after_an_error():
     assert not streamer.active
     assert all(b.inner.weight is w for b, w in zip(blocks, weights))
     assert all(not b._forward_pre_hooks for b in blocks)
+
+
+
+def test_exception_types_carry_a_clean_module_name():
+    """ComfyUI's error report names a type module + "." + class, and its custom node loader imports this package
+    under its folder path: our exception types say headroom.<module> wherever the package was imported from."""
+    from headroom.training import public_module
+    from headroom.training.cache_store import CacheStoreError
+    from headroom.training.dataset import DatasetError
+    from headroom.training.oom import PhaseOutOfMemoryError
+    from headroom.training.trainer import NonFiniteLossError
+
+    assert public_module("/home/me/ComfyUI/custom_nodes/comfyui-headroom.training.dataset") == "headroom.training.dataset"
+    assert public_module("comfyui_headroom.nodes.controlnet_build") == "headroom.nodes.controlnet_build"
+    assert public_module("elsewhere") == "elsewhere"
+    for error in (PolicyError, CacheStoreError, DatasetError, PhaseOutOfMemoryError, NonFiniteLossError):
+        assert error.__module__.startswith("headroom.training.") and "/" not in error.__module__, error

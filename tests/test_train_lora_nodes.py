@@ -447,3 +447,84 @@ def test_low_bit_base_storage_trains_on_low_bit_layers_and_leaves_the_shared_mod
     assert low_bit_layers(run.patcher) > 0
     run.release()
     assert low_bit_layers(model) == 0
+
+
+@pytest.mark.parametrize("encoders", ["unload_after_use", "keep_loaded"])
+def test_policy_encoders_unloads_or_keeps_text_encoder_and_vae(comfyui, encoders):
+    """The policy's `encoders` choice, in caching and in validation: unloaded after use, or left to ComfyUI."""
+    from headroom.nodes import cache as cache_nodes, train_lora as T
+    from headroom.nodes.cache import is_loaded
+    from headroom.training.synthetic import generate_shapes
+
+    model, clip, vae, latents, texts = _data("sd15", count=2)
+    policy = _policy(encoders=encoders)
+    kept = encoders == "keep_loaded"
+    with torch.inference_mode():
+        # Items no cache holds yet (a seed of this case's own): the encoders really load and run.
+        data = generate_shapes(2, 32, seed=100 + kept)
+        dataset = cache_nodes.HeadroomDatasetFromImages.execute(data.images, "\n".join(data.captions), 32, 32,
+                                                                "center", False, 0).args[0]
+        cache_nodes.HeadroomCacheLatents.execute(dataset, vae, policy=policy)
+        cache_nodes.HeadroomCacheText.execute(dataset, clip, policy=policy)
+    assert is_loaded(vae.patcher) == kept and is_loaded(clip.patcher) == kept
+    comfy_unload(vae, clip)
+    run = _init(model, latents, texts, f"encoders_{encoders}", rank=4, policy=policy)
+    T.HeadroomTrainSteps.execute(run, 1)
+    T.HeadroomValidate.execute(run, clip=clip, vae=vae, prompts="a red circle", negative="", sample_seed=0,
+                               sample_steps=1, cfg=1.0, sampler_name="euler", scheduler="normal", width=32, height=32,
+                               loss_timesteps=1)
+    assert is_loaded(vae.patcher) == kept and is_loaded(clip.patcher) == kept
+    comfy_unload(vae, clip)
+
+
+def comfy_unload(*encoders):
+    import comfy.model_management
+
+    for encoder in encoders:
+        comfy.model_management.unload_model_and_clones(encoder.patcher)
+
+
+def test_history_output_carries_lr_memory_and_validation_images(comfyui):
+    """What the chart restores from after a page reload: per step loss, lr and memory (MiB; RSS on a CPU), the
+    speed, and the last validation's images, in the training node's UI output; the Validate node's own output
+    names its run, step, loss and images."""
+    from headroom.nodes import train_lora as T
+
+    model, clip, vae, latents, texts = _data("sd15", count=2)
+    run = _init(model, latents, texts, "history_extras", rank=4, schedule="linear", schedule_steps=4)
+    with torch.inference_mode():
+        history = T.HeadroomTrainSteps.execute(run, 3).ui[T.HISTORY_KEY][0]
+        validate = T.HeadroomValidate.execute(run, clip=clip, vae=vae, prompts="a red circle\na blue square",
+                                              negative="", sample_seed=0, sample_steps=1, cfg=1.0,
+                                              sampler_name="euler", scheduler="normal", width=32, height=32,
+                                              loss_timesteps=1)
+        later = T.HeadroomTrainSteps.execute(run, 4).ui[T.HISTORY_KEY][0]
+    assert history["steps"] == [1, 2, 3] and len(history["loss"]) == 3
+    assert history["lr"] == [pytest.approx(1e-2 * (1 - s / 4), rel=1e-3) for s in (1, 2, 3)]  # linear decay, as reported after each step
+    assert set(history["memory_mib"]) == {"rss"} and all(v > 10 for v in history["memory_mib"]["rss"])
+    assert history["s_per_step"] > 0 and "images" not in history
+
+    [validation] = validate.ui[T.VALIDATION_KEY]
+    assert validation["run"] == "history_extras" and validation["step"] == 3
+    assert validation["val_loss"] == validate.args[1] and len(validation["images"]) == 2  # one per prompt
+    assert validate.ui["images"] == validation["images"]
+    assert later["steps"] == [1, 2, 3, 4] and len(later["lr"]) == len(later["memory_mib"]["rss"]) == 4
+    assert later["images"] == validation["images"] and later["images_step"] == 3
+    assert later["val_steps"] == [3]
+
+
+def test_train_steps_at_or_below_the_run_step_says_so(comfyui, caplog):
+    from headroom.nodes import train_lora as T
+
+    model, clip, vae, latents, texts = _data("sd15", count=2)
+    run = _init(model, latents, texts, "lowered_steps", rank=4)
+    with torch.inference_mode():
+        assert "text" not in T.HeadroomTrainSteps.execute(run, 3).ui
+        with caplog.at_level("WARNING"):
+            lowered = T.HeadroomTrainSteps.execute(run, 2)
+        same = T.HeadroomTrainSteps.execute(run, 3)
+    assert run.step == 3 and lowered.args[2] == 3
+    [note] = lowered.ui["text"]
+    assert "at step 3, past steps=2: nothing trained" in note and "above 3" in note
+    assert lowered.ui[T.HISTORY_KEY][0]["note"] == note and note in caplog.text
+    assert "at step 3 already: nothing to train" in same.ui["text"][0]

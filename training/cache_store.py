@@ -43,6 +43,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from . import public_module
 from .buckets import CropPlan, apply_crop, make_buckets, nearest_bucket, plan_crop
 from .dataset import Dataset, DatasetError
 
@@ -58,6 +59,8 @@ FINGERPRINT_SAMPLES = 1024  # values sampled from each weight tensor
 
 class CacheStoreError(RuntimeError):
     """A cache folder problem (unwritable, disk full); the message names the path and the fix."""
+
+    __module__ = public_module(__name__)  # a clean type name in ComfyUI's error report
 
 
 # ---------------------------------------------------------------------------------------------------

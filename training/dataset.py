@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+from . import public_module
 from .buckets import CROP_MODES
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
@@ -25,6 +26,8 @@ _SWAPPED_EXIF_ORIENTATIONS = (5, 6, 7, 8)  # rotated by 90 degrees: width and he
 
 class DatasetError(ValueError):
     """A problem with the dataset's files or inputs; the message names the file and the fix."""
+
+    __module__ = public_module(__name__)  # a clean type name in ComfyUI's error report
 
 
 class FileImage:

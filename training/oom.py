@@ -17,12 +17,15 @@ from typing import Callable
 
 import torch
 
+from . import public_module
 from .planner import Plan
 from .policy import GIB
 
 
 class PhaseOutOfMemoryError(RuntimeError):
     """The device ran out of memory in a phase of a run; the message names the next policy to try."""
+
+    __module__ = public_module(__name__)  # a clean type name in ComfyUI's error report
 
     def __init__(self, message: str, phase: str, peak_bytes: int | None, next_plan: Plan | None):
         super().__init__(message)

@@ -23,6 +23,7 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
+from . import public_module
 from .cache_store import bucket_batches
 from .objective import Objective, ObjectiveConfig, SamplingDescriptor, step_seed
 from .optimizer_parking import HostOptimizer, parked
@@ -109,6 +110,8 @@ def _forked_rng():
 
 class NonFiniteLossError(RuntimeError):
     """The loss became NaN or infinite; the message names the step and the likely cause."""
+
+    __module__ = public_module(__name__)  # a clean type name in ComfyUI's error report
 
 
 @dataclasses.dataclass

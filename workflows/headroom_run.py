@@ -7,13 +7,16 @@
 NODE is a node id, a node title (`_meta.title`) or a class type that occurs once. VALUE is read as
 JSON when it parses (numbers, true/false, lists), else as a plain string. Progress comes from
 ComfyUI's websocket: node progress bars and Headroom's `headroom.train.step` events (loss, lr,
-speed, memory). Exit status: 0 success (output files are listed), 1 the workflow failed (ComfyUI's
-error text is printed), 2 bad arguments or workflow file, 3 ComfyUI unreachable, 124 timeout,
-130 Ctrl-C (the prompt is taken off the queue / interrupted first, so ComfyUI is left idle).
+speed, memory). At the end it lists what was saved (LoRA / ControlNet files relative to ComfyUI's
+models/ folder, validation grids under output/), then the other output files and temporary previews.
+Exit status: 0 success, 1 the workflow failed (ComfyUI's error text is printed), 2 bad arguments or
+workflow file, 3 ComfyUI unreachable, 124 timeout, 130 Ctrl-C (the prompt is taken off the queue /
+interrupted first, so ComfyUI is left idle).
 
 Standard library plus `websocket-client` only (no ComfyUI, no torch), so it runs from any Python;
-without websocket-client it still works by polling /history, without live progress. The test
-harness (tests/server_harness.py) drives its servers through `ComfyClient` from this file.
+without websocket-client it says so and follows the prompt by polling /queue and /history (a line
+every few seconds, no per-step progress). The test harness (tests/server_harness.py) drives its
+servers through `ComfyClient` from this file.
 """
 from __future__ import annotations
 
@@ -34,6 +37,14 @@ except ImportError:  # polling /history still works, only live progress is lost
     websocket = None
 
 TERMINAL_EVENTS = ("execution_success", "execution_error", "execution_interrupted")
+POLL_EVENT = "headroom_run.poll"  # made up here, without a websocket: {"state": "queued" | "running", "elapsed_s"}
+SAVED_KEY = "headroom_saved"  # Headroom nodes' UI output: [{"kind", "folder", "name"}] of the files they saved
+HISTORY_KEY = "headroom_history"  # training nodes' UI output; its "note" says why nothing was trained
+NO_WEBSOCKET_WARNING = (
+    "warning: the Python package websocket-client is not installed, so there is no live progress (steps, loss);\n"
+    "         following the prompt by polling ComfyUI's /queue and /history instead.\n"
+    "         For progress lines: pip install websocket-client"
+)
 
 
 class WorkflowError(RuntimeError):
@@ -49,6 +60,10 @@ class Execution:
     error: dict | None  # ComfyUI's execution_error / execution_interrupted message data
     outputs: dict  # /history outputs: node id -> that node's UI output
     events: list[dict]  # websocket messages seen while waiting: {"type": ..., "data": ...}
+
+    def ui_entries(self, key: str) -> list:
+        """Every node's entries of one UI output key (e.g. "headroom_saved"), in node order."""
+        return [item for node_output in self.outputs.values() for item in node_output.get(key) or []]
 
     def files(self) -> list[dict]:
         """Every output file reference ({"filename", "subfolder", "type"}) in node order."""
@@ -187,7 +202,8 @@ class ComfyClient:
     def wait(self, prompt_id: str, timeout: float = 600, on_event=None) -> Execution:
         """Wait until the prompt ends: follow its websocket events up to the terminal one, then read
         the outcome and outputs from /history (polled alone when there is no websocket)."""
-        deadline = time.monotonic() + timeout
+        started = time.monotonic()
+        deadline = started + timeout
         events: list[dict] = []
         finished = False
         while True:
@@ -200,6 +216,12 @@ class ComfyClient:
                 status = entry.get("status") or {}
                 if status.get("completed") or status.get("status_str") == "error":
                     return _execution_from_history(prompt_id, entry, events)
+                if not finished and on_event is not None:  # no websocket: where the prompt is, from /queue
+                    state = self.queue_state()
+                    running = any(item[1] == prompt_id for item in state["queue_running"])
+                    on_event({"type": POLL_EVENT, "data": {"prompt_id": prompt_id,
+                                                           "state": "running" if running else "queued",
+                                                           "elapsed_s": time.monotonic() - started}})
                 # ComfyUI writes /history a moment after the terminal event.
                 time.sleep(0.1 if finished else 0.5)
                 continue
@@ -306,11 +328,15 @@ def format_train_step(data: dict) -> str:
 class ProgressPrinter:
     """Turns websocket events into terminal lines; progress lines overwrite each other on a tty."""
 
+    POLL_EVERY_S = 10.0  # without a websocket: one "still running" line this often
+
     def __init__(self, workflow: dict, stream=sys.stdout):
         self.workflow = workflow
         self.stream = stream
         self.tty = stream.isatty()
-        self.last_progress_print = 0.0
+        self.last_print: dict[str, float] = {}  # per kind of progress line: when it was last printed (not a tty)
+        self.training_nodes: set[str] = set()  # nodes that send train steps: their plain progress bar is redundant
+        self.last_poll: tuple[str, float] | None = None
         self.open_line = False
 
     def _node_name(self, node_id) -> str:
@@ -324,7 +350,7 @@ class ProgressPrinter:
         self.stream.write(text + "\n")
         self.stream.flush()
 
-    def _progress(self, text: str, final: bool) -> None:
+    def _progress(self, text: str, final: bool, kind: str = "progress") -> None:
         if self.tty:
             self.stream.write("\r\033[K" + text)
             self.open_line = True
@@ -332,8 +358,8 @@ class ProgressPrinter:
                 self._line("")
                 self.open_line = False
             self.stream.flush()
-        elif final or time.monotonic() - self.last_progress_print >= 1.0:
-            self.last_progress_print = time.monotonic()
+        elif final or time.monotonic() - self.last_print.get(kind, 0.0) >= 1.0:
+            self.last_print[kind] = time.monotonic()
             self._line(text)
 
     def __call__(self, message: dict) -> None:
@@ -344,25 +370,47 @@ class ProgressPrinter:
             self._line(f"cached: {', '.join(self._node_name(n) for n in data['nodes'])}")
         elif kind == "executing" and data.get("node") is not None:
             self._line(f"node {self._node_name(data['node'])}")
-        elif kind == "progress":
+        elif kind == "progress" and str(data.get("node")) not in self.training_nodes:
             value, total = data.get("value", 0), data.get("max", 0) or 1
             filled = int(30 * value / total)
             bar = "#" * filled + "-" * (30 - filled)
             self._progress(f"  [{bar}] {value}/{total}", final=value >= total)
         elif kind == "headroom.train.step":
-            self._progress("  " + format_train_step(data), final=data.get("step") == data.get("total_steps"))
+            self.training_nodes.add(str(data.get("node")))
+            self._progress("  " + format_train_step(data), final=data.get("step") == data.get("total_steps"),
+                           kind=kind)
+        elif kind == POLL_EVENT:
+            state, elapsed = data.get("state"), data.get("elapsed_s", 0.0)
+            if self.last_poll is None or state != self.last_poll[0] or elapsed - self.last_poll[1] >= self.POLL_EVERY_S:
+                self.last_poll = (state, elapsed)
+                self._line(f"{state} ({elapsed:.0f} s)")
 
     def finish(self) -> None:
         if self.open_line:
             self._line("")
 
 
+def saved_path(entry: dict) -> str:
+    """Where a `headroom_saved` file lies, relative to ComfyUI's folder: models/<folder>/... or output/..."""
+    folder = entry.get("folder", "")
+    return f"{folder}/{entry.get('name')}" if folder in ("output", "input", "temp") else f"models/{folder}/{entry.get('name')}"
+
+
 def print_outputs(client: ComfyClient, execution: Execution) -> None:
+    """What the run left behind: saved files first (the LoRA / ControlNet a user came for), notes of training
+    nodes that trained nothing, then output files and temporary previews."""
+    for history in execution.ui_entries(HISTORY_KEY):
+        if isinstance(history, dict) and history.get("note"):
+            print(f"note: {history['note']}")
+    saved = [entry for entry in execution.ui_entries(SAVED_KEY) if isinstance(entry, dict)]
+    for entry in saved:
+        print(f"saved {entry.get('kind', 'file')}: {saved_path(entry)}")
     files = execution.files()
     for file in files:
         path = "/".join(part for part in (file.get("type", "output"), file.get("subfolder"), file["filename"]) if part)
-        print(f"output: {path}  ({client.view_url(file)})")
-    if not files:
+        label = "preview (temporary)" if file.get("type") == "temp" else "output"
+        print(f"{label}: {path}  ({client.view_url(file)})")
+    if not files and not saved:
         print("done (the workflow produced no output files)")
 
 
@@ -385,6 +433,8 @@ def main(argv: list[str] | None = None) -> int:
 
     client = ComfyClient(args.host, args.port)
     printer = ProgressPrinter(workflow)
+    if websocket is None:
+        print(NO_WEBSOCKET_WARNING, file=sys.stderr)
     prompt_id = None
     try:
         prompt_id = client.queue(workflow)
