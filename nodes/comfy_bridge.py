@@ -154,14 +154,18 @@ def replace_inference_tensors(module: torch.nn.Module) -> None:
     gradient of its input. On a GPU the load copies weights anyway (made normal by loading outside
     inference mode); on the CPU they are the loader's tensors, so they are cloned once here, the way
     ComfyUI's own weight patching swaps parameters (comfy.utils.set_attr_param).
+
+    One tensor at a time, holding only names: the replaced tensor is freed before the next is cloned, so the
+    weights never exist twice (a list of the parameters themselves kept every old one alive to the end:
+    +4.8 GiB for SDXL, +24 GB for Flux-dev).
     """
     with torch.inference_mode(False):
-        for name, param in list(module.named_parameters()):
-            if param.is_inference():
-                comfy.utils.set_attr_param(module, name, param.detach().clone())
-        for name, buffer in list(module.named_buffers()):
-            if buffer.is_inference():
-                comfy.utils.set_attr(module, name, buffer.clone())
+        names = [name for name, param in module.named_parameters() if param.is_inference()]
+        for name in names:
+            comfy.utils.set_attr_param(module, name, comfy.utils.get_attr(module, name).detach().clone())
+        names = [name for name, buffer in module.named_buffers() if buffer.is_inference()]
+        for name in names:
+            comfy.utils.set_attr(module, name, comfy.utils.get_attr(module, name).clone())
 
 
 def data_fingerprint(latent_cache) -> str:

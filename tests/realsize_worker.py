@@ -1,0 +1,350 @@
+"""One real-size model through Headroom's nodes, in a process of its own, as a workflow runs them.
+
+    python tests/realsize_worker.py sdxl --out result.json [--size 64 --steps 2 --no-checkpointing --planner]
+
+Run by the real-size tier (tests/test_realsize.py) and bench/bench_realsize.py, each model in a fresh process so
+that its peak RSS is its own. The flow:
+
+1. the MODEL / CLIP / VAE at real size (tests/realsize_models.py), made under inference mode as ComfyUI's loaders
+   make them; SDXL and Flux are written with ComfyUI's own save code (comfy.sd.save_checkpoint) into the throw-away
+   base directory and loaded back with the stock CheckpointLoaderSimple (SDXL: UNet + CLIP-L/G + VAE) or
+   UNETLoader (Flux), the path users take from a file on disk. ComfyUI runs as with `--cpu --bf16-unet`: bf16
+   storage, computed in fp32 through its manual cast;
+2. HeadroomSyntheticDataset -> HeadroomDatasetFromImages -> HeadroomCacheLatents + HeadroomCacheText ->
+   HeadroomTrainLoraInit (precision auto) -> HeadroomTrainSteps -> HeadroomValidate (a tiny sample) ->
+   HeadroomSaveLora -> the stock LoraLoader;
+3. the report: weight bytes, the RSS before the nodes ran (every model resident), each phase's peak RSS (the run's
+   own memory record, plus init and the stock loaders), s/step, the LoRA keys the stock loader mapped and the ones
+   it did not, whether the base weights are bitwise unchanged, and optionally the planner's estimate per phase.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import pathlib
+import platform
+import sys
+import time
+
+import torch
+
+TESTS_DIR = pathlib.Path(__file__).resolve().parent
+REPO_ROOT = TESTS_DIR.parent
+GIB = 1024 ** 3
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    arch: str  # tests/realsize_models.ARCHITECTURES
+    depth: object  # None: full size; SD3.5: joint blocks; Flux: (double, single) blocks
+    t5_layers: int  # T5-XXL encoder layers at real width (ignored without T5)
+    loader: str | None  # "checkpoint" (CheckpointLoaderSimple), "unet" (UNETLoader) or None (built in memory)
+
+
+CASES = {
+    "sdxl": Case("sdxl", None, 0, "checkpoint"),
+    "flux_dev": Case("flux_dev", (2, 2), 2, "unet"),
+    "sd35_large": Case("sd35_large", 3, 2, None),
+}
+
+
+def _register(name: str, path: pathlib.Path, package: bool = False):
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path, submodule_search_locations=[str(path.parent)] if package else None)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def setup() -> pathlib.Path:
+    """ComfyUI in-process on the CPU with a throw-away base directory, as `main.py --cpu --bf16-unet`; the
+    package as `headroom` (as tests/conftest.py registers it)."""
+    harness = _register("comfy_harness", TESTS_DIR / "comfy_harness.py")
+    base = harness.import_comfyui_in_process()
+    from comfy.cli_args import args
+
+    args.bf16_unet = True  # a CPU otherwise loads bf16 files as fp32 (twice the RAM): what low-RAM users pass
+    _register("headroom", REPO_ROOT / "__init__.py", package=True)
+    _register("realsize_models", TESTS_DIR / "realsize_models.py")
+    return base
+
+
+def rss() -> int:
+    from headroom.training.memory_stats import process_rss_bytes
+
+    return int(process_rss_bytes())
+
+
+class Peak:
+    """Peak RSS of a stretch of work (the kernel's high-water mark, reset at the start)."""
+
+    def __enter__(self):
+        from headroom.training.memory_stats import reset_peak
+
+        gc.collect()
+        self.start_rss = rss()
+        if not reset_peak("cpu"):
+            raise RuntimeError("this kernel cannot reset the peak RSS (/proc/self/clear_refs): no per-phase peaks")
+        self.started = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        from headroom.training.memory_stats import process_peak_rss_bytes
+
+        self.seconds = time.perf_counter() - self.started
+        self.peak_rss = process_peak_rss_bytes()
+        return False
+
+    def record(self, phase: str) -> dict:
+        return {"phase": phase, "seconds": self.seconds, "peak_rss_bytes": self.peak_rss, "start_rss_bytes": self.start_rss}
+
+
+def weights_digest(module: torch.nn.Module) -> str:
+    """sha256 of every weight's name, dtype, shape and bytes (no copy of the weights is made)."""
+    from headroom.training.cache_store import tensor_digest
+
+    hasher = hashlib.sha256()
+    for name, tensor in sorted(module.state_dict(keep_vars=True).items()):
+        hasher.update(f"{name}|{tensor_digest(tensor)}\n".encode())
+    return hasher.hexdigest()
+
+
+class _Capture(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def load_models(case: Case, base: pathlib.Path, seed: int = 0):
+    """(MODEL, CLIP, VAE, records of the build / save / load phases)."""
+    import comfy.sd
+    import folder_paths
+    import nodes
+    import realsize_models as R
+
+    records = []
+    spec = R.ARCHITECTURES[case.arch]
+    with torch.inference_mode():
+        if case.loader == "checkpoint":
+            with Peak() as peak:
+                model, clip, vae = R.build_family(case.arch, case.depth, case.t5_layers, seed)
+            records.append(peak.record("build (realsize_models)"))
+            path = pathlib.Path(folder_paths.get_folder_paths("checkpoints")[0]) / f"realsize_{case.arch}.safetensors"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with Peak() as peak:
+                comfy.sd.save_checkpoint(str(path), model, clip, vae)
+            records.append({**peak.record("save (comfy.sd.save_checkpoint)"), "file_bytes": path.stat().st_size})
+            del model, clip, vae
+            gc.collect()
+            with Peak() as peak:
+                model, clip, vae = nodes.CheckpointLoaderSimple().load_checkpoint(path.name)[:3]
+            records.append(peak.record("load (stock CheckpointLoaderSimple)"))
+        elif case.loader == "unet":
+            with Peak() as peak:
+                model = R.build_model(case.arch, case.depth, seed)
+            records.append(peak.record("build (realsize_models)"))
+            path = pathlib.Path(folder_paths.get_folder_paths("diffusion_models")[0]) / f"realsize_{case.arch}.safetensors"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with Peak() as peak:
+                comfy.sd.save_checkpoint(str(path), model)  # what the stock ModelSave node writes
+            records.append({**peak.record("save (comfy.sd.save_checkpoint)"), "file_bytes": path.stat().st_size})
+            del model
+            gc.collect()
+            with Peak() as peak:
+                model = nodes.UNETLoader().load_unet(path.name, "default")[0]
+            records.append(peak.record("load (stock UNETLoader)"))
+            clip = R.build_clip(spec["text_encoder"], case.t5_layers, seed + 1)
+            vae = R.build_vae(spec["latent_channels"], seed + 2)
+        else:
+            with Peak() as peak:
+                model, clip, vae = R.build_family(case.arch, case.depth, case.t5_layers, seed)
+            records.append(peak.record("build (realsize_models)"))
+    return model, clip, vae, records
+
+
+def run_case(name: str, size: int, steps: int, checkpointing: bool, planner_estimate: bool, count: int = 2) -> dict:
+    base = setup()
+    import comfy.model_management as mm
+    import nodes
+    import realsize_models as R
+    from headroom.nodes import cache as cache_nodes, data as data_nodes, train_lora as T
+
+    case = CASES[name]
+    torch.manual_seed(0)
+    model, clip, vae, records = load_models(case, base)
+    diffusion = model.model.diffusion_model
+    report = {
+        "case": name, "arch": case.arch, "depth": case.depth, "t5_layers": case.t5_layers, "loader": case.loader,
+        "size": size, "steps": steps, "gradient_checkpointing": checkpointing, "images": count,
+        "diffusion_params": sum(p.numel() for p in diffusion.parameters()),
+        "diffusion_bytes": R.tensor_bytes(diffusion), "diffusion_dtype": str(model.model.get_dtype()),
+        "manual_cast_dtype": str(model.model.manual_cast_dtype),
+        "text_encoder_bytes": R.tensor_bytes(clip.cond_stage_model), "vae_bytes": R.tensor_bytes(vae.first_stage_model),
+        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+                    "threads": torch.get_num_threads(), "python": platform.python_version(), "torch": torch.__version__},
+        "phases": records,
+    }
+    base_digest = weights_digest(diffusion)
+    gc.collect()
+    report["baseline_rss_bytes"] = rss()  # every model resident, before any Headroom node ran
+
+    captions = []
+    with torch.inference_mode():  # as ComfyUI runs nodes
+        images, caption_text, _ = data_nodes.HeadroomSyntheticDataset.execute(count, size, 0).args
+        captions = caption_text.splitlines()
+        dataset = cache_nodes.HeadroomDatasetFromImages.execute(images, caption_text, size, 64, "center", False, 0).args[0]
+        latents = cache_nodes.HeadroomCacheLatents.execute(dataset, vae).args[0]
+        texts = cache_nodes.HeadroomCacheText.execute(dataset, clip).args[0]
+        lora = T.HeadroomLoraConfig.execute("lora", 16, 16.0, "preset", False, 0.0, 0).args[0]
+        optimizer = T.HeadroomOptimizerConfig.execute("AdamW", 1e-4, 0.0, "constant", 0, 100).args[0]
+        with Peak() as peak:
+            init = T.HeadroomTrainLoraInit.execute(
+                model=model, latent_cache=latents, text_cache=texts, lora_config=lora, optimizer_config=optimizer,
+                run_name=f"realsize_{name}", seed=0, batch_size=1, grad_accumulation=1, precision="auto",
+                max_grad_norm=1.0, caption_dropout=0.0, timestep_sampling="uniform", loss_weighting="none",
+                min_snr_gamma=5.0, noise_offset=0.0, gradient_checkpointing=checkpointing, checkpoint_depth=1, holdout=0)
+        init_record = peak.record("init (HeadroomTrainLoraInit)")
+        run = init.args[0]
+        report["precision"] = run.trainer.config.precision
+        report["precision_note"] = init.ui.as_dict()["text"][0]
+        started = time.perf_counter()
+        loss = T.HeadroomTrainSteps.execute(run, steps).args[1]
+        report["train_seconds"] = time.perf_counter() - started
+        report["loss"] = float(loss)
+        T.HeadroomValidate.execute(run, clip=clip, vae=vae, prompts=captions[0], negative="", sample_seed=0,
+                                   sample_steps=2, cfg=2.0, sampler_name="euler", scheduler="simple", width=size,
+                                   height=size, loss_timesteps=1)
+        lora_name = T.HeadroomSaveLora.execute(run, "realsize", "", "fp32").args[0]
+        capture = _Capture()
+        logging.getLogger().addHandler(capture)
+        try:
+            with Peak() as peak:
+                lora_model = nodes.LoraLoader().load_lora(model, clip, lora_name, 1.0, 0.0)[0]
+        finally:
+            logging.getLogger().removeHandler(capture)
+        loader_record = peak.record("stock LoraLoader")
+    # The run's own memory record (caching, training, validation, save), with init and the stock loader in order.
+    recorded = json.loads(run.run_dir.memory_record_path.read_text())["phases"]
+    caching = [p for p in recorded if p["phase"].startswith("caching")]
+    report["phases"] += [*caching, init_record, *[p for p in recorded if p not in caching], loader_record]
+    steps_seconds = [p["seconds"] for p in report["phases"] if p["phase"] == "training"]
+    report["s_per_step"] = sum(steps_seconds) / steps
+    saved = run.adapters.comfy_state_dict()
+    modules = {key.rsplit(".lora_", 1)[0].rsplit(".alpha", 1)[0] for key in saved}
+    report["lora"] = {
+        "file": lora_name, "tensors": len(saved), "modules": len(modules), "layers": len(run.adapters.layers),
+        "patched_weights": len(lora_model.patches), "not_loaded": [m for m in capture.messages if "lora key not loaded" in m],
+    }
+    del lora_model
+    mm.unload_all_models()
+    run.release()
+    gc.collect()
+    report["base_unchanged"] = weights_digest(diffusion) == base_digest
+
+    if planner_estimate:  # last: measuring runs forwards of the model (training/planner.py)
+        report["planner"] = estimate(model, clip, vae, size, texts, latents, lora)
+    return report
+
+
+def replace_case(arch: str, depth) -> dict:
+    """nodes/comfy_bridge.replace_inference_tensors on a real-size model made under inference mode (as ComfyUI's
+    loaders make it): peak RSS growth against the model's weight bytes."""
+    setup()
+    import realsize_models as R
+    from headroom.nodes.comfy_bridge import replace_inference_tensors
+
+    with torch.inference_mode():
+        model = R.build_model(arch, depth)
+    diffusion = model.model.diffusion_model
+    assert all(p.is_inference() for p in diffusion.parameters())
+    largest = max(t.numel() * t.element_size() for t in [*diffusion.parameters(), *diffusion.buffers()])
+    with Peak() as peak:
+        replace_inference_tensors(diffusion)
+    assert not any(t.is_inference() for t in [*diffusion.parameters(), *diffusion.buffers()])
+    return {"arch": arch, "depth": depth, "weight_bytes": R.tensor_bytes(diffusion), "largest_tensor_bytes": largest,
+            **peak.record("replace_inference_tensors")}
+
+
+def estimate(model, clip, vae, size: int, texts, latents, lora) -> dict:
+    """The planner's estimate per phase for this run's shape, with and without gradient checkpointing."""
+    from headroom.nodes.memory import describe_comfy_model, lora_target_paths
+    from headroom.training import planner
+    from headroom.training.policy import OffloadPolicy
+
+    tokens = int(texts.conditioning(latents.text_key(0))["cross_attn"].shape[0])
+    with Peak() as peak:
+        description = describe_comfy_model(model, lora, "fp32", tokens, clip, vae)
+    diffusion = model.model.diffusion_model
+    trainable = planner.TrainableSpec.lora([diffusion.get_submodule(p) for p in lora_target_paths(model, lora)], lora.rank)
+    shape = planner.RunShape(1, size, size, tokens)
+    out = {"describe": peak.record("planner describe"), "text_tokens": tokens}
+    for label, checkpointing in (("checkpointing", "blocks"), ("no_checkpointing", "off")):
+        plan = planner.estimate(description, trainable, shape, OffloadPolicy(checkpointing=checkpointing))
+        out[label] = {p.phase: {"total_bytes": p.total, "items": dict(p.items)} for p in plan.phases}
+    return out
+
+
+# planner phase -> (the run's memory-record phase, the resident weights that phase works with)
+COMPARED = {
+    "caching (text encoders)": ("caching text", "text_encoder_bytes"),
+    "caching (VAE encode)": ("caching latents", "vae_bytes"),
+    "training step": ("training", "diffusion_bytes"),
+    "validation": ("validation", "diffusion_bytes"),
+    "save": ("save", "diffusion_bytes"),
+}
+
+
+def compare(report: dict, planner_key: str = "checkpointing") -> dict:
+    """Per phase: measured = the weights the phase works with + its peak RSS growth over the baseline (every model
+    resident before the nodes ran); the planner's estimate of that phase (device bytes: on a CPU, host RAM); ratio."""
+    phases = {p["phase"]: p for p in report["phases"]}
+    out = {}
+    for planned, (measured_phase, weights_key) in COMPARED.items():
+        if measured_phase not in phases:
+            continue
+        growth = phases[measured_phase]["peak_rss_bytes"] - report["baseline_rss_bytes"]
+        row = {"growth_bytes": growth, "measured_bytes": report[weights_key] + growth}
+        plan = report.get("planner", {}).get(planner_key, {}).get(planned)
+        if plan is not None:
+            row["planner_bytes"] = plan["total_bytes"]
+            row["planner_over_measured"] = plan["total_bytes"] / row["measured_bytes"]
+        out[measured_phase] = row
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("case", choices=[*CASES, "replace"], help="a model case, or replace: replace_inference_tensors "
+                        "alone on Flux-dev at real width (one double + one single block)")
+    parser.add_argument("--out", required=True, help="where the JSON report goes")
+    parser.add_argument("--size", type=int, default=64, help="square training / sampling resolution in pixels")
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--no-checkpointing", action="store_true", help="train without gradient checkpointing")
+    parser.add_argument("--planner", action="store_true", help="also report the planner's estimate (runs forwards)")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: every core)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads or os.cpu_count() or 1)
+    if args.case == "replace":
+        report = replace_case("flux_dev", (1, 1))
+    else:
+        report = run_case(args.case, args.size, args.steps, not args.no_checkpointing, args.planner)
+    if args.case != "replace":
+        report["compared"] = compare(report, "checkpointing" if not args.no_checkpointing else "no_checkpointing")
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
