@@ -23,9 +23,11 @@ import time
 import torch
 from peft.tuners.tuners_utils import BaseTunerLayer
 
+import comfy.float
 import comfy.lora
 import comfy.model_base
 import comfy.model_management
+import comfy.model_patcher
 import comfy.model_sampling
 import comfy.patcher_extension
 import comfy.samplers
@@ -243,6 +245,44 @@ def comfy_patches(patcher, adapters: AdapterSet) -> dict:
     """The adapter as ComfyUI weight patches, through the stock LoRA loading path."""
     key_map = comfy.lora.model_lora_keys_unet(patcher.model, {})
     return comfy.lora.load_lora(adapters.comfy_state_dict(), key_map, log_missing=True)
+
+
+class AsSavedWeight:
+    """A ComfyUI weight wrapper that gives a layer the weight the stock LoraLoader bakes from the saved file, made
+    when the layer runs and dropped after it.
+
+    Why by hand: stock ComfyUI bakes the patches into every weight at load (ModelPatcher.patch_weight_to_device),
+    which holds a second copy of all patched weights while the clone is loaded (the originals as its backup): the
+    validation that was meant to share the training weights would need twice their memory. This repeats the same
+    arithmetic one layer at a time: the weight in ComfyUI's LoRA compute dtype, comfy.lora.calculate_weight, then
+    rounded to the dtype the weight is stored in (comfy.float.stochastic_rounding, seeded by the key as stock does),
+    then to the dtype the layer computes in. Bit for bit what stock gives wherever the compute dtype holds the stored
+    dtype exactly (bf16 / fp16 / fp8 stored, fp32 or bf16 compute: every CPU and the usual GPU set-ups).
+    """
+
+    def __init__(self, key: str, patches: list, stored_dtype: torch.dtype):
+        self.key, self.patches, self.stored_dtype = key, patches, stored_dtype
+        self.seed = comfy.utils.string_to_seed(key)
+
+    def __call__(self, weight: torch.Tensor) -> torch.Tensor:
+        # `weight` is already this forward's own copy (ComfyUI casts with copy=True for layers with weight functions)
+        merged = weight.to(comfy.model_management.lora_compute_dtype(weight.device))
+        merged = comfy.lora.calculate_weight(self.patches, merged, self.key)
+        return comfy.float.stochastic_rounding(merged, self.stored_dtype, seed=self.seed).to(weight.dtype)
+
+
+def as_saved_file_model(model, adapters: AdapterSet, strength: float = 1.0):
+    """A clone of `model` that samples as if the stock LoraLoader had loaded the adapter's saved file at `strength`,
+    without baking it into a second copy of the weights: one AsSavedWeight per patched weight (ComfyUI's own
+    weight-wrapper hook, installed on the layers when ComfyUI loads the clone)."""
+    clone = model.clone()
+    patched = model.clone()  # never loaded: only collects the patches as the stock loader lays them out
+    patched.patches = {}
+    patched.add_patches(comfy_patches(patched, adapters), strength)
+    for key, patches in patched.patches.items():
+        stored, _, _ = comfy.model_patcher.get_key_weight(clone.model, key)
+        clone.add_weight_wrapper(key, AsSavedWeight(key, patches, stored.dtype))
+    return clone
 
 
 # --- progress and events ----------------------------------------------------------------------------------
@@ -477,7 +517,7 @@ class TrainingSession:
                 yield self.patcher
             return
         with self.trainer.parked_for_validation():
-            model = self.patched_model()
+            model = as_saved_file_model(self.source_model, self.adapters)
             try:
                 yield model
             finally:  # the patched weights leave memory now, not when gc finds the clone
