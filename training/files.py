@@ -62,12 +62,33 @@ class DiskFullError(WriteError):
 
 # --- paths in messages ---------------------------------------------------------------------------------------
 _display_roots: dict[str, str] = {}  # absolute root -> label
+_display_providers: list[Callable[[], Iterable[tuple[str, str]]]] = []
 
 
 def register_display_root(label: str, path: str | os.PathLike) -> None:
-    """Messages show paths under `path` as `label/...` (the nodes register ComfyUI's folders)."""
+    """Messages show paths under `path` as `label/...`."""
     for form in (os.path.abspath(path), os.path.realpath(path)):
         _display_roots[form] = label
+
+
+def register_display_roots(provider: Callable[[], Iterable[tuple[str, str]]]) -> None:
+    """`provider()` gives (label, folder) pairs when a message is made (the nodes give ComfyUI's folders, which
+    ComfyUI may move at start-up)."""
+    if provider not in _display_providers:
+        _display_providers.append(provider)
+
+
+def _roots() -> dict[str, str]:
+    roots = {}
+    for provider in _display_providers:
+        try:
+            for label, path in provider():
+                for form in (os.path.abspath(path), os.path.realpath(path)):
+                    roots.setdefault(form, label)
+        except Exception:  # naming a path must never fail a message
+            continue
+    roots.update(_display_roots)
+    return roots
 
 
 def display_path(path: str | os.PathLike) -> str:
@@ -75,8 +96,9 @@ def display_path(path: str | os.PathLike) -> str:
     last two parts: a user-facing message never shows an absolute server path."""
     absolute = os.path.abspath(path)
     best = None
+    roots = _roots()
     for candidate in (absolute, os.path.realpath(absolute)):
-        for root, label in _display_roots.items():
+        for root, label in roots.items():
             if candidate == root or candidate.startswith(root.rstrip(os.sep) + os.sep):
                 if best is None or len(root) > best[0]:
                     relative = os.path.relpath(candidate, root)
@@ -88,7 +110,7 @@ def display_path(path: str | os.PathLike) -> str:
 
 def relative_text(text: str) -> str:
     """`text` (e.g. a library's error message) with the registered ComfyUI folders written as their labels."""
-    for root, label in sorted(_display_roots.items(), key=lambda item: -len(item[0])):
+    for root, label in sorted(_roots().items(), key=lambda item: -len(item[0])):
         text = text.replace(root.rstrip(os.sep) + os.sep, label + "/").replace(root, label)
     return text
 

@@ -111,7 +111,7 @@ class RunDir:
         self.name = check_name(name)
         self.root = pathlib.Path(root)
         self.path = self.root / self.name
-        self._identity: tuple[int, int] | None = None  # config.json's (device, inode) as this run read or wrote it
+        self._identity: tuple[int, int, int] | None = None  # config.json as this run read or wrote it
 
     @property
     def config_path(self) -> pathlib.Path:
@@ -163,18 +163,23 @@ class RunDir:
                                   "refused; use another run name")
 
     def _bind(self) -> None:
-        info = os.stat(self.config_path)
-        self._identity = (info.st_dev, info.st_ino)
+        self._identity = self.config_identity(self.path)
+
+    @staticmethod
+    def config_identity(path: pathlib.Path) -> tuple[int, int, int] | None:
+        """(device, inode, mtime) of a run folder's config.json, None without one: tells a re-created folder apart
+        (file systems reuse inode numbers; the run never rewrites its config.json)."""
+        try:
+            info = os.stat(pathlib.Path(path) / "config.json")
+        except OSError:
+            return None
+        return info.st_dev, info.st_ino, info.st_mtime_ns
 
     def present(self) -> bool:
         """Whether the run folder is still the one this run opened (its config.json, same file)."""
         if self._identity is None:
             return True  # not opened through its configuration (engine tests): nothing to compare
-        try:
-            info = os.stat(self.config_path)
-        except OSError:
-            return False
-        return (info.st_dev, info.st_ino) == self._identity
+        return self.config_identity(self.path) == self._identity
 
     def check_present(self) -> None:
         """Raise RunFolderError when the run folder was deleted or replaced since this run opened it: writing
