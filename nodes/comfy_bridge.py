@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import logging
 import math
 import os
 import pathlib
@@ -435,8 +436,11 @@ class TrainingSession:
                 yield
         finally:
             if self.run_dir.present():  # a vanished run folder is not re-created for a report
-                self.run_dir.write_file_json(self.run_dir.memory_record_path, self.memory.as_dict(),
-                                             f"memory record of run '{self.run_dir.name}'")
+                try:
+                    self.run_dir.write_file_json(self.run_dir.memory_record_path, self.memory.as_dict(),
+                                                 f"memory record of run '{self.run_dir.name}'")
+                except WriteError as error:  # a report, not training state: the checkpoint's own error matters
+                    logging.warning("Headroom: %s", error)
 
     @property
     def step(self) -> int:

@@ -222,12 +222,12 @@ def fingerprint_value(value: object, samples: int = FINGERPRINT_SAMPLES) -> str:
 class ShardStore:
     """One folder of content-addressed entries: see the module docstring for the layout."""
 
-    def __init__(self, root: Path, shard_bytes: int = DEFAULT_SHARD_BYTES, commit_seconds: float = COMMIT_SECONDS):
+    def __init__(self, root: Path, shard_bytes: int = DEFAULT_SHARD_BYTES, commit_seconds: float | None = None):
         self.root = Path(root)
         self.shard_dir = self.root / "shards"
         self.manifest_path = self.root / MANIFEST_NAME
         self.shard_bytes = shard_bytes
-        self.commit_seconds = commit_seconds
+        self.commit_seconds = COMMIT_SECONDS if commit_seconds is None else commit_seconds
         if self.root.exists() and not self.root.is_dir():
             raise CacheStoreError(f"cache folder {display_path(self.root)} is a file, not a folder; remove it or move "
                                   "the cache")

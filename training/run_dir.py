@@ -36,8 +36,8 @@ from safetensors.torch import load_file
 
 from . import public_module
 from .files import (UntrustedFileError, display_path, is_within, make_temp_dir, open_regular, path_in, prune_temp,
-                    read_json, save_safetensors, tensor_bytes, write_bytes, write_error, write_json, write_new,
-                    write_safetensors, write_torch)
+                    read_json, save_safetensors, temp_name, tensor_bytes, write_bytes, write_error, write_json,
+                    write_new, write_safetensors, write_torch)
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")
 _CHECKPOINT = re.compile(r"checkpoints/(step_(\d{8})(?:\.(\d{1,6}))?)")
@@ -316,8 +316,13 @@ class RunDir:
         earlier = [path for (step, _), path in folders if step < kept_step]
         doomed = [path for (step, _), path in folders if step >= kept_step]
         doomed += earlier[: max(0, len(earlier) - (KEEP_CHECKPOINTS - 1))]
-        for stale in doomed:
-            shutil.rmtree(stale, ignore_errors=True)
+        for stale in doomed:  # renamed to a temp name first: a kill mid-delete leaves no half checkpoint named step_*
+            trash = stale.parent / temp_name(stale.name)
+            try:
+                os.replace(stale, trash)
+            except OSError:
+                continue
+            shutil.rmtree(trash, ignore_errors=True)
 
     def load_checkpoint(self) -> Checkpoint | None:
         """The checkpoint latest.json names, its structure checked (CheckpointError naming the problem)."""
