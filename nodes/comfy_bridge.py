@@ -423,8 +423,9 @@ class TrainingSession:
             try:  # a regular file of the run (not a symlink), of a sane size
                 with open_regular(path, "memory record", max_bytes=16 << 20) as handle:
                     return PhaseRecorder(device, phases=PhaseRecorder.from_json(handle.read().decode("utf-8")).phases)
-            except (ValueError, OSError):
-                pass  # unreadable: start a new record (it is a report, not training state)
+            except (ValueError, OSError) as error:  # a report, not training state: start a new one
+                logging.warning("Headroom: ignoring the unreadable memory record of run '%s' (%s); starting a new "
+                                "one", self.run_dir.name, error)
         cached = [*getattr(self.latent_cache, "memory_phases", []), *getattr(self.text_cache, "memory_phases", [])]
         return PhaseRecorder(device, phases=[dict(phase) for phase in cached])
 

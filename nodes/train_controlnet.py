@@ -24,7 +24,7 @@ from ..training.checks import check_finite
 from ..training.files import prune_temp
 from ..training.objective import ObjectiveConfig
 from ..training.optimizers import OptimizerConfig
-from ..training.run_dir import check_name, check_subfolder
+from ..training.run_dir import RunFolderError, check_name, check_subfolder
 from ..training.trainer import TrainConfig, Trainer
 from .comfy_bridge import ComfyDenoiser, TrainingSession, check_caches, model_blocks
 from .controlnet_build import (SUPPORTED_FAMILIES, TrainableControlNet, apply_controlnet,
@@ -177,7 +177,7 @@ def start_controlnet_session(model, latent_cache, text_cache, optimizer_config, 
                                     validation_control=validation_control, validation_strength=validation_strength)
         session.precision_note = note
         return session
-    except ValueError as error:  # ControlNetError is a ValueError
+    except (ValueError, RunFolderError) as error:  # ControlNetError is a ValueError
         message = str(error)
         raise ValueError(message if message.startswith("Headroom") else f"{node}: {message}") from error
 

@@ -28,7 +28,7 @@ from ..training.files import prune_temp, save_safetensors, write_bytes
 from ..training.objective import LOSS_WEIGHTINGS, TIMESTEP_SAMPLINGS, ObjectiveConfig
 from ..training.optimizers import OPTIMIZERS, SCHEDULES, MissingPackageError, OptimizerConfig, check_available
 from ..training.policy import OffloadPolicy, PolicyError
-from ..training.run_dir import RunDir, check_name, check_subfolder
+from ..training.run_dir import RunDir, RunFolderError, check_name, check_subfolder
 from ..training.trainer import PRECISIONS, TrainConfig, auto_precision
 from .cache import unload_encoder
 from .comfy_bridge import (LORA_APPLICATIONS, VALIDATE_EVENT, SessionConfig, TrainingSession, check_caches, model_family,
@@ -259,7 +259,7 @@ def start_session(model, latent_cache, text_cache, lora_config, optimizer_config
         session = TrainingSession(model, latent_cache, text_cache, config, runs_root(), run_name, policy=policy)
         session.precision_note = note
         return session
-    except ValueError as error:
+    except (ValueError, RunFolderError) as error:
         message = str(error)
         raise ValueError(message if message.startswith("Headroom") else f"{node}: {message}") from error
 
@@ -453,6 +453,7 @@ def save_validation(run: TrainingSession, images: torch.Tensor, samples: torch.T
     buffer = BytesIO()
     Image.fromarray(np.ascontiguousarray(pixels)).save(buffer, format="PNG")
     run.run_dir.check_present()  # the validation folder never re-creates a vanished run folder
+    run.run_dir.check_subfolder_inside(run.run_dir.validation_dir)
     write_bytes(path, buffer.getvalue(), f"validation grid of run '{run.run_dir.name}'")
     save_safetensors(path.with_name(f"step_{run.step:08d}_latents.safetensors"),
                      {"samples": samples.detach().float().cpu()}, f"validation latents of run '{run.run_dir.name}'")

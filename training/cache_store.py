@@ -233,11 +233,13 @@ class ShardStore:
                                   "the cache")
         for folder in (self.root, self.shard_dir):  # what killed writers left behind
             prune_temp(folder)
-        self.entries: dict[str, dict] = self._read_manifest()
+        self.warnings: list[str] = []  # what was wrong with the manifest as found (reported by the caching runs)
+        self.entries: dict[str, dict] = self._read_manifest(self.warnings)
 
     # -- manifest ------------------------------------------------------------------------------------
 
-    def _read_manifest(self) -> dict[str, dict]:
+    def _read_manifest(self, warnings: list[str] | None = None) -> dict[str, dict]:
+        warnings = [] if warnings is None else warnings
         if not os.path.lexists(self.manifest_path):
             return {}
         try:
@@ -247,13 +249,15 @@ class ShardStore:
                 raise ValueError("not a manifest of this Headroom version")
         except ValueError as error:  # UntrustedFileError is one
             # Never trusted on doubt: every entry is then rebuilt, and the next commit replaces the file.
-            log.warning("Headroom cache: ignoring unreadable manifest %s (%s); entries will be rebuilt",
-                        display_path(self.manifest_path), error)
+            warnings.append(f"ignoring the unreadable cache manifest {display_path(self.manifest_path)} ({error}); "
+                            "its entries are encoded again")
+            log.warning("Headroom cache: %s", warnings[-1])
             return {}
         entries = {key: entry for key, entry in data["entries"].items() if _entry_well_formed(key, entry)}
         if len(entries) != len(data["entries"]):
-            log.warning("Headroom cache: %s lists %d malformed entries (edited?); they will be rebuilt",
-                        display_path(self.manifest_path), len(data["entries"]) - len(entries))
+            warnings.append(f"{display_path(self.manifest_path)} lists {len(data['entries']) - len(entries)} malformed "
+                            "entries (edited?); they are encoded again")
+            log.warning("Headroom cache: %s", warnings[-1])
         return entries
 
     def _commit(self, added: Mapping[str, dict], removed: Iterable[str] = ()) -> None:
@@ -676,7 +680,7 @@ def cache_latents(
             planned.append(_PlannedLatent(index, key, plan, text_key(item.caption), reduce))
 
     good, problems = store.verify(p.key for p in planned)
-    report.warnings += problems
+    report.warnings += store.warnings + problems
     misses = [p for p in planned if p.key not in good]
     report.hits, report.misses = len(planned) - len(misses), len(misses)
     progress(report.hits, len(planned))
@@ -768,7 +772,7 @@ def cache_text(
         for prompt in prompts
     }
     good, problems = store.verify(keys.values())
-    report.warnings += problems
+    report.warnings += store.warnings + problems
     misses = [prompt for prompt in prompts if keys[prompt] not in good]
     report.hits, report.misses = len(prompts) - len(misses), len(misses)
     progress(report.hits, len(prompts))

@@ -53,7 +53,11 @@ class FileImage:
         return display_path(self.path)
 
     def _real(self) -> Path:
-        return resolve_inside(self.path, self.roots, "image")  # a symlink leading outside is refused
+        real = resolve_inside(self.path, self.roots, "image")  # a symlink leading outside is refused
+        if not real.is_file():  # a FIFO would block the reader, a device never end
+            raise DatasetError(f"{self.describe()}: not a regular file (a broken symlink, a FIFO, a device?); replace "
+                               "it with an image file")
+        return real
 
     def _open(self) -> Image.Image:
         """The image opened lazily (header only), refused when it claims more than MAX_IMAGE_PIXELS."""

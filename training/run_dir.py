@@ -156,6 +156,13 @@ class RunDir:
         self.check_present()
         write_json(path, value, what, make_parents=False)
 
+    def check_subfolder_inside(self, folder: pathlib.Path) -> None:
+        """A subfolder the run writes into (checkpoints/, validation/) must not lead out of the run folder (a
+        symlink someone put there)."""
+        if os.path.lexists(folder) and not is_within(folder, self.path):
+            raise CheckpointError(f"{display_path(folder)} leads outside the run folder (a symlink?): refused; move "
+                                  "the run folder away, or use a new run name")
+
     def _check_contained(self) -> None:
         """The run folder itself (maybe a symlink) must lie inside the runs folder."""
         if os.path.lexists(self.path) and not is_within(self.path, self.root):
@@ -193,8 +200,10 @@ class RunDir:
 
     def prune_temp(self) -> list[str]:
         """Remove temp files and folders a killed writer left in the run folder (done when a run opens)."""
-        return [name for folder in (self.path, self.path / "checkpoints", self.validation_dir)
-                for name in prune_temp(folder)]
+        self._check_contained()  # never list (let alone delete in) a folder a symlink leads to
+        folders = [self.path] + [sub for sub in (self.path / "checkpoints", self.validation_dir)
+                                 if not os.path.islink(sub) and is_within(sub, self.path)]
+        return [name for folder in folders for name in prune_temp(folder)]
 
     def check_compatible(self, config: dict) -> None:
         """Raise if this run directory holds a run whose configuration differs from `config`, or checkpoints
@@ -232,8 +241,8 @@ class RunDir:
             if not isinstance(step, int) or isinstance(step, bool) or step < 0:
                 raise UntrustedFileError(f"its step {str(step)[:40]!r} is not a step number")
             match = _CHECKPOINT.fullmatch(relative) if isinstance(relative, str) else None
-            if match is None or int(match.group(2)) != step:
-                raise UntrustedFileError(f"it names {str(relative)[:80]!r}, not a checkpoint folder of step {step}")
+            if match is None or int(match.group(2)) != step:  # (what it names is not repeated: maybe a server path)
+                raise UntrustedFileError(f"it does not name a checkpoint folder of step {step} of this run")
             folder = path_in(self.path, relative, "checkpoint folder")
             if not is_within(folder, self.path / "checkpoints") or os.path.islink(self.path / relative):
                 raise UntrustedFileError(f"{relative!r} leads outside the run's checkpoints folder")
@@ -260,6 +269,7 @@ class RunDir:
         needed = tensor_bytes(checkpoint.adapter) + tensor_bytes(checkpoint.optimizer) + tensor_bytes(checkpoint.rng) \
             + 64 * (len(checkpoint.loss_history) + len(checkpoint.validation_history)) + 65536
         tmp = None
+        self.check_subfolder_inside(checkpoints)
         try:
             # A run opened through its config.json (check_present above) never re-creates a vanished folder.
             checkpoints.mkdir(parents=self._identity is None, exist_ok=True)
