@@ -28,6 +28,7 @@ from ..training.cache_store import (
     CacheStoreError, ShardStore, cache_latents, cache_text, fingerprint_state_dict, fingerprint_value,
 )
 from ..training.dataset import dataset_from_folder, dataset_from_tensors, folder_signature, split_captions
+from ..training.files import WriteError, display_path, register_display_roots
 from ..training.memory_stats import PhaseRecorder
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,26 @@ def register_cache_folder() -> None:
 register_cache_folder()
 
 
+def comfy_folders():
+    """(label, folder) of ComfyUI's folders, as user-facing messages name paths in them (training/files.py):
+    output/, input/, temp/, models/, model folders elsewhere (extra_model_paths.yaml) by their kind, and the
+    dataset roots the server owner allows."""
+    models = folder_paths.models_dir
+    yield "models", models
+    for name, (paths, _) in list(folder_paths.folder_names_and_paths.items()):
+        for path in paths:
+            if not folder_paths.is_within_directory(models, path):
+                yield name, path
+    yield "output", folder_paths.get_output_directory()
+    yield "input", folder_paths.get_input_directory()
+    yield "temp", folder_paths.get_temp_directory()
+    for index, root in enumerate(dataset_roots(warn=False)[1:]):
+        yield f"{DATASET_ROOTS_ENV}[{index}]", root
+
+
+register_display_roots(comfy_folders)
+
+
 def cache_root() -> Path:
     return Path(folder_paths.get_folder_paths(CACHE_FOLDER_NAME)[0])
 
@@ -58,25 +79,31 @@ _RELOCATE_HINT = (
 )
 
 
+def _with_hint(error: Exception) -> Exception:
+    """The same error, saying how to move the cache to another disk."""
+    text = str(error)
+    return type(error)(f"{text}{'' if text.endswith('.') else '.'} {_RELOCATE_HINT}")
+
+
 def _open_store(kind: str) -> ShardStore:
     try:
         return ShardStore(cache_root() / kind)
-    except CacheStoreError as error:
-        raise CacheStoreError(f"{error}. {_RELOCATE_HINT}") from error
+    except (CacheStoreError, WriteError) as error:
+        raise _with_hint(error) from error
 
 
 # ---------------------------------------------------------------------------------------------------
 # Where datasets may be read from
 
 
-def dataset_roots() -> list[str]:
+def dataset_roots(warn: bool = True) -> list[str]:
     """ComfyUI's input directory plus the roots the server owner allows in $HEADROOM_DATASET_ROOTS."""
     roots = [folder_paths.get_input_directory()]
     for root in os.environ.get(DATASET_ROOTS_ENV, "").split(os.pathsep):
         if root.strip():
             if os.path.isabs(root.strip()):
                 roots.append(root.strip())
-            else:
+            elif warn:
                 log.warning("Headroom: ignoring relative path %r in %s (give absolute paths)", root, DATASET_ROOTS_ENV)
     return roots
 
@@ -87,12 +114,16 @@ def resolve_dataset_folder(folder: str, relative_to: str | None = None) -> Path:
     server can send any string, so `..`, absolute paths and symlinks are all resolved before checking."""
     if not folder.strip():
         raise ValueError("dataset folder is empty: give a folder inside ComfyUI's input directory, e.g. 'my_dataset'")
+    if any(ord(c) < 32 for c in folder):
+        raise ValueError(f"dataset folder {folder[:120]!r} contains control characters (a newline?): give a plain "
+                         "folder name inside ComfyUI's input directory")
     candidate = os.path.join(relative_to or folder_paths.get_input_directory(), folder.strip())
     roots = dataset_roots()
     if any(folder_paths.is_within_directory(root, candidate) for root in roots):
         return Path(os.path.realpath(candidate))
+    listed = ", ".join(display_path(root) for root in roots)
     raise ValueError(
-        f"dataset folder {folder!r} is outside the folders this server reads datasets from ({', '.join(roots)}). "
+        f"dataset folder {folder[:120]!r} is outside the folders this server reads datasets from ({listed}). "
         f"Put the dataset inside ComfyUI's input directory, or have the server's owner add its parent folder to "
         f"the {DATASET_ROOTS_ENV} environment variable ({os.pathsep!r}-separated absolute paths)."
     )
@@ -224,7 +255,7 @@ class HeadroomDatasetFromFolder(io.ComfyNode):
                 skip_bad: bool, control_folder: str = "") -> io.NodeOutput:
         images, control = _resolve_folders(folder, control_folder)
         dataset = dataset_from_folder(images, control, resolution=resolution, step=step, crop=crop, flip=flip,
-                                      seed=seed, skip_bad=skip_bad)
+                                      seed=seed, skip_bad=skip_bad, roots=tuple(map(Path, dataset_roots())))
         for warning in dataset.warnings:
             log.warning("HeadroomDatasetFromFolder: %s", warning)
         return io.NodeOutput(dataset)
@@ -298,8 +329,8 @@ class HeadroomCacheLatents(io.ComfyNode):
                     control_encoding=control_encoding, progress=_ProgressBar(),
                     check_interrupt=comfy.model_management.throw_exception_if_processing_interrupted,
                 )
-        except CacheStoreError as error:
-            raise CacheStoreError(f"{error}. {_RELOCATE_HINT}") from error
+        except (CacheStoreError, WriteError) as error:
+            raise _with_hint(error) from error
         finally:
             unload_encoder(vae.patcher, policy)
         cache.memory_phases = recorder.phases  # a training run built on this cache starts its memory record with it
@@ -365,8 +396,8 @@ class HeadroomCacheText(io.ComfyNode):
                     progress=_ProgressBar(),
                     check_interrupt=comfy.model_management.throw_exception_if_processing_interrupted,
                 )
-        except CacheStoreError as error:
-            raise CacheStoreError(f"{error}. {_RELOCATE_HINT}") from error
+        except (CacheStoreError, WriteError) as error:
+            raise _with_hint(error) from error
         finally:
             unload_encoder(clip.patcher, policy)
         cache.memory_phases = recorder.phases

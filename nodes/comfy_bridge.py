@@ -15,7 +15,9 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import logging
 import math
+import os
 import pathlib
 import sys
 import time
@@ -41,7 +43,8 @@ from ..training.objective import SamplingDescriptor
 from ..training.oom import is_out_of_memory, out_of_memory
 from ..training.optimizers import OptimizerConfig
 from ..training.policy import OffloadPolicy
-from ..training.run_dir import RunDir, atomic_write_json
+from ..training.files import WriteError, open_regular
+from ..training.run_dir import RunDir, RunFolderError
 from ..training.trainer import StepReport, TrainConfig, Trainer
 
 INJECTION_KEY = "headroom_adapter"
@@ -324,6 +327,24 @@ def history_extras(figures: list[tuple | None], last_validation: dict | None) ->
     return extras
 
 
+# --- run folders this process has open -------------------------------------------------------------------------
+_RUN_IDENTITY: dict[str, tuple | None] = {}  # run folder -> its config.json as the last session here opened it
+_RUN_GENERATION: dict[str, int] = {}
+
+
+def run_generation(run_root: pathlib.Path, run_name: str) -> int:
+    """The Init nodes' fingerprint: it changes when a run folder a session of this process opened was deleted or
+    replaced since, so ComfyUI runs Init again (a new session, which starts anew in the folder, with its
+    config.json) instead of handing on its cached session, whose every write would now fail (RunFolderError)."""
+    path = str(pathlib.Path(run_root) / str(run_name))
+    if path in _RUN_IDENTITY:
+        now = RunDir.config_identity(pathlib.Path(path))
+        if now != _RUN_IDENTITY[path]:
+            _RUN_GENERATION[path] = _RUN_GENERATION.get(path, 0) + 1
+            _RUN_IDENTITY[path] = now
+    return _RUN_GENERATION.get(path, 0)
+
+
 # --- the TRAINING_RUN value -------------------------------------------------------------------------------
 @dataclasses.dataclass
 class SessionConfig:
@@ -378,6 +399,7 @@ class TrainingSession:
         self.config = config
         self.policy = policy
         self.run_dir = RunDir(run_root, run_name)
+        self.run_dir.prune_temp()  # what a killed writer left: temp checkpoint folders, temp files
         self.fingerprint = base_fingerprint(model)
         stored = {
             **kind, "session": config.to_json(), "base_fingerprint": self.fingerprint,
@@ -405,6 +427,7 @@ class TrainingSession:
             self.resumed = trainer.resume()
         if not self.run_dir.exists():
             self.run_dir.write_config(stored)
+        _RUN_IDENTITY[str(self.run_dir.path)] = RunDir.config_identity(self.run_dir.path)
 
     def _low_bit_base(self, policy: OffloadPolicy | None) -> LowBitBase | None:
         """policy base_storage fp8 / int8 / nf4: low-bit copies of the frozen Linear layers of the blocks, swapped
@@ -436,11 +459,13 @@ class TrainingSession:
         """The run's per-phase memory record: continued from the run directory (a resumed run), or started with
         how its caches were built."""
         path = self.run_dir.memory_record_path
-        if path.is_file():
-            try:
-                return PhaseRecorder(device, phases=PhaseRecorder.from_json(path.read_text()).phases)
-            except ValueError:
-                pass  # unreadable: start a new record (it is a report, not training state)
+        if os.path.lexists(path):
+            try:  # a regular file of the run (not a symlink), of a sane size
+                with open_regular(path, "memory record", max_bytes=16 << 20) as handle:
+                    return PhaseRecorder(device, phases=PhaseRecorder.from_json(handle.read().decode("utf-8")).phases)
+            except (ValueError, OSError) as error:  # a report, not training state: start a new one
+                logging.warning("Headroom: ignoring the unreadable memory record of run '%s' (%s); starting a new "
+                                "one", self.run_dir.name, error)
         cached = [*getattr(self.latent_cache, "memory_phases", []), *getattr(self.text_cache, "memory_phases", [])]
         return PhaseRecorder(device, phases=[dict(phase) for phase in cached])
 
@@ -451,7 +476,12 @@ class TrainingSession:
             with self.memory.phase(name):
                 yield
         finally:
-            atomic_write_json(self.run_dir.memory_record_path, self.memory.as_dict())
+            if self.run_dir.present():  # a vanished run folder is not re-created for a report
+                try:
+                    self.run_dir.write_file_json(self.run_dir.memory_record_path, self.memory.as_dict(),
+                                                 f"memory record of run '{self.run_dir.name}'")
+                except WriteError as error:  # a report, not training state: the checkpoint's own error matters
+                    logging.warning("Headroom: %s", error)
 
     @property
     def step(self) -> int:
@@ -533,9 +563,16 @@ class TrainingSession:
         comfy.model_management.unload_model_and_clones(self.patcher)
         comfy.model_management.soft_empty_cache()
 
-    def train_to(self, target_step: int, node_id: str | None = None) -> None:
-        """Train to `target_step`, with a progress bar, step events and cancel (checkpoint, free, re-raise)."""
+    def train_to(self, target_step: int, node_id: str | None = None, checkpoint_every: int = 0,
+                 checkpoint_minutes: float = 0.0) -> None:
+        """Train to `target_step`, with a progress bar, step events and cancel (checkpoint, free, re-raise); a
+        checkpoint every `checkpoint_every` steps and `checkpoint_minutes` minutes (0: off), and at the end."""
+        self.run_dir.check_present()
         if target_step <= self.step:
+            if self.step > 0 and self.trainer.saved_step != self.step:
+                # An earlier save failed (e.g. disk full): "trained to N" is not done until step N is on disk.
+                with self.phase("save"):
+                    self.trainer.save()
             return
         start_step = self.step
         progress = comfy.utils.ProgressBar(target_step - start_step, node_id=node_id)
@@ -559,7 +596,8 @@ class TrainingSession:
             with self.phase("training"), self.attached():
                 comfy.model_management.in_training = True
                 try:
-                    self.trainer.train_to(target_step, after_step=after_step)
+                    self.trainer.train_to(target_step, after_step=after_step, checkpoint_every=checkpoint_every,
+                                          checkpoint_seconds=checkpoint_minutes * 60)
                 finally:
                     comfy.model_management.in_training = False
         except BaseException as error:
@@ -573,14 +611,17 @@ class TrainingSession:
         """After an error in `phase`: last completed step saved, device memory freed; an out-of-memory error is
         raised again as one that names the phase, the measured peak and the planner's next policy."""
         def save_if_needed():
-            if self.trainer.saved_step != self.step and self.trainer.params_finite():
+            if self.trainer.saved_step != self.step and self.trainer.params_finite() and self.run_dir.present():
                 self.trainer.save()
 
         if is_out_of_memory(error):
             raise out_of_memory(phase, error, self.denoiser.device, save_checkpoint=save_if_needed,
                                 free_memory=self.release, next_plan=self._next_plan) from None
-        save_if_needed()
-        self.release()
+        try:
+            if not isinstance(error, (WriteError, RunFolderError)):  # after those a retry would fail the same way
+                save_if_needed()  # a failure here (disk full on cancel) is raised instead: nothing was saved
+        finally:
+            self.release()
 
     def _next_plan(self):
         """The planner's next smaller policy for this run (None when it cannot tell)."""

@@ -50,7 +50,7 @@ import comfy.ops
 import comfy.utils
 
 from ..training import public_module
-from ..training.run_dir import atomic_save_safetensors
+from ..training.files import save_safetensors
 
 log = logging.getLogger(__name__)
 
@@ -429,7 +429,8 @@ def save_controlnet(controlnet: TrainableControlNet, path, extra_metadata: dict 
         extra["stock_loader_problem"] = exported.problem
         log.warning("%s: ComfyUI's ControlNetLoader would not rebuild this %s ControlNet faithfully (%s)",
                     path, controlnet.family, exported.problem)
-    atomic_save_safetensors(pathlib.Path(path), exported.tensors, controlnet_metadata(controlnet, exported.layout, extra))
+    save_safetensors(pathlib.Path(path), exported.tensors, f"ControlNet {pathlib.Path(path).name}",
+                     controlnet_metadata(controlnet, exported.layout, extra))
     return exported
 
 

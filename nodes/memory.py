@@ -20,6 +20,7 @@ from comfy_api.latest import io, ui
 
 from ..training import planner
 from ..training.adapters import TARGET_MODES, AdapterConfig, AdapterSet, select_targets
+from ..training.checks import check_finite
 from ..training.optimizers import OPTIMIZERS
 from ..training.policy import (CHECKPOINTING, GIB, OPTIMIZER_STATES, PLACEMENTS, STORAGES, VAE_TILED, ENCODERS,
                                OffloadPolicy, PolicyError)
@@ -231,6 +232,7 @@ class HeadroomOffloadPolicy(io.ComfyNode):
     @classmethod
     def execute(cls, vram_budget_gb, reserve_gb, base_placement, base_storage, checkpointing, checkpoint_depth,
                 optimizer_state, park_optimizer_during_validation, vae_tiled_decode, encoders) -> io.NodeOutput:
+        check_finite("HeadroomOffloadPolicy", vram_budget_gb=vram_budget_gb, reserve_gb=reserve_gb)
         try:
             policy = OffloadPolicy(
                 vram_budget_gb="auto" if vram_budget_gb == 0 else float(vram_budget_gb), reserve_gb=float(reserve_gb),

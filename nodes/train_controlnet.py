@@ -20,16 +20,19 @@ import torch
 import folder_paths
 from comfy_api.latest import io, ui
 
+from ..training.checks import check_finite
+from ..training.files import prune_temp
 from ..training.objective import ObjectiveConfig
 from ..training.optimizers import OptimizerConfig
-from ..training.run_dir import check_name, check_subfolder
+from ..training.run_dir import RunFolderError, check_name, check_subfolder
 from ..training.trainer import TrainConfig, Trainer
 from .comfy_bridge import ComfyDenoiser, TrainingSession, check_caches, model_blocks
 from .controlnet_build import (SUPPORTED_FAMILIES, TrainableControlNet, apply_controlnet,
                                build_controlnet, check_control_cache, comfy_controlnet, controlled_prediction,
                                controlnet_family, prepare_hint, save_controlnet)
-from .train_lora import (CATEGORY, SAVED_KEY, TrainingRun, _schedule_inputs, _train_inputs, _validation_inputs,
-                         resolve_precision, runs_root, saved_file, train_validate_save)
+from .train_lora import (CATEGORY, DEFAULT_CHECKPOINT_MINUTES, SAVED_KEY, TrainingRun, _checkpoint_inputs,
+                         _schedule_inputs, _train_inputs, _validation_inputs, resolve_precision, run_fingerprint,
+                         runs_root, saved_file, train_validate_save)
 
 CONTROL_HINT = "control_hint"  # the conditioning entry that carries an item's cached control through the trainer
 
@@ -151,6 +154,8 @@ def start_controlnet_session(model, latent_cache, text_cache, optimizer_config, 
     """Check every input (before any GPU work), then build or resume the run."""
     try:
         check_name(run_name, "run name")
+        check_finite(node, max_grad_norm=max_grad_norm, caption_dropout=caption_dropout, min_snr_gamma=min_snr_gamma,
+                     noise_offset=noise_offset, validation_strength=validation_strength)
         if not isinstance(optimizer_config, OptimizerConfig):
             raise ValueError("optimizer_config must come from a HeadroomOptimizerConfig node")
         optimizer_config.validate()
@@ -172,7 +177,7 @@ def start_controlnet_session(model, latent_cache, text_cache, optimizer_config, 
                                     validation_control=validation_control, validation_strength=validation_strength)
         session.precision_note = note
         return session
-    except ValueError as error:  # ControlNetError is a ValueError
+    except (ValueError, RunFolderError) as error:  # ControlNetError is a ValueError
         message = str(error)
         raise ValueError(message if message.startswith("Headroom") else f"{node}: {message}") from error
 
@@ -222,6 +227,10 @@ class HeadroomTrainControlNetInit(io.ComfyNode):
         )
 
     @classmethod
+    def fingerprint_inputs(cls, run_name=None, **_) -> int:
+        return run_fingerprint(run_name)
+
+    @classmethod
     def execute(cls, **inputs) -> io.NodeOutput:
         session = start_controlnet_session(**inputs)
         return io.NodeOutput(session, session.step, session.comfy_controlnet(), ui=ui.PreviewText(session.precision_note))
@@ -237,6 +246,7 @@ def save_trained_controlnet(run: ControlNetSession, subfolder: str, filename: st
     root = pathlib.Path(folder_paths.get_folder_paths("controlnet")[0])
     path = root / subfolder / name if subfolder else root / name
     with run.phase("save"):
+        prune_temp(path.parent)  # what a killed save left in that folder
         save_controlnet(run.controlnet, path, run.controlnet_metadata())
     folder_paths.filename_list_cache.pop("controlnet", None)  # listed by ControlNetLoader without a restart
     return os.path.relpath(path, root).replace(os.sep, "/")
@@ -283,7 +293,8 @@ class HeadroomTrainControlNet(io.ComfyNode):
             description="Init + train to `steps` + validate every N steps + save every N steps, in one node. "
             "Queue it again with more steps to continue the same run.",
             is_output_node=True,
-            inputs=[*_controlnet_inputs(), *_schedule_inputs("controlnet_subfolder"), *_validation_inputs(optional=True)],
+            inputs=[*_controlnet_inputs(), *_schedule_inputs("controlnet_subfolder"), *_validation_inputs(optional=True),
+                    *_checkpoint_inputs()],
             outputs=[io.ControlNet.Output("control_net", tooltip="The trained ControlNet (in memory) for stock nodes."),
                      TrainingRun.Output("run", tooltip="The training run, for Validate and Save nodes."),
                      io.String.Output("control_net_name",
@@ -293,12 +304,14 @@ class HeadroomTrainControlNet(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls, steps, validate_every, save_every, controlnet_subfolder, **inputs) -> io.NodeOutput:
+    def execute(cls, steps, validate_every, save_every, controlnet_subfolder, checkpoint_every=0,
+                checkpoint_minutes=DEFAULT_CHECKPOINT_MINUTES, **inputs) -> io.NodeOutput:
         check_subfolder(controlnet_subfolder, "HeadroomTrainControlNet: controlnet_subfolder")
         run, name, loss, outputs = train_validate_save(
             cls, lambda **init: start_controlnet_session(**init, node="HeadroomTrainControlNet"),
             lambda run: save_trained_controlnet(run, controlnet_subfolder, f"{run.run_dir.name}_step{run.step:06d}"),
-            steps, validate_every, save_every, inputs, saved_as=("ControlNet", "controlnet"))
+            steps, validate_every, save_every, inputs, saved_as=("ControlNet", "controlnet"),
+            checkpoint_every=checkpoint_every, checkpoint_minutes=checkpoint_minutes)
         return io.NodeOutput(run.comfy_controlnet(), run, name, loss, ui=outputs)
 
 

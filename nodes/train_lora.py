@@ -23,13 +23,16 @@ import folder_paths
 from comfy_api.latest import io, ui
 
 from ..training.adapters import KINDS, TARGET_MODES, AdapterConfig
+from ..training.checks import check_finite
+from ..training.files import prune_temp, save_safetensors, write_bytes
 from ..training.objective import LOSS_WEIGHTINGS, TIMESTEP_SAMPLINGS, ObjectiveConfig
-from ..training.optimizers import OPTIMIZERS, SCHEDULES, OptimizerConfig
+from ..training.optimizers import OPTIMIZERS, SCHEDULES, MissingPackageError, OptimizerConfig, check_available
 from ..training.policy import OffloadPolicy, PolicyError
-from ..training.run_dir import RunDir, atomic_save_safetensors, atomic_write_bytes, check_name, check_subfolder
+from ..training.run_dir import RunDir, RunFolderError, check_name, check_subfolder
 from ..training.trainer import PRECISIONS, TrainConfig, auto_precision
 from .cache import unload_encoder
-from .comfy_bridge import LORA_APPLICATIONS, VALIDATE_EVENT, SessionConfig, TrainingSession, check_caches, model_family, send_event
+from .comfy_bridge import (LORA_APPLICATIONS, VALIDATE_EVENT, SessionConfig, TrainingSession, check_caches, model_family,
+                           run_generation, send_event)
 from .memory import budget_bytes
 
 LoraConfigType = io.Custom("LORA_CONFIG")
@@ -94,6 +97,7 @@ class HeadroomLoraConfig(io.ComfyNode):
 
     @classmethod
     def execute(cls, kind, rank, alpha, targets, include_conv, dropout, init_seed) -> io.NodeOutput:
+        check_finite("HeadroomLoraConfig", alpha=alpha, dropout=dropout)
         config = AdapterConfig(kind=kind, rank=rank, alpha=alpha, targets=targets, include_conv=include_conv,
                                dropout=dropout, init_seed=init_seed)
         _checked("HeadroomLoraConfig", config.validate)
@@ -132,9 +136,14 @@ class HeadroomOptimizerConfig(io.ComfyNode):
 
     @classmethod
     def execute(cls, optimizer, learning_rate, weight_decay, schedule, warmup_steps, schedule_steps) -> io.NodeOutput:
+        check_finite("HeadroomOptimizerConfig", learning_rate=learning_rate, weight_decay=weight_decay)
         config = OptimizerConfig(name=optimizer, lr=learning_rate, weight_decay=weight_decay, schedule=schedule,
                                  warmup_steps=warmup_steps, total_steps=schedule_steps)
         _checked("HeadroomOptimizerConfig", config.validate)
+        try:  # an optimizer from an optional package: say now which pip package is missing, not mid-run
+            check_available(optimizer)
+        except MissingPackageError as error:
+            raise MissingPackageError(f"HeadroomOptimizerConfig: {error}") from None
         return io.NodeOutput(config)
 
 
@@ -201,7 +210,9 @@ def resolve_precision(precision: str, device, run_name: str, node: str) -> tuple
     device = torch.device(device)
     if precision == "auto":
         stored = RunDir(runs_root(), run_name).read_config() or {}
-        resumed = stored.get("session", {}).get("train", {}).get("precision")
+        session = stored.get("session")
+        train = session.get("train") if isinstance(session, dict) else None
+        resumed = train.get("precision") if isinstance(train, dict) else None
         if resumed in PRECISIONS:
             note = f"{node}: precision auto -> {resumed}, as run '{run_name}' was started"
         else:
@@ -225,6 +236,8 @@ def start_session(model, latent_cache, text_cache, lora_config, optimizer_config
     """Check every input (before any GPU work), then build or resume the run."""
     try:
         check_name(run_name, "run name")
+        check_finite(node, max_grad_norm=max_grad_norm, caption_dropout=caption_dropout, min_snr_gamma=min_snr_gamma,
+                     noise_offset=noise_offset)
         if not isinstance(lora_config, AdapterConfig):
             raise ValueError("lora_config must come from a HeadroomLoraConfig node")
         if not isinstance(optimizer_config, OptimizerConfig):
@@ -246,7 +259,7 @@ def start_session(model, latent_cache, text_cache, lora_config, optimizer_config
         session = TrainingSession(model, latent_cache, text_cache, config, runs_root(), run_name, policy=policy)
         session.precision_note = note
         return session
-    except ValueError as error:
+    except (ValueError, RunFolderError) as error:
         message = str(error)
         raise ValueError(message if message.startswith("Headroom") else f"{node}: {message}") from error
 
@@ -266,9 +279,45 @@ class HeadroomTrainLoraInit(io.ComfyNode):
         )
 
     @classmethod
+    def fingerprint_inputs(cls, run_name=None, **_) -> int:
+        return run_fingerprint(run_name)
+
+    @classmethod
     def execute(cls, **inputs) -> io.NodeOutput:
         session = start_session(**inputs)
         return io.NodeOutput(session, session.step, ui=ui.PreviewText(session.precision_note))
+
+
+def run_fingerprint(run_name) -> int:
+    """Init nodes: run again when the run folder their cached session opened was deleted or replaced since."""
+    try:
+        return run_generation(runs_root(), check_name(run_name))
+    except ValueError:
+        return 0  # a bad name: execute says so
+
+
+DEFAULT_CHECKPOINT_MINUTES = 10.0
+
+
+def _checkpoint_inputs() -> list:
+    """How often a training node writes a resumable checkpoint (optional and last: saved workflows keep working)."""
+    return [
+        io.Int.Input("checkpoint_every", default=0, min=0, max=10_000_000, optional=True,
+                     tooltip="Write a resumable checkpoint to the run folder every N steps (0: not by steps). With "
+                     "checkpoint_minutes this bounds what a crash, a kill or a power cut can lose."),
+        io.Float.Input("checkpoint_minutes", default=DEFAULT_CHECKPOINT_MINUTES, min=0.0, max=10080.0, step=1.0,
+                       optional=True,
+                       tooltip="Also write one whenever this many minutes passed since the last (0: not by time). "
+                       "A checkpoint is always written at the end and on cancel; queueing again resumes from the "
+                       "last one."),
+    ]
+
+
+def check_checkpoint_inputs(node: str, checkpoint_every: int, checkpoint_minutes: float) -> None:
+    check_finite(node, checkpoint_minutes=checkpoint_minutes)
+    if checkpoint_every < 0 or checkpoint_minutes < 0:
+        raise ValueError(f"{node}: checkpoint_every={checkpoint_every} and checkpoint_minutes={checkpoint_minutes} "
+                         "must be >= 0 (0: off)")
 
 
 # --- train -------------------------------------------------------------------------------------------------
@@ -280,11 +329,13 @@ class HeadroomTrainSteps(io.ComfyNode):
             display_name="Train LoRA: Steps (Headroom)",
             category=CATEGORY,
             description="Train the run to step N (not N more): the same N again does nothing, a higher N "
-            "continues. A checkpoint is written at the end, and at the last finished step on cancel.",
+            "continues. A checkpoint is written every checkpoint_every steps / checkpoint_minutes minutes, at the "
+            "end, and at the last finished step on cancel.",
             inputs=[TrainingRun.Input("run", tooltip="A training run: from an Init node, or another Train Steps."),
                     io.Int.Input("steps", default=100, min=1, max=10_000_000,
                                  tooltip="The step to train the run to (a total, not a number of more steps). At or "
-                                 "below the run's current step nothing is trained.")],
+                                 "below the run's current step nothing is trained."),
+                    *_checkpoint_inputs()],
             outputs=[TrainingRun.Output("run", tooltip="The same run, trained to `steps`."),
                      io.Float.Output("loss", tooltip="Training loss of the run's last step."),
                      io.Int.Output("step", tooltip="The run's step now.")],
@@ -292,9 +343,12 @@ class HeadroomTrainSteps(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls, run: TrainingSession, steps: int) -> io.NodeOutput:
+    def execute(cls, run: TrainingSession, steps: int, checkpoint_every: int = 0,
+                checkpoint_minutes: float = DEFAULT_CHECKPOINT_MINUTES) -> io.NodeOutput:
+        check_checkpoint_inputs("HeadroomTrainSteps", checkpoint_every, checkpoint_minutes)
         note = steps_note("HeadroomTrainSteps", run, steps, "steps")
-        run.train_to(steps, node_id=_node_id(cls))
+        run.train_to(steps, node_id=_node_id(cls), checkpoint_every=checkpoint_every,
+                     checkpoint_minutes=checkpoint_minutes)
         history = {**run.history(steps), **({"note": note} if note else {})}
         return io.NodeOutput(run, run.trainer.last_loss, run.step,
                              ui={HISTORY_KEY: [history], **({"text": [note]} if note else {})})
@@ -398,9 +452,11 @@ def save_validation(run: TrainingSession, images: torch.Tensor, samples: torch.T
     path = run.run_dir.validation_dir / f"step_{run.step:08d}.png"
     buffer = BytesIO()
     Image.fromarray(np.ascontiguousarray(pixels)).save(buffer, format="PNG")
-    atomic_write_bytes(path, buffer.getvalue())
-    atomic_save_safetensors(path.with_name(f"step_{run.step:08d}_latents.safetensors"),
-                            {"samples": samples.detach().float().cpu()})
+    run.run_dir.check_present()  # the validation folder never re-creates a vanished run folder
+    run.run_dir.check_subfolder_inside(run.run_dir.validation_dir)
+    write_bytes(path, buffer.getvalue(), f"validation grid of run '{run.run_dir.name}'")
+    save_safetensors(path.with_name(f"step_{run.step:08d}_latents.safetensors"),
+                     {"samples": samples.detach().float().cpu()}, f"validation latents of run '{run.run_dir.name}'")
     return path
 
 
@@ -408,6 +464,7 @@ def validate(node_cls, run: TrainingSession, clip=None, vae=None, prompts="", ne
              sample_steps=20, cfg=4.0, sampler_name="euler", scheduler="normal", width=512, height=512,
              loss_timesteps=4, lora_application="as_saved_file"):
     """(images or None, previews or None, validation loss); tells the live view (`headroom.validate`)."""
+    check_finite(node_cls.__name__, cfg=cfg)
     lines = [line.strip() for line in (prompts or "").splitlines() if line.strip()]
     if lines and (clip is None or vae is None):
         raise ValueError("HeadroomValidate: validation prompts need the clip and vae inputs connected")
@@ -484,8 +541,9 @@ def save_lora(run: TrainingSession, subfolder: str, filename: str, dtype: str = 
     loras_root = pathlib.Path(folder_paths.get_folder_paths("loras")[0])
     path = loras_root / subfolder / name if subfolder else loras_root / name
     with run.phase("save"):
-        atomic_save_safetensors(path, run.adapters.comfy_state_dict(dtype=SAVE_DTYPES[dtype]),
-                                metadata=run.lora_metadata())
+        prune_temp(path.parent)  # what a killed save left in that folder
+        save_safetensors(path, run.adapters.comfy_state_dict(dtype=SAVE_DTYPES[dtype]), f"LoRA {name}",
+                         metadata=run.lora_metadata())
     # A new file changes its folder's mtime, which invalidates ComfyUI's file-list cache; dropping the entry too
     # makes the new name show up in LoraLoader at once even where mtimes are coarse.
     folder_paths.filename_list_cache.pop("loras", None)
@@ -542,6 +600,7 @@ class HeadroomApplyTrainedLora(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, run: TrainingSession, strength: float) -> io.NodeOutput:
+        check_finite("HeadroomApplyTrainedLora", strength=strength)
         return io.NodeOutput(run.patched_model(model, strength))
 
 
@@ -563,17 +622,21 @@ def _schedule_inputs(subfolder_input: str) -> list:
 
 
 def train_validate_save(node_cls, start, save, steps: int, validate_every: int, save_every: int, inputs: dict,
-                        saved_as: tuple[str, str] = ("LoRA", "loras")):
+                        saved_as: tuple[str, str] = ("LoRA", "loras"), checkpoint_every: int = 0,
+                        checkpoint_minutes: float = DEFAULT_CHECKPOINT_MINUTES):
     """The all-in-one loop: `start(**init inputs)` builds or resumes the run, which then trains to `steps`,
-    validating every `validate_every` and saving (`save(run)` -> name) every `save_every` steps, and at the end.
+    validating every `validate_every` and saving (`save(run)` -> name) every `save_every` steps, and at the end;
+    resumable checkpoints every `checkpoint_every` steps / `checkpoint_minutes` minutes.
     Returns (run, saved name, validation loss, UI output)."""
+    check_checkpoint_inputs(node_cls.__name__, checkpoint_every, checkpoint_minutes)
     validation = {k: v for k, v in inputs.items() if k in VALIDATION_NAMES}
     run = start(**{k: v for k, v in inputs.items() if k not in VALIDATION_NAMES})
     note = steps_note(node_cls.__name__, run, steps, "steps")
     previews, loss, name, saved = None, float("nan"), "", []
     while True:
         target = min(t for t in (steps, _next(run.step, validate_every), _next(run.step, save_every)) if t)
-        run.train_to(target, node_id=_node_id(node_cls))
+        run.train_to(target, node_id=_node_id(node_cls), checkpoint_every=checkpoint_every,
+                     checkpoint_minutes=checkpoint_minutes)
         done = run.step >= steps
         if done or (validate_every and run.step % validate_every == 0):
             _, previews, loss = validate(node_cls, run, **validation)
@@ -604,7 +667,8 @@ class HeadroomTrainLora(io.ComfyNode):
             description="Init + train to `steps` + validate every N steps + save every N steps, in one node. "
             "Queue it again with more steps to continue the same run.",
             is_output_node=True,
-            inputs=[*_train_inputs(), *_schedule_inputs("lora_subfolder"), *_validation_inputs(optional=True)],
+            inputs=[*_train_inputs(), *_schedule_inputs("lora_subfolder"), *_validation_inputs(optional=True),
+                    *_checkpoint_inputs()],
             outputs=[io.Model.Output("model", tooltip="The MODEL with the trained LoRA applied."),
                      TrainingRun.Output("run", tooltip="The training run, for Validate, Save and Apply nodes."),
                      io.String.Output("lora_name", tooltip="The last saved LoRA, as Load LoRA lists it."),
@@ -613,12 +677,14 @@ class HeadroomTrainLora(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls, steps, validate_every, save_every, lora_subfolder, **inputs) -> io.NodeOutput:
+    def execute(cls, steps, validate_every, save_every, lora_subfolder, checkpoint_every=0,
+                checkpoint_minutes=DEFAULT_CHECKPOINT_MINUTES, **inputs) -> io.NodeOutput:
         check_subfolder(lora_subfolder, "HeadroomTrainLora: lora_subfolder")
         run, lora_name, loss, outputs = train_validate_save(
             cls, lambda **init: start_session(**init, node="HeadroomTrainLora"),
             lambda run: save_lora(run, lora_subfolder, f"{run.run_dir.name}_step{run.step:06d}"),
-            steps, validate_every, save_every, inputs)
+            steps, validate_every, save_every, inputs, checkpoint_every=checkpoint_every,
+            checkpoint_minutes=checkpoint_minutes)
         return io.NodeOutput(run.patched_model(), run, lora_name, loss, ui=outputs)
 
 

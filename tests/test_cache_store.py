@@ -344,24 +344,21 @@ def test_cancel_keeps_finished_entries_and_the_next_run_resumes(tmp_path):
 
 
 def test_disk_full_is_a_clear_error_and_leaves_the_cache_valid(tmp_path, monkeypatch):
+    from faults import disk_full_for, leftovers
+    from headroom.training.files import DiskFullError
+
     data = generate_shapes(4, 32, seed=8)
     dataset = dataset_from_tensors(data.images, data.captions, resolution=32, step=16)
     root = tmp_path / "cache"
     run_latents(dataset_from_tensors(data.images[:2], data.captions[:2], resolution=32, step=16), root)
     manifest_before = (root / "manifest.json").read_bytes()
 
-    real_save = cache_store.save_file
-
-    def full_disk(tensors, path, metadata=None):
-        real_save(tensors, path, metadata=metadata)  # part of the file lands, then the disk is full
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(cache_store, "save_file", full_disk)
-    with pytest.raises(CacheStoreError, match="disk full while writing .*shards") as error:
+    disk_full_for(monkeypatch, ".safetensors")  # the next shard's write meets a full disk (a real ENOSPC)
+    with pytest.raises(DiskFullError, match="disk full: a cache shard could not be written to .*shards") as error:
         run_latents(dataset, root)
-    assert "free space" in str(error.value)
+    assert "Free space" in str(error.value) and "needs about" in str(error.value)
     assert (root / "manifest.json").read_bytes() == manifest_before
-    assert not [p for p in (root / "shards").iterdir() if p.name.endswith(".tmp")]
+    assert not leftovers(root)
     monkeypatch.undo()
     _, report, vae = run_latents(dataset, root)
     assert report.hits == 2 and vae.calls == 2

@@ -22,6 +22,8 @@ from peft import LoHaConfig, LoKrConfig, LoraConfig
 from peft.tuners import loha, lokr
 from peft.tuners.lora import layer as lora_layer
 
+from .checks import check_finite
+
 KINDS = ("lora", "dora", "loha", "lokr")
 TARGET_MODES = ("preset", "all_linear", "all_layers")
 
@@ -58,6 +60,7 @@ class AdapterConfig:
     init_seed: int = 0
 
     def validate(self) -> None:
+        check_finite("adapter", alpha=self.alpha, dropout=self.dropout)
         if self.kind not in KINDS:
             raise ValueError(f"adapter kind {self.kind!r} is unknown: choose one of {KINDS}")
         if int(self.rank) != self.rank or self.rank <= 0:

@@ -11,26 +11,32 @@ Layout of one store (one folder per kind, e.g. `<headroom_cache>/latents`):
   keys, so editing a caption re-encodes that caption's text and nothing else.
 - Writes are atomic: a shard is written to a temp file, fsynced and renamed; the manifest is rewritten
   the same way, and only after its shard is in place. A cancel or crash leaves every entry listed in
-  the manifest complete, so the next run resumes from there.
+  the manifest complete, so the next run resumes from there. Encoded entries are committed when a shard
+  is full and at least every `COMMIT_SECONDS` (a kill loses at most that much encoding, plus the item in
+  flight), so one caching run may write many small shards.
+- The manifest is untrusted when read back: entries that are not well-formed, or whose shard is not a
+  shard file name of ours, are dropped (and rebuilt); shard files are read only as regular files inside
+  `shards/` (training/files.py).
 - Before entries are reused their tensors are re-hashed against the manifest: a corrupt or truncated
   shard is found and its entries are encoded again. (This reads every cached byte once per caching
   run: about a second per GiB, see docs/BENCHMARKS.md; cheap next to encoding.)
 - Reads go through `safetensors.safe_open` (memory-mapped) with a few shard handles open at a time,
   so memory does not grow with the number of items read.
 - The manifest is rewritten whole after each shard (O(entries) per shard); fine into the 100k-entry
-  range. Temp files left by a killed process (`.shard-*.tmp`, `.manifest-*.tmp`) are never read.
+  range. Temp files left by a killed process are never read, and opening the store removes them once
+  their writer is gone (training/files.py prune_temp).
 
 `cache_latents` / `cache_text` are the whole caching loop; the ComfyUI nodes only hand in the encoder
 as a callable and forward progress and cancel.
 """
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import logging
 import os
 import random
+import re
 import tempfile
 import threading
 import time
@@ -41,11 +47,12 @@ from typing import Callable, Iterable, Mapping
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from . import public_module
 from .buckets import CropPlan, apply_crop, make_buckets, nearest_bucket, plan_crop
-from .dataset import Dataset, DatasetError
+from .dataset import Dataset, DatasetError, reduce_factor
+from .files import (UntrustedFileError, WriteError, display_path, open_regular, prune_temp, read_json, relative_text,
+                    resolve_inside, save_safetensors, write_bytes)
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +62,10 @@ MANIFEST_VERSION = 1
 DEFAULT_SHARD_BYTES = 16 << 20  # small: a cheap header to reopen on random reads, little lost on a crash
 OPEN_SHARDS = 8  # shard handles a reader keeps mapped: bounds its file-backed memory to ~128 MiB
 FINGERPRINT_SAMPLES = 1024  # values sampled from each weight tensor
+COMMIT_SECONDS = 5.0  # encoded entries wait at most this long (plus one item's encoding) before they are committed
+_KEY = re.compile(r"[0-9a-f]{64}")
+_SHARD = re.compile(r"[0-9a-f]{40}\.safetensors")  # ShardWriter's names; anything else in a manifest is refused
+_TENSOR = re.compile(r"[A-Za-z0-9_.-]{1,100}")
 
 
 class CacheStoreError(RuntimeError):
@@ -208,47 +219,46 @@ def fingerprint_value(value: object, samples: int = FINGERPRINT_SAMPLES) -> str:
 # The store
 
 
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as file:
-        os.fsync(file.fileno())
-
-
-def _write_error(path: Path, error: OSError) -> CacheStoreError:
-    if error.errno == errno.ENOSPC:
-        return CacheStoreError(
-            f"disk full while writing {path}: free space on that disk or move the cache folder to a disk "
-            "with room, then run again (entries written so far are kept)"
-        )
-    return CacheStoreError(f"cannot write {path} ({error}); make the cache folder writable or move it")
-
-
 class ShardStore:
     """One folder of content-addressed entries: see the module docstring for the layout."""
 
-    def __init__(self, root: Path, shard_bytes: int = DEFAULT_SHARD_BYTES):
+    def __init__(self, root: Path, shard_bytes: int = DEFAULT_SHARD_BYTES, commit_seconds: float | None = None):
         self.root = Path(root)
         self.shard_dir = self.root / "shards"
         self.manifest_path = self.root / MANIFEST_NAME
         self.shard_bytes = shard_bytes
+        self.commit_seconds = COMMIT_SECONDS if commit_seconds is None else commit_seconds
         if self.root.exists() and not self.root.is_dir():
-            raise CacheStoreError(f"cache folder {self.root} is a file, not a folder; remove it or move the cache")
-        self.entries: dict[str, dict] = self._read_manifest()
+            raise CacheStoreError(f"cache folder {display_path(self.root)} is a file, not a folder; remove it or move "
+                                  "the cache")
+        for folder in (self.root, self.shard_dir):  # what killed writers left behind
+            prune_temp(folder)
+        self.warnings: list[str] = []  # what was wrong with the manifest as found (reported by the caching runs)
+        self.entries: dict[str, dict] = self._read_manifest(self.warnings)
 
     # -- manifest ------------------------------------------------------------------------------------
 
-    def _read_manifest(self) -> dict[str, dict]:
-        if not self.manifest_path.exists():
+    def _read_manifest(self, warnings: list[str] | None = None) -> dict[str, dict]:
+        warnings = [] if warnings is None else warnings
+        if not os.path.lexists(self.manifest_path):
             return {}
         try:
-            data = json.loads(self.manifest_path.read_text(encoding="utf-8"))
-            if data.get("format") != MANIFEST_FORMAT or data.get("version") != MANIFEST_VERSION:
-                raise ValueError(f"unknown manifest format {data.get('format')!r} v{data.get('version')!r}")
-            return dict(data["entries"])
-        except (OSError, ValueError, KeyError, AttributeError) as error:
+            data = read_json(self.manifest_path, "cache manifest")
+            if not isinstance(data, dict) or data.get("format") != MANIFEST_FORMAT or \
+                    data.get("version") != MANIFEST_VERSION or not isinstance(data.get("entries"), dict):
+                raise ValueError("not a manifest of this Headroom version")
+        except ValueError as error:  # UntrustedFileError is one
             # Never trusted on doubt: every entry is then rebuilt, and the next commit replaces the file.
-            log.warning("Headroom cache: ignoring unreadable manifest %s (%s); entries will be rebuilt",
-                        self.manifest_path, error)
+            warnings.append(f"ignoring the unreadable cache manifest {display_path(self.manifest_path)} ({error}); "
+                            "its entries are encoded again")
+            log.warning("Headroom cache: %s", warnings[-1])
             return {}
+        entries = {key: entry for key, entry in data["entries"].items() if _entry_well_formed(key, entry)}
+        if len(entries) != len(data["entries"]):
+            warnings.append(f"{display_path(self.manifest_path)} lists {len(data['entries']) - len(entries)} malformed "
+                            "entries (edited?); they are encoded again")
+            log.warning("Headroom cache: %s", warnings[-1])
+        return entries
 
     def _commit(self, added: Mapping[str, dict], removed: Iterable[str] = ()) -> None:
         """Apply changes on top of the manifest as it is on disk now (another process may have added
@@ -261,16 +271,7 @@ class ShardStore:
         entries.update(added)
         self.shard_dir.mkdir(parents=True, exist_ok=True)
         text = json.dumps({"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "entries": entries})
-        fd, tmp = tempfile.mkstemp(prefix=".manifest-", suffix=".tmp", dir=self.root)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as file:
-                file.write(text)
-                file.flush()
-                os.fsync(file.fileno())
-            os.replace(tmp, self.manifest_path)
-        except OSError as error:
-            Path(tmp).unlink(missing_ok=True)
-            raise _write_error(self.manifest_path, error) from error
+        write_bytes(self.manifest_path, text.encode("utf-8"), "the cache manifest")
         self.entries = entries
         still_used = {entry["shard"] for entry in entries.values()}
         for shard in dropped_shards - still_used:
@@ -278,6 +279,10 @@ class ShardStore:
                 (self.shard_dir / shard).unlink(missing_ok=True)
             except OSError:  # e.g. still memory-mapped on Windows; an unlisted shard is harmless
                 pass
+
+    def shard_path(self, shard: str) -> Path:
+        """Where a listed shard is: a regular file inside shards/ (a symlink out of it is refused)."""
+        return _contained_shard(self.shard_dir, shard)
 
     # -- verification --------------------------------------------------------------------------------
 
@@ -292,17 +297,18 @@ class ShardStore:
         for shard, shard_keys in sorted(by_shard.items()):
             path = self.shard_dir / shard
             try:
-                with safe_open(str(path), framework="pt") as handle:
+                with safe_open(str(self.shard_path(shard)), framework="pt") as handle:
                     names = set(handle.keys())
                     for key in shard_keys:
                         if self._entry_intact(handle, names, key):
                             good.add(key)
                         else:
                             bad.append(key)
-                            problems.append(f"{path}: entry {key[:12]} fails its checksum; re-encoding it")
+                            problems.append(f"{display_path(path)}: entry {key[:12]} fails its checksum; re-encoding it")
             except Exception as error:  # missing, truncated or garbled file: safetensors raises various types
                 bad.extend(shard_keys)
-                problems.append(f"{path}: unreadable shard ({error}); re-encoding its {len(shard_keys)} entries")
+                problems.append(f"{display_path(path)}: unreadable shard ({_short(error)}); re-encoding its "
+                                f"{len(shard_keys)} entries")
         if bad:
             for problem in problems:
                 log.warning("Headroom cache: %s", problem)
@@ -331,8 +337,8 @@ class ShardStore:
                 pass
         except OSError as error:
             raise CacheStoreError(
-                f"cache folder {self.root} is not writable ({error}); fix its permissions or move the cache "
-                "folder"
+                f"cache folder {display_path(self.root)} is not writable ({error.strerror}); fix its permissions or "
+                "move the cache folder"
             ) from error
 
     def writer(self) -> "ShardWriter":
@@ -340,20 +346,25 @@ class ShardStore:
 
 
 class ShardWriter:
-    """Collects finished entries and writes them as shards. Used as a context manager: on leaving -
-    normally, on error or on cancel - the entries finished so far are written, so work is kept."""
+    """Collects finished entries and writes them as shards: when a shard's worth is pending, and once the oldest
+    pending entry waited `commit_seconds`. Used as a context manager: on leaving - normally, on error or on
+    cancel - the entries finished so far are written, so work is kept."""
 
     def __init__(self, store: ShardStore):
         self.store = store
         self.pending: dict[str, tuple[dict[str, torch.Tensor], dict]] = {}
         self.pending_bytes = 0
+        self.pending_since = 0.0
         self.bytes_written = 0
 
     def add(self, key: str, tensors: Mapping[str, torch.Tensor], meta: dict | None = None) -> None:
         tensors = {name: tensor.detach().to("cpu").contiguous() for name, tensor in tensors.items()}
+        if not self.pending:
+            self.pending_since = time.monotonic()
         self.pending[key] = (tensors, dict(meta or {}))
         self.pending_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
-        if self.pending_bytes >= self.store.shard_bytes:
+        if self.pending_bytes >= self.store.shard_bytes or \
+                time.monotonic() - self.pending_since >= self.store.commit_seconds:
             self.flush()
 
     def flush(self) -> None:
@@ -374,16 +385,7 @@ class ShardWriter:
                 "bytes": sum(t.numel() * t.element_size() for t in entry_tensors.values()),
                 "meta": meta,
             }
-        store.shard_dir.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".shard-", suffix=".tmp", dir=store.shard_dir)
-        os.close(fd)
-        try:
-            save_file(tensors, tmp, metadata={"format": "headroom-cache-shard"})
-            _fsync_file(Path(tmp))
-            os.replace(tmp, path)
-        except OSError as error:
-            Path(tmp).unlink(missing_ok=True)
-            raise _write_error(path, error) from error
+        save_safetensors(path, tensors, "a cache shard", metadata={"format": "headroom-cache-shard"})
         store._commit(added)  # the manifest last: an entry is listed only once its shard is complete
         self.bytes_written += sum(entry["bytes"] for entry in added.values())
         self.pending.clear()
@@ -393,11 +395,11 @@ class ShardWriter:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is not None and issubclass(exc_type, CacheStoreError):
+        if exc_type is not None and issubclass(exc_type, WriteError):
             return  # the disk refused a write; do not try again on the way out
         try:
             self.flush()
-        except CacheStoreError:
+        except WriteError:
             if exc_type is None:
                 raise
             log.exception("Headroom cache: could not keep the entries finished before the interruption")
@@ -416,14 +418,13 @@ class _ShardReader:
         with self._lock:
             handle = self._handles.get(shard)
             if handle is None:
-                path = self.shard_dir / shard
                 try:
-                    handle = safe_open(str(path), framework="pt")
+                    handle = safe_open(str(_contained_shard(self.shard_dir, shard)), framework="pt")
                 except Exception as error:
                     raise CacheStoreError(
-                        f"cache shard {path} is missing or unreadable ({error}); run the caching node again "
-                        "to rebuild it"
-                    ) from error
+                        f"cache shard {display_path(self.shard_dir / shard)} is missing or unreadable ({_short(error)}); "
+                        "run the caching node again to rebuild it"
+                    ) from None
                 self._handles[shard] = handle
                 while len(self._handles) > self.max_open:
                     self._handles.popitem(last=False)
@@ -436,6 +437,35 @@ class _ShardReader:
 
     def __setstate__(self, state):
         self.__init__(state["shard_dir"], state["max_open"])
+
+
+def _entry_well_formed(key, entry) -> bool:
+    """A manifest entry as ShardWriter writes it: a sha256 key; a shard file name of ours; tensor names and their
+    sha256; a byte count; a meta dict."""
+    return (isinstance(key, str) and _KEY.fullmatch(key) is not None and isinstance(entry, dict)
+            and isinstance(entry.get("shard"), str) and _SHARD.fullmatch(entry["shard"]) is not None
+            and isinstance(entry.get("tensors"), dict) and bool(entry["tensors"])
+            and all(isinstance(n, str) and _TENSOR.fullmatch(n) and isinstance(d, str) and _KEY.fullmatch(d)
+                    for n, d in entry["tensors"].items())
+            and isinstance(entry.get("bytes"), int) and not isinstance(entry["bytes"], bool) and entry["bytes"] >= 0
+            and isinstance(entry.get("meta", {}), dict))
+
+
+def _contained_shard(shard_dir: Path, shard: str) -> Path:
+    """A shard named by the manifest (already a checked name): a regular file inside shard_dir, not a symlink."""
+    if not isinstance(shard, str) or _SHARD.fullmatch(shard) is None:
+        raise UntrustedFileError(f"{str(shard)[:60]!r} is not a cache shard name: refused")
+    path = resolve_inside(shard_dir / shard, [shard_dir], "cache shard")
+    with open_regular(shard_dir / shard, "cache shard"):
+        pass
+    return path
+
+
+def _short(error: BaseException) -> str:
+    """An error's first line, with ComfyUI's folders named relatively (libraries put absolute paths in)."""
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror
+    return relative_text(str(error).splitlines()[0][:200]) if str(error) else type(error).__name__
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -487,7 +517,7 @@ class LatentCache:
         return self._items[index][5]
 
     def __repr__(self) -> str:
-        return f"LatentCache({len(self)} items, {len(self.buckets)} buckets, {self.root})"
+        return f"LatentCache({len(self)} items, {len(self.buckets)} buckets, {display_path(self.root)})"
 
 
 class TextCache:
@@ -527,7 +557,7 @@ class TextCache:
         return self.conditioning(self._empty_key)
 
     def __repr__(self) -> str:
-        return f"TextCache({len(self)} prompts, {self.root})"
+        return f"TextCache({len(self)} prompts, {display_path(self.root)})"
 
 
 def bucket_batches(latent_cache: LatentCache, batch_size: int, seed: int, epoch: int) -> list[list[int]]:
@@ -597,6 +627,7 @@ class _PlannedLatent:
     key: str
     plan: CropPlan
     text_key: str
+    reduce: int  # the image is decoded reduced by this factor (dataset.reduce_factor)
 
 
 def cache_latents(
@@ -629,22 +660,27 @@ def cache_latents(
             image_digest = item.image.digest()
             size = item.image.size()
             control_digest = item.control.digest() if item.control is not None else None
-        except OSError as error:
-            _skip_or_raise(dataset, f"{item.image.describe()}: cannot be read ({error}); re-export or remove it",
-                           report)
+        except DatasetError as error:  # e.g. too many pixels: the message names the file
+            _skip_or_raise(dataset, str(error), report)
+            continue
+        except (OSError, ValueError, SyntaxError) as error:
+            _skip_or_raise(dataset, f"{item.image.describe()}: cannot be read ({_short(error)}); re-export or remove "
+                           "it", report)
             continue
         bucket = nearest_bucket(size[0], size[1], bucket_sizes)
         for flip in (False, True) if dataset.flip else (False,):
             plan = plan_crop(size, bucket, dataset.crop, dataset.seed, image_digest, flip)
+            reduce = reduce_factor(size, plan.resized)
             key = entry_key({
                 "kind": "latent", "encoder": fingerprint, "options": dict(encoder_options),
                 "image": image_digest, "crop": plan.key_params(),
                 "control": control_digest, "control_encoding": control_encoding if control_digest else None,
+                **({"decode_reduce": reduce} if reduce > 1 else {}),  # keys of images decoded whole are unchanged
             })
-            planned.append(_PlannedLatent(index, key, plan, text_key(item.caption)))
+            planned.append(_PlannedLatent(index, key, plan, text_key(item.caption), reduce))
 
     good, problems = store.verify(p.key for p in planned)
-    report.warnings += problems
+    report.warnings += store.warnings + problems
     misses = [p for p in planned if p.key not in good]
     report.hits, report.misses = len(planned) - len(misses), len(misses)
     progress(report.hits, len(planned))
@@ -661,11 +697,15 @@ def cache_latents(
                     continue
                 if loaded is None or loaded[0] != entry.item_index:
                     try:
-                        loaded = (entry.item_index, item.image.load(),
-                                  item.control.load() if item.control is not None else None)
+                        loaded = (entry.item_index, item.image.load(entry.reduce),
+                                  item.control.load(entry.reduce) if item.control is not None else None)
+                    except DatasetError as error:
+                        failed_items.add(entry.item_index)
+                        _skip_or_raise(dataset, str(error), report)
+                        continue
                     except (OSError, ValueError, SyntaxError) as error:
                         failed_items.add(entry.item_index)
-                        _skip_or_raise(dataset, f"{item.image.describe()}: cannot be decoded ({error}); "
+                        _skip_or_raise(dataset, f"{item.image.describe()}: cannot be decoded ({_short(error)}); "
                                                 "re-export or remove it", report)
                         continue
                 _, pixels, control_pixels = loaded
@@ -732,7 +772,7 @@ def cache_text(
         for prompt in prompts
     }
     good, problems = store.verify(keys.values())
-    report.warnings += problems
+    report.warnings += store.warnings + problems
     misses = [prompt for prompt in prompts if keys[prompt] not in good]
     report.hits, report.misses = len(prompts) - len(misses), len(misses)
     progress(report.hits, len(prompts))

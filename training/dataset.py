@@ -4,11 +4,19 @@ already exists (in-memory IMAGE), so a DATASET never holds a decoded copy of eve
 
 Everything that can be checked without decoding pixels is checked when the dataset is built, and each
 problem names the file and the fix; with `skip_bad` the item is left out and listed in `warnings`.
+
+Dataset files are untrusted: a file (or symlink) must resolve inside the folders datasets may be read from
+(`roots`; the nodes pass ComfyUI's input folder and the server owner's HEADROOM_DATASET_ROOTS), captions are
+read only up to CAPTION_MAX_BYTES, and an image whose header claims more than MAX_IMAGE_PIXELS (a decompression
+bomb, or simply too large) is refused by its header, before any pixel is decoded. Large images are decoded
+reduced to what their bucket needs (JPEG draft scaling, then an integer box reduce), never at full size in float.
 """
 from __future__ import annotations
 
 import hashlib
+import math
 import os
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,10 +26,14 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 from . import public_module
 from .buckets import CROP_MODES
+from .files import UntrustedFileError, display_path, relative_text, resolve_inside
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
 CAPTION_EXTENSION = ".txt"
 _SWAPPED_EXIF_ORIENTATIONS = (5, 6, 7, 8)  # rotated by 90 degrees: width and height trade places
+MAX_IMAGE_PIXELS = 12800 * 12800  # ~164 Mpx: below PIL's own bomb limit (2 x 89.5 Mpx), above any real photo
+CAPTION_MAX_BYTES = 1 << 20
+REDUCING_GAP = 2  # decode at least twice the size the bucket needs; the antialiased resize does the rest
 
 
 class DatasetError(ValueError):
@@ -31,17 +43,43 @@ class DatasetError(ValueError):
 
 
 class FileImage:
-    """An image file, decoded on demand."""
+    """An image file, decoded on demand. It is read only where it resolves inside `roots` (default: its folder)."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, roots: tuple[Path, ...] | None = None):
         self.path = Path(path)
+        self.roots = tuple(roots) if roots else (self.path.parent,)
 
     def describe(self) -> str:
-        return str(self.path)
+        return display_path(self.path)
+
+    def _real(self) -> Path:
+        real = resolve_inside(self.path, self.roots, "image")  # a symlink leading outside is refused
+        if not real.is_file():  # a FIFO would block the reader, a device never end
+            raise DatasetError(f"{self.describe()}: not a regular file (a broken symlink, a FIFO, a device?); replace "
+                               "it with an image file")
+        return real
+
+    def _open(self) -> Image.Image:
+        """The image opened lazily (header only), refused when it claims more than MAX_IMAGE_PIXELS."""
+        with warnings.catch_warnings():  # our own limit applies; PIL's warning below its error would only be noise
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            try:
+                img = Image.open(self._real())
+            except Image.DecompressionBombError as error:
+                raise DatasetError(f"{self.describe()}: {error}; downscale it") from None
+        width, height = img.size
+        if width * height > MAX_IMAGE_PIXELS:
+            img.close()
+            raise DatasetError(
+                f"{self.describe()}: {width}x{height} pixels ({width * height / 1e6:.0f} Mpx) is more than the "
+                f"{MAX_IMAGE_PIXELS / 1e6:.0f} Mpx an image may have (a decompression bomb, or far larger than "
+                "training needs); downscale it"
+            )
+        return img
 
     def size(self) -> tuple[int, int]:
         """(width, height) as the image will be loaded (EXIF rotation applied); reads the header only."""
-        with Image.open(self.path) as img:
+        with self._open() as img:
             width, height = img.size
             if img.getexif().get(0x0112) in _SWAPPED_EXIF_ORIENTATIONS:
                 return height, width
@@ -49,27 +87,45 @@ class FileImage:
 
     def check(self) -> None:
         """Raise if the file is not an image PIL can parse (header and, where cheap, structure)."""
-        with Image.open(self.path) as img:
+        with self._open() as img:
             img.verify()
 
-    def load(self) -> torch.Tensor:
-        """[H, W, 3] float32 0..1, EXIF rotation applied (as ComfyUI's LoadImage does)."""
-        with Image.open(self.path) as img:
+    def load(self, reduce: int = 1) -> torch.Tensor:
+        """[H, W, 3] float32 0..1, EXIF rotation applied (as ComfyUI's LoadImage does); with `reduce` > 1 about
+        1/reduce of the size per side, decoded small where the format allows (JPEG) and box-reduced otherwise,
+        so a large image never exists at full size in float."""
+        with self._open() as img:
+            width = img.size[0]
+            if reduce > 1 and img.format == "JPEG":
+                img.draft("RGB", (math.ceil(img.size[0] / reduce), math.ceil(img.size[1] / reduce)))
+            remaining = max(1, reduce // max(1, round(width / img.size[0])))  # what draft scaling did not do
             img = ImageOps.exif_transpose(img)
             if img.mode in ("I", "I;16", "I;16B", "I;16L"):  # 16-bit grey: convert("RGB") would clip at 255
+                img = img.convert("I")
+                if remaining > 1:
+                    img = img.reduce(remaining)
                 grey = np.asarray(img, dtype=np.float32) / 65535.0
                 array = np.repeat(grey[..., None], 3, axis=-1)
             else:
-                array = np.asarray(img.convert("RGB"), dtype=np.float32) / 255.0
+                img = img.convert("RGB")
+                if remaining > 1:
+                    img = img.reduce(remaining)
+                array = np.asarray(img, dtype=np.float32) / 255.0
         return torch.from_numpy(array.copy())
 
     def digest(self) -> str:
         """sha256 of the file's bytes."""
         hasher = hashlib.sha256()
-        with open(self.path, "rb") as file:
+        with open(self._real(), "rb") as file:
             for chunk in iter(lambda: file.read(1 << 20), b""):
                 hasher.update(chunk)
         return hasher.hexdigest()
+
+
+def reduce_factor(size: tuple[int, int], resized: tuple[int, int]) -> int:
+    """The integer factor an image of `size` may be decoded reduced by and still be REDUCING_GAP times the size it
+    is resized to (1: decode at full size)."""
+    return max(1, min(size[0] // max(resized[0], 1), size[1] // max(resized[1], 1)) // REDUCING_GAP)
 
 
 class TensorImage:
@@ -88,8 +144,8 @@ class TensorImage:
     def check(self) -> None:
         pass  # validated as a whole batch when the dataset was built
 
-    def load(self) -> torch.Tensor:
-        return self.pixels.to(torch.float32)
+    def load(self, reduce: int = 1) -> torch.Tensor:
+        return self.pixels.to(torch.float32)  # already in memory: nothing to save by reducing
 
     def digest(self) -> str:
         pixels = self.pixels.detach().to(device="cpu", dtype=torch.float32).contiguous()
@@ -134,13 +190,16 @@ class Dataset:
         return self.items[0].control is not None
 
 
+def _entries(folder: Path) -> list[Path]:
+    """The visible entries of `folder` an item can come from: files and symlinks (a symlink is checked where it
+    leads when it is read), not subfolders."""
+    return [path for path in sorted(folder.iterdir())
+            if not path.name.startswith(".") and (path.is_symlink() or not path.is_dir())]
+
+
 def _images_in(folder: Path) -> dict[str, Path]:
     """stem -> path of every supported image directly in `folder` (hidden files ignored)."""
-    return {
-        path.stem: path
-        for path in sorted(folder.iterdir())
-        if path.is_file() and not path.name.startswith(".") and path.suffix.lower() in IMAGE_EXTENSIONS
-    }
+    return {path.stem: path for path in _entries(folder) if path.suffix.lower() in IMAGE_EXTENSIONS}
 
 
 def dataset_from_folder(
@@ -153,43 +212,46 @@ def dataset_from_folder(
     flip: bool = False,
     seed: int = 0,
     skip_bad: bool = False,
+    roots: tuple[Path, ...] | None = None,
 ) -> Dataset:
     """Images in `folder` with same-name `.txt` captions; control images in `control_folder` matched by
-    file name stem (any supported extension) and of the same size as their image."""
+    file name stem (any supported extension) and of the same size as their image. Files are read only where
+    they resolve inside `roots` (default: the dataset and control folders)."""
     folder = Path(folder)
     if not folder.is_dir():
-        raise DatasetError(f"dataset folder {folder} does not exist or is not a folder")
+        raise DatasetError(f"dataset folder {display_path(folder)} does not exist or is not a folder")
     if control_folder is not None and not Path(control_folder).is_dir():
-        raise DatasetError(f"control folder {control_folder} does not exist or is not a folder")
+        raise DatasetError(f"control folder {display_path(control_folder)} does not exist or is not a folder")
+    roots = tuple(roots) if roots else tuple(p for p in (folder, control_folder) if p is not None)
     controls = _images_in(Path(control_folder)) if control_folder is not None else {}
 
     items, problems = [], []
-    for path in sorted(folder.iterdir()):
-        if not path.is_file() or path.name.startswith(".") or path.suffix.lower() == CAPTION_EXTENSION:
+    for path in _entries(folder):
+        if path.suffix.lower() == CAPTION_EXTENSION:
             continue
         if path.suffix.lower() not in IMAGE_EXTENSIONS:
             problems.append(
-                f"{path}: unsupported file type {path.suffix!r} (supported: {', '.join(IMAGE_EXTENSIONS)}); "
+                f"{display_path(path)}: unsupported file type {path.suffix!r} (supported: {', '.join(IMAGE_EXTENSIONS)}); "
                 "move it out of the dataset folder"
             )
             continue
-        problem = _check_item(path, controls, control_folder)
+        caption = _read_caption(path, roots)
+        problem = caption if not isinstance(caption, tuple) else _check_item(path, controls, control_folder, roots)
         if problem:
             problems.append(problem)
             continue
-        caption = path.with_suffix(CAPTION_EXTENSION).read_text(encoding="utf-8").strip()
-        control = FileImage(controls[path.stem]) if control_folder is not None else None
-        items.append(DatasetItem(name=path.name, caption=caption, image=FileImage(path), control=control))
+        control = FileImage(controls[path.stem], roots) if control_folder is not None else None
+        items.append(DatasetItem(name=path.name, caption=caption[0], image=FileImage(path, roots), control=control))
 
     if problems and not skip_bad:
         raise DatasetError(
-            f"{len(problems)} problem(s) in dataset folder {folder} (fix them, or enable skip_bad to leave "
-            "those items out):\n- " + "\n- ".join(problems)
+            f"{len(problems)} problem(s) in dataset folder {display_path(folder)} (fix them, or enable skip_bad to "
+            "leave those items out):\n- " + "\n- ".join(problems)
         )
     if not items:
         raise DatasetError(
-            f"no usable images in {folder}: put images ({', '.join(IMAGE_EXTENSIONS)}) there, each with a "
-            f"same-name {CAPTION_EXTENSION} caption file"
+            f"no usable images in {display_path(folder)}: put images ({', '.join(IMAGE_EXTENSIONS)}) there, each "
+            f"with a same-name {CAPTION_EXTENSION} caption file"
             + (" (skipped:\n- " + "\n- ".join(problems) + ")" if problems else "")
         )
     return Dataset(
@@ -198,37 +260,63 @@ def dataset_from_folder(
     )
 
 
-def _check_item(path: Path, controls: dict[str, Path], control_folder: Path | None) -> str | None:
-    """A message naming the problem with this item and its fix, or None if it is usable."""
-    caption_path = path.with_suffix(CAPTION_EXTENSION)
-    if not caption_path.is_file():
-        return f"{path}: no caption file; write the caption into {caption_path}"
+def _read_caption(image_path: Path, roots: tuple[Path, ...]) -> tuple[str] | str:
+    """(the caption of an image,) or a message naming the problem and its fix."""
+    caption_path = image_path.with_suffix(CAPTION_EXTENSION)
+    where = display_path(caption_path)
+    if not os.path.lexists(caption_path):
+        return f"{display_path(image_path)}: no caption file; write the caption into {where}"
     try:
-        caption_path.read_text(encoding="utf-8")
+        real = resolve_inside(caption_path, roots, "caption")
+        if not real.is_file():
+            return f"{where}: the caption is not a regular file (a broken symlink or a folder?); replace it"
+        if real.stat().st_size > CAPTION_MAX_BYTES:
+            return f"{where}: caption is larger than {CAPTION_MAX_BYTES >> 20} MiB; shorten it"
+        return (real.read_text(encoding="utf-8").strip(),)
+    except UntrustedFileError as error:
+        return str(error)
     except (OSError, UnicodeDecodeError) as error:
-        return f"{caption_path}: caption cannot be read as UTF-8 text ({error}); re-save it as UTF-8"
-    image = FileImage(path)
+        return f"{where}: caption cannot be read as UTF-8 text ({error}); re-save it as UTF-8"
+
+
+def _check_item(path: Path, controls: dict[str, Path], control_folder: Path | None,
+                roots: tuple[Path, ...]) -> str | None:
+    """A message naming the problem with this item and its fix, or None if it is usable."""
+    image = FileImage(path, roots)
     try:
         image.check()
         size = image.size()
+    except DatasetError as error:
+        return str(error)
     except (OSError, UnidentifiedImageError, SyntaxError, ValueError) as error:
-        return f"{path}: unreadable or corrupt image ({error}); re-export it or remove it"
+        return f"{image.describe()}: unreadable or corrupt image ({_reason(error)}); re-export it or remove it"
     if control_folder is None:
         return None
     if path.stem not in controls:
-        return f"{path}: no control image named {path.stem}.* in {control_folder}; add one or remove the image"
-    control = FileImage(controls[path.stem])
+        return (f"{image.describe()}: no control image named {path.stem}.* in {display_path(control_folder)}; add one "
+                "or remove the image")
+    control = FileImage(controls[path.stem], roots)
     try:
         control.check()
         control_size = control.size()
+    except DatasetError as error:
+        return str(error)
     except (OSError, UnidentifiedImageError, SyntaxError, ValueError) as error:
-        return f"{control.path}: unreadable or corrupt control image ({error}); re-export it or remove it"
+        return f"{control.describe()}: unreadable or corrupt control image ({_reason(error)}); re-export it or remove it"
     if control_size != size:
         return (
-            f"{control.path}: control image is {control_size[0]}x{control_size[1]} but its image {path.name} is "
+            f"{control.describe()}: control image is {control_size[0]}x{control_size[1]} but its image {path.name} is "
             f"{size[0]}x{size[1]}; resize the control image to match"
         )
     return None
+
+
+def _reason(error: BaseException) -> str:
+    """An error's text without an absolute path PIL or the OS put into it."""
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror
+    text = relative_text(str(error))
+    return "unknown format" if isinstance(error, UnidentifiedImageError) else text
 
 
 def split_captions(captions: str) -> list[str]:

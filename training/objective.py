@@ -21,6 +21,8 @@ from typing import Literal
 
 import torch
 
+from .checks import check_finite
+
 Prediction = Literal["eps", "v", "flow"]
 PREDICTIONS = ("eps", "v", "flow")
 TIMESTEP_SAMPLINGS = ("uniform", "logit_normal", "shifted")
@@ -58,6 +60,8 @@ class ObjectiveConfig:
     noise_offset: float = 0.0
 
     def validate(self, prediction: Prediction) -> None:
+        check_finite("objective", min_snr_gamma=self.min_snr_gamma, logit_mean=self.logit_mean, logit_std=self.logit_std,
+                     shift=self.shift, noise_offset=self.noise_offset)
         if self.timestep_sampling not in TIMESTEP_SAMPLINGS:
             raise ValueError(f"timestep_sampling={self.timestep_sampling!r}: choose one of {TIMESTEP_SAMPLINGS}")
         if self.loss_weighting not in LOSS_WEIGHTINGS:

@@ -7,13 +7,39 @@ Prodigy: `prodigyopt`. Schedules: `diffusers.optimization.get_scheduler`.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from typing import Iterable
 
 import torch
 
+from . import public_module
+from .checks import check_finite
+
 OPTIMIZERS = ("AdamW", "AdamW8bit", "PagedAdamW8bit", "Lion8bit", "Adafactor", "CAME", "Prodigy")
 SCHEDULES = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial")
 _BITSANDBYTES = ("AdamW8bit", "PagedAdamW8bit", "Lion8bit")
+# Optimizers from optional packages: the pip package each needs (import name, pip name).
+OPTIONAL_PACKAGES = {"CAME": ("came_pytorch", "came-pytorch"), "Prodigy": ("prodigyopt", "prodigyopt")}
+
+
+class MissingPackageError(ImportError):
+    """An optional package an optimizer needs is not installed; the message names the pip package."""
+
+    __module__ = public_module(__name__)  # a clean type name in ComfyUI's error report
+
+
+def check_available(name: str) -> None:
+    """Raise MissingPackageError when optimizer `name` needs a package this Python does not have."""
+    if name not in OPTIONAL_PACKAGES:
+        return
+    module, package = OPTIONAL_PACKAGES[name]
+    try:
+        importlib.import_module(module)
+    except ImportError as error:
+        raise MissingPackageError(
+            f"optimizer {name} needs the pip package '{package}', which is not installed ({error}). Install it into "
+            f"ComfyUI's Python (python -m pip install {package}) and restart ComfyUI, or choose AdamW."
+        ) from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +54,8 @@ class OptimizerConfig:
     total_steps: int = 1000  # horizon of decaying schedules (linear / cosine / polynomial)
 
     def validate(self) -> None:
+        check_finite("optimizer", lr=self.lr, weight_decay=self.weight_decay, eps=self.eps, beta1=self.betas[0],
+                     beta2=self.betas[1])
         if self.name not in OPTIMIZERS:
             raise ValueError(f"unknown optimizer {self.name!r}: choose one of {', '.join(OPTIMIZERS)}")
         if not self.lr > 0:
@@ -54,6 +82,7 @@ def create_optimizer(params: Iterable[torch.nn.Parameter], config: OptimizerConf
         # Fixed external LR (relative_step off) so schedules and the lr input mean the same as for AdamW.
         return Adafactor(params, lr=config.lr, scale_parameter=False, relative_step=False, warmup_init=False,
                          weight_decay=config.weight_decay)
+    check_available(config.name)
     if config.name == "CAME":
         from came_pytorch import CAME
 

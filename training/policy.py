@@ -32,6 +32,7 @@ import torch
 from . import public_module
 from .activation_offload import enable_offloaded_checkpointing
 from .checkpointing import wrap_blocks
+from .checks import check_finite
 from .weight_streaming import WeightStreamer
 
 PLACEMENTS = ("resident", "partial", "streamed")
@@ -68,6 +69,10 @@ class OffloadPolicy:
         self.validate()
 
     def validate(self) -> None:
+        try:
+            check_finite("offload policy", vram_budget_gb=self.vram_budget_gb, reserve_gb=self.reserve_gb)
+        except ValueError as error:
+            raise PolicyError(str(error)) from None
         budget = self.vram_budget_gb
         if isinstance(budget, str):
             if budget != "auto":

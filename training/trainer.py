@@ -25,11 +25,13 @@ import torch
 
 from . import public_module
 from .cache_store import bucket_batches
+from .checks import check_finite
 from .objective import Objective, ObjectiveConfig, SamplingDescriptor, step_seed
 from .optimizer_parking import HostOptimizer, parked
 from .optimizers import OptimizerConfig, create_optimizer, create_scheduler, current_lr
 from .policy import OffloadPolicy, memory_features
-from .run_dir import Checkpoint, RunDir, capture_rng, restore_rng
+from .files import WriteError
+from .run_dir import Checkpoint, CheckpointError, RunDir, capture_rng, restore_rng
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -91,6 +93,7 @@ class TrainConfig:
     objective: ObjectiveConfig = ObjectiveConfig()
 
     def validate(self) -> None:
+        check_finite("training", max_grad_norm=self.max_grad_norm, caption_dropout=self.caption_dropout)
         if self.batch_size < 1 or self.grad_accum < 1:
             raise ValueError(f"batch_size={self.batch_size} and grad_accum={self.grad_accum} must be >= 1")
         if self.precision not in PRECISIONS:
@@ -261,19 +264,27 @@ class Trainer:
             if self.params_finite() and self.step > 0 and self.saved_step != self.step:
                 self.save()  # the weights are still those of the last good step
             if self.saved_step is not None:
-                kept = f" The last good checkpoint (step {self.saved_step}) is kept in {self.run_dir.path}."
+                kept = f" The last good checkpoint (step {self.saved_step}) is kept in {self.run_dir.display}."
         return NonFiniteLossError(
             f"training loss became {loss.item()} at step {step}; likely cause: " + "; or ".join(causes) + "." + kept
         )
 
-    def train_to(self, target_step: int, after_step: Callable[[StepReport], None] | None = None) -> None:
+    def train_to(self, target_step: int, after_step: Callable[[StepReport], None] | None = None,
+                 checkpoint_every: int = 0, checkpoint_seconds: float = 0.0) -> None:
         """Train until `self.step == target_step` (no work when already there). `after_step` runs after each
-        completed step; it may raise (e.g. ComfyUI's interrupt), leaving the trainer at a completed step."""
+        completed step; it may raise (e.g. ComfyUI's interrupt), leaving the trainer at a completed step.
+
+        A checkpoint is written every `checkpoint_every` steps and whenever `checkpoint_seconds` have passed since
+        the last one written here (0: off), so a crash or kill loses at most that much; the caller saves the
+        last step."""
         if target_step <= self.step:
             return
+        if (checkpoint_every or checkpoint_seconds) and self.run_dir is None:
+            raise ValueError("periodic checkpoints need a run directory")
         # Tiny gradients and optimizer moments become denormal floats, which x86 CPUs process ~100x slower;
         # flushing them to zero costs no accuracy that matters and is what GPUs do anyway.
         flush_denormal = self.denoiser.device.type == "cpu" and torch.set_flush_denormal(True)
+        saved_at = time.monotonic()
         with torch.inference_mode(False), _forked_rng():
             restore_rng(self.rng)
             try:
@@ -286,6 +297,11 @@ class Trainer:
                         loss = self.train_step()
                         if after_step is not None:
                             after_step(StepReport(self.step, loss, current_lr(self.optimizer), time.perf_counter() - started))
+                        due = (checkpoint_every and self.step % checkpoint_every == 0) or \
+                            (checkpoint_seconds and time.monotonic() - saved_at >= checkpoint_seconds)
+                        if due and self.step < target_step:
+                            self.save()
+                            saved_at = time.monotonic()
             finally:
                 self.trainable.train(False)
                 if flush_denormal:
@@ -331,16 +347,46 @@ class Trainer:
         )
 
     def restore(self, checkpoint: Checkpoint) -> None:
-        self.trainable.load_state_dict(checkpoint.adapter)
-        self.optimizer.load_state_dict(checkpoint.optimizer)
-        self.scheduler.load_state_dict(checkpoint.scheduler)
-        if self.scaler is not None and checkpoint.scaler is not None:
-            self.scaler.load_state_dict(checkpoint.scaler)
+        """Load a checkpoint after checking it fits what this trainer trains (a file from disk is untrusted)."""
+        problem = self._mismatch(checkpoint)
+        if problem:
+            where = f"run '{self.run_dir.name}'" if self.run_dir is not None else "the checkpoint"
+            raise CheckpointError(
+                f"{where}: the saved checkpoint of step {checkpoint.step} does not fit this run ({problem}). It was "
+                "edited or written for other settings: move the run folder away, or use a new run name."
+            )
+        try:
+            self.trainable.load_state_dict(checkpoint.adapter)
+            self.optimizer.load_state_dict(checkpoint.optimizer)
+            self.scheduler.load_state_dict(checkpoint.scheduler)
+            if self.scaler is not None and checkpoint.scaler is not None:
+                self.scaler.load_state_dict(checkpoint.scaler)
+        except (ValueError, KeyError, TypeError, RuntimeError) as error:
+            raise CheckpointError(f"the saved checkpoint of step {checkpoint.step} cannot be loaded ({error}): move "
+                                  "the run folder away, or use a new run name") from None
         self.rng = checkpoint.rng
         self.step = checkpoint.step
         self.loss_history = [list(x) for x in checkpoint.loss_history]
         self.validation_history = [list(x) for x in checkpoint.validation_history]
         self.saved_step = checkpoint.step
+
+    def _mismatch(self, checkpoint: Checkpoint) -> str | None:
+        """What in a checkpoint does not fit this trainer: weight keys, shapes and dtypes; optimizer groups, state
+        shapes; scheduler and scaler fields. None when it fits."""
+        current = self.trainable.state_dict()
+        saved = checkpoint.adapter
+        if set(saved) != set(current):
+            missing, extra = sorted(set(current) - set(saved)), sorted(set(saved) - set(current))
+            return (f"{len(missing)} weight(s) missing (e.g. {missing[:1]}), {len(extra)} unknown (e.g. {extra[:1]})")
+        for key, tensor in current.items():
+            if not isinstance(saved[key], torch.Tensor) or saved[key].shape != tensor.shape or saved[key].dtype != tensor.dtype:
+                got = saved[key]
+                return (f"weight {key} is {getattr(got, 'dtype', type(got).__name__)} {list(getattr(got, 'shape', []))}, "
+                        f"expected {tensor.dtype} {list(tensor.shape)}")
+        return (_optimizer_mismatch(checkpoint.optimizer, self.optimizer)
+                or _fields_mismatch("LR scheduler", checkpoint.scheduler, self.scheduler.state_dict())
+                or (_fields_mismatch("gradient scaler", checkpoint.scaler, self.scaler.state_dict())
+                    if self.scaler is not None and checkpoint.scaler is not None else None))
 
     def params_finite(self) -> bool:
         return all(bool(torch.isfinite(p).all()) for p in self.params)
@@ -348,7 +394,12 @@ class Trainer:
     def save(self) -> None:
         if self.run_dir is None:
             raise RuntimeError("this trainer has no run directory to save to")
-        self.run_dir.save_checkpoint(self.checkpoint())
+        try:
+            self.run_dir.save_checkpoint(self.checkpoint())
+        except WriteError as error:  # disk full...: say what is (not) on disk, and that queueing again saves it
+            kept = f"step {self.saved_step}" if self.saved_step is not None else "none"
+            raise type(error)(f"{error} The run is at step {self.step} in memory; its last checkpoint on disk: {kept}. "
+                              "Queueing again saves it.") from error
         self.saved_step = self.step
 
     def resume(self) -> bool:
@@ -362,3 +413,55 @@ class Trainer:
     @property
     def last_loss(self) -> float:
         return self.loss_history[-1][1] if self.loss_history else math.nan
+
+
+# The optimizer state entries with one value per parameter element (torch's Adam / AdamW / SGD, bitsandbytes' 8-bit
+# state, Prodigy, which keeps some flattened); other entries (factored rows / columns, block scales, maps) are smaller.
+_PARAM_SHAPED_STATE = {"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "state1", "state2", "p0", "s"}
+
+
+def _optimizer_mismatch(saved, optimizer) -> str | None:
+    groups = saved.get("param_groups") if isinstance(saved, dict) else None
+    state = saved.get("state") if isinstance(saved, dict) else None
+    current = optimizer.param_groups
+    if not isinstance(groups, list) or not isinstance(state, dict) or len(groups) != len(current) or not all(
+            isinstance(g, dict) and isinstance(g.get("params"), list) and len(g["params"]) == len(c["params"])
+            for g, c in zip(groups, current)):
+        return "its optimizer state has other parameter groups than this optimizer"
+    params = {}
+    for group, live in zip(groups, current):
+        for index, param in zip(group["params"], live["params"]):
+            if not isinstance(index, int) or isinstance(index, bool):
+                return "its optimizer state names parameters by something other than numbers"
+            params[index] = param
+    for index, entries in state.items():
+        if index not in params or not isinstance(entries, dict):
+            return f"its optimizer state has an entry for unknown parameter {str(index)[:20]!r}"
+        param = params[index]
+        for name, value in entries.items():
+            if isinstance(value, torch.Tensor) and value.ndim > 0:
+                if name in _PARAM_SHAPED_STATE and value.numel() != param.numel():
+                    return (f"optimizer state {name!r} of parameter {index} is {list(value.shape)}, the parameter "
+                            f"{list(param.shape)}")
+                if value.numel() > param.numel() + 4096:
+                    return f"optimizer state {name!r} of parameter {index} is larger than its parameter"
+            elif not isinstance(value, (int, float, bool, torch.Tensor, type(None))):
+                return f"optimizer state {name!r} of parameter {index} is a {type(value).__name__}"
+    return None
+
+
+def _fields_mismatch(what: str, saved, current: dict) -> str | None:
+    """A scheduler / scaler state may hold only fields the live one has, with values of the same kinds (a scheduler's
+    load_state_dict copies every field into the object as is); fields it lacks keep their current values."""
+    if not isinstance(saved, dict) or not set(saved) <= set(current):
+        unknown = sorted(map(str, set(saved) - set(current))) if isinstance(saved, dict) else []
+        return f"its {what} state has fields this {what} does not have ({', '.join(unknown[:3]) or 'not a dict'})"
+    for key, other in saved.items():
+        value = current[key]
+        numeric = (int, float)
+        if isinstance(value, numeric) and not isinstance(value, bool):
+            if not isinstance(other, numeric) or isinstance(other, bool):
+                return f"its {what} field {key!r} is not a number"
+        elif value is not None and other is not None and type(other) is not type(value):
+            return f"its {what} field {key!r} is a {type(other).__name__}, not a {type(value).__name__}"
+    return None
