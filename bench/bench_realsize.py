@@ -11,12 +11,16 @@ the phase works with + its growth), and the LoRA keys the stock loader mapped. T
 precision "auto": one convolution and one matmul at fp32, bf16 and fp16.
 
     python bench/bench_realsize.py [--models sdxl,flux_dev,sd35_large] [--size 128] [--steps 3]
-        [--checkpointing both|on|off] [--planner-models flux_dev,sd35_large] [--write docs/BENCHMARKS.md]
+        [--checkpointing both|on|off] [--planner-models sdxl,flux_dev,sd35_large] [--write docs/BENCHMARKS.md]
 
 Needs a ComfyUI checkout (found like the tests do) and RAM: SDXL peaks at ~14 GiB loading its checkpoint and
-~18 GiB training without checkpointing; the planner's description runs forwards that hold ~5x the diffusion
-weights here, so it is measured only for --planner-models. Run it alone on the machine (here: under
+~18 GiB training without checkpointing; the planner's description runs forwards of each model (its measurement
+keeps nothing alive), so it is measured only for --planner-models. Run it alone on the machine (here: under
 `flock /tmp/headroom-heavy.lock`). --write puts the sections into the file in place of their previous versions.
+
+RSS stands in for the device's allocated bytes on a CPU. glibc keeps freed heap pages in the process, so later phases
+also show what earlier ones freed; with MALLOC_MMAP_THRESHOLD_=131072 in the environment large tensors come from mmap
+and go back when freed, and RSS follows the live tensors (the run notes which allocator setting it had).
 """
 from __future__ import annotations
 
@@ -71,7 +75,7 @@ def _gib(value) -> str:
 
 def row(model: str, checkpointing: bool, report: dict) -> str:
     if "failed" in report:
-        return f"| {model} | | | {'on' if checkpointing else 'off'} | {report['failed']} |" + " |" * 10
+        return f"| {model} | | | {'on' if checkpointing else 'off'} | {report['failed']} |" + " |" * 12
     phases = {p["phase"]: p for p in report["phases"]}
     load = next((p for name, p in phases.items() if name.startswith("load")), None)
     caching = max(phases["caching latents"]["peak_rss_bytes"], phases["caching text"]["peak_rss_bytes"])
@@ -87,7 +91,8 @@ def row(model: str, checkpointing: bool, report: dict) -> str:
             f"{report['s_per_step']:.1f} | {_gib(load['peak_rss_bytes']) if load else 'built'} | "
             f"{_gib(report['baseline_rss_bytes'])} | {_gib(caching)} | {_gib(phases['training']['peak_rss_bytes'])} "
             f"(+{_gib(compared['training']['growth_bytes'])}) | {_gib(phases['validation']['peak_rss_bytes'])} | "
-            f"{_gib(phases['save']['peak_rss_bytes'])} | {ratio('training')} | {ratio('validation')} | {ratio('save')} | "
+            f"{_gib(phases['save']['peak_rss_bytes'])} | {ratio('caching text')} | {ratio('caching latents')} | "
+            f"{ratio('training')} | {ratio('validation')} | {ratio('save')} | "
             f"{lora['patched_weights']}/{lora['modules']}, {len(lora['not_loaded'])} not loaded |")
 
 
@@ -119,9 +124,8 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=128, help="square image size in pixels (training and samples)")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--checkpointing", choices=["both", "on", "off"], default="both")
-    parser.add_argument("--planner-models", default="flux_dev,sd35_large",
-                        help="models whose planner estimate is measured (its description runs forwards that hold ~5x "
-                        "the weights in RAM)")
+    parser.add_argument("--planner-models", default="sdxl,flux_dev,sd35_large",
+                        help="models whose planner estimate is measured (its description runs forwards of the model)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--write", type=Path, help="write the Markdown sections into this file, replacing old versions")
     args = parser.parse_args()
@@ -144,12 +148,15 @@ def main() -> None:
         f"bf16 weights cast per layer by ComfyUI), {args.steps} steps; validation: 1 prompt, 2 euler steps, cfg 2.",
         "- Peak RSS in GiB, per phase (load: the stock loader reading the file ComfyUI's save code wrote; resident: every "
         "model loaded, before the nodes; growth over resident in brackets). Planner / measured: the planner's phase "
-        "estimate over (the weights the phase works with + its RSS growth).",
+        "estimate over (the weights the phase works with + its RSS growth); goal: within 15 %. Allocator: "
+        + (f"MALLOC_MMAP_THRESHOLD_={os.environ['MALLOC_MMAP_THRESHOLD_']} (large tensors mmapped, RSS follows live "
+           "tensors)." if os.environ.get("MALLOC_MMAP_THRESHOLD_") else "glibc default (freed pages stay in RSS)."),
         "",
         "| model | diffusion (bf16) | text encoders + VAE GiB | checkpointing | s/step | load | resident | caching | "
-        "training (growth) | validation | save | planner / measured: training | validation | save | "
+        "training (growth) | validation | save | planner / measured: caching text | caching latents | training | "
+        "validation | save | "
         "LoRA keys patched / saved |",
-        "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     planner_models = set(args.planner_models.split(",")) if args.planner_models else set()
     for model in args.models.split(","):

@@ -142,6 +142,7 @@ def describe_comfy_model(patcher, adapter: AdapterConfig, precision: str = "bf16
         inference_bytes_per_latent_px=float(inference),
         weight_copy_in_flight_bytes=planner.largest_weight_copy_bytes(diffusion_model, model.manual_cast_dtype),
         largest_linear_numel=max((w.numel() for w in linears), default=0),
+        stored_element_size=max(linears, key=torch.Tensor.numel).element_size() if linears else 2,
         compute_element_size=torch.empty((), dtype=compute_dtype).element_size(),
     )
     if clip is not None:

@@ -6,8 +6,10 @@ ComfyUI test skips with one line saying so. Found: they run for real, never mock
 """
 from __future__ import annotations
 
+import atexit
 import os
 import pathlib
+import shutil
 import sys
 import tempfile
 
@@ -61,6 +63,9 @@ def import_comfyui_in_process() -> pathlib.Path:
         from comfy.cli_args import args
 
         _BASE_DIR = pathlib.Path(tempfile.mkdtemp(prefix="headroom-comfy-base-"))
+        # Removed when the process ends: the real-size tier writes GiB-sized checkpoints here, and a base left
+        # behind by every test process filled a CI machine's disk within a day.
+        atexit.register(shutil.rmtree, _BASE_DIR, ignore_errors=True)
         args.cpu = True
         args.base_directory = str(_BASE_DIR)
         import comfy.model_management  # noqa: F401  (reads args.cpu at import)

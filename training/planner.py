@@ -17,7 +17,8 @@ Items per phase (bytes on the compute device):
   state, activations (all blocks' saved tensors; or checkpointed inputs + one block recomputed; or two
   blocks' inputs in flight when offloaded), gradient buffers of one block, allocator overhead;
 - validation: frozen weights + adapter + ComfyUI's own inference estimate (memory_required, for the
-  cond/uncond batch), optimizer state and gradients unless parked; then the VAE decode once the
+  cond/uncond batch), one layer's LoRA merge (validation as the saved file), optimizer state and gradients
+  unless parked; then the VAE decode once the
   denoiser is released (tiled when it would not fit);
 - save: weights, trainables, gradients and optimizer state, no activations.
 """
@@ -115,6 +116,7 @@ class ModelDescription:
     weight_copy_in_flight_bytes: int = 0  # the largest block or outer weight, as loaded
     largest_linear_numel: int = 0  # the largest block Linear weight, dequantised when stored low-bit
     compute_element_size: int = 2
+    stored_element_size: int = 2  # that weight's dtype as loaded (what validation as the saved file rounds to)
     text_encoder_copy_in_flight_bytes: int = 0
 
     def frozen_bytes(self, storage: str = "as_loaded") -> int:
@@ -348,6 +350,11 @@ def estimate(description: ModelDescription, trainable: TrainableSpec, shape: Run
     validation_items["sampling working set (ComfyUI estimate, cond+uncond)"] = int(
         description.inference_bytes_per_latent_px * area * 2)
     validation_items["one layer's weight copy in flight (cast / dequantised)"] = int(in_flight)
+    # Validation as the saved file (the default, nodes/comfy_bridge.AsSavedWeight) merges the LoRA into that layer's
+    # weight as it runs: the LoRA product in fp32 (ComfyUI's LoRA compute dtype on a CPU; fp16 on some GPUs, so this
+    # is the upper bound), the merge rounded to the stored dtype, and that back in compute precision.
+    validation_items["one layer's LoRA merge in flight (validation as the saved file)"] = int(
+        description.largest_linear_numel * (4 + description.stored_element_size + description.compute_element_size))
     validation_items["allocator overhead (5%)"] = int(ALLOCATOR_OVERHEAD * sum(validation_items.values()))
     validation = PhaseEstimate("validation", validation_items)
     if policy.park_optimizer_during_validation:
