@@ -30,6 +30,7 @@ from ..training.optimizers import OPTIMIZERS, SCHEDULES, MissingPackageError, Op
 from ..training.policy import OffloadPolicy, PolicyError
 from ..training.run_dir import RunDir, RunFolderError, check_name, check_subfolder
 from ..training.trainer import PRECISIONS, TrainConfig, auto_precision
+from . import lora_formats
 from .cache import unload_encoder
 from .comfy_bridge import (LORA_APPLICATIONS, VALIDATE_EVENT, SessionConfig, TrainingSession, check_caches, model_family,
                            run_generation, send_event)
@@ -532,8 +533,10 @@ class HeadroomValidate(io.ComfyNode):
 SAVE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def save_lora(run: TrainingSession, subfolder: str, filename: str, dtype: str = "fp32") -> str:
+def save_lora(run: TrainingSession, subfolder: str, filename: str, dtype: str = "fp32", file_format: str = "comfyui") -> str:
     """Write the adapter under models/loras/<subfolder>/ atomically; returns the name LoraLoader lists."""
+    if file_format not in lora_formats.FORMATS:
+        raise ValueError(f"format {file_format!r}: choose one of {', '.join(lora_formats.FORMATS)}")
     check_subfolder(subfolder, "subfolder")
     name = check_name(filename or f"{run.run_dir.name}_step{run.step:06d}", "LoRA file name")
     if not name.endswith(".safetensors"):
@@ -542,8 +545,18 @@ def save_lora(run: TrainingSession, subfolder: str, filename: str, dtype: str = 
     path = loras_root / subfolder / name if subfolder else loras_root / name
     with run.phase("save"):
         prune_temp(path.parent)  # what a killed save left in that folder
-        save_safetensors(path, run.adapters.comfy_state_dict(dtype=SAVE_DTYPES[dtype]), f"LoRA {name}",
-                         metadata=run.lora_metadata())
+        state = run.adapters.comfy_state_dict(dtype=SAVE_DTYPES[dtype])
+        metadata = run.lora_metadata()
+        if file_format == "kohya":
+            names = lora_formats.kohya_names(run.source_model, run.adapters.layers, run.config.family)
+            state = lora_formats.to_kohya(state, names)
+            buckets = list(run.latent_cache.buckets)
+            adapter = run.config.adapter
+            metadata.update(lora_formats.kohya_metadata(
+                run.config.family, adapter.kind, adapter.rank, adapter.alpha, run.step, name[: -len(".safetensors")],
+                max(buckets, key=lambda b: b[0] * b[1]) if buckets else None))
+            metadata["headroom.format"] = "kohya"
+        save_safetensors(path, state, f"LoRA {name}", metadata=metadata)
     # A new file changes its folder's mtime, which invalidates ComfyUI's file-list cache; dropping the entry too
     # makes the new name show up in LoraLoader at once even where mtimes are coarse.
     folder_paths.filename_list_cache.pop("loras", None)
@@ -567,16 +580,21 @@ class HeadroomSaveLora(io.ComfyNode):
                 io.String.Input("filename", default="", tooltip="Empty: <run name>_step<N>."),
                 io.Combo.Input("dtype", options=list(SAVE_DTYPES), default="fp32",
                                tooltip="Precision of the saved weights: fp32 as trained; bf16 / fp16 half the file size."),
+                io.Combo.Input("format", options=list(lora_formats.FORMATS), default="comfyui", optional=True,
+                               tooltip="Key names in the file. comfyui: ComfyUI's own scheme (Load LoRA maps every "
+                               "key). kohya: lora_unet_* names with sd-scripts metadata, for A1111 / Forge / "
+                               "diffusers / Civitai (Load LoRA reads it too)."),
             ],
             outputs=[io.String.Output("lora_name", tooltip="The name Load LoRA lists.")],
         )
 
     @classmethod
-    def execute(cls, run: TrainingSession, subfolder: str, filename: str, dtype: str) -> io.NodeOutput:
+    def execute(cls, run: TrainingSession, subfolder: str, filename: str, dtype: str,
+                format: str = "comfyui") -> io.NodeOutput:  # noqa: A002 - the input's name in the graph
         if not hasattr(run, "adapters"):
             raise ValueError("HeadroomSaveLora: the run is not a LoRA run (use Save ControlNet for ControlNet runs)")
         try:
-            name = save_lora(run, subfolder, filename, dtype)
+            name = save_lora(run, subfolder, filename, dtype, format)
         except ValueError as error:
             raise ValueError(f"HeadroomSaveLora: {error}") from error
         return io.NodeOutput(name, ui={SAVED_KEY: [saved_file("LoRA", "loras", name)]})
