@@ -53,6 +53,8 @@ VALIDATE_EVENT = "headroom.validate"
 # How validation applies a LoRA run's adapter: what the stock loader makes of the saved file, or computed beside the
 # frozen weights (TrainingSession.sampling_model).
 LORA_APPLICATIONS = ("as_saved_file", "unmerged")
+# Settings added after runs were first stored: a run folder without them trained with these values and resumes.
+CONFIG_ADDED_LATER = {"session.train.objective.loss_type": "mse", "session.train.objective.huber_delta": 0.1}
 
 
 # --- what kind of model is this -------------------------------------------------------------------------
@@ -406,7 +408,7 @@ class TrainingSession:
             "latent_cache": getattr(latent_cache, "fingerprint", None), "text_cache": getattr(text_cache, "fingerprint", None),
             "data": data_fingerprint(latent_cache),
         }
-        self.run_dir.check_compatible(stored)
+        self.run_dir.check_compatible(stored, added_later=CONFIG_ADDED_LATER)
         count = len(latent_cache)
         if config.holdout >= count:
             raise ValueError(f"holdout={config.holdout} leaves no training items of the {count} cached")

@@ -31,6 +31,7 @@ from .controlnet_build import (SUPPORTED_FAMILIES, TrainableControlNet, apply_co
                                build_controlnet, check_control_cache, comfy_controlnet, controlled_prediction,
                                controlnet_family, prepare_hint, save_controlnet)
 from .train_lora import (CATEGORY, DEFAULT_CHECKPOINT_MINUTES, SAVED_KEY, TrainingRun, _checkpoint_inputs,
+                         _loss_inputs,
                          _schedule_inputs, _train_inputs, _validation_inputs, resolve_precision, run_fingerprint,
                          runs_root, saved_file, train_validate_save)
 
@@ -150,12 +151,13 @@ def start_controlnet_session(model, latent_cache, text_cache, optimizer_config, 
                              grad_accumulation, precision, max_grad_norm, caption_dropout, timestep_sampling,
                              loss_weighting, min_snr_gamma, noise_offset, gradient_checkpointing, checkpoint_depth,
                              holdout, blocks=0, init_seed=0, validation_control=None, validation_strength=1.0,
-                             policy=None, node: str = "HeadroomTrainControlNetInit") -> ControlNetSession:
+                             policy=None, loss_type: str = "mse", huber_delta: float = 0.1,
+                             node: str = "HeadroomTrainControlNetInit") -> ControlNetSession:
     """Check every input (before any GPU work), then build or resume the run."""
     try:
         check_name(run_name, "run name")
         check_finite(node, max_grad_norm=max_grad_norm, caption_dropout=caption_dropout, min_snr_gamma=min_snr_gamma,
-                     noise_offset=noise_offset, validation_strength=validation_strength)
+                     noise_offset=noise_offset, validation_strength=validation_strength, huber_delta=huber_delta)
         if not isinstance(optimizer_config, OptimizerConfig):
             raise ValueError("optimizer_config must come from a HeadroomOptimizerConfig node")
         optimizer_config.validate()
@@ -165,7 +167,8 @@ def start_controlnet_session(model, latent_cache, text_cache, optimizer_config, 
             precision=precision, caption_dropout=caption_dropout, gradient_checkpointing=gradient_checkpointing,
             checkpoint_depth=checkpoint_depth,
             objective=ObjectiveConfig(timestep_sampling=timestep_sampling, loss_weighting=loss_weighting,
-                                      min_snr_gamma=min_snr_gamma, noise_offset=noise_offset),
+                                      min_snr_gamma=min_snr_gamma, noise_offset=noise_offset, loss_type=loss_type,
+                                      huber_delta=huber_delta),
         )
         train.validate()
         family = controlnet_family(model)
@@ -220,7 +223,7 @@ class HeadroomTrainControlNetInit(io.ComfyNode):
             category=CATEGORY,
             description="Set up (or resume) a ControlNet training run for this MODEL from cached latents, control "
             "images and text; train it with Train Steps. Families: " + "; ".join(SUPPORTED_FAMILIES.values()) + ".",
-            inputs=_controlnet_inputs(),
+            inputs=[*_controlnet_inputs(), *_loss_inputs()],
             outputs=[TrainingRun.Output("run", tooltip="The training run, for Train Steps, Validate and Save."),
                      io.Int.Output("step", tooltip="Step the run starts from (resumed)."),
                      io.ControlNet.Output("control_net", tooltip="The run's ControlNet (in memory) for stock nodes.")],
@@ -294,7 +297,7 @@ class HeadroomTrainControlNet(io.ComfyNode):
             "Queue it again with more steps to continue the same run.",
             is_output_node=True,
             inputs=[*_controlnet_inputs(), *_schedule_inputs("controlnet_subfolder"), *_validation_inputs(optional=True),
-                    *_checkpoint_inputs()],
+                    *_checkpoint_inputs(), *_loss_inputs()],
             outputs=[io.ControlNet.Output("control_net", tooltip="The trained ControlNet (in memory) for stock nodes."),
                      TrainingRun.Output("run", tooltip="The training run, for Validate and Save nodes."),
                      io.String.Output("control_net_name",

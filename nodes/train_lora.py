@@ -25,7 +25,7 @@ from comfy_api.latest import io, ui
 from ..training.adapters import KINDS, TARGET_MODES, AdapterConfig
 from ..training.checks import check_finite
 from ..training.files import prune_temp, save_safetensors, write_bytes
-from ..training.objective import LOSS_WEIGHTINGS, TIMESTEP_SAMPLINGS, ObjectiveConfig
+from ..training.objective import LOSS_TYPES, LOSS_WEIGHTINGS, TIMESTEP_SAMPLINGS, ObjectiveConfig
 from ..training.optimizers import OPTIMIZERS, SCHEDULES, MissingPackageError, OptimizerConfig, check_available
 from ..training.policy import OffloadPolicy, PolicyError
 from ..training.run_dir import RunDir, RunFolderError, check_name, check_subfolder
@@ -233,12 +233,13 @@ def resolve_precision(precision: str, device, run_name: str, node: str) -> tuple
 def start_session(model, latent_cache, text_cache, lora_config, optimizer_config, run_name, seed, batch_size,
                   grad_accumulation, precision, max_grad_norm, caption_dropout, timestep_sampling, loss_weighting,
                   min_snr_gamma, noise_offset, gradient_checkpointing, checkpoint_depth, holdout, policy=None,
+                  loss_type: str = "mse", huber_delta: float = 0.1,
                   node: str = "HeadroomTrainLoraInit") -> TrainingSession:
     """Check every input (before any GPU work), then build or resume the run."""
     try:
         check_name(run_name, "run name")
         check_finite(node, max_grad_norm=max_grad_norm, caption_dropout=caption_dropout, min_snr_gamma=min_snr_gamma,
-                     noise_offset=noise_offset)
+                     noise_offset=noise_offset, huber_delta=huber_delta)
         if not isinstance(lora_config, AdapterConfig):
             raise ValueError("lora_config must come from a HeadroomLoraConfig node")
         if not isinstance(optimizer_config, OptimizerConfig):
@@ -251,7 +252,8 @@ def start_session(model, latent_cache, text_cache, lora_config, optimizer_config
             precision=precision, caption_dropout=caption_dropout, gradient_checkpointing=gradient_checkpointing,
             checkpoint_depth=checkpoint_depth,
             objective=ObjectiveConfig(timestep_sampling=timestep_sampling, loss_weighting=loss_weighting,
-                                      min_snr_gamma=min_snr_gamma, noise_offset=noise_offset),
+                                      min_snr_gamma=min_snr_gamma, noise_offset=noise_offset, loss_type=loss_type,
+                                      huber_delta=huber_delta),
         )
         train.validate()
         check_caches(model.model, latent_cache, text_cache)
@@ -274,7 +276,7 @@ class HeadroomTrainLoraInit(io.ComfyNode):
             category=CATEGORY,
             description="Set up (or resume) a LoRA training run on this MODEL from cached latents and text. "
             "The MODEL itself is never modified: the adapter lives on a clone.",
-            inputs=_train_inputs(),
+            inputs=[*_train_inputs(), *_loss_inputs()],
             outputs=[TrainingRun.Output("run", tooltip="The training run, for Train Steps, Validate, Save and Apply."),
                      io.Int.Output("step", tooltip="Step the run starts from (resumed).")],
         )
@@ -311,6 +313,18 @@ def _checkpoint_inputs() -> list:
                        tooltip="Also write one whenever this many minutes passed since the last (0: not by time). "
                        "A checkpoint is always written at the end and on cancel; queueing again resumes from the "
                        "last one."),
+    ]
+
+
+def _loss_inputs() -> list:
+    """The training loss (optional and last on every training node: saved workflows keep working)."""
+    return [
+        io.Combo.Input("loss_type", options=list(LOSS_TYPES), default="mse", optional=True,
+                       tooltip="mse: squared error (standard). l1: absolute error. huber: squared below huber_delta, "
+                       "absolute above: less pulled by outlier samples (noisy or mislabelled images). In the "
+                       "model's own eps / v / flow space; min_snr weighting still applies."),
+        io.Float.Input("huber_delta", default=0.1, min=0.0001, max=10.0, step=0.001, optional=True,
+                       tooltip="Where the huber loss turns from squared to absolute (used only with loss_type huber)."),
     ]
 
 
@@ -686,7 +700,7 @@ class HeadroomTrainLora(io.ComfyNode):
             "Queue it again with more steps to continue the same run.",
             is_output_node=True,
             inputs=[*_train_inputs(), *_schedule_inputs("lora_subfolder"), *_validation_inputs(optional=True),
-                    *_checkpoint_inputs()],
+                    *_checkpoint_inputs(), *_loss_inputs()],
             outputs=[io.Model.Output("model", tooltip="The MODEL with the trained LoRA applied."),
                      TrainingRun.Output("run", tooltip="The training run, for Validate, Save and Apply nodes."),
                      io.String.Output("lora_name", tooltip="The last saved LoRA, as Load LoRA lists it."),

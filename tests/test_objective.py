@@ -63,6 +63,48 @@ def test_loss_equals_native_space_mse(prediction):
     torch.testing.assert_close(objective.loss(x0_hat, x0, sigma), expected, rtol=1e-5, atol=1e-6)
 
 
+def _native_case(prediction, seed=2):
+    """(x0, x0_hat, sigma, native output, native target), related as ComfyUI's calculate_denoised relates them."""
+    g = torch.Generator().manual_seed(seed)
+    x0, noise, output = (torch.randn(3, 4, 2, 2, generator=g) for _ in range(3))
+    sigma = torch.tensor([0.1, 1.0, 5.0]) if prediction != "flow" else torch.tensor([0.05, 0.5, 0.95])
+    s = sigma.view(-1, 1, 1, 1)
+    x_t = _objective(prediction).noisy(x0, noise, sigma)
+    if prediction == "eps":
+        x0_hat, target = x_t - output * s, noise
+    elif prediction == "flow":
+        x0_hat, target = x_t - output * s, noise - x0
+    else:
+        x0_hat = x_t / (s**2 + 1) - output * s / (s**2 + 1).sqrt()
+        target = (x_t / (s**2 + 1) - x0) * (s**2 + 1).sqrt() / s
+    return x0, x0_hat, sigma, output, target
+
+
+@pytest.mark.parametrize("prediction", ["eps", "v", "flow"])
+@pytest.mark.parametrize("loss_type", ["l1", "huber"])
+def test_l1_and_huber_compare_the_native_space_error(prediction, loss_type):
+    x0, x0_hat, sigma, output, target = _native_case(prediction)
+    objective = _objective(prediction, loss_type=loss_type, huber_delta=0.3)
+    if loss_type == "l1":
+        expected = (output - target).abs().flatten(1).mean(1).mean()
+    else:
+        expected = torch.nn.functional.huber_loss(output, target, delta=0.3, reduction="none").flatten(1).mean(1).mean()
+    torch.testing.assert_close(objective.loss(x0_hat, x0, sigma), expected, rtol=1e-5, atol=1e-6)
+    # The validation loss stays the squared error whatever the training loss.
+    torch.testing.assert_close(objective.loss(x0_hat, x0, sigma, weighted=False),
+                               _objective(prediction).loss(x0_hat, x0, sigma, weighted=False))
+
+
+def test_huber_is_half_the_squared_error_below_delta_and_min_snr_still_applies():
+    x0, x0_hat, sigma, output, target = _native_case("eps", seed=5)
+    wide = _objective("eps", loss_type="huber", huber_delta=1e3).loss(x0_hat, x0, sigma)
+    torch.testing.assert_close(wide, 0.5 * _objective("eps").loss(x0_hat, x0, sigma), rtol=1e-5, atol=1e-6)
+    snr_l1 = _objective("eps", loss_type="l1", loss_weighting="min_snr", min_snr_gamma=5.0).loss(x0_hat, x0, sigma)
+    factor = torch.minimum(1 / sigma**2, torch.tensor(5.0)) / (1 / sigma**2)
+    expected = ((output - target).abs().flatten(1).mean(1) * factor).mean()
+    torch.testing.assert_close(snr_l1, expected, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("prediction", ["eps", "v"])
 def test_min_snr_gamma_caps_low_noise_weights(prediction):
     sigma = torch.tensor([0.05, 0.2, 1.0, 5.0])
@@ -90,6 +132,12 @@ def test_bad_objective_settings_are_rejected():
         _objective("eps", timestep_sampling="cubic")
     with pytest.raises(ValueError, match="needs its discrete sigma table"):
         SamplingDescriptor("eps")
+    with pytest.raises(ValueError, match="loss_type='l2'"):
+        _objective("eps", loss_type="l2")
+    with pytest.raises(ValueError, match="huber_delta=0"):
+        _objective("eps", loss_type="huber", huber_delta=0.0)
+    with pytest.raises(ValueError, match="huber_delta"):
+        _objective("eps", loss_type="huber", huber_delta=float("nan"))
 
 
 def test_step_seeds_differ_per_step_and_salt():

@@ -13,6 +13,11 @@ model's native space (eps, v or flow velocity) is a per-sample multiple of the x
   v:    |v_hat - v|^2     = |x0_hat - x0|^2 * (sigma^2 + 1) / sigma^2      (sigma_data = 1)
   flow: |u_hat - u|^2     = |x0_hat - x0|^2 / sigma^2
 so one code path serves all three, with min-SNR-gamma weighting on top for eps / v.
+
+`loss_type` l1 / huber compares the native-space error itself, (x0_hat - x0) * sqrt(factor above), with
+|e| or torch's Huber loss (quadratic below `huber_delta`, linear above: robust to the outlier samples that
+dominate a squared error). min-SNR keeps its per-sample factor on top. The validation loss stays the squared
+error whatever the training loss, so validation curves compare across runs.
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ Prediction = Literal["eps", "v", "flow"]
 PREDICTIONS = ("eps", "v", "flow")
 TIMESTEP_SAMPLINGS = ("uniform", "logit_normal", "shifted")
 LOSS_WEIGHTINGS = ("none", "min_snr")
+LOSS_TYPES = ("mse", "l1", "huber")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,10 +64,16 @@ class ObjectiveConfig:
     loss_weighting: str = "none"  # none | min_snr
     min_snr_gamma: float = 5.0
     noise_offset: float = 0.0
+    loss_type: str = "mse"  # mse | l1 | huber
+    huber_delta: float = 0.1
 
     def validate(self, prediction: Prediction) -> None:
         check_finite("objective", min_snr_gamma=self.min_snr_gamma, logit_mean=self.logit_mean, logit_std=self.logit_std,
-                     shift=self.shift, noise_offset=self.noise_offset)
+                     shift=self.shift, noise_offset=self.noise_offset, huber_delta=self.huber_delta)
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"loss_type={self.loss_type!r}: choose one of {LOSS_TYPES}")
+        if self.loss_type == "huber" and self.huber_delta <= 0:
+            raise ValueError(f"huber_delta={self.huber_delta} must be > 0")
         if self.timestep_sampling not in TIMESTEP_SAMPLINGS:
             raise ValueError(f"timestep_sampling={self.timestep_sampling!r}: choose one of {TIMESTEP_SAMPLINGS}")
         if self.loss_weighting not in LOSS_WEIGHTINGS:
@@ -147,10 +159,19 @@ class Objective:
         return weight
 
     def loss(self, x0_hat: torch.Tensor, x0: torch.Tensor, sigma: torch.Tensor, weighted: bool = True) -> torch.Tensor:
-        """Mean native-space loss over the batch. weighted=False skips min-SNR (validation loss)."""
-        per_sample = (x0_hat.float() - x0.float()).square().flatten(1).mean(dim=1)
-        weight = self.sample_weight(sigma, min_snr=weighted)
-        return (per_sample * weight.to(per_sample.device)).mean()
+        """Mean native-space loss over the batch. weighted=False: the plain squared error, no min-SNR (validation)."""
+        error = x0_hat.float() - x0.float()
+        weight = self.sample_weight(sigma, min_snr=weighted).to(error.device)
+        if not weighted or self.config.loss_type == "mse":
+            return (error.square().flatten(1).mean(dim=1) * weight).mean()
+        native = self.sample_weight(sigma, min_snr=False).to(error.device)
+        native_error = error * native.sqrt().view(-1, *([1] * (error.ndim - 1)))
+        if self.config.loss_type == "l1":
+            per_sample = native_error.abs().flatten(1).mean(dim=1)
+        else:
+            per_sample = torch.nn.functional.huber_loss(native_error, torch.zeros_like(native_error), reduction="none",
+                                                        delta=self.config.huber_delta).flatten(1).mean(dim=1)
+        return (per_sample * (weight / native)).mean()  # weight / native: the min-SNR factor alone (1 without)
 
     def fixed_times(self, count: int) -> torch.Tensor:
         """Evenly spread times for the deterministic validation loss (ends excluded)."""
