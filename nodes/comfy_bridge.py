@@ -46,6 +46,7 @@ from ..training.policy import OffloadPolicy
 from ..training.files import WriteError, open_regular
 from ..training.run_dir import RunDir, RunFolderError
 from ..training.trainer import StepReport, TrainConfig, Trainer
+from .lora_formats import read_lora_file
 
 INJECTION_KEY = "headroom_adapter"
 STEP_EVENT = "headroom.train.step"  # read by js/headroom_live.js and workflows/headroom_run.py
@@ -380,6 +381,9 @@ class TrainingSession:
                 self.adapters = AdapterSet(diffusion_model, paths, config.adapter)
             finally:  # the shared module is full precision again even when building the adapters failed
                 self._load_in_low_bit(low_bit)
+            if config.adapter.init_lora:  # a resumed run's checkpoint replaces these below (_finish_open)
+                self.adapters.start_from(read_lora_file(model, config.adapter.init_lora),
+                                         f"LoRA file {config.adapter.init_lora}")
             # Small: lives on the compute device from the start, so resumed optimizer state lands there too.
             self.adapters.to(self.patcher.load_device)
             attach_with_injection(self.patcher, self.adapters)

@@ -20,6 +20,9 @@ import json
 import torch
 
 import comfy.lora
+import comfy.lora_convert
+import comfy.utils
+import folder_paths
 
 FORMATS = ("comfyui", "kohya")
 KOHYA_PREFIX = "lora_unet_"
@@ -111,3 +114,36 @@ def kohya_metadata(family: str | None, kind: str, rank: int, alpha: float, steps
         metadata["ss_resolution"] = f"({resolution[0]}, {resolution[1]})"
         metadata["modelspec.resolution"] = f"{resolution[0]}x{resolution[1]}"
     return metadata
+
+
+# Text-encoder parts of a LoRA file: Headroom trains the diffusion model only, so continuing drops them.
+_TEXT_ENCODER_PREFIXES = ("lora_te", "text_encoder", "lora_clip", "te1_", "te2_")
+
+
+def read_lora_file(model, name: str) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:
+    """{module path: (down, up, alpha / rank)} of a LoRA file under models/loras/, read the way the stock loader
+    reads it (ComfyUI's format conversion and key map: ComfyUI, kohya, diffusers / PEFT names all work)."""
+    source = f"LoRA file {name}"
+    path = folder_paths.get_full_path("loras", name)
+    if path is None:
+        raise ValueError(f"{source} is not in models/loras/ (Load LoRA lists the names to use)")
+    state = comfy.lora_convert.convert_lora(comfy.utils.load_torch_file(path, safe_load=True))
+    loaded = comfy.lora.load_lora(state, comfy.lora.model_lora_keys_unet(model.model, {}), log_missing=False)
+    used = set()
+    out: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = {}
+    for weight_key, adapter in loaded.items():
+        used |= set(getattr(adapter, "loaded_keys", ()))
+        if getattr(adapter, "name", None) != "lora" or not isinstance(weight_key, str):
+            raise ValueError(f"{source}: {weight_key} holds a {getattr(adapter, 'name', type(adapter).__name__)} "
+                             "update; only plain LoRA files (up / down / alpha) can be continued")
+        up, down, alpha, mid, dora_scale, _ = adapter.weights
+        if mid is not None or dora_scale is not None:
+            raise ValueError(f"{source}: {weight_key} is a LoCon-mid / DoRA layer; only plain LoRA files can be continued")
+        module = weight_key[len("diffusion_model."):-len(".weight")]
+        out[module] = (down, up, (alpha / down.shape[0]) if alpha is not None else 1.0)
+    unmapped = [k for k in state if k not in used and not k.endswith(".alpha")
+                and not k.startswith(_TEXT_ENCODER_PREFIXES)]
+    if unmapped or not out:
+        raise ValueError(f"{source}: {len(unmapped)} of its tensors map to no layer of this model (e.g. "
+                         f"{(unmapped or list(state) or ['none'])[0]}): it was trained for another model family")
+    return out

@@ -91,16 +91,21 @@ class HeadroomLoraConfig(io.ComfyNode):
                                tooltip="Dropout on the adapter's input while training (0: none)."),
                 io.Int.Input("init_seed", default=0, min=0, max=0xFFFFFFFF,
                              tooltip="Seed of the adapter's initial weights."),
+                io.Combo.Input("init_lora", options=["none", *folder_paths.get_filename_list("loras")], default="none",
+                               optional=True,
+                               tooltip="Continue training this LoRA file instead of starting from zero (any file "
+                               "Load LoRA reads: ComfyUI, kohya, diffusers names). Plain LoRA files, kind lora, the "
+                               "file's rank; its text-encoder layers are dropped."),
             ],
             outputs=[LoraConfigType.Output("lora_config",
                                            tooltip="What to train, for a Train LoRA (Init) node's lora_config.")],
         )
 
     @classmethod
-    def execute(cls, kind, rank, alpha, targets, include_conv, dropout, init_seed) -> io.NodeOutput:
+    def execute(cls, kind, rank, alpha, targets, include_conv, dropout, init_seed, init_lora="none") -> io.NodeOutput:
         check_finite("HeadroomLoraConfig", alpha=alpha, dropout=dropout)
         config = AdapterConfig(kind=kind, rank=rank, alpha=alpha, targets=targets, include_conv=include_conv,
-                               dropout=dropout, init_seed=init_seed)
+                               dropout=dropout, init_seed=init_seed, init_lora=None if init_lora == "none" else init_lora)
         _checked("HeadroomLoraConfig", config.validate)
         return io.NodeOutput(config)
 

@@ -144,3 +144,59 @@ def test_kohya_sd15_file_loads_in_diffusers_and_gives_comfyuis_output(comfyui):
     print(f"diffusers vs ComfyUI with the kohya file: relative L2 {difference:.2e} (LoRA effect {change:.2e})")
     assert change > 1e-3  # the LoRA does something ...
     assert difference < 1e-5  # ... and the same thing in both (fp32 throughout)
+
+
+def _init_from(model, latents, texts, run_name, init_lora, kind="lora", rank=4, alpha=2.0):
+    """A LoRA run whose LoRA config starts from `init_lora` (alpha 2 on purpose: the file's is 4)."""
+    from headroom.nodes import train_lora as T
+
+    with torch.inference_mode():
+        lora = T.HeadroomLoraConfig.execute(kind, rank, alpha, "preset", False, 0.0, 0, init_lora).args[0]
+        opt = T.HeadroomOptimizerConfig.execute("AdamW", 1e-2, 0.0, "constant", 0, 1000).args[0]
+        return T.HeadroomTrainLoraInit.execute(
+            model=model, latent_cache=latents, text_cache=texts, lora_config=lora, optimizer_config=opt,
+            run_name=run_name, seed=0, batch_size=4, grad_accumulation=1, precision="fp32", max_grad_norm=1.0,
+            caption_dropout=0.0, timestep_sampling="uniform", loss_weighting="none", min_snr_gamma=5.0,
+            noise_offset=0.0, gradient_checkpointing=False, checkpoint_depth=1, holdout=0).args[0]
+
+
+@pytest.mark.parametrize("file_format", ["comfyui", "kohya"])
+def test_a_saved_lora_continues_exactly_where_the_file_was(comfyui, file_format):
+    import nodes
+    from headroom.nodes import train_lora as T
+
+    model, clip, first, comfy_name, kohya_name = _save_both("sd15", "lora")
+    _, _, _, latents, texts = _data("sd15")
+    name = comfy_name if file_format == "comfyui" else kohya_name
+    continued = _init_from(model, latents, texts, f"continued_{file_format}", name)
+    assert continued.step == 0 and not continued.resumed
+    with torch.inference_mode():
+        at_start = T.HeadroomSaveLora.execute(continued, "formats", f"continued_{file_format}_step0", "fp32").args[0]
+        original, _ = nodes.LoraLoader().load_lora(model, clip, name, 1.0, 0.0)
+        restarted, _ = nodes.LoraLoader().load_lora(model, clip, at_start, 1.0, 0.0)
+        expected, got = _patched_weights(original), _patched_weights(restarted)
+    assert expected.keys() == got.keys() and len(got) == len(first.adapters.layers)
+    for key in expected:  # alpha 2 here against 4 in the file: the up weights were rescaled, rounding only
+        torch.testing.assert_close(got[key], expected[key], rtol=1e-6, atol=1e-7)
+    before = continued.adapters.state_dict()
+    with torch.inference_mode():
+        T.HeadroomTrainSteps.execute(continued, 2)
+    after = continued.adapters.state_dict()
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+def test_continuing_a_file_that_does_not_fit_is_refused_with_what_to_change(comfyui):
+    model, clip, _, comfy_name, _ = _save_both("sd15", "lora")
+    _, _, _, latents, texts = _data("sd15")
+    with pytest.raises(ValueError, match=r"has rank 4 at .*set the LoRA config's rank to 4"):
+        _init_from(model, latents, texts, "continue_rank", comfy_name, rank=8)
+    with pytest.raises(ValueError, match=r"needs kind lora .* not loha"):
+        _init_from(model, latents, texts, "continue_kind", comfy_name, kind="loha")
+    _, _, _, loha_name, _ = _save_both("sd15", "loha")
+    with pytest.raises(ValueError, match=r"only plain LoRA files"):
+        _init_from(model, latents, texts, "continue_loha", loha_name)
+    flux_model, _, _, flux_name, _ = _save_both("flux", "lora")
+    with pytest.raises(ValueError, match=r"map to no layer of this model .* another model family"):
+        _init_from(model, latents, texts, "continue_family", flux_name)
+    with pytest.raises(ValueError, match=r"not in models/loras/"):
+        _init_from(model, latents, texts, "continue_missing", "no_such_file.safetensors")

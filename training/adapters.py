@@ -58,6 +58,7 @@ class AdapterConfig:
     include_conv: bool = False  # sd15 / sdxl: also the UNet block convolutions
     dropout: float = 0.0
     init_seed: int = 0
+    init_lora: str | None = None  # a LoRA file (as Load LoRA lists it) the run starts from instead of zero
 
     def validate(self) -> None:
         check_finite("adapter", alpha=self.alpha, dropout=self.dropout)
@@ -190,6 +191,29 @@ class AdapterSet:
             parent_path, child = _split_path(path)
             setattr(self.attached_to.get_submodule(parent_path), child, layer.base_layer)
         self.attached_to = None
+
+    def start_from(self, lora: dict[str, tuple[torch.Tensor, torch.Tensor, float]], source: str) -> None:
+        """Start from a saved LoRA: {module path: (down, up, scale)}, scale = the file's alpha / rank. Its up
+        weights are rescaled by the file's scale over this adapter's, so the adapter's effect is exactly the
+        file's; modules the file does not cover start at zero (no effect)."""
+        if self.config.kind != "lora":
+            raise ValueError(f"continuing from {source} needs kind lora (the file is a plain LoRA), not {self.config.kind}")
+        outside = sorted(set(lora) - set(self.layers))
+        if outside:
+            raise ValueError(f"{source} adapts {len(outside)} layer(s) this run does not train (e.g. {outside[0]}); "
+                             "choose targets / include_conv that cover them (all_layers covers every layer)")
+        with torch.no_grad():
+            for path, (down, up, scale) in lora.items():
+                layer = self.layers[path]
+                a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+                if down.shape[0] != self.config.rank:
+                    raise ValueError(f"{source} has rank {down.shape[0]} at {path}; set the LoRA config's rank to "
+                                     f"{down.shape[0]} to continue it")
+                if down.numel() != a.numel() or up.numel() != b.numel():
+                    raise ValueError(f"{source}: {path} has shapes {tuple(up.shape)} / {tuple(down.shape)}, this "
+                                     f"model's layer needs {tuple(b.shape)} / {tuple(a.shape)}: a LoRA of another model")
+                a.copy_(down.reshape(a.shape).float())
+                b.copy_(up.reshape(b.shape).float() * (scale / layer.scaling["default"]))
 
     # --- state ------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
