@@ -55,7 +55,10 @@ VALIDATE_EVENT = "headroom.validate"
 # frozen weights (TrainingSession.sampling_model).
 LORA_APPLICATIONS = ("as_saved_file", "unmerged")
 # Settings added after runs were first stored: a run folder without them trained with these values and resumes.
-CONFIG_ADDED_LATER = {"session.train.objective.loss_type": "mse", "session.train.objective.huber_delta": 0.1}
+CONFIG_ADDED_LATER = {"session.train.objective.loss_type": "mse", "session.train.objective.huber_delta": 0.1,
+                      "session.train.ema_decay": 0.0}
+# Which weights Validate / Save use: auto = the EMA when the run keeps one (TrainingSession.weights).
+WEIGHT_CHOICES = ("auto", "trained", "ema")
 
 
 # --- what kind of model is this -------------------------------------------------------------------------
@@ -642,11 +645,12 @@ class TrainingSession:
         with self.validating():
             return self.trainer.validation_loss(items, times=times, seed=seed)
 
-    def validation_loss(self, times: int = 4, seed: int = 0) -> float:
-        """The deterministic validation loss on the validation items, recorded in the run's history (and saved
-        with the checkpoint of this step, so a resumed run has it too)."""
-        value = self.loss_on(self.validation_items, times=times, seed=seed)
-        self.trainer.record_validation(value)
+    def validation_loss(self, times: int = 4, seed: int = 0, weights: str = "auto") -> float:
+        """The deterministic validation loss on the validation items (of the trained or the EMA weights), recorded
+        in the run's history (and saved with the checkpoint of this step, so a resumed run has it too)."""
+        with self.weights(weights):
+            value = self.loss_on(self.validation_items, times=times, seed=seed)
+        self.trainer.record_validation(value)  # the checkpoint holds the trained weights, never the EMA swapped in
         self.trainer.save()
         return value
 
@@ -660,6 +664,24 @@ class TrainingSession:
         }
         entry.update(history_extras([self.step_figures.get(int(s)) for s, _ in losses], self.last_validation))
         return entry
+
+    def resolve_weights(self, choice: str) -> str:
+        """"trained" or "ema" for a Validate / Save `weights` choice (auto: the EMA when the run keeps one)."""
+        if choice not in WEIGHT_CHOICES:
+            raise ValueError(f"weights={choice!r}: choose one of {', '.join(WEIGHT_CHOICES)}")
+        if choice == "ema" and self.trainer.ema is None:
+            raise ValueError(f"weights=ema: run '{self.run_dir.name}' keeps no EMA; set ema_decay on its Init node "
+                             "(with a new run name: it changes the run)")
+        return "ema" if choice != "trained" and self.trainer.ema is not None else "trained"
+
+    @contextlib.contextmanager
+    def weights(self, choice: str = "auto"):
+        """Inside the block the run's trainable weights are the trained ones or their EMA; yields which."""
+        if self.resolve_weights(choice) == "trained":
+            yield "trained"
+            return
+        with self.trainer.ema.swapped_in(self.trainer.params):
+            yield "ema"
 
     def patched_model(self, model=None, strength: float = 1.0):
         """A clone of `model` (default: the MODEL the run trains) with the current adapter as weight patches."""

@@ -31,7 +31,7 @@ from .controlnet_build import (SUPPORTED_FAMILIES, TrainableControlNet, apply_co
                                build_controlnet, check_control_cache, comfy_controlnet, controlled_prediction,
                                controlnet_family, prepare_hint, save_controlnet)
 from .train_lora import (CATEGORY, DEFAULT_CHECKPOINT_MINUTES, SAVED_KEY, TrainingRun, _checkpoint_inputs,
-                         _loss_inputs,
+                         _added_train_inputs, _weights_input,
                          _schedule_inputs, _train_inputs, _validation_inputs, resolve_precision, run_fingerprint,
                          runs_root, saved_file, train_validate_save)
 
@@ -151,13 +151,14 @@ def start_controlnet_session(model, latent_cache, text_cache, optimizer_config, 
                              grad_accumulation, precision, max_grad_norm, caption_dropout, timestep_sampling,
                              loss_weighting, min_snr_gamma, noise_offset, gradient_checkpointing, checkpoint_depth,
                              holdout, blocks=0, init_seed=0, validation_control=None, validation_strength=1.0,
-                             policy=None, loss_type: str = "mse", huber_delta: float = 0.1,
+                             policy=None, loss_type: str = "mse", huber_delta: float = 0.1, ema_decay: float = 0.0,
                              node: str = "HeadroomTrainControlNetInit") -> ControlNetSession:
     """Check every input (before any GPU work), then build or resume the run."""
     try:
         check_name(run_name, "run name")
         check_finite(node, max_grad_norm=max_grad_norm, caption_dropout=caption_dropout, min_snr_gamma=min_snr_gamma,
-                     noise_offset=noise_offset, validation_strength=validation_strength, huber_delta=huber_delta)
+                     noise_offset=noise_offset, validation_strength=validation_strength, huber_delta=huber_delta,
+                     ema_decay=ema_decay)
         if not isinstance(optimizer_config, OptimizerConfig):
             raise ValueError("optimizer_config must come from a HeadroomOptimizerConfig node")
         optimizer_config.validate()
@@ -165,7 +166,7 @@ def start_controlnet_session(model, latent_cache, text_cache, optimizer_config, 
         train = TrainConfig(
             seed=seed, batch_size=batch_size, grad_accum=grad_accumulation, max_grad_norm=max_grad_norm,
             precision=precision, caption_dropout=caption_dropout, gradient_checkpointing=gradient_checkpointing,
-            checkpoint_depth=checkpoint_depth,
+            checkpoint_depth=checkpoint_depth, ema_decay=ema_decay,
             objective=ObjectiveConfig(timestep_sampling=timestep_sampling, loss_weighting=loss_weighting,
                                       min_snr_gamma=min_snr_gamma, noise_offset=noise_offset, loss_type=loss_type,
                                       huber_delta=huber_delta),
@@ -223,7 +224,7 @@ class HeadroomTrainControlNetInit(io.ComfyNode):
             category=CATEGORY,
             description="Set up (or resume) a ControlNet training run for this MODEL from cached latents, control "
             "images and text; train it with Train Steps. Families: " + "; ".join(SUPPORTED_FAMILIES.values()) + ".",
-            inputs=[*_controlnet_inputs(), *_loss_inputs()],
+            inputs=[*_controlnet_inputs(), *_added_train_inputs()],
             outputs=[TrainingRun.Output("run", tooltip="The training run, for Train Steps, Validate and Save."),
                      io.Int.Output("step", tooltip="Step the run starts from (resumed)."),
                      io.ControlNet.Output("control_net", tooltip="The run's ControlNet (in memory) for stock nodes.")],
@@ -240,7 +241,7 @@ class HeadroomTrainControlNetInit(io.ComfyNode):
 
 
 # --- save -------------------------------------------------------------------------------------------------
-def save_trained_controlnet(run: ControlNetSession, subfolder: str, filename: str) -> str:
+def save_trained_controlnet(run: ControlNetSession, subfolder: str, filename: str, weights: str = "auto") -> str:
     """Write the ControlNet under models/controlnet/<subfolder>/ atomically; returns the name ControlNetLoader lists."""
     check_subfolder(subfolder, "subfolder")
     name = check_name(filename or f"{run.run_dir.name}_step{run.step:06d}", "ControlNet file name")
@@ -250,7 +251,8 @@ def save_trained_controlnet(run: ControlNetSession, subfolder: str, filename: st
     path = root / subfolder / name if subfolder else root / name
     with run.phase("save"):
         prune_temp(path.parent)  # what a killed save left in that folder
-        save_controlnet(run.controlnet, path, run.controlnet_metadata())
+        with run.weights(weights) as used:
+            save_controlnet(run.controlnet, path, {**run.controlnet_metadata(), "headroom.weights": used})
     folder_paths.filename_list_cache.pop("controlnet", None)  # listed by ControlNetLoader without a restart
     return os.path.relpath(path, root).replace(os.sep, "/")
 
@@ -270,16 +272,17 @@ class HeadroomSaveControlNet(io.ComfyNode):
                 io.String.Input("subfolder", default="headroom",
                                 tooltip="Folder under models/controlnet/ (empty: models/controlnet/ itself)."),
                 io.String.Input("filename", default="", tooltip="Empty: <run name>_step<N>."),
+                _weights_input("Save"),
             ],
             outputs=[io.String.Output("control_net_name", tooltip="The name Load ControlNet Model lists.")],
         )
 
     @classmethod
-    def execute(cls, run, subfolder: str, filename: str) -> io.NodeOutput:
+    def execute(cls, run, subfolder: str, filename: str, weights: str = "auto") -> io.NodeOutput:
         if not isinstance(run, ControlNetSession):
             raise ValueError("HeadroomSaveControlNet: the run is not a ControlNet run (use Save LoRA for LoRA runs)")
         try:
-            name = save_trained_controlnet(run, subfolder, filename)
+            name = save_trained_controlnet(run, subfolder, filename, weights)
         except ValueError as error:
             raise ValueError(f"HeadroomSaveControlNet: {error}") from error
         return io.NodeOutput(name, ui={SAVED_KEY: [saved_file("ControlNet", "controlnet", name)]})
@@ -297,7 +300,7 @@ class HeadroomTrainControlNet(io.ComfyNode):
             "Queue it again with more steps to continue the same run.",
             is_output_node=True,
             inputs=[*_controlnet_inputs(), *_schedule_inputs("controlnet_subfolder"), *_validation_inputs(optional=True),
-                    *_checkpoint_inputs(), *_loss_inputs()],
+                    *_checkpoint_inputs(), *_added_train_inputs()],
             outputs=[io.ControlNet.Output("control_net", tooltip="The trained ControlNet (in memory) for stock nodes."),
                      TrainingRun.Output("run", tooltip="The training run, for Validate and Save nodes."),
                      io.String.Output("control_net_name",

@@ -32,7 +32,7 @@ from ..training.run_dir import RunDir, RunFolderError, check_name, check_subfold
 from ..training.trainer import PRECISIONS, TrainConfig, auto_precision
 from . import lora_formats
 from .cache import unload_encoder
-from .comfy_bridge import (LORA_APPLICATIONS, VALIDATE_EVENT, SessionConfig, TrainingSession, check_caches, model_family,
+from .comfy_bridge import (LORA_APPLICATIONS, VALIDATE_EVENT, WEIGHT_CHOICES, SessionConfig, TrainingSession, check_caches, model_family,
                            run_generation, send_event)
 from .memory import budget_bytes
 
@@ -238,13 +238,13 @@ def resolve_precision(precision: str, device, run_name: str, node: str) -> tuple
 def start_session(model, latent_cache, text_cache, lora_config, optimizer_config, run_name, seed, batch_size,
                   grad_accumulation, precision, max_grad_norm, caption_dropout, timestep_sampling, loss_weighting,
                   min_snr_gamma, noise_offset, gradient_checkpointing, checkpoint_depth, holdout, policy=None,
-                  loss_type: str = "mse", huber_delta: float = 0.1,
+                  loss_type: str = "mse", huber_delta: float = 0.1, ema_decay: float = 0.0,
                   node: str = "HeadroomTrainLoraInit") -> TrainingSession:
     """Check every input (before any GPU work), then build or resume the run."""
     try:
         check_name(run_name, "run name")
         check_finite(node, max_grad_norm=max_grad_norm, caption_dropout=caption_dropout, min_snr_gamma=min_snr_gamma,
-                     noise_offset=noise_offset, huber_delta=huber_delta)
+                     noise_offset=noise_offset, huber_delta=huber_delta, ema_decay=ema_decay)
         if not isinstance(lora_config, AdapterConfig):
             raise ValueError("lora_config must come from a HeadroomLoraConfig node")
         if not isinstance(optimizer_config, OptimizerConfig):
@@ -255,7 +255,7 @@ def start_session(model, latent_cache, text_cache, lora_config, optimizer_config
         train = TrainConfig(
             seed=seed, batch_size=batch_size, grad_accum=grad_accumulation, max_grad_norm=max_grad_norm,
             precision=precision, caption_dropout=caption_dropout, gradient_checkpointing=gradient_checkpointing,
-            checkpoint_depth=checkpoint_depth,
+            checkpoint_depth=checkpoint_depth, ema_decay=ema_decay,
             objective=ObjectiveConfig(timestep_sampling=timestep_sampling, loss_weighting=loss_weighting,
                                       min_snr_gamma=min_snr_gamma, noise_offset=noise_offset, loss_type=loss_type,
                                       huber_delta=huber_delta),
@@ -281,7 +281,7 @@ class HeadroomTrainLoraInit(io.ComfyNode):
             category=CATEGORY,
             description="Set up (or resume) a LoRA training run on this MODEL from cached latents and text. "
             "The MODEL itself is never modified: the adapter lives on a clone.",
-            inputs=[*_train_inputs(), *_loss_inputs()],
+            inputs=[*_train_inputs(), *_added_train_inputs()],
             outputs=[TrainingRun.Output("run", tooltip="The training run, for Train Steps, Validate, Save and Apply."),
                      io.Int.Output("step", tooltip="Step the run starts from (resumed).")],
         )
@@ -321,8 +321,9 @@ def _checkpoint_inputs() -> list:
     ]
 
 
-def _loss_inputs() -> list:
-    """The training loss (optional and last on every training node: saved workflows keep working)."""
+def _added_train_inputs() -> list:
+    """Training settings added after the first release: optional and last on every training node, so saved
+    workflows keep working (their widget values are positional)."""
     return [
         io.Combo.Input("loss_type", options=list(LOSS_TYPES), default="mse", optional=True,
                        tooltip="mse: squared error (standard). l1: absolute error. huber: squared below huber_delta, "
@@ -330,6 +331,10 @@ def _loss_inputs() -> list:
                        "model's own eps / v / flow space; min_snr weighting still applies."),
         io.Float.Input("huber_delta", default=0.1, min=0.0001, max=10.0, step=0.001, optional=True,
                        tooltip="Where the huber loss turns from squared to absolute (used only with loss_type huber)."),
+        io.Float.Input("ema_decay", default=0.0, min=0.0, max=0.99999, step=0.0001, optional=True,
+                       tooltip="Keep an exponential moving average of the trained weights in host RAM (0: off; "
+                       "0.99-0.999 usual: it averages over about 1 / (1 - decay) steps, so keep that well below the "
+                       "run's steps). Validate and Save use it when set (their weights input)."),
     ]
 
 
@@ -482,19 +487,21 @@ def save_validation(run: TrainingSession, images: torch.Tensor, samples: torch.T
 
 def validate(node_cls, run: TrainingSession, clip=None, vae=None, prompts="", negative="", sample_seed=0,
              sample_steps=20, cfg=4.0, sampler_name="euler", scheduler="normal", width=512, height=512,
-             loss_timesteps=4, lora_application="as_saved_file"):
+             loss_timesteps=4, lora_application="as_saved_file", weights="auto"):
     """(images or None, previews or None, validation loss); tells the live view (`headroom.validate`)."""
     check_finite(node_cls.__name__, cfg=cfg)
+    run.resolve_weights(weights)  # a wrong choice is an input error, before anything runs
     lines = [line.strip() for line in (prompts or "").splitlines() if line.strip()]
     if lines and (clip is None or vae is None):
         raise ValueError("HeadroomValidate: validation prompts need the clip and vae inputs connected")
     images = previews = grid = None
     try:
         with run.phase("validation"):
-            loss = run.validation_loss(times=loss_timesteps)
+            loss = run.validation_loss(times=loss_timesteps, weights=weights)
             if lines:
-                images, samples = sample_images(run, clip, vae, lines, negative, sample_seed, sample_steps, cfg,
-                                                sampler_name, scheduler, width, height, lora_application)
+                with run.weights(weights):
+                    images, samples = sample_images(run, clip, vae, lines, negative, sample_seed, sample_steps, cfg,
+                                                    sampler_name, scheduler, width, height, lora_application)
                 grid = save_validation(run, images, samples)
                 previews = ui.PreviewImage(images, cls=node_cls)
     except BaseException as error:  # cancel, out of memory, a wrong input...: checkpoint kept, device memory freed
@@ -527,7 +534,7 @@ class HeadroomValidate(io.ComfyNode):
             "validation loss (fixed items, noise levels and noise).",
             is_output_node=True,
             inputs=[TrainingRun.Input("run", tooltip="The run to validate, e.g. from Train Steps."),
-                    *_validation_inputs(optional=False)],
+                    *_validation_inputs(optional=False), _weights_input("Validate")],
             outputs=[io.Image.Output("images", tooltip="One sample per prompt (a black 64x64 image without prompts)."),
                      io.Float.Output("validation_loss",
                                      tooltip="Deterministic loss on the validation items: comparable across steps."),
@@ -552,7 +559,14 @@ class HeadroomValidate(io.ComfyNode):
 SAVE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def save_lora(run: TrainingSession, subfolder: str, filename: str, dtype: str = "fp32", file_format: str = "comfyui") -> str:
+def _weights_input(what: str):
+    return io.Combo.Input("weights", options=list(WEIGHT_CHOICES), default="auto", optional=True,
+                          tooltip=f"{what} the trained weights or their moving average (EMA, when the Init node's "
+                          "ema_decay is set). auto: the EMA when the run keeps one.")
+
+
+def save_lora(run: TrainingSession, subfolder: str, filename: str, dtype: str = "fp32", file_format: str = "comfyui",
+              weights: str = "auto") -> str:
     """Write the adapter under models/loras/<subfolder>/ atomically; returns the name LoraLoader lists."""
     if file_format not in lora_formats.FORMATS:
         raise ValueError(f"format {file_format!r}: choose one of {', '.join(lora_formats.FORMATS)}")
@@ -564,8 +578,9 @@ def save_lora(run: TrainingSession, subfolder: str, filename: str, dtype: str = 
     path = loras_root / subfolder / name if subfolder else loras_root / name
     with run.phase("save"):
         prune_temp(path.parent)  # what a killed save left in that folder
-        state = run.adapters.comfy_state_dict(dtype=SAVE_DTYPES[dtype])
-        metadata = run.lora_metadata()
+        with run.weights(weights) as used:
+            state = run.adapters.comfy_state_dict(dtype=SAVE_DTYPES[dtype])
+        metadata = {**run.lora_metadata(), "headroom.weights": used}
         if file_format == "kohya":
             names = lora_formats.kohya_names(run.source_model, run.adapters.layers, run.config.family)
             state = lora_formats.to_kohya(state, names)
@@ -603,17 +618,18 @@ class HeadroomSaveLora(io.ComfyNode):
                                tooltip="Key names in the file. comfyui: ComfyUI's own scheme (Load LoRA maps every "
                                "key). kohya: lora_unet_* names with sd-scripts metadata, for A1111 / Forge / "
                                "diffusers / Civitai (Load LoRA reads it too)."),
+                _weights_input("Save"),
             ],
             outputs=[io.String.Output("lora_name", tooltip="The name Load LoRA lists.")],
         )
 
     @classmethod
     def execute(cls, run: TrainingSession, subfolder: str, filename: str, dtype: str,
-                format: str = "comfyui") -> io.NodeOutput:  # noqa: A002 - the input's name in the graph
+                format: str = "comfyui", weights: str = "auto") -> io.NodeOutput:  # noqa: A002 - the input's name
         if not hasattr(run, "adapters"):
             raise ValueError("HeadroomSaveLora: the run is not a LoRA run (use Save ControlNet for ControlNet runs)")
         try:
-            name = save_lora(run, subfolder, filename, dtype, format)
+            name = save_lora(run, subfolder, filename, dtype, format, weights)
         except ValueError as error:
             raise ValueError(f"HeadroomSaveLora: {error}") from error
         return io.NodeOutput(name, ui={SAVED_KEY: [saved_file("LoRA", "loras", name)]})
@@ -705,7 +721,7 @@ class HeadroomTrainLora(io.ComfyNode):
             "Queue it again with more steps to continue the same run.",
             is_output_node=True,
             inputs=[*_train_inputs(), *_schedule_inputs("lora_subfolder"), *_validation_inputs(optional=True),
-                    *_checkpoint_inputs(), *_loss_inputs()],
+                    *_checkpoint_inputs(), *_added_train_inputs()],
             outputs=[io.Model.Output("model", tooltip="The MODEL with the trained LoRA applied."),
                      TrainingRun.Output("run", tooltip="The training run, for Validate, Save and Apply nodes."),
                      io.String.Output("lora_name", tooltip="The last saved LoRA, as Load LoRA lists it."),

@@ -655,6 +655,7 @@ FLOAT_INPUTS = [("HeadroomLoraConfig", "alpha"), ("HeadroomLoraConfig", "dropout
                 ("HeadroomTrainLoraInit", "max_grad_norm"), ("HeadroomTrainLoraInit", "caption_dropout"),
                 ("HeadroomTrainLoraInit", "min_snr_gamma"), ("HeadroomTrainLoraInit", "noise_offset"),
                 ("HeadroomTrainLoraInit", "huber_delta"), ("HeadroomTrainControlNetInit", "huber_delta"),
+                ("HeadroomTrainLoraInit", "ema_decay"), ("HeadroomTrainControlNetInit", "ema_decay"),
                 ("HeadroomTrainControlNetInit", "max_grad_norm"), ("HeadroomTrainControlNetInit", "caption_dropout"),
                 ("HeadroomTrainControlNetInit", "min_snr_gamma"), ("HeadroomTrainControlNetInit", "noise_offset"),
                 ("HeadroomTrainControlNetInit", "validation_strength"), ("HeadroomTrainSteps", "checkpoint_minutes"),

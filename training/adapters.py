@@ -244,7 +244,8 @@ class AdapterSet:
                     out.update(_export_loha(key, layer))
                 else:
                     out.update(_export_lokr(key, layer))
-        return {k: v.detach().to(dtype).contiguous().cpu() for k, v in out.items()}
+        # Copies, never views of the live parameters: a caller may hold the dict while the weights change (EMA swap).
+        return {k: v.detach().to("cpu", dtype, copy=True).contiguous() for k, v in out.items()}
 
     def parameter_count(self) -> int:
         return sum(p.numel() for p in self.parameters())

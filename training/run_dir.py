@@ -5,6 +5,7 @@ Layout of `<root>/<run name>/`:
   latest.json                      {"step": N, "checkpoint": "checkpoints/step_00000N"}; replaced atomically
   checkpoints/step_00000N/         (a re-save of step N, e.g. after a validation, is step_00000N.1, .2, ...)
       adapter.safetensors          trainable weights (fp32, peft names)
+      ema.safetensors              their exponential moving average (runs with ema_decay > 0 only)
       optimizer.pt                 optimizer, LR scheduler and grad-scaler state (torch.save; loaded weights_only)
       rng.pt                       torch CPU (and CUDA) RNG states
       trainer.json                 step, micro-step, loss history, validation-loss history
@@ -104,6 +105,7 @@ class Checkpoint:
     rng: dict[str, Any]
     loss_history: list[list[float]]  # [step, loss]
     validation_history: list[list[float]]  # [step, validation loss]
+    ema: dict[str, torch.Tensor] | None = None  # averaged trainable weights, when the run keeps an EMA
 
 
 class RunDir:
@@ -270,6 +272,7 @@ class RunDir:
         final = checkpoints / folder_name
         what = f"checkpoint of run '{self.name}' at step {checkpoint.step}"
         needed = tensor_bytes(checkpoint.adapter) + tensor_bytes(checkpoint.optimizer) + tensor_bytes(checkpoint.rng) \
+            + tensor_bytes(checkpoint.ema or {}) \
             + 64 * (len(checkpoint.loss_history) + len(checkpoint.validation_history)) + 65536
         tmp = None
         self.check_subfolder_inside(checkpoints)
@@ -282,6 +285,8 @@ class RunDir:
             write_new(tmp / "optimizer.pt", lambda target: write_torch(
                 target, {"optimizer": checkpoint.optimizer, "scheduler": checkpoint.scheduler, "scaler": checkpoint.scaler}))
             write_new(tmp / "rng.pt", lambda target: write_torch(target, checkpoint.rng))
+            if checkpoint.ema is not None:
+                write_new(tmp / "ema.safetensors", lambda target: write_safetensors(target, checkpoint.ema))
             trainer = json.dumps({
                 "step": checkpoint.step, "micro_step": checkpoint.micro_step,
                 "loss_history": _json_history(checkpoint.loss_history),
@@ -361,6 +366,12 @@ class RunDir:
             with open_regular(current, "trained weights"):  # a regular file of the run, not a symlink
                 pass
             adapter = load_file(str(current))
+            ema = None
+            current = folder / "ema.safetensors"
+            if os.path.lexists(current):
+                with open_regular(current, "EMA weights"):
+                    pass
+                ema = load_file(str(current))
         except UntrustedFileError as error:
             raise self._unusable(current, error) from None
         except Exception as error:  # safetensors / torch parse errors of damaged files come in many types
@@ -369,7 +380,7 @@ class RunDir:
             step=step, micro_step=int(trainer["micro_step"]), adapter=adapter,
             optimizer=states["optimizer"], scheduler=states["scheduler"], scaler=states["scaler"], rng=rng,
             loss_history=_float_history(trainer["loss_history"]),
-            validation_history=_float_history(trainer["validation_history"]),
+            validation_history=_float_history(trainer["validation_history"]), ema=ema,
         )
 
 

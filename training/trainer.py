@@ -31,6 +31,7 @@ from .optimizer_parking import HostOptimizer, parked
 from .optimizers import OptimizerConfig, create_optimizer, create_scheduler, current_lr
 from .policy import OffloadPolicy, memory_features
 from .files import WriteError
+from .ema import WeightEMA
 from .run_dir import Checkpoint, CheckpointError, RunDir, capture_rng, restore_rng
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -91,6 +92,7 @@ class TrainConfig:
     gradient_checkpointing: bool = False
     checkpoint_depth: int = 1
     objective: ObjectiveConfig = ObjectiveConfig()
+    ema_decay: float = 0.0  # > 0: keep an exponential moving average of the trainable weights (training/ema.py)
 
     def validate(self) -> None:
         check_finite("training", max_grad_norm=self.max_grad_norm, caption_dropout=self.caption_dropout)
@@ -104,6 +106,9 @@ class TrainConfig:
             raise ValueError(f"max_grad_norm={self.max_grad_norm} must be >= 0 (0 = no clipping)")
         if self.checkpoint_depth < 1:
             raise ValueError(f"checkpoint_depth={self.checkpoint_depth} must be >= 1")
+        check_finite("training", ema_decay=self.ema_decay)
+        if not 0.0 <= self.ema_decay < 1.0:
+            raise ValueError(f"ema_decay={self.ema_decay} must be in [0, 1) (0: no EMA; 0.99-0.9999 is usual)")
 
 
 def _forked_rng():
@@ -166,6 +171,7 @@ class Trainer:
             self.optimizer = create_optimizer(self.params, optimizer_config, device=denoiser.device)
         self.scheduler = create_scheduler(self.optimizer, optimizer_config)
         self.scaler = torch.amp.GradScaler(denoiser.device.type) if config.precision == "fp16" else None
+        self.ema = WeightEMA(self.params, config.ema_decay) if config.ema_decay > 0 else None
         self.step = 0
         self.loss_history: list[list[float]] = []
         self.validation_history: list[list[float]] = []
@@ -247,6 +253,8 @@ class Trainer:
         else:
             self.optimizer.step()
         self.scheduler.step()
+        if self.ema is not None:
+            self.ema.update(self.params)
         self.step += 1
         self.rng = capture_rng()  # the global RNG as this completed step left it: what a checkpoint resumes from
         mean = sum(losses) / len(losses)
@@ -344,6 +352,7 @@ class Trainer:
             scheduler=self.scheduler.state_dict(), scaler=self.scaler.state_dict() if self.scaler is not None else None,
             rng=self.rng, loss_history=[list(x) for x in self.loss_history],
             validation_history=[list(x) for x in self.validation_history],
+            ema=self.ema.state_dict() if self.ema is not None else None,
         )
 
     def restore(self, checkpoint: Checkpoint) -> None:
@@ -361,6 +370,10 @@ class Trainer:
             self.scheduler.load_state_dict(checkpoint.scheduler)
             if self.scaler is not None and checkpoint.scaler is not None:
                 self.scaler.load_state_dict(checkpoint.scaler)
+            if self.ema is not None:
+                if checkpoint.ema is None:
+                    raise ValueError("it holds no EMA weights, and this run keeps an EMA")
+                self.ema.load_state_dict(checkpoint.ema)
         except (ValueError, KeyError, TypeError, RuntimeError) as error:
             raise CheckpointError(f"the saved checkpoint of step {checkpoint.step} cannot be loaded ({error}): move "
                                   "the run folder away, or use a new run name") from None
