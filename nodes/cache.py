@@ -129,10 +129,11 @@ def resolve_dataset_folder(folder: str, relative_to: str | None = None) -> Path:
     )
 
 
-def _resolve_folders(folder: str, control_folder: str) -> tuple[Path, Path | None]:
+def _resolve_folders(folder: str, control_folder: str, mask_folder: str = "") -> tuple[Path, Path | None, Path | None]:
     images = resolve_dataset_folder(folder)
     control = resolve_dataset_folder(control_folder, relative_to=str(images.parent)) if control_folder.strip() else None
-    return images, control
+    masks = resolve_dataset_folder(mask_folder, relative_to=str(images.parent)) if mask_folder.strip() else None
+    return images, control, masks
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -237,25 +238,30 @@ class HeadroomDatasetFromFolder(io.ComfyNode):
                 io.Boolean.Input("skip_bad", default=False,
                                  tooltip="Leave out unreadable images, missing captions and missing or mismatched "
                                  "control images (listed as warnings) instead of stopping with an error."),
+                io.String.Input("mask_folder", default="", optional=True,
+                                tooltip="Optional sibling folder of loss masks matched by file name, e.g. "
+                                "'my_dataset_masks': white is learned, black is not (grey: partly); an image "
+                                "without a mask is learned whole. Empty: no masks."),
             ],
             outputs=[Dataset.Output("dataset", tooltip=_DATASET_TOOLTIP)],
         )
 
     @classmethod
-    def fingerprint_inputs(cls, folder: str, control_folder: str = "", **others) -> str:
+    def fingerprint_inputs(cls, folder: str, control_folder: str = "", mask_folder: str = "", **others) -> str:
         # ComfyUI reuses a node's output while its inputs are unchanged; an edited caption or image must
         # make a new DATASET, so the folders' listings are part of the fingerprint.
         try:
-            return folder_signature(*_resolve_folders(folder, control_folder)) + repr(sorted(others.items()))
+            return folder_signature(*_resolve_folders(folder, control_folder, mask_folder)) + repr(sorted(others.items()))
         except (OSError, ValueError) as error:
             return f"unresolved: {error}"
 
     @classmethod
     def execute(cls, folder: str, resolution: int, step: int, crop: str, flip: bool, seed: int,
-                skip_bad: bool, control_folder: str = "") -> io.NodeOutput:
-        images, control = _resolve_folders(folder, control_folder)
+                skip_bad: bool, control_folder: str = "", mask_folder: str = "") -> io.NodeOutput:
+        images, control, masks = _resolve_folders(folder, control_folder, mask_folder)
         dataset = dataset_from_folder(images, control, resolution=resolution, step=step, crop=crop, flip=flip,
-                                      seed=seed, skip_bad=skip_bad, roots=tuple(map(Path, dataset_roots())))
+                                      seed=seed, skip_bad=skip_bad, roots=tuple(map(Path, dataset_roots())),
+                                      mask_folder=masks)
         for warning in dataset.warnings:
             log.warning("HeadroomDatasetFromFolder: %s", warning)
         return io.NodeOutput(dataset)
@@ -277,15 +283,18 @@ class HeadroomDatasetFromImages(io.ComfyNode):
                 io.Image.Input("control_images", optional=True,
                                tooltip="One control image per image, of the same size."),
                 *_bucket_inputs(),
+                io.Mask.Input("masks", optional=True,
+                              tooltip="Optional loss masks, one per image (or one for all) of the images' size: 1 "
+                              "is learned, 0 is not."),
             ],
             outputs=[Dataset.Output("dataset", tooltip=_DATASET_TOOLTIP)],
         )
 
     @classmethod
     def execute(cls, images: torch.Tensor, captions: str, resolution: int, step: int, crop: str, flip: bool,
-                seed: int, control_images: torch.Tensor | None = None) -> io.NodeOutput:
+                seed: int, control_images: torch.Tensor | None = None, masks: torch.Tensor | None = None) -> io.NodeOutput:
         dataset = dataset_from_tensors(images, split_captions(captions), control_images, resolution=resolution,
-                                       step=step, crop=crop, flip=flip, seed=seed)
+                                       step=step, crop=crop, flip=flip, seed=seed, masks=masks)
         return io.NodeOutput(dataset)
 
 

@@ -211,7 +211,7 @@ def test_bad_subfolders_are_refused(world, subfolder):
 
 # --- 2. dataset folder paths -------------------------------------------------------------------------------------------
 def _folder_cases(world) -> dict:
-    """name -> (folder, control_folder) given to Dataset From Folder."""
+    """name -> (folder, control_folder[, mask_folder]) given to Dataset From Folder."""
     input_dir, outside = world["input"], world["outside"]
     good = input_dir / "hostile_good"
     if not good.exists():
@@ -231,12 +231,14 @@ def _folder_cases(world) -> dict:
         "symlink_out": ("hostile_link_out", ""), "nested_symlink_out": ("hostile_nested/deeper", ""),
         "control_dotdot": ("hostile_good", "../../x"), "control_symlink_out": ("hostile_good", "hostile_control_out"),
         "control_absolute": ("hostile_good", str(outside)),
+        "mask_dotdot": ("hostile_good", "", "../../x"), "mask_symlink_out": ("hostile_good", "", "hostile_control_out"),
+        "mask_absolute": ("hostile_good", "", str(outside)),
     }
 
 
 FOLDER_CASES = ["dotdot", "dotdot2", "root", "etc", "tmp", "output", "tilde", "tilde_root", "unc", "windows", "url",
                 "nul", "newline", "missing", "a_file", "symlink_out", "nested_symlink_out", "control_dotdot",
-                "control_symlink_out", "control_absolute"]
+                "control_symlink_out", "control_absolute", "mask_dotdot", "mask_symlink_out", "mask_absolute"]
 
 
 @pytest.mark.parametrize("case", FOLDER_CASES)
@@ -244,11 +246,11 @@ def test_dataset_folders_outside_input_are_refused(world, case):
     from headroom.nodes.cache import HeadroomDatasetFromFolder
     from headroom.training.dataset import DatasetError
 
-    folder, control = _folder_cases(world)[case]
+    folder, control, mask = (*_folder_cases(world)[case], "")[:3]
     with _watch(world), pytest.raises((ValueError, DatasetError)) as error:
         HeadroomDatasetFromFolder.execute(folder=folder, control_folder=control, resolution=32, step=32, crop="center",
-                                          flip=False, seed=0, skip_bad=True)
-    message = clear_error(error.value, echo=control or folder)
+                                          flip=False, seed=0, skip_bad=True, mask_folder=mask)
+    message = clear_error(error.value, echo=mask or control or folder)
     assert "folder" in message
 
 

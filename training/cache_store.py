@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Mapping
 
 import torch
+import torch.nn.functional as F
 from safetensors import safe_open
 
 from . import public_module
@@ -481,7 +482,7 @@ class LatentCache:
     """
 
     def __init__(self, root: Path, items: list[tuple[str, str, tuple[int, int], str, bool, str]],
-                 fingerprint: str, latent_channels: int, control_kind: str | None):
+                 fingerprint: str, latent_channels: int, control_kind: str | None, masked: list[bool] | None = None):
         # items: (entry key, shard file, bucket (w, h), text key, has control, display name)
         self.root = Path(root)
         self.fingerprint = fingerprint
@@ -489,6 +490,7 @@ class LatentCache:
         self.latent_channels = latent_channels
         self.control_kind = control_kind  # None, "pixels" or "latents"
         self._items = items
+        self._masked = list(masked) if masked is not None else [False] * len(items)
         self._reader = _ShardReader(self.root / "shards")
         buckets: dict[tuple[int, int], list[int]] = {}
         for index, item in enumerate(items):
@@ -506,6 +508,14 @@ class LatentCache:
         """Control image pixels [H, W, 3] 0..1 at the bucket size, or its latents; None without control."""
         key, shard, _, _, has_control, _ = self._items[index]
         return self._reader.get(shard, f"{key}/control") if has_control else None
+
+    def mask(self, index: int) -> torch.Tensor | None:
+        """Loss mask [1, h, w] 0..1 at latent resolution; None for an item without one."""
+        return self._reader.get(self._items[index][1], f"{self._items[index][0]}/mask") if self._masked[index] else None
+
+    @property
+    def has_masks(self) -> bool:
+        return any(self._masked)
 
     def text_key(self, index: int) -> str:
         return self._items[index][3]
@@ -660,6 +670,7 @@ def cache_latents(
             image_digest = item.image.digest()
             size = item.image.size()
             control_digest = item.control.digest() if item.control is not None else None
+            mask_digest = item.mask.digest() if item.mask is not None else None
         except DatasetError as error:  # e.g. too many pixels: the message names the file
             _skip_or_raise(dataset, str(error), report)
             continue
@@ -676,6 +687,7 @@ def cache_latents(
                 "image": image_digest, "crop": plan.key_params(),
                 "control": control_digest, "control_encoding": control_encoding if control_digest else None,
                 **({"decode_reduce": reduce} if reduce > 1 else {}),  # keys of images decoded whole are unchanged
+                **({"mask": mask_digest} if mask_digest else {}),  # keys of items without a mask are unchanged
             })
             planned.append(_PlannedLatent(index, key, plan, text_key(item.caption), reduce))
 
@@ -688,7 +700,7 @@ def cache_latents(
     failed_items: set[int] = set()
     if misses:
         store.check_writable()
-        loaded: tuple[int, torch.Tensor, torch.Tensor | None] | None = None  # flip variants share a decode
+        loaded: tuple | None = None  # (item index, pixels, control pixels, mask pixels): flip variants share a decode
         with store.writer() as writer:
             for done, entry in enumerate(misses, start=1):
                 check_interrupt()
@@ -698,7 +710,8 @@ def cache_latents(
                 if loaded is None or loaded[0] != entry.item_index:
                     try:
                         loaded = (entry.item_index, item.image.load(entry.reduce),
-                                  item.control.load(entry.reduce) if item.control is not None else None)
+                                  item.control.load(entry.reduce) if item.control is not None else None,
+                                  item.mask.load(entry.reduce) if item.mask is not None else None)
                     except DatasetError as error:
                         failed_items.add(entry.item_index)
                         _skip_or_raise(dataset, str(error), report)
@@ -708,9 +721,11 @@ def cache_latents(
                         _skip_or_raise(dataset, f"{item.image.describe()}: cannot be decoded ({_short(error)}); "
                                                 "re-export or remove it", report)
                         continue
-                _, pixels, control_pixels = loaded
+                _, pixels, control_pixels, mask_pixels = loaded
                 sample = apply_crop(pixels, entry.plan).unsqueeze(0)
                 tensors = {"latent": _single(encode(sample), item.name)}
+                if mask_pixels is not None:
+                    tensors["mask"] = latent_mask(apply_crop(mask_pixels, entry.plan), tensors["latent"])
                 if control_pixels is not None:
                     control = apply_crop(control_pixels, entry.plan)
                     tensors["control"] = control if control_encoding == "pixels" else _single(
@@ -729,12 +744,22 @@ def cache_latents(
         for p in kept
     ]
     cache = LatentCache(store.root, items, fingerprint, latent_channels=0,
-                        control_kind=control_encoding if dataset.has_control else None)
+                        control_kind=control_encoding if dataset.has_control else None,
+                        masked=["mask" in entries[p.key]["tensors"] for p in kept])
     cache.latent_channels = int(cache.latent(0).shape[0])
     report.items, report.buckets = len(cache), len(cache.buckets)
     report.bytes_total = sum(entries[p.key]["bytes"] for p in kept)
     report.seconds = time.monotonic() - started
     return cache, report
+
+
+def latent_mask(mask_pixels: torch.Tensor, latent: torch.Tensor) -> torch.Tensor:
+    """A loss mask [bucket_h, bucket_w, 3] 0..1 (its mean over channels) -> [1, h, w] at the latent's resolution,
+    each latent cell the mean of the pixels it covers (area averaging: no cell is weighted by a single pixel)."""
+    if latent.ndim != 3:
+        raise DatasetError(f"loss masks need image latents [C, h, w]; this VAE gives {list(latent.shape)}")
+    grey = mask_pixels.to(torch.float32).mean(dim=-1)[None, None]
+    return F.interpolate(grey, size=tuple(latent.shape[-2:]), mode="area")[0].clamp_(0.0, 1.0)
 
 
 def _single(latents: torch.Tensor, name: str) -> torch.Tensor:

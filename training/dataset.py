@@ -161,6 +161,7 @@ class DatasetItem:
     caption: str
     image: ImageSource
     control: ImageSource | None = None
+    mask: ImageSource | None = None  # loss mask: white is learned, black is not (grey: partly)
 
 
 @dataclass(frozen=True)
@@ -189,6 +190,10 @@ class Dataset:
     def has_control(self) -> bool:
         return self.items[0].control is not None
 
+    @property
+    def has_masks(self) -> bool:
+        return any(item.mask is not None for item in self.items)
+
 
 def _entries(folder: Path) -> list[Path]:
     """The visible entries of `folder` an item can come from: files and symlinks (a symlink is checked where it
@@ -213,17 +218,22 @@ def dataset_from_folder(
     seed: int = 0,
     skip_bad: bool = False,
     roots: tuple[Path, ...] | None = None,
+    mask_folder: Path | None = None,
 ) -> Dataset:
-    """Images in `folder` with same-name `.txt` captions; control images in `control_folder` matched by
-    file name stem (any supported extension) and of the same size as their image. Files are read only where
-    they resolve inside `roots` (default: the dataset and control folders)."""
+    """Images in `folder` with same-name `.txt` captions; control images in `control_folder` and loss masks in
+    `mask_folder` matched by file name stem (any supported extension) and of the same size as their image
+    (an image without a mask is learned whole). Files are read only where they resolve inside `roots`
+    (default: the dataset, control and mask folders)."""
     folder = Path(folder)
     if not folder.is_dir():
         raise DatasetError(f"dataset folder {display_path(folder)} does not exist or is not a folder")
     if control_folder is not None and not Path(control_folder).is_dir():
         raise DatasetError(f"control folder {display_path(control_folder)} does not exist or is not a folder")
-    roots = tuple(roots) if roots else tuple(p for p in (folder, control_folder) if p is not None)
+    if mask_folder is not None and not Path(mask_folder).is_dir():
+        raise DatasetError(f"mask folder {display_path(mask_folder)} does not exist or is not a folder")
+    roots = tuple(roots) if roots else tuple(p for p in (folder, control_folder, mask_folder) if p is not None)
     controls = _images_in(Path(control_folder)) if control_folder is not None else {}
+    masks = _images_in(Path(mask_folder)) if mask_folder is not None else {}
 
     items, problems = [], []
     for path in _entries(folder):
@@ -237,11 +247,15 @@ def dataset_from_folder(
             continue
         caption = _read_caption(path, roots)
         problem = caption if not isinstance(caption, tuple) else _check_item(path, controls, control_folder, roots)
+        if not problem and path.stem in masks:
+            problem = _check_sibling(path, FileImage(masks[path.stem], roots), "mask", roots)
         if problem:
             problems.append(problem)
             continue
         control = FileImage(controls[path.stem], roots) if control_folder is not None else None
-        items.append(DatasetItem(name=path.name, caption=caption[0], image=FileImage(path, roots), control=control))
+        mask = FileImage(masks[path.stem], roots) if path.stem in masks else None
+        items.append(DatasetItem(name=path.name, caption=caption[0], image=FileImage(path, roots), control=control,
+                                 mask=mask))
 
     if problems and not skip_bad:
         raise DatasetError(
@@ -295,18 +309,24 @@ def _check_item(path: Path, controls: dict[str, Path], control_folder: Path | No
     if path.stem not in controls:
         return (f"{image.describe()}: no control image named {path.stem}.* in {display_path(control_folder)}; add one "
                 "or remove the image")
-    control = FileImage(controls[path.stem], roots)
+    return _check_sibling(path, FileImage(controls[path.stem], roots), "control image", roots, size)
+
+
+def _check_sibling(path: Path, sibling: FileImage, what: str, roots: tuple[Path, ...],
+                   size: tuple[int, int] | None = None) -> str | None:
+    """A control image or mask of the image at `path`: readable and of the image's size (or a message)."""
     try:
-        control.check()
-        control_size = control.size()
+        size = size or FileImage(path, roots).size()
+        sibling.check()
+        sibling_size = sibling.size()
     except DatasetError as error:
         return str(error)
     except (OSError, UnidentifiedImageError, SyntaxError, ValueError) as error:
-        return f"{control.describe()}: unreadable or corrupt control image ({_reason(error)}); re-export it or remove it"
-    if control_size != size:
+        return f"{sibling.describe()}: unreadable or corrupt {what} ({_reason(error)}); re-export it or remove it"
+    if sibling_size != size:
         return (
-            f"{control.describe()}: control image is {control_size[0]}x{control_size[1]} but its image {path.name} is "
-            f"{size[0]}x{size[1]}; resize the control image to match"
+            f"{sibling.describe()}: {what} is {sibling_size[0]}x{sibling_size[1]} but its image {path.name} is "
+            f"{size[0]}x{size[1]}; resize the {what} to match"
         )
     return None
 
@@ -335,8 +355,10 @@ def dataset_from_tensors(
     crop: str = "center",
     flip: bool = False,
     seed: int = 0,
+    masks: torch.Tensor | None = None,
 ) -> Dataset:
-    """Items from an IMAGE batch [N, H, W, 3] with one caption per image and an optional control batch."""
+    """Items from an IMAGE batch [N, H, W, 3] with one caption per image, an optional control batch and an
+    optional MASK batch [N, H, W] (1: learned, 0: not)."""
     if images.ndim != 4 or images.shape[-1] != 3:
         raise DatasetError(f"images must be an IMAGE batch [N, H, W, 3], got shape {tuple(images.shape)}")
     if len(captions) != images.shape[0]:
@@ -355,6 +377,15 @@ def dataset_from_tensors(
                 f"{tuple(images.shape[:3])} (count, height, width); give one control image of the same size "
                 "per image"
             )
+    if masks is not None:
+        if masks.ndim == 2:
+            masks = masks.unsqueeze(0)  # ComfyUI passes a single mask as [H, W] in places
+        if masks.ndim != 3 or masks.shape[0] not in (1, images.shape[0]) or masks.shape[1:] != images.shape[1:3]:
+            raise DatasetError(
+                f"masks batch {tuple(masks.shape)} does not fit images {tuple(images.shape[:3])}: give a MASK "
+                "[N, H, W] (or one [1, H, W] for all) of the images' size"
+            )
+        masks = masks.expand(images.shape[0], -1, -1)
     items = tuple(
         DatasetItem(
             name=f"image {index}",
@@ -362,6 +393,8 @@ def dataset_from_tensors(
             image=TensorImage(images[index], f"image {index} of the IMAGE batch"),
             control=None if control_images is None
             else TensorImage(control_images[index], f"control image {index} of the control IMAGE batch"),
+            mask=None if masks is None
+            else TensorImage(masks[index].unsqueeze(-1).expand(-1, -1, 3), f"mask {index} of the MASK batch"),
         )
         for index in range(images.shape[0])
     )

@@ -158,24 +158,36 @@ class Objective:
             weight = weight * torch.minimum(snr, gamma) / denominator
         return weight
 
-    def loss(self, x0_hat: torch.Tensor, x0: torch.Tensor, sigma: torch.Tensor, weighted: bool = True) -> torch.Tensor:
-        """Mean native-space loss over the batch. weighted=False: the plain squared error, no min-SNR (validation)."""
+    def loss(self, x0_hat: torch.Tensor, x0: torch.Tensor, sigma: torch.Tensor, weighted: bool = True,
+             mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Mean native-space loss over the batch. weighted=False: the plain squared error, no min-SNR (validation).
+
+        mask [B, 1, h, w] in 0..1 (at latent resolution): each sample's loss is the mask-weighted mean over its
+        elements, so what is masked out (0) is not learned and a partly masked image weighs as much as a whole
+        one; a sample masked out entirely contributes 0."""
         error = x0_hat.float() - x0.float()
         weight = self.sample_weight(sigma, min_snr=weighted).to(error.device)
         if not weighted or self.config.loss_type == "mse":
-            return (error.square().flatten(1).mean(dim=1) * weight).mean()
+            return (_per_sample_mean(error.square(), mask) * weight).mean()
         native = self.sample_weight(sigma, min_snr=False).to(error.device)
         native_error = error * native.sqrt().view(-1, *([1] * (error.ndim - 1)))
         if self.config.loss_type == "l1":
-            per_sample = native_error.abs().flatten(1).mean(dim=1)
+            elements = native_error.abs()
         else:
-            per_sample = torch.nn.functional.huber_loss(native_error, torch.zeros_like(native_error), reduction="none",
-                                                        delta=self.config.huber_delta).flatten(1).mean(dim=1)
-        return (per_sample * (weight / native)).mean()  # weight / native: the min-SNR factor alone (1 without)
+            elements = torch.nn.functional.huber_loss(native_error, torch.zeros_like(native_error), reduction="none",
+                                                      delta=self.config.huber_delta)
+        return (_per_sample_mean(elements, mask) * (weight / native)).mean()  # weight / native: min-SNR alone
 
     def fixed_times(self, count: int) -> torch.Tensor:
         """Evenly spread times for the deterministic validation loss (ends excluded)."""
         return (torch.arange(count, dtype=torch.float32) + 0.5) / count
+
+
+def _per_sample_mean(elements: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    if mask is None:
+        return elements.flatten(1).mean(dim=1)
+    weights = mask.to(elements).expand_as(elements)
+    return (elements * weights).flatten(1).sum(dim=1) / weights.flatten(1).sum(dim=1).clamp_min(1e-12)
 
 
 def step_seed(seed: int, micro_step: int, salt: int = 0) -> int:

@@ -203,6 +203,15 @@ class Trainer:
         raw = torch.stack([self.latent_cache.latent(i).float() for i in items])
         return self.denoiser.to_model_latent(raw.to(self.denoiser.device))
 
+    def _masks(self, items: Sequence[int]) -> torch.Tensor | None:
+        """Loss masks [B, 1, h, w] of the items (a cache without masks: None; an item without one: all ones)."""
+        read = getattr(self.latent_cache, "mask", None)
+        masks = [read(i) for i in items] if read is not None else []
+        if not any(m is not None for m in masks):
+            return None
+        shape = next(m for m in masks if m is not None).shape
+        return torch.stack([m.float() if m is not None else torch.ones(shape) for m in masks]).to(self.denoiser.device)
+
     def _conds(self, items: Sequence[int], dropout: torch.Tensor | None = None) -> list[dict[str, torch.Tensor]]:
         conds = []
         for n, i in enumerate(items):
@@ -229,7 +238,7 @@ class Trainer:
         x_t = self.objective.noisy(x0, noise, sigma)
         with self._autocast():
             x0_hat = self.denoiser.predict(x_t, sigma, self._conds(items, dropout))
-        return self.objective.loss(x0_hat, x0, sigma), items
+        return self.objective.loss(x0_hat, x0, sigma, mask=self._masks(items)), items
 
     def train_step(self) -> float:
         """One optimizer step (grad_accum micro-steps). Returns the mean loss."""
@@ -331,7 +340,9 @@ class Trainer:
                 x_t = self.objective.noisy(x0, noise, sigma)
                 with self._autocast():
                     x0_hat = self.denoiser.predict(x_t, sigma, self._conds([item]) * times)
-                total += self.objective.loss(x0_hat, x0, sigma, weighted=False).item()
+                mask = self._masks([item])
+                mask = mask.repeat_interleave(times, dim=0) if mask is not None else None
+                total += self.objective.loss(x0_hat, x0, sigma, weighted=False, mask=mask).item()
         return total / len(items)
 
     def parked_for_validation(self):
