@@ -56,7 +56,7 @@ VALIDATE_EVENT = "headroom.validate"
 LORA_APPLICATIONS = ("as_saved_file", "unmerged")
 # Settings added after runs were first stored: a run folder without them trained with these values and resumes.
 CONFIG_ADDED_LATER = {"session.train.objective.loss_type": "mse", "session.train.objective.huber_delta": 0.1,
-                      "session.train.ema_decay": 0.0}
+                      "session.train.ema_decay": 0.0, "session.train.prior_ratio": 0.0}
 # Which weights Validate / Save use: auto = the EMA when the run keeps one (TrainingSession.weights).
 WEIGHT_CHOICES = ("auto", "trained", "ema")
 
@@ -370,8 +370,14 @@ class TrainingSession:
     precision_note = ""  # how the init node chose the compute precision (nodes/train_lora.py resolve_precision)
 
     def __init__(self, model, latent_cache, text_cache, config: SessionConfig, run_root: pathlib.Path, run_name: str,
-                 policy: OffloadPolicy | None = None):
-        stored = self._open_run(model, latent_cache, text_cache, config, run_root, run_name, policy, {})
+                 policy: OffloadPolicy | None = None, prior: tuple | None = None):
+        prior_identity = {}
+        if prior is not None:  # prior (regularisation) images: part of what the run is, so part of its config
+            check_caches(model.model, *prior)
+            prior_identity = {"prior_latent_cache": getattr(prior[0], "fingerprint", None),
+                              "prior_text_cache": getattr(prior[1], "fingerprint", None),
+                              "prior_data": data_fingerprint(prior[0])}
+        stored = self._open_run(model, latent_cache, text_cache, config, run_root, run_name, policy, prior_identity)
         with torch.inference_mode(False):
             # A classic ModelPatcher even under dynamic VRAM: autograd keeps the weights a layer used until backward,
             # which aimdo-managed weights do not guarantee (docs/MEMORY.md). Elsewhere this is a plain clone.
@@ -392,7 +398,7 @@ class TrainingSession:
             attach_with_injection(self.patcher, self.adapters)
             self.denoiser = ComfyDenoiser(self.patcher)
             trainer = Trainer(self.denoiser, self.adapters, latent_cache, text_cache, config.train, config.optimizer,
-                              train_items=self.train_items, run_dir=self.run_dir, policy=policy)
+                              train_items=self.train_items, run_dir=self.run_dir, policy=policy, prior=prior)
         self._finish_open(trainer, stored)
 
     # --- shared by every kind of run (LoRA here, ControlNet in nodes/train_controlnet.py) ---------------------

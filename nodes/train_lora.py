@@ -239,12 +239,18 @@ def start_session(model, latent_cache, text_cache, lora_config, optimizer_config
                   grad_accumulation, precision, max_grad_norm, caption_dropout, timestep_sampling, loss_weighting,
                   min_snr_gamma, noise_offset, gradient_checkpointing, checkpoint_depth, holdout, policy=None,
                   loss_type: str = "mse", huber_delta: float = 0.1, ema_decay: float = 0.0,
+                  prior_latent_cache=None, prior_text_cache=None, prior_ratio: float = 0.5,
                   node: str = "HeadroomTrainLoraInit") -> TrainingSession:
     """Check every input (before any GPU work), then build or resume the run."""
     try:
         check_name(run_name, "run name")
         check_finite(node, max_grad_norm=max_grad_norm, caption_dropout=caption_dropout, min_snr_gamma=min_snr_gamma,
-                     noise_offset=noise_offset, huber_delta=huber_delta, ema_decay=ema_decay)
+                     noise_offset=noise_offset, huber_delta=huber_delta, ema_decay=ema_decay, prior_ratio=prior_ratio)
+        if (prior_latent_cache is None) != (prior_text_cache is None):
+            raise ValueError("prior images need both prior_latent_cache and prior_text_cache connected (or neither)")
+        prior = (prior_latent_cache, prior_text_cache) if prior_latent_cache is not None else None
+        if prior is not None and prior_ratio <= 0:
+            raise ValueError("prior_ratio=0 with prior caches connected: set a share > 0, or disconnect them")
         if not isinstance(lora_config, AdapterConfig):
             raise ValueError("lora_config must come from a HeadroomLoraConfig node")
         if not isinstance(optimizer_config, OptimizerConfig):
@@ -255,7 +261,7 @@ def start_session(model, latent_cache, text_cache, lora_config, optimizer_config
         train = TrainConfig(
             seed=seed, batch_size=batch_size, grad_accum=grad_accumulation, max_grad_norm=max_grad_norm,
             precision=precision, caption_dropout=caption_dropout, gradient_checkpointing=gradient_checkpointing,
-            checkpoint_depth=checkpoint_depth, ema_decay=ema_decay,
+            checkpoint_depth=checkpoint_depth, ema_decay=ema_decay, prior_ratio=prior_ratio if prior else 0.0,
             objective=ObjectiveConfig(timestep_sampling=timestep_sampling, loss_weighting=loss_weighting,
                                       min_snr_gamma=min_snr_gamma, noise_offset=noise_offset, loss_type=loss_type,
                                       huber_delta=huber_delta),
@@ -264,7 +270,8 @@ def start_session(model, latent_cache, text_cache, lora_config, optimizer_config
         check_caches(model.model, latent_cache, text_cache)
         config = SessionConfig(family=model_family(model.model), adapter=lora_config, optimizer=optimizer_config,
                                train=train, holdout=holdout)
-        session = TrainingSession(model, latent_cache, text_cache, config, runs_root(), run_name, policy=policy)
+        session = TrainingSession(model, latent_cache, text_cache, config, runs_root(), run_name, policy=policy,
+                                  prior=prior)
         session.precision_note = note
         return session
     except (ValueError, RunFolderError) as error:
@@ -281,7 +288,7 @@ class HeadroomTrainLoraInit(io.ComfyNode):
             category=CATEGORY,
             description="Set up (or resume) a LoRA training run on this MODEL from cached latents and text. "
             "The MODEL itself is never modified: the adapter lives on a clone.",
-            inputs=[*_train_inputs(), *_added_train_inputs()],
+            inputs=[*_train_inputs(), *_added_train_inputs(), *_prior_inputs()],
             outputs=[TrainingRun.Output("run", tooltip="The training run, for Train Steps, Validate, Save and Apply."),
                      io.Int.Output("step", tooltip="Step the run starts from (resumed).")],
         )
@@ -335,6 +342,19 @@ def _added_train_inputs() -> list:
                        tooltip="Keep an exponential moving average of the trained weights in host RAM (0: off; "
                        "0.99-0.999 usual: it averages over about 1 / (1 - decay) steps, so keep that well below the "
                        "run's steps). Validate and Save use it when set (their weights input)."),
+    ]
+
+
+def _prior_inputs() -> list:
+    """Prior (regularisation) images for LoRA runs: optional and last on the LoRA training nodes."""
+    return [
+        LatentCache.Input("prior_latent_cache", optional=True,
+                          tooltip="Optional regularisation / prior images (e.g. generic images of the class), cached "
+                          "like the training images: trained on too, so the LoRA keeps what the model knew."),
+        TextCache.Input("prior_text_cache", optional=True, tooltip="The prior images' captions, cached."),
+        io.Float.Input("prior_ratio", default=0.5, min=0.0, max=0.95, step=0.01, optional=True,
+                       tooltip="Share of the steps that train on the prior images, evenly interleaved (0.5: every "
+                       "other batch). Used only when the prior caches are connected."),
     ]
 
 
@@ -721,7 +741,7 @@ class HeadroomTrainLora(io.ComfyNode):
             "Queue it again with more steps to continue the same run.",
             is_output_node=True,
             inputs=[*_train_inputs(), *_schedule_inputs("lora_subfolder"), *_validation_inputs(optional=True),
-                    *_checkpoint_inputs(), *_added_train_inputs()],
+                    *_checkpoint_inputs(), *_added_train_inputs(), *_prior_inputs()],
             outputs=[io.Model.Output("model", tooltip="The MODEL with the trained LoRA applied."),
                      TrainingRun.Output("run", tooltip="The training run, for Validate, Save and Apply nodes."),
                      io.String.Output("lora_name", tooltip="The last saved LoRA, as Load LoRA lists it."),

@@ -658,6 +658,7 @@ FLOAT_INPUTS = [("HeadroomLoraConfig", "alpha"), ("HeadroomLoraConfig", "dropout
                 ("HeadroomTrainLoraInit", "min_snr_gamma"), ("HeadroomTrainLoraInit", "noise_offset"),
                 ("HeadroomTrainLoraInit", "huber_delta"), ("HeadroomTrainControlNetInit", "huber_delta"),
                 ("HeadroomTrainLoraInit", "ema_decay"), ("HeadroomTrainControlNetInit", "ema_decay"),
+                ("HeadroomTrainLoraInit", "prior_ratio"),
                 ("HeadroomTrainControlNetInit", "max_grad_norm"), ("HeadroomTrainControlNetInit", "caption_dropout"),
                 ("HeadroomTrainControlNetInit", "min_snr_gamma"), ("HeadroomTrainControlNetInit", "noise_offset"),
                 ("HeadroomTrainControlNetInit", "validation_strength"), ("HeadroomTrainSteps", "checkpoint_minutes"),

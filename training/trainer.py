@@ -93,6 +93,7 @@ class TrainConfig:
     checkpoint_depth: int = 1
     objective: ObjectiveConfig = ObjectiveConfig()
     ema_decay: float = 0.0  # > 0: keep an exponential moving average of the trainable weights (training/ema.py)
+    prior_ratio: float = 0.0  # share of micro-steps that train on the prior (regularisation) dataset
 
     def validate(self) -> None:
         check_finite("training", max_grad_norm=self.max_grad_norm, caption_dropout=self.caption_dropout)
@@ -106,7 +107,9 @@ class TrainConfig:
             raise ValueError(f"max_grad_norm={self.max_grad_norm} must be >= 0 (0 = no clipping)")
         if self.checkpoint_depth < 1:
             raise ValueError(f"checkpoint_depth={self.checkpoint_depth} must be >= 1")
-        check_finite("training", ema_decay=self.ema_decay)
+        check_finite("training", ema_decay=self.ema_decay, prior_ratio=self.prior_ratio)
+        if not 0.0 <= self.prior_ratio < 1.0:
+            raise ValueError(f"prior_ratio={self.prior_ratio} must be in [0, 1) (0: no prior images)")
         if not 0.0 <= self.ema_decay < 1.0:
             raise ValueError(f"ema_decay={self.ema_decay} must be in [0, 1) (0: no EMA; 0.99-0.9999 is usual)")
 
@@ -142,11 +145,34 @@ class _Subset:
                 self.buckets[bucket] = kept
 
 
+class _Batches:
+    """The bucketed batches of one dataset (its latent + text caches), epoch after epoch, as a sequence."""
+
+    def __init__(self, latent_cache, text_cache, items: Sequence[int], config: TrainConfig):
+        self.latent_cache, self.text_cache, self.config = latent_cache, text_cache, config
+        self.view = _Subset(latent_cache, items)
+        self.per_epoch = len(bucket_batches(self.view, config.batch_size, config.seed, 0))
+        self._epoch: tuple[int, list[list[int]]] | None = None
+
+    def __getitem__(self, index: int) -> list[int]:
+        epoch, index = divmod(index, self.per_epoch)
+        if self._epoch is None or self._epoch[0] != epoch:
+            self._epoch = (epoch, bucket_batches(self.view, self.config.batch_size, self.config.seed, epoch))
+        return self._epoch[1][index]
+
+
+def prior_steps_before(micro_step: int, ratio: float) -> int:
+    """How many of the micro-steps before `micro_step` train on the prior dataset: an even interleave at `ratio`
+    (prior at m exactly when floor((m + 1) * ratio) > floor(m * ratio)). A closed form, so a resumed run draws
+    what the straight run drew without counting."""
+    return math.floor(micro_step * ratio)
+
+
 class Trainer:
     def __init__(self, denoiser: Denoiser, trainable: Trainable, latent_cache, text_cache, config: TrainConfig,
                  optimizer_config: OptimizerConfig, train_items: Sequence[int] | None = None,
                  run_dir: RunDir | None = None, policy: OffloadPolicy | None = None,
-                 item_extras: ItemExtras | None = None):
+                 item_extras: ItemExtras | None = None, prior: tuple | None = None):
         config.validate()
         self.denoiser = denoiser
         self.trainable = trainable
@@ -161,9 +187,14 @@ class Trainer:
         self.train_items = list(range(len(latent_cache))) if train_items is None else list(train_items)
         if not self.train_items:
             raise ValueError("no training items: the latent cache is empty or every item is held out")
-        self._view = _Subset(latent_cache, self.train_items)
-        self.batches_per_epoch = len(bucket_batches(self._view, config.batch_size, config.seed, 0))
-        self._epoch_cache: tuple[int, list[list[int]]] | None = None
+        self._batches = _Batches(latent_cache, text_cache, self.train_items, config)
+        self.batches_per_epoch = self._batches.per_epoch
+        # Prior (regularisation) images: (latent cache, text cache) of a second dataset, mixed in at prior_ratio.
+        if (prior is not None) != (config.prior_ratio > 0):
+            raise ValueError("prior images need both their caches and prior_ratio > 0 (and prior_ratio needs them)")
+        if prior is not None and item_extras is not None:
+            raise ValueError("prior images are for LoRA runs: a ControlNet run's items carry control images")
+        self._prior = _Batches(prior[0], prior[1], range(len(prior[0])), config) if prior is not None else None
         self.params = list(trainable.parameters())
         if self.policy.optimizer_state == "cpu":
             self.optimizer = HostOptimizer(self.params, lambda host: create_optimizer(host, optimizer_config, device="cpu"))
@@ -193,33 +224,44 @@ class Trainer:
         return policy
 
     # --- data -------------------------------------------------------------------------------------------
-    def batch_items(self, micro_step: int) -> list[int]:
-        epoch, index = divmod(micro_step, self.batches_per_epoch)
-        if self._epoch_cache is None or self._epoch_cache[0] != epoch:
-            self._epoch_cache = (epoch, bucket_batches(self._view, self.config.batch_size, self.config.seed, epoch))
-        return self._epoch_cache[1][index]
+    def _batch(self, micro_step: int) -> tuple[_Batches, list[int]]:
+        """(the dataset, its items) a micro-step trains on."""
+        if self._prior is None:
+            return self._batches, self._batches[micro_step]
+        ratio = self.config.prior_ratio
+        before = prior_steps_before(micro_step, ratio)
+        if prior_steps_before(micro_step + 1, ratio) > before:
+            return self._prior, self._prior[before]
+        return self._batches, self._batches[micro_step - before]
 
-    def _latents(self, items: Sequence[int]) -> torch.Tensor:
-        raw = torch.stack([self.latent_cache.latent(i).float() for i in items])
+    def batch_items(self, micro_step: int) -> list[int]:
+        return self._batch(micro_step)[1]
+
+    def _latents(self, items: Sequence[int], latent_cache=None) -> torch.Tensor:
+        latent_cache = latent_cache if latent_cache is not None else self.latent_cache
+        raw = torch.stack([latent_cache.latent(i).float() for i in items])
         return self.denoiser.to_model_latent(raw.to(self.denoiser.device))
 
-    def _masks(self, items: Sequence[int]) -> torch.Tensor | None:
+    def _masks(self, items: Sequence[int], latent_cache=None) -> torch.Tensor | None:
         """Loss masks [B, 1, h, w] of the items (a cache without masks: None; an item without one: all ones)."""
-        read = getattr(self.latent_cache, "mask", None)
+        read = getattr(latent_cache if latent_cache is not None else self.latent_cache, "mask", None)
         masks = [read(i) for i in items] if read is not None else []
         if not any(m is not None for m in masks):
             return None
         shape = next(m for m in masks if m is not None).shape
         return torch.stack([m.float() if m is not None else torch.ones(shape) for m in masks]).to(self.denoiser.device)
 
-    def _conds(self, items: Sequence[int], dropout: torch.Tensor | None = None) -> list[dict[str, torch.Tensor]]:
+    def _conds(self, items: Sequence[int], dropout: torch.Tensor | None = None,
+               source: _Batches | None = None) -> list[dict[str, torch.Tensor]]:
+        latent_cache, text_cache = (source.latent_cache, source.text_cache) if source is not None else \
+            (self.latent_cache, self.text_cache)
         conds = []
         for n, i in enumerate(items):
             if dropout is not None and dropout[n]:
-                conds.append(self.text_cache.empty_conditioning())
+                conds.append(text_cache.empty_conditioning())
             else:
-                conds.append(self.text_cache.conditioning(self.latent_cache.text_key(i)))
-            if self.item_extras is not None:
+                conds.append(text_cache.conditioning(latent_cache.text_key(i)))
+            if self.item_extras is not None and (source is None or source is self._batches):
                 conds[-1] = {**conds[-1], **self.item_extras(i)}
         return conds
 
@@ -229,16 +271,17 @@ class Trainer:
         return torch.autocast(self.denoiser.device.type, dtype=dtype, enabled=dtype is not None)
 
     def _micro_step_loss(self, micro_step: int) -> tuple[torch.Tensor, list[int]]:
-        items = self.batch_items(micro_step)
+        source, items = self._batch(micro_step)
         generator = torch.Generator().manual_seed(step_seed(self.config.seed, micro_step, _SALT_BATCH))
         dropout = torch.rand(len(items), generator=generator) < self.config.caption_dropout
-        x0 = self._latents(items)
+        x0 = self._latents(items, source.latent_cache)
         sigma = self.objective.sample_sigma(len(items), generator).to(self.denoiser.device)
         noise = self.objective.sample_noise(x0, generator).to(x0)
         x_t = self.objective.noisy(x0, noise, sigma)
         with self._autocast():
-            x0_hat = self.denoiser.predict(x_t, sigma, self._conds(items, dropout))
-        return self.objective.loss(x0_hat, x0, sigma, mask=self._masks(items)), items
+            x0_hat = self.denoiser.predict(x_t, sigma, self._conds(items, dropout, source))
+        loss = self.objective.loss(x0_hat, x0, sigma, mask=self._masks(items, source.latent_cache))
+        return loss, items if source is self._batches else [f"prior {i}" for i in items]
 
     def train_step(self) -> float:
         """One optimizer step (grad_accum micro-steps). Returns the mean loss."""
