@@ -79,7 +79,7 @@ def test_unknown_format_is_refused_with_the_choices(comfyui, tmp_path):
 
     model, clip, vae, latents, texts = _data("sd15")
     run = _init(model, latents, texts, "formats_bad", rank=4)
-    with pytest.raises(ValueError, match=r"HeadroomSaveLora: format 'a1111': choose one of comfyui, kohya"):
+    with pytest.raises(ValueError, match=r"HeadroomSaveLora: format 'a1111': choose one of comfyui, kohya, diffusers$"):
         T.HeadroomSaveLora.execute(run, "formats", "bad", "fp32", "a1111")
 
 
@@ -200,3 +200,79 @@ def test_continuing_a_file_that_does_not_fit_is_refused_with_what_to_change(comf
         _init_from(model, latents, texts, "continue_family", flux_name)
     with pytest.raises(ValueError, match=r"not in models/loras/"):
         _init_from(model, latents, texts, "continue_missing", "no_such_file.safetensors")
+
+
+# --- the diffusers format ------------------------------------------------------------------------------------
+def _save(run, name: str, file_format: str) -> str:
+    from headroom.nodes import train_lora as T
+
+    with torch.inference_mode():
+        return T.HeadroomSaveLora.execute(run, "formats", name, "fp32", file_format).args[0]
+
+
+def _stock_loader_weights(model, clip, name: str, caplog) -> tuple[dict[str, torch.Tensor], object]:
+    """The patched weights of a file through ComfyUI's stock LoraLoader; every key of the file must load."""
+    import nodes
+
+    caplog.clear()
+    with torch.inference_mode():
+        lora_model, _ = nodes.LoraLoader().load_lora(model, clip, name, 1.0, 0.0)
+        weights = _patched_weights(lora_model)
+    assert "lora key not loaded" not in caplog.text and "NOT LOADED" not in caplog.text, caplog.text
+    return weights, lora_model
+
+
+def _diffusers_file_checks(name: str, component: str, layer_count: int, rank: int) -> dict:
+    keys, metadata = _read(name)
+    assert keys and all(k.startswith(component + ".") for k in keys)
+    assert len(keys) == 2 * layer_count and not any(k.endswith(".alpha") for k in keys)
+    config = json.loads(metadata["lora_adapter_metadata"])
+    assert config[f"{component}.r"] == rank and config[f"{component}.lora_alpha"] == rank  # alpha folded in: scale 1
+    assert len(config[f"{component}.target_modules"]) == layer_count
+    assert metadata["headroom.format"] == "diffusers"
+    return config
+
+
+@pytest.mark.parametrize("family", ["sd15", "sd3", "flux"])
+def test_diffusers_file_is_the_same_lora_for_the_stock_loader(comfyui, family, caplog):
+    from headroom.nodes import lora_formats
+
+    model, clip, run, comfy_name, _ = _save_both(family, "lora")
+    diffusers_name = _save(run, f"{family}_lora_diffusers", "diffusers")
+    names = lora_formats.diffusers_names(model, run.adapters.layers, family)
+    layer_count = sum(len(layers) for layers in names.values())
+    component = "unet" if family == "sd15" else "transformer"
+    _diffusers_file_checks(diffusers_name, component, layer_count, 4)
+    keys, _ = _read(diffusers_name)
+    if family == "sd15":  # attention-processor names: the UNet names both ComfyUI and diffusers map
+        assert any(k.startswith("unet.down_blocks.") and ".attn1.processor.to_out_lora.up.weight" in k for k in keys)
+    else:  # PEFT names; the fused qkv weights are split into diffusers' separate layers
+        assert any(k.endswith("transformer_blocks.0.attn.to_q.lora_A.weight") for k in keys)
+        assert layer_count > len(run.adapters.layers)
+    print(f"{family}: {len(run.adapters.layers)} ComfyUI modules -> {layer_count} diffusers layers")
+
+    from_comfy, comfy_model = _stock_loader_weights(model, clip, comfy_name, caplog)
+    from_diffusers, diffusers_model = _stock_loader_weights(model, clip, diffusers_name, caplog)
+    assert set(diffusers_model.patches) == set(comfy_model.patches) and len(from_diffusers) == len(run.adapters.layers)
+    for key, weight in from_comfy.items():  # alpha == rank here: folding it in multiplies by nothing
+        assert torch.equal(weight, from_diffusers[key]), key
+    assert any(not torch.equal(w, model.model.state_dict()[k].float()) for k, w in from_comfy.items())
+
+
+def test_diffusers_format_refuses_other_kinds_naming_the_formats_that_carry_them(comfyui):
+    from headroom.nodes import train_lora as T
+
+    model, clip, vae, latents, texts = _data("sd15")
+    for kind in ("loha", "lokr", "dora"):
+        run = _init(model, latents, texts, f"formats_diffusers_{kind}", kind=kind, rank=4)
+        with pytest.raises(ValueError, match=rf"HeadroomSaveLora: kind {kind} cannot be saved in the diffusers "
+                                             r"format .*save it in the comfyui or kohya format"):
+            T.HeadroomSaveLora.execute(run, "formats", f"refused_{kind}", "fp32", "diffusers")
+        assert not any(f"refused_{kind}" in k for k in _lora_names())
+
+
+def _lora_names() -> list[str]:
+    import folder_paths
+
+    return folder_paths.get_filename_list("loras")
+
