@@ -107,15 +107,18 @@ def _diffusers_unet_of(model):
     return unet.eval()
 
 
-def test_kohya_sd15_file_loads_in_diffusers_and_gives_comfyuis_output(comfyui):
-    """diffusers' own kohya reader (`lora_state_dict` + `load_lora_adapter`) injects every layer of the file into a
-    diffusers UNet, and the result equals ComfyUI's stock-loader result on the same base weights."""
+@pytest.mark.parametrize("file_format", ["kohya", "diffusers"])
+def test_sd15_file_loads_in_diffusers_and_gives_comfyuis_output(comfyui, file_format, caplog):
+    """diffusers' own SD reader (`lora_state_dict` + `load_lora_into_unet`) injects every layer of the kohya /
+    diffusers file into a diffusers UNet, and the result equals ComfyUI's stock-loader result on the same base
+    weights."""
     import comfy.model_management
     import folder_paths
     import nodes
     from diffusers import StableDiffusionPipeline
 
     model, clip, run, _, kohya_name = _save_both("sd15", "lora")
+    name = kohya_name if file_format == "kohya" else _save(run, "sd15_lora_diffusers_output", "diffusers")
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(1, 4, 8, 8, generator=generator)
     t = torch.tensor([500.0])
@@ -124,16 +127,15 @@ def test_kohya_sd15_file_loads_in_diffusers_and_gives_comfyuis_output(comfyui):
     with torch.inference_mode(False), torch.no_grad():
         unet = _diffusers_unet_of(model)
         base_out = unet(x, t, encoder_hidden_states=context).sample
-        state, alphas = StableDiffusionPipeline.lora_state_dict(folder_paths.get_full_path_or_raise("loras", kohya_name))
-        unet.load_lora_adapter(state, network_alphas=alphas, prefix="unet", adapter_name="headroom")
-        lora_layers = [name for name, module in unet.named_modules() if hasattr(module, "lora_A") and module.lora_A]
+        lora_layers = _load_with_diffusers(unet, StableDiffusionPipeline, folder_paths.get_full_path_or_raise("loras", name),
+                                           caplog)
         diffusers_out = unet(x, t, encoder_hidden_states=context).sample
 
         comfy_base_out = model.model.diffusion_model(x, timesteps=t, context=context).float()
-        kohya_model, _ = nodes.LoraLoader().load_lora(model, clip, kohya_name, 1.0, 0.0)
-        comfy.model_management.load_models_gpu([kohya_model])  # as a sampler loads it: the patches applied
+        lora_model, _ = nodes.LoraLoader().load_lora(model, clip, name, 1.0, 0.0)
+        comfy.model_management.load_models_gpu([lora_model])  # as a sampler loads it: the patches applied
         try:
-            comfy_out = kohya_model.model.diffusion_model(x, timesteps=t, context=context).float()
+            comfy_out = lora_model.model.diffusion_model(x, timesteps=t, context=context).float()
         finally:
             comfy.model_management.unload_all_models()
 
@@ -141,7 +143,7 @@ def test_kohya_sd15_file_loads_in_diffusers_and_gives_comfyuis_output(comfyui):
     assert len(lora_layers) == len(run.adapters.layers)
     change = (diffusers_out - base_out).norm() / base_out.norm()
     difference = (diffusers_out - comfy_out).norm() / comfy_out.norm()
-    print(f"diffusers vs ComfyUI with the kohya file: relative L2 {difference:.2e} (LoRA effect {change:.2e})")
+    print(f"diffusers vs ComfyUI with the {file_format} file: relative L2 {difference:.2e} (LoRA effect {change:.2e})")
     assert change > 1e-3  # the LoRA does something ...
     assert difference < 1e-5  # ... and the same thing in both (fp32 throughout)
 
@@ -276,3 +278,239 @@ def _lora_names() -> list[str]:
 
     return folder_paths.get_filename_list("loras")
 
+
+
+# --- diffusers' own loader on diffusers models built from config (no download) --------------------------------
+def _diffusers_state_of(dmodel, comfy_state: dict[str, torch.Tensor], conversion: dict) -> dict[str, torch.Tensor]:
+    """The diffusers model's weights from a ComfyUI state dict through ComfyUI's conversion table ({diffusers
+    key: ComfyUI key | (key, (dim, offset, size)) | (key, None, function)}); every diffusers weight is found."""
+    own = dmodel.state_dict()
+    state = {}
+    for key, source in conversion.items():
+        if key not in own:  # the table also lists other tools' aliases (Flux 2, LyCORIS)
+            continue
+        if isinstance(source, str):
+            state[key] = comfy_state[source]
+        elif source[1] is None:
+            state[key] = source[2](comfy_state[source[0]])
+        else:
+            dim, offset, size = source[1]
+            state[key] = comfy_state[source[0]].narrow(dim, offset, size)
+    missing = sorted(set(own) - set(state))
+    assert not missing, missing
+    return {k: v.float() for k, v in state.items()}
+
+
+def _load_with_diffusers(dmodel, pipeline, path: str, caplog, **kwargs) -> dict[str, torch.nn.Module]:
+    """A file through the pipeline class's `lora_state_dict` and `load_lora_into_unet / _transformer`, as
+    `load_lora_weights` does. Neither diffusers (its log: unexpected / missing keys) nor peft (a RuntimeWarning:
+    state dict and config disagree) may report an unmatched key. Returns the injected LoRA layers."""
+    import warnings
+
+    import diffusers.utils.logging as diffusers_logging
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    caplog.clear()
+    diffusers_logging.enable_propagation()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if hasattr(pipeline, "load_lora_into_unet"):
+                state, alphas, metadata = pipeline.lora_state_dict(path, return_lora_metadata=True, **kwargs)
+                pipeline.load_lora_into_unet(state, alphas, dmodel, adapter_name="headroom", metadata=metadata)
+            else:
+                state, alphas, metadata = pipeline.lora_state_dict(path, return_alphas=True, return_lora_metadata=True)
+                pipeline.load_lora_into_transformer(state, alphas, dmodel, adapter_name="headroom", metadata=metadata)
+    finally:
+        diffusers_logging.disable_propagation()
+    unmatched = [r.getMessage() for r in caplog.records if r.name.startswith("diffusers")
+                 and r.levelname == "WARNING" and ("unexpected" in r.getMessage() or "missing" in r.getMessage())]
+    unmatched += [str(w.message) for w in caught if "inconsistency" in str(w.message) or "unexpected" in str(w.message)]
+    assert not unmatched, unmatched
+    return {name: module for name, module in dmodel.named_modules()
+            if isinstance(module, BaseTunerLayer) and "headroom" in getattr(module, "lora_A", {})}
+
+
+def _fused_against_comfy(dmodel, layers: dict, conversion: dict, comfy_weights: dict[str, torch.Tensor]) -> float:
+    """Fuse the LoRA into the diffusers model and compare each fused layer with ComfyUI's patched weight, mapped
+    through ComfyUI's conversion table; every patched ComfyUI weight must be covered. Returns the largest
+    difference relative to the weight's largest entry."""
+    dmodel.fuse_lora(lora_scale=1.0, adapter_names=["headroom"])
+    covered, worst = set(), 0.0
+    for name, module in layers.items():
+        source = conversion[name + ".weight"]
+        key = source if isinstance(source, str) else source[0]
+        key = key if key.startswith("diffusion_model.") else "diffusion_model." + key
+        expected = comfy_weights[key]
+        if not isinstance(source, str):
+            expected = expected.narrow(*source[1])
+        fused = module.get_base_layer().weight.detach()
+        worst = max(worst, ((fused - expected).abs().max() / expected.abs().max()).item())
+        # fp32 on both sides and the same operations (base + up @ down, alpha / rank 1): rounding order only.
+        torch.testing.assert_close(fused, expected, rtol=1e-6, atol=1e-6)
+        covered.add(key)
+    assert covered == set(comfy_weights)
+    return worst
+
+
+_UNET_SDXL = {  # SDXL's block layout (no attention at the first level, linear projections, label embedding), tiny
+    "use_checkpoint": False, "image_size": 32, "in_channels": 4, "out_channels": 4, "model_channels": 64,
+    "num_res_blocks": [2, 2, 2], "channel_mult": [1, 2, 2], "transformer_depth": [0, 0, 1, 1, 2, 2],
+    "transformer_depth_middle": 2, "transformer_depth_output": [0, 0, 0, 1, 1, 1, 2, 2, 2],
+    "use_spatial_transformer": True, "legacy": False, "num_classes": "sequential", "adm_in_channels": 32 + 6 * 8,
+    "context_dim": 32, "use_linear_in_transformer": True, "use_temporal_attention": False,
+    "use_temporal_resblock": False,
+}
+
+
+def _tiny_sdxl():
+    """A tiny SDXL MODEL through ComfyUI's own SDXL classes (the tiny-model node has no SDXL family)."""
+    import comfy.model_patcher
+    import comfy.supported_models
+    from headroom.nodes.tiny_models import init_weights_
+
+    config = comfy.supported_models.SDXL(dict(_UNET_SDXL))
+    config.set_inference_dtype(torch.float32, None)
+    model = config.get_model({}, "", device=torch.device("cpu"))
+    init_weights_(model.diffusion_model, 0)
+    return comfy.model_patcher.ModelPatcher(model, load_device=torch.device("cpu"), offload_device=torch.device("cpu"))
+
+
+def _diffusers_sdxl_unet(model):
+    """diffusers' UNet2DConditionModel in the tiny SDXL's shape, with its weights."""
+    import comfy.utils
+    from diffusers import UNet2DConditionModel
+
+    config = model.model.model_config.unet_config
+    heads = tuple(config["model_channels"] * m // config["num_head_channels"] for m in config["channel_mult"])
+    unet = UNet2DConditionModel(
+        in_channels=4, out_channels=4, block_out_channels=tuple(config["model_channels"] * m for m in config["channel_mult"]),
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"), layers_per_block=2,
+        transformer_layers_per_block=(1, 1, 2), attention_head_dim=heads, cross_attention_dim=config["context_dim"],
+        use_linear_projection=True, addition_embed_type="text_time", addition_time_embed_dim=8,
+        projection_class_embeddings_input_dim=config["adm_in_channels"])
+    conversion = comfy.utils.unet_to_diffusers(config)
+    unet.load_state_dict(_diffusers_state_of(unet, model.model.diffusion_model.state_dict(), conversion))
+    return unet.eval(), conversion
+
+
+def _write_lora(name: str, state: dict[str, torch.Tensor], metadata: dict[str, str]) -> str:
+    import folder_paths
+    from safetensors.torch import save_file
+
+    path = f"{folder_paths.get_folder_paths('loras')[0]}/formats/{name}.safetensors"
+    import os
+
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    save_file(state, path, metadata=metadata)
+    folder_paths.filename_list_cache.pop("loras", None)
+    return f"formats/{name}.safetensors"
+
+
+@pytest.mark.parametrize("alpha", [4.0, 3.0])
+def test_sdxl_files_are_the_same_lora_for_comfyui_and_diffusers(comfyui, alpha, caplog):
+    """SDXL (a tiny SDXL built here; no training node run: an adapter of random weights on the SDXL preset layers,
+    exported as the save node exports): comfyui / kohya / diffusers files give ComfyUI the same weights, and
+    diffusers' SDXL loader injects every layer of the kohya and diffusers files with the same fused weights."""
+    from diffusers import StableDiffusionXLPipeline
+    import folder_paths
+
+    from headroom.nodes import lora_formats
+    from headroom.training.adapters import AdapterConfig, AdapterSet, select_targets
+
+    model = _tiny_sdxl()
+    root = model.model.diffusion_model
+    adapter_config = AdapterConfig(kind="lora", rank=4, alpha=alpha)
+    paths = select_targets(root, "sdxl", adapter_config, [])
+    adapters = AdapterSet(root, paths, adapter_config)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for layer in adapters.layers.values():  # peft starts up at zero: give it an effect
+            layer.lora_B["default"].weight.copy_(torch.randn(layer.lora_B["default"].weight.shape, generator=generator) * 0.1)
+    state = adapters.comfy_state_dict()
+    tag = f"sdxl_alpha{alpha:g}"
+    comfy_name = _write_lora(f"{tag}_comfyui", state, {})
+    kohya_name = _write_lora(f"{tag}_kohya", lora_formats.to_kohya(state, lora_formats.kohya_names(model, paths, "sdxl")), {})
+    names = lora_formats.diffusers_names(model, paths, "sdxl")
+    diffusers_state, config = lora_formats.to_diffusers(state, names, "sdxl", torch.float32)
+    diffusers_name = _write_lora(f"{tag}_diffusers", diffusers_state, lora_formats.diffusers_metadata(config))
+    layer_count = sum(len(layers) for layers in names.values())
+    assert layer_count == len(paths)  # SDXL's UNet has no fused weights
+    keys, _ = _read(diffusers_name)
+    assert any(k.startswith("unet.down_blocks.1.attentions.0.transformer_blocks.0.attn1.processor.to_q_lora.") for k in keys)
+
+    from_comfy, _ = _stock_loader_weights(model, None, comfy_name, caplog)
+    from_kohya, _ = _stock_loader_weights(model, None, kohya_name, caplog)
+    from_diffusers, _ = _stock_loader_weights(model, None, diffusers_name, caplog)
+    assert set(from_comfy) == set(from_kohya) == set(from_diffusers) and len(from_comfy) == len(paths)
+    for key, weight in from_comfy.items():
+        assert torch.equal(weight, from_kohya[key]), key
+        if alpha == adapter_config.rank:
+            assert torch.equal(weight, from_diffusers[key]), key
+        else:  # alpha / rank folded into up before the product instead of after it: rounding only
+            torch.testing.assert_close(from_diffusers[key], weight, rtol=1e-6, atol=1e-7)
+
+    worst = {}
+    for file_format, name in (("kohya", kohya_name), ("diffusers", diffusers_name)):
+        with torch.inference_mode(False), torch.no_grad():
+            unet, conversion = _diffusers_sdxl_unet(model)
+            layers = _load_with_diffusers(unet, StableDiffusionXLPipeline, folder_paths.get_full_path_or_raise("loras", name),
+                                          caplog, unet_config=unet.config)
+            assert len(layers) == layer_count, (file_format, len(layers), layer_count)
+            worst[file_format] = _fused_against_comfy(unet, layers, conversion, from_comfy)
+    print(f"sdxl alpha {alpha:g}: {layer_count} layers; diffusers fused vs ComfyUI, max relative difference {worst}")
+
+
+def _diffusers_flux_transformer(model):
+    """diffusers' FluxTransformer2DModel in the tiny Flux's shape, with its weights."""
+    import comfy.utils
+    from diffusers import FluxTransformer2DModel
+
+    config = model.model.model_config.unet_config
+    transformer = FluxTransformer2DModel(
+        patch_size=1, in_channels=config["in_channels"] * config["patch_size"] ** 2, num_layers=config["depth"],
+        num_single_layers=config["depth_single_blocks"], attention_head_dim=config["hidden_size"] // config["num_heads"],
+        num_attention_heads=config["num_heads"], joint_attention_dim=config["context_in_dim"],
+        pooled_projection_dim=config["vec_in_dim"], guidance_embeds=config["guidance_embed"],
+        axes_dims_rope=tuple(config["axes_dim"]))
+    conversion = comfy.utils.flux_to_diffusers(config, output_prefix="diffusion_model.")
+    transformer.load_state_dict(_diffusers_state_of(transformer, model.model.state_dict(), conversion))
+    return transformer.eval(), conversion
+
+
+def test_flux_files_load_in_diffusers_with_comfyuis_weights(comfyui, caplog):
+    """Flux: diffusers' Flux loader injects every layer of the diffusers file (fused qkv / linear1 as diffusers'
+    separate to_q / to_k / to_v / proj_mlp layers) and of the kohya file into a FluxTransformer2DModel carrying the
+    tiny Flux's weights, and the fused weights are ComfyUI's stock-loader weights.
+
+    diffusers' kohya-Flux converter splits a single block's linear1 at Flux.1's fixed widths (3072 x 3 + 12288),
+    so for the tiny Flux (width 128) only the kohya file's double-block layers can go through it: those are
+    checked (its single blocks are the same code path as the comfyui file's, checked by the stock-loader test)."""
+    import folder_paths
+    from diffusers import FluxPipeline
+    from safetensors.torch import load_file
+
+    from headroom.nodes import lora_formats
+
+    model, clip, run, comfy_name, kohya_name = _save_both("flux", "lora")
+    diffusers_name = _save(run, "flux_lora_diffusers_loader", "diffusers")
+    names = lora_formats.diffusers_names(model, run.adapters.layers, "flux")
+    from_comfy, _ = _stock_loader_weights(model, clip, comfy_name, caplog)
+    kohya_state = load_file(folder_paths.get_full_path_or_raise("loras", kohya_name))
+    kohya_double = _write_lora("flux_lora_kohya_double_blocks",
+                               {k: v for k, v in kohya_state.items() if k.startswith("lora_unet_double_blocks_")}, {})
+    double = [p for p in names if p.startswith("double_blocks.")]
+    cases = (("diffusers", diffusers_name, list(names)), ("kohya double blocks", kohya_double, double))
+    worst, counts = {}, {}
+    for file_format, name, paths in cases:
+        expected_layers = sum(len(names[p]) for p in paths)
+        expected_weights = {f"diffusion_model.{p}.weight": from_comfy[f"diffusion_model.{p}.weight"] for p in paths}
+        with torch.inference_mode(False), torch.no_grad():
+            transformer, conversion = _diffusers_flux_transformer(model)
+            layers = _load_with_diffusers(transformer, FluxPipeline, folder_paths.get_full_path_or_raise("loras", name), caplog)
+            assert len(layers) == expected_layers, (file_format, len(layers), expected_layers)
+            worst[file_format] = _fused_against_comfy(transformer, layers, conversion, expected_weights)
+        counts[file_format] = expected_layers
+    print(f"flux: {len(run.adapters.layers)} ComfyUI modules, diffusers layers {counts}; fused vs ComfyUI, "
+          f"max relative difference {worst}")
