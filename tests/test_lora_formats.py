@@ -305,6 +305,7 @@ def _load_with_diffusers(dmodel, pipeline, path: str, caplog, **kwargs) -> dict[
     """A file through the pipeline class's `lora_state_dict` and `load_lora_into_unet / _transformer`, as
     `load_lora_weights` does. Neither diffusers (its log: unexpected / missing keys) nor peft (a RuntimeWarning:
     state dict and config disagree) may report an unmatched key. Returns the injected LoRA layers."""
+    import inspect
     import warnings
 
     import diffusers.utils.logging as diffusers_logging
@@ -318,9 +319,12 @@ def _load_with_diffusers(dmodel, pipeline, path: str, caplog, **kwargs) -> dict[
             if hasattr(pipeline, "load_lora_into_unet"):
                 state, alphas, metadata = pipeline.lora_state_dict(path, return_lora_metadata=True, **kwargs)
                 pipeline.load_lora_into_unet(state, alphas, dmodel, adapter_name="headroom", metadata=metadata)
-            else:
+            elif "network_alphas" in inspect.signature(pipeline.load_lora_into_transformer).parameters:  # Flux
                 state, alphas, metadata = pipeline.lora_state_dict(path, return_alphas=True, return_lora_metadata=True)
                 pipeline.load_lora_into_transformer(state, alphas, dmodel, adapter_name="headroom", metadata=metadata)
+            else:  # SD3: no alphas in its API
+                state, metadata = pipeline.lora_state_dict(path, return_lora_metadata=True)
+                pipeline.load_lora_into_transformer(state, dmodel, adapter_name="headroom", metadata=metadata)
     finally:
         diffusers_logging.disable_propagation()
     unmatched = [r.getMessage() for r in caplog.records if r.name.startswith("diffusers")
@@ -513,4 +517,45 @@ def test_flux_files_load_in_diffusers_with_comfyuis_weights(comfyui, caplog):
             worst[file_format] = _fused_against_comfy(transformer, layers, conversion, expected_weights)
         counts[file_format] = expected_layers
     print(f"flux: {len(run.adapters.layers)} ComfyUI modules, diffusers layers {counts}; fused vs ComfyUI, "
+          f"max relative difference {worst}")
+
+
+def _diffusers_sd3_transformer(model):
+    """diffusers' SD3Transformer2DModel in the tiny SD3's shape, with its weights."""
+    import comfy.utils
+    from diffusers import SD3Transformer2DModel
+
+    config = model.model.model_config.unet_config
+    hidden = 64 * config["depth"]  # MMDiT's width is 64 per block of depth, one 64-wide head per block
+    transformer = SD3Transformer2DModel(
+        sample_size=config["pos_embed_max_size"], patch_size=config["patch_size"], in_channels=config["in_channels"],
+        num_layers=config["depth"], attention_head_dim=64, num_attention_heads=config["depth"],
+        joint_attention_dim=config["context_embedder_config"]["params"]["in_features"], caption_projection_dim=hidden,
+        pooled_projection_dim=config["adm_in_channels"], out_channels=config["out_channels"],
+        pos_embed_max_size=config["pos_embed_max_size"])
+    conversion = comfy.utils.mmdit_to_diffusers(config, output_prefix="diffusion_model.")
+    transformer.load_state_dict(_diffusers_state_of(transformer, model.model.state_dict(), conversion))
+    return transformer.eval(), conversion
+
+
+def test_sd3_diffusers_file_loads_in_diffusers_with_comfyuis_weights(comfyui, caplog):
+    """SD3: diffusers' SD3 loader injects every layer of the diffusers file (the fused qkv of both streams as
+    diffusers' to_q / to_k / to_v and add_q_proj / add_k_proj / add_v_proj) into an SD3Transformer2DModel carrying
+    the tiny SD3's weights, with ComfyUI's stock-loader weights. (diffusers' SD3 reader converts no kohya names.)"""
+    import folder_paths
+    from diffusers import StableDiffusion3Pipeline
+
+    from headroom.nodes import lora_formats
+
+    model, clip, run, comfy_name, _ = _save_both("sd3", "lora")
+    diffusers_name = _save(run, "sd3_lora_diffusers_loader", "diffusers")
+    layer_count = sum(len(v) for v in lora_formats.diffusers_names(model, run.adapters.layers, "sd3").values())
+    from_comfy, _ = _stock_loader_weights(model, clip, comfy_name, caplog)
+    with torch.inference_mode(False), torch.no_grad():
+        transformer, conversion = _diffusers_sd3_transformer(model)
+        layers = _load_with_diffusers(transformer, StableDiffusion3Pipeline,
+                                      folder_paths.get_full_path_or_raise("loras", diffusers_name), caplog)
+        assert len(layers) == layer_count
+        worst = _fused_against_comfy(transformer, layers, conversion, from_comfy)
+    print(f"sd3: {len(run.adapters.layers)} ComfyUI modules, {layer_count} diffusers layers; fused vs ComfyUI, "
           f"max relative difference {worst}")
