@@ -247,6 +247,21 @@ def kohya_metadata(family: str | None, kind: str, rank: int, alpha: float, steps
 _TEXT_ENCODER_PREFIXES = ("lora_te", "text_encoder", "lora_clip", "te1_", "te2_")
 
 
+def _join_rows(module: str, pieces, model, source: str) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """One LoRA layer on a fused weight from diffusers layers holding row ranges of it (what the diffusers format
+    writes: one down weight, the up rows split), each piece's alpha / rank folded into its rows of up."""
+    rows = model.model.state_dict()[f"diffusion_model.{module}.weight"].shape[0]
+    offsets = [sum(p[1] for p in pieces[:i]) for i in range(len(pieces))]
+    if [p[0] for p in pieces] != offsets or sum(p[1] for p in pieces) != rows:
+        raise ValueError(f"{source}: the layers it holds for {module} do not cover that weight; it cannot be continued")
+    down = pieces[0][2]
+    if any(not torch.equal(p[2], down) for p in pieces):
+        raise ValueError(f"{source}: its separate layers for {module} (e.g. diffusers' to_q / to_k / to_v) have "
+                         "different down weights, which one LoRA layer on ComfyUI's fused weight cannot hold; "
+                         "it cannot be continued")
+    return down, torch.cat([p[3] * p[4] if p[4] != 1.0 else p[3] for p in pieces]), 1.0
+
+
 def read_lora_file(model, name: str) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:
     """{module path: (down, up, alpha / rank)} of a LoRA file under models/loras/, read the way the stock loader
     reads it (ComfyUI's format conversion and key map: ComfyUI, kohya, diffusers / PEFT names all work)."""
@@ -258,16 +273,25 @@ def read_lora_file(model, name: str) -> dict[str, tuple[torch.Tensor, torch.Tens
     loaded = comfy.lora.load_lora(state, comfy.lora.model_lora_keys_unet(model.model, {}), log_missing=False)
     used = set()
     out: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = {}
-    for weight_key, adapter in loaded.items():
+    parts: dict[str, list[tuple[int, int, torch.Tensor, torch.Tensor, float]]] = {}
+    for target, adapter in loaded.items():
         used |= set(getattr(adapter, "loaded_keys", ()))
-        if getattr(adapter, "name", None) != "lora" or not isinstance(weight_key, str):
+        weight_key = target if isinstance(target, str) else target[0]
+        part = None if isinstance(target, str) else target[1:]
+        if getattr(adapter, "name", None) != "lora" or (part is not None and (len(part) != 1 or part[0][0] != 0)):
             raise ValueError(f"{source}: {weight_key} holds a {getattr(adapter, 'name', type(adapter).__name__)} "
                              "update; only plain LoRA files (up / down / alpha) can be continued")
         up, down, alpha, mid, dora_scale, _ = adapter.weights
         if mid is not None or dora_scale is not None:
             raise ValueError(f"{source}: {weight_key} is a LoCon-mid / DoRA layer; only plain LoRA files can be continued")
+        scale = (alpha / down.shape[0]) if alpha is not None else 1.0
         module = weight_key[len("diffusion_model."):-len(".weight")]
-        out[module] = (down, up, (alpha / down.shape[0]) if alpha is not None else 1.0)
+        if part is None:
+            out[module] = (down, up, scale)
+        else:  # a diffusers layer that is rows of a fused ComfyUI weight (q / k / v of qkv)
+            parts.setdefault(module, []).append((part[0][1], part[0][2], down, up, scale))
+    for module, pieces in parts.items():
+        out[module] = _join_rows(module, sorted(pieces, key=lambda p: p[0]), model, source)
     unmapped = [k for k in state if k not in used and not k.endswith(".alpha")
                 and not k.startswith(_TEXT_ENCODER_PREFIXES)]
     if unmapped or not out:

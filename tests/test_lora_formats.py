@@ -162,18 +162,23 @@ def _init_from(model, latents, texts, run_name, init_lora, kind="lora", rank=4, 
             noise_offset=0.0, gradient_checkpointing=False, checkpoint_depth=1, holdout=0).args[0]
 
 
-@pytest.mark.parametrize("file_format", ["comfyui", "kohya"])
-def test_a_saved_lora_continues_exactly_where_the_file_was(comfyui, file_format):
+@pytest.mark.parametrize("family,file_format", [("sd15", "comfyui"), ("sd15", "kohya"), ("sd15", "diffusers"),
+                                                ("flux", "diffusers")])
+def test_a_saved_lora_continues_exactly_where_the_file_was(comfyui, family, file_format):
+    """(flux / diffusers: the split q / k / v / mlp layers are joined back into ComfyUI's fused weights.)"""
     import nodes
     from headroom.nodes import train_lora as T
 
-    model, clip, first, comfy_name, kohya_name = _save_both("sd15", "lora")
-    _, _, _, latents, texts = _data("sd15")
-    name = comfy_name if file_format == "comfyui" else kohya_name
-    continued = _init_from(model, latents, texts, f"continued_{file_format}", name)
+    model, clip, first, comfy_name, kohya_name = _save_both(family, "lora")
+    _, _, _, latents, texts = _data(family)
+    name = {"comfyui": comfy_name, "kohya": kohya_name}.get(file_format)
+    if file_format == "diffusers":
+        name = _save(first, f"{family}_lora_diffusers_continue", "diffusers")
+    tag = f"{family}_{file_format}"
+    continued = _init_from(model, latents, texts, f"continued_{tag}", name)
     assert continued.step == 0 and not continued.resumed
     with torch.inference_mode():
-        at_start = T.HeadroomSaveLora.execute(continued, "formats", f"continued_{file_format}_step0", "fp32").args[0]
+        at_start = T.HeadroomSaveLora.execute(continued, "formats", f"continued_{tag}_step0", "fp32").args[0]
         original, _ = nodes.LoraLoader().load_lora(model, clip, name, 1.0, 0.0)
         restarted, _ = nodes.LoraLoader().load_lora(model, clip, at_start, 1.0, 0.0)
         expected, got = _patched_weights(original), _patched_weights(restarted)
@@ -559,3 +564,19 @@ def test_sd3_diffusers_file_loads_in_diffusers_with_comfyuis_weights(comfyui, ca
         worst = _fused_against_comfy(transformer, layers, conversion, from_comfy)
     print(f"sd3: {len(run.adapters.layers)} ComfyUI modules, {layer_count} diffusers layers; fused vs ComfyUI, "
           f"max relative difference {worst}")
+
+
+def test_continuing_a_diffusers_file_with_separate_qkv_adapters_is_refused(comfyui):
+    """A Flux file trained in diffusers on to_q / to_k / to_v separately (own down weights) is one rank-r LoRA per
+    projection, which no rank-r LoRA on ComfyUI's fused qkv holds: refused, saying why."""
+    import folder_paths
+    from safetensors.torch import load_file
+
+    model, _, run, _, _ = _save_both("flux", "lora")
+    _, _, _, latents, texts = _data("flux")
+    state = load_file(folder_paths.get_full_path_or_raise("loras", _save(run, "flux_lora_diffusers_qkv", "diffusers")))
+    key = "transformer.transformer_blocks.0.attn.to_k.lora_A.weight"
+    state[key] = state[key] + 0.01
+    name = _write_lora("flux_lora_diffusers_separate_qkv", state, {})
+    with pytest.raises(ValueError, match=r"double_blocks\.0\.img_attn\.qkv .*different down weights"):
+        _init_from(model, latents, texts, "continue_separate_qkv", name)
