@@ -114,14 +114,17 @@ def check_diffusers_kind(kind: str) -> None:
                          "plain LoRA); save it in the comfyui or kohya format")
 
 
-def diffusers_names(model, module_paths, family: str | None) -> dict[str, list[tuple[str, tuple[int, int] | None]]]:
-    """{module path inside the diffusion model: [(diffusers layer name, (first row, row count) or None)]}.
+def diffusers_names(model, module_paths, family: str | None) -> dict[str, list[tuple[str, torch.Tensor | None]]]:
+    """{module path inside the diffusion model: [(diffusers layer name, rows)]}: the diffusers layer's up weight
+    is the ComfyUI up weight's `rows` (an index tensor; None: all, in order).
 
     From ComfyUI's key map, the `unet.` / `transformer.` names of each module's weight: where diffusers keeps
     separate layers for parts of one ComfyUI weight (tuple entries `(key, (dim, offset, size))`), those parts,
     when they tile the weight's rows; else the first whole-weight name ComfyUI lists (comfy.utils' conversion
     tables list diffusers' own name first, aliases of other tools after it: LyCORIS `ff.linear_in`, Flux 2's
-    `attn.to_out` / `attn.to_qkv_mlp_proj`).
+    `attn.to_out` / `attn.to_qkv_mlp_proj`); else a whole-weight name whose entry carries a function
+    (`(key, None, function)`: ComfyUI adds function(diffusers delta)), when that function is a row permutation
+    (SD3's last context modulation, `swap_scale_shift`), checked on the weight itself.
     """
     component = DIFFUSERS_COMPONENT.get(family or "")
     if component is None:
@@ -131,25 +134,35 @@ def diffusers_names(model, module_paths, family: str | None) -> dict[str, list[t
     state = model.model.state_dict()
     whole: dict[str, list[str]] = {}
     parts: dict[str, list[tuple[str, tuple[int, int, int]]]] = {}
+    permuted: dict[str, list[tuple[str, object]]] = {}
     for name, target in key_map.items():
         if not name.startswith(component + "."):
             continue
         if isinstance(target, str):
             whole.setdefault(target, []).append(name)
-        elif len(target) == 2:  # (key, (dim, offset, size)); a third item would be a function, not a slice
+        elif len(target) == 2:  # (key, (dim, offset, size))
             parts.setdefault(target[0], []).append((name, tuple(target[1])))
-    names: dict[str, list[tuple[str, tuple[int, int] | None]]] = {}
+        elif len(target) == 3 and target[1] is None:  # (key, None, function)
+            permuted.setdefault(target[0], []).append((name, target[2]))
+    names: dict[str, list[tuple[str, torch.Tensor | None]]] = {}
     for path in module_paths:
         weight_key = f"diffusion_model.{path}.weight"
-        rows = state[weight_key].shape[0] if weight_key in state else None
+        weight = state.get(weight_key)
         split = sorted(parts.get(weight_key, []), key=lambda item: item[1][1])
-        tiles = (rows is not None and split and all(dim == 0 for _, (dim, _, _) in split)
-                 and [offset for _, (_, offset, _) in split] == [sum(s for _, (_, _, s) in split[:i]) for i in range(len(split))]
-                 and sum(size for _, (_, _, size) in split) == rows)
-        if tiles:
-            names[path] = [(name, (offset, size)) for name, (_, offset, size) in split]
+        offsets = [sum(size for _, (_, _, size) in split[:i]) for i in range(len(split))]
+        if (weight is not None and split and all(dim == 0 for _, (dim, _, _) in split)
+                and [offset for _, (_, offset, _) in split] == offsets
+                and sum(size for _, (_, _, size) in split) == weight.shape[0]):
+            names[path] = [(name, torch.arange(offset, offset + size)) for name, (_, offset, size) in split]
         elif whole.get(weight_key):
             names[path] = [(whole[weight_key][0], None)]
+        elif weight is not None and permuted.get(weight_key):
+            name, function = permuted[weight_key][0]
+            rows = _row_permutation(function, weight)
+            if rows is None:
+                raise ValueError(f"module {path}: ComfyUI maps diffusers' {name} to it through a function that is not "
+                                 "a reordering of rows; save in the comfyui or kohya format")
+            names[path] = [(name, rows)]
         else:
             raise ValueError(f"module {path} has no diffusers name in ComfyUI's LoRA key map; save in the comfyui "
                              "or kohya format")
@@ -160,6 +173,24 @@ def diffusers_names(model, module_paths, family: str | None) -> dict[str, list[t
                 raise ValueError(f"modules {taken[name]} and {path} both map to diffusers name {name}")
             taken[name] = path
     return names
+
+
+def _row_permutation(function, weight: torch.Tensor) -> torch.Tensor | None:
+    """For `ComfyUI weight = function(diffusers weight)` a row permutation: the ComfyUI rows the diffusers
+    weight's rows are (diffusers = comfy[result]), or None when the function is not that on this weight."""
+    count = weight.shape[0]
+    try:
+        order = function(torch.arange(count, dtype=torch.float64).reshape(count, 1)).reshape(-1).round().long()
+    except Exception:  # noqa: BLE001 - any failure means: not a row reordering
+        return None
+    if order.shape != (count,) or not torch.equal(order.sort().values, torch.arange(count)):
+        return None
+    rows = torch.argsort(order)  # comfy[i] = diffusers[order[i]]  =>  diffusers = comfy[argsort(order)]
+    with torch.no_grad():
+        diffusers_weight = weight.detach().float()[rows]
+        if not torch.equal(function(diffusers_weight), weight.detach().float()):
+            return None
+    return rows
 
 
 def _diffusers_module(name: str, component: str) -> tuple[str, str, str]:
@@ -179,7 +210,7 @@ def _diffusers_module(name: str, component: str) -> tuple[str, str, str]:
     return path, ".lora_A.weight", ".lora_B.weight"
 
 
-def to_diffusers(state: dict[str, torch.Tensor], names: dict[str, list[tuple[str, tuple[int, int] | None]]],
+def to_diffusers(state: dict[str, torch.Tensor], names: dict[str, list[tuple[str, torch.Tensor | None]]],
                  family: str, dtype: torch.dtype, prefix: str = "diffusion_model.") -> tuple[dict[str, torch.Tensor], dict]:
     """A ComfyUI-format plain-LoRA state dict (fp32) as diffusers names, alpha / rank folded into the up weights
     (each split part gets its rows of up, the whole down); also the PEFT LoraConfig fields of the file."""
@@ -198,7 +229,7 @@ def to_diffusers(state: dict[str, torch.Tensor], names: dict[str, list[tuple[str
             up = up * (float(alpha) / rank)
         for name, rows in layers:
             module, down_suffix, up_suffix = _diffusers_module(name, component)
-            part = up if rows is None else up[rows[0]: rows[0] + rows[1]]
+            part = up if rows is None else up[rows]
             out[name + down_suffix] = down.to(dtype).contiguous()
             out[name + up_suffix] = part.to(dtype).contiguous()
             targets.append(module)
@@ -277,8 +308,9 @@ def read_lora_file(model, name: str) -> dict[str, tuple[torch.Tensor, torch.Tens
     for target, adapter in loaded.items():
         used |= set(getattr(adapter, "loaded_keys", ()))
         weight_key = target if isinstance(target, str) else target[0]
-        part = None if isinstance(target, str) else target[1:]
-        if getattr(adapter, "name", None) != "lora" or (part is not None and (len(part) != 1 or part[0][0] != 0)):
+        part = None if isinstance(target, str) else target[1:]  # ((dim, offset, size),) or (None, function)
+        rows_part = part is not None and part[0] is not None
+        if getattr(adapter, "name", None) != "lora" or (rows_part and (len(part) != 1 or part[0][0] != 0)):
             raise ValueError(f"{source}: {weight_key} holds a {getattr(adapter, 'name', type(adapter).__name__)} "
                              "update; only plain LoRA files (up / down / alpha) can be continued")
         up, down, alpha, mid, dora_scale, _ = adapter.weights
@@ -286,7 +318,12 @@ def read_lora_file(model, name: str) -> dict[str, tuple[torch.Tensor, torch.Tens
             raise ValueError(f"{source}: {weight_key} is a LoCon-mid / DoRA layer; only plain LoRA files can be continued")
         scale = (alpha / down.shape[0]) if alpha is not None else 1.0
         module = weight_key[len("diffusion_model."):-len(".weight")]
-        if part is None:
+        if part is not None and not rows_part:  # ComfyUI adds function(delta): a row permutation moves up's rows
+            if _row_permutation(part[1], model.model.state_dict()[weight_key]) is None:
+                raise ValueError(f"{source}: {weight_key} is patched through a function that is not a reordering of "
+                                 "rows; it cannot be continued")
+            out[module] = (down, part[1](up.float()), scale)
+        elif part is None:
             out[module] = (down, up, scale)
         else:  # a diffusers layer that is rows of a fused ComfyUI weight (q / k / v of qkv)
             parts.setdefault(module, []).append((part[0][1], part[0][2], down, up, scale))

@@ -13,16 +13,17 @@ from test_train_lora_nodes import _data, _init, one_thread  # noqa: F401  (one_t
 pytestmark = pytest.mark.comfyui
 
 
-def _save_both(family: str, kind: str):
+def _save_both(family: str, kind: str, **targets):
     """Train 2 steps, save the same adapter in both formats: (model, clip, run, comfyui name, kohya name)."""
     from headroom.nodes import train_lora as T
 
     model, clip, vae, latents, texts = _data(family)
-    run = _init(model, latents, texts, f"formats_{family}_{kind}", kind=kind, rank=4, lr=2e-2)
+    tag = "_".join([family, kind, *(f"{k}{v}" for k, v in targets.items())])
+    run = _init(model, latents, texts, f"formats_{tag}", kind=kind, rank=4, lr=2e-2, **targets)
     with torch.inference_mode():
         T.HeadroomTrainSteps.execute(run, 2)
-        comfy_name = T.HeadroomSaveLora.execute(run, "formats", f"{family}_{kind}_comfyui", "fp32").args[0]
-        kohya_name = T.HeadroomSaveLora.execute(run, "formats", f"{family}_{kind}_kohya", "fp32", "kohya").args[0]
+        comfy_name = T.HeadroomSaveLora.execute(run, "formats", f"{tag}_comfyui", "fp32").args[0]
+        kohya_name = T.HeadroomSaveLora.execute(run, "formats", f"{tag}_kohya", "fp32", "kohya").args[0]
     return model, clip, run, comfy_name, kohya_name
 
 
@@ -148,12 +149,12 @@ def test_sd15_file_loads_in_diffusers_and_gives_comfyuis_output(comfyui, file_fo
     assert difference < 1e-5  # ... and the same thing in both (fp32 throughout)
 
 
-def _init_from(model, latents, texts, run_name, init_lora, kind="lora", rank=4, alpha=2.0):
+def _init_from(model, latents, texts, run_name, init_lora, kind="lora", rank=4, alpha=2.0, targets="preset"):
     """A LoRA run whose LoRA config starts from `init_lora` (alpha 2 on purpose: the file's is 4)."""
     from headroom.nodes import train_lora as T
 
     with torch.inference_mode():
-        lora = T.HeadroomLoraConfig.execute(kind, rank, alpha, "preset", False, 0.0, 0, init_lora).args[0]
+        lora = T.HeadroomLoraConfig.execute(kind, rank, alpha, targets, False, 0.0, 0, init_lora).args[0]
         opt = T.HeadroomOptimizerConfig.execute("AdamW", 1e-2, 0.0, "constant", 0, 1000).args[0]
         return T.HeadroomTrainLoraInit.execute(
             model=model, latent_cache=latents, text_cache=texts, lora_config=lora, optimizer_config=opt,
@@ -162,20 +163,22 @@ def _init_from(model, latents, texts, run_name, init_lora, kind="lora", rank=4, 
             noise_offset=0.0, gradient_checkpointing=False, checkpoint_depth=1, holdout=0).args[0]
 
 
-@pytest.mark.parametrize("family,file_format", [("sd15", "comfyui"), ("sd15", "kohya"), ("sd15", "diffusers"),
-                                                ("flux", "diffusers")])
-def test_a_saved_lora_continues_exactly_where_the_file_was(comfyui, family, file_format):
-    """(flux / diffusers: the split q / k / v / mlp layers are joined back into ComfyUI's fused weights.)"""
+@pytest.mark.parametrize("family,file_format,targets", [
+    ("sd15", "comfyui", "preset"), ("sd15", "kohya", "preset"), ("sd15", "diffusers", "preset"),
+    ("flux", "diffusers", "preset"), ("sd3", "diffusers", "all_linear")])
+def test_a_saved_lora_continues_exactly_where_the_file_was(comfyui, family, file_format, targets):
+    """(diffusers: the split q / k / v / mlp layers of Flux / SD3 are joined back into ComfyUI's fused weights, and
+    SD3's last context modulation, stored in diffusers' row order, is put back in ComfyUI's.)"""
     import nodes
     from headroom.nodes import train_lora as T
 
-    model, clip, first, comfy_name, kohya_name = _save_both(family, "lora")
+    model, clip, first, comfy_name, kohya_name = _save_both(family, "lora", **({} if targets == "preset" else {"targets": targets}))
     _, _, _, latents, texts = _data(family)
     name = {"comfyui": comfy_name, "kohya": kohya_name}.get(file_format)
     if file_format == "diffusers":
-        name = _save(first, f"{family}_lora_diffusers_continue", "diffusers")
-    tag = f"{family}_{file_format}"
-    continued = _init_from(model, latents, texts, f"continued_{tag}", name)
+        name = _save(first, f"{family}_lora_diffusers_continue_{targets}", "diffusers")
+    tag = f"{family}_{file_format}_{targets}"
+    continued = _init_from(model, latents, texts, f"continued_{tag}", name, targets=targets)
     assert continued.step == 0 and not continued.resumed
     with torch.inference_mode():
         at_start = T.HeadroomSaveLora.execute(continued, "formats", f"continued_{tag}_step0", "fp32").args[0]
@@ -240,12 +243,14 @@ def _diffusers_file_checks(name: str, component: str, layer_count: int, rank: in
     return config
 
 
-@pytest.mark.parametrize("family", ["sd15", "sd3", "flux"])
-def test_diffusers_file_is_the_same_lora_for_the_stock_loader(comfyui, family, caplog):
+@pytest.mark.parametrize("family,targets", [("sd15", {}), ("sd3", {}), ("flux", {}),
+                                            ("sd15", {"targets": "all_linear", "include_conv": True}),
+                                            ("sd3", {"targets": "all_linear"}), ("flux", {"targets": "all_linear"})])
+def test_diffusers_file_is_the_same_lora_for_the_stock_loader(comfyui, family, targets, caplog):
     from headroom.nodes import lora_formats
 
-    model, clip, run, comfy_name, _ = _save_both(family, "lora")
-    diffusers_name = _save(run, f"{family}_lora_diffusers", "diffusers")
+    model, clip, run, comfy_name, _ = _save_both(family, "lora", **targets)
+    diffusers_name = _save(run, f"{family}_lora_diffusers_{len(run.adapters.layers)}", "diffusers")
     names = lora_formats.diffusers_names(model, run.adapters.layers, family)
     layer_count = sum(len(layers) for layers in names.values())
     component = "unet" if family == "sd15" else "transformer"
@@ -351,9 +356,11 @@ def _fused_against_comfy(dmodel, layers: dict, conversion: dict, comfy_weights: 
         key = source if isinstance(source, str) else source[0]
         key = key if key.startswith("diffusion_model.") else "diffusion_model." + key
         expected = comfy_weights[key]
-        if not isinstance(source, str):
-            expected = expected.narrow(*source[1])
         fused = module.get_base_layer().weight.detach()
+        if not isinstance(source, str) and source[1] is not None:
+            expected = expected.narrow(*source[1])
+        elif not isinstance(source, str):  # ComfyUI's weight is function(diffusers' weight)
+            fused = source[2](fused)
         worst = max(worst, ((fused - expected).abs().max() / expected.abs().max()).item())
         # fp32 on both sides and the same operations (base + up @ down, alpha / rank 1): rounding order only.
         torch.testing.assert_close(fused, expected, rtol=1e-6, atol=1e-6)
@@ -543,17 +550,19 @@ def _diffusers_sd3_transformer(model):
     return transformer.eval(), conversion
 
 
-def test_sd3_diffusers_file_loads_in_diffusers_with_comfyuis_weights(comfyui, caplog):
+@pytest.mark.parametrize("targets", ["preset", "all_linear"])
+def test_sd3_diffusers_file_loads_in_diffusers_with_comfyuis_weights(comfyui, targets, caplog):
     """SD3: diffusers' SD3 loader injects every layer of the diffusers file (the fused qkv of both streams as
     diffusers' to_q / to_k / to_v and add_q_proj / add_k_proj / add_v_proj) into an SD3Transformer2DModel carrying
-    the tiny SD3's weights, with ComfyUI's stock-loader weights. (diffusers' SD3 reader converts no kohya names.)"""
+    the tiny SD3's weights, with ComfyUI's stock-loader weights; all_linear adds the modulation layers, the last
+    context one through ComfyUI's swap_scale_shift. (diffusers' SD3 reader converts no kohya names.)"""
     import folder_paths
     from diffusers import StableDiffusion3Pipeline
 
     from headroom.nodes import lora_formats
 
-    model, clip, run, comfy_name, _ = _save_both("sd3", "lora")
-    diffusers_name = _save(run, "sd3_lora_diffusers_loader", "diffusers")
+    model, clip, run, comfy_name, _ = _save_both("sd3", "lora", **({} if targets == "preset" else {"targets": targets}))
+    diffusers_name = _save(run, f"sd3_lora_diffusers_loader_{targets}", "diffusers")
     layer_count = sum(len(v) for v in lora_formats.diffusers_names(model, run.adapters.layers, "sd3").values())
     from_comfy, _ = _stock_loader_weights(model, clip, comfy_name, caplog)
     with torch.inference_mode(False), torch.no_grad():
@@ -562,7 +571,7 @@ def test_sd3_diffusers_file_loads_in_diffusers_with_comfyuis_weights(comfyui, ca
                                       folder_paths.get_full_path_or_raise("loras", diffusers_name), caplog)
         assert len(layers) == layer_count
         worst = _fused_against_comfy(transformer, layers, conversion, from_comfy)
-    print(f"sd3: {len(run.adapters.layers)} ComfyUI modules, {layer_count} diffusers layers; fused vs ComfyUI, "
+    print(f"sd3 {targets}: {len(run.adapters.layers)} ComfyUI modules, {layer_count} diffusers layers; fused vs ComfyUI, "
           f"max relative difference {worst}")
 
 
