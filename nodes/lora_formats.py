@@ -1,4 +1,4 @@
-"""LoRA file formats the save node writes: ComfyUI's own key scheme, and kohya's (sd-scripts / LyCORIS).
+"""LoRA file formats the save node writes: ComfyUI's own key scheme, kohya's (sd-scripts / LyCORIS), diffusers'.
 
 ComfyUI (default): `diffusion_model.<module path>.lora_up.weight / .lora_down.weight / .alpha` — what the
 trainer exports (training/adapters.py); ComfyUI's loader maps it, other tools mostly do not.
@@ -10,6 +10,16 @@ block names for SD1.x / SD2.x (its UNet there is diffusers': `down_blocks_0_atte
 original module path everywhere else (SDXL: `input_blocks_4_1_proj_in`, Flux: `double_blocks_0_img_attn_qkv`,
 SD3: `joint_blocks_0_x_block_attn_qkv`).
 
+diffusers: the names diffusers' pipelines load (`load_lora_weights` / `lora_state_dict`), plain LoRA only, alpha
+folded into the up weights (diffusers / PEFT files carry no per-layer alpha: scale 1) and the PEFT LoraConfig in
+the `lora_adapter_metadata` entry diffusers reads. SD3 / Flux: PEFT names `transformer.<diffusers module
+path>.lora_A.weight / .lora_B.weight`; a fused ComfyUI weight (qkv, Flux's single-block linear1) is written as
+diffusers' separate layers (to_q / to_k / to_v / proj_mlp): the up rows split, the down weight repeated. SD1.x /
+SDXL UNets: ComfyUI's key map has no PEFT names for the attention projections there, only diffusers' attention-
+processor names (`unet.<block path>.processor.to_q`, `...processor.to_out`), so those are written with that
+format's suffixes (`.to_q_lora.down.weight` / `.up.weight`) and other layers as `unet.<path>.lora.down.weight`;
+diffusers' UNet loader converts both to PEFT names itself (`convert_unet_state_dict_to_peft`).
+
 The names are taken from ComfyUI's own LoRA key map (`comfy.lora.model_lora_keys_unet`) rather than a table
 written here: every name saved is, by construction, one the stock loader maps back to the same weight.
 """
@@ -18,14 +28,19 @@ from __future__ import annotations
 import json
 
 import torch
+from peft import LoraConfig
 
 import comfy.lora
 import comfy.lora_convert
 import comfy.utils
 import folder_paths
 
-FORMATS = ("comfyui", "kohya")
+FORMATS = ("comfyui", "kohya", "diffusers")
 KOHYA_PREFIX = "lora_unet_"
+# The component of a diffusers pipeline the diffusion model is, by family (the prefix of its LoRA keys).
+DIFFUSERS_COMPONENT = {"sd15": "unet", "sdxl": "unet", "sd3": "transformer", "flux": "transformer"}
+# The key diffusers writes and reads the PEFT LoraConfig under (diffusers.loaders.lora_base.LORA_ADAPTER_METADATA_KEY).
+DIFFUSERS_METADATA_KEY = "lora_adapter_metadata"
 
 # ss_base_model_version / modelspec.architecture values sd-scripts writes for each family.
 _KOHYA_BASE = {
@@ -88,6 +103,149 @@ def to_kohya(state: dict[str, torch.Tensor], names: dict[str, str],
     return out
 
 
+def check_diffusers_kind(kind: str) -> None:
+    """diffusers-format files hold plain LoRA; the other kinds have no file both ComfyUI and diffusers read."""
+    if kind == "dora":
+        raise ValueError("kind dora cannot be saved in the diffusers format (diffusers reads PEFT's "
+                         "lora_magnitude_vector, ComfyUI's loader only dora_scale, so no such file loads in both); "
+                         "save it in the comfyui or kohya format")
+    if kind != "lora":
+        raise ValueError(f"kind {kind} cannot be saved in the diffusers format (diffusers / PEFT LoRA files hold "
+                         "plain LoRA); save it in the comfyui or kohya format")
+
+
+def diffusers_names(model, module_paths, family: str | None) -> dict[str, list[tuple[str, torch.Tensor | None]]]:
+    """{module path inside the diffusion model: [(diffusers layer name, rows)]}: the diffusers layer's up weight
+    is the ComfyUI up weight's `rows` (an index tensor; None: all, in order).
+
+    From ComfyUI's key map, the `unet.` / `transformer.` names of each module's weight: where diffusers keeps
+    separate layers for parts of one ComfyUI weight (tuple entries `(key, (dim, offset, size))`), those parts,
+    when they tile the weight's rows; else the first whole-weight name ComfyUI lists (comfy.utils' conversion
+    tables list diffusers' own name first, aliases of other tools after it: LyCORIS `ff.linear_in`, Flux 2's
+    `attn.to_out` / `attn.to_qkv_mlp_proj`); else a whole-weight name whose entry carries a function
+    (`(key, None, function)`: ComfyUI adds function(diffusers delta)), when that function is a row permutation
+    (SD3's last context modulation, `swap_scale_shift`), checked on the weight itself.
+    """
+    component = DIFFUSERS_COMPONENT.get(family or "")
+    if component is None:
+        raise ValueError(f"the diffusers format covers {', '.join(DIFFUSERS_COMPONENT)} models, not family "
+                         f"{family}; save in the comfyui or kohya format")
+    key_map = comfy.lora.model_lora_keys_unet(model.model, {})
+    state = model.model.state_dict()
+    whole: dict[str, list[str]] = {}
+    parts: dict[str, list[tuple[str, tuple[int, int, int]]]] = {}
+    permuted: dict[str, list[tuple[str, object]]] = {}
+    for name, target in key_map.items():
+        if not name.startswith(component + "."):
+            continue
+        if isinstance(target, str):
+            whole.setdefault(target, []).append(name)
+        elif len(target) == 2:  # (key, (dim, offset, size))
+            parts.setdefault(target[0], []).append((name, tuple(target[1])))
+        elif len(target) == 3 and target[1] is None:  # (key, None, function)
+            permuted.setdefault(target[0], []).append((name, target[2]))
+    names: dict[str, list[tuple[str, torch.Tensor | None]]] = {}
+    for path in module_paths:
+        weight_key = f"diffusion_model.{path}.weight"
+        weight = state.get(weight_key)
+        split = sorted(parts.get(weight_key, []), key=lambda item: item[1][1])
+        offsets = [sum(size for _, (_, _, size) in split[:i]) for i in range(len(split))]
+        if (weight is not None and split and all(dim == 0 for _, (dim, _, _) in split)
+                and [offset for _, (_, offset, _) in split] == offsets
+                and sum(size for _, (_, _, size) in split) == weight.shape[0]):
+            names[path] = [(name, torch.arange(offset, offset + size)) for name, (_, offset, size) in split]
+        elif whole.get(weight_key):
+            names[path] = [(whole[weight_key][0], None)]
+        elif weight is not None and permuted.get(weight_key):
+            name, function = permuted[weight_key][0]
+            rows = _row_permutation(function, weight)
+            if rows is None:
+                raise ValueError(f"module {path}: ComfyUI maps diffusers' {name} to it through a function that is not "
+                                 "a reordering of rows; save in the comfyui or kohya format")
+            names[path] = [(name, rows)]
+        else:
+            raise ValueError(f"module {path} has no diffusers name in ComfyUI's LoRA key map; save in the comfyui "
+                             "or kohya format")
+    taken: dict[str, str] = {}
+    for path, layers in names.items():
+        for name, _ in layers:
+            if name in taken:
+                raise ValueError(f"modules {taken[name]} and {path} both map to diffusers name {name}")
+            taken[name] = path
+    return names
+
+
+def _row_permutation(function, weight: torch.Tensor) -> torch.Tensor | None:
+    """For `ComfyUI weight = function(diffusers weight)` a row permutation: the ComfyUI rows the diffusers
+    weight's rows are (diffusers = comfy[result]), or None when the function is not that on this weight."""
+    count = weight.shape[0]
+    try:
+        order = function(torch.arange(count, dtype=torch.float64).reshape(count, 1)).reshape(-1).round().long()
+    except Exception:  # noqa: BLE001 - any failure means: not a row reordering
+        return None
+    if order.shape != (count,) or not torch.equal(order.sort().values, torch.arange(count)):
+        return None
+    rows = torch.argsort(order)  # comfy[i] = diffusers[order[i]]  =>  diffusers = comfy[argsort(order)]
+    with torch.no_grad():
+        diffusers_weight = weight.detach().float()[rows]
+        if not torch.equal(function(diffusers_weight), weight.detach().float()):
+            return None
+    return rows
+
+
+def _diffusers_module(name: str, component: str) -> tuple[str, str, str]:
+    """(module path in the diffusers model, down suffix, up suffix) of a diffusers layer name from the key map.
+
+    ComfyUI's attention-processor names (`<path>.processor.to_q`, `<path>.processor.to_out`) take that format's
+    `_lora.down.weight` suffixes; diffusers reads them as `<path>.to_q` / `<path>.to_out.0` (it drops
+    `.processor.` and maps `.to_out_lora` to `.to_out.0`). Other UNet names take `.lora.down.weight`, transformer
+    names PEFT's `.lora_A.weight`.
+    """
+    path = name[len(component) + 1:]
+    if ".processor." in path:
+        module = path.replace(".processor.", ".")
+        return (module + ".0" if module.endswith(".to_out") else module), "_lora.down.weight", "_lora.up.weight"
+    if component == "unet":
+        return path, ".lora.down.weight", ".lora.up.weight"
+    return path, ".lora_A.weight", ".lora_B.weight"
+
+
+def to_diffusers(state: dict[str, torch.Tensor], names: dict[str, list[tuple[str, torch.Tensor | None]]],
+                 family: str, dtype: torch.dtype, prefix: str = "diffusion_model.") -> tuple[dict[str, torch.Tensor], dict]:
+    """A ComfyUI-format plain-LoRA state dict (fp32) as diffusers names, alpha / rank folded into the up weights
+    (each split part gets its rows of up, the whole down); also the PEFT LoraConfig fields of the file."""
+    component = DIFFUSERS_COMPONENT[family]
+    out: dict[str, torch.Tensor] = {}
+    targets: list[str] = []
+    rank = None
+    used = set()
+    for path, layers in names.items():
+        key = prefix + path
+        down, up = state[f"{key}.lora_down.weight"].float(), state[f"{key}.lora_up.weight"].float()
+        alpha = state.get(f"{key}.alpha")
+        used |= {f"{key}.lora_down.weight", f"{key}.lora_up.weight", f"{key}.alpha"}
+        rank = down.shape[0]
+        if alpha is not None and float(alpha) != rank:
+            up = up * (float(alpha) / rank)
+        for name, rows in layers:
+            module, down_suffix, up_suffix = _diffusers_module(name, component)
+            part = up if rows is None else up[rows]
+            out[name + down_suffix] = down.to(dtype).contiguous()
+            out[name + up_suffix] = part.to(dtype).contiguous()
+            targets.append(module)
+    left = sorted(set(state) - used)
+    if left:
+        raise ValueError(f"adapter key {left[0]} has no place in a diffusers-format file (plain LoRA only)")
+    config = {"r": int(rank), "lora_alpha": int(rank), "target_modules": sorted(targets)}
+    LoraConfig(**config)  # what diffusers builds from it: must construct
+    return out, {f"{component}.{field}": value for field, value in config.items()}
+
+
+def diffusers_metadata(config: dict) -> dict[str, str]:
+    """The LoraConfig under the key diffusers reads (fields prefixed by the pipeline component, as it writes them)."""
+    return {DIFFUSERS_METADATA_KEY: json.dumps(config, indent=2, sort_keys=True), "format": "pt"}
+
+
 def kohya_metadata(family: str | None, kind: str, rank: int, alpha: float, steps: int, title: str,
                    resolution: tuple[int, int] | None) -> dict[str, str]:
     """The sd-scripts metadata keys UIs read (network dim / alpha / base model / resolution / steps)."""
@@ -120,6 +278,21 @@ def kohya_metadata(family: str | None, kind: str, rank: int, alpha: float, steps
 _TEXT_ENCODER_PREFIXES = ("lora_te", "text_encoder", "lora_clip", "te1_", "te2_")
 
 
+def _join_rows(module: str, pieces, model, source: str) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """One LoRA layer on a fused weight from diffusers layers holding row ranges of it (what the diffusers format
+    writes: one down weight, the up rows split), each piece's alpha / rank folded into its rows of up."""
+    rows = model.model.state_dict()[f"diffusion_model.{module}.weight"].shape[0]
+    offsets = [sum(p[1] for p in pieces[:i]) for i in range(len(pieces))]
+    if [p[0] for p in pieces] != offsets or sum(p[1] for p in pieces) != rows:
+        raise ValueError(f"{source}: the layers it holds for {module} do not cover that weight; it cannot be continued")
+    down = pieces[0][2]
+    if any(not torch.equal(p[2], down) for p in pieces):
+        raise ValueError(f"{source}: its separate layers for {module} (e.g. diffusers' to_q / to_k / to_v) have "
+                         "different down weights, which one LoRA layer on ComfyUI's fused weight cannot hold; "
+                         "it cannot be continued")
+    return down, torch.cat([p[3] * p[4] if p[4] != 1.0 else p[3] for p in pieces]), 1.0
+
+
 def read_lora_file(model, name: str) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:
     """{module path: (down, up, alpha / rank)} of a LoRA file under models/loras/, read the way the stock loader
     reads it (ComfyUI's format conversion and key map: ComfyUI, kohya, diffusers / PEFT names all work)."""
@@ -131,16 +304,31 @@ def read_lora_file(model, name: str) -> dict[str, tuple[torch.Tensor, torch.Tens
     loaded = comfy.lora.load_lora(state, comfy.lora.model_lora_keys_unet(model.model, {}), log_missing=False)
     used = set()
     out: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = {}
-    for weight_key, adapter in loaded.items():
+    parts: dict[str, list[tuple[int, int, torch.Tensor, torch.Tensor, float]]] = {}
+    for target, adapter in loaded.items():
         used |= set(getattr(adapter, "loaded_keys", ()))
-        if getattr(adapter, "name", None) != "lora" or not isinstance(weight_key, str):
+        weight_key = target if isinstance(target, str) else target[0]
+        part = None if isinstance(target, str) else target[1:]  # ((dim, offset, size),) or (None, function)
+        rows_part = part is not None and part[0] is not None
+        if getattr(adapter, "name", None) != "lora" or (rows_part and (len(part) != 1 or part[0][0] != 0)):
             raise ValueError(f"{source}: {weight_key} holds a {getattr(adapter, 'name', type(adapter).__name__)} "
                              "update; only plain LoRA files (up / down / alpha) can be continued")
         up, down, alpha, mid, dora_scale, _ = adapter.weights
         if mid is not None or dora_scale is not None:
             raise ValueError(f"{source}: {weight_key} is a LoCon-mid / DoRA layer; only plain LoRA files can be continued")
+        scale = (alpha / down.shape[0]) if alpha is not None else 1.0
         module = weight_key[len("diffusion_model."):-len(".weight")]
-        out[module] = (down, up, (alpha / down.shape[0]) if alpha is not None else 1.0)
+        if part is not None and not rows_part:  # ComfyUI adds function(delta): a row permutation moves up's rows
+            if _row_permutation(part[1], model.model.state_dict()[weight_key]) is None:
+                raise ValueError(f"{source}: {weight_key} is patched through a function that is not a reordering of "
+                                 "rows; it cannot be continued")
+            out[module] = (down, part[1](up.float()), scale)
+        elif part is None:
+            out[module] = (down, up, scale)
+        else:  # a diffusers layer that is rows of a fused ComfyUI weight (q / k / v of qkv)
+            parts.setdefault(module, []).append((part[0][1], part[0][2], down, up, scale))
+    for module, pieces in parts.items():
+        out[module] = _join_rows(module, sorted(pieces, key=lambda p: p[0]), model, source)
     unmapped = [k for k in state if k not in used and not k.endswith(".alpha")
                 and not k.startswith(_TEXT_ENCODER_PREFIXES)]
     if unmapped or not out:

@@ -598,9 +598,17 @@ def save_lora(run: TrainingSession, subfolder: str, filename: str, dtype: str = 
     path = loras_root / subfolder / name if subfolder else loras_root / name
     with run.phase("save"):
         prune_temp(path.parent)  # what a killed save left in that folder
-        with run.weights(weights) as used:
-            state = run.adapters.comfy_state_dict(dtype=SAVE_DTYPES[dtype])
+        if file_format == "diffusers":  # refused before any work
+            lora_formats.check_diffusers_kind(run.config.adapter.kind)
+            names = lora_formats.diffusers_names(run.source_model, run.adapters.layers, run.config.family)
+        with run.weights(weights) as used:  # diffusers: fp32 here, cast after alpha is folded in
+            state = run.adapters.comfy_state_dict(
+                dtype=torch.float32 if file_format == "diffusers" else SAVE_DTYPES[dtype])
         metadata = {**run.lora_metadata(), "headroom.weights": used}
+        if file_format == "diffusers":
+            state, config = lora_formats.to_diffusers(state, names, run.config.family, SAVE_DTYPES[dtype])
+            metadata.update(lora_formats.diffusers_metadata(config))
+            metadata["headroom.format"] = "diffusers"
         if file_format == "kohya":
             names = lora_formats.kohya_names(run.source_model, run.adapters.layers, run.config.family)
             state = lora_formats.to_kohya(state, names)
@@ -637,7 +645,9 @@ class HeadroomSaveLora(io.ComfyNode):
                 io.Combo.Input("format", options=list(lora_formats.FORMATS), default="comfyui", optional=True,
                                tooltip="Key names in the file. comfyui: ComfyUI's own scheme (Load LoRA maps every "
                                "key). kohya: lora_unet_* names with sd-scripts metadata, for A1111 / Forge / "
-                               "diffusers / Civitai (Load LoRA reads it too)."),
+                               "diffusers / Civitai (Load LoRA reads it too). diffusers: the names diffusers' "
+                               "load_lora_weights reads (unet.* / transformer.*, alpha folded in, PEFT config in "
+                               "the metadata); plain LoRA on sd15 / sdxl / sd3 / flux (Load LoRA reads it too)."),
                 _weights_input("Save"),
             ],
             outputs=[io.String.Output("lora_name", tooltip="The name Load LoRA lists.")],

@@ -13,16 +13,17 @@ from test_train_lora_nodes import _data, _init, one_thread  # noqa: F401  (one_t
 pytestmark = pytest.mark.comfyui
 
 
-def _save_both(family: str, kind: str):
+def _save_both(family: str, kind: str, **targets):
     """Train 2 steps, save the same adapter in both formats: (model, clip, run, comfyui name, kohya name)."""
     from headroom.nodes import train_lora as T
 
     model, clip, vae, latents, texts = _data(family)
-    run = _init(model, latents, texts, f"formats_{family}_{kind}", kind=kind, rank=4, lr=2e-2)
+    tag = "_".join([family, kind, *(f"{k}{v}" for k, v in targets.items())])
+    run = _init(model, latents, texts, f"formats_{tag}", kind=kind, rank=4, lr=2e-2, **targets)
     with torch.inference_mode():
         T.HeadroomTrainSteps.execute(run, 2)
-        comfy_name = T.HeadroomSaveLora.execute(run, "formats", f"{family}_{kind}_comfyui", "fp32").args[0]
-        kohya_name = T.HeadroomSaveLora.execute(run, "formats", f"{family}_{kind}_kohya", "fp32", "kohya").args[0]
+        comfy_name = T.HeadroomSaveLora.execute(run, "formats", f"{tag}_comfyui", "fp32").args[0]
+        kohya_name = T.HeadroomSaveLora.execute(run, "formats", f"{tag}_kohya", "fp32", "kohya").args[0]
     return model, clip, run, comfy_name, kohya_name
 
 
@@ -79,7 +80,7 @@ def test_unknown_format_is_refused_with_the_choices(comfyui, tmp_path):
 
     model, clip, vae, latents, texts = _data("sd15")
     run = _init(model, latents, texts, "formats_bad", rank=4)
-    with pytest.raises(ValueError, match=r"HeadroomSaveLora: format 'a1111': choose one of comfyui, kohya"):
+    with pytest.raises(ValueError, match=r"HeadroomSaveLora: format 'a1111': choose one of comfyui, kohya, diffusers$"):
         T.HeadroomSaveLora.execute(run, "formats", "bad", "fp32", "a1111")
 
 
@@ -107,15 +108,18 @@ def _diffusers_unet_of(model):
     return unet.eval()
 
 
-def test_kohya_sd15_file_loads_in_diffusers_and_gives_comfyuis_output(comfyui):
-    """diffusers' own kohya reader (`lora_state_dict` + `load_lora_adapter`) injects every layer of the file into a
-    diffusers UNet, and the result equals ComfyUI's stock-loader result on the same base weights."""
+@pytest.mark.parametrize("file_format", ["kohya", "diffusers"])
+def test_sd15_file_loads_in_diffusers_and_gives_comfyuis_output(comfyui, file_format, caplog):
+    """diffusers' own SD reader (`lora_state_dict` + `load_lora_into_unet`) injects every layer of the kohya /
+    diffusers file into a diffusers UNet, and the result equals ComfyUI's stock-loader result on the same base
+    weights."""
     import comfy.model_management
     import folder_paths
     import nodes
     from diffusers import StableDiffusionPipeline
 
     model, clip, run, _, kohya_name = _save_both("sd15", "lora")
+    name = kohya_name if file_format == "kohya" else _save(run, "sd15_lora_diffusers_output", "diffusers")
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(1, 4, 8, 8, generator=generator)
     t = torch.tensor([500.0])
@@ -124,16 +128,15 @@ def test_kohya_sd15_file_loads_in_diffusers_and_gives_comfyuis_output(comfyui):
     with torch.inference_mode(False), torch.no_grad():
         unet = _diffusers_unet_of(model)
         base_out = unet(x, t, encoder_hidden_states=context).sample
-        state, alphas = StableDiffusionPipeline.lora_state_dict(folder_paths.get_full_path_or_raise("loras", kohya_name))
-        unet.load_lora_adapter(state, network_alphas=alphas, prefix="unet", adapter_name="headroom")
-        lora_layers = [name for name, module in unet.named_modules() if hasattr(module, "lora_A") and module.lora_A]
+        lora_layers = _load_with_diffusers(unet, StableDiffusionPipeline, folder_paths.get_full_path_or_raise("loras", name),
+                                           caplog)
         diffusers_out = unet(x, t, encoder_hidden_states=context).sample
 
         comfy_base_out = model.model.diffusion_model(x, timesteps=t, context=context).float()
-        kohya_model, _ = nodes.LoraLoader().load_lora(model, clip, kohya_name, 1.0, 0.0)
-        comfy.model_management.load_models_gpu([kohya_model])  # as a sampler loads it: the patches applied
+        lora_model, _ = nodes.LoraLoader().load_lora(model, clip, name, 1.0, 0.0)
+        comfy.model_management.load_models_gpu([lora_model])  # as a sampler loads it: the patches applied
         try:
-            comfy_out = kohya_model.model.diffusion_model(x, timesteps=t, context=context).float()
+            comfy_out = lora_model.model.diffusion_model(x, timesteps=t, context=context).float()
         finally:
             comfy.model_management.unload_all_models()
 
@@ -141,17 +144,17 @@ def test_kohya_sd15_file_loads_in_diffusers_and_gives_comfyuis_output(comfyui):
     assert len(lora_layers) == len(run.adapters.layers)
     change = (diffusers_out - base_out).norm() / base_out.norm()
     difference = (diffusers_out - comfy_out).norm() / comfy_out.norm()
-    print(f"diffusers vs ComfyUI with the kohya file: relative L2 {difference:.2e} (LoRA effect {change:.2e})")
+    print(f"diffusers vs ComfyUI with the {file_format} file: relative L2 {difference:.2e} (LoRA effect {change:.2e})")
     assert change > 1e-3  # the LoRA does something ...
     assert difference < 1e-5  # ... and the same thing in both (fp32 throughout)
 
 
-def _init_from(model, latents, texts, run_name, init_lora, kind="lora", rank=4, alpha=2.0):
+def _init_from(model, latents, texts, run_name, init_lora, kind="lora", rank=4, alpha=2.0, targets="preset"):
     """A LoRA run whose LoRA config starts from `init_lora` (alpha 2 on purpose: the file's is 4)."""
     from headroom.nodes import train_lora as T
 
     with torch.inference_mode():
-        lora = T.HeadroomLoraConfig.execute(kind, rank, alpha, "preset", False, 0.0, 0, init_lora).args[0]
+        lora = T.HeadroomLoraConfig.execute(kind, rank, alpha, targets, False, 0.0, 0, init_lora).args[0]
         opt = T.HeadroomOptimizerConfig.execute("AdamW", 1e-2, 0.0, "constant", 0, 1000).args[0]
         return T.HeadroomTrainLoraInit.execute(
             model=model, latent_cache=latents, text_cache=texts, lora_config=lora, optimizer_config=opt,
@@ -160,18 +163,25 @@ def _init_from(model, latents, texts, run_name, init_lora, kind="lora", rank=4, 
             noise_offset=0.0, gradient_checkpointing=False, checkpoint_depth=1, holdout=0).args[0]
 
 
-@pytest.mark.parametrize("file_format", ["comfyui", "kohya"])
-def test_a_saved_lora_continues_exactly_where_the_file_was(comfyui, file_format):
+@pytest.mark.parametrize("family,file_format,targets", [
+    ("sd15", "comfyui", "preset"), ("sd15", "kohya", "preset"), ("sd15", "diffusers", "preset"),
+    ("flux", "diffusers", "preset"), ("sd3", "diffusers", "all_linear")])
+def test_a_saved_lora_continues_exactly_where_the_file_was(comfyui, family, file_format, targets):
+    """(diffusers: the split q / k / v / mlp layers of Flux / SD3 are joined back into ComfyUI's fused weights, and
+    SD3's last context modulation, stored in diffusers' row order, is put back in ComfyUI's.)"""
     import nodes
     from headroom.nodes import train_lora as T
 
-    model, clip, first, comfy_name, kohya_name = _save_both("sd15", "lora")
-    _, _, _, latents, texts = _data("sd15")
-    name = comfy_name if file_format == "comfyui" else kohya_name
-    continued = _init_from(model, latents, texts, f"continued_{file_format}", name)
+    model, clip, first, comfy_name, kohya_name = _save_both(family, "lora", **({} if targets == "preset" else {"targets": targets}))
+    _, _, _, latents, texts = _data(family)
+    name = {"comfyui": comfy_name, "kohya": kohya_name}.get(file_format)
+    if file_format == "diffusers":
+        name = _save(first, f"{family}_lora_diffusers_continue_{targets}", "diffusers")
+    tag = f"{family}_{file_format}_{targets}"
+    continued = _init_from(model, latents, texts, f"continued_{tag}", name, targets=targets)
     assert continued.step == 0 and not continued.resumed
     with torch.inference_mode():
-        at_start = T.HeadroomSaveLora.execute(continued, "formats", f"continued_{file_format}_step0", "fp32").args[0]
+        at_start = T.HeadroomSaveLora.execute(continued, "formats", f"continued_{tag}_step0", "fp32").args[0]
         original, _ = nodes.LoraLoader().load_lora(model, clip, name, 1.0, 0.0)
         restarted, _ = nodes.LoraLoader().load_lora(model, clip, at_start, 1.0, 0.0)
         expected, got = _patched_weights(original), _patched_weights(restarted)
@@ -200,3 +210,382 @@ def test_continuing_a_file_that_does_not_fit_is_refused_with_what_to_change(comf
         _init_from(model, latents, texts, "continue_family", flux_name)
     with pytest.raises(ValueError, match=r"not in models/loras/"):
         _init_from(model, latents, texts, "continue_missing", "no_such_file.safetensors")
+
+
+# --- the diffusers format ------------------------------------------------------------------------------------
+def _save(run, name: str, file_format: str) -> str:
+    from headroom.nodes import train_lora as T
+
+    with torch.inference_mode():
+        return T.HeadroomSaveLora.execute(run, "formats", name, "fp32", file_format).args[0]
+
+
+def _stock_loader_weights(model, clip, name: str, caplog) -> tuple[dict[str, torch.Tensor], object]:
+    """The patched weights of a file through ComfyUI's stock LoraLoader; every key of the file must load."""
+    import nodes
+
+    caplog.clear()
+    with torch.inference_mode():
+        lora_model, _ = nodes.LoraLoader().load_lora(model, clip, name, 1.0, 0.0)
+        weights = _patched_weights(lora_model)
+    assert "lora key not loaded" not in caplog.text and "NOT LOADED" not in caplog.text, caplog.text
+    return weights, lora_model
+
+
+def _diffusers_file_checks(name: str, component: str, layer_count: int, rank: int) -> dict:
+    keys, metadata = _read(name)
+    assert keys and all(k.startswith(component + ".") for k in keys)
+    assert len(keys) == 2 * layer_count and not any(k.endswith(".alpha") for k in keys)
+    config = json.loads(metadata["lora_adapter_metadata"])
+    assert config[f"{component}.r"] == rank and config[f"{component}.lora_alpha"] == rank  # alpha folded in: scale 1
+    assert len(config[f"{component}.target_modules"]) == layer_count
+    assert metadata["headroom.format"] == "diffusers"
+    return config
+
+
+@pytest.mark.parametrize("family,targets", [("sd15", {}), ("sd3", {}), ("flux", {}),
+                                            ("sd15", {"targets": "all_linear", "include_conv": True}),
+                                            ("sd3", {"targets": "all_linear"}), ("flux", {"targets": "all_linear"})])
+def test_diffusers_file_is_the_same_lora_for_the_stock_loader(comfyui, family, targets, caplog):
+    from headroom.nodes import lora_formats
+
+    model, clip, run, comfy_name, _ = _save_both(family, "lora", **targets)
+    diffusers_name = _save(run, f"{family}_lora_diffusers_{len(run.adapters.layers)}", "diffusers")
+    names = lora_formats.diffusers_names(model, run.adapters.layers, family)
+    layer_count = sum(len(layers) for layers in names.values())
+    component = "unet" if family == "sd15" else "transformer"
+    _diffusers_file_checks(diffusers_name, component, layer_count, 4)
+    keys, _ = _read(diffusers_name)
+    if family == "sd15":  # attention-processor names: the UNet names both ComfyUI and diffusers map
+        assert any(k.startswith("unet.down_blocks.") and ".attn1.processor.to_out_lora.up.weight" in k for k in keys)
+    else:  # PEFT names; the fused qkv weights are split into diffusers' separate layers
+        assert any(k.endswith("transformer_blocks.0.attn.to_q.lora_A.weight") for k in keys)
+        assert layer_count > len(run.adapters.layers)
+    print(f"{family}: {len(run.adapters.layers)} ComfyUI modules -> {layer_count} diffusers layers")
+
+    from_comfy, comfy_model = _stock_loader_weights(model, clip, comfy_name, caplog)
+    from_diffusers, diffusers_model = _stock_loader_weights(model, clip, diffusers_name, caplog)
+    assert set(diffusers_model.patches) == set(comfy_model.patches) and len(from_diffusers) == len(run.adapters.layers)
+    for key, weight in from_comfy.items():  # alpha == rank here: folding it in multiplies by nothing
+        assert torch.equal(weight, from_diffusers[key]), key
+    assert any(not torch.equal(w, model.model.state_dict()[k].float()) for k, w in from_comfy.items())
+
+
+def test_diffusers_format_refuses_other_kinds_naming_the_formats_that_carry_them(comfyui):
+    from headroom.nodes import train_lora as T
+
+    model, clip, vae, latents, texts = _data("sd15")
+    for kind in ("loha", "lokr", "dora"):
+        run = _init(model, latents, texts, f"formats_diffusers_{kind}", kind=kind, rank=4)
+        with pytest.raises(ValueError, match=rf"HeadroomSaveLora: kind {kind} cannot be saved in the diffusers "
+                                             r"format .*save it in the comfyui or kohya format"):
+            T.HeadroomSaveLora.execute(run, "formats", f"refused_{kind}", "fp32", "diffusers")
+        assert not any(f"refused_{kind}" in k for k in _lora_names())
+
+
+def _lora_names() -> list[str]:
+    import folder_paths
+
+    return folder_paths.get_filename_list("loras")
+
+
+
+# --- diffusers' own loader on diffusers models built from config (no download) --------------------------------
+def _diffusers_state_of(dmodel, comfy_state: dict[str, torch.Tensor], conversion: dict) -> dict[str, torch.Tensor]:
+    """The diffusers model's weights from a ComfyUI state dict through ComfyUI's conversion table ({diffusers
+    key: ComfyUI key | (key, (dim, offset, size)) | (key, None, function)}); every diffusers weight is found."""
+    own = dmodel.state_dict()
+    state = {}
+    for key, source in conversion.items():
+        if key not in own:  # the table also lists other tools' aliases (Flux 2, LyCORIS)
+            continue
+        if isinstance(source, str):
+            state[key] = comfy_state[source]
+        elif source[1] is None:
+            state[key] = source[2](comfy_state[source[0]])
+        else:
+            dim, offset, size = source[1]
+            state[key] = comfy_state[source[0]].narrow(dim, offset, size)
+    missing = sorted(set(own) - set(state))
+    assert not missing, missing
+    return {k: v.float() for k, v in state.items()}
+
+
+def _load_with_diffusers(dmodel, pipeline, path: str, caplog, **kwargs) -> dict[str, torch.nn.Module]:
+    """A file through the pipeline class's `lora_state_dict` and `load_lora_into_unet / _transformer`, as
+    `load_lora_weights` does. Neither diffusers (its log: unexpected / missing keys) nor peft (a RuntimeWarning:
+    state dict and config disagree) may report an unmatched key. Returns the injected LoRA layers."""
+    import inspect
+    import warnings
+
+    import diffusers.utils.logging as diffusers_logging
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    caplog.clear()
+    diffusers_logging.enable_propagation()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if hasattr(pipeline, "load_lora_into_unet"):
+                state, alphas, metadata = pipeline.lora_state_dict(path, return_lora_metadata=True, **kwargs)
+                pipeline.load_lora_into_unet(state, alphas, dmodel, adapter_name="headroom", metadata=metadata)
+            elif "network_alphas" in inspect.signature(pipeline.load_lora_into_transformer).parameters:  # Flux
+                state, alphas, metadata = pipeline.lora_state_dict(path, return_alphas=True, return_lora_metadata=True)
+                pipeline.load_lora_into_transformer(state, alphas, dmodel, adapter_name="headroom", metadata=metadata)
+            else:  # SD3: no alphas in its API
+                state, metadata = pipeline.lora_state_dict(path, return_lora_metadata=True)
+                pipeline.load_lora_into_transformer(state, dmodel, adapter_name="headroom", metadata=metadata)
+    finally:
+        diffusers_logging.disable_propagation()
+    unmatched = [r.getMessage() for r in caplog.records if r.name.startswith("diffusers")
+                 and r.levelname == "WARNING" and ("unexpected" in r.getMessage() or "missing" in r.getMessage())]
+    unmatched += [str(w.message) for w in caught if "inconsistency" in str(w.message) or "unexpected" in str(w.message)]
+    assert not unmatched, unmatched
+    return {name: module for name, module in dmodel.named_modules()
+            if isinstance(module, BaseTunerLayer) and "headroom" in getattr(module, "lora_A", {})}
+
+
+def _fused_against_comfy(dmodel, layers: dict, conversion: dict, comfy_weights: dict[str, torch.Tensor]) -> float:
+    """Fuse the LoRA into the diffusers model and compare each fused layer with ComfyUI's patched weight, mapped
+    through ComfyUI's conversion table; every patched ComfyUI weight must be covered. Returns the largest
+    difference relative to the weight's largest entry."""
+    dmodel.fuse_lora(lora_scale=1.0, adapter_names=["headroom"])
+    covered, worst = set(), 0.0
+    for name, module in layers.items():
+        source = conversion[name + ".weight"]
+        key = source if isinstance(source, str) else source[0]
+        key = key if key.startswith("diffusion_model.") else "diffusion_model." + key
+        expected = comfy_weights[key]
+        fused = module.get_base_layer().weight.detach()
+        if not isinstance(source, str) and source[1] is not None:
+            expected = expected.narrow(*source[1])
+        elif not isinstance(source, str):  # ComfyUI's weight is function(diffusers' weight)
+            fused = source[2](fused)
+        worst = max(worst, ((fused - expected).abs().max() / expected.abs().max()).item())
+        # fp32 on both sides and the same operations (base + up @ down, alpha / rank 1): rounding order only.
+        torch.testing.assert_close(fused, expected, rtol=1e-6, atol=1e-6)
+        covered.add(key)
+    assert covered == set(comfy_weights)
+    return worst
+
+
+_UNET_SDXL = {  # SDXL's block layout (no attention at the first level, linear projections, label embedding), tiny
+    "use_checkpoint": False, "image_size": 32, "in_channels": 4, "out_channels": 4, "model_channels": 64,
+    "num_res_blocks": [2, 2, 2], "channel_mult": [1, 2, 2], "transformer_depth": [0, 0, 1, 1, 2, 2],
+    "transformer_depth_middle": 2, "transformer_depth_output": [0, 0, 0, 1, 1, 1, 2, 2, 2],
+    "use_spatial_transformer": True, "legacy": False, "num_classes": "sequential", "adm_in_channels": 32 + 6 * 8,
+    "context_dim": 32, "use_linear_in_transformer": True, "use_temporal_attention": False,
+    "use_temporal_resblock": False,
+}
+
+
+def _tiny_sdxl():
+    """A tiny SDXL MODEL through ComfyUI's own SDXL classes (the tiny-model node has no SDXL family)."""
+    import comfy.model_patcher
+    import comfy.supported_models
+    from headroom.nodes.tiny_models import init_weights_
+
+    config = comfy.supported_models.SDXL(dict(_UNET_SDXL))
+    config.set_inference_dtype(torch.float32, None)
+    model = config.get_model({}, "", device=torch.device("cpu"))
+    init_weights_(model.diffusion_model, 0)
+    return comfy.model_patcher.ModelPatcher(model, load_device=torch.device("cpu"), offload_device=torch.device("cpu"))
+
+
+def _diffusers_sdxl_unet(model):
+    """diffusers' UNet2DConditionModel in the tiny SDXL's shape, with its weights."""
+    import comfy.utils
+    from diffusers import UNet2DConditionModel
+
+    config = model.model.model_config.unet_config
+    heads = tuple(config["model_channels"] * m // config["num_head_channels"] for m in config["channel_mult"])
+    unet = UNet2DConditionModel(
+        in_channels=4, out_channels=4, block_out_channels=tuple(config["model_channels"] * m for m in config["channel_mult"]),
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"), layers_per_block=2,
+        transformer_layers_per_block=(1, 1, 2), attention_head_dim=heads, cross_attention_dim=config["context_dim"],
+        use_linear_projection=True, addition_embed_type="text_time", addition_time_embed_dim=8,
+        projection_class_embeddings_input_dim=config["adm_in_channels"])
+    conversion = comfy.utils.unet_to_diffusers(config)
+    unet.load_state_dict(_diffusers_state_of(unet, model.model.diffusion_model.state_dict(), conversion))
+    return unet.eval(), conversion
+
+
+def _write_lora(name: str, state: dict[str, torch.Tensor], metadata: dict[str, str]) -> str:
+    import folder_paths
+    from safetensors.torch import save_file
+
+    path = f"{folder_paths.get_folder_paths('loras')[0]}/formats/{name}.safetensors"
+    import os
+
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    save_file(state, path, metadata=metadata)
+    folder_paths.filename_list_cache.pop("loras", None)
+    return f"formats/{name}.safetensors"
+
+
+@pytest.mark.parametrize("alpha", [4.0, 3.0])
+def test_sdxl_files_are_the_same_lora_for_comfyui_and_diffusers(comfyui, alpha, caplog):
+    """SDXL (a tiny SDXL built here; no training node run: an adapter of random weights on the SDXL preset layers,
+    exported as the save node exports): comfyui / kohya / diffusers files give ComfyUI the same weights, and
+    diffusers' SDXL loader injects every layer of the kohya and diffusers files with the same fused weights."""
+    from diffusers import StableDiffusionXLPipeline
+    import folder_paths
+
+    from headroom.nodes import lora_formats
+    from headroom.training.adapters import AdapterConfig, AdapterSet, select_targets
+
+    model = _tiny_sdxl()
+    root = model.model.diffusion_model
+    adapter_config = AdapterConfig(kind="lora", rank=4, alpha=alpha)
+    paths = select_targets(root, "sdxl", adapter_config, [])
+    adapters = AdapterSet(root, paths, adapter_config)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for layer in adapters.layers.values():  # peft starts up at zero: give it an effect
+            layer.lora_B["default"].weight.copy_(torch.randn(layer.lora_B["default"].weight.shape, generator=generator) * 0.1)
+    state = adapters.comfy_state_dict()
+    tag = f"sdxl_alpha{alpha:g}"
+    comfy_name = _write_lora(f"{tag}_comfyui", state, {})
+    kohya_name = _write_lora(f"{tag}_kohya", lora_formats.to_kohya(state, lora_formats.kohya_names(model, paths, "sdxl")), {})
+    names = lora_formats.diffusers_names(model, paths, "sdxl")
+    diffusers_state, config = lora_formats.to_diffusers(state, names, "sdxl", torch.float32)
+    diffusers_name = _write_lora(f"{tag}_diffusers", diffusers_state, lora_formats.diffusers_metadata(config))
+    layer_count = sum(len(layers) for layers in names.values())
+    assert layer_count == len(paths)  # SDXL's UNet has no fused weights
+    keys, _ = _read(diffusers_name)
+    assert any(k.startswith("unet.down_blocks.1.attentions.0.transformer_blocks.0.attn1.processor.to_q_lora.") for k in keys)
+
+    from_comfy, _ = _stock_loader_weights(model, None, comfy_name, caplog)
+    from_kohya, _ = _stock_loader_weights(model, None, kohya_name, caplog)
+    from_diffusers, _ = _stock_loader_weights(model, None, diffusers_name, caplog)
+    assert set(from_comfy) == set(from_kohya) == set(from_diffusers) and len(from_comfy) == len(paths)
+    for key, weight in from_comfy.items():
+        assert torch.equal(weight, from_kohya[key]), key
+        if alpha == adapter_config.rank:
+            assert torch.equal(weight, from_diffusers[key]), key
+        else:  # alpha / rank folded into up before the product instead of after it: rounding only
+            torch.testing.assert_close(from_diffusers[key], weight, rtol=1e-6, atol=1e-7)
+
+    worst = {}
+    for file_format, name in (("kohya", kohya_name), ("diffusers", diffusers_name)):
+        with torch.inference_mode(False), torch.no_grad():
+            unet, conversion = _diffusers_sdxl_unet(model)
+            layers = _load_with_diffusers(unet, StableDiffusionXLPipeline, folder_paths.get_full_path_or_raise("loras", name),
+                                          caplog, unet_config=unet.config)
+            assert len(layers) == layer_count, (file_format, len(layers), layer_count)
+            worst[file_format] = _fused_against_comfy(unet, layers, conversion, from_comfy)
+    print(f"sdxl alpha {alpha:g}: {layer_count} layers; diffusers fused vs ComfyUI, max relative difference {worst}")
+
+
+def _diffusers_flux_transformer(model):
+    """diffusers' FluxTransformer2DModel in the tiny Flux's shape, with its weights."""
+    import comfy.utils
+    from diffusers import FluxTransformer2DModel
+
+    config = model.model.model_config.unet_config
+    transformer = FluxTransformer2DModel(
+        patch_size=1, in_channels=config["in_channels"] * config["patch_size"] ** 2, num_layers=config["depth"],
+        num_single_layers=config["depth_single_blocks"], attention_head_dim=config["hidden_size"] // config["num_heads"],
+        num_attention_heads=config["num_heads"], joint_attention_dim=config["context_in_dim"],
+        pooled_projection_dim=config["vec_in_dim"], guidance_embeds=config["guidance_embed"],
+        axes_dims_rope=tuple(config["axes_dim"]))
+    conversion = comfy.utils.flux_to_diffusers(config, output_prefix="diffusion_model.")
+    transformer.load_state_dict(_diffusers_state_of(transformer, model.model.state_dict(), conversion))
+    return transformer.eval(), conversion
+
+
+def test_flux_files_load_in_diffusers_with_comfyuis_weights(comfyui, caplog):
+    """Flux: diffusers' Flux loader injects every layer of the diffusers file (fused qkv / linear1 as diffusers'
+    separate to_q / to_k / to_v / proj_mlp layers) and of the kohya file into a FluxTransformer2DModel carrying the
+    tiny Flux's weights, and the fused weights are ComfyUI's stock-loader weights.
+
+    diffusers' kohya-Flux converter splits a single block's linear1 at Flux.1's fixed widths (3072 x 3 + 12288),
+    so for the tiny Flux (width 128) only the kohya file's double-block layers can go through it: those are
+    checked (its single blocks are the same code path as the comfyui file's, checked by the stock-loader test)."""
+    import folder_paths
+    from diffusers import FluxPipeline
+    from safetensors.torch import load_file
+
+    from headroom.nodes import lora_formats
+
+    model, clip, run, comfy_name, kohya_name = _save_both("flux", "lora")
+    diffusers_name = _save(run, "flux_lora_diffusers_loader", "diffusers")
+    names = lora_formats.diffusers_names(model, run.adapters.layers, "flux")
+    from_comfy, _ = _stock_loader_weights(model, clip, comfy_name, caplog)
+    kohya_state = load_file(folder_paths.get_full_path_or_raise("loras", kohya_name))
+    kohya_double = _write_lora("flux_lora_kohya_double_blocks",
+                               {k: v for k, v in kohya_state.items() if k.startswith("lora_unet_double_blocks_")}, {})
+    double = [p for p in names if p.startswith("double_blocks.")]
+    cases = (("diffusers", diffusers_name, list(names)), ("kohya double blocks", kohya_double, double))
+    worst, counts = {}, {}
+    for file_format, name, paths in cases:
+        expected_layers = sum(len(names[p]) for p in paths)
+        expected_weights = {f"diffusion_model.{p}.weight": from_comfy[f"diffusion_model.{p}.weight"] for p in paths}
+        with torch.inference_mode(False), torch.no_grad():
+            transformer, conversion = _diffusers_flux_transformer(model)
+            layers = _load_with_diffusers(transformer, FluxPipeline, folder_paths.get_full_path_or_raise("loras", name), caplog)
+            assert len(layers) == expected_layers, (file_format, len(layers), expected_layers)
+            worst[file_format] = _fused_against_comfy(transformer, layers, conversion, expected_weights)
+        counts[file_format] = expected_layers
+    print(f"flux: {len(run.adapters.layers)} ComfyUI modules, diffusers layers {counts}; fused vs ComfyUI, "
+          f"max relative difference {worst}")
+
+
+def _diffusers_sd3_transformer(model):
+    """diffusers' SD3Transformer2DModel in the tiny SD3's shape, with its weights."""
+    import comfy.utils
+    from diffusers import SD3Transformer2DModel
+
+    config = model.model.model_config.unet_config
+    hidden = 64 * config["depth"]  # MMDiT's width is 64 per block of depth, one 64-wide head per block
+    transformer = SD3Transformer2DModel(
+        sample_size=config["pos_embed_max_size"], patch_size=config["patch_size"], in_channels=config["in_channels"],
+        num_layers=config["depth"], attention_head_dim=64, num_attention_heads=config["depth"],
+        joint_attention_dim=config["context_embedder_config"]["params"]["in_features"], caption_projection_dim=hidden,
+        pooled_projection_dim=config["adm_in_channels"], out_channels=config["out_channels"],
+        pos_embed_max_size=config["pos_embed_max_size"])
+    conversion = comfy.utils.mmdit_to_diffusers(config, output_prefix="diffusion_model.")
+    transformer.load_state_dict(_diffusers_state_of(transformer, model.model.state_dict(), conversion))
+    return transformer.eval(), conversion
+
+
+@pytest.mark.parametrize("targets", ["preset", "all_linear"])
+def test_sd3_diffusers_file_loads_in_diffusers_with_comfyuis_weights(comfyui, targets, caplog):
+    """SD3: diffusers' SD3 loader injects every layer of the diffusers file (the fused qkv of both streams as
+    diffusers' to_q / to_k / to_v and add_q_proj / add_k_proj / add_v_proj) into an SD3Transformer2DModel carrying
+    the tiny SD3's weights, with ComfyUI's stock-loader weights; all_linear adds the modulation layers, the last
+    context one through ComfyUI's swap_scale_shift. (diffusers' SD3 reader converts no kohya names.)"""
+    import folder_paths
+    from diffusers import StableDiffusion3Pipeline
+
+    from headroom.nodes import lora_formats
+
+    model, clip, run, comfy_name, _ = _save_both("sd3", "lora", **({} if targets == "preset" else {"targets": targets}))
+    diffusers_name = _save(run, f"sd3_lora_diffusers_loader_{targets}", "diffusers")
+    layer_count = sum(len(v) for v in lora_formats.diffusers_names(model, run.adapters.layers, "sd3").values())
+    from_comfy, _ = _stock_loader_weights(model, clip, comfy_name, caplog)
+    with torch.inference_mode(False), torch.no_grad():
+        transformer, conversion = _diffusers_sd3_transformer(model)
+        layers = _load_with_diffusers(transformer, StableDiffusion3Pipeline,
+                                      folder_paths.get_full_path_or_raise("loras", diffusers_name), caplog)
+        assert len(layers) == layer_count
+        worst = _fused_against_comfy(transformer, layers, conversion, from_comfy)
+    print(f"sd3 {targets}: {len(run.adapters.layers)} ComfyUI modules, {layer_count} diffusers layers; fused vs ComfyUI, "
+          f"max relative difference {worst}")
+
+
+def test_continuing_a_diffusers_file_with_separate_qkv_adapters_is_refused(comfyui):
+    """A Flux file trained in diffusers on to_q / to_k / to_v separately (own down weights) is one rank-r LoRA per
+    projection, which no rank-r LoRA on ComfyUI's fused qkv holds: refused, saying why."""
+    import folder_paths
+    from safetensors.torch import load_file
+
+    model, _, run, _, _ = _save_both("flux", "lora")
+    _, _, _, latents, texts = _data("flux")
+    state = load_file(folder_paths.get_full_path_or_raise("loras", _save(run, "flux_lora_diffusers_qkv", "diffusers")))
+    key = "transformer.transformer_blocks.0.attn.to_k.lora_A.weight"
+    state[key] = state[key] + 0.01
+    name = _write_lora("flux_lora_diffusers_separate_qkv", state, {})
+    with pytest.raises(ValueError, match=r"double_blocks\.0\.img_attn\.qkv .*different down weights"):
+        _init_from(model, latents, texts, "continue_separate_qkv", name)
