@@ -35,7 +35,7 @@ _KOHYA_BASE = {
     "flux": ("flux1", "flux-1-dev/lora"),
 }
 # LyCORIS' network module and algo names for the adapter kinds that are not plain LoRA.
-_LYCORIS_ALGO = {"loha": "loha", "lokr": "lokr", "dora": "lora"}
+_LYCORIS_ALGO = {"loha": "loha", "lokr": "lokr", "dora": "lora", "oft": "diag-oft"}
 
 
 def kohya_names(model, module_paths, family: str | None) -> dict[str, str]:
