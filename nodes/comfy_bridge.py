@@ -390,7 +390,7 @@ class TrainingSession:
             finally:  # the shared module is full precision again even when building the adapters failed
                 self._load_in_low_bit(low_bit)
             if config.adapter.init_lora:  # a resumed run's checkpoint replaces these below (_finish_open)
-                self.adapters.start_from(read_lora_file(model, config.adapter.init_lora),
+                self.adapters.start_from(read_lora_file(model, config.adapter.init_lora, config.adapter.kind),
                                          f"LoRA file {config.adapter.init_lora}")
             # Small: lives on the compute device from the start, so resumed optimizer state lands there too.
             self.adapters.to(self.patcher.load_device)

@@ -100,8 +100,9 @@ class HeadroomLoraConfig(io.ComfyNode):
                 io.Combo.Input("init_lora", options=["none", *folder_paths.get_filename_list("loras")], default="none",
                                optional=True,
                                tooltip="Continue training this LoRA file instead of starting from zero (any file "
-                               "Load LoRA reads: ComfyUI, kohya, diffusers names). Plain LoRA files, kind lora, the "
-                               "file's rank; its text-encoder layers are dropped."),
+                               "Load LoRA reads: ComfyUI, kohya, diffusers names). Plain LoRA files with kind lora and "
+                               "the file's rank, or OFT files with kind oft and the file's block size and alpha; its "
+                               "text-encoder layers are dropped."),
             ],
             outputs=[LoraConfigType.Output("lora_config",
                                            tooltip="What to train, for a Train LoRA (Init) node's lora_config.")],

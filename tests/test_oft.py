@@ -3,7 +3,7 @@
 Why not peft's OFT: it rotates the input features (W' = W R^T), ComfyUI's OFT files rotate the output features
 (W' = R^T W per block); the first test shows numerically that no left factor reproduces peft's update.
 The rest: identity at init, the saved file through the stock loader (comfy.sd.load_lora_for_models) gives what the
-trainer trained with, exact resume, the kohya format, and the refusals.
+trainer trained with, exact resume, the kohya format, continuing an OFT file, and the refusals.
 """
 from __future__ import annotations
 
@@ -259,6 +259,38 @@ def test_kohya_file_is_the_same_oft_for_the_stock_loader(comfyui, caplog):
 
 
 @pytest.mark.comfyui
+def test_an_oft_file_continues_exactly_and_misfits_are_refused(comfyui, caplog):
+    from headroom.nodes import train_lora as T
+    from test_lora_formats import _init_from, _patched_weights
+
+    model, _, _, latents, texts = _data("sd15")
+    first = _oft_run(model, latents, texts, "oft_first", rank=4, alpha=0.25, lr=2e-2)
+    with torch.inference_mode():
+        T.HeadroomTrainSteps.execute(first, 3)
+        name = T.HeadroomSaveLora.execute(first, "oft", "sd15_first", "fp32").args[0]
+    continued = _oft_run(model, latents, texts, "oft_continued", rank=4, alpha=0.25, init_lora=name)
+    assert continued.step == 0 and not continued.resumed
+    a, b = first.adapters.state_dict(), continued.adapters.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    with torch.inference_mode():
+        at_start = T.HeadroomSaveLora.execute(continued, "oft", "sd15_continued_step0", "fp32").args[0]
+    expected = _patched_weights(_stock_loaded(model, name, caplog))
+    got = _patched_weights(_stock_loaded(model, at_start, caplog))
+    assert expected.keys() == got.keys() and all(torch.equal(got[k], expected[k]) for k in expected)
+    with torch.inference_mode():
+        T.HeadroomTrainSteps.execute(continued, 1)
+    assert any(not torch.equal(b[k], v) for k, v in continued.adapters.state_dict().items())
+
+    with pytest.raises(ValueError, match=r"block size 4 at .*set the LoRA config's rank \(the block size for oft\) to 4"):
+        _oft_run(model, latents, texts, "oft_continue_rank", rank=8, alpha=0.25, init_lora=name)
+    with pytest.raises(ValueError, match=r"constraint alpha 0.25 at .*set the LoRA config's alpha to 0.25"):
+        _oft_run(model, latents, texts, "oft_continue_alpha", rank=4, alpha=1.0, init_lora=name)
+    with pytest.raises(ValueError, match=r"holds an oft update; only plain LoRA files .*set the LoRA config's kind "
+                                         r"to oft"):
+        _init_from(model, latents, texts, "oft_as_lora", name)
+
+
+@pytest.mark.comfyui
 def test_settings_that_do_not_fit_are_refused_with_what_to_change(comfyui):
     from test_lora_formats import _save_both
 
@@ -272,5 +304,5 @@ def test_settings_that_do_not_fit_are_refused_with_what_to_change(comfyui):
     with pytest.raises(ValueError, match=r"kind oft has no dropout .*set dropout to 0"):
         AdapterConfig(kind="oft", rank=4, dropout=0.1).validate()
     _, _, _, lora_name, _ = _save_both("sd15", "lora")
-    with pytest.raises(ValueError, match=r"continuing from .* needs kind lora \(the file is a plain LoRA\), not oft"):
+    with pytest.raises(ValueError, match=r"holds a lora update; kind oft continues OFT files only"):
         _oft_run(model, latents, texts, "oft_from_lora", rank=4, init_lora=lora_name)

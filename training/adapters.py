@@ -302,7 +302,10 @@ class AdapterSet:
     def start_from(self, lora: dict[str, tuple[torch.Tensor, torch.Tensor, float]], source: str) -> None:
         """Start from a saved LoRA: {module path: (down, up, scale)}, scale = the file's alpha / rank. Its up
         weights are rescaled by the file's scale over this adapter's, so the adapter's effect is exactly the
-        file's; modules the file does not cover start at zero (no effect)."""
+        file's; modules the file does not cover start at zero (no effect). Kind oft: {module path: (oft_blocks,
+        alpha)} of an OFT file, taken as they are (same block size and constraint, so exactly the file's rotation)."""
+        if self.config.kind == "oft":
+            return self._start_from_oft(lora, source)
         if self.config.kind != "lora":
             raise ValueError(f"continuing from {source} needs kind lora (the file is a plain LoRA), not {self.config.kind}")
         outside = sorted(set(lora) - set(self.layers))
@@ -321,6 +324,28 @@ class AdapterSet:
                                      f"model's layer needs {tuple(b.shape)} / {tuple(a.shape)}: a LoRA of another model")
                 a.copy_(down.reshape(a.shape).float())
                 b.copy_(up.reshape(b.shape).float() * (scale / layer.scaling["default"]))
+
+    def _start_from_oft(self, oft: dict[str, tuple[torch.Tensor, float | None]], source: str) -> None:
+        outside = sorted(set(oft) - set(self.layers))
+        if outside:
+            raise ValueError(f"{source} adapts {len(outside)} layer(s) this run does not train (e.g. {outside[0]}); "
+                             "choose targets / include_conv that cover them (all_layers covers every layer)")
+        with torch.no_grad():
+            for path, (blocks, alpha) in oft.items():
+                layer = self.layers[path]
+                if blocks.shape[1] != layer.block_size:
+                    raise ValueError(f"{source} has OFT block size {blocks.shape[1]} at {path}; set the LoRA config's "
+                                     f"rank (the block size for oft) to {blocks.shape[1]} to continue it")
+                if blocks.shape != layer.oft.oft_blocks.shape:
+                    raise ValueError(f"{source}: {path} has blocks {tuple(blocks.shape)}, this model's layer needs "
+                                     f"{tuple(layer.oft.oft_blocks.shape)}: an OFT file of another model")
+                if alpha is None or alpha <= 0:
+                    raise ValueError(f"{source} has no OFT constraint (alpha) at {path}; kind oft always trains with "
+                                     "one (alpha > 0), so it cannot continue this file exactly")
+                if _float32(alpha) != layer.oft.constraint:
+                    raise ValueError(f"{source} has OFT constraint alpha {alpha:g} at {path}; set the LoRA config's "
+                                     f"alpha to {alpha:g} to continue it")
+                layer.oft.oft_blocks.copy_(blocks.float())
 
     # --- state ------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
