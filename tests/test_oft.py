@@ -7,6 +7,8 @@ trainer trained with, exact resume, the kohya format, continuing an OFT file, an
 """
 from __future__ import annotations
 
+import pathlib
+
 import pytest
 import torch
 
@@ -288,6 +290,21 @@ def test_an_oft_file_continues_exactly_and_misfits_are_refused(comfyui, caplog):
     with pytest.raises(ValueError, match=r"holds an oft update; only plain LoRA files .*set the LoRA config's kind "
                                          r"to oft"):
         _init_from(model, latents, texts, "oft_as_lora", name)
+    # Hand-edited OFT files: without the constraint, and with a rescale (neither is what kind oft trains).
+    import folder_paths
+    from safetensors.torch import load_file, save_file
+
+    path = pathlib.Path(folder_paths.get_full_path_or_raise("loras", name))
+    state = load_file(str(path))
+    save_file({k: v for k, v in state.items() if not k.endswith(".alpha")}, str(path.with_name("no_alpha.safetensors")))
+    rescaled = dict(state, **{k.replace(".oft_blocks", ".rescale"): torch.ones(v.shape[0] * v.shape[1], 1)
+                              for k, v in state.items() if k.endswith(".oft_blocks")})
+    save_file(rescaled, str(path.with_name("rescaled.safetensors")))
+    folder = name.rsplit("/", 1)[0]
+    with pytest.raises(ValueError, match=r"has no OFT constraint \(alpha\) at .*cannot continue this file exactly"):
+        _oft_run(model, latents, texts, "oft_no_alpha", rank=4, alpha=0.25, init_lora=f"{folder}/no_alpha.safetensors")
+    with pytest.raises(ValueError, match=r"has an OFT rescale / DoRA scale"):
+        _oft_run(model, latents, texts, "oft_rescaled", rank=4, alpha=0.25, init_lora=f"{folder}/rescaled.safetensors")
 
 
 @pytest.mark.comfyui
