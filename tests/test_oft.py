@@ -12,7 +12,7 @@ import pathlib
 import pytest
 import torch
 
-from headroom.training.adapters import AdapterConfig, AdapterSet, OFTLayer, _export_oft
+from headroom.training.adapters import AdapterConfig, OFTLayer, _export_oft
 
 from test_train_lora_nodes import OVERFIT, _data, _no_adapter_attached, one_thread  # noqa: F401  (autouse fixture)
 
@@ -96,8 +96,10 @@ def test_layer_equals_the_stock_loaders_weight(comfyui, kind, constraint):
     merged = comfy.lora.calculate_weight([(1.0, patches["m.weight"], 1.0, None, None)], base.weight.detach().clone(),
                                          "m.weight")
     # Orthogonal per block, so each block of output rows keeps its norm (what OFT preserves).
-    rows = lambda w: w.flatten(1).unflatten(0, (layer.block_num, 4)).norm(dim=(1, 2))  # noqa: E731
-    torch.testing.assert_close(rows(merged), rows(base.weight.detach()))
+    def block_norms(w):
+        return w.flatten(1).unflatten(0, (layer.block_num, 4)).norm(dim=(1, 2))
+
+    torch.testing.assert_close(block_norms(merged), block_norms(base.weight.detach()))
     x = _input(kind)
     with torch.no_grad():
         expected = (torch.nn.functional.linear(x, merged, base.bias) if kind == "linear"
@@ -150,7 +152,7 @@ def test_tiny_run_learns_and_the_stock_loader_gives_what_was_trained(comfyui, fa
     from headroom.nodes import train_lora as T
     from headroom.nodes.comfy_bridge import ComfyDenoiser
 
-    model, clip, vae, latents, texts = _data(family)
+    model, _, _, latents, texts = _data(family)
     base = {k: v.clone() for k, v in model.model.state_dict().items()}
     run = _oft_run(model, latents, texts, f"oft_{family}", rank=4, alpha=1.0, lr=1e-2, **OVERFIT[family])
     assert all(isinstance(layer, OFTLayer) for layer in run.adapters.layers.values())
