@@ -23,7 +23,6 @@ import sys
 import time
 
 import torch
-from peft.tuners.tuners_utils import BaseTunerLayer
 
 import comfy.float
 import comfy.lora
@@ -35,7 +34,7 @@ import comfy.patcher_extension
 import comfy.samplers
 import comfy.utils
 
-from ..training.adapters import AdapterConfig, AdapterSet, select_targets
+from ..training.adapters import ADAPTER_LAYERS, AdapterConfig, AdapterSet, select_targets
 from ..training.cache_store import fingerprint_state_dict, fingerprint_value
 from ..training.lowbit import LowBitBase, LowBitLinear
 from ..training.memory_stats import PhaseRecorder, process_rss_bytes
@@ -391,7 +390,7 @@ class TrainingSession:
             finally:  # the shared module is full precision again even when building the adapters failed
                 self._load_in_low_bit(low_bit)
             if config.adapter.init_lora:  # a resumed run's checkpoint replaces these below (_finish_open)
-                self.adapters.start_from(read_lora_file(model, config.adapter.init_lora),
+                self.adapters.start_from(read_lora_file(model, config.adapter.init_lora, config.adapter.kind),
                                          f"LoRA file {config.adapter.init_lora}")
             # Small: lives on the compute device from the start, so resumed optimizer state lands there too.
             self.adapters.to(self.patcher.load_device)
@@ -406,7 +405,7 @@ class TrainingSession:
         """The run directory (checked against this configuration), the holdout split and the memory record."""
         if policy is not None and not isinstance(policy, OffloadPolicy):
             raise ValueError("policy must come from a HeadroomOffloadPolicy or HeadroomMemoryPlan node")
-        if any(isinstance(m, (BaseTunerLayer, LowBitLinear)) for m in model.model.diffusion_model.modules()):
+        if any(isinstance(m, (*ADAPTER_LAYERS, LowBitLinear)) for m in model.model.diffusion_model.modules()):
             # A previous run's clone is loaded with its adapter or low-bit layers in this shared module: unload it.
             comfy.model_management.unload_model_and_clones(model)
         self.source_model = model

@@ -50,7 +50,7 @@ _KOHYA_BASE = {
     "flux": ("flux1", "flux-1-dev/lora"),
 }
 # LyCORIS' network module and algo names for the adapter kinds that are not plain LoRA.
-_LYCORIS_ALGO = {"loha": "loha", "lokr": "lokr", "dora": "lora"}
+_LYCORIS_ALGO = {"loha": "loha", "lokr": "lokr", "dora": "lora", "oft": "diag-oft"}
 
 
 def kohya_names(model, module_paths, family: str | None) -> dict[str, str]:
@@ -293,31 +293,48 @@ def _join_rows(module: str, pieces, model, source: str) -> tuple[torch.Tensor, t
     return down, torch.cat([p[3] * p[4] if p[4] != 1.0 else p[3] for p in pieces]), 1.0
 
 
-def read_lora_file(model, name: str) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:
-    """{module path: (down, up, alpha / rank)} of a LoRA file under models/loras/, read the way the stock loader
-    reads it (ComfyUI's format conversion and key map: ComfyUI, kohya, diffusers / PEFT names all work)."""
+def read_lora_file(model, name: str, kind: str = "lora") -> dict[str, tuple]:
+    """The adapters of a LoRA file under models/loras/, read the way the stock loader reads it (ComfyUI's format
+    conversion and key map: ComfyUI, kohya, diffusers / PEFT names all work): {module path: (down, up, alpha / rank)}
+    of a plain LoRA file, or for kind oft {module path: (oft_blocks, alpha)} of an OFT file."""
     source = f"LoRA file {name}"
     path = folder_paths.get_full_path("loras", name)
     if path is None:
         raise ValueError(f"{source} is not in models/loras/ (Load LoRA lists the names to use)")
     state = comfy.lora_convert.convert_lora(comfy.utils.load_torch_file(path, safe_load=True))
     loaded = comfy.lora.load_lora(state, comfy.lora.model_lora_keys_unet(model.model, {}), log_missing=False)
+    wanted = "oft" if kind == "oft" else "lora"
     used = set()
-    out: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = {}
+    out: dict[str, tuple] = {}
     parts: dict[str, list[tuple[int, int, torch.Tensor, torch.Tensor, float]]] = {}
     for target, adapter in loaded.items():
         used |= set(getattr(adapter, "loaded_keys", ()))
         weight_key = target if isinstance(target, str) else target[0]
         part = None if isinstance(target, str) else target[1:]  # ((dim, offset, size),) or (None, function)
         rows_part = part is not None and part[0] is not None
-        if getattr(adapter, "name", None) != "lora" or (rows_part and (len(part) != 1 or part[0][0] != 0)):
-            raise ValueError(f"{source}: {weight_key} holds a {getattr(adapter, 'name', type(adapter).__name__)} "
-                             "update; only plain LoRA files (up / down / alpha) can be continued")
+        held = getattr(adapter, "name", None)
+        if held != wanted or (wanted == "oft" and part is not None) or \
+                (rows_part and (len(part) != 1 or part[0][0] != 0)):
+            held = held or type(adapter).__name__
+            if wanted == "oft":
+                raise ValueError(f"{source}: {weight_key} holds a {held} update; kind oft continues OFT files only "
+                                 "(oft_blocks): choose the kind the file was trained with")
+            hint = "; set the LoRA config's kind to oft to continue it" if held == "oft" else ""
+            article = "an" if held[:1] in ("a", "e", "i", "o", "u") else "a"
+            raise ValueError(f"{source}: {weight_key} holds {article} {held} update; only plain LoRA files (up / down / "
+                             f"alpha) can be continued{hint}")
+        module = weight_key[len("diffusion_model."):-len(".weight")]
+        if wanted == "oft":
+            blocks, rescale, alpha, dora_scale = adapter.weights
+            if rescale is not None or dora_scale is not None:
+                raise ValueError(f"{source}: {weight_key} has an OFT rescale / DoRA scale, which kind oft does not "
+                                 "train; only plain OFT files (oft_blocks / alpha) can be continued")
+            out[module] = (blocks, alpha)
+            continue
         up, down, alpha, mid, dora_scale, _ = adapter.weights
         if mid is not None or dora_scale is not None:
             raise ValueError(f"{source}: {weight_key} is a LoCon-mid / DoRA layer; only plain LoRA files can be continued")
         scale = (alpha / down.shape[0]) if alpha is not None else 1.0
-        module = weight_key[len("diffusion_model."):-len(".weight")]
         if part is not None and not rows_part:  # ComfyUI adds function(delta): a row permutation moves up's rows
             if _row_permutation(part[1], model.model.state_dict()[weight_key]) is None:
                 raise ValueError(f"{source}: {weight_key} is patched through a function that is not a reordering of "

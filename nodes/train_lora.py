@@ -75,12 +75,18 @@ class HeadroomLoraConfig(io.ComfyNode):
             description="What to train: adapter kind, rank, alpha and which layers.",
             inputs=[
                 io.Combo.Input("kind", options=list(KINDS), default="lora",
-                               tooltip="lora; dora (weight-decomposed); loha (Hadamard); lokr (Kronecker)."),
+                               tooltip="lora; dora (weight-decomposed); loha (Hadamard); lokr (Kronecker); oft "
+                               "(orthogonal finetuning: rotates each layer's output features in blocks, ComfyUI's "
+                               "OFT format)."),
                 io.Int.Input("rank", default=16, min=1, max=1024,
                              tooltip="Size of the low-rank update: higher learns more detail and takes more memory "
-                             "and file size; 4-32 is usual."),
+                             "and file size; 4-32 is usual. oft: the block size of the rotations (at least 2; it must "
+                             "divide every trained layer's output features; 16-64 is usual), as ComfyUI's trainer "
+                             "reads rank."),
                 io.Float.Input("alpha", default=16.0, min=0.01, max=4096.0, step=0.01,
-                               tooltip="Scale is alpha / rank; alpha = rank means scale 1."),
+                               tooltip="Scale is alpha / rank; alpha = rank means scale 1. oft: the constraint, the "
+                               "largest norm of each layer's rotation generator (ComfyUI's trainer uses 1; smaller "
+                               "stays closer to the base model)."),
                 io.Combo.Input("targets", options=list(TARGET_MODES), default="preset",
                                tooltip="preset: the model family's attention/MLP layers (SD1.5, SDXL, SD3, Flux); "
                                "all_linear: every linear layer inside the model's blocks (any model); all_layers: "
@@ -88,14 +94,15 @@ class HeadroomLoraConfig(io.ComfyNode):
                 io.Boolean.Input("include_conv", default=False,
                                  tooltip="Also train the UNet block convolutions (SD1.5 / SDXL presets, all_linear)."),
                 io.Float.Input("dropout", default=0.0, min=0.0, max=0.9, step=0.01,
-                               tooltip="Dropout on the adapter's input while training (0: none)."),
+                               tooltip="Dropout on the adapter's input while training (0: none; kind oft has none)."),
                 io.Int.Input("init_seed", default=0, min=0, max=0xFFFFFFFF,
                              tooltip="Seed of the adapter's initial weights."),
                 io.Combo.Input("init_lora", options=["none", *folder_paths.get_filename_list("loras")], default="none",
                                optional=True,
                                tooltip="Continue training this LoRA file instead of starting from zero (any file "
-                               "Load LoRA reads: ComfyUI, kohya, diffusers names). Plain LoRA files, kind lora, the "
-                               "file's rank; its text-encoder layers are dropped."),
+                               "Load LoRA reads: ComfyUI, kohya, diffusers names). Plain LoRA files with kind lora and "
+                               "the file's rank, or OFT files with kind oft and the file's block size and alpha; its "
+                               "text-encoder layers are dropped."),
             ],
             outputs=[LoraConfigType.Output("lora_config",
                                            tooltip="What to train, for a Train LoRA (Init) node's lora_config.")],

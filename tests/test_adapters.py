@@ -80,7 +80,8 @@ def test_bad_adapter_settings():
 
 
 @pytest.mark.comfyui
-@pytest.mark.parametrize("kind,rank", [("lora", 4), ("dora", 4), ("loha", 3), ("lokr", 2), ("lokr", 8)])
+@pytest.mark.parametrize("kind,rank", [("lora", 4), ("dora", 4), ("loha", 3), ("lokr", 2), ("lokr", 8), ("oft", 4),
+                                       ("oft", 16)])
 def test_export_is_reproduced_by_comfyui_lora_loading(comfyui, kind, rank):
     """peft's forward == the base layer run with the weight ComfyUI's stock LoRA path computes from our file."""
     import comfy.lora

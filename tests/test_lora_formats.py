@@ -43,8 +43,8 @@ def _patched_weights(lora_model) -> dict[str, torch.Tensor]:
             for key, patches in lora_model.patches.items()}
 
 
-@pytest.mark.parametrize("family,kind", [("sd15", "lora"), ("sd15", "loha"), ("sd15", "dora"), ("sd3", "lora"),
-                                         ("flux", "lora"), ("flux", "lokr")])
+@pytest.mark.parametrize("family,kind", [("sd15", "lora"), ("sd15", "loha"), ("sd15", "dora"), ("sd15", "oft"),
+                                         ("sd3", "lora"), ("flux", "lora"), ("flux", "lokr")])
 def test_kohya_file_is_the_same_lora_for_the_stock_loader(comfyui, family, kind, caplog):
     import nodes
 
@@ -60,7 +60,8 @@ def test_kohya_file_is_the_same_lora_for_the_stock_loader(comfyui, family, kind,
     assert metadata["ss_base_model_version"] == {"sd15": "sd_v1", "sd3": "sd3", "flux": "flux1"}[family]
     assert metadata["ss_network_module"] == ("networks.lora" if kind == "lora" else "lycoris.kohya")
     if kind != "lora":
-        assert json.loads(metadata["ss_network_args"])["algo"] == {"loha": "loha", "lokr": "lokr", "dora": "lora"}[kind]
+        assert json.loads(metadata["ss_network_args"])["algo"] == {"loha": "loha", "lokr": "lokr", "dora": "lora",
+                                                                   "oft": "diag-oft"}[kind]
     assert metadata["headroom.format"] == "kohya" and metadata["headroom.steps"] == "2"
 
     with torch.inference_mode():

@@ -61,9 +61,9 @@ def _init(model, latents, texts, run_name, kind="lora", rank=8, targets="preset"
 
 
 def _no_adapter_attached(model):
-    from peft.tuners.tuners_utils import BaseTunerLayer
+    from headroom.training.adapters import ADAPTER_LAYERS
 
-    return not any(isinstance(m, BaseTunerLayer) for m in model.model.diffusion_model.modules())
+    return not any(isinstance(m, ADAPTER_LAYERS) for m in model.model.diffusion_model.modules())
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -303,7 +303,7 @@ def test_flux_gradient_checkpointing_gives_the_same_weights(comfyui):
         _init(model, latents, texts, "flux_depth2", rank=4, gradient_checkpointing=True, checkpoint_depth=2)
 
 
-@pytest.mark.parametrize("kind", ["dora", "loha", "lokr"])
+@pytest.mark.parametrize("kind", ["dora", "loha", "lokr", "oft"])
 def test_other_adapter_kinds_round_trip_through_the_stock_loader(comfyui, kind, caplog):
     import nodes
     from headroom.nodes import train_lora as T

@@ -1,4 +1,5 @@
-"""LoRA-family adapters (LoRA, DoRA, LoHa, LoKr) on a module tree, built from peft's layer classes.
+"""LoRA-family adapters (LoRA, DoRA, LoHa, LoKr, OFT) on a module tree, built from peft's layer classes (OFT: from
+ComfyUI's own OFT class, see `OFTLayer`).
 
 peft's tuner layers wrap a base module and add the adapter path in `forward`; we use them directly
 (not `get_peft_model`) so the same adapter can be swapped into and out of a module tree that other
@@ -10,10 +11,12 @@ Export writes the keys ComfyUI's stock LoraLoader maps (`comfy.lora.load_lora` +
   DoRA  the same + .dora_scale
   LoHa  <prefix><path>.hada_w1_a / hada_w1_b / hada_w2_a / hada_w2_b (/ hada_t1 / hada_t2) / .alpha
   LoKr  <prefix><path>.lokr_w1 | lokr_w1_a+lokr_w1_b, lokr_w2 | lokr_w2_a+lokr_w2_b (/ lokr_t2) / .alpha
+  OFT   <prefix><path>.oft_blocks [block_num, block_size, block_size] / .alpha (the constraint)
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from typing import Iterable
 
@@ -21,10 +24,11 @@ import torch
 from peft import LoHaConfig, LoKrConfig, LoraConfig
 from peft.tuners import loha, lokr
 from peft.tuners.lora import layer as lora_layer
+from peft.tuners.tuners_utils import BaseTunerLayer
 
 from .checks import check_finite
 
-KINDS = ("lora", "dora", "loha", "lokr")
+KINDS = ("lora", "dora", "loha", "lokr", "oft")
 TARGET_MODES = ("preset", "all_linear", "all_layers")
 
 # Module paths (relative to the denoiser root) trained by each family preset.
@@ -44,14 +48,14 @@ TARGET_PRESETS: dict[str, tuple[str, ...]] = {
 # Convolutions inside the UNet blocks (optional for sd15 / sdxl); the stem conv input_blocks.0.0 stays frozen.
 _UNET_CONV = r"^(input_blocks\.(?!0\.0$)|middle_block\.|output_blocks\.)"
 
-_ADAPTER_PARAM_PREFIXES = ("lora_A", "lora_B", "lora_magnitude_vector", "hada_", "lokr_")
+_ADAPTER_PARAM_PREFIXES = ("lora_A", "lora_B", "lora_magnitude_vector", "hada_", "lokr_", "oft.")
 
 
 @dataclasses.dataclass(frozen=True)
 class AdapterConfig:
-    kind: str = "lora"  # lora | dora | loha | lokr
-    rank: int = 16
-    alpha: float = 16.0
+    kind: str = "lora"  # lora | dora | loha | lokr | oft
+    rank: int = 16  # oft: the block size
+    alpha: float = 16.0  # oft: the constraint (cap on the norm of each layer's skew-symmetric matrix)
     # preset: the family's layers | all_linear: every Linear inside the blocks | all_layers: every Linear and
     # Conv2d of the model (embedders and output layer too, like ComfyUI's own trainer)
     targets: str = "preset"
@@ -72,6 +76,13 @@ class AdapterConfig:
             raise ValueError(f"targets={self.targets!r}: choose one of {TARGET_MODES}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout={self.dropout} must be in [0, 1)")
+        if self.kind == "oft":
+            if self.rank < 2:
+                raise ValueError(f"kind oft: rank is the block size of the rotations, and {self.rank} cannot rotate "
+                                 "anything: use 2 or more (a divisor of every trained layer's output features)")
+            if self.dropout:
+                raise ValueError(f"kind oft has no dropout (ComfyUI's OFT has none): set dropout to 0, not "
+                                 f"{self.dropout}")
 
 
 def select_targets(root: torch.nn.Module, family: str | None, config: AdapterConfig,
@@ -110,8 +121,89 @@ def select_targets(root: torch.nn.Module, family: str | None, config: AdapterCon
     return paths
 
 
+def _out_features(module: torch.nn.Module) -> int:
+    return module.out_channels if isinstance(module, torch.nn.Conv2d) else module.out_features
+
+
+def _oft_block_class():
+    # ComfyUI's own OFT training module (comfy/weight_adapter/oft.py, what its TrainLoraNode trains): imported here,
+    # not at module level, so the engine still imports where ComfyUI is absent (only kind oft needs it).
+    from comfy.weight_adapter.oft import OFTDiff
+
+    class OFTBlocks(OFTDiff):
+        """OFTDiff without its `alpha` Parameter: nothing reads it (the constraint is kept as a float), and a frozen
+        parameter inside the adapter would be taken for a base weight (weight streaming, the memory planner)."""
+
+        def __init__(self, weights):
+            super().__init__(weights)
+            del self.alpha
+
+    return OFTBlocks
+
+
+class OFTLayer(torch.nn.Module):
+    """Orthogonal finetuning of one Linear / Conv2d in ComfyUI's OFT parametrisation.
+
+    ComfyUI's OFT (comfy/weight_adapter/oft.py, the format its loader reads) rotates the weight's OUTPUT axis:
+    blocks B [block_num, block_size, block_size], Q = B - B^T (scaled down to norm alpha when its norm over all blocks
+    is larger), R = (I + Q)(I - Q)^-1, and the loader's weight is W + einsum("k n m, k n ... -> k m ...", R - I, W).
+    peft's OFT is not used: it rotates the INPUT features (W' = W R^T, on dim 1), which no OFT file of ComfyUI's can
+    express (tests/test_oft.py shows no left factor reproduces it), and it parametrises and approximates R differently.
+
+    The trainable blocks are ComfyUI's own OFTDiff (same Q, constraint and Cayley code as the loader). The rotation is
+    applied to the base layer's output without its bias: y + (R - I)^T (y - b) per block of output features, which is
+    the loader's weight times x in exact arithmetic; unlike rotating the weight it works on any base layer (low-bit,
+    streamed, ComfyUI's cast ops) and keeps no rotated copy of the weight for backward. At init B = 0, R = I exactly,
+    and the output is the base layer's, bit for bit.
+    """
+
+    def __init__(self, base: torch.nn.Module, block_size: int, constraint: float):
+        super().__init__()
+        out = _out_features(base)
+        if out % block_size:
+            raise ValueError(f"oft block size {block_size} does not divide the {out} output features")
+        self.base_layer = base
+        self.block_size, self.block_num = block_size, out // block_size
+        blocks = torch.zeros(self.block_num, block_size, block_size, dtype=torch.float32)
+        # The constraint as the saved file holds it (a float32 alpha), so training and the loader use the same value.
+        self.oft = _oft_block_class()((blocks, None, _float32(constraint), None))
+
+    def get_base_layer(self) -> torch.nn.Module:
+        return self.base_layer
+
+    def rotation(self) -> torch.Tensor:
+        """R per block [block_num, block_size, block_size], in float32 as ComfyUI's loader computes it (autocast off:
+        under bf16 / fp16 autocast the Cayley product would otherwise run in half precision)."""
+        blocks = self.oft.oft_blocks
+        with torch.autocast(blocks.device.type, enabled=False):
+            return self.oft._get_orthogonal_matrix(blocks.device, torch.float32)
+
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        y = self.base_layer(x, *args, **kwargs)
+        r = self.rotation()
+        delta_r = (r - torch.eye(self.block_size, device=r.device, dtype=r.dtype)).to(y.dtype)
+        channels_last = isinstance(self.base_layer, torch.nn.Conv2d)
+        z = y.movedim(1, -1) if channels_last else y
+        bias = getattr(self.base_layer, "bias", None)
+        if bias is not None:
+            z = z - bias.to(device=z.device, dtype=z.dtype)
+        delta = torch.einsum("k n m, ... k n -> ... k m", delta_r, z.unflatten(-1, (self.block_num, self.block_size)))
+        delta = delta.flatten(-2)
+        return y + (delta.movedim(-1, 1) if channels_last else delta)
+
+
+def _float32(value: float) -> float:
+    return torch.tensor(float(value), dtype=torch.float32).item()
+
+
+# Every module type an AdapterSet swaps into a module tree.
+ADAPTER_LAYERS = (BaseTunerLayer, OFTLayer)
+
+
 def _peft_layer(base: torch.nn.Module, config: AdapterConfig) -> torch.nn.Module:
     rank, alpha = int(config.rank), float(config.alpha)
+    if config.kind == "oft":
+        return OFTLayer(base, rank, alpha)
     if config.kind in ("lora", "dora"):
         peft_config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=config.dropout, use_dora=config.kind == "dora")
         cls = lora_layer.Conv2d if isinstance(base, torch.nn.Conv2d) else lora_layer.Linear
@@ -123,6 +215,19 @@ def _peft_layer(base: torch.nn.Module, config: AdapterConfig) -> torch.nn.Module
     peft_config = LoKrConfig(r=rank, alpha=alpha, module_dropout=config.dropout)
     cls = lokr.Conv2d if isinstance(base, torch.nn.Conv2d) else lokr.Linear
     return cls(base, "default", config=peft_config, r=rank, alpha=alpha)
+
+
+def _check_oft_block_size(root: torch.nn.Module, paths: list[str], block_size: int) -> None:
+    outs = {path: _out_features(root.get_submodule(path)) for path in paths}
+    bad = [path for path, out in outs.items() if out % block_size]
+    if bad:
+        common = math.gcd(*outs.values())
+        fits = [d for d in range(2, common + 1) if common % d == 0]
+        raise ValueError(
+            f"kind oft: rank is the block size, and {block_size} does not divide the {outs[bad[0]]} output features "
+            f"of {bad[0]} ({len(bad)} of the {len(paths)} trained layers); "
+            + (f"block sizes that fit every trained layer: {', '.join(map(str, fits))}" if fits else
+               "no block size fits every trained layer: choose other targets"))
 
 
 def _split_path(path: str) -> tuple[str, str]:
@@ -138,6 +243,8 @@ class AdapterSet:
         self.config = config
         self.layers: dict[str, torch.nn.Module] = {}
         self.attached_to: torch.nn.Module | None = None
+        if config.kind == "oft":
+            _check_oft_block_size(root, paths, int(config.rank))
         # Seeded init without disturbing the caller's global RNG stream.
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(config.init_seed)
@@ -195,7 +302,10 @@ class AdapterSet:
     def start_from(self, lora: dict[str, tuple[torch.Tensor, torch.Tensor, float]], source: str) -> None:
         """Start from a saved LoRA: {module path: (down, up, scale)}, scale = the file's alpha / rank. Its up
         weights are rescaled by the file's scale over this adapter's, so the adapter's effect is exactly the
-        file's; modules the file does not cover start at zero (no effect)."""
+        file's; modules the file does not cover start at zero (no effect). Kind oft: {module path: (oft_blocks,
+        alpha)} of an OFT file, taken as they are (same block size and constraint, so exactly the file's rotation)."""
+        if self.config.kind == "oft":
+            return self._start_from_oft(lora, source)
         if self.config.kind != "lora":
             raise ValueError(f"continuing from {source} needs kind lora (the file is a plain LoRA), not {self.config.kind}")
         outside = sorted(set(lora) - set(self.layers))
@@ -214,6 +324,28 @@ class AdapterSet:
                                      f"model's layer needs {tuple(b.shape)} / {tuple(a.shape)}: a LoRA of another model")
                 a.copy_(down.reshape(a.shape).float())
                 b.copy_(up.reshape(b.shape).float() * (scale / layer.scaling["default"]))
+
+    def _start_from_oft(self, oft: dict[str, tuple[torch.Tensor, float | None]], source: str) -> None:
+        outside = sorted(set(oft) - set(self.layers))
+        if outside:
+            raise ValueError(f"{source} adapts {len(outside)} layer(s) this run does not train (e.g. {outside[0]}); "
+                             "choose targets / include_conv that cover them (all_layers covers every layer)")
+        with torch.no_grad():
+            for path, (blocks, alpha) in oft.items():
+                layer = self.layers[path]
+                if blocks.shape[1] != layer.block_size:
+                    raise ValueError(f"{source} has OFT block size {blocks.shape[1]} at {path}; set the LoRA config's "
+                                     f"rank (the block size for oft) to {blocks.shape[1]} to continue it")
+                if blocks.shape != layer.oft.oft_blocks.shape:
+                    raise ValueError(f"{source}: {path} has blocks {tuple(blocks.shape)}, this model's layer needs "
+                                     f"{tuple(layer.oft.oft_blocks.shape)}: an OFT file of another model")
+                if alpha is None or alpha <= 0:
+                    raise ValueError(f"{source} has no OFT constraint (alpha) at {path}; kind oft always trains with "
+                                     "one (alpha > 0), so it cannot continue this file exactly")
+                if _float32(alpha) != layer.oft.constraint:
+                    raise ValueError(f"{source} has OFT constraint alpha {alpha:g} at {path}; set the LoRA config's "
+                                     f"alpha to {alpha:g} to continue it")
+                layer.oft.oft_blocks.copy_(blocks.float())
 
     # --- state ------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -242,8 +374,10 @@ class AdapterSet:
                     out.update(_export_lora(key, layer))
                 elif self.config.kind == "loha":
                     out.update(_export_loha(key, layer))
-                else:
+                elif self.config.kind == "lokr":
                     out.update(_export_lokr(key, layer))
+                else:
+                    out.update(_export_oft(key, layer))
         # Copies, never views of the live parameters: a caller may hold the dict while the weights change (EMA swap).
         return {k: v.detach().to("cpu", dtype, copy=True).contiguous() for k, v in out.items()}
 
@@ -292,3 +426,8 @@ def _export_lokr(key: str, layer) -> dict[str, torch.Tensor]:
     else:
         out[f"{key}.lokr_w1"] = out[f"{key}.lokr_w1"] * scaling
     return out
+
+
+def _export_oft(key: str, layer: OFTLayer) -> dict[str, torch.Tensor]:
+    # ComfyUI's loader reads `alpha` as the constraint (> 0: Q is scaled down to norm alpha), as OFTDiff trained it.
+    return {f"{key}.oft_blocks": layer.oft.oft_blocks.float(), f"{key}.alpha": torch.tensor(layer.oft.constraint)}
