@@ -234,6 +234,7 @@ def run_case(name: str, size: int, steps: int, checkpointing: bool, planner_esti
         finally:
             logging.getLogger().removeHandler(capture)
         loader_record = peak.record("stock LoraLoader")
+        formats = {fmt: _other_format(run, model, clip, fmt, name) for fmt in ("kohya", "diffusers")}
     # The run's own memory record (caching, training, validation, save), with init and the stock loader in order.
     recorded = json.loads(run.run_dir.memory_record_path.read_text())["phases"]
     caching = [p for p in recorded if p["phase"].startswith("caching")]
@@ -245,6 +246,7 @@ def run_case(name: str, size: int, steps: int, checkpointing: bool, planner_esti
     report["lora"] = {
         "file": lora_name, "tensors": len(saved), "modules": len(modules), "layers": len(run.adapters.layers),
         "patched_weights": len(lora_model.patches), "not_loaded": [m for m in capture.messages if "lora key not loaded" in m],
+        "formats": formats,
     }
     del lora_model
     mm.unload_all_models()
@@ -255,6 +257,37 @@ def run_case(name: str, size: int, steps: int, checkpointing: bool, planner_esti
     if planner_estimate:  # last: measuring runs forwards of the model (training/planner.py)
         report["planner"] = estimate(model, clip, vae, size, texts, latents, lora)
     return report
+
+
+# The diffusers pipeline whose lora_state_dict reads each family's files (SD3 has no kohya reader in diffusers).
+_DIFFUSERS_PIPELINES = {"sdxl": "StableDiffusionXLPipeline", "flux_dev": "FluxPipeline", "sd35_large": "StableDiffusion3Pipeline"}
+
+
+def _other_format(run, model, clip, file_format: str, case: str) -> dict:
+    """The same run saved in another file format: what the stock LoraLoader maps of it, and what diffusers' own
+    reader (the pipeline's lora_state_dict, which converts kohya names at real widths) makes of it."""
+    import diffusers
+    import folder_paths
+    import nodes
+    from headroom.nodes import train_lora as T
+
+    name = T.HeadroomSaveLora.execute(run, "realsize", f"realsize_{case}_{file_format}", "fp32", file_format).args[0]
+    capture = _Capture()
+    logging.getLogger().addHandler(capture)
+    try:
+        lora_model = nodes.LoraLoader().load_lora(model, clip, name, 1.0, 0.0)[0]
+    finally:
+        logging.getLogger().removeHandler(capture)
+    result = {"file": name, "patched_weights": len(lora_model.patches),
+              "not_loaded": [m for m in capture.messages if "lora key not loaded" in m]}
+    del lora_model
+    if not (file_format == "kohya" and case == "sd35_large"):
+        pipeline = getattr(diffusers, _DIFFUSERS_PIPELINES[case])
+        state = pipeline.lora_state_dict(folder_paths.get_full_path("loras", name))
+        state = state[0] if isinstance(state, tuple) else state
+        result["diffusers_down_weights"] = sum(1 for k in state if k.endswith((".lora_A.weight", ".lora.down.weight",
+                                                                              "_lora.down.weight")))
+    return result
 
 
 def replace_case(arch: str, depth) -> dict:

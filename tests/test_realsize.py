@@ -49,6 +49,12 @@ def _print_report(report: dict) -> None:
             if "planner_bytes" in row else ""
         lines.append(f"  {phase:<16} measured {row['measured_bytes'] / GIB:.2f} GiB (growth {row['growth_bytes'] / GIB:.2f})"
                      + planner)
+    lora = report["lora"]
+    lines.append(f"  LoRA: {lora['modules']} modules, {lora['patched_weights']} weights patched by the stock loader; "
+                 + "; ".join(f"{fmt}: {saved['patched_weights']} patched, {len(saved['not_loaded'])} not loaded"
+                             + (f", diffusers reads {saved['diffusers_down_weights']} layers"
+                                if "diffusers_down_weights" in saved else "")
+                             for fmt, saved in lora.get("formats", {}).items()))
     print("\n".join(lines))
 
 
@@ -71,6 +77,13 @@ def test_nodes_on_a_real_size_model(case, args, params):
     lora = report["lora"]
     assert lora["not_loaded"] == [], f"the stock LoraLoader did not map: {lora['not_loaded'][:5]}"
     assert lora["modules"] == lora["layers"] == lora["patched_weights"] > 0
+    # The same run saved as kohya and diffusers files: the stock loader maps all of it to the same weights, and
+    # diffusers' own reader converts it at real width (a diffusers layer per fused part: at least one per module).
+    for file_format, saved in lora["formats"].items():
+        assert saved["not_loaded"] == [], f"{file_format}: the stock LoraLoader did not map {saved['not_loaded'][:5]}"
+        assert saved["patched_weights"] == lora["patched_weights"], file_format
+        if "diffusers_down_weights" in saved:
+            assert saved["diffusers_down_weights"] >= lora["modules"], (file_format, saved)
     assert report["base_unchanged"], "the base MODEL's weights changed"
 
     # No second copy of the weights in any phase: each phase's peak RSS growth over the resident models stays below
