@@ -363,9 +363,34 @@ class SessionConfig:
         return json.loads(json.dumps(dataclasses.asdict(self)))
 
 
+# What a run trains -> (its name in messages, the nodes that take only such runs: display names for messages).
+RUN_KINDS = {
+    "lora": ("LoRA", {"save": "Save LoRA (Headroom)",
+                      "apply": "Apply Trained LoRA (Headroom) on the MODEL, or Save LoRA (Headroom) and the stock "
+                               "Load LoRA"}),
+    "controlnet": ("ControlNet", {"save": "Save ControlNet (Headroom)",
+                                  "apply": "the control_net output of its Init / Train ControlNet node with the stock "
+                                           "Apply ControlNet"}),
+}
+
+
+def check_run_kind(run, trains: str, node: str, action: str) -> None:
+    """A node that takes only LoRA runs (or only ControlNet runs) given another run: a ValueError that names the
+    node to use instead for `action` ("save" / "apply")."""
+    if not isinstance(run, TrainingSession):
+        raise ValueError(  # noqa: TRY004 - an input error, as ComfyUI reports them
+            f"{node}: the run input must be a TRAINING_RUN from a Headroom Init or training node, "
+            f"not {type(run).__name__}")
+    if run.trains != trains:
+        what, instead = RUN_KINDS[run.trains][0], RUN_KINDS[run.trains][1][action]
+        raise ValueError(f"{node}: run '{run.run_dir.name}' is a {what} run and this node takes {RUN_KINDS[trains][0]} "
+                         f"runs only; for a {what} run use {instead}")
+
+
 class TrainingSession:
     """Everything of one training run inside ComfyUI: the TRAINING_RUN value nodes pass along."""
 
+    trains = "lora"  # what the run trains: a RUN_KINDS key
     precision_note = ""  # how the init node chose the compute precision (nodes/train_lora.py resolve_precision)
 
     def __init__(self, model, latent_cache, text_cache, config: SessionConfig, run_root: pathlib.Path, run_name: str,

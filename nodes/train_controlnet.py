@@ -26,7 +26,7 @@ from ..training.objective import ObjectiveConfig
 from ..training.optimizers import OptimizerConfig
 from ..training.run_dir import RunFolderError, check_name, check_subfolder
 from ..training.trainer import TrainConfig, Trainer
-from .comfy_bridge import ComfyDenoiser, TrainingSession, check_caches, model_blocks
+from .comfy_bridge import ComfyDenoiser, TrainingSession, check_caches, check_run_kind, model_blocks
 from .controlnet_build import (SUPPORTED_FAMILIES, TrainableControlNet, apply_controlnet,
                                build_controlnet, check_control_cache, comfy_controlnet, controlled_prediction,
                                controlnet_family, prepare_hint, save_controlnet)
@@ -77,6 +77,8 @@ class ControlNetSessionConfig:
 class ControlNetSession(TrainingSession):
     """A ControlNet training run. Shares TrainingSession's train_to (progress, events, cancel -> checkpoint),
     validation_loss and release; what differs is what is trained and how it is attached."""
+
+    trains = "controlnet"
 
     def __init__(self, model, latent_cache, text_cache, config: ControlNetSessionConfig, run_root: pathlib.Path,
                  run_name: str, policy=None, validation_control: torch.Tensor | None = None,
@@ -131,6 +133,12 @@ class ControlNetSession(TrainingSession):
             raise ValueError(f"a {self.controlnet.family} ControlNet VAE-encodes its control image: connect the vae")
         return apply_controlnet(positive, negative, self.comfy_controlnet(), self.validation_control,
                                 self.validation_strength, 0.0, 1.0, vae=vae)
+
+    def patched_model(self, model=None, strength: float = 1.0):
+        check_run_kind(self, "lora", "HeadroomApplyTrainedLora", "apply")  # raises: a ControlNet run has no adapter
+
+    def lora_metadata(self) -> dict[str, str]:
+        check_run_kind(self, "lora", "HeadroomSaveLora", "save")  # raises: a ControlNet run has no adapter
 
     def controlnet_metadata(self) -> dict:
         return {"base_fingerprint": self.fingerprint, "steps": self.step, "run": self.run_dir.name,
@@ -279,8 +287,7 @@ class HeadroomSaveControlNet(io.ComfyNode):
 
     @classmethod
     def execute(cls, run, subfolder: str, filename: str, weights: str = "auto") -> io.NodeOutput:
-        if not isinstance(run, ControlNetSession):
-            raise ValueError("HeadroomSaveControlNet: the run is not a ControlNet run (use Save LoRA for LoRA runs)")
+        check_run_kind(run, "controlnet", "HeadroomSaveControlNet", "save")
         try:
             name = save_trained_controlnet(run, subfolder, filename, weights)
         except ValueError as error:

@@ -32,7 +32,7 @@ from ..training.run_dir import RunDir, RunFolderError, check_name, check_subfold
 from ..training.trainer import PRECISIONS, TrainConfig, auto_precision
 from . import lora_formats
 from .cache import unload_encoder
-from .comfy_bridge import (LORA_APPLICATIONS, VALIDATE_EVENT, WEIGHT_CHOICES, SessionConfig, TrainingSession, check_caches, model_family,
+from .comfy_bridge import (LORA_APPLICATIONS, VALIDATE_EVENT, WEIGHT_CHOICES, SessionConfig, TrainingSession, check_caches, check_run_kind, model_family,
                            run_generation, send_event)
 from .memory import budget_bytes
 
@@ -663,8 +663,7 @@ class HeadroomSaveLora(io.ComfyNode):
     @classmethod
     def execute(cls, run: TrainingSession, subfolder: str, filename: str, dtype: str,
                 format: str = "comfyui", weights: str = "auto") -> io.NodeOutput:  # noqa: A002 - the input's name
-        if not hasattr(run, "adapters"):
-            raise ValueError("HeadroomSaveLora: the run is not a LoRA run (use Save ControlNet for ControlNet runs)")
+        check_run_kind(run, "lora", "HeadroomSaveLora", "save")
         try:
             name = save_lora(run, subfolder, filename, dtype, format, weights)
         except ValueError as error:
@@ -690,6 +689,7 @@ class HeadroomApplyTrainedLora(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, run: TrainingSession, strength: float) -> io.NodeOutput:
+        check_run_kind(run, "lora", "HeadroomApplyTrainedLora", "apply")
         check_finite("HeadroomApplyTrainedLora", strength=strength)
         return io.NodeOutput(run.patched_model(model, strength))
 
