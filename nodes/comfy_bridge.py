@@ -34,7 +34,7 @@ import comfy.patcher_extension
 import comfy.samplers
 import comfy.utils
 
-from ..training.adapters import ADAPTER_LAYERS, AdapterConfig, AdapterSet, select_targets
+from ..training.adapters import ADAPTER_LAYERS, AdapterConfig, AdapterSet
 from ..training.cache_store import fingerprint_state_dict, fingerprint_value
 from ..training.lowbit import LowBitBase, LowBitLinear
 from ..training.memory_stats import PhaseRecorder, process_rss_bytes
@@ -45,6 +45,7 @@ from ..training.policy import OffloadPolicy
 from ..training.files import WriteError, open_regular
 from ..training.run_dir import RunDir, RunFolderError
 from ..training.trainer import StepReport, TrainConfig, Trainer
+from . import families
 from .lora_formats import read_lora_file
 
 INJECTION_KEY = "headroom_adapter"
@@ -62,16 +63,8 @@ WEIGHT_CHOICES = ("auto", "trained", "ema")
 
 # --- what kind of model is this -------------------------------------------------------------------------
 def model_family(model: comfy.model_base.BaseModel) -> str | None:
-    """The LoRA target preset family of a ComfyUI model, or None when there is no preset for it."""
-    if isinstance(model, comfy.model_base.Flux) and not isinstance(model, comfy.model_base.Flux2):
-        return "flux"
-    if isinstance(model, comfy.model_base.SD3):
-        return "sd3"
-    if isinstance(model, (comfy.model_base.SDXL, comfy.model_base.SDXLRefiner)):
-        return "sdxl"
-    if type(model) is comfy.model_base.BaseModel and type(model.diffusion_model).__name__ == "UNetModel":
-        return "sd15"  # SD1.x / SD2.x UNets are plain BaseModels
-    return None
+    """The family name of a ComfyUI model (nodes/families/), or None when no family recognises it."""
+    return families.family_name(model)
 
 
 def sampling_descriptor(model_sampling) -> SamplingDescriptor:
@@ -206,8 +199,8 @@ class ComfyDenoiser:
         self.model: comfy.model_base.BaseModel = patcher.model
         self.sampling = sampling_descriptor(self.model.model_sampling)
         self.device = torch.device(patcher.load_device)
-        # ComfyUI's Flux blocks add into their inputs in place (`img += ...`): see training/checkpointing.py.
-        self.inplace_blocks = isinstance(self.model, comfy.model_base.Flux)
+        # Blocks that add into their inputs in place (Flux's `img += ...`): see training/checkpointing.py.
+        self.inplace_blocks = families.inplace_blocks(self.model)
 
     def to_model_latent(self, latents: torch.Tensor) -> torch.Tensor:
         return self.model.process_latent_in(latents)
@@ -409,8 +402,8 @@ class TrainingSession:
             diffusion_model = self.patcher.model.diffusion_model
             low_bit = self._low_bit_base(policy)  # the adapters are built on the low-bit layers they will wrap
             try:
-                paths = select_targets(diffusion_model, config.family, config.adapter,
-                                       [n for n, _ in model_blocks(diffusion_model)])
+                paths = families.lora_targets(diffusion_model, config.family, config.adapter,
+                                              [n for n, _ in model_blocks(diffusion_model)])
                 self.adapters = AdapterSet(diffusion_model, paths, config.adapter)
             finally:  # the shared module is full precision again even when building the adapters failed
                 self._load_in_low_bit(low_bit)

@@ -19,13 +19,14 @@ import comfy.model_management
 from comfy_api.latest import io, ui
 
 from ..training import planner
-from ..training.adapters import TARGET_MODES, AdapterConfig, AdapterSet, select_targets
+from ..training.adapters import TARGET_MODES, AdapterConfig, AdapterSet
 from ..training.checks import check_finite
 from ..training.optimizers import OPTIMIZERS
 from ..training.policy import (CHECKPOINTING, GIB, OPTIMIZER_STATES, PLACEMENTS, STORAGES, VAE_TILED, ENCODERS,
                                OffloadPolicy, PolicyError)
 from ..training.trainer import PRECISIONS, auto_precision
-from .comfy_bridge import (ComfyDenoiser, expected_cond_dims, model_blocks, model_family, replace_inference_tensors,
+from . import families
+from .comfy_bridge import (ComfyDenoiser, expected_cond_dims, model_blocks, replace_inference_tensors,
                            training_blocks)
 
 OffloadPolicyType = io.Custom("OFFLOAD_POLICY")
@@ -34,7 +35,6 @@ MODES = ("estimate", "auto")
 # Calibration forwards (latent height, width, text tokens): three areas, two text lengths, so that attention
 # maps (quadratic in the area, or area x text) are fitted too. Multiples of 8 latent px: every UNet level divides.
 CALIBRATION = ((16, 16, 8), (16, 32, 8), (32, 32, 8), (16, 16, 16), (16, 32, 16))
-DEFAULT_TEXT_TOKENS = {"sd15": 77, "sdxl": 77, "sd3": 154, "flux": 256}
 
 
 # --- budget -----------------------------------------------------------------------------------------------
@@ -55,8 +55,9 @@ def budget_bytes(policy: OffloadPolicy, device: torch.device | None = None) -> i
 def calibration_cond(model, text_tokens: int, device: torch.device) -> dict[str, torch.Tensor]:
     """Zero conditioning of the widths the model expects (what the text cache would hold)."""
     dims = expected_cond_dims(model)
-    if model_family(model) == "sdxl":
-        dims.setdefault("pooled_output", 1280)  # CLIP-G's pooled output; the size embeddings come from extra_conds
+    family = families.family_of(model)
+    if family is not None and family.calibration_pooled_width is not None:  # SDXL: CLIP-G's pooled output
+        dims.setdefault("pooled_output", family.calibration_pooled_width)
     cond = {"cross_attn": torch.zeros(text_tokens, dims.get("cross_attn", 768), device=device)}
     if "pooled_output" in dims:
         cond["pooled_output"] = torch.zeros(dims["pooled_output"], device=device)
@@ -129,7 +130,7 @@ def describe_comfy_model(patcher, adapter: AdapterConfig, precision: str = "bf16
     channels = model.latent_format.latent_channels
     probe = 64  # ComfyUI's estimate is linear in the latent area
     inference = model.memory_required([1, channels, probe, probe]) / (probe * probe)
-    family = model_family(model)
+    family = families.family_of(model)
     # The dtype layers compute in: the autocast precision, else ComfyUI's manual-cast dtype, else the weights' own.
     compute_dtype = PRECISIONS[precision] or model.manual_cast_dtype or model.get_dtype()
     linears = [m.weight for _, block in named_blocks for m in block.modules()
@@ -137,8 +138,8 @@ def describe_comfy_model(patcher, adapter: AdapterConfig, precision: str = "bf16
     description = dict(
         name=type(model).__name__, blocks=blocks,
         other_param_bytes=planner.frozen_bytes(diffusion_model) - sum(b.param_bytes for b in blocks),
-        outside_saved=outside, latent_channels=channels, latent_downscale=8,
-        text_tokens=text_tokens or DEFAULT_TEXT_TOKENS.get(family, 77),
+        outside_saved=outside, latent_channels=channels, latent_downscale=family.latent_downscale if family else 8,
+        text_tokens=text_tokens or (family.text_tokens if family else 77),
         inference_bytes_per_latent_px=float(inference),
         weight_copy_in_flight_bytes=planner.largest_weight_copy_bytes(diffusion_model, model.manual_cast_dtype),
         largest_linear_numel=max((w.numel() for w in linears), default=0),
@@ -163,8 +164,8 @@ def describe_comfy_model(patcher, adapter: AdapterConfig, precision: str = "bf16
 def lora_target_paths(patcher, adapter: AdapterConfig) -> list[str]:
     """The module paths a LoRA with these settings trains (the trainer's own target selection)."""
     diffusion_model = patcher.model.diffusion_model
-    return select_targets(diffusion_model, model_family(patcher.model), adapter,
-                          [name for name, _ in model_blocks(diffusion_model)])
+    return families.lora_targets(diffusion_model, families.family_name(patcher.model), adapter,
+                                 [name for name, _ in model_blocks(diffusion_model)])
 
 
 def next_plan_for(session) -> planner.Plan | None:

@@ -101,3 +101,16 @@ def test_the_right_runs_still_save(runs):
     assert HeadroomSaveLora.execute(lora_run, "kinds", "", "fp32").args[0] in _saved("loras")
     assert HeadroomApplyTrainedLora.execute(model, lora_run, 1.0).args[0] is not model
     assert HeadroomSaveControlNet.execute(controlnet_run, "kinds", "").args[0] in _saved("controlnet")
+
+
+def test_stored_family_names_are_unchanged(runs):
+    """Run folders and files keep the names they had before the family registry, so existing runs resume: a LoRA
+    run stores its family (sd15), a ControlNet run its ControlNet type under the key "family" (unet for SD1.x)."""
+    _, lora_run, controlnet_run = runs
+    lora_config, controlnet_config = lora_run.run_dir.read_config(), controlnet_run.run_dir.read_config()
+    assert lora_config["session"]["family"] == "sd15"
+    assert lora_run.lora_metadata()["headroom.family"] == "sd15"
+    assert set(controlnet_config["session"]) == {"family", "blocks", "init_seed", "optimizer", "train", "holdout"}
+    assert controlnet_config["session"]["family"] == "unet" and "controlnet_type" not in controlnet_config["session"]
+    assert controlnet_run.controlnet.type_name == "unet"
+    assert ", unet ControlNet, " in repr(controlnet_run)
