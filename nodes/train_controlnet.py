@@ -26,7 +26,8 @@ from ..training.objective import ObjectiveConfig
 from ..training.optimizers import OptimizerConfig
 from ..training.run_dir import RunFolderError, check_name, check_subfolder
 from ..training.trainer import TrainConfig, Trainer
-from .comfy_bridge import ComfyDenoiser, TrainingSession, check_caches, check_run_kind, model_blocks
+from .comfy_bridge import TrainingSession, check_run_kind
+from .comfy_model import ComfyDenoiser, check_caches, model_blocks
 from .controlnet_build import (TrainableControlNet, apply_controlnet, build_controlnet, check_control_cache,
                                comfy_controlnet, controlled_prediction, controlnet_type_name, prepare_hint,
                                save_controlnet)

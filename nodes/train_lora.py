@@ -32,9 +32,10 @@ from ..training.run_dir import RunDir, RunFolderError, check_name, check_subfold
 from ..training.trainer import PRECISIONS, TrainConfig, auto_precision
 from . import lora_formats
 from .cache import unload_encoder
-from .comfy_bridge import (LORA_APPLICATIONS, VALIDATE_EVENT, WEIGHT_CHOICES, SessionConfig, TrainingSession, check_caches, check_run_kind, model_family,
+from .comfy_bridge import (LORA_APPLICATIONS, VALIDATE_EVENT, WEIGHT_CHOICES, SessionConfig, TrainingSession, check_run_kind,
                            run_generation, send_event)
-from .memory import budget_bytes
+from .comfy_model import check_caches, model_family
+from .planning import budget_bytes
 
 LoraConfigType = io.Custom("LORA_CONFIG")
 OptimizerConfigType = io.Custom("OPTIMIZER_CONFIG")

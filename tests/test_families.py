@@ -43,7 +43,7 @@ def test_one_module_per_family(comfyui):
 
 def test_recognition_is_the_rule_it_replaced(comfyui):
     from headroom.nodes import families
-    from headroom.nodes.comfy_bridge import ComfyDenoiser, model_family
+    from headroom.nodes.comfy_model import ComfyDenoiser, model_family
 
     for name, patcher in _models().items():
         model = patcher.model
