@@ -28,6 +28,7 @@ import comfy.patcher_extension
 import comfy.utils
 
 from ..training.adapters import ADAPTER_LAYERS, AdapterConfig, AdapterSet
+from ..training.checkpointing import inplace_depth_problem
 from ..training.lowbit import LowBitBase, LowBitLinear
 from ..training.memory_stats import PhaseRecorder, process_rss_bytes
 from ..training.oom import is_out_of_memory, out_of_memory
@@ -175,6 +176,11 @@ def run_generation(run_root: pathlib.Path, run_name: str) -> int:
 
 
 # --- the TRAINING_RUN value -------------------------------------------------------------------------------
+def config_json(config) -> dict:
+    """A run's dataclass configuration as its run folder stores it (config.json "session"): JSON values only."""
+    return json.loads(json.dumps(dataclasses.asdict(config)))
+
+
 @dataclasses.dataclass
 class SessionConfig:
     family: str | None
@@ -184,7 +190,7 @@ class SessionConfig:
     holdout: int  # last N cached items held out for the validation loss (0: validate on the training items)
 
     def to_json(self) -> dict:
-        return json.loads(json.dumps(dataclasses.asdict(self)))
+        return config_json(self)
 
 
 # What a run trains -> (its name in messages, the nodes that take only such runs: display names for messages).
@@ -282,9 +288,10 @@ class TrainingSession:
 
     def _finish_open(self, trainer: Trainer, stored: dict) -> None:
         policy = trainer.policy
-        if self.denoiser.inplace_blocks and policy.checkpointing_enabled and policy.checkpoint_depth > 1:
-            raise ValueError(f"checkpoint_depth={policy.checkpoint_depth}: this model's blocks update their inputs "
-                             "in place, so gradient checkpointing works on whole blocks only: use depth 1")
+        problem = inplace_depth_problem(self.denoiser.inplace_blocks,
+                                        policy.checkpoint_depth if policy.checkpointing_enabled else None)
+        if problem is not None:  # before anything runs (the trainer would refuse at its first step)
+            raise ValueError(f"checkpoint_depth={policy.checkpoint_depth}: {problem}")
         self.trainer = trainer
         with torch.inference_mode(False):
             self.resumed = trainer.resume()

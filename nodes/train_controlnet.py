@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import os
 import pathlib
 
@@ -26,7 +25,7 @@ from ..training.objective import ObjectiveConfig
 from ..training.optimizers import OptimizerConfig
 from ..training.run_dir import RunFolderError, check_name, check_subfolder
 from ..training.trainer import TrainConfig, Trainer
-from .comfy_bridge import TrainingSession, check_run_kind
+from .comfy_bridge import TrainingSession, check_run_kind, config_json
 from .comfy_model import ComfyDenoiser, check_caches, model_blocks
 from .controlnet_build import (TrainableControlNet, apply_controlnet, build_controlnet, check_control_cache,
                                comfy_controlnet, controlled_prediction, controlnet_type_name, prepare_hint,
@@ -74,8 +73,8 @@ class ControlNetSessionConfig:
 
     def to_json(self) -> dict:
         """As run folders store it: the type under its historical key "family" (stored runs resume)."""
-        fields = dataclasses.asdict(self)
-        return json.loads(json.dumps({"family": fields.pop("controlnet_type"), **fields}))
+        stored = config_json(self)
+        return {"family": stored.pop("controlnet_type"), **stored}
 
 
 class ControlNetSession(TrainingSession):

@@ -484,17 +484,17 @@ def sample_images(run: TrainingSession, clip, vae, prompts: list[str], negative:
 
 def decode(run: TrainingSession, vae, samples: torch.Tensor) -> torch.Tensor:
     """VAE Decode, tiled (ComfyUI's tiled decode) when the policy says "on", or for "auto" when the VAE's weights
-    plus its full-decode working set would not fit the run's budget (the planner's rule, training/planner.py);
+    plus its full-decode working set would not fit the run's budget (OffloadPolicy.decode_tiled, the planner's rule);
     otherwise the stock VAE Decode, which itself retries in tiles after an out-of-memory error."""
     policy = run.policy or OffloadPolicy()
-    tiled = policy.vae_tiled_decode == "on"
+    needed = budget = None
     if policy.vae_tiled_decode == "auto":
         needed = vae.patcher.model_size() + vae.memory_used_decode(samples.shape, vae.vae_dtype)
         try:
-            tiled = needed > budget_bytes(policy, torch.device(vae.device))
+            budget = budget_bytes(policy, torch.device(vae.device))
         except PolicyError:  # an "auto" budget with nothing free: the smallest working set
-            tiled = True
-    return vae.decode_tiled(samples) if tiled else vae.decode(samples)
+            budget = 0
+    return vae.decode_tiled(samples) if policy.decode_tiled(needed, budget) else vae.decode(samples)
 
 
 def save_validation(run: TrainingSession, images: torch.Tensor, samples: torch.Tensor) -> pathlib.Path:
