@@ -61,7 +61,7 @@ def setup(cpu: bool):
 def caches(family: str, count: int, seed: int = 0):
     """(model, clip, vae, latent cache with pixel or latent controls, text cache) through the caching nodes."""
     from headroom.nodes import cache as cache_nodes
-    from headroom.nodes.controlnet_build import HINT_KIND, controlnet_family
+    from headroom.nodes.families import controlnet_type_of
     from headroom.nodes.tiny_models import build_tiny_models
     from headroom.training.synthetic import generate_shapes
 
@@ -70,7 +70,7 @@ def caches(family: str, count: int, seed: int = 0):
     dataset = cache_nodes.HeadroomDatasetFromImages.execute(
         shapes.images, "\n".join(shapes.captions), resolution=64, step=64 if family == "sd15" else 16, crop="center",
         flip=False, seed=seed, control_images=shapes.control_images).args[0]
-    encoding = HINT_KIND[controlnet_family(model)]
+    encoding = controlnet_type_of(model).hint
     latent_cache = cache_nodes.HeadroomCacheLatents.execute(dataset, vae, encoding).args[0]
     text_cache = cache_nodes.HeadroomCacheText.execute(dataset, clip).args[0]
     return model, clip, vae, latent_cache, text_cache
@@ -155,7 +155,7 @@ def main() -> None:
     print("|---|---|---|---|---|")
     lora_median = statistics.median(lora_times)
     for name, session, times in (("LoRA r16 (preset targets)", lora, lora_times),
-                                 (f"ControlNet ({controlnet.controlnet.family}, blocks={controlnet.controlnet.blocks})",
+                                 (f"ControlNet ({controlnet.controlnet.type_name}, blocks={controlnet.controlnet.blocks})",
                                   controlnet, controlnet_times)):
         median = statistics.median(times)
         print(f"| {name} | {trainable_count(session):,} | {median:.3f} | {min(times):.3f} | {median / lora_median:.2f} |")

@@ -62,7 +62,7 @@ def setup():
 def bench_data(model, latent_side=16):
     """4 random latents and 4 random conditionings (key k<i> goes with latent i) shaped for `model`, plus an
     empty-prompt conditioning; the same for every run of a family."""
-    from headroom.nodes.comfy_bridge import expected_cond_dims
+    from headroom.nodes.comfy_model import expected_cond_dims
 
     g = torch.Generator().manual_seed(0)
     channels = model.model.latent_format.latent_channels
@@ -77,8 +77,8 @@ def bench_data(model, latent_side=16):
 
 
 def session_for(family, run_root, storage=None, latent_side=16):
-    from headroom.nodes.comfy_bridge import SessionConfig, TrainingSession, model_family
-    from headroom.nodes.memory import training_blocks
+    from headroom.nodes.comfy_bridge import SessionConfig, TrainingSession
+    from headroom.nodes.comfy_model import model_family, training_blocks
     from headroom.nodes.tiny_models import build_tiny_models
     from headroom.training.adapters import AdapterConfig
     from headroom.training.lowbit import LowBitBase
@@ -120,7 +120,7 @@ def prepared(family, option, run_root):
     """A training session set up for `option`, inside which `step()` runs one timed training step."""
     import comfy.model_management
 
-    from headroom.nodes.memory import training_blocks
+    from headroom.nodes.comfy_model import training_blocks
     from headroom.training.optimizer_parking import HostOptimizer
     from headroom.training.optimizers import create_optimizer, create_scheduler
     from headroom.training.policy import OffloadPolicy, memory_features

@@ -124,8 +124,8 @@ def reset_peaks(device) -> None:
 def run_policy(patcher, policy, size: int, text_tokens: int, steps: int) -> dict:
     import comfy.model_management as mm
 
-    from headroom.nodes.comfy_bridge import ComfyDenoiser
-    from headroom.nodes.memory import calibration_cond, lora_target_paths, training_blocks
+    from headroom.nodes.comfy_model import ComfyDenoiser, training_blocks
+    from headroom.nodes.planning import calibration_cond, lora_target_paths
     from headroom.training.adapters import AdapterConfig, AdapterSet
     from headroom.training.lowbit import LowBitBase
     from headroom.training.optimizers import OptimizerConfig
@@ -204,7 +204,7 @@ def describe(patcher, text_tokens: int):
     """The planner's description of the model (measured at small sizes, as the Memory Plan node does)."""
     import comfy.model_management as mm
 
-    from headroom.nodes.memory import describe_comfy_model, lora_target_paths
+    from headroom.nodes.planning import describe_comfy_model, lora_target_paths
     from headroom.training import planner
     from headroom.training.adapters import AdapterConfig
 

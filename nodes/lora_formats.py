@@ -35,22 +35,21 @@ import comfy.lora_convert
 import comfy.utils
 import folder_paths
 
+from . import families
+
 FORMATS = ("comfyui", "kohya", "diffusers")
 KOHYA_PREFIX = "lora_unet_"
-# The component of a diffusers pipeline the diffusion model is, by family (the prefix of its LoRA keys).
-DIFFUSERS_COMPONENT = {"sd15": "unet", "sdxl": "unet", "sd3": "transformer", "flux": "transformer"}
 # The key diffusers writes and reads the PEFT LoraConfig under (diffusers.loaders.lora_base.LORA_ADAPTER_METADATA_KEY).
 DIFFUSERS_METADATA_KEY = "lora_adapter_metadata"
 
-# ss_base_model_version / modelspec.architecture values sd-scripts writes for each family.
-_KOHYA_BASE = {
-    "sd15": ("sd_v1", "stable-diffusion-v1/lora"),
-    "sdxl": ("sdxl_base_v1-0", "stable-diffusion-xl-v1-base/lora"),
-    "sd3": ("sd3", "stable-diffusion-3/lora"),
-    "flux": ("flux1", "flux-1-dev/lora"),
-}
 # LyCORIS' network module and algo names for the adapter kinds that are not plain LoRA.
 _LYCORIS_ALGO = {"loha": "loha", "lokr": "lokr", "dora": "lora", "oft": "diag-oft"}
+
+
+def diffusers_component(family: str | None) -> str | None:
+    """The component of a diffusers pipeline the diffusion model is (the prefix of its LoRA keys), or None."""
+    known = families.get(family)
+    return None if known is None else known.diffusers_component
 
 
 def kohya_names(model, module_paths, family: str | None) -> dict[str, str]:
@@ -59,7 +58,8 @@ def kohya_names(model, module_paths, family: str | None) -> dict[str, str]:
     From ComfyUI's key map: of the `lora_unet_*` names that map to a module's weight, the diffusers-block one
     for SD1.x (what sd-scripts writes there), else the plain path form.
     """
-    diffusers_blocks = family == "sd15"
+    known = families.get(family)
+    diffusers_blocks = known is not None and known.kohya_diffusers_block_names
     key_map = comfy.lora.model_lora_keys_unet(model.model, {})
     candidates: dict[str, list[str]] = {}
     for name, weight_key in key_map.items():
@@ -126,9 +126,9 @@ def diffusers_names(model, module_paths, family: str | None) -> dict[str, list[t
     (`(key, None, function)`: ComfyUI adds function(diffusers delta)), when that function is a row permutation
     (SD3's last context modulation, `swap_scale_shift`), checked on the weight itself.
     """
-    component = DIFFUSERS_COMPONENT.get(family or "")
+    component = diffusers_component(family)
     if component is None:
-        raise ValueError(f"the diffusers format covers {', '.join(DIFFUSERS_COMPONENT)} models, not family "
+        raise ValueError(f"the diffusers format covers {', '.join(families.FAMILIES)} models, not family "
                          f"{family}; save in the comfyui or kohya format")
     key_map = comfy.lora.model_lora_keys_unet(model.model, {})
     state = model.model.state_dict()
@@ -214,7 +214,7 @@ def to_diffusers(state: dict[str, torch.Tensor], names: dict[str, list[tuple[str
                  family: str, dtype: torch.dtype, prefix: str = "diffusion_model.") -> tuple[dict[str, torch.Tensor], dict]:
     """A ComfyUI-format plain-LoRA state dict (fp32) as diffusers names, alpha / rank folded into the up weights
     (each split part gets its rows of up, the whole down); also the PEFT LoraConfig fields of the file."""
-    component = DIFFUSERS_COMPONENT[family]
+    component = families.FAMILIES[family].diffusers_component
     out: dict[str, torch.Tensor] = {}
     targets: list[str] = []
     rank = None
@@ -249,7 +249,8 @@ def diffusers_metadata(config: dict) -> dict[str, str]:
 def kohya_metadata(family: str | None, kind: str, rank: int, alpha: float, steps: int, title: str,
                    resolution: tuple[int, int] | None) -> dict[str, str]:
     """The sd-scripts metadata keys UIs read (network dim / alpha / base model / resolution / steps)."""
-    base_version, architecture = _KOHYA_BASE.get(family or "", ("", ""))
+    known = families.get(family)
+    base_version, architecture = known.kohya_base if known is not None else ("", "")
     metadata = {
         "ss_network_module": "networks.lora" if kind == "lora" else "lycoris.kohya",
         "ss_network_dim": str(rank),

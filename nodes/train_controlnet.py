@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import os
 import pathlib
 
@@ -26,10 +25,12 @@ from ..training.objective import ObjectiveConfig
 from ..training.optimizers import OptimizerConfig
 from ..training.run_dir import RunFolderError, check_name, check_subfolder
 from ..training.trainer import TrainConfig, Trainer
-from .comfy_bridge import ComfyDenoiser, TrainingSession, check_caches, model_blocks
-from .controlnet_build import (SUPPORTED_FAMILIES, TrainableControlNet, apply_controlnet,
-                               build_controlnet, check_control_cache, comfy_controlnet, controlled_prediction,
-                               controlnet_family, prepare_hint, save_controlnet)
+from .comfy_bridge import TrainingSession, check_run_kind, config_json
+from .comfy_model import ComfyDenoiser, check_caches, model_blocks
+from .controlnet_build import (TrainableControlNet, apply_controlnet, build_controlnet, check_control_cache,
+                               comfy_controlnet, controlled_prediction, controlnet_type_name, prepare_hint,
+                               save_controlnet)
+from .families import CONTROLNET_TYPES
 from .train_lora import (CATEGORY, DEFAULT_CHECKPOINT_MINUTES, SAVED_KEY, TrainingRun, _checkpoint_inputs,
                          _added_train_inputs, _weights_input,
                          _schedule_inputs, _train_inputs, _validation_inputs, resolve_precision, run_fingerprint,
@@ -63,20 +64,24 @@ class ControlNetDenoiser(ComfyDenoiser):
 # --- the TRAINING_RUN value -------------------------------------------------------------------------------
 @dataclasses.dataclass
 class ControlNetSessionConfig:
-    family: str
-    blocks: int  # 0: the family default
+    controlnet_type: str  # the ControlNet type's stored name ("unet", "sd3", "flux"; nodes/families/)
+    blocks: int  # 0: the type's default
     init_seed: int
     optimizer: OptimizerConfig
     train: TrainConfig
     holdout: int
 
     def to_json(self) -> dict:
-        return json.loads(json.dumps(dataclasses.asdict(self)))
+        """As run folders store it: the type under its historical key "family" (stored runs resume)."""
+        stored = config_json(self)
+        return {"family": stored.pop("controlnet_type"), **stored}
 
 
 class ControlNetSession(TrainingSession):
     """A ControlNet training run. Shares TrainingSession's train_to (progress, events, cancel -> checkpoint),
     validation_loss and release; what differs is what is trained and how it is attached."""
+
+    trains = "controlnet"
 
     def __init__(self, model, latent_cache, text_cache, config: ControlNetSessionConfig, run_root: pathlib.Path,
                  run_name: str, policy=None, validation_control: torch.Tensor | None = None,
@@ -128,16 +133,22 @@ class ControlNetSession(TrainingSession):
             raise ValueError("this ControlNet run has no validation control image: connect validation_control on "
                              "the init node (for latent-cached controls it cannot be taken from the cache)")
         if self.controlnet.hint == "latents" and vae is None:
-            raise ValueError(f"a {self.controlnet.family} ControlNet VAE-encodes its control image: connect the vae")
+            raise ValueError(f"a {self.controlnet.type_name} ControlNet VAE-encodes its control image: connect the vae")
         return apply_controlnet(positive, negative, self.comfy_controlnet(), self.validation_control,
                                 self.validation_strength, 0.0, 1.0, vae=vae)
+
+    def patched_model(self, model=None, strength: float = 1.0):
+        check_run_kind(self, "lora", "HeadroomApplyTrainedLora", "apply")  # raises: a ControlNet run has no adapter
+
+    def lora_metadata(self) -> dict[str, str]:
+        check_run_kind(self, "lora", "HeadroomSaveLora", "save")  # raises: a ControlNet run has no adapter
 
     def controlnet_metadata(self) -> dict:
         return {"base_fingerprint": self.fingerprint, "steps": self.step, "run": self.run_dir.name,
                 "session": self.config.to_json()}
 
     def __repr__(self) -> str:
-        return f"TrainingRun({self.run_dir.name}, step {self.step}, {self.controlnet.family} ControlNet, {self.controlnet.blocks} blocks)"
+        return f"TrainingRun({self.run_dir.name}, step {self.step}, {self.controlnet.type_name} ControlNet, {self.controlnet.blocks} blocks)"
 
 
 def default_validation_control(latent_cache, items) -> torch.Tensor | None:
@@ -172,10 +183,10 @@ def start_controlnet_session(model, latent_cache, text_cache, optimizer_config, 
                                       huber_delta=huber_delta),
         )
         train.validate()
-        family = controlnet_family(model)
+        type_name = controlnet_type_name(model)
         check_caches(model.model, latent_cache, text_cache)
-        check_control_cache(family, latent_cache, node)
-        config = ControlNetSessionConfig(family=family, blocks=blocks, init_seed=init_seed, optimizer=optimizer_config,
+        check_control_cache(type_name, latent_cache, node)
+        config = ControlNetSessionConfig(controlnet_type=type_name, blocks=blocks, init_seed=init_seed, optimizer=optimizer_config,
                                          train=train, holdout=holdout)
         session = ControlNetSession(model, latent_cache, text_cache, config, runs_root(), run_name, policy=policy,
                                     validation_control=validation_control, validation_strength=validation_strength)
@@ -223,7 +234,8 @@ class HeadroomTrainControlNetInit(io.ComfyNode):
             display_name="Train ControlNet: Init (Headroom)",
             category=CATEGORY,
             description="Set up (or resume) a ControlNet training run for this MODEL from cached latents, control "
-            "images and text; train it with Train Steps. Families: " + "; ".join(SUPPORTED_FAMILIES.values()) + ".",
+            "images and text; train it with Train Steps. Families: " + "; ".join(
+                t.description for t in CONTROLNET_TYPES.values()) + ".",
             inputs=[*_controlnet_inputs(), *_added_train_inputs()],
             outputs=[TrainingRun.Output("run", tooltip="The training run, for Train Steps, Validate and Save."),
                      io.Int.Output("step", tooltip="Step the run starts from (resumed)."),
@@ -279,8 +291,7 @@ class HeadroomSaveControlNet(io.ComfyNode):
 
     @classmethod
     def execute(cls, run, subfolder: str, filename: str, weights: str = "auto") -> io.NodeOutput:
-        if not isinstance(run, ControlNetSession):
-            raise ValueError("HeadroomSaveControlNet: the run is not a ControlNet run (use Save LoRA for LoRA runs)")
+        check_run_kind(run, "controlnet", "HeadroomSaveControlNet", "save")
         try:
             name = save_trained_controlnet(run, subfolder, filename, weights)
         except ValueError as error:

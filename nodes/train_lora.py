@@ -32,9 +32,10 @@ from ..training.run_dir import RunDir, RunFolderError, check_name, check_subfold
 from ..training.trainer import PRECISIONS, TrainConfig, auto_precision
 from . import lora_formats
 from .cache import unload_encoder
-from .comfy_bridge import (LORA_APPLICATIONS, VALIDATE_EVENT, WEIGHT_CHOICES, SessionConfig, TrainingSession, check_caches, model_family,
+from .comfy_bridge import (LORA_APPLICATIONS, VALIDATE_EVENT, WEIGHT_CHOICES, SessionConfig, TrainingSession, check_run_kind,
                            run_generation, send_event)
-from .memory import budget_bytes
+from .comfy_model import check_caches, model_family
+from .planning import budget_bytes
 
 LoraConfigType = io.Custom("LORA_CONFIG")
 OptimizerConfigType = io.Custom("OPTIMIZER_CONFIG")
@@ -483,17 +484,17 @@ def sample_images(run: TrainingSession, clip, vae, prompts: list[str], negative:
 
 def decode(run: TrainingSession, vae, samples: torch.Tensor) -> torch.Tensor:
     """VAE Decode, tiled (ComfyUI's tiled decode) when the policy says "on", or for "auto" when the VAE's weights
-    plus its full-decode working set would not fit the run's budget (the planner's rule, training/planner.py);
+    plus its full-decode working set would not fit the run's budget (OffloadPolicy.decode_tiled, the planner's rule);
     otherwise the stock VAE Decode, which itself retries in tiles after an out-of-memory error."""
     policy = run.policy or OffloadPolicy()
-    tiled = policy.vae_tiled_decode == "on"
+    needed = budget = None
     if policy.vae_tiled_decode == "auto":
         needed = vae.patcher.model_size() + vae.memory_used_decode(samples.shape, vae.vae_dtype)
         try:
-            tiled = needed > budget_bytes(policy, torch.device(vae.device))
+            budget = budget_bytes(policy, torch.device(vae.device))
         except PolicyError:  # an "auto" budget with nothing free: the smallest working set
-            tiled = True
-    return vae.decode_tiled(samples) if tiled else vae.decode(samples)
+            budget = 0
+    return vae.decode_tiled(samples) if policy.decode_tiled(needed, budget) else vae.decode(samples)
 
 
 def save_validation(run: TrainingSession, images: torch.Tensor, samples: torch.Tensor) -> pathlib.Path:
@@ -663,8 +664,7 @@ class HeadroomSaveLora(io.ComfyNode):
     @classmethod
     def execute(cls, run: TrainingSession, subfolder: str, filename: str, dtype: str,
                 format: str = "comfyui", weights: str = "auto") -> io.NodeOutput:  # noqa: A002 - the input's name
-        if not hasattr(run, "adapters"):
-            raise ValueError("HeadroomSaveLora: the run is not a LoRA run (use Save ControlNet for ControlNet runs)")
+        check_run_kind(run, "lora", "HeadroomSaveLora", "save")
         try:
             name = save_lora(run, subfolder, filename, dtype, format, weights)
         except ValueError as error:
@@ -690,6 +690,7 @@ class HeadroomApplyTrainedLora(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, run: TrainingSession, strength: float) -> io.NodeOutput:
+        check_run_kind(run, "lora", "HeadroomApplyTrainedLora", "apply")
         check_finite("HeadroomApplyTrainedLora", strength=strength)
         return io.NodeOutput(run.patched_model(model, strength))
 

@@ -291,11 +291,11 @@ def _other_format(run, model, clip, file_format: str, case: str) -> dict:
 
 
 def replace_case(arch: str, depth) -> dict:
-    """nodes/comfy_bridge.replace_inference_tensors on a real-size model made under inference mode (as ComfyUI's
+    """nodes/comfy_model.replace_inference_tensors on a real-size model made under inference mode (as ComfyUI's
     loaders make it): peak RSS growth against the model's weight bytes."""
     setup()
     import realsize_models as R
-    from headroom.nodes.comfy_bridge import replace_inference_tensors
+    from headroom.nodes.comfy_model import replace_inference_tensors
 
     with torch.inference_mode():
         model = R.build_model(arch, depth)
@@ -311,7 +311,7 @@ def replace_case(arch: str, depth) -> dict:
 
 def estimate(model, clip, vae, size: int, texts, latents, lora) -> dict:
     """The planner's estimate per phase for this run's shape, with and without gradient checkpointing."""
-    from headroom.nodes.memory import describe_comfy_model, lora_target_paths
+    from headroom.nodes.planning import describe_comfy_model, lora_target_paths
     from headroom.training import planner
     from headroom.training.policy import OffloadPolicy
 

@@ -73,8 +73,8 @@ def test_bad_adapter_settings():
         AdapterConfig(rank=0).validate()
     with pytest.raises(ValueError, match="adapter kind 'boft'"):
         AdapterConfig(kind="boft").validate()
-    with pytest.raises(ValueError, match="family 'wan' has no LoRA target preset.*all_linear"):
-        select_targets(Net(), "wan", AdapterConfig(), ["blocks.0"])
+    with pytest.raises(ValueError, match="model has no LoRA target preset \\(presets: sd15, wan\\).*all_linear"):
+        select_targets(Net(), None, AdapterConfig(), ["blocks.0"], presets=["sd15", "wan"])
     with pytest.raises(ValueError, match="needs the model's blocks"):
         select_targets(Net(), None, AdapterConfig(targets="all_linear"), [])
 
@@ -112,7 +112,8 @@ def test_export_is_reproduced_by_comfyui_lora_loading(comfyui, kind, rank):
 
 @pytest.mark.comfyui
 def test_family_presets_pick_the_documented_layers(comfyui):
-    from headroom.nodes.comfy_bridge import model_blocks, model_family
+    from headroom.nodes import families
+    from headroom.nodes.comfy_model import model_blocks, model_family
     from headroom.nodes.tiny_models import build_tiny_model_patcher
 
     picked = {}
@@ -120,14 +121,15 @@ def test_family_presets_pick_the_documented_layers(comfyui):
         model = build_tiny_model_patcher(family, 0).model
         assert model_family(model) == family
         blocks = [n for n, _ in model_blocks(model.diffusion_model)]
-        picked[family] = select_targets(model.diffusion_model, family, AdapterConfig(), blocks)
-        with_conv = select_targets(model.diffusion_model, family, AdapterConfig(include_conv=True), blocks)
-        everything = select_targets(model.diffusion_model, family, AdapterConfig(targets="all_layers"), blocks)
+        preset = families.lora_preset(family)
+        picked[family] = select_targets(model.diffusion_model, preset, AdapterConfig(), blocks)
+        with_conv = select_targets(model.diffusion_model, preset, AdapterConfig(include_conv=True), blocks)
+        everything = select_targets(model.diffusion_model, preset, AdapterConfig(targets="all_layers"), blocks)
         assert set(picked[family]) <= set(with_conv) <= set(everything)
     assert all(p.rsplit(".", 2)[-2] in ("attn1", "attn2") or p.endswith("to_out.0") for p in picked["sd15"])
     assert len(picked["sd15"]) == 4 * 2 * len([p for p in picked["sd15"] if p.endswith("attn1.to_q")])
     assert any(".0.conv" in p or "in_layers" in p for p in
-               select_targets(build_tiny_model_patcher("sd15", 0).model.diffusion_model, "sd15",
+               select_targets(build_tiny_model_patcher("sd15", 0).model.diffusion_model, families.lora_preset("sd15"),
                               AdapterConfig(include_conv=True), []))
     assert all(p.startswith("joint_blocks.") and p.split(".")[2] in ("context_block", "x_block") for p in picked["sd3"])
     assert sorted({p.split(".", 3)[3] for p in picked["sd3"]}) == ["attn.proj", "attn.qkv", "mlp.fc1", "mlp.fc2"]

@@ -50,10 +50,8 @@ def _sample(model, clip, vae, family, control=None, strength=1.0):
 @torch.no_grad()
 def _simulate_training(controlnet, seed=1, scale=0.05):
     """Give the zero-initialised layers small random values, as a few training steps would."""
-    from headroom.nodes.controlnet_build import _zero_initialised
-
     generator = torch.Generator().manual_seed(seed)
-    for layer in _zero_initialised(controlnet.family, controlnet.module):
+    for layer in controlnet.controlnet_type.zero_initialised(controlnet.module):
         for param in layer.parameters():
             param.copy_(torch.randn(param.shape, generator=generator) * scale)
 

@@ -14,7 +14,7 @@ torch.set_num_threads(2)
 def _caches(family, count=9, seed=0, control=True, encoding=None):
     """(model, clip, vae, latent cache, text cache) of synthetic shapes, through the caching nodes."""
     from headroom.nodes import cache as cache_nodes
-    from headroom.nodes.controlnet_build import HINT_KIND
+    from headroom.nodes.families import controlnet_type_of
     from headroom.nodes.tiny_models import build_tiny_models
     from headroom.training.synthetic import generate_shapes
 
@@ -23,7 +23,7 @@ def _caches(family, count=9, seed=0, control=True, encoding=None):
     dataset = cache_nodes.HeadroomDatasetFromImages.execute(
         shapes.images, "\n".join(shapes.captions), resolution=64, step=64 if family == "sd15" else 16, crop="center",
         flip=False, seed=seed, control_images=shapes.control_images if control else None).args[0]
-    encoding = encoding or HINT_KIND["unet" if family == "sd15" else family]
+    encoding = encoding or controlnet_type_of(model).hint
     latent_cache = cache_nodes.HeadroomCacheLatents.execute(dataset, vae, encoding).args[0]
     text_cache = cache_nodes.HeadroomCacheText.execute(dataset, clip).args[0]
     return model, clip, vae, latent_cache, text_cache
@@ -61,7 +61,7 @@ def test_training_forward_is_the_stock_apply_path(comfyui, family):
     controlnet = build.build_controlnet(model, seed=1)
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        for layer in build._zero_initialised(controlnet.family, controlnet.module):
+        for layer in controlnet.controlnet_type.zero_initialised(controlnet.module):
             for param in layer.parameters():
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
     base = model.model

@@ -433,13 +433,13 @@ def test_sdxl_files_are_the_same_lora_for_comfyui_and_diffusers(comfyui, alpha, 
     from diffusers import StableDiffusionXLPipeline
     import folder_paths
 
-    from headroom.nodes import lora_formats
+    from headroom.nodes import families, lora_formats
     from headroom.training.adapters import AdapterConfig, AdapterSet, select_targets
 
     model = _tiny_sdxl()
     root = model.model.diffusion_model
     adapter_config = AdapterConfig(kind="lora", rank=4, alpha=alpha)
-    paths = select_targets(root, "sdxl", adapter_config, [])
+    paths = select_targets(root, families.lora_preset("sdxl"), adapter_config, [])
     adapters = AdapterSet(root, paths, adapter_config)
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():

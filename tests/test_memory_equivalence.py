@@ -208,7 +208,8 @@ def test_optimizer_state_on_host_is_bitwise_equal(name):
 
 # --- the real trainer on a tiny ComfyUI model --------------------------------------------------------------
 def _tiny_session(tmp_path, family):
-    from headroom.nodes.comfy_bridge import SessionConfig, TrainingSession, expected_cond_dims, model_family
+    from headroom.nodes.comfy_bridge import SessionConfig, TrainingSession
+    from headroom.nodes.comfy_model import expected_cond_dims, model_family
     from headroom.nodes.tiny_models import build_tiny_models
 
     model, _, _ = build_tiny_models(family)
@@ -231,7 +232,7 @@ def _tiny_session(tmp_path, family):
 def test_tiny_comfy_model_streamed_offloaded_checkpoints_bitwise(comfyui, tmp_path, family, monkeypatch):
     import comfy.model_management
 
-    from headroom.nodes.memory import training_blocks
+    from headroom.nodes.comfy_model import training_blocks
 
     monkeypatch.setattr(comfy.model_management, "in_training", True)  # as TrainingSession.train_to sets it
     results, calls, streamers = [], [], []

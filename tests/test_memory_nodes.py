@@ -44,7 +44,7 @@ def test_policy_node_outputs_the_policy_and_rejects_bad_combinations(comfyui, he
 def test_auto_budget_is_what_comfyui_can_free_minus_the_reserve(comfyui):
     import comfy.model_management
 
-    from headroom.nodes.memory import available_device_bytes, budget_bytes
+    from headroom.nodes.planning import available_device_bytes, budget_bytes
     from headroom.training.policy import GIB, OffloadPolicy
 
     device = comfy.model_management.get_torch_device()
@@ -56,7 +56,8 @@ def test_auto_budget_is_what_comfyui_can_free_minus_the_reserve(comfyui):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_plan_describes_the_real_model_and_leaves_it_unchanged(comfyui, family):
-    from headroom.nodes.memory import describe_comfy_model, training_blocks
+    from headroom.nodes.comfy_model import training_blocks
+    from headroom.nodes.planning import describe_comfy_model
     from headroom.nodes.tiny_models import build_tiny_models
     from headroom.training.adapters import AdapterConfig
 
@@ -87,15 +88,15 @@ def test_measured_profile_predicts_a_larger_bucket(comfyui, family, monkeypatch)
     """The profile from the calibration sizes predicts saved activations at an unseen size within 10 %."""
     import comfy.model_management
 
-    from headroom.nodes import memory
+    from headroom.nodes import planning
     from headroom.nodes.tiny_models import build_tiny_models
     from headroom.training.adapters import AdapterConfig
 
     model, _, _ = build_tiny_models(family)
     adapter = AdapterConfig(rank=4, alpha=4)
-    description = memory.describe_comfy_model(model, adapter, precision="fp32", text_tokens=20)
-    monkeypatch.setattr(memory, "CALIBRATION", ((32, 48, 20),))
-    actual = memory.measure_model(model, adapter, precision="fp32")[0]
+    description = planning.describe_comfy_model(model, adapter, precision="fp32", text_tokens=20)
+    monkeypatch.setattr(planning, "CALIBRATION", ((32, 48, 20),))
+    actual = planning.measure_model(model, adapter, precision="fp32")[0]
     for block, saved, inputs in zip(description.blocks, actual.block_saved, actual.block_inputs):
         assert block.saved.at(32 * 48, 20) == pytest.approx(saved, rel=0.10), block.name
         assert block.inputs.at(32 * 48, 20) == pytest.approx(inputs, rel=0.10), block.name
@@ -123,8 +124,7 @@ def test_auto_mode_chooses_a_policy_that_fits_and_says_why(comfyui):
 
 
 def test_unet_blocks_are_the_layers_the_model_calls(comfyui):
-    from headroom.nodes.comfy_bridge import model_blocks
-    from headroom.nodes.memory import training_blocks
+    from headroom.nodes.comfy_model import model_blocks, training_blocks
     from headroom.nodes.tiny_models import build_tiny_models
 
     model, _, _ = build_tiny_models("sd15")

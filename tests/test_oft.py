@@ -150,7 +150,7 @@ def test_tiny_run_learns_and_the_stock_loader_gives_what_was_trained(comfyui, fa
     import comfy.lora
     import comfy.model_management
     from headroom.nodes import train_lora as T
-    from headroom.nodes.comfy_bridge import ComfyDenoiser
+    from headroom.nodes.comfy_model import ComfyDenoiser
 
     model, _, _, latents, texts = _data(family)
     base = {k: v.clone() for k, v in model.model.state_dict().items()}

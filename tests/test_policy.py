@@ -123,3 +123,12 @@ def test_exception_types_carry_a_clean_module_name():
     assert public_module("elsewhere") == "elsewhere"
     for error in (PolicyError, CacheStoreError, DatasetError, PhaseOutOfMemoryError, NonFiniteLossError):
         assert error.__module__.startswith("headroom.training.") and "/" not in error.__module__, error
+
+
+def test_decode_tiled_is_one_rule():
+    """Validation's decode and the planner's estimate both ask OffloadPolicy.decode_tiled."""
+    assert OffloadPolicy(vae_tiled_decode="on").decode_tiled(None, None)
+    assert not OffloadPolicy(vae_tiled_decode="off").decode_tiled(10, 1)
+    auto = OffloadPolicy(vae_tiled_decode="auto")
+    assert auto.decode_tiled(10, 9) and not auto.decode_tiled(10, 10) and not auto.decode_tiled(10, None)
+    assert auto.decode_tiled(1, 0)  # an "auto" budget with nothing free

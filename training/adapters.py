@@ -31,22 +31,18 @@ from .checks import check_finite
 KINDS = ("lora", "dora", "loha", "lokr", "oft")
 TARGET_MODES = ("preset", "all_linear", "all_layers")
 
-# Module paths (relative to the denoiser root) trained by each family preset.
-# SD1.5 / SDXL UNet: the self- and cross-attention projections of every transformer block.
-_UNET_ATTENTION = (r"\.attn[12]\.(to_q|to_k|to_v|to_out\.0)$",)
-TARGET_PRESETS: dict[str, tuple[str, ...]] = {
-    "sd15": _UNET_ATTENTION,
-    "sdxl": _UNET_ATTENTION,
-    # SD3 MMDiT: attention and MLP of both streams of each joint block.
-    "sd3": (r"^joint_blocks\.\d+\.(context_block|x_block)\.(attn\.(qkv|proj)|mlp\.fc[12])$",),
-    # Flux: attention and MLP of both streams of the double blocks, both linears of the single blocks.
-    "flux": (
-        r"^double_blocks\.\d+\.(img|txt)_(attn\.(qkv|proj)|mlp\.[02])$",
-        r"^single_blocks\.\d+\.(linear1|linear2)$",
-    ),
-}
-# Convolutions inside the UNet blocks (optional for sd15 / sdxl); the stem conv input_blocks.0.0 stays frozen.
-_UNET_CONV = r"^(input_blocks\.(?!0\.0$)|middle_block\.|output_blocks\.)"
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetPreset:
+    """The layers a family's LoRA trains with targets="preset" (the family registry, nodes/families/, holds one per
+    family): Linear module paths (relative to the denoiser root) matching any of `linear`, and with include_conv the
+    Conv2d paths matching `conv` (None: the family has no conv preset)."""
+
+    family: str
+    linear: tuple[str, ...]
+    conv: str | None = None
+
 
 _ADAPTER_PARAM_PREFIXES = ("lora_A", "lora_B", "lora_magnitude_vector", "hada_", "lokr_", "oft.")
 
@@ -85,19 +81,22 @@ class AdapterConfig:
                                  f"{self.dropout}")
 
 
-def select_targets(root: torch.nn.Module, family: str | None, config: AdapterConfig,
-                   block_prefixes: Iterable[str]) -> list[str]:
-    """Paths of the submodules of `root` the adapter wraps, in module order."""
+def select_targets(root: torch.nn.Module, preset: TargetPreset | None, config: AdapterConfig,
+                   block_prefixes: Iterable[str], presets: Iterable[str] = ()) -> list[str]:
+    """Paths of the submodules of `root` the adapter wraps, in module order. `preset`: the model family's (None:
+    the model has none; `presets` lists the families that have one, for the message)."""
     config.validate()
     block_prefixes = tuple(block_prefixes)
+    family = None if preset is None else preset.family
     if config.targets == "preset":
-        if family not in TARGET_PRESETS:
+        if preset is None:
+            listed = f" (presets: {', '.join(presets)})" if presets else ""
             raise ValueError(
-                f"model family {family!r} has no LoRA target preset (presets: {', '.join(TARGET_PRESETS)}); "
+                f"this model has no LoRA target preset{listed}; "
                 "set targets to 'all_linear' to train every linear layer inside the model's blocks"
             )
-        patterns = [re.compile(p) for p in TARGET_PRESETS[family]]
-        conv = re.compile(_UNET_CONV) if config.include_conv and family in ("sd15", "sdxl") else None
+        patterns = [re.compile(p) for p in preset.linear]
+        conv = re.compile(preset.conv) if config.include_conv and preset.conv is not None else None
     elif config.targets == "all_linear" and not block_prefixes:
         raise ValueError("targets='all_linear' needs the model's blocks, and none were found")
     paths = []

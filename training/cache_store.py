@@ -52,8 +52,8 @@ from safetensors import safe_open
 from . import public_module
 from .buckets import CropPlan, apply_crop, make_buckets, nearest_bucket, plan_crop
 from .dataset import Dataset, DatasetError, reduce_factor
-from .files import (UntrustedFileError, WriteError, display_path, open_regular, prune_temp, read_json, relative_text,
-                    resolve_inside, save_safetensors, write_bytes)
+from .files import (UntrustedFileError, WriteError, display_path, format_bytes, open_regular, prune_temp, read_json,
+                    relative_text, resolve_inside, save_safetensors, write_bytes)
 
 log = logging.getLogger(__name__)
 
@@ -607,20 +607,11 @@ class CacheReport:
         lines = [
             f"{self.kind}: {self.items} items"
             + (f" in {self.buckets} buckets" if self.buckets else "")
-            + f", {self.hits} hits / {self.misses} encoded, {_format_bytes(self.bytes_total)} cached "
-            f"({_format_bytes(self.bytes_written)} written), {self.seconds:.1f} s"
+            + f", {self.hits} hits / {self.misses} encoded, {format_bytes(self.bytes_total, largest='GiB')} cached "
+            f"({format_bytes(self.bytes_written, largest='GiB')} written), {self.seconds:.1f} s"
         ]
         lines += [f"warning: {warning}" for warning in self.warnings]
         return "\n".join(lines)
-
-
-def _format_bytes(count: int) -> str:
-    if count < 1024:
-        return f"{count} B"
-    for unit in ("KiB", "MiB", "GiB"):
-        count /= 1024
-        if count < 1024 or unit == "GiB":
-            return f"{count:.1f} {unit}"
 
 
 def _no_interrupt() -> None:

@@ -101,16 +101,23 @@ def _checkpointed(forward: Callable) -> Callable:
     return checkpointed_forward
 
 
+def inplace_depth_problem(inplace_inputs: bool, checkpoint_depth: int | None) -> str | None:
+    """The one rule for blocks that update their inputs in place: checkpointed, then as whole blocks (depth 1)
+    only. The problem with `checkpoint_depth` (None: not checkpointed) as a message, or None."""
+    if inplace_inputs and checkpoint_depth is not None and checkpoint_depth > 1:
+        return ("this model's blocks update their inputs in place, so gradient checkpointing must be at depth 1 "
+                f"(whole blocks), not {checkpoint_depth}: a finer checkpoint would recompute from modified tensors")
+    return None
+
+
 def wrap_blocks(blocks: Iterable[torch.nn.Module], checkpoint_depth: int | None = None,
                 inplace_inputs: bool = False) -> Callable[[], None]:
     """Checkpoint the modules `checkpoint_depth` below `blocks` (None: no checkpointing) and/or make the
     blocks safe for in-place input updates. Returns the function that undoes all of it."""
     blocks = list(blocks)
-    if inplace_inputs and checkpoint_depth is not None and checkpoint_depth > 1:
-        raise ValueError(
-            "this model's blocks update their inputs in place, so gradient checkpointing must be at depth 1 "
-            f"(whole blocks), not {checkpoint_depth}: a finer checkpoint would recompute from modified tensors"
-        )
+    problem = inplace_depth_problem(inplace_inputs, checkpoint_depth)
+    if problem is not None:
+        raise ValueError(problem)
     block_ids = set(map(id, blocks)) if inplace_inputs else set()
     checkpointed = modules_at_depth(blocks, checkpoint_depth) if checkpoint_depth is not None else []
     checkpoint_ids = set(map(id, checkpointed))

@@ -258,12 +258,14 @@ def prune_temp(folder: str | os.PathLike) -> list[str]:
 
 
 # --- writing ---------------------------------------------------------------------------------------------------
-def format_bytes(count: float) -> str:
+def format_bytes(count: float, largest: str = "TiB") -> str:
+    """A byte count as "512 B" / "1.5 MiB", up to the `largest` unit (KiB, MiB, GiB or TiB). Memory reports use
+    memory_stats.format_bytes (two decimals for GiB, thousands separators, "n/a")."""
     if count < 1024:
         return f"{int(count)} B"
     for unit in ("KiB", "MiB", "GiB", "TiB"):
         count /= 1024
-        if count < 1024 or unit == "TiB":
+        if count < 1024 or unit == largest:
             return f"{count:.1f} {unit}"
 
 

@@ -365,8 +365,7 @@ def estimate(description: ModelDescription, trainable: TrainableSpec, shape: Run
     pixels = shape.width * shape.height
     decode_full = int(description.vae_decode_bytes_per_px * pixels)
     decode_tiled = int(description.vae_decode_bytes_per_px * min(pixels, TILE_PX * TILE_PX))
-    tiled = policy.vae_tiled_decode == "on" or (
-        policy.vae_tiled_decode == "auto" and budget_bytes is not None and description.vae_bytes + decode_full > budget_bytes)
+    tiled = policy.decode_tiled(description.vae_bytes + decode_full, budget_bytes)
     decode = PhaseEstimate("validation decode", {
         "VAE weights": description.vae_bytes,
         "decode working set" + (" (tiled 512 px)" if tiled else ""): decode_tiled if tiled else decode_full,

@@ -31,7 +31,7 @@ import torch
 
 from . import public_module
 from .activation_offload import enable_offloaded_checkpointing
-from .checkpointing import wrap_blocks
+from .checkpointing import inplace_depth_problem, wrap_blocks
 from .checks import check_finite
 from .weight_streaming import WeightStreamer
 
@@ -126,6 +126,15 @@ class OffloadPolicy:
         return self.replace(vram_budget_gb=round(self.budget_bytes(free_bytes) / GIB, 3))
 
     # --- derived switches --------------------------------------------------------------------------------
+    def decode_tiled(self, needed_bytes: int | None, budget_bytes: int | None) -> bool:
+        """The tiled-decode rule, for validation's decode (nodes/train_lora.decode) and the planner's estimate: "on"
+        always, "off" never, "auto" when the VAE's weights plus a full decode (`needed_bytes`) exceed the budget
+        (None: unknown, not tiled)."""
+        if self.vae_tiled_decode == "on":
+            return True
+        return (self.vae_tiled_decode == "auto" and needed_bytes is not None and budget_bytes is not None
+                and needed_bytes > budget_bytes)
+
     @property
     def checkpointing_enabled(self) -> bool:
         return self.checkpointing != "off"
@@ -196,9 +205,9 @@ def memory_features(policy: OffloadPolicy, blocks: Sequence[torch.nn.Module], de
         if policy.checkpointing == "blocks":
             restores.append(wrap_blocks(blocks, policy.checkpoint_depth, inplace_inputs=inplace_inputs))
         else:
-            if inplace_inputs and policy.checkpointing == "blocks_cpu_offload" and policy.checkpoint_depth > 1:
-                raise PolicyError("offload policy: these blocks update their inputs in place, so checkpointing must "
-                                  f"be at depth 1 (whole blocks), not {policy.checkpoint_depth}")
+            problem = inplace_depth_problem(inplace_inputs, policy.checkpoint_depth)
+            if policy.checkpointing == "blocks_cpu_offload" and problem is not None:
+                raise PolicyError(f"offload policy: {problem}")
             restores.append(wrap_blocks(blocks, None, inplace_inputs=inplace_inputs))
             if policy.checkpointing == "blocks_cpu_offload":
                 restores.append(enable_offloaded_checkpointing(blocks, policy.checkpoint_depth))

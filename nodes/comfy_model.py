@@ -1,0 +1,188 @@
+"""The ComfyUI MODEL as the engine sees it (the bridge's model description): its family, its repeated blocks,
+the conditioning widths it expects, its fingerprints, and `ComfyDenoiser`, the engine's Denoiser protocol over a
+ModelPatcher. Cached conditioning goes through the model's own `extra_conds` / `process_cond` / `cond_cat` (what
+the samplers do), then `BaseModel.apply_model`, which returns the x0 estimate in ComfyUI's own parametrisation;
+`sampling_descriptor` reads `model_sampling` (eps / v / flow, sigma table, SD3 or Flux shift).
+
+Imports nothing of Headroom's nodes/ but the family registry: the run (comfy_bridge.py) and the planning
+(planning.py) both build on it.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+
+import torch
+
+import comfy.model_base
+import comfy.model_sampling
+import comfy.samplers
+import comfy.utils
+
+from ..training.cache_store import fingerprint_state_dict, fingerprint_value
+from ..training.objective import SamplingDescriptor
+from . import families
+
+
+# --- what kind of model is this -------------------------------------------------------------------------
+def model_family(model: comfy.model_base.BaseModel) -> str | None:
+    """The family name of a ComfyUI model (nodes/families/), or None when no family recognises it."""
+    return families.family_name(model)
+
+
+def sampling_descriptor(model_sampling) -> SamplingDescriptor:
+    """The engine's view of a ComfyUI `model_sampling` object."""
+    if isinstance(model_sampling, comfy.model_sampling.CONST):
+        if isinstance(model_sampling, comfy.model_sampling.ModelSamplingFlux):
+            # Flux: sigma = e^mu / (e^mu + 1/t - 1) == SD3's shift form with shift = e^mu.
+            return SamplingDescriptor("flow", flow_shift=math.exp(float(model_sampling.shift)))
+        if isinstance(model_sampling, comfy.model_sampling.ModelSamplingDiscreteFlow):
+            return SamplingDescriptor("flow", flow_shift=float(model_sampling.shift))
+    elif isinstance(model_sampling, comfy.model_sampling.ModelSamplingDiscrete) and not isinstance(
+            model_sampling, comfy.model_sampling.ModelSamplingDiscreteEDM):
+        sigmas = model_sampling.sigmas.detach().float().cpu().clone()
+        if isinstance(model_sampling, comfy.model_sampling.V_PREDICTION):
+            return SamplingDescriptor("v", sigmas=sigmas)
+        if isinstance(model_sampling, comfy.model_sampling.EPS) and not isinstance(model_sampling, comfy.model_sampling.X0):
+            return SamplingDescriptor("eps", sigmas=sigmas)
+    raise ValueError(
+        f"model sampling {type(model_sampling).__mro__[1].__name__}+{type(model_sampling).__mro__[2].__name__} is not "
+        "supported for training (supported: discrete eps / v-prediction, and flow models such as SD3 and Flux)"
+    )
+
+
+def expected_cond_dims(model: comfy.model_base.BaseModel) -> dict[str, int]:
+    """Widths the model expects of cached conditioning: cross_attn [.., D] and pooled_output [D]."""
+    config = model.model_config.unet_config
+    dims = {}
+    context = config.get("context_dim") or config.get("context_in_dim")
+    if context is None and isinstance(config.get("context_embedder_config"), dict):
+        context = config["context_embedder_config"].get("params", {}).get("in_features")
+    if context:
+        dims["cross_attn"] = int(context)
+    pooled = config.get("adm_in_channels") or config.get("vec_in_dim")
+    if pooled and isinstance(model, (comfy.model_base.SD3, comfy.model_base.Flux)):
+        dims["pooled_output"] = int(pooled)
+    return dims
+
+
+def check_caches(model: comfy.model_base.BaseModel, latent_cache, text_cache) -> None:
+    """Wrong cache for this model -> a clear error, before any GPU work."""
+    channels = model.latent_format.latent_channels
+    if len(latent_cache) == 0:
+        raise ValueError("the LATENT_CACHE holds no items")
+    if int(latent_cache.latent_channels) != channels:
+        raise ValueError(
+            f"the LATENT_CACHE has {latent_cache.latent_channels}-channel latents but this "
+            f"model denoises {channels}-channel latents: cache the images with this model's VAE"
+        )
+    sample = text_cache.conditioning(latent_cache.text_key(0))
+    for name, width in expected_cond_dims(model).items():
+        if name not in sample:
+            raise ValueError(f"the TEXT_CACHE has no '{name}' but this model needs it: "
+                             "cache the captions with this model's text encoder (CLIP)")
+        if int(sample[name].shape[-1]) != width:
+            raise ValueError(
+                f"the TEXT_CACHE '{name}' is {sample[name].shape[-1]} wide but this model "
+                f"expects {width}: cache the captions with this model's text encoder (CLIP)"
+            )
+
+
+def model_blocks(diffusion_model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The repeated blocks: the elements of the model's top-level ModuleLists, plus a UNet's middle block."""
+    blocks = []
+    for name, child in diffusion_model.named_children():
+        if isinstance(child, torch.nn.ModuleList):
+            blocks += [(f"{name}.{i}", block) for i, block in enumerate(child)]
+        elif name == "middle_block":
+            blocks.append((name, child))
+    return blocks
+
+
+def training_blocks(diffusion_model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The repeated blocks as the model actually *calls* them: `model_blocks`, with sequential containers
+    replaced by their layers. ComfyUI's UNet runs a TimestepEmbedSequential through
+    `forward_timestep_embed(block, ...)`, which calls each layer but never the block itself, so hooks or
+    checkpoint wrappers on the block would never run; on its layers they do."""
+    blocks = []
+    for name, block in model_blocks(diffusion_model):
+        if isinstance(block, torch.nn.Sequential):
+            blocks += [(f"{name}.{child_name}", child) for child_name, child in block.named_children()]
+        else:
+            blocks.append((name, block))
+    return blocks
+
+
+def replace_inference_tensors(module: torch.nn.Module) -> None:
+    """Give weights made under inference mode (ComfyUI's loaders run there) normal storage, same values.
+
+    Autograd cannot save inference tensors for backward, and a frozen Linear's weight is saved to get the
+    gradient of its input. On a GPU the load copies weights anyway (made normal by loading outside
+    inference mode); on the CPU they are the loader's tensors, so they are cloned once here, the way
+    ComfyUI's own weight patching swaps parameters (comfy.utils.set_attr_param).
+
+    One tensor at a time, holding only names: the replaced tensor is freed before the next is cloned, so the
+    weights never exist twice (a list of the parameters themselves kept every old one alive to the end:
+    +4.8 GiB for SDXL, +24 GB for Flux-dev).
+    """
+    with torch.inference_mode(False):
+        names = [name for name, param in module.named_parameters() if param.is_inference()]
+        for name in names:
+            comfy.utils.set_attr_param(module, name, comfy.utils.get_attr(module, name).detach().clone())
+        names = [name for name, buffer in module.named_buffers() if buffer.is_inference()]
+        for name in names:
+            comfy.utils.set_attr(module, name, comfy.utils.get_attr(module, name).clone())
+
+
+def data_fingerprint(latent_cache) -> str:
+    """Which items a run trains on: their captions and bucket sizes, in order (cache fingerprints name the encoders)."""
+    bucket_of = {i: list(bucket) for bucket, indices in latent_cache.buckets.items() for i in indices}
+    items = [[latent_cache.text_key(i), bucket_of[i]] for i in range(len(latent_cache))]
+    return hashlib.sha256(json.dumps(items).encode()).hexdigest()
+
+
+def base_fingerprint(patcher) -> str:
+    """The frozen weights a MODEL trains with: its unpatched weights plus its own weight patches (LoRAs loaded
+    before training). While another clone is loaded its patches are merged into the shared module; ComfyUI's
+    backups (shared by all clones) then hold the unpatched values."""
+    state = dict(patcher.model.diffusion_model.state_dict())
+    for key, backup in patcher.backup.items():
+        if key.startswith("diffusion_model."):
+            state[key[len("diffusion_model."):]] = backup.weight
+    combined = fingerprint_state_dict(state) + fingerprint_value(patcher.patches)
+    return hashlib.sha256(combined.encode()).hexdigest()
+
+
+# --- the denoiser -----------------------------------------------------------------------------------------
+class ComfyDenoiser:
+    """The engine's Denoiser over a ComfyUI ModelPatcher (the training clone)."""
+
+    def __init__(self, patcher):
+        self.patcher = patcher
+        self.model: comfy.model_base.BaseModel = patcher.model
+        self.sampling = sampling_descriptor(self.model.model_sampling)
+        self.device = torch.device(patcher.load_device)
+        # Blocks that add into their inputs in place (Flux's `img += ...`): see training/checkpointing.py.
+        self.inplace_blocks = families.inplace_blocks(self.model)
+
+    def to_model_latent(self, latents: torch.Tensor) -> torch.Tensor:
+        return self.model.process_latent_in(latents)
+
+    def _model_conds(self, x_t: torch.Tensor, conds) -> dict:
+        per_item = []
+        for i, cond in enumerate(conds):
+            params = {name: value.unsqueeze(0).to(self.device) for name, value in cond.items() if torch.is_tensor(value)}
+            cross_attn = params.pop("cross_attn")
+            noise = x_t[i:i + 1]
+            params.update(cross_attn=cross_attn, device=self.device, noise=noise, width=noise.shape[-1] * 8,
+                          height=noise.shape[-2] * 8, prompt_type="positive")
+            model_conds = self.model.extra_conds(**params)
+            per_item.append({k: v.process_cond(batch_size=1, area=None) for k, v in model_conds.items()})
+        return comfy.samplers.cond_cat(per_item)
+
+    def predict(self, x_t: torch.Tensor, sigma: torch.Tensor, conds) -> torch.Tensor:
+        return self.model.apply_model(x_t, sigma, transformer_options={}, **self._model_conds(x_t, conds))
+
+    def blocks(self) -> list[tuple[str, torch.nn.Module]]:
+        return training_blocks(self.model.diffusion_model)  # what checkpointing wraps: blocks that get called

@@ -1,0 +1,111 @@
+"""SD1.x / SD2.x: UNet denoisers that are plain `comfy.model_base.BaseModel`s. Also the cldm ControlNet type,
+which every plain UNet trains (SDXL's module reuses it)."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+import comfy.cldm.cldm
+import comfy.controlnet
+import comfy.model_base
+import comfy.model_detection
+import comfy.ldm.modules.diffusionmodules.openaimodel
+
+from ...training.adapters import TargetPreset
+from .base import ControlNetError, ControlNetType, ExportedControlNet, Family, differences, effective
+
+log = logging.getLogger(__name__)
+
+# The self- and cross-attention projections of every transformer block.
+UNET_ATTENTION = (r"\.attn[12]\.(to_q|to_k|to_v|to_out\.0)$",)
+# Convolutions inside the UNet blocks (include_conv); the stem conv input_blocks.0.0 stays frozen.
+UNET_CONV = r"^(input_blocks\.(?!0\.0$)|middle_block\.|output_blocks\.)"
+
+_UNUSED_CLDM = {"self", "dtype", "device", "operations", "use_checkpoint", "image_size", "transformer_depth_output",
+                "hint_channels"}
+
+
+def _cldm_detection_problem(tensors: dict, config: dict) -> str | None:
+    meta = {k: v.to("meta") for k, v in tensors.items()}
+    detected = comfy.model_detection.model_config_from_unet(meta, "", True)
+    if detected is None:
+        return "comfy.model_detection does not recognise the UNet layout"
+    ours = effective(config, comfy.cldm.cldm.ControlNet.__init__, _UNUSED_CLDM)
+    theirs = effective(detected.unet_config, comfy.cldm.cldm.ControlNet.__init__, _UNUSED_CLDM)
+    found = differences(ours, theirs)
+    return "; ".join(found) if found else None
+
+
+class CldmControlNet(ControlNetType):
+    """`comfy.cldm.cldm.ControlNet`: time_embed, label_emb, input_blocks and middle_block copied from the base; zero
+    convs, middle_block_out and the hint encoder's last conv zero-initialised; hint: pixels; file: cldm keys, or
+    the Control-LoRA layout when ComfyUI's detection would rebuild the cldm layout differently."""
+
+    name = "unet"
+    description = "SD1.x / SD2.x / SDXL UNet models (cldm ControlNet)"
+    hint = "pixels"
+    extra_conds = ("y",)
+    blocks_word = "input blocks"
+    new_keys = ("zero_convs.", "middle_block_out.", "input_hint_block.")
+
+    def accepts(self, base) -> bool:
+        return (isinstance(base.diffusion_model, comfy.ldm.modules.diffusionmodules.openaimodel.UNetModel)
+                and not base.model_config.unet_config.get("use_temporal_resblock"))
+
+    def base_depth(self, diffusion_model: torch.nn.Module) -> int:
+        return len(diffusion_model.input_blocks)
+
+    def default_blocks(self, depth: int) -> int:
+        return depth  # the whole encoder: the stock loader derives the architecture from it
+
+    def check_blocks(self, blocks: int, depth: int) -> None:
+        if blocks != depth:
+            raise ControlNetError(
+                f"blocks={blocks}: a UNet ControlNet copies the whole encoder ({depth} input blocks), which is how "
+                "ComfyUI's loader rebuilds it; set blocks to 0")
+
+    def constructor_config(self, base_config: dict, blocks: int) -> dict:
+        config = dict(base_config)
+        config.pop("out_channels", None)
+        config["hint_channels"] = 3
+        return config
+
+    def make_module(self, config: dict, dtype: torch.dtype, device, operations) -> torch.nn.Module:
+        return comfy.cldm.cldm.ControlNet(**config, dtype=dtype, device=device, operations=operations)
+
+    def zero_initialised(self, module: torch.nn.Module) -> list[torch.nn.Module]:
+        return [*module.zero_convs, module.middle_block_out, module.input_hint_block[-1]]
+
+    def export(self, own: dict[str, torch.Tensor], config: dict, blocks: int) -> ExportedControlNet:
+        problem = _cldm_detection_problem(own, config)
+        if problem is None:
+            return ExportedControlNet(own, "cldm", None)
+        # ComfyUI's Control-LoRA loader builds the ControlNet from the MODEL it is applied to, then loads
+        # every `.weight` / `.bias` in the file over it: full weights, any UNet geometry.
+        tensors = dict(own)
+        tensors["lora_controlnet"] = torch.tensor([])
+        log.info("ControlNet saved in the Control-LoRA layout: ComfyUI's detection would rebuild the plain cldm "
+                 "layout differently (%s)", problem)
+        return ExportedControlNet(tensors, "control-lora", None)
+
+    def comfy_controlnet(self, module: torch.nn.Module, device, manual_cast):
+        return comfy.controlnet.ControlNet(module, load_device=device, manual_cast_dtype=manual_cast)
+
+
+CLDM = CldmControlNet()
+
+FAMILY = Family(
+    name="sd15",
+    description="SD1.x / SD2.x UNet",
+    # SD1.x / SD2.x UNets are plain BaseModels.
+    recognise=lambda model: (type(model) is comfy.model_base.BaseModel
+                             and type(model.diffusion_model).__name__ == "UNetModel"),
+    lora_preset=TargetPreset("sd15", UNET_ATTENTION, UNET_CONV),
+    text_tokens=77,
+    diffusers_component="unet",
+    kohya_base=("sd_v1", "stable-diffusion-v1/lora"),
+    kohya_diffusers_block_names=True,
+    controlnet=CLDM,
+    position=0,
+)

@@ -1,0 +1,168 @@
+"""The planner's view of a ComfyUI MODEL (the bridge's planning part): the budget ComfyUI can make free, the
+model described from its own modules and code (blocks and their weight bytes from `diffusion_model`, the same
+blocks the trainer checkpoints and streams; activations measured by running it at small calibration sizes,
+training/planner.py; ComfyUI's own `memory_required` for the sampling working set and the VAE's
+`memory_used_encode/decode` for caching and decoding), and the next smaller policy after an out-of-memory error.
+Used by the memory nodes (nodes/memory.py) and the training run (nodes/comfy_bridge.py)."""
+from __future__ import annotations
+
+import torch
+
+import comfy.model_management
+
+from ..training import planner
+from ..training.adapters import AdapterConfig, AdapterSet
+from ..training.policy import OffloadPolicy
+from ..training.trainer import PRECISIONS
+from . import families
+from .comfy_model import ComfyDenoiser, expected_cond_dims, model_blocks, replace_inference_tensors, training_blocks
+
+# Calibration forwards (latent height, width, text tokens): three areas, two text lengths, so that attention
+# maps (quadratic in the area, or area x text) are fitted too. Multiples of 8 latent px: every UNet level divides.
+CALIBRATION = ((16, 16, 8), (16, 32, 8), (32, 32, 8), (16, 16, 16), (16, 32, 16))
+
+
+# --- budget -----------------------------------------------------------------------------------------------
+def available_device_bytes(device: torch.device | None = None) -> int:
+    """What ComfyUI can make free on `device`: free memory plus what loaded models occupy there."""
+    device = device or comfy.model_management.get_torch_device()
+    loaded = sum(m.model_loaded_memory() for m in comfy.model_management.current_loaded_models
+                 if m.model is not None and m.device == device)
+    return int(comfy.model_management.get_free_memory(device) + loaded)
+
+
+def budget_bytes(policy: OffloadPolicy, device: torch.device | None = None) -> int:
+    """The policy's budget in bytes on ComfyUI's device ("auto": available minus the reserve)."""
+    return policy.budget_bytes(available_device_bytes(device) if policy.budget_is_auto else None)
+
+
+# --- describing a ComfyUI MODEL ------------------------------------------------------------------------------
+def calibration_cond(model, text_tokens: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """Zero conditioning of the widths the model expects (what the text cache would hold)."""
+    dims = expected_cond_dims(model)
+    family = families.family_of(model)
+    if family is not None and family.calibration_pooled_width is not None:  # SDXL: CLIP-G's pooled output
+        dims.setdefault("pooled_output", family.calibration_pooled_width)
+    cond = {"cross_attn": torch.zeros(text_tokens, dims.get("cross_attn", 768), device=device)}
+    if "pooled_output" in dims:
+        cond["pooled_output"] = torch.zeros(dims["pooled_output"], device=device)
+    return cond
+
+
+def measure_model(patcher, adapter: AdapterConfig, precision: str = "bf16") -> list[planner.ActivationSample]:
+    """Forwards of the MODEL at the calibration sizes as training runs it; per-block saved bytes.
+
+    The model is loaded through ComfyUI (as sampling would load it) and a LoRA of `adapter`'s settings is
+    attached to the module tree for the duration (detached again before returning, also on an error), so
+    autograd records exactly what the training step keeps. No backward runs.
+    """
+    in_training = comfy.model_management.in_training
+    try:
+        comfy.model_management.in_training = True  # the training code paths (e.g. Flux's differentiable RoPE)
+        return _measure(patcher, adapter, precision)
+    finally:
+        comfy.model_management.in_training = in_training
+
+
+def _measure(patcher, adapter: AdapterConfig, precision: str) -> list[planner.ActivationSample]:
+    model = patcher.model
+    diffusion_model = model.diffusion_model
+    with torch.inference_mode(False):
+        comfy.model_management.load_models_gpu([patcher])
+        replace_inference_tensors(diffusion_model)
+        denoiser = ComfyDenoiser(patcher)
+        blocks = [m for _, m in training_blocks(diffusion_model)]
+        weights = [*diffusion_model.parameters(), *diffusion_model.buffers()]
+        adapters = AdapterSet(diffusion_model, lora_target_paths(patcher, adapter), adapter)
+        adapters.to(denoiser.device)
+        channels = model.latent_format.latent_channels
+        dtype = PRECISIONS[precision]
+        samples = []
+        adapters.attach(diffusion_model)
+        try:
+            for height, width, tokens in CALIBRATION:
+                generator = torch.Generator().manual_seed(0)
+                x = torch.randn(1, channels, height, width, generator=generator).to(denoiser.device)
+                if denoiser.sampling.prediction == "flow":
+                    sigma = torch.full((1,), 0.5, device=denoiser.device)
+                else:
+                    sigma = denoiser.sampling.sigmas[len(denoiser.sampling.sigmas) // 2].reshape(1).to(denoiser.device)
+                cond = calibration_cond(model, tokens, denoiser.device)
+
+                def run(x=x, sigma=sigma, cond=cond):
+                    with torch.autocast(denoiser.device.type, dtype=dtype, enabled=dtype is not None):
+                        return denoiser.predict(x, sigma, [cond])
+
+                samples.append(planner.measure_activations(run, blocks, weights=weights, latent_area=height * width,
+                                                           text_tokens=tokens))
+        finally:
+            adapters.detach()
+    return samples
+
+
+def describe_comfy_model(patcher, adapter: AdapterConfig, precision: str = "bf16", text_tokens: int | None = None,
+                         clip=None, vae=None) -> planner.ModelDescription:
+    """The planner's description of a ComfyUI MODEL (and, optionally, its CLIP and VAE) for training a
+    LoRA of `adapter`'s settings."""
+    model = patcher.model
+    diffusion_model = model.diffusion_model
+    named_blocks = training_blocks(diffusion_model)
+    if not named_blocks:
+        raise ValueError(f"HeadroomMemoryPlan: {type(diffusion_model).__name__} has no repeated blocks to plan with")
+    samples = measure_model(patcher, adapter, precision)
+    saved, inputs, outside = planner.fit_profile(samples)
+    blocks = planner.describe_blocks(named_blocks, saved, inputs, samples)
+    channels = model.latent_format.latent_channels
+    probe = 64  # ComfyUI's estimate is linear in the latent area
+    inference = model.memory_required([1, channels, probe, probe]) / (probe * probe)
+    family = families.family_of(model)
+    # The dtype layers compute in: the autocast precision, else ComfyUI's manual-cast dtype, else the weights' own.
+    compute_dtype = PRECISIONS[precision] or model.manual_cast_dtype or model.get_dtype()
+    linears = [m.weight for _, block in named_blocks for m in block.modules()
+               if isinstance(m, torch.nn.Linear) and not m.weight.requires_grad]
+    description = dict(
+        name=type(model).__name__, blocks=blocks,
+        other_param_bytes=planner.frozen_bytes(diffusion_model) - sum(b.param_bytes for b in blocks),
+        outside_saved=outside, latent_channels=channels, latent_downscale=family.latent_downscale if family else 8,
+        text_tokens=text_tokens or (family.text_tokens if family else 77),
+        inference_bytes_per_latent_px=float(inference),
+        weight_copy_in_flight_bytes=planner.largest_weight_copy_bytes(diffusion_model, model.manual_cast_dtype),
+        largest_linear_numel=max((w.numel() for w in linears), default=0),
+        stored_element_size=max(linears, key=torch.Tensor.numel).element_size() if linears else 2,
+        compute_element_size=torch.empty((), dtype=compute_dtype).element_size(),
+    )
+    if clip is not None:
+        description["text_encoder_bytes"] = int(clip.patcher.model_size())
+        # ComfyUI's text encoders compute through manual-cast ops in fp32 (comfy/sd1_clip.py).
+        description["text_encoder_copy_in_flight_bytes"] = planner.largest_weight_copy_bytes(
+            clip.cond_stage_model, torch.float32)
+    if vae is not None:
+        side = 512
+        description["vae_bytes"] = int(vae.patcher.model_size())
+        description["vae_encode_bytes_per_px"] = vae.memory_used_encode([1, 3, side, side], vae.vae_dtype) / side ** 2
+        latent = side // vae.downscale_ratio if isinstance(vae.downscale_ratio, int) else side // 8
+        description["vae_decode_bytes_per_px"] = vae.memory_used_decode(
+            [1, vae.latent_channels, latent, latent], vae.vae_dtype) / side ** 2
+    return planner.ModelDescription(**description)
+
+
+def lora_target_paths(patcher, adapter: AdapterConfig) -> list[str]:
+    """The module paths a LoRA with these settings trains (the trainer's own target selection)."""
+    diffusion_model = patcher.model.diffusion_model
+    return families.lora_targets(diffusion_model, families.family_name(patcher.model), adapter,
+                                 [name for name, _ in model_blocks(diffusion_model)])
+
+
+def next_plan_for(session) -> planner.Plan | None:
+    """After an out-of-memory error in a training run (nodes/comfy_bridge.py TrainingSession): the planner's
+    next smaller policy for that run's model, trainable weights, batch, largest bucket and text length."""
+    config = session.config
+    adapter = getattr(config, "adapter", None) or AdapterConfig()  # ControlNet runs: activations as with a LoRA
+    description = describe_comfy_model(session.source_model, adapter, config.train.precision)
+    trainable = planner.TrainableSpec.from_parameters(session.trainer.params, config.optimizer.name)
+    width, height = max(session.latent_cache.buckets, key=lambda size: size[0] * size[1])
+    tokens = session.text_cache.conditioning(session.latent_cache.text_key(0))["cross_attn"].shape[0]
+    shape = planner.RunShape(config.train.batch_size, width, height, int(tokens))
+    policy = session.trainer.policy
+    budget = budget_bytes(policy, torch.device(session.source_model.load_device))
+    return planner.next_smaller_policy(description, trainable, shape, policy, budget)
