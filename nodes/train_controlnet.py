@@ -11,17 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import pathlib
 
 import torch
 
-import folder_paths
 from comfy_api.latest import io, ui
 
 from ..training.checks import check_finite
 from ..training.files import prune_temp
-from ..training.objective import ObjectiveConfig
 from ..training.optimizers import OptimizerConfig
 from ..training.run_dir import RunFolderError, check_name, check_subfolder
 from ..training.trainer import TrainConfig, Trainer
@@ -33,8 +30,9 @@ from .controlnet_build import (TrainableControlNet, apply_controlnet, build_cont
 from .families import CONTROLNET_TYPES
 from .train_lora import (CATEGORY, DEFAULT_CHECKPOINT_MINUTES, SAVED_KEY, TrainingRun, _checkpoint_inputs,
                          _added_train_inputs, _weights_input,
-                         _schedule_inputs, _train_inputs, _validation_inputs, resolve_precision, run_fingerprint,
-                         runs_root, saved_file, train_validate_save)
+                         _schedule_inputs, _train_inputs, _validation_inputs, run_fingerprint,
+                         listed_name, models_file, runs_root, saved_file, train_config,
+                         train_validate_save)
 
 CONTROL_HINT = "control_hint"  # the conditioning entry that carries an item's cached control through the trainer
 
@@ -173,16 +171,9 @@ def start_controlnet_session(model, latent_cache, text_cache, optimizer_config, 
         if not isinstance(optimizer_config, OptimizerConfig):
             raise ValueError("optimizer_config must come from a HeadroomOptimizerConfig node")
         optimizer_config.validate()
-        precision, note = resolve_precision(precision, model.load_device, run_name, node)
-        train = TrainConfig(
-            seed=seed, batch_size=batch_size, grad_accum=grad_accumulation, max_grad_norm=max_grad_norm,
-            precision=precision, caption_dropout=caption_dropout, gradient_checkpointing=gradient_checkpointing,
-            checkpoint_depth=checkpoint_depth, ema_decay=ema_decay,
-            objective=ObjectiveConfig(timestep_sampling=timestep_sampling, loss_weighting=loss_weighting,
-                                      min_snr_gamma=min_snr_gamma, noise_offset=noise_offset, loss_type=loss_type,
-                                      huber_delta=huber_delta),
-        )
-        train.validate()
+        train, note = train_config(model, run_name, node, seed, batch_size, grad_accumulation, precision, max_grad_norm,
+                                   caption_dropout, timestep_sampling, loss_weighting, min_snr_gamma, noise_offset,
+                                   gradient_checkpointing, checkpoint_depth, loss_type, huber_delta, ema_decay)
         type_name = controlnet_type_name(model)
         check_caches(model.model, latent_cache, text_cache)
         check_control_cache(type_name, latent_cache, node)
@@ -255,18 +246,12 @@ class HeadroomTrainControlNetInit(io.ComfyNode):
 # --- save -------------------------------------------------------------------------------------------------
 def save_trained_controlnet(run: ControlNetSession, subfolder: str, filename: str, weights: str = "auto") -> str:
     """Write the ControlNet under models/controlnet/<subfolder>/ atomically; returns the name ControlNetLoader lists."""
-    check_subfolder(subfolder, "subfolder")
-    name = check_name(filename or f"{run.run_dir.name}_step{run.step:06d}", "ControlNet file name")
-    if not name.endswith(".safetensors"):
-        name += ".safetensors"
-    root = pathlib.Path(folder_paths.get_folder_paths("controlnet")[0])
-    path = root / subfolder / name if subfolder else root / name
+    root, path = models_file("controlnet", subfolder, filename, run, "ControlNet")
     with run.phase("save"):
         prune_temp(path.parent)  # what a killed save left in that folder
         with run.weights(weights) as used:
             save_controlnet(run.controlnet, path, {**run.controlnet_metadata(), "headroom.weights": used})
-    folder_paths.filename_list_cache.pop("controlnet", None)  # listed by ControlNetLoader without a restart
-    return os.path.relpath(path, root).replace(os.sep, "/")
+    return listed_name("controlnet", root, path)
 
 
 class HeadroomSaveControlNet(io.ComfyNode):

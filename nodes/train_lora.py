@@ -243,6 +243,25 @@ def resolve_precision(precision: str, device, run_name: str, node: str) -> tuple
     return precision, note
 
 
+def train_config(model, run_name: str, node: str, seed, batch_size, grad_accumulation, precision, max_grad_norm,
+                 caption_dropout, timestep_sampling, loss_weighting, min_snr_gamma, noise_offset, gradient_checkpointing,
+                 checkpoint_depth, loss_type: str, huber_delta: float, ema_decay: float,
+                 prior_ratio: float = 0.0) -> tuple[TrainConfig, str]:
+    """The engine's TrainConfig from the Init nodes' shared inputs (LoRA and ControlNet), checked, with the note
+    on how the compute precision was chosen."""
+    precision, note = resolve_precision(precision, model.load_device, run_name, node)
+    train = TrainConfig(
+        seed=seed, batch_size=batch_size, grad_accum=grad_accumulation, max_grad_norm=max_grad_norm,
+        precision=precision, caption_dropout=caption_dropout, gradient_checkpointing=gradient_checkpointing,
+        checkpoint_depth=checkpoint_depth, ema_decay=ema_decay, prior_ratio=prior_ratio,
+        objective=ObjectiveConfig(timestep_sampling=timestep_sampling, loss_weighting=loss_weighting,
+                                  min_snr_gamma=min_snr_gamma, noise_offset=noise_offset, loss_type=loss_type,
+                                  huber_delta=huber_delta),
+    )
+    train.validate()
+    return train, note
+
+
 def start_session(model, latent_cache, text_cache, lora_config, optimizer_config, run_name, seed, batch_size,
                   grad_accumulation, precision, max_grad_norm, caption_dropout, timestep_sampling, loss_weighting,
                   min_snr_gamma, noise_offset, gradient_checkpointing, checkpoint_depth, holdout, policy=None,
@@ -265,16 +284,10 @@ def start_session(model, latent_cache, text_cache, lora_config, optimizer_config
             raise ValueError("optimizer_config must come from a HeadroomOptimizerConfig node")
         lora_config.validate()
         optimizer_config.validate()
-        precision, note = resolve_precision(precision, model.load_device, run_name, node)
-        train = TrainConfig(
-            seed=seed, batch_size=batch_size, grad_accum=grad_accumulation, max_grad_norm=max_grad_norm,
-            precision=precision, caption_dropout=caption_dropout, gradient_checkpointing=gradient_checkpointing,
-            checkpoint_depth=checkpoint_depth, ema_decay=ema_decay, prior_ratio=prior_ratio if prior else 0.0,
-            objective=ObjectiveConfig(timestep_sampling=timestep_sampling, loss_weighting=loss_weighting,
-                                      min_snr_gamma=min_snr_gamma, noise_offset=noise_offset, loss_type=loss_type,
-                                      huber_delta=huber_delta),
-        )
-        train.validate()
+        train, note = train_config(model, run_name, node, seed, batch_size, grad_accumulation, precision, max_grad_norm,
+                                   caption_dropout, timestep_sampling, loss_weighting, min_snr_gamma, noise_offset,
+                                   gradient_checkpointing, checkpoint_depth, loss_type, huber_delta, ema_decay,
+                                   prior_ratio=prior_ratio if prior else 0.0)
         check_caches(model.model, latent_cache, text_cache)
         config = SessionConfig(family=model_family(model.model), adapter=lora_config, optimizer=optimizer_config,
                                train=train, holdout=holdout)
@@ -593,17 +606,32 @@ def _weights_input(what: str):
                           "ema_decay is set). auto: the EMA when the run keeps one.")
 
 
+def models_file(folder: str, subfolder: str, filename: str, run: TrainingSession, what: str) -> tuple[pathlib.Path, pathlib.Path]:
+    """(the models/<folder> root, the .safetensors path) a save node writes for `run`, names checked (empty
+    filename: <run name>_step<N>)."""
+    check_subfolder(subfolder, "subfolder")
+    name = check_name(filename or f"{run.run_dir.name}_step{run.step:06d}", f"{what} file name")
+    if not name.endswith(".safetensors"):
+        name += ".safetensors"
+    root = pathlib.Path(folder_paths.get_folder_paths(folder)[0])
+    return root, (root / subfolder / name if subfolder else root / name)
+
+
+def listed_name(folder: str, root: pathlib.Path, path: pathlib.Path) -> str:
+    """After a save: the name the stock loader lists for `path`, listed without a restart. (A new file changes its
+    folder's mtime, which invalidates ComfyUI's file-list cache; dropping the entry too makes the new name show up
+    at once even where mtimes are coarse.)"""
+    folder_paths.filename_list_cache.pop(folder, None)
+    return os.path.relpath(path, root).replace(os.sep, "/")
+
+
 def save_lora(run: TrainingSession, subfolder: str, filename: str, dtype: str = "fp32", file_format: str = "comfyui",
               weights: str = "auto") -> str:
     """Write the adapter under models/loras/<subfolder>/ atomically; returns the name LoraLoader lists."""
     if file_format not in lora_formats.FORMATS:
         raise ValueError(f"format {file_format!r}: choose one of {', '.join(lora_formats.FORMATS)}")
-    check_subfolder(subfolder, "subfolder")
-    name = check_name(filename or f"{run.run_dir.name}_step{run.step:06d}", "LoRA file name")
-    if not name.endswith(".safetensors"):
-        name += ".safetensors"
-    loras_root = pathlib.Path(folder_paths.get_folder_paths("loras")[0])
-    path = loras_root / subfolder / name if subfolder else loras_root / name
+    loras_root, path = models_file("loras", subfolder, filename, run, "LoRA")
+    name = path.name
     with run.phase("save"):
         prune_temp(path.parent)  # what a killed save left in that folder
         if file_format == "diffusers":  # refused before any work
@@ -627,10 +655,7 @@ def save_lora(run: TrainingSession, subfolder: str, filename: str, dtype: str = 
                 max(buckets, key=lambda b: b[0] * b[1]) if buckets else None))
             metadata["headroom.format"] = "kohya"
         save_safetensors(path, state, f"LoRA {name}", metadata=metadata)
-    # A new file changes its folder's mtime, which invalidates ComfyUI's file-list cache; dropping the entry too
-    # makes the new name show up in LoraLoader at once even where mtimes are coarse.
-    folder_paths.filename_list_cache.pop("loras", None)
-    return os.path.relpath(path, loras_root).replace(os.sep, "/")
+    return listed_name("loras", loras_root, path)
 
 
 class HeadroomSaveLora(io.ComfyNode):
