@@ -1,8 +1,13 @@
 """The pixel classifier reads colour, position and shape off clean synthetic images (no ComfyUI needed)."""
 import pytest
 import torch
-
-from headroom.training.shape_classifier import Reading, classify, colour_fraction, nearest_colour, score
+from headroom.training.shape_classifier import (
+    Reading,
+    classify,
+    colour_fraction,
+    nearest_colour,
+    score,
+)
 from headroom.training.synthetic import BACKGROUND, COLOURS, generate_shapes
 
 
