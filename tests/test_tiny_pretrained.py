@@ -1,5 +1,7 @@
 """The shipped pretrained tiny SD1.5 model draws what the prompt names: 20 prompts sampled through ComfyUI's own
 KSampler path (comfy.sample) and decoded with its VAE, then read by the pixel classifier."""
+import pathlib
+
 import pytest
 import torch
 
@@ -99,3 +101,25 @@ def test_held_out_colour_is_not_drawn(comfyui):
     fraction = colour_fraction(images, HELD_OUT)
     print(f"held-out colour {HELD_OUT!r} drawn in {fraction:.0%} of 8 samples")
     assert fraction <= 0.2
+
+
+def test_pretrain_script_is_deterministic(comfyui, tmp_path):
+    """workflows/pretrain_tiny.py, a few steps of each stage, twice: bit-identical files with the tiny model's keys."""
+    import subprocess
+    import sys
+
+    import safetensors.torch
+
+    from headroom.nodes.tiny_models import pretrained_state_dict
+
+    script = pathlib.Path(__file__).resolve().parents[1] / "workflows" / "pretrain_tiny.py"
+    outs = [tmp_path / f"run{i}.safetensors" for i in range(2)]
+    for out in outs:
+        subprocess.run([sys.executable, str(script), "--vae-steps", "3", "--steps", "3", "--images", "432",
+                        "--vae-images", "64", "--out", str(out)], check=True, capture_output=True, timeout=300)
+    first, second = (safetensors.torch.load_file(str(out)) for out in outs)
+    assert first.keys() == second.keys()
+    assert all(torch.equal(first[key], second[key]) for key in first)
+    shipped = {key for prefix in ("model.diffusion_model.", "cond_stage_model.", "first_stage_model.")
+               for key in pretrained_state_dict("sd15", prefix)}
+    assert set(first) == shipped and all(value.dtype == torch.float16 for value in first.values())
