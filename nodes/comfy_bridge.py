@@ -423,6 +423,16 @@ class TrainingSession:
             finally:  # the patched weights leave memory now, not when gc finds the clone
                 comfy.model_management.unload_model_and_clones(model, unload_additional_models=False)
 
+    @contextlib.contextmanager
+    def base_sampling_model(self):
+        """The run's MODEL as it came in, without what the run trains (outside `attached` the adapters are ejected:
+        the module tree is ComfyUI's own), for before/after comparisons; optimizer state parked as for validation."""
+        adapters = getattr(self, "adapters", None)
+        if adapters is not None and adapters.attached_to is not None:
+            raise RuntimeError("HeadroomValidate: the adapter is still attached; cannot sample the base model")
+        with self.trainer.parked_for_validation():
+            yield self.source_model
+
     def sampling_conditioning(self, positive, negative, vae=None):
         """Validation conditioning for ComfyUI's samplers: the prompts as encoded (a ControlNet run adds its control)."""
         return positive, negative

@@ -1,7 +1,7 @@
 """Data nodes: a deterministic synthetic dataset for demos, tests and ControlNet work."""
 from comfy_api.latest import io
 
-from ..training.synthetic import generate_shapes
+from ..training.synthetic import COLOURS, generate_shapes, parse_colours
 
 
 class HeadroomSyntheticDataset(io.ComfyNode):
@@ -22,6 +22,10 @@ class HeadroomSyntheticDataset(io.ComfyNode):
                              tooltip="Width and height in pixels; 512, as the dataset and validation nodes default to. "
                              "64 is enough for the built-in tiny models and far faster on a CPU."),
                 io.Int.Input("seed", default=0, min=0, max=0xFFFFFFFFFFFFFFFF, tooltip="Picks the shapes, sizes and offsets."),
+                # Appended last and optional: workflows saved before it existed keep working (all colours).
+                io.String.Input("colours", default="", optional=True,
+                                tooltip=f"Only these colours, comma-separated (e.g. 'green', the colour the pretrained "
+                                f"tiny model never saw); empty: all of {', '.join(COLOURS)}."),
             ],
             outputs=[
                 io.Image.Output("images", display_name="images",
@@ -34,15 +38,20 @@ class HeadroomSyntheticDataset(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, resolution: int | None = None) -> bool | str:
+    def validate_inputs(cls, resolution: int | None = None, colours: str | None = None) -> bool | str:
         # The widget steps by 8, but API prompts can send any integer. None: linked, checked at run time.
         if resolution is not None and resolution % 8:
             return f"HeadroomSyntheticDataset: resolution={resolution} must be a multiple of 8"
+        if colours is not None:
+            try:
+                parse_colours(colours)
+            except ValueError as error:
+                return f"HeadroomSyntheticDataset: {error}"
         return True
 
     @classmethod
-    def execute(cls, count: int, resolution: int, seed: int) -> io.NodeOutput:
-        data = generate_shapes(count, resolution, seed)
+    def execute(cls, count: int, resolution: int, seed: int, colours: str = "") -> io.NodeOutput:
+        data = generate_shapes(count, resolution, seed, parse_colours(colours or ""))
         return io.NodeOutput(data.images, "\n".join(data.captions), data.control_images)
 
 

@@ -11,7 +11,9 @@ code (ComfyUI's own TrainLoraNode, multi-GPU clones) deep-clones a MODEL by call
 """
 from __future__ import annotations
 
+import functools
 import math
+import pathlib
 
 import torch
 
@@ -22,11 +24,17 @@ import comfy.supported_models
 import comfy.supported_models_base
 import comfy.text_encoders.flux
 import comfy.text_encoders.sd3_clip
+import comfy.utils
 from comfy.ldm.models.autoencoder import AutoencoderKL
 from comfy.ldm.modules.diffusionmodules.mmdit import get_2d_sincos_pos_embed
 from comfy_api.latest import io
 
 FAMILIES = ("sd15", "sd3", "flux")
+WEIGHTS = ("random", "pretrained")
+# Pretrained weights shipped in the package (workflows/pretrain_tiny.py writes them): one checkpoint-style file
+# per family (model.diffusion_model. / cond_stage_model. / first_stage_model.), fp16.
+WEIGHTS_DIR = pathlib.Path(__file__).resolve().parent / "weights"
+PRETRAINED_FILES = {"sd15": WEIGHTS_DIR / "tiny_sd15_shapes.safetensors"}
 
 # Text encoders: ComfyUI's CLIP-L / CLIP-G / T5 classes, shrunk through their model_config options.
 # Three CLIP layers: SD3 reads the penultimate layer (layer_idx -2), which needs more than two.
@@ -124,12 +132,43 @@ def init_weights_(module: torch.nn.Module, seed: int) -> None:
         pos_embed.copy_(table.reshape(pos_embed.shape).to(pos_embed.dtype))
 
 
+def _check_weights(family: str, weights: str) -> None:
+    if weights not in WEIGHTS:
+        raise ValueError(f"HeadroomTinyModel: weights={weights!r}; choose one of {', '.join(WEIGHTS)}")
+    if weights == "pretrained" and family not in PRETRAINED_FILES:
+        raise ValueError(f"HeadroomTinyModel: weights='pretrained' exists for the {', '.join(PRETRAINED_FILES)} family "
+                         f"only, not {family!r}; use weights='random' for {family}")
+
+
+@functools.lru_cache(maxsize=4)
+def _pretrained_file(family: str) -> dict:
+    path = PRETRAINED_FILES[family]
+    if not path.is_file():
+        raise FileNotFoundError(f"HeadroomTinyModel: the pretrained weights {path} are missing; regenerate them with "
+                                "`python workflows/pretrain_tiny.py` (or use weights='random')")
+    return comfy.utils.load_torch_file(str(path), safe_load=True)
+
+
+def pretrained_state_dict(family: str, prefix: str) -> dict:
+    """One part (checkpoint prefix) of the shipped pretrained file, prefix kept; a fresh dict of the same tensors."""
+    return {k: v for k, v in _pretrained_file(family).items() if k.startswith(prefix)}
+
+
+def _check_loaded(part: str, expected: set, got: set) -> None:
+    missing, unexpected = sorted(expected - got), sorted(got - expected)
+    if missing or unexpected:
+        raise RuntimeError(f"HeadroomTinyModel: the pretrained {part} does not match the tiny model "
+                           f"(missing {missing[:3]}, unexpected {unexpected[:3]}); regenerate it with "
+                           "workflows/pretrain_tiny.py")
+
+
 def _param_count(module: torch.nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
-def build_tiny_model_patcher(family: str, seed: int = 0, disable_dynamic: bool = False):
+def build_tiny_model_patcher(family: str, seed: int = 0, weights: str = "random", disable_dynamic: bool = False):
     """The MODEL of a tiny family; also the `cached_patcher_init` factory of that MODEL."""
+    _check_weights(family, weights)
     config, _, _, _ = _family_spec(family)
     load_device = mm.get_torch_device()
     unet_dtype = mm.unet_dtype(model_params=0, supported_dtypes=list(config.supported_inference_dtypes))
@@ -137,45 +176,64 @@ def build_tiny_model_patcher(family: str, seed: int = 0, disable_dynamic: bool =
     config.set_inference_dtype(unet_dtype, manual_cast, device=load_device)
     model = config.get_model({}, "", device=mm.unet_offload_device())
     init_weights_(model.diffusion_model, seed)
+    if weights == "pretrained":
+        # ComfyUI's checkpoint path for the UNet part (load_checkpoint_guess_config does the same).
+        sd = pretrained_state_dict(family, "model.diffusion_model.")
+        _check_loaded("UNet", set(model.diffusion_model.state_dict()), {k.split(".", 2)[2] for k in sd})
+        model.load_model_weights(sd, "model.diffusion_model.")
     patcher_class = comfy.model_patcher.ModelPatcher if disable_dynamic else comfy.model_patcher.CoreModelPatcher
     patcher = patcher_class(model, load_device=load_device, offload_device=mm.unet_offload_device())
-    patcher.cached_patcher_init = (build_tiny_model_patcher, (family, seed))
+    patcher.cached_patcher_init = (build_tiny_model_patcher, (family, seed, weights))
     return patcher
 
 
-def build_tiny_clip(family: str, seed: int = 0, disable_dynamic: bool = False) -> comfy.sd.CLIP:
+def build_tiny_clip(family: str, seed: int = 0, weights: str = "random", disable_dynamic: bool = False) -> comfy.sd.CLIP:
+    _check_weights(family, weights)
     _, clip_target, te_options, _ = _family_spec(family)
     clip = comfy.sd.CLIP(clip_target, parameters=0, model_options=te_options, disable_dynamic=disable_dynamic)
     init_weights_(clip.cond_stage_model, seed + 1)
-    clip.patcher.cached_patcher_init = (_tiny_clip_patcher, (family, seed))
+    if weights == "pretrained":
+        sd = comfy.utils.state_dict_prefix_replace(pretrained_state_dict(family, "cond_stage_model."),
+                                                   {"cond_stage_model.": ""}, filter_keys=True)
+        _check_loaded("text encoder", set(clip.cond_stage_model.state_dict()), set(sd))
+        clip.load_sd(sd, full_model=True)  # ComfyUI's CLIP loading path
+    clip.patcher.cached_patcher_init = (_tiny_clip_patcher, (family, seed, weights))
     return clip
 
 
-def _tiny_clip_patcher(family: str, seed: int = 0, disable_dynamic: bool = False):
-    return build_tiny_clip(family, seed, disable_dynamic=disable_dynamic).patcher
+def _tiny_clip_patcher(family: str, seed: int = 0, weights: str = "random", disable_dynamic: bool = False):
+    return build_tiny_clip(family, seed, weights, disable_dynamic=disable_dynamic).patcher
 
 
-def build_tiny_vae(family: str, seed: int = 0) -> comfy.sd.VAE:
+def build_tiny_vae(family: str, seed: int = 0, weights: str = "random") -> comfy.sd.VAE:
+    _check_weights(family, weights)
     _, _, _, latent_channels = _family_spec(family)
     params = {"ddconfig": _vae_ddconfig(latent_channels), "embed_dim": latent_channels}
     reference = AutoencoderKL(**params)
     init_weights_(reference, seed + 2)
+    sd = reference.state_dict()
+    if weights == "pretrained":
+        sd = comfy.utils.state_dict_prefix_replace(pretrained_state_dict(family, "first_stage_model."),
+                                                   {"first_stage_model.": ""}, filter_keys=True)
+        _check_loaded("VAE", set(reference.state_dict()), set(sd))
     # Through ComfyUI's VAE class and its load path: `config` picks the architecture, `sd` the weights.
-    vae = comfy.sd.VAE(sd=reference.state_dict(), config={"params": params})
+    vae = comfy.sd.VAE(sd=sd, config={"params": params})
     vae.latent_channels = latent_channels
-    vae.patcher.cached_patcher_init = (_tiny_vae_patcher, (family, seed))
+    vae.patcher.cached_patcher_init = (_tiny_vae_patcher, (family, seed, weights))
     return vae
 
 
-def _tiny_vae_patcher(family: str, seed: int = 0, disable_dynamic: bool = False):
-    return build_tiny_vae(family, seed).patcher
+def _tiny_vae_patcher(family: str, seed: int = 0, weights: str = "random", disable_dynamic: bool = False):
+    return build_tiny_vae(family, seed, weights).patcher
 
 
-def build_tiny_models(family: str, seed: int = 0):
-    """(MODEL patcher, CLIP, VAE) of a tiny family, deterministic for a seed."""
+def build_tiny_models(family: str, seed: int = 0, weights: str = "random"):
+    """(MODEL patcher, CLIP, VAE) of a tiny family: seeded random weights, or the shipped pretrained ones."""
     if family not in FAMILIES:
         raise ValueError(f"HeadroomTinyModel: unknown family {family!r}; choose one of {', '.join(FAMILIES)}")
-    return build_tiny_model_patcher(family, seed), build_tiny_clip(family, seed), build_tiny_vae(family, seed)
+    _check_weights(family, weights)
+    return (build_tiny_model_patcher(family, seed, weights), build_tiny_clip(family, seed, weights),
+            build_tiny_vae(family, seed, weights))
 
 
 class HeadroomTinyModel(io.ComfyNode):
@@ -185,13 +243,21 @@ class HeadroomTinyModel(io.ComfyNode):
             node_id="HeadroomTinyModel",
             display_name="Tiny Model (Headroom)",
             category="Headroom/models",
-            description="A tiny randomly initialised model of a real ComfyUI family (SD1.5 UNet, SD3 MMDiT, "
-            "Flux DiT) with its text encoders and VAE: for trying workflows and tests on a CPU, no download.",
+            description="A tiny model of a real ComfyUI family (SD1.5 UNet, SD3 MMDiT, Flux DiT) with its text "
+            "encoders and VAE: for trying workflows and tests on a CPU, no download. Random weights, or (sd15) the "
+            "shipped pretrained ones that draw the synthetic shapes at 64x64, every colour except green.",
             inputs=[
                 io.Combo.Input("family", options=list(FAMILIES), default="sd15",
                                tooltip="sd15: eps UNet, 4-channel latents; sd3: MMDiT flow model; flux: "
                                "double/single-stream DiT with guidance input."),
-                io.Int.Input("seed", default=0, min=0, max=0xFFFFFFFF, tooltip="Seed of the random weights."),
+                io.Int.Input("seed", default=0, min=0, max=0xFFFFFFFF,
+                             tooltip="Seed of the random weights (weights=random)."),
+                # Appended last and optional: workflows saved before it existed keep working (random weights).
+                io.Combo.Input("weights", options=list(WEIGHTS), default="random", optional=True,
+                               tooltip="random: seeded random weights (draws noise). pretrained (sd15 only): the "
+                               "shipped weights from workflows/pretrain_tiny.py, which draw 'a <colour> <shape> at "
+                               "the <position>' at 64x64 in every synthetic colour except green (held out for the "
+                               "demo's LoRA to teach); seed is then unused."),
             ],
             outputs=[io.Model.Output(tooltip="The diffusion model, as a checkpoint loader's MODEL."),
                      io.Clip.Output(tooltip="Its text encoder(s), as a checkpoint loader's CLIP."),
@@ -199,10 +265,10 @@ class HeadroomTinyModel(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls, family: str, seed: int) -> io.NodeOutput:
+    def execute(cls, family: str, seed: int, weights: str = "random") -> io.NodeOutput:
         with torch.inference_mode(False):
             # Weights made outside inference mode stay usable by training nodes downstream.
-            return io.NodeOutput(*build_tiny_models(family, seed))
+            return io.NodeOutput(*build_tiny_models(family, seed, weights))
 
 
 NODES = [HeadroomTinyModel]

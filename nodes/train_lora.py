@@ -470,21 +470,32 @@ def _validation_inputs(optional: bool) -> list:
     ]
 
 
+def _compare_base_input():
+    # Appended last and optional: workflows saved before it existed keep working (no comparison).
+    return io.Boolean.Input("compare_base", default=False, optional=True,
+                            tooltip="Also sample the input MODEL without the run's adapter (same prompts and seeds) "
+                            "and save a before/after grid (base on top, trained below) as "
+                            "validation/step_<step>_before_after.png in the run folder.")
+
+
 def sample_images(run: TrainingSession, clip, vae, prompts: list[str], negative: str, seed: int, steps: int, cfg: float,
-                  sampler_name: str, scheduler: str, width: int, height: int, lora_application: str = "as_saved_file"
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+                  sampler_name: str, scheduler: str, width: int, height: int, lora_application: str = "as_saved_file",
+                  base: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Stock KSampler sampling (same noise, same sampler code) on the training model + what the run trains (a LoRA
     as `lora_application` says, TrainingSession.sampling_model; a ControlNet run adds its control as
-    ControlNetApplyAdvanced does). Returns (images, sampled latents)."""
+    ControlNetApplyAdvanced does). base=True: the run's MODEL alone (before/after comparisons). Returns (images,
+    sampled latents)."""
     negative_cond = clip.encode_from_tokens_scheduled(clip.tokenize(negative))
     latents = []
     # comfy.sample.prepare_noise reseeds the global torch RNG; fork it so validating never changes what the
     # training run draws next (peft dropout uses the global RNG).
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-    with torch.no_grad(), torch.random.fork_rng(devices=devices), run.sampling_model(lora_application) as model:
+    model_context = run.base_sampling_model() if base else run.sampling_model(lora_application)
+    with torch.no_grad(), torch.random.fork_rng(devices=devices), model_context as model:
         for prompt in prompts:
             positive = clip.encode_from_tokens_scheduled(clip.tokenize(prompt))
-            positive, negative_run = run.sampling_conditioning(positive, negative_cond, vae)
+            positive, negative_run = ((positive, negative_cond) if base
+                                      else run.sampling_conditioning(positive, negative_cond, vae))
             empty = torch.zeros([1, 4, height // 8, width // 8], device=comfy.model_management.intermediate_device())
             latent = comfy.sample.fix_empty_latent_channels(model, empty)
             noise = comfy.sample.prepare_noise(latent, seed)
@@ -510,17 +521,33 @@ def decode(run: TrainingSession, vae, samples: torch.Tensor) -> torch.Tensor:
     return vae.decode_tiled(samples) if policy.decode_tiled(needed, budget) else vae.decode(samples)
 
 
+def _png_bytes(grid: torch.Tensor) -> bytes:
+    pixels = (grid.clamp(0, 1) * 255).round().to(torch.uint8).cpu().numpy()
+    buffer = BytesIO()
+    Image.fromarray(np.ascontiguousarray(pixels)).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def save_before_after(run: TrainingSession, base: torch.Tensor, trained: torch.Tensor) -> pathlib.Path:
+    """Base samples (top row) over the run's samples (bottom row), same prompts and seeds, as one PNG next to the
+    validation grid: step_<step>_before_after.png."""
+    grid = torch.cat([torch.cat(list(base[..., :3]), dim=1), torch.cat(list(trained[..., :3]), dim=1)], dim=0)
+    path = run.run_dir.validation_dir / f"step_{run.step:08d}_before_after.png"
+    run.run_dir.check_present()
+    run.run_dir.check_subfolder_inside(run.run_dir.validation_dir)
+    write_bytes(path, _png_bytes(grid), f"before/after grid of run '{run.run_dir.name}'")
+    return path
+
+
 def save_validation(run: TrainingSession, images: torch.Tensor, samples: torch.Tensor) -> pathlib.Path:
     """This step's validation images side by side as one PNG in the run directory, and the sampled latents
     (float, before decoding) next to it."""
     row = torch.cat(list(images[..., :3]), dim=1)  # [H, N*W, 3]
-    pixels = (row.clamp(0, 1) * 255).round().to(torch.uint8).cpu().numpy()
     path = run.run_dir.validation_dir / f"step_{run.step:08d}.png"
-    buffer = BytesIO()
-    Image.fromarray(np.ascontiguousarray(pixels)).save(buffer, format="PNG")
+    png = _png_bytes(row)
     run.run_dir.check_present()  # the validation folder never re-creates a vanished run folder
     run.run_dir.check_subfolder_inside(run.run_dir.validation_dir)
-    write_bytes(path, buffer.getvalue(), f"validation grid of run '{run.run_dir.name}'")
+    write_bytes(path, png, f"validation grid of run '{run.run_dir.name}'")
     save_safetensors(path.with_name(f"step_{run.step:08d}_latents.safetensors"),
                      {"samples": samples.detach().float().cpu()}, f"validation latents of run '{run.run_dir.name}'")
     return path
@@ -528,14 +555,15 @@ def save_validation(run: TrainingSession, images: torch.Tensor, samples: torch.T
 
 def validate(node_cls, run: TrainingSession, clip=None, vae=None, prompts="", negative="", sample_seed=0,
              sample_steps=20, cfg=4.0, sampler_name="euler", scheduler="normal", width=512, height=512,
-             loss_timesteps=4, lora_application="as_saved_file", weights="auto"):
-    """(images or None, previews or None, validation loss); tells the live view (`headroom.validate`)."""
+             loss_timesteps=4, lora_application="as_saved_file", weights="auto", compare_base=False):
+    """(images or None, previews or None, validation loss); tells the live view (`headroom.validate`).
+    compare_base: the run's MODEL alone is sampled too (same prompts, seeds) and a before/after grid saved."""
     check_finite(node_cls.__name__, cfg=cfg)
     run.resolve_weights(weights)  # a wrong choice is an input error, before anything runs
     lines = [line.strip() for line in (prompts or "").splitlines() if line.strip()]
     if lines and (clip is None or vae is None):
         raise ValueError("HeadroomValidate: validation prompts need the clip and vae inputs connected")
-    images = previews = grid = None
+    images = previews = grid = before_after = None
     try:
         with run.phase("validation"):
             loss = run.validation_loss(times=loss_timesteps, weights=weights)
@@ -544,6 +572,10 @@ def validate(node_cls, run: TrainingSession, clip=None, vae=None, prompts="", ne
                     images, samples = sample_images(run, clip, vae, lines, negative, sample_seed, sample_steps, cfg,
                                                     sampler_name, scheduler, width, height, lora_application)
                 grid = save_validation(run, images, samples)
+                if compare_base:
+                    base_images, _ = sample_images(run, clip, vae, lines, negative, sample_seed, sample_steps, cfg,
+                                                   sampler_name, scheduler, width, height, base=True)
+                    before_after = save_before_after(run, base_images, images)
                 previews = ui.PreviewImage(images, cls=node_cls)
     except BaseException as error:  # cancel, out of memory, a wrong input...: checkpoint kept, device memory freed
         run.fail("validation", error)
@@ -557,6 +589,8 @@ def validate(node_cls, run: TrainingSession, clip=None, vae=None, prompts="", ne
         output_dir = folder_paths.get_output_directory()
         run.last_validation = {"step": run.step, "images": previews.values,
                                "grid": os.path.relpath(grid, output_dir).replace(os.sep, "/")}
+        if before_after is not None:
+            run.last_validation["before_after"] = os.path.relpath(before_after, output_dir).replace(os.sep, "/")
     send_event(VALIDATE_EVENT, {"node": _node_id(node_cls), "run": run.run_dir.name, "step": run.step,
                                 "val_loss": loss, "images": previews.values if previews is not None else []})
     return images, previews, loss
@@ -575,7 +609,7 @@ class HeadroomValidate(io.ComfyNode):
             "validation loss (fixed items, noise levels and noise).",
             is_output_node=True,
             inputs=[TrainingRun.Input("run", tooltip="The run to validate, e.g. from Train Steps."),
-                    *_validation_inputs(optional=False), _weights_input("Validate")],
+                    *_validation_inputs(optional=False), _weights_input("Validate"), _compare_base_input()],
             outputs=[io.Image.Output("images", tooltip="One sample per prompt (a black 64x64 image without prompts)."),
                      io.Float.Output("validation_loss",
                                      tooltip="Deterministic loss on the validation items: comparable across steps."),
@@ -591,6 +625,8 @@ class HeadroomValidate(io.ComfyNode):
         ui_output = {**(previews.as_dict() if previews is not None else {}), VALIDATION_KEY: [validation]}
         if previews is not None:
             ui_output[SAVED_KEY] = [saved_file("validation grid", "output", run.last_validation["grid"])]
+            if "before_after" in run.last_validation:
+                ui_output[SAVED_KEY].append(saved_file("before/after grid", "output", run.last_validation["before_after"]))
         if images is None:  # no prompts: only the loss; a black image keeps the IMAGE output connected
             return io.NodeOutput(torch.zeros(1, 64, 64, 3), loss, run, ui=ui_output)
         return io.NodeOutput(images, loss, run, ui=ui_output)
@@ -722,7 +758,7 @@ class HeadroomApplyTrainedLora(io.ComfyNode):
 
 # --- all in one --------------------------------------------------------------------------------------------
 VALIDATION_NAMES = {"clip", "vae", "prompts", "negative", "sample_seed", "sample_steps", "cfg", "sampler_name",
-                    "scheduler", "width", "height", "loss_timesteps", "lora_application"}
+                    "scheduler", "width", "height", "loss_timesteps", "lora_application", "compare_base"}
 
 
 def _schedule_inputs(subfolder_input: str) -> list:
@@ -758,6 +794,8 @@ def train_validate_save(node_cls, start, save, steps: int, validate_every: int, 
             _, previews, loss = validate(node_cls, run, **validation)
             if previews is not None:
                 saved.append(saved_file("validation grid", "output", run.last_validation["grid"]))
+                if "before_after" in run.last_validation:
+                    saved.append(saved_file("before/after grid", "output", run.last_validation["before_after"]))
         if done or (save_every and run.step % save_every == 0):
             name = save(run)
             saved.append(saved_file(*saved_as, name))
@@ -784,7 +822,7 @@ class HeadroomTrainLora(io.ComfyNode):
             "Queue it again with more steps to continue the same run.",
             is_output_node=True,
             inputs=[*_train_inputs(), *_schedule_inputs("lora_subfolder"), *_validation_inputs(optional=True),
-                    *_checkpoint_inputs(), *_added_train_inputs(), *_prior_inputs()],
+                    *_checkpoint_inputs(), *_added_train_inputs(), *_prior_inputs(), _compare_base_input()],
             outputs=[io.Model.Output("model", tooltip="The MODEL with the trained LoRA applied."),
                      TrainingRun.Output("run", tooltip="The training run, for Validate, Save and Apply nodes."),
                      io.String.Output("lora_name", tooltip="The last saved LoRA, as Load LoRA lists it."),

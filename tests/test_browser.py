@@ -179,11 +179,6 @@ class LossDoesNotFall(AssertionError):
     """The demo's chart shows no learning (checked last, after everything else the test asserts)."""
 
 
-# Only this one failure is expected, and strictly: every other assertion fails the test as usual, and once the
-# shipped workflow learns, the test passes unexpectedly and fails, so the marker is removed then.
-@pytest.mark.xfail(strict=True, raises=LossDoesNotFall,
-                   reason="the shipped tiny_lora workflow trains a random-weight tiny model whose loss stays flat "
-                   "(issue 14: a pretrained tiny model that learns); remove this marker when the demo learns")
 def test_live_chart_draws_a_falling_loss_and_everything_comes_back_after_reload(comfy_server, browser_page):
     """The shipped workflow as it is (its own steps, model and data), under a run name of its own: a run that
     already reached its steps would resume and train nothing."""

@@ -99,3 +99,17 @@ def test_node_execute_in_comfyui(comfyui):
     assert captions.split("\n") == expected.captions
     assert HeadroomSyntheticDataset.validate_inputs(resolution=64) is True
     assert "multiple of 8" in HeadroomSyntheticDataset.validate_inputs(resolution=60)
+
+
+def test_colours_restrict_the_items_and_default_is_unchanged():
+    from headroom.training.synthetic import parse_colours
+
+    assert generate_shapes(9, 64, seed=3).captions == generate_shapes(9, 64, seed=3, colours=None).captions
+    green = generate_shapes(40, 64, seed=3, colours=["green"])
+    assert {label.colour for label in green.labels} == {"green"}
+    assert len(set(green.captions)) == 36  # every green shape x position before any repeats
+    assert parse_colours(" Green, red ") == ["green", "red"] and parse_colours("") is None
+    with pytest.raises(ValueError, match="unknown colour"):
+        parse_colours("green, teal")
+    with pytest.raises(ValueError, match="choose among"):
+        generate_shapes(4, 64, seed=0, colours=["teal"])

@@ -528,3 +528,44 @@ def test_train_steps_at_or_below_the_run_step_says_so(comfyui, caplog):
     assert "at step 3, past steps=2: nothing trained" in note and "above 3" in note
     assert lowered.ui[T.HISTORY_KEY][0]["note"] == note and note in caplog.text
     assert "at step 3 already: nothing to train" in same.ui["text"][0]
+
+
+def test_compare_base_writes_a_before_after_grid_of_the_untouched_base(comfyui):
+    """Validate with compare_base: the top row is the MODEL alone (stock KSampler on it, bit for bit), the bottom
+    row the run's validation images; after training the top row stays the base, the bottom row moves."""
+    import nodes
+    import numpy as np
+    from PIL import Image
+
+    from headroom.nodes import train_lora as T
+
+    model, clip, vae, latents, texts = _data("sd15")
+    run = _init(model, latents, texts, "compare_base", rank=8, lr=2e-2, include_conv=True)
+    prompts = "a red circle at the center\na blue square at the top left"
+    sampling = dict(negative="", sample_seed=3, sample_steps=4, cfg=3.0, sampler_name="euler", scheduler="normal",
+                    width=32, height=32, loss_timesteps=2, compare_base=True)
+
+    def grid_rows(step):
+        path = run.run_dir.validation_dir / f"step_{step:08d}_before_after.png"
+        pixels = np.array(Image.open(path).convert("RGB"), dtype=np.int16)
+        assert pixels.shape == (64, 64, 3)  # 2 rows (base, trained) x 2 prompts of 32 x 32
+        return pixels[:32], pixels[32:]
+
+    with torch.inference_mode():
+        T.HeadroomTrainSteps.execute(run, 1)
+        first = T.HeadroomValidate.execute(run, clip=clip, vae=vae, prompts=prompts, **sampling)
+        positive = nodes.CLIPTextEncode().encode(clip, "a red circle at the center")[0]
+        negative = nodes.CLIPTextEncode().encode(clip, "")[0]
+        empty = nodes.EmptyLatentImage().generate(32, 32, 1)[0]
+        stock = nodes.VAEDecode().decode(vae, nodes.common_ksampler(model, 3, 4, 3.0, "euler", "normal", positive,
+                                                                    negative, empty)[0])[0]
+        T.HeadroomTrainSteps.execute(run, 20)
+        T.HeadroomValidate.execute(run, clip=clip, vae=vae, prompts=prompts, **sampling)
+    saved = [entry for entry in first.ui["headroom_saved"] if entry["kind"] == "before/after grid"]
+    assert saved and saved[0]["name"].endswith("step_00000001_before_after.png")
+    base_1, trained_1 = grid_rows(1)
+    base_20, trained_20 = grid_rows(20)
+    stock_pixels = (stock[0].clamp(0, 1) * 255).round().to(torch.int16).numpy()
+    assert np.abs(base_1[:, :32] - stock_pixels).max() <= 1, "the top row is the base MODEL as KSampler samples it"
+    assert np.array_equal(base_1, base_20), "training must not change the base samples"
+    assert np.abs(trained_20 - base_20).max() > 10, "the trained row should differ from the base after training"

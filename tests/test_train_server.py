@@ -27,7 +27,8 @@ def _training_prompt(run_name: str, steps: int) -> dict:
 
 def _stock_prompt(lora_name: str) -> dict:
     return {
-        "1": {"class_type": "HeadroomTinyModel", "inputs": {"family": "sd15", "seed": 0}},
+        # The same tiny model as the shipped workflow trains (its pretrained weights).
+        "1": {"class_type": "HeadroomTinyModel", "inputs": dict(TINY_LORA["1"]["inputs"])},
         "2": {"class_type": "LoraLoader", "inputs": {"model": ["1", 0], "clip": ["1", 1], "lora_name": lora_name,
                                                      "strength_model": 1.0, "strength_clip": 0.0}},
         "3": {"class_type": "CLIPTextEncode", "inputs": {"clip": ["1", 1], "text": PROMPT}},

@@ -92,12 +92,25 @@ def _shape_mask(shape: str, ys: torch.Tensor, xs: torch.Tensor, cy: float, cx: f
     raise ValueError(f"synthetic shapes: unknown shape {shape!r}; known: {', '.join(SHAPES)}")
 
 
-def generate_shapes(count: int, resolution: int | tuple[int, int], seed: int) -> SyntheticShapes:
+def parse_colours(text: str) -> list[str] | None:
+    """A comma / space separated list of colour names -> the names (None for an empty text: all colours)."""
+    names = [name.strip().lower() for name in text.replace(",", " ").split()]
+    if not names:
+        return None
+    unknown = [name for name in names if name not in COLOURS]
+    if unknown:
+        raise ValueError(f"synthetic shapes: unknown colour(s) {', '.join(map(repr, unknown))}; known: {', '.join(COLOURS)}")
+    return list(dict.fromkeys(names))
+
+
+def generate_shapes(count: int, resolution: int | tuple[int, int], seed: int,
+                    colours: list[str] | tuple[str, ...] | None = None) -> SyntheticShapes:
     """`count` images of one coloured shape each; `resolution` is a side or (height, width).
 
     Deterministic: the same arguments give bit-identical tensors on any machine. The items are
     a seeded permutation of all colour x shape x position combinations (216), so up to 216
     items never repeat a caption; beyond that the permutation starts again with new sizes/offsets.
+    `colours` restricts the combinations to those colours (None: all, the same items as before it existed).
     """
     if not isinstance(count, int) or count < 1:
         raise ValueError(f"synthetic shapes: count={count!r} must be a positive integer")
@@ -105,8 +118,13 @@ def generate_shapes(count: int, resolution: int | tuple[int, int], seed: int) ->
     _check_size("height", height)
     _check_size("width", width)
 
+    if colours is not None:
+        unknown = [name for name in colours if name not in COLOURS]
+        if unknown or not colours:
+            raise ValueError(f"synthetic shapes: colours={list(colours)!r}; choose among {', '.join(COLOURS)}")
+    colour_names = list(dict.fromkeys(colours)) if colours is not None else list(COLOURS)
     generator = torch.Generator().manual_seed(seed)
-    n_combos = len(COLOURS) * len(SHAPES) * len(POSITIONS)
+    n_combos = len(colour_names) * len(SHAPES) * len(POSITIONS)
     combos = torch.cat([torch.randperm(n_combos, generator=generator) for _ in range(math.ceil(count / n_combos))])
     half_sizes = torch.empty(count).uniform_(_MIN_HALF_SIZE, _MAX_HALF_SIZE, generator=generator)
     offsets = torch.empty(count, 2).uniform_(-_MAX_OFFSET, _MAX_OFFSET, generator=generator)
@@ -114,7 +132,6 @@ def generate_shapes(count: int, resolution: int | tuple[int, int], seed: int) ->
     ys = (torch.arange(height, dtype=torch.float32) + 0.5).unsqueeze(1)
     xs = (torch.arange(width, dtype=torch.float32) + 0.5).unsqueeze(0)
     cell_h, cell_w = height / 3, width / 3
-    colour_names = list(COLOURS)
 
     masks = torch.zeros(count, height, width, dtype=torch.bool)
     images = torch.tensor(BACKGROUND, dtype=torch.float32).repeat(count, height, width, 1)

@@ -276,36 +276,45 @@ def write_atomically(path: pathlib.Path, text: str) -> None:
 
 # --- the shipped workflows ------------------------------------------------------------------------------------
 LIVE_CHART_HEIGHT = 260  # the live loss/VRAM chart js/headroom_live.js draws on training nodes
+# The demo's LoRA run (tests/test_demo.py checks what it teaches; docs/BENCHMARKS.md has its time).
+TINY_DEMO = {"count": 16, "rank": 8, "learning_rate": 5e-3, "batch_size": 4, "steps": 100, "sample_steps": 4}
 
 TINY_NOTE = """Tiny demo LoRA: runs anywhere, even on a CPU, in a minute or two.
 
-A built-in tiny SD1.5-style model (random weights, no download) learns a synthetic data set of coloured shapes.
-Data -> cached latents and text -> LoRA + optimizer settings -> train -> validate (loss + preview images) -> save -> memory report.
+A built-in tiny SD1.5-style model, pretrained (weights shipped in the package, no download) on synthetic coloured shapes in every colour but green, learns green from shapes in green only.
+Data -> cached latents and text -> LoRA + optimizer settings -> train -> validate (loss, preview images and a before/after grid: the pretrained model on top, with the LoRA below, same prompts and seeds) -> save -> memory report.
 
-Watch the loss and memory chart on the Train steps node. The LoRA lands in models/loras/headroom/."""
+Watch the loss and memory chart on the Train steps node. The LoRA lands in models/loras/headroom/, the grid in output/headroom_runs/<run>/validation/."""
+
+TINY_VALIDATION_PROMPTS = "\n".join(f"a green {shape} at the {position}" for shape, position in [
+    ("circle", "center"), ("square", "top left"), ("triangle", "bottom right"), ("cross", "middle left"),
+    ("circle", "top right"), ("square", "bottom center"), ("triangle", "top center"), ("cross", "bottom left")])
 
 
 def tiny_lora() -> Workflow:
     return Workflow("tiny_lora", [
-        Note(100, 0, TINY_NOTE, width=380, height=260),
-        Node(1, "HeadroomTinyModel", 0, {"family": "sd15", "seed": 0}, title="Tiny SD1.5 model"),
-        Node(2, "HeadroomSyntheticDataset", 0, {"count": 8, "resolution": 64, "seed": 0}, title="Synthetic shapes"),
+        Note(100, 0, TINY_NOTE, width=380, height=300),
+        Node(1, "HeadroomTinyModel", 0, {"family": "sd15", "seed": 0, "weights": "pretrained"},
+             title="Tiny SD1.5 model (pretrained)"),
+        Node(2, "HeadroomSyntheticDataset", 0, {"count": TINY_DEMO["count"], "resolution": 64, "seed": 0,
+                                                "colours": "green"}, title="Synthetic shapes (green only)"),
         Node(3, "HeadroomDatasetFromImages", 1, {"resolution": 64, "step": 64},
              links={"images": (2, "images"), "captions": (2, "captions")}, title="Dataset"),
         Node(4, "HeadroomCacheLatents", 1, links={"dataset": (3, "dataset"), "vae": (1, "VAE")}, title="Cache latents"),
         Node(5, "HeadroomCacheText", 1, links={"dataset": (3, "dataset"), "clip": (1, "CLIP")}, title="Cache text"),
-        Node(6, "HeadroomLoraConfig", 2, {"rank": 4, "alpha": 4.0}, title="LoRA"),
-        Node(7, "HeadroomOptimizerConfig", 2, {"learning_rate": 1e-3}, title="Optimizer"),
-        Node(8, "HeadroomTrainLoraInit", 3, {"run_name": "tiny_demo", "precision": "fp32"},
+        Node(6, "HeadroomLoraConfig", 2, {"rank": TINY_DEMO["rank"], "alpha": float(TINY_DEMO["rank"])}, title="LoRA"),
+        Node(7, "HeadroomOptimizerConfig", 2, {"learning_rate": TINY_DEMO["learning_rate"]}, title="Optimizer"),
+        Node(8, "HeadroomTrainLoraInit", 3, {"run_name": "tiny_demo", "precision": "fp32",
+                                             "batch_size": TINY_DEMO["batch_size"]},
              links={"model": (1, "MODEL"), "latent_cache": (4, "latent_cache"), "text_cache": (5, "text_cache"),
                     "lora_config": (6, "lora_config"), "optimizer_config": (7, "optimizer_config")},
              title="Start (or resume) run"),
-        Node(9, "HeadroomTrainSteps", 4, {"steps": 30}, links={"run": (8, "run")}, title="Train steps",
+        Node(9, "HeadroomTrainSteps", 4, {"steps": TINY_DEMO["steps"]}, links={"run": (8, "run")}, title="Train steps",
              width=440, extra_height=LIVE_CHART_HEIGHT),
         Node(10, "HeadroomValidate", 5,
-             {"prompts": "a red circle in the center\na blue square at the top left", "sample_steps": 4,
-              "width": 64, "height": 64, "loss_timesteps": 2},
-             links={"run": (9, "run"), "clip": (1, "CLIP"), "vae": (1, "VAE")}, title="Validate"),
+             {"prompts": TINY_VALIDATION_PROMPTS, "sample_steps": TINY_DEMO["sample_steps"],
+              "width": 64, "height": 64, "loss_timesteps": 2, "compare_base": True},
+             links={"run": (9, "run"), "clip": (1, "CLIP"), "vae": (1, "VAE")}, title="Validate (before / after)"),
         Node(11, "HeadroomSaveLora", 6, {"subfolder": "headroom"}, links={"run": (10, "run")}, title="Save LoRA"),
         Node(12, "HeadroomVRAMMonitor", 6, links={"value": (11, "lora_name")}, title="Memory after the run"),
         # The monitor is not an output node: ComfyUI runs it because this one shows its report.
