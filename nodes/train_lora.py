@@ -506,6 +506,17 @@ def sample_images(run: TrainingSession, clip, vae, prompts: list[str], negative:
         return decode(run, vae, samples), samples
 
 
+def base_samples(run: TrainingSession, clip, vae, prompts: list[str], *settings) -> torch.Tensor:
+    """The run's MODEL alone sampled (compare_base): the same for every validation of the run with the same prompts,
+    settings, CLIP and VAE, so it is sampled once and reused (validate_every would otherwise resample the base)."""
+    cached = getattr(run, "_base_samples", None)
+    if cached is not None and cached[0] is clip and cached[1] is vae and cached[2] == (prompts, settings):
+        return cached[3]
+    images, _ = sample_images(run, clip, vae, prompts, *settings, base=True)
+    run._base_samples = (clip, vae, (prompts, settings), images)
+    return images
+
+
 def decode(run: TrainingSession, vae, samples: torch.Tensor) -> torch.Tensor:
     """VAE Decode, tiled (ComfyUI's tiled decode) when the policy says "on", or for "auto" when the VAE's weights
     plus its full-decode working set would not fit the run's budget (OffloadPolicy.decode_tiled, the planner's rule);
@@ -573,8 +584,8 @@ def validate(node_cls, run: TrainingSession, clip=None, vae=None, prompts="", ne
                                                     sampler_name, scheduler, width, height, lora_application)
                 grid = save_validation(run, images, samples)
                 if compare_base:
-                    base_images, _ = sample_images(run, clip, vae, lines, negative, sample_seed, sample_steps, cfg,
-                                                   sampler_name, scheduler, width, height, base=True)
+                    base_images = base_samples(run, clip, vae, lines, negative, sample_seed, sample_steps, cfg,
+                                               sampler_name, scheduler, width, height)
                     before_after = save_before_after(run, base_images, images)
                 previews = ui.PreviewImage(images, cls=node_cls)
     except BaseException as error:  # cancel, out of memory, a wrong input...: checkpoint kept, device memory freed

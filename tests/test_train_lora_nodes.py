@@ -560,7 +560,13 @@ def test_compare_base_writes_a_before_after_grid_of_the_untouched_base(comfyui):
         stock = nodes.VAEDecode().decode(vae, nodes.common_ksampler(model, 3, 4, 3.0, "euler", "normal", positive,
                                                                     negative, empty)[0])[0]
         T.HeadroomTrainSteps.execute(run, 20)
+        cached_base = run._base_samples[3]
         T.HeadroomValidate.execute(run, clip=clip, vae=vae, prompts=prompts, **sampling)
+        assert run._base_samples[3] is cached_base, "the base samples are sampled once per run and settings"
+        # Sampled afresh after training, the base is still what was cached: the adapter is out of the base MODEL.
+        fresh_base, _ = T.sample_images(run, clip, vae, prompts.splitlines(), "", 3, 4, 3.0, "euler", "normal", 32, 32,
+                                        base=True)
+        assert torch.equal(fresh_base, cached_base), "training must not change the base samples"
     saved = [entry for entry in first.ui["headroom_saved"] if entry["kind"] == "before/after grid"]
     assert saved and saved[0]["name"].endswith("step_00000001_before_after.png")
     base_1, trained_1 = grid_rows(1)
