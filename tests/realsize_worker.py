@@ -252,6 +252,8 @@ def run_case(name: str, size: int, steps: int, checkpointing: bool, planner_esti
     mm.unload_all_models()
     run.release()
     gc.collect()
+    if name != "sdxl":  # another adapter kind at real width (SDXL's 163 s/step on a CPU is too slow for a second run)
+        report["oft"] = _oft_run(model, clip, latents, texts, name)
     report["base_unchanged"] = weights_digest(diffusion) == base_digest
 
     if planner_estimate:  # last: measuring runs forwards of the model (training/planner.py)
@@ -287,6 +289,38 @@ def _other_format(run, model, clip, file_format: str, case: str) -> dict:
         state = state[0] if isinstance(state, tuple) else state
         result["diffusers_down_weights"] = sum(1 for k in state if k.endswith((".lora_A.weight", ".lora.down.weight",
                                                                               "_lora.down.weight")))
+    return result
+
+
+def _oft_run(model, clip, latents, texts, case: str) -> dict:
+    """A second run with kind oft (ComfyUI's OFT, block size 16) at real width: one step, saved, then the stock
+    LoraLoader: what it maps and the loss."""
+    import comfy.model_management as mm
+    import nodes
+    from headroom.nodes import train_lora as T
+
+    with torch.inference_mode():
+        oft = T.HeadroomLoraConfig.execute("oft", 16, 1.0, "preset", False, 0.0, 0).args[0]
+        optimizer = T.HeadroomOptimizerConfig.execute("AdamW", 1e-4, 0.0, "constant", 0, 100).args[0]
+        run = T.HeadroomTrainLoraInit.execute(
+            model=model, latent_cache=latents, text_cache=texts, lora_config=oft, optimizer_config=optimizer,
+            run_name=f"realsize_{case}_oft", seed=0, batch_size=1, grad_accumulation=1, precision="auto",
+            max_grad_norm=1.0, caption_dropout=0.0, timestep_sampling="uniform", loss_weighting="none",
+            min_snr_gamma=5.0, noise_offset=0.0, gradient_checkpointing=True, checkpoint_depth=1, holdout=0).args[0]
+        loss = T.HeadroomTrainSteps.execute(run, 1).args[1]
+        name = T.HeadroomSaveLora.execute(run, "realsize", f"realsize_{case}_oft", "fp32").args[0]
+        capture = _Capture()
+        logging.getLogger().addHandler(capture)
+        try:
+            lora_model = nodes.LoraLoader().load_lora(model, clip, name, 1.0, 0.0)[0]
+        finally:
+            logging.getLogger().removeHandler(capture)
+    result = {"loss": float(loss), "layers": len(run.adapters.layers), "patched_weights": len(lora_model.patches),
+              "not_loaded": [m for m in capture.messages if "lora key not loaded" in m]}
+    del lora_model
+    mm.unload_all_models()
+    run.release()
+    gc.collect()
     return result
 
 

@@ -55,6 +55,9 @@ def _print_report(report: dict) -> None:
                              + (f", diffusers reads {saved['diffusers_down_weights']} layers"
                                 if "diffusers_down_weights" in saved else "")
                              for fmt, saved in lora.get("formats", {}).items()))
+    if "oft" in report:
+        lines.append(f"  OFT (block 16): {report['oft']['layers']} layers, {report['oft']['patched_weights']} patched by "
+                     f"the stock loader, {len(report['oft']['not_loaded'])} not loaded, loss {report['oft']['loss']:.4f}")
     print("\n".join(lines))
 
 
@@ -85,6 +88,10 @@ def test_nodes_on_a_real_size_model(case, args, params):
         if "diffusers_down_weights" in saved:
             assert saved["diffusers_down_weights"] >= lora["modules"], (file_format, saved)
     assert report["base_unchanged"], "the base MODEL's weights changed"
+    if "oft" in report:  # kind oft at real width: a finite step, every layer saved and mapped by the stock loader
+        oft = report["oft"]
+        assert oft["loss"] == oft["loss"] and oft["not_loaded"] == [], oft
+        assert oft["patched_weights"] == oft["layers"] > 0, oft
 
     # No second copy of the weights in any phase: each phase's peak RSS growth over the resident models stays below
     # the weights it works with (a copy of them would add exactly that much).
