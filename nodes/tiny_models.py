@@ -4,7 +4,8 @@ They are built through ComfyUI's own classes (`comfy.supported_models`, `model_b
 `comfy.sd.CLIP`, `comfy.sd.VAE`) with small configs and seeded random weights, so every code path the
 real SD1.5 / SD3 / Flux models take (model_sampling, extra_conds, LoRA key maps, samplers) is exercised
 without downloading anything. The text encoders use ComfyUI's shipped tokenizers; their size is set
-through ComfyUI's own `<name>_model_config` model option.
+through ComfyUI's own `<name>_model_config` model option. What each family's tiny model is lives in its registry
+module (`Family.tiny`, nodes/families/<family>.py); this module builds and seeds it.
 
 Each patcher gets a `cached_patcher_init` factory, as ComfyUI's loaders register in comfy/sd.py: core
 code (ComfyUI's own TrainLoraNode, multi-GPU clones) deep-clones a MODEL by calling it.
@@ -20,86 +21,27 @@ import torch
 import comfy.model_management as mm
 import comfy.model_patcher
 import comfy.sd
-import comfy.supported_models
-import comfy.supported_models_base
-import comfy.text_encoders.flux
-import comfy.text_encoders.sd3_clip
 import comfy.utils
-from comfy.ldm.models.autoencoder import AutoencoderKL
 from comfy.ldm.modules.diffusionmodules.mmdit import get_2d_sincos_pos_embed
 from comfy_api.latest import io
 
-FAMILIES = ("sd15", "sd3", "flux")
+from . import families as family_registry
+
+# The families with a tiny model, in registry order (a family module's `tiny`: nodes/families/<family>.py).
+FAMILIES = tuple(name for name, family in family_registry.FAMILIES.items() if family.tiny is not None)
 WEIGHTS = ("random", "pretrained")
 # Pretrained weights shipped in the package (workflows/pretrain_tiny.py writes them): one checkpoint-style file
 # per family (model.diffusion_model. / cond_stage_model. / first_stage_model.), fp16.
 WEIGHTS_DIR = pathlib.Path(__file__).resolve().parent / "weights"
 PRETRAINED_FILES = {"sd15": WEIGHTS_DIR / "tiny_sd15_shapes.safetensors"}
 
-# Text encoders: ComfyUI's CLIP-L / CLIP-G / T5 classes, shrunk through their model_config options.
-# Three CLIP layers: SD3 reads the penultimate layer (layer_idx -2), which needs more than two.
-_CLIP_L = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3, "num_attention_heads": 2,
-           "projection_dim": 32}
-_CLIP_G = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3, "num_attention_heads": 2,
-           "projection_dim": 32}
-_T5 = {"d_model": 32, "d_ff": 64, "num_layers": 2, "num_heads": 2, "d_kv": 16}
 
-_UNET_SD15 = {
-    "use_checkpoint": False, "image_size": 32, "in_channels": 4, "out_channels": 4, "model_channels": 32,
-    "num_res_blocks": [1, 1], "channel_mult": [1, 2], "transformer_depth": [1, 1],
-    "transformer_depth_output": [1, 1, 1, 1], "transformer_depth_middle": 1, "use_spatial_transformer": True,
-    "legacy": False, "adm_in_channels": None, "context_dim": _CLIP_L["hidden_size"],
-    "use_linear_in_transformer": False, "use_temporal_attention": False, "use_temporal_resblock": False,
-}
-# SD3's MMDiT: hidden size is 64 * depth by construction. The joint text context is CLIP-L|CLIP-G padded
-# to 4096 wide by ComfyUI's SD3 text encoder; the pooled vector is CLIP-L pooled + CLIP-G projection.
-_MMDIT_SD3 = {
-    "in_channels": 16, "out_channels": 16, "patch_size": 2, "depth": 2, "input_size": None,
-    "adm_in_channels": _CLIP_L["hidden_size"] + _CLIP_G["projection_dim"],
-    "context_embedder_config": {"target": "torch.nn.Linear", "params": {"in_features": 4096, "out_features": 128}},
-    "num_patches": 32 * 32, "pos_embed_max_size": 32, "pos_embed_scaling_factor": None,
-    "x_block_self_attn_layers": [],
-}
-# Flux's head geometry is the real one (one 128-wide head, RoPE axes [16, 56, 56], mlp_ratio 4): ComfyUI's
-# Flux detection (used by the stock ControlNetLoader) fixes it and derives only the head count from the
-# width, so a saved ControlNet of this tiny Flux loads back exactly; one head keeps the width at 128.
-_DIT_FLUX = {
-    "image_model": "flux", "in_channels": 16, "out_channels": 16, "patch_size": 2,
-    "vec_in_dim": _CLIP_L["hidden_size"], "context_in_dim": _T5["d_model"], "hidden_size": 128, "mlp_ratio": 4.0,
-    "num_heads": 1, "depth": 1, "depth_single_blocks": 2, "axes_dim": [16, 56, 56], "theta": 10000,
-    "qkv_bias": True, "guidance_embed": True, "txt_ids_dims": [],
-}
-
-
-def _vae_ddconfig(latent_channels: int) -> dict:
-    # Same Encoder/Decoder as the SD / SD3 / Flux VAEs (8x downscale), with 32 base channels.
-    return {"double_z": True, "z_channels": latent_channels, "resolution": 64, "in_channels": 3, "out_ch": 3,
-            "ch": 32, "ch_mult": [1, 1, 2, 2], "num_res_blocks": 1, "attn_resolutions": [], "dropout": 0.0}
-
-
-def _family_spec(family: str):
-    """(model_config, clip_target, text-encoder model_options, latent channels) of a tiny family."""
-    if family == "sd15":
-        config = comfy.supported_models.SD15(dict(_UNET_SD15))
-        clip_target = config.clip_target()
-        te_options = {"clip_l_model_config": dict(_CLIP_L)}
-        return config, clip_target, te_options, 4
-    if family == "sd3":
-        config = comfy.supported_models.SD3(dict(_MMDIT_SD3))
-        clip_target = comfy.supported_models_base.ClipTarget(
-            comfy.text_encoders.sd3_clip.SD3Tokenizer,
-            comfy.text_encoders.sd3_clip.sd3_clip(clip_l=True, clip_g=True, t5=False),
-        )
-        te_options = {"clip_l_model_config": dict(_CLIP_L), "clip_g_model_config": dict(_CLIP_G)}
-        return config, clip_target, te_options, 16
-    if family == "flux":
-        config = comfy.supported_models.Flux(dict(_DIT_FLUX))
-        clip_target = comfy.supported_models_base.ClipTarget(
-            comfy.text_encoders.flux.FluxTokenizer, comfy.text_encoders.flux.flux_clip()
-        )
-        te_options = {"clip_l_model_config": dict(_CLIP_L), "t5xxl_model_config": dict(_T5)}
-        return config, clip_target, te_options, 16
-    raise ValueError(f"HeadroomTinyModel: unknown family {family!r}; choose one of {', '.join(FAMILIES)}")
+def tiny_spec(family: str):
+    """The `TinyModel` of a family (nodes/families/base.py), or a ValueError naming the families that have one."""
+    found = family_registry.get(family)
+    if found is None or found.tiny is None:
+        raise ValueError(f"HeadroomTinyModel: unknown family {family!r}; choose one of {', '.join(FAMILIES)}")
+    return found.tiny
 
 
 def _is_norm(module: torch.nn.Module) -> bool:
@@ -169,7 +111,7 @@ def _param_count(module: torch.nn.Module) -> int:
 def build_tiny_model_patcher(family: str, seed: int = 0, weights: str = "random", disable_dynamic: bool = False):
     """The MODEL of a tiny family; also the `cached_patcher_init` factory of that MODEL."""
     _check_weights(family, weights)
-    config, _, _, _ = _family_spec(family)
+    config = tiny_spec(family).model_config()
     load_device = mm.get_torch_device()
     unet_dtype = mm.unet_dtype(model_params=0, supported_dtypes=list(config.supported_inference_dtypes))
     manual_cast = mm.unet_manual_cast(unet_dtype, load_device, config.supported_inference_dtypes)
@@ -189,8 +131,9 @@ def build_tiny_model_patcher(family: str, seed: int = 0, weights: str = "random"
 
 def build_tiny_clip(family: str, seed: int = 0, weights: str = "random", disable_dynamic: bool = False) -> comfy.sd.CLIP:
     _check_weights(family, weights)
-    _, clip_target, te_options, _ = _family_spec(family)
-    clip = comfy.sd.CLIP(clip_target, parameters=0, model_options=te_options, disable_dynamic=disable_dynamic)
+    spec = tiny_spec(family)
+    clip = comfy.sd.CLIP(spec.clip_target(), parameters=0, model_options=dict(spec.text_encoder_options),
+                         disable_dynamic=disable_dynamic)
     init_weights_(clip.cond_stage_model, seed + 1)
     if weights == "pretrained":
         sd = comfy.utils.state_dict_prefix_replace(pretrained_state_dict(family, "cond_stage_model."),
@@ -207,18 +150,18 @@ def _tiny_clip_patcher(family: str, seed: int = 0, weights: str = "random", disa
 
 def build_tiny_vae(family: str, seed: int = 0, weights: str = "random") -> comfy.sd.VAE:
     _check_weights(family, weights)
-    _, _, _, latent_channels = _family_spec(family)
-    params = {"ddconfig": _vae_ddconfig(latent_channels), "embed_dim": latent_channels}
-    reference = AutoencoderKL(**params)
+    spec = tiny_spec(family)
+    reference, config = spec.vae_module()
     init_weights_(reference, seed + 2)
     sd = reference.state_dict()
     if weights == "pretrained":
         sd = comfy.utils.state_dict_prefix_replace(pretrained_state_dict(family, "first_stage_model."),
                                                    {"first_stage_model.": ""}, filter_keys=True)
         _check_loaded("VAE", set(reference.state_dict()), set(sd))
-    # Through ComfyUI's VAE class and its load path: `config` picks the architecture, `sd` the weights.
-    vae = comfy.sd.VAE(sd=sd, config={"params": params})
-    vae.latent_channels = latent_channels
+    # Through ComfyUI's VAE class and its load path: `config` picks the architecture (None: detected from the
+    # state dict, as the VAELoader does), `sd` the weights.
+    vae = comfy.sd.VAE(sd=sd, config=config)
+    vae.latent_channels = spec.latent_channels
     vae.patcher.cached_patcher_init = (_tiny_vae_patcher, (family, seed, weights))
     return vae
 
@@ -229,8 +172,7 @@ def _tiny_vae_patcher(family: str, seed: int = 0, weights: str = "random", disab
 
 def build_tiny_models(family: str, seed: int = 0, weights: str = "random"):
     """(MODEL patcher, CLIP, VAE) of a tiny family: seeded random weights, or the shipped pretrained ones."""
-    if family not in FAMILIES:
-        raise ValueError(f"HeadroomTinyModel: unknown family {family!r}; choose one of {', '.join(FAMILIES)}")
+    tiny_spec(family)
     _check_weights(family, weights)
     return (build_tiny_model_patcher(family, seed, weights), build_tiny_clip(family, seed, weights),
             build_tiny_vae(family, seed, weights))
@@ -243,13 +185,12 @@ class HeadroomTinyModel(io.ComfyNode):
             node_id="HeadroomTinyModel",
             display_name="Tiny Model (Headroom)",
             category="Headroom/models",
-            description="A tiny model of a real ComfyUI family (SD1.5 UNet, SD3 MMDiT, Flux DiT) with its text "
+            description="A tiny model of a real ComfyUI family (built from ComfyUI's own classes) with its text "
             "encoders and VAE: for trying workflows and tests on a CPU, no download. Random weights, or (sd15) the "
             "shipped pretrained ones that draw the synthetic shapes at 64x64, every colour except green.",
             inputs=[
                 io.Combo.Input("family", options=list(FAMILIES), default="sd15",
-                               tooltip="sd15: eps UNet, 4-channel latents; sd3: MMDiT flow model; flux: "
-                               "double/single-stream DiT with guidance input."),
+                               tooltip="; ".join(tiny_spec(name).tooltip for name in FAMILIES) + "."),
                 io.Int.Input("seed", default=0, min=0, max=0xFFFFFFFF,
                              tooltip="Seed of the random weights (weights=random)."),
                 # Appended last and optional: workflows saved before it existed keep working (random weights).

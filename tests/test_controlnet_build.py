@@ -125,7 +125,8 @@ def test_saved_controlnet_through_stock_nodes_reproduces_in_memory(comfyui, case
     import comfy.controlnet
     import comfy.supported_models_base
     from headroom.nodes.controlnet_build import build_controlnet, comfy_controlnet
-    from headroom.nodes.tiny_models import _UNET_SD15, build_tiny_models
+    from headroom.nodes.families.sd15 import _TINY_UNET as _UNET_SD15
+    from headroom.nodes.tiny_models import build_tiny_models
 
     family = {"unet-cldm": "sd15"}.get(case, case)
     model, clip, vae = build_tiny_models(family, seed=0)

@@ -14,6 +14,45 @@ from ...training import public_module
 from ...training.adapters import TargetPreset
 
 
+@dataclasses.dataclass(frozen=True)
+class TinyModel:
+    """How HeadroomTinyModel builds a tiny model of a family from ComfyUI's own classes (seeded random weights, small
+    enough for a CPU): the model config, the text encoder(s) shrunk through ComfyUI's `<name>_model_config` options,
+    and the VAE. Every code path of the real family (model_sampling, extra_conds, LoRA key maps, samplers) runs."""
+
+    model_config: Callable[[], Any]  # -> a comfy.supported_models config holding a small unet_config
+    clip_target: Callable[[], Any]  # -> the comfy.supported_models_base.ClipTarget of its text encoder(s)
+    text_encoder_options: dict  # model_options for comfy.sd.CLIP: `<encoder>_model_config` size overrides
+    latent_channels: int
+    tooltip: str  # one phrase for the node's `family` tooltip
+    # -> (a freshly built VAE module to seed, the `config` comfy.sd.VAE is given with its state dict; None: ComfyUI
+    # detects the architecture from the state dict as its VAELoader does).
+    vae: Callable[[], tuple[torch.nn.Module, dict | None]] | None = None
+
+    def vae_module(self) -> tuple[torch.nn.Module, dict | None]:
+        return self.vae() if self.vae is not None else autoencoder_kl(self.latent_channels)
+
+
+def autoencoder_kl(latent_channels: int) -> tuple[torch.nn.Module, dict]:
+    """A small SD-style AutoencoderKL (the Encoder / Decoder of the SD / SD3 / Flux VAEs, 8x downscale, 32 base
+    channels) and the config that makes comfy.sd.VAE build the same architecture."""
+    from comfy.ldm.models.autoencoder import AutoencoderKL
+
+    ddconfig = {"double_z": True, "z_channels": latent_channels, "resolution": 64, "in_channels": 3, "out_ch": 3,
+                "ch": 32, "ch_mult": [1, 1, 2, 2], "num_res_blocks": 1, "attn_resolutions": [], "dropout": 0.0}
+    params = {"ddconfig": ddconfig, "embed_dim": latent_channels}
+    return AutoencoderKL(**params), {"params": params}
+
+
+# Tiny text encoders: ComfyUI's CLIP-L / CLIP-G / T5 classes, shrunk through their model_config options.
+# Three CLIP layers: SD3 reads the penultimate layer (layer_idx -2), which needs more than two.
+TINY_CLIP_L = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3, "num_attention_heads": 2,
+               "projection_dim": 32}
+TINY_CLIP_G = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3, "num_attention_heads": 2,
+               "projection_dim": 32}
+TINY_T5 = {"d_model": 32, "d_ff": 64, "num_layers": 2, "num_heads": 2, "d_kv": 16}
+
+
 class ControlNetError(ValueError):
     """Bad input to a ControlNet builder: the message names the value and what to do."""
 
@@ -41,6 +80,7 @@ class Family:
     # Whether a model's blocks add into their inputs in place; asked of every family (registry.inplace_blocks).
     inplace_blocks: Callable[[Any], bool] = _never
     controlnet: ControlNetType | None = None  # the ControlNet this family trains, if any
+    tiny: TinyModel | None = None  # the family's tiny model in HeadroomTinyModel, if it has one
     position: int = 100  # order in lists and messages
 
 

@@ -11,9 +11,12 @@ import comfy.ldm.flux.controlnet
 import comfy.ldm.flux.model
 import comfy.model_base
 import comfy.model_detection
+import comfy.supported_models
+import comfy.supported_models_base
+import comfy.text_encoders.flux
 
 from ...training.adapters import TargetPreset
-from .base import ControlNetType, ExportedControlNet, Family, differences
+from .base import TINY_CLIP_L, TINY_T5, ControlNetType, ExportedControlNet, Family, TinyModel, differences
 
 
 def _flux_detection_problem(tensors: dict, config: dict) -> str | None:
@@ -76,6 +79,25 @@ class XLabsFluxControlNet(ControlNetType):
                                            extra_conds=["y", "guidance"])
 
 
+# Flux's head geometry is the real one (one 128-wide head, RoPE axes [16, 56, 56], mlp_ratio 4): ComfyUI's
+# Flux detection (used by the stock ControlNetLoader) fixes it and derives only the head count from the
+# width, so a saved ControlNet of this tiny Flux loads back exactly; one head keeps the width at 128.
+_TINY_DIT = {
+    "image_model": "flux", "in_channels": 16, "out_channels": 16, "patch_size": 2,
+    "vec_in_dim": TINY_CLIP_L["hidden_size"], "context_in_dim": TINY_T5["d_model"], "hidden_size": 128, "mlp_ratio": 4.0,
+    "num_heads": 1, "depth": 1, "depth_single_blocks": 2, "axes_dim": [16, 56, 56], "theta": 10000,
+    "qkv_bias": True, "guidance_embed": True, "txt_ids_dims": [],
+}
+
+TINY = TinyModel(
+    model_config=lambda: comfy.supported_models.Flux(dict(_TINY_DIT)),
+    clip_target=lambda: comfy.supported_models_base.ClipTarget(comfy.text_encoders.flux.FluxTokenizer,
+                                                               comfy.text_encoders.flux.flux_clip()),
+    text_encoder_options={"clip_l_model_config": dict(TINY_CLIP_L), "t5xxl_model_config": dict(TINY_T5)},
+    latent_channels=16,
+    tooltip="flux: double/single-stream DiT with guidance input",
+)
+
 FAMILY = Family(
     name="flux",
     description="Flux.1 dev / schnell DiT",
@@ -90,5 +112,6 @@ FAMILY = Family(
     # ComfyUI's Flux blocks (and those of models built on them) add into their inputs in place (`img += ...`).
     inplace_blocks=lambda model: isinstance(model, comfy.model_base.Flux),
     controlnet=XLabsFluxControlNet(),
+    tiny=TINY,
     position=3,
 )

@@ -11,9 +11,11 @@ import comfy.controlnet
 import comfy.model_base
 import comfy.model_detection
 import comfy.ldm.modules.diffusionmodules.openaimodel
+import comfy.supported_models
 
 from ...training.adapters import TargetPreset
-from .base import ControlNetError, ControlNetType, ExportedControlNet, Family, differences, effective
+from .base import (TINY_CLIP_L, ControlNetError, ControlNetType, ExportedControlNet, Family, TinyModel, differences,
+                   effective)
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +97,22 @@ class CldmControlNet(ControlNetType):
 
 CLDM = CldmControlNet()
 
+_TINY_UNET = {
+    "use_checkpoint": False, "image_size": 32, "in_channels": 4, "out_channels": 4, "model_channels": 32,
+    "num_res_blocks": [1, 1], "channel_mult": [1, 2], "transformer_depth": [1, 1],
+    "transformer_depth_output": [1, 1, 1, 1], "transformer_depth_middle": 1, "use_spatial_transformer": True,
+    "legacy": False, "adm_in_channels": None, "context_dim": TINY_CLIP_L["hidden_size"],
+    "use_linear_in_transformer": False, "use_temporal_attention": False, "use_temporal_resblock": False,
+}
+
+TINY = TinyModel(
+    model_config=lambda: comfy.supported_models.SD15(dict(_TINY_UNET)),
+    clip_target=lambda: comfy.supported_models.SD15(dict(_TINY_UNET)).clip_target(),
+    text_encoder_options={"clip_l_model_config": dict(TINY_CLIP_L)},
+    latent_channels=4,
+    tooltip="sd15: eps UNet, 4-channel latents",
+)
+
 FAMILY = Family(
     name="sd15",
     description="SD1.x / SD2.x UNet",
@@ -107,5 +125,6 @@ FAMILY = Family(
     kohya_base=("sd_v1", "stable-diffusion-v1/lora"),
     kohya_diffusers_block_names=True,
     controlnet=CLDM,
+    tiny=TINY,
     position=0,
 )

@@ -9,10 +9,14 @@ import comfy.latent_formats
 import comfy.ldm.modules.diffusionmodules.mmdit
 import comfy.model_base
 import comfy.model_detection
+import comfy.supported_models
+import comfy.supported_models_base
+import comfy.text_encoders.sd3_clip
 import comfy.utils
 
 from ...training.adapters import TargetPreset
-from .base import ControlNetError, ControlNetType, ExportedControlNet, Family, differences, effective
+from .base import (TINY_CLIP_G, TINY_CLIP_L, ControlNetError, ControlNetType, ExportedControlNet, Family, TinyModel,
+                   differences, effective)
 
 
 def hint_latent_format():
@@ -123,6 +127,25 @@ class MMDiTControlNet(ControlNetType):
         return hint_latent_format()
 
 
+# SD3's MMDiT: hidden size is 64 * depth by construction. The joint text context is CLIP-L|CLIP-G padded
+# to 4096 wide by ComfyUI's SD3 text encoder; the pooled vector is CLIP-L pooled + CLIP-G projection.
+_TINY_MMDIT = {
+    "in_channels": 16, "out_channels": 16, "patch_size": 2, "depth": 2, "input_size": None,
+    "adm_in_channels": TINY_CLIP_L["hidden_size"] + TINY_CLIP_G["projection_dim"],
+    "context_embedder_config": {"target": "torch.nn.Linear", "params": {"in_features": 4096, "out_features": 128}},
+    "num_patches": 32 * 32, "pos_embed_max_size": 32, "pos_embed_scaling_factor": None,
+    "x_block_self_attn_layers": [],
+}
+
+TINY = TinyModel(
+    model_config=lambda: comfy.supported_models.SD3(dict(_TINY_MMDIT)),
+    clip_target=lambda: comfy.supported_models_base.ClipTarget(
+        comfy.text_encoders.sd3_clip.SD3Tokenizer, comfy.text_encoders.sd3_clip.sd3_clip(clip_l=True, clip_g=True, t5=False)),
+    text_encoder_options={"clip_l_model_config": dict(TINY_CLIP_L), "clip_g_model_config": dict(TINY_CLIP_G)},
+    latent_channels=16,
+    tooltip="sd3: MMDiT flow model",
+)
+
 FAMILY = Family(
     name="sd3",
     description="SD3 / SD3.5 MMDiT",
@@ -133,5 +156,6 @@ FAMILY = Family(
     diffusers_component="transformer",
     kohya_base=("sd3", "stable-diffusion-3/lora"),
     controlnet=MMDiTControlNet(),
+    tiny=TINY,
     position=2,
 )
