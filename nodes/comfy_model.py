@@ -161,7 +161,9 @@ class ComfyDenoiser:
     def __init__(self, patcher):
         self.patcher = patcher
         self.model: comfy.model_base.BaseModel = patcher.model
-        self.sampling = sampling_descriptor(self.model.model_sampling)
+        # The patcher's model_sampling: a stock ModelSampling* node (SD3 / Flux shift, EDM, v-prediction) object-patches
+        # it, and the samplers use the patched one; the module's own attribute is the unpatched default.
+        self.sampling = sampling_descriptor(patcher.get_model_object("model_sampling"))
         self.device = torch.device(patcher.load_device)
         # Blocks that add into their inputs in place (Flux's `img += ...`): see training/checkpointing.py.
         self.inplace_blocks = families.inplace_blocks(self.model)

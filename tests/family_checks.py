@@ -1,0 +1,102 @@
+"""Checks every model a LoRA is trained on must pass, shared by the family conformance tests
+(tests/test_family_conformance.py: every registry family) and the generic-model tests (tests/test_generic_model.py:
+a ComfyUI model no family module describes)."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+
+def cached_data(model, clip, vae, count=4, resolution=32, seed=0):
+    """(latent_cache, text_cache) of `count` synthetic images through the real dataset and caching nodes."""
+    from headroom.nodes import cache as cache_nodes, data as data_nodes
+
+    with torch.inference_mode():  # as ComfyUI runs nodes
+        images, captions, _ = data_nodes.HeadroomSyntheticDataset.execute(count, resolution, seed).args
+        dataset = cache_nodes.HeadroomDatasetFromImages.execute(images, captions, resolution, resolution, "center",
+                                                                False, 0).args[0]
+        latents = cache_nodes.HeadroomCacheLatents.execute(dataset, vae).args[0]
+        texts = cache_nodes.HeadroomCacheText.execute(dataset, clip).args[0]
+    return latents, texts
+
+
+def init_run(model, latents, texts, run_name, rank, lr, targets, include_conv, schedule="constant", steps=1000):
+    from headroom.nodes import train_lora as T
+
+    with torch.inference_mode():
+        lora = T.HeadroomLoraConfig.execute("lora", rank, float(rank), targets, include_conv, 0.0, 0).args[0]
+        opt = T.HeadroomOptimizerConfig.execute("AdamW", lr, 0.0, schedule, 0, steps).args[0]
+        return T.HeadroomTrainLoraInit.execute(
+            model=model, latent_cache=latents, text_cache=texts, lora_config=lora, optimizer_config=opt,
+            run_name=run_name, seed=0, batch_size=4, grad_accumulation=1, precision="fp32", max_grad_norm=1.0,
+            caption_dropout=0.0, timestep_sampling="uniform", loss_weighting="none", min_snr_gamma=5.0,
+            noise_offset=0.0, gradient_checkpointing=False, checkpoint_depth=1, holdout=0).args[0]
+
+
+def overfit(run) -> tuple[float, float]:
+    """Train until the loss on the training items halves (checked every 50 steps from 100, at most 300 steps);
+    returns (initial, final) loss."""
+    from headroom.nodes import train_lora as T
+
+    with torch.inference_mode():
+        initial = run.loss_on(run.train_items)
+        for target in range(100, 301, 50):
+            T.HeadroomTrainSteps.execute(run, target)
+            final = run.loss_on(run.train_items)
+            if final <= 0.5 * initial:
+                break
+    return initial, final
+
+
+def base_weights(model):
+    return {k: v.detach().clone() for k, v in model.model.diffusion_model.state_dict().items()}
+
+
+def empty_latent(model, width: int, height: int) -> dict:
+    """An empty LATENT of the model's own format (channels, downscale, frames), as its stock empty-latent node makes."""
+    latent_format = model.model.latent_format
+    downscale = latent_format.spacial_downscale_ratio
+    frames = (1,) if latent_format.latent_dimensions == 3 else ()  # video-VAE families (Wan 2.1 latents): one frame
+    return {"samples": torch.zeros(1, latent_format.latent_channels, *frames, height // downscale, width // downscale)}
+
+
+def check_stock_round_trip(run, model, clip, vae, caplog, steps_trained=20, label=""):
+    """Train, validate through stock samplers, save; the stock LoraLoader + KSampler reproduce the validation image
+    (<= 1e-3) with zero "lora key not loaded", every trained layer patched, and the base weights unchanged.
+    Returns the max abs difference."""
+    import comfy.model_management
+    import nodes
+    from headroom.nodes import train_lora as T
+
+    base = base_weights(model)
+    prompt = "a red circle at the center"
+    seed, steps, cfg, sampler, scheduler = 7, 4, 3.0, "euler", "simple"
+    with torch.inference_mode():
+        T.HeadroomTrainSteps.execute(run, steps_trained)
+        images = T.HeadroomValidate.execute(run, clip=clip, vae=vae, prompts=prompt, negative="", sample_seed=seed,
+                                            sample_steps=steps, cfg=cfg, sampler_name=sampler, scheduler=scheduler,
+                                            width=32, height=32, loss_timesteps=1).args[0]
+        name = T.HeadroomSaveLora.execute(run, "headroom/conformance", "", "fp32").args[0]
+
+    caplog.clear()
+    with caplog.at_level(logging.WARNING), torch.inference_mode():
+        lora_model, _ = nodes.LoraLoader().load_lora(model, clip, name, 1.0, 0.0)
+        positive = nodes.CLIPTextEncode().encode(clip, prompt)[0]
+        negative = nodes.CLIPTextEncode().encode(clip, "")[0]
+        empty = empty_latent(model, 32, 32)
+        stock = nodes.VAEDecode().decode(vae, nodes.common_ksampler(lora_model, seed, steps, cfg, sampler, scheduler,
+                                                                     positive, negative, empty)[0])[0]
+        plain = nodes.VAEDecode().decode(vae, nodes.common_ksampler(model, seed, steps, cfg, sampler, scheduler,
+                                                                    positive, negative, empty)[0])[0]
+    assert "lora key not loaded" not in caplog.text, caplog.text
+    assert len(lora_model.patches) == len(run.adapters.layers), "a trained layer was not patched by the stock loader"
+    difference = (images - stock).abs().max().item()
+    print(f"{label}: validation image vs LoraLoader+KSampler: max abs diff {difference:.2e}; "
+          f"{len(run.adapters.layers)} layers")
+    assert difference <= 1e-3
+    assert (plain - stock).abs().max().item() > 1e-3, "the LoRA should change the image"
+    comfy.model_management.unload_all_models()  # a loaded LoraLoader clone holds patched weights until unloaded
+    after = base_weights(model)
+    assert all(torch.equal(base[k], after[k]) for k in base), "the shared MODEL's weights changed"
+    return difference
