@@ -30,16 +30,13 @@ from ..training.cache_store import (
 from ..training.dataset import dataset_from_folder, dataset_from_tensors, folder_signature, split_captions
 from ..training.files import WriteError, display_path, register_display_roots
 from ..training.memory_stats import PhaseRecorder
+from .io_types import DatasetType, LatentCacheType, OffloadPolicyType, TextCacheType
 
 log = logging.getLogger(__name__)
 
 CACHE_FOLDER_NAME = "headroom_cache"
 DATASET_ROOTS_ENV = "HEADROOM_DATASET_ROOTS"
 
-Dataset = io.Custom("DATASET")
-LatentCache = io.Custom("LATENT_CACHE")
-TextCache = io.Custom("TEXT_CACHE")
-OffloadPolicy = io.Custom("OFFLOAD_POLICY")
 
 def register_cache_folder() -> None:
     """Add the default cache folder after any path extra_model_paths.yaml gave (idempotent)."""
@@ -243,7 +240,7 @@ class HeadroomDatasetFromFolder(io.ComfyNode):
                                 "'my_dataset_masks': white is learned, black is not (grey: partly); an image "
                                 "without a mask is learned whole. Empty: no masks."),
             ],
-            outputs=[Dataset.Output("dataset", tooltip=_DATASET_TOOLTIP)],
+            outputs=[DatasetType.Output("dataset", tooltip=_DATASET_TOOLTIP)],
         )
 
     @classmethod
@@ -287,7 +284,7 @@ class HeadroomDatasetFromImages(io.ComfyNode):
                               tooltip="Optional loss masks, one per image (or one for all) of the images' size: 1 "
                               "is learned, 0 is not."),
             ],
-            outputs=[Dataset.Output("dataset", tooltip=_DATASET_TOOLTIP)],
+            outputs=[DatasetType.Output("dataset", tooltip=_DATASET_TOOLTIP)],
         )
 
     @classmethod
@@ -309,14 +306,14 @@ class HeadroomCacheLatents(io.ComfyNode):
             "stock VAE Encode does, into a cache on disk. Cached items are reused without loading the VAE; the "
             "VAE is unloaded from the compute device when caching ends.",
             inputs=[
-                Dataset.Input("dataset", tooltip="From a Dataset node (Headroom)."),
+                DatasetType.Input("dataset", tooltip="From a Dataset node (Headroom)."),
                 io.Vae.Input("vae", tooltip="The VAE of the model you will train (as VAE Encode uses it)."),
                 io.Combo.Input("control_encoding", options=["pixels", "latents"], default="pixels",
                                tooltip="How control images are cached: pixels at the bucket size, or VAE latents "
                                "for ControlNet families that take latent hints (e.g. SD3 / Flux ones)."),
-                OffloadPolicy.Input("policy", optional=True, tooltip=_policy_tooltip()),
+                OffloadPolicyType.Input("policy", optional=True, tooltip=_policy_tooltip()),
             ],
-            outputs=[LatentCache.Output("latent_cache", tooltip="The cached latents (and control images), for the "
+            outputs=[LatentCacheType.Output("latent_cache", tooltip="The cached latents (and control images), for the "
                                         "training nodes' latent_cache."),
                      io.String.Output("summary", tooltip="Items encoded, items reused from the cache, warnings.")],
         )
@@ -357,12 +354,12 @@ class HeadroomCacheText(io.ComfyNode):
             "encoders as stock CLIP Text Encode does, keeping the pooled output and every other tensor it "
             "gives. Cached captions are reused without loading the encoders; they are unloaded when done.",
             inputs=[
-                Dataset.Input("dataset", tooltip="From a Dataset node (Headroom)."),
+                DatasetType.Input("dataset", tooltip="From a Dataset node (Headroom)."),
                 io.Clip.Input("clip", tooltip="The text encoder(s) of the model you will train (the CLIP of its "
                               "loader)."),
-                OffloadPolicy.Input("policy", optional=True, tooltip=_policy_tooltip()),
+                OffloadPolicyType.Input("policy", optional=True, tooltip=_policy_tooltip()),
             ],
-            outputs=[TextCache.Output("text_cache", tooltip="The encoded captions, for the training nodes' "
+            outputs=[TextCacheType.Output("text_cache", tooltip="The encoded captions, for the training nodes' "
                                       "text_cache."),
                      io.String.Output("summary", tooltip="Captions encoded, captions reused from the cache, warnings.")],
         )

@@ -27,22 +27,17 @@ from ..training.checks import check_finite
 from ..training.files import prune_temp, save_safetensors, write_bytes
 from ..training.objective import LOSS_TYPES, LOSS_WEIGHTINGS, TIMESTEP_SAMPLINGS, ObjectiveConfig
 from ..training.optimizers import OPTIMIZERS, SCHEDULES, MissingPackageError, OptimizerConfig, check_available
-from ..training.policy import OffloadPolicy, PolicyError
+from ..training.policy import PolicyError
 from ..training.run_dir import RunDir, RunFolderError, check_name, check_subfolder
 from ..training.trainer import PRECISIONS, TrainConfig, auto_precision
 from . import lora_formats
 from .cache import unload_encoder
-from .comfy_bridge import (LORA_APPLICATIONS, VALIDATE_EVENT, WEIGHT_CHOICES, SessionConfig, TrainingSession, check_run_kind,
-                           run_generation, send_event)
+from .comfy_bridge import TrainingRun, VALIDATE_EVENT, WEIGHT_CHOICES, check_run_kind, run_generation, send_event
 from .comfy_model import check_caches, model_family
+from .io_types import (LatentCacheType, LoraConfigType, OffloadPolicyType, OptimizerConfigType, TextCacheType,
+                       TrainingRunType)
 from .planning import budget_bytes
-
-LoraConfigType = io.Custom("LORA_CONFIG")
-OptimizerConfigType = io.Custom("OPTIMIZER_CONFIG")
-TrainingRun = io.Custom("TRAINING_RUN")
-LatentCache = io.Custom("LATENT_CACHE")
-TextCache = io.Custom("TEXT_CACHE")
-OffloadPolicyType = io.Custom("OFFLOAD_POLICY")
+from .run_lora import LORA_APPLICATIONS, SAVE_DTYPES, LoraRunConfig, open_lora_run
 
 CATEGORY = "Headroom/training"
 HISTORY_KEY = "headroom_history"  # the training nodes' UI output js/headroom_live.js redraws the chart from
@@ -173,8 +168,8 @@ def _train_inputs() -> list:
     """The inputs shared by HeadroomTrainLoraInit and the all-in-one HeadroomTrainLora."""
     return [
         io.Model.Input("model", tooltip="The MODEL to train on (e.g. from Load Checkpoint); it is never modified."),
-        LatentCache.Input("latent_cache", tooltip="The dataset's latents, from Cache Latents (Headroom)."),
-        TextCache.Input("text_cache", tooltip="The dataset's captions encoded, from Cache Text (Headroom)."),
+        LatentCacheType.Input("latent_cache", tooltip="The dataset's latents, from Cache Latents (Headroom)."),
+        TextCacheType.Input("text_cache", tooltip="The dataset's captions encoded, from Cache Text (Headroom)."),
         LoraConfigType.Input("lora_config", tooltip="What to train, from LoRA Config (Headroom)."),
         OptimizerConfigType.Input("optimizer_config", tooltip="From Optimizer Config (Headroom)."),
         io.String.Input("run_name", default="my_lora",
@@ -262,12 +257,12 @@ def train_config(model, run_name: str, node: str, seed, batch_size, grad_accumul
     return train, note
 
 
-def start_session(model, latent_cache, text_cache, lora_config, optimizer_config, run_name, seed, batch_size,
+def start_lora_run(model, latent_cache, text_cache, lora_config, optimizer_config, run_name, seed, batch_size,
                   grad_accumulation, precision, max_grad_norm, caption_dropout, timestep_sampling, loss_weighting,
                   min_snr_gamma, noise_offset, gradient_checkpointing, checkpoint_depth, holdout, policy=None,
                   loss_type: str = "mse", huber_delta: float = 0.1, ema_decay: float = 0.0,
                   prior_latent_cache=None, prior_text_cache=None, prior_ratio: float = 0.5,
-                  node: str = "HeadroomTrainLoraInit") -> TrainingSession:
+                  node: str = "HeadroomTrainLoraInit") -> TrainingRun:
     """Check every input (before any GPU work), then build or resume the run."""
     try:
         check_name(run_name, "run name")
@@ -289,12 +284,11 @@ def start_session(model, latent_cache, text_cache, lora_config, optimizer_config
                                    gradient_checkpointing, checkpoint_depth, loss_type, huber_delta, ema_decay,
                                    prior_ratio=prior_ratio if prior else 0.0)
         check_caches(model.model, latent_cache, text_cache)
-        config = SessionConfig(family=model_family(model.model), adapter=lora_config, optimizer=optimizer_config,
+        config = LoraRunConfig(family=model_family(model.model), adapter=lora_config, optimizer=optimizer_config,
                                train=train, holdout=holdout)
-        session = TrainingSession(model, latent_cache, text_cache, config, runs_root(), run_name, policy=policy,
-                                  prior=prior)
-        session.precision_note = note
-        return session
+        run = open_lora_run(model, latent_cache, text_cache, config, runs_root(), run_name, policy=policy, prior=prior)
+        run.precision_note = note
+        return run
     except (ValueError, RunFolderError) as error:
         message = str(error)
         raise ValueError(message if message.startswith("Headroom") else f"{node}: {message}") from error
@@ -310,7 +304,7 @@ class HeadroomTrainLoraInit(io.ComfyNode):
             description="Set up (or resume) a LoRA training run on this MODEL from cached latents and text. "
             "The MODEL itself is never modified: the adapter lives on a clone.",
             inputs=[*_train_inputs(), *_added_train_inputs(), *_prior_inputs()],
-            outputs=[TrainingRun.Output("run", tooltip="The training run, for Train Steps, Validate, Save and Apply."),
+            outputs=[TrainingRunType.Output("run", tooltip="The training run, for Train Steps, Validate, Save and Apply."),
                      io.Int.Output("step", tooltip="Step the run starts from (resumed).")],
         )
 
@@ -320,12 +314,12 @@ class HeadroomTrainLoraInit(io.ComfyNode):
 
     @classmethod
     def execute(cls, **inputs) -> io.NodeOutput:
-        session = start_session(**inputs)
-        return io.NodeOutput(session, session.step, ui=ui.PreviewText(session.precision_note))
+        run = start_lora_run(**inputs)
+        return io.NodeOutput(run, run.step, ui=ui.PreviewText(run.precision_note))
 
 
 def run_fingerprint(run_name) -> int:
-    """Init nodes: run again when the run folder their cached session opened was deleted or replaced since."""
+    """Init nodes: run again when the run folder their cached run opened was deleted or replaced since."""
     try:
         return run_generation(runs_root(), check_name(run_name))
     except ValueError:
@@ -369,10 +363,10 @@ def _added_train_inputs() -> list:
 def _prior_inputs() -> list:
     """Prior (regularisation) images for LoRA runs: optional and last on the LoRA training nodes."""
     return [
-        LatentCache.Input("prior_latent_cache", optional=True,
+        LatentCacheType.Input("prior_latent_cache", optional=True,
                           tooltip="Optional regularisation / prior images (e.g. generic images of the class), cached "
                           "like the training images: trained on too, so the LoRA keeps what the model knew."),
-        TextCache.Input("prior_text_cache", optional=True, tooltip="The prior images' captions, cached."),
+        TextCacheType.Input("prior_text_cache", optional=True, tooltip="The prior images' captions, cached."),
         io.Float.Input("prior_ratio", default=0.5, min=0.0, max=0.95, step=0.01, optional=True,
                        tooltip="Share of the steps that train on the prior images, evenly interleaved (0.5: every "
                        "other batch). Used only when the prior caches are connected."),
@@ -397,19 +391,19 @@ class HeadroomTrainSteps(io.ComfyNode):
             description="Train the run to step N (not N more): the same N again does nothing, a higher N "
             "continues. A checkpoint is written every checkpoint_every steps / checkpoint_minutes minutes, at the "
             "end, and at the last finished step on cancel.",
-            inputs=[TrainingRun.Input("run", tooltip="A training run: from an Init node, or another Train Steps."),
+            inputs=[TrainingRunType.Input("run", tooltip="A training run: from an Init node, or another Train Steps."),
                     io.Int.Input("steps", default=100, min=1, max=10_000_000,
                                  tooltip="The step to train the run to (a total, not a number of more steps). At or "
                                  "below the run's current step nothing is trained."),
                     *_checkpoint_inputs()],
-            outputs=[TrainingRun.Output("run", tooltip="The same run, trained to `steps`."),
+            outputs=[TrainingRunType.Output("run", tooltip="The same run, trained to `steps`."),
                      io.Float.Output("loss", tooltip="Training loss of the run's last step."),
                      io.Int.Output("step", tooltip="The run's step now.")],
             hidden=[io.Hidden.unique_id],
         )
 
     @classmethod
-    def execute(cls, run: TrainingSession, steps: int, checkpoint_every: int = 0,
+    def execute(cls, run: TrainingRun, steps: int, checkpoint_every: int = 0,
                 checkpoint_minutes: float = DEFAULT_CHECKPOINT_MINUTES) -> io.NodeOutput:
         check_checkpoint_inputs("HeadroomTrainSteps", checkpoint_every, checkpoint_minutes)
         note = steps_note("HeadroomTrainSteps", run, steps, "steps")
@@ -420,7 +414,7 @@ class HeadroomTrainSteps(io.ComfyNode):
                              ui={HISTORY_KEY: [history], **({"text": [note]} if note else {})})
 
 
-def steps_note(node: str, run: TrainingSession, steps: int, input_name: str) -> str | None:
+def steps_note(node: str, run: TrainingRun, steps: int, input_name: str) -> str | None:
     """What to tell the user when `steps` (a step to train *to*) trains nothing: the run is there already, or
     further (logged as a warning: lowering the number never rewinds a run)."""
     if steps > run.step:
@@ -478,11 +472,11 @@ def _compare_base_input():
                             "validation/step_<step>_before_after.png in the run folder.")
 
 
-def sample_images(run: TrainingSession, clip, vae, prompts: list[str], negative: str, seed: int, steps: int, cfg: float,
+def sample_images(run: TrainingRun, clip, vae, prompts: list[str], negative: str, seed: int, steps: int, cfg: float,
                   sampler_name: str, scheduler: str, width: int, height: int, lora_application: str = "as_saved_file",
                   base: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Stock KSampler sampling (same noise, same sampler code) on the training model + what the run trains (a LoRA
-    as `lora_application` says, TrainingSession.sampling_model; a ControlNet run adds its control as
+    as `lora_application` says, TrainingRun.sampling_model; a ControlNet run adds its control as
     ControlNetApplyAdvanced does). base=True: the run's MODEL alone (before/after comparisons). Returns (images,
     sampled latents)."""
     negative_cond = clip.encode_from_tokens_scheduled(clip.tokenize(negative))
@@ -506,7 +500,7 @@ def sample_images(run: TrainingSession, clip, vae, prompts: list[str], negative:
         return decode(run, vae, samples), samples
 
 
-def base_samples(run: TrainingSession, clip, vae, prompts: list[str], *settings) -> torch.Tensor:
+def base_samples(run: TrainingRun, clip, vae, prompts: list[str], *settings) -> torch.Tensor:
     """The run's MODEL alone sampled (compare_base): the same for every validation of the run with the same prompts,
     settings, CLIP and VAE, so it is sampled once and reused (validate_every would otherwise resample the base)."""
     cached = getattr(run, "_base_samples", None)
@@ -517,11 +511,11 @@ def base_samples(run: TrainingSession, clip, vae, prompts: list[str], *settings)
     return images
 
 
-def decode(run: TrainingSession, vae, samples: torch.Tensor) -> torch.Tensor:
+def decode(run: TrainingRun, vae, samples: torch.Tensor) -> torch.Tensor:
     """VAE Decode, tiled (ComfyUI's tiled decode) when the policy says "on", or for "auto" when the VAE's weights
     plus its full-decode working set would not fit the run's budget (OffloadPolicy.decode_tiled, the planner's rule);
     otherwise the stock VAE Decode, which itself retries in tiles after an out-of-memory error."""
-    policy = run.policy or OffloadPolicy()
+    policy = run.policy
     needed = budget = None
     if policy.vae_tiled_decode == "auto":
         needed = vae.patcher.model_size() + vae.memory_used_decode(samples.shape, vae.vae_dtype)
@@ -539,7 +533,7 @@ def _png_bytes(grid: torch.Tensor) -> bytes:
     return buffer.getvalue()
 
 
-def save_before_after(run: TrainingSession, base: torch.Tensor, trained: torch.Tensor) -> pathlib.Path:
+def save_before_after(run: TrainingRun, base: torch.Tensor, trained: torch.Tensor) -> pathlib.Path:
     """Base samples (top row) over the run's samples (bottom row), same prompts and seeds, as one PNG next to the
     validation grid: step_<step>_before_after.png."""
     grid = torch.cat([torch.cat(list(base[..., :3]), dim=1), torch.cat(list(trained[..., :3]), dim=1)], dim=0)
@@ -550,7 +544,7 @@ def save_before_after(run: TrainingSession, base: torch.Tensor, trained: torch.T
     return path
 
 
-def save_validation(run: TrainingSession, images: torch.Tensor, samples: torch.Tensor) -> pathlib.Path:
+def save_validation(run: TrainingRun, images: torch.Tensor, samples: torch.Tensor) -> pathlib.Path:
     """This step's validation images side by side as one PNG in the run directory, and the sampled latents
     (float, before decoding) next to it."""
     row = torch.cat(list(images[..., :3]), dim=1)  # [H, N*W, 3]
@@ -564,7 +558,7 @@ def save_validation(run: TrainingSession, images: torch.Tensor, samples: torch.T
     return path
 
 
-def validate(node_cls, run: TrainingSession, clip=None, vae=None, prompts="", negative="", sample_seed=0,
+def validate(node_cls, run: TrainingRun, clip=None, vae=None, prompts="", negative="", sample_seed=0,
              sample_steps=20, cfg=4.0, sampler_name="euler", scheduler="normal", width=512, height=512,
              loss_timesteps=4, lora_application="as_saved_file", weights="auto", compare_base=False):
     """(images or None, previews or None, validation loss); tells the live view (`headroom.validate`).
@@ -619,16 +613,16 @@ class HeadroomValidate(io.ComfyNode):
             "second copy of the weights, saved as a grid per step in the run folder; and a deterministic "
             "validation loss (fixed items, noise levels and noise).",
             is_output_node=True,
-            inputs=[TrainingRun.Input("run", tooltip="The run to validate, e.g. from Train Steps."),
+            inputs=[TrainingRunType.Input("run", tooltip="The run to validate, e.g. from Train Steps."),
                     *_validation_inputs(optional=False), _weights_input("Validate"), _compare_base_input()],
             outputs=[io.Image.Output("images", tooltip="One sample per prompt (a black 64x64 image without prompts)."),
                      io.Float.Output("validation_loss",
                                      tooltip="Deterministic loss on the validation items: comparable across steps."),
-                     TrainingRun.Output("run", tooltip="The same run: chain Save after Validate to save after it.")],
+                     TrainingRunType.Output("run", tooltip="The same run: chain Save after Validate to save after it.")],
         )
 
     @classmethod
-    def execute(cls, run: TrainingSession, **inputs) -> io.NodeOutput:
+    def execute(cls, run: TrainingRun, **inputs) -> io.NodeOutput:
         images, previews, loss = validate(cls, run, **inputs)
         # The chart of the training node showing this run restores its thumbnails from here after a reload.
         validation = {"run": run.run_dir.name, "step": run.step, "val_loss": loss,
@@ -644,16 +638,13 @@ class HeadroomValidate(io.ComfyNode):
 
 
 # --- save / apply ------------------------------------------------------------------------------------------
-SAVE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
 def _weights_input(what: str):
     return io.Combo.Input("weights", options=list(WEIGHT_CHOICES), default="auto", optional=True,
                           tooltip=f"{what} the trained weights or their moving average (EMA, when the Init node's "
                           "ema_decay is set). auto: the EMA when the run keeps one.")
 
 
-def models_file(folder: str, subfolder: str, filename: str, run: TrainingSession, what: str) -> tuple[pathlib.Path, pathlib.Path]:
+def models_file(folder: str, subfolder: str, filename: str, run: TrainingRun, what: str) -> tuple[pathlib.Path, pathlib.Path]:
     """(the models/<folder> root, the .safetensors path) a save node writes for `run`, names checked (empty
     filename: <run name>_step<N>)."""
     check_subfolder(subfolder, "subfolder")
@@ -672,36 +663,16 @@ def listed_name(folder: str, root: pathlib.Path, path: pathlib.Path) -> str:
     return os.path.relpath(path, root).replace(os.sep, "/")
 
 
-def save_lora(run: TrainingSession, subfolder: str, filename: str, dtype: str = "fp32", file_format: str = "comfyui",
+def save_lora(run: TrainingRun, subfolder: str, filename: str, dtype: str = "fp32", file_format: str = "comfyui",
               weights: str = "auto") -> str:
     """Write the adapter under models/loras/<subfolder>/ atomically; returns the name LoraLoader lists."""
     if file_format not in lora_formats.FORMATS:
         raise ValueError(f"format {file_format!r}: choose one of {', '.join(lora_formats.FORMATS)}")
+    lora = run.trained_as("lora")
     loras_root, path = models_file("loras", subfolder, filename, run, "LoRA")
-    name = path.name
     with run.phase("save"):
         prune_temp(path.parent)  # what a killed save left in that folder
-        if file_format == "diffusers":  # refused before any work
-            lora_formats.check_diffusers_kind(run.config.adapter.kind)
-            names = lora_formats.diffusers_names(run.source_model, run.adapters.layers, run.config.family)
-        with run.weights(weights) as used:  # diffusers: fp32 here, cast after alpha is folded in
-            state = run.adapters.comfy_state_dict(
-                dtype=torch.float32 if file_format == "diffusers" else SAVE_DTYPES[dtype])
-        metadata = {**run.lora_metadata(), "headroom.weights": used}
-        if file_format == "diffusers":
-            state, config = lora_formats.to_diffusers(state, names, run.config.family, SAVE_DTYPES[dtype])
-            metadata.update(lora_formats.diffusers_metadata(config))
-            metadata["headroom.format"] = "diffusers"
-        if file_format == "kohya":
-            names = lora_formats.kohya_names(run.source_model, run.adapters.layers, run.config.family)
-            state = lora_formats.to_kohya(state, names)
-            buckets = list(run.latent_cache.buckets)
-            adapter = run.config.adapter
-            metadata.update(lora_formats.kohya_metadata(
-                run.config.family, adapter.kind, adapter.rank, adapter.alpha, run.step, name[: -len(".safetensors")],
-                max(buckets, key=lambda b: b[0] * b[1]) if buckets else None))
-            metadata["headroom.format"] = "kohya"
-        save_safetensors(path, state, f"LoRA {name}", metadata=metadata)
+        lora.save(run, path, dtype, file_format, weights)
     return listed_name("loras", loras_root, path)
 
 
@@ -716,7 +687,7 @@ class HeadroomSaveLora(io.ComfyNode):
             "stock Load LoRA node reads (listed without a restart).",
             is_output_node=True,
             inputs=[
-                TrainingRun.Input("run", tooltip="The LoRA run to save (its current step)."),
+                TrainingRunType.Input("run", tooltip="The LoRA run to save (its current step)."),
                 io.String.Input("subfolder", default="headroom",
                                 tooltip="Folder under models/loras/ (empty: models/loras/ itself)."),
                 io.String.Input("filename", default="", tooltip="Empty: <run name>_step<N>."),
@@ -734,7 +705,7 @@ class HeadroomSaveLora(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls, run: TrainingSession, subfolder: str, filename: str, dtype: str,
+    def execute(cls, run: TrainingRun, subfolder: str, filename: str, dtype: str,
                 format: str = "comfyui", weights: str = "auto") -> io.NodeOutput:  # noqa: A002 - the input's name
         check_run_kind(run, "lora", "HeadroomSaveLora", "save")
         try:
@@ -754,17 +725,17 @@ class HeadroomApplyTrainedLora(io.ComfyNode):
             description="The MODEL with the run's current adapter applied as ComfyUI weight patches (as Load LoRA "
             "does), for any downstream node, without saving a file first.",
             inputs=[io.Model.Input("model", tooltip="The MODEL to patch, usually the one the run trains on."),
-                    TrainingRun.Input("run", tooltip="The LoRA run whose current adapter is applied."),
+                    TrainingRunType.Input("run", tooltip="The LoRA run whose current adapter is applied."),
                     io.Float.Input("strength", default=1.0, min=-100.0, max=100.0, step=0.01,
                                    tooltip="As Load LoRA's strength: 1 as trained, 0 off.")],
             outputs=[io.Model.Output("model", tooltip="A copy of the MODEL with the adapter applied.")],
         )
 
     @classmethod
-    def execute(cls, model, run: TrainingSession, strength: float) -> io.NodeOutput:
-        check_run_kind(run, "lora", "HeadroomApplyTrainedLora", "apply")
+    def execute(cls, model, run: TrainingRun, strength: float) -> io.NodeOutput:
+        lora = check_run_kind(run, "lora", "HeadroomApplyTrainedLora", "apply")
         check_finite("HeadroomApplyTrainedLora", strength=strength)
-        return io.NodeOutput(run.patched_model(model, strength))
+        return io.NodeOutput(lora.patched_model(run, model, strength))
 
 
 # --- all in one --------------------------------------------------------------------------------------------
@@ -835,7 +806,7 @@ class HeadroomTrainLora(io.ComfyNode):
             inputs=[*_train_inputs(), *_schedule_inputs("lora_subfolder"), *_validation_inputs(optional=True),
                     *_checkpoint_inputs(), *_added_train_inputs(), *_prior_inputs(), _compare_base_input()],
             outputs=[io.Model.Output("model", tooltip="The MODEL with the trained LoRA applied."),
-                     TrainingRun.Output("run", tooltip="The training run, for Validate, Save and Apply nodes."),
+                     TrainingRunType.Output("run", tooltip="The training run, for Validate, Save and Apply nodes."),
                      io.String.Output("lora_name", tooltip="The last saved LoRA, as Load LoRA lists it."),
                      io.Float.Output("validation_loss", tooltip="Validation loss at the end.")],
             hidden=[io.Hidden.unique_id],
@@ -846,11 +817,11 @@ class HeadroomTrainLora(io.ComfyNode):
                 checkpoint_minutes=DEFAULT_CHECKPOINT_MINUTES, **inputs) -> io.NodeOutput:
         check_subfolder(lora_subfolder, "HeadroomTrainLora: lora_subfolder")
         run, lora_name, loss, outputs = train_validate_save(
-            cls, lambda **init: start_session(**init, node="HeadroomTrainLora"),
+            cls, lambda **init: start_lora_run(**init, node="HeadroomTrainLora"),
             lambda run: save_lora(run, lora_subfolder, f"{run.run_dir.name}_step{run.step:06d}"),
             steps, validate_every, save_every, inputs, checkpoint_every=checkpoint_every,
             checkpoint_minutes=checkpoint_minutes)
-        return io.NodeOutput(run.patched_model(), run, lora_name, loss, ui=outputs)
+        return io.NodeOutput(run.trained.patched_model(run), run, lora_name, loss, ui=outputs)
 
 
 NODES = [HeadroomLoraConfig, HeadroomOptimizerConfig, HeadroomTrainLoraInit, HeadroomTrainSteps, HeadroomValidate,

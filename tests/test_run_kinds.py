@@ -61,11 +61,15 @@ def test_lora_only_nodes_refuse_a_controlnet_run_naming_the_node_to_use(runs):
     with pytest.raises(ValueError, match=r"^HeadroomApplyTrainedLora: run 'kind_cn_\d+' is a ControlNet run .* use "
                                          r"the control_net output of its Init / Train ControlNet node"):
         HeadroomApplyTrainedLora.execute(model, controlnet_run, 1.0)
-    # The LoRA-only methods say the same when called directly (they were inherited and failed with AttributeError).
-    with pytest.raises(ValueError, match="is a ControlNet run"):
-        controlnet_run.patched_model()
-    with pytest.raises(ValueError, match="is a ControlNet run"):
-        controlnet_run.lora_metadata()
+    # The LoRA-only parts say the same when asked for directly (a ControlNet run once inherited LoRA-only methods,
+    # which failed with AttributeError); and the ControlNet-only parts of a LoRA run.
+    with pytest.raises(ValueError, match="is a ControlNet run, not a LoRA run"):
+        controlnet_run.adapters  # noqa: B018
+    with pytest.raises(ValueError, match="is a ControlNet run, not a LoRA run"):
+        controlnet_run.trained_as("lora")
+    with pytest.raises(ValueError, match="is a LoRA run, not a ControlNet run"):
+        runs[1].controlnet  # noqa: B018
+    assert not hasattr(controlnet_run.trained, "patched_model") and not hasattr(runs[1].trained, "comfy_controlnet")
 
 
 def test_controlnet_only_nodes_refuse_a_lora_run_naming_the_node_to_use(runs):
@@ -109,7 +113,7 @@ def test_stored_family_names_are_unchanged(runs):
     _, lora_run, controlnet_run = runs
     lora_config, controlnet_config = lora_run.run_dir.read_config(), controlnet_run.run_dir.read_config()
     assert lora_config["session"]["family"] == "sd15"
-    assert lora_run.lora_metadata()["headroom.family"] == "sd15"
+    assert lora_run.metadata()["headroom.family"] == "sd15"
     assert set(controlnet_config["session"]) == {"family", "blocks", "init_seed", "optimizer", "train", "holdout"}
     assert controlnet_config["session"]["family"] == "unet" and "controlnet_type" not in controlnet_config["session"]
     assert controlnet_run.controlnet.type_name == "unet"
