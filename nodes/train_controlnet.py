@@ -18,21 +18,21 @@ from .comfy_bridge import TrainingRun, check_run_kind
 from .comfy_model import check_caches
 from .controlnet_build import check_control_cache, controlnet_type_name
 from .families import CONTROLNET_TYPES
+from .inputs import (DEFAULT_CHECKPOINT_MINUTES, added_train_inputs, checkpoint_inputs, model_and_caches,
+                     optimizer_config_input, policy_input, run_name_input, schedule_inputs, training_settings,
+                     validation_inputs, weights_input)
 from .io_types import TrainingRunType
 from .run_controlnet import ControlNetRunConfig, open_controlnet_run
-from .train_lora import (CATEGORY, DEFAULT_CHECKPOINT_MINUTES, SAVED_KEY, _checkpoint_inputs,
-                         _added_train_inputs, _weights_input,
-                         _schedule_inputs, _train_inputs, _validation_inputs, run_fingerprint,
-                         listed_name, models_file, runs_root, saved_file, train_config,
-                         train_validate_save)
+from .train_lora import (CATEGORY, SAVED_KEY, listed_name, models_file, run_fingerprint, runs_root, saved_file,
+                         train_config, train_validate_save)
 
 
 def start_controlnet_run(model, latent_cache, text_cache, optimizer_config, run_name, seed, batch_size,
-                             grad_accumulation, precision, max_grad_norm, caption_dropout, timestep_sampling,
-                             loss_weighting, min_snr_gamma, noise_offset, gradient_checkpointing, checkpoint_depth,
-                             holdout, blocks=0, init_seed=0, validation_control=None, validation_strength=1.0,
-                             policy=None, loss_type: str = "mse", huber_delta: float = 0.1, ema_decay: float = 0.0,
-                             node: str = "HeadroomTrainControlNetInit") -> TrainingRun:
+                         grad_accumulation, precision, max_grad_norm, caption_dropout, timestep_sampling,
+                         loss_weighting, min_snr_gamma, noise_offset, gradient_checkpointing, checkpoint_depth,
+                         holdout, blocks=0, init_seed=0, validation_control=None, validation_strength=1.0,
+                         policy=None, loss_type: str = "mse", huber_delta: float = 0.1, ema_decay: float = 0.0,
+                         node: str = "HeadroomTrainControlNetInit") -> TrainingRun:
     """Check every input (before any GPU work), then build or resume the run."""
     try:
         check_name(run_name, "run name")
@@ -59,22 +59,9 @@ def start_controlnet_run(model, latent_cache, text_cache, optimizer_config, run_
         raise ValueError(message if message.startswith("Headroom") else f"{node}: {message}") from error
 
 
-def _controlnet_inputs() -> list:
-    """HeadroomTrainLoraInit's inputs without lora_config, with ControlNet defaults and options."""
-    inputs = []
-    for item in _train_inputs():
-        if item.id == "lora_config":
-            continue
-        if item.id == "run_name":
-            item = io.String.Input("run_name", default="my_controlnet",
-                                   tooltip="Folder under output/headroom_runs. An existing run with the same settings resumes.")
-        if item.id == "caption_dropout":
-            item = io.Float.Input("caption_dropout", default=0.5, min=0.0, max=1.0, step=0.01,
-                                  tooltip="Conditioning dropout: this fraction of samples is trained with the empty "
-                                  "prompt and the control image kept, so the ControlNet learns to follow the control "
-                                  "alone (0.5 as in the ControlNet paper).")
-        inputs.append(item)
-    inputs[-1:-1] = [
+def controlnet_inputs() -> list:
+    """What only a ControlNet run has: the blocks it copies, its initial weights, its validation control."""
+    return [
         io.Int.Input("blocks", default=0, min=0, max=1000,
                      tooltip="Blocks copied from the base: SD3 joint blocks / Flux double blocks (0: a quarter of SD3's, "
                      "2 for Flux). UNet ControlNets always copy the whole encoder (leave 0)."),
@@ -85,7 +72,17 @@ def _controlnet_inputs() -> list:
         io.Float.Input("validation_strength", default=1.0, min=0.0, max=10.0, step=0.01,
                        tooltip="ControlNet strength of validation samples (as ControlNetApplyAdvanced's strength)."),
     ]
-    return inputs
+
+
+def controlnet_run_inputs() -> list:
+    """The inputs that open a ControlNet run (Init and the all-in-one node): the shared groups (nodes/inputs.py)
+    with the ControlNet's own caption dropout and inputs; no lora_config."""
+    caption_dropout = io.Float.Input(
+        "caption_dropout", default=0.5, min=0.0, max=1.0, step=0.01,
+        tooltip="Conditioning dropout: this fraction of samples is trained with the empty prompt and the control "
+        "image kept, so the ControlNet learns to follow the control alone (0.5 as in the ControlNet paper).")
+    return [*model_and_caches(), optimizer_config_input(), run_name_input("my_controlnet"),
+            *training_settings(caption_dropout=caption_dropout), *controlnet_inputs(), policy_input()]
 
 
 class HeadroomTrainControlNetInit(io.ComfyNode):
@@ -98,7 +95,7 @@ class HeadroomTrainControlNetInit(io.ComfyNode):
             description="Set up (or resume) a ControlNet training run for this MODEL from cached latents, control "
             "images and text; train it with Train Steps. Families: " + "; ".join(
                 t.description for t in CONTROLNET_TYPES.values()) + ".",
-            inputs=[*_controlnet_inputs(), *_added_train_inputs()],
+            inputs=[*controlnet_run_inputs(), *added_train_inputs()],
             outputs=[TrainingRunType.Output("run", tooltip="The training run, for Train Steps, Validate and Save."),
                      io.Int.Output("step", tooltip="Step the run starts from (resumed)."),
                      io.ControlNet.Output("control_net", tooltip="The run's ControlNet (in memory) for stock nodes.")],
@@ -140,7 +137,7 @@ class HeadroomSaveControlNet(io.ComfyNode):
                 io.String.Input("subfolder", default="headroom",
                                 tooltip="Folder under models/controlnet/ (empty: models/controlnet/ itself)."),
                 io.String.Input("filename", default="", tooltip="Empty: <run name>_step<N>."),
-                _weights_input("Save"),
+                weights_input("Save"),
             ],
             outputs=[io.String.Output("control_net_name", tooltip="The name Load ControlNet Model lists.")],
         )
@@ -166,8 +163,8 @@ class HeadroomTrainControlNet(io.ComfyNode):
             description="Init + train to `steps` + validate every N steps + save every N steps, in one node. "
             "Queue it again with more steps to continue the same run.",
             is_output_node=True,
-            inputs=[*_controlnet_inputs(), *_schedule_inputs("controlnet_subfolder"), *_validation_inputs(optional=True),
-                    *_checkpoint_inputs(), *_added_train_inputs()],
+            inputs=[*controlnet_run_inputs(), *schedule_inputs("controlnet_subfolder"),
+                    *validation_inputs(optional=True), *checkpoint_inputs(), *added_train_inputs()],
             outputs=[io.ControlNet.Output("control_net", tooltip="The trained ControlNet (in memory) for stock nodes."),
                      TrainingRunType.Output("run", tooltip="The training run, for Validate and Save nodes."),
                      io.String.Output("control_net_name",

@@ -25,19 +25,22 @@ from comfy_api.latest import io, ui
 from ..training.adapters import KINDS, TARGET_MODES, AdapterConfig
 from ..training.checks import check_finite
 from ..training.files import prune_temp, save_safetensors, write_bytes
-from ..training.objective import LOSS_TYPES, LOSS_WEIGHTINGS, TIMESTEP_SAMPLINGS, ObjectiveConfig
+from ..training.objective import ObjectiveConfig
 from ..training.optimizers import OPTIMIZERS, SCHEDULES, MissingPackageError, OptimizerConfig, check_available
 from ..training.policy import PolicyError
 from ..training.run_dir import RunDir, RunFolderError, check_name, check_subfolder
 from ..training.trainer import PRECISIONS, TrainConfig, auto_precision
 from . import lora_formats
 from .cache import unload_encoder
-from .comfy_bridge import TrainingRun, VALIDATE_EVENT, WEIGHT_CHOICES, check_run_kind, run_generation, send_event
+from .comfy_bridge import TrainingRun, VALIDATE_EVENT, check_run_kind, run_generation, send_event
 from .comfy_model import check_caches, model_family
-from .io_types import (LatentCacheType, LoraConfigType, OffloadPolicyType, OptimizerConfigType, TextCacheType,
-                       TrainingRunType)
+from .inputs import (DEFAULT_CHECKPOINT_MINUTES, added_train_inputs, checkpoint_inputs, compare_base_input,
+                     lora_config_input, model_and_caches, optimizer_config_input, policy_input, prior_inputs,
+                     run_name_input, schedule_inputs, training_settings, validation_inputs, validation_names,
+                     weights_input)
+from .io_types import LoraConfigType, OptimizerConfigType, TrainingRunType
 from .planning import budget_bytes
-from .run_lora import LORA_APPLICATIONS, SAVE_DTYPES, LoraRunConfig, open_lora_run
+from .run_lora import SAVE_DTYPES, LoraRunConfig, open_lora_run
 
 CATEGORY = "Headroom/training"
 HISTORY_KEY = "headroom_history"  # the training nodes' UI output js/headroom_live.js redraws the chart from
@@ -164,52 +167,10 @@ def _checked(node: str, validate) -> None:
 
 
 # --- init ----------------------------------------------------------------------------------------------------
-def _train_inputs() -> list:
-    """The inputs shared by HeadroomTrainLoraInit and the all-in-one HeadroomTrainLora."""
-    return [
-        io.Model.Input("model", tooltip="The MODEL to train on (e.g. from Load Checkpoint); it is never modified."),
-        LatentCacheType.Input("latent_cache", tooltip="The dataset's latents, from Cache Latents (Headroom)."),
-        TextCacheType.Input("text_cache", tooltip="The dataset's captions encoded, from Cache Text (Headroom)."),
-        LoraConfigType.Input("lora_config", tooltip="What to train, from LoRA Config (Headroom)."),
-        OptimizerConfigType.Input("optimizer_config", tooltip="From Optimizer Config (Headroom)."),
-        io.String.Input("run_name", default="my_lora",
-                        tooltip="Folder under output/headroom_runs. An existing run with the same settings resumes."),
-        io.Int.Input("seed", default=0, min=0, max=0xFFFFFFFF,
-                     tooltip="Seed of the item order, noise levels and noise: the same seed trains the same run, and a "
-                     "resumed run continues exactly."),
-        io.Int.Input("batch_size", default=1, min=1, max=256,
-                     tooltip="Items per step, drawn from one aspect-ratio bucket."),
-        io.Int.Input("grad_accumulation", default=1, min=1, max=1024,
-                     tooltip="Batches whose gradients add up before each optimizer step: effective batch size = "
-                     "batch_size x this, memory of one batch."),
-        io.Combo.Input("precision", options=["auto", *PRECISIONS], default="auto",
-                       tooltip="Compute precision (autocast); trainable weights always stay fp32. auto: bf16 on a "
-                       "CUDA GPU that supports it, fp16 on other CUDA GPUs, fp32 on a CPU (bf16 there is far slower: "
-                       "no native kernels); a resumed run keeps the precision it started with. fp16 uses a gradient "
-                       "scaler."),
-        io.Float.Input("max_grad_norm", default=1.0, min=0.0, max=1000.0, step=0.01, tooltip="0 disables clipping."),
-        io.Float.Input("caption_dropout", default=0.0, min=0.0, max=1.0, step=0.01,
-                       tooltip="Fraction of samples trained with the empty prompt (cached)."),
-        io.Combo.Input("timestep_sampling", options=list(TIMESTEP_SAMPLINGS), default="uniform",
-                       tooltip="shifted: times shifted as the model samples (SD3 / Flux shift)."),
-        io.Combo.Input("loss_weighting", options=list(LOSS_WEIGHTINGS), default="none",
-                       tooltip="min_snr: min-SNR-gamma weighting (eps / v models)."),
-        io.Float.Input("min_snr_gamma", default=5.0, min=0.1, max=100.0, step=0.1,
-                       tooltip="Gamma of the min_snr loss weighting (used only when loss_weighting is min_snr)."),
-        io.Float.Input("noise_offset", default=0.0, min=0.0, max=1.0, step=0.001,
-                       tooltip="Adds this much of a per-channel constant to the noise, which helps learn very dark "
-                       "or bright images (0: off)."),
-        io.Boolean.Input("gradient_checkpointing", default=False,
-                         tooltip="Recompute each block's activations in backward: much less memory, slower steps. "
-                         "A policy's own checkpointing setting takes precedence."),
-        io.Int.Input("checkpoint_depth", default=1, min=1, max=5,
-                     tooltip="1: each model block; 2: each child of a block (finer, less memory, more recompute)."),
-        io.Int.Input("holdout", default=0, min=0, max=100000,
-                     tooltip="Last N cached items held out for the validation loss; 0 validates on training items."),
-        OffloadPolicyType.Input("policy", optional=True,
-                                tooltip="Optional, from Offload Policy or Memory Plan (Headroom): budget, where the "
-                                "frozen base and optimizer state live, checkpointing. None: all on the device."),
-    ]
+def lora_run_inputs() -> list:
+    """The inputs that open a LoRA run (Init and the all-in-one node): the shared groups (nodes/inputs.py)."""
+    return [*model_and_caches(), lora_config_input(), optimizer_config_input(), run_name_input("my_lora"),
+            *training_settings(), policy_input()]
 
 
 def resolve_precision(precision: str, device, run_name: str, node: str) -> tuple[str, str]:
@@ -258,11 +219,11 @@ def train_config(model, run_name: str, node: str, seed, batch_size, grad_accumul
 
 
 def start_lora_run(model, latent_cache, text_cache, lora_config, optimizer_config, run_name, seed, batch_size,
-                  grad_accumulation, precision, max_grad_norm, caption_dropout, timestep_sampling, loss_weighting,
-                  min_snr_gamma, noise_offset, gradient_checkpointing, checkpoint_depth, holdout, policy=None,
-                  loss_type: str = "mse", huber_delta: float = 0.1, ema_decay: float = 0.0,
-                  prior_latent_cache=None, prior_text_cache=None, prior_ratio: float = 0.5,
-                  node: str = "HeadroomTrainLoraInit") -> TrainingRun:
+                   grad_accumulation, precision, max_grad_norm, caption_dropout, timestep_sampling, loss_weighting,
+                   min_snr_gamma, noise_offset, gradient_checkpointing, checkpoint_depth, holdout, policy=None,
+                   loss_type: str = "mse", huber_delta: float = 0.1, ema_decay: float = 0.0,
+                   prior_latent_cache=None, prior_text_cache=None, prior_ratio: float = 0.5,
+                   node: str = "HeadroomTrainLoraInit") -> TrainingRun:
     """Check every input (before any GPU work), then build or resume the run."""
     try:
         check_name(run_name, "run name")
@@ -303,7 +264,7 @@ class HeadroomTrainLoraInit(io.ComfyNode):
             category=CATEGORY,
             description="Set up (or resume) a LoRA training run on this MODEL from cached latents and text. "
             "The MODEL itself is never modified: the adapter lives on a clone.",
-            inputs=[*_train_inputs(), *_added_train_inputs(), *_prior_inputs()],
+            inputs=[*lora_run_inputs(), *added_train_inputs(), *prior_inputs()],
             outputs=[TrainingRunType.Output("run", tooltip="The training run, for Train Steps, Validate, Save and Apply."),
                      io.Int.Output("step", tooltip="Step the run starts from (resumed).")],
         )
@@ -324,53 +285,6 @@ def run_fingerprint(run_name) -> int:
         return run_generation(runs_root(), check_name(run_name))
     except ValueError:
         return 0  # a bad name: execute says so
-
-
-DEFAULT_CHECKPOINT_MINUTES = 10.0
-
-
-def _checkpoint_inputs() -> list:
-    """How often a training node writes a resumable checkpoint (optional and last: saved workflows keep working)."""
-    return [
-        io.Int.Input("checkpoint_every", default=0, min=0, max=10_000_000, optional=True,
-                     tooltip="Write a resumable checkpoint to the run folder every N steps (0: not by steps). With "
-                     "checkpoint_minutes this bounds what a crash, a kill or a power cut can lose."),
-        io.Float.Input("checkpoint_minutes", default=DEFAULT_CHECKPOINT_MINUTES, min=0.0, max=10080.0, step=1.0,
-                       optional=True,
-                       tooltip="Also write one whenever this many minutes passed since the last (0: not by time). "
-                       "A checkpoint is always written at the end and on cancel; queueing again resumes from the "
-                       "last one."),
-    ]
-
-
-def _added_train_inputs() -> list:
-    """Training settings added after the first release: optional and last on every training node, so saved
-    workflows keep working (their widget values are positional)."""
-    return [
-        io.Combo.Input("loss_type", options=list(LOSS_TYPES), default="mse", optional=True,
-                       tooltip="mse: squared error (standard). l1: absolute error. huber: squared below huber_delta, "
-                       "absolute above: less pulled by outlier samples (noisy or mislabelled images). In the "
-                       "model's own eps / v / flow space; min_snr weighting still applies."),
-        io.Float.Input("huber_delta", default=0.1, min=0.0001, max=10.0, step=0.001, optional=True,
-                       tooltip="Where the huber loss turns from squared to absolute (used only with loss_type huber)."),
-        io.Float.Input("ema_decay", default=0.0, min=0.0, max=0.99999, step=0.0001, optional=True,
-                       tooltip="Keep an exponential moving average of the trained weights in host RAM (0: off; "
-                       "0.99-0.999 usual: it averages over about 1 / (1 - decay) steps, so keep that well below the "
-                       "run's steps). Validate and Save use it when set (their weights input)."),
-    ]
-
-
-def _prior_inputs() -> list:
-    """Prior (regularisation) images for LoRA runs: optional and last on the LoRA training nodes."""
-    return [
-        LatentCacheType.Input("prior_latent_cache", optional=True,
-                          tooltip="Optional regularisation / prior images (e.g. generic images of the class), cached "
-                          "like the training images: trained on too, so the LoRA keeps what the model knew."),
-        TextCacheType.Input("prior_text_cache", optional=True, tooltip="The prior images' captions, cached."),
-        io.Float.Input("prior_ratio", default=0.5, min=0.0, max=0.95, step=0.01, optional=True,
-                       tooltip="Share of the steps that train on the prior images, evenly interleaved (0.5: every "
-                       "other batch). Used only when the prior caches are connected."),
-    ]
 
 
 def check_checkpoint_inputs(node: str, checkpoint_every: int, checkpoint_minutes: float) -> None:
@@ -395,7 +309,7 @@ class HeadroomTrainSteps(io.ComfyNode):
                     io.Int.Input("steps", default=100, min=1, max=10_000_000,
                                  tooltip="The step to train the run to (a total, not a number of more steps). At or "
                                  "below the run's current step nothing is trained."),
-                    *_checkpoint_inputs()],
+                    *checkpoint_inputs()],
             outputs=[TrainingRunType.Output("run", tooltip="The same run, trained to `steps`."),
                      io.Float.Output("loss", tooltip="Training loss of the run's last step."),
                      io.Int.Output("step", tooltip="The run's step now.")],
@@ -431,47 +345,6 @@ def steps_note(node: str, run: TrainingRun, steps: int, input_name: str) -> str 
 
 
 # --- validate ----------------------------------------------------------------------------------------------
-def _validation_inputs(optional: bool) -> list:
-    return [
-        io.Clip.Input("clip", optional=optional, tooltip="Encodes the validation prompts (as CLIP Text Encode)."),
-        io.Vae.Input("vae", optional=optional, tooltip="Decodes the samples (as VAE Decode)."),
-        io.String.Input("prompts", multiline=True, default="", optional=optional,
-                        tooltip="One prompt per line; empty: no images, only the validation loss."),
-        io.String.Input("negative", default="", optional=optional, tooltip="Negative prompt of every sample."),
-        io.Int.Input("sample_seed", default=0, min=0, max=0xFFFFFFFFFFFFFFFF, optional=optional,
-                     tooltip="Noise seed of the samples: the same at every validation, so steps compare."),
-        io.Int.Input("sample_steps", default=20, min=1, max=1000, optional=optional,
-                     tooltip="Sampling steps, as KSampler's steps."),
-        io.Float.Input("cfg", default=4.0, min=0.0, max=100.0, step=0.1, optional=optional,
-                       tooltip="Classifier-free guidance scale, as KSampler's cfg."),
-        io.Combo.Input("sampler_name", options=comfy.samplers.KSampler.SAMPLERS, default="euler", optional=optional,
-                       tooltip="Sampler, as KSampler's sampler_name."),
-        io.Combo.Input("scheduler", options=comfy.samplers.KSampler.SCHEDULERS, default="normal", optional=optional,
-                       tooltip="Noise schedule, as KSampler's scheduler."),
-        io.Int.Input("width", default=512, min=16, max=8192, step=8, optional=optional,
-                     tooltip="Width of the samples in pixels."),
-        io.Int.Input("height", default=512, min=16, max=8192, step=8, optional=optional,
-                     tooltip="Height of the samples in pixels."),
-        io.Int.Input("loss_timesteps", default=4, min=1, max=64, optional=optional,
-                     tooltip="Fixed noise levels of the deterministic validation loss."),
-        # Optional everywhere: workflows saved before this input existed keep working.
-        io.Combo.Input("lora_application", options=list(LORA_APPLICATIONS), default="as_saved_file", optional=True,
-                       tooltip="How the samples apply a LoRA run's adapter. as_saved_file: exactly what the stock Load "
-                       "LoRA node makes of the saved file (the adapter baked into the weights in their own dtype), so "
-                       "the images predict what users get. unmerged: computed next to the frozen weights in full "
-                       "precision (no weight patching; differs by the rounding of bf16 / fp16 weights). ControlNet "
-                       "runs ignore it."),
-    ]
-
-
-def _compare_base_input():
-    # Appended last and optional: workflows saved before it existed keep working (no comparison).
-    return io.Boolean.Input("compare_base", default=False, optional=True,
-                            tooltip="Also sample the input MODEL without the run's adapter (same prompts and seeds) "
-                            "and save a before/after grid (base on top, trained below) as "
-                            "validation/step_<step>_before_after.png in the run folder.")
-
-
 def sample_images(run: TrainingRun, clip, vae, prompts: list[str], negative: str, seed: int, steps: int, cfg: float,
                   sampler_name: str, scheduler: str, width: int, height: int, lora_application: str = "as_saved_file",
                   base: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -614,7 +487,7 @@ class HeadroomValidate(io.ComfyNode):
             "validation loss (fixed items, noise levels and noise).",
             is_output_node=True,
             inputs=[TrainingRunType.Input("run", tooltip="The run to validate, e.g. from Train Steps."),
-                    *_validation_inputs(optional=False), _weights_input("Validate"), _compare_base_input()],
+                    *validation_inputs(optional=False), weights_input("Validate"), compare_base_input()],
             outputs=[io.Image.Output("images", tooltip="One sample per prompt (a black 64x64 image without prompts)."),
                      io.Float.Output("validation_loss",
                                      tooltip="Deterministic loss on the validation items: comparable across steps."),
@@ -638,12 +511,6 @@ class HeadroomValidate(io.ComfyNode):
 
 
 # --- save / apply ------------------------------------------------------------------------------------------
-def _weights_input(what: str):
-    return io.Combo.Input("weights", options=list(WEIGHT_CHOICES), default="auto", optional=True,
-                          tooltip=f"{what} the trained weights or their moving average (EMA, when the Init node's "
-                          "ema_decay is set). auto: the EMA when the run keeps one.")
-
-
 def models_file(folder: str, subfolder: str, filename: str, run: TrainingRun, what: str) -> tuple[pathlib.Path, pathlib.Path]:
     """(the models/<folder> root, the .safetensors path) a save node writes for `run`, names checked (empty
     filename: <run name>_step<N>)."""
@@ -699,7 +566,7 @@ class HeadroomSaveLora(io.ComfyNode):
                                "diffusers / Civitai (Load LoRA reads it too). diffusers: the names diffusers' "
                                "load_lora_weights reads (unet.* / transformer.*, alpha folded in, PEFT config in "
                                "the metadata); plain LoRA on sd15 / sdxl / sd3 / flux (Load LoRA reads it too)."),
-                _weights_input("Save"),
+                weights_input("Save"),
             ],
             outputs=[io.String.Output("lora_name", tooltip="The name Load LoRA lists.")],
         )
@@ -739,22 +606,6 @@ class HeadroomApplyTrainedLora(io.ComfyNode):
 
 
 # --- all in one --------------------------------------------------------------------------------------------
-VALIDATION_NAMES = {"clip", "vae", "prompts", "negative", "sample_seed", "sample_steps", "cfg", "sampler_name",
-                    "scheduler", "width", "height", "loss_timesteps", "lora_application", "compare_base"}
-
-
-def _schedule_inputs(subfolder_input: str) -> list:
-    """The all-in-one nodes' steps / validate / save schedule (LoRA and ControlNet)."""
-    return [
-        io.Int.Input("steps", default=1000, min=1, max=10_000_000,
-                     tooltip="The step to train the run to (a total): queue again with a higher number to continue."),
-        io.Int.Input("validate_every", default=0, min=0, max=10_000_000, tooltip="0: only at the end."),
-        io.Int.Input("save_every", default=0, min=0, max=10_000_000, tooltip="0: only at the end."),
-        io.String.Input(subfolder_input, default="headroom",
-                        tooltip="Folder under ComfyUI's models folder (loras/ or controlnet/) the saves go to."),
-    ]
-
-
 def train_validate_save(node_cls, start, save, steps: int, validate_every: int, save_every: int, inputs: dict,
                         saved_as: tuple[str, str] = ("LoRA", "loras"), checkpoint_every: int = 0,
                         checkpoint_minutes: float = DEFAULT_CHECKPOINT_MINUTES):
@@ -763,8 +614,9 @@ def train_validate_save(node_cls, start, save, steps: int, validate_every: int, 
     resumable checkpoints every `checkpoint_every` steps / `checkpoint_minutes` minutes.
     Returns (run, saved name, validation loss, UI output)."""
     check_checkpoint_inputs(node_cls.__name__, checkpoint_every, checkpoint_minutes)
-    validation = {k: v for k, v in inputs.items() if k in VALIDATION_NAMES}
-    run = start(**{k: v for k, v in inputs.items() if k not in VALIDATION_NAMES})
+    names = validation_names()
+    validation = {k: v for k, v in inputs.items() if k in names}
+    run = start(**{k: v for k, v in inputs.items() if k not in names})
     note = steps_note(node_cls.__name__, run, steps, "steps")
     previews, loss, name, saved = None, float("nan"), "", []
     while True:
@@ -803,8 +655,8 @@ class HeadroomTrainLora(io.ComfyNode):
             description="Init + train to `steps` + validate every N steps + save every N steps, in one node. "
             "Queue it again with more steps to continue the same run.",
             is_output_node=True,
-            inputs=[*_train_inputs(), *_schedule_inputs("lora_subfolder"), *_validation_inputs(optional=True),
-                    *_checkpoint_inputs(), *_added_train_inputs(), *_prior_inputs(), _compare_base_input()],
+            inputs=[*lora_run_inputs(), *schedule_inputs("lora_subfolder"), *validation_inputs(optional=True),
+                    *checkpoint_inputs(), *added_train_inputs(), *prior_inputs(), compare_base_input()],
             outputs=[io.Model.Output("model", tooltip="The MODEL with the trained LoRA applied."),
                      TrainingRunType.Output("run", tooltip="The training run, for Validate, Save and Apply nodes."),
                      io.String.Output("lora_name", tooltip="The last saved LoRA, as Load LoRA lists it."),

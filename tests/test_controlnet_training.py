@@ -252,7 +252,7 @@ def test_node_schemas_match_what_they_call(comfyui):
     for node in train_controlnet.NODES:
         schema = node.define_schema()
         assert schema.node_id.startswith("Headroom") and schema.category == "Headroom/training"
-    ids = {item.id for item in [*train_controlnet._controlnet_inputs(), *train_controlnet._added_train_inputs()]}
+    ids = {item.id for item in train_controlnet.HeadroomTrainControlNetInit.define_schema().inputs}
     parameters = set(inspect.signature(train_controlnet.start_controlnet_run).parameters) - {"node"}
     assert ids == parameters
 
