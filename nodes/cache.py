@@ -30,6 +30,7 @@ from ..training.cache_store import (
 from ..training.dataset import dataset_from_folder, dataset_from_tensors, folder_signature, split_captions
 from ..training.files import WriteError, display_path, register_display_roots
 from ..training.memory_stats import PhaseRecorder
+from ..training.policy import OffloadPolicy
 from .io_types import DatasetType, LatentCacheType, OffloadPolicyType, TextCacheType
 
 log = logging.getLogger(__name__)
@@ -187,8 +188,15 @@ def _unbatch(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _policy_tooltip() -> str:
-    return ("Optional offload policy. Caching encodes one item at a time with ComfyUI's own loading; the "
-            "policy's encoders setting says whether the encoder is unloaded when done (default) or kept loaded.")
+    return ("Optional, from Offload Policy or Memory Plan (Headroom). Caching uses only its encoders setting: "
+            "unload_after_use (default) takes the encoder off the device when caching ends, keep_loaded leaves it "
+            "loaded for the next node. Caching encodes one item at a time with ComfyUI's own loading; the policy's "
+            "budget, placement, checkpointing and optimizer settings concern training (connect it there too).")
+
+
+def _check_policy(node: str, policy) -> None:
+    if policy is not None and not isinstance(policy, OffloadPolicy):
+        raise ValueError(f"{node}: policy must come from a HeadroomOffloadPolicy or HeadroomMemoryPlan node")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -320,6 +328,7 @@ class HeadroomCacheLatents(io.ComfyNode):
 
     @classmethod
     def execute(cls, dataset, vae, control_encoding: str = "pixels", policy=None) -> io.NodeOutput:
+        _check_policy("HeadroomCacheLatents", policy)
         vae.throw_exception_if_invalid()
         store = _open_store("latents")
         options = {
@@ -366,6 +375,7 @@ class HeadroomCacheText(io.ComfyNode):
 
     @classmethod
     def execute(cls, dataset, clip, policy=None) -> io.NodeOutput:
+        _check_policy("HeadroomCacheText", policy)
         if clip is None:
             raise ValueError("HeadroomCacheText: the clip input is empty (the checkpoint has no text encoder?)")
         store = _open_store("text")

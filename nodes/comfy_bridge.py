@@ -9,7 +9,8 @@ A `TrainingRun` is composed of
   `run_controlnet.ControlNetTraining` (a ControlNet next to it). The strategy builds the trainable and the
   denoiser, and owns save / apply / sampling conditioning / metadata; the run owns what every run does (train to a
   step, events, failure handling, validation loss, history, weights).
-The MODEL as the engine sees it: nodes/comfy_model.py; the planner's description: nodes/planning.py.
+The offload policy is resolved once, when the run opens (training/policy.run_policy), and every part reads
+`run.policy`. The MODEL as the engine sees it: nodes/comfy_model.py; the planner's description: nodes/planning.py.
 """
 from __future__ import annotations
 
@@ -44,6 +45,9 @@ VALIDATE_EVENT = "headroom.validate"
 # Settings added after runs were first stored: a run folder without them trained with these values and resumes.
 CONFIG_ADDED_LATER = {"session.train.objective.loss_type": "mse", "session.train.objective.huber_delta": 0.1,
                       "session.train.ema_decay": 0.0, "session.train.prior_ratio": 0.0}
+# Settings older run folders store that are no longer part of what a run is: checkpointing is the policy's (resolved
+# when a run opens, training/policy.run_policy) and changes no weight, so a run resumes whatever it was.
+CONFIG_REMOVED_LATER = ("session.train.gradient_checkpointing", "session.train.checkpoint_depth")
 # Which weights Validate / Save use: auto = the EMA when the run keeps one (TrainingRun.weights).
 WEIGHT_CHOICES = ("auto", "trained", "ema")
 
@@ -147,7 +151,7 @@ class RunRecord:
             "latent_cache": getattr(latent_cache, "fingerprint", None),
             "text_cache": getattr(text_cache, "fingerprint", None), "data": data_fingerprint(latent_cache),
         }
-        self.run_dir.check_compatible(self.stored, added_later=CONFIG_ADDED_LATER)
+        self.run_dir.check_compatible(self.stored, added_later=CONFIG_ADDED_LATER, removed_later=CONFIG_REMOVED_LATER)
         count = len(latent_cache)
         if holdout >= count:
             raise ValueError(f"holdout={holdout} leaves no training items of the {count} cached")
@@ -268,7 +272,8 @@ class TrainingRun:
     trains (`trained`: run_lora.LoraTraining or run_controlnet.ControlNetTraining), around the engine's Trainer.
 
     `config` is the kind's configuration dataclass (run_lora.LoraRunConfig, run_controlnet.ControlNetRunConfig:
-    `to_json`, `train`, `optimizer`, `holdout`); `policy` an OffloadPolicy (None: everything resident).
+    `to_json`, `train`, `optimizer`, `holdout`); `policy` an OffloadPolicy (None: everything resident), resolved
+    with the Init nodes' checkpointing inputs by training/policy.run_policy before it comes here.
     """
 
     precision_note = ""  # how the init node chose the compute precision (nodes/train_lora.py resolve_precision)
@@ -290,8 +295,6 @@ class TrainingRun:
             self.denoiser, trainable, options = trained.build(self)
             self.trainer = Trainer(self.denoiser, trainable, latent_cache, text_cache, config.train, config.optimizer,
                                    train_items=self.train_items, run_dir=self.run_dir, policy=self.policy, **options)
-        # The trainer's view of the policy (the Init nodes' gradient_checkpointing switch turns on checkpointing).
-        self.policy = self.placement.policy = self.trainer.policy
         problem = inplace_depth_problem(self.denoiser.inplace_blocks,
                                         self.policy.checkpoint_depth if self.policy.checkpointing_enabled else None)
         if problem is not None:  # before anything runs (the trainer would refuse at its first step)

@@ -23,8 +23,8 @@ from .inputs import (DEFAULT_CHECKPOINT_MINUTES, added_train_inputs, checkpoint_
                      validation_inputs, weights_input)
 from .io_types import TrainingRunType
 from .run_controlnet import ControlNetRunConfig, open_controlnet_run
-from .train_lora import (CATEGORY, SAVED_KEY, listed_name, models_file, run_fingerprint, runs_root, saved_file,
-                         train_config, train_validate_save)
+from .train_lora import (CATEGORY, SAVED_KEY, listed_name, models_file, resolve_policy, run_fingerprint, runs_root,
+                         saved_file, train_config, train_validate_save)
 
 
 def start_controlnet_run(model, latent_cache, text_cache, optimizer_config, run_name, seed, batch_size,
@@ -44,7 +44,8 @@ def start_controlnet_run(model, latent_cache, text_cache, optimizer_config, run_
         optimizer_config.validate()
         train, note = train_config(model, run_name, node, seed, batch_size, grad_accumulation, precision, max_grad_norm,
                                    caption_dropout, timestep_sampling, loss_weighting, min_snr_gamma, noise_offset,
-                                   gradient_checkpointing, checkpoint_depth, loss_type, huber_delta, ema_decay)
+                                   loss_type, huber_delta, ema_decay)
+        policy = resolve_policy(policy, gradient_checkpointing, checkpoint_depth)
         type_name = controlnet_type_name(model)
         check_caches(model.model, latent_cache, text_cache)
         check_control_cache(type_name, latent_cache, node)

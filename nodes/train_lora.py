@@ -27,7 +27,7 @@ from ..training.checks import check_finite
 from ..training.files import prune_temp, save_safetensors, write_bytes
 from ..training.objective import ObjectiveConfig
 from ..training.optimizers import OPTIMIZERS, SCHEDULES, MissingPackageError, OptimizerConfig, check_available
-from ..training.policy import PolicyError
+from ..training.policy import OffloadPolicy, PolicyError, run_policy
 from ..training.run_dir import RunDir, RunFolderError, check_name, check_subfolder
 from ..training.trainer import PRECISIONS, TrainConfig, auto_precision
 from . import lora_formats
@@ -200,22 +200,29 @@ def resolve_precision(precision: str, device, run_name: str, node: str) -> tuple
 
 
 def train_config(model, run_name: str, node: str, seed, batch_size, grad_accumulation, precision, max_grad_norm,
-                 caption_dropout, timestep_sampling, loss_weighting, min_snr_gamma, noise_offset, gradient_checkpointing,
-                 checkpoint_depth, loss_type: str, huber_delta: float, ema_decay: float,
-                 prior_ratio: float = 0.0) -> tuple[TrainConfig, str]:
+                 caption_dropout, timestep_sampling, loss_weighting, min_snr_gamma, noise_offset, loss_type: str,
+                 huber_delta: float, ema_decay: float, prior_ratio: float = 0.0) -> tuple[TrainConfig, str]:
     """The engine's TrainConfig from the Init nodes' shared inputs (LoRA and ControlNet), checked, with the note
     on how the compute precision was chosen."""
     precision, note = resolve_precision(precision, model.load_device, run_name, node)
     train = TrainConfig(
         seed=seed, batch_size=batch_size, grad_accum=grad_accumulation, max_grad_norm=max_grad_norm,
-        precision=precision, caption_dropout=caption_dropout, gradient_checkpointing=gradient_checkpointing,
-        checkpoint_depth=checkpoint_depth, ema_decay=ema_decay, prior_ratio=prior_ratio,
+        precision=precision, caption_dropout=caption_dropout, ema_decay=ema_decay, prior_ratio=prior_ratio,
         objective=ObjectiveConfig(timestep_sampling=timestep_sampling, loss_weighting=loss_weighting,
                                   min_snr_gamma=min_snr_gamma, noise_offset=noise_offset, loss_type=loss_type,
                                   huber_delta=huber_delta),
     )
     train.validate()
     return train, note
+
+
+def resolve_policy(policy, gradient_checkpointing: bool, checkpoint_depth: int) -> OffloadPolicy:
+    """The run's offload policy, resolved once when it opens (LoRA and ControlNet Init nodes): the policy input
+    (none: everything resident) with the gradient_checkpointing / checkpoint_depth inputs mapped into it
+    (training/policy.run_policy). Every later step reads only `run.policy`."""
+    if policy is not None and not isinstance(policy, OffloadPolicy):
+        raise ValueError("policy must come from a HeadroomOffloadPolicy or HeadroomMemoryPlan node")
+    return run_policy(policy, gradient_checkpointing, checkpoint_depth)
 
 
 def start_lora_run(model, latent_cache, text_cache, lora_config, optimizer_config, run_name, seed, batch_size,
@@ -242,8 +249,8 @@ def start_lora_run(model, latent_cache, text_cache, lora_config, optimizer_confi
         optimizer_config.validate()
         train, note = train_config(model, run_name, node, seed, batch_size, grad_accumulation, precision, max_grad_norm,
                                    caption_dropout, timestep_sampling, loss_weighting, min_snr_gamma, noise_offset,
-                                   gradient_checkpointing, checkpoint_depth, loss_type, huber_delta, ema_decay,
-                                   prior_ratio=prior_ratio if prior else 0.0)
+                                   loss_type, huber_delta, ema_decay, prior_ratio=prior_ratio if prior else 0.0)
+        policy = resolve_policy(policy, gradient_checkpointing, checkpoint_depth)
         check_caches(model.model, latent_cache, text_cache)
         config = LoraRunConfig(family=model_family(model.model), adapter=lora_config, optimizer=optimizer_config,
                                train=train, holdout=holdout)
