@@ -84,7 +84,7 @@ def common_inputs(model, latent_cache, text_cache, optimizer, batch: int, name: 
 
 
 def step_times(session, steps: int, warmup: int = 2) -> list[float]:
-    """Seconds of each engine step (the run's model loaded once, as in TrainingSession.train_to, without its
+    """Seconds of each engine step (the run's model loaded once, as in TrainingRun.train_to, without its
     progress events and end-of-call checkpoint)."""
     import comfy.model_management
 

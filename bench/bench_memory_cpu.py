@@ -77,7 +77,7 @@ def bench_data(model, latent_side=16):
 
 
 def session_for(family, run_root, storage=None, latent_side=16):
-    from headroom.nodes.comfy_bridge import SessionConfig, TrainingSession
+    from headroom.nodes.run_lora import LoraRunConfig, open_lora_run
     from headroom.nodes.comfy_model import model_family, training_blocks
     from headroom.nodes.tiny_models import build_tiny_models
     from headroom.training.adapters import AdapterConfig
@@ -91,13 +91,13 @@ def session_for(family, run_root, storage=None, latent_side=16):
         blocks = [name for name, _ in training_blocks(model.model.diffusion_model)]
         base = LowBitBase(model.model.diffusion_model, storage, "cpu", prefixes=blocks)
     latents, conds, empty = bench_data(model, latent_side)
-    config = SessionConfig(family=model_family(model.model), adapter=AdapterConfig(rank=4, alpha=4, targets="all_layers"),
+    config = LoraRunConfig(family=model_family(model.model), adapter=AdapterConfig(rank=4, alpha=4, targets="all_layers"),
                            optimizer=OptimizerConfig(lr=LEARNING_RATE), train=TrainConfig(batch_size=BATCH, seed=1),
                            holdout=0)
     memory_caches = _import("memory_caches", REPO_ROOT / "tests" / "memory_caches.py")  # the tests' in-memory caches
     caches = (memory_caches.MemoryLatentCache(latents, list(conds), {(latent_side * 8, latent_side * 8): [0, 1, 2, 3]}),
               memory_caches.MemoryTextCache(conds, empty))
-    return TrainingSession(model, *caches, config, run_root, f"{family}-{storage}"), base
+    return open_lora_run(model, *caches, config, run_root, f"{family}-{storage}"), base
 
 
 def native_step(family, checkpointing: bool, offloading: bool, steps: int) -> tuple[float, float]:

@@ -30,16 +30,14 @@ from ..training.cache_store import (
 from ..training.dataset import dataset_from_folder, dataset_from_tensors, folder_signature, split_captions
 from ..training.files import WriteError, display_path, register_display_roots
 from ..training.memory_stats import PhaseRecorder
+from ..training.policy import OffloadPolicy
+from .io_types import DatasetType, LatentCacheType, OffloadPolicyType, TextCacheType
 
 log = logging.getLogger(__name__)
 
 CACHE_FOLDER_NAME = "headroom_cache"
 DATASET_ROOTS_ENV = "HEADROOM_DATASET_ROOTS"
 
-Dataset = io.Custom("DATASET")
-LatentCache = io.Custom("LATENT_CACHE")
-TextCache = io.Custom("TEXT_CACHE")
-OffloadPolicy = io.Custom("OFFLOAD_POLICY")
 
 def register_cache_folder() -> None:
     """Add the default cache folder after any path extra_model_paths.yaml gave (idempotent)."""
@@ -190,8 +188,15 @@ def _unbatch(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _policy_tooltip() -> str:
-    return ("Optional offload policy. Caching encodes one item at a time with ComfyUI's own loading; the "
-            "policy's encoders setting says whether the encoder is unloaded when done (default) or kept loaded.")
+    return ("Optional, from Offload Policy or Memory Plan (Headroom). Caching uses only its encoders setting: "
+            "unload_after_use (default) takes the encoder off the device when caching ends, keep_loaded leaves it "
+            "loaded for the next node. Caching encodes one item at a time with ComfyUI's own loading; the policy's "
+            "budget, placement, checkpointing and optimizer settings concern training (connect it there too).")
+
+
+def _check_policy(node: str, policy) -> None:
+    if policy is not None and not isinstance(policy, OffloadPolicy):
+        raise ValueError(f"{node}: policy must come from a HeadroomOffloadPolicy or HeadroomMemoryPlan node")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -243,7 +248,7 @@ class HeadroomDatasetFromFolder(io.ComfyNode):
                                 "'my_dataset_masks': white is learned, black is not (grey: partly); an image "
                                 "without a mask is learned whole. Empty: no masks."),
             ],
-            outputs=[Dataset.Output("dataset", tooltip=_DATASET_TOOLTIP)],
+            outputs=[DatasetType.Output("dataset", tooltip=_DATASET_TOOLTIP)],
         )
 
     @classmethod
@@ -287,7 +292,7 @@ class HeadroomDatasetFromImages(io.ComfyNode):
                               tooltip="Optional loss masks, one per image (or one for all) of the images' size: 1 "
                               "is learned, 0 is not."),
             ],
-            outputs=[Dataset.Output("dataset", tooltip=_DATASET_TOOLTIP)],
+            outputs=[DatasetType.Output("dataset", tooltip=_DATASET_TOOLTIP)],
         )
 
     @classmethod
@@ -309,20 +314,21 @@ class HeadroomCacheLatents(io.ComfyNode):
             "stock VAE Encode does, into a cache on disk. Cached items are reused without loading the VAE; the "
             "VAE is unloaded from the compute device when caching ends.",
             inputs=[
-                Dataset.Input("dataset", tooltip="From a Dataset node (Headroom)."),
+                DatasetType.Input("dataset", tooltip="From a Dataset node (Headroom)."),
                 io.Vae.Input("vae", tooltip="The VAE of the model you will train (as VAE Encode uses it)."),
                 io.Combo.Input("control_encoding", options=["pixels", "latents"], default="pixels",
                                tooltip="How control images are cached: pixels at the bucket size, or VAE latents "
                                "for ControlNet families that take latent hints (e.g. SD3 / Flux ones)."),
-                OffloadPolicy.Input("policy", optional=True, tooltip=_policy_tooltip()),
+                OffloadPolicyType.Input("policy", optional=True, tooltip=_policy_tooltip()),
             ],
-            outputs=[LatentCache.Output("latent_cache", tooltip="The cached latents (and control images), for the "
+            outputs=[LatentCacheType.Output("latent_cache", tooltip="The cached latents (and control images), for the "
                                         "training nodes' latent_cache."),
                      io.String.Output("summary", tooltip="Items encoded, items reused from the cache, warnings.")],
         )
 
     @classmethod
     def execute(cls, dataset, vae, control_encoding: str = "pixels", policy=None) -> io.NodeOutput:
+        _check_policy("HeadroomCacheLatents", policy)
         vae.throw_exception_if_invalid()
         store = _open_store("latents")
         options = {
@@ -357,18 +363,19 @@ class HeadroomCacheText(io.ComfyNode):
             "encoders as stock CLIP Text Encode does, keeping the pooled output and every other tensor it "
             "gives. Cached captions are reused without loading the encoders; they are unloaded when done.",
             inputs=[
-                Dataset.Input("dataset", tooltip="From a Dataset node (Headroom)."),
+                DatasetType.Input("dataset", tooltip="From a Dataset node (Headroom)."),
                 io.Clip.Input("clip", tooltip="The text encoder(s) of the model you will train (the CLIP of its "
                               "loader)."),
-                OffloadPolicy.Input("policy", optional=True, tooltip=_policy_tooltip()),
+                OffloadPolicyType.Input("policy", optional=True, tooltip=_policy_tooltip()),
             ],
-            outputs=[TextCache.Output("text_cache", tooltip="The encoded captions, for the training nodes' "
+            outputs=[TextCacheType.Output("text_cache", tooltip="The encoded captions, for the training nodes' "
                                       "text_cache."),
                      io.String.Output("summary", tooltip="Captions encoded, captions reused from the cache, warnings.")],
         )
 
     @classmethod
     def execute(cls, dataset, clip, policy=None) -> io.NodeOutput:
+        _check_policy("HeadroomCacheText", policy)
         if clip is None:
             raise ValueError("HeadroomCacheText: the clip input is empty (the checkpoint has no text encoder?)")
         store = _open_store("text")

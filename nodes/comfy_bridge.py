@@ -1,11 +1,16 @@
-"""The bridge between the engine (training/) and ComfyUI's model objects.
+"""The run: the TRAINING_RUN value (`TrainingRun`) between the engine (training/) and ComfyUI's model objects.
 
-- The MODEL as the engine sees it (family, blocks, conditioning widths, fingerprints, `ComfyDenoiser`):
-  nodes/comfy_model.py; the planner's description of it and the budget: nodes/planning.py.
-- Adapters go onto a *clone* of the MODEL through ModelPatcher injections: ComfyUI attaches them when it
-  loads the clone and takes them off when it unloads it (or loads another clone of the same weights),
-  so the module other nodes share never keeps an adapter and its weights are never written.
-- `TrainingSession` is the TRAINING_RUN value: clone + adapters + trainer + run directory.
+A `TrainingRun` is composed of
+- a `RunRecord`: the run directory (checked against the run's configuration), the holdout split, the per-phase
+  memory record;
+- a `Placement`: the training clone of the MODEL, where its frozen base lives (low-bit object patches, ComfyUI's
+  load as the policy places it) and its release;
+- what the run trains, a strategy of its own module: `run_lora.LoraTraining` (adapters on the clone) or
+  `run_controlnet.ControlNetTraining` (a ControlNet next to it). The strategy builds the trainable and the
+  denoiser, and owns save / apply / sampling conditioning / metadata; the run owns what every run does (train to a
+  step, events, failure handling, validation loss, history, weights).
+The offload policy is resolved once, when the run opens (training/policy.run_policy), and every part reads
+`run.policy`. The MODEL as the engine sees it: nodes/comfy_model.py; the planner's description: nodes/planning.py.
 """
 from __future__ import annotations
 
@@ -20,102 +25,31 @@ import time
 
 import torch
 
-import comfy.float
-import comfy.lora
 import comfy.model_management
-import comfy.model_patcher
-import comfy.patcher_extension
 import comfy.utils
 
-from ..training.adapters import ADAPTER_LAYERS, AdapterConfig, AdapterSet
+from ..training.adapters import ADAPTER_LAYERS
 from ..training.checkpointing import inplace_depth_problem
+from ..training.files import WriteError, open_regular
 from ..training.lowbit import LowBitBase, LowBitLinear
 from ..training.memory_stats import PhaseRecorder, process_rss_bytes
 from ..training.oom import is_out_of_memory, out_of_memory
-from ..training.optimizers import OptimizerConfig
 from ..training.policy import OffloadPolicy
-from ..training.files import WriteError, open_regular
 from ..training.run_dir import RunDir, RunFolderError
-from ..training.trainer import StepReport, TrainConfig, Trainer
-from . import families
-from .comfy_model import (ComfyDenoiser, base_fingerprint, check_caches, data_fingerprint, model_blocks,
-                          replace_inference_tensors, training_blocks)
-from .lora_formats import read_lora_file
+from ..training.trainer import StepReport, Trainer
+from .comfy_model import base_fingerprint, data_fingerprint, model_blocks, replace_inference_tensors, training_blocks
 from .planning import next_plan_for
 
-INJECTION_KEY = "headroom_adapter"
 STEP_EVENT = "headroom.train.step"  # read by js/headroom_live.js and workflows/headroom_run.py
 VALIDATE_EVENT = "headroom.validate"
-# How validation applies a LoRA run's adapter: what the stock loader makes of the saved file, or computed beside the
-# frozen weights (TrainingSession.sampling_model).
-LORA_APPLICATIONS = ("as_saved_file", "unmerged")
 # Settings added after runs were first stored: a run folder without them trained with these values and resumes.
 CONFIG_ADDED_LATER = {"session.train.objective.loss_type": "mse", "session.train.objective.huber_delta": 0.1,
                       "session.train.ema_decay": 0.0, "session.train.prior_ratio": 0.0}
-# Which weights Validate / Save use: auto = the EMA when the run keeps one (TrainingSession.weights).
+# Settings older run folders store that are no longer part of what a run is: checkpointing is the policy's (resolved
+# when a run opens, training/policy.run_policy) and changes no weight, so a run resumes whatever it was.
+CONFIG_REMOVED_LATER = ("session.train.gradient_checkpointing", "session.train.checkpoint_depth")
+# Which weights Validate / Save use: auto = the EMA when the run keeps one (TrainingRun.weights).
 WEIGHT_CHOICES = ("auto", "trained", "ema")
-
-
-# --- adapters on a clone ----------------------------------------------------------------------------------
-def attach_with_injection(patcher, adapters: AdapterSet) -> None:
-    """Make ComfyUI attach `adapters` whenever it loads `patcher` (a clone), and detach on unload."""
-
-    def inject(mp):
-        root = mp.model.diffusion_model
-        # The load device, where ComfyUI computes (weights of a partially loaded model are cast there too).
-        adapters.to(mp.load_device)
-        if adapters.attached_to is not root:
-            adapters.detach()
-            adapters.attach(root)
-
-    def eject(mp):
-        adapters.detach()
-
-    patcher.set_injections(INJECTION_KEY, [comfy.patcher_extension.PatcherInjection(inject=inject, eject=eject)])
-
-
-def comfy_patches(patcher, adapters: AdapterSet) -> dict:
-    """The adapter as ComfyUI weight patches, through the stock LoRA loading path."""
-    key_map = comfy.lora.model_lora_keys_unet(patcher.model, {})
-    return comfy.lora.load_lora(adapters.comfy_state_dict(), key_map, log_missing=True)
-
-
-class AsSavedWeight:
-    """A ComfyUI weight wrapper that gives a layer the weight the stock LoraLoader bakes from the saved file, made
-    when the layer runs and dropped after it.
-
-    Why by hand: stock ComfyUI bakes the patches into every weight at load (ModelPatcher.patch_weight_to_device),
-    which holds a second copy of all patched weights while the clone is loaded (the originals as its backup): the
-    validation that was meant to share the training weights would need twice their memory. This repeats the same
-    arithmetic one layer at a time: the weight in ComfyUI's LoRA compute dtype, comfy.lora.calculate_weight, then
-    rounded to the dtype the weight is stored in (comfy.float.stochastic_rounding, seeded by the key as stock does),
-    then to the dtype the layer computes in. Bit for bit what stock gives wherever the compute dtype holds the stored
-    dtype exactly (bf16 / fp16 / fp8 stored, fp32 or bf16 compute: every CPU and the usual GPU set-ups).
-    """
-
-    def __init__(self, key: str, patches: list, stored_dtype: torch.dtype):
-        self.key, self.patches, self.stored_dtype = key, patches, stored_dtype
-        self.seed = comfy.utils.string_to_seed(key)
-
-    def __call__(self, weight: torch.Tensor) -> torch.Tensor:
-        # `weight` is already this forward's own copy (ComfyUI casts with copy=True for layers with weight functions)
-        merged = weight.to(comfy.model_management.lora_compute_dtype(weight.device))
-        merged = comfy.lora.calculate_weight(self.patches, merged, self.key)
-        return comfy.float.stochastic_rounding(merged, self.stored_dtype, seed=self.seed).to(weight.dtype)
-
-
-def as_saved_file_model(model, adapters: AdapterSet, strength: float = 1.0):
-    """A clone of `model` that samples as if the stock LoraLoader had loaded the adapter's saved file at `strength`,
-    without baking it into a second copy of the weights: one AsSavedWeight per patched weight (ComfyUI's own
-    weight-wrapper hook, installed on the layers when ComfyUI loads the clone)."""
-    clone = model.clone()
-    patched = model.clone()  # never loaded: only collects the patches as the stock loader lays them out
-    patched.patches = {}
-    patched.add_patches(comfy_patches(patched, adapters), strength)
-    for key, patches in patched.patches.items():
-        stored, _, _ = comfy.model_patcher.get_key_weight(clone.model, key)
-        clone.add_weight_wrapper(key, AsSavedWeight(key, patches, stored.dtype))
-    return clone
 
 
 # --- progress and events ----------------------------------------------------------------------------------
@@ -158,14 +92,14 @@ def history_extras(figures: list[tuple | None], last_validation: dict | None) ->
 
 
 # --- run folders this process has open -------------------------------------------------------------------------
-_RUN_IDENTITY: dict[str, tuple | None] = {}  # run folder -> its config.json as the last session here opened it
+_RUN_IDENTITY: dict[str, tuple | None] = {}  # run folder -> its config.json as the last run here opened it
 _RUN_GENERATION: dict[str, int] = {}
 
 
 def run_generation(run_root: pathlib.Path, run_name: str) -> int:
-    """The Init nodes' fingerprint: it changes when a run folder a session of this process opened was deleted or
-    replaced since, so ComfyUI runs Init again (a new session, which starts anew in the folder, with its
-    config.json) instead of handing on its cached session, whose every write would now fail (RunFolderError)."""
+    """The Init nodes' fingerprint: it changes when a run folder a run of this process opened was deleted or
+    replaced since, so ComfyUI runs Init again (a new run, which starts anew in the folder, with its
+    config.json) instead of handing on its cached run, whose every write would now fail (RunFolderError)."""
     path = str(pathlib.Path(run_root) / str(run_name))
     if path in _RUN_IDENTITY:
         now = RunDir.config_identity(pathlib.Path(path))
@@ -181,18 +115,6 @@ def config_json(config) -> dict:
     return json.loads(json.dumps(dataclasses.asdict(config)))
 
 
-@dataclasses.dataclass
-class SessionConfig:
-    family: str | None
-    adapter: AdapterConfig
-    optimizer: OptimizerConfig
-    train: TrainConfig
-    holdout: int  # last N cached items held out for the validation loss (0: validate on the training items)
-
-    def to_json(self) -> dict:
-        return config_json(self)
-
-
 # What a run trains -> (its name in messages, the nodes that take only such runs: display names for messages).
 RUN_KINDS = {
     "lora": ("LoRA", {"save": "Save LoRA (Headroom)",
@@ -204,128 +126,40 @@ RUN_KINDS = {
 }
 
 
-def check_run_kind(run, trains: str, node: str, action: str) -> None:
-    """A node that takes only LoRA runs (or only ControlNet runs) given another run: a ValueError that names the
-    node to use instead for `action` ("save" / "apply")."""
-    if not isinstance(run, TrainingSession):
+def check_run_kind(run, trains: str, node: str, action: str):
+    """What `run` trains (its strategy) for a node that takes only LoRA runs (or only ControlNet runs); another
+    kind of run, or something that is no run: a ValueError that names the node, and what to use instead for
+    `action` ("save" / "apply")."""
+    if not isinstance(run, TrainingRun):
         raise ValueError(  # noqa: TRY004 - an input error, as ComfyUI reports them
             f"{node}: the run input must be a TRAINING_RUN from a Headroom Init or training node, "
             f"not {type(run).__name__}")
-    if run.trains != trains:
-        what, instead = RUN_KINDS[run.trains][0], RUN_KINDS[run.trains][1][action]
-        raise ValueError(f"{node}: run '{run.run_dir.name}' is a {what} run and this node takes {RUN_KINDS[trains][0]} "
-                         f"runs only; for a {what} run use {instead}")
+    return run.trained_as(trains, node, action)
 
 
-class TrainingSession:
-    """Everything of one training run inside ComfyUI: the TRAINING_RUN value nodes pass along."""
+class RunRecord:
+    """A run's record: its directory (checked against the run's configuration, `stored`), the holdout split (the
+    last `holdout` cached items), and the per-phase memory record (continued from the directory)."""
 
-    trains = "lora"  # what the run trains: a RUN_KINDS key
-    precision_note = ""  # how the init node chose the compute precision (nodes/train_lora.py resolve_precision)
-
-    def __init__(self, model, latent_cache, text_cache, config: SessionConfig, run_root: pathlib.Path, run_name: str,
-                 policy: OffloadPolicy | None = None, prior: tuple | None = None):
-        prior_identity = {}
-        if prior is not None:  # prior (regularisation) images: part of what the run is, so part of its config
-            check_caches(model.model, *prior)
-            prior_identity = {"prior_latent_cache": getattr(prior[0], "fingerprint", None),
-                              "prior_text_cache": getattr(prior[1], "fingerprint", None),
-                              "prior_data": data_fingerprint(prior[0])}
-        stored = self._open_run(model, latent_cache, text_cache, config, run_root, run_name, policy, prior_identity)
-        with torch.inference_mode(False):
-            # A classic ModelPatcher even under dynamic VRAM: autograd keeps the weights a layer used until backward,
-            # which aimdo-managed weights do not guarantee (docs/MEMORY.md). Elsewhere this is a plain clone.
-            self.patcher = model.clone(disable_dynamic=True)
-            diffusion_model = self.patcher.model.diffusion_model
-            low_bit = self._low_bit_base(policy)  # the adapters are built on the low-bit layers they will wrap
-            try:
-                paths = families.lora_targets(diffusion_model, config.family, config.adapter,
-                                              [n for n, _ in model_blocks(diffusion_model)])
-                self.adapters = AdapterSet(diffusion_model, paths, config.adapter)
-            finally:  # the shared module is full precision again even when building the adapters failed
-                self._load_in_low_bit(low_bit)
-            if config.adapter.init_lora:  # a resumed run's checkpoint replaces these below (_finish_open)
-                self.adapters.start_from(read_lora_file(model, config.adapter.init_lora, config.adapter.kind),
-                                         f"LoRA file {config.adapter.init_lora}")
-            # Small: lives on the compute device from the start, so resumed optimizer state lands there too.
-            self.adapters.to(self.patcher.load_device)
-            attach_with_injection(self.patcher, self.adapters)
-            self.denoiser = ComfyDenoiser(self.patcher)
-            trainer = Trainer(self.denoiser, self.adapters, latent_cache, text_cache, config.train, config.optimizer,
-                              train_items=self.train_items, run_dir=self.run_dir, policy=policy, prior=prior)
-        self._finish_open(trainer, stored)
-
-    # --- shared by every kind of run (LoRA here, ControlNet in nodes/train_controlnet.py) ---------------------
-    def _open_run(self, model, latent_cache, text_cache, config, run_root, run_name, policy, kind: dict) -> dict:
-        """The run directory (checked against this configuration), the holdout split and the memory record."""
-        if policy is not None and not isinstance(policy, OffloadPolicy):
-            raise ValueError("policy must come from a HeadroomOffloadPolicy or HeadroomMemoryPlan node")
-        if any(isinstance(m, (*ADAPTER_LAYERS, LowBitLinear)) for m in model.model.diffusion_model.modules()):
-            # A previous run's clone is loaded with its adapter or low-bit layers in this shared module: unload it.
-            comfy.model_management.unload_model_and_clones(model)
-        self.source_model = model
-        self.latent_cache, self.text_cache = latent_cache, text_cache
-        self.config = config
-        self.policy = policy
+    def __init__(self, model, latent_cache, text_cache, stored: dict, holdout: int, run_root: pathlib.Path,
+                 run_name: str):
         self.run_dir = RunDir(run_root, run_name)
         self.run_dir.prune_temp()  # what a killed writer left: temp checkpoint folders, temp files
         self.fingerprint = base_fingerprint(model)
-        stored = {
-            **kind, "session": config.to_json(), "base_fingerprint": self.fingerprint,
-            "latent_cache": getattr(latent_cache, "fingerprint", None), "text_cache": getattr(text_cache, "fingerprint", None),
-            "data": data_fingerprint(latent_cache),
+        self.stored = {
+            **stored, "base_fingerprint": self.fingerprint,
+            "latent_cache": getattr(latent_cache, "fingerprint", None),
+            "text_cache": getattr(text_cache, "fingerprint", None), "data": data_fingerprint(latent_cache),
         }
-        self.run_dir.check_compatible(stored, added_later=CONFIG_ADDED_LATER)
+        self.run_dir.check_compatible(self.stored, added_later=CONFIG_ADDED_LATER, removed_later=CONFIG_REMOVED_LATER)
         count = len(latent_cache)
-        if config.holdout >= count:
-            raise ValueError(f"holdout={config.holdout} leaves no training items of the {count} cached")
-        self.train_items = list(range(count - config.holdout))
-        self.validation_items = list(range(count - config.holdout, count)) if config.holdout else list(self.train_items)
-        self.memory = self._memory_record(torch.device(model.load_device))
-        self.step_figures: dict[int, tuple] = {}  # step -> (lr, s/step, memory figures): for history()
-        self.last_validation: dict | None = None  # {"step", "images"} of the last validation with images
-        return stored
+        if holdout >= count:
+            raise ValueError(f"holdout={holdout} leaves no training items of the {count} cached")
+        self.train_items = list(range(count - holdout))
+        self.validation_items = list(range(count - holdout, count)) if holdout else list(self.train_items)
+        self.memory = self._memory_record(torch.device(model.load_device), latent_cache, text_cache)
 
-    def _finish_open(self, trainer: Trainer, stored: dict) -> None:
-        policy = trainer.policy
-        problem = inplace_depth_problem(self.denoiser.inplace_blocks,
-                                        policy.checkpoint_depth if policy.checkpointing_enabled else None)
-        if problem is not None:  # before anything runs (the trainer would refuse at its first step)
-            raise ValueError(f"checkpoint_depth={policy.checkpoint_depth}: {problem}")
-        self.trainer = trainer
-        with torch.inference_mode(False):
-            self.resumed = trainer.resume()
-        if not self.run_dir.exists():
-            self.run_dir.write_config(stored)
-        _RUN_IDENTITY[str(self.run_dir.path)] = RunDir.config_identity(self.run_dir.path)
-
-    def _low_bit_base(self, policy: OffloadPolicy | None) -> LowBitBase | None:
-        """policy base_storage fp8 / int8 / nf4: low-bit copies of the frozen Linear layers of the blocks, swapped
-        into the (shared) module for now; `_load_in_low_bit` hands them to ComfyUI."""
-        if policy is None or policy.base_storage == "as_loaded":
-            return None
-        blocks = [name for name, _ in model_blocks(self.patcher.model.diffusion_model)]
-        patched = sorted(key for key in self.patcher.patches
-                         if any(key.startswith(f"diffusion_model.{block}.") for block in blocks))
-        if patched:
-            raise ValueError(f"base_storage={policy.base_storage!r}: the MODEL carries weight patches (a LoRA loaded "
-                             f"before training, e.g. {patched[0]}) that a low-bit copy would drop: train on the model "
-                             "without them, or use base_storage 'as_loaded'")
-        return LowBitBase(self.patcher.model.diffusion_model, policy.base_storage, self.patcher.offload_device,
-                          prefixes=blocks)
-
-    def _load_in_low_bit(self, low_bit: LowBitBase | None) -> None:
-        """The shared module gets its full-precision layers back, and ComfyUI swaps the low-bit ones in as object
-        patches of the training clone: set before it moves weights to the device (so the full-precision block
-        weights stay in host RAM) and restored when it unloads the clone."""
-        self.low_bit_bytes = None if low_bit is None else (low_bit.packed_bytes(), low_bit.original_bytes())
-        if low_bit is None:
-            return
-        low_bit.detach()
-        for path, layer in low_bit.replacements.items():
-            self.patcher.add_object_patch(f"diffusion_model.{path}", layer)
-
-    def _memory_record(self, device: torch.device) -> PhaseRecorder:
+    def _memory_record(self, device: torch.device, latent_cache, text_cache) -> PhaseRecorder:
         """The run's per-phase memory record: continued from the run directory (a resumed run), or started with
         how its caches were built."""
         path = self.run_dir.memory_record_path
@@ -336,12 +170,18 @@ class TrainingSession:
             except (ValueError, OSError) as error:  # a report, not training state: start a new one
                 logging.warning("Headroom: ignoring the unreadable memory record of run '%s' (%s); starting a new "
                                 "one", self.run_dir.name, error)
-        cached = [*getattr(self.latent_cache, "memory_phases", []), *getattr(self.text_cache, "memory_phases", [])]
+        cached = [*getattr(latent_cache, "memory_phases", []), *getattr(text_cache, "memory_phases", [])]
         return PhaseRecorder(device, phases=[dict(phase) for phase in cached])
+
+    def commit(self) -> None:
+        """After the run opened: its configuration written (a new run), the folder remembered (run_generation)."""
+        if not self.run_dir.exists():
+            self.run_dir.write_config(self.stored)
+        _RUN_IDENTITY[str(self.run_dir.path)] = RunDir.config_identity(self.run_dir.path)
 
     @contextlib.contextmanager
     def phase(self, name: str):
-        """Record one phase of the run (training, validation, save) in the run's memory record, on disk after it."""
+        """Record one phase of the run (training, validation, save) in the memory record, on disk after it."""
         try:
             with self.memory.phase(name):
                 yield
@@ -353,23 +193,63 @@ class TrainingSession:
                 except WriteError as error:  # a report, not training state: the checkpoint's own error matters
                     logging.warning("Headroom: %s", error)
 
-    @property
-    def step(self) -> int:
-        return self.trainer.step
 
-    def _device_extra_bytes(self) -> int:
-        """What the run adds on the device beyond the MODEL's weights (for ComfyUI's memory accounting):
-        the trainable weights and gradients, and the optimizer's two moments where they live on the device."""
-        trainable = sum(p.numel() * p.element_size() for p in self.trainer.params)
-        return trainable * (2 if self.trainer.policy.optimizer_state == "cpu" else 4)
+class Placement:
+    """Where the run's frozen base lives: the training clone of the MODEL, its low-bit storage (policy
+    base_storage), its load through ComfyUI's model management (policy base_placement) and its release."""
 
-    def _load(self, patchers) -> None:
-        """Load the training patchers through ComfyUI's model management, as the policy places the frozen base."""
-        placement = self.trainer.policy.base_placement
+    def __init__(self, model, policy: OffloadPolicy):
+        self.policy = policy
+        # A classic ModelPatcher even under dynamic VRAM: autograd keeps the weights a layer used until backward,
+        # which aimdo-managed weights do not guarantee (docs/MEMORY.md). Elsewhere this is a plain clone.
+        self.patcher = model.clone(disable_dynamic=True)
+        self.low_bit_bytes = None  # (packed, original) bytes of a low-bit base
+
+    @staticmethod
+    def free_shared_module(model) -> None:
+        """A previous run's clone loaded with its adapter or low-bit layers in the shared module: unloaded, so the
+        module (and the new run's fingerprint of it) is ComfyUI's own again."""
+        if any(isinstance(m, (*ADAPTER_LAYERS, LowBitLinear)) for m in model.model.diffusion_model.modules()):
+            comfy.model_management.unload_model_and_clones(model)
+
+    @contextlib.contextmanager
+    def low_bit_storage(self):
+        """policy base_storage fp8 / int8 / nf4: inside the block, low-bit copies of the blocks' frozen Linear
+        layers are swapped into the (shared) module, so what is built there wraps them (a LoRA's adapters); after
+        it the shared module has its full-precision layers back and ComfyUI swaps the low-bit ones in as object
+        patches of the training clone, set before it moves weights to the device (the full-precision block
+        weights stay in host RAM) and restored when it unloads the clone."""
+        low_bit = self._low_bit_base()
+        try:
+            yield
+        finally:  # the shared module is full precision again even when the build failed
+            self.low_bit_bytes = None if low_bit is None else (low_bit.packed_bytes(), low_bit.original_bytes())
+            if low_bit is not None:
+                low_bit.detach()
+                for path, layer in low_bit.replacements.items():
+                    self.patcher.add_object_patch(f"diffusion_model.{path}", layer)
+
+    def _low_bit_base(self) -> LowBitBase | None:
+        if self.policy.base_storage == "as_loaded":
+            return None
+        blocks = [name for name, _ in model_blocks(self.patcher.model.diffusion_model)]
+        patched = sorted(key for key in self.patcher.patches
+                         if any(key.startswith(f"diffusion_model.{block}.") for block in blocks))
+        if patched:
+            raise ValueError(f"base_storage={self.policy.base_storage!r}: the MODEL carries weight patches (a LoRA "
+                             f"loaded before training, e.g. {patched[0]}) that a low-bit copy would drop: train on the "
+                             "model without them, or use base_storage 'as_loaded'")
+        return LowBitBase(self.patcher.model.diffusion_model, self.policy.base_storage, self.patcher.offload_device,
+                          prefixes=blocks)
+
+    def load(self, patchers: list, extra_bytes: int) -> None:
+        """Load the training patchers through ComfyUI's model management, as the policy places the frozen base
+        (`extra_bytes`: what the run adds on the device beyond the weights, for ComfyUI's accounting)."""
+        placement = self.policy.base_placement
         with torch.inference_mode(False):  # weights copied to the device here are then usable by autograd
             # "partial" / "streamed": ComfyUI may keep part of the base in host RAM (its lowvram load); the
             # trainer's WeightStreamer brings those blocks to the device one block ahead.
-            comfy.model_management.load_models_gpu(patchers, memory_required=self._device_extra_bytes(),
+            comfy.model_management.load_models_gpu(patchers, memory_required=extra_bytes,
                                                    force_full_load=placement == "resident")
             if placement == "streamed" and self.patcher.load_device != self.patcher.offload_device:
                 # Every block's frozen weights back to host RAM through ComfyUI's own partial unload, so its
@@ -380,21 +260,100 @@ class TrainingSession:
                 self.patcher.partially_unload(self.patcher.offload_device, memory_to_free=block_bytes)
             replace_inference_tensors(self.patcher.model.diffusion_model)
 
+    def release(self) -> None:
+        """Unload the training clone and give cached device memory back (after a cancel or an error)."""
+        self.patcher.eject_model()
+        comfy.model_management.unload_model_and_clones(self.patcher)
+        comfy.model_management.soft_empty_cache()
+
+
+class TrainingRun:
+    """One training run inside ComfyUI, the TRAINING_RUN value nodes pass along: a record, a placement and what it
+    trains (`trained`: run_lora.LoraTraining or run_controlnet.ControlNetTraining), around the engine's Trainer.
+
+    `config` is the kind's configuration dataclass (run_lora.LoraRunConfig, run_controlnet.ControlNetRunConfig:
+    `to_json`, `train`, `optimizer`, `holdout`); `policy` an OffloadPolicy (None: everything resident), resolved
+    with the Init nodes' checkpointing inputs by training/policy.run_policy before it comes here.
+    """
+
+    precision_note = ""  # how the init node chose the compute precision (nodes/train_lora.py resolve_precision)
+
+    def __init__(self, model, latent_cache, text_cache, config, trained, run_root: pathlib.Path, run_name: str,
+                 policy: OffloadPolicy | None = None):
+        if policy is not None and not isinstance(policy, OffloadPolicy):
+            raise ValueError("policy must come from a HeadroomOffloadPolicy or HeadroomMemoryPlan node")
+        self.policy = policy if policy is not None else OffloadPolicy()
+        Placement.free_shared_module(model)
+        self.source_model, self.latent_cache, self.text_cache = model, latent_cache, text_cache
+        self.config, self.trained = config, trained
+        self.record = RunRecord(model, latent_cache, text_cache, {**trained.identity(self), "session": config.to_json()},
+                                config.holdout, run_root, run_name)
+        self.step_figures: dict[int, tuple] = {}  # step -> (lr, s/step, memory figures): for history()
+        self.last_validation: dict | None = None  # {"step", "images", "grid"} of the last validation with images
+        with torch.inference_mode(False):
+            self.placement = Placement(model, self.policy)
+            self.denoiser, trainable, options = trained.build(self)
+            self.trainer = Trainer(self.denoiser, trainable, latent_cache, text_cache, config.train, config.optimizer,
+                                   train_items=self.train_items, run_dir=self.run_dir, policy=self.policy, **options)
+        problem = inplace_depth_problem(self.denoiser.inplace_blocks,
+                                        self.policy.checkpoint_depth if self.policy.checkpointing_enabled else None)
+        if problem is not None:  # before anything runs (the trainer would refuse at its first step)
+            raise ValueError(f"checkpoint_depth={self.policy.checkpoint_depth}: {problem}")
+        with torch.inference_mode(False):
+            self.resumed = self.trainer.resume()
+        self.record.commit()
+
+    # --- the parts, by name ---------------------------------------------------------------------------------
+    @property
+    def trains(self) -> str:
+        """What the run trains: a RUN_KINDS key ("lora", "controlnet")."""
+        return self.trained.trains
+
+    def trained_as(self, trains: str, node: str | None = None, action: str = "save"):
+        """The run's strategy when it trains `trains`; otherwise a ValueError naming `node` (when given) and what
+        to use instead for `action`."""
+        if self.trains == trains:
+            return self.trained
+        what, wanted = RUN_KINDS[self.trains][0], RUN_KINDS[trains][0]
+        if node is None:
+            raise ValueError(f"run '{self.run_dir.name}' is a {what} run, not a {wanted} run")
+        raise ValueError(f"{node}: run '{self.run_dir.name}' is a {what} run and this node takes {wanted} runs only; "
+                         f"for a {what} run use {RUN_KINDS[self.trains][1][action]}")
+
+    @property
+    def adapters(self):
+        """A LoRA run's adapter set (training/adapters.AdapterSet); a ControlNet run: ValueError."""
+        return self.trained_as("lora").adapters
+
+    @property
+    def controlnet(self):
+        """A ControlNet run's ControlNet (controlnet_build.TrainableControlNet); a LoRA run: ValueError."""
+        return self.trained_as("controlnet").controlnet
+
+    run_dir = property(lambda self: self.record.run_dir)
+    fingerprint = property(lambda self: self.record.fingerprint)
+    train_items = property(lambda self: self.record.train_items)
+    validation_items = property(lambda self: self.record.validation_items)
+    memory = property(lambda self: self.record.memory)
+    patcher = property(lambda self: self.placement.patcher)
+    low_bit_bytes = property(lambda self: self.placement.low_bit_bytes)
+
+    @property
+    def step(self) -> int:
+        return self.trainer.step
+
+    def phase(self, name: str):
+        """Record one phase of the run (training, validation, save) in the run's memory record."""
+        return self.record.phase(name)
+
+    # --- on the device --------------------------------------------------------------------------------------
     @contextlib.contextmanager
     def attached(self):
-        """The training clone loaded through ComfyUI's model management, with the adapters attached.
-
-        Outside this block the adapters are ejected again, even though the clone may stay loaded: the
-        module tree other nodes share (stock LoraLoader, KSampler on the MODEL) is then exactly ComfyUI's.
-        """
-        self._load([self.patcher])
-        self.patcher.inject_model()  # a no-op when the load just injected; needed when the clone stayed loaded
-        if self.adapters.attached_to is not self.patcher.model.diffusion_model:
-            raise RuntimeError("HeadroomTrainLora: ComfyUI did not attach the adapter to the loaded model")
-        try:
+        """The training clone (and what the strategy loads with it) loaded through ComfyUI's model management,
+        with what the run trains attached for the block (the strategy's `attach`)."""
+        self.placement.load(self.trained.patchers(self), self.trained.device_extra_bytes(self.trainer))
+        with self.trained.attach(self):
             yield
-        finally:
-            self.patcher.eject_model()
 
     @contextlib.contextmanager
     def validating(self):
@@ -403,46 +362,31 @@ class TrainingSession:
         with self.trainer.parked_for_validation(), self.attached():
             yield
 
-    @contextlib.contextmanager
     def sampling_model(self, lora_application: str = "unmerged"):
-        """The ModelPatcher validation samples with. "unmerged": the training clone with the adapter attached (its
-        low-bit base too), computing the LoRA next to the frozen weights. "as_saved_file": what the stock LoraLoader
-        makes of the saved (fp32) file: a clone of the run's MODEL with the adapter as ComfyUI weight patches, baked
-        into the weights in their own dtype (comfy.lora + stochastic rounding) when ComfyUI loads the clone.
-        Either way the optimizer state is parked as the policy says."""
-        if lora_application not in LORA_APPLICATIONS:
-            raise ValueError(f"lora_application={lora_application!r}: choose one of {', '.join(LORA_APPLICATIONS)}")
-        if lora_application == "unmerged":
-            with self.validating():
-                yield self.patcher
-            return
-        with self.trainer.parked_for_validation():
-            model = as_saved_file_model(self.source_model, self.adapters)
-            try:
-                yield model
-            finally:  # the patched weights leave memory now, not when gc finds the clone
-                comfy.model_management.unload_model_and_clones(model, unload_additional_models=False)
+        """The ModelPatcher validation samples with, as the strategy makes it (a LoRA: `lora_application`)."""
+        return self.trained.sampling_model(self, lora_application)
 
     @contextlib.contextmanager
     def base_sampling_model(self):
-        """The run's MODEL as it came in, without what the run trains (outside `attached` the adapters are ejected:
-        the module tree is ComfyUI's own), for before/after comparisons; optimizer state parked as for validation."""
-        adapters = getattr(self, "adapters", None)
-        if adapters is not None and adapters.attached_to is not None:
-            raise RuntimeError("HeadroomValidate: the adapter is still attached; cannot sample the base model")
+        """The run's MODEL as it came in, without what the run trains, for before/after comparisons; optimizer
+        state parked as for validation."""
+        self.trained.check_detached(self)
         with self.trainer.parked_for_validation():
             yield self.source_model
 
     def sampling_conditioning(self, positive, negative, vae=None):
-        """Validation conditioning for ComfyUI's samplers: the prompts as encoded (a ControlNet run adds its control)."""
-        return positive, negative
+        """Validation conditioning for ComfyUI's samplers: the prompts as encoded, with what the strategy adds."""
+        return self.trained.sampling_conditioning(self, positive, negative, vae)
+
+    def metadata(self) -> dict:
+        """What the run's saved file says about it (the strategy's metadata)."""
+        return self.trained.metadata(self)
 
     def release(self) -> None:
         """Unload the training clone and give cached device memory back (after a cancel or an error)."""
-        self.patcher.eject_model()
-        comfy.model_management.unload_model_and_clones(self.patcher)
-        comfy.model_management.soft_empty_cache()
+        self.placement.release()
 
+    # --- training -------------------------------------------------------------------------------------------
     def train_to(self, target_step: int, node_id: str | None = None, checkpoint_every: int = 0,
                  checkpoint_minutes: float = 0.0) -> None:
         """Train to `target_step`, with a progress bar, step events and cancel (checkpoint, free, re-raise); a
@@ -510,8 +454,9 @@ class TrainingSession:
         except Exception:  # the error being reported is the out-of-memory one
             return None
 
+    # --- validation loss, history, weights ------------------------------------------------------------------
     def loss_on(self, items, times: int = 4, seed: int = 0) -> float:
-        """The deterministic loss (fixed noise levels and noise) on cached items, with the current adapter."""
+        """The deterministic loss (fixed noise levels and noise) on cached items, with the current weights."""
         with self.validating():
             return self.trainer.validation_loss(items, times=times, seed=seed)
 
@@ -553,21 +498,5 @@ class TrainingSession:
         with self.trainer.ema.swapped_in(self.trainer.params):
             yield "ema"
 
-    def patched_model(self, model=None, strength: float = 1.0):
-        """A clone of `model` (default: the MODEL the run trains) with the current adapter as weight patches."""
-        model = model if model is not None else self.source_model
-        clone = model.clone()
-        clone.add_patches(comfy_patches(clone, self.adapters), strength)
-        return clone
-
-    def lora_metadata(self) -> dict[str, str]:
-        return {
-            "headroom.format": "comfyui-lora", "headroom.base_fingerprint": self.fingerprint,
-            "headroom.family": str(self.config.family), "headroom.kind": self.config.adapter.kind,
-            "headroom.rank": str(self.config.adapter.rank), "headroom.alpha": str(self.config.adapter.alpha),
-            "headroom.steps": str(self.step), "headroom.run": self.run_dir.name,
-            "headroom.config": json.dumps(self.config.to_json(), sort_keys=True),
-        }
-
     def __repr__(self) -> str:
-        return f"TrainingRun({self.run_dir.name}, step {self.step}, {self.config.adapter.kind} r{self.config.adapter.rank})"
+        return f"TrainingRun({self.run_dir.name}, step {self.step}, {self.trained.describe(self)})"

@@ -24,9 +24,9 @@ from ..training.optimizers import OPTIMIZERS
 from ..training.policy import (CHECKPOINTING, GIB, OPTIMIZER_STATES, PLACEMENTS, STORAGES, VAE_TILED, ENCODERS,
                                OffloadPolicy, PolicyError)
 from ..training.trainer import PRECISIONS, auto_precision
+from .io_types import OffloadPolicyType
 from .planning import available_device_bytes, budget_bytes, describe_comfy_model, lora_target_paths
 
-OffloadPolicyType = io.Custom("OFFLOAD_POLICY")
 CATEGORY = "Headroom/memory"
 MODES = ("estimate", "auto")
 

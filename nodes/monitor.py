@@ -10,6 +10,7 @@ from comfy_api.latest import io
 
 from ..training import memory_stats
 from ..training.memory_stats import PhaseRecorder, device_memory_snapshot, format_bytes
+from .io_types import TrainingRunType
 
 MONITOR_FORMAT = "headroom.vram_monitor"
 MONITOR_VERSION = 1
@@ -166,7 +167,7 @@ class HeadroomMemoryReport(io.ComfyNode):
                 "of each) into text, JSON and a bar chart of the peaks."
             ),
             inputs=[
-                io.Custom("TRAINING_RUN").Input(
+                TrainingRunType.Input(
                     "run", optional=True,
                     tooltip="A training run: its record (caching, training, validation and save phases so far, "
                     "also kept in the run folder as memory_record.json).",

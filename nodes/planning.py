@@ -153,16 +153,16 @@ def lora_target_paths(patcher, adapter: AdapterConfig) -> list[str]:
                                  [name for name, _ in model_blocks(diffusion_model)])
 
 
-def next_plan_for(session) -> planner.Plan | None:
-    """After an out-of-memory error in a training run (nodes/comfy_bridge.py TrainingSession): the planner's
+def next_plan_for(run) -> planner.Plan | None:
+    """After an out-of-memory error in a training run (nodes/comfy_bridge.py TrainingRun): the planner's
     next smaller policy for that run's model, trainable weights, batch, largest bucket and text length."""
-    config = session.config
+    config = run.config
     adapter = getattr(config, "adapter", None) or AdapterConfig()  # ControlNet runs: activations as with a LoRA
-    description = describe_comfy_model(session.source_model, adapter, config.train.precision)
-    trainable = planner.TrainableSpec.from_parameters(session.trainer.params, config.optimizer.name)
-    width, height = max(session.latent_cache.buckets, key=lambda size: size[0] * size[1])
-    tokens = session.text_cache.conditioning(session.latent_cache.text_key(0))["cross_attn"].shape[0]
+    description = describe_comfy_model(run.source_model, adapter, config.train.precision)
+    trainable = planner.TrainableSpec.from_parameters(run.trainer.params, config.optimizer.name)
+    width, height = max(run.latent_cache.buckets, key=lambda size: size[0] * size[1])
+    tokens = run.text_cache.conditioning(run.latent_cache.text_key(0))["cross_attn"].shape[0]
     shape = planner.RunShape(config.train.batch_size, width, height, int(tokens))
-    policy = session.trainer.policy
-    budget = budget_bytes(policy, torch.device(session.source_model.load_device))
+    policy = run.policy
+    budget = budget_bytes(policy, torch.device(run.source_model.load_device))
     return planner.next_smaller_policy(description, trainable, shape, policy, budget)

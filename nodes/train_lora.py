@@ -25,24 +25,22 @@ from comfy_api.latest import io, ui
 from ..training.adapters import KINDS, TARGET_MODES, AdapterConfig
 from ..training.checks import check_finite
 from ..training.files import prune_temp, save_safetensors, write_bytes
-from ..training.objective import LOSS_TYPES, LOSS_WEIGHTINGS, TIMESTEP_SAMPLINGS, ObjectiveConfig
+from ..training.objective import ObjectiveConfig
 from ..training.optimizers import OPTIMIZERS, SCHEDULES, MissingPackageError, OptimizerConfig, check_available
-from ..training.policy import OffloadPolicy, PolicyError
+from ..training.policy import OffloadPolicy, PolicyError, run_policy
 from ..training.run_dir import RunDir, RunFolderError, check_name, check_subfolder
 from ..training.trainer import PRECISIONS, TrainConfig, auto_precision
 from . import lora_formats
 from .cache import unload_encoder
-from .comfy_bridge import (LORA_APPLICATIONS, VALIDATE_EVENT, WEIGHT_CHOICES, SessionConfig, TrainingSession, check_run_kind,
-                           run_generation, send_event)
+from .comfy_bridge import TrainingRun, VALIDATE_EVENT, check_run_kind, run_generation, send_event
 from .comfy_model import check_caches, model_family
+from .inputs import (DEFAULT_CHECKPOINT_MINUTES, added_train_inputs, checkpoint_inputs, compare_base_input,
+                     lora_config_input, model_and_caches, optimizer_config_input, policy_input, prior_inputs,
+                     run_name_input, schedule_inputs, training_settings, validation_inputs, validation_names,
+                     weights_input)
+from .io_types import LoraConfigType, OptimizerConfigType, TrainingRunType
 from .planning import budget_bytes
-
-LoraConfigType = io.Custom("LORA_CONFIG")
-OptimizerConfigType = io.Custom("OPTIMIZER_CONFIG")
-TrainingRun = io.Custom("TRAINING_RUN")
-LatentCache = io.Custom("LATENT_CACHE")
-TextCache = io.Custom("TEXT_CACHE")
-OffloadPolicyType = io.Custom("OFFLOAD_POLICY")
+from .run_lora import SAVE_DTYPES, LoraRunConfig, open_lora_run
 
 CATEGORY = "Headroom/training"
 HISTORY_KEY = "headroom_history"  # the training nodes' UI output js/headroom_live.js redraws the chart from
@@ -169,52 +167,10 @@ def _checked(node: str, validate) -> None:
 
 
 # --- init ----------------------------------------------------------------------------------------------------
-def _train_inputs() -> list:
-    """The inputs shared by HeadroomTrainLoraInit and the all-in-one HeadroomTrainLora."""
-    return [
-        io.Model.Input("model", tooltip="The MODEL to train on (e.g. from Load Checkpoint); it is never modified."),
-        LatentCache.Input("latent_cache", tooltip="The dataset's latents, from Cache Latents (Headroom)."),
-        TextCache.Input("text_cache", tooltip="The dataset's captions encoded, from Cache Text (Headroom)."),
-        LoraConfigType.Input("lora_config", tooltip="What to train, from LoRA Config (Headroom)."),
-        OptimizerConfigType.Input("optimizer_config", tooltip="From Optimizer Config (Headroom)."),
-        io.String.Input("run_name", default="my_lora",
-                        tooltip="Folder under output/headroom_runs. An existing run with the same settings resumes."),
-        io.Int.Input("seed", default=0, min=0, max=0xFFFFFFFF,
-                     tooltip="Seed of the item order, noise levels and noise: the same seed trains the same run, and a "
-                     "resumed run continues exactly."),
-        io.Int.Input("batch_size", default=1, min=1, max=256,
-                     tooltip="Items per step, drawn from one aspect-ratio bucket."),
-        io.Int.Input("grad_accumulation", default=1, min=1, max=1024,
-                     tooltip="Batches whose gradients add up before each optimizer step: effective batch size = "
-                     "batch_size x this, memory of one batch."),
-        io.Combo.Input("precision", options=["auto", *PRECISIONS], default="auto",
-                       tooltip="Compute precision (autocast); trainable weights always stay fp32. auto: bf16 on a "
-                       "CUDA GPU that supports it, fp16 on other CUDA GPUs, fp32 on a CPU (bf16 there is far slower: "
-                       "no native kernels); a resumed run keeps the precision it started with. fp16 uses a gradient "
-                       "scaler."),
-        io.Float.Input("max_grad_norm", default=1.0, min=0.0, max=1000.0, step=0.01, tooltip="0 disables clipping."),
-        io.Float.Input("caption_dropout", default=0.0, min=0.0, max=1.0, step=0.01,
-                       tooltip="Fraction of samples trained with the empty prompt (cached)."),
-        io.Combo.Input("timestep_sampling", options=list(TIMESTEP_SAMPLINGS), default="uniform",
-                       tooltip="shifted: times shifted as the model samples (SD3 / Flux shift)."),
-        io.Combo.Input("loss_weighting", options=list(LOSS_WEIGHTINGS), default="none",
-                       tooltip="min_snr: min-SNR-gamma weighting (eps / v models)."),
-        io.Float.Input("min_snr_gamma", default=5.0, min=0.1, max=100.0, step=0.1,
-                       tooltip="Gamma of the min_snr loss weighting (used only when loss_weighting is min_snr)."),
-        io.Float.Input("noise_offset", default=0.0, min=0.0, max=1.0, step=0.001,
-                       tooltip="Adds this much of a per-channel constant to the noise, which helps learn very dark "
-                       "or bright images (0: off)."),
-        io.Boolean.Input("gradient_checkpointing", default=False,
-                         tooltip="Recompute each block's activations in backward: much less memory, slower steps. "
-                         "A policy's own checkpointing setting takes precedence."),
-        io.Int.Input("checkpoint_depth", default=1, min=1, max=5,
-                     tooltip="1: each model block; 2: each child of a block (finer, less memory, more recompute)."),
-        io.Int.Input("holdout", default=0, min=0, max=100000,
-                     tooltip="Last N cached items held out for the validation loss; 0 validates on training items."),
-        OffloadPolicyType.Input("policy", optional=True,
-                                tooltip="Optional, from Offload Policy or Memory Plan (Headroom): budget, where the "
-                                "frozen base and optimizer state live, checkpointing. None: all on the device."),
-    ]
+def lora_run_inputs() -> list:
+    """The inputs that open a LoRA run (Init and the all-in-one node): the shared groups (nodes/inputs.py)."""
+    return [*model_and_caches(), lora_config_input(), optimizer_config_input(), run_name_input("my_lora"),
+            *training_settings(), policy_input()]
 
 
 def resolve_precision(precision: str, device, run_name: str, node: str) -> tuple[str, str]:
@@ -244,16 +200,14 @@ def resolve_precision(precision: str, device, run_name: str, node: str) -> tuple
 
 
 def train_config(model, run_name: str, node: str, seed, batch_size, grad_accumulation, precision, max_grad_norm,
-                 caption_dropout, timestep_sampling, loss_weighting, min_snr_gamma, noise_offset, gradient_checkpointing,
-                 checkpoint_depth, loss_type: str, huber_delta: float, ema_decay: float,
-                 prior_ratio: float = 0.0) -> tuple[TrainConfig, str]:
+                 caption_dropout, timestep_sampling, loss_weighting, min_snr_gamma, noise_offset, loss_type: str,
+                 huber_delta: float, ema_decay: float, prior_ratio: float = 0.0) -> tuple[TrainConfig, str]:
     """The engine's TrainConfig from the Init nodes' shared inputs (LoRA and ControlNet), checked, with the note
     on how the compute precision was chosen."""
     precision, note = resolve_precision(precision, model.load_device, run_name, node)
     train = TrainConfig(
         seed=seed, batch_size=batch_size, grad_accum=grad_accumulation, max_grad_norm=max_grad_norm,
-        precision=precision, caption_dropout=caption_dropout, gradient_checkpointing=gradient_checkpointing,
-        checkpoint_depth=checkpoint_depth, ema_decay=ema_decay, prior_ratio=prior_ratio,
+        precision=precision, caption_dropout=caption_dropout, ema_decay=ema_decay, prior_ratio=prior_ratio,
         objective=ObjectiveConfig(timestep_sampling=timestep_sampling, loss_weighting=loss_weighting,
                                   min_snr_gamma=min_snr_gamma, noise_offset=noise_offset, loss_type=loss_type,
                                   huber_delta=huber_delta),
@@ -262,12 +216,21 @@ def train_config(model, run_name: str, node: str, seed, batch_size, grad_accumul
     return train, note
 
 
-def start_session(model, latent_cache, text_cache, lora_config, optimizer_config, run_name, seed, batch_size,
-                  grad_accumulation, precision, max_grad_norm, caption_dropout, timestep_sampling, loss_weighting,
-                  min_snr_gamma, noise_offset, gradient_checkpointing, checkpoint_depth, holdout, policy=None,
-                  loss_type: str = "mse", huber_delta: float = 0.1, ema_decay: float = 0.0,
-                  prior_latent_cache=None, prior_text_cache=None, prior_ratio: float = 0.5,
-                  node: str = "HeadroomTrainLoraInit") -> TrainingSession:
+def resolve_policy(policy, gradient_checkpointing: bool, checkpoint_depth: int) -> OffloadPolicy:
+    """The run's offload policy, resolved once when it opens (LoRA and ControlNet Init nodes): the policy input
+    (none: everything resident) with the gradient_checkpointing / checkpoint_depth inputs mapped into it
+    (training/policy.run_policy). Every later step reads only `run.policy`."""
+    if policy is not None and not isinstance(policy, OffloadPolicy):
+        raise ValueError("policy must come from a HeadroomOffloadPolicy or HeadroomMemoryPlan node")
+    return run_policy(policy, gradient_checkpointing, checkpoint_depth)
+
+
+def start_lora_run(model, latent_cache, text_cache, lora_config, optimizer_config, run_name, seed, batch_size,
+                   grad_accumulation, precision, max_grad_norm, caption_dropout, timestep_sampling, loss_weighting,
+                   min_snr_gamma, noise_offset, gradient_checkpointing, checkpoint_depth, holdout, policy=None,
+                   loss_type: str = "mse", huber_delta: float = 0.1, ema_decay: float = 0.0,
+                   prior_latent_cache=None, prior_text_cache=None, prior_ratio: float = 0.5,
+                   node: str = "HeadroomTrainLoraInit") -> TrainingRun:
     """Check every input (before any GPU work), then build or resume the run."""
     try:
         check_name(run_name, "run name")
@@ -286,15 +249,14 @@ def start_session(model, latent_cache, text_cache, lora_config, optimizer_config
         optimizer_config.validate()
         train, note = train_config(model, run_name, node, seed, batch_size, grad_accumulation, precision, max_grad_norm,
                                    caption_dropout, timestep_sampling, loss_weighting, min_snr_gamma, noise_offset,
-                                   gradient_checkpointing, checkpoint_depth, loss_type, huber_delta, ema_decay,
-                                   prior_ratio=prior_ratio if prior else 0.0)
+                                   loss_type, huber_delta, ema_decay, prior_ratio=prior_ratio if prior else 0.0)
+        policy = resolve_policy(policy, gradient_checkpointing, checkpoint_depth)
         check_caches(model.model, latent_cache, text_cache)
-        config = SessionConfig(family=model_family(model.model), adapter=lora_config, optimizer=optimizer_config,
+        config = LoraRunConfig(family=model_family(model.model), adapter=lora_config, optimizer=optimizer_config,
                                train=train, holdout=holdout)
-        session = TrainingSession(model, latent_cache, text_cache, config, runs_root(), run_name, policy=policy,
-                                  prior=prior)
-        session.precision_note = note
-        return session
+        run = open_lora_run(model, latent_cache, text_cache, config, runs_root(), run_name, policy=policy, prior=prior)
+        run.precision_note = note
+        return run
     except (ValueError, RunFolderError) as error:
         message = str(error)
         raise ValueError(message if message.startswith("Headroom") else f"{node}: {message}") from error
@@ -309,8 +271,8 @@ class HeadroomTrainLoraInit(io.ComfyNode):
             category=CATEGORY,
             description="Set up (or resume) a LoRA training run on this MODEL from cached latents and text. "
             "The MODEL itself is never modified: the adapter lives on a clone.",
-            inputs=[*_train_inputs(), *_added_train_inputs(), *_prior_inputs()],
-            outputs=[TrainingRun.Output("run", tooltip="The training run, for Train Steps, Validate, Save and Apply."),
+            inputs=[*lora_run_inputs(), *added_train_inputs(), *prior_inputs()],
+            outputs=[TrainingRunType.Output("run", tooltip="The training run, for Train Steps, Validate, Save and Apply."),
                      io.Int.Output("step", tooltip="Step the run starts from (resumed).")],
         )
 
@@ -320,63 +282,16 @@ class HeadroomTrainLoraInit(io.ComfyNode):
 
     @classmethod
     def execute(cls, **inputs) -> io.NodeOutput:
-        session = start_session(**inputs)
-        return io.NodeOutput(session, session.step, ui=ui.PreviewText(session.precision_note))
+        run = start_lora_run(**inputs)
+        return io.NodeOutput(run, run.step, ui=ui.PreviewText(run.precision_note))
 
 
 def run_fingerprint(run_name) -> int:
-    """Init nodes: run again when the run folder their cached session opened was deleted or replaced since."""
+    """Init nodes: run again when the run folder their cached run opened was deleted or replaced since."""
     try:
         return run_generation(runs_root(), check_name(run_name))
     except ValueError:
         return 0  # a bad name: execute says so
-
-
-DEFAULT_CHECKPOINT_MINUTES = 10.0
-
-
-def _checkpoint_inputs() -> list:
-    """How often a training node writes a resumable checkpoint (optional and last: saved workflows keep working)."""
-    return [
-        io.Int.Input("checkpoint_every", default=0, min=0, max=10_000_000, optional=True,
-                     tooltip="Write a resumable checkpoint to the run folder every N steps (0: not by steps). With "
-                     "checkpoint_minutes this bounds what a crash, a kill or a power cut can lose."),
-        io.Float.Input("checkpoint_minutes", default=DEFAULT_CHECKPOINT_MINUTES, min=0.0, max=10080.0, step=1.0,
-                       optional=True,
-                       tooltip="Also write one whenever this many minutes passed since the last (0: not by time). "
-                       "A checkpoint is always written at the end and on cancel; queueing again resumes from the "
-                       "last one."),
-    ]
-
-
-def _added_train_inputs() -> list:
-    """Training settings added after the first release: optional and last on every training node, so saved
-    workflows keep working (their widget values are positional)."""
-    return [
-        io.Combo.Input("loss_type", options=list(LOSS_TYPES), default="mse", optional=True,
-                       tooltip="mse: squared error (standard). l1: absolute error. huber: squared below huber_delta, "
-                       "absolute above: less pulled by outlier samples (noisy or mislabelled images). In the "
-                       "model's own eps / v / flow space; min_snr weighting still applies."),
-        io.Float.Input("huber_delta", default=0.1, min=0.0001, max=10.0, step=0.001, optional=True,
-                       tooltip="Where the huber loss turns from squared to absolute (used only with loss_type huber)."),
-        io.Float.Input("ema_decay", default=0.0, min=0.0, max=0.99999, step=0.0001, optional=True,
-                       tooltip="Keep an exponential moving average of the trained weights in host RAM (0: off; "
-                       "0.99-0.999 usual: it averages over about 1 / (1 - decay) steps, so keep that well below the "
-                       "run's steps). Validate and Save use it when set (their weights input)."),
-    ]
-
-
-def _prior_inputs() -> list:
-    """Prior (regularisation) images for LoRA runs: optional and last on the LoRA training nodes."""
-    return [
-        LatentCache.Input("prior_latent_cache", optional=True,
-                          tooltip="Optional regularisation / prior images (e.g. generic images of the class), cached "
-                          "like the training images: trained on too, so the LoRA keeps what the model knew."),
-        TextCache.Input("prior_text_cache", optional=True, tooltip="The prior images' captions, cached."),
-        io.Float.Input("prior_ratio", default=0.5, min=0.0, max=0.95, step=0.01, optional=True,
-                       tooltip="Share of the steps that train on the prior images, evenly interleaved (0.5: every "
-                       "other batch). Used only when the prior caches are connected."),
-    ]
 
 
 def check_checkpoint_inputs(node: str, checkpoint_every: int, checkpoint_minutes: float) -> None:
@@ -397,19 +312,19 @@ class HeadroomTrainSteps(io.ComfyNode):
             description="Train the run to step N (not N more): the same N again does nothing, a higher N "
             "continues. A checkpoint is written every checkpoint_every steps / checkpoint_minutes minutes, at the "
             "end, and at the last finished step on cancel.",
-            inputs=[TrainingRun.Input("run", tooltip="A training run: from an Init node, or another Train Steps."),
+            inputs=[TrainingRunType.Input("run", tooltip="A training run: from an Init node, or another Train Steps."),
                     io.Int.Input("steps", default=100, min=1, max=10_000_000,
                                  tooltip="The step to train the run to (a total, not a number of more steps). At or "
                                  "below the run's current step nothing is trained."),
-                    *_checkpoint_inputs()],
-            outputs=[TrainingRun.Output("run", tooltip="The same run, trained to `steps`."),
+                    *checkpoint_inputs()],
+            outputs=[TrainingRunType.Output("run", tooltip="The same run, trained to `steps`."),
                      io.Float.Output("loss", tooltip="Training loss of the run's last step."),
                      io.Int.Output("step", tooltip="The run's step now.")],
             hidden=[io.Hidden.unique_id],
         )
 
     @classmethod
-    def execute(cls, run: TrainingSession, steps: int, checkpoint_every: int = 0,
+    def execute(cls, run: TrainingRun, steps: int, checkpoint_every: int = 0,
                 checkpoint_minutes: float = DEFAULT_CHECKPOINT_MINUTES) -> io.NodeOutput:
         check_checkpoint_inputs("HeadroomTrainSteps", checkpoint_every, checkpoint_minutes)
         note = steps_note("HeadroomTrainSteps", run, steps, "steps")
@@ -420,7 +335,7 @@ class HeadroomTrainSteps(io.ComfyNode):
                              ui={HISTORY_KEY: [history], **({"text": [note]} if note else {})})
 
 
-def steps_note(node: str, run: TrainingSession, steps: int, input_name: str) -> str | None:
+def steps_note(node: str, run: TrainingRun, steps: int, input_name: str) -> str | None:
     """What to tell the user when `steps` (a step to train *to*) trains nothing: the run is there already, or
     further (logged as a warning: lowering the number never rewinds a run)."""
     if steps > run.step:
@@ -437,52 +352,11 @@ def steps_note(node: str, run: TrainingSession, steps: int, input_name: str) -> 
 
 
 # --- validate ----------------------------------------------------------------------------------------------
-def _validation_inputs(optional: bool) -> list:
-    return [
-        io.Clip.Input("clip", optional=optional, tooltip="Encodes the validation prompts (as CLIP Text Encode)."),
-        io.Vae.Input("vae", optional=optional, tooltip="Decodes the samples (as VAE Decode)."),
-        io.String.Input("prompts", multiline=True, default="", optional=optional,
-                        tooltip="One prompt per line; empty: no images, only the validation loss."),
-        io.String.Input("negative", default="", optional=optional, tooltip="Negative prompt of every sample."),
-        io.Int.Input("sample_seed", default=0, min=0, max=0xFFFFFFFFFFFFFFFF, optional=optional,
-                     tooltip="Noise seed of the samples: the same at every validation, so steps compare."),
-        io.Int.Input("sample_steps", default=20, min=1, max=1000, optional=optional,
-                     tooltip="Sampling steps, as KSampler's steps."),
-        io.Float.Input("cfg", default=4.0, min=0.0, max=100.0, step=0.1, optional=optional,
-                       tooltip="Classifier-free guidance scale, as KSampler's cfg."),
-        io.Combo.Input("sampler_name", options=comfy.samplers.KSampler.SAMPLERS, default="euler", optional=optional,
-                       tooltip="Sampler, as KSampler's sampler_name."),
-        io.Combo.Input("scheduler", options=comfy.samplers.KSampler.SCHEDULERS, default="normal", optional=optional,
-                       tooltip="Noise schedule, as KSampler's scheduler."),
-        io.Int.Input("width", default=512, min=16, max=8192, step=8, optional=optional,
-                     tooltip="Width of the samples in pixels."),
-        io.Int.Input("height", default=512, min=16, max=8192, step=8, optional=optional,
-                     tooltip="Height of the samples in pixels."),
-        io.Int.Input("loss_timesteps", default=4, min=1, max=64, optional=optional,
-                     tooltip="Fixed noise levels of the deterministic validation loss."),
-        # Optional everywhere: workflows saved before this input existed keep working.
-        io.Combo.Input("lora_application", options=list(LORA_APPLICATIONS), default="as_saved_file", optional=True,
-                       tooltip="How the samples apply a LoRA run's adapter. as_saved_file: exactly what the stock Load "
-                       "LoRA node makes of the saved file (the adapter baked into the weights in their own dtype), so "
-                       "the images predict what users get. unmerged: computed next to the frozen weights in full "
-                       "precision (no weight patching; differs by the rounding of bf16 / fp16 weights). ControlNet "
-                       "runs ignore it."),
-    ]
-
-
-def _compare_base_input():
-    # Appended last and optional: workflows saved before it existed keep working (no comparison).
-    return io.Boolean.Input("compare_base", default=False, optional=True,
-                            tooltip="Also sample the input MODEL without the run's adapter (same prompts and seeds) "
-                            "and save a before/after grid (base on top, trained below) as "
-                            "validation/step_<step>_before_after.png in the run folder.")
-
-
-def sample_images(run: TrainingSession, clip, vae, prompts: list[str], negative: str, seed: int, steps: int, cfg: float,
+def sample_images(run: TrainingRun, clip, vae, prompts: list[str], negative: str, seed: int, steps: int, cfg: float,
                   sampler_name: str, scheduler: str, width: int, height: int, lora_application: str = "as_saved_file",
                   base: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Stock KSampler sampling (same noise, same sampler code) on the training model + what the run trains (a LoRA
-    as `lora_application` says, TrainingSession.sampling_model; a ControlNet run adds its control as
+    as `lora_application` says, TrainingRun.sampling_model; a ControlNet run adds its control as
     ControlNetApplyAdvanced does). base=True: the run's MODEL alone (before/after comparisons). Returns (images,
     sampled latents)."""
     negative_cond = clip.encode_from_tokens_scheduled(clip.tokenize(negative))
@@ -506,7 +380,7 @@ def sample_images(run: TrainingSession, clip, vae, prompts: list[str], negative:
         return decode(run, vae, samples), samples
 
 
-def base_samples(run: TrainingSession, clip, vae, prompts: list[str], *settings) -> torch.Tensor:
+def base_samples(run: TrainingRun, clip, vae, prompts: list[str], *settings) -> torch.Tensor:
     """The run's MODEL alone sampled (compare_base): the same for every validation of the run with the same prompts,
     settings, CLIP and VAE, so it is sampled once and reused (validate_every would otherwise resample the base)."""
     cached = getattr(run, "_base_samples", None)
@@ -517,11 +391,11 @@ def base_samples(run: TrainingSession, clip, vae, prompts: list[str], *settings)
     return images
 
 
-def decode(run: TrainingSession, vae, samples: torch.Tensor) -> torch.Tensor:
+def decode(run: TrainingRun, vae, samples: torch.Tensor) -> torch.Tensor:
     """VAE Decode, tiled (ComfyUI's tiled decode) when the policy says "on", or for "auto" when the VAE's weights
     plus its full-decode working set would not fit the run's budget (OffloadPolicy.decode_tiled, the planner's rule);
     otherwise the stock VAE Decode, which itself retries in tiles after an out-of-memory error."""
-    policy = run.policy or OffloadPolicy()
+    policy = run.policy
     needed = budget = None
     if policy.vae_tiled_decode == "auto":
         needed = vae.patcher.model_size() + vae.memory_used_decode(samples.shape, vae.vae_dtype)
@@ -539,7 +413,7 @@ def _png_bytes(grid: torch.Tensor) -> bytes:
     return buffer.getvalue()
 
 
-def save_before_after(run: TrainingSession, base: torch.Tensor, trained: torch.Tensor) -> pathlib.Path:
+def save_before_after(run: TrainingRun, base: torch.Tensor, trained: torch.Tensor) -> pathlib.Path:
     """Base samples (top row) over the run's samples (bottom row), same prompts and seeds, as one PNG next to the
     validation grid: step_<step>_before_after.png."""
     grid = torch.cat([torch.cat(list(base[..., :3]), dim=1), torch.cat(list(trained[..., :3]), dim=1)], dim=0)
@@ -550,7 +424,7 @@ def save_before_after(run: TrainingSession, base: torch.Tensor, trained: torch.T
     return path
 
 
-def save_validation(run: TrainingSession, images: torch.Tensor, samples: torch.Tensor) -> pathlib.Path:
+def save_validation(run: TrainingRun, images: torch.Tensor, samples: torch.Tensor) -> pathlib.Path:
     """This step's validation images side by side as one PNG in the run directory, and the sampled latents
     (float, before decoding) next to it."""
     row = torch.cat(list(images[..., :3]), dim=1)  # [H, N*W, 3]
@@ -564,7 +438,7 @@ def save_validation(run: TrainingSession, images: torch.Tensor, samples: torch.T
     return path
 
 
-def validate(node_cls, run: TrainingSession, clip=None, vae=None, prompts="", negative="", sample_seed=0,
+def validate(node_cls, run: TrainingRun, clip=None, vae=None, prompts="", negative="", sample_seed=0,
              sample_steps=20, cfg=4.0, sampler_name="euler", scheduler="normal", width=512, height=512,
              loss_timesteps=4, lora_application="as_saved_file", weights="auto", compare_base=False):
     """(images or None, previews or None, validation loss); tells the live view (`headroom.validate`).
@@ -619,16 +493,16 @@ class HeadroomValidate(io.ComfyNode):
             "second copy of the weights, saved as a grid per step in the run folder; and a deterministic "
             "validation loss (fixed items, noise levels and noise).",
             is_output_node=True,
-            inputs=[TrainingRun.Input("run", tooltip="The run to validate, e.g. from Train Steps."),
-                    *_validation_inputs(optional=False), _weights_input("Validate"), _compare_base_input()],
+            inputs=[TrainingRunType.Input("run", tooltip="The run to validate, e.g. from Train Steps."),
+                    *validation_inputs(optional=False), weights_input("Validate"), compare_base_input()],
             outputs=[io.Image.Output("images", tooltip="One sample per prompt (a black 64x64 image without prompts)."),
                      io.Float.Output("validation_loss",
                                      tooltip="Deterministic loss on the validation items: comparable across steps."),
-                     TrainingRun.Output("run", tooltip="The same run: chain Save after Validate to save after it.")],
+                     TrainingRunType.Output("run", tooltip="The same run: chain Save after Validate to save after it.")],
         )
 
     @classmethod
-    def execute(cls, run: TrainingSession, **inputs) -> io.NodeOutput:
+    def execute(cls, run: TrainingRun, **inputs) -> io.NodeOutput:
         images, previews, loss = validate(cls, run, **inputs)
         # The chart of the training node showing this run restores its thumbnails from here after a reload.
         validation = {"run": run.run_dir.name, "step": run.step, "val_loss": loss,
@@ -644,16 +518,7 @@ class HeadroomValidate(io.ComfyNode):
 
 
 # --- save / apply ------------------------------------------------------------------------------------------
-SAVE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def _weights_input(what: str):
-    return io.Combo.Input("weights", options=list(WEIGHT_CHOICES), default="auto", optional=True,
-                          tooltip=f"{what} the trained weights or their moving average (EMA, when the Init node's "
-                          "ema_decay is set). auto: the EMA when the run keeps one.")
-
-
-def models_file(folder: str, subfolder: str, filename: str, run: TrainingSession, what: str) -> tuple[pathlib.Path, pathlib.Path]:
+def models_file(folder: str, subfolder: str, filename: str, run: TrainingRun, what: str) -> tuple[pathlib.Path, pathlib.Path]:
     """(the models/<folder> root, the .safetensors path) a save node writes for `run`, names checked (empty
     filename: <run name>_step<N>)."""
     check_subfolder(subfolder, "subfolder")
@@ -672,36 +537,16 @@ def listed_name(folder: str, root: pathlib.Path, path: pathlib.Path) -> str:
     return os.path.relpath(path, root).replace(os.sep, "/")
 
 
-def save_lora(run: TrainingSession, subfolder: str, filename: str, dtype: str = "fp32", file_format: str = "comfyui",
+def save_lora(run: TrainingRun, subfolder: str, filename: str, dtype: str = "fp32", file_format: str = "comfyui",
               weights: str = "auto") -> str:
     """Write the adapter under models/loras/<subfolder>/ atomically; returns the name LoraLoader lists."""
     if file_format not in lora_formats.FORMATS:
         raise ValueError(f"format {file_format!r}: choose one of {', '.join(lora_formats.FORMATS)}")
+    lora = run.trained_as("lora")
     loras_root, path = models_file("loras", subfolder, filename, run, "LoRA")
-    name = path.name
     with run.phase("save"):
         prune_temp(path.parent)  # what a killed save left in that folder
-        if file_format == "diffusers":  # refused before any work
-            lora_formats.check_diffusers_kind(run.config.adapter.kind)
-            names = lora_formats.diffusers_names(run.source_model, run.adapters.layers, run.config.family)
-        with run.weights(weights) as used:  # diffusers: fp32 here, cast after alpha is folded in
-            state = run.adapters.comfy_state_dict(
-                dtype=torch.float32 if file_format == "diffusers" else SAVE_DTYPES[dtype])
-        metadata = {**run.lora_metadata(), "headroom.weights": used}
-        if file_format == "diffusers":
-            state, config = lora_formats.to_diffusers(state, names, run.config.family, SAVE_DTYPES[dtype])
-            metadata.update(lora_formats.diffusers_metadata(config))
-            metadata["headroom.format"] = "diffusers"
-        if file_format == "kohya":
-            names = lora_formats.kohya_names(run.source_model, run.adapters.layers, run.config.family)
-            state = lora_formats.to_kohya(state, names)
-            buckets = list(run.latent_cache.buckets)
-            adapter = run.config.adapter
-            metadata.update(lora_formats.kohya_metadata(
-                run.config.family, adapter.kind, adapter.rank, adapter.alpha, run.step, name[: -len(".safetensors")],
-                max(buckets, key=lambda b: b[0] * b[1]) if buckets else None))
-            metadata["headroom.format"] = "kohya"
-        save_safetensors(path, state, f"LoRA {name}", metadata=metadata)
+        lora.save(run, path, dtype, file_format, weights)
     return listed_name("loras", loras_root, path)
 
 
@@ -716,7 +561,7 @@ class HeadroomSaveLora(io.ComfyNode):
             "stock Load LoRA node reads (listed without a restart).",
             is_output_node=True,
             inputs=[
-                TrainingRun.Input("run", tooltip="The LoRA run to save (its current step)."),
+                TrainingRunType.Input("run", tooltip="The LoRA run to save (its current step)."),
                 io.String.Input("subfolder", default="headroom",
                                 tooltip="Folder under models/loras/ (empty: models/loras/ itself)."),
                 io.String.Input("filename", default="", tooltip="Empty: <run name>_step<N>."),
@@ -728,13 +573,13 @@ class HeadroomSaveLora(io.ComfyNode):
                                "diffusers / Civitai (Load LoRA reads it too). diffusers: the names diffusers' "
                                "load_lora_weights reads (unet.* / transformer.*, alpha folded in, PEFT config in "
                                "the metadata); plain LoRA on sd15 / sdxl / sd3 / flux (Load LoRA reads it too)."),
-                _weights_input("Save"),
+                weights_input("Save"),
             ],
             outputs=[io.String.Output("lora_name", tooltip="The name Load LoRA lists.")],
         )
 
     @classmethod
-    def execute(cls, run: TrainingSession, subfolder: str, filename: str, dtype: str,
+    def execute(cls, run: TrainingRun, subfolder: str, filename: str, dtype: str,
                 format: str = "comfyui", weights: str = "auto") -> io.NodeOutput:  # noqa: A002 - the input's name
         check_run_kind(run, "lora", "HeadroomSaveLora", "save")
         try:
@@ -754,36 +599,20 @@ class HeadroomApplyTrainedLora(io.ComfyNode):
             description="The MODEL with the run's current adapter applied as ComfyUI weight patches (as Load LoRA "
             "does), for any downstream node, without saving a file first.",
             inputs=[io.Model.Input("model", tooltip="The MODEL to patch, usually the one the run trains on."),
-                    TrainingRun.Input("run", tooltip="The LoRA run whose current adapter is applied."),
+                    TrainingRunType.Input("run", tooltip="The LoRA run whose current adapter is applied."),
                     io.Float.Input("strength", default=1.0, min=-100.0, max=100.0, step=0.01,
                                    tooltip="As Load LoRA's strength: 1 as trained, 0 off.")],
             outputs=[io.Model.Output("model", tooltip="A copy of the MODEL with the adapter applied.")],
         )
 
     @classmethod
-    def execute(cls, model, run: TrainingSession, strength: float) -> io.NodeOutput:
-        check_run_kind(run, "lora", "HeadroomApplyTrainedLora", "apply")
+    def execute(cls, model, run: TrainingRun, strength: float) -> io.NodeOutput:
+        lora = check_run_kind(run, "lora", "HeadroomApplyTrainedLora", "apply")
         check_finite("HeadroomApplyTrainedLora", strength=strength)
-        return io.NodeOutput(run.patched_model(model, strength))
+        return io.NodeOutput(lora.patched_model(run, model, strength))
 
 
 # --- all in one --------------------------------------------------------------------------------------------
-VALIDATION_NAMES = {"clip", "vae", "prompts", "negative", "sample_seed", "sample_steps", "cfg", "sampler_name",
-                    "scheduler", "width", "height", "loss_timesteps", "lora_application", "compare_base"}
-
-
-def _schedule_inputs(subfolder_input: str) -> list:
-    """The all-in-one nodes' steps / validate / save schedule (LoRA and ControlNet)."""
-    return [
-        io.Int.Input("steps", default=1000, min=1, max=10_000_000,
-                     tooltip="The step to train the run to (a total): queue again with a higher number to continue."),
-        io.Int.Input("validate_every", default=0, min=0, max=10_000_000, tooltip="0: only at the end."),
-        io.Int.Input("save_every", default=0, min=0, max=10_000_000, tooltip="0: only at the end."),
-        io.String.Input(subfolder_input, default="headroom",
-                        tooltip="Folder under ComfyUI's models folder (loras/ or controlnet/) the saves go to."),
-    ]
-
-
 def train_validate_save(node_cls, start, save, steps: int, validate_every: int, save_every: int, inputs: dict,
                         saved_as: tuple[str, str] = ("LoRA", "loras"), checkpoint_every: int = 0,
                         checkpoint_minutes: float = DEFAULT_CHECKPOINT_MINUTES):
@@ -792,8 +621,9 @@ def train_validate_save(node_cls, start, save, steps: int, validate_every: int, 
     resumable checkpoints every `checkpoint_every` steps / `checkpoint_minutes` minutes.
     Returns (run, saved name, validation loss, UI output)."""
     check_checkpoint_inputs(node_cls.__name__, checkpoint_every, checkpoint_minutes)
-    validation = {k: v for k, v in inputs.items() if k in VALIDATION_NAMES}
-    run = start(**{k: v for k, v in inputs.items() if k not in VALIDATION_NAMES})
+    names = validation_names()
+    validation = {k: v for k, v in inputs.items() if k in names}
+    run = start(**{k: v for k, v in inputs.items() if k not in names})
     note = steps_note(node_cls.__name__, run, steps, "steps")
     previews, loss, name, saved = None, float("nan"), "", []
     while True:
@@ -832,10 +662,10 @@ class HeadroomTrainLora(io.ComfyNode):
             description="Init + train to `steps` + validate every N steps + save every N steps, in one node. "
             "Queue it again with more steps to continue the same run.",
             is_output_node=True,
-            inputs=[*_train_inputs(), *_schedule_inputs("lora_subfolder"), *_validation_inputs(optional=True),
-                    *_checkpoint_inputs(), *_added_train_inputs(), *_prior_inputs(), _compare_base_input()],
+            inputs=[*lora_run_inputs(), *schedule_inputs("lora_subfolder"), *validation_inputs(optional=True),
+                    *checkpoint_inputs(), *added_train_inputs(), *prior_inputs(), compare_base_input()],
             outputs=[io.Model.Output("model", tooltip="The MODEL with the trained LoRA applied."),
-                     TrainingRun.Output("run", tooltip="The training run, for Validate, Save and Apply nodes."),
+                     TrainingRunType.Output("run", tooltip="The training run, for Validate, Save and Apply nodes."),
                      io.String.Output("lora_name", tooltip="The last saved LoRA, as Load LoRA lists it."),
                      io.Float.Output("validation_loss", tooltip="Validation loss at the end.")],
             hidden=[io.Hidden.unique_id],
@@ -846,11 +676,11 @@ class HeadroomTrainLora(io.ComfyNode):
                 checkpoint_minutes=DEFAULT_CHECKPOINT_MINUTES, **inputs) -> io.NodeOutput:
         check_subfolder(lora_subfolder, "HeadroomTrainLora: lora_subfolder")
         run, lora_name, loss, outputs = train_validate_save(
-            cls, lambda **init: start_session(**init, node="HeadroomTrainLora"),
+            cls, lambda **init: start_lora_run(**init, node="HeadroomTrainLora"),
             lambda run: save_lora(run, lora_subfolder, f"{run.run_dir.name}_step{run.step:06d}"),
             steps, validate_every, save_every, inputs, checkpoint_every=checkpoint_every,
             checkpoint_minutes=checkpoint_minutes)
-        return io.NodeOutput(run.patched_model(), run, lora_name, loss, ui=outputs)
+        return io.NodeOutput(run.trained.patched_model(run), run, lora_name, loss, ui=outputs)
 
 
 NODES = [HeadroomLoraConfig, HeadroomOptimizerConfig, HeadroomTrainLoraInit, HeadroomTrainSteps, HeadroomValidate,

@@ -129,6 +129,21 @@ def test_encoders_leave_the_compute_device_when_caching_ends(cache_dir, monkeypa
     assert not is_loaded(vae.patcher) and not is_loaded(clip.patcher)  # ...and none is left
 
 
+def test_caching_nodes_refuse_something_that_is_no_policy(cache_dir):
+    """The caching nodes use the policy's encoders setting (test_train_lora_nodes: keep_loaded / unload_after_use);
+    anything else on the policy input is named before an encoder loads or a cache is written."""
+    from headroom.nodes.cache import HeadroomCacheLatents, HeadroomCacheText
+    from headroom.nodes.tiny_models import build_tiny_models
+
+    _, clip, vae = build_tiny_models("sd15", seed=0)
+    _, dataset = synthetic_dataset(count=2)
+    with pytest.raises(ValueError, match="^HeadroomCacheLatents: policy must come from a HeadroomOffloadPolicy"):
+        HeadroomCacheLatents.execute(dataset, vae, policy={"encoders": "keep_loaded"})
+    with pytest.raises(ValueError, match="^HeadroomCacheText: policy must come from a HeadroomOffloadPolicy"):
+        HeadroomCacheText.execute(dataset, clip, policy="keep_loaded")
+    assert not any(cache_dir.rglob("*.safetensors"))
+
+
 def test_editing_one_caption_reencodes_exactly_that_item(cache_dir, monkeypatch, tmp_path):
     import folder_paths
     from headroom.nodes.cache import HeadroomDatasetFromFolder

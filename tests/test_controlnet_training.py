@@ -54,7 +54,7 @@ def test_training_forward_is_the_stock_apply_path(comfyui, family):
     import nodes
     from headroom.nodes import controlnet_build as build
     from headroom.nodes.tiny_models import build_tiny_models
-    from headroom.nodes.train_controlnet import ControlNetDenoiser
+    from headroom.nodes.run_controlnet import ControlNetDenoiser
     from headroom.training.checkpointing import wrap_blocks
 
     model, clip, vae = build_tiny_models(family)
@@ -131,8 +131,8 @@ def _control_following(run, clip, latent_cache, vae=None, control_pixels=None):
             generated = []
             for i in range(len(latent_cache)):
                 control = latent_cache.control(i).float()[None] if vae is None else control_pixels[i:i + 1]
-                positive, negative = apply_controlnet(empty, empty, run.comfy_controlnet(), control, 1.0, 0.0, 1.0,
-                                                      vae=vae)
+                positive, negative = apply_controlnet(empty, empty, run.trained.comfy_controlnet(), control, 1.0, 0.0,
+                                                      1.0, vae=vae)
                 latent = {"samples": torch.zeros(1, *targets.shape[1:])}
                 generated.append(nodes.KSampler().sample(run.source_model, seed, 1, 1.0, "euler", "normal", positive,
                                                          negative, latent)[0]["samples"][0])
@@ -264,8 +264,8 @@ def test_node_schemas_match_what_they_call(comfyui):
     for node in train_controlnet.NODES:
         schema = node.define_schema()
         assert schema.node_id.startswith("Headroom") and schema.category == "Headroom/training"
-    ids = {item.id for item in [*train_controlnet._controlnet_inputs(), *train_controlnet._added_train_inputs()]}
-    parameters = set(inspect.signature(train_controlnet.start_controlnet_session).parameters) - {"node"}
+    ids = {item.id for item in train_controlnet.HeadroomTrainControlNetInit.define_schema().inputs}
+    parameters = set(inspect.signature(train_controlnet.start_controlnet_run).parameters) - {"node"}
     assert ids == parameters
 
 

@@ -208,7 +208,7 @@ def test_optimizer_state_on_host_is_bitwise_equal(name):
 
 # --- the real trainer on a tiny ComfyUI model --------------------------------------------------------------
 def _tiny_session(tmp_path, family):
-    from headroom.nodes.comfy_bridge import SessionConfig, TrainingSession
+    from headroom.nodes.run_lora import LoraRunConfig, open_lora_run
     from headroom.nodes.comfy_model import expected_cond_dims, model_family
     from headroom.nodes.tiny_models import build_tiny_models
 
@@ -222,9 +222,9 @@ def _tiny_session(tmp_path, family):
     conds = {f"k{i}": cond() for i in range(2)}
     latent_cache = MemoryLatentCache(latents, list(conds))
     latent_cache.buckets = {(64, 64): [0, 1]}
-    config = SessionConfig(family=model_family(model.model), adapter=AdapterConfig(rank=4, alpha=4),
+    config = LoraRunConfig(family=model_family(model.model), adapter=AdapterConfig(rank=4, alpha=4),
                            optimizer=OptimizerConfig(lr=1e-3), train=TrainConfig(batch_size=2, seed=1), holdout=0)
-    return TrainingSession(model, latent_cache, MemoryTextCache(conds, cond()), config, tmp_path, "run")
+    return open_lora_run(model, latent_cache, MemoryTextCache(conds, cond()), config, tmp_path, "run")
 
 
 @pytest.mark.comfyui
@@ -234,7 +234,7 @@ def test_tiny_comfy_model_streamed_offloaded_checkpoints_bitwise(comfyui, tmp_pa
 
     from headroom.nodes.comfy_model import training_blocks
 
-    monkeypatch.setattr(comfy.model_management, "in_training", True)  # as TrainingSession.train_to sets it
+    monkeypatch.setattr(comfy.model_management, "in_training", True)  # as TrainingRun.train_to sets it
     results, calls, streamers = [], [], []
     for policy in (OffloadPolicy(), OffloadPolicy(base_placement="streamed", checkpointing="blocks_cpu_offload")):
         session = _tiny_session(tmp_path / policy.base_placement, family)

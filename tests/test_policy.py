@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from headroom.training.policy import GIB, OffloadPolicy, PolicyError, memory_features
+from headroom.training.policy import GIB, OffloadPolicy, PolicyError, memory_features, run_policy
 
 
 def test_defaults_are_the_fastest_policy():
@@ -132,3 +132,19 @@ def test_decode_tiled_is_one_rule():
     auto = OffloadPolicy(vae_tiled_decode="auto")
     assert auto.decode_tiled(10, 9) and not auto.decode_tiled(10, 10) and not auto.decode_tiled(10, None)
     assert auto.decode_tiled(1, 0)  # an "auto" budget with nothing free
+
+
+def test_run_policy_resolves_the_nodes_checkpointing_inputs_once():
+    """The training nodes' gradient_checkpointing / checkpoint_depth map into the policy (the one place that
+    configures checkpointing); a policy's own checkpointing takes precedence; None is the resident default."""
+    assert run_policy(None) == OffloadPolicy()
+    assert run_policy(None, gradient_checkpointing=False, checkpoint_depth=3) == OffloadPolicy()
+    on = run_policy(None, gradient_checkpointing=True, checkpoint_depth=2)
+    assert (on.checkpointing, on.checkpoint_depth) == ("blocks", 2) and on.replace(checkpointing="off") == OffloadPolicy(
+        checkpoint_depth=2)
+    own = OffloadPolicy(checkpointing="blocks_cpu_offload", checkpoint_depth=1, optimizer_state="cpu")
+    assert run_policy(own, gradient_checkpointing=True, checkpoint_depth=3) is own
+    streamed = OffloadPolicy(base_placement="streamed", checkpointing="blocks")
+    assert run_policy(streamed) is streamed
+    with pytest.raises(PolicyError, match=r"checkpoint_depth=0 must be >= 1"):
+        run_policy(None, checkpoint_depth=0)

@@ -70,3 +70,22 @@ def test_an_incompatible_config_is_refused_with_the_differences(tmp_path):
     run.check_compatible(json.loads(json.dumps(config)))
     with pytest.raises(ValueError, match=r"adapter.rank: stored 4, now 8; seed: stored 0, now 1"):
         run.check_compatible({"adapter": {"rank": 8, "kind": "lora"}, "seed": 1})
+
+
+def test_settings_added_or_removed_later_let_older_runs_resume(tmp_path):
+    """A key newer than a stored run resumes at the value that run had; a key older runs store that is no longer
+    part of a run (the training nodes' checkpointing, now the offload policy's) is ignored when the new
+    configuration has none, and only then."""
+    run = RunDir(tmp_path, "run")
+    run.write_config({"train": {"seed": 0, "gradient_checkpointing": True, "checkpoint_depth": 2}})
+    removed = ("train.gradient_checkpointing", "train.checkpoint_depth")
+    run.check_compatible({"train": {"seed": 0, "ema_decay": 0.0}}, added_later={"train.ema_decay": 0.0},
+                         removed_later=removed)
+    with pytest.raises(ValueError, match=r"train.gradient_checkpointing: stored True, now None"):
+        run.check_compatible({"train": {"seed": 0}})
+    with pytest.raises(ValueError, match=r"train.ema_decay: stored None, now 0.5"):
+        run.check_compatible({"train": {"seed": 0, "ema_decay": 0.5}}, added_later={"train.ema_decay": 0.0},
+                             removed_later=removed)
+    with pytest.raises(ValueError, match=r"train.checkpoint_depth: stored 2, now 1"):
+        run.check_compatible({"train": {"seed": 0, "gradient_checkpointing": True, "checkpoint_depth": 1}},
+                             removed_later=removed)

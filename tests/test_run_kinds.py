@@ -1,12 +1,16 @@
 """Nodes that take only one kind of run (Save LoRA / Apply Trained LoRA: LoRA runs; Save ControlNet: ControlNet runs)
 given the other kind: a ValueError naming the node to use instead, before anything is written. Real tiny runs
 (sd15, in-process ComfyUI, CPU)."""
+import json
 import time
 
 import pytest
 import torch
 
 pytestmark = pytest.mark.comfyui
+
+
+_INPUTS = {}  # the LoRA Init inputs the fixture used (but run_name)
 
 
 @pytest.fixture(scope="module")
@@ -34,11 +38,13 @@ def runs(comfyui):
                       timestep_sampling="uniform", loss_weighting="none", min_snr_gamma=5.0, noise_offset=0.0,
                       gradient_checkpointing=False, checkpoint_depth=1, holdout=0)
         lora_config = HeadroomLoraConfig.execute("lora", 4, 4.0, "preset", False, 0.0, 0).args[0]
+        _INPUTS.update(common, lora_config=lora_config)
         lora_run = HeadroomTrainLoraInit.execute(lora_config=lora_config, run_name=f"kind_lora_{time.time_ns()}",
                                                  **common).args[0]
         controlnet_run = HeadroomTrainControlNetInit.execute(run_name=f"kind_cn_{time.time_ns()}", **common).args[0]
         yield model, lora_run, controlnet_run
     finally:
+        _INPUTS.clear()  # a module global holding the MODEL would outlive ComfyUI's modules at interpreter exit
         torch.set_num_threads(previous)
 
 
@@ -61,11 +67,15 @@ def test_lora_only_nodes_refuse_a_controlnet_run_naming_the_node_to_use(runs):
     with pytest.raises(ValueError, match=r"^HeadroomApplyTrainedLora: run 'kind_cn_\d+' is a ControlNet run .* use "
                                          r"the control_net output of its Init / Train ControlNet node"):
         HeadroomApplyTrainedLora.execute(model, controlnet_run, 1.0)
-    # The LoRA-only methods say the same when called directly (they were inherited and failed with AttributeError).
-    with pytest.raises(ValueError, match="is a ControlNet run"):
-        controlnet_run.patched_model()
-    with pytest.raises(ValueError, match="is a ControlNet run"):
-        controlnet_run.lora_metadata()
+    # The LoRA-only parts say the same when asked for directly (a ControlNet run once inherited LoRA-only methods,
+    # which failed with AttributeError); and the ControlNet-only parts of a LoRA run.
+    with pytest.raises(ValueError, match="is a ControlNet run, not a LoRA run"):
+        controlnet_run.adapters  # noqa: B018
+    with pytest.raises(ValueError, match="is a ControlNet run, not a LoRA run"):
+        controlnet_run.trained_as("lora")
+    with pytest.raises(ValueError, match="is a LoRA run, not a ControlNet run"):
+        runs[1].controlnet  # noqa: B018
+    assert not hasattr(controlnet_run.trained, "patched_model") and not hasattr(runs[1].trained, "comfy_controlnet")
 
 
 def test_controlnet_only_nodes_refuse_a_lora_run_naming_the_node_to_use(runs):
@@ -109,8 +119,25 @@ def test_stored_family_names_are_unchanged(runs):
     _, lora_run, controlnet_run = runs
     lora_config, controlnet_config = lora_run.run_dir.read_config(), controlnet_run.run_dir.read_config()
     assert lora_config["session"]["family"] == "sd15"
-    assert lora_run.lora_metadata()["headroom.family"] == "sd15"
+    assert lora_run.metadata()["headroom.family"] == "sd15"
     assert set(controlnet_config["session"]) == {"family", "blocks", "init_seed", "optimizer", "train", "holdout"}
     assert controlnet_config["session"]["family"] == "unet" and "controlnet_type" not in controlnet_config["session"]
     assert controlnet_run.controlnet.type_name == "unet"
     assert ", unet ControlNet, " in repr(controlnet_run)
+
+
+def test_runs_stored_with_the_nodes_checkpointing_settings_resume(runs):
+    """Run folders written when the run's TrainConfig held gradient_checkpointing / checkpoint_depth (now mapped into
+    the offload policy, which is no part of a run's identity) resume, with any checkpointing."""
+    from headroom.nodes.train_lora import HeadroomTrainLoraInit
+
+    _, lora_run, _ = runs
+    path = lora_run.run_dir.path / "config.json"
+    stored = json.loads(path.read_text())
+    assert "gradient_checkpointing" not in stored["session"]["train"]
+    stored["session"]["train"].update(gradient_checkpointing=True, checkpoint_depth=2)  # as older versions wrote it
+    path.write_text(json.dumps(stored))
+    again = HeadroomTrainLoraInit.execute(**{**_INPUTS, "gradient_checkpointing": False},
+                                          run_name=lora_run.run_dir.name).args[0]
+    assert again.run_dir.path == lora_run.run_dir.path and again.policy.checkpointing == "off"
+    assert again.run_dir.read_config()["session"]["train"]["checkpoint_depth"] == 2  # the stored file is kept

@@ -9,6 +9,7 @@ import torch
 from headroom.training.adapters import AdapterConfig, AdapterSet, select_targets
 from headroom.training.objective import ObjectiveConfig, SamplingDescriptor
 from headroom.training.optimizers import OptimizerConfig
+from headroom.training.policy import run_policy
 from headroom.training.run_dir import RunDir
 from headroom.training.trainer import NonFiniteLossError, TrainConfig, Trainer
 from memory_caches import MemoryLatentCache, MemoryTextCache
@@ -87,13 +88,14 @@ def toy_data(count=4, seed=0):
 
 
 def make_trainer(run_dir=None, config=TrainConfig(batch_size=2, seed=3), optimizer=OptimizerConfig(lr=1e-2),
-                 adapter=AdapterConfig(rank=4, alpha=4, targets="all_linear"), train_items=None):
+                 adapter=AdapterConfig(rank=4, alpha=4, targets="all_linear"), train_items=None, policy=None):
     denoiser = ToyDenoiser(ToyNet())
     paths = select_targets(denoiser.net, None, adapter, [n for n, _ in denoiser.blocks()])
     adapters = AdapterSet(denoiser.net, paths, adapter)
     adapters.attach(denoiser.net)
     latents, texts = toy_data()
-    return Trainer(denoiser, adapters, latents, texts, config, optimizer, train_items=train_items, run_dir=run_dir)
+    return Trainer(denoiser, adapters, latents, texts, config, optimizer, train_items=train_items, run_dir=run_dir,
+                   policy=policy)
 
 
 def test_training_lowers_loss_and_validation_loss():
@@ -157,7 +159,9 @@ def test_gradient_accumulation_averages_micro_step_gradients():
 def test_gradient_checkpointing_gives_identical_weights():
     plain = make_trainer()
     plain.train_to(3)
-    checkpointed = make_trainer(config=TrainConfig(batch_size=2, seed=3, gradient_checkpointing=True, checkpoint_depth=2))
+    # the training nodes' gradient_checkpointing=True, checkpoint_depth=2, as the run's policy resolves them
+    checkpointed = make_trainer(policy=run_policy(None, gradient_checkpointing=True, checkpoint_depth=2))
+    assert (checkpointed.policy.checkpointing, checkpointed.policy.checkpoint_depth) == ("blocks", 2)
     checkpointed.train_to(3)
     for a, b in zip(plain.params, checkpointed.params):
         assert torch.equal(a, b)

@@ -4,7 +4,7 @@
         trainer.train_to(step)
     except torch.OutOfMemoryError as error:
         raise out_of_memory("training step", error, device, save_checkpoint=trainer.save,
-                            free_memory=session.release, next_plan=lambda: next_smaller_policy(...)) from None
+                            free_memory=run.release, next_plan=lambda: next_smaller_policy(...)) from None
 
 The returned `PhaseOutOfMemoryError` names the phase, the peak measured on the device before memory was
 freed, and the planner's next policy to try (or says that none is smaller). Raise it `from None`: the

@@ -11,7 +11,9 @@ optimizer state sits. One policy serves the whole run (caching, training, valida
 - base_storage: "as_loaded" (ComfyUI's dtype) or a low-bit copy of the block linears: "fp8" / "int8" /
   "nf4" (see lowbit.py; these change the numerics of the frozen base).
 - checkpointing: "off", "blocks" (recompute each block in backward), "blocks_cpu_offload" (and keep the
-  saved block inputs in host RAM, see activation_offload.py); checkpoint_depth as the trainer's option.
+  saved block inputs in host RAM, see activation_offload.py), at checkpoint_depth (1: each block, 2: each child
+  of a block...). The training nodes' gradient_checkpointing / checkpoint_depth inputs map into these
+  (`run_policy`).
 - optimizer_state: "gpu" or "cpu" (the optimizer steps fp32 host copies, see optimizer_parking.py).
 - park_optimizer_during_validation: optimizer state and gradients go to host RAM while validating.
 - vae_tiled_decode: "auto" (tiled when the VAE plus a full decode would not fit the budget), "on", "off" (the
@@ -181,6 +183,20 @@ class OffloadPolicy:
         except json.JSONDecodeError as error:
             raise PolicyError(f"offload policy: not valid JSON ({error})") from None
         return cls.from_dict(data)
+
+
+def run_policy(policy: OffloadPolicy | None, gradient_checkpointing: bool = False,
+               checkpoint_depth: int = 1) -> OffloadPolicy:
+    """The policy a run trains under, resolved once when it opens: the given policy (None: everything resident),
+    with the training nodes' `gradient_checkpointing` / `checkpoint_depth` inputs turning on per-block
+    checkpointing ("blocks" at that depth) where the policy has none; a policy's own checkpointing takes
+    precedence. Everything after (trainer, placement, validation, planner) reads only the policy."""
+    if isinstance(checkpoint_depth, bool) or not isinstance(checkpoint_depth, int) or checkpoint_depth < 1:
+        raise PolicyError(f"checkpoint_depth={checkpoint_depth} must be >= 1")
+    policy = policy if policy is not None else OffloadPolicy()
+    if gradient_checkpointing and not policy.checkpointing_enabled:
+        policy = policy.replace(checkpointing="blocks", checkpoint_depth=checkpoint_depth)
+    return policy
 
 
 @contextlib.contextmanager

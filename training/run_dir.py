@@ -30,7 +30,7 @@ import os
 import pathlib
 import re
 import shutil
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from safetensors.torch import load_file
@@ -207,10 +207,13 @@ class RunDir:
                                  if not os.path.islink(sub) and is_within(sub, self.path)]
         return [name for folder in folders for name in prune_temp(folder)]
 
-    def check_compatible(self, config: dict, added_later: dict[str, Any] | None = None) -> None:
+    def check_compatible(self, config: dict, added_later: dict[str, Any] | None = None,
+                         removed_later: Sequence[str] = ()) -> None:
         """Raise if this run directory holds a run whose configuration differs from `config`, or checkpoints
         without a configuration (nothing to check them against). `added_later`: {dotted key: value} of settings
-        newer than some stored runs; a stored run without the key ran with that value, so it still resumes."""
+        newer than some stored runs; a stored run without the key ran with that value, so it still resumes.
+        `removed_later`: dotted keys older runs store that are no longer part of a run's configuration (ignored
+        when `config` has none)."""
         self._check_contained()
         stored = self.read_config()
         if stored is None:
@@ -223,7 +226,8 @@ class RunDir:
         stored_json, new_json = json.loads(json.dumps(stored)), json.loads(json.dumps(config))
         added_later = added_later or {}
         differences = [(k, a, b) for k, a, b in _differences(stored_json, new_json)
-                       if not (a is None and k in added_later and b == added_later[k])]
+                       if not (a is None and k in added_later and b == added_later[k])
+                       and not (b is None and k in removed_later)]
         if differences:
             listed = "; ".join(f"{k}: stored {a!r}, now {b!r}" for k, a, b in differences[:6])
             raise ValueError(

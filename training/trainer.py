@@ -89,8 +89,6 @@ class TrainConfig:
     max_grad_norm: float = 1.0  # 0 disables clipping
     precision: str = "fp32"  # fp32 | bf16 | fp16 (fp16 uses a GradScaler)
     caption_dropout: float = 0.0
-    gradient_checkpointing: bool = False
-    checkpoint_depth: int = 1
     objective: ObjectiveConfig = ObjectiveConfig()
     ema_decay: float = 0.0  # > 0: keep an exponential moving average of the trainable weights (training/ema.py)
     prior_ratio: float = 0.0  # share of micro-steps that train on the prior (regularisation) dataset
@@ -105,8 +103,6 @@ class TrainConfig:
             raise ValueError(f"caption_dropout={self.caption_dropout} must be in [0, 1]")
         if self.max_grad_norm < 0:
             raise ValueError(f"max_grad_norm={self.max_grad_norm} must be >= 0 (0 = no clipping)")
-        if self.checkpoint_depth < 1:
-            raise ValueError(f"checkpoint_depth={self.checkpoint_depth} must be >= 1")
         check_finite("training", ema_decay=self.ema_decay, prior_ratio=self.prior_ratio)
         if not 0.0 <= self.prior_ratio < 1.0:
             raise ValueError(f"prior_ratio={self.prior_ratio} must be in [0, 1) (0: no prior images)")
@@ -181,7 +177,8 @@ class Trainer:
         self.config = config
         self.optimizer_config = optimizer_config
         self.run_dir = run_dir
-        self.policy = self._step_policy(policy, config)
+        # Checkpointing, streaming, optimizer placement...: the run's policy, resolved once (policy.run_policy).
+        self.policy = policy if policy is not None else OffloadPolicy()
         self.item_extras = item_extras
         self.objective = Objective(denoiser.sampling, config.objective)
         self.train_items = list(range(len(latent_cache))) if train_items is None else list(train_items)
@@ -213,15 +210,6 @@ class Trainer:
         with _forked_rng():
             torch.manual_seed(step_seed(config.seed, 0, _SALT_GLOBAL))
             self.rng = capture_rng()
-
-    @staticmethod
-    def _step_policy(policy: OffloadPolicy | None, config: TrainConfig) -> OffloadPolicy:
-        """The offload policy the steps run under: the run's policy (default: everything resident), with the
-        trainer's own `gradient_checkpointing` switch turning on per-block checkpointing where the policy has none."""
-        policy = policy or OffloadPolicy()
-        if config.gradient_checkpointing and not policy.checkpointing_enabled:
-            policy = policy.replace(checkpointing="blocks", checkpoint_depth=config.checkpoint_depth)
-        return policy
 
     # --- data -------------------------------------------------------------------------------------------
     def _batch(self, micro_step: int) -> tuple[_Batches, list[int]]:

@@ -1,0 +1,196 @@
+"""The training nodes' shared inputs, declared once: the LoRA and ControlNet nodes compose their input lists from
+these named groups (node ids, input names, order, types and defaults are the public API: tests/node_schemas.json).
+
+Optional inputs that came after the first release go last on every node, so saved workflows keep working (their
+widget values are positional).
+"""
+from __future__ import annotations
+
+import comfy.samplers
+from comfy_api.latest import io
+
+from ..training.objective import LOSS_TYPES, LOSS_WEIGHTINGS, TIMESTEP_SAMPLINGS
+from ..training.trainer import PRECISIONS
+from .comfy_bridge import WEIGHT_CHOICES
+from .io_types import LatentCacheType, LoraConfigType, OffloadPolicyType, OptimizerConfigType, TextCacheType
+from .run_lora import LORA_APPLICATIONS
+
+DEFAULT_CHECKPOINT_MINUTES = 10.0
+
+
+# --- opening a run (the Init and all-in-one nodes) ---------------------------------------------------------------
+def model_and_caches() -> list:
+    """The MODEL a run trains on and its dataset's caches."""
+    return [
+        io.Model.Input("model", tooltip="The MODEL to train on (e.g. from Load Checkpoint); it is never modified."),
+        LatentCacheType.Input("latent_cache", tooltip="The dataset's latents, from Cache Latents (Headroom)."),
+        TextCacheType.Input("text_cache", tooltip="The dataset's captions encoded, from Cache Text (Headroom)."),
+    ]
+
+
+def lora_config_input():
+    return LoraConfigType.Input("lora_config", tooltip="What to train, from LoRA Config (Headroom).")
+
+
+def optimizer_config_input():
+    return OptimizerConfigType.Input("optimizer_config", tooltip="From Optimizer Config (Headroom).")
+
+
+def run_name_input(default: str):
+    return io.String.Input("run_name", default=default,
+                           tooltip="Folder under output/headroom_runs. An existing run with the same settings resumes.")
+
+
+def training_settings(caption_dropout=None) -> list:
+    """seed ... holdout: how a run trains (every kind); `caption_dropout`: a kind's own version of that input."""
+    return [
+        io.Int.Input("seed", default=0, min=0, max=0xFFFFFFFF,
+                     tooltip="Seed of the item order, noise levels and noise: the same seed trains the same run, and a "
+                     "resumed run continues exactly."),
+        io.Int.Input("batch_size", default=1, min=1, max=256,
+                     tooltip="Items per step, drawn from one aspect-ratio bucket."),
+        io.Int.Input("grad_accumulation", default=1, min=1, max=1024,
+                     tooltip="Batches whose gradients add up before each optimizer step: effective batch size = "
+                     "batch_size x this, memory of one batch."),
+        io.Combo.Input("precision", options=["auto", *PRECISIONS], default="auto",
+                       tooltip="Compute precision (autocast); trainable weights always stay fp32. auto: bf16 on a "
+                       "CUDA GPU that supports it, fp16 on other CUDA GPUs, fp32 on a CPU (bf16 there is far slower: "
+                       "no native kernels); a resumed run keeps the precision it started with. fp16 uses a gradient "
+                       "scaler."),
+        io.Float.Input("max_grad_norm", default=1.0, min=0.0, max=1000.0, step=0.01, tooltip="0 disables clipping."),
+        caption_dropout or io.Float.Input("caption_dropout", default=0.0, min=0.0, max=1.0, step=0.01,
+                                          tooltip="Fraction of samples trained with the empty prompt (cached)."),
+        io.Combo.Input("timestep_sampling", options=list(TIMESTEP_SAMPLINGS), default="uniform",
+                       tooltip="shifted: times shifted as the model samples (SD3 / Flux shift)."),
+        io.Combo.Input("loss_weighting", options=list(LOSS_WEIGHTINGS), default="none",
+                       tooltip="min_snr: min-SNR-gamma weighting (eps / v models)."),
+        io.Float.Input("min_snr_gamma", default=5.0, min=0.1, max=100.0, step=0.1,
+                       tooltip="Gamma of the min_snr loss weighting (used only when loss_weighting is min_snr)."),
+        io.Float.Input("noise_offset", default=0.0, min=0.0, max=1.0, step=0.001,
+                       tooltip="Adds this much of a per-channel constant to the noise, which helps learn very dark "
+                       "or bright images (0: off)."),
+        io.Boolean.Input("gradient_checkpointing", default=False,
+                         tooltip="Recompute each block's activations in backward: much less memory, slower steps. "
+                         "A policy's own checkpointing setting takes precedence."),
+        io.Int.Input("checkpoint_depth", default=1, min=1, max=5,
+                     tooltip="1: each model block; 2: each child of a block (finer, less memory, more recompute)."),
+        io.Int.Input("holdout", default=0, min=0, max=100000,
+                     tooltip="Last N cached items held out for the validation loss; 0 validates on training items."),
+    ]
+
+
+def policy_input():
+    return OffloadPolicyType.Input("policy", optional=True,
+                                   tooltip="Optional, from Offload Policy or Memory Plan (Headroom): budget, where the "
+                                   "frozen base and optimizer state live, checkpointing. None: all on the device.")
+
+
+def checkpoint_inputs() -> list:
+    """How often a training node writes a resumable checkpoint (optional and last: saved workflows keep working)."""
+    return [
+        io.Int.Input("checkpoint_every", default=0, min=0, max=10_000_000, optional=True,
+                     tooltip="Write a resumable checkpoint to the run folder every N steps (0: not by steps). With "
+                     "checkpoint_minutes this bounds what a crash, a kill or a power cut can lose."),
+        io.Float.Input("checkpoint_minutes", default=DEFAULT_CHECKPOINT_MINUTES, min=0.0, max=10080.0, step=1.0,
+                       optional=True,
+                       tooltip="Also write one whenever this many minutes passed since the last (0: not by time). "
+                       "A checkpoint is always written at the end and on cancel; queueing again resumes from the "
+                       "last one."),
+    ]
+
+
+def added_train_inputs() -> list:
+    """Training settings added after the first release: optional and last on every training node, so saved
+    workflows keep working (their widget values are positional)."""
+    return [
+        io.Combo.Input("loss_type", options=list(LOSS_TYPES), default="mse", optional=True,
+                       tooltip="mse: squared error (standard). l1: absolute error. huber: squared below huber_delta, "
+                       "absolute above: less pulled by outlier samples (noisy or mislabelled images). In the "
+                       "model's own eps / v / flow space; min_snr weighting still applies."),
+        io.Float.Input("huber_delta", default=0.1, min=0.0001, max=10.0, step=0.001, optional=True,
+                       tooltip="Where the huber loss turns from squared to absolute (used only with loss_type huber)."),
+        io.Float.Input("ema_decay", default=0.0, min=0.0, max=0.99999, step=0.0001, optional=True,
+                       tooltip="Keep an exponential moving average of the trained weights in host RAM (0: off; "
+                       "0.99-0.999 usual: it averages over about 1 / (1 - decay) steps, so keep that well below the "
+                       "run's steps). Validate and Save use it when set (their weights input)."),
+    ]
+
+
+def prior_inputs() -> list:
+    """Prior (regularisation) images for LoRA runs: optional and last on the LoRA training nodes."""
+    return [
+        LatentCacheType.Input("prior_latent_cache", optional=True,
+                              tooltip="Optional regularisation / prior images (e.g. generic images of the class), "
+                              "cached like the training images: trained on too, so the LoRA keeps what the model "
+                              "knew."),
+        TextCacheType.Input("prior_text_cache", optional=True, tooltip="The prior images' captions, cached."),
+        io.Float.Input("prior_ratio", default=0.5, min=0.0, max=0.95, step=0.01, optional=True,
+                       tooltip="Share of the steps that train on the prior images, evenly interleaved (0.5: every "
+                       "other batch). Used only when the prior caches are connected."),
+    ]
+
+
+# --- the all-in-one nodes' schedule; validation and save -----------------------------------------------------
+def schedule_inputs(subfolder_input: str) -> list:
+    """The all-in-one nodes' steps / validate / save schedule (LoRA and ControlNet)."""
+    return [
+        io.Int.Input("steps", default=1000, min=1, max=10_000_000,
+                     tooltip="The step to train the run to (a total): queue again with a higher number to continue."),
+        io.Int.Input("validate_every", default=0, min=0, max=10_000_000, tooltip="0: only at the end."),
+        io.Int.Input("save_every", default=0, min=0, max=10_000_000, tooltip="0: only at the end."),
+        io.String.Input(subfolder_input, default="headroom",
+                        tooltip="Folder under ComfyUI's models folder (loras/ or controlnet/) the saves go to."),
+    ]
+
+
+def validation_inputs(optional: bool) -> list:
+    """Validate's settings; optional on the all-in-one nodes (no prompts: only the validation loss)."""
+    return [
+        io.Clip.Input("clip", optional=optional, tooltip="Encodes the validation prompts (as CLIP Text Encode)."),
+        io.Vae.Input("vae", optional=optional, tooltip="Decodes the samples (as VAE Decode)."),
+        io.String.Input("prompts", multiline=True, default="", optional=optional,
+                        tooltip="One prompt per line; empty: no images, only the validation loss."),
+        io.String.Input("negative", default="", optional=optional, tooltip="Negative prompt of every sample."),
+        io.Int.Input("sample_seed", default=0, min=0, max=0xFFFFFFFFFFFFFFFF, optional=optional,
+                     tooltip="Noise seed of the samples: the same at every validation, so steps compare."),
+        io.Int.Input("sample_steps", default=20, min=1, max=1000, optional=optional,
+                     tooltip="Sampling steps, as KSampler's steps."),
+        io.Float.Input("cfg", default=4.0, min=0.0, max=100.0, step=0.1, optional=optional,
+                       tooltip="Classifier-free guidance scale, as KSampler's cfg."),
+        io.Combo.Input("sampler_name", options=comfy.samplers.KSampler.SAMPLERS, default="euler", optional=optional,
+                       tooltip="Sampler, as KSampler's sampler_name."),
+        io.Combo.Input("scheduler", options=comfy.samplers.KSampler.SCHEDULERS, default="normal", optional=optional,
+                       tooltip="Noise schedule, as KSampler's scheduler."),
+        io.Int.Input("width", default=512, min=16, max=8192, step=8, optional=optional,
+                     tooltip="Width of the samples in pixels."),
+        io.Int.Input("height", default=512, min=16, max=8192, step=8, optional=optional,
+                     tooltip="Height of the samples in pixels."),
+        io.Int.Input("loss_timesteps", default=4, min=1, max=64, optional=optional,
+                     tooltip="Fixed noise levels of the deterministic validation loss."),
+        # Optional everywhere: workflows saved before this input existed keep working.
+        io.Combo.Input("lora_application", options=list(LORA_APPLICATIONS), default="as_saved_file", optional=True,
+                       tooltip="How the samples apply a LoRA run's adapter. as_saved_file: exactly what the stock Load "
+                       "LoRA node makes of the saved file (the adapter baked into the weights in their own dtype), so "
+                       "the images predict what users get. unmerged: computed next to the frozen weights in full "
+                       "precision (no weight patching; differs by the rounding of bf16 / fp16 weights). ControlNet "
+                       "runs ignore it."),
+    ]
+
+
+def compare_base_input():
+    # Appended last and optional: workflows saved before it existed keep working (no comparison).
+    return io.Boolean.Input("compare_base", default=False, optional=True,
+                            tooltip="Also sample the input MODEL without the run's adapter (same prompts and seeds) "
+                            "and save a before/after grid (base on top, trained below) as "
+                            "validation/step_<step>_before_after.png in the run folder.")
+
+
+def weights_input(what: str):
+    return io.Combo.Input("weights", options=list(WEIGHT_CHOICES), default="auto", optional=True,
+                          tooltip=f"{what} the trained weights or their moving average (EMA, when the Init node's "
+                          "ema_decay is set). auto: the EMA when the run keeps one.")
+
+
+def validation_names() -> set[str]:
+    """The names of the validation inputs an all-in-one node hands to validation (not to the run it opens)."""
+    return {item.id for item in validation_inputs(optional=True)} | {compare_base_input().id}

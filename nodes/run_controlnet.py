@@ -1,0 +1,157 @@
+"""What a ControlNet run trains: a ControlNet of ComfyUI's own class (nodes/controlnet_build.py) next to the frozen
+training clone (`ControlNetTraining`, the strategy of a `TrainingRun` in nodes/comfy_bridge.py), and how it is
+saved, applied, sampled and described. Validation samples through ComfyUI's samplers with the control applied by
+the stock ControlNetApplyAdvanced code to the same in-memory module: no second pipeline, no copy of the weights.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import torch
+
+from ..training.optimizers import OptimizerConfig
+from ..training.trainer import TrainConfig
+from .comfy_bridge import TrainingRun, config_json
+from .comfy_model import ComfyDenoiser, model_blocks
+from .controlnet_build import (TrainableControlNet, apply_controlnet, build_controlnet, comfy_controlnet,
+                               controlled_prediction, prepare_hint, save_controlnet)
+
+CONTROL_HINT = "control_hint"  # the conditioning entry that carries an item's cached control through the trainer
+
+
+# --- the engine piece: a denoiser that adds the ControlNet's residuals ----------------------------------------
+class ControlNetDenoiser(ComfyDenoiser):
+    """The base MODEL (frozen) with the ControlNet's residuals, as the samplers apply a ControlNet."""
+
+    def __init__(self, patcher, controlnet: TrainableControlNet):
+        super().__init__(patcher)
+        self.controlnet = controlnet
+
+    def predict(self, x_t: torch.Tensor, sigma: torch.Tensor, conds) -> torch.Tensor:
+        controls = [cond[CONTROL_HINT] for cond in conds]
+        text_conds = [{k: v for k, v in cond.items() if k != CONTROL_HINT} for cond in conds]
+        hint = prepare_hint(self.controlnet, controls, x_t)
+        return controlled_prediction(self.controlnet, self.model, x_t, sigma, self._model_conds(x_t, text_conds), hint)
+
+    def blocks(self) -> list[tuple[str, torch.nn.Module]]:
+        """The base's blocks and the ControlNet's copied ones (checkpointed, and made safe for Flux's in-place
+        input updates, by the trainer); its zero-initialised output projections are single layers."""
+        own = [(f"controlnet.{name}", block) for name, block in model_blocks(self.controlnet.module)
+               if not name.startswith(("zero_convs.", "controlnet_"))]
+        return super().blocks() + own
+
+
+# --- the ControlNet run ---------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class ControlNetRunConfig:
+    """A ControlNet run's configuration, as its run folder stores it (config.json "session")."""
+    controlnet_type: str  # the ControlNet type's stored name ("unet", "sd3", "flux"; nodes/families/)
+    blocks: int  # 0: the type's default
+    init_seed: int
+    optimizer: OptimizerConfig
+    train: TrainConfig
+    holdout: int
+
+    def to_json(self) -> dict:
+        """As run folders store it: the type under its historical key "family" (stored runs resume)."""
+        stored = config_json(self)
+        return {"family": stored.pop("controlnet_type"), **stored}
+
+
+def default_validation_control(latent_cache, items) -> torch.Tensor | None:
+    """The first validation item's cached control image, when controls are cached as pixels."""
+    if getattr(latent_cache, "control_kind", None) != "pixels":
+        return None
+    return latent_cache.control(items[0]).to(torch.float32).unsqueeze(0)
+
+
+class ControlNetTraining:
+    """A TrainingRun's strategy for ControlNet runs: the ControlNet (`controlnet`) built from the full-precision
+    base, and the control image and strength validation samples with (default: the first validation item's cached
+    control)."""
+
+    trains = "controlnet"
+
+    def __init__(self, validation_control: torch.Tensor | None = None, validation_strength: float = 1.0):
+        self.validation_control, self.validation_strength = validation_control, validation_strength
+        self.controlnet: TrainableControlNet | None = None  # built by `build`
+
+    def identity(self, run) -> dict:
+        return {"kind": "controlnet"}
+
+    def build(self, run) -> tuple:
+        """(denoiser, trainable, Trainer options): the ControlNet next to the run's training clone."""
+        if self.validation_control is None:
+            self.validation_control = default_validation_control(run.latent_cache, run.validation_items)
+        placement, config = run.placement, run.config
+        self.controlnet = build_controlnet(run.source_model, blocks=config.blocks, seed=config.init_seed,
+                                           device=placement.patcher.load_device)  # copied from the full-precision base
+        with placement.low_bit_storage():
+            pass  # nothing is built on the low-bit layers: the ControlNet copied the full-precision ones
+        latent_cache = run.latent_cache
+        # Every item's conditioning also carries its cached control. Caption dropout swaps only the prompt (the
+        # control stays): the ControlNet paper's prompt dropout.
+        return (ControlNetDenoiser(placement.patcher, self.controlnet), self.controlnet,
+                {"item_extras": lambda item: {CONTROL_HINT: latent_cache.control(item)}})
+
+    # --- on the device --------------------------------------------------------------------------------------
+    def patchers(self, run) -> list:
+        """The base clone and the ControlNet's own ModelPatcher."""
+        return [run.placement.patcher, self.controlnet.patcher]
+
+    def device_extra_bytes(self, trainer) -> int:
+        # The ControlNet's weights are loaded by its own ModelPatcher (counted by ComfyUI): gradients and the
+        # optimizer's moments where they live on the device.
+        trainable = sum(p.numel() * p.element_size() for p in trainer.params)
+        return trainable * (1 if trainer.policy.optimizer_state == "cpu" else 3)
+
+    @contextlib.contextmanager
+    def attach(self, run):
+        yield  # loading both patchers is all: the ControlNet runs beside the base, never inside it
+
+    def check_detached(self, run) -> None:
+        pass  # the base module never carries the ControlNet
+
+    # --- sampling -------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def sampling_model(self, run, lora_application: str = "unmerged"):
+        """The base clone with the ControlNet loaded; a LoRA's `lora_application` does not apply to a ControlNet."""
+        with run.validating():
+            yield run.placement.patcher
+
+    def sampling_conditioning(self, run, positive, negative, vae=None):
+        """Validation conditioning with the run's control image applied by the stock ControlNetApplyAdvanced."""
+        if self.validation_control is None:
+            raise ValueError("this ControlNet run has no validation control image: connect validation_control on "
+                             "the init node (for latent-cached controls it cannot be taken from the cache)")
+        if self.controlnet.hint == "latents" and vae is None:
+            raise ValueError(f"a {self.controlnet.type_name} ControlNet VAE-encodes its control image: connect the vae")
+        return apply_controlnet(positive, negative, self.comfy_controlnet(), self.validation_control,
+                                self.validation_strength, 0.0, 1.0, vae=vae)
+
+    # --- apply, save, describe ------------------------------------------------------------------------------
+    def comfy_controlnet(self):
+        """A CONTROL_NET for stock nodes around the run's in-memory module (no copy)."""
+        return comfy_controlnet(self.controlnet)
+
+    def metadata(self, run) -> dict:
+        return {"base_fingerprint": run.fingerprint, "steps": run.step, "run": run.run_dir.name,
+                "session": run.config.to_json()}
+
+    def save(self, run, path, weights: str = "auto") -> None:
+        """Write the ControlNet to `path` (atomically) in the layout the stock loader detects, of the trained
+        weights or their EMA (`weights`)."""
+        with run.weights(weights) as used:
+            save_controlnet(self.controlnet, path, {**self.metadata(run), "headroom.weights": used})
+
+    def describe(self, run) -> str:
+        return f"{self.controlnet.type_name} ControlNet, {self.controlnet.blocks} blocks"
+
+
+def open_controlnet_run(model, latent_cache, text_cache, config: ControlNetRunConfig, run_root, run_name: str,
+                        policy=None, validation_control: torch.Tensor | None = None,
+                        validation_strength: float = 1.0) -> TrainingRun:
+    """Build (or resume from its run folder) a ControlNet run on `model`."""
+    return TrainingRun(model, latent_cache, text_cache, config,
+                       ControlNetTraining(validation_control, validation_strength), run_root, run_name, policy=policy)

@@ -1,0 +1,253 @@
+"""What a LoRA run trains: adapters on a clone of the MODEL (`LoraTraining`, the strategy of a `TrainingRun` in
+nodes/comfy_bridge.py), and how it is saved, applied, sampled and described.
+
+Adapters go onto a *clone* of the MODEL through ModelPatcher injections: ComfyUI attaches them when it loads the
+clone and takes them off when it unloads it (or loads another clone of the same weights), so the module other nodes
+share never keeps an adapter and its weights are never written.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+
+import torch
+
+import comfy.float
+import comfy.lora
+import comfy.model_management
+import comfy.model_patcher
+import comfy.patcher_extension
+import comfy.utils
+
+from ..training.adapters import AdapterConfig, AdapterSet
+from ..training.files import save_safetensors
+from ..training.optimizers import OptimizerConfig
+from ..training.trainer import TrainConfig
+from . import families, lora_formats
+from .comfy_bridge import TrainingRun, config_json
+from .comfy_model import ComfyDenoiser, check_caches, data_fingerprint, model_blocks
+from .lora_formats import read_lora_file
+
+INJECTION_KEY = "headroom_adapter"
+# How validation applies a LoRA run's adapter: what the stock loader makes of the saved file, or computed beside the
+# frozen weights (LoraTraining.sampling_model).
+LORA_APPLICATIONS = ("as_saved_file", "unmerged")
+SAVE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+# --- adapters on a clone ----------------------------------------------------------------------------------
+def attach_with_injection(patcher, adapters: AdapterSet) -> None:
+    """Make ComfyUI attach `adapters` whenever it loads `patcher` (a clone), and detach on unload."""
+
+    def inject(mp):
+        root = mp.model.diffusion_model
+        # The load device, where ComfyUI computes (weights of a partially loaded model are cast there too).
+        adapters.to(mp.load_device)
+        if adapters.attached_to is not root:
+            adapters.detach()
+            adapters.attach(root)
+
+    def eject(mp):
+        adapters.detach()
+
+    patcher.set_injections(INJECTION_KEY, [comfy.patcher_extension.PatcherInjection(inject=inject, eject=eject)])
+
+
+def comfy_patches(patcher, adapters: AdapterSet) -> dict:
+    """The adapter as ComfyUI weight patches, through the stock LoRA loading path."""
+    key_map = comfy.lora.model_lora_keys_unet(patcher.model, {})
+    return comfy.lora.load_lora(adapters.comfy_state_dict(), key_map, log_missing=True)
+
+
+class AsSavedWeight:
+    """A ComfyUI weight wrapper that gives a layer the weight the stock LoraLoader bakes from the saved file, made
+    when the layer runs and dropped after it.
+
+    Why by hand: stock ComfyUI bakes the patches into every weight at load (ModelPatcher.patch_weight_to_device),
+    which holds a second copy of all patched weights while the clone is loaded (the originals as its backup): the
+    validation that was meant to share the training weights would need twice their memory. This repeats the same
+    arithmetic one layer at a time: the weight in ComfyUI's LoRA compute dtype, comfy.lora.calculate_weight, then
+    rounded to the dtype the weight is stored in (comfy.float.stochastic_rounding, seeded by the key as stock does),
+    then to the dtype the layer computes in. Bit for bit what stock gives wherever the compute dtype holds the stored
+    dtype exactly (bf16 / fp16 / fp8 stored, fp32 or bf16 compute: every CPU and the usual GPU set-ups).
+    """
+
+    def __init__(self, key: str, patches: list, stored_dtype: torch.dtype):
+        self.key, self.patches, self.stored_dtype = key, patches, stored_dtype
+        self.seed = comfy.utils.string_to_seed(key)
+
+    def __call__(self, weight: torch.Tensor) -> torch.Tensor:
+        # `weight` is already this forward's own copy (ComfyUI casts with copy=True for layers with weight functions)
+        merged = weight.to(comfy.model_management.lora_compute_dtype(weight.device))
+        merged = comfy.lora.calculate_weight(self.patches, merged, self.key)
+        return comfy.float.stochastic_rounding(merged, self.stored_dtype, seed=self.seed).to(weight.dtype)
+
+
+def as_saved_file_model(model, adapters: AdapterSet, strength: float = 1.0):
+    """A clone of `model` that samples as if the stock LoraLoader had loaded the adapter's saved file at `strength`,
+    without baking it into a second copy of the weights: one AsSavedWeight per patched weight (ComfyUI's own
+    weight-wrapper hook, installed on the layers when ComfyUI loads the clone)."""
+    clone = model.clone()
+    patched = model.clone()  # never loaded: only collects the patches as the stock loader lays them out
+    patched.patches = {}
+    patched.add_patches(comfy_patches(patched, adapters), strength)
+    for key, patches in patched.patches.items():
+        stored, _, _ = comfy.model_patcher.get_key_weight(clone.model, key)
+        clone.add_weight_wrapper(key, AsSavedWeight(key, patches, stored.dtype))
+    return clone
+
+
+# --- the LoRA run ---------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class LoraRunConfig:
+    """A LoRA run's configuration, as its run folder stores it (config.json "session")."""
+    family: str | None
+    adapter: AdapterConfig
+    optimizer: OptimizerConfig
+    train: TrainConfig
+    holdout: int  # last N cached items held out for the validation loss (0: validate on the training items)
+
+    def to_json(self) -> dict:
+        return config_json(self)
+
+
+class LoraTraining:
+    """A TrainingRun's strategy for LoRA runs: the adapter set on the training clone (`adapters`), trained on the
+    run's items and, when given, prior (regularisation) images (`prior`: their latent and text caches)."""
+
+    trains = "lora"
+
+    def __init__(self, prior: tuple | None = None):
+        self.prior = prior
+        self.adapters: AdapterSet | None = None  # built by `build`
+
+    def identity(self, run) -> dict:
+        """What beyond the configuration makes the run: its prior images' caches and data."""
+        if self.prior is None:
+            return {}
+        check_caches(run.source_model.model, *self.prior)
+        return {"prior_latent_cache": getattr(self.prior[0], "fingerprint", None),
+                "prior_text_cache": getattr(self.prior[1], "fingerprint", None),
+                "prior_data": data_fingerprint(self.prior[0])}
+
+    def build(self, run) -> tuple:
+        """(denoiser, trainable, Trainer options): the adapters on the run's training clone."""
+        config, patcher = run.config, run.placement.patcher
+        diffusion_model = patcher.model.diffusion_model
+        with run.placement.low_bit_storage():  # the adapters are built on the low-bit layers they will wrap
+            paths = families.lora_targets(diffusion_model, config.family, config.adapter,
+                                          [n for n, _ in model_blocks(diffusion_model)])
+            self.adapters = AdapterSet(diffusion_model, paths, config.adapter)
+        if config.adapter.init_lora:  # a resumed run's checkpoint replaces these (Trainer.resume)
+            self.adapters.start_from(read_lora_file(run.source_model, config.adapter.init_lora, config.adapter.kind),
+                                     f"LoRA file {config.adapter.init_lora}")
+        # Small: lives on the compute device from the start, so resumed optimizer state lands there too.
+        self.adapters.to(patcher.load_device)
+        attach_with_injection(patcher, self.adapters)
+        return ComfyDenoiser(patcher), self.adapters, {"prior": self.prior}
+
+    # --- on the device --------------------------------------------------------------------------------------
+    def patchers(self, run) -> list:
+        return [run.placement.patcher]
+
+    def device_extra_bytes(self, trainer) -> int:
+        """What the run adds on the device beyond the MODEL's weights (for ComfyUI's memory accounting): the
+        trainable weights and gradients, and the optimizer's two moments where they live on the device."""
+        trainable = sum(p.numel() * p.element_size() for p in trainer.params)
+        return trainable * (2 if trainer.policy.optimizer_state == "cpu" else 4)
+
+    @contextlib.contextmanager
+    def attach(self, run):
+        """The adapters attached to the loaded clone. Outside this block they are ejected again, even though the
+        clone may stay loaded: the module tree other nodes share (stock LoraLoader, KSampler on the MODEL) is then
+        exactly ComfyUI's."""
+        patcher = run.placement.patcher
+        patcher.inject_model()  # a no-op when the load just injected; needed when the clone stayed loaded
+        if self.adapters.attached_to is not patcher.model.diffusion_model:
+            raise RuntimeError("HeadroomTrainLora: ComfyUI did not attach the adapter to the loaded model")
+        try:
+            yield
+        finally:
+            patcher.eject_model()
+
+    def check_detached(self, run) -> None:
+        if self.adapters.attached_to is not None:
+            raise RuntimeError("HeadroomValidate: the adapter is still attached; cannot sample the base model")
+
+    # --- sampling -------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def sampling_model(self, run, lora_application: str = "unmerged"):
+        """The ModelPatcher validation samples with. "unmerged": the training clone with the adapter attached (its
+        low-bit base too), computing the LoRA next to the frozen weights. "as_saved_file": what the stock LoraLoader
+        makes of the saved (fp32) file: a clone of the run's MODEL with the adapter as ComfyUI weight patches, baked
+        into the weights in their own dtype (comfy.lora + stochastic rounding) when ComfyUI loads the clone.
+        Either way the optimizer state is parked as the policy says."""
+        if lora_application not in LORA_APPLICATIONS:
+            raise ValueError(f"lora_application={lora_application!r}: choose one of {', '.join(LORA_APPLICATIONS)}")
+        if lora_application == "unmerged":
+            with run.validating():
+                yield run.placement.patcher
+            return
+        with run.trainer.parked_for_validation():
+            model = as_saved_file_model(run.source_model, self.adapters)
+            try:
+                yield model
+            finally:  # the patched weights leave memory now, not when gc finds the clone
+                comfy.model_management.unload_model_and_clones(model, unload_additional_models=False)
+
+    def sampling_conditioning(self, run, positive, negative, vae=None):
+        """A LoRA adds nothing to the prompts."""
+        return positive, negative
+
+    # --- apply, save, describe ------------------------------------------------------------------------------
+    def patched_model(self, run, model=None, strength: float = 1.0):
+        """A clone of `model` (default: the MODEL the run trains) with the current adapter as weight patches."""
+        model = model if model is not None else run.source_model
+        clone = model.clone()
+        clone.add_patches(comfy_patches(clone, self.adapters), strength)
+        return clone
+
+    def metadata(self, run) -> dict[str, str]:
+        config = run.config
+        return {
+            "headroom.format": "comfyui-lora", "headroom.base_fingerprint": run.fingerprint,
+            "headroom.family": str(config.family), "headroom.kind": config.adapter.kind,
+            "headroom.rank": str(config.adapter.rank), "headroom.alpha": str(config.adapter.alpha),
+            "headroom.steps": str(run.step), "headroom.run": run.run_dir.name,
+            "headroom.config": json.dumps(config.to_json(), sort_keys=True),
+        }
+
+    def save(self, run, path, dtype: str = "fp32", file_format: str = "comfyui", weights: str = "auto") -> None:
+        """Write the adapter to `path` (atomically) in `file_format`'s key names (nodes/lora_formats.py), of the
+        trained weights or their EMA (`weights`), in `dtype`."""
+        family, adapter = run.config.family, run.config.adapter
+        if file_format == "diffusers":  # refused before any work
+            lora_formats.check_diffusers_kind(adapter.kind)
+            names = lora_formats.diffusers_names(run.source_model, self.adapters.layers, family)
+        with run.weights(weights) as used:  # diffusers: fp32 here, cast after alpha is folded in
+            state = self.adapters.comfy_state_dict(
+                dtype=torch.float32 if file_format == "diffusers" else SAVE_DTYPES[dtype])
+        metadata = {**self.metadata(run), "headroom.weights": used}
+        if file_format == "diffusers":
+            state, config = lora_formats.to_diffusers(state, names, family, SAVE_DTYPES[dtype])
+            metadata.update(lora_formats.diffusers_metadata(config))
+            metadata["headroom.format"] = "diffusers"
+        if file_format == "kohya":
+            names = lora_formats.kohya_names(run.source_model, self.adapters.layers, family)
+            state = lora_formats.to_kohya(state, names)
+            buckets = list(run.latent_cache.buckets)
+            metadata.update(lora_formats.kohya_metadata(
+                family, adapter.kind, adapter.rank, adapter.alpha, run.step, path.name[: -len(".safetensors")],
+                max(buckets, key=lambda b: b[0] * b[1]) if buckets else None))
+            metadata["headroom.format"] = "kohya"
+        save_safetensors(path, state, f"LoRA {path.name}", metadata=metadata)
+
+    def describe(self, run) -> str:
+        return f"{run.config.adapter.kind} r{run.config.adapter.rank}"
+
+
+def open_lora_run(model, latent_cache, text_cache, config: LoraRunConfig, run_root, run_name: str, policy=None,
+                  prior: tuple | None = None) -> TrainingRun:
+    """Build (or resume from its run folder) a LoRA run on `model`."""
+    return TrainingRun(model, latent_cache, text_cache, config, LoraTraining(prior), run_root, run_name, policy=policy)
