@@ -4,7 +4,7 @@ import torch
 
 pytestmark = pytest.mark.comfyui
 
-FAMILIES = ["sd15", "sd3", "flux"]
+FAMILIES = ["sd15", "sd3", "flux", "flux2"]
 
 
 def _weights(patcher):
@@ -21,7 +21,8 @@ def test_tiny_family_samples_with_stock_nodes(comfyui, family):
     model, clip, vae = build_tiny_models(family, seed=0)
     assert isinstance(model.model, comfy.model_base.BaseModel)
     assert isinstance(clip, comfy.sd.CLIP) and isinstance(vae, comfy.sd.VAE)
-    expected_base = {"sd15": comfy.model_base.BaseModel, "sd3": comfy.model_base.SD3, "flux": comfy.model_base.Flux}
+    expected_base = {"sd15": comfy.model_base.BaseModel, "sd3": comfy.model_base.SD3, "flux": comfy.model_base.Flux,
+                     "flux2": comfy.model_base.Flux2}
     assert type(model.model) is expected_base[family]
     n_params = sum(p.numel() for p in model.model.diffusion_model.parameters())
     assert 10_000 < n_params < 5_000_000
@@ -37,10 +38,14 @@ def test_tiny_family_samples_with_stock_nodes(comfyui, family):
         again = nodes.VAEDecode().decode(vae, nodes.common_ksampler(
             model, 0, 4, cfg, "euler", "normal", positive, negative, latent)[0])[0]
     assert samples["samples"].shape == (1, channels, 8, 8)
-    assert image.shape == (1, 64, 64, 3)
+    side = 8 * model.model.latent_format.spacial_downscale_ratio  # 8x; Flux.2: 16x
+    assert vae.spacial_compression_decode() == model.model.latent_format.spacial_downscale_ratio
+    assert image.shape == (1, side, side, 3)
     assert torch.isfinite(image).all() and image.std() > 0
     assert torch.equal(image, again), "same seed must give the same image"
-    assert torch.isfinite(positive[0][0]).all() and "pooled_output" in positive[0][1]
+    assert torch.isfinite(positive[0][0]).all()
+    # Flux.2 (Klein's Qwen3) has no pooled vector; the others do.
+    assert (positive[0][1].get("pooled_output") is not None) == (family != "flux2")
 
 
 @pytest.mark.parametrize("family", FAMILIES)
