@@ -106,3 +106,32 @@ def test_tiny_model_node_schema(headroom_nodes):
     with pytest.raises(ValueError, match="unknown family 'sdxl'"):
         HeadroomTinyModel.execute(family="sdxl", seed=0)
     assert tuple(families) == tuple(FAMILIES)
+
+
+@pytest.mark.parametrize("family", ["sd15", "flux2"])
+def test_training_conds_give_the_image_size_of_the_models_latent_format(comfyui, family):
+    """The trainer calls the model's own extra_conds with the image size its latents stand for (8x; Flux.2: 16x),
+    as the samplers do."""
+    from headroom.nodes.comfy_model import ComfyDenoiser
+    from headroom.nodes.tiny_models import build_tiny_models
+
+    model, clip, _ = build_tiny_models(family, seed=0)
+    denoiser = ComfyDenoiser(model)
+    seen = []
+    original = model.model.extra_conds
+
+    def recording(**kwargs):
+        seen.append((kwargs["width"], kwargs["height"]))
+        return original(**kwargs)
+
+    model.model.extra_conds = recording
+    try:
+        tokens = clip.tokenize("a red circle")
+        cond = clip.encode_from_tokens(tokens, return_dict=True)
+        cond = {"cross_attn": cond.pop("cond")[0], **{k: v[0] for k, v in cond.items() if torch.is_tensor(v)}}
+        x_t = torch.zeros(1, model.model.latent_format.latent_channels, 3, 5)
+        denoiser._model_conds(x_t, [cond])
+    finally:
+        del model.model.extra_conds
+    downscale = {"sd15": 8, "flux2": 16}[family]
+    assert seen == [(5 * downscale, 3 * downscale)]
