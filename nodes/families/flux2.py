@@ -72,6 +72,10 @@ FAMILY = Family(
                                        r"^single_blocks\.\d+\.(linear1|linear2)$")),
     text_tokens=512,  # ComfyUI pads Flux.2 text to 512 tokens (model_base.Flux2.extra_conds)
     diffusers_component="transformer",
+    # diffusers' Flux2Transformer2DModel names: ComfyUI's key map (comfy.utils.flux_to_diffusers, shared with Flux.1)
+    # lists Flux.1's `ff.net.0.proj` / `ff.net.2` / `proj_out` first and these Flux.2 names after them.
+    diffusers_names_preferred=(r"\.ff(_context)?\.linear_(in|out)$",
+                               r"\.single_transformer_blocks\.\d+\.attn\.to_(qkv_mlp_proj|out)$"),
     # musubi-tuner writes modelspec.architecture "Flux.2-dev/lora", "Flux.2-klein-4b/lora" or "Flux.2-klein-9b/lora"
     # (per variant) and no ss_base_model_version; one family covers all three and kohya_base is one fixed pair, so
     # none is written rather than a wrong variant.
