@@ -251,10 +251,13 @@ def diffusers_metadata(config: dict) -> dict[str, str]:
 
 
 def kohya_metadata(family: str | None, kind: str, rank: int, alpha: float, steps: int, title: str,
-                   resolution: tuple[int, int] | None) -> dict[str, str]:
-    """The sd-scripts metadata keys UIs read (network dim / alpha / base model / resolution / steps)."""
+                   resolution: tuple[int, int] | None, model=None) -> dict[str, str]:
+    """The sd-scripts metadata keys UIs read (network dim / alpha / base model / resolution / steps). `model`: the
+    ComfyUI MODEL, for families whose architecture string depends on the variant (Family.kohya_architecture)."""
     known = families.get(family)
     base_version, architecture = known.kohya_base if known is not None else ("", "")
+    if known is not None and known.kohya_architecture is not None and model is not None:
+        architecture = known.kohya_architecture(model.model) or ""
     metadata = {
         "ss_network_module": "networks.lora" if kind == "lora" else "lycoris.kohya",
         "ss_network_dim": str(rank),
@@ -272,6 +275,7 @@ def kohya_metadata(family: str | None, kind: str, rank: int, alpha: float, steps
         metadata["ss_network_args"] = json.dumps(args)
     if base_version:
         metadata["ss_base_model_version"] = base_version
+    if architecture:
         metadata["modelspec.architecture"] = architecture
     if resolution is not None:
         metadata["ss_resolution"] = f"({resolution[0]}, {resolution[1]})"

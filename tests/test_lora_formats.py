@@ -647,3 +647,26 @@ def test_continuing_a_diffusers_file_with_separate_qkv_adapters_is_refused(comfy
     name = _write_lora("flux_lora_diffusers_separate_qkv", state, {})
     with pytest.raises(ValueError, match=r"double_blocks\.0\.img_attn\.qkv .*different down weights"):
         _init_from(model, latents, texts, "continue_separate_qkv", name)
+
+
+def test_flux2_kohya_metadata_names_the_variant_as_musubi_tuner_does(comfyui, caplog):
+    """Flux.2's kohya files carry musubi-tuner's modelspec.architecture of the variant, read from the model's width
+    (real widths on the meta device: no memory); the tiny model's width is no released variant: none written. The
+    saved kohya file of the tiny Flux.2 loads through the stock loader with every key."""
+    import comfy.model_detection
+    import comfy.model_patcher
+    from realsize_models import unet_config
+
+    from headroom.nodes import lora_formats
+
+    for arch, expected in (("flux2_dev", "Flux.2-dev/lora"), ("flux2_klein_4b", "Flux.2-klein-4b/lora"),
+                           ("flux2_klein_9b", "Flux.2-klein-9b/lora")):
+        config = comfy.model_detection.model_config_from_unet_config(unet_config(arch, (0, 0)))
+        model = comfy.model_patcher.ModelPatcher(config.get_model({}, "", device=torch.device("meta")), "cpu", "cpu")
+        metadata = lora_formats.kohya_metadata("flux2", "lora", 16, 16.0, 10, "x", (1024, 1024), model=model)
+        assert metadata["modelspec.architecture"] == expected and "ss_base_model_version" not in metadata
+    model, clip, run, comfy_name, kohya_name = _save_both("flux2", "lora")
+    keys, metadata = _read(kohya_name)
+    assert all(k.startswith("lora_unet_") for k in keys) and any(k.startswith("lora_unet_single_blocks_") for k in keys)
+    assert "modelspec.architecture" not in metadata and metadata["ss_network_dim"] == "4"
+    _stock_loader_weights(model, clip, kohya_name, caplog)

@@ -51,6 +51,9 @@ def tiny_vae():
     return module, None
 
 
+# Width -> modelspec.architecture, as musubi-tuner names the released variants (widths: tests/realsize_models.py).
+_ARCHITECTURES = {6144: "Flux.2-dev/lora", 3072: "Flux.2-klein-4b/lora", 4096: "Flux.2-klein-9b/lora"}
+
 TINY = TinyModel(
     model_config=lambda: comfy.supported_models.Flux2(dict(_TINY_DIT)),
     clip_target=lambda: comfy.supported_models_base.ClipTarget(comfy.text_encoders.flux.KleinTokenizer,
@@ -76,10 +79,11 @@ FAMILY = Family(
     # lists Flux.1's `ff.net.0.proj` / `ff.net.2` / `proj_out` first and these Flux.2 names after them.
     diffusers_names_preferred=(r"\.ff(_context)?\.linear_(in|out)$",
                                r"\.single_transformer_blocks\.\d+\.attn\.to_(qkv_mlp_proj|out)$"),
-    # musubi-tuner writes modelspec.architecture "Flux.2-dev/lora", "Flux.2-klein-4b/lora" or "Flux.2-klein-9b/lora"
-    # (per variant) and no ss_base_model_version; one family covers all three and kohya_base is one fixed pair, so
-    # none is written rather than a wrong variant.
+    # musubi-tuner (its sai_model_spec) writes modelspec.architecture "Flux.2-dev/lora", "Flux.2-klein-4b/lora" or
+    # "Flux.2-klein-9b/lora" and no ss_base_model_version (sd-scripts itself has no Flux.2): the variant is read
+    # from the model's width; other widths (the tiny model, an unknown variant) get none rather than a wrong one.
     kohya_base=("", ""),
+    kohya_architecture=lambda model: _ARCHITECTURES.get(model.model_config.unet_config.get("hidden_size")),
     latent_downscale=16,
     tiny=TINY,
     position=4,
