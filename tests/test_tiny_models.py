@@ -135,3 +135,42 @@ def test_training_conds_give_the_image_size_of_the_models_latent_format(comfyui,
         del model.model.extra_conds
     downscale = {"sd15": 8, "flux2": 16}[family]
     assert seen == [(5 * downscale, 3 * downscale)]
+
+
+def test_flux2_conditioning_widths_and_guidance_per_variant(comfyui):
+    """Flux.2 takes the stacked text-encoder layers (3 x its width) and no pooled vector; dev has a guidance input,
+    Klein none (real configs on the meta device; the tiny model is Klein-like). A cache of another width is refused."""
+    import comfy.model_detection
+    from realsize_models import unet_config
+
+    from headroom.nodes.comfy_model import check_caches, expected_cond_dims
+    from headroom.nodes.tiny_models import build_tiny_model_patcher
+
+    for arch, width, guidance in (("flux2_dev", 15360, True), ("flux2_klein_4b", 7680, False),
+                                  ("flux2_klein_9b", 12288, False)):
+        config = comfy.model_detection.model_config_from_unet_config(unet_config(arch, (0, 0)))
+        model = config.get_model({}, "", device=torch.device("meta"))
+        assert expected_cond_dims(model) == {"cross_attn": width}
+        assert isinstance(model.diffusion_model.guidance_in, torch.nn.Identity) != guidance, arch
+    tiny = build_tiny_model_patcher("flux2", 0).model
+    assert expected_cond_dims(tiny) == {"cross_attn": 96} and not tiny.diffusion_model.params.guidance_embed
+
+    class Latents:  # the two things check_caches reads of a latent cache
+        latent_channels = 128
+
+        def __len__(self):
+            return 1
+
+        def text_key(self, index):
+            return "k"
+
+    class Texts:
+        def __init__(self, width):
+            self.width = width
+
+        def conditioning(self, key):
+            return {"cross_attn": torch.zeros(512, self.width)}
+
+    check_caches(tiny, Latents(), Texts(96))
+    with pytest.raises(ValueError, match="'cross_attn' is 4096 wide but this model expects 96"):
+        check_caches(tiny, Latents(), Texts(4096))
