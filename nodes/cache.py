@@ -343,6 +343,7 @@ class HeadroomCacheLatents(io.ComfyNode):
                     dataset, store, vae.encode, encoder_fingerprint(vae.patcher), options,
                     control_encoding=control_encoding, progress=_ProgressBar(),
                     check_interrupt=comfy.model_management.throw_exception_if_processing_interrupted,
+                    downscale=_spatial_downscale(vae),
                 )
         except (CacheStoreError, WriteError) as error:
             raise _with_hint(error) from error
@@ -350,6 +351,12 @@ class HeadroomCacheLatents(io.ComfyNode):
             unload_encoder(vae.patcher, policy)
         cache.memory_phases = recorder.phases  # a training run built on this cache starts its memory record with it
         return io.NodeOutput(cache, report.summary())
+
+
+def _spatial_downscale(vae) -> int:
+    """Image px per latent px of a ComfyUI VAE (8; Flux.2: 16; 1 when it is not a plain number)."""
+    ratio = vae.spacial_compression_encode()
+    return ratio if isinstance(ratio, int) else 1
 
 
 class HeadroomCacheText(io.ComfyNode):

@@ -177,8 +177,9 @@ class ComfyDenoiser:
             params = {name: value.unsqueeze(0).to(self.device) for name, value in cond.items() if torch.is_tensor(value)}
             cross_attn = params.pop("cross_attn")
             noise = x_t[i:i + 1]
-            params.update(cross_attn=cross_attn, device=self.device, noise=noise, width=noise.shape[-1] * 8,
-                          height=noise.shape[-2] * 8, prompt_type="positive")
+            downscale = self.model.latent_format.spacial_downscale_ratio  # image px per latent px (8; Flux.2: 16)
+            params.update(cross_attn=cross_attn, device=self.device, noise=noise, width=noise.shape[-1] * downscale,
+                          height=noise.shape[-2] * downscale, prompt_type="positive")
             model_conds = self.model.extra_conds(**params)
             per_item.append({k: v.process_cond(batch_size=1, area=None) for k, v in model_conds.items()})
         return comfy.samplers.cond_cat(per_item)

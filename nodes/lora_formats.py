@@ -26,6 +26,7 @@ written here: every name saved is, by construction, one the stock loader maps ba
 from __future__ import annotations
 
 import json
+import re
 
 import torch
 from peft import LoraConfig
@@ -120,9 +121,10 @@ def diffusers_names(model, module_paths, family: str | None) -> dict[str, list[t
 
     From ComfyUI's key map, the `unet.` / `transformer.` names of each module's weight: where diffusers keeps
     separate layers for parts of one ComfyUI weight (tuple entries `(key, (dim, offset, size))`), those parts,
-    when they tile the weight's rows; else the first whole-weight name ComfyUI lists (comfy.utils' conversion
-    tables list diffusers' own name first, aliases of other tools after it: LyCORIS `ff.linear_in`, Flux 2's
-    `attn.to_out` / `attn.to_qkv_mlp_proj`); else a whole-weight name whose entry carries a function
+    when they tile the weight's rows; else the first whole-weight name ComfyUI lists that the family prefers
+    (`Family.diffusers_names_preferred`: Flux.2's `ff.linear_in` / `attn.to_out` / `attn.to_qkv_mlp_proj`, listed
+    after Flux.1's names), or the first it lists (comfy.utils' conversion tables list diffusers' own name first,
+    aliases of other tools after it: LyCORIS `ff.linear_in`); else a whole-weight name whose entry carries a function
     (`(key, None, function)`: ComfyUI adds function(diffusers delta)), when that function is a row permutation
     (SD3's last context modulation, `swap_scale_shift`), checked on the weight itself.
     """
@@ -130,6 +132,7 @@ def diffusers_names(model, module_paths, family: str | None) -> dict[str, list[t
     if component is None:
         raise ValueError(f"the diffusers format covers {', '.join(families.FAMILIES)} models, not family "
                          f"{family}; save in the comfyui or kohya format")
+    preferred = [re.compile(p) for p in families.get(family).diffusers_names_preferred]
     key_map = comfy.lora.model_lora_keys_unet(model.model, {})
     state = model.model.state_dict()
     whole: dict[str, list[str]] = {}
@@ -155,7 +158,8 @@ def diffusers_names(model, module_paths, family: str | None) -> dict[str, list[t
                 and sum(size for _, (_, _, size) in split) == weight.shape[0]):
             names[path] = [(name, torch.arange(offset, offset + size)) for name, (_, offset, size) in split]
         elif whole.get(weight_key):
-            names[path] = [(whole[weight_key][0], None)]
+            listed = whole[weight_key]
+            names[path] = [(next((n for n in listed if any(p.search(n) for p in preferred)), listed[0]), None)]
         elif weight is not None and permuted.get(weight_key):
             name, function = permuted[weight_key][0]
             rows = _row_permutation(function, weight)
@@ -247,10 +251,13 @@ def diffusers_metadata(config: dict) -> dict[str, str]:
 
 
 def kohya_metadata(family: str | None, kind: str, rank: int, alpha: float, steps: int, title: str,
-                   resolution: tuple[int, int] | None) -> dict[str, str]:
-    """The sd-scripts metadata keys UIs read (network dim / alpha / base model / resolution / steps)."""
+                   resolution: tuple[int, int] | None, model=None) -> dict[str, str]:
+    """The sd-scripts metadata keys UIs read (network dim / alpha / base model / resolution / steps). `model`: the
+    ComfyUI MODEL, for families whose architecture string depends on the variant (Family.kohya_architecture)."""
     known = families.get(family)
     base_version, architecture = known.kohya_base if known is not None else ("", "")
+    if known is not None and known.kohya_architecture is not None and model is not None:
+        architecture = known.kohya_architecture(model.model) or ""
     metadata = {
         "ss_network_module": "networks.lora" if kind == "lora" else "lycoris.kohya",
         "ss_network_dim": str(rank),
@@ -268,6 +275,7 @@ def kohya_metadata(family: str | None, kind: str, rank: int, alpha: float, steps
         metadata["ss_network_args"] = json.dumps(args)
     if base_version:
         metadata["ss_base_model_version"] = base_version
+    if architecture:
         metadata["modelspec.architecture"] = architecture
     if resolution is not None:
         metadata["ss_resolution"] = f"({resolution[0]}, {resolution[1]})"

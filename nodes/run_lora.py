@@ -239,7 +239,7 @@ class LoraTraining:
             buckets = list(run.latent_cache.buckets)
             metadata.update(lora_formats.kohya_metadata(
                 family, adapter.kind, adapter.rank, adapter.alpha, run.step, path.name[: -len(".safetensors")],
-                max(buckets, key=lambda b: b[0] * b[1]) if buckets else None))
+                max(buckets, key=lambda b: b[0] * b[1]) if buckets else None, model=run.source_model))
             metadata["headroom.format"] = "kohya"
         save_safetensors(path, state, f"LoRA {path.name}", metadata=metadata)
 

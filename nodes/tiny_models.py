@@ -202,7 +202,7 @@ class HeadroomTinyModel(io.ComfyNode):
             ],
             outputs=[io.Model.Output(tooltip="The diffusion model, as a checkpoint loader's MODEL."),
                      io.Clip.Output(tooltip="Its text encoder(s), as a checkpoint loader's CLIP."),
-                     io.Vae.Output(tooltip="Its VAE (8x downscale), as a checkpoint loader's VAE.")],
+                     io.Vae.Output(tooltip="Its VAE (8x downscale; flux2: 16x), as a checkpoint loader's VAE.")],
         )
 
     @classmethod

@@ -370,8 +370,10 @@ def sample_images(run: TrainingRun, clip, vae, prompts: list[str], negative: str
             positive = clip.encode_from_tokens_scheduled(clip.tokenize(prompt))
             positive, negative_run = ((positive, negative_cond) if base
                                       else run.sampling_conditioning(positive, negative_cond, vae))
+            # As EmptyLatentImage + KSampler make it: an 8x latent the sampler resizes to the model's own format
+            # (channels and downscale: 16x for Flux.2).
             empty = torch.zeros([1, 4, height // 8, width // 8], device=comfy.model_management.intermediate_device())
-            latent = comfy.sample.fix_empty_latent_channels(model, empty)
+            latent = comfy.sample.fix_empty_latent_channels(model, empty, 8)
             noise = comfy.sample.prepare_noise(latent, seed)
             latents.append(comfy.sample.sample(model, noise, steps, cfg, sampler_name, scheduler, positive,
                                                negative_run, latent, denoise=1.0, disable_pbar=True, seed=seed))

@@ -58,6 +58,33 @@ ARCHITECTURES = {
         },
     },
 }
+
+
+def _flux2(hidden: int, context: int, depth: int, single: int, guidance: bool, text_tokens: int = 512) -> dict:
+    """A Flux.2 unet_config as comfy/model_detection.py derives it from a Flux.2 checkpoint (the geometry it fixes
+    for every Flux.2: 128-wide heads on four 32-wide RoPE axes, mlp_ratio 3, theta 2000, no biases, global
+    modulation, SiLU-gated MLPs, 128-channel latents, patch 1; width, context width, depths and the guidance input
+    read from the weights). The sizes are those of Black Forest Labs' released models (their flux2 code's
+    Flux2Params / Klein4BParams / Klein9BParams, which musubi-tuner and ai-toolkit reuse)."""
+    return {
+        "text_tokens": text_tokens, "text_encoder": None, "latent_channels": 128, "depth": (depth, single),
+        "unet_config": {
+            "image_model": "flux2", "axes_dim": [32, 32, 32, 32], "num_heads": hidden // 128, "mlp_ratio": 3.0,
+            "theta": 2000, "out_channels": 128, "global_modulation": True, "mlp_silu_act": True, "qkv_bias": False,
+            "ops_bias": False, "default_ref_method": "index", "ref_index_scale": 10.0, "txt_ids_dims": [3],
+            "in_channels": 128, "hidden_size": hidden, "context_in_dim": context, "patch_size": 1, "vec_in_dim": None,
+            "depth": depth, "depth_single_blocks": single, "guidance_embed": guidance, "yak_mlp": False,
+            "txt_norm": False,
+        },
+    }
+
+
+# Flux.2: dev (32 B; Mistral-Small-3 text, 3 x 5120 wide), Klein 4B (Qwen3-4B, 3 x 2560), Klein 9B (Qwen3-8B, 3 x 4096).
+ARCHITECTURES.update({
+    "flux2_dev": _flux2(6144, 15360, 8, 48, guidance=True),
+    "flux2_klein_4b": _flux2(3072, 7680, 5, 20, guidance=False),
+    "flux2_klein_9b": _flux2(4096, 12288, 8, 24, guidance=False),
+})
 T5XXL_LAYERS = 24  # the released T5-XXL encoder
 
 
@@ -69,7 +96,7 @@ def unet_config(name: str, depth=None) -> dict:
         return config
     if name == "sd35_large":
         config["num_blocks"] = int(depth)
-    elif name == "flux_dev":
+    elif name == "flux_dev" or name.startswith("flux2_"):
         config["depth"], config["depth_single_blocks"] = (int(d) for d in depth)
     else:
         raise ValueError(f"{name} is built at full size only (depth=None)")
@@ -193,12 +220,23 @@ def _quiet_missing_keys():
 
 
 def build_vae(latent_channels: int, seed: int = 2):
-    """comfy.sd.VAE of the SD / SDXL (4 channels) or SD3 / Flux (16 channels) VAE, through ComfyUI's state-dict
+    """comfy.sd.VAE of the SD / SDXL (4 channels), SD3 / Flux (16) or Flux.2 (128) VAE, through ComfyUI's state-dict
     detection: the keys it reads to pick the class are given, the rest is made uninitialised and filled in place."""
     import comfy.sd
 
-    if latent_channels not in (4, 16):
-        raise ValueError("latent_channels: 4 (SD / SDXL VAE) or 16 (SD3 / Flux VAE)")
+    if latent_channels not in (4, 16, 128):
+        raise ValueError("latent_channels: 4 (SD / SDXL VAE), 16 (SD3 / Flux VAE) or 128 (Flux.2 VAE)")
+    if latent_channels == 128:  # Flux.2: 32 channels at 8x, folded 2x2 by its batch-norm latents -> 128 at 16x
+        sketch = {"decoder.conv_in.weight": torch.zeros(512, 32, 3, 3),
+                  "decoder.up.3.upsample.conv.weight": torch.zeros(512, 512, 3, 3),
+                  "encoder.quant_conv.weight": torch.zeros(64, 64, 1, 1),  # BFL's file keeps them inside
+                  "decoder.post_quant_conv.weight": torch.zeros(32, 32, 1, 1),
+                  "bn.running_mean": torch.zeros(128), "bn.running_var": torch.ones(128)}
+        with _quiet_missing_keys():
+            vae = comfy.sd.VAE(sd=sketch)
+        random_init_(vae.first_stage_model, seed)
+        vae.patcher.cached_patcher_init = (_vae_patcher, (latent_channels, seed))
+        return vae
     # decoder.conv_in: 512 = 128 base channels x ch_mult[-1] 4; a fourth level (the 8x VAEs, not the x4 upscaler's);
     # the SD VAE has post_quant_conv, SD3 / Flux have none.
     sketch = {"decoder.conv_in.weight": torch.zeros(512, latent_channels, 3, 3),

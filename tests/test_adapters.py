@@ -2,6 +2,8 @@
 keys ComfyUI's own LoRA loader reproduces (checked against the real comfy.lora / weight_adapter)."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -117,7 +119,7 @@ def test_family_presets_pick_the_documented_layers(comfyui):
     from headroom.nodes.tiny_models import build_tiny_model_patcher
 
     picked = {}
-    for family in ("sd15", "sd3", "flux"):
+    for family in ("sd15", "sd3", "flux", "flux2"):
         model = build_tiny_model_patcher(family, 0).model
         assert model_family(model) == family
         blocks = [n for n, _ in model_blocks(model.diffusion_model)]
@@ -138,3 +140,9 @@ def test_family_presets_pick_the_documented_layers(comfyui):
     assert sorted({p.split(".", 2)[2] for p in picked["flux"] if p.startswith("double_blocks.")}) == [
         "img_attn.proj", "img_attn.qkv", "img_mlp.0", "img_mlp.2", "txt_attn.proj", "txt_attn.qkv", "txt_mlp.0",
         "txt_mlp.2"]
+    # Flux.2: the same block layers (its MLPs' gated in-projection is mlp.0); its shared modulation layers
+    # (double_stream_modulation_*, single_stream_modulation) stay frozen.
+    assert sorted({re.sub(r"^(double|single)_blocks\.\d+\.", "", p) for p in picked["flux2"]}) == [
+        "img_attn.proj", "img_attn.qkv", "img_mlp.0", "img_mlp.2", "linear1", "linear2", "txt_attn.proj",
+        "txt_attn.qkv", "txt_mlp.0", "txt_mlp.2"]
+    assert len(picked["flux2"]) == 8 + 2 * 2 and not any("modulation" in p for p in picked["flux2"])

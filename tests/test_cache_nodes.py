@@ -92,6 +92,29 @@ def test_cached_values_equal_stock_vae_encode_and_clip_text_encode(cache_dir, fa
                 assert torch.equal(cached[name], extras[name][0]), name
 
 
+def test_a_16x_vae_caches_its_own_latent_size_and_refuses_buckets_it_would_crop(cache_dir):
+    """Flux.2's VAE is 16x (128 channels): cached latents are what stock VAEEncode gives, and a bucket side that is a
+    multiple of 8 but not of 16 is refused before any encoding (the VAE would crop it silently)."""
+    import nodes
+    from headroom.nodes.cache import HeadroomCacheLatents, HeadroomDatasetFromImages
+    from headroom.nodes.tiny_models import build_tiny_vae
+    from headroom.training.dataset import DatasetError
+    from headroom.training.synthetic import generate_shapes
+
+    vae = build_tiny_vae("flux2", seed=0)
+    data, dataset = synthetic_dataset(count=2, step=16)
+    with torch.inference_mode():
+        latents = HeadroomCacheLatents.execute(dataset, vae)[0]
+        stock = nodes.VAEEncode().encode(vae, data.images[:1])[0]["samples"]
+    assert tuple(latents.latent(0).shape) == (128, 4, 4) and torch.equal(latents.latent(0), stock[0])
+    images = generate_shapes(2, 72, seed=0)
+    odd = HeadroomDatasetFromImages.execute(images.images, "\n".join(images.captions), resolution=72, step=8,
+                                            crop="center", flip=False, seed=0)[0]
+    with torch.inference_mode(), pytest.raises(DatasetError, match=r"bucket size\(s\) 72x72 are not multiples of this "
+                                                                   r"VAE's 16x downscale.*multiple of 16"):
+        HeadroomCacheLatents.execute(odd, vae)
+
+
 def test_rerun_hits_the_cache_without_loading_or_calling_encoders(cache_dir, monkeypatch):
     import comfy.model_management as mm
     from headroom.nodes.tiny_models import build_tiny_models

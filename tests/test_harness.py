@@ -19,7 +19,7 @@ REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 HEADROOM_RUN = REPO_ROOT / "workflows" / "headroom_run.py"
 DEMO_WORKFLOW = REPO_ROOT / "workflows" / "demo_tiny_api.json"
 TINY_LORA_WORKFLOW = REPO_ROOT / "workflows" / "tiny_lora_api.json"
-FAMILIES = ["sd15", "sd3", "flux"]
+FAMILIES = ["sd15", "sd3", "flux", "flux2"]
 
 
 def headroom_node_ids(headroom_nodes) -> set[str]:
@@ -54,8 +54,8 @@ def stock_image_workflow(width: int = 64) -> dict:
 
 
 def tiny_sampling_workflow(family: str, steps: int = 4) -> dict:
-    latent = {"class_type": "EmptySD3LatentImage" if family in ("sd3", "flux") else "EmptyLatentImage",
-              "inputs": {"width": 64, "height": 64, "batch_size": 1}}
+    empty = {"sd3": "EmptySD3LatentImage", "flux": "EmptySD3LatentImage", "flux2": "EmptyFlux2LatentImage"}
+    latent = {"class_type": empty.get(family, "EmptyLatentImage"), "inputs": {"width": 64, "height": 64, "batch_size": 1}}
     return {
         "1": {"class_type": "HeadroomTinyModel", "inputs": {"family": family, "seed": 0}},
         "2": {"class_type": "CLIPTextEncode", "inputs": {"text": "a red circle at the center", "clip": ["1", 1]}},

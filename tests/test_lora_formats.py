@@ -244,7 +244,7 @@ def _diffusers_file_checks(name: str, component: str, layer_count: int, rank: in
     return config
 
 
-@pytest.mark.parametrize("family,targets", [("sd15", {}), ("sd3", {}), ("flux", {}),
+@pytest.mark.parametrize("family,targets", [("sd15", {}), ("sd3", {}), ("flux", {}), ("flux2", {}),
                                             ("sd15", {"targets": "all_linear", "include_conv": True}),
                                             ("sd3", {"targets": "all_linear"}), ("flux", {"targets": "all_linear"})])
 def test_diffusers_file_is_the_same_lora_for_the_stock_loader(comfyui, family, targets, caplog):
@@ -533,6 +533,63 @@ def test_flux_files_load_in_diffusers_with_comfyuis_weights(comfyui, caplog):
           f"max relative difference {worst}")
 
 
+def _diffusers_flux2_transformer(model):
+    """diffusers' Flux2Transformer2DModel in the tiny Flux.2's shape, with ComfyUI's weights wherever ComfyUI's table
+    (comfy.utils.flux_to_diffusers, Flux.1's, with Flux.2 aliases) names them: every block layer a LoRA can train.
+    Flux.2's shared modulation / time embedders are not in that table; they keep diffusers' init (the LoRA check
+    below compares the adapted layers only)."""
+    import comfy.utils
+    from diffusers import Flux2Transformer2DModel
+
+    config = model.model.model_config.unet_config
+    transformer = Flux2Transformer2DModel(
+        patch_size=config["patch_size"], in_channels=config["in_channels"], out_channels=config["out_channels"],
+        num_layers=config["depth"], num_single_layers=config["depth_single_blocks"],
+        attention_head_dim=config["hidden_size"] // config["num_heads"], num_attention_heads=config["num_heads"],
+        joint_attention_dim=config["context_in_dim"], mlp_ratio=config["mlp_ratio"],
+        axes_dims_rope=tuple(config["axes_dim"]), guidance_embeds=config["guidance_embed"])
+    conversion = comfy.utils.flux_to_diffusers(config, output_prefix="diffusion_model.")
+    comfy_state, own = model.model.state_dict(), transformer.state_dict()
+    state = {}
+    for key, source in conversion.items():
+        if key in own and (isinstance(source, str) or source[1] is not None):
+            weight = comfy_state[source] if isinstance(source, str) else comfy_state[source[0]].narrow(*source[1])
+            state[key] = weight.float()
+    blocks = [k for k in own if k.startswith(("transformer_blocks.", "single_transformer_blocks.")) and "norm" not in k]
+    assert set(blocks) <= set(state), sorted(set(blocks) - set(state))
+    transformer.load_state_dict(state, strict=False)
+    return transformer.eval(), conversion
+
+
+def test_flux2_diffusers_file_loads_in_diffusers_with_comfyuis_weights(comfyui, caplog):
+    """Flux.2: the diffusers file carries diffusers' Flux.2 layer names (qkv split into to_q / to_k / to_v and
+    add_*_proj, `ff.linear_in` / `ff.linear_out`, the single blocks' fused `attn.to_qkv_mlp_proj` / `attn.to_out`),
+    and diffusers' Flux2 loader injects every layer into a Flux2Transformer2DModel carrying the tiny Flux.2's weights,
+    with ComfyUI's stock-loader weights once fused."""
+    import folder_paths
+    from diffusers import Flux2Pipeline
+
+    from headroom.nodes import lora_formats
+
+    model, clip, run, comfy_name, _ = _save_both("flux2", "lora")
+    diffusers_name = _save(run, "flux2_lora_diffusers_loader", "diffusers")
+    names = lora_formats.diffusers_names(model, run.adapters.layers, "flux2")
+    layer_names = sorted(name for layers in names.values() for name, _ in layers)
+    assert "transformer.transformer_blocks.0.ff.linear_in" in layer_names
+    assert "transformer.single_transformer_blocks.1.attn.to_qkv_mlp_proj" in layer_names
+    assert "transformer.single_transformer_blocks.1.attn.to_out" in layer_names
+    assert not any(".ff.net." in n or n.endswith(".proj_out") for n in layer_names), layer_names
+    from_comfy, _ = _stock_loader_weights(model, clip, comfy_name, caplog)
+    with torch.inference_mode(False), torch.no_grad():
+        transformer, conversion = _diffusers_flux2_transformer(model)
+        layers = _load_with_diffusers(transformer, Flux2Pipeline, folder_paths.get_full_path_or_raise("loras", diffusers_name),
+                                      caplog)
+        assert sorted("transformer." + name for name in layers) == layer_names
+        worst = _fused_against_comfy(transformer, layers, conversion, from_comfy)
+    print(f"flux2: {len(run.adapters.layers)} ComfyUI modules -> {len(layer_names)} diffusers layers; fused vs ComfyUI, "
+          f"max relative difference {worst:.1e}")
+
+
 def _diffusers_sd3_transformer(model):
     """diffusers' SD3Transformer2DModel in the tiny SD3's shape, with its weights."""
     import comfy.utils
@@ -590,3 +647,26 @@ def test_continuing_a_diffusers_file_with_separate_qkv_adapters_is_refused(comfy
     name = _write_lora("flux_lora_diffusers_separate_qkv", state, {})
     with pytest.raises(ValueError, match=r"double_blocks\.0\.img_attn\.qkv .*different down weights"):
         _init_from(model, latents, texts, "continue_separate_qkv", name)
+
+
+def test_flux2_kohya_metadata_names_the_variant_as_musubi_tuner_does(comfyui, caplog):
+    """Flux.2's kohya files carry musubi-tuner's modelspec.architecture of the variant, read from the model's width
+    (real widths on the meta device: no memory); the tiny model's width is no released variant: none written. The
+    saved kohya file of the tiny Flux.2 loads through the stock loader with every key."""
+    import comfy.model_detection
+    import comfy.model_patcher
+    from realsize_models import unet_config
+
+    from headroom.nodes import lora_formats
+
+    for arch, expected in (("flux2_dev", "Flux.2-dev/lora"), ("flux2_klein_4b", "Flux.2-klein-4b/lora"),
+                           ("flux2_klein_9b", "Flux.2-klein-9b/lora")):
+        config = comfy.model_detection.model_config_from_unet_config(unet_config(arch, (0, 0)))
+        model = comfy.model_patcher.ModelPatcher(config.get_model({}, "", device=torch.device("meta")), "cpu", "cpu")
+        metadata = lora_formats.kohya_metadata("flux2", "lora", 16, 16.0, 10, "x", (1024, 1024), model=model)
+        assert metadata["modelspec.architecture"] == expected and "ss_base_model_version" not in metadata
+    model, clip, run, comfy_name, kohya_name = _save_both("flux2", "lora")
+    keys, metadata = _read(kohya_name)
+    assert all(k.startswith("lora_unet_") for k in keys) and any(k.startswith("lora_unet_single_blocks_") for k in keys)
+    assert "modelspec.architecture" not in metadata and metadata["ss_network_dim"] == "4"
+    _stock_loader_weights(model, clip, kohya_name, caplog)

@@ -146,7 +146,7 @@ def test_step_seeds_differ_per_step_and_salt():
 
 
 @pytest.mark.comfyui
-@pytest.mark.parametrize("family", ["sd15", "sd3", "flux"])
+@pytest.mark.parametrize("family", ["sd15", "sd3", "flux", "flux2"])
 def test_descriptor_from_comfyui_model_sampling(comfyui, family):
     from headroom.nodes.comfy_model import sampling_descriptor
     from headroom.nodes.tiny_models import build_tiny_model_patcher

@@ -4,7 +4,7 @@ import torch
 
 pytestmark = pytest.mark.comfyui
 
-FAMILIES = ["sd15", "sd3", "flux"]
+FAMILIES = ["sd15", "sd3", "flux", "flux2"]
 
 
 def _weights(patcher):
@@ -21,7 +21,8 @@ def test_tiny_family_samples_with_stock_nodes(comfyui, family):
     model, clip, vae = build_tiny_models(family, seed=0)
     assert isinstance(model.model, comfy.model_base.BaseModel)
     assert isinstance(clip, comfy.sd.CLIP) and isinstance(vae, comfy.sd.VAE)
-    expected_base = {"sd15": comfy.model_base.BaseModel, "sd3": comfy.model_base.SD3, "flux": comfy.model_base.Flux}
+    expected_base = {"sd15": comfy.model_base.BaseModel, "sd3": comfy.model_base.SD3, "flux": comfy.model_base.Flux,
+                     "flux2": comfy.model_base.Flux2}
     assert type(model.model) is expected_base[family]
     n_params = sum(p.numel() for p in model.model.diffusion_model.parameters())
     assert 10_000 < n_params < 5_000_000
@@ -37,10 +38,14 @@ def test_tiny_family_samples_with_stock_nodes(comfyui, family):
         again = nodes.VAEDecode().decode(vae, nodes.common_ksampler(
             model, 0, 4, cfg, "euler", "normal", positive, negative, latent)[0])[0]
     assert samples["samples"].shape == (1, channels, 8, 8)
-    assert image.shape == (1, 64, 64, 3)
+    side = 8 * model.model.latent_format.spacial_downscale_ratio  # 8x; Flux.2: 16x
+    assert vae.spacial_compression_decode() == model.model.latent_format.spacial_downscale_ratio
+    assert image.shape == (1, side, side, 3)
     assert torch.isfinite(image).all() and image.std() > 0
     assert torch.equal(image, again), "same seed must give the same image"
-    assert torch.isfinite(positive[0][0]).all() and "pooled_output" in positive[0][1]
+    assert torch.isfinite(positive[0][0]).all()
+    # Flux.2 (Klein's Qwen3) has no pooled vector; the others do.
+    assert (positive[0][1].get("pooled_output") is not None) == (family != "flux2")
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -101,3 +106,71 @@ def test_tiny_model_node_schema(headroom_nodes):
     with pytest.raises(ValueError, match="unknown family 'sdxl'"):
         HeadroomTinyModel.execute(family="sdxl", seed=0)
     assert tuple(families) == tuple(FAMILIES)
+
+
+@pytest.mark.parametrize("family", ["sd15", "flux2"])
+def test_training_conds_give_the_image_size_of_the_models_latent_format(comfyui, family):
+    """The trainer calls the model's own extra_conds with the image size its latents stand for (8x; Flux.2: 16x),
+    as the samplers do."""
+    from headroom.nodes.comfy_model import ComfyDenoiser
+    from headroom.nodes.tiny_models import build_tiny_models
+
+    model, clip, _ = build_tiny_models(family, seed=0)
+    denoiser = ComfyDenoiser(model)
+    seen = []
+    original = model.model.extra_conds
+
+    def recording(**kwargs):
+        seen.append((kwargs["width"], kwargs["height"]))
+        return original(**kwargs)
+
+    model.model.extra_conds = recording
+    try:
+        tokens = clip.tokenize("a red circle")
+        cond = clip.encode_from_tokens(tokens, return_dict=True)
+        cond = {"cross_attn": cond.pop("cond")[0], **{k: v[0] for k, v in cond.items() if torch.is_tensor(v)}}
+        x_t = torch.zeros(1, model.model.latent_format.latent_channels, 3, 5)
+        denoiser._model_conds(x_t, [cond])
+    finally:
+        del model.model.extra_conds
+    downscale = {"sd15": 8, "flux2": 16}[family]
+    assert seen == [(5 * downscale, 3 * downscale)]
+
+
+def test_flux2_conditioning_widths_and_guidance_per_variant(comfyui):
+    """Flux.2 takes the stacked text-encoder layers (3 x its width) and no pooled vector; dev has a guidance input,
+    Klein none (real configs on the meta device; the tiny model is Klein-like). A cache of another width is refused."""
+    import comfy.model_detection
+    from realsize_models import unet_config
+
+    from headroom.nodes.comfy_model import check_caches, expected_cond_dims
+    from headroom.nodes.tiny_models import build_tiny_model_patcher
+
+    for arch, width, guidance in (("flux2_dev", 15360, True), ("flux2_klein_4b", 7680, False),
+                                  ("flux2_klein_9b", 12288, False)):
+        config = comfy.model_detection.model_config_from_unet_config(unet_config(arch, (0, 0)))
+        model = config.get_model({}, "", device=torch.device("meta"))
+        assert expected_cond_dims(model) == {"cross_attn": width}
+        assert isinstance(model.diffusion_model.guidance_in, torch.nn.Identity) != guidance, arch
+    tiny = build_tiny_model_patcher("flux2", 0).model
+    assert expected_cond_dims(tiny) == {"cross_attn": 96} and not tiny.diffusion_model.params.guidance_embed
+
+    class Latents:  # the two things check_caches reads of a latent cache
+        latent_channels = 128
+
+        def __len__(self):
+            return 1
+
+        def text_key(self, index):
+            return "k"
+
+    class Texts:
+        def __init__(self, width):
+            self.width = width
+
+        def conditioning(self, key):
+            return {"cross_attn": torch.zeros(512, self.width)}
+
+    check_caches(tiny, Latents(), Texts(96))
+    with pytest.raises(ValueError, match="'cross_attn' is 4096 wide but this model expects 96"):
+        check_caches(tiny, Latents(), Texts(4096))

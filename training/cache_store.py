@@ -641,13 +641,16 @@ def cache_latents(
     control_encoding: str = "pixels",
     progress: Callable[[int, int], None] = _no_progress,
     check_interrupt: Callable[[], None] = _no_interrupt,
+    downscale: int = 1,
 ) -> tuple[LatentCache, CacheReport]:
     """Encode every (cropped, maybe mirrored) dataset image that is not cached yet.
 
     `encode(pixels [1, H, W, 3]) -> latents [1, C, ...]` is called only for misses, one item at a
     time; `check_interrupt()` is called before each one (a cancel raises there, after the entries
     finished so far are written). Control images are stored as pixels at the bucket size, or as
-    latents from the same `encode` with control_encoding="latents".
+    latents from the same `encode` with control_encoding="latents". `downscale`: image px per latent px of the
+    encoder (8; Flux.2's VAE: 16): a bucket side it does not divide is refused before anything is encoded (the VAE
+    would crop it silently).
     """
     if control_encoding not in ("pixels", "latents"):
         raise ValueError(f"control_encoding must be 'pixels' or 'latents', got {control_encoding!r}")
@@ -681,6 +684,12 @@ def cache_latents(
                 **({"mask": mask_digest} if mask_digest else {}),  # keys of items without a mask are unchanged
             })
             planned.append(_PlannedLatent(index, key, plan, text_key(item.caption), reduce))
+
+    odd = sorted({p.plan.bucket for p in planned if p.plan.bucket[0] % downscale or p.plan.bucket[1] % downscale})
+    if odd:
+        sizes = ", ".join(f"{w}x{h}" for w, h in odd)
+        raise DatasetError(f"bucket size(s) {sizes} are not multiples of this VAE's {downscale}x downscale (it would "
+                           f"crop them); set the dataset's step (and resolution) to a multiple of {downscale}")
 
     good, problems = store.verify(p.key for p in planned)
     report.warnings += store.warnings + problems

@@ -541,7 +541,27 @@ def memory_plan() -> Workflow:
     ])
 
 
-WORKFLOWS = [tiny_lora, sd15_lora, sdxl_lora, sd35_lora, flux_lora, tiny_controlnet, sd15_controlnet, memory_plan]
+def flux2_klein_lora() -> Workflow:
+    # The base (undistilled) Klein 4B: what BFL and the trainers recommend training on (the distilled one samples in
+    # 4 steps without CFG); Apache-2.0. Validation samples the base model as it is meant to run: CFG, more steps.
+    return real_model_lora(RealModel(
+        "flux2_klein_lora", "Flux.2 Klein 4B",
+        [Node(1, "UNETLoader", 0, {"unet_name": "flux-2-klein-base-4b.safetensors"}, title="Load diffusion model"),
+         Node(2, "CLIPLoader", 0, {"clip_name": "qwen_3_4b.safetensors", "type": "flux2"}, title="Load text encoder"),
+         Node(3, "VAELoader", 0, {"vae_name": "flux2-vae.safetensors"}, title="Load VAE")],
+        (1, "MODEL"), (2, "CLIP"), (3, "VAE"),
+        "- flux-2-klein-base-4b.safetensors -> models/diffusion_models/\n"
+        "- qwen_3_4b.safetensors -> models/text_encoders/\n"
+        "- flux2-vae.safetensors -> models/vae/\n"
+        "(Comfy-Org's Flux.2 Klein 4B repackage on Hugging Face; bucket sides are multiples of 16, the VAE's downscale)",
+        resolution=1024, bucket_step=16, rank=16, optimizer="AdamW8bit", learning_rate=1e-4, precision="bf16",
+        timestep_sampling="shifted", policy=policy("resident", "blocks"),
+        sampling={"sample_steps": 28, "cfg": 4.0, "sampler_name": "euler", "scheduler": "simple", "width": 1024, "height": 1024},
+    ))
+
+
+WORKFLOWS = [tiny_lora, sd15_lora, sdxl_lora, sd35_lora, flux_lora, flux2_klein_lora, tiny_controlnet, sd15_controlnet,
+             memory_plan]
 # Workflows small enough to run to completion on a CPU in the test suite (tests/test_workflows.py).
 TINY_WORKFLOWS = {"tiny_lora", "tiny_controlnet"}
 

@@ -74,7 +74,13 @@ class Family:
     text_tokens: int  # text length the planner assumes when not told (the family's text encoder's usual length)
     diffusers_component: str  # the diffusers pipeline component of the denoiser: its LoRA key prefix
     kohya_base: tuple[str, str]  # (ss_base_model_version, modelspec.architecture) sd-scripts writes
+    # modelspec.architecture read from the model itself, for families whose variants other trainers tell apart
+    # (Flux.2 dev / Klein 4B / Klein 9B); None from it: none written.
+    kohya_architecture: Callable[[Any], str | None] | None = None
     kohya_diffusers_block_names: bool = False  # kohya names in diffusers' block naming (SD1.x) instead of the path
+    # Regexes of the diffusers layer names to write where ComfyUI's key map lists several for one weight (its
+    # conversion tables list Flux.1's names first and other models' aliases after; empty: the first listed).
+    diffusers_names_preferred: tuple[str, ...] = ()
     calibration_pooled_width: int | None = None  # pooled conditioning width calibration adds beyond expected_cond_dims
     latent_downscale: int = 8  # image px per latent px
     # Whether a model's blocks add into their inputs in place; asked of every family (registry.inplace_blocks).
