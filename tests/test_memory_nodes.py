@@ -7,7 +7,7 @@ import pytest
 import torch
 
 pytestmark = pytest.mark.comfyui
-FAMILIES = ["sd15", "sd3", "flux"]
+FAMILIES = ["sd15", "sd3", "flux", "zimage", "qwen_image"]
 
 
 def _policy(**overrides):
