@@ -25,7 +25,8 @@ def _models():
     from headroom.nodes.tiny_models import build_tiny_model_patcher
     from test_lora_formats import _tiny_sdxl
 
-    return {**{family: build_tiny_model_patcher(family, 0) for family in ("sd15", "sd3", "flux")}, "sdxl": _tiny_sdxl()}
+    tiny = ("sd15", "sd3", "flux", "zimage", "qwen_image")
+    return {**{family: build_tiny_model_patcher(family, 0) for family in tiny}, "sdxl": _tiny_sdxl()}
 
 
 def test_one_module_per_family(comfyui):
@@ -35,7 +36,7 @@ def test_one_module_per_family(comfyui):
 
     folder = pathlib.Path(families.__file__).parent
     modules = sorted(p.stem for p in folder.glob("*.py") if p.stem not in ("__init__", "base"))
-    assert list(families.FAMILIES) == ["sd15", "sdxl", "sd3", "flux"]
+    assert list(families.FAMILIES) == ["sd15", "sdxl", "sd3", "flux", "zimage", "qwen_image"]
     assert sorted(families.FAMILIES) == modules
     assert list(families.CONTROLNET_TYPES) == ["unet", "sd3", "flux"]  # stored names: never renamed
     assert families.get("sd15").controlnet is families.get("sdxl").controlnet is families.controlnet_type("unet")
@@ -47,23 +48,46 @@ def test_recognition_is_the_rule_it_replaced(comfyui):
 
     for name, patcher in _models().items():
         model = patcher.model
-        assert families.family_of(model).name == name == _old_model_family(model) == model_family(model)
+        assert families.family_of(model).name == name == model_family(model)
         assert families.inplace_blocks(model) == (name == "flux")
         assert ComfyDenoiser(patcher).inplace_blocks == (name == "flux")
-        assert families.controlnet_type_of(patcher).name == {"sd15": "unet", "sdxl": "unet"}.get(name, name)
+        if name in ("sd15", "sdxl", "sd3", "flux"):  # the families before the registry
+            assert name == _old_model_family(model)
+            assert families.controlnet_type_of(patcher).name == {"sd15": "unet", "sdxl": "unet"}.get(name, name)
+        else:
+            with pytest.raises(ValueError, match="no ControlNet support for this MODEL"):
+                families.controlnet_type_of(patcher)
+
+
+def test_zimage_is_not_plain_lumina2(comfyui):
+    """Lumina 2.0 runs Z-Image's NextDiT class with another config (2304 wide, Gemma encoder, shift 6): not a Z-Image
+    model, so no zimage LoRA preset for it. The pixel-space Z-Image is another module class: not zimage either."""
+    import comfy.supported_models
+
+    from headroom.nodes import families
+
+    lumina = {"image_model": "lumina2", "patch_size": 2, "in_channels": 16, "dim": 256, "cap_feat_dim": 32,
+              "n_layers": 1, "n_refiner_layers": 1, "qk_norm": True, "n_heads": 2, "n_kv_heads": 1,
+              "axes_dims": [32, 48, 48]}
+    model = comfy.supported_models.Lumina2(lumina).get_model({}, "", device="meta")
+    assert families.family_of(model) is None
+    zimage = families.get("zimage").tiny.model_config().get_model({}, "", device="meta")
+    assert families.family_of(zimage).name == "zimage"
 
 
 def test_family_facts_are_the_tables_they_replaced(comfyui):
     from headroom.nodes import families, lora_formats
 
     assert {f.name: f.text_tokens for f in families.FAMILIES.values()} == {"sd15": 77, "sdxl": 77, "sd3": 154,
-                                                                          "flux": 256}
+                                                                          "flux": 256, "zimage": 128, "qwen_image": 128}
     assert {name: lora_formats.diffusers_component(name) for name in families.FAMILIES} == {
-        "sd15": "unet", "sdxl": "unet", "sd3": "transformer", "flux": "transformer"}
+        "sd15": "unet", "sdxl": "unet", "sd3": "transformer", "flux": "transformer", "zimage": "transformer",
+        "qwen_image": "transformer"}
     assert lora_formats.diffusers_component(None) is None and families.lora_preset("wan") is None
     assert {f.name: f.kohya_base for f in families.FAMILIES.values()} == {
         "sd15": ("sd_v1", "stable-diffusion-v1/lora"), "sdxl": ("sdxl_base_v1-0", "stable-diffusion-xl-v1-base/lora"),
-        "sd3": ("sd3", "stable-diffusion-3/lora"), "flux": ("flux1", "flux-1-dev/lora")}
+        "sd3": ("sd3", "stable-diffusion-3/lora"), "flux": ("flux1", "flux-1-dev/lora"),
+        "zimage": ("z_image", "Z-Image/lora"), "qwen_image": ("qwen_image", "Qwen-Image/lora")}
     assert [f.name for f in families.FAMILIES.values() if f.lora_preset.conv is not None] == ["sd15", "sdxl"]
     assert {name: t.hint for name, t in families.CONTROLNET_TYPES.items()} == {"unet": "pixels", "sd3": "latents",
                                                                               "flux": "pixels"}
@@ -75,7 +99,7 @@ def test_a_model_of_no_family_trains_with_all_linear_only(comfyui):
 
     model = _models()["sd15"].model
     blocks = ["input_blocks.1"]
-    with pytest.raises(ValueError, match=r"this model has no LoRA target preset \(presets: sd15, sdxl, sd3, flux\); "
+    with pytest.raises(ValueError, match=r"this model has no LoRA target preset \(presets: sd15, sdxl, sd3, flux, zimage, qwen_image\); "
                                          "set targets to 'all_linear'"):
         families.lora_targets(model.diffusion_model, None, AdapterConfig(), blocks)
     assert families.lora_targets(model.diffusion_model, None, AdapterConfig(targets="all_linear"), blocks)

@@ -23,11 +23,13 @@ TINY_QWEN3_4B = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers"
 
 # ComfyUI's Z-Image detection (comfy/model_detection.py, dim 3840) fixes the head geometry: 128-wide heads (30 of
 # them; q/k/v heads equal), RoPE axes [32, 48, 48], theta 256, FFN 8/3, Z-Image modulation, time scale 1000, caption
-# padding to 32 tokens. The tiny one keeps all of it with two heads (width 256: Z-Image modulation feeds a 256-wide
-# timestep embedding to min(dim, 256)-wide modulation layers, so narrower fails), 2 layers and 1 refiner layer each.
+# padding to 32 tokens. The tiny one keeps all of it with three heads (width 384), 2 layers and 1 refiner layer each:
+# Z-Image modulation feeds a 256-wide timestep embedding to min(dim, 256)-wide layers (narrower than 256 fails), and
+# at 384 the FFN width 8/3 * dim is a multiple of 256, as at 3840, so diffusers' ZImageTransformer2DModel (which does
+# not round it) has the same shapes.
 _TINY_NEXTDIT = {
-    "image_model": "lumina2", "patch_size": 2, "in_channels": 16, "dim": 256, "cap_feat_dim": TINY_QWEN3_4B["hidden_size"],
-    "n_layers": 2, "n_refiner_layers": 1, "qk_norm": True, "n_heads": 2, "n_kv_heads": 2, "axes_dims": [32, 48, 48],
+    "image_model": "lumina2", "patch_size": 2, "in_channels": 16, "dim": 384, "cap_feat_dim": TINY_QWEN3_4B["hidden_size"],
+    "n_layers": 2, "n_refiner_layers": 1, "qk_norm": True, "n_heads": 3, "n_kv_heads": 3, "axes_dims": [32, 48, 48],
     "axes_lens": [1536, 512, 512], "rope_theta": 256.0, "ffn_dim_multiplier": 8.0 / 3.0, "z_image_modulation": True,
     "time_scale": 1000.0, "pad_tokens_multiple": 32,
 }
