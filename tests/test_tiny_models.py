@@ -4,7 +4,7 @@ import torch
 
 pytestmark = pytest.mark.comfyui
 
-FAMILIES = ["sd15", "sd3", "flux"]
+FAMILIES = ["sd15", "sd3", "flux", "zimage", "qwen_image"]
 
 
 def _weights(patcher):
@@ -21,10 +21,11 @@ def test_tiny_family_samples_with_stock_nodes(comfyui, family):
     model, clip, vae = build_tiny_models(family, seed=0)
     assert isinstance(model.model, comfy.model_base.BaseModel)
     assert isinstance(clip, comfy.sd.CLIP) and isinstance(vae, comfy.sd.VAE)
-    expected_base = {"sd15": comfy.model_base.BaseModel, "sd3": comfy.model_base.SD3, "flux": comfy.model_base.Flux}
+    expected_base = {"sd15": comfy.model_base.BaseModel, "sd3": comfy.model_base.SD3, "flux": comfy.model_base.Flux,
+                     "zimage": comfy.model_base.Lumina2, "qwen_image": comfy.model_base.QwenImage}
     assert type(model.model) is expected_base[family]
     n_params = sum(p.numel() for p in model.model.diffusion_model.parameters())
-    assert 10_000 < n_params < 5_000_000
+    assert 10_000 < n_params < 10_000_000  # zimage: 8.6 M (Z-Image modulation needs width >= 256; see zimage.py)
 
     with torch.inference_mode():
         positive = nodes.CLIPTextEncode().encode(clip, "a red circle at the center")[0]
@@ -36,7 +37,8 @@ def test_tiny_family_samples_with_stock_nodes(comfyui, family):
         image = nodes.VAEDecode().decode(vae, samples)[0]
         again = nodes.VAEDecode().decode(vae, nodes.common_ksampler(
             model, 0, 4, cfg, "euler", "normal", positive, negative, latent)[0])[0]
-    assert samples["samples"].shape == (1, channels, 8, 8)
+    frames = (1,) if model.model.latent_format.latent_dimensions == 3 else ()  # qwen_image: Wan 2.1 video latents
+    assert samples["samples"].shape == (1, channels, *frames, 8, 8)
     assert image.shape == (1, 64, 64, 3)
     assert torch.isfinite(image).all() and image.std() > 0
     assert torch.equal(image, again), "same seed must give the same image"
