@@ -103,3 +103,38 @@ def test_a_model_of_no_family_trains_with_all_linear_only(comfyui):
                                          "set targets to 'all_linear'"):
         families.lora_targets(model.diffusion_model, None, AdapterConfig(), blocks)
     assert families.lora_targets(model.diffusion_model, None, AdapterConfig(targets="all_linear"), blocks)
+
+
+def test_zimage_and_qwen_image_expect_their_text_encoders_width(comfyui):
+    """cross_attn is the text encoder's hidden size (Qwen3-4B 2560, Qwen2.5-VL-7B 3584), no pooled vector: from the
+    unet_config ComfyUI detects for the released files (Qwen-Image's leaves the width to the class default), and
+    from the tiny models; a text cache of another width is refused naming the fix."""
+    import comfy.model_detection
+    import torch
+
+    import realsize_models as R
+    from headroom.nodes.comfy_model import check_caches, expected_cond_dims
+    from headroom.nodes.tiny_models import build_tiny_model_patcher
+
+    for arch, width in (("zimage", 2560), ("qwen_image", 3584)):
+        config = comfy.model_detection.model_config_from_unet_config(R.unet_config(arch, 1))
+        assert expected_cond_dims(config.get_model({}, "", device="meta")) == {"cross_attn": width}
+        tiny = build_tiny_model_patcher(arch, 0).model
+        assert expected_cond_dims(tiny) == {"cross_attn": 32}
+
+        class Latents:  # the two things check_caches reads of each cache
+            latent_channels = 16
+
+            def __len__(self):
+                return 1
+
+            def text_key(self, index):
+                return "k"
+
+        class Texts:
+            def conditioning(self, key):
+                return {"cross_attn": torch.zeros(7, 4096)}
+
+        with pytest.raises(ValueError, match="the TEXT_CACHE 'cross_attn' is 4096 wide but this model expects 32: "
+                                             r"cache the captions with this model's text encoder \(CLIP\)"):
+            check_caches(tiny, Latents(), Texts())
