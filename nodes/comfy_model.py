@@ -10,6 +10,7 @@ Imports nothing of Headroom's nodes/ but the family registry: the run (comfy_bri
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import math
 
@@ -56,7 +57,10 @@ def expected_cond_dims(model: comfy.model_base.BaseModel) -> dict[str, int]:
     """Widths the model expects of cached conditioning: cross_attn [.., D] and pooled_output [D]."""
     config = model.model_config.unet_config
     dims = {}
-    context = config.get("context_dim") or config.get("context_in_dim")
+    # Lumina 2 / Z-Image: cap_feat_dim. Qwen-Image: joint_attention_dim, which its detection leaves to the class
+    # default (3584, Qwen2.5-VL-7B's width); neither has a pooled vector.
+    context = (config.get("context_dim") or config.get("context_in_dim") or config.get("cap_feat_dim")
+               or _constructor_value(model.diffusion_model, config, "joint_attention_dim"))
     if context is None and isinstance(config.get("context_embedder_config"), dict):
         context = config["context_embedder_config"].get("params", {}).get("in_features")
     if context:
@@ -65,6 +69,14 @@ def expected_cond_dims(model: comfy.model_base.BaseModel) -> dict[str, int]:
     if pooled and isinstance(model, (comfy.model_base.SD3, comfy.model_base.Flux)):
         dims["pooled_output"] = int(pooled)
     return dims
+
+
+def _constructor_value(module: torch.nn.Module, config: dict, name: str):
+    """A constructor argument of the diffusion model: from its unet_config, else its class's default (None: neither)."""
+    if name in config:
+        return config[name]
+    parameter = inspect.signature(type(module).__init__).parameters.get(name)
+    return None if parameter is None or parameter.default is inspect.Parameter.empty else parameter.default
 
 
 def check_caches(model: comfy.model_base.BaseModel, latent_cache, text_cache) -> None:

@@ -405,7 +405,10 @@ def decode(run: TrainingRun, vae, samples: torch.Tensor) -> torch.Tensor:
             budget = budget_bytes(policy, torch.device(vae.device))
         except PolicyError:  # an "auto" budget with nothing free: the smallest working set
             budget = 0
-    return vae.decode_tiled(samples) if policy.decode_tiled(needed, budget) else vae.decode(samples)
+    images = vae.decode_tiled(samples) if policy.decode_tiled(needed, budget) else vae.decode(samples)
+    if images.ndim == 5:  # a video VAE's [B, T, H, W, 3] (Wan 2.1 latents of Qwen-Image): frames as images, as VAEDecode
+        images = images.reshape(-1, *images.shape[-3:])
+    return images
 
 
 def _png_bytes(grid: torch.Tensor) -> bytes:

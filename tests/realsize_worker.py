@@ -51,6 +51,11 @@ CASES = {
     "sdxl": Case("sdxl", None, 0, "checkpoint"),
     "flux_dev": Case("flux_dev", (2, 2), 2, "unet"),
     "sd35_large": Case("sd35_large", 3, 2, None),
+    # Real width: Z-Image one main block (and its 2 + 2 refiner blocks), Qwen-Image two blocks; their Qwen LLM encoders
+    # at real width with 3 layers (Z-Image reads the penultimate, which ComfyUI allows from 3 layers) / 1 layer
+    # (Qwen-Image reads the last).
+    "zimage": Case("zimage", 1, 3, None),
+    "qwen_image": Case("qwen_image", 2, 1, None),
 }
 
 
@@ -165,7 +170,7 @@ def load_models(case: Case, base: pathlib.Path, seed: int = 0):
                 model = nodes.UNETLoader().load_unet(path.name, "default")[0]
             records.append(peak.record("load (stock UNETLoader)"))
             clip = R.build_clip(spec["text_encoder"], case.t5_layers, seed + 1)
-            vae = R.build_vae(spec["latent_channels"], seed + 2)
+            vae = R.build_vae(spec["latent_channels"], seed + 2, spec.get("vae"))
         else:
             with Peak() as peak:
                 model, clip, vae = R.build_family(case.arch, case.depth, case.t5_layers, seed)
@@ -262,7 +267,8 @@ def run_case(name: str, size: int, steps: int, checkpointing: bool, planner_esti
 
 
 # The diffusers pipeline whose lora_state_dict reads each family's files (SD3 has no kohya reader in diffusers).
-_DIFFUSERS_PIPELINES = {"sdxl": "StableDiffusionXLPipeline", "flux_dev": "FluxPipeline", "sd35_large": "StableDiffusion3Pipeline"}
+_DIFFUSERS_PIPELINES = {"sdxl": "StableDiffusionXLPipeline", "flux_dev": "FluxPipeline", "sd35_large": "StableDiffusion3Pipeline",
+                        "zimage": "ZImagePipeline", "qwen_image": "QwenImagePipeline"}
 
 
 def _other_format(run, model, clip, file_format: str, case: str) -> dict:

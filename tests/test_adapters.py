@@ -119,7 +119,7 @@ def test_family_presets_pick_the_documented_layers(comfyui):
     from headroom.nodes.tiny_models import build_tiny_model_patcher
 
     picked = {}
-    for family in ("sd15", "sd3", "flux", "flux2"):
+    for family in ("sd15", "sd3", "flux", "flux2", "zimage", "qwen_image"):
         model = build_tiny_model_patcher(family, 0).model
         assert model_family(model) == family
         blocks = [n for n, _ in model_blocks(model.diffusion_model)]
@@ -146,3 +146,11 @@ def test_family_presets_pick_the_documented_layers(comfyui):
         "img_attn.proj", "img_attn.qkv", "img_mlp.0", "img_mlp.2", "linear1", "linear2", "txt_attn.proj",
         "txt_attn.qkv", "txt_mlp.0", "txt_mlp.2"]
     assert len(picked["flux2"]) == 8 + 2 * 2 and not any("modulation" in p for p in picked["flux2"])
+    # Z-Image: the main layers only (not the refiners, not the modulation), as musubi-tuner's default.
+    assert {p.split(".", 2)[0] for p in picked["zimage"]} == {"layers"}
+    assert sorted({p.split(".", 2)[2] for p in picked["zimage"]}) == [
+        "attention.out", "attention.qkv", "feed_forward.w1", "feed_forward.w2", "feed_forward.w3"]
+    assert len(picked["zimage"]) == 5 * 2
+    assert sorted({p.split(".", 2)[2] for p in picked["qwen_image"]}) == [
+        "attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out", "attn.to_k", "attn.to_out.0",
+        "attn.to_q", "attn.to_v", "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2"]

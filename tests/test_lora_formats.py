@@ -44,7 +44,8 @@ def _patched_weights(lora_model) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("family,kind", [("sd15", "lora"), ("sd15", "loha"), ("sd15", "dora"), ("sd15", "oft"),
-                                         ("sd3", "lora"), ("flux", "lora"), ("flux", "lokr")])
+                                         ("sd3", "lora"), ("flux", "lora"), ("flux", "lokr"), ("zimage", "lora"),
+                                         ("qwen_image", "lora")])
 def test_kohya_file_is_the_same_lora_for_the_stock_loader(comfyui, family, kind, caplog):
     import nodes
 
@@ -57,7 +58,8 @@ def test_kohya_file_is_the_same_lora_for_the_stock_loader(comfyui, family, kind,
         assert any(k.startswith("lora_unet_double_blocks_") for k in keys)
     assert metadata["ss_network_dim"] == "4" and float(metadata["ss_network_alpha"]) == 4.0
     assert metadata["ss_steps"] == "2" and metadata["ss_resolution"] == "(32, 32)"
-    assert metadata["ss_base_model_version"] == {"sd15": "sd_v1", "sd3": "sd3", "flux": "flux1"}[family]
+    assert metadata["ss_base_model_version"] == {"sd15": "sd_v1", "sd3": "sd3", "flux": "flux1", "zimage": "z_image",
+                                                 "qwen_image": "qwen_image"}[family]
     assert metadata["ss_network_module"] == ("networks.lora" if kind == "lora" else "lycoris.kohya")
     if kind != "lora":
         assert json.loads(metadata["ss_network_args"])["algo"] == {"loha": "loha", "lokr": "lokr", "dora": "lora",
@@ -246,7 +248,8 @@ def _diffusers_file_checks(name: str, component: str, layer_count: int, rank: in
 
 @pytest.mark.parametrize("family,targets", [("sd15", {}), ("sd3", {}), ("flux", {}), ("flux2", {}),
                                             ("sd15", {"targets": "all_linear", "include_conv": True}),
-                                            ("sd3", {"targets": "all_linear"}), ("flux", {"targets": "all_linear"})])
+                                            ("sd3", {"targets": "all_linear"}), ("flux", {"targets": "all_linear"}),
+                                            ("zimage", {}), ("qwen_image", {})])
 def test_diffusers_file_is_the_same_lora_for_the_stock_loader(comfyui, family, targets, caplog):
     from headroom.nodes import lora_formats
 
@@ -259,6 +262,13 @@ def test_diffusers_file_is_the_same_lora_for_the_stock_loader(comfyui, family, t
     keys, _ = _read(diffusers_name)
     if family == "sd15":  # attention-processor names: the UNet names both ComfyUI and diffusers map
         assert any(k.startswith("unet.down_blocks.") and ".attn1.processor.to_out_lora.up.weight" in k for k in keys)
+    elif family == "zimage":  # diffusers' ZImageTransformer2DModel names; fused qkv split into to_q / to_k / to_v
+        assert "transformer.layers.0.attention.to_q.lora_A.weight" in keys
+        assert "transformer.layers.0.attention.to_out.0.lora_B.weight" in keys
+        assert layer_count > len(run.adapters.layers)
+    elif family == "qwen_image":  # ComfyUI's module paths are diffusers' QwenImageTransformer2DModel names
+        assert "transformer.transformer_blocks.0.img_mlp.net.0.proj.lora_A.weight" in keys
+        assert layer_count == len(run.adapters.layers)
     else:  # PEFT names; the fused qkv weights are split into diffusers' separate layers
         assert any(k.endswith("transformer_blocks.0.attn.to_q.lora_A.weight") for k in keys)
         assert layer_count > len(run.adapters.layers)
@@ -670,3 +680,61 @@ def test_flux2_kohya_metadata_names_the_variant_as_musubi_tuner_does(comfyui, ca
     assert all(k.startswith("lora_unet_") for k in keys) and any(k.startswith("lora_unet_single_blocks_") for k in keys)
     assert "modelspec.architecture" not in metadata and metadata["ss_network_dim"] == "4"
     _stock_loader_weights(model, clip, kohya_name, caplog)
+
+
+def _diffusers_transformer_of(family: str, model):
+    """diffusers' own transformer class for a tiny zimage / qwen_image model, in its shape, carrying the tiny model's
+    weights where ComfyUI's conversion maps them (its embedders too where it does). Returns (transformer, conversion:
+    {diffusers key: ComfyUI key | (key, (dim, offset, size))})."""
+    import comfy.utils
+    from diffusers import QwenImageTransformer2DModel, ZImageTransformer2DModel
+
+    config = model.model.model_config.unet_config
+    if family == "zimage":
+        transformer = ZImageTransformer2DModel(
+            in_channels=config["in_channels"], dim=config["dim"], n_layers=config["n_layers"],
+            n_refiner_layers=config["n_refiner_layers"], n_heads=config["n_heads"], n_kv_heads=config["n_kv_heads"],
+            cap_feat_dim=config["cap_feat_dim"], rope_theta=config["rope_theta"], axes_dims=config["axes_dims"],
+            axes_lens=config["axes_lens"])
+        conversion = comfy.utils.z_image_to_diffusers(config, output_prefix="diffusion_model.")
+    else:  # ComfyUI's Qwen-Image module paths are diffusers' names
+        transformer = QwenImageTransformer2DModel(
+            in_channels=config["in_channels"], out_channels=config["out_channels"], num_layers=config["num_layers"],
+            attention_head_dim=config["attention_head_dim"], num_attention_heads=config["num_attention_heads"],
+            joint_attention_dim=config["joint_attention_dim"], axes_dims_rope=tuple(config["axes_dims_rope"]))
+        conversion = {k[len("diffusion_model."):]: k for k in model.model.state_dict() if k.startswith("diffusion_model.")}
+    comfy_state = model.model.state_dict()
+    own = transformer.state_dict()
+    state = {}
+    for key, source in conversion.items():
+        if key in own:
+            tensor = comfy_state[source] if isinstance(source, str) else comfy_state[source[0]].narrow(*source[1])
+            if tensor.shape == own[key].shape:
+                state[key] = tensor.float()
+    transformer.load_state_dict(state, strict=False)
+    return transformer.eval(), conversion
+
+
+@pytest.mark.parametrize("family", ["zimage", "qwen_image"])
+def test_new_family_diffusers_files_load_in_diffusers_with_comfyuis_weights(comfyui, family, caplog):
+    """Z-Image / Qwen-Image: diffusers' pipeline loader injects every layer of the diffusers-format file into the
+    family's diffusers transformer (Z-Image's fused qkv as to_q / to_k / to_v) with no unmatched key, and the fused
+    weights are the stock LoraLoader's patched weights."""
+    import folder_paths
+    from diffusers import QwenImagePipeline, ZImagePipeline
+
+    from headroom.nodes import lora_formats
+
+    model, clip, run, comfy_name, _ = _save_both(family, "lora")
+    diffusers_name = _save(run, f"{family}_lora_diffusers_loader", "diffusers")
+    names = lora_formats.diffusers_names(model, run.adapters.layers, family)
+    from_comfy, _ = _stock_loader_weights(model, clip, comfy_name, caplog)
+    pipeline = ZImagePipeline if family == "zimage" else QwenImagePipeline
+    with torch.inference_mode(False), torch.no_grad():
+        transformer, conversion = _diffusers_transformer_of(family, model)
+        layers = _load_with_diffusers(transformer, pipeline, folder_paths.get_full_path_or_raise("loras", diffusers_name),
+                                      caplog)
+        assert len(layers) == sum(len(v) for v in names.values())
+        worst = _fused_against_comfy(transformer, layers, conversion, from_comfy)
+    print(f"{family}: {len(run.adapters.layers)} ComfyUI modules -> {len(layers)} diffusers layers; fused vs "
+          f"ComfyUI, max relative difference {worst:.1e}")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 pytestmark = pytest.mark.comfyui
-FAMILIES = ["sd15", "sd3", "flux", "flux2"]
+FAMILIES = ["sd15", "sd3", "flux", "flux2", "zimage", "qwen_image"]
 
 
 def _policy(**overrides):

@@ -66,6 +66,10 @@ CASES = [
     ("sdxl", [], 2_567_463_684),  # full size
     ("flux_dev", [], 1_026_971_200),  # 3072 wide, 2 + 2 blocks
     ("sd35_large", ["--planner"], 601_638_720),  # 2432 wide, 3 joint blocks
+    ("zimage", [], 908_508_992),  # 3840 wide, 1 main + 2 + 2 refiner blocks; Qwen3-4B at real width, 3 layers
+    # 3072 wide, 2 blocks (at 1 the weights are so small that the training step's fp32 casts of the 56 M-entry
+    # modulation weights alone come near the "second copy" bound); Qwen2.5-VL-7B at real width, 1 layer; Wan 2.1 VAE
+    ("qwen_image", [], 720_185_920),
 ]
 
 
@@ -162,3 +166,47 @@ def test_flux2_lora_keys_map_at_real_width_and_full_depth(case, args, full, redu
         assert saved["not_loaded"] == [] and saved["patched_weights"] == report["layers"], file_format
     assert report["base_unchanged"]
     assert report["peak_rss_bytes"] < 6.5 * GIB
+
+
+# The released depths (tests/realsize_models.py ARCHITECTURES) of the families whose real-size case is reduced to one
+# block: (the LoRA modules the preset picks per block).
+FULL_DEPTH = {"zimage": ("zimage", 5), "qwen_image": ("qwen_image", 12)}
+
+
+@pytest.mark.parametrize("arch", list(FULL_DEPTH))
+def test_preset_key_names_hold_at_full_depth(comfyui, arch):
+    """The full-depth model, built on the meta device from the same unet_config (no memory): the preset picks the
+    same names per block as at the real-size case's one block, and every one of them maps through ComfyUI's LoRA key
+    map (comfyui, kohya and diffusers names), so a file of the reduced model's names is a file of the real one's."""
+    import comfy.lora
+    import comfy.model_detection
+
+    import realsize_models as R
+    from headroom.nodes import families, lora_formats
+    from headroom.nodes.comfy_model import model_blocks
+    from headroom.training.adapters import AdapterConfig
+
+    family, per_block = FULL_DEPTH[arch]
+    picked = {}
+    for depth in (1, R.ARCHITECTURES[arch]["depth"]):
+        config = comfy.model_detection.model_config_from_unet_config(R.unet_config(arch, depth))
+        model = config.get_model({}, "", device="meta")
+        assert families.family_of(model).name == family
+        dm = model.diffusion_model
+        targets = families.lora_targets(dm, family, AdapterConfig(), [n for n, _ in model_blocks(dm)])
+        key_map = comfy.lora.model_lora_keys_unet(model, {})
+        assert all(key_map.get(f"diffusion_model.{t}") == f"diffusion_model.{t}.weight" for t in targets)
+        patcher = type("Patcher", (), {"model": model})()
+        kohya = lora_formats.kohya_names(patcher, targets, family)
+        assert all(key_map[name] == f"diffusion_model.{t}.weight" for t, name in kohya.items())
+        diffusers = lora_formats.diffusers_names(patcher, targets, family)
+        assert set(diffusers) == set(targets)
+        picked[depth] = (targets, kohya, diffusers)
+    (small, small_kohya, small_diffusers), (full, full_kohya, full_diffusers) = picked.values()
+    depth = R.ARCHITECTURES[arch]["depth"]
+    print(f"{arch}: {len(small)} preset modules at depth 1, {len(full)} at depth {depth}, all mapped by the stock "
+          f"loader (comfyui, kohya and diffusers names)")
+    assert len(small) == per_block and len(full) == per_block * depth
+    assert set(small) <= set(full)
+    assert all(full_kohya[t] == small_kohya[t] and [n for n, _ in full_diffusers[t]] == [n for n, _ in small_diffusers[t]]
+               for t in small)

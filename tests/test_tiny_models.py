@@ -4,7 +4,7 @@ import torch
 
 pytestmark = pytest.mark.comfyui
 
-FAMILIES = ["sd15", "sd3", "flux", "flux2"]
+FAMILIES = ["sd15", "sd3", "flux", "flux2", "zimage", "qwen_image"]
 
 
 def _weights(patcher):
@@ -22,10 +22,11 @@ def test_tiny_family_samples_with_stock_nodes(comfyui, family):
     assert isinstance(model.model, comfy.model_base.BaseModel)
     assert isinstance(clip, comfy.sd.CLIP) and isinstance(vae, comfy.sd.VAE)
     expected_base = {"sd15": comfy.model_base.BaseModel, "sd3": comfy.model_base.SD3, "flux": comfy.model_base.Flux,
-                     "flux2": comfy.model_base.Flux2}
+                     "flux2": comfy.model_base.Flux2, "zimage": comfy.model_base.Lumina2,
+                     "qwen_image": comfy.model_base.QwenImage}
     assert type(model.model) is expected_base[family]
     n_params = sum(p.numel() for p in model.model.diffusion_model.parameters())
-    assert 10_000 < n_params < 5_000_000
+    assert 10_000 < n_params < 10_000_000  # zimage: 8.6 M (Z-Image modulation needs width >= 256; see zimage.py)
 
     with torch.inference_mode():
         positive = nodes.CLIPTextEncode().encode(clip, "a red circle at the center")[0]
@@ -37,7 +38,8 @@ def test_tiny_family_samples_with_stock_nodes(comfyui, family):
         image = nodes.VAEDecode().decode(vae, samples)[0]
         again = nodes.VAEDecode().decode(vae, nodes.common_ksampler(
             model, 0, 4, cfg, "euler", "normal", positive, negative, latent)[0])[0]
-    assert samples["samples"].shape == (1, channels, 8, 8)
+    frames = (1,) if model.model.latent_format.latent_dimensions == 3 else ()  # qwen_image: Wan 2.1 video latents
+    assert samples["samples"].shape == (1, channels, *frames, 8, 8)
     side = 8 * model.model.latent_format.spacial_downscale_ratio  # 8x; Flux.2: 16x
     assert vae.spacial_compression_decode() == model.model.latent_format.spacial_downscale_ratio
     assert image.shape == (1, side, side, 3)

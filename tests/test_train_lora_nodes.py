@@ -8,13 +8,15 @@ import torch
 
 pytestmark = pytest.mark.comfyui
 
-FAMILIES = ["sd15", "sd3", "flux"]
+FAMILIES = ["sd15", "sd3", "flux", "zimage", "qwen_image"]
 # Settings that overfit 4 images quickly on the tiny random models. The random frozen embedders and output
 # layers of the tiny DiTs are not the near-identity paths of trained models, so those train every layer.
 OVERFIT = {
     "sd15": dict(targets="preset", include_conv=True),
     "sd3": dict(targets="all_layers", include_conv=False),
     "flux": dict(targets="all_layers", include_conv=False),
+    "zimage": dict(targets="all_layers", include_conv=False),
+    "qwen_image": dict(targets="all_layers", include_conv=False),
 }
 
 

@@ -754,12 +754,15 @@ def cache_latents(
 
 
 def latent_mask(mask_pixels: torch.Tensor, latent: torch.Tensor) -> torch.Tensor:
-    """A loss mask [bucket_h, bucket_w, 3] 0..1 (its mean over channels) -> [1, h, w] at the latent's resolution,
-    each latent cell the mean of the pixels it covers (area averaging: no cell is weighted by a single pixel)."""
-    if latent.ndim != 3:
-        raise DatasetError(f"loss masks need image latents [C, h, w]; this VAE gives {list(latent.shape)}")
+    """A loss mask [bucket_h, bucket_w, 3] 0..1 (its mean over channels) -> [1, h, w] at the latent's resolution
+    ([1, 1, h, w] for a video VAE's one-frame latent [C, 1, h, w]: Wan 2.1 latents of Qwen-Image), each latent cell the
+    mean of the pixels it covers (area averaging: no cell is weighted by a single pixel)."""
+    if latent.ndim not in (3, 4) or (latent.ndim == 4 and latent.shape[1] != 1):
+        raise DatasetError(f"loss masks need image latents [C, h, w] or one-frame latents [C, 1, h, w]; this VAE "
+                           f"gives {list(latent.shape)}")
     grey = mask_pixels.to(torch.float32).mean(dim=-1)[None, None]
-    return F.interpolate(grey, size=tuple(latent.shape[-2:]), mode="area")[0].clamp_(0.0, 1.0)
+    mask = F.interpolate(grey, size=tuple(latent.shape[-2:]), mode="area")[0].clamp_(0.0, 1.0)
+    return mask.reshape(1, *(1,) * (latent.ndim - 3), *mask.shape[-2:])
 
 
 def _single(latents: torch.Tensor, name: str) -> torch.Tensor:
