@@ -46,8 +46,8 @@ def test_tiny_family_samples_with_stock_nodes(comfyui, family):
     assert torch.isfinite(image).all() and image.std() > 0
     assert torch.equal(image, again), "same seed must give the same image"
     assert torch.isfinite(positive[0][0]).all()
-    # Flux.2 (Klein's Qwen3) has no pooled vector; the others do.
-    assert (positive[0][1].get("pooled_output") is not None) == (family != "flux2")
+    # The LLM text encoders (Flux.2 Klein's Qwen3, Z-Image's Qwen3, Qwen-Image's Qwen2.5-VL) have no pooled vector.
+    assert (positive[0][1].get("pooled_output") is not None) == (family not in ("flux2", "zimage", "qwen_image"))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
