@@ -75,7 +75,8 @@ class Family:
     diffusers_component: str  # the diffusers pipeline component of the denoiser: its LoRA key prefix
     kohya_base: tuple[str, str]  # (ss_base_model_version, modelspec.architecture) sd-scripts writes
     kohya_diffusers_block_names: bool = False  # kohya names in diffusers' block naming (SD1.x) instead of the path
-    calibration_pooled_width: int | None = None  # pooled conditioning width calibration adds beyond expected_cond_dims
+    # model -> the pooled conditioning width the planner's calibration adds beyond expected_cond_dims (SDXL), or None.
+    calibration_pooled_width: Callable[[Any], int] | None = None
     latent_downscale: int = 8  # image px per latent px
     # Whether a model's blocks add into their inputs in place; asked of every family (registry.inplace_blocks).
     inplace_blocks: Callable[[Any], bool] = _never
