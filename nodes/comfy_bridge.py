@@ -52,6 +52,9 @@ LORA_APPLICATIONS = ("as_saved_file", "unmerged")
 # Settings added after runs were first stored: a run folder without them trained with these values and resumes.
 CONFIG_ADDED_LATER = {"session.train.objective.loss_type": "mse", "session.train.objective.huber_delta": 0.1,
                       "session.train.ema_decay": 0.0, "session.train.prior_ratio": 0.0}
+# Stored values an earlier version wrote for what is now named otherwise: an SD2 model's family was sd15 before
+# nodes/families/sd2.py; the preset trains the same layers, so such a run resumes.
+CONFIG_RENAMED = {"session.family": {"sd2": "sd15"}}
 # Which weights Validate / Save use: auto = the EMA when the run keeps one (TrainingSession.weights).
 WEIGHT_CHOICES = ("auto", "trained", "ema")
 
@@ -275,7 +278,7 @@ class TrainingSession:
             "latent_cache": getattr(latent_cache, "fingerprint", None), "text_cache": getattr(text_cache, "fingerprint", None),
             "data": data_fingerprint(latent_cache),
         }
-        self.run_dir.check_compatible(stored, added_later=CONFIG_ADDED_LATER)
+        self.run_dir.check_compatible(stored, added_later=CONFIG_ADDED_LATER, renamed=CONFIG_RENAMED)
         count = len(latent_cache)
         if config.holdout >= count:
             raise ValueError(f"holdout={config.holdout} leaves no training items of the {count} cached")

@@ -247,8 +247,9 @@ def diffusers_metadata(config: dict) -> dict[str, str]:
 
 
 def kohya_metadata(family: str | None, kind: str, rank: int, alpha: float, steps: int, title: str,
-                   resolution: tuple[int, int] | None) -> dict[str, str]:
-    """The sd-scripts metadata keys UIs read (network dim / alpha / base model / resolution / steps)."""
+                   resolution: tuple[int, int] | None, model=None) -> dict[str, str]:
+    """The sd-scripts metadata keys UIs read (network dim / alpha / base model / resolution / steps); `model`: the
+    MODEL, for the family's model-dependent keys (Family.kohya_extra)."""
     known = families.get(family)
     base_version, architecture = known.kohya_base if known is not None else ("", "")
     metadata = {
@@ -269,6 +270,8 @@ def kohya_metadata(family: str | None, kind: str, rank: int, alpha: float, steps
     if base_version:
         metadata["ss_base_model_version"] = base_version
         metadata["modelspec.architecture"] = architecture
+    if known is not None and known.kohya_extra is not None and model is not None:
+        metadata.update(known.kohya_extra(model.model))
     if resolution is not None:
         metadata["ss_resolution"] = f"({resolution[0]}, {resolution[1]})"
         metadata["modelspec.resolution"] = f"{resolution[0]}x{resolution[1]}"

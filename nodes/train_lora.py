@@ -699,7 +699,7 @@ def save_lora(run: TrainingSession, subfolder: str, filename: str, dtype: str = 
             adapter = run.config.adapter
             metadata.update(lora_formats.kohya_metadata(
                 run.config.family, adapter.kind, adapter.rank, adapter.alpha, run.step, name[: -len(".safetensors")],
-                max(buckets, key=lambda b: b[0] * b[1]) if buckets else None))
+                max(buckets, key=lambda b: b[0] * b[1]) if buckets else None, model=run.source_model))
             metadata["headroom.format"] = "kohya"
         save_safetensors(path, state, f"LoRA {name}", metadata=metadata)
     return listed_name("loras", loras_root, path)

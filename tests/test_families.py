@@ -20,12 +20,15 @@ def _old_model_family(model):
     return None
 
 
-def _models():
-    """{name: ModelPatcher}: the tiny families and a tiny SDXL."""
-    from headroom.nodes.tiny_models import build_tiny_model_patcher
-    from test_lora_formats import _tiny_sdxl
+# Families split off from an older family's rule: {family: the family the rule it replaced named}.
+SPLIT_OFF = {"sd2": "sd15", "chroma": "flux"}
 
-    return {**{family: build_tiny_model_patcher(family, 0) for family in ("sd15", "sd3", "flux")}, "sdxl": _tiny_sdxl()}
+
+def _models():
+    """{name: ModelPatcher}: the tiny model of every family."""
+    from headroom.nodes.tiny_models import FAMILIES, build_tiny_model_patcher
+
+    return {family: build_tiny_model_patcher(family, 0) for family in FAMILIES}
 
 
 def test_one_module_per_family(comfyui):
@@ -35,36 +38,47 @@ def test_one_module_per_family(comfyui):
 
     folder = pathlib.Path(families.__file__).parent
     modules = sorted(p.stem for p in folder.glob("*.py") if p.stem not in ("__init__", "base"))
-    assert list(families.FAMILIES) == ["sd15", "sdxl", "sd3", "flux"]
+    assert list(families.FAMILIES) == ["sd15", "sd2", "sdxl", "sd3", "flux", "chroma"]
     assert sorted(families.FAMILIES) == modules
     assert list(families.CONTROLNET_TYPES) == ["unet", "sd3", "flux"]  # stored names: never renamed
-    assert families.get("sd15").controlnet is families.get("sdxl").controlnet is families.controlnet_type("unet")
+    assert (families.get("sd15").controlnet is families.get("sd2").controlnet is families.get("sdxl").controlnet
+            is families.controlnet_type("unet"))
 
 
 def test_recognition_is_the_rule_it_replaced(comfyui):
     from headroom.nodes import families
     from headroom.nodes.comfy_model import ComfyDenoiser, model_family
 
-    for name, patcher in _models().items():
+    models = _models()
+    assert list(models) == list(families.FAMILIES)  # every family has a tiny model
+    for name, patcher in models.items():
         model = patcher.model
-        assert families.family_of(model).name == name == _old_model_family(model) == model_family(model)
-        assert families.inplace_blocks(model) == (name == "flux")
-        assert ComfyDenoiser(patcher).inplace_blocks == (name == "flux")
-        assert families.controlnet_type_of(patcher).name == {"sd15": "unet", "sdxl": "unet"}.get(name, name)
+        assert families.family_of(model).name == name == model_family(model)
+        assert [f.name for f in families.FAMILIES.values() if f.recognise(model)] == [name]  # no overlap
+        assert _old_model_family(model) == SPLIT_OFF.get(name, name)
+        assert families.inplace_blocks(model) == (name in ("flux", "chroma"))
+        assert ComfyDenoiser(patcher).inplace_blocks == (name in ("flux", "chroma"))
+        if name == "chroma":  # no ControlNet layout for Chroma in ComfyUI's loader
+            with pytest.raises(families.ControlNetError, match="no ControlNet support for this MODEL"):
+                families.controlnet_type_of(patcher)
+        else:
+            assert families.controlnet_type_of(patcher).name == {"sd15": "unet", "sd2": "unet", "sdxl": "unet"}.get(name, name)
 
 
 def test_family_facts_are_the_tables_they_replaced(comfyui):
     from headroom.nodes import families, lora_formats
 
-    assert {f.name: f.text_tokens for f in families.FAMILIES.values()} == {"sd15": 77, "sdxl": 77, "sd3": 154,
-                                                                          "flux": 256}
+    assert {f.name: f.text_tokens for f in families.FAMILIES.values()} == {"sd15": 77, "sd2": 77, "sdxl": 77, "sd3": 154,
+                                                                          "flux": 256, "chroma": 256}
     assert {name: lora_formats.diffusers_component(name) for name in families.FAMILIES} == {
-        "sd15": "unet", "sdxl": "unet", "sd3": "transformer", "flux": "transformer"}
+        "sd15": "unet", "sd2": "unet", "sdxl": "unet", "sd3": "transformer", "flux": "transformer",
+        "chroma": "transformer"}
     assert lora_formats.diffusers_component(None) is None and families.lora_preset("wan") is None
     assert {f.name: f.kohya_base for f in families.FAMILIES.values()} == {
         "sd15": ("sd_v1", "stable-diffusion-v1/lora"), "sdxl": ("sdxl_base_v1-0", "stable-diffusion-xl-v1-base/lora"),
-        "sd3": ("sd3", "stable-diffusion-3/lora"), "flux": ("flux1", "flux-1-dev/lora")}
-    assert [f.name for f in families.FAMILIES.values() if f.lora_preset.conv is not None] == ["sd15", "sdxl"]
+        "sd3": ("sd3", "stable-diffusion-3/lora"), "flux": ("flux1", "flux-1-dev/lora"),
+        "sd2": ("sd_v2", "stable-diffusion-v2-512/lora"), "chroma": ("chroma", "chroma/lora")}
+    assert [f.name for f in families.FAMILIES.values() if f.lora_preset.conv is not None] == ["sd15", "sd2", "sdxl"]
     assert {name: t.hint for name, t in families.CONTROLNET_TYPES.items()} == {"unet": "pixels", "sd3": "latents",
                                                                               "flux": "pixels"}
 
@@ -75,7 +89,95 @@ def test_a_model_of_no_family_trains_with_all_linear_only(comfyui):
 
     model = _models()["sd15"].model
     blocks = ["input_blocks.1"]
-    with pytest.raises(ValueError, match=r"this model has no LoRA target preset \(presets: sd15, sdxl, sd3, flux\); "
+    with pytest.raises(ValueError, match=r"this model has no LoRA target preset \(presets: sd15, sd2, sdxl, sd3, "
+                                         r"flux, chroma\); "
                                          "set targets to 'all_linear'"):
         families.lora_targets(model.diffusion_model, None, AdapterConfig(), blocks)
     assert families.lora_targets(model.diffusion_model, None, AdapterConfig(targets="all_linear"), blocks)
+
+
+def test_sd2_is_its_own_family_and_its_tiny_model_predicts_v(comfyui):
+    """SD2.x: ComfyUI's SD20 config (sd15 no longer claims it); the tiny one is SD2.1-768-v's objective; its kohya
+    metadata is what sd-scripts writes for a v-parameterization SD2 LoRA, and for an eps one (512 base)."""
+    import comfy.model_sampling
+    import comfy.supported_models
+
+    from headroom.nodes import families, lora_formats
+    from headroom.nodes.comfy_model import sampling_descriptor
+    from headroom.nodes.tiny_models import build_tiny_model_patcher
+
+    patcher = build_tiny_model_patcher("sd2", 0)
+    model = patcher.model
+    assert isinstance(model.model_config, comfy.supported_models.SD20)
+    assert isinstance(model.model_sampling, comfy.model_sampling.V_PREDICTION)
+    assert sampling_descriptor(model.model_sampling).prediction == "v"
+    assert not families.get("sd15").recognise(model)
+    metadata = lora_formats.kohya_metadata("sd2", "lora", 4, 4.0, 10, "t", (64, 64), model=patcher)
+    assert (metadata["ss_base_model_version"], metadata["modelspec.architecture"], metadata["ss_v2"],
+            metadata["modelspec.prediction_type"]) == ("sd_v2_v", "stable-diffusion-v2-768-v/lora", "True", "v")
+    # SD2 512-base: the same family, eps; ComfyUI's own SD20 config picks eps for weights without v's statistics.
+    config = comfy.supported_models.SD20(dict(model.model_config.unet_config))
+    config.set_inference_dtype(model.get_dtype(), None)
+    eps_model = config.get_model({}, "")
+    assert families.family_of(eps_model).name == "sd2"
+    assert sampling_descriptor(eps_model.model_sampling).prediction == "eps"
+    eps = lora_formats.kohya_metadata("sd2", "lora", 4, 4.0, 10, "t", None, model=type("M", (), {"model": eps_model}))
+    assert (eps["ss_base_model_version"], eps["modelspec.architecture"], eps["modelspec.prediction_type"]) == (
+        "sd_v2", "stable-diffusion-v2-512/lora", "epsilon")
+
+
+def test_sdxl_calibration_pooled_width_comes_from_the_model(comfyui):
+    """The planner's calibration adds CLIP-G's pooled width: 1280 for the released base and refiner (configs as
+    comfy/model_detection derives them, built on the meta device), the tiny CLIP-G's projection for the tiny one."""
+    import comfy.model_detection
+    import torch
+
+    from headroom.nodes import families
+    from headroom.nodes.families.base import TINY_CLIP_G
+    from headroom.nodes.tiny_models import build_tiny_model_patcher
+
+    width = families.get("sdxl").calibration_pooled_width
+    assert width(build_tiny_model_patcher("sdxl", 0).model) == TINY_CLIP_G["projection_dim"]
+    real = {"base": {"adm_in_channels": 2816, "model_channels": 320, "transformer_depth": [0, 0, 2, 2, 10, 10],
+                     "context_dim": 2048, "channel_mult": [1, 2, 4], "transformer_depth_middle": 10,
+                     "transformer_depth_output": [0, 0, 0, 2, 2, 2, 10, 10, 10]},
+            "refiner": {"adm_in_channels": 2560, "model_channels": 384, "transformer_depth": [0, 0, 4, 4, 4, 4, 0, 0],
+                        "context_dim": 1280, "channel_mult": [1, 2, 4, 4], "transformer_depth_middle": 4,
+                        "transformer_depth_output": [0, 0, 0, 4, 4, 4, 4, 4, 4, 0, 0, 0]}}
+    common = {"use_checkpoint": False, "image_size": 32, "out_channels": 4, "use_spatial_transformer": True,
+              "legacy": False, "num_classes": "sequential", "in_channels": 4, "use_linear_in_transformer": True,
+              "use_temporal_attention": False, "use_temporal_resblock": False}
+    for name, unet in real.items():
+        config = comfy.model_detection.model_config_from_unet_config({**common, **unet,
+                                                                      "num_res_blocks": [2] * len(unet["channel_mult"])})
+        config.set_inference_dtype(torch.bfloat16, None)
+        model = config.get_model({}, "", device=torch.device("meta"))
+        assert families.family_of(model).name == "sdxl"
+        assert width(model) == 1280, name
+
+
+def test_a_run_stored_as_sd15_for_an_sd2_model_resumes(comfyui, tmp_path):
+    """Runs an earlier version stored for an SD2 model say family sd15 (that family then covered SD2): they resume
+    (the preset trains the same layers); a run stored under another family does not."""
+    import json
+
+    from headroom.training.run_dir import RunDir
+    from test_family_conformance import _data, _init
+
+    model, _, _, latents, texts = _data("sd2", count=2, resolution=32)
+    run = _init(model, latents, texts, "families_sd2_resume", 4, 1e-3, "preset", False)
+    assert run.config.family == "sd2"
+    run.release()
+    folder = RunDir(run.run_dir.path.parent, run.run_dir.name)
+    config_path = folder.config_path
+    for stored, resumes in (("sd15", True), ("sdxl", False)):
+        config = json.loads(config_path.read_text())
+        config["session"]["family"] = stored
+        config_path.write_text(json.dumps(config))
+        if resumes:
+            again = _init(model, latents, texts, "families_sd2_resume", 4, 1e-3, "preset", False)
+            assert again.run_dir.path == run.run_dir.path
+            again.release()
+        else:
+            with pytest.raises(ValueError, match=r"session.family: stored 'sdxl', now 'sd2'"):
+                _init(model, latents, texts, "families_sd2_resume", 4, 1e-3, "preset", False)

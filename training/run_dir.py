@@ -207,10 +207,12 @@ class RunDir:
                                  if not os.path.islink(sub) and is_within(sub, self.path)]
         return [name for folder in folders for name in prune_temp(folder)]
 
-    def check_compatible(self, config: dict, added_later: dict[str, Any] | None = None) -> None:
+    def check_compatible(self, config: dict, added_later: dict[str, Any] | None = None,
+                         renamed: dict[str, dict[Any, Any]] | None = None) -> None:
         """Raise if this run directory holds a run whose configuration differs from `config`, or checkpoints
         without a configuration (nothing to check them against). `added_later`: {dotted key: value} of settings
-        newer than some stored runs; a stored run without the key ran with that value, so it still resumes."""
+        newer than some stored runs; a stored run without the key ran with that value, so it still resumes.
+        `renamed`: {dotted key: {value now: the value earlier versions stored for the same thing}}."""
         self._check_contained()
         stored = self.read_config()
         if stored is None:
@@ -221,9 +223,10 @@ class RunDir:
                 )
             return
         stored_json, new_json = json.loads(json.dumps(stored)), json.loads(json.dumps(config))
-        added_later = added_later or {}
+        added_later, renamed = added_later or {}, renamed or {}
         differences = [(k, a, b) for k, a, b in _differences(stored_json, new_json)
-                       if not (a is None and k in added_later and b == added_later[k])]
+                       if not (a is None and k in added_later and b == added_later[k])
+                       and not (k in renamed and b in renamed[k] and a == renamed[k][b])]
         if differences:
             listed = "; ".join(f"{k}: stored {a!r}, now {b!r}" for k, a, b in differences[:6])
             raise ValueError(

@@ -74,6 +74,8 @@ class Family:
     text_tokens: int  # text length the planner assumes when not told (the family's text encoder's usual length)
     diffusers_component: str  # the diffusers pipeline component of the denoiser: its LoRA key prefix
     kohya_base: tuple[str, str]  # (ss_base_model_version, modelspec.architecture) sd-scripts writes
+    # model -> sd-scripts metadata that depends on the model (SD2: v-prediction or not), written over kohya_base.
+    kohya_extra: Callable[[Any], dict[str, str]] | None = None
     kohya_diffusers_block_names: bool = False  # kohya names in diffusers' block naming (SD1.x) instead of the path
     # model -> the pooled conditioning width the planner's calibration adds beyond expected_cond_dims (SDXL), or None.
     calibration_pooled_width: Callable[[Any], int] | None = None
