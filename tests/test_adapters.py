@@ -117,7 +117,7 @@ def test_family_presets_pick_the_documented_layers(comfyui):
     from headroom.nodes.tiny_models import build_tiny_model_patcher
 
     picked = {}
-    for family in ("sd15", "sd3", "flux"):
+    for family in ("sd15", "sd2", "sdxl", "sd3", "flux", "chroma"):
         model = build_tiny_model_patcher(family, 0).model
         assert model_family(model) == family
         blocks = [n for n, _ in model_blocks(model.diffusion_model)]
@@ -138,3 +138,10 @@ def test_family_presets_pick_the_documented_layers(comfyui):
     assert sorted({p.split(".", 2)[2] for p in picked["flux"] if p.startswith("double_blocks.")}) == [
         "img_attn.proj", "img_attn.qkv", "img_mlp.0", "img_mlp.2", "txt_attn.proj", "txt_attn.qkv", "txt_mlp.0",
         "txt_mlp.2"]
+    # SD2 / SDXL: the UNet attention projections as SD1's; Chroma: Flux's layers (its blocks have no modulation)
+    for family in ("sd2", "sdxl"):
+        assert picked[family] and all(p.rsplit(".", 2)[-2] in ("attn1", "attn2") or p.endswith("to_out.0")
+                                      for p in picked[family])
+    assert not any(p.startswith("input_blocks.1.") for p in picked["sdxl"])  # SDXL: no attention at the first level
+    assert {p.split(".", 2)[2] for p in picked["chroma"]} == {p.split(".", 2)[2] for p in picked["flux"]}
+    assert not any(p.startswith("distilled_guidance_layer") for p in picked["chroma"])

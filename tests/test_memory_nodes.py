@@ -7,7 +7,7 @@ import pytest
 import torch
 
 pytestmark = pytest.mark.comfyui
-FAMILIES = ["sd15", "sd3", "flux"]
+FAMILIES = ["sd15", "sd2", "sdxl", "sd3", "flux", "chroma"]
 
 
 def _policy(**overrides):
