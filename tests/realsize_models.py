@@ -58,18 +58,42 @@ ARCHITECTURES = {
         },
     },
 }
+# Families whose real-size coverage is their LoRA key names (tests/realsize_keys.py): the unet_config comfy/model_detection
+# derives from the released checkpoints (checked there: detect_unet_config of the full-depth model's keys gives it back).
+ARCHITECTURES.update({
+    "sd21_768_v": {  # model_detection's SD21 (SD2.1-768-v / 512-base share the UNet; v comes from the weights)
+        "text_tokens": 77, "text_encoder": "sd2", "latent_channels": 4, "depth": None,
+        "unet_config": {
+            "use_checkpoint": False, "image_size": 32, "out_channels": 4, "use_spatial_transformer": True,
+            "legacy": False, "adm_in_channels": None, "in_channels": 4, "model_channels": 320,
+            "num_res_blocks": [2, 2, 2, 2], "transformer_depth": [1, 1, 1, 1, 1, 1, 0, 0], "channel_mult": [1, 2, 4, 4],
+            "transformer_depth_middle": 1, "use_linear_in_transformer": True, "context_dim": 1024,
+            "num_head_channels": 64, "transformer_depth_output": [1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0],
+            "use_temporal_attention": False, "use_temporal_resblock": False,
+        },
+    },
+    "chroma": {  # Chroma1-HD: 8.90 B, Flux-dev's width without the per-block modulations, T5-XXL only
+        "text_tokens": 256, "text_encoder": "chroma", "latent_channels": 16, "depth": (19, 38),
+        "unet_config": {
+            "image_model": "chroma", "axes_dim": [16, 56, 56], "num_heads": 24, "mlp_ratio": 4.0, "theta": 10000,
+            "out_channels": 64, "qkv_bias": True, "txt_ids_dims": [], "in_channels": 64, "hidden_size": 3072,
+            "context_in_dim": 4096, "patch_size": 2, "vec_in_dim": None, "depth": 19, "depth_single_blocks": 38,
+            "in_dim": 64, "out_dim": 3072, "hidden_dim": 5120, "n_layers": 5,
+        },
+    },
+})
 T5XXL_LAYERS = 24  # the released T5-XXL encoder
 
 
 def unet_config(name: str, depth=None) -> dict:
-    """The architecture's unet_config; `depth` reduces it at real width: SD3.5 joint blocks (int), Flux
-    (double blocks, single blocks). SDXL is always full size."""
+    """The architecture's unet_config; `depth` reduces it at real width: SD3.5 joint blocks (int), Flux / Chroma
+    (double blocks, single blocks). The UNets (SDXL, SD2.1) are always full size."""
     config = dict(ARCHITECTURES[name]["unet_config"])
     if depth is None:
         return config
     if name == "sd35_large":
         config["num_blocks"] = int(depth)
-    elif name == "flux_dev":
+    elif name in ("flux_dev", "chroma"):
         config["depth"], config["depth_single_blocks"] = (int(d) for d in depth)
     else:
         raise ValueError(f"{name} is built at full size only (depth=None)")
