@@ -53,8 +53,8 @@ LORA_APPLICATIONS = ("as_saved_file", "unmerged")
 CONFIG_ADDED_LATER = {"session.train.objective.loss_type": "mse", "session.train.objective.huber_delta": 0.1,
                       "session.train.ema_decay": 0.0, "session.train.prior_ratio": 0.0}
 # Stored values an earlier version wrote for what is now named otherwise: an SD2 model's family was sd15 before
-# nodes/families/sd2.py; the preset trains the same layers, so such a run resumes.
-CONFIG_RENAMED = {"session.family": {"sd2": "sd15"}}
+# nodes/families/sd2.py, a Chroma model's flux before chroma.py; the presets train the same layers, so such runs resume.
+CONFIG_RENAMED = {"session.family": {"sd2": "sd15", "chroma": "flux"}}
 # Which weights Validate / Save use: auto = the EMA when the run keeps one (TrainingSession.weights).
 WEIGHT_CHOICES = ("auto", "trained", "ema")
 

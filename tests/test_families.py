@@ -156,28 +156,28 @@ def test_sdxl_calibration_pooled_width_comes_from_the_model(comfyui):
         assert width(model) == 1280, name
 
 
-def test_a_run_stored_as_sd15_for_an_sd2_model_resumes(comfyui, tmp_path):
-    """Runs an earlier version stored for an SD2 model say family sd15 (that family then covered SD2): they resume
-    (the preset trains the same layers); a run stored under another family does not."""
+@pytest.mark.parametrize("family", SPLIT_OFF)
+def test_a_run_stored_under_the_family_it_split_off_from_resumes(comfyui, family):
+    """Runs an earlier version stored for an SD2 model say family sd15, for a Chroma model flux (those families then
+    claimed them): they resume (the presets train the same layers); a run stored under another family does not."""
     import json
 
-    from headroom.training.run_dir import RunDir
     from test_family_conformance import _data, _init
 
-    model, _, _, latents, texts = _data("sd2", count=2, resolution=32)
-    run = _init(model, latents, texts, "families_sd2_resume", 4, 1e-3, "preset", False)
-    assert run.config.family == "sd2"
+    model, _, _, latents, texts = _data(family, count=2, resolution=32)
+    name = f"families_{family}_resume"
+    run = _init(model, latents, texts, name, 4, 1e-3, "preset", False)
+    assert run.config.family == family
     run.release()
-    folder = RunDir(run.run_dir.path.parent, run.run_dir.name)
-    config_path = folder.config_path
-    for stored, resumes in (("sd15", True), ("sdxl", False)):
+    config_path = run.run_dir.config_path
+    for stored, resumes in ((SPLIT_OFF[family], True), ("sd3", False)):
         config = json.loads(config_path.read_text())
         config["session"]["family"] = stored
         config_path.write_text(json.dumps(config))
         if resumes:
-            again = _init(model, latents, texts, "families_sd2_resume", 4, 1e-3, "preset", False)
+            again = _init(model, latents, texts, name, 4, 1e-3, "preset", False)
             assert again.run_dir.path == run.run_dir.path
             again.release()
         else:
-            with pytest.raises(ValueError, match=r"session.family: stored 'sdxl', now 'sd2'"):
-                _init(model, latents, texts, "families_sd2_resume", 4, 1e-3, "preset", False)
+            with pytest.raises(ValueError, match=rf"session.family: stored 'sd3', now '{family}'"):
+                _init(model, latents, texts, name, 4, 1e-3, "preset", False)

@@ -1,7 +1,10 @@
 """Chroma (Chroma1-HD / -Base, lodestones): a pruned Flux.1-schnell DiT (`comfy.model_base.Chroma`, a subclass of
 ComfyUI's Flux class) whose per-block modulations come from one shared `distilled_guidance_layer` instead of each
 block's own, conditioned on T5-XXL alone (no CLIP-L pooled vector); Flux's 16-channel latents. Its blocks are Flux's
-(they add into their inputs in place). ChromaRadiance (pixel space) is not this family."""
+(they add into their inputs in place). ChromaRadiance (pixel space) is not this family.
+
+The flux family claimed Chroma models before this family existed; runs stored so resume as they are
+(nodes/comfy_bridge.py CONFIG_RENAMED): the preset trains the same layers."""
 from __future__ import annotations
 
 import comfy.model_base
