@@ -1,6 +1,7 @@
 """The family registry (nodes/families/): one module per family, recognised from ComfyUI's own model classes exactly
 as the scattered rules it replaced recognised them, with the names stored in run folders and files unchanged."""
 import pytest
+import torch
 
 pytestmark = pytest.mark.comfyui
 
@@ -181,3 +182,24 @@ def test_a_run_stored_under_the_family_it_split_off_from_resumes(comfyui, family
         else:
             with pytest.raises(ValueError, match=rf"session.family: stored 'sd3', now '{family}'"):
                 _init(model, latents, texts, name, 4, 1e-3, "preset", False)
+
+
+def test_text_of_different_lengths_trains_in_groups_as_comfyui_samples_it(comfyui):
+    """Chroma's T5 is unpadded, so captions give text of different lengths that ComfyUI cannot concatenate into one
+    batch (its sampler runs such conds apart): the denoiser runs one forward per group and puts the outputs back in
+    order, equal to forwards of each item alone."""
+    from headroom.nodes.comfy_model import ComfyDenoiser, batchable_groups
+    from test_family_conformance import _data
+
+    model, _, _, latents, texts = _data("chroma")
+    conds = [texts.conditioning(latents.text_key(i)) for i in range(len(latents))]
+    assert len({c["cross_attn"].shape[0] for c in conds}) > 1  # the captions' lengths differ
+    denoiser = ComfyDenoiser(model)
+    x = torch.randn(len(conds), 16, 4, 4, generator=torch.Generator().manual_seed(0))
+    sigma = torch.tensor([0.2, 0.4, 0.6, 0.8])
+    groups = batchable_groups(denoiser._item_conds(x, conds))
+    assert 1 < len(groups) and sorted(i for g in groups for i in g) == list(range(len(conds)))
+    with torch.no_grad():
+        together = denoiser.predict(x, sigma, conds)
+        alone = torch.cat([denoiser.predict(x[i:i + 1], sigma[i:i + 1], [conds[i]]) for i in range(len(conds))])
+    torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-6)
