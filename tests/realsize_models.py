@@ -81,13 +81,24 @@ ARCHITECTURES.update({
             "in_dim": 64, "out_dim": 3072, "hidden_dim": 5120, "n_layers": 5,
         },
     },
+    "hidream_i1": {  # HiDream-I1: 17 B, 16 double- + 32 single-stream MoE blocks, 2560 wide
+        "text_tokens": 128, "text_encoder": "hidream", "latent_channels": 16, "depth": (16, 32),
+        "unet_config": {
+            "image_model": "hidream", "attention_head_dim": 128, "axes_dims_rope": [64, 32, 32],
+            "caption_channels": [4096, 4096], "max_resolution": [128, 128], "in_channels": 16,
+            "llama_layers": [*range(32), *[31] * 16], "num_attention_heads": 20, "num_routed_experts": 4,
+            "num_activated_experts": 2, "num_layers": 16, "num_single_layers": 32, "out_channels": 16, "patch_size": 2,
+            "text_emb_dim": 2048,
+        },
+    },
 })
 T5XXL_LAYERS = 24  # the released T5-XXL encoder
 
 
 def unet_config(name: str, depth=None) -> dict:
     """The architecture's unet_config; `depth` reduces it at real width: SD3.5 joint blocks (int), Flux / Chroma
-    (double blocks, single blocks). The UNets (SDXL, SD2.1) are always full size."""
+    (double blocks, single blocks), HiDream (double-, single-stream blocks). The UNets (SDXL, SD2.1) are always
+    full size."""
     config = dict(ARCHITECTURES[name]["unet_config"])
     if depth is None:
         return config
@@ -95,6 +106,8 @@ def unet_config(name: str, depth=None) -> dict:
         config["num_blocks"] = int(depth)
     elif name in ("flux_dev", "chroma"):
         config["depth"], config["depth_single_blocks"] = (int(d) for d in depth)
+    elif name == "hidream_i1":
+        config["num_layers"], config["num_single_layers"] = (int(d) for d in depth)
     else:
         raise ValueError(f"{name} is built at full size only (depth=None)")
     return config

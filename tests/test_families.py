@@ -26,10 +26,20 @@ SPLIT_OFF = {"sd2": "sd15", "chroma": "flux"}
 
 
 def _models():
-    """{name: ModelPatcher}: the tiny model of every family."""
-    from headroom.nodes.tiny_models import FAMILIES, build_tiny_model_patcher
+    """{name: ModelPatcher}: the tiny model of every family (HiDream's diffusion model alone: nodes/families/hidream.py)."""
+    import comfy.model_patcher
+    import comfy.supported_models
+    from headroom.nodes.families.hidream import TINY_DIT
+    from headroom.nodes.tiny_models import FAMILIES, build_tiny_model_patcher, init_weights_
 
-    return {family: build_tiny_model_patcher(family, 0) for family in FAMILIES}
+    models = {family: build_tiny_model_patcher(family, 0) for family in FAMILIES}
+    config = comfy.supported_models.HiDream(dict(TINY_DIT))
+    config.set_inference_dtype(torch.float32, None)
+    hidream = config.get_model({}, "", device=torch.device("cpu"))
+    init_weights_(hidream.diffusion_model, 0)
+    models["hidream"] = comfy.model_patcher.ModelPatcher(hidream, load_device=torch.device("cpu"),
+                                                         offload_device=torch.device("cpu"))
+    return models
 
 
 def test_one_module_per_family(comfyui):
@@ -39,7 +49,7 @@ def test_one_module_per_family(comfyui):
 
     folder = pathlib.Path(families.__file__).parent
     modules = sorted(p.stem for p in folder.glob("*.py") if p.stem not in ("__init__", "base"))
-    assert list(families.FAMILIES) == ["sd15", "sd2", "sdxl", "sd3", "flux", "chroma"]
+    assert list(families.FAMILIES) == ["sd15", "sd2", "sdxl", "sd3", "flux", "chroma", "hidream"]
     assert sorted(families.FAMILIES) == modules
     assert list(families.CONTROLNET_TYPES) == ["unet", "sd3", "flux"]  # stored names: never renamed
     assert (families.get("sd15").controlnet is families.get("sd2").controlnet is families.get("sdxl").controlnet
@@ -51,15 +61,15 @@ def test_recognition_is_the_rule_it_replaced(comfyui):
     from headroom.nodes.comfy_model import ComfyDenoiser, model_family
 
     models = _models()
-    assert list(models) == list(families.FAMILIES)  # every family has a tiny model
+    assert sorted(models) == sorted(families.FAMILIES)  # every family has a tiny model
     for name, patcher in models.items():
         model = patcher.model
         assert families.family_of(model).name == name == model_family(model)
         assert [f.name for f in families.FAMILIES.values() if f.recognise(model)] == [name]  # no overlap
-        assert _old_model_family(model) == SPLIT_OFF.get(name, name)
+        assert _old_model_family(model) == {"hidream": None}.get(name, SPLIT_OFF.get(name, name))
         assert families.inplace_blocks(model) == (name in ("flux", "chroma"))
         assert ComfyDenoiser(patcher).inplace_blocks == (name in ("flux", "chroma"))
-        if name == "chroma":  # no ControlNet layout for Chroma in ComfyUI's loader
+        if name in ("chroma", "hidream"):  # no ControlNet layout for them in ComfyUI's loader
             with pytest.raises(families.ControlNetError, match="no ControlNet support for this MODEL"):
                 families.controlnet_type_of(patcher)
         else:
@@ -70,15 +80,16 @@ def test_family_facts_are_the_tables_they_replaced(comfyui):
     from headroom.nodes import families, lora_formats
 
     assert {f.name: f.text_tokens for f in families.FAMILIES.values()} == {"sd15": 77, "sd2": 77, "sdxl": 77, "sd3": 154,
-                                                                          "flux": 256, "chroma": 256}
+                                                                          "flux": 256, "chroma": 256, "hidream": 128}
     assert {name: lora_formats.diffusers_component(name) for name in families.FAMILIES} == {
         "sd15": "unet", "sd2": "unet", "sdxl": "unet", "sd3": "transformer", "flux": "transformer",
-        "chroma": "transformer"}
+        "chroma": "transformer", "hidream": "transformer"}
     assert lora_formats.diffusers_component(None) is None and families.lora_preset("wan") is None
     assert {f.name: f.kohya_base for f in families.FAMILIES.values()} == {
         "sd15": ("sd_v1", "stable-diffusion-v1/lora"), "sdxl": ("sdxl_base_v1-0", "stable-diffusion-xl-v1-base/lora"),
         "sd3": ("sd3", "stable-diffusion-3/lora"), "flux": ("flux1", "flux-1-dev/lora"),
-        "sd2": ("sd_v2", "stable-diffusion-v2-512/lora"), "chroma": ("chroma", "chroma/lora")}
+        "sd2": ("sd_v2", "stable-diffusion-v2-512/lora"), "chroma": ("chroma", "chroma/lora"),
+        "hidream": ("hidream_i1", "hidream-i1/lora")}
     assert [f.name for f in families.FAMILIES.values() if f.lora_preset.conv is not None] == ["sd15", "sd2", "sdxl"]
     assert {name: t.hint for name, t in families.CONTROLNET_TYPES.items()} == {"unet": "pixels", "sd3": "latents",
                                                                               "flux": "pixels"}
@@ -91,7 +102,7 @@ def test_a_model_of_no_family_trains_with_all_linear_only(comfyui):
     model = _models()["sd15"].model
     blocks = ["input_blocks.1"]
     with pytest.raises(ValueError, match=r"this model has no LoRA target preset \(presets: sd15, sd2, sdxl, sd3, "
-                                         r"flux, chroma\); "
+                                         r"flux, chroma, hidream\); "
                                          "set targets to 'all_linear'"):
         families.lora_targets(model.diffusion_model, None, AdapterConfig(), blocks)
     assert families.lora_targets(model.diffusion_model, None, AdapterConfig(targets="all_linear"), blocks)
@@ -203,3 +214,44 @@ def test_text_of_different_lengths_trains_in_groups_as_comfyui_samples_it(comfyu
         together = denoiser.predict(x, sigma, conds)
         alone = torch.cat([denoiser.predict(x[i:i + 1], sigma[i:i + 1], [conds[i]]) for i in range(len(conds))])
     torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-6)
+
+
+def test_hidream_trains_through_the_denoiser_with_its_four_encoder_conditioning(comfyui):
+    """HiDream's diffusion model (no tiny text encoder here: nodes/families/hidream.py) through the trainer's denoiser:
+    conditioning of the shapes its text encoder caches (T5 [128, d], CLIP-L + CLIP-G pooled, `conditioning_llama3` one
+    hidden state per Llama layer), a preset LoRA attached, a backward that reaches every adapter layer; its flow
+    objective from ComfyUI's model_sampling."""
+    from headroom.nodes import families
+    from headroom.nodes.comfy_model import ComfyDenoiser, model_blocks
+    from headroom.nodes.families.base import TINY_CLIP_G, TINY_CLIP_L, TINY_T5
+    from headroom.training.adapters import AdapterConfig, AdapterSet
+
+    patcher = _models()["hidream"]
+    model = patcher.model
+    denoiser = ComfyDenoiser(patcher)
+    assert denoiser.sampling.prediction == "flow" and not denoiser.inplace_blocks
+    paths = families.lora_targets(model.diffusion_model, "hidream", AdapterConfig(),
+                                  [name for name, _ in model_blocks(model.diffusion_model)])
+    adapters = AdapterSet(model.diffusion_model, paths, AdapterConfig(rank=4, alpha=4.0))
+    generator = torch.Generator().manual_seed(0)
+    conds = [{"cross_attn": torch.randn(128, TINY_T5["d_model"], generator=generator),
+              "pooled_output": torch.randn(TINY_CLIP_L["projection_dim"] + TINY_CLIP_G["projection_dim"], generator=generator),
+              "conditioning_llama3": torch.randn(2, 128, 32, generator=generator)} for _ in range(2)]
+    x = torch.randn(2, 16, 4, 4, generator=generator)
+    import comfy.model_management
+
+    adapters.attach(model.diffusion_model)
+    comfy.model_management.in_training = True  # as the training run sets it (Flux's differentiable RoPE)
+    try:
+        for layer in adapters.layers.values():  # a LoRA that changes the output (up weights start at zero)
+            for name, param in layer.named_parameters():
+                if "lora_B" in name:
+                    torch.nn.init.normal_(param, std=0.01)
+        out = denoiser.predict(x, torch.tensor([0.3, 0.7]), conds)
+        assert out.shape == x.shape and torch.isfinite(out).all()
+        out.square().mean().backward()
+        grads = [p.grad for p in adapters.parameters()]
+        assert all(g is not None and torch.isfinite(g).all() for g in grads) and any(g.abs().sum() > 0 for g in grads)
+    finally:
+        comfy.model_management.in_training = False
+        adapters.detach()

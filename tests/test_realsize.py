@@ -122,12 +122,13 @@ def test_first_load_replaces_inference_weights_one_at_a_time():
 
 
 # Families whose real-size check is their LoRA key names (tests/realsize_keys.py): (architecture, arguments, family,
-# diffusion parameters built). Chroma: real width, 1 double + 1 single block (8.90 B at full depth); SD2.1: full size;
+# diffusion parameters built). Chroma / HiDream-I1: real width, 1 double + 1 single block; SD2.1: full size;
 # SDXL: the full-depth names only (its full-size run above trains, saves and loads through the stock loader).
 KEY_CASES = [
     ("chroma", ["--depth", "1,1"], "chroma", 631_086_912),
     ("sd21_768_v", [], "sd2", 865_910_724),
     ("sdxl", ["--meta-only"], "sdxl", None),
+    ("hidream_i1", ["--depth", "1,1"], "hidream", 793_443_904),  # 2560 wide, 1 + 1 blocks (17.1 B at full depth)
 ]
 
 
