@@ -228,7 +228,7 @@ def _tiny_session(tmp_path, family):
 
 
 @pytest.mark.comfyui
-@pytest.mark.parametrize("family", ["sd15", "sd3", "flux"])  # flux: blocks add into their inputs in place
+@pytest.mark.parametrize("family", ["sd15", "sd3", "flux", "chroma"])  # flux, chroma: blocks add into their inputs in place
 def test_tiny_comfy_model_streamed_offloaded_checkpoints_bitwise(comfyui, tmp_path, family, monkeypatch):
     import comfy.model_management
 
