@@ -1,5 +1,5 @@
 """Save formats: a kohya-format file is the same LoRA as the ComfyUI-format one, for ComfyUI's stock loader and
-for diffusers (tiny sd15 / sd3 / flux models, in-process, CPU)."""
+for diffusers (tiny models of the families, in-process, CPU)."""
 from __future__ import annotations
 
 import json
