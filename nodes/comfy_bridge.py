@@ -48,7 +48,10 @@ CONFIG_ADDED_LATER = {"session.train.objective.loss_type": "mse", "session.train
 # Settings older run folders store that are no longer part of what a run is: checkpointing is the policy's (resolved
 # when a run opens, training/policy.run_policy) and changes no weight, so a run resumes whatever it was.
 CONFIG_REMOVED_LATER = ("session.train.gradient_checkpointing", "session.train.checkpoint_depth")
-# Which weights Validate / Save use: auto = the EMA when the run keeps one (TrainingRun.weights).
+# Stored values an earlier version wrote for what is now named otherwise: an SD2 model's family was sd15 before
+# nodes/families/sd2.py, a Chroma model's flux before chroma.py; the presets train the same layers, so such runs resume.
+CONFIG_RENAMED = {"session.family": {"sd2": "sd15", "chroma": "flux"}}
+# Which weights / Save use: auto = the EMA when the run keeps one (TrainingRun.weights).
 WEIGHT_CHOICES = ("auto", "trained", "ema")
 
 
@@ -151,7 +154,8 @@ class RunRecord:
             "latent_cache": getattr(latent_cache, "fingerprint", None),
             "text_cache": getattr(text_cache, "fingerprint", None), "data": data_fingerprint(latent_cache),
         }
-        self.run_dir.check_compatible(self.stored, added_later=CONFIG_ADDED_LATER, removed_later=CONFIG_REMOVED_LATER)
+        self.run_dir.check_compatible(self.stored, added_later=CONFIG_ADDED_LATER, removed_later=CONFIG_REMOVED_LATER,
+                                      renamed=CONFIG_RENAMED)
         count = len(latent_cache)
         if holdout >= count:
             raise ValueError(f"holdout={holdout} leaves no training items of the {count} cached")

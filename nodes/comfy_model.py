@@ -101,6 +101,20 @@ def check_caches(model: comfy.model_base.BaseModel, latent_cache, text_cache) ->
             )
 
 
+def batchable_groups(per_item: list[dict]) -> list[list[int]]:
+    """Items (their model conds) in groups ComfyUI can concatenate into one batch (every cond's `can_concat`)."""
+    groups: list[list[int]] = []
+    for i, conds in enumerate(per_item):
+        for group in groups:
+            first = per_item[group[0]]
+            if first.keys() == conds.keys() and all(first[k].can_concat(conds[k]) for k in conds):
+                group.append(i)
+                break
+        else:
+            groups.append([i])
+    return groups
+
+
 def model_blocks(diffusion_model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     """The repeated blocks: the elements of the model's top-level ModuleLists, plus a UNet's middle block."""
     blocks = []
@@ -184,6 +198,9 @@ class ComfyDenoiser:
         return self.model.process_latent_in(latents)
 
     def _model_conds(self, x_t: torch.Tensor, conds) -> dict:
+        return comfy.samplers.cond_cat(self._item_conds(x_t, conds))
+
+    def _item_conds(self, x_t: torch.Tensor, conds) -> list[dict]:
         per_item = []
         for i, cond in enumerate(conds):
             params = {name: value.unsqueeze(0).to(self.device) for name, value in cond.items() if torch.is_tensor(value)}
@@ -194,10 +211,24 @@ class ComfyDenoiser:
                           height=noise.shape[-2] * downscale, prompt_type="positive")
             model_conds = self.model.extra_conds(**params)
             per_item.append({k: v.process_cond(batch_size=1, area=None) for k, v in model_conds.items()})
-        return comfy.samplers.cond_cat(per_item)
+        return per_item
 
     def predict(self, x_t: torch.Tensor, sigma: torch.Tensor, conds) -> torch.Tensor:
-        return self.model.apply_model(x_t, sigma, transformer_options={}, **self._model_conds(x_t, conds))
+        per_item = self._item_conds(x_t, conds)
+        groups = batchable_groups(per_item)
+        if len(groups) == 1:
+            return self.model.apply_model(x_t, sigma, transformer_options={}, **comfy.samplers.cond_cat(per_item))
+        # Conditioning ComfyUI cannot batch (text of different lengths where the model takes it as it is, e.g. an
+        # unpadded T5 for Chroma): one forward per group, as ComfyUI's sampler runs such conds apart.
+        outputs, order = [], []
+        for group in groups:
+            index = torch.tensor(group, device=x_t.device)
+            part_sigma = sigma.index_select(0, index.to(sigma.device)) if sigma.ndim and sigma.shape[0] == len(per_item) else sigma
+            outputs.append(self.model.apply_model(x_t.index_select(0, index), part_sigma, transformer_options={},
+                                                  **comfy.samplers.cond_cat([per_item[i] for i in group])))
+            order += group
+        inverse = torch.argsort(torch.tensor(order, device=x_t.device))
+        return torch.cat(outputs).index_select(0, inverse)
 
     def blocks(self) -> list[tuple[str, torch.nn.Module]]:
         return training_blocks(self.model.diffusion_model)  # what checkpointing wraps: blocks that get called

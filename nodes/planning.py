@@ -42,7 +42,7 @@ def calibration_cond(model, text_tokens: int, device: torch.device) -> dict[str,
     dims = expected_cond_dims(model)
     family = families.family_of(model)
     if family is not None and family.calibration_pooled_width is not None:  # SDXL: CLIP-G's pooled output
-        dims.setdefault("pooled_output", family.calibration_pooled_width)
+        dims.setdefault("pooled_output", family.calibration_pooled_width(model))
     cond = {"cross_attn": torch.zeros(text_tokens, dims.get("cross_attn", 768), device=device)}
     if "pooled_output" in dims:
         cond["pooled_output"] = torch.zeros(dims["pooled_output"], device=device)

@@ -102,13 +102,47 @@ ARCHITECTURES.update({
     "flux2_dev": _flux2(6144, 15360, 8, 48, guidance=True),
     "flux2_klein_4b": _flux2(3072, 7680, 5, 20, guidance=False),
     "flux2_klein_9b": _flux2(4096, 12288, 8, 24, guidance=False),
+    # Families whose real-size coverage is their LoRA key names (tests/realsize_keys.py): the unet_config
+    # comfy/model_detection derives from the released checkpoints (checked there: detect_unet_config of the
+    # full-depth model's keys gives it back).
+    "sd21_768_v": {  # model_detection's SD21 (SD2.1-768-v / 512-base share the UNet; v comes from the weights)
+        "text_tokens": 77, "text_encoder": "sd2", "latent_channels": 4, "depth": None,
+        "unet_config": {
+            "use_checkpoint": False, "image_size": 32, "out_channels": 4, "use_spatial_transformer": True,
+            "legacy": False, "adm_in_channels": None, "in_channels": 4, "model_channels": 320,
+            "num_res_blocks": [2, 2, 2, 2], "transformer_depth": [1, 1, 1, 1, 1, 1, 0, 0], "channel_mult": [1, 2, 4, 4],
+            "transformer_depth_middle": 1, "use_linear_in_transformer": True, "context_dim": 1024,
+            "num_head_channels": 64, "transformer_depth_output": [1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0],
+            "use_temporal_attention": False, "use_temporal_resblock": False,
+        },
+    },
+    "chroma": {  # Chroma1-HD: 8.90 B, Flux-dev's width without the per-block modulations, T5-XXL only
+        "text_tokens": 256, "text_encoder": "chroma", "latent_channels": 16, "depth": (19, 38),
+        "unet_config": {
+            "image_model": "chroma", "axes_dim": [16, 56, 56], "num_heads": 24, "mlp_ratio": 4.0, "theta": 10000,
+            "out_channels": 64, "qkv_bias": True, "txt_ids_dims": [], "in_channels": 64, "hidden_size": 3072,
+            "context_in_dim": 4096, "patch_size": 2, "vec_in_dim": None, "depth": 19, "depth_single_blocks": 38,
+            "in_dim": 64, "out_dim": 3072, "hidden_dim": 5120, "n_layers": 5,
+        },
+    },
+    "hidream_i1": {  # HiDream-I1: 17 B, 16 double- + 32 single-stream MoE blocks, 2560 wide
+        "text_tokens": 128, "text_encoder": "hidream", "latent_channels": 16, "depth": (16, 32),
+        "unet_config": {
+            "image_model": "hidream", "attention_head_dim": 128, "axes_dims_rope": [64, 32, 32],
+            "caption_channels": [4096, 4096], "max_resolution": [128, 128], "in_channels": 16,
+            "llama_layers": [*range(32), *[31] * 16], "num_attention_heads": 20, "num_routed_experts": 4,
+            "num_activated_experts": 2, "num_layers": 16, "num_single_layers": 32, "out_channels": 16, "patch_size": 2,
+            "text_emb_dim": 2048,
+        },
+    },
 })
 T5XXL_LAYERS = 24  # the released T5-XXL encoder
 
 
 def unet_config(name: str, depth=None) -> dict:
-    """The architecture's unet_config; `depth` reduces it at real width: SD3.5 joint blocks (int), Flux
-    (double blocks, single blocks). SDXL is always full size."""
+    """The architecture's unet_config; `depth` reduces it at real width: SD3.5 joint blocks (int), Flux / Chroma
+    (double blocks, single blocks), HiDream (double-, single-stream blocks). The UNets (SDXL, SD2.1) are always
+    full size."""
     config = dict(ARCHITECTURES[name]["unet_config"])
     if depth is None:
         return config
@@ -118,8 +152,10 @@ def unet_config(name: str, depth=None) -> dict:
         config["n_layers"] = int(depth)
     elif name == "qwen_image":
         config["num_layers"] = int(depth)
-    elif name == "flux_dev" or name.startswith("flux2_"):
+    elif name in ("flux_dev", "chroma") or name.startswith("flux2_"):
         config["depth"], config["depth_single_blocks"] = (int(d) for d in depth)
+    elif name == "hidream_i1":
+        config["num_layers"], config["num_single_layers"] = (int(d) for d in depth)
     else:
         raise ValueError(f"{name} is built at full size only (depth=None)")
     return config

@@ -119,7 +119,7 @@ def test_family_presets_pick_the_documented_layers(comfyui):
     from headroom.nodes.tiny_models import build_tiny_model_patcher
 
     picked = {}
-    for family in ("sd15", "sd3", "flux", "flux2", "zimage", "qwen_image"):
+    for family in ("sd15", "sd2", "sdxl", "sd3", "flux", "flux2", "chroma", "zimage", "qwen_image"):
         model = build_tiny_model_patcher(family, 0).model
         assert model_family(model) == family
         blocks = [n for n, _ in model_blocks(model.diffusion_model)]
@@ -154,3 +154,10 @@ def test_family_presets_pick_the_documented_layers(comfyui):
     assert sorted({p.split(".", 2)[2] for p in picked["qwen_image"]}) == [
         "attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out", "attn.to_k", "attn.to_out.0",
         "attn.to_q", "attn.to_v", "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2"]
+    # SD2 / SDXL: the UNet attention projections as SD1's; Chroma: Flux's layers (its blocks have no modulation)
+    for family in ("sd2", "sdxl"):
+        assert picked[family] and all(p.rsplit(".", 2)[-2] in ("attn1", "attn2") or p.endswith("to_out.0")
+                                      for p in picked[family])
+    assert not any(p.startswith("input_blocks.1.") for p in picked["sdxl"])  # SDXL: no attention at the first level
+    assert {p.split(".", 2)[2] for p in picked["chroma"]} == {p.split(".", 2)[2] for p in picked["flux"]}
+    assert not any(p.startswith("distilled_guidance_layer") for p in picked["chroma"])

@@ -5,8 +5,8 @@ import torch
 
 pytestmark = pytest.mark.comfyui
 
-FAMILIES = ["sd15", "sd3", "flux"]
-STEPS, CFG = 4, {"sd15": 4.0, "sd3": 4.0, "flux": 1.0}
+FAMILIES = ["sd15", "sd2", "sdxl", "sd3", "flux"]
+STEPS, CFG = 4, {"sd15": 4.0, "sd2": 4.0, "sdxl": 4.0, "sd3": 4.0, "flux": 1.0}
 
 # A Flux base with a head geometry the stock loader's detection cannot rebuild (it fixes head dim 128 split
 # [16, 56, 56] and mlp_ratio 4; the tiny Flux has exactly that geometry, this one does not).
@@ -120,7 +120,7 @@ def test_sd3_controlnet_of_all_joint_blocks_round_trips(comfyui, tmp_path):
     assert loaded.keys() == ours.keys() and all(torch.equal(ours[k], loaded[k]) for k in ours)
 
 
-@pytest.mark.parametrize("case", ["sd15", "sd3", "flux", "unet-cldm"])
+@pytest.mark.parametrize("case", ["sd15", "sd2", "sdxl", "sd3", "flux", "unet-cldm"])
 def test_saved_controlnet_through_stock_nodes_reproduces_in_memory(comfyui, case):
     import comfy.controlnet
     import comfy.supported_models_base
@@ -138,7 +138,9 @@ def test_saved_controlnet_through_stock_nodes_reproduces_in_memory(comfyui, case
     latent_memory, image_memory = _sample(model, clip, vae, family, comfy_controlnet(controlnet), strength=0.8)
 
     exported, loaded = _stock_roundtrip(comfyui, controlnet, case)
-    expected_layout = {"sd15": "control-lora", "sd3": "sd3-diffusers", "flux": "flux-xlabs", "unet-cldm": "cldm"}[case]
+    # sd2 / sdxl: the real 64-wide heads, which ComfyUI's detection rebuilds: the plain cldm layout
+    expected_layout = {"sd15": "control-lora", "sd2": "cldm", "sdxl": "cldm", "sd3": "sd3-diffusers",
+                       "flux": "flux-xlabs", "unet-cldm": "cldm"}[case]
     assert exported.layout == expected_layout and exported.problem is None
     if case == "sd15":
         assert type(loaded) is comfy.controlnet.ControlLora  # built from the MODEL's own config at sampling time

@@ -1,5 +1,5 @@
 """Save formats: a kohya-format file is the same LoRA as the ComfyUI-format one, for ComfyUI's stock loader and
-for diffusers (tiny sd15 / sd3 / flux models, in-process, CPU)."""
+for diffusers (tiny models of the families, in-process, CPU)."""
 from __future__ import annotations
 
 import json
@@ -45,21 +45,26 @@ def _patched_weights(lora_model) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("family,kind", [("sd15", "lora"), ("sd15", "loha"), ("sd15", "dora"), ("sd15", "oft"),
                                          ("sd3", "lora"), ("flux", "lora"), ("flux", "lokr"), ("zimage", "lora"),
-                                         ("qwen_image", "lora")])
+                                         ("qwen_image", "lora"), ("sd2", "lora"), ("sdxl", "lora"), ("chroma", "lora")])
 def test_kohya_file_is_the_same_lora_for_the_stock_loader(comfyui, family, kind, caplog):
     import nodes
 
     model, clip, run, comfy_name, kohya_name = _save_both(family, kind)
     keys, metadata = _read(kohya_name)
     assert keys and all(k.startswith("lora_unet_") for k in keys)
-    if family == "sd15":  # sd-scripts names SD1.x modules by diffusers' blocks
+    if family in ("sd15", "sd2"):  # sd-scripts names SD1.x / SD2.x modules by diffusers' blocks
         assert any("_down_blocks_" in k for k in keys) and not any("_input_blocks_" in k for k in keys)
-    if family == "flux":
+    if family == "sdxl":
+        assert any(k.startswith("lora_unet_input_blocks_") for k in keys)
+    if family in ("flux", "chroma"):
         assert any(k.startswith("lora_unet_double_blocks_") for k in keys)
     assert metadata["ss_network_dim"] == "4" and float(metadata["ss_network_alpha"]) == 4.0
     assert metadata["ss_steps"] == "2" and metadata["ss_resolution"] == "(32, 32)"
     assert metadata["ss_base_model_version"] == {"sd15": "sd_v1", "sd3": "sd3", "flux": "flux1", "zimage": "z_image",
-                                                 "qwen_image": "qwen_image"}[family]
+                                                 "qwen_image": "qwen_image", "sd2": "sd_v2_v", "sdxl": "sdxl_base_v1-0",
+                                                 "chroma": "chroma"}[family]
+    if family == "sd2":  # the tiny SD2 is v-prediction (SD2.1-768-v): what sd-scripts writes with --v2 --v_parameterization
+        assert (metadata["ss_v2"], metadata["modelspec.architecture"]) == ("True", "stable-diffusion-v2-768-v/lora")
     assert metadata["ss_network_module"] == ("networks.lora" if kind == "lora" else "lycoris.kohya")
     if kind != "lora":
         assert json.loads(metadata["ss_network_args"])["algo"] == {"loha": "loha", "lokr": "lokr", "dora": "lora",
@@ -246,7 +251,7 @@ def _diffusers_file_checks(name: str, component: str, layer_count: int, rank: in
     return config
 
 
-@pytest.mark.parametrize("family,targets", [("sd15", {}), ("sd3", {}), ("flux", {}), ("flux2", {}),
+@pytest.mark.parametrize("family,targets", [("sd15", {}), ("sd3", {}), ("flux", {}), ("flux2", {}), ("sd2", {}), ("chroma", {}),
                                             ("sd15", {"targets": "all_linear", "include_conv": True}),
                                             ("sd3", {"targets": "all_linear"}), ("flux", {"targets": "all_linear"}),
                                             ("zimage", {}), ("qwen_image", {})])
@@ -257,10 +262,10 @@ def test_diffusers_file_is_the_same_lora_for_the_stock_loader(comfyui, family, t
     diffusers_name = _save(run, f"{family}_lora_diffusers_{len(run.adapters.layers)}", "diffusers")
     names = lora_formats.diffusers_names(model, run.adapters.layers, family)
     layer_count = sum(len(layers) for layers in names.values())
-    component = "unet" if family == "sd15" else "transformer"
+    component = "unet" if family in ("sd15", "sd2") else "transformer"
     _diffusers_file_checks(diffusers_name, component, layer_count, 4)
     keys, _ = _read(diffusers_name)
-    if family == "sd15":  # attention-processor names: the UNet names both ComfyUI and diffusers map
+    if family in ("sd15", "sd2"):  # attention-processor names: the UNet names both ComfyUI and diffusers map
         assert any(k.startswith("unet.down_blocks.") and ".attn1.processor.to_out_lora.up.weight" in k for k in keys)
     elif family == "zimage":  # diffusers' ZImageTransformer2DModel names; fused qkv split into to_q / to_k / to_v
         assert "transformer.layers.0.attention.to_q.lora_A.weight" in keys

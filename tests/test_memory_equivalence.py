@@ -228,7 +228,7 @@ def _tiny_session(tmp_path, family):
 
 
 @pytest.mark.comfyui
-@pytest.mark.parametrize("family", ["sd15", "sd3", "flux", "flux2"])  # flux, flux2: blocks add in place
+@pytest.mark.parametrize("family", ["sd15", "sd3", "flux", "flux2", "chroma"])  # flux, flux2, chroma: blocks add in place
 def test_tiny_comfy_model_streamed_offloaded_checkpoints_bitwise(comfyui, tmp_path, family, monkeypatch):
     import comfy.model_management
 

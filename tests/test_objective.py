@@ -146,7 +146,7 @@ def test_step_seeds_differ_per_step_and_salt():
 
 
 @pytest.mark.comfyui
-@pytest.mark.parametrize("family", ["sd15", "sd3", "flux", "flux2"])
+@pytest.mark.parametrize("family", ["sd15", "sd2", "sdxl", "sd3", "flux", "flux2", "chroma", "zimage", "qwen_image"])
 def test_descriptor_from_comfyui_model_sampling(comfyui, family):
     from headroom.nodes.comfy_model import sampling_descriptor
     from headroom.nodes.tiny_models import build_tiny_model_patcher
@@ -155,8 +155,8 @@ def test_descriptor_from_comfyui_model_sampling(comfyui, family):
     descriptor = sampling_descriptor(model_sampling)
     objective = Objective(descriptor)
     t = torch.tensor([0.1, 0.5, 0.9])
-    if family == "sd15":
-        assert descriptor.prediction == "eps"
+    if family in ("sd15", "sd2", "sdxl"):
+        assert descriptor.prediction == ("v" if family == "sd2" else "eps")  # the tiny SD2 is SD2.1-768-v
         torch.testing.assert_close(descriptor.sigmas, model_sampling.sigmas.float())
     else:
         assert descriptor.prediction == "flow"

@@ -210,3 +210,45 @@ def test_preset_key_names_hold_at_full_depth(comfyui, arch):
     assert set(small) <= set(full)
     assert all(full_kohya[t] == small_kohya[t] and [n for n, _ in full_diffusers[t]] == [n for n, _ in small_diffusers[t]]
                for t in small)
+
+
+# Families whose real-size check is their LoRA key names (tests/realsize_keys.py): (architecture, arguments, family,
+# diffusion parameters built). Chroma / HiDream-I1: real width, 1 double + 1 single block; SD2.1: full size;
+# SDXL: the full-depth names only (its full-size run above trains, saves and loads through the stock loader).
+KEY_CASES = [
+    ("chroma", ["--depth", "1,1"], "chroma", 631_086_912),
+    ("sd21_768_v", [], "sd2", 865_910_724),
+    ("sdxl", ["--meta-only"], "sdxl", None),
+    ("hidream_i1", ["--depth", "1,1"], "hidream", 793_443_904),  # 2560 wide, 1 + 1 blocks (17.1 B at full depth)
+]
+
+
+@pytest.mark.parametrize("arch, args, family, params", KEY_CASES, ids=[c[0] for c in KEY_CASES])
+def test_family_lora_keys_at_real_width(arch, args, family, params):
+    out = ARTIFACTS / f"keys_{arch}.json"
+    out.unlink(missing_ok=True)
+    done = subprocess.run([sys.executable, str(REPO_ROOT / "tests" / "realsize_keys.py"), arch, *args, "--out", str(out)],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+    assert done.returncode == 0, f"realsize_keys {arch} failed:\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}"
+    report = json.loads(out.read_text())
+    full = report["full_depth"]
+    print(f"{arch}: {full['params'] / 1e9:.2f} B params at full depth, {full['trained_layers']} preset layers "
+          f"({', '.join(f'{fmt} {n} names' for fmt, n in full['names'].items())}), all in ComfyUI's key map; "
+          + (f"built {report['diffusion_params'] / 1e9:.2f} B: " + "; ".join(
+              f"{fmt}: {saved['patched_weights']} / {report['trained_layers']} patched, {len(saved['not_loaded'])} not loaded"
+              for fmt, saved in report["formats"].items()) if "formats" in report else "names only")
+          + f"; {report['seconds']:.0f} s, peak RSS {report['peak_rss_bytes'] / GIB:.2f} GiB")
+    assert full["family"] == family and full["detection_mismatches"] == [], full["detection_mismatches"]
+    assert full["trained_layers"] > 0 and all(n >= full["trained_layers"] for n in full["names"].values())
+    assert all(names == [] for names in full["unmapped"].values()), full["unmapped"]
+    if params is None:
+        return
+    assert report["family"] == family and report["diffusion_params"] == params
+    assert report["diffusion_dtype"] == "torch.bfloat16" and report["trained_layers"] > 0
+    for file_format, saved in report["formats"].items():  # every trained layer through the stock LoraLoader
+        assert saved["not_loaded"] == [], (file_format, saved["not_loaded"][:5])
+        assert saved["patched_weights"] == report["trained_layers"], file_format
+    # the same names at full depth: every layer pattern of the reduced model, and no other
+    assert all(differ == [] for differ in full["patterns_differ"].values()), full["patterns_differ"]
+    assert report["peak_rss_bytes"] < 6 * GIB

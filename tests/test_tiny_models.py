@@ -4,7 +4,7 @@ import torch
 
 pytestmark = pytest.mark.comfyui
 
-FAMILIES = ["sd15", "sd3", "flux", "flux2", "zimage", "qwen_image"]
+FAMILIES = ["sd15", "sd2", "sdxl", "sd3", "flux", "flux2", "chroma", "zimage", "qwen_image"]
 
 
 def _weights(patcher):
@@ -21,8 +21,9 @@ def test_tiny_family_samples_with_stock_nodes(comfyui, family):
     model, clip, vae = build_tiny_models(family, seed=0)
     assert isinstance(model.model, comfy.model_base.BaseModel)
     assert isinstance(clip, comfy.sd.CLIP) and isinstance(vae, comfy.sd.VAE)
-    expected_base = {"sd15": comfy.model_base.BaseModel, "sd3": comfy.model_base.SD3, "flux": comfy.model_base.Flux,
-                     "flux2": comfy.model_base.Flux2, "zimage": comfy.model_base.Lumina2,
+    expected_base = {"sd15": comfy.model_base.BaseModel, "sd2": comfy.model_base.BaseModel, "sdxl": comfy.model_base.SDXL,
+                     "sd3": comfy.model_base.SD3, "flux": comfy.model_base.Flux, "flux2": comfy.model_base.Flux2,
+                     "chroma": comfy.model_base.Chroma, "zimage": comfy.model_base.Lumina2,
                      "qwen_image": comfy.model_base.QwenImage}
     assert type(model.model) is expected_base[family]
     n_params = sum(p.numel() for p in model.model.diffusion_model.parameters())
@@ -33,7 +34,7 @@ def test_tiny_family_samples_with_stock_nodes(comfyui, family):
         negative = nodes.CLIPTextEncode().encode(clip, "")[0]
         channels = vae.latent_channels
         latent = {"samples": torch.zeros(1, channels, 8, 8)}
-        cfg = 1.0 if family == "flux" else 4.0
+        cfg = 1.0 if family in ("flux", "chroma") else 4.0
         samples = nodes.common_ksampler(model, 0, 4, cfg, "euler", "normal", positive, negative, latent)[0]
         image = nodes.VAEDecode().decode(vae, samples)[0]
         again = nodes.VAEDecode().decode(vae, nodes.common_ksampler(
@@ -46,8 +47,9 @@ def test_tiny_family_samples_with_stock_nodes(comfyui, family):
     assert torch.isfinite(image).all() and image.std() > 0
     assert torch.equal(image, again), "same seed must give the same image"
     assert torch.isfinite(positive[0][0]).all()
-    # The LLM text encoders (Flux.2 Klein's Qwen3, Z-Image's Qwen3, Qwen-Image's Qwen2.5-VL) have no pooled vector.
-    assert (positive[0][1].get("pooled_output") is not None) == (family not in ("flux2", "zimage", "qwen_image"))
+    # The LLM text encoders (Flux.2 Klein's Qwen3, Z-Image's Qwen3, Qwen-Image's Qwen2.5-VL) and Chroma's T5-only
+    # encoder have no pooled vector.
+    assert (positive[0][1].get("pooled_output") is not None) == (family not in ("flux2", "chroma", "zimage", "qwen_image"))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -105,8 +107,8 @@ def test_tiny_model_node_schema(headroom_nodes):
     schema = HeadroomTinyModel.define_schema()
     assert schema.node_id == "HeadroomTinyModel"
     assert [o.io_type for o in schema.outputs] == ["MODEL", "CLIP", "VAE"]
-    with pytest.raises(ValueError, match="unknown family 'sdxl'"):
-        HeadroomTinyModel.execute(family="sdxl", seed=0)
+    with pytest.raises(ValueError, match="unknown family 'wan'"):
+        HeadroomTinyModel.execute(family="wan", seed=0)
     assert tuple(families) == tuple(FAMILIES)
 
 

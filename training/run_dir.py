@@ -208,12 +208,13 @@ class RunDir:
         return [name for folder in folders for name in prune_temp(folder)]
 
     def check_compatible(self, config: dict, added_later: dict[str, Any] | None = None,
-                         removed_later: Sequence[str] = ()) -> None:
+                         removed_later: Sequence[str] = (), renamed: dict[str, dict[Any, Any]] | None = None) -> None:
         """Raise if this run directory holds a run whose configuration differs from `config`, or checkpoints
         without a configuration (nothing to check them against). `added_later`: {dotted key: value} of settings
         newer than some stored runs; a stored run without the key ran with that value, so it still resumes.
         `removed_later`: dotted keys older runs store that are no longer part of a run's configuration (ignored
-        when `config` has none)."""
+        when `config` has none). `renamed`: {dotted key: {value now: the value earlier versions stored for the same
+        thing}}."""
         self._check_contained()
         stored = self.read_config()
         if stored is None:
@@ -224,10 +225,11 @@ class RunDir:
                 )
             return
         stored_json, new_json = json.loads(json.dumps(stored)), json.loads(json.dumps(config))
-        added_later = added_later or {}
+        added_later, renamed = added_later or {}, renamed or {}
         differences = [(k, a, b) for k, a, b in _differences(stored_json, new_json)
                        if not (a is None and k in added_later and b == added_later[k])
-                       and not (b is None and k in removed_later)]
+                       and not (b is None and k in removed_later)
+                       and not (k in renamed and b in renamed[k] and a == renamed[k][b])]
         if differences:
             listed = "; ".join(f"{k}: stored {a!r}, now {b!r}" for k, a, b in differences[:6])
             raise ValueError(

@@ -101,8 +101,9 @@ TINY = TinyModel(
 FAMILY = Family(
     name="flux",
     description="Flux.1 dev / schnell DiT",
+    # Flux 2 and Chroma subclass ComfyUI's Flux class but are families of their own.
     recognise=lambda model: (isinstance(model, comfy.model_base.Flux)
-                             and not isinstance(model, comfy.model_base.Flux2)),
+                             and not isinstance(model, (comfy.model_base.Flux2, comfy.model_base.Chroma))),
     # Attention and MLP of both streams of the double blocks, both linears of the single blocks.
     lora_preset=TargetPreset("flux", (r"^double_blocks\.\d+\.(img|txt)_(attn\.(qkv|proj)|mlp\.[02])$",
                                       r"^single_blocks\.\d+\.(linear1|linear2)$")),
