@@ -78,7 +78,7 @@ def job_cache(args: dict, log) -> None:
     import torch
 
     from headroom.nodes import cache as C
-    from headroom.training import cache_store
+    from headroom.training.data import cache_store
 
     cache_store.COMMIT_SECONDS = args["commit_seconds"]
     folder_paths.folder_names_and_paths[C.CACHE_FOLDER_NAME] = ([args["cache_dir"]], set())

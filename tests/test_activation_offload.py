@@ -6,9 +6,9 @@ import contextlib
 import pytest
 import torch
 
-from headroom.training import activation_offload
-from headroom.training.activation_offload import enable_offloaded_checkpointing
-from headroom.training.checkpointing import wrap_blocks
+from headroom.training.memory import activation_offload
+from headroom.training.memory.activation_offload import enable_offloaded_checkpointing
+from headroom.training.memory.checkpointing import wrap_blocks
 
 torch.set_num_threads(2)
 

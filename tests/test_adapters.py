@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from headroom.training.adapters import AdapterConfig, AdapterSet, select_targets
+from headroom.training.core.adapters import AdapterConfig, AdapterSet, select_targets
 
 
 class Block(torch.nn.Module):

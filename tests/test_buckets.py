@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from headroom.training.buckets import apply_crop, make_buckets, nearest_bucket, plan_crop
+from headroom.training.data.buckets import apply_crop, make_buckets, nearest_bucket, plan_crop
 
 
 @pytest.mark.parametrize("resolution,step", [(512, 64), (1024, 64), (1024, 16), (64, 16), (768, 32)])

@@ -46,7 +46,7 @@ def counted(monkeypatch, obj, method_name):
 
 def synthetic_dataset(count=4, resolution=64, step=16, controls=False, **options):
     from headroom.nodes.cache import HeadroomDatasetFromImages
-    from headroom.training.synthetic import generate_shapes
+    from headroom.training.data.synthetic import generate_shapes
 
     data = generate_shapes(count, resolution, seed=0)
     kwargs = dict(resolution=64, step=step, crop="center", flip=False, seed=0)
@@ -98,8 +98,8 @@ def test_a_16x_vae_caches_its_own_latent_size_and_refuses_buckets_it_would_crop(
     import nodes
     from headroom.nodes.cache import HeadroomCacheLatents, HeadroomDatasetFromImages
     from headroom.nodes.tiny_models import build_tiny_vae
-    from headroom.training.dataset import DatasetError
-    from headroom.training.synthetic import generate_shapes
+    from headroom.training.data.dataset import DatasetError
+    from headroom.training.data.synthetic import generate_shapes
 
     vae = build_tiny_vae("flux2", seed=0)
     data, dataset = synthetic_dataset(count=2, step=16)
@@ -171,7 +171,7 @@ def test_editing_one_caption_reencodes_exactly_that_item(cache_dir, monkeypatch,
     import folder_paths
     from headroom.nodes.cache import HeadroomDatasetFromFolder
     from headroom.nodes.tiny_models import build_tiny_models
-    from headroom.training.synthetic import generate_shapes
+    from headroom.training.data.synthetic import generate_shapes
 
     name = f"captions_{tmp_path.name}"
     folder = Path(folder_paths.get_input_directory()) / name
@@ -267,8 +267,8 @@ def test_folder_dataset_with_control_images_cached_as_pixels_or_latents(cache_di
     import nodes
     from headroom.nodes.cache import HeadroomCacheLatents, HeadroomDatasetFromFolder
     from headroom.nodes.tiny_models import build_tiny_models
-    from headroom.training.buckets import apply_crop, plan_crop
-    from headroom.training.synthetic import generate_shapes
+    from headroom.training.data.buckets import apply_crop, plan_crop
+    from headroom.training.data.synthetic import generate_shapes
 
     root = Path(folder_paths.get_input_directory()) / f"control_{tmp_path.name}"
     (root / "images").mkdir(parents=True)
@@ -322,8 +322,8 @@ def test_bad_inputs_give_clear_errors(cache_dir, comfyui, tmp_path):
     import folder_paths
     from headroom.nodes.cache import HeadroomCacheLatents, HeadroomDatasetFromFolder, HeadroomDatasetFromImages, is_loaded
     from headroom.nodes.tiny_models import build_tiny_models
-    from headroom.training.cache_store import CacheStoreError
-    from headroom.training.dataset import DatasetError
+    from headroom.training.data.cache_store import CacheStoreError
+    from headroom.training.data.dataset import DatasetError
 
     images = torch.rand(3, 64, 64, 3)
     with pytest.raises(DatasetError, match="3 images but 2 captions"):
@@ -420,7 +420,7 @@ def test_graph_through_comfyui_executor_reruns_only_what_an_edited_caption_chang
     import nodes
     from headroom.nodes import cache, tiny_models
     from headroom.nodes.cache import is_loaded
-    from headroom.training.synthetic import generate_shapes
+    from headroom.training.data.synthetic import generate_shapes
 
     for node in cache.NODES + tiny_models.NODES:
         monkeypatch.setitem(nodes.NODE_CLASS_MAPPINGS, node.GET_SCHEMA().node_id, node)

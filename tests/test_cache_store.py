@@ -15,15 +15,15 @@ import pytest
 import torch
 from PIL import Image
 
-from headroom.training import cache_store
-from headroom.training.cache_store import (
+from headroom.training.data import cache_store
+from headroom.training.data.cache_store import (
     CacheStoreError, ShardStore, bucket_batches, cache_latents, cache_text, fingerprint_state_dict,
     fingerprint_value, text_key,
 )
-from headroom.training.dataset import (
+from headroom.training.data.dataset import (
     DatasetError, dataset_from_folder, dataset_from_tensors, folder_signature, split_captions,
 )
-from headroom.training.synthetic import generate_shapes
+from headroom.training.data.synthetic import generate_shapes
 
 
 class CountingVae:
@@ -345,7 +345,7 @@ def test_cancel_keeps_finished_entries_and_the_next_run_resumes(tmp_path):
 
 def test_disk_full_is_a_clear_error_and_leaves_the_cache_valid(tmp_path, monkeypatch):
     from faults import disk_full_for, leftovers
-    from headroom.training.files import DiskFullError
+    from headroom.training.data.files import DiskFullError
 
     data = generate_shapes(4, 32, seed=8)
     dataset = dataset_from_tensors(data.images, data.captions, resolution=32, step=16)

@@ -16,7 +16,7 @@ def _caches(family, count=9, seed=0, control=True, encoding=None):
     from headroom.nodes import cache as cache_nodes
     from headroom.nodes.families import controlnet_type_of
     from headroom.nodes.tiny_models import build_tiny_models
-    from headroom.training.synthetic import generate_shapes
+    from headroom.training.data.synthetic import generate_shapes
 
     model, clip, vae = build_tiny_models(family, seed)
     shapes = generate_shapes(count, 64, seed)
@@ -55,7 +55,7 @@ def test_training_forward_is_the_stock_apply_path(comfyui, family):
     from headroom.nodes import controlnet_build as build
     from headroom.nodes.tiny_models import build_tiny_models
     from headroom.nodes.run_controlnet import ControlNetDenoiser
-    from headroom.training.checkpointing import wrap_blocks
+    from headroom.training.memory.checkpointing import wrap_blocks
 
     model, clip, vae = build_tiny_models(family)
     controlnet = build.build_controlnet(model, seed=1)
@@ -154,7 +154,7 @@ def test_controlnet_learns_to_follow_the_control(comfyui, family):
     positions: generated latents follow the control after 300 steps."""
     from headroom.nodes.train_controlnet import HeadroomTrainControlNetInit
     from headroom.nodes.train_lora import HeadroomTrainSteps
-    from headroom.training.synthetic import generate_shapes
+    from headroom.training.data.synthetic import generate_shapes
 
     model, clip, vae, latent_cache, text_cache = _caches(family)
     # SD3's ControlNet takes the control as latents: the stock apply node is given the pixels and the VAE.
@@ -299,8 +299,8 @@ def test_offload_policy_applies_to_controlnet_runs(comfyui, family):
     from headroom.nodes.memory import HeadroomOffloadPolicy
     from headroom.nodes.train_controlnet import HeadroomTrainControlNetInit
     from headroom.nodes.train_lora import HeadroomTrainSteps
-    from headroom.training.lowbit import LowBitLinear
-    from headroom.training.optimizer_parking import HostOptimizer
+    from headroom.training.memory.lowbit import LowBitLinear
+    from headroom.training.memory.optimizer_parking import HostOptimizer
 
     def policy(**fields):
         settings = dict(vram_budget_gb=0.0, reserve_gb=1.0, base_placement="resident", base_storage="as_loaded",

@@ -30,7 +30,7 @@ def grid_cells(path: pathlib.Path, size: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 def test_demo_workflow_teaches_the_held_out_colour(comfy_server):
-    from headroom.training.shape_classifier import colour_fraction
+    from headroom.training.core.shape_classifier import colour_fraction
 
     prompt = json.loads(WORKFLOW.read_text())
     by_class = {node["class_type"]: node for node in prompt.values()}

@@ -6,7 +6,7 @@ import shutil
 import pytest
 import torch
 
-from headroom.training.ema import WeightEMA
+from headroom.training.core.ema import WeightEMA
 
 
 def test_weight_ema_is_the_closed_form_average():

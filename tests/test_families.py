@@ -120,7 +120,7 @@ def test_family_facts_are_the_tables_they_replaced(comfyui):
 
 def test_a_model_of_no_family_trains_with_all_linear_only(comfyui):
     from headroom.nodes import families
-    from headroom.training.adapters import AdapterConfig
+    from headroom.training.core.adapters import AdapterConfig
 
     model = _models()["sd15"].model
     blocks = ["input_blocks.1"]
@@ -286,7 +286,7 @@ def test_hidream_trains_through_the_denoiser_with_its_four_encoder_conditioning(
     from headroom.nodes import families
     from headroom.nodes.comfy_model import ComfyDenoiser, model_blocks
     from headroom.nodes.families.base import TINY_CLIP_G, TINY_CLIP_L, TINY_T5
-    from headroom.training.adapters import AdapterConfig, AdapterSet
+    from headroom.training.core.adapters import AdapterConfig, AdapterSet
 
     patcher = _models()["hidream"]
     model = patcher.model

@@ -244,7 +244,7 @@ FOLDER_CASES = ["dotdot", "dotdot2", "root", "etc", "tmp", "output", "tilde", "t
 @pytest.mark.parametrize("case", FOLDER_CASES)
 def test_dataset_folders_outside_input_are_refused(world, case):
     from headroom.nodes.cache import HeadroomDatasetFromFolder
-    from headroom.training.dataset import DatasetError
+    from headroom.training.data.dataset import DatasetError
 
     folder, control, mask = (*_folder_cases(world)[case], "")[:3]
     with _watch(world), pytest.raises((ValueError, DatasetError)) as error:
@@ -368,7 +368,7 @@ def test_hostile_dataset_files_are_refused_or_skipped(world, case):
     """Without skip_bad: a DatasetError naming the file. With it: only the good item is cached, the bad one is named
     among the warnings. A secret behind a symlink never becomes a caption."""
     from headroom.nodes.cache import HeadroomCacheLatents, HeadroomDatasetFromFolder
-    from headroom.training.dataset import DatasetError
+    from headroom.training.data.dataset import DatasetError
 
     folder = world["input"] / f"hostile_files_{case}"
     bad = _file_case(world, case, folder)

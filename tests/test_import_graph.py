@@ -76,6 +76,16 @@ def test_training_never_imports_nodes():
     assert {module: targets for module, targets in wrong.items() if targets} == {}
 
 
+def test_training_layers():
+    """training/: data/ imports neither memory/ nor core/; memory/ does not import core/ (docs/ARCHITECTURE.md)."""
+    graph = import_graph()
+    assert {"training.data.cache_store", "training.memory.policy", "training.core.trainer"} <= set(graph)
+    above = {"training.data": ("training.memory", "training.core"), "training.memory": ("training.core",)}
+    wrong = {module: sorted(t for t in targets if t.startswith(above[layer]))
+             for module, targets in graph.items() for layer in above if module.startswith(layer)}
+    assert {module: targets for module, targets in wrong.items() if targets} == {}
+
+
 def test_a_cycle_is_found():
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set()}) is None

@@ -11,10 +11,10 @@ import hashlib
 import pytest
 import torch
 
-from headroom.training.cache_store import (
+from headroom.training.data.cache_store import (
     HASH_CHUNK_BYTES, _sample_bytes, fingerprint_state_dict, fingerprint_value, sample_indices, tensor_digest,
 )
-from headroom.training.dataset import TensorImage
+from headroom.training.data.dataset import TensorImage
 
 PAST_FLOAT32 = 29491200  # the SDXL weight that failed: linspace's float32 rounded the last index to numel
 SIDE = 1 << 16  # a SIDE x SIDE view has 2**32 elements

@@ -449,7 +449,7 @@ def test_sdxl_files_are_the_same_lora_for_comfyui_and_diffusers(comfyui, alpha, 
     import folder_paths
 
     from headroom.nodes import families, lora_formats
-    from headroom.training.adapters import AdapterConfig, AdapterSet, select_targets
+    from headroom.training.core.adapters import AdapterConfig, AdapterSet, select_targets
 
     model = _tiny_sdxl()
     root = model.model.diffusion_model

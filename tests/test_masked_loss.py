@@ -7,10 +7,10 @@ import pytest
 import torch
 from PIL import Image
 
-from headroom.training.cache_store import ShardStore, cache_latents
-from headroom.training.dataset import DatasetError, dataset_from_folder, dataset_from_tensors
-from headroom.training.objective import Objective, ObjectiveConfig, SamplingDescriptor
-from headroom.training.synthetic import generate_shapes
+from headroom.training.data.cache_store import ShardStore, cache_latents
+from headroom.training.data.dataset import DatasetError, dataset_from_folder, dataset_from_tensors
+from headroom.training.core.objective import Objective, ObjectiveConfig, SamplingDescriptor
+from headroom.training.data.synthetic import generate_shapes
 from test_cache_store import CountingVae
 
 

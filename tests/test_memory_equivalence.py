@@ -12,12 +12,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from headroom.training.adapters import AdapterConfig, AdapterSet, select_targets
-from headroom.training.objective import SamplingDescriptor
-from headroom.training.optimizer_parking import HostOptimizer, parked
-from headroom.training.optimizers import OptimizerConfig, create_optimizer, create_scheduler
-from headroom.training.policy import OffloadPolicy, memory_features
-from headroom.training.trainer import TrainConfig, Trainer
+from headroom.training.core.adapters import AdapterConfig, AdapterSet, select_targets
+from headroom.training.core.objective import SamplingDescriptor
+from headroom.training.memory.optimizer_parking import HostOptimizer, parked
+from headroom.training.core.optimizers import OptimizerConfig, create_optimizer, create_scheduler
+from headroom.training.memory.policy import OffloadPolicy, memory_features
+from headroom.training.core.trainer import TrainConfig, Trainer
 from memory_caches import MemoryLatentCache, MemoryTextCache
 
 torch.set_num_threads(2)

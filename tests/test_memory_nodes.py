@@ -28,7 +28,7 @@ def _plan(model, **overrides):
 
 
 def test_policy_node_outputs_the_policy_and_rejects_bad_combinations(comfyui, headroom_nodes):
-    from headroom.training.policy import OffloadPolicy
+    from headroom.training.memory.policy import OffloadPolicy
 
     output = _policy(vram_budget_gb=6.0, base_placement="streamed", checkpointing="blocks_cpu_offload")
     policy = output.result[0]
@@ -45,7 +45,7 @@ def test_auto_budget_is_what_comfyui_can_free_minus_the_reserve(comfyui):
     import comfy.model_management
 
     from headroom.nodes.planning import available_device_bytes, budget_bytes
-    from headroom.training.policy import GIB, OffloadPolicy
+    from headroom.training.memory.policy import GIB, OffloadPolicy
 
     device = comfy.model_management.get_torch_device()
     available = available_device_bytes(device)
@@ -59,7 +59,7 @@ def test_plan_describes_the_real_model_and_leaves_it_unchanged(comfyui, family):
     from headroom.nodes.comfy_model import training_blocks
     from headroom.nodes.planning import describe_comfy_model
     from headroom.nodes.tiny_models import build_tiny_models
-    from headroom.training.adapters import AdapterConfig
+    from headroom.training.core.adapters import AdapterConfig
 
     model, clip, vae = build_tiny_models(family)
     dm = model.model.diffusion_model
@@ -90,7 +90,7 @@ def test_measured_profile_predicts_a_larger_bucket(comfyui, family, monkeypatch)
 
     from headroom.nodes import planning
     from headroom.nodes.tiny_models import build_tiny_models
-    from headroom.training.adapters import AdapterConfig
+    from headroom.training.core.adapters import AdapterConfig
 
     model, _, _ = build_tiny_models(family)
     adapter = AdapterConfig(rank=4, alpha=4)
@@ -105,7 +105,7 @@ def test_measured_profile_predicts_a_larger_bucket(comfyui, family, monkeypatch)
 
 def test_auto_mode_chooses_a_policy_that_fits_and_says_why(comfyui):
     from headroom.nodes.tiny_models import build_tiny_models
-    from headroom.training.policy import OffloadPolicy
+    from headroom.training.memory.policy import OffloadPolicy
 
     model, _, _ = build_tiny_models("sd15")
     roomy = _plan(model, mode="auto", policy=OffloadPolicy(vram_budget_gb=4.0)).result

@@ -1,6 +1,6 @@
 """HeadroomMemoryPlan run 10 times in one real ComfyUI server keeps the server's RSS flat.
 
-Each plan runs calibration forwards of the MODEL (training/planner.py measure_activations). They used to stay in
+Each plan runs calibration forwards of the MODEL (training/memory/planner.py measure_activations). They used to stay in
 memory: the pack hook returned the saved tensor itself, a reference cycle through autograd's C++ graph that gc
 cannot see (a Flux-width model: +2.8 GiB per plan). The model here is Flux-dev at its real width (3072) with one
 double block, ~0.75 GiB of bf16 weights, from a test-only custom node placed in the server's own custom_nodes/;

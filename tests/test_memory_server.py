@@ -124,7 +124,7 @@ def test_train_validate_then_stock_ksampler_on_another_model_then_free_leaves_no
     latest = json.loads((run_dir / "latest.json").read_text())
     assert latest["step"] == TRAIN_STEPS
     # Validation adds to the run's history, so the run is saved again after it: a re-save of step N goes to
-    # step_N.<k> (the folder latest.json named is never replaced, training/run_dir.py).
+    # step_N.<k> (the folder latest.json named is never replaced, training/core/run_dir.py).
     assert re.fullmatch(rf"checkpoints/step_{TRAIN_STEPS:08d}(\.\d+)?", latest["checkpoint"]), latest
     assert (run_dir / latest["checkpoint"] / "adapter.safetensors").is_file()
     assert (run_dir / "validation" / f"step_{TRAIN_STEPS:08d}.png").is_file()

@@ -5,7 +5,7 @@ import sys
 import pytest
 import torch
 
-from headroom.training.memory_stats import PhaseRecorder, device_memory_snapshot, process_peak_rss_bytes, reset_peak
+from headroom.training.memory.memory_stats import PhaseRecorder, device_memory_snapshot, process_peak_rss_bytes, reset_peak
 
 GPU_KEYS = {"name", "driver_total_bytes", "driver_free_bytes", "allocated_bytes", "reserved_bytes",
             "max_allocated_bytes", "max_reserved_bytes"}

@@ -80,7 +80,7 @@ def test_unloaded_model_leaves_the_report(loaded_probe):
 
 def test_monitor_reruns_on_every_queue_and_can_reset_the_peak(comfyui):
     from headroom.nodes.monitor import HeadroomVRAMMonitor
-    from headroom.training.memory_stats import process_peak_rss_bytes
+    from headroom.training.memory.memory_stats import process_peak_rss_bytes
 
     schema = HeadroomVRAMMonitor.define_schema()
     assert schema.is_output_node is False  # a pass-through must not force dead branches to run
@@ -106,7 +106,7 @@ def test_monitor_reruns_on_every_queue_and_can_reset_the_peak(comfyui):
 
 def test_memory_report_node_renders_a_run_record(comfyui):
     from headroom.nodes.monitor import HeadroomMemoryReport
-    from headroom.training.memory_stats import PhaseRecorder
+    from headroom.training.memory.memory_stats import PhaseRecorder
 
     recorder = PhaseRecorder("cpu")
     with recorder.phase("caching"):

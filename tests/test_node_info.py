@@ -61,5 +61,5 @@ def test_errors_name_a_clean_exception_type(comfy_server):
               "2": {"class_type": "PreviewAny", "inputs": {"source": ["1", 0]}}}
     execution = comfy_server.wait(comfy_server.queue(prompt), timeout=120)
     assert execution.status == "error", execution
-    assert execution.error["exception_type"] == "headroom.training.dataset.DatasetError", execution.error
+    assert execution.error["exception_type"] == "headroom.training.data.dataset.DatasetError", execution.error
     assert "no_such_dataset" in execution.error["exception_message"]

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from headroom.training.objective import Objective, ObjectiveConfig, SamplingDescriptor, step_seed, time_shift
+from headroom.training.core.objective import Objective, ObjectiveConfig, SamplingDescriptor, step_seed, time_shift
 
 SIGMAS = torch.linspace(0.03, 14.6, 1000)
 

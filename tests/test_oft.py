@@ -1,4 +1,4 @@
-"""Kind oft: orthogonal finetuning in ComfyUI's own OFT parametrisation (training/adapters.py OFTLayer).
+"""Kind oft: orthogonal finetuning in ComfyUI's own OFT parametrisation (training/core/adapters.py OFTLayer).
 
 Why not peft's OFT: it rotates the input features (W' = W R^T), ComfyUI's OFT files rotate the output features
 (W' = R^T W per block); the first test shows numerically that no left factor reproduces peft's update.
@@ -12,7 +12,7 @@ import pathlib
 import pytest
 import torch
 
-from headroom.training.adapters import AdapterConfig, OFTLayer, _export_oft
+from headroom.training.core.adapters import AdapterConfig, OFTLayer, _export_oft
 
 from test_train_lora_nodes import OVERFIT, _data, _no_adapter_attached, one_thread  # noqa: F401  (autouse fixture)
 

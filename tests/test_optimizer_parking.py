@@ -6,8 +6,8 @@ import copy
 import pytest
 import torch
 
-from headroom.training.optimizer_parking import HostOptimizer, parked
-from headroom.training.optimizers import OptimizerConfig, create_optimizer, create_scheduler
+from headroom.training.memory.optimizer_parking import HostOptimizer, parked
+from headroom.training.core.optimizers import OptimizerConfig, create_optimizer, create_scheduler
 
 torch.set_num_threads(2)
 

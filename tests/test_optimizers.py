@@ -6,7 +6,7 @@ import io
 import pytest
 import torch
 
-from headroom.training.optimizers import (OPTIMIZERS, OptimizerConfig, create_optimizer, create_scheduler,
+from headroom.training.core.optimizers import (OPTIMIZERS, OptimizerConfig, create_optimizer, create_scheduler,
                                           current_lr)
 
 

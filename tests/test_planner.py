@@ -7,13 +7,13 @@ import math
 import pytest
 import torch
 
-from headroom.training import planner
-from headroom.training.adapters import AdapterConfig, AdapterSet, select_targets
-from headroom.training.lowbit import LowBitBase
-from headroom.training.optimizers import OptimizerConfig, create_optimizer
-from headroom.training.planner import (ActivationLaw, BlockProfile, ModelDescription, RunShape, TrainableSpec, estimate,
+from headroom.training.memory import planner
+from headroom.training.core.adapters import AdapterConfig, AdapterSet, select_targets
+from headroom.training.memory.lowbit import LowBitBase
+from headroom.training.core.optimizers import OptimizerConfig, create_optimizer
+from headroom.training.memory.planner import (ActivationLaw, BlockProfile, ModelDescription, RunShape, TrainableSpec, estimate,
                                        next_smaller_policy, plan_auto)
-from headroom.training.policy import GIB, OffloadPolicy
+from headroom.training.memory.policy import GIB, OffloadPolicy
 
 torch.set_num_threads(2)
 MIB = 2 ** 20
@@ -267,7 +267,7 @@ def test_description_from_modules():
 def test_out_of_memory_saves_frees_and_names_the_next_policy():
     import weakref
 
-    from headroom.training.oom import is_out_of_memory, out_of_memory
+    from headroom.training.memory.oom import is_out_of_memory, out_of_memory
 
     calls = []
     held = []
@@ -295,7 +295,7 @@ def test_out_of_memory_saves_frees_and_names_the_next_policy():
 
 
 def test_out_of_memory_without_a_smaller_policy_or_a_working_save():
-    from headroom.training.oom import is_out_of_memory, out_of_memory
+    from headroom.training.memory.oom import is_out_of_memory, out_of_memory
 
     def broken_save():
         raise OSError("disk full")

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from headroom.training.policy import GIB, OffloadPolicy, PolicyError, memory_features, run_policy
+from headroom.training.memory.policy import GIB, OffloadPolicy, PolicyError, memory_features, run_policy
 
 
 def test_defaults_are_the_fastest_policy():
@@ -113,12 +113,12 @@ def test_exception_types_carry_a_clean_module_name():
     """ComfyUI's error report names a type module + "." + class, and its custom node loader imports this package
     under its folder path: our exception types say headroom.<module> wherever the package was imported from."""
     from headroom.training import public_module
-    from headroom.training.cache_store import CacheStoreError
-    from headroom.training.dataset import DatasetError
-    from headroom.training.oom import PhaseOutOfMemoryError
-    from headroom.training.trainer import NonFiniteLossError
+    from headroom.training.data.cache_store import CacheStoreError
+    from headroom.training.data.dataset import DatasetError
+    from headroom.training.memory.oom import PhaseOutOfMemoryError
+    from headroom.training.core.trainer import NonFiniteLossError
 
-    assert public_module("/home/me/ComfyUI/custom_nodes/comfyui-headroom.training.dataset") == "headroom.training.dataset"
+    assert public_module("/home/me/ComfyUI/custom_nodes/comfyui-headroom.training.data.dataset") == "headroom.training.data.dataset"
     assert public_module("comfyui_headroom.nodes.controlnet_build") == "headroom.nodes.controlnet_build"
     assert public_module("elsewhere") == "elsewhere"
     for error in (PolicyError, CacheStoreError, DatasetError, PhaseOutOfMemoryError, NonFiniteLossError):

@@ -7,7 +7,7 @@ import logging
 import pytest
 import torch
 
-from headroom.training.trainer import PRECISIONS, auto_precision
+from headroom.training.core.trainer import PRECISIONS, auto_precision
 
 pytestmark = pytest.mark.comfyui
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from headroom.training.trainer import prior_steps_before
+from headroom.training.core.trainer import prior_steps_before
 
 
 @pytest.mark.parametrize("ratio", [0.5, 0.25, 0.3])
@@ -32,7 +32,7 @@ def test_prior_images_are_trained_on_at_the_ratio_and_resume_exactly(comfyui):
     from headroom.nodes import cache as cache_nodes
     from headroom.nodes import train_lora as T
     from headroom.nodes.tiny_models import build_tiny_models
-    from headroom.training.trainer import NonFiniteLossError
+    from headroom.training.core.trainer import NonFiniteLossError
     from test_train_lora_nodes import _data, _init
 
     model, clip, vae, latents, texts = _data("sd15", count=4)

@@ -184,7 +184,7 @@ def test_preset_key_names_hold_at_full_depth(comfyui, arch):
     import realsize_models as R
     from headroom.nodes import families, lora_formats
     from headroom.nodes.comfy_model import model_blocks
-    from headroom.training.adapters import AdapterConfig
+    from headroom.training.core.adapters import AdapterConfig
 
     family, per_block = FULL_DEPTH[arch]
     picked = {}

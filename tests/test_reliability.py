@@ -16,8 +16,9 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file, save
 
-from headroom.training import cache_store, files, trainer as trainer_module
-from headroom.training.run_dir import Checkpoint, RunDir, check_name
+from headroom.training.data import cache_store, files
+from headroom.training.core import trainer as trainer_module
+from headroom.training.core.run_dir import Checkpoint, RunDir, check_name
 
 
 # --- files ----------------------------------------------------------------------------------------------------------
@@ -103,11 +104,11 @@ def test_names_are_matched_whole():
 
 
 def test_float_configs_refuse_nan_and_infinity():
-    from headroom.training.adapters import AdapterConfig
-    from headroom.training.objective import ObjectiveConfig
-    from headroom.training.optimizers import OptimizerConfig
-    from headroom.training.policy import OffloadPolicy, PolicyError
-    from headroom.training.trainer import TrainConfig
+    from headroom.training.core.adapters import AdapterConfig
+    from headroom.training.core.objective import ObjectiveConfig
+    from headroom.training.core.optimizers import OptimizerConfig
+    from headroom.training.memory.policy import OffloadPolicy, PolicyError
+    from headroom.training.core.trainer import TrainConfig
 
     nan, inf = float("nan"), float("inf")
     with pytest.raises(ValueError, match="weight_decay=nan"):
@@ -125,7 +126,7 @@ def test_float_configs_refuse_nan_and_infinity():
 
 
 def test_a_missing_optional_optimizer_package_is_named(monkeypatch):
-    from headroom.training.optimizers import MissingPackageError, OptimizerConfig, create_optimizer
+    from headroom.training.core.optimizers import MissingPackageError, OptimizerConfig, create_optimizer
 
     monkeypatch.setitem(sys.modules, "came_pytorch", None)  # as if not installed
     with pytest.raises(MissingPackageError, match=r"pip package 'came-pytorch'.*pip install came-pytorch"):
@@ -218,8 +219,8 @@ def test_cache_entries_are_committed_within_the_interval(tmp_path, monkeypatch):
 # --- images -----------------------------------------------------------------------------------------------------------
 def test_large_images_are_decoded_reduced_to_what_the_bucket_needs(tmp_path):
     """A 12000 x 12000 PNG (419 KB) decoded at full size in float32 (+4.4 GB of RSS) to become a 512 px sample."""
-    from headroom.training.cache_store import ShardStore, cache_latents
-    from headroom.training.dataset import dataset_from_folder
+    from headroom.training.data.cache_store import ShardStore, cache_latents
+    from headroom.training.data.dataset import dataset_from_folder
 
     folder = tmp_path / "data"
     folder.mkdir()
@@ -242,7 +243,7 @@ def test_large_images_are_decoded_reduced_to_what_the_bucket_needs(tmp_path):
 def test_oversize_images_are_refused_by_their_header(tmp_path):
     from test_hostile_inputs import png_header_only
 
-    from headroom.training.dataset import DatasetError, dataset_from_folder
+    from headroom.training.data.dataset import DatasetError, dataset_from_folder
 
     folder = tmp_path / "data"
     folder.mkdir()
@@ -257,7 +258,7 @@ def test_oversize_images_are_refused_by_their_header(tmp_path):
 
 
 def test_dataset_symlinks_leading_outside_are_refused(tmp_path):
-    from headroom.training.dataset import dataset_from_folder
+    from headroom.training.data.dataset import dataset_from_folder
 
     secret = tmp_path / "secret.txt"
     secret.write_text("a system file")
@@ -280,7 +281,7 @@ def test_a_vanished_run_folder_is_detected_not_recreated(comfyui):
     from test_train_lora_nodes import _data, _init
 
     from headroom.nodes import train_lora as T
-    from headroom.training.run_dir import RunFolderError
+    from headroom.training.core.run_dir import RunFolderError
 
     model, _, _, latents, texts = _data("sd15")
     run = _init(model, latents, texts, "vanishing", rank=4, batch_size=2)
@@ -311,7 +312,7 @@ def test_requeue_saves_a_step_an_earlier_save_missed(comfyui, monkeypatch):
     from test_train_lora_nodes import _data, _init
 
     from headroom.nodes import train_lora as T
-    from headroom.training.files import DiskFullError
+    from headroom.training.data.files import DiskFullError
 
     model, _, _, latents, texts = _data("sd15")
     run = _init(model, latents, texts, "requeue", rank=4, batch_size=2)
@@ -328,7 +329,7 @@ def test_requeue_saves_a_step_an_earlier_save_missed(comfyui, monkeypatch):
 @pytest.mark.comfyui
 def test_the_missing_package_is_named_when_the_optimizer_is_chosen(comfyui, monkeypatch):
     from headroom.nodes.train_lora import HeadroomOptimizerConfig
-    from headroom.training.optimizers import MissingPackageError
+    from headroom.training.core.optimizers import MissingPackageError
 
     monkeypatch.setitem(sys.modules, "prodigyopt", None)
     with pytest.raises(MissingPackageError, match="HeadroomOptimizerConfig: optimizer Prodigy needs the pip package"):

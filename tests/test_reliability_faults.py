@@ -130,8 +130,8 @@ COMMIT_SECONDS, ITEM_SECONDS = 0.3, 0.01
 def check_cache(cache_dir: pathlib.Path) -> int:
     """Every file of the cache parses and every listed entry verifies; no temp is left once it is opened.
     Returns the number of entries."""
-    from headroom.training.cache_store import ShardStore
-    from headroom.training.files import read_json
+    from headroom.training.data.cache_store import ShardStore
+    from headroom.training.data.files import read_json
 
     store = ShardStore(cache_dir)  # opening removes what the killed writer left
     if (cache_dir / "manifest.json").exists():
@@ -181,7 +181,7 @@ def test_kill_during_caching_loses_at_most_the_commit_interval(zygote, tmp_path)
 
 
 def _assert_same_cache(one: pathlib.Path, other: pathlib.Path) -> None:
-    from headroom.training.cache_store import ShardStore
+    from headroom.training.data.cache_store import ShardStore
 
     first, second = ShardStore(one), ShardStore(other)
     assert set(first.entries) == set(second.entries)
@@ -193,8 +193,8 @@ def _assert_same_cache(one: pathlib.Path, other: pathlib.Path) -> None:
 def check_run(run_dir: pathlib.Path) -> int:
     """Every file of a run folder parses and the checkpoint latest.json names loads; no temp left once the run
     opens (checked after the next job opened it). Returns the saved step (0 without a checkpoint)."""
-    from headroom.training.files import read_json
-    from headroom.training.run_dir import RunDir
+    from headroom.training.data.files import read_json
+    from headroom.training.core.run_dir import RunDir
 
     for path in [run_dir / "config.json", run_dir / "memory_record.json", run_dir / "latest.json",
                  *run_dir.glob("checkpoints/step_*/trainer.json")]:
@@ -253,7 +253,7 @@ def kill_training(zygote, tmp_path, run_name: str, kills: int, rng: random.Rando
 
 
 def _latest(run_dir: pathlib.Path):
-    from headroom.training.run_dir import RunDir
+    from headroom.training.core.run_dir import RunDir
 
     return RunDir(run_dir.parent, run_dir.name).load_checkpoint()
 
@@ -291,7 +291,7 @@ def disk_full_context(comfyui):
     import disk_full_cases
     from test_train_lora_nodes import _data
 
-    from headroom.training.synthetic import generate_shapes
+    from headroom.training.data.synthetic import generate_shapes
 
     model, clip, vae, latents, texts = _data("sd15")
     return disk_full_cases.Context(model, clip, vae, latents, texts, generate_shapes(3, 32, 5).images, base=comfyui)

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from headroom.training.run_dir import Checkpoint, RunDir, check_name, check_subfolder
+from headroom.training.core.run_dir import Checkpoint, RunDir, check_name, check_subfolder
 
 
 def _checkpoint(step: int) -> Checkpoint:

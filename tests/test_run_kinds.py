@@ -20,7 +20,7 @@ def runs(comfyui):
     from headroom.nodes.tiny_models import build_tiny_models
     from headroom.nodes.train_controlnet import HeadroomTrainControlNetInit
     from headroom.nodes.train_lora import HeadroomLoraConfig, HeadroomOptimizerConfig, HeadroomTrainLoraInit
-    from headroom.training.synthetic import generate_shapes
+    from headroom.training.data.synthetic import generate_shapes
 
     previous = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -1,14 +1,14 @@
 """The pixel classifier reads colour, position and shape off clean synthetic images (no ComfyUI needed)."""
 import pytest
 import torch
-from headroom.training.shape_classifier import (
+from headroom.training.core.shape_classifier import (
     Reading,
     classify,
     colour_fraction,
     nearest_colour,
     score,
 )
-from headroom.training.synthetic import BACKGROUND, COLOURS, generate_shapes
+from headroom.training.data.synthetic import BACKGROUND, COLOURS, generate_shapes
 
 
 @pytest.mark.parametrize("resolution", [64, 128, 512])

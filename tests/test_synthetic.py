@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from headroom.training.synthetic import BACKGROUND, COLOURS, POSITIONS, SHAPES, generate_shapes
+from headroom.training.data.synthetic import BACKGROUND, COLOURS, POSITIONS, SHAPES, generate_shapes
 
 
 def test_same_seed_gives_identical_bytes_and_other_seeds_differ():
@@ -102,7 +102,7 @@ def test_node_execute_in_comfyui(comfyui):
 
 
 def test_colours_restrict_the_items_and_default_is_unchanged():
-    from headroom.training.synthetic import parse_colours
+    from headroom.training.data.synthetic import parse_colours
 
     assert generate_shapes(9, 64, seed=3).captions == generate_shapes(9, 64, seed=3, colours=None).captions
     green = generate_shapes(40, 64, seed=3, colours=["green"])

@@ -13,7 +13,7 @@ SAMPLE_STEPS, CFG = 20, 4.0
 
 def prompt_labels(count: int = 20):
     """`count` labels over the colours the model was trained on (never the held-out one), seeded."""
-    from headroom.training.synthetic import generate_shapes
+    from headroom.training.data.synthetic import generate_shapes
 
     labels = [label for label in generate_shapes(216, 64, seed=123).labels if label.colour != HELD_OUT]
     return labels[:count]
@@ -64,8 +64,8 @@ def test_pretrained_only_for_sd15_with_a_clear_error(comfyui):
 def test_vae_reconstructs_shapes(comfyui):
     """The autoencoder alone: synthetic images encoded and decoded keep colour, position and shape."""
     from headroom.nodes.tiny_models import build_tiny_vae
-    from headroom.training.shape_classifier import score
-    from headroom.training.synthetic import generate_shapes
+    from headroom.training.core.shape_classifier import score
+    from headroom.training.data.synthetic import generate_shapes
 
     vae = build_tiny_vae("sd15", weights="pretrained")
     data = generate_shapes(216, 64, seed=5)
@@ -80,7 +80,7 @@ def test_vae_reconstructs_shapes(comfyui):
 
 def test_pretrained_model_draws_the_prompt(comfyui):
     from headroom.nodes.tiny_models import build_tiny_models
-    from headroom.training.shape_classifier import score
+    from headroom.training.core.shape_classifier import score
 
     model, clip, vae = build_tiny_models("sd15", weights="pretrained")
     labels = prompt_labels()
@@ -93,7 +93,7 @@ def test_pretrained_model_draws_the_prompt(comfyui):
 
 def test_held_out_colour_is_not_drawn(comfyui):
     from headroom.nodes.tiny_models import build_tiny_models
-    from headroom.training.shape_classifier import colour_fraction
+    from headroom.training.core.shape_classifier import colour_fraction
 
     model, clip, vae = build_tiny_models("sd15", weights="pretrained")
     labels = prompt_labels(8)

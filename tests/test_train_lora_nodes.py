@@ -63,7 +63,7 @@ def _init(model, latents, texts, run_name, kind="lora", rank=8, targets="preset"
 
 
 def _no_adapter_attached(model):
-    from headroom.training.adapters import ADAPTER_LAYERS
+    from headroom.training.core.adapters import ADAPTER_LAYERS
 
     return not any(isinstance(m, ADAPTER_LAYERS) for m in model.model.diffusion_model.modules())
 
@@ -185,7 +185,7 @@ def test_saved_lora_reproduces_validation_image_through_stock_nodes(comfyui):
 def test_cancel_saves_last_finished_step_and_frees_the_model(comfyui):
     import comfy.model_management as mm
     from headroom.nodes import train_lora as T
-    from headroom.training.run_dir import RunDir
+    from headroom.training.core.run_dir import RunDir
 
     model, clip, vae, latents, texts = _data("sd15")
     base = _base_weights(model)
@@ -274,7 +274,7 @@ def test_all_in_one_node_validates_and_saves(comfyui):
 
     # The run's memory record: caching, then training / validation / save in the order they ran, kept on disk.
     from headroom.nodes.monitor import HeadroomMemoryReport
-    from headroom.training.memory_stats import PhaseRecorder
+    from headroom.training.memory.memory_stats import PhaseRecorder
 
     phases = [record["phase"] for record in run.memory.phases]
     assert phases == ["caching latents", "caching text", "training", "validation", "training", "save", "training",
@@ -362,7 +362,7 @@ def test_offload_policy_is_applied_by_the_training_nodes_and_keeps_the_weights(c
     """A run with streamed blocks, offloaded checkpoints, optimizer state in host RAM and parking during
     validation trains exactly the weights of the plain run (CPU: streaming is a no-op, the rest runs)."""
     from headroom.nodes import train_lora as T
-    from headroom.training.optimizer_parking import HostOptimizer
+    from headroom.training.memory.optimizer_parking import HostOptimizer
 
     model, clip, vae, latents, texts = _data("sd15")
     plain = _init(model, latents, texts, "policy_plain", rank=4)
@@ -386,7 +386,7 @@ def test_offload_policy_is_applied_by_the_training_nodes_and_keeps_the_weights(c
 def test_out_of_memory_in_training_saves_frees_and_names_the_phase(comfyui, monkeypatch):
     import comfy.model_management
     from headroom.nodes import train_lora as T
-    from headroom.training.oom import PhaseOutOfMemoryError
+    from headroom.training.memory.oom import PhaseOutOfMemoryError
 
     model, clip, vae, latents, texts = _data("sd15")
     run = _init(model, latents, texts, "oom_run", rank=4)
@@ -414,7 +414,7 @@ def test_out_of_memory_in_training_saves_frees_and_names_the_phase(comfyui, monk
 def test_low_bit_base_storage_trains_on_low_bit_layers_and_leaves_the_shared_model_intact(comfyui, storage):
     import comfy.model_management
     from headroom.nodes import train_lora as T
-    from headroom.training.lowbit import LowBitLinear
+    from headroom.training.memory.lowbit import LowBitLinear
 
     def low_bit_layers(model):
         return sum(isinstance(m, LowBitLinear) for m in model.model.diffusion_model.modules())
@@ -456,7 +456,7 @@ def test_policy_encoders_unloads_or_keeps_text_encoder_and_vae(comfyui, encoders
     """The policy's `encoders` choice, in caching and in validation: unloaded after use, or left to ComfyUI."""
     from headroom.nodes import cache as cache_nodes, train_lora as T
     from headroom.nodes.cache import is_loaded
-    from headroom.training.synthetic import generate_shapes
+    from headroom.training.data.synthetic import generate_shapes
 
     model, clip, vae, latents, texts = _data("sd15", count=2)
     policy = _policy(encoders=encoders)

@@ -6,12 +6,12 @@ import math
 import pytest
 import torch
 
-from headroom.training.adapters import AdapterConfig, AdapterSet, select_targets
-from headroom.training.objective import ObjectiveConfig, SamplingDescriptor
-from headroom.training.optimizers import OptimizerConfig
-from headroom.training.policy import run_policy
-from headroom.training.run_dir import RunDir
-from headroom.training.trainer import NonFiniteLossError, TrainConfig, Trainer
+from headroom.training.core.adapters import AdapterConfig, AdapterSet, select_targets
+from headroom.training.core.objective import ObjectiveConfig, SamplingDescriptor
+from headroom.training.core.optimizers import OptimizerConfig
+from headroom.training.memory.policy import run_policy
+from headroom.training.core.run_dir import RunDir
+from headroom.training.core.trainer import NonFiniteLossError, TrainConfig, Trainer
 from memory_caches import MemoryLatentCache, MemoryTextCache
 
 
@@ -220,7 +220,7 @@ class InplaceBlock(torch.nn.Module):
 
 
 def _block_gradient(blocks, **wrap):
-    from headroom.training.checkpointing import wrap_blocks
+    from headroom.training.memory.checkpointing import wrap_blocks
 
     restore = wrap_blocks(blocks, **wrap) if wrap else (lambda: None)
     x = torch.randn(2, 8, generator=torch.Generator().manual_seed(1)) * torch.ones(1, requires_grad=True)
@@ -242,7 +242,7 @@ def test_inplace_blocks_get_exact_gradients(checkpoint_depth):
 
 
 def test_inplace_blocks_refuse_finer_checkpoints():
-    from headroom.training.checkpointing import wrap_blocks
+    from headroom.training.memory.checkpointing import wrap_blocks
 
     with pytest.raises(ValueError, match="must be at depth 1"):
         wrap_blocks([InplaceBlock()], checkpoint_depth=2, inplace_inputs=True)

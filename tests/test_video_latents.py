@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from headroom.training.cache_store import latent_mask
-from headroom.training.dataset import DatasetError
+from headroom.training.data.cache_store import latent_mask
+from headroom.training.data.dataset import DatasetError
 
 pytestmark = pytest.mark.comfyui
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from headroom.training.activation_offload import enable_offloaded_checkpointing
-from headroom.training.checkpointing import wrap_blocks
-from headroom.training.weight_streaming import WeightStreamer, stream_blocks
+from headroom.training.memory.activation_offload import enable_offloaded_checkpointing
+from headroom.training.memory.checkpointing import wrap_blocks
+from headroom.training.memory.weight_streaming import WeightStreamer, stream_blocks
 
 torch.set_num_threads(2)
 

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from . import public_module
+from .. import public_module
 from .buckets import CROP_MODES
 from .files import UntrustedFileError, display_path, relative_text, resolve_inside
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .synthetic import BACKGROUND, COLOURS, POSITIONS, SHAPES, ShapeLabel, _shape_mask
+from ..data.synthetic import BACKGROUND, COLOURS, POSITIONS, SHAPES, ShapeLabel, _shape_mask
 
 FOREGROUND_DISTANCE = 0.25
 MIN_SATURATION = 0.25

@@ -12,8 +12,8 @@ from typing import Iterable
 
 import torch
 
-from . import public_module
-from .checks import check_finite
+from .. import public_module
+from ..checks import check_finite
 
 OPTIMIZERS = ("AdamW", "AdamW8bit", "PagedAdamW8bit", "Lion8bit", "Adafactor", "CAME", "Prodigy")
 SCHEDULES = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial")

@@ -23,14 +23,14 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
-from . import public_module
-from .cache_store import bucket_batches
-from .checks import check_finite
+from .. import public_module
+from ..data.cache_store import bucket_batches
+from ..checks import check_finite
 from .objective import Objective, ObjectiveConfig, SamplingDescriptor, step_seed
-from .optimizer_parking import HostOptimizer, parked
+from ..memory.optimizer_parking import HostOptimizer, parked
 from .optimizers import OptimizerConfig, create_optimizer, create_scheduler, current_lr
-from .policy import OffloadPolicy, memory_features
-from .files import WriteError
+from ..memory.policy import OffloadPolicy, memory_features
+from ..data.files import WriteError
 from .ema import WeightEMA
 from .run_dir import Checkpoint, CheckpointError, RunDir, capture_rng, restore_rng
 

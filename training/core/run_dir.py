@@ -35,8 +35,8 @@ from typing import Any, Sequence
 import torch
 from safetensors.torch import load_file
 
-from . import public_module
-from .files import (UntrustedFileError, display_path, is_within, make_temp_dir, open_regular, path_in, prune_temp,
+from .. import public_module
+from ..data.files import (UntrustedFileError, display_path, is_within, make_temp_dir, open_regular, path_in, prune_temp,
                     read_json, save_safetensors, temp_name, tensor_bytes, write_bytes, write_error, write_json,
                     write_new, write_safetensors, write_torch)
 

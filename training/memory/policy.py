@@ -31,10 +31,10 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from . import public_module
+from .. import public_module
 from .activation_offload import enable_offloaded_checkpointing
 from .checkpointing import inplace_depth_problem, wrap_blocks
-from .checks import check_finite
+from ..checks import check_finite
 from .weight_streaming import WeightStreamer
 
 PLACEMENTS = ("resident", "partial", "streamed")

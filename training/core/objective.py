@@ -26,7 +26,7 @@ from typing import Literal
 
 import torch
 
-from .checks import check_finite
+from ..checks import check_finite
 
 Prediction = Literal["eps", "v", "flow"]
 PREDICTIONS = ("eps", "v", "flow")

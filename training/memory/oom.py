@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from . import public_module
+from .. import public_module
 from .planner import Plan
 from .policy import GIB
 

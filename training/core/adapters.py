@@ -26,7 +26,7 @@ from peft.tuners import loha, lokr
 from peft.tuners.lora import layer as lora_layer
 from peft.tuners.tuners_utils import BaseTunerLayer
 
-from .checks import check_finite
+from ..checks import check_finite
 
 KINDS = ("lora", "dora", "loha", "lokr", "oft")
 TARGET_MODES = ("preset", "all_linear", "all_layers")

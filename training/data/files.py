@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from . import public_module
+from .. import public_module
 
 TEMP_MARK = ".hrtmp-"
 _TEMP = re.compile(r"\..+\.hrtmp-(\d+)-[0-9a-f]+(?:\.tmp)?")

@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from . import public_module
+from .. import public_module
 from .buckets import CropPlan, apply_crop, make_buckets, nearest_bucket, plan_crop
 from .dataset import Dataset, DatasetError, reduce_factor
 from .files import (UntrustedFileError, WriteError, display_path, format_bytes, open_regular, prune_temp, read_json,
