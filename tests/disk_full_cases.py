@@ -1,8 +1,8 @@
 """Every write path of Headroom meeting a full disk, as scenarios shared by two tests:
 
-- tests/test_reliability_faults.py::test_injected_enospc_in_every_write_path: in-process, each scenario's target
+- tests/comfy/test_reliability_faults.py::test_injected_enospc_in_every_write_path: in-process, each scenario's target
   file alone sits on a full disk (tests/faults.py: a real ENOSPC from /dev/full);
-- tests/test_reliability_faults.py::test_disk_full_on_a_real_tmpfs: in a child process (tests/fault_worker.py)
+- tests/comfy/test_reliability_faults.py::test_disk_full_on_a_real_tmpfs: in a child process (tests/fault_worker.py)
   with its own mount namespace, ComfyUI's output / loras / cache folders on a small tmpfs that is filled up.
 
 Each scenario writes its earlier files with room (`prepare`), then does the one write that meets the full disk
@@ -26,7 +26,7 @@ from faults import leftovers, snapshot
 
 @dataclasses.dataclass
 class Context:
-    """The models and caches (tiny SD1.5, from tests/test_train_lora_nodes.py _data) and the folders written."""
+    """The models and caches (tiny SD1.5, from tests/comfy/test_train_lora_nodes.py _data) and the folders written."""
 
     model: object
     clip: object

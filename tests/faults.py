@@ -3,7 +3,7 @@
 Every file Headroom writes is created by `training.data.files._new_file` (a temp file beside its target, or a file
 inside a temp checkpoint folder). `disk_full_for(monkeypatch, pattern)` makes the files whose names contain
 `pattern` symlinks to /dev/full instead, so whatever writes them - Python, torch.save, safetensors' Rust writer -
-gets a real ENOSPC from the kernel, the way a full disk answers. (tests/test_reliability_faults.py also fills a
+gets a real ENOSPC from the kernel, the way a full disk answers. (tests/comfy/test_reliability_faults.py also fills a
 real tmpfs where it may mount one.)
 """
 from __future__ import annotations

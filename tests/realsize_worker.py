@@ -2,7 +2,7 @@
 
     python tests/realsize_worker.py sdxl --out result.json [--size 64 --steps 2 --no-checkpointing --planner]
 
-Run by the real-size tier (tests/test_realsize.py) and bench/bench_realsize.py, each model in a fresh process so
+Run by the real-size tier (tests/realsize/test_realsize.py) and bench/bench_realsize.py, each model in a fresh process so
 that its peak RSS is its own. The flow:
 
 1. the MODEL / CLIP / VAE at real size (tests/realsize_models.py), made under inference mode as ComfyUI's loaders

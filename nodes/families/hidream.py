@@ -5,7 +5,7 @@ latents, flow. (HiDream-O1, pixel space, is another model class and not this fam
 
 No tiny model yet: ComfyUI's HiDream tokenizer reads comfy/text_encoders/llama_tokenizer/tokenizer.json, which the
 ComfyUI checkout the tests run on lacks, so its text encoder cannot be built there. `TINY_DIT` (the diffusion model
-alone) is what tests/test_families.py recognises; tests/test_realsize.py maps the preset's keys at real width."""
+alone) is what tests/comfy/test_families.py recognises; tests/realsize/test_realsize.py maps the preset's keys at real width."""
 from __future__ import annotations
 
 import comfy.model_base

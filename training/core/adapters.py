@@ -147,7 +147,7 @@ class OFTLayer(torch.nn.Module):
     blocks B [block_num, block_size, block_size], Q = B - B^T (scaled down to norm alpha when its norm over all blocks
     is larger), R = (I + Q)(I - Q)^-1, and the loader's weight is W + einsum("k n m, k n ... -> k m ...", R - I, W).
     peft's OFT is not used: it rotates the INPUT features (W' = W R^T, on dim 1), which no OFT file of ComfyUI's can
-    express (tests/test_oft.py shows no left factor reproduces it), and it parametrises and approximates R differently.
+    express (tests/comfy/test_oft.py shows no left factor reproduces it), and it parametrises and approximates R differently.
 
     The trainable blocks are ComfyUI's own OFTDiff (same Q, constraint and Cayley code as the loader). The rotation is
     applied to the base layer's output without its bias: y + (R - I)^T (y - b) per block of output features, which is

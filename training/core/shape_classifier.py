@@ -10,7 +10,7 @@ any model. On one image [H, W, 3] in 0..1 (ComfyUI IMAGE layout):
 - shape: each shape's template (training/synthetic.py's own drawing) is placed on the foreground's bounding
   box, sized from its width (give or take a pixel); the template with the highest IoU against the foreground wins.
 
-Clean images of generate_shapes are classified correctly (tests/test_shape_classifier.py).
+Clean images of generate_shapes are classified correctly (tests/unit/test_shape_classifier.py).
 """
 from __future__ import annotations
 

@@ -394,7 +394,7 @@ def write_safetensors(target: Path, tensors: dict, metadata: dict[str, str] | No
     Written here because the library can only write by path, into a temp file of its own (a kill leaves an
     anonymous `.tmpXXXXXX`, and a full disk comes back as text), or return the whole file as bytes (a second copy
     of e.g. a ControlNet's weights in RAM). Through a Python file a full disk is an OSError(ENOSPC), and tensors
-    are copied off the device one at a time. tests/test_reliability.py compares the bytes with the library's."""
+    are copied off the device one at a time. tests/comfy/test_reliability.py compares the bytes with the library's."""
     import torch
 
     kinds = {getattr(torch, entry.split(":")[0], None): (rank, entry.split(":")[1])

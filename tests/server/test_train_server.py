@@ -10,7 +10,7 @@ from server_harness import output_pixels
 
 pytestmark = pytest.mark.server
 
-TINY_LORA = json.loads((pathlib.Path(__file__).resolve().parent.parent / "workflows" / "tiny_lora_api.json").read_text())
+TINY_LORA = json.loads((pathlib.Path(__file__).resolve().parents[2] / "workflows" / "tiny_lora_api.json").read_text())
 PROMPT, SEED, STEPS, CFG = "a red circle in the center", 7, 4, 3.0
 
 
@@ -51,7 +51,7 @@ def test_saved_lora_through_stock_loraloader_reproduces_validation_image(comfy_s
 
     stock = output_pixels(comfy_server, comfy_server.run_workflow(_stock_prompt(f"server_roundtrip/{run_name}.safetensors")))
     # Both images went through 8-bit PNG files here; the float comparison (<= 1e-3) is in
-    # tests/test_train_lora_nodes.py. One 8-bit level allows only rounding at the boundary.
+    # tests/comfy/test_train_lora_nodes.py. One 8-bit level allows only rounding at the boundary.
     assert validation.shape == stock.shape == (64, 64, 3)
     assert np.abs(validation - stock).max() <= 1
 

@@ -15,7 +15,7 @@ from headroom.workflows.headroom_run import format_train_step
 from PIL import Image
 from server_harness import WorkflowError, start_comfy_server
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 HEADROOM_RUN = REPO_ROOT / "workflows" / "headroom_run.py"
 DEMO_WORKFLOW = REPO_ROOT / "workflows" / "demo_tiny_api.json"
 TINY_LORA_WORKFLOW = REPO_ROOT / "workflows" / "tiny_lora_api.json"

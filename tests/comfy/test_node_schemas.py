@@ -8,7 +8,7 @@ for V3 nodes. Tooltips and descriptions are prose and left out.
 A workflow saved against one version must load against the next: a change here is a change of the public API.
 When it is intended (a new input appended, a new node), update the snapshot and commit it with the change:
 
-    python tests/test_node_schemas.py --update
+    python tests/comfy/test_node_schemas.py --update
 """
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ import json
 import pathlib
 import sys
 
-SNAPSHOT = pathlib.Path(__file__).resolve().parent / "node_schemas.json"
-UPDATE_COMMAND = "python tests/test_node_schemas.py --update"
+SNAPSHOT = pathlib.Path(__file__).resolve().parents[1] / "node_schemas.json"
+UPDATE_COMMAND = "python tests/comfy/test_node_schemas.py --update"
 # Combo options listed from a ComfyUI models folder: they depend on the files there, so the snapshot records the
 # fixed options and a placeholder for the listing.
 FOLDER_LISTED = {("HeadroomLoraConfig", "init_lora"): "loras"}
@@ -153,7 +153,7 @@ def main(argv: list[str]) -> int:
     if argv not in ([], ["--update"]):
         print(__doc__)
         return 2
-    tests_dir = pathlib.Path(__file__).resolve().parent
+    tests_dir = pathlib.Path(__file__).resolve().parents[1]
     sys.path.insert(0, str(tests_dir))
     import conftest  # noqa: F401  (registers the repo root as the package `headroom`)
     from comfy_harness import import_comfyui_in_process

@@ -31,7 +31,7 @@ from comfy_harness import COMFYUI_FOUND_BY, COMFYUI_PATH
 
 pytestmark = pytest.mark.comfyui
 
-TESTS = pathlib.Path(__file__).resolve().parent
+TESTS = pathlib.Path(__file__).resolve().parents[1]
 SEED = int(os.environ.get("HEADROOM_FAULT_SEED", "1313"))
 KILLS: list[dict] = []  # every kill of this session, for the summary
 

@@ -4,7 +4,7 @@ ast, so no ComfyUI is needed."""
 import ast
 import pathlib
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
+REPO = pathlib.Path(__file__).resolve().parents[2]
 PACKAGES = ("nodes", "training")
 
 

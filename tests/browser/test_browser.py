@@ -13,7 +13,7 @@ import uuid
 
 import pytest
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 WORKFLOWS = REPO_ROOT / "workflows"
 ARTIFACTS = REPO_ROOT / "test-artifacts" / "browser"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

@@ -14,7 +14,7 @@ from server_harness import start_comfy_server
 
 pytestmark = [pytest.mark.server, pytest.mark.realsize]
 
-TESTS_DIR = pathlib.Path(__file__).resolve().parent
+TESTS_DIR = pathlib.Path(__file__).resolve().parents[1]
 PLANS = 10
 TOLERANCE = 100 * 2 ** 20
 

@@ -18,7 +18,7 @@ import pytest
 
 from headroom.workflows import build_workflows
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 WORKFLOWS = REPO_ROOT / "workflows"
 API_FILES = sorted(WORKFLOWS.glob("*_api.json"))
 UI_FILES = sorted(p for p in WORKFLOWS.glob("*.json") if not p.stem.endswith("_api"))

@@ -3,7 +3,7 @@ encoder calls, checksums that catch corrupt / truncated shards, resume after a c
 writes on a full disk, and the reading side (LatentCache / TextCache / bucket_batches).
 
 The encoders here are small deterministic functions (this file tests the store, not an encoder);
-tests/test_cache_nodes.py runs the same paths with ComfyUI's real VAE and CLIP.
+tests/comfy/test_cache_nodes.py runs the same paths with ComfyUI's real VAE and CLIP.
 """
 import errno
 import hashlib

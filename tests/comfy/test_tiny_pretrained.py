@@ -112,7 +112,7 @@ def test_pretrain_script_is_deterministic(comfyui, tmp_path):
 
     from headroom.nodes.tiny_models import pretrained_state_dict
 
-    script = pathlib.Path(__file__).resolve().parents[1] / "workflows" / "pretrain_tiny.py"
+    script = pathlib.Path(__file__).resolve().parents[2] / "workflows" / "pretrain_tiny.py"
     outs = [tmp_path / f"run{i}.safetensors" for i in range(2)]
     for out in outs:
         subprocess.run([sys.executable, str(script), "--vae-steps", "3", "--steps", "3", "--images", "432",
