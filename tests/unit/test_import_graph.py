@@ -76,6 +76,27 @@ def test_training_never_imports_nodes():
     assert {module: targets for module, targets in wrong.items() if targets} == {}
 
 
+def _module_level(tree: ast.AST):
+    """The nodes of a module outside function bodies (what runs when it is imported)."""
+    for node in ast.iter_child_nodes(tree):
+        yield node
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            yield from _module_level(node)
+
+
+def test_training_imports_without_comfyui():
+    """No import of ComfyUI's modules when a training/ module is imported. (Kind oft builds on ComfyUI's OFT class,
+    imported inside the function that needs it: training/core/adapters.py `_oft_block_class`.)"""
+    comfyui = ("comfy", "comfy_extras", "comfy_api", "comfy_execution", "folder_paths", "nodes", "server", "execution")
+    wrong = []
+    for path in sorted((REPO / "training").rglob("*.py")):
+        for node in _module_level(ast.parse(path.read_text(), str(path))):
+            names = ([node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else
+                     [alias.name for alias in node.names] if isinstance(node, ast.Import) else [])
+            wrong += [f"{path.relative_to(REPO)}: {name}" for name in names if name.split(".")[0] in comfyui]
+    assert wrong == []
+
+
 def test_training_layers():
     """training/: data/ imports neither memory/ nor core/; memory/ does not import core/ (docs/ARCHITECTURE.md)."""
     graph = import_graph()
