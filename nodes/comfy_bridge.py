@@ -9,7 +9,7 @@ A `TrainingRun` is composed of
   `run_controlnet.ControlNetTraining` (a ControlNet next to it). The strategy builds the trainable and the
   denoiser, and owns save / apply / sampling conditioning / metadata; the run owns what every run does (train to a
   step, events, failure handling, validation loss, history, weights).
-The offload policy is resolved once, when the run opens (training/policy.run_policy), and every part reads
+The offload policy is resolved once, when the run opens (training/memory/policy.run_policy), and every part reads
 `run.policy`. The MODEL as the engine sees it: nodes/comfy_model.py; the planner's description: nodes/planning.py.
 """
 from __future__ import annotations
@@ -28,15 +28,15 @@ import torch
 import comfy.model_management
 import comfy.utils
 
-from ..training.adapters import ADAPTER_LAYERS
-from ..training.checkpointing import inplace_depth_problem
-from ..training.files import WriteError, open_regular
-from ..training.lowbit import LowBitBase, LowBitLinear
-from ..training.memory_stats import PhaseRecorder, process_rss_bytes
-from ..training.oom import is_out_of_memory, out_of_memory
-from ..training.policy import OffloadPolicy
-from ..training.run_dir import RunDir, RunFolderError
-from ..training.trainer import StepReport, Trainer
+from ..training.core.adapters import ADAPTER_LAYERS
+from ..training.memory.checkpointing import inplace_depth_problem
+from ..training.data.files import WriteError, open_regular
+from ..training.memory.lowbit import LowBitBase, LowBitLinear
+from ..training.memory.memory_stats import PhaseRecorder, process_rss_bytes
+from ..training.memory.oom import is_out_of_memory, out_of_memory
+from ..training.memory.policy import OffloadPolicy
+from ..training.core.run_dir import RunDir, RunFolderError
+from ..training.core.trainer import StepReport, Trainer
 from .comfy_model import base_fingerprint, data_fingerprint, model_blocks, replace_inference_tensors, training_blocks
 from .planning import next_plan_for
 
@@ -46,7 +46,7 @@ VALIDATE_EVENT = "headroom.validate"
 CONFIG_ADDED_LATER = {"session.train.objective.loss_type": "mse", "session.train.objective.huber_delta": 0.1,
                       "session.train.ema_decay": 0.0, "session.train.prior_ratio": 0.0}
 # Settings older run folders store that are no longer part of what a run is: checkpointing is the policy's (resolved
-# when a run opens, training/policy.run_policy) and changes no weight, so a run resumes whatever it was.
+# when a run opens, training/memory/policy.run_policy) and changes no weight, so a run resumes whatever it was.
 CONFIG_REMOVED_LATER = ("session.train.gradient_checkpointing", "session.train.checkpoint_depth")
 # Stored values an earlier version wrote for what is now named otherwise: an SD2 model's family was sd15 before
 # nodes/families/sd2.py, a Chroma model's flux before chroma.py; the presets train the same layers, so such runs resume.
@@ -277,7 +277,7 @@ class TrainingRun:
 
     `config` is the kind's configuration dataclass (run_lora.LoraRunConfig, run_controlnet.ControlNetRunConfig:
     `to_json`, `train`, `optimizer`, `holdout`); `policy` an OffloadPolicy (None: everything resident), resolved
-    with the Init nodes' checkpointing inputs by training/policy.run_policy before it comes here.
+    with the Init nodes' checkpointing inputs by training/memory/policy.run_policy before it comes here.
     """
 
     precision_note = ""  # how the init node chose the compute precision (nodes/train_lora.py resolve_precision)
@@ -326,7 +326,7 @@ class TrainingRun:
 
     @property
     def adapters(self):
-        """A LoRA run's adapter set (training/adapters.AdapterSet); a ControlNet run: ValueError."""
+        """A LoRA run's adapter set (training/core/adapters.AdapterSet); a ControlNet run: ValueError."""
         return self.trained_as("lora").adapters
 
     @property

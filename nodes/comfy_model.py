@@ -21,8 +21,8 @@ import comfy.model_sampling
 import comfy.samplers
 import comfy.utils
 
-from ..training.cache_store import fingerprint_state_dict, fingerprint_value
-from ..training.objective import SamplingDescriptor
+from ..training.data.cache_store import fingerprint_state_dict, fingerprint_value
+from ..training.core.objective import SamplingDescriptor
 from . import families
 
 
@@ -191,7 +191,7 @@ class ComfyDenoiser:
         # it, and the samplers use the patched one; the module's own attribute is the unpatched default.
         self.sampling = sampling_descriptor(patcher.get_model_object("model_sampling"))
         self.device = torch.device(patcher.load_device)
-        # Blocks that add into their inputs in place (Flux's `img += ...`): see training/checkpointing.py.
+        # Blocks that add into their inputs in place (Flux's `img += ...`): see training/memory/checkpointing.py.
         self.inplace_blocks = families.inplace_blocks(self.model)
 
     def to_model_latent(self, latents: torch.Tensor) -> torch.Tensor:

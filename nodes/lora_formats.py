@@ -1,7 +1,7 @@
 """LoRA file formats the save node writes: ComfyUI's own key scheme, kohya's (sd-scripts / LyCORIS), diffusers'.
 
 ComfyUI (default): `diffusion_model.<module path>.lora_up.weight / .lora_down.weight / .alpha` — what the
-trainer exports (training/adapters.py); ComfyUI's loader maps it, other tools mostly do not.
+trainer exports (training/core/adapters.py); ComfyUI's loader maps it, other tools mostly do not.
 
 kohya: `lora_unet_<name>.<same suffixes>` plus the `ss_*` / `modelspec.*` metadata other UIs show. That is
 what A1111 / Forge load, what Civitai expects, and what diffusers converts (`load_lora_weights` reads kohya

@@ -1,7 +1,7 @@
 """The planner's view of a ComfyUI MODEL (the bridge's planning part): the budget ComfyUI can make free, the
 model described from its own modules and code (blocks and their weight bytes from `diffusion_model`, the same
 blocks the trainer checkpoints and streams; activations measured by running it at small calibration sizes,
-training/planner.py; ComfyUI's own `memory_required` for the sampling working set and the VAE's
+training/memory/planner.py; ComfyUI's own `memory_required` for the sampling working set and the VAE's
 `memory_used_encode/decode` for caching and decoding), and the next smaller policy after an out-of-memory error.
 Used by the memory nodes (nodes/memory.py) and the training run (nodes/comfy_bridge.py)."""
 from __future__ import annotations
@@ -10,10 +10,10 @@ import torch
 
 import comfy.model_management
 
-from ..training import planner
-from ..training.adapters import AdapterConfig, AdapterSet
-from ..training.policy import OffloadPolicy
-from ..training.trainer import PRECISIONS
+from ..training.memory import planner
+from ..training.core.adapters import AdapterConfig, AdapterSet
+from ..training.memory.policy import OffloadPolicy
+from ..training.core.trainer import PRECISIONS
 from . import families
 from .comfy_model import ComfyDenoiser, expected_cond_dims, model_blocks, replace_inference_tensors, training_blocks
 

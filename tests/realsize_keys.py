@@ -106,7 +106,7 @@ def _reduced(arch: str, depth, adapter) -> dict:
 
     from headroom.nodes import families
     from headroom.nodes.planning import lora_target_paths
-    from headroom.training.adapters import AdapterSet
+    from headroom.training.core.adapters import AdapterSet
 
     with torch.inference_mode():  # as ComfyUI's loaders make models
         patcher = R.build_model(arch, depth)
@@ -127,7 +127,7 @@ def run(arch: str, depth, meta_only: bool = False) -> dict:
 
     from headroom.nodes import families
     from headroom.nodes.comfy_model import model_blocks
-    from headroom.training.adapters import AdapterConfig
+    from headroom.training.core.adapters import AdapterConfig
 
     started = time.perf_counter()
     adapter = AdapterConfig(rank=4, alpha=4.0)

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from ...training import public_module
-from ...training.adapters import TargetPreset
+from ...training.core.adapters import TargetPreset
 
 
 @dataclasses.dataclass(frozen=True)

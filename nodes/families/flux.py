@@ -1,5 +1,5 @@
 """Flux.1 dev / schnell: Flux DiT denoisers (`comfy.model_base.Flux`, not Flux 2); ControlNets of ComfyUI's XLabs
-double-block ControlNet class. Flux blocks add into their inputs in place (training/checkpointing.py)."""
+double-block ControlNet class. Flux blocks add into their inputs in place (training/memory/checkpointing.py)."""
 from __future__ import annotations
 
 import dataclasses
@@ -15,7 +15,7 @@ import comfy.supported_models
 import comfy.supported_models_base
 import comfy.text_encoders.flux
 
-from ...training.adapters import TargetPreset
+from ...training.core.adapters import TargetPreset
 from .base import TINY_CLIP_L, TINY_T5, ControlNetType, ExportedControlNet, Family, TinyModel, differences
 
 

@@ -5,12 +5,12 @@ latents, flow. (HiDream-O1, pixel space, is another model class and not this fam
 
 No tiny model yet: ComfyUI's HiDream tokenizer reads comfy/text_encoders/llama_tokenizer/tokenizer.json, which the
 ComfyUI checkout the tests run on lacks, so its text encoder cannot be built there. `TINY_DIT` (the diffusion model
-alone) is what tests/test_families.py recognises; tests/test_realsize.py maps the preset's keys at real width."""
+alone) is what tests/comfy/test_families.py recognises; tests/realsize/test_realsize.py maps the preset's keys at real width."""
 from __future__ import annotations
 
 import comfy.model_base
 
-from ...training.adapters import TargetPreset
+from ...training.core.adapters import TargetPreset
 from .base import TINY_CLIP_G, TINY_CLIP_L, TINY_T5, Family
 
 # HiDream's head geometry (128 wide, RoPE axes [64, 32, 32], as comfy/model_detection.py fixes it) with one head; one
