@@ -1,9 +1,10 @@
 """Offload policy and memory plan nodes (the ComfyUI side of describing a MODEL for the planner: nodes/planning.py).
 
 - HeadroomOffloadPolicy -> OFFLOAD_POLICY (training/memory/policy.py), consumed by the caching, training and
-  validation nodes. A budget of 0 means "auto": what ComfyUI can make free on its device (free memory plus
-  what its loaded models occupy, since loading a model unloads others) minus the reserve, resolved when the
-  policy is used.
+  validation nodes. Its inputs are the OffloadPolicy fields, each described by the NodeInput in its field's
+  metadata (one source: a new field is a new input). A budget of 0 means "auto": what ComfyUI can make free on
+  its device (free memory plus what its loaded models occupy, since loading a model unloads others) minus the
+  reserve, resolved when the policy is used.
 - HeadroomMemoryPlan: MODEL (+ optional CLIP / VAE) + what is trained + batch + bucket + policy -> the
   planner's per-phase estimate (text, JSON) and the policy to use ("estimate": the given one; "auto": the
   fastest that fits). The model is described from its own modules and code: blocks and their weight
@@ -21,14 +22,24 @@ from ..training.memory import planner
 from ..training.core.adapters import TARGET_MODES, AdapterConfig
 from ..training.checks import check_finite
 from ..training.core.optimizers import OPTIMIZERS
-from ..training.memory.policy import (CHECKPOINTING, GIB, OPTIMIZER_STATES, PLACEMENTS, STORAGES, VAE_TILED, ENCODERS,
-                               OffloadPolicy, PolicyError)
+from ..training.memory.policy import GIB, NodeInput, OffloadPolicy, PolicyError
 from ..training.core.trainer import PRECISIONS, auto_precision
 from .io_types import OffloadPolicyType
 from .planning import available_device_bytes, budget_bytes, describe_comfy_model, lora_target_paths
 
 CATEGORY = "Headroom/memory"
 MODES = ("estimate", "auto")
+
+
+_IO_KINDS = {"float": io.Float, "int": io.Int, "bool": io.Boolean, "combo": io.Combo}
+
+
+def _policy_input(name: str, spec: NodeInput, default) -> io.Input:
+    """One OffloadPolicy field as the policy node's input (its NodeInput, training/memory/policy.py)."""
+    options = {key: getattr(spec, key) for key in ("min", "max", "step") if getattr(spec, key) is not None}
+    if spec.kind == "combo":
+        options["options"] = list(spec.options)
+    return _IO_KINDS[spec.kind].Input(name, default=default, tooltip=spec.tooltip, **options)
 
 
 # --- nodes ---------------------------------------------------------------------------------------------------
@@ -41,55 +52,18 @@ class HeadroomOffloadPolicy(io.ComfyNode):
             category=CATEGORY,
             description="How a run uses device memory: budget, where the frozen base lives and in which precision, "
             "what is recomputed, where optimizer state sits. One policy for caching, training and validation.",
-            inputs=[
-                io.Float.Input("vram_budget_gb", default=0.0, min=0.0, max=4096.0, step=0.25,
-                               tooltip="Device memory the run may use, in GiB. 0 = auto: what ComfyUI can free on "
-                               "its device minus the reserve, measured when the policy is used."),
-                io.Float.Input("reserve_gb", default=1.0, min=0.0, max=64.0, step=0.25,
-                               tooltip="Kept free for other programs and ComfyUI itself (auto budget only)."),
-                io.Combo.Input("base_placement", options=list(PLACEMENTS), default="resident",
-                               tooltip="resident: frozen weights on the device; partial: what fits stays, the rest "
-                               "streams; streamed: every block streams from host RAM one block ahead (needs "
-                               "checkpointing)."),
-                io.Combo.Input("base_storage", options=list(STORAGES), default="as_loaded",
-                               tooltip="Precision of the frozen block linears: as loaded, or a low-bit copy (fp8, "
-                               "bitsandbytes int8 / nf4) that changes the numerics."),
-                io.Combo.Input("checkpointing", options=list(CHECKPOINTING), default="off",
-                               tooltip="blocks: recompute each block in backward; blocks_cpu_offload: also keep the "
-                               "saved block inputs in host RAM."),
-                io.Int.Input("checkpoint_depth", default=1, min=1, max=5,
-                             tooltip="1: recompute each model block; 2: each child of a block (finer, less memory, "
-                             "more recompute)."),
-                io.Combo.Input("optimizer_state", options=list(OPTIMIZER_STATES), default="gpu",
-                               tooltip="cpu: optimizer state and fp32 master weights in host RAM."),
-                io.Boolean.Input("park_optimizer_during_validation", default=True,
-                                 tooltip="Move optimizer state and gradients to host RAM while validating."),
-                io.Combo.Input("vae_tiled_decode", options=list(VAE_TILED), default="auto",
-                               tooltip="VAE decode of validation samples. auto: tiled when the VAE plus a full decode "
-                               "would not fit the budget; on: always tiled; off: the stock decode (which retries in "
-                               "tiles after running out of memory)."),
-                io.Combo.Input("encoders", options=list(ENCODERS), default="unload_after_use",
-                               tooltip="unload_after_use: text encoders and VAE leave the device after caching "
-                               "and after each validation, leaving the most room for training. keep_loaded: they "
-                               "stay loaded, as stock nodes leave them, and ComfyUI unloads them when a model needs "
-                               "the room; faster repeated validation where memory is to spare (not counted in the "
-                               "budget)."),
-            ],
+            inputs=[_policy_input(name, spec, default) for name, spec, default in OffloadPolicy.node_inputs()],
             outputs=[OffloadPolicyType.Output("policy", tooltip="For the policy input of the Cache, Train and Memory "
                                               "Plan nodes (Headroom).")],
         )
 
     @classmethod
-    def execute(cls, vram_budget_gb, reserve_gb, base_placement, base_storage, checkpointing, checkpoint_depth,
-                optimizer_state, park_optimizer_during_validation, vae_tiled_decode, encoders) -> io.NodeOutput:
-        check_finite("HeadroomOffloadPolicy", vram_budget_gb=vram_budget_gb, reserve_gb=reserve_gb)
+    def execute(cls, **inputs) -> io.NodeOutput:
+        floats = {name: inputs[name] for name, spec, _ in OffloadPolicy.node_inputs()
+                  if spec.kind == "float" and name in inputs}
+        check_finite("HeadroomOffloadPolicy", **floats)
         try:
-            policy = OffloadPolicy(
-                vram_budget_gb="auto" if vram_budget_gb == 0 else float(vram_budget_gb), reserve_gb=float(reserve_gb),
-                base_placement=base_placement, base_storage=base_storage, checkpointing=checkpointing,
-                checkpoint_depth=int(checkpoint_depth), optimizer_state=optimizer_state,
-                park_optimizer_during_validation=bool(park_optimizer_during_validation),
-                vae_tiled_decode=vae_tiled_decode, encoders=encoders)
+            policy = OffloadPolicy.from_node_inputs(inputs)
         except PolicyError as error:
             raise ValueError(f"HeadroomOffloadPolicy: {error}") from None
         text = policy.describe()

@@ -41,6 +41,35 @@ def test_policy_node_outputs_the_policy_and_rejects_bad_combinations(comfyui, he
     assert ids == {"HeadroomOffloadPolicy", "HeadroomMemoryPlan"}
 
 
+def test_policy_node_inputs_are_the_policy_fields(comfyui):
+    """Every OffloadPolicy field is a node input, in field order, with the field's default (the budget's "auto" is
+    the node's 0), its combo options and tooltip, and every node input is a field; the node's defaults give the
+    default policy."""
+    import dataclasses
+
+    from headroom.nodes.memory import HeadroomOffloadPolicy
+    from headroom.training.memory.policy import OffloadPolicy
+
+    info = HeadroomOffloadPolicy.GET_NODE_INFO_V1()  # as ComfyUI's /object_info serves it
+    required = info["input"]["required"]
+    assert set(info["input"]) == {"required"}
+    fields = dataclasses.fields(OffloadPolicy)
+    assert list(info["input_order"]["required"]) == [f.name for f in fields]
+    types = {"float": "FLOAT", "int": "INT", "bool": "BOOLEAN", "combo": "COMBO"}
+    for f in fields:
+        spec = f.metadata["node_input"]
+        kind, options = required[f.name]
+        assert kind == types[spec.kind], f.name
+        assert spec.field_value(options["default"]) == f.default, f.name
+        assert options["tooltip"] == spec.tooltip, f.name
+        if spec.kind == "combo":
+            assert options["options"] == list(spec.options), f.name
+        for key in ("min", "max", "step"):
+            assert options.get(key) == getattr(spec, key), (f.name, key)
+    defaults = {name: options["default"] for name, (_, options) in required.items()}
+    assert HeadroomOffloadPolicy.execute(**defaults).result[0] == OffloadPolicy()
+
+
 def test_auto_budget_is_what_comfyui_can_free_minus_the_reserve(comfyui):
     import comfy.model_management
 

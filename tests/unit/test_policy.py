@@ -148,3 +148,32 @@ def test_run_policy_resolves_the_nodes_checkpointing_inputs_once():
     assert run_policy(streamed) is streamed
     with pytest.raises(PolicyError, match=r"checkpoint_depth=0 must be >= 1"):
         run_policy(None, checkpoint_depth=0)
+
+
+def test_every_field_carries_its_node_input_and_the_node_defaults_give_the_default_policy():
+    """The policy node's inputs come from the fields (nodes/memory.HeadroomOffloadPolicy): each field has a NodeInput
+    whose node default turns back into the field's default, and whose combo options are what validate accepts."""
+    from headroom.training.memory.policy import NodeInput
+
+    fields = dataclasses.fields(OffloadPolicy)
+    inputs = OffloadPolicy.node_inputs()
+    assert [name for name, _, _ in inputs] == [f.name for f in fields]
+    for f, (name, spec, node_default) in zip(fields, inputs):
+        assert isinstance(spec, NodeInput) and spec.kind in ("float", "int", "bool", "combo") and spec.tooltip, name
+        assert spec.field_value(node_default) == f.default, name
+        if spec.kind == "combo":
+            assert f.default in spec.options, name
+            for option in spec.options:  # every option is a valid value on its own
+                OffloadPolicy.from_node_inputs({**{n: d for n, _, d in inputs}, name: option,
+                                                "checkpointing": option if name == "checkpointing" else "blocks"})
+            with pytest.raises(PolicyError, match=name):
+                OffloadPolicy.from_node_inputs({**{n: d for n, _, d in inputs}, name: "no-such-option"})
+    assert OffloadPolicy.from_node_inputs({name: default for name, _, default in inputs}) == OffloadPolicy()
+    # the budget's 0 stands for "auto"; other values are cast as the field expects
+    node = {name: default for name, _, default in inputs}
+    assert node["vram_budget_gb"] == 0.0
+    policy = OffloadPolicy.from_node_inputs({**node, "vram_budget_gb": 6, "checkpoint_depth": 2.0})
+    assert (policy.vram_budget_gb, policy.checkpoint_depth) == (6.0, 2)
+    assert type(policy.vram_budget_gb) is float and type(policy.checkpoint_depth) is int
+    with pytest.raises(PolicyError, match="unknown \\['typo'\\], missing \\['encoders'\\]"):
+        OffloadPolicy.from_node_inputs({**{n: d for n, d in node.items() if n != "encoders"}, "typo": 1})

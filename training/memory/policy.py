@@ -21,6 +21,10 @@ optimizer state sits. One policy serves the whole run (caching, training, valida
 - encoders: "unload_after_use" (text encoders and VAE are loaded for caching / validation only) or
   "keep_loaded" (they stay loaded after use, as stock nodes leave them, and ComfyUI unloads them when a model
   needs the room: faster repeated validation on a card with memory to spare; not counted in the budget).
+
+Each field carries how the policy node shows it (a NodeInput in the field's metadata, plain data): the node's
+inputs are these fields, in order (nodes/memory.HeadroomOffloadPolicy), and its values come back through
+`OffloadPolicy.from_node_inputs`.
 """
 from __future__ import annotations
 
@@ -55,17 +59,73 @@ class PolicyError(ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
+class NodeInput:
+    """How the policy node (nodes/memory.HeadroomOffloadPolicy) shows one field, in plain data: training/ imports
+    no ComfyUI, the node turns this into its io input. The node's default is the field's default, except where
+    `zero_means` is set: the node's 0 stands for that field value (the budget's "auto"), so its default is 0."""
+    kind: str  # "float", "int", "bool" or "combo"
+    tooltip: str
+    options: tuple[str, ...] = ()  # a combo's values, in the node's order
+    min: float | None = None
+    max: float | None = None
+    step: float | None = None
+    zero_means: str | None = None
+
+    def node_default(self, field_default: Any) -> Any:
+        return 0.0 if self.zero_means is not None and field_default == self.zero_means else field_default
+
+    def field_value(self, node_value: Any) -> Any:
+        """The field's value for what the node was given (the node's widget types, cast as the field expects)."""
+        if self.zero_means is not None and node_value == 0:
+            return self.zero_means
+        cast = {"float": float, "int": int, "bool": bool}.get(self.kind)
+        return cast(node_value) if cast is not None else node_value
+
+
+def _field(default: Any, node_input: NodeInput) -> Any:
+    return dataclasses.field(default=default, metadata={"node_input": node_input})
+
+
+@dataclasses.dataclass(frozen=True)
 class OffloadPolicy:
-    vram_budget_gb: float | str = "auto"
-    reserve_gb: float = 1.0
-    base_placement: str = "resident"
-    base_storage: str = "as_loaded"
-    checkpointing: str = "off"
-    checkpoint_depth: int = 1
-    optimizer_state: str = "gpu"
-    park_optimizer_during_validation: bool = True
-    vae_tiled_decode: str = "auto"
-    encoders: str = "unload_after_use"
+    # Each field carries its node input: the policy node's inputs are these fields, in this order.
+    vram_budget_gb: float | str = _field("auto", NodeInput(
+        "float", min=0.0, max=4096.0, step=0.25, zero_means="auto",
+        tooltip="Device memory the run may use, in GiB. 0 = auto: what ComfyUI can free on its device minus the "
+        "reserve, measured when the policy is used."))
+    reserve_gb: float = _field(1.0, NodeInput(
+        "float", min=0.0, max=64.0, step=0.25,
+        tooltip="Kept free for other programs and ComfyUI itself (auto budget only)."))
+    base_placement: str = _field("resident", NodeInput(
+        "combo", options=PLACEMENTS,
+        tooltip="resident: frozen weights on the device; partial: what fits stays, the rest streams; streamed: "
+        "every block streams from host RAM one block ahead (needs checkpointing)."))
+    base_storage: str = _field("as_loaded", NodeInput(
+        "combo", options=STORAGES,
+        tooltip="Precision of the frozen block linears: as loaded, or a low-bit copy (fp8, bitsandbytes int8 / "
+        "nf4) that changes the numerics."))
+    checkpointing: str = _field("off", NodeInput(
+        "combo", options=CHECKPOINTING,
+        tooltip="blocks: recompute each block in backward; blocks_cpu_offload: also keep the saved block inputs in "
+        "host RAM."))
+    checkpoint_depth: int = _field(1, NodeInput(
+        "int", min=1, max=5,
+        tooltip="1: recompute each model block; 2: each child of a block (finer, less memory, more recompute)."))
+    optimizer_state: str = _field("gpu", NodeInput(
+        "combo", options=OPTIMIZER_STATES,
+        tooltip="cpu: optimizer state and fp32 master weights in host RAM."))
+    park_optimizer_during_validation: bool = _field(True, NodeInput(
+        "bool", tooltip="Move optimizer state and gradients to host RAM while validating."))
+    vae_tiled_decode: str = _field("auto", NodeInput(
+        "combo", options=VAE_TILED,
+        tooltip="VAE decode of validation samples. auto: tiled when the VAE plus a full decode would not fit the "
+        "budget; on: always tiled; off: the stock decode (which retries in tiles after running out of memory)."))
+    encoders: str = _field("unload_after_use", NodeInput(
+        "combo", options=ENCODERS,
+        tooltip="unload_after_use: text encoders and VAE leave the device after caching and after each "
+        "validation, leaving the most room for training. keep_loaded: they stay loaded, as stock nodes leave "
+        "them, and ComfyUI unloads them when a model needs the room; faster repeated validation where memory is "
+        "to spare (not counted in the budget)."))
 
     def __post_init__(self):
         self.validate()
@@ -83,12 +143,11 @@ class OffloadPolicy:
             raise PolicyError(f"offload policy: vram_budget_gb={budget!r}: give a number of GiB > 0 or 'auto'")
         if isinstance(self.reserve_gb, bool) or not isinstance(self.reserve_gb, (int, float)) or self.reserve_gb < 0:
             raise PolicyError(f"offload policy: reserve_gb={self.reserve_gb!r} must be a number of GiB >= 0")
-        for field, allowed in (("base_placement", PLACEMENTS), ("base_storage", STORAGES),
-                               ("checkpointing", CHECKPOINTING), ("optimizer_state", OPTIMIZER_STATES),
-                               ("vae_tiled_decode", VAE_TILED), ("encoders", ENCODERS)):
-            value = getattr(self, field)
-            if value not in allowed:
-                raise PolicyError(f"offload policy: {field}={value!r} is not one of {', '.join(allowed)}")
+        for field in dataclasses.fields(self):  # the combo fields: their values are their node input's options
+            allowed = field.metadata["node_input"].options
+            value = getattr(self, field.name)
+            if field.metadata["node_input"].kind == "combo" and value not in allowed:
+                raise PolicyError(f"offload policy: {field.name}={value!r} is not one of {', '.join(allowed)}")
         if isinstance(self.checkpoint_depth, bool) or not isinstance(self.checkpoint_depth, int) or self.checkpoint_depth < 1:
             raise PolicyError(f"offload policy: checkpoint_depth={self.checkpoint_depth!r} must be an integer >= 1")
         if not isinstance(self.park_optimizer_during_validation, bool):
@@ -183,6 +242,22 @@ class OffloadPolicy:
         except json.JSONDecodeError as error:
             raise PolicyError(f"offload policy: not valid JSON ({error})") from None
         return cls.from_dict(data)
+
+    # --- the policy node -----------------------------------------------------------------------------------
+    @classmethod
+    def node_inputs(cls) -> list[tuple[str, NodeInput, Any]]:
+        """(field name, its NodeInput, the node's default) for every field, in order: the policy node's inputs."""
+        return [(f.name, f.metadata["node_input"], f.metadata["node_input"].node_default(f.default))
+                for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def from_node_inputs(cls, values: dict) -> "OffloadPolicy":
+        """The policy for the policy node's input values (one per field, by name)."""
+        inputs = {f.name: f.metadata["node_input"] for f in dataclasses.fields(cls)}
+        unknown, missing = sorted(set(values) - set(inputs)), sorted(set(inputs) - set(values))
+        if unknown or missing:
+            raise PolicyError(f"offload policy: node inputs unknown {unknown}, missing {missing}")
+        return cls(**{name: inputs[name].field_value(value) for name, value in values.items()})
 
 
 def run_policy(policy: OffloadPolicy | None, gradient_checkpointing: bool = False,
