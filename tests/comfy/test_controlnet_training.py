@@ -226,7 +226,7 @@ def test_trained_file_through_stock_nodes_reproduces_the_run_validation_image(co
         positive = nodes.CLIPTextEncode().encode(clip, "a red circle")[0]
         negative = nodes.CLIPTextEncode().encode(clip, "blurry")[0]
         positive, negative = nodes.ControlNetApplyAdvanced().apply_controlnet(
-            positive, negative, control_net, run.validation_control, 0.9, 0.0, 1.0, vae=vae)
+            positive, negative, control_net, run.trained.validation_control, 0.9, 0.0, 1.0, vae=vae)
         latent = nodes.EmptyLatentImage().generate(64, 64, 1)[0]
         samples = nodes.KSampler().sample(model, 5, 4, 2.0, "euler", "normal", positive, negative, latent)[0]
         stock_images = nodes.VAEDecode().decode(vae, samples)[0]
