@@ -417,6 +417,9 @@ def encode_references(run: TrainingRun, vae, reference_images: torch.Tensor | No
     without reference images; a count that fits neither one-for-all nor one-per-prompt, or a MODEL that takes no
     reference latents: a ValueError naming the node."""
     if reference_images is None or count == 0:
+        if count and getattr(run.config, "reference", "none") != "none":
+            logging.warning("%s: run '%s' trains with references but no reference_images are connected: the samples "
+                            "have no reference image", node, run.run_dir.name)
         return None
     if reference_images.ndim != 4 or reference_images.shape[0] not in (1, count):
         raise ValueError(f"{node}: reference_images holds {reference_images.shape[0] if reference_images.ndim == 4 else 'no'} "
