@@ -404,10 +404,10 @@ def base_samples(run: TrainingRun, clip, vae, prompts: list[str], *settings, ref
     resample the base)."""
     cached = getattr(run, "_base_samples", None)
     if (cached is not None and cached[0] is clip and cached[1] is vae and cached[2] == (prompts, settings)
-            and cached[3] is reference_images):
-        return cached[4]
+            and cached[4] is reference_images):
+        return cached[3]
     images, _ = sample_images(run, clip, vae, prompts, *settings, base=True, references=references)
-    run._base_samples = (clip, vae, (prompts, settings), reference_images, images)
+    run._base_samples = (clip, vae, (prompts, settings), images, reference_images)
     return images
 
 
