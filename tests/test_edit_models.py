@@ -52,7 +52,7 @@ def cached(clip, vae, control_encoding="latents", with_references=True):
 
 
 def init(model, latents, texts, name, reference="control latents", rank=16, lr=1e-2, targets="all_layers",
-         schedule="cosine", steps=300, timestep_sampling="uniform", **extra):
+         schedule="cosine", steps=300, timestep_sampling="uniform", caption_dropout=0.0, **extra):
     from headroom.nodes import train_lora as T
 
     with torch.inference_mode():
@@ -61,7 +61,7 @@ def init(model, latents, texts, name, reference="control latents", rank=16, lr=1
         return T.HeadroomTrainLoraInit.execute(
             model=model, latent_cache=latents, text_cache=texts, lora_config=lora, optimizer_config=opt,
             run_name=name, seed=0, batch_size=4, grad_accumulation=1, precision="fp32", max_grad_norm=1.0,
-            caption_dropout=0.0, timestep_sampling=timestep_sampling, loss_weighting="none", min_snr_gamma=5.0,
+            caption_dropout=caption_dropout, timestep_sampling=timestep_sampling, loss_weighting="none", min_snr_gamma=5.0,
             noise_offset=0.0, gradient_checkpointing=False, checkpoint_depth=1, holdout=0, reference=reference,
             **extra).args[0]
 
@@ -218,3 +218,18 @@ def test_bad_inputs_fail_clearly(comfyui):
                                        sample_seed=0, sample_steps=1, cfg=1.0, sampler_name="euler",
                                        scheduler="simple", width=SIZE, height=SIZE, loss_timesteps=1,
                                        reference_images=paired_data()[2][:3])
+
+
+def test_caption_dropout_keeps_the_reference(comfyui):
+    """An item whose prompt is dropped still carries its own reference (as a ControlNet run keeps its control)."""
+    from headroom.nodes.comfy_model import REFERENCE_LATENTS
+
+    model, clip, vae = tiny("flux")
+    latents, texts = cached(clip, vae)
+    run = init(model, latents, texts, "edit_dropout", caption_dropout=1.0, steps=10)
+    conds = run.trainer._conds([2, 3], dropout=torch.tensor([True, False]))
+    assert torch.equal(conds[0]["cross_attn"], texts.empty_conditioning()["cross_attn"])
+    assert not torch.equal(conds[1]["cross_attn"], texts.empty_conditioning()["cross_attn"])
+    for cond, item in zip(conds, (2, 3)):
+        assert len(cond[REFERENCE_LATENTS]) == 1
+        assert torch.equal(cond[REFERENCE_LATENTS][0], latents.control(item).float())
