@@ -233,3 +233,30 @@ def test_caption_dropout_keeps_the_reference(comfyui):
     for cond, item in zip(conds, (2, 3)):
         assert len(cond[REFERENCE_LATENTS]) == 1
         assert torch.equal(cond[REFERENCE_LATENTS][0], latents.control(item).float())
+
+
+def test_all_in_one_node_trains_with_references_and_validates_with_reference_images(comfyui):
+    """HeadroomTrainLora: `reference` opens the run with references, `reference_images` reach its validation (the
+    same samples as Validate gives with them)."""
+    from headroom.nodes import train_lora as T
+
+    model, clip, vae = tiny("flux")
+    latents, texts = cached(clip, vae)
+    reference = paired_data()[2][:1]
+    settings = dict(clip=clip, vae=vae, prompts=INSTRUCTION, negative="", sample_seed=3, sample_steps=2, cfg=2.0,
+                    sampler_name="euler", scheduler="simple", width=SIZE, height=SIZE, loss_timesteps=1)
+    with torch.inference_mode():
+        lora = T.HeadroomLoraConfig.execute("lora", 4, 4.0, "preset", False, 0.0, 0).args[0]
+        opt = T.HeadroomOptimizerConfig.execute("AdamW", 1e-2, 0.0, "constant", 0, 100).args[0]
+        output = T.HeadroomTrainLora.execute(
+            model=model, latent_cache=latents, text_cache=texts, lora_config=lora, optimizer_config=opt,
+            run_name="edit_all_in_one", seed=0, batch_size=2, grad_accumulation=1, precision="fp32",
+            max_grad_norm=1.0, caption_dropout=0.0, timestep_sampling="uniform", loss_weighting="none",
+            min_snr_gamma=5.0, noise_offset=0.0, gradient_checkpointing=False, checkpoint_depth=1, holdout=0, steps=3,
+            validate_every=0, save_every=0, lora_subfolder="headroom", reference="control latents",
+            reference_images=reference, **settings)
+        run = output.args[1]
+        sampled = validation_latents(run)
+        T.HeadroomValidate.execute(run, reference_images=reference, **settings)
+    assert run.config.reference == "control latents" and run.trainer.item_extras is not None
+    assert torch.equal(sampled, validation_latents(run))
