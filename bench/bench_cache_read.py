@@ -34,7 +34,7 @@ def _import_engine():
     module = importlib.util.module_from_spec(spec)
     sys.modules["headroom"] = module
     spec.loader.exec_module(module)
-    from headroom.training import cache_store
+    from headroom.training.data import cache_store
 
     return cache_store
 

@@ -63,7 +63,7 @@ def caches(family: str, count: int, seed: int = 0):
     from headroom.nodes import cache as cache_nodes
     from headroom.nodes.families import controlnet_type_of
     from headroom.nodes.tiny_models import build_tiny_models
-    from headroom.training.synthetic import generate_shapes
+    from headroom.training.data.synthetic import generate_shapes
 
     model, clip, vae = build_tiny_models(family, seed)
     shapes = generate_shapes(count, 64, seed)

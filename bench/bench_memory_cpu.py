@@ -80,10 +80,10 @@ def session_for(family, run_root, storage=None, latent_side=16):
     from headroom.nodes.run_lora import LoraRunConfig, open_lora_run
     from headroom.nodes.comfy_model import model_family, training_blocks
     from headroom.nodes.tiny_models import build_tiny_models
-    from headroom.training.adapters import AdapterConfig
-    from headroom.training.lowbit import LowBitBase
-    from headroom.training.optimizers import OptimizerConfig
-    from headroom.training.trainer import TrainConfig
+    from headroom.training.core.adapters import AdapterConfig
+    from headroom.training.memory.lowbit import LowBitBase
+    from headroom.training.core.optimizers import OptimizerConfig
+    from headroom.training.core.trainer import TrainConfig
 
     model, _, _ = build_tiny_models(family)
     base = None
@@ -121,9 +121,9 @@ def prepared(family, option, run_root):
     import comfy.model_management
 
     from headroom.nodes.comfy_model import training_blocks
-    from headroom.training.optimizer_parking import HostOptimizer
-    from headroom.training.optimizers import create_optimizer, create_scheduler
-    from headroom.training.policy import OffloadPolicy, memory_features
+    from headroom.training.memory.optimizer_parking import HostOptimizer
+    from headroom.training.core.optimizers import create_optimizer, create_scheduler
+    from headroom.training.memory.policy import OffloadPolicy, memory_features
 
     storage = option if option in ("fp8", "int8", "nf4") else None
     session, base = session_for(family, run_root, storage)
@@ -160,7 +160,7 @@ def prepared(family, option, run_root):
 
 
 def park_milliseconds(family, run_root) -> float:
-    from headroom.training.optimizer_parking import parked
+    from headroom.training.memory.optimizer_parking import parked
 
     with prepared(family, "plain", run_root) as (step, trainer):
         step()

@@ -126,11 +126,11 @@ def run_policy(patcher, policy, size: int, text_tokens: int, steps: int) -> dict
 
     from headroom.nodes.comfy_model import ComfyDenoiser, training_blocks
     from headroom.nodes.planning import calibration_cond, lora_target_paths
-    from headroom.training.adapters import AdapterConfig, AdapterSet
-    from headroom.training.lowbit import LowBitBase
-    from headroom.training.optimizers import OptimizerConfig
-    from headroom.training.policy import memory_features
-    from headroom.training.trainer import TrainConfig, Trainer
+    from headroom.training.core.adapters import AdapterConfig, AdapterSet
+    from headroom.training.memory.lowbit import LowBitBase
+    from headroom.training.core.optimizers import OptimizerConfig
+    from headroom.training.memory.policy import memory_features
+    from headroom.training.core.trainer import TrainConfig, Trainer
 
     model = patcher.model
     dm = model.diffusion_model
@@ -181,8 +181,8 @@ def run_policy(patcher, policy, size: int, text_tokens: int, steps: int) -> dict
         return {"s_per_step": statistics.median(times), "train_alloc": train_alloc, "train_reserved": train_reserved,
                 "validation_alloc": validation_alloc}
     except Exception as error:
-        from headroom.training.oom import is_out_of_memory
-        from headroom.training.trainer import NonFiniteLossError
+        from headroom.training.memory.oom import is_out_of_memory
+        from headroom.training.core.trainer import NonFiniteLossError
 
         if isinstance(error, NonFiniteLossError):  # random weights at full depth can overflow in bf16
             return {"failed": "non-finite loss"}
@@ -205,8 +205,8 @@ def describe(patcher, text_tokens: int):
     import comfy.model_management as mm
 
     from headroom.nodes.planning import describe_comfy_model, lora_target_paths
-    from headroom.training import planner
-    from headroom.training.adapters import AdapterConfig
+    from headroom.training.memory import planner
+    from headroom.training.core.adapters import AdapterConfig
 
     adapter = AdapterConfig(rank=16, alpha=16)
     description = describe_comfy_model(patcher, adapter, "bf16", text_tokens)
@@ -235,8 +235,8 @@ def main() -> None:
         sys.exit(2)
     size = 64 if args.smoke else args.size
     import_comfyui(cpu=args.smoke)
-    from headroom.training import planner
-    from headroom.training.policy import OffloadPolicy
+    from headroom.training.memory import planner
+    from headroom.training.memory.policy import OffloadPolicy
 
     names = list(POLICIES) if args.policies == "all" else [p.strip() for p in args.policies.split(",")]
     unknown = [p for p in names if p not in POLICIES]

@@ -1,7 +1,7 @@
 """Dataset and caching nodes: describe a dataset, then encode it once with ComfyUI's own VAE / CLIP
 into content-addressed caches on disk, so training runs with neither encoder on the GPU.
 
-The engine (`training.dataset`, `training.buckets`, `training.cache_store`) does the work; this module
+The engine (`training.data.dataset`, `training.data.buckets`, `training.data.cache_store`) does the work; this module
 only turns ComfyUI objects into callables and fingerprints, forwards progress and cancel, and makes
 sure the encoder leaves the compute device when caching ends.
 
@@ -24,13 +24,13 @@ import comfy.utils
 import folder_paths
 from comfy_api.latest import io
 
-from ..training.cache_store import (
+from ..training.data.cache_store import (
     CacheStoreError, ShardStore, cache_latents, cache_text, fingerprint_state_dict, fingerprint_value,
 )
-from ..training.dataset import dataset_from_folder, dataset_from_tensors, folder_signature, split_captions
-from ..training.files import WriteError, display_path, register_display_roots
-from ..training.memory_stats import PhaseRecorder
-from ..training.policy import OffloadPolicy
+from ..training.data.dataset import dataset_from_folder, dataset_from_tensors, folder_signature, split_captions
+from ..training.data.files import WriteError, display_path, register_display_roots
+from ..training.memory.memory_stats import PhaseRecorder
+from ..training.memory.policy import OffloadPolicy
 from .io_types import DatasetType, LatentCacheType, OffloadPolicyType, TextCacheType
 
 log = logging.getLogger(__name__)
@@ -48,7 +48,7 @@ register_cache_folder()
 
 
 def comfy_folders():
-    """(label, folder) of ComfyUI's folders, as user-facing messages name paths in them (training/files.py):
+    """(label, folder) of ComfyUI's folders, as user-facing messages name paths in them (training/data/files.py):
     output/, input/, temp/, models/, model folders elsewhere (extra_model_paths.yaml) by their kind, and the
     dataset roots the server owner allows."""
     models = folder_paths.models_dir

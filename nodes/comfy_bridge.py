@@ -9,7 +9,7 @@ A `TrainingRun` is composed of
   `run_controlnet.ControlNetTraining` (a ControlNet next to it). The strategy builds the trainable and the
   denoiser, and owns save / apply / sampling conditioning / metadata; the run owns what every run does (train to a
   step, events, failure handling, validation loss, history, weights).
-The offload policy is resolved once, when the run opens (training/policy.run_policy), and every part reads
+The offload policy is resolved once, when the run opens (training/memory/policy.run_policy), and every part reads
 `run.policy`. The MODEL as the engine sees it: nodes/comfy_model.py; the planner's description: nodes/planning.py.
 """
 from __future__ import annotations
@@ -28,15 +28,15 @@ import torch
 import comfy.model_management
 import comfy.utils
 
-from ..training.adapters import ADAPTER_LAYERS
-from ..training.checkpointing import inplace_depth_problem
-from ..training.files import WriteError, open_regular
-from ..training.lowbit import LowBitBase, LowBitLinear
-from ..training.memory_stats import PhaseRecorder, process_rss_bytes
-from ..training.oom import is_out_of_memory, out_of_memory
-from ..training.policy import OffloadPolicy
-from ..training.run_dir import RunDir, RunFolderError
-from ..training.trainer import StepReport, Trainer
+from ..training.core.adapters import ADAPTER_LAYERS
+from ..training.memory.checkpointing import inplace_depth_problem
+from ..training.data.files import WriteError, open_regular
+from ..training.memory.lowbit import LowBitBase, LowBitLinear
+from ..training.memory.memory_stats import PhaseRecorder, process_rss_bytes
+from ..training.memory.oom import is_out_of_memory, out_of_memory
+from ..training.memory.policy import OffloadPolicy
+from ..training.core.run_dir import RunDir, RunFolderError
+from ..training.core.trainer import StepReport, Trainer
 from .comfy_model import base_fingerprint, data_fingerprint, model_blocks, replace_inference_tensors, training_blocks
 from .planning import next_plan_for
 
@@ -47,9 +47,12 @@ CONFIG_ADDED_LATER = {"session.train.objective.loss_type": "mse", "session.train
                       "session.train.ema_decay": 0.0, "session.train.prior_ratio": 0.0,
                       "session.reference": "none"}
 # Settings older run folders store that are no longer part of what a run is: checkpointing is the policy's (resolved
-# when a run opens, training/policy.run_policy) and changes no weight, so a run resumes whatever it was.
+# when a run opens, training/memory/policy.run_policy) and changes no weight, so a run resumes whatever it was.
 CONFIG_REMOVED_LATER = ("session.train.gradient_checkpointing", "session.train.checkpoint_depth")
-# Which weights Validate / Save use: auto = the EMA when the run keeps one (TrainingRun.weights).
+# Stored values an earlier version wrote for what is now named otherwise: an SD2 model's family was sd15 before
+# nodes/families/sd2.py, a Chroma model's flux before chroma.py; the presets train the same layers, so such runs resume.
+CONFIG_RENAMED = {"session.family": {"sd2": "sd15", "chroma": "flux"}}
+# Which weights / Save use: auto = the EMA when the run keeps one (TrainingRun.weights).
 WEIGHT_CHOICES = ("auto", "trained", "ema")
 
 
@@ -152,7 +155,8 @@ class RunRecord:
             "latent_cache": getattr(latent_cache, "fingerprint", None),
             "text_cache": getattr(text_cache, "fingerprint", None), "data": data_fingerprint(latent_cache),
         }
-        self.run_dir.check_compatible(self.stored, added_later=CONFIG_ADDED_LATER, removed_later=CONFIG_REMOVED_LATER)
+        self.run_dir.check_compatible(self.stored, added_later=CONFIG_ADDED_LATER, removed_later=CONFIG_REMOVED_LATER,
+                                      renamed=CONFIG_RENAMED)
         count = len(latent_cache)
         if holdout >= count:
             raise ValueError(f"holdout={holdout} leaves no training items of the {count} cached")
@@ -274,7 +278,7 @@ class TrainingRun:
 
     `config` is the kind's configuration dataclass (run_lora.LoraRunConfig, run_controlnet.ControlNetRunConfig:
     `to_json`, `train`, `optimizer`, `holdout`); `policy` an OffloadPolicy (None: everything resident), resolved
-    with the Init nodes' checkpointing inputs by training/policy.run_policy before it comes here.
+    with the Init nodes' checkpointing inputs by training/memory/policy.run_policy before it comes here.
     """
 
     precision_note = ""  # how the init node chose the compute precision (nodes/train_lora.py resolve_precision)
@@ -323,7 +327,7 @@ class TrainingRun:
 
     @property
     def adapters(self):
-        """A LoRA run's adapter set (training/adapters.AdapterSet); a ControlNet run: ValueError."""
+        """A LoRA run's adapter set (training/core/adapters.AdapterSet); a ControlNet run: ValueError."""
         return self.trained_as("lora").adapters
 
     @property

@@ -10,6 +10,7 @@ Imports nothing of Headroom's nodes/ but the family registry: the run (comfy_bri
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import math
 
@@ -20,8 +21,8 @@ import comfy.model_sampling
 import comfy.samplers
 import comfy.utils
 
-from ..training.cache_store import fingerprint_state_dict, fingerprint_value
-from ..training.objective import SamplingDescriptor
+from ..training.data.cache_store import fingerprint_state_dict, fingerprint_value
+from ..training.core.objective import SamplingDescriptor
 from . import families
 
 
@@ -56,7 +57,10 @@ def expected_cond_dims(model: comfy.model_base.BaseModel) -> dict[str, int]:
     """Widths the model expects of cached conditioning: cross_attn [.., D] and pooled_output [D]."""
     config = model.model_config.unet_config
     dims = {}
-    context = config.get("context_dim") or config.get("context_in_dim")
+    # Lumina 2 / Z-Image: cap_feat_dim. Qwen-Image: joint_attention_dim, which its detection leaves to the class
+    # default (3584, Qwen2.5-VL-7B's width); neither has a pooled vector.
+    context = (config.get("context_dim") or config.get("context_in_dim") or config.get("cap_feat_dim")
+               or _constructor_value(model.diffusion_model, config, "joint_attention_dim"))
     if context is None and isinstance(config.get("context_embedder_config"), dict):
         context = config["context_embedder_config"].get("params", {}).get("in_features")
     if context:
@@ -65,6 +69,14 @@ def expected_cond_dims(model: comfy.model_base.BaseModel) -> dict[str, int]:
     if pooled and isinstance(model, (comfy.model_base.SD3, comfy.model_base.Flux)):
         dims["pooled_output"] = int(pooled)
     return dims
+
+
+def _constructor_value(module: torch.nn.Module, config: dict, name: str):
+    """A constructor argument of the diffusion model: from its unet_config, else its class's default (None: neither)."""
+    if name in config:
+        return config[name]
+    parameter = inspect.signature(type(module).__init__).parameters.get(name)
+    return None if parameter is None or parameter.default is inspect.Parameter.empty else parameter.default
 
 
 def check_caches(model: comfy.model_base.BaseModel, latent_cache, text_cache) -> None:
@@ -87,6 +99,20 @@ def check_caches(model: comfy.model_base.BaseModel, latent_cache, text_cache) ->
                 f"the TEXT_CACHE '{name}' is {sample[name].shape[-1]} wide but this model "
                 f"expects {width}: cache the captions with this model's text encoder (CLIP)"
             )
+
+
+def batchable_groups(per_item: list[dict]) -> list[list[int]]:
+    """Items (their model conds) in groups ComfyUI can concatenate into one batch (every cond's `can_concat`)."""
+    groups: list[list[int]] = []
+    for i, conds in enumerate(per_item):
+        for group in groups:
+            first = per_item[group[0]]
+            if first.keys() == conds.keys() and all(first[k].can_concat(conds[k]) for k in conds):
+                group.append(i)
+                break
+        else:
+            groups.append([i])
+    return groups
 
 
 def model_blocks(diffusion_model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
@@ -218,21 +244,38 @@ class ComfyDenoiser:
         # it, and the samplers use the patched one; the module's own attribute is the unpatched default.
         self.sampling = sampling_descriptor(patcher.get_model_object("model_sampling"))
         self.device = torch.device(patcher.load_device)
-        # Blocks that add into their inputs in place (Flux's `img += ...`): see training/checkpointing.py.
+        # Blocks that add into their inputs in place (Flux's `img += ...`): see training/memory/checkpointing.py.
         self.inplace_blocks = families.inplace_blocks(self.model)
 
     def to_model_latent(self, latents: torch.Tensor) -> torch.Tensor:
         return self.model.process_latent_in(latents)
 
     def _model_conds(self, x_t: torch.Tensor, conds) -> dict:
+        return comfy.samplers.cond_cat(self._item_conds(x_t, conds))
+
+    def _item_conds(self, x_t: torch.Tensor, conds) -> list[dict]:
         per_item = []
         for i, cond in enumerate(conds):
             model_conds = model_inputs(self.model, cond, x_t[i:i + 1], self.device)
             per_item.append({k: v.process_cond(batch_size=1, area=None) for k, v in model_conds.items()})
-        return comfy.samplers.cond_cat(per_item)
+        return per_item
 
     def predict(self, x_t: torch.Tensor, sigma: torch.Tensor, conds) -> torch.Tensor:
-        return self.model.apply_model(x_t, sigma, transformer_options={}, **self._model_conds(x_t, conds))
+        per_item = self._item_conds(x_t, conds)
+        groups = batchable_groups(per_item)
+        if len(groups) == 1:
+            return self.model.apply_model(x_t, sigma, transformer_options={}, **comfy.samplers.cond_cat(per_item))
+        # Conditioning ComfyUI cannot batch (text of different lengths where the model takes it as it is, e.g. an
+        # unpadded T5 for Chroma): one forward per group, as ComfyUI's sampler runs such conds apart.
+        outputs, order = [], []
+        for group in groups:
+            index = torch.tensor(group, device=x_t.device)
+            part_sigma = sigma.index_select(0, index.to(sigma.device)) if sigma.ndim and sigma.shape[0] == len(per_item) else sigma
+            outputs.append(self.model.apply_model(x_t.index_select(0, index), part_sigma, transformer_options={},
+                                                  **comfy.samplers.cond_cat([per_item[i] for i in group])))
+            order += group
+        inverse = torch.argsort(torch.tensor(order, device=x_t.device))
+        return torch.cat(outputs).index_select(0, inverse)
 
     def blocks(self) -> list[tuple[str, torch.nn.Module]]:
         return training_blocks(self.model.diffusion_model)  # what checkpointing wraps: blocks that get called

@@ -40,7 +40,7 @@ import comfy.model_management
 import comfy.model_patcher
 import comfy.ops
 
-from ..training.files import save_safetensors
+from ..training.data.files import save_safetensors
 from . import families
 from .families import CONTROLNET_TYPES, ControlNetError, ControlNetType, controlnet_type_of
 from .families.base import ExportedControlNet
@@ -283,7 +283,7 @@ def controlled_prediction(controlnet: TrainableControlNet, model: comfy.model_ba
     """The base model's x0 estimate with the ControlNet's residuals added, differentiable in the ControlNet.
 
     Flux blocks (the base's and the ControlNet's) add into their inputs in place; for a backward pass they
-    must run through `training.checkpointing.wrap_blocks(..., inplace_inputs=True)`, as the trainer does
+    must run through `training.memory.checkpointing.wrap_blocks(..., inplace_inputs=True)`, as the trainer does
     with the denoiser's blocks."""
     if controlnet.controlnet_type.input_requires_grad:
         # Flux adds the residuals into a slice of its activations in place, which autograd allows only

@@ -1,7 +1,7 @@
 """Data nodes: a deterministic synthetic dataset for demos, tests and ControlNet work."""
 from comfy_api.latest import io
 
-from ..training.synthetic import COLOURS, generate_shapes, parse_colours
+from ..training.data.synthetic import COLOURS, generate_shapes, parse_colours
 
 
 class HeadroomSyntheticDataset(io.ComfyNode):

@@ -9,8 +9,8 @@ from __future__ import annotations
 import comfy.samplers
 from comfy_api.latest import io
 
-from ..training.objective import LOSS_TYPES, LOSS_WEIGHTINGS, TIMESTEP_SAMPLINGS
-from ..training.trainer import PRECISIONS
+from ..training.core.objective import LOSS_TYPES, LOSS_WEIGHTINGS, TIMESTEP_SAMPLINGS
+from ..training.core.trainer import PRECISIONS
 from .comfy_bridge import WEIGHT_CHOICES
 from .io_types import LatentCacheType, LoraConfigType, OffloadPolicyType, OptimizerConfigType, TextCacheType
 from .run_lora import LORA_APPLICATIONS, REFERENCES

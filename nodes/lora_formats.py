@@ -1,7 +1,7 @@
 """LoRA file formats the save node writes: ComfyUI's own key scheme, kohya's (sd-scripts / LyCORIS), diffusers'.
 
 ComfyUI (default): `diffusion_model.<module path>.lora_up.weight / .lora_down.weight / .alpha` — what the
-trainer exports (training/adapters.py); ComfyUI's loader maps it, other tools mostly do not.
+trainer exports (training/core/adapters.py); ComfyUI's loader maps it, other tools mostly do not.
 
 kohya: `lora_unet_<name>.<same suffixes>` plus the `ss_*` / `modelspec.*` metadata other UIs show. That is
 what A1111 / Forge load, what Civitai expects, and what diffusers converts (`load_lora_weights` reads kohya
@@ -253,7 +253,8 @@ def diffusers_metadata(config: dict) -> dict[str, str]:
 def kohya_metadata(family: str | None, kind: str, rank: int, alpha: float, steps: int, title: str,
                    resolution: tuple[int, int] | None, model=None) -> dict[str, str]:
     """The sd-scripts metadata keys UIs read (network dim / alpha / base model / resolution / steps). `model`: the
-    ComfyUI MODEL, for families whose architecture string depends on the variant (Family.kohya_architecture)."""
+    ComfyUI MODEL, for the family's model-dependent keys (Family.kohya_architecture: the variant's architecture
+    string; Family.kohya_extra: SD2's v-prediction keys)."""
     known = families.get(family)
     base_version, architecture = known.kohya_base if known is not None else ("", "")
     if known is not None and known.kohya_architecture is not None and model is not None:
@@ -277,6 +278,8 @@ def kohya_metadata(family: str | None, kind: str, rank: int, alpha: float, steps
         metadata["ss_base_model_version"] = base_version
     if architecture:
         metadata["modelspec.architecture"] = architecture
+    if known is not None and known.kohya_extra is not None and model is not None:
+        metadata.update(known.kohya_extra(model.model))
     if resolution is not None:
         metadata["ss_resolution"] = f"({resolution[0]}, {resolution[1]})"
         metadata["modelspec.resolution"] = f"{resolution[0]}x{resolution[1]}"

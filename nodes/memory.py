@@ -1,6 +1,6 @@
 """Offload policy and memory plan nodes (the ComfyUI side of describing a MODEL for the planner: nodes/planning.py).
 
-- HeadroomOffloadPolicy -> OFFLOAD_POLICY (training/policy.py), consumed by the caching, training and
+- HeadroomOffloadPolicy -> OFFLOAD_POLICY (training/memory/policy.py), consumed by the caching, training and
   validation nodes. A budget of 0 means "auto": what ComfyUI can make free on its device (free memory plus
   what its loaded models occupy, since loading a model unloads others) minus the reserve, resolved when the
   policy is used.
@@ -8,7 +8,7 @@
   planner's per-phase estimate (text, JSON) and the policy to use ("estimate": the given one; "auto": the
   fastest that fits). The model is described from its own modules and code: blocks and their weight
   bytes from `diffusion_model` (the same blocks the trainer checkpoints and streams), activations measured
-  by running it at small calibration sizes (training/planner.py), ComfyUI's own `memory_required` for the
+  by running it at small calibration sizes (training/memory/planner.py), ComfyUI's own `memory_required` for the
   sampling working set and the VAE's `memory_used_encode/decode` for caching and decoding.
 """
 from __future__ import annotations
@@ -17,13 +17,13 @@ import torch
 
 from comfy_api.latest import io, ui
 
-from ..training import planner
-from ..training.adapters import TARGET_MODES, AdapterConfig
+from ..training.memory import planner
+from ..training.core.adapters import TARGET_MODES, AdapterConfig
 from ..training.checks import check_finite
-from ..training.optimizers import OPTIMIZERS
-from ..training.policy import (CHECKPOINTING, GIB, OPTIMIZER_STATES, PLACEMENTS, STORAGES, VAE_TILED, ENCODERS,
+from ..training.core.optimizers import OPTIMIZERS
+from ..training.memory.policy import (CHECKPOINTING, GIB, OPTIMIZER_STATES, PLACEMENTS, STORAGES, VAE_TILED, ENCODERS,
                                OffloadPolicy, PolicyError)
-from ..training.trainer import PRECISIONS, auto_precision
+from ..training.core.trainer import PRECISIONS, auto_precision
 from .io_types import OffloadPolicyType
 from .planning import available_device_bytes, budget_bytes, describe_comfy_model, lora_target_paths
 

@@ -8,8 +8,8 @@ import time
 import comfy.model_management
 from comfy_api.latest import io
 
-from ..training import memory_stats
-from ..training.memory_stats import PhaseRecorder, device_memory_snapshot, format_bytes
+from ..training.memory import memory_stats
+from ..training.memory.memory_stats import PhaseRecorder, device_memory_snapshot, format_bytes
 from .io_types import TrainingRunType
 
 MONITOR_FORMAT = "headroom.vram_monitor"

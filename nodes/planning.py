@@ -1,7 +1,7 @@
 """The planner's view of a ComfyUI MODEL (the bridge's planning part): the budget ComfyUI can make free, the
 model described from its own modules and code (blocks and their weight bytes from `diffusion_model`, the same
 blocks the trainer checkpoints and streams; activations measured by running it at small calibration sizes,
-training/planner.py; ComfyUI's own `memory_required` for the sampling working set and the VAE's
+training/memory/planner.py; ComfyUI's own `memory_required` for the sampling working set and the VAE's
 `memory_used_encode/decode` for caching and decoding), and the next smaller policy after an out-of-memory error.
 Used by the memory nodes (nodes/memory.py) and the training run (nodes/comfy_bridge.py)."""
 from __future__ import annotations
@@ -10,10 +10,10 @@ import torch
 
 import comfy.model_management
 
-from ..training import planner
-from ..training.adapters import AdapterConfig, AdapterSet
-from ..training.policy import OffloadPolicy
-from ..training.trainer import PRECISIONS
+from ..training.memory import planner
+from ..training.core.adapters import AdapterConfig, AdapterSet
+from ..training.memory.policy import OffloadPolicy
+from ..training.core.trainer import PRECISIONS
 from . import families
 from .comfy_model import ComfyDenoiser, expected_cond_dims, model_blocks, replace_inference_tensors, training_blocks
 
@@ -42,11 +42,19 @@ def calibration_cond(model, text_tokens: int, device: torch.device) -> dict[str,
     dims = expected_cond_dims(model)
     family = families.family_of(model)
     if family is not None and family.calibration_pooled_width is not None:  # SDXL: CLIP-G's pooled output
-        dims.setdefault("pooled_output", family.calibration_pooled_width)
+        dims.setdefault("pooled_output", family.calibration_pooled_width(model))
     cond = {"cross_attn": torch.zeros(text_tokens, dims.get("cross_attn", 768), device=device)}
     if "pooled_output" in dims:
         cond["pooled_output"] = torch.zeros(dims["pooled_output"], device=device)
     return cond
+
+
+def latent_shape(model, height: int, width: int) -> tuple[int, ...]:
+    """A one-item latent of the model's format at this latent size: [1, C, h, w], or [1, C, 1, h, w] for video-latent
+    formats (latent_dimensions 3: Wan 2.1 latents of Qwen-Image), as the trainer's cached latents are."""
+    latent_format = model.latent_format
+    frames = (1,) * (latent_format.latent_dimensions - 2)
+    return (1, latent_format.latent_channels, *frames, height, width)
 
 
 def measure_model(patcher, adapter: AdapterConfig, precision: str = "bf16") -> list[planner.ActivationSample]:
@@ -75,14 +83,13 @@ def _measure(patcher, adapter: AdapterConfig, precision: str) -> list[planner.Ac
         weights = [*diffusion_model.parameters(), *diffusion_model.buffers()]
         adapters = AdapterSet(diffusion_model, lora_target_paths(patcher, adapter), adapter)
         adapters.to(denoiser.device)
-        channels = model.latent_format.latent_channels
         dtype = PRECISIONS[precision]
         samples = []
         adapters.attach(diffusion_model)
         try:
             for height, width, tokens in CALIBRATION:
                 generator = torch.Generator().manual_seed(0)
-                x = torch.randn(1, channels, height, width, generator=generator).to(denoiser.device)
+                x = torch.randn(latent_shape(model, height, width), generator=generator).to(denoiser.device)
                 if denoiser.sampling.prediction == "flow":
                     sigma = torch.full((1,), 0.5, device=denoiser.device)
                 else:
@@ -114,7 +121,7 @@ def describe_comfy_model(patcher, adapter: AdapterConfig, precision: str = "bf16
     blocks = planner.describe_blocks(named_blocks, saved, inputs, samples)
     channels = model.latent_format.latent_channels
     probe = 64  # ComfyUI's estimate is linear in the latent area
-    inference = model.memory_required([1, channels, probe, probe]) / (probe * probe)
+    inference = model.memory_required(list(latent_shape(model, probe, probe))) / (probe * probe)
     family = families.family_of(model)
     # The dtype layers compute in: the autocast precision, else ComfyUI's manual-cast dtype, else the weights' own.
     compute_dtype = PRECISIONS[precision] or model.manual_cast_dtype or model.get_dtype()
@@ -139,10 +146,13 @@ def describe_comfy_model(patcher, adapter: AdapterConfig, precision: str = "bf16
     if vae is not None:
         side = 512
         description["vae_bytes"] = int(vae.patcher.model_size())
-        description["vae_encode_bytes_per_px"] = vae.memory_used_encode([1, 3, side, side], vae.vae_dtype) / side ** 2
+        # A video VAE (latent_dim 3: Wan 2.1 for Qwen-Image) encodes [B, 3, T, H, W] and decodes [B, C, T, h, w].
+        frames = (1,) * (getattr(vae, "latent_dim", 2) - 2)
+        description["vae_encode_bytes_per_px"] = vae.memory_used_encode([1, 3, *frames, side, side],
+                                                                         vae.vae_dtype) / side ** 2
         latent = side // vae.downscale_ratio if isinstance(vae.downscale_ratio, int) else side // 8
         description["vae_decode_bytes_per_px"] = vae.memory_used_decode(
-            [1, vae.latent_channels, latent, latent], vae.vae_dtype) / side ** 2
+            [1, vae.latent_channels, *frames, latent, latent], vae.vae_dtype) / side ** 2
     return planner.ModelDescription(**description)
 
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 from comfy_api.latest import io, ui
 
 from ..training.checks import check_finite
-from ..training.files import prune_temp
-from ..training.optimizers import OptimizerConfig
-from ..training.run_dir import RunFolderError, check_name, check_subfolder
+from ..training.data.files import prune_temp
+from ..training.core.optimizers import OptimizerConfig
+from ..training.core.run_dir import RunFolderError, check_name, check_subfolder
 from .comfy_bridge import TrainingRun, check_run_kind
 from .comfy_model import check_caches
 from .controlnet_build import check_control_cache, controlnet_type_name

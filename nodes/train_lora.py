@@ -23,14 +23,14 @@ import folder_paths
 import node_helpers
 from comfy_api.latest import io, ui
 
-from ..training.adapters import KINDS, TARGET_MODES, AdapterConfig
+from ..training.core.adapters import KINDS, TARGET_MODES, AdapterConfig
 from ..training.checks import check_finite
-from ..training.files import prune_temp, save_safetensors, write_bytes
-from ..training.objective import ObjectiveConfig
-from ..training.optimizers import OPTIMIZERS, SCHEDULES, MissingPackageError, OptimizerConfig, check_available
-from ..training.policy import OffloadPolicy, PolicyError, run_policy
-from ..training.run_dir import RunDir, RunFolderError, check_name, check_subfolder
-from ..training.trainer import PRECISIONS, TrainConfig, auto_precision
+from ..training.data.files import prune_temp, save_safetensors, write_bytes
+from ..training.core.objective import ObjectiveConfig
+from ..training.core.optimizers import OPTIMIZERS, SCHEDULES, MissingPackageError, OptimizerConfig, check_available
+from ..training.memory.policy import OffloadPolicy, PolicyError, run_policy
+from ..training.core.run_dir import RunDir, RunFolderError, check_name, check_subfolder
+from ..training.core.trainer import PRECISIONS, TrainConfig, auto_precision
 from . import lora_formats
 from .cache import unload_encoder
 from .comfy_bridge import TrainingRun, VALIDATE_EVENT, check_run_kind, run_generation, send_event
@@ -176,7 +176,7 @@ def lora_run_inputs() -> list:
 
 def resolve_precision(precision: str, device, run_name: str, node: str) -> tuple[str, str]:
     """(the precision the run computes in, a note saying why). "auto": what a resumed run was started with, else
-    the device's fast one (training/trainer.py auto_precision); the resolved value is what the run stores. An
+    the device's fast one (training/core/trainer.py auto_precision); the resolved value is what the run stores. An
     explicit bf16 / fp16 on a CPU is honoured, with a warning: it runs far slower than fp32 there."""
     device = torch.device(device)
     if precision == "auto":
@@ -220,7 +220,7 @@ def train_config(model, run_name: str, node: str, seed, batch_size, grad_accumul
 def resolve_policy(policy, gradient_checkpointing: bool, checkpoint_depth: int) -> OffloadPolicy:
     """The run's offload policy, resolved once when it opens (LoRA and ControlNet Init nodes): the policy input
     (none: everything resident) with the gradient_checkpointing / checkpoint_depth inputs mapped into it
-    (training/policy.run_policy). Every later step reads only `run.policy`."""
+    (training/memory/policy.run_policy). Every later step reads only `run.policy`."""
     if policy is not None and not isinstance(policy, OffloadPolicy):
         raise ValueError("policy must come from a HeadroomOffloadPolicy or HeadroomMemoryPlan node")
     return run_policy(policy, gradient_checkpointing, checkpoint_depth)
@@ -445,7 +445,10 @@ def decode(run: TrainingRun, vae, samples: torch.Tensor) -> torch.Tensor:
             budget = budget_bytes(policy, torch.device(vae.device))
         except PolicyError:  # an "auto" budget with nothing free: the smallest working set
             budget = 0
-    return vae.decode_tiled(samples) if policy.decode_tiled(needed, budget) else vae.decode(samples)
+    images = vae.decode_tiled(samples) if policy.decode_tiled(needed, budget) else vae.decode(samples)
+    if images.ndim == 5:  # a video VAE's [B, T, H, W, 3] (Wan 2.1 latents of Qwen-Image): frames as images, as VAEDecode
+        images = images.reshape(-1, *images.shape[-3:])
+    return images
 
 
 def _png_bytes(grid: torch.Tensor) -> bytes:

@@ -3,7 +3,8 @@
 The repository root is registered as the package `headroom` (tests import `headroom.training...`).
 No test puts the repo root on sys.path, where our `nodes/` package would shadow ComfyUI's `nodes.py`
 (pytest runs in importlib mode, see pyproject.toml). Fixtures for a real ComfyUI come from the
-harness modules in this folder.
+harness modules in this folder. Tests live in one folder per kind: unit/ (no ComfyUI), comfy/ (in-process ComfyUI),
+server/ (a ComfyUI server subprocess), browser/, realsize/; the shared harness and helpers stay here.
 """
 import importlib.util
 import pathlib
@@ -25,8 +26,11 @@ def _register_package_alias(name: str = "headroom") -> None:
 
 
 _register_package_alias()
-if str(TESTS_DIR) not in sys.path:
-    sys.path.append(str(TESTS_DIR))  # harness helper modules only; appended so they never shadow ComfyUI
+# harness helper modules, and the kind folders whose test modules other tests import helpers from; appended so
+# they never shadow ComfyUI
+for folder in (TESTS_DIR, TESTS_DIR / "unit", TESTS_DIR / "comfy"):
+    if str(folder) not in sys.path:
+        sys.path.append(str(folder))
 
 from comfy_harness import comfyui, headroom_nodes  # noqa: E402,F401  (fixtures)
 from server_harness import comfy_server  # noqa: E402,F401  (fixture: a real ComfyUI server subprocess)

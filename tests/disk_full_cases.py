@@ -1,8 +1,8 @@
 """Every write path of Headroom meeting a full disk, as scenarios shared by two tests:
 
-- tests/test_reliability_faults.py::test_injected_enospc_in_every_write_path: in-process, each scenario's target
+- tests/comfy/test_reliability_faults.py::test_injected_enospc_in_every_write_path: in-process, each scenario's target
   file alone sits on a full disk (tests/faults.py: a real ENOSPC from /dev/full);
-- tests/test_reliability_faults.py::test_disk_full_on_a_real_tmpfs: in a child process (tests/fault_worker.py)
+- tests/comfy/test_reliability_faults.py::test_disk_full_on_a_real_tmpfs: in a child process (tests/fault_worker.py)
   with its own mount namespace, ComfyUI's output / loras / cache folders on a small tmpfs that is filled up.
 
 Each scenario writes its earlier files with room (`prepare`), then does the one write that meets the full disk
@@ -26,7 +26,7 @@ from faults import leftovers, snapshot
 
 @dataclasses.dataclass
 class Context:
-    """The models and caches (tiny SD1.5, from tests/test_train_lora_nodes.py _data) and the folders written."""
+    """The models and caches (tiny SD1.5, from tests/comfy/test_train_lora_nodes.py _data) and the folders written."""
 
     model: object
     clip: object
@@ -84,7 +84,7 @@ def _train(ctx: Context, steps: int, **cadence):
 
 def _requeue_saves(steps: int):
     def again(ctx: Context) -> None:
-        from headroom.training.run_dir import RunDir
+        from headroom.training.core.run_dir import RunDir
 
         run = ctx.state["run"]
         _train(ctx, steps)  # the same "train to N" again: nothing to train, but step N is not on disk yet
@@ -170,7 +170,7 @@ TMPFS_CASES = ["run config", "checkpoint weights", "periodic checkpoint", "LoRA 
 
 def run_case(case: Case, ctx: Context, full_disk: Callable[[Case], contextlib.AbstractContextManager]) -> str:
     """Run one scenario with `full_disk(case)` around its `act`; returns the error message (assertions inside)."""
-    from headroom.training.files import DiskFullError
+    from headroom.training.data.files import DiskFullError
 
     case.prepare(ctx)
     folders = ctx.folders()
@@ -199,7 +199,7 @@ def run_case(case: Case, ctx: Context, full_disk: Callable[[Case], contextlib.Ab
         assert not [p for p in changed if p.endswith("memory_record.json")], changed
     assert not leftovers(*folders), f"{case.name}: temp files left: {leftovers(*folders)}"
     if "run" in ctx.state and ctx.state["run"].run_dir.name == ctx.state["tag"]:
-        from headroom.training.run_dir import RunDir
+        from headroom.training.core.run_dir import RunDir
 
         run = ctx.state["run"]
         RunDir(run.run_dir.root, run.run_dir.name).load_checkpoint()  # what latest.json names still loads

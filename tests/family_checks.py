@@ -1,5 +1,5 @@
 """Checks every model a LoRA is trained on must pass, shared by the family conformance tests
-(tests/test_family_conformance.py: every registry family) and the generic-model tests (tests/test_generic_model.py:
+(tests/comfy/test_family_conformance.py: every registry family) and the generic-model tests (tests/comfy/test_generic_model.py:
 a ComfyUI model no family module describes)."""
 from __future__ import annotations
 

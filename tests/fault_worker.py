@@ -1,4 +1,4 @@
-"""The child process of the kill -9 and full-disk tests (tests/test_reliability_faults.py).
+"""The child process of the kill -9 and full-disk tests (tests/comfy/test_reliability_faults.py).
 
 It imports the real ComfyUI (on the CPU, with the given base directory) and Headroom once, builds the tiny SD1.5
 MODEL / CLIP / VAE and a cached 4-image dataset, then forks one job process per request: every job the test kills
@@ -27,7 +27,7 @@ import time
 import traceback
 
 TESTS = pathlib.Path(__file__).resolve().parent
-sys.path.append(str(TESTS))
+sys.path += [str(TESTS), str(TESTS / "comfy")]  # helpers, and test_train_lora_nodes (comfy/)
 
 STATE: dict = {}
 
@@ -78,7 +78,7 @@ def job_cache(args: dict, log) -> None:
     import torch
 
     from headroom.nodes import cache as C
-    from headroom.training import cache_store
+    from headroom.training.data import cache_store
 
     cache_store.COMMIT_SECONDS = args["commit_seconds"]
     folder_paths.folder_names_and_paths[C.CACHE_FOLDER_NAME] = ([args["cache_dir"]], set())

@@ -1,9 +1,9 @@
 """Fault injection for the reliability tests: a disk that is full for chosen files.
 
-Every file Headroom writes is created by `training.files._new_file` (a temp file beside its target, or a file
+Every file Headroom writes is created by `training.data.files._new_file` (a temp file beside its target, or a file
 inside a temp checkpoint folder). `disk_full_for(monkeypatch, pattern)` makes the files whose names contain
 `pattern` symlinks to /dev/full instead, so whatever writes them - Python, torch.save, safetensors' Rust writer -
-gets a real ENOSPC from the kernel, the way a full disk answers. (tests/test_reliability_faults.py also fills a
+gets a real ENOSPC from the kernel, the way a full disk answers. (tests/comfy/test_reliability_faults.py also fills a
 real tmpfs where it may mount one.)
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ def disk_full_for(monkeypatch, pattern: str = "") -> list[pathlib.Path]:
     the injected paths are appended to."""
     if not os.path.exists(FULL_DEVICE):
         pytest.skip(f"{FULL_DEVICE} is missing on this system: no way to get a real ENOSPC without mounting")
-    from headroom.training import files
+    from headroom.training.data import files
 
     real_new_file = files._new_file
     injected: list[pathlib.Path] = []

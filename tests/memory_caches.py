@@ -1,4 +1,4 @@
-"""The LATENT_CACHE / TEXT_CACHE contracts (training/cache_store.py) in memory, for engine tests with toy models."""
+"""The LATENT_CACHE / TEXT_CACHE contracts (training/data/cache_store.py) in memory, for engine tests with toy models."""
 from __future__ import annotations
 
 

@@ -13,7 +13,7 @@ and saves, through the stock loader, at reduced depth and at full depth.
    layers ComfyUI reads, 5.6 GB: the keys under test are the DiT's); HeadroomTrainLoraInit -> one
    HeadroomTrainSteps step -> HeadroomSaveLora in the comfyui / kohya / diffusers formats -> the stock
    LoraLoaderModelOnly: what it maps, what it reports not loaded.
-3. The same names at full depth: Headroom's own adapter (training/adapters.AdapterSet, rank 1, only its own weights
+3. The same names at full depth: Headroom's own adapter (training/core/adapters.AdapterSet, rank 1, only its own weights
    made real) on every preset layer of the full-depth meta model, exported as the save node exports (comfyui / kohya /
    diffusers names), through the stock LoraLoaderModelOnly on the meta model: every target patched, none not loaded.
 """
@@ -82,7 +82,7 @@ def _full_depth_files(arch: str, patcher, dm, targets: list[str]) -> dict:
     """Headroom's adapter on every target of the full-depth meta model, saved in each format, through the stock
     loader on that model."""
     from headroom.nodes import lora_formats
-    from headroom.training.adapters import AdapterConfig, AdapterSet
+    from headroom.training.core.adapters import AdapterConfig, AdapterSet
 
     adapters = AdapterSet(dm, targets, AdapterConfig(kind="lora", rank=1, alpha=1.0))
     generator = torch.Generator().manual_seed(0)
@@ -115,7 +115,7 @@ def full_depth(arch: str) -> tuple[object, dict]:
     import realsize_models as R
     from headroom.nodes import families, lora_formats
     from headroom.nodes.comfy_model import training_blocks
-    from headroom.training.adapters import AdapterConfig
+    from headroom.training.core.adapters import AdapterConfig
 
     ours = R.unet_config(arch)
     config = comfy.model_detection.model_config_from_unet_config(ours)
@@ -146,7 +146,7 @@ def reduced_depth(arch: str, depth, report: dict, size: int = 64, steps: int = 1
     from headroom.nodes import cache as cache_nodes
     from headroom.nodes import data as data_nodes
     from headroom.nodes import train_lora as T
-    from headroom.training.cache_store import cache_text
+    from headroom.training.data.cache_store import cache_text
 
     spec = R.ARCHITECTURES[arch]
     context = spec["unet_config"]["context_in_dim"]

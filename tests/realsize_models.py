@@ -1,6 +1,6 @@
 """Real-size models from ComfyUI's own classes, with seeded random weights (nothing is downloaded).
 
-Shared by the real-size test tier (tests/test_realsize.py, tests/realsize_worker.py) and the benchmarks
+Shared by the real-size test tier (tests/realsize/test_realsize.py, tests/realsize_worker.py) and the benchmarks
 (bench/bench_realsize.py, bench/bench_memory_gpu.py). Each builder mirrors nodes/tiny_models.py at real width:
 
 - diffusion models: the `unet_config` ComfyUI's model_detection derives from the released checkpoints, through
@@ -57,6 +57,24 @@ ARCHITECTURES = {
             "guidance_embed": True, "yak_mlp": False, "txt_norm": False,
         },
     },
+    "zimage": {
+        # Z-Image (Turbo) as comfy/model_detection.py derives it from the released file (dim 3840 -> 30 heads of 128,
+        # RoPE [32, 48, 48], theta 256, FFN 8/3, Z-Image modulation; cap_pad_token -> pad to 32; 2 noise / 2 caption
+        # refiner layers, the class default, which detection does not read); `n_layers` sets the main depth (30).
+        "text_tokens": 128, "text_encoder": "zimage", "latent_channels": 16, "vae": "flux", "depth": 30,
+        "unet_config": {
+            "image_model": "lumina2", "patch_size": 2, "in_channels": 16, "dim": 3840, "cap_feat_dim": 2560,
+            "n_layers": 30, "qk_norm": True, "n_heads": 30, "n_kv_heads": 30, "axes_dims": [32, 48, 48],
+            "axes_lens": [1536, 512, 512], "rope_theta": 256.0, "ffn_dim_multiplier": 8.0 / 3.0,
+            "z_image_modulation": True, "time_scale": 1000.0, "pad_tokens_multiple": 32,
+        },
+    },
+    "qwen_image": {
+        # Qwen-Image: detection reads the input channels and the depth (60 blocks); the rest is the class default
+        # (24 heads of 128 = 3072 wide, text width 3584).
+        "text_tokens": 128, "text_encoder": "qwen_image", "latent_channels": 16, "vae": "wan21", "depth": 60,
+        "unet_config": {"image_model": "qwen_image", "in_channels": 64, "num_layers": 60},
+    },
 }
 
 
@@ -84,20 +102,60 @@ ARCHITECTURES.update({
     "flux2_dev": _flux2(6144, 15360, 8, 48, guidance=True),
     "flux2_klein_4b": _flux2(3072, 7680, 5, 20, guidance=False),
     "flux2_klein_9b": _flux2(4096, 12288, 8, 24, guidance=False),
+    # Families whose real-size coverage is their LoRA key names (tests/realsize_keys.py): the unet_config
+    # comfy/model_detection derives from the released checkpoints (checked there: detect_unet_config of the
+    # full-depth model's keys gives it back).
+    "sd21_768_v": {  # model_detection's SD21 (SD2.1-768-v / 512-base share the UNet; v comes from the weights)
+        "text_tokens": 77, "text_encoder": "sd2", "latent_channels": 4, "depth": None,
+        "unet_config": {
+            "use_checkpoint": False, "image_size": 32, "out_channels": 4, "use_spatial_transformer": True,
+            "legacy": False, "adm_in_channels": None, "in_channels": 4, "model_channels": 320,
+            "num_res_blocks": [2, 2, 2, 2], "transformer_depth": [1, 1, 1, 1, 1, 1, 0, 0], "channel_mult": [1, 2, 4, 4],
+            "transformer_depth_middle": 1, "use_linear_in_transformer": True, "context_dim": 1024,
+            "num_head_channels": 64, "transformer_depth_output": [1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0],
+            "use_temporal_attention": False, "use_temporal_resblock": False,
+        },
+    },
+    "chroma": {  # Chroma1-HD: 8.90 B, Flux-dev's width without the per-block modulations, T5-XXL only
+        "text_tokens": 256, "text_encoder": "chroma", "latent_channels": 16, "depth": (19, 38),
+        "unet_config": {
+            "image_model": "chroma", "axes_dim": [16, 56, 56], "num_heads": 24, "mlp_ratio": 4.0, "theta": 10000,
+            "out_channels": 64, "qkv_bias": True, "txt_ids_dims": [], "in_channels": 64, "hidden_size": 3072,
+            "context_in_dim": 4096, "patch_size": 2, "vec_in_dim": None, "depth": 19, "depth_single_blocks": 38,
+            "in_dim": 64, "out_dim": 3072, "hidden_dim": 5120, "n_layers": 5,
+        },
+    },
+    "hidream_i1": {  # HiDream-I1: 17 B, 16 double- + 32 single-stream MoE blocks, 2560 wide
+        "text_tokens": 128, "text_encoder": "hidream", "latent_channels": 16, "depth": (16, 32),
+        "unet_config": {
+            "image_model": "hidream", "attention_head_dim": 128, "axes_dims_rope": [64, 32, 32],
+            "caption_channels": [4096, 4096], "max_resolution": [128, 128], "in_channels": 16,
+            "llama_layers": [*range(32), *[31] * 16], "num_attention_heads": 20, "num_routed_experts": 4,
+            "num_activated_experts": 2, "num_layers": 16, "num_single_layers": 32, "out_channels": 16, "patch_size": 2,
+            "text_emb_dim": 2048,
+        },
+    },
 })
 T5XXL_LAYERS = 24  # the released T5-XXL encoder
 
 
 def unet_config(name: str, depth=None) -> dict:
-    """The architecture's unet_config; `depth` reduces it at real width: SD3.5 joint blocks (int), Flux
-    (double blocks, single blocks). SDXL is always full size."""
+    """The architecture's unet_config; `depth` reduces it at real width: SD3.5 joint blocks (int), Flux / Chroma
+    (double blocks, single blocks), HiDream (double-, single-stream blocks). The UNets (SDXL, SD2.1) are always
+    full size."""
     config = dict(ARCHITECTURES[name]["unet_config"])
     if depth is None:
         return config
     if name == "sd35_large":
         config["num_blocks"] = int(depth)
-    elif name == "flux_dev" or name.startswith("flux2_"):
+    elif name == "zimage":
+        config["n_layers"] = int(depth)
+    elif name == "qwen_image":
+        config["num_layers"] = int(depth)
+    elif name in ("flux_dev", "chroma") or name.startswith("flux2_"):
         config["depth"], config["depth_single_blocks"] = (int(d) for d in depth)
+    elif name == "hidream_i1":
+        config["num_layers"], config["num_single_layers"] = (int(d) for d in depth)
     else:
         raise ValueError(f"{name} is built at full size only (depth=None)")
     return config
@@ -167,6 +225,7 @@ def _model_patcher(name, depth=None, seed=0, dtype=torch.bfloat16, disable_dynam
 def clip_target(text_encoder: str):
     """ComfyUI's ClipTarget (tokenizer + text-encoder class) of a family: sdxl (CLIP-L + CLIP-G), sd3 (CLIP-L +
     CLIP-G + T5-XXL), flux (CLIP-L + T5-XXL)."""
+    import comfy.model_detection
     import comfy.supported_models
     import comfy.supported_models_base
     import comfy.text_encoders.flux
@@ -180,16 +239,20 @@ def clip_target(text_encoder: str):
     if text_encoder == "flux":
         return comfy.supported_models_base.ClipTarget(comfy.text_encoders.flux.FluxTokenizer,
                                                       comfy.text_encoders.flux.flux_clip())
-    raise ValueError(f"unknown text encoder family {text_encoder!r}: sdxl, sd3 or flux")
+    if text_encoder in ("zimage", "qwen_image"):  # Qwen3-4B / Qwen2.5-VL-7B (with its vision tower, fixed size)
+        return comfy.model_detection.model_config_from_unet_config(unet_config(text_encoder)).clip_target()
+    raise ValueError(f"unknown text encoder family {text_encoder!r}: sdxl, sd3, flux, zimage or qwen_image")
 
 
 def build_clip(text_encoder: str, t5_layers: int = T5XXL_LAYERS, seed: int = 1, dtype: torch.dtype | None = None,
                disable_dynamic: bool = False):
-    """comfy.sd.CLIP of a family at real width; T5-XXL with `t5_layers` encoder layers. `dtype` None: the dtype
-    ComfyUI's loaders pick for text encoders on this device."""
+    """comfy.sd.CLIP of a family at real width; T5-XXL (or the Qwen LLM encoders of zimage / qwen_image) with
+    `t5_layers` layers. `dtype` None: the dtype ComfyUI's loaders pick for text encoders on this device."""
     import comfy.sd
 
-    options = {"t5xxl_model_config": {"num_layers": int(t5_layers), "num_decoder_layers": int(t5_layers)}}
+    options = {"t5xxl_model_config": {"num_layers": int(t5_layers), "num_decoder_layers": int(t5_layers)},
+               "qwen3_4b_model_config": {"num_hidden_layers": int(t5_layers)},
+               "qwen25_7b_model_config": {"num_hidden_layers": int(t5_layers)}}
     if dtype is not None:
         options["dtype"] = dtype
     clip = comfy.sd.CLIP(clip_target(text_encoder), parameters=0, model_options=options, disable_dynamic=disable_dynamic)
@@ -219,11 +282,21 @@ def _quiet_missing_keys():
         root.removeFilter(drop)
 
 
-def build_vae(latent_channels: int, seed: int = 2):
-    """comfy.sd.VAE of the SD / SDXL (4 channels), SD3 / Flux (16) or Flux.2 (128) VAE, through ComfyUI's state-dict
-    detection: the keys it reads to pick the class are given, the rest is made uninitialised and filled in place."""
+def build_vae(latent_channels: int, seed: int = 2, kind: str | None = None):
+    """comfy.sd.VAE of the SD / SDXL (4 channels), SD3 / Flux (16) or Flux.2 (128) VAE, or (kind "wan21") the Wan 2.1
+    video VAE of Qwen-Image, through ComfyUI's state-dict detection: the keys it reads to pick the class are given,
+    the rest is made uninitialised and filled in place."""
     import comfy.sd
 
+    if kind == "wan21":  # base width 96 (decoder.head.0.gamma), RGB in and out: the released Wan 2.1 VAE
+        sketch = {"decoder.middle.0.residual.0.gamma": torch.zeros(384, 1, 1, 1),
+                  "decoder.head.0.gamma": torch.zeros(96, 1, 1, 1), "encoder.conv1.weight": torch.zeros(96, 3, 3, 3, 3),
+                  "decoder.head.2.weight": torch.zeros(3, 96, 3, 3, 3)}
+        with _quiet_missing_keys():
+            vae = comfy.sd.VAE(sd=sketch)
+        random_init_(vae.first_stage_model, seed)
+        vae.patcher.cached_patcher_init = (_vae_patcher, (latent_channels, seed, kind))
+        return vae
     if latent_channels not in (4, 16, 128):
         raise ValueError("latent_channels: 4 (SD / SDXL VAE), 16 (SD3 / Flux VAE) or 128 (Flux.2 VAE)")
     if latent_channels == 128:  # Flux.2: 32 channels at 8x, folded 2x2 by its batch-norm latents -> 128 at 16x
@@ -250,12 +323,12 @@ def build_vae(latent_channels: int, seed: int = 2):
     return vae
 
 
-def _vae_patcher(latent_channels, seed=2, disable_dynamic=False):
-    return build_vae(latent_channels, seed).patcher
+def _vae_patcher(latent_channels, seed=2, kind=None, disable_dynamic=False):
+    return build_vae(latent_channels, seed, kind).patcher
 
 
 def build_family(name: str, depth=None, t5_layers: int = 2, seed: int = 0):
     """(MODEL patcher, CLIP, VAE) of an architecture, all at real width."""
     spec = ARCHITECTURES[name]
     return (build_model(name, depth, seed), build_clip(spec["text_encoder"], t5_layers, seed + 1),
-            build_vae(spec["latent_channels"], seed + 2))
+            build_vae(spec["latent_channels"], seed + 2, spec.get("vae")))

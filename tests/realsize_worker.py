@@ -2,7 +2,7 @@
 
     python tests/realsize_worker.py sdxl --out result.json [--size 64 --steps 2 --no-checkpointing --planner]
 
-Run by the real-size tier (tests/test_realsize.py) and bench/bench_realsize.py, each model in a fresh process so
+Run by the real-size tier (tests/realsize/test_realsize.py) and bench/bench_realsize.py, each model in a fresh process so
 that its peak RSS is its own. The flow:
 
 1. the MODEL / CLIP / VAE at real size (tests/realsize_models.py), made under inference mode as ComfyUI's loaders
@@ -51,6 +51,11 @@ CASES = {
     "sdxl": Case("sdxl", None, 0, "checkpoint"),
     "flux_dev": Case("flux_dev", (2, 2), 2, "unet"),
     "sd35_large": Case("sd35_large", 3, 2, None),
+    # Real width: Z-Image one main block (and its 2 + 2 refiner blocks), Qwen-Image two blocks; their Qwen LLM encoders
+    # at real width with 3 layers (Z-Image reads the penultimate, which ComfyUI allows from 3 layers) / 1 layer
+    # (Qwen-Image reads the last).
+    "zimage": Case("zimage", 1, 3, None),
+    "qwen_image": Case("qwen_image", 2, 1, None),
 }
 
 
@@ -78,7 +83,7 @@ def setup() -> pathlib.Path:
 
 
 def rss() -> int:
-    from headroom.training.memory_stats import process_rss_bytes
+    from headroom.training.memory.memory_stats import process_rss_bytes
 
     return int(process_rss_bytes())
 
@@ -87,7 +92,7 @@ class Peak:
     """Peak RSS of a stretch of work (the kernel's high-water mark, reset at the start)."""
 
     def __enter__(self):
-        from headroom.training.memory_stats import reset_peak
+        from headroom.training.memory.memory_stats import reset_peak
 
         gc.collect()
         self.start_rss = rss()
@@ -97,7 +102,7 @@ class Peak:
         return self
 
     def __exit__(self, *exc):
-        from headroom.training.memory_stats import process_peak_rss_bytes
+        from headroom.training.memory.memory_stats import process_peak_rss_bytes
 
         self.seconds = time.perf_counter() - self.started
         self.peak_rss = process_peak_rss_bytes()
@@ -109,7 +114,7 @@ class Peak:
 
 def weights_digest(module: torch.nn.Module) -> str:
     """sha256 of every weight's name, dtype, shape and bytes (no copy of the weights is made)."""
-    from headroom.training.cache_store import tensor_digest
+    from headroom.training.data.cache_store import tensor_digest
 
     hasher = hashlib.sha256()
     for name, tensor in sorted(module.state_dict(keep_vars=True).items()):
@@ -165,7 +170,7 @@ def load_models(case: Case, base: pathlib.Path, seed: int = 0):
                 model = nodes.UNETLoader().load_unet(path.name, "default")[0]
             records.append(peak.record("load (stock UNETLoader)"))
             clip = R.build_clip(spec["text_encoder"], case.t5_layers, seed + 1)
-            vae = R.build_vae(spec["latent_channels"], seed + 2)
+            vae = R.build_vae(spec["latent_channels"], seed + 2, spec.get("vae"))
         else:
             with Peak() as peak:
                 model, clip, vae = R.build_family(case.arch, case.depth, case.t5_layers, seed)
@@ -256,13 +261,14 @@ def run_case(name: str, size: int, steps: int, checkpointing: bool, planner_esti
         report["oft"] = _oft_run(model, clip, latents, texts, name)
     report["base_unchanged"] = weights_digest(diffusion) == base_digest
 
-    if planner_estimate:  # last: measuring runs forwards of the model (training/planner.py)
+    if planner_estimate:  # last: measuring runs forwards of the model (training/memory/planner.py)
         report["planner"] = estimate(model, clip, vae, size, texts, latents, lora)
     return report
 
 
 # The diffusers pipeline whose lora_state_dict reads each family's files (SD3 has no kohya reader in diffusers).
-_DIFFUSERS_PIPELINES = {"sdxl": "StableDiffusionXLPipeline", "flux_dev": "FluxPipeline", "sd35_large": "StableDiffusion3Pipeline"}
+_DIFFUSERS_PIPELINES = {"sdxl": "StableDiffusionXLPipeline", "flux_dev": "FluxPipeline", "sd35_large": "StableDiffusion3Pipeline",
+                        "zimage": "ZImagePipeline", "qwen_image": "QwenImagePipeline"}
 
 
 def _other_format(run, model, clip, file_format: str, case: str) -> dict:
@@ -346,8 +352,8 @@ def replace_case(arch: str, depth) -> dict:
 def estimate(model, clip, vae, size: int, texts, latents, lora) -> dict:
     """The planner's estimate per phase for this run's shape, with and without gradient checkpointing."""
     from headroom.nodes.planning import describe_comfy_model, lora_target_paths
-    from headroom.training import planner
-    from headroom.training.policy import OffloadPolicy
+    from headroom.training.memory import planner
+    from headroom.training.memory.policy import OffloadPolicy
 
     tokens = int(texts.conditioning(latents.text_key(0))["cross_attn"].shape[0])
     with Peak() as peak:

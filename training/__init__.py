@@ -3,6 +3,9 @@
 Nothing in this package imports ComfyUI; it is unit-tested on a machine without it.
 Modules import each other relatively so the package works both as `<pack>.training`
 inside ComfyUI and as `headroom.training` in the test suite.
+
+Layout: data/ (datasets, caches, files), memory/ (policy, features, planner), core/ (trainer and what it trains
+with); checks.py (shared input checks) and `public_module` here serve all three.
 """
 
 _SUBPACKAGES = ("training", "nodes", "workflows")

@@ -7,7 +7,7 @@ For every workflow below it writes `<name>.json` (UI format: what the graph edit
 positions, links and widget values) and `<name>_api.json` (API format: what `POST /prompt`,
 `comfy run --workflow` and workflows/headroom_run.py take). Widget order, output slots and types come
 from the server's /object_info, so both files always say the same thing. Re-run it after a node's
-inputs change; tests/test_workflows.py fails when the shipped files differ from what this builds.
+inputs change; tests/server/test_workflows.py fails when the shipped files differ from what this builds.
 It talks to the server over HTTP only and never imports ComfyUI.
 """
 from __future__ import annotations
@@ -276,7 +276,7 @@ def write_atomically(path: pathlib.Path, text: str) -> None:
 
 # --- the shipped workflows ------------------------------------------------------------------------------------
 LIVE_CHART_HEIGHT = 260  # the live loss/VRAM chart js/headroom_live.js draws on training nodes
-# The demo's LoRA run (tests/test_demo.py checks what it teaches; docs/BENCHMARKS.md has its time).
+# The demo's LoRA run (tests/server/test_demo.py checks what it teaches; docs/BENCHMARKS.md has its time).
 TINY_DEMO = {"count": 16, "rank": 8, "learning_rate": 5e-3, "batch_size": 4, "steps": 100, "sample_steps": 4}
 
 TINY_NOTE = """Tiny demo LoRA: runs anywhere, even on a CPU, in a minute or two.
@@ -562,7 +562,7 @@ def flux2_klein_lora() -> Workflow:
 
 WORKFLOWS = [tiny_lora, sd15_lora, sdxl_lora, sd35_lora, flux_lora, flux2_klein_lora, tiny_controlnet, sd15_controlnet,
              memory_plan]
-# Workflows small enough to run to completion on a CPU in the test suite (tests/test_workflows.py).
+# Workflows small enough to run to completion on a CPU in the test suite (tests/server/test_workflows.py).
 TINY_WORKFLOWS = {"tiny_lora", "tiny_controlnet"}
 
 

@@ -71,7 +71,7 @@ def _log(start: float, message: str) -> None:
 def vae_images(count: int, seed: int):
     """Shapes for the autoencoder: half in the palette colours, half in uniformly random colours."""
     import torch
-    from headroom.training.synthetic import COLOURS, generate_shapes
+    from headroom.training.data.synthetic import COLOURS, generate_shapes
 
     data = generate_shapes(count, RESOLUTION, seed)
     generator = torch.Generator().manual_seed(seed + 1)
@@ -123,8 +123,8 @@ def train_vae(vae, args, start):
 def vae_check(vae) -> dict:
     """The pixel classifier's figures on 216 synthetic images (a seed not trained on) encoded and decoded."""
     import torch
-    from headroom.training.shape_classifier import score
-    from headroom.training.synthetic import generate_shapes
+    from headroom.training.core.shape_classifier import score
+    from headroom.training.data.synthetic import generate_shapes
 
     data = generate_shapes(216, RESOLUTION, 999_999)
     with torch.no_grad():
@@ -170,7 +170,7 @@ def train_denoiser(model, clip, vae, args, start):
     from diffusers import DDPMScheduler
     from diffusers.optimization import get_cosine_schedule_with_warmup
     from diffusers.training_utils import EMAModel
-    from headroom.training.synthetic import generate_shapes
+    from headroom.training.data.synthetic import generate_shapes
 
     data = generate_shapes(args.images, RESOLUTION, args.seed + 3)
     keep = [i for i, label in enumerate(data.labels) if label.colour != HELD_OUT]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-from ...training.adapters import AdapterConfig, TargetPreset, select_targets
+from ...training.core.adapters import AdapterConfig, TargetPreset, select_targets
 from .base import ControlNetError, ControlNetType, Family
 
 def _discover() -> dict[str, Family]:
@@ -70,7 +70,7 @@ def lora_targets(diffusion_model, name: str | None, config: AdapterConfig, block
 
 
 def inplace_blocks(model) -> bool:
-    """Whether the model's blocks add into their inputs in place (training/checkpointing.py runs them on clones).
+    """Whether the model's blocks add into their inputs in place (training/memory/checkpointing.py runs them on clones).
     Asked of every family's rule, so models outside a family that share such blocks (Flux derivatives) say so too."""
     return any(family.inplace_blocks(model) for family in FAMILIES.values())
 

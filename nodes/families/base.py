@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from ...training import public_module
-from ...training.adapters import TargetPreset
+from ...training.core.adapters import TargetPreset
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,11 +77,14 @@ class Family:
     # modelspec.architecture read from the model itself, for families whose variants other trainers tell apart
     # (Flux.2 dev / Klein 4B / Klein 9B); None from it: none written.
     kohya_architecture: Callable[[Any], str | None] | None = None
+    # model -> sd-scripts metadata that depends on the model (SD2: v-prediction or not), written over kohya_base.
+    kohya_extra: Callable[[Any], dict[str, str]] | None = None
     kohya_diffusers_block_names: bool = False  # kohya names in diffusers' block naming (SD1.x) instead of the path
     # Regexes of the diffusers layer names to write where ComfyUI's key map lists several for one weight (its
     # conversion tables list Flux.1's names first and other models' aliases after; empty: the first listed).
     diffusers_names_preferred: tuple[str, ...] = ()
-    calibration_pooled_width: int | None = None  # pooled conditioning width calibration adds beyond expected_cond_dims
+    # model -> the pooled conditioning width the planner's calibration adds beyond expected_cond_dims (SDXL), or None.
+    calibration_pooled_width: Callable[[Any], int] | None = None
     latent_downscale: int = 8  # image px per latent px
     # Whether a model's blocks add into their inputs in place; asked of every family (registry.inplace_blocks).
     inplace_blocks: Callable[[Any], bool] = _never

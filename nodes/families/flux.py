@@ -1,5 +1,5 @@
 """Flux.1 dev / schnell: Flux DiT denoisers (`comfy.model_base.Flux`, not Flux 2); ControlNets of ComfyUI's XLabs
-double-block ControlNet class. Flux blocks add into their inputs in place (training/checkpointing.py)."""
+double-block ControlNet class. Flux blocks add into their inputs in place (training/memory/checkpointing.py)."""
 from __future__ import annotations
 
 import dataclasses
@@ -15,7 +15,7 @@ import comfy.supported_models
 import comfy.supported_models_base
 import comfy.text_encoders.flux
 
-from ...training.adapters import TargetPreset
+from ...training.core.adapters import TargetPreset
 from .base import TINY_CLIP_L, TINY_T5, ControlNetType, ExportedControlNet, Family, TinyModel, differences
 
 
@@ -101,8 +101,9 @@ TINY = TinyModel(
 FAMILY = Family(
     name="flux",
     description="Flux.1 dev / schnell DiT",
+    # Flux 2 and Chroma subclass ComfyUI's Flux class but are families of their own.
     recognise=lambda model: (isinstance(model, comfy.model_base.Flux)
-                             and not isinstance(model, comfy.model_base.Flux2)),
+                             and not isinstance(model, (comfy.model_base.Flux2, comfy.model_base.Chroma))),
     # Attention and MLP of both streams of the double blocks, both linears of the single blocks.
     lora_preset=TargetPreset("flux", (r"^double_blocks\.\d+\.(img|txt)_(attn\.(qkv|proj)|mlp\.[02])$",
                                       r"^single_blocks\.\d+\.(linear1|linear2)$")),

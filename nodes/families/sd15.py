@@ -1,5 +1,6 @@
-"""SD1.x / SD2.x: UNet denoisers that are plain `comfy.model_base.BaseModel`s. Also the cldm ControlNet type,
-which every plain UNet trains (SDXL's module reuses it)."""
+"""SD1.x: UNet denoisers that are plain `comfy.model_base.BaseModel`s of ComfyUI's SD15 config (SD2.x is its own
+family, nodes/families/sd2.py). Also the cldm ControlNet type, which every plain UNet trains (the SD2 and SDXL modules
+reuse it)."""
 from __future__ import annotations
 
 import logging
@@ -13,7 +14,7 @@ import comfy.model_detection
 import comfy.ldm.modules.diffusionmodules.openaimodel
 import comfy.supported_models
 
-from ...training.adapters import TargetPreset
+from ...training.core.adapters import TargetPreset
 from .base import (TINY_CLIP_L, ControlNetError, ControlNetType, ExportedControlNet, Family, TinyModel, differences,
                    effective)
 
@@ -115,10 +116,11 @@ TINY = TinyModel(
 
 FAMILY = Family(
     name="sd15",
-    description="SD1.x / SD2.x UNet",
-    # SD1.x / SD2.x UNets are plain BaseModels.
+    description="SD1.x UNet",
+    # SD1.x UNets are plain BaseModels; so are SD2.x's, which ComfyUI builds from its SD20 config (family sd2).
     recognise=lambda model: (type(model) is comfy.model_base.BaseModel
-                             and type(model.diffusion_model).__name__ == "UNetModel"),
+                             and type(model.diffusion_model).__name__ == "UNetModel"
+                             and not isinstance(model.model_config, comfy.supported_models.SD20)),
     lora_preset=TargetPreset("sd15", UNET_ATTENTION, UNET_CONV),
     text_tokens=77,
     diffusers_component="unet",

@@ -1,0 +1,163 @@
+"""Adapters: target selection, attach/detach that restores the module tree exactly, and export in
+keys ComfyUI's own LoRA loader reproduces (checked against the real comfy.lora / weight_adapter)."""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from headroom.training.core.adapters import AdapterConfig, AdapterSet, select_targets
+
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(32, 48)
+        self.conv = torch.nn.Conv2d(8, 16, 3, padding=1)
+        self.norm = torch.nn.LayerNorm(32)
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.stem = torch.nn.Linear(4, 32)
+        self.blocks = torch.nn.ModuleList([Block(), Block()])
+        self.requires_grad_(False).eval()
+
+
+def _randomize(adapters: AdapterSet, seed=1):
+    """Non-zero adapter weights (LoRA B / LoHa w2_b start at zero, which would make every check trivial)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in adapters.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3 + (1.0 if p.ndim == 1 else 0.0))
+
+
+def test_attach_and_detach_restore_the_original_modules_exactly():
+    net = Net()
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    originals = {name: module for name, module in net.named_modules()}
+    config = AdapterConfig(rank=4, alpha=8, targets="all_linear", include_conv=True)
+    paths = select_targets(net, None, config, ["blocks.0", "blocks.1"])
+    assert paths == ["blocks.0.lin", "blocks.0.conv", "blocks.1.lin", "blocks.1.conv"]
+    adapters = AdapterSet(net, paths, config)
+    x = torch.randn(2, 32)
+    reference = net.blocks[0].lin(x)
+    adapters.attach(net)
+    assert type(net.blocks[0].lin).__module__.startswith("peft")
+    torch.testing.assert_close(net.blocks[0].lin(x), reference)  # LoRA B starts at zero: same output
+    _randomize(adapters)
+    assert not torch.allclose(net.blocks[0].lin(x), reference)
+    adapters.detach()
+    assert all(module is originals[name] for name, module in net.named_modules())
+    assert net.state_dict().keys() == before.keys()
+    assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())
+    assert not any(p.requires_grad for p in net.parameters()) and not net.training
+    assert all(p.dtype == torch.float32 and p.requires_grad for p in adapters.parameters())
+
+
+def test_state_dict_round_trip_and_seeded_init():
+    config = AdapterConfig(kind="loha", rank=2, alpha=2, targets="all_linear")
+    first = AdapterSet(Net(), ["blocks.0.lin"], config)
+    second = AdapterSet(Net(), ["blocks.0.lin"], config)
+    assert all(torch.equal(v, second.state_dict()[k]) for k, v in first.state_dict().items())
+    _randomize(first)
+    second.load_state_dict(first.state_dict())
+    assert all(torch.equal(v, second.state_dict()[k]) for k, v in first.state_dict().items())
+    with pytest.raises(ValueError, match="does not match"):
+        AdapterSet(Net(), ["blocks.1.lin"], config).load_state_dict(first.state_dict())
+
+
+def test_bad_adapter_settings():
+    with pytest.raises(ValueError, match="rank=0 must be a positive integer"):
+        AdapterConfig(rank=0).validate()
+    with pytest.raises(ValueError, match="adapter kind 'boft'"):
+        AdapterConfig(kind="boft").validate()
+    with pytest.raises(ValueError, match="model has no LoRA target preset \\(presets: sd15, wan\\).*all_linear"):
+        select_targets(Net(), None, AdapterConfig(), ["blocks.0"], presets=["sd15", "wan"])
+    with pytest.raises(ValueError, match="needs the model's blocks"):
+        select_targets(Net(), None, AdapterConfig(targets="all_linear"), [])
+
+
+@pytest.mark.comfyui
+@pytest.mark.parametrize("kind,rank", [("lora", 4), ("dora", 4), ("loha", 3), ("lokr", 2), ("lokr", 8), ("oft", 4),
+                                       ("oft", 16)])
+def test_export_is_reproduced_by_comfyui_lora_loading(comfyui, kind, rank):
+    """peft's forward == the base layer run with the weight ComfyUI's stock LoRA path computes from our file."""
+    import comfy.lora
+
+    net = Net()
+    paths = ["blocks.0.lin", "blocks.0.conv"]
+    adapters = AdapterSet(net, paths, AdapterConfig(kind=kind, rank=rank, alpha=rank * 1.5))
+    _randomize(adapters)
+    exported = adapters.comfy_state_dict(prefix="diffusion_model.")
+    key_map = {f"diffusion_model.{p}": f"diffusion_model.{p}.weight" for p in paths}
+    patches = comfy.lora.load_lora(exported, key_map)
+    assert sorted(patches) == sorted(key_map.values())
+    adapters.attach(net)
+    inputs = {"blocks.0.lin": torch.randn(3, 32), "blocks.0.conv": torch.randn(2, 8, 5, 5)}
+    for path in paths:
+        layer = net.get_submodule(path)
+        base = layer.get_base_layer()
+        key = f"diffusion_model.{path}.weight"
+        merged = comfy.lora.calculate_weight([(1.0, patches[key], 1.0, None, None)], base.weight.detach().clone(), key)
+        if isinstance(base, torch.nn.Linear):
+            expected = torch.nn.functional.linear(inputs[path], merged, base.bias)
+        else:
+            expected = base._conv_forward(inputs[path], merged, base.bias)
+        with torch.no_grad():
+            actual = layer(inputs[path])
+        torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.comfyui
+def test_family_presets_pick_the_documented_layers(comfyui):
+    from headroom.nodes import families
+    from headroom.nodes.comfy_model import model_blocks, model_family
+    from headroom.nodes.tiny_models import build_tiny_model_patcher
+
+    picked = {}
+    for family in ("sd15", "sd2", "sdxl", "sd3", "flux", "flux2", "chroma", "zimage", "qwen_image"):
+        model = build_tiny_model_patcher(family, 0).model
+        assert model_family(model) == family
+        blocks = [n for n, _ in model_blocks(model.diffusion_model)]
+        preset = families.lora_preset(family)
+        picked[family] = select_targets(model.diffusion_model, preset, AdapterConfig(), blocks)
+        with_conv = select_targets(model.diffusion_model, preset, AdapterConfig(include_conv=True), blocks)
+        everything = select_targets(model.diffusion_model, preset, AdapterConfig(targets="all_layers"), blocks)
+        assert set(picked[family]) <= set(with_conv) <= set(everything)
+    assert all(p.rsplit(".", 2)[-2] in ("attn1", "attn2") or p.endswith("to_out.0") for p in picked["sd15"])
+    assert len(picked["sd15"]) == 4 * 2 * len([p for p in picked["sd15"] if p.endswith("attn1.to_q")])
+    assert any(".0.conv" in p or "in_layers" in p for p in
+               select_targets(build_tiny_model_patcher("sd15", 0).model.diffusion_model, families.lora_preset("sd15"),
+                              AdapterConfig(include_conv=True), []))
+    assert all(p.startswith("joint_blocks.") and p.split(".")[2] in ("context_block", "x_block") for p in picked["sd3"])
+    assert sorted({p.split(".", 3)[3] for p in picked["sd3"]}) == ["attn.proj", "attn.qkv", "mlp.fc1", "mlp.fc2"]
+    flux_single = [p for p in picked["flux"] if p.startswith("single_blocks.")]
+    assert sorted({p.split(".", 2)[2] for p in flux_single}) == ["linear1", "linear2"]
+    assert sorted({p.split(".", 2)[2] for p in picked["flux"] if p.startswith("double_blocks.")}) == [
+        "img_attn.proj", "img_attn.qkv", "img_mlp.0", "img_mlp.2", "txt_attn.proj", "txt_attn.qkv", "txt_mlp.0",
+        "txt_mlp.2"]
+    # Flux.2: the same block layers (its MLPs' gated in-projection is mlp.0); its shared modulation layers
+    # (double_stream_modulation_*, single_stream_modulation) stay frozen.
+    assert sorted({re.sub(r"^(double|single)_blocks\.\d+\.", "", p) for p in picked["flux2"]}) == [
+        "img_attn.proj", "img_attn.qkv", "img_mlp.0", "img_mlp.2", "linear1", "linear2", "txt_attn.proj",
+        "txt_attn.qkv", "txt_mlp.0", "txt_mlp.2"]
+    assert len(picked["flux2"]) == 8 + 2 * 2 and not any("modulation" in p for p in picked["flux2"])
+    # Z-Image: the main layers only (not the refiners, not the modulation), as musubi-tuner's default.
+    assert {p.split(".", 2)[0] for p in picked["zimage"]} == {"layers"}
+    assert sorted({p.split(".", 2)[2] for p in picked["zimage"]}) == [
+        "attention.out", "attention.qkv", "feed_forward.w1", "feed_forward.w2", "feed_forward.w3"]
+    assert len(picked["zimage"]) == 5 * 2
+    assert sorted({p.split(".", 2)[2] for p in picked["qwen_image"]}) == [
+        "attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out", "attn.to_k", "attn.to_out.0",
+        "attn.to_q", "attn.to_v", "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2"]
+    # SD2 / SDXL: the UNet attention projections as SD1's; Chroma: Flux's layers (its blocks have no modulation)
+    for family in ("sd2", "sdxl"):
+        assert picked[family] and all(p.rsplit(".", 2)[-2] in ("attn1", "attn2") or p.endswith("to_out.0")
+                                      for p in picked[family])
+    assert not any(p.startswith("input_blocks.1.") for p in picked["sdxl"])  # SDXL: no attention at the first level
+    assert {p.split(".", 2)[2] for p in picked["chroma"]} == {p.split(".", 2)[2] for p in picked["flux"]}
+    assert not any(p.startswith("distilled_guidance_layer") for p in picked["chroma"])

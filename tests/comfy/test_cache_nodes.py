@@ -1,0 +1,483 @@
+"""The dataset and caching nodes on a real ComfyUI (in-process, CPU) with the tiny SD1.5 / SD3 / Flux
+models: cached values equal stock VAEEncode / CLIPTextEncode, re-runs load no encoder, an edited
+caption re-encodes one item, corrupt shards are rebuilt, a cancel resumes, encoders are unloaded,
+and dataset folders stay inside the allowed roots.
+
+Encoder calls are counted by wrapping the VAE / CLIP object's method in the test; the production
+code is not changed for it. Nodes run inside torch.inference_mode(), as ComfyUI runs them.
+"""
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+pytestmark = pytest.mark.comfyui
+
+FAMILIES = ["sd15", "sd3", "flux"]
+
+
+@pytest.fixture
+def cache_dir(comfyui, tmp_path):
+    """A fresh headroom_cache folder for one test, put first the way extra_model_paths.yaml would."""
+    import folder_paths
+
+    path = str(tmp_path / "headroom_cache")
+    folder_paths.add_model_folder_path("headroom_cache", path, is_default=True)
+    yield Path(path)
+    folder_paths.folder_names_and_paths["headroom_cache"][0].remove(path)
+
+
+def counted(monkeypatch, obj, method_name):
+    """Wrap obj.method_name so its calls are recorded; returns the list of call arguments."""
+    calls = []
+    original = getattr(obj, method_name)
+
+    def wrapper(*args, **kwargs):
+        calls.append(args)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(obj, method_name, wrapper)
+    return calls
+
+
+def synthetic_dataset(count=4, resolution=64, step=16, controls=False, **options):
+    from headroom.nodes.cache import HeadroomDatasetFromImages
+    from headroom.training.data.synthetic import generate_shapes
+
+    data = generate_shapes(count, resolution, seed=0)
+    kwargs = dict(resolution=64, step=step, crop="center", flip=False, seed=0)
+    kwargs.update(options)
+    dataset = HeadroomDatasetFromImages.execute(
+        data.images, "\n".join(data.captions), control_images=data.control_images if controls else None, **kwargs
+    )[0]
+    return data, dataset
+
+
+def cache_both(dataset, vae, clip, **latent_options):
+    from headroom.nodes.cache import HeadroomCacheLatents, HeadroomCacheText
+
+    with torch.inference_mode():
+        latents, latent_summary = HeadroomCacheLatents.execute(dataset, vae, **latent_options)
+        text, text_summary = HeadroomCacheText.execute(dataset, clip)
+    return latents, text, latent_summary, text_summary
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cached_values_equal_stock_vae_encode_and_clip_text_encode(cache_dir, family):
+    import nodes
+    from headroom.nodes.tiny_models import build_tiny_models
+
+    _, clip, vae = build_tiny_models(family, seed=0)
+    data, dataset = synthetic_dataset(count=3)
+    latents, text, _, _ = cache_both(dataset, vae, clip)
+    assert len(latents) == 3 and latents.latent_channels == vae.latent_channels
+
+    # Tolerance: none (bitwise). The cache runs the very same ComfyUI call on the same pixels on the same
+    # device; a 64 x 64 image in the 64 x 64 bucket is neither resized nor cropped.
+    with torch.inference_mode():
+        for i in range(3):
+            stock = nodes.VAEEncode().encode(vae, data.images[i : i + 1])[0]["samples"]
+            assert torch.equal(latents.latent(i), stock[0])
+        for caption, key in [(data.captions[1], latents.text_key(1)), ("", None)]:
+            (cond, extras), = nodes.CLIPTextEncode().encode(clip, caption)[0]
+            cached = text.conditioning(key) if key else text.empty_conditioning()
+            assert torch.equal(cached["cross_attn"], cond[0])
+            tensor_extras = {name for name, value in extras.items() if isinstance(value, torch.Tensor)}
+            assert "pooled_output" in tensor_extras and set(cached) == {"cross_attn"} | tensor_extras
+            for name in tensor_extras:
+                assert torch.equal(cached[name], extras[name][0]), name
+
+
+def test_a_16x_vae_caches_its_own_latent_size_and_refuses_buckets_it_would_crop(cache_dir):
+    """Flux.2's VAE is 16x (128 channels): cached latents are what stock VAEEncode gives, and a bucket side that is a
+    multiple of 8 but not of 16 is refused before any encoding (the VAE would crop it silently)."""
+    import nodes
+    from headroom.nodes.cache import HeadroomCacheLatents, HeadroomDatasetFromImages
+    from headroom.nodes.tiny_models import build_tiny_vae
+    from headroom.training.data.dataset import DatasetError
+    from headroom.training.data.synthetic import generate_shapes
+
+    vae = build_tiny_vae("flux2", seed=0)
+    data, dataset = synthetic_dataset(count=2, step=16)
+    with torch.inference_mode():
+        latents = HeadroomCacheLatents.execute(dataset, vae)[0]
+        stock = nodes.VAEEncode().encode(vae, data.images[:1])[0]["samples"]
+    assert tuple(latents.latent(0).shape) == (128, 4, 4) and torch.equal(latents.latent(0), stock[0])
+    images = generate_shapes(2, 72, seed=0)
+    odd = HeadroomDatasetFromImages.execute(images.images, "\n".join(images.captions), resolution=72, step=8,
+                                            crop="center", flip=False, seed=0)[0]
+    with torch.inference_mode(), pytest.raises(DatasetError, match=r"bucket size\(s\) 72x72 are not multiples of this "
+                                                                   r"VAE's 16x downscale.*multiple of 16"):
+        HeadroomCacheLatents.execute(odd, vae)
+
+
+def test_rerun_hits_the_cache_without_loading_or_calling_encoders(cache_dir, monkeypatch):
+    import comfy.model_management as mm
+    from headroom.nodes.tiny_models import build_tiny_models
+
+    _, clip, vae = build_tiny_models("sd15", seed=0)
+    _, dataset = synthetic_dataset(count=4)
+    first_latents, first_text, summary, _ = cache_both(dataset, vae, clip)
+    assert "0 hits / 4 encoded" in summary
+
+    vae_calls = counted(monkeypatch, vae, "encode")
+    clip_calls = counted(monkeypatch, clip, "encode_from_tokens_scheduled")
+    loads = counted(monkeypatch, mm, "load_models_gpu")
+    latents, text, latent_summary, text_summary = cache_both(dataset, vae, clip)
+    assert vae_calls == [] and clip_calls == [] and loads == []
+    assert "4 hits / 0 encoded" in latent_summary and "5 hits / 0 encoded" in text_summary  # + empty prompt
+    for i in range(4):
+        assert torch.equal(latents.latent(i), first_latents.latent(i))
+        assert torch.equal(text.conditioning(latents.text_key(i))["cross_attn"],
+                           first_text.conditioning(latents.text_key(i))["cross_attn"])
+
+
+def test_encoders_leave_the_compute_device_when_caching_ends(cache_dir, monkeypatch):
+    from headroom.nodes.cache import is_loaded
+    from headroom.nodes.tiny_models import build_tiny_models
+
+    _, clip, vae = build_tiny_models("sd15", seed=0)
+    _, dataset = synthetic_dataset(count=2)
+    loaded_while_encoding = []
+    original_encode = vae.encode
+    monkeypatch.setattr(vae, "encode", lambda pixels: (loaded_while_encoding.append(is_loaded(vae.patcher)),
+                                                         original_encode(pixels))[1])
+    assert is_loaded(clip.patcher)  # ComfyUI loads a CLIP when it builds it
+    cache_both(dataset, vae, clip)
+    assert loaded_while_encoding[-1]  # the check below can see a loaded model...
+    assert not is_loaded(vae.patcher) and not is_loaded(clip.patcher)  # ...and none is left
+
+
+def test_caching_nodes_refuse_something_that_is_no_policy(cache_dir):
+    """The caching nodes use the policy's encoders setting (test_train_lora_nodes: keep_loaded / unload_after_use);
+    anything else on the policy input is named before an encoder loads or a cache is written."""
+    from headroom.nodes.cache import HeadroomCacheLatents, HeadroomCacheText
+    from headroom.nodes.tiny_models import build_tiny_models
+
+    _, clip, vae = build_tiny_models("sd15", seed=0)
+    _, dataset = synthetic_dataset(count=2)
+    with pytest.raises(ValueError, match="^HeadroomCacheLatents: policy must come from a HeadroomOffloadPolicy"):
+        HeadroomCacheLatents.execute(dataset, vae, policy={"encoders": "keep_loaded"})
+    with pytest.raises(ValueError, match="^HeadroomCacheText: policy must come from a HeadroomOffloadPolicy"):
+        HeadroomCacheText.execute(dataset, clip, policy="keep_loaded")
+    assert not any(cache_dir.rglob("*.safetensors"))
+
+
+def test_editing_one_caption_reencodes_exactly_that_item(cache_dir, monkeypatch, tmp_path):
+    import folder_paths
+    from headroom.nodes.cache import HeadroomDatasetFromFolder
+    from headroom.nodes.tiny_models import build_tiny_models
+    from headroom.training.data.synthetic import generate_shapes
+
+    name = f"captions_{tmp_path.name}"
+    folder = Path(folder_paths.get_input_directory()) / name
+    folder.mkdir()
+    data = generate_shapes(4, 64, seed=1)
+    for i in range(4):
+        Image.fromarray((data.images[i].numpy() * 255).astype(np.uint8)).save(folder / f"{i}.png")
+        (folder / f"{i}.txt").write_text(data.captions[i])
+    inputs = dict(folder=name, resolution=64, step=64, crop="center", flip=False, seed=0, skip_bad=False)
+
+    _, clip, vae = build_tiny_models("sd15", seed=0)
+    before = HeadroomDatasetFromFolder.fingerprint_inputs(**inputs)
+    cache_both(HeadroomDatasetFromFolder.execute(**inputs)[0], vae, clip)
+
+    (folder / "2.txt").write_text("an edited caption")
+    assert HeadroomDatasetFromFolder.fingerprint_inputs(**inputs) != before  # ComfyUI will run the node again
+    vae_calls = counted(monkeypatch, vae, "encode")
+    clip_calls = counted(monkeypatch, clip, "tokenize")
+    latents, text, latent_summary, text_summary = cache_both(HeadroomDatasetFromFolder.execute(**inputs)[0], vae, clip)
+    assert clip_calls == [("an edited caption",)] and "4 hits / 1 encoded" in text_summary
+    assert vae_calls == [] and "4 hits / 0 encoded" in latent_summary  # latents do not depend on captions
+    assert latents.name(2) == "2.png" and text.conditioning(latents.text_key(2))["cross_attn"].shape == (77, 32)
+
+
+def test_corrupt_shard_is_detected_and_rebuilt(cache_dir, monkeypatch):
+    import nodes
+    from headroom.nodes.tiny_models import build_tiny_models
+
+    _, clip, vae = build_tiny_models("sd15", seed=0)
+    data, dataset = synthetic_dataset(count=4)
+    latents, _, _, _ = cache_both(dataset, vae, clip)
+
+    manifest = json.loads((cache_dir / "latents" / "manifest.json").read_text())["entries"]
+    shard = cache_dir / "latents" / "shards" / next(iter(manifest.values()))["shard"]
+    raw = bytearray(shard.read_bytes())
+    raw[-40:-36] = bytes(b ^ 0xFF for b in raw[-40:-36])  # inside the last tensor's data
+    shard.write_bytes(bytes(raw))
+
+    vae_calls = counted(monkeypatch, vae, "encode")
+    latents, _, summary, _ = cache_both(dataset, vae, clip)
+    assert len(vae_calls) == 1 and "3 hits / 1 encoded" in summary and "checksum" in summary
+    with torch.inference_mode():
+        for i in range(4):
+            assert torch.equal(latents.latent(i), nodes.VAEEncode().encode(vae, data.images[i : i + 1])[0]["samples"][0])
+
+
+def test_cancel_mid_caching_then_resume(cache_dir, monkeypatch):
+    import comfy.model_management as mm
+    import comfy.utils
+    import nodes
+    from headroom.nodes.cache import HeadroomCacheLatents, is_loaded
+    from headroom.nodes.tiny_models import build_tiny_models
+
+    _, _, vae = build_tiny_models("sd15", seed=0)
+    data, dataset = synthetic_dataset(count=6)
+    done_before_cancel = 2
+    original_encode = vae.encode
+    calls = []
+
+    def encode_then_cancel(pixels):
+        calls.append(pixels)
+        latents = original_encode(pixels)
+        if len(calls) == done_before_cancel:
+            mm.interrupt_current_processing(True)  # what the UI's cancel button / POST /interrupt does
+        return latents
+
+    progress = []
+    previous_hook = comfy.utils.PROGRESS_BAR_HOOK
+    comfy.utils.set_progress_bar_global_hook(lambda value, total, preview, node_id=None: progress.append((value, total)))
+    try:
+        monkeypatch.setattr(vae, "encode", encode_then_cancel)
+        with torch.inference_mode(), pytest.raises(mm.InterruptProcessingException):
+            HeadroomCacheLatents.execute(dataset, vae)
+        assert not is_loaded(vae.patcher)  # unloaded on cancel too
+        entries = json.loads((cache_dir / "latents" / "manifest.json").read_text())["entries"]
+        assert len(entries) == done_before_cancel
+
+        calls.clear()
+        monkeypatch.setattr(vae, "encode", lambda pixels: (calls.append(pixels), original_encode(pixels))[1])
+        with torch.inference_mode():
+            latents, summary = HeadroomCacheLatents.execute(dataset, vae)
+    finally:
+        comfy.utils.set_progress_bar_global_hook(previous_hook)
+    assert len(calls) == 6 - done_before_cancel and f"{done_before_cancel} hits / 4 encoded" in summary
+    assert progress[-1] == (6, 6)
+    with torch.inference_mode():
+        for i in range(6):
+            assert torch.equal(latents.latent(i), nodes.VAEEncode().encode(vae, data.images[i : i + 1])[0]["samples"][0])
+
+
+def test_folder_dataset_with_control_images_cached_as_pixels_or_latents(cache_dir, tmp_path):
+    import folder_paths
+    import nodes
+    from headroom.nodes.cache import HeadroomCacheLatents, HeadroomDatasetFromFolder
+    from headroom.nodes.tiny_models import build_tiny_models
+    from headroom.training.data.buckets import apply_crop, plan_crop
+    from headroom.training.data.synthetic import generate_shapes
+
+    root = Path(folder_paths.get_input_directory()) / f"control_{tmp_path.name}"
+    (root / "images").mkdir(parents=True)
+    (root / "masks").mkdir()
+    data = generate_shapes(2, (64, 96), seed=2)  # 96 wide x 64 high: the 80 x 48 bucket at 64 / 16
+    for i in range(2):
+        Image.fromarray((data.images[i].numpy() * 255).astype(np.uint8)).save(root / "images" / f"{i}.png")
+        Image.fromarray((data.control_images[i].numpy() * 255).astype(np.uint8)).save(root / "masks" / f"{i}.png")
+        (root / "images" / f"{i}.txt").write_text(data.captions[i])
+    dataset = HeadroomDatasetFromFolder.execute(folder=f"{root.name}/images", control_folder="masks", resolution=64,
+                                                step=16, crop="center", flip=True, seed=0, skip_bad=False)[0]
+    _, _, vae = build_tiny_models("sd3", seed=0)
+    with torch.inference_mode():
+        pixels, _ = HeadroomCacheLatents.execute(dataset, vae)
+        as_latents, _ = HeadroomCacheLatents.execute(dataset, vae, control_encoding="latents")
+        assert len(pixels) == 4 and list(pixels.buckets) == [(80, 48)]
+        assert pixels.control(0).shape == (48, 80, 3) and torch.equal(pixels.control(1), pixels.control(0).flip(1))
+        mask = torch.from_numpy(np.asarray(Image.open(root / "masks" / "0.png"), dtype=np.float32) / 255)
+        assert torch.equal(pixels.control(0), apply_crop(mask, plan_crop((96, 64), (80, 48), "center", 0, "", False)))
+        stock = nodes.VAEEncode().encode(vae, pixels.control(0)[None])[0]["samples"][0]
+        assert as_latents.control(0).shape == (16, 6, 10) and torch.equal(as_latents.control(0), stock)
+
+
+def test_dataset_folders_must_stay_inside_allowed_roots(comfyui, tmp_path, monkeypatch):
+    import folder_paths
+    from headroom.nodes.cache import HeadroomDatasetFromFolder
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    Image.new("RGB", (64, 64)).save(outside / "a.png")
+    (outside / "a.txt").write_text("a caption")
+    link = Path(folder_paths.get_input_directory()) / f"link_{tmp_path.name}"
+    link.symlink_to(outside, target_is_directory=True)
+    options = dict(resolution=64, step=64, crop="center", flip=False, seed=0, skip_bad=False)
+    monkeypatch.delenv("HEADROOM_DATASET_ROOTS", raising=False)
+
+    for folder in [str(outside), "../" * 8 + str(outside).lstrip("/"), link.name]:
+        with pytest.raises(ValueError, match="outside the folders this server reads datasets from") as error:
+            HeadroomDatasetFromFolder.execute(folder=folder, **options)
+        assert "HEADROOM_DATASET_ROOTS" in str(error.value)
+    with pytest.raises(ValueError, match="outside"):  # the control folder is checked the same way
+        HeadroomDatasetFromFolder.execute(folder=link.name, control_folder=str(outside), **options)
+
+    monkeypatch.setenv("HEADROOM_DATASET_ROOTS", os.pathsep.join(["relative/ignored", str(tmp_path)]))
+    for folder in [str(outside), link.name]:
+        dataset = HeadroomDatasetFromFolder.execute(folder=folder, **options)[0]
+        assert [item.caption for item in dataset.items] == ["a caption"]
+
+
+def test_bad_inputs_give_clear_errors(cache_dir, comfyui, tmp_path):
+    import folder_paths
+    from headroom.nodes.cache import HeadroomCacheLatents, HeadroomDatasetFromFolder, HeadroomDatasetFromImages, is_loaded
+    from headroom.nodes.tiny_models import build_tiny_models
+    from headroom.training.data.cache_store import CacheStoreError
+    from headroom.training.data.dataset import DatasetError
+
+    images = torch.rand(3, 64, 64, 3)
+    with pytest.raises(DatasetError, match="3 images but 2 captions"):
+        HeadroomDatasetFromImages.execute(images, "one\ntwo\n", resolution=64, step=64, crop="center", flip=False, seed=0)
+    with pytest.raises(DatasetError, match="same size"):
+        HeadroomDatasetFromImages.execute(images, "a\nb\nc", control_images=torch.rand(3, 32, 32, 3), resolution=64,
+                                          step=64, crop="center", flip=False, seed=0)
+    empty = Path(folder_paths.get_input_directory()) / f"empty_{tmp_path.name}"
+    empty.mkdir()
+    with pytest.raises(DatasetError, match="no usable images"):
+        HeadroomDatasetFromFolder.execute(folder=empty.name, resolution=64, step=64, crop="center", flip=False, seed=0,
+                                          skip_bad=False)
+
+    _, dataset = synthetic_dataset(count=1)
+    _, _, vae = build_tiny_models("sd15", seed=0)
+    cache_dir.parent.mkdir(parents=True, exist_ok=True)
+    cache_dir.write_text("not a folder")
+    with torch.inference_mode(), pytest.raises(CacheStoreError, match="not writable") as error:
+        HeadroomCacheLatents.execute(dataset, vae)
+    assert "extra_model_paths.yaml" in str(error.value)
+    assert not is_loaded(vae.patcher)
+
+
+def test_cache_folder_is_registered_and_extra_model_paths_can_move_it(comfyui, tmp_path):
+    import folder_paths
+    import utils.extra_config
+    from headroom.nodes import cache
+
+    saved = folder_paths.folder_names_and_paths.pop("headroom_cache")
+    try:
+        # ComfyUI reads extra_model_paths.yaml before it imports custom nodes; then our module registers.
+        config = tmp_path / "extra_model_paths.yaml"
+        config.write_text(f"headroom:\n  headroom_cache: {tmp_path / 'big_disk'}\n")
+        utils.extra_config.load_extra_path_config(str(config))
+        cache.register_cache_folder()
+        assert cache.cache_root() == tmp_path / "big_disk"
+        folder_paths.folder_names_and_paths.pop("headroom_cache")
+        cache.register_cache_folder()  # without the yaml entry: <models>/headroom_cache
+        assert cache.cache_root() == Path(folder_paths.models_dir) / "headroom_cache"
+    finally:
+        folder_paths.folder_names_and_paths["headroom_cache"] = saved
+
+
+def test_node_schemas(headroom_nodes):
+    from headroom.nodes import cache
+
+    schemas = {node.define_schema().node_id: node.define_schema() for node in cache.NODES}
+    assert set(schemas) == {"HeadroomDatasetFromFolder", "HeadroomDatasetFromImages", "HeadroomCacheLatents",
+                            "HeadroomCacheText"}
+    assert {node_id: schema.category for node_id, schema in schemas.items()} == {
+        "HeadroomDatasetFromFolder": "Headroom/data", "HeadroomDatasetFromImages": "Headroom/data",
+        "HeadroomCacheLatents": "Headroom/cache", "HeadroomCacheText": "Headroom/cache"}
+    outputs = {node_id: [output.io_type for output in schema.outputs] for node_id, schema in schemas.items()}
+    assert outputs["HeadroomCacheLatents"] == ["LATENT_CACHE", "STRING"]
+    assert outputs["HeadroomCacheText"] == ["TEXT_CACHE", "STRING"]
+    assert outputs["HeadroomDatasetFromFolder"] == ["DATASET"]
+    policy = [i for i in schemas["HeadroomCacheLatents"].inputs if i.id == "policy"][0]
+    assert policy.io_type == "OFFLOAD_POLICY" and policy.optional
+
+
+def test_fingerprint_sees_lora_patches_but_not_whether_they_are_applied(comfyui):
+    import comfy.model_management as mm
+    import nodes
+    from headroom.nodes.cache import encoder_fingerprint, unload_encoder
+    from headroom.nodes.tiny_models import build_tiny_models
+
+    _, clip, _ = build_tiny_models("sd15", seed=0)
+    plain = encoder_fingerprint(clip.patcher)
+    weights = clip.patcher.model.state_dict()
+    key = next(k for k, v in weights.items() if k.endswith(".weight") and v.ndim == 2)
+    original = weights[key].clone()
+    patched = clip.clone()
+    assert patched.add_patches({key: ("diff", (torch.full_like(original, 0.01),))}) == [key]
+    with_patch = encoder_fingerprint(patched.patcher)
+    assert with_patch != plain
+
+    unload_encoder(clip.patcher)
+    with torch.inference_mode():
+        nodes.CLIPTextEncode().encode(patched, "a prompt")  # loads the clone: patched weights in the shared module
+    assert any(lm.model is patched.patcher for lm in mm.current_loaded_models)
+    assert not torch.equal(clip.patcher.model.state_dict()[key], original)  # the module now holds patched weights
+    assert encoder_fingerprint(patched.patcher) == with_patch and encoder_fingerprint(clip.patcher) == plain
+    unload_encoder(patched.patcher)
+
+
+def test_graph_through_comfyui_executor_reruns_only_what_an_edited_caption_changes(cache_dir, monkeypatch, tmp_path):
+    """Through ComfyUI's own PromptExecutor: the folder node's fingerprint makes ComfyUI re-run it after
+    a caption edit, and the caching nodes then encode just that caption; the encoders end unloaded."""
+    import copy
+
+    import comfy.sd
+    import execution
+    import folder_paths
+    import nodes
+    from headroom.nodes import cache, tiny_models
+    from headroom.nodes.cache import is_loaded
+    from headroom.training.data.synthetic import generate_shapes
+
+    for node in cache.NODES + tiny_models.NODES:
+        monkeypatch.setitem(nodes.NODE_CLASS_MAPPINGS, node.GET_SCHEMA().node_id, node)
+    folder = Path(folder_paths.get_input_directory()) / f"graph_{tmp_path.name}"
+    folder.mkdir()
+    data = generate_shapes(3, 64, seed=3)
+    for i in range(3):
+        Image.fromarray((data.images[i].numpy() * 255).astype(np.uint8)).save(folder / f"{i}.png")
+        (folder / f"{i}.txt").write_text(data.captions[i])
+
+    patchers, vae_calls = [], []
+    original_encode, original_tokenize = comfy.sd.VAE.encode, comfy.sd.CLIP.tokenize
+
+    def vae_encode(self, pixels):
+        vae_calls.append(pixels.shape)
+        patchers.append(self.patcher)
+        return original_encode(self, pixels)
+
+    def clip_tokenize(self, text, *args, **kwargs):
+        clip_calls.append(text)
+        patchers.append(self.patcher)
+        return original_tokenize(self, text, *args, **kwargs)
+
+    clip_calls = []
+    monkeypatch.setattr(comfy.sd.VAE, "encode", vae_encode)
+    monkeypatch.setattr(comfy.sd.CLIP, "tokenize", clip_tokenize)
+
+    class NoClientServer:  # what PromptExecutor needs from PromptServer when no client is connected
+        client_id = None
+        last_node_id = None
+
+        def send_sync(self, event, data, sid=None):
+            pass
+
+    executor = execution.PromptExecutor(
+        NoClientServer(), cache_type=execution.CacheType.CLASSIC, cache_args={"lru": 0, "ram": 0.0, "ram_inactive": 0.0}
+    )
+    prompt = {
+        "1": {"class_type": "HeadroomTinyModel", "inputs": {"family": "sd15", "seed": 0}},
+        "2": {"class_type": "HeadroomDatasetFromFolder",
+              "inputs": {"folder": folder.name, "control_folder": "", "resolution": 64, "step": 64, "crop": "center",
+                         "flip": False, "seed": 0, "skip_bad": False}},
+        "3": {"class_type": "HeadroomCacheLatents", "inputs": {"dataset": ["2", 0], "vae": ["1", 2],
+                                                               "control_encoding": "pixels"}},
+        "4": {"class_type": "HeadroomCacheText", "inputs": {"dataset": ["2", 0], "clip": ["1", 1]}},
+    }
+
+    def run(name):
+        vae_calls.clear()
+        clip_calls.clear()
+        executor.execute(copy.deepcopy(prompt), name, {}, ["3", "4"])
+        assert executor.success, executor.status_messages
+        return next(msg["nodes"] for event, msg in executor.status_messages if event == "execution_cached")
+
+    assert run("first") == []
+    assert len(vae_calls) == 3 and sorted(clip_calls) == sorted(["", *data.captions])
+    (folder / "1.txt").write_text("an edited caption")
+    assert run("edited") == ["1"]  # only the model node is reused; the dataset node ran again
+    assert vae_calls == [] and clip_calls == ["an edited caption"]
+    assert patchers and not any(is_loaded(patcher) for patcher in patchers)

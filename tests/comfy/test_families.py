@@ -1,0 +1,319 @@
+"""The family registry (nodes/families/): one module per family, recognised from ComfyUI's own model classes exactly
+as the scattered rules it replaced recognised them, with the names stored in run folders and files unchanged."""
+import pytest
+import torch
+
+pytestmark = pytest.mark.comfyui
+
+
+def _old_model_family(model):
+    """The LoRA family rule before the registry (nodes/comfy_bridge.model_family), kept here as the reference."""
+    import comfy.model_base
+
+    if isinstance(model, comfy.model_base.Flux) and not isinstance(model, comfy.model_base.Flux2):
+        return "flux"
+    if isinstance(model, comfy.model_base.SD3):
+        return "sd3"
+    if isinstance(model, (comfy.model_base.SDXL, comfy.model_base.SDXLRefiner)):
+        return "sdxl"
+    if type(model) is comfy.model_base.BaseModel and type(model.diffusion_model).__name__ == "UNetModel":
+        return "sd15"
+    return None
+
+
+# Families split off from an older family's rule: {family: the family the rule it replaced named}.
+SPLIT_OFF = {"sd2": "sd15", "chroma": "flux"}
+
+
+def _models():
+    """{name: ModelPatcher}: the tiny model of every family (HiDream's diffusion model alone: nodes/families/hidream.py)."""
+    import comfy.model_patcher
+    import comfy.supported_models
+    from headroom.nodes.families.hidream import TINY_DIT
+    from headroom.nodes.tiny_models import FAMILIES, build_tiny_model_patcher, init_weights_
+
+    models = {family: build_tiny_model_patcher(family, 0) for family in FAMILIES}
+    config = comfy.supported_models.HiDream(dict(TINY_DIT))
+    config.set_inference_dtype(torch.float32, None)
+    hidream = config.get_model({}, "", device=torch.device("cpu"))
+    init_weights_(hidream.diffusion_model, 0)
+    models["hidream"] = comfy.model_patcher.ModelPatcher(hidream, load_device=torch.device("cpu"),
+                                                         offload_device=torch.device("cpu"))
+    return models
+
+
+def test_one_module_per_family(comfyui):
+    import pathlib
+
+    from headroom.nodes import families
+
+    folder = pathlib.Path(families.__file__).parent
+    modules = sorted(p.stem for p in folder.glob("*.py") if p.stem not in ("__init__", "base"))
+    assert list(families.FAMILIES) == ["sd15", "sd2", "sdxl", "sd3", "flux", "flux2", "chroma", "zimage", "qwen_image",
+                                       "hidream"]
+    assert sorted(families.FAMILIES) == modules
+    assert list(families.CONTROLNET_TYPES) == ["unet", "sd3", "flux"]  # stored names: never renamed
+    assert (families.get("sd15").controlnet is families.get("sd2").controlnet is families.get("sdxl").controlnet
+            is families.controlnet_type("unet"))
+
+
+def test_recognition_is_the_rule_it_replaced(comfyui):
+    from headroom.nodes import families
+    from headroom.nodes.comfy_model import ComfyDenoiser, model_family
+
+    models = _models()
+    assert sorted(models) == sorted(families.FAMILIES)  # every family has a tiny model
+    for name, patcher in models.items():
+        model = patcher.model
+        assert families.family_of(model).name == name == model_family(model)
+        assert [f.name for f in families.FAMILIES.values() if f.recognise(model)] == [name]  # no overlap
+        # Families new with the registry: the old rule refused them (None); SD2 / Chroma were claimed by sd15 / flux.
+        assert _old_model_family(model) == (SPLIT_OFF.get(name, name) if name in ("sd15", "sd2", "sdxl", "sd3", "flux",
+                                                                                 "chroma") else None)
+        # Flux.2's and Chroma's blocks are Flux's DoubleStreamBlock / SingleStreamBlock kind: in place too.
+        assert families.inplace_blocks(model) == (name in ("flux", "flux2", "chroma"))
+        assert ComfyDenoiser(patcher).inplace_blocks == (name in ("flux", "flux2", "chroma"))
+        if name in ("sd15", "sd2", "sdxl", "sd3", "flux"):
+            assert families.controlnet_type_of(patcher).name == {"sd15": "unet", "sd2": "unet", "sdxl": "unet"}.get(name, name)
+        else:  # no ControlNet layout for these in ComfyUI's ControlNetLoader
+            with pytest.raises(families.ControlNetError, match="no ControlNet support for this MODEL"):
+                families.controlnet_type_of(patcher)
+
+
+def test_zimage_is_not_plain_lumina2(comfyui):
+    """Lumina 2.0 runs Z-Image's NextDiT class with another config (2304 wide, Gemma encoder, shift 6): not a Z-Image
+    model, so no zimage LoRA preset for it. The pixel-space Z-Image is another module class: not zimage either."""
+    import comfy.supported_models
+
+    from headroom.nodes import families
+
+    lumina = {"image_model": "lumina2", "patch_size": 2, "in_channels": 16, "dim": 256, "cap_feat_dim": 32,
+              "n_layers": 1, "n_refiner_layers": 1, "qk_norm": True, "n_heads": 2, "n_kv_heads": 1,
+              "axes_dims": [32, 48, 48]}
+    model = comfy.supported_models.Lumina2(lumina).get_model({}, "", device="meta")
+    assert families.family_of(model) is None
+    zimage = families.get("zimage").tiny.model_config().get_model({}, "", device="meta")
+    assert families.family_of(zimage).name == "zimage"
+
+
+def test_family_facts_are_the_tables_they_replaced(comfyui):
+    from headroom.nodes import families, lora_formats
+
+    assert {f.name: f.text_tokens for f in families.FAMILIES.values()} == {
+        "sd15": 77, "sd2": 77, "sdxl": 77, "sd3": 154, "flux": 256, "flux2": 512, "chroma": 256, "zimage": 128,
+        "qwen_image": 128, "hidream": 128}
+    assert {name: lora_formats.diffusers_component(name) for name in families.FAMILIES} == {
+        "sd15": "unet", "sd2": "unet", "sdxl": "unet", "sd3": "transformer", "flux": "transformer",
+        "flux2": "transformer", "chroma": "transformer", "zimage": "transformer", "qwen_image": "transformer",
+        "hidream": "transformer"}
+    assert lora_formats.diffusers_component(None) is None and families.lora_preset("wan") is None
+    assert {f.name: f.kohya_base for f in families.FAMILIES.values()} == {
+        "sd15": ("sd_v1", "stable-diffusion-v1/lora"), "sdxl": ("sdxl_base_v1-0", "stable-diffusion-xl-v1-base/lora"),
+        "sd3": ("sd3", "stable-diffusion-3/lora"), "flux": ("flux1", "flux-1-dev/lora"), "flux2": ("", ""),
+        "sd2": ("sd_v2", "stable-diffusion-v2-512/lora"), "chroma": ("chroma", "chroma/lora"),
+        "zimage": ("z_image", "Z-Image/lora"), "qwen_image": ("qwen_image", "Qwen-Image/lora"),
+        "hidream": ("hidream_i1", "hidream-i1/lora")}
+    assert [f.name for f in families.FAMILIES.values() if f.lora_preset.conv is not None] == ["sd15", "sd2", "sdxl"]
+    assert {name: t.hint for name, t in families.CONTROLNET_TYPES.items()} == {"unet": "pixels", "sd3": "latents",
+                                                                              "flux": "pixels"}
+
+
+def test_a_model_of_no_family_trains_with_all_linear_only(comfyui):
+    from headroom.nodes import families
+    from headroom.training.core.adapters import AdapterConfig
+
+    model = _models()["sd15"].model
+    blocks = ["input_blocks.1"]
+    with pytest.raises(ValueError, match=r"this model has no LoRA target preset \(presets: sd15, sd2, sdxl, sd3, "
+                                         r"flux, flux2, chroma, zimage, qwen_image, hidream\); "
+                                         "set targets to 'all_linear'"):
+        families.lora_targets(model.diffusion_model, None, AdapterConfig(), blocks)
+    assert families.lora_targets(model.diffusion_model, None, AdapterConfig(targets="all_linear"), blocks)
+
+
+def test_zimage_and_qwen_image_expect_their_text_encoders_width(comfyui):
+    """cross_attn is the text encoder's hidden size (Qwen3-4B 2560, Qwen2.5-VL-7B 3584), no pooled vector: from the
+    unet_config ComfyUI detects for the released files (Qwen-Image's leaves the width to the class default), and
+    from the tiny models; a text cache of another width is refused naming the fix."""
+    import comfy.model_detection
+    import torch
+
+    import realsize_models as R
+    from headroom.nodes.comfy_model import check_caches, expected_cond_dims
+    from headroom.nodes.tiny_models import build_tiny_model_patcher
+
+    for arch, width in (("zimage", 2560), ("qwen_image", 3584)):
+        config = comfy.model_detection.model_config_from_unet_config(R.unet_config(arch, 1))
+        assert expected_cond_dims(config.get_model({}, "", device="meta")) == {"cross_attn": width}
+        tiny = build_tiny_model_patcher(arch, 0).model
+        assert expected_cond_dims(tiny) == {"cross_attn": 32}
+
+        class Latents:  # the two things check_caches reads of each cache
+            latent_channels = 16
+
+            def __len__(self):
+                return 1
+
+            def text_key(self, index):
+                return "k"
+
+        class Texts:
+            def conditioning(self, key):
+                return {"cross_attn": torch.zeros(7, 4096)}
+
+        with pytest.raises(ValueError, match="the TEXT_CACHE 'cross_attn' is 4096 wide but this model expects 32: "
+                                             r"cache the captions with this model's text encoder \(CLIP\)"):
+            check_caches(tiny, Latents(), Texts())
+
+
+def test_sd2_is_its_own_family_and_its_tiny_model_predicts_v(comfyui):
+    """SD2.x: ComfyUI's SD20 config (sd15 no longer claims it); the tiny one is SD2.1-768-v's objective; its kohya
+    metadata is what sd-scripts writes for a v-parameterization SD2 LoRA, and for an eps one (512 base)."""
+    import comfy.model_sampling
+    import comfy.supported_models
+
+    from headroom.nodes import families, lora_formats
+    from headroom.nodes.comfy_model import sampling_descriptor
+    from headroom.nodes.tiny_models import build_tiny_model_patcher
+
+    patcher = build_tiny_model_patcher("sd2", 0)
+    model = patcher.model
+    assert isinstance(model.model_config, comfy.supported_models.SD20)
+    assert isinstance(model.model_sampling, comfy.model_sampling.V_PREDICTION)
+    assert sampling_descriptor(model.model_sampling).prediction == "v"
+    assert not families.get("sd15").recognise(model)
+    metadata = lora_formats.kohya_metadata("sd2", "lora", 4, 4.0, 10, "t", (64, 64), model=patcher)
+    assert (metadata["ss_base_model_version"], metadata["modelspec.architecture"], metadata["ss_v2"],
+            metadata["modelspec.prediction_type"]) == ("sd_v2_v", "stable-diffusion-v2-768-v/lora", "True", "v")
+    # SD2 512-base: the same family, eps; ComfyUI's own SD20 config picks eps for weights without v's statistics.
+    config = comfy.supported_models.SD20(dict(model.model_config.unet_config))
+    config.set_inference_dtype(model.get_dtype(), None)
+    eps_model = config.get_model({}, "")
+    assert families.family_of(eps_model).name == "sd2"
+    assert sampling_descriptor(eps_model.model_sampling).prediction == "eps"
+    eps = lora_formats.kohya_metadata("sd2", "lora", 4, 4.0, 10, "t", None, model=type("M", (), {"model": eps_model}))
+    assert (eps["ss_base_model_version"], eps["modelspec.architecture"], eps["modelspec.prediction_type"]) == (
+        "sd_v2", "stable-diffusion-v2-512/lora", "epsilon")
+
+
+def test_sdxl_calibration_pooled_width_comes_from_the_model(comfyui):
+    """The planner's calibration adds CLIP-G's pooled width: 1280 for the released base and refiner (configs as
+    comfy/model_detection derives them, built on the meta device), the tiny CLIP-G's projection for the tiny one."""
+    import comfy.model_detection
+    import torch
+
+    from headroom.nodes import families
+    from headroom.nodes.families.base import TINY_CLIP_G
+    from headroom.nodes.tiny_models import build_tiny_model_patcher
+
+    width = families.get("sdxl").calibration_pooled_width
+    assert width(build_tiny_model_patcher("sdxl", 0).model) == TINY_CLIP_G["projection_dim"]
+    real = {"base": {"adm_in_channels": 2816, "model_channels": 320, "transformer_depth": [0, 0, 2, 2, 10, 10],
+                     "context_dim": 2048, "channel_mult": [1, 2, 4], "transformer_depth_middle": 10,
+                     "transformer_depth_output": [0, 0, 0, 2, 2, 2, 10, 10, 10]},
+            "refiner": {"adm_in_channels": 2560, "model_channels": 384, "transformer_depth": [0, 0, 4, 4, 4, 4, 0, 0],
+                        "context_dim": 1280, "channel_mult": [1, 2, 4, 4], "transformer_depth_middle": 4,
+                        "transformer_depth_output": [0, 0, 0, 4, 4, 4, 4, 4, 4, 0, 0, 0]}}
+    common = {"use_checkpoint": False, "image_size": 32, "out_channels": 4, "use_spatial_transformer": True,
+              "legacy": False, "num_classes": "sequential", "in_channels": 4, "use_linear_in_transformer": True,
+              "use_temporal_attention": False, "use_temporal_resblock": False}
+    for name, unet in real.items():
+        config = comfy.model_detection.model_config_from_unet_config({**common, **unet,
+                                                                      "num_res_blocks": [2] * len(unet["channel_mult"])})
+        config.set_inference_dtype(torch.bfloat16, None)
+        model = config.get_model({}, "", device=torch.device("meta"))
+        assert families.family_of(model).name == "sdxl"
+        assert width(model) == 1280, name
+
+
+@pytest.mark.parametrize("family", SPLIT_OFF)
+def test_a_run_stored_under_the_family_it_split_off_from_resumes(comfyui, family):
+    """Runs an earlier version stored for an SD2 model say family sd15, for a Chroma model flux (those families then
+    claimed them): they resume (the presets train the same layers); a run stored under another family does not."""
+    import json
+
+    from family_checks import cached_data, init_run as _init
+    from headroom.nodes.tiny_models import build_tiny_models
+
+    model, clip, vae = build_tiny_models(family, 0)
+    latents, texts = cached_data(model, clip, vae, count=2)
+    name = f"families_{family}_resume"
+    run = _init(model, latents, texts, name, 4, 1e-3, "preset", False)
+    assert run.config.family == family
+    run.release()
+    config_path = run.run_dir.config_path
+    for stored, resumes in ((SPLIT_OFF[family], True), ("sd3", False)):
+        config = json.loads(config_path.read_text())
+        config["session"]["family"] = stored
+        config_path.write_text(json.dumps(config))
+        if resumes:
+            again = _init(model, latents, texts, name, 4, 1e-3, "preset", False)
+            assert again.run_dir.path == run.run_dir.path
+            again.release()
+        else:
+            with pytest.raises(ValueError, match=rf"session.family: stored 'sd3', now '{family}'"):
+                _init(model, latents, texts, name, 4, 1e-3, "preset", False)
+
+
+def test_text_of_different_lengths_trains_in_groups_as_comfyui_samples_it(comfyui):
+    """Chroma's T5 is unpadded, so captions give text of different lengths that ComfyUI cannot concatenate into one
+    batch (its sampler runs such conds apart): the denoiser runs one forward per group and puts the outputs back in
+    order, equal to forwards of each item alone."""
+    from headroom.nodes.comfy_model import ComfyDenoiser, batchable_groups
+    from family_checks import cached_data
+    from headroom.nodes.tiny_models import build_tiny_models
+
+    model, clip, vae = build_tiny_models("chroma", 0)
+    latents, texts = cached_data(model, clip, vae)
+    conds = [texts.conditioning(latents.text_key(i)) for i in range(len(latents))]
+    assert len({c["cross_attn"].shape[0] for c in conds}) > 1  # the captions' lengths differ
+    denoiser = ComfyDenoiser(model)
+    x = torch.randn(len(conds), 16, 4, 4, generator=torch.Generator().manual_seed(0))
+    sigma = torch.tensor([0.2, 0.4, 0.6, 0.8])
+    groups = batchable_groups(denoiser._item_conds(x, conds))
+    assert 1 < len(groups) and sorted(i for g in groups for i in g) == list(range(len(conds)))
+    with torch.no_grad():
+        together = denoiser.predict(x, sigma, conds)
+        alone = torch.cat([denoiser.predict(x[i:i + 1], sigma[i:i + 1], [conds[i]]) for i in range(len(conds))])
+    torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-6)
+
+
+def test_hidream_trains_through_the_denoiser_with_its_four_encoder_conditioning(comfyui):
+    """HiDream's diffusion model (no tiny text encoder here: nodes/families/hidream.py) through the trainer's denoiser:
+    conditioning of the shapes its text encoder caches (T5 [128, d], CLIP-L + CLIP-G pooled, `conditioning_llama3` one
+    hidden state per Llama layer), a preset LoRA attached, a backward that reaches every adapter layer; its flow
+    objective from ComfyUI's model_sampling."""
+    from headroom.nodes import families
+    from headroom.nodes.comfy_model import ComfyDenoiser, model_blocks
+    from headroom.nodes.families.base import TINY_CLIP_G, TINY_CLIP_L, TINY_T5
+    from headroom.training.core.adapters import AdapterConfig, AdapterSet
+
+    patcher = _models()["hidream"]
+    model = patcher.model
+    denoiser = ComfyDenoiser(patcher)
+    assert denoiser.sampling.prediction == "flow" and not denoiser.inplace_blocks
+    paths = families.lora_targets(model.diffusion_model, "hidream", AdapterConfig(),
+                                  [name for name, _ in model_blocks(model.diffusion_model)])
+    adapters = AdapterSet(model.diffusion_model, paths, AdapterConfig(rank=4, alpha=4.0))
+    generator = torch.Generator().manual_seed(0)
+    conds = [{"cross_attn": torch.randn(128, TINY_T5["d_model"], generator=generator),
+              "pooled_output": torch.randn(TINY_CLIP_L["projection_dim"] + TINY_CLIP_G["projection_dim"], generator=generator),
+              "conditioning_llama3": torch.randn(2, 128, 32, generator=generator)} for _ in range(2)]
+    x = torch.randn(2, 16, 4, 4, generator=generator)
+    import comfy.model_management
+
+    adapters.attach(model.diffusion_model)
+    comfy.model_management.in_training = True  # as the training run sets it (Flux's differentiable RoPE)
+    try:
+        for layer in adapters.layers.values():  # a LoRA that changes the output (up weights start at zero)
+            for name, param in layer.named_parameters():
+                if "lora_B" in name:
+                    torch.nn.init.normal_(param, std=0.01)
+        out = denoiser.predict(x, torch.tensor([0.3, 0.7]), conds)
+        assert out.shape == x.shape and torch.isfinite(out).all()
+        out.square().mean().backward()
+        grads = [p.grad for p in adapters.parameters()]
+        assert all(g is not None and torch.isfinite(g).all() for g in grads) and any(g.abs().sum() > 0 for g in grads)
+    finally:
+        comfy.model_management.in_training = False
+        adapters.detach()

@@ -1,0 +1,76 @@
+"""What every model family must do, asked of every family with a tiny model (nodes/families/<family>.py `tiny`):
+a new family file is tested here without touching this file.
+
+- overfit: 4 images, the loss on them halves within 300 steps (the trainer learns through the family's model);
+- round trip: cache -> train -> validate through stock samplers -> save -> the stock LoraLoader + KSampler reproduce
+  the validation image (<= 1e-3), with zero "lora key not loaded", and the base weights unchanged.
+"""
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+import torch
+
+from family_checks import cached_data, check_stock_round_trip, init_run, overfit
+
+pytestmark = pytest.mark.comfyui
+
+
+def _tiny_families() -> list[str]:
+    # Read from the registry's files without importing ComfyUI at collection time: module names are family names.
+    folder = pathlib.Path(__file__).resolve().parents[2] / "nodes" / "families"
+    names = sorted(p.stem for p in folder.glob("*.py") if p.stem not in ("__init__", "base") and not p.stem.startswith("_"))
+    return [name for name in names if "\nTINY = TinyModel(" in (folder / f"{name}.py").read_text()]
+
+
+TINY_FAMILIES = _tiny_families()
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models: one thread is fastest, and far faster than two on a busy machine
+    yield
+    torch.set_num_threads(previous)
+
+
+def _tiny(family):
+    from headroom.nodes.tiny_models import build_tiny_models
+
+    with torch.inference_mode():
+        model, clip, vae = build_tiny_models(family, 0)
+    return (model, clip, vae, *cached_data(model, clip, vae))
+
+
+def _overfit_targets(family: str) -> tuple[str, bool]:
+    """UNet families train their preset with convolutions; the tiny DiTs' random frozen embedders and output layers
+    are not the near-identity paths of trained models, so those train every layer."""
+    from headroom.nodes import families
+
+    preset = families.get(family).lora_preset
+    return ("preset", True) if preset.conv is not None else ("all_layers", False)
+
+
+def test_every_registry_family_is_listed_here(comfyui):
+    from headroom.nodes import families, tiny_models
+
+    assert list(tiny_models.FAMILIES) == [name for name in families.FAMILIES if name in TINY_FAMILIES]
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_overfits_four_images(comfyui, family):
+    model, _, _, latents, texts = _tiny(family)
+    targets, include_conv = _overfit_targets(family)
+    run = init_run(model, latents, texts, f"conformance_overfit_{family}", 16, 1e-2, targets, include_conv, "cosine",
+                   300)
+    initial, final = overfit(run)
+    print(f"{family}: {run.step} steps; loss {initial:.4f} -> {final:.4f} ({1 - final / initial:.0%} lower)")
+    assert final <= 0.5 * initial
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_saved_lora_reproduces_validation_through_stock_nodes(comfyui, family, caplog):
+    model, clip, vae, latents, texts = _tiny(family)
+    run = init_run(model, latents, texts, f"conformance_roundtrip_{family}", 8, 2e-2, "preset", False)
+    check_stock_round_trip(run, model, clip, vae, caplog, label=family)

@@ -1,0 +1,142 @@
+"""Masked loss: masks from a folder or a MASK batch, cached at latent resolution with the image's crop and flip,
+and a loss that learns only what the mask keeps."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from headroom.training.data.cache_store import ShardStore, cache_latents
+from headroom.training.data.dataset import DatasetError, dataset_from_folder, dataset_from_tensors
+from headroom.training.core.objective import Objective, ObjectiveConfig, SamplingDescriptor
+from headroom.training.data.synthetic import generate_shapes
+from test_cache_store import CountingVae
+
+
+def _objective(**config):
+    return Objective(SamplingDescriptor("flow"), ObjectiveConfig(**config))
+
+
+@pytest.mark.parametrize("loss_type", ["mse", "l1", "huber"])
+def test_masked_loss_is_the_loss_of_the_kept_region(loss_type):
+    g = torch.Generator().manual_seed(0)
+    x0, x0_hat = torch.randn(2, 4, 6, 6, generator=g), torch.randn(2, 4, 6, 6, generator=g)
+    sigma = torch.tensor([0.3, 0.8])
+    objective = _objective(loss_type=loss_type)
+    mask = torch.zeros(2, 1, 6, 6)
+    mask[:, :, :, 3:] = 1.0  # keep the right half
+    masked = objective.loss(x0_hat, x0, sigma, mask=mask)
+    right = objective.loss(x0_hat[..., 3:], x0[..., 3:], sigma)
+    torch.testing.assert_close(masked, right)
+    torch.testing.assert_close(objective.loss(x0_hat, x0, sigma, mask=torch.ones(2, 1, 6, 6)),
+                               objective.loss(x0_hat, x0, sigma))
+    # What is masked out does not matter at all, and a sample masked out entirely adds nothing.
+    changed = x0_hat.clone()
+    changed[..., :3] += 5.0
+    torch.testing.assert_close(objective.loss(changed, x0, sigma, mask=mask), masked)
+    none = torch.zeros(2, 1, 6, 6)
+    none[0] = 1.0
+    torch.testing.assert_close(objective.loss(x0_hat, x0, sigma, mask=none),
+                               objective.loss(x0_hat[:1], x0[:1], sigma[:1]) / 2)
+
+
+def test_masks_are_cached_at_latent_resolution_with_the_images_crop_and_flip(tmp_path):
+    data = generate_shapes(2, (48, 80), seed=3)  # 80 wide, 48 high: the (80, 48) bucket at 64 / 16
+    masks = torch.zeros(2, 48, 80)
+    masks[:, :, :20] = 1.0  # the left quarter
+    masks[1, :8, :] = 0.5
+    dataset = dataset_from_tensors(data.images, data.captions, resolution=64, step=16, flip=True, masks=masks)
+    cache, report = cache_latents(dataset, ShardStore(tmp_path / "cache"), CountingVae(), "vae", {})
+    assert cache.has_masks and len(cache) == 4
+    plain, mirrored = cache.mask(0), cache.mask(1)
+    assert plain.shape == (1, *cache.latent(0).shape[-2:]) == (1, 6, 10)
+    expected = torch.nn.functional.avg_pool2d(masks[0][None, None], 8)[0]
+    torch.testing.assert_close(plain, expected)
+    torch.testing.assert_close(mirrored, expected.flip(-1))
+    torch.testing.assert_close(cache.mask(2), torch.nn.functional.avg_pool2d(masks[1][None, None], 8)[0])
+    # A mask is part of the entry: another mask is another entry; no mask keeps the key of before.
+    other = dataset_from_tensors(data.images, data.captions, resolution=64, step=16, flip=True, masks=1 - masks)
+    _, again = cache_latents(other, ShardStore(tmp_path / "cache"), CountingVae(), "vae", {})
+    assert again.misses == 4
+    unmasked = dataset_from_tensors(data.images, data.captions, resolution=64, step=16, flip=True)
+    plain_cache, _ = cache_latents(unmasked, ShardStore(tmp_path / "cache"), CountingVae(), "vae", {})
+    assert not plain_cache.has_masks and plain_cache.mask(0) is None
+
+
+def test_mask_folder_matches_by_name_and_checks_sizes(tmp_path):
+    data = generate_shapes(3, 32, seed=1)
+    images, masks = tmp_path / "set", tmp_path / "set_masks"
+    images.mkdir()
+    masks.mkdir()
+    for i in range(3):
+        Image.fromarray((data.images[i].numpy() * 255).astype(np.uint8)).save(images / f"img{i}.png")
+        (images / f"img{i}.txt").write_text(data.captions[i])
+    Image.fromarray(np.full((32, 32), 255, np.uint8)).save(masks / "img0.png")
+    Image.fromarray(np.zeros((32, 32), np.uint8)).save(masks / "img1.jpg")
+    dataset = dataset_from_folder(images, resolution=32, step=16, mask_folder=masks)
+    assert [item.mask is not None for item in dataset.items] == [True, True, False]  # img2: learned whole
+    assert dataset.items[1].mask.load().max() == 0.0
+    Image.fromarray(np.zeros((16, 32), np.uint8)).save(masks / "img2.png")
+    with pytest.raises(DatasetError, match=r"img2.png: mask is 32x16 but its image img2.png is 32x32; resize the mask"):
+        dataset_from_folder(images, resolution=32, step=16, mask_folder=masks)
+    with pytest.raises(DatasetError, match="mask folder .* does not exist"):
+        dataset_from_folder(images, resolution=32, step=16, mask_folder=tmp_path / "nope")
+    with pytest.raises(DatasetError, match=r"masks batch \(2, 32, 32\) does not fit images \(3, 32, 32\)"):
+        dataset_from_tensors(data.images, data.captions, resolution=32, step=16, masks=torch.ones(2, 32, 32))
+
+
+@pytest.mark.comfyui
+def test_the_masked_out_half_is_not_learned(comfyui):
+    """Two runs on the same images (a different colour field in each half): one learns the whole image, one
+    only the right half. The prediction error on the left half falls for the first and not for the second;
+    on the right half it falls for both."""
+    from headroom.nodes import cache as cache_nodes
+    from headroom.nodes import train_lora as T
+    from headroom.nodes.tiny_models import build_tiny_models
+    from test_train_lora_nodes import _init
+
+    generator = torch.Generator().manual_seed(0)
+    images = torch.rand(2, 1, 1, 3, generator=generator).expand(2, 32, 32, 3).clone()
+    images[:, :, :16] = torch.tensor([[0.9, 0.1, 0.1], [0.1, 0.9, 0.2]])[:, None, None, :]
+    masks = torch.zeros(2, 32, 32)
+    masks[:, :, 16:] = 1.0
+    with torch.inference_mode():
+        model, clip, vae = build_tiny_models("sd15", 0)
+        texts = None
+        caches = {}
+        for name, batch_masks in (("whole", None), ("right", masks)):
+            dataset = cache_nodes.HeadroomDatasetFromImages.execute(images, "a\nb", 32, 32, "center", False, 0,
+                                                                    masks=batch_masks).args[0]
+            caches[name] = cache_nodes.HeadroomCacheLatents.execute(dataset, vae).args[0]
+            texts = texts or cache_nodes.HeadroomCacheText.execute(dataset, clip).args[0]
+
+    def half_errors(run):
+        """Squared x0 error of the left and right latent halves, over fixed noise levels and noise."""
+        trainer = run.trainer
+        sigma = trainer.objective.sigma_at(torch.tensor([0.3, 0.5, 0.7]))
+        left = right = 0.0
+        with run.validating(), torch.inference_mode(False), torch.no_grad():  # the model loaded, adapter attached
+            for item in (0, 1):
+                x0 = trainer._latents([item]).repeat(3, 1, 1, 1)
+                noise = torch.randn(x0.shape, generator=torch.Generator().manual_seed(item))
+                x0_hat = trainer.denoiser.predict(trainer.objective.noisy(x0, noise, sigma), sigma,
+                                                  trainer._conds([item]) * 3)
+                error = (x0_hat - x0).square()
+                left += error[..., :2].mean().item()
+                right += error[..., 2:].mean().item()
+        return left, right
+
+    results = {}
+    for name in ("whole", "right"):
+        run = _init(model, caches[name], texts, f"masked_{name}", rank=16, include_conv=True, lr=2e-2, batch_size=2)
+        before = half_errors(run)
+        with torch.inference_mode():
+            T.HeadroomTrainSteps.execute(run, 150)
+        after = half_errors(run)
+        results[name] = [a / b for a, b in zip(after, before)]  # error after / before, per half
+    print(f"error after / before training, (left, right): whole image {results['whole']}, right half only "
+          f"{results['right']}")
+    assert results["whole"][0] < 0.85 and results["whole"][1] < 0.85
+    assert results["right"][1] < 0.85  # the kept half is learned ...
+    assert results["right"][0] > 1.0 > results["whole"][0]  # ... the masked-out half is not (its error even grows)

@@ -1,0 +1,284 @@
+"""Each memory option leaves training unchanged: the same adapter weights after N steps as the plain run,
+bitwise (no option here changes precision), on the engine's real Trainer and on a tiny ComfyUI model.
+
+The toy model calls its blocks the way ComfyUI's DiTs do: two-stream blocks with keyword arguments that
+return a tuple, then single-stream blocks; frozen buffers inside the blocks; LoRA on every linear.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from headroom.training.core.adapters import AdapterConfig, AdapterSet, select_targets
+from headroom.training.core.objective import SamplingDescriptor
+from headroom.training.memory.optimizer_parking import HostOptimizer, parked
+from headroom.training.core.optimizers import OptimizerConfig, create_optimizer, create_scheduler
+from headroom.training.memory.policy import OffloadPolicy, memory_features
+from headroom.training.core.trainer import TrainConfig, Trainer
+from memory_caches import MemoryLatentCache, MemoryTextCache
+
+torch.set_num_threads(2)
+STEPS = 3
+
+
+class TwoStreamBlock(torch.nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.mod = torch.nn.Linear(width, 2 * width)
+        self.img_norm = torch.nn.LayerNorm(width)
+        self.img_qkv = torch.nn.Linear(width, 3 * width)
+        self.txt_qkv = torch.nn.Linear(width, 3 * width)
+        self.img_out = torch.nn.Linear(width, width)
+        self.txt_out = torch.nn.Linear(width, width)
+        self.register_buffer("gate", torch.full((width,), 0.5))
+
+    def forward(self, img, txt, vec):
+        shift, scale = self.mod(F.silu(vec)).unsqueeze(1).chunk(2, dim=-1)
+        q, k, v = self.img_qkv(self.img_norm(img) * (1 + scale) + shift).chunk(3, dim=-1)
+        tq, tk, tv = self.txt_qkv(txt).chunk(3, dim=-1)
+        attn = F.scaled_dot_product_attention(torch.cat([q, tq], 1), torch.cat([k, tk], 1), torch.cat([v, tv], 1))
+        n = img.shape[1]
+        return img + self.img_out(attn[:, :n]) * self.gate, txt + self.txt_out(attn[:, n:])
+
+
+class SingleStreamBlock(torch.nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.linear1 = torch.nn.Linear(width, 2 * width)
+        self.linear2 = torch.nn.Linear(2 * width, width)
+
+    def forward(self, x, vec):
+        return x + self.linear2(F.gelu(self.linear1(x + vec.unsqueeze(1))))
+
+
+class ToyDiT(torch.nn.Module):
+    """Predicts eps of [B, 4, 4, 4] latents from [B, T, 8] text."""
+
+    def __init__(self, width=32, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.img_in = torch.nn.Linear(4, width)
+        self.txt_in = torch.nn.Linear(8, width)
+        self.time_in = torch.nn.Linear(1, width)
+        self.double_blocks = torch.nn.ModuleList([TwoStreamBlock(width) for _ in range(2)])
+        self.single_blocks = torch.nn.ModuleList([SingleStreamBlock(width) for _ in range(2)])
+        self.final = torch.nn.Linear(width, 4)
+        self.requires_grad_(False)
+
+    def forward(self, x, sigma, context):
+        b, c, h, w = x.shape
+        img = self.img_in(x.flatten(2).transpose(1, 2))
+        txt = self.txt_in(context)
+        vec = self.time_in(sigma.log().view(b, 1))
+        for block in self.double_blocks:
+            img, txt = block(img=img, txt=txt, vec=vec)
+        x = torch.cat([txt, img], 1)
+        for block in self.single_blocks:
+            x = block(x, vec=vec)
+        return self.final(x[:, txt.shape[1]:]).transpose(1, 2).reshape(b, c, h, w)
+
+
+class ToyDenoiser:
+    def __init__(self, net):
+        self.net = net
+        self.device = torch.device("cpu")
+        self.sampling = SamplingDescriptor("eps", sigmas=torch.linspace(0.03, 14.6, 1000))
+
+    def to_model_latent(self, latents):
+        return latents
+
+    def predict(self, x_t, sigma, conds):
+        context = torch.stack([c["cross_attn"] for c in conds])
+        s = sigma.view(-1, 1, 1, 1)
+        return x_t - self.net(x_t / (s.square() + 1).sqrt(), sigma, context) * s
+
+    def blocks(self):
+        return [(f"double_blocks.{i}", b) for i, b in enumerate(self.net.double_blocks)] + \
+               [(f"single_blocks.{i}", b) for i, b in enumerate(self.net.single_blocks)]
+
+
+def make_trainer(optimizer=OptimizerConfig(lr=1e-2)) -> Trainer:
+    denoiser = ToyDenoiser(ToyDiT())
+    config = AdapterConfig(rank=4, alpha=4, targets="all_linear")
+    adapters = AdapterSet(denoiser.net, select_targets(denoiser.net, None, config, [n for n, _ in denoiser.blocks()]), config)
+    adapters.attach(denoiser.net)
+    g = torch.Generator().manual_seed(0)
+    latents = [torch.randn(4, 4, 4, generator=g) for _ in range(4)]
+    conds = {f"k{i}": {"cross_attn": torch.randn(3, 8, generator=g)} for i in range(4)}
+    return Trainer(denoiser, adapters, MemoryLatentCache(latents, list(conds)),
+                   MemoryTextCache(conds, {"cross_attn": torch.zeros(3, 8)}), TrainConfig(batch_size=2, seed=3), optimizer)
+
+
+def train(trainer: Trainer, around_steps=contextlib.nullcontext, between_steps=None) -> dict[str, torch.Tensor]:
+    with torch.inference_mode(False):
+        trainer.trainable.train(True)
+        with around_steps():
+            for _ in range(STEPS):
+                trainer.train_step()
+                if between_steps is not None:
+                    between_steps(trainer)
+    return trainer.trainable.state_dict()
+
+
+def assert_bitwise(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+@pytest.fixture(scope="module")
+def plain() -> dict[str, torch.Tensor]:
+    return train(make_trainer())
+
+
+def blocks_of(trainer):
+    return [m for _, m in trainer.denoiser.blocks()]
+
+
+@pytest.mark.parametrize("checkpointing", ["blocks", "blocks_cpu_offload"])
+@pytest.mark.parametrize("depth", [1, 2])
+def test_checkpointing_options_are_bitwise_equal(plain, checkpointing, depth):
+    trainer = make_trainer()
+    policy = OffloadPolicy(checkpointing=checkpointing, checkpoint_depth=depth)
+    result = train(trainer, lambda: memory_features(policy, blocks_of(trainer), "cpu"))
+    assert_bitwise(plain, result)
+    assert all("forward" not in m.__dict__ for m in trainer.denoiser.net.modules())  # undone
+
+
+@pytest.mark.parametrize("checkpointing", ["blocks", "blocks_cpu_offload"])
+def test_streamed_blocks_are_bitwise_equal(plain, checkpointing):
+    trainer = make_trainer()
+    host_weights = {n: t for n, t in trainer.denoiser.net.named_parameters()}
+    policy = OffloadPolicy(base_placement="streamed", checkpointing=checkpointing)
+    streamers = []
+
+    @contextlib.contextmanager
+    def streamed():
+        with memory_features(policy, blocks_of(trainer), "cpu", exercise_on_cpu=True, record=True) as streamer:
+            streamers.append(streamer)
+            yield
+
+    assert_bitwise(plain, train(trainer, streamed))
+    streamer = streamers[0]
+    n = len(blocks_of(trainer))
+    backward = [("backward", i) for i in reversed(range(n))]
+    # Block 0 is still on the device when the next step starts (installed by the last backward).
+    first = [("forward", i) for i in range(n)] + backward
+    later = [("forward", i) for i in range(1, n)] + backward
+    assert streamer.install_log == first + later * (STEPS - 1)
+    assert streamer.max_on_device <= 2
+    # detached: the modules hold their own host tensors again
+    assert all(t is host_weights[n] for n, t in trainer.denoiser.net.named_parameters())
+
+
+def test_optimizer_parking_during_validation_is_bitwise_equal(plain):
+    reference_losses, parked_losses = [], []
+
+    def validate(losses, park):
+        def between(trainer):
+            context = parked(trainer.optimizer, trainer.params, exercise_on_cpu=True) if park else contextlib.nullcontext()
+            with context:
+                if park:
+                    assert all(p.grad is None for p in trainer.params)
+                losses.append(trainer.validation_loss([0, 1], times=2))
+        return between
+
+    reference = train(make_trainer(), between_steps=validate(reference_losses, park=False))
+    assert_bitwise(plain, reference)
+    assert_bitwise(plain, train(make_trainer(), between_steps=validate(parked_losses, park=True)))
+    assert parked_losses == reference_losses
+
+
+@pytest.mark.parametrize("name", ["AdamW", "Prodigy"])
+def test_optimizer_state_on_host_is_bitwise_equal(name):
+    config = OptimizerConfig(name=name, lr=1e-2 if name == "AdamW" else 1.0, schedule="cosine", warmup_steps=1,
+                             total_steps=10)
+    reference = make_trainer(config)
+    expected = train(reference)
+    trainer = make_trainer(config)
+    trainer.optimizer = HostOptimizer(trainer.params, lambda host: create_optimizer(host, config, device="cpu"))
+    trainer.scheduler = create_scheduler(trainer.optimizer, config)
+    assert_bitwise(expected, train(trainer))
+    assert trainer.optimizer.param_groups[0]["lr"] == reference.optimizer.param_groups[0]["lr"]
+    assert trainer.optimizer.state_dict()["state"].keys() == reference.optimizer.state_dict()["state"].keys()
+
+
+# --- the real trainer on a tiny ComfyUI model --------------------------------------------------------------
+def _tiny_session(tmp_path, family):
+    from headroom.nodes.run_lora import LoraRunConfig, open_lora_run
+    from headroom.nodes.comfy_model import expected_cond_dims, model_family
+    from headroom.nodes.tiny_models import build_tiny_models
+
+    model, _, _ = build_tiny_models(family)
+    g = torch.Generator().manual_seed(0)
+    channels = model.model.latent_format.latent_channels
+    latents = [torch.randn(channels, 8, 8, generator=g) for _ in range(2)]
+    dims = expected_cond_dims(model.model)
+    cond = lambda: {name: torch.randn(*((5, width) if name == "cross_attn" else (width,)), generator=g)  # noqa: E731
+                    for name, width in dims.items()}
+    conds = {f"k{i}": cond() for i in range(2)}
+    latent_cache = MemoryLatentCache(latents, list(conds))
+    latent_cache.buckets = {(64, 64): [0, 1]}
+    config = LoraRunConfig(family=model_family(model.model), adapter=AdapterConfig(rank=4, alpha=4),
+                           optimizer=OptimizerConfig(lr=1e-3), train=TrainConfig(batch_size=2, seed=1), holdout=0)
+    return open_lora_run(model, latent_cache, MemoryTextCache(conds, cond()), config, tmp_path, "run")
+
+
+@pytest.mark.comfyui
+@pytest.mark.parametrize("family", ["sd15", "sd3", "flux", "flux2", "chroma"])  # flux, flux2, chroma: blocks add in place
+def test_tiny_comfy_model_streamed_offloaded_checkpoints_bitwise(comfyui, tmp_path, family, monkeypatch):
+    import comfy.model_management
+
+    from headroom.nodes.comfy_model import training_blocks
+
+    monkeypatch.setattr(comfy.model_management, "in_training", True)  # as TrainingRun.train_to sets it
+    results, calls, streamers = [], [], []
+    for policy in (OffloadPolicy(), OffloadPolicy(base_placement="streamed", checkpointing="blocks_cpu_offload")):
+        session = _tiny_session(tmp_path / policy.base_placement, family)
+        blocks = [m for _, m in training_blocks(session.patcher.model.diffusion_model)]
+        # a layer inside the last block that has one: its block is on the gradient path, so it is recomputed
+        inner = next(m for b in reversed(blocks) for m in b.modules() if m is not b and isinstance(m, torch.nn.Linear))
+        count = []
+        handle = inner.register_forward_pre_hook(lambda *args: count.append(1))
+
+        @contextlib.contextmanager
+        def features():
+            with memory_features(policy, blocks, session.denoiser.device, exercise_on_cpu=True, record=True,
+                                 inplace_inputs=session.denoiser.inplace_blocks) as streamer:
+                streamers.append(streamer)
+                yield
+
+        with session.attached():
+            results.append(train(session.trainer, features))
+        handle.remove()
+        calls.append(len(count))
+        session.release()
+    assert_bitwise(*results)
+    assert calls == [STEPS, 2 * STEPS]  # the checkpointed run recomputed each block in backward
+    assert streamers[0] is None and {phase for phase, _ in streamers[1].install_log} == {"forward", "backward"}
+
+
+@pytest.mark.comfyui
+def test_validation_images_are_identical_with_the_optimizer_parked(comfyui, tmp_path):
+    from headroom.nodes.tiny_models import build_tiny_models
+    from headroom.nodes.train_lora import sample_images
+
+    _, clip, vae = build_tiny_models("sd15")
+    session = _tiny_session(tmp_path, "sd15")
+    with session.attached():
+        train(session.trainer)
+    trainer = session.trainer
+
+    def images_and_latents():
+        return sample_images(session, clip, vae, ["a red circle"], "", seed=3, steps=3, cfg=2.0, sampler_name="euler",
+                             scheduler="normal", width=64, height=64)
+
+    plain = images_and_latents()
+    with parked(trainer.optimizer, trainer.params, exercise_on_cpu=True):
+        assert all(p.grad is None for p in trainer.params)
+        while_parked = images_and_latents()
+    assert all(torch.equal(a, b) for a, b in zip(plain, while_parked, strict=True))
+    session.release()

@@ -1,0 +1,190 @@
+"""The offload policy and memory plan nodes, in-process with the real ComfyUI and the tiny models."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.comfyui
+FAMILIES = ["sd15", "sd2", "sdxl", "sd3", "flux", "flux2", "chroma", "zimage", "qwen_image"]
+
+
+def _policy(**overrides):
+    from headroom.nodes.memory import HeadroomOffloadPolicy
+
+    inputs = dict(vram_budget_gb=0.0, reserve_gb=1.0, base_placement="resident", base_storage="as_loaded",
+                  checkpointing="off", checkpoint_depth=1, optimizer_state="gpu",
+                  park_optimizer_during_validation=True, vae_tiled_decode="auto", encoders="unload_after_use")
+    return HeadroomOffloadPolicy.execute(**{**inputs, **overrides})
+
+
+def _plan(model, **overrides):
+    from headroom.nodes.memory import HeadroomMemoryPlan
+
+    inputs = dict(mode="estimate", batch_size=1, width=64, height=64, rank=4, targets="preset", optimizer="AdamW",
+                  precision="fp32", text_tokens=0)
+    return HeadroomMemoryPlan.execute(model, **{**inputs, **overrides})
+
+
+def test_policy_node_outputs_the_policy_and_rejects_bad_combinations(comfyui, headroom_nodes):
+    from headroom.training.memory.policy import OffloadPolicy
+
+    output = _policy(vram_budget_gb=6.0, base_placement="streamed", checkpointing="blocks_cpu_offload")
+    policy = output.result[0]
+    assert isinstance(policy, OffloadPolicy)
+    assert (policy.vram_budget_gb, policy.base_placement, policy.checkpointing) == (6.0, "streamed", "blocks_cpu_offload")
+    assert _policy().result[0].budget_is_auto
+    with pytest.raises(ValueError, match="HeadroomOffloadPolicy: .*needs checkpointing"):
+        _policy(base_placement="partial")
+    ids = {node.define_schema().node_id for node in headroom_nodes.memory.NODES}
+    assert ids == {"HeadroomOffloadPolicy", "HeadroomMemoryPlan"}
+
+
+def test_auto_budget_is_what_comfyui_can_free_minus_the_reserve(comfyui):
+    import comfy.model_management
+
+    from headroom.nodes.planning import available_device_bytes, budget_bytes
+    from headroom.training.memory.policy import GIB, OffloadPolicy
+
+    device = comfy.model_management.get_torch_device()
+    available = available_device_bytes(device)
+    assert available >= comfy.model_management.get_free_memory(device) - 256 * 2 ** 20  # RAM moves a little
+    assert abs(budget_bytes(OffloadPolicy(reserve_gb=2.0), device) - (available - 2 * GIB)) < 256 * 2 ** 20
+    assert budget_bytes(OffloadPolicy(vram_budget_gb=3.0), device) == 3 * GIB
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_plan_describes_the_real_model_and_leaves_it_unchanged(comfyui, family):
+    from headroom.nodes.comfy_model import training_blocks
+    from headroom.nodes.planning import describe_comfy_model
+    from headroom.nodes.tiny_models import build_tiny_models
+    from headroom.training.core.adapters import AdapterConfig
+
+    model, clip, vae = build_tiny_models(family)
+    dm = model.model.diffusion_model
+    before = {k: v.clone() for k, v in dm.state_dict().items()}
+    modules_before = [type(m) for m in dm.modules()]
+    text, plan_json, policy = _plan(model, vae=vae, clip=clip).result
+    plan = json.loads(plan_json)
+    assert "training step" in text and plan["peak_bytes"] > 0
+    training = next(p for p in plan["phases"] if p["phase"] == "training step")
+    assert training["items"]["saved activations, all blocks"] > 0
+    assert training["items"]["trainable weights (fp32)"] > 0
+    caching = next(p for p in plan["phases"] if p["phase"] == "caching (VAE encode)")
+    assert caching["items"]["VAE weights"] == vae.patcher.model_size()
+    # the shared module is as it was: no adapter left attached, no hooks, the same weights
+    assert [type(m) for m in dm.modules()] == modules_before
+    assert all(not m._forward_pre_hooks and not m._forward_hooks for m in dm.modules())
+    assert all(torch.equal(before[k], v) for k, v in dm.state_dict().items())
+    description = describe_comfy_model(model, AdapterConfig(rank=4, alpha=4))
+    assert [b.name for b in description.blocks] == [name for name, _ in training_blocks(dm)]
+    assert description.other_param_bytes + sum(b.param_bytes for b in description.blocks) == \
+        sum(t.numel() * t.element_size() for t in dm.state_dict().values())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_measured_profile_predicts_a_larger_bucket(comfyui, family, monkeypatch):
+    """The profile from the calibration sizes predicts saved activations at an unseen size within 10 %."""
+    import comfy.model_management
+
+    from headroom.nodes import planning
+    from headroom.nodes.tiny_models import build_tiny_models
+    from headroom.training.core.adapters import AdapterConfig
+
+    model, _, _ = build_tiny_models(family)
+    adapter = AdapterConfig(rank=4, alpha=4)
+    description = planning.describe_comfy_model(model, adapter, precision="fp32", text_tokens=20)
+    monkeypatch.setattr(planning, "CALIBRATION", ((32, 48, 20),))
+    actual = planning.measure_model(model, adapter, precision="fp32")[0]
+    for block, saved, inputs in zip(description.blocks, actual.block_saved, actual.block_inputs):
+        assert block.saved.at(32 * 48, 20) == pytest.approx(saved, rel=0.10), block.name
+        assert block.inputs.at(32 * 48, 20) == pytest.approx(inputs, rel=0.10), block.name
+    assert comfy.model_management.in_training is False
+
+
+def test_auto_mode_chooses_a_policy_that_fits_and_says_why(comfyui):
+    from headroom.nodes.tiny_models import build_tiny_models
+    from headroom.training.memory.policy import OffloadPolicy
+
+    model, _, _ = build_tiny_models("sd15")
+    roomy = _plan(model, mode="auto", policy=OffloadPolicy(vram_budget_gb=4.0)).result
+    assert roomy[2].base_placement == "resident" and roomy[2].checkpointing == "off"
+    # batch 8: the training step, not validation, is the peak
+    size = dict(width=256, height=256, batch_size=8)
+    estimate = json.loads(_plan(model, policy=OffloadPolicy(vram_budget_gb=4.0), **size).result[1])
+    assert estimate["peak_phase"] == "training step"
+    peak = estimate["peak_bytes"]
+    tight = OffloadPolicy(vram_budget_gb=round(0.8 * peak / 2 ** 30, 6))
+    text, plan_json, chosen = _plan(model, mode="auto", policy=tight, **size).result
+    plan = json.loads(plan_json)
+    assert plan["fits"] and plan["peak_bytes"] <= 0.8 * peak
+    assert (chosen.base_placement, chosen.checkpointing) != ("resident", "off")
+    assert "the fastest policy that fits" in text and "Faster options over budget" in text
+
+
+def test_unet_blocks_are_the_layers_the_model_calls(comfyui):
+    from headroom.nodes.comfy_model import model_blocks, training_blocks
+    from headroom.nodes.tiny_models import build_tiny_models
+
+    model, _, _ = build_tiny_models("sd15")
+    dm = model.model.diffusion_model
+    called = set()
+    blocks = training_blocks(dm)
+    handles = [m.register_forward_pre_hook(lambda mod, args, name=name: called.add(name)) for name, m in blocks]
+    outer = [m.register_forward_pre_hook(lambda mod, args, name=name: called.add("outer " + name))
+             for name, m in model_blocks(dm)]
+    with torch.no_grad():
+        dm(torch.randn(1, 4, 8, 8), torch.tensor([500.0]), context=torch.zeros(1, 77, 32))
+    for handle in handles + outer:
+        handle.remove()
+    assert called == {name for name, _ in blocks}  # every unit runs through its hooks, the containers never do
+    assert len(blocks) > len(model_blocks(dm))
+
+
+def test_a_prompt_with_policy_and_plan_runs_through_comfyui(comfyui, monkeypatch):
+    """Through ComfyUI's own validation and PromptExecutor: tiny model -> policy -> plan in auto mode."""
+    import asyncio
+    import copy
+
+    import execution
+    import nodes
+
+    from headroom.nodes import memory, tiny_models
+
+    for node in memory.NODES + tiny_models.NODES:
+        monkeypatch.setitem(nodes.NODE_CLASS_MAPPINGS, node.GET_SCHEMA().node_id, node)
+
+    class NoClientServer:
+        client_id = None
+        last_node_id = None
+
+        def send_sync(self, event, data, sid=None):
+            pass
+
+    prompt = {
+        "1": {"class_type": "HeadroomTinyModel", "inputs": {"family": "sd15", "seed": 0}},
+        "2": {"class_type": "HeadroomOffloadPolicy", "inputs": {
+            "vram_budget_gb": 2.0, "reserve_gb": 1.0, "base_placement": "resident", "base_storage": "as_loaded",
+            "checkpointing": "off", "checkpoint_depth": 1, "optimizer_state": "gpu",
+            "park_optimizer_during_validation": True, "vae_tiled_decode": "auto", "encoders": "unload_after_use"}},
+        "3": {"class_type": "HeadroomMemoryPlan", "inputs": {
+            "model": ["1", 0], "policy": ["2", 0], "mode": "auto", "batch_size": 1, "width": 64, "height": 64,
+            "rank": 4, "targets": "preset", "optimizer": "AdamW", "precision": "fp32", "text_tokens": 0}},
+    }
+    valid, error, outputs, node_errors = asyncio.run(execution.validate_prompt("plan", prompt, None))
+    assert valid, (error, node_errors)
+    executor = execution.PromptExecutor(
+        NoClientServer(), cache_type=execution.CacheType.CLASSIC, cache_args={"lru": 0, "ram": 0.0, "ram_inactive": 0.0})
+    executor.execute(copy.deepcopy(prompt), "plan-run", {}, outputs)
+    assert executor.success
+    shown = executor.history_result["outputs"]["3"]["text"][0]
+    assert shown.startswith("Headroom memory plan:") and "chosen: the fastest policy that fits" in shown
+
+
+def test_plan_errors_are_clear(comfyui):
+    from headroom.nodes.tiny_models import build_tiny_models
+
+    model, _, _ = build_tiny_models("sd15")
+    with pytest.raises(ValueError, match="HeadroomMemoryPlan: policy must come from"):
+        _plan(model, policy="resident")

@@ -1,0 +1,180 @@
+"""The built-in tiny models are real ComfyUI objects that stock nodes sample, encode and train with."""
+import pytest
+import torch
+
+pytestmark = pytest.mark.comfyui
+
+FAMILIES = ["sd15", "sd2", "sdxl", "sd3", "flux", "flux2", "chroma", "zimage", "qwen_image"]
+
+
+def _weights(patcher):
+    return {k: v.detach().clone() for k, v in patcher.model.diffusion_model.state_dict().items()}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tiny_family_samples_with_stock_nodes(comfyui, family):
+    import comfy.model_base
+    import comfy.sd
+    import nodes
+    from headroom.nodes.tiny_models import build_tiny_models
+
+    model, clip, vae = build_tiny_models(family, seed=0)
+    assert isinstance(model.model, comfy.model_base.BaseModel)
+    assert isinstance(clip, comfy.sd.CLIP) and isinstance(vae, comfy.sd.VAE)
+    expected_base = {"sd15": comfy.model_base.BaseModel, "sd2": comfy.model_base.BaseModel, "sdxl": comfy.model_base.SDXL,
+                     "sd3": comfy.model_base.SD3, "flux": comfy.model_base.Flux, "flux2": comfy.model_base.Flux2,
+                     "chroma": comfy.model_base.Chroma, "zimage": comfy.model_base.Lumina2,
+                     "qwen_image": comfy.model_base.QwenImage}
+    assert type(model.model) is expected_base[family]
+    n_params = sum(p.numel() for p in model.model.diffusion_model.parameters())
+    assert 10_000 < n_params < 10_000_000  # zimage: 8.6 M (Z-Image modulation needs width >= 256; see zimage.py)
+
+    with torch.inference_mode():
+        positive = nodes.CLIPTextEncode().encode(clip, "a red circle at the center")[0]
+        negative = nodes.CLIPTextEncode().encode(clip, "")[0]
+        channels = vae.latent_channels
+        latent = {"samples": torch.zeros(1, channels, 8, 8)}
+        cfg = 1.0 if family in ("flux", "chroma") else 4.0
+        samples = nodes.common_ksampler(model, 0, 4, cfg, "euler", "normal", positive, negative, latent)[0]
+        image = nodes.VAEDecode().decode(vae, samples)[0]
+        again = nodes.VAEDecode().decode(vae, nodes.common_ksampler(
+            model, 0, 4, cfg, "euler", "normal", positive, negative, latent)[0])[0]
+    frames = (1,) if model.model.latent_format.latent_dimensions == 3 else ()  # qwen_image: Wan 2.1 video latents
+    assert samples["samples"].shape == (1, channels, *frames, 8, 8)
+    side = 8 * model.model.latent_format.spacial_downscale_ratio  # 8x; Flux.2: 16x
+    assert vae.spacial_compression_decode() == model.model.latent_format.spacial_downscale_ratio
+    assert image.shape == (1, side, side, 3)
+    assert torch.isfinite(image).all() and image.std() > 0
+    assert torch.equal(image, again), "same seed must give the same image"
+    assert torch.isfinite(positive[0][0]).all()
+    # The LLM text encoders (Flux.2 Klein's Qwen3, Z-Image's Qwen3, Qwen-Image's Qwen2.5-VL) and Chroma's T5-only
+    # encoder have no pooled vector.
+    assert (positive[0][1].get("pooled_output") is not None) == (family not in ("flux2", "chroma", "zimage", "qwen_image"))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tiny_weights_are_seeded(comfyui, family):
+    from headroom.nodes.tiny_models import build_tiny_model_patcher
+
+    a, b, c = (_weights(build_tiny_model_patcher(family, seed)) for seed in (0, 0, 1))
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert any(not torch.equal(a[k], c[k]) for k in a)
+    assert all(torch.isfinite(v).all() for v in a.values())
+
+
+def test_deep_clone_goes_through_cached_patcher_init(comfyui):
+    from headroom.nodes.tiny_models import build_tiny_models
+
+    model, clip, vae = build_tiny_models("sd15", seed=3)
+    clone = model.clone(force_deepcopy=True)
+    assert clone.model is not model.model
+    original, copied = _weights(model), _weights(clone)
+    assert all(torch.equal(original[k], copied[k]) for k in original)
+    for patcher in (clip.patcher, vae.patcher):
+        assert patcher.cached_patcher_init is not None
+        rebuilt = patcher.cached_patcher_init[0](*patcher.cached_patcher_init[1], disable_dynamic=True)
+        rebuilt_sd, sd = rebuilt.model.state_dict(), patcher.model.state_dict()
+        assert all(torch.equal(rebuilt_sd[k], sd[k]) for k in sd)
+
+
+def test_comfyui_native_trainer_runs_on_tiny_model(comfyui):
+    """ComfyUI's own TrainLoraNode deep-clones the MODEL through cached_patcher_init: it must work."""
+    import nodes
+    from comfy_extras.nodes_train import TrainLoraNode
+    from headroom.nodes.tiny_models import build_tiny_models
+
+    model, clip, vae = build_tiny_models("sd15", seed=0)
+    with torch.inference_mode():
+        positive = nodes.CLIPTextEncode().encode(clip, "a blue square")[0]
+        latent = nodes.VAEEncode().encode(vae, torch.rand(1, 64, 64, 3))[0]
+        out = TrainLoraNode.execute(
+            model=[model], latents=[latent], positive=[positive], batch_size=[1], steps=[2],
+            grad_accumulation_steps=[1], learning_rate=[1e-3], rank=[4], optimizer=["AdamW"],
+            loss_function=["MSE"], seed=[0], training_dtype=["fp32"], lora_dtype=["fp32"],
+            quantized_backward=[False], algorithm=["LoRA"], gradient_checkpointing=[False],
+            checkpoint_depth=[1], offloading=[False], existing_lora=["[None]"], bucket_mode=[False],
+            bypass_mode=[False],
+        )
+    lora, loss_map, steps = out.result
+    assert steps == 2 and len(loss_map["loss"]) == 2
+    assert any(k.endswith("lora_up.weight") for k in lora)
+
+
+def test_tiny_model_node_schema(headroom_nodes):
+    from headroom.nodes.tiny_models import FAMILIES as families, HeadroomTinyModel
+
+    schema = HeadroomTinyModel.define_schema()
+    assert schema.node_id == "HeadroomTinyModel"
+    assert [o.io_type for o in schema.outputs] == ["MODEL", "CLIP", "VAE"]
+    with pytest.raises(ValueError, match="unknown family 'wan'"):
+        HeadroomTinyModel.execute(family="wan", seed=0)
+    assert tuple(families) == tuple(FAMILIES)
+
+
+@pytest.mark.parametrize("family", ["sd15", "flux2"])
+def test_training_conds_give_the_image_size_of_the_models_latent_format(comfyui, family):
+    """The trainer calls the model's own extra_conds with the image size its latents stand for (8x; Flux.2: 16x),
+    as the samplers do."""
+    from headroom.nodes.comfy_model import ComfyDenoiser
+    from headroom.nodes.tiny_models import build_tiny_models
+
+    model, clip, _ = build_tiny_models(family, seed=0)
+    denoiser = ComfyDenoiser(model)
+    seen = []
+    original = model.model.extra_conds
+
+    def recording(**kwargs):
+        seen.append((kwargs["width"], kwargs["height"]))
+        return original(**kwargs)
+
+    model.model.extra_conds = recording
+    try:
+        tokens = clip.tokenize("a red circle")
+        cond = clip.encode_from_tokens(tokens, return_dict=True)
+        cond = {"cross_attn": cond.pop("cond")[0], **{k: v[0] for k, v in cond.items() if torch.is_tensor(v)}}
+        x_t = torch.zeros(1, model.model.latent_format.latent_channels, 3, 5)
+        denoiser._model_conds(x_t, [cond])
+    finally:
+        del model.model.extra_conds
+    downscale = {"sd15": 8, "flux2": 16}[family]
+    assert seen == [(5 * downscale, 3 * downscale)]
+
+
+def test_flux2_conditioning_widths_and_guidance_per_variant(comfyui):
+    """Flux.2 takes the stacked text-encoder layers (3 x its width) and no pooled vector; dev has a guidance input,
+    Klein none (real configs on the meta device; the tiny model is Klein-like). A cache of another width is refused."""
+    import comfy.model_detection
+    from realsize_models import unet_config
+
+    from headroom.nodes.comfy_model import check_caches, expected_cond_dims
+    from headroom.nodes.tiny_models import build_tiny_model_patcher
+
+    for arch, width, guidance in (("flux2_dev", 15360, True), ("flux2_klein_4b", 7680, False),
+                                  ("flux2_klein_9b", 12288, False)):
+        config = comfy.model_detection.model_config_from_unet_config(unet_config(arch, (0, 0)))
+        model = config.get_model({}, "", device=torch.device("meta"))
+        assert expected_cond_dims(model) == {"cross_attn": width}
+        assert isinstance(model.diffusion_model.guidance_in, torch.nn.Identity) != guidance, arch
+    tiny = build_tiny_model_patcher("flux2", 0).model
+    assert expected_cond_dims(tiny) == {"cross_attn": 96} and not tiny.diffusion_model.params.guidance_embed
+
+    class Latents:  # the two things check_caches reads of a latent cache
+        latent_channels = 128
+
+        def __len__(self):
+            return 1
+
+        def text_key(self, index):
+            return "k"
+
+    class Texts:
+        def __init__(self, width):
+            self.width = width
+
+        def conditioning(self, key):
+            return {"cross_attn": torch.zeros(512, self.width)}
+
+    check_caches(tiny, Latents(), Texts(96))
+    with pytest.raises(ValueError, match="'cross_attn' is 4096 wide but this model expects 96"):
+        check_caches(tiny, Latents(), Texts(4096))

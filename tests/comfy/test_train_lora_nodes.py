@@ -1,0 +1,579 @@
+"""LoRA training nodes on real ComfyUI objects (tiny sd15 / sd3 / flux models, in-process, CPU)."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.comfyui
+
+FAMILIES = ["sd15", "sd3", "flux", "zimage", "qwen_image"]
+# Settings that overfit 4 images quickly on the tiny random models. The random frozen embedders and output
+# layers of the tiny DiTs are not the near-identity paths of trained models, so those train every layer.
+OVERFIT = {
+    "sd15": dict(targets="preset", include_conv=True),
+    "sd3": dict(targets="all_layers", include_conv=False),
+    "flux": dict(targets="all_layers", include_conv=False),
+    "zimage": dict(targets="all_layers", include_conv=False),
+    "qwen_image": dict(targets="all_layers", include_conv=False),
+}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models: one thread is fastest, and far faster than two on a busy machine
+    yield
+    torch.set_num_threads(previous)
+
+
+def _base_weights(model):
+    return {k: v.detach().clone() for k, v in model.model.diffusion_model.state_dict().items()}
+
+
+def _data(family, count=4, resolution=32, seed=0):
+    """(model, clip, vae, latent_cache, text_cache) through the real dataset and caching nodes."""
+    from headroom.nodes import cache as cache_nodes, data as data_nodes
+    from headroom.nodes.tiny_models import build_tiny_models
+
+    with torch.inference_mode():  # as ComfyUI runs nodes
+        model, clip, vae = build_tiny_models(family, 0)
+        images, captions, _ = data_nodes.HeadroomSyntheticDataset.execute(count, resolution, seed).args
+        dataset = cache_nodes.HeadroomDatasetFromImages.execute(images, captions, resolution, resolution, "center",
+                                                                False, 0).args[0]
+        latents = cache_nodes.HeadroomCacheLatents.execute(dataset, vae).args[0]
+        texts = cache_nodes.HeadroomCacheText.execute(dataset, clip).args[0]
+    return model, clip, vae, latents, texts
+
+
+def _init(model, latents, texts, run_name, kind="lora", rank=8, targets="preset", include_conv=False, lr=1e-2,
+          optimizer="AdamW", schedule="constant", schedule_steps=1000, dropout=0.0, **train):
+    from headroom.nodes import train_lora as T
+
+    settings = dict(seed=0, batch_size=4, grad_accumulation=1, precision="fp32", max_grad_norm=1.0, caption_dropout=0.0,
+                    timestep_sampling="uniform", loss_weighting="none", min_snr_gamma=5.0, noise_offset=0.0,
+                    gradient_checkpointing=False, checkpoint_depth=1, holdout=0)
+    settings.update(train)
+    with torch.inference_mode():
+        lora = T.HeadroomLoraConfig.execute(kind, rank, float(rank), targets, include_conv, dropout, 0).args[0]
+        opt = T.HeadroomOptimizerConfig.execute(optimizer, lr, 0.0, schedule, 0, schedule_steps).args[0]
+        return T.HeadroomTrainLoraInit.execute(model=model, latent_cache=latents, text_cache=texts, lora_config=lora,
+                                               optimizer_config=opt, run_name=run_name, **settings).args[0]
+
+
+def _no_adapter_attached(model):
+    from headroom.training.core.adapters import ADAPTER_LAYERS
+
+    return not any(isinstance(m, ADAPTER_LAYERS) for m in model.model.diffusion_model.modules())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_overfit_four_images(comfyui, family):
+    """4 training images + 1 held out: the loss on the training items halves within 300 steps, and the
+    deterministic validation loss (HeadroomValidate, on the held-out item) falls too."""
+    from headroom.nodes import train_lora as T
+
+    model, clip, vae, latents, texts = _data(family, count=5)
+    base = _base_weights(model)
+    run = _init(model, latents, texts, f"overfit_{family}", rank=16, schedule="cosine", schedule_steps=300, holdout=1,
+                **OVERFIT[family])
+    assert run.train_items == [0, 1, 2, 3] and run.validation_items == [4]
+
+    def validate():
+        return T.HeadroomValidate.execute(run, clip=clip, vae=vae, prompts="", negative="", sample_seed=0,
+                                          sample_steps=1, cfg=1.0, sampler_name="euler", scheduler="normal", width=32,
+                                          height=32, loss_timesteps=4).args[1]
+
+    with torch.inference_mode():
+        initial_train, initial_validation = run.loss_on(run.train_items), validate()
+        for target in range(100, 301, 50):  # stop as soon as the loss on the training items has halved
+            T.HeadroomTrainSteps.execute(run, target)
+            final_train = run.loss_on(run.train_items)
+            if final_train <= 0.5 * initial_train:
+                break
+        final_validation = validate()
+    print(f"{family}: {run.step} steps; loss on the training items {initial_train:.4f} -> {final_train:.4f} "
+          f"({1 - final_train / initial_train:.0%} lower); validation loss (held out) {initial_validation:.4f} -> "
+          f"{final_validation:.4f} ({1 - final_validation / initial_validation:.0%} lower)")
+    assert run.step <= 300
+    assert final_train <= 0.5 * initial_train
+    assert final_validation < initial_validation
+    assert [step for step, _ in run.trainer.validation_history] == [0, run.step]
+    after = _base_weights(model)
+    assert all(torch.equal(base[k], after[k]) for k in base), "the shared MODEL's weights changed"
+    assert _no_adapter_attached(model)
+
+
+def test_resume_after_restart_equals_straight_run(comfyui):
+    from headroom.nodes import train_lora as T
+    from headroom.nodes.tiny_models import build_tiny_models
+
+    model, clip, vae, latents, texts = _data("sd15")
+    common = dict(rank=4, lr=5e-3, caption_dropout=0.25, timestep_sampling="logit_normal", noise_offset=0.05,
+                  grad_accumulation=2, batch_size=2, schedule="cosine", schedule_steps=20)
+    straight = _init(model, latents, texts, "straight", **common)
+    with torch.inference_mode():
+        T.HeadroomTrainSteps.execute(straight, 20)
+
+    first = _init(model, latents, texts, "resumed", **common)
+    with torch.inference_mode():
+        T.HeadroomTrainSteps.execute(first, 10)
+        T.HeadroomTrainSteps.execute(first, 10)  # same N again: no work
+    assert first.step == 10 and len(first.trainer.loss_history) == 10
+    # "Restart": new MODEL object, new caches objects, a new Init with the same run name resumes from disk.
+    del first
+    torch.manual_seed(999)
+    restarted_model, _, _ = build_tiny_models("sd15", 0)
+    _, _, _, latents2, texts2 = _data("sd15")
+    second = _init(restarted_model, latents2, texts2, "resumed", **common)
+    assert second.step == 10 and second.resumed
+    with torch.inference_mode():
+        T.HeadroomTrainSteps.execute(second, 20)
+    a, b = straight.adapters.state_dict(), second.adapters.state_dict()
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a), "resumed weights differ from the straight run"
+    assert second.trainer.loss_history == straight.trainer.loss_history
+
+
+def test_saved_lora_reproduces_validation_image_through_stock_nodes(comfyui):
+    import folder_paths
+    import nodes
+    from headroom.nodes import train_lora as T
+
+    model, clip, vae, latents, texts = _data("sd15")
+    base = _base_weights(model)
+    run = _init(model, latents, texts, "roundtrip", rank=8, lr=2e-2, include_conv=True)
+    prompt = "a red circle at the center"
+    sampling = dict(sample_seed=7, sample_steps=4, cfg=3.0, sampler_name="dpmpp_2m", scheduler="karras", width=32,
+                    height=32)
+    with torch.inference_mode():
+        T.HeadroomTrainSteps.execute(run, 30)
+        validation = T.HeadroomValidate.execute(run, clip=clip, vae=vae, prompts=prompt, negative="",
+                                                loss_timesteps=2, **sampling)
+        images = validation.args[0]
+        assert validation.ui is not None
+        name = T.HeadroomSaveLora.execute(run, "headroom/tests", "", "fp32").args[0]
+    assert name == "headroom/tests/roundtrip_step000030.safetensors"
+    assert name in folder_paths.get_filename_list("loras")  # listed without a restart
+    assert (run.run_dir.validation_dir / "step_00000030.png").is_file()
+
+    with torch.inference_mode():
+        lora_model, _ = nodes.LoraLoader().load_lora(model, clip, name, 1.0, 0.0)
+        positive = nodes.CLIPTextEncode().encode(clip, prompt)[0]
+        negative = nodes.CLIPTextEncode().encode(clip, "")[0]
+        empty = nodes.EmptyLatentImage().generate(32, 32, 1)[0]
+        samples = nodes.common_ksampler(lora_model, 7, 4, 3.0, "dpmpp_2m", "karras", positive, negative, empty)[0]
+        stock = nodes.VAEDecode().decode(vae, samples)[0]
+        plain = nodes.VAEDecode().decode(vae, nodes.common_ksampler(model, 7, 4, 3.0, "dpmpp_2m", "karras", positive,
+                                                                    negative, empty)[0])[0]
+        applied_model = T.HeadroomApplyTrainedLora.execute(model, run, 1.0).args[0]
+        applied = nodes.VAEDecode().decode(vae, nodes.common_ksampler(applied_model, 7, 4, 3.0, "dpmpp_2m", "karras",
+                                                                      positive, negative, empty)[0])[0]
+    difference = (images - stock).abs().max().item()
+    print(f"validation image vs LoraLoader+KSampler: max abs diff {difference:.2e}")
+    assert difference <= 1e-3
+    assert (applied - stock).abs().max().item() <= 1e-3
+    assert (plain - stock).abs().max().item() > 1e-2, "the LoRA should change the image"
+    import comfy.model_management
+
+    comfy.model_management.unload_all_models()  # a loaded LoraLoader clone holds patched weights until unloaded
+    after = _base_weights(model)
+    assert all(torch.equal(base[k], after[k]) for k in base)
+
+
+def test_cancel_saves_last_finished_step_and_frees_the_model(comfyui):
+    import comfy.model_management as mm
+    from headroom.nodes import train_lora as T
+    from headroom.training.core.run_dir import RunDir
+
+    model, clip, vae, latents, texts = _data("sd15")
+    base = _base_weights(model)
+    run = _init(model, latents, texts, "cancelled", rank=4)
+
+    def interrupt_at_step_3():
+        while run.step < 3:
+            threading.Event().wait(0.01)
+        mm.interrupt_current_processing(True)
+
+    watcher = threading.Thread(target=interrupt_at_step_3)
+    watcher.start()
+    try:
+        with torch.inference_mode(), pytest.raises(mm.InterruptProcessingException):
+            T.HeadroomTrainSteps.execute(run, 500)
+    finally:
+        watcher.join()
+        mm.interrupt_current_processing(False)
+    assert 3 <= run.step < 500
+    directory = RunDir(T.runs_root(), "cancelled")
+    assert directory.latest_step() == run.step
+    checkpoint = directory.load_checkpoint()
+    assert all(torch.equal(checkpoint.adapter[k], v) for k, v in run.adapters.state_dict().items())
+    assert not any(m.model is run.patcher.model for m in mm.current_loaded_models), "training model still loaded"
+    assert _no_adapter_attached(model)
+    after = _base_weights(model)
+    assert all(torch.equal(base[k], after[k]) for k in base)
+
+
+def test_bad_inputs_fail_before_training_with_clear_errors(comfyui):
+    from headroom.nodes import train_lora as T
+
+    model, clip, vae, latents, texts = _data("sd15")
+    sd3_model, _, _, sd3_latents, sd3_texts = _data("sd3")
+    with pytest.raises(ValueError, match="16-channel latents but this model denoises 4-channel"):
+        _init(model, sd3_latents, sd3_texts, "wrong_cache")
+    with pytest.raises(ValueError, match=r"TEXT_CACHE 'cross_attn' is 32 wide but this model expects 4096"):
+        _init(sd3_model, sd3_latents, texts, "wrong_text")
+    with pytest.raises(ValueError, match="HeadroomLoraConfig: rank=0 must be a positive integer"):
+        T.HeadroomLoraConfig.execute("lora", 0, 1.0, "preset", False, 0.0, 0)
+    with pytest.raises(ValueError, match="HeadroomOptimizerConfig: learning rate 0.0 must be > 0"):
+        T.HeadroomOptimizerConfig.execute("AdamW", 0.0, 0.0, "constant", 0, 10)
+    with pytest.raises(ValueError, match="unknown optimizer 'SGD'"):
+        T.HeadroomOptimizerConfig.execute("SGD", 1e-3, 0.0, "constant", 0, 10)
+    for bad_name in ("../escape", "/abs", "a/b", "..", ""):
+        with pytest.raises(ValueError, match="run name"):
+            _init(model, latents, texts, bad_name)
+    with pytest.raises(ValueError, match="loss_weighting='min_snr' is defined for eps / v"):
+        _init(sd3_model, sd3_latents, sd3_texts, "flow_min_snr", loss_weighting="min_snr")
+
+    _init(model, latents, texts, "existing", rank=4)
+    with pytest.raises(ValueError, match=r"run 'existing' already exists .*adapter.rank: stored 4, now 8"):
+        _init(model, latents, texts, "existing", rank=8)
+
+    run = _init(model, latents, texts, "save_checks", rank=4)
+    for bad_subfolder in ("../../escape", "/etc", "a/../b"):
+        with pytest.raises(ValueError, match="subfolder"):
+            T.HeadroomSaveLora.execute(run, bad_subfolder, "", "fp32")
+    assert _no_adapter_attached(model)
+
+
+def test_all_in_one_node_validates_and_saves(comfyui):
+    import folder_paths
+    from headroom.nodes import train_lora as T
+
+    model, clip, vae, latents, texts = _data("sd3")
+    with torch.inference_mode():
+        lora = T.HeadroomLoraConfig.execute("lora", 4, 4.0, "preset", False, 0.0, 0).args[0]
+        opt = T.HeadroomOptimizerConfig.execute("AdamW", 1e-3, 0.0, "constant", 0, 100).args[0]
+        output = T.HeadroomTrainLora.execute(
+            model=model, latent_cache=latents, text_cache=texts, lora_config=lora, optimizer_config=opt,
+            run_name="all_in_one", seed=0, batch_size=2, grad_accumulation=1, precision="bf16", max_grad_norm=1.0,
+            caption_dropout=0.1, timestep_sampling="shifted", loss_weighting="none", min_snr_gamma=5.0,
+            noise_offset=0.0, gradient_checkpointing=True, checkpoint_depth=1, holdout=1, steps=6, validate_every=3,
+            save_every=4, lora_subfolder="headroom", clip=clip, vae=vae, prompts="a blue square", negative="",
+            sample_seed=0, sample_steps=2, cfg=1.0, sampler_name="euler", scheduler="simple", width=32, height=32,
+            loss_timesteps=2)
+    patched, run, lora_name, validation_loss = output.args
+    assert run.step == 6 and lora_name == "headroom/all_in_one_step000006.safetensors"
+    assert "headroom/all_in_one_step000004.safetensors" in folder_paths.get_filename_list("loras")
+    assert [step for step, _ in run.trainer.validation_history] == [3, 6]
+    assert sorted(p.name for p in run.run_dir.validation_dir.iterdir()) == [
+        "step_00000003.png", "step_00000003_latents.safetensors", "step_00000006.png", "step_00000006_latents.safetensors"]
+    assert validation_loss == run.trainer.validation_history[-1][1]
+    assert patched is not model and len(patched.patches) > 0
+
+    # The run's memory record: caching, then training / validation / save in the order they ran, kept on disk.
+    from headroom.nodes.monitor import HeadroomMemoryReport
+    from headroom.training.memory.memory_stats import PhaseRecorder
+
+    phases = [record["phase"] for record in run.memory.phases]
+    assert phases == ["caching latents", "caching text", "training", "validation", "training", "save", "training",
+                      "validation", "save"]
+    assert all(record["completed"] and record["seconds"] > 0 and record["peak_rss_bytes"] > 0
+               for record in run.memory.phases)
+    on_disk = PhaseRecorder.from_json(run.run_dir.memory_record_path.read_text())
+    assert on_disk.phases == run.memory.phases
+    text, record_json, chart = HeadroomMemoryReport.execute(run=run).args
+    assert "validation" in text and "caching latents" in text and chart.shape[-1] == 3
+    assert PhaseRecorder.from_json(record_json).phases == run.memory.phases
+
+
+def test_flux_gradient_checkpointing_gives_the_same_weights(comfyui):
+    """Flux blocks add into their inputs in place; checkpointed or not, training must give identical weights."""
+    from headroom.nodes import train_lora as T
+
+    model, clip, vae, latents, texts = _data("flux")
+    plain = _init(model, latents, texts, "flux_plain", rank=4)
+    checkpointed = _init(model, latents, texts, "flux_checkpointed", rank=4, gradient_checkpointing=True)
+    with torch.inference_mode():
+        T.HeadroomTrainSteps.execute(plain, 3)
+        T.HeadroomTrainSteps.execute(checkpointed, 3)
+    a, b = plain.adapters.state_dict(), checkpointed.adapters.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert any(not torch.equal(v, torch.zeros_like(v)) for k, v in a.items() if "lora_B" in k)
+    with pytest.raises(ValueError, match="update their inputs in place"):
+        _init(model, latents, texts, "flux_depth2", rank=4, gradient_checkpointing=True, checkpoint_depth=2)
+
+
+@pytest.mark.parametrize("kind", ["dora", "loha", "lokr", "oft"])
+def test_other_adapter_kinds_round_trip_through_the_stock_loader(comfyui, kind, caplog):
+    import nodes
+    from headroom.nodes import train_lora as T
+
+    model, clip, vae, latents, texts = _data("sd15")
+    run = _init(model, latents, texts, f"kind_{kind}", kind=kind, rank=4, lr=2e-2)
+    sampling = dict(sample_seed=3, sample_steps=3, cfg=2.0, sampler_name="euler", scheduler="normal", width=32,
+                    height=32)
+    with torch.inference_mode():
+        T.HeadroomTrainSteps.execute(run, 5)
+        images = T.HeadroomValidate.execute(run, clip=clip, vae=vae, prompts="a green cross", negative="",
+                                            loss_timesteps=1, **sampling).args[0]
+        name = T.HeadroomSaveLora.execute(run, "headroom", "", "fp32").args[0]
+        lora_model, _ = nodes.LoraLoader().load_lora(model, clip, name, 1.0, 0.0)
+        positive = nodes.CLIPTextEncode().encode(clip, "a green cross")[0]
+        negative = nodes.CLIPTextEncode().encode(clip, "")[0]
+        empty = nodes.EmptyLatentImage().generate(32, 32, 1)[0]
+        stock = nodes.VAEDecode().decode(vae, nodes.common_ksampler(lora_model, 3, 3, 2.0, "euler", "normal", positive,
+                                                                    negative, empty)[0])[0]
+    assert "lora key not loaded" not in caplog.text
+    assert len(lora_model.patches) == len(run.adapters.layers)
+    assert (images - stock).abs().max().item() <= 1e-3
+
+
+def test_validating_mid_run_does_not_change_training(comfyui):
+    """Sampling reseeds torch's global RNG (comfy.sample.prepare_noise), which peft's dropout draws from."""
+    from headroom.nodes import train_lora as T
+
+    model, clip, vae, latents, texts = _data("sd15")
+    straight = _init(model, latents, texts, "no_validation", rank=4, dropout=0.2)
+    validated = _init(model, latents, texts, "with_validation", rank=4, dropout=0.2)
+    with torch.inference_mode():
+        T.HeadroomTrainSteps.execute(straight, 6)
+        T.HeadroomTrainSteps.execute(validated, 3)
+        T.HeadroomValidate.execute(validated, clip=clip, vae=vae, prompts="a red circle", negative="", sample_seed=5,
+                                   sample_steps=2, cfg=1.0, sampler_name="euler_ancestral", scheduler="normal",
+                                   width=32, height=32, loss_timesteps=2)
+        T.HeadroomTrainSteps.execute(validated, 6)
+    a, b = straight.adapters.state_dict(), validated.adapters.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _policy(**fields):
+    from headroom.nodes.memory import HeadroomOffloadPolicy
+
+    settings = dict(vram_budget_gb=0.0, reserve_gb=1.0, base_placement="resident", base_storage="as_loaded",
+                    checkpointing="off", checkpoint_depth=1, optimizer_state="gpu",
+                    park_optimizer_during_validation=True, vae_tiled_decode="auto", encoders="unload_after_use")
+    settings.update(fields)
+    return HeadroomOffloadPolicy.execute(**settings).args[0]
+
+
+def test_offload_policy_is_applied_by_the_training_nodes_and_keeps_the_weights(comfyui):
+    """A run with streamed blocks, offloaded checkpoints, optimizer state in host RAM and parking during
+    validation trains exactly the weights of the plain run (CPU: streaming is a no-op, the rest runs)."""
+    from headroom.nodes import train_lora as T
+    from headroom.training.memory.optimizer_parking import HostOptimizer
+
+    model, clip, vae, latents, texts = _data("sd15")
+    plain = _init(model, latents, texts, "policy_plain", rank=4)
+    policy = _policy(base_placement="streamed", checkpointing="blocks_cpu_offload", optimizer_state="cpu")
+    offloaded = _init(model, latents, texts, "policy_offloaded", rank=4, policy=policy)
+    assert isinstance(offloaded.trainer.optimizer, HostOptimizer) and offloaded.trainer.policy == policy
+    settings = dict(clip=clip, vae=vae, prompts="a red circle", negative="", sample_seed=1, sample_steps=2, cfg=2.0,
+                    sampler_name="euler", scheduler="normal", width=32, height=32, loss_timesteps=2)
+    results = []
+    for run in (plain, offloaded):
+        T.HeadroomTrainSteps.execute(run, 3)
+        images, loss, _ = T.HeadroomValidate.execute(run, **settings).args
+        T.HeadroomTrainSteps.execute(run, 4)  # after validation: the parked state came back intact
+        results.append((run.adapters.state_dict(), images, loss))
+    (a, images_a, loss_a), (b, images_b, loss_b) = results
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert torch.equal(images_a, images_b) and loss_a == loss_b
+    assert _no_adapter_attached(model)
+
+
+def test_out_of_memory_in_training_saves_frees_and_names_the_phase(comfyui, monkeypatch):
+    import comfy.model_management
+    from headroom.nodes import train_lora as T
+    from headroom.training.memory.oom import PhaseOutOfMemoryError
+
+    model, clip, vae, latents, texts = _data("sd15")
+    run = _init(model, latents, texts, "oom_run", rank=4)
+    T.HeadroomTrainSteps.execute(run, 2)
+    predict = run.denoiser.predict
+    calls = []
+
+    def runs_out_at_the_second_step(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return predict(*args, **kwargs)
+
+    monkeypatch.setattr(run.denoiser, "predict", runs_out_at_the_second_step)
+    with pytest.raises(PhaseOutOfMemoryError, match="Out of memory during training step") as raised:
+        T.HeadroomTrainSteps.execute(run, 5)
+    assert raised.value.phase == "training step" and "The last completed step is saved" in str(raised.value)
+    assert run.run_dir.latest_step() == 3  # the step before the failed one
+    assert not any(loaded.model is run.patcher for loaded in comfy.model_management.current_loaded_models)
+    assert _no_adapter_attached(model)
+    assert run.memory.phases[-1]["phase"] == "training" and not run.memory.phases[-1]["completed"]
+
+
+@pytest.mark.parametrize("storage", ["fp8", "int8"])
+def test_low_bit_base_storage_trains_on_low_bit_layers_and_leaves_the_shared_model_intact(comfyui, storage):
+    import comfy.model_management
+    from headroom.nodes import train_lora as T
+    from headroom.training.memory.lowbit import LowBitLinear
+
+    def low_bit_layers(model):
+        return sum(isinstance(m, LowBitLinear) for m in model.model.diffusion_model.modules())
+
+    model, clip, vae, latents, texts = _data("sd15")
+    base = _base_weights(model)
+    plain = _init(model, latents, texts, f"lowbit_plain_{storage}", rank=4)
+    T.HeadroomTrainSteps.execute(plain, 3)
+    run = _init(model, latents, texts, f"lowbit_{storage}", rank=4, policy=_policy(base_storage=storage))
+    start = {k: v.clone() for k, v in run.adapters.state_dict().items()}
+    assert low_bit_layers(model) == 0  # built, then handed to ComfyUI as object patches of the training clone
+    T.HeadroomTrainSteps.execute(run, 3)
+    assert low_bit_layers(run.patcher) > 0  # the clone is still loaded: ComfyUI swapped the low-bit layers in
+    packed, original = run.low_bit_bytes
+    assert packed < original / 2 + 4096  # 8-bit weights (plus scales) instead of fp32
+    # The numerics change, but little: the same run's losses and weights stay close to the full-precision run's.
+    losses, plain_losses = [v for _, v in run.trainer.loss_history], [v for _, v in plain.trainer.loss_history]
+    assert all(abs(a - b) <= 0.05 * abs(b) for a, b in zip(losses, plain_losses, strict=True))
+    # Adapters start equal (same init seed); training moves them the same way (Adam's per-element normalisation
+    # turns small gradient differences into sign flips on near-zero gradients, so compare directions).
+    a, b = run.adapters.state_dict(), plain.adapters.state_dict()
+    moved_a = torch.cat([(a[k] - start[k]).flatten() for k in a])
+    moved_b = torch.cat([(b[k] - start[k]).flatten() for k in b])
+    assert not torch.equal(moved_a, moved_b)
+    assert torch.nn.functional.cosine_similarity(moved_a, moved_b, dim=0) >= 0.8
+
+    # A stock load of the MODEL (here: unloading the clone) puts the full-precision layers back, unchanged.
+    comfy.model_management.unload_model_and_clones(run.patcher)
+    assert low_bit_layers(model) == 0 and _no_adapter_attached(model)
+    assert all(torch.equal(base[k], v) for k, v in _base_weights(model).items())
+    T.HeadroomTrainSteps.execute(run, 4)  # and the next queue loads the low-bit layers again
+    assert low_bit_layers(run.patcher) > 0
+    run.release()
+    assert low_bit_layers(model) == 0
+
+
+@pytest.mark.parametrize("encoders", ["unload_after_use", "keep_loaded"])
+def test_policy_encoders_unloads_or_keeps_text_encoder_and_vae(comfyui, encoders):
+    """The policy's `encoders` choice, in caching and in validation: unloaded after use, or left to ComfyUI."""
+    from headroom.nodes import cache as cache_nodes, train_lora as T
+    from headroom.nodes.cache import is_loaded
+    from headroom.training.data.synthetic import generate_shapes
+
+    model, clip, vae, latents, texts = _data("sd15", count=2)
+    policy = _policy(encoders=encoders)
+    kept = encoders == "keep_loaded"
+    with torch.inference_mode():
+        # Items no cache holds yet (a seed of this case's own): the encoders really load and run.
+        data = generate_shapes(2, 32, seed=100 + kept)
+        dataset = cache_nodes.HeadroomDatasetFromImages.execute(data.images, "\n".join(data.captions), 32, 32,
+                                                                "center", False, 0).args[0]
+        cache_nodes.HeadroomCacheLatents.execute(dataset, vae, policy=policy)
+        cache_nodes.HeadroomCacheText.execute(dataset, clip, policy=policy)
+    assert is_loaded(vae.patcher) == kept and is_loaded(clip.patcher) == kept
+    comfy_unload(vae, clip)
+    run = _init(model, latents, texts, f"encoders_{encoders}", rank=4, policy=policy)
+    T.HeadroomTrainSteps.execute(run, 1)
+    T.HeadroomValidate.execute(run, clip=clip, vae=vae, prompts="a red circle", negative="", sample_seed=0,
+                               sample_steps=1, cfg=1.0, sampler_name="euler", scheduler="normal", width=32, height=32,
+                               loss_timesteps=1)
+    assert is_loaded(vae.patcher) == kept and is_loaded(clip.patcher) == kept
+    comfy_unload(vae, clip)
+
+
+def comfy_unload(*encoders):
+    import comfy.model_management
+
+    for encoder in encoders:
+        comfy.model_management.unload_model_and_clones(encoder.patcher)
+
+
+def test_history_output_carries_lr_memory_and_validation_images(comfyui):
+    """What the chart restores from after a page reload: per step loss, lr and memory (MiB; RSS on a CPU), the
+    speed, and the last validation's images, in the training node's UI output; the Validate node's own output
+    names its run, step, loss and images."""
+    from headroom.nodes import train_lora as T
+
+    model, clip, vae, latents, texts = _data("sd15", count=2)
+    run = _init(model, latents, texts, "history_extras", rank=4, schedule="linear", schedule_steps=4)
+    with torch.inference_mode():
+        history = T.HeadroomTrainSteps.execute(run, 3).ui[T.HISTORY_KEY][0]
+        validate = T.HeadroomValidate.execute(run, clip=clip, vae=vae, prompts="a red circle\na blue square",
+                                              negative="", sample_seed=0, sample_steps=1, cfg=1.0,
+                                              sampler_name="euler", scheduler="normal", width=32, height=32,
+                                              loss_timesteps=1)
+        later = T.HeadroomTrainSteps.execute(run, 4).ui[T.HISTORY_KEY][0]
+    assert history["steps"] == [1, 2, 3] and len(history["loss"]) == 3
+    assert history["lr"] == [pytest.approx(1e-2 * (1 - s / 4), rel=1e-3) for s in (1, 2, 3)]  # linear decay, as reported after each step
+    assert set(history["memory_mib"]) == {"rss"} and all(v > 10 for v in history["memory_mib"]["rss"])
+    assert history["s_per_step"] > 0 and "images" not in history
+
+    [validation] = validate.ui[T.VALIDATION_KEY]
+    assert validation["run"] == "history_extras" and validation["step"] == 3
+    assert validation["val_loss"] == validate.args[1] and len(validation["images"]) == 2  # one per prompt
+    assert validate.ui["images"] == validation["images"]
+    assert later["steps"] == [1, 2, 3, 4] and len(later["lr"]) == len(later["memory_mib"]["rss"]) == 4
+    assert later["images"] == validation["images"] and later["images_step"] == 3
+    assert later["val_steps"] == [3]
+
+
+def test_train_steps_at_or_below_the_run_step_says_so(comfyui, caplog):
+    from headroom.nodes import train_lora as T
+
+    model, clip, vae, latents, texts = _data("sd15", count=2)
+    run = _init(model, latents, texts, "lowered_steps", rank=4)
+    with torch.inference_mode():
+        assert "text" not in T.HeadroomTrainSteps.execute(run, 3).ui
+        with caplog.at_level("WARNING"):
+            lowered = T.HeadroomTrainSteps.execute(run, 2)
+        same = T.HeadroomTrainSteps.execute(run, 3)
+    assert run.step == 3 and lowered.args[2] == 3
+    [note] = lowered.ui["text"]
+    assert "at step 3, past steps=2: nothing trained" in note and "above 3" in note
+    assert lowered.ui[T.HISTORY_KEY][0]["note"] == note and note in caplog.text
+    assert "at step 3 already: nothing to train" in same.ui["text"][0]
+
+
+def test_compare_base_writes_a_before_after_grid_of_the_untouched_base(comfyui):
+    """Validate with compare_base: the top row is the MODEL alone (stock KSampler on it, bit for bit), the bottom
+    row the run's validation images; after training the top row stays the base, the bottom row moves."""
+    import nodes
+    import numpy as np
+    from PIL import Image
+
+    from headroom.nodes import train_lora as T
+
+    model, clip, vae, latents, texts = _data("sd15")
+    run = _init(model, latents, texts, "compare_base", rank=8, lr=2e-2, include_conv=True)
+    prompts = "a red circle at the center\na blue square at the top left"
+    sampling = dict(negative="", sample_seed=3, sample_steps=4, cfg=3.0, sampler_name="euler", scheduler="normal",
+                    width=32, height=32, loss_timesteps=2, compare_base=True)
+
+    def grid_rows(step):
+        path = run.run_dir.validation_dir / f"step_{step:08d}_before_after.png"
+        pixels = np.array(Image.open(path).convert("RGB"), dtype=np.int16)
+        assert pixels.shape == (64, 64, 3)  # 2 rows (base, trained) x 2 prompts of 32 x 32
+        return pixels[:32], pixels[32:]
+
+    with torch.inference_mode():
+        T.HeadroomTrainSteps.execute(run, 1)
+        first = T.HeadroomValidate.execute(run, clip=clip, vae=vae, prompts=prompts, **sampling)
+        positive = nodes.CLIPTextEncode().encode(clip, "a red circle at the center")[0]
+        negative = nodes.CLIPTextEncode().encode(clip, "")[0]
+        empty = nodes.EmptyLatentImage().generate(32, 32, 1)[0]
+        stock = nodes.VAEDecode().decode(vae, nodes.common_ksampler(model, 3, 4, 3.0, "euler", "normal", positive,
+                                                                    negative, empty)[0])[0]
+        T.HeadroomTrainSteps.execute(run, 20)
+        cached_base = run._base_samples[3]
+        T.HeadroomValidate.execute(run, clip=clip, vae=vae, prompts=prompts, **sampling)
+        assert run._base_samples[3] is cached_base, "the base samples are sampled once per run and settings"
+        # Sampled afresh after training, the base is still what was cached: the adapter is out of the base MODEL.
+        fresh_base, _ = T.sample_images(run, clip, vae, prompts.splitlines(), "", 3, 4, 3.0, "euler", "normal", 32, 32,
+                                        base=True)
+        assert torch.equal(fresh_base, cached_base), "training must not change the base samples"
+    saved = [entry for entry in first.ui["headroom_saved"] if entry["kind"] == "before/after grid"]
+    assert saved and saved[0]["name"].endswith("step_00000001_before_after.png")
+    base_1, trained_1 = grid_rows(1)
+    base_20, trained_20 = grid_rows(20)
+    stock_pixels = (stock[0].clamp(0, 1) * 255).round().to(torch.int16).numpy()
+    assert np.abs(base_1[:, :32] - stock_pixels).max() <= 1, "the top row is the base MODEL as KSampler samples it"
+    assert np.array_equal(base_1, base_20), "training must not change the base samples"
+    assert np.abs(trained_20 - base_20).max() > 10, "the trained row should differ from the base after training"

@@ -1,0 +1,254 @@
+"""The real-size tier: every node on full-size models, on a CPU, on every run of the suite.
+
+Full-size SDXL (2.57 B, from a checkpoint file written by ComfyUI's save code and read by the stock
+CheckpointLoaderSimple), Flux-dev (real width 3072, 2 double + 2 single blocks, through the stock UNETLoader) and
+SD3.5-Large (real width 2432, 3 joint blocks), with real-size CLIP-L / CLIP-G, T5-XXL at real width (2 layers) and
+the real VAEs, random bf16 weights from ComfyUI's own classes (tests/realsize_models.py), driven through the node
+classes as a workflow runs them (tests/realsize_worker.py), each model in a fresh process so its peak RSS is its own.
+
+Checked per model: the stock LoraLoader maps every key of the saved LoRA; the base weights are bitwise unchanged;
+no phase holds a second copy of the weights (peak RSS growth over the resident models stays below the weights it
+works with). Reported (test-artifacts/realsize/<model>.json, and printed): peak RSS per phase, s/step, and the
+planner's estimate against the measured memory. 64 px images and two steps keep the tier to a few minutes per model.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from comfy_harness import COMFYUI_FOUND_BY, COMFYUI_PATH, REPO_ROOT
+
+pytestmark = [pytest.mark.realsize, pytest.mark.skipif(COMFYUI_PATH is None, reason=COMFYUI_FOUND_BY)]
+
+WORKER = REPO_ROOT / "tests" / "realsize_worker.py"
+ARTIFACTS = REPO_ROOT / "test-artifacts" / "realsize"
+GIB = 1024 ** 3
+
+
+def run_worker(case: str, *args: str, timeout: int = 1800) -> dict:
+    out = ARTIFACTS / f"{case}.json"
+    out.unlink(missing_ok=True)
+    done = subprocess.run([sys.executable, str(WORKER), case, "--out", str(out), *args], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert done.returncode == 0, f"realsize worker {case} failed:\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}"
+    return json.loads(out.read_text())
+
+
+def _print_report(report: dict) -> None:
+    lines = [f"{report['case']}: {report['diffusion_params'] / 1e9:.2f} B params, {report['diffusion_bytes'] / GIB:.2f} GiB "
+             f"{report['diffusion_dtype']}, {report['s_per_step']:.1f} s/step, baseline RSS "
+             f"{report['baseline_rss_bytes'] / GIB:.2f} GiB"]
+    for phase in report["phases"]:
+        lines.append(f"  {phase['phase']:<40} {phase['seconds']:7.1f} s  peak RSS {phase['peak_rss_bytes'] / GIB:6.2f} GiB")
+    for phase, row in report["compared"].items():
+        planner = f", planner {row['planner_bytes'] / GIB:.2f} GiB = {row['planner_over_measured']:.2f} x measured" \
+            if "planner_bytes" in row else ""
+        lines.append(f"  {phase:<16} measured {row['measured_bytes'] / GIB:.2f} GiB (growth {row['growth_bytes'] / GIB:.2f})"
+                     + planner)
+    lora = report["lora"]
+    lines.append(f"  LoRA: {lora['modules']} modules, {lora['patched_weights']} weights patched by the stock loader; "
+                 + "; ".join(f"{fmt}: {saved['patched_weights']} patched, {len(saved['not_loaded'])} not loaded"
+                             + (f", diffusers reads {saved['diffusers_down_weights']} layers"
+                                if "diffusers_down_weights" in saved else "")
+                             for fmt, saved in lora.get("formats", {}).items()))
+    if "oft" in report:
+        lines.append(f"  OFT (block 16): {report['oft']['layers']} layers, {report['oft']['patched_weights']} patched by "
+                     f"the stock loader, {len(report['oft']['not_loaded'])} not loaded, loss {report['oft']['loss']:.4f}")
+    print("\n".join(lines))
+
+
+# (case, worker arguments, expected diffusion parameters)
+CASES = [
+    ("sdxl", [], 2_567_463_684),  # full size
+    ("flux_dev", [], 1_026_971_200),  # 3072 wide, 2 + 2 blocks
+    ("sd35_large", ["--planner"], 601_638_720),  # 2432 wide, 3 joint blocks
+    ("zimage", [], 908_508_992),  # 3840 wide, 1 main + 2 + 2 refiner blocks; Qwen3-4B at real width, 3 layers
+    # 3072 wide, 2 blocks (at 1 the weights are so small that the training step's fp32 casts of the 56 M-entry
+    # modulation weights alone come near the "second copy" bound); Qwen2.5-VL-7B at real width, 1 layer; Wan 2.1 VAE
+    ("qwen_image", [], 720_185_920),
+]
+
+
+@pytest.mark.parametrize("case, args, params", CASES, ids=[c[0] for c in CASES])
+def test_nodes_on_a_real_size_model(case, args, params):
+    report = run_worker(case, *args)
+    _print_report(report)
+    assert report["diffusion_params"] == params and report["diffusion_dtype"] == "torch.bfloat16"
+    assert report["precision"] == "fp32", report["precision_note"]  # auto on a CPU
+    assert report["loss"] == report["loss"] and report["s_per_step"] > 0  # finite loss, steps done
+
+    lora = report["lora"]
+    assert lora["not_loaded"] == [], f"the stock LoraLoader did not map: {lora['not_loaded'][:5]}"
+    assert lora["modules"] == lora["layers"] == lora["patched_weights"] > 0
+    # The same run saved as kohya and diffusers files: the stock loader maps all of it to the same weights, and
+    # diffusers' own reader converts it at real width (a diffusers layer per fused part: at least one per module).
+    for file_format, saved in lora["formats"].items():
+        assert saved["not_loaded"] == [], f"{file_format}: the stock LoraLoader did not map {saved['not_loaded'][:5]}"
+        assert saved["patched_weights"] == lora["patched_weights"], file_format
+        if "diffusers_down_weights" in saved:
+            assert saved["diffusers_down_weights"] >= lora["modules"], (file_format, saved)
+    assert report["base_unchanged"], "the base MODEL's weights changed"
+    if "oft" in report:  # kind oft at real width: a finite step, every layer saved and mapped by the stock loader
+        oft = report["oft"]
+        assert oft["loss"] == oft["loss"] and oft["not_loaded"] == [], oft
+        assert oft["patched_weights"] == oft["layers"] > 0, oft
+
+    # No second copy of the weights in any phase: each phase's peak RSS growth over the resident models stays below
+    # the weights it works with (a copy of them would add exactly that much).
+    phases = {p["phase"]: p for p in report["phases"]}
+    limits = {"caching text": "text_encoder_bytes", "caching latents": "vae_bytes"}
+    for name in ["caching text", "caching latents", "init (HeadroomTrainLoraInit)", "training", "validation", "save",
+                 "stock LoraLoader"]:
+        growth = phases[name]["peak_rss_bytes"] - report["baseline_rss_bytes"]
+        limit = report[limits.get(name, "diffusion_bytes")]
+        assert growth < limit, f"{name}: peak RSS grew {growth / GIB:.2f} GiB, a second copy of {limit / GIB:.2f} GiB"
+    if case == "sdxl":  # the path from a file on disk: ComfyUI's save code, then the stock loader
+        assert "load (stock CheckpointLoaderSimple)" in phases and phases["save (comfy.sd.save_checkpoint)"]["file_bytes"] > 0
+    if case == "flux_dev":
+        assert "load (stock UNETLoader)" in phases
+    if "planner" in report:
+        for row in report["compared"].values():
+            assert row["planner_bytes"] > 0
+
+
+def test_first_load_replaces_inference_weights_one_at_a_time():
+    """nodes/comfy_model.replace_inference_tensors on Flux-dev's real width (1.1 GB of bf16 weights made under
+    inference mode, as ComfyUI's loaders make them): peak RSS grows by about one tensor, not by the weights."""
+    report = run_worker("replace")
+    growth = report["peak_rss_bytes"] - report["start_rss_bytes"]
+    print(f"replace_inference_tensors: weights {report['weight_bytes'] / GIB:.2f} GiB, largest tensor "
+          f"{report['largest_tensor_bytes'] / GIB:.2f} GiB, peak RSS growth {growth / GIB:.2f} GiB")
+    assert growth < report["largest_tensor_bytes"] + report["weight_bytes"] // 4
+
+
+# Flux.2 at real width (tests/realsize_flux2.py): (case, worker arguments, full-depth parameters and LoRA targets,
+# reduced-depth parameters and trained layers). Dev keeps one single block at real width (6144): with its double
+# block too the bf16 weights alone are 4.6 GB and a CPU training step passes the tier's ~6 GB; its double blocks are
+# covered at full depth on the meta device (names, shapes, the stock loader) instead.
+FLUX2_CASES = [
+    ("flux2_klein_4b", ["--depth", "1", "1"], (3_875_544_576, 80), (563_086_080, 10)),
+    ("flux2_klein_9b", ["--depth", "1", "1"], (9_078_581_248, 112), (1_008_730_880, 10)),
+    ("flux2_dev", ["--depth", "0", "1"], (32_223_281_152, 160), (1_307_050_240, 2)),
+]
+
+
+@pytest.mark.parametrize("case, args, full, reduced", FLUX2_CASES, ids=[c[0] for c in FLUX2_CASES])
+def test_flux2_lora_keys_map_at_real_width_and_full_depth(case, args, full, reduced):
+    out = ARTIFACTS / f"{case}.json"
+    out.unlink(missing_ok=True)
+    done = subprocess.run([sys.executable, str(REPO_ROOT / "tests" / "realsize_flux2.py"), case, "--out", str(out), *args],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=1800,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert done.returncode == 0, f"{case} failed:\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}"
+    report = json.loads(out.read_text())
+    deep = report["full_depth"]
+    print(f"{case}: full depth {deep['params'] / 1e9:.2f} B, {deep['targets']} preset layers; "
+          + "; ".join(f"{fmt}: {f['patched_weights']} patched, {len(f['not_loaded'])} not loaded" for fmt, f in deep["files"].items())
+          + f". Reduced depth {report['diffusion_params'] / 1e9:.2f} B bf16: {report['layers']} layers, loss "
+          f"{report['loss']:.3f}, {report['s_per_step']:.0f} s/step, latents {report['latent_shape']}; "
+          + "; ".join(f"{fmt}: {f['patched_weights']} patched, {len(f['not_loaded'])} not loaded" for fmt, f in report["formats"].items())
+          + f". Peak RSS {report['peak_rss_bytes'] / GIB:.2f} GiB, {report['seconds']:.0f} s")
+    # Full depth: the config is what ComfyUI's detection derives from the key layout, at the released size.
+    assert deep["detected_is_flux2"] and deep["detection_differs"] == {}
+    assert (deep["params"], deep["targets"]) == full
+    assert deep["unmapped_comfyui"] == deep["unmapped_kohya"] == []
+    for file_format, loaded in deep["files"].items():
+        assert loaded["not_loaded"] == [] and loaded["patched_weights"] == deep["targets"], file_format
+    # Reduced depth, real width: trained through the nodes, saved in every format, all of it mapped.
+    assert report["diffusion_params"] == reduced[0] and report["diffusion_dtype"] == "torch.bfloat16"
+    assert report["latent_shape"] == [128, 4, 4]  # 64 px through the Flux.2 VAE: 128 channels at 16x
+    assert report["loss"] == report["loss"] and report["layers"] == reduced[1]
+    for file_format, saved in report["formats"].items():
+        assert saved["not_loaded"] == [] and saved["patched_weights"] == report["layers"], file_format
+    assert report["base_unchanged"]
+    assert report["peak_rss_bytes"] < 6.5 * GIB
+
+
+# The released depths (tests/realsize_models.py ARCHITECTURES) of the families whose real-size case is reduced to one
+# block: (the LoRA modules the preset picks per block).
+FULL_DEPTH = {"zimage": ("zimage", 5), "qwen_image": ("qwen_image", 12)}
+
+
+@pytest.mark.parametrize("arch", list(FULL_DEPTH))
+def test_preset_key_names_hold_at_full_depth(comfyui, arch):
+    """The full-depth model, built on the meta device from the same unet_config (no memory): the preset picks the
+    same names per block as at the real-size case's one block, and every one of them maps through ComfyUI's LoRA key
+    map (comfyui, kohya and diffusers names), so a file of the reduced model's names is a file of the real one's."""
+    import comfy.lora
+    import comfy.model_detection
+
+    import realsize_models as R
+    from headroom.nodes import families, lora_formats
+    from headroom.nodes.comfy_model import model_blocks
+    from headroom.training.core.adapters import AdapterConfig
+
+    family, per_block = FULL_DEPTH[arch]
+    picked = {}
+    for depth in (1, R.ARCHITECTURES[arch]["depth"]):
+        config = comfy.model_detection.model_config_from_unet_config(R.unet_config(arch, depth))
+        model = config.get_model({}, "", device="meta")
+        assert families.family_of(model).name == family
+        dm = model.diffusion_model
+        targets = families.lora_targets(dm, family, AdapterConfig(), [n for n, _ in model_blocks(dm)])
+        key_map = comfy.lora.model_lora_keys_unet(model, {})
+        assert all(key_map.get(f"diffusion_model.{t}") == f"diffusion_model.{t}.weight" for t in targets)
+        patcher = type("Patcher", (), {"model": model})()
+        kohya = lora_formats.kohya_names(patcher, targets, family)
+        assert all(key_map[name] == f"diffusion_model.{t}.weight" for t, name in kohya.items())
+        diffusers = lora_formats.diffusers_names(patcher, targets, family)
+        assert set(diffusers) == set(targets)
+        picked[depth] = (targets, kohya, diffusers)
+    (small, small_kohya, small_diffusers), (full, full_kohya, full_diffusers) = picked.values()
+    depth = R.ARCHITECTURES[arch]["depth"]
+    print(f"{arch}: {len(small)} preset modules at depth 1, {len(full)} at depth {depth}, all mapped by the stock "
+          f"loader (comfyui, kohya and diffusers names)")
+    assert len(small) == per_block and len(full) == per_block * depth
+    assert set(small) <= set(full)
+    assert all(full_kohya[t] == small_kohya[t] and [n for n, _ in full_diffusers[t]] == [n for n, _ in small_diffusers[t]]
+               for t in small)
+
+
+# Families whose real-size check is their LoRA key names (tests/realsize_keys.py): (architecture, arguments, family,
+# diffusion parameters built). Chroma / HiDream-I1: real width, 1 double + 1 single block; SD2.1: full size;
+# SDXL: the full-depth names only (its full-size run above trains, saves and loads through the stock loader).
+KEY_CASES = [
+    ("chroma", ["--depth", "1,1"], "chroma", 631_086_912),
+    ("sd21_768_v", [], "sd2", 865_910_724),
+    ("sdxl", ["--meta-only"], "sdxl", None),
+    ("hidream_i1", ["--depth", "1,1"], "hidream", 793_443_904),  # 2560 wide, 1 + 1 blocks (17.1 B at full depth)
+]
+
+
+@pytest.mark.parametrize("arch, args, family, params", KEY_CASES, ids=[c[0] for c in KEY_CASES])
+def test_family_lora_keys_at_real_width(arch, args, family, params):
+    out = ARTIFACTS / f"keys_{arch}.json"
+    out.unlink(missing_ok=True)
+    done = subprocess.run([sys.executable, str(REPO_ROOT / "tests" / "realsize_keys.py"), arch, *args, "--out", str(out)],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+    assert done.returncode == 0, f"realsize_keys {arch} failed:\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}"
+    report = json.loads(out.read_text())
+    full = report["full_depth"]
+    print(f"{arch}: {full['params'] / 1e9:.2f} B params at full depth, {full['trained_layers']} preset layers "
+          f"({', '.join(f'{fmt} {n} names' for fmt, n in full['names'].items())}), all in ComfyUI's key map; "
+          + (f"built {report['diffusion_params'] / 1e9:.2f} B: " + "; ".join(
+              f"{fmt}: {saved['patched_weights']} / {report['trained_layers']} patched, {len(saved['not_loaded'])} not loaded"
+              for fmt, saved in report["formats"].items()) if "formats" in report else "names only")
+          + f"; {report['seconds']:.0f} s, peak RSS {report['peak_rss_bytes'] / GIB:.2f} GiB")
+    assert full["family"] == family and full["detection_mismatches"] == [], full["detection_mismatches"]
+    assert full["trained_layers"] > 0 and all(n >= full["trained_layers"] for n in full["names"].values())
+    assert all(names == [] for names in full["unmapped"].values()), full["unmapped"]
+    if params is None:
+        return
+    assert report["family"] == family and report["diffusion_params"] == params
+    assert report["diffusion_dtype"] == "torch.bfloat16" and report["trained_layers"] > 0
+    for file_format, saved in report["formats"].items():  # every trained layer through the stock LoraLoader
+        assert saved["not_loaded"] == [], (file_format, saved["not_loaded"][:5])
+        assert saved["patched_weights"] == report["trained_layers"], file_format
+    # the same names at full depth: every layer pattern of the reduced model, and no other
+    assert all(differ == [] for differ in full["patterns_differ"].values()), full["patterns_differ"]
+    assert report["peak_rss_bytes"] < 6 * GIB

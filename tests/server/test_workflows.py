@@ -1,0 +1,254 @@
+"""Every shipped workflow against a real ComfyUI server with Headroom (the `comfy_server` fixture).
+
+- Both formats agree with the server's /object_info: every node type and input exists, required inputs
+  are given, links join declared output and input types, values fit their widgets (combo choices,
+  number ranges), except model file names the bare test server does not have.
+- The shipped files are exactly what workflows/build_workflows.py builds from this server's /object_info.
+- The server's own validation (POST /prompt) rejects the real-model workflows for missing model files only
+  (a bare test server has none), so everything else in them passes ComfyUI's checks.
+- The tiny workflows run to completion headless.
+"""
+import json
+import pathlib
+import urllib.error
+import urllib.request
+import uuid
+
+import pytest
+
+from headroom.workflows import build_workflows
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
+WORKFLOWS = REPO_ROOT / "workflows"
+API_FILES = sorted(WORKFLOWS.glob("*_api.json"))
+UI_FILES = sorted(p for p in WORKFLOWS.glob("*.json") if not p.stem.endswith("_api"))
+MODEL_FILE_SUFFIXES = (".safetensors", ".ckpt", ".pt", ".pth", ".bin", ".sft", ".gguf")
+MATCH_TYPE = "COMFY_MATCHTYPE_V3"  # a V3 input/output whose type follows what is connected
+
+
+@pytest.fixture(scope="module")
+def object_info(comfy_server) -> dict:
+    return comfy_server.object_info()
+
+
+def ids(paths):
+    return [p.name for p in paths]
+
+
+# --- type and value rules (as ComfyUI's validation applies them) ---------------------------------------------
+def types_match(output_type: str, input_type: str) -> bool:
+    if output_type == "*" or input_type == "*":
+        return True
+    return bool(set(output_type.split(",")) & set(input_type.split(",")))
+
+
+def resolved_output_type(prompt: dict, object_info: dict, node_id: str, slot: int) -> str:
+    """The type an output carries; a match-type output carries whatever its node's match-type input gets."""
+    node = prompt[node_id]
+    declared = object_info[node["class_type"]]["output"][slot]
+    if declared != MATCH_TYPE:
+        return declared
+    for name, _, spec in build_workflows.input_specs(object_info[node["class_type"]]):
+        value = node["inputs"].get(name)
+        if spec[0] == MATCH_TYPE and isinstance(value, list):
+            return resolved_output_type(prompt, object_info, value[0], value[1])
+    return "*"
+
+
+def accepts(spec: list, output_type: str) -> bool:
+    if spec[0] == MATCH_TYPE:
+        allowed = build_workflows.spec_options(spec).get("template", {}).get("allowed_types", "*")
+        return types_match(output_type, allowed)
+    return types_match(output_type, build_workflows.spec_type(spec))
+
+
+def is_model_file(value) -> bool:
+    return isinstance(value, str) and value.lower().endswith(MODEL_FILE_SUFFIXES)
+
+
+def value_problem(spec: list, value) -> str | None:
+    """Why `value` does not fit the widget `spec` (None if it fits)."""
+    kind = build_workflows.spec_type(spec)
+    options = build_workflows.spec_options(spec)
+    if kind == "COMBO":
+        choices = build_workflows.combo_choices(spec)
+        # The bare test server has no model files: a file name is allowed to be missing from the list.
+        if value in choices or is_model_file(value):
+            return None
+        return f"{value!r} is not one of {choices}"
+    if kind == "BOOLEAN":
+        return None if isinstance(value, bool) else f"{value!r} is not a boolean"
+    if kind == "STRING":
+        return None if isinstance(value, str) else f"{value!r} is not a string"
+    if kind in ("INT", "FLOAT"):
+        number_types = int if kind == "INT" else (int, float)
+        if isinstance(value, bool) or not isinstance(value, number_types):
+            return f"{value!r} is not an {kind}"
+        if ("min" in options and value < options["min"]) or ("max" in options and value > options["max"]):
+            return f"{value!r} is outside [{options.get('min')}, {options.get('max')}]"
+    return None
+
+
+# --- API format -------------------------------------------------------------------------------------------------
+def api_problems(prompt: dict, object_info: dict) -> list[str]:
+    problems = []
+    for node_id, node in prompt.items():
+        kind = node.get("class_type")
+        if kind not in object_info:
+            problems.append(f"node {node_id}: {kind} is not a node type of this server")
+            continue
+        specs = {name: (section, spec) for name, section, spec in build_workflows.input_specs(object_info[kind])}
+        for name, value in node["inputs"].items():
+            where = f"node {node_id} ({kind}) input {name!r}"
+            if name not in specs:
+                problems.append(f"{where}: no such input; inputs: {sorted(specs)}")
+                continue
+            section, spec = specs[name]
+            if isinstance(value, list):
+                source_id, slot = value
+                if source_id not in prompt:
+                    problems.append(f"{where}: links to missing node {source_id}")
+                    continue
+                source_outputs = object_info.get(prompt[source_id]["class_type"], {}).get("output", [])
+                if not 0 <= slot < len(source_outputs):
+                    problems.append(f"{where}: links to output {slot} of node {source_id}, which has {len(source_outputs)}")
+                    continue
+                output_type = resolved_output_type(prompt, object_info, source_id, slot)
+                if not accepts(spec, output_type):
+                    problems.append(f"{where}: gets {output_type} from node {source_id}, wants {build_workflows.spec_type(spec)}")
+            elif not build_workflows.is_widget(spec):
+                problems.append(f"{where}: a {build_workflows.spec_type(spec)} input needs a link, got {value!r}")
+            elif (problem := value_problem(spec, value)) is not None:
+                problems.append(f"{where}: {problem}")
+        for name, (section, _) in specs.items():
+            if section == "required" and name not in node["inputs"]:
+                problems.append(f"node {node_id} ({kind}): required input {name!r} missing")
+    return problems
+
+
+@pytest.mark.parametrize("path", API_FILES, ids=ids(API_FILES))
+def test_api_workflow_matches_object_info(object_info, path):
+    prompt = json.loads(path.read_text())
+    assert prompt, f"{path.name} is empty"
+    assert api_problems(prompt, object_info) == []
+
+
+# --- UI format --------------------------------------------------------------------------------------------------
+def ui_problems(workflow: dict, object_info: dict) -> list[str]:
+    problems = []
+    links = {link[0]: link for link in workflow["links"]}
+    nodes = {node["id"]: node for node in workflow["nodes"]}
+    for node in workflow["nodes"]:
+        kind = node["type"]
+        if kind in build_workflows.FRONTEND_ONLY_TYPES:
+            continue
+        where = f"node {node['id']} ({kind})"
+        if kind not in object_info:
+            problems.append(f"{where}: not a node type of this server")
+            continue
+        info = object_info[kind]
+        specs = {name: spec for name, _, spec in build_workflows.input_specs(info)}
+        widget_count = sum(1 + build_workflows.has_control_widget(name, spec)
+                           for name, spec in specs.items() if build_workflows.is_widget(spec))
+        if len(node.get("widgets_values", [])) != widget_count:
+            problems.append(f"{where}: {len(node.get('widgets_values', []))} widget values, the node has {widget_count} widgets")
+        for slot, socket in enumerate(node.get("inputs", [])):
+            if socket["name"] not in specs:
+                problems.append(f"{where}: no input {socket['name']!r}")
+                continue
+            if socket.get("link") is None:
+                continue
+            link = links.get(socket["link"])
+            if link is None or link[3] != node["id"] or link[4] != slot:
+                problems.append(f"{where} input {socket['name']!r}: link {socket['link']} does not end here")
+                continue
+            source = nodes.get(link[1])
+            if source is None or source["type"] not in object_info:
+                problems.append(f"{where} input {socket['name']!r}: link from unknown node {link[1]}")
+                continue
+            outputs = object_info[source["type"]]["output"]
+            if not 0 <= link[2] < len(outputs) or link[5] != outputs[link[2]]:
+                problems.append(f"{where} input {socket['name']!r}: link type {link[5]} is not output {link[2]} of {source['type']}")
+            elif outputs[link[2]] != MATCH_TYPE and not accepts(specs[socket["name"]], outputs[link[2]]):
+                problems.append(f"{where} input {socket['name']!r}: gets {outputs[link[2]]}, wants {build_workflows.spec_type(specs[socket['name']])}")
+        for name, spec in specs.items():
+            required = name in info["input"].get("required", {})
+            linked = any(s["name"] == name and s.get("link") is not None for s in node.get("inputs", []))
+            if required and not build_workflows.is_widget(spec) and not linked:
+                problems.append(f"{where}: required input {name!r} is not connected")
+    return problems
+
+
+@pytest.mark.parametrize("path", UI_FILES, ids=ids(UI_FILES))
+def test_ui_workflow_matches_object_info(object_info, path):
+    workflow = json.loads(path.read_text())
+    assert workflow.get("version") == 0.4 and workflow["nodes"], f"{path.name} is not a UI-format workflow"
+    assert ui_problems(workflow, object_info) == []
+
+
+def test_every_ui_workflow_has_its_api_twin():
+    assert UI_FILES, "no UI-format workflow shipped"
+    missing = [p.name for p in UI_FILES if not (WORKFLOWS / f"{p.stem}_api.json").exists()]
+    assert missing == []
+
+
+@pytest.mark.parametrize("make", build_workflows.WORKFLOWS, ids=[m.__name__ for m in build_workflows.WORKFLOWS])
+def test_shipped_files_are_what_the_generator_builds(object_info, make):
+    workflow = make()
+    ui, api = build_workflows.build(workflow, object_info)
+    hint = "re-run `python workflows/build_workflows.py --server <url>` and review the diff"
+    assert json.loads((WORKFLOWS / f"{workflow.name}.json").read_text()) == ui, hint
+    assert json.loads((WORKFLOWS / f"{workflow.name}_api.json").read_text()) == api, hint
+
+
+# --- the server's own validation and real runs -----------------------------------------------------------------
+REAL_MODEL_WORKFLOWS = [m for m in build_workflows.WORKFLOWS if m.__name__ not in build_workflows.TINY_WORKFLOWS]
+
+
+def post_prompt(server, prompt: dict) -> tuple[int, dict]:
+    """POST /prompt; (HTTP status, ComfyUI's JSON answer)."""
+    request = urllib.request.Request(server.url + "/prompt", data=json.dumps({"prompt": prompt}).encode(),
+                                     headers={"Content-Type": "application/json"}, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, json.load(response)
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+@pytest.mark.parametrize("make", REAL_MODEL_WORKFLOWS, ids=[m.__name__ for m in REAL_MODEL_WORKFLOWS])
+def test_server_rejects_real_model_workflow_only_for_missing_model_files(comfy_server, make):
+    name = make().name
+    prompt = json.loads((WORKFLOWS / f"{name}_api.json").read_text())
+    model_files = {v for node in prompt.values() for v in node["inputs"].values() if is_model_file(v)}
+    assert model_files, f"{name} names no model file"
+    status, answer = post_prompt(comfy_server, prompt)
+    if status == 200:  # it would start a real-model run: stop it, then fail
+        comfy_server.delete_queued(answer["prompt_id"])
+        comfy_server.interrupt(answer["prompt_id"])
+        pytest.fail(f"{name}: the server accepted a workflow whose model files it does not have")
+    errors = [(node_id, error) for node_id, node in answer.get("node_errors", {}).items() for error in node["errors"]]
+    assert errors, answer
+    unexpected = [(node_id, error) for node_id, error in errors
+                  if error["type"] != "value_not_in_list" or error["extra_info"]["received_value"] not in model_files]
+    assert unexpected == []
+
+
+@pytest.mark.parametrize("name", sorted(build_workflows.TINY_WORKFLOWS))
+def test_tiny_workflow_runs_to_completion(comfy_server, name):
+    prompt = json.loads((WORKFLOWS / f"{name}_api.json").read_text())
+    # A run name of its own, so a run left by an earlier test does not make this one resume.
+    run_name = f"{name}_{uuid.uuid4().hex[:8]}"
+    for node in prompt.values():
+        if "run_name" in node["inputs"]:
+            node["inputs"]["run_name"] = run_name
+    execution = comfy_server.run_workflow(prompt, timeout=900)
+    assert execution.status == "success"
+    monitors = [node_id for node_id, node in prompt.items() if node["class_type"] == "HeadroomVRAMMonitor"]
+    assert monitors, f"{name} has no memory monitor"
+    for node_id in monitors:
+        assert execution.outputs[node_id]["headroom_vram"], f"monitor {node_id} reported nothing"
+    # What the run trained was saved where the stock loaders look (file names start with the run name).
+    saved = [path for folder in ("loras", "controlnet")
+             for path in (comfy_server.base_dir / "models" / folder).rglob(f"{run_name}*.safetensors")]
+    assert saved, f"no models/loras or models/controlnet file of run {run_name}"

@@ -1,0 +1,86 @@
+"""Aspect-ratio buckets: equal-area sizes on the model's side step, nearest-aspect assignment,
+resize + crop (center / seeded random) and mirroring."""
+import math
+
+import pytest
+import torch
+
+from headroom.training.data.buckets import apply_crop, make_buckets, nearest_bucket, plan_crop
+
+
+@pytest.mark.parametrize("resolution,step", [(512, 64), (1024, 64), (1024, 16), (64, 16), (768, 32)])
+def test_buckets_are_equal_area_on_the_step_and_symmetric(resolution, step):
+    buckets = make_buckets(resolution, step)
+    area = resolution * resolution
+    assert (resolution, resolution) in buckets
+    for width, height in buckets:
+        assert width % step == 0 and height % step == 0
+        assert width * height <= area
+        # The long side is the largest step multiple within the area: one more step would exceed it.
+        short, long = min(width, height), max(width, height)
+        assert short * (long + step) > area
+        assert max(width, height) / min(width, height) <= 4.0
+        assert (height, width) in buckets  # portrait and landscape match
+    assert len(set(buckets)) == len(buckets)
+
+
+def test_bucket_list_for_a_known_case():
+    assert make_buckets(64, 16) == [(32, 128), (48, 80), (64, 64), (80, 48), (128, 32)]
+    assert make_buckets(64, 64) == [(64, 64)]
+
+
+@pytest.mark.parametrize("resolution,step", [(500, 64), (512, 12), (32, 64)])
+def test_bad_bucket_settings_are_rejected_with_the_values(resolution, step):
+    with pytest.raises(ValueError, match=str(step)):
+        make_buckets(resolution, step)
+
+
+def test_nearest_bucket_follows_aspect_ratio():
+    buckets = make_buckets(1024, 64)
+    assert nearest_bucket(2000, 2000, buckets) == (1024, 1024)
+    wide = nearest_bucket(1920, 1080, buckets)
+    tall = nearest_bucket(1080, 1920, buckets)
+    assert wide[0] > wide[1] and tall == (wide[1], wide[0])
+    best = min(abs(math.log(b[0] / b[1]) - math.log(1920 / 1080)) for b in buckets)
+    assert abs(math.log(wide[0] / wide[1]) - math.log(1920 / 1080)) == best
+
+
+def test_plan_covers_the_bucket_and_centers_the_crop():
+    plan = plan_crop((300, 200), (128, 64), "center", seed=0, item_id="a", flip=False)
+    assert plan.resized[0] >= 128 and plan.resized[1] >= 64
+    assert plan.resized == (128, 85)  # width fits exactly, height overhangs
+    assert plan.offset == (0, (85 - 64) // 2)
+
+
+def test_random_crop_is_seeded_per_item_and_in_bounds():
+    plans = {seed: plan_crop((400, 100), (64, 64), "random", seed=seed, item_id="img", flip=False) for seed in range(20)}
+    for plan in plans.values():
+        assert 0 <= plan.offset[0] <= plan.resized[0] - 64 and plan.offset[1] == 0
+    assert plan_crop((400, 100), (64, 64), "random", seed=3, item_id="img", flip=False) == plans[3]
+    assert len({plan.offset for plan in plans.values()}) > 1  # seeds differ
+    per_item = {plan_crop((400, 100), (64, 64), "random", seed=3, item_id=f"img{i}", flip=False).offset for i in range(20)}
+    assert len(per_item) > 1  # items differ too
+    with pytest.raises(ValueError, match="crop"):
+        plan_crop((10, 10), (8, 8), "top", seed=0, item_id="x", flip=False)
+
+
+def test_apply_crop_takes_the_planned_window_and_mirrors():
+    image = torch.rand(128, 64, 3)  # H=128, W=64
+    plan = plan_crop((64, 128), (64, 64), "center", seed=0, item_id="x", flip=False)
+    assert plan.resized == (64, 128) and plan.offset == (0, 32)
+    out = apply_crop(image, plan)
+    assert out.shape == (64, 64, 3) and out.dtype == torch.float32
+    assert torch.equal(out, image[32:96])  # no resize needed: the crop is exact pixels
+    mirrored = apply_crop(image, plan_crop((64, 128), (64, 64), "center", seed=0, item_id="x", flip=True))
+    assert torch.equal(mirrored, out.flip(1))
+
+
+def test_apply_crop_resizes_within_range():
+    image = torch.rand(100, 150, 3)
+    plan = plan_crop((150, 100), (64, 48), "center", seed=0, item_id="x", flip=False)
+    out = apply_crop(image, plan)
+    assert out.shape == (48, 64, 3)
+    assert out.min() >= 0 and out.max() <= 1
+    # A flat image stays flat through resize + crop.
+    flat = apply_crop(torch.full((100, 150, 3), 0.25), plan)
+    assert torch.allclose(flat, torch.full_like(flat, 0.25), atol=1e-6)

@@ -1,0 +1,426 @@
+"""The cache engine without ComfyUI: datasets and their errors, content-addressed keys, hits without
+encoder calls, checksums that catch corrupt / truncated shards, resume after a cancel, atomic
+writes on a full disk, and the reading side (LatentCache / TextCache / bucket_batches).
+
+The encoders here are small deterministic functions (this file tests the store, not an encoder);
+tests/comfy/test_cache_nodes.py runs the same paths with ComfyUI's real VAE and CLIP.
+"""
+import errno
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from headroom.training.data import cache_store
+from headroom.training.data.cache_store import (
+    CacheStoreError, ShardStore, bucket_batches, cache_latents, cache_text, fingerprint_state_dict,
+    fingerprint_value, text_key,
+)
+from headroom.training.data.dataset import (
+    DatasetError, dataset_from_folder, dataset_from_tensors, folder_signature, split_captions,
+)
+from headroom.training.data.synthetic import generate_shapes
+
+
+class CountingVae:
+    """pixels [1, H, W, 3] -> [1, 4, H/8, W/8]: a fixed function of the pixels, counting its calls."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, pixels):
+        self.calls += 1
+        x = pixels.movedim(-1, 1)
+        x = torch.cat([x, x.mean(1, keepdim=True)], dim=1)
+        return torch.nn.functional.avg_pool2d(x, 8)
+
+
+class CountingTextEncoder:
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, text):
+        self.calls.append(text)
+        seed = int(hashlib.sha256(text.encode()).hexdigest()[:8], 16)
+        g = torch.Generator().manual_seed(seed)
+        return {"cross_attn": torch.randn(5, 8, generator=g), "pooled_output": torch.randn(8, generator=g)}
+
+
+def write_folder(folder: Path, count=4, resolution=64, controls: Path | None = None, seed=0) -> list[str]:
+    data = generate_shapes(count, resolution, seed=seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    for i in range(count):
+        pixels = (data.images[i].numpy() * 255).round().astype(np.uint8)
+        Image.fromarray(pixels).save(folder / f"img{i}.png")
+        (folder / f"img{i}.txt").write_text(data.captions[i] + "\n", encoding="utf-8")
+        if controls is not None:
+            controls.mkdir(parents=True, exist_ok=True)
+            mask = (data.control_images[i].numpy() * 255).astype(np.uint8)
+            Image.fromarray(mask).save(controls / f"img{i}.png")
+    return data.captions
+
+
+def folder_dataset(folder, **overrides):
+    options = dict(resolution=64, step=16, crop="center", flip=False, seed=0, skip_bad=False)
+    options.update(overrides)
+    control = options.pop("control_folder", None)
+    return dataset_from_folder(folder, control, **options)
+
+
+# --- datasets ----------------------------------------------------------------------------------------
+
+
+def test_folder_dataset_is_a_lazy_description(tmp_path):
+    captions = write_folder(tmp_path / "data", count=3)
+    dataset = folder_dataset(tmp_path / "data")
+    assert [item.caption for item in dataset.items] == captions
+    assert [item.name for item in dataset.items] == ["img0.png", "img1.png", "img2.png"]
+    assert all(isinstance(item.image.path, Path) for item in dataset.items)  # paths, not pixels
+    assert dataset.items[0].image.size() == (64, 64)
+    pixels = dataset.items[0].image.load()
+    assert pixels.shape == (64, 64, 3) and pixels.dtype == torch.float32 and 0 <= pixels.min() <= pixels.max() <= 1
+
+
+def test_exif_rotation_is_applied_to_size_and_pixels(tmp_path):
+    folder = tmp_path / "data"
+    folder.mkdir()
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotate 90: stored 64 wide x 32 high, shown 32 wide x 64 high
+    Image.new("RGB", (64, 32), (255, 0, 0)).save(folder / "a.jpg", exif=exif)
+    (folder / "a.txt").write_text("red")
+    item = folder_dataset(folder).items[0]
+    assert item.image.size() == (32, 64)
+    assert item.image.load().shape == (64, 32, 3)
+
+
+@pytest.mark.parametrize("problem", ["missing_caption", "corrupt_image", "unsupported_file", "missing_control",
+                                     "control_size"])
+def test_folder_problems_name_the_file_and_fix_or_are_skipped(tmp_path, problem):
+    folder, controls = tmp_path / "data", tmp_path / "control"
+    write_folder(folder, count=3, controls=controls)
+    if problem == "missing_caption":
+        (folder / "img1.txt").unlink()
+        culprit, fix = "img1.png", "write the caption"
+    elif problem == "corrupt_image":
+        (folder / "img1.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"garbage" * 10)
+        culprit, fix = "img1.png", "re-export it or remove it"
+    elif problem == "unsupported_file":
+        (folder / "notes.psd").write_bytes(b"8BPS")
+        culprit, fix = "notes.psd", "move it out"
+    elif problem == "missing_control":
+        (controls / "img1.png").unlink()
+        culprit, fix = "img1.png", "add one"
+    else:
+        Image.new("RGB", (32, 32)).save(controls / "img1.png")
+        culprit, fix = "img1.png", "resize the control image"
+    with pytest.raises(DatasetError) as error:
+        folder_dataset(folder, control_folder=controls)
+    assert culprit in str(error.value) and fix in str(error.value) and "skip_bad" in str(error.value)
+
+    dataset = folder_dataset(folder, control_folder=controls, skip_bad=True)
+    expected = 3 if problem == "unsupported_file" else 2
+    assert len(dataset) == expected
+    assert len(dataset.warnings) == 1 and culprit in dataset.warnings[0]
+
+
+def test_empty_folder_and_missing_folder(tmp_path):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "orphan.txt").write_text("a caption without image")
+    with pytest.raises(DatasetError, match="no usable images in .*empty"):
+        folder_dataset(tmp_path / "empty")
+    with pytest.raises(DatasetError, match="does not exist"):
+        folder_dataset(tmp_path / "nope")
+
+
+def test_tensor_dataset_checks_counts_and_sizes():
+    data = generate_shapes(3, 32, seed=1)
+    captions = split_captions("\n".join(data.captions) + "\n")
+    assert captions == data.captions
+    dataset = dataset_from_tensors(data.images, captions, data.control_images, resolution=32, step=16)
+    assert len(dataset) == 3 and dataset.has_control
+    assert dataset.items[1].image.load().data_ptr() == data.images[1].data_ptr()  # a view, no copy
+    with pytest.raises(DatasetError, match="3 images but 2 captions"):
+        dataset_from_tensors(data.images, captions[:2], resolution=32, step=16)
+    with pytest.raises(DatasetError, match="does not match images"):
+        dataset_from_tensors(data.images, captions, data.control_images[:, :16], resolution=32, step=16)
+
+
+def test_folder_signature_changes_when_a_caption_changes(tmp_path):
+    write_folder(tmp_path / "data", count=2)
+    before = folder_signature(tmp_path / "data")
+    assert folder_signature(tmp_path / "data") == before
+    (tmp_path / "data" / "img1.txt").write_text("a longer, edited caption")
+    assert folder_signature(tmp_path / "data") != before
+
+
+# --- fingerprints ------------------------------------------------------------------------------------
+
+
+def test_fingerprint_sees_values_shapes_dtypes_and_names():
+    g = torch.Generator().manual_seed(0)
+    weights = {"a.weight": torch.randn(64, 64, generator=g), "a.bias": torch.randn(64, generator=g)}
+    base = fingerprint_state_dict(weights)
+    assert fingerprint_state_dict({k: v.clone() for k, v in weights.items()}) == base
+    finetuned = {k: v + 1e-3 * torch.randn(v.shape, generator=g) for k, v in weights.items()}
+    assert fingerprint_state_dict(finetuned) != base
+    assert fingerprint_state_dict({k: v.half() for k, v in weights.items()}) != base
+    assert fingerprint_state_dict({"b.weight": weights["a.weight"], "a.bias": weights["a.bias"]}) != base
+    big = torch.zeros(1 << 22)  # only a strided sample of a big tensor is read
+    assert fingerprint_state_dict({"w": big}) != fingerprint_state_dict({"w": big.reshape(1024, -1)})
+    patches = {"a.weight": [(1.0, (torch.ones(4, 2), torch.ones(2, 4)), 1.0, None, None)]}
+    stronger = {"a.weight": [(0.5, (torch.ones(4, 2), torch.ones(2, 4)), 1.0, None, None)]}
+    assert fingerprint_value(patches) == fingerprint_value({"a.weight": [(1.0, (torch.ones(4, 2), torch.ones(2, 4)),
+                                                                          1.0, None, None)]})
+    assert fingerprint_value(patches) != fingerprint_value(stronger)
+
+
+# --- latent caching ----------------------------------------------------------------------------------
+
+
+def run_latents(dataset, root, vae=None, **kwargs):
+    vae = vae or CountingVae()
+    cache, report = cache_latents(dataset, ShardStore(root, shard_bytes=kwargs.pop("shard_bytes", 1 << 20)), vae,
+                                  "fp-vae", {"dtype": "float32"}, **kwargs)
+    return cache, report, vae
+
+
+def test_second_run_is_all_hits_with_zero_encoder_calls(tmp_path):
+    data = generate_shapes(6, 64, seed=2)
+    dataset = dataset_from_tensors(data.images, data.captions, resolution=64, step=16)
+    first, report, vae = run_latents(dataset, tmp_path / "cache")
+    assert vae.calls == 6 and report.misses == 6 and report.hits == 0
+    again, report, vae = run_latents(dataset, tmp_path / "cache")
+    assert vae.calls == 0 and report.hits == 6 and report.misses == 0
+    assert len(again) == 6 and again.buckets == {(64, 64): list(range(6))}
+    for i in range(6):
+        expected = CountingVae()(data.images[i : i + 1])[0]
+        assert torch.equal(again.latent(i), expected)
+        assert torch.equal(again.latent(i), first.latent(i))
+        assert again.text_key(i) == text_key(data.captions[i])
+    assert again.latent_channels == 4 and again.control(0) is None
+    assert "6 hits / 0 encoded" in report.summary()
+
+
+def test_flip_caches_mirrored_variants_and_controls_at_bucket_size(tmp_path):
+    data = generate_shapes(2, (48, 80), seed=3)  # 80 wide, 48 high: the (80, 48) bucket at 64 / 16
+    dataset = dataset_from_tensors(data.images, data.captions, data.control_images, resolution=64, step=16, flip=True)
+    cache, report, vae = run_latents(dataset, tmp_path / "cache")
+    assert len(cache) == 4 and report.buckets == 1 and list(cache.buckets) == [(80, 48)]
+    plain, mirrored = cache.latent(0), cache.latent(1)
+    assert torch.equal(plain, CountingVae()(data.images[0:1])[0])
+    assert torch.equal(mirrored, CountingVae()(data.images[0:1].flip(2))[0])
+    assert torch.equal(cache.control(0), data.control_images[0])
+    assert torch.equal(cache.control(1), data.control_images[0].flip(1))
+    assert cache.text_key(0) == cache.text_key(1)
+
+
+def test_control_as_latents_goes_through_the_encoder(tmp_path):
+    data = generate_shapes(2, 32, seed=4)
+    dataset = dataset_from_tensors(data.images, data.captions, data.control_images, resolution=32, step=16)
+    cache, _, vae = run_latents(dataset, tmp_path / "cache", control_encoding="latents")
+    assert vae.calls == 4 and cache.control_kind == "latents"
+    assert torch.equal(cache.control(1), CountingVae()(data.control_images[1:2])[0])
+    # Pixels and latents are different entries: switching encodes again.
+    _, report, _ = run_latents(dataset, tmp_path / "cache", control_encoding="pixels")
+    assert report.misses == 2
+
+
+def test_key_covers_encoder_crop_and_bucket_settings(tmp_path):
+    write_folder(tmp_path / "data", count=2, resolution=(64, 96))  # 96 wide: the 80x48 bucket, 5 px to crop
+    root = tmp_path / "cache"
+    run_latents(folder_dataset(tmp_path / "data"), root)
+    for change, misses in [(dict(crop="random", seed=1), 1), (dict(resolution=48), 2), (dict(flip=True), 2)]:
+        _, report, _ = run_latents(folder_dataset(tmp_path / "data", **change), root)
+        assert report.misses >= misses, change
+    other_encoder = cache_latents(folder_dataset(tmp_path / "data"), ShardStore(root), CountingVae(), "fp-other",
+                                  {"dtype": "float32"})[1]
+    assert other_encoder.misses == 2
+    other_options = cache_latents(folder_dataset(tmp_path / "data"), ShardStore(root), CountingVae(), "fp-vae",
+                                  {"dtype": "bfloat16"})[1]
+    assert other_options.misses == 2
+    assert run_latents(folder_dataset(tmp_path / "data"), root)[1].misses == 0
+
+
+def test_editing_one_caption_reencodes_only_that_text(tmp_path):
+    write_folder(tmp_path / "data", count=4)
+    root = tmp_path / "cache"
+    dataset = folder_dataset(tmp_path / "data")
+    encoder = CountingTextEncoder()
+    cache_text([i.caption for i in dataset.items], ShardStore(root / "text"), encoder, "fp-te", {})
+    run_latents(dataset, root / "latents")
+    assert len(encoder.calls) == 5  # 4 captions + the empty prompt
+
+    (tmp_path / "data" / "img2.txt").write_text("an edited caption")
+    edited = folder_dataset(tmp_path / "data")
+    encoder = CountingTextEncoder()
+    text, report = cache_text([i.caption for i in edited.items], ShardStore(root / "text"), encoder, "fp-te", {})
+    assert encoder.calls == ["an edited caption"] and report.misses == 1 and report.hits == 4
+    _, latent_report, vae = run_latents(edited, root / "latents")
+    assert vae.calls == 0 and latent_report.hits == 4  # latents do not depend on captions
+    cond = text.conditioning(text_key("an edited caption"))
+    assert torch.equal(cond["cross_attn"], CountingTextEncoder()("an edited caption")["cross_attn"])
+    assert set(text.empty_conditioning()) == {"cross_attn", "pooled_output"}
+    with pytest.raises(KeyError, match="different datasets"):
+        text.conditioning(text_key("never cached"))
+
+
+def _shard_files(root):
+    return sorted((Path(root) / "shards").glob("*.safetensors"))
+
+
+def _corrupt_entry(root, key):
+    """Flip bytes inside one entry's latent tensor, leaving the file's header and size intact."""
+    manifest = json.loads((Path(root) / "manifest.json").read_text())
+    shard = Path(root) / "shards" / manifest["entries"][key]["shard"]
+    raw = shard.read_bytes()
+    header_len = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + header_len])
+    start, end = header[f"{key}/latent"]["data_offsets"]
+    position = 8 + header_len + (start + end) // 2
+    shard.write_bytes(raw[:position] + bytes(b ^ 0xFF for b in raw[position : position + 4]) + raw[position + 4 :])
+
+
+def test_corrupt_entry_is_detected_and_only_it_is_rebuilt(tmp_path):
+    data = generate_shapes(5, 32, seed=5)
+    dataset = dataset_from_tensors(data.images, data.captions, resolution=32, step=16)
+    root = tmp_path / "cache"
+    cache, _, _ = run_latents(dataset, root)
+    expected = [cache.latent(i).clone() for i in range(5)]
+    _corrupt_entry(root, cache._items[2][0])
+
+    rebuilt, report, vae = run_latents(dataset, root)
+    assert vae.calls == 1 and report.misses == 1 and report.hits == 4
+    assert any("checksum" in warning for warning in report.warnings)
+    assert all(torch.equal(rebuilt.latent(i), expected[i]) for i in range(5))
+    assert run_latents(dataset, root)[2].calls == 0  # healthy again
+
+
+def test_truncated_shard_is_detected_and_its_entries_rebuilt(tmp_path):
+    data = generate_shapes(6, 32, seed=6)
+    dataset = dataset_from_tensors(data.images, data.captions, resolution=32, step=16)
+    root = tmp_path / "cache"
+    # 256 bytes per entry (4 x 4 x 4 float32) and 600-byte shards: three entries per shard.
+    run_latents(dataset, root, shard_bytes=600)
+    shards = _shard_files(root)
+    assert len(shards) >= 2
+    manifest = json.loads((root / "manifest.json").read_text())["entries"]
+    in_first = sum(1 for entry in manifest.values() if entry["shard"] == shards[0].name)
+    shards[0].write_bytes(shards[0].read_bytes()[:-100])
+
+    cache, report, vae = run_latents(dataset, root, shard_bytes=600)
+    assert vae.calls == in_first and report.hits == 6 - in_first
+    assert any("unreadable shard" in warning for warning in report.warnings)
+    manifest = json.loads((root / "manifest.json").read_text())["entries"]
+    assert {entry["shard"] for entry in manifest.values()} == {p.name for p in _shard_files(root)}
+    assert all(torch.equal(cache.latent(i), CountingVae()(data.images[i : i + 1])[0]) for i in range(6))
+
+
+class Cancelled(BaseException):
+    """Stands for ComfyUI's InterruptProcessingException (also a BaseException)."""
+
+
+def test_cancel_keeps_finished_entries_and_the_next_run_resumes(tmp_path):
+    data = generate_shapes(8, 32, seed=7)
+    dataset = dataset_from_tensors(data.images, data.captions, resolution=32, step=16)
+    root = tmp_path / "cache"
+    vae = CountingVae()
+
+    def cancel_after_three():
+        if vae.calls == 3:
+            raise Cancelled()
+
+    with pytest.raises(Cancelled):
+        run_latents(dataset, root, vae=vae, check_interrupt=cancel_after_three)
+    manifest = json.loads((root / "manifest.json").read_text())
+    assert len(manifest["entries"]) == 3  # what was finished is listed and complete
+    assert not list((root / "shards").glob("*.tmp"))
+
+    cache, report, vae = run_latents(dataset, root)
+    assert report.hits == 3 and vae.calls == 5 and len(cache) == 8
+
+
+def test_disk_full_is_a_clear_error_and_leaves_the_cache_valid(tmp_path, monkeypatch):
+    from faults import disk_full_for, leftovers
+    from headroom.training.data.files import DiskFullError
+
+    data = generate_shapes(4, 32, seed=8)
+    dataset = dataset_from_tensors(data.images, data.captions, resolution=32, step=16)
+    root = tmp_path / "cache"
+    run_latents(dataset_from_tensors(data.images[:2], data.captions[:2], resolution=32, step=16), root)
+    manifest_before = (root / "manifest.json").read_bytes()
+
+    disk_full_for(monkeypatch, ".safetensors")  # the next shard's write meets a full disk (a real ENOSPC)
+    with pytest.raises(DiskFullError, match="disk full: a cache shard could not be written to .*shards") as error:
+        run_latents(dataset, root)
+    assert "Free space" in str(error.value) and "needs about" in str(error.value)
+    assert (root / "manifest.json").read_bytes() == manifest_before
+    assert not leftovers(root)
+    monkeypatch.undo()
+    _, report, vae = run_latents(dataset, root)
+    assert report.hits == 2 and vae.calls == 2
+
+
+def test_unwritable_cache_folder_is_a_clear_error(tmp_path):
+    (tmp_path / "cache").write_text("a file where the cache folder should be")
+    with pytest.raises(CacheStoreError, match="is a file, not a folder"):
+        ShardStore(tmp_path / "cache")
+    store = ShardStore(tmp_path / "blocked" / "latents")
+    (tmp_path / "blocked").mkdir()
+    (tmp_path / "blocked" / "latents").write_text("")  # created between open and write
+    with pytest.raises(CacheStoreError, match="not writable"):
+        store.check_writable()
+
+
+def test_unreadable_manifest_means_rebuild_not_crash(tmp_path):
+    data = generate_shapes(2, 32, seed=9)
+    dataset = dataset_from_tensors(data.images, data.captions, resolution=32, step=16)
+    run_latents(dataset, tmp_path / "cache")
+    (tmp_path / "cache" / "manifest.json").write_text("{ not json")
+    _, report, vae = run_latents(dataset, tmp_path / "cache")
+    assert vae.calls == 2 and report.misses == 2
+    assert json.loads((tmp_path / "cache" / "manifest.json").read_text())["format"] == "headroom-cache-manifest"
+
+
+def test_images_that_fail_to_decode_are_skipped_or_named(tmp_path):
+    write_folder(tmp_path / "data", count=3)
+    lenient = folder_dataset(tmp_path / "data", skip_bad=True)
+    strict = folder_dataset(tmp_path / "data")
+    # Broken after the datasets were made (their header checks passed): the decode is what fails.
+    raw = (tmp_path / "data" / "img1.png").read_bytes()
+    (tmp_path / "data" / "img1.png").write_bytes(raw[: len(raw) // 2])
+    cache, report, vae = run_latents(lenient, tmp_path / "cache")
+    assert len(cache) == 2 and [cache.name(i) for i in range(2)] == ["img0.png", "img2.png"]
+    assert any("img1.png" in warning and warning.startswith("skipped") for warning in report.warnings)
+    with pytest.raises(DatasetError, match="img1.png.*skip_bad"):
+        run_latents(strict, tmp_path / "cache")
+
+
+# --- reading -----------------------------------------------------------------------------------------
+
+
+def test_bucket_batches_stay_in_one_bucket_and_are_deterministic(tmp_path):
+    folder = tmp_path / "data"
+    folder.mkdir()
+    sizes = [(32, 32)] * 5 + [(96, 32)] * 3  # (H, W): the 32x32 and the 16 wide x 64 high bucket at 32 / 16
+    for i, size in enumerate(sizes):
+        pixels = (generate_shapes(1, size, seed=i).images[0].numpy() * 255).astype(np.uint8)
+        Image.fromarray(pixels).save(folder / f"{i}.png")
+        (folder / f"{i}.txt").write_text(f"item {i}")
+    cache, _, _ = run_latents(folder_dataset(folder, resolution=32, step=16), tmp_path / "cache")
+    assert cache.buckets == {(16, 64): [5, 6, 7], (32, 32): [0, 1, 2, 3, 4]}
+
+    batches = bucket_batches(cache, batch_size=2, seed=1, epoch=0)
+    assert sorted(i for batch in batches for i in batch) == list(range(8))
+    assert all(len({cache.bucket(i) for i in batch}) == 1 for batch in batches)
+    assert sorted(len(batch) for batch in batches) == [1, 1, 2, 2, 2]
+    assert batches == bucket_batches(cache, batch_size=2, seed=1, epoch=0)
+    assert batches != bucket_batches(cache, batch_size=2, seed=1, epoch=1)
+    for batch in batches:
+        width, height = cache.bucket(batch[0])
+        assert cache.latent(batch[0]).shape == (4, height // 8, width // 8)
+    with pytest.raises(ValueError, match="batch_size"):
+        bucket_batches(cache, batch_size=0, seed=0, epoch=0)

@@ -1,0 +1,375 @@
+"""The planner: optimizer state model, low-bit sizes, itemised phases, policy choice, activation measurement."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from headroom.training.memory import planner
+from headroom.training.core.adapters import AdapterConfig, AdapterSet, select_targets
+from headroom.training.memory.lowbit import LowBitBase
+from headroom.training.core.optimizers import OptimizerConfig, create_optimizer
+from headroom.training.memory.planner import (ActivationLaw, BlockProfile, ModelDescription, RunShape, TrainableSpec, estimate,
+                                       next_smaller_policy, plan_auto)
+from headroom.training.memory.policy import GIB, OffloadPolicy
+
+torch.set_num_threads(2)
+MIB = 2 ** 20
+
+
+@pytest.mark.parametrize("name", ["AdamW", "AdamW8bit", "Lion8bit", "Adafactor", "CAME", "Prodigy"])
+def test_optimizer_state_model_matches_the_libraries(name):
+    shapes = [(16, 3072), (3072, 16), (16, 100), (300,)]
+    params = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    optimizer = create_optimizer(params, OptimizerConfig(name=name, lr=1.0 if name == "Prodigy" else 1e-3), device="cpu")
+    for p in params:
+        p.grad = torch.randn_like(p)
+    optimizer.step()
+    tensors = {id(v): v for state in optimizer.state.values() for v in state.values()
+               if torch.is_tensor(v) and v.numel() > 1}  # per-tensor scalars (step, RMS) are noise
+    measured = sum(t.numel() * t.element_size() for t in tensors.values())
+    modelled = TrainableSpec(tuple(shapes), name).optimizer_bytes()
+    assert abs(measured - modelled) <= 0.02 * measured + 4096, (measured, modelled)
+
+
+@pytest.mark.parametrize("storage", ["fp8", "int8", "nf4"])
+def test_low_bit_weight_bytes_match_the_stored_tensors(storage):
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.LayerNorm(256), torch.nn.Linear(256, 64)).requires_grad_(False)
+    profile = planner.describe_blocks([("block", block)], [ActivationLaw()], [ActivationLaw()])[0]
+    root = torch.nn.Sequential(block)
+    base = LowBitBase(root, storage, "cpu")
+    actual = planner.frozen_bytes(root)  # packed linears + biases + the norm, as they now are
+    assert abs(profile.weight_bytes(storage) - actual) <= 0.01 * actual
+    base.detach()
+    assert profile.weight_bytes("as_loaded") == planner.frozen_bytes(root)
+
+
+def toy_description(blocks=4, block_weights=1 * GIB, saved=200 * MIB, inputs=20 * MIB):
+    per_px = 1 / 4096  # laws per latent pixel: the figures hold at a 64x64 latent (512 px)
+    profile = BlockProfile("b", block_weights, linear_weight_bytes=block_weights // 2,
+                           linear_weight_numel=block_weights // 4, linear_rows=4096, linear_count=8,
+                           saved=ActivationLaw(0, saved * per_px, 0), inputs=ActivationLaw(0, inputs * per_px, 0))
+    return ModelDescription("toy", tuple(profile for _ in range(blocks)), other_param_bytes=100 * MIB,
+                            latent_channels=4, inference_bytes_per_latent_px=10 * MIB / 4096,
+                            text_encoder_bytes=300 * MIB, vae_bytes=160 * MIB, vae_encode_bytes_per_px=500,
+                            vae_decode_bytes_per_px=2000)
+
+
+TRAINABLE = TrainableSpec(((64, 4096), (4096, 64)) * 10, "AdamW")
+SHAPE = RunShape(batch=1, width=512, height=512)
+
+
+def test_checkpointing_keeps_only_block_inputs():
+    d = toy_description()
+    off = estimate(d, TRAINABLE, SHAPE, OffloadPolicy()).phase("training step").items
+    blocks = estimate(d, TRAINABLE, SHAPE, OffloadPolicy(checkpointing="blocks")).phase("training step").items
+    offload = estimate(d, TRAINABLE, SHAPE, OffloadPolicy(checkpointing="blocks_cpu_offload"))
+    assert off["saved activations, all blocks"] == 4 * 200 * MIB
+    assert blocks["checkpointed block inputs"] == 4 * 20 * MIB
+    assert blocks["one block recomputed in backward"] == 200 * MIB
+    assert offload.phase("training step").items["block inputs in flight (2 blocks)"] == 2 * 20 * MIB
+    assert offload.host_bytes["offloaded block inputs"] == 4 * 20 * MIB
+
+
+def test_placement_storage_and_optimizer_items():
+    d = toy_description()
+    resident = estimate(d, TRAINABLE, SHAPE, OffloadPolicy()).phase("training step").items
+    assert resident["frozen block weights (as_loaded)"] == 4 * GIB
+    streamed = estimate(d, TRAINABLE, SHAPE, OffloadPolicy(base_placement="streamed", checkpointing="blocks"))
+    assert streamed.phase("training step").items["streamed block buffers (2 blocks)"] == 2 * GIB
+    assert streamed.host_bytes["streamed block weights"] == 4 * GIB
+    nf4 = estimate(d, TRAINABLE, SHAPE, OffloadPolicy(base_storage="nf4")).phase("training step").items
+    assert nf4["frozen block weights (nf4)"] < 0.8 * resident["frozen block weights (as_loaded)"]
+    host = estimate(d, TRAINABLE, SHAPE, OffloadPolicy(optimizer_state="cpu"))
+    assert "optimizer state (AdamW)" not in host.phase("training step").items
+    assert host.host_bytes["optimizer state + fp32 master weights"] == 12 * TRAINABLE.param_count
+    assert resident["optimizer state (AdamW)"] == 8 * TRAINABLE.param_count
+
+
+def test_partial_placement_fills_the_budget():
+    d = toy_description()
+    policy = OffloadPolicy(base_placement="partial", checkpointing="blocks")
+    roomy = estimate(d, TRAINABLE, SHAPE, policy, budget_bytes=64 * GIB).phase("training step").items
+    assert roomy["resident block weights (as_loaded, partial)"] == 4 * GIB and roomy["streamed block buffers (2 blocks)"] == 0
+    tight = estimate(d, TRAINABLE, SHAPE, policy, budget_bytes=int(3.5 * GIB))
+    items = tight.phase("training step").items
+    assert 0 < items["resident block weights (as_loaded, partial)"] < 4 * GIB
+    assert tight.phase("training step").total <= 3.5 * GIB
+    assert tight.host_bytes["streamed block weights"] == 4 * GIB - items["resident block weights (as_loaded, partial)"]
+
+
+def test_parking_and_validation_phases():
+    d = toy_description()
+    parked = estimate(d, TRAINABLE, SHAPE, OffloadPolicy()).phase("validation")
+    kept = estimate(d, TRAINABLE, SHAPE, OffloadPolicy(park_optimizer_during_validation=False)).phase("validation")
+    assert "optimizer state (AdamW)" not in parked.items and "gradients (fp32)" not in parked.items
+    assert kept.total - parked.total >= 12 * TRAINABLE.param_count
+    assert parked.items["sampling working set (ComfyUI estimate, cond+uncond)"] == 20 * MIB
+    plan = estimate(d, TRAINABLE, SHAPE, OffloadPolicy())
+    assert plan.phase("caching (text encoders)").total == 300 * MIB
+    assert plan.phase("validation decode").items["decode working set"] == 2000 * 512 * 512
+    tiled = estimate(d, TRAINABLE, SHAPE, OffloadPolicy(vae_tiled_decode="on"))
+    assert "decode working set (tiled 512 px)" in tiled.phase("validation decode").items
+    assert plan.peak.phase == "training step" and plan.fits is None
+
+
+def test_activations_scale_with_batch_and_resolution():
+    d = toy_description()
+    one = estimate(d, TRAINABLE, SHAPE, OffloadPolicy()).phase("training step").items["saved activations, all blocks"]
+    big = estimate(d, TRAINABLE, RunShape(2, 1024, 1024), OffloadPolicy()).phase("training step").items
+    assert big["saved activations, all blocks"] == 8 * one
+
+
+def test_json_and_text_outputs():
+    d = toy_description()
+    plan = estimate(d, TRAINABLE, SHAPE, OffloadPolicy(), budget_bytes=8 * GIB)
+    data = json.loads(plan.to_json())
+    assert data["format"] == "headroom.memory_plan" and data["fits"] is True
+    assert {p["phase"] for p in data["phases"]} >= {"training step", "validation", "save", "caching (VAE encode)"}
+    assert all(p["total_bytes"] == sum(p["items"].values()) for p in data["phases"])
+    text = plan.to_text()
+    assert "training step" in text and "saved activations, all blocks" in text and "fits" in text
+    assert ModelDescription.from_dict(json.loads(json.dumps(d.to_dict()))) == d
+
+
+def test_auto_picks_the_fastest_policy_that_fits():
+    d = toy_description()
+    roomy = plan_auto(d, TRAINABLE, SHAPE, OffloadPolicy(), budget_bytes=40 * GIB)
+    assert (roomy.policy.base_placement, roomy.policy.checkpointing, roomy.policy.optimizer_state) == ("resident", "off", "gpu")
+    off_peak = roomy.peak_bytes
+    squeezed = plan_auto(d, TRAINABLE, SHAPE, OffloadPolicy(), budget_bytes=off_peak - 100 * MIB)
+    assert squeezed.policy.base_placement == "resident" and squeezed.policy.checkpointing != "off"
+    assert "Faster options over budget: resident/off/optimizer gpu needs" in squeezed.reason
+    tight = plan_auto(d, TRAINABLE, SHAPE, OffloadPolicy(), budget_bytes=3 * GIB)
+    assert tight.fits and tight.policy.base_placement in ("partial", "streamed")
+    assert tight.policy.base_storage == "as_loaded"
+
+
+def test_auto_lowers_precision_only_when_nothing_else_fits_and_says_so():
+    d = toy_description(blocks=2, block_weights=3 * GIB)  # two huge blocks: streaming needs both in memory
+    plan = plan_auto(d, TRAINABLE, SHAPE, OffloadPolicy(), budget_bytes=int(5 * GIB))
+    assert plan.fits and plan.policy.base_storage != "as_loaded"
+    assert "changes its numerics" in plan.reason
+    nothing = plan_auto(d, TRAINABLE, SHAPE, OffloadPolicy(), budget_bytes=GIB)
+    assert nothing.fits is False and "nothing fits" in nothing.reason
+
+
+def test_next_smaller_policy_after_out_of_memory():
+    d = toy_description()
+    current = OffloadPolicy()
+    current_peak = estimate(d, TRAINABLE, SHAPE, current).peak_bytes
+    following = next_smaller_policy(d, TRAINABLE, SHAPE, current)
+    assert following is not None and following.peak_bytes < current_peak
+    # moving the small LoRA optimizer state to the host would not help: checkpointing comes next
+    assert (following.policy.checkpointing, following.policy.optimizer_state) == ("blocks", "gpu")
+    last = OffloadPolicy(base_placement="streamed", checkpointing="blocks_cpu_offload", optimizer_state="cpu",
+                         base_storage="nf4")
+    assert next_smaller_policy(d, TRAINABLE, SHAPE, last) is None
+
+
+# --- measuring activations --------------------------------------------------------------------------------
+class ToyBlock(torch.nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(width)
+        self.q = torch.nn.Linear(width, width)
+        self.kv = torch.nn.Linear(width, 2 * width)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(width, 3 * width), torch.nn.GELU(), torch.nn.Linear(3 * width, width))
+
+    def forward(self, x, context):
+        h = self.norm(x)
+        k, v = self.kv(torch.cat([context, h], 1)).chunk(2, dim=-1)
+        x = x + torch.nn.functional.scaled_dot_product_attention(self.q(h), k, v)
+        return x + self.mlp(x)
+
+
+class ToyModel(torch.nn.Module):
+    def __init__(self, width=32):
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = torch.nn.Linear(4, width)
+        self.blocks = torch.nn.ModuleList([ToyBlock(width) for _ in range(3)])
+        self.out = torch.nn.Linear(width, 4)
+        self.requires_grad_(False)
+
+    def forward(self, latent, context):
+        x = self.proj(latent.flatten(2).transpose(1, 2))
+        for block in self.blocks:
+            x = block(x, context=context)
+        return self.out(x)
+
+
+def measure(model, h, w, tokens):
+    g = torch.Generator().manual_seed(0)
+    latent = torch.randn(1, 4, h, w, generator=g)
+    context = torch.randn(1, tokens, 32, generator=g)
+    return planner.measure_activations(lambda: model(latent, context), list(model.blocks),
+                                       weights=list(model.parameters()), latent_area=h * w, text_tokens=tokens)
+
+
+def lora_model():
+    model = ToyModel()
+    config = AdapterConfig(rank=4, alpha=4, targets="all_linear")
+    adapters = AdapterSet(model, select_targets(model, None, config, [f"blocks.{i}" for i in range(3)]), config)
+    adapters.attach(model)
+    return model
+
+
+def test_profile_from_small_sizes_predicts_a_large_one():
+    model = lora_model()
+    samples = [measure(model, 8, 8, 4), measure(model, 8, 16, 4), measure(model, 8, 8, 12)]
+    saved, inputs, outside = planner.fit_profile(samples)
+    large = measure(model, 32, 48, 40)
+    for law, actual in zip(saved, large.block_saved):
+        assert law.at(32 * 48, 40) == pytest.approx(actual, rel=0.05)
+    for law, actual in zip(inputs, large.block_inputs):
+        assert law.at(32 * 48, 40) == pytest.approx(actual, rel=0.05)
+    assert large.block_inputs[0] == 32 * 48 * 32 * 4 + 40 * 32 * 4  # x and the text context, fp32
+
+
+def test_saved_tensors_are_counted_once_and_weights_never():
+    model = lora_model()
+    sample = measure(model, 16, 16, 8)
+    total = []
+    seen = set()
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    def pack(t):
+        key = t.untyped_storage().data_ptr()
+        if key not in seen and key not in weights:
+            seen.add(key)
+            total.append(t.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(torch.randn(1, 4, 16, 16), torch.randn(1, 8, 32))
+    assert sample.total_saved == sum(total) > 0
+    assert all(saved > 0 for saved in sample.block_saved)
+
+
+def test_description_from_modules():
+    model = lora_model()
+    samples = [measure(model, 8, 8, 4), measure(model, 8, 16, 4), measure(model, 8, 8, 12)]
+    saved, inputs, outside = planner.fit_profile(samples)
+    blocks = planner.describe_blocks([(f"blocks.{i}", b) for i, b in enumerate(model.blocks)], saved, inputs)
+    assert sum(b.param_bytes for b in blocks) + planner.frozen_bytes(model.proj) + planner.frozen_bytes(model.out) == \
+        planner.frozen_bytes(model)
+    assert blocks[0].linear_count == 4 and blocks[0].linear_weight_numel == 32 * 32 + 64 * 32 + 96 * 32 + 32 * 96
+    assert math.isclose(outside.at(64, 4), samples[0].outside_saved, rel_tol=1e-6)
+    with pytest.raises(ValueError, match="differ in latent area"):
+        planner.fit_profile([samples[0], samples[0]])
+
+
+# --- out of memory -----------------------------------------------------------------------------------------
+def test_out_of_memory_saves_frees_and_names_the_next_policy():
+    import weakref
+
+    from headroom.training.memory.oom import is_out_of_memory, out_of_memory
+
+    calls = []
+    held = []
+
+    def failing_step():
+        activations = torch.zeros(1000)  # only the failed step's frame holds it
+        held.append(weakref.ref(activations))
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    d = toy_description()
+    try:
+        failing_step()
+    except torch.OutOfMemoryError as caught:
+        assert is_out_of_memory(caught)
+        error = out_of_memory("training step", caught, "cpu", save_checkpoint=lambda: calls.append("save"),
+                              free_memory=lambda: calls.append("free"),
+                              next_plan=lambda: next_smaller_policy(d, TRAINABLE, SHAPE, OffloadPolicy()))
+    assert held[0]() is None  # the traceback no longer keeps the step's tensors alive
+    assert calls == ["save", "free"]
+    message = str(error)
+    assert message.startswith("Out of memory during training step (no device peak figure on this device)")
+    assert "The last completed step is saved; device memory was freed." in message
+    assert "Next policy to try: " + error.next_plan.policy.describe() in message
+    assert error.phase == "training step" and error.peak_bytes is None
+
+
+def test_out_of_memory_without_a_smaller_policy_or_a_working_save():
+    from headroom.training.memory.oom import is_out_of_memory, out_of_memory
+
+    def broken_save():
+        raise OSError("disk full")
+
+    error = out_of_memory("validation", RuntimeError("CUDA error: out of memory"), "cpu", save_checkpoint=broken_save,
+                          next_plan=lambda: None)
+    assert "Saving the checkpoint failed too (disk full)." in str(error)
+    assert "No smaller policy is left: lower the batch size or the resolution" in str(error)
+    assert is_out_of_memory(RuntimeError("CUDA error: out of memory")) and not is_out_of_memory(RuntimeError("other"))
+
+
+def test_measuring_keeps_nothing_alive():
+    """A calibration forward's graph is freed when the measurement returns (the pack hook used to return the
+    tensor itself: a reference cycle through autograd's C++ graph that gc cannot break, +2.8 GiB per plan at
+    Flux width)."""
+    import gc
+    import weakref
+
+    refs = []
+
+    def forward():
+        x = torch.randn(256, 256, requires_grad=True)
+        refs.append(weakref.ref(x))
+        return torch.sigmoid(x) * 2  # sigmoid saves its own output: the case that formed the cycle
+
+    sample = planner.measure_activations(forward, [])
+    gc.collect()
+    assert sample.outside_saved == 256 * 256 * 4
+    assert refs[0]() is None
+
+
+class CastLinear(torch.nn.Linear):
+    """Computes with a cast copy of its bf16 weight, as ComfyUI's manual-cast ops do."""
+
+    def forward(self, x):
+        return torch.nn.functional.linear(x, self.weight.to(x.dtype), self.bias.to(x.dtype))
+
+
+def test_weight_copies_are_counted_apart_and_dropped_by_low_bit_storage():
+    torch.manual_seed(0)
+    width = 64
+    blocks = torch.nn.ModuleList([torch.nn.Sequential(CastLinear(width, 2 * width), torch.nn.GELU(),
+                                                      CastLinear(2 * width, width)) for _ in range(2)])
+    blocks.to(torch.bfloat16).requires_grad_(False)
+    config = AdapterConfig(rank=4, alpha=4, targets="all_linear")
+    adapters = AdapterSet(blocks, select_targets(blocks, None, config, ["0", "1"]), config)
+    adapters.attach(blocks)
+
+    def sample(tokens):
+        x = torch.randn(1, tokens, width)
+
+        def forward():
+            h = x
+            for block in blocks:
+                h = block(h)
+            return h
+        return planner.measure_activations(forward, list(blocks), weights=list(blocks.parameters()),
+                                           latent_area=tokens, text_tokens=0)
+
+    small, large = sample(8), sample(32)
+    # Every Linear whose input needs a gradient keeps its fp32 copy; the first layer's input does not.
+    fp32_bytes = width * 2 * width * 4
+    assert small.block_weight_copies == [fp32_bytes, 2 * fp32_bytes]
+    assert small.block_linear_copies == small.block_weight_copies == large.block_weight_copies
+    assert all(s < l for s, l in zip(small.block_saved, large.block_saved))  # activations grow, copies do not
+    saved, inputs, _ = planner.fit_profile([small, large])
+    profiles = planner.describe_blocks([("0", blocks[0]), ("1", blocks[1])], saved, inputs, [small, large])
+    assert [p.copies_kept("as_loaded") for p in profiles] == [fp32_bytes, 2 * fp32_bytes]
+    assert [p.copies_kept("fp8") for p in profiles] == [0, 0]
+    description = ModelDescription("toy", profiles, other_param_bytes=0)
+    off = estimate(description, TRAINABLE, SHAPE, OffloadPolicy()).phase("training step").items
+    assert off["weight copies kept for backward, all blocks (manual cast)"] == 3 * fp32_bytes
+    low_bit = estimate(description, TRAINABLE, SHAPE, OffloadPolicy(base_storage="fp8")).phase("training step").items
+    assert low_bit["weight copies kept for backward, all blocks (manual cast)"] == 0
+    checkpointed = estimate(description, TRAINABLE, SHAPE, OffloadPolicy(checkpointing="blocks")).phase("training step")
+    one_block = max(p.saved.at(SHAPE.latent_area(description), 77) + p.copies_kept("as_loaded") for p in profiles)
+    assert checkpointed.items["one block recomputed in backward"] == int(one_block)

@@ -1,0 +1,150 @@
+"""OffloadPolicy: values, clear errors, budget resolution, JSON round trip, and the step-level switches."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from headroom.training.memory.policy import GIB, OffloadPolicy, PolicyError, memory_features, run_policy
+
+
+def test_defaults_are_the_fastest_policy():
+    policy = OffloadPolicy()
+    assert (policy.base_placement, policy.base_storage, policy.checkpointing, policy.optimizer_state) == (
+        "resident", "as_loaded", "off", "gpu")
+    assert policy.budget_is_auto and policy.park_optimizer_during_validation
+
+
+def test_json_round_trip_keeps_every_field():
+    policy = OffloadPolicy(vram_budget_gb=7.5, reserve_gb=0.5, base_placement="streamed", base_storage="nf4",
+                           checkpointing="blocks_cpu_offload", checkpoint_depth=2, optimizer_state="cpu",
+                           park_optimizer_during_validation=False, vae_tiled_decode="on")
+    again = OffloadPolicy.from_json(policy.to_json())
+    assert again == policy
+    assert json.loads(policy.to_json())["format"] == "headroom.offload_policy"
+    assert OffloadPolicy.from_json(OffloadPolicy().to_json()) == OffloadPolicy()
+
+
+@pytest.mark.parametrize("field, value", [
+    ("vram_budget_gb", -1), ("vram_budget_gb", "lots"), ("vram_budget_gb", True), ("reserve_gb", -0.5),
+    ("base_placement", "cloud"), ("base_storage", "int4"), ("checkpointing", "yes"), ("checkpoint_depth", 0),
+    ("checkpoint_depth", 1.5), ("optimizer_state", "disk"), ("vae_tiled_decode", "sometimes"), ("encoders", "keep"),
+    ("park_optimizer_during_validation", "no"),
+])
+def test_bad_values_name_the_field(field, value):
+    with pytest.raises(PolicyError, match=field):
+        OffloadPolicy(**{field: value})
+
+
+@pytest.mark.parametrize("placement", ["partial", "streamed"])
+def test_offloaded_base_needs_checkpointing(placement):
+    with pytest.raises(PolicyError, match="needs checkpointing"):
+        OffloadPolicy(base_placement=placement, checkpointing="off")
+    assert OffloadPolicy(base_placement=placement, checkpointing="blocks").streams_blocks
+
+
+def test_json_errors_are_clear():
+    with pytest.raises(PolicyError, match="not valid JSON"):
+        OffloadPolicy.from_json("{nope")
+    with pytest.raises(PolicyError, match="unknown field.*colour"):
+        OffloadPolicy.from_json(json.dumps({"colour": "red"}))
+    with pytest.raises(PolicyError, match="not a 'headroom.offload_policy'"):
+        OffloadPolicy.from_json(json.dumps({"format": "something.else"}))
+    with pytest.raises(PolicyError, match="base_placement"):
+        OffloadPolicy.from_json(json.dumps({**OffloadPolicy().to_dict(), "base_placement": "moon"}))
+
+
+def test_budget_bytes():
+    assert OffloadPolicy(vram_budget_gb=8).budget_bytes() == 8 * GIB
+    auto = OffloadPolicy(reserve_gb=1.5)
+    assert auto.budget_bytes(free_bytes=10 * GIB) == int(8.5 * GIB)
+    assert auto.resolved(10 * GIB).vram_budget_gb == 8.5
+    with pytest.raises(PolicyError, match="free memory"):
+        auto.budget_bytes()
+    with pytest.raises(PolicyError, match="leaves nothing"):
+        auto.budget_bytes(free_bytes=GIB)
+
+
+def test_policy_is_immutable_and_describes_itself():
+    policy = OffloadPolicy(checkpointing="blocks", checkpoint_depth=2)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        policy.checkpointing = "off"
+    assert "depth 2" in policy.describe() and "budget auto" in policy.describe()
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+@pytest.mark.parametrize("checkpointing", ["off", "blocks", "blocks_cpu_offload"])
+def test_memory_features_switch_on_and_undo(checkpointing):
+    blocks = [_Block(), _Block()]
+    policy = OffloadPolicy(checkpointing=checkpointing)
+    with memory_features(policy, blocks, "cpu") as streamer:
+        wrapped = ["forward" in b.__dict__ for b in blocks]
+        assert streamer is None
+    assert wrapped == [checkpointing != "off"] * 2
+    assert not any("forward" in b.__dict__ for b in blocks)
+
+
+def test_memory_features_streaming_undone_after_an_error():
+    blocks = [_Block(), _Block()]
+    weights = [b.inner.weight for b in blocks]
+    policy = OffloadPolicy(base_placement="streamed", checkpointing="blocks")
+    with pytest.raises(RuntimeError, match="boom"):
+        with memory_features(policy, blocks, "cpu", exercise_on_cpu=True) as streamer:
+            assert streamer.active
+            blocks[0](torch.randn(2, 4))
+            raise RuntimeError("boom")
+    assert not streamer.active
+    assert all(b.inner.weight is w for b, w in zip(blocks, weights))
+    assert all(not b._forward_pre_hooks for b in blocks)
+
+
+
+def test_exception_types_carry_a_clean_module_name():
+    """ComfyUI's error report names a type module + "." + class, and its custom node loader imports this package
+    under its folder path: our exception types say headroom.<module> wherever the package was imported from."""
+    from headroom.training import public_module
+    from headroom.training.data.cache_store import CacheStoreError
+    from headroom.training.data.dataset import DatasetError
+    from headroom.training.memory.oom import PhaseOutOfMemoryError
+    from headroom.training.core.trainer import NonFiniteLossError
+
+    assert public_module("/home/me/ComfyUI/custom_nodes/comfyui-headroom.training.data.dataset") == "headroom.training.data.dataset"
+    assert public_module("comfyui_headroom.nodes.controlnet_build") == "headroom.nodes.controlnet_build"
+    assert public_module("elsewhere") == "elsewhere"
+    for error in (PolicyError, CacheStoreError, DatasetError, PhaseOutOfMemoryError, NonFiniteLossError):
+        assert error.__module__.startswith("headroom.training.") and "/" not in error.__module__, error
+
+
+def test_decode_tiled_is_one_rule():
+    """Validation's decode and the planner's estimate both ask OffloadPolicy.decode_tiled."""
+    assert OffloadPolicy(vae_tiled_decode="on").decode_tiled(None, None)
+    assert not OffloadPolicy(vae_tiled_decode="off").decode_tiled(10, 1)
+    auto = OffloadPolicy(vae_tiled_decode="auto")
+    assert auto.decode_tiled(10, 9) and not auto.decode_tiled(10, 10) and not auto.decode_tiled(10, None)
+    assert auto.decode_tiled(1, 0)  # an "auto" budget with nothing free
+
+
+def test_run_policy_resolves_the_nodes_checkpointing_inputs_once():
+    """The training nodes' gradient_checkpointing / checkpoint_depth map into the policy (the one place that
+    configures checkpointing); a policy's own checkpointing takes precedence; None is the resident default."""
+    assert run_policy(None) == OffloadPolicy()
+    assert run_policy(None, gradient_checkpointing=False, checkpoint_depth=3) == OffloadPolicy()
+    on = run_policy(None, gradient_checkpointing=True, checkpoint_depth=2)
+    assert (on.checkpointing, on.checkpoint_depth) == ("blocks", 2) and on.replace(checkpointing="off") == OffloadPolicy(
+        checkpoint_depth=2)
+    own = OffloadPolicy(checkpointing="blocks_cpu_offload", checkpoint_depth=1, optimizer_state="cpu")
+    assert run_policy(own, gradient_checkpointing=True, checkpoint_depth=3) is own
+    streamed = OffloadPolicy(base_placement="streamed", checkpointing="blocks")
+    assert run_policy(streamed) is streamed
+    with pytest.raises(PolicyError, match=r"checkpoint_depth=0 must be >= 1"):
+        run_policy(None, checkpoint_depth=0)

@@ -1,0 +1,91 @@
+"""Run directories: safe names, atomic checkpoints, exact round trips, incompatible-config errors."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from headroom.training.core.run_dir import Checkpoint, RunDir, check_name, check_subfolder
+
+
+def _checkpoint(step: int) -> Checkpoint:
+    g = torch.Generator().manual_seed(step)
+    return Checkpoint(
+        step=step, micro_step=2 * step, adapter={"a.lora_A.default.weight": torch.randn(4, 8, generator=g)},
+        optimizer={"state": {0: {"step": torch.tensor(float(step)), "exp_avg": torch.randn(4, 8, generator=g)}},
+                   "param_groups": [{"lr": 0.1, "betas": (0.9, 0.999), "params": [0]}]},
+        scheduler={"last_epoch": step, "_last_lr": [0.1]}, scaler=None,
+        rng={"torch": torch.get_rng_state()}, loss_history=[[i + 1, 1.0 / (i + 1)] for i in range(step)],
+        validation_history=[[step, 0.5]],
+    )
+
+
+def test_names_cannot_escape_the_folder():
+    for good in ("run1", "my_lora-v2.1", "A"):
+        assert check_name(good) == good
+    for bad in ("", "..", "../x", "a/b", "/abs", "a\\b", ".hidden", "a..b", "x" * 101, "ü"):
+        with pytest.raises(ValueError, match="run name"):
+            check_name(bad)
+    assert check_subfolder("headroom/tests") == "headroom/tests"
+    for bad in ("../up", "/etc", "a/../b", "c:/x", "a//b"):
+        with pytest.raises(ValueError):
+            check_subfolder(bad)
+
+
+def test_checkpoint_round_trip_is_exact_and_keeps_the_last_two(tmp_path):
+    run = RunDir(tmp_path, "run")
+    assert run.load_checkpoint() is None and run.latest_step() is None
+    for step in (5, 10, 15):
+        run.save_checkpoint(_checkpoint(step))
+    assert run.latest_step() == 15
+    assert sorted(p.name for p in (run.path / "checkpoints").iterdir()) == ["step_00000010", "step_00000015"]
+    loaded, expected = run.load_checkpoint(), _checkpoint(15)
+    assert loaded.step == 15 and loaded.micro_step == 30
+    assert torch.equal(loaded.adapter["a.lora_A.default.weight"], expected.adapter["a.lora_A.default.weight"])
+    assert torch.equal(loaded.optimizer["state"][0]["exp_avg"], expected.optimizer["state"][0]["exp_avg"])
+    assert loaded.loss_history == expected.loss_history and loaded.scheduler == expected.scheduler
+    assert torch.equal(loaded.rng["torch"], expected.rng["torch"])
+    run.save_checkpoint(_checkpoint(15))  # the same step again replaces it
+    assert run.latest_step() == 15
+    assert not [p for p in run.path.rglob("*") if p.name.startswith(".")], "temporary files left behind"
+
+
+def test_a_failed_save_leaves_the_previous_checkpoint(tmp_path):
+    run = RunDir(tmp_path, "run")
+    run.save_checkpoint(_checkpoint(3))
+    broken = _checkpoint(6)
+    broken.optimizer = {"state": {}, "param_groups": [{"hook": lambda: None}]}  # torch.save cannot write a lambda
+    with pytest.raises(Exception):
+        run.save_checkpoint(broken)
+    assert run.latest_step() == 3 and run.load_checkpoint().step == 3
+    assert sorted(p.name for p in (run.path / "checkpoints").iterdir()) == ["step_00000003"]
+
+
+def test_an_incompatible_config_is_refused_with_the_differences(tmp_path):
+    run = RunDir(tmp_path, "run")
+    config = {"adapter": {"rank": 4, "kind": "lora"}, "seed": 0}
+    run.check_compatible(config)  # nothing stored yet
+    run.write_config(config)
+    run.check_compatible(json.loads(json.dumps(config)))
+    with pytest.raises(ValueError, match=r"adapter.rank: stored 4, now 8; seed: stored 0, now 1"):
+        run.check_compatible({"adapter": {"rank": 8, "kind": "lora"}, "seed": 1})
+
+
+def test_settings_added_or_removed_later_let_older_runs_resume(tmp_path):
+    """A key newer than a stored run resumes at the value that run had; a key older runs store that is no longer
+    part of a run (the training nodes' checkpointing, now the offload policy's) is ignored when the new
+    configuration has none, and only then."""
+    run = RunDir(tmp_path, "run")
+    run.write_config({"train": {"seed": 0, "gradient_checkpointing": True, "checkpoint_depth": 2}})
+    removed = ("train.gradient_checkpointing", "train.checkpoint_depth")
+    run.check_compatible({"train": {"seed": 0, "ema_decay": 0.0}}, added_later={"train.ema_decay": 0.0},
+                         removed_later=removed)
+    with pytest.raises(ValueError, match=r"train.gradient_checkpointing: stored True, now None"):
+        run.check_compatible({"train": {"seed": 0}})
+    with pytest.raises(ValueError, match=r"train.ema_decay: stored None, now 0.5"):
+        run.check_compatible({"train": {"seed": 0, "ema_decay": 0.5}}, added_later={"train.ema_decay": 0.0},
+                             removed_later=removed)
+    with pytest.raises(ValueError, match=r"train.checkpoint_depth: stored 2, now 1"):
+        run.check_compatible({"train": {"seed": 0, "gradient_checkpointing": True, "checkpoint_depth": 1}},
+                             removed_later=removed)

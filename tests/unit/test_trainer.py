@@ -1,0 +1,280 @@
+"""The training engine on a tiny plain-torch denoiser (no ComfyUI): the loop, resume, precision, errors."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from headroom.training.core.adapters import AdapterConfig, AdapterSet, select_targets
+from headroom.training.core.objective import ObjectiveConfig, SamplingDescriptor
+from headroom.training.core.optimizers import OptimizerConfig
+from headroom.training.memory.policy import run_policy
+from headroom.training.core.run_dir import RunDir
+from headroom.training.core.trainer import NonFiniteLossError, TrainConfig, Trainer
+from memory_caches import MemoryLatentCache, MemoryTextCache
+
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # Tiny models: one thread is fastest, and far faster than two on a busy 2-core machine.
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+class ToyBlock(torch.nn.Module):
+    def __init__(self, width: int, cond_dim: int):
+        super().__init__()
+        self.to_q = torch.nn.Linear(width, width)
+        self.to_k = torch.nn.Linear(cond_dim, width)
+        self.mlp = torch.nn.Linear(width, width)
+
+    def forward(self, x, context, emb):
+        attn = torch.softmax(self.to_q(x) @ self.to_k(context).transpose(1, 2) / math.sqrt(x.shape[-1]), dim=-1)
+        x = x + attn @ self.to_k(context)
+        return x + torch.nn.functional.silu(self.mlp(x + emb))
+
+
+class ToyNet(torch.nn.Module):
+    """An eps-prediction denoiser of [B, 4, 4, 4] latents conditioned on [B, T, 8] text."""
+
+    def __init__(self, channels=4, cond_dim=8, width=32, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.proj_in = torch.nn.Linear(channels, width)
+        self.time = torch.nn.Linear(1, width)
+        self.blocks = torch.nn.ModuleList([ToyBlock(width, cond_dim) for _ in range(2)])
+        self.proj_out = torch.nn.Linear(width, channels)
+        self.requires_grad_(False)
+
+    def forward(self, x, sigma, context):
+        b, c, h, w = x.shape
+        tokens = self.proj_in(x.flatten(2).transpose(1, 2))
+        emb = self.time(sigma.log().view(b, 1, 1))
+        for block in self.blocks:
+            tokens = block(tokens, context, emb)
+        return self.proj_out(tokens).transpose(1, 2).reshape(b, c, h, w)
+
+
+class ToyDenoiser:
+    """The engine's Denoiser protocol over ToyNet, with ComfyUI's EPS parametrisation."""
+
+    def __init__(self, net: ToyNet):
+        self.net = net
+        self.device = torch.device("cpu")
+        self.sampling = SamplingDescriptor("eps", sigmas=torch.linspace(0.03, 14.6, 1000))
+
+    def to_model_latent(self, latents):
+        return latents * 0.5
+
+    def predict(self, x_t, sigma, conds):
+        context = torch.stack([c["cross_attn"] for c in conds])
+        s = sigma.view(-1, 1, 1, 1)
+        eps = self.net(x_t / (s.square() + 1).sqrt(), sigma, context)
+        return x_t - eps.float() * s
+
+    def blocks(self):
+        return [(f"blocks.{i}", b) for i, b in enumerate(self.net.blocks)]
+
+
+def toy_data(count=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    latents = [torch.randn(4, 4, 4, generator=g) for _ in range(count)]
+    conds = {f"k{i}": {"cross_attn": torch.randn(3, 8, generator=g)} for i in range(count)}
+    return MemoryLatentCache(latents, [f"k{i}" for i in range(count)]), MemoryTextCache(conds, {"cross_attn": torch.zeros(3, 8)})
+
+
+def make_trainer(run_dir=None, config=TrainConfig(batch_size=2, seed=3), optimizer=OptimizerConfig(lr=1e-2),
+                 adapter=AdapterConfig(rank=4, alpha=4, targets="all_linear"), train_items=None, policy=None):
+    denoiser = ToyDenoiser(ToyNet())
+    paths = select_targets(denoiser.net, None, adapter, [n for n, _ in denoiser.blocks()])
+    adapters = AdapterSet(denoiser.net, paths, adapter)
+    adapters.attach(denoiser.net)
+    latents, texts = toy_data()
+    return Trainer(denoiser, adapters, latents, texts, config, optimizer, train_items=train_items, run_dir=run_dir,
+                   policy=policy)
+
+
+def test_training_lowers_loss_and_validation_loss():
+    trainer = make_trainer(config=TrainConfig(batch_size=4, seed=1), train_items=[0, 1, 2, 3])
+    before = trainer.validation_loss([0, 1, 2, 3], times=4)
+    assert trainer.validation_loss([0, 1, 2, 3], times=4) == before  # deterministic
+    trainer.train_to(150)
+    assert trainer.step == 150
+    first = sum(l for _, l in trainer.loss_history[:10]) / 10
+    last = sum(l for _, l in trainer.loss_history[-10:]) / 10
+    assert last < 0.7 * first
+    assert trainer.validation_loss([0, 1, 2, 3], times=4) < 0.7 * before
+
+
+def test_train_to_same_step_does_no_work():
+    trainer = make_trainer()
+    trainer.train_to(3)
+    weights = [p.clone() for p in trainer.params]
+    trainer.train_to(3)
+    trainer.train_to(2)
+    assert trainer.step == 3 and len(trainer.loss_history) == 3
+    assert all(torch.equal(a, b) for a, b in zip(weights, trainer.params))
+
+
+@pytest.mark.parametrize("optimizer", ["AdamW", "Prodigy"])
+def test_resume_is_bitwise_equal_to_straight_run(tmp_path, optimizer):
+    config = TrainConfig(batch_size=2, grad_accum=2, seed=5, caption_dropout=0.3,
+                         objective=ObjectiveConfig(timestep_sampling="logit_normal", noise_offset=0.05))
+    opt = OptimizerConfig(name=optimizer, lr=1e-2 if optimizer == "AdamW" else 1.0, schedule="cosine",
+                          warmup_steps=3, total_steps=20)
+    adapter = AdapterConfig(kind="lora", rank=4, alpha=4, targets="all_linear", dropout=0.1)
+    straight = make_trainer(config=config, optimizer=opt, adapter=adapter)
+    straight.train_to(12)
+
+    first = make_trainer(RunDir(tmp_path, "run"), config=config, optimizer=opt, adapter=adapter)
+    first.train_to(6)
+    first.save()
+    torch.manual_seed(1234)  # a restart: whatever the global RNG holds now must not matter
+    second = make_trainer(RunDir(tmp_path, "run"), config=config, optimizer=opt, adapter=adapter)
+    assert second.resume() and second.step == 6
+    second.train_to(12)
+    for key, value in straight.trainable.state_dict().items():
+        assert torch.equal(value, second.trainable.state_dict()[key]), key
+    assert second.loss_history == straight.loss_history
+
+
+def test_gradient_accumulation_averages_micro_step_gradients():
+    config = TrainConfig(batch_size=2, grad_accum=2, seed=2, max_grad_norm=0)
+    trainer = make_trainer(config=config)
+    trainer.train_step()  # gradients stay on the parameters until the next step zeroes them
+    accumulated = [p.grad.clone() for p in trainer.params]
+
+    reference = make_trainer(config=config)
+    with torch.inference_mode(False):
+        losses = [reference._micro_step_loss(m)[0] for m in (0, 1)]
+        ((losses[0] + losses[1]) / 2).backward()
+    for a, b in zip(accumulated, reference.params):
+        torch.testing.assert_close(a, b.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_gradient_checkpointing_gives_identical_weights():
+    plain = make_trainer()
+    plain.train_to(3)
+    # the training nodes' gradient_checkpointing=True, checkpoint_depth=2, as the run's policy resolves them
+    checkpointed = make_trainer(policy=run_policy(None, gradient_checkpointing=True, checkpoint_depth=2))
+    assert (checkpointed.policy.checkpointing, checkpointed.policy.checkpoint_depth) == ("blocks", 2)
+    checkpointed.train_to(3)
+    for a, b in zip(plain.params, checkpointed.params):
+        assert torch.equal(a, b)
+    # restored: no instance-level forward remains on the blocks
+    assert all("forward" not in m.__dict__ for m in checkpointed.denoiser.net.modules())
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_reduced_precision_trains_with_fp32_adapter_weights(precision):
+    trainer = make_trainer(config=TrainConfig(batch_size=4, seed=1, precision=precision), optimizer=OptimizerConfig(lr=1e-2))
+    trainer.train_to(40)
+    assert all(p.dtype == torch.float32 for p in trainer.params)
+    assert (trainer.scaler is not None) == (precision == "fp16")
+    assert trainer.loss_history[-1][1] < trainer.loss_history[0][1]
+
+
+def test_non_finite_loss_names_step_and_keeps_last_good_checkpoint(tmp_path):
+    trainer = make_trainer(RunDir(tmp_path, "nan"))
+    trainer.train_to(2)
+    good = trainer.trainable.state_dict()
+    trainer.denoiser.net.proj_out.bias.data[:] = float("nan")  # corrupt the model
+    with pytest.raises(NonFiniteLossError, match=r"at step 3.*learning rate.*step 2"):
+        trainer.train_to(5)
+    restored = make_trainer(RunDir(tmp_path, "nan"))
+    assert restored.resume() and restored.step == 2
+    for key, value in good.items():
+        assert torch.equal(restored.trainable.state_dict()[key], value)
+
+
+def test_bad_train_config_is_rejected():
+    with pytest.raises(ValueError, match="precision"):
+        TrainConfig(precision="fp8").validate()
+    with pytest.raises(ValueError, match="batch_size"):
+        TrainConfig(batch_size=0).validate()
+    with pytest.raises(ValueError, match="no training items"):
+        make_trainer(train_items=[])
+
+
+class InplaceBlock(torch.nn.Module):
+    """Adds into its input after LayerNorm saved it, as ComfyUI's Flux blocks do (`x += ...`)."""
+
+    def __init__(self, inplace=True):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(8, 8)
+        self.inplace = inplace
+
+    def forward(self, x):
+        update = self.lin(torch.nn.functional.layer_norm(x, (8,)))
+        if self.inplace:
+            x += update
+            x += self.lin(torch.nn.functional.layer_norm(x, (8,)))
+            return x
+        x = x + update
+        return x + self.lin(torch.nn.functional.layer_norm(x, (8,)))
+
+
+def _block_gradient(blocks, **wrap):
+    from headroom.training.memory.checkpointing import wrap_blocks
+
+    restore = wrap_blocks(blocks, **wrap) if wrap else (lambda: None)
+    x = torch.randn(2, 8, generator=torch.Generator().manual_seed(1)) * torch.ones(1, requires_grad=True)
+    for block in blocks:
+        x = block(x)
+    x.square().sum().backward()
+    restore()
+    return blocks[0].lin.weight.grad
+
+
+@pytest.mark.parametrize("checkpoint_depth", [None, 1])
+def test_inplace_blocks_get_exact_gradients(checkpoint_depth):
+    reference = _block_gradient([InplaceBlock(inplace=False)] * 2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        _block_gradient([InplaceBlock()] * 2)
+    blocks = [InplaceBlock()] * 2
+    torch.testing.assert_close(_block_gradient(blocks, checkpoint_depth=checkpoint_depth, inplace_inputs=True), reference)
+    assert all("forward" not in b.__dict__ for b in blocks)
+
+
+def test_inplace_blocks_refuse_finer_checkpoints():
+    from headroom.training.memory.checkpointing import wrap_blocks
+
+    with pytest.raises(ValueError, match="must be at depth 1"):
+        wrap_blocks([InplaceBlock()], checkpoint_depth=2, inplace_inputs=True)
+
+
+@pytest.mark.parametrize("dropout,expected_empty", [(0.0, 0), (1.0, 4)])
+def test_caption_dropout_trains_on_the_cached_empty_prompt(dropout, expected_empty):
+    trainer = make_trainer(config=TrainConfig(batch_size=4, seed=0, caption_dropout=dropout))
+    seen = []
+    predict = trainer.denoiser.predict
+    trainer.denoiser.predict = lambda x_t, sigma, conds: seen.extend(conds) or predict(x_t, sigma, conds)
+    trainer.train_step()
+    empty = trainer.text_cache.empty_conditioning()
+    assert sum(c is empty for c in seen) == expected_empty and len(seen) == 4
+
+
+def test_gradients_are_clipped_to_max_norm():
+    trainer = make_trainer(config=TrainConfig(batch_size=4, seed=0, max_grad_norm=1e-4),
+                           optimizer=OptimizerConfig(lr=1e-3))
+    trainer.train_step()
+    total = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in trainer.params if p.grad is not None]))
+    assert total <= 1e-4 * 1.0001
+
+
+def test_checkpointed_inplace_blocks_recompute_in_backward():
+    blocks = [InplaceBlock(), InplaceBlock()]
+    calls = []
+    handles = [b.lin.register_forward_pre_hook(lambda *a: calls.append(1)) for b in blocks]
+    reference = _block_gradient([InplaceBlock(inplace=False), InplaceBlock(inplace=False)])
+    calls.clear()
+    gradient = _block_gradient(blocks, checkpoint_depth=1, inplace_inputs=True)
+    for handle in handles:
+        handle.remove()
+    torch.testing.assert_close(gradient, reference)
+    assert len(calls) == 2 * 2 * 2  # 2 blocks x 2 linear calls, once in forward and again in backward

@@ -1,0 +1,432 @@
+"""LoRA-family adapters (LoRA, DoRA, LoHa, LoKr, OFT) on a module tree, built from peft's layer classes (OFT: from
+ComfyUI's own OFT class, see `OFTLayer`).
+
+peft's tuner layers wrap a base module and add the adapter path in `forward`; we use them directly
+(not `get_peft_model`) so the same adapter can be swapped into and out of a module tree that other
+code shares: `attach` replaces each target submodule by its peft wrapper, `detach` puts the very same
+original submodule object back. The base module's parameters are never touched.
+
+Export writes the keys ComfyUI's stock LoraLoader maps (`comfy.lora.load_lora` + `comfy/weight_adapter`):
+  LoRA  <prefix><path>.lora_up.weight / .lora_down.weight / .alpha
+  DoRA  the same + .dora_scale
+  LoHa  <prefix><path>.hada_w1_a / hada_w1_b / hada_w2_a / hada_w2_b (/ hada_t1 / hada_t2) / .alpha
+  LoKr  <prefix><path>.lokr_w1 | lokr_w1_a+lokr_w1_b, lokr_w2 | lokr_w2_a+lokr_w2_b (/ lokr_t2) / .alpha
+  OFT   <prefix><path>.oft_blocks [block_num, block_size, block_size] / .alpha (the constraint)
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Iterable
+
+import torch
+from peft import LoHaConfig, LoKrConfig, LoraConfig
+from peft.tuners import loha, lokr
+from peft.tuners.lora import layer as lora_layer
+from peft.tuners.tuners_utils import BaseTunerLayer
+
+from ..checks import check_finite
+
+KINDS = ("lora", "dora", "loha", "lokr", "oft")
+TARGET_MODES = ("preset", "all_linear", "all_layers")
+
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetPreset:
+    """The layers a family's LoRA trains with targets="preset" (the family registry, nodes/families/, holds one per
+    family): Linear module paths (relative to the denoiser root) matching any of `linear`, and with include_conv the
+    Conv2d paths matching `conv` (None: the family has no conv preset)."""
+
+    family: str
+    linear: tuple[str, ...]
+    conv: str | None = None
+
+
+_ADAPTER_PARAM_PREFIXES = ("lora_A", "lora_B", "lora_magnitude_vector", "hada_", "lokr_", "oft.")
+
+
+@dataclasses.dataclass(frozen=True)
+class AdapterConfig:
+    kind: str = "lora"  # lora | dora | loha | lokr | oft
+    rank: int = 16  # oft: the block size
+    alpha: float = 16.0  # oft: the constraint (cap on the norm of each layer's skew-symmetric matrix)
+    # preset: the family's layers | all_linear: every Linear inside the blocks | all_layers: every Linear and
+    # Conv2d of the model (embedders and output layer too, like ComfyUI's own trainer)
+    targets: str = "preset"
+    include_conv: bool = False  # sd15 / sdxl: also the UNet block convolutions
+    dropout: float = 0.0
+    init_seed: int = 0
+    init_lora: str | None = None  # a LoRA file (as Load LoRA lists it) the run starts from instead of zero
+
+    def validate(self) -> None:
+        check_finite("adapter", alpha=self.alpha, dropout=self.dropout)
+        if self.kind not in KINDS:
+            raise ValueError(f"adapter kind {self.kind!r} is unknown: choose one of {KINDS}")
+        if int(self.rank) != self.rank or self.rank <= 0:
+            raise ValueError(f"rank={self.rank} must be a positive integer")
+        if self.alpha <= 0:
+            raise ValueError(f"alpha={self.alpha} must be > 0")
+        if self.targets not in TARGET_MODES:
+            raise ValueError(f"targets={self.targets!r}: choose one of {TARGET_MODES}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout={self.dropout} must be in [0, 1)")
+        if self.kind == "oft":
+            if self.rank < 2:
+                raise ValueError(f"kind oft: rank is the block size of the rotations, and {self.rank} cannot rotate "
+                                 "anything: use 2 or more (a divisor of every trained layer's output features)")
+            if self.dropout:
+                raise ValueError(f"kind oft has no dropout (ComfyUI's OFT has none): set dropout to 0, not "
+                                 f"{self.dropout}")
+
+
+def select_targets(root: torch.nn.Module, preset: TargetPreset | None, config: AdapterConfig,
+                   block_prefixes: Iterable[str], presets: Iterable[str] = ()) -> list[str]:
+    """Paths of the submodules of `root` the adapter wraps, in module order. `preset`: the model family's (None:
+    the model has none; `presets` lists the families that have one, for the message)."""
+    config.validate()
+    block_prefixes = tuple(block_prefixes)
+    family = None if preset is None else preset.family
+    if config.targets == "preset":
+        if preset is None:
+            listed = f" (presets: {', '.join(presets)})" if presets else ""
+            raise ValueError(
+                f"this model has no LoRA target preset{listed}; "
+                "set targets to 'all_linear' to train every linear layer inside the model's blocks"
+            )
+        patterns = [re.compile(p) for p in preset.linear]
+        conv = re.compile(preset.conv) if config.include_conv and preset.conv is not None else None
+    elif config.targets == "all_linear" and not block_prefixes:
+        raise ValueError("targets='all_linear' needs the model's blocks, and none were found")
+    paths = []
+    for path, module in root.named_modules():
+        if not path:
+            continue
+        if config.targets == "preset":
+            if isinstance(module, torch.nn.Linear) and any(p.search(path) for p in patterns):
+                paths.append(path)
+            elif conv is not None and isinstance(module, torch.nn.Conv2d) and conv.search(path):
+                paths.append(path)
+        elif config.targets == "all_layers":
+            if isinstance(module, (torch.nn.Linear, torch.nn.Conv2d)):
+                paths.append(path)
+        elif isinstance(module, torch.nn.Linear) and any(path.startswith(b + ".") for b in block_prefixes):
+            paths.append(path)
+        elif config.include_conv and isinstance(module, torch.nn.Conv2d) and any(path.startswith(b + ".") for b in block_prefixes):
+            paths.append(path)
+    if not paths:
+        raise ValueError(f"no target modules matched for family {family!r} with targets={config.targets!r}")
+    return paths
+
+
+def _out_features(module: torch.nn.Module) -> int:
+    return module.out_channels if isinstance(module, torch.nn.Conv2d) else module.out_features
+
+
+def _oft_block_class():
+    # ComfyUI's own OFT training module (comfy/weight_adapter/oft.py, what its TrainLoraNode trains): imported here,
+    # not at module level, so the engine still imports where ComfyUI is absent (only kind oft needs it).
+    from comfy.weight_adapter.oft import OFTDiff
+
+    class OFTBlocks(OFTDiff):
+        """OFTDiff without its `alpha` Parameter: nothing reads it (the constraint is kept as a float), and a frozen
+        parameter inside the adapter would be taken for a base weight (weight streaming, the memory planner)."""
+
+        def __init__(self, weights):
+            super().__init__(weights)
+            del self.alpha
+
+    return OFTBlocks
+
+
+class OFTLayer(torch.nn.Module):
+    """Orthogonal finetuning of one Linear / Conv2d in ComfyUI's OFT parametrisation.
+
+    ComfyUI's OFT (comfy/weight_adapter/oft.py, the format its loader reads) rotates the weight's OUTPUT axis:
+    blocks B [block_num, block_size, block_size], Q = B - B^T (scaled down to norm alpha when its norm over all blocks
+    is larger), R = (I + Q)(I - Q)^-1, and the loader's weight is W + einsum("k n m, k n ... -> k m ...", R - I, W).
+    peft's OFT is not used: it rotates the INPUT features (W' = W R^T, on dim 1), which no OFT file of ComfyUI's can
+    express (tests/comfy/test_oft.py shows no left factor reproduces it), and it parametrises and approximates R differently.
+
+    The trainable blocks are ComfyUI's own OFTDiff (same Q, constraint and Cayley code as the loader). The rotation is
+    applied to the base layer's output without its bias: y + (R - I)^T (y - b) per block of output features, which is
+    the loader's weight times x in exact arithmetic; unlike rotating the weight it works on any base layer (low-bit,
+    streamed, ComfyUI's cast ops) and keeps no rotated copy of the weight for backward. At init B = 0, R = I exactly,
+    and the output is the base layer's, bit for bit.
+    """
+
+    def __init__(self, base: torch.nn.Module, block_size: int, constraint: float):
+        super().__init__()
+        out = _out_features(base)
+        if out % block_size:
+            raise ValueError(f"oft block size {block_size} does not divide the {out} output features")
+        self.base_layer = base
+        self.block_size, self.block_num = block_size, out // block_size
+        blocks = torch.zeros(self.block_num, block_size, block_size, dtype=torch.float32)
+        # The constraint as the saved file holds it (a float32 alpha), so training and the loader use the same value.
+        self.oft = _oft_block_class()((blocks, None, _float32(constraint), None))
+
+    def get_base_layer(self) -> torch.nn.Module:
+        return self.base_layer
+
+    def rotation(self) -> torch.Tensor:
+        """R per block [block_num, block_size, block_size], in float32 as ComfyUI's loader computes it (autocast off:
+        under bf16 / fp16 autocast the Cayley product would otherwise run in half precision)."""
+        blocks = self.oft.oft_blocks
+        with torch.autocast(blocks.device.type, enabled=False):
+            return self.oft._get_orthogonal_matrix(blocks.device, torch.float32)
+
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        y = self.base_layer(x, *args, **kwargs)
+        r = self.rotation()
+        delta_r = (r - torch.eye(self.block_size, device=r.device, dtype=r.dtype)).to(y.dtype)
+        channels_last = isinstance(self.base_layer, torch.nn.Conv2d)
+        z = y.movedim(1, -1) if channels_last else y
+        bias = getattr(self.base_layer, "bias", None)
+        if bias is not None:
+            z = z - bias.to(device=z.device, dtype=z.dtype)
+        delta = torch.einsum("k n m, ... k n -> ... k m", delta_r, z.unflatten(-1, (self.block_num, self.block_size)))
+        delta = delta.flatten(-2)
+        return y + (delta.movedim(-1, 1) if channels_last else delta)
+
+
+def _float32(value: float) -> float:
+    return torch.tensor(float(value), dtype=torch.float32).item()
+
+
+# Every module type an AdapterSet swaps into a module tree.
+ADAPTER_LAYERS = (BaseTunerLayer, OFTLayer)
+
+
+def _peft_layer(base: torch.nn.Module, config: AdapterConfig) -> torch.nn.Module:
+    rank, alpha = int(config.rank), float(config.alpha)
+    if config.kind == "oft":
+        return OFTLayer(base, rank, alpha)
+    if config.kind in ("lora", "dora"):
+        peft_config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=config.dropout, use_dora=config.kind == "dora")
+        cls = lora_layer.Conv2d if isinstance(base, torch.nn.Conv2d) else lora_layer.Linear
+        return cls(base, "default", config=peft_config, r=rank, lora_alpha=alpha)
+    if config.kind == "loha":
+        peft_config = LoHaConfig(r=rank, alpha=alpha, module_dropout=config.dropout)
+        cls = loha.Conv2d if isinstance(base, torch.nn.Conv2d) else loha.Linear
+        return cls(base, "default", config=peft_config, r=rank, alpha=alpha)
+    peft_config = LoKrConfig(r=rank, alpha=alpha, module_dropout=config.dropout)
+    cls = lokr.Conv2d if isinstance(base, torch.nn.Conv2d) else lokr.Linear
+    return cls(base, "default", config=peft_config, r=rank, alpha=alpha)
+
+
+def _check_oft_block_size(root: torch.nn.Module, paths: list[str], block_size: int) -> None:
+    outs = {path: _out_features(root.get_submodule(path)) for path in paths}
+    bad = [path for path, out in outs.items() if out % block_size]
+    if bad:
+        common = math.gcd(*outs.values())
+        fits = [d for d in range(2, common + 1) if common % d == 0]
+        raise ValueError(
+            f"kind oft: rank is the block size, and {block_size} does not divide the {outs[bad[0]]} output features "
+            f"of {bad[0]} ({len(bad)} of the {len(paths)} trained layers); "
+            + (f"block sizes that fit every trained layer: {', '.join(map(str, fits))}" if fits else
+               "no block size fits every trained layer: choose other targets"))
+
+
+def _split_path(path: str) -> tuple[str, str]:
+    parent, _, child = path.rpartition(".")
+    return parent, child
+
+
+class AdapterSet:
+    """The adapter layers of one run: created once, attached to / detached from a module tree."""
+
+    def __init__(self, root: torch.nn.Module, paths: list[str], config: AdapterConfig):
+        config.validate()
+        self.config = config
+        self.layers: dict[str, torch.nn.Module] = {}
+        self.attached_to: torch.nn.Module | None = None
+        if config.kind == "oft":
+            _check_oft_block_size(root, paths, int(config.rank))
+        # Seeded init without disturbing the caller's global RNG stream.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(config.init_seed)
+            for path in paths:
+                base = root.get_submodule(path)
+                if not isinstance(base, (torch.nn.Linear, torch.nn.Conv2d)):
+                    raise TypeError(f"adapter target {path} is a {type(base).__name__}; only Linear and Conv2d are supported")
+                layer = _peft_layer(base, config)
+                # peft casts the adapter to the base dtype (fp16/bf16/fp8 bases): trainable weights stay fp32.
+                for name, param in self._own_parameters(layer):
+                    param.data = param.data.float()
+                self.layers[path] = layer
+
+    @staticmethod
+    def _own_parameters(layer: torch.nn.Module):
+        return [(n, p) for n, p in layer.named_parameters() if n.startswith(_ADAPTER_PARAM_PREFIXES)]
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return [p for layer in self.layers.values() for _, p in self._own_parameters(layer)]
+
+    def to(self, device: torch.device) -> "AdapterSet":
+        for param in self.parameters():
+            param.data = param.data.to(device)
+            if param.grad is not None:
+                param.grad = param.grad.to(device)
+        return self
+
+    def train(self, mode: bool = True) -> None:
+        for layer in self.layers.values():
+            for name, child in layer.named_children():
+                if name != "base_layer":
+                    child.train(mode)
+            layer.training = mode
+
+    # --- attach / detach -------------------------------------------------------------------------------
+    def attach(self, root: torch.nn.Module) -> None:
+        if self.attached_to is not None:
+            raise RuntimeError("adapter is already attached; detach it first")
+        for path, layer in self.layers.items():
+            parent_path, child = _split_path(path)
+            parent = root.get_submodule(parent_path)
+            if getattr(parent, child) is not layer.base_layer:
+                raise RuntimeError(f"cannot attach adapter: {path} is not the module the adapter was built on")
+            setattr(parent, child, layer)
+        self.attached_to = root
+
+    def detach(self) -> None:
+        if self.attached_to is None:
+            return
+        for path, layer in self.layers.items():
+            parent_path, child = _split_path(path)
+            setattr(self.attached_to.get_submodule(parent_path), child, layer.base_layer)
+        self.attached_to = None
+
+    def start_from(self, lora: dict[str, tuple[torch.Tensor, torch.Tensor, float]], source: str) -> None:
+        """Start from a saved LoRA: {module path: (down, up, scale)}, scale = the file's alpha / rank. Its up
+        weights are rescaled by the file's scale over this adapter's, so the adapter's effect is exactly the
+        file's; modules the file does not cover start at zero (no effect). Kind oft: {module path: (oft_blocks,
+        alpha)} of an OFT file, taken as they are (same block size and constraint, so exactly the file's rotation)."""
+        if self.config.kind == "oft":
+            return self._start_from_oft(lora, source)
+        if self.config.kind != "lora":
+            raise ValueError(f"continuing from {source} needs kind lora (the file is a plain LoRA), not {self.config.kind}")
+        outside = sorted(set(lora) - set(self.layers))
+        if outside:
+            raise ValueError(f"{source} adapts {len(outside)} layer(s) this run does not train (e.g. {outside[0]}); "
+                             "choose targets / include_conv that cover them (all_layers covers every layer)")
+        with torch.no_grad():
+            for path, (down, up, scale) in lora.items():
+                layer = self.layers[path]
+                a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+                if down.shape[0] != self.config.rank:
+                    raise ValueError(f"{source} has rank {down.shape[0]} at {path}; set the LoRA config's rank to "
+                                     f"{down.shape[0]} to continue it")
+                if down.numel() != a.numel() or up.numel() != b.numel():
+                    raise ValueError(f"{source}: {path} has shapes {tuple(up.shape)} / {tuple(down.shape)}, this "
+                                     f"model's layer needs {tuple(b.shape)} / {tuple(a.shape)}: a LoRA of another model")
+                a.copy_(down.reshape(a.shape).float())
+                b.copy_(up.reshape(b.shape).float() * (scale / layer.scaling["default"]))
+
+    def _start_from_oft(self, oft: dict[str, tuple[torch.Tensor, float | None]], source: str) -> None:
+        outside = sorted(set(oft) - set(self.layers))
+        if outside:
+            raise ValueError(f"{source} adapts {len(outside)} layer(s) this run does not train (e.g. {outside[0]}); "
+                             "choose targets / include_conv that cover them (all_layers covers every layer)")
+        with torch.no_grad():
+            for path, (blocks, alpha) in oft.items():
+                layer = self.layers[path]
+                if blocks.shape[1] != layer.block_size:
+                    raise ValueError(f"{source} has OFT block size {blocks.shape[1]} at {path}; set the LoRA config's "
+                                     f"rank (the block size for oft) to {blocks.shape[1]} to continue it")
+                if blocks.shape != layer.oft.oft_blocks.shape:
+                    raise ValueError(f"{source}: {path} has blocks {tuple(blocks.shape)}, this model's layer needs "
+                                     f"{tuple(layer.oft.oft_blocks.shape)}: an OFT file of another model")
+                if alpha is None or alpha <= 0:
+                    raise ValueError(f"{source} has no OFT constraint (alpha) at {path}; kind oft always trains with "
+                                     "one (alpha > 0), so it cannot continue this file exactly")
+                if _float32(alpha) != layer.oft.constraint:
+                    raise ValueError(f"{source} has OFT constraint alpha {alpha:g} at {path}; set the LoRA config's "
+                                     f"alpha to {alpha:g} to continue it")
+                layer.oft.oft_blocks.copy_(blocks.float())
+
+    # --- state ------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Trainable tensors under peft's own names (`<path>.<param>`): the exact resume format."""
+        return {f"{path}.{name}": p.detach().clone() for path, layer in self.layers.items()
+                for name, p in self._own_parameters(layer)}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        own = {f"{path}.{name}": p for path, layer in self.layers.items() for name, p in self._own_parameters(layer)}
+        if own.keys() != state.keys():
+            missing, extra = sorted(own.keys() - state.keys()), sorted(state.keys() - own.keys())
+            raise ValueError(f"adapter state does not match this adapter: missing {missing[:3]}, unexpected {extra[:3]}")
+        with torch.no_grad():
+            for key, param in own.items():
+                if param.shape != state[key].shape:
+                    raise ValueError(f"adapter state {key} has shape {tuple(state[key].shape)}, expected {tuple(param.shape)}")
+                param.copy_(state[key].to(param))
+
+    def comfy_state_dict(self, prefix: str = "diffusion_model.", dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+        """The adapter in the key format ComfyUI's LoraLoader maps (see module docstring)."""
+        out: dict[str, torch.Tensor] = {}
+        with torch.no_grad():
+            for path, layer in self.layers.items():
+                key = prefix + path
+                if self.config.kind in ("lora", "dora"):
+                    out.update(_export_lora(key, layer))
+                elif self.config.kind == "loha":
+                    out.update(_export_loha(key, layer))
+                elif self.config.kind == "lokr":
+                    out.update(_export_lokr(key, layer))
+                else:
+                    out.update(_export_oft(key, layer))
+        # Copies, never views of the live parameters: a caller may hold the dict while the weights change (EMA swap).
+        return {k: v.detach().to("cpu", dtype, copy=True).contiguous() for k, v in out.items()}
+
+    def parameter_count(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+def _export_lora(key: str, layer) -> dict[str, torch.Tensor]:
+    up = layer.lora_B["default"].weight.float()
+    down = layer.lora_A["default"].weight.float()
+    alpha = float(layer.lora_alpha["default"])
+    out = {f"{key}.lora_up.weight": up, f"{key}.lora_down.weight": down, f"{key}.alpha": torch.tensor(alpha)}
+    if "default" in layer.lora_magnitude_vector:
+        base = layer.get_base_layer().weight.float()
+        delta = (up.flatten(1) @ down.flatten(1)).reshape(base.shape) * layer.scaling["default"]
+        magnitude = layer.lora_magnitude_vector["default"].weight.float().reshape(base.shape[0])
+        merged_norm = (base + delta).flatten(1).norm(dim=1)
+        # ComfyUI (comfy/weight_adapter/base.py weight_decompose, output-axis case) divides the merged weight by
+        # the norm of the *unmerged* weight plus fp32 eps; peft divides by the merged norm. Folding the ratio into
+        # dora_scale makes the stock loader reproduce peft's DoRA weight (tests check it against the real loader).
+        base_norm = base.flatten(1).norm(dim=1) + torch.finfo(torch.float32).eps
+        scale = magnitude * base_norm / merged_norm
+        out[f"{key}.dora_scale"] = scale.reshape(base.shape[0], *([1] * (base.ndim - 1)))
+    return out
+
+
+def _export_loha(key: str, layer) -> dict[str, torch.Tensor]:
+    out = {f"{key}.alpha": torch.tensor(float(layer.alpha["default"]))}
+    for name in ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b", "hada_t1", "hada_t2"):
+        params = getattr(layer, name)
+        if "default" in params:
+            out[f"{key}.{name}"] = params["default"].float()
+    return out
+
+
+def _export_lokr(key: str, layer) -> dict[str, torch.Tensor]:
+    out = {}
+    for name in ("lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b", "lokr_t2"):
+        params = getattr(layer, name)
+        if "default" in params:
+            out[f"{key}.{name}"] = params["default"].float()
+    scaling = float(layer.scaling["default"])
+    if "lokr_w1_b" in out or "lokr_w2_b" in out:
+        # ComfyUI scales by alpha / rank only when a factor is decomposed; peft always scales by alpha / r.
+        out[f"{key}.alpha"] = torch.tensor(float(layer.alpha["default"]))
+    else:
+        out[f"{key}.lokr_w1"] = out[f"{key}.lokr_w1"] * scaling
+    return out
+
+
+def _export_oft(key: str, layer: OFTLayer) -> dict[str, torch.Tensor]:
+    # ComfyUI's loader reads `alpha` as the constraint (> 0: Q is scaled down to norm alpha), as OFTDiff trained it.
+    return {f"{key}.oft_blocks": layer.oft.oft_blocks.float(), f"{key}.alpha": torch.tensor(layer.oft.constraint)}

@@ -1,0 +1,196 @@
+"""The diffusion training objective: which sigma, how x_t is built, what the loss compares.
+
+The model side is described by `SamplingDescriptor`, which the ComfyUI bridge fills from the MODEL's
+own `model_sampling` (prediction type, discrete sigma table, flow shift), so training uses exactly
+the noise parametrisation ComfyUI samples with:
+
+- eps / v (ComfyUI `EPS`, `V_PREDICTION`, discrete schedule): x_t = x0 + sigma * noise
+- flow (ComfyUI `CONST`, SD3 / Flux):                        x_t = sigma * noise + (1 - sigma) * x0
+
+The denoiser returns its x0 estimate (what ComfyUI's `BaseModel.apply_model` returns). The loss in the
+model's native space (eps, v or flow velocity) is a per-sample multiple of the x0 error:
+  eps:  |eps_hat - eps|^2 = |x0_hat - x0|^2 / sigma^2
+  v:    |v_hat - v|^2     = |x0_hat - x0|^2 * (sigma^2 + 1) / sigma^2      (sigma_data = 1)
+  flow: |u_hat - u|^2     = |x0_hat - x0|^2 / sigma^2
+so one code path serves all three, with min-SNR-gamma weighting on top for eps / v.
+
+`loss_type` l1 / huber compares the native-space error itself, (x0_hat - x0) * sqrt(factor above), with
+|e| or torch's Huber loss (quadratic below `huber_delta`, linear above: robust to the outlier samples that
+dominate a squared error). min-SNR keeps its per-sample factor on top. The validation loss stays the squared
+error whatever the training loss, so validation curves compare across runs.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import torch
+
+from ..checks import check_finite
+
+Prediction = Literal["eps", "v", "flow"]
+PREDICTIONS = ("eps", "v", "flow")
+TIMESTEP_SAMPLINGS = ("uniform", "logit_normal", "shifted")
+LOSS_WEIGHTINGS = ("none", "min_snr")
+LOSS_TYPES = ("mse", "l1", "huber")
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingDescriptor:
+    """How a model turns a noise level into its input; filled from ComfyUI's `model_sampling`.
+
+    sigmas: the discrete sigma table (ascending) for eps / v models; None for flow models, whose sigma
+    is the flow time itself in [0, 1]. flow_shift: the model's own time shift in the SD3 form
+    sigma = s*t / (1 + (s-1)*t) (Flux's exp(mu) form is converted by the bridge), 1.0 for none.
+    """
+
+    prediction: Prediction
+    sigmas: torch.Tensor | None = None
+    flow_shift: float = 1.0
+
+    def __post_init__(self):
+        if self.prediction not in PREDICTIONS:
+            raise ValueError(f"prediction={self.prediction!r} is not one of {PREDICTIONS}")
+        if self.prediction != "flow" and (self.sigmas is None or self.sigmas.ndim != 1 or len(self.sigmas) < 2):
+            raise ValueError(f"a {self.prediction} model needs its discrete sigma table (1-D, ascending)")
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectiveConfig:
+    timestep_sampling: str = "uniform"  # uniform | logit_normal | shifted
+    logit_mean: float = 0.0
+    logit_std: float = 1.0
+    shift: float | None = None  # for "shifted": None = the model's own flow shift
+    loss_weighting: str = "none"  # none | min_snr
+    min_snr_gamma: float = 5.0
+    noise_offset: float = 0.0
+    loss_type: str = "mse"  # mse | l1 | huber
+    huber_delta: float = 0.1
+
+    def validate(self, prediction: Prediction) -> None:
+        check_finite("objective", min_snr_gamma=self.min_snr_gamma, logit_mean=self.logit_mean, logit_std=self.logit_std,
+                     shift=self.shift, noise_offset=self.noise_offset, huber_delta=self.huber_delta)
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"loss_type={self.loss_type!r}: choose one of {LOSS_TYPES}")
+        if self.loss_type == "huber" and self.huber_delta <= 0:
+            raise ValueError(f"huber_delta={self.huber_delta} must be > 0")
+        if self.timestep_sampling not in TIMESTEP_SAMPLINGS:
+            raise ValueError(f"timestep_sampling={self.timestep_sampling!r}: choose one of {TIMESTEP_SAMPLINGS}")
+        if self.loss_weighting not in LOSS_WEIGHTINGS:
+            raise ValueError(f"loss_weighting={self.loss_weighting!r}: choose one of {LOSS_WEIGHTINGS}")
+        if self.loss_weighting == "min_snr" and prediction == "flow":
+            raise ValueError("loss_weighting='min_snr' is defined for eps / v models; this is a flow model: use 'none'")
+        if self.loss_weighting == "min_snr" and self.min_snr_gamma <= 0:
+            raise ValueError(f"min_snr_gamma={self.min_snr_gamma} must be > 0")
+        if self.logit_std <= 0:
+            raise ValueError(f"logit_std={self.logit_std} must be > 0")
+        if self.shift is not None and self.shift <= 0:
+            raise ValueError(f"shift={self.shift} must be > 0")
+        if self.noise_offset < 0:
+            raise ValueError(f"noise_offset={self.noise_offset} must be >= 0")
+
+
+def time_shift(t: torch.Tensor, shift: float) -> torch.Tensor:
+    """SD3's resolution shift of a time in [0, 1]: more weight on high noise for shift > 1."""
+    if shift == 1.0:
+        return t
+    return shift * t / (1 + (shift - 1) * t)
+
+
+class Objective:
+    """Samples training noise levels and computes the loss for one model parametrisation."""
+
+    def __init__(self, sampling: SamplingDescriptor, config: ObjectiveConfig = ObjectiveConfig()):
+        config.validate(sampling.prediction)
+        self.sampling = sampling
+        self.config = config
+
+    # --- noise levels -------------------------------------------------------------------------------
+    def sample_t(self, batch: int, generator: torch.Generator) -> torch.Tensor:
+        """Times in (0, 1): the fraction of the way from clean (0) to pure noise (1)."""
+        cfg = self.config
+        if cfg.timestep_sampling == "logit_normal":
+            t = torch.sigmoid(cfg.logit_mean + cfg.logit_std * torch.randn(batch, generator=generator))
+        else:
+            t = torch.rand(batch, generator=generator)
+        if cfg.timestep_sampling == "shifted":
+            t = time_shift(t, cfg.shift if cfg.shift is not None else self.sampling.flow_shift)
+        return t
+
+    def sigma_at(self, t: torch.Tensor) -> torch.Tensor:
+        """Noise level for times in [0, 1]. Discrete models pick a table entry, as their sampler does."""
+        if self.sampling.prediction == "flow":
+            return t.clamp(1e-4, 1.0)
+        sigmas = self.sampling.sigmas
+        index = (t * len(sigmas)).long().clamp(0, len(sigmas) - 1)
+        return sigmas[index].float()
+
+    def sample_sigma(self, batch: int, generator: torch.Generator) -> torch.Tensor:
+        return self.sigma_at(self.sample_t(batch, generator))
+
+    def sample_noise(self, like: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        noise = torch.randn(like.shape, generator=generator, dtype=torch.float32)
+        if self.config.noise_offset > 0:
+            # Per-channel constant offset: lets the model learn overall brightness shifts.
+            offset = torch.randn(like.shape[:2] + (1,) * (like.ndim - 2), generator=generator)
+            noise = noise + self.config.noise_offset * offset
+        return noise
+
+    # --- x_t and loss -----------------------------------------------------------------------------------
+    def noisy(self, x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+        s = sigma.view(-1, *([1] * (x0.ndim - 1))).to(x0)
+        if self.sampling.prediction == "flow":
+            return s * noise + (1.0 - s) * x0
+        return x0 + s * noise
+
+    def sample_weight(self, sigma: torch.Tensor, min_snr: bool = True) -> torch.Tensor:
+        """Per-sample factor turning the x0 error into the native-space loss (and min-SNR on top)."""
+        sigma = sigma.float()
+        inv_sq = 1.0 / sigma.square()
+        if self.sampling.prediction == "v":
+            weight = (sigma.square() + 1.0) * inv_sq
+        else:
+            weight = inv_sq
+        if min_snr and self.config.loss_weighting == "min_snr":
+            snr = inv_sq  # x_t = x0 + sigma*eps  ->  SNR = 1 / sigma^2
+            gamma = torch.full_like(snr, self.config.min_snr_gamma)
+            denominator = snr + 1.0 if self.sampling.prediction == "v" else snr
+            weight = weight * torch.minimum(snr, gamma) / denominator
+        return weight
+
+    def loss(self, x0_hat: torch.Tensor, x0: torch.Tensor, sigma: torch.Tensor, weighted: bool = True,
+             mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Mean native-space loss over the batch. weighted=False: the plain squared error, no min-SNR (validation).
+
+        mask [B, 1, h, w] in 0..1 (at latent resolution): each sample's loss is the mask-weighted mean over its
+        elements, so what is masked out (0) is not learned and a partly masked image weighs as much as a whole
+        one; a sample masked out entirely contributes 0."""
+        error = x0_hat.float() - x0.float()
+        weight = self.sample_weight(sigma, min_snr=weighted).to(error.device)
+        if not weighted or self.config.loss_type == "mse":
+            return (_per_sample_mean(error.square(), mask) * weight).mean()
+        native = self.sample_weight(sigma, min_snr=False).to(error.device)
+        native_error = error * native.sqrt().view(-1, *([1] * (error.ndim - 1)))
+        if self.config.loss_type == "l1":
+            elements = native_error.abs()
+        else:
+            elements = torch.nn.functional.huber_loss(native_error, torch.zeros_like(native_error), reduction="none",
+                                                      delta=self.config.huber_delta)
+        return (_per_sample_mean(elements, mask) * (weight / native)).mean()  # weight / native: min-SNR alone
+
+    def fixed_times(self, count: int) -> torch.Tensor:
+        """Evenly spread times for the deterministic validation loss (ends excluded)."""
+        return (torch.arange(count, dtype=torch.float32) + 0.5) / count
+
+
+def _per_sample_mean(elements: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    if mask is None:
+        return elements.flatten(1).mean(dim=1)
+    weights = mask.to(elements).expand_as(elements)
+    return (elements * weights).flatten(1).sum(dim=1) / weights.flatten(1).sum(dim=1).clamp_min(1e-12)
+
+
+def step_seed(seed: int, micro_step: int, salt: int = 0) -> int:
+    """A seed per micro-step: randomness depends only on (seed, step), so a resumed run draws exactly
+    what the straight run drew without saving generator states."""
+    return (seed * 1_000_003 + micro_step * 7_919 + salt) % (2**63 - 1)

@@ -1,0 +1,133 @@
+"""Optimizers and learning-rate schedules, by name, from the libraries that implement them.
+
+AdamW: torch. AdamW8bit / PagedAdamW8bit / Lion8bit: bitsandbytes. Adafactor: transformers.
+CAME: the `came-pytorch` package (the reference implementation of the CAME paper, as Sana uses).
+Prodigy: `prodigyopt`. Schedules: `diffusers.optimization.get_scheduler`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Iterable
+
+import torch
+
+from .. import public_module
+from ..checks import check_finite
+
+OPTIMIZERS = ("AdamW", "AdamW8bit", "PagedAdamW8bit", "Lion8bit", "Adafactor", "CAME", "Prodigy")
+SCHEDULES = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial")
+_BITSANDBYTES = ("AdamW8bit", "PagedAdamW8bit", "Lion8bit")
+# Optimizers from optional packages: the pip package each needs (import name, pip name).
+OPTIONAL_PACKAGES = {"CAME": ("came_pytorch", "came-pytorch"), "Prodigy": ("prodigyopt", "prodigyopt")}
+
+
+class MissingPackageError(ImportError):
+    """An optional package an optimizer needs is not installed; the message names the pip package."""
+
+    __module__ = public_module(__name__)  # a clean type name in ComfyUI's error report
+
+
+def check_available(name: str) -> None:
+    """Raise MissingPackageError when optimizer `name` needs a package this Python does not have."""
+    if name not in OPTIONAL_PACKAGES:
+        return
+    module, package = OPTIONAL_PACKAGES[name]
+    try:
+        importlib.import_module(module)
+    except ImportError as error:
+        raise MissingPackageError(
+            f"optimizer {name} needs the pip package '{package}', which is not installed ({error}). Install it into "
+            f"ComfyUI's Python (python -m pip install {package}) and restart ComfyUI, or choose AdamW."
+        ) from None
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    name: str = "AdamW"
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    schedule: str = "constant"
+    warmup_steps: int = 0
+    total_steps: int = 1000  # horizon of decaying schedules (linear / cosine / polynomial)
+
+    def validate(self) -> None:
+        check_finite("optimizer", lr=self.lr, weight_decay=self.weight_decay, eps=self.eps, beta1=self.betas[0],
+                     beta2=self.betas[1])
+        if self.name not in OPTIMIZERS:
+            raise ValueError(f"unknown optimizer {self.name!r}: choose one of {', '.join(OPTIMIZERS)}")
+        if not self.lr > 0:
+            raise ValueError(f"learning rate {self.lr} must be > 0")
+        if self.weight_decay < 0:
+            raise ValueError(f"weight_decay={self.weight_decay} must be >= 0")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"unknown LR schedule {self.schedule!r}: choose one of {', '.join(SCHEDULES)}")
+        if self.warmup_steps < 0 or self.total_steps <= 0:
+            raise ValueError(f"warmup_steps={self.warmup_steps} must be >= 0 and total_steps={self.total_steps} > 0")
+
+
+def create_optimizer(params: Iterable[torch.nn.Parameter], config: OptimizerConfig, device: torch.device | None = None):
+    """The optimizer `config.name` over `params`. `device` is where the parameters live (for bitsandbytes)."""
+    config.validate()
+    params = list(params)
+    if config.name == "AdamW":
+        return torch.optim.AdamW(params, lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay)
+    if config.name in _BITSANDBYTES:
+        return _bitsandbytes_optimizer(params, config, device)
+    if config.name == "Adafactor":
+        from transformers.optimization import Adafactor
+
+        # Fixed external LR (relative_step off) so schedules and the lr input mean the same as for AdamW.
+        return Adafactor(params, lr=config.lr, scale_parameter=False, relative_step=False, warmup_init=False,
+                         weight_decay=config.weight_decay)
+    check_available(config.name)
+    if config.name == "CAME":
+        from came_pytorch import CAME
+
+        return CAME(params, lr=config.lr, weight_decay=config.weight_decay, betas=(config.betas[0], config.betas[1], 0.9999),
+                    eps=(1e-30, 1e-16))
+    from prodigyopt import Prodigy
+
+    # Prodigy estimates the step size itself; lr is a multiplier, 1.0 is the recommended value.
+    return Prodigy(params, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
+
+
+def _bitsandbytes_optimizer(params, config: OptimizerConfig, device: torch.device | None):
+    try:
+        import bitsandbytes as bnb
+    except ImportError as error:  # the package is a dependency, but a broken install should say so plainly
+        raise RuntimeError(f"optimizer {config.name} needs bitsandbytes, which failed to import: {error}") from error
+    cls = getattr(bnb.optim, config.name)
+    kwargs = dict(lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
+    if config.name != "Lion8bit":
+        kwargs["eps"] = config.eps
+    optimizer = cls(params, **kwargs)
+    probe_device = torch.device(device) if device is not None else (params[0].device if params else torch.device("cpu"))
+    try:
+        # One step on a zero gradient finds out now, not mid-run, whether this bitsandbytes build has
+        # 8-bit kernels for the parameters' device (older builds have none for the CPU).
+        probe = torch.nn.Parameter(torch.zeros(4096, device=probe_device))
+        probe.grad = torch.zeros_like(probe)
+        cls([probe], **kwargs).step()
+    except Exception as error:
+        raise RuntimeError(
+            f"optimizer {config.name} (bitsandbytes {getattr(bnb, '__version__', '?')}) cannot run on "
+            f"{probe_device.type}: {error}. Use AdamW, Adafactor, CAME or Prodigy on this device."
+        ) from error
+    return optimizer
+
+
+def create_scheduler(optimizer, config: OptimizerConfig):
+    from diffusers.optimization import get_scheduler
+
+    return get_scheduler(config.schedule, optimizer, num_warmup_steps=config.warmup_steps,
+                         num_training_steps=config.total_steps)
+
+
+def current_lr(optimizer) -> float:
+    group = optimizer.param_groups[0]
+    if "d" in group:  # Prodigy: the effective step size is d * lr
+        return float(group["d"] * group["lr"])
+    return float(group["lr"])

@@ -1,0 +1,522 @@
+"""The training loop: one readable step over cached batches.
+
+    batch  = cached latents + cached conditioning of one bucket (caption dropout -> the empty prompt)
+    sigma, noise = objective.sample(...)            seeded by (run seed, micro-step)
+    x_t    = objective.noisy(x0, noise, sigma)
+    x0_hat = denoiser.predict(x_t, sigma, conds)    under autocast for bf16 / fp16
+    loss   = objective.loss(x0_hat, x0, sigma)      native eps / v / flow space, optional min-SNR
+    backward (scaled for fp16) ... every `grad_accum` micro-steps: unscale, clip, optimizer + LR step
+
+The batch, caption dropout, noise levels and noise of a micro-step come from a generator seeded by (seed,
+micro-step); what draws from torch's global RNG (peft's dropout) runs on the run's own saved copy of it.
+So a run depends only on its seed, and one resumed from its run directory draws exactly what the straight
+run drew. The model is reached only through the small `Denoiser` protocol below; ComfyUI's MODEL
+implements it in nodes/comfy_bridge.py, and unit tests drive the engine with a tiny plain-torch denoiser.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import time
+from typing import Callable, Protocol, Sequence
+
+import torch
+
+from .. import public_module
+from ..data.cache_store import bucket_batches
+from ..checks import check_finite
+from .objective import Objective, ObjectiveConfig, SamplingDescriptor, step_seed
+from ..memory.optimizer_parking import HostOptimizer, parked
+from .optimizers import OptimizerConfig, create_optimizer, create_scheduler, current_lr
+from ..memory.policy import OffloadPolicy, memory_features
+from ..data.files import WriteError
+from .ema import WeightEMA
+from .run_dir import Checkpoint, CheckpointError, RunDir, capture_rng, restore_rng
+
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def auto_precision(device: torch.device | str) -> str:
+    """The compute precision for a device: bf16 on a CUDA device that supports it, fp16 on other CUDA devices,
+    fp32 elsewhere. A CPU has no fast low-precision kernels for these models (measured here: bf16 convolutions
+    ~180x slower than fp32, docs/BENCHMARKS.md), and its weights in bf16 are cast to fp32 per layer anyway."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return "fp32"
+    return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+_SALT_BATCH, _SALT_VALIDATION, _SALT_GLOBAL = 1, 2, 3
+
+
+class Denoiser(Protocol):
+    """What the engine needs from a model."""
+
+    sampling: SamplingDescriptor
+    device: torch.device
+
+    def to_model_latent(self, latents: torch.Tensor) -> torch.Tensor:
+        """Cached (raw VAE) latents -> the latent space the model denoises in."""
+
+    def predict(self, x_t: torch.Tensor, sigma: torch.Tensor, conds: Sequence[dict[str, torch.Tensor]]) -> torch.Tensor:
+        """The model's x0 estimate for a batch; conds holds one conditioning dict per sample."""
+
+    def blocks(self) -> list[tuple[str, torch.nn.Module]]:
+        """The model's repeated blocks (name, module), for checkpointing and generic adapter targets."""
+
+    # Optional attribute `inplace_blocks: bool`: True when blocks add into their inputs in place (Flux);
+    # the trainer then runs them through checkpointing.wrap_blocks(inplace_inputs=True).
+
+
+ItemExtras = Callable[[int], dict]
+"""Extra conditioning entries of a cached item, e.g. its control image for a ControlNet run: added to the
+item's conditioning dict (also when caption dropout swaps its prompt for the empty one)."""
+
+
+class Trainable(Protocol):
+    """What is trained: an adapter set (training/adapters.py) or a ControlNet (nodes/controlnet_build.py)."""
+
+    def parameters(self) -> list[torch.nn.Parameter]: ...
+    def state_dict(self) -> dict[str, torch.Tensor]: ...
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None: ...
+    def train(self, mode: bool = True) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    seed: int = 0
+    batch_size: int = 1
+    grad_accum: int = 1
+    max_grad_norm: float = 1.0  # 0 disables clipping
+    precision: str = "fp32"  # fp32 | bf16 | fp16 (fp16 uses a GradScaler)
+    caption_dropout: float = 0.0
+    objective: ObjectiveConfig = ObjectiveConfig()
+    ema_decay: float = 0.0  # > 0: keep an exponential moving average of the trainable weights (training/ema.py)
+    prior_ratio: float = 0.0  # share of micro-steps that train on the prior (regularisation) dataset
+
+    def validate(self) -> None:
+        check_finite("training", max_grad_norm=self.max_grad_norm, caption_dropout=self.caption_dropout)
+        if self.batch_size < 1 or self.grad_accum < 1:
+            raise ValueError(f"batch_size={self.batch_size} and grad_accum={self.grad_accum} must be >= 1")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision={self.precision!r}: choose one of {', '.join(PRECISIONS)}")
+        if not 0.0 <= self.caption_dropout <= 1.0:
+            raise ValueError(f"caption_dropout={self.caption_dropout} must be in [0, 1]")
+        if self.max_grad_norm < 0:
+            raise ValueError(f"max_grad_norm={self.max_grad_norm} must be >= 0 (0 = no clipping)")
+        check_finite("training", ema_decay=self.ema_decay, prior_ratio=self.prior_ratio)
+        if not 0.0 <= self.prior_ratio < 1.0:
+            raise ValueError(f"prior_ratio={self.prior_ratio} must be in [0, 1) (0: no prior images)")
+        if not 0.0 <= self.ema_decay < 1.0:
+            raise ValueError(f"ema_decay={self.ema_decay} must be in [0, 1) (0: no EMA; 0.99-0.9999 is usual)")
+
+
+def _forked_rng():
+    """Restores torch's global RNG states (CPU and every CUDA device) on exit."""
+    return torch.random.fork_rng(devices=list(range(torch.cuda.device_count())) if torch.cuda.is_available() else [])
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss became NaN or infinite; the message names the step and the likely cause."""
+
+    __module__ = public_module(__name__)  # a clean type name in ComfyUI's error report
+
+
+@dataclasses.dataclass
+class StepReport:
+    step: int
+    loss: float
+    lr: float
+    seconds: float
+
+
+class _Subset:
+    """A LatentCache seen through a subset of its items (training items, without held-out ones)."""
+
+    def __init__(self, cache, items: Sequence[int]):
+        keep = set(items)
+        self.buckets = {}
+        for bucket, indices in cache.buckets.items():
+            kept = [i for i in indices if i in keep]
+            if kept:
+                self.buckets[bucket] = kept
+
+
+class _Batches:
+    """The bucketed batches of one dataset (its latent + text caches), epoch after epoch, as a sequence."""
+
+    def __init__(self, latent_cache, text_cache, items: Sequence[int], config: TrainConfig):
+        self.latent_cache, self.text_cache, self.config = latent_cache, text_cache, config
+        self.view = _Subset(latent_cache, items)
+        self.per_epoch = len(bucket_batches(self.view, config.batch_size, config.seed, 0))
+        self._epoch: tuple[int, list[list[int]]] | None = None
+
+    def __getitem__(self, index: int) -> list[int]:
+        epoch, index = divmod(index, self.per_epoch)
+        if self._epoch is None or self._epoch[0] != epoch:
+            self._epoch = (epoch, bucket_batches(self.view, self.config.batch_size, self.config.seed, epoch))
+        return self._epoch[1][index]
+
+
+def prior_steps_before(micro_step: int, ratio: float) -> int:
+    """How many of the micro-steps before `micro_step` train on the prior dataset: an even interleave at `ratio`
+    (prior at m exactly when floor((m + 1) * ratio) > floor(m * ratio)). A closed form, so a resumed run draws
+    what the straight run drew without counting."""
+    return math.floor(micro_step * ratio)
+
+
+class Trainer:
+    def __init__(self, denoiser: Denoiser, trainable: Trainable, latent_cache, text_cache, config: TrainConfig,
+                 optimizer_config: OptimizerConfig, train_items: Sequence[int] | None = None,
+                 run_dir: RunDir | None = None, policy: OffloadPolicy | None = None,
+                 item_extras: ItemExtras | None = None, prior: tuple | None = None):
+        config.validate()
+        self.denoiser = denoiser
+        self.trainable = trainable
+        self.latent_cache = latent_cache
+        self.text_cache = text_cache
+        self.config = config
+        self.optimizer_config = optimizer_config
+        self.run_dir = run_dir
+        # Checkpointing, streaming, optimizer placement...: the run's policy, resolved once (policy.run_policy).
+        self.policy = policy if policy is not None else OffloadPolicy()
+        self.item_extras = item_extras
+        self.objective = Objective(denoiser.sampling, config.objective)
+        self.train_items = list(range(len(latent_cache))) if train_items is None else list(train_items)
+        if not self.train_items:
+            raise ValueError("no training items: the latent cache is empty or every item is held out")
+        self._batches = _Batches(latent_cache, text_cache, self.train_items, config)
+        self.batches_per_epoch = self._batches.per_epoch
+        # Prior (regularisation) images: (latent cache, text cache) of a second dataset, mixed in at prior_ratio.
+        if (prior is not None) != (config.prior_ratio > 0):
+            raise ValueError("prior images need both their caches and prior_ratio > 0 (and prior_ratio needs them)")
+        if prior is not None and item_extras is not None:
+            raise ValueError("prior images are for LoRA runs: a ControlNet run's items carry control images")
+        self._prior = _Batches(prior[0], prior[1], range(len(prior[0])), config) if prior is not None else None
+        self.params = list(trainable.parameters())
+        if self.policy.optimizer_state == "cpu":
+            self.optimizer = HostOptimizer(self.params, lambda host: create_optimizer(host, optimizer_config, device="cpu"))
+        else:
+            self.optimizer = create_optimizer(self.params, optimizer_config, device=denoiser.device)
+        self.scheduler = create_scheduler(self.optimizer, optimizer_config)
+        self.scaler = torch.amp.GradScaler(denoiser.device.type) if config.precision == "fp16" else None
+        self.ema = WeightEMA(self.params, config.ema_decay) if config.ema_decay > 0 else None
+        self.step = 0
+        self.loss_history: list[list[float]] = []
+        self.validation_history: list[list[float]] = []
+        self.saved_step: int | None = None
+        # The run's own state of torch's global RNG (peft's dropout draws from it): swapped in while training,
+        # so a run depends only on its seed, and other nodes' use of the global RNG neither disturbs it nor
+        # is disturbed by it.
+        with _forked_rng():
+            torch.manual_seed(step_seed(config.seed, 0, _SALT_GLOBAL))
+            self.rng = capture_rng()
+
+    # --- data -------------------------------------------------------------------------------------------
+    def _batch(self, micro_step: int) -> tuple[_Batches, list[int]]:
+        """(the dataset, its items) a micro-step trains on."""
+        if self._prior is None:
+            return self._batches, self._batches[micro_step]
+        ratio = self.config.prior_ratio
+        before = prior_steps_before(micro_step, ratio)
+        if prior_steps_before(micro_step + 1, ratio) > before:
+            return self._prior, self._prior[before]
+        return self._batches, self._batches[micro_step - before]
+
+    def batch_items(self, micro_step: int) -> list[int]:
+        return self._batch(micro_step)[1]
+
+    def _latents(self, items: Sequence[int], latent_cache=None) -> torch.Tensor:
+        latent_cache = latent_cache if latent_cache is not None else self.latent_cache
+        raw = torch.stack([latent_cache.latent(i).float() for i in items])
+        return self.denoiser.to_model_latent(raw.to(self.denoiser.device))
+
+    def _masks(self, items: Sequence[int], latent_cache=None) -> torch.Tensor | None:
+        """Loss masks [B, 1, h, w] of the items (a cache without masks: None; an item without one: all ones)."""
+        read = getattr(latent_cache if latent_cache is not None else self.latent_cache, "mask", None)
+        masks = [read(i) for i in items] if read is not None else []
+        if not any(m is not None for m in masks):
+            return None
+        shape = next(m for m in masks if m is not None).shape
+        return torch.stack([m.float() if m is not None else torch.ones(shape) for m in masks]).to(self.denoiser.device)
+
+    def _conds(self, items: Sequence[int], dropout: torch.Tensor | None = None,
+               source: _Batches | None = None) -> list[dict[str, torch.Tensor]]:
+        latent_cache, text_cache = (source.latent_cache, source.text_cache) if source is not None else \
+            (self.latent_cache, self.text_cache)
+        conds = []
+        for n, i in enumerate(items):
+            if dropout is not None and dropout[n]:
+                conds.append(text_cache.empty_conditioning())
+            else:
+                conds.append(text_cache.conditioning(latent_cache.text_key(i)))
+            if self.item_extras is not None and (source is None or source is self._batches):
+                conds[-1] = {**conds[-1], **self.item_extras(i)}
+        return conds
+
+    # --- one step ---------------------------------------------------------------------------------------
+    def _autocast(self):
+        dtype = PRECISIONS[self.config.precision]
+        return torch.autocast(self.denoiser.device.type, dtype=dtype, enabled=dtype is not None)
+
+    def _micro_step_loss(self, micro_step: int) -> tuple[torch.Tensor, list[int]]:
+        source, items = self._batch(micro_step)
+        generator = torch.Generator().manual_seed(step_seed(self.config.seed, micro_step, _SALT_BATCH))
+        dropout = torch.rand(len(items), generator=generator) < self.config.caption_dropout
+        x0 = self._latents(items, source.latent_cache)
+        sigma = self.objective.sample_sigma(len(items), generator).to(self.denoiser.device)
+        noise = self.objective.sample_noise(x0, generator).to(x0)
+        x_t = self.objective.noisy(x0, noise, sigma)
+        with self._autocast():
+            x0_hat = self.denoiser.predict(x_t, sigma, self._conds(items, dropout, source))
+        loss = self.objective.loss(x0_hat, x0, sigma, mask=self._masks(items, source.latent_cache))
+        return loss, items if source is self._batches else [f"prior {i}" for i in items]
+
+    def train_step(self) -> float:
+        """One optimizer step (grad_accum micro-steps). Returns the mean loss."""
+        accum = self.config.grad_accum
+        self.optimizer.zero_grad(set_to_none=True)
+        losses = []
+        for j in range(accum):
+            loss, items = self._micro_step_loss(self.step * accum + j)
+            if not torch.isfinite(loss):
+                raise self._non_finite(loss, items)
+            scaled = loss / accum
+            (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+            losses.append(loss.item())
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        if self.config.max_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(self.params, self.config.max_grad_norm)
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)  # skips the update when fp16 gradients overflowed
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.scheduler.step()
+        if self.ema is not None:
+            self.ema.update(self.params)
+        self.step += 1
+        self.rng = capture_rng()  # the global RNG as this completed step left it: what a checkpoint resumes from
+        mean = sum(losses) / len(losses)
+        self.loss_history.append([self.step, mean])
+        return mean
+
+    def _non_finite(self, loss: torch.Tensor, items: list[int]) -> NonFiniteLossError:
+        step = self.step + 1
+        causes = [f"the learning rate ({current_lr(self.optimizer):.3g}) is too high for this optimizer"]
+        if self.config.precision == "fp16":
+            causes.insert(0, "fp16 overflow (use precision bf16 or fp32)")
+        causes.append(f"a corrupt cached latent or conditioning among items {items} (re-run caching)")
+        kept = ""
+        if self.run_dir is not None:
+            if self.params_finite() and self.step > 0 and self.saved_step != self.step:
+                self.save()  # the weights are still those of the last good step
+            if self.saved_step is not None:
+                kept = f" The last good checkpoint (step {self.saved_step}) is kept in {self.run_dir.display}."
+        return NonFiniteLossError(
+            f"training loss became {loss.item()} at step {step}; likely cause: " + "; or ".join(causes) + "." + kept
+        )
+
+    def train_to(self, target_step: int, after_step: Callable[[StepReport], None] | None = None,
+                 checkpoint_every: int = 0, checkpoint_seconds: float = 0.0) -> None:
+        """Train until `self.step == target_step` (no work when already there). `after_step` runs after each
+        completed step; it may raise (e.g. ComfyUI's interrupt), leaving the trainer at a completed step.
+
+        A checkpoint is written every `checkpoint_every` steps and whenever `checkpoint_seconds` have passed since
+        the last one written here (0: off), so a crash or kill loses at most that much; the caller saves the
+        last step."""
+        if target_step <= self.step:
+            return
+        if (checkpoint_every or checkpoint_seconds) and self.run_dir is None:
+            raise ValueError("periodic checkpoints need a run directory")
+        # Tiny gradients and optimizer moments become denormal floats, which x86 CPUs process ~100x slower;
+        # flushing them to zero costs no accuracy that matters and is what GPUs do anyway.
+        flush_denormal = self.denoiser.device.type == "cpu" and torch.set_flush_denormal(True)
+        saved_at = time.monotonic()
+        with torch.inference_mode(False), _forked_rng():
+            restore_rng(self.rng)
+            try:
+                # Checkpointing, offloaded checkpoints and streamed blocks, as the policy says (training/policy.py).
+                with memory_features(self.policy, [m for _, m in self.denoiser.blocks()], self.denoiser.device,
+                                     inplace_inputs=getattr(self.denoiser, "inplace_blocks", False)):
+                    self.trainable.train(True)
+                    while self.step < target_step:
+                        started = time.perf_counter()
+                        loss = self.train_step()
+                        if after_step is not None:
+                            after_step(StepReport(self.step, loss, current_lr(self.optimizer), time.perf_counter() - started))
+                        due = (checkpoint_every and self.step % checkpoint_every == 0) or \
+                            (checkpoint_seconds and time.monotonic() - saved_at >= checkpoint_seconds)
+                        if due and self.step < target_step:
+                            self.save()
+                            saved_at = time.monotonic()
+            finally:
+                self.trainable.train(False)
+                if flush_denormal:
+                    torch.set_flush_denormal(False)
+
+    # --- validation loss ----------------------------------------------------------------------------------
+    def validation_loss(self, items: Sequence[int], times: int = 4, seed: int = 0) -> float:
+        """Deterministic loss on `items` at `times` fixed noise levels with fixed noise (no min-SNR)."""
+        if not items:
+            raise ValueError("validation loss needs at least one item")
+        t = self.objective.fixed_times(times)
+        sigma = self.objective.sigma_at(t).to(self.denoiser.device)
+        total = 0.0
+        with torch.inference_mode(False), torch.no_grad():
+            for item in items:
+                x0 = self._latents([item]).repeat_interleave(times, dim=0)
+                generator = torch.Generator().manual_seed(step_seed(seed, item, _SALT_VALIDATION))
+                noise = torch.randn(x0.shape, generator=generator).to(x0)
+                x_t = self.objective.noisy(x0, noise, sigma)
+                with self._autocast():
+                    x0_hat = self.denoiser.predict(x_t, sigma, self._conds([item]) * times)
+                mask = self._masks([item])
+                mask = mask.repeat_interleave(times, dim=0) if mask is not None else None
+                total += self.objective.loss(x0_hat, x0, sigma, weighted=False, mask=mask).item()
+        return total / len(items)
+
+    def parked_for_validation(self):
+        """Optimizer state and gradients in host RAM for the block, when the policy says so (validation then
+        holds only the weights on the device); restored bitwise afterwards."""
+        if self.policy.park_optimizer_during_validation:
+            return parked(self.optimizer, self.params)
+        return contextlib.nullcontext()
+
+    def record_validation(self, value: float) -> None:
+        self.validation_history.append([self.step, value])
+
+    # --- checkpoints ----------------------------------------------------------------------------------------
+    def checkpoint(self) -> Checkpoint:
+        return Checkpoint(
+            step=self.step, micro_step=self.step * self.config.grad_accum,
+            adapter=self.trainable.state_dict(), optimizer=self.optimizer.state_dict(),
+            scheduler=self.scheduler.state_dict(), scaler=self.scaler.state_dict() if self.scaler is not None else None,
+            rng=self.rng, loss_history=[list(x) for x in self.loss_history],
+            validation_history=[list(x) for x in self.validation_history],
+            ema=self.ema.state_dict() if self.ema is not None else None,
+        )
+
+    def restore(self, checkpoint: Checkpoint) -> None:
+        """Load a checkpoint after checking it fits what this trainer trains (a file from disk is untrusted)."""
+        problem = self._mismatch(checkpoint)
+        if problem:
+            where = f"run '{self.run_dir.name}'" if self.run_dir is not None else "the checkpoint"
+            raise CheckpointError(
+                f"{where}: the saved checkpoint of step {checkpoint.step} does not fit this run ({problem}). It was "
+                "edited or written for other settings: move the run folder away, or use a new run name."
+            )
+        try:
+            self.trainable.load_state_dict(checkpoint.adapter)
+            self.optimizer.load_state_dict(checkpoint.optimizer)
+            self.scheduler.load_state_dict(checkpoint.scheduler)
+            if self.scaler is not None and checkpoint.scaler is not None:
+                self.scaler.load_state_dict(checkpoint.scaler)
+            if self.ema is not None:
+                if checkpoint.ema is None:
+                    raise ValueError("it holds no EMA weights, and this run keeps an EMA")
+                self.ema.load_state_dict(checkpoint.ema)
+        except (ValueError, KeyError, TypeError, RuntimeError) as error:
+            raise CheckpointError(f"the saved checkpoint of step {checkpoint.step} cannot be loaded ({error}): move "
+                                  "the run folder away, or use a new run name") from None
+        self.rng = checkpoint.rng
+        self.step = checkpoint.step
+        self.loss_history = [list(x) for x in checkpoint.loss_history]
+        self.validation_history = [list(x) for x in checkpoint.validation_history]
+        self.saved_step = checkpoint.step
+
+    def _mismatch(self, checkpoint: Checkpoint) -> str | None:
+        """What in a checkpoint does not fit this trainer: weight keys, shapes and dtypes; optimizer groups, state
+        shapes; scheduler and scaler fields. None when it fits."""
+        current = self.trainable.state_dict()
+        saved = checkpoint.adapter
+        if set(saved) != set(current):
+            missing, extra = sorted(set(current) - set(saved)), sorted(set(saved) - set(current))
+            return (f"{len(missing)} weight(s) missing (e.g. {missing[:1]}), {len(extra)} unknown (e.g. {extra[:1]})")
+        for key, tensor in current.items():
+            if not isinstance(saved[key], torch.Tensor) or saved[key].shape != tensor.shape or saved[key].dtype != tensor.dtype:
+                got = saved[key]
+                return (f"weight {key} is {getattr(got, 'dtype', type(got).__name__)} {list(getattr(got, 'shape', []))}, "
+                        f"expected {tensor.dtype} {list(tensor.shape)}")
+        return (_optimizer_mismatch(checkpoint.optimizer, self.optimizer)
+                or _fields_mismatch("LR scheduler", checkpoint.scheduler, self.scheduler.state_dict())
+                or (_fields_mismatch("gradient scaler", checkpoint.scaler, self.scaler.state_dict())
+                    if self.scaler is not None and checkpoint.scaler is not None else None))
+
+    def params_finite(self) -> bool:
+        return all(bool(torch.isfinite(p).all()) for p in self.params)
+
+    def save(self) -> None:
+        if self.run_dir is None:
+            raise RuntimeError("this trainer has no run directory to save to")
+        try:
+            self.run_dir.save_checkpoint(self.checkpoint())
+        except WriteError as error:  # disk full...: say what is (not) on disk, and that queueing again saves it
+            kept = f"step {self.saved_step}" if self.saved_step is not None else "none"
+            raise type(error)(f"{error} The run is at step {self.step} in memory; its last checkpoint on disk: {kept}. "
+                              "Queueing again saves it.") from error
+        self.saved_step = self.step
+
+    def resume(self) -> bool:
+        """Load the run directory's latest checkpoint, if there is one."""
+        checkpoint = self.run_dir.load_checkpoint() if self.run_dir is not None else None
+        if checkpoint is None:
+            return False
+        self.restore(checkpoint)
+        return True
+
+    @property
+    def last_loss(self) -> float:
+        return self.loss_history[-1][1] if self.loss_history else math.nan
+
+
+# The optimizer state entries with one value per parameter element (torch's Adam / AdamW / SGD, bitsandbytes' 8-bit
+# state, Prodigy, which keeps some flattened); other entries (factored rows / columns, block scales, maps) are smaller.
+_PARAM_SHAPED_STATE = {"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "state1", "state2", "p0", "s"}
+
+
+def _optimizer_mismatch(saved, optimizer) -> str | None:
+    groups = saved.get("param_groups") if isinstance(saved, dict) else None
+    state = saved.get("state") if isinstance(saved, dict) else None
+    current = optimizer.param_groups
+    if not isinstance(groups, list) or not isinstance(state, dict) or len(groups) != len(current) or not all(
+            isinstance(g, dict) and isinstance(g.get("params"), list) and len(g["params"]) == len(c["params"])
+            for g, c in zip(groups, current)):
+        return "its optimizer state has other parameter groups than this optimizer"
+    params = {}
+    for group, live in zip(groups, current):
+        for index, param in zip(group["params"], live["params"]):
+            if not isinstance(index, int) or isinstance(index, bool):
+                return "its optimizer state names parameters by something other than numbers"
+            params[index] = param
+    for index, entries in state.items():
+        if index not in params or not isinstance(entries, dict):
+            return f"its optimizer state has an entry for unknown parameter {str(index)[:20]!r}"
+        param = params[index]
+        for name, value in entries.items():
+            if isinstance(value, torch.Tensor) and value.ndim > 0:
+                if name in _PARAM_SHAPED_STATE and value.numel() != param.numel():
+                    return (f"optimizer state {name!r} of parameter {index} is {list(value.shape)}, the parameter "
+                            f"{list(param.shape)}")
+                if value.numel() > param.numel() + 4096:
+                    return f"optimizer state {name!r} of parameter {index} is larger than its parameter"
+            elif not isinstance(value, (int, float, bool, torch.Tensor, type(None))):
+                return f"optimizer state {name!r} of parameter {index} is a {type(value).__name__}"
+    return None
+
+
+def _fields_mismatch(what: str, saved, current: dict) -> str | None:
+    """A scheduler / scaler state may hold only fields the live one has, with values of the same kinds (a scheduler's
+    load_state_dict copies every field into the object as is); fields it lacks keep their current values."""
+    if not isinstance(saved, dict) or not set(saved) <= set(current):
+        unknown = sorted(map(str, set(saved) - set(current))) if isinstance(saved, dict) else []
+        return f"its {what} state has fields this {what} does not have ({', '.join(unknown[:3]) or 'not a dict'})"
+    for key, other in saved.items():
+        value = current[key]
+        numeric = (int, float)
+        if isinstance(value, numeric) and not isinstance(value, bool):
+            if not isinstance(other, numeric) or isinstance(other, bool):
+                return f"its {what} field {key!r} is not a number"
+        elif value is not None and other is not None and type(other) is not type(value):
+            return f"its {what} field {key!r} is a {type(other).__name__}, not a {type(value).__name__}"
+    return None

@@ -1,0 +1,834 @@
+"""Content-addressed caches of encoder outputs on disk: safetensors shards + a JSON manifest.
+
+Layout of one store (one folder per kind, e.g. `<headroom_cache>/latents`):
+    manifest.json                 entry key -> shard file, sha256 of every tensor, byte count, meta
+    shards/<name>.safetensors     tensors named "<entry key>/<tensor name>"
+
+- An entry's key is the sha256 of everything its content depends on (`entry_key`): for a latent the
+  VAE's weight fingerprint and options, the image (and control image) bytes and the resize/crop/
+  bucket/flip plan; for a text entry the text encoder's fingerprint and options and the caption.
+  Same inputs -> same key -> a hit, without loading the encoder. Captions are not part of latent
+  keys, so editing a caption re-encodes that caption's text and nothing else.
+- Writes are atomic: a shard is written to a temp file, fsynced and renamed; the manifest is rewritten
+  the same way, and only after its shard is in place. A cancel or crash leaves every entry listed in
+  the manifest complete, so the next run resumes from there. Encoded entries are committed when a shard
+  is full and at least every `COMMIT_SECONDS` (a kill loses at most that much encoding, plus the item in
+  flight), so one caching run may write many small shards.
+- The manifest is untrusted when read back: entries that are not well-formed, or whose shard is not a
+  shard file name of ours, are dropped (and rebuilt); shard files are read only as regular files inside
+  `shards/` (training/files.py).
+- Before entries are reused their tensors are re-hashed against the manifest: a corrupt or truncated
+  shard is found and its entries are encoded again. (This reads every cached byte once per caching
+  run: about a second per GiB, see docs/BENCHMARKS.md; cheap next to encoding.)
+- Reads go through `safetensors.safe_open` (memory-mapped) with a few shard handles open at a time,
+  so memory does not grow with the number of items read.
+- The manifest is rewritten whole after each shard (O(entries) per shard); fine into the 100k-entry
+  range. Temp files left by a killed process are never read, and opening the store removes them once
+  their writer is gone (training/files.py prune_temp).
+
+`cache_latents` / `cache_text` are the whole caching loop; the ComfyUI nodes only hand in the encoder
+as a callable and forward progress and cancel.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+import re
+import tempfile
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Mapping
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+
+from .. import public_module
+from .buckets import CropPlan, apply_crop, make_buckets, nearest_bucket, plan_crop
+from .dataset import Dataset, DatasetError, reduce_factor
+from .files import (UntrustedFileError, WriteError, display_path, format_bytes, open_regular, prune_temp, read_json,
+                    relative_text, resolve_inside, save_safetensors, write_bytes)
+
+log = logging.getLogger(__name__)
+
+MANIFEST_NAME = "manifest.json"
+MANIFEST_FORMAT = "headroom-cache-manifest"
+MANIFEST_VERSION = 1
+DEFAULT_SHARD_BYTES = 16 << 20  # small: a cheap header to reopen on random reads, little lost on a crash
+OPEN_SHARDS = 8  # shard handles a reader keeps mapped: bounds its file-backed memory to ~128 MiB
+FINGERPRINT_SAMPLES = 1024  # values sampled from each weight tensor
+COMMIT_SECONDS = 5.0  # encoded entries wait at most this long (plus one item's encoding) before they are committed
+_KEY = re.compile(r"[0-9a-f]{64}")
+_SHARD = re.compile(r"[0-9a-f]{40}\.safetensors")  # ShardWriter's names; anything else in a manifest is refused
+_TENSOR = re.compile(r"[A-Za-z0-9_.-]{1,100}")
+
+
+class CacheStoreError(RuntimeError):
+    """A cache folder problem (unwritable, disk full); the message names the path and the fix."""
+
+    __module__ = public_module(__name__)  # a clean type name in ComfyUI's error report
+
+
+# ---------------------------------------------------------------------------------------------------
+# Keys and fingerprints
+
+
+def entry_key(fields: Mapping) -> str:
+    """sha256 of canonical JSON of everything an entry's content depends on."""
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def text_key(caption: str) -> str:
+    """The id a LatentCache item uses to find its caption's conditioning in a TextCache."""
+    return hashlib.sha256(caption.encode("utf-8")).hexdigest()
+
+
+HASH_CHUNK_BYTES = 64 << 20  # a strided or expanded tensor is hashed through contiguous pieces of at most this
+
+
+def _contiguous_pieces(tensor: torch.Tensor, limit: int = HASH_CHUNK_BYTES):
+    """A tensor's values in C order as contiguous 1-D CPU pieces: views of a contiguous tensor, and bounded
+    copies of a strided or expanded one (never the whole of it at once)."""
+    if tensor.is_contiguous():
+        flat = tensor.reshape(-1)
+        step = max(1, limit // max(flat.element_size(), 1))
+        for start in range(0, flat.numel(), step):
+            yield flat[start:start + step].to("cpu")
+        return
+    row_bytes = tensor[0].numel() * tensor.element_size() if tensor.shape[0] else 0
+    if row_bytes <= limit:
+        rows = max(1, limit // max(row_bytes, 1))
+        for start in range(0, tensor.shape[0], rows):
+            yield tensor[start:start + rows].to("cpu").contiguous().reshape(-1)
+    else:
+        for index in range(tensor.shape[0]):
+            yield from _contiguous_pieces(tensor[index], limit)
+
+
+def _hash_tensor_bytes(hasher, tensor: torch.Tensor) -> None:
+    for piece in _contiguous_pieces(tensor.detach()):
+        hasher.update(piece.view(torch.uint8).numpy())
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> bytes:
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    return flat.view(torch.uint8).numpy().tobytes()
+
+
+def tensor_digest(tensor: torch.Tensor) -> str:
+    """sha256 of a tensor's dtype, shape and raw bytes (the per-entry checksum)."""
+    hasher = hashlib.sha256(f"{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+    _hash_tensor_bytes(hasher, tensor)
+    return hasher.hexdigest()
+
+
+def sample_indices(numel: int, samples: int) -> torch.Tensor:
+    """`samples` evenly spaced flat indices from 0 to numel - 1 (all of them when numel <= samples).
+
+    Integer arithmetic: float32 indices (torch.linspace's default) round past 2**24 elements, which pointed
+    the last sample one past the end of every real-size weight."""
+    if numel <= samples:
+        return torch.arange(numel, dtype=torch.int64)
+    if samples <= 1:
+        return torch.zeros(max(samples, 0), dtype=torch.int64)
+    return torch.arange(samples, dtype=torch.int64) * (numel - 1) // (samples - 1)
+
+
+def _sample_bytes(tensor: torch.Tensor, samples: int) -> bytes:
+    """Raw bytes of up to `samples` evenly strided values of `tensor` (all of it when small), read through the
+    tensor's own strides: a strided or expanded view is never copied whole."""
+    if tensor.is_meta:
+        return b"meta"
+    tensor = tensor.detach()
+    indices = sample_indices(tensor.numel(), samples).to(tensor.device)
+    if tensor.is_contiguous():
+        values = tensor.reshape(-1)[indices]
+    else:  # gathered through the strides: reshape(-1) would copy the whole view
+        values = tensor[torch.unravel_index(indices, tensor.shape)]
+    try:
+        return _tensor_bytes(values)
+    except (RuntimeError, TypeError):  # tensor subclasses (e.g. quantized storage) without a byte view
+        return _tensor_bytes(values.to(torch.float32))
+
+
+def fingerprint_state_dict(state_dict: Mapping[str, object], samples: int = FINGERPRINT_SAMPLES) -> str:
+    """A cheap but robust identity of an encoder's weights: every key name, shape and dtype, plus a
+    strided sample of each tensor's values.
+
+    Why this is enough: a different architecture or precision changes names/shapes/dtypes; a
+    fine-tune, merge or different checkpoint changes (nearly) every value of the tensors it touches,
+    so it shows up in the 1024 sampled values of each of them. Only an edit confined to unsampled
+    elements of every tensor would go unnoticed, which no training or merging tool produces. Hashing
+    every byte would read gigabytes (a T5-XXL is ~10 GB) on every run just to find a cache hit.
+    """
+    hasher = hashlib.sha256()
+    for name in sorted(state_dict):
+        value = state_dict[name]
+        if isinstance(value, torch.Tensor):
+            hasher.update(f"{name}|{tuple(value.shape)}|{value.dtype}\n".encode())
+            hasher.update(_sample_bytes(value, samples))
+        else:
+            hasher.update(f"{name}|{type(value).__name__}\n".encode())
+    return hasher.hexdigest()
+
+
+def fingerprint_value(value: object, samples: int = FINGERPRINT_SAMPLES) -> str:
+    """A fingerprint of nested data mixing tensors, numbers, strings, containers and small objects
+    (e.g. the weight patches a LoRA loader put on an encoder); tensors are sampled as above."""
+    hasher = hashlib.sha256()
+    seen: set[int] = set()
+
+    def walk(item: object, depth: int) -> None:
+        if isinstance(item, torch.Tensor):
+            hasher.update(f"T{tuple(item.shape)}{item.dtype}".encode())
+            hasher.update(_sample_bytes(item, samples))
+        elif item is None or isinstance(item, (bool, int, float, str)):
+            hasher.update(repr(item).encode())
+        elif depth > 8 or id(item) in seen:
+            hasher.update(type(item).__qualname__.encode())
+        elif isinstance(item, Mapping):
+            seen.add(id(item))
+            hasher.update(b"{")
+            for key in sorted(item, key=repr):
+                walk(key, depth + 1)
+                walk(item[key], depth + 1)
+            hasher.update(b"}")
+        elif isinstance(item, (list, tuple, set, frozenset)):
+            seen.add(id(item))
+            hasher.update(b"[")
+            for element in (sorted(item, key=repr) if isinstance(item, (set, frozenset)) else item):
+                walk(element, depth + 1)
+            hasher.update(b"]")
+        elif callable(item) and not hasattr(item, "__dict__"):
+            hasher.update(getattr(item, "__qualname__", type(item).__qualname__).encode())
+        else:  # a plain object: its class and its attributes
+            seen.add(id(item))
+            hasher.update(type(item).__qualname__.encode())
+            walk(dict(vars(item)) if hasattr(item, "__dict__") else repr(item), depth + 1)
+
+    walk(value, 0)
+    return hasher.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------------
+# The store
+
+
+class ShardStore:
+    """One folder of content-addressed entries: see the module docstring for the layout."""
+
+    def __init__(self, root: Path, shard_bytes: int = DEFAULT_SHARD_BYTES, commit_seconds: float | None = None):
+        self.root = Path(root)
+        self.shard_dir = self.root / "shards"
+        self.manifest_path = self.root / MANIFEST_NAME
+        self.shard_bytes = shard_bytes
+        self.commit_seconds = COMMIT_SECONDS if commit_seconds is None else commit_seconds
+        if self.root.exists() and not self.root.is_dir():
+            raise CacheStoreError(f"cache folder {display_path(self.root)} is a file, not a folder; remove it or move "
+                                  "the cache")
+        for folder in (self.root, self.shard_dir):  # what killed writers left behind
+            prune_temp(folder)
+        self.warnings: list[str] = []  # what was wrong with the manifest as found (reported by the caching runs)
+        self.entries: dict[str, dict] = self._read_manifest(self.warnings)
+
+    # -- manifest ------------------------------------------------------------------------------------
+
+    def _read_manifest(self, warnings: list[str] | None = None) -> dict[str, dict]:
+        warnings = [] if warnings is None else warnings
+        if not os.path.lexists(self.manifest_path):
+            return {}
+        try:
+            data = read_json(self.manifest_path, "cache manifest")
+            if not isinstance(data, dict) or data.get("format") != MANIFEST_FORMAT or \
+                    data.get("version") != MANIFEST_VERSION or not isinstance(data.get("entries"), dict):
+                raise ValueError("not a manifest of this Headroom version")
+        except ValueError as error:  # UntrustedFileError is one
+            # Never trusted on doubt: every entry is then rebuilt, and the next commit replaces the file.
+            warnings.append(f"ignoring the unreadable cache manifest {display_path(self.manifest_path)} ({error}); "
+                            "its entries are encoded again")
+            log.warning("Headroom cache: %s", warnings[-1])
+            return {}
+        entries = {key: entry for key, entry in data["entries"].items() if _entry_well_formed(key, entry)}
+        if len(entries) != len(data["entries"]):
+            warnings.append(f"{display_path(self.manifest_path)} lists {len(data['entries']) - len(entries)} malformed "
+                            "entries (edited?); they are encoded again")
+            log.warning("Headroom cache: %s", warnings[-1])
+        return entries
+
+    def _commit(self, added: Mapping[str, dict], removed: Iterable[str] = ()) -> None:
+        """Apply changes on top of the manifest as it is on disk now (another process may have added
+        entries meanwhile) and replace it atomically. Shards no entry refers to any more are deleted."""
+        removed = set(removed)
+        entries = self._read_manifest()
+        dropped_shards = {entries[key]["shard"] for key in removed if key in entries}
+        for key in removed:
+            entries.pop(key, None)
+        entries.update(added)
+        self.shard_dir.mkdir(parents=True, exist_ok=True)
+        text = json.dumps({"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "entries": entries})
+        write_bytes(self.manifest_path, text.encode("utf-8"), "the cache manifest")
+        self.entries = entries
+        still_used = {entry["shard"] for entry in entries.values()}
+        for shard in dropped_shards - still_used:
+            try:
+                (self.shard_dir / shard).unlink(missing_ok=True)
+            except OSError:  # e.g. still memory-mapped on Windows; an unlisted shard is harmless
+                pass
+
+    def shard_path(self, shard: str) -> Path:
+        """Where a listed shard is: a regular file inside shards/ (a symlink out of it is refused)."""
+        return _contained_shard(self.shard_dir, shard)
+
+    # -- verification --------------------------------------------------------------------------------
+
+    def verify(self, keys: Iterable[str]) -> tuple[set[str], list[str]]:
+        """Check listed entries against their checksums. Returns (good keys, problems); bad entries are
+        dropped from the manifest so they get rebuilt. Keys not in the manifest are simply not good."""
+        by_shard: dict[str, list[str]] = {}
+        for key in keys:
+            if key in self.entries:
+                by_shard.setdefault(self.entries[key]["shard"], []).append(key)
+        good, bad, problems = set(), [], []
+        for shard, shard_keys in sorted(by_shard.items()):
+            path = self.shard_dir / shard
+            try:
+                with safe_open(str(self.shard_path(shard)), framework="pt") as handle:
+                    names = set(handle.keys())
+                    for key in shard_keys:
+                        if self._entry_intact(handle, names, key):
+                            good.add(key)
+                        else:
+                            bad.append(key)
+                            problems.append(f"{display_path(path)}: entry {key[:12]} fails its checksum; re-encoding it")
+            except Exception as error:  # missing, truncated or garbled file: safetensors raises various types
+                bad.extend(shard_keys)
+                problems.append(f"{display_path(path)}: unreadable shard ({_short(error)}); re-encoding its "
+                                f"{len(shard_keys)} entries")
+        if bad:
+            for problem in problems:
+                log.warning("Headroom cache: %s", problem)
+            self._commit({}, removed=bad)
+        return good, problems
+
+    def _entry_intact(self, handle, names: set[str], key: str) -> bool:
+        for name, digest in self.entries[key]["tensors"].items():
+            tensor_name = f"{key}/{name}"
+            if tensor_name not in names:
+                return False
+            try:
+                if tensor_digest(handle.get_tensor(tensor_name)) != digest:
+                    return False
+            except Exception:
+                return False
+        return True
+
+    # -- writing -------------------------------------------------------------------------------------
+
+    def check_writable(self) -> None:
+        """Raise a clear error now rather than after encoding, if entries could not be written."""
+        try:
+            self.shard_dir.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=self.shard_dir, prefix=".probe-"):
+                pass
+        except OSError as error:
+            raise CacheStoreError(
+                f"cache folder {display_path(self.root)} is not writable ({error.strerror}); fix its permissions or "
+                "move the cache folder"
+            ) from error
+
+    def writer(self) -> "ShardWriter":
+        return ShardWriter(self)
+
+
+class ShardWriter:
+    """Collects finished entries and writes them as shards: when a shard's worth is pending, and once the oldest
+    pending entry waited `commit_seconds`. Used as a context manager: on leaving - normally, on error or on
+    cancel - the entries finished so far are written, so work is kept."""
+
+    def __init__(self, store: ShardStore):
+        self.store = store
+        self.pending: dict[str, tuple[dict[str, torch.Tensor], dict]] = {}
+        self.pending_bytes = 0
+        self.pending_since = 0.0
+        self.bytes_written = 0
+
+    def add(self, key: str, tensors: Mapping[str, torch.Tensor], meta: dict | None = None) -> None:
+        tensors = {name: tensor.detach().to("cpu").contiguous() for name, tensor in tensors.items()}
+        if not self.pending:
+            self.pending_since = time.monotonic()
+        self.pending[key] = (tensors, dict(meta or {}))
+        self.pending_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
+        if self.pending_bytes >= self.store.shard_bytes or \
+                time.monotonic() - self.pending_since >= self.store.commit_seconds:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        store = self.store
+        keys = sorted(self.pending)
+        name = hashlib.sha256("\n".join(keys).encode()).hexdigest()[:40] + ".safetensors"
+        path = store.shard_dir / name
+        tensors, added = {}, {}
+        for key in keys:
+            entry_tensors, meta = self.pending[key]
+            for tensor_name, tensor in entry_tensors.items():
+                tensors[f"{key}/{tensor_name}"] = tensor
+            added[key] = {
+                "shard": name,
+                "tensors": {tensor_name: tensor_digest(t) for tensor_name, t in entry_tensors.items()},
+                "bytes": sum(t.numel() * t.element_size() for t in entry_tensors.values()),
+                "meta": meta,
+            }
+        save_safetensors(path, tensors, "a cache shard", metadata={"format": "headroom-cache-shard"})
+        store._commit(added)  # the manifest last: an entry is listed only once its shard is complete
+        self.bytes_written += sum(entry["bytes"] for entry in added.values())
+        self.pending.clear()
+        self.pending_bytes = 0
+
+    def __enter__(self) -> "ShardWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None and issubclass(exc_type, WriteError):
+            return  # the disk refused a write; do not try again on the way out
+        try:
+            self.flush()
+        except WriteError:
+            if exc_type is None:
+                raise
+            log.exception("Headroom cache: could not keep the entries finished before the interruption")
+
+
+class _ShardReader:
+    """A few memory-mapped shard handles, least recently used closed first."""
+
+    def __init__(self, shard_dir: Path, max_open: int = OPEN_SHARDS):
+        self.shard_dir = Path(shard_dir)
+        self.max_open = max_open
+        self._handles: OrderedDict[str, object] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, shard: str, tensor_name: str) -> torch.Tensor:
+        with self._lock:
+            handle = self._handles.get(shard)
+            if handle is None:
+                try:
+                    handle = safe_open(str(_contained_shard(self.shard_dir, shard)), framework="pt")
+                except Exception as error:
+                    raise CacheStoreError(
+                        f"cache shard {display_path(self.shard_dir / shard)} is missing or unreadable ({_short(error)}); "
+                        "run the caching node again to rebuild it"
+                    ) from None
+                self._handles[shard] = handle
+                while len(self._handles) > self.max_open:
+                    self._handles.popitem(last=False)
+            else:
+                self._handles.move_to_end(shard)
+            return handle.get_tensor(tensor_name)
+
+    def __getstate__(self):  # handles cannot cross processes (e.g. DataLoader workers); reopen there
+        return {"shard_dir": self.shard_dir, "max_open": self.max_open}
+
+    def __setstate__(self, state):
+        self.__init__(state["shard_dir"], state["max_open"])
+
+
+def _entry_well_formed(key, entry) -> bool:
+    """A manifest entry as ShardWriter writes it: a sha256 key; a shard file name of ours; tensor names and their
+    sha256; a byte count; a meta dict."""
+    return (isinstance(key, str) and _KEY.fullmatch(key) is not None and isinstance(entry, dict)
+            and isinstance(entry.get("shard"), str) and _SHARD.fullmatch(entry["shard"]) is not None
+            and isinstance(entry.get("tensors"), dict) and bool(entry["tensors"])
+            and all(isinstance(n, str) and _TENSOR.fullmatch(n) and isinstance(d, str) and _KEY.fullmatch(d)
+                    for n, d in entry["tensors"].items())
+            and isinstance(entry.get("bytes"), int) and not isinstance(entry["bytes"], bool) and entry["bytes"] >= 0
+            and isinstance(entry.get("meta", {}), dict))
+
+
+def _contained_shard(shard_dir: Path, shard: str) -> Path:
+    """A shard named by the manifest (already a checked name): a regular file inside shard_dir, not a symlink."""
+    if not isinstance(shard, str) or _SHARD.fullmatch(shard) is None:
+        raise UntrustedFileError(f"{str(shard)[:60]!r} is not a cache shard name: refused")
+    path = resolve_inside(shard_dir / shard, [shard_dir], "cache shard")
+    with open_regular(shard_dir / shard, "cache shard"):
+        pass
+    return path
+
+
+def _short(error: BaseException) -> str:
+    """An error's first line, with ComfyUI's folders named relatively (libraries put absolute paths in)."""
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror
+    return relative_text(str(error).splitlines()[0][:200]) if str(error) else type(error).__name__
+
+
+# ---------------------------------------------------------------------------------------------------
+# The cache objects the trainer reads (the LATENT_CACHE / TEXT_CACHE values)
+
+
+class LatentCache:
+    """Cached VAE latents (and control images) of a dataset, read lazily from disk.
+
+    Item i is one cropped (and maybe mirrored) variant of a dataset image; with flip enabled each
+    image gives two items. `latent(i)` is exactly the VAE's encode output for that item, batch
+    dimension removed: [C, h, w] (or [C, t, h, w] for a video VAE).
+    """
+
+    def __init__(self, root: Path, items: list[tuple[str, str, tuple[int, int], str, bool, str]],
+                 fingerprint: str, latent_channels: int, control_kind: str | None, masked: list[bool] | None = None):
+        # items: (entry key, shard file, bucket (w, h), text key, has control, display name)
+        self.root = Path(root)
+        self.fingerprint = fingerprint
+        self.memory_phases: list[dict] = []  # how building it went (memory_stats.PhaseRecorder records)
+        self.latent_channels = latent_channels
+        self.control_kind = control_kind  # None, "pixels" or "latents"
+        self._items = items
+        self._masked = list(masked) if masked is not None else [False] * len(items)
+        self._reader = _ShardReader(self.root / "shards")
+        buckets: dict[tuple[int, int], list[int]] = {}
+        for index, item in enumerate(items):
+            buckets.setdefault(item[2], []).append(index)
+        self.buckets = dict(sorted(buckets.items()))
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def latent(self, index: int) -> torch.Tensor:
+        key, shard = self._items[index][:2]
+        return self._reader.get(shard, f"{key}/latent")
+
+    def control(self, index: int) -> torch.Tensor | None:
+        """Control image pixels [H, W, 3] 0..1 at the bucket size, or its latents; None without control."""
+        key, shard, _, _, has_control, _ = self._items[index]
+        return self._reader.get(shard, f"{key}/control") if has_control else None
+
+    def has_control(self, index: int) -> bool:
+        """Whether item `index` has a cached control image (without reading it)."""
+        return bool(self._items[index][4])
+
+    def mask(self, index: int) -> torch.Tensor | None:
+        """Loss mask [1, h, w] 0..1 at latent resolution; None for an item without one."""
+        return self._reader.get(self._items[index][1], f"{self._items[index][0]}/mask") if self._masked[index] else None
+
+    @property
+    def has_masks(self) -> bool:
+        return any(self._masked)
+
+    def text_key(self, index: int) -> str:
+        return self._items[index][3]
+
+    def bucket(self, index: int) -> tuple[int, int]:
+        return self._items[index][2]
+
+    def name(self, index: int) -> str:
+        return self._items[index][5]
+
+    def __repr__(self) -> str:
+        return f"LatentCache({len(self)} items, {len(self.buckets)} buckets, {display_path(self.root)})"
+
+
+class TextCache:
+    """Cached text-encoder conditioning per caption (plus the empty prompt), read lazily from disk.
+
+    `conditioning(key)` is ComfyUI's CLIPTextEncode result `[[cond, {extras}]]` flattened: "cross_attn"
+    is `cond` and every tensor extra keeps its name ("pooled_output", ...); the batch dimension of 1
+    that ComfyUI gives a single prompt is removed (cross_attn [T, D], pooled_output [D]).
+    """
+
+    def __init__(self, root: Path, entries: dict[str, tuple[str, str, tuple[str, ...]]], empty_key: str,
+                 fingerprint: str):
+        # entries: text key -> (entry key, shard file, tensor names)
+        self.root = Path(root)
+        self.fingerprint = fingerprint
+        self.memory_phases: list[dict] = []  # how building it went (memory_stats.PhaseRecorder records)
+        self._entries = entries
+        self._empty_key = empty_key
+        self._reader = _ShardReader(self.root / "shards")
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def keys(self) -> list[str]:
+        return list(self._entries)
+
+    def conditioning(self, key: str) -> dict[str, torch.Tensor]:
+        if key not in self._entries:
+            raise KeyError(
+                f"caption {key[:12]} is not in this text cache: the LATENT_CACHE and TEXT_CACHE were made from "
+                "different datasets; cache the text of the same dataset"
+            )
+        entry, shard, names = self._entries[key]
+        return {name: self._reader.get(shard, f"{entry}/{name}") for name in names}
+
+    def empty_conditioning(self) -> dict[str, torch.Tensor]:
+        return self.conditioning(self._empty_key)
+
+    def __repr__(self) -> str:
+        return f"TextCache({len(self)} prompts, {display_path(self.root)})"
+
+
+def bucket_batches(latent_cache: LatentCache, batch_size: int, seed: int, epoch: int) -> list[list[int]]:
+    """One epoch of batches: items shuffled within each bucket, cut into batches (the last batch of a
+    bucket may be smaller), and the batches shuffled; the same (seed, epoch) gives the same batches."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+    rng = random.Random(seed * 1_000_003 + epoch)
+    batches = []
+    for bucket in sorted(latent_cache.buckets):
+        indices = list(latent_cache.buckets[bucket])
+        rng.shuffle(indices)
+        batches.extend(indices[start:start + batch_size] for start in range(0, len(indices), batch_size))
+    rng.shuffle(batches)
+    return batches
+
+
+# ---------------------------------------------------------------------------------------------------
+# Caching loops
+
+
+@dataclass
+class CacheReport:
+    """What a caching run did, for the node's summary output."""
+
+    kind: str
+    items: int = 0
+    buckets: int = 0
+    hits: int = 0
+    misses: int = 0
+    bytes_total: int = 0
+    bytes_written: int = 0
+    seconds: float = 0.0
+    warnings: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        lines = [
+            f"{self.kind}: {self.items} items"
+            + (f" in {self.buckets} buckets" if self.buckets else "")
+            + f", {self.hits} hits / {self.misses} encoded, {format_bytes(self.bytes_total, largest='GiB')} cached "
+            f"({format_bytes(self.bytes_written, largest='GiB')} written), {self.seconds:.1f} s"
+        ]
+        lines += [f"warning: {warning}" for warning in self.warnings]
+        return "\n".join(lines)
+
+
+def _no_interrupt() -> None:
+    pass
+
+
+def _no_progress(done: int, total: int) -> None:
+    pass
+
+
+@dataclass
+class _PlannedLatent:
+    item_index: int
+    key: str
+    plan: CropPlan
+    text_key: str
+    reduce: int  # the image is decoded reduced by this factor (dataset.reduce_factor)
+
+
+def cache_latents(
+    dataset: Dataset,
+    store: ShardStore,
+    encode: Callable[[torch.Tensor], torch.Tensor],
+    fingerprint: str,
+    encoder_options: Mapping,
+    *,
+    control_encoding: str = "pixels",
+    progress: Callable[[int, int], None] = _no_progress,
+    check_interrupt: Callable[[], None] = _no_interrupt,
+    downscale: int = 1,
+) -> tuple[LatentCache, CacheReport]:
+    """Encode every (cropped, maybe mirrored) dataset image that is not cached yet.
+
+    `encode(pixels [1, H, W, 3]) -> latents [1, C, ...]` is called only for misses, one item at a
+    time; `check_interrupt()` is called before each one (a cancel raises there, after the entries
+    finished so far are written). Control images are stored as pixels at the bucket size, or as
+    latents from the same `encode` with control_encoding="latents". `downscale`: image px per latent px of the
+    encoder (8; Flux.2's VAE: 16): a bucket side it does not divide is refused before anything is encoded (the VAE
+    would crop it silently).
+    """
+    if control_encoding not in ("pixels", "latents"):
+        raise ValueError(f"control_encoding must be 'pixels' or 'latents', got {control_encoding!r}")
+    started = time.monotonic()
+    report = CacheReport(kind="latents", warnings=list(dataset.warnings))
+    bucket_sizes = make_buckets(dataset.resolution, dataset.step)
+
+    planned: list[_PlannedLatent] = []
+    for index, item in enumerate(dataset.items):
+        try:
+            image_digest = item.image.digest()
+            size = item.image.size()
+            control_digest = item.control.digest() if item.control is not None else None
+            mask_digest = item.mask.digest() if item.mask is not None else None
+        except DatasetError as error:  # e.g. too many pixels: the message names the file
+            _skip_or_raise(dataset, str(error), report)
+            continue
+        except (OSError, ValueError, SyntaxError) as error:
+            _skip_or_raise(dataset, f"{item.image.describe()}: cannot be read ({_short(error)}); re-export or remove "
+                           "it", report)
+            continue
+        bucket = nearest_bucket(size[0], size[1], bucket_sizes)
+        for flip in (False, True) if dataset.flip else (False,):
+            plan = plan_crop(size, bucket, dataset.crop, dataset.seed, image_digest, flip)
+            reduce = reduce_factor(size, plan.resized)
+            key = entry_key({
+                "kind": "latent", "encoder": fingerprint, "options": dict(encoder_options),
+                "image": image_digest, "crop": plan.key_params(),
+                "control": control_digest, "control_encoding": control_encoding if control_digest else None,
+                **({"decode_reduce": reduce} if reduce > 1 else {}),  # keys of images decoded whole are unchanged
+                **({"mask": mask_digest} if mask_digest else {}),  # keys of items without a mask are unchanged
+            })
+            planned.append(_PlannedLatent(index, key, plan, text_key(item.caption), reduce))
+
+    odd = sorted({p.plan.bucket for p in planned if p.plan.bucket[0] % downscale or p.plan.bucket[1] % downscale})
+    if odd:
+        sizes = ", ".join(f"{w}x{h}" for w, h in odd)
+        raise DatasetError(f"bucket size(s) {sizes} are not multiples of this VAE's {downscale}x downscale (it would "
+                           f"crop them); set the dataset's step (and resolution) to a multiple of {downscale}")
+
+    good, problems = store.verify(p.key for p in planned)
+    report.warnings += store.warnings + problems
+    misses = [p for p in planned if p.key not in good]
+    report.hits, report.misses = len(planned) - len(misses), len(misses)
+    progress(report.hits, len(planned))
+
+    failed_items: set[int] = set()
+    if misses:
+        store.check_writable()
+        loaded: tuple | None = None  # (item index, pixels, control pixels, mask pixels): flip variants share a decode
+        with store.writer() as writer:
+            for done, entry in enumerate(misses, start=1):
+                check_interrupt()
+                item = dataset.items[entry.item_index]
+                if entry.item_index in failed_items:
+                    continue
+                if loaded is None or loaded[0] != entry.item_index:
+                    try:
+                        loaded = (entry.item_index, item.image.load(entry.reduce),
+                                  item.control.load(entry.reduce) if item.control is not None else None,
+                                  item.mask.load(entry.reduce) if item.mask is not None else None)
+                    except DatasetError as error:
+                        failed_items.add(entry.item_index)
+                        _skip_or_raise(dataset, str(error), report)
+                        continue
+                    except (OSError, ValueError, SyntaxError) as error:
+                        failed_items.add(entry.item_index)
+                        _skip_or_raise(dataset, f"{item.image.describe()}: cannot be decoded ({_short(error)}); "
+                                                "re-export or remove it", report)
+                        continue
+                _, pixels, control_pixels, mask_pixels = loaded
+                sample = apply_crop(pixels, entry.plan).unsqueeze(0)
+                tensors = {"latent": _single(encode(sample), item.name)}
+                if mask_pixels is not None:
+                    tensors["mask"] = latent_mask(apply_crop(mask_pixels, entry.plan), tensors["latent"])
+                if control_pixels is not None:
+                    control = apply_crop(control_pixels, entry.plan)
+                    tensors["control"] = control if control_encoding == "pixels" else _single(
+                        encode(control.unsqueeze(0)), item.name)
+                writer.add(entry.key, tensors, {"bucket": list(entry.plan.bucket), "name": item.name})
+                progress(report.hits + done, len(planned))
+        report.bytes_written = writer.bytes_written
+
+    kept = [p for p in planned if p.item_index not in failed_items]
+    if not kept:
+        raise DatasetError("no dataset item could be cached:\n- " + "\n- ".join(report.warnings))
+    entries = store.entries
+    items = [
+        (p.key, entries[p.key]["shard"], p.plan.bucket, p.text_key, "control" in entries[p.key]["tensors"],
+         dataset.items[p.item_index].name)
+        for p in kept
+    ]
+    cache = LatentCache(store.root, items, fingerprint, latent_channels=0,
+                        control_kind=control_encoding if dataset.has_control else None,
+                        masked=["mask" in entries[p.key]["tensors"] for p in kept])
+    cache.latent_channels = int(cache.latent(0).shape[0])
+    report.items, report.buckets = len(cache), len(cache.buckets)
+    report.bytes_total = sum(entries[p.key]["bytes"] for p in kept)
+    report.seconds = time.monotonic() - started
+    return cache, report
+
+
+def latent_mask(mask_pixels: torch.Tensor, latent: torch.Tensor) -> torch.Tensor:
+    """A loss mask [bucket_h, bucket_w, 3] 0..1 (its mean over channels) -> [1, h, w] at the latent's resolution
+    ([1, 1, h, w] for a video VAE's one-frame latent [C, 1, h, w]: Wan 2.1 latents of Qwen-Image), each latent cell the
+    mean of the pixels it covers (area averaging: no cell is weighted by a single pixel)."""
+    if latent.ndim not in (3, 4) or (latent.ndim == 4 and latent.shape[1] != 1):
+        raise DatasetError(f"loss masks need image latents [C, h, w] or one-frame latents [C, 1, h, w]; this VAE "
+                           f"gives {list(latent.shape)}")
+    grey = mask_pixels.to(torch.float32).mean(dim=-1)[None, None]
+    mask = F.interpolate(grey, size=tuple(latent.shape[-2:]), mode="area")[0].clamp_(0.0, 1.0)
+    return mask.reshape(1, *(1,) * (latent.ndim - 3), *mask.shape[-2:])
+
+
+def _single(latents: torch.Tensor, name: str) -> torch.Tensor:
+    if latents.shape[0] != 1:
+        raise ValueError(f"{name}: the encoder returned a batch of {latents.shape[0]} for one image")
+    return latents[0]
+
+
+def _skip_or_raise(dataset: Dataset, problem: str, report: CacheReport) -> None:
+    if not dataset.skip_bad:
+        raise DatasetError(f"{problem}; or enable skip_bad on the dataset node to leave it out")
+    report.warnings.append(f"skipped {problem}")
+
+
+def cache_text(
+    captions: Iterable[str],
+    store: ShardStore,
+    encode: Callable[[str], Mapping[str, torch.Tensor]],
+    fingerprint: str,
+    encoder_options: Mapping,
+    *,
+    progress: Callable[[int, int], None] = _no_progress,
+    check_interrupt: Callable[[], None] = _no_interrupt,
+) -> tuple[TextCache, CacheReport]:
+    """Encode every distinct caption, and the empty prompt, that is not cached yet.
+
+    `encode(text) -> {"cross_attn": [T, D], extra name: tensor, ...}` is called only for misses.
+    """
+    started = time.monotonic()
+    report = CacheReport(kind="text")
+    prompts = list(dict.fromkeys(["", *captions]))  # distinct, in order; "" for caption dropout
+    keys = {
+        prompt: entry_key({"kind": "text", "encoder": fingerprint, "options": dict(encoder_options),
+                           "caption": prompt})
+        for prompt in prompts
+    }
+    good, problems = store.verify(keys.values())
+    report.warnings += store.warnings + problems
+    misses = [prompt for prompt in prompts if keys[prompt] not in good]
+    report.hits, report.misses = len(prompts) - len(misses), len(misses)
+    progress(report.hits, len(prompts))
+    if misses:
+        store.check_writable()
+        with store.writer() as writer:
+            for done, prompt in enumerate(misses, start=1):
+                check_interrupt()
+                tensors = dict(encode(prompt))
+                if "cross_attn" not in tensors:
+                    raise ValueError("the text encoder gave no 'cross_attn' tensor")
+                writer.add(keys[prompt], tensors)
+                progress(report.hits + done, len(prompts))
+        report.bytes_written = writer.bytes_written
+
+    entries = store.entries
+    cache = TextCache(
+        store.root,
+        {text_key(prompt): (keys[prompt], entries[keys[prompt]]["shard"], tuple(entries[keys[prompt]]["tensors"]))
+         for prompt in prompts},
+        empty_key=text_key(""),
+        fingerprint=fingerprint,
+    )
+    report.items = len(prompts)
+    report.bytes_total = sum(entries[keys[prompt]]["bytes"] for prompt in prompts)
+    report.seconds = time.monotonic() - started
+    return cache, report

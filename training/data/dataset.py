@@ -1,0 +1,415 @@
+"""A training dataset as a description: items with an image source, a caption and an optional control
+image source. Pixels are loaded only when an item is cached (files) or are a view of a batch that
+already exists (in-memory IMAGE), so a DATASET never holds a decoded copy of every image.
+
+Everything that can be checked without decoding pixels is checked when the dataset is built, and each
+problem names the file and the fix; with `skip_bad` the item is left out and listed in `warnings`.
+
+Dataset files are untrusted: a file (or symlink) must resolve inside the folders datasets may be read from
+(`roots`; the nodes pass ComfyUI's input folder and the server owner's HEADROOM_DATASET_ROOTS), captions are
+read only up to CAPTION_MAX_BYTES, and an image whose header claims more than MAX_IMAGE_PIXELS (a decompression
+bomb, or simply too large) is refused by its header, before any pixel is decoded. Large images are decoded
+reduced to what their bucket needs (JPEG draft scaling, then an integer box reduce), never at full size in float.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+from .. import public_module
+from .buckets import CROP_MODES
+from .files import UntrustedFileError, display_path, relative_text, resolve_inside
+
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
+CAPTION_EXTENSION = ".txt"
+_SWAPPED_EXIF_ORIENTATIONS = (5, 6, 7, 8)  # rotated by 90 degrees: width and height trade places
+MAX_IMAGE_PIXELS = 12800 * 12800  # ~164 Mpx: below PIL's own bomb limit (2 x 89.5 Mpx), above any real photo
+CAPTION_MAX_BYTES = 1 << 20
+REDUCING_GAP = 2  # decode at least twice the size the bucket needs; the antialiased resize does the rest
+
+
+class DatasetError(ValueError):
+    """A problem with the dataset's files or inputs; the message names the file and the fix."""
+
+    __module__ = public_module(__name__)  # a clean type name in ComfyUI's error report
+
+
+class FileImage:
+    """An image file, decoded on demand. It is read only where it resolves inside `roots` (default: its folder)."""
+
+    def __init__(self, path: Path, roots: tuple[Path, ...] | None = None):
+        self.path = Path(path)
+        self.roots = tuple(roots) if roots else (self.path.parent,)
+
+    def describe(self) -> str:
+        return display_path(self.path)
+
+    def _real(self) -> Path:
+        real = resolve_inside(self.path, self.roots, "image")  # a symlink leading outside is refused
+        if not real.is_file():  # a FIFO would block the reader, a device never end
+            raise DatasetError(f"{self.describe()}: not a regular file (a broken symlink, a FIFO, a device?); replace "
+                               "it with an image file")
+        return real
+
+    def _open(self) -> Image.Image:
+        """The image opened lazily (header only), refused when it claims more than MAX_IMAGE_PIXELS."""
+        with warnings.catch_warnings():  # our own limit applies; PIL's warning below its error would only be noise
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            try:
+                img = Image.open(self._real())
+            except Image.DecompressionBombError as error:
+                raise DatasetError(f"{self.describe()}: {error}; downscale it") from None
+        width, height = img.size
+        if width * height > MAX_IMAGE_PIXELS:
+            img.close()
+            raise DatasetError(
+                f"{self.describe()}: {width}x{height} pixels ({width * height / 1e6:.0f} Mpx) is more than the "
+                f"{MAX_IMAGE_PIXELS / 1e6:.0f} Mpx an image may have (a decompression bomb, or far larger than "
+                "training needs); downscale it"
+            )
+        return img
+
+    def size(self) -> tuple[int, int]:
+        """(width, height) as the image will be loaded (EXIF rotation applied); reads the header only."""
+        with self._open() as img:
+            width, height = img.size
+            if img.getexif().get(0x0112) in _SWAPPED_EXIF_ORIENTATIONS:
+                return height, width
+            return width, height
+
+    def check(self) -> None:
+        """Raise if the file is not an image PIL can parse (header and, where cheap, structure)."""
+        with self._open() as img:
+            img.verify()
+
+    def load(self, reduce: int = 1) -> torch.Tensor:
+        """[H, W, 3] float32 0..1, EXIF rotation applied (as ComfyUI's LoadImage does); with `reduce` > 1 about
+        1/reduce of the size per side, decoded small where the format allows (JPEG) and box-reduced otherwise,
+        so a large image never exists at full size in float."""
+        with self._open() as img:
+            width = img.size[0]
+            if reduce > 1 and img.format == "JPEG":
+                img.draft("RGB", (math.ceil(img.size[0] / reduce), math.ceil(img.size[1] / reduce)))
+            remaining = max(1, reduce // max(1, round(width / img.size[0])))  # what draft scaling did not do
+            img = ImageOps.exif_transpose(img)
+            if img.mode in ("I", "I;16", "I;16B", "I;16L"):  # 16-bit grey: convert("RGB") would clip at 255
+                img = img.convert("I")
+                if remaining > 1:
+                    img = img.reduce(remaining)
+                grey = np.asarray(img, dtype=np.float32) / 65535.0
+                array = np.repeat(grey[..., None], 3, axis=-1)
+            else:
+                img = img.convert("RGB")
+                if remaining > 1:
+                    img = img.reduce(remaining)
+                array = np.asarray(img, dtype=np.float32) / 255.0
+        return torch.from_numpy(array.copy())
+
+    def digest(self) -> str:
+        """sha256 of the file's bytes."""
+        hasher = hashlib.sha256()
+        with open(self._real(), "rb") as file:
+            for chunk in iter(lambda: file.read(1 << 20), b""):
+                hasher.update(chunk)
+        return hasher.hexdigest()
+
+
+def reduce_factor(size: tuple[int, int], resized: tuple[int, int]) -> int:
+    """The integer factor an image of `size` may be decoded reduced by and still be REDUCING_GAP times the size it
+    is resized to (1: decode at full size)."""
+    return max(1, min(size[0] // max(resized[0], 1), size[1] // max(resized[1], 1)) // REDUCING_GAP)
+
+
+class TensorImage:
+    """One image of an in-memory IMAGE batch (a view, not a copy)."""
+
+    def __init__(self, pixels: torch.Tensor, label: str):
+        self.pixels = pixels
+        self.label = label
+
+    def describe(self) -> str:
+        return self.label
+
+    def size(self) -> tuple[int, int]:
+        return int(self.pixels.shape[1]), int(self.pixels.shape[0])
+
+    def check(self) -> None:
+        pass  # validated as a whole batch when the dataset was built
+
+    def load(self, reduce: int = 1) -> torch.Tensor:
+        return self.pixels.to(torch.float32)  # already in memory: nothing to save by reducing
+
+    def digest(self) -> str:
+        pixels = self.pixels.detach().to(device="cpu", dtype=torch.float32).contiguous()
+        return hashlib.sha256(pixels.numpy().tobytes()).hexdigest()
+
+
+ImageSource = FileImage | TensorImage
+
+
+@dataclass(frozen=True)
+class DatasetItem:
+    name: str  # shown in messages: a file name or "image 3"
+    caption: str
+    image: ImageSource
+    control: ImageSource | None = None
+    mask: ImageSource | None = None  # loss mask: white is learned, black is not (grey: partly)
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """What to cache and how: the items plus the bucketing choices that apply to all of them."""
+
+    items: tuple[DatasetItem, ...]
+    resolution: int
+    step: int
+    crop: str = "center"
+    flip: bool = False
+    seed: int = 0
+    skip_bad: bool = False
+    warnings: tuple[str, ...] = field(default=())
+
+    def __post_init__(self):
+        if not self.items:
+            raise DatasetError("the dataset has no items")
+        if self.crop not in CROP_MODES:
+            raise DatasetError(f"crop must be one of {CROP_MODES}, got {self.crop!r}")
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    @property
+    def has_control(self) -> bool:
+        return self.items[0].control is not None
+
+    @property
+    def has_masks(self) -> bool:
+        return any(item.mask is not None for item in self.items)
+
+
+def _entries(folder: Path) -> list[Path]:
+    """The visible entries of `folder` an item can come from: files and symlinks (a symlink is checked where it
+    leads when it is read), not subfolders."""
+    return [path for path in sorted(folder.iterdir())
+            if not path.name.startswith(".") and (path.is_symlink() or not path.is_dir())]
+
+
+def _images_in(folder: Path) -> dict[str, Path]:
+    """stem -> path of every supported image directly in `folder` (hidden files ignored)."""
+    return {path.stem: path for path in _entries(folder) if path.suffix.lower() in IMAGE_EXTENSIONS}
+
+
+def dataset_from_folder(
+    folder: Path,
+    control_folder: Path | None = None,
+    *,
+    resolution: int,
+    step: int,
+    crop: str = "center",
+    flip: bool = False,
+    seed: int = 0,
+    skip_bad: bool = False,
+    roots: tuple[Path, ...] | None = None,
+    mask_folder: Path | None = None,
+) -> Dataset:
+    """Images in `folder` with same-name `.txt` captions; control images in `control_folder` and loss masks in
+    `mask_folder` matched by file name stem (any supported extension) and of the same size as their image
+    (an image without a mask is learned whole). Files are read only where they resolve inside `roots`
+    (default: the dataset, control and mask folders)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise DatasetError(f"dataset folder {display_path(folder)} does not exist or is not a folder")
+    if control_folder is not None and not Path(control_folder).is_dir():
+        raise DatasetError(f"control folder {display_path(control_folder)} does not exist or is not a folder")
+    if mask_folder is not None and not Path(mask_folder).is_dir():
+        raise DatasetError(f"mask folder {display_path(mask_folder)} does not exist or is not a folder")
+    roots = tuple(roots) if roots else tuple(p for p in (folder, control_folder, mask_folder) if p is not None)
+    controls = _images_in(Path(control_folder)) if control_folder is not None else {}
+    masks = _images_in(Path(mask_folder)) if mask_folder is not None else {}
+
+    items, problems = [], []
+    for path in _entries(folder):
+        if path.suffix.lower() == CAPTION_EXTENSION:
+            continue
+        if path.suffix.lower() not in IMAGE_EXTENSIONS:
+            problems.append(
+                f"{display_path(path)}: unsupported file type {path.suffix!r} (supported: {', '.join(IMAGE_EXTENSIONS)}); "
+                "move it out of the dataset folder"
+            )
+            continue
+        caption = _read_caption(path, roots)
+        problem = caption if not isinstance(caption, tuple) else _check_item(path, controls, control_folder, roots)
+        if not problem and path.stem in masks:
+            problem = _check_sibling(path, FileImage(masks[path.stem], roots), "mask", roots)
+        if problem:
+            problems.append(problem)
+            continue
+        control = FileImage(controls[path.stem], roots) if control_folder is not None else None
+        mask = FileImage(masks[path.stem], roots) if path.stem in masks else None
+        items.append(DatasetItem(name=path.name, caption=caption[0], image=FileImage(path, roots), control=control,
+                                 mask=mask))
+
+    if problems and not skip_bad:
+        raise DatasetError(
+            f"{len(problems)} problem(s) in dataset folder {display_path(folder)} (fix them, or enable skip_bad to "
+            "leave those items out):\n- " + "\n- ".join(problems)
+        )
+    if not items:
+        raise DatasetError(
+            f"no usable images in {display_path(folder)}: put images ({', '.join(IMAGE_EXTENSIONS)}) there, each "
+            f"with a same-name {CAPTION_EXTENSION} caption file"
+            + (" (skipped:\n- " + "\n- ".join(problems) + ")" if problems else "")
+        )
+    return Dataset(
+        items=tuple(items), resolution=resolution, step=step, crop=crop, flip=flip, seed=seed,
+        skip_bad=skip_bad, warnings=tuple(f"skipped {problem}" for problem in problems),
+    )
+
+
+def _read_caption(image_path: Path, roots: tuple[Path, ...]) -> tuple[str] | str:
+    """(the caption of an image,) or a message naming the problem and its fix."""
+    caption_path = image_path.with_suffix(CAPTION_EXTENSION)
+    where = display_path(caption_path)
+    if not os.path.lexists(caption_path):
+        return f"{display_path(image_path)}: no caption file; write the caption into {where}"
+    try:
+        real = resolve_inside(caption_path, roots, "caption")
+        if not real.is_file():
+            return f"{where}: the caption is not a regular file (a broken symlink or a folder?); replace it"
+        if real.stat().st_size > CAPTION_MAX_BYTES:
+            return f"{where}: caption is larger than {CAPTION_MAX_BYTES >> 20} MiB; shorten it"
+        return (real.read_text(encoding="utf-8").strip(),)
+    except UntrustedFileError as error:
+        return str(error)
+    except (OSError, UnicodeDecodeError) as error:
+        return f"{where}: caption cannot be read as UTF-8 text ({error}); re-save it as UTF-8"
+
+
+def _check_item(path: Path, controls: dict[str, Path], control_folder: Path | None,
+                roots: tuple[Path, ...]) -> str | None:
+    """A message naming the problem with this item and its fix, or None if it is usable."""
+    image = FileImage(path, roots)
+    try:
+        image.check()
+        size = image.size()
+    except DatasetError as error:
+        return str(error)
+    except (OSError, UnidentifiedImageError, SyntaxError, ValueError) as error:
+        return f"{image.describe()}: unreadable or corrupt image ({_reason(error)}); re-export it or remove it"
+    if control_folder is None:
+        return None
+    if path.stem not in controls:
+        return (f"{image.describe()}: no control image named {path.stem}.* in {display_path(control_folder)}; add one "
+                "or remove the image")
+    return _check_sibling(path, FileImage(controls[path.stem], roots), "control image", roots, size)
+
+
+def _check_sibling(path: Path, sibling: FileImage, what: str, roots: tuple[Path, ...],
+                   size: tuple[int, int] | None = None) -> str | None:
+    """A control image or mask of the image at `path`: readable and of the image's size (or a message)."""
+    try:
+        size = size or FileImage(path, roots).size()
+        sibling.check()
+        sibling_size = sibling.size()
+    except DatasetError as error:
+        return str(error)
+    except (OSError, UnidentifiedImageError, SyntaxError, ValueError) as error:
+        return f"{sibling.describe()}: unreadable or corrupt {what} ({_reason(error)}); re-export it or remove it"
+    if sibling_size != size:
+        return (
+            f"{sibling.describe()}: {what} is {sibling_size[0]}x{sibling_size[1]} but its image {path.name} is "
+            f"{size[0]}x{size[1]}; resize the {what} to match"
+        )
+    return None
+
+
+def _reason(error: BaseException) -> str:
+    """An error's text without an absolute path PIL or the OS put into it."""
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror
+    text = relative_text(str(error))
+    return "unknown format" if isinstance(error, UnidentifiedImageError) else text
+
+
+def split_captions(captions: str) -> list[str]:
+    """One caption per line; a trailing newline does not make an extra (empty) caption."""
+    text = captions.replace("\r\n", "\n").rstrip("\n")
+    return [line.strip() for line in text.split("\n")] if text else []
+
+
+def dataset_from_tensors(
+    images: torch.Tensor,
+    captions: list[str],
+    control_images: torch.Tensor | None = None,
+    *,
+    resolution: int,
+    step: int,
+    crop: str = "center",
+    flip: bool = False,
+    seed: int = 0,
+    masks: torch.Tensor | None = None,
+) -> Dataset:
+    """Items from an IMAGE batch [N, H, W, 3] with one caption per image, an optional control batch and an
+    optional MASK batch [N, H, W] (1: learned, 0: not)."""
+    if images.ndim != 4 or images.shape[-1] != 3:
+        raise DatasetError(f"images must be an IMAGE batch [N, H, W, 3], got shape {tuple(images.shape)}")
+    if len(captions) != images.shape[0]:
+        raise DatasetError(
+            f"{images.shape[0]} images but {len(captions)} captions; give exactly one caption per line, "
+            "in the order of the images"
+        )
+    if control_images is not None:
+        if control_images.ndim != 4 or control_images.shape[-1] != 3:
+            raise DatasetError(
+                f"control_images must be an IMAGE batch [N, H, W, 3], got shape {tuple(control_images.shape)}"
+            )
+        if control_images.shape[:3] != images.shape[:3]:
+            raise DatasetError(
+                f"control_images batch {tuple(control_images.shape[:3])} does not match images "
+                f"{tuple(images.shape[:3])} (count, height, width); give one control image of the same size "
+                "per image"
+            )
+    if masks is not None:
+        if masks.ndim == 2:
+            masks = masks.unsqueeze(0)  # ComfyUI passes a single mask as [H, W] in places
+        if masks.ndim != 3 or masks.shape[0] not in (1, images.shape[0]) or masks.shape[1:] != images.shape[1:3]:
+            raise DatasetError(
+                f"masks batch {tuple(masks.shape)} does not fit images {tuple(images.shape[:3])}: give a MASK "
+                "[N, H, W] (or one [1, H, W] for all) of the images' size"
+            )
+        masks = masks.expand(images.shape[0], -1, -1)
+    items = tuple(
+        DatasetItem(
+            name=f"image {index}",
+            caption=captions[index],
+            image=TensorImage(images[index], f"image {index} of the IMAGE batch"),
+            control=None if control_images is None
+            else TensorImage(control_images[index], f"control image {index} of the control IMAGE batch"),
+            mask=None if masks is None
+            else TensorImage(masks[index].unsqueeze(-1).expand(-1, -1, 3), f"mask {index} of the MASK batch"),
+        )
+        for index in range(images.shape[0])
+    )
+    return Dataset(items=items, resolution=resolution, step=step, crop=crop, flip=flip, seed=seed)
+
+
+def folder_signature(*folders: Path | None) -> str:
+    """A cheap digest of the folders' listings (names, sizes, mtimes): changes when any file changes."""
+    hasher = hashlib.sha256()
+    for folder in folders:
+        if folder is None or not Path(folder).is_dir():
+            hasher.update(b"-")
+            continue
+        for entry in sorted(os.scandir(folder), key=lambda e: e.name):
+            if entry.is_file():
+                stat = entry.stat()
+                hasher.update(f"{entry.name}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+    return hasher.hexdigest()
