@@ -134,7 +134,9 @@ def test_learns_to_use_the_reference(comfyui, family):
     assert wrong >= 1.1 * own, "the trained LoRA does not use the reference"
 
 
-@pytest.mark.parametrize("family", ["flux", "flux2"])
+# flux: Flux.1 Kontext's path (model_base.Flux); flux2: Flux.2 reference images; qwen_image: Qwen-Image-Edit's latent
+# path (model_base.QwenImage; 5-D Wan latents).
+@pytest.mark.parametrize("family", ["flux", "flux2", "qwen_image"])
 def test_stock_edit_path_reproduces_validation(comfyui, family, caplog):
     import comfy.model_management
     import nodes
