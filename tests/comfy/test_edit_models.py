@@ -106,7 +106,8 @@ def high_noise_error(run, reference_of, sigma=0.9) -> float:
 @pytest.mark.parametrize("family", ["flux2"])
 def test_learns_to_use_the_reference(comfyui, family):
     """The loss with references halves within 300 steps, and after 300 steps the model's estimate at high noise is
-    clearly better with each item's own reference than with another item's."""
+    better with each item's own reference than with another item's (measured +14%; untrained: equal within 0.01%).
+    300 CPU steps teach the random tiny model only part of the reference: more steps widen the gap."""
     from headroom.nodes import train_lora as T
 
     model, clip, vae = tiny(family)
