@@ -180,6 +180,59 @@ def base_fingerprint(patcher) -> str:
     return hashlib.sha256(combined.encode()).hexdigest()
 
 
+# --- conditioning -> model inputs ------------------------------------------------------------------------
+REFERENCE_LATENTS = "reference_latents"  # the conditioning entry ComfyUI's ReferenceLatent node appends to
+
+
+def model_inputs(model: comfy.model_base.BaseModel, cond: dict, noise: torch.Tensor, device) -> dict:
+    """The model's inputs (`extra_conds`) for one item's conditioning, as the samplers make them: cached tensors get
+    their batch dimension back; `reference_latents` is a list of unbatched VAE latents (as VAE Encode gives them,
+    not process_in'ed), passed on as the list of [1, C, h, w] ReferenceLatent appends."""
+    params = {name: value.unsqueeze(0).to(device) for name, value in cond.items() if torch.is_tensor(value)}
+    if REFERENCE_LATENTS in cond:
+        params[REFERENCE_LATENTS] = [latent.unsqueeze(0).to(device) for latent in cond[REFERENCE_LATENTS]]
+    downscale = model.latent_format.spacial_downscale_ratio  # image px per latent px (8; Flux.2: 16)
+    params.update(device=device, noise=noise, width=noise.shape[-1] * downscale, height=noise.shape[-2] * downscale,
+                  prompt_type="positive")
+    return model.extra_conds(**params)
+
+
+def reference_inputs(model: comfy.model_base.BaseModel, cond: dict, latent: torch.Tensor) -> list[str]:
+    """The model inputs `extra_conds` makes of reference latents (e.g. Flux / Kontext, Flux.2, Qwen-Image-Edit:
+    ref_latents); empty when the model takes none. Asked of the model itself, with one cached item's conditioning
+    and latent [C, h, w] as its own reference: no list of families."""
+    noise = latent.unsqueeze(0).float()
+    with torch.no_grad():
+        without = model_inputs(model, cond, noise, noise.device)
+        with_reference = model_inputs(model, {**cond, REFERENCE_LATENTS: [latent.float()]}, noise, noise.device)
+    return sorted(set(with_reference) - set(without))
+
+
+def check_reference_cache(model: comfy.model_base.BaseModel, latent_cache, text_cache) -> list[str]:
+    """A run that passes every item's cached control latents as its reference: the cache must hold them for every
+    item, and the model must take reference latents. Returns the model inputs they become; otherwise a ValueError
+    saying what to do."""
+    kind = getattr(latent_cache, "control_kind", None)
+    if kind is None:
+        raise ValueError("the LATENT_CACHE has no control images to use as references: give the dataset each "
+                         "target's reference image as its control image (Dataset from Images' control_images, or "
+                         "Dataset from Folder's control_folder) and cache it with Cache Latents' control_encoding "
+                         "'latents'")
+    if kind != "latents":
+        raise ValueError(f"the LATENT_CACHE holds its control images as {kind}, not VAE latents: set Cache Latents' "
+                         "control_encoding to 'latents'")
+    missing = [i for i in range(len(latent_cache)) if not latent_cache.has_control(i)]
+    if missing:
+        raise ValueError(f"{len(missing)} cached item(s) have no reference (control) image, e.g. "
+                         f"{latent_cache.name(missing[0])}: give every item one")
+    inputs = reference_inputs(model, text_cache.conditioning(latent_cache.text_key(0)), latent_cache.control(0))
+    if not inputs:
+        raise ValueError(f"this MODEL ({type(model).__name__}) takes no reference latents (its extra_conds ignores "
+                         "ReferenceLatent's reference_latents): train an edit / reference model (e.g. Flux.1 "
+                         "Kontext, Flux.2, Qwen-Image-Edit), or set reference to 'none'")
+    return inputs
+
+
 # --- the denoiser -----------------------------------------------------------------------------------------
 class ComfyDenoiser:
     """The engine's Denoiser over a ComfyUI ModelPatcher (the training clone)."""
@@ -203,13 +256,7 @@ class ComfyDenoiser:
     def _item_conds(self, x_t: torch.Tensor, conds) -> list[dict]:
         per_item = []
         for i, cond in enumerate(conds):
-            params = {name: value.unsqueeze(0).to(self.device) for name, value in cond.items() if torch.is_tensor(value)}
-            cross_attn = params.pop("cross_attn")
-            noise = x_t[i:i + 1]
-            downscale = self.model.latent_format.spacial_downscale_ratio  # image px per latent px (8; Flux.2: 16)
-            params.update(cross_attn=cross_attn, device=self.device, noise=noise, width=noise.shape[-1] * downscale,
-                          height=noise.shape[-2] * downscale, prompt_type="positive")
-            model_conds = self.model.extra_conds(**params)
+            model_conds = model_inputs(self.model, cond, x_t[i:i + 1], self.device)
             per_item.append({k: v.process_cond(batch_size=1, area=None) for k, v in model_conds.items()})
         return per_item
 

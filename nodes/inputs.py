@@ -13,7 +13,7 @@ from ..training.core.objective import LOSS_TYPES, LOSS_WEIGHTINGS, TIMESTEP_SAMP
 from ..training.core.trainer import PRECISIONS
 from .comfy_bridge import WEIGHT_CHOICES
 from .io_types import LatentCacheType, LoraConfigType, OffloadPolicyType, OptimizerConfigType, TextCacheType
-from .run_lora import LORA_APPLICATIONS
+from .run_lora import LORA_APPLICATIONS, REFERENCES
 
 DEFAULT_CHECKPOINT_MINUTES = 10.0
 
@@ -130,6 +130,16 @@ def prior_inputs() -> list:
     ]
 
 
+def reference_input():
+    """Edit / reference models (LoRA runs): optional and last on the LoRA Init and all-in-one nodes."""
+    return io.Combo.Input("reference", options=list(REFERENCES), default="none", optional=True,
+                          tooltip="Edit / reference models (Flux.1 Kontext, Flux.2, Qwen-Image-Edit...): 'control "
+                          "latents' passes every item's cached control image as its reference image, as the stock "
+                          "Reference Latent node does (the dataset's control image = the reference, the image = the "
+                          "target, the caption = the instruction; Cache Latents with control_encoding 'latents'). "
+                          "none: no reference. Part of the run: a resumed run keeps its setting.")
+
+
 # --- the all-in-one nodes' schedule; validation and save -----------------------------------------------------
 def schedule_inputs(subfolder_input: str) -> list:
     """The all-in-one nodes' steps / validate / save schedule (LoRA and ControlNet)."""
@@ -185,6 +195,14 @@ def compare_base_input():
                             "validation/step_<step>_before_after.png in the run folder.")
 
 
+def reference_images_input():
+    # Appended last and optional: workflows saved before it existed keep working (no reference).
+    return io.Image.Input("reference_images", optional=True,
+                          tooltip="Edit / reference models: reference image(s) of the validation samples, VAE-encoded "
+                          "and added to the positive and negative prompts as the stock VAE Encode + Reference Latent "
+                          "nodes do. One image for every prompt, or one per prompt (in prompt order).")
+
+
 def weights_input(what: str):
     return io.Combo.Input("weights", options=list(WEIGHT_CHOICES), default="auto", optional=True,
                           tooltip=f"{what} the trained weights or their moving average (EMA, when the Init node's "
@@ -193,4 +211,5 @@ def weights_input(what: str):
 
 def validation_names() -> set[str]:
     """The names of the validation inputs an all-in-one node hands to validation (not to the run it opens)."""
-    return {item.id for item in validation_inputs(optional=True)} | {compare_base_input().id}
+    return ({item.id for item in validation_inputs(optional=True)}
+            | {compare_base_input().id, reference_images_input().id})

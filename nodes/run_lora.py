@@ -26,7 +26,7 @@ from ..training.core.optimizers import OptimizerConfig
 from ..training.core.trainer import TrainConfig
 from . import families, lora_formats
 from .comfy_bridge import TrainingRun, config_json
-from .comfy_model import ComfyDenoiser, check_caches, data_fingerprint, model_blocks
+from .comfy_model import REFERENCE_LATENTS, ComfyDenoiser, check_caches, data_fingerprint, model_blocks
 from .lora_formats import read_lora_file
 
 INJECTION_KEY = "headroom_adapter"
@@ -34,6 +34,9 @@ INJECTION_KEY = "headroom_adapter"
 # frozen weights (LoraTraining.sampling_model).
 LORA_APPLICATIONS = ("as_saved_file", "unmerged")
 SAVE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# What a LoRA run passes the model as its reference (edit models: ReferenceLatent's reference_latents).
+# "control latents": every item's cached control image, cached as VAE latents.
+REFERENCES = ("none", "control latents")
 
 
 # --- adapters on a clone ----------------------------------------------------------------------------------
@@ -107,6 +110,7 @@ class LoraRunConfig:
     optimizer: OptimizerConfig
     train: TrainConfig
     holdout: int  # last N cached items held out for the validation loss (0: validate on the training items)
+    reference: str = "none"  # REFERENCES: what each item passes as reference_latents (edit models)
 
     def to_json(self) -> dict:
         return config_json(self)
@@ -145,7 +149,13 @@ class LoraTraining:
         # Small: lives on the compute device from the start, so resumed optimizer state lands there too.
         self.adapters.to(patcher.load_device)
         attach_with_injection(patcher, self.adapters)
-        return ComfyDenoiser(patcher), self.adapters, {"prior": self.prior}
+        options = {"prior": self.prior}
+        if config.reference == "control latents":
+            # Every item's cached control latents as its one reference, as ReferenceLatent appends a VAE Encode
+            # output; kept when caption dropout empties the prompt (trainer's item_extras).
+            latent_cache = run.latent_cache
+            options["item_extras"] = lambda item: {REFERENCE_LATENTS: [latent_cache.control(item).float()]}
+        return ComfyDenoiser(patcher), self.adapters, options
 
     # --- on the device --------------------------------------------------------------------------------------
     def patchers(self, run) -> list:

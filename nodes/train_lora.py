@@ -20,6 +20,7 @@ import comfy.model_management
 import comfy.sample
 import comfy.samplers
 import folder_paths
+import node_helpers
 from comfy_api.latest import io, ui
 
 from ..training.core.adapters import KINDS, TARGET_MODES, AdapterConfig
@@ -33,14 +34,14 @@ from ..training.core.trainer import PRECISIONS, TrainConfig, auto_precision
 from . import lora_formats
 from .cache import unload_encoder
 from .comfy_bridge import TrainingRun, VALIDATE_EVENT, check_run_kind, run_generation, send_event
-from .comfy_model import check_caches, model_family
+from .comfy_model import REFERENCE_LATENTS, check_caches, check_reference_cache, model_family, reference_inputs
 from .inputs import (DEFAULT_CHECKPOINT_MINUTES, added_train_inputs, checkpoint_inputs, compare_base_input,
                      lora_config_input, model_and_caches, optimizer_config_input, policy_input, prior_inputs,
-                     run_name_input, schedule_inputs, training_settings, validation_inputs, validation_names,
-                     weights_input)
+                     reference_images_input, reference_input, run_name_input, schedule_inputs, training_settings,
+                     validation_inputs, validation_names, weights_input)
 from .io_types import LoraConfigType, OptimizerConfigType, TrainingRunType
 from .planning import budget_bytes
-from .run_lora import SAVE_DTYPES, LoraRunConfig, open_lora_run
+from .run_lora import REFERENCES, SAVE_DTYPES, LoraRunConfig, open_lora_run
 
 CATEGORY = "Headroom/training"
 HISTORY_KEY = "headroom_history"  # the training nodes' UI output js/headroom_live.js redraws the chart from
@@ -229,7 +230,7 @@ def start_lora_run(model, latent_cache, text_cache, lora_config, optimizer_confi
                    grad_accumulation, precision, max_grad_norm, caption_dropout, timestep_sampling, loss_weighting,
                    min_snr_gamma, noise_offset, gradient_checkpointing, checkpoint_depth, holdout, policy=None,
                    loss_type: str = "mse", huber_delta: float = 0.1, ema_decay: float = 0.0,
-                   prior_latent_cache=None, prior_text_cache=None, prior_ratio: float = 0.5,
+                   prior_latent_cache=None, prior_text_cache=None, prior_ratio: float = 0.5, reference: str = "none",
                    node: str = "HeadroomTrainLoraInit") -> TrainingRun:
     """Check every input (before any GPU work), then build or resume the run."""
     try:
@@ -252,8 +253,18 @@ def start_lora_run(model, latent_cache, text_cache, lora_config, optimizer_confi
                                    loss_type, huber_delta, ema_decay, prior_ratio=prior_ratio if prior else 0.0)
         policy = resolve_policy(policy, gradient_checkpointing, checkpoint_depth)
         check_caches(model.model, latent_cache, text_cache)
+        if reference not in REFERENCES:
+            raise ValueError(f"reference={reference!r}: choose one of {', '.join(map(repr, REFERENCES))}")
+        if reference != "none":
+            if prior is not None:
+                raise ValueError(f"reference={reference!r} with prior images: prior images have no reference images; "
+                                 "disconnect prior_latent_cache / prior_text_cache, or set reference to 'none'")
+            try:
+                check_reference_cache(model.model, latent_cache, text_cache)
+            except ValueError as error:
+                raise ValueError(f"reference={reference!r}: {error}") from None
         config = LoraRunConfig(family=model_family(model.model), adapter=lora_config, optimizer=optimizer_config,
-                               train=train, holdout=holdout)
+                               train=train, holdout=holdout, reference=reference)
         run = open_lora_run(model, latent_cache, text_cache, config, runs_root(), run_name, policy=policy, prior=prior)
         run.precision_note = note
         return run
@@ -271,7 +282,7 @@ class HeadroomTrainLoraInit(io.ComfyNode):
             category=CATEGORY,
             description="Set up (or resume) a LoRA training run on this MODEL from cached latents and text. "
             "The MODEL itself is never modified: the adapter lives on a clone.",
-            inputs=[*lora_run_inputs(), *added_train_inputs(), *prior_inputs()],
+            inputs=[*lora_run_inputs(), *added_train_inputs(), *prior_inputs(), reference_input()],
             outputs=[TrainingRunType.Output("run", tooltip="The training run, for Train Steps, Validate, Save and Apply."),
                      io.Int.Output("step", tooltip="Step the run starts from (resumed).")],
         )
@@ -354,11 +365,12 @@ def steps_note(node: str, run: TrainingRun, steps: int, input_name: str) -> str 
 # --- validate ----------------------------------------------------------------------------------------------
 def sample_images(run: TrainingRun, clip, vae, prompts: list[str], negative: str, seed: int, steps: int, cfg: float,
                   sampler_name: str, scheduler: str, width: int, height: int, lora_application: str = "as_saved_file",
-                  base: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                  base: bool = False, references: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Stock KSampler sampling (same noise, same sampler code) on the training model + what the run trains (a LoRA
     as `lora_application` says, TrainingRun.sampling_model; a ControlNet run adds its control as
-    ControlNetApplyAdvanced does). base=True: the run's MODEL alone (before/after comparisons). Returns (images,
-    sampled latents)."""
+    ControlNetApplyAdvanced does). base=True: the run's MODEL alone (before/after comparisons). `references`: one
+    VAE latent per prompt (or None), appended to the positive and negative conditioning as the stock ReferenceLatent
+    node does. Returns (images, sampled latents)."""
     negative_cond = clip.encode_from_tokens_scheduled(clip.tokenize(negative))
     latents = []
     # comfy.sample.prepare_noise reseeds the global torch RNG; fork it so validating never changes what the
@@ -366,10 +378,13 @@ def sample_images(run: TrainingRun, clip, vae, prompts: list[str], negative: str
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     model_context = run.base_sampling_model() if base else run.sampling_model(lora_application)
     with torch.no_grad(), torch.random.fork_rng(devices=devices), model_context as model:
-        for prompt in prompts:
+        for index, prompt in enumerate(prompts):
             positive = clip.encode_from_tokens_scheduled(clip.tokenize(prompt))
             positive, negative_run = ((positive, negative_cond) if base
                                       else run.sampling_conditioning(positive, negative_cond, vae))
+            if references is not None:  # exactly ReferenceLatent (comfy_extras/nodes_edit_model.py), on both
+                positive, negative_run = (node_helpers.conditioning_set_values(
+                    c, {REFERENCE_LATENTS: [references[index]]}, append=True) for c in (positive, negative_run))
             # As EmptyLatentImage + KSampler make it: an 8x latent the sampler resizes to the model's own format
             # (channels and downscale: 16x for Flux.2).
             empty = torch.zeros([1, 4, height // 8, width // 8], device=comfy.model_management.intermediate_device())
@@ -382,15 +397,40 @@ def sample_images(run: TrainingRun, clip, vae, prompts: list[str], negative: str
         return decode(run, vae, samples), samples
 
 
-def base_samples(run: TrainingRun, clip, vae, prompts: list[str], *settings) -> torch.Tensor:
+def base_samples(run: TrainingRun, clip, vae, prompts: list[str], *settings, reference_images=None,
+                 references=None) -> torch.Tensor:
     """The run's MODEL alone sampled (compare_base): the same for every validation of the run with the same prompts,
-    settings, CLIP and VAE, so it is sampled once and reused (validate_every would otherwise resample the base)."""
+    settings, CLIP, VAE and reference images, so it is sampled once and reused (validate_every would otherwise
+    resample the base)."""
     cached = getattr(run, "_base_samples", None)
-    if cached is not None and cached[0] is clip and cached[1] is vae and cached[2] == (prompts, settings):
+    if (cached is not None and cached[0] is clip and cached[1] is vae and cached[2] == (prompts, settings)
+            and cached[4] is reference_images):
         return cached[3]
-    images, _ = sample_images(run, clip, vae, prompts, *settings, base=True)
-    run._base_samples = (clip, vae, (prompts, settings), images)
+    images, _ = sample_images(run, clip, vae, prompts, *settings, base=True, references=references)
+    run._base_samples = (clip, vae, (prompts, settings), images, reference_images)
     return images
+
+
+def encode_references(run: TrainingRun, vae, reference_images: torch.Tensor | None, count: int,
+                      node: str) -> list | None:
+    """One VAE latent per prompt of the validation's reference images (as the stock VAE Encode makes it), or None
+    without reference images; a count that fits neither one-for-all nor one-per-prompt, or a MODEL that takes no
+    reference latents: a ValueError naming the node."""
+    if reference_images is None or count == 0:
+        if count and getattr(run.config, "reference", "none") != "none":
+            logging.warning("%s: run '%s' trains with references but no reference_images are connected: the samples "
+                            "have no reference image", node, run.run_dir.name)
+        return None
+    if reference_images.ndim != 4 or reference_images.shape[0] not in (1, count):
+        raise ValueError(f"{node}: reference_images holds {reference_images.shape[0] if reference_images.ndim == 4 else 'no'} "
+                         f"image batch for {count} prompt(s): give one image for every prompt, or one per prompt")
+    cache = run.latent_cache
+    if not reference_inputs(run.source_model.model, run.text_cache.conditioning(cache.text_key(0)), cache.latent(0)):
+        raise ValueError(f"{node}: reference_images given, but this MODEL ({type(run.source_model.model).__name__}) "
+                         "takes no reference latents (its extra_conds ignores reference_latents): disconnect "
+                         "reference_images, or validate an edit / reference model")
+    latents = [vae.encode(image.unsqueeze(0)) for image in reference_images]
+    return latents * count if len(latents) == 1 else latents
 
 
 def decode(run: TrainingRun, vae, samples: torch.Tensor) -> torch.Tensor:
@@ -445,9 +485,11 @@ def save_validation(run: TrainingRun, images: torch.Tensor, samples: torch.Tenso
 
 def validate(node_cls, run: TrainingRun, clip=None, vae=None, prompts="", negative="", sample_seed=0,
              sample_steps=20, cfg=4.0, sampler_name="euler", scheduler="normal", width=512, height=512,
-             loss_timesteps=4, lora_application="as_saved_file", weights="auto", compare_base=False):
+             loss_timesteps=4, lora_application="as_saved_file", weights="auto", compare_base=False,
+             reference_images=None):
     """(images or None, previews or None, validation loss); tells the live view (`headroom.validate`).
-    compare_base: the run's MODEL alone is sampled too (same prompts, seeds) and a before/after grid saved."""
+    compare_base: the run's MODEL alone is sampled too (same prompts, seeds) and a before/after grid saved.
+    reference_images: the samples' reference images (edit models), added as ReferenceLatent adds them."""
     check_finite(node_cls.__name__, cfg=cfg)
     run.resolve_weights(weights)  # a wrong choice is an input error, before anything runs
     lines = [line.strip() for line in (prompts or "").splitlines() if line.strip()]
@@ -456,15 +498,18 @@ def validate(node_cls, run: TrainingRun, clip=None, vae=None, prompts="", negati
     images = previews = grid = before_after = None
     try:
         with run.phase("validation"):
+            references = encode_references(run, vae, reference_images, len(lines), node_cls.__name__)
             loss = run.validation_loss(times=loss_timesteps, weights=weights)
             if lines:
                 with run.weights(weights):
                     images, samples = sample_images(run, clip, vae, lines, negative, sample_seed, sample_steps, cfg,
-                                                    sampler_name, scheduler, width, height, lora_application)
+                                                    sampler_name, scheduler, width, height, lora_application,
+                                                    references=references)
                 grid = save_validation(run, images, samples)
                 if compare_base:
                     base_images = base_samples(run, clip, vae, lines, negative, sample_seed, sample_steps, cfg,
-                                               sampler_name, scheduler, width, height)
+                                               sampler_name, scheduler, width, height,
+                                               reference_images=reference_images, references=references)
                     before_after = save_before_after(run, base_images, images)
                 previews = ui.PreviewImage(images, cls=node_cls)
     except BaseException as error:  # cancel, out of memory, a wrong input...: checkpoint kept, device memory freed
@@ -499,7 +544,8 @@ class HeadroomValidate(io.ComfyNode):
             "validation loss (fixed items, noise levels and noise).",
             is_output_node=True,
             inputs=[TrainingRunType.Input("run", tooltip="The run to validate, e.g. from Train Steps."),
-                    *validation_inputs(optional=False), weights_input("Validate"), compare_base_input()],
+                    *validation_inputs(optional=False), weights_input("Validate"), compare_base_input(),
+                    reference_images_input()],
             outputs=[io.Image.Output("images", tooltip="One sample per prompt (a black 64x64 image without prompts)."),
                      io.Float.Output("validation_loss",
                                      tooltip="Deterministic loss on the validation items: comparable across steps."),
@@ -668,7 +714,8 @@ class HeadroomTrainLora(io.ComfyNode):
             "Queue it again with more steps to continue the same run.",
             is_output_node=True,
             inputs=[*lora_run_inputs(), *schedule_inputs("lora_subfolder"), *validation_inputs(optional=True),
-                    *checkpoint_inputs(), *added_train_inputs(), *prior_inputs(), compare_base_input()],
+                    *checkpoint_inputs(), *added_train_inputs(), *prior_inputs(), compare_base_input(),
+                    reference_input(), reference_images_input()],
             outputs=[io.Model.Output("model", tooltip="The MODEL with the trained LoRA applied."),
                      TrainingRunType.Output("run", tooltip="The training run, for Validate, Save and Apply nodes."),
                      io.String.Output("lora_name", tooltip="The last saved LoRA, as Load LoRA lists it."),

@@ -509,6 +509,10 @@ class LatentCache:
         key, shard, _, _, has_control, _ = self._items[index]
         return self._reader.get(shard, f"{key}/control") if has_control else None
 
+    def has_control(self, index: int) -> bool:
+        """Whether item `index` has a cached control image (without reading it)."""
+        return bool(self._items[index][4])
+
     def mask(self, index: int) -> torch.Tensor | None:
         """Loss mask [1, h, w] 0..1 at latent resolution; None for an item without one."""
         return self._reader.get(self._items[index][1], f"{self._items[index][0]}/mask") if self._masked[index] else None
