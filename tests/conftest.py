@@ -32,5 +32,21 @@ for folder in (TESTS_DIR, TESTS_DIR / "unit", TESTS_DIR / "comfy"):
     if str(folder) not in sys.path:
         sys.path.append(str(folder))
 
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def one_torch_thread():
+    """Torch on one thread for the test (modules of tiny-model tests use it for every test:
+    `pytest.mark.usefixtures("one_torch_thread")`): one thread is fastest for tiny models, and far faster than two
+    on a busy 2-core machine."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 from comfy_harness import comfyui, headroom_nodes  # noqa: E402,F401  (fixtures)
 from server_harness import comfy_server  # noqa: E402,F401  (fixture: a real ComfyUI server subprocess)

@@ -560,7 +560,47 @@ def flux2_klein_lora() -> Workflow:
     ))
 
 
-WORKFLOWS = [tiny_lora, sd15_lora, sdxl_lora, sd35_lora, flux_lora, flux2_klein_lora, tiny_controlnet, sd15_controlnet,
+
+def qwen_image_lora() -> Workflow:
+    # Qwen-Image (20 B MMDiT): the bf16 file to train on (the fp8 one is for sampling); its Wan 2.1 VAE makes one-frame
+    # video latents, handled as images throughout. Apache-2.0.
+    return real_model_lora(RealModel(
+        "qwen_image_lora", "Qwen-Image",
+        [Node(1, "UNETLoader", 0, {"unet_name": "qwen_image_bf16.safetensors"}, title="Load diffusion model"),
+         Node(2, "CLIPLoader", 0, {"clip_name": "qwen_2.5_vl_7b.safetensors", "type": "qwen_image"},
+              title="Load text encoder"),
+         Node(3, "VAELoader", 0, {"vae_name": "qwen_image_vae.safetensors"}, title="Load VAE")],
+        (1, "MODEL"), (2, "CLIP"), (3, "VAE"),
+        "- qwen_image_bf16.safetensors -> models/diffusion_models/\n"
+        "- qwen_2.5_vl_7b.safetensors -> models/text_encoders/\n"
+        "- qwen_image_vae.safetensors -> models/vae/\n"
+        "(Comfy-Org's Qwen-Image repackage on Hugging Face; bucket sides are multiples of 16: VAE 8x, patch 2)",
+        resolution=1024, bucket_step=16, rank=16, optimizer="AdamW8bit", learning_rate=1e-4, precision="bf16",
+        timestep_sampling="shifted", policy=policy("partial", "blocks"),
+        sampling={"sample_steps": 30, "cfg": 2.5, "sampler_name": "euler", "scheduler": "simple", "width": 1024, "height": 1024},
+    ))
+
+
+def zimage_lora() -> Workflow:
+    # Z-Image (6 B NextDiT, Qwen3-4B text encoder, Flux VAE): train the base model; the Turbo file is distilled for
+    # 8-step sampling without CFG and loses that when trained directly. Apache-2.0.
+    return real_model_lora(RealModel(
+        "zimage_lora", "Z-Image",
+        [Node(1, "UNETLoader", 0, {"unet_name": "z_image_bf16.safetensors"}, title="Load diffusion model"),
+         Node(2, "CLIPLoader", 0, {"clip_name": "qwen_3_4b.safetensors", "type": "lumina2"}, title="Load text encoder"),
+         Node(3, "VAELoader", 0, {"vae_name": "ae.safetensors"}, title="Load VAE")],
+        (1, "MODEL"), (2, "CLIP"), (3, "VAE"),
+        "- z_image_bf16.safetensors (Z-Image base, not Turbo) -> models/diffusion_models/\n"
+        "- qwen_3_4b.safetensors -> models/text_encoders/\n"
+        "- ae.safetensors (the Flux VAE) -> models/vae/\n"
+        "(Comfy-Org's Z-Image repackage on Hugging Face; bucket sides are multiples of 16: VAE 8x, patch 2)",
+        resolution=1024, bucket_step=16, rank=16, optimizer="AdamW8bit", learning_rate=1e-4, precision="bf16",
+        timestep_sampling="shifted", policy=policy("resident", "blocks"),
+        sampling={"sample_steps": 30, "cfg": 4.0, "sampler_name": "euler", "scheduler": "simple", "width": 1024, "height": 1024},
+    ))
+
+WORKFLOWS = [tiny_lora, sd15_lora, sdxl_lora, sd35_lora, flux_lora, flux2_klein_lora, qwen_image_lora, zimage_lora,
+             tiny_controlnet, sd15_controlnet,
              memory_plan]
 # Workflows small enough to run to completion on a CPU in the test suite (tests/server/test_workflows.py).
 TINY_WORKFLOWS = {"tiny_lora", "tiny_controlnet"}

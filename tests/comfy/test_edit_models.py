@@ -13,7 +13,7 @@ import logging
 import pytest
 import torch
 
-pytestmark = pytest.mark.comfyui
+pytestmark = [pytest.mark.comfyui, pytest.mark.usefixtures("one_torch_thread")]
 
 SIZE = 32
 # The reference is the whole image in one colour; the target is that image with a grey square added. Every item has
@@ -21,14 +21,6 @@ SIZE = 32
 COLOURS = [(0.9, 0.1, 0.1), (0.1, 0.2, 0.9), (0.1, 0.8, 0.2), (0.9, 0.9, 0.1)]
 INSTRUCTION = "add a grey square"
 SWAPPED = {0: 1, 1: 0, 2: 3, 3: 2}  # another item's reference
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models: one thread is fastest on a busy machine
-    yield
-    torch.set_num_threads(previous)
 
 
 def paired_data():

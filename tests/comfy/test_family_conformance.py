@@ -14,7 +14,7 @@ import torch
 
 from family_checks import cached_data, check_stock_round_trip, init_run, overfit
 
-pytestmark = pytest.mark.comfyui
+pytestmark = [pytest.mark.comfyui, pytest.mark.usefixtures("one_torch_thread")]
 
 
 def _tiny_families() -> list[str]:
@@ -25,14 +25,6 @@ def _tiny_families() -> list[str]:
 
 
 TINY_FAMILIES = _tiny_families()
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models: one thread is fastest, and far faster than two on a busy machine
-    yield
-    torch.set_num_threads(previous)
 
 
 def _tiny(family):

@@ -8,20 +8,12 @@ import torch
 
 from family_checks import cached_data, check_stock_round_trip, init_run, overfit
 
-pytestmark = pytest.mark.comfyui
+pytestmark = [pytest.mark.comfyui, pytest.mark.usefixtures("one_torch_thread")]
 
 # comfy.ldm.aura.mmdit.MMDiT at a tiny size (the real AuraFlow: dim 3072, 4 double + 32 single layers).
 _TINY_AURA = {"in_channels": 4, "out_channels": 4, "patch_size": 2, "dim": 64, "n_layers": 2, "n_double_layers": 1,
               "n_heads": 2, "global_conddim": 64, "cond_seq_dim": 32, "max_seq": 16 * 16}
 _TINY_PILE_T5 = {"d_model": 32, "d_ff": 64, "num_layers": 2, "num_heads": 2, "d_kv": 16}
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 def _tiny_auraflow():

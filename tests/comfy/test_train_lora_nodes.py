@@ -6,7 +6,7 @@ import threading
 import pytest
 import torch
 
-pytestmark = pytest.mark.comfyui
+pytestmark = [pytest.mark.comfyui, pytest.mark.usefixtures("one_torch_thread")]
 
 FAMILIES = ["sd15", "sd3", "flux", "zimage", "qwen_image"]
 # Settings that overfit 4 images quickly on the tiny random models. The random frozen embedders and output
@@ -18,14 +18,6 @@ OVERFIT = {
     "zimage": dict(targets="all_layers", include_conv=False),
     "qwen_image": dict(targets="all_layers", include_conv=False),
 }
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models: one thread is fastest, and far faster than two on a busy machine
-    yield
-    torch.set_num_threads(previous)
 
 
 def _base_weights(model):

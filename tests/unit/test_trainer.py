@@ -14,15 +14,7 @@ from headroom.training.core.run_dir import RunDir
 from headroom.training.core.trainer import NonFiniteLossError, TrainConfig, Trainer
 from memory_caches import MemoryLatentCache, MemoryTextCache
 
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Tiny models: one thread is fastest, and far faster than two on a busy 2-core machine.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 class ToyBlock(torch.nn.Module):
