@@ -35,6 +35,10 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "nodes" / "weights" / "tiny_sd15_shapes.safetensors"
 HELD_OUT = "green"
 RESOLUTION = 64
+# --shape-sizes: generate_shapes' own (half-size 0.26-0.40 of a cell, offset 0.08), or near the largest that stay
+# inside their cell. With an 8x8 latent the small ones come back as blobs, and even a 2x blur of them fools the
+# pixel classifier's shape reading (89 % on 216 images; the large ones: 100 %).
+SHAPE_SIZES = {"default": {}, "large": {"half_size": (0.40, 0.46), "max_offset": 0.04}}
 
 
 def _import_comfyui_and_headroom() -> None:
@@ -68,12 +72,12 @@ def _log(start: float, message: str) -> None:
     print(f"[{(time.monotonic() - start) / 60:5.1f} min] {message}", flush=True)
 
 
-def vae_images(count: int, seed: int):
+def vae_images(count: int, seed: int, sizes: dict):
     """Shapes for the autoencoder: half in the palette colours, half in uniformly random colours."""
     import torch
-    from headroom.training.data.synthetic import COLOURS, generate_shapes
+    from headroom.training.data.synthetic import COLOURS, SHAPES, generate_shapes
 
-    data = generate_shapes(count, RESOLUTION, seed)
+    data = generate_shapes(count, RESOLUTION, seed, **sizes)
     generator = torch.Generator().manual_seed(seed + 1)
     palette = torch.tensor(list(COLOURS.values()))
     random_colours = torch.rand(count, 3, generator=generator)
@@ -83,31 +87,45 @@ def vae_images(count: int, seed: int):
     images = data.images.clone()
     mask = data.masks.unsqueeze(-1)
     images = torch.where(mask, colours[:, None, None, :], images)
-    # [N, 3, H, W] in -1..1 (the VAE's own input range), and the shape masks [N, 1, H, W]
-    return images.movedim(-1, 1) * 2 - 1, data.masks.unsqueeze(1).float()
+    shapes = torch.tensor([SHAPES.index(label.shape) for label in data.labels])
+    # [N, 3, H, W] in -1..1 (the VAE's own input range), the shape masks [N, 1, H, W], the shape indices [N]
+    return images.movedim(-1, 1) * 2 - 1, data.masks.unsqueeze(1).float(), shapes
 
 
 def train_vae(vae, args, start):
     import torch
     from diffusers.optimization import get_cosine_schedule_with_warmup
 
+    from headroom.training.synthetic import SHAPES
+
     ae = vae.first_stage_model
     ae.train().requires_grad_(True)
-    images, masks = vae_images(args.vae_images, args.seed)
+    images, masks, shapes = vae_images(args.vae_images, args.seed, SHAPE_SIZES[args.shape_sizes])
+    # The outline: a 1-pixel band on both sides of the shape's edge. Weighted up, a blob that spills over the
+    # edge costs as much as one that falls short of it, so the decoder must draw the outline.
+    edges = torch.nn.functional.max_pool2d(masks, 3, 1, 1) + torch.nn.functional.max_pool2d(-masks, 3, 1, 1)
     generator = torch.Generator().manual_seed(args.seed + 2)
-    optimizer = torch.optim.AdamW(ae.parameters(), lr=args.vae_lr, weight_decay=0.0)
+    # A probe that names the shape from the window's latent (trained alongside, then dropped): its loss makes the
+    # encoder put the shape into the latent early; the plain reconstruction error learns colour and place first
+    # and draws every shape as the same disc for a long time.
+    side = (args.vae_crop or RESOLUTION) // 8
+    probe = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(ae.embed_dim * side * side, 128), torch.nn.SiLU(),
+                                torch.nn.Linear(128, len(SHAPES))) if args.vae_shape_probe else torch.nn.Sequential()
+    optimizer = torch.optim.AdamW([*ae.parameters(), *probe.parameters()], lr=args.vae_lr, weight_decay=0.0)
     schedule = get_cosine_schedule_with_warmup(optimizer, 50, args.vae_steps)
     for step in range(args.vae_steps):
         index = torch.randint(len(images), (args.vae_batch,), generator=generator)
-        batch = images[index]
+        batch, mask, edge = crop_around_shapes(args.vae_crop, generator, images[index], masks[index], edges[index])
         # The shape covers ~5 % of the pixels: weighted up, or the plain error is met by a grey blob on the background.
-        weight = 1.0 + args.vae_shape_weight * masks[index]
+        weight = 1.0 + args.vae_shape_weight * mask + args.vae_edge_weight * edge
         z = ae.encode(batch)
         z_std = z.detach().std().clamp_min(1e-3)
         noisy = z + args.vae_latent_noise * z_std * torch.randn(z.shape, generator=generator)
         out = ae.decode(noisy)
         error = out - batch
         loss = (weight * (error.square() + 0.5 * error.abs())).mean() / weight.mean() + 1e-4 * z.square().mean()
+        if args.vae_shape_probe:
+            loss = loss + args.vae_shape_probe * torch.nn.functional.cross_entropy(probe(z / z_std), shapes[index])
         loss.backward()
         torch.nn.utils.clip_grad_norm_(ae.parameters(), 1.0)
         optimizer.step()
@@ -116,17 +134,40 @@ def train_vae(vae, args, start):
         if step % 50 == 0 or step == args.vae_steps - 1:
             _log(start, f"vae step {step}/{args.vae_steps} loss {loss.item():.4f}")
     ae.eval().requires_grad_(False)
-    _log(start, f"vae round trip of held-back shapes (colour / position / shape): {vae_check(vae)}")
+    _log(start, f"vae round trip of held-back shapes (colour / position / shape): "
+                f"{vae_check(vae, SHAPE_SIZES[args.shape_sizes])}")
     return images
 
 
-def vae_check(vae) -> dict:
+def crop_around_shapes(size: int, generator, *tensors):
+    """Windows of `size` pixels, on the latent grid (multiples of 8), that hold each image's shape: the autoencoder
+    is convolutional and the shape is all there is to learn, so a 32-pixel window costs a quarter of the image."""
+    import torch
+
+    images, masks = tensors[0], tensors[1]
+    height = images.shape[-1]
+    if not size or size >= height:
+        return tensors
+    corners = []
+    for mask, jitter in zip(masks[:, 0], torch.rand(len(masks), 2, generator=generator)):
+        corner = []
+        for axis, dim in ((1, 0), (0, 1)):
+            hits = torch.nonzero(mask.any(dim=axis)).flatten()
+            first, last = int(hits[0]) // 8 * 8, max(int(hits[-1]) + 1 - size, 0)  # the window holds [first, last]
+            low, high = min(last, height - size), min(first, height - size)
+            options = list(range((low + 7) // 8 * 8, high + 1, 8)) or [high]
+            corner.append(options[min(int(float(jitter[dim]) * len(options)), len(options) - 1)])
+        corners.append(corner)
+    return tuple(torch.stack([t[i, :, y:y + size, x:x + size] for i, (y, x) in enumerate(corners)]) for t in tensors)
+
+
+def vae_check(vae, sizes: dict) -> dict:
     """The pixel classifier's figures on 216 synthetic images (a seed not trained on) encoded and decoded."""
     import torch
     from headroom.training.core.shape_classifier import score
     from headroom.training.data.synthetic import generate_shapes
 
-    data = generate_shapes(216, RESOLUTION, 999_999)
+    data = generate_shapes(216, RESOLUTION, 999_999, **sizes)
     with torch.no_grad():
         decoded = vae.first_stage_model.decode(vae.first_stage_model.encode(data.images.movedim(-1, 1) * 2 - 1))
     return score(((decoded.movedim(1, -1) + 1) / 2).clamp(0, 1), data.labels)
@@ -172,7 +213,7 @@ def train_denoiser(model, clip, vae, args, start):
     from diffusers.training_utils import EMAModel
     from headroom.training.data.synthetic import generate_shapes
 
-    data = generate_shapes(args.images, RESOLUTION, args.seed + 3)
+    data = generate_shapes(args.images, RESOLUTION, args.seed + 3, **SHAPE_SIZES[args.shape_sizes])
     keep = [i for i, label in enumerate(data.labels) if label.colour != HELD_OUT]
     images = data.images[keep]
     captions = [data.captions[i] for i in keep]
@@ -242,11 +283,19 @@ def main(argv=None) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=pathlib.Path, default=DEFAULT_OUT, help="safetensors file to write")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--shape-sizes", choices=sorted(SHAPE_SIZES), default="default",
+                        help="synthetic shape sizes for both stages (see SHAPE_SIZES)")
     parser.add_argument("--vae-steps", type=int, default=500)
     parser.add_argument("--vae-batch", type=int, default=32)
     parser.add_argument("--vae-lr", type=float, default=2e-3)
     parser.add_argument("--vae-images", type=int, default=4096)
     parser.add_argument("--vae-shape-weight", type=float, default=20.0, help="extra loss weight on shape pixels")
+    parser.add_argument("--vae-edge-weight", type=float, default=0.0, help="extra loss weight on the outline "
+                        "(a pixel either side of the shape's edge)")
+    parser.add_argument("--vae-crop", type=int, default=0, help="train the autoencoder on windows of this many "
+                        "pixels holding the shape (0: whole images)")
+    parser.add_argument("--vae-shape-probe", type=float, default=0.0, help="weight of the shape probe's loss "
+                        "on the latent (0: none)")
     parser.add_argument("--vae-latent-noise", type=float, default=0.05, help="latent noise, relative to its std")
     parser.add_argument("--images", type=int, default=216 * 20, help="synthetic images for the denoiser "
                         "(before the held-out colour is removed)")

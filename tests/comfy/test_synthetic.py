@@ -113,3 +113,23 @@ def test_colours_restrict_the_items_and_default_is_unchanged():
         parse_colours("green, teal")
     with pytest.raises(ValueError, match="choose among"):
         generate_shapes(4, 64, seed=0, colours=["teal"])
+
+
+def test_shape_sizes_default_is_unchanged_and_large_shapes_stay_in_their_cell():
+    from headroom.training.shape_classifier import score
+
+    default = generate_shapes(24, 64, seed=4)
+    explicit = generate_shapes(24, 64, seed=4, half_size=(0.26, 0.40), max_offset=0.08)
+    assert torch.equal(default.images, explicit.images) and default.captions == explicit.captions
+    large = generate_shapes(216, 64, seed=4, half_size=(0.40, 0.46), max_offset=0.04)
+    assert large.captions == generate_shapes(216, 64, seed=4).captions  # sizes never change the items
+    assert large.masks.flatten(1).sum(1).float().mean() > 1.5 * default.masks.flatten(1).sum(1).float().mean()
+    for mask, label in zip(large.masks, large.labels):  # every pixel centre inside its own cell of the 3x3 grid
+        rows, cols = torch.nonzero(mask.any(1)).flatten() + 0.5, torch.nonzero(mask.any(0)).flatten() + 0.5
+        cell = 64 / 3
+        assert label.row * cell <= rows.min() and rows.max() <= (label.row + 1) * cell, label
+        assert label.col * cell <= cols.min() and cols.max() <= (label.col + 1) * cell, label
+    assert score(large.images, large.labels) == {"colour": 1.0, "position": 1.0, "shape": 1.0}
+    for half_size, max_offset in (((0.40, 0.48), 0.04), ((0.3, 0.2), 0.0), ((0.0, 0.3), 0.0), ((0.3, 0.4), -0.1)):
+        with pytest.raises(ValueError, match="half_size"):
+            generate_shapes(2, 64, seed=0, half_size=half_size, max_offset=max_offset)

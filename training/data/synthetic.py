@@ -104,13 +104,17 @@ def parse_colours(text: str) -> list[str] | None:
 
 
 def generate_shapes(count: int, resolution: int | tuple[int, int], seed: int,
-                    colours: list[str] | tuple[str, ...] | None = None) -> SyntheticShapes:
+                    colours: list[str] | tuple[str, ...] | None = None,
+                    half_size: tuple[float, float] = (_MIN_HALF_SIZE, _MAX_HALF_SIZE),
+                    max_offset: float = _MAX_OFFSET) -> SyntheticShapes:
     """`count` images of one coloured shape each; `resolution` is a side or (height, width).
 
     Deterministic: the same arguments give bit-identical tensors on any machine. The items are
     a seeded permutation of all colour x shape x position combinations (216), so up to 216
     items never repeat a caption; beyond that the permutation starts again with new sizes/offsets.
     `colours` restricts the combinations to those colours (None: all, the same items as before it existed).
+    `half_size` (low, high) and `max_offset` are fractions of a cell (defaults: the items as before they existed);
+    high + max_offset must stay at most 0.5 so every shape stays inside its own cell.
     """
     if not isinstance(count, int) or count < 1:
         raise ValueError(f"synthetic shapes: count={count!r} must be a positive integer")
@@ -122,12 +126,16 @@ def generate_shapes(count: int, resolution: int | tuple[int, int], seed: int,
         unknown = [name for name in colours if name not in COLOURS]
         if unknown or not colours:
             raise ValueError(f"synthetic shapes: colours={list(colours)!r}; choose among {', '.join(COLOURS)}")
+    low, high = half_size
+    if not 0 < low <= high or high + max_offset > 0.5 or max_offset < 0:
+        raise ValueError(f"synthetic shapes: half_size={half_size!r}, max_offset={max_offset!r}: need "
+                         "0 < low <= high and high + max_offset <= 0.5 (a shape inside its cell)")
     colour_names = list(dict.fromkeys(colours)) if colours is not None else list(COLOURS)
     generator = torch.Generator().manual_seed(seed)
     n_combos = len(colour_names) * len(SHAPES) * len(POSITIONS)
     combos = torch.cat([torch.randperm(n_combos, generator=generator) for _ in range(math.ceil(count / n_combos))])
-    half_sizes = torch.empty(count).uniform_(_MIN_HALF_SIZE, _MAX_HALF_SIZE, generator=generator)
-    offsets = torch.empty(count, 2).uniform_(-_MAX_OFFSET, _MAX_OFFSET, generator=generator)
+    half_sizes = torch.empty(count).uniform_(low, high, generator=generator)
+    offsets = torch.empty(count, 2).uniform_(-max_offset, max_offset, generator=generator)
 
     ys = (torch.arange(height, dtype=torch.float32) + 0.5).unsqueeze(1)
     xs = (torch.arange(width, dtype=torch.float32) + 0.5).unsqueeze(0)
