@@ -96,7 +96,7 @@ def train_vae(vae, args, start):
     import torch
     from diffusers.optimization import get_cosine_schedule_with_warmup
 
-    from headroom.training.synthetic import SHAPES
+    from headroom.training.data.synthetic import SHAPES
 
     ae = vae.first_stage_model
     ae.train().requires_grad_(True)

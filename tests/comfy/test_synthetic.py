@@ -116,7 +116,7 @@ def test_colours_restrict_the_items_and_default_is_unchanged():
 
 
 def test_shape_sizes_default_is_unchanged_and_large_shapes_stay_in_their_cell():
-    from headroom.training.shape_classifier import score
+    from headroom.training.core.shape_classifier import score
 
     default = generate_shapes(24, 64, seed=4)
     explicit = generate_shapes(24, 64, seed=4, half_size=(0.26, 0.40), max_offset=0.08)
