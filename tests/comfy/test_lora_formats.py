@@ -8,9 +8,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from test_train_lora_nodes import _data, _init, one_thread  # noqa: F401  (one_thread: autouse fixture)
+from test_train_lora_nodes import _data, _init
 
-pytestmark = pytest.mark.comfyui
+pytestmark = [pytest.mark.comfyui, pytest.mark.usefixtures("one_torch_thread")]
 
 
 def _save_both(family: str, kind: str, **targets):

@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
-from test_train_lora_nodes import _data, _init, one_thread  # noqa: F401  (one_thread: autouse fixture)
+from test_train_lora_nodes import _data, _init
 
-pytestmark = pytest.mark.comfyui
+pytestmark = [pytest.mark.comfyui, pytest.mark.usefixtures("one_torch_thread")]
 
 
 @pytest.mark.parametrize("loss_type", ["l1", "huber"])

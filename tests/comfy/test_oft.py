@@ -14,7 +14,9 @@ import torch
 
 from headroom.training.core.adapters import AdapterConfig, OFTLayer, _export_oft
 
-from test_train_lora_nodes import OVERFIT, _data, _no_adapter_attached, one_thread  # noqa: F401  (autouse fixture)
+from test_train_lora_nodes import OVERFIT, _data, _no_adapter_attached
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 # The trainer rotates the layer's output, y + (R - I)^T (y - b); the stock loader rotates the weight,
 # W + (R - I)^T W, then multiplies. Equal in exact arithmetic; in float32 the products are summed in another order,
