@@ -106,8 +106,9 @@ def output_pixels(server: ComfyServer, execution) -> np.ndarray:
 
 
 def start_comfy_server(base_dir: pathlib.Path, with_headroom: bool = True, extra_args: tuple[str, ...] = (),
-                       ready_timeout: float = 180) -> ComfyServer:
-    """Start ComfyUI on a free port with `base_dir` as its base directory; skip the test if there is no ComfyUI."""
+                       ready_timeout: float = 180, extra_env: dict[str, str] | None = None) -> ComfyServer:
+    """Start ComfyUI on a free port with `base_dir` as its base directory (`extra_env`: added to its environment);
+    skip the test if there is no ComfyUI."""
     if COMFYUI_PATH is None:
         pytest.skip(COMFYUI_FOUND_BY)
     base_dir = pathlib.Path(base_dir)
@@ -125,7 +126,7 @@ def start_comfy_server(base_dir: pathlib.Path, with_headroom: bool = True, extra
         "--database-url", f"sqlite:///{base_dir / 'comfyui.db'}",
         *extra_args,
     ]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(extra_env or {}))
     env.setdefault("OMP_NUM_THREADS", "2")
     log_path = base_dir / "comfyui.log"
     with open(log_path, "wb") as log:
