@@ -119,7 +119,8 @@ def test_family_presets_pick_the_documented_layers(comfyui):
     from headroom.nodes.tiny_models import build_tiny_model_patcher
 
     picked = {}
-    for family in ("sd15", "sd2", "sdxl", "sd3", "flux", "flux2", "chroma", "zimage", "qwen_image"):
+    for family in ("sd15", "sd2", "sdxl", "sd3", "flux", "flux2", "chroma", "zimage", "qwen_image",
+                   "hunyuan_image"):
         model = build_tiny_model_patcher(family, 0).model
         assert model_family(model) == family
         blocks = [n for n, _ in model_blocks(model.diffusion_model)]
@@ -161,3 +162,6 @@ def test_family_presets_pick_the_documented_layers(comfyui):
     assert not any(p.startswith("input_blocks.1.") for p in picked["sdxl"])  # SDXL: no attention at the first level
     assert {p.split(".", 2)[2] for p in picked["chroma"]} == {p.split(".", 2)[2] for p in picked["flux"]}
     assert not any(p.startswith("distilled_guidance_layer") for p in picked["chroma"])
+    # HunyuanImage 2.1: Flux's block layers; the text refiner, the byT5 mapper and the modulation stay frozen.
+    assert {p.split(".", 2)[2] for p in picked["hunyuan_image"]} == {p.split(".", 2)[2] for p in picked["flux"]}
+    assert len(picked["hunyuan_image"]) == 8 + 2

@@ -50,7 +50,7 @@ def test_one_module_per_family(comfyui):
     folder = pathlib.Path(families.__file__).parent
     modules = sorted(p.stem for p in folder.glob("*.py") if p.stem not in ("__init__", "base"))
     assert list(families.FAMILIES) == ["sd15", "sd2", "sdxl", "sd3", "flux", "flux2", "chroma", "zimage", "qwen_image",
-                                       "hidream"]
+                                       "hidream", "hunyuan_image"]
     assert sorted(families.FAMILIES) == modules
     assert list(families.CONTROLNET_TYPES) == ["unet", "sd3", "flux"]  # stored names: never renamed
     assert (families.get("sd15").controlnet is families.get("sd2").controlnet is families.get("sdxl").controlnet
@@ -70,9 +70,10 @@ def test_recognition_is_the_rule_it_replaced(comfyui):
         # Families new with the registry: the old rule refused them (None); SD2 / Chroma were claimed by sd15 / flux.
         assert _old_model_family(model) == (SPLIT_OFF.get(name, name) if name in ("sd15", "sd2", "sdxl", "sd3", "flux",
                                                                                  "chroma") else None)
-        # Flux.2's and Chroma's blocks are Flux's DoubleStreamBlock / SingleStreamBlock kind: in place too.
-        assert families.inplace_blocks(model) == (name in ("flux", "flux2", "chroma"))
-        assert ComfyDenoiser(patcher).inplace_blocks == (name in ("flux", "flux2", "chroma"))
+        # Flux.2's, Chroma's and HunyuanImage's blocks are Flux's DoubleStreamBlock / SingleStreamBlock kind: in place.
+        inplace = name in ("flux", "flux2", "chroma", "hunyuan_image")
+        assert families.inplace_blocks(model) == inplace
+        assert ComfyDenoiser(patcher).inplace_blocks == inplace
         if name in ("sd15", "sd2", "sdxl", "sd3", "flux"):
             assert families.controlnet_type_of(patcher).name == {"sd15": "unet", "sd2": "unet", "sdxl": "unet"}.get(name, name)
         else:  # no ControlNet layout for these in ComfyUI's ControlNetLoader
@@ -101,18 +102,18 @@ def test_family_facts_are_the_tables_they_replaced(comfyui):
 
     assert {f.name: f.text_tokens for f in families.FAMILIES.values()} == {
         "sd15": 77, "sd2": 77, "sdxl": 77, "sd3": 154, "flux": 256, "flux2": 512, "chroma": 256, "zimage": 128,
-        "qwen_image": 128, "hidream": 128}
+        "qwen_image": 128, "hidream": 128, "hunyuan_image": 128}
     assert {name: lora_formats.diffusers_component(name) for name in families.FAMILIES} == {
         "sd15": "unet", "sd2": "unet", "sdxl": "unet", "sd3": "transformer", "flux": "transformer",
         "flux2": "transformer", "chroma": "transformer", "zimage": "transformer", "qwen_image": "transformer",
-        "hidream": "transformer"}
+        "hidream": "transformer", "hunyuan_image": None}
     assert lora_formats.diffusers_component(None) is None and families.lora_preset("wan") is None
     assert {f.name: f.kohya_base for f in families.FAMILIES.values()} == {
         "sd15": ("sd_v1", "stable-diffusion-v1/lora"), "sdxl": ("sdxl_base_v1-0", "stable-diffusion-xl-v1-base/lora"),
         "sd3": ("sd3", "stable-diffusion-3/lora"), "flux": ("flux1", "flux-1-dev/lora"), "flux2": ("", ""),
         "sd2": ("sd_v2", "stable-diffusion-v2-512/lora"), "chroma": ("chroma", "chroma/lora"),
         "zimage": ("z_image", "Z-Image/lora"), "qwen_image": ("qwen_image", "Qwen-Image/lora"),
-        "hidream": ("hidream_i1", "hidream-i1/lora")}
+        "hidream": ("hidream_i1", "hidream-i1/lora"), "hunyuan_image": ("hunyuan_image_2_1", "HunyuanImage-2.1/lora")}
     assert [f.name for f in families.FAMILIES.values() if f.lora_preset.conv is not None] == ["sd15", "sd2", "sdxl"]
     assert {name: t.hint for name, t in families.CONTROLNET_TYPES.items()} == {"unet": "pixels", "sd3": "latents",
                                                                               "flux": "pixels"}
@@ -125,7 +126,7 @@ def test_a_model_of_no_family_trains_with_all_linear_only(comfyui):
     model = _models()["sd15"].model
     blocks = ["input_blocks.1"]
     with pytest.raises(ValueError, match=r"this model has no LoRA target preset \(presets: sd15, sd2, sdxl, sd3, "
-                                         r"flux, flux2, chroma, zimage, qwen_image, hidream\); "
+                                         r"flux, flux2, chroma, zimage, qwen_image, hidream, hunyuan_image\); "
                                          "set targets to 'all_linear'"):
         families.lora_targets(model.diffusion_model, None, AdapterConfig(), blocks)
     assert families.lora_targets(model.diffusion_model, None, AdapterConfig(targets="all_linear"), blocks)

@@ -4,7 +4,7 @@ import torch
 
 pytestmark = pytest.mark.comfyui
 
-FAMILIES = ["sd15", "sd2", "sdxl", "sd3", "flux", "flux2", "chroma", "zimage", "qwen_image"]
+FAMILIES = ["sd15", "sd2", "sdxl", "sd3", "flux", "flux2", "chroma", "zimage", "qwen_image", "hunyuan_image"]
 
 
 def _weights(patcher):
@@ -24,7 +24,7 @@ def test_tiny_family_samples_with_stock_nodes(comfyui, family):
     expected_base = {"sd15": comfy.model_base.BaseModel, "sd2": comfy.model_base.BaseModel, "sdxl": comfy.model_base.SDXL,
                      "sd3": comfy.model_base.SD3, "flux": comfy.model_base.Flux, "flux2": comfy.model_base.Flux2,
                      "chroma": comfy.model_base.Chroma, "zimage": comfy.model_base.Lumina2,
-                     "qwen_image": comfy.model_base.QwenImage}
+                     "qwen_image": comfy.model_base.QwenImage, "hunyuan_image": comfy.model_base.HunyuanImage21}
     assert type(model.model) is expected_base[family]
     n_params = sum(p.numel() for p in model.model.diffusion_model.parameters())
     assert 10_000 < n_params < 10_000_000  # zimage: 8.6 M (Z-Image modulation needs width >= 256; see zimage.py)
@@ -49,7 +49,8 @@ def test_tiny_family_samples_with_stock_nodes(comfyui, family):
     assert torch.isfinite(positive[0][0]).all()
     # The LLM text encoders (Flux.2 Klein's Qwen3, Z-Image's Qwen3, Qwen-Image's Qwen2.5-VL) and Chroma's T5-only
     # encoder have no pooled vector.
-    assert (positive[0][1].get("pooled_output") is not None) == (family not in ("flux2", "chroma", "zimage", "qwen_image"))
+    assert (positive[0][1].get("pooled_output") is not None) == (family not in ("flux2", "chroma", "zimage", "qwen_image",
+                                                                                "hunyuan_image"))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
