@@ -26,20 +26,10 @@ SPLIT_OFF = {"sd2": "sd15", "chroma": "flux"}
 
 
 def _models():
-    """{name: ModelPatcher}: the tiny model of every family (HiDream's diffusion model alone: nodes/families/hidream.py)."""
-    import comfy.model_patcher
-    import comfy.supported_models
-    from headroom.nodes.families.hidream import TINY_DIT
-    from headroom.nodes.tiny_models import FAMILIES, build_tiny_model_patcher, init_weights_
+    """{name: ModelPatcher}: the tiny model of every family."""
+    from headroom.nodes.tiny_models import FAMILIES, build_tiny_model_patcher
 
-    models = {family: build_tiny_model_patcher(family, 0) for family in FAMILIES}
-    config = comfy.supported_models.HiDream(dict(TINY_DIT))
-    config.set_inference_dtype(torch.float32, None)
-    hidream = config.get_model({}, "", device=torch.device("cpu"))
-    init_weights_(hidream.diffusion_model, 0)
-    models["hidream"] = comfy.model_patcher.ModelPatcher(hidream, load_device=torch.device("cpu"),
-                                                         offload_device=torch.device("cpu"))
-    return models
+    return {family: build_tiny_model_patcher(family, 0) for family in FAMILIES}
 
 
 def test_one_module_per_family(comfyui):
@@ -280,8 +270,7 @@ def test_text_of_different_lengths_trains_in_groups_as_comfyui_samples_it(comfyu
 
 
 def test_hidream_trains_through_the_denoiser_with_its_four_encoder_conditioning(comfyui):
-    """HiDream's diffusion model (no tiny text encoder here: nodes/families/hidream.py) through the trainer's denoiser:
-    conditioning of the shapes its text encoder caches (T5 [128, d], CLIP-L + CLIP-G pooled, `conditioning_llama3` one
+    """HiDream's diffusion model through the trainer's denoiser: conditioning of the shapes its text encoder caches (T5 [128, d], CLIP-L + CLIP-G pooled, `conditioning_llama3` one
     hidden state per Llama layer), a preset LoRA attached, a backward that reaches every adapter layer; its flow
     objective from ComfyUI's model_sampling."""
     from headroom.nodes import families
