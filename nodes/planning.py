@@ -46,6 +46,9 @@ def calibration_cond(model, text_tokens: int, device: torch.device) -> dict[str,
     cond = {"cross_attn": torch.zeros(text_tokens, dims.get("cross_attn", 768), device=device)}
     if "pooled_output" in dims:
         cond["pooled_output"] = torch.zeros(dims["pooled_output"], device=device)
+    if family is not None and family.calibration_cond_shapes is not None:  # HiDream: its four encoders' outputs
+        cond.update({name: torch.zeros(shape, device=device)
+                     for name, shape in family.calibration_cond_shapes(model, text_tokens).items()})
     return cond
 
 

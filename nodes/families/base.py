@@ -89,6 +89,9 @@ class Family:
     diffusers_names_preferred: tuple[str, ...] = ()
     # model -> the pooled conditioning width the planner's calibration adds beyond expected_cond_dims (SDXL), or None.
     calibration_pooled_width: Callable[[Any], int] | None = None
+    # (model, text tokens) -> {conditioning name: shape} the planner's calibration gives where the model reads more than
+    # cross_attn / pooled_output of the widths its config names (HiDream: T5 width, every Llama layer), or None.
+    calibration_cond_shapes: Callable[[Any, int], dict[str, tuple[int, ...]]] | None = None
     latent_downscale: int = 8  # image px per latent px
     # Whether a model's blocks add into their inputs in place; asked of every family (registry.inplace_blocks).
     inplace_blocks: Callable[[Any], bool] = _never

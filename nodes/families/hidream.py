@@ -100,6 +100,15 @@ TINY = TinyModel(
     tooltip="hidream: HiDream-I1 MoE DiT (CLIP-L + CLIP-G + T5 + Llama-3 text on a character-level tiny vocabulary)",
 )
 
+def _calibration_cond_shapes(model, text_tokens: int) -> dict[str, tuple[int, ...]]:
+    """What HiDream's text encoder caches: T5 [tokens, T5 width], CLIP-L + CLIP-G pooled, and the hidden states of
+    every Llama layer the blocks read (`llama_layers` index them) [layers, tokens, Llama width]."""
+    config = model.model_config.unet_config
+    t5_width, llama_width = config["caption_channels"]
+    return {"cross_attn": (text_tokens, t5_width), "pooled_output": (config["text_emb_dim"],),
+            "conditioning_llama3": (max(config["llama_layers"]) + 1, text_tokens, llama_width)}
+
+
 FAMILY = Family(
     name="hidream",
     description="HiDream-I1 MoE DiT",
@@ -115,6 +124,7 @@ FAMILY = Family(
     # sd-scripts and musubi-tuner do not train HiDream (no ss_base_model_version / modelspec id established there):
     # the model's own name.
     kohya_base=("hidream_i1", "hidream-i1/lora"),
+    calibration_cond_shapes=_calibration_cond_shapes,
     tiny=TINY,
     position=22,
 )

@@ -134,10 +134,10 @@ def test_tiny_model_node_schema(headroom_nodes):
     assert tuple(families) == tuple(FAMILIES)
 
 
-@pytest.mark.parametrize("family", ["sd15", "flux2"])
+@pytest.mark.parametrize("family", ["sd15", "flux2", "hunyuan_image"])
 def test_training_conds_give_the_image_size_of_the_models_latent_format(comfyui, family):
     """The trainer calls the model's own extra_conds with the image size its latents stand for (8x; Flux.2: 16x),
-    as the samplers do."""
+    as the samplers do (HunyuanImage 2.1: 32x)."""
     from headroom.nodes.comfy_model import ComfyDenoiser
     from headroom.nodes.tiny_models import build_tiny_models
 
@@ -159,7 +159,7 @@ def test_training_conds_give_the_image_size_of_the_models_latent_format(comfyui,
         denoiser._model_conds(x_t, [cond])
     finally:
         del model.model.extra_conds
-    downscale = {"sd15": 8, "flux2": 16}[family]
+    downscale = {"sd15": 8, "flux2": 16, "hunyuan_image": 32}[family]
     assert seen == [(5 * downscale, 3 * downscale)]
 
 
