@@ -66,7 +66,7 @@ def test_recognition_is_the_rule_it_replaced(comfyui):
         assert ComfyDenoiser(patcher).inplace_blocks == inplace
         if name in ("sd15", "sd2", "sdxl", "sd3", "flux"):
             assert families.controlnet_type_of(patcher).name == {"sd15": "unet", "sd2": "unet", "sdxl": "unet"}.get(name, name)
-        else:  # no ControlNet layout for these in ComfyUI's ControlNetLoader
+        else:  # no ControlNet layout Headroom trains for these (tests/comfy/test_controlnet_build.py)
             with pytest.raises(families.ControlNetError, match="no ControlNet support for this MODEL"):
                 families.controlnet_type_of(patcher)
 
