@@ -359,6 +359,23 @@ def _spatial_downscale(vae) -> int:
     return ratio if isinstance(ratio, int) else 1
 
 
+# How captions are encoded: as CLIPTextEncode, or with each item's control image as the reference, exactly as a stock
+# edit text-encode node does (comfy_extras/nodes_qwen.py: the image's vision tokens join the prompt).
+REFERENCE_ENCODINGS = ("none", "TextEncodeQwenImageEdit", "TextEncodeQwenImageEditPlus")
+
+
+def encode_with_reference(encoding: str, clip, text: str, image: torch.Tensor, vae=None) -> list:
+    """The conditioning the stock node `encoding` makes of `text` and one reference image [1, H, W, 3] (with a vae,
+    the node appends the image's reference latent too)."""
+    from comfy_extras import nodes_qwen
+
+    if encoding == "TextEncodeQwenImageEdit":
+        return nodes_qwen.TextEncodeQwenImageEdit.execute(clip, text, vae, image).args[0]
+    if encoding == "TextEncodeQwenImageEditPlus":
+        return nodes_qwen.TextEncodeQwenImageEditPlus.execute(clip, text, vae, image).args[0]
+    raise ValueError(f"reference_encoding={encoding!r}: choose one of {', '.join(REFERENCE_ENCODINGS)}")
+
+
 class HeadroomCacheText(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
@@ -374,6 +391,12 @@ class HeadroomCacheText(io.ComfyNode):
                 io.Clip.Input("clip", tooltip="The text encoder(s) of the model you will train (the CLIP of its "
                               "loader)."),
                 OffloadPolicyType.Input("policy", optional=True, tooltip=_policy_tooltip()),
+                io.Combo.Input("reference_encoding", options=list(REFERENCE_ENCODINGS), default="none", optional=True,
+                               tooltip="none: each caption as CLIP Text Encode encodes it. TextEncodeQwenImageEdit / "
+                               "...Plus (Qwen-Image-Edit): each caption together with its item's control image (the "
+                               "reference), exactly as that stock node encodes it (no VAE: the reference latents come "
+                               "from Cache Latents), one entry per item; validate with reference_images, which are "
+                               "then encoded by that node too (what the stock edit workflow does)."),
             ],
             outputs=[TextCacheType.Output("text_cache", tooltip="The encoded captions, for the training nodes' "
                                       "text_cache."),
@@ -381,10 +404,18 @@ class HeadroomCacheText(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls, dataset, clip, policy=None) -> io.NodeOutput:
+    def execute(cls, dataset, clip, policy=None, reference_encoding: str = "none") -> io.NodeOutput:
         _check_policy("HeadroomCacheText", policy)
         if clip is None:
             raise ValueError("HeadroomCacheText: the clip input is empty (the checkpoint has no text encoder?)")
+        if reference_encoding not in REFERENCE_ENCODINGS:
+            raise ValueError(f"HeadroomCacheText: reference_encoding={reference_encoding!r}: choose one of "
+                             f"{', '.join(REFERENCE_ENCODINGS)}")
+        if reference_encoding != "none" and not dataset.has_control:
+            raise ValueError(f"HeadroomCacheText: reference_encoding={reference_encoding} encodes each caption with "
+                             "its item's control image, but the dataset has none: give it the reference images as "
+                             "control images (Dataset from Images' control_images, Dataset from Folder's "
+                             "control_folder), or set reference_encoding to 'none'")
         store = _open_store("text")
         options = {
             "text_encoder": type(clip.cond_stage_model).__qualname__,
@@ -396,7 +427,12 @@ class HeadroomCacheText(io.ComfyNode):
 
         def encode(text: str) -> dict[str, torch.Tensor]:
             # Exactly CLIPTextEncode: tokenize, then encode_from_tokens_scheduled -> [[cond, {extras}]].
-            conditioning = clip.encode_from_tokens_scheduled(clip.tokenize(text))
+            return flatten(clip.encode_from_tokens_scheduled(clip.tokenize(text)))
+
+        def encode_reference(text: str, image: torch.Tensor) -> dict[str, torch.Tensor]:
+            return flatten(encode_with_reference(reference_encoding, clip, text, image.unsqueeze(0)))
+
+        def flatten(conditioning) -> dict[str, torch.Tensor]:
             if len(conditioning) != 1:
                 raise ValueError(
                     "HeadroomCacheText: this CLIP has scheduled hooks, which give one conditioning per keyframe; "
@@ -414,10 +450,14 @@ class HeadroomCacheText(io.ComfyNode):
         recorder = PhaseRecorder(clip.patcher.load_device)
         try:
             with recorder.phase("caching text"):
+                with_references = reference_encoding != "none"
                 cache, report = cache_text(
                     [item.caption for item in dataset.items], store, encode, encoder_fingerprint(clip.patcher), options,
                     progress=_ProgressBar(),
                     check_interrupt=comfy.model_management.throw_exception_if_processing_interrupted,
+                    references=[item.control for item in dataset.items] if with_references else None,
+                    encode_with_reference=encode_reference if with_references else None,
+                    reference_encoding=reference_encoding if with_references else None,
                 )
         except (CacheStoreError, WriteError) as error:
             raise _with_hint(error) from error

@@ -21,7 +21,7 @@ import comfy.model_sampling
 import comfy.samplers
 import comfy.utils
 
-from ..training.data.cache_store import fingerprint_state_dict, fingerprint_value
+from ..training.data.cache_store import fingerprint_state_dict, fingerprint_value, item_conditioning
 from ..training.core.objective import SamplingDescriptor
 from . import families
 
@@ -89,7 +89,7 @@ def check_caches(model: comfy.model_base.BaseModel, latent_cache, text_cache) ->
             f"the LATENT_CACHE has {latent_cache.latent_channels}-channel latents but this "
             f"model denoises {channels}-channel latents: cache the images with this model's VAE"
         )
-    sample = text_cache.conditioning(latent_cache.text_key(0))
+    sample = item_conditioning(text_cache, latent_cache, 0)
     for name, width in expected_cond_dims(model).items():
         if name not in sample:
             raise ValueError(f"the TEXT_CACHE has no '{name}' but this model needs it: "
@@ -225,7 +225,7 @@ def check_reference_cache(model: comfy.model_base.BaseModel, latent_cache, text_
     if missing:
         raise ValueError(f"{len(missing)} cached item(s) have no reference (control) image, e.g. "
                          f"{latent_cache.name(missing[0])}: give every item one")
-    inputs = reference_inputs(model, text_cache.conditioning(latent_cache.text_key(0)), latent_cache.control(0))
+    inputs = reference_inputs(model, item_conditioning(text_cache, latent_cache, 0), latent_cache.control(0))
     if not inputs:
         raise ValueError(f"this MODEL ({type(model).__name__}) takes no reference latents (its extra_conds ignores "
                          "ReferenceLatent's reference_latents): train an edit / reference model (e.g. Flux.1 "

@@ -130,8 +130,9 @@ def diffusers_names(model, module_paths, family: str | None) -> dict[str, list[t
     """
     component = diffusers_component(family)
     if component is None:
-        raise ValueError(f"the diffusers format covers {', '.join(families.FAMILIES)} models, not family "
-                         f"{family}; save in the comfyui or kohya format")
+        covered = ", ".join(name for name, known in families.FAMILIES.items() if known.diffusers_component)
+        raise ValueError(f"the diffusers format covers {covered} models, not family {family} (ComfyUI's LoRA loader "
+                         "maps no diffusers names for it); save in the comfyui or kohya format")
     preferred = [re.compile(p) for p in families.get(family).diffusers_names_preferred]
     key_map = comfy.lora.model_lora_keys_unet(model.model, {})
     state = model.model.state_dict()

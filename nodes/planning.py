@@ -14,6 +14,7 @@ from ..training.memory import planner
 from ..training.core.adapters import AdapterConfig, AdapterSet
 from ..training.memory.policy import OffloadPolicy
 from ..training.core.trainer import PRECISIONS
+from ..training.data.cache_store import item_conditioning
 from . import families
 from .comfy_model import ComfyDenoiser, expected_cond_dims, model_blocks, replace_inference_tensors, training_blocks
 
@@ -46,6 +47,9 @@ def calibration_cond(model, text_tokens: int, device: torch.device) -> dict[str,
     cond = {"cross_attn": torch.zeros(text_tokens, dims.get("cross_attn", 768), device=device)}
     if "pooled_output" in dims:
         cond["pooled_output"] = torch.zeros(dims["pooled_output"], device=device)
+    if family is not None and family.calibration_cond_shapes is not None:  # HiDream: its four encoders' outputs
+        cond.update({name: torch.zeros(shape, device=device)
+                     for name, shape in family.calibration_cond_shapes(model, text_tokens).items()})
     return cond
 
 
@@ -171,7 +175,7 @@ def next_plan_for(run) -> planner.Plan | None:
     description = describe_comfy_model(run.source_model, adapter, config.train.precision)
     trainable = planner.TrainableSpec.from_parameters(run.trainer.params, config.optimizer.name)
     width, height = max(run.latent_cache.buckets, key=lambda size: size[0] * size[1])
-    tokens = run.text_cache.conditioning(run.latent_cache.text_key(0))["cross_attn"].shape[0]
+    tokens = item_conditioning(run.text_cache, run.latent_cache, 0)["cross_attn"].shape[0]
     shape = planner.RunShape(config.train.batch_size, width, height, int(tokens))
     policy = run.policy
     budget = budget_bytes(policy, torch.device(run.source_model.load_device))

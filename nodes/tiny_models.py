@@ -160,7 +160,7 @@ def build_tiny_vae(family: str, seed: int = 0, weights: str = "random") -> comfy
         _check_loaded("VAE", set(reference.state_dict()), set(sd))
     # Through ComfyUI's VAE class and its load path: `config` picks the architecture (None: detected from the
     # state dict, as the VAELoader does), `sd` the weights.
-    vae = comfy.sd.VAE(sd=sd, config=config)
+    vae = (spec.vae_class or comfy.sd.VAE)(sd=sd, config=config)
     vae.latent_channels = spec.latent_channels
     vae.patcher.cached_patcher_init = (_tiny_vae_patcher, (family, seed, weights))
     return vae
@@ -202,7 +202,8 @@ class HeadroomTinyModel(io.ComfyNode):
             ],
             outputs=[io.Model.Output(tooltip="The diffusion model, as a checkpoint loader's MODEL."),
                      io.Clip.Output(tooltip="Its text encoder(s), as a checkpoint loader's CLIP."),
-                     io.Vae.Output(tooltip="Its VAE (8x downscale; flux2: 16x), as a checkpoint loader's VAE.")],
+                     io.Vae.Output(tooltip="Its VAE (8x downscale; flux2: 16x; hunyuan_image: 32x), as a checkpoint "
+                                          "loader's VAE.")],
         )
 
     @classmethod

@@ -25,6 +25,7 @@ from comfy_api.latest import io, ui
 
 from ..training.core.adapters import KINDS, TARGET_MODES, AdapterConfig
 from ..training.checks import check_finite
+from ..training.data.cache_store import item_conditioning
 from ..training.data.files import prune_temp, save_safetensors, write_bytes
 from ..training.core.objective import ObjectiveConfig
 from ..training.core.optimizers import OPTIMIZERS, SCHEDULES, MissingPackageError, OptimizerConfig, check_available
@@ -32,7 +33,7 @@ from ..training.memory.policy import OffloadPolicy, PolicyError, run_policy
 from ..training.core.run_dir import RunDir, RunFolderError, check_name, check_subfolder
 from ..training.core.trainer import PRECISIONS, TrainConfig, auto_precision
 from . import lora_formats
-from .cache import unload_encoder
+from .cache import encode_with_reference, unload_encoder
 from .comfy_bridge import TrainingRun, VALIDATE_EVENT, check_run_kind, run_generation, send_event
 from .comfy_model import REFERENCE_LATENTS, check_caches, check_reference_cache, model_family, reference_inputs
 from .inputs import (DEFAULT_CHECKPOINT_MINUTES, added_train_inputs, checkpoint_inputs, compare_base_input,
@@ -365,12 +366,15 @@ def steps_note(node: str, run: TrainingRun, steps: int, input_name: str) -> str 
 # --- validate ----------------------------------------------------------------------------------------------
 def sample_images(run: TrainingRun, clip, vae, prompts: list[str], negative: str, seed: int, steps: int, cfg: float,
                   sampler_name: str, scheduler: str, width: int, height: int, lora_application: str = "as_saved_file",
-                  base: bool = False, references: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  base: bool = False, references: list | None = None,
+                  reference_encoding: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Stock KSampler sampling (same noise, same sampler code) on the training model + what the run trains (a LoRA
     as `lora_application` says, TrainingRun.sampling_model; a ControlNet run adds its control as
     ControlNetApplyAdvanced does). base=True: the run's MODEL alone (before/after comparisons). `references`: one
     VAE latent per prompt (or None), appended to the positive and negative conditioning as the stock ReferenceLatent
-    node does. Returns (images, sampled latents)."""
+    node does; with `reference_encoding` (a stock edit text-encode node, TextEncodeQwenImageEdit), `references` are
+    reference images [1, H, W, 3] and both prompts are encoded with them by that node, as the stock edit workflow
+    does. Returns (images, sampled latents)."""
     negative_cond = clip.encode_from_tokens_scheduled(clip.tokenize(negative))
     latents = []
     # comfy.sample.prepare_noise reseeds the global torch RNG; fork it so validating never changes what the
@@ -380,9 +384,13 @@ def sample_images(run: TrainingRun, clip, vae, prompts: list[str], negative: str
     with torch.no_grad(), torch.random.fork_rng(devices=devices), model_context as model:
         for index, prompt in enumerate(prompts):
             positive = clip.encode_from_tokens_scheduled(clip.tokenize(prompt))
-            positive, negative_run = ((positive, negative_cond) if base
-                                      else run.sampling_conditioning(positive, negative_cond, vae))
-            if references is not None:  # exactly ReferenceLatent (comfy_extras/nodes_edit_model.py), on both
+            negative_item = negative_cond
+            if reference_encoding is not None and references is not None:  # both prompts with the reference image
+                positive, negative_item = (encode_with_reference(reference_encoding, clip, text, references[index], vae)
+                                           for text in (prompt, negative))
+            positive, negative_run = ((positive, negative_item) if base
+                                      else run.sampling_conditioning(positive, negative_item, vae))
+            if references is not None and reference_encoding is None:  # exactly ReferenceLatent (comfy_extras/nodes_edit_model.py), on both
                 positive, negative_run = (node_helpers.conditioning_set_values(
                     c, {REFERENCE_LATENTS: [references[index]]}, append=True) for c in (positive, negative_run))
             # As EmptyLatentImage + KSampler make it: an 8x latent the sampler resizes to the model's own format
@@ -406,7 +414,8 @@ def base_samples(run: TrainingRun, clip, vae, prompts: list[str], *settings, ref
     if (cached is not None and cached[0] is clip and cached[1] is vae and cached[2] == (prompts, settings)
             and cached[4] is reference_images):
         return cached[3]
-    images, _ = sample_images(run, clip, vae, prompts, *settings, base=True, references=references)
+    images, _ = sample_images(run, clip, vae, prompts, *settings, base=True, references=references,
+                              reference_encoding=reference_text_encoding(run))
     run._base_samples = (clip, vae, (prompts, settings), images, reference_images)
     return images
 
@@ -425,12 +434,20 @@ def encode_references(run: TrainingRun, vae, reference_images: torch.Tensor | No
         raise ValueError(f"{node}: reference_images holds {reference_images.shape[0] if reference_images.ndim == 4 else 'no'} "
                          f"image batch for {count} prompt(s): give one image for every prompt, or one per prompt")
     cache = run.latent_cache
-    if not reference_inputs(run.source_model.model, run.text_cache.conditioning(cache.text_key(0)), cache.latent(0)):
+    if not reference_inputs(run.source_model.model, item_conditioning(run.text_cache, cache, 0), cache.latent(0)):
         raise ValueError(f"{node}: reference_images given, but this MODEL ({type(run.source_model.model).__name__}) "
                          "takes no reference latents (its extra_conds ignores reference_latents): disconnect "
                          "reference_images, or validate an edit / reference model")
-    latents = [vae.encode(image.unsqueeze(0)) for image in reference_images]
+    if reference_text_encoding(run) is not None:  # the images themselves: the stock edit text-encode node takes them
+        latents = [image.unsqueeze(0) for image in reference_images]
+    else:
+        latents = [vae.encode(image.unsqueeze(0)) for image in reference_images]
     return latents * count if len(latents) == 1 else latents
+
+
+def reference_text_encoding(run: TrainingRun) -> str | None:
+    """The stock edit text-encode node the run's captions were cached with (each with its reference image), or None."""
+    return getattr(run.text_cache, "reference_encoding", None)
 
 
 def decode(run: TrainingRun, vae, samples: torch.Tensor) -> torch.Tensor:
@@ -504,7 +521,8 @@ def validate(node_cls, run: TrainingRun, clip=None, vae=None, prompts="", negati
                 with run.weights(weights):
                     images, samples = sample_images(run, clip, vae, lines, negative, sample_seed, sample_steps, cfg,
                                                     sampler_name, scheduler, width, height, lora_application,
-                                                    references=references)
+                                                    references=references,
+                                                    reference_encoding=reference_text_encoding(run))
                 grid = save_validation(run, images, samples)
                 if compare_base:
                     base_images = base_samples(run, clip, vae, lines, negative, sample_seed, sample_steps, cfg,

@@ -8,10 +8,16 @@ import logging
 import torch
 
 
-def cached_data(model, clip, vae, count=4, resolution=32, seed=0):
+def image_size(model) -> int:
+    """The test images' side: 32 px, or two latent pixels where the VAE downscales more (HunyuanImage 2.1: 32x)."""
+    return max(32, 2 * model.model.latent_format.spacial_downscale_ratio)
+
+
+def cached_data(model, clip, vae, count=4, resolution=None, seed=0):
     """(latent_cache, text_cache) of `count` synthetic images through the real dataset and caching nodes."""
     from headroom.nodes import cache as cache_nodes, data as data_nodes
 
+    resolution = resolution or image_size(model)
     with torch.inference_mode():  # as ComfyUI runs nodes
         images, captions, _ = data_nodes.HeadroomSyntheticDataset.execute(count, resolution, seed).args
         dataset = cache_nodes.HeadroomDatasetFromImages.execute(images, captions, resolution, resolution, "center",
@@ -72,11 +78,12 @@ def check_stock_round_trip(run, model, clip, vae, caplog, steps_trained=20, labe
     base = base_weights(model)
     prompt = "a red circle at the center"
     seed, steps, cfg, sampler, scheduler = 7, 4, 3.0, "euler", "simple"
+    size = image_size(model)
     with torch.inference_mode():
         T.HeadroomTrainSteps.execute(run, steps_trained)
         images = T.HeadroomValidate.execute(run, clip=clip, vae=vae, prompts=prompt, negative="", sample_seed=seed,
                                             sample_steps=steps, cfg=cfg, sampler_name=sampler, scheduler=scheduler,
-                                            width=32, height=32, loss_timesteps=1).args[0]
+                                            width=size, height=size, loss_timesteps=1).args[0]
         name = T.HeadroomSaveLora.execute(run, "headroom/conformance", "", "fp32").args[0]
 
     caplog.clear()
@@ -84,7 +91,7 @@ def check_stock_round_trip(run, model, clip, vae, caplog, steps_trained=20, labe
         lora_model, _ = nodes.LoraLoader().load_lora(model, clip, name, 1.0, 0.0)
         positive = nodes.CLIPTextEncode().encode(clip, prompt)[0]
         negative = nodes.CLIPTextEncode().encode(clip, "")[0]
-        empty = empty_latent(model, 32, 32)
+        empty = empty_latent(model, size, size)
         stock = nodes.VAEDecode().decode(vae, nodes.common_ksampler(lora_model, seed, steps, cfg, sampler, scheduler,
                                                                      positive, negative, empty)[0])[0]
         plain = nodes.VAEDecode().decode(vae, nodes.common_ksampler(model, seed, steps, cfg, sampler, scheduler,

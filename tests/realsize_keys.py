@@ -62,10 +62,12 @@ def _names(model, paths, family: str) -> dict[str, list[str]]:
     from headroom.nodes import lora_formats
 
     patcher = types.SimpleNamespace(model=model)
-    diffusers = lora_formats.diffusers_names(patcher, paths, family)
-    return {"comfyui": [f"diffusion_model.{p}" for p in paths],
-            "kohya": list(lora_formats.kohya_names(patcher, paths, family).values()),
-            "diffusers": [name for layers in diffusers.values() for name, _ in layers]}
+    names = {"comfyui": [f"diffusion_model.{p}" for p in paths],
+             "kohya": list(lora_formats.kohya_names(patcher, paths, family).values())}
+    if lora_formats.diffusers_component(family) is not None:  # HunyuanImage 2.1: ComfyUI maps no diffusers names
+        diffusers = lora_formats.diffusers_names(patcher, paths, family)
+        names["diffusers"] = [name for layers in diffusers.values() for name, _ in layers]
+    return names
 
 
 def _save_and_load(patcher, adapters, paths, family: str, arch: str) -> dict:
@@ -81,8 +83,9 @@ def _save_and_load(patcher, adapters, paths, family: str, arch: str) -> dict:
     comfy_state = adapters.comfy_state_dict()
     files = {"comfyui": comfy_state,
              "kohya": lora_formats.to_kohya(comfy_state, lora_formats.kohya_names(patcher, paths, family))}
-    names = lora_formats.diffusers_names(patcher, paths, family)
-    files["diffusers"] = lora_formats.to_diffusers(comfy_state, names, family, torch.float32)[0]
+    if lora_formats.diffusers_component(family) is not None:
+        names = lora_formats.diffusers_names(patcher, paths, family)
+        files["diffusers"] = lora_formats.to_diffusers(comfy_state, names, family, torch.float32)[0]
     out = {}
     for file_format, state in files.items():
         name = f"{arch}_{file_format}.safetensors"

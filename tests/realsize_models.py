@@ -135,13 +135,26 @@ ARCHITECTURES.update({
             "text_emb_dim": 2048,
         },
     },
+    "hunyuan_image_21": {
+        # HunyuanImage 2.1 (base) as comfy/model_detection.py derives it from the released file: 3584 wide (28 heads
+        # of 128), 20 double- + 40 single-stream blocks, 1x1 patches of 64 latent channels, Qwen2.5-VL-7B text
+        # (3584), the byT5 mapper, no guidance input (the distilled checkpoint has one), no meanflow.
+        "text_tokens": 128, "text_encoder": "hunyuan_image", "latent_channels": 64, "depth": (20, 40),
+        "unet_config": {
+            "image_model": "hunyuan_video", "in_channels": 64, "patch_size": [1, 1], "out_channels": 64,
+            "vec_in_dim": None, "axes_dim": [64, 64], "meanflow": False, "context_in_dim": 3584, "hidden_size": 3584,
+            "mlp_ratio": 4.0, "num_heads": 28, "depth": 20, "depth_single_blocks": 40, "theta": 256,
+            "qkv_bias": True, "byt5": True, "guidance_embed": False, "use_cond_type_embedding": False,
+            "vision_in_dim": None, "meanflow_sum": False,
+        },
+    },
 })
 T5XXL_LAYERS = 24  # the released T5-XXL encoder
 
 
 def unet_config(name: str, depth=None) -> dict:
-    """The architecture's unet_config; `depth` reduces it at real width: SD3.5 joint blocks (int), Flux / Chroma
-    (double blocks, single blocks), HiDream (double-, single-stream blocks). The UNets (SDXL, SD2.1) are always
+    """The architecture's unet_config; `depth` reduces it at real width: SD3.5 joint blocks (int), Flux / Chroma /
+    HunyuanImage 2.1 (double blocks, single blocks), HiDream (double-, single-stream blocks). The UNets (SDXL, SD2.1) are always
     full size."""
     config = dict(ARCHITECTURES[name]["unet_config"])
     if depth is None:
@@ -152,7 +165,7 @@ def unet_config(name: str, depth=None) -> dict:
         config["n_layers"] = int(depth)
     elif name == "qwen_image":
         config["num_layers"] = int(depth)
-    elif name in ("flux_dev", "chroma") or name.startswith("flux2_"):
+    elif name in ("flux_dev", "chroma", "hunyuan_image_21") or name.startswith("flux2_"):
         config["depth"], config["depth_single_blocks"] = (int(d) for d in depth)
     elif name == "hidream_i1":
         config["num_layers"], config["num_single_layers"] = (int(d) for d in depth)

@@ -81,9 +81,11 @@ def controlnet_type_of(model_patcher) -> ControlNetType:
     base = model_patcher.model
     found = next((controlnet for controlnet in CONTROLNET_TYPES.values() if controlnet.accepts(base)), None)
     if found is None:
+        family = family_name(base)
         raise ControlNetError(
-            f"no ControlNet support for this MODEL ({type(base).__name__} with {type(base.diffusion_model).__name__}); "
-            f"supported families: {supported_controlnets()}")
+            f"no ControlNet support for this MODEL: family {family or '(none)'} ({type(base).__name__} with "
+            f"{type(base.diffusion_model).__name__}) has no ControlNet layout in ComfyUI's ControlNetLoader that Headroom "
+            f"trains; train a LoRA for it instead, or a ControlNet on a supported family: {supported_controlnets()}")
     config = base.model_config.unet_config
     if config.get("in_channels") != base.latent_format.latent_channels:
         # Inpainting / edit variants take extra input channels the ControlNet's x input does not have.
@@ -95,8 +97,9 @@ def controlnet_type_of(model_patcher) -> ControlNetType:
 
 
 def supported_controlnets() -> str:
-    """The ControlNet types, for messages."""
-    return "; ".join(f"{name}: {t.description}" for name, t in CONTROLNET_TYPES.items())
+    """The families that train ControlNets and their ControlNet types, for messages."""
+    return "; ".join(f"{', '.join(f.name for f in FAMILIES.values() if f.controlnet is t)} ({name}: {t.description})"
+                     for name, t in CONTROLNET_TYPES.items())
 
 
 def controlnet_type(name: str) -> ControlNetType:

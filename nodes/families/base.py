@@ -28,6 +28,9 @@ class TinyModel:
     # -> (a freshly built VAE module to seed, the `config` comfy.sd.VAE is given with its state dict; None: ComfyUI
     # detects the architecture from the state dict as its VAELoader does).
     vae: Callable[[], tuple[torch.nn.Module, dict | None]] | None = None
+    # ComfyUI's VAE class, or a subclass of it where comfy.sd.VAE cannot build the architecture small from a config
+    # (HunyuanImage 2.1: detected at the released widths only); called as comfy.sd.VAE(sd=..., config=...).
+    vae_class: Callable[..., Any] | None = None
 
     def vae_module(self) -> tuple[torch.nn.Module, dict | None]:
         return self.vae() if self.vae is not None else autoencoder_kl(self.latent_channels)
@@ -72,7 +75,8 @@ class Family:
     recognise: Callable[[Any], bool]  # a comfy.model_base.BaseModel -> is it of this family
     lora_preset: TargetPreset  # the layers targets="preset" trains
     text_tokens: int  # text length the planner assumes when not told (the family's text encoder's usual length)
-    diffusers_component: str  # the diffusers pipeline component of the denoiser: its LoRA key prefix
+    # the diffusers pipeline component of the denoiser: its LoRA key prefix (None: ComfyUI maps no diffusers names)
+    diffusers_component: str | None
     kohya_base: tuple[str, str]  # (ss_base_model_version, modelspec.architecture) sd-scripts writes
     # modelspec.architecture read from the model itself, for families whose variants other trainers tell apart
     # (Flux.2 dev / Klein 4B / Klein 9B); None from it: none written.
@@ -85,6 +89,9 @@ class Family:
     diffusers_names_preferred: tuple[str, ...] = ()
     # model -> the pooled conditioning width the planner's calibration adds beyond expected_cond_dims (SDXL), or None.
     calibration_pooled_width: Callable[[Any], int] | None = None
+    # (model, text tokens) -> {conditioning name: shape} the planner's calibration gives where the model reads more than
+    # cross_attn / pooled_output of the widths its config names (HiDream: T5 width, every Llama layer), or None.
+    calibration_cond_shapes: Callable[[Any, int], dict[str, tuple[int, ...]]] | None = None
     latent_downscale: int = 8  # image px per latent px
     # Whether a model's blocks add into their inputs in place; asked of every family (registry.inplace_blocks).
     inplace_blocks: Callable[[Any], bool] = _never

@@ -119,7 +119,8 @@ def test_family_presets_pick_the_documented_layers(comfyui):
     from headroom.nodes.tiny_models import build_tiny_model_patcher
 
     picked = {}
-    for family in ("sd15", "sd2", "sdxl", "sd3", "flux", "flux2", "chroma", "zimage", "qwen_image"):
+    for family in ("sd15", "sd2", "sdxl", "sd3", "flux", "flux2", "chroma", "zimage", "qwen_image",
+                   "hidream", "hunyuan_image"):
         model = build_tiny_model_patcher(family, 0).model
         assert model_family(model) == family
         blocks = [n for n, _ in model_blocks(model.diffusion_model)]
@@ -161,3 +162,12 @@ def test_family_presets_pick_the_documented_layers(comfyui):
     assert not any(p.startswith("input_blocks.1.") for p in picked["sdxl"])  # SDXL: no attention at the first level
     assert {p.split(".", 2)[2] for p in picked["chroma"]} == {p.split(".", 2)[2] for p in picked["flux"]}
     assert not any(p.startswith("distilled_guidance_layer") for p in picked["chroma"])
+    # HiDream: attention of both streams and the shared / text feed-forwards; the routed experts stay frozen.
+    assert sorted({re.sub(r"^(double|single)_stream_blocks\.\d+\.block\.", "", p) for p in picked["hidream"]}) == [
+        "attn1.to_k", "attn1.to_k_t", "attn1.to_out", "attn1.to_out_t", "attn1.to_q", "attn1.to_q_t", "attn1.to_v",
+        "attn1.to_v_t", "ff_i.shared_experts.w1", "ff_i.shared_experts.w2", "ff_i.shared_experts.w3", "ff_t.w1",
+        "ff_t.w2", "ff_t.w3"]
+    assert not any("experts." in p and "shared_experts" not in p for p in picked["hidream"])
+    # HunyuanImage 2.1: Flux's block layers; the text refiner, the byT5 mapper and the modulation stay frozen.
+    assert {p.split(".", 2)[2] for p in picked["hunyuan_image"]} == {p.split(".", 2)[2] for p in picked["flux"]}
+    assert len(picked["hunyuan_image"]) == 8 + 2

@@ -208,5 +208,31 @@ def test_unsupported_family_lists_the_supported_ones(comfyui):
     aura = comfy.supported_models.AuraFlow({"max_seq": 16, "cond_seq_dim": 32, "patch_size": 2, "in_channels": 4,
                                              "dim": 32, "global_conddim": 32, "n_layers": 2, "n_double_layers": 1,
                                              "n_heads": 1})
-    with pytest.raises(ControlNetError, match=r"AuraFlow.*supported families: unet: SD1\.x.*sd3: SD3.*flux: Flux"):
+    with pytest.raises(ControlNetError, match=r"family \(none\) \(AuraFlow.*supported family: sd15, sd2, sdxl \(unet: "
+                                              r"SD1\.x.*\); sd3 \(sd3: SD3.*\); flux \(flux: Flux"):
         build_controlnet(_patcher(aura))
+
+
+def test_init_refuses_every_family_without_a_controlnet_layout_naming_it_and_the_supported_ones(comfyui):
+    """Every registry family: a ControlNet type where ComfyUI's ControlNetLoader detects a layout Headroom trains
+    (cldm for the UNets, SD3's, Flux's XLabs); the others (Flux.2, Chroma, Z-Image, HiDream, HunyuanImage: ComfyUI has
+    none, or only model patches; Qwen-Image: its InstantX / Fun layouts, not trained yet) are refused at Init, before
+    any cache is read, naming the family."""
+    from headroom.nodes import families, train_controlnet as TC, train_lora as T
+    from headroom.nodes.controlnet_build import controlnet_type_name
+    from headroom.nodes.tiny_models import build_tiny_model_patcher
+
+    with torch.inference_mode():
+        optimizer = T.HeadroomOptimizerConfig.execute("AdamW", 1e-4, 0.0, "constant", 0, 10).args[0]
+    refused = []
+    for name, family in families.FAMILIES.items():
+        model = build_tiny_model_patcher(name, 0)
+        if family.controlnet is not None:
+            assert controlnet_type_name(model) == family.controlnet.name
+            continue
+        refused.append(name)
+        with pytest.raises(ValueError, match=rf"^HeadroomTrainControlNetInit: no ControlNet support for this MODEL: "
+                                             rf"family {name} .*sd15, sd2, sdxl \(unet: .*sd3 \(sd3: .*flux \(flux: "):
+            TC.start_controlnet_run(model, None, None, optimizer, f"cn_refused_{name}", 0, 1, 1, "fp32", 1.0, 0.0,
+                                    "uniform", "none", 5.0, 0.0, False, 1, 0)
+    assert refused == ["flux2", "chroma", "zimage", "qwen_image", "hidream", "hunyuan_image"]

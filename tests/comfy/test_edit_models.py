@@ -31,7 +31,7 @@ def paired_data():
     return targets, "\n".join(INSTRUCTION for _ in COLOURS), references
 
 
-def cached(clip, vae, control_encoding="latents", with_references=True):
+def cached(clip, vae, control_encoding="latents", with_references=True, reference_encoding="none"):
     from headroom.nodes import cache as C
 
     targets, captions, references = paired_data()
@@ -39,7 +39,7 @@ def cached(clip, vae, control_encoding="latents", with_references=True):
         dataset = C.HeadroomDatasetFromImages.execute(targets, captions, SIZE, SIZE, "center", False, 0,
                                                       control_images=references if with_references else None).args[0]
         latents = C.HeadroomCacheLatents.execute(dataset, vae, control_encoding).args[0]
-        texts = C.HeadroomCacheText.execute(dataset, clip).args[0]
+        texts = C.HeadroomCacheText.execute(dataset, clip, None, reference_encoding).args[0]
     return latents, texts
 
 
@@ -180,6 +180,56 @@ def test_stock_edit_path_reproduces_validation(comfyui, family, caplog):
     comfy.model_management.unload_all_models()
 
 
+def test_qwen_image_edit_text_path_is_cached_per_item_and_reproduced_by_the_stock_edit_chain(comfyui, caplog):
+    """Qwen-Image-Edit: Cache Text with reference_encoding=TextEncodeQwenImageEdit encodes each caption with its item's
+    reference image (vision tokens in the prompt) exactly as that stock node does, one entry per item (the four items
+    share one instruction); training passes those and the reference latents; validation with a reference image
+    encodes both prompts with the same node, so LoraLoader + TextEncodeQwenImageEdit (with the VAE) + KSampler
+    reproduce it. (The node resizes the reference to 1 Mpixel: each of its VAE encodes takes ~20 s here.)"""
+    import comfy.model_management
+    import nodes
+    from comfy_extras.nodes_qwen import TextEncodeQwenImageEdit
+    from family_checks import empty_latent
+    from headroom.nodes import train_lora as T
+    from headroom.training.data.cache_store import item_conditioning
+
+    model, clip, vae = tiny("qwen_image")
+    latents, texts = cached(clip, vae, reference_encoding="TextEncodeQwenImageEdit")
+    references = paired_data()[2]
+    assert texts.per_reference and len(texts) == 1 + len(COLOURS)  # the empty prompt + one entry per item
+    with torch.inference_mode():
+        for i in range(len(latents)):
+            stock = TextEncodeQwenImageEdit.execute(clip, INSTRUCTION, None, references[i:i + 1]).args[0][0][0]
+            assert torch.equal(item_conditioning(texts, latents, i)["cross_attn"], stock[0])
+    plain = cached(clip, vae)[1].conditioning(latents.text_key(0))["cross_attn"]
+    assert item_conditioning(texts, latents, 0)["cross_attn"].shape[0] > plain.shape[0] + 1  # the vision tokens
+
+    run = init(model, latents, texts, "edit_qwen_text", rank=8, lr=2e-2, targets="preset", schedule="constant",
+               steps=1000)
+    seed, steps, cfg, sampler, scheduler = 7, 2, 3.0, "euler", "simple"
+    with torch.inference_mode():
+        T.HeadroomTrainSteps.execute(run, 10)
+        T.HeadroomValidate.execute(run, clip=clip, vae=vae, prompts=INSTRUCTION, negative="", sample_seed=seed,
+                                   sample_steps=steps, cfg=cfg, sampler_name=sampler, scheduler=scheduler, width=SIZE,
+                                   height=SIZE, loss_timesteps=1, reference_images=references[:1])
+        sampled = validation_latents(run)
+        name = T.HeadroomSaveLora.execute(run, "headroom/edit", "", "fp32").args[0]
+
+    caplog.clear()
+    with caplog.at_level(logging.WARNING), torch.inference_mode():
+        lora_model, _ = nodes.LoraLoader().load_lora(model, clip, name, 1.0, 0.0)
+        positive = TextEncodeQwenImageEdit.execute(clip, INSTRUCTION, vae, references[:1]).args[0]
+        negative = TextEncodeQwenImageEdit.execute(clip, "", vae, references[:1]).args[0]
+        stock_latent = nodes.common_ksampler(lora_model, seed, steps, cfg, sampler, scheduler, positive, negative,
+                                             empty_latent(model, SIZE, SIZE))[0]["samples"]
+    assert "lora key not loaded" not in caplog.text, caplog.text
+    difference = (sampled - stock_latent).abs().max().item() / stock_latent.std().item()
+    print(f"qwen_image edit text path: validation vs LoraLoader + TextEncodeQwenImageEdit + KSampler: max abs diff "
+          f"{difference:.2e} of the latents' std; {len(run.adapters.layers)} layers")
+    assert difference <= 1e-3
+    comfy.model_management.unload_all_models()
+
+
 def test_bad_inputs_fail_clearly(comfyui):
     from headroom.nodes import train_lora as T
 
@@ -200,6 +250,10 @@ def test_bad_inputs_fail_clearly(comfyui):
     with pytest.raises(ValueError, match=r"reference='control latents': this MODEL \(BaseModel\) takes no reference "
                                          r"latents.*set reference to 'none'"):
         init(sd15, *cached(sd15_clip, sd15_vae), "edit_bad_model")
+    # Captions encoded with reference images need a control image per item.
+    with pytest.raises(ValueError, match=r"HeadroomCacheText: reference_encoding=TextEncodeQwenImageEdit encodes each "
+                                         r"caption with its item's control image, but the dataset has none"):
+        cached(clip, vae, with_references=False, reference_encoding="TextEncodeQwenImageEdit")
     # The reference is part of the run: resuming with another setting is refused, as for other settings.
     run = init(model, latents, texts, "edit_resume", steps=10)
     with torch.inference_mode():

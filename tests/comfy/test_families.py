@@ -26,20 +26,10 @@ SPLIT_OFF = {"sd2": "sd15", "chroma": "flux"}
 
 
 def _models():
-    """{name: ModelPatcher}: the tiny model of every family (HiDream's diffusion model alone: nodes/families/hidream.py)."""
-    import comfy.model_patcher
-    import comfy.supported_models
-    from headroom.nodes.families.hidream import TINY_DIT
-    from headroom.nodes.tiny_models import FAMILIES, build_tiny_model_patcher, init_weights_
+    """{name: ModelPatcher}: the tiny model of every family."""
+    from headroom.nodes.tiny_models import FAMILIES, build_tiny_model_patcher
 
-    models = {family: build_tiny_model_patcher(family, 0) for family in FAMILIES}
-    config = comfy.supported_models.HiDream(dict(TINY_DIT))
-    config.set_inference_dtype(torch.float32, None)
-    hidream = config.get_model({}, "", device=torch.device("cpu"))
-    init_weights_(hidream.diffusion_model, 0)
-    models["hidream"] = comfy.model_patcher.ModelPatcher(hidream, load_device=torch.device("cpu"),
-                                                         offload_device=torch.device("cpu"))
-    return models
+    return {family: build_tiny_model_patcher(family, 0) for family in FAMILIES}
 
 
 def test_one_module_per_family(comfyui):
@@ -50,7 +40,7 @@ def test_one_module_per_family(comfyui):
     folder = pathlib.Path(families.__file__).parent
     modules = sorted(p.stem for p in folder.glob("*.py") if p.stem not in ("__init__", "base"))
     assert list(families.FAMILIES) == ["sd15", "sd2", "sdxl", "sd3", "flux", "flux2", "chroma", "zimage", "qwen_image",
-                                       "hidream"]
+                                       "hidream", "hunyuan_image"]
     assert sorted(families.FAMILIES) == modules
     assert list(families.CONTROLNET_TYPES) == ["unet", "sd3", "flux"]  # stored names: never renamed
     assert (families.get("sd15").controlnet is families.get("sd2").controlnet is families.get("sdxl").controlnet
@@ -70,12 +60,13 @@ def test_recognition_is_the_rule_it_replaced(comfyui):
         # Families new with the registry: the old rule refused them (None); SD2 / Chroma were claimed by sd15 / flux.
         assert _old_model_family(model) == (SPLIT_OFF.get(name, name) if name in ("sd15", "sd2", "sdxl", "sd3", "flux",
                                                                                  "chroma") else None)
-        # Flux.2's and Chroma's blocks are Flux's DoubleStreamBlock / SingleStreamBlock kind: in place too.
-        assert families.inplace_blocks(model) == (name in ("flux", "flux2", "chroma"))
-        assert ComfyDenoiser(patcher).inplace_blocks == (name in ("flux", "flux2", "chroma"))
+        # Flux.2's, Chroma's and HunyuanImage's blocks are Flux's DoubleStreamBlock / SingleStreamBlock kind: in place.
+        inplace = name in ("flux", "flux2", "chroma", "hunyuan_image")
+        assert families.inplace_blocks(model) == inplace
+        assert ComfyDenoiser(patcher).inplace_blocks == inplace
         if name in ("sd15", "sd2", "sdxl", "sd3", "flux"):
             assert families.controlnet_type_of(patcher).name == {"sd15": "unet", "sd2": "unet", "sdxl": "unet"}.get(name, name)
-        else:  # no ControlNet layout for these in ComfyUI's ControlNetLoader
+        else:  # no ControlNet layout Headroom trains for these (tests/comfy/test_controlnet_build.py)
             with pytest.raises(families.ControlNetError, match="no ControlNet support for this MODEL"):
                 families.controlnet_type_of(patcher)
 
@@ -101,18 +92,18 @@ def test_family_facts_are_the_tables_they_replaced(comfyui):
 
     assert {f.name: f.text_tokens for f in families.FAMILIES.values()} == {
         "sd15": 77, "sd2": 77, "sdxl": 77, "sd3": 154, "flux": 256, "flux2": 512, "chroma": 256, "zimage": 128,
-        "qwen_image": 128, "hidream": 128}
+        "qwen_image": 128, "hidream": 128, "hunyuan_image": 128}
     assert {name: lora_formats.diffusers_component(name) for name in families.FAMILIES} == {
         "sd15": "unet", "sd2": "unet", "sdxl": "unet", "sd3": "transformer", "flux": "transformer",
         "flux2": "transformer", "chroma": "transformer", "zimage": "transformer", "qwen_image": "transformer",
-        "hidream": "transformer"}
+        "hidream": "transformer", "hunyuan_image": None}
     assert lora_formats.diffusers_component(None) is None and families.lora_preset("wan") is None
     assert {f.name: f.kohya_base for f in families.FAMILIES.values()} == {
         "sd15": ("sd_v1", "stable-diffusion-v1/lora"), "sdxl": ("sdxl_base_v1-0", "stable-diffusion-xl-v1-base/lora"),
         "sd3": ("sd3", "stable-diffusion-3/lora"), "flux": ("flux1", "flux-1-dev/lora"), "flux2": ("", ""),
         "sd2": ("sd_v2", "stable-diffusion-v2-512/lora"), "chroma": ("chroma", "chroma/lora"),
         "zimage": ("z_image", "Z-Image/lora"), "qwen_image": ("qwen_image", "Qwen-Image/lora"),
-        "hidream": ("hidream_i1", "hidream-i1/lora")}
+        "hidream": ("hidream_i1", "hidream-i1/lora"), "hunyuan_image": ("hunyuan_image_2_1", "HunyuanImage-2.1/lora")}
     assert [f.name for f in families.FAMILIES.values() if f.lora_preset.conv is not None] == ["sd15", "sd2", "sdxl"]
     assert {name: t.hint for name, t in families.CONTROLNET_TYPES.items()} == {"unet": "pixels", "sd3": "latents",
                                                                               "flux": "pixels"}
@@ -125,7 +116,7 @@ def test_a_model_of_no_family_trains_with_all_linear_only(comfyui):
     model = _models()["sd15"].model
     blocks = ["input_blocks.1"]
     with pytest.raises(ValueError, match=r"this model has no LoRA target preset \(presets: sd15, sd2, sdxl, sd3, "
-                                         r"flux, flux2, chroma, zimage, qwen_image, hidream\); "
+                                         r"flux, flux2, chroma, zimage, qwen_image, hidream, hunyuan_image\); "
                                          "set targets to 'all_linear'"):
         families.lora_targets(model.diffusion_model, None, AdapterConfig(), blocks)
     assert families.lora_targets(model.diffusion_model, None, AdapterConfig(targets="all_linear"), blocks)
@@ -279,8 +270,7 @@ def test_text_of_different_lengths_trains_in_groups_as_comfyui_samples_it(comfyu
 
 
 def test_hidream_trains_through_the_denoiser_with_its_four_encoder_conditioning(comfyui):
-    """HiDream's diffusion model (no tiny text encoder here: nodes/families/hidream.py) through the trainer's denoiser:
-    conditioning of the shapes its text encoder caches (T5 [128, d], CLIP-L + CLIP-G pooled, `conditioning_llama3` one
+    """HiDream's diffusion model through the trainer's denoiser: conditioning of the shapes its text encoder caches (T5 [128, d], CLIP-L + CLIP-G pooled, `conditioning_llama3` one
     hidden state per Llama layer), a preset LoRA attached, a backward that reaches every adapter layer; its flow
     objective from ComfyUI's model_sampling."""
     from headroom.nodes import families

@@ -45,7 +45,8 @@ def _patched_weights(lora_model) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("family,kind", [("sd15", "lora"), ("sd15", "loha"), ("sd15", "dora"), ("sd15", "oft"),
                                          ("sd3", "lora"), ("flux", "lora"), ("flux", "lokr"), ("zimage", "lora"),
-                                         ("qwen_image", "lora"), ("sd2", "lora"), ("sdxl", "lora"), ("chroma", "lora")])
+                                         ("qwen_image", "lora"), ("sd2", "lora"), ("sdxl", "lora"), ("chroma", "lora"),
+                                         ("hidream", "lora"), ("hunyuan_image", "lora")])
 def test_kohya_file_is_the_same_lora_for_the_stock_loader(comfyui, family, kind, caplog):
     import nodes
 
@@ -62,7 +63,8 @@ def test_kohya_file_is_the_same_lora_for_the_stock_loader(comfyui, family, kind,
     assert metadata["ss_steps"] == "2" and metadata["ss_resolution"] == "(32, 32)"
     assert metadata["ss_base_model_version"] == {"sd15": "sd_v1", "sd3": "sd3", "flux": "flux1", "zimage": "z_image",
                                                  "qwen_image": "qwen_image", "sd2": "sd_v2_v", "sdxl": "sdxl_base_v1-0",
-                                                 "chroma": "chroma"}[family]
+                                                 "chroma": "chroma", "hidream": "hidream_i1",
+                                                 "hunyuan_image": "hunyuan_image_2_1"}[family]
     if family == "sd2":  # the tiny SD2 is v-prediction (SD2.1-768-v): what sd-scripts writes with --v2 --v_parameterization
         assert (metadata["ss_v2"], metadata["modelspec.architecture"]) == ("True", "stable-diffusion-v2-768-v/lora")
     assert metadata["ss_network_module"] == ("networks.lora" if kind == "lora" else "lycoris.kohya")
@@ -254,7 +256,8 @@ def _diffusers_file_checks(name: str, component: str, layer_count: int, rank: in
 @pytest.mark.parametrize("family,targets", [("sd15", {}), ("sd3", {}), ("flux", {}), ("flux2", {}), ("sd2", {}), ("chroma", {}),
                                             ("sd15", {"targets": "all_linear", "include_conv": True}),
                                             ("sd3", {"targets": "all_linear"}), ("flux", {"targets": "all_linear"}),
-                                            ("zimage", {}), ("qwen_image", {})])
+                                            ("zimage", {}), ("qwen_image", {}),
+                                            ("hidream", {})])
 def test_diffusers_file_is_the_same_lora_for_the_stock_loader(comfyui, family, targets, caplog):
     from headroom.nodes import lora_formats
 
@@ -271,8 +274,9 @@ def test_diffusers_file_is_the_same_lora_for_the_stock_loader(comfyui, family, t
         assert "transformer.layers.0.attention.to_q.lora_A.weight" in keys
         assert "transformer.layers.0.attention.to_out.0.lora_B.weight" in keys
         assert layer_count > len(run.adapters.layers)
-    elif family == "qwen_image":  # ComfyUI's module paths are diffusers' QwenImageTransformer2DModel names
-        assert "transformer.transformer_blocks.0.img_mlp.net.0.proj.lora_A.weight" in keys
+    elif family in ("qwen_image", "hidream"):  # ComfyUI's module paths are diffusers' transformer class's names
+        assert ("transformer.transformer_blocks.0.img_mlp.net.0.proj.lora_A.weight" in keys if family == "qwen_image"
+                else "transformer.double_stream_blocks.0.block.attn1.to_q.lora_A.weight" in keys)
         assert layer_count == len(run.adapters.layers)
     else:  # PEFT names; the fused qkv weights are split into diffusers' separate layers
         assert any(k.endswith("transformer_blocks.0.attn.to_q.lora_A.weight") for k in keys)
@@ -297,6 +301,18 @@ def test_diffusers_format_refuses_other_kinds_naming_the_formats_that_carry_them
                                              r"format .*save it in the comfyui or kohya format"):
             T.HeadroomSaveLora.execute(run, "formats", f"refused_{kind}", "fp32", "diffusers")
         assert not any(f"refused_{kind}" in k for k in _lora_names())
+
+
+def test_diffusers_format_refuses_a_family_comfyui_maps_no_diffusers_names_for(comfyui):
+    """HunyuanImage 2.1: ComfyUI's LoRA key map has no diffusers names for it, so no file the stock loader reads."""
+    from headroom.nodes import train_lora as T
+
+    model, clip, vae, latents, texts = _data("hunyuan_image")
+    run = _init(model, latents, texts, "formats_diffusers_hunyuan_image", rank=4)
+    with pytest.raises(ValueError, match=r"the diffusers format covers sd15, .*qwen_image, hidream models, not family "
+                                         r"hunyuan_image .*save in the comfyui or kohya format"):
+        T.HeadroomSaveLora.execute(run, "formats", "refused_hunyuan_image", "fp32", "diffusers")
+    assert not any("refused_hunyuan_image" in k for k in _lora_names())
 
 
 def _lora_names() -> list[str]:

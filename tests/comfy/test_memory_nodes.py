@@ -7,7 +7,7 @@ import pytest
 import torch
 
 pytestmark = pytest.mark.comfyui
-FAMILIES = ["sd15", "sd2", "sdxl", "sd3", "flux", "flux2", "chroma", "zimage", "qwen_image"]
+FAMILIES = ["sd15", "sd2", "sdxl", "sd3", "flux", "flux2", "chroma", "zimage", "qwen_image", "hidream", "hunyuan_image"]
 
 
 def _policy(**overrides):

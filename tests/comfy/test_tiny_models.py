@@ -4,7 +4,8 @@ import torch
 
 pytestmark = pytest.mark.comfyui
 
-FAMILIES = ["sd15", "sd2", "sdxl", "sd3", "flux", "flux2", "chroma", "zimage", "qwen_image"]
+FAMILIES = ["sd15", "sd2", "sdxl", "sd3", "flux", "flux2", "chroma", "zimage", "qwen_image", "hidream",
+            "hunyuan_image"]
 
 
 def _weights(patcher):
@@ -24,7 +25,8 @@ def test_tiny_family_samples_with_stock_nodes(comfyui, family):
     expected_base = {"sd15": comfy.model_base.BaseModel, "sd2": comfy.model_base.BaseModel, "sdxl": comfy.model_base.SDXL,
                      "sd3": comfy.model_base.SD3, "flux": comfy.model_base.Flux, "flux2": comfy.model_base.Flux2,
                      "chroma": comfy.model_base.Chroma, "zimage": comfy.model_base.Lumina2,
-                     "qwen_image": comfy.model_base.QwenImage}
+                     "qwen_image": comfy.model_base.QwenImage, "hidream": comfy.model_base.HiDream,
+                     "hunyuan_image": comfy.model_base.HunyuanImage21}
     assert type(model.model) is expected_base[family]
     n_params = sum(p.numel() for p in model.model.diffusion_model.parameters())
     assert 10_000 < n_params < 10_000_000  # zimage: 8.6 M (Z-Image modulation needs width >= 256; see zimage.py)
@@ -49,7 +51,8 @@ def test_tiny_family_samples_with_stock_nodes(comfyui, family):
     assert torch.isfinite(positive[0][0]).all()
     # The LLM text encoders (Flux.2 Klein's Qwen3, Z-Image's Qwen3, Qwen-Image's Qwen2.5-VL) and Chroma's T5-only
     # encoder have no pooled vector.
-    assert (positive[0][1].get("pooled_output") is not None) == (family not in ("flux2", "chroma", "zimage", "qwen_image"))
+    assert (positive[0][1].get("pooled_output") is not None) == (family not in ("flux2", "chroma", "zimage", "qwen_image",
+                                                                                "hunyuan_image"))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -61,6 +64,25 @@ def test_tiny_weights_are_seeded(comfyui, family):
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert any(not torch.equal(a[k], c[k]) for k in a)
     assert all(torch.isfinite(v).all() for v in a.values())
+
+
+def test_tiny_hidream_tokenizer_is_llama3s_layout_on_a_character_vocabulary(comfyui):
+    """HiDream's Llama tokenizer (ComfyUI's ships without its vocabulary file): <|begin_of_text|> first, one token per
+    character (a word boundary is one more), padded to 128 with <|eot_id|> as ComfyUI's HiDreamTokenizer pads; CLIP /
+    T5 are ComfyUI's shipped ones."""
+    from headroom.nodes.tiny_models import build_tiny_clip
+
+    clip = build_tiny_clip("hidream", 0)
+    tokens = clip.tokenize("a red circle")
+    llama = [token for token, _ in tokens["llama"][0]]
+    text_tokens = 1 + len("a red circle") + 1  # "▁a▁red▁circle" + <|begin_of_text|>
+    assert llama[0] == 128000 and len(llama) == 128 and llama[text_tokens:] == [128009] * (128 - text_tokens)
+    assert clip.tokenizer.llama.tokenizer.decode(llama[1:text_tokens]) == "a red circle"
+    assert len(tokens["t5xxl"][0]) == 128 and len(tokens["l"][0]) == len(tokens["g"][0]) == 77
+    with torch.inference_mode():
+        cond, extras = clip.encode_from_tokens_scheduled(tokens)[0]
+    # T5's 128 tokens; every Llama layer's hidden states (ComfyUI drops the embedding output) over its 128 tokens
+    assert cond.shape == (1, 128, 32) and extras["conditioning_llama3"].shape == (1, 2, 128, 32)
 
 
 def test_deep_clone_goes_through_cached_patcher_init(comfyui):
@@ -112,10 +134,10 @@ def test_tiny_model_node_schema(headroom_nodes):
     assert tuple(families) == tuple(FAMILIES)
 
 
-@pytest.mark.parametrize("family", ["sd15", "flux2"])
+@pytest.mark.parametrize("family", ["sd15", "flux2", "hunyuan_image"])
 def test_training_conds_give_the_image_size_of_the_models_latent_format(comfyui, family):
     """The trainer calls the model's own extra_conds with the image size its latents stand for (8x; Flux.2: 16x),
-    as the samplers do."""
+    as the samplers do (HunyuanImage 2.1: 32x)."""
     from headroom.nodes.comfy_model import ComfyDenoiser
     from headroom.nodes.tiny_models import build_tiny_models
 
@@ -137,7 +159,7 @@ def test_training_conds_give_the_image_size_of_the_models_latent_format(comfyui,
         denoiser._model_conds(x_t, [cond])
     finally:
         del model.model.extra_conds
-    downscale = {"sd15": 8, "flux2": 16}[family]
+    downscale = {"sd15": 8, "flux2": 16, "hunyuan_image": 32}[family]
     assert seen == [(5 * downscale, 3 * downscale)]
 
 

@@ -220,6 +220,8 @@ KEY_CASES = [
     ("sd21_768_v", [], "sd2", 865_910_724),
     ("sdxl", ["--meta-only"], "sdxl", None),
     ("hidream_i1", ["--depth", "1,1"], "hidream", 793_443_904),  # 2560 wide, 1 + 1 blocks (17.1 B at full depth)
+    # 3584 wide, 1 + 1 blocks (17.4 B at full depth); comfyui and kohya formats (ComfyUI maps no diffusers names)
+    ("hunyuan_image_21", ["--depth", "1,1"], "hunyuan_image", 1_121_819_328),
 ]
 
 

@@ -268,6 +268,44 @@ def test_editing_one_caption_reencodes_only_that_text(tmp_path):
         text.conditioning(text_key("never cached"))
 
 
+def test_captions_encoded_with_their_reference_images_are_cached_per_item(tmp_path):
+    """Qwen-Image-Edit's text path: one entry per (caption, reference image), found through each latent item's
+    reference key; the same caption with another reference is another entry; a second run encodes nothing; the empty
+    prompt stays text only."""
+    from headroom.training.data.cache_store import item_conditioning
+
+    write_folder(tmp_path / "data", count=4, controls=tmp_path / "controls")
+    for i in range(4):  # one instruction for every item: only the reference tells them apart
+        (tmp_path / "data" / f"img{i}.txt").write_text("make it red")
+    dataset = folder_dataset(tmp_path / "data", control_folder=tmp_path / "controls")
+    calls = []
+
+    def with_reference(text, image):
+        calls.append(text)
+        return {"cross_attn": torch.cat([CountingTextEncoder()(text)["cross_attn"], image.mean().reshape(1, 1).expand(1, 8)])}
+
+    def run(encoder):
+        return cache_text([i.caption for i in dataset.items], ShardStore(tmp_path / "text"), encoder, "fp-te", {},
+                          references=[i.control for i in dataset.items], encode_with_reference=with_reference,
+                          reference_encoding="TextEncodeQwenImageEdit")
+
+    text, report = run(CountingTextEncoder())
+    latents = run_latents(dataset, tmp_path / "latents", control_encoding="latents")[0]
+    assert text.per_reference and report.misses == 5 and calls == ["make it red"] * 4
+    conds = [item_conditioning(text, latents, i)["cross_attn"] for i in range(4)]
+    assert all(c.shape == (6, 8) for c in conds) and len({c[-1, 0].item() for c in conds}) == 4
+    assert torch.equal(text.empty_conditioning()["cross_attn"], CountingTextEncoder()("")["cross_attn"])
+    calls.clear()
+    again, report = run(CountingTextEncoder())
+    assert calls == [] and report.hits == 5
+    plain = cache_text([i.caption for i in dataset.items], ShardStore(tmp_path / "text"), CountingTextEncoder(),
+                       "fp-te", {})[0]
+    assert not plain.per_reference and item_conditioning(plain, latents, 0)["cross_attn"].shape == (5, 8)
+    with pytest.raises(DatasetError, match="needs a control image for every item"):
+        cache_text(["a"], ShardStore(tmp_path / "text"), CountingTextEncoder(), "fp-te", {}, references=[None],
+                   encode_with_reference=with_reference, reference_encoding="TextEncodeQwenImageEdit")
+
+
 def _shard_files(root):
     return sorted((Path(root) / "shards").glob("*.safetensors"))
 

@@ -24,7 +24,7 @@ from typing import Callable, Protocol, Sequence
 import torch
 
 from .. import public_module
-from ..data.cache_store import bucket_batches
+from ..data.cache_store import bucket_batches, item_conditioning
 from ..checks import check_finite
 from .objective import Objective, ObjectiveConfig, SamplingDescriptor, step_seed
 from ..memory.optimizer_parking import HostOptimizer, parked
@@ -248,7 +248,7 @@ class Trainer:
             if dropout is not None and dropout[n]:
                 conds.append(text_cache.empty_conditioning())
             else:
-                conds.append(text_cache.conditioning(latent_cache.text_key(i)))
+                conds.append(item_conditioning(text_cache, latent_cache, i))
             if self.item_extras is not None and (source is None or source is self._batches):
                 conds[-1] = {**conds[-1], **self.item_extras(i)}
         return conds

@@ -43,7 +43,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Mapping
+from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -87,6 +87,19 @@ def entry_key(fields: Mapping) -> str:
 def text_key(caption: str) -> str:
     """The id a LatentCache item uses to find its caption's conditioning in a TextCache."""
     return hashlib.sha256(caption.encode("utf-8")).hexdigest()
+
+
+def reference_text_key(caption: str, reference_digest: str) -> str:
+    """The id of a caption encoded together with a reference image (Qwen-Image-Edit's text path): one per item."""
+    return text_key(f"{caption}\x00reference:{reference_digest}")
+
+
+def item_conditioning(text_cache, latent_cache, index: int) -> dict[str, torch.Tensor]:
+    """Item `index`'s cached conditioning: its caption's, or, where the text cache encoded each caption with its
+    item's reference image (`per_reference`), that item's own."""
+    if getattr(text_cache, "per_reference", False):
+        return text_cache.conditioning(latent_cache.reference_text_key(index))
+    return text_cache.conditioning(latent_cache.text_key(index))
 
 
 HASH_CHUNK_BYTES = 64 << 20  # a strided or expanded tensor is hashed through contiguous pieces of at most this
@@ -481,9 +494,10 @@ class LatentCache:
     dimension removed: [C, h, w] (or [C, t, h, w] for a video VAE).
     """
 
-    def __init__(self, root: Path, items: list[tuple[str, str, tuple[int, int], str, bool, str]],
+    def __init__(self, root: Path, items: list[tuple[str, str, tuple[int, int], str, bool, str, str | None]],
                  fingerprint: str, latent_channels: int, control_kind: str | None, masked: list[bool] | None = None):
-        # items: (entry key, shard file, bucket (w, h), text key, has control, display name)
+        # items: (entry key, shard file, bucket (w, h), text key, has control, display name, text key with the
+        # control image as reference or None)
         self.root = Path(root)
         self.fingerprint = fingerprint
         self.memory_phases: list[dict] = []  # how building it went (memory_stats.PhaseRecorder records)
@@ -506,7 +520,7 @@ class LatentCache:
 
     def control(self, index: int) -> torch.Tensor | None:
         """Control image pixels [H, W, 3] 0..1 at the bucket size, or its latents; None without control."""
-        key, shard, _, _, has_control, _ = self._items[index]
+        key, shard, has_control = self._items[index][0], self._items[index][1], self._items[index][4]
         return self._reader.get(shard, f"{key}/control") if has_control else None
 
     def has_control(self, index: int) -> bool:
@@ -523,6 +537,14 @@ class LatentCache:
 
     def text_key(self, index: int) -> str:
         return self._items[index][3]
+
+    def reference_text_key(self, index: int) -> str:
+        """The key of item `index`'s caption encoded with its control image as reference (a TextCache made with
+        references); a KeyError naming the item when it has no control image."""
+        key = self._items[index][6]
+        if key is None:
+            raise KeyError(f"{self.name(index)} has no control image to encode its caption with")
+        return key
 
     def bucket(self, index: int) -> tuple[int, int]:
         return self._items[index][2]
@@ -543,10 +565,14 @@ class TextCache:
     """
 
     def __init__(self, root: Path, entries: dict[str, tuple[str, str, tuple[str, ...]]], empty_key: str,
-                 fingerprint: str):
+                 fingerprint: str, reference_encoding: str | None = None):
         # entries: text key -> (entry key, shard file, tensor names)
         self.root = Path(root)
         self.fingerprint = fingerprint
+        # The stock node whose encoding of a caption with a reference image this cache holds, per item
+        # (Qwen-Image-Edit's TextEncodeQwenImageEdit); None: per caption, as CLIPTextEncode.
+        self.reference_encoding = reference_encoding
+        self.per_reference = reference_encoding is not None
         self.memory_phases: list[dict] = []  # how building it went (memory_stats.PhaseRecorder records)
         self._entries = entries
         self._empty_key = empty_key
@@ -633,6 +659,7 @@ class _PlannedLatent:
     plan: CropPlan
     text_key: str
     reduce: int  # the image is decoded reduced by this factor (dataset.reduce_factor)
+    reference_text_key: str | None = None  # the caption with the control image as its reference
 
 
 def cache_latents(
@@ -687,7 +714,8 @@ def cache_latents(
                 **({"decode_reduce": reduce} if reduce > 1 else {}),  # keys of images decoded whole are unchanged
                 **({"mask": mask_digest} if mask_digest else {}),  # keys of items without a mask are unchanged
             })
-            planned.append(_PlannedLatent(index, key, plan, text_key(item.caption), reduce))
+            planned.append(_PlannedLatent(index, key, plan, text_key(item.caption), reduce,
+                                          reference_text_key(item.caption, control_digest) if control_digest else None))
 
     odd = sorted({p.plan.bucket for p in planned if p.plan.bucket[0] % downscale or p.plan.bucket[1] % downscale})
     if odd:
@@ -744,7 +772,7 @@ def cache_latents(
     entries = store.entries
     items = [
         (p.key, entries[p.key]["shard"], p.plan.bucket, p.text_key, "control" in entries[p.key]["tensors"],
-         dataset.items[p.item_index].name)
+         dataset.items[p.item_index].name, p.reference_text_key)
         for p in kept
     ]
     cache = LatentCache(store.root, items, fingerprint, latent_channels=0,
@@ -790,19 +818,30 @@ def cache_text(
     *,
     progress: Callable[[int, int], None] = _no_progress,
     check_interrupt: Callable[[], None] = _no_interrupt,
+    references: Sequence | None = None,
+    encode_with_reference: Callable[[str, torch.Tensor], Mapping[str, torch.Tensor]] | None = None,
+    reference_encoding: str | None = None,
 ) -> tuple[TextCache, CacheReport]:
     """Encode every distinct caption, and the empty prompt, that is not cached yet.
 
-    `encode(text) -> {"cross_attn": [T, D], extra name: tensor, ...}` is called only for misses.
+    `encode(text) -> {"cross_attn": [T, D], extra name: tensor, ...}` is called only for misses. With `references`
+    (one image source per caption: each item's control image), every caption is encoded with its reference as
+    `encode_with_reference(text, pixels [H, W, 3])` and cached per (caption, reference), found by
+    `reference_text_key`; `reference_encoding` names how (the stock node), and the empty prompt stays text only.
     """
     started = time.monotonic()
     report = CacheReport(kind="text")
+    captions = list(captions)
     prompts = list(dict.fromkeys(["", *captions]))  # distinct, in order; "" for caption dropout
     keys = {
         prompt: entry_key({"kind": "text", "encoder": fingerprint, "options": dict(encoder_options),
                            "caption": prompt})
         for prompt in prompts
     }
+    if references is not None:
+        return _cache_text_with_references(captions, references, store, encode, encode_with_reference, fingerprint,
+                                           encoder_options, keys[""], reference_encoding, report, started, progress,
+                                           check_interrupt)
     good, problems = store.verify(keys.values())
     report.warnings += store.warnings + problems
     misses = [prompt for prompt in prompts if keys[prompt] not in good]
@@ -830,5 +869,51 @@ def cache_text(
     )
     report.items = len(prompts)
     report.bytes_total = sum(entries[keys[prompt]]["bytes"] for prompt in prompts)
+    report.seconds = time.monotonic() - started
+    return cache, report
+
+
+def _cache_text_with_references(captions, references, store, encode, encode_with_reference, fingerprint,
+                                encoder_options, empty_entry, reference_encoding, report, started, progress,
+                                check_interrupt) -> tuple[TextCache, CacheReport]:
+    """cache_text's per-item path: (caption, reference image) pairs keyed by the reference image's content."""
+    if len(references) != len(captions) or any(source is None for source in references):
+        raise DatasetError("encoding captions with reference images needs a control image for every item; give the "
+                           "dataset one (Dataset from Images' control_images, Dataset from Folder's control_folder)")
+    pairs: dict[str, tuple[str, object, str]] = {}  # text key -> (caption, image source, entry key)
+    for caption, source in zip(captions, references):
+        digest = source.digest()
+        pairs.setdefault(reference_text_key(caption, digest), (caption, source, entry_key({
+            "kind": "text", "encoder": fingerprint, "options": dict(encoder_options), "caption": caption,
+            "reference": digest, "reference_encoding": reference_encoding})))
+    wanted = [empty_entry, *(entry for _, _, entry in pairs.values())]
+    good, problems = store.verify(wanted)
+    report.warnings += store.warnings + problems
+    misses = [key for key in [None, *pairs] if (empty_entry if key is None else pairs[key][2]) not in good]
+    report.hits, report.misses = len(wanted) - len(misses), len(misses)
+    progress(report.hits, len(wanted))
+    if misses:
+        store.check_writable()
+        with store.writer() as writer:
+            for done, key in enumerate(misses, start=1):
+                check_interrupt()
+                if key is None:
+                    tensors, entry = dict(encode("")), empty_entry
+                else:
+                    caption, source, entry = pairs[key]
+                    tensors = dict(encode_with_reference(caption, source.load()))
+                if "cross_attn" not in tensors:
+                    raise ValueError("the text encoder gave no 'cross_attn' tensor")
+                writer.add(entry, tensors)
+                progress(report.hits + done, len(wanted))
+        report.bytes_written = writer.bytes_written
+    entries = store.entries
+    table = {key: (entry, entries[entry]["shard"], tuple(entries[entry]["tensors"]))
+             for key, (_, _, entry) in pairs.items()}
+    table[text_key("")] = (empty_entry, entries[empty_entry]["shard"], tuple(entries[empty_entry]["tensors"]))
+    cache = TextCache(store.root, table, empty_key=text_key(""), fingerprint=fingerprint,
+                      reference_encoding=reference_encoding)
+    report.items = len(wanted)
+    report.bytes_total = sum(entries[entry]["bytes"] for entry in wanted)
     report.seconds = time.monotonic() - started
     return cache, report
