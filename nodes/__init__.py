@@ -6,7 +6,8 @@ from typing_extensions import override
 
 from comfy_api.latest import ComfyExtension, io
 
-from . import cache, data, memory, monitor, tiny_models, train_controlnet, train_lora
+from . import cache, data, memory, monitor, train_controlnet, train_lora
+from .bridge import tiny_models
 
 _NODE_MODULES = [tiny_models, data, cache, train_lora, train_controlnet, memory, monitor]
 

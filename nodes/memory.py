@@ -25,7 +25,7 @@ from ..training.core.optimizers import OPTIMIZERS
 from ..training.memory.policy import GIB, NodeInput, OffloadPolicy, PolicyError
 from ..training.core.trainer import PRECISIONS, auto_precision
 from .io_types import OffloadPolicyType
-from .planning import available_device_bytes, budget_bytes, describe_comfy_model, lora_target_paths
+from .bridge.planning import available_device_bytes, budget_bytes, describe_comfy_model, lora_target_paths
 
 CATEGORY = "Headroom/memory"
 MODES = ("estimate", "auto")

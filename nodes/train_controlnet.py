@@ -14,15 +14,15 @@ from ..training.checks import check_finite
 from ..training.data.files import prune_temp
 from ..training.core.optimizers import OptimizerConfig
 from ..training.core.run_dir import RunFolderError, check_name, check_subfolder
-from .comfy_bridge import TrainingRun, check_run_kind
-from .comfy_model import check_caches
-from .controlnet_build import check_control_cache, controlnet_type_name
-from .families import CONTROLNET_TYPES
+from .bridge.comfy_bridge import TrainingRun, check_run_kind
+from .bridge.comfy_model import check_caches
+from .bridge.controlnet_build import check_control_cache, controlnet_type_name
+from .bridge.families import CONTROLNET_TYPES
 from .inputs import (DEFAULT_CHECKPOINT_MINUTES, added_train_inputs, checkpoint_inputs, model_and_caches,
                      optimizer_config_input, policy_input, run_name_input, schedule_inputs, training_settings,
                      validation_inputs, weights_input)
 from .io_types import TrainingRunType
-from .run_controlnet import ControlNetRunConfig, open_controlnet_run
+from .bridge.run_controlnet import ControlNetRunConfig, open_controlnet_run
 from .train_lora import (CATEGORY, SAVED_KEY, listed_name, models_file, resolve_policy, run_fingerprint, runs_root,
                          saved_file, train_config, train_validate_save)
 

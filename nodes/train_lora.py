@@ -31,17 +31,17 @@ from ..training.core.optimizers import OPTIMIZERS, SCHEDULES, MissingPackageErro
 from ..training.memory.policy import OffloadPolicy, PolicyError, run_policy
 from ..training.core.run_dir import RunDir, RunFolderError, check_name, check_subfolder
 from ..training.core.trainer import PRECISIONS, TrainConfig, auto_precision
-from . import lora_formats
+from .bridge import lora_formats
 from .cache import unload_encoder
-from .comfy_bridge import TrainingRun, VALIDATE_EVENT, check_run_kind, run_generation, send_event
-from .comfy_model import REFERENCE_LATENTS, check_caches, check_reference_cache, model_family, reference_inputs
+from .bridge.comfy_bridge import TrainingRun, VALIDATE_EVENT, check_run_kind, run_generation, send_event
+from .bridge.comfy_model import REFERENCE_LATENTS, check_caches, check_reference_cache, model_family, reference_inputs
 from .inputs import (DEFAULT_CHECKPOINT_MINUTES, added_train_inputs, checkpoint_inputs, compare_base_input,
                      lora_config_input, model_and_caches, optimizer_config_input, policy_input, prior_inputs,
                      reference_images_input, reference_input, run_name_input, schedule_inputs, training_settings,
                      validation_inputs, validation_names, weights_input)
 from .io_types import LoraConfigType, OptimizerConfigType, TrainingRunType
-from .planning import budget_bytes
-from .run_lora import REFERENCES, SAVE_DTYPES, LoraRunConfig, open_lora_run
+from .bridge.planning import budget_bytes
+from .bridge.run_lora import REFERENCES, SAVE_DTYPES, LoraRunConfig, open_lora_run
 
 CATEGORY = "Headroom/training"
 HISTORY_KEY = "headroom_history"  # the training nodes' UI output js/headroom_live.js redraws the chart from

@@ -59,7 +59,7 @@ def setup(base: str) -> None:
 
     import headroom.nodes  # noqa: F401  (registers the cache folder)
     from headroom.nodes import data as data_nodes
-    from headroom.nodes.tiny_models import build_tiny_models
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
     from test_train_lora_nodes import _data
 
     torch.set_num_threads(1)
@@ -104,7 +104,7 @@ def job_cache(args: dict, log) -> None:
 def job_train(args: dict, log) -> None:
     import torch
 
-    from headroom.nodes import comfy_bridge
+    from headroom.nodes.bridge import comfy_bridge
     from headroom.nodes import train_lora as T
     from test_train_lora_nodes import _init
 

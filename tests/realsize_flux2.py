@@ -81,7 +81,7 @@ def _write(name: str, state: dict, metadata: dict) -> str:
 def _full_depth_files(arch: str, patcher, dm, targets: list[str]) -> dict:
     """Headroom's adapter on every target of the full-depth meta model, saved in each format, through the stock
     loader on that model."""
-    from headroom.nodes import lora_formats
+    from headroom.nodes.bridge import lora_formats
     from headroom.training.core.adapters import AdapterConfig, AdapterSet
 
     adapters = AdapterSet(dm, targets, AdapterConfig(kind="lora", rank=1, alpha=1.0))
@@ -113,8 +113,8 @@ def full_depth(arch: str) -> tuple[object, dict]:
     import comfy.model_detection
     import comfy.supported_models
     import realsize_models as R
-    from headroom.nodes import families, lora_formats
-    from headroom.nodes.comfy_model import training_blocks
+    from headroom.nodes.bridge import families, lora_formats
+    from headroom.nodes.bridge.comfy_model import training_blocks
     from headroom.training.core.adapters import AdapterConfig
 
     ours = R.unet_config(arch)

@@ -310,7 +310,7 @@ def main(argv=None) -> None:
     torch.manual_seed(args.seed)
     _import_comfyui_and_headroom()
     import safetensors.torch
-    from headroom.nodes.tiny_models import build_tiny_models
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
 
     start = time.monotonic()
     with torch.inference_mode(False):

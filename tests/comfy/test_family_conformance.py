@@ -28,7 +28,7 @@ TINY_FAMILIES = _tiny_families()
 
 
 def _tiny(family):
-    from headroom.nodes.tiny_models import build_tiny_models
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
 
     with torch.inference_mode():
         model, clip, vae = build_tiny_models(family, 0)
@@ -38,14 +38,14 @@ def _tiny(family):
 def _overfit_targets(family: str) -> tuple[str, bool]:
     """UNet families train their preset with convolutions; the tiny DiTs' random frozen embedders and output layers
     are not the near-identity paths of trained models, so those train every layer."""
-    from headroom.nodes import families
+    from headroom.nodes.bridge import families
 
     preset = families.get(family).lora_preset
     return ("preset", True) if preset.conv is not None else ("all_layers", False)
 
 
 def test_every_registry_family_is_listed_here(comfyui):
-    from headroom.nodes import families, tiny_models
+    from headroom.nodes.bridge import families, tiny_models
 
     assert list(tiny_models.FAMILIES) == [name for name in families.FAMILIES if name in TINY_FAMILIES]
 

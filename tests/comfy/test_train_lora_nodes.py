@@ -27,7 +27,7 @@ def _base_weights(model):
 def _data(family, count=4, resolution=32, seed=0):
     """(model, clip, vae, latent_cache, text_cache) through the real dataset and caching nodes."""
     from headroom.nodes import cache as cache_nodes, data as data_nodes
-    from headroom.nodes.tiny_models import build_tiny_models
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
 
     with torch.inference_mode():  # as ComfyUI runs nodes
         model, clip, vae = build_tiny_models(family, 0)
@@ -99,7 +99,7 @@ def test_overfit_four_images(comfyui, family):
 
 def test_resume_after_restart_equals_straight_run(comfyui):
     from headroom.nodes import train_lora as T
-    from headroom.nodes.tiny_models import build_tiny_models
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
 
     model, clip, vae, latents, texts = _data("sd15")
     common = dict(rank=4, lr=5e-3, caption_dropout=0.25, timestep_sampling="logit_normal", noise_offset=0.05,

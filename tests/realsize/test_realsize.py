@@ -182,8 +182,8 @@ def test_preset_key_names_hold_at_full_depth(comfyui, arch):
     import comfy.model_detection
 
     import realsize_models as R
-    from headroom.nodes import families, lora_formats
-    from headroom.nodes.comfy_model import model_blocks
+    from headroom.nodes.bridge import families, lora_formats
+    from headroom.nodes.bridge.comfy_model import model_blocks
     from headroom.training.core.adapters import AdapterConfig
 
     family, per_block = FULL_DEPTH[arch]

@@ -64,8 +64,8 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_no_import_cycle():
     graph = import_graph()
-    assert {"nodes.comfy_bridge", "nodes.planning", "nodes.comfy_model", "nodes.families"} <= set(graph)
-    assert "nodes.planning" in graph["nodes.comfy_bridge"]  # resolved, not skipped
+    assert {"nodes.bridge.comfy_bridge", "nodes.bridge.planning", "nodes.bridge.comfy_model", "nodes.bridge.families"} <= set(graph)
+    assert "nodes.bridge.planning" in graph["nodes.bridge.comfy_bridge"]  # resolved, not skipped
     cycle = _cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 

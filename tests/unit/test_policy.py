@@ -119,7 +119,7 @@ def test_exception_types_carry_a_clean_module_name():
     from headroom.training.core.trainer import NonFiniteLossError
 
     assert public_module("/home/me/ComfyUI/custom_nodes/comfyui-headroom.training.data.dataset") == "headroom.training.data.dataset"
-    assert public_module("comfyui_headroom.nodes.controlnet_build") == "headroom.nodes.controlnet_build"
+    assert public_module("comfyui_headroom.nodes.bridge.controlnet_build") == "headroom.nodes.bridge.controlnet_build"
     assert public_module("elsewhere") == "elsewhere"
     for error in (PolicyError, CacheStoreError, DatasetError, PhaseOutOfMemoryError, NonFiniteLossError):
         assert error.__module__.startswith("headroom.training.") and "/" not in error.__module__, error

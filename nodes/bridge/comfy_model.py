@@ -21,8 +21,8 @@ import comfy.model_sampling
 import comfy.samplers
 import comfy.utils
 
-from ..training.data.cache_store import fingerprint_state_dict, fingerprint_value
-from ..training.core.objective import SamplingDescriptor
+from ...training.data.cache_store import fingerprint_state_dict, fingerprint_value
+from ...training.core.objective import SamplingDescriptor
 from . import families
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-from ...training.core.adapters import AdapterConfig, TargetPreset, select_targets
+from ....training.core.adapters import AdapterConfig, TargetPreset, select_targets
 from .base import ControlNetError, ControlNetType, Family
 
 def _discover() -> dict[str, Family]:

@@ -32,7 +32,7 @@ FAMILIES = tuple(name for name, family in family_registry.FAMILIES.items() if fa
 WEIGHTS = ("random", "pretrained")
 # Pretrained weights shipped in the package (workflows/pretrain_tiny.py writes them): one checkpoint-style file
 # per family (model.diffusion_model. / cond_stage_model. / first_stage_model.), fp16.
-WEIGHTS_DIR = pathlib.Path(__file__).resolve().parent / "weights"
+WEIGHTS_DIR = pathlib.Path(__file__).resolve().parents[1] / "weights"
 PRETRAINED_FILES = {"sd15": WEIGHTS_DIR / "tiny_sd15_shapes.safetensors"}
 
 

@@ -10,10 +10,10 @@ import torch
 
 import comfy.model_management
 
-from ..training.memory import planner
-from ..training.core.adapters import AdapterConfig, AdapterSet
-from ..training.memory.policy import OffloadPolicy
-from ..training.core.trainer import PRECISIONS
+from ...training.memory import planner
+from ...training.core.adapters import AdapterConfig, AdapterSet
+from ...training.memory.policy import OffloadPolicy
+from ...training.core.trainer import PRECISIONS
 from . import families
 from .comfy_model import ComfyDenoiser, expected_cond_dims, model_blocks, replace_inference_tensors, training_blocks
 

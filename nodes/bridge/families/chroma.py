@@ -12,7 +12,7 @@ import comfy.supported_models
 import comfy.supported_models_base
 import comfy.text_encoders.pixart_t5
 
-from ...training.core.adapters import TargetPreset
+from ....training.core.adapters import TargetPreset
 from .base import TINY_T5, Family, TinyModel
 
 

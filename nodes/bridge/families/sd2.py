@@ -10,7 +10,7 @@ import comfy.model_base
 import comfy.model_sampling
 import comfy.supported_models
 
-from ...training.core.adapters import TargetPreset
+from ....training.core.adapters import TargetPreset
 from .base import TINY_CLIP_L, Family, TinyModel
 from .sd15 import CLDM, UNET_ATTENTION, UNET_CONV
 

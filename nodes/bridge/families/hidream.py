@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import comfy.model_base
 
-from ...training.core.adapters import TargetPreset
+from ....training.core.adapters import TargetPreset
 from .base import TINY_CLIP_G, TINY_CLIP_L, TINY_T5, Family
 
 # HiDream's head geometry (128 wide, RoPE axes [64, 32, 32], as comfy/model_detection.py fixes it) with one head; one

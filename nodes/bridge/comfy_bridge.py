@@ -28,15 +28,15 @@ import torch
 import comfy.model_management
 import comfy.utils
 
-from ..training.core.adapters import ADAPTER_LAYERS
-from ..training.memory.checkpointing import inplace_depth_problem
-from ..training.data.files import WriteError, open_regular
-from ..training.memory.lowbit import LowBitBase, LowBitLinear
-from ..training.memory.memory_stats import PhaseRecorder, process_rss_bytes
-from ..training.memory.oom import is_out_of_memory, out_of_memory
-from ..training.memory.policy import OffloadPolicy
-from ..training.core.run_dir import RunDir, RunFolderError
-from ..training.core.trainer import StepReport, Trainer
+from ...training.core.adapters import ADAPTER_LAYERS
+from ...training.memory.checkpointing import inplace_depth_problem
+from ...training.data.files import WriteError, open_regular
+from ...training.memory.lowbit import LowBitBase, LowBitLinear
+from ...training.memory.memory_stats import PhaseRecorder, process_rss_bytes
+from ...training.memory.oom import is_out_of_memory, out_of_memory
+from ...training.memory.policy import OffloadPolicy
+from ...training.core.run_dir import RunDir, RunFolderError
+from ...training.core.trainer import StepReport, Trainer
 from .comfy_model import base_fingerprint, data_fingerprint, model_blocks, replace_inference_tensors, training_blocks
 from .planning import next_plan_for
 

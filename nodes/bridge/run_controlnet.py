@@ -10,8 +10,8 @@ import dataclasses
 
 import torch
 
-from ..training.core.optimizers import OptimizerConfig
-from ..training.core.trainer import TrainConfig
+from ...training.core.optimizers import OptimizerConfig
+from ...training.core.trainer import TrainConfig
 from .comfy_bridge import TrainingRun, config_json
 from .comfy_model import ComfyDenoiser, model_blocks
 from .controlnet_build import (TrainableControlNet, apply_controlnet, build_controlnet, comfy_controlnet,

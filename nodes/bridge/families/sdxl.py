@@ -4,7 +4,7 @@ from __future__ import annotations
 import comfy.model_base
 import comfy.supported_models
 
-from ...training.core.adapters import TargetPreset
+from ....training.core.adapters import TargetPreset
 from .base import TINY_CLIP_G, TINY_CLIP_L, Family, TinyModel
 from .sd15 import CLDM, UNET_ATTENTION, UNET_CONV
 

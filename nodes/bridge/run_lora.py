@@ -20,10 +20,10 @@ import comfy.model_patcher
 import comfy.patcher_extension
 import comfy.utils
 
-from ..training.core.adapters import AdapterConfig, AdapterSet
-from ..training.data.files import save_safetensors
-from ..training.core.optimizers import OptimizerConfig
-from ..training.core.trainer import TrainConfig
+from ...training.core.adapters import AdapterConfig, AdapterSet
+from ...training.data.files import save_safetensors
+from ...training.core.optimizers import OptimizerConfig
+from ...training.core.trainer import TrainConfig
 from . import families, lora_formats
 from .comfy_bridge import TrainingRun, config_json
 from .comfy_model import REFERENCE_LATENTS, ComfyDenoiser, check_caches, data_fingerprint, model_blocks

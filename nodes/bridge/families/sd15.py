@@ -14,7 +14,7 @@ import comfy.model_detection
 import comfy.ldm.modules.diffusionmodules.openaimodel
 import comfy.supported_models
 
-from ...training.core.adapters import TargetPreset
+from ....training.core.adapters import TargetPreset
 from .base import (TINY_CLIP_L, ControlNetError, ControlNetType, ExportedControlNet, Family, TinyModel, differences,
                    effective)
 

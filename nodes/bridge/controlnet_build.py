@@ -40,7 +40,7 @@ import comfy.model_management
 import comfy.model_patcher
 import comfy.ops
 
-from ..training.data.files import save_safetensors
+from ...training.data.files import save_safetensors
 from . import families
 from .families import CONTROLNET_TYPES, ControlNetError, ControlNetType, controlnet_type_of
 from .families.base import ExportedControlNet
