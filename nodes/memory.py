@@ -1,4 +1,4 @@
-"""Offload policy and memory plan nodes (the ComfyUI side of describing a MODEL for the planner: nodes/planning.py).
+"""Offload policy and memory plan nodes (the ComfyUI side of describing a MODEL for the planner: nodes/bridge/planning.py).
 
 - HeadroomOffloadPolicy -> OFFLOAD_POLICY (training/memory/policy.py), consumed by the caching, training and
   validation nodes. Its inputs are the OffloadPolicy fields, each described by the NodeInput in its field's

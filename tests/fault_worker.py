@@ -77,7 +77,7 @@ def job_cache(args: dict, log) -> None:
     import folder_paths
     import torch
 
-    from headroom.nodes import cache as C
+    from headroom.nodes.bridge import cache_folders as C
     from headroom.training.data import cache_store
 
     cache_store.COMMIT_SECONDS = args["commit_seconds"]

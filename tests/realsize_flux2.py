@@ -144,6 +144,7 @@ def full_depth(arch: str) -> tuple[object, dict]:
 def reduced_depth(arch: str, depth, report: dict, size: int = 64, steps: int = 1) -> None:
     import realsize_models as R
     from headroom.nodes import cache as cache_nodes
+    from headroom.nodes.bridge.cache_folders import open_store
     from headroom.nodes import data as data_nodes
     from headroom.nodes import train_lora as T
     from headroom.training.data.cache_store import cache_text
@@ -174,7 +175,7 @@ def reduced_depth(arch: str, depth, report: dict, size: int = 64, steps: int = 1
             latents = cache_nodes.HeadroomCacheLatents.execute(dataset, vae).args[0]
         report["phases"].append(peak.record("caching latents"))
         report["latent_shape"] = list(latents.latent(0).shape)
-        texts, _ = cache_text(caption_text.splitlines(), cache_nodes._open_store("text"), encode,
+        texts, _ = cache_text(caption_text.splitlines(), open_store("text"), encode,
                               f"random-{arch}-{context}", {"tokens": spec["text_tokens"]})
         lora = T.HeadroomLoraConfig.execute("lora", 16, 16.0, "preset", False, 0.0, 0).args[0]
         optimizer = T.HeadroomOptimizerConfig.execute("AdamW", 1e-4, 0.0, "constant", 0, 100).args[0]

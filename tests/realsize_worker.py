@@ -331,7 +331,7 @@ def _oft_run(model, clip, latents, texts, case: str) -> dict:
 
 
 def replace_case(arch: str, depth) -> dict:
-    """nodes/comfy_model.replace_inference_tensors on a real-size model made under inference mode (as ComfyUI's
+    """nodes/bridge/comfy_model.replace_inference_tensors on a real-size model made under inference mode (as ComfyUI's
     loaders make it): peak RSS growth against the model's weight bytes."""
     setup()
     import realsize_models as R

@@ -10,7 +10,7 @@ A `TrainingRun` is composed of
   denoiser, and owns save / apply / sampling conditioning / metadata; the run owns what every run does (train to a
   step, events, failure handling, validation loss, history, weights).
 The offload policy is resolved once, when the run opens (training/memory/policy.run_policy), and every part reads
-`run.policy`. The MODEL as the engine sees it: nodes/comfy_model.py; the planner's description: nodes/planning.py.
+`run.policy`. The MODEL as the engine sees it: nodes/bridge/comfy_model.py; the planner's description: nodes/bridge/planning.py.
 """
 from __future__ import annotations
 
@@ -50,13 +50,18 @@ CONFIG_ADDED_LATER = {"session.train.objective.loss_type": "mse", "session.train
 # when a run opens, training/memory/policy.run_policy) and changes no weight, so a run resumes whatever it was.
 CONFIG_REMOVED_LATER = ("session.train.gradient_checkpointing", "session.train.checkpoint_depth")
 # Stored values an earlier version wrote for what is now named otherwise: an SD2 model's family was sd15 before
-# nodes/families/sd2.py, a Chroma model's flux before chroma.py; the presets train the same layers, so such runs resume.
+# nodes/bridge/families/sd2.py, a Chroma model's flux before chroma.py; the presets train the same layers, so such runs resume.
 CONFIG_RENAMED = {"session.family": {"sd2": "sd15", "chroma": "flux"}}
 # Which weights / Save use: auto = the EMA when the run keeps one (TrainingRun.weights).
 WEIGHT_CHOICES = ("auto", "trained", "ema")
 
 
 # --- progress and events ----------------------------------------------------------------------------------
+def node_id(node_cls) -> str | None:
+    """The id of the node executing now (its hidden unique_id), which events name so the editor finds the node."""
+    return getattr(node_cls.hidden, "unique_id", None) if getattr(node_cls, "hidden", None) is not None else None
+
+
 def send_event(event: str, data: dict) -> None:
     """A websocket event when a ComfyUI server is running in this process (nothing otherwise)."""
     server = sys.modules.get("server")

@@ -28,7 +28,7 @@ from . import families
 
 # --- what kind of model is this -------------------------------------------------------------------------
 def model_family(model: comfy.model_base.BaseModel) -> str | None:
-    """The family name of a ComfyUI model (nodes/families/), or None when no family recognises it."""
+    """The family name of a ComfyUI model (nodes/bridge/families/), or None when no family recognises it."""
     return families.family_name(model)
 
 

@@ -3,7 +3,7 @@ model described from its own modules and code (blocks and their weight bytes fro
 blocks the trainer checkpoints and streams; activations measured by running it at small calibration sizes,
 training/memory/planner.py; ComfyUI's own `memory_required` for the sampling working set and the VAE's
 `memory_used_encode/decode` for caching and decoding), and the next smaller policy after an out-of-memory error.
-Used by the memory nodes (nodes/memory.py) and the training run (nodes/comfy_bridge.py)."""
+Used by the memory nodes (nodes/memory.py) and the training run (nodes/bridge/comfy_bridge.py)."""
 from __future__ import annotations
 
 import torch
@@ -164,7 +164,7 @@ def lora_target_paths(patcher, adapter: AdapterConfig) -> list[str]:
 
 
 def next_plan_for(run) -> planner.Plan | None:
-    """After an out-of-memory error in a training run (nodes/comfy_bridge.py TrainingRun): the planner's
+    """After an out-of-memory error in a training run (nodes/bridge/comfy_bridge.py TrainingRun): the planner's
     next smaller policy for that run's model, trainable weights, batch, largest bucket and text length."""
     config = run.config
     adapter = getattr(config, "adapter", None) or AdapterConfig()  # ControlNet runs: activations as with a LoRA

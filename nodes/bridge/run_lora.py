@@ -1,5 +1,5 @@
 """What a LoRA run trains: adapters on a clone of the MODEL (`LoraTraining`, the strategy of a `TrainingRun` in
-nodes/comfy_bridge.py), and how it is saved, applied, sampled and described.
+nodes/bridge/comfy_bridge.py), and how it is saved, applied, sampled and described.
 
 Adapters go onto a *clone* of the MODEL through ModelPatcher injections: ComfyUI attaches them when it loads the
 clone and takes them off when it unloads it (or loads another clone of the same weights), so the module other nodes
@@ -229,7 +229,7 @@ class LoraTraining:
         }
 
     def save(self, run, path, dtype: str = "fp32", file_format: str = "comfyui", weights: str = "auto") -> None:
-        """Write the adapter to `path` (atomically) in `file_format`'s key names (nodes/lora_formats.py), of the
+        """Write the adapter to `path` (atomically) in `file_format`'s key names (nodes/bridge/lora_formats.py), of the
         trained weights or their EMA (`weights`), in `dtype`."""
         family, adapter = run.config.family, run.config.adapter
         if file_format == "diffusers":  # refused before any work

@@ -1,4 +1,4 @@
-"""The family registry (nodes/families/): one module per family, recognised from ComfyUI's own model classes exactly
+"""The family registry (nodes/bridge/families/): one module per family, recognised from ComfyUI's own model classes exactly
 as the scattered rules it replaced recognised them, with the names stored in run folders and files unchanged."""
 import pytest
 import torch
@@ -7,7 +7,7 @@ pytestmark = pytest.mark.comfyui
 
 
 def _old_model_family(model):
-    """The LoRA family rule before the registry (nodes/comfy_bridge.model_family), kept here as the reference."""
+    """The LoRA family rule before the registry (nodes/bridge/comfy_bridge.model_family), kept here as the reference."""
     import comfy.model_base
 
     if isinstance(model, comfy.model_base.Flux) and not isinstance(model, comfy.model_base.Flux2):
@@ -26,7 +26,7 @@ SPLIT_OFF = {"sd2": "sd15", "chroma": "flux"}
 
 
 def _models():
-    """{name: ModelPatcher}: the tiny model of every family (HiDream's diffusion model alone: nodes/families/hidream.py)."""
+    """{name: ModelPatcher}: the tiny model of every family (HiDream's diffusion model alone: nodes/bridge/families/hidream.py)."""
     import comfy.model_patcher
     import comfy.supported_models
     from headroom.nodes.bridge.families.hidream import TINY_DIT
@@ -279,7 +279,7 @@ def test_text_of_different_lengths_trains_in_groups_as_comfyui_samples_it(comfyu
 
 
 def test_hidream_trains_through_the_denoiser_with_its_four_encoder_conditioning(comfyui):
-    """HiDream's diffusion model (no tiny text encoder here: nodes/families/hidream.py) through the trainer's denoiser:
+    """HiDream's diffusion model (no tiny text encoder here: nodes/bridge/families/hidream.py) through the trainer's denoiser:
     conditioning of the shapes its text encoder caches (T5 [128, d], CLIP-L + CLIP-G pooled, `conditioning_llama3` one
     hidden state per Llama layer), a preset LoRA attached, a backward that reaches every adapter layer; its flow
     objective from ComfyUI's model_sampling."""

@@ -1,4 +1,4 @@
-"""What every model family must do, asked of every family with a tiny model (nodes/families/<family>.py `tiny`):
+"""What every model family must do, asked of every family with a tiny model (nodes/bridge/families/<family>.py `tiny`):
 a new family file is tested here without touching this file.
 
 - overfit: 4 images, the loss on them halves within 300 steps (the trainer learns through the family's model);

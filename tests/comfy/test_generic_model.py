@@ -17,7 +17,7 @@ _TINY_PILE_T5 = {"d_model": 32, "d_ff": 64, "num_layers": 2, "num_heads": 2, "d_
 
 
 def _tiny_auraflow():
-    """(MODEL, CLIP, VAE) of a tiny AuraFlow through ComfyUI's own classes (as nodes/tiny_models.py builds the
+    """(MODEL, CLIP, VAE) of a tiny AuraFlow through ComfyUI's own classes (as nodes/bridge/tiny_models.py builds the
     families), seeded."""
     import comfy.model_management as mm
     import comfy.model_patcher

@@ -264,7 +264,7 @@ def test_tiny_comfy_model_streamed_offloaded_checkpoints_bitwise(comfyui, tmp_pa
 @pytest.mark.comfyui
 def test_validation_images_are_identical_with_the_optimizer_parked(comfyui, tmp_path):
     from headroom.nodes.bridge.tiny_models import build_tiny_models
-    from headroom.nodes.train_lora import sample_images
+    from headroom.nodes.bridge.validation import sample_images
 
     _, clip, vae = build_tiny_models("sd15")
     session = _tiny_session(tmp_path, "sd15")

@@ -179,11 +179,9 @@ def test_a_prompt_with_policy_and_plan_runs_through_comfyui(comfyui, monkeypatch
     import execution
     import nodes
 
-    from headroom.nodes import memory
+    from headroom.nodes import memory, tiny
 
-    from headroom.nodes.bridge import tiny_models
-
-    for node in memory.NODES + tiny_models.NODES:
+    for node in memory.NODES + tiny.NODES:
         monkeypatch.setitem(nodes.NODE_CLASS_MAPPINGS, node.GET_SCHEMA().node_id, node)
 
     class NoClientServer:

@@ -102,7 +102,8 @@ def test_comfyui_native_trainer_runs_on_tiny_model(comfyui):
 
 
 def test_tiny_model_node_schema(headroom_nodes):
-    from headroom.nodes.bridge.tiny_models import FAMILIES as families, HeadroomTinyModel
+    from headroom.nodes.bridge.tiny_models import FAMILIES as families
+    from headroom.nodes.tiny import HeadroomTinyModel
 
     schema = HeadroomTinyModel.define_schema()
     assert schema.node_id == "HeadroomTinyModel"

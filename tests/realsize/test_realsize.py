@@ -116,7 +116,7 @@ def test_nodes_on_a_real_size_model(case, args, params):
 
 
 def test_first_load_replaces_inference_weights_one_at_a_time():
-    """nodes/comfy_model.replace_inference_tensors on Flux-dev's real width (1.1 GB of bf16 weights made under
+    """nodes/bridge/comfy_model.replace_inference_tensors on Flux-dev's real width (1.1 GB of bf16 weights made under
     inference mode, as ComfyUI's loaders make them): peak RSS grows by about one tensor, not by the weights."""
     report = run_worker("replace")
     growth = report["peak_rss_bytes"] - report["start_rss_bytes"]

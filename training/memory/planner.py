@@ -350,7 +350,7 @@ def estimate(description: ModelDescription, trainable: TrainableSpec, shape: Run
     validation_items["sampling working set (ComfyUI estimate, cond+uncond)"] = int(
         description.inference_bytes_per_latent_px * area * 2)
     validation_items["one layer's weight copy in flight (cast / dequantised)"] = int(in_flight)
-    # Validation as the saved file (the default, nodes/comfy_bridge.AsSavedWeight) merges the LoRA into that layer's
+    # Validation as the saved file (the default, nodes/bridge/comfy_bridge.AsSavedWeight) merges the LoRA into that layer's
     # weight as it runs: the LoRA product in fp32 (ComfyUI's LoRA compute dtype on a CPU; fp16 on some GPUs, so this
     # is the upper bound), the merge rounded to the stored dtype, and that back in compute precision.
     validation_items["one layer's LoRA merge in flight (validation as the saved file)"] = int(

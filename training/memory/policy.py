@@ -188,7 +188,7 @@ class OffloadPolicy:
 
     # --- derived switches --------------------------------------------------------------------------------
     def decode_tiled(self, needed_bytes: int | None, budget_bytes: int | None) -> bool:
-        """The tiled-decode rule, for validation's decode (nodes/train_lora.decode) and the planner's estimate: "on"
+        """The tiled-decode rule, for validation's decode (nodes/bridge/validation.decode) and the planner's estimate: "on"
         always, "off" never, "auto" when the VAE's weights plus a full decode (`needed_bytes`) exceed the budget
         (None: unknown, not tiled)."""
         if self.vae_tiled_decode == "on":

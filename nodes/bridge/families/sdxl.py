@@ -1,4 +1,4 @@
-"""SDXL (base and refiner): UNet denoisers; ControlNets of the cldm type (nodes/families/sd15.py)."""
+"""SDXL (base and refiner): UNet denoisers; ControlNets of the cldm type (nodes/bridge/families/sd15.py)."""
 from __future__ import annotations
 
 import comfy.model_base
