@@ -39,6 +39,8 @@ from typing import Iterable, Sequence
 import torch
 from torch.autograd.graph import register_multi_grad_hook
 
+from .cost import FeatureCost
+
 
 @dataclasses.dataclass
 class _Slot:
@@ -239,3 +241,30 @@ class WeightStreamer:
 def stream_blocks(blocks: Iterable[torch.nn.Module], device: torch.device | str, **options) -> WeightStreamer:
     """Attach a WeightStreamer to `blocks` (execution order) and return it; call `.detach()` to undo."""
     return WeightStreamer(list(blocks), device, **options).attach()
+
+
+# --- what it costs (the planner adds it up: planner.estimate) ---------------------------------------------------
+def placement_cost(placement: str, block_weights: Sequence[int], storage: str, rest_bytes: int,
+                   device_budget: int | None) -> FeatureCost:
+    """Where the frozen block weights (`block_weights`, as stored) are during a run (policy base_placement; the same
+    in training and validation): "resident" all on the device; "streamed" two blocks' buffers (the one in use and the
+    one in flight), the rest in host RAM; "partial" as many as fit the room `device_budget` (the budget less the
+    allocator's share) leaves beside everything else (`rest_bytes`) and the buffers, the rest streamed."""
+    all_blocks = sum(block_weights)
+    if placement == "resident":
+        weights = {f"frozen block weights ({storage})": all_blocks}
+        return FeatureCost(training=weights, validation=dict(weights))
+    buffers = 2 * max(block_weights, default=0)
+    weights = {"streamed block buffers (2 blocks)": buffers}
+    notes, resident_part = [], 0
+    if placement == "partial":
+        if device_budget is None:
+            resident_part = all_blocks
+            notes.append("partial placement without a budget: estimated as fully resident")
+        else:
+            resident_part = max(0, min(all_blocks, device_budget - rest_bytes - buffers))
+        weights[f"resident block weights ({storage}, partial)"] = resident_part
+        if resident_part >= all_blocks:
+            weights["streamed block buffers (2 blocks)"] = 0
+    host = {"streamed block weights": all_blocks - resident_part} if all_blocks > resident_part else {}
+    return FeatureCost(training=weights, validation=dict(weights), host=host, training_notes=notes)
