@@ -255,13 +255,13 @@ class Placement:
     def load(self, patchers: list, extra_bytes: int) -> None:
         """Load the training patchers through ComfyUI's model management, as the policy places the frozen base
         (`extra_bytes`: what the run adds on the device beyond the weights, for ComfyUI's accounting)."""
-        placement = self.policy.base_placement
+        placement = self.policy.placement  # decided in one place: training/memory/weight_streaming.base_placement
         with torch.inference_mode(False):  # weights copied to the device here are then usable by autograd
-            # "partial" / "streamed": ComfyUI may keep part of the base in host RAM (its lowvram load); the
-            # trainer's WeightStreamer brings those blocks to the device one block ahead.
+            # Not a full load: ComfyUI may keep part of the base in host RAM (its lowvram load); the trainer's
+            # WeightStreamer brings those blocks to the device one block ahead.
             comfy.model_management.load_models_gpu(patchers, memory_required=extra_bytes,
-                                                   force_full_load=placement == "resident")
-            if placement == "streamed" and self.patcher.load_device != self.patcher.offload_device:
+                                                   force_full_load=placement.full_load)
+            if placement.blocks_to_host and self.patcher.load_device != self.patcher.offload_device:
                 # Every block's frozen weights back to host RAM through ComfyUI's own partial unload, so its
                 # accounting stays right; non-block weights (embedders, final layers) stay resident.
                 blocks = [block for _, block in training_blocks(self.patcher.model.diffusion_model)]

@@ -45,6 +45,16 @@ def test_offloaded_base_needs_checkpointing(placement):
     assert OffloadPolicy(base_placement=placement, checkpointing="blocks").streams_blocks
 
 
+def test_base_placement_is_decided_in_one_place():
+    """What each base_placement does to the load through ComfyUI and to the streamer (weight_streaming.base_placement,
+    asked by comfy_bridge.Placement.load and memory_features alike)."""
+    decided = {placement: OffloadPolicy(base_placement=placement, checkpointing="blocks").placement
+               for placement in ("resident", "partial", "streamed")}
+    assert {name: (p.full_load, p.blocks_to_host, p.stream_blocks) for name, p in decided.items()} == {
+        "resident": (True, False, False), "partial": (False, False, True), "streamed": (False, True, True)}
+    assert not OffloadPolicy().streams_blocks
+
+
 def test_json_errors_are_clear():
     with pytest.raises(PolicyError, match="not valid JSON"):
         OffloadPolicy.from_json("{nope")

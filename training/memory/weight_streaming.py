@@ -243,6 +243,25 @@ def stream_blocks(blocks: Iterable[torch.nn.Module], device: torch.device | str,
     return WeightStreamer(list(blocks), device, **options).attach()
 
 
+# --- policy base_placement: decided here, carried out by the ComfyUI load and by memory_features ---------------
+@dataclasses.dataclass(frozen=True)
+class BasePlacement:
+    """What a base_placement does to the frozen base. One decision in two halves: the bridge's load through ComfyUI
+    (nodes/bridge/comfy_bridge.Placement.load) and the streamer around a run of steps (policy.memory_features)."""
+
+    full_load: bool  # ComfyUI loads every weight onto the device (else its lowvram load may keep some in host RAM)
+    blocks_to_host: bool  # after the load, every block's frozen weights go back to host RAM (ComfyUI's partial unload)
+    stream_blocks: bool  # a WeightStreamer brings the blocks not on the device there, one block ahead
+
+
+def base_placement(placement: str) -> BasePlacement:
+    """"resident": everything loaded, nothing streams; "partial": ComfyUI keeps what fits, the rest streams;
+    "streamed": only the weights outside the blocks stay on the device, every block streams."""
+    return {"resident": BasePlacement(full_load=True, blocks_to_host=False, stream_blocks=False),
+            "partial": BasePlacement(full_load=False, blocks_to_host=False, stream_blocks=True),
+            "streamed": BasePlacement(full_load=False, blocks_to_host=True, stream_blocks=True)}[placement]
+
+
 # --- what it costs (the planner adds it up: planner.estimate) ---------------------------------------------------
 def placement_cost(placement: str, block_weights: Sequence[int], storage: str, rest_bytes: int,
                    device_budget: int | None) -> FeatureCost:
