@@ -286,7 +286,7 @@ class TrainingRun:
     with the Init nodes' checkpointing inputs by training/memory/policy.run_policy before it comes here.
     """
 
-    precision_note = ""  # how the init node chose the compute precision (nodes/train_lora.py resolve_precision)
+    precision_note = ""  # how the init node chose the compute precision (nodes/bridge/run_settings.resolve_precision)
 
     def __init__(self, model, latent_cache, text_cache, config, trained, run_root: pathlib.Path, run_name: str,
                  policy: OffloadPolicy | None = None):

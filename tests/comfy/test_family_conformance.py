@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.comfyui, pytest.mark.usefixtures("one_torch_thread")]
 
 def _tiny_families() -> list[str]:
     # Read from the registry's files without importing ComfyUI at collection time: module names are family names.
-    folder = pathlib.Path(__file__).resolve().parents[2] / "nodes" / "families"
+    folder = pathlib.Path(__file__).resolve().parents[2] / "nodes" / "bridge" / "families"
     names = sorted(p.stem for p in folder.glob("*.py") if p.stem not in ("__init__", "base") and not p.stem.startswith("_"))
     return [name for name in names if "\nTINY = TinyModel(" in (folder / f"{name}.py").read_text()]
 
