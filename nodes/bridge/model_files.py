@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+from collections.abc import Callable
 
 import folder_paths
 
@@ -38,24 +39,29 @@ def listed_name(folder: str, root: pathlib.Path, path: pathlib.Path) -> str:
     return os.path.relpath(path, root).replace(os.sep, "/")
 
 
+def save_to_models(run: TrainingRun, folder: str, subfolder: str, filename: str, what: str,
+                   write: Callable[[pathlib.Path], None]) -> str:
+    """Write `run`'s trained `what` under models/<folder>/<subfolder>/ with `write(path)` (atomic: the strategy's
+    save), after clearing what a killed save left there; returns the name the stock loader lists."""
+    root, path = models_file(folder, subfolder, filename, run, what)
+    with run.phase("save"):
+        prune_temp(path.parent)
+        write(path)
+    return listed_name(folder, root, path)
+
+
 def save_lora(run: TrainingRun, subfolder: str, filename: str, dtype: str = "fp32", file_format: str = "comfyui",
               weights: str = "auto") -> str:
-    """Write the adapter under models/loras/<subfolder>/ atomically; returns the name LoraLoader lists."""
+    """Write the adapter under models/loras/<subfolder>/; returns the name LoraLoader lists."""
     if file_format not in lora_formats.FORMATS:
         raise ValueError(f"format {file_format!r}: choose one of {', '.join(lora_formats.FORMATS)}")
     lora = run.trained_as("lora")
-    loras_root, path = models_file("loras", subfolder, filename, run, "LoRA")
-    with run.phase("save"):
-        prune_temp(path.parent)  # what a killed save left in that folder
-        lora.save(run, path, dtype, file_format, weights)
-    return listed_name("loras", loras_root, path)
+    return save_to_models(run, "loras", subfolder, filename, "LoRA",
+                          lambda path: lora.save(run, path, dtype, file_format, weights))
 
 
 def save_trained_controlnet(run: TrainingRun, subfolder: str, filename: str, weights: str = "auto") -> str:
-    """Write the ControlNet under models/controlnet/<subfolder>/ atomically; returns the name ControlNetLoader lists."""
+    """Write the ControlNet under models/controlnet/<subfolder>/; returns the name ControlNetLoader lists."""
     controlnet = run.trained_as("controlnet")
-    root, path = models_file("controlnet", subfolder, filename, run, "ControlNet")
-    with run.phase("save"):
-        prune_temp(path.parent)  # what a killed save left in that folder
-        controlnet.save(run, path, weights)
-    return listed_name("controlnet", root, path)
+    return save_to_models(run, "controlnet", subfolder, filename, "ControlNet",
+                          lambda path: controlnet.save(run, path, weights))

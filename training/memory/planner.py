@@ -36,9 +36,9 @@ import torch
 
 from . import activation_offload, checkpointing, lowbit, optimizer_parking, weight_streaming
 from .cost import FeatureCost
+from .memory_stats import format_bytes
 from .policy import CHECKPOINTING, GIB, OPTIMIZER_STATES, PLACEMENTS, OffloadPolicy
 
-MIB = 1024 ** 2
 ALLOCATOR_OVERHEAD = 0.05  # caching-allocator rounding and fragmentation, on top of live tensors
 TILE_PX = 512  # ComfyUI's default tiled VAE decode tile, in pixels
 BNB_MIN_8BIT_SIZE = 4096  # bitsandbytes keeps 32-bit state for smaller tensors
@@ -230,25 +230,20 @@ class Plan:
         return json.dumps(self.to_dict(), indent=1)
 
     def to_text(self) -> str:
-        budget = "no budget" if self.budget_bytes is None else f"budget {_gib(self.budget_bytes)}"
+        budget = "no budget" if self.budget_bytes is None else f"budget {format_bytes(self.budget_bytes)}"
         verdict = "" if self.fits is None else (" - fits" if self.fits else " - DOES NOT FIT")
         lines = [f"Headroom memory plan: {self.policy.describe()}",
-                 f"peak {_gib(self.peak_bytes)} in {self.peak.phase} ({budget}){verdict}"]
+                 f"peak {format_bytes(self.peak_bytes)} in {self.peak.phase} ({budget}){verdict}"]
         for phase in self.phases:
-            lines.append(f"{phase.phase}: {_gib(phase.total)}")
+            lines.append(f"{phase.phase}: {format_bytes(phase.total)}")
             for name, value in phase.items.items():
-                lines.append(f"  {name:<44} {_gib(value):>12}")
+                lines.append(f"  {name:<44} {format_bytes(value):>12}")
             lines += [f"  note: {note}" for note in phase.notes]
         if self.host_bytes:
-            lines.append("host RAM instead of the device: " + ", ".join(f"{k} {_gib(v)}" for k, v in self.host_bytes.items()))
+            lines.append("host RAM instead of the device: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in self.host_bytes.items()))
         if self.reason:
             lines.append(self.reason)
         return "\n".join(lines)
-
-
-def _gib(value: float) -> str:
-    """Bytes for people: GiB from 1 GiB up, MiB below."""
-    return f"{value / GIB:.2f} GiB" if value >= GIB else f"{value / MIB:.1f} MiB"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -387,9 +382,9 @@ def plan_auto(description: ModelDescription, trainable: TrainableSpec, shape: Ru
         if plan.fits:
             faster = [f"{p.policy.base_placement}/{p.policy.checkpointing}/optimizer {p.policy.optimizer_state}"
                       f"{'' if p.policy.base_storage == policy.base_storage else '/' + p.policy.base_storage}"
-                      f" needs {_gib(p.peak_bytes)} ({p.peak.phase})" for p in tried[:3]]
-            plan.reason = (f"chosen: the fastest policy that fits - peak {_gib(plan.peak_bytes)} ({plan.peak.phase}) "
-                           f"within the budget of {_gib(budget_bytes)}.")
+                      f" needs {format_bytes(p.peak_bytes)} ({p.peak.phase})" for p in tried[:3]]
+            plan.reason = (f"chosen: the fastest policy that fits - peak {format_bytes(plan.peak_bytes)} ({plan.peak.phase}) "
+                           f"within the budget of {format_bytes(budget_bytes)}.")
             if faster:
                 plan.reason += " Faster options over budget: " + "; ".join(faster) + (" ..." if len(tried) > 3 else "") + "."
             if policy.base_storage != base.base_storage:
@@ -398,8 +393,8 @@ def plan_auto(description: ModelDescription, trainable: TrainableSpec, shape: Ru
             return plan
         tried.append(plan)
     smallest = min(tried, key=lambda p: p.peak_bytes)
-    smallest.reason = (f"nothing fits the budget of {_gib(budget_bytes)}: the smallest estimate is "
-                       f"{_gib(smallest.peak_bytes)} ({smallest.peak.phase}) with {smallest.policy.describe()}; "
+    smallest.reason = (f"nothing fits the budget of {format_bytes(budget_bytes)}: the smallest estimate is "
+                       f"{format_bytes(smallest.peak_bytes)} ({smallest.peak.phase}) with {smallest.policy.describe()}; "
                        "lower the batch size or resolution, or free device memory.")
     return smallest
 
