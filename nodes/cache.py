@@ -5,9 +5,9 @@ The engine (`training.data.dataset`, `training.data.buckets`, `training.data.cac
 only turns ComfyUI objects into callables and fingerprints, forwards progress and cancel, and makes
 sure the encoder leaves the compute device when caching ends.
 
-Cache folder: `headroom_cache`, registered with folder_paths (default `<models>/headroom_cache`).
-ComfyUI reads extra_model_paths.yaml before it loads custom nodes, and an unknown key there
-(`headroom_cache: /big/disk/cache`) becomes a folder_paths entry; ours is appended after it, so the
+Cache folder: `headroom_cache`, registered with folder_paths (default `<models>/headroom_cache`;
+nodes/bridge/cache_folders.py). ComfyUI reads extra_model_paths.yaml before it loads custom nodes, and an unknown
+key there (`headroom_cache: /big/disk/cache`) becomes a folder_paths entry; ours is appended after it, so the
 first path - the yaml's when given - is the one used.
 """
 from __future__ import annotations

@@ -11,6 +11,7 @@ import comfy.utils
 
 from ...training.data.cache_store import fingerprint_state_dict, fingerprint_value
 
+
 def _unpatched_state_dict(patcher) -> dict:
     """The encoder's own weights. While a patcher has LoRA-style patches applied, the module holds the
     patched weights and the originals sit in `patcher.backup`; the patches are fingerprinted apart."""
