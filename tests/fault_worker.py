@@ -77,11 +77,12 @@ def job_cache(args: dict, log) -> None:
     import folder_paths
     import torch
 
-    from headroom.nodes.bridge import cache_folders as C
+    from headroom.nodes import cache as C
+    from headroom.nodes.bridge.cache_folders import CACHE_FOLDER_NAME
     from headroom.training.data import cache_store
 
     cache_store.COMMIT_SECONDS = args["commit_seconds"]
-    folder_paths.folder_names_and_paths[C.CACHE_FOLDER_NAME] = ([args["cache_dir"]], set())
+    folder_paths.folder_names_and_paths[CACHE_FOLDER_NAME] = ([args["cache_dir"]], set())
     count = args["items"]
     vae = STATE["vae"]
     real_encode = vae.encode
