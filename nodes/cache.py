@@ -1,9 +1,9 @@
 """Dataset and caching nodes: describe a dataset, then encode it once with ComfyUI's own VAE / CLIP
 into content-addressed caches on disk, so training runs with neither encoder on the GPU.
 
-The engine (`training.data.dataset`, `training.data.buckets`, `training.data.cache_store`) does the work; this module
-only turns ComfyUI objects into callables and fingerprints, forwards progress and cancel, and makes
-sure the encoder leaves the compute device when caching ends.
+The engine (`training.data.dataset`, `training.data.buckets`, `training.data.cache_store`) does the work;
+nodes/bridge/caching.py turns ComfyUI's encoders into its callables and fingerprints, forwards progress and cancel,
+and makes sure the encoder leaves the compute device when caching ends.
 
 Cache folder: `headroom_cache`, registered with folder_paths (default `<models>/headroom_cache`;
 nodes/bridge/cache_folders.py). ComfyUI reads extra_model_paths.yaml before it loads custom nodes, and an unknown
@@ -17,16 +17,12 @@ from pathlib import Path
 
 import torch
 
-import comfy.model_management
 from comfy_api.latest import io
 
-from ..training.data.cache_store import CacheStoreError, cache_latents, cache_text
 from ..training.data.dataset import dataset_from_folder, dataset_from_tensors, folder_signature, split_captions
-from ..training.data.files import WriteError
-from ..training.memory.memory_stats import PhaseRecorder
 from ..training.memory.policy import OffloadPolicy
-from .bridge.cache_folders import dataset_roots, open_store, resolve_folders, with_relocate_hint
-from .bridge.encoders import ProgressForward, encoder_fingerprint, spatial_downscale, unbatch, unload_encoder
+from .bridge.cache_folders import dataset_roots, resolve_folders
+from .bridge.caching import cache_clip_text, cache_vae_latents
 from .io_types import DatasetType, LatentCacheType, OffloadPolicyType, TextCacheType
 
 log = logging.getLogger(__name__)
@@ -174,29 +170,8 @@ class HeadroomCacheLatents(io.ComfyNode):
     @classmethod
     def execute(cls, dataset, vae, control_encoding: str = "pixels", policy=None) -> io.NodeOutput:
         _check_policy("HeadroomCacheLatents", policy)
-        vae.throw_exception_if_invalid()
-        store = open_store("latents")
-        options = {
-            "vae": type(vae.first_stage_model).__qualname__,
-            "dtype": str(vae.vae_dtype),
-            "output_dtype": str(vae.vae_output_dtype()),
-        }
-        recorder = PhaseRecorder(vae.device)
-        try:
-            with recorder.phase("caching latents"):
-                cache, report = cache_latents(
-                    dataset, store, vae.encode, encoder_fingerprint(vae.patcher), options,
-                    control_encoding=control_encoding, progress=ProgressForward(),
-                    check_interrupt=comfy.model_management.throw_exception_if_processing_interrupted,
-                    downscale=spatial_downscale(vae),
-                )
-        except (CacheStoreError, WriteError) as error:
-            raise with_relocate_hint(error) from error
-        finally:
-            unload_encoder(vae.patcher, policy)
-        cache.memory_phases = recorder.phases  # a training run built on this cache starts its memory record with it
-        return io.NodeOutput(cache, report.summary())
-
+        cache, summary = cache_vae_latents(dataset, vae, control_encoding, policy)
+        return io.NodeOutput(cache, summary)
 
 
 class HeadroomCacheText(io.ComfyNode):
@@ -225,48 +200,8 @@ class HeadroomCacheText(io.ComfyNode):
         _check_policy("HeadroomCacheText", policy)
         if clip is None:
             raise ValueError("HeadroomCacheText: the clip input is empty (the checkpoint has no text encoder?)")
-        store = open_store("text")
-        options = {
-            "text_encoder": type(clip.cond_stage_model).__qualname__,
-            "tokenizer": type(clip.tokenizer).__qualname__,
-            "layer_idx": clip.layer_idx,
-            "tokenizer_options": repr(sorted(clip.tokenizer_options.items())),
-        }
-        dropped: set[str] = set()
-
-        def encode(text: str) -> dict[str, torch.Tensor]:
-            # Exactly CLIPTextEncode: tokenize, then encode_from_tokens_scheduled -> [[cond, {extras}]].
-            conditioning = clip.encode_from_tokens_scheduled(clip.tokenize(text))
-            if len(conditioning) != 1:
-                raise ValueError(
-                    "HeadroomCacheText: this CLIP has scheduled hooks, which give one conditioning per keyframe; "
-                    "remove the hooks from the CLIP before caching"
-                )
-            cond, extras = conditioning[0]
-            tensors = {"cross_attn": unbatch(cond)}
-            for name, value in extras.items():
-                if isinstance(value, torch.Tensor):
-                    tensors[name] = unbatch(value)
-                elif value is not None:
-                    dropped.add(name)  # e.g. "hooks": a sampling-time feature, not part of the text embedding
-            return tensors
-
-        recorder = PhaseRecorder(clip.patcher.load_device)
-        try:
-            with recorder.phase("caching text"):
-                cache, report = cache_text(
-                    [item.caption for item in dataset.items], store, encode, encoder_fingerprint(clip.patcher), options,
-                    progress=ProgressForward(),
-                    check_interrupt=comfy.model_management.throw_exception_if_processing_interrupted,
-                )
-        except (CacheStoreError, WriteError) as error:
-            raise with_relocate_hint(error) from error
-        finally:
-            unload_encoder(clip.patcher, policy)
-        cache.memory_phases = recorder.phases
-        if dropped:
-            report.warnings.append(f"non-tensor conditioning entries not cached: {', '.join(sorted(dropped))}")
-        return io.NodeOutput(cache, report.summary())
+        cache, summary = cache_clip_text(dataset, clip, policy)
+        return io.NodeOutput(cache, summary)
 
 
 NODES = [HeadroomDatasetFromFolder, HeadroomDatasetFromImages, HeadroomCacheLatents, HeadroomCacheText]
