@@ -61,8 +61,8 @@ def setup(cpu: bool):
 def caches(family: str, count: int, seed: int = 0):
     """(model, clip, vae, latent cache with pixel or latent controls, text cache) through the caching nodes."""
     from headroom.nodes import cache as cache_nodes
-    from headroom.nodes.families import controlnet_type_of
-    from headroom.nodes.tiny_models import build_tiny_models
+    from headroom.nodes.bridge.families import controlnet_type_of
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
     from headroom.training.data.synthetic import generate_shapes
 
     model, clip, vae = build_tiny_models(family, seed)

@@ -62,7 +62,7 @@ def setup():
 def bench_data(model, latent_side=16):
     """4 random latents and 4 random conditionings (key k<i> goes with latent i) shaped for `model`, plus an
     empty-prompt conditioning; the same for every run of a family."""
-    from headroom.nodes.comfy_model import expected_cond_dims
+    from headroom.nodes.bridge.comfy_model import expected_cond_dims
 
     g = torch.Generator().manual_seed(0)
     channels = model.model.latent_format.latent_channels
@@ -77,9 +77,9 @@ def bench_data(model, latent_side=16):
 
 
 def session_for(family, run_root, storage=None, latent_side=16):
-    from headroom.nodes.run_lora import LoraRunConfig, open_lora_run
-    from headroom.nodes.comfy_model import model_family, training_blocks
-    from headroom.nodes.tiny_models import build_tiny_models
+    from headroom.nodes.bridge.run_lora import LoraRunConfig, open_lora_run
+    from headroom.nodes.bridge.comfy_model import model_family, training_blocks
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
     from headroom.training.core.adapters import AdapterConfig
     from headroom.training.memory.lowbit import LowBitBase
     from headroom.training.core.optimizers import OptimizerConfig
@@ -103,7 +103,7 @@ def session_for(family, run_root, storage=None, latent_side=16):
 def native_step(family, checkpointing: bool, offloading: bool, steps: int) -> tuple[float, float]:
     """(wall, CPU seconds of this process) per step of ComfyUI's TrainLoraNode on the data `session_for` trains on:
     the mean over `steps` steps after one warm-up step."""
-    from headroom.nodes.tiny_models import build_tiny_models
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
 
     model, _, _ = build_tiny_models(family)
     latents, conds, _ = bench_data(model)
@@ -120,7 +120,7 @@ def prepared(family, option, run_root):
     """A training session set up for `option`, inside which `step()` runs one timed training step."""
     import comfy.model_management
 
-    from headroom.nodes.comfy_model import training_blocks
+    from headroom.nodes.bridge.comfy_model import training_blocks
     from headroom.training.memory.optimizer_parking import HostOptimizer
     from headroom.training.core.optimizers import create_optimizer, create_scheduler
     from headroom.training.memory.policy import OffloadPolicy, memory_features

@@ -84,7 +84,7 @@ def build_model(name: str, smoke: bool):
     import comfy.model_management as mm
 
     if smoke:
-        from headroom.nodes.tiny_models import build_tiny_model_patcher
+        from headroom.nodes.bridge.tiny_models import build_tiny_model_patcher
 
         return build_tiny_model_patcher(SMOKE_FAMILIES[name], disable_dynamic=True)
     return realsize_models().build_model(name, device=mm.get_torch_device())
@@ -124,8 +124,8 @@ def reset_peaks(device) -> None:
 def run_policy(patcher, policy, size: int, text_tokens: int, steps: int) -> dict:
     import comfy.model_management as mm
 
-    from headroom.nodes.comfy_model import ComfyDenoiser, training_blocks
-    from headroom.nodes.planning import calibration_cond, lora_target_paths
+    from headroom.nodes.bridge.comfy_model import ComfyDenoiser, training_blocks
+    from headroom.nodes.bridge.planning import calibration_cond, lora_target_paths
     from headroom.training.core.adapters import AdapterConfig, AdapterSet
     from headroom.training.memory.lowbit import LowBitBase
     from headroom.training.core.optimizers import OptimizerConfig
@@ -204,7 +204,7 @@ def describe(patcher, text_tokens: int):
     """The planner's description of the model (measured at small sizes, as the Memory Plan node does)."""
     import comfy.model_management as mm
 
-    from headroom.nodes.planning import describe_comfy_model, lora_target_paths
+    from headroom.nodes.bridge.planning import describe_comfy_model, lora_target_paths
     from headroom.training.memory import planner
     from headroom.training.core.adapters import AdapterConfig
 

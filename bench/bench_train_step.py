@@ -54,7 +54,7 @@ def setup() -> None:
 
 def data(family: str, resolution: int):
     from headroom.nodes import cache as cache_nodes, data as data_nodes
-    from headroom.nodes.tiny_models import build_tiny_models
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
 
     model, clip, vae = build_tiny_models(family, 0)
     images, captions, _ = data_nodes.HeadroomSyntheticDataset.execute(4, resolution, 0).args

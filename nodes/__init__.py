@@ -6,9 +6,9 @@ from typing_extensions import override
 
 from comfy_api.latest import ComfyExtension, io
 
-from . import cache, data, memory, monitor, tiny_models, train_controlnet, train_lora
+from . import cache, data, memory, monitor, tiny, train_controlnet, train_lora
 
-_NODE_MODULES = [tiny_models, data, cache, train_lora, train_controlnet, memory, monitor]
+_NODE_MODULES = [tiny, data, cache, train_lora, train_controlnet, memory, monitor]
 
 
 class HeadroomExtension(ComfyExtension):

@@ -1,190 +1,31 @@
 """Dataset and caching nodes: describe a dataset, then encode it once with ComfyUI's own VAE / CLIP
 into content-addressed caches on disk, so training runs with neither encoder on the GPU.
 
-The engine (`training.data.dataset`, `training.data.buckets`, `training.data.cache_store`) does the work; this module
-only turns ComfyUI objects into callables and fingerprints, forwards progress and cancel, and makes
-sure the encoder leaves the compute device when caching ends.
+The engine (`training.data.dataset`, `training.data.buckets`, `training.data.cache_store`) does the work;
+nodes/bridge/caching.py turns ComfyUI's encoders into its callables and fingerprints, forwards progress and cancel,
+and makes sure the encoder leaves the compute device when caching ends.
 
-Cache folder: `headroom_cache`, registered with folder_paths (default `<models>/headroom_cache`).
-ComfyUI reads extra_model_paths.yaml before it loads custom nodes, and an unknown key there
-(`headroom_cache: /big/disk/cache`) becomes a folder_paths entry; ours is appended after it, so the
+Cache folder: `headroom_cache`, registered with folder_paths (default `<models>/headroom_cache`;
+nodes/bridge/cache_folders.py). ComfyUI reads extra_model_paths.yaml before it loads custom nodes, and an unknown
+key there (`headroom_cache: /big/disk/cache`) becomes a folder_paths entry; ours is appended after it, so the
 first path - the yaml's when given - is the one used.
 """
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
 from pathlib import Path
 
 import torch
 
-import comfy.model_management
-import comfy.utils
-import folder_paths
 from comfy_api.latest import io
 
-from ..training.data.cache_store import (
-    CacheStoreError, ShardStore, cache_latents, cache_text, fingerprint_state_dict, fingerprint_value,
-)
 from ..training.data.dataset import dataset_from_folder, dataset_from_tensors, folder_signature, split_captions
-from ..training.data.files import WriteError, display_path, register_display_roots
-from ..training.memory.memory_stats import PhaseRecorder
 from ..training.memory.policy import OffloadPolicy
+from .bridge.cache_folders import dataset_roots, resolve_folders
+from .bridge.caching import REFERENCE_ENCODINGS, cache_clip_text, cache_vae_latents
 from .io_types import DatasetType, LatentCacheType, OffloadPolicyType, TextCacheType
 
 log = logging.getLogger(__name__)
-
-CACHE_FOLDER_NAME = "headroom_cache"
-DATASET_ROOTS_ENV = "HEADROOM_DATASET_ROOTS"
-
-
-def register_cache_folder() -> None:
-    """Add the default cache folder after any path extra_model_paths.yaml gave (idempotent)."""
-    folder_paths.add_model_folder_path(CACHE_FOLDER_NAME, os.path.join(folder_paths.models_dir, CACHE_FOLDER_NAME))
-
-
-register_cache_folder()
-
-
-def comfy_folders():
-    """(label, folder) of ComfyUI's folders, as user-facing messages name paths in them (training/data/files.py):
-    output/, input/, temp/, models/, model folders elsewhere (extra_model_paths.yaml) by their kind, and the
-    dataset roots the server owner allows."""
-    models = folder_paths.models_dir
-    yield "models", models
-    for name, (paths, _) in list(folder_paths.folder_names_and_paths.items()):
-        for path in paths:
-            if not folder_paths.is_within_directory(models, path):
-                yield name, path
-    yield "output", folder_paths.get_output_directory()
-    yield "input", folder_paths.get_input_directory()
-    yield "temp", folder_paths.get_temp_directory()
-    for index, root in enumerate(dataset_roots(warn=False)[1:]):
-        yield f"{DATASET_ROOTS_ENV}[{index}]", root
-
-
-register_display_roots(comfy_folders)
-
-
-def cache_root() -> Path:
-    return Path(folder_paths.get_folder_paths(CACHE_FOLDER_NAME)[0])
-
-
-_RELOCATE_HINT = (
-    "To keep the cache on another disk, add `headroom_cache: /path/with/space` to ComfyUI's "
-    "extra_model_paths.yaml and restart ComfyUI."
-)
-
-
-def _with_hint(error: Exception) -> Exception:
-    """The same error, saying how to move the cache to another disk."""
-    text = str(error)
-    return type(error)(f"{text}{'' if text.endswith('.') else '.'} {_RELOCATE_HINT}")
-
-
-def _open_store(kind: str) -> ShardStore:
-    try:
-        return ShardStore(cache_root() / kind)
-    except (CacheStoreError, WriteError) as error:
-        raise _with_hint(error) from error
-
-
-# ---------------------------------------------------------------------------------------------------
-# Where datasets may be read from
-
-
-def dataset_roots(warn: bool = True) -> list[str]:
-    """ComfyUI's input directory plus the roots the server owner allows in $HEADROOM_DATASET_ROOTS."""
-    roots = [folder_paths.get_input_directory()]
-    for root in os.environ.get(DATASET_ROOTS_ENV, "").split(os.pathsep):
-        if root.strip():
-            if os.path.isabs(root.strip()):
-                roots.append(root.strip())
-            elif warn:
-                log.warning("Headroom: ignoring relative path %r in %s (give absolute paths)", root, DATASET_ROOTS_ENV)
-    return roots
-
-
-def resolve_dataset_folder(folder: str, relative_to: str | None = None) -> Path:
-    """The real path of `folder` (relative paths are taken from `relative_to`, default ComfyUI's input
-    directory) if it lies inside an allowed root; otherwise a clear error. API clients of a shared
-    server can send any string, so `..`, absolute paths and symlinks are all resolved before checking."""
-    if not folder.strip():
-        raise ValueError("dataset folder is empty: give a folder inside ComfyUI's input directory, e.g. 'my_dataset'")
-    if any(ord(c) < 32 for c in folder):
-        raise ValueError(f"dataset folder {folder[:120]!r} contains control characters (a newline?): give a plain "
-                         "folder name inside ComfyUI's input directory")
-    candidate = os.path.join(relative_to or folder_paths.get_input_directory(), folder.strip())
-    roots = dataset_roots()
-    if any(folder_paths.is_within_directory(root, candidate) for root in roots):
-        return Path(os.path.realpath(candidate))
-    listed = ", ".join(display_path(root) for root in roots)
-    raise ValueError(
-        f"dataset folder {folder[:120]!r} is outside the folders this server reads datasets from ({listed}). "
-        f"Put the dataset inside ComfyUI's input directory, or have the server's owner add its parent folder to "
-        f"the {DATASET_ROOTS_ENV} environment variable ({os.pathsep!r}-separated absolute paths)."
-    )
-
-
-def _resolve_folders(folder: str, control_folder: str, mask_folder: str = "") -> tuple[Path, Path | None, Path | None]:
-    images = resolve_dataset_folder(folder)
-    control = resolve_dataset_folder(control_folder, relative_to=str(images.parent)) if control_folder.strip() else None
-    masks = resolve_dataset_folder(mask_folder, relative_to=str(images.parent)) if mask_folder.strip() else None
-    return images, control, masks
-
-
-# ---------------------------------------------------------------------------------------------------
-# Fingerprints and bookkeeping of ComfyUI encoders
-
-
-def _unpatched_state_dict(patcher) -> dict:
-    """The encoder's own weights. While a patcher has LoRA-style patches applied, the module holds the
-    patched weights and the originals sit in `patcher.backup`; the patches are fingerprinted apart."""
-    state = patcher.model.state_dict()
-    for key, saved in getattr(patcher, "backup", {}).items():
-        if key in state:
-            state[key] = saved.weight
-    return state
-
-
-def encoder_fingerprint(patcher) -> str:
-    parts = [fingerprint_state_dict(_unpatched_state_dict(patcher))]
-    if patcher.patches:
-        parts.append(fingerprint_value(patcher.patches))
-    return hashlib.sha256("|".join(parts).encode()).hexdigest()
-
-
-def unload_encoder(patcher, policy=None) -> None:
-    """Take the encoder (and its clones) off the compute device through ComfyUI's own accounting, unless the
-    policy keeps encoders loaded (then ComfyUI unloads them when it needs the room, as for stock nodes)."""
-    if getattr(policy, "encoders", None) == "keep_loaded":
-        return
-    comfy.model_management.unload_model_and_clones(patcher)
-
-
-def is_loaded(patcher) -> bool:
-    return any(
-        loaded.model is not None and loaded.model.clone_base_uuid == patcher.clone_base_uuid
-        for loaded in comfy.model_management.current_loaded_models
-    )
-
-
-class _ProgressBar:
-    """Forwards (done, total) to a ComfyUI ProgressBar made once the total is known."""
-
-    def __init__(self):
-        self.bar = None
-
-    def __call__(self, done: int, total: int) -> None:
-        if self.bar is None:
-            self.bar = comfy.utils.ProgressBar(total)
-        self.bar.update_absolute(done, total)
-
-
-def _unbatch(tensor: torch.Tensor) -> torch.Tensor:
-    # ComfyUI gives one prompt's conditioning tensors a leading batch dimension of 1.
-    return tensor[0] if tensor.ndim >= 1 and tensor.shape[0] == 1 else tensor
 
 
 def _policy_tooltip() -> str:
@@ -256,14 +97,14 @@ class HeadroomDatasetFromFolder(io.ComfyNode):
         # ComfyUI reuses a node's output while its inputs are unchanged; an edited caption or image must
         # make a new DATASET, so the folders' listings are part of the fingerprint.
         try:
-            return folder_signature(*_resolve_folders(folder, control_folder, mask_folder)) + repr(sorted(others.items()))
+            return folder_signature(*resolve_folders(folder, control_folder, mask_folder)) + repr(sorted(others.items()))
         except (OSError, ValueError) as error:
             return f"unresolved: {error}"
 
     @classmethod
     def execute(cls, folder: str, resolution: int, step: int, crop: str, flip: bool, seed: int,
                 skip_bad: bool, control_folder: str = "", mask_folder: str = "") -> io.NodeOutput:
-        images, control, masks = _resolve_folders(folder, control_folder, mask_folder)
+        images, control, masks = resolve_folders(folder, control_folder, mask_folder)
         dataset = dataset_from_folder(images, control, resolution=resolution, step=step, crop=crop, flip=flip,
                                       seed=seed, skip_bad=skip_bad, roots=tuple(map(Path, dataset_roots())),
                                       mask_folder=masks)
@@ -329,51 +170,8 @@ class HeadroomCacheLatents(io.ComfyNode):
     @classmethod
     def execute(cls, dataset, vae, control_encoding: str = "pixels", policy=None) -> io.NodeOutput:
         _check_policy("HeadroomCacheLatents", policy)
-        vae.throw_exception_if_invalid()
-        store = _open_store("latents")
-        options = {
-            "vae": type(vae.first_stage_model).__qualname__,
-            "dtype": str(vae.vae_dtype),
-            "output_dtype": str(vae.vae_output_dtype()),
-        }
-        recorder = PhaseRecorder(vae.device)
-        try:
-            with recorder.phase("caching latents"):
-                cache, report = cache_latents(
-                    dataset, store, vae.encode, encoder_fingerprint(vae.patcher), options,
-                    control_encoding=control_encoding, progress=_ProgressBar(),
-                    check_interrupt=comfy.model_management.throw_exception_if_processing_interrupted,
-                    downscale=_spatial_downscale(vae),
-                )
-        except (CacheStoreError, WriteError) as error:
-            raise _with_hint(error) from error
-        finally:
-            unload_encoder(vae.patcher, policy)
-        cache.memory_phases = recorder.phases  # a training run built on this cache starts its memory record with it
-        return io.NodeOutput(cache, report.summary())
-
-
-def _spatial_downscale(vae) -> int:
-    """Image px per latent px of a ComfyUI VAE (8; Flux.2: 16; 1 when it is not a plain number)."""
-    ratio = vae.spacial_compression_encode()
-    return ratio if isinstance(ratio, int) else 1
-
-
-# How captions are encoded: as CLIPTextEncode, or with each item's control image as the reference, exactly as a stock
-# edit text-encode node does (comfy_extras/nodes_qwen.py: the image's vision tokens join the prompt).
-REFERENCE_ENCODINGS = ("none", "TextEncodeQwenImageEdit", "TextEncodeQwenImageEditPlus")
-
-
-def encode_with_reference(encoding: str, clip, text: str, image: torch.Tensor, vae=None) -> list:
-    """The conditioning the stock node `encoding` makes of `text` and one reference image [1, H, W, 3] (with a vae,
-    the node appends the image's reference latent too)."""
-    from comfy_extras import nodes_qwen
-
-    if encoding == "TextEncodeQwenImageEdit":
-        return nodes_qwen.TextEncodeQwenImageEdit.execute(clip, text, vae, image).args[0]
-    if encoding == "TextEncodeQwenImageEditPlus":
-        return nodes_qwen.TextEncodeQwenImageEditPlus.execute(clip, text, vae, image).args[0]
-    raise ValueError(f"reference_encoding={encoding!r}: choose one of {', '.join(REFERENCE_ENCODINGS)}")
+        cache, summary = cache_vae_latents(dataset, vae, control_encoding, policy)
+        return io.NodeOutput(cache, summary)
 
 
 class HeadroomCacheText(io.ComfyNode):
@@ -416,57 +214,8 @@ class HeadroomCacheText(io.ComfyNode):
                              "its item's control image, but the dataset has none: give it the reference images as "
                              "control images (Dataset from Images' control_images, Dataset from Folder's "
                              "control_folder), or set reference_encoding to 'none'")
-        store = _open_store("text")
-        options = {
-            "text_encoder": type(clip.cond_stage_model).__qualname__,
-            "tokenizer": type(clip.tokenizer).__qualname__,
-            "layer_idx": clip.layer_idx,
-            "tokenizer_options": repr(sorted(clip.tokenizer_options.items())),
-        }
-        dropped: set[str] = set()
-
-        def encode(text: str) -> dict[str, torch.Tensor]:
-            # Exactly CLIPTextEncode: tokenize, then encode_from_tokens_scheduled -> [[cond, {extras}]].
-            return flatten(clip.encode_from_tokens_scheduled(clip.tokenize(text)))
-
-        def encode_reference(text: str, image: torch.Tensor) -> dict[str, torch.Tensor]:
-            return flatten(encode_with_reference(reference_encoding, clip, text, image.unsqueeze(0)))
-
-        def flatten(conditioning) -> dict[str, torch.Tensor]:
-            if len(conditioning) != 1:
-                raise ValueError(
-                    "HeadroomCacheText: this CLIP has scheduled hooks, which give one conditioning per keyframe; "
-                    "remove the hooks from the CLIP before caching"
-                )
-            cond, extras = conditioning[0]
-            tensors = {"cross_attn": _unbatch(cond)}
-            for name, value in extras.items():
-                if isinstance(value, torch.Tensor):
-                    tensors[name] = _unbatch(value)
-                elif value is not None:
-                    dropped.add(name)  # e.g. "hooks": a sampling-time feature, not part of the text embedding
-            return tensors
-
-        recorder = PhaseRecorder(clip.patcher.load_device)
-        try:
-            with recorder.phase("caching text"):
-                with_references = reference_encoding != "none"
-                cache, report = cache_text(
-                    [item.caption for item in dataset.items], store, encode, encoder_fingerprint(clip.patcher), options,
-                    progress=_ProgressBar(),
-                    check_interrupt=comfy.model_management.throw_exception_if_processing_interrupted,
-                    references=[item.control for item in dataset.items] if with_references else None,
-                    encode_with_reference=encode_reference if with_references else None,
-                    reference_encoding=reference_encoding if with_references else None,
-                )
-        except (CacheStoreError, WriteError) as error:
-            raise _with_hint(error) from error
-        finally:
-            unload_encoder(clip.patcher, policy)
-        cache.memory_phases = recorder.phases
-        if dropped:
-            report.warnings.append(f"non-tensor conditioning entries not cached: {', '.join(sorted(dropped))}")
-        return io.NodeOutput(cache, report.summary())
+        cache, summary = cache_clip_text(dataset, clip, policy, reference_encoding)
+        return io.NodeOutput(cache, summary)
 
 
 NODES = [HeadroomDatasetFromFolder, HeadroomDatasetFromImages, HeadroomCacheLatents, HeadroomCacheText]

@@ -11,9 +11,9 @@ from comfy_api.latest import io
 
 from ..training.core.objective import LOSS_TYPES, LOSS_WEIGHTINGS, TIMESTEP_SAMPLINGS
 from ..training.core.trainer import PRECISIONS
-from .comfy_bridge import WEIGHT_CHOICES
+from .bridge.comfy_bridge import WEIGHT_CHOICES
 from .io_types import LatentCacheType, LoraConfigType, OffloadPolicyType, OptimizerConfigType, TextCacheType
-from .run_lora import LORA_APPLICATIONS, REFERENCES
+from .bridge.run_lora import LORA_APPLICATIONS, REFERENCES
 
 DEFAULT_CHECKPOINT_MINUTES = 10.0
 

@@ -8,4 +8,4 @@ TextCacheType = io.Custom("TEXT_CACHE")  # training/data/cache_store.TextCache
 OffloadPolicyType = io.Custom("OFFLOAD_POLICY")  # training/memory/policy.OffloadPolicy
 LoraConfigType = io.Custom("LORA_CONFIG")  # training/core/adapters.AdapterConfig
 OptimizerConfigType = io.Custom("OPTIMIZER_CONFIG")  # training/core/optimizers.OptimizerConfig
-TrainingRunType = io.Custom("TRAINING_RUN")  # nodes/comfy_bridge.TrainingRun (a LoRA or a ControlNet run)
+TrainingRunType = io.Custom("TRAINING_RUN")  # nodes/bridge/comfy_bridge.TrainingRun (a LoRA or a ControlNet run)

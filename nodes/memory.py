@@ -1,4 +1,4 @@
-"""Offload policy and memory plan nodes (the ComfyUI side of describing a MODEL for the planner: nodes/planning.py).
+"""Offload policy and memory plan nodes (the ComfyUI side of describing a MODEL for the planner: nodes/bridge/planning.py).
 
 - HeadroomOffloadPolicy -> OFFLOAD_POLICY (training/memory/policy.py), consumed by the caching, training and
   validation nodes. Its inputs are the OffloadPolicy fields, each described by the NodeInput in its field's
@@ -14,18 +14,15 @@
 """
 from __future__ import annotations
 
-import torch
-
 from comfy_api.latest import io, ui
 
-from ..training.memory import planner
-from ..training.core.adapters import TARGET_MODES, AdapterConfig
+from ..training.core.adapters import TARGET_MODES
 from ..training.checks import check_finite
 from ..training.core.optimizers import OPTIMIZERS
 from ..training.memory.policy import GIB, NodeInput, OffloadPolicy, PolicyError
-from ..training.core.trainer import PRECISIONS, auto_precision
+from ..training.core.trainer import PRECISIONS
 from .io_types import OffloadPolicyType
-from .planning import available_device_bytes, budget_bytes, describe_comfy_model, lora_target_paths
+from .bridge.planning import available_device_bytes, plan_lora_run
 
 CATEGORY = "Headroom/memory"
 MODES = ("estimate", "auto")
@@ -121,22 +118,8 @@ class HeadroomMemoryPlan(io.ComfyNode):
         policy = policy if policy is not None else OffloadPolicy()
         if not isinstance(policy, OffloadPolicy):
             raise ValueError("HeadroomMemoryPlan: policy must come from a HeadroomOffloadPolicy node")
-        adapter = AdapterConfig(rank=rank, alpha=float(rank), targets=targets)
-        if precision == "auto":
-            precision = auto_precision(model.load_device)
-        try:
-            budget = budget_bytes(policy, torch.device(model.load_device))
-            paths = lora_target_paths(model, adapter)
-        except (PolicyError, ValueError) as error:
-            raise ValueError(f"HeadroomMemoryPlan: {error}") from None
-        description = describe_comfy_model(model, adapter, precision, text_tokens or None, clip, vae)
-        trainable = planner.TrainableSpec.lora([model.model.diffusion_model.get_submodule(p) for p in paths], rank,
-                                               optimizer)
-        shape = planner.RunShape(batch_size, width, height, text_tokens or None)
-        if mode == "auto":
-            plan = planner.plan_auto(description, trainable, shape, policy, budget)
-        else:
-            plan = planner.estimate(description, trainable, shape, policy, budget)
+        plan = plan_lora_run(model, policy, mode, batch_size, width, height, rank, targets, optimizer, precision,
+                             text_tokens, clip, vae, node="HeadroomMemoryPlan")
         text = plan.to_text()
         return io.NodeOutput(text, plan.to_json(), plan.policy, ui=ui.PreviewText(text))
 

@@ -3,28 +3,28 @@
 Modular graph:  OptimizerConfig + MODEL + caches (with control images) -> TrainControlNetInit -> TrainSteps(N)
                 -> Validate / SaveControlNet
 The run is the same TRAINING_RUN as a LoRA run (same engine, run directory, resume, cancel, events); what
-is trained is a ControlNet of ComfyUI's own class (nodes/controlnet_build.py) next to a clone of the frozen
-MODEL (nodes/run_controlnet.py).
+is trained is a ControlNet of ComfyUI's own class (nodes/bridge/controlnet_build.py) next to a clone of the frozen
+MODEL (nodes/bridge/run_controlnet.py).
 """
 from __future__ import annotations
 
 from comfy_api.latest import io, ui
 
 from ..training.checks import check_finite
-from ..training.data.files import prune_temp
 from ..training.core.optimizers import OptimizerConfig
 from ..training.core.run_dir import RunFolderError, check_name, check_subfolder
-from .comfy_bridge import TrainingRun, check_run_kind
-from .comfy_model import check_caches
-from .controlnet_build import check_control_cache, controlnet_type_name
-from .families import CONTROLNET_TYPES
+from .bridge.comfy_bridge import TrainingRun, check_run_kind
+from .bridge.comfy_model import check_caches
+from .bridge.controlnet_build import check_control_cache, controlnet_type_name
+from .bridge.families import CONTROLNET_TYPES
 from .inputs import (DEFAULT_CHECKPOINT_MINUTES, added_train_inputs, checkpoint_inputs, model_and_caches,
                      optimizer_config_input, policy_input, run_name_input, schedule_inputs, training_settings,
                      validation_inputs, weights_input)
 from .io_types import TrainingRunType
-from .run_controlnet import ControlNetRunConfig, open_controlnet_run
-from .train_lora import (CATEGORY, SAVED_KEY, listed_name, models_file, resolve_policy, run_fingerprint, runs_root,
-                         saved_file, train_config, train_validate_save)
+from .bridge.run_controlnet import ControlNetRunConfig, open_controlnet_run
+from .bridge.model_files import runs_root, save_trained_controlnet
+from .bridge.run_settings import resolve_policy, run_fingerprint, train_config
+from .train_lora import CATEGORY, SAVED_KEY, saved_file, train_validate_save
 
 
 def start_controlnet_run(model, latent_cache, text_cache, optimizer_config, run_name, seed, batch_size,
@@ -113,14 +113,6 @@ class HeadroomTrainControlNetInit(io.ComfyNode):
 
 
 # --- save -------------------------------------------------------------------------------------------------
-def save_trained_controlnet(run: TrainingRun, subfolder: str, filename: str, weights: str = "auto") -> str:
-    """Write the ControlNet under models/controlnet/<subfolder>/ atomically; returns the name ControlNetLoader lists."""
-    controlnet = run.trained_as("controlnet")
-    root, path = models_file("controlnet", subfolder, filename, run, "ControlNet")
-    with run.phase("save"):
-        prune_temp(path.parent)  # what a killed save left in that folder
-        controlnet.save(run, path, weights)
-    return listed_name("controlnet", root, path)
 
 
 class HeadroomSaveControlNet(io.ComfyNode):

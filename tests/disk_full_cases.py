@@ -41,8 +41,8 @@ class Context:
         """What a scenario may touch: its run folder, the LoRA subfolder it saves to, the cache."""
         import folder_paths
 
-        from headroom.nodes.cache import cache_root
-        from headroom.nodes.train_lora import runs_root
+        from headroom.nodes.bridge.cache_folders import cache_root
+        from headroom.nodes.bridge.model_files import runs_root
 
         loras = pathlib.Path(folder_paths.get_folder_paths("loras")[0]) / "disk_full"
         return [runs_root() / self.state["tag"], loras, cache_root()]
@@ -217,7 +217,7 @@ def run_on_tmpfs(state: dict, args: dict, log) -> None:
 
     import folder_paths
 
-    from headroom.nodes.cache import CACHE_FOLDER_NAME
+    from headroom.nodes.bridge.cache_folders import CACHE_FOLDER_NAME
 
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.unshare(0x00020000) != 0:  # CLONE_NEWNS: mounts made here stay in this process

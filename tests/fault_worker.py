@@ -59,7 +59,7 @@ def setup(base: str) -> None:
 
     import headroom.nodes  # noqa: F401  (registers the cache folder)
     from headroom.nodes import data as data_nodes
-    from headroom.nodes.tiny_models import build_tiny_models
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
     from test_train_lora_nodes import _data
 
     torch.set_num_threads(1)
@@ -78,10 +78,11 @@ def job_cache(args: dict, log) -> None:
     import torch
 
     from headroom.nodes import cache as C
+    from headroom.nodes.bridge.cache_folders import CACHE_FOLDER_NAME
     from headroom.training.data import cache_store
 
     cache_store.COMMIT_SECONDS = args["commit_seconds"]
-    folder_paths.folder_names_and_paths[C.CACHE_FOLDER_NAME] = ([args["cache_dir"]], set())
+    folder_paths.folder_names_and_paths[CACHE_FOLDER_NAME] = ([args["cache_dir"]], set())
     count = args["items"]
     vae = STATE["vae"]
     real_encode = vae.encode
@@ -104,7 +105,7 @@ def job_cache(args: dict, log) -> None:
 def job_train(args: dict, log) -> None:
     import torch
 
-    from headroom.nodes import comfy_bridge
+    from headroom.nodes.bridge import comfy_bridge
     from headroom.nodes import train_lora as T
     from test_train_lora_nodes import _init
 

@@ -81,7 +81,7 @@ def _write(name: str, state: dict, metadata: dict) -> str:
 def _full_depth_files(arch: str, patcher, dm, targets: list[str]) -> dict:
     """Headroom's adapter on every target of the full-depth meta model, saved in each format, through the stock
     loader on that model."""
-    from headroom.nodes import lora_formats
+    from headroom.nodes.bridge import lora_formats
     from headroom.training.core.adapters import AdapterConfig, AdapterSet
 
     adapters = AdapterSet(dm, targets, AdapterConfig(kind="lora", rank=1, alpha=1.0))
@@ -113,8 +113,8 @@ def full_depth(arch: str) -> tuple[object, dict]:
     import comfy.model_detection
     import comfy.supported_models
     import realsize_models as R
-    from headroom.nodes import families, lora_formats
-    from headroom.nodes.comfy_model import training_blocks
+    from headroom.nodes.bridge import families, lora_formats
+    from headroom.nodes.bridge.comfy_model import training_blocks
     from headroom.training.core.adapters import AdapterConfig
 
     ours = R.unet_config(arch)
@@ -144,6 +144,7 @@ def full_depth(arch: str) -> tuple[object, dict]:
 def reduced_depth(arch: str, depth, report: dict, size: int = 64, steps: int = 1) -> None:
     import realsize_models as R
     from headroom.nodes import cache as cache_nodes
+    from headroom.nodes.bridge.cache_folders import open_store
     from headroom.nodes import data as data_nodes
     from headroom.nodes import train_lora as T
     from headroom.training.data.cache_store import cache_text
@@ -174,7 +175,7 @@ def reduced_depth(arch: str, depth, report: dict, size: int = 64, steps: int = 1
             latents = cache_nodes.HeadroomCacheLatents.execute(dataset, vae).args[0]
         report["phases"].append(peak.record("caching latents"))
         report["latent_shape"] = list(latents.latent(0).shape)
-        texts, _ = cache_text(caption_text.splitlines(), cache_nodes._open_store("text"), encode,
+        texts, _ = cache_text(caption_text.splitlines(), open_store("text"), encode,
                               f"random-{arch}-{context}", {"tokens": spec["text_tokens"]})
         lora = T.HeadroomLoraConfig.execute("lora", 16, 16.0, "preset", False, 0.0, 0).args[0]
         optimizer = T.HeadroomOptimizerConfig.execute("AdamW", 1e-4, 0.0, "constant", 0, 100).args[0]

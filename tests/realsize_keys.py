@@ -59,7 +59,7 @@ def _full_depth_model(arch: str):
 
 def _names(model, paths, family: str) -> dict[str, list[str]]:
     """{format: the file's layer names} for these module paths, as HeadroomSaveLora names them."""
-    from headroom.nodes import lora_formats
+    from headroom.nodes.bridge import lora_formats
 
     patcher = types.SimpleNamespace(model=model)
     names = {"comfyui": [f"diffusion_model.{p}" for p in paths],
@@ -76,7 +76,7 @@ def _save_and_load(patcher, adapters, paths, family: str, arch: str) -> dict:
     import nodes
     from safetensors.torch import save_file
 
-    from headroom.nodes import lora_formats
+    from headroom.nodes.bridge import lora_formats
 
     folder = pathlib.Path(folder_paths.get_folder_paths("loras")[0]) / "realsize_keys"
     folder.mkdir(parents=True, exist_ok=True)
@@ -107,8 +107,8 @@ def _reduced(arch: str, depth, adapter) -> dict:
     """Steps 1 and 2 (module docstring) at real width."""
     import realsize_models as R
 
-    from headroom.nodes import families
-    from headroom.nodes.planning import lora_target_paths
+    from headroom.nodes.bridge import families
+    from headroom.nodes.bridge.planning import lora_target_paths
     from headroom.training.core.adapters import AdapterSet
 
     with torch.inference_mode():  # as ComfyUI's loaders make models
@@ -128,8 +128,8 @@ def run(arch: str, depth, meta_only: bool = False) -> dict:
     W.setup()
     import comfy.lora
 
-    from headroom.nodes import families
-    from headroom.nodes.comfy_model import model_blocks
+    from headroom.nodes.bridge import families
+    from headroom.nodes.bridge.comfy_model import model_blocks
     from headroom.training.core.adapters import AdapterConfig
 
     started = time.perf_counter()

@@ -331,11 +331,11 @@ def _oft_run(model, clip, latents, texts, case: str) -> dict:
 
 
 def replace_case(arch: str, depth) -> dict:
-    """nodes/comfy_model.replace_inference_tensors on a real-size model made under inference mode (as ComfyUI's
+    """nodes/bridge/comfy_model.replace_inference_tensors on a real-size model made under inference mode (as ComfyUI's
     loaders make it): peak RSS growth against the model's weight bytes."""
     setup()
     import realsize_models as R
-    from headroom.nodes.comfy_model import replace_inference_tensors
+    from headroom.nodes.bridge.comfy_model import replace_inference_tensors
 
     with torch.inference_mode():
         model = R.build_model(arch, depth)
@@ -351,7 +351,7 @@ def replace_case(arch: str, depth) -> dict:
 
 def estimate(model, clip, vae, size: int, texts, latents, lora) -> dict:
     """The planner's estimate per phase for this run's shape, with and without gradient checkpointing."""
-    from headroom.nodes.planning import describe_comfy_model, lora_target_paths
+    from headroom.nodes.bridge.planning import describe_comfy_model, lora_target_paths
     from headroom.training.memory import planner
     from headroom.training.memory.policy import OffloadPolicy
 

@@ -5,7 +5,7 @@
 What it trains, all through ComfyUI's own classes (the same objects HeadroomTinyModel returns, so the weights
 load back into them exactly):
 
-1. The VAE (ComfyUI's AutoencoderKL, the tiny config of nodes/tiny_models.py) as a plain autoencoder on the
+1. The VAE (ComfyUI's AutoencoderKL, the tiny config of nodes/bridge/tiny_models.py) as a plain autoencoder on the
    mean latent (ComfyUI encodes with the mean), with a little latent noise so the decoder tolerates what a
    denoiser produces. It sees shapes in the six palette colours and in random colours: it is the codec and
    never reads a caption. Its latents are then renormalised per channel (folded into quant_conv /
@@ -310,7 +310,7 @@ def main(argv=None) -> None:
     torch.manual_seed(args.seed)
     _import_comfyui_and_headroom()
     import safetensors.torch
-    from headroom.nodes.tiny_models import build_tiny_models
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
 
     start = time.monotonic()
     with torch.inference_mode(False):

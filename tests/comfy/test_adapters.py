@@ -114,9 +114,9 @@ def test_export_is_reproduced_by_comfyui_lora_loading(comfyui, kind, rank):
 
 @pytest.mark.comfyui
 def test_family_presets_pick_the_documented_layers(comfyui):
-    from headroom.nodes import families
-    from headroom.nodes.comfy_model import model_blocks, model_family
-    from headroom.nodes.tiny_models import build_tiny_model_patcher
+    from headroom.nodes.bridge import families
+    from headroom.nodes.bridge.comfy_model import model_blocks, model_family
+    from headroom.nodes.bridge.tiny_models import build_tiny_model_patcher
 
     picked = {}
     for family in ("sd15", "sd2", "sdxl", "sd3", "flux", "flux2", "chroma", "zimage", "qwen_image",

@@ -69,7 +69,7 @@ def cache_both(dataset, vae, clip, **latent_options):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_cached_values_equal_stock_vae_encode_and_clip_text_encode(cache_dir, family):
     import nodes
-    from headroom.nodes.tiny_models import build_tiny_models
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
 
     _, clip, vae = build_tiny_models(family, seed=0)
     data, dataset = synthetic_dataset(count=3)
@@ -97,7 +97,7 @@ def test_a_16x_vae_caches_its_own_latent_size_and_refuses_buckets_it_would_crop(
     multiple of 8 but not of 16 is refused before any encoding (the VAE would crop it silently)."""
     import nodes
     from headroom.nodes.cache import HeadroomCacheLatents, HeadroomDatasetFromImages
-    from headroom.nodes.tiny_models import build_tiny_vae
+    from headroom.nodes.bridge.tiny_models import build_tiny_vae
     from headroom.training.data.dataset import DatasetError
     from headroom.training.data.synthetic import generate_shapes
 
@@ -117,7 +117,7 @@ def test_a_16x_vae_caches_its_own_latent_size_and_refuses_buckets_it_would_crop(
 
 def test_rerun_hits_the_cache_without_loading_or_calling_encoders(cache_dir, monkeypatch):
     import comfy.model_management as mm
-    from headroom.nodes.tiny_models import build_tiny_models
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
 
     _, clip, vae = build_tiny_models("sd15", seed=0)
     _, dataset = synthetic_dataset(count=4)
@@ -137,8 +137,8 @@ def test_rerun_hits_the_cache_without_loading_or_calling_encoders(cache_dir, mon
 
 
 def test_encoders_leave_the_compute_device_when_caching_ends(cache_dir, monkeypatch):
-    from headroom.nodes.cache import is_loaded
-    from headroom.nodes.tiny_models import build_tiny_models
+    from headroom.nodes.bridge.encoders import is_loaded
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
 
     _, clip, vae = build_tiny_models("sd15", seed=0)
     _, dataset = synthetic_dataset(count=2)
@@ -156,7 +156,7 @@ def test_caching_nodes_refuse_something_that_is_no_policy(cache_dir):
     """The caching nodes use the policy's encoders setting (test_train_lora_nodes: keep_loaded / unload_after_use);
     anything else on the policy input is named before an encoder loads or a cache is written."""
     from headroom.nodes.cache import HeadroomCacheLatents, HeadroomCacheText
-    from headroom.nodes.tiny_models import build_tiny_models
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
 
     _, clip, vae = build_tiny_models("sd15", seed=0)
     _, dataset = synthetic_dataset(count=2)
@@ -170,7 +170,7 @@ def test_caching_nodes_refuse_something_that_is_no_policy(cache_dir):
 def test_editing_one_caption_reencodes_exactly_that_item(cache_dir, monkeypatch, tmp_path):
     import folder_paths
     from headroom.nodes.cache import HeadroomDatasetFromFolder
-    from headroom.nodes.tiny_models import build_tiny_models
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
     from headroom.training.data.synthetic import generate_shapes
 
     name = f"captions_{tmp_path.name}"
@@ -198,7 +198,7 @@ def test_editing_one_caption_reencodes_exactly_that_item(cache_dir, monkeypatch,
 
 def test_corrupt_shard_is_detected_and_rebuilt(cache_dir, monkeypatch):
     import nodes
-    from headroom.nodes.tiny_models import build_tiny_models
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
 
     _, clip, vae = build_tiny_models("sd15", seed=0)
     data, dataset = synthetic_dataset(count=4)
@@ -222,8 +222,9 @@ def test_cancel_mid_caching_then_resume(cache_dir, monkeypatch):
     import comfy.model_management as mm
     import comfy.utils
     import nodes
-    from headroom.nodes.cache import HeadroomCacheLatents, is_loaded
-    from headroom.nodes.tiny_models import build_tiny_models
+    from headroom.nodes.bridge.encoders import is_loaded
+    from headroom.nodes.cache import HeadroomCacheLatents
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
 
     _, _, vae = build_tiny_models("sd15", seed=0)
     data, dataset = synthetic_dataset(count=6)
@@ -266,7 +267,7 @@ def test_folder_dataset_with_control_images_cached_as_pixels_or_latents(cache_di
     import folder_paths
     import nodes
     from headroom.nodes.cache import HeadroomCacheLatents, HeadroomDatasetFromFolder
-    from headroom.nodes.tiny_models import build_tiny_models
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
     from headroom.training.data.buckets import apply_crop, plan_crop
     from headroom.training.data.synthetic import generate_shapes
 
@@ -320,8 +321,9 @@ def test_dataset_folders_must_stay_inside_allowed_roots(comfyui, tmp_path, monke
 
 def test_bad_inputs_give_clear_errors(cache_dir, comfyui, tmp_path):
     import folder_paths
-    from headroom.nodes.cache import HeadroomCacheLatents, HeadroomDatasetFromFolder, HeadroomDatasetFromImages, is_loaded
-    from headroom.nodes.tiny_models import build_tiny_models
+    from headroom.nodes.bridge.encoders import is_loaded
+    from headroom.nodes.cache import HeadroomCacheLatents, HeadroomDatasetFromFolder, HeadroomDatasetFromImages
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
     from headroom.training.data.cache_store import CacheStoreError
     from headroom.training.data.dataset import DatasetError
 
@@ -350,7 +352,7 @@ def test_bad_inputs_give_clear_errors(cache_dir, comfyui, tmp_path):
 def test_cache_folder_is_registered_and_extra_model_paths_can_move_it(comfyui, tmp_path):
     import folder_paths
     import utils.extra_config
-    from headroom.nodes import cache
+    from headroom.nodes.bridge import cache_folders
 
     saved = folder_paths.folder_names_and_paths.pop("headroom_cache")
     try:
@@ -358,11 +360,11 @@ def test_cache_folder_is_registered_and_extra_model_paths_can_move_it(comfyui, t
         config = tmp_path / "extra_model_paths.yaml"
         config.write_text(f"headroom:\n  headroom_cache: {tmp_path / 'big_disk'}\n")
         utils.extra_config.load_extra_path_config(str(config))
-        cache.register_cache_folder()
-        assert cache.cache_root() == tmp_path / "big_disk"
+        cache_folders.register_cache_folder()
+        assert cache_folders.cache_root() == tmp_path / "big_disk"
         folder_paths.folder_names_and_paths.pop("headroom_cache")
-        cache.register_cache_folder()  # without the yaml entry: <models>/headroom_cache
-        assert cache.cache_root() == Path(folder_paths.models_dir) / "headroom_cache"
+        cache_folders.register_cache_folder()  # without the yaml entry: <models>/headroom_cache
+        assert cache_folders.cache_root() == Path(folder_paths.models_dir) / "headroom_cache"
     finally:
         folder_paths.folder_names_and_paths["headroom_cache"] = saved
 
@@ -387,8 +389,8 @@ def test_node_schemas(headroom_nodes):
 def test_fingerprint_sees_lora_patches_but_not_whether_they_are_applied(comfyui):
     import comfy.model_management as mm
     import nodes
-    from headroom.nodes.cache import encoder_fingerprint, unload_encoder
-    from headroom.nodes.tiny_models import build_tiny_models
+    from headroom.nodes.bridge.encoders import encoder_fingerprint, unload_encoder
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
 
     _, clip, _ = build_tiny_models("sd15", seed=0)
     plain = encoder_fingerprint(clip.patcher)
@@ -418,11 +420,11 @@ def test_graph_through_comfyui_executor_reruns_only_what_an_edited_caption_chang
     import execution
     import folder_paths
     import nodes
-    from headroom.nodes import cache, tiny_models
-    from headroom.nodes.cache import is_loaded
+    from headroom.nodes import cache, tiny
+    from headroom.nodes.bridge.encoders import is_loaded
     from headroom.training.data.synthetic import generate_shapes
 
-    for node in cache.NODES + tiny_models.NODES:
+    for node in cache.NODES + tiny.NODES:
         monkeypatch.setitem(nodes.NODE_CLASS_MAPPINGS, node.GET_SCHEMA().node_id, node)
     folder = Path(folder_paths.get_input_directory()) / f"graph_{tmp_path.name}"
     folder.mkdir()

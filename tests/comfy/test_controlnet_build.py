@@ -19,7 +19,7 @@ FLUX_SMALL_HEADS = {"image_model": "flux", "in_channels": 16, "out_channels": 16
 def _patcher(model_config, seed=0):
     """A base MODEL of a given config with seeded weights, built like the tiny models."""
     import comfy.model_patcher
-    from headroom.nodes.tiny_models import init_weights_
+    from headroom.nodes.bridge.tiny_models import init_weights_
 
     model = model_config.get_model({}, "", device="cpu")
     init_weights_(model.diffusion_model, seed)
@@ -35,7 +35,7 @@ def _control_image(size=64):
 def _sample(model, clip, vae, family, control=None, strength=1.0):
     """KSampler + VAEDecode under inference mode (as ComfyUI runs nodes); control = a CONTROL_NET or None."""
     import nodes
-    from headroom.nodes.controlnet_build import apply_controlnet
+    from headroom.nodes.bridge.controlnet_build import apply_controlnet
 
     with torch.inference_mode():
         positive = nodes.CLIPTextEncode().encode(clip, "a white box")[0]
@@ -60,7 +60,7 @@ def _stock_roundtrip(comfyui, controlnet, name):
     """Save into the throw-away base's models/controlnet and load with the stock ControlNetLoader node."""
     import folder_paths
     import nodes
-    from headroom.nodes.controlnet_build import save_controlnet
+    from headroom.nodes.bridge.controlnet_build import save_controlnet
 
     folder = folder_paths.get_folder_paths("controlnet")[0]
     exported = save_controlnet(controlnet, f"{folder}/headroom-test/{name}.safetensors", {"steps": 0})
@@ -70,8 +70,8 @@ def _stock_roundtrip(comfyui, controlnet, name):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_untrained_controlnet_leaves_sampling_unchanged(comfyui, family):
-    from headroom.nodes.controlnet_build import build_controlnet, comfy_controlnet
-    from headroom.nodes.tiny_models import build_tiny_models
+    from headroom.nodes.bridge.controlnet_build import build_controlnet, comfy_controlnet
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
 
     model, clip, vae = build_tiny_models(family, seed=0)
     base_before = {k: v.clone() for k, v in model.model.diffusion_model.state_dict().items()}
@@ -89,8 +89,8 @@ def test_untrained_controlnet_leaves_sampling_unchanged(comfyui, family):
 
 
 def test_controlnet_copies_the_base(comfyui):
-    from headroom.nodes.controlnet_build import build_controlnet
-    from headroom.nodes.tiny_models import build_tiny_models
+    from headroom.nodes.bridge.controlnet_build import build_controlnet
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
 
     for family, copied in (("sd15", "input_blocks.1.1.proj_in.weight"), ("sd3", "joint_blocks.0.x_block.attn.qkv.weight"),
                            ("flux", "double_blocks.0.img_attn.qkv.weight")):
@@ -106,8 +106,8 @@ def test_sd3_controlnet_of_all_joint_blocks_round_trips(comfyui, tmp_path):
     """All joint blocks: the base's last one is "pre-only" (fewer context layers), and ComfyUI's key map
     swaps that block's context modulation halves; the file must still load back weight for weight."""
     import comfy.controlnet
-    from headroom.nodes.controlnet_build import build_controlnet, save_controlnet
-    from headroom.nodes.tiny_models import build_tiny_models
+    from headroom.nodes.bridge.controlnet_build import build_controlnet, save_controlnet
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
 
     sd3 = build_controlnet(build_tiny_models("sd3")[0], blocks=2)
     assert sd3.blocks == 2 and len(sd3.module.joint_blocks) == 2
@@ -124,9 +124,9 @@ def test_sd3_controlnet_of_all_joint_blocks_round_trips(comfyui, tmp_path):
 def test_saved_controlnet_through_stock_nodes_reproduces_in_memory(comfyui, case):
     import comfy.controlnet
     import comfy.supported_models_base
-    from headroom.nodes.controlnet_build import build_controlnet, comfy_controlnet
-    from headroom.nodes.families.sd15 import _TINY_UNET as _UNET_SD15
-    from headroom.nodes.tiny_models import build_tiny_models
+    from headroom.nodes.bridge.controlnet_build import build_controlnet, comfy_controlnet
+    from headroom.nodes.bridge.families.sd15 import _TINY_UNET as _UNET_SD15
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
 
     family = {"unet-cldm": "sd15"}.get(case, case)
     model, clip, vae = build_tiny_models(family, seed=0)
@@ -159,8 +159,8 @@ def test_saved_controlnet_through_stock_nodes_reproduces_in_memory(comfyui, case
 def test_saved_file_metadata(comfyui, tmp_path):
     from safetensors import safe_open
 
-    from headroom.nodes.controlnet_build import build_controlnet, save_controlnet
-    from headroom.nodes.tiny_models import build_tiny_models
+    from headroom.nodes.bridge.controlnet_build import build_controlnet, save_controlnet
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
 
     controlnet = build_controlnet(build_tiny_models("sd3")[0])
     path = tmp_path / "cn.safetensors"
@@ -177,7 +177,7 @@ def test_flux_geometry_the_stock_loader_cannot_detect_is_reported(comfyui, tmp_p
     import comfy.supported_models
     from safetensors import safe_open
 
-    from headroom.nodes.controlnet_build import build_controlnet, save_controlnet
+    from headroom.nodes.bridge.controlnet_build import build_controlnet, save_controlnet
 
     controlnet = build_controlnet(_patcher(comfy.supported_models.Flux(dict(FLUX_SMALL_HEADS))))
     exported = save_controlnet(controlnet, tmp_path / "flux.safetensors")
@@ -194,8 +194,8 @@ def test_flux_geometry_the_stock_loader_cannot_detect_is_reported(comfyui, tmp_p
     ("sd3", -1, "blocks=-1"),
 ])
 def test_bad_block_counts(comfyui, family, blocks, message):
-    from headroom.nodes.controlnet_build import ControlNetError, build_controlnet
-    from headroom.nodes.tiny_models import build_tiny_models
+    from headroom.nodes.bridge.controlnet_build import ControlNetError, build_controlnet
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
 
     with pytest.raises(ControlNetError, match=message):
         build_controlnet(build_tiny_models(family)[0], blocks=blocks)
@@ -203,7 +203,7 @@ def test_bad_block_counts(comfyui, family, blocks, message):
 
 def test_unsupported_family_lists_the_supported_ones(comfyui):
     import comfy.supported_models
-    from headroom.nodes.controlnet_build import ControlNetError, build_controlnet
+    from headroom.nodes.bridge.controlnet_build import ControlNetError, build_controlnet
 
     aura = comfy.supported_models.AuraFlow({"max_seq": 16, "cond_seq_dim": 32, "patch_size": 2, "in_channels": 4,
                                              "dim": 32, "global_conddim": 32, "n_layers": 2, "n_double_layers": 1,
@@ -218,9 +218,10 @@ def test_init_refuses_every_family_without_a_controlnet_layout_naming_it_and_the
     (cldm for the UNets, SD3's, Flux's XLabs); the others (Flux.2, Chroma, Z-Image, HiDream, HunyuanImage: ComfyUI has
     none, or only model patches; Qwen-Image: its InstantX / Fun layouts, not trained yet) are refused at Init, before
     any cache is read, naming the family."""
-    from headroom.nodes import families, train_controlnet as TC, train_lora as T
-    from headroom.nodes.controlnet_build import controlnet_type_name
-    from headroom.nodes.tiny_models import build_tiny_model_patcher
+    from headroom.nodes import train_controlnet as TC, train_lora as T
+    from headroom.nodes.bridge import families
+    from headroom.nodes.bridge.controlnet_build import controlnet_type_name
+    from headroom.nodes.bridge.tiny_models import build_tiny_model_patcher
 
     with torch.inference_mode():
         optimizer = T.HeadroomOptimizerConfig.execute("AdamW", 1e-4, 0.0, "constant", 0, 10).args[0]

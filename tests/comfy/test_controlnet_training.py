@@ -14,8 +14,8 @@ torch.set_num_threads(2)
 def _caches(family, count=9, seed=0, control=True, encoding=None):
     """(model, clip, vae, latent cache, text cache) of synthetic shapes, through the caching nodes."""
     from headroom.nodes import cache as cache_nodes
-    from headroom.nodes.families import controlnet_type_of
-    from headroom.nodes.tiny_models import build_tiny_models
+    from headroom.nodes.bridge.families import controlnet_type_of
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
     from headroom.training.data.synthetic import generate_shapes
 
     model, clip, vae = build_tiny_models(family, seed)
@@ -52,9 +52,9 @@ def test_training_forward_is_the_stock_apply_path(comfyui, family):
     import comfy.model_management
     import comfy.samplers
     import nodes
-    from headroom.nodes import controlnet_build as build
-    from headroom.nodes.tiny_models import build_tiny_models
-    from headroom.nodes.run_controlnet import ControlNetDenoiser
+    from headroom.nodes.bridge import controlnet_build as build
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
+    from headroom.nodes.bridge.run_controlnet import ControlNetDenoiser
     from headroom.training.memory.checkpointing import wrap_blocks
 
     model, clip, vae = build_tiny_models(family)
@@ -120,7 +120,7 @@ def _control_following(run, clip, latent_cache, vae=None, control_pixels=None):
     apply node takes it (the cache holds the control's latents).
     """
     import nodes
-    from headroom.nodes.controlnet_build import apply_controlnet
+    from headroom.nodes.bridge.controlnet_build import apply_controlnet
 
     targets = torch.stack([latent_cache.latent(i).float() for i in range(len(latent_cache))]).double()
     centred_targets = (targets - targets.mean(0)).flatten(1)

@@ -59,7 +59,7 @@ def init(model, latents, texts, name, reference="control latents", rank=16, lr=1
 
 
 def tiny(family):
-    from headroom.nodes.tiny_models import build_tiny_models
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
 
     with torch.inference_mode():
         return build_tiny_models(family, 0)
@@ -77,7 +77,7 @@ def high_noise_error(run, reference_of, sigma=0.9) -> float:
     """Mean squared error of the trained model's x0 estimate of every item at a high noise level (where the noisy
     latent shows little of the target, so the estimate rests on the conditioning), each item given item
     `reference_of[i]`'s cached reference. Fixed noise."""
-    from headroom.nodes.comfy_model import REFERENCE_LATENTS
+    from headroom.nodes.bridge.comfy_model import REFERENCE_LATENTS
 
     trainer, cache = run.trainer, run.latent_cache
     items = list(run.train_items)
@@ -271,7 +271,7 @@ def test_bad_inputs_fail_clearly(comfyui):
 
 def test_caption_dropout_keeps_the_reference(comfyui):
     """An item whose prompt is dropped still carries its own reference (as a ControlNet run keeps its control)."""
-    from headroom.nodes.comfy_model import REFERENCE_LATENTS
+    from headroom.nodes.bridge.comfy_model import REFERENCE_LATENTS
 
     model, clip, vae = tiny("flux")
     latents, texts = cached(clip, vae)

@@ -35,7 +35,7 @@ def test_bad_decay_is_refused():
 def test_node_run_keeps_the_closed_form_ema_resumes_it_and_saves_it(comfyui):
     import nodes
     from headroom.nodes import train_lora as T
-    from headroom.nodes.tiny_models import build_tiny_models
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
     from test_train_lora_nodes import _data, _init
 
     decay = 0.7

@@ -1,4 +1,4 @@
-"""The family registry (nodes/families/): one module per family, recognised from ComfyUI's own model classes exactly
+"""The family registry (nodes/bridge/families/): one module per family, recognised from ComfyUI's own model classes exactly
 as the scattered rules it replaced recognised them, with the names stored in run folders and files unchanged."""
 import pytest
 import torch
@@ -7,7 +7,7 @@ pytestmark = pytest.mark.comfyui
 
 
 def _old_model_family(model):
-    """The LoRA family rule before the registry (nodes/comfy_bridge.model_family), kept here as the reference."""
+    """The LoRA family rule before the registry (nodes/bridge/comfy_bridge.model_family), kept here as the reference."""
     import comfy.model_base
 
     if isinstance(model, comfy.model_base.Flux) and not isinstance(model, comfy.model_base.Flux2):
@@ -27,7 +27,7 @@ SPLIT_OFF = {"sd2": "sd15", "chroma": "flux"}
 
 def _models():
     """{name: ModelPatcher}: the tiny model of every family."""
-    from headroom.nodes.tiny_models import FAMILIES, build_tiny_model_patcher
+    from headroom.nodes.bridge.tiny_models import FAMILIES, build_tiny_model_patcher
 
     return {family: build_tiny_model_patcher(family, 0) for family in FAMILIES}
 
@@ -35,7 +35,7 @@ def _models():
 def test_one_module_per_family(comfyui):
     import pathlib
 
-    from headroom.nodes import families
+    from headroom.nodes.bridge import families
 
     folder = pathlib.Path(families.__file__).parent
     modules = sorted(p.stem for p in folder.glob("*.py") if p.stem not in ("__init__", "base"))
@@ -48,8 +48,8 @@ def test_one_module_per_family(comfyui):
 
 
 def test_recognition_is_the_rule_it_replaced(comfyui):
-    from headroom.nodes import families
-    from headroom.nodes.comfy_model import ComfyDenoiser, model_family
+    from headroom.nodes.bridge import families
+    from headroom.nodes.bridge.comfy_model import ComfyDenoiser, model_family
 
     models = _models()
     assert sorted(models) == sorted(families.FAMILIES)  # every family has a tiny model
@@ -76,7 +76,7 @@ def test_zimage_is_not_plain_lumina2(comfyui):
     model, so no zimage LoRA preset for it. The pixel-space Z-Image is another module class: not zimage either."""
     import comfy.supported_models
 
-    from headroom.nodes import families
+    from headroom.nodes.bridge import families
 
     lumina = {"image_model": "lumina2", "patch_size": 2, "in_channels": 16, "dim": 256, "cap_feat_dim": 32,
               "n_layers": 1, "n_refiner_layers": 1, "qk_norm": True, "n_heads": 2, "n_kv_heads": 1,
@@ -88,7 +88,7 @@ def test_zimage_is_not_plain_lumina2(comfyui):
 
 
 def test_family_facts_are_the_tables_they_replaced(comfyui):
-    from headroom.nodes import families, lora_formats
+    from headroom.nodes.bridge import families, lora_formats
 
     assert {f.name: f.text_tokens for f in families.FAMILIES.values()} == {
         "sd15": 77, "sd2": 77, "sdxl": 77, "sd3": 154, "flux": 256, "flux2": 512, "chroma": 256, "zimage": 128,
@@ -110,7 +110,7 @@ def test_family_facts_are_the_tables_they_replaced(comfyui):
 
 
 def test_a_model_of_no_family_trains_with_all_linear_only(comfyui):
-    from headroom.nodes import families
+    from headroom.nodes.bridge import families
     from headroom.training.core.adapters import AdapterConfig
 
     model = _models()["sd15"].model
@@ -130,8 +130,8 @@ def test_zimage_and_qwen_image_expect_their_text_encoders_width(comfyui):
     import torch
 
     import realsize_models as R
-    from headroom.nodes.comfy_model import check_caches, expected_cond_dims
-    from headroom.nodes.tiny_models import build_tiny_model_patcher
+    from headroom.nodes.bridge.comfy_model import check_caches, expected_cond_dims
+    from headroom.nodes.bridge.tiny_models import build_tiny_model_patcher
 
     for arch, width in (("zimage", 2560), ("qwen_image", 3584)):
         config = comfy.model_detection.model_config_from_unet_config(R.unet_config(arch, 1))
@@ -163,9 +163,9 @@ def test_sd2_is_its_own_family_and_its_tiny_model_predicts_v(comfyui):
     import comfy.model_sampling
     import comfy.supported_models
 
-    from headroom.nodes import families, lora_formats
-    from headroom.nodes.comfy_model import sampling_descriptor
-    from headroom.nodes.tiny_models import build_tiny_model_patcher
+    from headroom.nodes.bridge import families, lora_formats
+    from headroom.nodes.bridge.comfy_model import sampling_descriptor
+    from headroom.nodes.bridge.tiny_models import build_tiny_model_patcher
 
     patcher = build_tiny_model_patcher("sd2", 0)
     model = patcher.model
@@ -193,9 +193,9 @@ def test_sdxl_calibration_pooled_width_comes_from_the_model(comfyui):
     import comfy.model_detection
     import torch
 
-    from headroom.nodes import families
-    from headroom.nodes.families.base import TINY_CLIP_G
-    from headroom.nodes.tiny_models import build_tiny_model_patcher
+    from headroom.nodes.bridge import families
+    from headroom.nodes.bridge.families.base import TINY_CLIP_G
+    from headroom.nodes.bridge.tiny_models import build_tiny_model_patcher
 
     width = families.get("sdxl").calibration_pooled_width
     assert width(build_tiny_model_patcher("sdxl", 0).model) == TINY_CLIP_G["projection_dim"]
@@ -224,7 +224,7 @@ def test_a_run_stored_under_the_family_it_split_off_from_resumes(comfyui, family
     import json
 
     from family_checks import cached_data, init_run as _init
-    from headroom.nodes.tiny_models import build_tiny_models
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
 
     model, clip, vae = build_tiny_models(family, 0)
     latents, texts = cached_data(model, clip, vae, count=2)
@@ -250,9 +250,9 @@ def test_text_of_different_lengths_trains_in_groups_as_comfyui_samples_it(comfyu
     """Chroma's T5 is unpadded, so captions give text of different lengths that ComfyUI cannot concatenate into one
     batch (its sampler runs such conds apart): the denoiser runs one forward per group and puts the outputs back in
     order, equal to forwards of each item alone."""
-    from headroom.nodes.comfy_model import ComfyDenoiser, batchable_groups
+    from headroom.nodes.bridge.comfy_model import ComfyDenoiser, batchable_groups
     from family_checks import cached_data
-    from headroom.nodes.tiny_models import build_tiny_models
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
 
     model, clip, vae = build_tiny_models("chroma", 0)
     latents, texts = cached_data(model, clip, vae)
@@ -273,9 +273,9 @@ def test_hidream_trains_through_the_denoiser_with_its_four_encoder_conditioning(
     """HiDream's diffusion model through the trainer's denoiser: conditioning of the shapes its text encoder caches (T5 [128, d], CLIP-L + CLIP-G pooled, `conditioning_llama3` one
     hidden state per Llama layer), a preset LoRA attached, a backward that reaches every adapter layer; its flow
     objective from ComfyUI's model_sampling."""
-    from headroom.nodes import families
-    from headroom.nodes.comfy_model import ComfyDenoiser, model_blocks
-    from headroom.nodes.families.base import TINY_CLIP_G, TINY_CLIP_L, TINY_T5
+    from headroom.nodes.bridge import families
+    from headroom.nodes.bridge.comfy_model import ComfyDenoiser, model_blocks
+    from headroom.nodes.bridge.families.base import TINY_CLIP_G, TINY_CLIP_L, TINY_T5
     from headroom.training.core.adapters import AdapterConfig, AdapterSet
 
     patcher = _models()["hidream"]

@@ -1,4 +1,4 @@
-"""What every model family must do, asked of every family with a tiny model (nodes/families/<family>.py `tiny`):
+"""What every model family must do, asked of every family with a tiny model (nodes/bridge/families/<family>.py `tiny`):
 a new family file is tested here without touching this file.
 
 - overfit: 4 images, the loss on them halves within 300 steps (the trainer learns through the family's model);
@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.comfyui, pytest.mark.usefixtures("one_torch_thread")]
 
 def _tiny_families() -> list[str]:
     # Read from the registry's files without importing ComfyUI at collection time: module names are family names.
-    folder = pathlib.Path(__file__).resolve().parents[2] / "nodes" / "families"
+    folder = pathlib.Path(__file__).resolve().parents[2] / "nodes" / "bridge" / "families"
     names = sorted(p.stem for p in folder.glob("*.py") if p.stem not in ("__init__", "base") and not p.stem.startswith("_"))
     return [name for name in names if "\nTINY = TinyModel(" in (folder / f"{name}.py").read_text()]
 
@@ -28,7 +28,7 @@ TINY_FAMILIES = _tiny_families()
 
 
 def _tiny(family):
-    from headroom.nodes.tiny_models import build_tiny_models
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
 
     with torch.inference_mode():
         model, clip, vae = build_tiny_models(family, 0)
@@ -38,14 +38,14 @@ def _tiny(family):
 def _overfit_targets(family: str) -> tuple[str, bool]:
     """UNet families train their preset with convolutions; the tiny DiTs' random frozen embedders and output layers
     are not the near-identity paths of trained models, so those train every layer."""
-    from headroom.nodes import families
+    from headroom.nodes.bridge import families
 
     preset = families.get(family).lora_preset
     return ("preset", True) if preset.conv is not None else ("all_layers", False)
 
 
 def test_every_registry_family_is_listed_here(comfyui):
-    from headroom.nodes import families, tiny_models
+    from headroom.nodes.bridge import families, tiny_models
 
     assert list(tiny_models.FAMILIES) == [name for name in families.FAMILIES if name in TINY_FAMILIES]
 

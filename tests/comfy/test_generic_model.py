@@ -17,14 +17,14 @@ _TINY_PILE_T5 = {"d_model": 32, "d_ff": 64, "num_layers": 2, "num_heads": 2, "d_
 
 
 def _tiny_auraflow():
-    """(MODEL, CLIP, VAE) of a tiny AuraFlow through ComfyUI's own classes (as nodes/tiny_models.py builds the
+    """(MODEL, CLIP, VAE) of a tiny AuraFlow through ComfyUI's own classes (as nodes/bridge/tiny_models.py builds the
     families), seeded."""
     import comfy.model_management as mm
     import comfy.model_patcher
     import comfy.sd
     import comfy.supported_models
-    from headroom.nodes.families.base import autoencoder_kl
-    from headroom.nodes.tiny_models import init_weights_
+    from headroom.nodes.bridge.families.base import autoencoder_kl
+    from headroom.nodes.bridge.tiny_models import init_weights_
 
     with torch.inference_mode(False):
         config = comfy.supported_models.AuraFlow(dict(_TINY_AURA))
@@ -43,7 +43,7 @@ def _tiny_auraflow():
 
 
 def test_a_model_without_a_family_trains_with_generic_targets(comfyui, caplog):
-    from headroom.nodes import families
+    from headroom.nodes.bridge import families
 
     model, clip, vae = _tiny_auraflow()
     assert families.family_of(model.model) is None  # the point of this test: no family module describes it
@@ -65,7 +65,7 @@ def test_unsupported_sampling_fails_before_training_naming_what_is_supported(com
     """A model whose sampling the objective does not cover (here the tiny SD1.5 given EDM sampling by the stock
     ModelSamplingContinuousEDM node) fails at Init with the supported kinds listed, before any step."""
     from comfy_extras.nodes_model_advanced import ModelSamplingContinuousEDM
-    from headroom.nodes.tiny_models import build_tiny_models
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
 
     model, clip, vae = build_tiny_models("sd15", 0)
     latents, texts = cached_data(model, clip, vae)
@@ -79,8 +79,8 @@ def test_training_uses_the_model_sampling_a_stock_node_patched_in(comfyui):
     """ModelSamplingSD3 / ModelSamplingDiscrete applied before training change the objective as they change sampling
     (they object-patch `model_sampling`; the model's own attribute keeps the default)."""
     from comfy_extras.nodes_model_advanced import ModelSamplingDiscrete, ModelSamplingSD3
-    from headroom.nodes.comfy_model import ComfyDenoiser
-    from headroom.nodes.tiny_models import build_tiny_model_patcher
+    from headroom.nodes.bridge.comfy_model import ComfyDenoiser
+    from headroom.nodes.bridge.tiny_models import build_tiny_model_patcher
 
     sd3 = build_tiny_model_patcher("sd3", 0)
     assert ComfyDenoiser(sd3).sampling.flow_shift == pytest.approx(3.0)  # SD3's default shift

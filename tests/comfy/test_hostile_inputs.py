@@ -140,6 +140,7 @@ def world(comfyui, tmp_path_factory):
     import folder_paths
 
     from headroom.nodes import train_lora as T
+    from headroom.nodes.bridge.model_files import runs_root
 
     outside = tmp_path_factory.mktemp("outside")
     World.base, World.outside = str(comfyui), str(outside)
@@ -154,7 +155,7 @@ def world(comfyui, tmp_path_factory):
         run = _init(model, latents, texts, "hostile_template", rank=4, batch_size=2)
         with torch.inference_mode():
             T.HeadroomTrainSteps.execute(run, 1, checkpoint_minutes=0.0)
-        template = T.runs_root() / "hostile_template"
+        template = runs_root() / "hostile_template"
         shutil.copytree(template / "checkpoints" / "step_00000001", outside / "checkpoint")
         shutil.copytree(template, outside / "run")
         (outside / "latest.json").write_text(json.dumps({"step": 1, "checkpoint": "checkpoints/step_00000001"}))
@@ -176,7 +177,7 @@ BAD_NAMES = ["", " ", ".", "..", "../x", "x/../y", "/etc/passwd", "a/b", "a\\b",
 def test_bad_run_names_are_refused(world, name):
     from test_train_lora_nodes import _init
 
-    from headroom.nodes.train_lora import runs_root
+    from headroom.nodes.bridge.model_files import runs_root
 
     before = sorted(os.listdir(runs_root()))
     with _watch(world), pytest.raises(ValueError) as error:
@@ -528,7 +529,7 @@ def test_hostile_run_folder_files_are_refused(world, case, tmp_path, caplog):
     resuming it is a clear error naming the file, or (a report) a warning; nothing outside is read, no code runs."""
     from test_train_lora_nodes import _init
 
-    from headroom.nodes.train_lora import runs_root
+    from headroom.nodes.bridge.model_files import runs_root
 
     name = f"hostile_{case}"
     run_dir = runs_root() / name
@@ -670,7 +671,7 @@ FLOAT_INPUTS = [("HeadroomLoraConfig", "alpha"), ("HeadroomLoraConfig", "dropout
 @pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf], ids=["nan", "inf", "-inf"])
 @pytest.mark.parametrize("node,name", FLOAT_INPUTS, ids=[f"{n}.{i}" for n, i in FLOAT_INPUTS])
 def test_nan_and_infinity_are_refused_naming_the_input(world, node, name, value):
-    from headroom.nodes.train_lora import runs_root
+    from headroom.nodes.bridge.model_files import runs_root
 
     before = sorted(os.listdir(runs_root()))
     with _watch(world), pytest.raises(ValueError) as error:

@@ -11,8 +11,8 @@ pytestmark = [pytest.mark.comfyui, pytest.mark.usefixtures("one_torch_thread")]
 def test_tiny_vae_is_comfyuis_released_layout_narrow(comfyui):
     import comfy.sd
 
-    from headroom.nodes.families import hunyuan_image
-    from headroom.nodes.tiny_models import build_tiny_vae
+    from headroom.nodes.bridge.families import hunyuan_image
+    from headroom.nodes.bridge.tiny_models import build_tiny_vae
 
     vae = build_tiny_vae("hunyuan_image", 0)
     assert isinstance(vae, comfy.sd.VAE)
@@ -36,8 +36,8 @@ def test_quoted_text_is_cached_as_byt5_glyph_conditioning_and_trained_with(comfy
     import nodes
 
     from headroom.nodes import cache as cache_nodes, train_lora as T
-    from headroom.nodes.comfy_model import model_inputs
-    from headroom.nodes.tiny_models import build_tiny_models
+    from headroom.nodes.bridge.comfy_model import model_inputs
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
     from headroom.training.data.cache_store import text_key
 
     captions = ['a sign that says "OPEN"', "a red circle", 'a poster reading "SALE 50%"', "a blue square"]

@@ -259,7 +259,7 @@ def _diffusers_file_checks(name: str, component: str, layer_count: int, rank: in
                                             ("zimage", {}), ("qwen_image", {}),
                                             ("hidream", {})])
 def test_diffusers_file_is_the_same_lora_for_the_stock_loader(comfyui, family, targets, caplog):
-    from headroom.nodes import lora_formats
+    from headroom.nodes.bridge import lora_formats
 
     model, clip, run, comfy_name, _ = _save_both(family, "lora", **targets)
     diffusers_name = _save(run, f"{family}_lora_diffusers_{len(run.adapters.layers)}", "diffusers")
@@ -415,7 +415,7 @@ def _tiny_sdxl():
     """A tiny SDXL MODEL through ComfyUI's own SDXL classes (the tiny-model node has no SDXL family)."""
     import comfy.model_patcher
     import comfy.supported_models
-    from headroom.nodes.tiny_models import init_weights_
+    from headroom.nodes.bridge.tiny_models import init_weights_
 
     config = comfy.supported_models.SDXL(dict(_UNET_SDXL))
     config.set_inference_dtype(torch.float32, None)
@@ -464,7 +464,7 @@ def test_sdxl_files_are_the_same_lora_for_comfyui_and_diffusers(comfyui, alpha, 
     from diffusers import StableDiffusionXLPipeline
     import folder_paths
 
-    from headroom.nodes import families, lora_formats
+    from headroom.nodes.bridge import families, lora_formats
     from headroom.training.core.adapters import AdapterConfig, AdapterSet, select_targets
 
     model = _tiny_sdxl()
@@ -539,7 +539,7 @@ def test_flux_files_load_in_diffusers_with_comfyuis_weights(comfyui, caplog):
     from diffusers import FluxPipeline
     from safetensors.torch import load_file
 
-    from headroom.nodes import lora_formats
+    from headroom.nodes.bridge import lora_formats
 
     model, clip, run, comfy_name, kohya_name = _save_both("flux", "lora")
     diffusers_name = _save(run, "flux_lora_diffusers_loader", "diffusers")
@@ -600,7 +600,7 @@ def test_flux2_diffusers_file_loads_in_diffusers_with_comfyuis_weights(comfyui, 
     import folder_paths
     from diffusers import Flux2Pipeline
 
-    from headroom.nodes import lora_formats
+    from headroom.nodes.bridge import lora_formats
 
     model, clip, run, comfy_name, _ = _save_both("flux2", "lora")
     diffusers_name = _save(run, "flux2_lora_diffusers_loader", "diffusers")
@@ -648,7 +648,7 @@ def test_sd3_diffusers_file_loads_in_diffusers_with_comfyuis_weights(comfyui, ta
     import folder_paths
     from diffusers import StableDiffusion3Pipeline
 
-    from headroom.nodes import lora_formats
+    from headroom.nodes.bridge import lora_formats
 
     model, clip, run, comfy_name, _ = _save_both("sd3", "lora", **({} if targets == "preset" else {"targets": targets}))
     diffusers_name = _save(run, f"sd3_lora_diffusers_loader_{targets}", "diffusers")
@@ -688,7 +688,7 @@ def test_flux2_kohya_metadata_names_the_variant_as_musubi_tuner_does(comfyui, ca
     import comfy.model_patcher
     from realsize_models import unet_config
 
-    from headroom.nodes import lora_formats
+    from headroom.nodes.bridge import lora_formats
 
     for arch, expected in (("flux2_dev", "Flux.2-dev/lora"), ("flux2_klein_4b", "Flux.2-klein-4b/lora"),
                            ("flux2_klein_9b", "Flux.2-klein-9b/lora")):
@@ -744,7 +744,7 @@ def test_new_family_diffusers_files_load_in_diffusers_with_comfyuis_weights(comf
     import folder_paths
     from diffusers import QwenImagePipeline, ZImagePipeline
 
-    from headroom.nodes import lora_formats
+    from headroom.nodes.bridge import lora_formats
 
     model, clip, run, comfy_name, _ = _save_both(family, "lora")
     diffusers_name = _save(run, f"{family}_lora_diffusers_loader", "diffusers")

@@ -93,7 +93,7 @@ def test_the_masked_out_half_is_not_learned(comfyui):
     on the right half it falls for both."""
     from headroom.nodes import cache as cache_nodes
     from headroom.nodes import train_lora as T
-    from headroom.nodes.tiny_models import build_tiny_models
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
     from test_train_lora_nodes import _init
 
     generator = torch.Generator().manual_seed(0)

@@ -208,9 +208,9 @@ def test_optimizer_state_on_host_is_bitwise_equal(name):
 
 # --- the real trainer on a tiny ComfyUI model --------------------------------------------------------------
 def _tiny_session(tmp_path, family):
-    from headroom.nodes.run_lora import LoraRunConfig, open_lora_run
-    from headroom.nodes.comfy_model import expected_cond_dims, model_family
-    from headroom.nodes.tiny_models import build_tiny_models
+    from headroom.nodes.bridge.run_lora import LoraRunConfig, open_lora_run
+    from headroom.nodes.bridge.comfy_model import expected_cond_dims, model_family
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
 
     model, _, _ = build_tiny_models(family)
     g = torch.Generator().manual_seed(0)
@@ -232,7 +232,7 @@ def _tiny_session(tmp_path, family):
 def test_tiny_comfy_model_streamed_offloaded_checkpoints_bitwise(comfyui, tmp_path, family, monkeypatch):
     import comfy.model_management
 
-    from headroom.nodes.comfy_model import training_blocks
+    from headroom.nodes.bridge.comfy_model import training_blocks
 
     monkeypatch.setattr(comfy.model_management, "in_training", True)  # as TrainingRun.train_to sets it
     results, calls, streamers = [], [], []
@@ -263,8 +263,8 @@ def test_tiny_comfy_model_streamed_offloaded_checkpoints_bitwise(comfyui, tmp_pa
 
 @pytest.mark.comfyui
 def test_validation_images_are_identical_with_the_optimizer_parked(comfyui, tmp_path):
-    from headroom.nodes.tiny_models import build_tiny_models
-    from headroom.nodes.train_lora import sample_images
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
+    from headroom.nodes.bridge.validation import sample_images
 
     _, clip, vae = build_tiny_models("sd15")
     session = _tiny_session(tmp_path, "sd15")

@@ -73,7 +73,7 @@ def test_policy_node_inputs_are_the_policy_fields(comfyui):
 def test_auto_budget_is_what_comfyui_can_free_minus_the_reserve(comfyui):
     import comfy.model_management
 
-    from headroom.nodes.planning import available_device_bytes, budget_bytes
+    from headroom.nodes.bridge.planning import available_device_bytes, budget_bytes
     from headroom.training.memory.policy import GIB, OffloadPolicy
 
     device = comfy.model_management.get_torch_device()
@@ -85,9 +85,9 @@ def test_auto_budget_is_what_comfyui_can_free_minus_the_reserve(comfyui):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_plan_describes_the_real_model_and_leaves_it_unchanged(comfyui, family):
-    from headroom.nodes.comfy_model import training_blocks
-    from headroom.nodes.planning import describe_comfy_model
-    from headroom.nodes.tiny_models import build_tiny_models
+    from headroom.nodes.bridge.comfy_model import training_blocks
+    from headroom.nodes.bridge.planning import describe_comfy_model
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
     from headroom.training.core.adapters import AdapterConfig
 
     model, clip, vae = build_tiny_models(family)
@@ -117,8 +117,8 @@ def test_measured_profile_predicts_a_larger_bucket(comfyui, family, monkeypatch)
     """The profile from the calibration sizes predicts saved activations at an unseen size within 10 %."""
     import comfy.model_management
 
-    from headroom.nodes import planning
-    from headroom.nodes.tiny_models import build_tiny_models
+    from headroom.nodes.bridge import planning
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
     from headroom.training.core.adapters import AdapterConfig
 
     model, _, _ = build_tiny_models(family)
@@ -133,7 +133,7 @@ def test_measured_profile_predicts_a_larger_bucket(comfyui, family, monkeypatch)
 
 
 def test_auto_mode_chooses_a_policy_that_fits_and_says_why(comfyui):
-    from headroom.nodes.tiny_models import build_tiny_models
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
     from headroom.training.memory.policy import OffloadPolicy
 
     model, _, _ = build_tiny_models("sd15")
@@ -153,8 +153,8 @@ def test_auto_mode_chooses_a_policy_that_fits_and_says_why(comfyui):
 
 
 def test_unet_blocks_are_the_layers_the_model_calls(comfyui):
-    from headroom.nodes.comfy_model import model_blocks, training_blocks
-    from headroom.nodes.tiny_models import build_tiny_models
+    from headroom.nodes.bridge.comfy_model import model_blocks, training_blocks
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
 
     model, _, _ = build_tiny_models("sd15")
     dm = model.model.diffusion_model
@@ -179,9 +179,9 @@ def test_a_prompt_with_policy_and_plan_runs_through_comfyui(comfyui, monkeypatch
     import execution
     import nodes
 
-    from headroom.nodes import memory, tiny_models
+    from headroom.nodes import memory, tiny
 
-    for node in memory.NODES + tiny_models.NODES:
+    for node in memory.NODES + tiny.NODES:
         monkeypatch.setitem(nodes.NODE_CLASS_MAPPINGS, node.GET_SCHEMA().node_id, node)
 
     class NoClientServer:
@@ -212,7 +212,7 @@ def test_a_prompt_with_policy_and_plan_runs_through_comfyui(comfyui, monkeypatch
 
 
 def test_plan_errors_are_clear(comfyui):
-    from headroom.nodes.tiny_models import build_tiny_models
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
 
     model, _, _ = build_tiny_models("sd15")
     with pytest.raises(ValueError, match="HeadroomMemoryPlan: policy must come from"):

@@ -71,7 +71,7 @@ def test_monitor_on_cpu_says_so_and_reports_rss_not_vram(comfyui):
 
 def test_unloaded_model_leaves_the_report(loaded_probe):
     import comfy.model_management
-    from headroom.nodes.monitor import loaded_models_report
+    from headroom.nodes.bridge.memory_report import loaded_models_report
 
     assert len([m for m in loaded_models_report() if m["name"] == "HeadroomMonitorProbe"]) == 1
     comfy.model_management.unload_model_and_clones(loaded_probe)

@@ -148,8 +148,8 @@ def test_step_seeds_differ_per_step_and_salt():
 @pytest.mark.comfyui
 @pytest.mark.parametrize("family", ["sd15", "sd2", "sdxl", "sd3", "flux", "flux2", "chroma", "zimage", "qwen_image"])
 def test_descriptor_from_comfyui_model_sampling(comfyui, family):
-    from headroom.nodes.comfy_model import sampling_descriptor
-    from headroom.nodes.tiny_models import build_tiny_model_patcher
+    from headroom.nodes.bridge.comfy_model import sampling_descriptor
+    from headroom.nodes.bridge.tiny_models import build_tiny_model_patcher
 
     model_sampling = build_tiny_model_patcher(family, 0).model.model_sampling
     descriptor = sampling_descriptor(model_sampling)

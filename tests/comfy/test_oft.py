@@ -152,7 +152,7 @@ def test_tiny_run_learns_and_the_stock_loader_gives_what_was_trained(comfyui, fa
     import comfy.lora
     import comfy.model_management
     from headroom.nodes import train_lora as T
-    from headroom.nodes.comfy_model import ComfyDenoiser
+    from headroom.nodes.bridge.comfy_model import ComfyDenoiser
 
     model, _, _, latents, texts = _data(family)
     base = {k: v.clone() for k, v in model.model.state_dict().items()}
@@ -209,7 +209,7 @@ def test_tiny_run_learns_and_the_stock_loader_gives_what_was_trained(comfyui, fa
 @pytest.mark.comfyui
 def test_resume_equals_the_straight_run(comfyui):
     from headroom.nodes import train_lora as T
-    from headroom.nodes.tiny_models import build_tiny_models
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
 
     model, _, _, latents, texts = _data("sd15")
     common = dict(rank=8, alpha=0.5, lr=1e-2, include_conv=True, batch_size=2, grad_accumulation=2)

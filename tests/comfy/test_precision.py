@@ -24,7 +24,7 @@ def test_auto_precision_per_device(monkeypatch):
 
 def _caches():
     from headroom.nodes import cache as cache_nodes, data as data_nodes
-    from headroom.nodes.tiny_models import build_tiny_models
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
 
     with torch.inference_mode():
         model, clip, vae = build_tiny_models("sd15", 0)

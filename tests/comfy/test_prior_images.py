@@ -31,7 +31,7 @@ def _caches(captions, seed):
 def test_prior_images_are_trained_on_at_the_ratio_and_resume_exactly(comfyui):
     from headroom.nodes import cache as cache_nodes
     from headroom.nodes import train_lora as T
-    from headroom.nodes.tiny_models import build_tiny_models
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
     from headroom.training.core.trainer import NonFiniteLossError
     from test_train_lora_nodes import _data, _init
 

@@ -312,6 +312,7 @@ def test_requeue_saves_a_step_an_earlier_save_missed(comfyui, monkeypatch):
     from test_train_lora_nodes import _data, _init
 
     from headroom.nodes import train_lora as T
+    from headroom.nodes.bridge.model_files import runs_root
     from headroom.training.data.files import DiskFullError
 
     model, _, _, latents, texts = _data("sd15")
@@ -320,10 +321,10 @@ def test_requeue_saves_a_step_an_earlier_save_missed(comfyui, monkeypatch):
     with torch.inference_mode(), pytest.raises(DiskFullError, match="last checkpoint on disk: none"):
         T.HeadroomTrainSteps.execute(run, 2)
     monkeypatch.undo()
-    assert run.step == 2 and RunDir(T.runs_root(), "requeue").latest_step() is None
+    assert run.step == 2 and RunDir(runs_root(), "requeue").latest_step() is None
     with torch.inference_mode():
         T.HeadroomTrainSteps.execute(run, 2)  # nothing to train, but step 2 is saved now
-    assert RunDir(T.runs_root(), "requeue").latest_step() == 2
+    assert RunDir(runs_root(), "requeue").latest_step() == 2
 
 
 @pytest.mark.comfyui

@@ -17,7 +17,7 @@ _INPUTS = {}  # the LoRA Init inputs the fixture used (but run_name)
 def runs(comfyui):
     """(model, a LoRA run, a ControlNet run) on the tiny sd15 model, both at step 0."""
     from headroom.nodes import cache as cache_nodes
-    from headroom.nodes.tiny_models import build_tiny_models
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
     from headroom.nodes.train_controlnet import HeadroomTrainControlNetInit
     from headroom.nodes.train_lora import HeadroomLoraConfig, HeadroomOptimizerConfig, HeadroomTrainLoraInit
     from headroom.training.data.synthetic import generate_shapes

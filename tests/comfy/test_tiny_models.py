@@ -17,7 +17,7 @@ def test_tiny_family_samples_with_stock_nodes(comfyui, family):
     import comfy.model_base
     import comfy.sd
     import nodes
-    from headroom.nodes.tiny_models import build_tiny_models
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
 
     model, clip, vae = build_tiny_models(family, seed=0)
     assert isinstance(model.model, comfy.model_base.BaseModel)
@@ -57,7 +57,7 @@ def test_tiny_family_samples_with_stock_nodes(comfyui, family):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_tiny_weights_are_seeded(comfyui, family):
-    from headroom.nodes.tiny_models import build_tiny_model_patcher
+    from headroom.nodes.bridge.tiny_models import build_tiny_model_patcher
 
     a, b, c = (_weights(build_tiny_model_patcher(family, seed)) for seed in (0, 0, 1))
     assert a.keys() == b.keys()
@@ -70,7 +70,7 @@ def test_tiny_hidream_tokenizer_is_llama3s_layout_on_a_character_vocabulary(comf
     """HiDream's Llama tokenizer (ComfyUI's ships without its vocabulary file): <|begin_of_text|> first, one token per
     character (a word boundary is one more), padded to 128 with <|eot_id|> as ComfyUI's HiDreamTokenizer pads; CLIP /
     T5 are ComfyUI's shipped ones."""
-    from headroom.nodes.tiny_models import build_tiny_clip
+    from headroom.nodes.bridge.tiny_models import build_tiny_clip
 
     clip = build_tiny_clip("hidream", 0)
     tokens = clip.tokenize("a red circle")
@@ -86,7 +86,7 @@ def test_tiny_hidream_tokenizer_is_llama3s_layout_on_a_character_vocabulary(comf
 
 
 def test_deep_clone_goes_through_cached_patcher_init(comfyui):
-    from headroom.nodes.tiny_models import build_tiny_models
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
 
     model, clip, vae = build_tiny_models("sd15", seed=3)
     clone = model.clone(force_deepcopy=True)
@@ -104,7 +104,7 @@ def test_comfyui_native_trainer_runs_on_tiny_model(comfyui):
     """ComfyUI's own TrainLoraNode deep-clones the MODEL through cached_patcher_init: it must work."""
     import nodes
     from comfy_extras.nodes_train import TrainLoraNode
-    from headroom.nodes.tiny_models import build_tiny_models
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
 
     model, clip, vae = build_tiny_models("sd15", seed=0)
     with torch.inference_mode():
@@ -124,7 +124,8 @@ def test_comfyui_native_trainer_runs_on_tiny_model(comfyui):
 
 
 def test_tiny_model_node_schema(headroom_nodes):
-    from headroom.nodes.tiny_models import FAMILIES as families, HeadroomTinyModel
+    from headroom.nodes.bridge.tiny_models import FAMILIES as families
+    from headroom.nodes.tiny import HeadroomTinyModel
 
     schema = HeadroomTinyModel.define_schema()
     assert schema.node_id == "HeadroomTinyModel"
@@ -138,8 +139,8 @@ def test_tiny_model_node_schema(headroom_nodes):
 def test_training_conds_give_the_image_size_of_the_models_latent_format(comfyui, family):
     """The trainer calls the model's own extra_conds with the image size its latents stand for (8x; Flux.2: 16x),
     as the samplers do (HunyuanImage 2.1: 32x)."""
-    from headroom.nodes.comfy_model import ComfyDenoiser
-    from headroom.nodes.tiny_models import build_tiny_models
+    from headroom.nodes.bridge.comfy_model import ComfyDenoiser
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
 
     model, clip, _ = build_tiny_models(family, seed=0)
     denoiser = ComfyDenoiser(model)
@@ -169,8 +170,8 @@ def test_flux2_conditioning_widths_and_guidance_per_variant(comfyui):
     import comfy.model_detection
     from realsize_models import unet_config
 
-    from headroom.nodes.comfy_model import check_caches, expected_cond_dims
-    from headroom.nodes.tiny_models import build_tiny_model_patcher
+    from headroom.nodes.bridge.comfy_model import check_caches, expected_cond_dims
+    from headroom.nodes.bridge.tiny_models import build_tiny_model_patcher
 
     for arch, width, guidance in (("flux2_dev", 15360, True), ("flux2_klein_4b", 7680, False),
                                   ("flux2_klein_9b", 12288, False)):

@@ -34,7 +34,7 @@ def sample(model, clip, vae, prompts: list[str], seed: int = 0, steps: int = SAM
 
 
 def test_pretrained_weights_load_through_comfyui_and_match_the_file(comfyui):
-    from headroom.nodes.tiny_models import build_tiny_models, pretrained_state_dict
+    from headroom.nodes.bridge.tiny_models import build_tiny_models, pretrained_state_dict
 
     model, clip, vae = build_tiny_models("sd15", weights="pretrained")
     unet = pretrained_state_dict("sd15", "model.diffusion_model.")
@@ -53,7 +53,7 @@ def test_pretrained_weights_load_through_comfyui_and_match_the_file(comfyui):
 
 
 def test_pretrained_only_for_sd15_with_a_clear_error(comfyui):
-    from headroom.nodes.tiny_models import build_tiny_models
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
 
     with pytest.raises(ValueError, match="pretrained.*sd15"):
         build_tiny_models("sd3", weights="pretrained")
@@ -63,7 +63,7 @@ def test_pretrained_only_for_sd15_with_a_clear_error(comfyui):
 
 def test_vae_reconstructs_shapes(comfyui):
     """The autoencoder alone: synthetic images encoded and decoded keep colour, position and shape."""
-    from headroom.nodes.tiny_models import build_tiny_vae
+    from headroom.nodes.bridge.tiny_models import build_tiny_vae
     from headroom.training.core.shape_classifier import score
     from headroom.training.data.synthetic import generate_shapes
 
@@ -79,7 +79,7 @@ def test_vae_reconstructs_shapes(comfyui):
 
 
 def test_pretrained_model_draws_the_prompt(comfyui):
-    from headroom.nodes.tiny_models import build_tiny_models
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
     from headroom.training.core.shape_classifier import score
 
     model, clip, vae = build_tiny_models("sd15", weights="pretrained")
@@ -92,7 +92,7 @@ def test_pretrained_model_draws_the_prompt(comfyui):
 
 
 def test_held_out_colour_is_not_drawn(comfyui):
-    from headroom.nodes.tiny_models import build_tiny_models
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
     from headroom.training.core.shape_classifier import colour_fraction
 
     model, clip, vae = build_tiny_models("sd15", weights="pretrained")
@@ -110,7 +110,7 @@ def test_pretrain_script_is_deterministic(comfyui, tmp_path):
 
     import safetensors.torch
 
-    from headroom.nodes.tiny_models import pretrained_state_dict
+    from headroom.nodes.bridge.tiny_models import pretrained_state_dict
 
     script = pathlib.Path(__file__).resolve().parents[2] / "workflows" / "pretrain_tiny.py"
     outs = [tmp_path / f"run{i}.safetensors" for i in range(2)]

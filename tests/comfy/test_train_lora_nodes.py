@@ -27,7 +27,7 @@ def _base_weights(model):
 def _data(family, count=4, resolution=32, seed=0):
     """(model, clip, vae, latent_cache, text_cache) through the real dataset and caching nodes."""
     from headroom.nodes import cache as cache_nodes, data as data_nodes
-    from headroom.nodes.tiny_models import build_tiny_models
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
 
     with torch.inference_mode():  # as ComfyUI runs nodes
         model, clip, vae = build_tiny_models(family, 0)
@@ -99,7 +99,7 @@ def test_overfit_four_images(comfyui, family):
 
 def test_resume_after_restart_equals_straight_run(comfyui):
     from headroom.nodes import train_lora as T
-    from headroom.nodes.tiny_models import build_tiny_models
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
 
     model, clip, vae, latents, texts = _data("sd15")
     common = dict(rank=4, lr=5e-3, caption_dropout=0.25, timestep_sampling="logit_normal", noise_offset=0.05,
@@ -177,6 +177,7 @@ def test_saved_lora_reproduces_validation_image_through_stock_nodes(comfyui):
 def test_cancel_saves_last_finished_step_and_frees_the_model(comfyui):
     import comfy.model_management as mm
     from headroom.nodes import train_lora as T
+    from headroom.nodes.bridge.model_files import runs_root
     from headroom.training.core.run_dir import RunDir
 
     model, clip, vae, latents, texts = _data("sd15")
@@ -197,7 +198,7 @@ def test_cancel_saves_last_finished_step_and_frees_the_model(comfyui):
         watcher.join()
         mm.interrupt_current_processing(False)
     assert 3 <= run.step < 500
-    directory = RunDir(T.runs_root(), "cancelled")
+    directory = RunDir(runs_root(), "cancelled")
     assert directory.latest_step() == run.step
     checkpoint = directory.load_checkpoint()
     assert all(torch.equal(checkpoint.adapter[k], v) for k, v in run.adapters.state_dict().items())
@@ -447,7 +448,7 @@ def test_low_bit_base_storage_trains_on_low_bit_layers_and_leaves_the_shared_mod
 def test_policy_encoders_unloads_or_keeps_text_encoder_and_vae(comfyui, encoders):
     """The policy's `encoders` choice, in caching and in validation: unloaded after use, or left to ComfyUI."""
     from headroom.nodes import cache as cache_nodes, train_lora as T
-    from headroom.nodes.cache import is_loaded
+    from headroom.nodes.bridge.encoders import is_loaded
     from headroom.training.data.synthetic import generate_shapes
 
     model, clip, vae, latents, texts = _data("sd15", count=2)
@@ -532,6 +533,7 @@ def test_compare_base_writes_a_before_after_grid_of_the_untouched_base(comfyui):
     from PIL import Image
 
     from headroom.nodes import train_lora as T
+    from headroom.nodes.bridge.validation import sample_images
 
     model, clip, vae, latents, texts = _data("sd15")
     run = _init(model, latents, texts, "compare_base", rank=8, lr=2e-2, include_conv=True)
@@ -558,8 +560,8 @@ def test_compare_base_writes_a_before_after_grid_of_the_untouched_base(comfyui):
         T.HeadroomValidate.execute(run, clip=clip, vae=vae, prompts=prompts, **sampling)
         assert run._base_samples[3] is cached_base, "the base samples are sampled once per run and settings"
         # Sampled afresh after training, the base is still what was cached: the adapter is out of the base MODEL.
-        fresh_base, _ = T.sample_images(run, clip, vae, prompts.splitlines(), "", 3, 4, 3.0, "euler", "normal", 32, 32,
-                                        base=True)
+        fresh_base, _ = sample_images(run, clip, vae, prompts.splitlines(), "", 3, 4, 3.0, "euler", "normal", 32, 32,
+                                      base=True)
         assert torch.equal(fresh_base, cached_base), "training must not change the base samples"
     saved = [entry for entry in first.ui["headroom_saved"] if entry["kind"] == "before/after grid"]
     assert saved and saved[0]["name"].endswith("step_00000001_before_after.png")

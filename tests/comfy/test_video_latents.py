@@ -26,7 +26,7 @@ def test_a_mask_follows_a_one_frame_latent():
 def test_one_frame_latents_from_cache_to_decoded_validation(comfyui):
     from headroom.nodes import cache as cache_nodes
     from headroom.nodes import train_lora as T
-    from headroom.nodes.tiny_models import build_tiny_models
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
     from test_train_lora_nodes import _init
 
     images = torch.rand(2, 32, 32, 3, generator=torch.Generator().manual_seed(0))

@@ -116,7 +116,7 @@ def test_nodes_on_a_real_size_model(case, args, params):
 
 
 def test_first_load_replaces_inference_weights_one_at_a_time():
-    """nodes/comfy_model.replace_inference_tensors on Flux-dev's real width (1.1 GB of bf16 weights made under
+    """nodes/bridge/comfy_model.replace_inference_tensors on Flux-dev's real width (1.1 GB of bf16 weights made under
     inference mode, as ComfyUI's loaders make them): peak RSS grows by about one tensor, not by the weights."""
     report = run_worker("replace")
     growth = report["peak_rss_bytes"] - report["start_rss_bytes"]
@@ -182,8 +182,8 @@ def test_preset_key_names_hold_at_full_depth(comfyui, arch):
     import comfy.model_detection
 
     import realsize_models as R
-    from headroom.nodes import families, lora_formats
-    from headroom.nodes.comfy_model import model_blocks
+    from headroom.nodes.bridge import families, lora_formats
+    from headroom.nodes.bridge.comfy_model import model_blocks
     from headroom.training.core.adapters import AdapterConfig
 
     family, per_block = FULL_DEPTH[arch]

@@ -1,5 +1,6 @@
 """The package's own import graph (nodes/, training/; every relative import, also those inside functions): no
-cycles, and training/ never imports nodes/ (the engine is pure: docs/ARCHITECTURE.md). Read from the source with
+cycles, and the layers nodes -> nodes/bridge -> training: training/ never imports nodes/ (the engine is pure), the
+bridge never imports a node module (docs/ARCHITECTURE.md). Read from the source with
 ast, so no ComfyUI is needed."""
 import ast
 import pathlib
@@ -64,8 +65,8 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_no_import_cycle():
     graph = import_graph()
-    assert {"nodes.comfy_bridge", "nodes.planning", "nodes.comfy_model", "nodes.families"} <= set(graph)
-    assert "nodes.planning" in graph["nodes.comfy_bridge"]  # resolved, not skipped
+    assert {"nodes.bridge.comfy_bridge", "nodes.bridge.planning", "nodes.bridge.comfy_model", "nodes.bridge.families"} <= set(graph)
+    assert "nodes.bridge.planning" in graph["nodes.bridge.comfy_bridge"]  # resolved, not skipped
     cycle = _cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
@@ -74,6 +75,26 @@ def test_training_never_imports_nodes():
     wrong = {module: sorted(t for t in targets if t.startswith("nodes"))
              for module, targets in import_graph().items() if module.startswith("training")}
     assert {module: targets for module, targets in wrong.items() if targets} == {}
+
+
+def test_bridge_never_imports_node_modules():
+    """nodes/bridge/ (ComfyUI's objects for the engine) imports only itself and training/; the node modules of nodes/
+    (schemas and execute, with io_types / inputs) sit above it."""
+    graph = import_graph()
+    assert {"nodes.bridge.validation", "nodes.bridge.model_files", "nodes.train_lora"} <= set(graph)
+    assert "nodes.bridge.validation" in graph["nodes.train_lora"]
+    wrong = {module: sorted(t for t in targets if t.startswith("nodes") and not t.startswith("nodes.bridge"))
+             for module, targets in graph.items() if module.startswith("nodes.bridge")}
+    assert {module: targets for module, targets in wrong.items() if targets} == {}
+
+
+def test_node_modules_hold_only_nodes_and_their_inputs():
+    """A module directly in nodes/ declares node classes (NODES) or is one of the two schema helpers (io_types,
+    inputs); everything else lives in nodes/bridge/."""
+    schema_helpers = {"io_types.py", "inputs.py", "__init__.py"}
+    without_nodes = [path.name for path in sorted((REPO / "nodes").glob("*.py"))
+                     if path.name not in schema_helpers and "\nNODES = [" not in path.read_text()]
+    assert without_nodes == []
 
 
 def _module_level(tree: ast.AST):

@@ -45,6 +45,16 @@ def test_offloaded_base_needs_checkpointing(placement):
     assert OffloadPolicy(base_placement=placement, checkpointing="blocks").streams_blocks
 
 
+def test_base_placement_is_decided_in_one_place():
+    """What each base_placement does to the load through ComfyUI and to the streamer (weight_streaming.base_placement,
+    asked by comfy_bridge.Placement.load and memory_features alike)."""
+    decided = {placement: OffloadPolicy(base_placement=placement, checkpointing="blocks").placement
+               for placement in ("resident", "partial", "streamed")}
+    assert {name: (p.full_load, p.blocks_to_host, p.stream_blocks) for name, p in decided.items()} == {
+        "resident": (True, False, False), "partial": (False, False, True), "streamed": (False, True, True)}
+    assert not OffloadPolicy().streams_blocks
+
+
 def test_json_errors_are_clear():
     with pytest.raises(PolicyError, match="not valid JSON"):
         OffloadPolicy.from_json("{nope")
@@ -119,7 +129,7 @@ def test_exception_types_carry_a_clean_module_name():
     from headroom.training.core.trainer import NonFiniteLossError
 
     assert public_module("/home/me/ComfyUI/custom_nodes/comfyui-headroom.training.data.dataset") == "headroom.training.data.dataset"
-    assert public_module("comfyui_headroom.nodes.controlnet_build") == "headroom.nodes.controlnet_build"
+    assert public_module("comfyui_headroom.nodes.bridge.controlnet_build") == "headroom.nodes.bridge.controlnet_build"
     assert public_module("elsewhere") == "elsewhere"
     for error in (PolicyError, CacheStoreError, DatasetError, PhaseOutOfMemoryError, NonFiniteLossError):
         assert error.__module__.startswith("headroom.training.") and "/" not in error.__module__, error

@@ -35,7 +35,7 @@ TARGET_MODES = ("preset", "all_linear", "all_layers")
 
 @dataclasses.dataclass(frozen=True)
 class TargetPreset:
-    """The layers a family's LoRA trains with targets="preset" (the family registry, nodes/families/, holds one per
+    """The layers a family's LoRA trains with targets="preset" (the family registry, nodes/bridge/families/, holds one per
     family): Linear module paths (relative to the denoiser root) matching any of `linear`, and with include_conv the
     Conv2d paths matching `conv` (None: the family has no conv preset)."""
 

@@ -11,7 +11,7 @@ The batch, caption dropout, noise levels and noise of a micro-step come from a g
 micro-step); what draws from torch's global RNG (peft's dropout) runs on the run's own saved copy of it.
 So a run depends only on its seed, and one resumed from its run directory draws exactly what the straight
 run drew. The model is reached only through the small `Denoiser` protocol below; ComfyUI's MODEL
-implements it in nodes/comfy_bridge.py, and unit tests drive the engine with a tiny plain-torch denoiser.
+implements it in nodes/bridge/comfy_bridge.py, and unit tests drive the engine with a tiny plain-torch denoiser.
 """
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ item's conditioning dict (also when caption dropout swaps its prompt for the emp
 
 
 class Trainable(Protocol):
-    """What is trained: an adapter set (training/adapters.py) or a ControlNet (nodes/controlnet_build.py)."""
+    """What is trained: an adapter set (training/adapters.py) or a ControlNet (nodes/bridge/controlnet_build.py)."""
 
     def parameters(self) -> list[torch.nn.Parameter]: ...
     def state_dict(self) -> dict[str, torch.Tensor]: ...

@@ -24,12 +24,14 @@ wrapped there (its in-place input protection) is wrapped once more and put back 
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from .checkpointing import checkpoint_inplace_safe, modules_at_depth, protects_inplace_inputs
+from .checkpointing import (checkpoint_inplace_safe, modules_at_depth, protects_inplace_inputs,
+                            recomputed_block_bytes)
+from .cost import FeatureCost
 
 
 def _default_offload_hooks(tensors: list[torch.Tensor]) -> contextlib.AbstractContextManager:
@@ -84,3 +86,16 @@ def enable_offloaded_checkpointing(blocks: Iterable[torch.nn.Module], depth: int
                 module.forward = previous
 
     return restore
+
+
+# --- what it costs (the planner adds it up: planner.estimate) ---------------------------------------------------
+def activation_cost(checkpointing: str, saved: Sequence[float], copies: Sequence[int],
+                    inputs: Sequence[float]) -> FeatureCost:
+    """One training step's block activations with checkpointing "blocks_cpu_offload": the inputs of two blocks in
+    flight (one in use, one copied), one block recomputed; every block's inputs wait in host RAM. Same per-block
+    figures as checkpointing.activation_cost."""
+    if checkpointing != "blocks_cpu_offload":
+        return FeatureCost()
+    return FeatureCost(training={"block inputs in flight (2 blocks)": int(2 * max(inputs, default=0)),
+                                 "one block recomputed in backward": int(recomputed_block_bytes(saved, copies))},
+                       host={"offloaded block inputs": int(sum(inputs))})

@@ -16,10 +16,12 @@ such a block uses the reentrant checkpoint (see `checkpoint_inplace_safe`).
 """
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 import torch
 from torch.utils.checkpoint import checkpoint
+
+from .cost import FeatureCost
 
 _CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict)  # no forward of their own: looked through
 
@@ -140,3 +142,24 @@ def wrap_blocks(blocks: Iterable[torch.nn.Module], checkpoint_depth: int | None 
             module.__dict__.pop("forward", None)
 
     return restore
+
+
+# --- what it costs (the planner adds it up: planner.estimate) ---------------------------------------------------
+def recomputed_block_bytes(saved: Sequence[float], copies: Sequence[int]) -> float:
+    """The largest block's saved set, weight copies included: what backward holds while it recomputes one block."""
+    return max((a + c for a, c in zip(saved, copies)), default=0)
+
+
+def activation_cost(checkpointing: str, saved: Sequence[float], copies: Sequence[int],
+                    inputs: Sequence[float]) -> FeatureCost:
+    """One training step's block activations with checkpointing "off" (every block keeps what autograd saves, and
+    the weight copies it keeps: ComfyUI's manual cast) or "blocks" (only the blocks' inputs, one block recomputed).
+    Per block, batch included: `saved` activations, `copies` weight copies kept, `inputs` tensor inputs.
+    ("blocks_cpu_offload" is activation_offload.activation_cost.)"""
+    if checkpointing == "off":
+        return FeatureCost(training={"saved activations, all blocks": int(sum(saved)),
+                                     "weight copies kept for backward, all blocks (manual cast)": int(sum(copies))})
+    if checkpointing == "blocks":
+        return FeatureCost(training={"checkpointed block inputs": int(sum(inputs)),
+                                     "one block recomputed in backward": int(recomputed_block_bytes(saved, copies))})
+    return FeatureCost()

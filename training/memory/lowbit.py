@@ -22,6 +22,7 @@ weights are quantised flattened here; Linear8bitLt would quantise the activation
 """
 from __future__ import annotations
 
+import math
 from typing import Iterable
 
 import torch
@@ -202,3 +203,34 @@ class LowBitBase:
 
     def original_bytes(self) -> int:
         return sum(m.weight.numel() * m.weight.element_size() for m in self.originals.values())
+
+
+# --- what it costs (the planner adds it up: planner.estimate) ---------------------------------------------------
+def stored_bytes(storage: str, param_bytes: int, linear_weight_bytes: int, linear_numel: int, linear_count: int,
+                 linear_rows: int) -> int:
+    """Device bytes of a block's frozen weights (`param_bytes` as loaded, of which `linear_weight_bytes` in
+    `linear_count` Linear weights of `linear_numel` values and `linear_rows` output rows) with its Linear weights
+    stored as `storage`: fp8 one byte a value + one fp32 scale per tensor; int8 one byte + one fp32 scale per row;
+    nf4 half a byte + one fp32 absmax per 64 values + bitsandbytes' quant state per tensor."""
+    if storage == "as_loaded" or linear_count == 0:
+        return param_bytes
+    packed = {
+        "fp8": linear_numel + 4 * linear_count,
+        "int8": linear_numel + 4 * linear_rows,
+        "nf4": linear_numel // 2 + 4 * math.ceil(linear_numel / 64) + 64 * linear_count,
+    }[storage]
+    return param_bytes - linear_weight_bytes + packed
+
+
+def copies_kept(storage: str, weight_copy_bytes: int, linear_copy_bytes: int) -> int:
+    """Bytes of weight copies a block's forward keeps for backward (ComfyUI's manual cast): low-bit Linear layers keep
+    only the packed weight (_DequantLinear), so their part (`linear_copy_bytes`) goes."""
+    return weight_copy_bytes if storage == "as_loaded" else max(0, weight_copy_bytes - linear_copy_bytes)
+
+
+def weight_in_flight(storage: str, copy_in_flight_bytes: int, largest_linear_numel: int, element_size: int) -> int:
+    """One layer's weight made for its product and freed after it: the cast copy as loaded (`copy_in_flight_bytes`),
+    or, stored low-bit, at least the largest Linear weight dequantised to the compute dtype."""
+    if storage == "as_loaded":
+        return copy_in_flight_bytes
+    return max(copy_in_flight_bytes, largest_linear_numel * element_size)

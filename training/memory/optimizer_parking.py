@@ -17,6 +17,8 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
+from .cost import FeatureCost
+
 _HOST = torch.device("cpu")
 
 
@@ -121,3 +123,21 @@ class HostOptimizer(torch.optim.Optimizer):
             host_param.copy_(device_param)
         self.inner.load_state_dict(state_dict)
         self._pull_group_values()
+
+
+# --- what it costs (the planner adds it up: planner.estimate) ---------------------------------------------------
+def optimizer_cost(optimizer_state: str, park_during_validation: bool, optimizer: str, state_bytes: int,
+                   trainable_bytes: int) -> FeatureCost:
+    """Where the optimizer state (`state_bytes` of `optimizer`) and the fp32 gradients (`trainable_bytes`, as the
+    trainable weights) are: policy optimizer_state "gpu" keeps the state on the device, "cpu" in host RAM with fp32
+    master weights; park_optimizer_during_validation moves state and gradients to host RAM while sampling."""
+    on_device = optimizer_state == "gpu"
+    state = {f"optimizer state ({optimizer})": state_bytes} if on_device else {}
+    cost = FeatureCost(training=dict(state))
+    if not on_device:
+        cost.host["optimizer state + fp32 master weights"] = state_bytes + trainable_bytes
+    if park_during_validation:
+        cost.validation_notes.append("optimizer state and gradients parked in host RAM while sampling")
+    else:
+        cost.validation = {"gradients (fp32)": trainable_bytes, **state}
+    return cost

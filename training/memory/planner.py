@@ -11,7 +11,10 @@ Inputs:
 - `TrainableSpec`: trainable parameter shapes and the optimizer (state bytes per optimizer below).
 - batch, resolution bucket, `OffloadPolicy`, budget in bytes.
 
-Items per phase (bytes on the compute device):
+Each memory feature costs itself (training/memory/cost.py FeatureCost, from its module: checkpointing,
+activation_offload, weight_streaming, optimizer_parking; lowbit's sizes); `estimate` adds them up with what is no
+feature (trainables, gradients, the rest of the activations, sampling, encoders). Items per phase (bytes on the
+compute device):
 - caching: the larger of text encoders and VAE + its encode working set (encoders load one at a time);
 - training: frozen weights (by placement and storage), trainable weights + gradients (fp32) + optimizer
   state, activations (all blocks' saved tensors; or checkpointed inputs + one block recomputed; or two
@@ -31,9 +34,11 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
+from . import activation_offload, checkpointing, lowbit, optimizer_parking, weight_streaming
+from .cost import FeatureCost
+from .memory_stats import format_bytes
 from .policy import CHECKPOINTING, GIB, OPTIMIZER_STATES, PLACEMENTS, OffloadPolicy
 
-MIB = 1024 ** 2
 ALLOCATOR_OVERHEAD = 0.05  # caching-allocator rounding and fragmentation, on top of live tensors
 TILE_PX = 512  # ComfyUI's default tiled VAE decode tile, in pixels
 BNB_MIN_8BIT_SIZE = 4096  # bitsandbytes keeps 32-bit state for smaller tensors
@@ -80,21 +85,12 @@ class BlockProfile:
 
     def copies_kept(self, storage: str) -> int:
         """Bytes of weight copies this block's forward keeps for backward, with the base stored as `storage`."""
-        if storage == "as_loaded":
-            return self.weight_copy_bytes
-        return max(0, self.weight_copy_bytes - self.linear_copy_bytes)
+        return lowbit.copies_kept(storage, self.weight_copy_bytes, self.linear_copy_bytes)
 
     def weight_bytes(self, storage: str) -> int:
         """Device bytes of this block's frozen weights when stored as `storage`."""
-        if storage == "as_loaded" or self.linear_count == 0:
-            return self.param_bytes
-        numel = self.linear_weight_numel
-        packed = {
-            "fp8": numel + 4 * self.linear_count,
-            "int8": numel + 4 * self.linear_rows,
-            "nf4": numel // 2 + 4 * math.ceil(numel / 64) + 64 * self.linear_count,
-        }[storage]
-        return self.param_bytes - self.linear_weight_bytes + packed
+        return lowbit.stored_bytes(storage, self.param_bytes, self.linear_weight_bytes, self.linear_weight_numel,
+                                   self.linear_count, self.linear_rows)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,25 +230,20 @@ class Plan:
         return json.dumps(self.to_dict(), indent=1)
 
     def to_text(self) -> str:
-        budget = "no budget" if self.budget_bytes is None else f"budget {_gib(self.budget_bytes)}"
+        budget = "no budget" if self.budget_bytes is None else f"budget {format_bytes(self.budget_bytes)}"
         verdict = "" if self.fits is None else (" - fits" if self.fits else " - DOES NOT FIT")
         lines = [f"Headroom memory plan: {self.policy.describe()}",
-                 f"peak {_gib(self.peak_bytes)} in {self.peak.phase} ({budget}){verdict}"]
+                 f"peak {format_bytes(self.peak_bytes)} in {self.peak.phase} ({budget}){verdict}"]
         for phase in self.phases:
-            lines.append(f"{phase.phase}: {_gib(phase.total)}")
+            lines.append(f"{phase.phase}: {format_bytes(phase.total)}")
             for name, value in phase.items.items():
-                lines.append(f"  {name:<44} {_gib(value):>12}")
+                lines.append(f"  {name:<44} {format_bytes(value):>12}")
             lines += [f"  note: {note}" for note in phase.notes]
         if self.host_bytes:
-            lines.append("host RAM instead of the device: " + ", ".join(f"{k} {_gib(v)}" for k, v in self.host_bytes.items()))
+            lines.append("host RAM instead of the device: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in self.host_bytes.items()))
         if self.reason:
             lines.append(self.reason)
         return "\n".join(lines)
-
-
-def _gib(value: float) -> str:
-    """Bytes for people: GiB from 1 GiB up, MiB below."""
-    return f"{value / GIB:.2f} GiB" if value >= GIB else f"{value / MIB:.1f} MiB"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -283,82 +274,52 @@ def estimate(description: ModelDescription, trainable: TrainableSpec, shape: Run
     copies = [b.copies_kept(storage) for b in blocks]  # per block, whatever the batch
     inputs = [b.inputs.at(area, tokens) * batch for b in blocks]
     outside = description.outside_saved.at(area, tokens) * batch
-    host: dict[str, int] = {}  # what the policy keeps in host RAM instead
 
-    # Trainables.
-    trainables = {"trainable weights (fp32)": trainable.param_bytes(), "gradients (fp32)": trainable.param_bytes()}
-    optimizer = trainable.optimizer_bytes()
-    if policy.optimizer_state == "gpu":
-        trainables[f"optimizer state ({trainable.optimizer})"] = optimizer
-    else:
-        host["optimizer state + fp32 master weights"] = optimizer + trainable.param_bytes()
+    # Each memory feature says what it costs (its module's cost function); they are added up here.
+    parking = optimizer_parking.optimizer_cost(policy.optimizer_state, policy.park_optimizer_during_validation,
+                                               trainable.optimizer, trainable.optimizer_bytes(), trainable.param_bytes())
+    block_activations = [feature(policy.checkpointing, saved, copies, inputs)
+                         for feature in (checkpointing.activation_cost, activation_offload.activation_cost)]
+    in_flight = lowbit.weight_in_flight(storage, description.weight_copy_in_flight_bytes,
+                                        description.largest_linear_numel, description.compute_element_size)
 
-    # Activations of one step.
-    activations: dict[str, int] = {}
-    recomputed = max((a + c for a, c in zip(saved, copies)), default=0)  # one block's saved set, copies included
-    if policy.checkpointing == "off":
-        activations["saved activations, all blocks"] = int(sum(saved))
-        activations["weight copies kept for backward, all blocks (manual cast)"] = int(sum(copies))
-    elif policy.checkpointing == "blocks":
-        activations["checkpointed block inputs"] = int(sum(inputs))
-        activations["one block recomputed in backward"] = int(recomputed)
-    else:
-        activations["block inputs in flight (2 blocks)"] = int(2 * max(inputs, default=0))
-        activations["one block recomputed in backward"] = int(recomputed)
-        host["offloaded block inputs"] = int(sum(inputs))
+    trainables = {"trainable weights (fp32)": trainable.param_bytes(), "gradients (fp32)": trainable.param_bytes(),
+                  **parking.training}
+    activations = {name: value for cost in block_activations for name, value in cost.training.items()}
     activations["saved activations outside the blocks"] = int(outside)
     activations["gradient buffers of one block"] = int(2 * max(inputs, default=0))
-    in_flight = description.weight_copy_in_flight_bytes
-    if storage != "as_loaded":
-        in_flight = max(in_flight, description.largest_linear_numel * description.compute_element_size)
     activations["one layer's weight copy in flight (cast / dequantised)"] = int(in_flight)
 
-    # Frozen weights by placement.
-    all_blocks = sum(block_weights)
-    weights = {"frozen weights outside the blocks": description.other_param_bytes}
-    notes = []
-    if policy.base_placement == "resident":
-        weights[f"frozen block weights ({storage})"] = all_blocks
-    else:
-        weights["streamed block buffers (2 blocks)"] = 2 * max(block_weights, default=0)  # in use + in flight
-        resident_part = 0
-        if policy.base_placement == "partial":
-            if budget_bytes is None:
-                resident_part = all_blocks
-                notes.append("partial placement without a budget: estimated as fully resident")
-            else:
-                rest = sum(weights.values()) + sum(trainables.values()) + sum(activations.values())
-                room = int(budget_bytes / (1 + ALLOCATOR_OVERHEAD)) - rest
-                resident_part = max(0, min(all_blocks, room))
-            weights[f"resident block weights ({storage}, partial)"] = resident_part
-            if resident_part >= all_blocks:
-                weights["streamed block buffers (2 blocks)"] = 0
-        if all_blocks > resident_part:
-            host["streamed block weights"] = all_blocks - resident_part
+    # Frozen weights by placement, the last: "partial" fills the room everything else leaves.
+    outer = {"frozen weights outside the blocks": description.other_param_bytes}
+    rest = sum(outer.values()) + sum(trainables.values()) + sum(activations.values())
+    placement = weight_streaming.placement_cost(
+        policy.base_placement, block_weights, storage, rest,
+        None if budget_bytes is None else int(budget_bytes / (1 + ALLOCATOR_OVERHEAD)))
+    weights = {**outer, **placement.training}
+    features: list[FeatureCost] = [parking, *block_activations, placement]
+    host = {name: value for cost in features for name, value in cost.host.items()}  # in host RAM instead
+    notes = [note for cost in features for note in cost.training_notes]
 
     training_items = {**weights, **trainables, **activations}
     training_items["allocator overhead (5%)"] = int(ALLOCATOR_OVERHEAD * sum(training_items.values()))
     training = PhaseEstimate("training step", training_items, notes)
 
     # Validation: the same frozen weights, the adapter, ComfyUI's inference estimate for cond + uncond.
-    validation_items = dict(weights)
+    validation_items = {**outer, **placement.validation}
     validation_items["adapter weights (fp32)"] = trainable.param_bytes()
-    if not policy.park_optimizer_during_validation:
-        validation_items["gradients (fp32)"] = trainable.param_bytes()
-        if policy.optimizer_state == "gpu":
-            validation_items[f"optimizer state ({trainable.optimizer})"] = optimizer
+    validation_items.update(parking.validation)
     validation_items["sampling working set (ComfyUI estimate, cond+uncond)"] = int(
         description.inference_bytes_per_latent_px * area * 2)
     validation_items["one layer's weight copy in flight (cast / dequantised)"] = int(in_flight)
-    # Validation as the saved file (the default, nodes/comfy_bridge.AsSavedWeight) merges the LoRA into that layer's
+    # Validation as the saved file (the default, nodes/bridge/comfy_bridge.AsSavedWeight) merges the LoRA into that layer's
     # weight as it runs: the LoRA product in fp32 (ComfyUI's LoRA compute dtype on a CPU; fp16 on some GPUs, so this
     # is the upper bound), the merge rounded to the stored dtype, and that back in compute precision.
     validation_items["one layer's LoRA merge in flight (validation as the saved file)"] = int(
         description.largest_linear_numel * (4 + description.stored_element_size + description.compute_element_size))
     validation_items["allocator overhead (5%)"] = int(ALLOCATOR_OVERHEAD * sum(validation_items.values()))
-    validation = PhaseEstimate("validation", validation_items)
-    if policy.park_optimizer_during_validation:
-        validation.notes.append("optimizer state and gradients parked in host RAM while sampling")
+    validation = PhaseEstimate("validation", validation_items,
+                               [note for cost in features for note in cost.validation_notes])
     if description.inference_bytes_per_latent_px == 0:
         validation.notes.append("no inference estimate in the model description")
 
@@ -398,12 +359,12 @@ def candidate_policies(base: OffloadPolicy, storages: Sequence[str] | None = Non
     result = []
     for storage in storages or [base.base_storage]:
         for placement in PLACEMENTS:
-            for checkpointing in CHECKPOINTING:
-                if placement != "resident" and checkpointing == "off":
+            for activations in CHECKPOINTING:
+                if placement != "resident" and activations == "off":
                     continue  # invalid: see OffloadPolicy.validate
                 for optimizer_state in OPTIMIZER_STATES:
                     result.append(base.replace(base_storage=storage, base_placement=placement,
-                                               checkpointing=checkpointing, optimizer_state=optimizer_state))
+                                               checkpointing=activations, optimizer_state=optimizer_state))
     return result
 
 
@@ -421,9 +382,9 @@ def plan_auto(description: ModelDescription, trainable: TrainableSpec, shape: Ru
         if plan.fits:
             faster = [f"{p.policy.base_placement}/{p.policy.checkpointing}/optimizer {p.policy.optimizer_state}"
                       f"{'' if p.policy.base_storage == policy.base_storage else '/' + p.policy.base_storage}"
-                      f" needs {_gib(p.peak_bytes)} ({p.peak.phase})" for p in tried[:3]]
-            plan.reason = (f"chosen: the fastest policy that fits - peak {_gib(plan.peak_bytes)} ({plan.peak.phase}) "
-                           f"within the budget of {_gib(budget_bytes)}.")
+                      f" needs {format_bytes(p.peak_bytes)} ({p.peak.phase})" for p in tried[:3]]
+            plan.reason = (f"chosen: the fastest policy that fits - peak {format_bytes(plan.peak_bytes)} ({plan.peak.phase}) "
+                           f"within the budget of {format_bytes(budget_bytes)}.")
             if faster:
                 plan.reason += " Faster options over budget: " + "; ".join(faster) + (" ..." if len(tried) > 3 else "") + "."
             if policy.base_storage != base.base_storage:
@@ -432,8 +393,8 @@ def plan_auto(description: ModelDescription, trainable: TrainableSpec, shape: Ru
             return plan
         tried.append(plan)
     smallest = min(tried, key=lambda p: p.peak_bytes)
-    smallest.reason = (f"nothing fits the budget of {_gib(budget_bytes)}: the smallest estimate is "
-                       f"{_gib(smallest.peak_bytes)} ({smallest.peak.phase}) with {smallest.policy.describe()}; "
+    smallest.reason = (f"nothing fits the budget of {format_bytes(budget_bytes)}: the smallest estimate is "
+                       f"{format_bytes(smallest.peak_bytes)} ({smallest.peak.phase}) with {smallest.policy.describe()}; "
                        "lower the batch size or resolution, or free device memory.")
     return smallest
 

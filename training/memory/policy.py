@@ -39,7 +39,7 @@ from .. import public_module
 from .activation_offload import enable_offloaded_checkpointing
 from .checkpointing import inplace_depth_problem, wrap_blocks
 from ..checks import check_finite
-from .weight_streaming import WeightStreamer
+from .weight_streaming import BasePlacement, WeightStreamer, base_placement
 
 PLACEMENTS = ("resident", "partial", "streamed")
 STORAGES = ("as_loaded", "fp8", "int8", "nf4")
@@ -188,7 +188,7 @@ class OffloadPolicy:
 
     # --- derived switches --------------------------------------------------------------------------------
     def decode_tiled(self, needed_bytes: int | None, budget_bytes: int | None) -> bool:
-        """The tiled-decode rule, for validation's decode (nodes/train_lora.decode) and the planner's estimate: "on"
+        """The tiled-decode rule, for validation's decode (nodes/bridge/validation.decode) and the planner's estimate: "on"
         always, "off" never, "auto" when the VAE's weights plus a full decode (`needed_bytes`) exceed the budget
         (None: unknown, not tiled)."""
         if self.vae_tiled_decode == "on":
@@ -202,7 +202,13 @@ class OffloadPolicy:
 
     @property
     def streams_blocks(self) -> bool:
-        return self.base_placement in ("partial", "streamed")
+        return self.placement.stream_blocks
+
+    @property
+    def placement(self) -> BasePlacement:
+        """What base_placement does: how ComfyUI loads the base and whether blocks stream (one decision:
+        weight_streaming.base_placement)."""
+        return base_placement(self.base_placement)
 
     def replace(self, **changes: Any) -> "OffloadPolicy":
         return dataclasses.replace(self, **changes)
@@ -302,7 +308,7 @@ def memory_features(policy: OffloadPolicy, blocks: Sequence[torch.nn.Module], de
             restores.append(wrap_blocks(blocks, None, inplace_inputs=inplace_inputs))
             if policy.checkpointing == "blocks_cpu_offload":
                 restores.append(enable_offloaded_checkpointing(blocks, policy.checkpoint_depth))
-        if policy.streams_blocks:
+        if policy.placement.stream_blocks:
             streamer = WeightStreamer(blocks, device, **streamer_options).attach()
         yield streamer
     finally:

@@ -39,6 +39,8 @@ from typing import Iterable, Sequence
 import torch
 from torch.autograd.graph import register_multi_grad_hook
 
+from .cost import FeatureCost
+
 
 @dataclasses.dataclass
 class _Slot:
@@ -239,3 +241,49 @@ class WeightStreamer:
 def stream_blocks(blocks: Iterable[torch.nn.Module], device: torch.device | str, **options) -> WeightStreamer:
     """Attach a WeightStreamer to `blocks` (execution order) and return it; call `.detach()` to undo."""
     return WeightStreamer(list(blocks), device, **options).attach()
+
+
+# --- policy base_placement: decided here, carried out by the ComfyUI load and by memory_features ---------------
+@dataclasses.dataclass(frozen=True)
+class BasePlacement:
+    """What a base_placement does to the frozen base. One decision in two halves: the bridge's load through ComfyUI
+    (nodes/bridge/comfy_bridge.Placement.load) and the streamer around a run of steps (policy.memory_features)."""
+
+    full_load: bool  # ComfyUI loads every weight onto the device (else its lowvram load may keep some in host RAM)
+    blocks_to_host: bool  # after the load, every block's frozen weights go back to host RAM (ComfyUI's partial unload)
+    stream_blocks: bool  # a WeightStreamer brings the blocks not on the device there, one block ahead
+
+
+def base_placement(placement: str) -> BasePlacement:
+    """"resident": everything loaded, nothing streams; "partial": ComfyUI keeps what fits, the rest streams;
+    "streamed": only the weights outside the blocks stay on the device, every block streams."""
+    return {"resident": BasePlacement(full_load=True, blocks_to_host=False, stream_blocks=False),
+            "partial": BasePlacement(full_load=False, blocks_to_host=False, stream_blocks=True),
+            "streamed": BasePlacement(full_load=False, blocks_to_host=True, stream_blocks=True)}[placement]
+
+
+# --- what it costs (the planner adds it up: planner.estimate) ---------------------------------------------------
+def placement_cost(placement: str, block_weights: Sequence[int], storage: str, rest_bytes: int,
+                   device_budget: int | None) -> FeatureCost:
+    """Where the frozen block weights (`block_weights`, as stored) are during a run (policy base_placement; the same
+    in training and validation): "resident" all on the device; "streamed" two blocks' buffers (the one in use and the
+    one in flight), the rest in host RAM; "partial" as many as fit the room `device_budget` (the budget less the
+    allocator's share) leaves beside everything else (`rest_bytes`) and the buffers, the rest streamed."""
+    all_blocks = sum(block_weights)
+    if placement == "resident":
+        weights = {f"frozen block weights ({storage})": all_blocks}
+        return FeatureCost(training=weights, validation=dict(weights))
+    buffers = 2 * max(block_weights, default=0)
+    weights = {"streamed block buffers (2 blocks)": buffers}
+    notes, resident_part = [], 0
+    if placement == "partial":
+        if device_budget is None:
+            resident_part = all_blocks
+            notes.append("partial placement without a budget: estimated as fully resident")
+        else:
+            resident_part = max(0, min(all_blocks, device_budget - rest_bytes - buffers))
+        weights[f"resident block weights ({storage}, partial)"] = resident_part
+        if resident_part >= all_blocks:
+            weights["streamed block buffers (2 blocks)"] = 0
+    host = {"streamed block weights": all_blocks - resident_part} if all_blocks > resident_part else {}
+    return FeatureCost(training=weights, validation=dict(weights), host=host, training_notes=notes)

@@ -1,5 +1,5 @@
-"""What a ControlNet run trains: a ControlNet of ComfyUI's own class (nodes/controlnet_build.py) next to the frozen
-training clone (`ControlNetTraining`, the strategy of a `TrainingRun` in nodes/comfy_bridge.py), and how it is
+"""What a ControlNet run trains: a ControlNet of ComfyUI's own class (nodes/bridge/controlnet_build.py) next to the frozen
+training clone (`ControlNetTraining`, the strategy of a `TrainingRun` in nodes/bridge/comfy_bridge.py), and how it is
 saved, applied, sampled and described. Validation samples through ComfyUI's samplers with the control applied by
 the stock ControlNetApplyAdvanced code to the same in-memory module: no second pipeline, no copy of the weights.
 """
@@ -10,8 +10,8 @@ import dataclasses
 
 import torch
 
-from ..training.core.optimizers import OptimizerConfig
-from ..training.core.trainer import TrainConfig
+from ...training.core.optimizers import OptimizerConfig
+from ...training.core.trainer import TrainConfig
 from .comfy_bridge import TrainingRun, config_json
 from .comfy_model import ComfyDenoiser, model_blocks
 from .controlnet_build import (TrainableControlNet, apply_controlnet, build_controlnet, comfy_controlnet,
@@ -46,7 +46,7 @@ class ControlNetDenoiser(ComfyDenoiser):
 @dataclasses.dataclass
 class ControlNetRunConfig:
     """A ControlNet run's configuration, as its run folder stores it (config.json "session")."""
-    controlnet_type: str  # the ControlNet type's stored name ("unet", "sd3", "flux"; nodes/families/)
+    controlnet_type: str  # the ControlNet type's stored name ("unet", "sd3", "flux"; nodes/bridge/families/)
     blocks: int  # 0: the type's default
     init_seed: int
     optimizer: OptimizerConfig

@@ -24,7 +24,7 @@ import comfy.text_encoders.hunyuan_image
 import comfy.text_encoders.qwen_vl
 import torch
 
-from ...training.core.adapters import TargetPreset
+from ....training.core.adapters import TargetPreset
 from .base import Family, TinyModel
 
 # Qwen2.5-VL-7B's language model shrunk through ComfyUI's `qwen25_7b_model_config` option; HunyuanImage reads hidden

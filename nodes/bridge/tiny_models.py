@@ -5,7 +5,7 @@ They are built through ComfyUI's own classes (`comfy.supported_models`, `model_b
 real SD1.5 / SD3 / Flux models take (model_sampling, extra_conds, LoRA key maps, samplers) is exercised
 without downloading anything. The text encoders use ComfyUI's shipped tokenizers; their size is set
 through ComfyUI's own `<name>_model_config` model option. What each family's tiny model is lives in its registry
-module (`Family.tiny`, nodes/families/<family>.py); this module builds and seeds it.
+module (`Family.tiny`, nodes/bridge/families/<family>.py); this module builds and seeds it.
 
 Each patcher gets a `cached_patcher_init` factory, as ComfyUI's loaders register in comfy/sd.py: core
 code (ComfyUI's own TrainLoraNode, multi-GPU clones) deep-clones a MODEL by calling it.
@@ -23,21 +23,20 @@ import comfy.model_patcher
 import comfy.sd
 import comfy.utils
 from comfy.ldm.modules.diffusionmodules.mmdit import get_2d_sincos_pos_embed
-from comfy_api.latest import io
 
 from . import families as family_registry
 
-# The families with a tiny model, in registry order (a family module's `tiny`: nodes/families/<family>.py).
+# The families with a tiny model, in registry order (a family module's `tiny`: nodes/bridge/families/<family>.py).
 FAMILIES = tuple(name for name, family in family_registry.FAMILIES.items() if family.tiny is not None)
 WEIGHTS = ("random", "pretrained")
 # Pretrained weights shipped in the package (workflows/pretrain_tiny.py writes them): one checkpoint-style file
 # per family (model.diffusion_model. / cond_stage_model. / first_stage_model.), fp16.
-WEIGHTS_DIR = pathlib.Path(__file__).resolve().parent / "weights"
+WEIGHTS_DIR = pathlib.Path(__file__).resolve().parents[1] / "weights"
 PRETRAINED_FILES = {"sd15": WEIGHTS_DIR / "tiny_sd15_shapes.safetensors"}
 
 
 def tiny_spec(family: str):
-    """The `TinyModel` of a family (nodes/families/base.py), or a ValueError naming the families that have one."""
+    """The `TinyModel` of a family (nodes/bridge/families/base.py), or a ValueError naming the families that have one."""
     found = family_registry.get(family)
     if found is None or found.tiny is None:
         raise ValueError(f"HeadroomTinyModel: unknown family {family!r}; choose one of {', '.join(FAMILIES)}")
@@ -176,41 +175,3 @@ def build_tiny_models(family: str, seed: int = 0, weights: str = "random"):
     _check_weights(family, weights)
     return (build_tiny_model_patcher(family, seed, weights), build_tiny_clip(family, seed, weights),
             build_tiny_vae(family, seed, weights))
-
-
-class HeadroomTinyModel(io.ComfyNode):
-    @classmethod
-    def define_schema(cls):
-        return io.Schema(
-            node_id="HeadroomTinyModel",
-            display_name="Tiny Model (Headroom)",
-            category="Headroom/models",
-            description="A tiny model of a real ComfyUI family (built from ComfyUI's own classes) with its text "
-            "encoders and VAE: for trying workflows and tests on a CPU, no download. Random weights, or (sd15) the "
-            "shipped pretrained ones that draw the synthetic shapes at 64x64, every colour except green.",
-            inputs=[
-                io.Combo.Input("family", options=list(FAMILIES), default="sd15",
-                               tooltip="; ".join(tiny_spec(name).tooltip for name in FAMILIES) + "."),
-                io.Int.Input("seed", default=0, min=0, max=0xFFFFFFFF,
-                             tooltip="Seed of the random weights (weights=random)."),
-                # Appended last and optional: workflows saved before it existed keep working (random weights).
-                io.Combo.Input("weights", options=list(WEIGHTS), default="random", optional=True,
-                               tooltip="random: seeded random weights (draws noise). pretrained (sd15 only): the "
-                               "shipped weights from workflows/pretrain_tiny.py, which draw 'a <colour> <shape> at "
-                               "the <position>' at 64x64 in every synthetic colour except green (held out for the "
-                               "demo's LoRA to teach); seed is then unused."),
-            ],
-            outputs=[io.Model.Output(tooltip="The diffusion model, as a checkpoint loader's MODEL."),
-                     io.Clip.Output(tooltip="Its text encoder(s), as a checkpoint loader's CLIP."),
-                     io.Vae.Output(tooltip="Its VAE (8x downscale; flux2: 16x; hunyuan_image: 32x), as a checkpoint "
-                                          "loader's VAE.")],
-        )
-
-    @classmethod
-    def execute(cls, family: str, seed: int, weights: str = "random") -> io.NodeOutput:
-        with torch.inference_mode(False):
-            # Weights made outside inference mode stay usable by training nodes downstream.
-            return io.NodeOutput(*build_tiny_models(family, seed, weights))
-
-
-NODES = [HeadroomTinyModel]

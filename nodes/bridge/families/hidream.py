@@ -25,7 +25,7 @@ import comfy.text_encoders.hidream
 import comfy.text_encoders.hunyuan_video
 import comfy.text_encoders.sd3_clip
 
-from ...training.core.adapters import TargetPreset
+from ....training.core.adapters import TargetPreset
 from .base import TINY_CLIP_G, TINY_CLIP_L, TINY_T5, Family, TinyModel
 
 # HiDream's head geometry (128 wide, RoPE axes [64, 32, 32], as comfy/model_detection.py fixes it) with one head; one

@@ -13,7 +13,7 @@ import comfy.supported_models_base
 import comfy.text_encoders.qwen_image
 import comfy.text_encoders.qwen_vl
 
-from ...training.core.adapters import TargetPreset
+from ....training.core.adapters import TargetPreset
 from .base import Family, TinyModel
 
 # Qwen2.5-VL-7B's language model shrunk through ComfyUI's `qwen25_7b_model_config` option (comfy/text_encoders/llama.py

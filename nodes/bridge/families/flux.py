@@ -15,7 +15,7 @@ import comfy.supported_models
 import comfy.supported_models_base
 import comfy.text_encoders.flux
 
-from ...training.core.adapters import TargetPreset
+from ....training.core.adapters import TargetPreset
 from .base import TINY_CLIP_L, TINY_T5, ControlNetType, ExportedControlNet, Family, TinyModel, differences
 
 

@@ -1,5 +1,5 @@
 """SD1.x: UNet denoisers that are plain `comfy.model_base.BaseModel`s of ComfyUI's SD15 config (SD2.x is its own
-family, nodes/families/sd2.py). Also the cldm ControlNet type, which every plain UNet trains (the SD2 and SDXL modules
+family, nodes/bridge/families/sd2.py). Also the cldm ControlNet type, which every plain UNet trains (the SD2 and SDXL modules
 reuse it)."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import comfy.model_detection
 import comfy.ldm.modules.diffusionmodules.openaimodel
 import comfy.supported_models
 
-from ...training.core.adapters import TargetPreset
+from ....training.core.adapters import TargetPreset
 from .base import (TINY_CLIP_L, ControlNetError, ControlNetType, ExportedControlNet, Family, TinyModel, differences,
                    effective)
 

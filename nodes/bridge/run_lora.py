@@ -1,5 +1,5 @@
 """What a LoRA run trains: adapters on a clone of the MODEL (`LoraTraining`, the strategy of a `TrainingRun` in
-nodes/comfy_bridge.py), and how it is saved, applied, sampled and described.
+nodes/bridge/comfy_bridge.py), and how it is saved, applied, sampled and described.
 
 Adapters go onto a *clone* of the MODEL through ModelPatcher injections: ComfyUI attaches them when it loads the
 clone and takes them off when it unloads it (or loads another clone of the same weights), so the module other nodes
@@ -20,10 +20,10 @@ import comfy.model_patcher
 import comfy.patcher_extension
 import comfy.utils
 
-from ..training.core.adapters import AdapterConfig, AdapterSet
-from ..training.data.files import save_safetensors
-from ..training.core.optimizers import OptimizerConfig
-from ..training.core.trainer import TrainConfig
+from ...training.core.adapters import AdapterConfig, AdapterSet
+from ...training.data.files import save_safetensors
+from ...training.core.optimizers import OptimizerConfig
+from ...training.core.trainer import TrainConfig
 from . import families, lora_formats
 from .comfy_bridge import TrainingRun, config_json
 from .comfy_model import REFERENCE_LATENTS, ComfyDenoiser, check_caches, data_fingerprint, model_blocks
@@ -229,7 +229,7 @@ class LoraTraining:
         }
 
     def save(self, run, path, dtype: str = "fp32", file_format: str = "comfyui", weights: str = "auto") -> None:
-        """Write the adapter to `path` (atomically) in `file_format`'s key names (nodes/lora_formats.py), of the
+        """Write the adapter to `path` (atomically) in `file_format`'s key names (nodes/bridge/lora_formats.py), of the
         trained weights or their EMA (`weights`), in `dtype`."""
         family, adapter = run.config.family, run.config.adapter
         if file_format == "diffusers":  # refused before any work

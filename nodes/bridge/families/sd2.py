@@ -1,16 +1,16 @@
 """SD2.0 / SD2.1 (512 base, 768-v, inpainting): UNet denoisers that are plain `comfy.model_base.BaseModel`s built
 from ComfyUI's `supported_models.SD20` config (1024-wide OpenCLIP-H text, linear transformer projections, 64-wide
-heads); the 768 models predict v. ControlNets of the cldm type (nodes/families/sd15.py).
+heads); the 768 models predict v. ControlNets of the cldm type (nodes/bridge/families/sd15.py).
 
 Runs stored by Headroom before this family existed name an SD2 model's family "sd15" (that family then covered every
-plain UNet); they resume as they are (nodes/comfy_bridge.py CONFIG_RENAMED): the preset trains the same layers."""
+plain UNet); they resume as they are (nodes/bridge/comfy_bridge.py CONFIG_RENAMED): the preset trains the same layers."""
 from __future__ import annotations
 
 import comfy.model_base
 import comfy.model_sampling
 import comfy.supported_models
 
-from ...training.core.adapters import TargetPreset
+from ....training.core.adapters import TargetPreset
 from .base import TINY_CLIP_L, Family, TinyModel
 from .sd15 import CLDM, UNET_ATTENTION, UNET_CONV
 

@@ -2,7 +2,7 @@
 applied in memory exactly the way the stock `ControlNetApplyAdvanced` node applies a loaded one.
 
 Per ControlNet type (the classes ComfyUI's `comfy.controlnet` loads; each is the builder hook of its families in
-nodes/families/, where the code for each lives: sd15 and sdxl train "unet", sd3 "sd3", flux "flux"):
+nodes/bridge/families/, where the code for each lives: sd15 and sdxl train "unet", sd3 "sd3", flux "flux"):
 
 | type   | ComfyUI class                        | initialised from the base                          | zero-initialised              | hint            | file layout (what `load_controlnet` detects)          |
 |--------|--------------------------------------|----------------------------------------------------|-------------------------------|-----------------|-------------------------------------------------------|
@@ -40,7 +40,7 @@ import comfy.model_management
 import comfy.model_patcher
 import comfy.ops
 
-from ..training.data.files import save_safetensors
+from ...training.data.files import save_safetensors
 from . import families
 from .families import CONTROLNET_TYPES, ControlNetError, ControlNetType, controlnet_type_of
 from .families.base import ExportedControlNet
@@ -63,7 +63,7 @@ class TrainableControlNet:
     """A ControlNet module of ComfyUI's own class plus what is needed to save and apply it.
 
     Implements the trainer's `Trainable` protocol (parameters / state_dict / load_state_dict / train).
-    `controlnet_type` is its family's ControlNet builder hook (nodes/families/); `config` holds the module's
+    `controlnet_type` is its family's ControlNet builder hook (nodes/bridge/families/); `config` holds the module's
     constructor arguments (JSON-able), `blocks` the copied block count.
     `patcher` is the one ModelPatcher ComfyUI sees for the module: it lives exactly as long as the module
     (ComfyUI's loaded-model list holds patchers weakly and treats a dead patcher with a live module as a

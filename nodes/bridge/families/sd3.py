@@ -14,7 +14,7 @@ import comfy.supported_models_base
 import comfy.text_encoders.sd3_clip
 import comfy.utils
 
-from ...training.core.adapters import TargetPreset
+from ....training.core.adapters import TargetPreset
 from .base import (TINY_CLIP_G, TINY_CLIP_L, ControlNetError, ControlNetType, ExportedControlNet, Family, TinyModel,
                    differences, effective)
 

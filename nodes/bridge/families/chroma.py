@@ -4,7 +4,7 @@ block's own, conditioned on T5-XXL alone (no CLIP-L pooled vector); Flux's 16-ch
 (they add into their inputs in place). ChromaRadiance (pixel space) is not this family.
 
 The flux family claimed Chroma models before this family existed; runs stored so resume as they are
-(nodes/comfy_bridge.py CONFIG_RENAMED): the preset trains the same layers."""
+(nodes/bridge/comfy_bridge.py CONFIG_RENAMED): the preset trains the same layers."""
 from __future__ import annotations
 
 import comfy.model_base
@@ -12,7 +12,7 @@ import comfy.supported_models
 import comfy.supported_models_base
 import comfy.text_encoders.pixart_t5
 
-from ...training.core.adapters import TargetPreset
+from ....training.core.adapters import TargetPreset
 from .base import TINY_T5, Family, TinyModel
 
 
@@ -20,7 +20,7 @@ def _is_chroma(model) -> bool:
     return isinstance(model, comfy.model_base.Chroma) and not isinstance(model, comfy.model_base.ChromaRadiance)
 
 
-# Flux's head geometry (one 128-wide head, RoPE axes [16, 56, 56]) as in nodes/families/flux.py. Chroma's `in_channels`
+# Flux's head geometry (one 128-wide head, RoPE axes [16, 56, 56]) as in nodes/bridge/families/flux.py. Chroma's `in_channels`
 # are the patchified channels (16 x 2 x 2, as comfy/model_detection.py sets them); its modulation approximator keeps
 # its real input (in_dim 64: timestep, guidance and modulation-index embeddings) and writes `hidden_size`-wide
 # modulations, with a small hidden width and depth here (released: 5120 wide, 5 layers).

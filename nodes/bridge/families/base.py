@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from ...training import public_module
-from ...training.core.adapters import TargetPreset
+from ....training import public_module
+from ....training.core.adapters import TargetPreset
 
 
 @dataclasses.dataclass(frozen=True)

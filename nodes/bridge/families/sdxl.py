@@ -1,10 +1,10 @@
-"""SDXL (base and refiner): UNet denoisers; ControlNets of the cldm type (nodes/families/sd15.py)."""
+"""SDXL (base and refiner): UNet denoisers; ControlNets of the cldm type (nodes/bridge/families/sd15.py)."""
 from __future__ import annotations
 
 import comfy.model_base
 import comfy.supported_models
 
-from ...training.core.adapters import TargetPreset
+from ....training.core.adapters import TargetPreset
 from .base import TINY_CLIP_G, TINY_CLIP_L, Family, TinyModel
 from .sd15 import CLDM, UNET_ATTENTION, UNET_CONV
 

@@ -16,7 +16,7 @@ import comfy.supported_models
 import comfy.supported_models_base
 import comfy.text_encoders.flux
 
-from ...training.core.adapters import TargetPreset
+from ....training.core.adapters import TargetPreset
 from .base import Family, TinyModel
 
 # The tiny text encoder is Klein's Qwen3-4B class: its tokenizer ships with ComfyUI (comfy/text_encoders/

@@ -3,18 +3,18 @@ model described from its own modules and code (blocks and their weight bytes fro
 blocks the trainer checkpoints and streams; activations measured by running it at small calibration sizes,
 training/memory/planner.py; ComfyUI's own `memory_required` for the sampling working set and the VAE's
 `memory_used_encode/decode` for caching and decoding), and the next smaller policy after an out-of-memory error.
-Used by the memory nodes (nodes/memory.py) and the training run (nodes/comfy_bridge.py)."""
+Used by the memory nodes (nodes/memory.py) and the training run (nodes/bridge/comfy_bridge.py)."""
 from __future__ import annotations
 
 import torch
 
 import comfy.model_management
 
-from ..training.memory import planner
-from ..training.core.adapters import AdapterConfig, AdapterSet
-from ..training.memory.policy import OffloadPolicy
-from ..training.core.trainer import PRECISIONS
-from ..training.data.cache_store import item_conditioning
+from ...training.memory import planner
+from ...training.core.adapters import AdapterConfig, AdapterSet
+from ...training.memory.policy import OffloadPolicy, PolicyError
+from ...training.core.trainer import PRECISIONS, auto_precision
+from ...training.data.cache_store import item_conditioning
 from . import families
 from .comfy_model import ComfyDenoiser, expected_cond_dims, model_blocks, replace_inference_tensors, training_blocks
 
@@ -167,8 +167,31 @@ def lora_target_paths(patcher, adapter: AdapterConfig) -> list[str]:
                                  [name for name, _ in model_blocks(diffusion_model)])
 
 
+def plan_lora_run(model, policy: OffloadPolicy, mode: str, batch_size: int, width: int, height: int, rank: int,
+                  targets: str, optimizer: str, precision: str, text_tokens: int, clip=None, vae=None,
+                  node: str = "HeadroomMemoryPlan") -> planner.Plan:
+    """The Memory Plan node's plan of a LoRA run on `model`: the estimate with `policy` (mode "estimate") or the
+    fastest policy that fits the budget (mode "auto"); precision "auto" and text_tokens 0 as the training nodes
+    resolve them."""
+    adapter = AdapterConfig(rank=rank, alpha=float(rank), targets=targets)
+    if precision == "auto":
+        precision = auto_precision(model.load_device)
+    try:
+        budget = budget_bytes(policy, torch.device(model.load_device))
+        paths = lora_target_paths(model, adapter)
+    except (PolicyError, ValueError) as error:
+        raise ValueError(f"{node}: {error}") from None
+    description = describe_comfy_model(model, adapter, precision, text_tokens or None, clip, vae)
+    trainable = planner.TrainableSpec.lora([model.model.diffusion_model.get_submodule(p) for p in paths], rank,
+                                           optimizer)
+    shape = planner.RunShape(batch_size, width, height, text_tokens or None)
+    if mode == "auto":
+        return planner.plan_auto(description, trainable, shape, policy, budget)
+    return planner.estimate(description, trainable, shape, policy, budget)
+
+
 def next_plan_for(run) -> planner.Plan | None:
-    """After an out-of-memory error in a training run (nodes/comfy_bridge.py TrainingRun): the planner's
+    """After an out-of-memory error in a training run (nodes/bridge/comfy_bridge.py TrainingRun): the planner's
     next smaller policy for that run's model, trainable weights, batch, largest bucket and text length."""
     config = run.config
     adapter = getattr(config, "adapter", None) or AdapterConfig()  # ControlNet runs: activations as with a LoRA

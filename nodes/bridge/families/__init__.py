@@ -1,6 +1,6 @@
-"""The family registry: every model family Headroom knows, one module each (nodes/families/<family>.py).
+"""The family registry: every model family Headroom knows, one module each (nodes/bridge/families/<family>.py).
 
-A family module defines `FAMILY`, a `Family` (nodes/families/base.py) saying how to recognise the family in a
+A family module defines `FAMILY`, a `Family` (nodes/bridge/families/base.py) saying how to recognise the family in a
 ComfyUI MODEL, its LoRA target preset, its text and latent facts, its LoRA file naming facts and its ControlNet
 builder (a `ControlNetType`), and nothing else: the code asks the registry instead of branching on family names.
 Modules here are found by name (every module of this package but `base`), so a new family is one new file
@@ -15,7 +15,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-from ...training.core.adapters import AdapterConfig, TargetPreset, select_targets
+from ....training.core.adapters import AdapterConfig, TargetPreset, select_targets
 from .base import ControlNetError, ControlNetType, Family
 
 def _discover() -> dict[str, Family]:
@@ -26,7 +26,7 @@ def _discover() -> dict[str, Family]:
         module = importlib.import_module(f"{__name__}.{info.name}")
         family = getattr(module, "FAMILY", None)
         if not isinstance(family, Family) or family.name != info.name:
-            raise ImportError(f"nodes/families/{info.name}.py must define FAMILY = Family(name={info.name!r}, ...)")
+            raise ImportError(f"nodes/bridge/families/{info.name}.py must define FAMILY = Family(name={info.name!r}, ...)")
         families.append(family)
     return {family.name: family for family in sorted(families, key=lambda f: (f.position, f.name))}
 

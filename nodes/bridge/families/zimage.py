@@ -13,7 +13,7 @@ import comfy.supported_models
 import comfy.supported_models_base
 import comfy.text_encoders.z_image
 
-from ...training.core.adapters import TargetPreset
+from ....training.core.adapters import TargetPreset
 from .base import Family, TinyModel
 
 # Qwen3-4B shrunk through ComfyUI's `qwen3_4b_model_config` option (comfy/text_encoders/llama.py Qwen3_4BConfig; its

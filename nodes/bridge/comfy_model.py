@@ -21,14 +21,14 @@ import comfy.model_sampling
 import comfy.samplers
 import comfy.utils
 
-from ..training.data.cache_store import fingerprint_state_dict, fingerprint_value, item_conditioning
-from ..training.core.objective import SamplingDescriptor
+from ...training.data.cache_store import fingerprint_state_dict, fingerprint_value, item_conditioning
+from ...training.core.objective import SamplingDescriptor
 from . import families
 
 
 # --- what kind of model is this -------------------------------------------------------------------------
 def model_family(model: comfy.model_base.BaseModel) -> str | None:
-    """The family name of a ComfyUI model (nodes/families/), or None when no family recognises it."""
+    """The family name of a ComfyUI model (nodes/bridge/families/), or None when no family recognises it."""
     return families.family_name(model)
 
 

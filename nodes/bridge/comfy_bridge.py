@@ -10,7 +10,7 @@ A `TrainingRun` is composed of
   denoiser, and owns save / apply / sampling conditioning / metadata; the run owns what every run does (train to a
   step, events, failure handling, validation loss, history, weights).
 The offload policy is resolved once, when the run opens (training/memory/policy.run_policy), and every part reads
-`run.policy`. The MODEL as the engine sees it: nodes/comfy_model.py; the planner's description: nodes/planning.py.
+`run.policy`. The MODEL as the engine sees it: nodes/bridge/comfy_model.py; the planner's description: nodes/bridge/planning.py.
 """
 from __future__ import annotations
 
@@ -28,15 +28,15 @@ import torch
 import comfy.model_management
 import comfy.utils
 
-from ..training.core.adapters import ADAPTER_LAYERS
-from ..training.memory.checkpointing import inplace_depth_problem
-from ..training.data.files import WriteError, open_regular
-from ..training.memory.lowbit import LowBitBase, LowBitLinear
-from ..training.memory.memory_stats import PhaseRecorder, process_rss_bytes
-from ..training.memory.oom import is_out_of_memory, out_of_memory
-from ..training.memory.policy import OffloadPolicy
-from ..training.core.run_dir import RunDir, RunFolderError
-from ..training.core.trainer import StepReport, Trainer
+from ...training.core.adapters import ADAPTER_LAYERS
+from ...training.memory.checkpointing import inplace_depth_problem
+from ...training.data.files import WriteError, open_regular
+from ...training.memory.lowbit import LowBitBase, LowBitLinear
+from ...training.memory.memory_stats import PhaseRecorder, process_rss_bytes
+from ...training.memory.oom import is_out_of_memory, out_of_memory
+from ...training.memory.policy import OffloadPolicy
+from ...training.core.run_dir import RunDir, RunFolderError
+from ...training.core.trainer import StepReport, Trainer
 from .comfy_model import base_fingerprint, data_fingerprint, model_blocks, replace_inference_tensors, training_blocks
 from .planning import next_plan_for
 
@@ -50,13 +50,18 @@ CONFIG_ADDED_LATER = {"session.train.objective.loss_type": "mse", "session.train
 # when a run opens, training/memory/policy.run_policy) and changes no weight, so a run resumes whatever it was.
 CONFIG_REMOVED_LATER = ("session.train.gradient_checkpointing", "session.train.checkpoint_depth")
 # Stored values an earlier version wrote for what is now named otherwise: an SD2 model's family was sd15 before
-# nodes/families/sd2.py, a Chroma model's flux before chroma.py; the presets train the same layers, so such runs resume.
+# nodes/bridge/families/sd2.py, a Chroma model's flux before chroma.py; the presets train the same layers, so such runs resume.
 CONFIG_RENAMED = {"session.family": {"sd2": "sd15", "chroma": "flux"}}
 # Which weights / Save use: auto = the EMA when the run keeps one (TrainingRun.weights).
 WEIGHT_CHOICES = ("auto", "trained", "ema")
 
 
 # --- progress and events ----------------------------------------------------------------------------------
+def node_id(node_cls) -> str | None:
+    """The id of the node executing now (its hidden unique_id), which events name so the editor finds the node."""
+    return getattr(node_cls.hidden, "unique_id", None) if getattr(node_cls, "hidden", None) is not None else None
+
+
 def send_event(event: str, data: dict) -> None:
     """A websocket event when a ComfyUI server is running in this process (nothing otherwise)."""
     server = sys.modules.get("server")
@@ -250,13 +255,13 @@ class Placement:
     def load(self, patchers: list, extra_bytes: int) -> None:
         """Load the training patchers through ComfyUI's model management, as the policy places the frozen base
         (`extra_bytes`: what the run adds on the device beyond the weights, for ComfyUI's accounting)."""
-        placement = self.policy.base_placement
+        placement = self.policy.placement  # decided in one place: training/memory/weight_streaming.base_placement
         with torch.inference_mode(False):  # weights copied to the device here are then usable by autograd
-            # "partial" / "streamed": ComfyUI may keep part of the base in host RAM (its lowvram load); the
-            # trainer's WeightStreamer brings those blocks to the device one block ahead.
+            # Not a full load: ComfyUI may keep part of the base in host RAM (its lowvram load); the trainer's
+            # WeightStreamer brings those blocks to the device one block ahead.
             comfy.model_management.load_models_gpu(patchers, memory_required=extra_bytes,
-                                                   force_full_load=placement == "resident")
-            if placement == "streamed" and self.patcher.load_device != self.patcher.offload_device:
+                                                   force_full_load=placement.full_load)
+            if placement.blocks_to_host and self.patcher.load_device != self.patcher.offload_device:
                 # Every block's frozen weights back to host RAM through ComfyUI's own partial unload, so its
                 # accounting stays right; non-block weights (embedders, final layers) stay resident.
                 blocks = [block for _, block in training_blocks(self.patcher.model.diffusion_model)]
@@ -281,7 +286,7 @@ class TrainingRun:
     with the Init nodes' checkpointing inputs by training/memory/policy.run_policy before it comes here.
     """
 
-    precision_note = ""  # how the init node chose the compute precision (nodes/train_lora.py resolve_precision)
+    precision_note = ""  # how the init node chose the compute precision (nodes/bridge/run_settings.resolve_precision)
 
     def __init__(self, model, latent_cache, text_cache, config, trained, run_root: pathlib.Path, run_name: str,
                  policy: OffloadPolicy | None = None):

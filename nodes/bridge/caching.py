@@ -1,0 +1,117 @@
+"""The caching loops (training/data/cache_store.py) on ComfyUI's encoders: the VAE encodes as VAE Encode does, the
+CLIP as CLIP Text Encode does; each keyed by its fingerprint and options, its memory recorded, and unloaded after
+(as the policy's `encoders` says) whatever happens."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+import comfy.model_management
+
+from ...training.data.cache_store import CacheStoreError, cache_latents, cache_text
+from ...training.data.files import WriteError
+from ...training.memory.memory_stats import PhaseRecorder
+from .cache_folders import open_store, with_relocate_hint
+from .encoders import ProgressForward, encoder_fingerprint, spatial_downscale, unbatch, unload_encoder
+
+
+@contextlib.contextmanager
+def _encoding(patcher, policy, recorder: PhaseRecorder, phase: str):
+    """One caching phase: recorded, a full cache disk saying how to move the cache, the encoder unloaded after."""
+    try:
+        with recorder.phase(phase):
+            yield
+    except (CacheStoreError, WriteError) as error:
+        raise with_relocate_hint(error) from error
+    finally:
+        unload_encoder(patcher, policy)
+
+
+def cache_vae_latents(dataset, vae, control_encoding: str = "pixels", policy=None):
+    """(LatentCache, summary) of `dataset` encoded by `vae` (cached items reused)."""
+    vae.throw_exception_if_invalid()
+    store = open_store("latents")
+    options = {
+        "vae": type(vae.first_stage_model).__qualname__,
+        "dtype": str(vae.vae_dtype),
+        "output_dtype": str(vae.vae_output_dtype()),
+    }
+    recorder = PhaseRecorder(vae.device)
+    with _encoding(vae.patcher, policy, recorder, "caching latents"):
+        cache, report = cache_latents(
+            dataset, store, vae.encode, encoder_fingerprint(vae.patcher), options,
+            control_encoding=control_encoding, progress=ProgressForward(),
+            check_interrupt=comfy.model_management.throw_exception_if_processing_interrupted,
+            downscale=spatial_downscale(vae),
+        )
+    cache.memory_phases = recorder.phases  # a training run built on this cache starts its memory record with it
+    return cache, report.summary()
+
+
+# How captions are encoded: as CLIPTextEncode, or with each item's control image as the reference, exactly as a stock
+# edit text-encode node does (comfy_extras/nodes_qwen.py: the image's vision tokens join the prompt).
+REFERENCE_ENCODINGS = ("none", "TextEncodeQwenImageEdit", "TextEncodeQwenImageEditPlus")
+
+
+def encode_with_reference(encoding: str, clip, text: str, image: torch.Tensor, vae=None) -> list:
+    """The conditioning the stock node `encoding` makes of `text` and one reference image [1, H, W, 3] (with a vae,
+    the node appends the image's reference latent too)."""
+    from comfy_extras import nodes_qwen
+
+    if encoding == "TextEncodeQwenImageEdit":
+        return nodes_qwen.TextEncodeQwenImageEdit.execute(clip, text, vae, image).args[0]
+    if encoding == "TextEncodeQwenImageEditPlus":
+        return nodes_qwen.TextEncodeQwenImageEditPlus.execute(clip, text, vae, image).args[0]
+    raise ValueError(f"reference_encoding={encoding!r}: choose one of {', '.join(REFERENCE_ENCODINGS)}")
+
+
+def cache_clip_text(dataset, clip, policy=None, reference_encoding: str = "none"):
+    """(TextCache, summary) of the dataset's captions and the empty prompt encoded by `clip` (cached ones reused);
+    with a `reference_encoding` node, each caption is encoded with its item's control image by that node."""
+    store = open_store("text")
+    options = {
+        "text_encoder": type(clip.cond_stage_model).__qualname__,
+        "tokenizer": type(clip.tokenizer).__qualname__,
+        "layer_idx": clip.layer_idx,
+        "tokenizer_options": repr(sorted(clip.tokenizer_options.items())),
+    }
+    dropped: set[str] = set()
+
+    def encode(text: str) -> dict[str, torch.Tensor]:
+        # Exactly CLIPTextEncode: tokenize, then encode_from_tokens_scheduled -> [[cond, {extras}]].
+        return flatten(clip.encode_from_tokens_scheduled(clip.tokenize(text)))
+
+    def encode_reference(text: str, image: torch.Tensor) -> dict[str, torch.Tensor]:
+        return flatten(encode_with_reference(reference_encoding, clip, text, image.unsqueeze(0)))
+
+    def flatten(conditioning) -> dict[str, torch.Tensor]:
+        if len(conditioning) != 1:
+            raise ValueError(
+                "HeadroomCacheText: this CLIP has scheduled hooks, which give one conditioning per keyframe; "
+                "remove the hooks from the CLIP before caching"
+            )
+        cond, extras = conditioning[0]
+        tensors = {"cross_attn": unbatch(cond)}
+        for name, value in extras.items():
+            if isinstance(value, torch.Tensor):
+                tensors[name] = unbatch(value)
+            elif value is not None:
+                dropped.add(name)  # e.g. "hooks": a sampling-time feature, not part of the text embedding
+        return tensors
+
+    recorder = PhaseRecorder(clip.patcher.load_device)
+    with_references = reference_encoding != "none"
+    with _encoding(clip.patcher, policy, recorder, "caching text"):
+        cache, report = cache_text(
+            [item.caption for item in dataset.items], store, encode, encoder_fingerprint(clip.patcher), options,
+            progress=ProgressForward(),
+            check_interrupt=comfy.model_management.throw_exception_if_processing_interrupted,
+            references=[item.control for item in dataset.items] if with_references else None,
+            encode_with_reference=encode_reference if with_references else None,
+            reference_encoding=reference_encoding if with_references else None,
+        )
+    cache.memory_phases = recorder.phases
+    if dropped:
+        report.warnings.append(f"non-tensor conditioning entries not cached: {', '.join(sorted(dropped))}")
+    return cache, report.summary()

@@ -1,0 +1,75 @@
+"""What a run opens with, from the Init nodes' inputs (LoRA and ControlNet alike): the compute precision, the
+engine's TrainConfig, the offload policy resolved once, and the fingerprint that reruns an Init node whose run
+folder changed."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ...training.core.objective import ObjectiveConfig
+from ...training.core.run_dir import RunDir, check_name
+from ...training.core.trainer import PRECISIONS, TrainConfig, auto_precision
+from ...training.memory.policy import OffloadPolicy, run_policy
+from .comfy_bridge import run_generation
+from .model_files import runs_root
+
+
+def resolve_precision(precision: str, device, run_name: str, node: str) -> tuple[str, str]:
+    """(the precision the run computes in, a note saying why). "auto": what a resumed run was started with, else
+    the device's fast one (training/core/trainer.py auto_precision); the resolved value is what the run stores. An
+    explicit bf16 / fp16 on a CPU is honoured, with a warning: it runs far slower than fp32 there."""
+    device = torch.device(device)
+    if precision == "auto":
+        stored = RunDir(runs_root(), run_name).read_config() or {}
+        session = stored.get("session")
+        train = session.get("train") if isinstance(session, dict) else None
+        resumed = train.get("precision") if isinstance(train, dict) else None
+        if resumed in PRECISIONS:
+            note = f"{node}: precision auto -> {resumed}, as run '{run_name}' was started"
+        else:
+            resumed = auto_precision(device)
+            why = {"cpu": "a CPU has no fast bf16 / fp16 kernels"}.get(device.type, f"the fast precision of {device}")
+            note = f"{node}: precision auto -> {resumed} on {device} ({why})"
+        logging.info(note)
+        return resumed, note
+    note = f"{node}: precision {precision} on {device}"
+    if device.type == "cpu" and precision != "fp32":
+        note += (f": honoured, but a CPU has no fast {precision} kernels, so training and validation run many times "
+                 "slower than in fp32 (bf16 convolutions ~180x); choose auto or fp32 for speed")
+        logging.warning(note)
+    return precision, note
+
+
+def train_config(model, run_name: str, node: str, seed, batch_size, grad_accumulation, precision, max_grad_norm,
+                 caption_dropout, timestep_sampling, loss_weighting, min_snr_gamma, noise_offset, loss_type: str,
+                 huber_delta: float, ema_decay: float, prior_ratio: float = 0.0) -> tuple[TrainConfig, str]:
+    """The engine's TrainConfig from the Init nodes' shared inputs (LoRA and ControlNet), checked, with the note
+    on how the compute precision was chosen."""
+    precision, note = resolve_precision(precision, model.load_device, run_name, node)
+    train = TrainConfig(
+        seed=seed, batch_size=batch_size, grad_accum=grad_accumulation, max_grad_norm=max_grad_norm,
+        precision=precision, caption_dropout=caption_dropout, ema_decay=ema_decay, prior_ratio=prior_ratio,
+        objective=ObjectiveConfig(timestep_sampling=timestep_sampling, loss_weighting=loss_weighting,
+                                  min_snr_gamma=min_snr_gamma, noise_offset=noise_offset, loss_type=loss_type,
+                                  huber_delta=huber_delta),
+    )
+    train.validate()
+    return train, note
+
+
+def resolve_policy(policy, gradient_checkpointing: bool, checkpoint_depth: int) -> OffloadPolicy:
+    """The run's offload policy, resolved once when it opens (LoRA and ControlNet Init nodes): the policy input
+    (none: everything resident) with the gradient_checkpointing / checkpoint_depth inputs mapped into it
+    (training/memory/policy.run_policy). Every later step reads only `run.policy`."""
+    if policy is not None and not isinstance(policy, OffloadPolicy):
+        raise ValueError("policy must come from a HeadroomOffloadPolicy or HeadroomMemoryPlan node")
+    return run_policy(policy, gradient_checkpointing, checkpoint_depth)
+
+
+def run_fingerprint(run_name) -> int:
+    """Init nodes: run again when the run folder their cached run opened was deleted or replaced since."""
+    try:
+        return run_generation(runs_root(), check_name(run_name))
+    except ValueError:
+        return 0  # a bad name: execute says so

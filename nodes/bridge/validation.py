@@ -1,0 +1,213 @@
+"""Validation of a run through ComfyUI: stock KSampler sampling of the training model and what the run trains, the
+VAE decode (tiled as the policy says), the grids and latents saved in the run folder, the validation event."""
+from __future__ import annotations
+
+import logging
+import os
+import pathlib
+from io import BytesIO
+
+import numpy as np
+import torch
+from PIL import Image
+
+import comfy.model_management
+import comfy.sample
+import folder_paths
+import node_helpers
+from comfy_api.latest import ui
+
+from ...training.checks import check_finite
+from ...training.data.cache_store import item_conditioning
+from ...training.data.files import save_safetensors, write_bytes
+from ...training.memory.policy import PolicyError
+from .comfy_bridge import VALIDATE_EVENT, TrainingRun, node_id, send_event
+from .comfy_model import REFERENCE_LATENTS, reference_inputs
+from .caching import encode_with_reference
+from .encoders import unload_encoder
+from .planning import budget_bytes
+
+
+def sample_images(run: TrainingRun, clip, vae, prompts: list[str], negative: str, seed: int, steps: int, cfg: float,
+                  sampler_name: str, scheduler: str, width: int, height: int, lora_application: str = "as_saved_file",
+                  base: bool = False, references: list | None = None,
+                  reference_encoding: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stock KSampler sampling (same noise, same sampler code) on the training model + what the run trains (a LoRA
+    as `lora_application` says, TrainingRun.sampling_model; a ControlNet run adds its control as
+    ControlNetApplyAdvanced does). base=True: the run's MODEL alone (before/after comparisons). `references`: one
+    VAE latent per prompt (or None), appended to the positive and negative conditioning as the stock ReferenceLatent
+    node does; with `reference_encoding` (a stock edit text-encode node, TextEncodeQwenImageEdit), `references` are
+    reference images [1, H, W, 3] and both prompts are encoded with them by that node, as the stock edit workflow
+    does. Returns (images, sampled latents)."""
+    negative_cond = clip.encode_from_tokens_scheduled(clip.tokenize(negative))
+    latents = []
+    # comfy.sample.prepare_noise reseeds the global torch RNG; fork it so validating never changes what the
+    # training run draws next (peft dropout uses the global RNG).
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    model_context = run.base_sampling_model() if base else run.sampling_model(lora_application)
+    with torch.no_grad(), torch.random.fork_rng(devices=devices), model_context as model:
+        for index, prompt in enumerate(prompts):
+            positive = clip.encode_from_tokens_scheduled(clip.tokenize(prompt))
+            negative_item = negative_cond
+            if reference_encoding is not None and references is not None:  # both prompts with the reference image
+                positive, negative_item = (encode_with_reference(reference_encoding, clip, text, references[index], vae)
+                                           for text in (prompt, negative))
+            positive, negative_run = ((positive, negative_item) if base
+                                      else run.sampling_conditioning(positive, negative_item, vae))
+            if references is not None and reference_encoding is None:  # exactly ReferenceLatent (comfy_extras/nodes_edit_model.py), on both
+                positive, negative_run = (node_helpers.conditioning_set_values(
+                    c, {REFERENCE_LATENTS: [references[index]]}, append=True) for c in (positive, negative_run))
+            # As EmptyLatentImage + KSampler make it: an 8x latent the sampler resizes to the model's own format
+            # (channels and downscale: 16x for Flux.2).
+            empty = torch.zeros([1, 4, height // 8, width // 8], device=comfy.model_management.intermediate_device())
+            latent = comfy.sample.fix_empty_latent_channels(model, empty, 8)
+            noise = comfy.sample.prepare_noise(latent, seed)
+            latents.append(comfy.sample.sample(model, noise, steps, cfg, sampler_name, scheduler, positive,
+                                               negative_run, latent, denoise=1.0, disable_pbar=True, seed=seed))
+    samples = torch.cat(latents)
+    with torch.no_grad():  # decoded after the denoiser's step is done: the VAE loads on its own
+        return decode(run, vae, samples), samples
+
+
+def base_samples(run: TrainingRun, clip, vae, prompts: list[str], *settings, reference_images=None,
+                 references=None) -> torch.Tensor:
+    """The run's MODEL alone sampled (compare_base): the same for every validation of the run with the same prompts,
+    settings, CLIP, VAE and reference images, so it is sampled once and reused (validate_every would otherwise
+    resample the base)."""
+    cached = getattr(run, "_base_samples", None)
+    if (cached is not None and cached[0] is clip and cached[1] is vae and cached[2] == (prompts, settings)
+            and cached[4] is reference_images):
+        return cached[3]
+    images, _ = sample_images(run, clip, vae, prompts, *settings, base=True, references=references,
+                              reference_encoding=reference_text_encoding(run))
+    run._base_samples = (clip, vae, (prompts, settings), images, reference_images)
+    return images
+
+
+def encode_references(run: TrainingRun, vae, reference_images: torch.Tensor | None, count: int,
+                      node: str) -> list | None:
+    """One VAE latent per prompt of the validation's reference images (as the stock VAE Encode makes it), or None
+    without reference images; a count that fits neither one-for-all nor one-per-prompt, or a MODEL that takes no
+    reference latents: a ValueError naming the node."""
+    if reference_images is None or count == 0:
+        if count and getattr(run.config, "reference", "none") != "none":
+            logging.warning("%s: run '%s' trains with references but no reference_images are connected: the samples "
+                            "have no reference image", node, run.run_dir.name)
+        return None
+    if reference_images.ndim != 4 or reference_images.shape[0] not in (1, count):
+        raise ValueError(f"{node}: reference_images holds {reference_images.shape[0] if reference_images.ndim == 4 else 'no'} "
+                         f"image batch for {count} prompt(s): give one image for every prompt, or one per prompt")
+    cache = run.latent_cache
+    if not reference_inputs(run.source_model.model, item_conditioning(run.text_cache, cache, 0), cache.latent(0)):
+        raise ValueError(f"{node}: reference_images given, but this MODEL ({type(run.source_model.model).__name__}) "
+                         "takes no reference latents (its extra_conds ignores reference_latents): disconnect "
+                         "reference_images, or validate an edit / reference model")
+    if reference_text_encoding(run) is not None:  # the images themselves: the stock edit text-encode node takes them
+        latents = [image.unsqueeze(0) for image in reference_images]
+    else:
+        latents = [vae.encode(image.unsqueeze(0)) for image in reference_images]
+    return latents * count if len(latents) == 1 else latents
+
+
+def reference_text_encoding(run: TrainingRun) -> str | None:
+    """The stock edit text-encode node the run's captions were cached with (each with its reference image), or None."""
+    return getattr(run.text_cache, "reference_encoding", None)
+
+
+def decode(run: TrainingRun, vae, samples: torch.Tensor) -> torch.Tensor:
+    """VAE Decode, tiled (ComfyUI's tiled decode) when the policy says "on", or for "auto" when the VAE's weights
+    plus its full-decode working set would not fit the run's budget (OffloadPolicy.decode_tiled, the planner's rule);
+    otherwise the stock VAE Decode, which itself retries in tiles after an out-of-memory error."""
+    policy = run.policy
+    needed = budget = None
+    if policy.vae_tiled_decode == "auto":
+        needed = vae.patcher.model_size() + vae.memory_used_decode(samples.shape, vae.vae_dtype)
+        try:
+            budget = budget_bytes(policy, torch.device(vae.device))
+        except PolicyError:  # an "auto" budget with nothing free: the smallest working set
+            budget = 0
+    images = vae.decode_tiled(samples) if policy.decode_tiled(needed, budget) else vae.decode(samples)
+    if images.ndim == 5:  # a video VAE's [B, T, H, W, 3] (Wan 2.1 latents of Qwen-Image): frames as images, as VAEDecode
+        images = images.reshape(-1, *images.shape[-3:])
+    return images
+
+
+def _png_bytes(grid: torch.Tensor) -> bytes:
+    pixels = (grid.clamp(0, 1) * 255).round().to(torch.uint8).cpu().numpy()
+    buffer = BytesIO()
+    Image.fromarray(np.ascontiguousarray(pixels)).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def save_before_after(run: TrainingRun, base: torch.Tensor, trained: torch.Tensor) -> pathlib.Path:
+    """Base samples (top row) over the run's samples (bottom row), same prompts and seeds, as one PNG next to the
+    validation grid: step_<step>_before_after.png."""
+    grid = torch.cat([torch.cat(list(base[..., :3]), dim=1), torch.cat(list(trained[..., :3]), dim=1)], dim=0)
+    path = run.run_dir.validation_dir / f"step_{run.step:08d}_before_after.png"
+    run.run_dir.check_present()
+    run.run_dir.check_subfolder_inside(run.run_dir.validation_dir)
+    write_bytes(path, _png_bytes(grid), f"before/after grid of run '{run.run_dir.name}'")
+    return path
+
+
+def save_validation(run: TrainingRun, images: torch.Tensor, samples: torch.Tensor) -> pathlib.Path:
+    """This step's validation images side by side as one PNG in the run directory, and the sampled latents
+    (float, before decoding) next to it."""
+    row = torch.cat(list(images[..., :3]), dim=1)  # [H, N*W, 3]
+    path = run.run_dir.validation_dir / f"step_{run.step:08d}.png"
+    png = _png_bytes(row)
+    run.run_dir.check_present()  # the validation folder never re-creates a vanished run folder
+    run.run_dir.check_subfolder_inside(run.run_dir.validation_dir)
+    write_bytes(path, png, f"validation grid of run '{run.run_dir.name}'")
+    save_safetensors(path.with_name(f"step_{run.step:08d}_latents.safetensors"),
+                     {"samples": samples.detach().float().cpu()}, f"validation latents of run '{run.run_dir.name}'")
+    return path
+
+
+def validate(node_cls, run: TrainingRun, clip=None, vae=None, prompts="", negative="", sample_seed=0,
+             sample_steps=20, cfg=4.0, sampler_name="euler", scheduler="normal", width=512, height=512,
+             loss_timesteps=4, lora_application="as_saved_file", weights="auto", compare_base=False,
+             reference_images=None):
+    """(images or None, previews or None, validation loss); tells the live view (`headroom.validate`).
+    compare_base: the run's MODEL alone is sampled too (same prompts, seeds) and a before/after grid saved.
+    reference_images: the samples' reference images (edit models), added as ReferenceLatent adds them."""
+    check_finite(node_cls.__name__, cfg=cfg)
+    run.resolve_weights(weights)  # a wrong choice is an input error, before anything runs
+    lines = [line.strip() for line in (prompts or "").splitlines() if line.strip()]
+    if lines and (clip is None or vae is None):
+        raise ValueError("HeadroomValidate: validation prompts need the clip and vae inputs connected")
+    images = previews = grid = before_after = None
+    try:
+        with run.phase("validation"):
+            references = encode_references(run, vae, reference_images, len(lines), node_cls.__name__)
+            loss = run.validation_loss(times=loss_timesteps, weights=weights)
+            if lines:
+                with run.weights(weights):
+                    images, samples = sample_images(run, clip, vae, lines, negative, sample_seed, sample_steps, cfg,
+                                                    sampler_name, scheduler, width, height, lora_application,
+                                                    references=references,
+                                                    reference_encoding=reference_text_encoding(run))
+                grid = save_validation(run, images, samples)
+                if compare_base:
+                    base_images = base_samples(run, clip, vae, lines, negative, sample_seed, sample_steps, cfg,
+                                               sampler_name, scheduler, width, height,
+                                               reference_images=reference_images, references=references)
+                    before_after = save_before_after(run, base_images, images)
+                previews = ui.PreviewImage(images, cls=node_cls)
+    except BaseException as error:  # cancel, out of memory, a wrong input...: checkpoint kept, device memory freed
+        run.fail("validation", error)
+        raise
+    finally:
+        # policy encoders="unload_after_use" (default): text encoder and VAE leave the device once validation is done.
+        for encoder in (clip, vae):
+            if encoder is not None:
+                unload_encoder(encoder.patcher, run.policy)
+    if previews is not None:
+        output_dir = folder_paths.get_output_directory()
+        run.last_validation = {"step": run.step, "images": previews.values,
+                               "grid": os.path.relpath(grid, output_dir).replace(os.sep, "/")}
+        if before_after is not None:
+            run.last_validation["before_after"] = os.path.relpath(before_after, output_dir).replace(os.sep, "/")
+    send_event(VALIDATE_EVENT, {"node": node_id(node_cls), "run": run.run_dir.name, "step": run.step,
+                                "val_loss": loss, "images": previews.values if previews is not None else []})
+    return images, previews, loss
