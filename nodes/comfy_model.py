@@ -59,8 +59,10 @@ def expected_cond_dims(model: comfy.model_base.BaseModel) -> dict[str, int]:
     dims = {}
     # Lumina 2 / Z-Image: cap_feat_dim. Qwen-Image: joint_attention_dim, which its detection leaves to the class
     # default (3584, Qwen2.5-VL-7B's width); neither has a pooled vector.
+    # Wan: text_dim, also left to the class default (4096, UMT5-XXL's).
     context = (config.get("context_dim") or config.get("context_in_dim") or config.get("cap_feat_dim")
-               or _constructor_value(model.diffusion_model, config, "joint_attention_dim"))
+               or _constructor_value(model.diffusion_model, config, "joint_attention_dim")
+               or _constructor_value(model.diffusion_model, config, "text_dim"))
     if context is None and isinstance(config.get("context_embedder_config"), dict):
         context = config["context_embedder_config"].get("params", {}).get("in_features")
     if context:
