@@ -170,7 +170,7 @@ def next_plan_for(run) -> planner.Plan | None:
     adapter = getattr(config, "adapter", None) or AdapterConfig()  # ControlNet runs: activations as with a LoRA
     description = describe_comfy_model(run.source_model, adapter, config.train.precision)
     trainable = planner.TrainableSpec.from_parameters(run.trainer.params, config.optimizer.name)
-    width, height = max(run.latent_cache.buckets, key=lambda size: size[0] * size[1])
+    width, height = max(run.latent_cache.buckets, key=lambda size: size[0] * size[1])[:2]  # clips: (w, h, frames)
     tokens = run.text_cache.conditioning(run.latent_cache.text_key(0))["cross_attn"].shape[0]
     shape = planner.RunShape(config.train.batch_size, width, height, int(tokens))
     policy = run.policy

@@ -86,6 +86,9 @@ class Family:
     # model -> the pooled conditioning width the planner's calibration adds beyond expected_cond_dims (SDXL), or None.
     calibration_pooled_width: Callable[[Any], int] | None = None
     latent_downscale: int = 8  # image px per latent px
+    # Video families: pixel frames per latent frame of their VAE (clips of frame_step * k + 1 frames: Wan 4); None:
+    # an image family (validation makes images; one-frame latents of a video VAE, as Qwen-Image's, are images).
+    frame_step: int | None = None
     # Whether a model's blocks add into their inputs in place; asked of every family (registry.inplace_blocks).
     inplace_blocks: Callable[[Any], bool] = _never
     controlnet: ControlNetType | None = None  # the ControlNet this family trains, if any

@@ -87,6 +87,7 @@ FAMILY = Family(
     diffusers_component="transformer",
     # musubi-tuner's metadata (networks/lora_wan.py: architecture "wan"; utils/sai_model_spec.py: "wan2.1/lora").
     kohya_base=("wan", "wan2.1/lora"),
+    frame_step=4,  # the Wan 2.1 VAE keeps the first frame, then encodes groups of 4
     tiny=TINY,
     position=30,
 )
