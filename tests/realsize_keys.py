@@ -57,15 +57,30 @@ def _full_depth_model(arch: str):
     return model, mismatched
 
 
+def _diffusers_refused(model, paths, family: str) -> str | None:
+    """Why HeadroomSaveLora refuses the diffusers format for this family (ComfyUI's key map has no diffusers names
+    for it: Wan), or None."""
+    from headroom.nodes import lora_formats
+
+    try:
+        lora_formats.diffusers_names(types.SimpleNamespace(model=model), paths, family)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
 def _names(model, paths, family: str) -> dict[str, list[str]]:
-    """{format: the file's layer names} for these module paths, as HeadroomSaveLora names them."""
+    """{format: the file's layer names} for these module paths, as HeadroomSaveLora names them (the formats it
+    writes for the family)."""
     from headroom.nodes import lora_formats
 
     patcher = types.SimpleNamespace(model=model)
-    diffusers = lora_formats.diffusers_names(patcher, paths, family)
-    return {"comfyui": [f"diffusion_model.{p}" for p in paths],
-            "kohya": list(lora_formats.kohya_names(patcher, paths, family).values()),
-            "diffusers": [name for layers in diffusers.values() for name, _ in layers]}
+    names = {"comfyui": [f"diffusion_model.{p}" for p in paths],
+             "kohya": list(lora_formats.kohya_names(patcher, paths, family).values())}
+    if _diffusers_refused(model, paths, family) is None:
+        diffusers = lora_formats.diffusers_names(patcher, paths, family)
+        names["diffusers"] = [name for layers in diffusers.values() for name, _ in layers]
+    return names
 
 
 def _save_and_load(patcher, adapters, paths, family: str, arch: str) -> dict:
@@ -81,8 +96,9 @@ def _save_and_load(patcher, adapters, paths, family: str, arch: str) -> dict:
     comfy_state = adapters.comfy_state_dict()
     files = {"comfyui": comfy_state,
              "kohya": lora_formats.to_kohya(comfy_state, lora_formats.kohya_names(patcher, paths, family))}
-    names = lora_formats.diffusers_names(patcher, paths, family)
-    files["diffusers"] = lora_formats.to_diffusers(comfy_state, names, family, torch.float32)[0]
+    if _diffusers_refused(patcher.model, paths, family) is None:
+        names = lora_formats.diffusers_names(patcher, paths, family)
+        files["diffusers"] = lora_formats.to_diffusers(comfy_state, names, family, torch.float32)[0]
     out = {}
     for file_format, state in files.items():
         name = f"{arch}_{file_format}.safetensors"
@@ -145,6 +161,7 @@ def run(arch: str, depth, meta_only: bool = False) -> dict:
     report["full_depth"] = {
         "family": families.family_name(full), "params": sum(p.numel() for p in full.diffusion_model.parameters()),
         "detection_mismatches": mismatched, "trained_layers": len(full_paths),
+        "refused": {"diffusers": _diffusers_refused(full, full_paths, families.family_name(full))},
         "names": {fmt: len(names) for fmt, names in full_names.items()},
         # the names ComfyUI's key map does not know, per format
         "unmapped": {fmt: [n for n in names if n not in key_map] for fmt, names in full_names.items()},

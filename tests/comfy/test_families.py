@@ -317,3 +317,24 @@ def test_hidream_trains_through_the_denoiser_with_its_four_encoder_conditioning(
     finally:
         comfy.model_management.in_training = False
         adapters.detach()
+
+
+def test_wan21_is_text_to_video_only_and_expects_umt5_width(comfyui):
+    """Wan 2.1 T2V (1.3B / 14B, and Wan 2.2 A14B's experts) is wan21, its cross_attn the UMT5-XXL width (4096, the
+    class default detection leaves); image-to-video (36 input channels) and the other WAN21 classes are not."""
+    import comfy.model_detection
+
+    import realsize_models as R
+    from headroom.nodes import families
+    from headroom.nodes.comfy_model import expected_cond_dims
+
+    for arch in ("wan21_1_3b", "wan21_14b"):
+        model = comfy.model_detection.model_config_from_unet_config(R.unet_config(arch, 1)).get_model({}, "", device="meta")
+        assert families.family_name(model) == "wan21" and expected_cond_dims(model) == {"cross_attn": 4096}
+    i2v = comfy.model_detection.model_config_from_unet_config(
+        {**R.unet_config("wan21_14b", 1), "model_type": "i2v", "in_dim": 36}).get_model({}, "", device="meta")
+    assert type(i2v).__name__ == "WAN21" and i2v.image_to_video and families.family_of(i2v) is None
+    vace = comfy.model_detection.model_config_from_unet_config(
+        {**R.unet_config("wan21_1_3b", 1), "model_type": "vace", "vace_in_dim": 96, "vace_layers": 1}
+    ).get_model({}, "", device="meta")
+    assert families.family_of(vace) is None
