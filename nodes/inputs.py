@@ -14,6 +14,7 @@ from ..training.core.trainer import PRECISIONS
 from .comfy_bridge import WEIGHT_CHOICES
 from .io_types import LatentCacheType, LoraConfigType, OffloadPolicyType, OptimizerConfigType, TextCacheType
 from .run_lora import LORA_APPLICATIONS, REFERENCES
+from .video import frames_input
 
 DEFAULT_CHECKPOINT_MINUTES = 10.0
 
@@ -212,4 +213,4 @@ def weights_input(what: str):
 def validation_names() -> set[str]:
     """The names of the validation inputs an all-in-one node hands to validation (not to the run it opens)."""
     return ({item.id for item in validation_inputs(optional=True)}
-            | {compare_base_input().id, reference_images_input().id})
+            | {compare_base_input().id, reference_images_input().id, frames_input().id})
