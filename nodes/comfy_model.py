@@ -91,6 +91,12 @@ def check_caches(model: comfy.model_base.BaseModel, latent_cache, text_cache) ->
             f"the LATENT_CACHE has {latent_cache.latent_channels}-channel latents but this "
             f"model denoises {channels}-channel latents: cache the images with this model's VAE"
         )
+    clips = sorted(bucket[2] for bucket in getattr(latent_cache, "buckets", {}) if len(bucket) > 2)
+    family = families.family_of(model)
+    if clips and (family is None or family.frame_step is None):  # a Wan-VAE cache of clips for Qwen-Image, say
+        raise ValueError(f"the LATENT_CACHE holds clips of up to {clips[-1]} frames but this model "
+                         f"({type(model).__name__}) trains on images: cache the dataset with max_frames 1, or train a "
+                         "video model (wan21)")
     sample = text_cache.conditioning(latent_cache.text_key(0))
     for name, width in expected_cond_dims(model).items():
         if name not in sample:

@@ -36,8 +36,8 @@ from .cache import unload_encoder
 from .comfy_bridge import TrainingRun, VALIDATE_EVENT, check_run_kind, run_generation, send_event
 from .comfy_model import REFERENCE_LATENTS, check_caches, check_reference_cache, model_family, reference_inputs
 from .inputs import (DEFAULT_CHECKPOINT_MINUTES, added_train_inputs, checkpoint_inputs, compare_base_input,
-                     lora_config_input, model_and_caches, optimizer_config_input, policy_input, prior_inputs,
-                     reference_images_input, reference_input, run_name_input, schedule_inputs, training_settings,
+                     lora_config_input, model_and_caches, noise_range_inputs, optimizer_config_input, policy_input,
+                     prior_inputs, reference_images_input, reference_input, run_name_input, schedule_inputs, training_settings,
                      validation_inputs, validation_names, weights_input)
 from .io_types import LoraConfigType, OptimizerConfigType, TrainingRunType
 from .planning import budget_bytes
@@ -202,7 +202,8 @@ def resolve_precision(precision: str, device, run_name: str, node: str) -> tuple
 
 def train_config(model, run_name: str, node: str, seed, batch_size, grad_accumulation, precision, max_grad_norm,
                  caption_dropout, timestep_sampling, loss_weighting, min_snr_gamma, noise_offset, loss_type: str,
-                 huber_delta: float, ema_decay: float, prior_ratio: float = 0.0) -> tuple[TrainConfig, str]:
+                 huber_delta: float, ema_decay: float, prior_ratio: float = 0.0,
+                 noise_range: tuple[float, float] = (0.0, 1.0)) -> tuple[TrainConfig, str]:
     """The engine's TrainConfig from the Init nodes' shared inputs (LoRA and ControlNet), checked, with the note
     on how the compute precision was chosen."""
     precision, note = resolve_precision(precision, model.load_device, run_name, node)
@@ -211,7 +212,7 @@ def train_config(model, run_name: str, node: str, seed, batch_size, grad_accumul
         precision=precision, caption_dropout=caption_dropout, ema_decay=ema_decay, prior_ratio=prior_ratio,
         objective=ObjectiveConfig(timestep_sampling=timestep_sampling, loss_weighting=loss_weighting,
                                   min_snr_gamma=min_snr_gamma, noise_offset=noise_offset, loss_type=loss_type,
-                                  huber_delta=huber_delta),
+                                  huber_delta=huber_delta, noise_min=noise_range[0], noise_max=noise_range[1]),
     )
     train.validate()
     return train, note
@@ -231,7 +232,7 @@ def start_lora_run(model, latent_cache, text_cache, lora_config, optimizer_confi
                    min_snr_gamma, noise_offset, gradient_checkpointing, checkpoint_depth, holdout, policy=None,
                    loss_type: str = "mse", huber_delta: float = 0.1, ema_decay: float = 0.0,
                    prior_latent_cache=None, prior_text_cache=None, prior_ratio: float = 0.5, reference: str = "none",
-                   node: str = "HeadroomTrainLoraInit") -> TrainingRun:
+                   noise_min: float = 0.0, noise_max: float = 1.0, node: str = "HeadroomTrainLoraInit") -> TrainingRun:
     """Check every input (before any GPU work), then build or resume the run."""
     try:
         check_name(run_name, "run name")
@@ -250,7 +251,8 @@ def start_lora_run(model, latent_cache, text_cache, lora_config, optimizer_confi
         optimizer_config.validate()
         train, note = train_config(model, run_name, node, seed, batch_size, grad_accumulation, precision, max_grad_norm,
                                    caption_dropout, timestep_sampling, loss_weighting, min_snr_gamma, noise_offset,
-                                   loss_type, huber_delta, ema_decay, prior_ratio=prior_ratio if prior else 0.0)
+                                   loss_type, huber_delta, ema_decay, prior_ratio=prior_ratio if prior else 0.0,
+                                   noise_range=(noise_min, noise_max))
         policy = resolve_policy(policy, gradient_checkpointing, checkpoint_depth)
         check_caches(model.model, latent_cache, text_cache)
         if reference not in REFERENCES:
@@ -282,7 +284,7 @@ class HeadroomTrainLoraInit(io.ComfyNode):
             category=CATEGORY,
             description="Set up (or resume) a LoRA training run on this MODEL from cached latents and text. "
             "The MODEL itself is never modified: the adapter lives on a clone.",
-            inputs=[*lora_run_inputs(), *added_train_inputs(), *prior_inputs(), reference_input()],
+            inputs=[*lora_run_inputs(), *added_train_inputs(), *prior_inputs(), reference_input(), *noise_range_inputs()],
             outputs=[TrainingRunType.Output("run", tooltip="The training run, for Train Steps, Validate, Save and Apply."),
                      io.Int.Output("step", tooltip="Step the run starts from (resumed).")],
         )
@@ -726,7 +728,7 @@ class HeadroomTrainLora(io.ComfyNode):
             is_output_node=True,
             inputs=[*lora_run_inputs(), *schedule_inputs("lora_subfolder"), *validation_inputs(optional=True),
                     *checkpoint_inputs(), *added_train_inputs(), *prior_inputs(), compare_base_input(),
-                    reference_input(), reference_images_input(), video.frames_input()],
+                    reference_input(), reference_images_input(), video.frames_input(), *noise_range_inputs()],
             outputs=[io.Model.Output("model", tooltip="The MODEL with the trained LoRA applied."),
                      TrainingRunType.Output("run", tooltip="The training run, for Validate, Save and Apply nodes."),
                      io.String.Output("lora_name", tooltip="The last saved LoRA, as Load LoRA lists it."),

@@ -229,3 +229,61 @@ def test_validation_frames_are_checked_against_the_family(comfyui, cache_dir):
         check_frames("HeadroomValidate", wan, 6)
     with pytest.raises(ValueError, match=r"HeadroomValidate: frames=5, but this MODEL \(QwenImage\) makes images"):
         check_frames("HeadroomValidate", build_tiny_model_patcher("qwen_image", 0).model, 5)
+
+
+def _init_settings(**overrides):
+    settings = dict(seed=0, batch_size=2, grad_accumulation=1, precision="fp32", max_grad_norm=1.0, caption_dropout=0.0,
+                    timestep_sampling="shifted", loss_weighting="none", min_snr_gamma=5.0, noise_offset=0.0,
+                    gradient_checkpointing=False, checkpoint_depth=1, holdout=0)
+    settings.update(overrides)
+    return settings
+
+
+def test_a_wan22_expert_trains_its_own_noise_range(cache_dir, tmp_path):
+    """Wan 2.2 A14B's high-noise expert (a WAN21_T2V model in ComfyUI) trains noise levels 0.875..1 only: every sampled
+    sigma and the validation loss's fixed ones lie there; the range is part of the run (stored, kept on resume)."""
+    import json
+
+    from headroom.nodes import train_lora as T
+    from headroom.training.data.synthetic import generate_moving_shapes
+    from headroom.training.data.video import dataset_from_clips
+
+    model, clip, vae = _tiny_wan()
+    clips = generate_moving_shapes(2, 32, 5, 1)
+    latents, texts = _cache(dataset_from_clips(list(clips.clips), clips.captions, resolution=32, step=16), vae, clip)
+    with torch.inference_mode():
+        lora = T.HeadroomLoraConfig.execute("lora", 4, 4.0, "preset", False, 0.0, 0).args[0]
+        opt = T.HeadroomOptimizerConfig.execute("AdamW", 1e-3, 0.0, "constant", 0, 100).args[0]
+
+        def start(**overrides):
+            return T.HeadroomTrainLoraInit.execute(model=model, latent_cache=latents, text_cache=texts, lora_config=lora,
+                                                   optimizer_config=opt, run_name=f"wan22_high_{tmp_path.name}",
+                                                   **_init_settings(**overrides)).args[0]
+
+        run = start(noise_min=0.875, noise_max=1.0)
+        sigmas = run.trainer.objective.sample_sigma(4096, torch.Generator().manual_seed(0))
+        assert sigmas.min() >= 0.875 and sigmas.max() <= 1.0
+        assert run.trainer.objective.fixed_times(4).min() > 0.875
+        T.HeadroomTrainSteps.execute(run, 2)
+        stored = json.loads((run.run_dir.path / "config.json").read_text())["session"]["train"]["objective"]
+        assert (stored["noise_min"], stored["noise_max"]) == (0.875, 1.0)
+        with pytest.raises(ValueError, match=r"noise_min=0.9, noise_max=0.5: need 0 <= noise_min < noise_max <= 1"):
+            T.HeadroomTrainLoraInit.execute(model=model, latent_cache=latents, text_cache=texts, lora_config=lora,
+                                            optimizer_config=opt, run_name=f"wan22_bad_{tmp_path.name}",
+                                            **_init_settings(noise_min=0.9, noise_max=0.5))
+
+
+def test_clips_are_refused_for_an_image_model(cache_dir, tmp_path):
+    """Qwen-Image shares the Wan 2.1 VAE, so clips cache for it too; training an image model on them is refused."""
+    from headroom.nodes.tiny_models import build_tiny_models
+    from headroom.training.data.synthetic import generate_moving_shapes
+    from headroom.training.data.video import dataset_from_clips
+    from test_train_lora_nodes import _init
+
+    with torch.inference_mode():
+        model, clip, vae = build_tiny_models("qwen_image", 0)
+    clips = generate_moving_shapes(2, 32, 5, 2)
+    latents, texts = _cache(dataset_from_clips(list(clips.clips), clips.captions, resolution=32, step=16), vae, clip)
+    with pytest.raises(ValueError, match=r"the LATENT_CACHE holds clips of up to 5 frames but this model \(QwenImage\) "
+                                         r"trains on images: cache the dataset with max_frames 1"):
+        _init(model, latents, texts, f"qwen_clips_{tmp_path.name}")
