@@ -26,6 +26,7 @@ from ..training.memory.policy import GIB, NodeInput, OffloadPolicy, PolicyError
 from ..training.core.trainer import PRECISIONS, auto_precision
 from .io_types import OffloadPolicyType
 from .planning import available_device_bytes, budget_bytes, describe_comfy_model, lora_target_paths
+from .video import check_frames
 
 CATEGORY = "Headroom/memory"
 MODES = ("estimate", "auto")
@@ -107,6 +108,10 @@ class HeadroomMemoryPlan(io.ComfyNode):
                              tooltip="Length of the cached text conditioning; 0 = the family's usual length."),
                 io.Clip.Input("clip", optional=True, tooltip="Adds the text encoders to the caching estimate."),
                 io.Vae.Input("vae", optional=True, tooltip="Adds VAE encode / decode to caching and validation."),
+                # Appended last and optional: workflows saved before it existed keep working (images).
+                io.Int.Input("frames", default=1, min=1, max=1025, optional=True,
+                             tooltip="Video models (wan21): frames of the longest training clip (Wan: 4k+1, e.g. 33 or "
+                             "81); the step's activations grow with them. 1: images."),
             ],
             outputs=[io.String.Output("plan_text", tooltip="The plan as text (also shown on the node)."),
                      io.String.Output("plan_json", tooltip="The plan as JSON: each phase's estimate, itemised."),
@@ -117,7 +122,7 @@ class HeadroomMemoryPlan(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, mode, batch_size, width, height, rank, targets, optimizer, precision, text_tokens,
-                policy=None, clip=None, vae=None) -> io.NodeOutput:
+                policy=None, clip=None, vae=None, frames: int = 1) -> io.NodeOutput:
         policy = policy if policy is not None else OffloadPolicy()
         if not isinstance(policy, OffloadPolicy):
             raise ValueError("HeadroomMemoryPlan: policy must come from a HeadroomOffloadPolicy node")
@@ -127,12 +132,13 @@ class HeadroomMemoryPlan(io.ComfyNode):
         try:
             budget = budget_bytes(policy, torch.device(model.load_device))
             paths = lora_target_paths(model, adapter)
+            latent_frames = check_frames("HeadroomMemoryPlan", model.model, frames)
         except (PolicyError, ValueError) as error:
             raise ValueError(f"HeadroomMemoryPlan: {error}") from None
         description = describe_comfy_model(model, adapter, precision, text_tokens or None, clip, vae)
         trainable = planner.TrainableSpec.lora([model.model.diffusion_model.get_submodule(p) for p in paths], rank,
                                                optimizer)
-        shape = planner.RunShape(batch_size, width, height, text_tokens or None)
+        shape = planner.RunShape(batch_size, width, height, text_tokens or None, latent_frames)
         if mode == "auto":
             plan = planner.plan_auto(description, trainable, shape, policy, budget)
         else:

@@ -6,6 +6,8 @@ training/memory/planner.py; ComfyUI's own `memory_required` for the sampling wor
 Used by the memory nodes (nodes/memory.py) and the training run (nodes/comfy_bridge.py)."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 import comfy.model_management
@@ -14,7 +16,7 @@ from ..training.memory import planner
 from ..training.core.adapters import AdapterConfig, AdapterSet
 from ..training.memory.policy import OffloadPolicy
 from ..training.core.trainer import PRECISIONS
-from . import families
+from . import families, video
 from .comfy_model import ComfyDenoiser, expected_cond_dims, model_blocks, replace_inference_tensors, training_blocks
 
 # Calibration forwards (latent height, width, text tokens): three areas, two text lengths, so that attention
@@ -170,9 +172,11 @@ def next_plan_for(run) -> planner.Plan | None:
     adapter = getattr(config, "adapter", None) or AdapterConfig()  # ControlNet runs: activations as with a LoRA
     description = describe_comfy_model(run.source_model, adapter, config.train.precision)
     trainable = planner.TrainableSpec.from_parameters(run.trainer.params, config.optimizer.name)
-    width, height = max(run.latent_cache.buckets, key=lambda size: size[0] * size[1])[:2]  # clips: (w, h, frames)
+    # The largest bucket; clips' buckets are (w, h, frames).
+    width, height, *frames = max(run.latent_cache.buckets, key=lambda size: math.prod(size))
     tokens = run.text_cache.conditioning(run.latent_cache.text_key(0))["cross_attn"].shape[0]
-    shape = planner.RunShape(config.train.batch_size, width, height, int(tokens))
+    latent_frames = video.check_frames("HeadroomTrainSteps", run.source_model.model, frames[0]) if frames else 1
+    shape = planner.RunShape(config.train.batch_size, width, height, int(tokens), latent_frames)
     policy = run.policy
     budget = budget_bytes(policy, torch.device(run.source_model.load_device))
     return planner.next_smaller_policy(description, trainable, shape, policy, budget)
