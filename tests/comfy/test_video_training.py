@@ -180,8 +180,15 @@ def test_clip_datasets_refuse_bad_input_naming_the_file(cache_dir, tmp_path, mon
         build()
     (folder / "clip" / "frame_0010.png").unlink()
 
-    # An image VAE cannot encode a clip of more than one frame: the fix is named.
+    # A clip whose frames would decode more pixels than a clip may take: refused before decoding.
     dataset = build()
+    monkeypatch.setattr(video, "MAX_CLIP_DECODE_PIXELS", 4 * 32 * 32)
+    with torch.inference_mode(), pytest.raises(DatasetError, match=r"clip: taking these frames decodes 5 frames of "
+                                                                   r"32x32 .*lower max_frames or frame_stride"):
+        cache_nodes.HeadroomCacheLatents.execute(dataset, build_tiny_vae("wan21", 0))
+    monkeypatch.undo()
+
+    # An image VAE cannot encode a clip of more than one frame: the fix is named.
     with torch.inference_mode(), pytest.raises(DatasetError, match=r"a clip of 5 frames, but this VAE encodes single "
                                                                    r"images; .*set max_frames to 1"):
         cache_nodes.HeadroomCacheLatents.execute(dataset, build_tiny_vae("sd15", 0))

@@ -26,6 +26,17 @@ from .files import UntrustedFileError, display_path, resolve_inside
 VIDEO_EXTENSIONS = (".mp4", ".webm", ".mov", ".mkv", ".avi", ".m4v")
 MAX_CLIP_FRAMES = 4096  # frames a training clip may use (81 is Wan's usual length); also the most a frame folder holds
 MAX_FRAMES_DEFAULT = 81
+# Pixels decoded for one clip at most (frames read, skipped ones too, x their size): ~4000 frames of 1080p. A long,
+# large video with a wide stride is refused before decoding rather than keeping a worker busy for hours.
+MAX_CLIP_DECODE_PIXELS = 8 * 10**9
+
+
+def check_decode_budget(what: str, decoded_frames: int, size: tuple[int, int]) -> None:
+    pixels = decoded_frames * size[0] * size[1]
+    if pixels > MAX_CLIP_DECODE_PIXELS:
+        raise DatasetError(f"{what}: taking these frames decodes {decoded_frames} frames of {size[0]}x{size[1]} "
+                           f"({pixels / 1e9:.1f} Gpx), more than the {MAX_CLIP_DECODE_PIXELS / 1e9:.0f} Gpx a clip may "
+                           "take; lower max_frames or frame_stride, or downscale / cut the video")
 
 
 def clip_frames(available: int, max_frames: int, stride: int, frame_step: int) -> list[int]:
@@ -104,6 +115,11 @@ class FileVideo:
         frames: dict[int, np.ndarray] = {}
         container, stream = self._open()
         width, height = stream.codec_context.width, stream.codec_context.height
+        try:
+            check_decode_budget(self.describe(), last + 1, (width, height))
+        except DatasetError:
+            container.close()
+            raise
         size = {"width": max(1, width // reduce), "height": max(1, height // reduce)} if reduce > 1 else {}
         with container:
             try:
@@ -171,6 +187,7 @@ class FrameFolder:
 
     def load_frames(self, indices: list[int], reduce: int = 1) -> torch.Tensor:
         frames = self._frames()
+        check_decode_budget(self.describe(), len(indices), frames[0].size())
         loaded = [frames[i].load(reduce) for i in indices]
         if any(f.shape != loaded[0].shape for f in loaded):
             raise DatasetError(f"{self.describe()}: frames of different sizes; give every frame of a clip one size")
