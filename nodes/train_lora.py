@@ -237,7 +237,8 @@ def start_lora_run(model, latent_cache, text_cache, lora_config, optimizer_confi
     try:
         check_name(run_name, "run name")
         check_finite(node, max_grad_norm=max_grad_norm, caption_dropout=caption_dropout, min_snr_gamma=min_snr_gamma,
-                     noise_offset=noise_offset, huber_delta=huber_delta, ema_decay=ema_decay, prior_ratio=prior_ratio)
+                     noise_offset=noise_offset, huber_delta=huber_delta, ema_decay=ema_decay, prior_ratio=prior_ratio,
+                     noise_min=noise_min, noise_max=noise_max)
         if (prior_latent_cache is None) != (prior_text_cache is None):
             raise ValueError("prior images need both prior_latent_cache and prior_text_cache connected (or neither)")
         prior = (prior_latent_cache, prior_text_cache) if prior_latent_cache is not None else None
