@@ -20,8 +20,9 @@ import torch
 from comfy_api.latest import io
 
 from ..training.data.dataset import dataset_from_folder, dataset_from_tensors, folder_signature, split_captions
+from ..training.data.video import MAX_CLIP_FRAMES, MAX_FRAMES_DEFAULT, VIDEO_EXTENSIONS, dataset_from_video_folder
 from ..training.memory.policy import OffloadPolicy
-from .bridge.cache_folders import dataset_roots, resolve_folders
+from .bridge.cache_folders import dataset_roots, resolve_dataset_folder, resolve_folders
 from .bridge.caching import REFERENCE_ENCODINGS, cache_clip_text, cache_vae_latents
 from .io_types import DatasetType, LatentCacheType, OffloadPolicyType, TextCacheType
 
@@ -113,6 +114,56 @@ class HeadroomDatasetFromFolder(io.ComfyNode):
         return io.NodeOutput(dataset)
 
 
+class HeadroomDatasetFromVideos(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="HeadroomDatasetFromVideos",
+            display_name="Dataset From Videos (Headroom)",
+            category="Headroom/data",
+            description="Clips for video models (Wan) from a folder inside ComfyUI's input directory (or a folder the "
+            f"server's owner allows): video files ({', '.join(VIDEO_EXTENSIONS)}), subfolders of frame images and "
+            "images (one-frame clips), each with a same-name .txt caption beside it (clip.mp4 + clip.txt, clip/ + "
+            "clip.txt). Cache Latents cuts each clip to the frame counts its VAE takes (Wan: 4k+1). Nothing is "
+            "decoded here.",
+            inputs=[
+                io.String.Input("folder", default="",
+                                tooltip="Folder relative to ComfyUI's input directory, e.g. 'my_clips'."),
+                *_bucket_inputs(),
+                io.Boolean.Input("skip_bad", default=False,
+                                 tooltip="Leave out unreadable clips and missing captions (listed as warnings) instead "
+                                 "of stopping with an error."),
+                io.Int.Input("max_frames", default=MAX_FRAMES_DEFAULT, min=1, max=MAX_CLIP_FRAMES,
+                             tooltip="Frames a clip gives at most (from its first frame), cut down to what the VAE "
+                             "takes: 4k+1 for Wan (81 = 5 s at 16 fps). Longer clips give their first frames; shorter "
+                             "ones are used as long as they are, never padded. Memory grows with it."),
+                io.Int.Input("frame_stride", default=1, min=1, max=64,
+                             tooltip="Use every n-th frame (2: a 30 fps video becomes 15 fps, twice the time span)."),
+            ],
+            outputs=[DatasetType.Output("dataset", tooltip=_DATASET_TOOLTIP)],
+        )
+
+    @classmethod
+    def fingerprint_inputs(cls, folder: str, **others) -> str:
+        try:  # frame folders are subfolders: their listings count too
+            root = resolve_dataset_folder(folder)
+            folders = [root, *sorted(p for p in root.iterdir() if p.is_dir() and not p.is_symlink())]
+            return folder_signature(*folders) + repr(sorted(others.items()))
+        except (OSError, ValueError) as error:
+            return f"unresolved: {error}"
+
+    @classmethod
+    def execute(cls, folder: str, resolution: int, step: int, crop: str, flip: bool, seed: int, skip_bad: bool,
+                max_frames: int = MAX_FRAMES_DEFAULT, frame_stride: int = 1) -> io.NodeOutput:
+        dataset = dataset_from_video_folder(resolve_dataset_folder(folder), resolution=resolution, step=step, crop=crop,
+                                            flip=flip, seed=seed, skip_bad=skip_bad,
+                                            roots=tuple(map(Path, dataset_roots())), max_frames=max_frames,
+                                            frame_stride=frame_stride)
+        for warning in dataset.warnings:
+            log.warning("HeadroomDatasetFromVideos: %s", warning)
+        return io.NodeOutput(dataset)
+
+
 class HeadroomDatasetFromImages(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
@@ -151,8 +202,9 @@ class HeadroomCacheLatents(io.ComfyNode):
             node_id="HeadroomCacheLatents",
             display_name="Cache Latents (Headroom)",
             category="Headroom/cache",
-            description="Encode the dataset's images (bucketed, cropped, optionally mirrored) with the VAE, as "
-            "stock VAE Encode does, into a cache on disk. Cached items are reused without loading the VAE; the "
+            description="Encode the dataset's images and clips (bucketed, cropped, optionally mirrored) with the VAE, "
+            "as stock VAE Encode does, into a cache on disk; a video VAE (Wan) encodes each clip whole, cut to the "
+            "frame counts it takes (4k+1). Cached items are reused without loading the VAE; the "
             "VAE is unloaded from the compute device when caching ends.",
             inputs=[
                 DatasetType.Input("dataset", tooltip="From a Dataset node (Headroom)."),
@@ -218,4 +270,5 @@ class HeadroomCacheText(io.ComfyNode):
         return io.NodeOutput(cache, summary)
 
 
-NODES = [HeadroomDatasetFromFolder, HeadroomDatasetFromImages, HeadroomCacheLatents, HeadroomCacheText]
+NODES = [HeadroomDatasetFromFolder, HeadroomDatasetFromVideos, HeadroomDatasetFromImages, HeadroomCacheLatents,
+         HeadroomCacheText]

@@ -130,6 +130,26 @@ def prior_inputs() -> list:
     ]
 
 
+def noise_range_inputs() -> list:
+    """The part of the noise range a LoRA run trains (Wan 2.2 A14B experts): optional and last on the LoRA Init and
+    all-in-one nodes; part of the run (a resumed run keeps it)."""
+    return [
+        io.Float.Input("noise_min", default=0.0, min=0.0, max=1.0, step=0.005, optional=True,
+                       tooltip="Train only noise levels from here (0..1; flow models: sigma). Wan 2.2 A14B's two experts "
+                       "each denoise part of the range: its high-noise expert 0.875..1 (I2V: 0.9..1), its low-noise "
+                       "expert 0..0.875 (I2V: 0..0.9); train each expert's LoRA on its own part. 0 and 1: everything."),
+        io.Float.Input("noise_max", default=1.0, min=0.0, max=1.0, step=0.005, optional=True,
+                       tooltip="Train only noise levels up to here (see noise_min)."),
+    ]
+
+
+def frames_input():
+    # Appended last and optional: workflows saved before it existed keep working (images).
+    return io.Int.Input("frames", default=1, min=1, max=1025, optional=True,
+                        tooltip="Video models (wan21): frames per validation clip, as the stock empty video latent's "
+                        "length (Wan: 4k+1, e.g. 17 or 81), saved as an animated WEBP and a frame grid. 1: images.")
+
+
 def reference_input():
     """Edit / reference models (LoRA runs): optional and last on the LoRA Init and all-in-one nodes."""
     return io.Combo.Input("reference", options=list(REFERENCES), default="none", optional=True,
@@ -212,4 +232,4 @@ def weights_input(what: str):
 def validation_names() -> set[str]:
     """The names of the validation inputs an all-in-one node hands to validation (not to the run it opens)."""
     return ({item.id for item in validation_inputs(optional=True)}
-            | {compare_base_input().id, reference_images_input().id})
+            | {compare_base_input().id, reference_images_input().id, frames_input().id})

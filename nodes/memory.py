@@ -104,6 +104,10 @@ class HeadroomMemoryPlan(io.ComfyNode):
                              tooltip="Length of the cached text conditioning; 0 = the family's usual length."),
                 io.Clip.Input("clip", optional=True, tooltip="Adds the text encoders to the caching estimate."),
                 io.Vae.Input("vae", optional=True, tooltip="Adds VAE encode / decode to caching and validation."),
+                # Appended last and optional: workflows saved before it existed keep working (images).
+                io.Int.Input("frames", default=1, min=1, max=1025, optional=True,
+                             tooltip="Video models (wan21): frames of the longest training clip (Wan: 4k+1, e.g. 33 or "
+                             "81); the step's activations grow with them. 1: images."),
             ],
             outputs=[io.String.Output("plan_text", tooltip="The plan as text (also shown on the node)."),
                      io.String.Output("plan_json", tooltip="The plan as JSON: each phase's estimate, itemised."),
@@ -114,12 +118,12 @@ class HeadroomMemoryPlan(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, mode, batch_size, width, height, rank, targets, optimizer, precision, text_tokens,
-                policy=None, clip=None, vae=None) -> io.NodeOutput:
+                policy=None, clip=None, vae=None, frames: int = 1) -> io.NodeOutput:
         policy = policy if policy is not None else OffloadPolicy()
         if not isinstance(policy, OffloadPolicy):
             raise ValueError("HeadroomMemoryPlan: policy must come from a HeadroomOffloadPolicy node")
         plan = plan_lora_run(model, policy, mode, batch_size, width, height, rank, targets, optimizer, precision,
-                             text_tokens, clip, vae, node="HeadroomMemoryPlan")
+                             text_tokens, clip, vae, node="HeadroomMemoryPlan", frames=frames)
         text = plan.to_text()
         return io.NodeOutput(text, plan.to_json(), plan.policy, ui=ui.PreviewText(text))
 

@@ -26,9 +26,9 @@ from .bridge.run_lora import REFERENCES, SAVE_DTYPES, LoraRunConfig, open_lora_r
 from .bridge.run_settings import resolve_policy, run_fingerprint, train_config
 from .bridge.validation import validate
 from .inputs import (DEFAULT_CHECKPOINT_MINUTES, added_train_inputs, checkpoint_inputs, compare_base_input,
-                     lora_config_input, model_and_caches, optimizer_config_input, policy_input, prior_inputs,
-                     reference_images_input, reference_input, run_name_input, schedule_inputs, training_settings,
-                     validation_inputs, validation_names, weights_input)
+                     frames_input, lora_config_input, model_and_caches, noise_range_inputs, optimizer_config_input,
+                     policy_input, prior_inputs, reference_images_input, reference_input, run_name_input,
+                     schedule_inputs, training_settings, validation_inputs, validation_names, weights_input)
 from .io_types import LoraConfigType, OptimizerConfigType, TrainingRunType
 
 CATEGORY = "Headroom/training"
@@ -158,12 +158,13 @@ def start_lora_run(model, latent_cache, text_cache, lora_config, optimizer_confi
                    min_snr_gamma, noise_offset, gradient_checkpointing, checkpoint_depth, holdout, policy=None,
                    loss_type: str = "mse", huber_delta: float = 0.1, ema_decay: float = 0.0,
                    prior_latent_cache=None, prior_text_cache=None, prior_ratio: float = 0.5, reference: str = "none",
-                   node: str = "HeadroomTrainLoraInit") -> TrainingRun:
+                   noise_min: float = 0.0, noise_max: float = 1.0, node: str = "HeadroomTrainLoraInit") -> TrainingRun:
     """Check every input (before any GPU work), then build or resume the run."""
     try:
         check_name(run_name, "run name")
         check_finite(node, max_grad_norm=max_grad_norm, caption_dropout=caption_dropout, min_snr_gamma=min_snr_gamma,
-                     noise_offset=noise_offset, huber_delta=huber_delta, ema_decay=ema_decay, prior_ratio=prior_ratio)
+                     noise_offset=noise_offset, huber_delta=huber_delta, ema_decay=ema_decay, prior_ratio=prior_ratio,
+                     noise_min=noise_min, noise_max=noise_max)
         if (prior_latent_cache is None) != (prior_text_cache is None):
             raise ValueError("prior images need both prior_latent_cache and prior_text_cache connected (or neither)")
         prior = (prior_latent_cache, prior_text_cache) if prior_latent_cache is not None else None
@@ -177,7 +178,8 @@ def start_lora_run(model, latent_cache, text_cache, lora_config, optimizer_confi
         optimizer_config.validate()
         train, note = train_config(model, run_name, node, seed, batch_size, grad_accumulation, precision, max_grad_norm,
                                    caption_dropout, timestep_sampling, loss_weighting, min_snr_gamma, noise_offset,
-                                   loss_type, huber_delta, ema_decay, prior_ratio=prior_ratio if prior else 0.0)
+                                   loss_type, huber_delta, ema_decay, prior_ratio=prior_ratio if prior else 0.0,
+                                   noise_range=(noise_min, noise_max))
         policy = resolve_policy(policy, gradient_checkpointing, checkpoint_depth)
         check_caches(model.model, latent_cache, text_cache)
         if reference not in REFERENCES:
@@ -209,7 +211,7 @@ class HeadroomTrainLoraInit(io.ComfyNode):
             category=CATEGORY,
             description="Set up (or resume) a LoRA training run on this MODEL from cached latents and text. "
             "The MODEL itself is never modified: the adapter lives on a clone.",
-            inputs=[*lora_run_inputs(), *added_train_inputs(), *prior_inputs(), reference_input()],
+            inputs=[*lora_run_inputs(), *added_train_inputs(), *prior_inputs(), reference_input(), *noise_range_inputs()],
             outputs=[TrainingRunType.Output("run", tooltip="The training run, for Train Steps, Validate, Save and Apply."),
                      io.Int.Output("step", tooltip="Step the run starts from (resumed).")],
         )
@@ -298,7 +300,7 @@ class HeadroomValidate(io.ComfyNode):
             is_output_node=True,
             inputs=[TrainingRunType.Input("run", tooltip="The run to validate, e.g. from Train Steps."),
                     *validation_inputs(optional=False), weights_input("Validate"), compare_base_input(),
-                    reference_images_input()],
+                    reference_images_input(), frames_input()],
             outputs=[io.Image.Output("images", tooltip="One sample per prompt (a black 64x64 image without prompts)."),
                      io.Float.Output("validation_loss",
                                      tooltip="Deterministic loss on the validation items: comparable across steps."),
@@ -438,7 +440,7 @@ class HeadroomTrainLora(io.ComfyNode):
             is_output_node=True,
             inputs=[*lora_run_inputs(), *schedule_inputs("lora_subfolder"), *validation_inputs(optional=True),
                     *checkpoint_inputs(), *added_train_inputs(), *prior_inputs(), compare_base_input(),
-                    reference_input(), reference_images_input()],
+                    reference_input(), reference_images_input(), frames_input(), *noise_range_inputs()],
             outputs=[io.Model.Output("model", tooltip="The MODEL with the trained LoRA applied."),
                      TrainingRunType.Output("run", tooltip="The training run, for Validate, Save and Apply nodes."),
                      io.String.Output("lora_name", tooltip="The last saved LoRA, as Load LoRA lists it."),

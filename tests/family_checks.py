@@ -59,18 +59,23 @@ def base_weights(model):
     return {k: v.detach().clone() for k, v in model.model.diffusion_model.state_dict().items()}
 
 
-def empty_latent(model, width: int, height: int) -> dict:
-    """An empty LATENT of the model's own format (channels, downscale, frames), as its stock empty-latent node makes."""
+def empty_latent(model, width: int, height: int, frames: int = 1) -> dict:
+    """An empty LATENT of the model's own format (channels, downscale, frames), as its stock empty-latent node makes
+    (clips, frames > 1: the stock EmptyHunyuanLatentVideo, which Wan workflows start from)."""
+    if frames > 1:
+        from comfy_extras.nodes_hunyuan import EmptyHunyuanLatentVideo
+
+        return EmptyHunyuanLatentVideo.execute(width, height, frames, 1).args[0]
     latent_format = model.model.latent_format
     downscale = latent_format.spacial_downscale_ratio
     frames = (1,) if latent_format.latent_dimensions == 3 else ()  # video-VAE families (Wan 2.1 latents): one frame
     return {"samples": torch.zeros(1, latent_format.latent_channels, *frames, height // downscale, width // downscale)}
 
 
-def check_stock_round_trip(run, model, clip, vae, caplog, steps_trained=20, label=""):
+def check_stock_round_trip(run, model, clip, vae, caplog, steps_trained=20, label="", frames=1):
     """Train, validate through stock samplers, save; the stock LoraLoader + KSampler reproduce the validation image
     (<= 1e-3) with zero "lora key not loaded", every trained layer patched, and the base weights unchanged.
-    Returns the max abs difference."""
+    frames > 1: a clip of a video model, every decoded frame compared. Returns the max abs difference."""
     import comfy.model_management
     import nodes
     from headroom.nodes import train_lora as T
@@ -83,7 +88,7 @@ def check_stock_round_trip(run, model, clip, vae, caplog, steps_trained=20, labe
         T.HeadroomTrainSteps.execute(run, steps_trained)
         images = T.HeadroomValidate.execute(run, clip=clip, vae=vae, prompts=prompt, negative="", sample_seed=seed,
                                             sample_steps=steps, cfg=cfg, sampler_name=sampler, scheduler=scheduler,
-                                            width=size, height=size, loss_timesteps=1).args[0]
+                                            width=size, height=size, loss_timesteps=1, frames=frames).args[0]
         name = T.HeadroomSaveLora.execute(run, "headroom/conformance", "", "fp32").args[0]
 
     caplog.clear()
@@ -91,13 +96,14 @@ def check_stock_round_trip(run, model, clip, vae, caplog, steps_trained=20, labe
         lora_model, _ = nodes.LoraLoader().load_lora(model, clip, name, 1.0, 0.0)
         positive = nodes.CLIPTextEncode().encode(clip, prompt)[0]
         negative = nodes.CLIPTextEncode().encode(clip, "")[0]
-        empty = empty_latent(model, size, size)
+        empty = empty_latent(model, size, size, frames)
         stock = nodes.VAEDecode().decode(vae, nodes.common_ksampler(lora_model, seed, steps, cfg, sampler, scheduler,
                                                                      positive, negative, empty)[0])[0]
         plain = nodes.VAEDecode().decode(vae, nodes.common_ksampler(model, seed, steps, cfg, sampler, scheduler,
                                                                     positive, negative, empty)[0])[0]
     assert "lora key not loaded" not in caplog.text, caplog.text
     assert len(lora_model.patches) == len(run.adapters.layers), "a trained layer was not patched by the stock loader"
+    assert images.shape == stock.shape == (frames, 32, 32, 3), (images.shape, stock.shape)
     difference = (images - stock).abs().max().item()
     print(f"{label}: validation image vs LoraLoader+KSampler: max abs diff {difference:.2e}; "
           f"{len(run.adapters.layers)} layers")

@@ -57,8 +57,21 @@ def _full_depth_model(arch: str):
     return model, mismatched
 
 
+def _diffusers_refused(model, paths, family: str) -> str | None:
+    """Why HeadroomSaveLora refuses the diffusers format for this family (ComfyUI's key map has no diffusers names
+    for it: Wan), or None."""
+    from headroom.nodes.bridge import lora_formats
+
+    try:
+        lora_formats.diffusers_names(types.SimpleNamespace(model=model), paths, family)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
 def _names(model, paths, family: str) -> dict[str, list[str]]:
-    """{format: the file's layer names} for these module paths, as HeadroomSaveLora names them."""
+    """{format: the file's layer names} for these module paths, as HeadroomSaveLora names them (the formats it
+    writes for the family)."""
     from headroom.nodes.bridge import lora_formats
 
     patcher = types.SimpleNamespace(model=model)
@@ -148,6 +161,7 @@ def run(arch: str, depth, meta_only: bool = False) -> dict:
     report["full_depth"] = {
         "family": families.family_name(full), "params": sum(p.numel() for p in full.diffusion_model.parameters()),
         "detection_mismatches": mismatched, "trained_layers": len(full_paths),
+        "refused": {"diffusers": _diffusers_refused(full, full_paths, families.family_name(full))},
         "names": {fmt: len(names) for fmt, names in full_names.items()},
         # the names ComfyUI's key map does not know, per format
         "unmapped": {fmt: [n for n in names if n not in key_map] for fmt, names in full_names.items()},

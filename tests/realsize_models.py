@@ -149,6 +149,23 @@ ARCHITECTURES.update({
         },
     },
 })
+
+
+def _wan21(dim: int, ffn_dim: int, depth: int) -> dict:
+    """Wan 2.1 text-to-video as comfy/model_detection.py derives it from the released file: 128-wide heads, patch
+    (1, 2, 2), frequency width 256, qk and cross-attention norms; width, FFN width and depth read from the weights
+    (the text width, 4096 = UMT5-XXL's, is the class default). Wan 2.2 A14B's two experts are the 14B geometry."""
+    return {
+        "text_tokens": 512, "text_encoder": None, "latent_channels": 16, "vae": "wan21", "depth": depth,
+        "unet_config": {
+            "image_model": "wan2.1", "dim": dim, "out_dim": 16, "num_heads": dim // 128, "ffn_dim": ffn_dim,
+            "num_layers": depth, "patch_size": (1, 2, 2), "freq_dim": 256, "window_size": (-1, -1), "qk_norm": True,
+            "cross_attn_norm": True, "eps": 1e-6, "in_dim": 16, "model_type": "t2v",
+        },
+    }
+
+
+ARCHITECTURES.update({"wan21_14b": _wan21(5120, 13824, 40), "wan21_1_3b": _wan21(1536, 8960, 30)})
 T5XXL_LAYERS = 24  # the released T5-XXL encoder
 
 
@@ -163,7 +180,7 @@ def unet_config(name: str, depth=None) -> dict:
         config["num_blocks"] = int(depth)
     elif name == "zimage":
         config["n_layers"] = int(depth)
-    elif name == "qwen_image":
+    elif name == "qwen_image" or name.startswith("wan21_"):
         config["num_layers"] = int(depth)
     elif name in ("flux_dev", "chroma", "hunyuan_image_21") or name.startswith("flux2_"):
         config["depth"], config["depth_single_blocks"] = (int(d) for d in depth)

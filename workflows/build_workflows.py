@@ -599,8 +599,57 @@ def zimage_lora() -> Workflow:
         sampling={"sample_steps": 30, "cfg": 4.0, "sampler_name": "euler", "scheduler": "simple", "width": 1024, "height": 1024},
     ))
 
+WAN21_NOTE = """Wan 2.1 text-to-video LoRA (1.3B; the 14B and Wan 2.2 A14B's experts load and train the same way) with cached clip latents and text, validation clips and a memory report.
+
+Download (file -> ComfyUI folder):
+- wan2.1_t2v_1.3B_bf16.safetensors -> models/diffusion_models/
+- umt5_xxl_fp8_e4m3fn_scaled.safetensors -> models/text_encoders/
+- wan_2.1_vae.safetensors -> models/vae/
+(Comfy-Org's Wan 2.1 repackage on Hugging Face)
+
+Your clips: a folder inside ComfyUI's input/ folder (here input/my_clips) of videos (.mp4, .webm, .mov, ...), folders of frames, or images (one-frame clips), each with a same-name .txt caption (walk.mp4 + walk.txt, walk/ + walk.txt). Clips are cut to the Wan VAE's 4k+1 frames (max_frames 33 here: 2 s at 16 fps; every frame_stride-th frame).
+
+Queue it: latents and text embeddings are cached once (UMT5 and the VAE are unloaded before training), then the LoRA trains with a validation clip every 250 steps (an animated WEBP and a frame grid in output/headroom_runs/<run>/validation/) and a save every 500 steps to models/loras/headroom/, which the stock Load LoRA reads (kohya = musubi-tuner names also work; diffusers names do not exist for Wan in ComfyUI)."""
+
+
+def wan21_lora() -> Workflow:
+    # Wan 2.1 T2V 1.3B (Apache-2.0): real-size clips need the memory options (blocks checkpointing keeps a 33-frame
+    # 480p clip's activations to a few GB). Validation: 17 frames through the stock samplers, as Wan workflows sample.
+    loaders = [Node(1, "UNETLoader", 0, {"unet_name": "wan2.1_t2v_1.3B_bf16.safetensors"}, title="Load diffusion model"),
+               Node(2, "CLIPLoader", 0, {"clip_name": "umt5_xxl_fp8_e4m3fn_scaled.safetensors", "type": "wan"},
+                    title="Load text encoder"),
+               Node(3, "VAELoader", 0, {"vae_name": "wan_2.1_vae.safetensors"}, title="Load VAE")]
+    return Workflow("wan21_lora", [
+        Note(100, 0, WAN21_NOTE, width=440, height=380),
+        *loaders,
+        Node(5, "HeadroomOffloadPolicy", 0, policy("resident", "blocks"), title="Offload policy"),
+        Node(10, "HeadroomDatasetFromVideos", 1,
+             {"folder": "my_clips", "resolution": 480, "step": 16, "max_frames": 33, "frame_stride": 1},
+             title="Clips folder"),
+        Node(11, "HeadroomCacheLatents", 1, links={"dataset": (10, "dataset"), "vae": (3, "VAE"), "policy": (5, "policy")},
+             title="Cache latents"),
+        Node(12, "HeadroomCacheText", 1, links={"dataset": (10, "dataset"), "clip": (2, "CLIP"), "policy": (5, "policy")},
+             title="Cache text"),
+        Node(13, "HeadroomLoraConfig", 2, {"rank": 32, "alpha": 32.0}, title="LoRA"),
+        Node(14, "HeadroomOptimizerConfig", 2, {"optimizer": "AdamW8bit", "learning_rate": 1e-4, "schedule_steps": 2000},
+             title="Optimizer"),
+        Node(15, "HeadroomTrainLora", 3,
+             {"run_name": "wan21_lora", "precision": "bf16", "timestep_sampling": "shifted",
+              "gradient_checkpointing": True, "steps": 2000, "validate_every": 250, "save_every": 500,
+              "lora_subfolder": "headroom", "prompts": "a sks dog running on a beach", "sample_seed": 0,
+              "sample_steps": 30, "cfg": 6.0, "sampler_name": "uni_pc", "scheduler": "simple", "width": 480,
+              "height": 480, "frames": 17},
+             links={"model": (1, "MODEL"), "latent_cache": (11, "latent_cache"), "text_cache": (12, "text_cache"),
+                    "lora_config": (13, "lora_config"), "optimizer_config": (14, "optimizer_config"),
+                    "clip": (2, "CLIP"), "vae": (3, "VAE"), "policy": (5, "policy")},
+             title="Train LoRA (Wan 2.1)", width=460, extra_height=LIVE_CHART_HEIGHT),
+        Node(16, "HeadroomVRAMMonitor", 4, links={"value": (15, "lora_name")}, title="Memory after the run"),
+        Node(17, "PreviewAny", 4, links={"source": (16, "report")}, title="Memory report"),
+    ])
+
+
 WORKFLOWS = [tiny_lora, sd15_lora, sdxl_lora, sd35_lora, flux_lora, flux2_klein_lora, qwen_image_lora, zimage_lora,
-             tiny_controlnet, sd15_controlnet,
+             wan21_lora, tiny_controlnet, sd15_controlnet,
              memory_plan]
 # Workflows small enough to run to completion on a CPU in the test suite (tests/server/test_workflows.py).
 TINY_WORKFLOWS = {"tiny_lora", "tiny_controlnet"}

@@ -13,7 +13,7 @@ from ...training.data.cache_store import CacheStoreError, cache_latents, cache_t
 from ...training.data.files import WriteError
 from ...training.memory.memory_stats import PhaseRecorder
 from .cache_folders import open_store, with_relocate_hint
-from .encoders import ProgressForward, encoder_fingerprint, spatial_downscale, unbatch, unload_encoder
+from .encoders import ProgressForward, encoder_fingerprint, frame_step, spatial_downscale, unbatch, unload_encoder
 
 
 @contextlib.contextmanager
@@ -43,7 +43,7 @@ def cache_vae_latents(dataset, vae, control_encoding: str = "pixels", policy=Non
             dataset, store, vae.encode, encoder_fingerprint(vae.patcher), options,
             control_encoding=control_encoding, progress=ProgressForward(),
             check_interrupt=comfy.model_management.throw_exception_if_processing_interrupted,
-            downscale=spatial_downscale(vae),
+            downscale=spatial_downscale(vae), frame_step=frame_step(vae),
         )
     cache.memory_phases = recorder.phases  # a training run built on this cache starts its memory record with it
     return cache, report.summary()

@@ -59,8 +59,10 @@ def expected_cond_dims(model: comfy.model_base.BaseModel) -> dict[str, int]:
     dims = {}
     # Lumina 2 / Z-Image: cap_feat_dim. Qwen-Image: joint_attention_dim, which its detection leaves to the class
     # default (3584, Qwen2.5-VL-7B's width); neither has a pooled vector.
+    # Wan: text_dim, also left to the class default (4096, UMT5-XXL's).
     context = (config.get("context_dim") or config.get("context_in_dim") or config.get("cap_feat_dim")
-               or _constructor_value(model.diffusion_model, config, "joint_attention_dim"))
+               or _constructor_value(model.diffusion_model, config, "joint_attention_dim")
+               or _constructor_value(model.diffusion_model, config, "text_dim"))
     if context is None and isinstance(config.get("context_embedder_config"), dict):
         context = config["context_embedder_config"].get("params", {}).get("in_features")
     if context:
@@ -89,6 +91,12 @@ def check_caches(model: comfy.model_base.BaseModel, latent_cache, text_cache) ->
             f"the LATENT_CACHE has {latent_cache.latent_channels}-channel latents but this "
             f"model denoises {channels}-channel latents: cache the images with this model's VAE"
         )
+    clips = sorted(bucket[2] for bucket in getattr(latent_cache, "buckets", {}) if len(bucket) > 2)
+    family = families.family_of(model)
+    if clips and (family is None or family.frame_step is None):  # a Wan-VAE cache of clips for Qwen-Image, say
+        raise ValueError(f"the LATENT_CACHE holds clips of up to {clips[-1]} frames but this model "
+                         f"({type(model).__name__}) trains on images: cache the dataset with max_frames 1, or train a "
+                         "video model (wan21)")
     sample = item_conditioning(text_cache, latent_cache, 0)
     for name, width in expected_cond_dims(model).items():
         if name not in sample:

@@ -62,6 +62,13 @@ def unbatch(tensor: torch.Tensor) -> torch.Tensor:
 
 
 
+def frame_step(vae) -> int | None:
+    """Pixel frames per latent frame of a video VAE (Wan 2.1: 4), as its own decode ratio says; None for an image VAE."""
+    if getattr(vae, "latent_dim", 2) != 3:
+        return None
+    return vae.temporal_compression_decode()
+
+
 def spatial_downscale(vae) -> int:
     """Image px per latent px of a ComfyUI VAE (8; Flux.2: 16; 1 when it is not a plain number)."""
     ratio = vae.spacial_compression_encode()

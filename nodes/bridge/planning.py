@@ -6,6 +6,8 @@ training/memory/planner.py; ComfyUI's own `memory_required` for the sampling wor
 Used by the memory nodes (nodes/memory.py) and the training run (nodes/bridge/comfy_bridge.py)."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 import comfy.model_management
@@ -15,7 +17,7 @@ from ...training.core.adapters import AdapterConfig, AdapterSet
 from ...training.memory.policy import OffloadPolicy, PolicyError
 from ...training.core.trainer import PRECISIONS, auto_precision
 from ...training.data.cache_store import item_conditioning
-from . import families
+from . import families, video
 from .comfy_model import ComfyDenoiser, expected_cond_dims, model_blocks, replace_inference_tensors, training_blocks
 
 # Calibration forwards (latent height, width, text tokens): three areas, two text lengths, so that attention
@@ -169,22 +171,23 @@ def lora_target_paths(patcher, adapter: AdapterConfig) -> list[str]:
 
 def plan_lora_run(model, policy: OffloadPolicy, mode: str, batch_size: int, width: int, height: int, rank: int,
                   targets: str, optimizer: str, precision: str, text_tokens: int, clip=None, vae=None,
-                  node: str = "HeadroomMemoryPlan") -> planner.Plan:
+                  node: str = "HeadroomMemoryPlan", frames: int = 1) -> planner.Plan:
     """The Memory Plan node's plan of a LoRA run on `model`: the estimate with `policy` (mode "estimate") or the
     fastest policy that fits the budget (mode "auto"); precision "auto" and text_tokens 0 as the training nodes
-    resolve them."""
+    resolve them; `frames`: a video model's longest training clip."""
     adapter = AdapterConfig(rank=rank, alpha=float(rank), targets=targets)
     if precision == "auto":
         precision = auto_precision(model.load_device)
     try:
         budget = budget_bytes(policy, torch.device(model.load_device))
         paths = lora_target_paths(model, adapter)
+        latent_frames = video.check_frames(node, model.model, frames)
     except (PolicyError, ValueError) as error:
         raise ValueError(f"{node}: {error}") from None
     description = describe_comfy_model(model, adapter, precision, text_tokens or None, clip, vae)
     trainable = planner.TrainableSpec.lora([model.model.diffusion_model.get_submodule(p) for p in paths], rank,
                                            optimizer)
-    shape = planner.RunShape(batch_size, width, height, text_tokens or None)
+    shape = planner.RunShape(batch_size, width, height, text_tokens or None, latent_frames)
     if mode == "auto":
         return planner.plan_auto(description, trainable, shape, policy, budget)
     return planner.estimate(description, trainable, shape, policy, budget)
@@ -197,9 +200,11 @@ def next_plan_for(run) -> planner.Plan | None:
     adapter = getattr(config, "adapter", None) or AdapterConfig()  # ControlNet runs: activations as with a LoRA
     description = describe_comfy_model(run.source_model, adapter, config.train.precision)
     trainable = planner.TrainableSpec.from_parameters(run.trainer.params, config.optimizer.name)
-    width, height = max(run.latent_cache.buckets, key=lambda size: size[0] * size[1])
+    # The largest bucket; clips' buckets are (w, h, frames).
+    width, height, *frames = max(run.latent_cache.buckets, key=lambda size: math.prod(size))
     tokens = item_conditioning(run.text_cache, run.latent_cache, 0)["cross_attn"].shape[0]
-    shape = planner.RunShape(config.train.batch_size, width, height, int(tokens))
+    latent_frames = video.check_frames("HeadroomTrainSteps", run.source_model.model, frames[0]) if frames else 1
+    shape = planner.RunShape(config.train.batch_size, width, height, int(tokens), latent_frames)
     policy = run.policy
     budget = budget_bytes(policy, torch.device(run.source_model.load_device))
     return planner.next_smaller_policy(description, trainable, shape, policy, budget)

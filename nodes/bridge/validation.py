@@ -21,6 +21,7 @@ from ...training.checks import check_finite
 from ...training.data.cache_store import item_conditioning
 from ...training.data.files import save_safetensors, write_bytes
 from ...training.memory.policy import PolicyError
+from . import video
 from .comfy_bridge import VALIDATE_EVENT, TrainingRun, node_id, send_event
 from .comfy_model import REFERENCE_LATENTS, reference_inputs
 from .caching import encode_with_reference
@@ -31,14 +32,16 @@ from .planning import budget_bytes
 def sample_images(run: TrainingRun, clip, vae, prompts: list[str], negative: str, seed: int, steps: int, cfg: float,
                   sampler_name: str, scheduler: str, width: int, height: int, lora_application: str = "as_saved_file",
                   base: bool = False, references: list | None = None,
-                  reference_encoding: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  reference_encoding: str | None = None, frames: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Stock KSampler sampling (same noise, same sampler code) on the training model + what the run trains (a LoRA
     as `lora_application` says, TrainingRun.sampling_model; a ControlNet run adds its control as
     ControlNetApplyAdvanced does). base=True: the run's MODEL alone (before/after comparisons). `references`: one
     VAE latent per prompt (or None), appended to the positive and negative conditioning as the stock ReferenceLatent
     node does; with `reference_encoding` (a stock edit text-encode node, TextEncodeQwenImageEdit), `references` are
     reference images [1, H, W, 3] and both prompts are encoded with them by that node, as the stock edit workflow
-    does. Returns (images, sampled latents)."""
+    does. frames > 1: clips of a video model from the stock empty video latent (nodes/bridge/video.py); their frames
+    come back as images, prompt after prompt. Returns (images, sampled latents)."""
+    latent_frames = video.check_frames("HeadroomValidate", run.source_model.model, frames)
     negative_cond = clip.encode_from_tokens_scheduled(clip.tokenize(negative))
     latents = []
     # comfy.sample.prepare_noise reseeds the global torch RNG; fork it so validating never changes what the
@@ -60,6 +63,8 @@ def sample_images(run: TrainingRun, clip, vae, prompts: list[str], negative: str
             # As EmptyLatentImage + KSampler make it: an 8x latent the sampler resizes to the model's own format
             # (channels and downscale: 16x for Flux.2).
             empty = torch.zeros([1, 4, height // 8, width // 8], device=comfy.model_management.intermediate_device())
+            if frames > 1:
+                empty = video.empty_video_latent(latent_frames, width, height, empty.device)
             latent = comfy.sample.fix_empty_latent_channels(model, empty, 8)
             noise = comfy.sample.prepare_noise(latent, seed)
             latents.append(comfy.sample.sample(model, noise, steps, cfg, sampler_name, scheduler, positive,
@@ -70,16 +75,17 @@ def sample_images(run: TrainingRun, clip, vae, prompts: list[str], negative: str
 
 
 def base_samples(run: TrainingRun, clip, vae, prompts: list[str], *settings, reference_images=None,
-                 references=None) -> torch.Tensor:
+                 references=None, frames: int = 1) -> torch.Tensor:
     """The run's MODEL alone sampled (compare_base): the same for every validation of the run with the same prompts,
     settings, CLIP, VAE and reference images, so it is sampled once and reused (validate_every would otherwise
     resample the base)."""
     cached = getattr(run, "_base_samples", None)
+    settings = (*settings, frames)
     if (cached is not None and cached[0] is clip and cached[1] is vae and cached[2] == (prompts, settings)
             and cached[4] is reference_images):
         return cached[3]
-    images, _ = sample_images(run, clip, vae, prompts, *settings, base=True, references=references,
-                              reference_encoding=reference_text_encoding(run))
+    images, _ = sample_images(run, clip, vae, prompts, *settings[:-1], base=True, references=references,
+                              reference_encoding=reference_text_encoding(run), frames=frames)
     run._base_samples = (clip, vae, (prompts, settings), images, reference_images)
     return images
 
@@ -150,15 +156,18 @@ def save_before_after(run: TrainingRun, base: torch.Tensor, trained: torch.Tenso
     return path
 
 
-def save_validation(run: TrainingRun, images: torch.Tensor, samples: torch.Tensor) -> pathlib.Path:
+def save_validation(run: TrainingRun, images: torch.Tensor, samples: torch.Tensor, frames: int = 1) -> pathlib.Path:
     """This step's validation images side by side as one PNG in the run directory, and the sampled latents
-    (float, before decoding) next to it."""
-    row = torch.cat(list(images[..., :3]), dim=1)  # [H, N*W, 3]
+    (float, before decoding) next to it. Clips (frames > 1): a row of frames per prompt, and each clip as an
+    animated WEBP next to it (nodes/bridge/video.py)."""
+    row = torch.cat(list(images[..., :3]), dim=1) if frames == 1 else video.frame_grid(images, frames)  # [H, N*W, 3]
     path = run.run_dir.validation_dir / f"step_{run.step:08d}.png"
     png = _png_bytes(row)
     run.run_dir.check_present()  # the validation folder never re-creates a vanished run folder
     run.run_dir.check_subfolder_inside(run.run_dir.validation_dir)
     write_bytes(path, png, f"validation grid of run '{run.run_dir.name}'")
+    if frames > 1:
+        video.save_clips(path, images, frames, f"run '{run.run_dir.name}'")
     save_safetensors(path.with_name(f"step_{run.step:08d}_latents.safetensors"),
                      {"samples": samples.detach().float().cpu()}, f"validation latents of run '{run.run_dir.name}'")
     return path
@@ -167,12 +176,13 @@ def save_validation(run: TrainingRun, images: torch.Tensor, samples: torch.Tenso
 def validate(node_cls, run: TrainingRun, clip=None, vae=None, prompts="", negative="", sample_seed=0,
              sample_steps=20, cfg=4.0, sampler_name="euler", scheduler="normal", width=512, height=512,
              loss_timesteps=4, lora_application="as_saved_file", weights="auto", compare_base=False,
-             reference_images=None):
+             reference_images=None, frames=1):
     """(images or None, previews or None, validation loss); tells the live view (`headroom.validate`).
     compare_base: the run's MODEL alone is sampled too (same prompts, seeds) and a before/after grid saved.
     reference_images: the samples' reference images (edit models), added as ReferenceLatent adds them."""
     check_finite(node_cls.__name__, cfg=cfg)
     run.resolve_weights(weights)  # a wrong choice is an input error, before anything runs
+    video.check_frames(node_cls.__name__, run.source_model.model, frames)
     lines = [line.strip() for line in (prompts or "").splitlines() if line.strip()]
     if lines and (clip is None or vae is None):
         raise ValueError("HeadroomValidate: validation prompts need the clip and vae inputs connected")
@@ -186,12 +196,13 @@ def validate(node_cls, run: TrainingRun, clip=None, vae=None, prompts="", negati
                     images, samples = sample_images(run, clip, vae, lines, negative, sample_seed, sample_steps, cfg,
                                                     sampler_name, scheduler, width, height, lora_application,
                                                     references=references,
-                                                    reference_encoding=reference_text_encoding(run))
-                grid = save_validation(run, images, samples)
+                                                    reference_encoding=reference_text_encoding(run), frames=frames)
+                grid = save_validation(run, images, samples, frames)
                 if compare_base:
                     base_images = base_samples(run, clip, vae, lines, negative, sample_seed, sample_steps, cfg,
                                                sampler_name, scheduler, width, height,
-                                               reference_images=reference_images, references=references)
+                                               reference_images=reference_images, references=references,
+                                               frames=frames)
                     before_after = save_before_after(run, base_images, images)
                 previews = ui.PreviewImage(images, cls=node_cls)
     except BaseException as error:  # cancel, out of memory, a wrong input...: checkpoint kept, device memory freed

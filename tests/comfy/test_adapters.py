@@ -120,7 +120,7 @@ def test_family_presets_pick_the_documented_layers(comfyui):
 
     picked = {}
     for family in ("sd15", "sd2", "sdxl", "sd3", "flux", "flux2", "chroma", "zimage", "qwen_image",
-                   "hidream", "hunyuan_image"):
+                   "hidream", "hunyuan_image", "wan21"):
         model = build_tiny_model_patcher(family, 0).model
         assert model_family(model) == family
         blocks = [n for n, _ in model_blocks(model.diffusion_model)]
@@ -155,6 +155,11 @@ def test_family_presets_pick_the_documented_layers(comfyui):
     assert sorted({p.split(".", 2)[2] for p in picked["qwen_image"]}) == [
         "attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out", "attn.to_k", "attn.to_out.0",
         "attn.to_q", "attn.to_v", "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2"]
+    # Wan: self- and cross-attention projections and the feed-forward of each block (musubi-tuner's default).
+    assert sorted({p.split(".", 2)[2] for p in picked["wan21"]}) == [
+        "cross_attn.k", "cross_attn.o", "cross_attn.q", "cross_attn.v", "ffn.0", "ffn.2", "self_attn.k", "self_attn.o",
+        "self_attn.q", "self_attn.v"]
+    assert len(picked["wan21"]) == 10 * 2
     # SD2 / SDXL: the UNet attention projections as SD1's; Chroma: Flux's layers (its blocks have no modulation)
     for family in ("sd2", "sdxl"):
         assert picked[family] and all(p.rsplit(".", 2)[-2] in ("attn1", "attn2") or p.endswith("to_out.0")

@@ -373,10 +373,11 @@ def test_node_schemas(headroom_nodes):
     from headroom.nodes import cache
 
     schemas = {node.define_schema().node_id: node.define_schema() for node in cache.NODES}
-    assert set(schemas) == {"HeadroomDatasetFromFolder", "HeadroomDatasetFromImages", "HeadroomCacheLatents",
-                            "HeadroomCacheText"}
+    assert set(schemas) == {"HeadroomDatasetFromFolder", "HeadroomDatasetFromVideos", "HeadroomDatasetFromImages",
+                            "HeadroomCacheLatents", "HeadroomCacheText"}
     assert {node_id: schema.category for node_id, schema in schemas.items()} == {
-        "HeadroomDatasetFromFolder": "Headroom/data", "HeadroomDatasetFromImages": "Headroom/data",
+        "HeadroomDatasetFromFolder": "Headroom/data", "HeadroomDatasetFromVideos": "Headroom/data",
+        "HeadroomDatasetFromImages": "Headroom/data",
         "HeadroomCacheLatents": "Headroom/cache", "HeadroomCacheText": "Headroom/cache"}
     outputs = {node_id: [output.io_type for output in schema.outputs] for node_id, schema in schemas.items()}
     assert outputs["HeadroomCacheLatents"] == ["LATENT_CACHE", "STRING"]

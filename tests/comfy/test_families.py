@@ -40,7 +40,7 @@ def test_one_module_per_family(comfyui):
     folder = pathlib.Path(families.__file__).parent
     modules = sorted(p.stem for p in folder.glob("*.py") if p.stem not in ("__init__", "base"))
     assert list(families.FAMILIES) == ["sd15", "sd2", "sdxl", "sd3", "flux", "flux2", "chroma", "zimage", "qwen_image",
-                                       "hidream", "hunyuan_image"]
+                                       "hidream", "hunyuan_image", "wan21"]
     assert sorted(families.FAMILIES) == modules
     assert list(families.CONTROLNET_TYPES) == ["unet", "sd3", "flux"]  # stored names: never renamed
     assert (families.get("sd15").controlnet is families.get("sd2").controlnet is families.get("sdxl").controlnet
@@ -92,18 +92,19 @@ def test_family_facts_are_the_tables_they_replaced(comfyui):
 
     assert {f.name: f.text_tokens for f in families.FAMILIES.values()} == {
         "sd15": 77, "sd2": 77, "sdxl": 77, "sd3": 154, "flux": 256, "flux2": 512, "chroma": 256, "zimage": 128,
-        "qwen_image": 128, "hidream": 128, "hunyuan_image": 128}
+        "qwen_image": 128, "hidream": 128, "hunyuan_image": 128, "wan21": 512}
     assert {name: lora_formats.diffusers_component(name) for name in families.FAMILIES} == {
         "sd15": "unet", "sd2": "unet", "sdxl": "unet", "sd3": "transformer", "flux": "transformer",
         "flux2": "transformer", "chroma": "transformer", "zimage": "transformer", "qwen_image": "transformer",
-        "hidream": "transformer", "hunyuan_image": None}
+        "hidream": "transformer", "hunyuan_image": None, "wan21": None}
     assert lora_formats.diffusers_component(None) is None and families.lora_preset("wan") is None
     assert {f.name: f.kohya_base for f in families.FAMILIES.values()} == {
         "sd15": ("sd_v1", "stable-diffusion-v1/lora"), "sdxl": ("sdxl_base_v1-0", "stable-diffusion-xl-v1-base/lora"),
         "sd3": ("sd3", "stable-diffusion-3/lora"), "flux": ("flux1", "flux-1-dev/lora"), "flux2": ("", ""),
         "sd2": ("sd_v2", "stable-diffusion-v2-512/lora"), "chroma": ("chroma", "chroma/lora"),
         "zimage": ("z_image", "Z-Image/lora"), "qwen_image": ("qwen_image", "Qwen-Image/lora"),
-        "hidream": ("hidream_i1", "hidream-i1/lora"), "hunyuan_image": ("hunyuan_image_2_1", "HunyuanImage-2.1/lora")}
+        "hidream": ("hidream_i1", "hidream-i1/lora"), "hunyuan_image": ("hunyuan_image_2_1", "HunyuanImage-2.1/lora"),
+        "wan21": ("wan", "wan2.1/lora")}
     assert [f.name for f in families.FAMILIES.values() if f.lora_preset.conv is not None] == ["sd15", "sd2", "sdxl"]
     assert {name: t.hint for name, t in families.CONTROLNET_TYPES.items()} == {"unet": "pixels", "sd3": "latents",
                                                                               "flux": "pixels"}
@@ -116,7 +117,7 @@ def test_a_model_of_no_family_trains_with_all_linear_only(comfyui):
     model = _models()["sd15"].model
     blocks = ["input_blocks.1"]
     with pytest.raises(ValueError, match=r"this model has no LoRA target preset \(presets: sd15, sd2, sdxl, sd3, "
-                                         r"flux, flux2, chroma, zimage, qwen_image, hidream, hunyuan_image\); "
+                                         r"flux, flux2, chroma, zimage, qwen_image, hidream, hunyuan_image, wan21\); "
                                          "set targets to 'all_linear'"):
         families.lora_targets(model.diffusion_model, None, AdapterConfig(), blocks)
     assert families.lora_targets(model.diffusion_model, None, AdapterConfig(targets="all_linear"), blocks)
@@ -307,3 +308,24 @@ def test_hidream_trains_through_the_denoiser_with_its_four_encoder_conditioning(
     finally:
         comfy.model_management.in_training = False
         adapters.detach()
+
+
+def test_wan21_is_text_to_video_only_and_expects_umt5_width(comfyui):
+    """Wan 2.1 T2V (1.3B / 14B, and Wan 2.2 A14B's experts) is wan21, its cross_attn the UMT5-XXL width (4096, the
+    class default detection leaves); image-to-video (36 input channels) and the other WAN21 classes are not."""
+    import comfy.model_detection
+
+    import realsize_models as R
+    from headroom.nodes.bridge import families
+    from headroom.nodes.bridge.comfy_model import expected_cond_dims
+
+    for arch in ("wan21_1_3b", "wan21_14b"):
+        model = comfy.model_detection.model_config_from_unet_config(R.unet_config(arch, 1)).get_model({}, "", device="meta")
+        assert families.family_name(model) == "wan21" and expected_cond_dims(model) == {"cross_attn": 4096}
+    i2v = comfy.model_detection.model_config_from_unet_config(
+        {**R.unet_config("wan21_14b", 1), "model_type": "i2v", "in_dim": 36}).get_model({}, "", device="meta")
+    assert type(i2v).__name__ == "WAN21" and i2v.image_to_video and families.family_of(i2v) is None
+    vace = comfy.model_detection.model_config_from_unet_config(
+        {**R.unet_config("wan21_1_3b", 1), "model_type": "vace", "vace_in_dim": 96, "vace_layers": 1}
+    ).get_model({}, "", device="meta")
+    assert families.family_of(vace) is None

@@ -657,6 +657,7 @@ FLOAT_INPUTS = [("HeadroomLoraConfig", "alpha"), ("HeadroomLoraConfig", "dropout
                 ("HeadroomOptimizerConfig", "learning_rate"), ("HeadroomOptimizerConfig", "weight_decay"),
                 ("HeadroomTrainLoraInit", "max_grad_norm"), ("HeadroomTrainLoraInit", "caption_dropout"),
                 ("HeadroomTrainLoraInit", "min_snr_gamma"), ("HeadroomTrainLoraInit", "noise_offset"),
+                ("HeadroomTrainLoraInit", "noise_min"), ("HeadroomTrainLoraInit", "noise_max"),
                 ("HeadroomTrainLoraInit", "huber_delta"), ("HeadroomTrainControlNetInit", "huber_delta"),
                 ("HeadroomTrainLoraInit", "ema_decay"), ("HeadroomTrainControlNetInit", "ema_decay"),
                 ("HeadroomTrainLoraInit", "prior_ratio"),

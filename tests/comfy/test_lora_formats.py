@@ -46,7 +46,8 @@ def _patched_weights(lora_model) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("family,kind", [("sd15", "lora"), ("sd15", "loha"), ("sd15", "dora"), ("sd15", "oft"),
                                          ("sd3", "lora"), ("flux", "lora"), ("flux", "lokr"), ("zimage", "lora"),
                                          ("qwen_image", "lora"), ("sd2", "lora"), ("sdxl", "lora"), ("chroma", "lora"),
-                                         ("hidream", "lora"), ("hunyuan_image", "lora")])
+                                         ("hidream", "lora"), ("hunyuan_image", "lora"),
+                                         ("wan21", "lora")])
 def test_kohya_file_is_the_same_lora_for_the_stock_loader(comfyui, family, kind, caplog):
     import nodes
 
@@ -59,12 +60,14 @@ def test_kohya_file_is_the_same_lora_for_the_stock_loader(comfyui, family, kind,
         assert any(k.startswith("lora_unet_input_blocks_") for k in keys)
     if family in ("flux", "chroma"):
         assert any(k.startswith("lora_unet_double_blocks_") for k in keys)
+    if family == "wan21":  # musubi-tuner's Wan names
+        assert "lora_unet_blocks_0_self_attn_q.lora_down.weight" in keys and "lora_unet_blocks_1_ffn_2.alpha" in keys
     assert metadata["ss_network_dim"] == "4" and float(metadata["ss_network_alpha"]) == 4.0
     assert metadata["ss_steps"] == "2" and metadata["ss_resolution"] == "(32, 32)"
     assert metadata["ss_base_model_version"] == {"sd15": "sd_v1", "sd3": "sd3", "flux": "flux1", "zimage": "z_image",
                                                  "qwen_image": "qwen_image", "sd2": "sd_v2_v", "sdxl": "sdxl_base_v1-0",
                                                  "chroma": "chroma", "hidream": "hidream_i1",
-                                                 "hunyuan_image": "hunyuan_image_2_1"}[family]
+                                                 "hunyuan_image": "hunyuan_image_2_1", "wan21": "wan"}[family]
     if family == "sd2":  # the tiny SD2 is v-prediction (SD2.1-768-v): what sd-scripts writes with --v2 --v_parameterization
         assert (metadata["ss_v2"], metadata["modelspec.architecture"]) == ("True", "stable-diffusion-v2-768-v/lora")
     assert metadata["ss_network_module"] == ("networks.lora" if kind == "lora" else "lycoris.kohya")
@@ -289,6 +292,19 @@ def test_diffusers_file_is_the_same_lora_for_the_stock_loader(comfyui, family, t
     for key, weight in from_comfy.items():  # alpha == rank here: folding it in multiplies by nothing
         assert torch.equal(weight, from_diffusers[key]), key
     assert any(not torch.equal(w, model.model.state_dict()[k].float()) for k, w in from_comfy.items())
+
+
+def test_wan_diffusers_format_is_refused_naming_the_formats_that_load(comfyui):
+    """ComfyUI's LoRA key map has no diffusers (WanTransformer3DModel) names for Wan: a file in them would not load
+    through the stock loader, so the save is refused before anything is written."""
+    from headroom.nodes import train_lora as T
+
+    model, clip, vae, latents, texts = _data("wan21")
+    run = _init(model, latents, texts, "formats_wan21_diffusers", rank=4)
+    with pytest.raises(ValueError, match=r"HeadroomSaveLora: module blocks\.0\.\S+ has no diffusers name in ComfyUI's "
+                                         r"LoRA key map; save in the comfyui or kohya format"):
+        T.HeadroomSaveLora.execute(run, "formats", "refused_wan21", "fp32", "diffusers")
+    assert not any("refused_wan21" in k for k in _lora_names())
 
 
 def test_diffusers_format_refuses_other_kinds_naming_the_formats_that_carry_them(comfyui):

@@ -215,7 +215,8 @@ def _tiny_session(tmp_path, family):
     model, _, _ = build_tiny_models(family)
     g = torch.Generator().manual_seed(0)
     channels = model.model.latent_format.latent_channels
-    latents = [torch.randn(channels, 8, 8, generator=g) for _ in range(2)]
+    frames = (2,) * (model.model.latent_format.latent_dimensions - 2)  # video latents (wan21): 2 frames, a 5-frame clip
+    latents = [torch.randn(channels, *frames, 8, 8, generator=g) for _ in range(2)]
     dims = expected_cond_dims(model.model)
     cond = lambda: {name: torch.randn(*((5, width) if name == "cross_attn" else (width,)), generator=g)  # noqa: E731
                     for name, width in dims.items()}
@@ -228,7 +229,8 @@ def _tiny_session(tmp_path, family):
 
 
 @pytest.mark.comfyui
-@pytest.mark.parametrize("family", ["sd15", "sd3", "flux", "flux2", "chroma"])  # flux, flux2, chroma: blocks add in place
+# flux, flux2, chroma: blocks add in place; wan21: a video DiT on 5-D latents
+@pytest.mark.parametrize("family", ["sd15", "sd3", "flux", "flux2", "chroma", "wan21"])
 def test_tiny_comfy_model_streamed_offloaded_checkpoints_bitwise(comfyui, tmp_path, family, monkeypatch):
     import comfy.model_management
 

@@ -222,7 +222,11 @@ KEY_CASES = [
     ("hidream_i1", ["--depth", "1,1"], "hidream", 793_443_904),  # 2560 wide, 1 + 1 blocks (17.1 B at full depth)
     # 3584 wide, 1 + 1 blocks (17.4 B at full depth); comfyui and kohya formats (ComfyUI maps no diffusers names)
     ("hunyuan_image_21", ["--depth", "1,1"], "hunyuan_image", 1_121_819_328),
+    ("wan21_14b", ["--depth", "1"], "wan21", 584_113_728),  # 5120 wide, 1 block (14 B at full depth; Wan 2.2 A14B experts)
+    ("wan21_1_3b", ["--depth", "2"], "wan21", 118_657_088),  # 1536 wide, 2 blocks (1.3 B at full depth)
 ]
+# Formats HeadroomSaveLora refuses for a family because ComfyUI's key map has no names in them (Wan: no diffusers).
+REFUSED_FORMATS = {"wan21": ["diffusers"]}
 
 
 @pytest.mark.parametrize("arch, args, family, params", KEY_CASES, ids=[c[0] for c in KEY_CASES])
@@ -242,6 +246,8 @@ def test_family_lora_keys_at_real_width(arch, args, family, params):
               for fmt, saved in report["formats"].items()) if "formats" in report else "names only")
           + f"; {report['seconds']:.0f} s, peak RSS {report['peak_rss_bytes'] / GIB:.2f} GiB")
     assert full["family"] == family and full["detection_mismatches"] == [], full["detection_mismatches"]
+    assert [fmt for fmt, why in full["refused"].items() if why] == REFUSED_FORMATS.get(family, []), full["refused"]
+    assert sorted(full["names"]) == sorted({"comfyui", "kohya", "diffusers"} - set(REFUSED_FORMATS.get(family, [])))
     assert full["trained_layers"] > 0 and all(n >= full["trained_layers"] for n in full["names"].values())
     assert all(names == [] for names in full["unmapped"].values()), full["unmapped"]
     if params is None:

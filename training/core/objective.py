@@ -66,10 +66,18 @@ class ObjectiveConfig:
     noise_offset: float = 0.0
     loss_type: str = "mse"  # mse | l1 | huber
     huber_delta: float = 0.1
+    # The part of the noise range trained, as times in [0, 1] (flow: the noise level sigma itself): a Wan 2.2 A14B
+    # expert trains where it samples (high noise: 0.875..1, low noise: 0..0.875). Sampled times are mapped into it.
+    noise_min: float = 0.0
+    noise_max: float = 1.0
 
     def validate(self, prediction: Prediction) -> None:
         check_finite("objective", min_snr_gamma=self.min_snr_gamma, logit_mean=self.logit_mean, logit_std=self.logit_std,
-                     shift=self.shift, noise_offset=self.noise_offset, huber_delta=self.huber_delta)
+                     shift=self.shift, noise_offset=self.noise_offset, huber_delta=self.huber_delta,
+                     noise_min=self.noise_min, noise_max=self.noise_max)
+        if not 0.0 <= self.noise_min < self.noise_max <= 1.0:
+            raise ValueError(f"noise_min={self.noise_min}, noise_max={self.noise_max}: need 0 <= noise_min < noise_max "
+                             "<= 1 (the part of the noise range to train; 0 and 1: all of it)")
         if self.loss_type not in LOSS_TYPES:
             raise ValueError(f"loss_type={self.loss_type!r}: choose one of {LOSS_TYPES}")
         if self.loss_type == "huber" and self.huber_delta <= 0:
@@ -115,7 +123,12 @@ class Objective:
             t = torch.rand(batch, generator=generator)
         if cfg.timestep_sampling == "shifted":
             t = time_shift(t, cfg.shift if cfg.shift is not None else self.sampling.flow_shift)
-        return t
+        return self._in_range(t)
+
+    def _in_range(self, t: torch.Tensor) -> torch.Tensor:
+        """Times of the whole range mapped into [noise_min, noise_max] (unchanged for the whole range)."""
+        low, high = self.config.noise_min, self.config.noise_max
+        return t if (low, high) == (0.0, 1.0) else low + (high - low) * t
 
     def sigma_at(self, t: torch.Tensor) -> torch.Tensor:
         """Noise level for times in [0, 1]. Discrete models pick a table entry, as their sampler does."""
@@ -179,8 +192,8 @@ class Objective:
         return (_per_sample_mean(elements, mask) * (weight / native)).mean()  # weight / native: min-SNR alone
 
     def fixed_times(self, count: int) -> torch.Tensor:
-        """Evenly spread times for the deterministic validation loss (ends excluded)."""
-        return (torch.arange(count, dtype=torch.float32) + 0.5) / count
+        """Evenly spread times for the deterministic validation loss (ends excluded), in the trained noise range."""
+        return self._in_range((torch.arange(count, dtype=torch.float32) + 0.5) / count)
 
 
 def _per_sample_mean(elements: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

@@ -52,6 +52,7 @@ from safetensors import safe_open
 from .. import public_module
 from .buckets import CropPlan, apply_crop, make_buckets, nearest_bucket, plan_crop
 from .dataset import Dataset, DatasetError, reduce_factor
+from .video import clip_frames, is_video
 from .files import (UntrustedFileError, WriteError, display_path, format_bytes, open_regular, prune_temp, read_json,
                     relative_text, resolve_inside, save_safetensors, write_bytes)
 
@@ -496,8 +497,8 @@ class LatentCache:
 
     def __init__(self, root: Path, items: list[tuple[str, str, tuple[int, int], str, bool, str, str | None]],
                  fingerprint: str, latent_channels: int, control_kind: str | None, masked: list[bool] | None = None):
-        # items: (entry key, shard file, bucket (w, h), text key, has control, display name, text key with the
-        # control image as reference or None)
+        # items: (entry key, shard file, bucket (w, h) or (w, h, frames) of clips, text key, has control, display
+        # name, text key with the control image as reference or None)
         self.root = Path(root)
         self.fingerprint = fingerprint
         self.memory_phases: list[dict] = []  # how building it went (memory_stats.PhaseRecorder records)
@@ -660,6 +661,13 @@ class _PlannedLatent:
     text_key: str
     reduce: int  # the image is decoded reduced by this factor (dataset.reduce_factor)
     reference_text_key: str | None = None  # the caption with the control image as its reference
+    frames: tuple[int, ...] | None = None  # a clip's frame indices (training/data/video.py); None: an image
+
+
+def _bucket_key(plan: CropPlan, frames: tuple[int, ...] | None) -> tuple[int, ...]:
+    """The batch bucket of an item: (width, height), and the frame count for clips of more than one frame (a batch
+    stacks latents of one shape)."""
+    return plan.bucket if frames is None or len(frames) == 1 else (*plan.bucket, len(frames))
 
 
 def cache_latents(
@@ -673,6 +681,7 @@ def cache_latents(
     progress: Callable[[int, int], None] = _no_progress,
     check_interrupt: Callable[[], None] = _no_interrupt,
     downscale: int = 1,
+    frame_step: int | None = None,
 ) -> tuple[LatentCache, CacheReport]:
     """Encode every (cropped, maybe mirrored) dataset image that is not cached yet.
 
@@ -681,7 +690,9 @@ def cache_latents(
     finished so far are written). Control images are stored as pixels at the bucket size, or as
     latents from the same `encode` with control_encoding="latents". `downscale`: image px per latent px of the
     encoder (8; Flux.2's VAE: 16): a bucket side it does not divide is refused before anything is encoded (the VAE
-    would crop it silently).
+    would crop it silently). Clips (training/data/video.py) are encoded whole, `encode(frames [F, H, W, 3])`, as
+    stock VAE Encode encodes a video; `frame_step`: pixel frames per latent frame of a video encoder (clips are cut to
+    frame_step * k + 1 frames), None for an image encoder (clips must then be one frame).
     """
     if control_encoding not in ("pixels", "latents"):
         raise ValueError(f"control_encoding must be 'pixels' or 'latents', got {control_encoding!r}")
@@ -703,6 +714,21 @@ def cache_latents(
             _skip_or_raise(dataset, f"{item.image.describe()}: cannot be read ({_short(error)}); re-export or remove "
                            "it", report)
             continue
+        frames = None
+        if is_video(item.image):
+            try:
+                available = item.image.frame_count(dataset.max_frames * dataset.frame_stride)
+                frames = tuple(clip_frames(available, dataset.max_frames, dataset.frame_stride, frame_step or 1))
+            except DatasetError as error:
+                _skip_or_raise(dataset, str(error), report)
+                continue
+            if not frames:
+                _skip_or_raise(dataset, f"{item.image.describe()}: has no frames; remove it", report)
+                continue
+            if frame_step is None and len(frames) > 1:
+                raise DatasetError(f"{item.image.describe()}: a clip of {len(frames)} frames, but this VAE encodes single "
+                                   "images; cache clips with a video model's VAE (Wan), or set max_frames to 1 to train "
+                                   "on each clip's first frame")
         bucket = nearest_bucket(size[0], size[1], bucket_sizes)
         for flip in (False, True) if dataset.flip else (False,):
             plan = plan_crop(size, bucket, dataset.crop, dataset.seed, image_digest, flip)
@@ -713,9 +739,11 @@ def cache_latents(
                 "control": control_digest, "control_encoding": control_encoding if control_digest else None,
                 **({"decode_reduce": reduce} if reduce > 1 else {}),  # keys of images decoded whole are unchanged
                 **({"mask": mask_digest} if mask_digest else {}),  # keys of items without a mask are unchanged
+                **({"frames": list(frames)} if frames is not None else {}),  # image keys are unchanged
             })
             planned.append(_PlannedLatent(index, key, plan, text_key(item.caption), reduce,
-                                          reference_text_key(item.caption, control_digest) if control_digest else None))
+                                          reference_text_key(item.caption, control_digest) if control_digest else None,
+                                          frames))
 
     odd = sorted({p.plan.bucket for p in planned if p.plan.bucket[0] % downscale or p.plan.bucket[1] % downscale})
     if odd:
@@ -741,7 +769,8 @@ def cache_latents(
                     continue
                 if loaded is None or loaded[0] != entry.item_index:
                     try:
-                        loaded = (entry.item_index, item.image.load(entry.reduce),
+                        loaded = (entry.item_index, item.image.load_frames(list(entry.frames), entry.reduce)
+                                  if entry.frames is not None else item.image.load(entry.reduce),
                                   item.control.load(entry.reduce) if item.control is not None else None,
                                   item.mask.load(entry.reduce) if item.mask is not None else None)
                     except DatasetError as error:
@@ -754,7 +783,10 @@ def cache_latents(
                                                 "re-export or remove it", report)
                         continue
                 _, pixels, control_pixels, mask_pixels = loaded
-                sample = apply_crop(pixels, entry.plan).unsqueeze(0)
+                if entry.frames is not None:  # [F, H, W, 3]: every frame cropped alike, encoded as one clip
+                    sample = torch.stack([apply_crop(frame, entry.plan) for frame in pixels])
+                else:
+                    sample = apply_crop(pixels, entry.plan).unsqueeze(0)
                 tensors = {"latent": _single(encode(sample), item.name)}
                 if mask_pixels is not None:
                     tensors["mask"] = latent_mask(apply_crop(mask_pixels, entry.plan), tensors["latent"])
@@ -762,7 +794,7 @@ def cache_latents(
                     control = apply_crop(control_pixels, entry.plan)
                     tensors["control"] = control if control_encoding == "pixels" else _single(
                         encode(control.unsqueeze(0)), item.name)
-                writer.add(entry.key, tensors, {"bucket": list(entry.plan.bucket), "name": item.name})
+                writer.add(entry.key, tensors, {"bucket": list(_bucket_key(entry.plan, entry.frames)), "name": item.name})
                 progress(report.hits + done, len(planned))
         report.bytes_written = writer.bytes_written
 
@@ -771,8 +803,8 @@ def cache_latents(
         raise DatasetError("no dataset item could be cached:\n- " + "\n- ".join(report.warnings))
     entries = store.entries
     items = [
-        (p.key, entries[p.key]["shard"], p.plan.bucket, p.text_key, "control" in entries[p.key]["tensors"],
-         dataset.items[p.item_index].name, p.reference_text_key)
+        (p.key, entries[p.key]["shard"], _bucket_key(p.plan, p.frames), p.text_key,
+         "control" in entries[p.key]["tensors"], dataset.items[p.item_index].name, p.reference_text_key)
         for p in kept
     ]
     cache = LatentCache(store.root, items, fingerprint, latent_channels=0,

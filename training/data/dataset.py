@@ -159,7 +159,7 @@ ImageSource = FileImage | TensorImage
 class DatasetItem:
     name: str  # shown in messages: a file name or "image 3"
     caption: str
-    image: ImageSource
+    image: ImageSource  # or a clip: training/data/video.py (FileVideo, FrameFolder, TensorVideo)
     control: ImageSource | None = None
     mask: ImageSource | None = None  # loss mask: white is learned, black is not (grey: partly)
 
@@ -176,6 +176,9 @@ class Dataset:
     seed: int = 0
     skip_bad: bool = False
     warnings: tuple[str, ...] = field(default=())
+    # Clips (training/data/video.py): every frame_stride-th frame, at most max_frames, cut to what the VAE takes.
+    max_frames: int = 81
+    frame_stride: int = 1
 
     def __post_init__(self):
         if not self.items:
@@ -274,9 +277,10 @@ def dataset_from_folder(
     )
 
 
-def _read_caption(image_path: Path, roots: tuple[Path, ...]) -> tuple[str] | str:
-    """(the caption of an image,) or a message naming the problem and its fix."""
-    caption_path = image_path.with_suffix(CAPTION_EXTENSION)
+def _read_caption(image_path: Path, roots: tuple[Path, ...], caption_path: Path | None = None) -> tuple[str] | str:
+    """(the caption of an image,) or a message naming the problem and its fix. `caption_path`: where it is when not
+    beside the image under the same stem (a frame folder's `<folder name>.txt`)."""
+    caption_path = caption_path or image_path.with_suffix(CAPTION_EXTENSION)
     where = display_path(caption_path)
     if not os.path.lexists(caption_path):
         return f"{display_path(image_path)}: no caption file; write the caption into {where}"

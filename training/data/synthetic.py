@@ -164,3 +164,40 @@ def generate_shapes(count: int, resolution: int | tuple[int, int], seed: int,
         masks=masks,
         labels=labels,
     )
+
+
+DIRECTIONS: dict[str, tuple[float, float]] = {"left": (0.0, -1.0), "right": (0.0, 1.0), "up": (-1.0, 0.0),
+                                              "down": (1.0, 0.0)}
+
+
+@dataclass
+class SyntheticClips:
+    clips: torch.Tensor  # [N, F, H, W, 3] float32 in 0..1: each clip's frames in ComfyUI's IMAGE layout
+    captions: list[str]
+
+
+def generate_moving_shapes(count: int, resolution: int | tuple[int, int], frames: int, seed: int) -> SyntheticClips:
+    """`count` clips of `frames` frames: one coloured shape sliding from its cell's centre in one of four directions
+    (half a cell over the clip), captioned "a red circle at the center moving left". The colour / shape / position
+    of clip i are those of generate_shapes' item i; deterministic as it is."""
+    if not isinstance(frames, int) or frames < 1:
+        raise ValueError(f"synthetic clips: frames={frames!r} must be a positive integer")
+    labels = generate_shapes(count, resolution, seed).labels
+    height, width = (resolution, resolution) if isinstance(resolution, int) else resolution
+    generator = torch.Generator().manual_seed(seed + 1)
+    directions = [list(DIRECTIONS)[int(i)] for i in torch.randint(len(DIRECTIONS), (count,), generator=generator)]
+    half_sizes = torch.empty(count).uniform_(_MIN_HALF_SIZE, _MAX_HALF_SIZE, generator=generator)
+    ys = (torch.arange(height, dtype=torch.float32) + 0.5).unsqueeze(1)
+    xs = (torch.arange(width, dtype=torch.float32) + 0.5).unsqueeze(0)
+    cell_h, cell_w = height / 3, width / 3
+    clips = torch.tensor(BACKGROUND, dtype=torch.float32).repeat(count, frames, height, width, 1)
+    for i, label in enumerate(labels):
+        r = float(half_sizes[i]) * min(cell_h, cell_w)
+        dy, dx = DIRECTIONS[directions[i]]
+        for t in range(frames):
+            shift = 0.5 * t / max(frames - 1, 1)  # half a cell over the clip: the shape may leave its cell
+            mask = _shape_mask(label.shape, ys, xs, (label.row + 0.5 + dy * shift) * cell_h,
+                               (label.col + 0.5 + dx * shift) * cell_w, r)
+            clips[i, t][mask] = torch.tensor(COLOURS[label.colour], dtype=torch.float32)
+    captions = [f"{label.caption()} moving {direction}" for label, direction in zip(labels, directions)]
+    return SyntheticClips(clips=clips, captions=captions)

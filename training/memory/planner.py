@@ -254,10 +254,13 @@ class RunShape:
     width: int
     height: int
     text_tokens: int | None = None  # None: the description's default
+    # Latent frames of a video model's clips (Wan: (frames - 1) / 4 + 1). A video DiT's tokens, and with them what its
+    # blocks keep (measured on one frame), grow with h * w * frames.
+    latent_frames: int = 1
 
     def latent_area(self, description: ModelDescription) -> int:
         d = description.latent_downscale
-        return (self.height // d) * (self.width // d)
+        return (self.height // d) * (self.width // d) * self.latent_frames
 
     def tokens(self, description: ModelDescription) -> int:
         return description.text_tokens if self.text_tokens is None else self.text_tokens

@@ -93,6 +93,9 @@ class Family:
     # cross_attn / pooled_output of the widths its config names (HiDream: T5 width, every Llama layer), or None.
     calibration_cond_shapes: Callable[[Any, int], dict[str, tuple[int, ...]]] | None = None
     latent_downscale: int = 8  # image px per latent px
+    # Video families: pixel frames per latent frame of their VAE (clips of frame_step * k + 1 frames: Wan 4); None:
+    # an image family (validation makes images; one-frame latents of a video VAE, as Qwen-Image's, are images).
+    frame_step: int | None = None
     # Whether a model's blocks add into their inputs in place; asked of every family (registry.inplace_blocks).
     inplace_blocks: Callable[[Any], bool] = _never
     controlnet: ControlNetType | None = None  # the ControlNet this family trains, if any

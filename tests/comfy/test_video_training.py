@@ -1,0 +1,323 @@
+"""Video LoRA training on the tiny Wan 2.1 (nodes/families/wan21.py): clip datasets (video files, frame folders, images
+as one-frame clips) -> 5-D latent caches cut to the VAE's 4k+1 frames -> training (overfit on moving shapes) ->
+validation clips through stock samplers (animated WEBP + frame grid) -> the stock LoraLoader + KSampler with the stock
+empty video latent reproduce every frame."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from family_checks import check_stock_round_trip, init_run, overfit
+
+pytestmark = [pytest.mark.comfyui, pytest.mark.usefixtures("one_torch_thread")]
+
+
+@pytest.fixture
+def cache_dir(comfyui, tmp_path):
+    import folder_paths
+
+    path = str(tmp_path / "headroom_cache")
+    folder_paths.add_model_folder_path("headroom_cache", path, is_default=True)
+    yield Path(path)
+    folder_paths.folder_names_and_paths["headroom_cache"][0].remove(path)
+
+
+def _input_folder(name: str) -> Path:
+    import folder_paths
+
+    folder = Path(folder_paths.get_input_directory()) / name
+    folder.mkdir(parents=True)
+    return folder
+
+
+def _write_frames(folder: Path, clip: torch.Tensor) -> None:
+    folder.mkdir()
+    for index, frame in enumerate(clip):
+        Image.fromarray((frame.numpy() * 255).round().astype(np.uint8)).save(folder / f"frame_{index:04d}.png")
+
+
+def _write_video(path: Path, clip: torch.Tensor, fps: int = 16) -> None:
+    """An H.264 MP4 (lossy) through PyAV, as a camera or editor would write one."""
+    import av
+
+    with av.open(str(path), mode="w") as container:
+        stream = container.add_stream("libx264", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = clip.shape[2], clip.shape[1], "yuv420p"
+        for frame in clip:
+            image = av.VideoFrame.from_ndarray((frame.numpy() * 255).round().astype(np.uint8), format="rgb24")
+            container.mux(stream.encode(image))
+        container.mux(stream.encode())
+
+
+def _tiny_wan():
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
+
+    with torch.inference_mode():
+        return build_tiny_models("wan21", 0)
+
+
+def _cache(dataset, vae, clip):
+    from headroom.nodes import cache as cache_nodes
+
+    with torch.inference_mode():
+        latents = cache_nodes.HeadroomCacheLatents.execute(dataset, vae).args[0]
+        texts = cache_nodes.HeadroomCacheText.execute(dataset, clip).args[0]
+    return latents, texts
+
+
+def test_clip_frames_follow_the_vae_rule():
+    from headroom.training.data.video import clip_frames
+
+    assert clip_frames(81, 81, 1, 4) == list(range(81))
+    assert clip_frames(80, 81, 1, 4) == list(range(77))  # cut to 4k+1, never padded
+    assert clip_frames(30, 81, 2, 4) == list(range(0, 26, 2))  # every 2nd frame: 15 -> 13
+    assert clip_frames(100, 17, 1, 4) == list(range(17))
+    assert clip_frames(3, 81, 1, 4) == [0]
+    assert clip_frames(7, 81, 1, 1) == list(range(7))
+    assert clip_frames(0, 81, 1, 4) == []
+
+
+def test_moving_shapes_are_deterministic_and_move():
+    from headroom.training.data.synthetic import generate_moving_shapes
+
+    a, b = generate_moving_shapes(3, 32, 5, 0), generate_moving_shapes(3, 32, 5, 0)
+    assert a.clips.shape == (3, 5, 32, 32, 3) and torch.equal(a.clips, b.clips) and a.captions == b.captions
+    assert all(" moving " in caption for caption in a.captions)
+    assert all(not torch.equal(clip[0], clip[-1]) for clip in a.clips)
+
+
+def test_video_folder_caches_5d_latents_in_frame_buckets(cache_dir, tmp_path):
+    """Frame folder (5 frames -> 2 latent frames), MP4 (9 -> 3), a 3-frame folder (cut to 1) and an image (1) in one
+    folder; clips are batched by (width, height, frames)."""
+    from headroom.nodes import cache as cache_nodes
+    from headroom.training.data.synthetic import generate_moving_shapes
+
+    clips = generate_moving_shapes(4, 32, 9, 0)
+    folder = _input_folder(f"clips_{tmp_path.name}")
+    _write_frames(folder / "a_frames", clips.clips[0, :5])
+    _write_video(folder / "b_video.mp4", clips.clips[1])
+    _write_frames(folder / "c_short", clips.clips[2, :3])
+    Image.fromarray((clips.clips[3, 0].numpy() * 255).astype(np.uint8)).save(folder / "d_image.png")
+    for name, caption in zip(("a_frames", "b_video", "c_short", "d_image"), clips.captions):
+        (folder / f"{name}.txt").write_text(caption)
+
+    model, clip, vae = _tiny_wan()
+    with torch.inference_mode():
+        dataset = cache_nodes.HeadroomDatasetFromVideos.execute(folder.name, 32, 16, "center", False, 0, False,
+                                                                max_frames=81, frame_stride=1).args[0]
+    latents, texts = _cache(dataset, vae, clip)
+    shapes = {latents.name(i): tuple(latents.latent(i).shape) for i in range(len(latents))}
+    assert shapes == {"a_frames": (16, 2, 4, 4), "b_video.mp4": (16, 3, 4, 4), "c_short": (16, 1, 4, 4),
+                      "d_image.png": (16, 1, 4, 4)}
+    assert sorted(latents.buckets) == [(32, 32), (32, 32, 5), (32, 32, 9)]
+    # The frame folder's latents are exactly stock VAE Encode of its frames (as Load Image reads the PNGs).
+    frames = torch.stack([torch.from_numpy(np.asarray(Image.open(p).convert("RGB"), dtype=np.float32) / 255.0)
+                          for p in sorted((folder / "a_frames").iterdir())])
+    with torch.inference_mode():
+        stock = vae.encode(frames)
+    torch.testing.assert_close(latents.latent(0), stock[0])
+
+    # frame_stride 2 and max_frames 5: the MP4's frames 0, 2, 4, 6, 8 -> 2 latent frames; a new cache entry.
+    with torch.inference_mode():
+        strided = cache_nodes.HeadroomDatasetFromVideos.execute(folder.name, 32, 16, "center", False, 0, False,
+                                                                max_frames=5, frame_stride=2).args[0]
+        cached, summary = cache_nodes.HeadroomCacheLatents.execute(strided, vae).args
+    assert cached.latent(1).shape == (16, 2, 4, 4)
+    print(summary)
+
+
+def test_clip_datasets_refuse_bad_input_naming_the_file(cache_dir, tmp_path, monkeypatch):
+    from headroom.nodes import cache as cache_nodes
+    from headroom.nodes.bridge.tiny_models import build_tiny_vae
+    from headroom.training.data import video
+    from headroom.training.data.dataset import DatasetError
+    from headroom.training.data.synthetic import generate_moving_shapes
+
+    clips = generate_moving_shapes(1, 32, 5, 0)
+    folder = _input_folder(f"bad_clips_{tmp_path.name}")
+    (folder / "broken.mp4").write_bytes(b"not a video at all")
+    (folder / "broken.txt").write_text("x")
+
+    def build(**kwargs):
+        with torch.inference_mode():
+            return cache_nodes.HeadroomDatasetFromVideos.execute(folder.name, 32, 16, "center", False, 0,
+                                                                 kwargs.pop("skip_bad", False), **kwargs).args[0]
+
+    with pytest.raises(DatasetError, match=r"broken\.mp4: unreadable or corrupt video .*re-export it or remove it"):
+        build()
+    (folder / "broken.mp4").unlink()
+    (folder / "broken.txt").unlink()
+
+    # A caption missing, a file of another kind.
+    _write_frames(folder / "clip", clips.clips[0])
+    (folder / "notes.doc").write_text("x")
+    with pytest.raises(DatasetError, match=r"(?s)clip: no caption file; write the caption into .*clip\.txt.*"
+                                           r"notes\.doc: unsupported file type '\.doc'"):
+        build()
+    (folder / "notes.doc").unlink()
+    (folder / "clip.txt").write_text("a clip")
+
+    # A frame folder claiming more frames than a clip may have: refused before any frame is decoded.
+    monkeypatch.setattr(video, "MAX_CLIP_FRAMES", 4)
+    with pytest.raises(DatasetError, match=r"clip: 5 frames, more than the 4 a frame folder may hold; split the clip"):
+        build(max_frames=4)
+    monkeypatch.undo()
+
+    # A frame of another size; a symlinked frame leading outside the dataset roots.
+    Image.new("RGB", (16, 16)).save(folder / "clip" / "frame_0009.png")
+    with pytest.raises(DatasetError, match=r"frame_0009\.png: 16x16 but the clip's first frame is 32x32"):
+        build()
+    (folder / "clip" / "frame_0009.png").unlink()
+    outside = tmp_path / "secret.png"
+    Image.new("RGB", (32, 32)).save(outside)
+    os.symlink(outside, folder / "clip" / "frame_0010.png")
+    with pytest.raises(Exception, match=r"leads outside .*refused"):
+        build()
+    (folder / "clip" / "frame_0010.png").unlink()
+
+    # A clip whose frames would decode more pixels than a clip may take: refused before decoding.
+    dataset = build()
+    monkeypatch.setattr(video, "MAX_CLIP_DECODE_PIXELS", 4 * 32 * 32)
+    with torch.inference_mode(), pytest.raises(DatasetError, match=r"clip: taking these frames decodes 5 frames of "
+                                                                   r"32x32 .*lower max_frames or frame_stride"):
+        cache_nodes.HeadroomCacheLatents.execute(dataset, build_tiny_vae("wan21", 0))
+    monkeypatch.undo()
+
+    # An image VAE cannot encode a clip of more than one frame: the fix is named.
+    with torch.inference_mode(), pytest.raises(DatasetError, match=r"a clip of 5 frames, but this VAE encodes single "
+                                                                   r"images; .*set max_frames to 1"):
+        cache_nodes.HeadroomCacheLatents.execute(dataset, build_tiny_vae("sd15", 0))
+
+
+def test_four_clips_overfit_and_the_validation_clip_is_the_stock_loaders(cache_dir, caplog, tmp_path):
+    """4 synthetic clips of 5 frames (2 latent frames): the loss halves within 300 steps; then a 5-frame validation
+    clip through stock samplers equals LoraLoader + KSampler on the stock EmptyHunyuanLatentVideo, frame by frame, and
+    is saved as an animated WEBP and a frame grid."""
+    from headroom.nodes import cache as cache_nodes
+    from headroom.training.data.synthetic import generate_moving_shapes
+    from headroom.training.data.video import dataset_from_clips
+
+    model, clip, vae = _tiny_wan()
+    clips = generate_moving_shapes(4, 32, 5, 0)
+    dataset = dataset_from_clips(list(clips.clips), clips.captions, resolution=32, step=16)
+    latents, texts = _cache(dataset, vae, clip)
+    assert all(latents.latent(i).shape == (16, 2, 4, 4) for i in range(4))
+
+    run = init_run(model, latents, texts, f"video_overfit_{tmp_path.name}", 16, 1e-2, "all_layers", False, "cosine", 300)
+    initial, final = overfit(run)
+    print(f"wan21 clips: {run.step} steps; loss {initial:.4f} -> {final:.4f} ({1 - final / initial:.0%} lower)")
+    assert final <= 0.5 * initial
+
+    roundtrip = init_run(model, latents, texts, f"video_roundtrip_{tmp_path.name}", 8, 2e-2, "preset", False)
+    check_stock_round_trip(roundtrip, model, clip, vae, caplog, label="wan21 clip", frames=5)
+    folder = roundtrip.run_dir.validation_dir
+    webp = sorted(folder.glob("step_*_0.webp"))
+    assert len(webp) == 1
+    with Image.open(webp[0]) as animation:
+        assert animation.is_animated and animation.n_frames == 5 and animation.size == (32, 32)
+    grid = sorted(p for p in folder.glob("step_*.png") if "before" not in p.name)
+    with Image.open(grid[-1]) as image:
+        assert image.size == (5 * 32, 32)  # one row of 5 frames per prompt
+    assert not list(folder.glob(".*hrtmp*"))  # written to temp files, then renamed
+
+
+def test_validation_frames_are_checked_against_the_family(comfyui, cache_dir):
+    from headroom.nodes.bridge.tiny_models import build_tiny_model_patcher
+    from headroom.nodes.bridge.video import check_frames
+
+    wan = build_tiny_model_patcher("wan21", 0).model
+    assert check_frames("HeadroomValidate", wan, 1) == 1 and check_frames("HeadroomValidate", wan, 81) == 21
+    with pytest.raises(ValueError, match=r"HeadroomValidate: frames=6: wan21 clips have 4k\+1 frames; use 5 or 9"):
+        check_frames("HeadroomValidate", wan, 6)
+    with pytest.raises(ValueError, match=r"HeadroomValidate: frames=5, but this MODEL \(QwenImage\) makes images"):
+        check_frames("HeadroomValidate", build_tiny_model_patcher("qwen_image", 0).model, 5)
+
+
+def _init_settings(**overrides):
+    settings = dict(seed=0, batch_size=2, grad_accumulation=1, precision="fp32", max_grad_norm=1.0, caption_dropout=0.0,
+                    timestep_sampling="shifted", loss_weighting="none", min_snr_gamma=5.0, noise_offset=0.0,
+                    gradient_checkpointing=False, checkpoint_depth=1, holdout=0)
+    settings.update(overrides)
+    return settings
+
+
+def test_a_wan22_expert_trains_its_own_noise_range(cache_dir, tmp_path):
+    """Wan 2.2 A14B's high-noise expert (a WAN21_T2V model in ComfyUI) trains noise levels 0.875..1 only: every sampled
+    sigma and the validation loss's fixed ones lie there; the range is part of the run (stored, kept on resume)."""
+    import json
+
+    from headroom.nodes import train_lora as T
+    from headroom.training.data.synthetic import generate_moving_shapes
+    from headroom.training.data.video import dataset_from_clips
+
+    model, clip, vae = _tiny_wan()
+    clips = generate_moving_shapes(2, 32, 5, 1)
+    latents, texts = _cache(dataset_from_clips(list(clips.clips), clips.captions, resolution=32, step=16), vae, clip)
+    with torch.inference_mode():
+        lora = T.HeadroomLoraConfig.execute("lora", 4, 4.0, "preset", False, 0.0, 0).args[0]
+        opt = T.HeadroomOptimizerConfig.execute("AdamW", 1e-3, 0.0, "constant", 0, 100).args[0]
+
+        def start(**overrides):
+            return T.HeadroomTrainLoraInit.execute(model=model, latent_cache=latents, text_cache=texts, lora_config=lora,
+                                                   optimizer_config=opt, run_name=f"wan22_high_{tmp_path.name}",
+                                                   **_init_settings(**overrides)).args[0]
+
+        run = start(noise_min=0.875, noise_max=1.0)
+        sigmas = run.trainer.objective.sample_sigma(4096, torch.Generator().manual_seed(0))
+        assert sigmas.min() >= 0.875 and sigmas.max() <= 1.0
+        assert run.trainer.objective.fixed_times(4).min() > 0.875
+        T.HeadroomTrainSteps.execute(run, 2)
+        stored = json.loads((run.run_dir.path / "config.json").read_text())["session"]["train"]["objective"]
+        assert (stored["noise_min"], stored["noise_max"]) == (0.875, 1.0)
+        with pytest.raises(ValueError, match=r"noise_min=0.9, noise_max=0.5: need 0 <= noise_min < noise_max <= 1"):
+            T.HeadroomTrainLoraInit.execute(model=model, latent_cache=latents, text_cache=texts, lora_config=lora,
+                                            optimizer_config=opt, run_name=f"wan22_bad_{tmp_path.name}",
+                                            **_init_settings(noise_min=0.9, noise_max=0.5))
+
+
+def test_clips_are_refused_for_an_image_model(cache_dir, tmp_path):
+    """Qwen-Image shares the Wan 2.1 VAE, so clips cache for it too; training an image model on them is refused."""
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
+    from headroom.training.data.synthetic import generate_moving_shapes
+    from headroom.training.data.video import dataset_from_clips
+    from test_train_lora_nodes import _init
+
+    with torch.inference_mode():
+        model, clip, vae = build_tiny_models("qwen_image", 0)
+    clips = generate_moving_shapes(2, 32, 5, 2)
+    latents, texts = _cache(dataset_from_clips(list(clips.clips), clips.captions, resolution=32, step=16), vae, clip)
+    with pytest.raises(ValueError, match=r"the LATENT_CACHE holds clips of up to 5 frames but this model \(QwenImage\) "
+                                         r"trains on images: cache the dataset with max_frames 1"):
+        _init(model, latents, texts, f"qwen_clips_{tmp_path.name}")
+
+
+def test_the_memory_plan_counts_frames(comfyui):
+    """HeadroomMemoryPlan on the tiny Wan: a 17-frame clip (5 latent frames) needs more for the training step than an
+    image of the same size, by about its activations times five; frames the family does not take are refused."""
+    import json
+
+    from headroom.nodes import memory
+    from headroom.nodes.bridge.tiny_models import build_tiny_model_patcher
+    from headroom.training.memory import planner
+
+    model = build_tiny_model_patcher("wan21", 0)
+
+    def plan(frames):
+        with torch.inference_mode():
+            return json.loads(memory.HeadroomMemoryPlan.execute(model, "estimate", 1, 256, 256, 4, "preset", "AdamW",
+                                                               "fp32", 0, frames=frames).args[1])
+
+    one, clip = plan(1), plan(17)
+    step = lambda p: next(phase for phase in p["phases"] if phase["phase"].startswith("train"))  # noqa: E731
+    print(f"wan21 tiny, 256x256: {step(one)['phase']} {step(one)['total_bytes'] / 2**20:.1f} MiB (1 frame) -> "
+          f"{step(clip)['total_bytes'] / 2**20:.1f} MiB (17 frames)")
+    assert step(clip)["total_bytes"] > step(one)["total_bytes"]
+    with pytest.raises(ValueError, match=r"HeadroomMemoryPlan: frames=16: wan21 clips have 4k\+1 frames; use 13 or 17"):
+        plan(16)
+    assert planner.RunShape(1, 64, 64, latent_frames=5).latent_area(
+        type("D", (), {"latent_downscale": 8})()) == 5 * 64
