@@ -26,7 +26,7 @@ SPLIT_OFF = {"sd2": "sd15", "chroma": "flux"}
 
 
 def _models():
-    """{name: ModelPatcher}: the tiny model of every family."""
+    """{name: ModelPatcher}: every tiny model (each family's and its variants')."""
     from headroom.nodes.tiny_models import FAMILIES, build_tiny_model_patcher
 
     return {family: build_tiny_model_patcher(family, 0) for family in FAMILIES}
@@ -51,9 +51,12 @@ def test_recognition_is_the_rule_it_replaced(comfyui):
     from headroom.nodes import families
     from headroom.nodes.comfy_model import ComfyDenoiser, model_family
 
+    from headroom.nodes.tiny_models import tiny_family
+
     models = _models()
-    assert sorted(models) == sorted(families.FAMILIES)  # every family has a tiny model
-    for name, patcher in models.items():
+    assert sorted({tiny_family(name) for name in models}) == sorted(families.FAMILIES)  # every family has a tiny model
+    for tiny_name, patcher in models.items():
+        name = tiny_family(tiny_name)  # a variant (flux2_dev) is recognised as its family
         model = patcher.model
         assert families.family_of(model).name == name == model_family(model)
         assert [f.name for f in families.FAMILIES.values() if f.recognise(model)] == [name]  # no overlap
