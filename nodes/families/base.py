@@ -134,6 +134,10 @@ class ControlNetType:
         """How many blocks the base has that a ControlNet of this type can copy."""
         raise NotImplementedError
 
+    def latent_input_channels(self, unet_config: dict) -> int | None:
+        """The latent channels the base's input takes (more than its latent format's: an inpainting / edit variant)."""
+        return unet_config.get("in_channels")
+
     def default_blocks(self, depth: int) -> int:
         raise NotImplementedError
 

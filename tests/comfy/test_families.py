@@ -42,7 +42,7 @@ def test_one_module_per_family(comfyui):
     assert list(families.FAMILIES) == ["sd15", "sd2", "sdxl", "sd3", "flux", "flux2", "chroma", "zimage", "qwen_image",
                                        "hidream", "hunyuan_image"]
     assert sorted(families.FAMILIES) == modules
-    assert list(families.CONTROLNET_TYPES) == ["unet", "sd3", "flux"]  # stored names: never renamed
+    assert list(families.CONTROLNET_TYPES) == ["unet", "sd3", "flux", "qwen_image"]  # stored names: never renamed
     assert (families.get("sd15").controlnet is families.get("sd2").controlnet is families.get("sdxl").controlnet
             is families.controlnet_type("unet"))
 
@@ -67,7 +67,7 @@ def test_recognition_is_the_rule_it_replaced(comfyui):
         inplace = name in ("flux", "flux2", "chroma", "hunyuan_image")
         assert families.inplace_blocks(model) == inplace
         assert ComfyDenoiser(patcher).inplace_blocks == inplace
-        if name in ("sd15", "sd2", "sdxl", "sd3", "flux"):
+        if name in ("sd15", "sd2", "sdxl", "sd3", "flux", "qwen_image"):
             assert families.controlnet_type_of(patcher).name == {"sd15": "unet", "sd2": "unet", "sdxl": "unet"}.get(name, name)
         else:  # no ControlNet layout Headroom trains for these (tests/comfy/test_controlnet_build.py)
             with pytest.raises(families.ControlNetError, match="no ControlNet support for this MODEL"):
@@ -109,7 +109,7 @@ def test_family_facts_are_the_tables_they_replaced(comfyui):
         "hidream": ("hidream_i1", "hidream-i1/lora"), "hunyuan_image": ("hunyuan_image_2_1", "HunyuanImage-2.1/lora")}
     assert [f.name for f in families.FAMILIES.values() if f.lora_preset.conv is not None] == ["sd15", "sd2", "sdxl"]
     assert {name: t.hint for name, t in families.CONTROLNET_TYPES.items()} == {"unet": "pixels", "sd3": "latents",
-                                                                              "flux": "pixels"}
+                                                                              "flux": "pixels", "qwen_image": "latents"}
 
 
 def test_a_model_of_no_family_trains_with_all_linear_only(comfyui):
