@@ -64,8 +64,9 @@ def controlnet_inputs() -> list:
     """What only a ControlNet run has: the blocks it copies, its initial weights, its validation control."""
     return [
         io.Int.Input("blocks", default=0, min=0, max=1000,
-                     tooltip="Blocks copied from the base: SD3 joint blocks / Flux double blocks (0: a quarter of SD3's, "
-                     "2 for Flux). UNet ControlNets always copy the whole encoder (leave 0)."),
+                     tooltip="Blocks copied from the base: SD3 joint blocks / Flux double blocks / Qwen-Image transformer "
+                     "blocks (0: a quarter of SD3's, 2 for Flux, 5 for Qwen-Image). UNet ControlNets always copy the "
+                     "whole encoder (leave 0)."),
         io.Int.Input("init_seed", default=0, min=0, max=0xFFFFFFFF, tooltip="Seed of the hint encoder's initial weights."),
         io.Image.Input("validation_control", optional=True,
                        tooltip="Control image for validation samples; default: the first validation item's cached "

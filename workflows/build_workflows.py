@@ -648,8 +648,101 @@ def wan21_lora() -> Workflow:
     ])
 
 
+EDIT_NOTE = """{label} edit LoRA: reference image + instruction -> edited image, with cached reference latents, validation with a reference image and a memory report.
+
+Download (file -> ComfyUI folder; the file names are the usual ones, check them on the download page):
+{downloads}
+
+Your data, inside ComfyUI's input/ folder:
+- input/my_edit_dataset: the targets (the edited images), each with a same-name .txt caption = the instruction ("make it night")
+- input/my_edit_dataset_control: the reference image of each target (the image before the edit), same file name
+- input/edit_reference.png: an image to edit in the validation samples
+
+Queue it: the reference images are cached as latents and passed to the model as the stock {reference_path} passes them; {text_path} The LoRA trains with a validation every 250 steps and a save every 500 steps to models/loras/headroom/. To use it: the stock edit workflow with a LoRA Loader."""
+
+
+def edit_model_lora(spec: RealModel, reference_encoding: str, text_path: str) -> Workflow:
+    """An edit-model LoRA: the dataset's control images are the references (Cache Latents control_encoding 'latents',
+    Train LoRA reference 'control latents'), validation samples with Load Image's reference image."""
+    reference_path = "Reference Latent node" if reference_encoding == "none" else f"{reference_encoding} node"
+    note = EDIT_NOTE.format(label=spec.label, downloads=spec.downloads, reference_path=reference_path,
+                            text_path=text_path)
+    train = dict(run_name=spec.name, precision=spec.precision, timestep_sampling=spec.timestep_sampling,
+                 gradient_checkpointing=spec.policy["checkpointing"] != "off", steps=2000, validate_every=250,
+                 save_every=500, lora_subfolder="headroom", reference="control latents",
+                 prompts="make it night\nturn it into a watercolour painting", sample_seed=0, **spec.sampling)
+    return Workflow(spec.name, [
+        Note(100, 0, note, width=440, height=380),
+        *spec.loaders,
+        Node(5, "HeadroomOffloadPolicy", 0, spec.policy, title="Offload policy"),
+        Node(6, "LoadImage", 0, {"image": "edit_reference.png"}, title="Validation reference image"),
+        Node(10, "HeadroomDatasetFromFolder", 1,
+             {"folder": "my_edit_dataset", "control_folder": "my_edit_dataset_control", "resolution": spec.resolution,
+              "step": spec.bucket_step}, title="Targets + reference folders"),
+        Node(11, "HeadroomCacheLatents", 1, {"control_encoding": "latents"},
+             links={"dataset": (10, "dataset"), "vae": spec.vae, "policy": (5, "policy")},
+             title="Cache latents + reference latents"),
+        Node(12, "HeadroomCacheText", 1, {"reference_encoding": reference_encoding},
+             links={"dataset": (10, "dataset"), "clip": spec.clip, "policy": (5, "policy")}, title="Cache instructions"),
+        Node(13, "HeadroomLoraConfig", 2, {"rank": spec.rank, "alpha": float(spec.rank)}, title="LoRA"),
+        Node(14, "HeadroomOptimizerConfig", 2,
+             {"optimizer": spec.optimizer, "learning_rate": spec.learning_rate, "schedule_steps": 2000}, title="Optimizer"),
+        Node(15, "HeadroomTrainLora", 3, train,
+             links={"model": spec.model, "latent_cache": (11, "latent_cache"), "text_cache": (12, "text_cache"),
+                    "lora_config": (13, "lora_config"), "optimizer_config": (14, "optimizer_config"),
+                    "clip": spec.clip, "vae": spec.vae, "policy": (5, "policy"), "reference_images": (6, "IMAGE")},
+             title=f"Train edit LoRA ({spec.label})", width=460, extra_height=LIVE_CHART_HEIGHT),
+        Node(16, "HeadroomVRAMMonitor", 4, links={"value": (15, "lora_name")}, title="Memory after the run"),
+        Node(17, "PreviewAny", 4, links={"source": (16, "report")}, title="Memory report"),
+    ])
+
+
+def qwen_image_edit_lora() -> Workflow:
+    # Qwen-Image-Edit 2509: the stock workflow encodes the instruction together with the reference image
+    # (TextEncodeQwenImageEditPlus: the vision-language encoder sees it) and adds its latent as a reference latent.
+    return edit_model_lora(RealModel(
+        "qwen_image_edit_lora", "Qwen-Image-Edit",
+        [Node(1, "UNETLoader", 0, {"unet_name": "qwen_image_edit_2509_bf16.safetensors"}, title="Load diffusion model"),
+         Node(2, "CLIPLoader", 0, {"clip_name": "qwen_2.5_vl_7b.safetensors", "type": "qwen_image"},
+              title="Load text encoder"),
+         Node(3, "VAELoader", 0, {"vae_name": "qwen_image_vae.safetensors"}, title="Load VAE")],
+        (1, "MODEL"), (2, "CLIP"), (3, "VAE"),
+        "- qwen_image_edit_2509_bf16.safetensors -> models/diffusion_models/\n"
+        "- qwen_2.5_vl_7b.safetensors -> models/text_encoders/\n"
+        "- qwen_image_vae.safetensors -> models/vae/\n"
+        "(Comfy-Org's Qwen-Image-Edit and Qwen-Image repackages on Hugging Face; bucket sides are multiples of 16)",
+        resolution=1024, bucket_step=16, rank=16, optimizer="AdamW8bit", learning_rate=1e-4, precision="bf16",
+        timestep_sampling="shifted", policy=policy("partial", "blocks"),
+        sampling={"sample_steps": 30, "cfg": 2.5, "sampler_name": "euler", "scheduler": "simple", "width": 1024, "height": 1024},
+    ), "TextEncodeQwenImageEditPlus",
+        "each instruction is cached as TextEncodeQwenImageEditPlus encodes it with its item's reference image (the "
+        "text encoder sees the image), and validation encodes the prompts with the reference image the same way.")
+
+
+def flux_kontext_lora() -> Workflow:
+    # Flux.1 Kontext dev: the stock workflow adds the reference image's latent with Reference Latent; the text path is
+    # plain Flux.1 (CLIP-L + T5). Train on the bf16 file (the fp8 one is for sampling).
+    return edit_model_lora(RealModel(
+        "flux_kontext_lora", "Flux.1 Kontext dev",
+        [Node(1, "UNETLoader", 0, {"unet_name": "flux1-kontext-dev.safetensors"}, title="Load diffusion model"),
+         Node(2, "DualCLIPLoader", 0, {"clip_name1": "clip_l.safetensors", "clip_name2": "t5xxl_fp16.safetensors",
+                                        "type": "flux"}, title="Load text encoders"),
+         Node(3, "VAELoader", 0, {"vae_name": "ae.safetensors"}, title="Load VAE")],
+        (1, "MODEL"), (2, "CLIP"), (3, "VAE"),
+        "- flux1-kontext-dev.safetensors (FLUX.1 Kontext dev, bf16) -> models/diffusion_models/\n"
+        "- clip_l.safetensors, t5xxl_fp16.safetensors -> models/text_encoders/\n"
+        "- ae.safetensors -> models/vae/\n"
+        "(Black Forest Labs' FLUX.1-Kontext-dev on Hugging Face, Comfy-Org's Flux text encoders; bucket sides are "
+        "multiples of 16)",
+        resolution=1024, bucket_step=16, rank=16, optimizer="AdamW8bit", learning_rate=1e-4, precision="bf16",
+        timestep_sampling="shifted", policy=policy("partial", "blocks"),
+        sampling={"sample_steps": 20, "cfg": 1.0, "sampler_name": "euler", "scheduler": "simple", "width": 1024, "height": 1024},
+    ), "none", "the instructions are cached as plain text (CLIP Text Encode), as Kontext's stock workflow encodes them.")
+
+
 WORKFLOWS = [tiny_lora, sd15_lora, sdxl_lora, sd35_lora, flux_lora, flux2_klein_lora, qwen_image_lora, zimage_lora,
-             wan21_lora, tiny_controlnet, sd15_controlnet,
+             qwen_image_edit_lora, flux_kontext_lora, wan21_lora,
+             tiny_controlnet, sd15_controlnet,
              memory_plan]
 # Workflows small enough to run to completion on a CPU in the test suite (tests/server/test_workflows.py).
 TINY_WORKFLOWS = {"tiny_lora", "tiny_controlnet"}

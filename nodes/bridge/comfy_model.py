@@ -269,18 +269,23 @@ class ComfyDenoiser:
         return per_item
 
     def predict(self, x_t: torch.Tensor, sigma: torch.Tensor, conds) -> torch.Tensor:
-        per_item = self._item_conds(x_t, conds)
+        return self.grouped_forward(x_t, sigma, self._item_conds(x_t, conds),
+                                    lambda index, x, s, cond: self.model.apply_model(x, s, transformer_options={}, **cond))
+
+    @staticmethod
+    def grouped_forward(x_t: torch.Tensor, sigma: torch.Tensor, per_item: list[dict], forward) -> torch.Tensor:
+        """forward(item indices or None, x_t, sigma, batched conds) over the batch, in item order."""
         groups = batchable_groups(per_item)
         if len(groups) == 1:
-            return self.model.apply_model(x_t, sigma, transformer_options={}, **comfy.samplers.cond_cat(per_item))
+            return forward(None, x_t, sigma, comfy.samplers.cond_cat(per_item))
         # Conditioning ComfyUI cannot batch (text of different lengths where the model takes it as it is, e.g. an
         # unpadded T5 for Chroma): one forward per group, as ComfyUI's sampler runs such conds apart.
         outputs, order = [], []
         for group in groups:
             index = torch.tensor(group, device=x_t.device)
             part_sigma = sigma.index_select(0, index.to(sigma.device)) if sigma.ndim and sigma.shape[0] == len(per_item) else sigma
-            outputs.append(self.model.apply_model(x_t.index_select(0, index), part_sigma, transformer_options={},
-                                                  **comfy.samplers.cond_cat([per_item[i] for i in group])))
+            outputs.append(forward(index, x_t.index_select(0, index), part_sigma,
+                                   comfy.samplers.cond_cat([per_item[i] for i in group])))
             order += group
         inverse = torch.argsort(torch.tensor(order, device=x_t.device))
         return torch.cat(outputs).index_select(0, inverse)

@@ -2,13 +2,15 @@
 applied in memory exactly the way the stock `ControlNetApplyAdvanced` node applies a loaded one.
 
 Per ControlNet type (the classes ComfyUI's `comfy.controlnet` loads; each is the builder hook of its families in
-nodes/bridge/families/, where the code for each lives: sd15 and sdxl train "unet", sd3 "sd3", flux "flux"):
+nodes/bridge/families/, where the code for each lives: sd15 and sdxl train "unet", sd3 "sd3", flux "flux", qwen_image
+"qwen_image"):
 
 | type   | ComfyUI class                        | initialised from the base                          | zero-initialised              | hint            | file layout (what `load_controlnet` detects)          |
 |--------|--------------------------------------|----------------------------------------------------|-------------------------------|-----------------|-------------------------------------------------------|
 | unet   | `comfy.cldm.cldm.ControlNet`         | time_embed, label_emb, input_blocks, middle_block  | zero_convs, middle_block_out, last hint conv | pixels (RGB 0..1) | cldm keys (`zero_convs.0.0.weight`...), or Control-LoRA |
 | sd3    | `comfy.cldm.mmdit.ControlNet`        | embedders, pos_embed, first N joint_blocks         | controlnet_blocks, pos_embed_input | latents (VAE-encoded, SD3 scale, no shift) | diffusers SD3 ControlNet keys                |
 | flux   | `comfy.ldm.flux.controlnet.ControlNetFlux` (XLabs) | img/txt/time/vector/guidance in, first N double_blocks | controlnet_blocks, pos_embed_input | pixels (RGB 0..1) | XLabs keys (BFL names, `*_norm.scale`)                 |
+| qwen_image | `comfy.ldm.qwen_image.controlnet.QwenImageControlNetModel` (InstantX) | embedders, first N transformer_blocks | controlnet_blocks, controlnet_x_embedder | latents (VAE-encoded, Wan 2.1 scale) | the module's keys (InstantX; rebuilt at the released widths) |
 
 The hint kinds follow the loaders: `load_controlnet_mmdit` gives its ControlNet a latent format, so the
 apply node VAE-encodes the control image and scales it (`latent_format.process_in`, shift 0); the cldm
@@ -21,7 +23,7 @@ module's own constructor arguments:
 - unet: if detection would rebuild something else (e.g. tiny or unusual UNets, whose head count the
   table does not know), the file is written in the Control-LoRA layout instead: ComfyUI then builds the
   ControlNet from the config of the MODEL it is applied to and loads every weight from the file.
-- sd3 / flux: no loader builds these from the MODEL; a mismatch is reported in `ExportedControlNet.problem`
+- sd3 / flux / qwen_image: no loader builds these from the MODEL; a mismatch is reported in `ExportedControlNet.problem`
   (and in the file's metadata): the file is still written, but the stock loader would not rebuild it.
 """
 from __future__ import annotations
@@ -256,7 +258,7 @@ def prepare_hint(controlnet: TrainableControlNet, controls: list[torch.Tensor], 
     else:
         hint = controlnet.controlnet_type.hint_latent_format().process_in(hint)
         expected = tuple(x_t.shape[-2:])
-    if hint.ndim != 4 or tuple(hint.shape[-2:]) != expected:
+    if hint.ndim != x_t.ndim or tuple(hint.shape[-2:]) != expected:  # 5-D with video latents (Qwen-Image)
         raise ControlNetError(f"control hint of shape {tuple(hint.shape)} does not fit latents of shape "
                               f"{tuple(x_t.shape)} (a {controlnet.type_name} ControlNet takes {controlnet.hint})")
     return hint

@@ -32,7 +32,12 @@ class ControlNetDenoiser(ComfyDenoiser):
         controls = [cond[CONTROL_HINT] for cond in conds]
         text_conds = [{k: v for k, v in cond.items() if k != CONTROL_HINT} for cond in conds]
         hint = prepare_hint(self.controlnet, controls, x_t)
-        return controlled_prediction(self.controlnet, self.model, x_t, sigma, self._model_conds(x_t, text_conds), hint)
+
+        def forward(index, x, s, cond):  # per batchable group (Qwen-Image: captions of different lengths)
+            part = hint if index is None else hint.index_select(0, index.to(hint.device))
+            return controlled_prediction(self.controlnet, self.model, x, s, cond, part)
+
+        return self.grouped_forward(x_t, sigma, self._item_conds(x_t, text_conds), forward)
 
     def blocks(self) -> list[tuple[str, torch.nn.Module]]:
         """The base's blocks and the ControlNet's copied ones (checkpointed, and made safe for Flux's in-place

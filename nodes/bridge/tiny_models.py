@@ -26,8 +26,23 @@ from comfy.ldm.modules.diffusionmodules.mmdit import get_2d_sincos_pos_embed
 
 from . import families as family_registry
 
-# The families with a tiny model, in registry order (a family module's `tiny`: nodes/bridge/families/<family>.py).
-FAMILIES = tuple(name for name, family in family_registry.FAMILIES.items() if family.tiny is not None)
+
+def _tiny_models() -> dict:
+    """tiny model name -> (family name, TinyModel): each family's `tiny` under the family's name, then its
+    `tiny_variants` under theirs, in registry order."""
+    found = {}
+    for name, family in family_registry.FAMILIES.items():
+        for tiny_name, spec in ([(name, family.tiny)] if family.tiny is not None else []) + list(family.tiny_variants.items()):
+            if tiny_name in found or (tiny_name != name and tiny_name in family_registry.FAMILIES):
+                raise ImportError(f"nodes/bridge/families/{name}.py: tiny model name {tiny_name!r} is already taken")
+            found[tiny_name] = (name, spec)
+    return found
+
+
+TINY_MODELS = _tiny_models()
+# The tiny models HeadroomTinyModel builds (its `family` choices): the families with one, and their variants
+# (a family module's `tiny` / `tiny_variants`: nodes/bridge/families/<family>.py).
+FAMILIES = tuple(TINY_MODELS)
 WEIGHTS = ("random", "pretrained")
 # Pretrained weights shipped in the package (workflows/pretrain_tiny.py writes them): one checkpoint-style file
 # per family (model.diffusion_model. / cond_stage_model. / first_stage_model.), fp16.
@@ -36,11 +51,16 @@ PRETRAINED_FILES = {"sd15": WEIGHTS_DIR / "tiny_sd15_shapes.safetensors"}
 
 
 def tiny_spec(family: str):
-    """The `TinyModel` of a family (nodes/bridge/families/base.py), or a ValueError naming the families that have one."""
-    found = family_registry.get(family)
-    if found is None or found.tiny is None:
+    """The `TinyModel` of a tiny model name (nodes/bridge/families/base.py), or a ValueError naming the ones there are."""
+    if family not in TINY_MODELS:
         raise ValueError(f"HeadroomTinyModel: unknown family {family!r}; choose one of {', '.join(FAMILIES)}")
-    return found.tiny
+    return TINY_MODELS[family][1]
+
+
+def tiny_family(name: str) -> str:
+    """The registry family a tiny model belongs to (flux2_dev -> flux2)."""
+    tiny_spec(name)
+    return TINY_MODELS[name][0]
 
 
 def _is_norm(module: torch.nn.Module) -> bool:
@@ -132,6 +152,7 @@ def build_tiny_clip(family: str, seed: int = 0, weights: str = "random", disable
     _check_weights(family, weights)
     spec = tiny_spec(family)
     clip = comfy.sd.CLIP(spec.clip_target(), parameters=0, model_options=dict(spec.text_encoder_options),
+                         tokenizer_data=spec.tokenizer_data() if spec.tokenizer_data is not None else {},
                          disable_dynamic=disable_dynamic)
     init_weights_(clip.cond_stage_model, seed + 1)
     if weights == "pretrained":

@@ -26,7 +26,7 @@ SPLIT_OFF = {"sd2": "sd15", "chroma": "flux"}
 
 
 def _models():
-    """{name: ModelPatcher}: the tiny model of every family."""
+    """{name: ModelPatcher}: every tiny model (each family's and its variants')."""
     from headroom.nodes.bridge.tiny_models import FAMILIES, build_tiny_model_patcher
 
     return {family: build_tiny_model_patcher(family, 0) for family in FAMILIES}
@@ -42,7 +42,7 @@ def test_one_module_per_family(comfyui):
     assert list(families.FAMILIES) == ["sd15", "sd2", "sdxl", "sd3", "flux", "flux2", "chroma", "zimage", "qwen_image",
                                        "hidream", "hunyuan_image", "wan21"]
     assert sorted(families.FAMILIES) == modules
-    assert list(families.CONTROLNET_TYPES) == ["unet", "sd3", "flux"]  # stored names: never renamed
+    assert list(families.CONTROLNET_TYPES) == ["unet", "sd3", "flux", "qwen_image"]  # stored names: never renamed
     assert (families.get("sd15").controlnet is families.get("sd2").controlnet is families.get("sdxl").controlnet
             is families.controlnet_type("unet"))
 
@@ -51,9 +51,12 @@ def test_recognition_is_the_rule_it_replaced(comfyui):
     from headroom.nodes.bridge import families
     from headroom.nodes.bridge.comfy_model import ComfyDenoiser, model_family
 
+    from headroom.nodes.bridge.tiny_models import tiny_family
+
     models = _models()
-    assert sorted(models) == sorted(families.FAMILIES)  # every family has a tiny model
-    for name, patcher in models.items():
+    assert sorted({tiny_family(name) for name in models}) == sorted(families.FAMILIES)  # every family has a tiny model
+    for tiny_name, patcher in models.items():
+        name = tiny_family(tiny_name)  # a variant (flux2_dev) is recognised as its family
         model = patcher.model
         assert families.family_of(model).name == name == model_family(model)
         assert [f.name for f in families.FAMILIES.values() if f.recognise(model)] == [name]  # no overlap
@@ -64,7 +67,7 @@ def test_recognition_is_the_rule_it_replaced(comfyui):
         inplace = name in ("flux", "flux2", "chroma", "hunyuan_image")
         assert families.inplace_blocks(model) == inplace
         assert ComfyDenoiser(patcher).inplace_blocks == inplace
-        if name in ("sd15", "sd2", "sdxl", "sd3", "flux"):
+        if name in ("sd15", "sd2", "sdxl", "sd3", "flux", "qwen_image"):
             assert families.controlnet_type_of(patcher).name == {"sd15": "unet", "sd2": "unet", "sdxl": "unet"}.get(name, name)
         else:  # no ControlNet layout Headroom trains for these (tests/comfy/test_controlnet_build.py)
             with pytest.raises(families.ControlNetError, match="no ControlNet support for this MODEL"):
@@ -107,7 +110,7 @@ def test_family_facts_are_the_tables_they_replaced(comfyui):
         "wan21": ("wan", "wan2.1/lora")}
     assert [f.name for f in families.FAMILIES.values() if f.lora_preset.conv is not None] == ["sd15", "sd2", "sdxl"]
     assert {name: t.hint for name, t in families.CONTROLNET_TYPES.items()} == {"unet": "pixels", "sd3": "latents",
-                                                                              "flux": "pixels"}
+                                                                              "flux": "pixels", "qwen_image": "latents"}
 
 
 def test_a_model_of_no_family_trains_with_all_linear_only(comfyui):

@@ -1,5 +1,5 @@
-"""What every model family must do, asked of every family with a tiny model (nodes/bridge/families/<family>.py `tiny`):
-a new family file is tested here without touching this file.
+"""What every model family must do, asked of every family with a tiny model (nodes/bridge/families/<family>.py `tiny`, and
+each of its `TINY_VARIANTS`): a new family file or variant is tested here without touching this file.
 
 - overfit: 4 images, the loss on them halves within 300 steps (the trainer learns through the family's model);
 - round trip: cache -> train -> validate through stock samplers -> save -> the stock LoraLoader + KSampler reproduce
@@ -7,6 +7,7 @@ a new family file is tested here without touching this file.
 """
 from __future__ import annotations
 
+import ast
 import pathlib
 
 import pytest
@@ -17,11 +18,24 @@ from family_checks import cached_data, check_stock_round_trip, init_run, overfit
 pytestmark = [pytest.mark.comfyui, pytest.mark.usefixtures("one_torch_thread")]
 
 
+def _variant_names(source: str) -> list[str]:
+    """The keys of a family module's `TINY_VARIANTS = {...}` dict literal (none: [])."""
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "TINY_VARIANTS" for t in node.targets):
+            return [key.value for key in node.value.keys]
+    return []
+
+
 def _tiny_families() -> list[str]:
-    # Read from the registry's files without importing ComfyUI at collection time: module names are family names.
+    # Read from the registry's files without importing ComfyUI at collection time: module names are family names,
+    # variants are the keys of a module's TINY_VARIANTS.
     folder = pathlib.Path(__file__).resolve().parents[2] / "nodes" / "bridge" / "families"
     names = sorted(p.stem for p in folder.glob("*.py") if p.stem not in ("__init__", "base") and not p.stem.startswith("_"))
-    return [name for name in names if "\nTINY = TinyModel(" in (folder / f"{name}.py").read_text()]
+    found = []
+    for name in names:
+        source = (folder / f"{name}.py").read_text()
+        found += ([name] if "\nTINY = TinyModel(" in source else []) + _variant_names(source)
+    return found
 
 
 TINY_FAMILIES = _tiny_families()
@@ -38,16 +52,20 @@ def _tiny(family):
 def _overfit_targets(family: str) -> tuple[str, bool]:
     """UNet families train their preset with convolutions; the tiny DiTs' random frozen embedders and output layers
     are not the near-identity paths of trained models, so those train every layer."""
-    from headroom.nodes.bridge import families
+    from headroom.nodes.bridge import families, tiny_models
 
-    preset = families.get(family).lora_preset
+    preset = families.get(tiny_models.tiny_family(family)).lora_preset
     return ("preset", True) if preset.conv is not None else ("all_layers", False)
 
 
 def test_every_registry_family_is_listed_here(comfyui):
     from headroom.nodes.bridge import families, tiny_models
 
-    assert list(tiny_models.FAMILIES) == [name for name in families.FAMILIES if name in TINY_FAMILIES]
+    assert sorted(tiny_models.FAMILIES) == sorted(TINY_FAMILIES)
+    # Registry order, each family's variants after it.
+    order = list(families.FAMILIES)
+    assert [order.index(tiny_models.tiny_family(name)) for name in tiny_models.FAMILIES] == sorted(
+        order.index(tiny_models.tiny_family(name)) for name in tiny_models.FAMILIES)
 
 
 @pytest.mark.parametrize("family", TINY_FAMILIES)

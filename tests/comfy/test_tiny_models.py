@@ -4,7 +4,7 @@ import torch
 
 pytestmark = pytest.mark.comfyui
 
-FAMILIES = ["sd15", "sd2", "sdxl", "sd3", "flux", "flux2", "chroma", "zimage", "qwen_image", "hidream",
+FAMILIES = ["sd15", "sd2", "sdxl", "sd3", "flux", "flux2", "flux2_dev", "chroma", "zimage", "qwen_image", "hidream",
             "hunyuan_image", "wan21"]
 
 
@@ -24,6 +24,7 @@ def test_tiny_family_samples_with_stock_nodes(comfyui, family):
     assert isinstance(clip, comfy.sd.CLIP) and isinstance(vae, comfy.sd.VAE)
     expected_base = {"sd15": comfy.model_base.BaseModel, "sd2": comfy.model_base.BaseModel, "sdxl": comfy.model_base.SDXL,
                      "sd3": comfy.model_base.SD3, "flux": comfy.model_base.Flux, "flux2": comfy.model_base.Flux2,
+                     "flux2_dev": comfy.model_base.Flux2,
                      "chroma": comfy.model_base.Chroma, "zimage": comfy.model_base.Lumina2,
                      "qwen_image": comfy.model_base.QwenImage, "hidream": comfy.model_base.HiDream,
                      "hunyuan_image": comfy.model_base.HunyuanImage21,
@@ -52,8 +53,30 @@ def test_tiny_family_samples_with_stock_nodes(comfyui, family):
     assert torch.isfinite(positive[0][0]).all()
     # The LLM text encoders (Flux.2 Klein's Qwen3, Z-Image's Qwen3, Qwen-Image's Qwen2.5-VL) and Chroma's T5-only
     # encoder have no pooled vector.
-    assert (positive[0][1].get("pooled_output") is not None) == (family not in ("flux2", "chroma", "zimage", "qwen_image",
-                                                                                "hunyuan_image", "wan21"))
+    assert (positive[0][1].get("pooled_output") is not None) == (family not in ("flux2", "flux2_dev", "chroma", "zimage",
+                                                                                "qwen_image", "hunyuan_image", "wan21"))
+
+
+def test_flux2_dev_tiny_tokenises_with_the_flux2_template_and_has_a_guidance_input(comfyui):
+    """Flux.2 dev's tokenizer comes from its text encoder file (tekken JSON): the tiny one's, given as tokenizer_data,
+    tokenises the Flux.2 template's control tokens as Mistral's ids and the prompt byte by byte; its encoder gives
+    three stacked Mistral-3 layers per token, and the DiT ComfyUI detects from the tiny weights is dev (guidance)."""
+    import comfy.model_detection
+    from headroom.nodes.bridge.families import flux2
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
+
+    model, clip, _ = build_tiny_models("flux2_dev", seed=0)
+    ids = [token for token, _ in clip.tokenize("a red circle")["mistral3_24b"][0]]
+    template = clip.tokenizer.llama_template  # Flux2Tokenizer's
+    assert ids[:2] == [1, 17]  # <s> [SYSTEM_PROMPT]
+    assert ids[-len("a red circle") - 1:] == [byte + 20 for byte in b"a red circle"] + [4]  # ... [/INST]
+    assert len(ids) == 1 + len(template.format("a red circle").encode()) - sum(
+        len(t) - 1 for t in ("[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[INST]", "[/INST]"))
+    with torch.inference_mode():
+        cond = clip.encode_from_tokens_scheduled(clip.tokenize("a red circle"))[0][0]
+    assert cond.shape == (1, len(ids), 3 * flux2.TINY_MISTRAL3["hidden_size"])
+    detected = comfy.model_detection.detect_unet_config(model.model.diffusion_model.state_dict(), "")
+    assert detected["image_model"] == "flux2" and detected["guidance_embed"] is True
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -2,10 +2,10 @@
 
 - Both formats agree with the server's /object_info: every node type and input exists, required inputs
   are given, links join declared output and input types, values fit their widgets (combo choices,
-  number ranges), except model file names the bare test server does not have.
+  number ranges), except model file names and Load Image's input image, which the bare test server does not have.
 - The shipped files are exactly what workflows/build_workflows.py builds from this server's /object_info.
-- The server's own validation (POST /prompt) rejects the real-model workflows for missing model files only
-  (a bare test server has none), so everything else in them passes ComfyUI's checks.
+- The server's own validation (POST /prompt) rejects the real-model workflows for missing model files and input
+  images only (a bare test server has none), so everything else in them passes ComfyUI's checks.
 - The tiny workflows run to completion headless.
 """
 import json
@@ -23,6 +23,7 @@ WORKFLOWS = REPO_ROOT / "workflows"
 API_FILES = sorted(WORKFLOWS.glob("*_api.json"))
 UI_FILES = sorted(p for p in WORKFLOWS.glob("*.json") if not p.stem.endswith("_api"))
 MODEL_FILE_SUFFIXES = (".safetensors", ".ckpt", ".pt", ".pth", ".bin", ".sft", ".gguf")
+IMAGE_FILE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
 MATCH_TYPE = "COMFY_MATCHTYPE_V3"  # a V3 input/output whose type follows what is connected
 
 
@@ -66,14 +67,20 @@ def is_model_file(value) -> bool:
     return isinstance(value, str) and value.lower().endswith(MODEL_FILE_SUFFIXES)
 
 
-def value_problem(spec: list, value) -> str | None:
+def input_images(prompt: dict) -> set[str]:
+    """The images the workflow's Load Image nodes read from ComfyUI's input/ folder (the user's own files)."""
+    return {node["inputs"]["image"] for node in prompt.values()
+            if node["class_type"] == "LoadImage" and str(node["inputs"]["image"]).lower().endswith(IMAGE_FILE_SUFFIXES)}
+
+
+def value_problem(spec: list, value, user_files: frozenset = frozenset()) -> str | None:
     """Why `value` does not fit the widget `spec` (None if it fits)."""
     kind = build_workflows.spec_type(spec)
     options = build_workflows.spec_options(spec)
     if kind == "COMBO":
         choices = build_workflows.combo_choices(spec)
-        # The bare test server has no model files: a file name is allowed to be missing from the list.
-        if value in choices or is_model_file(value):
+        # The bare test server has no model files or input images: those names may be missing from the list.
+        if value in choices or is_model_file(value) or value in user_files:
             return None
         return f"{value!r} is not one of {choices}"
     if kind == "BOOLEAN":
@@ -92,6 +99,7 @@ def value_problem(spec: list, value) -> str | None:
 # --- API format -------------------------------------------------------------------------------------------------
 def api_problems(prompt: dict, object_info: dict) -> list[str]:
     problems = []
+    user_images = frozenset(input_images(prompt))
     for node_id, node in prompt.items():
         kind = node.get("class_type")
         if kind not in object_info:
@@ -118,7 +126,7 @@ def api_problems(prompt: dict, object_info: dict) -> list[str]:
                     problems.append(f"{where}: gets {output_type} from node {source_id}, wants {build_workflows.spec_type(spec)}")
             elif not build_workflows.is_widget(spec):
                 problems.append(f"{where}: a {build_workflows.spec_type(spec)} input needs a link, got {value!r}")
-            elif (problem := value_problem(spec, value)) is not None:
+            elif (problem := value_problem(spec, value, user_images)) is not None:
                 problems.append(f"{where}: {problem}")
         for name, (section, _) in specs.items():
             if section == "required" and name not in node["inputs"]:
@@ -222,6 +230,7 @@ def test_server_rejects_real_model_workflow_only_for_missing_model_files(comfy_s
     prompt = json.loads((WORKFLOWS / f"{name}_api.json").read_text())
     model_files = {v for node in prompt.values() for v in node["inputs"].values() if is_model_file(v)}
     assert model_files, f"{name} names no model file"
+    images = input_images(prompt)
     status, answer = post_prompt(comfy_server, prompt)
     if status == 200:  # it would start a real-model run: stop it, then fail
         comfy_server.delete_queued(answer["prompt_id"])
@@ -229,8 +238,14 @@ def test_server_rejects_real_model_workflow_only_for_missing_model_files(comfy_s
         pytest.fail(f"{name}: the server accepted a workflow whose model files it does not have")
     errors = [(node_id, error) for node_id, node in answer.get("node_errors", {}).items() for error in node["errors"]]
     assert errors, answer
-    unexpected = [(node_id, error) for node_id, error in errors
-                  if error["type"] != "value_not_in_list" or error["extra_info"]["received_value"] not in model_files]
+    def missing_file(node_id, error) -> bool:
+        if error["type"] == "value_not_in_list":
+            return error["extra_info"]["received_value"] in model_files
+        # Load Image's own check (VALIDATE_INPUTS): "Invalid image file: <name>".
+        return (error["type"] == "custom_validation_failed" and prompt[node_id]["class_type"] == "LoadImage"
+                and prompt[node_id]["inputs"]["image"] in images)
+
+    unexpected = [(node_id, error) for node_id, error in errors if not missing_file(node_id, error)]
     assert unexpected == []
 
 

@@ -76,8 +76,8 @@ def inplace_blocks(model) -> bool:
 
 
 def controlnet_type_of(model_patcher) -> ControlNetType:
-    """The ControlNet type a MODEL trains (cldm for any plain UNet, SD3 MMDiT, Flux XLabs), or a ControlNetError
-    listing them."""
+    """The ControlNet type a MODEL trains (cldm for any plain UNet, SD3 MMDiT, Flux XLabs, Qwen-Image InstantX), or a
+    ControlNetError listing them."""
     base = model_patcher.model
     found = next((controlnet for controlnet in CONTROLNET_TYPES.values() if controlnet.accepts(base)), None)
     if found is None:
@@ -87,10 +87,10 @@ def controlnet_type_of(model_patcher) -> ControlNetType:
             f"{type(base.diffusion_model).__name__}) has no ControlNet layout in ComfyUI's ControlNetLoader that Headroom "
             f"trains; train a LoRA for it instead, or a ControlNet on a supported family: {supported_controlnets()}")
     config = base.model_config.unet_config
-    if config.get("in_channels") != base.latent_format.latent_channels:
+    if found.latent_input_channels(config) != base.latent_format.latent_channels:
         # Inpainting / edit variants take extra input channels the ControlNet's x input does not have.
         raise ControlNetError(
-            f"this {found.name} MODEL takes {config.get('in_channels')} input channels but its latents have "
+            f"this {found.name} MODEL takes {found.latent_input_channels(config)} input channels but its latents have "
             f"{base.latent_format.latent_channels} (an inpainting or edit variant?); train the ControlNet on the plain "
             "base model")
     return found

@@ -31,6 +31,9 @@ class TinyModel:
     # ComfyUI's VAE class, or a subclass of it where comfy.sd.VAE cannot build the architecture small from a config
     # (HunyuanImage 2.1: detected at the released widths only); called as comfy.sd.VAE(sd=..., config=...).
     vae_class: Callable[..., Any] | None = None
+    # -> comfy.sd.CLIP's `tokenizer_data`, for tokenizers ComfyUI reads from the text encoder file rather than ships
+    # (Flux.2 dev's Mistral "tekken" JSON); None: the shipped tokenizer.
+    tokenizer_data: Callable[[], dict] | None = None
 
     def vae_module(self) -> tuple[torch.nn.Module, dict | None]:
         return self.vae() if self.vae is not None else autoencoder_kl(self.latent_channels)
@@ -100,6 +103,10 @@ class Family:
     inplace_blocks: Callable[[Any], bool] = _never
     controlnet: ControlNetType | None = None  # the ControlNet this family trains, if any
     tiny: TinyModel | None = None  # the family's tiny model in HeadroomTinyModel, if it has one
+    # More tiny models of the family's other variants, by their own HeadroomTinyModel name (flux2: "flux2_dev", as
+    # `tiny` is Klein); the module names them in a `TINY_VARIANTS = {...}` dict literal, which the conformance tests
+    # read without importing ComfyUI.
+    tiny_variants: dict[str, TinyModel] = dataclasses.field(default_factory=dict)
     position: int = 100  # order in lists and messages
 
 
@@ -129,6 +136,10 @@ class ControlNetType:
     def base_depth(self, diffusion_model: torch.nn.Module) -> int:
         """How many blocks the base has that a ControlNet of this type can copy."""
         raise NotImplementedError
+
+    def latent_input_channels(self, unet_config: dict) -> int | None:
+        """The latent channels the base's input takes (more than its latent format's: an inpainting / edit variant)."""
+        return unet_config.get("in_channels")
 
     def default_blocks(self, depth: int) -> int:
         raise NotImplementedError

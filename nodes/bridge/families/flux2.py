@@ -10,6 +10,9 @@ Flux.2 blocks are Flux's DoubleStreamBlock / SingleStreamBlock: they add into th
 family's `inplace_blocks` rule (isinstance Flux, which Flux2 is) already reports."""
 from __future__ import annotations
 
+import base64
+import json
+
 import comfy.ldm.models.autoencoder
 import comfy.model_base
 import comfy.supported_models
@@ -19,10 +22,10 @@ import comfy.text_encoders.flux
 from ....training.core.adapters import TargetPreset
 from .base import Family, TinyModel
 
-# The tiny text encoder is Klein's Qwen3-4B class: its tokenizer ships with ComfyUI (comfy/text_encoders/
-# qwen25_tokenizer), while dev's Mistral tokenizer ("tekken") is read from the text encoder file itself, so no
-# dev text encoder can be built without a download. Qwen3_4BModel reads hidden states [9, 18, 27], so it keeps 28
-# layers (narrow ones); the head width (128) is fixed by the class.
+# The family's tiny text encoder is Klein's Qwen3-4B class: its tokenizer ships with ComfyUI (comfy/text_encoders/
+# qwen25_tokenizer); dev's Mistral tokenizer ("tekken") is read from the text encoder file itself, so the flux2_dev
+# variant below writes a small one. Qwen3_4BModel reads hidden states [9, 18, 27], so it keeps 28 layers (narrow
+# ones); the head width (128) is fixed by the class.
 TINY_QWEN3 = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 28, "num_attention_heads": 1,
               "num_key_value_heads": 1}
 
@@ -64,6 +67,43 @@ TINY = TinyModel(
     vae=tiny_vae,
 )
 
+# Flux.2 dev: the same DiT with guidance input, reading three hidden states (layers 10, 20, 30) of ComfyUI's
+# Mistral-Small-3 class, so the tiny one keeps 31 narrow layers (the head width, 128, is fixed by the class).
+TINY_MISTRAL3 = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 31, "num_attention_heads": 1,
+                 "num_key_value_heads": 1}
+# Mistral's control tokens at their tekken ranks (<pad> = 11: Mistral3Tokenizer pads with it; the Flux.2 template
+# uses [INST] and [SYSTEM_PROMPT]); ranks 12-16 are unused here.
+_TEKKEN_SPECIAL = {0: "<unk>", 1: "<s>", 2: "</s>", 3: "[INST]", 4: "[/INST]", 11: "<pad>", 17: "[SYSTEM_PROMPT]",
+                   18: "[/SYSTEM_PROMPT]"}
+_TEKKEN_SPECIAL_COUNT = 20
+
+
+def tiny_tekken() -> bytes:
+    """A tekken tokenizer JSON (the format ComfyUI reads from a Flux.2 dev text encoder file: the released one is in
+    the file, not shipped) with byte-level tokens only: every text tokenises, one token per UTF-8 byte."""
+    vocab = [{"rank": byte, "token_bytes": base64.b64encode(bytes([byte])).decode()} for byte in range(256)]
+    special = [{"rank": rank, "token_str": _TEKKEN_SPECIAL.get(rank, f"<SPECIAL_{rank}>"), "is_control": True}
+               for rank in range(_TEKKEN_SPECIAL_COUNT)]
+    config = {"pattern": "", "default_vocab_size": _TEKKEN_SPECIAL_COUNT + 256,
+              "default_num_special_tokens": _TEKKEN_SPECIAL_COUNT}
+    return json.dumps({"config": config, "vocab": vocab, "special_tokens": special}).encode()
+
+
+_TINY_DEV_DIT = dict(_TINY_DIT, context_in_dim=3 * TINY_MISTRAL3["hidden_size"], guidance_embed=True)
+
+TINY_VARIANTS = {
+    "flux2_dev": TinyModel(
+        model_config=lambda: comfy.supported_models.Flux2(dict(_TINY_DEV_DIT)),
+        clip_target=lambda: comfy.supported_models_base.ClipTarget(comfy.text_encoders.flux.Flux2Tokenizer,
+                                                                   comfy.text_encoders.flux.flux2_te()),
+        text_encoder_options={"mistral3_24b_model_config": dict(TINY_MISTRAL3, vocab_size=_TEKKEN_SPECIAL_COUNT + 256)},
+        latent_channels=128,
+        tooltip="flux2_dev: Flux.2 dev DiT (Mistral-3 text with a byte-level tekken tokenizer, guidance input)",
+        vae=tiny_vae,
+        tokenizer_data=lambda: {"tekken_model": tiny_tekken()},
+    ),
+}
+
 FAMILY = Family(
     name="flux2",
     description="Flux.2 dev / Klein DiT",
@@ -86,5 +126,6 @@ FAMILY = Family(
     kohya_architecture=lambda model: _ARCHITECTURES.get(model.model_config.unet_config.get("hidden_size")),
     latent_downscale=16,
     tiny=TINY,
+    tiny_variants=TINY_VARIANTS,
     position=4,
 )
