@@ -103,7 +103,7 @@ def check_stock_round_trip(run, model, clip, vae, caplog, steps_trained=20, labe
                                                                     positive, negative, empty)[0])[0]
     assert "lora key not loaded" not in caplog.text, caplog.text
     assert len(lora_model.patches) == len(run.adapters.layers), "a trained layer was not patched by the stock loader"
-    assert images.shape == stock.shape == (frames, 32, 32, 3), (images.shape, stock.shape)
+    assert images.shape == stock.shape == (frames, size, size, 3), (images.shape, stock.shape)
     difference = (images - stock).abs().max().item()
     print(f"{label}: validation image vs LoraLoader+KSampler: max abs diff {difference:.2e}; "
           f"{len(run.adapters.layers)} layers")
