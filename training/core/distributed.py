@@ -136,6 +136,11 @@ class DataParallel:
             return [0] if self.rank != 0 else []
 
 
+def is_main_process() -> bool:
+    """False on the ranks > 0 of a running process group: they never write the run directory."""
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
 def env_rank() -> tuple[int, int, int]:
     """(rank, world size, local rank) as torchrun / accelerate launch set them; (0, 1, 0) outside a launcher."""
     return (int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)),
