@@ -2,8 +2,8 @@
 
     python distributed_worker.py RANK WORLD_SIZE PORT JOB_JSON
 
-JOB_JSON: {"run_root", "run_name", "steps", "checkpoint_every", "batch_size", "grad_accum", "timeout_s",
-"step_log", "step_seconds", "out"}. The rank joins a gloo group on 127.0.0.1:PORT (world size 1: no group, the
+JOB_JSON: {"run_root", "run_name", "steps", "checkpoint_every", "batch_size", "grad_accum", "rank_batch",
+"timeout_s", "step_log", "step_seconds", "out"}. The rank joins a gloo group on 127.0.0.1:PORT (world size 1: no group, the
 plain path), builds the toy denoiser + LoRA of tests/unit/test_trainer.py on two buckets of toy latents, resumes
 the run folder when it holds a checkpoint, trains to `steps` and saves (rank 0 writes). It appends "step N" lines
 to `step_log` (flushed) and writes its adapter weights to `out` (a .pt per rank, written by torch.save).
@@ -60,6 +60,7 @@ def main(rank: int, world: int, port: int, job: dict) -> None:
     if world > 1:
         distributed.init(rank, world, "cpu", init_method=f"tcp://127.0.0.1:{port}", timeout_s=job.get("timeout_s", 60))
     trainer = toy_run(job)
+    trainer.rank_batch = job.get("rank_batch")
     if trainer.run_dir is not None:
         trainer.resume()
     log = open(job["step_log"], "a", buffering=1) if job.get("step_log") else None

@@ -46,6 +46,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--bucket-step", type=int, default=64)
     p.add_argument("--batch-size", type=int, default=4, help="the global batch of a micro-step (all ranks together)")
     p.add_argument("--grad-accumulation", type=int, default=1)
+    p.add_argument("--rank-batch", type=int, default=None, help="at most this many items per forward / backward on "
+                   "a rank (default: its whole share, batch_size / world size); the rest of its share accumulates")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--schedule-steps", type=int, default=1000, help="the LR schedule's length (part of the run's "
                    "configuration: keep it when continuing a run)")
@@ -158,6 +160,7 @@ def main(argv=None) -> int:
     run = open_run(options)
     if parallel is not None and rank == 0:
         parallel.barrier("wait for rank 0 to open the run")
+    run.trainer.rank_batch = options.rank_batch
     say(f"run '{options.run_name}' at step {run.step} on {device}; training to {options.steps}")
     with torch.inference_mode():
         _, loss, step = T.HeadroomTrainSteps.execute(run, options.steps, options.checkpoint_every,

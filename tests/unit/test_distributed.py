@@ -85,12 +85,28 @@ def test_two_ranks_equal_one_rank_with_the_whole_batch(two_rank_run):
 
 
 def test_one_rank_resumes_a_two_rank_run_exactly(tmp_path, two_rank_run):
+    """2 ranks with 2 items each for half the run, then 1 rank with the same global batch in chunks of 2 items
+    (rank_batch: the same memory per rank): the weights of the uninterrupted 2-rank run."""
     _run_ranks(_job(tmp_path, "first", steps=STEPS // 2, run_root=str(tmp_path), run_name="run"))
     resumed = _one_rank({"run_root": str(tmp_path), "run_name": "run"})
+    resumed.rank_batch = 2
     assert resumed.resume() and resumed.step == STEPS // 2
     resumed.train_to(STEPS)
     _assert_close(resumed.trainable.state_dict(), two_rank_run[0]["adapter"])
     assert [s for s, _ in resumed.loss_history] == list(range(1, STEPS + 1))
+
+
+def test_rank_batch_chunks_one_rank_s_batch_into_the_same_step():
+    whole = _one_rank()
+    whole.train_to(3)
+    chunked = _one_rank()
+    chunked.rank_batch = 1  # a global batch of 4 in 4 forward / backward passes
+    chunked.train_to(3)
+    _assert_close(chunked.trainable.state_dict(), whole.trainable.state_dict())
+    assert [loss for _, loss in chunked.loss_history] == pytest.approx([loss for _, loss in whole.loss_history], rel=1e-6)
+    chunked.rank_batch = 0
+    with pytest.raises(ValueError, match="rank_batch=0 must be >= 1"):
+        chunked.train_to(4)
 
 
 def test_only_rank_zero_writes_the_run_directory(tmp_path):

@@ -196,6 +196,11 @@ class Trainer:
         self.params = list(trainable.parameters())
         # Data parallelism when a process group is running (training/core/distributed.py); None: one rank.
         self.parallel = DataParallel.current()
+        # At most this many items per forward / backward on a rank (None: a rank's whole share of the batch at once):
+        # a batch's rows are then trained in chunks whose gradients add up, so N ranks (or one) keep the same global
+        # batch with the same memory per rank. Set by the caller (the distributed launcher); not part of the run's
+        # configuration, as it changes no result.
+        self.rank_batch: int | None = None
         if self.policy.optimizer_state == "cpu":
             self.optimizer = HostOptimizer(self.params, lambda host: create_optimizer(host, optimizer_config, device="cpu"))
         else:
@@ -261,8 +266,24 @@ class Trainer:
         dtype = PRECISIONS[self.config.precision]
         return torch.autocast(self.denoiser.device.type, dtype=dtype, enabled=dtype is not None)
 
-    def _micro_step_loss(self, micro_step: int) -> tuple[torch.Tensor, list[int]]:
-        """The loss of this rank's share of the micro-step's batch, weighted by share / batch on several ranks."""
+    def _row_slices(self, count: int) -> list[slice] | None:
+        """The chunks of a batch of `count` items this rank trains, one forward / backward each; None: the whole
+        batch at once (one rank, no rank_batch). Every rank gets as many chunks (some maybe empty), so the ranks'
+        collectives pair up."""
+        if self.parallel is None and self.rank_batch is None:
+            return None
+        if self.rank_batch is not None and self.rank_batch < 1:
+            raise ValueError(f"rank_batch={self.rank_batch} must be >= 1 (None: a rank's whole share at once)")
+        share = self.parallel.share(count) if self.parallel is not None else slice(0, count)
+        world = self.parallel.world_size if self.parallel is not None else 1
+        largest = -(-count // world)
+        chunk = min(self.rank_batch or largest, largest)
+        return [slice(min(share.start + k * chunk, share.stop), min(share.start + (k + 1) * chunk, share.stop))
+                for k in range(-(-largest // chunk))]
+
+    def _micro_step_loss(self, micro_step: int, rows: slice | None = None) -> tuple[torch.Tensor, list[int]]:
+        """The loss of the micro-step's batch; `rows` (chunks, several ranks): of those rows of the batch, weighted
+        by their share of it, so the rows' losses (and gradients) add up to the batch's."""
         source, items = self._batch(micro_step)
         generator = torch.Generator().manual_seed(step_seed(self.config.seed, micro_step, _SALT_BATCH))
         # Drawn for the whole batch, then this rank's rows: N ranks train on exactly what one rank would.
@@ -270,17 +291,16 @@ class Trainer:
         x0 = self._latents(items, source.latent_cache)
         sigma = self.objective.sample_sigma(len(items), generator).to(self.denoiser.device)
         noise = self.objective.sample_noise(x0, generator).to(x0)
-        if self.parallel is not None:
-            share = self.parallel.share(len(items))
-            weight = len(items[share]) / len(items)
-            items, dropout, x0, sigma, noise = items[share], dropout[share], x0[share], sigma[share], noise[share]
+        if rows is not None:
+            weight = len(items[rows]) / len(items)
+            items, dropout, x0, sigma, noise = items[rows], dropout[rows], x0[rows], sigma[rows], noise[rows]
             if not items:  # a bucket's last, smaller batch may leave a rank nothing: it adds no gradient
                 return torch.zeros((), device=self.denoiser.device), items
         x_t = self.objective.noisy(x0, noise, sigma)
         with self._autocast():
             x0_hat = self.denoiser.predict(x_t, sigma, self._conds(items, dropout, source))
         loss = self.objective.loss(x0_hat, x0, sigma, mask=self._masks(items, source.latent_cache))
-        if self.parallel is not None:
+        if rows is not None:
             loss = loss * weight
         return loss, items if source is self._batches else [f"prior {i}" for i in items]
 
@@ -290,16 +310,20 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         losses = []
         for j in range(accum):
-            loss, items = self._micro_step_loss(self.step * accum + j)
-            # Several ranks: every rank checks and reports the global loss, so all stop (or go on) together.
-            value = self.parallel.global_loss(loss, self.step) if self.parallel is not None else loss.item()
-            if not math.isfinite(value):
-                raise self._non_finite(value, items)
-            losses.append(value)
-            if self.parallel is not None and not loss.requires_grad:
-                continue  # this rank's share of the batch was empty
-            scaled = loss / accum
-            (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+            micro_step = self.step * accum + j
+            total = 0.0
+            for rows in self._row_slices(len(self.batch_items(micro_step))) or [None]:
+                loss, items = self._micro_step_loss(micro_step, rows)
+                # Several ranks: every rank checks and reports the global loss, so all stop (or go on) together.
+                value = self.parallel.global_loss(loss, self.step) if self.parallel is not None else loss.item()
+                if not math.isfinite(value):
+                    raise self._non_finite(value, items)
+                total += value
+                if rows is not None and not loss.requires_grad:
+                    continue  # this rank's chunk of the batch was empty
+                scaled = loss / accum
+                (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+            losses.append(total)
         if self.parallel is not None:
             self.parallel.reduce_gradients(self.params)  # once per optimizer step, like DDP's no_sync
         if self.scaler is not None:
