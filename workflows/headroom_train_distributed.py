@@ -162,10 +162,13 @@ def main(argv=None) -> int:
         parallel.barrier("wait for rank 0 to open the run")
     run.trainer.rank_batch = options.rank_batch
     say(f"run '{options.run_name}' at step {run.step} on {device}; training to {options.steps}")
+    first, train_started = run.step, time.perf_counter()
     with torch.inference_mode():
         _, loss, step = T.HeadroomTrainSteps.execute(run, options.steps, options.checkpoint_every,
                                                      options.checkpoint_minutes).args
-    say(f"step {step}, loss {loss:.9g}")
+    seconds = time.perf_counter() - train_started
+    say(f"step {step}, loss {loss:.9g}; {step - first} steps in {seconds:.2f} s "
+        f"({seconds / max(step - first, 1):.4f} s/step, with the final checkpoint)")
     if rank == 0 and options.save_subfolder:
         with torch.inference_mode():
             path = T.HeadroomSaveLora.execute(run, options.save_subfolder, "", "fp32").args[0]
