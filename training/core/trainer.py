@@ -319,7 +319,7 @@ class Trainer:
                 if not math.isfinite(value):
                     raise self._non_finite(value, items)
                 total += value
-                if rows is not None and not loss.requires_grad:
+                if not items:
                     continue  # this rank's chunk of the batch was empty
                 scaled = loss / accum
                 (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
