@@ -41,7 +41,7 @@ def _launch(tmp_path, ranks: int, steps: int, run_name: str = "dist") -> str:
 
 
 def _final_losses(stdout: str) -> dict[int, float]:
-    return {int(rank): float(loss) for rank, loss in re.findall(r"\[rank (\d+)/\d+ .*\] step \d+, loss (\S+)", stdout)}
+    return {int(rank): float(loss) for rank, loss in re.findall(r"\[rank (\d+)/\d+ .*\] step \d+, loss ([^;\s]+)", stdout)}
 
 
 def test_torchrun_two_cpu_ranks_train_save_and_one_rank_continues(tmp_path):
