@@ -3,7 +3,8 @@
 
     torchrun --nproc-per-node N workflows/headroom_train_distributed.py --checkpoint MODEL.safetensors \\
         --dataset IMAGE_FOLDER --run-name NAME --steps 1000 [--comfyui PATH] [--base-directory DIR] ...
-    accelerate launch --num_processes N workflows/headroom_train_distributed.py ...   (the same arguments)
+    accelerate launch --multi_gpu --num_processes N workflows/headroom_train_distributed.py ...   (GPUs; the same
+    arguments; on CPUs use torchrun: accelerate's multi-CPU mode goes through mpirun, whose variables this does not read)
     (multi-node: torchrun --nnodes M --node-rank K --rdzv-endpoint HOST:PORT ..., every node seeing the same
     --base-directory, e.g. on a shared file system)
 
