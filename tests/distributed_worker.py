@@ -3,7 +3,7 @@
     python distributed_worker.py RANK WORLD_SIZE PORT JOB_JSON
 
 JOB_JSON: {"run_root", "run_name", "steps", "checkpoint_every", "batch_size", "grad_accum", "rank_batch",
-"timeout_s", "step_log", "step_seconds", "out"}. The rank joins a gloo group on 127.0.0.1:PORT (world size 1: no group, the
+"timeout_s", "step_log", "step_seconds", "corrupt_rank", "corrupt_after", "out"}. The rank joins a gloo group on 127.0.0.1:PORT (world size 1: no group, the
 plain path), builds the toy denoiser + LoRA of tests/unit/test_trainer.py on two buckets of toy latents, resumes
 the run folder when it holds a checkpoint, trains to `steps` and saves (rank 0 writes). It appends "step N" lines
 to `step_log` (flushed) and writes its adapter weights to `out` (a .pt per rank, written by torch.save).
@@ -70,6 +70,8 @@ def main(rank: int, world: int, port: int, job: dict) -> None:
             log.write(f"rank {rank} step {report.step} loss {report.loss!r}\n")
             log.flush()
         time.sleep(job.get("step_seconds", 0))
+        if job.get("corrupt_rank") == rank and report.step == job.get("corrupt_after"):
+            trainer.denoiser.net.proj_out.bias.data[:] = float("nan")  # this rank's model only
 
     trainer.train_to(job["steps"], after_step, checkpoint_every=job.get("checkpoint_every", 0))
     if trainer.run_dir is not None:

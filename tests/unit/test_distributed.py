@@ -151,3 +151,16 @@ def test_a_killed_rank_fails_the_other_with_its_name_and_keeps_the_checkpoint(tm
     resumed = _one_rank({"run_root": str(tmp_path), "run_name": "run"})
     assert resumed.resume() and resumed.step == checkpoint.step
     resumed.train_to(checkpoint.step + 1)
+
+
+def test_a_nan_on_one_rank_stops_every_rank_at_the_same_step(tmp_path):
+    """Rank 1's model turns NaN after step 3: the global loss is NaN on both ranks, both stop at step 4, and rank 0
+    keeps the checkpoint of step 3."""
+    job = _job(tmp_path, "nan", steps=STEPS, run_root=str(tmp_path), run_name="run", corrupt_rank=1, corrupt_after=3)
+    ranks = _start_ranks(job)
+    errors = [process.communicate(timeout=300)[1] for process in ranks]
+    for process, err in zip(ranks, errors):
+        assert process.returncode != 0 and "NonFiniteLossError: training loss became nan at step 4" in err, err[-3000:]
+    assert "RankLostError" not in errors[0] + errors[1]
+    checkpoint = RunDir(tmp_path, "run").load_checkpoint()
+    assert checkpoint is not None and checkpoint.step == 3
