@@ -37,6 +37,12 @@ class RankLostError(RuntimeError):
     __module__ = public_module(__name__)
 
 
+class RanksStopped(RuntimeError):
+    """Another rank stopped the run at the end of a step (rank 0's cancel, or its error): this rank stops too."""
+
+    __module__ = public_module(__name__)
+
+
 def backend_for(device: torch.device | str) -> str:
     return "nccl" if torch.device(device).type == "cuda" else "gloo"
 
@@ -98,6 +104,13 @@ class DataParallel:
             count = grad.numel()
             param.grad = flat[offset:offset + count].view_as(grad).to(grad)
             offset += count
+
+    def any_stops(self, stops: bool) -> bool:
+        """Whether any rank stops after this step (cancel, an error in its step callback): all ranks agree."""
+        flag = torch.tensor([1.0 if stops else 0.0], device=self.device)
+        with self._collective("stop check"):
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
 
     def barrier(self, what: str) -> None:
         with self._collective(what):
