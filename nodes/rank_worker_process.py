@@ -30,8 +30,8 @@ def main() -> None:
 
         if torch.cuda.is_available():
             torch.cuda.set_device(rank)  # before ComfyUI picks its device (the current one)
-    import comfy.model_management  # noqa: F401  (reads args at import)
-    import folder_paths  # noqa: F401
+    import comfy.model_management  # reads args at import
+    import folder_paths
 
     package, root = bootstrap["package"], bootstrap["package_root"]
     if package not in sys.modules:

@@ -25,10 +25,9 @@ import sys
 import tempfile
 import time
 
-import torch
-import torch.multiprocessing  # noqa: F401  (registers the shared-memory pickling of tensors)
-
 import comfy.model_management as mm
+import torch
+import torch.multiprocessing  # (registers the shared-memory pickling of tensors)
 
 from ..training.core import distributed
 
@@ -41,7 +40,7 @@ COLLECTIVE_TIMEOUT_S = 600.0
 class RankWorkers:
     """Worker processes for ranks 1..N-1 of one run, and rank 0's side of the process group."""
 
-    active: "RankWorkers | None" = None
+    active: RankWorkers | None = None
 
     def __init__(self, world_size: int, model, latent_cache, text_cache, config, policy, prior, run_root, run_name: str):
         RankWorkers.close_active()
@@ -66,7 +65,11 @@ class RankWorkers:
         try:
             listener._listener._socket.settimeout(START_TIMEOUT_S)  # accept() must not wait for a dead worker forever
             for _ in range(1, world_size):
-                connection = listener.accept()
+                try:
+                    connection = listener.accept()
+                except TimeoutError:
+                    raise RuntimeError(f"devices={world_size}: the worker ranks did not connect within "
+                                       f"{START_TIMEOUT_S:.0f} s; their errors are in the ComfyUI log") from None
                 rank = connection.recv()
                 self.connections[rank] = connection
                 connection.send(bootstrap)
@@ -215,4 +218,6 @@ def worker_main(connection, rank: int, world_size: int) -> None:
             connection.send(("trained", run.step))
         except distributed.RanksStopped:
             connection.send(("stopped", run.step))
+        except Exception as error:
+            connection.send(("failed", run.step, f"{type(error).__name__}: {error}"[:1000]))
     torch.distributed.destroy_process_group()

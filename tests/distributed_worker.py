@@ -21,8 +21,11 @@ sys.path += [str(TESTS), str(TESTS / "unit")]
 
 def toy_run(job: dict):
     import torch
-
-    from headroom.training.core.adapters import AdapterConfig, AdapterSet, select_targets
+    from headroom.training.core.adapters import (
+        AdapterConfig,
+        AdapterSet,
+        select_targets,
+    )
     from headroom.training.core.objective import ObjectiveConfig
     from headroom.training.core.optimizers import OptimizerConfig
     from headroom.training.core.run_dir import RunDir
@@ -51,9 +54,8 @@ def toy_run(job: dict):
 
 
 def main(rank: int, world: int, port: int, job: dict) -> None:
-    import conftest  # noqa: F401  (registers the package alias `headroom`)
+    import conftest
     import torch
-
     from headroom.training.core import distributed
 
     torch.set_num_threads(1)

@@ -81,8 +81,8 @@ def import_comfyui(comfyui: str | None, base_directory: str | None, cpu: bool) -
     args.cpu = cpu
     if base_directory:
         args.base_directory = base_directory
-    import comfy.model_management  # noqa: F401  (reads args at import)
-    import folder_paths  # noqa: F401
+    import comfy.model_management
+    import folder_paths
 
     if "headroom" not in sys.modules:  # this repository as the package ComfyUI would load it as
         spec = importlib.util.spec_from_file_location("headroom", REPO / "__init__.py",
@@ -110,8 +110,8 @@ def load_models(options):
 def open_run(options):
     """Load the model, cache the dataset and open the run, through ComfyUI's loader and Headroom's nodes."""
     import torch
-
-    from headroom.nodes import cache as cache_nodes, train_lora as T
+    from headroom.nodes import cache as cache_nodes
+    from headroom.nodes import train_lora as T
 
     with torch.inference_mode():  # as ComfyUI runs nodes
         model, clip, vae = load_models(options)

@@ -11,10 +11,9 @@ import sys
 
 import numpy as np
 import pytest
+from comfy_harness import COMFYUI_FOUND_BY, COMFYUI_PATH, REPO_ROOT
 from PIL import Image
 from safetensors.torch import load_file
-
-from comfy_harness import COMFYUI_FOUND_BY, COMFYUI_PATH, REPO_ROOT
 
 pytestmark = pytest.mark.comfyui
 

@@ -6,7 +6,6 @@ import threading
 
 import pytest
 import torch
-
 from test_train_lora_nodes import _data, _init
 
 pytestmark = [pytest.mark.comfyui, pytest.mark.usefixtures("one_torch_thread")]
@@ -18,8 +17,8 @@ def test_devices_2_spawns_trains_like_one_device_and_cancel_stops_every_rank(com
     from headroom.nodes.rank_workers import RankWorkers
     from headroom.training.core.run_dir import RunDir
 
-    model, clip, vae, latents, texts = _data("sd15")
-    common = dict(rank=4, lr=5e-3, batch_size=4)
+    model, _, _, latents, texts = _data("sd15")
+    common = {"rank": 4, "lr": 5e-3, "batch_size": 4}
     one = _init(model, latents, texts, "one_device", **common)  # built before the process group: trains alone
     two = _init(model, latents, texts, "two_devices", devices="2", **common)
     workers = two.ranks

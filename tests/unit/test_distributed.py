@@ -15,7 +15,6 @@ import time
 
 import pytest
 import torch
-
 from distributed_worker import toy_run
 from headroom.training.core.run_dir import RunDir
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import os
 import time
 
 import torch
@@ -71,7 +70,7 @@ class DataParallel:
         self._step = 0
 
     @classmethod
-    def current(cls) -> "DataParallel | None":
+    def current(cls) -> DataParallel | None:
         """The running group's helper; None without one (or with one rank): the 1-rank path, with no extra work."""
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
             return None
@@ -145,16 +144,10 @@ class DataParallel:
                 if not missing or time.monotonic() > deadline:
                     return missing
                 time.sleep(0.1)
-        except Exception:  # noqa: BLE001 - the store went down with its host
+        except Exception:
             return [0] if self.rank != 0 else []
 
 
 def is_main_process() -> bool:
     """False on the ranks > 0 of a running process group: they never write the run directory."""
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
-
-
-def env_rank() -> tuple[int, int, int]:
-    """(rank, world size, local rank) as torchrun / accelerate launch set them; (0, 1, 0) outside a launcher."""
-    return (int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)),
-            int(os.environ.get("LOCAL_RANK", 0)))
