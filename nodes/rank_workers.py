@@ -103,8 +103,9 @@ class RankWorkers:
     def train(self, target_step: int, checkpoint_every: int, checkpoint_minutes: float) -> None:
         """Before rank 0 trains: every worker trains to the same step (a reply from the last command first)."""
         if self.closed:
-            raise ValueError("devices: this run's worker ranks were closed when another run opened in this ComfyUI; "
-                             "queue its Init node again to restart them")
+            raise ValueError("devices: this run's worker ranks were closed when another run opened in this ComfyUI "
+                             "(one multi-device run at a time); change an input of its Init node (or restart ComfyUI) "
+                             "to start them again, and keep other Init nodes out of that workflow")
         for connection in self.connections.values():
             while connection.poll():
                 connection.recv()  # "trained" / "stopped" of the previous command
