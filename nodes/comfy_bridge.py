@@ -285,7 +285,6 @@ class TrainingRun:
     """
 
     precision_note = ""  # how the init node chose the compute precision (nodes/train_lora.py resolve_precision)
-    ranks = None  # a multi-device run's worker ranks (nodes/rank_workers.RankWorkers), told to train with rank 0
 
     def __init__(self, model, latent_cache, text_cache, config, trained, run_root: pathlib.Path, run_name: str,
                  policy: OffloadPolicy | None = None):
@@ -407,8 +406,6 @@ class TrainingRun:
                 with self.phase("save"):
                     self.trainer.save()
             return
-        if self.ranks is not None:
-            self.ranks.train(target_step, checkpoint_every, checkpoint_minutes)
         start_step = self.step
         progress = comfy.utils.ProgressBar(target_step - start_step, node_id=node_id)
         started = time.perf_counter()

@@ -41,7 +41,6 @@ from .inputs import (DEFAULT_CHECKPOINT_MINUTES, added_train_inputs, checkpoint_
                      validation_inputs, validation_names, weights_input)
 from .io_types import LoraConfigType, OptimizerConfigType, TrainingRunType
 from .planning import budget_bytes
-from .rank_workers import DEVICES, RankWorkers, parse_devices
 from .run_lora import REFERENCES, SAVE_DTYPES, LoraRunConfig, open_lora_run
 
 CATEGORY = "Headroom/training"
@@ -232,7 +231,7 @@ def start_lora_run(model, latent_cache, text_cache, lora_config, optimizer_confi
                    min_snr_gamma, noise_offset, gradient_checkpointing, checkpoint_depth, holdout, policy=None,
                    loss_type: str = "mse", huber_delta: float = 0.1, ema_decay: float = 0.0,
                    prior_latent_cache=None, prior_text_cache=None, prior_ratio: float = 0.5, reference: str = "none",
-                   devices: str = "1", node: str = "HeadroomTrainLoraInit") -> TrainingRun:
+                   node: str = "HeadroomTrainLoraInit") -> TrainingRun:
     """Check every input (before any GPU work), then build or resume the run."""
     try:
         check_name(run_name, "run name")
@@ -266,23 +265,7 @@ def start_lora_run(model, latent_cache, text_cache, lora_config, optimizer_confi
                 raise ValueError(f"reference={reference!r}: {error}") from None
         config = LoraRunConfig(family=model_family(model.model), adapter=lora_config, optimizer=optimizer_config,
                                train=train, holdout=holdout, reference=reference)
-        world_size = parse_devices(devices)
-        # One process group per ComfyUI process: a run opened now never joins the group of an earlier one.
-        RankWorkers.close_active()
-        if world_size == 1:
-            run = open_lora_run(model, latent_cache, text_cache, config, runs_root(), run_name, policy=policy,
-                                prior=prior)
-        else:
-            workers = RankWorkers(world_size, model, latent_cache, text_cache, config, policy, prior, runs_root(),
-                                  run_name)
-            try:
-                run = open_lora_run(model, latent_cache, text_cache, config, runs_root(), run_name, policy=policy,
-                                    prior=prior)
-                workers.open(run)
-            except BaseException:
-                workers.close()
-                raise
-            run.ranks = workers
+        run = open_lora_run(model, latent_cache, text_cache, config, runs_root(), run_name, policy=policy, prior=prior)
         run.precision_note = note
         return run
     except (ValueError, RunFolderError) as error:
@@ -299,13 +282,7 @@ class HeadroomTrainLoraInit(io.ComfyNode):
             category=CATEGORY,
             description="Set up (or resume) a LoRA training run on this MODEL from cached latents and text. "
             "The MODEL itself is never modified: the adapter lives on a clone.",
-            inputs=[*lora_run_inputs(), *added_train_inputs(), *prior_inputs(), reference_input(),
-                    io.Combo.Input("devices", options=list(DEVICES), default="1", optional=True,
-                                   tooltip="Data-parallel training on this many devices: 1 trains in this process as "
-                                   "always; N > 1 starts N - 1 worker processes (GPUs cuda:1..N-1 beside this one; on a "
-                                   "CPU, N CPU processes), each training 1/N of every batch (the same global batch). "
-                                   "Cancel stops every rank; only this process writes the run folder. "
-                                   "docs/DISTRIBUTED.md")],
+            inputs=[*lora_run_inputs(), *added_train_inputs(), *prior_inputs(), reference_input()],
             outputs=[TrainingRunType.Output("run", tooltip="The training run, for Train Steps, Validate, Save and Apply."),
                      io.Int.Output("step", tooltip="Step the run starts from (resumed).")],
         )

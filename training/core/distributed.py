@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import os
 import time
 
 import torch
@@ -32,12 +33,6 @@ _ALIVE_GRACE_S = 3.0  # how long survivors wait for each other before naming the
 
 class RankLostError(RuntimeError):
     """A rank of a data-parallel run stopped answering; the message names it."""
-
-    __module__ = public_module(__name__)
-
-
-class RanksStopped(RuntimeError):
-    """Another rank stopped the run at the end of a step (rank 0's cancel, or its error): this rank stops too."""
 
     __module__ = public_module(__name__)
 
@@ -70,7 +65,7 @@ class DataParallel:
         self._step = 0
 
     @classmethod
-    def current(cls) -> DataParallel | None:
+    def current(cls) -> "DataParallel | None":
         """The running group's helper; None without one (or with one rank): the 1-rank path, with no extra work."""
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
             return None
@@ -103,13 +98,6 @@ class DataParallel:
             count = grad.numel()
             param.grad = flat[offset:offset + count].view_as(grad).to(grad)
             offset += count
-
-    def any_stops(self, stops: bool) -> bool:
-        """Whether any rank stops after this step (cancel, an error in its step callback): all ranks agree."""
-        flag = torch.tensor([1.0 if stops else 0.0], device=self.device)
-        with self._collective("stop check"):
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
 
     def barrier(self, what: str) -> None:
         with self._collective(what):
@@ -144,10 +132,16 @@ class DataParallel:
                 if not missing or time.monotonic() > deadline:
                     return missing
                 time.sleep(0.1)
-        except Exception:
+        except Exception:  # noqa: BLE001 - the store went down with its host
             return [0] if self.rank != 0 else []
 
 
 def is_main_process() -> bool:
     """False on the ranks > 0 of a running process group: they never write the run directory."""
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def env_rank() -> tuple[int, int, int]:
+    """(rank, world size, local rank) as torchrun / accelerate launch set them; (0, 1, 0) outside a launcher."""
+    return (int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)),
+            int(os.environ.get("LOCAL_RANK", 0)))
