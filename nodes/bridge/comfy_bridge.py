@@ -35,6 +35,7 @@ from ...training.memory.lowbit import LowBitBase, LowBitLinear
 from ...training.memory.memory_stats import PhaseRecorder, process_rss_bytes
 from ...training.memory.oom import is_out_of_memory, out_of_memory
 from ...training.memory.policy import OffloadPolicy
+from ...training.core.distributed import is_main_process
 from ...training.core.run_dir import RunDir, RunFolderError
 from ...training.core.trainer import StepReport, Trainer
 from .comfy_model import base_fingerprint, data_fingerprint, model_blocks, replace_inference_tensors, training_blocks
@@ -154,7 +155,9 @@ class RunRecord:
     def __init__(self, model, latent_cache, text_cache, stored: dict, holdout: int, run_root: pathlib.Path,
                  run_name: str):
         self.run_dir = RunDir(run_root, run_name)
-        self.run_dir.prune_temp()  # what a killed writer left: temp checkpoint folders, temp files
+        self.writes = is_main_process()  # data-parallel ranks > 0 never write the run folder (rank 0 does)
+        if self.writes:
+            self.run_dir.prune_temp()  # what a killed writer left: temp checkpoint folders, temp files
         self.fingerprint = base_fingerprint(model)
         self.stored = {
             **stored, "base_fingerprint": self.fingerprint,
@@ -186,7 +189,7 @@ class RunRecord:
 
     def commit(self) -> None:
         """After the run opened: its configuration written (a new run), the folder remembered (run_generation)."""
-        if not self.run_dir.exists():
+        if not self.run_dir.exists() and self.writes:
             self.run_dir.write_config(self.stored)
         _RUN_IDENTITY[str(self.run_dir.path)] = RunDir.config_identity(self.run_dir.path)
 
@@ -197,7 +200,7 @@ class RunRecord:
             with self.memory.phase(name):
                 yield
         finally:
-            if self.run_dir.present():  # a vanished run folder is not re-created for a report
+            if self.writes and self.run_dir.present():  # a vanished run folder is not re-created for a report
                 try:
                     self.run_dir.write_file_json(self.run_dir.memory_record_path, self.memory.as_dict(),
                                                  f"memory record of run '{self.run_dir.name}'")

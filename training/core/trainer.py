@@ -32,6 +32,7 @@ from .optimizers import OptimizerConfig, create_optimizer, create_scheduler, cur
 from ..memory.policy import OffloadPolicy, memory_features
 from ..data.files import WriteError
 from .ema import WeightEMA
+from .distributed import DataParallel
 from .run_dir import Checkpoint, CheckpointError, RunDir, capture_rng, restore_rng
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -193,6 +194,13 @@ class Trainer:
             raise ValueError("prior images are for LoRA runs: a ControlNet run's items carry control images")
         self._prior = _Batches(prior[0], prior[1], range(len(prior[0])), config) if prior is not None else None
         self.params = list(trainable.parameters())
+        # Data parallelism when a process group is running (training/core/distributed.py); None: one rank.
+        self.parallel = DataParallel.current()
+        # At most this many items per forward / backward on a rank (None: a rank's whole share of the batch at once):
+        # a batch's rows are then trained in chunks whose gradients add up, so N ranks (or one) keep the same global
+        # batch with the same memory per rank. Set by the caller (the distributed launcher); not part of the run's
+        # configuration, as it changes no result.
+        self.rank_batch: int | None = None
         if self.policy.optimizer_state == "cpu":
             self.optimizer = HostOptimizer(self.params, lambda host: create_optimizer(host, optimizer_config, device="cpu"))
         else:
@@ -258,31 +266,66 @@ class Trainer:
         dtype = PRECISIONS[self.config.precision]
         return torch.autocast(self.denoiser.device.type, dtype=dtype, enabled=dtype is not None)
 
-    def _micro_step_loss(self, micro_step: int) -> tuple[torch.Tensor, list[int]]:
+    def _row_slices(self, count: int) -> list[slice] | None:
+        """The chunks of a batch of `count` items this rank trains, one forward / backward each; None: the whole
+        batch at once (one rank, no rank_batch). Every rank gets as many chunks (some maybe empty), so the ranks'
+        collectives pair up."""
+        if self.parallel is None and self.rank_batch is None:
+            return None
+        if self.rank_batch is not None and self.rank_batch < 1:
+            raise ValueError(f"rank_batch={self.rank_batch} must be >= 1 (None: a rank's whole share at once)")
+        share = self.parallel.share(count) if self.parallel is not None else slice(0, count)
+        world = self.parallel.world_size if self.parallel is not None else 1
+        largest = -(-count // world)
+        chunk = min(self.rank_batch or largest, largest)
+        return [slice(min(share.start + k * chunk, share.stop), min(share.start + (k + 1) * chunk, share.stop))
+                for k in range(-(-largest // chunk))]
+
+    def _micro_step_loss(self, micro_step: int, rows: slice | None = None) -> tuple[torch.Tensor, list[int]]:
+        """The loss of the micro-step's batch; `rows` (chunks, several ranks): of those rows of the batch, weighted
+        by their share of it, so the rows' losses (and gradients) add up to the batch's."""
         source, items = self._batch(micro_step)
         generator = torch.Generator().manual_seed(step_seed(self.config.seed, micro_step, _SALT_BATCH))
+        # Drawn for the whole batch, then this rank's rows: N ranks train on exactly what one rank would.
         dropout = torch.rand(len(items), generator=generator) < self.config.caption_dropout
         x0 = self._latents(items, source.latent_cache)
         sigma = self.objective.sample_sigma(len(items), generator).to(self.denoiser.device)
         noise = self.objective.sample_noise(x0, generator).to(x0)
+        if rows is not None:
+            weight = len(items[rows]) / len(items)
+            items, dropout, x0, sigma, noise = items[rows], dropout[rows], x0[rows], sigma[rows], noise[rows]
+            if not items:  # a bucket's last, smaller batch may leave a rank nothing: it adds no gradient
+                return torch.zeros((), device=self.denoiser.device), items
         x_t = self.objective.noisy(x0, noise, sigma)
         with self._autocast():
             x0_hat = self.denoiser.predict(x_t, sigma, self._conds(items, dropout, source))
         loss = self.objective.loss(x0_hat, x0, sigma, mask=self._masks(items, source.latent_cache))
+        if rows is not None:
+            loss = loss * weight
         return loss, items if source is self._batches else [f"prior {i}" for i in items]
 
     def train_step(self) -> float:
-        """One optimizer step (grad_accum micro-steps). Returns the mean loss."""
+        """One optimizer step (grad_accum micro-steps). Returns the mean loss (of the global batch)."""
         accum = self.config.grad_accum
         self.optimizer.zero_grad(set_to_none=True)
         losses = []
         for j in range(accum):
-            loss, items = self._micro_step_loss(self.step * accum + j)
-            if not torch.isfinite(loss):
-                raise self._non_finite(loss, items)
-            scaled = loss / accum
-            (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
-            losses.append(loss.item())
+            micro_step = self.step * accum + j
+            total = 0.0
+            for rows in self._row_slices(len(self.batch_items(micro_step))) or [None]:
+                loss, items = self._micro_step_loss(micro_step, rows)
+                # Several ranks: every rank checks and reports the global loss, so all stop (or go on) together.
+                value = self.parallel.global_loss(loss, self.step) if self.parallel is not None else loss.item()
+                if not math.isfinite(value):
+                    raise self._non_finite(value, items)
+                total += value
+                if not items:
+                    continue  # this rank's chunk of the batch was empty
+                scaled = loss / accum
+                (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+            losses.append(total)
+        if self.parallel is not None:
+            self.parallel.reduce_gradients(self.params)  # once per optimizer step, like DDP's no_sync
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         if self.config.max_grad_norm > 0:
@@ -301,7 +344,7 @@ class Trainer:
         self.loss_history.append([self.step, mean])
         return mean
 
-    def _non_finite(self, loss: torch.Tensor, items: list[int]) -> NonFiniteLossError:
+    def _non_finite(self, loss: float, items: list[int]) -> NonFiniteLossError:
         step = self.step + 1
         causes = [f"the learning rate ({current_lr(self.optimizer):.3g}) is too high for this optimizer"]
         if self.config.precision == "fp16":
@@ -314,7 +357,7 @@ class Trainer:
             if self.saved_step is not None:
                 kept = f" The last good checkpoint (step {self.saved_step}) is kept in {self.run_dir.display}."
         return NonFiniteLossError(
-            f"training loss became {loss.item()} at step {step}; likely cause: " + "; or ".join(causes) + "." + kept
+            f"training loss became {loss} at step {step}; likely cause: " + "; or ".join(causes) + "." + kept
         )
 
     def train_to(self, target_step: int, after_step: Callable[[StepReport], None] | None = None,
@@ -449,6 +492,9 @@ class Trainer:
     def save(self) -> None:
         if self.run_dir is None:
             raise RuntimeError("this trainer has no run directory to save to")
+        if self.parallel is not None and not self.parallel.is_main:
+            self.saved_step = self.step  # rank 0 writes the run directory; the ranks hold the same weights
+            return
         try:
             self.run_dir.save_checkpoint(self.checkpoint())
         except WriteError as error:  # disk full...: say what is (not) on disk, and that queueing again saves it

@@ -1,0 +1,76 @@
+"""workflows/headroom_train_distributed.py under torchrun: 2 CPU ranks (gloo) train the tiny SD1.5 model through
+ComfyUI imported as a library and Headroom's nodes; rank 0 writes the run and the LoRA; one rank continues it."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from comfy_harness import COMFYUI_FOUND_BY, COMFYUI_PATH, REPO_ROOT
+from PIL import Image
+from safetensors.torch import load_file
+
+pytestmark = pytest.mark.comfyui
+
+LAUNCHER = REPO_ROOT / "workflows" / "headroom_train_distributed.py"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(tmp_path, ranks: int, steps: int, run_name: str = "dist") -> str:
+    args = [str(LAUNCHER), "--tiny-model", "sd15", "--dataset", str(tmp_path / "data"), "--run-name", run_name,
+            "--steps", str(steps), "--resolution", "32", "--bucket-step", "16", "--lr", "1e-3",
+            "--base-directory", str(tmp_path / "base"), "--comfyui", str(COMFYUI_PATH), "--timeout", "60"]
+    if ranks > 1:
+        args = ["-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port", str(_free_port()),
+                *args]
+    done = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=400,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    return done.stdout
+
+
+def _final_losses(stdout: str) -> dict[int, float]:
+    return {int(rank): float(loss) for rank, loss in re.findall(r"\[rank (\d+)/\d+ .*\] step \d+, loss ([^;\s]+)", stdout)}
+
+
+def test_torchrun_two_cpu_ranks_train_save_and_one_rank_continues(tmp_path):
+    if COMFYUI_PATH is None:
+        pytest.skip(COMFYUI_FOUND_BY)
+    (tmp_path / "data").mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(4):
+        Image.fromarray((rng.random((32, 32, 3)) * 255).astype("uint8")).save(tmp_path / "data" / f"img{i}.png")
+        (tmp_path / "data" / f"img{i}.txt").write_text(f"a shape number {i}")
+
+    two = _launch(tmp_path, ranks=2, steps=4)
+    losses = _final_losses(two)
+    assert set(losses) == {0, 1} and losses[0] == losses[1], two  # both report the global batch's loss
+    assert "saved headroom/dist_step000004.safetensors" in two
+    run = tmp_path / "base" / "output" / "headroom_runs" / "dist"
+    assert json.loads((run / "latest.json").read_text())["step"] == 4
+    assert (tmp_path / "base" / "models" / "loras" / "headroom" / "dist_step000004.safetensors").is_file()
+
+    one = _launch(tmp_path, ranks=1, steps=4, run_name="single")  # the same run on one rank: the same LoRA
+    assert _final_losses(one)[0] == pytest.approx(losses[0], rel=1e-5)
+    loras = tmp_path / "base" / "models" / "loras" / "headroom"
+    two_ranks, one_rank = load_file(loras / "dist_step000004.safetensors"), load_file(loras / "single_step000004.safetensors")
+    assert set(two_ranks) == set(one_rank) and len(one_rank) > 0
+    # Within 1e-3, not the toy's 1e-6 (tests/unit/test_distributed.py): the two ranks' gradients are summed in another
+    # order, and Adam's first steps divide each element by its own magnitude, so last-bit differences of near-zero
+    # gradient elements of the zero-initialised lora_up grow to ~1e-4 (measured) here.
+    for key, value in one_rank.items():
+        assert (two_ranks[key] - value).norm() <= 1e-3 * value.norm(), key
+
+    more = _launch(tmp_path, ranks=1, steps=6)  # the 2-rank run continues on one rank
+    assert "run 'dist' at step 4" in more and "step 6," in more
+    assert json.loads((run / "latest.json").read_text())["step"] == 6

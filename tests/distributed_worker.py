@@ -1,0 +1,85 @@
+"""One rank of a data-parallel toy run (tests/unit/test_distributed.py), started by the test as a subprocess.
+
+    python distributed_worker.py RANK WORLD_SIZE PORT JOB_JSON
+
+JOB_JSON: {"run_root", "run_name", "steps", "checkpoint_every", "batch_size", "grad_accum", "rank_batch",
+"timeout_s", "step_log", "step_seconds", "corrupt_rank", "corrupt_after", "out"}. The rank joins a gloo group on 127.0.0.1:PORT (world size 1: no group, the
+plain path), builds the toy denoiser + LoRA of tests/unit/test_trainer.py on two buckets of toy latents, resumes
+the run folder when it holds a checkpoint, trains to `steps` and saves (rank 0 writes). It appends "step N" lines
+to `step_log` (flushed) and writes its adapter weights to `out` (a .pt per rank, written by torch.save).
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+import time
+
+TESTS = pathlib.Path(__file__).resolve().parent
+sys.path += [str(TESTS), str(TESTS / "unit")]
+
+
+def toy_run(job: dict):
+    import torch
+    from headroom.training.core.adapters import (
+        AdapterConfig,
+        AdapterSet,
+        select_targets,
+    )
+    from headroom.training.core.objective import ObjectiveConfig
+    from headroom.training.core.optimizers import OptimizerConfig
+    from headroom.training.core.run_dir import RunDir
+    from headroom.training.core.trainer import TrainConfig, Trainer
+    from memory_caches import MemoryLatentCache, MemoryTextCache
+    from test_trainer import ToyDenoiser, ToyNet
+
+    # Two buckets (5 and 6 items): with a global batch of 4 a bucket's last batch has 1 or 2 items, so shares
+    # are uneven and one rank's share is sometimes empty.
+    g = torch.Generator().manual_seed(0)
+    latents = [torch.randn(4, 4, 4 if i < 5 else 6, generator=g) for i in range(11)]
+    conds = {f"k{i}": {"cross_attn": torch.randn(3, 8, generator=g)} for i in range(11)}
+    cache = MemoryLatentCache(latents, [f"k{i}" for i in range(11)], {(32, 32): list(range(5)), (32, 48): list(range(5, 11))})
+    texts = MemoryTextCache(conds, {"cross_attn": torch.zeros(3, 8)})
+    denoiser = ToyDenoiser(ToyNet())
+    adapter = AdapterConfig(rank=4, alpha=4, targets="all_linear")
+    adapters = AdapterSet(denoiser.net, select_targets(denoiser.net, None, adapter, [n for n, _ in denoiser.blocks()]),
+                          adapter)
+    adapters.attach(denoiser.net)
+    config = TrainConfig(batch_size=job["batch_size"], grad_accum=job.get("grad_accum", 1), seed=7,
+                         caption_dropout=0.3, objective=ObjectiveConfig(timestep_sampling="logit_normal",
+                                                                         noise_offset=0.05))
+    run_dir = RunDir(job["run_root"], job["run_name"]) if job.get("run_root") else None
+    optimizer = OptimizerConfig(lr=1e-2, schedule="cosine", warmup_steps=2, total_steps=20)
+    return Trainer(denoiser, adapters, cache, texts, config, optimizer, run_dir=run_dir)
+
+
+def main(rank: int, world: int, port: int, job: dict) -> None:
+    import conftest
+    import torch
+    from headroom.training.core import distributed
+
+    torch.set_num_threads(1)
+    if world > 1:
+        distributed.init(rank, world, "cpu", init_method=f"tcp://127.0.0.1:{port}", timeout_s=job.get("timeout_s", 60))
+    trainer = toy_run(job)
+    trainer.rank_batch = job.get("rank_batch")
+    if trainer.run_dir is not None:
+        trainer.resume()
+    log = open(job["step_log"], "a", buffering=1) if job.get("step_log") else None
+
+    def after_step(report):
+        if log is not None:
+            log.write(f"rank {rank} step {report.step} loss {report.loss!r}\n")
+            log.flush()
+        time.sleep(job.get("step_seconds", 0))
+        if job.get("corrupt_rank") == rank and report.step == job.get("corrupt_after"):
+            trainer.denoiser.net.proj_out.bias.data[:] = float("nan")  # this rank's model only
+
+    trainer.train_to(job["steps"], after_step, checkpoint_every=job.get("checkpoint_every", 0))
+    if trainer.run_dir is not None:
+        trainer.save()
+    torch.save({"adapter": trainer.trainable.state_dict(), "losses": trainer.loss_history}, f"{job['out']}.rank{rank}.pt")
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4]))

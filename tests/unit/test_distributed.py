@@ -1,0 +1,165 @@
+"""Data-parallel training on torch.distributed: 2 CPU ranks (gloo, separate processes) against one rank.
+
+The ranks are subprocesses running tests/distributed_worker.py on the toy denoiser of test_trainer.py.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from distributed_worker import toy_run
+from headroom.training.core.run_dir import RunDir
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+WORKER = pathlib.Path(__file__).resolve().parent.parent / "distributed_worker.py"
+STEPS = 10
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_ranks(job: dict, world: int = 2) -> list[subprocess.Popen]:
+    port = _free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return [subprocess.Popen([sys.executable, str(WORKER), str(rank), str(world), str(port), json.dumps(job)],
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for rank in range(world)]
+
+
+def _run_ranks(job: dict, world: int = 2) -> list[dict]:
+    ranks = _start_ranks(job, world)
+    for rank, process in enumerate(ranks):
+        _, err = process.communicate(timeout=300)
+        assert process.returncode == 0, f"rank {rank} failed:\n{err[-3000:]}"
+    return [torch.load(f"{job['out']}.rank{rank}.pt") for rank in range(world)]
+
+
+def _assert_close(actual: dict, expected: dict, rel: float = 1e-6) -> None:
+    assert set(actual) == set(expected)
+    for key, value in expected.items():
+        error = (actual[key] - value).norm() / value.norm().clamp_min(1e-12)
+        assert error <= rel, f"{key}: relative difference {error:.3g}"
+
+
+def _job(tmp_path, name: str, **extra) -> dict:
+    return {"steps": STEPS, "batch_size": 4, "grad_accum": 2, "out": str(tmp_path / name), **extra}
+
+
+@pytest.fixture(scope="module")
+def two_rank_run(tmp_path_factory):
+    """An uninterrupted 2-rank run of STEPS steps: global batch 4 (2 per rank), 2 micro-steps per step."""
+    tmp_path = tmp_path_factory.mktemp("two_ranks")
+    return _run_ranks(_job(tmp_path, "straight"))
+
+
+def _one_rank(job_extra: dict | None = None):
+    trainer = toy_run({"batch_size": 4, "grad_accum": 2, **(job_extra or {})})
+    return trainer
+
+
+def test_two_ranks_equal_one_rank_with_the_whole_batch(two_rank_run):
+    one = _one_rank()
+    one.train_to(STEPS)
+    reference = one.trainable.state_dict()
+    for rank in (0, 1):
+        _assert_close(two_rank_run[rank]["adapter"], reference)
+    # the ranks hold the same weights (the same summed gradients), and report the global batch's loss
+    for key, value in two_rank_run[0]["adapter"].items():
+        assert torch.equal(value, two_rank_run[1]["adapter"][key]), key
+    for (step, loss), (ref_step, ref_loss) in zip(two_rank_run[0]["losses"], one.loss_history, strict=True):
+        assert step == ref_step and loss == pytest.approx(ref_loss, rel=1e-5)
+    assert reference[next(iter(reference))].abs().sum() > 0  # it trained
+
+
+def test_one_rank_resumes_a_two_rank_run_exactly(tmp_path, two_rank_run):
+    """2 ranks with 2 items each for half the run, then 1 rank with the same global batch in chunks of 2 items
+    (rank_batch: the same memory per rank): the weights of the uninterrupted 2-rank run."""
+    _run_ranks(_job(tmp_path, "first", steps=STEPS // 2, run_root=str(tmp_path), run_name="run"))
+    resumed = _one_rank({"run_root": str(tmp_path), "run_name": "run"})
+    resumed.rank_batch = 2
+    assert resumed.resume() and resumed.step == STEPS // 2
+    resumed.train_to(STEPS)
+    _assert_close(resumed.trainable.state_dict(), two_rank_run[0]["adapter"])
+    assert [s for s, _ in resumed.loss_history] == list(range(1, STEPS + 1))
+
+
+def test_rank_batch_chunks_one_rank_s_batch_into_the_same_step():
+    whole = _one_rank()
+    whole.train_to(3)
+    chunked = _one_rank()
+    chunked.rank_batch = 1  # a global batch of 4 in 4 forward / backward passes
+    chunked.train_to(3)
+    _assert_close(chunked.trainable.state_dict(), whole.trainable.state_dict())
+    assert [loss for _, loss in chunked.loss_history] == pytest.approx([loss for _, loss in whole.loss_history], rel=1e-6)
+    chunked.rank_batch = 0
+    with pytest.raises(ValueError, match="rank_batch=0 must be >= 1"):
+        chunked.train_to(4)
+
+
+def test_only_rank_zero_writes_the_run_directory(tmp_path):
+    trainer = _one_rank({"run_root": str(tmp_path), "run_name": "run"})
+    trainer.train_to(1)
+
+    class OtherRank:  # what DataParallel says on rank 1; save() only asks is_main
+        is_main = False
+
+    trainer.parallel = OtherRank()
+    trainer.save()
+    assert trainer.saved_step == 1 and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("killed", [1, 0])
+def test_a_killed_rank_fails_the_other_with_its_name_and_keeps_the_checkpoint(tmp_path, killed):
+    log = tmp_path / "steps.log"
+    job = _job(tmp_path, "killed", steps=10_000, run_root=str(tmp_path), run_name="run", checkpoint_every=2,
+               step_log=str(log), step_seconds=0.2, timeout_s=30)
+    ranks = _start_ranks(job)
+    survivor = ranks[1 - killed]
+    try:
+        deadline = time.monotonic() + 120
+        while f"rank {killed} step 5 " not in (log.read_text() if log.exists() else ""):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in ranks), \
+                [p.communicate()[1][-2000:] for p in ranks if p.poll() is not None]
+            time.sleep(0.1)
+        os.kill(ranks[killed].pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        _, err = survivor.communicate(timeout=60)
+        took = time.monotonic() - killed_at
+    finally:
+        for process in ranks:
+            if process.poll() is None:
+                process.kill()
+            process.communicate()
+    assert survivor.returncode != 0
+    assert "RankLostError" in err and f"rank {killed} stopped answering" in err, err[-3000:]
+    assert took < 45  # the gloo timeout (30 s) bounds it; a killed peer is usually noticed at once
+    checkpoint = RunDir(tmp_path, "run").load_checkpoint()
+    assert checkpoint is not None and checkpoint.step >= 4 and checkpoint.step % 2 == 0
+    resumed = _one_rank({"run_root": str(tmp_path), "run_name": "run"})
+    assert resumed.resume() and resumed.step == checkpoint.step
+    resumed.train_to(checkpoint.step + 1)
+
+
+def test_a_nan_on_one_rank_stops_every_rank_at_the_same_step(tmp_path):
+    """Rank 1's model turns NaN after step 3: the global loss is NaN on both ranks, both stop at step 4, and rank 0
+    keeps the checkpoint of step 3."""
+    job = _job(tmp_path, "nan", steps=STEPS, run_root=str(tmp_path), run_name="run", corrupt_rank=1, corrupt_after=3)
+    ranks = _start_ranks(job)
+    errors = [process.communicate(timeout=300)[1] for process in ranks]
+    for process, err in zip(ranks, errors):
+        assert process.returncode != 0 and "NonFiniteLossError: training loss became nan at step 4" in err, err[-3000:]
+    assert "RankLostError" not in errors[0] + errors[1]
+    checkpoint = RunDir(tmp_path, "run").load_checkpoint()
+    assert checkpoint is not None and checkpoint.step == 3

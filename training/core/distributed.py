@@ -1,0 +1,147 @@
+"""Data parallelism for the Trainer over an initialised torch.distributed process group.
+
+What is shared and what is not:
+  - every rank holds the whole frozen base (never wrapped: streaming / low-bit storage work per rank unchanged)
+    and an identical copy of the trainable weights and optimizer;
+  - each micro-step's global batch (what a 1-rank run draws) is split into contiguous, disjoint shares, one per
+    rank; a batch never mixes buckets, so neither do the shares;
+  - the noise levels and noise are drawn for the whole global batch from the (seed, micro-step) generator and each
+    rank keeps its rows, so N ranks train on exactly the values one rank would;
+  - each rank's loss is its share's mean weighted by share / global batch; the scalar losses are summed (the
+    global mean, reported and checked for NaN by every rank alike) and, once per optimizer step, the trainable
+    gradients are flattened into one buffer and summed: the gradient of the global mean, on every rank;
+  - only rank 0 writes the run directory.
+
+Backend and device come from the device: NCCL for CUDA (each rank on cuda:LOCAL_RANK), gloo on the CPU. The same
+code runs for both; only `init` picks. A collective that fails (a rank was killed, ran out of memory, hung past
+the group's timeout) raises RankLostError naming the rank(s) that stopped answering.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from .. import public_module
+
+_ALIVE_GRACE_S = 3.0  # how long survivors wait for each other before naming the ranks that did not answer
+
+
+class RankLostError(RuntimeError):
+    """A rank of a data-parallel run stopped answering; the message names it."""
+
+    __module__ = public_module(__name__)
+
+
+def backend_for(device: torch.device | str) -> str:
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def init(rank: int, world_size: int, device: torch.device | str = "cpu", init_method: str | None = None,
+         timeout_s: float = 600.0) -> None:
+    """Join (or create) the process group: NCCL for CUDA, gloo otherwise. `init_method` None: from the environment
+    (torchrun / accelerate set MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE). A short `timeout_s` bounds how long a
+    rank waits for one that hangs."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend_for(device), init_method=init_method or "env://", rank=rank,
+                            world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+class DataParallel:
+    """The Trainer's view of the process group: its rank's share of a batch, and the few collectives a step needs."""
+
+    def __init__(self):
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        # Collectives run on the backend's device: NCCL reduces CUDA tensors, gloo CPU ones.
+        self.device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
+            else torch.device("cpu")
+        self._step = 0
+
+    @classmethod
+    def current(cls) -> "DataParallel | None":
+        """The running group's helper; None without one (or with one rank): the 1-rank path, with no extra work."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+            return None
+        return cls()
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def share(self, count: int) -> slice:
+        """This rank's rows of a global batch of `count` items (contiguous; sizes differ by at most one)."""
+        return slice(count * self.rank // self.world_size, count * (self.rank + 1) // self.world_size)
+
+    def global_loss(self, weighted_local: torch.Tensor, step: int) -> float:
+        """The sum over ranks of (share mean * share / global batch): the global batch's mean loss."""
+        self._step = step
+        value = weighted_local.detach().float().reshape(1).to(self.device)
+        with self._collective("loss all-reduce"):
+            dist.all_reduce(value)
+        return value.item()
+
+    def reduce_gradients(self, params: list[torch.nn.Parameter]) -> None:
+        """Sum the trainable gradients over the ranks in one flat buffer (a parameter without a gradient counts 0)."""
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.reshape(-1).float() for g in grads]).to(self.device)
+        with self._collective("gradient all-reduce"):
+            dist.all_reduce(flat)
+        offset = 0
+        for param, grad in zip(params, grads):
+            count = grad.numel()
+            param.grad = flat[offset:offset + count].view_as(grad).to(grad)
+            offset += count
+
+    def barrier(self, what: str) -> None:
+        with self._collective(what):
+            dist.barrier()
+
+    @contextlib.contextmanager
+    def _collective(self, what: str):
+        try:
+            yield
+        except (RuntimeError, dist.DistError) as error:  # gloo: connection closed / timed out; NCCL: watchdog
+            if isinstance(error, RankLostError):
+                raise
+            lost = self._lost_ranks()
+            who = (f"rank {', '.join(map(str, lost))}" if lost else "another rank") + " stopped answering"
+            raise RankLostError(
+                f"data-parallel training, rank {self.rank} of {self.world_size}: the {what} of step {self._step + 1} "
+                f"failed: {who} (killed, out of memory, or crashed; see its own log). This rank stops too; the run's "
+                f"last checkpoint is kept and the run resumes from it at any number of ranks. ({str(error)[:300]})"
+            ) from None
+
+    def _lost_ranks(self) -> list[int]:
+        """The ranks that do not check in on the rendezvous store within a grace period. A store that cannot be
+        reached is hosted by rank 0 (our own launchers' TCPStore), so rank 0 is the one lost."""
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            prefix = f"headroom/alive/{self._step}/"
+            store.set(prefix + str(self.rank), "1")
+            deadline = time.monotonic() + _ALIVE_GRACE_S
+            others = [r for r in range(self.world_size) if r != self.rank]
+            while True:
+                missing = [r for r in others if not store.check([prefix + str(r)])]
+                if not missing or time.monotonic() > deadline:
+                    return missing
+                time.sleep(0.1)
+        except Exception:  # noqa: BLE001 - the store went down with its host
+            return [0] if self.rank != 0 else []
+
+
+def is_main_process() -> bool:
+    """False on the ranks > 0 of a running process group: they never write the run directory."""
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def env_rank() -> tuple[int, int, int]:
+    """(rank, world size, local rank) as torchrun / accelerate launch set them; (0, 1, 0) outside a launcher."""
+    return (int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)),
+            int(os.environ.get("LOCAL_RANK", 0)))
