@@ -1,7 +1,7 @@
 """Data nodes: a deterministic synthetic dataset for demos, tests and ControlNet work."""
 from comfy_api.latest import io
 
-from ..training.data.synthetic import COLOURS, generate_shapes, parse_colours
+from ..training.data.synthetic import COLOURS, SIZE_PRESETS, generate_shapes, parse_colours
 
 
 class HeadroomSyntheticDataset(io.ComfyNode):
@@ -26,6 +26,9 @@ class HeadroomSyntheticDataset(io.ComfyNode):
                 io.String.Input("colours", default="", optional=True,
                                 tooltip=f"Only these colours, comma-separated (e.g. 'green', the colour the pretrained "
                                 f"tiny model never saw); empty: all of {', '.join(COLOURS)}."),
+                io.Combo.Input("sizes", options=list(SIZE_PRESETS), default="default", optional=True,
+                               tooltip="Shape sizes: default (0.26-0.40 of a grid cell), or large (0.40-0.46), the "
+                               "sizes the pretrained tiny model was trained on: use them to teach it."),
             ],
             outputs=[
                 io.Image.Output("images", display_name="images",
@@ -50,8 +53,10 @@ class HeadroomSyntheticDataset(io.ComfyNode):
         return True
 
     @classmethod
-    def execute(cls, count: int, resolution: int, seed: int, colours: str = "") -> io.NodeOutput:
-        data = generate_shapes(count, resolution, seed, parse_colours(colours or ""))
+    def execute(cls, count: int, resolution: int, seed: int, colours: str = "", sizes: str = "default") -> io.NodeOutput:
+        if sizes not in SIZE_PRESETS:
+            raise ValueError(f"HeadroomSyntheticDataset: sizes={sizes!r}; choose one of {', '.join(SIZE_PRESETS)}")
+        data = generate_shapes(count, resolution, seed, parse_colours(colours or ""), **SIZE_PRESETS[sizes])
         return io.NodeOutput(data.images, "\n".join(data.captions), data.control_images)
 
 

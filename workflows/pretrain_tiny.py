@@ -35,10 +35,11 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "nodes" / "weights" / "tiny_sd15_shapes.safetensors"
 HELD_OUT = "green"
 RESOLUTION = 64
-# --shape-sizes: generate_shapes' own (half-size 0.26-0.40 of a cell, offset 0.08), or near the largest that stay
-# inside their cell. With an 8x8 latent the small ones come back as blobs, and even a 2x blur of them fools the
-# pixel classifier's shape reading (89 % on 216 images; the large ones: 100 %).
-SHAPE_SIZES = {"default": {}, "large": {"half_size": (0.40, 0.46), "max_offset": 0.04}}
+# --shape-sizes: training/data/synthetic.py's SIZE_PRESETS (loaded from its file: headroom imports ComfyUI).
+_spec = importlib.util.spec_from_file_location("_synthetic_sizes", REPO / "training" / "data" / "synthetic.py")
+_synthetic = sys.modules[_spec.name] = importlib.util.module_from_spec(_spec)  # dataclasses look it up
+_spec.loader.exec_module(_synthetic)
+SHAPE_SIZES = _synthetic.SIZE_PRESETS
 
 
 def _import_comfyui_and_headroom() -> None:
@@ -283,23 +284,23 @@ def main(argv=None) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=pathlib.Path, default=DEFAULT_OUT, help="safetensors file to write")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--shape-sizes", choices=sorted(SHAPE_SIZES), default="default",
+    parser.add_argument("--shape-sizes", choices=sorted(SHAPE_SIZES), default="large",
                         help="synthetic shape sizes for both stages (see SHAPE_SIZES)")
-    parser.add_argument("--vae-steps", type=int, default=500)
+    parser.add_argument("--vae-steps", type=int, default=800)
     parser.add_argument("--vae-batch", type=int, default=32)
     parser.add_argument("--vae-lr", type=float, default=2e-3)
     parser.add_argument("--vae-images", type=int, default=4096)
     parser.add_argument("--vae-shape-weight", type=float, default=20.0, help="extra loss weight on shape pixels")
-    parser.add_argument("--vae-edge-weight", type=float, default=0.0, help="extra loss weight on the outline "
+    parser.add_argument("--vae-edge-weight", type=float, default=20.0, help="extra loss weight on the outline "
                         "(a pixel either side of the shape's edge)")
     parser.add_argument("--vae-crop", type=int, default=0, help="train the autoencoder on windows of this many "
                         "pixels holding the shape (0: whole images)")
-    parser.add_argument("--vae-shape-probe", type=float, default=0.0, help="weight of the shape probe's loss "
+    parser.add_argument("--vae-shape-probe", type=float, default=1.0, help="weight of the shape probe's loss "
                         "on the latent (0: none)")
     parser.add_argument("--vae-latent-noise", type=float, default=0.05, help="latent noise, relative to its std")
     parser.add_argument("--images", type=int, default=216 * 20, help="synthetic images for the denoiser "
                         "(before the held-out colour is removed)")
-    parser.add_argument("--steps", type=int, default=2600, help="denoiser + text encoder steps")
+    parser.add_argument("--steps", type=int, default=3400, help="denoiser + text encoder steps")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--lr", type=float, default=1e-3)
     args = parser.parse_args(argv)

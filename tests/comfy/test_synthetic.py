@@ -99,6 +99,14 @@ def test_node_execute_in_comfyui(comfyui):
     assert captions.split("\n") == expected.captions
     assert HeadroomSyntheticDataset.validate_inputs(resolution=64) is True
     assert "multiple of 8" in HeadroomSyntheticDataset.validate_inputs(resolution=60)
+    # sizes: the named presets the pretrained tiny model's script also uses
+    from headroom.training.data.synthetic import SIZE_PRESETS
+
+    large = HeadroomSyntheticDataset.execute(count=3, resolution=64, seed=2, sizes="large").result
+    assert torch.equal(large[0], generate_shapes(3, 64, seed=2, **SIZE_PRESETS["large"]).images)
+    assert large[2].sum() > control_images.sum()  # bigger shapes, more mask pixels
+    with pytest.raises(ValueError, match="sizes='huge'; choose one of default, large"):
+        HeadroomSyntheticDataset.execute(count=1, resolution=64, seed=0, sizes="huge")
 
 
 def test_colours_restrict_the_items_and_default_is_unchanged():

@@ -37,6 +37,10 @@ BACKGROUND: tuple[float, float, float] = (0.92, 0.92, 0.92)
 # centre. 0.40 + 0.08 < 0.5: every shape stays entirely inside its own cell.
 _MIN_HALF_SIZE, _MAX_HALF_SIZE, _MAX_OFFSET = 0.26, 0.40, 0.08
 MIN_RESOLUTION = 32
+# Named sizes (generate_shapes keyword arguments): "default" as above, or "large", near the largest that stay inside
+# their cell. With an 8x8 latent the small ones come back as blobs; the pretrained tiny model is trained on "large"
+# (workflows/pretrain_tiny.py --shape-sizes), so a dataset that teaches it should use them too.
+SIZE_PRESETS: dict[str, dict] = {"default": {}, "large": {"half_size": (0.40, 0.46), "max_offset": 0.04}}
 
 
 @dataclass(frozen=True)
