@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import errno
 import json
-import math
 import os
 import re
 import secrets

@@ -37,7 +37,7 @@ import torch
 from . import activation_offload, checkpointing, lowbit, optimizer_parking, weight_streaming
 from .cost import FeatureCost
 from .memory_stats import format_bytes
-from .policy import CHECKPOINTING, GIB, OPTIMIZER_STATES, PLACEMENTS, OffloadPolicy
+from .policy import CHECKPOINTING, OPTIMIZER_STATES, PLACEMENTS, OffloadPolicy
 
 ALLOCATOR_OVERHEAD = 0.05  # caching-allocator rounding and fragmentation, on top of live tensors
 TILE_PX = 512  # ComfyUI's default tiled VAE decode tile, in pixels
