@@ -84,12 +84,13 @@ def _tiny_vae():
 
 # The geometry comfy/model_detection.py fixes for every HunyuanVideo-class checkpoint (128-wide heads, mlp_ratio 4,
 # theta 256, qkv biases) and HunyuanVideo 1.5's own keys (65 input channels, 3-D patches, cond-type embedding,
-# SigLIP 1152-wide vision input, byT5; no guidance input, no meanflow) with one head, one block of each kind.
+# a vision input, byT5; no guidance input, no meanflow) with one head, one block of each kind. The vision input
+# (SigLIP's 1152 features in the released model, for image-to-video only) is 32 wide here: training gives it nothing.
 _TINY_DIT = {
     "image_model": "hunyuan_video", "in_channels": 65, "out_channels": 32, "patch_size": [1, 1, 1], "vec_in_dim": None,
     "axes_dim": [16, 56, 56], "meanflow": False, "context_in_dim": TINY_QWEN25_7B["hidden_size"], "hidden_size": 128,
     "mlp_ratio": 4.0, "num_heads": 1, "depth": 1, "depth_single_blocks": 1, "theta": 256, "qkv_bias": True,
-    "byt5": True, "guidance_embed": False, "use_cond_type_embedding": True, "vision_in_dim": 1152,
+    "byt5": True, "guidance_embed": False, "use_cond_type_embedding": True, "vision_in_dim": 32,
     "meanflow_sum": True,
 }
 
