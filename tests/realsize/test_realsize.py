@@ -227,7 +227,8 @@ KEY_CASES = [
     # 2048 wide, 1 double block and no single ones, as released (8.3 B at full depth: 54 double blocks)
     ("hunyuan_video15", ["--depth", "1,0"], "hunyuan_video15", 320_592_672),
 ]
-# Formats HeadroomSaveLora refuses for a family because ComfyUI's key map has no names in them (HunyuanImage, Wan, HunyuanVideo 1.5: no diffusers).
+# Formats HeadroomSaveLora refuses for a family because ComfyUI's key map has no names in them (HunyuanImage, Wan,
+# HunyuanVideo 1.5: no diffusers).
 REFUSED_FORMATS = {"hunyuan_image": ["diffusers"], "wan21": ["diffusers"], "hunyuan_video15": ["diffusers"]}
 
 
