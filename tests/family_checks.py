@@ -61,12 +61,14 @@ def base_weights(model):
 
 def empty_latent(model, width: int, height: int, frames: int = 1) -> dict:
     """An empty LATENT of the model's own format (channels, downscale, frames), as its stock empty-latent node makes
-    (clips, frames > 1: the stock EmptyHunyuanLatentVideo, which Wan workflows start from)."""
-    if frames > 1:
-        from comfy_extras.nodes_hunyuan import EmptyHunyuanLatentVideo
-
-        return EmptyHunyuanLatentVideo.execute(width, height, frames, 1).args[0]
+    (clips, frames > 1: the stock EmptyHunyuanLatentVideo, which Wan workflows start from, or EmptyHunyuanVideo15Latent
+    for HunyuanVideo 1.5's 32-channel 16x latents)."""
     latent_format = model.model.latent_format
+    if frames > 1:
+        from comfy_extras.nodes_hunyuan import EmptyHunyuanLatentVideo, EmptyHunyuanVideo15Latent
+
+        node = EmptyHunyuanVideo15Latent if latent_format.latent_channels == 32 else EmptyHunyuanLatentVideo
+        return node.execute(width, height, frames, 1).args[0]
     downscale = latent_format.spacial_downscale_ratio
     frames = (1,) if latent_format.latent_dimensions == 3 else ()  # video-VAE families (Wan 2.1 latents): one frame
     return {"samples": torch.zeros(1, latent_format.latent_channels, *frames, height // downscale, width // downscale)}

@@ -166,12 +166,26 @@ def _wan21(dim: int, ffn_dim: int, depth: int) -> dict:
 
 
 ARCHITECTURES.update({"wan21_14b": _wan21(5120, 13824, 40), "wan21_1_3b": _wan21(1536, 8960, 30)})
+ARCHITECTURES["hunyuan_video15"] = {
+    # HunyuanVideo 1.5 (8.3B, 480p / 720p text-to-video) as comfy/model_detection.py derives it from the released
+    # file: 2048 wide (16 heads of 128), 54 double-stream blocks and no single-stream ones, 3-D 1x1x1 patches of 65
+    # input channels (latents, image latents, mask) and 32 output ones, Qwen2.5-VL-7B text (3584), the byT5 mapper,
+    # the cond-type embedding, the SigLIP vision input (1152), no guidance input, no meanflow.
+    "text_tokens": 256, "text_encoder": None, "latent_channels": 32, "depth": (54, 0),
+    "unet_config": {
+        "image_model": "hunyuan_video", "in_channels": 65, "patch_size": [1, 1, 1], "out_channels": 32,
+        "vec_in_dim": None, "axes_dim": [16, 56, 56], "meanflow": False, "context_in_dim": 3584, "hidden_size": 2048,
+        "mlp_ratio": 4.0, "num_heads": 16, "depth": 54, "depth_single_blocks": 0, "theta": 256, "qkv_bias": True,
+        "byt5": True, "guidance_embed": False, "use_cond_type_embedding": True, "vision_in_dim": 1152,
+        "meanflow_sum": True,
+    },
+}
 T5XXL_LAYERS = 24  # the released T5-XXL encoder
 
 
 def unet_config(name: str, depth=None) -> dict:
     """The architecture's unet_config; `depth` reduces it at real width: SD3.5 joint blocks (int), Flux / Chroma /
-    HunyuanImage 2.1 (double blocks, single blocks), HiDream (double-, single-stream blocks). The UNets (SDXL, SD2.1) are always
+    HunyuanImage 2.1 / HunyuanVideo 1.5 (double blocks, single blocks), HiDream (double-, single-stream blocks). The UNets (SDXL, SD2.1) are always
     full size."""
     config = dict(ARCHITECTURES[name]["unet_config"])
     if depth is None:
@@ -182,7 +196,7 @@ def unet_config(name: str, depth=None) -> dict:
         config["n_layers"] = int(depth)
     elif name == "qwen_image" or name.startswith("wan21_"):
         config["num_layers"] = int(depth)
-    elif name in ("flux_dev", "chroma", "hunyuan_image_21") or name.startswith("flux2_"):
+    elif name in ("flux_dev", "chroma", "hunyuan_image_21", "hunyuan_video15") or name.startswith("flux2_"):
         config["depth"], config["depth_single_blocks"] = (int(d) for d in depth)
     elif name == "hidream_i1":
         config["num_layers"], config["num_single_layers"] = (int(d) for d in depth)

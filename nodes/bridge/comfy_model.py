@@ -202,6 +202,8 @@ def model_inputs(model: comfy.model_base.BaseModel, cond: dict, noise: torch.Ten
     downscale = model.latent_format.spacial_downscale_ratio  # image px per latent px (8; Flux.2: 16)
     params.update(device=device, noise=noise, width=noise.shape[-1] * downscale, height=noise.shape[-2] * downscale,
                   prompt_type="positive")
+    # ComfyUI's encoders always give pooled_output, None where they have none; HunyuanVideo's encode_adm reads it.
+    params.setdefault("pooled_output", None)
     return model.extra_conds(**params)
 
 

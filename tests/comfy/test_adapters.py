@@ -120,7 +120,7 @@ def test_family_presets_pick_the_documented_layers(comfyui):
 
     picked = {}
     for family in ("sd15", "sd2", "sdxl", "sd3", "flux", "flux2", "chroma", "zimage", "qwen_image",
-                   "hidream", "hunyuan_image", "wan21"):
+                   "hidream", "hunyuan_image", "wan21", "hunyuan_video15"):
         model = build_tiny_model_patcher(family, 0).model
         assert model_family(model) == family
         blocks = [n for n, _ in model_blocks(model.diffusion_model)]
@@ -160,6 +160,11 @@ def test_family_presets_pick_the_documented_layers(comfyui):
         "cross_attn.k", "cross_attn.o", "cross_attn.q", "cross_attn.v", "ffn.0", "ffn.2", "self_attn.k", "self_attn.o",
         "self_attn.q", "self_attn.v"]
     assert len(picked["wan21"]) == 10 * 2
+    # HunyuanVideo 1.5: Flux's block layers (one double, one single block in the tiny model); the modulation, the text
+    # refiner and the byT5 / vision mappers stay frozen.
+    assert sorted({re.sub(r"^(double|single)_blocks\.\d+\.", "", p) for p in picked["hunyuan_video15"]}) == [
+        "img_attn.proj", "img_attn.qkv", "img_mlp.0", "img_mlp.2", "linear1", "linear2", "txt_attn.proj",
+        "txt_attn.qkv", "txt_mlp.0", "txt_mlp.2"]
     # SD2 / SDXL: the UNet attention projections as SD1's; Chroma: Flux's layers (its blocks have no modulation)
     for family in ("sd2", "sdxl"):
         assert picked[family] and all(p.rsplit(".", 2)[-2] in ("attn1", "attn2") or p.endswith("to_out.0")

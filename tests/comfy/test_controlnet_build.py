@@ -216,7 +216,7 @@ def test_unsupported_family_lists_the_supported_ones(comfyui):
 def test_init_refuses_every_family_without_a_controlnet_layout_naming_it_and_the_supported_ones(comfyui):
     """Every registry family: a ControlNet type where ComfyUI's ControlNetLoader detects a layout Headroom trains
     (cldm for the UNets, SD3's, Flux's XLabs, Qwen-Image's InstantX); the others (Flux.2, Chroma, Z-Image, HiDream,
-    HunyuanImage, Wan: ComfyUI has none, or only model patches) are refused at Init, before any cache is read, naming the
+    HunyuanImage, Wan, HunyuanVideo 1.5: ComfyUI has none, or only model patches) are refused at Init, before any cache is read, naming the
     family."""
     from headroom.nodes import train_controlnet as TC, train_lora as T
     from headroom.nodes.bridge import families
@@ -236,4 +236,4 @@ def test_init_refuses_every_family_without_a_controlnet_layout_naming_it_and_the
                                              rf"family {name} .*sd15, sd2, sdxl \(unet: .*sd3 \(sd3: .*flux \(flux: "):
             TC.start_controlnet_run(model, None, None, optimizer, f"cn_refused_{name}", 0, 1, 1, "fp32", 1.0, 0.0,
                                     "uniform", "none", 5.0, 0.0, False, 1, 0)
-    assert refused == ["flux2", "chroma", "zimage", "hidream", "hunyuan_image", "wan21"]
+    assert refused == ["flux2", "chroma", "zimage", "hidream", "hunyuan_image", "wan21", "hunyuan_video15"]

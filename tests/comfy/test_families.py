@@ -40,7 +40,7 @@ def test_one_module_per_family(comfyui):
     folder = pathlib.Path(families.__file__).parent
     modules = sorted(p.stem for p in folder.glob("*.py") if p.stem not in ("__init__", "base"))
     assert list(families.FAMILIES) == ["sd15", "sd2", "sdxl", "sd3", "flux", "flux2", "chroma", "zimage", "qwen_image",
-                                       "hidream", "hunyuan_image", "wan21"]
+                                       "hidream", "hunyuan_image", "wan21", "hunyuan_video15"]
     assert sorted(families.FAMILIES) == modules
     assert list(families.CONTROLNET_TYPES) == ["unet", "sd3", "flux", "qwen_image"]  # stored names: never renamed
     assert (families.get("sd15").controlnet is families.get("sd2").controlnet is families.get("sdxl").controlnet
@@ -63,8 +63,9 @@ def test_recognition_is_the_rule_it_replaced(comfyui):
         # Families new with the registry: the old rule refused them (None); SD2 / Chroma were claimed by sd15 / flux.
         assert _old_model_family(model) == (SPLIT_OFF.get(name, name) if name in ("sd15", "sd2", "sdxl", "sd3", "flux",
                                                                                  "chroma") else None)
-        # Flux.2's, Chroma's and HunyuanImage's blocks are Flux's DoubleStreamBlock / SingleStreamBlock kind: in place.
-        inplace = name in ("flux", "flux2", "chroma", "hunyuan_image")
+        # Flux.2's, Chroma's, HunyuanImage's and HunyuanVideo 1.5's blocks are Flux's DoubleStreamBlock /
+        # SingleStreamBlock kind: in place.
+        inplace = name in ("flux", "flux2", "chroma", "hunyuan_image", "hunyuan_video15")
         assert families.inplace_blocks(model) == inplace
         assert ComfyDenoiser(patcher).inplace_blocks == inplace
         if name in ("sd15", "sd2", "sdxl", "sd3", "flux", "qwen_image"):
@@ -95,11 +96,11 @@ def test_family_facts_are_the_tables_they_replaced(comfyui):
 
     assert {f.name: f.text_tokens for f in families.FAMILIES.values()} == {
         "sd15": 77, "sd2": 77, "sdxl": 77, "sd3": 154, "flux": 256, "flux2": 512, "chroma": 256, "zimage": 128,
-        "qwen_image": 128, "hidream": 128, "hunyuan_image": 128, "wan21": 512}
+        "qwen_image": 128, "hidream": 128, "hunyuan_image": 128, "wan21": 512, "hunyuan_video15": 256}
     assert {name: lora_formats.diffusers_component(name) for name in families.FAMILIES} == {
         "sd15": "unet", "sd2": "unet", "sdxl": "unet", "sd3": "transformer", "flux": "transformer",
         "flux2": "transformer", "chroma": "transformer", "zimage": "transformer", "qwen_image": "transformer",
-        "hidream": "transformer", "hunyuan_image": None, "wan21": None}
+        "hidream": "transformer", "hunyuan_image": None, "wan21": None, "hunyuan_video15": None}
     assert lora_formats.diffusers_component(None) is None and families.lora_preset("wan") is None
     assert {f.name: f.kohya_base for f in families.FAMILIES.values()} == {
         "sd15": ("sd_v1", "stable-diffusion-v1/lora"), "sdxl": ("sdxl_base_v1-0", "stable-diffusion-xl-v1-base/lora"),
@@ -107,7 +108,7 @@ def test_family_facts_are_the_tables_they_replaced(comfyui):
         "sd2": ("sd_v2", "stable-diffusion-v2-512/lora"), "chroma": ("chroma", "chroma/lora"),
         "zimage": ("z_image", "Z-Image/lora"), "qwen_image": ("qwen_image", "Qwen-Image/lora"),
         "hidream": ("hidream_i1", "hidream-i1/lora"), "hunyuan_image": ("hunyuan_image_2_1", "HunyuanImage-2.1/lora"),
-        "wan21": ("wan", "wan2.1/lora")}
+        "wan21": ("wan", "wan2.1/lora"), "hunyuan_video15": ("hunyuan_video_1_5", "hunyuan-video-1.5/lora")}
     assert [f.name for f in families.FAMILIES.values() if f.lora_preset.conv is not None] == ["sd15", "sd2", "sdxl"]
     assert {name: t.hint for name, t in families.CONTROLNET_TYPES.items()} == {"unet": "pixels", "sd3": "latents",
                                                                               "flux": "pixels", "qwen_image": "latents"}
@@ -120,7 +121,8 @@ def test_a_model_of_no_family_trains_with_all_linear_only(comfyui):
     model = _models()["sd15"].model
     blocks = ["input_blocks.1"]
     with pytest.raises(ValueError, match=r"this model has no LoRA target preset \(presets: sd15, sd2, sdxl, sd3, "
-                                         r"flux, flux2, chroma, zimage, qwen_image, hidream, hunyuan_image, wan21\); "
+                                         r"flux, flux2, chroma, zimage, qwen_image, hidream, hunyuan_image, wan21, "
+                                         r"hunyuan_video15\); "
                                          "set targets to 'all_linear'"):
         families.lora_targets(model.diffusion_model, None, AdapterConfig(), blocks)
     assert families.lora_targets(model.diffusion_model, None, AdapterConfig(targets="all_linear"), blocks)
@@ -332,3 +334,19 @@ def test_wan21_is_text_to_video_only_and_expects_umt5_width(comfyui):
         {**R.unet_config("wan21_1_3b", 1), "model_type": "vace", "vace_in_dim": 96, "vace_layers": 1}
     ).get_model({}, "", device="meta")
     assert families.family_of(vace) is None
+
+
+def test_hunyuan_video15_is_the_base_model_not_the_super_resolution_one(comfyui):
+    """HunyuanVideo 1.5 as ComfyUI detects the released file (8.3B: 2048 wide, 54 double blocks) is hunyuan_video15,
+    its cross_attn Qwen2.5-VL-7B's width; the super-resolution model (98 input channels, another class) is no family."""
+    import comfy.model_detection
+
+    import realsize_models as R
+    from headroom.nodes.bridge import families
+    from headroom.nodes.bridge.comfy_model import expected_cond_dims
+
+    config = R.unet_config("hunyuan_video15", (1, 0))
+    model = comfy.model_detection.model_config_from_unet_config(config).get_model({}, "", device="meta")
+    assert families.family_name(model) == "hunyuan_video15" and expected_cond_dims(model) == {"cross_attn": 3584}
+    sr = comfy.model_detection.model_config_from_unet_config({**config, "in_channels": 98}).get_model({}, "", device="meta")
+    assert type(sr).__name__ == "HunyuanVideo15_SR_Distilled" and families.family_of(sr) is None

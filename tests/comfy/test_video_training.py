@@ -194,27 +194,32 @@ def test_clip_datasets_refuse_bad_input_naming_the_file(cache_dir, tmp_path, mon
         cache_nodes.HeadroomCacheLatents.execute(dataset, build_tiny_vae("sd15", 0))
 
 
-def test_four_clips_overfit_and_the_validation_clip_is_the_stock_loaders(cache_dir, caplog, tmp_path):
+@pytest.mark.parametrize("family, latent_shape", [("wan21", (16, 2, 4, 4)), ("hunyuan_video15", (32, 2, 2, 2))])
+def test_four_clips_overfit_and_the_validation_clip_is_the_stock_loaders(cache_dir, caplog, tmp_path, family,
+                                                                         latent_shape):
     """4 synthetic clips of 5 frames (2 latent frames): the loss halves within 300 steps; then a 5-frame validation
-    clip through stock samplers equals LoraLoader + KSampler on the stock EmptyHunyuanLatentVideo, frame by frame, and
+    clip through stock samplers equals LoraLoader + KSampler on the stock empty video latent, frame by frame, and
     is saved as an animated WEBP and a frame grid."""
     from headroom.nodes import cache as cache_nodes
     from headroom.training.data.synthetic import generate_moving_shapes
     from headroom.training.data.video import dataset_from_clips
 
-    model, clip, vae = _tiny_wan()
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
+
+    with torch.inference_mode():
+        model, clip, vae = build_tiny_models(family, 0)
     clips = generate_moving_shapes(4, 32, 5, 0)
     dataset = dataset_from_clips(list(clips.clips), clips.captions, resolution=32, step=16)
     latents, texts = _cache(dataset, vae, clip)
-    assert all(latents.latent(i).shape == (16, 2, 4, 4) for i in range(4))
+    assert all(latents.latent(i).shape == latent_shape for i in range(4))
 
     run = init_run(model, latents, texts, f"video_overfit_{tmp_path.name}", 16, 1e-2, "all_layers", False, "cosine", 300)
     initial, final = overfit(run)
-    print(f"wan21 clips: {run.step} steps; loss {initial:.4f} -> {final:.4f} ({1 - final / initial:.0%} lower)")
+    print(f"{family} clips: {run.step} steps; loss {initial:.4f} -> {final:.4f} ({1 - final / initial:.0%} lower)")
     assert final <= 0.5 * initial
 
     roundtrip = init_run(model, latents, texts, f"video_roundtrip_{tmp_path.name}", 8, 2e-2, "preset", False)
-    check_stock_round_trip(roundtrip, model, clip, vae, caplog, label="wan21 clip", frames=5)
+    check_stock_round_trip(roundtrip, model, clip, vae, caplog, label=f"{family} clip", frames=5)
     folder = roundtrip.run_dir.validation_dir
     webp = sorted(folder.glob("step_*_0.webp"))
     assert len(webp) == 1

@@ -224,9 +224,12 @@ KEY_CASES = [
     ("hunyuan_image_21", ["--depth", "1,1"], "hunyuan_image", 1_121_819_328),
     ("wan21_14b", ["--depth", "1"], "wan21", 584_113_728),  # 5120 wide, 1 block (14 B at full depth; Wan 2.2 A14B experts)
     ("wan21_1_3b", ["--depth", "2"], "wan21", 118_657_088),  # 1536 wide, 2 blocks (1.3 B at full depth)
+    # 2048 wide, 1 double block and no single ones, as released (8.3 B at full depth: 54 double blocks)
+    ("hunyuan_video15", ["--depth", "1,0"], "hunyuan_video15", 320_592_672),
 ]
-# Formats HeadroomSaveLora refuses for a family because ComfyUI's key map has no names in them (Wan: no diffusers).
-REFUSED_FORMATS = {"wan21": ["diffusers"]}
+# Formats HeadroomSaveLora refuses for a family because ComfyUI's key map has no names in them (HunyuanImage, Wan,
+# HunyuanVideo 1.5: no diffusers).
+REFUSED_FORMATS = {"hunyuan_image": ["diffusers"], "wan21": ["diffusers"], "hunyuan_video15": ["diffusers"]}
 
 
 @pytest.mark.parametrize("arch, args, family, params", KEY_CASES, ids=[c[0] for c in KEY_CASES])
