@@ -138,12 +138,17 @@ class RankWorkers:
     def _replies(self, what: str, timeout_s: float = START_TIMEOUT_S):
         for rank, connection in self.connections.items():
             deadline = time.monotonic() + timeout_s
+            process = self.processes[rank - 1]
             while not connection.poll(0.1):
-                process = self.processes[rank - 1]
                 if process.poll() is not None or time.monotonic() > deadline:
                     raise distributed.RankLostError(f"devices: rank {rank} stopped answering ({what}; exit code "
                                                     f"{process.poll()}); see the ComfyUI log for its error")
-            yield rank, connection.recv()
+            try:
+                reply = connection.recv()
+            except (EOFError, OSError):  # the worker's end closed: it died
+                raise distributed.RankLostError(f"devices: rank {rank} stopped answering ({what}; exit code "
+                                                f"{process.poll()}); see the ComfyUI log for its error") from None
+            yield rank, reply
 
     def close(self, grace_s: float = 30.0) -> None:
         if self.closed:

@@ -77,3 +77,30 @@ def test_devices_2_spawns_trains_like_one_device_and_cancel_stops_every_rank(com
     workers.close()
     assert workers.processes[0].returncode == 0 and RankWorkers.active is None
     assert not torch.distributed.is_initialized()
+
+
+def test_devices_2_a_killed_worker_fails_the_run_cleanly_with_its_checkpoint(comfyui):
+    from headroom.nodes import train_lora as T
+    from headroom.nodes.bridge.rank_workers import RankWorkers
+    from headroom.training.core.run_dir import RunDir
+
+    model, _, _, latents, texts = _data("sd15")
+    run = _init(model, latents, texts, "killed_worker", devices="2", rank=4, lr=5e-3, batch_size=4)
+    workers = run.ranks
+
+    def kill_at_step_3():
+        while run.step < 3:
+            threading.Event().wait(0.01)
+        workers.processes[0].kill()
+
+    killer = threading.Thread(target=kill_at_step_3)
+    killer.start()
+    try:
+        with torch.inference_mode(), pytest.raises(RuntimeError, match="rank 1"):
+            T.HeadroomTrainSteps.execute(run, 500, checkpoint_every=1)
+    finally:
+        killer.join()
+    assert 3 <= run.step < 500 and RunDir(T.runs_root(), "killed_worker").latest_step() == run.step
+    assert workers.closed and RankWorkers.active is None and not torch.distributed.is_initialized()
+    with torch.inference_mode(), pytest.raises(ValueError, match="worker ranks were closed"):
+        T.HeadroomTrainSteps.execute(run, run.step + 1)
