@@ -22,6 +22,7 @@ from .bridge import lora_formats
 from .bridge.comfy_bridge import TrainingRun, check_run_kind, node_id
 from .bridge.comfy_model import check_caches, check_reference_cache, model_family
 from .bridge.model_files import runs_root, save_lora
+from .bridge.rank_workers import DEVICES, RankWorkers, parse_devices
 from .bridge.run_lora import REFERENCES, SAVE_DTYPES, LoraRunConfig, open_lora_run
 from .bridge.run_settings import resolve_policy, run_fingerprint, train_config
 from .bridge.validation import validate
@@ -158,7 +159,8 @@ def start_lora_run(model, latent_cache, text_cache, lora_config, optimizer_confi
                    min_snr_gamma, noise_offset, gradient_checkpointing, checkpoint_depth, holdout, policy=None,
                    loss_type: str = "mse", huber_delta: float = 0.1, ema_decay: float = 0.0,
                    prior_latent_cache=None, prior_text_cache=None, prior_ratio: float = 0.5, reference: str = "none",
-                   noise_min: float = 0.0, noise_max: float = 1.0, node: str = "HeadroomTrainLoraInit") -> TrainingRun:
+                   noise_min: float = 0.0, noise_max: float = 1.0, devices: str = "1",
+                   node: str = "HeadroomTrainLoraInit") -> TrainingRun:
     """Check every input (before any GPU work), then build or resume the run."""
     try:
         check_name(run_name, "run name")
@@ -194,7 +196,23 @@ def start_lora_run(model, latent_cache, text_cache, lora_config, optimizer_confi
                 raise ValueError(f"reference={reference!r}: {error}") from None
         config = LoraRunConfig(family=model_family(model.model), adapter=lora_config, optimizer=optimizer_config,
                                train=train, holdout=holdout, reference=reference)
-        run = open_lora_run(model, latent_cache, text_cache, config, runs_root(), run_name, policy=policy, prior=prior)
+        world_size = parse_devices(devices)
+        # One process group per ComfyUI process: a run opened now never joins the group of an earlier one.
+        RankWorkers.close_active()
+        if world_size == 1:
+            run = open_lora_run(model, latent_cache, text_cache, config, runs_root(), run_name, policy=policy,
+                                prior=prior)
+        else:
+            workers = RankWorkers(world_size, model, latent_cache, text_cache, config, policy, prior, runs_root(),
+                                  run_name)
+            try:
+                run = open_lora_run(model, latent_cache, text_cache, config, runs_root(), run_name, policy=policy,
+                                    prior=prior)
+                workers.open(run)
+            except BaseException:
+                workers.close()
+                raise
+            run.ranks = workers
         run.precision_note = note
         return run
     except (ValueError, RunFolderError) as error:
@@ -211,7 +229,13 @@ class HeadroomTrainLoraInit(io.ComfyNode):
             category=CATEGORY,
             description="Set up (or resume) a LoRA training run on this MODEL from cached latents and text. "
             "The MODEL itself is never modified: the adapter lives on a clone.",
-            inputs=[*lora_run_inputs(), *added_train_inputs(), *prior_inputs(), reference_input(), *noise_range_inputs()],
+            inputs=[*lora_run_inputs(), *added_train_inputs(), *prior_inputs(), reference_input(), *noise_range_inputs(),
+                    io.Combo.Input("devices", options=list(DEVICES), default="1", optional=True,
+                                   tooltip="Data-parallel training on this many devices: 1 trains in this process as "
+                                   "always; N > 1 starts N - 1 worker processes (GPUs cuda:1..N-1 beside this one; on a "
+                                   "CPU, N CPU processes), each training 1/N of every batch (the same global batch). "
+                                   "Cancel stops every rank; only this process writes the run folder. "
+                                   "docs/DISTRIBUTED.md")],
             outputs=[TrainingRunType.Output("run", tooltip="The training run, for Train Steps, Validate, Save and Apply."),
                      io.Int.Output("step", tooltip="Step the run starts from (resumed).")],
         )

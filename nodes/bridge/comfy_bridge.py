@@ -291,6 +291,7 @@ class TrainingRun:
     """
 
     precision_note = ""  # how the init node chose the compute precision (nodes/bridge/run_settings.resolve_precision)
+    ranks = None  # a multi-device run's worker ranks (nodes/bridge/rank_workers.RankWorkers), told to train with rank 0
 
     def __init__(self, model, latent_cache, text_cache, config, trained, run_root: pathlib.Path, run_name: str,
                  policy: OffloadPolicy | None = None):
@@ -412,6 +413,8 @@ class TrainingRun:
                 with self.phase("save"):
                     self.trainer.save()
             return
+        if self.ranks is not None:
+            self.ranks.train(target_step, checkpoint_every, checkpoint_minutes)
         start_step = self.step
         progress = comfy.utils.ProgressBar(target_step - start_step, node_id=node_id)
         started = time.perf_counter()
@@ -441,7 +444,10 @@ class TrainingRun:
         except BaseException as error:
             # Cancel (InterruptProcessingException), out of memory, non-finite loss...: keep the last
             # completed step on disk and give the device memory back before the node exits.
+            worker_error = self.ranks.settle(self.step) if self.ranks is not None else None  # bounded wait
             self.fail("training step", error)
+            if worker_error is not None:
+                raise RuntimeError(worker_error) from error
             raise
         self.trainer.save()
 

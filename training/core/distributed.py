@@ -37,6 +37,12 @@ class RankLostError(RuntimeError):
     __module__ = public_module(__name__)
 
 
+class RanksStopped(RuntimeError):
+    """Another rank stopped the run at the end of a step (rank 0's cancel, or its error): this rank stops too."""
+
+    __module__ = public_module(__name__)
+
+
 def backend_for(device: torch.device | str) -> str:
     return "nccl" if torch.device(device).type == "cuda" else "gloo"
 
@@ -63,6 +69,7 @@ class DataParallel:
         self.device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
             else torch.device("cpu")
         self._step = 0
+        self._done = self._losses = 0  # collectives of the current step (abort_step)
 
     @classmethod
     def current(cls) -> "DataParallel | None":
@@ -79,25 +86,63 @@ class DataParallel:
         """This rank's rows of a global batch of `count` items (contiguous; sizes differ by at most one)."""
         return slice(count * self.rank // self.world_size, count * (self.rank + 1) // self.world_size)
 
+    def begin_step(self, step: int, loss_collectives: int) -> None:
+        """A step starts: `loss_collectives` loss all-reduces, then one gradient all-reduce (what abort_step joins)."""
+        self._step, self._done, self._losses = step, 0, loss_collectives
+
     def global_loss(self, weighted_local: torch.Tensor, step: int) -> float:
-        """The sum over ranks of (share mean * share / global batch): the global batch's mean loss."""
+        """The sum over ranks of (share mean * share / global batch): the global batch's mean loss. The second
+        element is the abort flag (abort_step): any rank's 1 stops every rank's step here."""
         self._step = step
-        value = weighted_local.detach().float().reshape(1).to(self.device)
+        value = torch.cat([weighted_local.detach().float().reshape(1).to(self.device),
+                           torch.zeros(1, device=self.device)])
         with self._collective("loss all-reduce"):
             dist.all_reduce(value)
-        return value.item()
+        self._check_abort(value[1])
+        return value[0].item()
 
     def reduce_gradients(self, params: list[torch.nn.Parameter]) -> None:
-        """Sum the trainable gradients over the ranks in one flat buffer (a parameter without a gradient counts 0)."""
+        """Sum the trainable gradients over the ranks in one flat buffer (a parameter without a gradient counts 0),
+        with the abort flag as its last element."""
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = torch.cat([g.reshape(-1).float() for g in grads]).to(self.device)
+        flat = torch.cat([g.reshape(-1).float() for g in grads] + [torch.zeros(1)]).to(self.device)
         with self._collective("gradient all-reduce"):
             dist.all_reduce(flat)
+        self._check_abort(flat[-1])
         offset = 0
         for param, grad in zip(params, grads):
             count = grad.numel()
             param.grad = flat[offset:offset + count].view_as(grad).to(grad)
             offset += count
+
+    def abort_step(self, params: list[torch.nn.Parameter]) -> None:
+        """This rank left its step midway (ComfyUI's interrupt raised inside rank 0's forward, an error): join the
+        collective the other ranks wait in, with the abort flag set, so they discard the step and stop too
+        (RanksStopped) instead of waiting out the group's timeout. After the gradient all-reduce the others are
+        in the step-end stop check: join that one."""
+        if self._done < self._losses:
+            flag = torch.tensor([0.0, 1.0], device=self.device)
+        elif self._done == self._losses:
+            flag = torch.zeros(sum(p.numel() for p in params) + 1, device=self.device)
+            flag[-1] = 1.0
+        else:
+            self.any_stops(True)
+            return
+        with self._collective("abort"):
+            dist.all_reduce(flag)
+
+    def _check_abort(self, flag: torch.Tensor) -> None:
+        self._done += 1
+        if flag.item() > 0:
+            raise RanksStopped(f"rank {self.rank}: another rank left step {self._step + 1} midway (cancel or its "
+                               f"error); this rank discards the step and stops at step {self._step}")
+
+    def any_stops(self, stops: bool) -> bool:
+        """Whether any rank stops after this step (cancel, an error in its step callback): all ranks agree."""
+        flag = torch.tensor([1.0 if stops else 0.0], device=self.device)
+        with self._collective("stop check"):
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
 
     def barrier(self, what: str) -> None:
         with self._collective(what):
@@ -114,7 +159,7 @@ class DataParallel:
             who = (f"rank {', '.join(map(str, lost))}" if lost else "another rank") + " stopped answering"
             raise RankLostError(
                 f"data-parallel training, rank {self.rank} of {self.world_size}: the {what} of step {self._step + 1} "
-                f"failed: {who} (killed, out of memory, or crashed; see its own log). This rank stops too; the run's "
+                f"failed: {who} (killed, crashed or short of memory: see its own log). This rank stops too; the run's "
                 f"last checkpoint is kept and the run resumes from it at any number of ranks. ({str(error)[:300]})"
             ) from None
 

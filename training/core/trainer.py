@@ -32,7 +32,7 @@ from .optimizers import OptimizerConfig, create_optimizer, create_scheduler, cur
 from ..memory.policy import OffloadPolicy, memory_features
 from ..data.files import WriteError
 from .ema import WeightEMA
-from .distributed import DataParallel
+from .distributed import DataParallel, RankLostError, RanksStopped
 from .run_dir import Checkpoint, CheckpointError, RunDir, capture_rng, restore_rng
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -385,8 +385,11 @@ class Trainer:
                     self.trainable.train(True)
                     while self.step < target_step:
                         started = time.perf_counter()
-                        loss = self.train_step()
-                        if after_step is not None:
+                        loss = self.train_step() if self.parallel is None else self._train_step_on_every_rank()
+                        if self.parallel is not None:
+                            self._after_step_on_every_rank(after_step, StepReport(
+                                self.step, loss, current_lr(self.optimizer), time.perf_counter() - started))
+                        elif after_step is not None:
                             after_step(StepReport(self.step, loss, current_lr(self.optimizer), time.perf_counter() - started))
                         due = (checkpoint_every and self.step % checkpoint_every == 0) or \
                             (checkpoint_seconds and time.monotonic() - saved_at >= checkpoint_seconds)
@@ -397,6 +400,37 @@ class Trainer:
                 self.trainable.train(False)
                 if flush_denormal:
                     torch.set_flush_denormal(False)
+
+    def _train_step_on_every_rank(self) -> float:
+        """train_step with several ranks: a rank that leaves it midway (ComfyUI raises its interrupt inside rank 0's
+        forward) tells the others through the collective they wait in; every rank discards the step's gradients."""
+        accum = self.config.grad_accum
+        self.parallel.begin_step(self.step, sum(len(self._row_slices(len(self.batch_items(self.step * accum + j))))
+                                                for j in range(accum)))
+        try:
+            return self.train_step()
+        except (RankLostError, RanksStopped):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise
+        except BaseException:
+            self.optimizer.zero_grad(set_to_none=True)
+            self.parallel.abort_step(self.params)
+            raise
+
+    def _after_step_on_every_rank(self, after_step, report: StepReport) -> None:
+        """`after_step` (it may raise: rank 0's cancel), then every rank learns whether one stops: all stop at this
+        completed step, the raising rank with its own error, the others with RanksStopped."""
+        error = None
+        try:
+            if after_step is not None:
+                after_step(report)
+        except BaseException as raised:  # noqa: BLE001 - re-raised below, after the other ranks know
+            error = raised
+        if self.parallel.any_stops(error is not None):
+            if error is not None:
+                raise error
+            raise RanksStopped(f"rank {self.parallel.rank}: another rank stopped the run after step {self.step} "
+                               "(cancel or its error); this rank stops at the same step")
 
     # --- validation loss ----------------------------------------------------------------------------------
     def validation_loss(self, items: Sequence[int], times: int = 4, seed: int = 0) -> float:
