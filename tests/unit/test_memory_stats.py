@@ -1,5 +1,6 @@
 """Memory snapshots, per-phase records, and their text/JSON/chart renderings (no ComfyUI)."""
 import json
+import mmap
 import sys
 
 import pytest
@@ -61,8 +62,12 @@ def test_phases_cannot_nest():
 
 
 def test_reset_peak_lowers_the_rss_peak():
-    block = _touch(150 * 2**20)
-    del block
+    # An anonymous mapping, not a Python object: unmapping it always returns its pages to the OS, whatever malloc's
+    # state after the tests before this one (a bytearray's freed pages can stay resident, leaving RSS at its peak).
+    block = mmap.mmap(-1, 150 * 2**20)
+    for offset in range(0, len(block), 4096):
+        block[offset] = 1
+    block.close()
     before = process_peak_rss_bytes()
     if not reset_peak("cpu"):
         pytest.skip("this OS cannot reset the RSS peak")
