@@ -78,6 +78,20 @@ def _without_no_vae_warning():
         logging.getLogger().removeFilter(log_filter)
 
 
+def load_narrow_vae(vae: comfy.sd.VAE, sd: dict) -> None:
+    """comfy.sd.VAE's own last steps for a module built here (its device, dtype, patcher, weights), shared by the narrow
+    VAEs of the tiny models whose VAE ComfyUI detects only at released widths (this family, hunyuan_video15)."""
+    vae.device = comfy.model_management.vae_device()
+    vae.vae_dtype = comfy.model_management.vae_dtype(vae.device, vae.working_dtypes)
+    vae.first_stage_model.to(vae.vae_dtype)
+    comfy.model_management.archive_model_dtypes(vae.first_stage_model)
+    vae.output_device = comfy.model_management.intermediate_device()
+    vae.patcher = comfy.model_patcher.CoreModelPatcher(
+        vae.first_stage_model, load_device=vae.device, offload_device=comfy.model_management.vae_offload_device())
+    vae.first_stage_model.load_state_dict(sd, strict=True, assign=vae.patcher.is_dynamic())
+    vae.model_size()
+
+
 class _NarrowHunyuanImageVAE(comfy.sd.VAE):
     """comfy.sd.VAE holding the HunyuanImage 2.1 VAE narrow. ComfyUI builds this VAE only at the released widths
     (its detection keys on a 64-channel `decoder.conv_in`, then fixes every width), so the module is built here from
@@ -94,15 +108,7 @@ class _NarrowHunyuanImageVAE(comfy.sd.VAE):
         dtype_size = comfy.model_management.dtype_size
         self.memory_used_encode = lambda shape, dtype: (700 * shape[2] * shape[3]) * dtype_size(dtype)
         self.memory_used_decode = lambda shape, dtype: (700 * shape[2] * shape[3] * 32 * 32) * dtype_size(dtype)
-        self.device = comfy.model_management.vae_device()
-        self.vae_dtype = comfy.model_management.vae_dtype(self.device, self.working_dtypes)
-        self.first_stage_model.to(self.vae_dtype)
-        comfy.model_management.archive_model_dtypes(self.first_stage_model)
-        self.output_device = comfy.model_management.intermediate_device()
-        self.patcher = comfy.model_patcher.CoreModelPatcher(
-            self.first_stage_model, load_device=self.device, offload_device=comfy.model_management.vae_offload_device())
-        self.first_stage_model.load_state_dict(sd, strict=True, assign=self.patcher.is_dynamic())
-        self.model_size()
+        load_narrow_vae(self, sd)
 
 
 def _tiny_vae():

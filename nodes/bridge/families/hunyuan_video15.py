@@ -27,7 +27,8 @@ import torch
 
 from ....training.core.adapters import TargetPreset
 from .base import Family, TinyModel
-from .hunyuan_image import TINY_BYT5, TINY_QWEN25_7B, _TinyVisionQwen25VLModel, _without_no_vae_warning
+from .hunyuan_image import (TINY_BYT5, TINY_QWEN25_7B, _TinyVisionQwen25VLModel, _without_no_vae_warning,
+                            load_narrow_vae)
 
 # The VAE's encoder / decoder (comfy/ldm/hunyuan_video/vae_refiner.py, causal 3-D convolutions) narrow: the released
 # widths are [128, 256, 512, 1024, 1024]; five stages keep the 16x spatial / 4x temporal downscale, the last width
@@ -67,15 +68,7 @@ class _NarrowHunyuanVideo15VAE(comfy.sd.VAE):
         dtype_size = comfy.model_management.dtype_size
         self.memory_used_encode = lambda shape, dtype: (1400 * 9 * shape[-2] * shape[-1]) * dtype_size(dtype)
         self.memory_used_decode = lambda shape, dtype: (3600 * 4 * shape[-2] * shape[-1] * 16 * 16) * dtype_size(dtype)
-        self.device = comfy.model_management.vae_device()
-        self.vae_dtype = comfy.model_management.vae_dtype(self.device, self.working_dtypes)
-        self.first_stage_model.to(self.vae_dtype)
-        comfy.model_management.archive_model_dtypes(self.first_stage_model)
-        self.output_device = comfy.model_management.intermediate_device()
-        self.patcher = comfy.model_patcher.CoreModelPatcher(
-            self.first_stage_model, load_device=self.device, offload_device=comfy.model_management.vae_offload_device())
-        self.first_stage_model.load_state_dict(sd, strict=True, assign=self.patcher.is_dynamic())
-        self.model_size()
+        load_narrow_vae(self, sd)
 
 
 def _tiny_vae():
