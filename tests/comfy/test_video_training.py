@@ -433,3 +433,55 @@ def test_a_masked_clip_learns_only_what_its_mask_keeps(cache_dir, tmp_path, monk
         after = run.loss_on(run.train_items)
     print(f"masked clips: loss {before:.4f} -> {after:.4f} in 100 steps")
     assert after < 0.8 * before
+
+
+def test_the_memory_plan_counts_frames_for_the_vae(comfyui):
+    """With the VAE connected, caching's encode and validation's decode are ComfyUI's own estimates for the whole clip
+    (memory_used_encode of [1, 3, 17, H, W], memory_used_decode of [1, 16, 5, h, w]), named so in the report; a budget
+    that one frame fits and 17 do not is reported as not fitting."""
+    import json
+
+    from headroom.nodes import memory
+    from headroom.nodes.bridge.tiny_models import build_tiny_models, build_tiny_vae
+    from headroom.training.memory.policy import OffloadPolicy
+
+    with torch.inference_mode():
+        model, _, vae = build_tiny_models("wan21", 0)
+
+    def plan(frames, policy=None):
+        with torch.inference_mode():
+            text, plan_json, _ = memory.HeadroomMemoryPlan.execute(model, "estimate", 1, 256, 256, 4, "preset", "AdamW",
+                                                                   "fp32", 0, policy=policy, vae=vae,
+                                                                   frames=frames).args
+        phases = {phase["phase"]: phase for phase in json.loads(plan_json)["phases"]}
+        return text, json.loads(plan_json), phases
+
+    _, fitting, one = plan(1)
+    text, _, clip = plan(17)
+    encode = {n: vae.memory_used_encode([1, 3, n, 256, 256], vae.vae_dtype) for n in (1, 17)}
+    decode = {n: vae.memory_used_decode([1, 16, n, 32, 32], vae.vae_dtype) for n in (1, 5)}
+    assert encode[17] > encode[1] and decode[5] > decode[1]  # the Wan 2.1 VAE's estimate steps up past 4 frames
+    assert one["caching (VAE encode)"]["items"]["encode working set"] == encode[1]
+    assert clip["caching (VAE encode)"]["items"]["encode working set (a 17-frame clip)"] == encode[17]
+    assert clip["caching (VAE encode)"]["total_bytes"] - one["caching (VAE encode)"]["total_bytes"] == \
+        encode[17] - encode[1]
+    assert one["validation decode"]["items"]["decode working set"] == decode[1]
+    assert clip["validation decode"]["items"]["decode working set (a 17-frame clip)"] == decode[5]
+    assert "encode working set (a 17-frame clip)" in text
+    print(f"wan21 tiny VAE, 256x256: encode {encode[1] / 2**20:.0f} -> {encode[17] / 2**20:.0f} MiB, decode "
+          f"{decode[1] / 2**20:.0f} -> {decode[5] / 2**20:.0f} MiB (1 -> 17 frames)")
+
+    # A budget between the two peaks: one frame fits, a 17-frame clip does not (its VAE phases are over it).
+    budget = (fitting["peak_bytes"] + max(encode[17], decode[5])) / 2 / 2**30
+    policy = OffloadPolicy(vram_budget_gb=budget, vae_tiled_decode="off")
+    text_one, plan_one, _ = plan(1, policy)
+    text_clip, plan_clip, _ = plan(17, policy)
+    assert plan_one["fits"] and "- fits" in text_one
+    assert not plan_clip["fits"] and "DOES NOT FIT" in text_clip
+    assert plan_clip["peak_phase"] in ("caching (VAE encode)", "validation decode")
+
+    # An image VAE cannot encode the clip the plan is for.
+    with pytest.raises(ValueError, match=r"HeadroomMemoryPlan: frames=17, but this VAE .* encodes images; connect the "
+                                         r"video model's VAE"):
+        memory.HeadroomMemoryPlan.execute(model, "estimate", 1, 256, 256, 4, "preset", "AdamW", "fp32", 0,
+                                          vae=build_tiny_vae("sd15", 0), frames=17)
