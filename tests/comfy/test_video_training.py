@@ -485,3 +485,33 @@ def test_the_memory_plan_counts_frames_for_the_vae(comfyui):
                                          r"video model's VAE"):
         memory.HeadroomMemoryPlan.execute(model, "estimate", 1, 256, 256, 4, "preset", "AdamW", "fp32", 0,
                                           vae=build_tiny_vae("sd15", 0), frames=17)
+
+
+def test_a_rotated_video_is_read_as_shown(cache_dir, tmp_path):
+    """An MP4 stored 32 wide x 16 high with a 90 degree display rotation (as phones write portrait video): its size is
+    16 x 32 and its frames are turned as ComfyUI's own video loading turns them (the stored left columns at the
+    bottom)."""
+    import av
+    from comfy_api.latest import InputImpl
+
+    from headroom.training.data.video import FileVideo
+
+    path = tmp_path / "portrait.mp4"
+    stored = torch.zeros(5, 16, 32, 3)
+    stored[:, :, :8] = 1.0  # the stored frame's left quarter
+    with av.open(str(path), mode="w") as container:
+        stream = container.add_stream("libx264", rate=8)
+        stream.width, stream.height, stream.pix_fmt = 32, 16, "yuv420p"
+        stream.set_display_rotation(90)
+        for frame in stored:
+            image = av.VideoFrame.from_ndarray((frame.numpy() * 255).astype(np.uint8), format="rgb24")
+            container.mux(stream.encode(image))
+        container.mux(stream.encode())
+
+    video = FileVideo(path)
+    assert video.size() == (16, 32)
+    frames = video.load_frames([0, 3])
+    assert frames.shape == (2, 32, 16, 3)
+    assert frames[:, 26:].mean() > 0.9 and frames[:, :22].mean() < 0.1  # the bright quarter is at the bottom
+    stock = InputImpl.VideoFromFile(str(path)).get_components().images  # ComfyUI's Load Video
+    torch.testing.assert_close(frames, stock[[0, 3]].float(), atol=0.05, rtol=0)

@@ -10,6 +10,9 @@ Untrusted input: files are read only where they resolve inside the dataset roots
 than MAX_IMAGE_PIXELS per frame, or more than MAX_CLIP_FRAMES frames in a frame folder, is refused before a frame is
 decoded; decoding stops at the last frame used, whatever length the container claims, and a frame of another size than
 the stream's header is refused.
+
+A video's display rotation (the display matrix phones write for portrait video) is applied as ComfyUI's own video
+loading applies it: frames are turned by it, and the clip's size is its size as shown.
 """
 from __future__ import annotations
 
@@ -51,8 +54,14 @@ def clip_frames(available: int, max_frames: int, stride: int, frame_step: int) -
     return indices[:(len(indices) - 1) // frame_step * frame_step + 1]
 
 
+def quarter_turns(rotation: float) -> int:
+    """Counter-clockwise quarter turns of a frame's display matrix (PyAV's VideoFrame.rotation: a phone's portrait
+    video is stored landscape with a rotation), rounded as ComfyUI's video loading rounds them (np.rot90's k)."""
+    return int(round(rotation // 90)) % 4 if rotation else 0
+
+
 class FileVideo:
-    """A video file's first video stream, decoded on demand through PyAV."""
+    """A video file's first video stream, decoded on demand through PyAV, turned as its display rotation says."""
 
     def __init__(self, path: Path, roots: tuple[Path, ...] | None = None):
         self.path = Path(path)
@@ -85,9 +94,24 @@ class FileVideo:
         return container, stream
 
     def size(self) -> tuple[int, int]:
+        """(width, height) as the video is shown: a 90 / 270 degree display rotation swaps the stored sides."""
         container, stream = self._open()
         with container:
-            return stream.codec_context.width, stream.codec_context.height
+            width, height = stream.codec_context.width, stream.codec_context.height
+            turns = quarter_turns(self._first_frame(container, stream).rotation)
+        return (height, width) if turns % 2 else (width, height)
+
+    def _first_frame(self, container, stream):
+        """The stream's first frame (its display rotation is side data of the frames)."""
+        import av
+
+        try:
+            for frame in container.decode(stream):
+                return frame
+        except av.error.FFmpegError as error:
+            raise DatasetError(f"{self.describe()}: cannot be decoded ({type(error).__name__}); re-export it or remove "
+                               "it") from None
+        raise DatasetError(f"{self.describe()}: has no frames; remove it")
 
     def check(self) -> None:
         container, _ = self._open()
@@ -127,8 +151,9 @@ class FileVideo:
                     if (frame.width, frame.height) != (width, height):
                         raise DatasetError(f"{self.describe()}: frame {index} is {frame.width}x{frame.height} but the "
                                            f"stream says {width}x{height}; re-encode the video at one size")
-                    if index in wanted:
-                        frames[index] = frame.to_ndarray(format="rgb24", **size)
+                    if index in wanted:  # turned as the display rotation says, as ComfyUI's video loading does
+                        pixels = frame.to_ndarray(format="rgb24", **size)
+                        frames[index] = np.rot90(pixels, k=quarter_turns(frame.rotation))
                     if index >= last:
                         break
             except av.error.FFmpegError as error:
@@ -138,7 +163,7 @@ class FileVideo:
         if missing:
             raise DatasetError(f"{self.describe()}: ends before frame {missing[0]} (its header promised more); "
                                "re-export it")
-        array = np.stack([frames[i] for i in indices]).astype(np.float32) / 255.0
+        array = np.stack([frames[i] for i in indices]).astype(np.float32) / 255.0  # a copy: rot90's views end here
         return torch.from_numpy(array)
 
     def digest(self) -> str:
