@@ -916,64 +916,30 @@ def cache_text(
     started = time.monotonic()
     report = CacheReport(kind="text")
     captions = list(captions)
-    prompts = list(dict.fromkeys(["", *captions]))  # distinct, in order; "" for caption dropout
-    keys = {
-        prompt: entry_key({"kind": "text", "encoder": fingerprint, "options": dict(encoder_options),
-                           "caption": prompt})
-        for prompt in prompts
-    }
-    if references is not None:
-        return _cache_text_with_references(captions, references, store, encode, encode_with_reference, fingerprint,
-                                           encoder_options, keys[""], reference_encoding, report, started, progress,
-                                           check_interrupt)
-    good, problems = store.verify(keys.values())
+
+    def entry_of(caption: str, reference_digest: str | None = None) -> str:
+        fields = {"kind": "text", "encoder": fingerprint, "options": dict(encoder_options), "caption": caption}
+        if reference_digest is not None:
+            fields.update(reference=reference_digest, reference_encoding=reference_encoding)
+        return entry_key(fields)
+
+    # text key -> (caption, reference image source or None, entry key), in order; the empty prompt (caption dropout)
+    # is always text only.
+    wanted = {text_key(""): ("", None, entry_of(""))}
+    if references is None:
+        for caption in captions:
+            wanted.setdefault(text_key(caption), (caption, None, entry_of(caption)))
+    else:
+        if len(references) != len(captions) or any(source is None for source in references):
+            raise DatasetError("encoding captions with reference images needs a control image for every item; give the "
+                               "dataset one (Dataset from Images' control_images, Dataset from Folder's control_folder)")
+        for caption, source in zip(captions, references):
+            digest = source.digest()
+            wanted.setdefault(reference_text_key(caption, digest), (caption, source, entry_of(caption, digest)))
+
+    good, problems = store.verify(entry for _, _, entry in wanted.values())
     report.warnings += store.warnings + problems
-    misses = [prompt for prompt in prompts if keys[prompt] not in good]
-    report.hits, report.misses = len(prompts) - len(misses), len(misses)
-    progress(report.hits, len(prompts))
-    if misses:
-        store.check_writable()
-        with store.writer() as writer:
-            for done, prompt in enumerate(misses, start=1):
-                check_interrupt()
-                tensors = dict(encode(prompt))
-                if "cross_attn" not in tensors:
-                    raise ValueError("the text encoder gave no 'cross_attn' tensor")
-                writer.add(keys[prompt], tensors)
-                progress(report.hits + done, len(prompts))
-        report.bytes_written = writer.bytes_written
-
-    entries = store.entries
-    cache = TextCache(
-        store.root,
-        {text_key(prompt): (keys[prompt], entries[keys[prompt]]["shard"], tuple(entries[keys[prompt]]["tensors"]))
-         for prompt in prompts},
-        empty_key=text_key(""),
-        fingerprint=fingerprint,
-    )
-    report.items = len(prompts)
-    report.bytes_total = sum(entries[keys[prompt]]["bytes"] for prompt in prompts)
-    report.seconds = time.monotonic() - started
-    return cache, report
-
-
-def _cache_text_with_references(captions, references, store, encode, encode_with_reference, fingerprint,
-                                encoder_options, empty_entry, reference_encoding, report, started, progress,
-                                check_interrupt) -> tuple[TextCache, CacheReport]:
-    """cache_text's per-item path: (caption, reference image) pairs keyed by the reference image's content."""
-    if len(references) != len(captions) or any(source is None for source in references):
-        raise DatasetError("encoding captions with reference images needs a control image for every item; give the "
-                           "dataset one (Dataset from Images' control_images, Dataset from Folder's control_folder)")
-    pairs: dict[str, tuple[str, object, str]] = {}  # text key -> (caption, image source, entry key)
-    for caption, source in zip(captions, references):
-        digest = source.digest()
-        pairs.setdefault(reference_text_key(caption, digest), (caption, source, entry_key({
-            "kind": "text", "encoder": fingerprint, "options": dict(encoder_options), "caption": caption,
-            "reference": digest, "reference_encoding": reference_encoding})))
-    wanted = [empty_entry, *(entry for _, _, entry in pairs.values())]
-    good, problems = store.verify(wanted)
-    report.warnings += store.warnings + problems
-    misses = [key for key in [None, *pairs] if (empty_entry if key is None else pairs[key][2]) not in good]
+    misses = [key for key, (_, _, entry) in wanted.items() if entry not in good]
     report.hits, report.misses = len(wanted) - len(misses), len(misses)
     progress(report.hits, len(wanted))
     if misses:
@@ -981,23 +947,20 @@ def _cache_text_with_references(captions, references, store, encode, encode_with
         with store.writer() as writer:
             for done, key in enumerate(misses, start=1):
                 check_interrupt()
-                if key is None:
-                    tensors, entry = dict(encode("")), empty_entry
-                else:
-                    caption, source, entry = pairs[key]
-                    tensors = dict(encode_with_reference(caption, source.load()))
+                caption, source, entry = wanted[key]
+                tensors = dict(encode(caption) if source is None else encode_with_reference(caption, source.load()))
                 if "cross_attn" not in tensors:
                     raise ValueError("the text encoder gave no 'cross_attn' tensor")
                 writer.add(entry, tensors)
                 progress(report.hits + done, len(wanted))
         report.bytes_written = writer.bytes_written
+
     entries = store.entries
     table = {key: (entry, entries[entry]["shard"], tuple(entries[entry]["tensors"]))
-             for key, (_, _, entry) in pairs.items()}
-    table[text_key("")] = (empty_entry, entries[empty_entry]["shard"], tuple(entries[empty_entry]["tensors"]))
+             for key, (_, _, entry) in wanted.items()}
     cache = TextCache(store.root, table, empty_key=text_key(""), fingerprint=fingerprint,
-                      reference_encoding=reference_encoding)
+                      reference_encoding=reference_encoding if references is not None else None)
     report.items = len(wanted)
-    report.bytes_total = sum(entries[entry]["bytes"] for entry in wanted)
+    report.bytes_total = sum(entries[entry]["bytes"] for _, _, entry in wanted.values())
     report.seconds = time.monotonic() - started
     return cache, report
