@@ -871,8 +871,9 @@ def latent_mask(mask_pixels: torch.Tensor, latent: torch.Tensor, frame_step: int
     if grey.ndim == 3:  # a clip's frames -> one mask per latent frame
         step = frame_step or 1
         if (grey.shape[0] - 1) % step or latent.ndim != 4 or 1 + (grey.shape[0] - 1) // step != latent.shape[1]:
-            raise DatasetError(f"{what}: {grey.shape[0]} mask frames do not make the {latent.shape[1] if latent.ndim == 4 else 1} "
-                               f"latent frame(s) of its clip ({list(latent.shape)}, {step} frames per latent frame)")
+            count = latent.shape[1] if latent.ndim == 4 else 1
+            raise DatasetError(f"{what}: {grey.shape[0]} mask frames do not make the {count} latent frame(s) of its "
+                               f"clip ({list(latent.shape)}, {step} frames per latent frame)")
         later = grey[1:].reshape(-1, step, *grey.shape[1:]).mean(dim=1)
         grey = torch.cat([grey[:1], later])
     else:
@@ -931,8 +932,9 @@ def cache_text(
             wanted.setdefault(text_key(caption), (caption, None, entry_of(caption)))
     else:
         if len(references) != len(captions) or any(source is None for source in references):
-            raise DatasetError("encoding captions with reference images needs a control image for every item; give the "
-                               "dataset one (Dataset from Images' control_images, Dataset from Folder's control_folder)")
+            raise DatasetError("encoding captions with reference images needs a control image for every item; give "
+                               "the dataset one (Dataset from Images' control_images, Dataset from Folder's "
+                               "control_folder)")
         for caption, source in zip(captions, references):
             digest = source.digest()
             wanted.setdefault(reference_text_key(caption, digest), (caption, source, entry_of(caption, digest)))

@@ -57,7 +57,7 @@ def clip_frames(available: int, max_frames: int, stride: int, frame_step: int) -
 def quarter_turns(rotation: float) -> int:
     """Counter-clockwise quarter turns of a frame's display matrix (PyAV's VideoFrame.rotation: a phone's portrait
     video is stored landscape with a rotation), rounded as ComfyUI's video loading rounds them (np.rot90's k)."""
-    return int(round(rotation // 90)) % 4 if rotation else 0
+    return int(rotation // 90) % 4 if rotation else 0
 
 
 class FileVideo:
@@ -296,7 +296,8 @@ def _check_mask_size(source, mask) -> str | None:
     problem = _check_source(mask)
     if problem is None and mask.size() != source.size():
         (mw, mh), (w, h) = mask.size(), source.size()
-        problem = f"{mask.describe()}: mask is {mw}x{mh} but its clip {source.describe()} is {w}x{h}; resize the mask to match"
+        problem = (f"{mask.describe()}: mask is {mw}x{mh} but its clip {source.describe()} is {w}x{h}; resize the "
+                   "mask to match")
     return problem
 
 
@@ -363,7 +364,8 @@ def _tensor_mask(mask: torch.Tensor | None, index: int):
         return TensorImage(mask[..., None].expand(-1, -1, 3), label)
     if mask.ndim == 3:
         return TensorVideo(mask[..., None].expand(-1, -1, -1, 3), label)
-    raise DatasetError(f"{label}: give [H, W] (every frame) or [F, H, W] (one per frame), got shape {tuple(mask.shape)}")
+    raise DatasetError(f"{label}: give [H, W] (every frame) or [F, H, W] (one per frame), got shape "
+                       f"{tuple(mask.shape)}")
 
 
 def dataset_from_clips(clips: list[torch.Tensor], captions: list[str], *, resolution: int, step: int,

@@ -336,9 +336,10 @@ def estimate(description: ModelDescription, trainable: TrainableSpec, shape: Run
     tiled = policy.decode_tiled(description.vae_bytes + decode_full, budget_bytes)
     clip = [f"a {description.vae_frames}-frame clip"] if description.vae_frames > 1 else []
     decode_details = ", ".join(clip + (["tiled 512 px"] if tiled else []))
+    decode_name = "decode working set" + (f" ({decode_details})" if decode_details else "")
     decode = PhaseEstimate("validation decode", {
         "VAE weights": description.vae_bytes,
-        "decode working set" + (f" ({decode_details})" if decode_details else ""): decode_tiled if tiled else decode_full,
+        decode_name: decode_tiled if tiled else decode_full,
     }, ["after the denoiser is released"])
 
     cache_text = PhaseEstimate("caching (text encoders)", {
