@@ -22,7 +22,7 @@ from comfy_api.latest import io
 from ..training.data.dataset import dataset_from_folder, dataset_from_tensors, folder_signature, split_captions
 from ..training.data.video import MAX_CLIP_FRAMES, MAX_FRAMES_DEFAULT, VIDEO_EXTENSIONS, dataset_from_video_folder
 from ..training.memory.policy import OffloadPolicy
-from .bridge.cache_folders import dataset_roots, resolve_dataset_folder, resolve_folders
+from .bridge.cache_folders import dataset_roots, resolve_folders
 from .bridge.caching import REFERENCE_ENCODINGS, cache_clip_text, cache_vae_latents
 from .io_types import DatasetType, LatentCacheType, OffloadPolicyType, TextCacheType
 
@@ -139,26 +139,33 @@ class HeadroomDatasetFromVideos(io.ComfyNode):
                              "ones are used as long as they are, never padded. Memory grows with it."),
                 io.Int.Input("frame_stride", default=1, min=1, max=64,
                              tooltip="Use every n-th frame (2: a 30 fps video becomes 15 fps, twice the time span)."),
+                io.String.Input("mask_folder", default="", optional=True,
+                                tooltip="Optional sibling folder of loss masks matched by name, e.g. 'my_clips_masks': "
+                                "white is learned, black is not (grey: partly). A clip's mask is one image (every "
+                                "frame) or a video / frame folder with the clip's frame count (the same frames are "
+                                "taken), of the clip's size; a clip without a mask is learned whole. Empty: no masks."),
             ],
             outputs=[DatasetType.Output("dataset", tooltip=_DATASET_TOOLTIP)],
         )
 
     @classmethod
-    def fingerprint_inputs(cls, folder: str, **others) -> str:
+    def fingerprint_inputs(cls, folder: str, mask_folder: str = "", **others) -> str:
         try:  # frame folders are subfolders: their listings count too
-            root = resolve_dataset_folder(folder)
+            root, _, masks = resolve_folders(folder, "", mask_folder)
             folders = [root, *sorted(p for p in root.iterdir() if p.is_dir() and not p.is_symlink())]
+            if masks is not None:
+                folders += [masks, *sorted(p for p in masks.iterdir() if p.is_dir() and not p.is_symlink())]
             return folder_signature(*folders) + repr(sorted(others.items()))
         except (OSError, ValueError) as error:
             return f"unresolved: {error}"
 
     @classmethod
     def execute(cls, folder: str, resolution: int, step: int, crop: str, flip: bool, seed: int, skip_bad: bool,
-                max_frames: int = MAX_FRAMES_DEFAULT, frame_stride: int = 1) -> io.NodeOutput:
-        dataset = dataset_from_video_folder(resolve_dataset_folder(folder), resolution=resolution, step=step, crop=crop,
-                                            flip=flip, seed=seed, skip_bad=skip_bad,
-                                            roots=tuple(map(Path, dataset_roots())), max_frames=max_frames,
-                                            frame_stride=frame_stride)
+                max_frames: int = MAX_FRAMES_DEFAULT, frame_stride: int = 1, mask_folder: str = "") -> io.NodeOutput:
+        clips, _, masks = resolve_folders(folder, "", mask_folder)
+        dataset = dataset_from_video_folder(clips, resolution=resolution, step=step, crop=crop, flip=flip, seed=seed,
+                                            skip_bad=skip_bad, roots=tuple(map(Path, dataset_roots())),
+                                            max_frames=max_frames, frame_stride=frame_stride, mask_folder=masks)
         for warning in dataset.warnings:
             log.warning("HeadroomDatasetFromVideos: %s", warning)
         return io.NodeOutput(dataset)

@@ -107,7 +107,8 @@ class HeadroomMemoryPlan(io.ComfyNode):
                 # Appended last and optional: workflows saved before it existed keep working (images).
                 io.Int.Input("frames", default=1, min=1, max=1025, optional=True,
                              tooltip="Video models (wan21): frames of the longest training clip (Wan: 4k+1, e.g. 33 or "
-                             "81); the step's activations grow with them. 1: images."),
+                             "81); the step's activations and, with the VAE, its encode / decode estimates grow with "
+                             "them. 1: images."),
             ],
             outputs=[io.String.Output("plan_text", tooltip="The plan as text (also shown on the node)."),
                      io.String.Output("plan_json", tooltip="The plan as JSON: each phase's estimate, itemised."),

@@ -19,6 +19,7 @@ from ...training.core.trainer import PRECISIONS, auto_precision
 from ...training.data.cache_store import item_conditioning
 from . import families, video
 from .comfy_model import ComfyDenoiser, expected_cond_dims, model_blocks, replace_inference_tensors, training_blocks
+from .encoders import frame_step, spatial_downscale
 
 # Calibration forwards (latent height, width, text tokens): three areas, two text lengths, so that attention
 # maps (quadratic in the area, or area x text) are fitted too. Multiples of 8 latent px: every UNet level divides.
@@ -114,9 +115,9 @@ def _measure(patcher, adapter: AdapterConfig, precision: str) -> list[planner.Ac
 
 
 def describe_comfy_model(patcher, adapter: AdapterConfig, precision: str = "bf16", text_tokens: int | None = None,
-                         clip=None, vae=None) -> planner.ModelDescription:
-    """The planner's description of a ComfyUI MODEL (and, optionally, its CLIP and VAE) for training a
-    LoRA of `adapter`'s settings."""
+                         clip=None, vae=None, frames: int = 1) -> planner.ModelDescription:
+    """The planner's description of a ComfyUI MODEL (and, optionally, its CLIP and VAE, whose estimates are for
+    `frames`-frame clips) for training a LoRA of `adapter`'s settings."""
     model = patcher.model
     diffusion_model = model.diffusion_model
     named_blocks = training_blocks(diffusion_model)
@@ -150,16 +151,28 @@ def describe_comfy_model(patcher, adapter: AdapterConfig, precision: str = "bf16
         description["text_encoder_copy_in_flight_bytes"] = planner.largest_weight_copy_bytes(
             clip.cond_stage_model, torch.float32)
     if vae is not None:
-        side = 512
-        description["vae_bytes"] = int(vae.patcher.model_size())
-        # A video VAE (latent_dim 3: Wan 2.1 for Qwen-Image) encodes [B, 3, T, H, W] and decodes [B, C, T, h, w].
-        frames = (1,) * (getattr(vae, "latent_dim", 2) - 2)
-        description["vae_encode_bytes_per_px"] = vae.memory_used_encode([1, 3, *frames, side, side],
-                                                                         vae.vae_dtype) / side ** 2
-        latent = side // vae.downscale_ratio if isinstance(vae.downscale_ratio, int) else side // 8
-        description["vae_decode_bytes_per_px"] = vae.memory_used_decode(
-            [1, vae.latent_channels, *frames, latent, latent], vae.vae_dtype) / side ** 2
+        description.update(vae_estimates(vae, frames))
     return planner.ModelDescription(**description)
+
+
+def vae_estimates(vae, frames: int = 1) -> dict:
+    """The VAE's weights and ComfyUI's own working-set estimates (`memory_used_encode / _decode`, what VAE Encode /
+    Decode load with) for one item: an image, or a `frames`-frame clip for a video VAE (encoded as [1, 3, frames, H, W],
+    decoded from [1, C, latent frames, h, w]: ComfyUI's formulas are not linear in frames, e.g. the Wan 2.1 VAE's steps
+    up past 4), per pixel of one frame; ComfyUI's formulas are linear in a frame's area."""
+    side = 512
+    step = frame_step(vae)  # None: an image VAE (plan_lora_run refuses it clips)
+    latent = side // spatial_downscale(vae) if spatial_downscale(vae) > 1 else side // 8
+    # A video VAE (latent_dim 3: Wan, HunyuanVideo 1.5; Wan 2.1 for Qwen-Image's images) takes 5-D shapes.
+    pixel_frames, latent_frames = ((frames,), ((frames - 1) // step + 1,)) if step is not None else ((), ())
+    frames = frames if step is not None else 1
+    return {
+        "vae_bytes": int(vae.patcher.model_size()),
+        "vae_frames": frames,
+        "vae_encode_bytes_per_px": vae.memory_used_encode([1, 3, *pixel_frames, side, side], vae.vae_dtype) / side ** 2,
+        "vae_decode_bytes_per_px": vae.memory_used_decode([1, vae.latent_channels, *latent_frames, latent, latent],
+                                                          vae.vae_dtype) / side ** 2,
+    }
 
 
 def lora_target_paths(patcher, adapter: AdapterConfig) -> list[str]:
@@ -182,9 +195,12 @@ def plan_lora_run(model, policy: OffloadPolicy, mode: str, batch_size: int, widt
         budget = budget_bytes(policy, torch.device(model.load_device))
         paths = lora_target_paths(model, adapter)
         latent_frames = video.check_frames(node, model.model, frames)
+        if vae is not None and frames > 1 and frame_step(vae) is None:
+            raise ValueError(f"frames={frames}, but this VAE ({type(vae.first_stage_model).__name__}) encodes images; "
+                             "connect the video model's VAE")
     except (PolicyError, ValueError) as error:
         raise ValueError(f"{node}: {error}") from None
-    description = describe_comfy_model(model, adapter, precision, text_tokens or None, clip, vae)
+    description = describe_comfy_model(model, adapter, precision, text_tokens or None, clip, vae, frames)
     trainable = planner.TrainableSpec.lora([model.model.diffusion_model.get_submodule(p) for p in paths], rank,
                                            optimizer)
     shape = planner.RunShape(batch_size, width, height, text_tokens or None, latent_frames)

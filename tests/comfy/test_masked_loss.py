@@ -140,3 +140,65 @@ def test_the_masked_out_half_is_not_learned(comfyui):
     assert results["whole"][0] < 0.85 and results["whole"][1] < 0.85
     assert results["right"][1] < 0.85  # the kept half is learned ...
     assert results["right"][0] > 1.0 > results["whole"][0]  # ... the masked-out half is not (its error even grows)
+
+
+# --- clips --------------------------------------------------------------------------------------------------
+class VideoVae:
+    """frames [F, H, W, 3] -> [1, 4, 1 + (F - 1) // 4, H/8, W/8] by Wan's temporal rule (frame 0 alone, then groups
+    of 4 frames per latent frame)."""
+
+    def __call__(self, pixels):
+        x = CountingVae()(pixels)  # [F, 4, h, w]
+        return torch.cat([x[:1], x[1:].reshape(-1, 4, *x.shape[1:]).mean(1)]).movedim(0, 1)[None]
+
+
+def _cache_clips(tmp_path, clips, masks, **options):
+    from headroom.training.data.video import dataset_from_clips
+
+    dataset = dataset_from_clips(clips, [f"clip {i}" for i in range(len(clips))], resolution=32, step=16, masks=masks,
+                                 **options)
+    return cache_latents(dataset, ShardStore(tmp_path / "cache"), VideoVae(), "video vae", {}, downscale=8,
+                         frame_step=4)[0]
+
+
+def _pool(mask):
+    return torch.nn.functional.avg_pool2d(mask[None, None], 8)[0, 0]
+
+
+def test_clip_masks_are_reduced_to_the_latent_frames(tmp_path):
+    """A mask per frame: each latent frame the mean of the frames it encodes (0; 1-4; 5-8), area-averaged like image
+    masks, flipped with the clip; one image mask: every latent frame; frame_stride takes the same frames from the
+    mask as from the clip."""
+    g = torch.Generator().manual_seed(0)
+    clips = [torch.rand(9, 32, 32, 3, generator=g) for _ in range(3)]
+    per_frame, image = torch.rand(9, 32, 32, generator=g), torch.rand(32, 32, generator=g)
+    cache = _cache_clips(tmp_path, clips, [per_frame, image, None], flip=True)
+    expected = torch.stack([_pool(per_frame[0]), _pool(per_frame[1:5].mean(0)), _pool(per_frame[5:9].mean(0))])[None]
+    assert cache.latent(0).shape == (4, 3, 4, 4) and cache.mask(0).shape == (1, 3, 4, 4)
+    torch.testing.assert_close(cache.mask(0), expected)
+    torch.testing.assert_close(cache.mask(1), expected.flip(-1))  # the mirrored copy
+    torch.testing.assert_close(cache.mask(2), _pool(image).expand(1, 3, 4, 4))
+    assert cache.mask(4) is None
+
+    strided_clip, strided_mask = torch.rand(17, 32, 32, 3, generator=g), torch.rand(17, 32, 32, generator=g)
+    cache = _cache_clips(tmp_path, [strided_clip], [strided_mask], frame_stride=2)
+    taken = strided_mask[0::2]  # frames 0, 2, ..., 16
+    assert cache.latent(0).shape == (4, 3, 4, 4)
+    torch.testing.assert_close(cache.mask(0)[0], torch.stack([_pool(taken[0]), _pool(taken[1:5].mean(0)),
+                                                              _pool(taken[5:9].mean(0))]))
+
+
+def test_clip_masks_that_do_not_fit_are_refused(tmp_path):
+    from headroom.training.data.video import dataset_from_clips
+
+    clip = torch.rand(9, 32, 32, 3, generator=torch.Generator().manual_seed(1))
+    with pytest.raises(DatasetError, match=r"mask of clip 0: 7 mask frames but its clip clip 0 has 9 \(both counted up "
+                                           r"to max_frames x frame_stride = 81\); give the mask one frame per frame"):
+        _cache_clips(tmp_path, [clip], [torch.ones(7, 32, 32)])
+    with pytest.raises(DatasetError, match=r"mask of clip 0: mask is 16x16 but its clip clip 0 is 32x32; resize the "
+                                           r"mask to match"):
+        _cache_clips(tmp_path, [clip], [torch.ones(9, 16, 16)])
+    with pytest.raises(DatasetError, match=r"mask of clip 0: give \[H, W\] \(every frame\) or \[F, H, W\]"):
+        dataset_from_clips([clip], ["a"], resolution=32, step=16, masks=[torch.ones(1, 9, 32, 32)])
+    with pytest.raises(DatasetError, match=r"1 clips but 2 masks"):
+        dataset_from_clips([clip], ["a"], resolution=32, step=16, masks=[None, None])

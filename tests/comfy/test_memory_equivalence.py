@@ -229,8 +229,8 @@ def _tiny_session(tmp_path, family):
 
 
 @pytest.mark.comfyui
-# flux, flux2, chroma: blocks add in place; wan21: a video DiT on 5-D latents
-@pytest.mark.parametrize("family", ["sd15", "sd3", "flux", "flux2", "chroma", "wan21"])
+# flux, flux2, chroma: blocks add in place; wan21, hunyuan_video15: video DiTs on 5-D latents
+@pytest.mark.parametrize("family", ["sd15", "sd3", "flux", "flux2", "chroma", "wan21", "hunyuan_video15"])
 def test_tiny_comfy_model_streamed_offloaded_checkpoints_bitwise(comfyui, tmp_path, family, monkeypatch):
     import comfy.model_management
 
@@ -238,8 +238,10 @@ def test_tiny_comfy_model_streamed_offloaded_checkpoints_bitwise(comfyui, tmp_pa
 
     monkeypatch.setattr(comfy.model_management, "in_training", True)  # as TrainingRun.train_to sets it
     results, calls, streamers = [], [], []
-    for policy in (OffloadPolicy(), OffloadPolicy(base_placement="streamed", checkpointing="blocks_cpu_offload")):
-        session = _tiny_session(tmp_path / policy.base_placement, family)
+    policies = (OffloadPolicy(), OffloadPolicy(checkpointing="blocks"),
+                OffloadPolicy(base_placement="streamed", checkpointing="blocks_cpu_offload"))
+    for index, policy in enumerate(policies):
+        session = _tiny_session(tmp_path / str(index), family)
         blocks = [m for _, m in training_blocks(session.patcher.model.diffusion_model)]
         # a layer inside the last block that has one: its block is on the gradient path, so it is recomputed
         inner = next(m for b in reversed(blocks) for m in b.modules() if m is not b and isinstance(m, torch.nn.Linear))
@@ -258,9 +260,10 @@ def test_tiny_comfy_model_streamed_offloaded_checkpoints_bitwise(comfyui, tmp_pa
         handle.remove()
         calls.append(len(count))
         session.release()
-    assert_bitwise(*results)
-    assert calls == [STEPS, 2 * STEPS]  # the checkpointed run recomputed each block in backward
-    assert streamers[0] is None and {phase for phase, _ in streamers[1].install_log} == {"forward", "backward"}
+    for result in results[1:]:
+        assert_bitwise(results[0], result)
+    assert calls == [STEPS, 2 * STEPS, 2 * STEPS]  # the checkpointed runs recomputed each block in backward
+    assert streamers[:2] == [None, None] and {phase for phase, _ in streamers[2].install_log} == {"forward", "backward"}
 
 
 @pytest.mark.comfyui

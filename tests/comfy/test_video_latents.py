@@ -19,8 +19,13 @@ def test_a_mask_follows_a_one_frame_latent():
     frame = latent_mask(pixels, torch.zeros(16, 1, 4, 4))
     assert image.shape == (1, 4, 4) and frame.shape == (1, 1, 4, 4)
     torch.testing.assert_close(frame[:, 0], image)
-    with pytest.raises(DatasetError, match=r"one-frame latents \[C, 1, h, w\]; this VAE gives \[16, 2, 4, 4\]"):
-        latent_mask(pixels, torch.zeros(16, 2, 4, 4))
+    # One image mask for a clip: every latent frame; mask frames that do not make the latent's frames are refused.
+    clip = latent_mask(pixels, torch.zeros(16, 2, 4, 4), 4)
+    assert clip.shape == (1, 2, 4, 4) and torch.equal(clip[:, 0], image) and torch.equal(clip[:, 1], image)
+    with pytest.raises(DatasetError, match=r"m.mp4: 3 mask frames do not make the 2 latent frame\(s\) of its clip"):
+        latent_mask(pixels.expand(3, -1, -1, -1), torch.zeros(16, 2, 4, 4), 4, "m.mp4")
+    with pytest.raises(DatasetError, match=r"loss masks need image latents \[C, h, w\] or video latents"):
+        latent_mask(pixels, torch.zeros(16, 4))
 
 
 def test_one_frame_latents_from_cache_to_decoded_validation(comfyui):

@@ -5,6 +5,7 @@ empty video latent reproduce every frame."""
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -326,3 +327,191 @@ def test_the_memory_plan_counts_frames(comfyui):
         plan(16)
     assert planner.RunShape(1, 64, 64, latent_frames=5).latent_area(
         type("D", (), {"latent_downscale": 8})()) == 5 * 64
+
+
+def test_mask_folder_gives_clips_their_masks(cache_dir, tmp_path):
+    """Dataset From Videos' mask_folder: a frame folder of masks for a frame-folder clip (one mask per frame, reduced to
+    the latent frames by the VAE's rule), one image for an MP4 clip (every frame); masks whose size or frame count do
+    not match their clip are refused naming the file."""
+    import torch.nn.functional as F
+
+    from headroom.nodes import cache as cache_nodes
+    from headroom.training.data.dataset import DatasetError
+    from headroom.training.data.synthetic import generate_moving_shapes
+
+    clips = generate_moving_shapes(3, 32, 9, 3)
+    folder = _input_folder(f"masked_clips_{tmp_path.name}")
+    masks = folder.parent / f"{folder.name}_masks"
+    masks.mkdir()
+    _write_frames(folder / "a_frames", clips.clips[0, :5])
+    _write_video(folder / "b_video.mp4", clips.clips[1])
+    _write_frames(folder / "c_unmasked", clips.clips[2, :5])
+    for name, caption in zip(("a_frames", "b_video", "c_unmasked"), clips.captions):
+        (folder / f"{name}.txt").write_text(caption)
+    grey = torch.rand(5, 32, 32, generator=torch.Generator().manual_seed(0))
+    _write_frames(masks / "a_frames", grey[..., None].expand(-1, -1, -1, 3))
+    Image.fromarray(np.tile(np.arange(32, dtype=np.uint8)[None] * 8, (32, 1))).save(masks / "b_video.png")
+
+    def build():
+        with torch.inference_mode():
+            return cache_nodes.HeadroomDatasetFromVideos.execute(folder.name, 32, 16, "center", False, 0, False,
+                                                                 max_frames=81, frame_stride=1,
+                                                                 mask_folder=masks.name).args[0]
+
+    _, _, vae = _tiny_wan()
+    with torch.inference_mode():
+        latents = cache_nodes.HeadroomCacheLatents.execute(build(), vae).args[0]
+    pool = lambda m: F.avg_pool2d(m[None, None], 8)[0, 0]  # noqa: E731
+    as_read = torch.stack([torch.from_numpy(np.asarray(Image.open(p).convert("RGB"), dtype=np.float32) / 255.0).mean(-1)
+                           for p in sorted((masks / "a_frames").iterdir())])  # the PNGs as decoded
+    torch.testing.assert_close(latents.mask(0), torch.stack([pool(as_read[0]), pool(as_read[1:5].mean(0))])[None])
+    ramp = torch.arange(32, dtype=torch.float32).mul(8).div(255).expand(32, 32)
+    assert latents.latent(1).shape == (16, 3, 4, 4)
+    torch.testing.assert_close(latents.mask(1), pool(ramp).expand(1, 3, 4, 4))
+    assert latents.mask(2) is None
+
+    # Four mask frames for a five-frame clip; a mask video shorter than its clip; a mask of another size.
+    (masks / "a_frames" / "frame_0004.png").unlink()
+    with torch.inference_mode(), pytest.raises(DatasetError, match=r"a_frames: 4 mask frames but its clip .*a_frames "
+                                                                   r"has 5 .*give the mask one frame per frame"):
+        cache_nodes.HeadroomCacheLatents.execute(build(), vae)
+    shutil.rmtree(masks / "a_frames")
+    (masks / "b_video.png").unlink()
+    _write_video(masks / "b_video.mp4", clips.clips[1, :7])
+    with torch.inference_mode(), pytest.raises(DatasetError, match=r"b_video.mp4: 7 mask frames but its clip "
+                                                                   r".*b_video.mp4 has 9"):
+        cache_nodes.HeadroomCacheLatents.execute(build(), vae)
+    Image.new("L", (16, 32)).save(masks / "c_unmasked.png")
+    with pytest.raises(DatasetError, match=r"c_unmasked.png: mask is 16x32 but its clip .*c_unmasked is 32x32; resize "
+                                           r"the mask to match"):
+        build()
+
+
+def test_a_masked_clip_learns_only_what_its_mask_keeps(cache_dir, tmp_path, monkeypatch):
+    """Two clips masked per frame: latent frame 0 keeps the right half, latent frame 1 (frames 1-4) the whole frame.
+    The gradient of the training loss with respect to the model's prediction is exactly zero on the masked-out half of
+    frame 0 and nowhere else, and training lowers the loss of what the mask keeps."""
+    import comfy.model_management
+
+    from headroom.nodes import train_lora as T
+    from headroom.training.data.synthetic import generate_moving_shapes
+    from headroom.training.data.video import dataset_from_clips
+
+    model, clip, vae = _tiny_wan()
+    clips = generate_moving_shapes(2, 32, 5, 4)
+    mask = torch.ones(5, 32, 32)
+    mask[0, :, :16] = 0.0
+    latents, texts = _cache(dataset_from_clips(list(clips.clips), clips.captions, resolution=32, step=16,
+                                               masks=[mask, mask]), vae, clip)
+    assert torch.equal(latents.mask(0)[0, 0], torch.tensor([[0.0, 0.0, 1.0, 1.0]] * 4))
+    assert torch.equal(latents.mask(0)[0, 1], torch.ones(4, 4))
+
+    run = init_run(model, latents, texts, f"masked_clip_{tmp_path.name}", 8, 1e-2, "all_layers", False)
+    trainer, outputs = run.trainer, []
+    predict = trainer.denoiser.predict
+
+    def keep_output(*args, **kwargs):
+        outputs.append(predict(*args, **kwargs))
+        outputs[-1].retain_grad()
+        return outputs[-1]
+
+    monkeypatch.setattr(trainer.denoiser, "predict", keep_output)
+    monkeypatch.setattr(comfy.model_management, "in_training", True)  # as TrainingRun.train_to sets it
+    with run.attached(), torch.inference_mode(False):
+        loss, _ = trainer._micro_step_loss(0)
+        loss.backward()
+    trainer.optimizer.zero_grad(set_to_none=True)
+    monkeypatch.undo()
+    grad = outputs[0].grad  # [2, 16, 2, 4, 4]: 2 clips, 2 latent frames of 4 x 4
+    assert grad.shape == (2, 16, 2, 4, 4)
+    assert torch.all(grad[:, :, 0, :, :2] == 0)  # the masked-out half of latent frame 0
+    assert torch.all(grad[:, :, 0, :, 2:] != 0) and torch.all(grad[:, :, 1] != 0)
+
+    with torch.inference_mode():
+        before = run.loss_on(run.train_items)
+        T.HeadroomTrainSteps.execute(run, 100)
+        after = run.loss_on(run.train_items)
+    print(f"masked clips: loss {before:.4f} -> {after:.4f} in 100 steps")
+    assert after < 0.8 * before
+
+
+def test_the_memory_plan_counts_frames_for_the_vae(comfyui):
+    """With the VAE connected, caching's encode and validation's decode are ComfyUI's own estimates for the whole clip
+    (memory_used_encode of [1, 3, 17, H, W], memory_used_decode of [1, 16, 5, h, w]), named so in the report; a budget
+    that one frame fits and 17 do not is reported as not fitting."""
+    import json
+
+    from headroom.nodes import memory
+    from headroom.nodes.bridge.tiny_models import build_tiny_models, build_tiny_vae
+    from headroom.training.memory.policy import OffloadPolicy
+
+    with torch.inference_mode():
+        model, _, vae = build_tiny_models("wan21", 0)
+
+    def plan(frames, policy=None):
+        with torch.inference_mode():
+            text, plan_json, _ = memory.HeadroomMemoryPlan.execute(model, "estimate", 1, 256, 256, 4, "preset", "AdamW",
+                                                                   "fp32", 0, policy=policy, vae=vae,
+                                                                   frames=frames).args
+        phases = {phase["phase"]: phase for phase in json.loads(plan_json)["phases"]}
+        return text, json.loads(plan_json), phases
+
+    _, fitting, one = plan(1)
+    text, _, clip = plan(17)
+    encode = {n: vae.memory_used_encode([1, 3, n, 256, 256], vae.vae_dtype) for n in (1, 17)}
+    decode = {n: vae.memory_used_decode([1, 16, n, 32, 32], vae.vae_dtype) for n in (1, 5)}
+    assert encode[17] > encode[1] and decode[5] > decode[1]  # the Wan 2.1 VAE's estimate steps up past 4 frames
+    assert one["caching (VAE encode)"]["items"]["encode working set"] == encode[1]
+    assert clip["caching (VAE encode)"]["items"]["encode working set (a 17-frame clip)"] == encode[17]
+    assert clip["caching (VAE encode)"]["total_bytes"] - one["caching (VAE encode)"]["total_bytes"] == \
+        encode[17] - encode[1]
+    assert one["validation decode"]["items"]["decode working set"] == decode[1]
+    assert clip["validation decode"]["items"]["decode working set (a 17-frame clip)"] == decode[5]
+    assert "encode working set (a 17-frame clip)" in text
+    print(f"wan21 tiny VAE, 256x256: encode {encode[1] / 2**20:.0f} -> {encode[17] / 2**20:.0f} MiB, decode "
+          f"{decode[1] / 2**20:.0f} -> {decode[5] / 2**20:.0f} MiB (1 -> 17 frames)")
+
+    # A budget between the two peaks: one frame fits, a 17-frame clip does not (its VAE phases are over it).
+    budget = (fitting["peak_bytes"] + max(encode[17], decode[5])) / 2 / 2**30
+    policy = OffloadPolicy(vram_budget_gb=budget, vae_tiled_decode="off")
+    text_one, plan_one, _ = plan(1, policy)
+    text_clip, plan_clip, _ = plan(17, policy)
+    assert plan_one["fits"] and "- fits" in text_one
+    assert not plan_clip["fits"] and "DOES NOT FIT" in text_clip
+    assert plan_clip["peak_phase"] in ("caching (VAE encode)", "validation decode")
+
+    # An image VAE cannot encode the clip the plan is for.
+    with pytest.raises(ValueError, match=r"HeadroomMemoryPlan: frames=17, but this VAE .* encodes images; connect the "
+                                         r"video model's VAE"):
+        memory.HeadroomMemoryPlan.execute(model, "estimate", 1, 256, 256, 4, "preset", "AdamW", "fp32", 0,
+                                          vae=build_tiny_vae("sd15", 0), frames=17)
+
+
+def test_a_rotated_video_is_read_as_shown(cache_dir, tmp_path):
+    """An MP4 stored 32 wide x 16 high with a 90 degree display rotation (as phones write portrait video): its size is
+    16 x 32 and its frames are turned as ComfyUI's own video loading turns them (the stored left columns at the
+    bottom)."""
+    import av
+    from comfy_api.latest import InputImpl
+
+    from headroom.training.data.video import FileVideo
+
+    path = tmp_path / "portrait.mp4"
+    stored = torch.zeros(5, 16, 32, 3)
+    stored[:, :, :8] = 1.0  # the stored frame's left quarter
+    with av.open(str(path), mode="w") as container:
+        stream = container.add_stream("libx264", rate=8)
+        stream.width, stream.height, stream.pix_fmt = 32, 16, "yuv420p"
+        stream.set_display_rotation(90)
+        for frame in stored:
+            image = av.VideoFrame.from_ndarray((frame.numpy() * 255).astype(np.uint8), format="rgb24")
+            container.mux(stream.encode(image))
+        container.mux(stream.encode())
+
+    video = FileVideo(path)
+    assert video.size() == (16, 32)
+    frames = video.load_frames([0, 3])
+    assert frames.shape == (2, 32, 16, 3)
+    assert frames[:, 26:].mean() > 0.9 and frames[:, :22].mean() < 0.1  # the bright quarter is at the bottom
+    stock = InputImpl.VideoFromFile(str(path)).get_components().images  # ComfyUI's Load Video
+    torch.testing.assert_close(frames, stock[[0, 3]].float(), atol=0.05, rtol=0)

@@ -175,9 +175,9 @@ class Objective:
              mask: torch.Tensor | None = None) -> torch.Tensor:
         """Mean native-space loss over the batch. weighted=False: the plain squared error, no min-SNR (validation).
 
-        mask [B, 1, h, w] in 0..1 (at latent resolution): each sample's loss is the mask-weighted mean over its
-        elements, so what is masked out (0) is not learned and a partly masked image weighs as much as a whole
-        one; a sample masked out entirely contributes 0."""
+        mask [B, 1, h, w] (clips: [B, 1, T, h, w], one per latent frame) in 0..1 at latent resolution, broadcast over
+        the channels: each sample's loss is the mask-weighted mean over its elements, so what is masked out (0) is not
+        learned and a partly masked image weighs as much as a whole one; a sample masked out entirely contributes 0."""
         error = x0_hat.float() - x0.float()
         weight = self.sample_weight(sigma, min_snr=weighted).to(error.device)
         if not weighted or self.config.loss_type == "mse":

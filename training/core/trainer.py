@@ -239,7 +239,8 @@ class Trainer:
         return self.denoiser.to_model_latent(raw.to(self.denoiser.device))
 
     def _masks(self, items: Sequence[int], latent_cache=None) -> torch.Tensor | None:
-        """Loss masks [B, 1, h, w] of the items (a cache without masks: None; an item without one: all ones)."""
+        """Loss masks [B, 1, h, w] (clips: [B, 1, T, h, w]) of the items (a cache without masks: None; an item
+        without one: all ones)."""
         read = getattr(latent_cache if latent_cache is not None else self.latent_cache, "mask", None)
         masks = [read(i) for i in items] if read is not None else []
         if not any(m is not None for m in masks):

@@ -529,7 +529,8 @@ class LatentCache:
         return bool(self._items[index][4])
 
     def mask(self, index: int) -> torch.Tensor | None:
-        """Loss mask [1, h, w] 0..1 at latent resolution; None for an item without one."""
+        """Loss mask [1, h, w] (a video latent's: [1, T, h, w]) 0..1 at latent resolution; None for an item without
+        one."""
         return self._reader.get(self._items[index][1], f"{self._items[index][0]}/mask") if self._masked[index] else None
 
     @property
@@ -729,6 +730,12 @@ def cache_latents(
                 raise DatasetError(f"{item.image.describe()}: a clip of {len(frames)} frames, but this VAE encodes single "
                                    "images; cache clips with a video model's VAE (Wan), or set max_frames to 1 to train "
                                    "on each clip's first frame")
+        if item.mask is not None:
+            try:
+                _check_mask(item, size, dataset, available if frames is not None else None)
+            except DatasetError as error:
+                _skip_or_raise(dataset, str(error), report)
+                continue
         bucket = nearest_bucket(size[0], size[1], bucket_sizes)
         for flip in (False, True) if dataset.flip else (False,):
             plan = plan_crop(size, bucket, dataset.crop, dataset.seed, image_digest, flip)
@@ -772,7 +779,7 @@ def cache_latents(
                         loaded = (entry.item_index, item.image.load_frames(list(entry.frames), entry.reduce)
                                   if entry.frames is not None else item.image.load(entry.reduce),
                                   item.control.load(entry.reduce) if item.control is not None else None,
-                                  item.mask.load(entry.reduce) if item.mask is not None else None)
+                                  _load_mask(item.mask, entry))
                     except DatasetError as error:
                         failed_items.add(entry.item_index)
                         _skip_or_raise(dataset, str(error), report)
@@ -788,8 +795,10 @@ def cache_latents(
                 else:
                     sample = apply_crop(pixels, entry.plan).unsqueeze(0)
                 tensors = {"latent": _single(encode(sample), item.name)}
-                if mask_pixels is not None:
-                    tensors["mask"] = latent_mask(apply_crop(mask_pixels, entry.plan), tensors["latent"])
+                if mask_pixels is not None:  # one image (every frame), or the clip's frames cropped alike
+                    cropped = apply_crop(mask_pixels, entry.plan) if mask_pixels.ndim == 3 else \
+                        torch.stack([apply_crop(frame, entry.plan) for frame in mask_pixels])
+                    tensors["mask"] = latent_mask(cropped, tensors["latent"], frame_step, item.mask.describe())
                 if control_pixels is not None:
                     control = apply_crop(control_pixels, entry.plan)
                     tensors["control"] = control if control_encoding == "pixels" else _single(
@@ -817,16 +826,60 @@ def cache_latents(
     return cache, report
 
 
-def latent_mask(mask_pixels: torch.Tensor, latent: torch.Tensor) -> torch.Tensor:
-    """A loss mask [bucket_h, bucket_w, 3] 0..1 (its mean over channels) -> [1, h, w] at the latent's resolution
-    ([1, 1, h, w] for a video VAE's one-frame latent [C, 1, h, w]: Wan 2.1 latents of Qwen-Image), each latent cell the
-    mean of the pixels it covers (area averaging: no cell is weighted by a single pixel)."""
-    if latent.ndim not in (3, 4) or (latent.ndim == 4 and latent.shape[1] != 1):
-        raise DatasetError(f"loss masks need image latents [C, h, w] or one-frame latents [C, 1, h, w]; this VAE "
-                           f"gives {list(latent.shape)}")
-    grey = mask_pixels.to(torch.float32).mean(dim=-1)[None, None]
-    mask = F.interpolate(grey, size=tuple(latent.shape[-2:]), mode="area")[0].clamp_(0.0, 1.0)
-    return mask.reshape(1, *(1,) * (latent.ndim - 3), *mask.shape[-2:])
+def _check_mask(item, size: tuple[int, int], dataset: Dataset, clip_frames_read: int | None) -> None:
+    """A mask fits its item: the item's size; for a clip, one image or as many frames as the clip (both counted up to
+    the frames the clip's selection reads, max_frames x frame_stride)."""
+    mask = item.mask
+    mask_size = mask.size()
+    if mask_size != tuple(size):
+        raise DatasetError(f"{mask.describe()}: mask is {mask_size[0]}x{mask_size[1]} but its "
+                           f"{'clip' if clip_frames_read is not None else 'image'} {item.image.describe()} is "
+                           f"{size[0]}x{size[1]}; resize the mask to match")
+    if not is_video(mask):
+        return
+    if clip_frames_read is None:
+        raise DatasetError(f"{mask.describe()}: a clip of masks for the image {item.image.describe()}; give an image "
+                           "its mask as one image")
+    limit = dataset.max_frames * dataset.frame_stride
+    mask_frames = mask.frame_count(limit)
+    if mask_frames != clip_frames_read:
+        raise DatasetError(f"{mask.describe()}: {mask_frames} mask frames but its clip {item.image.describe()} has "
+                           f"{clip_frames_read} (both counted up to max_frames x frame_stride = {limit}); give the "
+                           "mask one frame per frame of the clip, or one image for every frame")
+
+
+def _load_mask(mask, entry: _PlannedLatent) -> torch.Tensor | None:
+    """A mask's pixels: [H, W, 3] for an image mask, [F, H, W, 3] (the clip's selected frames) for a clip of masks."""
+    if mask is None:
+        return None
+    return mask.load_frames(list(entry.frames), entry.reduce) if is_video(mask) else mask.load(entry.reduce)
+
+
+def latent_mask(mask_pixels: torch.Tensor, latent: torch.Tensor, frame_step: int | None = None,
+                what: str = "the mask") -> torch.Tensor:
+    """A loss mask 0..1 at the latent's resolution, each latent cell the mean of the pixels it covers (area averaging:
+    no cell is weighted by a single pixel); the mask's grey value is its mean over channels.
+
+    mask_pixels: [bucket_h, bucket_w, 3], one image (for a clip: every frame), or [F, bucket_h, bucket_w, 3], a clip's
+    frames. Image latent [C, h, w] -> [1, h, w]; video latent [C, T, h, w] -> [1, T, h, w], each latent frame the mean of
+    the frames it encodes by the video VAE's temporal rule (`frame_step` pixel frames per latent frame after the
+    first: Wan's latent frame 0 is frame 0, latent frame k frames 4k-3..4k)."""
+    if latent.ndim not in (3, 4):
+        raise DatasetError(f"loss masks need image latents [C, h, w] or video latents [C, T, h, w]; this VAE gives "
+                           f"{list(latent.shape)}")
+    grey = mask_pixels.to(torch.float32).mean(dim=-1)
+    if grey.ndim == 3:  # a clip's frames -> one mask per latent frame
+        step = frame_step or 1
+        if (grey.shape[0] - 1) % step or latent.ndim != 4 or 1 + (grey.shape[0] - 1) // step != latent.shape[1]:
+            count = latent.shape[1] if latent.ndim == 4 else 1
+            raise DatasetError(f"{what}: {grey.shape[0]} mask frames do not make the {count} latent frame(s) of its "
+                               f"clip ({list(latent.shape)}, {step} frames per latent frame)")
+        later = grey[1:].reshape(-1, step, *grey.shape[1:]).mean(dim=1)
+        grey = torch.cat([grey[:1], later])
+    else:
+        grey = grey[None].expand(latent.shape[1] if latent.ndim == 4 else 1, -1, -1)
+    mask = F.interpolate(grey[:, None], size=tuple(latent.shape[-2:]), mode="area")[:, 0].clamp_(0.0, 1.0)
+    return mask[None].contiguous() if latent.ndim == 4 else mask
 
 
 def _single(latents: torch.Tensor, name: str) -> torch.Tensor:
@@ -864,64 +917,31 @@ def cache_text(
     started = time.monotonic()
     report = CacheReport(kind="text")
     captions = list(captions)
-    prompts = list(dict.fromkeys(["", *captions]))  # distinct, in order; "" for caption dropout
-    keys = {
-        prompt: entry_key({"kind": "text", "encoder": fingerprint, "options": dict(encoder_options),
-                           "caption": prompt})
-        for prompt in prompts
-    }
-    if references is not None:
-        return _cache_text_with_references(captions, references, store, encode, encode_with_reference, fingerprint,
-                                           encoder_options, keys[""], reference_encoding, report, started, progress,
-                                           check_interrupt)
-    good, problems = store.verify(keys.values())
+
+    def entry_of(caption: str, reference_digest: str | None = None) -> str:
+        fields = {"kind": "text", "encoder": fingerprint, "options": dict(encoder_options), "caption": caption}
+        if reference_digest is not None:
+            fields.update(reference=reference_digest, reference_encoding=reference_encoding)
+        return entry_key(fields)
+
+    # text key -> (caption, reference image source or None, entry key), in order; the empty prompt (caption dropout)
+    # is always text only.
+    wanted = {text_key(""): ("", None, entry_of(""))}
+    if references is None:
+        for caption in captions:
+            wanted.setdefault(text_key(caption), (caption, None, entry_of(caption)))
+    else:
+        if len(references) != len(captions) or any(source is None for source in references):
+            raise DatasetError("encoding captions with reference images needs a control image for every item; give "
+                               "the dataset one (Dataset from Images' control_images, Dataset from Folder's "
+                               "control_folder)")
+        for caption, source in zip(captions, references):
+            digest = source.digest()
+            wanted.setdefault(reference_text_key(caption, digest), (caption, source, entry_of(caption, digest)))
+
+    good, problems = store.verify(entry for _, _, entry in wanted.values())
     report.warnings += store.warnings + problems
-    misses = [prompt for prompt in prompts if keys[prompt] not in good]
-    report.hits, report.misses = len(prompts) - len(misses), len(misses)
-    progress(report.hits, len(prompts))
-    if misses:
-        store.check_writable()
-        with store.writer() as writer:
-            for done, prompt in enumerate(misses, start=1):
-                check_interrupt()
-                tensors = dict(encode(prompt))
-                if "cross_attn" not in tensors:
-                    raise ValueError("the text encoder gave no 'cross_attn' tensor")
-                writer.add(keys[prompt], tensors)
-                progress(report.hits + done, len(prompts))
-        report.bytes_written = writer.bytes_written
-
-    entries = store.entries
-    cache = TextCache(
-        store.root,
-        {text_key(prompt): (keys[prompt], entries[keys[prompt]]["shard"], tuple(entries[keys[prompt]]["tensors"]))
-         for prompt in prompts},
-        empty_key=text_key(""),
-        fingerprint=fingerprint,
-    )
-    report.items = len(prompts)
-    report.bytes_total = sum(entries[keys[prompt]]["bytes"] for prompt in prompts)
-    report.seconds = time.monotonic() - started
-    return cache, report
-
-
-def _cache_text_with_references(captions, references, store, encode, encode_with_reference, fingerprint,
-                                encoder_options, empty_entry, reference_encoding, report, started, progress,
-                                check_interrupt) -> tuple[TextCache, CacheReport]:
-    """cache_text's per-item path: (caption, reference image) pairs keyed by the reference image's content."""
-    if len(references) != len(captions) or any(source is None for source in references):
-        raise DatasetError("encoding captions with reference images needs a control image for every item; give the "
-                           "dataset one (Dataset from Images' control_images, Dataset from Folder's control_folder)")
-    pairs: dict[str, tuple[str, object, str]] = {}  # text key -> (caption, image source, entry key)
-    for caption, source in zip(captions, references):
-        digest = source.digest()
-        pairs.setdefault(reference_text_key(caption, digest), (caption, source, entry_key({
-            "kind": "text", "encoder": fingerprint, "options": dict(encoder_options), "caption": caption,
-            "reference": digest, "reference_encoding": reference_encoding})))
-    wanted = [empty_entry, *(entry for _, _, entry in pairs.values())]
-    good, problems = store.verify(wanted)
-    report.warnings += store.warnings + problems
-    misses = [key for key in [None, *pairs] if (empty_entry if key is None else pairs[key][2]) not in good]
+    misses = [key for key, (_, _, entry) in wanted.items() if entry not in good]
     report.hits, report.misses = len(wanted) - len(misses), len(misses)
     progress(report.hits, len(wanted))
     if misses:
@@ -929,23 +949,20 @@ def _cache_text_with_references(captions, references, store, encode, encode_with
         with store.writer() as writer:
             for done, key in enumerate(misses, start=1):
                 check_interrupt()
-                if key is None:
-                    tensors, entry = dict(encode("")), empty_entry
-                else:
-                    caption, source, entry = pairs[key]
-                    tensors = dict(encode_with_reference(caption, source.load()))
+                caption, source, entry = wanted[key]
+                tensors = dict(encode(caption) if source is None else encode_with_reference(caption, source.load()))
                 if "cross_attn" not in tensors:
                     raise ValueError("the text encoder gave no 'cross_attn' tensor")
                 writer.add(entry, tensors)
                 progress(report.hits + done, len(wanted))
         report.bytes_written = writer.bytes_written
+
     entries = store.entries
     table = {key: (entry, entries[entry]["shard"], tuple(entries[entry]["tensors"]))
-             for key, (_, _, entry) in pairs.items()}
-    table[text_key("")] = (empty_entry, entries[empty_entry]["shard"], tuple(entries[empty_entry]["tensors"]))
+             for key, (_, _, entry) in wanted.items()}
     cache = TextCache(store.root, table, empty_key=text_key(""), fingerprint=fingerprint,
-                      reference_encoding=reference_encoding)
+                      reference_encoding=reference_encoding if references is not None else None)
     report.items = len(wanted)
-    report.bytes_total = sum(entries[entry]["bytes"] for entry in wanted)
+    report.bytes_total = sum(entries[entry]["bytes"] for _, _, entry in wanted.values())
     report.seconds = time.monotonic() - started
     return cache, report

@@ -10,6 +10,9 @@ Untrusted input: files are read only where they resolve inside the dataset roots
 than MAX_IMAGE_PIXELS per frame, or more than MAX_CLIP_FRAMES frames in a frame folder, is refused before a frame is
 decoded; decoding stops at the last frame used, whatever length the container claims, and a frame of another size than
 the stream's header is refused.
+
+A video's display rotation (the display matrix phones write for portrait video) is applied as ComfyUI's own video
+loading applies it: frames are turned by it, and the clip's size is its size as shown.
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ import numpy as np
 import torch
 
 from .dataset import (CAPTION_EXTENSION, IMAGE_EXTENSIONS, MAX_IMAGE_PIXELS, Dataset, DatasetError, DatasetItem, FileImage,
-                      _read_caption)
+                      TensorImage, _read_caption)
 from .files import UntrustedFileError, display_path, resolve_inside
 
 VIDEO_EXTENSIONS = (".mp4", ".webm", ".mov", ".mkv", ".avi", ".m4v")
@@ -51,8 +54,14 @@ def clip_frames(available: int, max_frames: int, stride: int, frame_step: int) -
     return indices[:(len(indices) - 1) // frame_step * frame_step + 1]
 
 
+def quarter_turns(rotation: float) -> int:
+    """Counter-clockwise quarter turns of a frame's display matrix (PyAV's VideoFrame.rotation: a phone's portrait
+    video is stored landscape with a rotation), rounded as ComfyUI's video loading rounds them (np.rot90's k)."""
+    return int(rotation // 90) % 4 if rotation else 0
+
+
 class FileVideo:
-    """A video file's first video stream, decoded on demand through PyAV."""
+    """A video file's first video stream, decoded on demand through PyAV, turned as its display rotation says."""
 
     def __init__(self, path: Path, roots: tuple[Path, ...] | None = None):
         self.path = Path(path)
@@ -85,9 +94,24 @@ class FileVideo:
         return container, stream
 
     def size(self) -> tuple[int, int]:
+        """(width, height) as the video is shown: a 90 / 270 degree display rotation swaps the stored sides."""
         container, stream = self._open()
         with container:
-            return stream.codec_context.width, stream.codec_context.height
+            width, height = stream.codec_context.width, stream.codec_context.height
+            turns = quarter_turns(self._first_frame(container, stream).rotation)
+        return (height, width) if turns % 2 else (width, height)
+
+    def _first_frame(self, container, stream):
+        """The stream's first frame (its display rotation is side data of the frames)."""
+        import av
+
+        try:
+            for frame in container.decode(stream):
+                return frame
+        except av.error.FFmpegError as error:
+            raise DatasetError(f"{self.describe()}: cannot be decoded ({type(error).__name__}); re-export it or remove "
+                               "it") from None
+        raise DatasetError(f"{self.describe()}: has no frames; remove it")
 
     def check(self) -> None:
         container, _ = self._open()
@@ -127,8 +151,9 @@ class FileVideo:
                     if (frame.width, frame.height) != (width, height):
                         raise DatasetError(f"{self.describe()}: frame {index} is {frame.width}x{frame.height} but the "
                                            f"stream says {width}x{height}; re-encode the video at one size")
-                    if index in wanted:
-                        frames[index] = frame.to_ndarray(format="rgb24", **size)
+                    if index in wanted:  # turned as the display rotation says, as ComfyUI's video loading does
+                        pixels = frame.to_ndarray(format="rgb24", **size)
+                        frames[index] = np.rot90(pixels, k=quarter_turns(frame.rotation))
                     if index >= last:
                         break
             except av.error.FFmpegError as error:
@@ -138,7 +163,7 @@ class FileVideo:
         if missing:
             raise DatasetError(f"{self.describe()}: ends before frame {missing[0]} (its header promised more); "
                                "re-export it")
-        array = np.stack([frames[i] for i in indices]).astype(np.float32) / 255.0
+        array = np.stack([frames[i] for i in indices]).astype(np.float32) / 255.0  # a copy: rot90's views end here
         return torch.from_numpy(array)
 
     def digest(self) -> str:
@@ -247,41 +272,77 @@ def _check_source(source) -> str | None:
     return None
 
 
+def _source_at(path: Path, roots: tuple[Path, ...]):
+    """The clip or image at `path` (a frame folder, a video file, an image), or None for another kind of file."""
+    if path.is_dir() and not path.is_symlink():
+        return FrameFolder(path, roots)
+    suffix = path.suffix.lower()
+    if suffix in VIDEO_EXTENSIONS:
+        return FileVideo(path, roots)
+    return FileImage(path, roots) if suffix in IMAGE_EXTENSIONS else None
+
+
+def _masks_in(folder: Path, roots: tuple[Path, ...]) -> dict[str, object]:
+    """name stem -> mask source in a mask folder: an image (every frame), a video or a folder of frames."""
+    masks = {}
+    for path in sorted(folder.iterdir()):
+        source = None if path.name.startswith(".") else _source_at(path, roots)
+        if source is not None:
+            masks[path.name if isinstance(source, FrameFolder) else path.stem] = source
+    return masks
+
+
+def _check_mask_size(source, mask) -> str | None:
+    problem = _check_source(mask)
+    if problem is None and mask.size() != source.size():
+        (mw, mh), (w, h) = mask.size(), source.size()
+        problem = (f"{mask.describe()}: mask is {mw}x{mh} but its clip {source.describe()} is {w}x{h}; resize the "
+                   "mask to match")
+    return problem
+
+
 def dataset_from_video_folder(folder: Path, *, resolution: int, step: int, crop: str = "center", flip: bool = False,
                               seed: int = 0, skip_bad: bool = False, roots: tuple[Path, ...] | None = None,
-                              max_frames: int = MAX_FRAMES_DEFAULT, frame_stride: int = 1) -> Dataset:
+                              max_frames: int = MAX_FRAMES_DEFAULT, frame_stride: int = 1,
+                              mask_folder: Path | None = None) -> Dataset:
     """Clips in `folder`: video files (VIDEO_EXTENSIONS) and subfolders of frame images, each with a caption beside it
-    (`clip.mp4` + `clip.txt`, `clip/` + `clip.txt`); images there are one-frame clips (`photo.png` + `photo.txt`)."""
+    (`clip.mp4` + `clip.txt`, `clip/` + `clip.txt`); images there are one-frame clips (`photo.png` + `photo.txt`).
+    Loss masks in `mask_folder`, matched by name stem: an image (applied to every frame of its clip), or a video / frame
+    folder with the clip's frames (the same frames are taken from it); of the clip's size. Cache Latents checks the
+    frame counts."""
     folder = Path(folder)
     if not folder.is_dir():
         raise DatasetError(f"dataset folder {display_path(folder)} does not exist or is not a folder")
+    if mask_folder is not None and not Path(mask_folder).is_dir():
+        raise DatasetError(f"mask folder {display_path(mask_folder)} does not exist or is not a folder")
     if not 1 <= max_frames <= MAX_CLIP_FRAMES:
         raise DatasetError(f"max_frames={max_frames}: give 1..{MAX_CLIP_FRAMES}")
     if frame_stride < 1:
         raise DatasetError(f"frame_stride={frame_stride}: give 1 or more")
-    roots = tuple(roots) if roots else (folder,)
+    roots = tuple(roots) if roots else tuple(p for p in (folder, mask_folder) if p is not None)
+    masks = _masks_in(Path(mask_folder), roots) if mask_folder is not None else {}
     items, problems = [], []
     for path in sorted(folder.iterdir()):
         suffix = path.suffix.lower()
         if path.name.startswith(".") or suffix == CAPTION_EXTENSION:
             continue
-        if path.is_dir() and not path.is_symlink():
-            source, caption_path = FrameFolder(path, roots), path.parent / (path.name + CAPTION_EXTENSION)
-        elif suffix in VIDEO_EXTENSIONS:
-            source, caption_path = FileVideo(path, roots), None
-        elif suffix in IMAGE_EXTENSIONS:
-            source, caption_path = FileImage(path, roots), None
-        else:
+        source = _source_at(path, roots)
+        caption_path = path.parent / (path.name + CAPTION_EXTENSION) if isinstance(source, FrameFolder) else None
+        if source is None:
             problems.append(f"{display_path(path)}: unsupported file type {suffix!r} (videos: {', '.join(VIDEO_EXTENSIONS)}; "
                             f"images: {', '.join(IMAGE_EXTENSIONS)}; or a folder of frames); move it out of the "
                             "dataset folder")
             continue
+        stem = path.name if isinstance(source, FrameFolder) else path.stem
+        mask = masks.get(stem)
         caption = _read_caption(path, roots, caption_path)
         problem = caption if not isinstance(caption, tuple) else _check_source(source)
+        if not problem and mask is not None:
+            problem = _check_mask_size(source, mask)
         if problem:
             problems.append(problem)
             continue
-        items.append(DatasetItem(name=path.name, caption=caption[0], image=source))
+        items.append(DatasetItem(name=path.name, caption=caption[0], image=source, mask=mask))
     if problems and not skip_bad:
         raise DatasetError(f"{len(problems)} problem(s) in dataset folder {display_path(folder)} (fix them, or enable "
                            "skip_bad to leave those items out):\n- " + "\n- ".join(problems))
@@ -294,13 +355,31 @@ def dataset_from_video_folder(folder: Path, *, resolution: int, step: int, crop:
                    max_frames=max_frames, frame_stride=frame_stride)
 
 
+def _tensor_mask(mask: torch.Tensor | None, index: int):
+    """A clip's in-memory loss mask: [H, W] (every frame) or [F, H, W] (one per frame), 1 learned, 0 not."""
+    if mask is None:
+        return None
+    label = f"mask of clip {index}"
+    if mask.ndim == 2:
+        return TensorImage(mask[..., None].expand(-1, -1, 3), label)
+    if mask.ndim == 3:
+        return TensorVideo(mask[..., None].expand(-1, -1, -1, 3), label)
+    raise DatasetError(f"{label}: give [H, W] (every frame) or [F, H, W] (one per frame), got shape "
+                       f"{tuple(mask.shape)}")
+
+
 def dataset_from_clips(clips: list[torch.Tensor], captions: list[str], *, resolution: int, step: int,
                        crop: str = "center", flip: bool = False, seed: int = 0, max_frames: int = MAX_FRAMES_DEFAULT,
-                       frame_stride: int = 1) -> Dataset:
-    """Items from in-memory clips [F, H, W, 3] (synthetic clips, tests) with one caption each."""
+                       frame_stride: int = 1, masks: list[torch.Tensor | None] | None = None) -> Dataset:
+    """Items from in-memory clips [F, H, W, 3] (synthetic clips, tests) with one caption each, and optional loss masks
+    (one per clip, or None: `_tensor_mask`)."""
     if len(clips) != len(captions):
         raise DatasetError(f"{len(clips)} clips but {len(captions)} captions; give one caption per clip")
-    items = tuple(DatasetItem(name=f"clip {i}", caption=caption, image=TensorVideo(clip, f"clip {i}"))
-                  for i, (clip, caption) in enumerate(zip(clips, captions)))
+    masks = list(masks) if masks is not None else [None] * len(clips)
+    if len(masks) != len(clips):
+        raise DatasetError(f"{len(clips)} clips but {len(masks)} masks; give one mask (or None) per clip")
+    items = tuple(DatasetItem(name=f"clip {i}", caption=caption, image=TensorVideo(clip, f"clip {i}"),
+                              mask=_tensor_mask(mask, i))
+                  for i, (clip, caption, mask) in enumerate(zip(clips, captions, masks)))
     return Dataset(items=items, resolution=resolution, step=step, crop=crop, flip=flip, seed=seed,
                    max_frames=max_frames, frame_stride=frame_stride)

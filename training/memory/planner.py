@@ -15,13 +15,14 @@ Each memory feature costs itself (training/memory/cost.py FeatureCost, from its 
 activation_offload, weight_streaming, optimizer_parking; lowbit's sizes); `estimate` adds them up with what is no
 feature (trainables, gradients, the rest of the activations, sampling, encoders). Items per phase (bytes on the
 compute device):
-- caching: the larger of text encoders and VAE + its encode working set (encoders load one at a time);
+- caching: the larger of text encoders and VAE + its encode working set (encoders load one at a time; a video
+  VAE's for the clip's frames, as ComfyUI estimates it);
 - training: frozen weights (by placement and storage), trainable weights + gradients (fp32) + optimizer
   state, activations (all blocks' saved tensors; or checkpointed inputs + one block recomputed; or two
   blocks' inputs in flight when offloaded), gradient buffers of one block, allocator overhead;
 - validation: frozen weights + adapter + ComfyUI's own inference estimate (memory_required, for the
   cond/uncond batch), one layer's LoRA merge (validation as the saved file), optimizer state and gradients
-  unless parked; then the VAE decode once the
+  unless parked; then the VAE decode (of the clip's frames) once the
   denoiser is released (tiled when it would not fit);
 - save: weights, trainables, gradients and optimizer state, no activations.
 """
@@ -105,8 +106,11 @@ class ModelDescription:
     inference_bytes_per_latent_px: float = 0.0  # ComfyUI's memory_required per latent pixel (batch 1)
     text_encoder_bytes: int = 0
     vae_bytes: int = 0
-    vae_encode_bytes_per_px: float = 0.0  # per image pixel
+    # ComfyUI's VAE Encode / Decode working sets for one item of `vae_frames` frames (an image: 1), per pixel of a
+    # frame (its formulas are linear in the area, not in the frames: nodes/bridge/planning.vae_estimates).
+    vae_encode_bytes_per_px: float = 0.0
     vae_decode_bytes_per_px: float = 0.0
+    vae_frames: int = 1
     # One layer's weight in compute precision, made for the product and freed after it (ComfyUI's manual cast of
     # weights stored in another dtype; low-bit storage dequantises the same way): what one layer adds in flight.
     weight_copy_in_flight_bytes: int = 0  # the largest block or outer weight, as loaded
@@ -330,18 +334,22 @@ def estimate(description: ModelDescription, trainable: TrainableSpec, shape: Run
     decode_full = int(description.vae_decode_bytes_per_px * pixels)
     decode_tiled = int(description.vae_decode_bytes_per_px * min(pixels, TILE_PX * TILE_PX))
     tiled = policy.decode_tiled(description.vae_bytes + decode_full, budget_bytes)
+    clip = [f"a {description.vae_frames}-frame clip"] if description.vae_frames > 1 else []
+    decode_details = ", ".join(clip + (["tiled 512 px"] if tiled else []))
+    decode_name = "decode working set" + (f" ({decode_details})" if decode_details else "")
     decode = PhaseEstimate("validation decode", {
         "VAE weights": description.vae_bytes,
-        "decode working set" + (" (tiled 512 px)" if tiled else ""): decode_tiled if tiled else decode_full,
+        decode_name: decode_tiled if tiled else decode_full,
     }, ["after the denoiser is released"])
 
     cache_text = PhaseEstimate("caching (text encoders)", {
         "text encoder weights": description.text_encoder_bytes,
         "one weight copy in flight (fp32 cast)": description.text_encoder_copy_in_flight_bytes,
     })
+    encode_name = "encode working set" + (f" ({clip[0]})" if clip else "")
     cache_vae = PhaseEstimate("caching (VAE encode)", {
         "VAE weights": description.vae_bytes,
-        "encode working set": int(description.vae_encode_bytes_per_px * pixels * batch),
+        encode_name: int(description.vae_encode_bytes_per_px * pixels * batch),
     })
     for phase in (cache_text, cache_vae, decode):
         if not any(phase.items.values()):
