@@ -200,8 +200,10 @@ def model_inputs(model: comfy.model_base.BaseModel, cond: dict, noise: torch.Ten
     if REFERENCE_LATENTS in cond:
         params[REFERENCE_LATENTS] = [latent.unsqueeze(0).to(device) for latent in cond[REFERENCE_LATENTS]]
     downscale = model.latent_format.spacial_downscale_ratio  # image px per latent px (8; Flux.2: 16)
+    # latent_shapes: what the samplers give every model for an unpacked latent (one stream); models that pack several
+    # (LTX-2's video + audio) read the streams from it.
     params.update(device=device, noise=noise, width=noise.shape[-1] * downscale, height=noise.shape[-2] * downscale,
-                  prompt_type="positive")
+                  prompt_type="positive", latent_shapes=[noise.shape])
     # ComfyUI's encoders always give pooled_output, None where they have none; HunyuanVideo's encode_adm reads it.
     params.setdefault("pooled_output", None)
     return model.extra_conds(**params)

@@ -43,12 +43,20 @@ def modules_at_depth(blocks: Iterable[torch.nn.Module], depth: int) -> list[torc
 def _inplace_safe(forward: Callable) -> Callable:
     def safe_forward(*args, **kwargs):
         def fresh(value):
+            if isinstance(value, (tuple, list)):  # LTX-2's blocks take their (video, audio) streams as one tuple
+                return type(value)(fresh(v) for v in value)
             return value.clone() if torch.is_tensor(value) and value.is_floating_point() else value
+
+        def tensors(values):
+            for value in values:
+                if isinstance(value, (tuple, list)):
+                    yield from tensors(value)
+                elif torch.is_tensor(value) and value.is_floating_point():
+                    yield value
 
         args = [fresh(a) for a in args]
         kwargs = {k: fresh(v) for k, v in kwargs.items()}
-        storages = {t.untyped_storage().data_ptr() for t in [*args, *kwargs.values()]
-                    if torch.is_tensor(t) and t.is_floating_point()}
+        storages = {t.untyped_storage().data_ptr() for t in tensors([*args, *kwargs.values()])}
 
         def pack(saved: torch.Tensor) -> torch.Tensor:
             return saved.clone() if saved.untyped_storage().data_ptr() in storages else saved
