@@ -62,7 +62,9 @@ def expected_cond_dims(model: comfy.model_base.BaseModel) -> dict[str, int]:
     # Wan: text_dim, also left to the class default (4096, UMT5-XXL's).
     context = (config.get("context_dim") or config.get("context_in_dim") or config.get("cap_feat_dim")
                or _constructor_value(model.diffusion_model, config, "joint_attention_dim")
-               or _constructor_value(model.diffusion_model, config, "text_dim"))
+               or _constructor_value(model.diffusion_model, config, "text_dim")
+               # LTX-2: the Gemma projection's width (3840), which the DiT's own connectors take
+               or _constructor_value(model.diffusion_model, config, "caption_channels"))
     if context is None and isinstance(config.get("context_embedder_config"), dict):
         context = config["context_embedder_config"].get("params", {}).get("in_features")
     if context:

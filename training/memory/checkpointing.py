@@ -83,12 +83,20 @@ def checkpoint_inplace_safe(safe_forward: Callable, args: tuple, kwargs: dict):
     tensors passed by keyword go in positionally so their gradients come back."""
     tensor_names = [k for k, v in kwargs.items() if torch.is_tensor(v)]
     others = {k: v for k, v in kwargs.items() if k not in tensor_names}
+    # Positional tuples of tensors (LTX-2's (video, audio) streams) go in as their tensors: the checkpoint saves,
+    # offloads and returns gradients for its tensor inputs only.
+    lengths = [len(a) if isinstance(a, (tuple, list)) else None for a in args]
+    flat = [t for a, n in zip(args, lengths) for t in (a if n is not None else (a,))]
 
     def run(_anchor, *tensors):
-        return safe_forward(*tensors[:len(args)], **dict(zip(tensor_names, tensors[len(args):])), **others)
+        positional, at = [], 0
+        for arg, n in zip(args, lengths):
+            positional.append(type(arg)(tensors[at:at + n]) if n is not None else tensors[at])
+            at += 1 if n is None else n
+        return safe_forward(*positional, **dict(zip(tensor_names, tensors[at:])), **others)
 
     anchor = torch.empty(0, requires_grad=True)
-    return checkpoint(run, anchor, *args, *(kwargs[k] for k in tensor_names), use_reentrant=True)
+    return checkpoint(run, anchor, *flat, *(kwargs[k] for k in tensor_names), use_reentrant=True)
 
 
 def _checkpointed_inplace_safe(forward: Callable) -> Callable:
