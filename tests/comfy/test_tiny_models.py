@@ -5,7 +5,7 @@ import torch
 pytestmark = pytest.mark.comfyui
 
 FAMILIES = ["sd15", "sd2", "sdxl", "sd3", "flux", "flux2", "flux2_dev", "chroma", "zimage", "qwen_image", "hidream",
-            "hunyuan_image", "wan21", "hunyuan_video15"]
+            "hunyuan_image", "wan21", "hunyuan_video15", "ltx2"]
 
 
 def _weights(patcher):
@@ -28,7 +28,8 @@ def test_tiny_family_samples_with_stock_nodes(comfyui, family):
                      "chroma": comfy.model_base.Chroma, "zimage": comfy.model_base.Lumina2,
                      "qwen_image": comfy.model_base.QwenImage, "hidream": comfy.model_base.HiDream,
                      "hunyuan_image": comfy.model_base.HunyuanImage21,
-                     "wan21": comfy.model_base.WAN21, "hunyuan_video15": comfy.model_base.HunyuanVideo15}
+                     "wan21": comfy.model_base.WAN21, "hunyuan_video15": comfy.model_base.HunyuanVideo15,
+                     "ltx2": comfy.model_base.LTXAV}
     assert type(model.model) is expected_base[family]
     n_params = sum(p.numel() for p in model.model.diffusion_model.parameters())
     assert 10_000 < n_params < 10_000_000  # zimage: 8.6 M (Z-Image modulation needs width >= 256; see zimage.py)
@@ -43,7 +44,7 @@ def test_tiny_family_samples_with_stock_nodes(comfyui, family):
         image = nodes.VAEDecode().decode(vae, samples)[0]
         again = nodes.VAEDecode().decode(vae, nodes.common_ksampler(
             model, 0, 4, cfg, "euler", "normal", positive, negative, latent)[0])[0]
-    frames = (1,) if model.model.latent_format.latent_dimensions == 3 else ()  # video latents: qwen_image, wan21, hunyuan_video15
+    frames = (1,) if model.model.latent_format.latent_dimensions == 3 else ()  # video latents: qwen_image, wan21, hunyuan_video15, ltx2
     assert samples["samples"].shape == (1, channels, *frames, 8, 8)
     side = 8 * model.model.latent_format.spacial_downscale_ratio  # 8x; Flux.2: 16x
     assert vae.spacial_compression_decode() == model.model.latent_format.spacial_downscale_ratio
@@ -55,7 +56,7 @@ def test_tiny_family_samples_with_stock_nodes(comfyui, family):
     # encoder have no pooled vector.
     assert (positive[0][1].get("pooled_output") is not None) == (family not in ("flux2", "flux2_dev", "chroma", "zimage",
                                                                                 "qwen_image", "hunyuan_image", "wan21",
-                                                                                "hunyuan_video15"))
+                                                                                "hunyuan_video15", "ltx2"))
 
 
 def test_flux2_dev_tiny_tokenises_with_the_flux2_template_and_has_a_guidance_input(comfyui):
