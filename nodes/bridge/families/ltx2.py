@@ -153,10 +153,18 @@ TINY = TinyModel(
     vae_class=_vae_from_metadata,
 )
 
+def _recognise(model) -> bool:
+    # LTX-2 (2.0): the connectors take the Gemma projection as it is. LTX-2.3's files (caption_proj_before_connector,
+    # a dual video / audio text projection, prompt AdaLN) are the same class with another text path this family has
+    # not been checked on: they train as unlisted models (targets all_linear).
+    diffusion_model = getattr(model, "diffusion_model", None)
+    return type(model) is comfy.model_base.LTXAV and not getattr(diffusion_model, "caption_proj_before_connector", True)
+
+
 FAMILY = Family(
     name="ltx2",
     description="LTX-2 audio-video DiT, video LoRA (Gemma 3 encoder, LTX video VAE)",
-    recognise=lambda model: type(model) is comfy.model_base.LTXAV,
+    recognise=_recognise,
     # The video stream's attention (self, text cross) and feed-forward of every block: LTX-2's trainer's video LoRA
     # layers (to_q / to_k / to_v / to_out.0, ff.net.0.proj / ff.net.2). audio_attn*, audio_ff, audio_to_video_attn and
     # video_to_audio_attn are other names, so they stay frozen.
