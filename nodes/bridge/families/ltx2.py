@@ -6,7 +6,8 @@ LTX video VAE (latent_formats.LTXAV: 128 channels, 32x spatial, 8x temporal: cli
 (shift 2.37).
 
 What is trained: the video stream's self-attention (attn1), text cross-attention (attn2; q, k, v, out) and
-feed-forward of every block, as LTX-2's own trainer and musubi-tuner / ai-toolkit target a video LoRA. What is not:
+feed-forward of every block: the video modules LTX-2's own trainer (ltx-trainer) names for a video-only LoRA
+(`attn1.to_k`, `attn2.to_k`, ...; its audio-video LoRAs add `audio_attn*` and the cross-modal ones). What is not:
 the audio stream, the audio <-> video cross-attention, the connectors, the embedders and the output layers stay
 frozen, and training runs the video-only path ComfyUI itself takes for a silent generation: a plain video latent
 (the stock EmptyLTXVLatentVideo's) reaches the model as one stream (the sampler's `latent_shapes` of one shape),
@@ -14,7 +15,9 @@ LTXAVModel gives the audio stream zero tokens, so its blocks skip the audio half
 cross-attention. A LoRA trained here changes video generation; with an audio latent packed in (LTXVConcatAVLatent)
 the audio branch runs as the base model's.
 
-LTX-Video (model_base.LTXV: video only, T5 encoder) is another class and not this family. ComfyUI's LoRA key map
+LTX-Video (model_base.LTXV: video only, T5 encoder) is another class and not this family; LTX-2.3-style files (the
+same class with text projected before the connectors: a dual video / audio text projection) are not recognised either
+(not checked here): they train as unlisted models. ComfyUI's LoRA key map
 has no diffusers (LTX2VideoTransformer3DModel) names for LTX-2: files are written in the comfyui or kohya format."""
 from __future__ import annotations
 
@@ -165,14 +168,14 @@ FAMILY = Family(
     name="ltx2",
     description="LTX-2 audio-video DiT, video LoRA (Gemma 3 encoder, LTX video VAE)",
     recognise=_recognise,
-    # The video stream's attention (self, text cross) and feed-forward of every block: LTX-2's trainer's video LoRA
-    # layers (to_q / to_k / to_v / to_out.0, ff.net.0.proj / ff.net.2). audio_attn*, audio_ff, audio_to_video_attn and
-    # video_to_audio_attn are other names, so they stay frozen.
+    # The video stream's attention (self, text cross) and feed-forward of every block (to_q / to_k / to_v / to_out.0,
+    # ff.net.0.proj / ff.net.2). audio_attn*, audio_ff, audio_to_video_attn and video_to_audio_attn are other names,
+    # so they stay frozen.
     lora_preset=TargetPreset("ltx2", (r"^transformer_blocks\.\d+\.(attn1|attn2)\.(to_q|to_k|to_v|to_out\.0)$",
                                       r"^transformer_blocks\.\d+\.ff\.net\.(0\.proj|2)$")),
     text_tokens=1024,  # Gemma prompts pad to 1024 tokens (the encoder then drops the padding)
     diffusers_component=None,  # ComfyUI's LoRA key map has no diffusers names for LTX-2
-    # musubi-tuner / LTX-2's trainer write no sd-scripts base-model metadata for LTX-2: none written.
+    # No sd-scripts base-model names are known for LTX-2 here: none written (as flux2's).
     kohya_base=("", ""),
     latent_downscale=32,
     frame_step=8,  # the VAE keeps the first frame, then encodes groups of 8
