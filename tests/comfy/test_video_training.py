@@ -303,28 +303,30 @@ def test_clips_are_refused_for_an_image_model(cache_dir, tmp_path):
         _init(model, latents, texts, f"qwen_clips_{tmp_path.name}")
 
 
-def test_the_memory_plan_counts_frames(comfyui):
-    """HeadroomMemoryPlan on the tiny Wan: a 17-frame clip (5 latent frames) needs more for the training step than an
-    image of the same size, by about its activations times five; frames the family does not take are refused."""
+@pytest.mark.parametrize("family, clip_frames, wrong, hint", [("wan21", 17, 16, "4k\\+1 frames; use 13 or 17"),
+                                                               ("ltx2", 17, 16, "8k\\+1 frames; use 9 or 17")])
+def test_the_memory_plan_counts_frames(comfyui, family, clip_frames, wrong, hint):
+    """HeadroomMemoryPlan on a tiny video model: a 17-frame clip (Wan: 5 latent frames, LTX-2: 3) needs more for the
+    training step than an image of the same size; frames the family does not take are refused."""
     import json
 
     from headroom.nodes import memory
     from headroom.nodes.bridge.tiny_models import build_tiny_model_patcher
     from headroom.training.memory import planner
 
-    model = build_tiny_model_patcher("wan21", 0)
+    model = build_tiny_model_patcher(family, 0)
 
     def plan(frames):
         with torch.inference_mode():
             return json.loads(memory.HeadroomMemoryPlan.execute(model, "estimate", 1, 256, 256, 4, "preset", "AdamW",
                                                                "fp32", 0, frames=frames).args[1])
 
-    one, clip = plan(1), plan(17)
+    one, clip = plan(1), plan(clip_frames)
     step = lambda p: next(phase for phase in p["phases"] if phase["phase"].startswith("train"))  # noqa: E731
-    print(f"wan21 tiny, 256x256: {step(one)['phase']} {step(one)['total_bytes'] / 2**20:.1f} MiB (1 frame) -> "
-          f"{step(clip)['total_bytes'] / 2**20:.1f} MiB (17 frames)")
+    print(f"{family} tiny, 256x256: {step(one)['phase']} {step(one)['total_bytes'] / 2**20:.1f} MiB (1 frame) -> "
+          f"{step(clip)['total_bytes'] / 2**20:.1f} MiB ({clip_frames} frames)")
     assert step(clip)["total_bytes"] > step(one)["total_bytes"]
-    with pytest.raises(ValueError, match=r"HeadroomMemoryPlan: frames=16: wan21 clips have 4k\+1 frames; use 13 or 17"):
-        plan(16)
+    with pytest.raises(ValueError, match=rf"HeadroomMemoryPlan: frames={wrong}: {family} clips have {hint}"):
+        plan(wrong)
     assert planner.RunShape(1, 64, 64, latent_frames=5).latent_area(
         type("D", (), {"latent_downscale": 8})()) == 5 * 64
