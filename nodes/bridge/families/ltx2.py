@@ -173,7 +173,7 @@ FAMILY = Family(
     # so they stay frozen.
     lora_preset=TargetPreset("ltx2", (r"^transformer_blocks\.\d+\.(attn1|attn2)\.(to_q|to_k|to_v|to_out\.0)$",
                                       r"^transformer_blocks\.\d+\.ff\.net\.(0\.proj|2)$")),
-    text_tokens=1024,  # Gemma prompts pad to 1024 tokens (the encoder then drops the padding)
+    text_tokens=1024,  # the DiT's connectors fill the prompt's tokens up to 1024 with learned registers
     diffusers_component=None,  # ComfyUI's LoRA key map has no diffusers names for LTX-2
     # No sd-scripts base-model names are known for LTX-2 here: none written (as flux2's).
     kohya_base=("", ""),
