@@ -109,6 +109,11 @@ def test_ltx2_is_the_audio_video_model_not_ltx_video(comfyui):
              and name.startswith("transformer_blocks.") and ("audio" in name or "video_to_audio" in name)]
     preset = families.get("ltx2").lora_preset
     assert audio and not any(re.match(pattern, name) for pattern in preset.linear for name in audio)
+    # The clip facts are ComfyUI's LTX latent format's: 32x spatial, 8x temporal (8k+1 frames), 128 channels.
+    family, latent_format = families.get("ltx2"), ltx2.latent_format
+    assert (family.latent_downscale, family.frame_step, family.tiny.latent_channels) == (
+        latent_format.spacial_downscale_ratio, latent_format.temporal_downscale_ratio,
+        latent_format.latent_channels) == (32, 8, 128)
 
 
 def test_family_facts_are_the_tables_they_replaced(comfyui):
