@@ -61,13 +61,15 @@ def base_weights(model):
 
 def empty_latent(model, width: int, height: int, frames: int = 1) -> dict:
     """An empty LATENT of the model's own format (channels, downscale, frames), as its stock empty-latent node makes
-    (clips, frames > 1: the stock EmptyHunyuanLatentVideo, which Wan workflows start from, or EmptyHunyuanVideo15Latent
-    for HunyuanVideo 1.5's 32-channel 16x latents)."""
+    (clips, frames > 1: the stock EmptyHunyuanLatentVideo, which Wan workflows start from, EmptyHunyuanVideo15Latent
+    for HunyuanVideo 1.5's 32-channel 16x latents, or EmptyLTXVLatentVideo for LTX-2's 128-channel 32x / 8x ones)."""
     latent_format = model.model.latent_format
     if frames > 1:
         from comfy_extras.nodes_hunyuan import EmptyHunyuanLatentVideo, EmptyHunyuanVideo15Latent
+        from comfy_extras.nodes_lt import EmptyLTXVLatentVideo
 
-        node = EmptyHunyuanVideo15Latent if latent_format.latent_channels == 32 else EmptyHunyuanLatentVideo
+        node = {32: EmptyHunyuanVideo15Latent, 128: EmptyLTXVLatentVideo}.get(latent_format.latent_channels,
+                                                                            EmptyHunyuanLatentVideo)
         return node.execute(width, height, frames, 1).args[0]
     downscale = latent_format.spacial_downscale_ratio
     frames = (1,) if latent_format.latent_dimensions == 3 else ()  # video-VAE families (Wan 2.1 latents): one frame

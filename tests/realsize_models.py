@@ -180,12 +180,21 @@ ARCHITECTURES["hunyuan_video15"] = {
         "meanflow_sum": True,
     },
 }
+ARCHITECTURES["ltx2"] = {
+    # LTX-2 (19B audio-video) as comfy/model_detection.py derives it from the released file's keys: 48 blocks, 32 heads
+    # of 128 (its detection fixes 32 heads and reads the width from attn2), text width 4096; the rest are LTXAVModel's
+    # defaults, which are LTX-2's (the audio stream 32 heads of 64, caption_channels 3840 = Gemma 3 12B's width, 2-layer
+    # connectors of 30 heads of 128). The file's metadata config repeats them; the key check reads the keys alone.
+    "text_tokens": 1024, "text_encoder": None, "latent_channels": 128, "depth": 48,
+    "unet_config": {"image_model": "ltxav", "num_layers": 48, "attention_head_dim": 128, "cross_attention_dim": 4096,
+                    "use_keyframes_abs_pos_embedding": False},
+}
 T5XXL_LAYERS = 24  # the released T5-XXL encoder
 
 
 def unet_config(name: str, depth=None) -> dict:
-    """The architecture's unet_config; `depth` reduces it at real width: SD3.5 joint blocks (int), Flux / Chroma /
-    HunyuanImage 2.1 / HunyuanVideo 1.5 (double blocks, single blocks), HiDream (double-, single-stream blocks). The UNets (SDXL, SD2.1) are always
+    """The architecture's unet_config; `depth` reduces it at real width: SD3.5 joint blocks (int), Wan / LTX-2 blocks
+    (int), Flux / Chroma / HunyuanImage 2.1 / HunyuanVideo 1.5 (double blocks, single blocks), HiDream (double-, single-stream blocks). The UNets (SDXL, SD2.1) are always
     full size."""
     config = dict(ARCHITECTURES[name]["unet_config"])
     if depth is None:
@@ -194,7 +203,7 @@ def unet_config(name: str, depth=None) -> dict:
         config["num_blocks"] = int(depth)
     elif name == "zimage":
         config["n_layers"] = int(depth)
-    elif name == "qwen_image" or name.startswith("wan21_"):
+    elif name in ("qwen_image", "ltx2") or name.startswith("wan21_"):
         config["num_layers"] = int(depth)
     elif name in ("flux_dev", "chroma", "hunyuan_image_21", "hunyuan_video15") or name.startswith("flux2_"):
         config["depth"], config["depth_single_blocks"] = (int(d) for d in depth)

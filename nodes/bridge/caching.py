@@ -96,6 +96,8 @@ def cache_clip_text(dataset, clip, policy=None, reference_encoding: str = "none"
         for name, value in extras.items():
             if isinstance(value, torch.Tensor):
                 tensors[name] = unbatch(value)
+            elif isinstance(value, bool):  # a flag extra_conds reads (LTX-2's unprocessed_ltxav_embeds): a 0-d tensor
+                tensors[name] = torch.tensor(value)
             elif value is not None:
                 dropped.add(name)  # e.g. "hooks": a sampling-time feature, not part of the text embedding
         return tensors

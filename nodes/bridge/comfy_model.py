@@ -62,7 +62,8 @@ def expected_cond_dims(model: comfy.model_base.BaseModel) -> dict[str, int]:
     # Wan: text_dim, also left to the class default (4096, UMT5-XXL's).
     context = (config.get("context_dim") or config.get("context_in_dim") or config.get("cap_feat_dim")
                or _constructor_value(model.diffusion_model, config, "joint_attention_dim")
-               or _constructor_value(model.diffusion_model, config, "text_dim"))
+               or _constructor_value(model.diffusion_model, config, "text_dim")
+               or _ltx2_text_width(model.diffusion_model, config))
     if context is None and isinstance(config.get("context_embedder_config"), dict):
         context = config["context_embedder_config"].get("params", {}).get("in_features")
     if context:
@@ -71,6 +72,15 @@ def expected_cond_dims(model: comfy.model_base.BaseModel) -> dict[str, int]:
     if pooled and isinstance(model, (comfy.model_base.SD3, comfy.model_base.Flux)):
         dims["pooled_output"] = int(pooled)
     return dims
+
+
+def _ltx2_text_width(module: torch.nn.Module, config: dict) -> int | None:
+    """LTX-2's text width: its Gemma projection's (caption_channels, 3840), which the DiT's own connectors take. Not for
+    LTX-2.3-style models that project text before the connectors (caption_proj_before_connector): their encoder's
+    video + audio projections set the width, which the config does not name."""
+    if _constructor_value(module, config, "caption_proj_before_connector") is not False:
+        return None
+    return _constructor_value(module, config, "caption_channels")
 
 
 def _constructor_value(module: torch.nn.Module, config: dict, name: str):
@@ -96,7 +106,7 @@ def check_caches(model: comfy.model_base.BaseModel, latent_cache, text_cache) ->
     if clips and (family is None or family.frame_step is None):  # a Wan-VAE cache of clips for Qwen-Image, say
         raise ValueError(f"the LATENT_CACHE holds clips of up to {clips[-1]} frames but this model "
                          f"({type(model).__name__}) trains on images: cache the dataset with max_frames 1, or train a "
-                         "video model (wan21)")
+                         f"video model ({', '.join(n for n, f in families.FAMILIES.items() if f.frame_step)})")
     sample = item_conditioning(text_cache, latent_cache, 0)
     for name, width in expected_cond_dims(model).items():
         if name not in sample:
@@ -195,13 +205,17 @@ REFERENCE_LATENTS = "reference_latents"  # the conditioning entry ComfyUI's Refe
 def model_inputs(model: comfy.model_base.BaseModel, cond: dict, noise: torch.Tensor, device) -> dict:
     """The model's inputs (`extra_conds`) for one item's conditioning, as the samplers make them: cached tensors get
     their batch dimension back; `reference_latents` is a list of unbatched VAE latents (as VAE Encode gives them,
-    not process_in'ed), passed on as the list of [1, C, h, w] ReferenceLatent appends."""
-    params = {name: value.unsqueeze(0).to(device) for name, value in cond.items() if torch.is_tensor(value)}
+    not process_in'ed), passed on as the list of [1, C, h, w] ReferenceLatent appends; a 0-d bool is an encoder's flag
+    (LTX-2's unprocessed_ltxav_embeds), passed on as the bool it was."""
+    params = {name: value.item() if value.dtype == torch.bool and value.ndim == 0 else value.unsqueeze(0).to(device)
+              for name, value in cond.items() if torch.is_tensor(value)}  # 0-d bools: cached flags (caching.py)
     if REFERENCE_LATENTS in cond:
         params[REFERENCE_LATENTS] = [latent.unsqueeze(0).to(device) for latent in cond[REFERENCE_LATENTS]]
     downscale = model.latent_format.spacial_downscale_ratio  # image px per latent px (8; Flux.2: 16)
+    # latent_shapes: what the samplers give every model for an unpacked latent (one stream); models that pack several
+    # (LTX-2's video + audio) read the streams from it.
     params.update(device=device, noise=noise, width=noise.shape[-1] * downscale, height=noise.shape[-2] * downscale,
-                  prompt_type="positive")
+                  prompt_type="positive", latent_shapes=[noise.shape])
     # ComfyUI's encoders always give pooled_output, None where they have none; HunyuanVideo's encode_adm reads it.
     params.setdefault("pooled_output", None)
     return model.extra_conds(**params)

@@ -120,7 +120,7 @@ def test_family_presets_pick_the_documented_layers(comfyui):
 
     picked = {}
     for family in ("sd15", "sd2", "sdxl", "sd3", "flux", "flux2", "chroma", "zimage", "qwen_image",
-                   "hidream", "hunyuan_image", "wan21", "hunyuan_video15"):
+                   "hidream", "hunyuan_image", "wan21", "hunyuan_video15", "ltx2"):
         model = build_tiny_model_patcher(family, 0).model
         assert model_family(model) == family
         blocks = [n for n, _ in model_blocks(model.diffusion_model)]
@@ -165,6 +165,12 @@ def test_family_presets_pick_the_documented_layers(comfyui):
     assert sorted({re.sub(r"^(double|single)_blocks\.\d+\.", "", p) for p in picked["hunyuan_video15"]}) == [
         "img_attn.proj", "img_attn.qkv", "img_mlp.0", "img_mlp.2", "linear1", "linear2", "txt_attn.proj",
         "txt_attn.qkv", "txt_mlp.0", "txt_mlp.2"]
+    # LTX-2: the video stream's self- / text cross-attention and feed-forward of each block; the audio stream, the
+    # audio <-> video cross-attention and the connectors stay frozen.
+    assert sorted({p.split(".", 2)[2] for p in picked["ltx2"]}) == [
+        "attn1.to_k", "attn1.to_out.0", "attn1.to_q", "attn1.to_v", "attn2.to_k", "attn2.to_out.0", "attn2.to_q",
+        "attn2.to_v", "ff.net.0.proj", "ff.net.2"]
+    assert len(picked["ltx2"]) == 10 * 2
     # SD2 / SDXL: the UNet attention projections as SD1's; Chroma: Flux's layers (its blocks have no modulation)
     for family in ("sd2", "sdxl"):
         assert picked[family] and all(p.rsplit(".", 2)[-2] in ("attn1", "attn2") or p.endswith("to_out.0")

@@ -1,5 +1,7 @@
 """The family registry (nodes/bridge/families/): one module per family, recognised from ComfyUI's own model classes exactly
 as the scattered rules it replaced recognised them, with the names stored in run folders and files unchanged."""
+import re
+
 import pytest
 import torch
 
@@ -40,7 +42,7 @@ def test_one_module_per_family(comfyui):
     folder = pathlib.Path(families.__file__).parent
     modules = sorted(p.stem for p in folder.glob("*.py") if p.stem not in ("__init__", "base"))
     assert list(families.FAMILIES) == ["sd15", "sd2", "sdxl", "sd3", "flux", "flux2", "chroma", "zimage", "qwen_image",
-                                       "hidream", "hunyuan_image", "wan21", "hunyuan_video15"]
+                                       "hidream", "hunyuan_image", "wan21", "hunyuan_video15", "ltx2"]
     assert sorted(families.FAMILIES) == modules
     assert list(families.CONTROLNET_TYPES) == ["unet", "sd3", "flux", "qwen_image"]  # stored names: never renamed
     assert (families.get("sd15").controlnet is families.get("sd2").controlnet is families.get("sdxl").controlnet
@@ -64,8 +66,8 @@ def test_recognition_is_the_rule_it_replaced(comfyui):
         assert _old_model_family(model) == (SPLIT_OFF.get(name, name) if name in ("sd15", "sd2", "sdxl", "sd3", "flux",
                                                                                  "chroma") else None)
         # Flux.2's, Chroma's, HunyuanImage's and HunyuanVideo 1.5's blocks are Flux's DoubleStreamBlock /
-        # SingleStreamBlock kind: in place.
-        inplace = name in ("flux", "flux2", "chroma", "hunyuan_image", "hunyuan_video15")
+        # SingleStreamBlock kind: in place; LTX-2's blocks add into their (video, audio) streams in place.
+        inplace = name in ("flux", "flux2", "chroma", "hunyuan_image", "hunyuan_video15", "ltx2")
         assert families.inplace_blocks(model) == inplace
         assert ComfyDenoiser(patcher).inplace_blocks == inplace
         if name in ("sd15", "sd2", "sdxl", "sd3", "flux", "qwen_image"):
@@ -91,16 +93,41 @@ def test_zimage_is_not_plain_lumina2(comfyui):
     assert families.family_of(zimage).name == "zimage"
 
 
+def test_ltx2_is_the_audio_video_model_not_ltx_video(comfyui):
+    """LTX-Video (model_base.LTXV: video only, T5 text) is another class than LTX-2's LTXAV: not ltx2. The tiny ltx2
+    trains the video stream only: its preset picks no audio layer."""
+    import comfy.supported_models
+
+    from headroom.nodes.bridge import families
+
+    ltxv = comfy.supported_models.LTXV({"image_model": "ltxv", "num_layers": 1, "attention_head_dim": 4,
+                                        "cross_attention_dim": 128, "num_attention_heads": 32, "caption_channels": 32})
+    assert families.family_of(ltxv.get_model({}, "", device="meta")) is None
+    ltx2 = families.get("ltx2").tiny.model_config().get_model({}, "", device="meta")
+    assert families.family_of(ltx2).name == "ltx2"
+    audio = [name for name, module in ltx2.diffusion_model.named_modules() if isinstance(module, torch.nn.Linear)
+             and name.startswith("transformer_blocks.") and ("audio" in name or "video_to_audio" in name)]
+    preset = families.get("ltx2").lora_preset
+    assert audio and not any(re.match(pattern, name) for pattern in preset.linear for name in audio)
+    # The clip facts are ComfyUI's LTX latent format's: 32x spatial, 8x temporal (8k+1 frames), 128 channels.
+    family, latent_format = families.get("ltx2"), ltx2.latent_format
+    assert (family.latent_downscale, family.frame_step, family.tiny.latent_channels) == (
+        latent_format.spacial_downscale_ratio, latent_format.temporal_downscale_ratio,
+        latent_format.latent_channels) == (32, 8, 128)
+
+
 def test_family_facts_are_the_tables_they_replaced(comfyui):
     from headroom.nodes.bridge import families, lora_formats
 
     assert {f.name: f.text_tokens for f in families.FAMILIES.values()} == {
         "sd15": 77, "sd2": 77, "sdxl": 77, "sd3": 154, "flux": 256, "flux2": 512, "chroma": 256, "zimage": 128,
-        "qwen_image": 128, "hidream": 128, "hunyuan_image": 128, "wan21": 512, "hunyuan_video15": 256}
+        "qwen_image": 128, "hidream": 128, "hunyuan_image": 128, "wan21": 512, "hunyuan_video15": 256,
+        "ltx2": 1024}
     assert {name: lora_formats.diffusers_component(name) for name in families.FAMILIES} == {
         "sd15": "unet", "sd2": "unet", "sdxl": "unet", "sd3": "transformer", "flux": "transformer",
         "flux2": "transformer", "chroma": "transformer", "zimage": "transformer", "qwen_image": "transformer",
-        "hidream": "transformer", "hunyuan_image": None, "wan21": None, "hunyuan_video15": None}
+        "hidream": "transformer", "hunyuan_image": None, "wan21": None, "hunyuan_video15": None,
+        "ltx2": None}
     assert lora_formats.diffusers_component(None) is None and families.lora_preset("wan") is None
     assert {f.name: f.kohya_base for f in families.FAMILIES.values()} == {
         "sd15": ("sd_v1", "stable-diffusion-v1/lora"), "sdxl": ("sdxl_base_v1-0", "stable-diffusion-xl-v1-base/lora"),
@@ -108,7 +135,8 @@ def test_family_facts_are_the_tables_they_replaced(comfyui):
         "sd2": ("sd_v2", "stable-diffusion-v2-512/lora"), "chroma": ("chroma", "chroma/lora"),
         "zimage": ("z_image", "Z-Image/lora"), "qwen_image": ("qwen_image", "Qwen-Image/lora"),
         "hidream": ("hidream_i1", "hidream-i1/lora"), "hunyuan_image": ("hunyuan_image_2_1", "HunyuanImage-2.1/lora"),
-        "wan21": ("wan", "wan2.1/lora"), "hunyuan_video15": ("hunyuan_video_1_5", "hunyuan-video-1.5/lora")}
+        "wan21": ("wan", "wan2.1/lora"), "hunyuan_video15": ("hunyuan_video_1_5", "hunyuan-video-1.5/lora"),
+        "ltx2": ("", "")}
     assert [f.name for f in families.FAMILIES.values() if f.lora_preset.conv is not None] == ["sd15", "sd2", "sdxl"]
     assert {name: t.hint for name, t in families.CONTROLNET_TYPES.items()} == {"unet": "pixels", "sd3": "latents",
                                                                               "flux": "pixels", "qwen_image": "latents"}
@@ -122,7 +150,7 @@ def test_a_model_of_no_family_trains_with_all_linear_only(comfyui):
     blocks = ["input_blocks.1"]
     with pytest.raises(ValueError, match=r"this model has no LoRA target preset \(presets: sd15, sd2, sdxl, sd3, "
                                          r"flux, flux2, chroma, zimage, qwen_image, hidream, hunyuan_image, wan21, "
-                                         r"hunyuan_video15\); "
+                                         r"hunyuan_video15, ltx2\); "
                                          "set targets to 'all_linear'"):
         families.lora_targets(model.diffusion_model, None, AdapterConfig(), blocks)
     assert families.lora_targets(model.diffusion_model, None, AdapterConfig(targets="all_linear"), blocks)

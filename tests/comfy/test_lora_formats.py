@@ -47,7 +47,7 @@ def _patched_weights(lora_model) -> dict[str, torch.Tensor]:
                                          ("sd3", "lora"), ("flux", "lora"), ("flux", "lokr"), ("zimage", "lora"),
                                          ("qwen_image", "lora"), ("sd2", "lora"), ("sdxl", "lora"), ("chroma", "lora"),
                                          ("hidream", "lora"), ("hunyuan_image", "lora"),
-                                         ("wan21", "lora"), ("hunyuan_video15", "lora")])
+                                         ("wan21", "lora"), ("hunyuan_video15", "lora"), ("ltx2", "lora")])
 def test_kohya_file_is_the_same_lora_for_the_stock_loader(comfyui, family, kind, caplog):
     import nodes
 
@@ -62,15 +62,19 @@ def test_kohya_file_is_the_same_lora_for_the_stock_loader(comfyui, family, kind,
         assert any(k.startswith("lora_unet_double_blocks_") for k in keys)
     if family == "hunyuan_video15":  # musubi-tuner's HunyuanVideo names
         assert "lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight" in keys
+    if family == "ltx2":  # the module paths, as ComfyUI's map for LTX-2 reads them
+        assert "lora_unet_transformer_blocks_0_attn1_to_q.lora_down.weight" in keys
+        assert "lora_unet_transformer_blocks_1_ff_net_0_proj.alpha" in keys and not any("audio" in k for k in keys)
     if family == "wan21":  # musubi-tuner's Wan names
         assert "lora_unet_blocks_0_self_attn_q.lora_down.weight" in keys and "lora_unet_blocks_1_ffn_2.alpha" in keys
     assert metadata["ss_network_dim"] == "4" and float(metadata["ss_network_alpha"]) == 4.0
     assert metadata["ss_steps"] == "2" and metadata["ss_resolution"] == "(32, 32)"
-    assert metadata["ss_base_model_version"] == {"sd15": "sd_v1", "sd3": "sd3", "flux": "flux1", "zimage": "z_image",
+    assert metadata.get("ss_base_model_version") == {"sd15": "sd_v1", "sd3": "sd3", "flux": "flux1", "zimage": "z_image",
                                                  "qwen_image": "qwen_image", "sd2": "sd_v2_v", "sdxl": "sdxl_base_v1-0",
                                                  "chroma": "chroma", "hidream": "hidream_i1",
                                                  "hunyuan_image": "hunyuan_image_2_1", "wan21": "wan",
-                                                 "hunyuan_video15": "hunyuan_video_1_5"}[family]
+                                                 "hunyuan_video15": "hunyuan_video_1_5",
+                                                 "ltx2": None}[family]  # no sd-scripts base model name for LTX-2
     if family == "sd2":  # the tiny SD2 is v-prediction (SD2.1-768-v): what sd-scripts writes with --v2 --v_parameterization
         assert (metadata["ss_v2"], metadata["modelspec.architecture"]) == ("True", "stable-diffusion-v2-768-v/lora")
     assert metadata["ss_network_module"] == ("networks.lora" if kind == "lora" else "lycoris.kohya")

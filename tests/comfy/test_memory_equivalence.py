@@ -229,8 +229,9 @@ def _tiny_session(tmp_path, family):
 
 
 @pytest.mark.comfyui
-# flux, flux2, chroma: blocks add in place; wan21, hunyuan_video15: video DiTs on 5-D latents
-@pytest.mark.parametrize("family", ["sd15", "sd3", "flux", "flux2", "chroma", "wan21", "hunyuan_video15"])
+# flux, flux2, chroma: blocks add in place; wan21, hunyuan_video15: video DiTs on 5-D latents; ltx2: both (its blocks
+# take a (video, audio) tuple)
+@pytest.mark.parametrize("family", ["sd15", "sd3", "flux", "flux2", "chroma", "wan21", "hunyuan_video15", "ltx2"])
 def test_tiny_comfy_model_streamed_offloaded_checkpoints_bitwise(comfyui, tmp_path, family, monkeypatch):
     import comfy.model_management
 

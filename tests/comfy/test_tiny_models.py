@@ -5,7 +5,7 @@ import torch
 pytestmark = pytest.mark.comfyui
 
 FAMILIES = ["sd15", "sd2", "sdxl", "sd3", "flux", "flux2", "flux2_dev", "chroma", "zimage", "qwen_image", "hidream",
-            "hunyuan_image", "wan21", "hunyuan_video15"]
+            "hunyuan_image", "wan21", "hunyuan_video15", "ltx2"]
 
 
 def _weights(patcher):
@@ -28,7 +28,8 @@ def test_tiny_family_samples_with_stock_nodes(comfyui, family):
                      "chroma": comfy.model_base.Chroma, "zimage": comfy.model_base.Lumina2,
                      "qwen_image": comfy.model_base.QwenImage, "hidream": comfy.model_base.HiDream,
                      "hunyuan_image": comfy.model_base.HunyuanImage21,
-                     "wan21": comfy.model_base.WAN21, "hunyuan_video15": comfy.model_base.HunyuanVideo15}
+                     "wan21": comfy.model_base.WAN21, "hunyuan_video15": comfy.model_base.HunyuanVideo15,
+                     "ltx2": comfy.model_base.LTXAV}
     assert type(model.model) is expected_base[family]
     n_params = sum(p.numel() for p in model.model.diffusion_model.parameters())
     assert 10_000 < n_params < 10_000_000  # zimage: 8.6 M (Z-Image modulation needs width >= 256; see zimage.py)
@@ -43,7 +44,7 @@ def test_tiny_family_samples_with_stock_nodes(comfyui, family):
         image = nodes.VAEDecode().decode(vae, samples)[0]
         again = nodes.VAEDecode().decode(vae, nodes.common_ksampler(
             model, 0, 4, cfg, "euler", "normal", positive, negative, latent)[0])[0]
-    frames = (1,) if model.model.latent_format.latent_dimensions == 3 else ()  # video latents: qwen_image, wan21, hunyuan_video15
+    frames = (1,) if model.model.latent_format.latent_dimensions == 3 else ()  # video latents: qwen_image, wan21, hunyuan_video15, ltx2
     assert samples["samples"].shape == (1, channels, *frames, 8, 8)
     side = 8 * model.model.latent_format.spacial_downscale_ratio  # 8x; Flux.2: 16x
     assert vae.spacial_compression_decode() == model.model.latent_format.spacial_downscale_ratio
@@ -55,7 +56,7 @@ def test_tiny_family_samples_with_stock_nodes(comfyui, family):
     # encoder have no pooled vector.
     assert (positive[0][1].get("pooled_output") is not None) == (family not in ("flux2", "flux2_dev", "chroma", "zimage",
                                                                                 "qwen_image", "hunyuan_image", "wan21",
-                                                                                "hunyuan_video15"))
+                                                                                "hunyuan_video15", "ltx2"))
 
 
 def test_flux2_dev_tiny_tokenises_with_the_flux2_template_and_has_a_guidance_input(comfyui):
@@ -226,3 +227,33 @@ def test_flux2_conditioning_widths_and_guidance_per_variant(comfyui):
     check_caches(tiny, Latents(), Texts(96))
     with pytest.raises(ValueError, match="'cross_attn' is 4096 wide but this model expects 96"):
         check_caches(tiny, Latents(), Texts(4096))
+
+
+def test_ltx2_text_cache_keeps_the_flag_its_model_reads(comfyui, monkeypatch):
+    """LTX-2's encoder marks its output as not yet through the DiT's connectors (`unprocessed_ltxav_embeds`, which
+    LTX-2.3-style text decides on); the text cache keeps that flag and training gives it to the model's extra_conds as
+    the bool CLIPTextEncode gives the sampler. The tiny model is LTX-2 (2.0) geometry: the connectors take the Gemma
+    projection (64 wide here, 3840 released)."""
+    import nodes
+    from headroom.nodes import cache as cache_nodes, data as data_nodes
+    from headroom.nodes.bridge.comfy_model import expected_cond_dims, model_inputs
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
+
+    model, clip, _ = build_tiny_models("ltx2", seed=0)
+    with torch.inference_mode():
+        images, captions, _ = data_nodes.HeadroomSyntheticDataset.execute(1, 64, 0).args
+        dataset = cache_nodes.HeadroomDatasetFromImages.execute(images, captions, 64, 64, "center", False, 0).args[0]
+        texts, report = cache_nodes.HeadroomCacheText.execute(dataset, clip).args
+        cached = texts.conditioning(texts.keys()[0])
+        encoded = nodes.CLIPTextEncode().encode(clip, captions[0])[0][0]
+        given = []
+        extra_conds = model.model.extra_conds
+        monkeypatch.setattr(model.model, "extra_conds", lambda **kw: given.append(kw) or extra_conds(**kw))
+        noise = torch.zeros(1, 128, 1, 2, 2)
+        trained = model_inputs(model.model, cached, noise, "cpu")["c_crossattn"].cond
+        sampled = extra_conds(cross_attn=cached["cross_attn"].unsqueeze(0), unprocessed_ltxav_embeds=True, device="cpu",
+                              noise=noise)["c_crossattn"].cond
+    assert encoded[1]["unprocessed_ltxav_embeds"] is True and cached["unprocessed_ltxav_embeds"].item() is True
+    assert "not cached" not in report
+    assert given[0]["unprocessed_ltxav_embeds"] is True and torch.equal(trained, sampled)
+    assert expected_cond_dims(model.model) == {"cross_attn": 64} and cached["cross_attn"].shape[-1] == 64

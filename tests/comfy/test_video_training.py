@@ -13,7 +13,7 @@ import pytest
 import torch
 from PIL import Image
 
-from family_checks import check_stock_round_trip, init_run, overfit
+from family_checks import check_stock_round_trip, image_size, init_run, overfit
 
 pytestmark = [pytest.mark.comfyui, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -195,11 +195,12 @@ def test_clip_datasets_refuse_bad_input_naming_the_file(cache_dir, tmp_path, mon
         cache_nodes.HeadroomCacheLatents.execute(dataset, build_tiny_vae("sd15", 0))
 
 
-@pytest.mark.parametrize("family, latent_shape", [("wan21", (16, 2, 4, 4)), ("hunyuan_video15", (32, 2, 2, 2))])
-def test_four_clips_overfit_and_the_validation_clip_is_the_stock_loaders(cache_dir, caplog, tmp_path, family,
+# Clips of 2 latent frames: 5 frames for the 4x temporal VAEs, 9 for LTX-2's 8x one (at 64 px: two latent pixels).
+@pytest.mark.parametrize("family, frames, latent_shape", [("wan21", 5, (16, 2, 4, 4)), ("hunyuan_video15", 5, (32, 2, 2, 2)),
+                                                          ("ltx2", 9, (128, 2, 2, 2))])
+def test_four_clips_overfit_and_the_validation_clip_is_the_stock_loaders(cache_dir, caplog, tmp_path, family, frames,
                                                                          latent_shape):
-    """4 synthetic clips of 5 frames (2 latent frames): the loss halves within 300 steps; then a 5-frame validation
-    clip through stock samplers equals LoraLoader + KSampler on the stock empty video latent, frame by frame, and
+    """4 synthetic clips of 2 latent frames: the loss halves within 300 steps; then a validation clip through stock samplers equals LoraLoader + KSampler on the stock empty video latent, frame by frame, and
     is saved as an animated WEBP and a frame grid."""
     from headroom.nodes import cache as cache_nodes
     from headroom.training.data.synthetic import generate_moving_shapes
@@ -209,8 +210,9 @@ def test_four_clips_overfit_and_the_validation_clip_is_the_stock_loaders(cache_d
 
     with torch.inference_mode():
         model, clip, vae = build_tiny_models(family, 0)
-    clips = generate_moving_shapes(4, 32, 5, 0)
-    dataset = dataset_from_clips(list(clips.clips), clips.captions, resolution=32, step=16)
+    size = image_size(model)
+    clips = generate_moving_shapes(4, size, frames, 0)
+    dataset = dataset_from_clips(list(clips.clips), clips.captions, resolution=size, step=16)
     latents, texts = _cache(dataset, vae, clip)
     assert all(latents.latent(i).shape == latent_shape for i in range(4))
 
@@ -220,15 +222,15 @@ def test_four_clips_overfit_and_the_validation_clip_is_the_stock_loaders(cache_d
     assert final <= 0.5 * initial
 
     roundtrip = init_run(model, latents, texts, f"video_roundtrip_{tmp_path.name}", 8, 2e-2, "preset", False)
-    check_stock_round_trip(roundtrip, model, clip, vae, caplog, label=f"{family} clip", frames=5)
+    check_stock_round_trip(roundtrip, model, clip, vae, caplog, label=f"{family} clip", frames=frames)
     folder = roundtrip.run_dir.validation_dir
     webp = sorted(folder.glob("step_*_0.webp"))
     assert len(webp) == 1
     with Image.open(webp[0]) as animation:
-        assert animation.is_animated and animation.n_frames == 5 and animation.size == (32, 32)
+        assert animation.is_animated and animation.n_frames == frames and animation.size == (size, size)
     grid = sorted(p for p in folder.glob("step_*.png") if "before" not in p.name)
     with Image.open(grid[-1]) as image:
-        assert image.size == (5 * 32, 32)  # one row of 5 frames per prompt
+        assert image.size == (frames * size, size)  # one row of frames per prompt
     assert not list(folder.glob(".*hrtmp*"))  # written to temp files, then renamed
 
 
@@ -302,29 +304,31 @@ def test_clips_are_refused_for_an_image_model(cache_dir, tmp_path):
         _init(model, latents, texts, f"qwen_clips_{tmp_path.name}")
 
 
-def test_the_memory_plan_counts_frames(comfyui):
-    """HeadroomMemoryPlan on the tiny Wan: a 17-frame clip (5 latent frames) needs more for the training step than an
-    image of the same size, by about its activations times five; frames the family does not take are refused."""
+@pytest.mark.parametrize("family, clip_frames, wrong, hint", [("wan21", 17, 16, "4k\\+1 frames; use 13 or 17"),
+                                                               ("ltx2", 17, 16, "8k\\+1 frames; use 9 or 17")])
+def test_the_memory_plan_counts_frames(comfyui, family, clip_frames, wrong, hint):
+    """HeadroomMemoryPlan on a tiny video model: a 17-frame clip (Wan: 5 latent frames, LTX-2: 3) needs more for the
+    training step than an image of the same size; frames the family does not take are refused."""
     import json
 
     from headroom.nodes import memory
     from headroom.nodes.bridge.tiny_models import build_tiny_model_patcher
     from headroom.training.memory import planner
 
-    model = build_tiny_model_patcher("wan21", 0)
+    model = build_tiny_model_patcher(family, 0)
 
     def plan(frames):
         with torch.inference_mode():
             return json.loads(memory.HeadroomMemoryPlan.execute(model, "estimate", 1, 256, 256, 4, "preset", "AdamW",
                                                                "fp32", 0, frames=frames).args[1])
 
-    one, clip = plan(1), plan(17)
+    one, clip = plan(1), plan(clip_frames)
     step = lambda p: next(phase for phase in p["phases"] if phase["phase"].startswith("train"))  # noqa: E731
-    print(f"wan21 tiny, 256x256: {step(one)['phase']} {step(one)['total_bytes'] / 2**20:.1f} MiB (1 frame) -> "
-          f"{step(clip)['total_bytes'] / 2**20:.1f} MiB (17 frames)")
+    print(f"{family} tiny, 256x256: {step(one)['phase']} {step(one)['total_bytes'] / 2**20:.1f} MiB (1 frame) -> "
+          f"{step(clip)['total_bytes'] / 2**20:.1f} MiB ({clip_frames} frames)")
     assert step(clip)["total_bytes"] > step(one)["total_bytes"]
-    with pytest.raises(ValueError, match=r"HeadroomMemoryPlan: frames=16: wan21 clips have 4k\+1 frames; use 13 or 17"):
-        plan(16)
+    with pytest.raises(ValueError, match=rf"HeadroomMemoryPlan: frames={wrong}: {family} clips have {hint}"):
+        plan(wrong)
     assert planner.RunShape(1, 64, 64, latent_frames=5).latent_area(
         type("D", (), {"latent_downscale": 8})()) == 5 * 64
 

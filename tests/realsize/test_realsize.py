@@ -226,10 +226,14 @@ KEY_CASES = [
     ("wan21_1_3b", ["--depth", "2"], "wan21", 118_657_088),  # 1536 wide, 2 blocks (1.3 B at full depth)
     # 2048 wide, 1 double block and no single ones, as released (8.3 B at full depth: 54 double blocks)
     ("hunyuan_video15", ["--depth", "1,0"], "hunyuan_video15", 320_592_672),
+    # 4096 wide video / 2048 wide audio, 1 block (19.6 B at full depth: 48 blocks); the connectors and embedders at
+    # real size; comfyui and kohya formats (ComfyUI maps no diffusers names)
+    ("ltx2", ["--depth", "1"], "ltx2", 1_439_608_064),
 ]
 # Formats HeadroomSaveLora refuses for a family because ComfyUI's key map has no names in them (HunyuanImage, Wan,
-# HunyuanVideo 1.5: no diffusers).
-REFUSED_FORMATS = {"hunyuan_image": ["diffusers"], "wan21": ["diffusers"], "hunyuan_video15": ["diffusers"]}
+# HunyuanVideo 1.5, LTX-2: no diffusers).
+REFUSED_FORMATS = {"hunyuan_image": ["diffusers"], "wan21": ["diffusers"], "hunyuan_video15": ["diffusers"],
+                   "ltx2": ["diffusers"]}
 
 
 @pytest.mark.parametrize("arch, args, family, params", KEY_CASES, ids=[c[0] for c in KEY_CASES])

@@ -233,6 +233,53 @@ def test_inplace_blocks_get_exact_gradients(checkpoint_depth):
     assert all("forward" not in b.__dict__ for b in blocks)
 
 
+class InplaceStreamsBlock(InplaceBlock):
+    """Takes and returns its streams as one tuple and adds into the first in place, as ComfyUI's LTX-2 blocks do
+    (`vx, ax = x; vx.addcmul_(...)`); the second stream is empty, as in a video-only run."""
+
+    def forward(self, streams):
+        x, empty = streams
+        return super().forward(x), empty
+
+
+def _streams_gradient(blocks, **wrap):
+    from headroom.training.memory.checkpointing import wrap_blocks
+
+    restore = wrap_blocks(blocks, **wrap) if wrap else (lambda: None)
+    streams = (torch.randn(2, 8, generator=torch.Generator().manual_seed(1)) * torch.ones(1, requires_grad=True),
+               torch.zeros(2, 0))
+    for block in blocks:
+        streams = block(streams)
+    streams[0].square().sum().backward()
+    restore()
+    return blocks[0].lin.weight.grad
+
+
+@pytest.mark.parametrize("checkpoint_depth", [None, 1])
+def test_inplace_blocks_taking_a_tuple_of_streams_get_exact_gradients(checkpoint_depth):
+    reference = _streams_gradient([InplaceStreamsBlock(inplace=False)] * 2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        _streams_gradient([InplaceStreamsBlock()] * 2)
+    blocks = [InplaceStreamsBlock()] * 2
+    torch.testing.assert_close(_streams_gradient(blocks, checkpoint_depth=checkpoint_depth, inplace_inputs=True),
+                               reference)
+
+
+def test_a_checkpointed_block_saves_the_streams_of_its_tuple_input():
+    """The checkpoint saves (and activation offload moves to the host) the tensors inside a tuple input, not just an
+    empty anchor: they go into the reentrant checkpoint as its own inputs."""
+    from headroom.training.memory.checkpointing import wrap_blocks
+
+    block = InplaceStreamsBlock()
+    restore = wrap_blocks([block], checkpoint_depth=1, inplace_inputs=True)
+    x = torch.randn(2, 8, generator=torch.Generator().manual_seed(1)) * torch.ones(1, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        block((x, torch.zeros(2, 0)))
+    restore()
+    assert any(t.shape == x.shape and torch.equal(t, x) for t in saved), [t.shape for t in saved]
+
+
 def test_inplace_blocks_refuse_finer_checkpoints():
     from headroom.training.memory.checkpointing import wrap_blocks
 

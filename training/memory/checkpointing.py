@@ -43,12 +43,20 @@ def modules_at_depth(blocks: Iterable[torch.nn.Module], depth: int) -> list[torc
 def _inplace_safe(forward: Callable) -> Callable:
     def safe_forward(*args, **kwargs):
         def fresh(value):
+            if isinstance(value, (tuple, list)):  # LTX-2's blocks take their (video, audio) streams as one tuple
+                return type(value)(fresh(v) for v in value)
             return value.clone() if torch.is_tensor(value) and value.is_floating_point() else value
+
+        def tensors(values):
+            for value in values:
+                if isinstance(value, (tuple, list)):
+                    yield from tensors(value)
+                elif torch.is_tensor(value) and value.is_floating_point():
+                    yield value
 
         args = [fresh(a) for a in args]
         kwargs = {k: fresh(v) for k, v in kwargs.items()}
-        storages = {t.untyped_storage().data_ptr() for t in [*args, *kwargs.values()]
-                    if torch.is_tensor(t) and t.is_floating_point()}
+        storages = {t.untyped_storage().data_ptr() for t in tensors([*args, *kwargs.values()])}
 
         def pack(saved: torch.Tensor) -> torch.Tensor:
             return saved.clone() if saved.untyped_storage().data_ptr() in storages else saved
@@ -75,12 +83,20 @@ def checkpoint_inplace_safe(safe_forward: Callable, args: tuple, kwargs: dict):
     tensors passed by keyword go in positionally so their gradients come back."""
     tensor_names = [k for k, v in kwargs.items() if torch.is_tensor(v)]
     others = {k: v for k, v in kwargs.items() if k not in tensor_names}
+    # Positional tuples of tensors (LTX-2's (video, audio) streams) go in as their tensors: the checkpoint saves,
+    # offloads and returns gradients for its tensor inputs only.
+    lengths = [len(a) if isinstance(a, (tuple, list)) else None for a in args]
+    flat = [t for a, n in zip(args, lengths) for t in (a if n is not None else (a,))]
 
     def run(_anchor, *tensors):
-        return safe_forward(*tensors[:len(args)], **dict(zip(tensor_names, tensors[len(args):])), **others)
+        positional, at = [], 0
+        for arg, n in zip(args, lengths):
+            positional.append(type(arg)(tensors[at:at + n]) if n is not None else tensors[at])
+            at += 1 if n is None else n
+        return safe_forward(*positional, **dict(zip(tensor_names, tensors[at:])), **others)
 
     anchor = torch.empty(0, requires_grad=True)
-    return checkpoint(run, anchor, *args, *(kwargs[k] for k in tensor_names), use_reentrant=True)
+    return checkpoint(run, anchor, *flat, *(kwargs[k] for k in tensor_names), use_reentrant=True)
 
 
 def _checkpointed_inplace_safe(forward: Callable) -> Callable:
