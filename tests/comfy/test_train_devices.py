@@ -1,5 +1,7 @@
-"""The Init node's `devices` input inside ComfyUI: rank 0 in this process, a worker process for rank 1 (gloo on the
-CPU) that gets the frozen base through shared memory; training, cancel and the worker's exit."""
+"""The training nodes' `devices` input inside ComfyUI: rank 0 in this process, a worker process for rank 1 (gloo on
+the CPU) that gets the frozen base through shared memory (and a ControlNet run's initial ControlNet from rank 0);
+training like one device (LoRA Init, the all-in-one Train LoRA, ControlNet Init), cancel, a killed worker, a
+worker's ordinary error, and the worker's exit."""
 from __future__ import annotations
 
 import threading
