@@ -204,3 +204,24 @@ def test_devices_2_a_worker_error_fails_the_run_naming_it_with_its_checkpoint(co
     assert workers.replies()[1][:2] == ("failed", 2) and not workers.closed  # the worker is alive and answers
     workers.close()
     assert workers.processes[0].returncode == 0 and not torch.distributed.is_initialized()
+
+
+def test_controlnet_all_in_one_node_on_devices_2_trains_validates_and_saves(comfyui):
+    import folder_paths
+    from headroom.nodes.train_controlnet import HeadroomTrainControlNet
+    from test_controlnet_training import _caches, _init_inputs
+
+    model, clip, vae, latent_cache, text_cache = _caches("sd15", count=4)
+    control = torch.ones(1, 64, 64, 3)  # rank 0's alone (validation); the worker is not sent it
+    with torch.inference_mode():
+        _, run, saved, loss = HeadroomTrainControlNet.execute(
+            **_init_inputs(model, latent_cache, text_cache, "cn_all_in_one_2", batch_size=4, devices="2",
+                           validation_control=control),
+            steps=2, validate_every=0, save_every=0, controlnet_subfolder="headroom-tests", clip=clip, vae=vae,
+            prompts="a shape", negative="", sample_seed=0, sample_steps=1, cfg=1.0, sampler_name="euler",
+            scheduler="normal", width=64, height=64, loss_timesteps=2).args
+    workers = run.ranks
+    assert run.step == 2 and workers.replies() == {1: ("trained", 2)} and run.trained.validation_control is control
+    assert saved in folder_paths.get_filename_list("controlnet") and loss == loss
+    workers.close()
+    assert workers.processes[0].returncode == 0
