@@ -23,8 +23,9 @@ from .inputs import (DEFAULT_CHECKPOINT_MINUTES, added_train_inputs, checkpoint_
 from .io_types import TrainingRunType
 from .bridge.run_controlnet import ControlNetRunConfig, open_controlnet_run
 from .bridge.model_files import runs_root, save_trained_controlnet
+from .bridge.rank_workers import open_on_devices
 from .bridge.run_settings import resolve_policy, run_fingerprint, train_config
-from .train_lora import CATEGORY, SAVED_KEY, saved_file, train_validate_save
+from .train_lora import CATEGORY, SAVED_KEY, devices_input, saved_file, train_validate_save
 
 
 def start_controlnet_run(model, latent_cache, text_cache, optimizer_config, run_name, seed, batch_size,
@@ -32,7 +33,7 @@ def start_controlnet_run(model, latent_cache, text_cache, optimizer_config, run_
                          loss_weighting, min_snr_gamma, noise_offset, gradient_checkpointing, checkpoint_depth,
                          holdout, blocks=0, init_seed=0, validation_control=None, validation_strength=1.0,
                          policy=None, loss_type: str = "mse", huber_delta: float = 0.1, ema_decay: float = 0.0,
-                         node: str = "HeadroomTrainControlNetInit") -> TrainingRun:
+                         devices: str = "1", node: str = "HeadroomTrainControlNetInit") -> TrainingRun:
     """Check every input (before any GPU work), then build or resume the run."""
     try:
         check_name(run_name, "run name")
@@ -51,8 +52,10 @@ def start_controlnet_run(model, latent_cache, text_cache, optimizer_config, run_
         check_control_cache(type_name, latent_cache, node)
         config = ControlNetRunConfig(controlnet_type=type_name, blocks=blocks, init_seed=init_seed,
                                      optimizer=optimizer_config, train=train, holdout=holdout)
-        run = open_controlnet_run(model, latent_cache, text_cache, config, runs_root(), run_name, policy=policy,
-                                  validation_control=validation_control, validation_strength=validation_strength)
+        run = open_on_devices(devices, model, open_controlnet_run,
+                              (latent_cache, text_cache, config, runs_root(), run_name), {"policy": policy},
+                              rank0_kwargs={"validation_control": validation_control,
+                                            "validation_strength": validation_strength})
         run.precision_note = note
         return run
     except (ValueError, RunFolderError) as error:  # ControlNetError is a ValueError
@@ -97,7 +100,7 @@ class HeadroomTrainControlNetInit(io.ComfyNode):
             description="Set up (or resume) a ControlNet training run for this MODEL from cached latents, control "
             "images and text; train it with Train Steps. Families: " + "; ".join(
                 t.description for t in CONTROLNET_TYPES.values()) + ".",
-            inputs=[*controlnet_run_inputs(), *added_train_inputs()],
+            inputs=[*controlnet_run_inputs(), *added_train_inputs(), devices_input()],
             outputs=[TrainingRunType.Output("run", tooltip="The training run, for Train Steps, Validate and Save."),
                      io.Int.Output("step", tooltip="Step the run starts from (resumed)."),
                      io.ControlNet.Output("control_net", tooltip="The run's ControlNet (in memory) for stock nodes.")],
@@ -158,7 +161,7 @@ class HeadroomTrainControlNet(io.ComfyNode):
             "Queue it again with more steps to continue the same run.",
             is_output_node=True,
             inputs=[*controlnet_run_inputs(), *schedule_inputs("controlnet_subfolder"),
-                    *validation_inputs(optional=True), *checkpoint_inputs(), *added_train_inputs()],
+                    *validation_inputs(optional=True), *checkpoint_inputs(), *added_train_inputs(), devices_input()],
             outputs=[io.ControlNet.Output("control_net", tooltip="The trained ControlNet (in memory) for stock nodes."),
                      TrainingRunType.Output("run", tooltip="The training run, for Validate and Save nodes."),
                      io.String.Output("control_net_name",

@@ -22,7 +22,7 @@ from .bridge import lora_formats
 from .bridge.comfy_bridge import TrainingRun, check_run_kind, node_id
 from .bridge.comfy_model import check_caches, check_reference_cache, model_family
 from .bridge.model_files import runs_root, save_lora
-from .bridge.rank_workers import DEVICES, RankWorkers, parse_devices
+from .bridge.rank_workers import DEVICES, open_on_devices
 from .bridge.run_lora import REFERENCES, SAVE_DTYPES, LoraRunConfig, open_lora_run
 from .bridge.run_settings import resolve_policy, run_fingerprint, train_config
 from .bridge.validation import validate
@@ -154,6 +154,16 @@ def lora_run_inputs() -> list:
             *training_settings(), policy_input()]
 
 
+def devices_input():
+    """The training nodes' `devices` input (LoRA and ControlNet, Init and all-in-one; appended last)."""
+    return io.Combo.Input("devices", options=list(DEVICES), default="1", optional=True,
+                          tooltip="Data-parallel training on this many devices: 1 trains in this process as "
+                          "always; N > 1 starts N - 1 worker processes (GPUs cuda:1..N-1 beside this one; on a "
+                          "CPU, N CPU processes), each training 1/N of every batch (the same global batch). "
+                          "Cancel stops every rank; only this process writes the run folder. "
+                          "docs/DISTRIBUTED.md")
+
+
 def start_lora_run(model, latent_cache, text_cache, lora_config, optimizer_config, run_name, seed, batch_size,
                    grad_accumulation, precision, max_grad_norm, caption_dropout, timestep_sampling, loss_weighting,
                    min_snr_gamma, noise_offset, gradient_checkpointing, checkpoint_depth, holdout, policy=None,
@@ -196,23 +206,8 @@ def start_lora_run(model, latent_cache, text_cache, lora_config, optimizer_confi
                 raise ValueError(f"reference={reference!r}: {error}") from None
         config = LoraRunConfig(family=model_family(model.model), adapter=lora_config, optimizer=optimizer_config,
                                train=train, holdout=holdout, reference=reference)
-        world_size = parse_devices(devices)
-        # One process group per ComfyUI process: a run opened now never joins the group of an earlier one.
-        RankWorkers.close_active()
-        if world_size == 1:
-            run = open_lora_run(model, latent_cache, text_cache, config, runs_root(), run_name, policy=policy,
-                                prior=prior)
-        else:
-            workers = RankWorkers(world_size, model, latent_cache, text_cache, config, policy, prior, runs_root(),
-                                  run_name)
-            try:
-                run = open_lora_run(model, latent_cache, text_cache, config, runs_root(), run_name, policy=policy,
-                                    prior=prior)
-                workers.open(run)
-            except BaseException:
-                workers.close()
-                raise
-            run.ranks = workers
+        run = open_on_devices(devices, model, open_lora_run, (latent_cache, text_cache, config, runs_root(), run_name),
+                              {"policy": policy, "prior": prior})
         run.precision_note = note
         return run
     except (ValueError, RunFolderError) as error:
@@ -230,12 +225,7 @@ class HeadroomTrainLoraInit(io.ComfyNode):
             description="Set up (or resume) a LoRA training run on this MODEL from cached latents and text. "
             "The MODEL itself is never modified: the adapter lives on a clone.",
             inputs=[*lora_run_inputs(), *added_train_inputs(), *prior_inputs(), reference_input(), *noise_range_inputs(),
-                    io.Combo.Input("devices", options=list(DEVICES), default="1", optional=True,
-                                   tooltip="Data-parallel training on this many devices: 1 trains in this process as "
-                                   "always; N > 1 starts N - 1 worker processes (GPUs cuda:1..N-1 beside this one; on a "
-                                   "CPU, N CPU processes), each training 1/N of every batch (the same global batch). "
-                                   "Cancel stops every rank; only this process writes the run folder. "
-                                   "docs/DISTRIBUTED.md")],
+                    devices_input()],
             outputs=[TrainingRunType.Output("run", tooltip="The training run, for Train Steps, Validate, Save and Apply."),
                      io.Int.Output("step", tooltip="Step the run starts from (resumed).")],
         )
@@ -464,7 +454,8 @@ class HeadroomTrainLora(io.ComfyNode):
             is_output_node=True,
             inputs=[*lora_run_inputs(), *schedule_inputs("lora_subfolder"), *validation_inputs(optional=True),
                     *checkpoint_inputs(), *added_train_inputs(), *prior_inputs(), compare_base_input(),
-                    reference_input(), reference_images_input(), frames_input(), *noise_range_inputs()],
+                    reference_input(), reference_images_input(), frames_input(), *noise_range_inputs(),
+                    devices_input()],
             outputs=[io.Model.Output("model", tooltip="The MODEL with the trained LoRA applied."),
                      TrainingRunType.Output("run", tooltip="The training run, for Validate, Save and Apply nodes."),
                      io.String.Output("lora_name", tooltip="The last saved LoRA, as Load LoRA lists it."),

@@ -1,10 +1,13 @@
-"""The other ranks of a data-parallel LoRA run inside ComfyUI (the Init node's `devices` input).
+"""The other ranks of a data-parallel run inside ComfyUI (the training nodes' `devices` input: LoRA and ControlNet,
+Init and all-in-one; `open_on_devices`).
 
 Rank 0 is the ComfyUI process. Each other rank is a Python process started here (nodes/bridge/rank_worker_process.py)
 that imports ComfyUI as a library, receives the frozen base weights through shared memory (the tensors moved into
 shared memory once and passed as file descriptors by torch.multiprocessing's pickler: no second read from disk, no
 second copy on a CPU), builds the same ComfyUI model class from the MODEL's own model config, opens the same caches
-and run folder, and then trains whenever rank 0 trains: rank 0 sends it the target step before each Train Steps.
+and run folder with the same function and inputs as rank 0 (plus what the run's strategy hands the other ranks:
+a ControlNet run, rank 0's ControlNet weights), and then trains whenever rank 0 trains: rank 0 sends it the target
+step before each training call (Train Steps, the all-in-one nodes' stretches between validations).
 Validation, saving and sampling run on rank 0 alone while the workers wait.
 
 Cancel: rank 0's interrupt reaches the other ranks at the end of the step (Trainer.train_to agrees on stopping
@@ -43,7 +46,7 @@ class RankWorkers:
 
     active: RankWorkers | None = None
 
-    def __init__(self, world_size: int, model, latent_cache, text_cache, config, policy, prior, run_root, run_name: str):
+    def __init__(self, world_size: int, model, open_run, run_args: tuple, run_kwargs: dict):
         RankWorkers.close_active()
         device = torch.device(model.load_device)
         if device.type == "cuda" and world_size > torch.cuda.device_count():
@@ -75,10 +78,11 @@ class RankWorkers:
                 self.connections[rank] = connection
                 connection.send(bootstrap)
             base = {key: _shared(tensor) for key, tensor in model.model.state_dict().items()}
+            # open_run (open_lora_run / open_controlnet_run) travels by its name: the workers import this package
+            # under the same name.
             payload = {"init": f"tcp://127.0.0.1:{port}", "timeout": COLLECTIVE_TIMEOUT_S,
-                       "model_config": _config_state(model.model.model_config), "base": base, "latent_cache": latent_cache,
-                       "text_cache": text_cache, "config": config, "policy": policy, "prior": prior,
-                       "run_root": str(run_root), "run_name": run_name}
+                       "model_config": _config_state(model.model.model_config), "base": base, "open_run": open_run,
+                       "args": run_args, "kwargs": run_kwargs}
             for connection in self.connections.values():
                 connection.send(payload)
             for rank, reply in self._replies("start"):  # a worker that failed to start is seen here, not as a hang
@@ -93,9 +97,12 @@ class RankWorkers:
         RankWorkers.active = self
 
     def open(self, run) -> None:
-        """After rank 0 opened the run (its folder exists): the workers open it too and report its step."""
+        """After rank 0 opened the run (its folder exists): the workers open it too, with what the run's strategy
+        hands them (tensors through shared memory), and report its step."""
+        extra = {key: {name: _shared(t) for name, t in value.items()} if isinstance(value, dict) else value
+                 for key, value in run.trained.for_other_ranks().items()}
         for rank, connection in self.connections.items():
-            connection.send(("open",))
+            connection.send(("open", extra))
         for rank, reply in self._replies("open the run"):
             if reply[0] != "opened" or reply[1] != run.step:
                 raise RuntimeError(f"devices: rank {rank} opened run '{run.run_dir.name}' at {reply}, rank 0 at step "
@@ -105,20 +112,23 @@ class RankWorkers:
         """Before rank 0 trains: every worker trains to the same step (a reply from the last command first)."""
         if self.closed:
             raise ValueError("devices: this run's worker ranks were closed (another run opened in this ComfyUI: one "
-                             "multi-device run at a time; or a worker did not stop with a cancel); change an input of "
-                             "its Init node (or restart ComfyUI) to start them again, and keep other Init nodes out of "
-                             "that workflow")
+                             "multi-device run at a time; or a worker died, or did not stop with a cancel); queue "
+                             "its all-in-one node again, or change an input of its Init node (or restart ComfyUI), to "
+                             "start them again, and keep other Init nodes out of that workflow")
+        if self.awaiting:
+            self.replies()  # the previous command's "trained" (the all-in-one nodes train in stretches)
         for connection in self.connections.values():
-            while connection.poll():
-                connection.recv()  # "trained" / "stopped" of the previous command
             connection.send(("train", target_step, checkpoint_every, checkpoint_minutes))
+        self.awaiting = True
 
     def replies(self) -> dict[int, tuple]:
         """Each worker's reply to the last command (waits for it; settle's when it took them)."""
-        replies, self.settled = self.settled or dict(self._replies("train")), None
+        replies = self.settled if self.settled is not None else dict(self._replies("train"))
+        self.settled, self.awaiting = None, False
         return replies
 
-    settled = None
+    settled = None  # the replies settle read
+    awaiting = False  # a train command's replies are not read yet
 
     def settle(self, step: int) -> str | None:
         """Rank 0 stopped training at `step` (cancel, error): each worker must stop at the same step within
@@ -132,8 +142,10 @@ class RankWorkers:
         if any(reply[1] != step for reply in self.settled.values()):
             self.close(grace_s=0)
             return f"devices: the worker ranks stopped at {self.settled}, rank 0 at step {step}; they were ended"
-        failed = [f"rank {rank}: {reply[2]}" for rank, reply in self.settled.items() if reply[0] == "failed"]
-        return f"devices: a worker rank failed at step {step} ({'; '.join(failed)})" if failed else None
+        failed = [f"rank {rank} failed in step {step + 1}: {reply[2]}" for rank, reply in self.settled.items()
+                  if reply[0] == "failed"]
+        return (f"devices: {'; '.join(failed)}. Every rank stopped at step {step}; the run keeps its checkpoint of "
+                "that step") if failed else None
 
     def _replies(self, what: str, timeout_s: float = START_TIMEOUT_S):
         for rank, connection in self.connections.items():
@@ -210,12 +222,30 @@ def parse_devices(devices: str) -> int:
     return int(devices)
 
 
+def open_on_devices(devices: str, model, open_run, run_args: tuple, run_kwargs: dict, rank0_kwargs: dict | None = None):
+    """`open_run(model, *run_args, **run_kwargs)` (open_lora_run, open_controlnet_run) on `devices` ranks: "1" in this
+    process exactly as without a process group; N > 1: worker ranks started first (the group must run before the
+    Trainer is built), then rank 0's run, then theirs. `rank0_kwargs`: what only rank 0 uses (validation)."""
+    world_size = parse_devices(devices)
+    # One process group per ComfyUI process: a run opened now never joins the group of an earlier one.
+    RankWorkers.close_active()
+    if world_size == 1:
+        return open_run(model, *run_args, **run_kwargs, **(rank0_kwargs or {}))
+    workers = RankWorkers(world_size, model, open_run, run_args, run_kwargs)
+    try:
+        run = open_run(model, *run_args, **run_kwargs, **(rank0_kwargs or {}))
+        workers.open(run)
+    except BaseException:
+        workers.close()
+        raise
+    run.ranks = workers
+    return run
+
+
 def worker_main(connection, rank: int, world_size: int) -> None:
     """A worker rank (in its own process, ComfyUI imported): join the group, build the model, open the run, train
     on command."""
     import comfy.model_patcher
-
-    from .run_lora import open_lora_run
 
     payload = connection.recv()
     connection.send(("ready",))
@@ -227,11 +257,12 @@ def worker_main(connection, rank: int, world_size: int) -> None:
     model.load_state_dict(payload["base"], strict=True, assign=True)
     patcher = comfy.model_patcher.ModelPatcher(model, load_device=mm.get_torch_device(),
                                                offload_device=mm.unet_offload_device())
-    assert connection.recv() == ("open",)
+    command, extra = connection.recv()
+    assert command == "open", command
     with torch.inference_mode():  # as ComfyUI runs nodes
-        run = open_lora_run(patcher, payload["latent_cache"], payload["text_cache"], payload["config"],
-                            pathlib.Path(payload["run_root"]), payload["run_name"], policy=payload["policy"],
-                            prior=payload["prior"])
+        run = payload["open_run"](patcher, *payload["args"], **payload["kwargs"], **extra)
+    del extra  # rank 0's shared tensors (a ControlNet's initial weights) were copied into this rank's own
+    _error_hook_for_tests(run)
     connection.send(("opened", run.step))
     while True:
         command = connection.recv()
@@ -247,3 +278,21 @@ def worker_main(connection, rank: int, world_size: int) -> None:
         except Exception as error:  # noqa: BLE001 - reported to rank 0, which fails the run with it
             connection.send(("failed", run.step, f"{type(error).__name__}: {error}"[:1000]))
     torch.distributed.destroy_process_group()
+
+
+TEST_ERROR_AT_STEP = "HEADROOM_TEST_WORKER_ERROR_AT_STEP"
+
+
+def _error_hook_for_tests(run) -> None:
+    """Tests only (tests/comfy/test_train_devices.py): with HEADROOM_TEST_WORKER_ERROR_AT_STEP=N in the environment
+    ComfyUI runs in, each worker raises an ordinary RuntimeError inside its forward pass of step N. Unset (outside
+    those tests) nothing is hooked."""
+    step = os.environ.get(TEST_ERROR_AT_STEP)
+    if not step:
+        return
+
+    def fail(module, args):
+        if run.step + 1 == int(step):
+            raise RuntimeError(f"{TEST_ERROR_AT_STEP}={step}: a test error inside this rank's forward pass")
+
+    run.patcher.model.diffusion_model.register_forward_pre_hook(fail)

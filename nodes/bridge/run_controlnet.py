@@ -78,8 +78,10 @@ class ControlNetTraining:
 
     trains = "controlnet"
 
-    def __init__(self, validation_control: torch.Tensor | None = None, validation_strength: float = 1.0):
+    def __init__(self, validation_control: torch.Tensor | None = None, validation_strength: float = 1.0,
+                 initial_weights: dict | None = None):
         self.validation_control, self.validation_strength = validation_control, validation_strength
+        self.initial_weights = initial_weights  # a worker rank: rank 0's ControlNet weights (for_other_ranks)
         self.controlnet: TrainableControlNet | None = None  # built by `build`
 
     def identity(self, run) -> dict:
@@ -92,6 +94,9 @@ class ControlNetTraining:
         placement, config = run.placement, run.config
         self.controlnet = build_controlnet(run.source_model, blocks=config.blocks, seed=config.init_seed,
                                            device=placement.patcher.load_device)  # copied from the full-precision base
+        if self.initial_weights is not None:  # a worker rank starts from rank 0's weights, whatever built them
+            self.controlnet.load_state_dict(self.initial_weights)
+            self.initial_weights = None
         with placement.low_bit_storage():
             pass  # nothing is built on the low-bit layers: the ControlNet copied the full-precision ones
         latent_cache = run.latent_cache
@@ -99,6 +104,11 @@ class ControlNetTraining:
         # control stays): the ControlNet paper's prompt dropout.
         return (ControlNetDenoiser(placement.patcher, self.controlnet), self.controlnet,
                 {"item_extras": lambda item: {CONTROL_HINT: latent_cache.control(item)}})
+
+    def for_other_ranks(self) -> dict:
+        """What the worker ranks of a multi-device run open it with beyond rank 0's inputs: rank 0's ControlNet
+        weights (copied; the ranks then train identical copies)."""
+        return {"initial_weights": self.controlnet.state_dict()}
 
     # --- on the device --------------------------------------------------------------------------------------
     def patchers(self, run) -> list:
@@ -156,7 +166,9 @@ class ControlNetTraining:
 
 def open_controlnet_run(model, latent_cache, text_cache, config: ControlNetRunConfig, run_root, run_name: str,
                         policy=None, validation_control: torch.Tensor | None = None,
-                        validation_strength: float = 1.0) -> TrainingRun:
-    """Build (or resume from its run folder) a ControlNet run on `model`."""
+                        validation_strength: float = 1.0, initial_weights: dict | None = None) -> TrainingRun:
+    """Build (or resume from its run folder) a ControlNet run on `model`; `initial_weights`: the ControlNet's
+    weights before training (a worker rank: rank 0's), instead of those built from the base and init_seed."""
     return TrainingRun(model, latent_cache, text_cache, config,
-                       ControlNetTraining(validation_control, validation_strength), run_root, run_name, policy=policy)
+                       ControlNetTraining(validation_control, validation_strength, initial_weights), run_root, run_name,
+                       policy=policy)

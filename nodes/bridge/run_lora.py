@@ -135,6 +135,11 @@ class LoraTraining:
                 "prior_text_cache": getattr(self.prior[1], "fingerprint", None),
                 "prior_data": data_fingerprint(self.prior[0])}
 
+    def for_other_ranks(self) -> dict:
+        """What the worker ranks of a multi-device run open it with beyond rank 0's inputs: nothing (the adapters'
+        seeded initialisation on the same base is the same on every rank)."""
+        return {}
+
     def build(self, run) -> tuple:
         """(denoiser, trainable, Trainer options): the adapters on the run's training clone."""
         config, patcher = run.config, run.placement.patcher

@@ -1,5 +1,7 @@
-"""The Init node's `devices` input inside ComfyUI: rank 0 in this process, a worker process for rank 1 (gloo on the
-CPU) that gets the frozen base through shared memory; training, cancel and the worker's exit."""
+"""The training nodes' `devices` input inside ComfyUI: rank 0 in this process, a worker process for rank 1 (gloo on
+the CPU) that gets the frozen base through shared memory (and a ControlNet run's initial ControlNet from rank 0);
+training like one device (LoRA Init, the all-in-one Train LoRA, ControlNet Init), cancel, a killed worker, a
+worker's ordinary error, and the worker's exit."""
 from __future__ import annotations
 
 import threading
@@ -104,3 +106,122 @@ def test_devices_2_a_killed_worker_fails_the_run_cleanly_with_its_checkpoint(com
     assert workers.closed and RankWorkers.active is None and not torch.distributed.is_initialized()
     with torch.inference_mode(), pytest.raises(ValueError, match="worker ranks were closed"):
         T.HeadroomTrainSteps.execute(run, run.step + 1)
+
+
+def _close_enough(trained: dict, reference: dict) -> None:
+    """The same global batch on 1 or 2 ranks: the same weights, within what Adam makes of the summation order."""
+    assert trained.keys() == reference.keys()
+    for key, value in reference.items():
+        assert (trained[key] - value).norm() <= 1e-3 * value.norm().clamp_min(1e-12), key
+
+
+def test_devices_2_on_the_all_in_one_node_trains_like_one_device(comfyui):
+    from headroom.nodes import train_lora as T
+
+    model, clip, vae, latents, texts = _data("sd15")
+    with torch.inference_mode():
+        lora = T.HeadroomLoraConfig.execute("lora", 4, 4.0, "preset", False, 0.0, 0).args[0]
+        opt = T.HeadroomOptimizerConfig.execute("AdamW", 5e-3, 0.0, "constant", 0, 100).args[0]
+    inputs = dict(model=model, latent_cache=latents, text_cache=texts, lora_config=lora, optimizer_config=opt, seed=0,
+                  batch_size=4, grad_accumulation=1, precision="fp32", max_grad_norm=1.0, caption_dropout=0.0,
+                  timestep_sampling="uniform", loss_weighting="none", min_snr_gamma=5.0, noise_offset=0.0,
+                  gradient_checkpointing=False, checkpoint_depth=1, holdout=0, steps=4, validate_every=2, save_every=0,
+                  lora_subfolder="headroom-tests", clip=clip, vae=vae, prompts="a shape", negative="", sample_seed=0,
+                  sample_steps=1, cfg=1.0, sampler_name="euler", scheduler="simple", width=32, height=32)
+    with torch.inference_mode():
+        _, one, _, one_loss = T.HeadroomTrainLora.execute(run_name="all_in_one_1", **inputs).args
+        # Trains to 2, validates on rank 0 while the worker waits, trains on to 4, validates and saves.
+        _, two, saved, two_loss = T.HeadroomTrainLora.execute(run_name="all_in_one_2", devices="2", **inputs).args
+    workers = two.ranks
+    assert one.ranks is None and workers is not None and two.trainer.parallel.world_size == 2
+    assert two.step == 4 and workers.replies() == {1: ("trained", 4)} and saved.endswith("all_in_one_2_step000004.safetensors")
+    _close_enough(two.adapters.state_dict(), one.adapters.state_dict())
+    assert two.trainer.last_loss == pytest.approx(one.trainer.last_loss, rel=1e-4)
+    assert two_loss == pytest.approx(one_loss, rel=1e-3)  # rank 0's validation of the same weights
+    workers.close()
+    assert workers.processes[0].returncode == 0
+
+
+def test_controlnet_devices_2_trains_like_one_device_and_cancel_stops_every_rank(comfyui):
+    import comfy.model_management as mm
+    from headroom.nodes import train_lora as T
+    from headroom.nodes.train_controlnet import HeadroomTrainControlNetInit
+    from headroom.training.core.run_dir import RunDir
+    from test_controlnet_training import _caches, _init_inputs
+
+    model, _, _, latent_cache, text_cache = _caches("sd15", count=4)
+    with torch.inference_mode():
+        one = HeadroomTrainControlNetInit.execute(**_init_inputs(model, latent_cache, text_cache, "cn_one_device",
+                                                                 batch_size=4)).args[0]
+        two = HeadroomTrainControlNetInit.execute(**_init_inputs(model, latent_cache, text_cache, "cn_two_devices",
+                                                                 batch_size=4, devices="2")).args[0]
+    workers = two.ranks
+    assert workers is not None and two.trainer.parallel.world_size == 2 and one.trainer.parallel is None
+    with torch.inference_mode():
+        T.HeadroomTrainSteps.execute(one, 3)
+        T.HeadroomTrainSteps.execute(two, 3)
+    assert two.step == 3 and workers.replies() == {1: ("trained", 3)}
+    _close_enough(two.controlnet.state_dict(), one.controlnet.state_dict())
+    assert two.trainer.last_loss == pytest.approx(one.trainer.last_loss, rel=1e-4)
+
+    def interrupt_inside_forward(module, args):  # a cancel inside rank 0's step, as ComfyUI's ops raise it
+        mm.interrupt_current_processing(True)
+
+    hook = model.model.diffusion_model.register_forward_pre_hook(interrupt_inside_forward)
+    try:
+        with torch.inference_mode(), pytest.raises(mm.InterruptProcessingException):
+            T.HeadroomTrainSteps.execute(two, 10)
+    finally:
+        hook.remove()
+        mm.interrupt_current_processing(False)
+    assert two.step == 3 and workers.replies() == {1: ("stopped", 3)}
+    assert RunDir(T.runs_root(), "cn_two_devices").latest_step() == 3
+    with torch.inference_mode():  # both ranks go on, still the one-device run's ControlNet
+        T.HeadroomTrainSteps.execute(one, 5)
+        T.HeadroomTrainSteps.execute(two, 5)
+    assert workers.replies() == {1: ("trained", 5)}
+    _close_enough(two.controlnet.state_dict(), one.controlnet.state_dict())
+    workers.close()
+    assert workers.processes[0].returncode == 0 and not torch.distributed.is_initialized()
+
+
+def test_devices_2_a_worker_error_fails_the_run_naming_it_with_its_checkpoint(comfyui, monkeypatch):
+    """An ordinary error inside the worker's forward (a test hook of rank_workers, set through the environment the
+    worker inherits): rank 0, waiting in the step's loss all-reduce, learns of it through the abort flag; the run
+    fails naming rank 1 and the error, with the last checkpoint kept, without waiting for a timeout."""
+    from headroom.nodes import train_lora as T
+    from headroom.nodes.bridge.rank_workers import TEST_ERROR_AT_STEP
+    from headroom.training.core.run_dir import RunDir
+
+    monkeypatch.setenv(TEST_ERROR_AT_STEP, "3")
+    model, _, _, latents, texts = _data("sd15")
+    run = _init(model, latents, texts, "worker_error", devices="2", rank=4, lr=5e-3, batch_size=4)
+    workers = run.ranks
+    with torch.inference_mode(), pytest.raises(RuntimeError, match=r"rank 1 failed in step 3: RuntimeError: "
+                                               rf"{TEST_ERROR_AT_STEP}=3: a test error inside this rank's forward"):
+        T.HeadroomTrainSteps.execute(run, 6, checkpoint_every=1)
+    assert run.step == 2 and RunDir(T.runs_root(), "worker_error").latest_step() == 2
+    assert workers.replies()[1][:2] == ("failed", 2) and not workers.closed  # the worker is alive and answers
+    workers.close()
+    assert workers.processes[0].returncode == 0 and not torch.distributed.is_initialized()
+
+
+def test_controlnet_all_in_one_node_on_devices_2_trains_validates_and_saves(comfyui):
+    import folder_paths
+    from headroom.nodes.train_controlnet import HeadroomTrainControlNet
+    from test_controlnet_training import _caches, _init_inputs
+
+    model, clip, vae, latent_cache, text_cache = _caches("sd15", count=4)
+    control = torch.ones(1, 64, 64, 3)  # rank 0's alone (validation); the worker is not sent it
+    with torch.inference_mode():
+        _, run, saved, loss = HeadroomTrainControlNet.execute(
+            **_init_inputs(model, latent_cache, text_cache, "cn_all_in_one_2", batch_size=4, devices="2",
+                           validation_control=control),
+            steps=2, validate_every=0, save_every=0, controlnet_subfolder="headroom-tests", clip=clip, vae=vae,
+            prompts="a shape", negative="", sample_seed=0, sample_steps=1, cfg=1.0, sampler_name="euler",
+            scheduler="normal", width=64, height=64, loss_timesteps=2).args
+    workers = run.ranks
+    assert run.step == 2 and workers.replies() == {1: ("trained", 2)} and run.trained.validation_control is control
+    assert saved in folder_paths.get_filename_list("controlnet") and loss == loss
+    workers.close()
+    assert workers.processes[0].returncode == 0
