@@ -415,6 +415,8 @@ class TrainingRun:
             return
         if self.ranks is not None:
             self.ranks.train(target_step, checkpoint_every, checkpoint_minutes)
+        if self.trainer.parallel is not None:
+            self.trainer.parallel.others_know = False  # this command's stop (if any) is not told yet
         start_step = self.step
         progress = comfy.utils.ProgressBar(target_step - start_step, node_id=node_id)
         started = time.perf_counter()
@@ -444,6 +446,8 @@ class TrainingRun:
         except BaseException as error:
             # Cancel (InterruptProcessingException), out of memory, non-finite loss...: keep the last
             # completed step on disk and give the device memory back before the node exits.
+            if self.trainer.parallel is not None and self.step < target_step:
+                self.trainer.leave_between_steps()  # e.g. loading the model failed: the other ranks wait in a step
             worker_error = self.ranks.settle(self.step) if self.ranks is not None else None  # bounded wait
             self.fail("training step", error)
             if worker_error is not None:

@@ -281,12 +281,24 @@ def worker_main(connection, rank: int, world_size: int) -> None:
 
 
 TEST_ERROR_AT_STEP = "HEADROOM_TEST_WORKER_ERROR_AT_STEP"
+TEST_ERROR_BEFORE_STEP = "HEADROOM_TEST_WORKER_ERROR_BEFORE_STEP"
 
 
 def _error_hook_for_tests(run) -> None:
     """Tests only (tests/comfy/test_train_devices.py): with HEADROOM_TEST_WORKER_ERROR_AT_STEP=N in the environment
-    ComfyUI runs in, each worker raises an ordinary RuntimeError inside its forward pass of step N. Unset (outside
-    those tests) nothing is hooked."""
+    ComfyUI runs in, each worker raises an ordinary RuntimeError inside its forward pass of step N; with
+    HEADROOM_TEST_WORKER_ERROR_BEFORE_STEP=N, as step N starts, before its first collective (reading its batch).
+    Unset (outside those tests) nothing is hooked."""
+    before = os.environ.get(TEST_ERROR_BEFORE_STEP)
+    if before:
+        batch_items = run.trainer.batch_items
+
+        def failing_batch_items(index):
+            if run.step + 1 == int(before):
+                raise RuntimeError(f"{TEST_ERROR_BEFORE_STEP}={before}: a test error before this rank's step")
+            return batch_items(index)
+
+        run.trainer.batch_items = failing_batch_items
     step = os.environ.get(TEST_ERROR_AT_STEP)
     if not step:
         return

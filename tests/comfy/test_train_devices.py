@@ -185,23 +185,57 @@ def test_controlnet_devices_2_trains_like_one_device_and_cancel_stops_every_rank
     assert workers.processes[0].returncode == 0 and not torch.distributed.is_initialized()
 
 
-def test_devices_2_a_worker_error_fails_the_run_naming_it_with_its_checkpoint(comfyui, monkeypatch):
-    """An ordinary error inside the worker's forward (a test hook of rank_workers, set through the environment the
-    worker inherits): rank 0, waiting in the step's loss all-reduce, learns of it through the abort flag; the run
-    fails naming rank 1 and the error, with the last checkpoint kept, without waiting for a timeout."""
+@pytest.mark.parametrize("where", ["inside its forward", "before its step"])
+def test_devices_2_a_worker_error_fails_the_run_naming_it_with_its_checkpoint(comfyui, monkeypatch, where):
+    """An ordinary error in the worker (test hooks of rank_workers, set through the environment the worker
+    inherits), inside its forward (after the step's first collective could start) or as its step starts (before
+    any: DataParallel.leave): rank 0, waiting in the step's loss all-reduce, learns of it through the abort flag;
+    the run fails naming rank 1 and the error, with the last checkpoint kept, without waiting for a timeout."""
     from headroom.nodes import train_lora as T
-    from headroom.nodes.bridge.rank_workers import TEST_ERROR_AT_STEP
+    from headroom.nodes.bridge.rank_workers import TEST_ERROR_AT_STEP, TEST_ERROR_BEFORE_STEP
     from headroom.training.core.run_dir import RunDir
 
-    monkeypatch.setenv(TEST_ERROR_AT_STEP, "3")
+    variable, message = ((TEST_ERROR_AT_STEP, "a test error inside this rank's forward") if where.startswith("inside")
+                         else (TEST_ERROR_BEFORE_STEP, "a test error before this rank's step"))
+    monkeypatch.setenv(variable, "3")
     model, _, _, latents, texts = _data("sd15")
     run = _init(model, latents, texts, "worker_error", devices="2", rank=4, lr=5e-3, batch_size=4)
     workers = run.ranks
-    with torch.inference_mode(), pytest.raises(RuntimeError, match=r"rank 1 failed in step 3: RuntimeError: "
-                                               rf"{TEST_ERROR_AT_STEP}=3: a test error inside this rank's forward"):
+    with torch.inference_mode(), pytest.raises(RuntimeError, match=rf"rank 1 failed in step 3: RuntimeError: "
+                                               rf"{variable}=3: {message}"):
         T.HeadroomTrainSteps.execute(run, 6, checkpoint_every=1)
     assert run.step == 2 and RunDir(T.runs_root(), "worker_error").latest_step() == 2
     assert workers.replies()[1][:2] == ("failed", 2) and not workers.closed  # the worker is alive and answers
+    workers.close()
+    assert workers.processes[0].returncode == 0 and not torch.distributed.is_initialized()
+
+
+def test_devices_2_rank_0_failing_between_steps_stops_the_worker_at_the_same_step(comfyui):
+    """Rank 0 fails as step 3 starts, before its first collective (here: reading its batch; in use: a checkpoint
+    save, loading the model): the worker, already in step 3's loss all-reduce, is told through the abort flag and
+    stops at step 2 (DataParallel.leave) instead of being ended after the stop timeout: it stays up, and the next
+    Train Steps trains on both ranks."""
+    from headroom.nodes import train_lora as T
+    from headroom.training.core.run_dir import RunDir
+
+    model, _, _, latents, texts = _data("sd15")
+    run = _init(model, latents, texts, "rank0_error", devices="2", rank=4, lr=5e-3, batch_size=4)
+    workers, batch_items = run.ranks, run.trainer.batch_items
+
+    def failing_batch_items(index):
+        if run.step + 1 == 3:
+            raise RuntimeError("rank 0's test error before its step")
+        return batch_items(index)
+
+    run.trainer.batch_items = failing_batch_items
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="rank 0's test error before its step"):
+        T.HeadroomTrainSteps.execute(run, 6, checkpoint_every=1)
+    assert run.step == 2 and RunDir(T.runs_root(), "rank0_error").latest_step() == 2
+    assert workers.replies() == {1: ("stopped", 2)} and not workers.closed  # told, not ended by the timeout
+    run.trainer.batch_items = batch_items
+    with torch.inference_mode():
+        T.HeadroomTrainSteps.execute(run, 4)
+    assert run.step == 4 and workers.replies() == {1: ("trained", 4)}
     workers.close()
     assert workers.processes[0].returncode == 0 and not torch.distributed.is_initialized()
 

@@ -70,6 +70,7 @@ class DataParallel:
             else torch.device("cpu")
         self._step = 0
         self._done = self._losses = 0  # collectives of the current step (abort_step)
+        self.others_know = False  # the other ranks know this rank stops (leave: nothing more to tell them)
 
     @classmethod
     def current(cls) -> "DataParallel | None":
@@ -120,6 +121,7 @@ class DataParallel:
         collective the other ranks wait in, with the abort flag set, so they discard the step and stop too
         (RanksStopped) instead of waiting out the group's timeout. After the gradient all-reduce the others are
         in the step-end stop check: join that one."""
+        self.others_know = True
         if self._done < self._losses:
             flag = torch.tensor([0.0, 1.0], device=self.device)
         elif self._done == self._losses:
@@ -131,9 +133,22 @@ class DataParallel:
         with self._collective("abort"):
             dist.all_reduce(flag)
 
+    def leave(self) -> None:
+        """This rank stops BETWEEN steps (an error before a step's first collective, in a checkpoint save after a
+        step, while loading the model): the other ranks train on into the next step's first loss all-reduce, so
+        join it with the abort flag set; they stop at the last finished step instead of waiting out the group's
+        timeout. Nothing to do when they already know (abort_step, any_stops, or they stopped this rank)."""
+        if self.others_know:
+            return
+        self.others_know = True
+        flag = torch.tensor([0.0, 1.0], device=self.device)
+        with self._collective("abort"):
+            dist.all_reduce(flag)
+
     def _check_abort(self, flag: torch.Tensor) -> None:
         self._done += 1
         if flag.item() > 0:
+            self.others_know = True
             raise RanksStopped(f"rank {self.rank}: another rank left step {self._step + 1} midway (cancel or its "
                                f"error); this rank discards the step and stops at step {self._step}")
 
@@ -142,6 +157,7 @@ class DataParallel:
         flag = torch.tensor([1.0 if stops else 0.0], device=self.device)
         with self._collective("stop check"):
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        self.others_know = self.others_know or bool(flag.item())
         return bool(flag.item())
 
     def barrier(self, what: str) -> None:
@@ -153,6 +169,7 @@ class DataParallel:
         try:
             yield
         except (RuntimeError, dist.DistError) as error:  # gloo: connection closed / timed out; NCCL: watchdog
+            self.others_know = True  # the group is lost: nothing more can be told
             if isinstance(error, RankLostError):
                 raise
             lost = self._lost_ranks()

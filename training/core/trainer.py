@@ -377,6 +377,8 @@ class Trainer:
         # flushing them to zero costs no accuracy that matters and is what GPUs do anyway.
         flush_denormal = self.denoiser.device.type == "cpu" and torch.set_flush_denormal(True)
         saved_at = time.monotonic()
+        if self.parallel is not None:
+            self.parallel.others_know = False  # a new stretch of training: no stop told yet
         with torch.inference_mode(False), _forked_rng():
             restore_rng(self.rng)
             try:
@@ -397,6 +399,10 @@ class Trainer:
                         if due and self.step < target_step:
                             self.save()
                             saved_at = time.monotonic()
+            except BaseException:
+                if self.parallel is not None and self.step < target_step:
+                    self.leave_between_steps()
+                raise
             finally:
                 self.trainable.train(False)
                 if flush_denormal:
@@ -417,6 +423,12 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             self.parallel.abort_step(self.params)
             raise
+
+    def leave_between_steps(self) -> None:
+        """This rank stops outside a step's collectives (see DataParallel.leave): the others stop at the same
+        completed step. A lost group changes nothing: the error being raised says more."""
+        with contextlib.suppress(RankLostError):
+            self.parallel.leave()
 
     def _after_step_on_every_rank(self, after_step, report: StepReport) -> None:
         """`after_step` (it may raise: rank 0's cancel), then every rank learns whether one stops: all stop at this
