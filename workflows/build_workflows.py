@@ -652,6 +652,121 @@ def wan21_lora() -> Workflow:
     ])
 
 
+@dataclasses.dataclass
+class VideoModel:
+    """What differs between the video LoRA workflows built from Init, Train Steps, Validate and Save."""
+    name: str
+    label: str
+    loaders: list  # Node list producing the MODEL, CLIP and VAE
+    model: tuple
+    clip: tuple
+    vae: tuple
+    note: str
+    clips: dict  # HeadroomDatasetFromVideos settings: resolution, step, max_frames (the family's frame rule)
+    policy: dict  # HeadroomOffloadPolicy settings that fit a 24 GB card
+    sampling: dict  # Validate's settings: a short clip (frames by the family's rule)
+
+
+def video_lora(spec: VideoModel) -> Workflow:
+    """A video LoRA as separate steps: Init (with the policy) -> Train Steps -> Validate (one short clip) -> Save.
+    Queueing again with a higher `steps` continues the run, validates and saves again."""
+    return Workflow(spec.name, [
+        Note(100, 0, spec.note, width=440, height=560),
+        *spec.loaders,
+        Node(5, "HeadroomOffloadPolicy", 0, spec.policy, title="Offload policy (24 GB)"),
+        Node(10, "HeadroomDatasetFromVideos", 1, {"folder": "my_clips", "frame_stride": 1, **spec.clips},
+             title="Clips folder"),
+        Node(11, "HeadroomCacheLatents", 1, links={"dataset": (10, "dataset"), "vae": spec.vae, "policy": (5, "policy")},
+             title="Cache latents"),
+        Node(12, "HeadroomCacheText", 1, links={"dataset": (10, "dataset"), "clip": spec.clip, "policy": (5, "policy")},
+             title="Cache text"),
+        Node(13, "HeadroomLoraConfig", 2, {"rank": 32, "alpha": 32.0}, title="LoRA"),
+        Node(14, "HeadroomOptimizerConfig", 2, {"optimizer": "AdamW8bit", "learning_rate": 1e-4, "schedule_steps": 2000},
+             title="Optimizer"),
+        Node(15, "HeadroomTrainLoraInit", 3,
+             {"run_name": spec.name, "precision": "bf16", "timestep_sampling": "shifted",
+              "gradient_checkpointing": True},
+             links={"model": spec.model, "latent_cache": (11, "latent_cache"), "text_cache": (12, "text_cache"),
+                    "lora_config": (13, "lora_config"), "optimizer_config": (14, "optimizer_config"),
+                    "policy": (5, "policy")},
+             title="Start (or resume) run"),
+        Node(16, "HeadroomTrainSteps", 3, {"steps": 500}, links={"run": (15, "run")}, title="Train steps",
+             width=440, extra_height=LIVE_CHART_HEIGHT),
+        Node(17, "HeadroomValidate", 4,
+             {"prompts": "a sks dog running on a beach", "sample_seed": 0, **spec.sampling},
+             links={"run": (16, "run"), "clip": spec.clip, "vae": spec.vae}, title="Validate (a short clip)"),
+        Node(18, "HeadroomSaveLora", 5, {"subfolder": "headroom"}, links={"run": (17, "run")}, title="Save LoRA"),
+        Node(19, "HeadroomVRAMMonitor", 5, links={"value": (18, "lora_name")}, title="Memory after the run"),
+        Node(20, "PreviewAny", 5, links={"source": (19, "report")}, title="Memory report"),
+    ])
+
+
+VIDEO_QUEUE_NOTE = """Your clips: a folder inside ComfyUI's input/ folder (here input/my_clips) of videos (.mp4, .webm, .mov, ...), folders of frames, or images (one-frame clips), each with a same-name .txt caption (walk.mp4 + walk.txt, walk/ + walk.txt). {frames}
+
+Queue it: latents and text embeddings are cached once (the text encoders and VAE are unloaded before training), the LoRA trains to step 500 (the chart on Train steps shows loss and memory live), one validation clip is sampled with the stock samplers (an animated WEBP and a frame grid in output/headroom_runs/<run>/validation/) and the LoRA is saved to models/loras/headroom/, which the stock Load LoRA reads. Raise steps and queue again to continue the same run.
+
+{memory}"""
+
+HUNYUAN_VIDEO15_NOTE = """HunyuanVideo 1.5 text-to-video LoRA (8.3B, the 480p T2V model; the 720p and image-to-video files load and train the same way) with cached clip latents and text, a validation clip and a memory report.
+
+Download (file -> ComfyUI folder):
+- hunyuanvideo1.5_480p_t2v_fp16.safetensors -> models/diffusion_models/
+- qwen_2.5_vl_7b_fp8_scaled.safetensors, byt5_small_glyphxl_fp16.safetensors -> models/text_encoders/
+- hunyuanvideo15_vae_fp16.safetensors -> models/vae/
+(Comfy-Org's HunyuanVideo 1.5 repackage on Hugging Face, as named there: ComfyUI ships no HunyuanVideo 1.5 blueprint to check them against, so check them on the download page. Its DiT files are fp16 conversions; training computes in bf16.)
+
+""" + VIDEO_QUEUE_NOTE.format(
+    frames="Clips are cut to the HunyuanVideo 1.5 VAE's 4k+1 frames (max_frames 33 here: about 1.4 s at 24 fps; every frame_stride-th frame); bucket sides are multiples of 16 (VAE 16x, patch 1).",
+    memory="Memory: the 8.3B DiT is ~17 GB in fp16. The policy keeps what fits on the card and streams the rest of the blocks from host RAM, and recomputes each block in backward (blocks checkpointing); workflows/memory_plan.json with these loaders estimates it for your card (set its frames).")
+
+LTX2_NOTE = """LTX-2 text-to-video LoRA (the 19B audio-video model, trained as a video LoRA: the audio branch stays frozen, as ComfyUI samples a silent clip) with cached clip latents and text, a validation clip and a memory report.
+
+Download (file -> ComfyUI folder):
+- ltx-2-19b-dev.safetensors (the bf16 dev model to train on; ComfyUI's LTX-2 blueprints sample with ltx-2-19b-dev-fp8) -> models/checkpoints/ (it holds the DiT and the VAEs; the text encoder loader reads its text projection from it too)
+- gemma_3_12B_it_fp4_mixed.safetensors (or gemma_3_12B_it.safetensors, full precision) -> models/text_encoders/
+(Lightricks' LTX-2 and Comfy-Org's ltx-2 on Hugging Face; the Gemma file is the one ComfyUI's LTX-2 blueprints load. LTX-2.3 files are another text path: not this workflow.)
+
+""" + VIDEO_QUEUE_NOTE.format(
+    frames="Clips are cut to the LTX VAE's 8k+1 frames (max_frames 49 here: about 2 s at 25 fps; every frame_stride-th frame); bucket sides are multiples of 32 (VAE 32x).",
+    memory="Memory: the 19B DiT is ~38 GB in bf16, more than a 24 GB card: the policy keeps what fits on the card and streams the other blocks from host RAM every step (the host needs room for the whole checkpoint), and recomputes each block in backward (blocks checkpointing); workflows/memory_plan.json with these loaders estimates it for your card (set its frames).")
+
+
+def hunyuan_video15_lora() -> Workflow:
+    # HunyuanVideo 1.5 480p T2V (8.3B): stock DualCLIPLoader type hunyuan_video_15 (Qwen2.5-VL + byT5). Validation:
+    # 17 frames at 848x480, the 480p model's size.
+    return video_lora(VideoModel(
+        "hunyuan_video15_lora", "HunyuanVideo 1.5",
+        [Node(1, "UNETLoader", 0, {"unet_name": "hunyuanvideo1.5_480p_t2v_fp16.safetensors"},
+              title="Load diffusion model"),
+         Node(2, "DualCLIPLoader", 0, {"clip_name1": "qwen_2.5_vl_7b_fp8_scaled.safetensors",
+                                        "clip_name2": "byt5_small_glyphxl_fp16.safetensors", "type": "hunyuan_video_15"},
+              title="Load text encoders"),
+         Node(3, "VAELoader", 0, {"vae_name": "hunyuanvideo15_vae_fp16.safetensors"}, title="Load VAE")],
+        (1, "MODEL"), (2, "CLIP"), (3, "VAE"), HUNYUAN_VIDEO15_NOTE,
+        clips={"resolution": 480, "step": 16, "max_frames": 33},
+        policy=policy("partial", "blocks"),
+        sampling={"sample_steps": 30, "cfg": 6.0, "sampler_name": "euler", "scheduler": "simple", "width": 848,
+                  "height": 480, "frames": 17},
+    ))
+
+
+def ltx2_lora() -> Workflow:
+    # LTX-2 19B dev (bf16) through the stock loaders ComfyUI's LTX-2 blueprints use: Load Checkpoint (MODEL, VAE) and
+    # the LTXAV text encoder loader (Gemma 3 12B + the checkpoint's text projection). Validation: 25 frames at 768x512.
+    return video_lora(VideoModel(
+        "ltx2_lora", "LTX-2",
+        [Node(1, "CheckpointLoaderSimple", 0, {"ckpt_name": "ltx-2-19b-dev.safetensors"}, title="Load checkpoint"),
+         Node(2, "LTXAVTextEncoderLoader", 0, {"text_encoder": "gemma_3_12B_it_fp4_mixed.safetensors",
+                                               "ckpt_name": "ltx-2-19b-dev.safetensors", "device": "default"},
+              title="Load text encoder")],
+        (1, "MODEL"), (2, "CLIP"), (1, "VAE"), LTX2_NOTE,
+        clips={"resolution": 512, "step": 32, "max_frames": 49},
+        policy=policy("partial", "blocks"),
+        sampling={"sample_steps": 30, "cfg": 3.0, "sampler_name": "euler", "scheduler": "simple", "width": 768,
+                  "height": 512, "frames": 25},
+    ))
+
+
 EDIT_NOTE = """{label} edit LoRA: reference image + instruction -> edited image, with cached reference latents, validation with a reference image and a memory report.
 
 Download (file -> ComfyUI folder; the file names are the usual ones, check them on the download page):
@@ -745,7 +860,7 @@ def flux_kontext_lora() -> Workflow:
 
 
 WORKFLOWS = [tiny_lora, sd15_lora, sdxl_lora, sd35_lora, flux_lora, flux2_klein_lora, qwen_image_lora, zimage_lora,
-             qwen_image_edit_lora, flux_kontext_lora, wan21_lora,
+             qwen_image_edit_lora, flux_kontext_lora, wan21_lora, hunyuan_video15_lora, ltx2_lora,
              tiny_controlnet, sd15_controlnet,
              memory_plan]
 # Workflows small enough to run to completion on a CPU in the test suite (tests/server/test_workflows.py).

@@ -6,7 +6,9 @@
 - The shipped files are exactly what workflows/build_workflows.py builds from this server's /object_info.
 - The server's own validation (POST /prompt) rejects the real-model workflows for missing model files and input
   images only (a bare test server has none), so everything else in them passes ComfyUI's checks.
-- The tiny workflows run to completion headless.
+- The tiny workflows run to completion headless, and so do the video workflows with their loaders swapped for a tiny
+  model of their family (and sizes, steps and optimizer shrunk for a CPU): the shipped graph itself trains,
+  validates a clip and saves.
 """
 import json
 import pathlib
@@ -267,3 +269,65 @@ def test_tiny_workflow_runs_to_completion(comfy_server, name):
     saved = [path for folder in ("loras", "controlnet")
              for path in (comfy_server.base_dir / "models" / folder).rglob(f"{run_name}*.safetensors")]
     assert saved, f"no models/loras or models/controlnet file of run {run_name}"
+
+
+# --- the video workflows on tiny models of their families ------------------------------------------------------
+LOADER_TYPES = {"UNETLoader", "CheckpointLoaderSimple", "CLIPLoader", "DualCLIPLoader", "VAELoader",
+                "LTXAVTextEncoderLoader"}
+TINY_MODEL_OUTPUTS = ["MODEL", "CLIP", "VAE"]  # HeadroomTinyModel's outputs, in order
+
+
+def with_tiny_model(prompt: dict, object_info: dict, family: str) -> dict:
+    """The workflow with its loaders replaced by one HeadroomTinyModel of `family`: every link to a loader's MODEL,
+    CLIP or VAE comes from the tiny model's output of that type."""
+    loaders = {node_id for node_id, node in prompt.items() if node["class_type"] in LOADER_TYPES}
+    assert loaders, "no stock loader in the workflow"
+    tiny_id = "900"
+    swapped = {node_id: node for node_id, node in prompt.items() if node_id not in loaders}
+    for node in swapped.values():
+        for name, value in node["inputs"].items():
+            if isinstance(value, list) and value[0] in loaders:
+                output_type = object_info[prompt[value[0]]["class_type"]]["output"][value[1]]
+                node["inputs"][name] = [tiny_id, TINY_MODEL_OUTPUTS.index(output_type)]
+    swapped[tiny_id] = {"class_type": "HeadroomTinyModel", "inputs": {"family": family, "seed": 0}}
+    return swapped
+
+
+def write_clips(folder: pathlib.Path, count: int, size: int, frames: int) -> None:
+    """`count` moving-shape clips as frame folders with their captions (clip_0/ + clip_0.txt)."""
+    import numpy as np
+    from PIL import Image
+
+    from headroom.training.data.synthetic import generate_moving_shapes
+
+    clips = generate_moving_shapes(count, size, frames, 0)
+    for index, (clip, caption) in enumerate(zip(clips.clips, clips.captions)):
+        frame_folder = folder / f"clip_{index}"
+        frame_folder.mkdir(parents=True)
+        for frame_index, frame in enumerate(clip):
+            pixels = (frame.numpy() * 255).round().astype(np.uint8)
+            Image.fromarray(pixels).save(frame_folder / f"frame_{frame_index:04d}.png")
+        (folder / f"clip_{index}.txt").write_text(caption)
+
+
+# (workflow, family, clip side in pixels (the datasets' smallest), frames (two latent frames by the family's rule))
+VIDEO_WORKFLOWS = [("hunyuan_video15_lora", "hunyuan_video15", 64, 5), ("ltx2_lora", "ltx2", 64, 9)]
+
+
+@pytest.mark.parametrize("name, family, size, frames", VIDEO_WORKFLOWS, ids=[w[0] for w in VIDEO_WORKFLOWS])
+def test_video_workflow_runs_on_a_tiny_model_of_its_family(comfy_server, object_info, name, family, size, frames):
+    prompt = with_tiny_model(json.loads((WORKFLOWS / f"{name}_api.json").read_text()), object_info, family)
+    nodes = {node["class_type"]: node["inputs"] for node in prompt.values()}
+    run_name = f"{name}_{uuid.uuid4().hex[:8]}"
+    write_clips(comfy_server.base_dir / "input" / run_name, 2, size, frames)
+    nodes["HeadroomDatasetFromVideos"].update(folder=run_name, resolution=size, max_frames=frames)
+    nodes["HeadroomOptimizerConfig"].update(optimizer="AdamW")  # bitsandbytes' 8-bit AdamW needs a GPU
+    nodes["HeadroomTrainLoraInit"].update(run_name=run_name, precision="fp32")
+    nodes["HeadroomTrainSteps"].update(steps=2)
+    nodes["HeadroomValidate"].update(width=size, height=size, frames=frames, sample_steps=2, loss_timesteps=1)
+    execution = comfy_server.run_workflow(prompt, timeout=900)
+    assert execution.status == "success"
+    saved = list((comfy_server.base_dir / "models" / "loras").rglob(f"{run_name}*.safetensors"))
+    assert saved, f"no LoRA of run {run_name} in models/loras"
+    validation = comfy_server.base_dir / "output" / "headroom_runs" / run_name / "validation"
+    assert list(validation.glob("*.webp")), f"no validation clip in {validation}"
