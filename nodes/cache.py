@@ -124,8 +124,8 @@ class HeadroomDatasetFromVideos(io.ComfyNode):
             description="Clips for video models (Wan) from a folder inside ComfyUI's input directory (or a folder the "
             f"server's owner allows): video files ({', '.join(VIDEO_EXTENSIONS)}), subfolders of frame images and "
             "images (one-frame clips), each with a same-name .txt caption beside it (clip.mp4 + clip.txt, clip/ + "
-            "clip.txt). Cache Latents cuts each clip to the frame counts its VAE takes (Wan: 4k+1). Nothing is "
-            "decoded here.",
+            "clip.txt). Cache Latents cuts each clip to the frame counts its VAE takes (Wan, HunyuanVideo 1.5: "
+            "4k+1; LTX-2: 8k+1). Nothing is decoded here.",
             inputs=[
                 io.String.Input("folder", default="",
                                 tooltip="Folder relative to ComfyUI's input directory, e.g. 'my_clips'."),
@@ -135,8 +135,9 @@ class HeadroomDatasetFromVideos(io.ComfyNode):
                                  "of stopping with an error."),
                 io.Int.Input("max_frames", default=MAX_FRAMES_DEFAULT, min=1, max=MAX_CLIP_FRAMES,
                              tooltip="Frames a clip gives at most (from its first frame), cut down to what the VAE "
-                             "takes: 4k+1 for Wan (81 = 5 s at 16 fps). Longer clips give their first frames; shorter "
-                             "ones are used as long as they are, never padded. Memory grows with it."),
+                             "takes: 4k+1 for Wan / HunyuanVideo 1.5 (81 = 5 s at 16 fps), 8k+1 for LTX-2. Longer "
+                             "clips give their first frames; shorter ones are used as long as they are, never "
+                             "padded. Memory grows with it."),
                 io.Int.Input("frame_stride", default=1, min=1, max=64,
                              tooltip="Use every n-th frame (2: a 30 fps video becomes 15 fps, twice the time span)."),
                 io.String.Input("mask_folder", default="", optional=True,
@@ -210,8 +211,9 @@ class HeadroomCacheLatents(io.ComfyNode):
             display_name="Cache Latents (Headroom)",
             category="Headroom/cache",
             description="Encode the dataset's images and clips (bucketed, cropped, optionally mirrored) with the VAE, "
-            "as stock VAE Encode does, into a cache on disk; a video VAE (Wan) encodes each clip whole, cut to the "
-            "frame counts it takes (4k+1). Cached items are reused without loading the VAE; the "
+            "as stock VAE Encode does, into a cache on disk; a video VAE (Wan, HunyuanVideo 1.5, LTX-2) encodes "
+            "each clip whole, cut to the frame counts it takes (4k+1; LTX-2: 8k+1). Cached items are reused "
+            "without loading the VAE; the "
             "VAE is unloaded from the compute device when caching ends.",
             inputs=[
                 DatasetType.Input("dataset", tooltip="From a Dataset node (Headroom)."),

@@ -146,8 +146,9 @@ def noise_range_inputs() -> list:
 def frames_input():
     # Appended last and optional: workflows saved before it existed keep working (images).
     return io.Int.Input("frames", default=1, min=1, max=1025, optional=True,
-                        tooltip="Video models (wan21): frames per validation clip, as the stock empty video latent's "
-                        "length (Wan: 4k+1, e.g. 17 or 81), saved as an animated WEBP and a frame grid. 1: images.")
+                        tooltip="Video models (wan21, hunyuan_video15, ltx2): frames per validation clip, as the "
+                        "stock empty video latent's length (4k+1, e.g. 17 or 81; LTX-2: 8k+1, e.g. 25 or 121), saved "
+                        "as an animated WEBP and a frame grid. 1: images.")
 
 
 def reference_input():

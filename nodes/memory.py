@@ -106,8 +106,9 @@ class HeadroomMemoryPlan(io.ComfyNode):
                 io.Vae.Input("vae", optional=True, tooltip="Adds VAE encode / decode to caching and validation."),
                 # Appended last and optional: workflows saved before it existed keep working (images).
                 io.Int.Input("frames", default=1, min=1, max=1025, optional=True,
-                             tooltip="Video models (wan21): frames of the longest training clip (Wan: 4k+1, e.g. 33 or "
-                             "81); the step's activations and, with the VAE, its encode / decode estimates grow with "
+                             tooltip="Video models (wan21, hunyuan_video15, ltx2): frames of the longest training clip "
+                             "(4k+1, e.g. 33 or 81; LTX-2: 8k+1); the step's activations and, with the VAE, its "
+                             "encode / decode estimates grow with "
                              "them. 1: images."),
             ],
             outputs=[io.String.Output("plan_text", tooltip="The plan as text (also shown on the node)."),
