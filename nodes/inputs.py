@@ -13,6 +13,7 @@ from ..training.core.objective import LOSS_TYPES, LOSS_WEIGHTINGS, TIMESTEP_SAMP
 from ..training.core.trainer import PRECISIONS
 from .bridge.comfy_bridge import WEIGHT_CHOICES
 from .io_types import LatentCacheType, LoraConfigType, OffloadPolicyType, OptimizerConfigType, TextCacheType
+from .bridge.rank_workers import DEVICES
 from .bridge.run_lora import LORA_APPLICATIONS, REFERENCES
 
 DEFAULT_CHECKPOINT_MINUTES = 10.0
@@ -234,3 +235,13 @@ def validation_names() -> set[str]:
     """The names of the validation inputs an all-in-one node hands to validation (not to the run it opens)."""
     return ({item.id for item in validation_inputs(optional=True)}
             | {compare_base_input().id, reference_images_input().id, frames_input().id})
+
+
+def devices_input():
+    """The training nodes' `devices` input (LoRA and ControlNet, Init and all-in-one; appended last)."""
+    return io.Combo.Input("devices", options=list(DEVICES), default="1", optional=True,
+                          tooltip="Data-parallel training on this many devices: 1 trains in this process as "
+                          "always; N > 1 starts N - 1 worker processes (GPUs cuda:1..N-1 beside this one; on a "
+                          "CPU, N CPU processes), each training 1/N of every batch (the same global batch). "
+                          "Cancel stops every rank; only this process writes the run folder. "
+                          "docs/DISTRIBUTED.md")

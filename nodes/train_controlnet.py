@@ -17,15 +17,15 @@ from .bridge.comfy_bridge import TrainingRun, check_run_kind
 from .bridge.comfy_model import check_caches
 from .bridge.controlnet_build import check_control_cache, controlnet_type_name
 from .bridge.families import CONTROLNET_TYPES
-from .inputs import (DEFAULT_CHECKPOINT_MINUTES, added_train_inputs, checkpoint_inputs, model_and_caches,
-                     optimizer_config_input, policy_input, run_name_input, schedule_inputs, training_settings,
-                     validation_inputs, weights_input)
+from .inputs import (DEFAULT_CHECKPOINT_MINUTES, added_train_inputs, checkpoint_inputs, devices_input,
+                     model_and_caches, optimizer_config_input, policy_input, run_name_input, schedule_inputs,
+                     training_settings, validation_inputs, weights_input)
 from .io_types import TrainingRunType
 from .bridge.run_controlnet import ControlNetRunConfig, open_controlnet_run
 from .bridge.model_files import runs_root, save_trained_controlnet
 from .bridge.rank_workers import open_on_devices
 from .bridge.run_settings import resolve_policy, run_fingerprint, train_config
-from .train_lora import CATEGORY, SAVED_KEY, devices_input, saved_file, train_validate_save
+from .train_lora import CATEGORY, SAVED_KEY, saved_file, train_validate_save
 
 
 def start_controlnet_run(model, latent_cache, text_cache, optimizer_config, run_name, seed, batch_size,

@@ -22,12 +22,12 @@ from .bridge import lora_formats
 from .bridge.comfy_bridge import TrainingRun, check_run_kind, node_id
 from .bridge.comfy_model import check_caches, check_reference_cache, model_family
 from .bridge.model_files import runs_root, save_lora
-from .bridge.rank_workers import DEVICES, open_on_devices
+from .bridge.rank_workers import open_on_devices
 from .bridge.run_lora import REFERENCES, SAVE_DTYPES, LoraRunConfig, open_lora_run
 from .bridge.run_settings import resolve_policy, run_fingerprint, train_config
 from .bridge.validation import validate
 from .inputs import (DEFAULT_CHECKPOINT_MINUTES, added_train_inputs, checkpoint_inputs, compare_base_input,
-                     frames_input, lora_config_input, model_and_caches, noise_range_inputs, optimizer_config_input,
+                     devices_input, frames_input, lora_config_input, model_and_caches, noise_range_inputs, optimizer_config_input,
                      policy_input, prior_inputs, reference_images_input, reference_input, run_name_input,
                      schedule_inputs, training_settings, validation_inputs, validation_names, weights_input)
 from .io_types import LoraConfigType, OptimizerConfigType, TrainingRunType
@@ -152,16 +152,6 @@ def lora_run_inputs() -> list:
     """The inputs that open a LoRA run (Init and the all-in-one node): the shared groups (nodes/inputs.py)."""
     return [*model_and_caches(), lora_config_input(), optimizer_config_input(), run_name_input("my_lora"),
             *training_settings(), policy_input()]
-
-
-def devices_input():
-    """The training nodes' `devices` input (LoRA and ControlNet, Init and all-in-one; appended last)."""
-    return io.Combo.Input("devices", options=list(DEVICES), default="1", optional=True,
-                          tooltip="Data-parallel training on this many devices: 1 trains in this process as "
-                          "always; N > 1 starts N - 1 worker processes (GPUs cuda:1..N-1 beside this one; on a "
-                          "CPU, N CPU processes), each training 1/N of every batch (the same global batch). "
-                          "Cancel stops every rank; only this process writes the run folder. "
-                          "docs/DISTRIBUTED.md")
 
 
 def start_lora_run(model, latent_cache, text_cache, lora_config, optimizer_config, run_name, seed, batch_size,

@@ -30,30 +30,19 @@ def test_devices_2_spawns_trains_like_one_device_and_cancel_stops_every_rank(com
         T.HeadroomTrainSteps.execute(one, 3)
         T.HeadroomTrainSteps.execute(two, 3)
     assert two.step == 3 and workers.replies() == {1: ("trained", 3)}
-    for key, value in one.adapters.state_dict().items():  # the same global batch: the same weights (Adam: 1e-3)
-        assert (two.adapters.state_dict()[key] - value).norm() <= 1e-3 * value.norm().clamp_min(1e-12), key
+    _close_enough(two.adapters.state_dict(), one.adapters.state_dict())  # the same global batch (Adam: 1e-3)
     assert two.trainer.last_loss == pytest.approx(one.trainer.last_loss, rel=1e-4)
 
     # Cancel inside rank 0's forward (ComfyUI's ops raise the interrupt there): the worker, waiting in that step's
     # loss all-reduce, learns of it through the abort flag and discards the step; both stop at step 3.
-    def interrupt_inside_forward(module, args):
-        mm.interrupt_current_processing(True)
-
-    hook = model.model.diffusion_model.register_forward_pre_hook(interrupt_inside_forward)
-    try:
-        with torch.inference_mode(), pytest.raises(mm.InterruptProcessingException):
-            T.HeadroomTrainSteps.execute(two, 10)
-    finally:
-        hook.remove()
-        mm.interrupt_current_processing(False)
+    _cancel_inside_rank_0s_forward(model, lambda: T.HeadroomTrainSteps.execute(two, 10))
     assert two.step == 3 and workers.replies() == {1: ("stopped", 3)}
     assert RunDir(T.runs_root(), "two_devices").latest_step() == 3
     with torch.inference_mode():  # the aborted step left nothing behind: still the one-device run's weights
         T.HeadroomTrainSteps.execute(one, 5)
         T.HeadroomTrainSteps.execute(two, 5)
     assert workers.replies() == {1: ("trained", 5)}
-    for key, value in one.adapters.state_dict().items():
-        assert (two.adapters.state_dict()[key] - value).norm() <= 1e-3 * value.norm().clamp_min(1e-12), key
+    _close_enough(two.adapters.state_dict(), one.adapters.state_dict())
 
     def interrupt_at_step_7():
         while two.step < 7:
@@ -143,7 +132,6 @@ def test_devices_2_on_the_all_in_one_node_trains_like_one_device(comfyui):
 
 
 def test_controlnet_devices_2_trains_like_one_device_and_cancel_stops_every_rank(comfyui):
-    import comfy.model_management as mm
     from headroom.nodes import train_lora as T
     from headroom.nodes.train_controlnet import HeadroomTrainControlNetInit
     from headroom.training.core.run_dir import RunDir
@@ -164,16 +152,7 @@ def test_controlnet_devices_2_trains_like_one_device_and_cancel_stops_every_rank
     _close_enough(two.controlnet.state_dict(), one.controlnet.state_dict())
     assert two.trainer.last_loss == pytest.approx(one.trainer.last_loss, rel=1e-4)
 
-    def interrupt_inside_forward(module, args):  # a cancel inside rank 0's step, as ComfyUI's ops raise it
-        mm.interrupt_current_processing(True)
-
-    hook = model.model.diffusion_model.register_forward_pre_hook(interrupt_inside_forward)
-    try:
-        with torch.inference_mode(), pytest.raises(mm.InterruptProcessingException):
-            T.HeadroomTrainSteps.execute(two, 10)
-    finally:
-        hook.remove()
-        mm.interrupt_current_processing(False)
+    _cancel_inside_rank_0s_forward(model, lambda: T.HeadroomTrainSteps.execute(two, 10))
     assert two.step == 3 and workers.replies() == {1: ("stopped", 3)}
     assert RunDir(T.runs_root(), "cn_two_devices").latest_step() == 3
     with torch.inference_mode():  # both ranks go on, still the one-device run's ControlNet
@@ -259,3 +238,19 @@ def test_controlnet_all_in_one_node_on_devices_2_trains_validates_and_saves(comf
     assert saved in folder_paths.get_filename_list("controlnet") and loss == loss
     workers.close()
     assert workers.processes[0].returncode == 0
+
+
+def _cancel_inside_rank_0s_forward(model, train) -> None:
+    """`train()` with a cancel raised inside rank 0's forward pass, where ComfyUI's ops raise the interrupt."""
+    import comfy.model_management as mm
+
+    def interrupt_inside_forward(module, args):
+        mm.interrupt_current_processing(True)
+
+    hook = model.model.diffusion_model.register_forward_pre_hook(interrupt_inside_forward)
+    try:
+        with torch.inference_mode(), pytest.raises(mm.InterruptProcessingException):
+            train()
+    finally:
+        hook.remove()
+        mm.interrupt_current_processing(False)
