@@ -361,6 +361,11 @@ def test_wan21_is_text_and_image_to_video_and_expects_umt5_width(comfyui):
     assert type(i2v).__name__ == "WAN21" and i2v.image_to_video and families.family_name(i2v) == "wan21"
     assert families.get("wan21").start_image(i2v) == "WanImageToVideo" and expected_cond_dims(i2v) == {"cross_attn": 4096}
     assert families.get("wan21").start_image(model) is None
+    # Wan 2.2 A14B I2V's experts have no CLIP-vision projection: ComfyUI detects them as WAN21_T2V with 36 channels.
+    wan22_i2v = comfy.model_detection.model_config_from_unet_config(
+        {**R.unet_config("wan21_14b", 1), "in_dim": 36}).get_model({}, "", device="meta")
+    assert type(wan22_i2v.model_config).__name__ == "WAN21_T2V" and not wan22_i2v.image_to_video
+    assert families.family_name(wan22_i2v) == "wan21" and families.get("wan21").start_image(wan22_i2v) == "WanImageToVideo"
     vace = comfy.model_detection.model_config_from_unet_config(
         {**R.unet_config("wan21_1_3b", 1), "model_type": "vace", "vace_in_dim": 96, "vace_layers": 1}
     ).get_model({}, "", device="meta")

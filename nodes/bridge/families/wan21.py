@@ -88,9 +88,10 @@ TINY_VARIANTS = {
 
 
 def _image_to_video(model) -> bool:
-    """An I2V model: WAN21 with image_to_video and the latent + mask + start-latent input channels (WAN21_I2V)."""
-    channels = model.latent_format.latent_channels
-    return bool(model.image_to_video) and model.diffusion_model.patch_embedding.weight.shape[1] == 2 * channels + 4
+    """An I2V model: the latent + mask + start-latent input channels. Wan 2.1 I2V loads as WAN21_I2V (its CLIP-vision
+    projection `img_emb` makes it "i2v"); Wan 2.2 A14B I2V has no img_emb, so ComfyUI loads it as WAN21_T2V with 36
+    input channels, and its concat_cond builds the same mask + start latent input either way."""
+    return model.diffusion_model.patch_embedding.weight.shape[1] == 2 * model.latent_format.latent_channels + 4
 
 
 def _recognise(model) -> bool:
