@@ -8,8 +8,10 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from family_checks import base_weights, init_run, overfit
 
@@ -106,7 +108,8 @@ def test_the_validation_clip_is_stock_lora_loader_wan_image_to_video_and_ksample
         T.HeadroomTrainSteps.execute(run, 20)
         images = T.HeadroomValidate.execute(run, clip=clip, vae=vae, prompts=prompt, negative="", sample_seed=seed,
                                             sample_steps=steps, cfg=cfg, sampler_name=sampler, scheduler=scheduler,
-                                            width=SIZE, height=SIZE, loss_timesteps=1, frames=FRAMES).args[0]
+                                            width=SIZE, height=SIZE, loss_timesteps=1, frames=FRAMES,
+                                            compare_base=True).args[0]
         name = T.HeadroomSaveLora.execute(run, "headroom/i2v", "", "fp32").args[0]
 
     def stock(model_patcher, start):
@@ -131,6 +134,10 @@ def test_the_validation_clip_is_stock_lora_loader_wan_image_to_video_and_ksample
     assert difference <= 1e-3
     assert (plain - with_lora).abs().max().item() > 1e-3, "the LoRA should change the clip"
     assert (other_start - with_lora).abs().max().item() > 1e-3, "the start image should change the clip"
+    # compare_base: the base row is the MODEL alone from the same start image (8-bit PNG).
+    before_after = next(run.run_dir.validation_dir.glob("step_*_before_after.png"))
+    grid = torch.from_numpy(np.asarray(Image.open(before_after).convert("RGB"), dtype=np.float32) / 255.0)
+    torch.testing.assert_close(grid[:SIZE], torch.cat(list(plain), dim=1), atol=1 / 255 + 1e-6, rtol=0)
 
     # A start image given to Validate is the one the clips start from.
     with torch.inference_mode():
