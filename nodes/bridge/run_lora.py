@@ -167,6 +167,9 @@ class LoraTraining:
             extras.append(lambda item: {REFERENCE_LATENTS: [latent_cache.control(item).float()]})
         start = item_start_extras(patcher.model, latent_cache, "HeadroomTrainLoraInit")  # image-to-video: start frames
         if start is not None:
+            if self.prior is not None:
+                raise ValueError("HeadroomTrainLoraInit: prior images with start images (image-to-video): prior images "
+                                 "have no start image; disconnect prior_latent_cache / prior_text_cache")
             extras.append(start)
         if extras:
             options["item_extras"] = lambda item: {k: v for extra in extras for k, v in extra(item).items()}

@@ -167,10 +167,20 @@ def test_start_images_are_refused_where_they_do_not_apply(cache_dir, tmp_path, c
         conds = run.trainer.denoiser._item_conds(torch.zeros(1, 16, 2, 4, 4), run.trainer._conds([0]))[0]
     assert torch.equal(conds["c_concat"].cond, torch.zeros(1, 20, 2, 4, 4))
 
+    # Prior images have no start image: refused naming the inputs.
+    _, _, _, _, started, started_texts = _i2v_data(count=2, seed=1)
+    with torch.inference_mode(), pytest.raises(ValueError, match=r"prior images with start images \(image-to-video\): "
+                                                                 r".*disconnect prior_latent_cache / prior_text_cache"):
+        T.HeadroomTrainLoraInit.execute(
+            model=model, latent_cache=started, text_cache=started_texts, lora_config=run.config.adapter,
+            optimizer_config=run.config.optimizer, run_name=f"i2v_prior_{tmp_path.name}", seed=0, batch_size=2,
+            grad_accumulation=1, precision="fp32", max_grad_norm=1.0, caption_dropout=0.0, timestep_sampling="uniform",
+            loss_weighting="none", min_snr_gamma=5.0, noise_offset=0.0, gradient_checkpointing=False,
+            checkpoint_depth=1, holdout=0, prior_latent_cache=latents, prior_text_cache=texts, prior_ratio=0.5)
+
     with torch.inference_mode():
         t2v, t2v_clip, t2v_vae = build_tiny_models("wan21", 0)
-    _, _, _, _, t2v_latents, t2v_texts = _i2v_data(count=2, seed=1)
-    t2v_run = init_run(t2v, t2v_latents, t2v_texts, f"t2v_start_{tmp_path.name}", 4, 1e-3, "preset", False)
+    t2v_run = init_run(t2v, started, started_texts, f"t2v_start_{tmp_path.name}", 4, 1e-3, "preset", False)
     with torch.inference_mode(), pytest.raises(ValueError, match=r"HeadroomValidate: start_image given, but this MODEL "
                                                                  r"\(WAN21\) takes no start image .*disconnect start_image"):
         T.HeadroomValidate.execute(t2v_run, clip=t2v_clip, vae=t2v_vae, prompts="x", negative="", sample_seed=0,
