@@ -13,8 +13,8 @@ from ...training.data.cache_store import CacheStoreError, cache_latents, cache_t
 from ...training.data.files import WriteError
 from ...training.memory.memory_stats import PhaseRecorder
 from .cache_folders import open_store, with_relocate_hint
-from .start_image import START_IMAGE_NODES, start_encoder
 from .encoders import ProgressForward, encoder_fingerprint, frame_step, spatial_downscale, unbatch, unload_encoder
+from .start_image import START_IMAGE_NODES, start_encoder
 
 
 @contextlib.contextmanager

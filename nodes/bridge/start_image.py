@@ -50,12 +50,13 @@ def item_start_extras(model, latent_cache, node_name: str):
     node = start_image_node(model)
     if node is None:
         return None
-    if latent_cache.start_image is None:
+    cached = getattr(latent_cache, "start_image", None)  # in-memory caches (tests, benchmarks) have none
+    if cached is None:
         logging.warning("%s: this %s MODEL takes a start image (%s) but the LATENT_CACHE has none: it trains without "
                         "one, as %s without a start_image; to train image-to-video, set Cache Latents' start_image "
                         "to %s", node_name, type(model).__name__, node, node, node)
         return None
-    if latent_cache.start_image != node:
-        raise ValueError(f"{node_name}: the LATENT_CACHE holds {latent_cache.start_image} start images but this MODEL "
+    if cached != node:
+        raise ValueError(f"{node_name}: the LATENT_CACHE holds {cached} start images but this MODEL "
                          f"takes {node}'s: cache the latents with start_image {node}")
     return lambda item: {name: value.float() for name, value in latent_cache.start(item).items()}

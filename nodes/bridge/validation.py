@@ -25,9 +25,9 @@ from . import video
 from .comfy_bridge import VALIDATE_EVENT, TrainingRun, node_id, send_event
 from .comfy_model import REFERENCE_LATENTS, reference_inputs
 from .caching import encode_with_reference
-from .start_image import start_image_node, stock_start_conditioning
 from .encoders import unload_encoder
 from .planning import budget_bytes
+from .start_image import start_image_node, stock_start_conditioning
 
 
 def sample_images(run: TrainingRun, clip, vae, prompts: list[str], negative: str, seed: int, steps: int, cfg: float,
@@ -140,7 +140,7 @@ def start_images(run: TrainingRun, start_image: torch.Tensor | None, count: int,
                              "(image-to-video models such as Wan I2V do): disconnect start_image")
         return None
     if start_image is None:
-        first = run.latent_cache.start_frame(0)
+        first = run.latent_cache.start_frame(0) if getattr(run.latent_cache, "start_image", None) else None
         if first is None:
             return None
         start_image = first.unsqueeze(0)

@@ -11,9 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from PIL import Image
-
 from family_checks import base_weights, init_run, overfit
+from PIL import Image
 
 pytestmark = [pytest.mark.comfyui, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -56,9 +55,9 @@ def _wan_i2v_node(positive, negative, vae, start):
 def test_the_training_step_gives_the_model_what_wan_image_to_video_gives_it(cache_dir, tmp_path):
     """The cached start conditioning is WanImageToVideo's for the clip's first frame (bitwise), and the model input the
     training step builds from it (c_concat: mask + start latent) is the one the sampler builds from the node's."""
-    import nodes
-
     from headroom.nodes.bridge import families
+
+    import nodes
 
     model, clip, vae, clips, latents, texts = _i2v_data()
     assert families.family_name(model.model) == "wan21" and model.model.diffusion_model.patch_embedding.weight.shape[1] == 36
@@ -96,9 +95,9 @@ def test_the_validation_clip_is_stock_lora_loader_wan_image_to_video_and_ksample
     """Train, validate (start image: the first clip's first frame, by default), save; the stock LoraLoader +
     CLIPTextEncode + WanImageToVideo (that frame as start_image) + KSampler + VAEDecode give the same frames."""
     import comfy.model_management
-    import nodes
-
     from headroom.nodes import train_lora as T
+
+    import nodes
 
     model, clip, vae, clips, latents, texts = _i2v_data()
     base = base_weights(model)
@@ -157,7 +156,7 @@ def test_start_images_are_refused_where_they_do_not_apply(cache_dir, tmp_path, c
     from headroom.nodes import train_lora as T
     from headroom.nodes.bridge.tiny_models import build_tiny_models
 
-    model, clip, vae, clips, latents, texts = _i2v_data(start_image="none", count=2, seed=1)
+    model, _, _, clips, latents, texts = _i2v_data(start_image="none", count=2, seed=1)
     assert latents.start(0) is None and latents.start_frame(0) is None
     with caplog.at_level(logging.WARNING):
         run = init_run(model, latents, texts, f"i2v_no_start_{tmp_path.name}", 4, 1e-3, "preset", False)
