@@ -24,6 +24,7 @@ from ..training.data.video import MAX_CLIP_FRAMES, MAX_FRAMES_DEFAULT, VIDEO_EXT
 from ..training.memory.policy import OffloadPolicy
 from .bridge.cache_folders import dataset_roots, resolve_folders
 from .bridge.caching import REFERENCE_ENCODINGS, cache_clip_text, cache_vae_latents
+from .bridge.start_image import START_IMAGE_NODES
 from .io_types import DatasetType, LatentCacheType, OffloadPolicyType, TextCacheType
 
 log = logging.getLogger(__name__)
@@ -222,6 +223,10 @@ class HeadroomCacheLatents(io.ComfyNode):
                                tooltip="How control images are cached: pixels at the bucket size, or VAE latents "
                                "for ControlNet families that take latent hints (e.g. SD3 / Flux ones)."),
                 OffloadPolicyType.Input("policy", optional=True, tooltip=_policy_tooltip()),
+                io.Combo.Input("start_image", options=list(START_IMAGE_NODES), default="none", optional=True,
+                               tooltip="Image-to-video (Wan I2V): also cache each clip's first frame as its start "
+                               "image, as this stock node conditions the sampler with it, so an I2V model trains "
+                               "from its start image. 'none': no start image (text-to-video models)."),
             ],
             outputs=[LatentCacheType.Output("latent_cache", tooltip="The cached latents (and control images), for the "
                                         "training nodes' latent_cache."),
@@ -229,9 +234,9 @@ class HeadroomCacheLatents(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls, dataset, vae, control_encoding: str = "pixels", policy=None) -> io.NodeOutput:
+    def execute(cls, dataset, vae, control_encoding: str = "pixels", policy=None, start_image: str = "none") -> io.NodeOutput:
         _check_policy("HeadroomCacheLatents", policy)
-        cache, summary = cache_vae_latents(dataset, vae, control_encoding, policy)
+        cache, summary = cache_vae_latents(dataset, vae, control_encoding, policy, start_image)
         return io.NodeOutput(cache, summary)
 
 

@@ -225,6 +225,14 @@ def reference_images_input():
                           "nodes do. One image for every prompt, or one per prompt (in prompt order).")
 
 
+def start_image_input():
+    # Appended last and optional: workflows saved before it existed keep working (the first clip's first frame).
+    return io.Image.Input("start_image", optional=True,
+                          tooltip="Image-to-video models (Wan I2V): the validation clips' start image, given with the "
+                          "prompts by the stock WanImageToVideo node. One image for every prompt, or one per prompt; "
+                          "not connected: the first cached clip's first frame.")
+
+
 def weights_input(what: str):
     return io.Combo.Input("weights", options=list(WEIGHT_CHOICES), default="auto", optional=True,
                           tooltip=f"{what} the trained weights or their moving average (EMA, when the Init node's "

@@ -166,6 +166,11 @@ def _wan21(dim: int, ffn_dim: int, depth: int) -> dict:
 
 
 ARCHITECTURES.update({"wan21_14b": _wan21(5120, 13824, 40), "wan21_1_3b": _wan21(1536, 8960, 30)})
+# Wan 2.1 I2V 14B as detected from the released file: 36 input channels (latent, mask, start latent), the CLIP-vision
+# projection img_emb (which makes it "i2v") and the image keys / values of every block's cross-attention.
+ARCHITECTURES["wan21_i2v_14b"] = {**_wan21(5120, 13824, 40)}
+ARCHITECTURES["wan21_i2v_14b"]["unet_config"] = {**ARCHITECTURES["wan21_14b"]["unet_config"], "in_dim": 36,
+                                                 "model_type": "i2v"}
 ARCHITECTURES["hunyuan_video15"] = {
     # HunyuanVideo 1.5 (8.3B, 480p / 720p text-to-video) as comfy/model_detection.py derives it from the released
     # file: 2048 wide (16 heads of 128), 54 double-stream blocks and no single-stream ones, 3-D 1x1x1 patches of 65

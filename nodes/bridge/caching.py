@@ -14,6 +14,7 @@ from ...training.data.files import WriteError
 from ...training.memory.memory_stats import PhaseRecorder
 from .cache_folders import open_store, with_relocate_hint
 from .encoders import ProgressForward, encoder_fingerprint, frame_step, spatial_downscale, unbatch, unload_encoder
+from .start_image import START_IMAGE_NODES, start_encoder
 
 
 @contextlib.contextmanager
@@ -28,9 +29,13 @@ def _encoding(patcher, policy, recorder: PhaseRecorder, phase: str):
         unload_encoder(patcher, policy)
 
 
-def cache_vae_latents(dataset, vae, control_encoding: str = "pixels", policy=None):
-    """(LatentCache, summary) of `dataset` encoded by `vae` (cached items reused)."""
+def cache_vae_latents(dataset, vae, control_encoding: str = "pixels", policy=None, start_image: str = "none"):
+    """(LatentCache, summary) of `dataset` encoded by `vae` (cached items reused); with a `start_image` node
+    (WanImageToVideo), each item's first frame through that node too (image-to-video: nodes/bridge/start_image.py)."""
     vae.throw_exception_if_invalid()
+    if start_image not in START_IMAGE_NODES:
+        raise ValueError(f"HeadroomCacheLatents: start_image={start_image!r}: choose one of {', '.join(START_IMAGE_NODES)}")
+    node = None if start_image == "none" else start_image
     store = open_store("latents")
     options = {
         "vae": type(vae.first_stage_model).__qualname__,
@@ -44,6 +49,7 @@ def cache_vae_latents(dataset, vae, control_encoding: str = "pixels", policy=Non
             control_encoding=control_encoding, progress=ProgressForward(),
             check_interrupt=comfy.model_management.throw_exception_if_processing_interrupted,
             downscale=spatial_downscale(vae), frame_step=frame_step(vae),
+            start_image=node, start_encode=start_encoder(node, vae) if node else None,
         )
     cache.memory_phases = recorder.phases  # a training run built on this cache starts its memory record with it
     return cache, report.summary()

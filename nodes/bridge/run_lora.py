@@ -28,6 +28,7 @@ from . import families, lora_formats
 from .comfy_bridge import TrainingRun, config_json
 from .comfy_model import REFERENCE_LATENTS, ComfyDenoiser, check_caches, data_fingerprint, model_blocks
 from .lora_formats import read_lora_file
+from .start_image import item_start_extras
 
 INJECTION_KEY = "headroom_adapter"
 # How validation applies a LoRA run's adapter: what the stock loader makes of the saved file, or computed beside the
@@ -127,11 +128,14 @@ class LoraTraining:
         self.adapters: AdapterSet | None = None  # built by `build`
 
     def identity(self, run) -> dict:
-        """What beyond the configuration makes the run: its prior images' caches and data."""
+        """What beyond the configuration makes the run: its start images (image-to-video caches), its prior images'
+        caches and data."""
+        start = getattr(run.latent_cache, "start_image", None)
+        identity = {"start_image": start} if start is not None else {}  # runs without one keep their identity
         if self.prior is None:
-            return {}
+            return identity
         check_caches(run.source_model.model, *self.prior)
-        return {"prior_latent_cache": getattr(self.prior[0], "fingerprint", None),
+        return {**identity, "prior_latent_cache": getattr(self.prior[0], "fingerprint", None),
                 "prior_text_cache": getattr(self.prior[1], "fingerprint", None),
                 "prior_data": data_fingerprint(self.prior[0])}
 
@@ -155,11 +159,20 @@ class LoraTraining:
         self.adapters.to(patcher.load_device)
         attach_with_injection(patcher, self.adapters)
         options = {"prior": self.prior}
+        latent_cache = run.latent_cache
+        extras = []
         if config.reference == "control latents":
             # Every item's cached control latents as its one reference, as ReferenceLatent appends a VAE Encode
             # output; kept when caption dropout empties the prompt (trainer's item_extras).
-            latent_cache = run.latent_cache
-            options["item_extras"] = lambda item: {REFERENCE_LATENTS: [latent_cache.control(item).float()]}
+            extras.append(lambda item: {REFERENCE_LATENTS: [latent_cache.control(item).float()]})
+        start = item_start_extras(patcher.model, latent_cache, "HeadroomTrainLoraInit")  # image-to-video: start frames
+        if start is not None:
+            if self.prior is not None:
+                raise ValueError("HeadroomTrainLoraInit: prior images with start images (image-to-video): prior images "
+                                 "have no start image; disconnect prior_latent_cache / prior_text_cache")
+            extras.append(start)
+        if extras:
+            options["item_extras"] = lambda item: {k: v for extra in extras for k, v in extra(item).items()}
         return ComfyDenoiser(patcher), self.adapters, options
 
     # --- on the device --------------------------------------------------------------------------------------

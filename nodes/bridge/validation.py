@@ -27,12 +27,14 @@ from .comfy_model import REFERENCE_LATENTS, reference_inputs
 from .caching import encode_with_reference
 from .encoders import unload_encoder
 from .planning import budget_bytes
+from .start_image import start_image_node, stock_start_conditioning
 
 
 def sample_images(run: TrainingRun, clip, vae, prompts: list[str], negative: str, seed: int, steps: int, cfg: float,
                   sampler_name: str, scheduler: str, width: int, height: int, lora_application: str = "as_saved_file",
                   base: bool = False, references: list | None = None,
-                  reference_encoding: str | None = None, frames: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+                  reference_encoding: str | None = None, frames: int = 1,
+                  starts: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Stock KSampler sampling (same noise, same sampler code) on the training model + what the run trains (a LoRA
     as `lora_application` says, TrainingRun.sampling_model; a ControlNet run adds its control as
     ControlNetApplyAdvanced does). base=True: the run's MODEL alone (before/after comparisons). `references`: one
@@ -40,7 +42,9 @@ def sample_images(run: TrainingRun, clip, vae, prompts: list[str], negative: str
     node does; with `reference_encoding` (a stock edit text-encode node, TextEncodeQwenImageEdit), `references` are
     reference images [1, H, W, 3] and both prompts are encoded with them by that node, as the stock edit workflow
     does. frames > 1: clips of a video model from the stock empty video latent (nodes/bridge/video.py); their frames
-    come back as images, prompt after prompt. Returns (images, sampled latents)."""
+    come back as images, prompt after prompt. `starts`: one start image [1, H, W, 3] per prompt of an image-to-video
+    model, given with both prompts by its stock node (WanImageToVideo), whose latent the sampler starts from.
+    Returns (images, sampled latents)."""
     latent_frames = video.check_frames("HeadroomValidate", run.source_model.model, frames)
     negative_cond = clip.encode_from_tokens_scheduled(clip.tokenize(negative))
     latents = []
@@ -65,6 +69,11 @@ def sample_images(run: TrainingRun, clip, vae, prompts: list[str], negative: str
             empty = torch.zeros([1, 4, height // 8, width // 8], device=comfy.model_management.intermediate_device())
             if frames > 1:
                 empty = video.empty_video_latent(latent_frames, width, height, empty.device)
+            if starts is not None:  # image-to-video: the stock node conditions both prompts and makes the latent
+                positive, negative_run, start_latent = stock_start_conditioning(
+                    start_image_node(run.source_model.model), positive, negative_run, vae, width, height, frames,
+                    starts[index])
+                empty = start_latent["samples"]
             latent = comfy.sample.fix_empty_latent_channels(model, empty, 8)
             noise = comfy.sample.prepare_noise(latent, seed)
             latents.append(comfy.sample.sample(model, noise, steps, cfg, sampler_name, scheduler, positive,
@@ -75,18 +84,18 @@ def sample_images(run: TrainingRun, clip, vae, prompts: list[str], negative: str
 
 
 def base_samples(run: TrainingRun, clip, vae, prompts: list[str], *settings, reference_images=None,
-                 references=None, frames: int = 1) -> torch.Tensor:
+                 references=None, frames: int = 1, starts=None) -> torch.Tensor:
     """The run's MODEL alone sampled (compare_base): the same for every validation of the run with the same prompts,
     settings, CLIP, VAE and reference images, so it is sampled once and reused (validate_every would otherwise
     resample the base)."""
     cached = getattr(run, "_base_samples", None)
     settings = (*settings, frames)
     if (cached is not None and cached[0] is clip and cached[1] is vae and cached[2] == (prompts, settings)
-            and cached[4] is reference_images):
+            and cached[4] is reference_images and _same_starts(cached[5], starts)):
         return cached[3]
     images, _ = sample_images(run, clip, vae, prompts, *settings[:-1], base=True, references=references,
-                              reference_encoding=reference_text_encoding(run), frames=frames)
-    run._base_samples = (clip, vae, (prompts, settings), images, reference_images)
+                              reference_encoding=reference_text_encoding(run), frames=frames, starts=starts)
+    run._base_samples = (clip, vae, (prompts, settings), images, reference_images, starts)
     return images
 
 
@@ -113,6 +122,33 @@ def encode_references(run: TrainingRun, vae, reference_images: torch.Tensor | No
     else:
         latents = [vae.encode(image.unsqueeze(0)) for image in reference_images]
     return latents * count if len(latents) == 1 else latents
+
+
+def _same_starts(a, b) -> bool:
+    return (a is None) == (b is None) and (a is None or (len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))))
+
+
+def start_images(run: TrainingRun, start_image: torch.Tensor | None, count: int, node: str) -> list | None:
+    """One start image [1, H, W, 3] per prompt of an image-to-video MODEL (start_image_node): the given ones, else the
+    first cached clip's first frame; None for other models, or an I2V run whose cache has no start images (it trains
+    without one). A start image for a model that takes none, or a count that fits neither one-for-all nor
+    one-per-prompt: a ValueError naming the node."""
+    model = run.source_model.model
+    if start_image_node(model) is None:
+        if start_image is not None:
+            raise ValueError(f"{node}: start_image given, but this MODEL ({type(model).__name__}) takes no start image "
+                             "(image-to-video models such as Wan I2V do): disconnect start_image")
+        return None
+    if start_image is None:
+        first = run.latent_cache.start_frame(0) if getattr(run.latent_cache, "start_image", None) else None
+        if first is None:
+            return None
+        start_image = first.unsqueeze(0)
+    if start_image.ndim != 4 or start_image.shape[0] not in (1, count):
+        raise ValueError(f"{node}: start_image holds {start_image.shape[0] if start_image.ndim == 4 else 'no'} image "
+                         f"batch for {count} prompt(s): give one image for every prompt, or one per prompt")
+    images = [image.unsqueeze(0).float() for image in start_image]
+    return images * count if len(images) == 1 else images
 
 
 def reference_text_encoding(run: TrainingRun) -> str | None:
@@ -176,10 +212,12 @@ def save_validation(run: TrainingRun, images: torch.Tensor, samples: torch.Tenso
 def validate(node_cls, run: TrainingRun, clip=None, vae=None, prompts="", negative="", sample_seed=0,
              sample_steps=20, cfg=4.0, sampler_name="euler", scheduler="normal", width=512, height=512,
              loss_timesteps=4, lora_application="as_saved_file", weights="auto", compare_base=False,
-             reference_images=None, frames=1):
+             reference_images=None, frames=1, start_image=None):
     """(images or None, previews or None, validation loss); tells the live view (`headroom.validate`).
     compare_base: the run's MODEL alone is sampled too (same prompts, seeds) and a before/after grid saved.
-    reference_images: the samples' reference images (edit models), added as ReferenceLatent adds them."""
+    reference_images: the samples' reference images (edit models), added as ReferenceLatent adds them.
+    start_image: image-to-video models' start image(s), through their stock node (WanImageToVideo); default: the first
+    cached clip's first frame."""
     check_finite(node_cls.__name__, cfg=cfg)
     run.resolve_weights(weights)  # a wrong choice is an input error, before anything runs
     video.check_frames(node_cls.__name__, run.source_model.model, frames)
@@ -190,19 +228,21 @@ def validate(node_cls, run: TrainingRun, clip=None, vae=None, prompts="", negati
     try:
         with run.phase("validation"):
             references = encode_references(run, vae, reference_images, len(lines), node_cls.__name__)
+            starts = start_images(run, start_image, len(lines), node_cls.__name__) if lines else None
             loss = run.validation_loss(times=loss_timesteps, weights=weights)
             if lines:
                 with run.weights(weights):
                     images, samples = sample_images(run, clip, vae, lines, negative, sample_seed, sample_steps, cfg,
                                                     sampler_name, scheduler, width, height, lora_application,
                                                     references=references,
-                                                    reference_encoding=reference_text_encoding(run), frames=frames)
+                                                    reference_encoding=reference_text_encoding(run), frames=frames,
+                                                    starts=starts)
                 grid = save_validation(run, images, samples, frames)
                 if compare_base:
                     base_images = base_samples(run, clip, vae, lines, negative, sample_seed, sample_steps, cfg,
                                                sampler_name, scheduler, width, height,
                                                reference_images=reference_images, references=references,
-                                               frames=frames)
+                                               frames=frames, starts=starts)
                     before_after = save_before_after(run, base_images, images)
                 previews = ui.PreviewImage(images, cls=node_cls)
     except BaseException as error:  # cancel, out of memory, a wrong input...: checkpoint kept, device memory freed

@@ -343,9 +343,10 @@ def test_hidream_trains_through_the_denoiser_with_its_four_encoder_conditioning(
         adapters.detach()
 
 
-def test_wan21_is_text_to_video_only_and_expects_umt5_width(comfyui):
+def test_wan21_is_text_and_image_to_video_and_expects_umt5_width(comfyui):
     """Wan 2.1 T2V (1.3B / 14B, and Wan 2.2 A14B's experts) is wan21, its cross_attn the UMT5-XXL width (4096, the
-    class default detection leaves); image-to-video (36 input channels) and the other WAN21 classes are not."""
+    class default detection leaves); so is image-to-video (36 input channels: its start image through WanImageToVideo),
+    not the other WAN21 classes (VACE)."""
     import comfy.model_detection
 
     import realsize_models as R
@@ -357,7 +358,14 @@ def test_wan21_is_text_to_video_only_and_expects_umt5_width(comfyui):
         assert families.family_name(model) == "wan21" and expected_cond_dims(model) == {"cross_attn": 4096}
     i2v = comfy.model_detection.model_config_from_unet_config(
         {**R.unet_config("wan21_14b", 1), "model_type": "i2v", "in_dim": 36}).get_model({}, "", device="meta")
-    assert type(i2v).__name__ == "WAN21" and i2v.image_to_video and families.family_of(i2v) is None
+    assert type(i2v).__name__ == "WAN21" and i2v.image_to_video and families.family_name(i2v) == "wan21"
+    assert families.get("wan21").start_image(i2v) == "WanImageToVideo" and expected_cond_dims(i2v) == {"cross_attn": 4096}
+    assert families.get("wan21").start_image(model) is None
+    # Wan 2.2 A14B I2V's experts have no CLIP-vision projection: ComfyUI detects them as WAN21_T2V with 36 channels.
+    wan22_i2v = comfy.model_detection.model_config_from_unet_config(
+        {**R.unet_config("wan21_14b", 1), "in_dim": 36}).get_model({}, "", device="meta")
+    assert type(wan22_i2v.model_config).__name__ == "WAN21_T2V" and not wan22_i2v.image_to_video
+    assert families.family_name(wan22_i2v) == "wan21" and families.get("wan21").start_image(wan22_i2v) == "WanImageToVideo"
     vace = comfy.model_detection.model_config_from_unet_config(
         {**R.unet_config("wan21_1_3b", 1), "model_type": "vace", "vace_in_dim": 96, "vace_layers": 1}
     ).get_model({}, "", device="meta")

@@ -210,6 +210,7 @@ def test_optimizer_state_on_host_is_bitwise_equal(name):
 def _tiny_session(tmp_path, family):
     from headroom.nodes.bridge.run_lora import LoraRunConfig, open_lora_run
     from headroom.nodes.bridge.comfy_model import expected_cond_dims, model_family
+    from headroom.nodes.bridge.start_image import start_image_node
     from headroom.nodes.bridge.tiny_models import build_tiny_models
 
     model, _, _ = build_tiny_models(family)
@@ -223,15 +224,22 @@ def _tiny_session(tmp_path, family):
     conds = {f"k{i}": cond() for i in range(2)}
     latent_cache = MemoryLatentCache(latents, list(conds))
     latent_cache.buckets = {(64, 64): [0, 1]}
+    if start_image_node(model.model):  # image-to-video (wan21_i2v): each item's start conditioning, as cached
+        mask = torch.ones(1, *frames, 8, 8)
+        mask[:, 0] = 0.0
+        starts = [{"concat_latent_image": torch.randn(channels, *frames, 8, 8, generator=g), "concat_mask": mask}
+                  for _ in latents]
+        latent_cache.start_image, latent_cache.start = start_image_node(model.model), starts.__getitem__
     config = LoraRunConfig(family=model_family(model.model), adapter=AdapterConfig(rank=4, alpha=4),
                            optimizer=OptimizerConfig(lr=1e-3), train=TrainConfig(batch_size=2, seed=1), holdout=0)
     return open_lora_run(model, latent_cache, MemoryTextCache(conds, cond()), config, tmp_path, "run")
 
 
 @pytest.mark.comfyui
-# flux, flux2, chroma: blocks add in place; wan21, hunyuan_video15: video DiTs on 5-D latents; ltx2: both (its blocks
-# take a (video, audio) tuple)
-@pytest.mark.parametrize("family", ["sd15", "sd3", "flux", "flux2", "chroma", "wan21", "hunyuan_video15", "ltx2"])
+# flux, flux2, chroma: blocks add in place; wan21, hunyuan_video15: video DiTs on 5-D latents (wan21_i2v: with start
+# images); ltx2: both (its blocks take a (video, audio) tuple)
+@pytest.mark.parametrize("family", ["sd15", "sd3", "flux", "flux2", "chroma", "wan21", "wan21_i2v", "hunyuan_video15",
+                                    "ltx2"])
 def test_tiny_comfy_model_streamed_offloaded_checkpoints_bitwise(comfyui, tmp_path, family, monkeypatch):
     import comfy.model_management
 

@@ -5,7 +5,7 @@ import torch
 pytestmark = pytest.mark.comfyui
 
 FAMILIES = ["sd15", "sd2", "sdxl", "sd3", "flux", "flux2", "flux2_dev", "chroma", "zimage", "qwen_image", "hidream",
-            "hunyuan_image", "wan21", "hunyuan_video15", "ltx2"]
+            "hunyuan_image", "wan21", "wan21_i2v", "hunyuan_video15", "ltx2"]
 
 
 def _weights(patcher):
@@ -28,7 +28,7 @@ def test_tiny_family_samples_with_stock_nodes(comfyui, family):
                      "chroma": comfy.model_base.Chroma, "zimage": comfy.model_base.Lumina2,
                      "qwen_image": comfy.model_base.QwenImage, "hidream": comfy.model_base.HiDream,
                      "hunyuan_image": comfy.model_base.HunyuanImage21,
-                     "wan21": comfy.model_base.WAN21, "hunyuan_video15": comfy.model_base.HunyuanVideo15,
+                     "wan21": comfy.model_base.WAN21, "wan21_i2v": comfy.model_base.WAN21, "hunyuan_video15": comfy.model_base.HunyuanVideo15,
                      "ltx2": comfy.model_base.LTXAV}
     assert type(model.model) is expected_base[family]
     n_params = sum(p.numel() for p in model.model.diffusion_model.parameters())
@@ -56,6 +56,7 @@ def test_tiny_family_samples_with_stock_nodes(comfyui, family):
     # encoder have no pooled vector.
     assert (positive[0][1].get("pooled_output") is not None) == (family not in ("flux2", "flux2_dev", "chroma", "zimage",
                                                                                 "qwen_image", "hunyuan_image", "wan21",
+                                                                                "wan21_i2v",
                                                                                 "hunyuan_video15", "ltx2"))
 
 

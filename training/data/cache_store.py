@@ -103,6 +103,9 @@ def item_conditioning(text_cache, latent_cache, index: int) -> dict[str, torch.T
     return text_cache.conditioning(latent_cache.text_key(index))
 
 
+# The conditioning entries a start-image node (WanImageToVideo) adds to a prompt, cached per item by `start_encode`.
+START_CONDITIONING = ("concat_latent_image", "concat_mask")
+
 HASH_CHUNK_BYTES = 64 << 20  # a strided or expanded tensor is hashed through contiguous pieces of at most this
 
 
@@ -496,7 +499,8 @@ class LatentCache:
     """
 
     def __init__(self, root: Path, items: list[tuple[str, str, tuple[int, int], str, bool, str, str | None]],
-                 fingerprint: str, latent_channels: int, control_kind: str | None, masked: list[bool] | None = None):
+                 fingerprint: str, latent_channels: int, control_kind: str | None, masked: list[bool] | None = None,
+                 start_image: str | None = None):
         # items: (entry key, shard file, bucket (w, h) or (w, h, frames) of clips, text key, has control, display
         # name, text key with the control image as reference or None)
         self.root = Path(root)
@@ -506,6 +510,8 @@ class LatentCache:
         self.control_kind = control_kind  # None, "pixels" or "latents"
         self._items = items
         self._masked = list(masked) if masked is not None else [False] * len(items)
+        # The stock node whose start-image conditioning every item holds ("WanImageToVideo": image-to-video), or None.
+        self.start_image = start_image
         self._reader = _ShardReader(self.root / "shards")
         buckets: dict[tuple[int, int], list[int]] = {}
         for index, item in enumerate(items):
@@ -532,6 +538,20 @@ class LatentCache:
         """Loss mask [1, h, w] (a video latent's: [1, T, h, w]) 0..1 at latent resolution; None for an item without
         one."""
         return self._reader.get(self._items[index][1], f"{self._items[index][0]}/mask") if self._masked[index] else None
+
+    def start(self, index: int) -> dict[str, torch.Tensor] | None:
+        """Item `index`'s start-image conditioning (`start_image` caches): what the stock node adds to the prompt for the
+        clip's first frame, batch dimension removed (WanImageToVideo: concat_latent_image [C, T, h, w], concat_mask
+        [1, T, h, w]); None without."""
+        if self.start_image is None:
+            return None
+        key, shard = self._items[index][:2]
+        return {name: self._reader.get(shard, f"{key}/{name}") for name in START_CONDITIONING}
+
+    def start_frame(self, index: int) -> torch.Tensor | None:
+        """Item `index`'s start image [H, W, 3] 0..1 (its first frame, cropped) in `start_image` caches; else None."""
+        key, shard = self._items[index][:2]
+        return self._reader.get(shard, f"{key}/start_frame") if self.start_image is not None else None
 
     @property
     def has_masks(self) -> bool:
@@ -683,6 +703,8 @@ def cache_latents(
     check_interrupt: Callable[[], None] = _no_interrupt,
     downscale: int = 1,
     frame_step: int | None = None,
+    start_image: str | None = None,
+    start_encode: Callable[[torch.Tensor], Mapping[str, torch.Tensor]] | None = None,
 ) -> tuple[LatentCache, CacheReport]:
     """Encode every (cropped, maybe mirrored) dataset image that is not cached yet.
 
@@ -693,8 +715,12 @@ def cache_latents(
     encoder (8; Flux.2's VAE: 16): a bucket side it does not divide is refused before anything is encoded (the VAE
     would crop it silently). Clips (training/data/video.py) are encoded whole, `encode(frames [F, H, W, 3])`, as
     stock VAE Encode encodes a video; `frame_step`: pixel frames per latent frame of a video encoder (clips are cut to
-    frame_step * k + 1 frames), None for an image encoder (clips must then be one frame).
+    frame_step * k + 1 frames), None for an image encoder (clips must then be one frame). `start_image` (a stock node's
+    name) with `start_encode(frames [F, H, W, 3]) -> {START_CONDITIONING name: tensor}`: each item's start-image
+    conditioning (image-to-video: its first frame through that node) is cached beside its latent, with the frame.
     """
+    if (start_image is None) != (start_encode is None):
+        raise ValueError("start_image and start_encode go together")
     if control_encoding not in ("pixels", "latents"):
         raise ValueError(f"control_encoding must be 'pixels' or 'latents', got {control_encoding!r}")
     started = time.monotonic()
@@ -747,6 +773,7 @@ def cache_latents(
                 **({"decode_reduce": reduce} if reduce > 1 else {}),  # keys of images decoded whole are unchanged
                 **({"mask": mask_digest} if mask_digest else {}),  # keys of items without a mask are unchanged
                 **({"frames": list(frames)} if frames is not None else {}),  # image keys are unchanged
+                **({"start_image": start_image} if start_image else {}),  # keys without a start image are unchanged
             })
             planned.append(_PlannedLatent(index, key, plan, text_key(item.caption), reduce,
                                           reference_text_key(item.caption, control_digest) if control_digest else None,
@@ -795,6 +822,10 @@ def cache_latents(
                 else:
                     sample = apply_crop(pixels, entry.plan).unsqueeze(0)
                 tensors = {"latent": _single(encode(sample), item.name)}
+                if start_encode is not None:
+                    start = start_encode(sample)
+                    tensors.update({name: _single(start[name], item.name) for name in START_CONDITIONING})
+                    tensors["start_frame"] = sample[0]
                 if mask_pixels is not None:  # one image (every frame), or the clip's frames cropped alike
                     cropped = apply_crop(mask_pixels, entry.plan) if mask_pixels.ndim == 3 else \
                         torch.stack([apply_crop(frame, entry.plan) for frame in mask_pixels])
@@ -818,7 +849,7 @@ def cache_latents(
     ]
     cache = LatentCache(store.root, items, fingerprint, latent_channels=0,
                         control_kind=control_encoding if dataset.has_control else None,
-                        masked=["mask" in entries[p.key]["tensors"] for p in kept])
+                        masked=["mask" in entries[p.key]["tensors"] for p in kept], start_image=start_image)
     cache.latent_channels = int(cache.latent(0).shape[0])
     report.items, report.buckets = len(cache), len(cache.buckets)
     report.bytes_total = sum(entries[p.key]["bytes"] for p in kept)

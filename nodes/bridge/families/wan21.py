@@ -4,10 +4,14 @@ cross-attention per block) configured as `supported_models.WAN21_T2V` (1.3B: 153
 [B, C, T, H, W] (latent_formats.Wan21), T = 1 + (frames - 1) / 4, flow matching (shift 8).
 
 Wan 2.2 A14B's two experts (high noise / low noise) are this same module and config (ComfyUI loads each as a
-WAN21_T2V), so they are recognised here too. Other models of the same class are not: image-to-video and its variants
-(FLF2V, Fun, Camera: extra input channels the caller fills from a start image), VACE, HuMo, S2V, Animate and the
-causal / Wan 2.2 5B classes take inputs this trainer does not give; they train as unlisted models (targets
-all_linear) with their extra inputs left empty."""
+WAN21_T2V), so they are recognised here too, and so is image-to-video (Wan 2.1 I2V, Wan 2.2 A14B I2V's experts:
+`supported_models.WAN21_I2V`, 36 input channels = the noisy latent, a 4-channel mask and the start image's latent).
+An I2V model trains on each clip's first frame as its start image, given to the model exactly as the stock
+WanImageToVideo node gives it (`concat_latent_image` + `concat_mask`, cached with the clip: Cache Latents'
+start_image); no CLIP-vision input (Wan 2.2 I2V has none; Wan 2.1 I2V's `clip_vision_output` is optional and left
+empty). Other models of the same class are not: FLF2V, Fun, Camera, VACE, HuMo, S2V, Animate and the causal / Wan 2.2
+5B classes take inputs this trainer does not give; they train as unlisted models (targets all_linear) with their
+extra inputs left empty."""
 from __future__ import annotations
 
 import os
@@ -67,11 +71,36 @@ TINY = TinyModel(
 )
 
 
+# Image-to-video: the same DiT taking the noisy latent, WanImageToVideo's 4-channel mask and the start image's latent
+# (WAN21_I2V: in_dim 36); no CLIP-vision projection (Wan 2.2 I2V has none, Wan 2.1 I2V's input is left empty).
+_TINY_I2V_DIT = dict(_TINY_DIT, model_type="i2v", in_dim=2 * 16 + 4)
+
+TINY_VARIANTS = {
+    "wan21_i2v": TinyModel(
+        model_config=lambda: comfy.supported_models.WAN21_I2V(dict(_TINY_I2V_DIT)),
+        clip_target=TINY.clip_target,
+        text_encoder_options={"umt5xxl_model_config": dict(TINY_UMT5)},
+        latent_channels=16,
+        tooltip="wan21_i2v: Wan 2.1 / 2.2 A14B image-to-video DiT (36 input channels: latent, mask, start image)",
+        vae=_tiny_wan_vae,
+    ),
+}
+
+
+def _image_to_video(model) -> bool:
+    """An I2V model: the latent + mask + start-latent input channels. Wan 2.1 I2V loads as WAN21_I2V (its CLIP-vision
+    projection `img_emb` makes it "i2v"); Wan 2.2 A14B I2V has no img_emb, so ComfyUI loads it as WAN21_T2V with 36
+    input channels, and its concat_cond builds the same mask + start latent input either way."""
+    return model.diffusion_model.patch_embedding.weight.shape[1] == 2 * model.latent_format.latent_channels + 4
+
+
 def _recognise(model) -> bool:
-    # The plain text-to-video module: image-to-video shares the class and config but takes 36 input channels.
+    # Text-to-video (as many input channels as the latent) and image-to-video; not the other variants of the class.
     diffusion_model = getattr(model, "diffusion_model", None)
-    return (type(model) is comfy.model_base.WAN21 and type(diffusion_model) is comfy.ldm.wan.model.WanModel
-            and not model.image_to_video and diffusion_model.patch_embedding.weight.shape[1] == model.latent_format.latent_channels)
+    if type(model) is not comfy.model_base.WAN21 or type(diffusion_model) is not comfy.ldm.wan.model.WanModel:
+        return False
+    plain = not model.image_to_video and diffusion_model.patch_embedding.weight.shape[1] == model.latent_format.latent_channels
+    return plain or _image_to_video(model)
 
 
 FAMILY = Family(
@@ -88,6 +117,8 @@ FAMILY = Family(
     # musubi-tuner's metadata (networks/lora_wan.py: architecture "wan"; utils/sai_model_spec.py: "wan2.1/lora").
     kohya_base=("wan", "wan2.1/lora"),
     frame_step=4,  # the Wan 2.1 VAE keeps the first frame, then encodes groups of 4
+    start_image=lambda model: "WanImageToVideo" if _image_to_video(model) else None,
     tiny=TINY,
+    tiny_variants=TINY_VARIANTS,
     position=30,
 )
