@@ -224,9 +224,10 @@ class HeadroomCacheLatents(io.ComfyNode):
                                "for ControlNet families that take latent hints (e.g. SD3 / Flux ones)."),
                 OffloadPolicyType.Input("policy", optional=True, tooltip=_policy_tooltip()),
                 io.Combo.Input("start_image", options=list(START_IMAGE_NODES), default="none", optional=True,
-                               tooltip="Image-to-video (Wan I2V): also cache each clip's first frame as its start "
-                               "image, as this stock node conditions the sampler with it, so an I2V model trains "
-                               "from its start image. 'none': no start image (text-to-video models)."),
+                               tooltip="Image-to-video (Wan I2V: WanImageToVideo; HunyuanVideo 1.5: "
+                               "HunyuanVideo15ImageToVideo): also cache each clip's first frame as its start image, as "
+                               "this stock node conditions the sampler with it, so an I2V model trains from its start "
+                               "image. 'none': no start image (text-to-video)."),
             ],
             outputs=[LatentCacheType.Output("latent_cache", tooltip="The cached latents (and control images), for the "
                                         "training nodes' latent_cache."),

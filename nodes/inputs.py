@@ -228,9 +228,10 @@ def reference_images_input():
 def start_image_input():
     # Appended last and optional: workflows saved before it existed keep working (the first clip's first frame).
     return io.Image.Input("start_image", optional=True,
-                          tooltip="Image-to-video models (Wan I2V): the validation clips' start image, given with the "
-                          "prompts by the stock WanImageToVideo node. One image for every prompt, or one per prompt; "
-                          "not connected: the first cached clip's first frame.")
+                          tooltip="Image-to-video models (Wan I2V, HunyuanVideo 1.5): the validation clips' start image, "
+                          "given with the prompts by the stock WanImageToVideo / HunyuanVideo15ImageToVideo node. One "
+                          "image for every prompt, or one per prompt; not connected: the first cached clip's first "
+                          "frame (none if the cache has no start images).")
 
 
 def weights_input(what: str):

@@ -172,8 +172,9 @@ ARCHITECTURES["wan21_i2v_14b"] = {**_wan21(5120, 13824, 40)}
 ARCHITECTURES["wan21_i2v_14b"]["unet_config"] = {**ARCHITECTURES["wan21_14b"]["unet_config"], "in_dim": 36,
                                                  "model_type": "i2v"}
 ARCHITECTURES["hunyuan_video15"] = {
-    # HunyuanVideo 1.5 (8.3B, 480p / 720p text-to-video) as comfy/model_detection.py derives it from the released
-    # file: 2048 wide (16 heads of 128), 54 double-stream blocks and no single-stream ones, 3-D 1x1x1 patches of 65
+    # HunyuanVideo 1.5 (8.3B, 480p / 720p text-to-video and image-to-video: one architecture, the same keys) as
+    # comfy/model_detection.py derives it from the released file: 2048 wide (16 heads of 128), 54 double-stream
+    # blocks and no single-stream ones, 3-D 1x1x1 patches of 65
     # input channels (latents, image latents, mask) and 32 output ones, Qwen2.5-VL-7B text (3584), the byT5 mapper,
     # the cond-type embedding, the SigLIP vision input (1152), no guidance input, no meanflow.
     "text_tokens": 256, "text_encoder": None, "latent_channels": 32, "depth": (54, 0),

@@ -74,7 +74,10 @@ def sample_images(run: TrainingRun, clip, vae, prompts: list[str], negative: str
                     start_image_node(run.source_model.model), positive, negative_run, vae, width, height, frames,
                     starts[index])
                 empty = start_latent["samples"]
-            latent = comfy.sample.fix_empty_latent_channels(model, empty, 8)
+            # As KSampler resizes its latent: an 8x one (EmptyLatentImage's), the start node's at the model's own scale
+            # (HunyuanVideo15ImageToVideo's is 16x: no downscale_ratio_spacial, left as it is).
+            spatial = start_latent.get("downscale_ratio_spacial") if starts is not None else 8
+            latent = comfy.sample.fix_empty_latent_channels(model, empty, spatial)
             noise = comfy.sample.prepare_noise(latent, seed)
             latents.append(comfy.sample.sample(model, noise, steps, cfg, sampler_name, scheduler, positive,
                                                negative_run, latent, denoise=1.0, disable_pbar=True, seed=seed))
@@ -137,7 +140,7 @@ def start_images(run: TrainingRun, start_image: torch.Tensor | None, count: int,
     if start_image_node(model) is None:
         if start_image is not None:
             raise ValueError(f"{node}: start_image given, but this MODEL ({type(model).__name__}) takes no start image "
-                             "(image-to-video models such as Wan I2V do): disconnect start_image")
+                             "(image-to-video models such as Wan I2V and HunyuanVideo 1.5 do): disconnect start_image")
         return None
     if start_image is None:
         first = run.latent_cache.start_frame(0) if getattr(run.latent_cache, "start_image", None) else None

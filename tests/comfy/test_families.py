@@ -374,7 +374,8 @@ def test_wan21_is_text_and_image_to_video_and_expects_umt5_width(comfyui):
 
 def test_hunyuan_video15_is_the_base_model_not_the_super_resolution_one(comfyui):
     """HunyuanVideo 1.5 as ComfyUI detects the released file (8.3B: 2048 wide, 54 double blocks) is hunyuan_video15,
-    its cross_attn Qwen2.5-VL-7B's width; the super-resolution model (98 input channels, another class) is no family."""
+    its cross_attn Qwen2.5-VL-7B's width, its start image HunyuanVideo15ImageToVideo's (T2V and I2V are one
+    architecture); the super-resolution model (98 input channels, another class) is no family."""
     import comfy.model_detection
 
     import realsize_models as R
@@ -384,5 +385,7 @@ def test_hunyuan_video15_is_the_base_model_not_the_super_resolution_one(comfyui)
     config = R.unet_config("hunyuan_video15", (1, 0))
     model = comfy.model_detection.model_config_from_unet_config(config).get_model({}, "", device="meta")
     assert families.family_name(model) == "hunyuan_video15" and expected_cond_dims(model) == {"cross_attn": 3584}
+    assert model.diffusion_model.img_in.proj.weight.shape[1] == 65  # noise, start latent, mask: T2V and I2V alike
+    assert families.get("hunyuan_video15").start_image(model) == "HunyuanVideo15ImageToVideo"
     sr = comfy.model_detection.model_config_from_unet_config({**config, "in_channels": 98}).get_model({}, "", device="meta")
     assert type(sr).__name__ == "HunyuanVideo15_SR_Distilled" and families.family_of(sr) is None

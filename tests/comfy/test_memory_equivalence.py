@@ -224,7 +224,8 @@ def _tiny_session(tmp_path, family):
     conds = {f"k{i}": cond() for i in range(2)}
     latent_cache = MemoryLatentCache(latents, list(conds))
     latent_cache.buckets = {(64, 64): [0, 1]}
-    if start_image_node(model.model):  # image-to-video (wan21_i2v): each item's start conditioning, as cached
+    if start_image_node(model.model):  # image-to-video (wan21_i2v, hunyuan_video15): each item's start conditioning,
+        # as cached
         mask = torch.ones(1, *frames, 8, 8)
         mask[:, 0] = 0.0
         starts = [{"concat_latent_image": torch.randn(channels, *frames, 8, 8, generator=g), "concat_mask": mask}
@@ -236,8 +237,8 @@ def _tiny_session(tmp_path, family):
 
 
 @pytest.mark.comfyui
-# flux, flux2, chroma: blocks add in place; wan21, hunyuan_video15: video DiTs on 5-D latents (wan21_i2v: with start
-# images); ltx2: both (its blocks take a (video, audio) tuple)
+# flux, flux2, chroma: blocks add in place; wan21, hunyuan_video15: video DiTs on 5-D latents (wan21_i2v and
+# hunyuan_video15: with start images); ltx2: both (its blocks take a (video, audio) tuple)
 @pytest.mark.parametrize("family", ["sd15", "sd3", "flux", "flux2", "chroma", "wan21", "wan21_i2v", "hunyuan_video15",
                                     "ltx2"])
 def test_tiny_comfy_model_streamed_offloaded_checkpoints_bitwise(comfyui, tmp_path, family, monkeypatch):

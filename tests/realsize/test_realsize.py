@@ -226,7 +226,8 @@ KEY_CASES = [
     ("wan21_1_3b", ["--depth", "2"], "wan21", 118_657_088),  # 1536 wide, 2 blocks (1.3 B at full depth)
     # Wan 2.1 I2V 14B: 5120 wide, 1 block, the CLIP-vision projection and image keys / values frozen
     ("wan21_i2v_14b", ["--depth", "1"], "wan21", 645_178_688),
-    # 2048 wide, 1 double block and no single ones, as released (8.3 B at full depth: 54 double blocks)
+    # 2048 wide, 1 double block and no single ones, as released (8.3 B at full depth: 54 double blocks); the I2V
+    # checkpoints have these keys too (one architecture: 65 input channels, the vision input)
     ("hunyuan_video15", ["--depth", "1,0"], "hunyuan_video15", 320_592_672),
     # 4096 wide video / 2048 wide audio, 1 block (19.6 B at full depth: 48 blocks); the connectors and embedders at
     # real size; comfyui and kohya formats (ComfyUI maps no diffusers names)

@@ -99,8 +99,9 @@ class Family:
     # Video families: pixel frames per latent frame of their VAE (clips of frame_step * k + 1 frames: Wan 4); None:
     # an image family (validation makes images; one-frame latents of a video VAE, as Qwen-Image's, are images).
     frame_step: int | None = None
-    # model -> the stock node that gives it a clip's start image ("WanImageToVideo": Wan I2V), or None (no start
-    # image). Such a model trains on each clip's first frame as its start image, cached by Cache Latents' start_image.
+    # model -> the stock node that gives it a clip's start image ("WanImageToVideo": Wan I2V,
+    # "HunyuanVideo15ImageToVideo": HunyuanVideo 1.5), or None (no start image). Such a model trains on each clip's
+    # first frame as its start image, cached by Cache Latents' start_image.
     start_image: Callable[[Any], str | None] = lambda model: None
     # Whether a model's blocks add into their inputs in place; asked of every family (registry.inplace_blocks).
     inplace_blocks: Callable[[Any], bool] = _never

@@ -6,8 +6,13 @@ video prompt template), its own VAE (latent_formats.HunyuanVideo15: 32 channels,
 4k+1 frames), flow matching (shift 7).
 
 The DiT takes 65 input channels: the noise, a 32-channel image latent and a mask. Text-to-video leaves the image and
-the mask zero (model_base.HunyuanVideo15.concat_cond), which is what training here gives; image-to-video checkpoints
-are the same class and train the same way. The super-resolution model (HunyuanVideo15_SR_Distilled) is not this family.
+the mask zero (model_base.HunyuanVideo15.concat_cond). Image-to-video checkpoints are the same class, config and
+channels (nothing but their weights tells them apart), so every model of the family takes a start image: with Cache
+Latents' start_image set to HunyuanVideo15ImageToVideo each clip's first frame is given to the model exactly as that
+stock node gives it (`concat_latent_image` + `concat_mask`, cached with the clip); without, it trains text-to-video.
+No vision states: the node's `clip_vision_output` (SigLIP features for `vision_in`) is optional and left empty, as
+the node leaves the prompt when none is connected. The super-resolution model (HunyuanVideo15_SR_Distilled) is not
+this family.
 
 ComfyUI maps diffusion-pipe names (`transformer.double_blocks.0.img_attn_qkv`) for the HunyuanVideo classes but no
 diffusers (HunyuanVideo15Transformer3DModel) names: files are written in the comfyui or kohya format."""
@@ -117,6 +122,8 @@ FAMILY = Family(
     frame_step=4,  # the VAE keeps the first frame, then encodes groups of 4
     # The blocks are Flux's (comfy.ldm.flux.layers), which add into their inputs in place.
     inplace_blocks=lambda model: isinstance(model.diffusion_model, comfy.ldm.hunyuan_video.model.HunyuanVideo),
+    # T2V and I2V are one architecture: a start image when the cache holds one (nodes/bridge/start_image.py).
+    start_image=lambda model: "HunyuanVideo15ImageToVideo",
     tiny=TINY,
     position=31,
 )
