@@ -59,7 +59,7 @@ def item_frame_rate_extras(model, latent_cache):
 
 def validation_frame_rate(node: str, model, latent_cache, given: float = 0.0) -> float | None:
     """The frame rate a validation clip is sampled at (through LTXVConditioning): `given` (> 0), else the first cached
-    clip's; None where the model takes none or neither is known (the model's default, with no node). A rate given for
+    clip's that has one; None where the model takes none or neither is known (the model's default, with no node). A rate given for
     a model that takes none: a ValueError naming the node."""
     default = model_frame_rate(model)
     if default is None:
@@ -70,7 +70,8 @@ def validation_frame_rate(node: str, model, latent_cache, given: float = 0.0) ->
     if given:
         return float(given)
     read = getattr(latent_cache, "frame_rate", None)
-    return read(0) if read is not None else None
+    rates = [read(i) for i in range(len(latent_cache))] if read is not None else []
+    return next((rate for rate in rates if rate is not None), None)
 
 
 def stock_frame_rate_conditioning(positive, negative, frame_rate: float):

@@ -582,6 +582,9 @@ def test_the_frame_rate_changes_ltx2s_loss_and_none_is_its_default(cache_dir, tm
             dataset = dataset_from_clips(list(clips.clips), clips.captions, resolution=size, step=16, frame_rate=rate)
             latents, texts = _cache(dataset, vae, clip)
             assert latents.frame_rate(0) == rate
+            if family == "ltx2":  # validation: the first clip's rate, a given one, or none (the model's default)
+                assert video.validation_frame_rate("HeadroomValidate", model.model, latents) == rate
+                assert video.validation_frame_rate("HeadroomValidate", model.model, latents, 30.0) == 30.0
             keys[rate] = [item[0] for item in latents._items]
             run = init_run(model, latents, texts, f"{family}_rate_{rate}_{tmp_path.name}", 8, 1e-2, "preset", False)
             with torch.inference_mode():
