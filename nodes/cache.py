@@ -146,6 +146,11 @@ class HeadroomDatasetFromVideos(io.ComfyNode):
                                 "white is learned, black is not (grey: partly). A clip's mask is one image (every "
                                 "frame) or a video / frame folder with the clip's frame count (the same frames are "
                                 "taken), of the clip's size; a clip without a mask is learned whole. Empty: no masks."),
+                # Appended last and optional: workflows saved before it existed keep working.
+                io.Float.Input("frame_rate", default=25.0, min=0.01, max=1000.0, step=0.01, optional=True,
+                               tooltip="Frames per second of the frame folders (video files carry their own rate); "
+                               "divided by frame_stride too. Models that read a clip's rate (LTX-2) train at it; "
+                               "others ignore it."),
             ],
             outputs=[DatasetType.Output("dataset", tooltip=_DATASET_TOOLTIP)],
         )
@@ -163,11 +168,13 @@ class HeadroomDatasetFromVideos(io.ComfyNode):
 
     @classmethod
     def execute(cls, folder: str, resolution: int, step: int, crop: str, flip: bool, seed: int, skip_bad: bool,
-                max_frames: int = MAX_FRAMES_DEFAULT, frame_stride: int = 1, mask_folder: str = "") -> io.NodeOutput:
+                max_frames: int = MAX_FRAMES_DEFAULT, frame_stride: int = 1, mask_folder: str = "",
+                frame_rate: float = 25.0) -> io.NodeOutput:
         clips, _, masks = resolve_folders(folder, "", mask_folder)
         dataset = dataset_from_video_folder(clips, resolution=resolution, step=step, crop=crop, flip=flip, seed=seed,
                                             skip_bad=skip_bad, roots=tuple(map(Path, dataset_roots())),
-                                            max_frames=max_frames, frame_stride=frame_stride, mask_folder=masks)
+                                            max_frames=max_frames, frame_stride=frame_stride, mask_folder=masks,
+                                            frame_rate=frame_rate)
         for warning in dataset.warnings:
             log.warning("HeadroomDatasetFromVideos: %s", warning)
         return io.NodeOutput(dataset)

@@ -234,6 +234,15 @@ def start_image_input():
                           "frame (none if the cache has no start images).")
 
 
+def frame_rate_input():
+    # Appended last and optional: workflows saved before it existed keep working (the first cached clip's rate).
+    return io.Float.Input("frame_rate", default=0.0, min=0.0, max=1000.0, step=0.01, optional=True,
+                          tooltip="Models that read a clip's frame rate (LTX-2): the validation clips' frames per "
+                          "second, set by the stock LTXVConditioning node (use the same there); also the animated "
+                          "WEBP's rate. 0: the first cached clip's rate (its video's / frame_stride; the model's "
+                          "default 25 where unknown). Other models: leave 0.")
+
+
 def weights_input(what: str):
     return io.Combo.Input("weights", options=list(WEIGHT_CHOICES), default="auto", optional=True,
                           tooltip=f"{what} the trained weights or their moving average (EMA, when the Init node's "

@@ -27,7 +27,7 @@ from .bridge.run_lora import REFERENCES, SAVE_DTYPES, LoraRunConfig, open_lora_r
 from .bridge.run_settings import resolve_policy, run_fingerprint, train_config
 from .bridge.validation import validate
 from .inputs import (DEFAULT_CHECKPOINT_MINUTES, added_train_inputs, checkpoint_inputs, compare_base_input,
-                     devices_input, frames_input, lora_config_input, model_and_caches, noise_range_inputs, optimizer_config_input,
+                     devices_input, frame_rate_input, frames_input, lora_config_input, model_and_caches, noise_range_inputs, optimizer_config_input,
                      policy_input, prior_inputs, reference_images_input, reference_input, run_name_input,
                      schedule_inputs, start_image_input, training_settings, validation_inputs, validation_names,
                      weights_input)
@@ -305,7 +305,7 @@ class HeadroomValidate(io.ComfyNode):
             is_output_node=True,
             inputs=[TrainingRunType.Input("run", tooltip="The run to validate, e.g. from Train Steps."),
                     *validation_inputs(optional=False), weights_input("Validate"), compare_base_input(),
-                    reference_images_input(), frames_input(), start_image_input()],
+                    reference_images_input(), frames_input(), start_image_input(), frame_rate_input()],
             outputs=[io.Image.Output("images", tooltip="One sample per prompt (a black 64x64 image without prompts)."),
                      io.Float.Output("validation_loss",
                                      tooltip="Deterministic loss on the validation items: comparable across steps."),

@@ -76,10 +76,11 @@ def empty_latent(model, width: int, height: int, frames: int = 1) -> dict:
     return {"samples": torch.zeros(1, latent_format.latent_channels, *frames, height // downscale, width // downscale)}
 
 
-def check_stock_round_trip(run, model, clip, vae, caplog, steps_trained=20, label="", frames=1):
+def check_stock_round_trip(run, model, clip, vae, caplog, steps_trained=20, label="", frames=1, frame_rate=None):
     """Train, validate through stock samplers, save; the stock LoraLoader + KSampler reproduce the validation image
     (<= 1e-3) with zero "lora key not loaded", every trained layer patched, and the base weights unchanged.
-    frames > 1: a clip of a video model, every decoded frame compared. Returns the max abs difference."""
+    frames > 1: a clip of a video model, every decoded frame compared. frame_rate: the stock chain sets it with
+    LTXVConditioning (LTX-2), and validation must have used it. Returns the max abs difference."""
     import comfy.model_management
     import nodes
     from headroom.nodes import train_lora as T
@@ -100,6 +101,10 @@ def check_stock_round_trip(run, model, clip, vae, caplog, steps_trained=20, labe
         lora_model, _ = nodes.LoraLoader().load_lora(model, clip, name, 1.0, 0.0)
         positive = nodes.CLIPTextEncode().encode(clip, prompt)[0]
         negative = nodes.CLIPTextEncode().encode(clip, "")[0]
+        if frame_rate is not None:
+            from comfy_extras.nodes_lt import LTXVConditioning
+
+            positive, negative = LTXVConditioning.execute(positive, negative, frame_rate).args
         empty = empty_latent(model, size, size, frames)
         stock = nodes.VAEDecode().decode(vae, nodes.common_ksampler(lora_model, seed, steps, cfg, sampler, scheduler,
                                                                      positive, negative, empty)[0])[0]

@@ -727,7 +727,7 @@ Download (file -> ComfyUI folder):
 (Lightricks' LTX-2 and Comfy-Org's ltx-2 on Hugging Face; the Gemma file is the one ComfyUI's LTX-2 blueprints load. LTX-2.3 files are another text path: not this workflow.)
 
 """ + VIDEO_QUEUE_NOTE.format(
-    frames="Clips are cut to the LTX VAE's 8k+1 frames (max_frames 49 here: about 2 s at 25 fps; every frame_stride-th frame); bucket sides are multiples of 32 (VAE 32x).",
+    frames="Clips are cut to the LTX VAE's 8k+1 frames (max_frames 49 here: about 2 s at 25 fps; every frame_stride-th frame); bucket sides are multiples of 32 (VAE 32x). LTX-2 trains each clip at its own frame rate (its video's rate / frame_stride; folders of frames: Dataset From Videos' frame_rate) and validates at the first clip's, as the stock LTXVConditioning node sets it: sample with the LoRA through LTXVConditioning at that frame_rate.",
     memory="Memory: the 19B DiT is ~38 GB in bf16, more than a 24 GB card: the policy keeps what fits on the card and streams the other blocks from host RAM every step (the host needs room for the whole checkpoint), and recomputes each block in backward (blocks checkpointing); workflows/memory_plan.json with these loaders estimates it for your card (set its frames).")
 
 

@@ -200,6 +200,7 @@ def base_fingerprint(patcher) -> str:
 
 # --- conditioning -> model inputs ------------------------------------------------------------------------
 REFERENCE_LATENTS = "reference_latents"  # the conditioning entry ComfyUI's ReferenceLatent node appends to
+FRAME_RATE = "frame_rate"  # the clip's frames per second, where LTXVConditioning sets it (nodes/bridge/video.py)
 
 
 def model_inputs(model: comfy.model_base.BaseModel, cond: dict, noise: torch.Tensor, device) -> dict:
@@ -211,6 +212,8 @@ def model_inputs(model: comfy.model_base.BaseModel, cond: dict, noise: torch.Ten
               for name, value in cond.items() if torch.is_tensor(value)}  # 0-d bools: cached flags (caching.py)
     if REFERENCE_LATENTS in cond:
         params[REFERENCE_LATENTS] = [latent.unsqueeze(0).to(device) for latent in cond[REFERENCE_LATENTS]]
+    if cond.get(FRAME_RATE) is not None:  # a float (an item's clip rate): a constant cond, batches split by it
+        params[FRAME_RATE] = float(cond[FRAME_RATE])
     downscale = model.latent_format.spacial_downscale_ratio  # image px per latent px (8; Flux.2: 16)
     # latent_shapes: what the samplers give every model for an unpacked latent (one stream); models that pack several
     # (LTX-2's video + audio) read the streams from it.

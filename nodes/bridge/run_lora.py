@@ -24,7 +24,7 @@ from ...training.core.adapters import AdapterConfig, AdapterSet
 from ...training.data.files import save_safetensors
 from ...training.core.optimizers import OptimizerConfig
 from ...training.core.trainer import TrainConfig
-from . import families, lora_formats
+from . import families, lora_formats, video
 from .comfy_bridge import TrainingRun, config_json
 from .comfy_model import REFERENCE_LATENTS, ComfyDenoiser, check_caches, data_fingerprint, model_blocks
 from .lora_formats import read_lora_file
@@ -171,6 +171,12 @@ class LoraTraining:
                 raise ValueError("HeadroomTrainLoraInit: prior images with start images (image-to-video): prior images "
                                  "have no start image; disconnect prior_latent_cache / prior_text_cache")
             extras.append(start)
+        rates = video.item_frame_rate_extras(patcher.model, latent_cache)  # LTX-2: each clip at its own frame rate
+        if rates is not None:
+            if self.prior is not None:
+                raise ValueError("HeadroomTrainLoraInit: prior images with clips at their own frame rates (LTX-2) are not "
+                                 "supported; disconnect prior_latent_cache / prior_text_cache")
+            extras.append(rates)
         if extras:
             options["item_extras"] = lambda item: {k: v for extra in extras for k, v in extra(item).items()}
         return ComfyDenoiser(patcher), self.adapters, options

@@ -34,7 +34,7 @@ def sample_images(run: TrainingRun, clip, vae, prompts: list[str], negative: str
                   sampler_name: str, scheduler: str, width: int, height: int, lora_application: str = "as_saved_file",
                   base: bool = False, references: list | None = None,
                   reference_encoding: str | None = None, frames: int = 1,
-                  starts: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  starts: list | None = None, frame_rate: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Stock KSampler sampling (same noise, same sampler code) on the training model + what the run trains (a LoRA
     as `lora_application` says, TrainingRun.sampling_model; a ControlNet run adds its control as
     ControlNetApplyAdvanced does). base=True: the run's MODEL alone (before/after comparisons). `references`: one
@@ -44,7 +44,8 @@ def sample_images(run: TrainingRun, clip, vae, prompts: list[str], negative: str
     does. frames > 1: clips of a video model from the stock empty video latent (nodes/bridge/video.py); their frames
     come back as images, prompt after prompt. `starts`: one start image [1, H, W, 3] per prompt of an image-to-video
     model, given with both prompts by its stock node (WanImageToVideo), whose latent the sampler starts from.
-    Returns (images, sampled latents)."""
+    `frame_rate`: set on both prompts by the stock LTXVConditioning node (models that read it: LTX-2); None: the
+    model's default. Returns (images, sampled latents)."""
     latent_frames = video.check_frames("HeadroomValidate", run.source_model.model, frames)
     negative_cond = clip.encode_from_tokens_scheduled(clip.tokenize(negative))
     latents = []
@@ -64,6 +65,8 @@ def sample_images(run: TrainingRun, clip, vae, prompts: list[str], negative: str
             if references is not None and reference_encoding is None:  # exactly ReferenceLatent (comfy_extras/nodes_edit_model.py), on both
                 positive, negative_run = (node_helpers.conditioning_set_values(
                     c, {REFERENCE_LATENTS: [references[index]]}, append=True) for c in (positive, negative_run))
+            if frame_rate is not None:
+                positive, negative_run = video.stock_frame_rate_conditioning(positive, negative_run, frame_rate)
             # As EmptyLatentImage + KSampler make it: an 8x latent the sampler resizes to the model's own format
             # (channels and downscale: 16x for Flux.2).
             empty = torch.zeros([1, 4, height // 8, width // 8], device=comfy.model_management.intermediate_device())
@@ -87,17 +90,18 @@ def sample_images(run: TrainingRun, clip, vae, prompts: list[str], negative: str
 
 
 def base_samples(run: TrainingRun, clip, vae, prompts: list[str], *settings, reference_images=None,
-                 references=None, frames: int = 1, starts=None) -> torch.Tensor:
+                 references=None, frames: int = 1, starts=None, frame_rate: float | None = None) -> torch.Tensor:
     """The run's MODEL alone sampled (compare_base): the same for every validation of the run with the same prompts,
     settings, CLIP, VAE and reference images, so it is sampled once and reused (validate_every would otherwise
     resample the base)."""
     cached = getattr(run, "_base_samples", None)
-    settings = (*settings, frames)
+    settings = (*settings, frames, frame_rate)
     if (cached is not None and cached[0] is clip and cached[1] is vae and cached[2] == (prompts, settings)
             and cached[4] is reference_images and _same_starts(cached[5], starts)):
         return cached[3]
-    images, _ = sample_images(run, clip, vae, prompts, *settings[:-1], base=True, references=references,
-                              reference_encoding=reference_text_encoding(run), frames=frames, starts=starts)
+    images, _ = sample_images(run, clip, vae, prompts, *settings[:-2], base=True, references=references,
+                              reference_encoding=reference_text_encoding(run), frames=frames, starts=starts,
+                              frame_rate=frame_rate)
     run._base_samples = (clip, vae, (prompts, settings), images, reference_images, starts)
     return images
 
@@ -195,10 +199,11 @@ def save_before_after(run: TrainingRun, base: torch.Tensor, trained: torch.Tenso
     return path
 
 
-def save_validation(run: TrainingRun, images: torch.Tensor, samples: torch.Tensor, frames: int = 1) -> pathlib.Path:
+def save_validation(run: TrainingRun, images: torch.Tensor, samples: torch.Tensor, frames: int = 1,
+                    fps: float | None = None) -> pathlib.Path:
     """This step's validation images side by side as one PNG in the run directory, and the sampled latents
     (float, before decoding) next to it. Clips (frames > 1): a row of frames per prompt, and each clip as an
-    animated WEBP next to it (nodes/bridge/video.py)."""
+    animated WEBP next to it (nodes/bridge/video.py) at `fps` (None: VALIDATION_FPS)."""
     row = torch.cat(list(images[..., :3]), dim=1) if frames == 1 else video.frame_grid(images, frames)  # [H, N*W, 3]
     path = run.run_dir.validation_dir / f"step_{run.step:08d}.png"
     png = _png_bytes(row)
@@ -206,7 +211,7 @@ def save_validation(run: TrainingRun, images: torch.Tensor, samples: torch.Tenso
     run.run_dir.check_subfolder_inside(run.run_dir.validation_dir)
     write_bytes(path, png, f"validation grid of run '{run.run_dir.name}'")
     if frames > 1:
-        video.save_clips(path, images, frames, f"run '{run.run_dir.name}'")
+        video.save_clips(path, images, frames, f"run '{run.run_dir.name}'", fps or video.VALIDATION_FPS)
     save_safetensors(path.with_name(f"step_{run.step:08d}_latents.safetensors"),
                      {"samples": samples.detach().float().cpu()}, f"validation latents of run '{run.run_dir.name}'")
     return path
@@ -215,15 +220,17 @@ def save_validation(run: TrainingRun, images: torch.Tensor, samples: torch.Tenso
 def validate(node_cls, run: TrainingRun, clip=None, vae=None, prompts="", negative="", sample_seed=0,
              sample_steps=20, cfg=4.0, sampler_name="euler", scheduler="normal", width=512, height=512,
              loss_timesteps=4, lora_application="as_saved_file", weights="auto", compare_base=False,
-             reference_images=None, frames=1, start_image=None):
+             reference_images=None, frames=1, start_image=None, frame_rate=0.0):
     """(images or None, previews or None, validation loss); tells the live view (`headroom.validate`).
     compare_base: the run's MODEL alone is sampled too (same prompts, seeds) and a before/after grid saved.
     reference_images: the samples' reference images (edit models), added as ReferenceLatent adds them.
     start_image: image-to-video models' start image(s), through their stock node (WanImageToVideo); default: the first
-    cached clip's first frame."""
+    cached clip's first frame. frame_rate: models that read one (LTX-2): the clips' rate, through the stock
+    LTXVConditioning node; 0: the first cached clip's (video.validation_frame_rate)."""
     check_finite(node_cls.__name__, cfg=cfg)
     run.resolve_weights(weights)  # a wrong choice is an input error, before anything runs
     video.check_frames(node_cls.__name__, run.source_model.model, frames)
+    rate = video.validation_frame_rate(node_cls.__name__, run.source_model.model, run.latent_cache, frame_rate)
     lines = [line.strip() for line in (prompts or "").splitlines() if line.strip()]
     if lines and (clip is None or vae is None):
         raise ValueError("HeadroomValidate: validation prompts need the clip and vae inputs connected")
@@ -239,13 +246,13 @@ def validate(node_cls, run: TrainingRun, clip=None, vae=None, prompts="", negati
                                                     sampler_name, scheduler, width, height, lora_application,
                                                     references=references,
                                                     reference_encoding=reference_text_encoding(run), frames=frames,
-                                                    starts=starts)
-                grid = save_validation(run, images, samples, frames)
+                                                    starts=starts, frame_rate=rate)
+                grid = save_validation(run, images, samples, frames, rate)
                 if compare_base:
                     base_images = base_samples(run, clip, vae, lines, negative, sample_seed, sample_steps, cfg,
                                                sampler_name, scheduler, width, height,
                                                reference_images=reference_images, references=references,
-                                               frames=frames, starts=starts)
+                                               frames=frames, starts=starts, frame_rate=rate)
                     before_after = save_before_after(run, base_images, images)
                 previews = ui.PreviewImage(images, cls=node_cls)
     except BaseException as error:  # cancel, out of memory, a wrong input...: checkpoint kept, device memory freed

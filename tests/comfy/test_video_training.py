@@ -519,3 +519,117 @@ def test_a_rotated_video_is_read_as_shown(cache_dir, tmp_path):
     assert frames[:, 26:].mean() > 0.9 and frames[:, :22].mean() < 0.1  # the bright quarter is at the bottom
     stock = InputImpl.VideoFromFile(str(path)).get_components().images  # ComfyUI's Load Video
     torch.testing.assert_close(frames, stock[[0, 3]].float(), atol=0.05, rtol=0)
+
+
+def test_ltx2_trains_and_validates_at_the_clips_own_frame_rate(cache_dir, caplog, tmp_path):
+    """A 24 fps MP4 taken with frame_stride 2 is a 12 fps clip: cached with rate 12, the tiny LTX-2 receives
+    frame_rate 12 in every training forward, and its validation clip equals the stock LoraLoader + LTXVConditioning
+    (frame_rate 12) + KSampler chain; the animated WEBP plays at 12 fps."""
+    from headroom.nodes import cache as cache_nodes
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
+    from headroom.training.data.synthetic import generate_moving_shapes
+
+    with torch.inference_mode():
+        model, clip, vae = build_tiny_models("ltx2", 0)
+    size = image_size(model)
+    clips = generate_moving_shapes(2, size, 18, 0)
+    folder = _input_folder(f"ltx2_rate_{tmp_path.name}")
+    for index, (frames, caption) in enumerate(zip(clips.clips, clips.captions)):
+        _write_video(folder / f"clip{index}.mp4", frames, fps=24)
+        (folder / f"clip{index}.txt").write_text(caption)
+    dataset = cache_nodes.HeadroomDatasetFromVideos.execute(folder.name, size, 16, "center", False, 0, False,
+                                                            max_frames=9, frame_stride=2).args[0]
+    latents, texts = _cache(dataset, vae, clip)
+    assert [latents.frame_rate(i) for i in range(2)] == [12.0, 12.0]
+    assert all(latents.latent(i).shape == (128, 2, 2, 2) for i in range(2))  # 9 frames: every other of 18
+
+    seen = []
+    hook = model.model.diffusion_model.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append(kwargs.get("frame_rate")), with_kwargs=True)
+    try:
+        run = init_run(model, latents, texts, f"ltx2_rate_{tmp_path.name}", 8, 2e-2, "preset", False)
+        from headroom.nodes import train_lora as T
+
+        with torch.inference_mode():
+            T.HeadroomTrainSteps.execute(run, 2)
+    finally:
+        hook.remove()
+    assert seen and set(seen) == {12.0}, seen
+
+    check_stock_round_trip(run, model, clip, vae, caplog, label="ltx2 at 12 fps", frames=9, frame_rate=12.0)
+    webp = sorted(run.run_dir.validation_dir.glob("step_*_0.webp"))[-1]
+    with Image.open(webp) as animation:
+        animation.load()  # PIL reads a frame's duration with the frame
+        assert animation.is_animated and animation.info["duration"] == int(1000 / 12)
+
+
+def test_the_frame_rate_changes_ltx2s_loss_and_none_is_its_default(cache_dir, tmp_path):
+    """The same clips at 12 and 25 fps (in-memory clips: the same cache entries, keys without the rate) give the tiny
+    LTX-2 different losses; clips of unknown rate train at the model's default 25. Another family (Wan) takes no
+    rate: its loss is the same whatever the clips' rate, and a validation rate given to it is refused."""
+    from headroom.nodes.bridge import video
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
+    from headroom.training.data.synthetic import generate_moving_shapes
+    from headroom.training.data.video import dataset_from_clips
+
+    for family, frames in (("ltx2", 9), ("wan21", 5)):
+        with torch.inference_mode():
+            model, clip, vae = build_tiny_models(family, 0)
+        size = image_size(model)
+        clips = generate_moving_shapes(2, size, frames, 0)
+        losses, keys = {}, {}
+        for rate in (12.0, 25.0, None):
+            dataset = dataset_from_clips(list(clips.clips), clips.captions, resolution=size, step=16, frame_rate=rate)
+            latents, texts = _cache(dataset, vae, clip)
+            assert latents.frame_rate(0) == rate
+            if family == "ltx2":  # validation: the first clip's rate, a given one, or none (the model's default)
+                assert video.validation_frame_rate("HeadroomValidate", model.model, latents) == rate
+                assert video.validation_frame_rate("HeadroomValidate", model.model, latents, 30.0) == 30.0
+            keys[rate] = [item[0] for item in latents._items]
+            run = init_run(model, latents, texts, f"{family}_rate_{rate}_{tmp_path.name}", 8, 1e-2, "preset", False)
+            with torch.inference_mode():
+                losses[rate] = run.loss_on(run.train_items)
+        print(f"{family}: loss at 12 fps {losses[12.0]:.6f}, 25 fps {losses[25.0]:.6f}, unknown {losses[None]:.6f}")
+        assert keys[12.0] == keys[25.0] == keys[None]
+        if family == "ltx2":
+            assert abs(losses[12.0] - losses[25.0]) > 1e-6 * losses[25.0]
+            assert losses[25.0] == losses[None]
+        else:
+            assert losses[12.0] == losses[25.0] == losses[None]
+            with pytest.raises(ValueError, match=r"HeadroomValidate: frame_rate=12.0 given, but this MODEL \(WAN21\) "
+                                                 r"takes no frame rate"):
+                video.validation_frame_rate("HeadroomValidate", model.model, latents, 12.0)
+
+
+def test_a_batch_mixing_frame_rates_runs_one_forward_per_rate(cache_dir, tmp_path):
+    """A 24 fps MP4 and a frame folder (Dataset From Videos' frame_rate, default 25) in one bucket and one batch: the
+    tiny LTX-2 gets each clip at its own rate, one forward per rate (ComfyUI's constant conds do not concatenate)."""
+    from headroom.nodes import cache as cache_nodes
+    from headroom.nodes import train_lora as T
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
+    from headroom.training.data.synthetic import generate_moving_shapes
+
+    with torch.inference_mode():
+        model, clip, vae = build_tiny_models("ltx2", 0)
+    size = image_size(model)
+    clips = generate_moving_shapes(2, size, 9, 0)
+    folder = _input_folder(f"ltx2_mixed_{tmp_path.name}")
+    _write_video(folder / "a_video.mp4", clips.clips[0], fps=24)
+    _write_frames(folder / "b_frames", clips.clips[1])
+    for name, caption in zip(("a_video", "b_frames"), clips.captions):
+        (folder / f"{name}.txt").write_text(caption)
+    dataset = cache_nodes.HeadroomDatasetFromVideos.execute(folder.name, size, 16, "center", False, 0, False,
+                                                            max_frames=9).args[0]
+    latents, texts = _cache(dataset, vae, clip)
+    assert [latents.frame_rate(i) for i in range(2)] == [24.0, 25.0] and len(latents.buckets) == 1
+
+    seen = []
+    hook = model.model.diffusion_model.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append((kwargs["context"].shape[0], kwargs.get("frame_rate"))), with_kwargs=True)
+    try:
+        run = init_run(model, latents, texts, f"ltx2_mixed_{tmp_path.name}", 8, 1e-2, "preset", False)
+        with torch.inference_mode():
+            T.HeadroomTrainSteps.execute(run, 1)
+    finally:
+        hook.remove()
+    assert sorted(seen) == [(1, 24.0), (1, 25.0)], seen

@@ -52,7 +52,7 @@ from safetensors import safe_open
 from .. import public_module
 from .buckets import CropPlan, apply_crop, make_buckets, nearest_bucket, plan_crop
 from .dataset import Dataset, DatasetError, reduce_factor
-from .video import clip_frames, is_video
+from .video import clip_frame_rate, clip_frames, is_video
 from .files import (UntrustedFileError, WriteError, display_path, format_bytes, open_regular, prune_temp, read_json,
                     relative_text, resolve_inside, save_safetensors, write_bytes)
 
@@ -500,7 +500,7 @@ class LatentCache:
 
     def __init__(self, root: Path, items: list[tuple[str, str, tuple[int, int], str, bool, str, str | None]],
                  fingerprint: str, latent_channels: int, control_kind: str | None, masked: list[bool] | None = None,
-                 start_image: str | None = None):
+                 start_image: str | None = None, frame_rates: list[float | None] | None = None):
         # items: (entry key, shard file, bucket (w, h) or (w, h, frames) of clips, text key, has control, display
         # name, text key with the control image as reference or None)
         self.root = Path(root)
@@ -512,6 +512,8 @@ class LatentCache:
         self._masked = list(masked) if masked is not None else [False] * len(items)
         # The stock node whose start-image conditioning every item holds ("WanImageToVideo": image-to-video), or None.
         self.start_image = start_image
+        # Frames per second of each clip (its video's rate / frame_stride); None: an image, or unknown.
+        self._frame_rates = list(frame_rates) if frame_rates is not None else [None] * len(items)
         self._reader = _ShardReader(self.root / "shards")
         buckets: dict[tuple[int, int], list[int]] = {}
         for index, item in enumerate(items):
@@ -552,6 +554,10 @@ class LatentCache:
         """Item `index`'s start image [H, W, 3] 0..1 (its first frame, cropped) in `start_image` caches; else None."""
         key, shard = self._items[index][:2]
         return self._reader.get(shard, f"{key}/start_frame") if self.start_image is not None else None
+
+    def frame_rate(self, index: int) -> float | None:
+        """Frames per second of clip `index` as cached (None: an image, a clip of unknown rate, or an older cache)."""
+        return self._frame_rates[index]
 
     @property
     def has_masks(self) -> bool:
@@ -683,6 +689,7 @@ class _PlannedLatent:
     reduce: int  # the image is decoded reduced by this factor (dataset.reduce_factor)
     reference_text_key: str | None = None  # the caption with the control image as its reference
     frames: tuple[int, ...] | None = None  # a clip's frame indices (training/data/video.py); None: an image
+    frame_rate: float | None = None  # the clip's frames per second (not in the key: the latent does not depend on it)
 
 
 def _bucket_key(plan: CropPlan, frames: tuple[int, ...] | None) -> tuple[int, ...]:
@@ -741,11 +748,12 @@ def cache_latents(
             _skip_or_raise(dataset, f"{item.image.describe()}: cannot be read ({_short(error)}); re-export or remove "
                            "it", report)
             continue
-        frames = None
+        frames = rate = None
         if is_video(item.image):
             try:
                 available = item.image.frame_count(dataset.max_frames * dataset.frame_stride)
                 frames = tuple(clip_frames(available, dataset.max_frames, dataset.frame_stride, frame_step or 1))
+                rate = clip_frame_rate(item.image, dataset.frame_stride)
             except DatasetError as error:
                 _skip_or_raise(dataset, str(error), report)
                 continue
@@ -777,7 +785,7 @@ def cache_latents(
             })
             planned.append(_PlannedLatent(index, key, plan, text_key(item.caption), reduce,
                                           reference_text_key(item.caption, control_digest) if control_digest else None,
-                                          frames))
+                                          frames, rate))
 
     odd = sorted({p.plan.bucket for p in planned if p.plan.bucket[0] % downscale or p.plan.bucket[1] % downscale})
     if odd:
@@ -834,7 +842,10 @@ def cache_latents(
                     control = apply_crop(control_pixels, entry.plan)
                     tensors["control"] = control if control_encoding == "pixels" else _single(
                         encode(control.unsqueeze(0)), item.name)
-                writer.add(entry.key, tensors, {"bucket": list(_bucket_key(entry.plan, entry.frames)), "name": item.name})
+                meta = {"bucket": list(_bucket_key(entry.plan, entry.frames)), "name": item.name}
+                if entry.frame_rate is not None:  # a record only: reuse reads the rate from the dataset again
+                    meta["frame_rate"] = entry.frame_rate
+                writer.add(entry.key, tensors, meta)
                 progress(report.hits + done, len(planned))
         report.bytes_written = writer.bytes_written
 
@@ -849,7 +860,8 @@ def cache_latents(
     ]
     cache = LatentCache(store.root, items, fingerprint, latent_channels=0,
                         control_kind=control_encoding if dataset.has_control else None,
-                        masked=["mask" in entries[p.key]["tensors"] for p in kept], start_image=start_image)
+                        masked=["mask" in entries[p.key]["tensors"] for p in kept], start_image=start_image,
+                        frame_rates=[p.frame_rate for p in kept])
     cache.latent_channels = int(cache.latent(0).shape[0])
     report.items, report.buckets = len(cache), len(cache.buckets)
     report.bytes_total = sum(entries[p.key]["bytes"] for p in kept)

@@ -13,6 +13,10 @@ the stream's header is refused.
 
 A video's display rotation (the display matrix phones write for portrait video) is applied as ComfyUI's own video
 loading applies it: frames are turned by it, and the clip's size is its size as shown.
+
+A clip's frame rate (`frame_rate()`, frames per second of the frames it gives): a video's average rate, a frame
+folder's given rate (Dataset From Videos' frame_rate), an in-memory clip's given one or None; divided by frame_stride
+(`clip_frame_rate`). Models whose positions are in seconds (LTX-2) train at it.
 """
 from __future__ import annotations
 
@@ -52,6 +56,12 @@ def clip_frames(available: int, max_frames: int, stride: int, frame_step: int) -
     if not indices:
         return []
     return indices[:(len(indices) - 1) // frame_step * frame_step + 1]
+
+
+def clip_frame_rate(source, stride: int) -> float | None:
+    """Frames per second of a clip taking every `stride`-th frame of `source` (None: the source has no known rate)."""
+    rate = source.frame_rate() if is_video(source) else None
+    return rate / stride if rate else None
 
 
 def quarter_turns(rotation: float) -> int:
@@ -117,6 +127,13 @@ class FileVideo:
         container, _ = self._open()
         container.close()
 
+    def frame_rate(self) -> float | None:
+        """The stream's average frame rate from its header (None where the container gives none)."""
+        container, stream = self._open()
+        with container:
+            rate = stream.average_rate or stream.guessed_rate
+        return float(rate) if rate else None
+
     def frame_count(self, limit: int) -> int:
         """Frames in the stream, counted up to `limit` (the header's count, else its packets: nothing is decoded)."""
         container, stream = self._open()
@@ -175,11 +192,16 @@ class FileVideo:
 
 
 class FrameFolder:
-    """A clip as a folder of frame images, in file-name order (frame_0001.png, ...); every frame of one size."""
+    """A clip as a folder of frame images, in file-name order (frame_0001.png, ...); every frame of one size, shown at
+    `rate` frames per second (frame images carry none)."""
 
-    def __init__(self, folder: Path, roots: tuple[Path, ...] | None = None):
+    def __init__(self, folder: Path, roots: tuple[Path, ...] | None = None, rate: float | None = None):
         self.folder = Path(folder)
         self.roots = tuple(roots) if roots else (self.folder.parent,)
+        self.rate = rate
+
+    def frame_rate(self) -> float | None:
+        return self.rate
 
     def describe(self) -> str:
         return display_path(self.folder)
@@ -228,11 +250,15 @@ class FrameFolder:
 class TensorVideo:
     """One clip [F, H, W, 3] held in memory (synthetic clips, a video batch from another node)."""
 
-    def __init__(self, frames: torch.Tensor, label: str):
+    def __init__(self, frames: torch.Tensor, label: str, rate: float | None = None):
         if frames.ndim != 4 or frames.shape[-1] != 3 or frames.shape[0] < 1:
             raise DatasetError(f"{label}: a clip must be frames [F, H, W, 3], got shape {tuple(frames.shape)}")
         self.frames = frames
         self.label = label
+        self.rate = rate
+
+    def frame_rate(self) -> float | None:
+        return self.rate
 
     def describe(self) -> str:
         return self.label
@@ -272,10 +298,11 @@ def _check_source(source) -> str | None:
     return None
 
 
-def _source_at(path: Path, roots: tuple[Path, ...]):
-    """The clip or image at `path` (a frame folder, a video file, an image), or None for another kind of file."""
+def _source_at(path: Path, roots: tuple[Path, ...], frame_rate: float | None = None):
+    """The clip or image at `path` (a frame folder, shown at `frame_rate`; a video file; an image), or None for another
+    kind of file."""
     if path.is_dir() and not path.is_symlink():
-        return FrameFolder(path, roots)
+        return FrameFolder(path, roots, frame_rate)
     suffix = path.suffix.lower()
     if suffix in VIDEO_EXTENSIONS:
         return FileVideo(path, roots)
@@ -304,12 +331,12 @@ def _check_mask_size(source, mask) -> str | None:
 def dataset_from_video_folder(folder: Path, *, resolution: int, step: int, crop: str = "center", flip: bool = False,
                               seed: int = 0, skip_bad: bool = False, roots: tuple[Path, ...] | None = None,
                               max_frames: int = MAX_FRAMES_DEFAULT, frame_stride: int = 1,
-                              mask_folder: Path | None = None) -> Dataset:
+                              mask_folder: Path | None = None, frame_rate: float = 25.0) -> Dataset:
     """Clips in `folder`: video files (VIDEO_EXTENSIONS) and subfolders of frame images, each with a caption beside it
     (`clip.mp4` + `clip.txt`, `clip/` + `clip.txt`); images there are one-frame clips (`photo.png` + `photo.txt`).
     Loss masks in `mask_folder`, matched by name stem: an image (applied to every frame of its clip), or a video / frame
     folder with the clip's frames (the same frames are taken from it); of the clip's size. Cache Latents checks the
-    frame counts."""
+    frame counts. `frame_rate`: frames per second of the frame folders (video files carry their own)."""
     folder = Path(folder)
     if not folder.is_dir():
         raise DatasetError(f"dataset folder {display_path(folder)} does not exist or is not a folder")
@@ -319,6 +346,8 @@ def dataset_from_video_folder(folder: Path, *, resolution: int, step: int, crop:
         raise DatasetError(f"max_frames={max_frames}: give 1..{MAX_CLIP_FRAMES}")
     if frame_stride < 1:
         raise DatasetError(f"frame_stride={frame_stride}: give 1 or more")
+    if not frame_rate > 0:
+        raise DatasetError(f"frame_rate={frame_rate}: give the frame folders' frames per second (more than 0)")
     roots = tuple(roots) if roots else tuple(p for p in (folder, mask_folder) if p is not None)
     masks = _masks_in(Path(mask_folder), roots) if mask_folder is not None else {}
     items, problems = [], []
@@ -326,7 +355,7 @@ def dataset_from_video_folder(folder: Path, *, resolution: int, step: int, crop:
         suffix = path.suffix.lower()
         if path.name.startswith(".") or suffix == CAPTION_EXTENSION:
             continue
-        source = _source_at(path, roots)
+        source = _source_at(path, roots, frame_rate)
         caption_path = path.parent / (path.name + CAPTION_EXTENSION) if isinstance(source, FrameFolder) else None
         if source is None:
             problems.append(f"{display_path(path)}: unsupported file type {suffix!r} (videos: {', '.join(VIDEO_EXTENSIONS)}; "
@@ -370,15 +399,16 @@ def _tensor_mask(mask: torch.Tensor | None, index: int):
 
 def dataset_from_clips(clips: list[torch.Tensor], captions: list[str], *, resolution: int, step: int,
                        crop: str = "center", flip: bool = False, seed: int = 0, max_frames: int = MAX_FRAMES_DEFAULT,
-                       frame_stride: int = 1, masks: list[torch.Tensor | None] | None = None) -> Dataset:
+                       frame_stride: int = 1, masks: list[torch.Tensor | None] | None = None,
+                       frame_rate: float | None = None) -> Dataset:
     """Items from in-memory clips [F, H, W, 3] (synthetic clips, tests) with one caption each, and optional loss masks
-    (one per clip, or None: `_tensor_mask`)."""
+    (one per clip, or None: `_tensor_mask`); `frame_rate`: their frames per second (None: unknown)."""
     if len(clips) != len(captions):
         raise DatasetError(f"{len(clips)} clips but {len(captions)} captions; give one caption per clip")
     masks = list(masks) if masks is not None else [None] * len(clips)
     if len(masks) != len(clips):
         raise DatasetError(f"{len(clips)} clips but {len(masks)} masks; give one mask (or None) per clip")
-    items = tuple(DatasetItem(name=f"clip {i}", caption=caption, image=TensorVideo(clip, f"clip {i}"),
+    items = tuple(DatasetItem(name=f"clip {i}", caption=caption, image=TensorVideo(clip, f"clip {i}", frame_rate),
                               mask=_tensor_mask(mask, i))
                   for i, (clip, caption, mask) in enumerate(zip(clips, captions, masks)))
     return Dataset(items=items, resolution=resolution, step=step, crop=crop, flip=flip, seed=seed,

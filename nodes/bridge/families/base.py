@@ -103,6 +103,9 @@ class Family:
     # "HunyuanVideo15ImageToVideo": HunyuanVideo 1.5), or None (no start image). Such a model trains on each clip's
     # first frame as its start image, cached by Cache Latents' start_image.
     start_image: Callable[[Any], str | None] = lambda model: None
+    # Families whose model takes the clip's frame rate (extra_conds' `frame_rate`, positions in seconds: LTX-2): the
+    # rate it assumes when none is given (ComfyUI's default). They train at each clip's own rate (nodes/bridge/video.py).
+    frame_rate: float | None = None
     # Whether a model's blocks add into their inputs in place; asked of every family (registry.inplace_blocks).
     inplace_blocks: Callable[[Any], bool] = _never
     controlnet: ControlNetType | None = None  # the ControlNet this family trains, if any

@@ -179,6 +179,7 @@ FAMILY = Family(
     kohya_base=("", ""),
     latent_downscale=32,
     frame_step=8,  # the VAE keeps the first frame, then encodes groups of 8
+    frame_rate=25.0,  # LTXAV.extra_conds' default; LTXVConditioning sets another (temporal positions are in seconds)
     # Its blocks add into their (video, audio) streams in place (vx.addcmul_ after an RMS norm saved vx).
     inplace_blocks=lambda model: type(model) is comfy.model_base.LTXAV,
     tiny=TINY,
