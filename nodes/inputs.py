@@ -252,11 +252,13 @@ def weights_input(what: str):
 def validation_names() -> set[str]:
     """The names of the validation inputs an all-in-one node hands to validation (not to the run it opens)."""
     return ({item.id for item in validation_inputs(optional=True)}
-            | {compare_base_input().id, reference_images_input().id, frames_input().id})
+            | {compare_base_input().id, reference_images_input().id, frames_input().id, start_image_input().id,
+               frame_rate_input().id})
 
 
 def devices_input():
-    """The training nodes' `devices` input (LoRA and ControlNet, Init and all-in-one; appended last)."""
+    """The training nodes' `devices` input (LoRA and ControlNet, Init and all-in-one; appended last when it came:
+    inputs added since go after it)."""
     return io.Combo.Input("devices", options=list(DEVICES), default="1", optional=True,
                           tooltip="Data-parallel training on this many devices: 1 trains in this process as "
                           "always; N > 1 starts N - 1 worker processes (GPUs cuda:1..N-1 beside this one; on a "

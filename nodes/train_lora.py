@@ -446,7 +446,7 @@ class HeadroomTrainLora(io.ComfyNode):
             inputs=[*lora_run_inputs(), *schedule_inputs("lora_subfolder"), *validation_inputs(optional=True),
                     *checkpoint_inputs(), *added_train_inputs(), *prior_inputs(), compare_base_input(),
                     reference_input(), reference_images_input(), frames_input(), *noise_range_inputs(),
-                    devices_input()],
+                    devices_input(), start_image_input(), frame_rate_input()],
             outputs=[io.Model.Output("model", tooltip="The MODEL with the trained LoRA applied."),
                      TrainingRunType.Output("run", tooltip="The training run, for Validate, Save and Apply nodes."),
                      io.String.Output("lora_name", tooltip="The last saved LoRA, as Load LoRA lists it."),

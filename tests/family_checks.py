@@ -40,6 +40,45 @@ def init_run(model, latents, texts, run_name, rank, lr, targets, include_conv, s
             noise_offset=0.0, gradient_checkpointing=False, checkpoint_depth=1, holdout=0).args[0]
 
 
+# Validation settings of the all-in-one vs Validate checks: a short sampling, one loss timestep.
+VALIDATION = dict(prompts="a red circle moving right", negative="", sample_seed=7, sample_steps=2, cfg=3.0,
+                  sampler_name="euler", scheduler="simple", loss_timesteps=1)
+
+
+def train_all_in_one(model, latents, texts, clip, vae, run_name, steps, size, frames, **video):
+    """The run the all-in-one Train LoRA node trains to `steps` and validates at the end (VALIDATION, clips of
+    `frames`, `video`: its start_image / frame_rate inputs)."""
+    from headroom.nodes import train_lora as T
+
+    with torch.inference_mode():
+        lora = T.HeadroomLoraConfig.execute("lora", 8, 8.0, "preset", False, 0.0, 0).args[0]
+        opt = T.HeadroomOptimizerConfig.execute("AdamW", 2e-2, 0.0, "constant", 0, 1000).args[0]
+        return T.HeadroomTrainLora.execute(
+            model=model, latent_cache=latents, text_cache=texts, lora_config=lora, optimizer_config=opt,
+            run_name=run_name, seed=0, batch_size=2, grad_accumulation=1, precision="fp32", max_grad_norm=1.0,
+            caption_dropout=0.0, timestep_sampling="uniform", loss_weighting="none", min_snr_gamma=5.0,
+            noise_offset=0.0, gradient_checkpointing=False, checkpoint_depth=1, holdout=0, steps=steps,
+            validate_every=0, save_every=0, lora_subfolder="headroom/all_in_one", clip=clip, vae=vae, width=size,
+            height=size, frames=frames, **VALIDATION, **video).args[1]
+
+
+def validation_samples(run) -> torch.Tensor:
+    """The sampled latents the run's last validation saved (at its current step)."""
+    from safetensors.torch import load_file
+
+    return load_file(run.run_dir.validation_dir / f"step_{run.step:08d}_latents.safetensors")["samples"]
+
+
+def validate_samples(run, clip, vae, size, frames, **video) -> torch.Tensor:
+    """The sampled latents of Validate on `run` with the all-in-one checks' settings and `video` inputs."""
+    from headroom.nodes import train_lora as T
+
+    with torch.inference_mode():
+        T.HeadroomValidate.execute(run, clip=clip, vae=vae, width=size, height=size, frames=frames, **VALIDATION,
+                                   **video)
+    return validation_samples(run)
+
+
 def overfit(run) -> tuple[float, float]:
     """Train until the loss on the training items halves (checked every 50 steps from 100, at most 300 steps);
     returns (initial, final) loss."""

@@ -13,7 +13,8 @@ import pytest
 import torch
 from PIL import Image
 
-from family_checks import check_stock_round_trip, image_size, init_run, overfit
+from family_checks import (check_stock_round_trip, image_size, init_run, overfit, train_all_in_one, validate_samples,
+                           validation_samples)
 
 pytestmark = [pytest.mark.comfyui, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -599,6 +600,31 @@ def test_the_frame_rate_changes_ltx2s_loss_and_none_is_its_default(cache_dir, tm
             with pytest.raises(ValueError, match=r"HeadroomValidate: frame_rate=12.0 given, but this MODEL \(WAN21\) "
                                                  r"takes no frame rate"):
                 video.validation_frame_rate("HeadroomValidate", model.model, latents, 12.0)
+
+
+def test_the_all_in_one_node_validates_ltx2_at_its_frame_rate(cache_dir, tmp_path):
+    """The all-in-one Train LoRA node's frame_rate reaches its validation as Validate's does: on clips of unknown rate
+    (the model's default 25), its clip at frame_rate 12 is Validate's at 12, not at 25."""
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
+    from headroom.training.data.synthetic import generate_moving_shapes
+    from headroom.training.data.video import dataset_from_clips
+
+    with torch.inference_mode():
+        model, clip, vae = build_tiny_models("ltx2", 0)
+    size = image_size(model)
+    clips = generate_moving_shapes(2, size, 9, 0)
+    latents, texts = _cache(dataset_from_clips(list(clips.clips), clips.captions, resolution=size, step=16), vae, clip)
+    assert latents.frame_rate(0) is None
+    run = train_all_in_one(model, latents, texts, clip, vae, f"ltx2_all_in_one_{tmp_path.name}", 2, size, 9,
+                           frame_rate=12.0)
+    trained = validation_samples(run)
+    at_12 = validate_samples(run, clip, vae, size, 9, frame_rate=12.0)
+    at_25 = validate_samples(run, clip, vae, size, 9, frame_rate=25.0)
+    print(f"ltx2 all-in-one at 12 fps: vs Validate at 12 max abs diff {(trained - at_12).abs().max().item():.2e}; "
+          f"vs at 25 {(trained - at_25).abs().max().item():.2e}")
+    assert run.step == 2
+    assert torch.equal(trained, at_12)
+    assert (trained - at_25).abs().max().item() > 1e-4, "the frame rate should change the clip"
 
 
 def test_a_batch_mixing_frame_rates_runs_one_forward_per_rate(cache_dir, tmp_path):

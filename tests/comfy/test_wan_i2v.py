@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from family_checks import base_weights, init_run, overfit
+from family_checks import base_weights, init_run, overfit, train_all_in_one, validate_samples, validation_samples
 from PIL import Image
 
 pytestmark = [pytest.mark.comfyui, pytest.mark.usefixtures("one_torch_thread")]
@@ -148,6 +148,23 @@ def test_the_validation_clip_is_stock_lora_loader_wan_image_to_video_and_ksample
     comfy.model_management.unload_all_models()
     after = base_weights(model)
     assert all(torch.equal(base[k], after[k]) for k in base), "the shared MODEL's weights changed"
+
+
+def test_the_all_in_one_node_validates_from_its_start_image(cache_dir, tmp_path):
+    """The all-in-one Train LoRA node's start_image reaches its validation as Validate's does: its clip is Validate's
+    from that start image, not the one from the default (the first clip's first frame)."""
+    model, clip, vae, clips, latents, texts = _i2v_data()
+    start = clips.clips[1][:1]
+    run = train_all_in_one(model, latents, texts, clip, vae, f"i2v_all_in_one_{tmp_path.name}", 4, SIZE, FRAMES,
+                           start_image=start)
+    trained = validation_samples(run)
+    given = validate_samples(run, clip, vae, SIZE, FRAMES, start_image=start)
+    default = validate_samples(run, clip, vae, SIZE, FRAMES)
+    print(f"wan21_i2v all-in-one: vs Validate(start_image) max abs diff {(trained - given).abs().max().item():.2e}; "
+          f"vs the default start {(trained - default).abs().max().item():.2e}")
+    assert run.step == 4 and trained.shape == (1, 16, 2, 4, 4)
+    assert torch.equal(trained, given)
+    assert (trained - default).abs().max().item() > 1e-3, "the start image should change the clip"
 
 
 def test_start_images_are_refused_where_they_do_not_apply(cache_dir, tmp_path, caplog):
