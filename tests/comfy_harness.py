@@ -79,6 +79,17 @@ def comfyui() -> pathlib.Path:
     return import_comfyui_in_process()
 
 
+@pytest.fixture
+def cache_dir(comfyui, tmp_path) -> pathlib.Path:
+    """A fresh headroom_cache folder for one test, put first the way extra_model_paths.yaml would."""
+    import folder_paths
+
+    path = str(tmp_path / "headroom_cache")
+    folder_paths.add_model_folder_path("headroom_cache", path, is_default=True)
+    yield pathlib.Path(path)
+    folder_paths.folder_names_and_paths["headroom_cache"][0].remove(path)
+
+
 @pytest.fixture(scope="session")
 def headroom_nodes(comfyui):
     """Headroom's node modules, imported the way ComfyUI imports them (through the package)."""

@@ -48,5 +48,5 @@ def one_torch_thread():
     torch.set_num_threads(previous)
 
 
-from comfy_harness import comfyui, headroom_nodes  # noqa: E402,F401  (fixtures)
+from comfy_harness import cache_dir, comfyui, headroom_nodes  # noqa: E402,F401  (fixtures)
 from server_harness import comfy_server  # noqa: E402,F401  (fixture: a real ComfyUI server subprocess)

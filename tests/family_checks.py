@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
+from PIL import Image
 
 
 def image_size(model) -> int:
@@ -161,3 +163,84 @@ def check_stock_round_trip(run, model, clip, vae, caplog, steps_trained=20, labe
     after = base_weights(model)
     assert all(torch.equal(base[k], after[k]) for k in base), "the shared MODEL's weights changed"
     return difference
+
+
+def check_start_image_round_trip(data, stock_node, run_name, label, node, size, frames, caplog):
+    """Image-to-video (tests/comfy/test_wan_i2v.py, test_hunyuan_video15_i2v.py): train, validate (start image: the
+    first clip's first frame, by default), save; the stock LoraLoader + CLIPTextEncode + the family's start-image node
+    (`stock_node(positive, negative, vae, start) -> (positive, negative, latent)`, that frame as start_image) +
+    KSampler + VAEDecode give the same frames; the LoRA and the start image each change them; compare_base's base row
+    and a start image given to Validate follow the same chain; the shared MODEL is unchanged.
+    `data`: (model, clip, vae, moving-shape clips, latent cache with start images, text cache)."""
+    import comfy.model_management
+    from headroom.nodes import train_lora as T
+
+    import nodes
+
+    model, clip, vae, clips, latents, texts = data
+    base = base_weights(model)
+    run = init_run(model, latents, texts, run_name, 8, 2e-2, "preset", False)
+    prompt, seed, steps, cfg, sampler, scheduler = "a red circle moving right", 7, 4, 3.0, "euler", "simple"
+    with torch.inference_mode():
+        T.HeadroomTrainSteps.execute(run, 20)
+        images = T.HeadroomValidate.execute(run, clip=clip, vae=vae, prompts=prompt, negative="", sample_seed=seed,
+                                            sample_steps=steps, cfg=cfg, sampler_name=sampler, scheduler=scheduler,
+                                            width=size, height=size, loss_timesteps=1, frames=frames,
+                                            compare_base=True).args[0]
+        name = T.HeadroomSaveLora.execute(run, f"headroom/{run_name}", "", "fp32").args[0]
+
+    def stock(model_patcher, start):
+        positive = nodes.CLIPTextEncode().encode(clip, prompt)[0]
+        negative = nodes.CLIPTextEncode().encode(clip, "")[0]
+        positive, negative, latent = stock_node(positive, negative, vae, start)
+        return nodes.VAEDecode().decode(vae, nodes.common_ksampler(model_patcher, seed, steps, cfg, sampler, scheduler,
+                                                                    positive, negative, latent)[0])[0]
+
+    caplog.clear()
+    with caplog.at_level(logging.WARNING), torch.inference_mode():
+        lora_model, _ = nodes.LoraLoader().load_lora(model, clip, name, 1.0, 0.0)
+        with_lora = stock(lora_model, clips.clips[0][:1])
+        other_start = stock(lora_model, clips.clips[1][:1])
+        plain = stock(model, clips.clips[0][:1])
+    assert "lora key not loaded" not in caplog.text, caplog.text
+    assert len(lora_model.patches) == len(run.adapters.layers)
+    assert images.shape == with_lora.shape == (frames, size, size, 3)
+    difference = (images - with_lora).abs().max().item()
+    print(f"{label} clip: validation vs LoraLoader+{node}+KSampler: max abs diff {difference:.2e}; "
+          f"{len(run.adapters.layers)} layers")
+    assert difference <= 1e-3
+    assert (plain - with_lora).abs().max().item() > 1e-3, "the LoRA should change the clip"
+    assert (other_start - with_lora).abs().max().item() > 1e-3, "the start image should change the clip"
+    # compare_base: the base row is the MODEL alone from the same start image (8-bit PNG).
+    before_after = next(run.run_dir.validation_dir.glob("step_*_before_after.png"))
+    grid = torch.from_numpy(np.asarray(Image.open(before_after).convert("RGB"), dtype=np.float32) / 255.0)
+    torch.testing.assert_close(grid[:size], torch.cat(list(plain), dim=1), atol=1 / 255 + 1e-6, rtol=0)
+
+    # A start image given to Validate is the one the clips start from.
+    with torch.inference_mode():
+        given = T.HeadroomValidate.execute(run, clip=clip, vae=vae, prompts=prompt, negative="", sample_seed=seed,
+                                           sample_steps=steps, cfg=cfg, sampler_name=sampler, scheduler=scheduler,
+                                           width=size, height=size, loss_timesteps=1, frames=frames,
+                                           start_image=clips.clips[1][:1]).args[0]
+    assert (given - other_start).abs().max().item() <= 1e-3
+    comfy.model_management.unload_all_models()
+    after = base_weights(model)
+    assert all(torch.equal(base[k], after[k]) for k in base), "the shared MODEL's weights changed"
+
+
+def cached_clips(tiny_name, size, frames, start_image="none", count=4, seed=0):
+    """(model, clip, vae, moving-shape clips, latent cache, text cache) of a tiny video model, the clips' start images
+    cached through the stock node `start_image` names (image-to-video tests)."""
+    from headroom.nodes import cache as cache_nodes
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
+    from headroom.training.data.synthetic import generate_moving_shapes
+    from headroom.training.data.video import dataset_from_clips
+
+    with torch.inference_mode():
+        model, clip, vae = build_tiny_models(tiny_name, 0)
+    clips = generate_moving_shapes(count, size, frames, seed)
+    dataset = dataset_from_clips(list(clips.clips), clips.captions, resolution=size, step=16)
+    with torch.inference_mode():
+        latents = cache_nodes.HeadroomCacheLatents.execute(dataset, vae, start_image=start_image).args[0]
+        texts = cache_nodes.HeadroomCacheText.execute(dataset, clip).args[0]
+    return model, clip, vae, clips, latents, texts

@@ -20,16 +20,6 @@ pytestmark = pytest.mark.comfyui
 FAMILIES = ["sd15", "sd3", "flux"]
 
 
-@pytest.fixture
-def cache_dir(comfyui, tmp_path):
-    """A fresh headroom_cache folder for one test, put first the way extra_model_paths.yaml would."""
-    import folder_paths
-
-    path = str(tmp_path / "headroom_cache")
-    folder_paths.add_model_folder_path("headroom_cache", path, is_default=True)
-    yield Path(path)
-    folder_paths.folder_names_and_paths["headroom_cache"][0].remove(path)
-
 
 def counted(monkeypatch, obj, method_name):
     """Wrap obj.method_name so its calls are recorded; returns the list of call arguments."""

@@ -19,15 +19,6 @@ from family_checks import (check_stock_round_trip, image_size, init_run, overfit
 pytestmark = [pytest.mark.comfyui, pytest.mark.usefixtures("one_torch_thread")]
 
 
-@pytest.fixture
-def cache_dir(comfyui, tmp_path):
-    import folder_paths
-
-    path = str(tmp_path / "headroom_cache")
-    folder_paths.add_model_folder_path("headroom_cache", path, is_default=True)
-    yield Path(path)
-    folder_paths.folder_names_and_paths["headroom_cache"][0].remove(path)
-
 
 def _input_folder(name: str) -> Path:
     import folder_paths
@@ -203,7 +194,6 @@ def test_four_clips_overfit_and_the_validation_clip_is_the_stock_loaders(cache_d
                                                                          latent_shape):
     """4 synthetic clips of 2 latent frames: the loss halves within 300 steps; then a validation clip through stock samplers equals LoraLoader + KSampler on the stock empty video latent, frame by frame, and
     is saved as an animated WEBP and a frame grid."""
-    from headroom.nodes import cache as cache_nodes
     from headroom.training.data.synthetic import generate_moving_shapes
     from headroom.training.data.video import dataset_from_clips
 

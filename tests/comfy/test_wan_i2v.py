@@ -6,44 +6,21 @@ KSampler reproduce the validation clip."""
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from family_checks import base_weights, init_run, overfit, train_all_in_one, validate_samples, validation_samples
-from PIL import Image
+from family_checks import (cached_clips, check_start_image_round_trip, init_run, overfit, train_all_in_one,
+                           validate_samples, validation_samples)
 
 pytestmark = [pytest.mark.comfyui, pytest.mark.usefixtures("one_torch_thread")]
 
 SIZE, FRAMES = 32, 5  # 2 latent frames of 4 x 4
 
 
-@pytest.fixture
-def cache_dir(comfyui, tmp_path):
-    import folder_paths
-
-    path = str(tmp_path / "headroom_cache")
-    folder_paths.add_model_folder_path("headroom_cache", path, is_default=True)
-    yield Path(path)
-    folder_paths.folder_names_and_paths["headroom_cache"][0].remove(path)
-
 
 def _i2v_data(start_image="WanImageToVideo", count=4, seed=0):
     """(model, clip, vae, moving-shape clips, latent cache, text cache) of the tiny Wan I2V."""
-    from headroom.nodes import cache as cache_nodes
-    from headroom.nodes.bridge.tiny_models import build_tiny_models
-    from headroom.training.data.synthetic import generate_moving_shapes
-    from headroom.training.data.video import dataset_from_clips
-
-    with torch.inference_mode():
-        model, clip, vae = build_tiny_models("wan21_i2v", 0)
-    clips = generate_moving_shapes(count, SIZE, FRAMES, seed)
-    dataset = dataset_from_clips(list(clips.clips), clips.captions, resolution=SIZE, step=16)
-    with torch.inference_mode():
-        latents = cache_nodes.HeadroomCacheLatents.execute(dataset, vae, start_image=start_image).args[0]
-        texts = cache_nodes.HeadroomCacheText.execute(dataset, clip).args[0]
-    return model, clip, vae, clips, latents, texts
+    return cached_clips("wan21_i2v", SIZE, FRAMES, start_image, count, seed)
 
 
 def _wan_i2v_node(positive, negative, vae, start):
@@ -94,60 +71,8 @@ def test_four_clips_overfit_from_their_start_frames(cache_dir, tmp_path):
 def test_the_validation_clip_is_stock_lora_loader_wan_image_to_video_and_ksampler(cache_dir, tmp_path, caplog):
     """Train, validate (start image: the first clip's first frame, by default), save; the stock LoraLoader +
     CLIPTextEncode + WanImageToVideo (that frame as start_image) + KSampler + VAEDecode give the same frames."""
-    import comfy.model_management
-    from headroom.nodes import train_lora as T
-
-    import nodes
-
-    model, clip, vae, clips, latents, texts = _i2v_data()
-    base = base_weights(model)
-    run = init_run(model, latents, texts, f"i2v_roundtrip_{tmp_path.name}", 8, 2e-2, "preset", False)
-    prompt, seed, steps, cfg, sampler, scheduler = "a red circle moving right", 7, 4, 3.0, "euler", "simple"
-    with torch.inference_mode():
-        T.HeadroomTrainSteps.execute(run, 20)
-        images = T.HeadroomValidate.execute(run, clip=clip, vae=vae, prompts=prompt, negative="", sample_seed=seed,
-                                            sample_steps=steps, cfg=cfg, sampler_name=sampler, scheduler=scheduler,
-                                            width=SIZE, height=SIZE, loss_timesteps=1, frames=FRAMES,
-                                            compare_base=True).args[0]
-        name = T.HeadroomSaveLora.execute(run, "headroom/i2v", "", "fp32").args[0]
-
-    def stock(model_patcher, start):
-        positive = nodes.CLIPTextEncode().encode(clip, prompt)[0]
-        negative = nodes.CLIPTextEncode().encode(clip, "")[0]
-        positive, negative, latent = _wan_i2v_node(positive, negative, vae, start)
-        return nodes.VAEDecode().decode(vae, nodes.common_ksampler(model_patcher, seed, steps, cfg, sampler, scheduler,
-                                                                    positive, negative, latent)[0])[0]
-
-    caplog.clear()
-    with caplog.at_level(logging.WARNING), torch.inference_mode():
-        lora_model, _ = nodes.LoraLoader().load_lora(model, clip, name, 1.0, 0.0)
-        with_lora = stock(lora_model, clips.clips[0][:1])
-        other_start = stock(lora_model, clips.clips[1][:1])
-        plain = stock(model, clips.clips[0][:1])
-    assert "lora key not loaded" not in caplog.text, caplog.text
-    assert len(lora_model.patches) == len(run.adapters.layers)
-    assert images.shape == with_lora.shape == (FRAMES, SIZE, SIZE, 3)
-    difference = (images - with_lora).abs().max().item()
-    print(f"wan21_i2v clip: validation vs LoraLoader+WanImageToVideo+KSampler: max abs diff {difference:.2e}; "
-          f"{len(run.adapters.layers)} layers")
-    assert difference <= 1e-3
-    assert (plain - with_lora).abs().max().item() > 1e-3, "the LoRA should change the clip"
-    assert (other_start - with_lora).abs().max().item() > 1e-3, "the start image should change the clip"
-    # compare_base: the base row is the MODEL alone from the same start image (8-bit PNG).
-    before_after = next(run.run_dir.validation_dir.glob("step_*_before_after.png"))
-    grid = torch.from_numpy(np.asarray(Image.open(before_after).convert("RGB"), dtype=np.float32) / 255.0)
-    torch.testing.assert_close(grid[:SIZE], torch.cat(list(plain), dim=1), atol=1 / 255 + 1e-6, rtol=0)
-
-    # A start image given to Validate is the one the clips start from.
-    with torch.inference_mode():
-        given = T.HeadroomValidate.execute(run, clip=clip, vae=vae, prompts=prompt, negative="", sample_seed=seed,
-                                           sample_steps=steps, cfg=cfg, sampler_name=sampler, scheduler=scheduler,
-                                           width=SIZE, height=SIZE, loss_timesteps=1, frames=FRAMES,
-                                           start_image=clips.clips[1][:1]).args[0]
-    assert (given - other_start).abs().max().item() <= 1e-3
-    comfy.model_management.unload_all_models()
-    after = base_weights(model)
-    assert all(torch.equal(base[k], after[k]) for k in base), "the shared MODEL's weights changed"
+    check_start_image_round_trip(_i2v_data(), _wan_i2v_node, f"i2v_roundtrip_{tmp_path.name}", "wan21_i2v",
+                                 "WanImageToVideo", SIZE, FRAMES, caplog)
 
 
 def test_the_all_in_one_node_validates_from_its_start_image(cache_dir, tmp_path):
