@@ -19,6 +19,7 @@ import torch
 
 from comfy_api.latest import io
 
+from ..training.checks import check_finite
 from ..training.data.dataset import dataset_from_folder, dataset_from_tensors, folder_signature, split_captions
 from ..training.data.video import MAX_CLIP_FRAMES, MAX_FRAMES_DEFAULT, VIDEO_EXTENSIONS, dataset_from_video_folder
 from ..training.memory.policy import OffloadPolicy
@@ -170,6 +171,7 @@ class HeadroomDatasetFromVideos(io.ComfyNode):
     def execute(cls, folder: str, resolution: int, step: int, crop: str, flip: bool, seed: int, skip_bad: bool,
                 max_frames: int = MAX_FRAMES_DEFAULT, frame_stride: int = 1, mask_folder: str = "",
                 frame_rate: float = 25.0) -> io.NodeOutput:
+        check_finite("HeadroomDatasetFromVideos", frame_rate=frame_rate)
         clips, _, masks = resolve_folders(folder, "", mask_folder)
         dataset = dataset_from_video_folder(clips, resolution=resolution, step=step, crop=crop, flip=flip, seed=seed,
                                             skip_bad=skip_bad, roots=tuple(map(Path, dataset_roots())),

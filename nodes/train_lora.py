@@ -404,6 +404,7 @@ def train_validate_save(node_cls, start, save, steps: int, validate_every: int, 
     check_checkpoint_inputs(node_cls.__name__, checkpoint_every, checkpoint_minutes)
     names = validation_names()
     validation = {k: v for k, v in inputs.items() if k in names}
+    check_finite(node_cls.__name__, **validation)  # its validations' floats (cfg, frame_rate) before any training
     run = start(**{k: v for k, v in inputs.items() if k not in names})
     note = steps_note(node_cls.__name__, run, steps, "steps")
     previews, loss, name, saved = None, float("nan"), "", []

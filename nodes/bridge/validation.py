@@ -227,7 +227,7 @@ def validate(node_cls, run: TrainingRun, clip=None, vae=None, prompts="", negati
     start_image: image-to-video models' start image(s), through their stock node (WanImageToVideo); default: the first
     cached clip's first frame. frame_rate: models that read one (LTX-2): the clips' rate, through the stock
     LTXVConditioning node; 0: the first cached clip's (video.validation_frame_rate)."""
-    check_finite(node_cls.__name__, cfg=cfg)
+    check_finite(node_cls.__name__, cfg=cfg, frame_rate=frame_rate)
     run.resolve_weights(weights)  # a wrong choice is an input error, before anything runs
     video.check_frames(node_cls.__name__, run.source_model.model, frames)
     rate = video.validation_frame_rate(node_cls.__name__, run.source_model.model, run.latent_cache, frame_rate)

@@ -617,8 +617,9 @@ def _float_call(world, node: str, name: str, value: float):
     from test_train_lora_nodes import _init
     from test_controlnet_training import _init_inputs
 
+    from headroom.nodes import cache as C
     from headroom.nodes import memory as M
-    from headroom.nodes import train_controlnet as C
+    from headroom.nodes import train_controlnet as CN
     from headroom.nodes import train_lora as T
 
     run = world["run"]
@@ -633,13 +634,13 @@ def _float_call(world, node: str, name: str, value: float):
         return _init(world["model"], world["latents"], world["texts"], f"nan_{name}", **{name: value})
     if node == "HeadroomTrainControlNetInit":
         inputs = _init_inputs(world["model"], world["latents"], world["texts"], f"nan_cn_{name}")
-        return C.HeadroomTrainControlNetInit.execute(**{**inputs, name: value})
+        return CN.HeadroomTrainControlNetInit.execute(**{**inputs, name: value})
     if node == "HeadroomTrainSteps":
         return T.HeadroomTrainSteps.execute(run, 2, **{name: value})
     if node == "HeadroomValidate":
         return T.HeadroomValidate.execute(run, clip=world["clip"], vae=world["vae"], prompts="", negative="",
-                                          sample_seed=0, sample_steps=1, cfg=value, sampler_name="euler",
-                                          scheduler="normal", width=32, height=32, loss_timesteps=1)
+                                          sample_seed=0, sample_steps=1, sampler_name="euler", scheduler="normal",
+                                          width=32, height=32, loss_timesteps=1, **{"cfg": 1.0, name: value})
     if node == "HeadroomApplyTrainedLora":
         return T.HeadroomApplyTrainedLora.execute(world["model"], run, value)
     if node == "HeadroomOffloadPolicy":
@@ -647,9 +648,12 @@ def _float_call(world, node: str, name: str, value: float):
                       checkpointing="off", checkpoint_depth=1, optimizer_state="gpu",
                       park_optimizer_during_validation=True, vae_tiled_decode="auto", encoders="unload_after_use")
         return M.HeadroomOffloadPolicy.execute(**{**inputs, name: value})
-    if node == "HeadroomTrainLora":  # the schedule is checked first, before the run is built from the other inputs
+    if node == "HeadroomTrainLora":  # checked first, before the run is built from the other inputs
         return T.HeadroomTrainLora.execute(steps=2, validate_every=0, save_every=0, lora_subfolder="x",
-                                           checkpoint_minutes=value)
+                                           **{"checkpoint_minutes": 1.0, name: value})
+    if node == "HeadroomDatasetFromVideos":  # checked before the folder is looked at
+        return C.HeadroomDatasetFromVideos.execute(folder="", resolution=64, step=16, crop="center", flip=False,
+                                                   seed=0, skip_bad=False, frame_rate=value)
     raise AssertionError(node)
 
 
@@ -666,7 +670,8 @@ FLOAT_INPUTS = [("HeadroomLoraConfig", "alpha"), ("HeadroomLoraConfig", "dropout
                 ("HeadroomTrainControlNetInit", "validation_strength"), ("HeadroomTrainSteps", "checkpoint_minutes"),
                 ("HeadroomValidate", "cfg"), ("HeadroomApplyTrainedLora", "strength"),
                 ("HeadroomOffloadPolicy", "vram_budget_gb"), ("HeadroomOffloadPolicy", "reserve_gb"),
-                ("HeadroomTrainLora", "checkpoint_minutes")]
+                ("HeadroomTrainLora", "checkpoint_minutes"), ("HeadroomValidate", "frame_rate"),
+                ("HeadroomTrainLora", "frame_rate"), ("HeadroomDatasetFromVideos", "frame_rate")]
 
 
 @pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf], ids=["nan", "inf", "-inf"])
@@ -692,6 +697,8 @@ def test_the_float_inputs_listed_here_are_all_there_are(comfyui):
         for node in module.NODES:
             schema = node.define_schema()
             declared |= {(schema.node_id, item.id) for item in schema.inputs if isinstance(item, io.Float.Input)}
-    assert declared <= set(FLOAT_INPUTS) | {("HeadroomTrainLora", n) for _, n in FLOAT_INPUTS} | {
-        ("HeadroomTrainControlNet", n) for _, n in FLOAT_INPUTS}, declared - set(FLOAT_INPUTS)
+    # The all-in-one nodes take their Init's / Validate's inputs: the same checks.
+    listed = set(FLOAT_INPUTS) | {(all_in_one, n) for _, n in FLOAT_INPUTS
+                                  for all_in_one in ("HeadroomTrainLora", "HeadroomTrainControlNet")}
+    assert declared <= listed, f"FLOAT inputs not checked here: {sorted(declared - listed)}"
     assert declared, "no FLOAT inputs found: the schema walk is wrong"
