@@ -70,7 +70,7 @@ def validation_frame_rate(node: str, model, latent_cache, given: float = 0.0) ->
     if given:
         return float(given)
     read = getattr(latent_cache, "frame_rate", None)
-    rates = [read(i) for i in range(len(latent_cache))] if read is not None else []
+    rates = (read(i) for i in range(len(latent_cache))) if read is not None else ()  # stops at the first known
     return next((rate for rate in rates if rate is not None), None)
 
 
