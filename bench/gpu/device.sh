@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The GPU kit on the borrowed GPU machine (docs/GPU_KIT.md): install the carried wheels offline, unpack the carried
+# ComfyUI, run the suite with its results in $OUT (what comes back), resuming after .gpukit/results/results.jsonl.
+# Extra arguments go to bench/gpu/suite.py. PYTHON / OUT / GPUKIT_TMP override the defaults (here: the CPU proof).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+PY=${PYTHON:-python3}
+TMP=${GPUKIT_TMP:-/tmp/gpukit}
+OUT=${OUT:-$TMP/out}
+mkdir -p "$TMP" "$OUT"
+"$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$TMP/site" .gpukit/whl/*.whl
+export PYTHONPATH="$TMP/site${PYTHONPATH:+:$PYTHONPATH}" COMFYUI_PATH="$TMP/ComfyUI" PYTHONUNBUFFERED=1
+rm -rf "$TMP/ComfyUI" && tar -xzf .gpukit/ComfyUI.tar.gz -C "$TMP"
+if [ -f .gpukit/results/results.jsonl ]; then cp .gpukit/results/results.jsonl "$OUT/results.jsonl"; fi
+cp docs/BENCHMARKS.md "$OUT/BENCHMARKS.md"
+"$PY" bench/gpu/suite.py --results "$OUT" --page "$OUT/BENCHMARKS.md" --png "$OUT/gpu_vram.png" "$@" 2>&1 | tee "$OUT/suite.log"

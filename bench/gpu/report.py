@@ -1,0 +1,239 @@
+"""The GPU kit's results page and picture, drawn from its results.jsonl (bench/gpu/suite.py) and nothing else.
+
+    python bench/gpu/report.py RESULTS.jsonl --page docs/BENCHMARKS.md --png docs/gpu_vram.png
+
+The page replaces only its own section of the Markdown file (between the two markers below; appended when absent).
+What the figures show is computed here: a planner estimate off by more than 10 %, a policy whose peak exceeds its
+budget, a budget run whose step is slower than 1.15x the resident one. The picture (PIL): peak allocated VRAM per
+model and budget, against the goal lines.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+GIB = 1024 ** 3
+BEGIN = "<!-- gpu-kit:begin (written by bench/gpu/report.py from the kit's results.jsonl; edits here are replaced) -->"
+END = "<!-- gpu-kit:end -->"
+GOALS_GB = {"flux_dev": 6.0, "sdxl": 3.0, "qwen_image": 10.0}  # the goal lines: peak VRAM at 1024 px
+PLANNER_TOLERANCE = 0.10
+STREAMED_SLOWDOWN = 1.15
+LABELS = {"flux_dev": "Flux.1-dev", "sdxl": "SDXL", "qwen_image": "Qwen-Image", "flux2_klein_9b": "Flux.2 Klein 9B",
+          "zimage": "Z-Image", "wan22_14b": "Wan 2.2 14B", "sd35_large": "SD3.5-Large"}
+
+
+def read(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def latest(records: list[dict]) -> dict[str, dict]:
+    """Each measurement's last record, in first-measured order."""
+    out: dict[str, dict] = {}
+    for record in records:
+        if record.get("type") == "measurement":
+            out.pop(record["id"], None)
+            out[record["id"]] = record
+    return out
+
+
+def _gib(value) -> str:
+    return "" if value is None else f"{value / GIB:.2f}"
+
+
+def _config_key(config: str) -> float:
+    return float("inf") if config == "resident" else float(config.removesuffix("GB"))
+
+
+def findings(measured: dict[str, dict]) -> dict[str, list[str]]:
+    """What the figures show, computed: planner misses, budget overruns, slow streamed steps, failures."""
+    out = {"planner": [], "budget": [], "speed": [], "failed": []}
+    resident = {r["model"]: r for r in measured.values() if r.get("kind") == "lora" and r["config"] == "resident"
+                and r.get("status") == "ok"}
+    for ident, r in measured.items():
+        if r.get("status") != "ok":
+            out["failed"].append(f"`{ident}`: {r.get('status')} ({(r.get('error') or '').splitlines()[0][:200]})")
+            continue
+        if r.get("kind") != "lora":
+            continue
+        peak, estimate = r.get("train_peak_allocated"), r.get("planner_train_bytes")
+        if peak and estimate and abs(estimate / peak - 1) > PLANNER_TOLERANCE:
+            out["planner"].append(f"`{ident}`: planner {estimate / GIB:.2f} GiB vs measured {peak / GIB:.2f} GiB "
+                                  f"({estimate / peak:.2f}x)")
+        budget = r.get("budget_gb")
+        reserved = r.get("train_peak_reserved")
+        if budget is not None and reserved is not None and reserved > budget * GIB:
+            out["budget"].append(f"`{ident}`: peak reserved {reserved / GIB:.2f} GiB over the {budget:g} GiB budget "
+                                 f"({r.get('policy')})")
+        base = resident.get(r["model"])
+        if budget is not None and base is not None and r.get("s_per_step") and base.get("s_per_step"):
+            ratio = r["s_per_step"] / base["s_per_step"]
+            if ratio > STREAMED_SLOWDOWN:
+                out["speed"].append(f"`{ident}`: {r['s_per_step']:.2f} s/step = {ratio:.2f}x the resident "
+                                    f"{base['s_per_step']:.2f} s ({r.get('policy')})")
+    return out
+
+
+def section(records: list[dict]) -> str:
+    measured = latest(records)
+    commands = [r for r in records if r.get("type") == "command"]
+    lefts = [r for r in records if r.get("type") == "left"]
+    machine = commands[-1]["machine"] if commands else {}
+    lines = [BEGIN, "## GPU kit: memory and speed on a GPU (`bench/gpu/suite.py`)", ""]
+    if machine.get("dry_run"):
+        lines += ["**Dry run on the CPU with the tiny models** (the CI check that the kit runs): no GPU figure below "
+                  "is a measurement of a real model.", ""]
+    gpu = machine.get("gpu")
+    total = machine.get("gpu_total_bytes")
+    lines += [
+        f"- Machine: {gpu or 'no GPU'}" + (f" ({total / GIB:.0f} GiB), driver {machine.get('driver')}" if total else "")
+        + f", {machine.get('cpus')} CPUs; how to run it: [GPU_KIT.md](GPU_KIT.md)",
+        f"- Versions: Python {machine.get('python')}, torch {machine.get('torch')} (CUDA {machine.get('cuda')}), "
+        f"ComfyUI {machine.get('comfyui')}, transformers {machine.get('transformers')}, peft {machine.get('peft')}, "
+        f"diffusers {machine.get('diffusers')}",
+        "- Dates and commands: " + "; ".join(f"{c['date']} `{c['command']}`" for c in commands),
+        "- Work: LoRA rank 16, batch 1, 1024x1024 (Wan 2.2: 832x480, 33 frames), AdamW, precision auto (bf16), random "
+        "bf16 weights of the full-size ComfyUI models, in-memory caches; through the nodes Offload Policy -> Memory "
+        "Plan -> Train LoRA: Init -> Steps -> Validate (loss). Budgets are emulated on the large card with "
+        "`torch.cuda.set_per_process_memory_fraction(budget / card)`: the caching allocator may hold no more; the "
+        "CUDA context and cuBLAS workspaces are outside it.",
+        "- Peaks: `torch.cuda.max_memory_allocated / reserved` over the timed steps (the run's memory record, phase "
+        "training) and over the validation loss; step time: median of the timed steps after the warm-up.",
+        "",
+        "![peak VRAM per model and budget](gpu_vram.png)",
+        "",
+        "| model | budget | policy (auto) | planner step GiB | peak alloc. GiB | peak reserved GiB | planner / measured "
+        "| validation peak GiB | planner validation GiB | s/step | vs resident | status |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    lora = sorted((r for r in measured.values() if r.get("kind") == "lora"),
+                  key=lambda r: (list(LABELS).index(r["model"]) if r["model"] in LABELS else 99,
+                                 _config_key(r["config"])))
+    resident = {r["model"]: r.get("s_per_step") for r in lora if r["config"] == "resident" and r.get("status") == "ok"}
+    for r in lora:
+        ratio = ""
+        peak, estimate = r.get("train_peak_allocated"), r.get("planner_train_bytes")
+        if peak and estimate:
+            ratio = f"{estimate / peak:.2f}"
+        vs = ""
+        if r.get("s_per_step") and resident.get(r["model"]):
+            vs = f"{r['s_per_step'] / resident[r['model']]:.2f}x"
+        lines.append(
+            f"| {LABELS.get(r['model'], r['model'])} | {r['config']} | {r.get('policy', '')} | "
+            f"{_gib(r.get('planner_train_bytes'))} | {_gib(r.get('train_peak_allocated'))} | "
+            f"{_gib(r.get('train_peak_reserved'))} | {ratio} | {_gib(r.get('validation_peak_allocated'))} | "
+            f"{_gib(r.get('planner_validation_bytes'))} | "
+            f"{'' if r.get('s_per_step') is None else format(r['s_per_step'], '.3f')} | {vs} | {r.get('status')} |")
+    native = [r for r in measured.values() if r.get("kind") == "native"]
+    if native:
+        lines += ["", "ComfyUI's own TrainLoraNode on the same work (bf16, gradient checkpointing, peaks over the whole "
+                  "node call):", "", "| model | offloading | peak alloc. GiB | peak reserved GiB | s/step | status |",
+                  "|---|---|---:|---:|---:|---|"]
+        for r in native:
+            lines.append(f"| {LABELS.get(r['model'], r['model'])} | {'on' if r.get('offloading') else 'off'} | "
+                         f"{_gib(r.get('peak_allocated'))} | {_gib(r.get('peak_reserved'))} | "
+                         f"{'' if r.get('s_per_step') is None else format(r['s_per_step'], '.3f')} | {r.get('status')} |")
+    tests = measured.get("cuda_tests")
+    if tests:
+        lines += ["", f"CUDA-marked tests ({', '.join(tests.get('files', [])) or 'none found'}): "
+                  f"{tests.get('passed', 0)} passed, {tests.get('failed', 0)} failed, {tests.get('skipped', 0)} "
+                  f"skipped, {tests.get('errors', 0)} errors ({tests.get('status')})."]
+    found = findings(measured)
+    lines += ["", "What the figures show (computed from the JSON):", ""]
+    lines.append(f"- Planner off by more than {PLANNER_TOLERANCE:.0%} (training step, allocated): "
+                 + ("; ".join(found["planner"]) if found["planner"] else "none"))
+    lines.append("- Policies whose peak exceeds their budget: " + ("; ".join(found["budget"]) if found["budget"] else "none"))
+    lines.append(f"- Budget runs slower than {STREAMED_SLOWDOWN}x the resident step: "
+                 + ("; ".join(found["speed"]) if found["speed"] else "none"))
+    lines.append("- Not measured (failed, out of memory or crashed): "
+                 + ("; ".join(found["failed"]) if found["failed"] else "none"))
+    left = lefts[-1]["ids"] if lefts else []
+    lines.append("- Left for the next command (time guard): " + (", ".join(f"`{i}`" for i in left) if left else "none"))
+    lines.append(END)
+    return "\n".join(lines) + "\n"
+
+
+def write_page(page: Path, text: str) -> None:
+    """Replace the kit's own section of `page` (or append it), temp-then-rename."""
+    old = page.read_text(encoding="utf-8") if page.exists() else ""
+    if BEGIN in old and END in old:
+        head, rest = old.split(BEGIN, 1)
+        new = head + text.rstrip("\n") + rest.split(END, 1)[1]
+    else:
+        new = old.rstrip("\n") + ("\n\n" if old else "") + text
+    temp = page.with_name(page.name + ".tmp")
+    temp.write_text(new, encoding="utf-8")
+    os.replace(temp, page)
+
+
+def draw(records: list[dict], png: Path) -> None:
+    """Grouped bars: peak allocated GiB of each model's runs (budgets ascending, then resident), each budget as a
+    tick on its bar, the goal lines in red."""
+    from PIL import Image, ImageDraw
+
+    measured = latest(records)
+    runs: dict[str, list[dict]] = {}
+    for r in sorted((r for r in measured.values() if r.get("kind") == "lora"), key=lambda r: _config_key(r["config"])):
+        runs.setdefault(r["model"], []).append(r)
+    models = [m for m in LABELS if m in runs] + [m for m in runs if m not in LABELS]
+    peaks = [r.get("train_peak_allocated") or 0 for rs in runs.values() for r in rs]
+    top = max([p / GIB for p in peaks] + [*GOALS_GB.values(), 24.0]) * 1.1
+    width, height, left, bottom, top_margin = 1200, 560, 70, 90, 40
+    image = Image.new("RGB", (width, height), "white")
+    pen = ImageDraw.Draw(image)
+    plot_h = height - bottom - top_margin
+
+    def y(gib: float) -> float:
+        return height - bottom - plot_h * gib / top
+
+    for tick in range(0, int(top) + 1, 8 if top > 40 else 4):
+        pen.line([(left, y(tick)), (width - 20, y(tick))], fill=(225, 225, 225))
+        pen.text((8, y(tick) - 6), f"{tick} GiB", fill="black")
+    pen.text((left, 10), "Peak allocated VRAM of a training step per model and budget (grey: no figure); red: goal",
+             fill="black")
+    group = (width - left - 20) / max(1, len(models))
+    for index, model in enumerate(models):
+        x0 = left + index * group + 8
+        bars = runs[model]
+        bar = (group - 16) / max(1, len(bars))
+        for j, r in enumerate(bars):
+            peak = (r.get("train_peak_allocated") or 0) / GIB
+            colour = (70, 120, 200) if r.get("status") == "ok" and peak else (190, 190, 190)
+            bx = x0 + j * bar
+            pen.rectangle([bx + 2, y(peak if peak else top * 0.02), bx + bar - 2, y(0)], fill=colour)
+            if r.get("budget_gb"):
+                pen.line([(bx + 1, y(r["budget_gb"])), (bx + bar - 1, y(r["budget_gb"]))], fill="black", width=2)
+            pen.text((bx + 2, height - bottom + 4), r["config"].replace("GB", "").replace("resident", "res"),
+                     fill="black")
+        goal = GOALS_GB.get(model)
+        if goal is not None:
+            pen.line([(x0, y(goal)), (x0 + group - 16, y(goal))], fill=(220, 30, 30), width=3)
+            pen.text((x0, y(goal) - 14), f"goal {goal:g} GB", fill=(220, 30, 30))
+        pen.text((x0, height - bottom + 22), LABELS.get(model, model), fill="black")
+    pen.text((left, height - 40), "bars: budgets in GB (black tick: the budget), res = resident; "
+             "budgets emulated with torch.cuda.set_per_process_memory_fraction", fill="black")
+    png.parent.mkdir(parents=True, exist_ok=True)
+    temp = png.with_name(png.name + ".tmp.png")
+    image.save(temp)
+    os.replace(temp, png)
+
+
+def write(records: list[dict], page: Path | None = None, png: Path | None = None) -> None:
+    if page is not None:
+        write_page(page, section(records))
+    if png is not None:
+        draw(records, png)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("results", type=Path, help="the kit's results.jsonl")
+    parser.add_argument("--page", type=Path, help="Markdown file whose GPU section is replaced (or appended)")
+    parser.add_argument("--png", type=Path, help="where to draw the picture")
+    args = parser.parse_args()
+    write(read(args.results), args.page, args.png)
+
+
+if __name__ == "__main__":
+    main()

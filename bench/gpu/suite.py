@@ -1,0 +1,518 @@
+"""GPU kit: every memory and speed figure of docs/BENCHMARKS.md's GPU section, measured in one go on a borrowed GPU.
+
+Runs ComfyUI in-process and drives Headroom's node classes as a workflow runs them (Offload Policy -> Memory Plan
+(auto) -> Train LoRA: Init -> Train LoRA: Steps -> Validate LoRA (loss only)) on full-size models built from ComfyUI's
+own classes with random bf16 weights (tests/realsize_models.py: nothing is downloaded). Per model: the resident run
+and the planner's auto policy for each budget (6, 8, 12, 16, 24 GB), each budget emulated on the large card with
+torch.cuda.set_per_process_memory_fraction(budget / card total). Then ComfyUI's own TrainLoraNode on SDXL and
+Flux-dev (offloading off / on), and the CUDA-marked tests. LoRA rank 16, batch 1, 1024 px (Wan: 832x480, 33 frames).
+
+The caches are in memory (tests/memory_caches.py): random latents of the model's latent format and random
+conditioning of the widths the model expects, so no text encoder or VAE is built and the figures are those of the
+training step and the validation loss.
+
+Each result is appended to <results>/results.jsonl as it is measured; a later command skips what is there (a
+measurement that killed its process is recorded as "crashed" and not retried). A time guard stops starting new
+measurements after --minutes and records what is left. Ordered by value: Flux-dev and SDXL resident, 16 and 8 GB
+first. The page (docs/BENCHMARKS.md's GPU section) and the picture are drawn from the JSON (bench/gpu/report.py).
+
+    python3 bench/gpu/suite.py --results .gpukit/results --page $OUT/BENCHMARKS.md --png $OUT/gpu_vram.png
+    python bench/gpu/suite.py --dry-run --results /tmp/kit      # the same path on the CPU with the tiny models
+
+docs/GPU_KIT.md says how to run it on the borrowed machine (what travels, the commands).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import gc
+import importlib.util
+import json
+import os
+import platform
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+GIB = 1024 ** 3
+BUDGETS = (6, 8, 12, 16, 24)  # GB the planner's auto policy is asked to fit
+RESULTS_FILE = "results.jsonl"
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    arch: str  # tests/realsize_models.ARCHITECTURES
+    tiny: str  # the built-in tiny family the dry run uses instead
+    label: str
+    width: int = 1024
+    height: int = 1024
+    frames: int = 1  # video: frames of the training clip
+
+
+MODELS = {
+    "flux_dev": Model("flux_dev", "flux", "Flux.1-dev"),
+    "sdxl": Model("sdxl", "sdxl", "SDXL"),
+    "qwen_image": Model("qwen_image", "qwen_image", "Qwen-Image"),
+    "flux2_klein_9b": Model("flux2_klein_9b", "flux2", "Flux.2 Klein 9B"),
+    "zimage": Model("zimage", "zimage", "Z-Image"),
+    "wan22_14b": Model("wan21_14b", "wan21", "Wan 2.2 14B (one expert)", 832, 480, 33),
+    "sd35_large": Model("sd35_large", "sd3", "SD3.5-Large"),
+}
+NATIVE_MODELS = ("sdxl", "flux_dev")  # ComfyUI's TrainLoraNode on the same work
+
+
+def plan(models: list[str], budgets: list[float]) -> list[tuple[str, str, list[str]]]:
+    """The measurements in order of value, as (kind, model, configs): configs "resident" or a budget in GB; one
+    model build per entry. Flux-dev and SDXL at 16 / 8 GB and resident come first (the first command's share)."""
+    first = [b for b in budgets if b in (16, 8)]
+    rest = [b for b in budgets if b not in first]
+    steps: list[tuple[str, str, list[str]]] = [("cuda_tests", "", [])]
+    head = [m for m in ("flux_dev", "sdxl") if m in models]
+    steps += [("lora", m, ["resident", *map(_config, first)]) for m in head]
+    steps += [("lora", m, list(map(_config, rest))) for m in head if rest]
+    steps += [("native", m, ["offload_off", "offload_on"]) for m in NATIVE_MODELS if m in models]
+    steps += [("lora", m, ["resident", *map(_config, budgets)]) for m in models if m not in head]
+    return steps
+
+
+def _config(budget: float) -> str:
+    return f"{budget:g}GB"
+
+
+def measurement_id(kind: str, model: str, config: str) -> str:
+    return "/".join(part for part in (kind, model, config) if part)
+
+
+# --- results ----------------------------------------------------------------------------------------------------
+class Results:
+    """results.jsonl: one JSON object per line, appended and flushed as each measurement ends."""
+
+    def __init__(self, folder: Path):
+        folder.mkdir(parents=True, exist_ok=True)
+        self.path = folder / RESULTS_FILE
+        self.records = read_results(self.path)
+
+    def done(self) -> set[str]:
+        return {r["id"] for r in self.records if r.get("type") == "measurement"}
+
+    def crashed(self) -> list[str]:
+        """Started by an earlier command that never recorded an end: its process died (killed at the time limit,
+        or a crash)."""
+        started = [r["id"] for r in self.records if r.get("type") == "started"]
+        return [i for i in dict.fromkeys(started) if i not in self.done()]
+
+    def add(self, record: dict) -> None:
+        self.records.append(record)
+        with open(self.path, "a", encoding="utf-8") as handle:
+            handle.write(json.dumps(record) + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+
+
+def read_results(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:  # a line cut by a killed process: the measurement is retried
+                continue
+    return records
+
+
+# --- ComfyUI in-process -------------------------------------------------------------------------------------------
+def _import(name: str, path: Path, package: bool = False):
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path, submodule_search_locations=[str(path.parent)] if package else None)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def import_comfyui(cpu: bool) -> None:
+    """ComfyUI in-process as tests/comfy_harness.py imports it (found the same way: $COMFYUI_PATH first), with a
+    throw-away base directory; on the GPU unless `cpu`; Headroom as the package `headroom`."""
+    harness = _import("comfy_harness", REPO_ROOT / "tests" / "comfy_harness.py")
+    if harness.COMFYUI_PATH is None:
+        sys.exit(f"gpu kit: {harness.COMFYUI_FOUND_BY}")
+    if str(harness.COMFYUI_PATH) not in sys.path:
+        sys.path.insert(0, str(harness.COMFYUI_PATH))
+    import comfy.options
+
+    comfy.options.enable_args_parsing(False)
+    from comfy.cli_args import args
+
+    args.cpu = cpu
+    args.base_directory = tempfile.mkdtemp(prefix="headroom-gpukit-")
+    import comfy.model_management  # noqa: F401  (reads args at import)
+    import folder_paths  # noqa: F401
+
+    _import("headroom", REPO_ROOT / "__init__.py", package=True)
+    _import("memory_caches", REPO_ROOT / "tests" / "memory_caches.py")
+    _import("realsize_models", REPO_ROOT / "tests" / "realsize_models.py")
+
+
+def comfyui_version() -> str:
+    try:
+        import comfyui_version
+
+        return comfyui_version.__version__
+    except ImportError:
+        return "unknown"
+
+
+# --- models and data ----------------------------------------------------------------------------------------------
+def build_model(name: str, dry_run: bool):
+    """The MODEL as a loader leaves it: weights in host RAM (the offload device), loaded by the nodes when needed.
+    Full size: random bf16 weights made on the GPU (fast), then moved to host RAM."""
+    import comfy.model_management as mm
+
+    if dry_run:
+        from headroom.nodes.bridge.tiny_models import build_tiny_model_patcher
+
+        return build_tiny_model_patcher(MODELS[name].tiny, disable_dynamic=True)
+    import realsize_models
+
+    with torch.inference_mode():  # as ComfyUI's loaders make models
+        patcher = realsize_models.build_model(MODELS[name].arch, device=mm.get_torch_device())
+        patcher.model.to(patcher.offload_device)
+        patcher.model.device = patcher.offload_device
+    free_device()
+    return patcher
+
+
+def shape(name: str, dry_run: bool) -> tuple[int, int, int]:
+    """(width, height, frames) of the training item."""
+    spec = MODELS[name]
+    if dry_run:
+        return 64, 64, 5 if spec.frames > 1 else 1
+    return spec.width, spec.height, spec.frames
+
+
+def text_tokens(name: str, dry_run: bool) -> int:
+    import realsize_models
+
+    return 8 if dry_run else int(realsize_models.ARCHITECTURES[MODELS[name].arch]["text_tokens"])
+
+
+def caches(patcher, width: int, height: int, frames: int, tokens: int):
+    """In-memory LATENT_CACHE / TEXT_CACHE of two items of this size (random latents of the model's format, random
+    conditioning of the widths the model expects)."""
+    from memory_caches import MemoryLatentCache, MemoryTextCache
+
+    from headroom.nodes.bridge import video
+    from headroom.nodes.bridge.families import family_of
+    from headroom.nodes.bridge.planning import calibration_cond
+
+    model = patcher.model
+    family = family_of(model)
+    downscale = family.latent_downscale if family else 8
+    latent_frames = video.check_frames("gpu kit", model, frames)
+    extra = (latent_frames,) * (model.latent_format.latent_dimensions - 2)
+    generator = torch.Generator().manual_seed(0)
+    latents = [torch.randn(model.latent_format.latent_channels, *extra, height // downscale, width // downscale,
+                           generator=generator) for _ in range(2)]
+    zeros = calibration_cond(model, tokens, torch.device("cpu"))
+    cond = {key: torch.randn(value.shape, generator=generator) * 0.5 for key, value in zeros.items()}
+    bucket = (width, height, frames) if frames > 1 else (width, height)
+    return (MemoryLatentCache(latents, ["caption", "caption"], {bucket: [0, 1]}),
+            MemoryTextCache({"caption": cond}, {key: torch.zeros_like(value) for key, value in cond.items()}))
+
+
+def free_device() -> None:
+    import comfy.model_management as mm
+
+    mm.unload_all_models()
+    gc.collect()
+    mm.soft_empty_cache(True)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+class Budget:
+    """The budget emulated on a larger card: the caching allocator may hold at most `gb` GiB of this process
+    (torch.cuda.set_per_process_memory_fraction); None: the whole card. A no-op without CUDA."""
+
+    def __init__(self, gb: float | None, device):
+        self.gb, self.device = gb, device
+
+    def __enter__(self):
+        if self.device.type == "cuda" and self.gb is not None:
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, self.gb * GIB / total), self.device)
+        return self
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            torch.cuda.set_per_process_memory_fraction(1.0, self.device)
+        return False
+
+
+# --- one Headroom LoRA run through the nodes ---------------------------------------------------------------------
+def lora_run(patcher, name: str, config: str, args) -> dict:
+    """Offload Policy -> Memory Plan -> Init -> Steps (warm-up, then the timed steps) -> Validate (loss only)."""
+    from headroom.nodes import memory as M, train_lora as T
+    from headroom.training.memory.oom import is_out_of_memory
+    from headroom.training.memory.policy import OffloadPolicy
+
+    device = torch.device(patcher.load_device)
+    width, height, frames = shape(name, args.dry_run)
+    tokens = text_tokens(name, args.dry_run)
+    latent_cache, text_cache = caches(patcher, width, height, frames, tokens)
+    budget = None if config == "resident" else float(config.removesuffix("GB"))
+    inputs = {field: default for field, _, default in OffloadPolicy.node_inputs()}
+    inputs["vram_budget_gb"] = budget or 0.0  # 0: auto (the resident run: the whole card)
+    policy = M.HeadroomOffloadPolicy.execute(**inputs).args[0]
+    record = {"width": width, "height": height, "frames": frames, "text_tokens": tokens, "budget_gb": budget}
+    started = time.perf_counter()
+    _, plan_json, chosen = M.HeadroomMemoryPlan.execute(
+        patcher, "estimate" if budget is None else "auto", 1, width, height, 16, "preset", "AdamW", "auto", tokens,
+        policy=policy, frames=frames).args
+    plan = json.loads(plan_json)
+    phases = {p["phase"]: p["total_bytes"] for p in plan["phases"]}
+    record.update(plan_seconds=time.perf_counter() - started, policy=chosen.describe(), policy_fields=chosen.to_dict(),
+                  plan_fits=plan["fits"], plan_reason=plan["reason"],
+                  planner_train_bytes=phases.get("training step"), planner_validation_bytes=phases.get("validation"))
+    free_device()
+    lora = T.HeadroomLoraConfig.execute("lora", 16, 16.0, "preset", False, 0.0, 0).args[0]
+    optimizer = T.HeadroomOptimizerConfig.execute("AdamW", 1e-4, 0.0, "constant", 0, 1000).args[0]
+    run = None
+    try:
+        with Budget(budget, device), torch.inference_mode():  # as ComfyUI runs nodes
+            run = T.HeadroomTrainLoraInit.execute(
+                model=patcher, latent_cache=latent_cache, text_cache=text_cache, lora_config=lora,
+                optimizer_config=optimizer, run_name=f"gpukit_{name}_{config}", seed=0, batch_size=1,
+                grad_accumulation=1, precision="auto", max_grad_norm=1.0, caption_dropout=0.0,
+                timestep_sampling="uniform", loss_weighting="none", min_snr_gamma=5.0, noise_offset=0.0,
+                gradient_checkpointing=False, checkpoint_depth=1, holdout=0, policy=chosen).args[0]
+            record["precision"] = run.trainer.config.precision
+            T.HeadroomTrainSteps.execute(run, args.warmup)  # loads the model, kernels, allocator, optimizer state
+            T.HeadroomTrainSteps.execute(run, args.warmup + args.steps)
+            training = [p for p in run.record.memory.phases if p["phase"] == "training"][-1]
+            T.HeadroomValidate.execute(run, clip=None, vae=None, prompts="", negative="", sample_seed=0,
+                                       sample_steps=1, cfg=1.0, sampler_name="euler", scheduler="simple", width=width,
+                                       height=height, loss_timesteps=2)
+            validation = [p for p in run.record.memory.phases if p["phase"] == "validation"][-1]
+        record.update(status="ok", s_per_step=statistics.median(step_seconds(run, args.warmup)),
+                      train_peak_allocated=training.get("peak_allocated_bytes"),
+                      train_peak_reserved=training.get("peak_reserved_bytes"),
+                      train_peak_rss=training.get("peak_rss_bytes"),
+                      validation_peak_allocated=validation.get("peak_allocated_bytes"),
+                      validation_peak_reserved=validation.get("peak_reserved_bytes"),
+                      loss=float(run.trainer.last_loss))
+    except Exception as error:  # an out-of-memory error is a result; anything else too, with its traceback
+        record.update(status="oom" if is_out_of_memory(error) or "out of memory" in str(error).lower() else "failed",
+                      error=_short(error), traceback=traceback.format_exc()[-3000:])
+    finally:
+        if run is not None:
+            run.release()
+        del run
+        free_device()
+    return record
+
+
+def step_seconds(run, warmup: int) -> list[float]:
+    """Each timed step's wall time, from the run's per-step figures (the mean since the Steps call started)."""
+    figures = run.step_figures
+    steps = sorted(s for s in figures if s > warmup)
+    out, previous = [], 0.0
+    for index, step in enumerate(steps, start=1):
+        total = figures[step][1] * index
+        out.append(total - previous)
+        previous = total
+    return out
+
+
+def _short(error: BaseException) -> str:
+    text = f"{type(error).__name__}: {error}"
+    return text if len(text) <= 600 else text[:600] + "..."
+
+
+# --- ComfyUI's TrainLoraNode ------------------------------------------------------------------------------------
+def native_run(patcher, name: str, config: str, args) -> dict:
+    """ComfyUI's TrainLoraNode on the same work (bf16, gradient checkpointing, AdamW, rank 16, batch 1): peak
+    allocated / reserved over the whole node call and its seconds per step (bench/bench_train_step.native_train)."""
+    from headroom.nodes.bridge.planning import calibration_cond
+    from headroom.training.memory.oom import is_out_of_memory
+
+    bench = _import("bench_train_step", REPO_ROOT / "bench" / "bench_train_step.py")
+    device = torch.device(patcher.load_device)
+    width, height, frames = shape(name, args.dry_run)
+    latent_cache, _ = caches(patcher, width, height, frames, text_tokens(name, args.dry_run))
+    samples = torch.stack([latent_cache.latent(i) for i in range(len(latent_cache))])
+    cond = calibration_cond(patcher.model, text_tokens(name, args.dry_run), torch.device("cpu"))
+    extra = {"pooled_output": cond["pooled_output"][None]} if "pooled_output" in cond else {}
+    positive = [[torch.randn(cond["cross_attn"].shape)[None] * 0.5, extra] for _ in range(len(latent_cache))]
+    offloading = config == "offload_on"
+    record = {"width": width, "height": height, "offloading": offloading, "gradient_checkpointing": True,
+              "training_dtype": "bf16"}
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    try:
+        timing = bench.native_train(patcher, samples, positive, steps=args.warmup + args.steps, batch=1, lr=1e-4,
+                                    rank=16, dtype="bf16", checkpointing=True, offloading=offloading)
+        record.update(status="ok", s_per_step=timing.get("step_wall"), seconds=timing["total"])
+        if device.type == "cuda":
+            record.update(peak_allocated=torch.cuda.max_memory_allocated(device),
+                          peak_reserved=torch.cuda.max_memory_reserved(device))
+    except Exception as error:
+        record.update(status="oom" if is_out_of_memory(error) or "out of memory" in str(error).lower() else "failed",
+                      error=_short(error), traceback=traceback.format_exc()[-3000:])
+    finally:
+        free_device()
+    return record
+
+
+# --- the CUDA-marked tests ----------------------------------------------------------------------------------------
+CUDA_MARKERS = re.compile(r"skipif\(\s*not torch\.cuda\.is_available\(\)|mark\.cuda\b|requires_cuda")
+
+
+def cuda_test_files() -> list[str]:
+    """Test files with a CUDA marker (a skipif on torch.cuda.is_available(), pytest.mark.cuda)."""
+    return sorted(str(path.relative_to(REPO_ROOT)) for path in (REPO_ROOT / "tests").rglob("test_*.py")
+                  if CUDA_MARKERS.search(path.read_text(encoding="utf-8")))
+
+
+def cuda_tests(timeout: float) -> dict:
+    files = cuda_test_files()
+    record = {"files": files}
+    if not files:
+        return {**record, "status": "ok", "passed": 0, "failed": 0, "skipped": 0, "errors": 0}
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files]
+    try:
+        done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout,
+                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    except subprocess.TimeoutExpired:
+        return {**record, "status": "failed", "error": f"pytest ran past {timeout:.0f} s"}
+    summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
+    counts = {key: int(n) for n, key in re.findall(r"(\d+) (passed|failed|skipped|errors?)", summary)}
+    record.update(status="ok" if done.returncode in (0, 5) else "failed", returncode=done.returncode, summary=summary,
+                  passed=counts.get("passed", 0), failed=counts.get("failed", 0), skipped=counts.get("skipped", 0),
+                  errors=counts.get("errors", counts.get("error", 0)))
+    if done.returncode not in (0, 5):
+        record["output"] = (done.stdout + done.stderr)[-4000:]
+    return record
+
+
+# --- the machine ----------------------------------------------------------------------------------------------------
+def machine(dry_run: bool) -> dict:
+    info = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+            "comfyui": comfyui_version(), "host": platform.machine(), "cpus": os.cpu_count(), "dry_run": dry_run}
+    if torch.cuda.is_available() and not dry_run:
+        props = torch.cuda.get_device_properties(0)
+        info.update(gpu=props.name, gpu_total_bytes=props.total_memory,
+                    driver=_driver_version())
+    else:
+        info.update(gpu=None, gpu_total_bytes=None)
+    for package in ("transformers", "peft", "diffusers", "safetensors", "numpy"):
+        try:
+            info[package] = __import__(package).__version__
+        except Exception:
+            info[package] = None
+    return info
+
+
+def _driver_version() -> str | None:
+    try:
+        done = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=20)
+        return done.stdout.strip() or None
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+
+
+# --- main -------------------------------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--results", type=Path, required=True, help="folder of results.jsonl (resumed when present)")
+    parser.add_argument("--dry-run", action="store_true", help="the same path on the CPU with the tiny models")
+    parser.add_argument("--models", default=",".join(MODELS), help=f"comma list of {', '.join(MODELS)}")
+    parser.add_argument("--budgets", default=",".join(map(str, BUDGETS)), help="comma list of budgets in GB")
+    parser.add_argument("--steps", type=int, default=4, help="timed steps per run (after the warm-up)")
+    parser.add_argument("--warmup", type=int, default=1, help="warm-up steps per run")
+    parser.add_argument("--minutes", type=float, default=8.0, help="start no new measurement after this many minutes")
+    parser.add_argument("--no-native", action="store_true", help="leave ComfyUI's TrainLoraNode out")
+    parser.add_argument("--no-cuda-tests", action="store_true", help="leave the CUDA-marked tests out")
+    parser.add_argument("--page", type=Path, help="write the GPU section into this Markdown file (its own section only)")
+    parser.add_argument("--png", type=Path, help="draw the peak-VRAM picture here")
+    args = parser.parse_args(argv)
+    started = time.monotonic()
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    unknown = [m for m in models if m not in MODELS]
+    if unknown:
+        parser.error(f"unknown models {unknown}; known: {', '.join(MODELS)}")
+    budgets = [float(b) for b in args.budgets.split(",") if b.strip()]
+    if not args.dry_run and not torch.cuda.is_available():
+        print("gpu kit: no CUDA device here. Run it on a GPU machine (docs/GPU_KIT.md), or --dry-run on the CPU.")
+        return 2
+    results = Results(args.results)
+    command = " ".join(shlex.quote(a) for a in [Path(sys.argv[0]).name if argv is None else "suite.py",
+                                                *(sys.argv[1:] if argv is None else argv)])
+    import_comfyui(cpu=args.dry_run)
+    results.add({"type": "command", "command": command, "date": datetime.datetime.now(datetime.timezone.utc)
+                 .isoformat(timespec="seconds"), "machine": machine(args.dry_run)})
+    for lost in results.crashed():
+        results.add({"type": "measurement", "id": lost, "status": "crashed",
+                     "error": "the process ended inside this measurement (time limit or crash); not retried"})
+    steps = plan(models, budgets)
+    if args.no_cuda_tests:
+        steps = [s for s in steps if s[0] != "cuda_tests"]
+    if args.no_native:
+        steps = [s for s in steps if s[0] != "native"]
+    left: list[str] = []
+    for kind, name, configs in steps:
+        todo = [c for c in configs or [""] if measurement_id(kind, name, c) not in results.done()]
+        if not todo:
+            continue
+        if (time.monotonic() - started) / 60 > args.minutes:
+            left += [measurement_id(kind, name, c) for c in todo]
+            continue
+        patcher = None
+        for config in todo:
+            ident = measurement_id(kind, name, config)
+            if (time.monotonic() - started) / 60 > args.minutes:
+                left.append(ident)
+                continue
+            results.add({"type": "started", "id": ident})
+            print(f"gpu kit: {ident} ...", flush=True)
+            t0 = time.perf_counter()
+            try:
+                if kind == "cuda_tests":
+                    record = cuda_tests(timeout=max(60.0, args.minutes * 60 - (time.monotonic() - started)))
+                else:
+                    if patcher is None:
+                        patcher = build_model(name, args.dry_run)
+                    record = (lora_run if kind == "lora" else native_run)(patcher, name, config, args)
+            except Exception as error:  # the model did not build, say: recorded, the kit goes on
+                record = {"status": "failed", "error": _short(error), "traceback": traceback.format_exc()[-3000:]}
+            record.update(type="measurement", id=ident, kind=kind, model=name, config=config,
+                          seconds=time.perf_counter() - t0)
+            results.add(record)
+            print(f"gpu kit: {ident}: {record['status']} in {record['seconds']:.0f} s", flush=True)
+        del patcher
+        free_device()
+    results.add({"type": "left", "ids": left, "minutes": (time.monotonic() - started) / 60})
+    if args.page or args.png:
+        report = _import("gpukit_report", Path(__file__).resolve().parent / "report.py")
+        report.write(results.records, page=args.page, png=args.png)
+    print(f"gpu kit: {len(results.done())} measurements recorded, {len(left)} left for the next command "
+          f"({results.path})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
