@@ -1,7 +1,7 @@
 """Real-size models from ComfyUI's own classes, with seeded random weights (nothing is downloaded).
 
 Shared by the real-size test tier (tests/realsize/test_realsize.py, tests/realsize_worker.py) and the benchmarks
-(bench/bench_realsize.py, bench/bench_memory_gpu.py). Each builder mirrors nodes/bridge/tiny_models.py at real width:
+(bench/bench_realsize.py, bench/gpu/suite.py). Each builder mirrors nodes/bridge/tiny_models.py at real width:
 
 - diffusion models: the `unet_config` ComfyUI's model_detection derives from the released checkpoints, through
   `model_config_from_unet_config` -> `supported_models` config -> `model_base` model -> ModelPatcher. SDXL is

@@ -15,7 +15,8 @@ import os
 from pathlib import Path
 
 GIB = 1024 ** 3
-BEGIN = "<!-- gpu-kit:begin (written by bench/gpu/report.py from the kit's results.jsonl; edits here are replaced) -->"
+BEGIN_MARK = "<!-- gpu-kit:begin"
+BEGIN = BEGIN_MARK + " (written by bench/gpu/report.py from the kit's results.jsonl; edits here are replaced) -->"
 END = "<!-- gpu-kit:end -->"
 GOALS_GB = {"flux_dev": 6.0, "sdxl": 3.0, "qwen_image": 10.0}  # the goal lines: peak VRAM at 1024 px
 PLANNER_TOLERANCE = 0.10
@@ -33,7 +34,6 @@ def latest(records: list[dict]) -> dict[str, dict]:
     out: dict[str, dict] = {}
     for record in records:
         if record.get("type") == "measurement":
-            out.pop(record["id"], None)
             out[record["id"]] = record
     return out
 
@@ -42,8 +42,11 @@ def _gib(value) -> str:
     return "" if value is None else f"{value / GIB:.2f}"
 
 
-def _config_key(config: str) -> float:
-    return float("inf") if config == "resident" else float(config.removesuffix("GB"))
+def _config_key(config: str) -> tuple:
+    """Budgets ascending, then resident, then the named policies."""
+    if config.endswith("GB"):
+        return (0, float(config.removesuffix("GB")), "")
+    return (1, 0.0, "") if config == "resident" else (2, 0.0, config)
 
 
 def findings(measured: dict[str, dict]) -> dict[str, list[str]]:
@@ -103,7 +106,7 @@ def section(records: list[dict]) -> str:
         "",
         "![peak VRAM per model and budget](gpu_vram.png)",
         "",
-        "| model | budget | policy (auto) | planner step GiB | peak alloc. GiB | peak reserved GiB | planner / measured "
+        "| model | budget GiB / policy | policy run | planner step GiB | peak alloc. GiB | peak reserved GiB | planner / measured "
         "| validation peak GiB | planner validation GiB | s/step | vs resident | status |",
         "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
@@ -157,8 +160,8 @@ def section(records: list[dict]) -> str:
 def write_page(page: Path, text: str) -> None:
     """Replace the kit's own section of `page` (or append it), temp-then-rename."""
     old = page.read_text(encoding="utf-8") if page.exists() else ""
-    if BEGIN in old and END in old:
-        head, rest = old.split(BEGIN, 1)
+    if BEGIN_MARK in old and END in old.split(BEGIN_MARK, 1)[1]:
+        head, rest = old.split(BEGIN_MARK, 1)
         new = head + text.rstrip("\n") + rest.split(END, 1)[1]
     else:
         new = old.rstrip("\n") + ("\n\n" if old else "") + text
@@ -174,7 +177,8 @@ def draw(records: list[dict], png: Path) -> None:
 
     measured = latest(records)
     runs: dict[str, list[dict]] = {}
-    for r in sorted((r for r in measured.values() if r.get("kind") == "lora"), key=lambda r: _config_key(r["config"])):
+    for r in sorted((r for r in measured.values() if r.get("kind") == "lora" and not r["config"].startswith("policy-")),
+                    key=lambda r: _config_key(r["config"])):
         runs.setdefault(r["model"], []).append(r)
     models = [m for m in LABELS if m in runs] + [m for m in runs if m not in LABELS]
     peaks = [r.get("train_peak_allocated") or 0 for rs in runs.values() for r in rs]
@@ -211,7 +215,7 @@ def draw(records: list[dict], png: Path) -> None:
             pen.line([(x0, y(goal)), (x0 + group - 16, y(goal))], fill=(220, 30, 30), width=3)
             pen.text((x0, y(goal) - 14), f"goal {goal:g} GB", fill=(220, 30, 30))
         pen.text((x0, height - bottom + 22), LABELS.get(model, model), fill="black")
-    pen.text((left, height - 40), "bars: budgets in GB (black tick: the budget), res = resident; "
+    pen.text((left, height - 40), "bars: budgets in GiB (black tick: the budget), res = resident; "
              "budgets emulated with torch.cuda.set_per_process_memory_fraction", fill="black")
     png.parent.mkdir(parents=True, exist_ok=True)
     temp = png.with_name(png.name + ".tmp.png")

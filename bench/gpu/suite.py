@@ -3,9 +3,10 @@
 Runs ComfyUI in-process and drives Headroom's node classes as a workflow runs them (Offload Policy -> Memory Plan
 (auto) -> Train LoRA: Init -> Train LoRA: Steps -> Validate LoRA (loss only)) on full-size models built from ComfyUI's
 own classes with random bf16 weights (tests/realsize_models.py: nothing is downloaded). Per model: the resident run
-and the planner's auto policy for each budget (6, 8, 12, 16, 24 GB), each budget emulated on the large card with
+and the planner's auto policy for each budget (6, 8, 12, 16, 24 GiB), each budget emulated on the large card with
 torch.cuda.set_per_process_memory_fraction(budget / card total). Then ComfyUI's own TrainLoraNode on SDXL and
-Flux-dev (offloading off / on), and the CUDA-marked tests. LoRA rank 16, batch 1, 1024 px (Wan: 832x480, 33 frames).
+Flux-dev (offloading off / on), the CUDA-marked tests and, last, each named policy (POLICIES) as given on Flux-dev,
+SDXL and SD3.5-Large. LoRA rank 16, batch 1, 1024 px (Wan: 832x480, 33 frames).
 
 The caches are in memory (tests/memory_caches.py): random latents of the model's latent format and random
 conditioning of the widths the model expects, so no text encoder or VAE is built and the figures are those of the
@@ -69,10 +70,22 @@ MODELS = {
     "sd35_large": Model("sd35_large", "sd3", "SD3.5-Large"),
 }
 NATIVE_MODELS = ("sdxl", "flux_dev")  # ComfyUI's TrainLoraNode on the same work
+# Named policies measured as given (Memory Plan in estimate mode, no budget), last: each memory feature's own cost.
+# The bitsandbytes storages (int8, nf4) are left out: bitsandbytes does not travel (docs/GPU_KIT.md).
+POLICIES = {
+    "ckpt": {"checkpointing": "blocks"},
+    "ckpt_offload": {"checkpointing": "blocks_cpu_offload"},
+    "fp8_ckpt": {"base_storage": "fp8", "checkpointing": "blocks"},
+    "streamed_ckpt": {"base_placement": "streamed", "checkpointing": "blocks"},
+    "streamed_ckpt_offload": {"base_placement": "streamed", "checkpointing": "blocks_cpu_offload"},
+    "streamed_ckpt_offload_hostopt": {"base_placement": "streamed", "checkpointing": "blocks_cpu_offload",
+                                      "optimizer_state": "cpu"},
+}
+POLICY_MODELS = ("flux_dev", "sdxl", "sd35_large")
 
 
-def plan(models: list[str], budgets: list[float]) -> list[tuple[str, str, list[str]]]:
-    """The measurements in order of value, as (kind, model, configs): configs "resident" or a budget in GB; one
+def plan(models: list[str], budgets: list[float], policies: list[str]) -> list[tuple[str, str, list[str]]]:
+    """The measurements in order of value, as (kind, model, configs): configs "resident", a budget in GiB ("8GB") or "policy-<name>"; one
     model build per entry. Flux-dev and SDXL at 16 / 8 GB and resident come first (the first command's share)."""
     first = [b for b in budgets if b in (16, 8)]
     rest = [b for b in budgets if b not in first]
@@ -82,6 +95,7 @@ def plan(models: list[str], budgets: list[float]) -> list[tuple[str, str, list[s
     steps += [("lora", m, list(map(_config, rest))) for m in head if rest]
     steps += [("native", m, ["offload_off", "offload_on"]) for m in NATIVE_MODELS if m in models]
     steps += [("lora", m, ["resident", *map(_config, budgets)]) for m in models if m not in head]
+    steps += [("lora", m, [f"policy-{p}" for p in policies]) for m in POLICY_MODELS if m in models and policies]
     return steps
 
 
@@ -151,15 +165,16 @@ def import_comfyui(cpu: bool) -> None:
         sys.exit(f"gpu kit: {harness.COMFYUI_FOUND_BY}")
     if str(harness.COMFYUI_PATH) not in sys.path:
         sys.path.insert(0, str(harness.COMFYUI_PATH))
-    import comfy.options
+    if "comfy.model_management" not in sys.modules:  # else imported already (the tests' harness): as it is
+        import comfy.options
 
-    comfy.options.enable_args_parsing(False)
-    from comfy.cli_args import args
+        comfy.options.enable_args_parsing(False)
+        from comfy.cli_args import args
 
-    args.cpu = cpu
-    args.base_directory = tempfile.mkdtemp(prefix="headroom-gpukit-")
-    import comfy.model_management  # noqa: F401  (reads args at import)
-    import folder_paths  # noqa: F401
+        args.cpu = cpu
+        args.base_directory = tempfile.mkdtemp(prefix="headroom-gpukit-")
+        import comfy.model_management  # noqa: F401  (reads args at import)
+        import folder_paths  # noqa: F401
 
     _import("headroom", REPO_ROOT / "__init__.py", package=True)
     _import("memory_caches", REPO_ROOT / "tests" / "memory_caches.py")
@@ -273,9 +288,10 @@ def lora_run(patcher, name: str, config: str, args) -> dict:
     width, height, frames = shape(name, args.dry_run)
     tokens = text_tokens(name, args.dry_run)
     latent_cache, text_cache = caches(patcher, width, height, frames, tokens)
-    budget = None if config == "resident" else float(config.removesuffix("GB"))
+    budget = float(config.removesuffix("GB")) if config.endswith("GB") else None
     inputs = {field: default for field, _, default in OffloadPolicy.node_inputs()}
-    inputs["vram_budget_gb"] = budget or 0.0  # 0: auto (the resident run: the whole card)
+    inputs.update(POLICIES.get(config.removeprefix("policy-"), {}))  # resident: the node's defaults
+    inputs["vram_budget_gb"] = budget or 0.0  # 0: auto (resident and named policies: the whole card)
     policy = M.HeadroomOffloadPolicy.execute(**inputs).args[0]
     record = {"width": width, "height": height, "frames": frames, "text_tokens": tokens, "budget_gb": budget}
     started = time.perf_counter()
@@ -441,7 +457,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results", type=Path, required=True, help="folder of results.jsonl (resumed when present)")
     parser.add_argument("--dry-run", action="store_true", help="the same path on the CPU with the tiny models")
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma list of {', '.join(MODELS)}")
-    parser.add_argument("--budgets", default=",".join(map(str, BUDGETS)), help="comma list of budgets in GB")
+    parser.add_argument("--budgets", default=",".join(map(str, BUDGETS)), help="comma list of budgets in GiB")
+    parser.add_argument("--policies", default=",".join(POLICIES),
+                        help=f"comma list of named policies to measure as given ({', '.join(POLICIES)}), or none")
     parser.add_argument("--steps", type=int, default=4, help="timed steps per run (after the warm-up)")
     parser.add_argument("--warmup", type=int, default=1, help="warm-up steps per run")
     parser.add_argument("--minutes", type=float, default=8.0, help="start no new measurement after this many minutes")
@@ -456,6 +474,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown models {unknown}; known: {', '.join(MODELS)}")
     budgets = [float(b) for b in args.budgets.split(",") if b.strip()]
+    policies = [p.strip() for p in args.policies.split(",") if p.strip() and p.strip() != "none"]
+    if any(p not in POLICIES for p in policies):
+        parser.error(f"unknown policies in {args.policies!r}; known: {', '.join(POLICIES)}")
     if not args.dry_run and not torch.cuda.is_available():
         print("gpu kit: no CUDA device here. Run it on a GPU machine (docs/GPU_KIT.md), or --dry-run on the CPU.")
         return 2
@@ -468,7 +489,7 @@ def main(argv: list[str] | None = None) -> int:
     for lost in results.crashed():
         results.add({"type": "measurement", "id": lost, "status": "crashed",
                      "error": "the process ended inside this measurement (time limit or crash); not retried"})
-    steps = plan(models, budgets)
+    steps = plan(models, budgets, policies)
     if args.no_cuda_tests:
         steps = [s for s in steps if s[0] != "cuda_tests"]
     if args.no_native:

@@ -1,0 +1,87 @@
+"""The GPU kit's dry run (bench/gpu/suite.py --dry-run): the code path the borrowed GPU runs, on the CPU with the tiny
+models, so the kit never rots between GPU sessions. Three commands as on the GPU machine: the first measures, the
+second stops at its time guard and records what is left, the third resumes after the first and writes the page."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+
+import pytest
+from PIL import Image
+
+from comfy_harness import COMFYUI_FOUND_BY, COMFYUI_PATH, REPO_ROOT
+
+pytestmark = [pytest.mark.comfyui, pytest.mark.skipif(COMFYUI_PATH is None, reason=COMFYUI_FOUND_BY)]
+
+SUITE = REPO_ROOT / "bench" / "gpu" / "suite.py"
+OLD_PAGE = """# Benchmarks
+
+Kept above.
+
+<!-- gpu-kit:begin (old) -->
+an older GPU section
+<!-- gpu-kit:end -->
+
+Kept below.
+"""
+
+
+def suite(results, *args: str) -> None:
+    """One command of the kit, in this process (ComfyUI is imported once, as on the GPU machine)."""
+    spec = importlib.util.spec_from_file_location("gpukit_suite", SUITE)
+    module = sys.modules["gpukit_suite"] = importlib.util.module_from_spec(spec)  # dataclasses look it up there
+    spec.loader.exec_module(module)
+    assert module.main(["--dry-run", "--results", str(results), "--steps", "1", *args]) == 0
+
+
+def measurements(results) -> list[dict]:
+    lines = (results / "results.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["type"] == "measurement"]
+
+
+def test_dry_run_measures_resumes_and_writes_the_page(comfyui, tmp_path):
+    results, page, png = tmp_path / "results", tmp_path / "BENCHMARKS.md", tmp_path / "gpu_vram.png"
+    page.write_text(OLD_PAGE)
+
+    suite(results, "--models", "sdxl", "--budgets", "8", "--no-native", "--policies", "none")
+    first = {r["id"]: r for r in measurements(results)}
+    assert list(first) == ["cuda_tests", "lora/sdxl/resident", "lora/sdxl/8GB"]
+
+    # The time guard: nothing starts, what is left is recorded.
+    suite(results, "--models", "sdxl,wan22_14b", "--budgets", "8", "--policies", "streamed_ckpt", "--minutes", "0")
+    records = [json.loads(line) for line in (results / "results.jsonl").read_text().splitlines()]
+    assert len(measurements(results)) == 3
+    assert records[-1]["type"] == "left"
+    assert records[-1]["ids"] == ["native/sdxl/offload_off", "native/sdxl/offload_on", "lora/wan22_14b/resident",
+                                  "lora/wan22_14b/8GB", "lora/sdxl/policy-streamed_ckpt"]
+
+    suite(results, "--models", "sdxl,wan22_14b", "--budgets", "8", "--policies", "streamed_ckpt", "--page", str(page),
+          "--png", str(png))
+    by_id = {r["id"]: r for r in measurements(results)}
+    assert len(by_id) == len(measurements(results)) == 8  # nothing measured twice
+    assert [r["id"] for r in measurements(results)][:3] == list(first)  # resumed after the first command
+    for ident in ("lora/sdxl/resident", "lora/sdxl/8GB", "lora/wan22_14b/resident", "lora/wan22_14b/8GB",
+                  "lora/sdxl/policy-streamed_ckpt"):
+        run = by_id[ident]
+        assert run["status"] == "ok", run.get("traceback")
+        assert run["planner_train_bytes"] > 0 and run["planner_validation_bytes"] > 0 and run["s_per_step"] > 0
+        assert run["policy"].startswith("budget ")
+    assert by_id["lora/sdxl/8GB"]["budget_gb"] == 8 and by_id["lora/sdxl/resident"]["budget_gb"] is None
+    assert by_id["lora/sdxl/policy-streamed_ckpt"]["policy_fields"]["base_placement"] == "streamed"
+    assert (by_id["lora/wan22_14b/8GB"]["frames"], by_id["lora/sdxl/8GB"]["frames"]) == (5, 1)  # a clip, an image
+    assert by_id["native/sdxl/offload_on"]["status"] == "ok" and by_id["native/sdxl/offload_on"]["offloading"]
+    tests = by_id["cuda_tests"]
+    assert "tests/unit/test_memory_stats.py" in tests["files"] and tests["status"] == "ok" and tests["skipped"] >= 1
+
+    text = page.read_text()
+    assert text.startswith("# Benchmarks\n\nKept above.\n") and text.endswith("\n\nKept below.\n")
+    assert "an older GPU section" not in text and text.count("<!-- gpu-kit:begin") == 1
+    assert "Dry run on the CPU" in text and "set_per_process_memory_fraction" in text
+    for row in ("| SDXL | 8GB |", "| SDXL | resident |", "| Wan 2.2 14B | 8GB |", "| Wan 2.2 14B | resident |",
+                "| SDXL | policy-streamed_ckpt |", "| SDXL | off |", "| SDXL | on |"):
+        assert row in text
+    assert "CUDA-marked tests (tests/unit/test_memory_stats.py" in text
+    assert "Left for the next command (time guard): none" in text
+    with Image.open(png) as image:
+        assert image.format == "PNG" and image.size == (1200, 560)
