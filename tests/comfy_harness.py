@@ -7,6 +7,7 @@ ComfyUI test skips with one line saying so. Found: they run for real, never mock
 from __future__ import annotations
 
 import atexit
+import importlib.util
 import os
 import pathlib
 import shutil
@@ -40,6 +41,19 @@ def find_comfyui() -> tuple[pathlib.Path | None, str]:
 
 
 COMFYUI_PATH, COMFYUI_FOUND_BY = find_comfyui()
+
+
+def register_module(name: str, path: pathlib.Path, package: bool = False):
+    """The file `path` imported as module `name` (a package when `package`), once: how scripts run outside pytest
+    (tests/realsize_worker.py, bench/gpu/suite.py) load this repo as `headroom`, as tests/conftest.py does."""
+    if name in sys.modules:
+        return sys.modules[name]
+    locations = [str(path.parent)] if package else None
+    spec = importlib.util.spec_from_file_location(name, path, submodule_search_locations=locations)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 _BASE_DIR = None
 
 

@@ -23,16 +23,16 @@ import argparse
 import dataclasses
 import gc
 import hashlib
-import importlib.util
 import json
 import logging
 import os
 import pathlib
 import platform
-import sys
 import time
 
 import torch
+
+from comfy_harness import import_comfyui_in_process, register_module
 
 TESTS_DIR = pathlib.Path(__file__).resolve().parent
 REPO_ROOT = TESTS_DIR.parent
@@ -59,26 +59,15 @@ CASES = {
 }
 
 
-def _register(name: str, path: pathlib.Path, package: bool = False):
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path, submodule_search_locations=[str(path.parent)] if package else None)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def setup() -> pathlib.Path:
     """ComfyUI in-process on the CPU with a throw-away base directory, as `main.py --cpu --bf16-unet`; the
     package as `headroom` (as tests/conftest.py registers it)."""
-    harness = _register("comfy_harness", TESTS_DIR / "comfy_harness.py")
-    base = harness.import_comfyui_in_process()
+    base = import_comfyui_in_process()
     from comfy.cli_args import args
 
     args.bf16_unet = True  # a CPU otherwise loads bf16 files as fp32 (twice the RAM): what low-RAM users pass
-    _register("headroom", REPO_ROOT / "__init__.py", package=True)
-    _register("realsize_models", TESTS_DIR / "realsize_models.py")
+    register_module("headroom", REPO_ROOT / "__init__.py", package=True)
+    register_module("realsize_models", TESTS_DIR / "realsize_models.py")
     return base
 
 

@@ -123,7 +123,8 @@ def section(records: list[dict]) -> str:
         if r.get("s_per_step") and resident.get(r["model"]):
             vs = f"{r['s_per_step'] / resident[r['model']]:.2f}x"
         lines.append(
-            f"| {LABELS.get(r['model'], r['model'])} | {r['config']} | {r.get('policy', '')} | "
+            f"| {LABELS.get(r['model'], r['model'])} | {r['config']} | {r.get('policy', '')}"
+            f"{' (planner: does not fit)' if r.get('plan_fits') is False else ''} | "
             f"{_gib(r.get('planner_train_bytes'))} | {_gib(r.get('train_peak_allocated'))} | "
             f"{_gib(r.get('train_peak_reserved'))} | {ratio} | {_gib(r.get('validation_peak_allocated'))} | "
             f"{_gib(r.get('planner_validation_bytes'))} | "

@@ -13,9 +13,9 @@ conditioning of the widths the model expects, so no text encoder or VAE is built
 training step and the validation loss.
 
 Each result is appended to <results>/results.jsonl as it is measured; a later command skips what is there (a
-measurement that killed its process is recorded as "crashed" and not retried). A time guard stops starting new
-measurements after --minutes and records what is left. Ordered by value: Flux-dev and SDXL resident, 16 and 8 GB
-first. The page (docs/BENCHMARKS.md's GPU section) and the picture are drawn from the JSON (bench/gpu/report.py).
+measurement that killed its process is recorded as "crashed" and not retried). A time guard starts no measurement
+that would end after --minutes (guessing it as long as the longest so far) and records what is left. Ordered by
+value: Flux-dev and SDXL resident, 16 and 8 GiB first. The page (docs/BENCHMARKS.md's GPU section) and the picture are drawn from the JSON (bench/gpu/report.py).
 
     python3 bench/gpu/suite.py --results .gpukit/results --page $OUT/BENCHMARKS.md --png $OUT/gpu_vram.png
     python bench/gpu/suite.py --dry-run --results /tmp/kit      # the same path on the CPU with the tiny models
@@ -28,7 +28,6 @@ import argparse
 import dataclasses
 import datetime
 import gc
-import importlib.util
 import json
 import os
 import platform
@@ -45,6 +44,8 @@ from pathlib import Path
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+if str(REPO_ROOT / "tests") not in sys.path:
+    sys.path.append(str(REPO_ROOT / "tests"))  # the harness and the test helpers; appended: never shadows ComfyUI
 GIB = 1024 ** 3
 BUDGETS = (6, 8, 12, 16, 24)  # GB the planner's auto policy is asked to fit
 RESULTS_FILE = "results.jsonl"
@@ -85,8 +86,9 @@ POLICY_MODELS = ("flux_dev", "sdxl", "sd35_large")
 
 
 def plan(models: list[str], budgets: list[float], policies: list[str]) -> list[tuple[str, str, list[str]]]:
-    """The measurements in order of value, as (kind, model, configs): configs "resident", a budget in GiB ("8GB") or "policy-<name>"; one
-    model build per entry. Flux-dev and SDXL at 16 / 8 GB and resident come first (the first command's share)."""
+    """The measurements in order of value, as (kind, model, configs): configs "resident", a budget in GiB ("8GB") or
+    "policy-<name>"; one model build per entry. Flux-dev and SDXL at 16 / 8 GiB and resident come first (the first
+    command's share)."""
     first = [b for b in budgets if b in (16, 8)]
     rest = [b for b in budgets if b not in first]
     steps: list[tuple[str, str, list[str]]] = [("cuda_tests", "", [])]
@@ -147,20 +149,11 @@ def read_results(path: Path) -> list[dict]:
 
 
 # --- ComfyUI in-process -------------------------------------------------------------------------------------------
-def _import(name: str, path: Path, package: bool = False):
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path, submodule_search_locations=[str(path.parent)] if package else None)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def import_comfyui(cpu: bool) -> None:
     """ComfyUI in-process as tests/comfy_harness.py imports it (found the same way: $COMFYUI_PATH first), with a
     throw-away base directory; on the GPU unless `cpu`; Headroom as the package `headroom`."""
-    harness = _import("comfy_harness", REPO_ROOT / "tests" / "comfy_harness.py")
+    import comfy_harness as harness
+
     if harness.COMFYUI_PATH is None:
         sys.exit(f"gpu kit: {harness.COMFYUI_FOUND_BY}")
     if str(harness.COMFYUI_PATH) not in sys.path:
@@ -176,9 +169,7 @@ def import_comfyui(cpu: bool) -> None:
         import comfy.model_management  # noqa: F401  (reads args at import)
         import folder_paths  # noqa: F401
 
-    _import("headroom", REPO_ROOT / "__init__.py", package=True)
-    _import("memory_caches", REPO_ROOT / "tests" / "memory_caches.py")
-    _import("realsize_models", REPO_ROOT / "tests" / "realsize_models.py")
+    harness.register_module("headroom", REPO_ROOT / "__init__.py", package=True)
 
 
 def comfyui_version() -> str:
@@ -365,7 +356,9 @@ def native_run(patcher, name: str, config: str, args) -> dict:
     from headroom.nodes.bridge.planning import calibration_cond
     from headroom.training.memory.oom import is_out_of_memory
 
-    bench = _import("bench_train_step", REPO_ROOT / "bench" / "bench_train_step.py")
+    from comfy_harness import register_module
+
+    bench = register_module("bench_train_step", REPO_ROOT / "bench" / "bench_train_step.py")
     device = torch.device(patcher.load_device)
     width, height, frames = shape(name, args.dry_run)
     latent_cache, _ = caches(patcher, width, height, frames, text_tokens(name, args.dry_run))
@@ -462,7 +455,8 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"comma list of named policies to measure as given ({', '.join(POLICIES)}), or none")
     parser.add_argument("--steps", type=int, default=4, help="timed steps per run (after the warm-up)")
     parser.add_argument("--warmup", type=int, default=1, help="warm-up steps per run")
-    parser.add_argument("--minutes", type=float, default=8.0, help="start no new measurement after this many minutes")
+    parser.add_argument("--minutes", type=float, default=8.0, help="start no measurement that would end after this many minutes (guessed: as long as the longest "
+                        "so far)")
     parser.add_argument("--no-native", action="store_true", help="leave ComfyUI's TrainLoraNode out")
     parser.add_argument("--no-cuda-tests", action="store_true", help="leave the CUDA-marked tests out")
     parser.add_argument("--page", type=Path, help="write the GPU section into this Markdown file (its own section only)")
@@ -495,17 +489,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.no_native:
         steps = [s for s in steps if s[0] != "native"]
     left: list[str] = []
+    longest = 0.0  # the longest measurement of this command so far: what the next one may take
+
+    def out_of_time() -> bool:
+        return time.monotonic() - started + longest > args.minutes * 60
+
     for kind, name, configs in steps:
         todo = [c for c in configs or [""] if measurement_id(kind, name, c) not in results.done()]
         if not todo:
             continue
-        if (time.monotonic() - started) / 60 > args.minutes:
+        if out_of_time():
             left += [measurement_id(kind, name, c) for c in todo]
             continue
         patcher = None
         for config in todo:
             ident = measurement_id(kind, name, config)
-            if (time.monotonic() - started) / 60 > args.minutes:
+            if out_of_time():
                 left.append(ident)
                 continue
             results.add({"type": "started", "id": ident})
@@ -523,12 +522,15 @@ def main(argv: list[str] | None = None) -> int:
             record.update(type="measurement", id=ident, kind=kind, model=name, config=config,
                           seconds=time.perf_counter() - t0)
             results.add(record)
+            longest = max(longest, record["seconds"])
             print(f"gpu kit: {ident}: {record['status']} in {record['seconds']:.0f} s", flush=True)
         del patcher
         free_device()
     results.add({"type": "left", "ids": left, "minutes": (time.monotonic() - started) / 60})
     if args.page or args.png:
-        report = _import("gpukit_report", Path(__file__).resolve().parent / "report.py")
+        from comfy_harness import register_module
+
+        report = register_module("gpukit_report", Path(__file__).resolve().parent / "report.py")
         report.write(results.records, page=args.page, png=args.png)
     print(f"gpu kit: {len(results.done())} measurements recorded, {len(left)} left for the next command "
           f"({results.path})")
