@@ -207,6 +207,8 @@ def draw(records: list[dict], png: Path) -> None:
             colour = (70, 120, 200) if r.get("status") == "ok" and peak else (190, 190, 190)
             bx = x0 + j * bar
             pen.rectangle([bx + 2, y(peak if peak else top * 0.02), bx + bar - 2, y(0)], fill=colour)
+            if peak:
+                pen.text((bx + 2, y(peak) - 12), f"{peak:.1f}", fill="black")
             if r.get("budget_gb"):
                 pen.line([(bx + 1, y(r["budget_gb"])), (bx + bar - 1, y(r["budget_gb"]))], fill="black", width=2)
             pen.text((bx + 2, height - bottom + 4), r["config"].replace("GB", "").replace("resident", "res"),
@@ -214,7 +216,7 @@ def draw(records: list[dict], png: Path) -> None:
         goal = GOALS_GB.get(model)
         if goal is not None:
             pen.line([(x0, y(goal)), (x0 + group - 16, y(goal))], fill=(220, 30, 30), width=3)
-            pen.text((x0, y(goal) - 14), f"goal {goal:g} GB", fill=(220, 30, 30))
+            pen.text((x0 + group - 90, y(goal) + 4), f"goal {goal:g} GB", fill=(220, 30, 30))  # clear of the bars' labels
         pen.text((x0, height - bottom + 22), LABELS.get(model, model), fill="black")
     pen.text((left, height - 40), "bars: budgets in GiB (black tick: the budget), res = resident; "
              "budgets emulated with torch.cuda.set_per_process_memory_fraction", fill="black")

@@ -33,6 +33,7 @@ import os
 import platform
 import re
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -327,6 +328,7 @@ def lora_run(patcher, name: str, config: str, args) -> dict:
     finally:
         if run is not None:
             run.release()
+            shutil.rmtree(run.run_dir.path, ignore_errors=True)  # its checkpoints: ~60 runs would fill the disk
         del run
         free_device()
     return record
