@@ -57,6 +57,9 @@ def findings(measured: dict[str, dict]) -> dict[str, list[str]]:
     for ident, r in measured.items():
         if r.get("status") != "ok":
             out["failed"].append(f"`{ident}`: {r.get('status')} ({(r.get('error') or '').splitlines()[0][:200]})")
+            if r.get("status") == "oom" and r.get("budget_gb") is not None:  # the cap is the budget: it did not fit
+                out["budget"].append(f"`{ident}`: out of memory under the {r['budget_gb']:g} GiB cap "
+                                     f"({r.get('policy')})")
             continue
         if r.get("kind") != "lora":
             continue
@@ -147,7 +150,7 @@ def section(records: list[dict]) -> str:
     lines += ["", "What the figures show (computed from the JSON):", ""]
     lines.append(f"- Planner off by more than {PLANNER_TOLERANCE:.0%} (training step, allocated): "
                  + ("; ".join(found["planner"]) if found["planner"] else "none"))
-    lines.append("- Policies whose peak exceeds their budget: " + ("; ".join(found["budget"]) if found["budget"] else "none"))
+    lines.append("- Policies that do not fit their budget (out of memory under the cap, or peak reserved over it): " + ("; ".join(found["budget"]) if found["budget"] else "none"))
     lines.append(f"- Budget runs slower than {STREAMED_SLOWDOWN}x the resident step: "
                  + ("; ".join(found["speed"]) if found["speed"] else "none"))
     lines.append("- Not measured (failed, out of memory or crashed): "

@@ -33,7 +33,8 @@ def test_findings_flag_planner_misses_budget_overruns_and_slow_streaming():
                {**lora("8GB", 1.25, 6.0, 8.0, 9.0)}]  # a later record of the same measurement replaces the first
     found = report().findings(report().latest(records))
     assert [line.split("`")[1] for line in found["planner"]] == ["lora/flux_dev/8GB", "lora/flux_dev/16GB"]
-    assert [line.split("`")[1] for line in found["budget"]] == ["lora/flux_dev/8GB"]
+    assert [line.split("`")[1] for line in found["budget"]] == ["lora/flux_dev/8GB", "lora/flux_dev/6GB"]
+    assert found["budget"][1] == "`lora/flux_dev/6GB`: out of memory under the 6 GiB cap (policy 6GB)"
     assert found["speed"] == ["`lora/flux_dev/8GB`: 1.25 s/step = 1.25x the resident 1.00 s (policy 8GB)"]
     assert found["failed"] == ["`lora/flux_dev/6GB`: oom (out of memory)"]
 
