@@ -98,7 +98,8 @@ def section(records: list[dict]) -> str:
         f"- Versions: Python {machine.get('python')}, torch {machine.get('torch')} (CUDA {machine.get('cuda')}), "
         f"ComfyUI {machine.get('comfyui')}, transformers {machine.get('transformers')}, peft {machine.get('peft')}, "
         f"diffusers {machine.get('diffusers')}",
-        "- Dates and commands: " + "; ".join(f"{c['date']} `{c['command']}`" for c in commands),
+        "- Dates and commands: " + "; ".join(f"{c['date']} `{c['command']}` ({c['machine'].get('gpu') or 'CPU'})"
+                                            for c in commands),
         "- Work: LoRA rank 16, batch 1, 1024x1024 (Wan 2.2: 832x480, 33 frames), AdamW, precision auto (bf16), random "
         "bf16 weights of the full-size ComfyUI models, in-memory caches; through the nodes Offload Policy -> Memory "
         "Plan -> Train LoRA: Init -> Steps -> Validate (loss). Budgets are emulated on the large card with "
@@ -117,6 +118,12 @@ def section(records: list[dict]) -> str:
                   key=lambda r: (list(LABELS).index(r["model"]) if r["model"] in LABELS else 99,
                                  _config_key(r["config"])))
     resident = {r["model"]: r.get("s_per_step") for r in lora if r["config"] == "resident" and r.get("status") == "ok"}
+    cards = {r.get("gpu") for r in measured.values()}
+    if len(cards) > 1:  # figures compare only within one card: said above the table
+        note = "Measured on several cards: " + "; ".join(
+            f"{card or 'CPU'}: " + ", ".join(f"`{i}`" for i, r in measured.items() if r.get("gpu") == card)
+            for card in sorted(cards, key=str)) + ". Compare rows of the same card only."
+        lines[-2:-2] = [note, ""]
     for r in lora:
         ratio = ""
         peak, estimate = r.get("train_peak_allocated"), r.get("planner_train_bytes")
@@ -150,7 +157,8 @@ def section(records: list[dict]) -> str:
     lines += ["", "What the figures show (computed from the JSON):", ""]
     lines.append(f"- Planner off by more than {PLANNER_TOLERANCE:.0%} (training step, allocated): "
                  + ("; ".join(found["planner"]) if found["planner"] else "none"))
-    lines.append("- Policies that do not fit their budget (out of memory under the cap, or peak reserved over it): " + ("; ".join(found["budget"]) if found["budget"] else "none"))
+    lines.append("- Policies that do not fit their budget (out of memory under the cap, or peak reserved over it): "
+                 + ("; ".join(found["budget"]) if found["budget"] else "none"))
     lines.append(f"- Budget runs slower than {STREAMED_SLOWDOWN}x the resident step: "
                  + ("; ".join(found["speed"]) if found["speed"] else "none"))
     lines.append("- Not measured (failed, out of memory or crashed): "

@@ -480,8 +480,10 @@ def main(argv: list[str] | None = None) -> int:
     command = " ".join(shlex.quote(a) for a in [Path(sys.argv[0]).name if argv is None else "suite.py",
                                                 *(sys.argv[1:] if argv is None else argv)])
     import_comfyui(cpu=args.dry_run)
+    info = machine(args.dry_run)
+    gpu = info["gpu"]  # each measurement says which card gave it: later commands may run on another kind
     results.add({"type": "command", "command": command, "date": datetime.datetime.now(datetime.timezone.utc)
-                 .isoformat(timespec="seconds"), "machine": machine(args.dry_run)})
+                 .isoformat(timespec="seconds"), "machine": info})
     for lost in results.crashed():
         results.add({"type": "measurement", "id": lost, "status": "crashed",
                      "error": "the process ended inside this measurement (time limit or crash); not retried"})
@@ -522,7 +524,7 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as error:  # the model did not build, say: recorded, the kit goes on
                 record = {"status": "failed", "error": _short(error), "traceback": traceback.format_exc()[-3000:]}
             record.update(type="measurement", id=ident, kind=kind, model=name, config=config,
-                          seconds=time.perf_counter() - t0)
+                          seconds=time.perf_counter() - t0, gpu=gpu)
             results.add(record)
             longest = max(longest, record["seconds"])
             print(f"gpu kit: {ident}: {record['status']} in {record['seconds']:.0f} s", flush=True)
