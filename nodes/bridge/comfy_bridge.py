@@ -64,6 +64,12 @@ def node_id(node_cls) -> str | None:
     return getattr(node_cls.hidden, "unique_id", None) if getattr(node_cls, "hidden", None) is not None else None
 
 
+def node_name(node_cls) -> str:
+    """The name users see, for error messages: the node's display name (ComfyUI runs a copy of the class, named
+    '...Clone', so the class name is not it)."""
+    return node_cls.define_schema().display_name
+
+
 def send_event(event: str, data: dict) -> None:
     """A websocket event when a ComfyUI server is running in this process (nothing otherwise)."""
     server = sys.modules.get("server")
@@ -182,8 +188,8 @@ class RunRecord:
                 with open_regular(path, "memory record", max_bytes=16 << 20) as handle:
                     return PhaseRecorder(device, phases=PhaseRecorder.from_json(handle.read().decode("utf-8")).phases)
             except (ValueError, OSError) as error:  # a report, not training state: start a new one
-                logging.warning("Headroom: ignoring the unreadable memory record of run '%s' (%s); starting a new "
-                                "one", self.run_dir.name, error)
+                logging.warning("Headroom: ignoring the unreadable memory record %s of run '%s' (%s); starting a "
+                                "new one", path.name, self.run_dir.name, error)
         cached = [*getattr(latent_cache, "memory_phases", []), *getattr(text_cache, "memory_phases", [])]
         return PhaseRecorder(device, phases=[dict(phase) for phase in cached])
 
