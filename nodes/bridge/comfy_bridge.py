@@ -29,7 +29,7 @@ import comfy.model_management
 import comfy.utils
 
 from ...training.core.adapters import ADAPTER_LAYERS
-from ...training.memory.checkpointing import inplace_depth_problem
+from ...training.memory.checkpointing import inplace_depth_problem, pinned_reading
 from ...training.data.files import WriteError, open_regular
 from ...training.memory.lowbit import LowBitBase, LowBitLinear
 from ...training.memory.memory_stats import PhaseRecorder, process_rss_bytes
@@ -373,7 +373,8 @@ class TrainingRun:
         """The training clone (and what the strategy loads with it) loaded through ComfyUI's model management,
         with what the run trains attached for the block (the strategy's `attach`)."""
         self.placement.load(self.trained.patchers(self), self.trained.device_extra_bytes(self.trainer))
-        with self.trained.attach(self):
+        # ComfyUI's split / sub-quadratic attention chunks by free memory: a recompute must chunk as its forward did.
+        with self.trained.attach(self), pinned_reading(comfy.model_management, "get_free_memory"):
             yield
 
     @contextlib.contextmanager
