@@ -7,7 +7,6 @@ import os
 import pathlib
 from io import BytesIO
 
-import numpy as np
 import torch
 from PIL import Image
 
@@ -182,9 +181,8 @@ def decode(run: TrainingRun, vae, samples: torch.Tensor) -> torch.Tensor:
 
 
 def _png_bytes(grid: torch.Tensor) -> bytes:
-    pixels = (grid.clamp(0, 1) * 255).round().to(torch.uint8).cpu().numpy()
     buffer = BytesIO()
-    Image.fromarray(np.ascontiguousarray(pixels)).save(buffer, format="PNG")
+    Image.fromarray(video.stock_pixels(grid)).save(buffer, format="PNG")
     return buffer.getvalue()
 
 
