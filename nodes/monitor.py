@@ -9,6 +9,7 @@ from comfy_api.latest import io
 
 from ..training.memory import memory_stats
 from ..training.memory.memory_stats import PhaseRecorder
+from .bridge.comfy_bridge import node_name
 from .bridge.memory_report import memory_report, render_report_text
 from .io_types import TrainingRunType
 
@@ -109,10 +110,10 @@ class HeadroomMemoryReport(io.ComfyNode):
             try:
                 recorder = PhaseRecorder.from_json(record_json)
             except ValueError as error:
-                raise ValueError(f"HeadroomMemoryReport: {error}") from None
+                raise ValueError(f"{node_name(cls)}: {error}") from None
         else:
             raise ValueError(
-                "HeadroomMemoryReport: connect the run output of a Headroom training node, or paste a run folder's "
+                f"{node_name(cls)}: connect the run output of a Headroom training node, or paste a run folder's "
                 "memory_record.json into record_json"
             )
         text = recorder.render_text()

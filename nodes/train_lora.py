@@ -19,7 +19,7 @@ from ..training.checks import check_finite
 from ..training.core.optimizers import OPTIMIZERS, SCHEDULES, MissingPackageError, OptimizerConfig, check_available
 from ..training.core.run_dir import RunFolderError, check_name, check_subfolder
 from .bridge import lora_formats
-from .bridge.comfy_bridge import TrainingRun, check_run_kind, node_id
+from .bridge.comfy_bridge import TrainingRun, check_run_kind, node_id, node_name
 from .bridge.comfy_model import check_caches, check_reference_cache, model_family
 from .bridge.model_files import runs_root, save_lora
 from .bridge.rank_workers import open_on_devices
@@ -401,12 +401,13 @@ def train_validate_save(node_cls, start, save, steps: int, validate_every: int, 
     validating every `validate_every` and saving (`save(run)` -> name) every `save_every` steps, and at the end;
     resumable checkpoints every `checkpoint_every` steps / `checkpoint_minutes` minutes.
     Returns (run, saved name, validation loss, UI output)."""
-    check_checkpoint_inputs(node_cls.__name__, checkpoint_every, checkpoint_minutes)
+    label = node_name(node_cls)
+    check_checkpoint_inputs(label, checkpoint_every, checkpoint_minutes)
     names = validation_names()
     validation = {k: v for k, v in inputs.items() if k in names}
-    check_finite(node_cls.__name__, **validation)  # its validations' floats (cfg, frame_rate) before any training
+    check_finite(label, **validation)  # its validations' floats (cfg, frame_rate) before any training
     run = start(**{k: v for k, v in inputs.items() if k not in names})
-    note = steps_note(node_cls.__name__, run, steps, "steps")
+    note = steps_note(label, run, steps, "steps")
     previews, loss, name, saved = None, float("nan"), "", []
     while True:
         target = min(t for t in (steps, _next(run.step, validate_every), _next(run.step, save_every)) if t)

@@ -50,3 +50,31 @@ def one_torch_thread():
 
 from comfy_harness import cache_dir, comfyui, headroom_nodes  # noqa: E402,F401  (fixtures)
 from server_harness import comfy_server  # noqa: E402,F401  (fixture: a real ComfyUI server subprocess)
+
+
+# Tests that share a worker process under pytest-xdist's `--dist loadfile` (.ci/test runs `-n 2 --dist loadfile`):
+# each file's tests (its module-scoped fixtures build once), as loadfile does, and besides all of the realsize tier
+# (each test peaks near 14 GiB RAM: never two at once; their model files are built once) and all server and browser
+# tests (one ComfyUI server subprocess for them). By node id, as the scheduler sees only those: pytest 9 derives node
+# ids from the collection tree, so xdist's own `xdist_group` marks (loadgroup) no longer reach it.
+SHARED_WORKER_FOLDERS = {"realsize": "realsize", "server": "server", "browser": "server"}
+
+
+def worker_scope(nodeid: str) -> str:
+    path = nodeid.split("::", 1)[0]
+    parts = path.split("/")
+    folder = parts[1] if len(parts) > 2 and parts[0] == "tests" else ""
+    return SHARED_WORKER_FOLDERS.get(folder, path)
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)  # before xdist's own choice; only exists with xdist installed
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByFileAndTier(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return worker_scope(nodeid)
+
+    return ByFileAndTier(config, log)

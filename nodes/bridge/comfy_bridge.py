@@ -29,7 +29,7 @@ import comfy.model_management
 import comfy.utils
 
 from ...training.core.adapters import ADAPTER_LAYERS
-from ...training.memory.checkpointing import inplace_depth_problem
+from ...training.memory.checkpointing import inplace_depth_problem, pinned_reading
 from ...training.data.files import WriteError, open_regular
 from ...training.memory.lowbit import LowBitBase, LowBitLinear
 from ...training.memory.memory_stats import PhaseRecorder, process_rss_bytes
@@ -62,6 +62,12 @@ WEIGHT_CHOICES = ("auto", "trained", "ema")
 def node_id(node_cls) -> str | None:
     """The id of the node executing now (its hidden unique_id), which events name so the editor finds the node."""
     return getattr(node_cls.hidden, "unique_id", None) if getattr(node_cls, "hidden", None) is not None else None
+
+
+def node_name(node_cls) -> str:
+    """The name users see, for error messages: the node's display name (ComfyUI runs a copy of the class, named
+    '...Clone', so the class name is not it)."""
+    return node_cls.define_schema().display_name
 
 
 def send_event(event: str, data: dict) -> None:
@@ -182,8 +188,8 @@ class RunRecord:
                 with open_regular(path, "memory record", max_bytes=16 << 20) as handle:
                     return PhaseRecorder(device, phases=PhaseRecorder.from_json(handle.read().decode("utf-8")).phases)
             except (ValueError, OSError) as error:  # a report, not training state: start a new one
-                logging.warning("Headroom: ignoring the unreadable memory record of run '%s' (%s); starting a new "
-                                "one", self.run_dir.name, error)
+                logging.warning("Headroom: ignoring the unreadable memory record %s of run '%s' (%s); starting a "
+                                "new one", path.name, self.run_dir.name, error)
         cached = [*getattr(latent_cache, "memory_phases", []), *getattr(text_cache, "memory_phases", [])]
         return PhaseRecorder(device, phases=[dict(phase) for phase in cached])
 
@@ -367,7 +373,8 @@ class TrainingRun:
         """The training clone (and what the strategy loads with it) loaded through ComfyUI's model management,
         with what the run trains attached for the block (the strategy's `attach`)."""
         self.placement.load(self.trained.patchers(self), self.trained.device_extra_bytes(self.trainer))
-        with self.trained.attach(self):
+        # ComfyUI's split / sub-quadratic attention chunks by free memory: a recompute must chunk as its forward did.
+        with self.trained.attach(self), pinned_reading(comfy.model_management, "get_free_memory"):
             yield
 
     @contextlib.contextmanager

@@ -306,6 +306,18 @@ def _join_rows(module: str, pieces, model, source: str) -> tuple[torch.Tensor, t
     return down, torch.cat([p[3] * p[4] if p[4] != 1.0 else p[3] for p in pieces]), 1.0
 
 
+def _with_peft_attention_names(key_map: dict) -> dict:
+    """ComfyUI's key map with the PEFT names of SD1.x / SDXL attention projections added (`unet.<block>.attn1.to_k`,
+    `...to_out.0`: what diffusers' training scripts and `save_lora_weights` write). The map holds only the
+    attention-processor names there (`...processor.to_k`), so the stock loader drops those layers."""
+    added = {}
+    for name, target in key_map.items():
+        if ".processor.to_" in name:
+            peft = name.replace(".processor.to_", ".to_")
+            added[peft + ".0" if peft.endswith(".to_out") else peft] = target
+    return {**added, **key_map}
+
+
 def read_lora_file(model, name: str, kind: str = "lora") -> dict[str, tuple]:
     """The adapters of a LoRA file under models/loras/, read the way the stock loader reads it (ComfyUI's format
     conversion and key map: ComfyUI, kohya, diffusers / PEFT names all work): {module path: (down, up, alpha / rank)}
@@ -315,7 +327,16 @@ def read_lora_file(model, name: str, kind: str = "lora") -> dict[str, tuple]:
     if path is None:
         raise ValueError(f"{source} is not in models/loras/ (Load LoRA lists the names to use)")
     state = comfy.lora_convert.convert_lora(comfy.utils.load_torch_file(path, safe_load=True))
-    loaded = comfy.lora.load_lora(state, comfy.lora.model_lora_keys_unet(model.model, {}), log_missing=False)
+    loaded = comfy.lora.load_lora(state, _with_peft_attention_names(comfy.lora.model_lora_keys_unet(model.model, {})),
+                                  log_missing=False)
+    diffs = sorted(t if isinstance(t, str) else t[0] for t, a in loaded.items() if isinstance(a, tuple) and a[0] == "diff")
+    if diffs:  # ComfyUI's Train LoRA + Save LoRA Weights always write them (its trained biases / norms)
+        raise ValueError(
+            f"{source}: besides its LoRA layers it holds {len(diffs)} whole-tensor 'diff' patches (e.g. "
+            f"{diffs[0][len('diffusion_model.'):]}: biases / norm weights trained directly, as ComfyUI's Train LoRA + "
+            "Save LoRA Weights write them), which a Headroom run neither trains nor carries into what it saves; it "
+            "cannot be continued. Apply the file with Load LoRA on the MODEL and train a new LoRA on top "
+            "(init_lora none), or continue it with ComfyUI's Train LoRA (existing_lora)")
     wanted = "oft" if kind == "oft" else "lora"
     used = set()
     out: dict[str, tuple] = {}

@@ -1,7 +1,7 @@
 """A worker rank's process (nodes/bridge/rank_workers.py starts it): ComfyUI imported as a library with the ComfyUI
 process's own settings, this package under the name ComfyUI gave it, then rank_workers.worker_main.
 
-    python rank_worker_process.py SOCKET AUTHKEY_HEX RANK WORLD_SIZE COMFYUI_PATH
+    python rank_worker_process.py SOCKET RANK WORLD_SIZE COMFYUI_PATH   (the authkey, in hex, on stdin's first line)
 """
 import importlib.util
 import multiprocessing
@@ -11,8 +11,8 @@ import sys
 
 
 def main() -> None:
-    address, authkey, rank, world_size, comfyui = sys.argv[1], bytes.fromhex(sys.argv[2]), int(sys.argv[3]), \
-        int(sys.argv[4]), sys.argv[5]
+    address, rank, world_size, comfyui = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    authkey = bytes.fromhex(sys.stdin.readline().strip())  # not on the command line: that any local user reads
     multiprocessing.current_process().authkey = authkey  # receives shared-memory file descriptors from rank 0
     sys.path.insert(0, comfyui)
     import comfy.options

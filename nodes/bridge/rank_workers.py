@@ -22,6 +22,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import pathlib
+import shutil
 import socket
 import subprocess
 import sys
@@ -63,10 +64,14 @@ class RankWorkers:
         bootstrap = {"comfyui": str(pathlib.Path(sys.modules["comfy"].__path__[0]).parent),
                      "args": vars(sys.modules["comfy.cli_args"].args), "package": package,
                      "package_root": str(pathlib.Path(sys.modules[package].__file__).parent)}
-        self.processes = [subprocess.Popen([sys.executable, str(WORKER_SCRIPT), listener.address, authkey.hex(),
-                                            str(rank), str(world_size), bootstrap["comfyui"]]) for rank in range(1, world_size)]
-        self.connections = {}
+        self.processes, self.connections = [], {}
         try:
+            for rank in range(1, world_size):  # the authkey through stdin: a command line is every local user's (ps)
+                process = subprocess.Popen([sys.executable, str(WORKER_SCRIPT), listener.address, str(rank),
+                                            str(world_size), bootstrap["comfyui"]], stdin=subprocess.PIPE)
+                self.processes.append(process)
+                process.stdin.write(authkey.hex().encode() + b"\n")
+                process.stdin.close()
             listener._listener._socket.settimeout(START_TIMEOUT_S)  # accept() must not wait for a dead worker forever
             for _ in range(1, world_size):
                 try:
@@ -93,7 +98,8 @@ class RankWorkers:
             self._stop_processes()
             raise
         finally:
-            listener.close()
+            listener.close()  # removes its socket; the folder only held it
+            shutil.rmtree(folder, ignore_errors=True)
         RankWorkers.active = self
 
     def open(self, run) -> None:

@@ -7,7 +7,6 @@ import os
 import pathlib
 from io import BytesIO
 
-import numpy as np
 import torch
 from PIL import Image
 
@@ -22,7 +21,7 @@ from ...training.data.cache_store import item_conditioning
 from ...training.data.files import save_safetensors, write_bytes
 from ...training.memory.policy import PolicyError
 from . import video
-from .comfy_bridge import VALIDATE_EVENT, TrainingRun, node_id, send_event
+from .comfy_bridge import VALIDATE_EVENT, TrainingRun, node_id, node_name, send_event
 from .comfy_model import REFERENCE_LATENTS, reference_inputs
 from .caching import encode_with_reference
 from .encoders import unload_encoder
@@ -182,9 +181,8 @@ def decode(run: TrainingRun, vae, samples: torch.Tensor) -> torch.Tensor:
 
 
 def _png_bytes(grid: torch.Tensor) -> bytes:
-    pixels = (grid.clamp(0, 1) * 255).round().to(torch.uint8).cpu().numpy()
     buffer = BytesIO()
-    Image.fromarray(np.ascontiguousarray(pixels)).save(buffer, format="PNG")
+    Image.fromarray(video.stock_pixels(grid)).save(buffer, format="PNG")
     return buffer.getvalue()
 
 
@@ -227,18 +225,19 @@ def validate(node_cls, run: TrainingRun, clip=None, vae=None, prompts="", negati
     start_image: image-to-video models' start image(s), through their stock node (WanImageToVideo); default: the first
     cached clip's first frame. frame_rate: models that read one (LTX-2): the clips' rate, through the stock
     LTXVConditioning node; 0: the first cached clip's (video.validation_frame_rate)."""
-    check_finite(node_cls.__name__, cfg=cfg, frame_rate=frame_rate)
+    name = node_name(node_cls)
+    check_finite(name, cfg=cfg, frame_rate=frame_rate)
     run.resolve_weights(weights)  # a wrong choice is an input error, before anything runs
-    video.check_frames(node_cls.__name__, run.source_model.model, frames)
-    rate = video.validation_frame_rate(node_cls.__name__, run.source_model.model, run.latent_cache, frame_rate)
+    video.check_frames(name, run.source_model.model, frames)
+    rate = video.validation_frame_rate(name, run.source_model.model, run.latent_cache, frame_rate)
     lines = [line.strip() for line in (prompts or "").splitlines() if line.strip()]
     if lines and (clip is None or vae is None):
         raise ValueError("HeadroomValidate: validation prompts need the clip and vae inputs connected")
     images = previews = grid = before_after = None
     try:
         with run.phase("validation"):
-            references = encode_references(run, vae, reference_images, len(lines), node_cls.__name__)
-            starts = start_images(run, start_image, len(lines), node_cls.__name__) if lines else None
+            references = encode_references(run, vae, reference_images, len(lines), name)
+            starts = start_images(run, start_image, len(lines), name) if lines else None
             loss = run.validation_loss(times=loss_timesteps, weights=weights)
             if lines:
                 with run.weights(weights):

@@ -87,9 +87,14 @@ def empty_video_latent(latent_frames: int, width: int, height: int, device) -> t
     return torch.zeros([1, 16, latent_frames, height // 8, width // 8], device=device)
 
 
+def stock_pixels(images: torch.Tensor) -> np.ndarray:
+    """IMAGE values as 8-bit pixels exactly as the stock save nodes make them (SaveImage, SaveAnimatedWEBP:
+    truncated, not rounded), so a validation file equals theirs for the same images."""
+    return np.ascontiguousarray(np.clip(255.0 * images.float().cpu().numpy(), 0, 255).astype(np.uint8))
+
+
 def _pil_frames(clip: torch.Tensor) -> list[Image.Image]:
-    pixels = (clip[..., :3].clamp(0, 1) * 255).round().to(torch.uint8).cpu().numpy()
-    return [Image.fromarray(np.ascontiguousarray(frame)) for frame in pixels]
+    return [Image.fromarray(frame) for frame in stock_pixels(clip[..., :3])]
 
 
 def webp_bytes(clip: torch.Tensor, fps: float = VALIDATION_FPS) -> bytes:

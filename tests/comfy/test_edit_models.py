@@ -261,7 +261,7 @@ def test_bad_inputs_fail_clearly(comfyui):
     with pytest.raises(ValueError, match=r"session.reference: stored 'control latents', now 'none'"):
         init(model, latents, texts, "edit_resume", reference="none", steps=10)
     # Validation: reference images that fit neither one-for-all nor one-per-prompt.
-    with pytest.raises(ValueError, match=r"HeadroomValidate: reference_images holds 3 image batch for 2 prompt"):
+    with pytest.raises(ValueError, match=r"Validate LoRA \(Headroom\): reference_images holds 3 image batch for 2 prompt"):
         with torch.inference_mode():
             T.HeadroomValidate.execute(run, clip=clip, vae=vae, prompts=f"{INSTRUCTION}\n{INSTRUCTION}", negative="",
                                        sample_seed=0, sample_steps=1, cfg=1.0, sampler_name="euler",

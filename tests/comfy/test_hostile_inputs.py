@@ -549,6 +549,82 @@ def test_hostile_run_folder_files_are_refused(world, case, tmp_path, caplog):
     assert not os.path.exists(Payload.marker), "an unpickled payload ran"
 
 
+# A run folder's memory_record.json as anyone could upload it (POST /upload/image, type=output), or pasted into
+# HeadroomMemoryReport's record_json: each is ignored with a warning naming the file (a run), or refused (a paste).
+_GOOD_PHASE = {"phase": "training", "seconds": 1.5, "completed": True, "device": "cuda:0", "cuda": True,
+               "peak_rss_bytes": 2**30, "peak_rss_scope": "phase", "peak_allocated_bytes": 2**20,
+               "peak_reserved_bytes": 2**21}
+
+
+def _record(**phase_fields) -> str:
+    phase = {k: v for k, v in {**_GOOD_PHASE, **phase_fields}.items() if v is not _MISSING}
+    return json.dumps({"format": "headroom.memory_record", "version": 1, "device": "cpu", "phases": [phase]})
+
+
+_MISSING = object()
+HOSTILE_MEMORY_RECORDS = {
+    "nested_brackets": "[" * 100_000,
+    "nested_objects": '{"a":' * 100_000,
+    "nan_seconds": _record(seconds=math.nan),  # json.dumps writes NaN
+    "huge_seconds": _record(seconds=1.0).replace('"seconds": 1.0', '"seconds": 1e999'),
+    "infinity_peak": _record().replace(str(2**30), "Infinity"),
+    "huge_int": _record(peak_reserved_bytes=10**40),
+    "negative_peak": _record(peak_allocated_bytes=-5),
+    "string_seconds": _record(seconds="1.5"),
+    "string_peak": _record(peak_reserved_bytes="lots"),
+    "bool_as_count": _record(peak_rss_bytes=True),
+    "missing_seconds": _record(seconds=_MISSING),
+    "missing_cuda_peak": _record(peak_allocated_bytes=_MISSING),
+    "phase_not_string": _record(phase=5),
+    "phase_list": _record(phase=["x"] * 3),
+    "junk_device": _record(device="warp drive"),
+    "unknown_field": _record(evil="x" * 1000),
+    "record_device_junk": _record().replace('"device": "cpu"', '"device": 7'),
+}
+
+
+@pytest.mark.parametrize("case", list(HOSTILE_MEMORY_RECORDS))
+def test_hostile_memory_record_is_ignored_on_resume_and_later_records_write(world, case, caplog):
+    """Resuming a run whose memory_record.json is hostile: a warning naming the file, a new record, and every later
+    phase record is written again (a NaN kept in the record made each write fail)."""
+    from test_train_lora_nodes import _init
+
+    from headroom.nodes.bridge.model_files import runs_root
+    from headroom.training.memory.memory_stats import PhaseRecorder
+
+    name = f"hostile_memory_{case}"
+    run_dir = runs_root() / name
+    shutil.copytree(world["template"], run_dir, symlinks=True)
+    (run_dir / "memory_record.json").write_text(HOSTILE_MEMORY_RECORDS[case])
+    run = _init(world["model"], world["latents"], world["texts"], name, rank=4, batch_size=2)
+    assert run.step == 1
+    warning = next(r.getMessage() for r in caplog.records if "memory record" in r.getMessage())
+    assert "ignoring the unreadable memory record memory_record.json" in warning and name in warning, warning
+    with run.phase("validation"):
+        pass
+    assert "could not" not in caplog.text and "not JSON compliant" not in caplog.text
+    written = PhaseRecorder.from_json((run_dir / "memory_record.json").read_text())
+    assert [p["phase"] for p in written.phases] == [p["phase"] for p in run.memory.phases]
+    assert written.phases[-1]["phase"] == "validation"
+
+
+@pytest.mark.parametrize("case", list(HOSTILE_MEMORY_RECORDS))
+def test_hostile_memory_record_json_is_refused_by_the_memory_report(comfyui, case):
+    from headroom.nodes.monitor import HeadroomMemoryReport
+
+    with pytest.raises(ValueError) as error:
+        HeadroomMemoryReport.execute(record_json=HOSTILE_MEMORY_RECORDS[case])
+    message = clear_error(error.value, "Memory Report (Headroom)", "memory record")
+    assert len(message) < 600, message
+
+
+def test_a_good_memory_record_still_renders(comfyui):
+    from headroom.nodes.monitor import HeadroomMemoryReport
+
+    text = HeadroomMemoryReport.execute(record_json=_record()).result[0]
+    assert "training [blue]" in text and "peak allocated 1.0 MiB" in text
+
+
 # --- 5. cache manifests ---------------------------------------------------------------------------------------------
 def _cache_dataset(world):
     from headroom.nodes.cache import HeadroomDatasetFromImages
@@ -613,6 +689,11 @@ def test_hostile_cache_manifests_are_ignored_and_rebuilt(world, case, tmp_path):
 
 
 # --- 6. NaN and infinity in every float input ---------------------------------------------------------------------------
+def _as_run(node_cls):
+    """The class as ComfyUI's executor calls it: a copy (execution.py: PREPARE_CLASS_CLONE), named '...Clone'."""
+    return node_cls.PREPARE_CLASS_CLONE(None)
+
+
 def _float_call(world, node: str, name: str, value: float):
     from test_train_lora_nodes import _init
     from test_controlnet_training import _init_inputs
@@ -625,34 +706,34 @@ def _float_call(world, node: str, name: str, value: float):
     run = world["run"]
     if node == "HeadroomLoraConfig":
         inputs = dict(kind="lora", rank=4, alpha=4.0, targets="preset", include_conv=False, dropout=0.0, init_seed=0)
-        return T.HeadroomLoraConfig.execute(**{**inputs, name: value})
+        return _as_run(T.HeadroomLoraConfig).execute(**{**inputs, name: value})
     if node == "HeadroomOptimizerConfig":
         inputs = dict(optimizer="AdamW", learning_rate=1e-3, weight_decay=0.0, schedule="constant", warmup_steps=0,
                       schedule_steps=10)
-        return T.HeadroomOptimizerConfig.execute(**{**inputs, name: value})
+        return _as_run(T.HeadroomOptimizerConfig).execute(**{**inputs, name: value})
     if node == "HeadroomTrainLoraInit":
         return _init(world["model"], world["latents"], world["texts"], f"nan_{name}", **{name: value})
     if node == "HeadroomTrainControlNetInit":
         inputs = _init_inputs(world["model"], world["latents"], world["texts"], f"nan_cn_{name}")
-        return CN.HeadroomTrainControlNetInit.execute(**{**inputs, name: value})
+        return _as_run(CN.HeadroomTrainControlNetInit).execute(**{**inputs, name: value})
     if node == "HeadroomTrainSteps":
-        return T.HeadroomTrainSteps.execute(run, 2, **{name: value})
+        return _as_run(T.HeadroomTrainSteps).execute(run, 2, **{name: value})
     if node == "HeadroomValidate":
-        return T.HeadroomValidate.execute(run, clip=world["clip"], vae=world["vae"], prompts="", negative="",
+        return _as_run(T.HeadroomValidate).execute(run, clip=world["clip"], vae=world["vae"], prompts="", negative="",
                                           sample_seed=0, sample_steps=1, sampler_name="euler", scheduler="normal",
                                           width=32, height=32, loss_timesteps=1, **{"cfg": 1.0, name: value})
     if node == "HeadroomApplyTrainedLora":
-        return T.HeadroomApplyTrainedLora.execute(world["model"], run, value)
+        return _as_run(T.HeadroomApplyTrainedLora).execute(world["model"], run, value)
     if node == "HeadroomOffloadPolicy":
         inputs = dict(vram_budget_gb=0.0, reserve_gb=1.0, base_placement="resident", base_storage="as_loaded",
                       checkpointing="off", checkpoint_depth=1, optimizer_state="gpu",
                       park_optimizer_during_validation=True, vae_tiled_decode="auto", encoders="unload_after_use")
-        return M.HeadroomOffloadPolicy.execute(**{**inputs, name: value})
+        return _as_run(M.HeadroomOffloadPolicy).execute(**{**inputs, name: value})
     if node == "HeadroomTrainLora":  # checked first, before the run is built from the other inputs
-        return T.HeadroomTrainLora.execute(steps=2, validate_every=0, save_every=0, lora_subfolder="x",
+        return _as_run(T.HeadroomTrainLora).execute(steps=2, validate_every=0, save_every=0, lora_subfolder="x",
                                            **{"checkpoint_minutes": 1.0, name: value})
     if node == "HeadroomDatasetFromVideos":  # checked before the folder is looked at
-        return C.HeadroomDatasetFromVideos.execute(folder="", resolution=64, step=16, crop="center", flip=False,
+        return _as_run(C.HeadroomDatasetFromVideos).execute(folder="", resolution=64, step=16, crop="center", flip=False,
                                                    seed=0, skip_bad=False, frame_rate=value)
     raise AssertionError(node)
 
@@ -674,6 +755,9 @@ FLOAT_INPUTS = [("HeadroomLoraConfig", "alpha"), ("HeadroomLoraConfig", "dropout
                 ("HeadroomTrainLora", "frame_rate"), ("HeadroomDatasetFromVideos", "frame_rate")]
 
 
+NAMED_BY_DISPLAY_NAME = {"HeadroomValidate": "Validate LoRA (Headroom)", "HeadroomTrainLora": "Train LoRA (Headroom)"}
+
+
 @pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf], ids=["nan", "inf", "-inf"])
 @pytest.mark.parametrize("node,name", FLOAT_INPUTS, ids=[f"{n}.{i}" for n, i in FLOAT_INPUTS])
 def test_nan_and_infinity_are_refused_naming_the_input(world, node, name, value):
@@ -682,7 +766,11 @@ def test_nan_and_infinity_are_refused_naming_the_input(world, node, name, value)
     before = sorted(os.listdir(runs_root()))
     with _watch(world), pytest.raises(ValueError) as error:
         _float_call(world, node, name, value)
-    clear_error(error.value, node, f"{name}=", "not a finite number")
+    # Named as users see it: the display name where the message is built from the running class (never its copy's
+    # class name, 'HeadroomValidateClone'), the node id where the owner is written out.
+    shown = NAMED_BY_DISPLAY_NAME.get(node, node)
+    message = clear_error(error.value, f"{shown}: {name}=", "not a finite number")
+    assert "Clone" not in message, message
     assert sorted(os.listdir(runs_root())) == before, "a run folder (config.json with NaN) was written"
 
 

@@ -3,6 +3,7 @@ for diffusers (tiny models of the families, in-process, CPU)."""
 from __future__ import annotations
 
 import json
+import pathlib
 
 import pytest
 import torch
@@ -782,3 +783,78 @@ def test_new_family_diffusers_files_load_in_diffusers_with_comfyuis_weights(comf
         worst = _fused_against_comfy(transformer, layers, conversion, from_comfy)
     print(f"{family}: {len(run.adapters.layers)} ComfyUI modules -> {len(layers)} diffusers layers; fused vs "
           f"ComfyUI, max relative difference {worst:.1e}")
+
+
+# --- files other trainers write -------------------------------------------------------------------------------
+def test_a_file_of_comfyuis_own_train_lora_is_refused_naming_its_diff_patches(comfyui, tmp_path):
+    """ComfyUI's stock Train LoRA + Save LoRA Weights (comfy_extras/nodes_train.py, run for real on the tiny SD1.5)
+    write bias / norm 'diff' entries next to the LoRA layers; continuing such a file says so (it said 'holds a tuple
+    update')."""
+    import shutil
+
+    import folder_paths
+    import nodes
+    from comfy_extras.nodes_train import SaveLoRA, TrainLoraNode
+
+    model, clip, _, latents, texts = _data("sd15", count=1)
+    with torch.inference_mode():
+        positive = nodes.CLIPTextEncode().encode(clip, "a red square")[0]
+        samples = torch.randn(1, 4, 4, 4, generator=torch.Generator().manual_seed(0))
+    lora = TrainLoraNode.execute(
+        model=[model], latents=[{"samples": samples}], positive=[positive], batch_size=[1], steps=[1],
+        grad_accumulation_steps=[1], learning_rate=[1e-3], rank=[2], optimizer=["AdamW"], loss_function=["MSE"],
+        seed=[0], training_dtype=["fp32"], lora_dtype=["fp32"], quantized_backward=[False], algorithm=["LoRA"],
+        gradient_checkpointing=[False], checkpoint_depth=[1], offloading=[False], existing_lora=["[None]"],
+        bucket_mode=[False], bypass_mode=[False]).result[0]
+    SaveLoRA.execute(lora, "stock_train_lora/file")
+    saved = next((pathlib.Path(folder_paths.get_output_directory()) / "stock_train_lora").glob("*.safetensors"))
+    assert any(key.endswith((".diff", ".diff_b")) for key in _keys_of(saved))  # what makes the file special
+    target = pathlib.Path(folder_paths.get_folder_paths("loras")[0]) / "formats" / "stock_train_lora.safetensors"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy(saved, target)
+    folder_paths.filename_list_cache.pop("loras", None)
+    with pytest.raises(ValueError) as error:
+        _init_from(model, latents, texts, "continue_stock_train_lora", "formats/stock_train_lora.safetensors")
+    message = str(error.value)
+    assert "whole-tensor 'diff' patches" in message and "ComfyUI's Train LoRA" in message and "tuple" not in message
+    assert "Load LoRA" in message, message
+
+
+def _keys_of(path) -> list[str]:
+    with safe_open(str(path), "pt") as f:
+        return list(f.keys())
+
+
+def test_a_peft_named_sd15_file_from_diffusers_continues_exactly(comfyui, caplog):
+    """An SD1.5 LoRA as diffusers' `save_lora_weights` writes it from a PEFT-injected UNet (what its training scripts
+    save: `unet.<block>.attn1.to_k.lora_A.weight`): the attention layers, which ComfyUI's key map names only in the
+    attention-processor form, are mapped too; the run starts exactly where the file is."""
+    import folder_paths
+    import nodes
+    from diffusers import StableDiffusionPipeline
+    from peft.utils import get_peft_model_state_dict
+
+    model, clip, first, _, _ = _save_both("sd15", "lora")
+    _, _, _, latents, texts = _data("sd15")
+    source = _save(first, "sd15_peft_source", "diffusers")
+    with torch.inference_mode(False), torch.no_grad():
+        unet = _diffusers_unet_of(model)
+        _load_with_diffusers(unet, StableDiffusionPipeline, folder_paths.get_full_path_or_raise("loras", source), caplog)
+        folder = pathlib.Path(folder_paths.get_folder_paths("loras")[0]) / "formats" / "sd15_peft"
+        StableDiffusionPipeline.save_lora_weights(folder, unet_lora_layers=get_peft_model_state_dict(
+            unet, adapter_name="headroom"), safe_serialization=True)
+    folder_paths.filename_list_cache.pop("loras", None)
+    name = "formats/sd15_peft/pytorch_lora_weights.safetensors"
+    keys = _keys_of(folder_paths.get_full_path_or_raise("loras", name))
+    assert any(k.endswith(".attn1.to_k.lora_A.weight") for k in keys) and not any("processor" in k for k in keys)
+
+    continued = _init_from(model, latents, texts, "continued_sd15_peft", name)
+    with torch.inference_mode():
+        at_start = _save(continued, "continued_sd15_peft_step0", "comfyui")
+        original, _ = nodes.LoraLoader().load_lora(model, clip, source, 1.0, 0.0)
+        restarted, _ = nodes.LoraLoader().load_lora(model, clip, at_start, 1.0, 0.0)
+        expected, got = _patched_weights(original), _patched_weights(restarted)
+    assert expected.keys() == got.keys() and len(got) == len(first.adapters.layers)
+    for key in expected:
+        torch.testing.assert_close(got[key], expected[key], rtol=1e-6, atol=1e-7)
+

@@ -120,9 +120,9 @@ def test_memory_report_node_renders_a_run_record(comfyui):
     assert chart.shape == (1, 160, 320, 3) and chart.dtype == torch.float32
     assert json.loads(json.dumps(output.ui))["headroom_memory_record"][0]["phases"] == recorder.phases
 
-    with pytest.raises(ValueError, match="HeadroomMemoryReport: connect the run output"):
+    with pytest.raises(ValueError, match=r"Memory Report \(Headroom\): connect the run output"):
         HeadroomMemoryReport.execute(record_json="  ")
-    with pytest.raises(ValueError, match="HeadroomMemoryReport: memory record: not valid JSON"):
+    with pytest.raises(ValueError, match=r"Memory Report \(Headroom\): memory record: not valid JSON"):
         HeadroomMemoryReport.execute(record_json="{")
 
 

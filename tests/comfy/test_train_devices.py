@@ -70,6 +70,31 @@ def test_devices_2_spawns_trains_like_one_device_and_cancel_stops_every_rank(com
     assert not torch.distributed.is_initialized()
 
 
+def test_devices_2_leaves_no_folder_and_keeps_the_authkey_off_the_command_line(comfyui):
+    """The worker's command line is readable by every local user (ps, /proc/PID/cmdline): the multiprocessing
+    authkey (which lets a process send this one pickles) travels through the worker's stdin. The folder of the
+    socket the workers connect through is gone once they are connected."""
+    import multiprocessing
+    import os
+
+    from headroom.nodes.bridge.rank_workers import RankWorkers
+
+    model, _, _, latents, texts = _data("sd15")
+    run = _init(model, latents, texts, "devices_leftovers", devices="2", rank=4, batch_size=4)
+    workers = run.ranks
+    try:
+        authkey = multiprocessing.current_process().authkey
+        with open(f"/proc/{workers.processes[0].pid}/cmdline", "rb") as cmdline:
+            seen = cmdline.read()
+        assert authkey.hex().encode() not in seen and authkey not in seen, seen
+        socket_folder = os.path.dirname(workers.processes[0].args[2])  # this run's (other workers may run others)
+        assert os.path.basename(socket_folder).startswith("headroom-ranks-"), workers.processes[0].args
+        assert not os.path.exists(socket_folder), "the socket folder outlived the workers' connect"
+    finally:
+        workers.close()
+    assert RankWorkers.active is None
+
+
 def test_devices_2_a_killed_worker_fails_the_run_cleanly_with_its_checkpoint(comfyui):
     from headroom.nodes import train_lora as T
     from headroom.nodes.bridge.rank_workers import RankWorkers

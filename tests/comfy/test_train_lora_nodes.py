@@ -1,6 +1,7 @@
 """LoRA training nodes on real ComfyUI objects (tiny sd15 / sd3 / flux models, in-process, CPU)."""
 from __future__ import annotations
 
+import pathlib
 import threading
 
 import pytest
@@ -571,3 +572,27 @@ def test_compare_base_writes_a_before_after_grid_of_the_untouched_base(comfyui):
     assert np.abs(base_1[:, :32] - stock_pixels).max() <= 1, "the top row is the base MODEL as KSampler samples it"
     assert np.array_equal(base_1, base_20), "training must not change the base samples"
     assert np.abs(trained_20 - base_20).max() > 10, "the trained row should differ from the base after training"
+
+
+def test_validation_png_has_the_pixels_of_the_stock_save_image(comfyui):
+    """The validation grid's pixels are those ComfyUI's SaveImage writes for the same images (it truncates: a
+    rounded grid differed by one level in about half of them)."""
+    import folder_paths
+    import nodes
+    import numpy as np
+    from PIL import Image
+
+    from headroom.nodes import train_lora as T
+
+    model, clip, vae, latents, texts = _data("sd15", count=2)
+    run = _init(model, latents, texts, "png_like_save_image", rank=4, batch_size=2)
+    with torch.inference_mode():
+        images = T.HeadroomValidate.execute(run, clip=clip, vae=vae, prompts="a red square\na blue square",
+                                            negative="", sample_seed=0, sample_steps=1, cfg=1.0, sampler_name="euler",
+                                            scheduler="normal", width=32, height=32, loss_timesteps=1).args[0]
+        saved = nodes.SaveImage().save_images(images, "png_like_save_image")["ui"]["images"]
+    stock = np.concatenate([np.asarray(Image.open(pathlib.Path(folder_paths.get_output_directory()) / s["subfolder"]
+                                                  / s["filename"])) for s in saved], axis=1)
+    ours = np.asarray(Image.open(run.run_dir.validation_dir / "step_00000000.png"))
+    assert ours.shape == stock.shape == (32, 64, 3)
+    assert np.array_equal(ours, stock), f"{int((ours != stock).sum())} values differ"

@@ -122,7 +122,7 @@ def test_start_images_are_refused_where_they_do_not_apply(cache_dir, tmp_path, c
     with torch.inference_mode():
         t2v, t2v_clip, t2v_vae = build_tiny_models("wan21", 0)
     t2v_run = init_run(t2v, started, started_texts, f"t2v_start_{tmp_path.name}", 4, 1e-3, "preset", False)
-    with torch.inference_mode(), pytest.raises(ValueError, match=r"HeadroomValidate: start_image given, but this MODEL "
+    with torch.inference_mode(), pytest.raises(ValueError, match=r"Validate LoRA \(Headroom\): start_image given, but this MODEL "
                                                                  r"\(WAN21\) takes no start image .*disconnect start_image"):
         T.HeadroomValidate.execute(t2v_run, clip=t2v_clip, vae=t2v_vae, prompts="x", negative="", sample_seed=0,
                                    sample_steps=1, cfg=1.0, sampler_name="euler", scheduler="simple", width=SIZE,

@@ -161,7 +161,8 @@ def open_regular(path: str | os.PathLike, what: str, max_bytes: int | None = Non
     return os.fdopen(fd, "rb")
 
 
-def _no_constants(name: str):
+def no_json_constants(name: str):
+    """json.loads' parse_constant: NaN / Infinity refused (Python's json reads them, JSON has none)."""
     raise ValueError(f"{name} is not a number JSON allows")
 
 
@@ -170,7 +171,7 @@ def read_json(path: str | os.PathLike, what: str, max_bytes: int = JSON_MAX_BYTE
     with open_regular(path, what, max_bytes) as handle:
         data = handle.read()
     try:
-        return json.loads(data.decode("utf-8"), parse_constant=_no_constants)
+        return json.loads(data.decode("utf-8"), parse_constant=no_json_constants)
     except (UnicodeDecodeError, ValueError, RecursionError) as error:
         raise UntrustedFileError(f"{what} {display_path(path)} is not valid JSON ({error})") from None
 

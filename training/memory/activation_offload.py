@@ -29,7 +29,7 @@ from typing import Callable, Iterable, Sequence
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from .checkpointing import (checkpoint_inplace_safe, modules_at_depth, protects_inplace_inputs,
+from .checkpointing import (replaying, checkpoint_inplace_safe, modules_at_depth, protects_inplace_inputs,
                             recomputed_block_bytes)
 from .cost import FeatureCost
 
@@ -54,7 +54,7 @@ def offloaded_checkpoint(forward: Callable, args: tuple, kwargs: dict,
     with offload_hooks([t for t in flat if isinstance(t, torch.Tensor)]):
         if protects_inplace_inputs(forward):
             return checkpoint_inplace_safe(forward, args, kwargs)
-        return checkpoint(run, *flat, use_reentrant=False)
+        return checkpoint(replaying(run), *flat, use_reentrant=False)
 
 
 def enable_offloaded_checkpointing(blocks: Iterable[torch.nn.Module], depth: int = 1,

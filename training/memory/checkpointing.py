@@ -16,6 +16,8 @@ such a block uses the reentrant checkpoint (see `checkpoint_inplace_safe`).
 """
 from __future__ import annotations
 
+import contextlib
+import threading
 from typing import Callable, Iterable, Sequence
 
 import torch
@@ -38,6 +40,65 @@ def modules_at_depth(blocks: Iterable[torch.nn.Module], depth: int) -> list[torc
         # Parameter-free children (activations, dropout) are not worth a recompute boundary.
         level = [m for m in below if any(True for _ in m.parameters())]
     return level
+
+
+# --- readings the recompute must repeat -------------------------------------------------------------------------
+# ComfyUI's split / sub-quadratic attention chunks by the free memory read at call time; between a checkpointed
+# forward and its recompute in backward free memory moves (weight streaming, other processes), and a recompute
+# chunked otherwise saves other tensors (CheckpointError) or computes other values. A pinned reading is recorded
+# in the forward and replayed in the recompute.
+_tape = threading.local()  # the current checkpointed call's (readings, replaying, position); per thread: backward's
+
+
+def replaying(run: Callable) -> Callable:
+    """`run` as a checkpoint calls it (once in the forward, again to recompute): pinned readings taken on the first
+    call, replayed in order on later ones."""
+    readings: list = []
+    calls = 0
+
+    def replaying_run(*args, **kwargs):
+        nonlocal calls
+        calls += 1
+        outer = getattr(_tape, "current", None)
+        _tape.current = (readings, calls > 1, [0])
+        try:
+            return run(*args, **kwargs)
+        finally:
+            _tape.current = outer
+
+    return replaying_run
+
+
+@contextlib.contextmanager
+def pinned_reading(owner, name: str):
+    """Within it, `owner.<name>` (a function of plain arguments reading the machine's state, e.g. ComfyUI's
+    get_free_memory) returns in a checkpoint's recompute what it returned in that checkpoint's forward (same
+    arguments, same order)."""
+    reading = getattr(owner, name)
+    if getattr(reading, "pinned", False):  # pinned already (a nested use): once is enough
+        yield
+        return
+
+    def pinned(*args, **kwargs):
+        tape = getattr(_tape, "current", None)
+        if tape is None:
+            return reading(*args, **kwargs)
+        readings, again, position = tape
+        if again:
+            if position[0] < len(readings) and readings[position[0]][0] == (args, kwargs):
+                position[0] += 1
+                return readings[position[0] - 1][1]
+            return reading(*args, **kwargs)  # a call the forward did not make: nothing to repeat
+        value = reading(*args, **kwargs)
+        readings.append(((args, kwargs), value))
+        return value
+
+    pinned.pinned = True
+    setattr(owner, name, pinned)
+    try:
+        yield
+    finally:
+        setattr(owner, name, reading)
 
 
 def _inplace_safe(forward: Callable) -> Callable:
@@ -96,7 +157,7 @@ def checkpoint_inplace_safe(safe_forward: Callable, args: tuple, kwargs: dict):
         return safe_forward(*positional, **dict(zip(tensor_names, tensors[at:])), **others)
 
     anchor = torch.empty(0, requires_grad=True)
-    return checkpoint(run, anchor, *flat, *(kwargs[k] for k in tensor_names), use_reentrant=True)
+    return checkpoint(replaying(run), anchor, *flat, *(kwargs[k] for k in tensor_names), use_reentrant=True)
 
 
 def _checkpointed_inplace_safe(forward: Callable) -> Callable:
@@ -114,7 +175,7 @@ def _checkpointed(forward: Callable) -> Callable:
     def checkpointed_forward(*args, **kwargs):
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        return checkpoint(replaying(forward), *args, use_reentrant=False, **kwargs)
 
     return checkpointed_forward
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import resource
 import sys
@@ -20,6 +21,8 @@ import time
 from collections.abc import Iterator
 
 import torch
+
+from ..data.files import no_json_constants
 
 RECORD_FORMAT = "headroom.memory_record"
 RECORD_VERSION = 1
@@ -132,6 +135,51 @@ _BAR_COLOURS: list[tuple[str, tuple[float, float, float]]] = [
 ]
 
 
+def _checked_device(value, where: str) -> torch.device:
+    try:
+        if not isinstance(value, str) or len(value) > 40:
+            raise TypeError
+        return _as_device(value)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"{where}: device {str(value)[:40]!r} is not a torch device name") from None
+
+
+def _is_count(value) -> bool:
+    return type(value) is int and 0 <= value < 2**63
+
+
+def _is_seconds(value) -> bool:
+    return type(value) in (int, float) and math.isfinite(value) and value >= 0
+
+
+# Every field a phase record has (as `PhaseRecorder.phase` writes it), with its check; the CUDA peaks only on CUDA.
+_PHASE_FIELDS = {
+    "phase": lambda v: isinstance(v, str) and 0 < len(v) <= 200,
+    "seconds": _is_seconds,
+    "completed": lambda v: type(v) is bool,
+    "device": lambda v: isinstance(v, str),  # checked as a device name below
+    "cuda": lambda v: type(v) is bool,
+    "peak_rss_bytes": lambda v: v is None or _is_count(v),
+    "peak_rss_scope": lambda v: v in ("phase", "process"),
+}
+_CUDA_FIELDS = {"peak_allocated_bytes": _is_count, "peak_reserved_bytes": _is_count}
+
+
+def check_phase(record: dict, where: str) -> None:
+    """One phase record read back (from a file or pasted JSON): exactly the fields `phase` writes, each of its type
+    and range (finite, non-negative), or a ValueError naming the field."""
+    fields = {**_PHASE_FIELDS, **(_CUDA_FIELDS if record.get("cuda") is True else {})}
+    unknown = sorted(str(key)[:40] for key in record if key not in fields)
+    if unknown:
+        raise ValueError(f"{where}: unknown field(s) {', '.join(unknown)}")
+    for name, valid in fields.items():
+        if name not in record:
+            raise ValueError(f"{where}: field {name!r} is missing")
+        if not valid(record[name]):
+            raise ValueError(f"{where}: field {name!r} = {str(record[name])[:40]!r} is not valid")
+    _checked_device(record["device"], where)
+
+
 class PhaseRecorder:
     """Per-phase peak memory and wall time of one run.
 
@@ -193,26 +241,28 @@ class PhaseRecorder:
 
     @classmethod
     def from_json(cls, text: str) -> PhaseRecorder:
+        """A record as `to_json` writes it. It may come from a file anyone could upload (a run folder's
+        memory_record.json) or a pasted string: every field is checked, anything else is a ValueError."""
         try:
-            data = json.loads(text)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"memory record: not valid JSON ({error}); pass the record_json of a Headroom run") from None
+            data = json.loads(text, parse_constant=no_json_constants)
+        except (ValueError, RecursionError) as error:  # RecursionError: brackets nested beyond Python's stack
+            raise ValueError(f"memory record: not valid JSON ({str(error)[:200]}); pass the record_json of a "
+                             "Headroom run") from None
         if not isinstance(data, dict) or data.get("format") != RECORD_FORMAT:
             raise ValueError(
                 f"memory record: JSON is not a {RECORD_FORMAT!r} record; pass the record_json of a Headroom run"
             )
         if data.get("version") != RECORD_VERSION:
             raise ValueError(
-                f"memory record: version {data.get('version')!r} is not supported (this Headroom reads {RECORD_VERSION})"
+                f"memory record: version {repr(data.get('version'))[:40]} is not supported (this Headroom reads "
+                f"{RECORD_VERSION})"
             )
         phases = data.get("phases")
         if not isinstance(phases, list) or not all(isinstance(p, dict) and "phase" in p for p in phases):
             raise ValueError("memory record: 'phases' must be a list of objects that each name their 'phase'")
-        try:
-            device = _as_device(data.get("device", "cpu"))
-        except (RuntimeError, TypeError):
-            raise ValueError(f"memory record: device {data.get('device')!r} is not a torch device name") from None
-        return cls(device, phases)
+        for index, phase in enumerate(phases):
+            check_phase(phase, f"memory record: phase {index}")
+        return cls(_checked_device(data.get("device", "cpu"), "memory record"), phases)
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the JSON record atomically (a reader never sees half a file)."""

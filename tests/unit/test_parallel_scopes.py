@@ -1,0 +1,49 @@
+"""How .ci/test's parallel run (pytest-xdist, `-n 2 --dist loadfile`) shares workers: tests/conftest.py's scheduler
+keeps each file together, the whole realsize tier in one worker (never two ~14 GiB tests at once), and the server and
+browser tests in one (one ComfyUI server)."""
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+
+def _conftest(request):
+    return next(p for p in request.config.pluginmanager.get_plugins() if hasattr(p, "worker_scope"))
+
+
+def test_realsize_and_server_tests_share_a_scope_and_other_files_keep_theirs(request):
+    scope = _conftest(request).worker_scope
+    realsize = {scope("tests/realsize/test_realsize.py::test_sd15[fp16]"),
+                scope("tests/realsize/test_validation_as_saved.py::test_x"),
+                scope("tests/realsize/test_memory_plan_server.py::test_y")}
+    server = {scope("tests/server/test_demo.py::test_a"), scope("tests/browser/test_browser.py::test_b[sd35_lora]"),
+              scope("tests/server/test_workflows.py::test_c")}
+    assert len(realsize) == 1 and len(server) == 1 and realsize != server
+    assert scope("tests/comfy/test_monitor.py::test_a") == "tests/comfy/test_monitor.py"
+    assert scope("tests/comfy/test_monitor.py::test_b[x::y]") == "tests/comfy/test_monitor.py"
+    assert scope("tests/unit/test_policy.py::test_a") != scope("tests/unit/test_trainer.py::test_a")
+
+
+def test_the_loadfile_run_puts_the_realsize_tier_on_one_worker(tmp_path):
+    """Through pytest-xdist itself (every test skipped as it starts: only the scheduling is looked at): the three
+    realsize files' tests land on one worker, where plain loadfile spreads them over both."""
+    pytest.importorskip("xdist")
+    (tmp_path / "skip_every_test.py").write_text(
+        "import pytest\n\n\n@pytest.hookimpl(tryfirst=True)\ndef pytest_runtest_setup(item):\n"
+        "    pytest.skip('scheduling check only')\n")
+    tests = pathlib.Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-n", "2", "--dist", "loadfile", "-v", "-p", "skip_every_test",
+         "-p", "no:cacheprovider", str(tests / "realsize")],
+        capture_output=True, text=True, cwd=tests.parent, env=env, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    ran = re.findall(r"\[(gw\d+)\] .*SKIPPED (tests/\w+/\w+\.py)", result.stdout)
+    files = {path for _, path in ran}
+    assert len([f for f in files if f.startswith("tests/realsize/")]) == 3, result.stdout[-3000:]
+    assert len({worker for worker, path in ran if path.startswith("tests/realsize/")}) == 1, result.stdout[-3000:]
