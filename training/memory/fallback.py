@@ -35,8 +35,7 @@ NEAR_FULL = 0.85
 
 FIX = ("Lower the run's VRAM budget (the Offload Policy node's vram_budget_gb, or a larger reserve_gb on an auto "
        "budget) so the Memory Plan picks a policy that fits, or set the NVIDIA driver's 'CUDA - Sysmem Fallback Policy' to 'Prefer No Sysmem Fallback' (NVIDIA Control "
-       "Panel > Manage 3D settings), so an over-budget run stops with an out-of-memory error the planner can act on "
-       "instead of running 5-20x slower.")
+       "Panel > Manage 3D settings), so an over-budget run stops with an out-of-memory error the planner can act on.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,8 +72,8 @@ def spill_finding(reserved_bytes: int, allocated_bytes: int, total_bytes: int, s
         return None
     where = f"at step {step}" if step is not None else "now"
     message = (f"GPU memory is spilling into system RAM: {where} PyTorch holds {_gib(reserved_bytes)} but the card "
-               f"has {_gib(total_bytes)}. The NVIDIA driver's system-memory fallback keeps the run going, 5-20x "
-               f"slower. {FIX}")
+               f"has {_gib(total_bytes)}. The NVIDIA driver's system-memory fallback keeps the run going instead of "
+               f"failing, 5-20x slower. {FIX}")
     return Finding("spill", step, message, {"reserved_bytes": reserved_bytes, "allocated_bytes": allocated_bytes,
                                             "total_bytes": total_bytes})
 

@@ -140,12 +140,15 @@ class PhaseRecorder:
             ...
         recorder.to_json()
 
-    Each phase resets the peak counters when it starts, so phases do not nest.
+    Each phase resets the peak counters when it starts, so phases do not nest. `warnings`: what was found about
+    the run's memory on the way (each a dict with a "message": the driver's fallback, training/memory/fallback.py).
     """
 
-    def __init__(self, device: torch.device | str | None = None, phases: list[dict] | None = None):
+    def __init__(self, device: torch.device | str | None = None, phases: list[dict] | None = None,
+                 warnings: list[dict] | None = None):
         self.device = _as_device(device)
         self.phases: list[dict] = list(phases or [])
+        self.warnings: list[dict] = list(warnings or [])
         self._open_phase: str | None = None
 
     @contextlib.contextmanager
@@ -186,7 +189,8 @@ class PhaseRecorder:
             self._open_phase = None
 
     def as_dict(self) -> dict:
-        return {"format": RECORD_FORMAT, "version": RECORD_VERSION, "device": str(self.device), "phases": self.phases}
+        return {"format": RECORD_FORMAT, "version": RECORD_VERSION, "device": str(self.device), "phases": self.phases,
+                "warnings": self.warnings}
 
     def to_json(self) -> str:
         return json.dumps(self.as_dict(), indent=1)
@@ -208,11 +212,15 @@ class PhaseRecorder:
         phases = data.get("phases")
         if not isinstance(phases, list) or not all(isinstance(p, dict) and "phase" in p for p in phases):
             raise ValueError("memory record: 'phases' must be a list of objects that each name their 'phase'")
+        warnings = data.get("warnings", [])  # records written before warnings were kept have none
+        if not isinstance(warnings, list) or not all(isinstance(w, dict) and isinstance(w.get("message"), str)
+                                                     for w in warnings):
+            raise ValueError("memory record: 'warnings' must be a list of objects that each have a 'message' text")
         try:
             device = _as_device(data.get("device", "cpu"))
         except (RuntimeError, TypeError):
             raise ValueError(f"memory record: device {data.get('device')!r} is not a torch device name") from None
-        return cls(device, phases)
+        return cls(device, phases, warnings)
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the JSON record atomically (a reader never sees half a file)."""
@@ -232,9 +240,10 @@ class PhaseRecorder:
         return record.get("peak_reserved_bytes", record.get("peak_rss_bytes")) or 0
 
     def render_text(self) -> str:
+        warnings = [f"WARNING: {warning['message']}" for warning in self.warnings]
         if not self.phases:
-            return "Headroom memory report: no phases recorded."
-        lines = ["Headroom memory report (peak per phase; bar colour in the chart):"]
+            return "\n".join(["Headroom memory report: no phases recorded.", *warnings])
+        lines = ["Headroom memory report (peak per phase; bar colour in the chart):", *warnings]
         for index, record in enumerate(self.phases):
             colour = _BAR_COLOURS[index % len(_BAR_COLOURS)][0]
             status = "" if record.get("completed", True) else "  FAILED"
