@@ -49,7 +49,7 @@ def test_the_real_reader_reads_nothing_on_a_cpu(comfyui):
     from headroom.nodes.bridge.memory_fallback import read_device
 
     assert read_device(torch.device("cpu")) is None
-    model, clip, vae, latents, texts = _data("sd15", count=2)
+    model, _, _, latents, texts = _data("sd15", count=2)
     run = _init(model, latents, texts, "fallback_cpu", rank=4)
     with torch.inference_mode():
         output = T.HeadroomTrainSteps.execute(run, 2)
@@ -61,7 +61,7 @@ def test_train_steps_says_the_spill_once_in_its_text_log_and_record(comfyui, spi
     from headroom.nodes.monitor import HeadroomMemoryReport, HeadroomVRAMMonitor
     from headroom.training.memory.memory_stats import PhaseRecorder
 
-    model, clip, vae, latents, texts = _data("sd15", count=2)
+    model, _, _, latents, texts = _data("sd15", count=2)
     run = _init(model, latents, texts, "fallback_spill", rank=4)
     with torch.inference_mode(), caplog.at_level("WARNING"):
         first = T.HeadroomTrainSteps.execute(run, 4)
@@ -95,7 +95,7 @@ def test_train_steps_says_the_spill_once_in_its_text_log_and_record(comfyui, spi
 def test_the_all_in_one_node_says_it_in_its_text(comfyui, spilling_card):
     from headroom.nodes import train_lora as T
 
-    model, clip, vae, latents, texts = _data("sd15", count=2)
+    model, _, _, latents, texts = _data("sd15", count=2)
     with torch.inference_mode():
         lora = T.HeadroomLoraConfig.execute("lora", 4, 4.0, "preset", False, 0.0, 0).args[0]
         opt = T.HeadroomOptimizerConfig.execute("AdamW", 1e-3, 0.0, "constant", 0, 100).args[0]
