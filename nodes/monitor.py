@@ -26,7 +26,9 @@ class HeadroomVRAMMonitor(io.ComfyNode):
             category="Headroom/memory",
             description=(
                 "Passes its input through unchanged and reports memory at the moment it runs: device, total and "
-                "free memory, torch allocated/reserved/peak (CUDA), process RSS, and ComfyUI's loaded models. "
+                "free memory, torch allocated/reserved/peak (CUDA), process RSS, and ComfyUI's loaded models; "
+                "first, a warning when GPU memory spills into system RAM (the NVIDIA driver's fallback, now or in "
+                "a run of this ComfyUI). "
                 "Like any node it runs again when its input changes; with report_every_run it runs on every "
                 "queue, and then nodes fed by its output run again too."
             ),
@@ -79,7 +81,8 @@ class HeadroomMemoryReport(io.ComfyNode):
             category="Headroom/memory",
             description=(
                 "Turns a run's per-phase memory record (caching, training, validation, save: peak memory and time "
-                "of each) into text, JSON and a bar chart of the peaks."
+                "of each, and any warning such as the driver's system-memory fallback) into text, JSON and a bar "
+                "chart of the peaks."
             ),
             inputs=[
                 TrainingRunType.Input(
@@ -105,7 +108,7 @@ class HeadroomMemoryReport(io.ComfyNode):
     @classmethod
     def execute(cls, run=None, record_json: str = "") -> io.NodeOutput:
         if run is not None:
-            recorder = PhaseRecorder(run.memory.device, phases=list(run.memory.phases))
+            recorder = PhaseRecorder(run.memory.device, phases=list(run.memory.phases), warnings=run.memory.warnings)
         elif record_json.strip():
             try:
                 recorder = PhaseRecorder.from_json(record_json)

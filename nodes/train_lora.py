@@ -268,8 +268,9 @@ class HeadroomTrainSteps(io.ComfyNode):
         run.train_to(steps, node_id=node_id(cls), checkpoint_every=checkpoint_every,
                      checkpoint_minutes=checkpoint_minutes)
         history = {**run.history(steps), **({"note": note} if note else {})}
+        text = [*([note] if note else []), *run.fallback.untold()]  # untold: the driver's memory fallback, once
         return io.NodeOutput(run, run.trainer.last_loss, run.step,
-                             ui={HISTORY_KEY: [history], **({"text": [note]} if note else {})})
+                             ui={HISTORY_KEY: [history], **({"text": text} if text else {})})
 
 
 def steps_note(node: str, run: TrainingRun, steps: int, input_name: str) -> str | None:
@@ -427,7 +428,7 @@ def train_validate_save(node_cls, start, save, steps: int, validate_every: int, 
             break
     history = {**run.history(steps), **({"note": note} if note else {})}
     outputs = {**(previews.as_dict() if previews is not None else {}), HISTORY_KEY: [history],
-               "text": [run.precision_note, *([note] if note else [])], SAVED_KEY: saved}
+               "text": [run.precision_note, *([note] if note else []), *run.fallback.untold()], SAVED_KEY: saved}
     return run, name, loss, outputs
 
 

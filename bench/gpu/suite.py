@@ -327,6 +327,8 @@ def lora_run(patcher, name: str, config: str, args) -> dict:
                       error=_short(error), traceback=traceback.format_exc()[-3000:])
     finally:
         if run is not None:
+            finding = run.fallback.detector.finding  # the driver's sysmem fallback (training/memory/fallback.py)
+            record["fallback"] = None if finding is None else finding.as_dict()
             run.release()
             shutil.rmtree(run.run_dir.path, ignore_errors=True)  # its checkpoints: ~60 runs would fill the disk
         del run

@@ -39,6 +39,7 @@ from ...training.core.distributed import is_main_process
 from ...training.core.run_dir import RunDir, RunFolderError
 from ...training.core.trainer import StepReport, Trainer
 from .comfy_model import base_fingerprint, data_fingerprint, model_blocks, replace_inference_tensors, training_blocks
+from .memory_fallback import FallbackWatch
 from .planning import next_plan_for
 
 STEP_EVENT = "headroom.train.step"  # read by js/headroom_live.js and workflows/headroom_run.py
@@ -186,7 +187,8 @@ class RunRecord:
         if os.path.lexists(path):
             try:  # a regular file of the run (not a symlink), of a sane size
                 with open_regular(path, "memory record", max_bytes=16 << 20) as handle:
-                    return PhaseRecorder(device, phases=PhaseRecorder.from_json(handle.read().decode("utf-8")).phases)
+                    stored = PhaseRecorder.from_json(handle.read().decode("utf-8"))
+                    return PhaseRecorder(device, phases=stored.phases, warnings=stored.warnings)
             except (ValueError, OSError) as error:  # a report, not training state: start a new one
                 logging.warning("Headroom: ignoring the unreadable memory record %s of run '%s' (%s); starting a "
                                 "new one", path.name, self.run_dir.name, error)
@@ -323,6 +325,7 @@ class TrainingRun:
         with torch.inference_mode(False):
             self.resumed = self.trainer.resume()
         self.record.commit()
+        self.fallback = FallbackWatch(self.run_dir.name, self.record.memory)  # the driver's sysmem fallback, said once
 
     # --- the parts, by name ---------------------------------------------------------------------------------
     @property
@@ -428,17 +431,19 @@ class TrainingRun:
         progress = comfy.utils.ProgressBar(target_step - start_step, node_id=node_id)
         started = time.perf_counter()
         device = self.denoiser.device
+        self.fallback.start()
 
         def after_step(report: StepReport) -> None:
             per_step = (time.perf_counter() - started) / (report.step - start_step)
             progress.update_absolute(report.step - start_step)
             figures = memory_figures(device)
             self.step_figures[report.step] = (report.lr, per_step, figures)
+            warning = self.fallback.after_step(report.step)
             send_event(STEP_EVENT, {
                 "node": node_id, "run": self.run_dir.name, "step": report.step, "total_steps": target_step,
                 "loss": report.loss,
                 "lr": report.lr, "s_per_step": per_step, "eta_s": per_step * (target_step - report.step),
-                **figures,
+                **figures, **({"warning": warning} if warning else {}),  # the driver's fallback, once
             })
             comfy.model_management.throw_exception_if_processing_interrupted()
 

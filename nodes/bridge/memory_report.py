@@ -7,6 +7,7 @@ import time
 import comfy.model_management
 
 from ...training.memory.memory_stats import device_memory_snapshot, format_bytes
+from .memory_fallback import FOUND, spill_now
 
 MONITOR_FORMAT = "headroom.vram_monitor"
 MONITOR_VERSION = 1
@@ -52,12 +53,23 @@ def memory_report() -> dict:
         # Driver and torch allocator figures on CUDA; process RSS everywhere.
         "snapshot": device_memory_snapshot(device),
         "loaded_models": loaded_models_report(),
+        "fallback": fallback_report(device),
     }
+
+
+def fallback_report(device) -> list[dict]:
+    """The driver's system-memory fallback: memory spilling now (CUDA), and what runs of this process found."""
+    now = spill_now(device)
+    return [*([now.as_dict()] if now is not None else []),
+            *({"run": name, **finding} for name, finding in FOUND.items())]
 
 
 def render_report_text(report: dict) -> str:
     snapshot = report["snapshot"]
     lines = [f"Headroom VRAM monitor: {report['device_name']}"]
+    for found in report["fallback"]:  # first: a run going 5-20x slower matters more than the figures
+        run = f"run '{found['run']}': " if "run" in found else ""
+        lines.append(f"WARNING: {run}{found['message']}")
     if snapshot["cuda"]:
         lines += [
             (

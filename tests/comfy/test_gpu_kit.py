@@ -67,6 +67,7 @@ def test_dry_run_measures_resumes_and_writes_the_page(comfyui, tmp_path):
         assert run["status"] == "ok", run.get("traceback")
         assert run["planner_train_bytes"] > 0 and run["planner_validation_bytes"] > 0 and run["s_per_step"] > 0
         assert run["policy"].startswith("budget ")
+        assert run["fallback"] is None  # the driver's fallback finding, per run: none on a CPU
     assert by_id["lora/sdxl/8GB"]["budget_gb"] == 8 and by_id["lora/sdxl/resident"]["budget_gb"] is None
     assert by_id["lora/sdxl/policy-streamed_ckpt"]["policy_fields"]["base_placement"] == "streamed"
     assert (by_id["lora/wan22_14b/8GB"]["frames"], by_id["lora/sdxl/8GB"]["frames"]) == (5, 1)  # a clip, an image

@@ -580,6 +580,13 @@ HOSTILE_MEMORY_RECORDS = {
     "junk_device": _record(device="warp drive"),
     "unknown_field": _record(evil="x" * 1000),
     "record_device_junk": _record().replace('"device": "cpu"', '"device": 7'),
+    # the run's warnings (the driver's memory fallback, training/memory/fallback.py) are read back too
+    "warnings_not_list": _record().replace('"phases"', '"warnings": "spilled", "phases"'),
+    "warning_nan": _record().replace('"phases"', '"warnings": [{"kind": "slowdown", "message": "m", '
+                                     '"recent_s_per_step": NaN}], "phases"'),
+    "warning_unknown_kind": _record().replace('"phases"', '"warnings": [{"kind": "evil", "message": "m"}], "phases"'),
+    "warning_huge_message": _record().replace('"phases"', '"warnings": [{"kind": "spill", "message": "'
+                                              + "x" * 5000 + '"}], "phases"'),
 }
 
 

@@ -89,11 +89,26 @@ def test_json_round_trip(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["memory.json"]  # no temp file left behind
 
 
+def test_warnings_are_kept_and_shown_and_older_records_have_none():
+    recorder = PhaseRecorder("cpu", warnings=[{"kind": "spill", "step": 3, "message": "memory spilled"}])
+    assert "WARNING: memory spilled" in recorder.render_text()  # also with no phases
+    with recorder.phase("training"):
+        pass
+    restored = PhaseRecorder.from_json(recorder.to_json())
+    assert restored.warnings == recorder.warnings and "WARNING: memory spilled" in restored.render_text()
+    older = {key: value for key, value in recorder.as_dict().items() if key != "warnings"}
+    assert PhaseRecorder.from_json(json.dumps(older)).warnings == []
+
+
 @pytest.mark.parametrize(
     "text, message",
     [("{not json", "not valid JSON"), ('{"phases": []}', "not a 'headroom.memory_record'"),
      ('{"format": "headroom.memory_record", "version": 99, "phases": []}', "version 99"),
-     ('{"format": "headroom.memory_record", "version": 1, "phases": [{"seconds": 1}]}', "name their 'phase'")],
+     ('{"format": "headroom.memory_record", "version": 1, "phases": [{"seconds": 1}]}', "name their 'phase'"),
+     ('{"format": "headroom.memory_record", "version": 1, "phases": [], "warnings": [{"kind": "spill"}]}',
+      "warning 0: field 'message' is missing"),
+     ('{"format": "headroom.memory_record", "version": 1, "phases": [], "warnings": {"kind": "spill"}}',
+      "'warnings' must be a list")],
 )
 def test_bad_json_says_what_is_wrong(text, message):
     with pytest.raises(ValueError, match=message):

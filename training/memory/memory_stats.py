@@ -180,6 +180,31 @@ def check_phase(record: dict, where: str) -> None:
     _checked_device(record["device"], where)
 
 
+# Every field a warning has (training/memory/fallback.py's Finding.as_dict), with its check.
+_WARNING_FIELDS = {
+    "kind": lambda v: v in ("spill", "slowdown"),
+    "step": lambda v: v is None or _is_count(v),
+    "message": lambda v: isinstance(v, str) and 0 < len(v) <= 2000,
+    "reserved_bytes": _is_count, "allocated_bytes": _is_count, "total_bytes": _is_count,
+    "baseline_s_per_step": _is_seconds, "recent_s_per_step": _is_seconds,
+}
+
+
+def check_warning(record, where: str) -> None:
+    """One warning read back: an object with a kind and a message, every field known and of its type."""
+    if not isinstance(record, dict):
+        raise ValueError(f"{where}: must be an object")
+    for name in ("kind", "message"):
+        if name not in record:
+            raise ValueError(f"{where}: field {name!r} is missing")
+    for name, value in record.items():
+        valid = _WARNING_FIELDS.get(name)
+        if valid is None:
+            raise ValueError(f"{where}: unknown field {str(name)[:40]!r}")
+        if not valid(value):
+            raise ValueError(f"{where}: field {name!r} = {str(value)[:40]!r} is not valid")
+
+
 class PhaseRecorder:
     """Per-phase peak memory and wall time of one run.
 
@@ -188,12 +213,15 @@ class PhaseRecorder:
             ...
         recorder.to_json()
 
-    Each phase resets the peak counters when it starts, so phases do not nest.
+    Each phase resets the peak counters when it starts, so phases do not nest. `warnings`: what was found about
+    the run's memory on the way (each a dict with a "message": the driver's fallback, training/memory/fallback.py).
     """
 
-    def __init__(self, device: torch.device | str | None = None, phases: list[dict] | None = None):
+    def __init__(self, device: torch.device | str | None = None, phases: list[dict] | None = None,
+                 warnings: list[dict] | None = None):
         self.device = _as_device(device)
         self.phases: list[dict] = list(phases or [])
+        self.warnings: list[dict] = list(warnings or [])
         self._open_phase: str | None = None
 
     @contextlib.contextmanager
@@ -234,7 +262,8 @@ class PhaseRecorder:
             self._open_phase = None
 
     def as_dict(self) -> dict:
-        return {"format": RECORD_FORMAT, "version": RECORD_VERSION, "device": str(self.device), "phases": self.phases}
+        return {"format": RECORD_FORMAT, "version": RECORD_VERSION, "device": str(self.device), "phases": self.phases,
+                "warnings": self.warnings}
 
     def to_json(self) -> str:
         return json.dumps(self.as_dict(), indent=1)
@@ -262,7 +291,12 @@ class PhaseRecorder:
             raise ValueError("memory record: 'phases' must be a list of objects that each name their 'phase'")
         for index, phase in enumerate(phases):
             check_phase(phase, f"memory record: phase {index}")
-        return cls(_checked_device(data.get("device", "cpu"), "memory record"), phases)
+        warnings = data.get("warnings", [])  # records written before warnings were kept have none
+        if not isinstance(warnings, list):
+            raise ValueError("memory record: 'warnings' must be a list")
+        for index, warning in enumerate(warnings):
+            check_warning(warning, f"memory record: warning {index}")
+        return cls(_checked_device(data.get("device", "cpu"), "memory record"), phases, warnings)
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the JSON record atomically (a reader never sees half a file)."""
@@ -282,9 +316,10 @@ class PhaseRecorder:
         return record.get("peak_reserved_bytes", record.get("peak_rss_bytes")) or 0
 
     def render_text(self) -> str:
+        warnings = [f"WARNING: {warning['message']}" for warning in self.warnings]
         if not self.phases:
-            return "Headroom memory report: no phases recorded."
-        lines = ["Headroom memory report (peak per phase; bar colour in the chart):"]
+            return "\n".join(["Headroom memory report: no phases recorded.", *warnings])
+        lines = ["Headroom memory report (peak per phase; bar colour in the chart):", *warnings]
         for index, record in enumerate(self.phases):
             colour = _BAR_COLOURS[index % len(_BAR_COLOURS)][0]
             status = "" if record.get("completed", True) else "  FAILED"
