@@ -24,7 +24,7 @@ from .bridge.comfy_model import check_caches, check_reference_cache, model_famil
 from .bridge.model_files import runs_root, save_lora
 from .bridge.rank_workers import open_on_devices
 from .bridge.run_lora import REFERENCES, SAVE_DTYPES, LoraRunConfig, open_lora_run
-from .bridge.run_settings import resolve_policy, run_fingerprint, train_config
+from .bridge.run_settings import effective_batch, resolve_policy, run_fingerprint, train_config
 from .bridge.validation import validate
 from .inputs import (DEFAULT_CHECKPOINT_MINUTES, added_train_inputs, checkpoint_inputs, compare_base_input,
                      devices_input, frame_rate_input, frames_input, lora_config_input, model_and_caches, noise_range_inputs, optimizer_config_input,
@@ -185,6 +185,7 @@ def start_lora_run(model, latent_cache, text_cache, lora_config, optimizer_confi
                                    noise_range=(noise_min, noise_max))
         policy = resolve_policy(policy, gradient_checkpointing, checkpoint_depth)
         check_caches(model.model, latent_cache, text_cache)
+        train, batch_note = effective_batch(train, latent_cache, holdout, run_name, node)
         if reference not in REFERENCES:
             raise ValueError(f"reference={reference!r}: choose one of {', '.join(map(repr, REFERENCES))}")
         if reference != "none":
@@ -200,6 +201,7 @@ def start_lora_run(model, latent_cache, text_cache, lora_config, optimizer_confi
         run = open_on_devices(devices, model, open_lora_run, (latent_cache, text_cache, config, runs_root(), run_name),
                               {"policy": policy, "prior": prior})
         run.precision_note = note
+        run.batch_note = batch_note
         return run
     except (ValueError, RunFolderError) as error:
         message = str(error)
@@ -228,7 +230,7 @@ class HeadroomTrainLoraInit(io.ComfyNode):
     @classmethod
     def execute(cls, **inputs) -> io.NodeOutput:
         run = start_lora_run(**inputs)
-        return io.NodeOutput(run, run.step, ui=ui.PreviewText(run.precision_note))
+        return io.NodeOutput(run, run.step, ui=ui.PreviewText("\n".join(run.notes)))
 
 
 def check_checkpoint_inputs(node: str, checkpoint_every: int, checkpoint_minutes: float) -> None:
@@ -426,7 +428,7 @@ def train_validate_save(node_cls, start, save, steps: int, validate_every: int, 
             break
     history = {**run.history(steps), **({"note": note} if note else {})}
     outputs = {**(previews.as_dict() if previews is not None else {}), HISTORY_KEY: [history],
-               "text": [run.precision_note, *([note] if note else [])], SAVED_KEY: saved}
+               "text": [*run.notes, *([note] if note else [])], SAVED_KEY: saved}
     return run, name, loss, outputs
 
 

@@ -291,6 +291,12 @@ class TrainingRun:
     """
 
     precision_note = ""  # how the init node chose the compute precision (nodes/bridge/run_settings.resolve_precision)
+    batch_note = ""  # why the run trains smaller batches than batch_size (nodes/bridge/run_settings.effective_batch)
+
+    @property
+    def notes(self) -> list[str]:
+        """What the node that opened the run tells the user about it (its UI text)."""
+        return [note for note in (self.precision_note, self.batch_note) if note]
     ranks = None  # a multi-device run's worker ranks (nodes/bridge/rank_workers.RankWorkers), told to train with rank 0
 
     def __init__(self, model, latent_cache, text_cache, config, trained, run_root: pathlib.Path, run_name: str,
