@@ -48,7 +48,7 @@ def run_name_input(default: str):
 def training_settings(caption_dropout=None) -> list:
     """seed ... holdout: how a run trains (every kind); `caption_dropout`: a kind's own version of that input."""
     return [
-        io.Int.Input("seed", default=0, min=0, max=0xFFFFFFFF,
+        io.Int.Input("seed", advanced=True, default=0, min=0, max=0xFFFFFFFF,
                      tooltip="Seed of the item order, noise levels and noise: the same seed trains the same run, and a "
                      "resumed run continues exactly."),
         io.Int.Input("batch_size", default=1, min=1, max=256,
