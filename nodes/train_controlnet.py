@@ -25,7 +25,7 @@ from .bridge.run_controlnet import ControlNetRunConfig, open_controlnet_run
 from .bridge.model_files import runs_root, save_trained_controlnet
 from .bridge.rank_workers import open_on_devices
 from .bridge.run_settings import effective_batch, resolve_policy, run_fingerprint, train_config
-from .train_lora import CATEGORY, SAVED_KEY, saved_file, train_validate_save
+from .train_lora import CATEGORY, SAVED_KEY, saved_file, saved_text, train_validate_save
 
 
 def start_controlnet_run(model, latent_cache, text_cache, optimizer_config, run_name, seed, batch_size,
@@ -148,7 +148,8 @@ class HeadroomSaveControlNet(io.ComfyNode):
             name = save_trained_controlnet(run, subfolder, filename, weights)
         except ValueError as error:
             raise ValueError(f"HeadroomSaveControlNet: {error}") from error
-        return io.NodeOutput(name, ui={SAVED_KEY: [saved_file("ControlNet", "controlnet", name)]})
+        return io.NodeOutput(name, ui={SAVED_KEY: [saved_file("ControlNet", "controlnet", name)],
+                                       "text": [saved_text("ControlNet", "controlnet", name)]})
 
 
 # --- all in one ------------------------------------------------------------------------------------------------

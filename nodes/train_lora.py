@@ -45,6 +45,23 @@ def saved_file(kind: str, folder: str, name: str) -> dict:
     return {"kind": kind, "folder": folder, "name": name}
 
 
+def saved_text(kind: str, folder: str, name: str) -> str:
+    """What a save node shows on itself: where the file went, relative to ComfyUI's models/ folder."""
+    return f"{kind} saved to models/{folder}/{name}"
+
+
+def shown_images(run: TrainingRun, previews) -> dict:
+    """The images a validating node shows on itself: the before/after grid when the validation made one (the base
+    MODEL's samples over the run's: what training changed, in one picture), else the samples."""
+    if previews is None:
+        return {}
+    before_after = run.last_validation.get("before_after")
+    if before_after is None:
+        return previews.as_dict()
+    subfolder, _, filename = before_after.rpartition("/")
+    return {"images": [{"filename": filename, "subfolder": subfolder, "type": "output"}]}
+
+
 # --- configuration nodes ------------------------------------------------------------------------------------
 class HeadroomLoraConfig(io.ComfyNode):
     @classmethod
@@ -320,7 +337,7 @@ class HeadroomValidate(io.ComfyNode):
         # The chart of the training node showing this run restores its thumbnails from here after a reload.
         validation = {"run": run.run_dir.name, "step": run.step, "val_loss": loss,
                       "images": previews.values if previews is not None else []}
-        ui_output = {**(previews.as_dict() if previews is not None else {}), VALIDATION_KEY: [validation]}
+        ui_output = {**shown_images(run, previews), VALIDATION_KEY: [validation]}
         if previews is not None:
             ui_output[SAVED_KEY] = [saved_file("validation grid", "output", run.last_validation["grid"])]
             if "before_after" in run.last_validation:
@@ -369,7 +386,8 @@ class HeadroomSaveLora(io.ComfyNode):
             name = save_lora(run, subfolder, filename, dtype, format, weights)
         except ValueError as error:
             raise ValueError(f"HeadroomSaveLora: {error}") from error
-        return io.NodeOutput(name, ui={SAVED_KEY: [saved_file("LoRA", "loras", name)]})
+        return io.NodeOutput(name, ui={SAVED_KEY: [saved_file("LoRA", "loras", name)],
+                                       "text": [saved_text("LoRA", "loras", name)]})
 
 
 class HeadroomApplyTrainedLora(io.ComfyNode):
@@ -427,8 +445,9 @@ def train_validate_save(node_cls, start, save, steps: int, validate_every: int, 
         if done:
             break
     history = {**run.history(steps), **({"note": note} if note else {})}
-    outputs = {**(previews.as_dict() if previews is not None else {}), HISTORY_KEY: [history],
-               "text": [*run.notes, *([note] if note else [])], SAVED_KEY: saved}
+    outputs = {**shown_images(run, previews), HISTORY_KEY: [history],
+               "text": [*run.notes, *([note] if note else []), *([saved_text(*saved_as, name)] if name else [])],
+               SAVED_KEY: saved}
     return run, name, loss, outputs
 
 
