@@ -6,7 +6,7 @@
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 import { drawTrainingView } from "./headroom_chart.js";
-import { showNotes } from "./headroom_notes.js";
+import { nodeForExecutionId, showNotes } from "./headroom_notes.js";
 
 // The node types that train and emit `headroom.train.step` / `headroom.validate`.
 const TRAINING_NODE_TYPES = ["HeadroomTrainSteps", "HeadroomTrainLora", "HeadroomTrainControlNet"];
@@ -158,17 +158,6 @@ class LiveView {
   remove() {
     this.resizeObserver.disconnect();
   }
-}
-
-// Execution ids are node ids, joined by ":" through subgraphs ("12:5" = node 5 inside subgraph node 12).
-function nodeForExecutionId(executionId) {
-  let graph = app.graph;
-  let node = null;
-  for (const id of String(executionId).split(":")) {
-    node = graph?.getNodeById(id) ?? null;
-    graph = node?.subgraph;
-  }
-  return node;
 }
 
 function viewForExecutionId(executionId) {

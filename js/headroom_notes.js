@@ -1,8 +1,10 @@
 // Headroom notes: the text Headroom's training and save nodes return in their UI output (`text`: where a LoRA was
 // saved, how the precision was chosen, a batch cut to the data, why nothing trained, a cancel) shown on the node
 // itself, under its widgets, where the user looks. The stock editor shows such text only on its Preview Any node.
-// workflows/build_workflows.py keeps room for it on these node types (NOTES_NODE_TYPES).
+// workflows/build_workflows.py keeps room for it on these node types (NOTES_NODE_TYPES). When a Headroom node fails,
+// its error message is shown on it the same way (the stock editor shows it only behind "View details").
 import { app } from "../../scripts/app.js";
+import { api } from "../../scripts/api.js";
 
 const WIDGET_NAME = "headroom_notes";
 const LINE_HEIGHT = 15;
@@ -57,8 +59,38 @@ export function notesOf(node) {
   return node.widgets?.find((w) => w.name === WIDGET_NAME)?.element.textContent ?? "";
 }
 
+// Execution ids are node ids, joined by ":" through subgraphs ("12:5" = node 5 inside subgraph node 12).
+export function nodeForExecutionId(executionId) {
+  let graph = app.graph;
+  let node = null;
+  for (const id of String(executionId).split(":")) {
+    node = graph?.getNodeById(id) ?? null;
+    graph = node?.subgraph;
+  }
+  return node;
+}
+
+const failed = new Set(); // nodes showing an error message: cleared when the next prompt starts
+
+function onExecutionError({ detail }) {
+  const node = nodeForExecutionId(detail?.node_id);
+  if (!node?.comfyClass?.startsWith("Headroom") || !detail.exception_message) return;
+  showNotes(node, [`Failed: ${detail.exception_message.trim()}`]);
+  failed.add(node);
+}
+
+function onExecutionStart() {
+  for (const node of failed) showNotes(node, []);
+  failed.clear();
+}
+
 app.registerExtension({
   name: "headroom.notes",
+
+  setup() {
+    api.addEventListener("execution_error", onExecutionError);
+    api.addEventListener("execution_start", onExecutionStart);
+  },
 
   async beforeRegisterNodeDef(nodeType, nodeData) {
     if (!NODE_TYPES.includes(nodeData.name)) return;

@@ -81,13 +81,11 @@ def _with_trigger_word(node: str, dataset, trigger_word: str):
 
 
 def _check_folder(node: str, folder) -> bool | str:
-    """A dataset node's validate_inputs: the folder exists (None: linked, checked when it runs)."""
-    if folder is None:
-        return True
-    try:
-        check_dataset_folder(node, folder)
-    except ValueError as error:
-        return str(error)
+    """A dataset node's validate_inputs, there so a folder typed before the input was a list (or one a server's
+    HEADROOM_DATASET_ROOTS allows) is not refused for being missing from it; whether the folder exists is checked
+    when the node runs, where the editor shows the message on the node (js/headroom_notes.js)."""
+    if folder is not None and not isinstance(folder, str):
+        return f"{node}: folder must be a folder name, not {type(folder).__name__}"
     return True
 
 

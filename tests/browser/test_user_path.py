@@ -161,15 +161,21 @@ def test_dataset_folder_is_a_refreshable_list_and_old_typed_values_still_run(com
     queue_in_editor(page)
     assert wait_outcome(page) == "success"
 
-    # A typo is refused before anything runs, naming the node and the closest existing folders.
+    # A typo: the node itself says what is wrong and which folders come closest (not only behind View details).
     set_widget(page, dataset_node, "folder", f"my_photo_{tag}")
-    page.evaluate("""() => { window.__queueError = null;
-        window.app.queuePrompt(0, 1).catch((e) => { window.__queueError = String(e); }); }""")
-    page.wait_for_timeout(3000)
+    queue_in_editor(page)
+    assert wait_outcome(page).startswith("error:")
+    message = notes(page, dataset_node)
+    assert message.startswith(f"Failed: Dataset From Folder (Headroom): folder 'my_photo_{tag}' is not a folder"), message
+    assert f"closest existing: 'my_photos_{tag}'" in message, message
     show_node(page, dataset_node)
     shot(page, "dataset_folder_typo")
-    body = page.evaluate("() => document.body.innerText")
-    assert "Dataset From Folder (Headroom)" in body and f"my_photos_{tag}" in body, body[-2000:]
+
+    # Fixed and run again: the message goes.
+    set_widget(page, dataset_node, "folder", f"my_photos_{tag}")
+    queue_in_editor(page)
+    assert wait_outcome(page) == "success"
+    assert notes(page, dataset_node) == ""
     assert log.headroom_errors() == []
 
 

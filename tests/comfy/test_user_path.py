@@ -4,6 +4,7 @@ the captions, and results are shown where the user looks."""
 from __future__ import annotations
 
 import json
+import pathlib
 import re
 
 import pytest
@@ -98,7 +99,9 @@ def test_batch_larger_than_the_data_warns_and_config_records_the_batch_trained(c
 
     # A batch that fits every bucket says nothing.
     quiet = _all_in_one(model, latents, texts, "batch_fits", batch_size=2)
-    assert not any("batch" in line for line in quiet.ui["text"]), quiet.ui["text"]
+    assert not any("batch_size" in line for line in quiet.ui["text"]), quiet.ui["text"]
+    # The save is said on the node too: where the file went, relative to models/.
+    assert quiet.ui["text"][-1] == "LoRA saved to models/loras/headroom/batch_fits_step000002.safetensors"
 
 
 def test_batch_larger_than_a_bucket_warns_on_the_node(comfyui):
@@ -170,7 +173,7 @@ def test_dataset_folder_is_a_list_of_input_folders_that_still_takes_typed_values
     import folder_paths
     from headroom.nodes.cache import HeadroomDatasetFromFolder, HeadroomDatasetFromVideos
 
-    root = __import__("pathlib").Path(folder_paths.get_input_directory())
+    root = pathlib.Path(folder_paths.get_input_directory())
     _write_dataset(root / "my_photos")
     _write_dataset(root / "old" / "typed" / "deep" / "set")  # deeper than the list goes
     (root / ".hidden").mkdir(exist_ok=True)
@@ -186,12 +189,31 @@ def test_dataset_folder_is_a_list_of_input_folders_that_still_takes_typed_values
                                                     trigger_word="sks").args[0]
     assert [item.caption for item in dataset.items] == ["sks, a photo number 0", "sks, a photo number 1"]
 
-    # A typo: refused at validation (before anything runs), naming the node and the closest folders.
-    message = HeadroomDatasetFromFolder.validate_inputs(folder="my_photo")
-    assert message.startswith("Dataset From Folder (Headroom): folder 'my_photo' is not a folder"), message
-    assert "closest existing: 'my_photos'" in message, message
-    with pytest.raises(ValueError, match="closest existing: 'my_photos'"):
+    # A typo: the node's error names it and the closest existing folders.
+    with pytest.raises(ValueError, match=r"^Dataset From Folder \(Headroom\): folder 'my_photo' is not a folder in "
+                       r"ComfyUI's input directory \(.*closest existing: 'my_photos'"):
         HeadroomDatasetFromFolder.execute("my_photo", 64, 64, "center", False, 0, False)
-    outside = HeadroomDatasetFromFolder.validate_inputs(folder="../../etc")
-    assert "outside the folders this server reads datasets from" in outside, outside
+    with pytest.raises(ValueError, match="outside the folders this server reads datasets from"):
+        HeadroomDatasetFromFolder.execute("../../etc", 64, 64, "center", False, 0, False)
     assert HeadroomDatasetFromFolder.validate_inputs(folder=None) is True  # linked: checked when it runs
+    assert "must be a folder name" in HeadroomDatasetFromFolder.validate_inputs(folder=3)
+
+
+def test_save_says_where_and_validate_shows_the_before_after_grid(comfyui):
+    import folder_paths
+    from headroom.nodes import train_lora as T
+
+    model, clip, vae, latents, texts, _, _ = _data(2)
+    run = _all_in_one(model, latents, texts, "shown_results", batch_size=2).args[1]
+    with torch.inference_mode():
+        saved = T.HeadroomSaveLora.execute(run, "mine", "shown", "fp16")
+        sampling = dict(clip=clip, vae=vae, prompts="a red circle", negative="", sample_seed=0, sample_steps=2,
+                        cfg=1.0, sampler_name="euler", scheduler="normal", width=32, height=32, loss_timesteps=2)
+        plain = T.HeadroomValidate.execute(run, **sampling)
+        compared = T.HeadroomValidate.execute(run, **sampling, compare_base=True)
+    assert saved.ui["text"] == ["LoRA saved to models/loras/mine/shown.safetensors"]
+    assert [image["type"] for image in plain.ui["images"]] == ["temp"]  # the samples
+    [image] = compared.ui["images"]  # the before/after grid, from the run folder under output/
+    assert image["filename"] == "step_00000002_before_after.png" and image["type"] == "output", image
+    path = pathlib.Path(folder_paths.get_output_directory(), image["subfolder"], image["filename"])
+    assert path.is_file() and path == run.run_dir.validation_dir / image["filename"]

@@ -251,9 +251,6 @@ def test_server_rejects_real_model_workflow_only_for_missing_model_files(comfy_s
         if error["type"] == "value_not_in_list":
             return error["extra_info"]["received_value"] in model_files
         # Load Image's own check (VALIDATE_INPUTS): "Invalid image file: <name>".
-        # The dataset nodes' own check: "... folder 'my_dataset' is not a folder in ComfyUI's input directory".
-        if error["type"] == "custom_validation_failed" and prompt[node_id]["class_type"] in DATASET_FOLDER_NODES:
-            return f"folder {prompt[node_id]['inputs']['folder']!r} is not a folder" in error["details"]
         return (error["type"] == "custom_validation_failed" and prompt[node_id]["class_type"] == "LoadImage"
                 and prompt[node_id]["inputs"]["image"] in images)
 
