@@ -11,6 +11,7 @@ from pathlib import Path
 import folder_paths
 
 from ...training.data.cache_store import CacheStoreError, ShardStore
+from ...training.data.dataset import DatasetError
 from ...training.data.files import WriteError, display_path, register_display_roots
 
 log = logging.getLogger(__name__)
@@ -130,8 +131,8 @@ def dataset_folders() -> list[str]:
 
 
 def check_dataset_folder(node: str, folder: str, what: str = "folder") -> Path:
-    """The dataset folder `folder` names (resolve_dataset_folder), which must exist; else a ValueError naming the
-    node, and the existing folders closest to what was typed."""
+    """The dataset folder `folder` names (resolve_dataset_folder), which must exist; else a ValueError (DatasetError:
+    missing) naming the node, and the existing folders closest to what was typed."""
     try:
         path = resolve_dataset_folder(folder)
     except ValueError as error:
@@ -143,6 +144,6 @@ def check_dataset_folder(node: str, folder: str, what: str = "folder") -> Path:
     hint = (f"closest existing: {', '.join(map(repr, close))}" if close else
             f"existing: {', '.join(map(repr, choices[:10]))}{', ...' if len(choices) > 10 else ''}" if choices else
             "it has no subfolders yet")
-    raise ValueError(f"{node}: {what} {folder[:120]!r} is not a folder in ComfyUI's input directory "
+    raise DatasetError(f"{node}: {what} {folder[:120]!r} is not a folder in ComfyUI's input directory "
                      f"({display_path(folder_paths.get_input_directory())}; {hint}). Put the images there, or pick "
                      "a folder from the list (press R in the editor to list new folders).")
