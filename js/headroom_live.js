@@ -370,6 +370,7 @@ app.registerExtension({
     widget.callback = function () {
       const result = callback?.apply(this, arguments);
       clearStaleCharts();
+      showNotes(node, []); // what it said was about the run of the old name
       return result;
     };
   },

@@ -223,6 +223,7 @@ def test_results_show_on_the_nodes_batch_is_explained_and_the_chart_follows_run_
     # Another run name: the chart of the old run goes at once (it is not the run this node trains now).
     set_widget(page, init, "run_name", f"{run_name}_b")
     assert chart_state(page, train)["run"] is None
+    assert notes(page, init) == "", "the Init node still speaks of the old run"
     show_node(page, train)
     shot(page, "chart_after_run_name_change")
     assert log.headroom_errors() == []
