@@ -81,8 +81,10 @@ def effective_batch(train: TrainConfig, latent_cache, holdout: int, run_name: st
                 "records. Add images, or lower batch_size (grad_accumulation raises the effective batch without "
                 "more images).")
         stored = stored_train(run_name).get("batch_size")
-        if isinstance(stored, int) and min(stored, largest) == effective:
-            effective = stored  # a run stored before batches were cut: it trains the same batches, so it resumes
+        if isinstance(stored, int) and stored > effective and min(stored, largest) == effective:
+            # A run stored before batches were cut trains the same batches: it resumes with what it stored.
+            note = note.replace(", as config.json records.", f" (config.json of this older run says {stored}).")
+            effective = stored
         train = dataclasses.replace(train, batch_size=effective)
     else:
         note = (f"{node}: batch_size={train.batch_size} is larger than {sum(s < effective for s in sizes)} of the "

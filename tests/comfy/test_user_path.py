@@ -94,8 +94,10 @@ def test_batch_larger_than_the_data_warns_and_config_records_the_batch_trained(c
     # A run folder stored before batches were cut (batch_size 8 recorded) trains the same batches: it resumes.
     stored["session"]["train"]["batch_size"] = 8
     run.run_dir.config_path.write_text(json.dumps(stored))
-    resumed = _all_in_one(model, latents, texts, "batch_too_big", batch_size=8, steps=3).args[1]
+    output = _all_in_one(model, latents, texts, "batch_too_big", batch_size=8, steps=3)
+    resumed = output.args[1]
     assert resumed.step == 3 and resumed.trainer.config.batch_size == 8
+    assert "training with batch 2 (config.json of this older run says 8)" in "\n".join(output.ui["text"])
 
     # A batch that fits every bucket says nothing.
     quiet = _all_in_one(model, latents, texts, "batch_fits", batch_size=2)
