@@ -57,9 +57,11 @@ function finiteRange(...series) {
     }
   }
   if (low === Infinity) return [0, 1];
-  if (high - low < 1e-12) return [low - 0.5 * Math.abs(low || 1), high + 0.5 * Math.abs(high || 1)];
+  // Losses here are never negative (mse, l1, huber): padding never takes the axis below 0.
+  const floor = low >= 0 ? 0 : -Infinity;
+  if (high - low < 1e-12) return [Math.max(low - 0.5 * Math.abs(low || 1), floor), high + 0.5 * Math.abs(high || 1)];
   const pad = 0.05 * (high - low);
-  return [low - pad, high + pad];
+  return [Math.max(low - pad, floor), high + pad];
 }
 
 function polyline(ctx, xs, ys, toX, toY, color, width) {
@@ -100,6 +102,7 @@ function drawHeader(ctx, run, width) {
 // Loss per step (faint), its moving average (bold) and validation loss (dots); x spans the whole run.
 function drawLossChart(ctx, run, left, top, width, height) {
   const [low, high] = finiteRange(run.loss, run.val_loss);
+  ctx.canvas.dataset.lossAxis = `${low} ${high}`; // for tests: the loss axis drawn
   const firstStep = run.steps.length ? Math.min(run.steps[0], run.val_steps[0] ?? Infinity) : 0;
   const lastStep = Math.max(run.total_steps || 0, run.steps.at(-1) ?? 1, run.val_steps.at(-1) ?? 1);
   const span = Math.max(lastStep - firstStep, 1);
@@ -127,6 +130,7 @@ function drawLossChart(ctx, run, left, top, width, height) {
 
   const drawn = polyline(ctx, run.steps, run.loss, toX, toY, COLORS.loss, 1);
   polyline(ctx, run.steps, exponentialMovingAverage(run.loss), toX, toY, COLORS.smooth, 2);
+  drawLegend(ctx, left + width - 3, top + 11, run.val_steps.length > 0);
   ctx.fillStyle = COLORS.validation;
   for (let i = 0; i < run.val_steps.length; i++) {
     if (run.val_loss[i] == null || !isFinite(run.val_loss[i])) continue;
@@ -135,6 +139,24 @@ function drawLossChart(ctx, run, left, top, width, height) {
     ctx.fill();
   }
   return drawn;
+}
+
+// What the lines are: top right of the chart.
+function drawLegend(ctx, right, y, validation) {
+  const items = [["loss", COLORS.loss], [`smoothed (EMA ${SMOOTHING})`, COLORS.smooth]];
+  if (validation) items.push(["validation", COLORS.validation]);
+  ctx.font = FONT;
+  ctx.textAlign = "right";
+  let x = right;
+  for (const [label, color] of items.reverse()) {
+    ctx.fillStyle = COLORS.dim;
+    ctx.fillText(label, x, y);
+    x -= ctx.measureText(label).width + 4;
+    ctx.fillStyle = color;
+    ctx.fillRect(x - 10, y - 4, 10, 3);
+    x -= 18;
+  }
+  ctx.textAlign = "left";
 }
 
 // The memory the trainer reported last (allocated, reserved, peak on a GPU; process RSS on a CPU)

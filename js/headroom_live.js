@@ -6,11 +6,13 @@
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 import { drawTrainingView } from "./headroom_chart.js";
+import { nodeForExecutionId, showNotes } from "./headroom_notes.js";
 
 // The node types that train and emit `headroom.train.step` / `headroom.validate`.
 const TRAINING_NODE_TYPES = ["HeadroomTrainSteps", "HeadroomTrainLora", "HeadroomTrainControlNet"];
 const STEP_EVENT = "headroom.train.step";
 const VALIDATE_EVENT = "headroom.validate";
+const STOPPED_EVENT = "headroom.train.stopped"; // a cancel stopped training (step, checkpoint saved or not)
 const HISTORY_KEY = "headroom_history"; // the training node's UI output key (one entry per run)
 const VALIDATION_KEY = "headroom_validation"; // HeadroomValidate's UI output: the run, step, loss and images
 const MIB = 1024 * 1024; // history entries carry memory in MiB (`memory_mib`), events in bytes
@@ -158,17 +160,6 @@ class LiveView {
   }
 }
 
-// Execution ids are node ids, joined by ":" through subgraphs ("12:5" = node 5 inside subgraph node 12).
-function nodeForExecutionId(executionId) {
-  let graph = app.graph;
-  let node = null;
-  for (const id of String(executionId).split(":")) {
-    node = graph?.getNodeById(id) ?? null;
-    graph = node?.subgraph;
-  }
-  return node;
-}
-
 function viewForExecutionId(executionId) {
   const node = nodeForExecutionId(executionId);
   return TRAINING_NODE_TYPES.includes(node?.comfyClass) ? node.headroomLive ?? null : null;
@@ -217,8 +208,40 @@ function onTrainStep({ detail }) {
   const view = viewForEvent(detail);
   if (!view || typeof detail.step !== "number") return;
   const run = view.run && view.run.run === detail.run ? view.run : emptyRun(detail.run);
+  if (run.stopped) {
+    run.stopped = false; // running again: the note about the cancel is history
+    showNotes(view.node, []);
+  }
   addStep(run, detail);
   view.setRun(run);
+}
+
+// A cancel (ComfyUI's interrupt) is no crash: the chart and the node say where the run stopped and how to go on.
+function stoppedNote(detail) {
+  return detail.saved
+    ? `Stopped at step ${detail.step}, checkpoint saved; Run again to continue.`
+    : `Stopped at step ${detail.step}; no checkpoint could be written (see the log).`;
+}
+
+function onTrainStopped({ detail }) {
+  const view = viewForEvent(detail);
+  if (!view || typeof detail.step !== "number") return;
+  const run = view.run && view.run.run === detail.run ? view.run : emptyRun(detail.run);
+  run.step = detail.step;
+  run.eta_s = null;
+  run.note = stoppedNote(detail);
+  run.stopped = true;
+  view.setRun(run);
+  showNotes(view.node, [run.note]);
+}
+
+// A chart shows only the run its node's graph names now: after run_name changed (or a run under the new name
+// failed before its first step) the old run's curve goes.
+function clearStaleCharts() {
+  for (const node of trainingNodesOf(app.graph)) {
+    const view = node.headroomLive;
+    if (view.run && view.run.run !== runNameOf(node)) view.setRun(null);
+  }
 }
 
 // Validation can come from the training node itself (all-in-one) or from a HeadroomValidate node of a
@@ -331,9 +354,25 @@ app.registerExtension({
   setup() {
     api.addEventListener(STEP_EVENT, onTrainStep);
     api.addEventListener(VALIDATE_EVENT, onValidate);
+    api.addEventListener(STOPPED_EVENT, onTrainStopped);
     api.addEventListener("execution_start", ({ detail }) => {
       if (detail?.prompt_id) ownPrompts.add(detail.prompt_id);
+      clearStaleCharts();
     });
+    api.addEventListener("execution_error", clearStaleCharts);
+  },
+
+  nodeCreated(node) {
+    // Any node with a run_name widget (all-in-one and Init nodes): editing it clears charts of another run.
+    const widget = node.widgets?.find((w) => w.name === "run_name");
+    if (!widget) return;
+    const callback = widget.callback;
+    widget.callback = function () {
+      const result = callback?.apply(this, arguments);
+      clearStaleCharts();
+      showNotes(node, []); // what it said was about the run of the old name
+      return result;
+    };
   },
 
   async afterConfigureGraph() {

@@ -20,10 +20,11 @@ import torch
 from comfy_api.latest import io
 
 from ..training.checks import check_finite
-from ..training.data.dataset import dataset_from_folder, dataset_from_tensors, folder_signature, split_captions
+from ..training.data.dataset import (dataset_from_folder, dataset_from_tensors, folder_signature, split_captions,
+                                     with_trigger_word)
 from ..training.data.video import MAX_CLIP_FRAMES, MAX_FRAMES_DEFAULT, VIDEO_EXTENSIONS, dataset_from_video_folder
 from ..training.memory.policy import OffloadPolicy
-from .bridge.cache_folders import dataset_roots, resolve_folders
+from .bridge.cache_folders import check_dataset_folder, dataset_folders, dataset_roots, resolve_folders
 from .bridge.caching import REFERENCE_ENCODINGS, cache_clip_text, cache_vae_latents
 from .bridge.start_image import START_IMAGE_NODES
 from .io_types import DatasetType, LatentCacheType, OffloadPolicyType, TextCacheType
@@ -49,6 +50,43 @@ def _check_policy(node: str, policy) -> None:
 
 _DATASET_TOOLTIP = ("The items (images, captions, crops; pixels load when cached), for Cache Latents and Cache "
                     "Text (Headroom).")
+
+
+def _folder_input(example: str, what: str):
+    """The folder a dataset node reads: a choice of input/'s subfolders (listed when the editor loads the node
+    definitions; its refresh lists new ones). A value typed before it was a list, or a folder a server's
+    HEADROOM_DATASET_ROOTS allows, is accepted too: the node's validate_inputs checks it instead of the list."""
+    return io.Combo.Input("folder", options=dataset_folders(),
+                          tooltip=f"Folder of {what} inside ComfyUI's input directory, e.g. '{example}' (press R in the "
+                          "editor to list folders added since).")
+
+
+def _trigger_word_input():
+    # Appended last and optional: workflows saved before it existed keep working (captions as they are).
+    return io.String.Input("trigger_word", default="", optional=True,
+                           tooltip="A word (or words) put in front of every caption, e.g. 'sks_dog' -> 'sks_dog, a dog "
+                           "on grass' (captions that start with it already are kept); prompt with it to call up what "
+                           "the LoRA learned. Changing it encodes the captions again (Cache Text).")
+
+
+FOLDER_NODE = "Dataset From Folder (Headroom)"
+VIDEOS_NODE = "Dataset From Videos (Headroom)"
+
+
+def _with_trigger_word(node: str, dataset, trigger_word: str):
+    try:
+        return with_trigger_word(dataset, trigger_word)
+    except ValueError as error:
+        raise ValueError(f"{node}: {error}") from None
+
+
+def _check_folder(node: str, folder) -> bool | str:
+    """A dataset node's validate_inputs, there so a folder typed before the input was a list (or one a server's
+    HEADROOM_DATASET_ROOTS allows) is not refused for being missing from it; whether the folder exists is checked
+    when the node runs, where the editor shows the message on the node (js/headroom_notes.js)."""
+    if folder is not None and not isinstance(folder, str):
+        return f"{node}: folder must be a folder name, not {type(folder).__name__}"
+    return True
 
 
 def _bucket_inputs() -> list:
@@ -78,8 +116,7 @@ class HeadroomDatasetFromFolder(io.ComfyNode):
             description="Images with same-name .txt captions from a folder inside ComfyUI's input directory "
             "(or a folder the server's owner allows), with optional control images. Nothing is decoded here.",
             inputs=[
-                io.String.Input("folder", default="",
-                                tooltip="Folder relative to ComfyUI's input directory, e.g. 'my_dataset'."),
+                _folder_input("my_dataset", "images with same-name .txt captions"),
                 io.String.Input("control_folder", default="", optional=True,
                                 tooltip="Optional sibling folder of control images, matched by file name, e.g. "
                                 "'my_dataset_canny' next to 'my_dataset'. Empty: no control images."),
@@ -91,9 +128,14 @@ class HeadroomDatasetFromFolder(io.ComfyNode):
                                 tooltip="Optional sibling folder of loss masks matched by file name, e.g. "
                                 "'my_dataset_masks': white is learned, black is not (grey: partly); an image "
                                 "without a mask is learned whole. Empty: no masks."),
+                _trigger_word_input(),
             ],
             outputs=[DatasetType.Output("dataset", tooltip=_DATASET_TOOLTIP)],
         )
+
+    @classmethod
+    def validate_inputs(cls, folder: str | None = None) -> bool | str:
+        return _check_folder(FOLDER_NODE, folder)
 
     @classmethod
     def fingerprint_inputs(cls, folder: str, control_folder: str = "", mask_folder: str = "", **others) -> str:
@@ -106,14 +148,15 @@ class HeadroomDatasetFromFolder(io.ComfyNode):
 
     @classmethod
     def execute(cls, folder: str, resolution: int, step: int, crop: str, flip: bool, seed: int,
-                skip_bad: bool, control_folder: str = "", mask_folder: str = "") -> io.NodeOutput:
+                skip_bad: bool, control_folder: str = "", mask_folder: str = "", trigger_word: str = "") -> io.NodeOutput:
+        check_dataset_folder(FOLDER_NODE, folder)
         images, control, masks = resolve_folders(folder, control_folder, mask_folder)
         dataset = dataset_from_folder(images, control, resolution=resolution, step=step, crop=crop, flip=flip,
                                       seed=seed, skip_bad=skip_bad, roots=tuple(map(Path, dataset_roots())),
                                       mask_folder=masks)
         for warning in dataset.warnings:
             log.warning("HeadroomDatasetFromFolder: %s", warning)
-        return io.NodeOutput(dataset)
+        return io.NodeOutput(_with_trigger_word(FOLDER_NODE, dataset, trigger_word))
 
 
 class HeadroomDatasetFromVideos(io.ComfyNode):
@@ -129,8 +172,7 @@ class HeadroomDatasetFromVideos(io.ComfyNode):
             "clip.txt). Cache Latents cuts each clip to the frame counts its VAE takes (Wan, HunyuanVideo 1.5: "
             "4k+1; LTX-2: 8k+1). Nothing is decoded here.",
             inputs=[
-                io.String.Input("folder", default="",
-                                tooltip="Folder relative to ComfyUI's input directory, e.g. 'my_clips'."),
+                _folder_input("my_clips", "clips with same-name .txt captions"),
                 *_bucket_inputs(),
                 io.Boolean.Input("skip_bad", default=False,
                                  tooltip="Leave out unreadable clips and missing captions (listed as warnings) instead "
@@ -152,9 +194,14 @@ class HeadroomDatasetFromVideos(io.ComfyNode):
                                tooltip="Frames per second of the frame folders (video files carry their own rate); "
                                "divided by frame_stride too. Models that read a clip's rate (LTX-2) train at it; "
                                "others ignore it."),
+                _trigger_word_input(),
             ],
             outputs=[DatasetType.Output("dataset", tooltip=_DATASET_TOOLTIP)],
         )
+
+    @classmethod
+    def validate_inputs(cls, folder: str | None = None) -> bool | str:
+        return _check_folder(VIDEOS_NODE, folder)
 
     @classmethod
     def fingerprint_inputs(cls, folder: str, mask_folder: str = "", **others) -> str:
@@ -170,8 +217,9 @@ class HeadroomDatasetFromVideos(io.ComfyNode):
     @classmethod
     def execute(cls, folder: str, resolution: int, step: int, crop: str, flip: bool, seed: int, skip_bad: bool,
                 max_frames: int = MAX_FRAMES_DEFAULT, frame_stride: int = 1, mask_folder: str = "",
-                frame_rate: float = 25.0) -> io.NodeOutput:
+                frame_rate: float = 25.0, trigger_word: str = "") -> io.NodeOutput:
         check_finite("HeadroomDatasetFromVideos", frame_rate=frame_rate)
+        check_dataset_folder(VIDEOS_NODE, folder)
         clips, _, masks = resolve_folders(folder, "", mask_folder)
         dataset = dataset_from_video_folder(clips, resolution=resolution, step=step, crop=crop, flip=flip, seed=seed,
                                             skip_bad=skip_bad, roots=tuple(map(Path, dataset_roots())),
@@ -179,7 +227,7 @@ class HeadroomDatasetFromVideos(io.ComfyNode):
                                             frame_rate=frame_rate)
         for warning in dataset.warnings:
             log.warning("HeadroomDatasetFromVideos: %s", warning)
-        return io.NodeOutput(dataset)
+        return io.NodeOutput(_with_trigger_word(VIDEOS_NODE, dataset, trigger_word))
 
 
 class HeadroomDatasetFromImages(io.ComfyNode):
@@ -201,16 +249,18 @@ class HeadroomDatasetFromImages(io.ComfyNode):
                 io.Mask.Input("masks", optional=True,
                               tooltip="Optional loss masks, one per image (or one for all) of the images' size: 1 "
                               "is learned, 0 is not."),
+                _trigger_word_input(),
             ],
             outputs=[DatasetType.Output("dataset", tooltip=_DATASET_TOOLTIP)],
         )
 
     @classmethod
     def execute(cls, images: torch.Tensor, captions: str, resolution: int, step: int, crop: str, flip: bool,
-                seed: int, control_images: torch.Tensor | None = None, masks: torch.Tensor | None = None) -> io.NodeOutput:
+                seed: int, control_images: torch.Tensor | None = None, masks: torch.Tensor | None = None,
+                trigger_word: str = "") -> io.NodeOutput:
         dataset = dataset_from_tensors(images, split_captions(captions), control_images, resolution=resolution,
                                        step=step, crop=crop, flip=flip, seed=seed, masks=masks)
-        return io.NodeOutput(dataset)
+        return io.NodeOutput(_with_trigger_word("Dataset From Images (Headroom)", dataset, trigger_word))
 
 
 class HeadroomCacheLatents(io.ComfyNode):

@@ -3,6 +3,9 @@ these named groups (node ids, input names, order, types and defaults are the pub
 
 Optional inputs that came after the first release go last on every node, so saved workflows keep working (their
 widget values are positional).
+
+Expert and family-specific inputs carry the V3 `advanced` flag: the editor folds them behind the node's "advanced
+inputs" toggle, so an everyday node shows at most 15 widgets (names, order and values are unchanged by it).
 """
 from __future__ import annotations
 
@@ -45,37 +48,38 @@ def run_name_input(default: str):
 def training_settings(caption_dropout=None) -> list:
     """seed ... holdout: how a run trains (every kind); `caption_dropout`: a kind's own version of that input."""
     return [
-        io.Int.Input("seed", default=0, min=0, max=0xFFFFFFFF,
+        io.Int.Input("seed", advanced=True, default=0, min=0, max=0xFFFFFFFF,
                      tooltip="Seed of the item order, noise levels and noise: the same seed trains the same run, and a "
                      "resumed run continues exactly."),
         io.Int.Input("batch_size", default=1, min=1, max=256,
                      tooltip="Items per step, drawn from one aspect-ratio bucket."),
-        io.Int.Input("grad_accumulation", default=1, min=1, max=1024,
+        io.Int.Input("grad_accumulation", advanced=True, default=1, min=1, max=1024,
                      tooltip="Batches whose gradients add up before each optimizer step: effective batch size = "
                      "batch_size x this, memory of one batch."),
-        io.Combo.Input("precision", options=["auto", *PRECISIONS], default="auto",
+        io.Combo.Input("precision", advanced=True, options=["auto", *PRECISIONS], default="auto",
                        tooltip="Compute precision (autocast); trainable weights always stay fp32. auto: bf16 on a "
                        "CUDA GPU that supports it, fp16 on other CUDA GPUs, fp32 on a CPU (bf16 there is far slower: "
                        "no native kernels); a resumed run keeps the precision it started with. fp16 uses a gradient "
                        "scaler."),
-        io.Float.Input("max_grad_norm", default=1.0, min=0.0, max=1000.0, step=0.01, tooltip="0 disables clipping."),
-        caption_dropout or io.Float.Input("caption_dropout", default=0.0, min=0.0, max=1.0, step=0.01,
+        io.Float.Input("max_grad_norm", advanced=True, default=1.0, min=0.0, max=1000.0, step=0.01,
+                       tooltip="0 disables clipping."),
+        caption_dropout or io.Float.Input("caption_dropout", advanced=True, default=0.0, min=0.0, max=1.0, step=0.01,
                                           tooltip="Fraction of samples trained with the empty prompt (cached)."),
-        io.Combo.Input("timestep_sampling", options=list(TIMESTEP_SAMPLINGS), default="uniform",
+        io.Combo.Input("timestep_sampling", advanced=True, options=list(TIMESTEP_SAMPLINGS), default="uniform",
                        tooltip="shifted: times shifted as the model samples (SD3 / Flux shift)."),
-        io.Combo.Input("loss_weighting", options=list(LOSS_WEIGHTINGS), default="none",
+        io.Combo.Input("loss_weighting", advanced=True, options=list(LOSS_WEIGHTINGS), default="none",
                        tooltip="min_snr: min-SNR-gamma weighting (eps / v models)."),
-        io.Float.Input("min_snr_gamma", default=5.0, min=0.1, max=100.0, step=0.1,
+        io.Float.Input("min_snr_gamma", advanced=True, default=5.0, min=0.1, max=100.0, step=0.1,
                        tooltip="Gamma of the min_snr loss weighting (used only when loss_weighting is min_snr)."),
-        io.Float.Input("noise_offset", default=0.0, min=0.0, max=1.0, step=0.001,
+        io.Float.Input("noise_offset", advanced=True, default=0.0, min=0.0, max=1.0, step=0.001,
                        tooltip="Adds this much of a per-channel constant to the noise, which helps learn very dark "
                        "or bright images (0: off)."),
         io.Boolean.Input("gradient_checkpointing", default=False,
                          tooltip="Recompute each block's activations in backward: much less memory, slower steps. "
                          "A policy's own checkpointing setting takes precedence."),
-        io.Int.Input("checkpoint_depth", default=1, min=1, max=5,
+        io.Int.Input("checkpoint_depth", advanced=True, default=1, min=1, max=5,
                      tooltip="1: each model block; 2: each child of a block (finer, less memory, more recompute)."),
-        io.Int.Input("holdout", default=0, min=0, max=100000,
+        io.Int.Input("holdout", advanced=True, default=0, min=0, max=100000,
                      tooltip="Last N cached items held out for the validation loss; 0 validates on training items."),
     ]
 
@@ -89,10 +93,11 @@ def policy_input():
 def checkpoint_inputs() -> list:
     """How often a training node writes a resumable checkpoint (optional and last: saved workflows keep working)."""
     return [
-        io.Int.Input("checkpoint_every", default=0, min=0, max=10_000_000, optional=True,
+        io.Int.Input("checkpoint_every", advanced=True, default=0, min=0, max=10_000_000, optional=True,
                      tooltip="Write a resumable checkpoint to the run folder every N steps (0: not by steps). With "
                      "checkpoint_minutes this bounds what a crash, a kill or a power cut can lose."),
-        io.Float.Input("checkpoint_minutes", default=DEFAULT_CHECKPOINT_MINUTES, min=0.0, max=10080.0, step=1.0,
+        io.Float.Input("checkpoint_minutes", advanced=True, default=DEFAULT_CHECKPOINT_MINUTES, min=0.0, max=10080.0,
+                       step=1.0,
                        optional=True,
                        tooltip="Also write one whenever this many minutes passed since the last (0: not by time). "
                        "A checkpoint is always written at the end and on cancel; queueing again resumes from the "
@@ -104,13 +109,13 @@ def added_train_inputs() -> list:
     """Training settings added after the first release: optional and last on every training node, so saved
     workflows keep working (their widget values are positional)."""
     return [
-        io.Combo.Input("loss_type", options=list(LOSS_TYPES), default="mse", optional=True,
+        io.Combo.Input("loss_type", advanced=True, options=list(LOSS_TYPES), default="mse", optional=True,
                        tooltip="mse: squared error (standard). l1: absolute error. huber: squared below huber_delta, "
                        "absolute above: less pulled by outlier samples (noisy or mislabelled images). In the "
                        "model's own eps / v / flow space; min_snr weighting still applies."),
-        io.Float.Input("huber_delta", default=0.1, min=0.0001, max=10.0, step=0.001, optional=True,
+        io.Float.Input("huber_delta", advanced=True, default=0.1, min=0.0001, max=10.0, step=0.001, optional=True,
                        tooltip="Where the huber loss turns from squared to absolute (used only with loss_type huber)."),
-        io.Float.Input("ema_decay", default=0.0, min=0.0, max=0.99999, step=0.0001, optional=True,
+        io.Float.Input("ema_decay", advanced=True, default=0.0, min=0.0, max=0.99999, step=0.0001, optional=True,
                        tooltip="Keep an exponential moving average of the trained weights in host RAM (0: off; "
                        "0.99-0.999 usual: it averages over about 1 / (1 - decay) steps, so keep that well below the "
                        "run's steps). Validate and Save use it when set (their weights input)."),
@@ -120,12 +125,13 @@ def added_train_inputs() -> list:
 def prior_inputs() -> list:
     """Prior (regularisation) images for LoRA runs: optional and last on the LoRA training nodes."""
     return [
-        LatentCacheType.Input("prior_latent_cache", optional=True,
+        LatentCacheType.Input("prior_latent_cache", advanced=True, optional=True,
                               tooltip="Optional regularisation / prior images (e.g. generic images of the class), "
                               "cached like the training images: trained on too, so the LoRA keeps what the model "
                               "knew."),
-        TextCacheType.Input("prior_text_cache", optional=True, tooltip="The prior images' captions, cached."),
-        io.Float.Input("prior_ratio", default=0.5, min=0.0, max=0.95, step=0.01, optional=True,
+        TextCacheType.Input("prior_text_cache", advanced=True, optional=True,
+                            tooltip="The prior images' captions, cached."),
+        io.Float.Input("prior_ratio", advanced=True, default=0.5, min=0.0, max=0.95, step=0.01, optional=True,
                        tooltip="Share of the steps that train on the prior images, evenly interleaved (0.5: every "
                        "other batch). Used only when the prior caches are connected."),
     ]
@@ -135,18 +141,18 @@ def noise_range_inputs() -> list:
     """The part of the noise range a LoRA run trains (Wan 2.2 A14B experts): optional and last on the LoRA Init and
     all-in-one nodes; part of the run (a resumed run keeps it)."""
     return [
-        io.Float.Input("noise_min", default=0.0, min=0.0, max=1.0, step=0.005, optional=True,
+        io.Float.Input("noise_min", advanced=True, default=0.0, min=0.0, max=1.0, step=0.005, optional=True,
                        tooltip="Train only noise levels from here (0..1; flow models: sigma). Wan 2.2 A14B's two experts "
                        "each denoise part of the range: its high-noise expert 0.875..1 (I2V: 0.9..1), its low-noise "
                        "expert 0..0.875 (I2V: 0..0.9); train each expert's LoRA on its own part. 0 and 1: everything."),
-        io.Float.Input("noise_max", default=1.0, min=0.0, max=1.0, step=0.005, optional=True,
+        io.Float.Input("noise_max", advanced=True, default=1.0, min=0.0, max=1.0, step=0.005, optional=True,
                        tooltip="Train only noise levels up to here (see noise_min)."),
     ]
 
 
 def frames_input():
     # Appended last and optional: workflows saved before it existed keep working (images).
-    return io.Int.Input("frames", default=1, min=1, max=1025, optional=True,
+    return io.Int.Input("frames", advanced=True, default=1, min=1, max=1025, optional=True,
                         tooltip="Video models (wan21, hunyuan_video15, ltx2): frames per validation clip, as the "
                         "stock empty video latent's length (4k+1, e.g. 17 or 81; LTX-2: 8k+1, e.g. 25 or 121), saved "
                         "as an animated WEBP and a frame grid. 1: images.")
@@ -154,7 +160,7 @@ def frames_input():
 
 def reference_input():
     """Edit / reference models (LoRA runs): optional and last on the LoRA Init and all-in-one nodes."""
-    return io.Combo.Input("reference", options=list(REFERENCES), default="none", optional=True,
+    return io.Combo.Input("reference", advanced=True, options=list(REFERENCES), default="none", optional=True,
                           tooltip="Edit / reference models (Flux.1 Kontext, Flux.2, Qwen-Image-Edit...): 'control "
                           "latents' passes every item's cached control image as its reference image, as the stock "
                           "Reference Latent node does (the dataset's control image = the reference, the image = the "
@@ -183,24 +189,27 @@ def validation_inputs(optional: bool) -> list:
         io.String.Input("prompts", multiline=True, default="", optional=optional,
                         tooltip="One prompt per line; empty: no images, only the validation loss."),
         io.String.Input("negative", default="", optional=optional, tooltip="Negative prompt of every sample."),
-        io.Int.Input("sample_seed", default=0, min=0, max=0xFFFFFFFFFFFFFFFF, optional=optional,
+        io.Int.Input("sample_seed", advanced=True, default=0, min=0, max=0xFFFFFFFFFFFFFFFF, optional=optional,
                      tooltip="Noise seed of the samples: the same at every validation, so steps compare."),
         io.Int.Input("sample_steps", default=20, min=1, max=1000, optional=optional,
                      tooltip="Sampling steps, as KSampler's steps."),
         io.Float.Input("cfg", default=4.0, min=0.0, max=100.0, step=0.1, optional=optional,
                        tooltip="Classifier-free guidance scale, as KSampler's cfg."),
-        io.Combo.Input("sampler_name", options=comfy.samplers.KSampler.SAMPLERS, default="euler", optional=optional,
+        io.Combo.Input("sampler_name", advanced=True, options=comfy.samplers.KSampler.SAMPLERS, default="euler",
+                       optional=optional,
                        tooltip="Sampler, as KSampler's sampler_name."),
-        io.Combo.Input("scheduler", options=comfy.samplers.KSampler.SCHEDULERS, default="normal", optional=optional,
+        io.Combo.Input("scheduler", advanced=True, options=comfy.samplers.KSampler.SCHEDULERS, default="normal",
+                       optional=optional,
                        tooltip="Noise schedule, as KSampler's scheduler."),
         io.Int.Input("width", default=512, min=16, max=8192, step=8, optional=optional,
                      tooltip="Width of the samples in pixels."),
         io.Int.Input("height", default=512, min=16, max=8192, step=8, optional=optional,
                      tooltip="Height of the samples in pixels."),
-        io.Int.Input("loss_timesteps", default=4, min=1, max=64, optional=optional,
+        io.Int.Input("loss_timesteps", advanced=True, default=4, min=1, max=64, optional=optional,
                      tooltip="Fixed noise levels of the deterministic validation loss."),
         # Optional everywhere: workflows saved before this input existed keep working.
-        io.Combo.Input("lora_application", options=list(LORA_APPLICATIONS), default="as_saved_file", optional=True,
+        io.Combo.Input("lora_application", advanced=True, options=list(LORA_APPLICATIONS), default="as_saved_file",
+                       optional=True,
                        tooltip="How the samples apply a LoRA run's adapter. as_saved_file: exactly what the stock Load "
                        "LoRA node makes of the saved file (the adapter baked into the weights in their own dtype), so "
                        "the images predict what users get. unmerged: computed next to the frozen weights in full "
@@ -219,7 +228,7 @@ def compare_base_input():
 
 def reference_images_input():
     # Appended last and optional: workflows saved before it existed keep working (no reference).
-    return io.Image.Input("reference_images", optional=True,
+    return io.Image.Input("reference_images", advanced=True, optional=True,
                           tooltip="Edit / reference models: reference image(s) of the validation samples, VAE-encoded "
                           "and added to the positive and negative prompts as the stock VAE Encode + Reference Latent "
                           "nodes do. One image for every prompt, or one per prompt (in prompt order).")
@@ -227,7 +236,7 @@ def reference_images_input():
 
 def start_image_input():
     # Appended last and optional: workflows saved before it existed keep working (the first clip's first frame).
-    return io.Image.Input("start_image", optional=True,
+    return io.Image.Input("start_image", advanced=True, optional=True,
                           tooltip="Image-to-video models (Wan I2V, HunyuanVideo 1.5): the validation clips' start image, "
                           "given with the prompts by the stock WanImageToVideo / HunyuanVideo15ImageToVideo node. One "
                           "image for every prompt, or one per prompt; not connected: the first cached clip's first "
@@ -236,7 +245,7 @@ def start_image_input():
 
 def frame_rate_input():
     # Appended last and optional: workflows saved before it existed keep working (the first cached clip's rate).
-    return io.Float.Input("frame_rate", default=0.0, min=0.0, max=1000.0, step=0.01, optional=True,
+    return io.Float.Input("frame_rate", advanced=True, default=0.0, min=0.0, max=1000.0, step=0.01, optional=True,
                           tooltip="Models that read a clip's frame rate (LTX-2): the validation clips' frames per "
                           "second, set by the stock LTXVConditioning node (use the same there); also the animated "
                           "WEBP's rate. 0: the first cached clip's rate (its video's / frame_stride; the model's "
@@ -259,7 +268,7 @@ def validation_names() -> set[str]:
 def devices_input():
     """The training nodes' `devices` input (LoRA and ControlNet, Init and all-in-one; appended last when it came:
     inputs added since go after it)."""
-    return io.Combo.Input("devices", options=list(DEVICES), default="1", optional=True,
+    return io.Combo.Input("devices", advanced=True, options=list(DEVICES), default="1", optional=True,
                           tooltip="Data-parallel training on this many devices: 1 trains in this process as "
                           "always; N > 1 starts N - 1 worker processes (GPUs cuda:1..N-1 beside this one; on a "
                           "CPU, N CPU processes), each training 1/N of every batch (the same global batch). "

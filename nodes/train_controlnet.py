@@ -24,8 +24,8 @@ from .io_types import TrainingRunType
 from .bridge.run_controlnet import ControlNetRunConfig, open_controlnet_run
 from .bridge.model_files import runs_root, save_trained_controlnet
 from .bridge.rank_workers import open_on_devices
-from .bridge.run_settings import resolve_policy, run_fingerprint, train_config
-from .train_lora import CATEGORY, SAVED_KEY, saved_file, train_validate_save
+from .bridge.run_settings import effective_batch, resolve_policy, run_fingerprint, train_config
+from .train_lora import CATEGORY, SAVED_KEY, saved_file, saved_text, train_validate_save
 
 
 def start_controlnet_run(model, latent_cache, text_cache, optimizer_config, run_name, seed, batch_size,
@@ -49,6 +49,7 @@ def start_controlnet_run(model, latent_cache, text_cache, optimizer_config, run_
         policy = resolve_policy(policy, gradient_checkpointing, checkpoint_depth)
         type_name = controlnet_type_name(model)
         check_caches(model.model, latent_cache, text_cache)
+        train, batch_note = effective_batch(train, latent_cache, holdout, run_name, node)
         check_control_cache(type_name, latent_cache, node)
         config = ControlNetRunConfig(controlnet_type=type_name, blocks=blocks, init_seed=init_seed,
                                      optimizer=optimizer_config, train=train, holdout=holdout)
@@ -57,6 +58,7 @@ def start_controlnet_run(model, latent_cache, text_cache, optimizer_config, run_
                               rank0_kwargs={"validation_control": validation_control,
                                             "validation_strength": validation_strength})
         run.precision_note = note
+        run.batch_note = batch_note
         return run
     except (ValueError, RunFolderError) as error:  # ControlNetError is a ValueError
         message = str(error)
@@ -66,12 +68,12 @@ def start_controlnet_run(model, latent_cache, text_cache, optimizer_config, run_
 def controlnet_inputs() -> list:
     """What only a ControlNet run has: the blocks it copies, its initial weights, its validation control."""
     return [
-        io.Int.Input("blocks", default=0, min=0, max=1000,
+        io.Int.Input("blocks", advanced=True, default=0, min=0, max=1000,
                      tooltip="Blocks copied from the base: SD3 joint blocks / Flux double blocks / Qwen-Image transformer "
                      "blocks (0: a quarter of SD3's, 2 for Flux, 5 for Qwen-Image). UNet ControlNets always copy the "
                      "whole encoder (leave 0)."),
-        io.Int.Input("init_seed", default=0, min=0, max=0xFFFFFFFF, tooltip="Seed of the hint encoder's initial weights."),
-        io.Image.Input("validation_control", optional=True,
+        io.Int.Input("init_seed", advanced=True, default=0, min=0, max=0xFFFFFFFF, tooltip="Seed of the hint encoder's initial weights."),
+        io.Image.Input("validation_control", advanced=True, optional=True,
                        tooltip="Control image for validation samples; default: the first validation item's cached "
                        "control image (pixel caches only)."),
         io.Float.Input("validation_strength", default=1.0, min=0.0, max=10.0, step=0.01,
@@ -83,7 +85,7 @@ def controlnet_run_inputs() -> list:
     """The inputs that open a ControlNet run (Init and the all-in-one node): the shared groups (nodes/inputs.py)
     with the ControlNet's own caption dropout and inputs; no lora_config."""
     caption_dropout = io.Float.Input(
-        "caption_dropout", default=0.5, min=0.0, max=1.0, step=0.01,
+        "caption_dropout", advanced=True, default=0.5, min=0.0, max=1.0, step=0.01,
         tooltip="Conditioning dropout: this fraction of samples is trained with the empty prompt and the control "
         "image kept, so the ControlNet learns to follow the control alone (0.5 as in the ControlNet paper).")
     return [*model_and_caches(), optimizer_config_input(), run_name_input("my_controlnet"),
@@ -113,7 +115,7 @@ class HeadroomTrainControlNetInit(io.ComfyNode):
     @classmethod
     def execute(cls, **inputs) -> io.NodeOutput:
         run = start_controlnet_run(**inputs)
-        return io.NodeOutput(run, run.step, run.trained.comfy_controlnet(), ui=ui.PreviewText(run.precision_note))
+        return io.NodeOutput(run, run.step, run.trained.comfy_controlnet(), ui=ui.PreviewText("\n".join(run.notes)))
 
 
 # --- save -------------------------------------------------------------------------------------------------
@@ -146,7 +148,8 @@ class HeadroomSaveControlNet(io.ComfyNode):
             name = save_trained_controlnet(run, subfolder, filename, weights)
         except ValueError as error:
             raise ValueError(f"HeadroomSaveControlNet: {error}") from error
-        return io.NodeOutput(name, ui={SAVED_KEY: [saved_file("ControlNet", "controlnet", name)]})
+        return io.NodeOutput(name, ui={SAVED_KEY: [saved_file("ControlNet", "controlnet", name)],
+                                       "text": [saved_text("ControlNet", "controlnet", name)]})
 
 
 # --- all in one ------------------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from .bridge.comfy_model import check_caches, check_reference_cache, model_famil
 from .bridge.model_files import runs_root, save_lora
 from .bridge.rank_workers import open_on_devices
 from .bridge.run_lora import REFERENCES, SAVE_DTYPES, LoraRunConfig, open_lora_run
-from .bridge.run_settings import resolve_policy, run_fingerprint, train_config
+from .bridge.run_settings import effective_batch, resolve_policy, run_fingerprint, train_config
 from .bridge.validation import validate
 from .inputs import (DEFAULT_CHECKPOINT_MINUTES, added_train_inputs, checkpoint_inputs, compare_base_input,
                      devices_input, frame_rate_input, frames_input, lora_config_input, model_and_caches, noise_range_inputs, optimizer_config_input,
@@ -43,6 +43,23 @@ def saved_file(kind: str, folder: str, name: str) -> dict:
     """A `headroom_saved` UI entry: `name` relative to ComfyUI's `folder` ("loras", "controlnet": a models/
     folder; "output")."""
     return {"kind": kind, "folder": folder, "name": name}
+
+
+def saved_text(kind: str, folder: str, name: str) -> str:
+    """What a save node shows on itself: where the file went, relative to ComfyUI's models/ folder."""
+    return f"{kind} saved to models/{folder}/{name}"
+
+
+def shown_images(run: TrainingRun, previews) -> dict:
+    """The images a validating node shows on itself: the before/after grid when the validation made one (the base
+    MODEL's samples over the run's: what training changed, in one picture), else the samples."""
+    if previews is None:
+        return {}
+    before_after = run.last_validation.get("before_after")
+    if before_after is None:
+        return previews.as_dict()
+    subfolder, _, filename = before_after.rpartition("/")
+    return {"images": [{"filename": filename, "subfolder": subfolder, "type": "output"}]}
 
 
 # --- configuration nodes ------------------------------------------------------------------------------------
@@ -185,6 +202,7 @@ def start_lora_run(model, latent_cache, text_cache, lora_config, optimizer_confi
                                    noise_range=(noise_min, noise_max))
         policy = resolve_policy(policy, gradient_checkpointing, checkpoint_depth)
         check_caches(model.model, latent_cache, text_cache)
+        train, batch_note = effective_batch(train, latent_cache, holdout, run_name, node)
         if reference not in REFERENCES:
             raise ValueError(f"reference={reference!r}: choose one of {', '.join(map(repr, REFERENCES))}")
         if reference != "none":
@@ -200,6 +218,7 @@ def start_lora_run(model, latent_cache, text_cache, lora_config, optimizer_confi
         run = open_on_devices(devices, model, open_lora_run, (latent_cache, text_cache, config, runs_root(), run_name),
                               {"policy": policy, "prior": prior})
         run.precision_note = note
+        run.batch_note = batch_note
         return run
     except (ValueError, RunFolderError) as error:
         message = str(error)
@@ -228,7 +247,7 @@ class HeadroomTrainLoraInit(io.ComfyNode):
     @classmethod
     def execute(cls, **inputs) -> io.NodeOutput:
         run = start_lora_run(**inputs)
-        return io.NodeOutput(run, run.step, ui=ui.PreviewText(run.precision_note))
+        return io.NodeOutput(run, run.step, ui=ui.PreviewText("\n".join(run.notes)))
 
 
 def check_checkpoint_inputs(node: str, checkpoint_every: int, checkpoint_minutes: float) -> None:
@@ -319,7 +338,7 @@ class HeadroomValidate(io.ComfyNode):
         # The chart of the training node showing this run restores its thumbnails from here after a reload.
         validation = {"run": run.run_dir.name, "step": run.step, "val_loss": loss,
                       "images": previews.values if previews is not None else []}
-        ui_output = {**(previews.as_dict() if previews is not None else {}), VALIDATION_KEY: [validation]}
+        ui_output = {**shown_images(run, previews), VALIDATION_KEY: [validation]}
         if previews is not None:
             ui_output[SAVED_KEY] = [saved_file("validation grid", "output", run.last_validation["grid"])]
             if "before_after" in run.last_validation:
@@ -368,7 +387,8 @@ class HeadroomSaveLora(io.ComfyNode):
             name = save_lora(run, subfolder, filename, dtype, format, weights)
         except ValueError as error:
             raise ValueError(f"HeadroomSaveLora: {error}") from error
-        return io.NodeOutput(name, ui={SAVED_KEY: [saved_file("LoRA", "loras", name)]})
+        return io.NodeOutput(name, ui={SAVED_KEY: [saved_file("LoRA", "loras", name)],
+                                       "text": [saved_text("LoRA", "loras", name)]})
 
 
 class HeadroomApplyTrainedLora(io.ComfyNode):
@@ -427,8 +447,10 @@ def train_validate_save(node_cls, start, save, steps: int, validate_every: int, 
         if done:
             break
     history = {**run.history(steps), **({"note": note} if note else {})}
-    outputs = {**(previews.as_dict() if previews is not None else {}), HISTORY_KEY: [history],
-               "text": [run.precision_note, *([note] if note else []), *run.fallback.untold()], SAVED_KEY: saved}
+    outputs = {**shown_images(run, previews), HISTORY_KEY: [history],
+               "text": [*run.notes, *([note] if note else []), *run.fallback.untold(),
+                        *([saved_text(*saved_as, name)] if name else [])],
+               SAVED_KEY: saved}
     return run, name, loss, outputs
 
 

@@ -28,7 +28,7 @@ def _register_package_alias(name: str = "headroom") -> None:
 _register_package_alias()
 # harness helper modules, and the kind folders whose test modules other tests import helpers from; appended so
 # they never shadow ComfyUI
-for folder in (TESTS_DIR, TESTS_DIR / "unit", TESTS_DIR / "comfy"):
+for folder in (TESTS_DIR, TESTS_DIR / "unit", TESTS_DIR / "comfy", TESTS_DIR / "browser"):
     if str(folder) not in sys.path:
         sys.path.append(str(folder))
 

@@ -29,6 +29,11 @@ FRONTEND_ONLY_TYPES = {"Note", "MarkdownNote", "Reroute", "PrimitiveNode"}
 WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
 SEED_NAMES = {"seed", "noise_seed"}  # the editor gives these INT widgets a "control after generate" widget
 
+# Nodes that show their text output (js/headroom_notes.js: where a file was saved, how the run was set up), and
+# the room kept for it, so a node that shows it does not grow over the node below.
+NOTES_NODE_TYPES = {"HeadroomTrainLoraInit", "HeadroomTrainControlNetInit", "HeadroomTrainSteps", "HeadroomTrainLora",
+                    "HeadroomTrainControlNet", "HeadroomSaveLora", "HeadroomSaveControlNet"}
+NOTES_HEIGHT = 70
 GAP = 40
 TITLE_HEIGHT = 30
 
@@ -121,11 +126,13 @@ def output_index(info: dict, node: Node, output) -> int:
 def estimated_height(item, info: dict | None) -> int:
     if isinstance(item, Note):
         return item.height
-    specs = input_specs(info)
+    # Advanced widgets are folded when a workflow opens (js/headroom_advanced.js): they take no room.
+    specs = [(n, k, s) for n, k, s in input_specs(info) if not (is_widget(s) and spec_options(s).get("advanced"))]
     widgets = sum(1 + has_control_widget(n, s) for n, _, s in specs if is_widget(s))
     text_boxes = sum(1 for _, _, s in specs if is_widget(s) and spec_options(s).get("multiline"))
     sockets = sum(1 for _, _, s in specs if not is_widget(s))
-    return 46 + 22 * max(sockets, len(info["output"])) + 26 * widgets + 60 * text_boxes + item.extra_height
+    notes = NOTES_HEIGHT if item.type in NOTES_NODE_TYPES else 0
+    return 46 + 22 * max(sockets, len(info["output"])) + 26 * widgets + 60 * text_boxes + notes + item.extra_height
 
 
 def layout(workflow: Workflow, object_info: dict) -> dict[int, tuple[list, list]]:

@@ -3,6 +3,7 @@ move it; ours is appended after the yaml's path, so the first path is the one us
 reads from, and ComfyUI's folders as user-facing messages name paths in them."""
 from __future__ import annotations
 
+import difflib
 import logging
 import os
 from pathlib import Path
@@ -10,12 +11,15 @@ from pathlib import Path
 import folder_paths
 
 from ...training.data.cache_store import CacheStoreError, ShardStore
+from ...training.data.dataset import DatasetError
 from ...training.data.files import WriteError, display_path, register_display_roots
 
 log = logging.getLogger(__name__)
 
 CACHE_FOLDER_NAME = "headroom_cache"
 DATASET_ROOTS_ENV = "HEADROOM_DATASET_ROOTS"
+FOLDERS_LISTED = 2000  # the dataset nodes' folder dropdown lists at most this many subfolders of input/
+FOLDER_DEPTH = 3  # ... this deep (input/a/b/c)
 
 
 def register_cache_folder() -> None:
@@ -107,3 +111,39 @@ def resolve_folders(folder: str, control_folder: str, mask_folder: str = "") -> 
     control = resolve_dataset_folder(control_folder, relative_to=str(images.parent)) if control_folder.strip() else None
     masks = resolve_dataset_folder(mask_folder, relative_to=str(images.parent)) if mask_folder.strip() else None
     return images, control, masks
+
+
+def dataset_folders() -> list[str]:
+    """Subfolders of ComfyUI's input directory ('/'-separated, relative to it, hidden ones left out): the dataset
+    nodes' folder choices, listed whenever the editor fetches the node definitions (its refresh lists them again)."""
+    root = folder_paths.get_input_directory()
+    found: list[str] = []
+    for parent, subfolders, _ in os.walk(root):  # symlinked folders are listed, not entered
+        subfolders[:] = sorted(name for name in subfolders if not name.startswith("."))
+        relative = os.path.relpath(parent, root)
+        prefix = "" if relative == "." else relative.replace(os.sep, "/") + "/"
+        found += [prefix + name for name in subfolders]
+        if prefix.count("/") + 1 >= FOLDER_DEPTH:
+            subfolders[:] = []
+        if len(found) >= FOLDERS_LISTED:
+            break
+    return sorted(found[:FOLDERS_LISTED])
+
+
+def check_dataset_folder(node: str, folder: str, what: str = "folder") -> Path:
+    """The dataset folder `folder` names (resolve_dataset_folder), which must exist; else a ValueError (DatasetError:
+    missing) naming the node, and the existing folders closest to what was typed."""
+    try:
+        path = resolve_dataset_folder(folder)
+    except ValueError as error:
+        raise ValueError(f"{node}: {error}") from None
+    if path.is_dir():
+        return path
+    choices = dataset_folders()
+    close = difflib.get_close_matches(folder.strip(), choices, n=5, cutoff=0.5)
+    hint = (f"closest existing: {', '.join(map(repr, close))}" if close else
+            f"existing: {', '.join(map(repr, choices[:10]))}{', ...' if len(choices) > 10 else ''}" if choices else
+            "it has no subfolders yet")
+    raise DatasetError(f"{node}: {what} {folder[:120]!r} is not a folder in ComfyUI's input directory "
+                     f"({display_path(folder_paths.get_input_directory())}; {hint}). Put the images there, or pick "
+                     "a folder from the list (press R in the editor to list new folders).")

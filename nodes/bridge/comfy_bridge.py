@@ -44,6 +44,7 @@ from .planning import next_plan_for
 
 STEP_EVENT = "headroom.train.step"  # read by js/headroom_live.js and workflows/headroom_run.py
 VALIDATE_EVENT = "headroom.validate"
+STOPPED_EVENT = "headroom.train.stopped"  # a cancel stopped training: the step the run is at, and whether it is saved
 # Settings added after runs were first stored: a run folder without them trained with these values and resumes.
 CONFIG_ADDED_LATER = {"session.train.objective.loss_type": "mse", "session.train.objective.huber_delta": 0.1,
                       "session.train.ema_decay": 0.0, "session.train.prior_ratio": 0.0,
@@ -299,6 +300,12 @@ class TrainingRun:
     """
 
     precision_note = ""  # how the init node chose the compute precision (nodes/bridge/run_settings.resolve_precision)
+    batch_note = ""  # why the run trains smaller batches than batch_size (nodes/bridge/run_settings.effective_batch)
+
+    @property
+    def notes(self) -> list[str]:
+        """What the node that opened the run tells the user about it (its UI text)."""
+        return [note for note in (self.precision_note, self.batch_note) if note]
     ranks = None  # a multi-device run's worker ranks (nodes/bridge/rank_workers.RankWorkers), told to train with rank 0
 
     def __init__(self, model, latent_cache, text_cache, config, trained, run_root: pathlib.Path, run_name: str,
@@ -462,6 +469,10 @@ class TrainingRun:
                 self.trainer.leave_between_steps()  # e.g. loading the model failed: the other ranks wait in a step
             worker_error = self.ranks.settle(self.step) if self.ranks is not None else None  # bounded wait
             self.fail("training step", error)
+            if isinstance(error, comfy.model_management.InterruptProcessingException):
+                # A cancel is no failure: the editor says where the run stopped and that Run continues it.
+                send_event(STOPPED_EVENT, {"node": node_id, "run": self.run_dir.name, "step": self.step,
+                                           "total_steps": target_step, "saved": self.trainer.saved_step == self.step})
             if worker_error is not None:
                 raise RuntimeError(worker_error) from error
             raise

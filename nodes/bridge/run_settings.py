@@ -3,6 +3,7 @@ engine's TrainConfig, the offload policy resolved once, and the fingerprint that
 folder changed."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -21,10 +22,7 @@ def resolve_precision(precision: str, device, run_name: str, node: str) -> tuple
     explicit bf16 / fp16 on a CPU is honoured, with a warning: it runs far slower than fp32 there."""
     device = torch.device(device)
     if precision == "auto":
-        stored = RunDir(runs_root(), run_name).read_config() or {}
-        session = stored.get("session")
-        train = session.get("train") if isinstance(session, dict) else None
-        resumed = train.get("precision") if isinstance(train, dict) else None
+        resumed = stored_train(run_name).get("precision")
         if resumed in PRECISIONS:
             note = f"{node}: precision auto -> {resumed}, as run '{run_name}' was started"
         else:
@@ -56,6 +54,43 @@ def train_config(model, run_name: str, node: str, seed, batch_size, grad_accumul
                                   huber_delta=huber_delta, noise_min=noise_range[0], noise_max=noise_range[1]),
     )
     train.validate()
+    return train, note
+
+
+def stored_train(run_name: str) -> dict:
+    """The `session.train` settings an existing run folder stores ({} for a new run or an unreadable config)."""
+    session = (RunDir(runs_root(), run_name).read_config() or {}).get("session")
+    train = session.get("train") if isinstance(session, dict) else None
+    return train if isinstance(train, dict) else {}
+
+
+def effective_batch(train: TrainConfig, latent_cache, holdout: int, run_name: str, node: str) -> tuple[TrainConfig, str]:
+    """A batch is drawn from one aspect-ratio bucket, so it holds at most the largest bucket's training items: a
+    larger batch_size is cut to that (the run and its config.json record what it trains with), and a bucket smaller
+    than the batch gives smaller batches. Returns the TrainConfig and a warning for the node ('' when none)."""
+    items = max(len(latent_cache) - holdout, 0)  # the training items come first (RunRecord's holdout split)
+    sizes = [sum(1 for i in indices if i < items) for indices in latent_cache.buckets.values()]
+    sizes = [size for size in sizes if size]
+    if not sizes or train.batch_size <= min(sizes):
+        return train, ""
+    largest = max(sizes)
+    effective = min(train.batch_size, largest)
+    if effective < train.batch_size:
+        note = (f"{node}: batch_size={train.batch_size} but the largest aspect-ratio bucket has {largest} training "
+                f"item(s) ({items} in all, {len(sizes)} bucket(s)): training with batch {effective}, as config.json "
+                "records. Add images, or lower batch_size (grad_accumulation raises the effective batch without "
+                "more images).")
+        stored = stored_train(run_name).get("batch_size")
+        if isinstance(stored, int) and stored > effective and min(stored, largest) == effective:
+            # A run stored before batches were cut trains the same batches: it resumes with what it stored.
+            note = note.replace(", as config.json records.", f" (config.json of this older run says {stored}).")
+            effective = stored
+        train = dataclasses.replace(train, batch_size=effective)
+    else:
+        note = (f"{node}: batch_size={train.batch_size} is larger than {sum(s < effective for s in sizes)} of the "
+                f"{len(sizes)} aspect-ratio buckets (sizes {', '.join(map(str, sorted(sizes)))}): their batches are "
+                "smaller (a batch never mixes buckets).")
+    logging.warning(note)
     return train, note
 
 

@@ -22,6 +22,8 @@ UPDATE_COMMAND = "python tests/comfy/test_node_schemas.py --update"
 # Combo options listed from a ComfyUI models folder: they depend on the files there, so the snapshot records the
 # fixed options and a placeholder for the listing.
 FOLDER_LISTED = {("HeadroomLoraConfig", "init_lora"): "loras"}
+# The dataset nodes' folder choices: the subfolders of ComfyUI's input directory (nodes/bridge/cache_folders.py).
+INPUT_FOLDERS_LISTED = {("HeadroomDatasetFromFolder", "folder"), ("HeadroomDatasetFromVideos", "folder")}
 LEFT_OUT = {"tooltip"}  # prose; ComfyUI's info also has description / output_tooltips, left out too
 
 
@@ -37,6 +39,8 @@ def _input_spec(node_id: str, name: str, spec: list) -> dict:
 
         listed = set(folder_paths.get_filename_list(folder))
         options["options"] = [o for o in options.get("options", []) if o not in listed] + [f"<files of models/{folder}>"]
+    if (node_id, name) in INPUT_FOLDERS_LISTED:
+        options["options"] = ["<folders of input/>"]
     return {"name": name, "type": kind, **options}
 
 

@@ -26,6 +26,7 @@ API_FILES = sorted(WORKFLOWS.glob("*_api.json"))
 UI_FILES = sorted(p for p in WORKFLOWS.glob("*.json") if not p.stem.endswith("_api"))
 MODEL_FILE_SUFFIXES = (".safetensors", ".ckpt", ".pt", ".pth", ".bin", ".sft", ".gguf")
 IMAGE_FILE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
+DATASET_FOLDER_NODES = ("HeadroomDatasetFromFolder", "HeadroomDatasetFromVideos")
 MATCH_TYPE = "COMFY_MATCHTYPE_V3"  # a V3 input/output whose type follows what is connected
 
 
@@ -70,9 +71,15 @@ def is_model_file(value) -> bool:
 
 
 def input_images(prompt: dict) -> set[str]:
-    """The images the workflow's Load Image nodes read from ComfyUI's input/ folder (the user's own files)."""
+    """The images the workflow's Load Image nodes read from ComfyUI's input/ folder (the user's own files), and the
+    dataset folders its dataset nodes read there (a choice of input/'s subfolders)."""
     return {node["inputs"]["image"] for node in prompt.values()
-            if node["class_type"] == "LoadImage" and str(node["inputs"]["image"]).lower().endswith(IMAGE_FILE_SUFFIXES)}
+            if node["class_type"] == "LoadImage" and str(node["inputs"]["image"]).lower().endswith(IMAGE_FILE_SUFFIXES)
+            } | dataset_folders(prompt)
+
+
+def dataset_folders(prompt: dict) -> set[str]:
+    return {node["inputs"]["folder"] for node in prompt.values() if node["class_type"] in DATASET_FOLDER_NODES}
 
 
 def value_problem(spec: list, value, user_files: frozenset = frozenset()) -> str | None:

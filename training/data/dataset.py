@@ -17,7 +17,7 @@ import hashlib
 import math
 import os
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -341,6 +341,23 @@ def _reason(error: BaseException) -> str:
         return error.strerror
     text = relative_text(str(error))
     return "unknown format" if isinstance(error, UnidentifiedImageError) else text
+
+
+def with_trigger_word(dataset: Dataset, word: str) -> Dataset:
+    """Every caption starting with `word` ("word, caption"; one that starts with it already is left as it is). The
+    captions are what the text cache is keyed by, so a new trigger word encodes them again."""
+    word = word.strip()
+    if any(ord(c) < 32 for c in word):
+        raise DatasetError(f"trigger_word {word[:60]!r} contains control characters (a newline?): give one line")
+    if not word:
+        return dataset
+
+    def prefixed(caption: str) -> str:
+        if caption == word or caption.startswith((f"{word},", f"{word} ")):
+            return caption
+        return f"{word}, {caption}" if caption else word
+
+    return replace(dataset, items=tuple(replace(item, caption=prefixed(item.caption)) for item in dataset.items))
 
 
 def split_captions(captions: str) -> list[str]:

@@ -1,0 +1,262 @@
+"""A new user's path in the real editor (issue 25): headless Chromium, the real ComfyUI frontend package, a real
+ComfyUI server with Headroom (the harness of test_browser.py). Each test leaves screenshots in
+test-artifacts/browser/user_path_*.png: look at them as a newcomer would.
+"""
+import json
+import pathlib
+import uuid
+
+import pytest
+from PIL import Image
+
+from test_browser import (ARTIFACTS, WORKFLOWS, browser, browser_page, chart_state, load_workflow,  # noqa: F401
+                          show_node)
+
+EVERYDAY_WIDGETS = 15
+NOTES = "headroom_notes"
+
+
+def shot(page, name: str) -> pathlib.Path:
+    path = ARTIFACTS / f"user_path_{name}.png"
+    page.screenshot(path=str(path))
+    return path
+
+
+def add_node(page, node_type: str, pos=(100, 100), alone: bool = True) -> str:
+    """A new node of `node_type` (alone: on an empty graph, not over the editor's default workflow)."""
+    if alone:
+        page.evaluate("() => window.app.graph.clear()")
+    return page.evaluate("""([type, pos]) => {
+        const node = window.LiteGraph.createNode(type);
+        node.pos = pos;
+        window.app.graph.add(node);
+        return String(node.id);
+    }""", [node_type, list(pos)])
+
+
+def widgets(page, node_id: str) -> dict:
+    """{shown: names of the widgets drawn, all: every widget name, height: the node's height in px at 100 %,
+    gaps: the empty space above each drawn widget after the one before it}."""
+    return page.evaluate("""(id) => {
+        const node = window.app.graph.getNodeById(id);
+        node.arrange?.();
+        const shown = node.widgets.filter((w) => node.isWidgetVisible(w));
+        const gaps = shown.slice(1).map((w, i) => w.y - (shown[i].y + (shown[i].computedHeight ?? 24)));
+        return {shown: shown.map((w) => w.name), all: node.widgets.map((w) => w.name), height: node.size[1], gaps};
+    }""", node_id)
+
+
+def set_widget(page, node_id: str, name: str, value) -> None:
+    page.evaluate("""([id, name, value]) => {
+        const widget = window.app.graph.getNodeById(id).widgets.find((w) => w.name === name);
+        widget.value = value;
+        widget.callback?.(value);
+    }""", [node_id, name, value])
+
+
+def notes(page, node_id: str) -> str:
+    return page.evaluate("""([id, name]) => window.app.graph.getNodeById(id).widgets
+        ?.find((w) => w.name === name)?.element.textContent ?? ''""", [node_id, NOTES])
+
+
+def queue_in_editor(page) -> None:
+    """Queue the editor's graph; `window.__testOutcome` becomes 'success', 'interrupted' or the error when it ends."""
+    page.evaluate("""() => {
+        window.__testOutcome = null;
+        const api = window.comfyAPI.api.api;
+        if (!window.__outcomeListening) {
+            window.__outcomeListening = true;
+            api.addEventListener('execution_success', () => { window.__testOutcome = 'success'; });
+            api.addEventListener('execution_interrupted', () => { window.__testOutcome = 'interrupted'; });
+            api.addEventListener('execution_error', (e) => {
+                window.__testOutcome = 'error: ' + JSON.stringify(e.detail); });
+        }
+    }""")
+    page.evaluate("async () => { await window.app.queuePrompt(0, 1); }")
+
+
+def wait_outcome(page, timeout=300_000) -> str:
+    page.wait_for_function("() => window.__testOutcome !== null", timeout=timeout)
+    return page.evaluate("() => window.__testOutcome")
+
+
+@pytest.mark.parametrize("node_type", ["HeadroomTrainLora", "HeadroomTrainControlNet"])
+def test_everyday_training_node_is_small_and_folds_expert_inputs(browser_page, node_type):
+    page, log = browser_page
+    node = add_node(page, node_type)
+    page.evaluate("(id) => { const n = window.app.graph.getNodeById(id); n.setSize(n.computeSize()); }", node)
+    folded = widgets(page, node)
+    shown = [name for name in folded["shown"] if name != "headroom_live"]
+    assert len(shown) <= EVERYDAY_WIDGETS, f"{len(shown)} widgets shown by default: {shown}"
+    assert {"run_name", "steps", "batch_size"} <= set(shown), shown
+    hidden = set(folded["all"]) - set(folded["shown"])
+    assert {"precision", "ema_decay", "devices", "checkpoint_minutes"} <= hidden, hidden
+    if node_type == "HeadroomTrainLora":
+        assert {"frames", "frame_rate", "noise_min", "noise_max", "reference", "prior_ratio", "huber_delta"} <= hidden
+    assert folded["height"] < 1000, f"the folded node is {folded['height']} px tall"
+    assert max(folded["gaps"]) <= 8, f"empty space between the widgets drawn: {folded['gaps']}"
+    show_node(page, node)
+    path = shot(page, f"{node_type}_folded")
+
+    # The per-node toggle the editor offers (litegraph's showAdvanced) shows everything, in the same order.
+    page.evaluate("(id) => { const n = window.app.graph.getNodeById(id); n.showAdvanced = true;"
+                  " n.setSize(n.computeSize()); n.setDirtyCanvas(true, true); }", node)
+    unfolded = widgets(page, node)
+    assert unfolded["shown"] == unfolded["all"] and unfolded["all"] == folded["all"]
+    assert unfolded["height"] > folded["height"] + 300
+    show_node(page, node)
+    shot(page, f"{node_type}_advanced")
+    assert Image.open(path).size == (1600, 1000)
+    assert log.headroom_errors() == []
+
+
+def write_dataset(folder: pathlib.Path, count: int = 2) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    for index in range(count):
+        Image.new("RGB", (64, 64), (60 * index, 120, 200)).save(folder / f"img{index}.png")
+        (folder / f"img{index}.txt").write_text(f"a photo number {index}")
+
+
+def folder_prompt(folder: str, trigger_word: str = "") -> dict:
+    """Dataset From Folder -> Cache Latents (tiny sd15 VAE) -> Preview Any of the summary, in API form."""
+    return {
+        "1": {"class_type": "HeadroomTinyModel", "inputs": {"family": "sd15", "seed": 0, "weights": "random"}},
+        "2": {"class_type": "HeadroomDatasetFromFolder",
+              "inputs": {"folder": folder, "resolution": 64, "step": 64, "crop": "center", "flip": False, "seed": 0,
+                         "skip_bad": False, "trigger_word": trigger_word}},
+        "3": {"class_type": "HeadroomCacheText", "inputs": {"dataset": ["2", 0], "clip": ["1", 1]}},
+        "4": {"class_type": "PreviewAny", "inputs": {"source": ["3", 1]}},
+    }
+
+
+def test_dataset_folder_is_a_refreshable_list_and_old_typed_values_still_run(comfy_server, browser_page):
+    page, log = browser_page
+    input_dir = comfy_server.base_dir / "input"
+    tag = uuid.uuid4().hex[:6]
+    write_dataset(input_dir / f"my_photos_{tag}")
+    write_dataset(input_dir / f"old_{tag}" / "typed" / "deep" / "set")  # deeper than the list goes
+    page.evaluate("async () => { await window.app.refreshComboInNodes(); }")
+    node = add_node(page, "HeadroomDatasetFromFolder")
+    options = page.evaluate("(id) => window.app.graph.getNodeById(id).widgets.find((w) => w.name === 'folder')"
+                            ".options.values", node)
+    assert f"my_photos_{tag}" in options and f"old_{tag}/typed" in options, options
+
+    # A folder added while the editor is open appears after the refresh (R) without a restart.
+    write_dataset(input_dir / f"new_{tag}")
+    page.evaluate("async () => { await window.app.refreshComboInNodes(); }")
+    options = page.evaluate("(id) => window.app.graph.getNodeById(id).widgets.find((w) => w.name === 'folder')"
+                            ".options.values", node)
+    assert f"new_{tag}" in options, options
+    show_node(page, node)
+    shot(page, "dataset_folder_list")
+
+    # A workflow saved when the folder was typed (a value the list does not hold) loads and runs.
+    page.evaluate("async (p) => { await window.app.loadApiJson(p, 'old.json'); }",
+                  folder_prompt(f"old_{tag}/typed/deep/set", trigger_word="sks"))
+    dataset_node = page.evaluate("() => String(window.app.graph.nodes.find((n) => n.comfyClass === "
+                                 "'HeadroomDatasetFromFolder').id)")
+    value = page.evaluate("(id) => window.app.graph.getNodeById(id).widgets.find((w) => w.name === 'folder').value",
+                          dataset_node)
+    assert value == f"old_{tag}/typed/deep/set"
+    queue_in_editor(page)
+    assert wait_outcome(page) == "success"
+
+    # A typo: the node itself says what is wrong and which folders come closest (not only behind View details).
+    set_widget(page, dataset_node, "folder", f"my_photo_{tag}")
+    queue_in_editor(page)
+    assert wait_outcome(page).startswith("error:")
+    message = notes(page, dataset_node)
+    assert message.startswith(f"Failed: Dataset From Folder (Headroom): folder 'my_photo_{tag}' is not a folder"), message
+    assert f"closest existing: 'my_photos_{tag}'" in message, message
+    show_node(page, dataset_node)
+    shot(page, "dataset_folder_typo")
+
+    # Fixed and run again: the message goes.
+    set_widget(page, dataset_node, "folder", f"my_photos_{tag}")
+    queue_in_editor(page)
+    assert wait_outcome(page) == "success"
+    assert notes(page, dataset_node) == ""
+    assert log.headroom_errors() == []
+
+
+def tiny_workflow(run_name: str) -> tuple[dict, dict]:
+    """The shipped tiny demo (UI form) and its node ids by type."""
+    workflow = json.loads((WORKFLOWS / "tiny_lora.json").read_text())
+    ids = {node["type"]: str(node["id"]) for node in workflow["nodes"]}
+    return workflow, ids
+
+
+def test_results_show_on_the_nodes_batch_is_explained_and_the_chart_follows_run_name(browser_page):
+    page, log = browser_page
+    run_name = f"path_{uuid.uuid4().hex[:8]}"
+    workflow, ids = tiny_workflow(run_name)
+    load_workflow(page, workflow)
+    init, train, validate, save = (ids[t] for t in ("HeadroomTrainLoraInit", "HeadroomTrainSteps",
+                                                    "HeadroomValidate", "HeadroomSaveLora"))
+    set_widget(page, init, "run_name", run_name)
+    set_widget(page, ids["HeadroomSyntheticDataset"], "count", 2)  # two images ...
+    set_widget(page, init, "batch_size", 8)  # ... and a batch of 8
+    set_widget(page, train, "steps", 12)
+    queue_in_editor(page)
+    assert wait_outcome(page) == "success"
+    page.wait_for_timeout(1000)
+
+    init_notes = notes(page, init)
+    assert "batch_size=8" in init_notes and "training with batch 2" in init_notes, init_notes
+    save_notes = notes(page, save)
+    assert f"models/loras/headroom/{run_name}_step" in save_notes, save_notes
+    shown = page.evaluate("(id) => (window.app.nodeOutputs?.[id] ?? window.app.graph.getNodeById(id)"
+                          ".__output)?.images ?? null", validate)
+    images = page.evaluate("(id) => (window.app.graph.getNodeById(id).imgs ?? []).map((i) => i.src)", validate)
+    assert any("before_after" in src for src in images) or (shown and "before_after" in json.dumps(shown)), (
+        images, shown)
+    state = chart_state(page, train)
+    assert state["run"]["run"] == run_name and state["drawn"] == 12
+    low, high = map(float, page.evaluate(
+        "(id) => window.app.graph.getNodeById(id).headroomLive.canvas.dataset.lossAxis", train).split())
+    assert 0 <= low < high, (low, high)
+    for node, name in ((init, "init_notes"), (save, "save_notes"), (validate, "validate_before_after"),
+                       (train, "chart")):
+        show_node(page, node)
+        shot(page, name)
+
+    # Another run name: the chart of the old run goes at once (it is not the run this node trains now).
+    set_widget(page, init, "run_name", f"{run_name}_b")
+    assert chart_state(page, train)["run"] is None
+    assert notes(page, init) == "", "the Init node still speaks of the old run"
+    show_node(page, train)
+    shot(page, "chart_after_run_name_change")
+    assert log.headroom_errors() == []
+
+
+def test_cancel_says_where_the_run_stopped_and_run_continues_it(browser_page):
+    page, log = browser_page
+    run_name = f"cancel_{uuid.uuid4().hex[:8]}"
+    workflow, ids = tiny_workflow(run_name)
+    load_workflow(page, workflow)
+    init, train = ids["HeadroomTrainLoraInit"], ids["HeadroomTrainSteps"]
+    set_widget(page, init, "run_name", run_name)
+    set_widget(page, train, "steps", 2000)
+    queue_in_editor(page)
+    page.wait_for_function("(id) => window.__headroomLive.points(id) >= 3", arg=train, timeout=300_000)
+    page.evaluate("async () => { await window.comfyAPI.api.api.interrupt(null); }")
+    assert wait_outcome(page, 60_000) == "interrupted"
+    page.wait_for_function("(id) => window.__headroomLive.run(id)?.note?.startsWith('Stopped')", arg=train,
+                           timeout=60_000)
+    run = chart_state(page, train)["run"]
+    assert run["note"] == f"Stopped at step {run['step']}, checkpoint saved; Run again to continue.", run
+    assert notes(page, train) == run["note"]
+    assert 3 <= run["step"] < 2000 and run["eta_s"] is None, run
+    show_node(page, train)
+    shot(page, "cancelled")
+
+    # Run again: it continues from the saved step (the first new point is the next step).
+    stopped = run["step"]
+    set_widget(page, train, "steps", stopped + 3)
+    queue_in_editor(page)
+    assert wait_outcome(page) == "success"
+    run = chart_state(page, train)["run"]
+    assert run["step"] == stopped + 3 and run["note"] is None and notes(page, train) == "", run
+    show_node(page, train)
+    shot(page, "resumed")
+    assert log.headroom_errors() == []
