@@ -19,9 +19,10 @@ from ..training.checks import check_finite
 from ..training.core.optimizers import OPTIMIZERS, SCHEDULES, MissingPackageError, OptimizerConfig, check_available
 from ..training.core.run_dir import RunFolderError, check_name, check_subfolder
 from .bridge import lora_formats
-from .bridge.comfy_bridge import TrainingRun, check_run_kind, node_id
+from .bridge.comfy_bridge import TrainingRun, check_run_kind, node_id, send_node_text
 from .bridge.comfy_model import check_caches, check_reference_cache, model_family
 from .bridge.model_files import runs_root, save_lora
+from .bridge.planning import lora_trainable, plan_for_card
 from .bridge.rank_workers import open_on_devices
 from .bridge.run_lora import REFERENCES, SAVE_DTYPES, LoraRunConfig, open_lora_run
 from .bridge.run_settings import resolve_policy, run_fingerprint, train_config
@@ -161,7 +162,7 @@ def start_lora_run(model, latent_cache, text_cache, lora_config, optimizer_confi
                    loss_type: str = "mse", huber_delta: float = 0.1, ema_decay: float = 0.0,
                    prior_latent_cache=None, prior_text_cache=None, prior_ratio: float = 0.5, reference: str = "none",
                    noise_min: float = 0.0, noise_max: float = 1.0, devices: str = "1",
-                   node: str = "HeadroomTrainLoraInit") -> TrainingRun:
+                   node: str = "HeadroomTrainLoraInit", shown_on: str | None = None) -> TrainingRun:
     """Check every input (before any GPU work), then build or resume the run."""
     try:
         check_name(run_name, "run name")
@@ -183,8 +184,11 @@ def start_lora_run(model, latent_cache, text_cache, lora_config, optimizer_confi
                                    caption_dropout, timestep_sampling, loss_weighting, min_snr_gamma, noise_offset,
                                    loss_type, huber_delta, ema_decay, prior_ratio=prior_ratio if prior else 0.0,
                                    noise_range=(noise_min, noise_max))
-        policy = resolve_policy(policy, gradient_checkpointing, checkpoint_depth)
         check_caches(model.model, latent_cache, text_cache)
+        policy, plan_note = resolve_policy(policy, gradient_checkpointing, checkpoint_depth, node=node, plan_card=(
+            lambda card: plan_for_card(model, latent_cache, text_cache, card, lora_trainable(
+                model, lora_config, optimizer_config.name), batch_size, train.precision, node, lora_config)))
+        send_node_text(plan_note, shown_on)  # on the node before the run opens, and so before its first step
         if reference not in REFERENCES:
             raise ValueError(f"reference={reference!r}: choose one of {', '.join(map(repr, REFERENCES))}")
         if reference != "none":
@@ -199,7 +203,7 @@ def start_lora_run(model, latent_cache, text_cache, lora_config, optimizer_confi
                                train=train, holdout=holdout, reference=reference)
         run = open_on_devices(devices, model, open_lora_run, (latent_cache, text_cache, config, runs_root(), run_name),
                               {"policy": policy, "prior": prior})
-        run.precision_note = note
+        run.precision_note, run.plan_note = note, plan_note
         return run
     except (ValueError, RunFolderError) as error:
         message = str(error)
@@ -219,6 +223,7 @@ class HeadroomTrainLoraInit(io.ComfyNode):
                     devices_input()],
             outputs=[TrainingRunType.Output("run", tooltip="The training run, for Train Steps, Validate, Save and Apply."),
                      io.Int.Output("step", tooltip="Step the run starts from (resumed).")],
+            hidden=[io.Hidden.unique_id],
         )
 
     @classmethod
@@ -227,8 +232,8 @@ class HeadroomTrainLoraInit(io.ComfyNode):
 
     @classmethod
     def execute(cls, **inputs) -> io.NodeOutput:
-        run = start_lora_run(**inputs)
-        return io.NodeOutput(run, run.step, ui=ui.PreviewText(run.precision_note))
+        run = start_lora_run(**inputs, shown_on=node_id(cls))
+        return io.NodeOutput(run, run.step, ui=ui.PreviewText("\n".join(run.opening_notes)))
 
 
 def check_checkpoint_inputs(node: str, checkpoint_every: int, checkpoint_minutes: float) -> None:
@@ -426,7 +431,7 @@ def train_validate_save(node_cls, start, save, steps: int, validate_every: int, 
             break
     history = {**run.history(steps), **({"note": note} if note else {})}
     outputs = {**(previews.as_dict() if previews is not None else {}), HISTORY_KEY: [history],
-               "text": [run.precision_note, *([note] if note else [])], SAVED_KEY: saved}
+               "text": [*run.opening_notes, *([note] if note else [])], SAVED_KEY: saved}
     return run, name, loss, outputs
 
 
@@ -460,7 +465,7 @@ class HeadroomTrainLora(io.ComfyNode):
                 checkpoint_minutes=DEFAULT_CHECKPOINT_MINUTES, **inputs) -> io.NodeOutput:
         check_subfolder(lora_subfolder, "HeadroomTrainLora: lora_subfolder")
         run, lora_name, loss, outputs = train_validate_save(
-            cls, lambda **init: start_lora_run(**init, node="HeadroomTrainLora"),
+            cls, lambda **init: start_lora_run(**init, node="HeadroomTrainLora", shown_on=node_id(cls)),
             lambda run: save_lora(run, lora_subfolder, f"{run.run_dir.name}_step{run.step:06d}"),
             steps, validate_every, save_every, inputs, checkpoint_every=checkpoint_every,
             checkpoint_minutes=checkpoint_minutes)

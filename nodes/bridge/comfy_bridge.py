@@ -73,6 +73,15 @@ def send_event(event: str, data: dict) -> None:
         instance.send_sync(event, {"prompt_id": getattr(instance, "last_prompt_id", None), **data})
 
 
+def send_node_text(text: str, shown_on: str | None) -> None:
+    """Text on node `shown_on` in the editor now, while the prompt runs (ComfyUI's progress text; nothing without a
+    server or a node id)."""
+    server = sys.modules.get("server")
+    instance = getattr(getattr(server, "PromptServer", None), "instance", None)
+    if instance is not None and shown_on is not None and text:
+        instance.send_progress_text(text, shown_on)
+
+
 MEMORY_KEYS = ("allocated", "reserved", "peak", "rss")  # memory_figures' keys, in bytes
 
 
@@ -291,6 +300,7 @@ class TrainingRun:
     """
 
     precision_note = ""  # how the init node chose the compute precision (nodes/bridge/run_settings.resolve_precision)
+    plan_note = ""  # the policy the planner chose for the policy's card (nodes/bridge/run_settings.resolve_policy)
     ranks = None  # a multi-device run's worker ranks (nodes/bridge/rank_workers.RankWorkers), told to train with rank 0
 
     def __init__(self, model, latent_cache, text_cache, config, trained, run_root: pathlib.Path, run_name: str,
@@ -319,6 +329,11 @@ class TrainingRun:
         self.record.commit()
 
     # --- the parts, by name ---------------------------------------------------------------------------------
+    @property
+    def opening_notes(self) -> list[str]:
+        """What the Init node says about how the run opened: precision, and the policy fitted to the card."""
+        return [note for note in (self.precision_note, self.plan_note) if note]
+
     @property
     def trains(self) -> str:
         """What the run trains: a RUN_KINDS key ("lora", "controlnet")."""
