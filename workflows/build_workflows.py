@@ -4,7 +4,8 @@
     python workflows/build_workflows.py --object-info object_info.json
 
 For every workflow below it writes `<name>.json` (UI format: what the graph editor opens, with node
-positions, links and widget values) and `<name>_api.json` (API format: what `POST /prompt`,
+positions, links and widget values; ComfyUI lists the .json files in this folder as the package's templates) and
+`api/<name>_api.json` (API format, in a folder of its own so the editor's template list shows the UI ones only: what `POST /prompt`,
 `comfy run --workflow` and workflows/headroom_run.py take). Widget order, output slots and types come
 from the server's /object_info, so both files always say the same thing. Re-run it after a node's
 inputs change; tests/server/test_workflows.py fails when the shipped files differ from what this builds.
@@ -23,6 +24,7 @@ import urllib.request
 import uuid
 
 HERE = pathlib.Path(__file__).resolve().parent
+API_FOLDER = "api"  # the API-format files: ComfyUI lists only this folder's own .json files as templates
 
 # Node types the graph editor provides itself: they have no /object_info entry and no API form.
 FRONTEND_ONLY_TYPES = {"Note", "MarkdownNote", "Reroute", "PrimitiveNode"}
@@ -895,8 +897,8 @@ def main(argv: list[str] | None = None) -> int:
         workflow = make()
         ui, api = build(workflow, object_info)
         write_atomically(args.out / f"{workflow.name}.json", render(ui))
-        write_atomically(args.out / f"{workflow.name}_api.json", render(api))
-        print(f"wrote {workflow.name}.json and {workflow.name}_api.json", file=sys.stderr)
+        write_atomically(args.out / API_FOLDER / f"{workflow.name}_api.json", render(api))
+        print(f"wrote {workflow.name}.json and {API_FOLDER}/{workflow.name}_api.json", file=sys.stderr)
     return 0
 
 

@@ -17,7 +17,7 @@ from server_harness import output_pixels
 
 pytestmark = pytest.mark.server
 
-TINY_LORA = json.loads((pathlib.Path(__file__).resolve().parents[2] / "workflows" / "tiny_lora_api.json").read_text())
+TINY_LORA = json.loads((pathlib.Path(__file__).resolve().parents[2] / "workflows" / "api" / "tiny_lora_api.json").read_text())
 TRAIN_STEPS = 3
 PROMPT = "a red circle in the center"
 
