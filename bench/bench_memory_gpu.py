@@ -57,8 +57,9 @@ def _import(name: str, path: Path, package: bool = False):
     return module
 
 
-def import_comfyui(cpu: bool) -> None:
-    """ComfyUI in-process (found as the tests find it), with a throw-away base directory."""
+def import_comfyui(cpu: bool, **options) -> None:
+    """ComfyUI in-process (found as the tests find it), with a throw-away base directory; `options`: more of
+    ComfyUI's command-line arguments (e.g. use_pytorch_cross_attention=True)."""
     harness = _import("comfy_harness", REPO_ROOT / "tests" / "comfy_harness.py")
     if harness.COMFYUI_PATH is None:
         sys.exit(f"bench_memory_gpu: {harness.COMFYUI_FOUND_BY}")
@@ -72,6 +73,8 @@ def import_comfyui(cpu: bool) -> None:
 
     args.cpu = cpu
     args.base_directory = tempfile.mkdtemp(prefix="headroom-bench-")
+    for name, value in options.items():
+        setattr(args, name, value)
     import comfy.model_management  # noqa: F401  (reads args at import)
     import folder_paths  # noqa: F401
     _import("headroom", REPO_ROOT / "__init__.py", package=True)
