@@ -9,7 +9,8 @@ model is described as the training node describes it (nodes/bridge/planning.desc
 classes (tests/realsize_models.py), as on an NVIDIA GPU that computes in bf16 (no manual cast; ComfyUI's PyTorch
 attention, its default there, and its sampling estimate for it):
 - each kind of block is measured at real width (its activations, by forwards at small sizes on this CPU), on a model
-  with one block of each kind (the UNets at full size);
+  with one block of each kind (the UNets at full size, in fp32 with their activations halved: bf16 convolutions on a
+  CPU are too slow);
 - the full-depth model is built on the meta device (no memory): its blocks, their weight bytes and the LoRA's
   trainable tensors come from it, each block taking the measured laws of its kind.
 Text encoders and the VAE are left out (they run before training, one at a time, and ComfyUI loads what fits of
@@ -66,6 +67,10 @@ def block_kind(name: str) -> str:
     return re.sub(r"\.\d+$", "", name)
 
 
+def halved(law):
+    return dataclasses.replace(law, **{f.name: getattr(law, f.name) / 2 for f in dataclasses.fields(law)})
+
+
 def describe(template: Template):
     """(the planner's description of the full-size model, the LoRA's trainable tensors, the patcher on meta)."""
     from headroom.nodes.bridge.comfy_model import training_blocks
@@ -75,17 +80,27 @@ def describe(template: Template):
 
     models = bench_memory_gpu.realsize_models()
     adapter = AdapterConfig(rank=template.rank, alpha=float(template.rank), targets="preset")
-    measured_model = models.build_model(template.architecture, template.measured_depth, device="cpu", as_on_gpu=True)
-    measured = describe_comfy_model(measured_model, adapter, "bf16")
+    # The UNets are measured in fp32 and their activations halved: bf16 convolutions on a CPU are ~180x slower
+    # (docs/BENCHMARKS.md, CPU compute precision), too slow for a full UNet; what autocast keeps in fp32 (norms) is
+    # then counted at half its size.
+    unet = template.measured_depth is None
+    dtype, precision = (torch.float32, "fp32") if unet else (torch.bfloat16, "bf16")
+    measured_model = models.build_model(template.architecture, template.measured_depth, dtype=dtype, device="cpu",
+                                        as_on_gpu=True)
+    measured = describe_comfy_model(measured_model, adapter, precision)
     del measured_model
+    if unet:
+        measured = dataclasses.replace(
+            measured, outside_saved=halved(measured.outside_saved), compute_element_size=2, stored_element_size=2,
+            inference_bytes_per_latent_px=measured.inference_bytes_per_latent_px / 2,
+            blocks=tuple(dataclasses.replace(b, saved=halved(b.saved), inputs=halved(b.inputs)) for b in measured.blocks))
     full = models.build_model(template.architecture, None, device="meta", as_on_gpu=True)
-    if template.measured_depth is None:
-        return measured, lora_trainable(full, adapter, "AdamW8bit"), full
+    by_name = {block.name: block for block in measured.blocks}
     kinds = {}
     for block in measured.blocks:
         kinds.setdefault(block_kind(block.name), block)
     named = training_blocks(full.model.diffusion_model)
-    laws = [kinds[block_kind(name)] for name, _ in named]
+    laws = [by_name.get(name) or kinds[block_kind(name)] for name, _ in named]
     blocks = tuple(dataclasses.replace(profile, weight_copy_bytes=law.weight_copy_bytes,
                                        linear_copy_bytes=law.linear_copy_bytes)
                    for profile, law in zip(planner.describe_blocks(named, [k.saved for k in laws],
