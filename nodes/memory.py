@@ -36,7 +36,7 @@ def _policy_input(name: str, spec: NodeInput, default) -> io.Input:
     options = {key: getattr(spec, key) for key in ("min", "max", "step") if getattr(spec, key) is not None}
     if spec.kind == "combo":
         options["options"] = list(spec.options)
-    return _IO_KINDS[spec.kind].Input(name, default=default, tooltip=spec.tooltip, **options)
+    return _IO_KINDS[spec.kind].Input(name, default=default, tooltip=spec.tooltip, optional=spec.optional, **options)
 
 
 # --- nodes ---------------------------------------------------------------------------------------------------
@@ -68,6 +68,9 @@ class HeadroomOffloadPolicy(io.ComfyNode):
             available = available_device_bytes()
             text += (f"\nauto budget now: {available / GIB:.2f} GiB available - {policy.reserve_gb:g} GiB reserve = "
                      f"{max(0, available - policy.reserve_gb * GIB) / GIB:.2f} GiB")
+        if policy.fits_card:
+            text += (f"\ncard {policy.card}: when a training run opens, the planner picks the fastest placement, storage, "
+                     "checkpointing and optimizer state that fit it, and the training node shows them")
         return io.NodeOutput(policy, ui=ui.PreviewText(text))
 
 

@@ -13,9 +13,9 @@ from comfy_api.latest import io, ui
 from ..training.checks import check_finite
 from ..training.core.optimizers import OptimizerConfig
 from ..training.core.run_dir import RunFolderError, check_name, check_subfolder
-from .bridge.comfy_bridge import TrainingRun, check_run_kind
+from .bridge.comfy_bridge import TrainingRun, check_run_kind, node_id, send_node_text
 from .bridge.comfy_model import check_caches
-from .bridge.controlnet_build import check_control_cache, controlnet_type_name
+from .bridge.controlnet_build import check_control_cache, controlnet_trainable, controlnet_type_name
 from .bridge.families import CONTROLNET_TYPES
 from .inputs import (DEFAULT_CHECKPOINT_MINUTES, added_train_inputs, checkpoint_inputs, devices_input,
                      model_and_caches, optimizer_config_input, policy_input, run_name_input, schedule_inputs,
@@ -23,6 +23,7 @@ from .inputs import (DEFAULT_CHECKPOINT_MINUTES, added_train_inputs, checkpoint_
 from .io_types import TrainingRunType
 from .bridge.run_controlnet import ControlNetRunConfig, open_controlnet_run
 from .bridge.model_files import runs_root, save_trained_controlnet
+from .bridge.planning import plan_for_card
 from .bridge.rank_workers import open_on_devices
 from .bridge.run_settings import effective_batch, resolve_policy, run_fingerprint, train_config
 from .train_lora import CATEGORY, SAVED_KEY, saved_file, saved_text, train_validate_save
@@ -33,7 +34,8 @@ def start_controlnet_run(model, latent_cache, text_cache, optimizer_config, run_
                          loss_weighting, min_snr_gamma, noise_offset, gradient_checkpointing, checkpoint_depth,
                          holdout, blocks=0, init_seed=0, validation_control=None, validation_strength=1.0,
                          policy=None, loss_type: str = "mse", huber_delta: float = 0.1, ema_decay: float = 0.0,
-                         devices: str = "1", node: str = "HeadroomTrainControlNetInit") -> TrainingRun:
+                         devices: str = "1", node: str = "HeadroomTrainControlNetInit",
+                         shown_on: str | None = None) -> TrainingRun:
     """Check every input (before any GPU work), then build or resume the run."""
     try:
         check_name(run_name, "run name")
@@ -46,11 +48,14 @@ def start_controlnet_run(model, latent_cache, text_cache, optimizer_config, run_
         train, note = train_config(model, run_name, node, seed, batch_size, grad_accumulation, precision, max_grad_norm,
                                    caption_dropout, timestep_sampling, loss_weighting, min_snr_gamma, noise_offset,
                                    loss_type, huber_delta, ema_decay)
-        policy = resolve_policy(policy, gradient_checkpointing, checkpoint_depth)
         type_name = controlnet_type_name(model)
         check_caches(model.model, latent_cache, text_cache)
         train, batch_note = effective_batch(train, latent_cache, holdout, run_name, node)
         check_control_cache(type_name, latent_cache, node)
+        policy, plan_note = resolve_policy(policy, gradient_checkpointing, checkpoint_depth, node=node, plan_card=(
+            lambda card: plan_for_card(model, latent_cache, text_cache, card, controlnet_trainable(
+                model, blocks, optimizer_config.name), train.batch_size, train.precision, node)))
+        send_node_text(plan_note, shown_on)  # on the node before the run opens, and so before its first step
         config = ControlNetRunConfig(controlnet_type=type_name, blocks=blocks, init_seed=init_seed,
                                      optimizer=optimizer_config, train=train, holdout=holdout)
         run = open_on_devices(devices, model, open_controlnet_run,
@@ -58,7 +63,7 @@ def start_controlnet_run(model, latent_cache, text_cache, optimizer_config, run_
                               rank0_kwargs={"validation_control": validation_control,
                                             "validation_strength": validation_strength})
         run.precision_note = note
-        run.batch_note = batch_note
+        run.batch_note, run.plan_note = batch_note, plan_note
         return run
     except (ValueError, RunFolderError) as error:  # ControlNetError is a ValueError
         message = str(error)
@@ -106,6 +111,7 @@ class HeadroomTrainControlNetInit(io.ComfyNode):
             outputs=[TrainingRunType.Output("run", tooltip="The training run, for Train Steps, Validate and Save."),
                      io.Int.Output("step", tooltip="Step the run starts from (resumed)."),
                      io.ControlNet.Output("control_net", tooltip="The run's ControlNet (in memory) for stock nodes.")],
+            hidden=[io.Hidden.unique_id],
         )
 
     @classmethod
@@ -114,8 +120,9 @@ class HeadroomTrainControlNetInit(io.ComfyNode):
 
     @classmethod
     def execute(cls, **inputs) -> io.NodeOutput:
-        run = start_controlnet_run(**inputs)
-        return io.NodeOutput(run, run.step, run.trained.comfy_controlnet(), ui=ui.PreviewText("\n".join(run.notes)))
+        run = start_controlnet_run(**inputs, shown_on=node_id(cls))
+        return io.NodeOutput(run, run.step, run.trained.comfy_controlnet(),
+                             ui=ui.PreviewText("\n".join(run.notes)))
 
 
 # --- save -------------------------------------------------------------------------------------------------
@@ -178,7 +185,7 @@ class HeadroomTrainControlNet(io.ComfyNode):
                 checkpoint_minutes=DEFAULT_CHECKPOINT_MINUTES, **inputs) -> io.NodeOutput:
         check_subfolder(controlnet_subfolder, "HeadroomTrainControlNet: controlnet_subfolder")
         run, name, loss, outputs = train_validate_save(
-            cls, lambda **init: start_controlnet_run(**init, node="HeadroomTrainControlNet"),
+            cls, lambda **init: start_controlnet_run(**init, node="HeadroomTrainControlNet", shown_on=node_id(cls)),
             lambda run: save_trained_controlnet(run, controlnet_subfolder, f"{run.run_dir.name}_step{run.step:06d}"),
             steps, validate_every, save_every, inputs, saved_as=("ControlNet", "controlnet"),
             checkpoint_every=checkpoint_every, checkpoint_minutes=checkpoint_minutes)

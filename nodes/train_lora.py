@@ -19,9 +19,10 @@ from ..training.checks import check_finite
 from ..training.core.optimizers import OPTIMIZERS, SCHEDULES, MissingPackageError, OptimizerConfig, check_available
 from ..training.core.run_dir import RunFolderError, check_name, check_subfolder
 from .bridge import lora_formats
-from .bridge.comfy_bridge import TrainingRun, check_run_kind, node_id, node_name
+from .bridge.comfy_bridge import TrainingRun, check_run_kind, node_id, node_name, send_node_text
 from .bridge.comfy_model import check_caches, check_reference_cache, model_family
 from .bridge.model_files import runs_root, save_lora
+from .bridge.planning import lora_trainable, plan_for_card
 from .bridge.rank_workers import open_on_devices
 from .bridge.run_lora import REFERENCES, SAVE_DTYPES, LoraRunConfig, open_lora_run
 from .bridge.run_settings import effective_batch, resolve_policy, run_fingerprint, train_config
@@ -178,7 +179,7 @@ def start_lora_run(model, latent_cache, text_cache, lora_config, optimizer_confi
                    loss_type: str = "mse", huber_delta: float = 0.1, ema_decay: float = 0.0,
                    prior_latent_cache=None, prior_text_cache=None, prior_ratio: float = 0.5, reference: str = "none",
                    noise_min: float = 0.0, noise_max: float = 1.0, devices: str = "1",
-                   node: str = "HeadroomTrainLoraInit") -> TrainingRun:
+                   node: str = "HeadroomTrainLoraInit", shown_on: str | None = None) -> TrainingRun:
     """Check every input (before any GPU work), then build or resume the run."""
     try:
         check_name(run_name, "run name")
@@ -200,9 +201,12 @@ def start_lora_run(model, latent_cache, text_cache, lora_config, optimizer_confi
                                    caption_dropout, timestep_sampling, loss_weighting, min_snr_gamma, noise_offset,
                                    loss_type, huber_delta, ema_decay, prior_ratio=prior_ratio if prior else 0.0,
                                    noise_range=(noise_min, noise_max))
-        policy = resolve_policy(policy, gradient_checkpointing, checkpoint_depth)
         check_caches(model.model, latent_cache, text_cache)
         train, batch_note = effective_batch(train, latent_cache, holdout, run_name, node)
+        policy, plan_note = resolve_policy(policy, gradient_checkpointing, checkpoint_depth, node=node, plan_card=(
+            lambda card: plan_for_card(model, latent_cache, text_cache, card, lora_trainable(
+                model, lora_config, optimizer_config.name), train.batch_size, train.precision, node, lora_config)))
+        send_node_text(plan_note, shown_on)  # on the node before the run opens, and so before its first step
         if reference not in REFERENCES:
             raise ValueError(f"reference={reference!r}: choose one of {', '.join(map(repr, REFERENCES))}")
         if reference != "none":
@@ -218,7 +222,7 @@ def start_lora_run(model, latent_cache, text_cache, lora_config, optimizer_confi
         run = open_on_devices(devices, model, open_lora_run, (latent_cache, text_cache, config, runs_root(), run_name),
                               {"policy": policy, "prior": prior})
         run.precision_note = note
-        run.batch_note = batch_note
+        run.batch_note, run.plan_note = batch_note, plan_note
         return run
     except (ValueError, RunFolderError) as error:
         message = str(error)
@@ -238,6 +242,7 @@ class HeadroomTrainLoraInit(io.ComfyNode):
                     devices_input()],
             outputs=[TrainingRunType.Output("run", tooltip="The training run, for Train Steps, Validate, Save and Apply."),
                      io.Int.Output("step", tooltip="Step the run starts from (resumed).")],
+            hidden=[io.Hidden.unique_id],
         )
 
     @classmethod
@@ -246,7 +251,7 @@ class HeadroomTrainLoraInit(io.ComfyNode):
 
     @classmethod
     def execute(cls, **inputs) -> io.NodeOutput:
-        run = start_lora_run(**inputs)
+        run = start_lora_run(**inputs, shown_on=node_id(cls))
         return io.NodeOutput(run, run.step, ui=ui.PreviewText("\n".join(run.notes)))
 
 
@@ -484,7 +489,7 @@ class HeadroomTrainLora(io.ComfyNode):
                 checkpoint_minutes=DEFAULT_CHECKPOINT_MINUTES, **inputs) -> io.NodeOutput:
         check_subfolder(lora_subfolder, "HeadroomTrainLora: lora_subfolder")
         run, lora_name, loss, outputs = train_validate_save(
-            cls, lambda **init: start_lora_run(**init, node="HeadroomTrainLora"),
+            cls, lambda **init: start_lora_run(**init, node="HeadroomTrainLora", shown_on=node_id(cls)),
             lambda run: save_lora(run, lora_subfolder, f"{run.run_dir.name}_step{run.step:06d}"),
             steps, validate_every, save_every, inputs, checkpoint_every=checkpoint_every,
             checkpoint_minutes=checkpoint_minutes)

@@ -105,6 +105,17 @@ ARCHITECTURES.update({
     # Families whose real-size coverage is their LoRA key names (tests/realsize_keys.py): the unet_config
     # comfy/model_detection derives from the released checkpoints (checked there: detect_unet_config of the
     # full-depth model's keys gives it back).
+    "sd15": {  # model_detection's SD15: SD2.1's layout with CLIP-L's 768-wide context, 8 heads, conv projections
+        "text_tokens": 77, "text_encoder": None, "latent_channels": 4, "depth": None,
+        "unet_config": {
+            "use_checkpoint": False, "image_size": 32, "out_channels": 4, "use_spatial_transformer": True,
+            "legacy": False, "adm_in_channels": None, "in_channels": 4, "model_channels": 320,
+            "num_res_blocks": [2, 2, 2, 2], "transformer_depth": [1, 1, 1, 1, 1, 1, 0, 0], "channel_mult": [1, 2, 4, 4],
+            "transformer_depth_middle": 1, "use_linear_in_transformer": False, "context_dim": 768, "num_heads": 8,
+            "transformer_depth_output": [1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0],
+            "use_temporal_attention": False, "use_temporal_resblock": False,
+        },
+    },
     "sd21_768_v": {  # model_detection's SD21 (SD2.1-768-v / 512-base share the UNet; v comes from the weights)
         "text_tokens": 77, "text_encoder": "sd2", "latent_channels": 4, "depth": None,
         "unet_config": {
@@ -255,9 +266,10 @@ def tensor_bytes(module: torch.nn.Module) -> int:
 
 
 def build_model(name: str, depth=None, seed: int = 0, dtype: torch.dtype = torch.bfloat16, device=None,
-                disable_dynamic: bool = True):
+                disable_dynamic: bool = True, as_on_gpu: bool = False):
     """A ModelPatcher of the named architecture with `dtype` storage; ComfyUI picks the compute (manual cast)
-    dtype for the load device as its loaders do (fp32 on a CPU for bf16 weights)."""
+    dtype for the load device as its loaders do (fp32 on a CPU for bf16 weights). `as_on_gpu`: no manual cast, as
+    on a GPU that computes in `dtype`. On the meta device: shapes only, no weights (nothing to initialise)."""
     import comfy.model_detection
     import comfy.model_management as mm
     import comfy.model_patcher
@@ -267,10 +279,11 @@ def build_model(name: str, depth=None, seed: int = 0, dtype: torch.dtype = torch
         raise RuntimeError(f"ComfyUI did not recognise the {name} config")
     load_device = mm.get_torch_device()
     device = load_device if device is None else torch.device(device)
-    manual_cast = mm.unet_manual_cast(dtype, load_device, config.supported_inference_dtypes)
+    manual_cast = None if as_on_gpu else mm.unet_manual_cast(dtype, load_device, config.supported_inference_dtypes)
     config.set_inference_dtype(dtype, manual_cast, device=load_device)
     model = config.get_model({}, "", device=device)
-    random_init_(model.diffusion_model, seed)
+    if device.type != "meta":
+        random_init_(model.diffusion_model, seed)
     patcher_class = comfy.model_patcher.ModelPatcher if disable_dynamic else comfy.model_patcher.CoreModelPatcher
     patcher = patcher_class(model, load_device=load_device, offload_device=mm.unet_offload_device())
     patcher.cached_patcher_init = (_model_patcher, (name, depth, seed, dtype))

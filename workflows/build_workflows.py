@@ -4,7 +4,8 @@
     python workflows/build_workflows.py --object-info object_info.json
 
 For every workflow below it writes `<name>.json` (UI format: what the graph editor opens, with node
-positions, links and widget values) and `<name>_api.json` (API format: what `POST /prompt`,
+positions, links and widget values; ComfyUI lists the .json files in this folder as the package's templates) and
+`api/<name>_api.json` (API format, in a folder of its own so the editor's template list shows the UI ones only: what `POST /prompt`,
 `comfy run --workflow` and workflows/headroom_run.py take). Widget order, output slots and types come
 from the server's /object_info, so both files always say the same thing. Re-run it after a node's
 inputs change; tests/server/test_workflows.py fails when the shipped files differ from what this builds.
@@ -23,6 +24,7 @@ import urllib.request
 import uuid
 
 HERE = pathlib.Path(__file__).resolve().parent
+API_FOLDER = "api"  # the API-format files: ComfyUI lists only this folder's own .json files as templates
 
 # Node types the graph editor provides itself: they have no /object_info entry and no API form.
 FRONTEND_ONLY_TYPES = {"Note", "MarkdownNote", "Reroute", "PrimitiveNode"}
@@ -362,7 +364,7 @@ Download (file -> ComfyUI folder):
 
 Your images: a folder inside ComfyUI's input/ folder (here input/my_dataset), each image with a same-name .txt caption (photo1.png + photo1.txt).
 
-The offload policy says how the run uses device memory; workflows/memory_plan.json estimates a model's peak per phase on your card and picks the fastest policy that fits.
+Memory: the Offload policy node's card is "this GPU (auto)": when the run opens, the planner measures the model and picks the fastest settings whose planned peak fits this card, and the Train node shows them. Pick 8 / 12 / 16 / 24 / 48 GB to fit another card, or custom to set them yourself. workflows/memory_plan.json shows a model's plan per phase without training.
 
 Queue it: latents and text embeddings are cached once (the text encoders and VAE are unloaded before training), then the LoRA trains with a validation every 250 steps (loss + preview images) and a save every 500 steps to models/loras/headroom/. The chart on the Train LoRA node shows loss and memory live. Queue again with more steps to continue the same run."""
     sampling = {"sample_seed": 0, **spec.sampling}
@@ -381,7 +383,7 @@ Queue it: latents and text embeddings are cached once (the text encoders and VAE
              {"optimizer": spec.optimizer, "learning_rate": spec.learning_rate, "schedule_steps": 2000}, title="Optimizer"),
         Node(15, "HeadroomTrainLora", 3,
              {"run_name": spec.name, "precision": spec.precision, "timestep_sampling": spec.timestep_sampling,
-              "gradient_checkpointing": spec.policy["checkpointing"] != "off", "steps": 2000, "validate_every": 250,
+              "gradient_checkpointing": gradient_checkpointing(spec.policy), "steps": 2000, "validate_every": 250,
               "save_every": 500, "lora_subfolder": "headroom",
               "prompts": "a photo of sks person smiling\na photo of sks person in a forest", **sampling},
              links={"model": spec.model, "latent_cache": (11, "latent_cache"), "text_cache": (12, "text_cache"),
@@ -393,9 +395,18 @@ Queue it: latents and text embeddings are cached once (the text encoders and VAE
     ])
 
 
+THIS_GPU = "this GPU (auto)"  # training/memory/policy.py THIS_GPU (this file imports no Headroom code)
+
+
 def policy(base_placement: str, checkpointing: str) -> dict:
-    # Budget 0 = auto: what ComfyUI can free on the device, minus the reserve.
-    return {"vram_budget_gb": 0.0, "base_placement": base_placement, "checkpointing": checkpointing}
+    """The card is this GPU: when a run opens, the planner picks the fastest settings that fit it. The placement and
+    checkpointing given are what suits the model on a 12-24 GB card: the settings if the user picks card custom."""
+    return {"vram_budget_gb": 0.0, "base_placement": base_placement, "checkpointing": checkpointing, "card": THIS_GPU}
+
+
+def gradient_checkpointing(policy: dict) -> bool:
+    """The training node's gradient_checkpointing: off where the planner chooses checkpointing for the card."""
+    return policy["checkpointing"] != "off" and policy.get("card", "custom") == "custom"
 
 
 def checkpoint(file: str) -> Node:
@@ -512,7 +523,8 @@ def sd15_controlnet() -> Workflow:
         Node(14, "HeadroomOptimizerConfig", 2,
              {"optimizer": "AdamW8bit", "learning_rate": 1e-5, "schedule_steps": 5000}, title="Optimizer"),
         Node(15, "HeadroomTrainControlNet", 3,
-             {"run_name": "sd15_controlnet", "precision": "fp16", "gradient_checkpointing": True, "holdout": 1,
+             {"run_name": "sd15_controlnet", "precision": "fp16",
+              "gradient_checkpointing": gradient_checkpointing(policy("resident", "blocks")), "holdout": 1,
               "steps": 5000, "validate_every": 500, "save_every": 1000, "controlnet_subfolder": "headroom",
               "prompts": "a photo of a living room\na photo of a city street at night", "sample_steps": 20, "cfg": 7.0,
               "width": 512, "height": 512},
@@ -527,7 +539,7 @@ def sd15_controlnet() -> Workflow:
 
 MEMORY_PLAN_NOTE = """Memory plan only: how much device memory a LoRA run on this model needs, per phase (caching, training step, validation, save), itemised, and, in mode "auto", the fastest offload policy that fits the budget, with the reason. Nothing is trained.
 
-Set vram_budget_gb on the policy node to plan for a card other than this one (0 = this device, measured). Swap the loaders for your model; the Flux.1 dev files:
+Pick the card on the policy node to plan for a card other than this one (this GPU (auto): this device, measured). Swap the loaders for your model; the Flux.1 dev files:
 - flux1-dev.safetensors -> models/diffusion_models/
 - clip_l.safetensors, t5xxl_fp16.safetensors -> models/text_encoders/
 - ae.safetensors -> models/vae/
@@ -542,7 +554,7 @@ def memory_plan() -> Workflow:
         Node(2, "DualCLIPLoader", 0, {"clip_name1": "clip_l.safetensors", "clip_name2": "t5xxl_fp16.safetensors",
                                        "type": "flux"}, title="Load text encoders"),
         Node(3, "VAELoader", 0, {"vae_name": "ae.safetensors"}, title="Load VAE"),
-        Node(4, "HeadroomOffloadPolicy", 1, {"vram_budget_gb": 0.0}, title="Budget and starting policy"),
+        Node(4, "HeadroomOffloadPolicy", 1, {"vram_budget_gb": 0.0, "card": THIS_GPU}, title="Card and starting policy"),
         Node(5, "HeadroomMemoryPlan", 2,
              {"mode": "auto", "width": 1024, "height": 1024, "rank": 16, "optimizer": "AdamW8bit", "precision": "bf16"},
              links={"model": (1, "MODEL"), "policy": (4, "policy"), "clip": (2, "CLIP"), "vae": (3, "VAE")},
@@ -646,7 +658,8 @@ def wan21_lora() -> Workflow:
              title="Optimizer"),
         Node(15, "HeadroomTrainLora", 3,
              {"run_name": "wan21_lora", "precision": "bf16", "timestep_sampling": "shifted",
-              "gradient_checkpointing": True, "steps": 2000, "validate_every": 250, "save_every": 500,
+              "gradient_checkpointing": gradient_checkpointing(policy("resident", "blocks")), "steps": 2000,
+              "validate_every": 250, "save_every": 500,
               "lora_subfolder": "headroom", "prompts": "a sks dog running on a beach", "sample_seed": 0,
               "sample_steps": 30, "cfg": 6.0, "sampler_name": "uni_pc", "scheduler": "simple", "width": 480,
               "height": 480, "frames": 17},
@@ -670,7 +683,7 @@ class VideoModel:
     vae: tuple
     note: str
     clips: dict  # HeadroomDatasetFromVideos settings: resolution, step, max_frames (the family's frame rule)
-    policy: dict  # HeadroomOffloadPolicy settings that fit a 24 GB card
+    policy: dict  # HeadroomOffloadPolicy settings: the card to fit, and settings that fit a 24 GB card
     sampling: dict  # Validate's settings: a short clip (frames by the family's rule)
 
 
@@ -680,7 +693,7 @@ def video_lora(spec: VideoModel) -> Workflow:
     return Workflow(spec.name, [
         Note(100, 0, spec.note, width=440, height=560),
         *spec.loaders,
-        Node(5, "HeadroomOffloadPolicy", 0, spec.policy, title="Offload policy (24 GB)"),
+        Node(5, "HeadroomOffloadPolicy", 0, spec.policy, title="Offload policy"),
         Node(10, "HeadroomDatasetFromVideos", 1, {"folder": "my_clips", "frame_stride": 1, **spec.clips},
              title="Clips folder"),
         Node(11, "HeadroomCacheLatents", 1, links={"dataset": (10, "dataset"), "vae": spec.vae, "policy": (5, "policy")},
@@ -692,7 +705,7 @@ def video_lora(spec: VideoModel) -> Workflow:
              title="Optimizer"),
         Node(15, "HeadroomTrainLoraInit", 3,
              {"run_name": spec.name, "precision": "bf16", "timestep_sampling": "shifted",
-              "gradient_checkpointing": True},
+              "gradient_checkpointing": gradient_checkpointing(spec.policy)},
              links={"model": spec.model, "latent_cache": (11, "latent_cache"), "text_cache": (12, "text_cache"),
                     "lora_config": (13, "lora_config"), "optimizer_config": (14, "optimizer_config"),
                     "policy": (5, "policy")},
@@ -724,7 +737,7 @@ Download (file -> ComfyUI folder):
 
 """ + VIDEO_QUEUE_NOTE.format(
     frames="Clips are cut to the HunyuanVideo 1.5 VAE's 4k+1 frames (max_frames 33 here: about 1.4 s at 24 fps; every frame_stride-th frame); bucket sides are multiples of 16 (VAE 16x, patch 1).",
-    memory="Memory: the 8.3B DiT is ~17 GB in fp16. The policy keeps what fits on the card and streams the rest of the blocks from host RAM, and recomputes each block in backward (blocks checkpointing); workflows/memory_plan.json with these loaders estimates it for your card (set its frames).")
+    memory="Memory: the 8.3B DiT is ~17 GB in fp16. The planner fits the run to the policy's card (on a 24 GB card, expect: what fits kept on the card, the rest of the blocks streamed from host RAM, each block recomputed in backward); workflows/memory_plan.json with these loaders estimates it for your card (set its frames).")
 
 LTX2_NOTE = """LTX-2 text-to-video LoRA (the 19B audio-video model, trained as a video LoRA: the audio branch stays frozen, as ComfyUI samples a silent clip) with cached clip latents and text, a validation clip and a memory report.
 
@@ -735,7 +748,7 @@ Download (file -> ComfyUI folder):
 
 """ + VIDEO_QUEUE_NOTE.format(
     frames="Clips are cut to the LTX VAE's 8k+1 frames (max_frames 49 here: about 2 s at 25 fps; every frame_stride-th frame); bucket sides are multiples of 32 (VAE 32x). LTX-2 trains each clip at its own frame rate (its video's rate / frame_stride; folders of frames: Dataset From Videos' frame_rate) and validates at the first clip's, as the stock LTXVConditioning node sets it: sample with the LoRA through LTXVConditioning at that frame_rate.",
-    memory="Memory: the 19B DiT is ~38 GB in bf16, more than a 24 GB card: the policy keeps what fits on the card and streams the other blocks from host RAM every step (the host needs room for the whole checkpoint), and recomputes each block in backward (blocks checkpointing); workflows/memory_plan.json with these loaders estimates it for your card (set its frames).")
+    memory="Memory: the 19B DiT is ~38 GB in bf16, more than a 24 GB card: the planner fits the run to the policy's card (expect: what fits kept on the card, the other blocks streamed from host RAM every step, so the host needs room for the whole checkpoint, each block recomputed in backward); workflows/memory_plan.json with these loaders estimates it for your card (set its frames).")
 
 
 def hunyuan_video15_lora() -> Workflow:
@@ -794,7 +807,7 @@ def edit_model_lora(spec: RealModel, reference_encoding: str, text_path: str) ->
     note = EDIT_NOTE.format(label=spec.label, downloads=spec.downloads, reference_path=reference_path,
                             text_path=text_path)
     train = dict(run_name=spec.name, precision=spec.precision, timestep_sampling=spec.timestep_sampling,
-                 gradient_checkpointing=spec.policy["checkpointing"] != "off", steps=2000, validate_every=250,
+                 gradient_checkpointing=gradient_checkpointing(spec.policy), steps=2000, validate_every=250,
                  save_every=500, lora_subfolder="headroom", reference="control latents",
                  prompts="make it night\nturn it into a watercolour painting", sample_seed=0, **spec.sampling)
     return Workflow(spec.name, [
@@ -891,8 +904,8 @@ def main(argv: list[str] | None = None) -> int:
         workflow = make()
         ui, api = build(workflow, object_info)
         write_atomically(args.out / f"{workflow.name}.json", render(ui))
-        write_atomically(args.out / f"{workflow.name}_api.json", render(api))
-        print(f"wrote {workflow.name}.json and {workflow.name}_api.json", file=sys.stderr)
+        write_atomically(args.out / API_FOLDER / f"{workflow.name}_api.json", render(api))
+        print(f"wrote {workflow.name}.json and {API_FOLDER}/{workflow.name}_api.json", file=sys.stderr)
     return 0
 
 

@@ -37,6 +37,8 @@ except ImportError:  # polling /history still works, only live progress is lost
     websocket = None
 
 TERMINAL_EVENTS = ("execution_success", "execution_error", "execution_interrupted")
+TEXT_EVENT = "progress_text"  # made up here from ComfyUI's binary TEXT frame (protocol.BinaryEventTypes.TEXT = 3):
+# {"node", "text"}, the text a node shows while it runs (e.g. the policy a training node fitted to the card)
 POLL_EVENT = "headroom_run.poll"  # made up here, without a websocket: {"state": "queued" | "running", "elapsed_s"}
 SAVED_KEY = "headroom_saved"  # Headroom nodes' UI output: [{"kind", "folder", "name"}] of the files they saved
 HISTORY_KEY = "headroom_history"  # training nodes' UI output; its "note" says why nothing was trained
@@ -195,8 +197,8 @@ class ComfyClient:
             return None
         except websocket.WebSocketConnectionClosedException:
             raise ConnectionError("ComfyUI closed the websocket") from None
-        if isinstance(frame, bytes):  # preview images: not needed here
-            return None
+        if isinstance(frame, bytes):
+            return text_event(frame)  # preview images: not needed here (None)
         return json.loads(frame)
 
     def wait(self, prompt_id: str, timeout: float = 600, on_event=None) -> Execution:
@@ -245,6 +247,16 @@ class ComfyClient:
         if execution.status == "interrupted":
             raise WorkflowError(f"prompt {execution.prompt_id} was interrupted")
         return execution
+
+
+def text_event(frame: bytes) -> dict | None:
+    """A binary websocket frame as a TEXT_EVENT: ComfyUI's send_progress_text packs the event type (>I), the node id's
+    length (>I), the node id and the text. None for other binary frames (preview images)."""
+    if len(frame) < 8 or int.from_bytes(frame[:4], "big") != 3:
+        return None
+    length = int.from_bytes(frame[4:8], "big")
+    node, text = frame[8:8 + length], frame[8 + length:]
+    return {"type": TEXT_EVENT, "data": {"node": node.decode("utf-8", "replace"), "text": text.decode("utf-8", "replace")}}
 
 
 def _execution_from_history(prompt_id: str, entry: dict, events: list[dict]) -> Execution:
@@ -379,6 +391,8 @@ class ProgressPrinter:
             self.training_nodes.add(str(data.get("node")))
             self._progress("  " + format_train_step(data), final=data.get("step") == data.get("total_steps"),
                            kind=kind)
+        elif kind == TEXT_EVENT:
+            self._line(f"  {data.get('text')}")
         elif kind == POLL_EVENT:
             state, elapsed = data.get("state"), data.get("elapsed_s", 0.0)
             if self.last_poll is None or state != self.last_poll[0] or elapsed - self.last_poll[1] >= self.POLL_EVERY_S:

@@ -150,9 +150,10 @@ def read_results(path: Path) -> list[dict]:
 
 
 # --- ComfyUI in-process -------------------------------------------------------------------------------------------
-def import_comfyui(cpu: bool) -> None:
+def import_comfyui(cpu: bool, **options) -> None:
     """ComfyUI in-process as tests/comfy_harness.py imports it (found the same way: $COMFYUI_PATH first), with a
-    throw-away base directory; on the GPU unless `cpu`; Headroom as the package `headroom`."""
+    throw-away base directory; on the GPU unless `cpu`; Headroom as the package `headroom`. `options`: more of
+    ComfyUI's command-line arguments (e.g. use_pytorch_cross_attention=True)."""
     import comfy_harness as harness
 
     if harness.COMFYUI_PATH is None:
@@ -167,6 +168,8 @@ def import_comfyui(cpu: bool) -> None:
 
         args.cpu = cpu
         args.base_directory = tempfile.mkdtemp(prefix="headroom-gpukit-")
+        for name, value in options.items():
+            setattr(args, name, value)
         import comfy.model_management  # noqa: F401  (reads args at import)
         import folder_paths  # noqa: F401
 

@@ -81,6 +81,15 @@ def send_event(event: str, data: dict) -> None:
         instance.send_sync(event, {"prompt_id": getattr(instance, "last_prompt_id", None), **data})
 
 
+def send_node_text(text: str, shown_on: str | None) -> None:
+    """Text on node `shown_on` in the editor now, while the prompt runs (ComfyUI's progress text; nothing without a
+    server or a node id)."""
+    server = sys.modules.get("server")
+    instance = getattr(getattr(server, "PromptServer", None), "instance", None)
+    if instance is not None and shown_on is not None and text:
+        instance.send_progress_text(text, shown_on)
+
+
 MEMORY_KEYS = ("allocated", "reserved", "peak", "rss")  # memory_figures' keys, in bytes
 
 
@@ -300,12 +309,14 @@ class TrainingRun:
     """
 
     precision_note = ""  # how the init node chose the compute precision (nodes/bridge/run_settings.resolve_precision)
+    plan_note = ""  # the policy the planner chose for the policy's card (nodes/bridge/run_settings.resolve_policy)
     batch_note = ""  # why the run trains smaller batches than batch_size (nodes/bridge/run_settings.effective_batch)
 
     @property
     def notes(self) -> list[str]:
-        """What the node that opened the run tells the user about it (its UI text)."""
-        return [note for note in (self.precision_note, self.batch_note) if note]
+        """What the node that opened the run tells the user about it (its UI text): precision, the policy fitted to
+        the card, the batch."""
+        return [note for note in (self.precision_note, self.plan_note, self.batch_note) if note]
     ranks = None  # a multi-device run's worker ranks (nodes/bridge/rank_workers.RankWorkers), told to train with rank 0
 
     def __init__(self, model, latent_cache, text_cache, config, trained, run_root: pathlib.Path, run_name: str,

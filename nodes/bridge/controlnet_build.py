@@ -43,6 +43,7 @@ import comfy.model_patcher
 import comfy.ops
 
 from ...training.data.files import save_safetensors
+from ...training.memory.planner import TrainableSpec
 from . import families
 from .families import CONTROLNET_TYPES, ControlNetError, ControlNetType, controlnet_type_of
 from .families.base import ExportedControlNet
@@ -133,17 +134,7 @@ def build_controlnet(model_patcher, blocks: int = 0, seed: int = 0, dtype: torch
     blocks: joint blocks (SD3) / double blocks (Flux) to copy; 0 = the family default. UNet ControlNets
     always copy the whole encoder. The base module is only read.
     """
-    controlnet_type = controlnet_type_of(model_patcher)
-    depth = controlnet_type.base_depth(model_patcher.model.diffusion_model)
-    if blocks < 0:
-        raise ControlNetError(f"blocks={blocks}: use 0 for the default or a positive block count")
-    if blocks == 0:
-        blocks = controlnet_type.default_blocks(depth)
-    controlnet_type.check_blocks(blocks, depth)
-
-    base_config = {k: v for k, v in model_patcher.model.model_config.unet_config.items()
-                   if k not in ("dtype", "device", "operations")}
-    config = controlnet_type.constructor_config(base_config, blocks)
+    controlnet_type, blocks, depth, config = _controlnet_config(model_patcher, blocks)
     with torch.inference_mode(False):  # the module is trained later: its tensors must not be inference tensors
         module = controlnet_type.make_module(config, dtype, "cpu", comfy.ops.disable_weight_init)
         _init_hint_encoder_(module, torch.Generator().manual_seed(seed))
@@ -157,6 +148,28 @@ def build_controlnet(model_patcher, blocks: int = 0, seed: int = 0, dtype: torch
     patcher = comfy.model_patcher.ModelPatcher(module, load_device=device, offload_device=device)
     return TrainableControlNet(module=module, controlnet_type=controlnet_type, blocks=blocks, config=json_config,
                                patcher=patcher)
+
+
+def _controlnet_config(model_patcher, blocks: int) -> tuple[ControlNetType, int, int, dict]:
+    """(type, blocks copied, the base's depth, the module's constructor config) of the MODEL's ControlNet."""
+    controlnet_type = controlnet_type_of(model_patcher)
+    depth = controlnet_type.base_depth(model_patcher.model.diffusion_model)
+    if blocks < 0:
+        raise ControlNetError(f"blocks={blocks}: use 0 for the default or a positive block count")
+    if blocks == 0:
+        blocks = controlnet_type.default_blocks(depth)
+    controlnet_type.check_blocks(blocks, depth)
+    base_config = {k: v for k, v in model_patcher.model.model_config.unet_config.items()
+                   if k not in ("dtype", "device", "operations")}
+    return controlnet_type, blocks, depth, controlnet_type.constructor_config(base_config, blocks)
+
+
+def controlnet_trainable(model_patcher, blocks: int, optimizer: str) -> TrainableSpec:
+    """The trainable tensors of the ControlNet `build_controlnet` would make, for the planner: built on the meta
+    device (shapes only, no memory)."""
+    controlnet_type, _, _, config = _controlnet_config(model_patcher, blocks)
+    module = controlnet_type.make_module(config, torch.float32, "meta", comfy.ops.disable_weight_init)
+    return TrainableSpec.from_parameters(module.parameters(), optimizer)
 
 
 def _json_able(value) -> bool:

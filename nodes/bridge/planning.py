@@ -182,6 +182,14 @@ def lora_target_paths(patcher, adapter: AdapterConfig) -> list[str]:
                                  [name for name, _ in model_blocks(diffusion_model)])
 
 
+def lora_trainable(patcher, adapter: AdapterConfig, optimizer: str, paths: list[str] | None = None
+                   ) -> planner.TrainableSpec:
+    """The trainable tensors of a LoRA of `adapter`'s settings on this MODEL (its target layers at its rank)."""
+    paths = paths if paths is not None else lora_target_paths(patcher, adapter)
+    modules = [patcher.model.diffusion_model.get_submodule(p) for p in paths]
+    return planner.TrainableSpec.lora(modules, adapter.rank, optimizer)
+
+
 def plan_lora_run(model, policy: OffloadPolicy, mode: str, batch_size: int, width: int, height: int, rank: int,
                   targets: str, optimizer: str, precision: str, text_tokens: int, clip=None, vae=None,
                   node: str = "HeadroomMemoryPlan", frames: int = 1) -> planner.Plan:
@@ -201,8 +209,7 @@ def plan_lora_run(model, policy: OffloadPolicy, mode: str, batch_size: int, widt
     except (PolicyError, ValueError) as error:
         raise ValueError(f"{node}: {error}") from None
     description = describe_comfy_model(model, adapter, precision, text_tokens or None, clip, vae, frames)
-    trainable = planner.TrainableSpec.lora([model.model.diffusion_model.get_submodule(p) for p in paths], rank,
-                                           optimizer)
+    trainable = lora_trainable(model, adapter, optimizer, paths)
     shape = planner.RunShape(batch_size, width, height, text_tokens or None, latent_frames)
     if mode == "auto":
         return planner.plan_auto(description, trainable, shape, policy, budget)
@@ -216,11 +223,31 @@ def next_plan_for(run) -> planner.Plan | None:
     adapter = getattr(config, "adapter", None) or AdapterConfig()  # ControlNet runs: activations as with a LoRA
     description = describe_comfy_model(run.source_model, adapter, config.train.precision)
     trainable = planner.TrainableSpec.from_parameters(run.trainer.params, config.optimizer.name)
-    # The largest bucket; clips' buckets are (w, h, frames).
-    width, height, *frames = max(run.latent_cache.buckets, key=lambda size: math.prod(size))
-    tokens = item_conditioning(run.text_cache, run.latent_cache, 0)["cross_attn"].shape[0]
-    latent_frames = video.check_frames("HeadroomTrainSteps", run.source_model.model, frames[0]) if frames else 1
-    shape = planner.RunShape(config.train.batch_size, width, height, int(tokens), latent_frames)
+    shape = cache_run_shape(run.source_model, run.latent_cache, run.text_cache, config.train.batch_size,
+                            "HeadroomTrainSteps")
     policy = run.policy
     budget = budget_bytes(policy, torch.device(run.source_model.load_device))
     return planner.next_smaller_policy(description, trainable, shape, policy, budget)
+
+
+def cache_run_shape(patcher, latent_cache, text_cache, batch_size: int, node: str) -> planner.RunShape:
+    """What a run's largest step processes: its largest bucket (clips' buckets are (w, h, frames)), its cached text
+    length, its batch."""
+    width, height, *frames = max(latent_cache.buckets, key=lambda size: math.prod(size))
+    tokens = item_conditioning(text_cache, latent_cache, 0)["cross_attn"].shape[0]
+    latent_frames = video.check_frames(node, patcher.model, frames[0]) if frames else 1
+    return planner.RunShape(batch_size, width, height, int(tokens), latent_frames)
+
+
+def plan_for_card(patcher, latent_cache, text_cache, policy: OffloadPolicy, trainable: planner.TrainableSpec,
+                  batch_size: int, precision: str, node: str, adapter: AdapterConfig | None = None) -> planner.Plan:
+    """The fastest policy whose planned peak fits `policy`'s card (planner.plan_auto), for a run opening on this
+    MODEL with these caches: the model measured as the Memory Plan node measures it (activations as with a LoRA of
+    `adapter`'s settings, the default for a ControlNet run)."""
+    try:
+        budget = budget_bytes(policy, torch.device(patcher.load_device))
+    except PolicyError as error:
+        raise ValueError(f"{node}: {error}") from None
+    description = describe_comfy_model(patcher, adapter or AdapterConfig(), precision)
+    shape = cache_run_shape(patcher, latent_cache, text_cache, batch_size, node)
+    return planner.plan_auto(description, trainable, shape, policy, budget)

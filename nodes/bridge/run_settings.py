@@ -11,7 +11,7 @@ import torch
 from ...training.core.objective import ObjectiveConfig
 from ...training.core.run_dir import RunDir, check_name
 from ...training.core.trainer import PRECISIONS, TrainConfig, auto_precision
-from ...training.memory.policy import OffloadPolicy, run_policy
+from ...training.memory.policy import GIB, OffloadPolicy, run_policy
 from .comfy_bridge import run_generation
 from .model_files import runs_root
 
@@ -94,13 +94,27 @@ def effective_batch(train: TrainConfig, latent_cache, holdout: int, run_name: st
     return train, note
 
 
-def resolve_policy(policy, gradient_checkpointing: bool, checkpoint_depth: int) -> OffloadPolicy:
-    """The run's offload policy, resolved once when it opens (LoRA and ControlNet Init nodes): the policy input
-    (none: everything resident) with the gradient_checkpointing / checkpoint_depth inputs mapped into it
-    (training/memory/policy.run_policy). Every later step reads only `run.policy`."""
+def resolve_policy(policy, gradient_checkpointing: bool, checkpoint_depth: int, plan_card=None,
+                   node: str = "") -> tuple[OffloadPolicy, str]:
+    """The run's offload policy, resolved once when it opens (LoRA and ControlNet Init nodes), and a note on it.
+    A policy that fits a card (`fits_card`) is first resolved by `plan_card(policy)` (the planner's fastest policy
+    whose planned peak fits the card: nodes/bridge/planning.plan_for_card) into a concrete one, budget and all; the
+    note says what was chosen (logged; shown on the node). Then the policy input (none: everything resident) with
+    the gradient_checkpointing / checkpoint_depth inputs mapped into it (training/memory/policy.run_policy). Every
+    later step reads only `run.policy`."""
     if policy is not None and not isinstance(policy, OffloadPolicy):
         raise ValueError("policy must come from a HeadroomOffloadPolicy or HeadroomMemoryPlan node")
-    return run_policy(policy, gradient_checkpointing, checkpoint_depth)
+    note = ""
+    if policy is not None and policy.fits_card:
+        plan = plan_card(policy)
+        note = f"{node}: {policy.card}: {plan.summary()}"
+        if plan.fits:
+            logging.info(note)
+        else:
+            note += f". {plan.reason}"
+            logging.warning(note)
+        policy = plan.policy.replace(card="custom", vram_budget_gb=round(plan.budget_bytes / GIB, 3))
+    return run_policy(policy, gradient_checkpointing, checkpoint_depth), note
 
 
 def run_fingerprint(run_name) -> int:

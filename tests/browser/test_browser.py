@@ -243,7 +243,7 @@ def test_a_graph_never_shows_another_runs_data(comfy_server, browser_page):
     workflow, train_node = demo_workflow(mine)
     load_workflow(page, workflow)
 
-    prompt = json.loads((WORKFLOWS / f"{DEMO}_api.json").read_text())
+    prompt = json.loads((WORKFLOWS / "api" / f"{DEMO}_api.json").read_text())
     init = next(n for n in prompt.values() if n["class_type"] == "HeadroomTrainLoraInit")
     train = next(n for n in prompt.values() if n["class_type"] == "HeadroomTrainSteps")
     init["inputs"]["run_name"], train["inputs"]["steps"] = other, 3
@@ -272,12 +272,12 @@ def test_a_graph_never_shows_another_runs_data(comfy_server, browser_page):
     assert log.headroom_errors() == [], "\n".join(log.headroom_errors())
 
 
-@pytest.mark.parametrize("name", sorted(p.stem for p in WORKFLOWS.glob("*.json") if not p.stem.endswith("_api")))
+@pytest.mark.parametrize("name", sorted(p.stem for p in WORKFLOWS.glob("*.json")))
 def test_editor_turns_ui_workflow_into_the_shipped_api_workflow(browser_page, name):
     """The editor itself converts each shipped UI workflow; the result must be the shipped API workflow.
     The live view sits on the training nodes of it and on no other node."""
     page, log = browser_page
-    api_path = WORKFLOWS / f"{name}_api.json"
+    api_path = WORKFLOWS / "api" / f"{name}_api.json"
     assert api_path.exists(), f"{name}.json has no API-format twin {api_path.name}"
     workflow = json.loads((WORKFLOWS / f"{name}.json").read_text())
     load_workflow(page, workflow)
@@ -298,4 +298,29 @@ def test_editor_turns_ui_workflow_into_the_shipped_api_workflow(browser_page, na
 
     assert comparable(converted) == comparable(shipped)
     log.save(f"console_{name}.log")
+    assert log.headroom_errors() == [], "\n".join(log.headroom_errors())
+
+
+def test_templates_list_only_the_ui_workflows_each_with_its_thumbnail(comfy_server, browser_page):
+    """The editor's Templates dialog, Extensions > comfyui-headroom: exactly the shipped UI workflows (the API ones
+    live in workflows/api/, which ComfyUI does not list), each card's picture its `<name>.jpg` (workflows/thumbnails.py),
+    loaded as a real image. ComfyUI 0.33.0 gives a custom node's templates no index: the title is the file name, the
+    order the server's directory listing."""
+    from server_harness import PACKAGE_DIR_NAME
+
+    page, log = browser_page
+    page.evaluate("() => window.app.extensionManager.command.execute('Comfy.BrowseTemplates')")
+    page.get_by_text(PACKAGE_DIR_NAME, exact=True).click()
+    cards = "[role=dialog] h3.line-clamp-1"  # a card's title (frontend 1.49.6); the side bar's headings are h3 too
+    page.wait_for_function("(cards) => document.querySelectorAll(cards).length > 0", arg=cards, timeout=30_000)
+    page.wait_for_timeout(1500)  # the first row's pictures
+    page.screenshot(path=str(ARTIFACTS / "templates.png"))
+    shown = page.evaluate("(cards) => Array.from(document.querySelectorAll(cards)).map((h) => h.textContent.trim())", cards)
+    assert sorted(shown) == sorted(p.stem for p in WORKFLOWS.glob("*.json")), shown
+    pictures = page.evaluate("() => Array.from(document.querySelectorAll('[role=dialog] img'))"
+                             ".filter((i) => i.complete).map((i) => i.naturalWidth)")
+    assert pictures and all(width == 512 for width in pictures), pictures  # no placeholder: our 512 x 384 JPEGs
+    for name in shown:
+        response = page.request.get(f"{comfy_server.url}/api/workflow_templates/{PACKAGE_DIR_NAME}/{name}.jpg")
+        assert response.ok and response.headers["content-type"] == "image/jpeg", name
     assert log.headroom_errors() == [], "\n".join(log.headroom_errors())

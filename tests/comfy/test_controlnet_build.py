@@ -237,3 +237,17 @@ def test_init_refuses_every_family_without_a_controlnet_layout_naming_it_and_the
             TC.start_controlnet_run(model, None, None, optimizer, f"cn_refused_{name}", 0, 1, 1, "fp32", 1.0, 0.0,
                                     "uniform", "none", 5.0, 0.0, False, 1, 0)
     assert refused == ["flux2", "chroma", "zimage", "hidream", "hunyuan_image", "wan21", "hunyuan_video15", "ltx2"]
+
+
+@pytest.mark.parametrize("family, blocks", [("sd15", 0), ("sd3", 2), ("flux", 0), ("qwen_image", 1)])
+def test_the_planned_controlnet_has_the_built_ones_trainable_tensors(comfyui, family, blocks):
+    """What the planner counts for a ControlNet run fitted to a card (built on the meta device) is exactly the
+    ControlNet the run trains."""
+    from headroom.nodes.bridge.controlnet_build import build_controlnet, controlnet_trainable
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
+
+    model = build_tiny_models(family)[0]
+    planned = controlnet_trainable(model, blocks, "AdamW")
+    built = build_controlnet(model, blocks=blocks)
+    assert planned.shapes == tuple(tuple(p.shape) for p in built.module.parameters())
+    assert planned.param_count == sum(p.numel() for p in built.parameters()) > 0

@@ -339,3 +339,32 @@ def test_offload_policy_applies_to_controlnet_runs(comfyui, family):
     assert all(torch.isfinite(torch.tensor(loss)) for _, loss in fp8.trainer.loss_history)
     fp8.release()
     assert not any(isinstance(m, LowBitLinear) for m in model.model.diffusion_model.modules())
+
+
+def test_a_card_fits_a_controlnet_run_counting_the_controlnet(comfyui):
+    """A ControlNet Init with a card: the planner counts the ControlNet's own tensors (not a LoRA's), its chosen policy
+    fits the card less the reserve, and the node says what it chose."""
+    from headroom.nodes.bridge import planning
+    from headroom.nodes.bridge.controlnet_build import controlnet_trainable
+    from headroom.nodes.memory import HeadroomOffloadPolicy
+    from headroom.nodes.train_controlnet import HeadroomTrainControlNetInit
+    from headroom.training.memory import planner
+    from headroom.training.memory.policy import OffloadPolicy
+
+    model, clip, vae, latent_cache, text_cache = _caches("sd15", count=3)
+    settings = dict(vram_budget_gb=0.0, reserve_gb=1.0, base_placement="resident", base_storage="as_loaded",
+                    checkpointing="off", checkpoint_depth=1, optimizer_state="gpu",
+                    park_optimizer_during_validation=True, vae_tiled_decode="auto", encoders="unload_after_use")
+    card = HeadroomOffloadPolicy.execute(**settings, card="8 GB").args[0]
+    output = HeadroomTrainControlNetInit.execute(**_init_inputs(model, latent_cache, text_cache, _unique("card"),
+                                                                policy=card))
+    run = output.args[0]
+    trainable = controlnet_trainable(model, 0, "AdamW")
+    assert trainable.param_count == sum(p.numel() for p in run.controlnet.parameters())
+    description = planning.describe_comfy_model(model, planning.AdapterConfig(), "fp32")
+    shape = planning.cache_run_shape(model, latent_cache, text_cache, 3, "test")
+    planned = planner.estimate(description, trainable, shape, run.trainer.policy.replace(vram_budget_gb=7.0))
+    assert run.trainer.policy.card == "custom" and planned.peak_bytes <= card.budget_bytes()
+    assert run.trainer.policy == planner.plan_auto(description, trainable, shape, OffloadPolicy(card="8 GB"),
+                                                   card.budget_bytes()).policy.replace(card="custom", vram_budget_gb=7.0)
+    assert "HeadroomTrainControlNetInit: 8 GB: base resident" in output.ui.as_dict()["text"][0]

@@ -52,10 +52,12 @@ def test_policy_node_inputs_are_the_policy_fields(comfyui):
     from headroom.training.memory.policy import OffloadPolicy
 
     info = HeadroomOffloadPolicy.GET_NODE_INFO_V1()  # as ComfyUI's /object_info serves it
-    required = info["input"]["required"]
-    assert set(info["input"]) == {"required"}
+    required = {**info["input"]["required"], **info["input"]["optional"]}
+    assert set(info["input"]) == {"required", "optional"}
     fields = dataclasses.fields(OffloadPolicy)
-    assert list(info["input_order"]["required"]) == [f.name for f in fields]
+    # Appended inputs are optional: a workflow saved before them has none and gets the field's default.
+    assert [*info["input_order"]["required"], *info["input_order"]["optional"]] == [f.name for f in fields]
+    assert list(info["input_order"]["optional"]) == [f.name for f in fields if f.metadata["node_input"].optional]
     types = {"float": "FLOAT", "int": "INT", "bool": "BOOLEAN", "combo": "COMBO"}
     for f in fields:
         spec = f.metadata["node_input"]

@@ -596,3 +596,44 @@ def test_validation_png_has_the_pixels_of_the_stock_save_image(comfyui):
     ours = np.asarray(Image.open(run.run_dir.validation_dir / "step_00000000.png"))
     assert ours.shape == stock.shape == (32, 64, 3)
     assert np.array_equal(ours, stock), f"{int((ours != stock).sum())} values differ"
+
+
+def test_a_card_resolves_to_the_fastest_policy_whose_planned_peak_fits_it(comfyui):
+    """A policy with a card: the Init node lets the planner choose placement, checkpointing and optimizer state; the
+    chosen policy's planned peak fits the card less the reserve, every faster candidate's does not, and the node
+    says what it chose. A policy without the card input (a workflow saved before it) is used exactly as given."""
+    from headroom.nodes import train_lora as T
+    from headroom.nodes.bridge import planning
+    from headroom.training.memory import planner
+    from headroom.training.memory.policy import GIB
+
+    model, clip, vae, latents, texts = _data("sd15")
+    old = _policy(base_placement="streamed", checkpointing="blocks")  # no card: as saved before it existed
+    assert old.card == "custom"
+    assert _init(model, latents, texts, "card_old", rank=4, policy=old).trainer.policy == old
+
+    lora = T.HeadroomLoraConfig.execute("lora", 4, 4.0, "preset", False, 0.0, 0).args[0]
+    description = planning.describe_comfy_model(model, lora, "fp32")
+    trainable = planning.lora_trainable(model, lora, "AdamW")
+    shape = planning.cache_run_shape(model, latents, texts, 4, "test")
+    peaks = [planner.estimate(description, trainable, shape, p).peak_bytes
+             for p in planner.candidate_policies(_policy())]
+    # The tiny model fits any real card: a reserve that leaves a budget between the fastest candidate's peak and the
+    # smallest makes the choice a real one.
+    budget = (peaks[0] + min(peaks)) // 2
+    card = _policy(card="8 GB", reserve_gb=8 - budget / GIB)
+    output = T.HeadroomTrainLoraInit.execute(
+        model=model, latent_cache=latents, text_cache=texts, lora_config=lora,
+        optimizer_config=T.HeadroomOptimizerConfig.execute("AdamW", 1e-2, 0.0, "constant", 0, 1000).args[0],
+        run_name="card_8gb", seed=0, batch_size=4, grad_accumulation=1, precision="fp32", max_grad_norm=1.0,
+        caption_dropout=0.0, timestep_sampling="uniform", loss_weighting="none", min_snr_gamma=5.0, noise_offset=0.0,
+        gradient_checkpointing=False, checkpoint_depth=1, holdout=0, policy=card)
+    chosen = output.args[0].trainer.policy
+    assert chosen.card == "custom" and abs(chosen.vram_budget_gb * GIB - card.budget_bytes()) < GIB / 1000
+    assert (chosen.base_placement, chosen.checkpointing) != ("resident", "off")
+    candidates = planner.candidate_policies(_policy(card="8 GB", reserve_gb=card.reserve_gb))
+    index = next(i for i, p in enumerate(candidates) if (p.base_placement, p.checkpointing, p.optimizer_state) ==
+                 (chosen.base_placement, chosen.checkpointing, chosen.optimizer_state))
+    assert peaks[index] <= card.budget_bytes() < min(peaks[:index])
+    text = output.ui.as_dict()["text"][0]
+    assert "HeadroomTrainLoraInit: 8 GB: base " in text and "planned peak" in text and "DOES NOT FIT" not in text

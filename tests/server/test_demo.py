@@ -16,7 +16,7 @@ from PIL import Image
 
 pytestmark = pytest.mark.comfyui
 
-WORKFLOW = pathlib.Path(__file__).resolve().parents[2] / "workflows" / "tiny_lora_api.json"
+WORKFLOW = pathlib.Path(__file__).resolve().parents[2] / "workflows" / "api" / "tiny_lora_api.json"
 
 
 def grid_cells(path: pathlib.Path, size: int) -> tuple[torch.Tensor, torch.Tensor]:

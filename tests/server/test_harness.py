@@ -17,8 +17,8 @@ from server_harness import WorkflowError, start_comfy_server
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 HEADROOM_RUN = REPO_ROOT / "workflows" / "headroom_run.py"
-DEMO_WORKFLOW = REPO_ROOT / "workflows" / "demo_tiny_api.json"
-TINY_LORA_WORKFLOW = REPO_ROOT / "workflows" / "tiny_lora_api.json"
+DEMO_WORKFLOW = REPO_ROOT / "workflows" / "api" / "demo_tiny_api.json"
+TINY_LORA_WORKFLOW = REPO_ROOT / "workflows" / "api" / "tiny_lora_api.json"
 FAMILIES = ["sd15", "sd3", "flux", "flux2"]
 
 

@@ -17,7 +17,7 @@ from server_harness import output_pixels
 
 pytestmark = pytest.mark.server
 
-TINY_LORA = json.loads((pathlib.Path(__file__).resolve().parents[2] / "workflows" / "tiny_lora_api.json").read_text())
+TINY_LORA = json.loads((pathlib.Path(__file__).resolve().parents[2] / "workflows" / "api" / "tiny_lora_api.json").read_text())
 TRAIN_STEPS = 3
 PROMPT = "a red circle in the center"
 
@@ -175,3 +175,21 @@ def test_a_failed_run_leaves_neither_its_clone_loaded_nor_its_adapter_on_the_mod
     # The policy loads text encoders and VAE for caching and validation only (encoders="unload_after_use").
     assert still_loaded == [], f"loaded after the failed run: {describe(still_loaded)}"
     assert np.array_equal(stock_image_of_the_trained_model(comfy_server), untrained)
+
+
+def test_the_policy_fitted_to_the_card_shows_on_the_init_node_before_the_first_step(comfy_server):
+    """A policy with card "this GPU (auto)": the Init node's text (ComfyUI's progress text, over the websocket)
+    says what the planner chose before any training step, and stays in the node's output."""
+    from headroom.workflows.headroom_run import TEXT_EVENT
+
+    prompt = _run_prompt(f"card_{uuid.uuid4().hex[:8]}", TRAIN_STEPS)
+    prompt["30"]["inputs"]["card"] = "this GPU (auto)"
+    events = []
+    execution = comfy_server.run_workflow(prompt, timeout=600, on_event=events.append)
+    kinds = [(e["type"], (e.get("data") or {})) for e in events]
+    shown = [i for i, (kind, data) in enumerate(kinds) if kind == TEXT_EVENT and data.get("node") == "8"]
+    steps = [i for i, (kind, _) in enumerate(kinds) if kind == "headroom.train.step"]
+    assert shown and steps and shown[0] < steps[0], kinds
+    text = kinds[shown[0]][1]["text"]
+    assert text.startswith("HeadroomTrainLoraInit: this GPU (auto): base resident") and "planned peak" in text
+    assert text in execution.outputs["8"]["text"][0]

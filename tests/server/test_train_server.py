@@ -10,7 +10,7 @@ from server_harness import output_pixels
 
 pytestmark = pytest.mark.server
 
-TINY_LORA = json.loads((pathlib.Path(__file__).resolve().parents[2] / "workflows" / "tiny_lora_api.json").read_text())
+TINY_LORA = json.loads((pathlib.Path(__file__).resolve().parents[2] / "workflows" / "api" / "tiny_lora_api.json").read_text())
 PROMPT, SEED, STEPS, CFG = "a red circle in the center", 7, 4, 3.0
 
 

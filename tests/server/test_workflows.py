@@ -22,8 +22,9 @@ from headroom.workflows import build_workflows
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 WORKFLOWS = REPO_ROOT / "workflows"
-API_FILES = sorted(WORKFLOWS.glob("*_api.json"))
-UI_FILES = sorted(p for p in WORKFLOWS.glob("*.json") if not p.stem.endswith("_api"))
+API = WORKFLOWS / build_workflows.API_FOLDER
+API_FILES = sorted(API.glob("*_api.json"))
+UI_FILES = sorted(WORKFLOWS.glob("*.json"))
 MODEL_FILE_SUFFIXES = (".safetensors", ".ckpt", ".pt", ".pth", ".bin", ".sft", ".gguf")
 IMAGE_FILE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
 DATASET_FOLDER_NODES = ("HeadroomDatasetFromFolder", "HeadroomDatasetFromVideos")
@@ -205,7 +206,7 @@ def test_ui_workflow_matches_object_info(object_info, path):
 
 def test_every_ui_workflow_has_its_api_twin():
     assert UI_FILES, "no UI-format workflow shipped"
-    missing = [p.name for p in UI_FILES if not (WORKFLOWS / f"{p.stem}_api.json").exists()]
+    missing = [p.name for p in UI_FILES if not (API / f"{p.stem}_api.json").exists()]
     assert missing == []
 
 
@@ -215,7 +216,7 @@ def test_shipped_files_are_what_the_generator_builds(object_info, make):
     ui, api = build_workflows.build(workflow, object_info)
     hint = "re-run `python workflows/build_workflows.py --server <url>` and review the diff"
     assert json.loads((WORKFLOWS / f"{workflow.name}.json").read_text()) == ui, hint
-    assert json.loads((WORKFLOWS / f"{workflow.name}_api.json").read_text()) == api, hint
+    assert json.loads((API / f"{workflow.name}_api.json").read_text()) == api, hint
 
 
 # --- the server's own validation and real runs -----------------------------------------------------------------
@@ -236,7 +237,7 @@ def post_prompt(server, prompt: dict) -> tuple[int, dict]:
 @pytest.mark.parametrize("make", REAL_MODEL_WORKFLOWS, ids=[m.__name__ for m in REAL_MODEL_WORKFLOWS])
 def test_server_rejects_real_model_workflow_only_for_missing_model_files(comfy_server, make):
     name = make().name
-    prompt = json.loads((WORKFLOWS / f"{name}_api.json").read_text())
+    prompt = json.loads((API / f"{name}_api.json").read_text())
     model_files = {v for node in prompt.values() for v in node["inputs"].values() if is_model_file(v)}
     assert model_files, f"{name} names no model file"
     images = input_images(prompt)
@@ -260,7 +261,7 @@ def test_server_rejects_real_model_workflow_only_for_missing_model_files(comfy_s
 
 @pytest.mark.parametrize("name", sorted(build_workflows.TINY_WORKFLOWS))
 def test_tiny_workflow_runs_to_completion(comfy_server, name):
-    prompt = json.loads((WORKFLOWS / f"{name}_api.json").read_text())
+    prompt = json.loads((API / f"{name}_api.json").read_text())
     # A run name of its own, so a run left by an earlier test does not make this one resume.
     run_name = f"{name}_{uuid.uuid4().hex[:8]}"
     for node in prompt.values():
@@ -323,7 +324,7 @@ VIDEO_WORKFLOWS = [("hunyuan_video15_lora", "hunyuan_video15", 64, 5), ("ltx2_lo
 
 @pytest.mark.parametrize("name, family, size, frames", VIDEO_WORKFLOWS, ids=[w[0] for w in VIDEO_WORKFLOWS])
 def test_video_workflow_runs_on_a_tiny_model_of_its_family(comfy_server, object_info, name, family, size, frames):
-    prompt = with_tiny_model(json.loads((WORKFLOWS / f"{name}_api.json").read_text()), object_info, family)
+    prompt = with_tiny_model(json.loads((API / f"{name}_api.json").read_text()), object_info, family)
     nodes = {node["class_type"]: node["inputs"] for node in prompt.values()}
     run_name = f"{name}_{uuid.uuid4().hex[:8]}"
     write_clips(comfy_server.base_dir / "input" / run_name, 2, size, frames)

@@ -77,6 +77,24 @@ def test_budget_bytes():
         auto.budget_bytes(free_bytes=GIB)
 
 
+def test_a_card_sets_the_budget_and_old_node_values_keep_the_policy():
+    """"N GB": N GiB less the reserve, whatever vram_budget_gb says; "this GPU (auto)": free memory less the reserve;
+    node values without the card (a workflow saved before it) give the policy they gave before, card custom."""
+    card = OffloadPolicy(vram_budget_gb=3.0, reserve_gb=1.0, card="16 GB")
+    assert card.fits_card and not card.budget_is_auto and card.budget_bytes() == 15 * GIB
+    this_gpu = OffloadPolicy(vram_budget_gb=3.0, card="this GPU (auto)")
+    assert this_gpu.budget_is_auto and this_gpu.budget_bytes(free_bytes=10 * GIB) == 9 * GIB
+    assert this_gpu.resolved(10 * GIB).vram_budget_gb == 9.0 and this_gpu.resolved(10 * GIB).card == "custom"
+    with pytest.raises(PolicyError, match="card '8 GB' less a reserve of 8"):
+        OffloadPolicy(card="8 GB", reserve_gb=8.0).budget_bytes()
+    with pytest.raises(PolicyError, match="card='96 GB' is not one of"):
+        OffloadPolicy(card="96 GB")
+    old = {name: default for name, spec, default in OffloadPolicy.node_inputs() if not spec.optional}
+    assert "card" not in old
+    assert OffloadPolicy.from_node_inputs({**old, "vram_budget_gb": 6.0}) == OffloadPolicy(vram_budget_gb=6.0)
+    assert not OffloadPolicy(vram_budget_gb=6.0).fits_card
+
+
 def test_policy_is_immutable_and_describes_itself():
     policy = OffloadPolicy(checkpointing="blocks", checkpoint_depth=2)
     with pytest.raises(dataclasses.FrozenInstanceError):

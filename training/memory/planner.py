@@ -233,6 +233,22 @@ class Plan:
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1)
 
+    def summary(self) -> str:
+        """The policy and its planned peak in one line (what a training node shows before its first step)."""
+        p = self.policy
+        base = f"base {p.base_placement}" + ("" if p.base_storage == "as_loaded" else f" {p.base_storage}")
+        streamed = self.host_bytes.get("streamed block weights")
+        if streamed:
+            base += f" ({format_bytes(streamed)} of blocks streamed from host RAM)"
+        checkpoint = "no checkpointing" if p.checkpointing == "off" else f"checkpointing {p.checkpointing}"
+        text = (f"{base}, {checkpoint}, optimizer state on {p.optimizer_state}; planned peak "
+                f"{format_bytes(self.peak_bytes)} ({self.peak.phase})")
+        if self.budget_bytes is not None:
+            text += f", budget {format_bytes(self.budget_bytes)}"
+        if self.host_bytes:
+            text += f", host RAM {format_bytes(sum(self.host_bytes.values()))}"
+        return text + (" - DOES NOT FIT" if self.fits is False else "")
+
     def to_text(self) -> str:
         budget = "no budget" if self.budget_bytes is None else f"budget {format_bytes(self.budget_bytes)}"
         verdict = "" if self.fits is None else (" - fits" if self.fits else " - DOES NOT FIT")

@@ -21,6 +21,9 @@ optimizer state sits. One policy serves the whole run (caching, training, valida
 - encoders: "unload_after_use" (text encoders and VAE are loaded for caching / validation only) or
   "keep_loaded" (they stay loaded after use, as stock nodes leave them, and ComfyUI unloads them when a model
   needs the room: faster repeated validation on a card with memory to spare; not counted in the budget).
+- card: "custom" (the fields above, as given) or a card to fit ("this GPU (auto)", "8 GB" ... "48 GB"): the
+  training Init nodes then let the planner choose placement, storage, checkpointing and optimizer state
+  (nodes/bridge/run_settings.resolve_policy -> planner.plan_auto); the budget is the card less `reserve_gb`.
 
 Each field carries how the policy node shows it (a NodeInput in the field's metadata, plain data): the node's
 inputs are these fields, in order (nodes/memory.HeadroomOffloadPolicy), and its values come back through
@@ -47,6 +50,10 @@ CHECKPOINTING = ("off", "blocks", "blocks_cpu_offload")
 OPTIMIZER_STATES = ("gpu", "cpu")
 VAE_TILED = ("auto", "on", "off")
 ENCODERS = ("unload_after_use", "keep_loaded")
+# The card a run fits (policy field `card`): "custom" is the fields as given; any other is resolved by the planner
+# when a training run opens (nodes/bridge/run_settings.resolve_policy). "N GB": a card of N GiB, less reserve_gb.
+THIS_GPU = "this GPU (auto)"
+CARDS = (THIS_GPU, "8 GB", "12 GB", "16 GB", "24 GB", "48 GB", "custom")
 GIB = 1024 ** 3
 
 POLICY_FORMAT = "headroom.offload_policy"
@@ -70,6 +77,7 @@ class NodeInput:
     max: float | None = None
     step: float | None = None
     zero_means: str | None = None
+    optional: bool = False  # appended after workflows were saved: absent from them, the field's default applies
 
     def node_default(self, field_default: Any) -> Any:
         return 0.0 if self.zero_means is not None and field_default == self.zero_means else field_default
@@ -126,6 +134,13 @@ class OffloadPolicy:
         "validation, leaving the most room for training. keep_loaded: they stay loaded, as stock nodes leave "
         "them, and ComfyUI unloads them when a model needs the room; faster repeated validation where memory is "
         "to spare (not counted in the budget)."))
+    # Appended last, default "custom": a workflow saved before it existed keeps exactly its policy.
+    card: str = _field("custom", NodeInput(
+        "combo", options=CARDS, optional=True,
+        tooltip="The card to fit. this GPU (auto) / 8-48 GB: when the training run opens, the planner measures the "
+        "model and picks the fastest base placement, base storage, checkpointing and optimizer state whose planned "
+        "peak fits that card (this GPU: what ComfyUI can free now; N GB: N GiB) less reserve_gb; the plan shows on "
+        "the training node. custom: exactly the settings above, budget vram_budget_gb."))
 
     def __post_init__(self):
         self.validate()
@@ -163,11 +178,28 @@ class OffloadPolicy:
 
     # --- budget ----------------------------------------------------------------------------------------------
     @property
+    def fits_card(self) -> bool:
+        """The planner chooses placement, storage, checkpointing and optimizer state for `card` when a run opens."""
+        return self.card != "custom"
+
+    @property
+    def card_gb(self) -> float | None:
+        """The card's size in GiB for an "N GB" card (None: this GPU, or custom)."""
+        return float(self.card.split()[0]) if self.card.endswith(" GB") else None
+
+    @property
     def budget_is_auto(self) -> bool:
-        return self.vram_budget_gb == "auto"
+        return self.card == THIS_GPU or (self.card == "custom" and self.vram_budget_gb == "auto")
 
     def budget_bytes(self, free_bytes: int | None = None) -> int:
-        """The bytes the run may use: the explicit budget, or `free_bytes - reserve` for "auto"."""
+        """The bytes the run may use: the card's size less the reserve ("N GB" cards), the explicit budget, or
+        `free_bytes - reserve` for "auto" (and "this GPU")."""
+        if self.card_gb is not None:
+            budget = int((self.card_gb - self.reserve_gb) * GIB)
+            if budget <= 0:
+                raise PolicyError(f"offload policy: card {self.card!r} less a reserve of {self.reserve_gb} GiB leaves "
+                                  "nothing: lower reserve_gb")
+            return budget
         if not self.budget_is_auto:
             return int(float(self.vram_budget_gb) * GIB)
         if free_bytes is None:
@@ -184,7 +216,8 @@ class OffloadPolicy:
         """This policy with an "auto" budget turned into GiB (free memory minus the reserve)."""
         if not self.budget_is_auto:
             return self
-        return self.replace(vram_budget_gb=round(self.budget_bytes(free_bytes) / GIB, 3))
+        return self.replace(vram_budget_gb=round(self.budget_bytes(free_bytes) / GIB, 3),
+                            card="custom" if self.card == THIS_GPU else self.card)
 
     # --- derived switches --------------------------------------------------------------------------------
     def decode_tiled(self, needed_bytes: int | None, budget_bytes: int | None) -> bool:
@@ -214,7 +247,10 @@ class OffloadPolicy:
         return dataclasses.replace(self, **changes)
 
     def describe(self) -> str:
-        budget = "auto" if self.budget_is_auto else f"{float(self.vram_budget_gb):g} GiB"
+        if self.fits_card:
+            budget = f"fit to {self.card}"
+        else:
+            budget = "auto" if self.budget_is_auto else f"{float(self.vram_budget_gb):g} GiB"
         depth = f" (depth {self.checkpoint_depth})" if self.checkpointing_enabled else ""
         return (f"budget {budget}, base {self.base_placement}/{self.base_storage}, checkpointing "
                 f"{self.checkpointing}{depth}, optimizer state on {self.optimizer_state}"
@@ -260,7 +296,8 @@ class OffloadPolicy:
     def from_node_inputs(cls, values: dict) -> "OffloadPolicy":
         """The policy for the policy node's input values (one per field, by name)."""
         inputs = {f.name: f.metadata["node_input"] for f in dataclasses.fields(cls)}
-        unknown, missing = sorted(set(values) - set(inputs)), sorted(set(inputs) - set(values))
+        unknown = sorted(set(values) - set(inputs))
+        missing = sorted(name for name in set(inputs) - set(values) if not inputs[name].optional)
         if unknown or missing:
             raise PolicyError(f"offload policy: node inputs unknown {unknown}, missing {missing}")
         return cls(**{name: inputs[name].field_value(value) for name, value in values.items()})

@@ -1,0 +1,166 @@
+"""The planner's figures for the README's card table: for each shipped LoRA template, the fastest policy whose
+planned peak fits an 8 / 12 / 16 / 24 GB card (what the Offload Policy node's `card` resolves to), and that peak.
+
+    python bench/plan_table.py            # prints a Markdown table, the versions and the date
+    python bench/plan_table.py sdxl_lora  # only these templates
+
+Planned, not measured: the figures are the planner's (training/memory/planner.py) until a GPU measures them. Each
+model is described as the training node describes it (nodes/bridge/planning.describe_comfy_model), from ComfyUI's own
+classes (tests/realsize_models.py), as on an NVIDIA GPU that computes in bf16 (no manual cast; ComfyUI's PyTorch
+attention, its default there, and its sampling estimate for it):
+- each kind of block is measured at real width (its activations, by forwards at small sizes on this CPU), on a model
+  with one block of each kind (the UNets at full size, in fp32 with their activations halved: bf16 convolutions on a
+  CPU are too slow);
+- the full-depth model is built on the meta device (no memory): its blocks, their weight bytes and the LoRA's
+  trainable tensors come from it, each block taking the measured laws of its kind.
+Text encoders and the VAE are left out (they run before training, one at a time, and ComfyUI loads what fits of
+them); the run shape is the template's: batch 1, its resolution and rank and optimizer, a video template's frames.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import platform
+import re
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT / "bench" / "gpu"))
+import suite  # noqa: E402  (ComfyUI in-process as the GPU kit imports it; puts tests/ on sys.path)
+
+CARDS_GB = (8, 12, 16, 24)
+
+
+@dataclasses.dataclass(frozen=True)
+class Template:
+    workflow: str  # workflows/<name>.json
+    label: str
+    architecture: str  # tests/realsize_models.py ARCHITECTURES
+    measured_depth: object  # a model with one block of each kind (None: the full model)
+    width: int
+    height: int
+    rank: int
+    frames: int = 1
+
+
+# The templates' run settings (workflows/build_workflows.py): AdamW8bit, bf16, batch 1.
+TEMPLATES = [
+    Template("sd35_lora", "SD3.5 Large", "sd35_large", 2, 1024, 1024, 16),
+    Template("flux_lora", "Flux.1 dev", "flux_dev", (1, 1), 1024, 1024, 16),
+    Template("flux2_klein_lora", "Flux.2 Klein 4B", "flux2_klein_4b", (1, 1), 1024, 1024, 16),
+    Template("zimage_lora", "Z-Image", "zimage", 1, 1024, 1024, 16),
+    Template("qwen_image_lora", "Qwen-Image", "qwen_image", 1, 1024, 1024, 16),
+    Template("wan21_lora", "Wan 2.1 T2V 1.3B", "wan21_1_3b", 1, 480, 480, 32, frames=33),
+    Template("hunyuan_video15_lora", "HunyuanVideo 1.5", "hunyuan_video15", (1, 0), 848, 480, 32, frames=33),
+    Template("ltx2_lora", "LTX-2 19B", "ltx2", 1, 768, 512, 32, frames=49),
+    Template("sd15_lora", "SD1.5", "sd15", None, 512, 512, 16),
+    Template("sdxl_lora", "SDXL", "sdxl", None, 1024, 1024, 16),
+]
+
+
+def block_kind(name: str) -> str:
+    """"double_blocks.7" -> "double_blocks": blocks of one kind share their layers' shapes."""
+    return re.sub(r"\.\d+$", "", name)
+
+
+def halved(law):
+    return dataclasses.replace(law, **{f.name: getattr(law, f.name) / 2 for f in dataclasses.fields(law)})
+
+
+def describe(template: Template):
+    """(the planner's description of the full-size model, the LoRA's trainable tensors, the patcher on meta)."""
+    from headroom.nodes.bridge.comfy_model import training_blocks
+    from headroom.nodes.bridge.planning import describe_comfy_model, lora_trainable
+    from headroom.training.core.adapters import AdapterConfig
+    from headroom.training.memory import planner
+
+    import realsize_models as models
+    adapter = AdapterConfig(rank=template.rank, alpha=float(template.rank), targets="preset")
+    # The UNets are measured in fp32 and their activations halved: bf16 convolutions on a CPU are ~180x slower
+    # (docs/BENCHMARKS.md, CPU compute precision), too slow for a full UNet; what autocast keeps in fp32 (norms) is
+    # then counted at half its size.
+    unet = template.measured_depth is None
+    dtype, precision = (torch.float32, "fp32") if unet else (torch.bfloat16, "bf16")
+    measured_model = models.build_model(template.architecture, template.measured_depth, dtype=dtype, device="cpu",
+                                        as_on_gpu=True)
+    measured = describe_comfy_model(measured_model, adapter, precision)
+    del measured_model
+    if unet:
+        measured = dataclasses.replace(
+            measured, outside_saved=halved(measured.outside_saved), compute_element_size=2, stored_element_size=2,
+            inference_bytes_per_latent_px=measured.inference_bytes_per_latent_px / 2,
+            blocks=tuple(dataclasses.replace(b, saved=halved(b.saved), inputs=halved(b.inputs)) for b in measured.blocks))
+    full = models.build_model(template.architecture, None, device="meta", as_on_gpu=True)
+    by_name = {block.name: block for block in measured.blocks}
+    kinds = {}
+    for block in measured.blocks:
+        kinds.setdefault(block_kind(block.name), block)
+    named = training_blocks(full.model.diffusion_model)
+    laws = [by_name.get(name) or kinds[block_kind(name)] for name, _ in named]
+    blocks = tuple(dataclasses.replace(profile, weight_copy_bytes=law.weight_copy_bytes,
+                                       linear_copy_bytes=law.linear_copy_bytes)
+                   for profile, law in zip(planner.describe_blocks(named, [k.saved for k in laws],
+                                                                   [k.inputs for k in laws]), laws))
+    linears = [m.weight.numel() for _, block in named for m in block.modules() if isinstance(m, torch.nn.Linear)]
+    description = dataclasses.replace(
+        measured, blocks=blocks, largest_linear_numel=max(linears),
+        other_param_bytes=planner.frozen_bytes(full.model.diffusion_model) - sum(b.param_bytes for b in blocks))
+    return description, lora_trainable(full, adapter, "AdamW8bit"), full
+
+
+def cell(plan) -> str:
+    """"14.1 GiB: partial, fp8, ckpt" - the peak and what differs from the fastest policy."""
+    policy = plan.policy
+    parts = [policy.base_placement]
+    if policy.base_storage != "as_loaded":
+        parts.append(policy.base_storage)
+    parts += {"off": [], "blocks": ["ckpt"], "blocks_cpu_offload": ["ckpt offload"]}[policy.checkpointing]
+    if policy.optimizer_state == "cpu":
+        parts.append("optim cpu")
+    peak = f"{plan.peak_bytes / 2 ** 30:.1f} GiB"
+    return f"{peak}: {', '.join(parts)}" if plan.fits else f"no fit (min {peak})"
+
+
+def main() -> None:
+    suite.import_comfyui(cpu=True, use_pytorch_cross_attention=True)
+    torch.set_num_threads(1)
+    import comfy.model_management
+
+    # ComfyUI's sampling estimate (memory_required) as on an NVIDIA GPU, where PyTorch attention is flash attention;
+    # on a CPU it takes its formula for the split attention kernels, several times larger.
+    comfy.model_management.pytorch_attention_flash_attention = lambda: True
+    from headroom.nodes.bridge import video
+    from headroom.training.memory import planner
+    from headroom.training.memory.policy import OffloadPolicy
+
+    chosen = sys.argv[1:]
+    rows = []
+    for template in [t for t in TEMPLATES if not chosen or t.workflow in chosen]:
+        started = time.monotonic()
+        description, trainable, full = describe(template)
+        latent_frames = video.check_frames("plan_table", full.model, template.frames) if template.frames > 1 else 1
+        shape = planner.RunShape(1, template.width, template.height, None, latent_frames)
+        cells = []
+        for card in CARDS_GB:
+            policy = OffloadPolicy(card=f"{card} GB")
+            cells.append(cell(planner.plan_auto(description, trainable, shape, policy, policy.budget_bytes())))
+        size = f"{template.width}x{template.height}" + (f", {template.frames} frames" if template.frames > 1 else "")
+        base = description.frozen_bytes() / 2 ** 30
+        rows.append(f"| {template.label} | `{template.workflow}` | {base:.1f} GiB, {size} | " + " | ".join(cells) + " |")
+        print(f"{rows[-1]} ({time.monotonic() - started:.0f} s)", file=sys.stderr, flush=True)
+    import comfyui_version
+
+    print("| family | template | base weights, run | " + " | ".join(f"{c} GB" for c in CARDS_GB) + " |")
+    print("|---|---|---|" + "---|" * len(CARDS_GB))
+    print("\n".join(rows))
+    print(f"\nplanned {datetime.date.today()}; torch {torch.__version__}, ComfyUI {comfyui_version.__version__}, "
+          f"Python {platform.python_version()}; budget = card - 1 GiB reserve; batch 1, rank as the template, "
+          "AdamW8bit, bf16; text encoders and VAE left out")
+
+
+if __name__ == "__main__":
+    main()
