@@ -100,8 +100,10 @@ class ComfyServer(ComfyClient):
 
 
 def output_pixels(server: ComfyServer, execution) -> np.ndarray:
-    """The one PNG an execution saved to the output folder, as int16 pixels (differences do not wrap)."""
-    [file] = [f for f in execution.files() if f.get("type") == "output" and f["filename"].endswith(".png")]
+    """The one PNG an execution saved to the output folder, as int16 pixels (differences do not wrap); a validation's
+    before/after grid (shown on the node beside the samples when compare_base is on) is not it."""
+    [file] = [f for f in execution.files() if f.get("type") == "output" and f["filename"].endswith(".png")
+              and not f["filename"].endswith("_before_after.png")]
     return np.asarray(Image.open(io.BytesIO(server.view(**file))), dtype=np.int16)
 
 

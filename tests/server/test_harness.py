@@ -166,8 +166,10 @@ def test_headroom_run_prints_progress_saved_files_and_notes_with_or_without_webs
     grid = f"output/headroom_runs/{run_name}/validation/step_00000004.png"
     assert f"saved LoRA: {lora}" in lines and f"saved validation grid: {grid}" in lines, result.stdout
     assert (comfy_server.base_dir / lora).is_file() and (comfy_server.base_dir / grid).is_file()
-    assert [line for line in lines if "temp/" in line] and all(
-        line.startswith("preview (temporary): temp/") for line in lines if "temp/" in line), result.stdout
+    # compare_base is on: Validate shows its before/after grid (an output file) on the node, not temporary previews
+    before_after = f"output/headroom_runs/{run_name}/validation/step_00000004_before_after.png"
+    assert f"saved before/after grid: {before_after}" in lines, result.stdout
+    assert all(line.startswith("preview (temporary): temp/") for line in lines if "temp/" in line), result.stdout
 
     without_websocket = ("import runpy, sys; sys.modules['websocket'] = None; sys.argv = sys.argv[1:]; "
                          "runpy.run_path(sys.argv[0], run_name='__main__')")
