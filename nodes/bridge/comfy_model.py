@@ -158,23 +158,38 @@ def training_blocks(diffusion_model: torch.nn.Module) -> list[tuple[str, torch.n
     return blocks
 
 
+def made_in_inference_mode(tensor: torch.Tensor) -> bool:
+    """Whether autograd would refuse to save this tensor: an inference tensor, or a Parameter made under inference
+    mode whose data a later `module.to(...)` replaced outside it. Module.to keeps the Parameter object and sets its
+    `.data` (torch's set_data path for CPU -> CUDA and dtype moves), so `is_inference()` turns False while the
+    Parameter still has no version counter: "Inference tensors do not track version counter" at the first backward
+    (seen on an H200, where ComfyUI's load moves every weight; on the CPU nothing moves)."""
+    if tensor.is_inference():
+        return True
+    try:
+        tensor._version
+    except RuntimeError:
+        return True
+    return False
+
+
 def replace_inference_tensors(module: torch.nn.Module) -> None:
     """Give weights made under inference mode (ComfyUI's loaders run there) normal storage, same values.
 
     Autograd cannot save inference tensors for backward, and a frozen Linear's weight is saved to get the
-    gradient of its input. On a GPU the load copies weights anyway (made normal by loading outside
-    inference mode); on the CPU they are the loader's tensors, so they are cloned once here, the way
-    ComfyUI's own weight patching swaps parameters (comfy.utils.set_attr_param).
+    gradient of its input. A load to the GPU keeps the loader's Parameter objects and swaps their data
+    (made_in_inference_mode); on the CPU they are the loader's tensors themselves. Either way they are cloned
+    once here, the way ComfyUI's own weight patching swaps parameters (comfy.utils.set_attr_param).
 
     One tensor at a time, holding only names: the replaced tensor is freed before the next is cloned, so the
     weights never exist twice (a list of the parameters themselves kept every old one alive to the end:
     +4.8 GiB for SDXL, +24 GB for Flux-dev).
     """
     with torch.inference_mode(False):
-        names = [name for name, param in module.named_parameters() if param.is_inference()]
+        names = [name for name, param in module.named_parameters() if made_in_inference_mode(param)]
         for name in names:
             comfy.utils.set_attr_param(module, name, comfy.utils.get_attr(module, name).detach().clone())
-        names = [name for name, buffer in module.named_buffers() if buffer.is_inference()]
+        names = [name for name, buffer in module.named_buffers() if made_in_inference_mode(buffer)]
         for name in names:
             comfy.utils.set_attr(module, name, comfy.utils.get_attr(module, name).clone())
 

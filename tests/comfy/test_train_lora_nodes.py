@@ -637,3 +637,41 @@ def test_a_card_resolves_to_the_fastest_policy_whose_planned_peak_fits_it(comfyu
     assert peaks[index] <= card.budget_bytes() < min(peaks[:index])
     text = output.ui.as_dict()["text"][0]
     assert "HeadroomTrainLoraInit: 8 GB: base " in text and "planned peak" in text and "DOES NOT FIT" not in text
+
+
+def test_trains_on_weights_a_load_moved_outside_inference_mode(comfyui, monkeypatch):
+    """On a GPU, ComfyUI's load moves the loader's weights with Module.to, and Headroom loads outside inference mode:
+    the Parameter objects made under inference mode stay and get new data, so is_inference() is False but autograd
+    still refuses them ("Inference tensors do not track version counter": every Headroom run failed so on an H200).
+    On the CPU nothing moves, so the load is made to move here, with a dtype round trip that takes the same set_data
+    path (same values). The plan and the run load, train, and the shared MODEL keeps its values."""
+    import comfy.model_management as mm
+
+    from headroom.nodes import memory as M, train_lora as T
+    from headroom.nodes.bridge.comfy_model import made_in_inference_mode
+
+    load = mm.load_models_gpu
+    moved = []
+
+    def load_that_moves(models, *args, **kwargs):
+        result = load(models, *args, **kwargs)
+        for patcher in models:
+            diffusion = getattr(patcher.model, "diffusion_model", None)
+            if diffusion is None or torch.is_inference_mode_enabled():  # text encoders; ComfyUI's own loads
+                continue
+            diffusion.to(torch.float64).to(torch.float32)  # what a CPU -> GPU move does to the Parameter objects
+            moved.append(any(made_in_inference_mode(param) for param in diffusion.parameters()))
+        return result
+
+    monkeypatch.setattr(mm, "load_models_gpu", load_that_moves)
+    model, _, _, latents, texts = _data("flux", count=2)
+    base = _base_weights(model)
+    with torch.inference_mode():
+        M.HeadroomMemoryPlan.execute(model, "estimate", 2, 32, 32, 8, "preset", "AdamW", "fp32", 8)
+    run = _init(model, latents, texts, "moved_weights", batch_size=2)
+    with torch.inference_mode():
+        T.HeadroomTrainSteps.execute(run, 2)
+    assert moved and moved[0], "the emulated first move did not leave Parameters made under inference mode"
+    assert run.step == 2 and torch.isfinite(torch.tensor(run.trainer.last_loss))
+    after = _base_weights(model)
+    assert all(torch.equal(base[k], after[k]) for k in base)
