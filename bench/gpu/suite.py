@@ -254,19 +254,31 @@ def free_device() -> None:
 
 
 class Budget:
-    """The budget emulated on a larger card: the caching allocator may hold at most `gb` GiB of this process
-    (torch.cuda.set_per_process_memory_fraction); None: the whole card. A no-op without CUDA."""
+    """A card of `gb` GiB emulated on a larger one: the caching allocator may hold at most `gb` GiB of this process
+    (torch.cuda.set_per_process_memory_fraction), and torch.cuda.mem_get_info, which ComfyUI's model management
+    reads to decide how much of a model to load, reports that card (total `gb`, free what the allocator has not
+    reserved of it). None: the whole card. A no-op without CUDA."""
 
     def __init__(self, gb: float | None, device):
         self.gb, self.device = gb, device
+        self.mem_get_info = None
 
     def __enter__(self):
         if self.device.type == "cuda" and self.gb is not None:
             total = torch.cuda.get_device_properties(self.device).total_memory
-            torch.cuda.set_per_process_memory_fraction(min(1.0, self.gb * GIB / total), self.device)
+            card = min(total, int(self.gb * GIB))
+            torch.cuda.set_per_process_memory_fraction(card / total, self.device)
+            self.mem_get_info = torch.cuda.mem_get_info
+
+            def emulated(device=None):
+                return max(0, card - torch.cuda.memory_reserved(device)), card
+
+            torch.cuda.mem_get_info = emulated
         return self
 
     def __exit__(self, *exc):
+        if self.mem_get_info is not None:
+            torch.cuda.mem_get_info = self.mem_get_info
         if self.device.type == "cuda":
             torch.cuda.set_per_process_memory_fraction(1.0, self.device)
         return False

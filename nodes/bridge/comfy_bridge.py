@@ -40,7 +40,7 @@ from ...training.core.run_dir import RunDir, RunFolderError
 from ...training.core.trainer import StepReport, Trainer
 from .comfy_model import base_fingerprint, data_fingerprint, model_blocks, replace_inference_tensors, training_blocks
 from .memory_fallback import FallbackWatch
-from .planning import next_plan_for
+from .planning import next_plan_for, run_plan
 
 STEP_EVENT = "headroom.train.step"  # read by js/headroom_live.js and workflows/headroom_run.py
 VALIDATE_EVENT = "headroom.validate"
@@ -226,6 +226,11 @@ class RunRecord:
                     logging.warning("Headroom: %s", error)
 
 
+def partial_excess(loaded_bytes: int, planned_bytes: int | None) -> int:
+    """How much of the base a "partial" load placed on the device beyond the plan's share (0: none, or no plan)."""
+    return 0 if planned_bytes is None else max(0, int(loaded_bytes) - int(planned_bytes))
+
+
 class Placement:
     """Where the run's frozen base lives: the training clone of the MODEL, its low-bit storage (policy
     base_storage), its load through ComfyUI's model management (policy base_placement) and its release."""
@@ -274,15 +279,21 @@ class Placement:
         return LowBitBase(self.patcher.model.diffusion_model, self.policy.base_storage, self.patcher.offload_device,
                           prefixes=blocks)
 
-    def load(self, patchers: list, extra_bytes: int) -> None:
+    def load(self, patchers: list, extra_bytes: int, base_device_bytes: int | None = None) -> None:
         """Load the training patchers through ComfyUI's model management, as the policy places the frozen base
-        (`extra_bytes`: what the run adds on the device beyond the weights, for ComfyUI's accounting)."""
+        (`extra_bytes`: what the run adds on the device beyond the weights, for ComfyUI's accounting;
+        `base_device_bytes`: for "partial" placement, the share of the base the run's plan keeps on the device)."""
         placement = self.policy.placement  # decided in one place: training/memory/weight_streaming.base_placement
         with torch.inference_mode(False):  # weights copied to the device here are then usable by autograd
             # Not a full load: ComfyUI may keep part of the base in host RAM (its lowvram load); the trainer's
             # WeightStreamer brings those blocks to the device one block ahead.
             comfy.model_management.load_models_gpu(patchers, memory_required=extra_bytes,
                                                    force_full_load=placement.full_load)
+            # ComfyUI fills its free memory (less extra_bytes): with a budget below the card, or activations to
+            # keep, that is too much. Back to the planned share through its own partial unload.
+            over = partial_excess(self.patcher.loaded_size(), base_device_bytes)
+            if over and self.policy.base_placement == "partial" and self.patcher.load_device != self.patcher.offload_device:
+                self.patcher.partially_unload(self.patcher.offload_device, memory_to_free=over)
             if placement.blocks_to_host and self.patcher.load_device != self.patcher.offload_device:
                 # Every block's frozen weights back to host RAM through ComfyUI's own partial unload, so its
                 # accounting stays right; non-block weights (embedders, final layers) stay resident.
@@ -393,7 +404,8 @@ class TrainingRun:
     def attached(self):
         """The training clone (and what the strategy loads with it) loaded through ComfyUI's model management,
         with what the run trains attached for the block (the strategy's `attach`)."""
-        self.placement.load(self.trained.patchers(self), self.trained.device_extra_bytes(self.trainer))
+        self.placement.load(self.trained.patchers(self), self.trained.device_extra_bytes(self.trainer),
+                            self._base_device_share())
         # ComfyUI's split / sub-quadratic attention chunks by free memory: a recompute must chunk as its forward did.
         with self.trained.attach(self), pinned_reading(comfy.model_management, "get_free_memory"):
             yield
@@ -504,6 +516,21 @@ class TrainingRun:
                 save_if_needed()  # a failure here (disk full on cancel) is raised instead: nothing was saved
         finally:
             self.release()
+
+    def _base_device_share(self) -> int | None:
+        """For "partial" placement on a device: the bytes of the base the run's plan keeps there (planned once, on
+        the first load; None elsewhere, or when the plan cannot be made: then ComfyUI's own choice stands)."""
+        patcher = self.placement.patcher
+        if self.policy.base_placement != "partial" or patcher.load_device == patcher.offload_device:
+            return None
+        if not hasattr(self, "_planned_base_share"):
+            try:
+                self._planned_base_share = run_plan(self).base_device_bytes
+            except Exception as error:  # the plan is advice for the load, not a reason to stop the run
+                logging.warning("Headroom: run '%s': no memory plan for its partial placement (%s); ComfyUI "
+                                "places the base", self.run_dir.name, error)
+                self._planned_base_share = None
+        return self._planned_base_share
 
     def _next_plan(self):
         """The planner's next smaller policy for this run (None when it cannot tell)."""

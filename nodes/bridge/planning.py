@@ -216,18 +216,31 @@ def plan_lora_run(model, policy: OffloadPolicy, mode: str, batch_size: int, widt
     return planner.estimate(description, trainable, shape, policy, budget)
 
 
-def next_plan_for(run) -> planner.Plan | None:
-    """After an out-of-memory error in a training run (nodes/bridge/comfy_bridge.py TrainingRun): the planner's
-    next smaller policy for that run's model, trainable weights, batch, largest bucket and text length."""
+def _run_inputs(run) -> tuple:
+    """The planner's inputs for an open run: its model measured as the Memory Plan node measures it, its trainable
+    weights, batch, largest bucket and text length, and its policy's budget on the model's device."""
     config = run.config
     adapter = getattr(config, "adapter", None) or AdapterConfig()  # ControlNet runs: activations as with a LoRA
     description = describe_comfy_model(run.source_model, adapter, config.train.precision)
     trainable = planner.TrainableSpec.from_parameters(run.trainer.params, config.optimizer.name)
     shape = cache_run_shape(run.source_model, run.latent_cache, run.text_cache, config.train.batch_size,
                             "HeadroomTrainSteps")
-    policy = run.policy
-    budget = budget_bytes(policy, torch.device(run.source_model.load_device))
-    return planner.next_smaller_policy(description, trainable, shape, policy, budget)
+    budget = budget_bytes(run.policy, torch.device(run.source_model.load_device))
+    return description, trainable, shape, budget
+
+
+def next_plan_for(run) -> planner.Plan | None:
+    """After an out-of-memory error in a training run (nodes/bridge/comfy_bridge.py TrainingRun): the planner's
+    next smaller policy for that run's model, trainable weights, batch, largest bucket and text length."""
+    description, trainable, shape, budget = _run_inputs(run)
+    return planner.next_smaller_policy(description, trainable, shape, run.policy, budget)
+
+
+def run_plan(run) -> planner.Plan:
+    """The planner's estimate of an open run with its own policy (for the share of the base its load may place on
+    the device: planner.Plan.base_device_bytes)."""
+    description, trainable, shape, budget = _run_inputs(run)
+    return planner.estimate(description, trainable, shape, run.policy, budget)
 
 
 def cache_run_shape(patcher, latent_cache, text_cache, batch_size: int, node: str) -> planner.RunShape:

@@ -675,3 +675,35 @@ def test_trains_on_weights_a_load_moved_outside_inference_mode(comfyui, monkeypa
     assert run.step == 2 and torch.isfinite(torch.tensor(run.trainer.last_loss))
     after = _base_weights(model)
     assert all(torch.equal(base[k], after[k]) for k in base)
+
+
+def test_partial_placement_keeps_the_planned_share_of_the_base(comfyui, monkeypatch):
+    """A "partial" run on a device plans, once, the share of the base its load may leave there (ComfyUI's load
+    fills its free memory; the run trims back to the plan: nodes/bridge/comfy_bridge.Placement.load). On the CPU
+    nothing is loaded apart, so the device check is made to pass and only the planned share is asked for."""
+    from headroom.nodes.bridge import comfy_bridge, planning
+    from headroom.training.memory import planner
+    from headroom.training.memory.policy import OffloadPolicy
+
+    model, _, _, latents, texts = _data("flux", count=2)
+    policy = OffloadPolicy(vram_budget_gb=0.05, base_placement="partial", checkpointing="blocks")
+    run = _init(model, latents, texts, "partial_share", batch_size=2, policy=policy)
+    assert run._base_device_share() is None  # load device == offload device: nothing to trim
+    monkeypatch.setattr(run.placement.patcher, "offload_device", torch.device("meta"))
+    with torch.inference_mode():  # a budget a fifth below the resident plan's peak: part of the blocks streams
+        peak = planning.run_plan(run).phase("training step").total
+    run.policy = run.policy.replace(vram_budget_gb=0.8 * peak / 2**30)
+    calls = []
+    monkeypatch.setattr(comfy_bridge, "run_plan", lambda r: calls.append(r) or planning.run_plan(r))
+    with torch.inference_mode():
+        share = run._base_device_share()
+        assert run._base_device_share() == share and len(calls) == 1  # planned once
+    total = planner.frozen_bytes(model.model.diffusion_model)
+    with torch.inference_mode():
+        plan = planning.run_plan(run)
+    blocks = plan.phase("training step").items["resident block weights (as_loaded, partial)"]
+    assert share == plan.base_device_bytes and 0 < share < total and share == total - plan.host_bytes[
+        "streamed block weights"]
+    assert blocks < total
+    assert comfy_bridge.partial_excess(total, share) == total - share
+    assert comfy_bridge.partial_excess(share // 2, share) == 0 and comfy_bridge.partial_excess(total, None) == 0

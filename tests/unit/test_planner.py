@@ -101,6 +101,23 @@ def test_partial_placement_fills_the_budget():
     assert tight.host_bytes["streamed block weights"] == 4 * GIB - items["resident block weights (as_loaded, partial)"]
 
 
+def test_plan_says_how_much_of_the_base_stays_on_the_device():
+    """Plan.base_device_bytes: what a run's load may leave on the device (the weights outside the blocks plus the
+    resident blocks); for "partial" it is the planned share, so the load leaves the room the plan counted."""
+    d = toy_description()
+    outside = d.other_param_bytes
+    resident = estimate(d, TRAINABLE, SHAPE, OffloadPolicy(), budget_bytes=64 * GIB)
+    assert resident.base_device_bytes == outside + 4 * GIB
+    streamed = estimate(d, TRAINABLE, SHAPE, OffloadPolicy(base_placement="streamed", checkpointing="blocks"),
+                        budget_bytes=64 * GIB)
+    assert streamed.base_device_bytes == outside
+    policy = OffloadPolicy(base_placement="partial", checkpointing="blocks")
+    tight = estimate(d, TRAINABLE, SHAPE, policy, budget_bytes=int(3.5 * GIB))
+    share = tight.phase("training step").items["resident block weights (as_loaded, partial)"]
+    assert tight.base_device_bytes == outside + share and 0 < share < 4 * GIB
+    assert estimate(d, TRAINABLE, SHAPE, policy).base_device_bytes == outside + 4 * GIB  # no budget: all of it
+
+
 def test_parking_and_validation_phases():
     d = toy_description()
     parked = estimate(d, TRAINABLE, SHAPE, OffloadPolicy()).phase("validation")

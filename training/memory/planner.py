@@ -205,6 +205,10 @@ class Plan:
     budget_bytes: int | None = None
     reason: str = ""
     host_bytes: dict[str, int] = dataclasses.field(default_factory=dict)  # what lives in host RAM instead
+    # The frozen base weights the plan keeps on the device (outside the blocks + resident blocks): for "partial"
+    # placement, the share a run's load may give ComfyUI (it would otherwise fill its free memory and leave no room
+    # for activations: every Flux-dev partial run ran out of memory so on an emulated 6-16 GiB card).
+    base_device_bytes: int | None = None
 
     @property
     def peak(self) -> PhaseEstimate:
@@ -316,10 +320,11 @@ def estimate(description: ModelDescription, trainable: TrainableSpec, shape: Run
     # Frozen weights by placement, the last: "partial" fills the room everything else leaves.
     outer = {"frozen weights outside the blocks": description.other_param_bytes}
     rest = sum(outer.values()) + sum(trainables.values()) + sum(activations.values())
-    placement = weight_streaming.placement_cost(
-        policy.base_placement, block_weights, storage, rest,
-        None if budget_bytes is None else int(budget_bytes / (1 + ALLOCATOR_OVERHEAD)))
+    device_budget = None if budget_bytes is None else int(budget_bytes / (1 + ALLOCATOR_OVERHEAD))
+    placement = weight_streaming.placement_cost(policy.base_placement, block_weights, storage, rest, device_budget)
     weights = {**outer, **placement.training}
+    base_device = description.other_param_bytes + weight_streaming.resident_block_bytes(
+        policy.base_placement, block_weights, rest, device_budget)
     features: list[FeatureCost] = [parking, *block_activations, placement]
     host = {name: value for cost in features for name, value in cost.host.items()}  # in host RAM instead
     notes = [note for cost in features for note in cost.training_notes]
@@ -375,7 +380,8 @@ def estimate(description: ModelDescription, trainable: TrainableSpec, shape: Run
     save_items["allocator overhead (5%)"] = int(ALLOCATOR_OVERHEAD * sum(save_items.values()))
     save = PhaseEstimate("save", save_items)
 
-    return Plan(policy, [cache_text, cache_vae, training, validation, decode, save], budget_bytes, host_bytes=host)
+    return Plan(policy, [cache_text, cache_vae, training, validation, decode, save], budget_bytes, host_bytes=host,
+                base_device_bytes=base_device)
 
 
 # --- choosing a policy ------------------------------------------------------------------------------------

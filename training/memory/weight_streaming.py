@@ -263,6 +263,19 @@ def base_placement(placement: str) -> BasePlacement:
 
 
 # --- what it costs (the planner adds it up: planner.estimate) ---------------------------------------------------
+def resident_block_bytes(placement: str, block_weights: Sequence[int], rest_bytes: int,
+                         device_budget: int | None) -> int:
+    """The frozen block weights kept on the device: all ("resident", or "partial" without a budget), none
+    ("streamed"), or for "partial" what the room `device_budget` leaves beside everything else (`rest_bytes`) and
+    the two streaming buffers. The run's load keeps ComfyUI to this share (nodes/bridge/comfy_bridge.Placement)."""
+    all_blocks = sum(block_weights)
+    if placement == "resident" or (placement == "partial" and device_budget is None):
+        return all_blocks
+    if placement == "streamed":
+        return 0
+    return max(0, min(all_blocks, device_budget - rest_bytes - 2 * max(block_weights, default=0)))
+
+
 def placement_cost(placement: str, block_weights: Sequence[int], storage: str, rest_bytes: int,
                    device_budget: int | None) -> FeatureCost:
     """Where the frozen block weights (`block_weights`, as stored) are during a run (policy base_placement; the same
@@ -275,13 +288,11 @@ def placement_cost(placement: str, block_weights: Sequence[int], storage: str, r
         return FeatureCost(training=weights, validation=dict(weights))
     buffers = 2 * max(block_weights, default=0)
     weights = {"streamed block buffers (2 blocks)": buffers}
-    notes, resident_part = [], 0
+    notes = []
+    resident_part = resident_block_bytes(placement, block_weights, rest_bytes, device_budget)
     if placement == "partial":
         if device_budget is None:
-            resident_part = all_blocks
             notes.append("partial placement without a budget: estimated as fully resident")
-        else:
-            resident_part = max(0, min(all_blocks, device_budget - rest_bytes - buffers))
         weights[f"resident block weights ({storage}, partial)"] = resident_part
         if resident_part >= all_blocks:
             weights["streamed block buffers (2 blocks)"] = 0
