@@ -303,10 +303,12 @@ def test_editor_turns_ui_workflow_into_the_shipped_api_workflow(browser_page, na
 
 def test_templates_list_only_the_ui_workflows_each_with_its_thumbnail(comfy_server, browser_page):
     """The editor's Templates dialog, Extensions > comfyui-headroom: exactly the shipped UI workflows (the API ones
-    live in workflows/api/, which ComfyUI does not list), each card's picture its `<name>.jpg` (workflows/thumbnails.py),
-    loaded as a real image. ComfyUI 0.33.0 gives a custom node's templates no index: the title is the file name, the
-    order the server's directory listing."""
+    live in workflows/api/, which ComfyUI does not list), in reading order (js/headroom_templates.js: the demo first,
+    then by family; the server's own order is its directory listing), each card's picture its `<name>.jpg`
+    (workflows/thumbnails.py, which also writes the workflow's one-line title into the picture), loaded as a real
+    image. ComfyUI 0.33.0 gives a custom node's templates no index: the card's title is the file name."""
     from server_harness import PACKAGE_DIR_NAME
+    from test_templates_order import template_order
 
     page, log = browser_page
     page.evaluate("() => window.app.extensionManager.command.execute('Comfy.BrowseTemplates')")
@@ -317,6 +319,7 @@ def test_templates_list_only_the_ui_workflows_each_with_its_thumbnail(comfy_serv
     page.screenshot(path=str(ARTIFACTS / "templates.png"))
     shown = page.evaluate("(cards) => Array.from(document.querySelectorAll(cards)).map((h) => h.textContent.trim())", cards)
     assert sorted(shown) == sorted(p.stem for p in WORKFLOWS.glob("*.json")), shown
+    assert shown == template_order(), shown
     pictures = page.evaluate("() => Array.from(document.querySelectorAll('[role=dialog] img'))"
                              ".filter((i) => i.complete).map((i) => i.naturalWidth)")
     assert pictures and all(width == 512 for width in pictures), pictures  # no placeholder: our 512 x 384 JPEGs
