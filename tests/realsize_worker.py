@@ -321,21 +321,29 @@ def _oft_run(model, clip, latents, texts, case: str) -> dict:
 
 def replace_case(arch: str, depth) -> dict:
     """nodes/bridge/comfy_model.replace_inference_tensors on a real-size model made under inference mode (as ComfyUI's
-    loaders make it): peak RSS growth against the model's weight bytes."""
+    loaders make it), every other block then moved outside inference mode as a GPU load moves it (a dtype round trip
+    takes the same Module.to path: the Parameters keep no version counter): peak RSS growth against the model's
+    weight bytes, and no weight left that autograd would refuse."""
     setup()
     import realsize_models as R
-    from headroom.nodes.bridge.comfy_model import replace_inference_tensors
+    from headroom.nodes.bridge.comfy_model import made_in_inference_mode, replace_inference_tensors, training_blocks
 
     with torch.inference_mode():
         model = R.build_model(arch, depth)
     diffusion = model.model.diffusion_model
     assert all(p.is_inference() for p in diffusion.parameters())
-    largest = max(t.numel() * t.element_size() for t in [*diffusion.parameters(), *diffusion.buffers()])
+    for _, block in training_blocks(diffusion)[::2]:
+        block.to(torch.float32).to(torch.bfloat16)
+    weights = [*diffusion.parameters(), *diffusion.buffers()]
+    moved = sum(not t.is_inference() and made_in_inference_mode(t) for t in weights)
+    assert moved and all(made_in_inference_mode(t) for t in weights)
+    largest = max(t.numel() * t.element_size() for t in weights)
+    del weights
     with Peak() as peak:
         replace_inference_tensors(diffusion)
-    assert not any(t.is_inference() for t in [*diffusion.parameters(), *diffusion.buffers()])
+    assert not any(made_in_inference_mode(t) for t in [*diffusion.parameters(), *diffusion.buffers()])
     return {"arch": arch, "depth": depth, "weight_bytes": R.tensor_bytes(diffusion), "largest_tensor_bytes": largest,
-            **peak.record("replace_inference_tensors")}
+            "moved_tensors": moved, **peak.record("replace_inference_tensors")}
 
 
 def estimate(model, clip, vae, size: int, texts, latents, lora) -> dict:

@@ -226,6 +226,9 @@ class RunRecord:
                     logging.warning("Headroom: %s", error)
 
 
+_NOT_PLANNED = object()
+
+
 def partial_excess(loaded_bytes: int, planned_bytes: int | None) -> int:
     """How much of the base a "partial" load placed on the device beyond the plan's share (0: none, or no plan)."""
     return 0 if planned_bytes is None else max(0, int(loaded_bytes) - int(planned_bytes))
@@ -292,7 +295,7 @@ class Placement:
             # ComfyUI fills its free memory (less extra_bytes): with a budget below the card, or activations to
             # keep, that is too much. Back to the planned share through its own partial unload.
             over = partial_excess(self.patcher.loaded_size(), base_device_bytes)
-            if over and self.policy.base_placement == "partial" and self.patcher.load_device != self.patcher.offload_device:
+            if over:
                 self.patcher.partially_unload(self.patcher.offload_device, memory_to_free=over)
             if placement.blocks_to_host and self.patcher.load_device != self.patcher.offload_device:
                 # Every block's frozen weights back to host RAM through ComfyUI's own partial unload, so its
@@ -328,6 +331,7 @@ class TrainingRun:
         """What the node that opened the run tells the user about it (its UI text): precision, the policy fitted to
         the card, the batch."""
         return [note for note in (self.precision_note, self.plan_note, self.batch_note) if note]
+    _planned_base_share = _NOT_PLANNED  # _base_device_share: planned on the first load of a "partial" run
     ranks = None  # a multi-device run's worker ranks (nodes/bridge/rank_workers.RankWorkers), told to train with rank 0
 
     def __init__(self, model, latent_cache, text_cache, config, trained, run_root: pathlib.Path, run_name: str,
@@ -523,7 +527,7 @@ class TrainingRun:
         patcher = self.placement.patcher
         if self.policy.base_placement != "partial" or patcher.load_device == patcher.offload_device:
             return None
-        if not hasattr(self, "_planned_base_share"):
+        if self._planned_base_share is _NOT_PLANNED:
             try:
                 self._planned_base_share = run_plan(self).base_device_bytes
             except Exception as error:  # the plan is advice for the load, not a reason to stop the run
