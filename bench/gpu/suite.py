@@ -481,7 +481,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--page", type=Path, help="write the GPU section into this Markdown file (its own section only)")
     parser.add_argument("--png", type=Path, help="draw the peak-VRAM picture here")
     args = parser.parse_args(argv)
-    started = time.monotonic()
+    # A command that restarts the suite (device.sh, after a CUDA error) counts its minutes from its own start.
+    started = time.monotonic() - max(0.0, time.time() - float(os.environ.get("GPUKIT_STARTED", time.time())))
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     unknown = [m for m in models if m not in MODELS]
     if unknown:
@@ -515,6 +516,7 @@ def main(argv: list[str] | None = None) -> int:
     def out_of_time() -> bool:
         return time.monotonic() - started + longest > args.minutes * 60
 
+    broken = None  # the measurement after which this process's CUDA context failed: the rest in a new process
     for kind, name, configs in steps:
         todo = [c for c in configs or [""] if measurement_id(kind, name, c) not in results.done()]
         if not todo:
@@ -540,11 +542,19 @@ def main(argv: list[str] | None = None) -> int:
                     record = (lora_run if kind == "lora" else native_run)(patcher, name, config, args)
             except Exception as error:  # the model did not build, say: recorded, the kit goes on
                 record = {"status": "failed", "error": _short(error), "traceback": traceback.format_exc()[-3000:]}
+                if cuda_context_lost(error):
+                    broken = ident
             record.update(type="measurement", id=ident, kind=kind, model=name, config=config,
                           seconds=time.perf_counter() - t0, gpu=gpu)
             results.add(record)
             longest = max(longest, record["seconds"])
             print(f"gpu kit: {ident}: {record['status']} in {record['seconds']:.0f} s", flush=True)
+            if broken:
+                break
+        if broken:
+            left += [measurement_id(k, n, c) for k, n, cs in steps for c in cs or [""]
+                     if measurement_id(k, n, c) not in results.done()]
+            break
         del patcher
         free_device()
     results.add({"type": "left", "ids": left, "minutes": (time.monotonic() - started) / 60})
@@ -555,7 +565,19 @@ def main(argv: list[str] | None = None) -> int:
         report.write(results.records, page=args.page, png=args.png)
     print(f"gpu kit: {len(results.done())} measurements recorded, {len(left)} left for the next command "
           f"({results.path})")
+    if broken:
+        print(f"gpu kit: the CUDA context failed in {broken}; the rest needs a new process", flush=True)
+        return CUDA_CONTEXT_LOST
     return 0
+
+
+CUDA_CONTEXT_LOST = 3  # the exit status that asks device.sh to start the suite again
+
+
+def cuda_context_lost(error: BaseException) -> bool:
+    """A CUDA error (not an out-of-memory) leaves the process's CUDA context unusable: every later call fails
+    with it (the first GPU kit run lost 60 measurements so, each "failed in 0 s")."""
+    return type(error).__name__ == "AcceleratorError" or "CUDA error:" in str(error)
 
 
 if __name__ == "__main__":

@@ -304,7 +304,10 @@ class Placement:
                 block_bytes = sum(t.numel() * t.element_size() for block in blocks
                                   for t in [*block.parameters(), *block.buffers()] if not t.requires_grad)
                 self.patcher.partially_unload(self.patcher.offload_device, memory_to_free=block_bytes)
-            replace_inference_tensors(self.patcher.model.diffusion_model)
+            # ComfyUI's load ends with the adapters injected; its weight keys (and the weights it pinned) are those
+            # of the bare module tree.
+            with self.patcher.use_ejected():
+                replace_inference_tensors(self.patcher.model.diffusion_model, self.patcher)
 
     def release(self) -> None:
         """Unload the training clone and give cached device memory back (after a cancel or an error)."""

@@ -173,7 +173,7 @@ def made_in_inference_mode(tensor: torch.Tensor) -> bool:
     return False
 
 
-def replace_inference_tensors(module: torch.nn.Module) -> None:
+def replace_inference_tensors(module: torch.nn.Module, patcher=None) -> None:
     """Give weights made under inference mode (ComfyUI's loaders run there) normal storage, same values.
 
     Autograd cannot save inference tensors for backward, and a frozen Linear's weight is saved to get the
@@ -181,17 +181,28 @@ def replace_inference_tensors(module: torch.nn.Module) -> None:
     (made_in_inference_mode); on the CPU they are the loader's tensors themselves. Either way they are cloned
     once here, the way ComfyUI's own weight patching swaps parameters (comfy.utils.set_attr_param).
 
+    `patcher`: the ComfyUI ModelPatcher whose diffusion_model `module` is. Weights it pinned in host RAM (its
+    partial load registers their memory with CUDA) are unpinned before their clone and the clone pinned again:
+    freeing memory still registered broke every later CUDA call of the process ("resource already mapped").
+
     One tensor at a time, holding only names: the replaced tensor is freed before the next is cloned, so the
     weights never exist twice (a list of the parameters themselves kept every old one alive to the end:
     +4.8 GiB for SDXL, +24 GB for Flux-dev).
     """
+    pinned = patcher.pinned if patcher is not None else set()
     with torch.inference_mode(False):
-        names = [name for name, param in module.named_parameters() if made_in_inference_mode(param)]
-        for name in names:
-            comfy.utils.set_attr_param(module, name, comfy.utils.get_attr(module, name).detach().clone())
-        names = [name for name, buffer in module.named_buffers() if made_in_inference_mode(buffer)]
-        for name in names:
-            comfy.utils.set_attr(module, name, comfy.utils.get_attr(module, name).clone())
+        for named, set_one, copy in ((module.named_parameters, comfy.utils.set_attr_param,
+                                      lambda t: t.detach().clone()),
+                                     (module.named_buffers, comfy.utils.set_attr, lambda t: t.clone())):
+            names = [name for name, tensor in named() if made_in_inference_mode(tensor)]
+            for name in names:
+                key = f"diffusion_model.{name}"
+                was_pinned = key in pinned
+                if was_pinned:
+                    patcher.unpin_weight(key)
+                set_one(module, name, copy(comfy.utils.get_attr(module, name)))
+                if was_pinned:
+                    patcher.pin_weight_to_device(key)
 
 
 def data_fingerprint(latent_cache) -> str:

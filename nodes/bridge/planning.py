@@ -84,7 +84,7 @@ def _measure(patcher, adapter: AdapterConfig, precision: str) -> list[planner.Ac
     diffusion_model = model.diffusion_model
     with torch.inference_mode(False):
         comfy.model_management.load_models_gpu([patcher])
-        replace_inference_tensors(diffusion_model)
+        replace_inference_tensors(diffusion_model, patcher)
         denoiser = ComfyDenoiser(patcher)
         blocks = [m for _, m in training_blocks(diffusion_model)]
         weights = [*diffusion_model.parameters(), *diffusion_model.buffers()]

@@ -677,6 +677,65 @@ def test_trains_on_weights_a_load_moved_outside_inference_mode(comfyui, monkeypa
     assert all(torch.equal(base[k], after[k]) for k in base)
 
 
+def test_weights_comfyui_pinned_stay_registered_through_the_clone(comfyui, monkeypatch):
+    """ComfyUI's partial load pins the weights it leaves in host RAM (cudaHostRegister on their memory). Headroom
+    clones weights made under inference mode after the load; cloning a pinned one freed memory still registered,
+    and every later CUDA call of the process failed ("resource already mapped": all the rest of a GPU kit run).
+    The CPU cannot pin, so registration is kept in a table here, with CUDA's rules (a range registers once; an
+    unregister names a registered pointer); ComfyUI's load pins every other weight. Whatever stays registered
+    through a plan and a run is the memory of a live weight."""
+    import comfy.model_management as mm
+
+    from headroom.nodes import memory as M, train_lora as T
+
+    registered: dict[int, int] = {}
+    unknown: list[int] = []
+
+    def pin_memory(tensor):
+        assert tensor.data_ptr() not in registered, "memory registered twice"
+        registered[tensor.data_ptr()] = tensor.nbytes
+        return True
+
+    def unpin_memory(tensor):
+        if registered.pop(tensor.data_ptr(), None) is None:
+            unknown.append(tensor.data_ptr())
+            return False
+        return True
+
+    load = mm.load_models_gpu
+    pinned_by_load = []
+
+    def load_that_pins(models, *args, **kwargs):
+        result = load(models, *args, **kwargs)
+        for patcher in models:
+            if getattr(patcher.model, "diffusion_model", None) is None or torch.is_inference_mode_enabled():
+                continue
+            with patcher.use_ejected():  # as ComfyUI pins: in its load, before it injects (the run's adapters)
+                keys = [f"diffusion_model.{name}" for name, _ in patcher.model.diffusion_model.named_parameters()]
+                for key in keys[::2]:
+                    if key not in patcher.pinned:
+                        patcher.pin_weight_to_device(key)
+                        pinned_by_load.append(key)
+        return result
+
+    monkeypatch.setattr(mm, "pin_memory", pin_memory)
+    monkeypatch.setattr(mm, "unpin_memory", unpin_memory)
+    monkeypatch.setattr(mm, "load_models_gpu", load_that_pins)
+    model, _, _, latents, texts = _data("flux", count=2)
+    base = _base_weights(model)
+    with torch.inference_mode():
+        M.HeadroomMemoryPlan.execute(model, "estimate", 2, 32, 32, 8, "preset", "AdamW", "fp32", 8)
+    run = _init(model, latents, texts, "pinned_weights", batch_size=2)
+    with torch.inference_mode():
+        T.HeadroomTrainSteps.execute(run, 2)
+    assert pinned_by_load and run.step == 2
+    live = {t.data_ptr() for t in [*model.model.diffusion_model.parameters(), *model.model.diffusion_model.buffers()]}
+    assert registered and set(registered) <= live, "registered host memory outlived its weight"
+    assert not unknown, "an unpin named memory that was never registered"
+    after = _base_weights(model)
+    assert all(torch.equal(base[k], after[k]) for k in base)
+
+
 def test_partial_placement_keeps_the_planned_share_of_the_base(comfyui, monkeypatch):
     """A "partial" run on a device plans, once, the share of the base its load may leave there (ComfyUI's load
     fills its free memory; the run trims back to the plan: nodes/bridge/comfy_bridge.Placement.load). On the CPU

@@ -1,8 +1,10 @@
 """The planner: optimizer state model, low-bit sizes, itemised phases, policy choice, activation measurement."""
 from __future__ import annotations
 
+import gc
 import json
 import math
+import weakref
 
 import pytest
 import torch
@@ -349,6 +351,43 @@ class CastLinear(torch.nn.Linear):
 
     def forward(self, x):
         return torch.nn.functional.linear(x, self.weight.to(x.dtype), self.bias.to(x.dtype))
+
+
+class TrackedCastLinear(CastLinear):
+    """A CastLinear that remembers (weakly) each cast copy it made."""
+
+    copies: list = []
+
+    def forward(self, x):
+        weight = self.weight.to(x.dtype)
+        TrackedCastLinear.copies.append(weakref.ref(weight))
+        return torch.nn.functional.linear(x, weight, self.bias.to(x.dtype))
+
+
+def test_weight_copies_are_counted_per_layer_call_and_not_held():
+    """With part of the base in host RAM every layer there casts a device copy of its weight: the measurement
+    counts each copy (once per layer call: a layer run twice keeps two) but does not hold it, or measuring a
+    model larger than the card would bring all of it to the device (Flux-dev on an 8 GiB card: out of memory)."""
+    width = 32
+    layer = TrackedCastLinear(width, width).to(torch.bfloat16).requires_grad_(False)
+    config = AdapterConfig(rank=4, alpha=4, targets="all_linear")
+    blocks = torch.nn.ModuleList([torch.nn.Sequential(layer)])
+    adapters = AdapterSet(blocks, select_targets(blocks, None, config, ["0"]), config)
+    adapters.attach(blocks)
+    TrackedCastLinear.copies = []
+    held = []
+
+    def forward():
+        h = torch.randn(1, 3, width)  # not 4 tokens: an input of the LoRA down layer's size would pass for a copy
+        out = blocks[0](blocks[0](h))  # the same layer twice: its input needs a gradient the second time
+        gc.collect()
+        held.extend(ref() is not None for ref in TrackedCastLinear.copies)
+        return out
+
+    sample = planner.measure_activations(forward, list(blocks), weights=list(blocks.parameters()),
+                                         latent_area=3, text_tokens=0)
+    assert len(held) == 2 and not any(held), "the measurement held the layers' weight copies"
+    assert sample.block_weight_copies == [width * width * 4]  # the second call's copy (the first needs none)
 
 
 def test_weight_copies_are_counted_apart_and_dropped_by_low_bit_storage():

@@ -483,39 +483,50 @@ def measure_activations(run_forward: Callable[[], object], blocks: Sequence[torc
     `weights` (the frozen parameters) are not activations and are skipped. A saved tensor that a layer of a
     block made from its own weight (a cast copy: same shape as the layer's weight, no gradient) is counted
     apart, as that block's weight copies: they do not grow with the latent area, and low-bit storage drops
-    those of Linear layers.
+    those of Linear layers. Weight copies are counted once per layer call and not held: when ComfyUI keeps part
+    of the base in host RAM, every such layer casts a device copy of its weight, and holding them all would
+    bring the whole model to the device (a Flux-dev plan on an 8 GiB card ran out of memory measuring).
     """
     weight_keys = {_storage_key(w) for w in weights}
     seen: set[int] = set()
     current: list[int | None] = [None]
-    layers: list[torch.nn.Module] = []  # the layers (modules with their own weight) running now, innermost last
+    layers: list[tuple[torch.nn.Module, int]] = []  # the layers (with their own weight) running now, innermost last
     block_saved = [0] * len(blocks)
     block_inputs = [0] * len(blocks)
     block_copies = [0] * len(blocks)
     linear_copies = [0] * len(blocks)
     outside = [0]
+    calls = [0]  # layer calls so far: a layer's weight copy is counted once per call
+    copied: set[int] = set()  # the layer calls whose weight copy is counted
 
     def is_weight_copy(tensor: torch.Tensor) -> bool:
         if tensor.requires_grad or not layers:
             return False
-        own = layers[-1]._parameters.get("weight")
+        own = layers[-1][0]._parameters.get("weight")
         # Compared by size, not shape: a matmul saves the transposed view of the copy.
         return own is not None and tensor.numel() == own.numel()
 
-    def add(tensor: torch.Tensor) -> None:
+    def add(tensor: torch.Tensor) -> bool:
+        """Count a saved tensor; True when it is to be held until the forward ends (see `kept`)."""
         key = _storage_key(tensor)
         if key in weight_keys or key in seen:
-            return
+            return False
+        if current[0] is not None and is_weight_copy(tensor):
+            layer, call = layers[-1]
+            if call not in copied:
+                copied.add(call)
+                size = _storage_bytes(tensor)
+                block_copies[current[0]] += size
+                if isinstance(layer, torch.nn.Linear):
+                    linear_copies[current[0]] += size
+            return False  # counted by its layer call, so its address may be reused without a miscount
         seen.add(key)
         size = _storage_bytes(tensor)
         if current[0] is None:
             outside[0] += size
-        elif is_weight_copy(tensor):
-            block_copies[current[0]] += size
-            if isinstance(layers[-1], torch.nn.Linear):
-                linear_copies[current[0]] += size
         else:
             block_saved[current[0]] += size
+        return True
 
     # The saved tensors are held here, not in the graph: a pack hook that returns the tensor itself makes
     # autograd hold a strong reference from the graph to a tensor whose grad_fn is in that graph, a cycle
@@ -523,16 +534,16 @@ def measure_activations(run_forward: Callable[[], object], blocks: Sequence[torc
     # GiB per plan). Holding them until the forward ends also keeps storage addresses unique while counting.
     kept: list[torch.Tensor] = []
 
-    def pack(tensor: torch.Tensor) -> int:
-        add(tensor)
-        kept.append(tensor)
-        return len(kept) - 1
+    def pack(tensor: torch.Tensor) -> None:
+        if add(tensor):
+            kept.append(tensor)
 
-    def unpack(index: int):
+    def unpack(_: None):
         raise RuntimeError("planner.measure_activations: a calibration forward cannot run backward")
 
     def enter_layer(module, args) -> None:
-        layers.append(module)
+        calls[0] += 1
+        layers.append((module, calls[0]))
 
     def leave_layer(module, args, output) -> None:  # returns None: a forward hook's result would replace the output
         layers.pop()
