@@ -35,6 +35,17 @@ def available_device_bytes(device: torch.device | None = None) -> int:
     return int(comfy.model_management.get_free_memory(device) + loaded)
 
 
+def calibration_room(patcher) -> int:
+    """Device memory the plan's calibration forwards keep free of weights: half of what ComfyUI can make free there
+    (0 when the model computes where it is kept, as on the CPU). ComfyUI's load fills the card otherwise, and a base
+    larger than the card then left too little for the forwards (Flux-dev measured at 6 to 24 GiB: out of memory,
+    so its runs had no plan). The weights left in host RAM are cast layer by layer, as when sampling."""
+    device = torch.device(patcher.load_device)
+    if device == torch.device(patcher.offload_device):
+        return 0
+    return available_device_bytes(device) // 2
+
+
 def budget_bytes(policy: OffloadPolicy, device: torch.device | None = None) -> int:
     """The policy's budget in bytes on ComfyUI's device ("auto": available minus the reserve)."""
     return policy.budget_bytes(available_device_bytes(device) if policy.budget_is_auto else None)
@@ -83,8 +94,9 @@ def _measure(patcher, adapter: AdapterConfig, precision: str) -> list[planner.Ac
     model = patcher.model
     diffusion_model = model.diffusion_model
     with torch.inference_mode(False):
-        comfy.model_management.load_models_gpu([patcher])
-        replace_inference_tensors(diffusion_model, patcher)
+        comfy.model_management.load_models_gpu([patcher], memory_required=calibration_room(patcher))
+        with patcher.use_ejected():  # the bare module tree's weight keys (a run's clone loads with its adapters)
+            replace_inference_tensors(diffusion_model, patcher)
         denoiser = ComfyDenoiser(patcher)
         blocks = [m for _, m in training_blocks(diffusion_model)]
         weights = [*diffusion_model.parameters(), *diffusion_model.buffers()]

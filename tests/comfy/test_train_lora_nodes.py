@@ -736,6 +736,38 @@ def test_weights_comfyui_pinned_stay_registered_through_the_clone(comfyui, monke
     assert all(torch.equal(base[k], after[k]) for k in base)
 
 
+def test_the_plans_measurement_keeps_room_for_its_forwards(comfyui, monkeypatch):
+    """ComfyUI's load fills the card; measuring a base larger than the card then had no room left for the
+    calibration forwards (Flux-dev at 6 to 24 GiB on an H200 capped to them: out of memory, no plan). The
+    measurement asks ComfyUI to keep half of the device free (nothing on the CPU, where the weights are used as
+    they are kept)."""
+    import types
+
+    import comfy.model_management as mm
+
+    from headroom.nodes import memory as M
+    from headroom.nodes.bridge import planning
+
+    monkeypatch.setattr(planning, "available_device_bytes", lambda device=None: 10 * 2 ** 30)
+    on_gpu = types.SimpleNamespace(load_device=torch.device("cuda", 0), offload_device=torch.device("cpu"))
+    on_cpu = types.SimpleNamespace(load_device=torch.device("cpu"), offload_device=torch.device("cpu"))
+    assert planning.calibration_room(on_gpu) == 5 * 2 ** 30 and planning.calibration_room(on_cpu) == 0
+
+    asked = []
+    load = mm.load_models_gpu
+
+    def recording_load(models, memory_required=0, **kwargs):
+        asked.append(memory_required)
+        return load(models, memory_required=memory_required, **kwargs)
+
+    monkeypatch.setattr(mm, "load_models_gpu", recording_load)
+    monkeypatch.setattr(planning, "calibration_room", lambda patcher: 123 * 2 ** 20)
+    model, *_ = _data("flux", count=2)
+    with torch.inference_mode():
+        M.HeadroomMemoryPlan.execute(model, "estimate", 2, 32, 32, 8, "preset", "AdamW", "fp32", 8)
+    assert 123 * 2 ** 20 in asked
+
+
 def test_partial_placement_keeps_the_planned_share_of_the_base(comfyui, monkeypatch):
     """A "partial" run on a device plans, once, the share of the base its load may leave there (ComfyUI's load
     fills its free memory; the run trims back to the plan: nodes/bridge/comfy_bridge.Placement.load). On the CPU
