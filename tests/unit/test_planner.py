@@ -1,6 +1,7 @@
 """The planner: optimizer state model, low-bit sizes, itemised phases, policy choice, activation measurement."""
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import math
@@ -101,6 +102,23 @@ def test_partial_placement_fills_the_budget():
     assert 0 < items["resident block weights (as_loaded, partial)"] < 4 * GIB
     assert tight.phase("training step").total <= 3.5 * GIB
     assert tight.host_bytes["streamed block weights"] == 4 * GIB - items["resident block weights (as_loaded, partial)"]
+
+
+def test_partial_placement_leaves_validation_its_room_too():
+    """"partial" keeps on the device the block weights that fit beside the rest of the larger phase: sized by the
+    training step alone, a sampling working set larger than training's activations put validation over the budget,
+    and plan_auto passed over "partial" for the slower "streamed" (Flux.2 Klein at 8 GB)."""
+    d = dataclasses.replace(toy_description(), inference_bytes_per_latent_px=600 * MIB / 4096)  # 1.2 GiB sampling
+    policy = OffloadPolicy(base_placement="partial", checkpointing="blocks")
+    budget = int(3.5 * GIB)
+    plan = estimate(d, TRAINABLE, SHAPE, policy, budget_bytes=budget)
+    training, validation = plan.phase("training step"), plan.phase("validation")
+    assert validation.total > training.total  # the phase that sizes the share here
+    assert plan.fits and validation.total <= budget
+    share = training.items["resident block weights (as_loaded, partial)"]
+    assert 0 < share < 4 * GIB and plan.base_device_bytes == d.other_param_bytes + share
+    auto = planner.plan_auto(d, TRAINABLE, SHAPE, OffloadPolicy(), budget)
+    assert auto.policy.base_placement == "partial", auto.reason
 
 
 def test_plan_says_how_much_of_the_base_stays_on_the_device():

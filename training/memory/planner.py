@@ -317,9 +317,24 @@ def estimate(description: ModelDescription, trainable: TrainableSpec, shape: Run
     activations["gradient buffers of one block"] = int(2 * max(inputs, default=0))
     activations["one layer's weight copy in flight (cast / dequantised)"] = int(in_flight)
 
-    # Frozen weights by placement, the last: "partial" fills the room everything else leaves.
+    # Validation (below) keeps the same frozen weights beside the adapter and ComfyUI's sampling working set.
+    sampling = {"adapter weights (fp32)": trainable.param_bytes(), **parking.validation,
+                "sampling working set (ComfyUI estimate, cond+uncond)": int(
+                    description.inference_bytes_per_latent_px * area * 2),
+                "one layer's weight copy in flight (cast / dequantised)": int(in_flight),
+                # Validation as the saved file (the default, nodes/bridge/comfy_bridge.AsSavedWeight) merges the
+                # LoRA into that layer's weight as it runs: the LoRA product in fp32 (ComfyUI's LoRA compute dtype
+                # on a CPU; fp16 on some GPUs, so this is the upper bound), the merge rounded to the stored dtype,
+                # and that back in compute precision.
+                "one layer's LoRA merge in flight (validation as the saved file)": int(
+                    description.largest_linear_numel * (4 + description.stored_element_size
+                                                        + description.compute_element_size))}
+
+    # Frozen weights by placement, the last: "partial" fills the room everything else leaves, in training and in
+    # validation (sized by training alone, a larger sampling working set put validation over the budget, and the
+    # auto policy skipped "partial" for the slower "streamed": Flux.2 Klein at 8 GB).
     outer = {"frozen weights outside the blocks": description.other_param_bytes}
-    rest = sum(outer.values()) + sum(trainables.values()) + sum(activations.values())
+    rest = sum(outer.values()) + max(sum(trainables.values()) + sum(activations.values()), sum(sampling.values()))
     device_budget = None if budget_bytes is None else int(budget_bytes / (1 + ALLOCATOR_OVERHEAD))
     placement = weight_streaming.placement_cost(policy.base_placement, block_weights, storage, rest, device_budget)
     weights = {**outer, **placement.training}
@@ -334,17 +349,7 @@ def estimate(description: ModelDescription, trainable: TrainableSpec, shape: Run
     training = PhaseEstimate("training step", training_items, notes)
 
     # Validation: the same frozen weights, the adapter, ComfyUI's inference estimate for cond + uncond.
-    validation_items = {**outer, **placement.validation}
-    validation_items["adapter weights (fp32)"] = trainable.param_bytes()
-    validation_items.update(parking.validation)
-    validation_items["sampling working set (ComfyUI estimate, cond+uncond)"] = int(
-        description.inference_bytes_per_latent_px * area * 2)
-    validation_items["one layer's weight copy in flight (cast / dequantised)"] = int(in_flight)
-    # Validation as the saved file (the default, nodes/bridge/comfy_bridge.AsSavedWeight) merges the LoRA into that layer's
-    # weight as it runs: the LoRA product in fp32 (ComfyUI's LoRA compute dtype on a CPU; fp16 on some GPUs, so this
-    # is the upper bound), the merge rounded to the stored dtype, and that back in compute precision.
-    validation_items["one layer's LoRA merge in flight (validation as the saved file)"] = int(
-        description.largest_linear_numel * (4 + description.stored_element_size + description.compute_element_size))
+    validation_items = {**outer, **placement.validation, **sampling}
     validation_items["allocator overhead (5%)"] = int(ALLOCATOR_OVERHEAD * sum(validation_items.values()))
     validation = PhaseEstimate("validation", validation_items,
                                [note for cost in features for note in cost.validation_notes])
