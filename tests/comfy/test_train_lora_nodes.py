@@ -641,42 +641,55 @@ def test_a_card_resolves_to_the_fastest_policy_whose_planned_peak_fits_it(comfyu
     assert "HeadroomTrainLoraInit: 8 GB: base " in text and "planned peak" in text and "DOES NOT FIT" not in text
 
 
+def _plan_and_train_after_loads(monkeypatch, after_load, run_name: str):
+    """Plan, open and train 2 steps on a tiny Flux whose every Headroom load of the diffusion model ends with
+    `after_load(patcher)` (what a GPU load does that a CPU one does not); the shared MODEL keeps its values.
+    Returns the MODEL and the run."""
+    import comfy.model_management as mm
+
+    from headroom.nodes import memory as M, train_lora as T
+
+    load = mm.load_models_gpu
+
+    def load_then(models, *args, **kwargs):
+        result = load(models, *args, **kwargs)
+        for patcher in models:
+            if getattr(patcher.model, "diffusion_model", None) is None or torch.is_inference_mode_enabled():
+                continue  # text encoders; ComfyUI's own loads
+            after_load(patcher)
+        return result
+
+    monkeypatch.setattr(mm, "load_models_gpu", load_then)
+    model, _, _, latents, texts = _data("flux", count=2)
+    base = _base_weights(model)
+    with torch.inference_mode():
+        M.HeadroomMemoryPlan.execute(model, "estimate", 2, 32, 32, 8, "preset", "AdamW", "fp32", 8)
+    run = _init(model, latents, texts, run_name, batch_size=2)
+    with torch.inference_mode():
+        T.HeadroomTrainSteps.execute(run, 2)
+    assert run.step == 2 and torch.isfinite(torch.tensor(run.trainer.last_loss))
+    after = _base_weights(model)
+    assert all(torch.equal(base[k], after[k]) for k in base)
+    return model, run
+
+
 def test_trains_on_weights_a_load_moved_outside_inference_mode(comfyui, monkeypatch):
     """On a GPU, ComfyUI's load moves the loader's weights with Module.to, and Headroom loads outside inference mode:
     the Parameter objects made under inference mode stay and get new data, so is_inference() is False but autograd
     still refuses them ("Inference tensors do not track version counter": every Headroom run failed so on an H200).
     On the CPU nothing moves, so the load is made to move here, with a dtype round trip that takes the same set_data
     path (same values). The plan and the run load, train, and the shared MODEL keeps its values."""
-    import comfy.model_management as mm
-
-    from headroom.nodes import memory as M, train_lora as T
     from headroom.nodes.bridge.comfy_model import made_in_inference_mode
 
-    load = mm.load_models_gpu
     moved = []
 
-    def load_that_moves(models, *args, **kwargs):
-        result = load(models, *args, **kwargs)
-        for patcher in models:
-            diffusion = getattr(patcher.model, "diffusion_model", None)
-            if diffusion is None or torch.is_inference_mode_enabled():  # text encoders; ComfyUI's own loads
-                continue
-            diffusion.to(torch.float64).to(torch.float32)  # what a CPU -> GPU move does to the Parameter objects
-            moved.append(any(made_in_inference_mode(param) for param in diffusion.parameters()))
-        return result
+    def move(patcher):
+        diffusion = patcher.model.diffusion_model
+        diffusion.to(torch.float64).to(torch.float32)  # what a CPU -> GPU move does to the Parameter objects
+        moved.append(any(made_in_inference_mode(param) for param in diffusion.parameters()))
 
-    monkeypatch.setattr(mm, "load_models_gpu", load_that_moves)
-    model, _, _, latents, texts = _data("flux", count=2)
-    base = _base_weights(model)
-    with torch.inference_mode():
-        M.HeadroomMemoryPlan.execute(model, "estimate", 2, 32, 32, 8, "preset", "AdamW", "fp32", 8)
-    run = _init(model, latents, texts, "moved_weights", batch_size=2)
-    with torch.inference_mode():
-        T.HeadroomTrainSteps.execute(run, 2)
+    _plan_and_train_after_loads(monkeypatch, move, "moved_weights")
     assert moved and moved[0], "the emulated first move did not leave Parameters made under inference mode"
-    assert run.step == 2 and torch.isfinite(torch.tensor(run.trainer.last_loss))
-    after = _base_weights(model)
-    assert all(torch.equal(base[k], after[k]) for k in base)
 
 
 def test_weights_comfyui_pinned_stay_registered_through_the_clone(comfyui, monkeypatch):
@@ -687,8 +700,6 @@ def test_weights_comfyui_pinned_stay_registered_through_the_clone(comfyui, monke
     unregister names a registered pointer); ComfyUI's load pins every other weight. Whatever stays registered
     through a plan and a run is the memory of a live weight."""
     import comfy.model_management as mm
-
-    from headroom.nodes import memory as M, train_lora as T
 
     registered: dict[int, int] = {}
     unknown: list[int] = []
@@ -704,38 +715,23 @@ def test_weights_comfyui_pinned_stay_registered_through_the_clone(comfyui, monke
             return False
         return True
 
-    load = mm.load_models_gpu
     pinned_by_load = []
 
-    def load_that_pins(models, *args, **kwargs):
-        result = load(models, *args, **kwargs)
-        for patcher in models:
-            if getattr(patcher.model, "diffusion_model", None) is None or torch.is_inference_mode_enabled():
-                continue
-            with patcher.use_ejected():  # as ComfyUI pins: in its load, before it injects (the run's adapters)
-                keys = [f"diffusion_model.{name}" for name, _ in patcher.model.diffusion_model.named_parameters()]
-                for key in keys[::2]:
-                    if key not in patcher.pinned:
-                        patcher.pin_weight_to_device(key)
-                        pinned_by_load.append(key)
-        return result
+    def pin(patcher):
+        with patcher.use_ejected():  # as ComfyUI pins: in its load, before it injects (the run's adapters)
+            keys = [f"diffusion_model.{name}" for name, _ in patcher.model.diffusion_model.named_parameters()]
+            for key in keys[::2]:
+                if key not in patcher.pinned:
+                    patcher.pin_weight_to_device(key)
+                    pinned_by_load.append(key)
 
     monkeypatch.setattr(mm, "pin_memory", pin_memory)
     monkeypatch.setattr(mm, "unpin_memory", unpin_memory)
-    monkeypatch.setattr(mm, "load_models_gpu", load_that_pins)
-    model, _, _, latents, texts = _data("flux", count=2)
-    base = _base_weights(model)
-    with torch.inference_mode():
-        M.HeadroomMemoryPlan.execute(model, "estimate", 2, 32, 32, 8, "preset", "AdamW", "fp32", 8)
-    run = _init(model, latents, texts, "pinned_weights", batch_size=2)
-    with torch.inference_mode():
-        T.HeadroomTrainSteps.execute(run, 2)
-    assert pinned_by_load and run.step == 2
+    model, run = _plan_and_train_after_loads(monkeypatch, pin, "pinned_weights")  # run: its clone holds its pins
+    assert pinned_by_load
     live = {t.data_ptr() for t in [*model.model.diffusion_model.parameters(), *model.model.diffusion_model.buffers()]}
     assert registered and set(registered) <= live, "registered host memory outlived its weight"
     assert not unknown, "an unpin named memory that was never registered"
-    after = _base_weights(model)
-    assert all(torch.equal(base[k], after[k]) for k in base)
 
 
 def test_the_plans_measurement_keeps_room_for_its_forwards(comfyui, monkeypatch):
