@@ -482,7 +482,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--png", type=Path, help="draw the peak-VRAM picture here")
     args = parser.parse_args(argv)
     # A command that restarts the suite (device.sh, after a CUDA error) counts its minutes from its own start.
-    started = time.monotonic() - max(0.0, time.time() - float(os.environ.get("GPUKIT_STARTED", time.time())))
+    already = time.time() - float(os.environ["GPUKIT_STARTED"]) if "GPUKIT_STARTED" in os.environ else 0.0
+    started = time.monotonic() - max(0.0, already)
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     unknown = [m for m in models if m not in MODELS]
     if unknown:

@@ -191,18 +191,21 @@ def replace_inference_tensors(module: torch.nn.Module, patcher=None) -> None:
     """
     pinned = patcher.pinned if patcher is not None else set()
     with torch.inference_mode(False):
-        for named, set_one, copy in ((module.named_parameters, comfy.utils.set_attr_param,
-                                      lambda t: t.detach().clone()),
-                                     (module.named_buffers, comfy.utils.set_attr, lambda t: t.clone())):
-            names = [name for name, tensor in named() if made_in_inference_mode(tensor)]
-            for name in names:
-                key = f"diffusion_model.{name}"
-                was_pinned = key in pinned
-                if was_pinned:
-                    patcher.unpin_weight(key)
-                set_one(module, name, copy(comfy.utils.get_attr(module, name)))
-                if was_pinned:
-                    patcher.pin_weight_to_device(key)
+        names = [(name, True) for name, param in module.named_parameters() if made_in_inference_mode(param)]
+        names += [(name, False) for name, buffer in module.named_buffers() if made_in_inference_mode(buffer)]
+        for name, is_parameter in names:
+            key = f"diffusion_model.{name}"
+            was_pinned = key in pinned
+            if was_pinned:
+                patcher.unpin_weight(key)
+            old = comfy.utils.get_attr(module, name)
+            if is_parameter:
+                comfy.utils.set_attr_param(module, name, old.detach().clone())
+            else:
+                comfy.utils.set_attr(module, name, old.clone())
+            del old
+            if was_pinned:
+                patcher.pin_weight_to_device(key)
 
 
 def data_fingerprint(latent_cache) -> str:
