@@ -106,13 +106,14 @@ def section(records: list[dict]) -> str:
         "`torch.cuda.set_per_process_memory_fraction(budget / card)`: the caching allocator may hold no more; the "
         "CUDA context and cuBLAS workspaces are outside it.",
         "- Peaks: `torch.cuda.max_memory_allocated / reserved` over the timed steps (the run's memory record, phase "
-        "training) and over the validation loss; step time: median of the timed steps after the warm-up.",
+        "training) and over the validation loss; host RAM peak: the process's resident set (RSS) over the training "
+        "phase; step time: median of the timed steps after the warm-up.",
         "",
         "![peak VRAM per model and budget](gpu_vram.png)",
         "",
         "| model | budget GiB / policy | policy run | planner step GiB | peak alloc. GiB | peak reserved GiB | planner / measured "
-        "| validation peak GiB | planner validation GiB | s/step | vs resident | status |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| validation peak GiB | planner validation GiB | host RAM peak GiB | s/step | vs resident | status |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     lora = sorted((r for r in measured.values() if r.get("kind") == "lora"),
                   key=lambda r: (list(LABELS).index(r["model"]) if r["model"] in LABELS else 99,
@@ -137,7 +138,7 @@ def section(records: list[dict]) -> str:
             f"{' (planner: does not fit)' if r.get('plan_fits') is False else ''} | "
             f"{_gib(r.get('planner_train_bytes'))} | {_gib(r.get('train_peak_allocated'))} | "
             f"{_gib(r.get('train_peak_reserved'))} | {ratio} | {_gib(r.get('validation_peak_allocated'))} | "
-            f"{_gib(r.get('planner_validation_bytes'))} | "
+            f"{_gib(r.get('planner_validation_bytes'))} | {_gib(r.get('train_peak_rss'))} | "
             f"{'' if r.get('s_per_step') is None else format(r['s_per_step'], '.3f')} | {vs} | {r.get('status')} |")
     native = [r for r in measured.values() if r.get("kind") == "native"]
     if native:
