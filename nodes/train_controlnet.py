@@ -8,6 +8,8 @@ MODEL (nodes/bridge/run_controlnet.py).
 """
 from __future__ import annotations
 
+import dataclasses
+
 from comfy_api.latest import io, ui
 
 from ..training.checks import check_finite
@@ -23,7 +25,7 @@ from .inputs import (DEFAULT_CHECKPOINT_MINUTES, added_train_inputs, checkpoint_
 from .io_types import TrainingRunType
 from .bridge.run_controlnet import ControlNetRunConfig, open_controlnet_run
 from .bridge.model_files import runs_root, save_trained_controlnet
-from .bridge.planning import plan_for_card
+from .bridge.planning import check_host_ram, plan_for_card
 from .bridge.rank_workers import open_on_devices
 from .bridge.run_settings import effective_batch, resolve_policy, run_fingerprint, train_config
 from .train_lora import CATEGORY, SAVED_KEY, saved_file, saved_text, train_validate_save
@@ -52,9 +54,12 @@ def start_controlnet_run(model, latent_cache, text_cache, optimizer_config, run_
         check_caches(model.model, latent_cache, text_cache)
         train, batch_note = effective_batch(train, latent_cache, holdout, run_name, node)
         check_control_cache(type_name, latent_cache, node)
+        trainable = dataclasses.replace(controlnet_trainable(model, blocks, optimizer_config.name),
+                                        ema=train.ema_decay > 0)
         policy, plan_note = resolve_policy(policy, gradient_checkpointing, checkpoint_depth, node=node, plan_card=(
-            lambda card: plan_for_card(model, latent_cache, text_cache, card, controlnet_trainable(
-                model, blocks, optimizer_config.name), train.batch_size, train.precision, node)))
+            lambda card: plan_for_card(model, latent_cache, text_cache, card, trainable, train.batch_size,
+                                       train.precision, node)))
+        plan_note = "\n".join(filter(None, [plan_note, check_host_ram(policy, trainable, node)]))
         send_node_text(plan_note, shown_on)  # on the node before the run opens, and so before its first step
         config = ControlNetRunConfig(controlnet_type=type_name, blocks=blocks, init_seed=init_seed,
                                      optimizer=optimizer_config, train=train, holdout=holdout)

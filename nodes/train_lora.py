@@ -7,6 +7,7 @@ continues. Init with the name of an existing run resumes it from its run directo
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -22,7 +23,7 @@ from .bridge import lora_formats
 from .bridge.comfy_bridge import TrainingRun, check_run_kind, node_id, node_name, send_node_text
 from .bridge.comfy_model import check_caches, check_reference_cache, model_family
 from .bridge.model_files import runs_root, save_lora
-from .bridge.planning import lora_trainable, plan_for_card
+from .bridge.planning import check_host_ram, lora_trainable, plan_for_card
 from .bridge.rank_workers import open_on_devices
 from .bridge.run_lora import REFERENCES, SAVE_DTYPES, LoraRunConfig, open_lora_run
 from .bridge.run_settings import effective_batch, resolve_policy, run_fingerprint, train_config
@@ -203,9 +204,12 @@ def start_lora_run(model, latent_cache, text_cache, lora_config, optimizer_confi
                                    noise_range=(noise_min, noise_max))
         check_caches(model.model, latent_cache, text_cache)
         train, batch_note = effective_batch(train, latent_cache, holdout, run_name, node)
+        trainable = dataclasses.replace(lora_trainable(model, lora_config, optimizer_config.name),
+                                        ema=train.ema_decay > 0)
         policy, plan_note = resolve_policy(policy, gradient_checkpointing, checkpoint_depth, node=node, plan_card=(
-            lambda card: plan_for_card(model, latent_cache, text_cache, card, lora_trainable(
-                model, lora_config, optimizer_config.name), train.batch_size, train.precision, node, lora_config)))
+            lambda card: plan_for_card(model, latent_cache, text_cache, card, trainable, train.batch_size,
+                                       train.precision, node, lora_config)))
+        plan_note = "\n".join(filter(None, [plan_note, check_host_ram(policy, trainable, node)]))
         send_node_text(plan_note, shown_on)  # on the node before the run opens, and so before its first step
         if reference not in REFERENCES:
             raise ValueError(f"reference={reference!r}: choose one of {', '.join(map(repr, REFERENCES))}")

@@ -346,6 +346,41 @@ def replace_case(arch: str, depth) -> dict:
             "moved_tensors": moved, **peak.record("replace_inference_tensors")}
 
 
+def host_ram_case(arch: str) -> dict:
+    """What a run adds to host RAM, measured against the plan (training/memory/host_ram.py): a rank-16 LoRA of each
+    model at full depth (its target shapes from the model built on the meta device), optimizer state on the host
+    (optimizer_parking.HostOptimizer: fp32 masters + AdamW state after its first step) and the EMA copy (core/ema.py).
+    RSS growth after the step against the plan's validation figure for that policy (masters + state + EMA). On a CPU
+    the step's fp32 gradient copies and parked state are the device's own tensors (`.to` returns them), so the
+    training-step figure (which adds the gradients' host copies on a GPU) is not measured here. One model per
+    process: memory freed by a previous one would be reused unseen by the RSS."""
+    setup()
+    import realsize_models as R
+    from headroom.nodes.bridge.planning import lora_trainable
+    from headroom.training.core.adapters import AdapterConfig
+    from headroom.training.core.ema import WeightEMA
+    from headroom.training.core.optimizers import OptimizerConfig, create_optimizer
+    from headroom.training.memory import host_ram, optimizer_parking
+
+    trainable = lora_trainable(R.build_model(arch, None, device="meta"), AdapterConfig(rank=16, alpha=16.0), "AdamW")
+    cost = optimizer_parking.optimizer_cost("cpu", True, "AdamW", trainable.optimizer_bytes(), trainable.param_bytes())
+    planned = host_ram.added_by_phase([cost], True, trainable.param_bytes())
+    params = [torch.nn.Parameter(torch.randn(shape) * 0.01) for shape in trainable.shapes]
+    for param in params:
+        param.grad = torch.randn_like(param)
+    with Peak() as peak:
+        optimizer = optimizer_parking.HostOptimizer(params, lambda host: create_optimizer(
+            host, OptimizerConfig(name="AdamW", lr=1e-4), device="cpu"))
+        optimizer.step()
+        ema = WeightEMA(params, 0.99)
+        ema.update(params)
+        gc.collect()
+        after = rss()
+    return {"arch": arch, "trainable_params": trainable.param_count, "planned": planned,
+            "planned_validation_bytes": sum(planned["validation"].values()),
+            "measured_growth_bytes": after - peak.start_rss, **peak.record("host optimizer + EMA")}
+
+
 def estimate(model, clip, vae, size: int, texts, latents, lora) -> dict:
     """The planner's estimate per phase for this run's shape, with and without gradient checkpointing."""
     from headroom.nodes.bridge.planning import describe_comfy_model, lora_target_paths
@@ -395,9 +430,11 @@ def compare(report: dict, planner_key: str = "checkpointing") -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("case", choices=[*CASES, "replace"], help="a model case, or replace: replace_inference_tensors "
-                        "alone on Flux-dev at real width (one double + one single block)")
+    parser.add_argument("case", choices=[*CASES, "replace", "host_ram"], help="a model case, or replace: "
+                        "replace_inference_tensors alone on Flux-dev at real width (one double + one single block), or "
+                        "host_ram: the host optimizer and EMA of full-depth LoRAs against the plan")
     parser.add_argument("--out", required=True, help="where the JSON report goes")
+    parser.add_argument("--arch", default="flux_dev", help="host_ram: the model (tests/realsize_models.ARCHITECTURES)")
     parser.add_argument("--size", type=int, default=64, help="square training / sampling resolution in pixels")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--no-checkpointing", action="store_true", help="train without gradient checkpointing")
@@ -407,9 +444,11 @@ def main() -> None:
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     if args.case == "replace":
         report = replace_case("flux_dev", (1, 1))
+    elif args.case == "host_ram":
+        report = host_ram_case(args.arch)
     else:
         report = run_case(args.case, args.size, args.steps, not args.no_checkpointing, args.planner)
-    if args.case != "replace":
+    if args.case in CASES:
         report["compared"] = compare(report, "checkpointing" if not args.no_checkpointing else "no_checkpointing")
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

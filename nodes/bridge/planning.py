@@ -12,7 +12,7 @@ import torch
 
 import comfy.model_management
 
-from ...training.memory import planner
+from ...training.memory import host_ram, optimizer_parking, planner
 from ...training.core.adapters import AdapterConfig, AdapterSet
 from ...training.memory.policy import OffloadPolicy, PolicyError
 from ...training.core.trainer import PRECISIONS, auto_precision
@@ -223,9 +223,28 @@ def plan_lora_run(model, policy: OffloadPolicy, mode: str, batch_size: int, widt
     description = describe_comfy_model(model, adapter, precision, text_tokens or None, clip, vae, frames)
     trainable = lora_trainable(model, adapter, optimizer, paths)
     shape = planner.RunShape(batch_size, width, height, text_tokens or None, latent_frames)
+    room = host_ram.host_room(policy.host_ram_budget_gb)
     if mode == "auto":
-        return planner.plan_auto(description, trainable, shape, policy, budget)
-    return planner.estimate(description, trainable, shape, policy, budget)
+        return planner.plan_auto(description, trainable, shape, policy, budget, room)
+    return planner.estimate(description, trainable, shape, policy, budget, room)
+
+
+def check_host_ram(policy: OffloadPolicy, trainable: planner.TrainableSpec, node: str) -> str:
+    """Before a run opens (LoRA and ControlNet Init nodes): what its policy adds to host RAM (optimizer state on the
+    host or parked while sampling, the EMA copy) against the policy's host RAM budget. Raises ValueError naming the
+    node and what to change rather than letting the OS kill the run; returns the plan's host line. Offloaded block
+    inputs (checkpointing blocks_cpu_offload) depend on the measured model: the Memory Plan node and a card's plan
+    count them."""
+    room = host_ram.host_room(policy.host_ram_budget_gb)
+    if room is None:
+        return ""
+    parking = optimizer_parking.optimizer_cost(policy.optimizer_state, policy.park_optimizer_during_validation,
+                                               trainable.optimizer, trainable.optimizer_bytes(), trainable.param_bytes())
+    phases = host_ram.added_by_phase([parking], trainable.ema, trainable.param_bytes())
+    added = max(sum(items.values()) for items in phases.values())
+    if not room.fits(added):
+        raise ValueError(f"{node}: {room.describe(added)}; {host_ram.advice(room, added)}")
+    return room.describe(added)
 
 
 def _run_inputs(run) -> tuple:
@@ -275,4 +294,4 @@ def plan_for_card(patcher, latent_cache, text_cache, policy: OffloadPolicy, trai
         raise ValueError(f"{node}: {error}") from None
     description = describe_comfy_model(patcher, adapter or AdapterConfig(), precision)
     shape = cache_run_shape(patcher, latent_cache, text_cache, batch_size, node)
-    return planner.plan_auto(description, trainable, shape, policy, budget)
+    return planner.plan_auto(description, trainable, shape, policy, budget, host_ram.host_room(policy.host_ram_budget_gb))

@@ -758,6 +758,7 @@ FLOAT_INPUTS = [("HeadroomLoraConfig", "alpha"), ("HeadroomLoraConfig", "dropout
                 ("HeadroomTrainControlNetInit", "validation_strength"), ("HeadroomTrainSteps", "checkpoint_minutes"),
                 ("HeadroomValidate", "cfg"), ("HeadroomApplyTrainedLora", "strength"),
                 ("HeadroomOffloadPolicy", "vram_budget_gb"), ("HeadroomOffloadPolicy", "reserve_gb"),
+                ("HeadroomOffloadPolicy", "host_ram_budget_gb"),
                 ("HeadroomTrainLora", "checkpoint_minutes"), ("HeadroomValidate", "frame_rate"),
                 ("HeadroomTrainLora", "frame_rate"), ("HeadroomDatasetFromVideos", "frame_rate")]
 

@@ -86,6 +86,17 @@ def test_auto_budget_is_what_comfyui_can_free_minus_the_reserve(comfyui):
     assert budget_bytes(OffloadPolicy(vram_budget_gb=3.0), device) == 3 * GIB
 
 
+def test_policy_node_shows_the_host_ram_the_run_may_use(comfyui):
+    from headroom.training.memory.memory_stats import process_rss_bytes
+
+    auto = _policy().ui.as_dict()["text"][0]
+    assert "host RAM: " in auto and "(what the OS reports available, less 2 GiB)" in auto
+    in_use = float(auto.split("host RAM: ")[1].split(" GiB")[0])
+    assert abs(in_use - process_rss_bytes() / 2 ** 30) < 0.5
+    given = _policy(host_ram_budget_gb=48.0)
+    assert given.result[0].host_ram_budget_gb == 48.0 and "may grow it to 48.00 GiB\n" in given.ui.as_dict()["text"][0] + "\n"
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_plan_describes_the_real_model_and_leaves_it_unchanged(comfyui, family):
     from headroom.nodes.bridge.comfy_model import training_blocks

@@ -377,6 +377,22 @@ def test_offload_policy_is_applied_by_the_training_nodes_and_keeps_the_weights(c
     assert _no_adapter_attached(model)
 
 
+def test_a_run_whose_host_ram_does_not_fit_stops_before_it_opens(comfyui):
+    """The policy's host RAM budget is checked when the run opens: over it, the Init node names itself, the host
+    RAM in use and added, and what to change, and no run folder is made; within it, the node shows the line."""
+    from headroom.nodes.bridge.model_files import runs_root
+
+    model, _, _, latents, texts = _data("sd15")
+    tight = _policy(optimizer_state="cpu", host_ram_budget_gb=0.001)
+    with pytest.raises(ValueError, match=r"HeadroomTrainLoraInit: host RAM: [\d.]+ GiB in use \+ [\d.]+ GiB added by "
+                       r"the run, limit budget 0.00 GiB - DOES NOT FIT; .* keep the optimizer state on the device"):
+        _init(model, latents, texts, "host_tight", rank=4, policy=tight)
+    assert not (runs_root() / "host_tight").exists()
+    run = _init(model, latents, texts, "host_roomy", rank=4, policy=_policy(optimizer_state="cpu"))
+    assert any(note.startswith("host RAM: ") and note.endswith(" - fits") for note in run.notes)
+    assert _no_adapter_attached(model)
+
+
 def test_out_of_memory_in_training_saves_frees_and_names_the_phase(comfyui, monkeypatch):
     import comfy.model_management
     from headroom.nodes import train_lora as T

@@ -447,3 +447,58 @@ def test_weight_copies_are_counted_apart_and_dropped_by_low_bit_storage():
     checkpointed = estimate(description, TRAINABLE, SHAPE, OffloadPolicy(checkpointing="blocks")).phase("training step")
     one_block = max(p.saved.at(SHAPE.latent_area(description), 77) + p.copies_kept("as_loaded") for p in profiles)
     assert checkpointed.items["one block recomputed in backward"] == int(one_block)
+
+
+# --- host RAM as a budget -----------------------------------------------------------------------------------
+def test_host_ram_added_per_phase_by_the_policy_and_ema():
+    """What a run adds to host RAM: optimizer state, fp32 masters and the step's gradients with the optimizer on the
+    host; state and gradients parked while sampling; every block's inputs when offloaded; the EMA copy."""
+    d, n = toy_description(), TRAINABLE.param_count
+    resident = estimate(d, TRAINABLE, SHAPE, OffloadPolicy(park_optimizer_during_validation=False))
+    assert resident.host_added_bytes == 0
+    parked = estimate(d, TRAINABLE, SHAPE, OffloadPolicy())
+    assert parked.host_added == {"training step": {}, "validation": {"parked optimizer state + gradients": 12 * n}}
+    host = estimate(d, TRAINABLE, SHAPE, OffloadPolicy(optimizer_state="cpu"))
+    assert host.host_added["training step"] == {"optimizer state + fp32 master weights + gradients": 16 * n}
+    offload = estimate(d, TRAINABLE, SHAPE, OffloadPolicy(checkpointing="blocks_cpu_offload",
+                                                          park_optimizer_during_validation=False))
+    assert offload.host_added["training step"] == {"offloaded block inputs": 4 * 20 * MIB}
+    ema = estimate(d, dataclasses.replace(TRAINABLE, ema=True), SHAPE, OffloadPolicy())
+    assert ema.host_added["training step"] == {"EMA of the trainable weights (fp32)": 4 * n}
+    assert ema.host_added_bytes == 16 * n  # validation: parked state and gradients beside the EMA copy
+
+
+def test_auto_policy_fits_host_ram_too_and_says_what_to_change_when_nothing_does():
+    from headroom.training.memory.host_ram import HostRoom
+
+    d, n = toy_description(), TRAINABLE.param_count
+    # a budget just under resident + checkpointing with the optimizer on the device: the optimizer moves to the host
+    budget = estimate(d, TRAINABLE, SHAPE, OffloadPolicy(checkpointing="blocks")).peak_bytes - 1
+    roomy = HostRoom(in_use_bytes=GIB, limit_bytes=4 * GIB, auto=False)
+    chosen = plan_auto(d, TRAINABLE, SHAPE, OffloadPolicy(), budget, roomy)
+    assert chosen.fits and chosen.host_fits and (chosen.policy.base_placement, chosen.policy.optimizer_state) == (
+        "resident", "cpu")
+    # host RAM for the parked state (12 bytes per weight) only: neither the host optimizer (16) nor the offloaded
+    # inputs fit, so the next policy that fits both is chosen, and the reason says why the faster ones were not
+    tight = HostRoom(in_use_bytes=GIB, limit_bytes=GIB + 12 * n, auto=False)
+    squeezed = plan_auto(d, TRAINABLE, SHAPE, OffloadPolicy(), budget, tight)
+    assert squeezed.fits and squeezed.host_added_bytes == 12 * n
+    assert (squeezed.policy.base_placement, squeezed.policy.optimizer_state) == ("partial", "gpu")
+    assert "resident/blocks/optimizer cpu adds 80.0 MiB of host RAM" in squeezed.reason
+    full = HostRoom(in_use_bytes=GIB, limit_bytes=GIB, auto=True)
+    nothing = plan_auto(d, TRAINABLE, SHAPE, OffloadPolicy(park_optimizer_during_validation=True), 64 * GIB, full)
+    assert nothing.fits is False and nothing.device_fits and nothing.host_fits is False
+    assert nothing.reason.startswith("nothing fits host RAM") and "optimizer_state gpu" in nothing.reason
+    assert "DOES NOT FIT" in nothing.summary() and "host RAM: 1.00 GiB in use" in nothing.to_text()
+    assert nothing.to_dict()["host_fits"] is False and nothing.to_dict()["host_limit_bytes"] == GIB
+
+
+def test_host_room_auto_is_in_use_plus_available_less_the_reserve():
+    from headroom.training.memory import host_ram
+
+    auto = host_ram.host_room("auto", in_use_bytes=3 * GIB, available=10 * GIB)
+    assert (auto.limit_bytes, auto.auto) == (11 * GIB, True) and auto.fits(8 * GIB) and not auto.fits(8 * GIB + 1)
+    given = host_ram.host_room(6.0, in_use_bytes=3 * GIB, available=10 * GIB)
+    assert (given.limit_bytes, given.auto) == (6 * GIB, False)
+    measured = host_ram.host_room("auto")  # this process, this machine
+    assert 0 < measured.in_use_bytes < measured.limit_bytes

@@ -1,7 +1,7 @@
 """The planner adds up the memory features' costs (each feature module's own cost function:
 training/memory/checkpointing.py, activation_offload.py, weight_streaming.py, lowbit.py, optimizer_parking.py). Its
 plans are held to the planner as it was before the costs moved into the feature modules, kept here as the reference
-(`reference_estimate`): every item, host figure and note of every phase, for three descriptions x every policy the
+(`reference_estimate`, with the host RAM a run adds written in since): every item, host figure and note of every phase, for three descriptions x every policy the
 planner tries (storages, placements, checkpointing, optimizer state, parking) x budgets, shapes and optimizers. A
 deliberate change of the cost model changes the reference with it."""
 from __future__ import annotations
@@ -213,4 +213,16 @@ def reference_estimate(description: ModelDescription, trainable: TrainableSpec, 
     save_items["allocator overhead (5%)"] = int(planner.ALLOCATOR_OVERHEAD * sum(save_items.values()))
     save = planner.PhaseEstimate("save", save_items)
 
-    return planner.Plan(policy, [cache_text, cache_vae, training, validation, decode, save], budget_bytes, host_bytes=host)
+    # Host RAM the run adds beyond the loaded models (issue 28, training/memory/host_ram.py), as the rule it is.
+    added_training: dict[str, int] = {}
+    added_validation: dict[str, int] = {}
+    if policy.optimizer_state == "cpu":
+        added_training["optimizer state + fp32 master weights + gradients"] = optimizer + 2 * trainable.param_bytes()
+        added_validation["optimizer state + fp32 master weights"] = optimizer + trainable.param_bytes()
+    elif policy.park_optimizer_during_validation:
+        added_validation["parked optimizer state + gradients"] = optimizer + trainable.param_bytes()
+    if policy.checkpointing == "blocks_cpu_offload":
+        added_training["offloaded block inputs"] = int(sum(inputs))
+
+    return planner.Plan(policy, [cache_text, cache_vae, training, validation, decode, save], budget_bytes, host_bytes=host,
+                        host_added={"training step": added_training, "validation": added_validation})

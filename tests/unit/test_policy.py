@@ -31,7 +31,8 @@ def test_json_round_trip_keeps_every_field():
     ("vram_budget_gb", -1), ("vram_budget_gb", "lots"), ("vram_budget_gb", True), ("reserve_gb", -0.5),
     ("base_placement", "cloud"), ("base_storage", "int4"), ("checkpointing", "yes"), ("checkpoint_depth", 0),
     ("checkpoint_depth", 1.5), ("optimizer_state", "disk"), ("vae_tiled_decode", "sometimes"), ("encoders", "keep"),
-    ("park_optimizer_during_validation", "no"),
+    ("park_optimizer_during_validation", "no"), ("host_ram_budget_gb", float("nan")), ("host_ram_budget_gb", -2),
+    ("host_ram_budget_gb", 0), ("host_ram_budget_gb", "plenty"), ("host_ram_budget_gb", True),
 ])
 def test_bad_values_name_the_field(field, value):
     with pytest.raises(PolicyError, match=field):
@@ -90,7 +91,9 @@ def test_a_card_sets_the_budget_and_old_node_values_keep_the_policy():
     with pytest.raises(PolicyError, match="card='96 GB' is not one of"):
         OffloadPolicy(card="96 GB")
     old = {name: default for name, spec, default in OffloadPolicy.node_inputs() if not spec.optional}
-    assert "card" not in old
+    assert "card" not in old and "host_ram_budget_gb" not in old
+    assert OffloadPolicy.from_node_inputs({**old, "host_ram_budget_gb": 0.0}).host_ram_budget_gb == "auto"
+    assert OffloadPolicy.from_node_inputs({**old, "host_ram_budget_gb": 48.0}).host_ram_budget_gb == 48.0
     assert OffloadPolicy.from_node_inputs({**old, "vram_budget_gb": 6.0}) == OffloadPolicy(vram_budget_gb=6.0)
     assert not OffloadPolicy(vram_budget_gb=6.0).fits_card
 

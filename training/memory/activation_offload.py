@@ -98,4 +98,5 @@ def activation_cost(checkpointing: str, saved: Sequence[float], copies: Sequence
         return FeatureCost()
     return FeatureCost(training={"block inputs in flight (2 blocks)": int(2 * max(inputs, default=0)),
                                  "one block recomputed in backward": int(recomputed_block_bytes(saved, copies))},
-                       host={"offloaded block inputs": int(sum(inputs))})
+                       host={"offloaded block inputs": int(sum(inputs))},
+                       host_added_training={"offloaded block inputs": int(sum(inputs))})

@@ -14,5 +14,8 @@ class FeatureCost:
     training: dict[str, int] = dataclasses.field(default_factory=dict)  # the training step
     validation: dict[str, int] = dataclasses.field(default_factory=dict)  # sampling, beside the frozen weights
     host: dict[str, int] = dataclasses.field(default_factory=dict)
+    # Host RAM the feature allocates, per phase, beyond the models already loaded (host_ram.py budgets it).
+    host_added_training: dict[str, int] = dataclasses.field(default_factory=dict)
+    host_added_validation: dict[str, int] = dataclasses.field(default_factory=dict)
     training_notes: list[str] = dataclasses.field(default_factory=list)
     validation_notes: list[str] = dataclasses.field(default_factory=list)

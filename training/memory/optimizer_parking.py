@@ -136,8 +136,13 @@ def optimizer_cost(optimizer_state: str, park_during_validation: bool, optimizer
     cost = FeatureCost(training=dict(state))
     if not on_device:
         cost.host["optimizer state + fp32 master weights"] = state_bytes + trainable_bytes
+        # allocated for the whole run, fp32 gradients copied host-ward each step beside them
+        cost.host_added_training["optimizer state + fp32 master weights + gradients"] = state_bytes + 2 * trainable_bytes
+        cost.host_added_validation["optimizer state + fp32 master weights"] = state_bytes + trainable_bytes
     if park_during_validation:
         cost.validation_notes.append("optimizer state and gradients parked in host RAM while sampling")
+        if on_device:
+            cost.host_added_validation["parked optimizer state + gradients"] = state_bytes + trainable_bytes
     else:
         cost.validation = {"gradients (fp32)": trainable_bytes, **state}
     return cost

@@ -35,8 +35,9 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
-from . import activation_offload, checkpointing, lowbit, optimizer_parking, weight_streaming
+from . import activation_offload, checkpointing, host_ram, lowbit, optimizer_parking, weight_streaming
 from .cost import FeatureCost
+from .host_ram import HostRoom
 from .memory_stats import format_bytes
 from .policy import CHECKPOINTING, OPTIMIZER_STATES, PLACEMENTS, OffloadPolicy
 
@@ -159,6 +160,7 @@ class TrainableSpec:
 
     shapes: tuple[tuple[int, ...], ...]
     optimizer: str = "AdamW"
+    ema: bool = False  # an EMA copy of the weights is kept in host RAM (core/ema.py)
 
     @property
     def param_count(self) -> int:
@@ -171,8 +173,9 @@ class TrainableSpec:
         return sum(_optimizer_state_bytes(self.optimizer, s) for s in self.shapes)
 
     @classmethod
-    def from_parameters(cls, params: Iterable[torch.Tensor], optimizer: str = "AdamW") -> "TrainableSpec":
-        return cls(tuple(tuple(p.shape) for p in params), optimizer)
+    def from_parameters(cls, params: Iterable[torch.Tensor], optimizer: str = "AdamW", ema: bool = False
+                        ) -> "TrainableSpec":
+        return cls(tuple(tuple(p.shape) for p in params), optimizer, ema)
 
     @classmethod
     def lora(cls, targets: Iterable[torch.nn.Module], rank: int, optimizer: str = "AdamW") -> "TrainableSpec":
@@ -209,6 +212,10 @@ class Plan:
     # placement, the share a run's load may give ComfyUI (it would otherwise fill its free memory and leave no room
     # for activations: every Flux-dev partial run ran out of memory so on an emulated 6-16 GiB card).
     base_device_bytes: int | None = None
+    # Host RAM the run adds beyond the models already loaded, per phase ("training step", "validation"), by item;
+    # and the room it has (host_ram.py). None: no host budget applied.
+    host_added: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+    host_room: HostRoom | None = None
 
     @property
     def peak(self) -> PhaseEstimate:
@@ -219,8 +226,24 @@ class Plan:
         return self.peak.total
 
     @property
-    def fits(self) -> bool | None:
+    def host_added_bytes(self) -> int:
+        """The most host RAM the run adds in any one phase."""
+        return max((sum(items.values()) for items in self.host_added.values()), default=0)
+
+    @property
+    def host_fits(self) -> bool | None:
+        return None if self.host_room is None else self.host_room.fits(self.host_added_bytes)
+
+    @property
+    def device_fits(self) -> bool | None:
         return None if self.budget_bytes is None else self.peak_bytes <= self.budget_bytes
+
+    @property
+    def fits(self) -> bool | None:
+        """The device budget and, where one is applied, the host RAM budget."""
+        if self.host_fits is False:
+            return False
+        return self.device_fits
 
     def phase(self, name: str) -> PhaseEstimate:
         return next(p for p in self.phases if p.phase == name)
@@ -232,6 +255,10 @@ class Plan:
             "phases": [{"phase": p.phase, "total_bytes": p.total, "items": dict(p.items), "notes": list(p.notes)}
                        for p in self.phases],
             "host_bytes": dict(self.host_bytes),
+            "host_added": {phase: dict(items) for phase, items in self.host_added.items()},
+            "host_added_bytes": self.host_added_bytes, "host_fits": self.host_fits,
+            "host_in_use_bytes": None if self.host_room is None else self.host_room.in_use_bytes,
+            "host_limit_bytes": None if self.host_room is None else self.host_room.limit_bytes,
         }
 
     def to_json(self) -> str:
@@ -251,6 +278,8 @@ class Plan:
             text += f", budget {format_bytes(self.budget_bytes)}"
         if self.host_bytes:
             text += f", host RAM {format_bytes(sum(self.host_bytes.values()))}"
+        if self.host_fits is False:
+            text += f"; {self.host_room.describe(self.host_added_bytes)}"
         return text + (" - DOES NOT FIT" if self.fits is False else "")
 
     def to_text(self) -> str:
@@ -265,6 +294,11 @@ class Plan:
             lines += [f"  note: {note}" for note in phase.notes]
         if self.host_bytes:
             lines.append("host RAM instead of the device: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in self.host_bytes.items()))
+        for phase, items in self.host_added.items():
+            if items:
+                lines.append(f"host RAM added in {phase}: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in items.items()))
+        if self.host_room is not None:
+            lines.append(self.host_room.describe(self.host_added_bytes))
         if self.reason:
             lines.append(self.reason)
         return "\n".join(lines)
@@ -291,8 +325,9 @@ class RunShape:
 
 
 def estimate(description: ModelDescription, trainable: TrainableSpec, shape: RunShape, policy: OffloadPolicy,
-             budget_bytes: int | None = None) -> Plan:
-    """Peak device bytes per phase of a run with `policy`, itemised."""
+             budget_bytes: int | None = None, host_room: HostRoom | None = None) -> Plan:
+    """Peak device bytes per phase of a run with `policy`, itemised; and the host RAM it adds, checked against
+    `host_room` where given (host_ram.py)."""
     area, tokens, batch = shape.latent_area(description), shape.tokens(description), shape.batch
     blocks = description.blocks
     storage = policy.base_storage
@@ -385,8 +420,9 @@ def estimate(description: ModelDescription, trainable: TrainableSpec, shape: Run
     save_items["allocator overhead (5%)"] = int(ALLOCATOR_OVERHEAD * sum(save_items.values()))
     save = PhaseEstimate("save", save_items)
 
+    host_added = host_ram.added_by_phase(features, trainable.ema, trainable.param_bytes())
     return Plan(policy, [cache_text, cache_vae, training, validation, decode, save], budget_bytes, host_bytes=host,
-                base_device_bytes=base_device)
+                base_device_bytes=base_device, host_added=host_added, host_room=host_room)
 
 
 # --- choosing a policy ------------------------------------------------------------------------------------
@@ -407,8 +443,9 @@ def candidate_policies(base: OffloadPolicy, storages: Sequence[str] | None = Non
 
 
 def plan_auto(description: ModelDescription, trainable: TrainableSpec, shape: RunShape, base: OffloadPolicy,
-              budget_bytes: int) -> Plan:
-    """The fastest policy (see candidate_policies) whose estimated peak fits `budget_bytes`, with the reason.
+              budget_bytes: int, host_room: HostRoom | None = None) -> Plan:
+    """The fastest policy (see candidate_policies) whose estimated peak fits `budget_bytes` and whose added host
+    RAM fits `host_room` (where given), with the reason.
 
     The frozen base's storage stays what `base` says while any variant fits; only when none does are
     lower-precision storages (fp8, then int8, then nf4) tried, and the reason says the numerics change.
@@ -416,20 +453,29 @@ def plan_auto(description: ModelDescription, trainable: TrainableSpec, shape: Ru
     storages = [base.base_storage] + [s for s in ("fp8", "int8", "nf4") if s != base.base_storage and base.base_storage == "as_loaded"]
     tried: list[Plan] = []
     for policy in candidate_policies(base, storages):
-        plan = estimate(description, trainable, shape, policy, budget_bytes)
+        plan = estimate(description, trainable, shape, policy, budget_bytes, host_room)
         if plan.fits:
             faster = [f"{p.policy.base_placement}/{p.policy.checkpointing}/optimizer {p.policy.optimizer_state}"
                       f"{'' if p.policy.base_storage == policy.base_storage else '/' + p.policy.base_storage}"
-                      f" needs {format_bytes(p.peak_bytes)} ({p.peak.phase})" for p in tried[:3]]
+                      + (f" needs {format_bytes(p.peak_bytes)} ({p.peak.phase})" if not p.device_fits else
+                         f" adds {format_bytes(p.host_added_bytes)} of host RAM")
+                      for p in tried[:3] + [p for p in tried[3:] if p.device_fits][:3]]  # + those host RAM ruled out
             plan.reason = (f"chosen: the fastest policy that fits - peak {format_bytes(plan.peak_bytes)} ({plan.peak.phase}) "
                            f"within the budget of {format_bytes(budget_bytes)}.")
             if faster:
-                plan.reason += " Faster options over budget: " + "; ".join(faster) + (" ..." if len(tried) > 3 else "") + "."
+                plan.reason += (" Faster options over budget: " + "; ".join(faster) + (" ..." if len(tried) > 3 else "")
+                                + ".")
             if policy.base_storage != base.base_storage:
                 plan.reason += (f" No policy fits with the base as loaded: the base is stored as {policy.base_storage}, "
                                 "which changes its numerics.")
             return plan
         tried.append(plan)
+    on_device = [p for p in tried if p.device_fits]
+    if on_device:  # the card has room; host RAM has not, for any of them
+        least = min(on_device, key=lambda p: p.host_added_bytes)
+        least.reason = (f"nothing fits host RAM: the least is {least.host_room.describe(least.host_added_bytes)} "
+                        f"with {least.policy.describe()}; {host_ram.advice(least.host_room, least.host_added_bytes)}.")
+        return least
     smallest = min(tried, key=lambda p: p.peak_bytes)
     smallest.reason = (f"nothing fits the budget of {format_bytes(budget_bytes)}: the smallest estimate is "
                        f"{format_bytes(smallest.peak_bytes)} ({smallest.peak.phase}) with {smallest.policy.describe()}; "

@@ -21,6 +21,8 @@ optimizer state sits. One policy serves the whole run (caching, training, valida
 - encoders: "unload_after_use" (text encoders and VAE are loaded for caching / validation only) or
   "keep_loaded" (they stay loaded after use, as stock nodes leave them, and ComfyUI unloads them when a model
   needs the room: faster repeated validation on a card with memory to spare; not counted in the budget).
+- host_ram_budget_gb: the host RAM the ComfyUI process may use, in GiB, or "auto" (what it uses plus what the OS
+  reports available, less a reserve): the planner fits it beside the device budget (see host_ram.py).
 - card: "custom" (the fields above, as given) or a card to fit ("this GPU (auto)", "8 GB" ... "48 GB"): the
   training Init nodes then let the planner choose placement, storage, checkpointing and optimizer state
   (nodes/bridge/run_settings.resolve_policy -> planner.plan_auto); the budget is the card less `reserve_gb`.
@@ -141,13 +143,20 @@ class OffloadPolicy:
         "model and picks the fastest base placement, base storage, checkpointing and optimizer state whose planned "
         "peak fits that card (this GPU: what ComfyUI can free now; N GB: N GiB) less reserve_gb; the plan shows on "
         "the training node. custom: exactly the settings above, budget vram_budget_gb."))
+    # Appended after `card`, default "auto": a workflow saved before it existed gets the auto host budget.
+    host_ram_budget_gb: float | str = _field("auto", NodeInput(
+        "float", min=0.0, max=65536.0, step=1.0, zero_means="auto", optional=True,
+        tooltip="Host (system) RAM this ComfyUI process may use, in GiB. 0 = auto: what it uses now plus what the "
+        "OS reports available, less 2 GiB. The planner skips policies that would not fit it, and a run that "
+        "cannot fit stops before its first step, saying what to change, instead of being killed by the OS."))
 
     def __post_init__(self):
         self.validate()
 
     def validate(self) -> None:
         try:
-            check_finite("offload policy", vram_budget_gb=self.vram_budget_gb, reserve_gb=self.reserve_gb)
+            check_finite("offload policy", vram_budget_gb=self.vram_budget_gb, reserve_gb=self.reserve_gb,
+                         host_ram_budget_gb=self.host_ram_budget_gb)
         except ValueError as error:
             raise PolicyError(str(error)) from None
         budget = self.vram_budget_gb
@@ -156,6 +165,9 @@ class OffloadPolicy:
                 raise PolicyError(f"offload policy: vram_budget_gb={budget!r}: give a number of GiB > 0 or 'auto'")
         elif isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0:
             raise PolicyError(f"offload policy: vram_budget_gb={budget!r}: give a number of GiB > 0 or 'auto'")
+        host = self.host_ram_budget_gb
+        if host != "auto" and (isinstance(host, (bool, str)) or not isinstance(host, (int, float)) or not host > 0):
+            raise PolicyError(f"offload policy: host_ram_budget_gb={host!r}: give a number of GiB > 0 or 'auto'")
         if isinstance(self.reserve_gb, bool) or not isinstance(self.reserve_gb, (int, float)) or self.reserve_gb < 0:
             raise PolicyError(f"offload policy: reserve_gb={self.reserve_gb!r} must be a number of GiB >= 0")
         for field in dataclasses.fields(self):  # the combo fields: their values are their node input's options
