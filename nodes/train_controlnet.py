@@ -59,7 +59,7 @@ def start_controlnet_run(model, latent_cache, text_cache, optimizer_config, run_
         policy, plan_note = resolve_policy(policy, gradient_checkpointing, checkpoint_depth, node=node, plan_card=(
             lambda card: plan_for_card(model, latent_cache, text_cache, card, trainable, train.batch_size,
                                        train.precision, node)))
-        plan_note = "\n".join(filter(None, [plan_note, check_host_ram(policy, trainable, node)]))
+        check_host_ram(policy, trainable, node)
         send_node_text(plan_note, shown_on)  # on the node before the run opens, and so before its first step
         config = ControlNetRunConfig(controlnet_type=type_name, blocks=blocks, init_seed=init_seed,
                                      optimizer=optimizer_config, train=train, holdout=holdout)

@@ -379,7 +379,7 @@ def test_offload_policy_is_applied_by_the_training_nodes_and_keeps_the_weights(c
 
 def test_a_run_whose_host_ram_does_not_fit_stops_before_it_opens(comfyui):
     """The policy's host RAM budget is checked when the run opens: over it, the Init node names itself, the host
-    RAM in use and added, and what to change, and no run folder is made; within it, the node shows the line."""
+    RAM in use and added, and what to change, and no run folder is made; within it, the run opens."""
     from headroom.nodes.bridge.model_files import runs_root
 
     model, _, _, latents, texts = _data("sd15")
@@ -389,7 +389,7 @@ def test_a_run_whose_host_ram_does_not_fit_stops_before_it_opens(comfyui):
         _init(model, latents, texts, "host_tight", rank=4, policy=tight)
     assert not (runs_root() / "host_tight").exists()
     run = _init(model, latents, texts, "host_roomy", rank=4, policy=_policy(optimizer_state="cpu"))
-    assert any(note.startswith("host RAM: ") and note.endswith(" - fits") for note in run.notes)
+    assert (runs_root() / "host_roomy").is_dir() and not any("host RAM" in note for note in run.notes)
     assert _no_adapter_attached(model)
 
 
