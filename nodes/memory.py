@@ -19,7 +19,7 @@ from comfy_api.latest import io, ui
 from ..training.core.adapters import TARGET_MODES
 from ..training.checks import check_finite
 from ..training.core.optimizers import OPTIMIZERS
-from ..training.memory.host_ram import host_room
+from ..training.memory.host_ram import HOST_RESERVE_BYTES, host_room
 from ..training.memory.policy import GIB, NodeInput, OffloadPolicy, PolicyError
 from ..training.core.trainer import PRECISIONS
 from .io_types import OffloadPolicyType
@@ -72,7 +72,7 @@ class HeadroomOffloadPolicy(io.ComfyNode):
         room = host_room(policy.host_ram_budget_gb)
         if room is not None:
             text += (f"\nhost RAM: {room.in_use_bytes / GIB:.2f} GiB in use now, the run may grow it to "
-                     f"{room.limit_bytes / GIB:.2f} GiB" + (" (what the OS reports available, less 2 GiB)" if room.auto else ""))
+                     f"{room.limit_bytes / GIB:.2f} GiB" + (f" (what the OS reports available, less {HOST_RESERVE_BYTES / GIB:g} GiB)" if room.auto else ""))
         if policy.fits_card:
             text += (f"\ncard {policy.card}: when a training run opens, the planner picks the fastest placement, storage, "
                      "checkpointing and optimizer state that fit it, and the training node shows them")

@@ -233,16 +233,14 @@ def check_host_ram(policy: OffloadPolicy, trainable: planner.TrainableSpec, node
     """Before a run opens (LoRA and ControlNet Init nodes): what its policy adds to host RAM (optimizer state on the
     host or parked while sampling, the EMA copy) against the policy's host RAM budget. Raises ValueError naming the
     node and what to change rather than letting the OS kill the run (within it, nothing is said: the policy node and
-    the Memory Plan node show the room). Offloaded block
-    inputs (checkpointing blocks_cpu_offload) depend on the measured model: the Memory Plan node and a card's plan
-    count them."""
+    the Memory Plan node show the room). Offloaded block inputs (checkpointing blocks_cpu_offload) depend on the
+    measured model: the Memory Plan node and a card's plan count them."""
     room = host_ram.host_room(policy.host_ram_budget_gb)
     if room is None:
         return
     parking = optimizer_parking.optimizer_cost(policy.optimizer_state, policy.park_optimizer_during_validation,
                                                trainable.optimizer, trainable.optimizer_bytes(), trainable.param_bytes())
-    phases = host_ram.added_by_phase([parking], trainable.ema, trainable.param_bytes())
-    added = max(sum(items.values()) for items in phases.values())
+    added = host_ram.peak_added(host_ram.added_by_phase([parking], trainable.ema, trainable.param_bytes()))
     if not room.fits(added):
         raise ValueError(f"{node}: {room.describe(added)}; {host_ram.advice(room, added)}")
 

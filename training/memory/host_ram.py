@@ -9,8 +9,8 @@ them up) plus the EMA copy of the trainable weights. The models ComfyUI loaded a
 in host RAM before any Headroom node runs, so they are already in the process's resident set (`in_use_bytes`);
 placing them on the device only frees host RAM, so leaving that out errs on the safe side.
 
-    room = host_room(policy)            # in use now, and the limit: the budget, or in use + available - reserve
-    room.fits(added_bytes)              # in_use + added <= limit
+    room = host_room(policy.host_ram_budget_gb)   # in use now, and the limit: the budget, or in use + available - reserve
+    room.fits(peak_added(added_by_phase(features, ema, trainable_bytes)))   # in use + added <= limit
 """
 from __future__ import annotations
 
@@ -80,6 +80,11 @@ def added_by_phase(features, ema: bool, trainable_param_bytes: int) -> dict[str,
         for items in phases.values():
             items.update(ema_cost(trainable_param_bytes))
     return phases
+
+
+def peak_added(phases: dict[str, dict[str, int]]) -> int:
+    """The most host RAM the run adds in any one phase (of `added_by_phase`)."""
+    return max((sum(items.values()) for items in phases.values()), default=0)
 
 
 def advice(room: HostRoom, added_bytes: int) -> str:

@@ -228,7 +228,7 @@ class Plan:
     @property
     def host_added_bytes(self) -> int:
         """The most host RAM the run adds in any one phase."""
-        return max((sum(items.values()) for items in self.host_added.values()), default=0)
+        return host_ram.peak_added(self.host_added)
 
     @property
     def host_fits(self) -> bool | None:

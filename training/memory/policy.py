@@ -43,6 +43,7 @@ import torch
 from .. import public_module
 from .activation_offload import enable_offloaded_checkpointing
 from .checkpointing import inplace_depth_problem, wrap_blocks
+from .host_ram import HOST_RESERVE_BYTES
 from ..checks import check_finite
 from .weight_streaming import BasePlacement, WeightStreamer, base_placement
 
@@ -147,7 +148,7 @@ class OffloadPolicy:
     host_ram_budget_gb: float | str = _field("auto", NodeInput(
         "float", min=0.0, max=65536.0, step=1.0, zero_means="auto", optional=True,
         tooltip="Host (system) RAM this ComfyUI process may use, in GiB. 0 = auto: what it uses now plus what the "
-        "OS reports available, less 2 GiB. The planner skips policies that would not fit it, and a run that "
+        f"OS reports available, less {HOST_RESERVE_BYTES // GIB} GiB. The planner skips policies that would not fit it, and a run that "
         "cannot fit stops before its first step, saying what to change, instead of being killed by the OS."))
 
     def __post_init__(self):
@@ -159,15 +160,11 @@ class OffloadPolicy:
                          host_ram_budget_gb=self.host_ram_budget_gb)
         except ValueError as error:
             raise PolicyError(str(error)) from None
-        budget = self.vram_budget_gb
-        if isinstance(budget, str):
-            if budget != "auto":
-                raise PolicyError(f"offload policy: vram_budget_gb={budget!r}: give a number of GiB > 0 or 'auto'")
-        elif isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0:
-            raise PolicyError(f"offload policy: vram_budget_gb={budget!r}: give a number of GiB > 0 or 'auto'")
-        host = self.host_ram_budget_gb
-        if host != "auto" and (isinstance(host, (bool, str)) or not isinstance(host, (int, float)) or not host > 0):
-            raise PolicyError(f"offload policy: host_ram_budget_gb={host!r}: give a number of GiB > 0 or 'auto'")
+        for name in ("vram_budget_gb", "host_ram_budget_gb"):  # a number of GiB > 0, or "auto"
+            budget = getattr(self, name)
+            if budget != "auto" and (isinstance(budget, (bool, str)) or not isinstance(budget, (int, float))
+                                     or not budget > 0):
+                raise PolicyError(f"offload policy: {name}={budget!r}: give a number of GiB > 0 or 'auto'")
         if isinstance(self.reserve_gb, bool) or not isinstance(self.reserve_gb, (int, float)) or self.reserve_gb < 0:
             raise PolicyError(f"offload policy: reserve_gb={self.reserve_gb!r} must be a number of GiB >= 0")
         for field in dataclasses.fields(self):  # the combo fields: their values are their node input's options
