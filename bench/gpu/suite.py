@@ -25,6 +25,7 @@ docs/GPU_KIT.md says how to run it on the borrowed machine (what travels, the co
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import gc
@@ -326,17 +327,20 @@ def lora_run(patcher, name: str, config: str, args) -> dict:
             T.HeadroomTrainSteps.execute(run, args.warmup)  # loads the model, kernels, allocator, optimizer state
             T.HeadroomTrainSteps.execute(run, args.warmup + args.steps)
             training = [p for p in run.record.memory.phases if p["phase"] == "training"][-1]
-            T.HeadroomValidate.execute(run, clip=None, vae=None, prompts="", negative="", sample_seed=0,
-                                       sample_steps=1, cfg=1.0, sampler_name="euler", scheduler="simple", width=width,
-                                       height=height, loss_timesteps=2)
+            own = validation_seconds(run, width, height)  # validation on its own placement (the plan's)
             validation = [p for p in run.record.memory.phases if p["phase"] == "validation"][-1]
+            with training_placement_for_validation(run):  # the same on training's placement (before issue 28)
+                on_training = validation_seconds(run, width, height)
         record.update(status="ok", s_per_step=statistics.median(step_seconds(run, args.warmup)),
                       train_peak_allocated=training.get("peak_allocated_bytes"),
                       train_peak_reserved=training.get("peak_reserved_bytes"),
                       train_peak_rss=training.get("peak_rss_bytes"),
                       validation_peak_allocated=validation.get("peak_allocated_bytes"),
                       validation_peak_reserved=validation.get("peak_reserved_bytes"),
-                      loss=float(run.trainer.last_loss))
+                      loss=float(run.trainer.last_loss), validation_seconds=own,
+                      validation_seconds_training_placement=on_training,
+                      validation_base_bytes=plan.get("validation_base_device_bytes"),
+                      training_base_bytes=plan.get("base_device_bytes"))
     except Exception as error:  # an out-of-memory error is a result; anything else too, with its traceback
         record.update(status="oom" if is_out_of_memory(error) or "out of memory" in str(error).lower() else "failed",
                       error=_short(error), traceback=traceback.format_exc()[-3000:])
@@ -349,6 +353,35 @@ def lora_run(patcher, name: str, config: str, args) -> dict:
         del run
         free_device()
     return record
+
+
+def validation_seconds(run, width: int, height: int) -> float:
+    """Wall time of one Validate call (the loss at 4 noise levels: denoiser forwards without backward)."""
+    from headroom.nodes import train_lora as T
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    started = time.perf_counter()
+    T.HeadroomValidate.execute(run, clip=None, vae=None, prompts="", negative="", sample_seed=0, sample_steps=1,
+                               cfg=1.0, sampler_name="euler", scheduler="simple", width=width, height=height,
+                               loss_timesteps=4)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter() - started
+
+
+@contextlib.contextmanager
+def training_placement_for_validation(run):
+    """Validation loaded as training places the base (what every run did before validation had its own placement):
+    the A side of the kit's validation A/B."""
+    from headroom.nodes.bridge.comfy_bridge import TrainingRun
+
+    run.attached = lambda phase="training": TrainingRun.attached(run, "training")
+    run._validation_device_share = run._base_device_share
+    try:
+        yield
+    finally:
+        del run.attached, run._validation_device_share
 
 
 def step_seconds(run, warmup: int) -> list[float]:

@@ -26,6 +26,7 @@ import time
 import torch
 
 import comfy.model_management
+import comfy.patcher_extension
 import comfy.utils
 
 from ...training.core.adapters import ADAPTER_LAYERS
@@ -35,6 +36,7 @@ from ...training.memory.lowbit import LowBitBase, LowBitLinear
 from ...training.memory.memory_stats import PhaseRecorder, process_rss_bytes
 from ...training.memory.oom import is_out_of_memory, out_of_memory
 from ...training.memory.policy import OffloadPolicy
+from ...training.memory.weight_streaming import BasePlacement, base_placement, validation_placement
 from ...training.core.distributed import is_main_process
 from ...training.core.run_dir import RunDir, RunFolderError
 from ...training.core.trainer import StepReport, Trainer
@@ -234,6 +236,19 @@ def partial_excess(loaded_bytes: int, planned_bytes: int | None) -> int:
     return 0 if planned_bytes is None else max(0, int(loaded_bytes) - int(planned_bytes))
 
 
+def keep_to_share(patcher, planned_bytes: int | None) -> int:
+    """ComfyUI fills its free memory when it loads a model: back to the plan's share of the base through its own
+    partial unload (the weights it moves out are cast per layer from host RAM as they are used). Returns the bytes
+    moved out."""
+    over = partial_excess(patcher.loaded_size(), planned_bytes)
+    if over:
+        patcher.partially_unload(patcher.offload_device, memory_to_free=over)
+    return over
+
+
+SAMPLING_PLACEMENT_KEY = "headroom.validation_placement"
+
+
 class Placement:
     """Where the run's frozen base lives: the training clone of the MODEL, its low-bit storage (policy
     base_storage), its load through ComfyUI's model management (policy base_placement) and its release."""
@@ -282,11 +297,14 @@ class Placement:
         return LowBitBase(self.patcher.model.diffusion_model, self.policy.base_storage, self.patcher.offload_device,
                           prefixes=blocks)
 
-    def load(self, patchers: list, extra_bytes: int, base_device_bytes: int | None = None) -> None:
+    def load(self, patchers: list, extra_bytes: int, base_device_bytes: int | None = None,
+             placement: BasePlacement | None = None) -> None:
         """Load the training patchers through ComfyUI's model management, as the policy places the frozen base
         (`extra_bytes`: what the run adds on the device beyond the weights, for ComfyUI's accounting;
-        `base_device_bytes`: for "partial" placement, the share of the base the run's plan keeps on the device)."""
-        placement = self.policy.placement  # decided in one place: training/memory/weight_streaming.base_placement
+        `base_device_bytes`: for "partial" placement, the share of the base the run's plan keeps on the device;
+        `placement`: another than the policy's, validation's own)."""
+        # Decided in one place: training/memory/weight_streaming.base_placement
+        placement = placement if placement is not None else self.policy.placement
         with torch.inference_mode(False):  # weights copied to the device here are then usable by autograd
             # Not a full load: ComfyUI may keep part of the base in host RAM (its lowvram load); the trainer's
             # WeightStreamer brings those blocks to the device one block ahead.
@@ -294,9 +312,7 @@ class Placement:
                                                    force_full_load=placement.full_load)
             # ComfyUI fills its free memory (less extra_bytes): with a budget below the card, or activations to
             # keep, that is too much. Back to the planned share through its own partial unload.
-            over = partial_excess(self.patcher.loaded_size(), base_device_bytes)
-            if over:
-                self.patcher.partially_unload(self.patcher.offload_device, memory_to_free=over)
+            keep_to_share(self.patcher, base_device_bytes)
             if placement.blocks_to_host and self.patcher.load_device != self.patcher.offload_device:
                 # Every block's frozen weights back to host RAM through ComfyUI's own partial unload, so its
                 # accounting stays right; non-block weights (embedders, final layers) stay resident.
@@ -334,7 +350,7 @@ class TrainingRun:
         """What the node that opened the run tells the user about it (its UI text): precision, the policy fitted to
         the card, the batch."""
         return [note for note in (self.precision_note, self.plan_note, self.batch_note) if note]
-    _planned_base_share = _NOT_PLANNED  # _base_device_share: planned on the first load of a "partial" run
+    _planned_base_share = _NOT_PLANNED  # _planned_shares: (training, validation), planned on the first load
     ranks = None  # a multi-device run's worker ranks (nodes/bridge/rank_workers.RankWorkers), told to train with rank 0
 
     def __init__(self, model, latent_cache, text_cache, config, trained, run_root: pathlib.Path, run_name: str,
@@ -408,11 +424,18 @@ class TrainingRun:
 
     # --- on the device --------------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def attached(self):
+    def attached(self, phase: str = "training"):
         """The training clone (and what the strategy loads with it) loaded through ComfyUI's model management,
-        with what the run trains attached for the block (the strategy's `attach`)."""
-        self.placement.load(self.trained.patchers(self), self.trained.device_extra_bytes(self.trainer),
-                            self._base_device_share())
+        with what the run trains attached for the block (the strategy's `attach`). `phase` "validation": the base
+        placed as the plan places it for validation (weight_streaming.validation_placement); the next training
+        load puts training's placement back."""
+        share = self._validation_device_share() if phase == "validation" else None
+        if share is not None:  # planned (on a device, with a plan): else validation loads as training does
+            own = base_placement(validation_placement(self.policy.base_placement))
+            self.placement.load(self.trained.patchers(self), self.trained.device_extra_bytes(self.trainer), share, own)
+        else:
+            self.placement.load(self.trained.patchers(self), self.trained.device_extra_bytes(self.trainer),
+                                self._base_device_share())
         # ComfyUI's split / sub-quadratic attention chunks by free memory: a recompute must chunk as its forward did.
         with self.trained.attach(self), pinned_reading(comfy.model_management, "get_free_memory"):
             yield
@@ -421,8 +444,29 @@ class TrainingRun:
     def validating(self):
         """The model attached for validation, with the optimizer state and gradients parked in host RAM when the
         policy says so (restored bitwise after): validation then needs no more device memory than training."""
-        with self.trainer.parked_for_validation(), self.attached():
+        with self.trainer.parked_for_validation(), self.attached("validation"):
             yield
+
+    @contextlib.contextmanager
+    def sampling_placement(self, model):
+        """While ComfyUI's sampler samples `model` (a patcher of this run's base), the base keeps to validation's
+        planned share: the sampler's own load fills the device's free memory, past a budget below the card. A
+        sampler wrapper (ComfyUI's patcher extension), so it acts after that load and before the first step."""
+        share = self._validation_device_share()
+        if share is None:
+            yield model
+            return
+
+        def keep_validation_share(executor, *args, **kwargs):
+            keep_to_share(model, share)
+            return executor(*args, **kwargs)
+
+        model.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.SAMPLER_SAMPLE, SAMPLING_PLACEMENT_KEY,
+                                   keep_validation_share)
+        try:
+            yield model
+        finally:
+            model.remove_wrappers_with_key(comfy.patcher_extension.WrappersMP.SAMPLER_SAMPLE, SAMPLING_PLACEMENT_KEY)
 
     def sampling_model(self, lora_application: str = "unmerged"):
         """The ModelPatcher validation samples with, as the strategy makes it (a LoRA: `lora_application`)."""
@@ -525,18 +569,34 @@ class TrainingRun:
             self.release()
 
     def _base_device_share(self) -> int | None:
-        """For "partial" placement on a device: the bytes of the base the run's plan keeps there (planned once, on
-        the first load; None elsewhere, or when the plan cannot be made: then ComfyUI's own choice stands)."""
-        patcher = self.placement.patcher
-        if self.policy.base_placement != "partial" or patcher.load_device == patcher.offload_device:
+        """For "partial" placement on a device: the bytes of the base the run's plan keeps there in a training step
+        (planned once, on the first load; None elsewhere, or when the plan cannot be made: then ComfyUI's own choice
+        stands)."""
+        if self.policy.base_placement != "partial":
             return None
+        return self._planned_shares()[0]
+
+    def _validation_device_share(self) -> int | None:
+        """The same for validation, placed on its own: "partial" and "streamed" keep what fits beside sampling
+        (planner.Plan.validation_base_device_bytes); "resident" loads everything."""
+        if validation_placement(self.policy.base_placement) != "partial":
+            return None
+        return self._planned_shares()[1]
+
+    def _planned_shares(self) -> tuple[int | None, int | None]:
+        """(training, validation) shares of the base on the device from the run's plan, planned once; (None, None)
+        on a CPU or when the plan cannot be made."""
+        patcher = self.placement.patcher
+        if patcher.load_device == patcher.offload_device:
+            return None, None
         if self._planned_base_share is _NOT_PLANNED:
             try:
-                self._planned_base_share = run_plan(self).base_device_bytes
+                plan = run_plan(self)
+                self._planned_base_share = (plan.base_device_bytes, plan.validation_base_device_bytes)
             except Exception as error:  # the plan is advice for the load, not a reason to stop the run
-                logging.warning("Headroom: run '%s': no memory plan for its partial placement (%s); ComfyUI "
-                                "places the base", self.run_dir.name, error)
-                self._planned_base_share = None
+                logging.warning("Headroom: run '%s': no memory plan for its placement (%s); ComfyUI places the base",
+                                self.run_dir.name, error)
+                self._planned_base_share = (None, None)
         return self._planned_base_share
 
     def _next_plan(self):

@@ -52,7 +52,9 @@ def sample_images(run: TrainingRun, clip, vae, prompts: list[str], negative: str
     # training run draws next (peft dropout uses the global RNG).
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     model_context = run.base_sampling_model() if base else run.sampling_model(lora_application)
-    with torch.no_grad(), torch.random.fork_rng(devices=devices), model_context as model:
+    # The base keeps to validation's own planned placement while the sampler runs (TrainingRun.sampling_placement).
+    with torch.no_grad(), torch.random.fork_rng(devices=devices), model_context as sampled, \
+            run.sampling_placement(sampled) as model:
         for index, prompt in enumerate(prompts):
             positive = clip.encode_from_tokens_scheduled(clip.tokenize(prompt))
             negative_item = negative_cond

@@ -68,6 +68,8 @@ def test_dry_run_measures_resumes_and_writes_the_page(comfyui, tmp_path):
         assert run["planner_train_bytes"] > 0 and run["planner_validation_bytes"] > 0 and run["s_per_step"] > 0
         assert run["policy"].startswith("budget ")
         assert run["fallback"] is None  # the driver's fallback finding, per run: none on a CPU
+        # Validation timed on its own placement and on training's (issue 28 item 3's A/B)
+        assert run["validation_seconds"] > 0 and run["validation_seconds_training_placement"] > 0
     assert by_id["lora/sdxl/8GB"]["budget_gb"] == 8 and by_id["lora/sdxl/resident"]["budget_gb"] is None
     assert by_id["lora/sdxl/policy-streamed_ckpt"]["policy_fields"]["base_placement"] == "streamed"
     assert (by_id["lora/wan22_14b/8GB"]["frames"], by_id["lora/sdxl/8GB"]["frames"]) == (5, 1)  # a clip, an image
@@ -83,6 +85,7 @@ def test_dry_run_measures_resumes_and_writes_the_page(comfyui, tmp_path):
                 "| SDXL | policy-streamed_ckpt |", "| SDXL | off |", "| SDXL | on |"):
         assert row in text
     assert "CUDA-marked tests (tests/unit/test_memory_stats.py" in text
+    assert "Validation on its own placement" in text and "| SDXL | 8GB | " in text.split("its own placement")[1]
     assert "Left for the next command (time guard): none" in text
     with Image.open(png) as image:
         assert image.format == "PNG" and image.size == (1200, 560)

@@ -297,3 +297,41 @@ def test_validation_images_are_identical_with_the_optimizer_parked(comfyui, tmp_
         while_parked = images_and_latents()
     assert all(torch.equal(a, b) for a, b in zip(plain, while_parked, strict=True))
     session.release()
+
+
+@pytest.mark.comfyui
+@pytest.mark.parametrize("family", ["sd15", "sd3"])  # a UNet and a DiT
+@pytest.mark.parametrize("lora_application", ["as_saved_file", "unmerged"])
+def test_validation_on_its_own_placement_samples_the_same_images(comfyui, tmp_path, monkeypatch, family,
+                                                                  lora_application):
+    """Issue 28 item 3: while sampling, the base keeps to validation's planned share (TrainingRun.sampling_placement,
+    after the sampler's own load); the blocks moved out are cast per layer by ComfyUI's partial unload, which gives
+    the same images and latents, bitwise, as the base fully on the device. On a CPU nothing is planned (one device),
+    so the share is set here and ComfyUI's partial unload runs CPU to CPU."""
+    from headroom.nodes.bridge import comfy_bridge
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
+    from headroom.nodes.bridge.validation import sample_images
+
+    import comfy.model_management
+
+    _, clip, vae = build_tiny_models(family)
+    session = _tiny_session(tmp_path, family)
+    with session.attached(), monkeypatch.context() as training:
+        training.setattr(comfy.model_management, "in_training", True)  # as TrainingRun.train_to sets it
+        train(session.trainer)
+    assert session._validation_device_share() is None  # one device: nothing to place
+
+    def images_and_latents():
+        return sample_images(session, clip, vae, ["a red circle"], "", seed=3, steps=3, cfg=2.0, sampler_name="euler",
+                             scheduler="normal", width=64, height=64, lora_application=lora_application)
+
+    plain = images_and_latents()
+    moved = []
+    keep = comfy_bridge.keep_to_share
+    monkeypatch.setattr(comfy_bridge, "keep_to_share", lambda patcher, share: moved.append(keep(patcher, share)))
+    total = session.placement.patcher.model_size()
+    monkeypatch.setattr(session, "_validation_device_share", lambda: total // 3)
+    placed = images_and_latents()
+    assert moved and moved[0] > 0  # the sampler's load was cut back to the share: two thirds moved out
+    assert all(torch.equal(a, b) for a, b in zip(plain, placed, strict=True))
+    session.release()

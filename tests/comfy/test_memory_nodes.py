@@ -164,6 +164,13 @@ def test_auto_mode_chooses_a_policy_that_fits_and_says_why(comfyui):
     assert plan["fits"] and plan["peak_bytes"] <= 0.8 * peak
     assert (chosen.base_placement, chosen.checkpointing) != ("resident", "off")
     assert "the fastest policy that fits" in text and "Faster options over budget" in text
+    # The node's plan shows where the base is in each phase (issue 28 item 3): validation, with no backward to keep
+    # room for, keeps more of it on the device than the training step.
+    streamed = OffloadPolicy(vram_budget_gb=tight.vram_budget_gb, base_placement="streamed", checkpointing="blocks")
+    text, plan_json, _ = _plan(model, policy=streamed, **size).result
+    plan = json.loads(plan_json)
+    assert plan["validation_base_device_bytes"] > plan["base_device_bytes"]
+    assert "frozen base on the device: training step" in text and "(more: validation is placed on its own" in text
 
 
 def test_unet_blocks_are_the_layers_the_model_calls(comfyui):

@@ -812,3 +812,10 @@ def test_partial_placement_keeps_the_planned_share_of_the_base(comfyui, monkeypa
     assert blocks < total
     assert comfy_bridge.partial_excess(total, share) == total - share
     assert comfy_bridge.partial_excess(share // 2, share) == 0 and comfy_bridge.partial_excess(total, None) == 0
+    # Validation's own share comes from the same plan (issue 28 item 3), planned in the same single call.
+    assert run._validation_device_share() == plan.validation_base_device_bytes and len(calls) == 1
+    validation = plan.phase("validation")
+    assert plan.validation_base_device_bytes == (plan.base_device_bytes - blocks
+                                                 + validation.items["resident block weights (as_loaded, partial)"])
+    run.policy = run.policy.replace(base_placement="resident")
+    assert run._base_device_share() is None and run._validation_device_share() is None  # everything loads

@@ -18,7 +18,7 @@ PROMPT = "a red circle in the center"
 SAMPLING = dict(sample_seed=3, sample_steps=3, cfg=1.0, sampler_name="euler", scheduler="simple", width=64, height=64)
 
 
-def test_as_saved_file_validation_equals_the_stock_loader_at_real_width(comfyui):
+def test_as_saved_file_validation_equals_the_stock_loader_at_real_width(comfyui, monkeypatch):
     import comfy.model_management
     import nodes
     import realsize_models
@@ -44,6 +44,20 @@ def test_as_saved_file_validation_equals_the_stock_loader_at_real_width(comfyui)
                                        lora_application=mode, **SAMPLING)
             path = run.run_dir.validation_dir / f"step_{run.step:08d}_latents.safetensors"
             validation_latents[mode] = load_file(str(path))["samples"]
+        # Validation on its own placement (issue 28 item 3): the sampled model kept to a third of the base on the
+        # device, the rest moved out by ComfyUI's partial unload and cast per layer with the LoRA merged as it goes.
+        # On a CPU nothing is planned (one device), so the share is set here; the partial unload runs CPU to CPU.
+        from headroom.nodes.bridge import comfy_bridge
+
+        moved = []
+        keep = comfy_bridge.keep_to_share
+        monkeypatch.setattr(comfy_bridge, "keep_to_share", lambda patcher, share: moved.append(keep(patcher, share)))
+        monkeypatch.setattr(run, "_validation_device_share", lambda: run.placement.patcher.model_size() // 3)
+        T.HeadroomValidate.execute(run, clip=clip, vae=vae, prompts=PROMPT, negative="", loss_timesteps=1,
+                                   lora_application="as_saved_file", **SAMPLING)
+        validation_latents["placed"] = load_file(str(path))["samples"]
+        monkeypatch.undo()
+        assert moved and moved[0] > 0
         name = T.HeadroomSaveLora.execute(run, "tests", "", "fp32").args[0]
 
         positive = nodes.CLIPTextEncode().encode(clip, PROMPT)[0]
@@ -64,3 +78,4 @@ def test_as_saved_file_validation_equals_the_stock_loader_at_real_width(comfyui)
     assert effect > 0.0, "the trained LoRA should change the sample"
     assert as_saved == 0.0
     assert torch.equal(validation_latents["as_saved_file"], stock)
+    assert torch.equal(validation_latents["placed"], stock)  # the same latents with two thirds of the base moved out

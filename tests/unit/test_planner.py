@@ -105,20 +105,47 @@ def test_partial_placement_fills_the_budget():
 
 
 def test_partial_placement_leaves_validation_its_room_too():
-    """"partial" keeps on the device the block weights that fit beside the rest of the larger phase: sized by the
-    training step alone, a sampling working set larger than training's activations put validation over the budget,
-    and plan_auto passed over "partial" for the slower "streamed" (Flux.2 Klein at 8 GB)."""
+    """Each phase is placed in its own room: where sampling needs more than a training step (here 1.2 GiB of working
+    set), validation keeps fewer blocks on the device than training and stays within the budget. (One share sized by
+    training alone put validation over the budget, and plan_auto passed over "partial" for the slower "streamed":
+    Flux.2 Klein at 8 GB.)"""
     d = dataclasses.replace(toy_description(), inference_bytes_per_latent_px=600 * MIB / 4096)  # 1.2 GiB sampling
     policy = OffloadPolicy(base_placement="partial", checkpointing="blocks")
     budget = int(3.5 * GIB)
     plan = estimate(d, TRAINABLE, SHAPE, policy, budget_bytes=budget)
     training, validation = plan.phase("training step"), plan.phase("validation")
-    assert validation.total > training.total  # the phase that sizes the share here
-    assert plan.fits and validation.total <= budget
+    assert plan.fits and training.total <= budget and validation.total <= budget
     share = training.items["resident block weights (as_loaded, partial)"]
-    assert 0 < share < 4 * GIB and plan.base_device_bytes == d.other_param_bytes + share
+    validation_share = validation.items["resident block weights (as_loaded, partial)"]
+    assert 0 < validation_share < share < 4 * GIB
+    assert plan.base_device_bytes == d.other_param_bytes + share
+    assert plan.validation_base_device_bytes == d.other_param_bytes + validation_share
+    assert "validation" in plan.placement_line() and "less" in plan.placement_line()
     auto = planner.plan_auto(d, TRAINABLE, SHAPE, OffloadPolicy(), budget)
     assert auto.policy.base_placement == "partial", auto.reason
+
+
+@pytest.mark.parametrize("placement", ["partial", "streamed"])
+def test_validation_keeps_more_blocks_when_sampling_needs_less_room(placement):
+    """Issue 28 item 3: with no backward (no activations kept, gradients and optimizer state parked), validation's
+    room holds more blocks than a training step's: "partial" keeps more, "streamed" (every block streamed in
+    training) keeps as many as fit while sampling. Each phase stays within the budget; the plan's text says both."""
+    d = toy_description()
+    budget = int(3.5 * GIB)
+    plan = estimate(d, TRAINABLE, SHAPE, OffloadPolicy(base_placement=placement, checkpointing="blocks"),
+                    budget_bytes=budget)
+    training, validation = plan.phase("training step"), plan.phase("validation")
+    assert training.total <= budget and validation.total <= budget
+    validation_share = validation.items["resident block weights (as_loaded, partial)"]
+    assert plan.validation_base_device_bytes == d.other_param_bytes + validation_share
+    assert plan.validation_base_device_bytes > plan.base_device_bytes
+    assert validation.total > 0.9 * budget  # the room is used, not left empty
+    line = plan.placement_line()
+    assert line in plan.to_text() and "more" in line
+    assert plan.to_dict()["validation_base_device_bytes"] == plan.validation_base_device_bytes
+    # Resident stays resident in both phases, and says nothing more.
+    resident = estimate(d, TRAINABLE, SHAPE, OffloadPolicy(), budget_bytes=64 * GIB)
+    assert resident.validation_base_device_bytes == resident.base_device_bytes and resident.placement_line() == ""
 
 
 def test_plan_says_how_much_of_the_base_stays_on_the_device():

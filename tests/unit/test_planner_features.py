@@ -166,8 +166,10 @@ def reference_estimate(description: ModelDescription, trainable: TrainableSpec, 
     training_items["allocator overhead (5%)"] = int(planner.ALLOCATOR_OVERHEAD * sum(training_items.values()))
     training = planner.PhaseEstimate("training step", training_items, notes)
 
-    # Validation: the same frozen weights, the adapter, ComfyUI's inference estimate for cond + uncond.
-    validation_items = dict(weights)
+    # Validation: the frozen weights placed on their own (issue 28 item 3: "resident" stays resident, "partial" and
+    # "streamed" keep the blocks that fit beside what validation holds), the adapter, ComfyUI's inference estimate
+    # for cond + uncond.
+    validation_items = {"frozen weights outside the blocks": description.other_param_bytes}
     validation_items["adapter weights (fp32)"] = trainable.param_bytes()
     if not policy.park_optimizer_during_validation:
         validation_items["gradients (fp32)"] = trainable.param_bytes()
@@ -181,6 +183,20 @@ def reference_estimate(description: ModelDescription, trainable: TrainableSpec, 
     # is the upper bound), the merge rounded to the stored dtype, and that back in compute precision.
     validation_items["one layer's LoRA merge in flight (validation as the saved file)"] = int(
         description.largest_linear_numel * (4 + description.stored_element_size + description.compute_element_size))
+    validation_blocks = all_blocks
+    if policy.base_placement == "resident":
+        validation_items[f"frozen block weights ({storage})"] = all_blocks
+    elif budget_bytes is None:  # no room to fill: training's placement ("streamed": none resident)
+        validation_blocks = 0 if policy.base_placement == "streamed" else all_blocks
+    else:
+        room = int(budget_bytes / (1 + planner.ALLOCATOR_OVERHEAD)) - sum(validation_items.values())
+        validation_blocks = max(0, min(all_blocks, room - 2 * max(block_weights, default=0)))
+    if policy.base_placement == "streamed" and budget_bytes is None:
+        validation_items["streamed block buffers (2 blocks)"] = 2 * max(block_weights, default=0)
+    elif policy.base_placement != "resident":
+        validation_items["streamed block buffers (2 blocks)"] = (
+            0 if validation_blocks >= all_blocks else 2 * max(block_weights, default=0))
+        validation_items[f"resident block weights ({storage}, partial)"] = validation_blocks
     validation_items["allocator overhead (5%)"] = int(planner.ALLOCATOR_OVERHEAD * sum(validation_items.values()))
     validation = planner.PhaseEstimate("validation", validation_items)
     if policy.park_optimizer_during_validation:
@@ -224,5 +240,9 @@ def reference_estimate(description: ModelDescription, trainable: TrainableSpec, 
     if policy.checkpointing == "blocks_cpu_offload":
         added_training["offloaded block inputs"] = int(sum(inputs))
 
+    training_blocks = all_blocks if policy.base_placement == "resident" else (
+        all_blocks - host.get("streamed block weights", 0))
     return planner.Plan(policy, [cache_text, cache_vae, training, validation, decode, save], budget_bytes, host_bytes=host,
+                        base_device_bytes=description.other_param_bytes + training_blocks,
+                        validation_base_device_bytes=description.other_param_bytes + validation_blocks,
                         host_added={"training step": added_training, "validation": added_validation})

@@ -212,6 +212,9 @@ class Plan:
     # placement, the share a run's load may give ComfyUI (it would otherwise fill its free memory and leave no room
     # for activations: every Flux-dev partial run ran out of memory so on an emulated 6-16 GiB card).
     base_device_bytes: int | None = None
+    # The same for validation, placed on its own (weight_streaming.validation_placement): the share a run loads for
+    # its validation loss and keeps while sampling, training's share restored by the next training load.
+    validation_base_device_bytes: int | None = None
     # Host RAM the run adds beyond the models already loaded, per phase ("training step", "validation"), by item;
     # and the room it has (host_ram.py). None: no host budget applied.
     host_added: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
@@ -255,6 +258,8 @@ class Plan:
             "phases": [{"phase": p.phase, "total_bytes": p.total, "items": dict(p.items), "notes": list(p.notes)}
                        for p in self.phases],
             "host_bytes": dict(self.host_bytes),
+            "base_device_bytes": self.base_device_bytes,
+            "validation_base_device_bytes": self.validation_base_device_bytes,
             "host_added": {phase: dict(items) for phase, items in self.host_added.items()},
             "host_added_bytes": self.host_added_bytes, "host_fits": self.host_fits,
             "host_in_use_bytes": None if self.host_room is None else self.host_room.in_use_bytes,
@@ -282,11 +287,23 @@ class Plan:
             text += f"; {self.host_room.describe(self.host_added_bytes)}"
         return text + (" - DOES NOT FIT" if self.fits is False else "")
 
+    def placement_line(self) -> str:
+        """Where the frozen base is in training and in validation, when the two differ ("" otherwise)."""
+        train, validate = self.base_device_bytes, self.validation_base_device_bytes
+        if train is None or validate is None or train == validate:
+            return ""
+        more = "more" if validate > train else "less"
+        return (f"frozen base on the device: training step {format_bytes(train)}, validation {format_bytes(validate)} "
+                f"({more}: validation is placed on its own, with no backward to keep room for)")
+
     def to_text(self) -> str:
         budget = "no budget" if self.budget_bytes is None else f"budget {format_bytes(self.budget_bytes)}"
         verdict = "" if self.fits is None else (" - fits" if self.fits else " - DOES NOT FIT")
         lines = [f"Headroom memory plan: {self.policy.describe()}",
                  f"peak {format_bytes(self.peak_bytes)} in {self.peak.phase} ({budget}){verdict}"]
+        placement = self.placement_line()
+        if placement:
+            lines.append(placement)
         for phase in self.phases:
             lines.append(f"{phase.phase}: {format_bytes(phase.total)}")
             for name, value in phase.items.items():
@@ -365,16 +382,22 @@ def estimate(description: ModelDescription, trainable: TrainableSpec, shape: Run
                     description.largest_linear_numel * (4 + description.stored_element_size
                                                         + description.compute_element_size))}
 
-    # Frozen weights by placement, the last: "partial" fills the room everything else leaves, in training and in
-    # validation (sized by training alone, a larger sampling working set put validation over the budget, and the
-    # auto policy skipped "partial" for the slower "streamed": Flux.2 Klein at 8 GB).
+    # Frozen weights by placement, the last: "partial" fills the room everything else leaves. Each phase is placed in
+    # its own room (weight_streaming.validation_placement): a training step beside its trainables and activations,
+    # validation beside the adapter, parked state and ComfyUI's sampling working set. (One share for both, sized by
+    # training alone, put validation over the budget where sampling needs more: Flux.2 Klein at 8 GB.)
     outer = {"frozen weights outside the blocks": description.other_param_bytes}
-    rest = sum(outer.values()) + max(sum(trainables.values()) + sum(activations.values()), sum(sampling.values()))
+    training_rest = sum(outer.values()) + sum(trainables.values()) + sum(activations.values())
+    validation_rest = sum(outer.values()) + sum(sampling.values())
     device_budget = None if budget_bytes is None else int(budget_bytes / (1 + ALLOCATOR_OVERHEAD))
-    placement = weight_streaming.placement_cost(policy.base_placement, block_weights, storage, rest, device_budget)
+    placement = weight_streaming.placement_cost(policy.base_placement, block_weights, storage, training_rest,
+                                                device_budget, validation_rest)
     weights = {**outer, **placement.training}
     base_device = description.other_param_bytes + weight_streaming.resident_block_bytes(
-        policy.base_placement, block_weights, rest, device_budget)
+        policy.base_placement, block_weights, training_rest, device_budget)
+    validation_device = description.other_param_bytes + weight_streaming.resident_block_bytes(
+        weight_streaming.validation_placement(policy.base_placement, device_budget), block_weights, validation_rest,
+        device_budget)
     features: list[FeatureCost] = [parking, *block_activations, placement]
     host = {name: value for cost in features for name, value in cost.host.items()}  # in host RAM instead
     notes = [note for cost in features for note in cost.training_notes]
@@ -422,7 +445,8 @@ def estimate(description: ModelDescription, trainable: TrainableSpec, shape: Run
 
     host_added = host_ram.added_by_phase(features, trainable.ema, trainable.param_bytes())
     return Plan(policy, [cache_text, cache_vae, training, validation, decode, save], budget_bytes, host_bytes=host,
-                base_device_bytes=base_device, host_added=host_added, host_room=host_room)
+                base_device_bytes=base_device, validation_base_device_bytes=validation_device,
+                host_added=host_added, host_room=host_room)
 
 
 # --- choosing a policy ------------------------------------------------------------------------------------
