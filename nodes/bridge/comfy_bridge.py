@@ -429,13 +429,13 @@ class TrainingRun:
         with what the run trains attached for the block (the strategy's `attach`). `phase` "validation": the base
         placed as the plan places it for validation (weight_streaming.validation_placement); the next training
         load puts training's placement back."""
+        patchers, extra = self.trained.patchers(self), self.trained.device_extra_bytes(self.trainer)
         share = self._validation_device_share() if phase == "validation" else None
-        if share is not None:  # planned (on a device, with a plan): else validation loads as training does
-            own = base_placement(validation_placement(self.policy.base_placement))
-            self.placement.load(self.trained.patchers(self), self.trained.device_extra_bytes(self.trainer), share, own)
+        if share is None:  # training, or a validation nothing was planned for (a CPU, no plan): training's placement
+            self.placement.load(patchers, extra, self._base_device_share())
         else:
-            self.placement.load(self.trained.patchers(self), self.trained.device_extra_bytes(self.trainer),
-                                self._base_device_share())
+            own = base_placement(validation_placement(self.policy.base_placement))
+            self.placement.load(patchers, extra, share, own)
         # ComfyUI's split / sub-quadratic attention chunks by free memory: a recompute must chunk as its forward did.
         with self.trained.attach(self), pinned_reading(comfy.model_management, "get_free_memory"):
             yield

@@ -80,6 +80,10 @@ def test_extraction_refuses_what_it_cannot_express():
     base = {"a.weight": torch.zeros(4, 4), "a.bias": torch.zeros(4), "scale": torch.zeros(4)}
     with pytest.raises(ValueError, match="rank > 0 or energy"):
         extract_lora(base, base)
+    with pytest.raises(ValueError, match="rank > 0 or energy"):
+        extract_lora(base, base, rank=2, energy=1.5)
+    with pytest.raises(ValueError, match="energy=nan is not a finite number"):
+        extract_lora(base, base, rank=2, energy=float("nan"))
     with pytest.raises(ValueError, match="keys differ"):
         extract_lora(base, {"a.weight": torch.zeros(4, 4)}, rank=2)
     with pytest.raises(ValueError, match="a.weight is"):

@@ -20,6 +20,8 @@ import dataclasses
 
 import torch
 
+from ..checks import check_finite
+
 
 @dataclasses.dataclass
 class Extracted:
@@ -51,7 +53,8 @@ def extract_lora(base: dict[str, torch.Tensor], trained: dict[str, torch.Tensor]
                  dtype: torch.dtype = torch.float32) -> tuple[dict[str, torch.Tensor], Extracted]:
     """The LoRA (ComfyUI keys, `dtype`) that takes `base` to `trained` (state dicts of one model, same keys), and
     what it kept. Give `rank` (> 0), `energy` (in (0, 1]) or both."""
-    if rank <= 0 and not 0 < energy <= 1:
+    check_finite("LoRA extraction", energy=energy)
+    if not 0 <= energy <= 1 or (rank <= 0 and energy == 0):
         raise ValueError(f"LoRA extraction: give rank > 0 or energy in (0, 1] (rank {rank}, energy {energy})")
     missing = sorted(set(base) ^ set(trained))
     if missing:

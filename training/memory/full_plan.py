@@ -14,7 +14,8 @@ import dataclasses
 import math
 
 from . import activation_offload, checkpointing, fused_backward, stochastic_rounding
-from .planner import ALLOCATOR_OVERHEAD, ModelDescription, Plan, PhaseEstimate, RunShape, TrainableSpec
+from .planner import (ALLOCATOR_OVERHEAD, ModelDescription, Plan, PhaseEstimate, RunShape, TrainableSpec,
+                      _optimizer_state_bytes as optimizer_state_bytes)
 from .policy import OffloadPolicy
 
 FULL_WEIGHTS = ("bf16_stochastic", "fp32_masters")
@@ -65,8 +66,7 @@ def estimate_full(description: ModelDescription, trainable: TrainableSpec, shape
     # state on the host brings that parameter's state over too).
     step = 8 * largest if options.weights == "bf16_stochastic" else 4 * largest
     if options.optimizer_state == "cpu":
-        step += max((trainable.optimizer_bytes() * math.prod(s) // max(1, trainable.param_count)
-                     for s in trainable.shapes), default=0)
+        step += max((optimizer_state_bytes(trainable.optimizer, s) for s in trainable.shapes), default=0)
     activation_costs = [feature(options.checkpointing, saved, copies, inputs)
                         for feature in (checkpointing.activation_cost, activation_offload.activation_cost)]
     activations = {name: value for cost in activation_costs for name, value in cost.training.items()}

@@ -72,9 +72,8 @@ class FusedBackward:
     @torch.no_grad()
     def _step(self, index: int, param: torch.Tensor) -> None:
         grad = param.grad
-        if self.max_grad_norm > 0:
-            norm = torch.linalg.vector_norm(grad.float())
-            grad.mul_(torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0).to(grad.dtype))
+        if self.max_grad_norm > 0:  # torch's own clipping, on this parameter's gradient alone
+            torch.nn.utils.clip_grad_norm_(param, self.max_grad_norm)
         stand_in = self._stand_ins[index]
         if stand_in is None:
             self.optimizers[index].step()

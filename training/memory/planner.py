@@ -396,7 +396,7 @@ def estimate(description: ModelDescription, trainable: TrainableSpec, shape: Run
     base_device = description.other_param_bytes + weight_streaming.resident_block_bytes(
         policy.base_placement, block_weights, training_rest, device_budget)
     validation_device = description.other_param_bytes + weight_streaming.resident_block_bytes(
-        weight_streaming.validation_placement(policy.base_placement, device_budget), block_weights, validation_rest,
+        weight_streaming.validation_placement(policy.base_placement, device_budget is not None), block_weights, validation_rest,
         device_budget)
     features: list[FeatureCost] = [parking, *block_activations, placement]
     host = {name: value for cost in features for name, value in cost.host.items()}  # in host RAM instead

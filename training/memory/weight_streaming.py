@@ -276,15 +276,14 @@ def resident_block_bytes(placement: str, block_weights: Sequence[int], rest_byte
     return max(0, min(all_blocks, device_budget - rest_bytes - 2 * max(block_weights, default=0)))
 
 
-def validation_placement(placement: str, device_budget: int | None = 0) -> str:
+def validation_placement(placement: str, budgeted: bool = True) -> str:
     """The placement validation plans for itself (sampling and the validation loss): no backward, so no activations,
     gradients or (parked) optimizer state beside the weights, and no WeightStreamer: ComfyUI's own per-layer cast
     brings what is not on the device. "resident" stays resident; "partial" and "streamed" keep as many blocks as the
     validation room leaves ("partial" sized for validation), which is more than training's share when sampling needs
     less than a training step (kohya sd-scripts #2056: fewer blocks swapped while sampling, a sample 40 % faster).
-    Without a budget (`device_budget` None: no room to fill is known) validation is estimated on training's
-    placement."""
-    if device_budget is None:
+    Without a budget (`budgeted` False: no room to fill is known) validation is estimated on training's placement."""
+    if not budgeted:
         return placement
     return "resident" if placement == "resident" else "partial"
 
@@ -316,7 +315,7 @@ def placement_cost(placement: str, block_weights: Sequence[int], storage: str, r
     if placement == "partial" and device_budget is None:
         notes.append("partial placement without a budget: estimated as fully resident")
     training, resident_part = _phase_weights(placement, block_weights, storage, rest_bytes, device_budget)
-    validation, _ = _phase_weights(validation_placement(placement, device_budget), block_weights, storage,
+    validation, _ = _phase_weights(validation_placement(placement, device_budget is not None), block_weights, storage,
                                    rest_bytes if validation_rest_bytes is None else validation_rest_bytes,
                                    device_budget)
     # What the training step streams from host RAM (the figure the plan's summary names).
