@@ -7,6 +7,7 @@ harness modules in this folder. Tests live in one folder per kind: unit/ (no Com
 server/ (a ComfyUI server subprocess), browser/, realsize/; the shared harness and helpers stay here.
 """
 import importlib.util
+import os
 import pathlib
 import sys
 
@@ -46,6 +47,26 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+def torch_threads_per_worker() -> int | None:
+    """Torch threads for each pytest-xdist worker: the machine's cores shared out (1 each on the 2-core CI box).
+    None outside xdist (the process keeps OMP_NUM_THREADS / torch's default)."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    return max(1, (os.cpu_count() or 1) // int(workers)) if workers else None
+
+
+@pytest.fixture(autouse=True)
+def worker_torch_threads():
+    """Each test starts on its worker's share of the cores. Two workers of two threads each on two cores run tiny
+    models 2.6x slower than one thread each (the threads wait on each other's time slices); a module that sets torch's
+    threads at import (collection imports every module in every worker) would otherwise set them for all tests."""
+    share = torch_threads_per_worker()
+    if share is not None:
+        import torch
+
+        torch.set_num_threads(share)
+    yield
 
 
 from comfy_harness import cache_dir, comfyui, headroom_nodes  # noqa: E402,F401  (fixtures)

@@ -216,8 +216,10 @@ def run_case(name: str, size: int, steps: int, checkpointing: bool, planner_esti
         loss = T.HeadroomTrainSteps.execute(run, steps).args[1]
         report["train_seconds"] = time.perf_counter() - started
         report["loss"] = float(loss)
+        # One sampling step without CFG: the validation path (placement, sampler, VAE decode) at real width once; each
+        # further step or CFG pass is another full forward on the CPU and shows nothing new about memory.
         T.HeadroomValidate.execute(run, clip=clip, vae=vae, prompts=captions[0], negative="", sample_seed=0,
-                                   sample_steps=2, cfg=2.0, sampler_name="euler", scheduler="simple", width=size,
+                                   sample_steps=1, cfg=1.0, sampler_name="euler", scheduler="simple", width=size,
                                    height=size, loss_timesteps=1)
         lora_name = T.HeadroomSaveLora.execute(run, "realsize", "", "fp32").args[0]
         capture = _Capture()
@@ -246,7 +248,9 @@ def run_case(name: str, size: int, steps: int, checkpointing: bool, planner_esti
     mm.unload_all_models()
     run.release()
     gc.collect()
-    if name != "sdxl":  # another adapter kind at real width (SDXL's 163 s/step on a CPU is too slow for a second run)
+    # Another adapter kind at real width, on the two families with the fastest CPU steps (the OFT code is family-blind;
+    # the key mapping of every family is covered on the tiny models and at full depth by the keys tests).
+    if name in OFT_CASES:
         report["oft"] = _oft_run(model, clip, latents, texts, name)
     report["base_unchanged"] = weights_digest(diffusion) == base_digest
 
@@ -285,6 +289,9 @@ def _other_format(run, model, clip, file_format: str, case: str) -> dict:
         result["diffusers_down_weights"] = sum(1 for k in state if k.endswith((".lora_A.weight", ".lora.down.weight",
                                                                               "_lora.down.weight")))
     return result
+
+
+OFT_CASES = ("zimage", "qwen_image")
 
 
 def _oft_run(model, clip, latents, texts, case: str) -> dict:

@@ -96,9 +96,12 @@ def skip_first_run_dialogs(server_url: str) -> None:
 
 def open_editor(page, url: str) -> None:
     page.goto(url)
-    # The editor is up when the app has a graph and every extension (ours included) has been loaded.
-    page.wait_for_function("() => window.app?.graph && window.__headroomLive",
-                           timeout=120_000)
+    # The editor is up when the app has a graph, every extension (ours included) has been loaded, and its start-up
+    # is over: the frontend removes its splash loader only after it opened the first workflow (default, restored or
+    # blank). A graph loaded before that is replaced by that workflow (seen on a busy CI box: a shipped workflow's
+    # training nodes were gone right after loadGraphData).
+    page.wait_for_function("() => window.app?.graph && window.__headroomLive"
+                           " && !document.getElementById('splash-loader')", timeout=120_000)
 
 
 def load_workflow(page, workflow: dict) -> None:

@@ -8,7 +8,6 @@ import torch
 
 pytestmark = pytest.mark.comfyui
 
-torch.set_num_threads(2)
 
 
 def _caches(family, count=9, seed=0, control=True, encoding=None):

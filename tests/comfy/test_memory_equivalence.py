@@ -20,7 +20,6 @@ from headroom.training.memory.policy import OffloadPolicy, memory_features
 from headroom.training.core.trainer import TrainConfig, Trainer
 from memory_caches import MemoryLatentCache, MemoryTextCache
 
-torch.set_num_threads(2)
 STEPS = 3
 
 

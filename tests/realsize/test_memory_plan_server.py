@@ -1,4 +1,4 @@
-"""HeadroomMemoryPlan run 10 times in one real ComfyUI server keeps the server's RSS flat.
+"""HeadroomMemoryPlan run 6 times in one real ComfyUI server keeps the server's RSS flat.
 
 Each plan runs calibration forwards of the MODEL (training/memory/planner.py measure_activations). They used to stay in
 memory: the pack hook returned the saved tensor itself, a reference cycle through autograd's C++ graph that gc
@@ -15,7 +15,7 @@ from server_harness import start_comfy_server
 pytestmark = [pytest.mark.server, pytest.mark.realsize]
 
 TESTS_DIR = pathlib.Path(__file__).resolve().parents[1]
-PLANS = 10
+PLANS = 6  # 5 settled plans: the leak (~1.3 GiB each) would pass the tolerance 50 times over
 TOLERANCE = 100 * 2 ** 20
 
 WIDE_MODEL_NODE = textwrap.dedent(f'''
@@ -49,7 +49,7 @@ def _rss_bytes(pid: int) -> int:
     raise RuntimeError("no VmRSS in /proc/<pid>/status")
 
 
-def test_memory_plan_ten_times_keeps_the_server_rss_flat(tmp_path):
+def test_memory_plan_six_times_keeps_the_server_rss_flat(tmp_path):
     if not pathlib.Path("/proc/self/status").is_file():
         pytest.skip("needs /proc (Linux) to read the server's RSS")
     base = tmp_path / "base"

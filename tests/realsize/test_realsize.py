@@ -92,6 +92,9 @@ def test_nodes_on_a_real_size_model(case, args, params):
         if "diffusers_down_weights" in saved:
             assert saved["diffusers_down_weights"] >= lora["modules"], (file_format, saved)
     assert report["base_unchanged"], "the base MODEL's weights changed"
+    from realsize_worker import OFT_CASES
+
+    assert ("oft" in report) == (case in OFT_CASES)
     if "oft" in report:  # kind oft at real width: a finite step, every layer saved and mapped by the stock loader
         oft = report["oft"]
         assert oft["loss"] == oft["loss"] and oft["not_loaded"] == [], oft

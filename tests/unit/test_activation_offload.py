@@ -10,7 +10,6 @@ from headroom.training.memory import activation_offload
 from headroom.training.memory.activation_offload import enable_offloaded_checkpointing
 from headroom.training.memory.checkpointing import wrap_blocks
 
-torch.set_num_threads(2)
 
 
 def enable_checkpointing(blocks, depth=1):

@@ -12,7 +12,6 @@ from headroom.training.memory.checkpointing import wrap_blocks
 from headroom.training.memory.lowbit import STORAGES, LowBitBase, LowBitLinear, dequantize, quantize
 from headroom.training.memory.weight_streaming import WeightStreamer
 
-torch.set_num_threads(2)
 MAX_RELATIVE_ERROR = {"fp8": 0.04, "int8": 0.01, "nf4": 0.12}
 
 

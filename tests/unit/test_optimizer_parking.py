@@ -9,7 +9,6 @@ import torch
 from headroom.training.memory.optimizer_parking import HostOptimizer, parked
 from headroom.training.core.optimizers import OptimizerConfig, create_optimizer, create_scheduler
 
-torch.set_num_threads(2)
 
 
 def make_params(seed=0):

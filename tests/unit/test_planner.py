@@ -18,7 +18,6 @@ from headroom.training.memory.planner import (ActivationLaw, BlockProfile, Model
                                        next_smaller_policy, plan_auto)
 from headroom.training.memory.policy import GIB, OffloadPolicy
 
-torch.set_num_threads(2)
 MIB = 2 ** 20
 
 

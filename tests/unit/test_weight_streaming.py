@@ -8,7 +8,6 @@ from headroom.training.memory.activation_offload import enable_offloaded_checkpo
 from headroom.training.memory.checkpointing import wrap_blocks
 from headroom.training.memory.weight_streaming import WeightStreamer, stream_blocks
 
-torch.set_num_threads(2)
 
 
 def enable_checkpointing(blocks, depth=1):
