@@ -22,7 +22,7 @@ from ..training.core.run_dir import RunFolderError, check_name, check_subfolder
 from .bridge import lora_formats
 from .bridge.comfy_bridge import TrainingRun, check_run_kind, node_id, node_name, send_node_text
 from .bridge.comfy_model import check_caches, check_reference_cache, model_family
-from .bridge.model_files import runs_root, save_lora
+from .bridge.model_files import runs_root, save_extracted_lora, save_lora
 from .bridge.planning import check_host_ram, lora_trainable, plan_for_card
 from .bridge.rank_workers import open_on_devices
 from .bridge.run_lora import REFERENCES, SAVE_DTYPES, LoraRunConfig, open_lora_run
@@ -72,12 +72,15 @@ class HeadroomLoraConfig(io.ComfyNode):
             node_id="HeadroomLoraConfig",
             display_name="LoRA Config (Headroom)",
             category=CATEGORY,
-            description="What to train: adapter kind, rank, alpha and which layers.",
+            description="What to train: adapter kind, rank, alpha and which layers; kind full trains the layers' "
+            "own weights (a full fine-tune).",
             inputs=[
                 io.Combo.Input("kind", options=list(KINDS), default="lora",
                                tooltip="lora; dora (weight-decomposed); loha (Hadamard); lokr (Kronecker); oft "
                                "(orthogonal finetuning: rotates each layer's output features in blocks, ComfyUI's "
-                               "OFT format)."),
+                               "OFT format); full (full fine-tune: trains the targeted layers' weights themselves, "
+                               "as the run's own difference to the shared base, saved as a file Load LoRA applies; "
+                               "rank, alpha and dropout do not apply; all_layers trains every layer)."),
                 io.Int.Input("rank", default=16, min=1, max=1024,
                              tooltip="Size of the low-rank update: higher learns more detail and takes more memory "
                              "and file size; 4-32 is usual. oft: the block size of the rotations (at least 2; it must "
@@ -400,6 +403,48 @@ class HeadroomSaveLora(io.ComfyNode):
                                        "text": [saved_text("LoRA", "loras", name)]})
 
 
+class HeadroomExtractLora(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="HeadroomExtractLora",
+            display_name="Extract LoRA from Full Fine-tune (Headroom)",
+            category=CATEGORY,
+            description="Save a LoRA that approximates a full fine-tune (LoRA Config kind full): each trained weight's "
+            "difference to the base by its largest singular directions, biases whole. The stock Load LoRA reads it; "
+            "a small file where Save LoRA writes the whole differences.",
+            is_output_node=True,
+            inputs=[
+                TrainingRunType.Input("run", tooltip="A full fine-tune run (LoRA Config kind full), at its current step."),
+                io.Int.Input("rank", default=64, min=0, max=4096,
+                             tooltip="Singular directions kept per weight (fewer where a weight is smaller); 0: as "
+                             "many as energy needs."),
+                io.Float.Input("energy", default=0.0, min=0.0, max=1.0, step=0.001,
+                               tooltip="Keep, per weight, the fewest directions that hold this share of its "
+                               "difference (0.9-0.99 is usual; capped by rank when rank is set). 0: by rank alone."),
+                io.String.Input("subfolder", default="headroom",
+                                tooltip="Folder under models/loras/ (empty: models/loras/ itself)."),
+                io.String.Input("filename", default="", tooltip="Empty: <run name>_step<N>_extracted."),
+                io.Combo.Input("dtype", options=list(SAVE_DTYPES), default="fp32",
+                               tooltip="Precision of the saved weights: fp32; bf16 / fp16 half the file size."),
+                weights_input("Extract from"),
+            ],
+            outputs=[io.String.Output("lora_name", tooltip="The name Load LoRA lists.")],
+        )
+
+    @classmethod
+    def execute(cls, run: TrainingRun, rank: int, energy: float, subfolder: str, filename: str, dtype: str,
+                weights: str = "auto") -> io.NodeOutput:
+        check_finite("HeadroomExtractLora", energy=energy)
+        check_run_kind(run, "lora", "HeadroomExtractLora", "save")
+        try:
+            name, kept = save_extracted_lora(run, subfolder, filename, rank, energy, dtype, weights)
+        except ValueError as error:
+            raise ValueError(f"HeadroomExtractLora: {error}") from error
+        return io.NodeOutput(name, ui={SAVED_KEY: [saved_file("LoRA", "loras", name)],
+                                       "text": [f"{saved_text('LoRA', 'loras', name)}\n{kept}"]})
+
+
 class HeadroomApplyTrainedLora(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
@@ -501,4 +546,4 @@ class HeadroomTrainLora(io.ComfyNode):
 
 
 NODES = [HeadroomLoraConfig, HeadroomOptimizerConfig, HeadroomTrainLoraInit, HeadroomTrainSteps, HeadroomValidate,
-         HeadroomSaveLora, HeadroomApplyTrainedLora, HeadroomTrainLora]
+         HeadroomSaveLora, HeadroomExtractLora, HeadroomApplyTrainedLora, HeadroomTrainLora]

@@ -423,6 +423,36 @@ def sd15_lora() -> Workflow:
     ))
 
 
+FULL_NOTE = """SD1.5 full fine-tune: trains the model's own weights (every layer), not an adapter.
+
+Download (file -> ComfyUI folder):
+- v1-5-pruned-emaonly.safetensors -> models/checkpoints/
+
+Your images: a folder inside ComfyUI's input/ folder (here input/my_dataset), each image with a same-name .txt caption.
+
+LoRA Config kind "full": each layer trains its own difference to the shared model (which stays unchanged for the rest of the graph). Memory: about 10 bytes per trained weight with 8-bit AdamW (the difference, its gradient, the optimizer state), 8 GiB for SD1.5's 0.86 B weights, plus the model: a 12-16 GB card. Learning rate about 100x below a LoRA's.
+
+The file in models/loras/headroom/ holds the differences: stock Load LoRA applies it; stock Save Model / Save Checkpoint after it write a model file for Load Diffusion Model / Load Checkpoint. docs/FULL_FINETUNE.md."""
+
+
+def sd15_full_finetune() -> Workflow:
+    """The SD1.5 LoRA template with LoRA Config kind full (every layer), its learning rate and its own Note."""
+    workflow = sd15_lora()
+    workflow.name = "sd15_full_finetune"
+    for item in workflow.nodes:
+        if isinstance(item, Note):
+            item.text = FULL_NOTE
+        elif item.type == "HeadroomLoraConfig":
+            item.values = {"kind": "full", "targets": "all_layers"}
+            item.title = "Full fine-tune (every layer)"
+        elif item.type == "HeadroomOptimizerConfig":
+            item.values = {**item.values, "learning_rate": 2e-6}
+        elif item.type == "HeadroomTrainLora":
+            item.values = {**item.values, "run_name": workflow.name}
+            item.title = "Train (SD1.5 full fine-tune)"
+    return workflow
+
+
 def sdxl_lora() -> Workflow:
     return real_model_lora(RealModel(
         "sdxl_lora", "SDXL", [checkpoint("sd_xl_base_1.0.safetensors")], (1, "MODEL"), (1, "CLIP"), (1, "VAE"),
@@ -879,7 +909,7 @@ def flux_kontext_lora() -> Workflow:
     ), "none", "the instructions are cached as plain text (CLIP Text Encode), as Kontext's stock workflow encodes them.")
 
 
-WORKFLOWS = [tiny_lora, sd15_lora, sdxl_lora, sd35_lora, flux_lora, flux2_klein_lora, qwen_image_lora, zimage_lora,
+WORKFLOWS = [tiny_lora, sd15_lora, sd15_full_finetune, sdxl_lora, sd35_lora, flux_lora, flux2_klein_lora, qwen_image_lora, zimage_lora,
              qwen_image_edit_lora, flux_kontext_lora, wan21_lora, hunyuan_video15_lora, ltx2_lora,
              tiny_controlnet, sd15_controlnet,
              memory_plan]

@@ -104,12 +104,25 @@ def to_kohya(state: dict[str, torch.Tensor], names: dict[str, str],
     return out
 
 
+# A full fine-tune's file holds whole-weight differences ("diff" keys), which only ComfyUI's loader reads.
+FULL_FORMATS = ("kind full cannot be saved in the {format} format (it holds whole-weight differences, which only "
+                "ComfyUI's Load LoRA applies): save it in the comfyui format; for a model file, load it with Load "
+                "LoRA and save with the stock Save Model / Save Checkpoint nodes")
+
+
+def check_kohya_kind(kind: str) -> None:
+    if kind == "full":
+        raise ValueError(FULL_FORMATS.format(format="kohya"))
+
+
 def check_diffusers_kind(kind: str) -> None:
     """diffusers-format files hold plain LoRA; the other kinds have no file both ComfyUI and diffusers read."""
     if kind == "dora":
         raise ValueError("kind dora cannot be saved in the diffusers format (diffusers reads PEFT's "
                          "lora_magnitude_vector, ComfyUI's loader only dora_scale, so no such file loads in both); "
                          "save it in the comfyui or kohya format")
+    if kind == "full":
+        raise ValueError(FULL_FORMATS.format(format="diffusers"))
     if kind != "lora":
         raise ValueError(f"kind {kind} cannot be saved in the diffusers format (diffusers / PEFT LoRA files hold "
                          "plain LoRA); save it in the comfyui or kohya format")

@@ -6,6 +6,7 @@ training/memory/planner.py; ComfyUI's own `memory_required` for the sampling wor
 Used by the memory nodes (nodes/memory.py) and the training run (nodes/bridge/comfy_bridge.py)."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -100,7 +101,13 @@ def _measure(patcher, adapter: AdapterConfig, precision: str) -> list[planner.Ac
         denoiser = ComfyDenoiser(patcher)
         blocks = [m for _, m in training_blocks(diffusion_model)]
         weights = [*diffusion_model.parameters(), *diffusion_model.buffers()]
-        adapters = AdapterSet(diffusion_model, lora_target_paths(patcher, adapter), adapter)
+        paths = lora_target_paths(patcher, adapter)
+        if adapter.kind == "full":
+            # A full fine-tune's differences are the size of the weights themselves (4 bytes each): measured with a
+            # rank-1 LoRA on the same layers instead, which keeps the same layer inputs for backward; the
+            # differences, their gradients and optimizer state are counted from their shapes (lora_trainable).
+            adapter = dataclasses.replace(adapter, kind="lora", rank=1, alpha=1.0)
+        adapters = AdapterSet(diffusion_model, paths, adapter)
         adapters.to(denoiser.device)
         dtype = PRECISIONS[precision]
         samples = []
@@ -199,6 +206,8 @@ def lora_trainable(patcher, adapter: AdapterConfig, optimizer: str, paths: list[
     """The trainable tensors of a LoRA of `adapter`'s settings on this MODEL (its target layers at its rank)."""
     paths = paths if paths is not None else lora_target_paths(patcher, adapter)
     modules = [patcher.model.diffusion_model.get_submodule(p) for p in paths]
+    if adapter.kind == "full":
+        return planner.TrainableSpec.full(modules, optimizer)
     return planner.TrainableSpec.lora(modules, adapter.rank, optimizer)
 
 

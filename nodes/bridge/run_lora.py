@@ -21,6 +21,7 @@ import comfy.patcher_extension
 import comfy.utils
 
 from ...training.core.adapters import AdapterConfig, AdapterSet
+from ...training.core.lora_extract import extract_from_differences
 from ...training.data.files import save_safetensors
 from ...training.core.optimizers import OptimizerConfig
 from ...training.core.trainer import TrainConfig
@@ -151,7 +152,7 @@ class LoraTraining:
         with run.placement.low_bit_storage():  # the adapters are built on the low-bit layers they will wrap
             paths = families.lora_targets(diffusion_model, config.family, config.adapter,
                                           [n for n, _ in model_blocks(diffusion_model)])
-            self.adapters = AdapterSet(diffusion_model, paths, config.adapter)
+            self.adapters = AdapterSet(diffusion_model, paths, config.adapter, device=patcher.load_device)
         if config.adapter.init_lora:  # a resumed run's checkpoint replaces these (Trainer.resume)
             self.adapters.start_from(read_lora_file(run.source_model, config.adapter.init_lora, config.adapter.kind),
                                      f"LoRA file {config.adapter.init_lora}")
@@ -256,7 +257,9 @@ class LoraTraining:
         """Write the adapter to `path` (atomically) in `file_format`'s key names (nodes/bridge/lora_formats.py), of the
         trained weights or their EMA (`weights`), in `dtype`."""
         family, adapter = run.config.family, run.config.adapter
-        if file_format == "diffusers":  # refused before any work
+        if file_format == "kohya":  # refused before any work
+            lora_formats.check_kohya_kind(adapter.kind)
+        if file_format == "diffusers":
             lora_formats.check_diffusers_kind(adapter.kind)
             names = lora_formats.diffusers_names(run.source_model, self.adapters.layers, family)
         with run.weights(weights) as used:  # diffusers: fp32 here, cast after alpha is folded in
@@ -277,8 +280,28 @@ class LoraTraining:
             metadata["headroom.format"] = "kohya"
         save_safetensors(path, state, f"LoRA {path.name}", metadata=metadata)
 
+    def save_extracted(self, run, path, rank: int, energy: float, dtype: str = "fp32", weights: str = "auto") -> str:
+        """Write a LoRA extracted from a full fine-tune's differences (training/core/lora_extract.py: truncated SVD per
+        weight by `rank` / `energy`, biases whole) to `path` (atomically) in ComfyUI's LoRA keys; returns what it
+        kept."""
+        adapter = run.config.adapter
+        if adapter.kind != "full":
+            raise ValueError(f"a LoRA is extracted from a full fine-tune (LoRA Config kind full); this run trains "
+                             f"kind {adapter.kind}: save it with Save LoRA")
+        with run.weights(weights) as used:
+            differences = ((f"{path_}.{name}", parameter) for path_, layer in self.adapters.layers.items()
+                           for name, parameter in (("weight", layer.full_weight), ("bias", layer.full_bias))
+                           if parameter is not None)
+            state, kept = extract_from_differences(differences, rank=rank, energy=energy, dtype=SAVE_DTYPES[dtype])
+        metadata = {**self.metadata(run), "headroom.kind": "lora", "headroom.extracted_from": "full",
+                    "headroom.rank": str(rank) if rank > 0 else "by energy", "headroom.extracted": kept.summary(),
+                    "headroom.weights": used}
+        save_safetensors(path, state, f"LoRA {path.name}", metadata=metadata)
+        return kept.summary()
+
     def describe(self, run) -> str:
-        return f"{run.config.adapter.kind} r{run.config.adapter.rank}"
+        adapter = run.config.adapter
+        return "full fine-tune" if adapter.kind == "full" else f"{adapter.kind} r{adapter.rank}"
 
 
 def open_lora_run(model, latent_cache, text_cache, config: LoraRunConfig, run_root, run_name: str, policy=None,

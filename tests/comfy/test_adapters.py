@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from headroom.training.core.adapters import AdapterConfig, AdapterSet, select_targets
+from headroom.training.memory.planner import TrainableSpec
 
 
 class Block(torch.nn.Module):
@@ -70,11 +71,50 @@ def test_state_dict_round_trip_and_seeded_init():
         AdapterSet(Net(), ["blocks.1.lin"], config).load_state_dict(first.state_dict())
 
 
+def test_full_kind_trains_the_weights_as_the_runs_own_difference():
+    """kind full: the output starts as the base layer's exactly; the difference's gradient is the base weight's own
+    gradient (so each optimizer step is the full fine-tune's); after a change the layer computes with W + difference;
+    the base weights are never written; the export holds ComfyUI's diff keys, nothing else."""
+    net, twin = Net(), Net()
+    paths = ["blocks.0.lin", "blocks.0.conv"]
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    adapters = AdapterSet(net, paths, AdapterConfig(kind="full", rank=1, alpha=1.0))
+    adapters.attach(net)
+    inputs = {"blocks.0.lin": torch.randn(3, 32), "blocks.0.conv": torch.randn(2, 8, 5, 5)}
+    for path in paths:
+        layer, reference = net.get_submodule(path), twin.get_submodule(path)
+        reference.requires_grad_(True)
+        assert torch.equal(layer(inputs[path]), reference(inputs[path]))
+        (layer(inputs[path]) ** 2).sum().backward()
+        (reference(inputs[path]) ** 2).sum().backward()
+        torch.testing.assert_close(layer.full_weight.grad, reference.weight.grad, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(layer.full_bias.grad, reference.bias.grad, rtol=1e-5, atol=1e-6)
+    _randomize(adapters)
+    with torch.no_grad():
+        lin, conv = net.blocks[0].lin, net.blocks[0].conv
+        torch.testing.assert_close(lin(inputs["blocks.0.lin"]), torch.nn.functional.linear(
+            inputs["blocks.0.lin"], lin.base_layer.weight + lin.full_weight, lin.base_layer.bias + lin.full_bias))
+        torch.testing.assert_close(conv(inputs["blocks.0.conv"]), conv.base_layer._conv_forward(
+            inputs["blocks.0.conv"], conv.base_layer.weight + conv.full_weight, conv.base_layer.bias + conv.full_bias))
+    adapters.detach()
+    assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())
+    assert sorted(adapters.comfy_state_dict(prefix="")) == [
+        "blocks.0.conv.diff", "blocks.0.conv.diff_b", "blocks.0.lin.diff", "blocks.0.lin.diff_b"]
+    assert adapters.parameter_count() == 48 * 32 + 48 + 16 * 8 * 9 + 16
+    # The planner counts the same tensors from the layers' shapes.
+    spec = TrainableSpec.full([twin.get_submodule(p) for p in paths])
+    assert spec.param_count == adapters.parameter_count() and spec.param_bytes() == 4 * spec.param_count
+
+
 def test_bad_adapter_settings():
     with pytest.raises(ValueError, match="rank=0 must be a positive integer"):
         AdapterConfig(rank=0).validate()
     with pytest.raises(ValueError, match="adapter kind 'boft'"):
         AdapterConfig(kind="boft").validate()
+    with pytest.raises(ValueError, match="kind full trains the weights themselves.*set dropout to 0"):
+        AdapterConfig(kind="full", dropout=0.1).validate()
+    with pytest.raises(ValueError, match="kind full cannot start from the LoRA file a.safetensors"):
+        AdapterConfig(kind="full", init_lora="a.safetensors").validate()
     with pytest.raises(ValueError, match="model has no LoRA target preset \\(presets: sd15, wan\\).*all_linear"):
         select_targets(Net(), None, AdapterConfig(), ["blocks.0"], presets=["sd15", "wan"])
     with pytest.raises(ValueError, match="needs the model's blocks"):
@@ -83,7 +123,7 @@ def test_bad_adapter_settings():
 
 @pytest.mark.comfyui
 @pytest.mark.parametrize("kind,rank", [("lora", 4), ("dora", 4), ("loha", 3), ("lokr", 2), ("lokr", 8), ("oft", 4),
-                                       ("oft", 16)])
+                                       ("oft", 16), ("full", 1)])
 def test_export_is_reproduced_by_comfyui_lora_loading(comfyui, kind, rank):
     """peft's forward == the base layer run with the weight ComfyUI's stock LoRA path computes from our file."""
     import comfy.lora
@@ -95,7 +135,8 @@ def test_export_is_reproduced_by_comfyui_lora_loading(comfyui, kind, rank):
     exported = adapters.comfy_state_dict(prefix="diffusion_model.")
     key_map = {f"diffusion_model.{p}": f"diffusion_model.{p}.weight" for p in paths}
     patches = comfy.lora.load_lora(exported, key_map)
-    assert sorted(patches) == sorted(key_map.values())
+    biases = [f"diffusion_model.{p}.bias" for p in paths] if kind == "full" else []  # full: the biases too
+    assert sorted(patches) == sorted([*key_map.values(), *biases])
     adapters.attach(net)
     inputs = {"blocks.0.lin": torch.randn(3, 32), "blocks.0.conv": torch.randn(2, 8, 5, 5)}
     for path in paths:
@@ -103,10 +144,13 @@ def test_export_is_reproduced_by_comfyui_lora_loading(comfyui, kind, rank):
         base = layer.get_base_layer()
         key = f"diffusion_model.{path}.weight"
         merged = comfy.lora.calculate_weight([(1.0, patches[key], 1.0, None, None)], base.weight.detach().clone(), key)
+        bias_key = f"diffusion_model.{path}.bias"
+        bias = base.bias if bias_key not in patches else comfy.lora.calculate_weight(
+            [(1.0, patches[bias_key], 1.0, None, None)], base.bias.detach().clone(), bias_key)
         if isinstance(base, torch.nn.Linear):
-            expected = torch.nn.functional.linear(inputs[path], merged, base.bias)
+            expected = torch.nn.functional.linear(inputs[path], merged, bias)
         else:
-            expected = base._conv_forward(inputs[path], merged, base.bias)
+            expected = base._conv_forward(inputs[path], merged, bias)
         with torch.no_grad():
             actual = layer(inputs[path])
         torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-5)

@@ -55,7 +55,7 @@ def _saved(folder: str) -> list:
 
 
 def test_lora_only_nodes_refuse_a_controlnet_run_naming_the_node_to_use(runs):
-    from headroom.nodes.train_lora import HeadroomApplyTrainedLora, HeadroomSaveLora
+    from headroom.nodes.train_lora import HeadroomApplyTrainedLora, HeadroomExtractLora, HeadroomSaveLora
 
     model, _, controlnet_run = runs
     assert controlnet_run.trains == "controlnet"
@@ -63,6 +63,9 @@ def test_lora_only_nodes_refuse_a_controlnet_run_naming_the_node_to_use(runs):
     with pytest.raises(ValueError, match=r"^HeadroomSaveLora: run 'kind_cn_\d+' is a ControlNet run and this node "
                                          r"takes LoRA runs only; for a ControlNet run use Save ControlNet \(Headroom\)$"):
         HeadroomSaveLora.execute(controlnet_run, "kinds", "", "fp32")
+    with pytest.raises(ValueError, match=r"^HeadroomExtractLora: run 'kind_cn_\d+' is a ControlNet run and this node "
+                                         r"takes LoRA runs only; for a ControlNet run use Save ControlNet \(Headroom\)$"):
+        HeadroomExtractLora.execute(controlnet_run, 8, 0.0, "kinds", "", "fp32")
     assert _saved("loras") == before
     with pytest.raises(ValueError, match=r"^HeadroomApplyTrainedLora: run 'kind_cn_\d+' is a ControlNet run .* use "
                                          r"the control_net output of its Init / Train ControlNet node"):

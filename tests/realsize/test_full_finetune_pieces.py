@@ -60,3 +60,46 @@ def test_bf16_stochastic_fused_steps_and_extraction_at_flux_width():
     print(f"rank-64 LoRA of the first weight: {report.energy['0.weight']:.1%} of its energy, relative error {error:.3f}")
     assert abs((1 - error ** 2) - report.energy["0.weight"]) < 1e-3  # what it keeps is what the SVD says it keeps
     assert torch.equal(lora["diffusion_model.0.diff_b"], trained["0.bias"] - base["0.bias"])
+
+
+GIB = 2 ** 30
+
+
+def test_full_finetune_at_flux_width_goes_from_the_stock_loader_to_the_stock_loader():
+    """tests/realsize_full.py: Flux-dev at real width (one double and one single block, bf16 as UNETLoader loads it
+    with --bf16-unet) from a file on disk, a full fine-tune of every Linear in the blocks (one step), saved as
+    differences, applied by the stock LoraLoaderModelOnly, written by the stock ModelSave and loaded again by the stock
+    UNETLoader. Every key comes back (the trained ones within one bf16 step of base + difference: ComfyUI rounds the
+    patched weight stochastically), the base file and the shared MODEL are unchanged, and the planner's training step
+    for the run is its measured peak (weights + RSS growth) within 15 %."""
+    import json
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    repo = pathlib.Path(__file__).resolve().parents[2]
+    out = repo / "test-artifacts" / "realsize" / "full_finetune_flux_dev.json"
+    out.unlink(missing_ok=True)
+    done = subprocess.run([sys.executable, str(repo / "tests" / "realsize_full.py"), "--out", str(out)], cwd=repo,
+                          capture_output=True, text=True, timeout=1800, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert done.returncode == 0, f"realsize_full failed:\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}"
+    report = json.loads(out.read_text())
+    phases = {p["phase"]: p for p in report["phases"]}
+    growth = phases["training"]["peak_rss_bytes"] - report["baseline_rss_bytes"]
+    measured = report["diffusion_bytes"] + growth  # as the nodes cases compare (tests/realsize_worker.compare)
+    ratio = report["planned_training_bytes"] / measured
+    print(f"\nfull fine-tune, Flux-dev width {report['depth']}: {report['diffusion_params'] / 1e9:.2f} B params, "
+          f"{report['trained_params'] / 1e9:.2f} B trained in {report['layers']} layers, loss {report['loss']:.4f}, "
+          f"{report['s_per_step']:.0f} s/step; training step {measured / GIB:.2f} GiB measured (weights + RSS growth), "
+          f"{report['planned_training_bytes'] / GIB:.2f} GiB planned ({ratio:.3f}x); {report['changed_keys']} keys "
+          f"fine-tuned (worst {report['worst_error_in_bf16_steps']:.2f} bf16 steps from base + difference), "
+          f"{report['unchanged_keys']} unchanged; " + ", ".join(
+              f"{name} {p['peak_rss_bytes'] / GIB:.2f} GiB" for name, p in phases.items()) + f"; {report['seconds']:.0f} s")
+    assert report["loss"] == report["loss"]
+    assert report["trained_params"] == report["planned_params"] > 0
+    assert report["keys_match"] and report["changed_keys"] == report["difference_keys"] == report["patched_weights"]
+    assert report["changed_keys"] + report["unchanged_keys"] == report["total_keys"]  # every other key bit for bit
+    assert report["worst_error_in_bf16_steps"] <= 1.0
+    assert report["base_file_unchanged"] and report["base_model_unchanged"]
+    assert 0.85 <= ratio <= 1.15, report

@@ -1,5 +1,5 @@
-"""LoRA-family adapters (LoRA, DoRA, LoHa, LoKr, OFT) on a module tree, built from peft's layer classes (OFT: from
-ComfyUI's own OFT class, see `OFTLayer`).
+"""LoRA-family adapters (LoRA, DoRA, LoHa, LoKr, OFT) and full fine-tuning (kind full) on a module tree, built from
+peft's layer classes (OFT: from ComfyUI's own OFT class, see `OFTLayer`; full: `FullLayer`).
 
 peft's tuner layers wrap a base module and add the adapter path in `forward`; we use them directly
 (not `get_peft_model`) so the same adapter can be swapped into and out of a module tree that other
@@ -12,6 +12,7 @@ Export writes the keys ComfyUI's stock LoraLoader maps (`comfy.lora.load_lora` +
   LoHa  <prefix><path>.hada_w1_a / hada_w1_b / hada_w2_a / hada_w2_b (/ hada_t1 / hada_t2) / .alpha
   LoKr  <prefix><path>.lokr_w1 | lokr_w1_a+lokr_w1_b, lokr_w2 | lokr_w2_a+lokr_w2_b (/ lokr_t2) / .alpha
   OFT   <prefix><path>.oft_blocks [block_num, block_size, block_size] / .alpha (the constraint)
+  full  <prefix><path>.diff (the trained weight minus the base's) / .diff_b (the bias's)
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 
 from ..checks import check_finite
 
-KINDS = ("lora", "dora", "loha", "lokr", "oft")
+KINDS = ("lora", "dora", "loha", "lokr", "oft", "full")
 TARGET_MODES = ("preset", "all_linear", "all_layers")
 
 
@@ -44,13 +45,13 @@ class TargetPreset:
     conv: str | None = None
 
 
-_ADAPTER_PARAM_PREFIXES = ("lora_A", "lora_B", "lora_magnitude_vector", "hada_", "lokr_", "oft.")
+_ADAPTER_PARAM_PREFIXES = ("lora_A", "lora_B", "lora_magnitude_vector", "hada_", "lokr_", "oft.", "full_")
 
 
 @dataclasses.dataclass(frozen=True)
 class AdapterConfig:
-    kind: str = "lora"  # lora | dora | loha | lokr | oft
-    rank: int = 16  # oft: the block size
+    kind: str = "lora"  # lora | dora | loha | lokr | oft | full
+    rank: int = 16  # oft: the block size; full: unused
     alpha: float = 16.0  # oft: the constraint (cap on the norm of each layer's skew-symmetric matrix)
     # preset: the family's layers | all_linear: every Linear inside the blocks | all_layers: every Linear and
     # Conv2d of the model (embedders and output layer too, like ComfyUI's own trainer)
@@ -79,6 +80,13 @@ class AdapterConfig:
             if self.dropout:
                 raise ValueError(f"kind oft has no dropout (ComfyUI's OFT has none): set dropout to 0, not "
                                  f"{self.dropout}")
+        if self.kind == "full" and self.init_lora:
+            raise ValueError(f"kind full cannot start from the LoRA file {self.init_lora} (init_lora): apply it with "
+                             "Load LoRA on the MODEL and train on top of it (init_lora none); a full run continues "
+                             "from its own checkpoints")
+        if self.kind == "full" and self.dropout:
+            raise ValueError(f"kind full trains the weights themselves and has no adapter input to drop: set dropout "
+                             f"to 0, not {self.dropout}")
 
 
 def select_targets(root: torch.nn.Module, preset: TargetPreset | None, config: AdapterConfig,
@@ -191,18 +199,65 @@ class OFTLayer(torch.nn.Module):
         return y + (delta.movedim(-1, 1) if channels_last else delta)
 
 
+class FullLayer(torch.nn.Module):
+    """Full fine-tuning of one Linear / Conv2d: the run's own weight is the base's plus a trained difference,
+    W' = W + full_weight and b' = b + full_bias (fp32, zero at the start: the output is the base layer's, bit for bit).
+
+    Why a difference and not a copy of W: the base weights are ComfyUI's MODEL, shared with every other node, and are
+    never written; the difference is what ComfyUI's loader applies as a "diff" patch (comfy/lora.py), so the saved
+    file goes through the stock Load LoRA onto the same base, and stock Save Model / Save Checkpoint write the merged
+    model from there. The gradient of W' is the gradient of the difference, so every optimizer step is the full
+    fine-tune's step; the one change is weight decay, which pulls towards the base weights instead of towards zero.
+    Applied to the base layer's output (y + x W_d^T + b_d), like OFTLayer: it works on any base layer (ComfyUI's cast
+    ops, streamed or low-bit weights) and keeps no merged copy of W for backward; the cost is one more matmul per
+    layer. Memory: the difference in fp32 (4 bytes per weight), with the gradient and optimizer state a full fine-tune
+    has (the planner counts them from the layers' shapes: planner.TrainableSpec.full)."""
+
+    def __init__(self, base: torch.nn.Module, device: torch.device | str | None = None):
+        super().__init__()
+        self.base_layer = base
+        if isinstance(base, torch.nn.Conv2d):
+            if base.padding_mode != "zeros":
+                raise ValueError(f"kind full: a Conv2d with padding_mode {base.padding_mode!r} is not supported")
+            shape = (base.out_channels, base.in_channels // base.groups, *base.kernel_size)
+        else:
+            shape = (base.out_features, base.in_features)
+        # Made where they will live (`device`): a model-sized difference built in host RAM first would need that much
+        # host RAM for a moment on its way to the card.
+        self.full_weight = torch.nn.Parameter(torch.zeros(shape, dtype=torch.float32, device=device))
+        has_bias = getattr(base, "bias", None) is not None
+        self.full_bias = torch.nn.Parameter(torch.zeros(shape[0], dtype=torch.float32, device=device)) if has_bias \
+            else None
+
+    def get_base_layer(self) -> torch.nn.Module:
+        return self.base_layer
+
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        y = self.base_layer(x, *args, **kwargs)
+        weight = self.full_weight.to(x.dtype)
+        bias = None if self.full_bias is None else self.full_bias.to(x.dtype)
+        base = self.base_layer
+        if isinstance(base, torch.nn.Conv2d):
+            delta = torch.nn.functional.conv2d(x, weight, bias, base.stride, base.padding, base.dilation, base.groups)
+        else:
+            delta = torch.nn.functional.linear(x, weight, bias)
+        return y + delta.to(y.dtype)
+
+
 def _float32(value: float) -> float:
     return torch.tensor(float(value), dtype=torch.float32).item()
 
 
 # Every module type an AdapterSet swaps into a module tree.
-ADAPTER_LAYERS = (BaseTunerLayer, OFTLayer)
+ADAPTER_LAYERS = (BaseTunerLayer, OFTLayer, FullLayer)
 
 
-def _peft_layer(base: torch.nn.Module, config: AdapterConfig) -> torch.nn.Module:
+def _peft_layer(base: torch.nn.Module, config: AdapterConfig, device=None) -> torch.nn.Module:
     rank, alpha = int(config.rank), float(config.alpha)
     if config.kind == "oft":
         return OFTLayer(base, rank, alpha)
+    if config.kind == "full":
+        return FullLayer(base, device)
     if config.kind in ("lora", "dora"):
         peft_config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=config.dropout, use_dora=config.kind == "dora")
         cls = lora_layer.Conv2d if isinstance(base, torch.nn.Conv2d) else lora_layer.Linear
@@ -237,7 +292,10 @@ def _split_path(path: str) -> tuple[str, str]:
 class AdapterSet:
     """The adapter layers of one run: created once, attached to / detached from a module tree."""
 
-    def __init__(self, root: torch.nn.Module, paths: list[str], config: AdapterConfig):
+    def __init__(self, root: torch.nn.Module, paths: list[str], config: AdapterConfig,
+                 device: torch.device | str | None = None):
+        """`device`: where kind full makes its differences (the size of the weights); the small adapters of the other
+        kinds are made beside their base layer and moved with `to`."""
         config.validate()
         self.config = config
         self.layers: dict[str, torch.nn.Module] = {}
@@ -251,7 +309,7 @@ class AdapterSet:
                 base = root.get_submodule(path)
                 if not isinstance(base, (torch.nn.Linear, torch.nn.Conv2d)):
                     raise TypeError(f"adapter target {path} is a {type(base).__name__}; only Linear and Conv2d are supported")
-                layer = _peft_layer(base, config)
+                layer = _peft_layer(base, config, device)
                 # peft casts the adapter to the base dtype (fp16/bf16/fp8 bases): trainable weights stay fp32.
                 for name, param in self._own_parameters(layer):
                     param.data = param.data.float()
@@ -375,6 +433,8 @@ class AdapterSet:
                     out.update(_export_loha(key, layer))
                 elif self.config.kind == "lokr":
                     out.update(_export_lokr(key, layer))
+                elif self.config.kind == "full":
+                    out.update(_export_full(key, layer))
                 else:
                     out.update(_export_oft(key, layer))
         # Copies, never views of the live parameters: a caller may hold the dict while the weights change (EMA swap).
@@ -424,6 +484,13 @@ def _export_lokr(key: str, layer) -> dict[str, torch.Tensor]:
         out[f"{key}.alpha"] = torch.tensor(float(layer.alpha["default"]))
     else:
         out[f"{key}.lokr_w1"] = out[f"{key}.lokr_w1"] * scaling
+    return out
+
+
+def _export_full(key: str, layer: FullLayer) -> dict[str, torch.Tensor]:
+    out = {f"{key}.diff": layer.full_weight.float()}
+    if layer.full_bias is not None:
+        out[f"{key}.diff_b"] = layer.full_bias.float()
     return out
 
 

@@ -53,23 +53,30 @@ def extract_lora(base: dict[str, torch.Tensor], trained: dict[str, torch.Tensor]
                  dtype: torch.dtype = torch.float32) -> tuple[dict[str, torch.Tensor], Extracted]:
     """The LoRA (ComfyUI keys, `dtype`) that takes `base` to `trained` (state dicts of one model, same keys), and
     what it kept. Give `rank` (> 0), `energy` (in (0, 1]) or both."""
-    check_finite("LoRA extraction", energy=energy)
-    if not 0 <= energy <= 1 or (rank <= 0 and energy == 0):
-        raise ValueError(f"LoRA extraction: give rank > 0 or energy in (0, 1] (rank {rank}, energy {energy})")
     missing = sorted(set(base) ^ set(trained))
     if missing:
         raise ValueError(f"LoRA extraction: the two models' keys differ (e.g. {missing[0]}): extract from the model "
                          "the fine-tune started from")
+    for key in base:
+        if base[key].shape != trained[key].shape:
+            raise ValueError(f"LoRA extraction: {key} is {tuple(base[key].shape)} in the base, "
+                             f"{tuple(trained[key].shape)} trained")
+    differences = ((key, trained[key].detach().float() - base[key].detach().float()) for key in sorted(base)
+                   if base[key].is_floating_point())
+    return extract_from_differences(differences, rank=rank, energy=energy, prefix=prefix, dtype=dtype)
+
+
+def extract_from_differences(differences, *, rank: int = 0, energy: float = 0.0, prefix: str = "diffusion_model.",
+                             dtype: torch.dtype = torch.float32) -> tuple[dict[str, torch.Tensor], Extracted]:
+    """The LoRA of (state-dict key, trained minus base) pairs, e.g. a full fine-tune run's own differences
+    (adapters.FullLayer), without a second copy of the model; as `extract_lora`."""
+    check_finite("LoRA extraction", energy=energy)
+    if not 0 <= energy <= 1 or (rank <= 0 and energy == 0):
+        raise ValueError(f"LoRA extraction: give rank > 0 or energy in (0, 1] (rank {rank}, energy {energy})")
     out: dict[str, torch.Tensor] = {}
     report = Extracted()
-    for key in sorted(base):
-        before, after = base[key], trained[key]
-        if before.shape != after.shape:
-            raise ValueError(f"LoRA extraction: {key} is {tuple(before.shape)} in the base, {tuple(after.shape)} "
-                             "trained")
-        if not before.is_floating_point():
-            continue
-        difference = after.detach().float() - before.detach().float()
+    for key, difference in differences:
+        difference = difference.detach().float()
         if not torch.any(difference):
             report.unchanged += 1
             continue
@@ -80,14 +87,14 @@ def extract_lora(base: dict[str, torch.Tensor], trained: dict[str, torch.Tensor]
             kept = _rank_for(s, rank, energy)
             up = u[:, :kept] * s[:kept]
             down = vh[:kept].reshape(kept, *difference.shape[1:])
-            out[f"{target}.lora_up.weight"] = up.reshape(up.shape[0], kept, *([1] * (difference.ndim - 2)))
-            out[f"{target}.lora_down.weight"] = down
-            out[f"{target}.alpha"] = torch.tensor(float(kept))
+            out[f"{target}.lora_up.weight"] = up.reshape(up.shape[0], kept, *([1] * (difference.ndim - 2))).to(dtype)
+            out[f"{target}.lora_down.weight"] = down.to(dtype).contiguous()
+            out[f"{target}.alpha"] = torch.tensor(float(kept)).to(dtype)
             report.ranks[key] = kept
             report.energy[key] = float((s[:kept].double() ** 2).sum() / (s.double() ** 2).sum())
         elif name in ("weight", "bias"):
-            out[f"{target}.{'diff' if name == 'weight' else 'diff_b'}"] = difference
+            out[f"{target}.{'diff' if name == 'weight' else 'diff_b'}"] = difference.to(dtype)
             report.whole.append(key)
         else:  # a buffer or parameter ComfyUI's LoRA keys cannot address
             raise ValueError(f"LoRA extraction: {key} changed and no LoRA key applies to it (only weights and biases)")
-    return {k: v.to(dtype).contiguous() for k, v in out.items()}, report
+    return {k: v.contiguous() for k, v in out.items()}, report

@@ -188,6 +188,22 @@ class TrainableSpec:
                 shapes += [(rank, module.in_features), (module.out_features, rank)]
         return cls(tuple(shapes), optimizer)
 
+    @classmethod
+    def full(cls, targets: Iterable[torch.nn.Module], optimizer: str = "AdamW") -> "TrainableSpec":
+        """A full fine-tune of Linear / Conv2d `targets` (adapters.FullLayer): a difference the size of each weight
+        and bias."""
+        shapes = []
+        for module in targets:
+            if isinstance(module, torch.nn.Conv2d):
+                shapes.append((module.out_channels, module.in_channels // module.groups, *module.kernel_size))
+                out = module.out_channels
+            else:
+                shapes.append((module.out_features, module.in_features))
+                out = module.out_features
+            if getattr(module, "bias", None) is not None:
+                shapes.append((out,))
+        return cls(tuple(shapes), optimizer)
+
 
 # --- estimates ----------------------------------------------------------------------------------------------
 @dataclasses.dataclass

@@ -1,0 +1,148 @@
+"""Full fine-tuning (LoRA Config kind "full", training/core/adapters.FullLayer) through the nodes on a tiny model:
+it learns, resumes exactly, leaves the shared MODEL unchanged, and what it saves goes through stock nodes only:
+Load LoRA applies it (the run's validation image, reproduced), stock Save Model / Save Checkpoint write the merged
+model: exactly the base weights plus the trained difference, under the input's keys."""
+from __future__ import annotations
+
+import pathlib
+import re
+
+import pytest
+import torch
+from test_train_lora_nodes import _base_weights, _data, _init, _no_adapter_attached
+
+pytestmark = [pytest.mark.comfyui, pytest.mark.usefixtures("one_torch_thread")]
+
+SAMPLING = dict(sample_seed=3, sample_steps=3, cfg=2.0, sampler_name="euler", scheduler="normal", width=32, height=32)
+
+
+def test_full_finetune_overfits_four_images_and_leaves_the_shared_model_unchanged(comfyui):
+    from headroom.nodes import train_lora as T
+
+    model, clip, vae, latents, texts = _data("sd15", count=4)
+    base = _base_weights(model)
+    run = _init(model, latents, texts, "full_overfit", kind="full", targets="all_layers", lr=1e-3,
+                schedule="cosine", schedule_steps=200)
+    trained = sum(p.numel() for p in run.adapters.parameters())
+    weights = sum(v.numel() for k, v in base.items() if k.rsplit(".", 1)[0] in run.adapters.layers)
+    with torch.inference_mode():
+        initial = run.loss_on(run.train_items)
+        for target in range(50, 201, 50):  # stop as soon as the loss on the training items has halved
+            T.HeadroomTrainSteps.execute(run, target)
+            final = run.loss_on(run.train_items)
+            if final <= 0.5 * initial:
+                break
+    print(f"full fine-tune: {trained} trained weights (every Linear / Conv2d), {run.step} steps, loss {initial:.4f} -> "
+          f"{final:.4f}")
+    assert trained == weights > 0  # the whole of every targeted layer: weights and biases
+    assert final <= 0.5 * initial
+    after = _base_weights(model)
+    assert all(torch.equal(base[k], after[k]) for k in base), "the shared MODEL's weights changed"
+    assert _no_adapter_attached(model)
+
+
+def test_extracting_a_lora_needs_a_full_finetune(comfyui):
+    from headroom.nodes import train_lora as T
+
+    model, clip, vae, latents, texts = _data("sd15")
+    run = _init(model, latents, texts, "lora_not_full", rank=4)
+    with pytest.raises(ValueError, match="HeadroomExtractLora: a LoRA is extracted from a full fine-tune .*kind lora: "
+                                         "save it with Save LoRA"):
+        T.HeadroomExtractLora.execute(run, 8, 0.0, "headroom", "", "fp32")
+
+
+def test_full_finetune_resumes_exactly(comfyui):
+    from headroom.nodes import train_lora as T
+
+    model, clip, vae, latents, texts = _data("sd15")
+    common = dict(kind="full", targets="all_layers", lr=1e-3, batch_size=2, caption_dropout=0.25)
+    straight = _init(model, latents, texts, "full_straight", **common)
+    interrupted = _init(model, latents, texts, "full_resumed", **common)
+    with torch.inference_mode():
+        T.HeadroomTrainSteps.execute(straight, 6)
+        T.HeadroomTrainSteps.execute(interrupted, 3)
+        interrupted.release()
+        resumed = _init(model, latents, texts, "full_resumed", **common)
+        assert resumed.step == 3
+        T.HeadroomTrainSteps.execute(resumed, 6)
+    a, b = straight.adapters.state_dict(), resumed.adapters.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_full_finetune_is_saved_for_the_stock_loaders(comfyui, tmp_path):
+    import comfy.model_detection
+    import comfy.model_management
+    import comfy.utils
+    import folder_paths
+    import nodes
+    from comfy_extras.nodes_model_merging import CheckpointSave, ModelSave
+    from headroom.nodes import train_lora as T
+    from headroom.nodes.bridge.tiny_models import build_tiny_model_patcher
+
+    model, clip, vae, latents, texts = _data("sd15")
+    base = _base_weights(model)
+    run = _init(model, latents, texts, "full_saved", kind="full", targets="all_layers", lr=1e-2)
+    with torch.inference_mode():
+        T.HeadroomTrainSteps.execute(run, 5)
+        images = T.HeadroomValidate.execute(run, clip=clip, vae=vae, prompts="a green cross", negative="",
+                                            loss_timesteps=1, **SAMPLING).args[0]
+        for file_format in ("kohya", "diffusers"):  # whole-weight differences: only ComfyUI's loader reads them
+            with pytest.raises(ValueError, match=f"kind full cannot be saved in the {file_format} format"):
+                T.HeadroomSaveLora.execute(run, "headroom", f"full_{file_format}", "fp32", file_format)
+        name = T.HeadroomSaveLora.execute(run, "headroom", "", "fp32").args[0]
+        saved = comfy.utils.load_torch_file(folder_paths.get_full_path_or_raise("loras", name))
+        assert {k.rsplit(".", 1)[1] for k in saved} == {"diff", "diff_b"}
+
+        # The stock Load LoRA applies it to the shared MODEL: the run's validation image, from stock sampling.
+        lora_model, _ = nodes.LoraLoader().load_lora(model, clip, name, 1.0, 0.0)
+        assert len(lora_model.patches) == len(saved)
+
+        def sample(m):
+            positive = nodes.CLIPTextEncode().encode(clip, "a green cross")[0]
+            negative = nodes.CLIPTextEncode().encode(clip, "")[0]
+            empty = nodes.EmptyLatentImage().generate(32, 32, 1)[0]
+            return nodes.VAEDecode().decode(vae, nodes.common_ksampler(m, 3, 3, 2.0, "euler", "normal", positive,
+                                                                       negative, empty)[0])[0]
+
+        stock = sample(lora_model)
+        assert (images - stock).abs().max().item() <= 1e-3
+
+        # A LoRA extracted from the differences (Extract LoRA node): with every singular direction kept it is the
+        # same model through the stock loader; with rank 2 a small file whose every key the stock loader maps.
+        every = T.HeadroomExtractLora.execute(run, 4096, 0.0, "headroom", "full_saved_every", "fp32").args[0]
+        assert (sample(nodes.LoraLoader().load_lora(model, clip, every, 1.0, 0.0)[0]) - stock).abs().max() <= 1e-3
+        small = T.HeadroomExtractLora.execute(run, 2, 0.0, "headroom", "full_saved_r2", "fp32")
+        extracted = comfy.utils.load_torch_file(folder_paths.get_full_path_or_raise("loras", small.args[0]))
+        ranks = {v.shape[0] for k, v in extracted.items() if k.endswith(".lora_down.weight")}
+        assert max(ranks) == 2 and re.search(r"\(rank [12]-2, ", small.ui["text"][0]), (ranks, small.ui)
+        small_model = nodes.LoraLoader().load_lora(model, clip, small.args[0], 1.0, 0.0)[0]
+        assert len(small_model.patches) == len(saved)  # every trained weight and bias, none left out
+
+        # Stock Save Model / Save Checkpoint write the merged model. A tiny model is no released configuration, so
+        # ComfyUI's detection cannot name it and Load Diffusion Model / Load Checkpoint refuse it: their own steps after
+        # detection load it here (the prefix they find, BaseModel.load_model_weights into a fresh model of the same
+        # config); tests/realsize loads real-width files with the named loaders.
+        prefix = f"full_saved_{tmp_path.name}"
+        ModelSave().save(lora_model, f"diffusion_models/{prefix}")
+        CheckpointSave().save(lora_model, clip, vae, f"checkpoints/{prefix}")
+        output = pathlib.Path(folder_paths.get_output_directory())
+        files = [next((output / folder).glob(f"{prefix}_*.safetensors")) for folder in ("diffusion_models", "checkpoints")]
+        differences = run.adapters.state_dict()  # {"<layer>.full_weight" | "<layer>.full_bias": difference}
+        for file in files:
+            state = comfy.utils.load_torch_file(str(file))
+            unet_prefix = comfy.model_detection.unet_prefix_from_state_dict(state)
+            weights = {k[len(unet_prefix):]: v for k, v in state.items() if k.startswith(unet_prefix)}
+            assert weights.keys() == base.keys(), file.name  # the input's key layout, every key
+            for key, weight in weights.items():
+                layer, kind = key.rsplit(".", 1)
+                difference = differences.get(f"{layer}.full_{kind}")
+                expected = base[key] if difference is None else (base[key].float() + difference).to(base[key].dtype)
+                assert torch.equal(weight, expected), (file.name, key)
+            loaded = build_tiny_model_patcher("sd15", seed=7)  # other random weights: all of them must be replaced
+            loaded.model.load_model_weights(state, unet_prefix)
+            assert (sample(loaded) - stock).abs().max().item() <= 1e-5, file.name
+    # Stock ComfyUI patches the shared modules in place while a Load LoRA clone is loaded and restores them when it
+    # unloads: once unloaded, the shared MODEL holds its own weights again.
+    comfy.model_management.unload_all_models()
+    after = _base_weights(model)
+    assert all(torch.equal(base[k], after[k]) for k in base), "the shared MODEL's weights changed"

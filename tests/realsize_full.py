@@ -1,0 +1,178 @@
+"""A full fine-tune (LoRA Config kind "full") of Flux-dev at real width (3072; one double and one single block), in a
+process of its own, from a file on disk back to a file on disk through stock nodes only:
+
+    python tests/realsize_full.py --out result.json
+
+stock ModelSave writes the base (as it would be downloaded) -> stock UNETLoader -> HeadroomTrainLoraInit (kind full,
+every Linear inside the blocks) -> one HeadroomTrainSteps step -> HeadroomSaveLora (the differences, "diff" keys) ->
+stock LoraLoaderModelOnly -> stock ModelSave (the fine-tuned model) -> stock UNETLoader. Reported: per phase the peak
+RSS; the training phase's peak (the model's weights + the growth over the resident models) against the planner's
+training step for this run (its trained state from planner.TrainableSpec.full); every key of the fine-tuned file
+against the base + the difference; the base file's and the shared MODEL's digests before and after.
+The captions are cached with a seeded random encoder of Flux's context width (the keys under test are the DiT's).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import hashlib
+import json
+import os
+import pathlib
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from realsize_flux2 import W  # noqa: E402  (tests/realsize_worker.py, loaded once)
+
+ARCH, DEPTH = "flux_dev", (1, 1)
+
+
+def file_digest(path: pathlib.Path) -> str:
+    hasher = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            hasher.update(chunk)
+    return hasher.hexdigest()
+
+
+def run(size: int = 64) -> dict:
+    import comfy.model_management as mm
+    import folder_paths
+    import nodes
+    import realsize_models as R
+    from comfy_extras.nodes_model_merging import ModelSave
+    from headroom.nodes import cache as cache_nodes, data as data_nodes, train_lora as T
+    from headroom.nodes.bridge.cache_folders import open_store
+    from headroom.nodes.bridge.planning import describe_comfy_model, lora_trainable
+    from headroom.training.data.cache_store import cache_text
+    from headroom.training.memory import planner
+    from headroom.training.memory.policy import OffloadPolicy
+
+    spec = R.ARCHITECTURES[ARCH]
+    report = {"arch": ARCH, "depth": list(DEPTH), "size": size, "phases": []}
+    models = pathlib.Path(folder_paths.get_folder_paths("diffusion_models")[0])
+    models.mkdir(parents=True, exist_ok=True)
+    with torch.inference_mode():
+        with W.Peak() as peak:
+            built = R.build_model(ARCH, DEPTH)
+            ModelSave().save(built, "diffusion_models/realsize_full_base")
+            base_file = next(pathlib.Path(folder_paths.get_output_directory()).glob(
+                "diffusion_models/realsize_full_base_*.safetensors"))
+            base_file = base_file.replace(models / base_file.name)  # where a downloaded model lives
+            del built
+        report["phases"].append(peak.record("build + stock ModelSave (base file)"))
+        gc.collect()
+        base_digest = file_digest(base_file)
+        with W.Peak() as peak:
+            model = nodes.UNETLoader().load_unet(base_file.name, "default")[0]
+            vae = R.build_vae(spec["latent_channels"])
+        report["phases"].append(peak.record("load (stock UNETLoader)"))
+    diffusion = model.model.diffusion_model
+    base = {k: v.detach().clone() for k, v in diffusion.state_dict().items()}
+    model_digest = W.weights_digest(diffusion)
+    report.update(diffusion_params=sum(p.numel() for p in diffusion.parameters()),
+                  diffusion_bytes=R.tensor_bytes(diffusion), diffusion_dtype=str(model.model.get_dtype()))
+    context = spec["unet_config"]["context_in_dim"]
+
+    def encode(text: str) -> dict[str, torch.Tensor]:
+        generator = torch.Generator().manual_seed(len(text))
+        return {"cross_attn": torch.randn(spec["text_tokens"], context, generator=generator),
+                "pooled_output": torch.randn(spec["unet_config"]["vec_in_dim"], generator=generator)}
+
+    with torch.inference_mode():
+        images, caption_text, _ = data_nodes.HeadroomSyntheticDataset.execute(2, size, 0).args
+        dataset = cache_nodes.HeadroomDatasetFromImages.execute(images, caption_text, size, 64, "center", False, 0).args[0]
+        latents = cache_nodes.HeadroomCacheLatents.execute(dataset, vae).args[0]
+        texts, _ = cache_text(caption_text.splitlines(), open_store("text"), encode, f"random-{ARCH}-{context}",
+                              {"tokens": spec["text_tokens"]})
+        del vae
+        gc.collect()
+        config = T.HeadroomLoraConfig.execute("full", 16, 16.0, "all_linear", False, 0.0, 0).args[0]
+        optimizer = T.HeadroomOptimizerConfig.execute("AdamW", 1e-5, 0.0, "constant", 0, 100).args[0]
+        report["baseline_rss_bytes"] = W.rss()
+        with W.Peak() as peak:
+            run = T.HeadroomTrainLoraInit.execute(
+                model=model, latent_cache=latents, text_cache=texts, lora_config=config, optimizer_config=optimizer,
+                run_name="realsize_full", seed=0, batch_size=1, grad_accumulation=1, precision="auto",
+                max_grad_norm=1.0, caption_dropout=0.0, timestep_sampling="uniform", loss_weighting="none",
+                min_snr_gamma=5.0, noise_offset=0.0, gradient_checkpointing=True, checkpoint_depth=1,
+                holdout=0).args[0]
+        report["phases"].append(peak.record("init (HeadroomTrainLoraInit)"))
+        with W.Peak() as peak:
+            loss = T.HeadroomTrainSteps.execute(run, 1).args[1]
+        report["phases"].append(peak.record("training"))
+        report["loss"], report["s_per_step"] = float(loss), peak.seconds
+        adapter = run.config.adapter
+        report["trained_params"] = run.adapters.parameter_count()
+        report["planned_params"] = lora_trainable(model, adapter, "AdamW").param_count
+        report["layers"] = len(run.adapters.layers)
+        with W.Peak() as peak:
+            name = T.HeadroomSaveLora.execute(run, "realsize", "realsize_full_difference", "fp32").args[0]
+        report["phases"].append(peak.record("save (differences)"))
+        differences = run.adapters.state_dict()
+        run.release()
+        gc.collect()
+        with W.Peak() as peak:
+            patched = nodes.LoraLoaderModelOnly().load_lora_model_only(model, name, 1.0)[0]
+            report["patched_weights"] = len(patched.patches)
+            ModelSave().save(patched, "diffusion_models/realsize_full_tuned")
+            del patched
+            mm.unload_all_models()
+        report["phases"].append(peak.record("stock LoraLoaderModelOnly + ModelSave"))
+        gc.collect()
+        tuned_file = next(pathlib.Path(folder_paths.get_output_directory()).glob(
+            "diffusion_models/realsize_full_tuned_*.safetensors"))
+        tuned_file = tuned_file.replace(models / tuned_file.name)
+        with W.Peak() as peak:
+            tuned = nodes.UNETLoader().load_unet(tuned_file.name, "default")[0]
+        report["phases"].append(peak.record("load the fine-tuned file (stock UNETLoader)"))
+    weights = tuned.model.diffusion_model.state_dict()
+    changed, unchanged, worst = 0, 0, 0.0
+    for key, weight in weights.items():
+        layer, kind = key.rsplit(".", 1)
+        difference = differences.get(f"{layer}.full_{kind}")
+        if difference is None:
+            unchanged += int(torch.equal(weight, base[key]))
+            continue
+        expected = base[key].float() + difference
+        # ComfyUI rounds the patched fp32 weight to the stored bf16 stochastically: within one bf16 step of it.
+        step = expected.abs().clamp_min(torch.finfo(torch.float32).tiny) * 2.0 ** -7
+        worst = max(worst, ((weight.float() - expected).abs() / step).max().item())
+        changed += 1
+    report.update(keys_match=weights.keys() == base.keys(), total_keys=len(weights), changed_keys=changed, unchanged_keys=unchanged,
+                  difference_keys=len(differences), worst_error_in_bf16_steps=worst,
+                  tuned_dtype=str(tuned.model.get_dtype()),
+                  base_file_unchanged=file_digest(base_file) == base_digest,
+                  base_model_unchanged=W.weights_digest(diffusion) == model_digest)
+    del tuned, weights
+    gc.collect()
+    # Last, as it runs forwards of the model: the planner's training step for this run (what the Init node plans with).
+    tokens = int(texts.conditioning(latents.text_key(0))["cross_attn"].shape[0])
+    description = describe_comfy_model(model, adapter, "fp32", tokens)
+    plan = planner.estimate(description, lora_trainable(model, adapter, "AdamW"), planner.RunShape(1, size, size, tokens),
+                            OffloadPolicy(checkpointing="blocks"))
+    step = next(p for p in plan.phases if p.phase == "training step")
+    report["planned_training_bytes"], report["planned_training_items"] = step.total, dict(step.items)
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--threads", type=int, default=0)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads or os.cpu_count() or 1)
+    W.setup()
+    started = time.perf_counter()
+    report = run()
+    report["seconds"] = time.perf_counter() - started
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
