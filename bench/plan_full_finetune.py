@@ -1,11 +1,13 @@
-"""The planner's figures for a full fine-tune of SD3.5 Large (8 B) at 1024 px on a 24 GB and an 80 GB card (issue 27):
-each memory option of training/memory/full_plan.py, from the plain run (fp32 masters, every gradient, AdamW on the
-device) to everything on (bf16 stochastic rounding, fused backward, Adafactor, optimizer state in host RAM).
+"""The planner's figures for a full fine-tune of SD3.5 Large (8 B) at 1024 px on a 24 GB and an 80 GB card (issue 27),
+as a run plans it: LoRA Config kind full on every Linear inside the blocks (targets all_linear), each memory option
+of the run on top of the last, and for each card the policy the planner's auto mode (the Offload Policy's `card`)
+chooses: base placement, checkpointing, optimizer state.
 
     python bench/plan_full_finetune.py      # prints a Markdown table, the versions and the date
 
 Planned, not measured. The model is described as bench/plan_table.py describes it (two blocks measured at real width on
-this CPU, the full-depth model on the meta device); the trained tensors are every block's parameters.
+this CPU, the full-depth model on the meta device); the trained tensors are what the run trains
+(nodes/bridge/planning.lora_trainable: each targeted layer's difference, weight and bias).
 """
 from __future__ import annotations
 
@@ -20,15 +22,15 @@ import plan_table  # noqa: E402  (bench/: ComfyUI in-process, tests/ on sys.path
 
 CARDS_GB = (24, 80)
 RESERVE_GB = 1.0
-# (label, optimizer, FullTraining fields): the plain run, then one option at a time on top of fused backward + bf16.
+# (label, optimizer, LoRA Config full_precision, Offload Policy fused_backward): the plain run, then one option at a
+# time on top of the last.
 VARIANTS = [
-    ("fp32 masters, all gradients, AdamW", "AdamW", dict(weights="fp32_masters", fused_backward=False)),
-    ("+ fused backward", "AdamW", dict(weights="fp32_masters")),
-    ("+ bf16 stochastic rounding", "AdamW", dict()),
-    ("... with AdamW8bit state", "AdamW8bit", dict()),
-    ("... with Adafactor state", "Adafactor", dict()),
-    ("... with the AdamW state in host RAM", "AdamW", dict(optimizer_state="cpu")),
-    ("... with Adafactor and offloaded checkpoints", "Adafactor", dict(checkpointing="blocks_cpu_offload")),
+    ("fp32 difference, all gradients, AdamW", "AdamW", "fp32", False),
+    ("+ fused backward", "AdamW", "fp32", True),
+    ("+ bf16 difference, stochastic rounding", "AdamW", "bf16_stochastic", True),
+    ("... with AdamW8bit state", "AdamW8bit", "bf16_stochastic", True),
+    ("... with Adafactor state", "Adafactor", "bf16_stochastic", True),
+    ("fp32 difference, all gradients, Adafactor", "Adafactor", "fp32", False),
 ]
 
 
@@ -38,31 +40,37 @@ def main() -> None:
     import comfy.model_management
 
     comfy.model_management.pytorch_attention_flash_attention = lambda: True  # as on an NVIDIA GPU (plan_table.py)
-    from headroom.nodes.bridge.comfy_model import training_blocks
-    from headroom.training.memory.full_plan import FullTraining, estimate_full
-    from headroom.training.memory.planner import RunShape, TrainableSpec
+    from headroom.nodes.bridge.planning import lora_trainable
+    from headroom.training.core.adapters import AdapterConfig
+    from headroom.training.memory.planner import RunShape, plan_auto
+    from headroom.training.memory.policy import OffloadPolicy
 
     started = time.monotonic()
     template = next(t for t in plan_table.TEMPLATES if t.architecture == "sd35_large")
     description, _, full = plan_table.describe(template)
-    params = [p for _, block in training_blocks(full.model.diffusion_model) for p in block.parameters()]
     shape = RunShape(1, 1024, 1024)
-    print("| options | " + " | ".join(f"training step, {c} GB card" for c in CARDS_GB) + " | host RAM |")
-    print("|---|" + "---:|" * len(CARDS_GB) + "---:|")
-    for label, optimizer, fields in VARIANTS:
-        trainable = TrainableSpec.from_parameters(params, optimizer)
+    print("| options | " + " | ".join(f"{c} GB card: training step (policy chosen) | host RAM" for c in CARDS_GB) + " |")
+    print("|---|" + "---:|---:|" * len(CARDS_GB))
+    for label, optimizer, precision, fused in VARIANTS:
+        adapter = AdapterConfig(kind="full", targets="all_linear", full_precision=precision)
+        trainable = lora_trainable(full, adapter, optimizer)
         cells = []
         for card in CARDS_GB:
-            plan = estimate_full(description, trainable, shape, FullTraining(**fields), int((card - RESERVE_GB) * 2 ** 30))
+            plan = plan_auto(description, trainable, shape, OffloadPolicy(fused_backward=fused),
+                             int((card - RESERVE_GB) * 2 ** 30))
             step = plan.phase("training step").total / 2 ** 30
-            cells.append(f"{step:.1f} GiB{'' if plan.fits else ' (no fit)'}")
-        host = sum(plan.host_bytes.values()) / 2 ** 30
-        print(f"| {label} | " + " | ".join(cells) + f" | {host:.2f} GiB |")
+            policy = plan.policy
+            chosen = f"{policy.base_placement}, checkpointing {policy.checkpointing}, state on {policy.optimizer_state}"
+            if policy.base_storage != "as_loaded":
+                chosen += f", base {policy.base_storage}"
+            cells += [f"{step:.1f} GiB ({chosen}){'' if plan.device_fits else ' **no fit**'}",
+                      f"{sum(plan.host_bytes.values()) / 2 ** 30:.1f} GiB"]
+        print(f"| {label} | " + " | ".join(cells) + " |")
     import comfyui_version
 
-    count = sum(p.numel() for p in params)
-    print(f"\nSD3.5 Large, {count / 1e9:.2f} B trained block parameters, 1024x1024, batch 1, checkpointing blocks unless "
-          f"said; budget = card - {RESERVE_GB:g} GiB; planned {datetime.date.today()}; torch {torch.__version__}, "
+    count = trainable.param_count
+    print(f"\nSD3.5 Large, {count / 1e9:.2f} B trained weights (every Linear in the blocks, with biases), 1024x1024, "
+          f"batch 1; budget = card - {RESERVE_GB:g} GiB; planned {datetime.date.today()}; torch {torch.__version__}, "
           f"ComfyUI {comfyui_version.__version__}, Python {platform.python_version()} ({time.monotonic() - started:.0f} s)")
 
 

@@ -15,7 +15,7 @@ import torch
 import folder_paths
 from comfy_api.latest import io, ui
 
-from ..training.core.adapters import KINDS, TARGET_MODES, AdapterConfig
+from ..training.core.adapters import FULL_PRECISIONS, KINDS, TARGET_MODES, AdapterConfig
 from ..training.checks import check_finite
 from ..training.core.optimizers import OPTIMIZERS, SCHEDULES, MissingPackageError, OptimizerConfig, check_available
 from ..training.core.run_dir import RunFolderError, check_name, check_subfolder
@@ -106,16 +106,23 @@ class HeadroomLoraConfig(io.ComfyNode):
                                "Load LoRA reads: ComfyUI, kohya, diffusers names). Plain LoRA files with kind lora and "
                                "the file's rank, or OFT files with kind oft and the file's block size and alpha; its "
                                "text-encoder layers are dropped."),
+                io.Combo.Input("full_precision", options=list(FULL_PRECISIONS), default="fp32", optional=True,
+                               advanced=True,
+                               tooltip="kind full only: the trained difference in fp32 (exact), or bf16_stochastic: "
+                               "bf16 updated with stochastic rounding, half the memory of the difference and its "
+                               "gradient (needs fused_backward on in the Offload Policy)."),
             ],
             outputs=[LoraConfigType.Output("lora_config",
                                            tooltip="What to train, for a Train LoRA (Init) node's lora_config.")],
         )
 
     @classmethod
-    def execute(cls, kind, rank, alpha, targets, include_conv, dropout, init_seed, init_lora="none") -> io.NodeOutput:
+    def execute(cls, kind, rank, alpha, targets, include_conv, dropout, init_seed, init_lora="none",
+                full_precision="fp32") -> io.NodeOutput:
         check_finite("HeadroomLoraConfig", alpha=alpha, dropout=dropout)
         config = AdapterConfig(kind=kind, rank=rank, alpha=alpha, targets=targets, include_conv=include_conv,
-                               dropout=dropout, init_seed=init_seed, init_lora=None if init_lora == "none" else init_lora)
+                               dropout=dropout, init_seed=init_seed, init_lora=None if init_lora == "none" else init_lora,
+                               full_precision=full_precision)
         _checked("HeadroomLoraConfig", config.validate)
         return io.NodeOutput(config)
 

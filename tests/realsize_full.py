@@ -8,7 +8,9 @@ every Linear inside the blocks) -> one HeadroomTrainSteps step -> HeadroomSaveLo
 stock LoraLoaderModelOnly -> stock ModelSave (the fine-tuned model) -> stock UNETLoader. Reported: per phase the peak
 RSS; the training phase's peak (the model's weights + the growth over the resident models) against the planner's
 training step for this run (its trained state from planner.TrainableSpec.full); every key of the fine-tuned file
-against the base + the difference; the base file's and the shared MODEL's digests before and after.
+against the base + the difference; the base file's and the shared MODEL's digests before and after. Then the lean
+options on the same model (policy fused_backward, LoRA Config full_precision bf16_stochastic): two steps, the peak
+against the planner's.
 The captions are cached with a seeded random encoder of Flux's context width (the keys under test are the DiT's).
 """
 from __future__ import annotations
@@ -114,6 +116,34 @@ def run(size: int = 64) -> dict:
         report["phases"].append(peak.record("save (differences)"))
         differences = run.adapters.state_dict()
         run.release()
+        del run
+        gc.collect()
+        # The lean options on the same model: fused backward (policy) and the bf16 difference (LoRA Config).
+        lean_config = T.HeadroomLoraConfig.execute("full", 16, 16.0, "all_linear", False, 0.0, 0,
+                                                   full_precision="bf16_stochastic").args[0]
+        report["lean_baseline_rss_bytes"] = W.rss()
+        with W.Peak() as peak:
+            lean = T.HeadroomTrainLoraInit.execute(
+                model=model, latent_cache=latents, text_cache=texts, lora_config=lean_config,
+                optimizer_config=optimizer, run_name="realsize_full_lean", seed=0, batch_size=1, grad_accumulation=1,
+                precision="auto", max_grad_norm=1.0, caption_dropout=0.0, timestep_sampling="uniform",
+                loss_weighting="none", min_snr_gamma=5.0, noise_offset=0.0, gradient_checkpointing=True,
+                checkpoint_depth=1, holdout=0, policy=OffloadPolicy(fused_backward=True)).args[0]
+            T.HeadroomTrainSteps.execute(lean, 1)
+        report["phases"].append(peak.record("fused backward + bf16 difference: init + first step"))
+        # The second step holds what every later one does: the optimizer state made during the first step's backward
+        # (fused backward makes each tensor's state as its gradient arrives, so the first step never holds all of it
+        # beside the activations).
+        with W.Peak() as peak:
+            report["lean_loss"] = float(T.HeadroomTrainSteps.execute(lean, 2).args[1])
+        report["phases"].append(peak.record("fused backward + bf16 difference: second step"))
+        report["lean_seconds"] = peak.seconds
+        report["lean_dtypes"] = sorted({str(p.dtype) for p in lean.adapters.parameters()})
+        report["lean_trained_tensors"] = sum(int(bool(torch.any(p != 0))) for p in lean.adapters.parameters())
+        report["lean_tensors"] = len(list(lean.adapters.parameters()))
+        report["lean_most_gradients_alive"] = lean.trainer.optimizer.most_gradients_alive
+        lean.release()
+        del lean
         gc.collect()
         with W.Peak() as peak:
             patched = nodes.LoraLoaderModelOnly().load_lora_model_only(model, name, 1.0)[0]
@@ -156,6 +186,11 @@ def run(size: int = 64) -> dict:
                             OffloadPolicy(checkpointing="blocks"))
     step = next(p for p in plan.phases if p.phase == "training step")
     report["planned_training_bytes"], report["planned_training_items"] = step.total, dict(step.items)
+    lean_plan = planner.estimate(description, lora_trainable(model, lean_config, "AdamW"),
+                                 planner.RunShape(1, size, size, tokens),
+                                 OffloadPolicy(checkpointing="blocks", fused_backward=True))
+    step = next(p for p in lean_plan.phases if p.phase == "training step")
+    report["lean_planned_training_bytes"], report["lean_planned_training_items"] = step.total, dict(step.items)
     return report
 
 

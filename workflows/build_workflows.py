@@ -435,22 +435,48 @@ LoRA Config kind "full": each layer trains its own difference to the shared mode
 The file in models/loras/headroom/ holds the differences: stock Load LoRA applies it; stock Save Model / Save Checkpoint after it write a model file for Load Diffusion Model / Load Checkpoint. docs/FULL_FINETUNE.md."""
 
 
-def sd15_full_finetune() -> Workflow:
-    """The SD1.5 LoRA template with LoRA Config kind full (every layer), its learning rate and its own Note."""
-    workflow = sd15_lora()
-    workflow.name = "sd15_full_finetune"
+def as_full_finetune(workflow: Workflow, name: str, label: str, note: str, lora: dict, lora_title: str,
+                     optimizer: dict, policy_values: dict | None = None) -> Workflow:
+    """A LoRA template turned into a full fine-tune: its LoRA Config, optimizer and policy values, its own Note."""
+    workflow.name = name
+    changes = {"HeadroomLoraConfig": lora, "HeadroomOptimizerConfig": optimizer, "HeadroomOffloadPolicy": policy_values or {},
+               "HeadroomTrainLora": {"run_name": name}}
+    titles = {"HeadroomLoraConfig": lora_title, "HeadroomTrainLora": f"Train ({label} full fine-tune)"}
     for item in workflow.nodes:
         if isinstance(item, Note):
-            item.text = FULL_NOTE
-        elif item.type == "HeadroomLoraConfig":
-            item.values = {"kind": "full", "targets": "all_layers"}
-            item.title = "Full fine-tune (every layer)"
-        elif item.type == "HeadroomOptimizerConfig":
-            item.values = {**item.values, "learning_rate": 2e-6}
-        elif item.type == "HeadroomTrainLora":
-            item.values = {**item.values, "run_name": workflow.name}
-            item.title = "Train (SD1.5 full fine-tune)"
+            item.text = note
+            continue
+        item.values = {**item.values, **changes.get(item.type, {})}
+        item.title = titles.get(item.type, item.title)
     return workflow
+
+
+def sd15_full_finetune() -> Workflow:
+    """The SD1.5 LoRA template with LoRA Config kind full (every layer), its learning rate and its own Note."""
+    return as_full_finetune(sd15_lora(), "sd15_full_finetune", "SD1.5", FULL_NOTE,
+                            {"kind": "full", "targets": "all_layers"}, "Full fine-tune (every layer)",
+                            {"learning_rate": 2e-6})
+
+
+SD35_FULL_NOTE = """SD3.5 Large full fine-tune: trains the model's own weights (every linear layer of its blocks, 8 B weights), not an adapter, on a 24 GB card.
+
+Download (file -> ComfyUI folder):
+- sd3.5_large.safetensors -> models/checkpoints/
+- clip_l.safetensors, clip_g.safetensors, t5xxl_fp16.safetensors -> models/text_encoders/
+
+Your images: a folder inside ComfyUI's input/ folder (here input/my_dataset), each image with a same-name .txt caption.
+
+What makes it fit: the Offload policy's fused_backward (each weight tensor is stepped as soon as its gradient is ready, so no full set of gradients exists), the LoRA Config's full_precision bf16_stochastic (the trained difference in bf16, updated with stochastic rounding), Adafactor (small optimizer state), and the card "this GPU (auto)": the planner streams as much of the base model from host RAM as the card needs (planned 23 GiB on a 24 GB card at 1024 px, docs/BENCHMARKS.md). Learning rate about 100x below a LoRA's.
+
+The file in models/loras/headroom/ holds the differences: stock Load LoRA applies it; stock Save Model after it writes a model file for Load Diffusion Model. docs/FULL_FINETUNE.md."""
+
+
+def sd35_full_finetune() -> Workflow:
+    """The SD3.5 Large LoRA template as a full fine-tune with the memory options that fit it on a 24 GB card."""
+    return as_full_finetune(sd35_lora(), "sd35_full_finetune", "SD3.5 Large", SD35_FULL_NOTE,
+                            {"kind": "full", "targets": "all_linear", "full_precision": "bf16_stochastic"},
+                            "Full fine-tune (every linear layer, bf16)", {"optimizer": "Adafactor", "learning_rate": 1e-6},
+                            {"fused_backward": True})
 
 
 def sdxl_lora() -> Workflow:
@@ -909,7 +935,7 @@ def flux_kontext_lora() -> Workflow:
     ), "none", "the instructions are cached as plain text (CLIP Text Encode), as Kontext's stock workflow encodes them.")
 
 
-WORKFLOWS = [tiny_lora, sd15_lora, sd15_full_finetune, sdxl_lora, sd35_lora, flux_lora, flux2_klein_lora, qwen_image_lora, zimage_lora,
+WORKFLOWS = [tiny_lora, sd15_lora, sd15_full_finetune, sdxl_lora, sd35_lora, sd35_full_finetune, flux_lora, flux2_klein_lora, qwen_image_lora, zimage_lora,
              qwen_image_edit_lora, flux_kontext_lora, wan21_lora, hunyuan_video15_lora, ltx2_lora,
              tiny_controlnet, sd15_controlnet,
              memory_plan]

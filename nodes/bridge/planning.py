@@ -106,7 +106,7 @@ def _measure(patcher, adapter: AdapterConfig, precision: str) -> list[planner.Ac
             # A full fine-tune's differences are the size of the weights themselves (4 bytes each): measured with a
             # rank-1 LoRA on the same layers instead, which keeps the same layer inputs for backward; the
             # differences, their gradients and optimizer state are counted from their shapes (lora_trainable).
-            adapter = dataclasses.replace(adapter, kind="lora", rank=1, alpha=1.0)
+            adapter = dataclasses.replace(adapter, kind="lora", rank=1, alpha=1.0, full_precision="fp32")
         adapters = AdapterSet(diffusion_model, paths, adapter)
         adapters.to(denoiser.device)
         dtype = PRECISIONS[precision]
@@ -207,7 +207,7 @@ def lora_trainable(patcher, adapter: AdapterConfig, optimizer: str, paths: list[
     paths = paths if paths is not None else lora_target_paths(patcher, adapter)
     modules = [patcher.model.diffusion_model.get_submodule(p) for p in paths]
     if adapter.kind == "full":
-        return planner.TrainableSpec.full(modules, optimizer)
+        return planner.TrainableSpec.full(modules, optimizer, 2 if adapter.full_precision == "bf16_stochastic" else 4)
     return planner.TrainableSpec.lora(modules, adapter.rank, optimizer)
 
 
@@ -248,7 +248,9 @@ def check_host_ram(policy: OffloadPolicy, trainable: planner.TrainableSpec, node
     if room is None:
         return
     parking = optimizer_parking.optimizer_cost(policy.optimizer_state, policy.park_optimizer_during_validation,
-                                               trainable.optimizer, trainable.optimizer_bytes(), trainable.param_bytes())
+                                               trainable.optimizer, trainable.optimizer_bytes(), trainable.param_bytes(),
+                                               0 if policy.fused_backward else trainable.weight_bytes(),
+                                               trainable.dtype_name, policy.fused_backward)
     added = host_ram.peak_added(host_ram.added_by_phase([parking], trainable.ema, trainable.param_bytes()))
     if not room.fits(added):
         raise ValueError(f"{node}: {room.describe(added)}; {host_ram.advice(room, added)}")

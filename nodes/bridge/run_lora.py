@@ -188,9 +188,12 @@ class LoraTraining:
 
     def device_extra_bytes(self, trainer) -> int:
         """What the run adds on the device beyond the MODEL's weights (for ComfyUI's memory accounting): the
-        trainable weights and gradients, and the optimizer's two moments where they live on the device."""
-        trainable = sum(p.numel() * p.element_size() for p in trainer.params)
-        return trainable * (2 if trainer.policy.optimizer_state == "cpu" else 4)
+        trainable weights, their gradients (none kept with fused backward) and the optimizer's two fp32 moments where
+        they live on the device."""
+        weights = sum(p.numel() * p.element_size() for p in trainer.params)
+        gradients = 0 if trainer.policy.fused_backward else weights
+        state = 0 if trainer.policy.optimizer_state == "cpu" else 8 * sum(p.numel() for p in trainer.params)
+        return weights + gradients + state
 
     @contextlib.contextmanager
     def attach(self, run):

@@ -55,18 +55,27 @@ def test_full_finetune_resumes_exactly(comfyui):
     from headroom.nodes import train_lora as T
 
     model, clip, vae, latents, texts = _data("sd15")
-    common = dict(kind="full", targets="all_layers", lr=1e-3, batch_size=2, caption_dropout=0.25)
-    straight = _init(model, latents, texts, "full_straight", **common)
-    interrupted = _init(model, latents, texts, "full_resumed", **common)
+    _resumes_exactly(model, latents, texts, "full", kind="full", targets="all_layers", lr=1e-3, batch_size=2,
+                     caption_dropout=0.25)
+
+
+def _resumes_exactly(model, latents, texts, name, **settings):
+    """A run trained 3 + 3 steps (released and opened again between) ends where a run of 6 steps does, bit for bit;
+    returns the straight run."""
+    from headroom.nodes import train_lora as T
+
+    straight = _init(model, latents, texts, f"{name}_straight", **settings)
+    interrupted = _init(model, latents, texts, f"{name}_resumed", **settings)
     with torch.inference_mode():
         T.HeadroomTrainSteps.execute(straight, 6)
         T.HeadroomTrainSteps.execute(interrupted, 3)
         interrupted.release()
-        resumed = _init(model, latents, texts, "full_resumed", **common)
+        resumed = _init(model, latents, texts, f"{name}_resumed", **settings)
         assert resumed.step == 3
         T.HeadroomTrainSteps.execute(resumed, 6)
     a, b = straight.adapters.state_dict(), resumed.adapters.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    return straight
 
 
 def test_full_finetune_is_saved_for_the_stock_loaders(comfyui, tmp_path):
@@ -146,3 +155,76 @@ def test_full_finetune_is_saved_for_the_stock_loaders(comfyui, tmp_path):
     comfy.model_management.unload_all_models()
     after = _base_weights(model)
     assert all(torch.equal(base[k], after[k]) for k in base), "the shared MODEL's weights changed"
+
+
+def _fused_policy(**fields):
+    from headroom.training.memory.policy import OffloadPolicy
+
+    return OffloadPolicy(fused_backward=True, **fields)
+
+
+def test_fused_backward_trains_the_weights_of_the_plain_step(comfyui):
+    """The Offload Policy's fused_backward steps each trained tensor inside backward (no full set of gradients):
+    in fp32, without clipping (a global norm needs every gradient at once), a run's weights equal the plain run's
+    bit for bit, step after step, and at most one gradient exists at a time; with the optimizer state in host RAM
+    (optimizer_state cpu: each tensor stepped there) too."""
+    from headroom.nodes import train_lora as T
+
+    model, clip, vae, latents, texts = _data("sd15")
+    common = dict(kind="full", targets="all_layers", lr=1e-3, schedule="cosine", schedule_steps=10, max_grad_norm=0.0)
+    plain = _init(model, latents, texts, "full_plain", **common)
+    fused = _init(model, latents, texts, "full_fused", policy=_fused_policy(), **common)
+    on_host = _init(model, latents, texts, "full_fused_host", policy=_fused_policy(optimizer_state="cpu"), **common)
+    with torch.inference_mode():
+        for run in (plain, fused, on_host):
+            T.HeadroomTrainSteps.execute(run, 4)
+    a = plain.adapters.state_dict()
+    assert any(torch.any(v != 0) for v in a.values())  # it trained
+    for run in (fused, on_host):
+        b = run.adapters.state_dict()
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+        assert run.trainer.optimizer.most_gradients_alive == 1
+        assert plain.trainer.loss_history == run.trainer.loss_history
+    assert on_host.trainer.optimizer.state_on_host
+
+
+def test_bf16_difference_with_stochastic_rounding_learns_and_resumes_exactly(comfyui):
+    """full_precision bf16_stochastic: the difference is bf16 (half the memory), each update rounded stochastically
+    in the fused step; it learns like the fp32 run, and a resumed run continues the rounding noise exactly."""
+    from headroom.nodes import train_lora as T
+
+    model, clip, vae, latents, texts = _data("sd15", count=4)
+    with torch.inference_mode():
+        initial = _init(model, latents, texts, "bf16_initial", kind="full").loss_on([0, 1, 2, 3])
+    straight = _resumes_exactly(model, latents, texts, "bf16", kind="full", targets="all_layers", lr=1e-3,
+                                full_precision="bf16_stochastic", policy=_fused_policy(), batch_size=2)
+    assert all(p.dtype == torch.bfloat16 for p in straight.adapters.parameters())
+    with torch.inference_mode():
+        T.HeadroomTrainSteps.execute(straight, 50)
+        final = straight.loss_on(straight.train_items)
+    print(f"bf16 difference, stochastic rounding: loss {initial:.4f} -> {final:.4f} in 50 steps")
+    assert final <= 0.6 * initial
+
+
+def test_fused_backward_and_bf16_differences_refuse_what_they_cannot_do(comfyui):
+    from headroom.nodes import train_lora as T
+
+    model, clip, vae, latents, texts = _data("sd15")
+    with pytest.raises(ValueError, match="turn fused_backward on in the Offload Policy"):
+        _init(model, latents, texts, "bf16_unfused", kind="full", full_precision="bf16_stochastic")
+    with pytest.raises(ValueError, match="grad_accumulation 2 needs the gradients of several passes kept"):
+        _init(model, latents, texts, "fused_accum", kind="full", policy=_fused_policy(), grad_accumulation=2)
+    with pytest.raises(ValueError, match="before fp16's gradient scaler"):
+        _init(model, latents, texts, "fused_fp16", kind="full", policy=_fused_policy(), precision="fp16")
+    with pytest.raises(ValueError, match="HeadroomLoraConfig.*full_precision bf16_stochastic is for kind full"):
+        T.HeadroomLoraConfig.execute("lora", 8, 8.0, "preset", False, 0.0, 0, full_precision="bf16_stochastic")
+
+
+def test_a_run_resumed_with_fused_backward_switched_says_so(comfyui):
+    from headroom.nodes import train_lora as T
+
+    model, clip, vae, latents, texts = _data("sd15")
+    with torch.inference_mode():
+        T.HeadroomTrainSteps.execute(_init(model, latents, texts, "fused_switch", kind="full"), 1)
+        with pytest.raises(ValueError, match="saved with the Offload Policy's fused_backward off: set it off"):
+            _init(model, latents, texts, "fused_switch", kind="full", policy=_fused_policy())

@@ -41,7 +41,7 @@ def _data(family, count=4, resolution=32, seed=0):
 
 
 def _init(model, latents, texts, run_name, kind="lora", rank=8, targets="preset", include_conv=False, lr=1e-2,
-          optimizer="AdamW", schedule="constant", schedule_steps=1000, dropout=0.0, **train):
+          optimizer="AdamW", schedule="constant", schedule_steps=1000, dropout=0.0, full_precision="fp32", **train):
     from headroom.nodes import train_lora as T
 
     settings = dict(seed=0, batch_size=4, grad_accumulation=1, precision="fp32", max_grad_norm=1.0, caption_dropout=0.0,
@@ -49,7 +49,8 @@ def _init(model, latents, texts, run_name, kind="lora", rank=8, targets="preset"
                     gradient_checkpointing=False, checkpoint_depth=1, holdout=0)
     settings.update(train)
     with torch.inference_mode():
-        lora = T.HeadroomLoraConfig.execute(kind, rank, float(rank), targets, include_conv, dropout, 0).args[0]
+        lora = T.HeadroomLoraConfig.execute(kind, rank, float(rank), targets, include_conv, dropout, 0,
+                                            full_precision=full_precision).args[0]
         opt = T.HeadroomOptimizerConfig.execute(optimizer, lr, 0.0, schedule, 0, schedule_steps).args[0]
         return T.HeadroomTrainLoraInit.execute(model=model, latent_cache=latents, text_cache=texts, lora_config=lora,
                                                optimizer_config=opt, run_name=run_name, **settings).args[0]

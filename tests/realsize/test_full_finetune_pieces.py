@@ -71,7 +71,8 @@ def test_full_finetune_at_flux_width_goes_from_the_stock_loader_to_the_stock_loa
     differences, applied by the stock LoraLoaderModelOnly, written by the stock ModelSave and loaded again by the stock
     UNETLoader. Every key comes back (the trained ones within one bf16 step of base + difference: ComfyUI rounds the
     patched weight stochastically), the base file and the shared MODEL are unchanged, and the planner's training step
-    for the run is its measured peak (weights + RSS growth) within 15 %."""
+    for the run is its measured peak (weights + RSS growth) within 15 %; so is the lean options' (fused backward, bf16
+    difference), which is smaller."""
     import json
     import os
     import pathlib
@@ -103,3 +104,16 @@ def test_full_finetune_at_flux_width_goes_from_the_stock_loader_to_the_stock_loa
     assert report["worst_error_in_bf16_steps"] <= 1.0
     assert report["base_file_unchanged"] and report["base_model_unchanged"]
     assert 0.85 <= ratio <= 1.15, report
+    # The lean options (fused backward, bf16 difference) on the same model: every tensor trained in bf16, one gradient
+    # at a time, and the planner's step within 15 % of the measured one.
+    lean_peak = max(phases[f"fused backward + bf16 difference: {name}"]["peak_rss_bytes"]
+                    for name in ("init + first step", "second step"))
+    lean_measured = report["diffusion_bytes"] + lean_peak - report["lean_baseline_rss_bytes"]
+    lean_ratio = report["lean_planned_training_bytes"] / lean_measured
+    print(f"fused backward + bf16 difference: training step {lean_measured / GIB:.2f} GiB measured, "
+          f"{report['lean_planned_training_bytes'] / GIB:.2f} GiB planned ({lean_ratio:.3f}x), "
+          f"{report['lean_seconds']:.0f} s (the second step), loss {report['lean_loss']:.4f}")
+    assert report["lean_dtypes"] == ["torch.bfloat16"] and report["lean_most_gradients_alive"] == 1
+    assert report["lean_trained_tensors"] == report["lean_tensors"] > 0
+    assert lean_measured < measured
+    assert 0.85 <= lean_ratio <= 1.15, report

@@ -528,3 +528,30 @@ def test_host_room_auto_is_in_use_plus_available_less_the_reserve():
     assert (given.limit_bytes, given.auto) == (6 * GIB, False)
     measured = host_ram.host_room("auto")  # this process, this machine
     assert 0 < measured.in_use_bytes < measured.limit_bytes
+
+
+def test_full_finetune_options_cost_what_they_keep():
+    """A full fine-tune's difference: fp32 or bf16 (2 bytes per weight and per gradient), all gradients or fused
+    backward's one tensor at a time (none kept between steps, so none in validation); with the optimizer state in host
+    RAM, fused backward steps each tensor there: no master weights, no state on the device."""
+    d = toy_description()
+    shapes = ((3072, 3072), (12288, 3072), (3072,)) * 4
+    n, largest = sum(math.prod(s) for s in shapes), 12288 * 3072
+    fp32, bf16 = TrainableSpec(shapes, "AdamW"), TrainableSpec(shapes, "AdamW", element_size=2)
+    plain = estimate(d, fp32, SHAPE, OffloadPolicy()).phase("training step").items
+    assert plain["trainable weights (fp32)"] == plain["gradients (fp32)"] == 4 * n
+    fused = estimate(d, fp32, SHAPE, OffloadPolicy(fused_backward=True))
+    items = fused.phase("training step").items
+    assert "gradients (fp32)" not in items and items["one tensor's gradient (fused backward)"] == 4 * largest
+    kept = estimate(d, fp32, SHAPE, OffloadPolicy(fused_backward=True, park_optimizer_during_validation=False))
+    assert not any(name.startswith("gradients") for name in kept.phase("validation").items)
+    half = estimate(d, bf16, SHAPE, OffloadPolicy(fused_backward=True)).phase("training step").items
+    assert half["trainable weights (bf16)"] == 2 * n and half["one tensor's gradient (fused backward)"] == 2 * largest
+    assert half["one tensor's fp32 copy + gradient in its step (stochastic rounding)"] == 8 * largest
+    assert half[f"optimizer state (AdamW)"] == plain[f"optimizer state (AdamW)"] == 8 * n  # fp32 state either way
+    host = estimate(d, bf16, SHAPE, OffloadPolicy(fused_backward=True, optimizer_state="cpu"))
+    items = host.phase("training step").items
+    assert "optimizer state (AdamW)" not in items and not any("fp32 copy" in name for name in items)
+    assert host.host_bytes == {"optimizer state (AdamW)": 8 * n}  # no master weights: the device tensor is the weight
+    assert host.host_added["training step"] == {"optimizer state (AdamW)": 8 * n,
+                                                "one tensor's fp32 copy + gradient in its step": 8 * largest}

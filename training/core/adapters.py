@@ -30,6 +30,7 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from ..checks import check_finite
 
 KINDS = ("lora", "dora", "loha", "lokr", "oft", "full")
+FULL_PRECISIONS = ("fp32", "bf16_stochastic")
 TARGET_MODES = ("preset", "all_linear", "all_layers")
 
 
@@ -60,6 +61,9 @@ class AdapterConfig:
     dropout: float = 0.0
     init_seed: int = 0
     init_lora: str | None = None  # a LoRA file (as Load LoRA lists it) the run starts from instead of zero
+    # kind full: the trained difference in fp32 (exact) or bf16 updated with stochastic rounding (half the memory of
+    # the difference and its gradient; needs the policy's fused backward, whose per-tensor step does the rounding)
+    full_precision: str = "fp32"
 
     def validate(self) -> None:
         check_finite("adapter", alpha=self.alpha, dropout=self.dropout)
@@ -84,6 +88,11 @@ class AdapterConfig:
             raise ValueError(f"kind full cannot start from the LoRA file {self.init_lora} (init_lora): apply it with "
                              "Load LoRA on the MODEL and train on top of it (init_lora none); a full run continues "
                              "from its own checkpoints")
+        if self.full_precision not in FULL_PRECISIONS:
+            raise ValueError(f"full_precision={self.full_precision!r}: choose one of {', '.join(FULL_PRECISIONS)}")
+        if self.kind != "full" and self.full_precision != "fp32":
+            raise ValueError(f"full_precision {self.full_precision} is for kind full (a full fine-tune's difference); "
+                             f"kind {self.kind} trains fp32 adapters: set full_precision to fp32")
         if self.kind == "full" and self.dropout:
             raise ValueError(f"kind full trains the weights themselves and has no adapter input to drop: set dropout "
                              f"to 0, not {self.dropout}")
@@ -210,10 +219,12 @@ class FullLayer(torch.nn.Module):
     fine-tune's step; the one change is weight decay, which pulls towards the base weights instead of towards zero.
     Applied to the base layer's output (y + x W_d^T + b_d), like OFTLayer: it works on any base layer (ComfyUI's cast
     ops, streamed or low-bit weights) and keeps no merged copy of W for backward; the cost is one more matmul per
-    layer. Memory: the difference in fp32 (4 bytes per weight), with the gradient and optimizer state a full fine-tune
+    layer. Memory: the difference in fp32 (4 bytes per weight; `dtype` bf16: 2, trained with stochastic rounding by
+    memory/fused_backward.py), with the gradient and optimizer state a full fine-tune
     has (the planner counts them from the layers' shapes: planner.TrainableSpec.full)."""
 
-    def __init__(self, base: torch.nn.Module, device: torch.device | str | None = None):
+    def __init__(self, base: torch.nn.Module, device: torch.device | str | None = None,
+                 dtype: torch.dtype = torch.float32):
         super().__init__()
         self.base_layer = base
         if isinstance(base, torch.nn.Conv2d):
@@ -224,10 +235,9 @@ class FullLayer(torch.nn.Module):
             shape = (base.out_features, base.in_features)
         # Made where they will live (`device`): a model-sized difference built in host RAM first would need that much
         # host RAM for a moment on its way to the card.
-        self.full_weight = torch.nn.Parameter(torch.zeros(shape, dtype=torch.float32, device=device))
+        self.full_weight = torch.nn.Parameter(torch.zeros(shape, dtype=dtype, device=device))
         has_bias = getattr(base, "bias", None) is not None
-        self.full_bias = torch.nn.Parameter(torch.zeros(shape[0], dtype=torch.float32, device=device)) if has_bias \
-            else None
+        self.full_bias = torch.nn.Parameter(torch.zeros(shape[0], dtype=dtype, device=device)) if has_bias else None
 
     def get_base_layer(self) -> torch.nn.Module:
         return self.base_layer
@@ -257,7 +267,7 @@ def _peft_layer(base: torch.nn.Module, config: AdapterConfig, device=None) -> to
     if config.kind == "oft":
         return OFTLayer(base, rank, alpha)
     if config.kind == "full":
-        return FullLayer(base, device)
+        return FullLayer(base, device, torch.bfloat16 if config.full_precision == "bf16_stochastic" else torch.float32)
     if config.kind in ("lora", "dora"):
         peft_config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=config.dropout, use_dora=config.kind == "dora")
         cls = lora_layer.Conv2d if isinstance(base, torch.nn.Conv2d) else lora_layer.Linear
@@ -310,9 +320,11 @@ class AdapterSet:
                 if not isinstance(base, (torch.nn.Linear, torch.nn.Conv2d)):
                     raise TypeError(f"adapter target {path} is a {type(base).__name__}; only Linear and Conv2d are supported")
                 layer = _peft_layer(base, config, device)
-                # peft casts the adapter to the base dtype (fp16/bf16/fp8 bases): trainable weights stay fp32.
-                for name, param in self._own_parameters(layer):
-                    param.data = param.data.float()
+                # peft casts the adapter to the base dtype (fp16/bf16/fp8 bases): trainable weights stay fp32 (a full
+                # fine-tune's difference: the dtype its full_precision chose).
+                if config.kind != "full":
+                    for name, param in self._own_parameters(layer):
+                        param.data = param.data.float()
                 self.layers[path] = layer
 
     @staticmethod

@@ -27,6 +27,7 @@ from .. import public_module
 from ..data.cache_store import bucket_batches, item_conditioning
 from ..checks import check_finite
 from .objective import Objective, ObjectiveConfig, SamplingDescriptor, step_seed
+from ..memory.fused_backward import FusedBackward
 from ..memory.optimizer_parking import HostOptimizer, parked
 from .optimizers import OptimizerConfig, create_optimizer, create_scheduler, current_lr
 from ..memory.policy import OffloadPolicy, memory_features
@@ -46,7 +47,7 @@ def auto_precision(device: torch.device | str) -> str:
     if device.type != "cuda":
         return "fp32"
     return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
-_SALT_BATCH, _SALT_VALIDATION, _SALT_GLOBAL = 1, 2, 3
+_SALT_BATCH, _SALT_VALIDATION, _SALT_GLOBAL, _SALT_ROUNDING = 1, 2, 3, 4
 
 
 class Denoiser(Protocol):
@@ -201,11 +202,29 @@ class Trainer:
         # batch with the same memory per rank. Set by the caller (the distributed launcher); not part of the run's
         # configuration, as it changes no result.
         self.rank_batch: int | None = None
-        if self.policy.optimizer_state == "cpu":
-            self.optimizer = HostOptimizer(self.params, lambda host: create_optimizer(host, optimizer_config, device="cpu"))
+        bf16_weights = any(p.dtype == torch.bfloat16 for p in self.params)
+        if self.policy.fused_backward:
+            self._check_fused(config)
+            # Each trained tensor is stepped inside backward and its gradient freed (memory/fused_backward.py): it
+            # stands in for the optimizer and its schedule; bf16 weights are rounded stochastically in that step;
+            # optimizer state "cpu": each step runs in host RAM, where the state is.
+            on_host = self.policy.optimizer_state == "cpu"
+            step_device = torch.device("cpu") if on_host else denoiser.device
+            self.optimizer = FusedBackward(
+                self.params, lambda group: create_optimizer(group, optimizer_config, device=step_device),
+                lambda opt: create_scheduler(opt, optimizer_config), max_grad_norm=config.max_grad_norm,
+                bf16_stochastic=bf16_weights, seed=step_seed(config.seed, 0, _SALT_ROUNDING), state_on_host=on_host)
+            self.scheduler = self.optimizer.schedule
         else:
-            self.optimizer = create_optimizer(self.params, optimizer_config, device=denoiser.device)
-        self.scheduler = create_scheduler(self.optimizer, optimizer_config)
+            if bf16_weights:
+                raise ValueError("bf16 trained weights (full_precision bf16_stochastic) are stepped with stochastic "
+                                 "rounding by fused backward: turn fused_backward on in the Offload Policy, or set "
+                                 "full_precision to fp32")
+            if self.policy.optimizer_state == "cpu":
+                self.optimizer = HostOptimizer(self.params, lambda host: create_optimizer(host, optimizer_config, device="cpu"))
+            else:
+                self.optimizer = create_optimizer(self.params, optimizer_config, device=denoiser.device)
+            self.scheduler = create_scheduler(self.optimizer, optimizer_config)
         self.scaler = torch.amp.GradScaler(denoiser.device.type) if config.precision == "fp16" else None
         self.ema = WeightEMA(self.params, config.ema_decay) if config.ema_decay > 0 else None
         self.step = 0
@@ -218,6 +237,17 @@ class Trainer:
         with _forked_rng():
             torch.manual_seed(step_seed(config.seed, 0, _SALT_GLOBAL))
             self.rng = capture_rng()
+
+    def _check_fused(self, config: TrainConfig) -> None:
+        """Fused backward steps in every backward pass, on the device, from one rank's gradient: what needs the
+        gradients kept (accumulation, the ranks' sum, fp16's scaler) cannot run with it."""
+        FusedBackward.check_accumulation(config.grad_accum)
+        if config.precision == "fp16":
+            raise ValueError("fused backward steps inside backward, before fp16's gradient scaler could check the "
+                             "gradients for overflow: use precision bf16 or fp32, or turn fused_backward off")
+        if self.parallel is not None:
+            raise ValueError("fused backward steps each tensor on its rank's own gradient, before the ranks' "
+                             "gradients are summed: train on one device, or turn fused_backward off")
 
     # --- data -------------------------------------------------------------------------------------------
     def _batch(self, micro_step: int) -> tuple[_Batches, list[int]]:
@@ -308,6 +338,9 @@ class Trainer:
     def train_step(self) -> float:
         """One optimizer step (grad_accum micro-steps). Returns the mean loss (of the global batch)."""
         accum = self.config.grad_accum
+        if self.policy.fused_backward and self.rank_batch is not None:
+            raise ValueError("fused backward steps in every backward pass: a batch trained in chunks (rank_batch) "
+                             "would step once per chunk")
         self.optimizer.zero_grad(set_to_none=True)
         losses = []
         for j in range(accum):
@@ -329,7 +362,7 @@ class Trainer:
             self.parallel.reduce_gradients(self.params)  # once per optimizer step, like DDP's no_sync
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
-        if self.config.max_grad_norm > 0:
+        if self.config.max_grad_norm > 0 and not self.policy.fused_backward:  # fused: clipped per tensor in backward
             torch.nn.utils.clip_grad_norm_(self.params, self.config.max_grad_norm)
         if self.scaler is not None:
             self.scaler.step(self.optimizer)  # skips the update when fp16 gradients overflowed
@@ -575,10 +608,20 @@ def _optimizer_mismatch(saved, optimizer) -> str | None:
     if not isinstance(groups, list) or not isinstance(state, dict) or len(groups) != len(current) or not all(
             isinstance(g, dict) and isinstance(g.get("params"), list) and len(g["params"]) == len(c["params"])
             for g, c in zip(groups, current)):
+        # Fused backward keeps one group per trained tensor, the plain optimizer one group for all of them.
+        tensors = sum(len(c["params"]) for c in current)
+        if isinstance(groups, list) and tensors > 1:
+            fused = isinstance(optimizer, FusedBackward)
+            if (fused and len(groups) == 1) or (not fused and len(current) == 1 and len(groups) == tensors):
+                switch = "off" if fused else "on"
+                return f"it was saved with the Offload Policy's fused_backward {switch}: set it {switch} to resume it"
         return "its optimizer state has other parameter groups than this optimizer"
+    # Fused backward's groups step fp32 stand-ins of bf16 weights (empty between steps): its state has the weights'.
+    live_params = [[param] for param in optimizer.params] if isinstance(optimizer, FusedBackward) else \
+        [live["params"] for live in current]
     params = {}
-    for group, live in zip(groups, current):
-        for index, param in zip(group["params"], live["params"]):
+    for group, live in zip(groups, live_params):
+        for index, param in zip(group["params"], live):
             if not isinstance(index, int) or isinstance(index, bool):
                 return "its optimizer state names parameters by something other than numbers"
             params[index] = param

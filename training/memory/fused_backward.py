@@ -3,7 +3,12 @@ so a full fine-tune never holds a full set of gradients (for an 8 B model: 16 Gi
 
     fused = FusedBackward(params, lambda group: create_optimizer(group, config), lambda opt: create_scheduler(opt, config))
     loss.backward()          # each parameter is stepped inside backward, its gradient freed
-    fused.after_step()       # the learning-rate schedule advances once per step
+    fused.schedule.step()    # the learning-rate schedule advances once per step
+
+The Trainer uses it in place of its optimizer (policy field `fused_backward`): it has the optimizer's face
+(`param_groups`, `state`, `zero_grad`, `state_dict` in torch's one-optimizer layout, so checkpoints are checked as
+any other), `step()` does nothing (every parameter was stepped in backward) and `schedule` is the one schedule of
+all the parameters.
 
 torch provides the mechanism (Tensor.register_post_accumulate_grad_hook, the pattern of its "optimizer step in
 backward" tutorial): one optimizer per parameter, stepped from that parameter's hook. What follows from it:
@@ -11,7 +16,10 @@ backward" tutorial): one optimizer per parameter, stepped from that parameter's 
   gradient at once, which is what this avoids (kohya sd-scripts' fused backward clips per tensor too);
 - no gradient accumulation: a step happens in every backward pass (`FusedBackward.check_accumulation` refuses it);
 - `bf16_stochastic` (bf16 weights, no fp32 masters): the optimizer steps an fp32 copy of the parameter made in the
-  hook, with fp32 state, and the result is written back with stochastic rounding (stochastic_rounding.py).
+  hook, with fp32 state, and the result is written back with stochastic rounding (stochastic_rounding.py);
+- `state_on_host` (policy optimizer_state "cpu"): that fp32 copy, the gradient and the optimizer state are in host RAM;
+  each tensor crosses to the host and back once per step, and no gradient or state is kept on the device (the
+  ZeRO-Offload pattern, without a second set of master weights: the device tensor is the weight).
 With the same optimizer implementation the weights equal those of the unfused step (tests/unit/test_fused_backward.py:
 bitwise in fp32 with AdamW, Adafactor and clipping off).
 """
@@ -28,21 +36,28 @@ from .stochastic_rounding import stochastic_round_to_bf16
 class FusedBackward:
     def __init__(self, params: Sequence[torch.nn.Parameter], make_optimizer: Callable[[list], torch.optim.Optimizer],
                  make_scheduler: Callable[[torch.optim.Optimizer], object] | None = None, *,
-                 max_grad_norm: float = 0.0, bf16_stochastic: bool = False, seed: int = 0):
-        """`make_optimizer([param])`: one optimizer per parameter (training/core/optimizers.create_optimizer);
-        `make_scheduler(optimizer)`: its learning-rate schedule (None: constant)."""
+                 max_grad_norm: float = 0.0, bf16_stochastic: bool = False, seed: int = 0,
+                 state_on_host: bool = False):
+        """`make_optimizer([param])`: one optimizer per parameter (training/core/optimizers.create_optimizer; with
+        `state_on_host`, one for the CPU); `make_scheduler(optimizer)`: its learning-rate schedule (None: constant).
+        `state_on_host`: the optimizer state lives in host RAM and each parameter's step runs there, on an fp32 copy
+        of the parameter and its gradient (device to host), the result copied back (host to device)."""
         self.params = [p for p in params if p.requires_grad]
         self.max_grad_norm = float(max_grad_norm)
         self.bf16_stochastic = bf16_stochastic
         if bf16_stochastic and any(p.dtype != torch.bfloat16 for p in self.params):
             raise ValueError("bf16 stochastic rounding trains bf16 weights: these parameters are not all bf16")
-        # bf16_stochastic: the optimizer holds an fp32 stand-in per parameter (its state is keyed by it and fp32);
-        # the stand-in's data exists only during that parameter's step.
-        self._stand_ins = [torch.nn.Parameter(torch.empty(0), requires_grad=False) if bf16_stochastic else None
-                           for _ in self.params]
+        # bf16_stochastic or state_on_host: the optimizer steps an fp32 stand-in per parameter (its state is keyed by
+        # it, and fp32) whose data exists only during that parameter's step; on the parameter's device, or the host.
+        # Placed there now: loading a checkpoint moves the state to where the stand-in is.
+        self.state_on_host = state_on_host
+        self._stand_ins = [self._empty(torch.device("cpu") if state_on_host else p.device)
+                           if bf16_stochastic or state_on_host else None for p in self.params]
         self.optimizers = [make_optimizer([stand_in if stand_in is not None else param])
                            for param, stand_in in zip(self.params, self._stand_ins)]
         self.schedulers = [make_scheduler(opt) for opt in self.optimizers] if make_scheduler is not None else []
+        # The learning-rate schedule of every parameter's optimizer, advanced together once per training step.
+        self.schedule = _Schedules(self.schedulers)
         self.seed = int(seed)
         self._generators: dict[str, torch.Generator] = {}  # per device: the rounding noise of bf16_stochastic
         self.most_gradients_alive = 0  # the most parameters holding a gradient at once (tests, bench)
@@ -78,14 +93,22 @@ class FusedBackward:
         if stand_in is None:
             self.optimizers[index].step()
             return
-        stand_in.data = param.detach().float()
-        stand_in.grad = grad.float()
+        where = stand_in.device
+        stand_in.data = param.detach().to(where, torch.float32, copy=True)
+        stand_in.grad = grad.to(where, torch.float32, copy=True)
         try:
             self.optimizers[index].step()
-            param.copy_(stochastic_round_to_bf16(stand_in.data, self._generator(param.device)))
+            if self.bf16_stochastic:
+                param.copy_(stochastic_round_to_bf16(stand_in.data, self._generator(where)))
+            else:
+                param.copy_(stand_in.data)
         finally:
             stand_in.grad = None
-            stand_in.data = torch.empty(0)
+            stand_in.data = torch.empty(0, device=where)
+
+    @staticmethod
+    def _empty(device: torch.device) -> torch.nn.Parameter:
+        return torch.nn.Parameter(torch.empty(0, device=device), requires_grad=False)
 
     def _generator(self, device: torch.device) -> torch.Generator:
         key = str(device)
@@ -93,25 +116,60 @@ class FusedBackward:
             self._generators[key] = torch.Generator(device).manual_seed(self.seed)
         return self._generators[key]
 
+    # --- the optimizer's face (what the Trainer, checkpoints and parking use) ---------------------------------
     def after_step(self) -> None:
-        """Advance every parameter's learning-rate schedule (once per training step)."""
-        for scheduler in self.schedulers:
-            scheduler.step()
+        self.schedule.step()
+
+    @property
+    def param_groups(self) -> list[dict]:
+        """One group per parameter (its optimizer's), the live dicts: a schedule or a reader of `lr` sees them."""
+        return [opt.param_groups[0] for opt in self.optimizers]
+
+    @property
+    def state(self) -> dict:
+        """Each parameter's optimizer state by its index (the live dicts: optimizer_parking moves their tensors)."""
+        state = {}
+        for index, opt in enumerate(self.optimizers):
+            stepped = opt.param_groups[0]["params"][0]  # the parameter, or its fp32 stand-in
+            if stepped in opt.state:
+                state[index] = opt.state[stepped]
+        return state
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for param in self.params:  # normally none is left: each hook frees its gradient
+            param.grad = None
+
+    def step(self) -> None:
+        """Nothing: every parameter was stepped inside backward."""
 
     def state_dict(self) -> dict:
-        return {"optimizers": [opt.state_dict() for opt in self.optimizers],
-                "schedulers": [s.state_dict() for s in self.schedulers],
-                "generators": {device: g.get_state() for device, g in self._generators.items()}}
+        """torch's layout of one optimizer with a group per parameter (index i: the i-th parameter), and the
+        stochastic rounding's generators."""
+        state, groups = {}, []
+        for index, opt in enumerate(self.optimizers):
+            saved = opt.state_dict()
+            if 0 in saved["state"]:
+                state[index] = saved["state"][0]
+            groups.append({**saved["param_groups"][0], "params": [index]})
+        return {"state": state, "param_groups": groups,
+                "rounding_generators": {device: g.get_state() for device, g in self._generators.items()}}
 
-    def load_state_dict(self, state: dict) -> None:
-        if len(state.get("optimizers", [])) != len(self.optimizers):
-            raise ValueError(f"fused backward state for {len(state.get('optimizers', []))} parameters, this run trains "
+    def load_state_dict(self, saved: dict) -> None:
+        groups = saved.get("param_groups", [])
+        if len(groups) != len(self.optimizers):
+            raise ValueError(f"fused backward state for {len(groups)} parameters, this run trains "
                              f"{len(self.optimizers)}")
-        for opt, saved in zip(self.optimizers, state["optimizers"]):
-            opt.load_state_dict(saved)
-        for scheduler, saved in zip(self.schedulers, state.get("schedulers", [])):
-            scheduler.load_state_dict(saved)
-        for device, generator_state in state.get("generators", {}).items():
+        for opt, group in zip(self.optimizers, groups):
+            index = group["params"][0]
+            entry = saved["state"].get(index)
+            opt.load_state_dict({"state": {0: entry} if entry is not None else {},
+                                 "param_groups": [{**group, "params": [0]}]})
+        generators = saved.get("rounding_generators", {})
+        if not isinstance(generators, dict) or not all(
+                isinstance(device, str) and isinstance(state, torch.Tensor) and state.dtype == torch.uint8
+                for device, state in generators.items()):
+            raise ValueError("its stochastic rounding generators are not a {device: generator state} table")
+        for device, generator_state in generators.items():
             self._generator(torch.device(device)).set_state(generator_state)
 
     def remove(self) -> None:
@@ -120,11 +178,40 @@ class FusedBackward:
         self._handles.clear()
 
 
-def gradients_cost(param_shapes: Sequence[Sequence[int]], grad_element_size: int, fused: bool) -> FeatureCost:
-    """Device bytes of a full fine-tune's gradients in a training step: all of them, or with fused backward the
-    largest parameter's (the one being stepped; its fp32 stand-in too with bf16 stochastic rounding is in the
-    optimizer's step working set, not counted here)."""
-    sizes = [int(torch.Size(shape).numel()) * grad_element_size for shape in param_shapes]
-    if fused:
-        return FeatureCost(training={"one parameter's gradient (fused backward)": max(sizes, default=0)})
-    return FeatureCost(training={"gradients": sum(sizes)})
+class _Schedules:
+    """Every parameter's learning-rate schedule as one (they are equal: same settings, stepped together)."""
+
+    def __init__(self, schedulers: list):
+        self.schedulers = schedulers
+
+    def step(self) -> None:
+        for scheduler in self.schedulers:
+            scheduler.step()
+
+    def state_dict(self) -> dict:
+        return self.schedulers[0].state_dict() if self.schedulers else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        for scheduler in self.schedulers:
+            scheduler.load_state_dict(state)
+
+    def get_last_lr(self) -> list[float]:
+        return self.schedulers[0].get_last_lr() if self.schedulers else []
+
+
+def gradients_cost(param_shapes: Sequence[Sequence[int]], grad_element_size: int, fused: bool,
+                   state_on_host: bool = False) -> FeatureCost:
+    """Bytes of the trained tensors' gradients in a training step (the gradient has the weight's dtype): all of them
+    on the device, or with fused backward the largest tensor's (the one being stepped), and the fp32 copy of that
+    tensor and its gradient the optimizer steps (bf16 weights, or the state in host RAM: there, beside it)."""
+    sizes = [int(torch.Size(shape).numel()) for shape in param_shapes]
+    dtype = {4: "fp32", 2: "bf16"}.get(grad_element_size, f"{grad_element_size}-byte")
+    if not fused:
+        return FeatureCost(training={f"gradients ({dtype})": sum(sizes) * grad_element_size})
+    largest = max(sizes, default=0)
+    cost = FeatureCost(training={"one tensor's gradient (fused backward)": largest * grad_element_size})
+    if state_on_host:
+        cost.host_added_training["one tensor's fp32 copy + gradient in its step"] = 8 * largest
+    elif grad_element_size != 4:
+        cost.training["one tensor's fp32 copy + gradient in its step (stochastic rounding)"] = 8 * largest
+    return cost

@@ -127,14 +127,21 @@ class HostOptimizer(torch.optim.Optimizer):
 
 # --- what it costs (the planner adds it up: planner.estimate) ---------------------------------------------------
 def optimizer_cost(optimizer_state: str, park_during_validation: bool, optimizer: str, state_bytes: int,
-                   trainable_bytes: int) -> FeatureCost:
-    """Where the optimizer state (`state_bytes` of `optimizer`) and the fp32 gradients (`trainable_bytes`, as the
-    trainable weights) are: policy optimizer_state "gpu" keeps the state on the device, "cpu" in host RAM with fp32
-    master weights; park_optimizer_during_validation moves state and gradients to host RAM while sampling."""
+                   trainable_bytes: int, gradient_bytes: int | None = None, gradient_dtype: str = "fp32",
+                   fused_backward: bool = False) -> FeatureCost:
+    """Where the optimizer state (`state_bytes` of `optimizer`) and the gradients kept between steps
+    (`gradient_bytes`, default the fp32 trainable weights' `trainable_bytes`; 0 with fused backward) are: policy
+    optimizer_state "gpu" keeps the state on the device, "cpu" in host RAM with fp32 master weights;
+    park_optimizer_during_validation moves state and gradients to host RAM while sampling. `fused_backward` with the
+    state on "cpu": no master weights and no gradients there (fused_backward.py steps a copy of one tensor at a time)."""
+    gradient_bytes = trainable_bytes if gradient_bytes is None else gradient_bytes
     on_device = optimizer_state == "gpu"
     state = {f"optimizer state ({optimizer})": state_bytes} if on_device else {}
     cost = FeatureCost(training=dict(state))
-    if not on_device:
+    if not on_device and fused_backward:
+        for added in (cost.host, cost.host_added_training, cost.host_added_validation):
+            added[f"optimizer state ({optimizer})"] = state_bytes
+    elif not on_device:
         cost.host["optimizer state + fp32 master weights"] = state_bytes + trainable_bytes
         # allocated for the whole run, fp32 gradients copied host-ward each step beside them
         cost.host_added_training["optimizer state + fp32 master weights + gradients"] = state_bytes + 2 * trainable_bytes
@@ -142,7 +149,7 @@ def optimizer_cost(optimizer_state: str, park_during_validation: bool, optimizer
     if park_during_validation:
         cost.validation_notes.append("optimizer state and gradients parked in host RAM while sampling")
         if on_device:
-            cost.host_added_validation["parked optimizer state + gradients"] = state_bytes + trainable_bytes
+            cost.host_added_validation["parked optimizer state + gradients"] = state_bytes + gradient_bytes
     else:
-        cost.validation = {"gradients (fp32)": trainable_bytes, **state}
+        cost.validation = {**({f"gradients ({gradient_dtype})": gradient_bytes} if gradient_bytes else {}), **state}
     return cost

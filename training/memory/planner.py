@@ -35,7 +35,8 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
-from . import activation_offload, checkpointing, host_ram, lowbit, optimizer_parking, weight_streaming
+from . import (activation_offload, checkpointing, fused_backward, host_ram, lowbit, optimizer_parking,
+               weight_streaming)
 from .cost import FeatureCost
 from .host_ram import HostRoom
 from .memory_stats import format_bytes
@@ -161,13 +162,23 @@ class TrainableSpec:
     shapes: tuple[tuple[int, ...], ...]
     optimizer: str = "AdamW"
     ema: bool = False  # an EMA copy of the weights is kept in host RAM (core/ema.py)
+    element_size: int = 4  # bytes per trained weight: 4 (fp32), 2 (a full fine-tune's bf16 difference)
 
     @property
     def param_count(self) -> int:
         return sum(math.prod(s) for s in self.shapes)
 
+    @property
+    def dtype_name(self) -> str:
+        return {4: "fp32", 2: "bf16"}[self.element_size]
+
     def param_bytes(self) -> int:
+        """The trained weights in fp32 (what an fp32 copy of them takes: host masters, EMA)."""
         return 4 * self.param_count
+
+    def weight_bytes(self) -> int:
+        """The trained weights as trained (and their gradients: the same dtype)."""
+        return self.element_size * self.param_count
 
     def optimizer_bytes(self) -> int:
         return sum(_optimizer_state_bytes(self.optimizer, s) for s in self.shapes)
@@ -189,9 +200,10 @@ class TrainableSpec:
         return cls(tuple(shapes), optimizer)
 
     @classmethod
-    def full(cls, targets: Iterable[torch.nn.Module], optimizer: str = "AdamW") -> "TrainableSpec":
+    def full(cls, targets: Iterable[torch.nn.Module], optimizer: str = "AdamW", element_size: int = 4
+             ) -> "TrainableSpec":
         """A full fine-tune of Linear / Conv2d `targets` (adapters.FullLayer): a difference the size of each weight
-        and bias."""
+        and bias, of `element_size` bytes per weight (4: fp32, 2: bf16 with stochastic rounding)."""
         shapes = []
         for module in targets:
             if isinstance(module, torch.nn.Conv2d):
@@ -202,7 +214,7 @@ class TrainableSpec:
                 out = module.out_features
             if getattr(module, "bias", None) is not None:
                 shapes.append((out,))
-        return cls(tuple(shapes), optimizer)
+        return cls(tuple(shapes), optimizer, element_size=element_size)
 
 
 # --- estimates ----------------------------------------------------------------------------------------------
@@ -371,14 +383,19 @@ def estimate(description: ModelDescription, trainable: TrainableSpec, shape: Run
     outside = description.outside_saved.at(area, tokens) * batch
 
     # Each memory feature says what it costs (its module's cost function); they are added up here.
+    # Gradients between steps: none with fused backward (each is freed inside backward), so none to park either.
+    kept_gradients = 0 if policy.fused_backward else trainable.weight_bytes()
     parking = optimizer_parking.optimizer_cost(policy.optimizer_state, policy.park_optimizer_during_validation,
-                                               trainable.optimizer, trainable.optimizer_bytes(), trainable.param_bytes())
+                                               trainable.optimizer, trainable.optimizer_bytes(), trainable.param_bytes(),
+                                               kept_gradients, trainable.dtype_name, policy.fused_backward)
     block_activations = [feature(policy.checkpointing, saved, copies, inputs)
                          for feature in (checkpointing.activation_cost, activation_offload.activation_cost)]
     in_flight = lowbit.weight_in_flight(storage, description.weight_copy_in_flight_bytes,
                                         description.largest_linear_numel, description.compute_element_size)
 
-    trainables = {"trainable weights (fp32)": trainable.param_bytes(), "gradients (fp32)": trainable.param_bytes(),
+    gradients = fused_backward.gradients_cost(trainable.shapes, trainable.element_size, policy.fused_backward,
+                                              state_on_host=policy.optimizer_state == "cpu")
+    trainables = {f"trainable weights ({trainable.dtype_name})": trainable.weight_bytes(), **gradients.training,
                   **parking.training}
     activations = {name: value for cost in block_activations for name, value in cost.training.items()}
     activations["saved activations outside the blocks"] = int(outside)
@@ -386,7 +403,7 @@ def estimate(description: ModelDescription, trainable: TrainableSpec, shape: Run
     activations["one layer's weight copy in flight (cast / dequantised)"] = int(in_flight)
 
     # Validation (below) keeps the same frozen weights beside the adapter and ComfyUI's sampling working set.
-    sampling = {"adapter weights (fp32)": trainable.param_bytes(), **parking.validation,
+    sampling = {f"adapter weights ({trainable.dtype_name})": trainable.weight_bytes(), **parking.validation,
                 "sampling working set (ComfyUI estimate, cond+uncond)": int(
                     description.inference_bytes_per_latent_px * area * 2),
                 "one layer's weight copy in flight (cast / dequantised)": int(in_flight),
@@ -414,7 +431,7 @@ def estimate(description: ModelDescription, trainable: TrainableSpec, shape: Run
     validation_device = description.other_param_bytes + weight_streaming.resident_block_bytes(
         weight_streaming.validation_placement(policy.base_placement, device_budget is not None), block_weights, validation_rest,
         device_budget)
-    features: list[FeatureCost] = [parking, *block_activations, placement]
+    features: list[FeatureCost] = [parking, gradients, *block_activations, placement]
     host = {name: value for cost in features for name, value in cost.host.items()}  # in host RAM instead
     notes = [note for cost in features for note in cost.training_notes]
 

@@ -16,6 +16,7 @@ optimizer state sits. One policy serves the whole run (caching, training, valida
   (`run_policy`).
 - optimizer_state: "gpu" or "cpu" (the optimizer steps fp32 host copies, see optimizer_parking.py).
 - park_optimizer_during_validation: optimizer state and gradients go to host RAM while validating.
+- fused_backward: each trained tensor is stepped inside backward and its gradient freed (fused_backward.py).
 - vae_tiled_decode: "auto" (tiled when the VAE plus a full decode would not fit the budget), "on", "off" (the
   stock full decode, which ComfyUI itself retries in tiles after an out-of-memory error).
 - encoders: "unload_after_use" (text encoders and VAE are loaded for caching / validation only) or
@@ -150,6 +151,13 @@ class OffloadPolicy:
         tooltip="Host (system) RAM this ComfyUI process may use, in GiB. 0 = auto: what it uses now plus what the "
         f"OS reports available, less {HOST_RESERVE_BYTES // GIB} GiB. The planner skips policies that would not fit it, and a run that "
         "cannot fit stops before its first step, saying what to change, instead of being killed by the OS."))
+    # Appended last, default off: a workflow saved before it existed trains exactly as it did.
+    fused_backward: bool = _field(False, NodeInput(
+        "bool", optional=True,
+        tooltip="Step each trained tensor inside backward as soon as its gradient is ready, then free that gradient: "
+        "a full set of gradients never exists (full fine-tuning: 2-4 bytes per trained weight saved). Gradient "
+        "clipping then applies to each tensor on its own; needs grad_accumulation 1, one device and a precision "
+        "other than fp16. With optimizer_state cpu each tensor is stepped in host RAM, where its state lives."))
 
     def __post_init__(self):
         self.validate()
@@ -174,8 +182,9 @@ class OffloadPolicy:
                 raise PolicyError(f"offload policy: {field.name}={value!r} is not one of {', '.join(allowed)}")
         if isinstance(self.checkpoint_depth, bool) or not isinstance(self.checkpoint_depth, int) or self.checkpoint_depth < 1:
             raise PolicyError(f"offload policy: checkpoint_depth={self.checkpoint_depth!r} must be an integer >= 1")
-        if not isinstance(self.park_optimizer_during_validation, bool):
-            raise PolicyError("offload policy: park_optimizer_during_validation must be true or false")
+        for name in ("park_optimizer_during_validation", "fused_backward"):
+            if not isinstance(getattr(self, name), bool):
+                raise PolicyError(f"offload policy: {name} must be true or false")
         if self.base_placement != "resident" and self.checkpointing == "off":
             # Backward needs every frozen weight a block used (to pass gradients through it): without
             # recomputation autograd would keep each streamed block's device copy alive until backward,
@@ -264,7 +273,8 @@ class OffloadPolicy:
         return (f"budget {budget}, base {self.base_placement}/{self.base_storage}, checkpointing "
                 f"{self.checkpointing}{depth}, optimizer state on {self.optimizer_state}"
                 + (", parked during validation" if self.park_optimizer_during_validation else "")
-                + (", encoders kept loaded" if self.encoders == "keep_loaded" else ""))
+                + (", encoders kept loaded" if self.encoders == "keep_loaded" else "")
+                + (", fused backward" if self.fused_backward else ""))
 
     # --- JSON ----------------------------------------------------------------------------------------------
     def to_dict(self) -> dict:

@@ -6,9 +6,9 @@ Rounding to nearest loses every update smaller than half a bf16 step (bf16 keeps
 ignores any change under 2^-9), which is most of them at fine-tuning learning rates, so a bf16 model rounded to
 nearest stops learning. Rounding up or down at random, with the probability of the distance to each neighbour, keeps
 each update in expectation: the weight is an unbiased estimate of the fp32 master it replaces (Gupta et al. 2015;
-kohya sd-scripts and OneTrainer fine-tune whole models in bf16 so). What it costs: 2 bytes per trained weight instead
-of 4 (fp32 masters) + 2 (the bf16 copy the model computes with); the noise is one bf16 step at most per update.
-fp32 master weights remain the exact option.
+kohya sd-scripts and OneTrainer fine-tune whole models in bf16 so). Headroom rounds a full fine-tune's bf16 difference
+so (LoRA Config full_precision bf16_stochastic, stepped by fused_backward.py): 2 bytes per trained weight and its
+gradient instead of 4; the noise is one bf16 step of the difference at most per update. fp32 remains the exact option.
 
 Written here because neither torch nor ComfyUI has it for bf16: comfy.float.stochastic_rounding rounds bf16 to
 nearest (it is stochastic for fp8 only), and torch has no stochastic-rounding cast.
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import torch
 
-from .cost import FeatureCost
 
 _LOW_BITS = 1 << 16  # the fp32 mantissa bits a bf16 drops
 
@@ -34,13 +33,3 @@ def stochastic_round_to_bf16(value: torch.Tensor, generator: torch.Generator | N
     # themselves must not turn into something else through the added noise.
     rounded = torch.where(torch.isfinite(value), rounded, value)
     return rounded.to(torch.bfloat16)  # exact: the low 16 bits are zero
-
-
-def weights_cost(param_bytes_fp32: int, stochastic: bool) -> FeatureCost:
-    """Device bytes of the trained weights of a full fine-tune (`param_bytes_fp32`: their count x 4): bf16 weights
-    updated with stochastic rounding, or fp32 master weights beside the bf16 copy the model computes with."""
-    if stochastic:
-        weights = {"trained weights (bf16, stochastic rounding)": param_bytes_fp32 // 2}
-    else:
-        weights = {"fp32 master weights": param_bytes_fp32, "bf16 copy the model computes with": param_bytes_fp32 // 2}
-    return FeatureCost(training=weights, validation=dict(weights))
