@@ -61,7 +61,7 @@ def findings(measured: dict[str, dict]) -> dict[str, list[str]]:
                 out["budget"].append(f"`{ident}`: out of memory under the {r['budget_gb']:g} GiB cap "
                                      f"({r.get('policy')})")
             continue
-        if r.get("kind") != "lora":
+        if r.get("kind") not in ("lora", "full"):  # full: a full fine-tune fitted to a card
             continue
         peak, estimate = r.get("train_peak_allocated"), r.get("planner_train_bytes")
         # "partial" fills the budget's room with resident blocks: its planned step is the budget by construction,
@@ -76,7 +76,7 @@ def findings(measured: dict[str, dict]) -> dict[str, list[str]]:
             out["budget"].append(f"`{ident}`: peak reserved {reserved / GIB:.2f} GiB over the {budget:g} GiB budget "
                                  f"({r.get('policy')})")
         base = resident.get(r["model"])
-        if budget is not None and base is not None and r.get("s_per_step") and base.get("s_per_step"):
+        if r["kind"] == "lora" and budget is not None and base is not None and r.get("s_per_step") and base.get("s_per_step"):
             ratio = r["s_per_step"] / base["s_per_step"]
             if ratio > STREAMED_SLOWDOWN:
                 out["speed"].append(f"`{ident}`: {r['s_per_step']:.2f} s/step = {ratio:.2f}x the resident "
@@ -152,6 +152,22 @@ def section(records: list[dict]) -> str:
             lines.append(f"| {LABELS.get(r['model'], r['model'])} | {'on' if r.get('offloading') else 'off'} | "
                          f"{_gib(r.get('peak_allocated'))} | {_gib(r.get('peak_reserved'))} | "
                          f"{'' if r.get('s_per_step') is None else format(r['s_per_step'], '.3f')} | {r.get('status')} |")
+    full = sorted((r for r in measured.values() if r.get("kind") == "full"),
+                  key=lambda r: (r["model"], _config_key(r["config"].removeprefix("full-"))))
+    if full:
+        lines += ["", "Full fine-tunes (LoRA Config kind full on every Linear in the blocks, bf16 difference with "
+                  "stochastic rounding, Offload Policy fused_backward, Adafactor), fitted by the Init node's planner "
+                  "to the card (emulated as above):", "",
+                  "| model | card | policy run | planner step GiB | peak alloc. GiB | peak reserved GiB | planner / "
+                  "measured | host RAM peak GiB | s/step | status |", "|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
+        for r in full:
+            peak, estimate = r.get("train_peak_allocated"), r.get("planner_train_bytes")
+            lines.append(
+                f"| {LABELS.get(r['model'], r['model'])} | {r['config'].removeprefix('full-')} | {r.get('policy', '')}"
+                f"{' (planner: does not fit)' if r.get('plan_fits') is False else ''} | {_gib(estimate)} | "
+                f"{_gib(peak)} | {_gib(r.get('train_peak_reserved'))} | "
+                f"{f'{estimate / peak:.2f}' if peak and estimate else ''} | {_gib(r.get('train_peak_rss'))} | "
+                f"{'' if r.get('s_per_step') is None else format(r['s_per_step'], '.3f')} | {r.get('status')} |")
     placed = [r for r in lora if r.get("validation_seconds") and r.get("validation_seconds_training_placement")]
     if placed:
         lines += ["", "Validation on its own placement (issue 28): one Validate call (the loss at 4 noise levels), with "

@@ -5,8 +5,8 @@ Runs ComfyUI in-process and drives Headroom's node classes as a workflow runs th
 own classes with random bf16 weights (tests/realsize_models.py: nothing is downloaded). Per model: the resident run
 and the planner's auto policy for each budget (6, 8, 12, 16, 24 GiB), each budget emulated on the large card with
 torch.cuda.set_per_process_memory_fraction(budget / card total). Then ComfyUI's own TrainLoraNode on SDXL and
-Flux-dev (offloading off / on), the CUDA-marked tests and, last, each named policy (POLICIES) as given on Flux-dev,
-SDXL and SD3.5-Large. LoRA rank 16, batch 1, 1024 px (Wan: 832x480, 33 frames).
+Flux-dev (offloading off / on), full fine-tunes of SD3.5-Large and Flux-dev fitted to 24 and 48 GB cards (FULL_CARDS),
+the CUDA-marked tests and, last, each named policy (POLICIES) as given on Flux-dev, SDXL and SD3.5-Large. LoRA rank 16, batch 1, 1024 px (Wan: 832x480, 33 frames).
 
 The caches are in memory (tests/memory_caches.py): random latents of the model's latent format and random
 conditioning of the widths the model expects, so no text encoder or VAE is built and the figures are those of the
@@ -85,9 +85,13 @@ POLICIES = {
                                       "optimizer_state": "cpu"},
 }
 POLICY_MODELS = ("flux_dev", "sdxl", "sd35_large")
+# Full fine-tunes (issue 27) fitted by the planner to these cards, GiB: the SD3.5 Large template's 24 GB and a larger one.
+FULL_MODELS = ("sd35_large", "flux_dev")
+FULL_CARDS = (24, 48)
 
 
-def plan(models: list[str], budgets: list[float], policies: list[str]) -> list[tuple[str, str, list[str]]]:
+def plan(models: list[str], budgets: list[float], policies: list[str], full_cards: tuple[float, ...] = FULL_CARDS
+         ) -> list[tuple[str, str, list[str]]]:
     """The measurements in order of value, as (kind, model, configs): configs "resident", a budget in GiB ("8GB") or
     "policy-<name>"; one model build per entry. Flux-dev and SDXL at 16 / 8 GiB and resident come first (the first
     command's share)."""
@@ -98,6 +102,7 @@ def plan(models: list[str], budgets: list[float], policies: list[str]) -> list[t
     steps += [("lora", m, ["resident", *map(_config, first)]) for m in head]
     steps += [("lora", m, list(map(_config, rest))) for m in head if rest]
     steps += [("native", m, ["offload_off", "offload_on"]) for m in NATIVE_MODELS if m in models]
+    steps += [("full", m, [f"full-{card:g}GB" for card in full_cards]) for m in FULL_MODELS if m in models and full_cards]
     steps += [("lora", m, ["resident", *map(_config, budgets)]) for m in models if m not in head]
     steps += [("lora", m, [f"policy-{p}" for p in policies]) for m in POLICY_MODELS if m in models and policies]
     return steps
@@ -289,10 +294,8 @@ class Budget:
 def lora_run(patcher, name: str, config: str, args) -> dict:
     """Offload Policy -> Memory Plan -> Init -> Steps (warm-up, then the timed steps) -> Validate (loss only)."""
     from headroom.nodes import memory as M, train_lora as T
-    from headroom.training.memory.oom import is_out_of_memory
     from headroom.training.memory.policy import OffloadPolicy
 
-    device = torch.device(patcher.load_device)
     width, height, frames = shape(name, args.dry_run)
     tokens = text_tokens(name, args.dry_run)
     latent_cache, text_cache = caches(patcher, width, height, frames, tokens)
@@ -310,10 +313,47 @@ def lora_run(patcher, name: str, config: str, args) -> dict:
     phases = {p["phase"]: p["total_bytes"] for p in plan["phases"]}
     record.update(plan_seconds=time.perf_counter() - started, policy=chosen.describe(), policy_fields=chosen.to_dict(),
                   plan_fits=plan["fits"], plan_reason=plan["reason"],
-                  planner_train_bytes=phases.get("training step"), planner_validation_bytes=phases.get("validation"))
+                  planner_train_bytes=phases.get("training step"), planner_validation_bytes=phases.get("validation"),
+                  base_device_bytes=plan.get("base_device_bytes"),
+                  validation_base_device_bytes=plan.get("validation_base_device_bytes"))
     free_device()
     lora = T.HeadroomLoraConfig.execute("lora", 16, 16.0, "preset", False, 0.0, 0).args[0]
     optimizer = T.HeadroomOptimizerConfig.execute("AdamW", 1e-4, 0.0, "constant", 0, 1000).args[0]
+    return train_and_measure(patcher, name, config, args, record, chosen, lora, optimizer, latent_cache, text_cache)
+
+
+def full_run(patcher, name: str, config: str, args) -> dict:
+    """A full fine-tune ("full-24GB"): LoRA Config kind full on every Linear in the blocks with the bf16 difference,
+    Adafactor, the Offload Policy's fused backward and its card set to that size (the Init node's planner picks
+    placement, checkpointing and optimizer state), the card emulated on the large one; Init -> Steps -> Validate."""
+    from headroom.nodes import memory as M, train_lora as T
+    from headroom.training.memory.policy import OffloadPolicy
+
+    width, height, frames = shape(name, args.dry_run)
+    tokens = text_tokens(name, args.dry_run)
+    latent_cache, text_cache = caches(patcher, width, height, frames, tokens)
+    card = float(config.removeprefix("full-").removesuffix("GB"))
+    inputs = {field: default for field, _, default in OffloadPolicy.node_inputs()}
+    inputs.update(card=f"{card:g} GB", fused_backward=True)
+    policy = M.HeadroomOffloadPolicy.execute(**inputs).args[0]
+    record = {"width": width, "height": height, "frames": frames, "text_tokens": tokens, "budget_gb": card,
+              "work": "full fine-tune: every Linear in the blocks, bf16 difference, fused backward, Adafactor"}
+    lora = T.HeadroomLoraConfig.execute("full", 16, 16.0, "all_linear", False, 0.0, 0,
+                                        full_precision="bf16_stochastic").args[0]
+    optimizer = T.HeadroomOptimizerConfig.execute("Adafactor", 1e-6, 0.0, "constant", 0, 1000).args[0]
+    return train_and_measure(patcher, name, config, args, record, policy, lora, optimizer, latent_cache, text_cache)
+
+
+def train_and_measure(patcher, name: str, config: str, args, record: dict, policy, lora, optimizer, latent_cache,
+                      text_cache) -> dict:
+    """Init -> Steps (warm-up, then the timed steps) -> Validate (loss only), under the record's budget; the run's
+    own plan where no Memory Plan node gave one (a card's fit: the Init node plans)."""
+    from headroom.nodes import train_lora as T
+    from headroom.nodes.bridge.planning import run_plan
+    from headroom.training.memory.oom import is_out_of_memory
+
+    device = torch.device(patcher.load_device)
+    width, height, budget = record["width"], record["height"], record["budget_gb"]
     run = None
     try:
         with Budget(budget, device), torch.inference_mode():  # as ComfyUI runs nodes
@@ -322,8 +362,15 @@ def lora_run(patcher, name: str, config: str, args) -> dict:
                 optimizer_config=optimizer, run_name=f"gpukit_{name}_{config}", seed=0, batch_size=1,
                 grad_accumulation=1, precision="auto", max_grad_norm=1.0, caption_dropout=0.0,
                 timestep_sampling="uniform", loss_weighting="none", min_snr_gamma=5.0, noise_offset=0.0,
-                gradient_checkpointing=False, checkpoint_depth=1, holdout=0, policy=chosen).args[0]
+                gradient_checkpointing=False, checkpoint_depth=1, holdout=0, policy=policy).args[0]
             record["precision"] = run.trainer.config.precision
+            if "planner_train_bytes" not in record:
+                plan = run_plan(run)
+                record.update(policy=run.policy.describe(), policy_fields=run.policy.to_dict(), plan_fits=plan.fits,
+                              plan_reason=run.plan_note, planner_train_bytes=plan.phase("training step").total,
+                              planner_validation_bytes=plan.phase("validation").total,
+                              base_device_bytes=plan.base_device_bytes,
+                              validation_base_device_bytes=plan.validation_base_device_bytes)
             T.HeadroomTrainSteps.execute(run, args.warmup)  # loads the model, kernels, allocator, optimizer state
             T.HeadroomTrainSteps.execute(run, args.warmup + args.steps)
             training = [p for p in run.record.memory.phases if p["phase"] == "training"][-1]
@@ -339,8 +386,8 @@ def lora_run(patcher, name: str, config: str, args) -> dict:
                       validation_peak_reserved=validation.get("peak_reserved_bytes"),
                       loss=float(run.trainer.last_loss), validation_seconds=own,
                       validation_seconds_training_placement=on_training,
-                      validation_base_bytes=plan.get("validation_base_device_bytes"),
-                      training_base_bytes=plan.get("base_device_bytes"))
+                      validation_base_bytes=record.get("validation_base_device_bytes"),
+                      training_base_bytes=record.get("base_device_bytes"))
     except Exception as error:  # an out-of-memory error is a result; anything else too, with its traceback
         record.update(status="oom" if is_out_of_memory(error) or "out of memory" in str(error).lower() else "failed",
                       error=_short(error), traceback=traceback.format_exc()[-3000:])
@@ -510,6 +557,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--minutes", type=float, default=8.0, help="start no measurement that would end after this many minutes (guessed: as long as the longest "
                         "so far)")
     parser.add_argument("--no-native", action="store_true", help="leave ComfyUI's TrainLoraNode out")
+    parser.add_argument("--full-cards", default=",".join(map(str, FULL_CARDS)),
+                        help=f"comma list of cards in GiB the full fine-tunes of {', '.join(FULL_MODELS)} are fitted "
+                        "to (none: leave them out)")
     parser.add_argument("--no-cuda-tests", action="store_true", help="leave the CUDA-marked tests out")
     parser.add_argument("--page", type=Path, help="write the GPU section into this Markdown file (its own section only)")
     parser.add_argument("--png", type=Path, help="draw the peak-VRAM picture here")
@@ -539,7 +589,8 @@ def main(argv: list[str] | None = None) -> int:
     for lost in results.crashed():
         results.add({"type": "measurement", "id": lost, "status": "crashed",
                      "error": "the process ended inside this measurement (time limit or crash); not retried"})
-    steps = plan(models, budgets, policies)
+    full_cards = tuple(float(c) for c in args.full_cards.split(",") if c.strip() and c.strip() != "none")
+    steps = plan(models, budgets, policies, full_cards)
     if args.no_cuda_tests:
         steps = [s for s in steps if s[0] != "cuda_tests"]
     if args.no_native:
@@ -573,7 +624,7 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     if patcher is None:
                         patcher = build_model(name, args.dry_run)
-                    record = (lora_run if kind == "lora" else native_run)(patcher, name, config, args)
+                    record = {"lora": lora_run, "full": full_run, "native": native_run}[kind](patcher, name, config, args)
             except Exception as error:  # the model did not build, say: recorded, the kit goes on
                 record = {"status": "failed", "error": _short(error), "traceback": traceback.format_exc()[-3000:]}
                 if cuda_context_lost(error):

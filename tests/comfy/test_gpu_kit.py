@@ -89,3 +89,19 @@ def test_dry_run_measures_resumes_and_writes_the_page(comfyui, tmp_path):
     assert "Left for the next command (time guard): none" in text
     with Image.open(png) as image:
         assert image.format == "PNG" and image.size == (1200, 560)
+
+
+def test_dry_run_measures_a_full_fine_tune_fitted_to_a_card(comfyui, tmp_path):
+    """The kit's full fine-tune (issue 27): kind full with the bf16 difference, fused backward and Adafactor, the Init
+    node's planner fitting it to a card; the row on the page."""
+    results, page = tmp_path / "results", tmp_path / "BENCHMARKS.md"
+    suite(results, "--models", "flux_dev", "--budgets", "8", "--no-native", "--no-cuda-tests", "--policies", "none",
+          "--full-cards", "24", "--page", str(page))
+    by_id = {r["id"]: r for r in measurements(results)}
+    assert list(by_id) == ["lora/flux_dev/resident", "lora/flux_dev/8GB", "full/flux_dev/full-24GB"]
+    run = by_id["full/flux_dev/full-24GB"]
+    assert run["status"] == "ok", run.get("traceback")
+    assert run["policy_fields"]["fused_backward"] and run["policy_fields"]["vram_budget_gb"] == 23.0  # 24 GB - reserve
+    assert run["plan_reason"].startswith("HeadroomTrainLoraInit: 24 GB:")
+    assert run["planner_train_bytes"] > 0 and run["s_per_step"] > 0 and run["budget_gb"] == 24
+    assert "| Flux.1-dev | 24GB |" in page.read_text().split("Full fine-tunes")[1]
