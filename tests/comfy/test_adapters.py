@@ -106,6 +106,38 @@ def test_full_kind_trains_the_weights_as_the_runs_own_difference():
     assert spec.param_count == adapters.parameter_count() and spec.param_bytes() == 4 * spec.param_count
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layer", ["linear", "conv"])
+def test_full_kinds_product_has_torchs_gradients_and_keeps_no_cast_copy(layer, dtype):
+    """The difference's product (adapters._CastDifference) gives torch's own gradients for the input, the difference
+    and its bias (a strided, dilated, grouped conv; a linear on [B, T, C]), and what it keeps for backward is the input
+    and the difference itself: no copy cast to the compute dtype (torch's linear / conv would keep one)."""
+    from headroom.training.core.adapters import _CastDifference
+
+    torch.manual_seed(0)
+    if layer == "linear":
+        x, weight, bias, conv = torch.randn(2, 5, 12), torch.randn(7, 12), torch.randn(7), None
+        reference = lambda x, w, b: torch.nn.functional.linear(x, w, b)  # noqa: E731
+    else:
+        x, weight, bias, conv = torch.randn(2, 4, 9, 9), torch.randn(6, 2, 3, 3), torch.randn(6), (2, 1, 2, 2)
+        reference = lambda x, w, b: torch.nn.functional.conv2d(x, w, b, *conv)  # noqa: E731
+    weight, bias = weight.to(dtype), bias.to(dtype)
+    ours = [t.clone().requires_grad_(True) for t in (x, weight, bias)]
+    theirs = [t.clone().requires_grad_(True) for t in (x, weight, bias)]
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = _CastDifference.apply(ours[0], ours[1], ours[2], conv)
+    expected = reference(theirs[0], theirs[1].float(), theirs[2].float())
+    torch.testing.assert_close(out, expected)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    expected.backward(grad)
+    for a, b in zip(ours, theirs):
+        assert a.grad.dtype == a.dtype
+        torch.testing.assert_close(a.grad, b.grad, **({"rtol": 1e-2, "atol": 1e-2} if a.dtype == torch.bfloat16 else {}))
+    assert len(saved) == 2 and saved[0] is ours[0] and saved[1] is ours[1]
+
+
 def test_bad_adapter_settings():
     with pytest.raises(ValueError, match="rank=0 must be a positive integer"):
         AdapterConfig(rank=0).validate()

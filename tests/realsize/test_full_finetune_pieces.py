@@ -117,3 +117,4 @@ def test_full_finetune_at_flux_width_goes_from_the_stock_loader_to_the_stock_loa
     assert report["lean_trained_tensors"] == report["lean_tensors"] > 0
     assert lean_measured < measured
     assert 0.85 <= lean_ratio <= 1.15, report
+

@@ -23,7 +23,7 @@ MIB = 2 ** 20
 
 @pytest.mark.parametrize("name", ["AdamW", "AdamW8bit", "Lion8bit", "Adafactor", "CAME", "Prodigy"])
 def test_optimizer_state_model_matches_the_libraries(name):
-    shapes = [(16, 3072), (3072, 16), (16, 100), (300,)]
+    shapes = [(16, 3072), (3072, 16), (16, 100), (300,), (64, 32, 3, 3)]  # a conv weight: factored over its last dims
     params = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
     optimizer = create_optimizer(params, OptimizerConfig(name=name, lr=1.0 if name == "Prodigy" else 1e-3), device="cpu")
     for p in params:
@@ -555,3 +555,4 @@ def test_full_finetune_options_cost_what_they_keep():
     assert host.host_bytes == {"optimizer state (AdamW)": 8 * n}  # no master weights: the device tensor is the weight
     assert host.host_added["training step"] == {"optimizer state (AdamW)": 8 * n,
                                                 "one tensor's fp32 copy + gradient in its step": 8 * largest}
+

@@ -244,14 +244,53 @@ class FullLayer(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         y = self.base_layer(x, *args, **kwargs)
-        weight = self.full_weight.to(x.dtype)
-        bias = None if self.full_bias is None else self.full_bias.to(x.dtype)
         base = self.base_layer
-        if isinstance(base, torch.nn.Conv2d):
-            delta = torch.nn.functional.conv2d(x, weight, bias, base.stride, base.padding, base.dilation, base.groups)
+        conv = (base.stride, base.padding, base.dilation, base.groups) if isinstance(base, torch.nn.Conv2d) else None
+        return y + _CastDifference.apply(x, self.full_weight, self.full_bias, conv).to(y.dtype)
+
+
+class _CastDifference(torch.autograd.Function):
+    """The difference's product with the layer input (F.linear, or F.conv2d with `conv` = (stride, padding, dilation,
+    groups)), the difference cast to the input's dtype for the product only.
+
+    Written by hand because torch's own linear / conv keep the cast copy they multiply with until backward: with the
+    difference in fp32 under bf16 compute (or bf16 under a CPU's fp32) that is a copy of every trained weight in
+    the compute dtype, held for the whole forward without checkpointing. Here backward casts the difference again.
+    Gradients: the product's, in the difference's dtype (tests/comfy/test_adapters.py checks them against torch's)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, conv):
+        ctx.save_for_backward(x, weight)
+        ctx.conv, ctx.bias_dtype = conv, None if bias is None else bias.dtype
+        cast = weight.to(x.dtype)
+        cast_bias = None if bias is None else bias.to(x.dtype)
+        if conv is None:
+            return torch.nn.functional.linear(x, cast, cast_bias)
+        return torch.nn.functional.conv2d(x, cast, cast_bias, *conv)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        x = x.to(grad.dtype)
+        cast = weight.to(grad.dtype)
+        grad_x = grad_weight = grad_bias = None
+        if ctx.conv is None:
+            rows = grad.reshape(-1, grad.shape[-1])
+            if ctx.needs_input_grad[0]:
+                grad_x = grad @ cast
+            if ctx.needs_input_grad[1]:
+                grad_weight = rows.t() @ x.reshape(-1, x.shape[-1])
+            if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+                grad_bias = rows.sum(0)
         else:
-            delta = torch.nn.functional.linear(x, weight, bias)
-        return y + delta.to(y.dtype)
+            if ctx.needs_input_grad[0]:
+                grad_x = torch.nn.grad.conv2d_input(x.shape, cast, grad, *ctx.conv)
+            if ctx.needs_input_grad[1]:
+                grad_weight = torch.nn.grad.conv2d_weight(x, cast.shape, grad, *ctx.conv)
+            if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+                grad_bias = grad.sum((0, 2, 3))
+        return (grad_x, None if grad_weight is None else grad_weight.to(weight.dtype),
+                None if grad_bias is None else grad_bias.to(ctx.bias_dtype), None)
 
 
 def _float32(value: float) -> float:

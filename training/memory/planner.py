@@ -139,7 +139,9 @@ def _optimizer_state_bytes(optimizer: str, shape: tuple[int, ...]) -> int:
     """Bytes of optimizer state for one fp32 parameter tensor of `shape` (checked against the libraries)."""
     numel = math.prod(shape)
     factored = len(shape) >= 2
-    rows, cols = (math.prod(shape[:-1]), shape[-1]) if factored else (numel, 0)
+    # Factored second moments (Adafactor, CAME) keep the mean over the last dim and over the second-to-last, i.e.
+    # shape[:-1] and shape[:-2] + shape[-1:]: for a conv weight [out, in, kh, kw] that is most of the weight's size.
+    rows, cols = (math.prod(shape[:-1]), math.prod(shape[:-2]) * shape[-1]) if factored else (numel, 0)
     if optimizer == "AdamW":
         return 8 * numel
     if optimizer in ("AdamW8bit", "PagedAdamW8bit"):
