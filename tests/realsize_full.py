@@ -41,6 +41,17 @@ def file_digest(path: pathlib.Path) -> str:
     return hasher.hexdigest()
 
 
+def init_run(model, latents, texts, config, optimizer, run_name: str, policy=None):
+    """HeadroomTrainLoraInit with this file's settings: batch 1, precision auto, gradient checkpointing."""
+    from headroom.nodes import train_lora as T
+
+    return T.HeadroomTrainLoraInit.execute(
+        model=model, latent_cache=latents, text_cache=texts, lora_config=config, optimizer_config=optimizer,
+        run_name=run_name, seed=0, batch_size=1, grad_accumulation=1, precision="auto", max_grad_norm=1.0,
+        caption_dropout=0.0, timestep_sampling="uniform", loss_weighting="none", min_snr_gamma=5.0, noise_offset=0.0,
+        gradient_checkpointing=True, checkpoint_depth=1, holdout=0, policy=policy).args[0]
+
+
 def run(size: int = 64) -> dict:
     import comfy.model_management as mm
     import folder_paths
@@ -97,12 +108,7 @@ def run(size: int = 64) -> dict:
         optimizer = T.HeadroomOptimizerConfig.execute("AdamW", 1e-5, 0.0, "constant", 0, 100).args[0]
         report["baseline_rss_bytes"] = W.rss()
         with W.Peak() as peak:
-            run = T.HeadroomTrainLoraInit.execute(
-                model=model, latent_cache=latents, text_cache=texts, lora_config=config, optimizer_config=optimizer,
-                run_name="realsize_full", seed=0, batch_size=1, grad_accumulation=1, precision="auto",
-                max_grad_norm=1.0, caption_dropout=0.0, timestep_sampling="uniform", loss_weighting="none",
-                min_snr_gamma=5.0, noise_offset=0.0, gradient_checkpointing=True, checkpoint_depth=1,
-                holdout=0).args[0]
+            run = init_run(model, latents, texts, config, optimizer, "realsize_full")
         report["phases"].append(peak.record("init (HeadroomTrainLoraInit)"))
         with W.Peak() as peak:
             loss = T.HeadroomTrainSteps.execute(run, 1).args[1]
@@ -124,12 +130,8 @@ def run(size: int = 64) -> dict:
                                                    full_precision="bf16_stochastic").args[0]
         report["lean_baseline_rss_bytes"] = W.rss()
         with W.Peak() as peak:
-            lean = T.HeadroomTrainLoraInit.execute(
-                model=model, latent_cache=latents, text_cache=texts, lora_config=lean_config,
-                optimizer_config=optimizer, run_name="realsize_full_lean", seed=0, batch_size=1, grad_accumulation=1,
-                precision="auto", max_grad_norm=1.0, caption_dropout=0.0, timestep_sampling="uniform",
-                loss_weighting="none", min_snr_gamma=5.0, noise_offset=0.0, gradient_checkpointing=True,
-                checkpoint_depth=1, holdout=0, policy=OffloadPolicy(fused_backward=True)).args[0]
+            lean = init_run(model, latents, texts, lean_config, optimizer, "realsize_full_lean",
+                            OffloadPolicy(fused_backward=True))
             T.HeadroomTrainSteps.execute(lean, 1)
         report["phases"].append(peak.record("fused backward + bf16 difference: init + first step"))
         # The second step holds what every later one does: the optimizer state made during the first step's backward
@@ -227,12 +229,7 @@ def run_lean(arch: str, size: int = 64) -> dict:
         policy = OffloadPolicy(fused_backward=True)
         report["baseline_rss_bytes"] = W.rss()
         with W.Peak() as peak:
-            run = T.HeadroomTrainLoraInit.execute(
-                model=model, latent_cache=latents, text_cache=texts, lora_config=config, optimizer_config=optimizer,
-                run_name=f"realsize_full_lean_{arch}", seed=0, batch_size=1, grad_accumulation=1, precision="auto",
-                max_grad_norm=1.0, caption_dropout=0.0, timestep_sampling="uniform", loss_weighting="none",
-                min_snr_gamma=5.0, noise_offset=0.0, gradient_checkpointing=True, checkpoint_depth=1, holdout=0,
-                policy=policy).args[0]
+            run = init_run(model, latents, texts, config, optimizer, f"realsize_full_lean_{arch}", policy)
             T.HeadroomTrainSteps.execute(run, 1)
         report["phases"].append(peak.record("init + first step"))
         with W.Peak() as peak:
