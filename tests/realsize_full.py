@@ -52,6 +52,31 @@ def init_run(model, latents, texts, config, optimizer, run_name: str, policy=Non
         gradient_checkpointing=True, checkpoint_depth=1, holdout=0, policy=policy).args[0]
 
 
+def train_two_steps(model, latents, texts, config, optimizer, run_name: str, policy, report: dict, phase: str = ""
+                    ) -> dict:
+    """Init + one step, then a second step, each phase's peak in report["phases"] (named after `phase`); the second
+    step holds what every later one does (fused backward makes each tensor's optimizer state as its gradient arrives,
+    so the first step never holds all of it beside the activations). Returns the run's figures; the run is released."""
+    from headroom.nodes import train_lora as T
+
+    with W.Peak() as peak:
+        run = init_run(model, latents, texts, config, optimizer, run_name, policy)
+        T.HeadroomTrainSteps.execute(run, 1)
+    report["phases"].append(peak.record(f"{phase}init + first step"))
+    with W.Peak() as peak:
+        loss = float(T.HeadroomTrainSteps.execute(run, 2).args[1])
+    report["phases"].append(peak.record(f"{phase}second step"))
+    params = list(run.adapters.parameters())
+    figures = {"loss": loss, "s_per_step": peak.seconds, "dtypes": sorted({str(p.dtype) for p in params}),
+               "trained_params": run.adapters.parameter_count(), "tensors": len(params),
+               "trained_tensors": sum(int(bool(torch.any(p != 0))) for p in params),
+               "most_gradients_alive": run.trainer.optimizer.most_gradients_alive}
+    run.release()
+    del run
+    gc.collect()
+    return figures
+
+
 def run(size: int = 64) -> dict:
     import comfy.model_management as mm
     import folder_paths
@@ -129,25 +154,9 @@ def run(size: int = 64) -> dict:
         lean_config = T.HeadroomLoraConfig.execute("full", 16, 16.0, "all_linear", False, 0.0, 0,
                                                    full_precision="bf16_stochastic").args[0]
         report["lean_baseline_rss_bytes"] = W.rss()
-        with W.Peak() as peak:
-            lean = init_run(model, latents, texts, lean_config, optimizer, "realsize_full_lean",
-                            OffloadPolicy(fused_backward=True))
-            T.HeadroomTrainSteps.execute(lean, 1)
-        report["phases"].append(peak.record("fused backward + bf16 difference: init + first step"))
-        # The second step holds what every later one does: the optimizer state made during the first step's backward
-        # (fused backward makes each tensor's state as its gradient arrives, so the first step never holds all of it
-        # beside the activations).
-        with W.Peak() as peak:
-            report["lean_loss"] = float(T.HeadroomTrainSteps.execute(lean, 2).args[1])
-        report["phases"].append(peak.record("fused backward + bf16 difference: second step"))
-        report["lean_seconds"] = peak.seconds
-        report["lean_dtypes"] = sorted({str(p.dtype) for p in lean.adapters.parameters()})
-        report["lean_trained_tensors"] = sum(int(bool(torch.any(p != 0))) for p in lean.adapters.parameters())
-        report["lean_tensors"] = len(list(lean.adapters.parameters()))
-        report["lean_most_gradients_alive"] = lean.trainer.optimizer.most_gradients_alive
-        lean.release()
-        del lean
-        gc.collect()
+        lean = train_two_steps(model, latents, texts, lean_config, optimizer, "realsize_full_lean",
+                               OffloadPolicy(fused_backward=True), report, "fused backward + bf16 difference: ")
+        report.update({f"lean_{name}": value for name, value in lean.items()})
         with W.Peak() as peak:
             patched = nodes.LoraLoaderModelOnly().load_lora_model_only(model, name, 1.0)[0]
             report["patched_weights"] = len(patched.patches)
@@ -228,22 +237,8 @@ def run_lean(arch: str, size: int = 64) -> dict:
         optimizer = T.HeadroomOptimizerConfig.execute("Adafactor", 1e-6, 0.0, "constant", 0, 100).args[0]
         policy = OffloadPolicy(fused_backward=True)
         report["baseline_rss_bytes"] = W.rss()
-        with W.Peak() as peak:
-            run = init_run(model, latents, texts, config, optimizer, f"realsize_full_lean_{arch}", policy)
-            T.HeadroomTrainSteps.execute(run, 1)
-        report["phases"].append(peak.record("init + first step"))
-        with W.Peak() as peak:
-            report["loss"] = float(T.HeadroomTrainSteps.execute(run, 2).args[1])
-        report["phases"].append(peak.record("second step"))
-        report["s_per_step"] = peak.seconds
-        report["dtypes"] = sorted({str(p.dtype) for p in run.adapters.parameters()})
-        report["trained_params"] = run.adapters.parameter_count()
-        report["trained_tensors"] = sum(int(bool(torch.any(p != 0))) for p in run.adapters.parameters())
-        report["tensors"] = len(list(run.adapters.parameters()))
-        report["most_gradients_alive"] = run.trainer.optimizer.most_gradients_alive
-        run.release()
-        del run
-        gc.collect()
+        report.update(train_two_steps(model, latents, texts, config, optimizer, f"realsize_full_lean_{arch}", policy,
+                                      report))
     tokens = int(texts.conditioning(latents.text_key(0))["cross_attn"].shape[0])
     description = describe_comfy_model(model, config, "fp32", tokens)
     trainable = lora_trainable(model, config, "Adafactor")

@@ -13,7 +13,7 @@ import torch
 
 import comfy.model_management
 
-from ...training.memory import host_ram, optimizer_parking, planner
+from ...training.memory import host_ram, planner
 from ...training.core.adapters import AdapterConfig, AdapterSet
 from ...training.memory.policy import OffloadPolicy, PolicyError
 from ...training.core.trainer import PRECISIONS, auto_precision
@@ -247,10 +247,7 @@ def check_host_ram(policy: OffloadPolicy, trainable: planner.TrainableSpec, node
     room = host_ram.host_room(policy.host_ram_budget_gb)
     if room is None:
         return
-    parking = optimizer_parking.optimizer_cost(policy.optimizer_state, policy.park_optimizer_during_validation,
-                                               trainable.optimizer, trainable.optimizer_bytes(), trainable.param_bytes(),
-                                               0 if policy.fused_backward else trainable.weight_bytes(),
-                                               trainable.dtype_name, policy.fused_backward)
+    parking = planner.optimizer_placement_cost(policy, trainable)
     added = host_ram.peak_added(host_ram.added_by_phase([parking], trainable.ema, trainable.param_bytes()))
     if not room.fits(added):
         raise ValueError(f"{node}: {room.describe(added)}; {host_ram.advice(room, added)}")

@@ -112,7 +112,7 @@ def test_full_finetune_at_flux_width_goes_from_the_stock_loader_to_the_stock_loa
     lean_ratio = report["lean_planned_training_bytes"] / lean_measured
     print(f"fused backward + bf16 difference: training step {lean_measured / GIB:.2f} GiB measured, "
           f"{report['lean_planned_training_bytes'] / GIB:.2f} GiB planned ({lean_ratio:.3f}x), "
-          f"{report['lean_seconds']:.0f} s (the second step), loss {report['lean_loss']:.4f}")
+          f"{report['lean_s_per_step']:.0f} s (the second step), loss {report['lean_loss']:.4f}")
     assert report["lean_dtypes"] == ["torch.bfloat16"] and report["lean_most_gradients_alive"] == 1
     assert report["lean_trained_tensors"] == report["lean_tensors"] > 0
     assert lean_measured < measured

@@ -70,3 +70,34 @@ def test_bad_optimizer_settings_are_named():
         OptimizerConfig(lr=-1).validate()
     with pytest.raises(ValueError, match="unknown LR schedule 'step'"):
         OptimizerConfig(schedule="step").validate()
+
+
+def test_bitsandbytes_kernels_are_probed_once_per_optimizer_and_device(monkeypatch):
+    """Fused backward makes one optimizer per trained tensor: the probe step that finds out whether this bitsandbytes
+    build has 8-bit kernels for the device runs once; a probe that fails says so every time."""
+    import bitsandbytes as bnb
+
+    from headroom.training.core import optimizers
+
+    made = []
+
+    class Counted(bnb.optim.AdamW8bit):
+        def __init__(self, params, **kwargs):
+            made.append(1)
+            super().__init__(params, **kwargs)
+
+    class NoKernels(bnb.optim.AdamW8bit):
+        def step(self, closure=None):
+            raise RuntimeError("no 8-bit kernel for this device")
+
+    monkeypatch.setattr(optimizers, "_KERNELS_FOUND", set())
+    monkeypatch.setattr(bnb.optim, "AdamW8bit", Counted)
+    config = OptimizerConfig(name="AdamW8bit")
+    for _ in range(3):
+        create_optimizer([torch.nn.Parameter(torch.zeros(8, 8))], config, device="cpu")
+    assert len(made) == 3 + 1  # three optimizers, one probe
+    monkeypatch.setattr(optimizers, "_KERNELS_FOUND", set())
+    monkeypatch.setattr(bnb.optim, "AdamW8bit", NoKernels)
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="cannot run on cpu: no 8-bit kernel"):
+            create_optimizer([torch.nn.Parameter(torch.zeros(8, 8))], config, device="cpu")

@@ -105,6 +105,8 @@ def _bitsandbytes_optimizer(params, config: OptimizerConfig, device: torch.devic
         kwargs["eps"] = config.eps
     optimizer = cls(params, **kwargs)
     probe_device = torch.device(device) if device is not None else (params[0].device if params else torch.device("cpu"))
+    if (config.name, str(probe_device)) in _KERNELS_FOUND:  # fused backward makes one optimizer per tensor
+        return optimizer
     try:
         # One step on a zero gradient finds out now, not mid-run, whether this bitsandbytes build has
         # 8-bit kernels for the parameters' device (older builds have none for the CPU).
@@ -116,7 +118,11 @@ def _bitsandbytes_optimizer(params, config: OptimizerConfig, device: torch.devic
             f"optimizer {config.name} (bitsandbytes {getattr(bnb, '__version__', '?')}) cannot run on "
             f"{probe_device.type}: {error}. Use AdamW, Adafactor, CAME or Prodigy on this device."
         ) from error
+    _KERNELS_FOUND.add((config.name, str(probe_device)))
     return optimizer
+
+
+_KERNELS_FOUND: set[tuple[str, str]] = set()  # (bitsandbytes optimizer, device) whose probe step ran
 
 
 def create_scheduler(optimizer, config: OptimizerConfig):

@@ -219,6 +219,15 @@ class TrainableSpec:
         return cls(tuple(shapes), optimizer, element_size=element_size)
 
 
+def optimizer_placement_cost(policy: OffloadPolicy, trainable: TrainableSpec) -> FeatureCost:
+    """Where the policy keeps the optimizer state and the gradients kept between steps (none with fused backward:
+    each is freed inside backward, so none to park either): optimizer_parking.optimizer_cost for this run."""
+    return optimizer_parking.optimizer_cost(
+        policy.optimizer_state, policy.park_optimizer_during_validation, trainable.optimizer, trainable.optimizer_bytes(),
+        trainable.param_bytes(), 0 if policy.fused_backward else trainable.weight_bytes(), trainable.dtype_name,
+        policy.fused_backward)
+
+
 # --- estimates ----------------------------------------------------------------------------------------------
 @dataclasses.dataclass
 class PhaseEstimate:
@@ -385,11 +394,7 @@ def estimate(description: ModelDescription, trainable: TrainableSpec, shape: Run
     outside = description.outside_saved.at(area, tokens) * batch
 
     # Each memory feature says what it costs (its module's cost function); they are added up here.
-    # Gradients between steps: none with fused backward (each is freed inside backward), so none to park either.
-    kept_gradients = 0 if policy.fused_backward else trainable.weight_bytes()
-    parking = optimizer_parking.optimizer_cost(policy.optimizer_state, policy.park_optimizer_during_validation,
-                                               trainable.optimizer, trainable.optimizer_bytes(), trainable.param_bytes(),
-                                               kept_gradients, trainable.dtype_name, policy.fused_backward)
+    parking = optimizer_placement_cost(policy, trainable)
     block_activations = [feature(policy.checkpointing, saved, copies, inputs)
                          for feature in (checkpointing.activation_cost, activation_offload.activation_cost)]
     in_flight = lowbit.weight_in_flight(storage, description.weight_copy_in_flight_bytes,
