@@ -19,12 +19,13 @@ from ..training.core.adapters import FULL_PRECISIONS, KINDS, TARGET_MODES, Adapt
 from ..training.checks import check_finite
 from ..training.core.optimizers import OPTIMIZERS, SCHEDULES, MissingPackageError, OptimizerConfig, check_available
 from ..training.core.run_dir import RunFolderError, check_name, check_subfolder
+from ..training.memory import sharded_optimizer
 from .bridge import lora_formats
 from .bridge.comfy_bridge import TrainingRun, check_run_kind, node_id, node_name, send_node_text
 from .bridge.comfy_model import check_caches, check_reference_cache, model_family
 from .bridge.model_files import runs_root, save_extracted_lora, save_lora
 from .bridge.planning import check_host_ram, lora_trainable, plan_for_card
-from .bridge.rank_workers import open_on_devices
+from .bridge.rank_workers import open_on_devices, parse_devices
 from .bridge.run_lora import REFERENCES, SAVE_DTYPES, LoraRunConfig, open_lora_run
 from .bridge.run_settings import effective_batch, resolve_policy, run_fingerprint, train_config
 from .bridge.validation import validate
@@ -214,8 +215,10 @@ def start_lora_run(model, latent_cache, text_cache, lora_config, optimizer_confi
                                    noise_range=(noise_min, noise_max))
         check_caches(model.model, latent_cache, text_cache)
         train, batch_note = effective_batch(train, latent_cache, holdout, run_name, node)
+        # A full fine-tune on several devices shards its optimizer state (training/memory/sharded_optimizer.py).
+        shares_state = lora_config.kind == "full" and optimizer_config.name in sharded_optimizer.SHARDABLE
         trainable = dataclasses.replace(lora_trainable(model, lora_config, optimizer_config.name),
-                                        ema=train.ema_decay > 0)
+                                        ema=train.ema_decay > 0, state_ranks=parse_devices(devices) if shares_state else 1)
         policy, plan_note = resolve_policy(policy, gradient_checkpointing, checkpoint_depth, node=node, plan_card=(
             lambda card: plan_for_card(model, latent_cache, text_cache, card, trainable, train.batch_size,
                                        train.precision, node, lora_config)))

@@ -3,7 +3,8 @@
     python distributed_worker.py RANK WORLD_SIZE PORT JOB_JSON
 
 JOB_JSON: {"run_root", "run_name", "steps", "checkpoint_every", "batch_size", "grad_accum", "rank_batch",
-"timeout_s", "step_log", "step_seconds", "corrupt_rank", "corrupt_after", "out"}. The rank joins a gloo group on 127.0.0.1:PORT (world size 1: no group, the
+"timeout_s", "step_log", "step_seconds", "corrupt_rank", "corrupt_after", "out", "kind", "optimizer"}: kind "full" trains
+the toy's linear layers whole (with several ranks: its optimizer state sharded), `optimizer` one of OPTIMIZERS. The rank joins a gloo group on 127.0.0.1:PORT (world size 1: no group, the
 plain path), builds the toy denoiser + LoRA of tests/unit/test_trainer.py on two buckets of toy latents, resumes
 the run folder when it holds a checkpoint, trains to `steps` and saves (rank 0 writes). It appends "step N" lines
 to `step_log` (flushed) and writes its adapter weights to `out` (a .pt per rank, written by torch.save).
@@ -41,7 +42,7 @@ def toy_run(job: dict):
     cache = MemoryLatentCache(latents, [f"k{i}" for i in range(11)], {(32, 32): list(range(5)), (32, 48): list(range(5, 11))})
     texts = MemoryTextCache(conds, {"cross_attn": torch.zeros(3, 8)})
     denoiser = ToyDenoiser(ToyNet())
-    adapter = AdapterConfig(rank=4, alpha=4, targets="all_linear")
+    adapter = AdapterConfig(rank=4, alpha=4, targets="all_linear", kind=job.get("kind", "lora"))
     adapters = AdapterSet(denoiser.net, select_targets(denoiser.net, None, adapter, [n for n, _ in denoiser.blocks()]),
                           adapter)
     adapters.attach(denoiser.net)
@@ -49,7 +50,8 @@ def toy_run(job: dict):
                          caption_dropout=0.3, objective=ObjectiveConfig(timestep_sampling="logit_normal",
                                                                          noise_offset=0.05))
     run_dir = RunDir(job["run_root"], job["run_name"]) if job.get("run_root") else None
-    optimizer = OptimizerConfig(lr=1e-2, schedule="cosine", warmup_steps=2, total_steps=20)
+    optimizer = OptimizerConfig(name=job.get("optimizer", "AdamW"), lr=1e-2, schedule="cosine", warmup_steps=2,
+                                total_steps=20)
     return Trainer(denoiser, adapters, cache, texts, config, optimizer, run_dir=run_dir)
 
 
@@ -78,7 +80,14 @@ def main(rank: int, world: int, port: int, job: dict) -> None:
     trainer.train_to(job["steps"], after_step, checkpoint_every=job.get("checkpoint_every", 0))
     if trainer.run_dir is not None:
         trainer.save()
-    torch.save({"adapter": trainer.trainable.state_dict(), "losses": trainer.loss_history}, f"{job['out']}.rank{rank}.pt")
+    from headroom.training.memory.sharded_optimizer import local_optimizer
+
+    # The optimizer state this rank holds (sharded: its share), per tensor (0-d counters left out).
+    state = [sum(v.nbytes for v in entries.values() if isinstance(v, torch.Tensor) and v.ndim > 0)
+             for entries in local_optimizer(trainer.optimizer).state.values()]
+    torch.save({"adapter": trainer.trainable.state_dict(), "losses": trainer.loss_history, "state_bytes": sum(state),
+                "sharded": trainer.sharded, "shapes": [tuple(p.shape) for p in trainer.params]},
+               f"{job['out']}.rank{rank}.pt")
 
 
 if __name__ == "__main__":

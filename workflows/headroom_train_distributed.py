@@ -53,6 +53,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--schedule-steps", type=int, default=1000, help="the LR schedule's length (part of the run's "
                    "configuration: keep it when continuing a run)")
     p.add_argument("--lora-rank", type=int, default=16)
+    p.add_argument("--kind", default="lora", help="the LoRA Config's kind: lora, ..., or full (a full fine-tune: each "
+                   "rank keeps the optimizer state of its share of the weights, docs/FULL_FINETUNE.md)")
+    p.add_argument("--optimizer", default="AdamW", help="the Optimizer Config's optimizer")
     p.add_argument("--targets", default="preset")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--precision", default="auto")
@@ -120,9 +123,9 @@ def open_run(options):
                                                                 False).args[0]
         latents = cache_nodes.HeadroomCacheLatents.execute(dataset, vae).args[0]
         texts = cache_nodes.HeadroomCacheText.execute(dataset, clip).args[0]
-        lora = T.HeadroomLoraConfig.execute("lora", options.lora_rank, float(options.lora_rank), options.targets,
+        lora = T.HeadroomLoraConfig.execute(options.kind, options.lora_rank, float(options.lora_rank), options.targets,
                                             False, 0.0, 0).args[0]
-        optimizer = T.HeadroomOptimizerConfig.execute("AdamW", options.lr, 0.0, "constant", 0, options.schedule_steps).args[0]
+        optimizer = T.HeadroomOptimizerConfig.execute(options.optimizer, options.lr, 0.0, "constant", 0, options.schedule_steps).args[0]
         return T.HeadroomTrainLoraInit.execute(
             model=model, latent_cache=latents, text_cache=texts, lora_config=lora, optimizer_config=optimizer,
             run_name=options.run_name, seed=options.seed, batch_size=options.batch_size,
@@ -162,7 +165,8 @@ def main(argv=None) -> int:
     if parallel is not None and rank == 0:
         parallel.barrier("wait for rank 0 to open the run")
     run.trainer.rank_batch = options.rank_batch
-    say(f"run '{options.run_name}' at step {run.step} on {device}; training to {options.steps}")
+    state = f"; optimizer state sharded over {world} ranks" if run.trainer.sharded else ""
+    say(f"run '{options.run_name}' at step {run.step} on {device}; training to {options.steps}{state}")
     first, train_started = run.step, time.perf_counter()
     with torch.inference_mode():
         _, loss, step = T.HeadroomTrainSteps.execute(run, options.steps, options.checkpoint_every,

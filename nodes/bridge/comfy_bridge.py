@@ -556,7 +556,7 @@ class TrainingRun:
         """After an error in `phase`: last completed step saved, device memory freed; an out-of-memory error is
         raised again as one that names the phase, the measured peak and the planner's next policy."""
         def save_if_needed():
-            if self.trainer.saved_step != self.step and self.trainer.params_finite() and self.run_dir.present():
+            if self.trainer.saved_step != self.step and self.trainer.can_save and self.run_dir.present():
                 self.trainer.save()
 
         if is_out_of_memory(error):

@@ -26,10 +26,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(tmp_path, ranks: int, steps: int, run_name: str = "dist") -> str:
+def _launch(tmp_path, ranks: int, steps: int, run_name: str = "dist", *extra: str) -> str:
     args = [str(LAUNCHER), "--tiny-model", "sd15", "--dataset", str(tmp_path / "data"), "--run-name", run_name,
             "--steps", str(steps), "--resolution", "32", "--bucket-step", "16", "--lr", "1e-3",
-            "--base-directory", str(tmp_path / "base"), "--comfyui", str(COMFYUI_PATH), "--timeout", "60"]
+            "--base-directory", str(tmp_path / "base"), "--comfyui", str(COMFYUI_PATH), "--timeout", "60", *extra]
     if ranks > 1:
         args = ["-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port", str(_free_port()),
                 *args]
@@ -43,7 +43,7 @@ def _final_losses(stdout: str) -> dict[int, float]:
     return {int(rank): float(loss) for rank, loss in re.findall(r"\[rank (\d+)/\d+ .*\] step \d+, loss ([^;\s]+)", stdout)}
 
 
-def test_torchrun_two_cpu_ranks_train_save_and_one_rank_continues(tmp_path):
+def _dataset(tmp_path) -> None:
     if COMFYUI_PATH is None:
         pytest.skip(COMFYUI_FOUND_BY)
     (tmp_path / "data").mkdir()
@@ -51,6 +51,10 @@ def test_torchrun_two_cpu_ranks_train_save_and_one_rank_continues(tmp_path):
     for i in range(4):
         Image.fromarray((rng.random((32, 32, 3)) * 255).astype("uint8")).save(tmp_path / "data" / f"img{i}.png")
         (tmp_path / "data" / f"img{i}.txt").write_text(f"a shape number {i}")
+
+
+def test_torchrun_two_cpu_ranks_train_save_and_one_rank_continues(tmp_path):
+    _dataset(tmp_path)
 
     two = _launch(tmp_path, ranks=2, steps=4)
     losses = _final_losses(two)
@@ -74,3 +78,13 @@ def test_torchrun_two_cpu_ranks_train_save_and_one_rank_continues(tmp_path):
     more = _launch(tmp_path, ranks=1, steps=6)  # the 2-rank run continues on one rank
     assert "run 'dist' at step 4" in more and "step 6," in more
     assert json.loads((run / "latest.json").read_text())["step"] == 6
+
+
+def test_torchrun_full_fine_tune_shards_its_optimizer_state_and_one_rank_continues(tmp_path):
+    _dataset(tmp_path)
+    two = _launch(tmp_path, 2, 2, "full", "--kind", "full", "--lr", "1e-5")
+    assert two.count("optimizer state sharded over 2 ranks") == 2, two
+    losses = _final_losses(two)
+    assert losses[0] == losses[1] and "saved headroom/full_step000002.safetensors" in two
+    more = _launch(tmp_path, 1, 3, "full", "--kind", "full", "--lr", "1e-5")  # the whole state is in the checkpoint
+    assert "run 'full' at step 2" in more and "step 3," in more and "sharded" not in more

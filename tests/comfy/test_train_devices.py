@@ -279,3 +279,44 @@ def _cancel_inside_rank_0s_forward(model, train) -> None:
     finally:
         hook.remove()
         mm.interrupt_current_processing(False)
+
+
+def test_devices_2_full_fine_tune_shards_its_optimizer_state_and_cancel_keeps_it_whole(comfyui):
+    """A full fine-tune on 2 devices: each rank keeps the optimizer state of its share of the weights
+    (training/memory/sharded_optimizer.py) and the run trains like one device; after a cancel inside rank 0's forward
+    both ranks gather the state, so the checkpoint rank 0 keeps holds all of it (a 1-device run resumes it)."""
+    from headroom.nodes import train_lora as T
+    from headroom.training.core.run_dir import RunDir
+    from headroom.training.memory.sharded_optimizer import local_optimizer
+
+    model, _, _, latents, texts = _data("sd15")
+    common = {"kind": "full", "lr": 1e-4, "batch_size": 4}
+    one = _init(model, latents, texts, "full_one_device", **common)
+    two = _init(model, latents, texts, "full_two_devices", devices="2", **common)
+    workers = two.ranks
+    assert two.trainer.sharded and not one.trainer.sharded
+    with torch.inference_mode():
+        T.HeadroomTrainSteps.execute(one, 3)
+        T.HeadroomTrainSteps.execute(two, 3)
+    assert workers.replies() == {1: ("trained", 3)}
+    _close_enough(two.adapters.state_dict(), one.adapters.state_dict())
+    held = len(local_optimizer(two.trainer.optimizer).state)
+    assert 0 < held < len(one.trainer.optimizer.state) == len(one.trainer.params)
+
+    _cancel_inside_rank_0s_forward(model, lambda: T.HeadroomTrainSteps.execute(two, 10))
+    assert two.step == 3 and workers.replies() == {1: ("stopped", 3)}
+    saved = RunDir(T.runs_root(), "full_two_devices").load_checkpoint()
+    assert saved.step == 3 and len(saved.optimizer["state"]) == len(one.trainer.params)
+    with torch.inference_mode():
+        T.HeadroomTrainSteps.execute(one, 5)
+        T.HeadroomTrainSteps.execute(two, 5)
+    assert workers.replies() == {1: ("trained", 5)}
+    _close_enough(two.adapters.state_dict(), one.adapters.state_dict())
+    workers.close()
+    assert workers.processes[0].returncode == 0
+    resumed = _init(model, latents, texts, "full_two_devices", **common)  # the same run on one device
+    assert resumed.step == 5 and not resumed.trainer.sharded
+    with torch.inference_mode():
+        T.HeadroomTrainSteps.execute(resumed, 6)
+        T.HeadroomTrainSteps.execute(one, 6)
+    _close_enough(resumed.adapters.state_dict(), one.adapters.state_dict())

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import shutil
 import signal
 import socket
 import subprocess
@@ -16,7 +17,11 @@ import time
 import pytest
 import torch
 from distributed_worker import toy_run
+from headroom.training.core.adapters import AdapterConfig
 from headroom.training.core.run_dir import RunDir
+from headroom.training.core.trainer import Trainer
+from headroom.training.memory import planner
+from headroom.training.memory.policy import OffloadPolicy
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -152,10 +157,12 @@ def test_a_killed_rank_fails_the_other_with_its_name_and_keeps_the_checkpoint(tm
     resumed.train_to(checkpoint.step + 1)
 
 
-def test_a_nan_on_one_rank_stops_every_rank_at_the_same_step(tmp_path):
+@pytest.mark.parametrize("kind", ["lora", "full"])
+def test_a_nan_on_one_rank_stops_every_rank_at_the_same_step(tmp_path, kind):
     """Rank 1's model turns NaN after step 3: the global loss is NaN on both ranks, both stop at step 4, and rank 0
-    keeps the checkpoint of step 3."""
-    job = _job(tmp_path, "nan", steps=STEPS, run_root=str(tmp_path), run_name="run", corrupt_rank=1, corrupt_after=3)
+    keeps the checkpoint of step 3 (a full fine-tune's sharded optimizer state gathered for it by both ranks)."""
+    job = _job(tmp_path, "nan", steps=STEPS, run_root=str(tmp_path), run_name="run", corrupt_rank=1, corrupt_after=3,
+               kind=kind)
     ranks = _start_ranks(job)
     errors = [process.communicate(timeout=300)[1] for process in ranks]
     for process, err in zip(ranks, errors):
@@ -163,3 +170,58 @@ def test_a_nan_on_one_rank_stops_every_rank_at_the_same_step(tmp_path):
     assert "RankLostError" not in errors[0] + errors[1]
     checkpoint = RunDir(tmp_path, "run").load_checkpoint()
     assert checkpoint is not None and checkpoint.step == 3
+
+
+# --- a full fine-tune: optimizer state sharded over the ranks (training/memory/sharded_optimizer.py) ---------------
+@pytest.fixture(scope="module")
+def two_rank_full_run(tmp_path_factory):
+    return _run_ranks(_job(tmp_path_factory.mktemp("full"), "full", kind="full"))
+
+
+def test_a_full_fine_tune_shards_its_optimizer_state_and_trains_the_one_rank_weights(two_rank_full_run):
+    one = _one_rank({"kind": "full"})
+    one.train_to(STEPS)
+    reference = one.trainable.state_dict()
+    assert not one.sharded and all(run["sharded"] for run in two_rank_full_run)
+    for rank in (0, 1):
+        _assert_close(two_rank_full_run[rank]["adapter"], reference)
+    for key, value in two_rank_full_run[0]["adapter"].items():
+        assert torch.equal(value, two_rank_full_run[1]["adapter"][key]), key
+    # each rank holds the state of its share only: together the whole state, the largest share as planned
+    whole = sum(v.nbytes for entries in one.optimizer.state.values() for v in entries.values() if v.ndim > 0)
+    shares = [run["state_bytes"] for run in two_rank_full_run]
+    assert sum(shares) == whole and 0 < min(shares) and max(shares) < whole
+    spec = planner.TrainableSpec(tuple(two_rank_full_run[0]["shapes"]), "AdamW", state_ranks=2)
+    assert spec.optimizer_share_bytes() == max(shares) and spec.optimizer_bytes() == whole
+
+
+def test_a_sharded_run_resumes_exactly_at_two_ranks_and_at_one(tmp_path, two_rank_full_run):
+    """The first half on 2 ranks; its checkpoint holds the whole optimizer state in the one-optimizer layout, so the
+    second half on 2 ranks (each loading its share) and on 1 rank both give the uninterrupted 2-rank run's weights."""
+    _run_ranks(_job(tmp_path, "first", steps=STEPS // 2, run_root=str(tmp_path), run_name="run", kind="full"))
+    shutil.copytree(tmp_path / "run", tmp_path / "copy")
+    second = _run_ranks(_job(tmp_path, "second", run_root=str(tmp_path), run_name="run", kind="full"))
+    _assert_close(second[0]["adapter"], two_rank_full_run[0]["adapter"])
+    resumed = _one_rank({"run_root": str(tmp_path), "run_name": "copy", "kind": "full"})
+    resumed.rank_batch = 2
+    assert resumed.resume() and resumed.step == STEPS // 2
+    resumed.train_to(STEPS)
+    _assert_close(resumed.trainable.state_dict(), two_rank_full_run[0]["adapter"])
+
+
+def test_adafactor_state_shards_too(tmp_path):
+    ranks = _run_ranks(_job(tmp_path, "adafactor", kind="full", optimizer="Adafactor", steps=4))
+    one = _one_rank({"kind": "full", "optimizer": "Adafactor"})
+    one.train_to(4)
+    assert ranks[0]["sharded"]
+    _assert_close(ranks[0]["adapter"], one.trainable.state_dict())
+
+
+def test_prodigy_and_lora_runs_keep_the_whole_state_on_every_rank():
+    """Prodigy's step size is estimated from every tensor at once, and a LoRA's state is small: not sharded."""
+    full = AdapterConfig(kind="full")
+    assert Trainer.shards_state(True, full, "AdamW", OffloadPolicy())
+    assert not Trainer.shards_state(True, full, "Prodigy", OffloadPolicy())
+    assert not Trainer.shards_state(True, AdapterConfig(), "AdamW", OffloadPolicy())
+    assert not Trainer.shards_state(True, full, "AdamW", OffloadPolicy(optimizer_state="cpu"))
+    assert not Trainer.shards_state(False, full, "AdamW", OffloadPolicy())

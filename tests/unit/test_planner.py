@@ -556,3 +556,22 @@ def test_full_finetune_options_cost_what_they_keep():
     assert host.host_added["training step"] == {"optimizer state (AdamW)": 8 * n,
                                                 "one tensor's fp32 copy + gradient in its step": 8 * largest}
 
+
+
+def test_sharded_optimizer_state_costs_a_rank_its_share_and_rank_0_the_gathered_copy():
+    from headroom.training.memory import sharded_optimizer
+    from headroom.training.memory.policy import OffloadPolicy
+
+    shapes = ((3072, 3072), (3072,), (12288, 3072), (3072, 12288), (64, 3072))
+    whole = planner.TrainableSpec(shapes, "AdamW")
+    two = dataclasses.replace(whole, state_ranks=2)
+    # torch's partition, largest first onto the first of the emptiest ranks (tests/unit/test_distributed.py checks
+    # the planned share against the state each rank holds)
+    assert sharded_optimizer.partition([math.prod(s) for s in shapes], 2) == [[2, 0], [3, 4, 1]]
+    assert two.optimizer_share_bytes() == 8 * (12288 * 3072 + 3072 * 3072) < whole.optimizer_bytes()
+    on_device = planner.optimizer_placement_cost(OffloadPolicy(), two)
+    assert on_device.training == {"optimizer state (AdamW)": two.optimizer_share_bytes()}
+    assert sum(on_device.host.values()) == whole.optimizer_bytes()  # rank 0's gathered copy
+    # state in host RAM or fused backward: not sharded (the Trainer keeps the whole state on each rank then)
+    for policy in (OffloadPolicy(optimizer_state="cpu"), OffloadPolicy(fused_backward=True)):
+        assert planner.optimizer_placement_cost(policy, two) == planner.optimizer_placement_cost(policy, whole)

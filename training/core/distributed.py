@@ -97,7 +97,7 @@ class DataParallel:
         self._step = step
         value = torch.cat([weighted_local.detach().float().reshape(1).to(self.device),
                            torch.zeros(1, device=self.device)])
-        with self._collective("loss all-reduce"):
+        with self.collective("loss all-reduce"):
             dist.all_reduce(value)
         self._check_abort(value[1])
         return value[0].item()
@@ -107,7 +107,7 @@ class DataParallel:
         with the abort flag as its last element."""
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         flat = torch.cat([g.reshape(-1).float() for g in grads] + [torch.zeros(1)]).to(self.device)
-        with self._collective("gradient all-reduce"):
+        with self.collective("gradient all-reduce"):
             dist.all_reduce(flat)
         self._check_abort(flat[-1])
         offset = 0
@@ -130,7 +130,7 @@ class DataParallel:
         else:
             self.any_stops(True)
             return
-        with self._collective("abort"):
+        with self.collective("abort"):
             dist.all_reduce(flag)
 
     def leave(self) -> None:
@@ -142,7 +142,7 @@ class DataParallel:
             return
         self.others_know = True
         flag = torch.tensor([0.0, 1.0], device=self.device)
-        with self._collective("abort"):
+        with self.collective("abort"):
             dist.all_reduce(flag)
 
     def _check_abort(self, flag: torch.Tensor) -> None:
@@ -152,20 +152,25 @@ class DataParallel:
             raise RanksStopped(f"rank {self.rank}: another rank left step {self._step + 1} midway (cancel or its "
                                f"error); this rank discards the step and stops at step {self._step}")
 
-    def any_stops(self, stops: bool) -> bool:
-        """Whether any rank stops after this step (cancel, an error in its step callback): all ranks agree."""
-        flag = torch.tensor([1.0 if stops else 0.0], device=self.device)
-        with self._collective("stop check"):
+    def any_stops(self, stops: bool, save_due: bool = False) -> bool:
+        """Whether any rank stops after this step (cancel, an error in its step callback): all ranks agree. In the
+        same all-reduce they agree whether a checkpoint is due (`save_due`: any rank's clock says so), kept in
+        `self.save_due` (a sharded optimizer's state is gathered by every rank for it)."""
+        flag = torch.tensor([1.0 if stops else 0.0, 1.0 if save_due else 0.0], device=self.device)
+        with self.collective("stop check"):
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        self.others_know = self.others_know or bool(flag.item())
-        return bool(flag.item())
+        stop, self.save_due = bool(flag[0].item()), bool(flag[1].item())
+        self.others_know = self.others_know or stop
+        return stop
+
+    save_due = False
 
     def barrier(self, what: str) -> None:
-        with self._collective(what):
+        with self.collective(what):
             dist.barrier()
 
     @contextlib.contextmanager
-    def _collective(self, what: str):
+    def collective(self, what: str):
         try:
             yield
         except (RuntimeError, dist.DistError) as error:  # gloo: connection closed / timed out; NCCL: watchdog

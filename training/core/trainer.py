@@ -27,6 +27,7 @@ from .. import public_module
 from ..data.cache_store import bucket_batches, item_conditioning
 from ..checks import check_finite
 from .objective import Objective, ObjectiveConfig, SamplingDescriptor, step_seed
+from ..memory import sharded_optimizer
 from ..memory.fused_backward import FusedBackward
 from ..memory.optimizer_parking import HostOptimizer, parked
 from .optimizers import OptimizerConfig, create_optimizer, create_scheduler, current_lr
@@ -222,6 +223,10 @@ class Trainer:
                                  "full_precision to fp32")
             if self.policy.optimizer_state == "cpu":
                 self.optimizer = HostOptimizer(self.params, lambda host: create_optimizer(host, optimizer_config, device="cpu"))
+            elif self.shards_state(self.parallel is not None, trainable, optimizer_config.name, self.policy):
+                # Several ranks of a full fine-tune: each keeps the optimizer state of its share of the tensors.
+                self.optimizer = sharded_optimizer.sharded(
+                    self.params, lambda share: create_optimizer(share, optimizer_config, device=denoiser.device))
             else:
                 self.optimizer = create_optimizer(self.params, optimizer_config, device=denoiser.device)
             self.scheduler = create_scheduler(self.optimizer, optimizer_config)
@@ -231,12 +236,40 @@ class Trainer:
         self.loss_history: list[list[float]] = []
         self.validation_history: list[list[float]] = []
         self.saved_step: int | None = None
+        # Sharded optimizer state: (step, the whole state) gathered on rank 0 for its checkpoints (gather_state).
+        self._gathered: tuple[int, dict | None] | None = None
         # The run's own state of torch's global RNG (peft's dropout draws from it): swapped in while training,
         # so a run depends only on its seed, and other nodes' use of the global RNG neither disturbs it nor
         # is disturbed by it.
         with _forked_rng():
             torch.manual_seed(step_seed(config.seed, 0, _SALT_GLOBAL))
             self.rng = capture_rng()
+
+    @staticmethod
+    def shards_state(several_ranks: bool, trainable, optimizer: str, policy: OffloadPolicy) -> bool:
+        """Whether the optimizer state is sharded over the ranks (memory/sharded_optimizer.py): a full fine-tune on
+        several ranks with its state on the device and an optimizer whose tensors step independently (the planner
+        asks this too)."""
+        kind = getattr(getattr(trainable, "config", trainable), "kind", None)
+        return (several_ranks and kind == "full" and policy.optimizer_state != "cpu" and not policy.fused_backward
+                and optimizer in sharded_optimizer.SHARDABLE)
+
+    @property
+    def sharded(self) -> bool:
+        return sharded_optimizer.is_sharded(self.optimizer)
+
+    def gather_state(self) -> None:
+        """Every rank, at the same completed step: a sharded optimizer's state gathered on rank 0, which alone
+        writes checkpoints (also later, while the other ranks wait). Nothing to do when not sharded."""
+        if self.sharded and (self._gathered is None or self._gathered[0] != self.step):
+            with self.parallel.collective("optimizer state gather"):
+                self._gathered = (self.step, sharded_optimizer.gather(self.optimizer, self.parallel.is_main))
+
+    @property
+    def can_save(self) -> bool:
+        """Whether a checkpoint of this step can be written: finite weights, and a sharded optimizer's state
+        gathered at this step (after a lost rank it is not: the last checkpoint on disk stays the run's)."""
+        return self.params_finite() and (not self.sharded or (self._gathered or (None,))[0] == self.step)
 
     def _check_fused(self, config: TrainConfig) -> None:
         """Fused backward steps in every backward pass, on the device, from one rank's gradient: what needs the
@@ -247,7 +280,8 @@ class Trainer:
                              "gradients for overflow: use precision bf16 or fp32, or turn fused_backward off")
         if self.parallel is not None:
             raise ValueError("fused backward steps each tensor on its rank's own gradient, before the ranks' "
-                             "gradients are summed: train on one device, or turn fused_backward off")
+                             "gradients are summed: train on one device, or turn fused_backward off (a full fine-tune "
+                             "then shares its optimizer state out over the devices)")
 
     # --- data -------------------------------------------------------------------------------------------
     def _batch(self, micro_step: int) -> tuple[_Batches, list[int]]:
@@ -386,7 +420,9 @@ class Trainer:
         causes.append(f"a corrupt cached latent or conditioning among items {items} (re-run caching)")
         kept = ""
         if self.run_dir is not None:
-            if self.params_finite() and self.step > 0 and self.saved_step != self.step:
+            if self.parallel is not None:
+                self._gather_quietly()  # every rank sees the same global loss: they are here together
+            if self.can_save and self.step > 0 and self.saved_step != self.step:
                 self.save()  # the weights are still those of the last good step
             if self.saved_step is not None:
                 kept = f" The last good checkpoint (step {self.saved_step}) is kept in {self.run_dir.display}."
@@ -422,16 +458,18 @@ class Trainer:
                     while self.step < target_step:
                         started = time.perf_counter()
                         loss = self.train_step() if self.parallel is None else self._train_step_on_every_rank()
+                        report = StepReport(self.step, loss, current_lr(self.optimizer), time.perf_counter() - started)
+                        due = bool((checkpoint_every and self.step % checkpoint_every == 0) or
+                                   (checkpoint_seconds and time.monotonic() - saved_at >= checkpoint_seconds))
                         if self.parallel is not None:
-                            self._after_step_on_every_rank(after_step, StepReport(
-                                self.step, loss, current_lr(self.optimizer), time.perf_counter() - started))
+                            due = self._after_step_on_every_rank(after_step, report, due)
                         elif after_step is not None:
-                            after_step(StepReport(self.step, loss, current_lr(self.optimizer), time.perf_counter() - started))
-                        due = (checkpoint_every and self.step % checkpoint_every == 0) or \
-                            (checkpoint_seconds and time.monotonic() - saved_at >= checkpoint_seconds)
+                            after_step(report)
                         if due and self.step < target_step:
+                            self.gather_state()
                             self.save()
                             saved_at = time.monotonic()
+                    self.gather_state()  # every rank reached the target: rank 0 can save this step from here on
             except BaseException:
                 if self.parallel is not None and self.step < target_step:
                     self.leave_between_steps()
@@ -449,34 +487,51 @@ class Trainer:
                                                 for j in range(accum)))
         try:
             return self.train_step()
-        except (RankLostError, RanksStopped):
+        except RankLostError:
             self.optimizer.zero_grad(set_to_none=True)
+            raise
+        except RanksStopped:
+            self.optimizer.zero_grad(set_to_none=True)
+            self._gather_quietly()  # with the rank that left the step (below)
             raise
         except BaseException:
             self.optimizer.zero_grad(set_to_none=True)
             self.parallel.abort_step(self.params)
+            self._gather_quietly()
             raise
+
+    def _gather_quietly(self) -> None:
+        """gather_state on the way out of a stopped step (every rank takes the same way out); a lost group changes
+        nothing: the error being raised says more, and the run keeps its last checkpoint on disk."""
+        with contextlib.suppress(RankLostError):
+            self.gather_state()
 
     def leave_between_steps(self) -> None:
         """This rank stops outside a step's collectives (see DataParallel.leave): the others stop at the same
         completed step. A lost group changes nothing: the error being raised says more."""
+        if self.parallel.others_know:
+            return
         with contextlib.suppress(RankLostError):
             self.parallel.leave()
+        self._gather_quietly()  # the others gather on their way out of the step they were told to stop
 
-    def _after_step_on_every_rank(self, after_step, report: StepReport) -> None:
+    def _after_step_on_every_rank(self, after_step, report: StepReport, save_due: bool) -> bool:
         """`after_step` (it may raise: rank 0's cancel), then every rank learns whether one stops: all stop at this
-        completed step, the raising rank with its own error, the others with RanksStopped."""
+        completed step, the raising rank with its own error, the others with RanksStopped. Returns whether a
+        checkpoint is due (`save_due` on any rank)."""
         error = None
         try:
             if after_step is not None:
                 after_step(report)
         except BaseException as raised:  # noqa: BLE001 - re-raised below, after the other ranks know
             error = raised
-        if self.parallel.any_stops(error is not None):
+        if self.parallel.any_stops(error is not None, save_due):
+            self._gather_quietly()
             if error is not None:
                 raise error
             raise RanksStopped(f"rank {self.parallel.rank}: another rank stopped the run after step {self.step} "
                                "(cancel or its error); this rank stops at the same step")
+        return self.parallel.save_due
 
     # --- validation loss ----------------------------------------------------------------------------------
     def validation_loss(self, items: Sequence[int], times: int = 4, seed: int = 0) -> float:
@@ -513,12 +568,20 @@ class Trainer:
     def checkpoint(self) -> Checkpoint:
         return Checkpoint(
             step=self.step, micro_step=self.step * self.config.grad_accum,
-            adapter=self.trainable.state_dict(), optimizer=self.optimizer.state_dict(),
+            adapter=self.trainable.state_dict(), optimizer=self._optimizer_state(),
             scheduler=self.scheduler.state_dict(), scaler=self.scaler.state_dict() if self.scaler is not None else None,
             rng=self.rng, loss_history=[list(x) for x in self.loss_history],
             validation_history=[list(x) for x in self.validation_history],
             ema=self.ema.state_dict() if self.ema is not None else None,
         )
+
+    def _optimizer_state(self) -> dict:
+        if not self.sharded:
+            return self.optimizer.state_dict()
+        if self._gathered is None or self._gathered[0] != self.step:
+            raise RuntimeError(f"the optimizer state of step {self.step} is spread over the ranks (not gathered at "
+                               "this step): no checkpoint of it can be written")
+        return self._gathered[1]
 
     def restore(self, checkpoint: Checkpoint) -> None:
         """Load a checkpoint after checking it fits what this trainer trains (a file from disk is untrusted)."""
@@ -547,6 +610,8 @@ class Trainer:
         self.loss_history = [list(x) for x in checkpoint.loss_history]
         self.validation_history = [list(x) for x in checkpoint.validation_history]
         self.saved_step = checkpoint.step
+        if self.sharded:
+            self._gathered = (checkpoint.step, checkpoint.optimizer if self.parallel.is_main else None)
 
     def _mismatch(self, checkpoint: Checkpoint) -> str | None:
         """What in a checkpoint does not fit this trainer: weight keys, shapes and dtypes; optimizer groups, state

@@ -18,6 +18,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 
 from .cost import FeatureCost
+from .sharded_optimizer import local_optimizer
 
 _HOST = torch.device("cpu")
 
@@ -40,7 +41,7 @@ def parked(optimizer: torch.optim.Optimizer, params: Iterable[torch.nn.Parameter
     """
     moved: dict[int, tuple[torch.Tensor, torch.device]] = {}  # id(original) -> (host copy, device)
     state_entries = []  # (state dict, key, id(original))
-    for state in optimizer.state.values():
+    for state in local_optimizer(optimizer).state.values():  # a sharded optimizer: this rank's share
         for key, value in state.items():
             if isinstance(value, torch.Tensor) and _parks(value, exercise_on_cpu):
                 if id(value) not in moved:

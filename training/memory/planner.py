@@ -36,7 +36,7 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 from . import (activation_offload, checkpointing, fused_backward, host_ram, lowbit, optimizer_parking,
-               weight_streaming)
+               sharded_optimizer, weight_streaming)
 from .cost import FeatureCost
 from .host_ram import HostRoom
 from .memory_stats import format_bytes
@@ -165,6 +165,8 @@ class TrainableSpec:
     optimizer: str = "AdamW"
     ema: bool = False  # an EMA copy of the weights is kept in host RAM (core/ema.py)
     element_size: int = 4  # bytes per trained weight: 4 (fp32), 2 (a full fine-tune's bf16 difference)
+    # Ranks the optimizer state is sharded over (sharded_optimizer.py: a full fine-tune on several devices); 1: whole.
+    state_ranks: int = 1
 
     @property
     def param_count(self) -> int:
@@ -183,7 +185,14 @@ class TrainableSpec:
         return self.element_size * self.param_count
 
     def optimizer_bytes(self) -> int:
-        return sum(_optimizer_state_bytes(self.optimizer, s) for s in self.shapes)
+        return sum(self._state_bytes())
+
+    def optimizer_share_bytes(self) -> int:
+        """The optimizer state one rank holds when it is sharded over `state_ranks` (the largest rank's share)."""
+        return sharded_optimizer.state_share([math.prod(s) for s in self.shapes], self._state_bytes(), self.state_ranks)
+
+    def _state_bytes(self) -> list[int]:
+        return [_optimizer_state_bytes(self.optimizer, s) for s in self.shapes]
 
     @classmethod
     def from_parameters(cls, params: Iterable[torch.Tensor], optimizer: str = "AdamW", ema: bool = False
@@ -221,11 +230,16 @@ class TrainableSpec:
 
 def optimizer_placement_cost(policy: OffloadPolicy, trainable: TrainableSpec) -> FeatureCost:
     """Where the policy keeps the optimizer state and the gradients kept between steps (none with fused backward:
-    each is freed inside backward, so none to park either): optimizer_parking.optimizer_cost for this run."""
-    return optimizer_parking.optimizer_cost(
-        policy.optimizer_state, policy.park_optimizer_during_validation, trainable.optimizer, trainable.optimizer_bytes(),
-        trainable.param_bytes(), 0 if policy.fused_backward else trainable.weight_bytes(), trainable.dtype_name,
-        policy.fused_backward)
+    each is freed inside backward, so none to park either): optimizer_parking.optimizer_cost for this run; with the
+    state sharded over ranks (`state_ranks`), a rank's share on its device and rank 0's gathered copy on the host."""
+    sharded = trainable.state_ranks > 1 and policy.optimizer_state != "cpu" and not policy.fused_backward
+    cost = optimizer_parking.optimizer_cost(
+        policy.optimizer_state, policy.park_optimizer_during_validation, trainable.optimizer,
+        trainable.optimizer_share_bytes() if sharded else trainable.optimizer_bytes(), trainable.param_bytes(),
+        0 if policy.fused_backward else trainable.weight_bytes(), trainable.dtype_name, policy.fused_backward)
+    if sharded:
+        sharded_optimizer.gathered_copy_cost(cost, trainable.optimizer, trainable.optimizer_bytes())
+    return cost
 
 
 # --- estimates ----------------------------------------------------------------------------------------------
