@@ -92,8 +92,9 @@ class TrainableControlNet:
     def parameters(self) -> list[torch.nn.Parameter]:
         return list(self.module.parameters())
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+    def state_dict(self, copy: bool = True) -> dict[str, torch.Tensor]:
+        """`copy` False: the live tensors (detached), for writing them out at once (adapters.AdapterSet.state_dict)."""
+        return {k: v.detach().clone() if copy else v.detach() for k, v in self.module.state_dict().items()}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         missing, unexpected = self.module.load_state_dict(state, strict=False)

@@ -456,9 +456,11 @@ class AdapterSet:
                 layer.oft.oft_blocks.copy_(blocks.float())
 
     # --- state ------------------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """Trainable tensors under peft's own names (`<path>.<param>`): the exact resume format."""
-        return {f"{path}.{name}": p.detach().clone() for path, layer in self.layers.items()
+    def state_dict(self, copy: bool = True) -> dict[str, torch.Tensor]:
+        """Trainable tensors under peft's own names (`<path>.<param>`): the exact resume format. `copy` False: the
+        live tensors (detached), for writing them out at once (a copy of a full fine-tune's difference is the size
+        of the trained weights, on their device)."""
+        return {f"{path}.{name}": p.detach().clone() if copy else p.detach() for path, layer in self.layers.items()
                 for name, p in self._own_parameters(layer)}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:

@@ -31,8 +31,8 @@ class WeightEMA:
     def update(self, params: Sequence[torch.nn.Parameter]) -> None:
         self._update(self.averaged, [p.detach().to("cpu", torch.float32) for p in params], None)
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {name: tensor.clone() for name, tensor in zip(self.names, self.averaged)}
+    def state_dict(self, copy: bool = True) -> dict[str, torch.Tensor]:
+        return {name: tensor.clone() if copy else tensor for name, tensor in zip(self.names, self.averaged)}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         if set(state) != set(self.names):
@@ -45,7 +45,8 @@ class WeightEMA:
     @contextlib.contextmanager
     def swapped_in(self, params: Sequence[torch.nn.Parameter]) -> Iterator[None]:
         """The averaged values in the live parameters inside the block; the trained ones back after."""
-        trained = [p.detach().clone() for p in params]
+        # Kept in host RAM, beside the averaged copy: on the device a full fine-tune's copy is the trained weights' size.
+        trained = [p.detach().to("cpu", copy=True) for p in params]
         with torch.no_grad():
             for param, averaged in zip(params, self.averaged):
                 param.copy_(averaged.to(param.device, param.dtype))

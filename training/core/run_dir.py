@@ -286,8 +286,8 @@ class RunDir:
             # A run opened through its config.json (check_present above) never re-creates a vanished folder.
             checkpoints.mkdir(parents=self._identity is None, exist_ok=True)
             tmp = make_temp_dir(checkpoints, folder_name)
-            write_new(tmp / "adapter.safetensors", lambda target: write_safetensors(
-                target, {k: v.contiguous().cpu() for k, v in checkpoint.adapter.items()}))
+            # write_safetensors copies the tensors off their device one at a time (not all of them at once).
+            write_new(tmp / "adapter.safetensors", lambda target: write_safetensors(target, checkpoint.adapter))
             write_new(tmp / "optimizer.pt", lambda target: write_torch(
                 target, {"optimizer": checkpoint.optimizer, "scheduler": checkpoint.scheduler, "scaler": checkpoint.scaler}))
             write_new(tmp / "rng.pt", lambda target: write_torch(target, checkpoint.rng))

@@ -79,7 +79,7 @@ class Trainable(Protocol):
     """What is trained: an adapter set (training/adapters.py) or a ControlNet (nodes/bridge/controlnet_build.py)."""
 
     def parameters(self) -> list[torch.nn.Parameter]: ...
-    def state_dict(self) -> dict[str, torch.Tensor]: ...
+    def state_dict(self, copy: bool = True) -> dict[str, torch.Tensor]: ...
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None: ...
     def train(self, mode: bool = True) -> None: ...
 
@@ -565,14 +565,16 @@ class Trainer:
         self.validation_history.append([self.step, value])
 
     # --- checkpoints ----------------------------------------------------------------------------------------
-    def checkpoint(self) -> Checkpoint:
+    def checkpoint(self, copy: bool = True) -> Checkpoint:
+        """This step's state; `copy` False: the live tensors, to be written out before training goes on (save: no
+        second copy of the trained weights, on their device, while it writes; the optimizer state is never copied)."""
         return Checkpoint(
             step=self.step, micro_step=self.step * self.config.grad_accum,
-            adapter=self.trainable.state_dict(), optimizer=self._optimizer_state(),
+            adapter=self.trainable.state_dict(copy=copy), optimizer=self._optimizer_state(),
             scheduler=self.scheduler.state_dict(), scaler=self.scaler.state_dict() if self.scaler is not None else None,
             rng=self.rng, loss_history=[list(x) for x in self.loss_history],
             validation_history=[list(x) for x in self.validation_history],
-            ema=self.ema.state_dict() if self.ema is not None else None,
+            ema=self.ema.state_dict(copy=copy) if self.ema is not None else None,
         )
 
     def _optimizer_state(self) -> dict:
@@ -641,7 +643,7 @@ class Trainer:
             self.saved_step = self.step  # rank 0 writes the run directory; the ranks hold the same weights
             return
         try:
-            self.run_dir.save_checkpoint(self.checkpoint())
+            self.run_dir.save_checkpoint(self.checkpoint(copy=False))
         except WriteError as error:  # disk full...: say what is (not) on disk, and that queueing again saves it
             kept = f"step {self.saved_step}" if self.saved_step is not None else "none"
             raise type(error)(f"{error} The run is at step {self.step} in memory; its last checkpoint on disk: {kept}. "
