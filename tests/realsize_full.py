@@ -210,7 +210,7 @@ def run_lean(arch: str, size: int = 64) -> dict:
     """The lean full fine-tune alone on a whole model (`--lean sdxl`: SDXL at full size, 2.6 B weights, every one of
     its Linear and Conv2d layers inside the blocks trained): policy fused_backward, LoRA Config full_precision
     bf16_stochastic, Adafactor; two steps, the second's peak (weights + RSS growth) against the planner's step.
-    A measurement (docs/BENCHMARKS.md), not in the CI tier: the planner is 0.82x of it, the gap not traced yet."""
+    In the real-size tier (tests/realsize/test_full_finetune_pieces.py) and docs/BENCHMARKS.md."""
     import realsize_models as R
     from headroom.nodes import cache as cache_nodes, data as data_nodes, train_lora as T
     from headroom.nodes.bridge.planning import describe_comfy_model, lora_trainable
