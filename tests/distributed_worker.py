@@ -86,7 +86,8 @@ def main(rank: int, world: int, port: int, job: dict) -> None:
     state = [sum(v.nbytes for v in entries.values() if isinstance(v, torch.Tensor) and v.ndim > 0)
              for entries in local_optimizer(trainer.optimizer).state.values()]
     torch.save({"adapter": trainer.trainable.state_dict(), "losses": trainer.loss_history, "state_bytes": sum(state),
-                "sharded": trainer.sharded, "shapes": [tuple(p.shape) for p in trainer.params]},
+                "sharded": trainer.sharded, "shapes": [tuple(p.shape) for p in trainer.params],
+                "wrapper_state": len(trainer.optimizer.state) if trainer.sharded else None},
                f"{job['out']}.rank{rank}.pt")
 
 

@@ -596,7 +596,10 @@ class Trainer:
             )
         try:
             self.trainable.load_state_dict(checkpoint.adapter)
-            self.optimizer.load_state_dict(checkpoint.optimizer)
+            if self.sharded:
+                sharded_optimizer.load(self.optimizer, checkpoint.optimizer)
+            else:
+                self.optimizer.load_state_dict(checkpoint.optimizer)
             self.scheduler.load_state_dict(checkpoint.scheduler)
             if self.scaler is not None and checkpoint.scaler is not None:
                 self.scaler.load_state_dict(checkpoint.scaler)

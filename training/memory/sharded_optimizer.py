@@ -61,6 +61,16 @@ def gather(optimizer, is_main: bool) -> dict | None:
     return optimizer.state_dict()  # the same tensors torch keeps from consolidate_state_dict: no second copy
 
 
+def load(optimizer, state: dict) -> None:
+    """Every rank: its share of a whole state dict (a checkpoint's, from any number of ranks). torch's
+    load_state_dict writes None over the other ranks' entries of the dict it is given (the caller's is left whole:
+    rank 0 writes it out again when it saves before training on), and torch's Optimizer.load_state_dict keeps a
+    second copy of this rank's share, on its device, in the wrapper's own `state`, which nothing reads (the local
+    optimizer steps its own): dropped."""
+    optimizer.load_state_dict({**state, "state": dict(state["state"])})
+    optimizer.state.clear()
+
+
 def partition(numels: Sequence[int], ranks: int) -> list[list[int]]:
     """The tensor indices each rank owns: torch's partition (ZeroRedundancyOptimizer._partition_parameters), largest
     first, ties in order, each onto the first rank with the fewest elements so far."""
