@@ -357,7 +357,8 @@ def host_ram_case(arch: str) -> dict:
     """What a run adds to host RAM, measured against the plan (training/memory/host_ram.py): a rank-16 LoRA of each
     model at full depth (its target shapes from the model built on the meta device), optimizer state on the host
     (optimizer_parking.HostOptimizer: fp32 masters + AdamW state after its first step) and the EMA copy (core/ema.py).
-    RSS growth after the step against the plan's validation figure for that policy (masters + state + EMA). On a CPU
+    RSS growth after the step, with the EMA swapped in as validation samples it, against the plan's validation figure
+    for that policy (masters + state + EMA + the trained weights kept meanwhile). On a CPU
     the step's fp32 gradient copies and parked state are the device's own tensors (`.to` returns them), so the
     training-step figure (which adds the gradients' host copies on a GPU) is not measured here. One model per
     process: memory freed by a previous one would be reused unseen by the RSS."""
@@ -381,8 +382,9 @@ def host_ram_case(arch: str) -> dict:
         optimizer.step()
         ema = WeightEMA(params, 0.99)
         ema.update(params)
-        gc.collect()
-        after = rss()
+        with ema.swapped_in(params):
+            gc.collect()
+            after = rss()
     return {"arch": arch, "trainable_params": trainable.param_count, "planned": planned,
             "planned_validation_bytes": sum(planned["validation"].values()),
             "measured_growth_bytes": after - peak.start_rss, **peak.record("host optimizer + EMA")}

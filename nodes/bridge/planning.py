@@ -248,7 +248,8 @@ def check_host_ram(policy: OffloadPolicy, trainable: planner.TrainableSpec, node
     if room is None:
         return
     parking = planner.optimizer_placement_cost(policy, trainable)
-    added = host_ram.peak_added(host_ram.added_by_phase([parking], trainable.ema, trainable.param_bytes()))
+    added = host_ram.peak_added(host_ram.added_by_phase([parking], trainable.ema, trainable.param_bytes(),
+                                                        trainable.weight_bytes()))
     if not room.fits(added):
         raise ValueError(f"{node}: {room.describe(added)}; {host_ram.advice(room, added)}")
 

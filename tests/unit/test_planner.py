@@ -478,7 +478,8 @@ def test_weight_copies_are_counted_apart_and_dropped_by_low_bit_storage():
 # --- host RAM as a budget -----------------------------------------------------------------------------------
 def test_host_ram_added_per_phase_by_the_policy_and_ema():
     """What a run adds to host RAM: optimizer state, fp32 masters and the step's gradients with the optimizer on the
-    host; state and gradients parked while sampling; every block's inputs when offloaded; the EMA copy."""
+    host; state and gradients parked while sampling; every block's inputs when offloaded; the EMA copy (and the
+    trained weights while it is sampled)."""
     d, n = toy_description(), TRAINABLE.param_count
     resident = estimate(d, TRAINABLE, SHAPE, OffloadPolicy(park_optimizer_during_validation=False))
     assert resident.host_added_bytes == 0
@@ -491,7 +492,9 @@ def test_host_ram_added_per_phase_by_the_policy_and_ema():
     assert offload.host_added["training step"] == {"offloaded block inputs": 4 * 20 * MIB}
     ema = estimate(d, dataclasses.replace(TRAINABLE, ema=True), SHAPE, OffloadPolicy())
     assert ema.host_added["training step"] == {"EMA of the trainable weights (fp32)": 4 * n}
-    assert ema.host_added_bytes == 16 * n  # validation: parked state and gradients beside the EMA copy
+    # validation: parked state and gradients beside the EMA copy, and the trained weights while it is sampled
+    assert ema.host_added_bytes == 20 * n
+    assert ema.host_added["validation"]["trained weights, kept while their EMA is sampled"] == 4 * n
 
 
 def test_auto_policy_fits_host_ram_too_and_says_what_to_change_when_nothing_does():

@@ -71,14 +71,18 @@ def ema_cost(trainable_param_bytes: int) -> dict[str, int]:
     return {"EMA of the trainable weights (fp32)": int(trainable_param_bytes)}
 
 
-def added_by_phase(features, ema: bool, trainable_param_bytes: int) -> dict[str, dict[str, int]]:
+def added_by_phase(features, ema: bool, trainable_param_bytes: int, trained_bytes: int | None = None
+                   ) -> dict[str, dict[str, int]]:
     """What the run adds to host RAM in the training step and in validation, by item: the features' costs
-    (`cost.FeatureCost.host_added_*`) and the EMA copy where kept."""
+    (`cost.FeatureCost.host_added_*`) and the EMA copy where kept; while validation samples the EMA, the trained
+    weights (`trained_bytes`, as trained; default the fp32 size) wait in host RAM too (core/ema.py swapped_in)."""
     phases = {"training step": {k: v for cost in features for k, v in cost.host_added_training.items()},
               "validation": {k: v for cost in features for k, v in cost.host_added_validation.items()}}
     if ema:
         for items in phases.values():
             items.update(ema_cost(trainable_param_bytes))
+        kept = trainable_param_bytes if trained_bytes is None else trained_bytes
+        phases["validation"]["trained weights, kept while their EMA is sampled"] = int(kept)
     return phases
 
 

@@ -497,7 +497,7 @@ def estimate(description: ModelDescription, trainable: TrainableSpec, shape: Run
     save_items["allocator overhead (5%)"] = int(ALLOCATOR_OVERHEAD * sum(save_items.values()))
     save = PhaseEstimate("save", save_items)
 
-    host_added = host_ram.added_by_phase(features, trainable.ema, trainable.param_bytes())
+    host_added = host_ram.added_by_phase(features, trainable.ema, trainable.param_bytes(), trainable.weight_bytes())
     return Plan(policy, [cache_text, cache_vae, training, validation, decode, save], budget_bytes, host_bytes=host,
                 base_device_bytes=base_device, validation_base_device_bytes=validation_device,
                 host_added=host_added, host_room=host_room)
