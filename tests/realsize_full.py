@@ -3,6 +3,7 @@ process of its own, from a file on disk back to a file on disk through stock nod
 
     python tests/realsize_full.py --out result.json
     MALLOC_MMAP_THRESHOLD_=131072 python tests/realsize_full.py --lean sdxl --out result.json   # lean options, whole SDXL
+    MALLOC_MMAP_THRESHOLD_=131072 python tests/realsize_full.py --lean sd35_large --depth 2 --out result.json
 
 stock ModelSave writes the base (as it would be downloaded) -> stock UNETLoader -> HeadroomTrainLoraInit (kind full,
 every Linear inside the blocks) -> one HeadroomTrainSteps step -> HeadroomSaveLora (the differences, "diff" keys) ->
@@ -206,7 +207,7 @@ def run(size: int = 64) -> dict:
     return report
 
 
-def run_lean(arch: str, size: int = 64) -> dict:
+def run_lean(arch: str, depth: int | None = None, size: int = 64) -> dict:
     """The lean full fine-tune alone on a whole model (`--lean sdxl`: SDXL at full size, 2.6 B weights, every one of
     its Linear and Conv2d layers inside the blocks trained): policy fused_backward, LoRA Config full_precision
     bf16_stochastic, Adafactor; two steps, the second's peak (weights + RSS growth) against the planner's step.
@@ -217,9 +218,9 @@ def run_lean(arch: str, size: int = 64) -> dict:
     from headroom.training.memory import planner
     from headroom.training.memory.policy import OffloadPolicy
 
-    report = {"arch": arch, "size": size, "phases": []}
+    report = {"arch": arch, "depth": depth, "size": size, "phases": []}
     with W.Peak() as peak:
-        model, clip, vae = R.build_family(arch, None, 2, 0)
+        model, clip, vae = R.build_family(arch, depth, 2, 0)
     report["phases"].append(peak.record("build (realsize_models)"))
     diffusion = model.model.diffusion_model
     report.update(diffusion_params=sum(p.numel() for p in diffusion.parameters()),
@@ -255,11 +256,13 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--lean", metavar="ARCH", help="only the lean full fine-tune of this whole model (run_lean)")
+    parser.add_argument("--depth", type=int, default=None, help="--lean: the model's blocks at real width (default: "
+                        "all of them; realsize_models.build_model)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     W.setup()
     started = time.perf_counter()
-    report = run_lean(args.lean) if args.lean else run()
+    report = run_lean(args.lean, args.depth) if args.lean else run()
     report["seconds"] = time.perf_counter() - started
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -120,10 +120,12 @@ def test_full_finetune_at_flux_width_goes_from_the_stock_loader_to_the_stock_loa
 
 
 
-def test_full_finetune_of_whole_sdxl_with_the_lean_options_is_planned_within_15_percent():
-    """tests/realsize_full.py --lean sdxl: SDXL at full size (2.57 B weights, bf16), every Linear and Conv2d in its
-    blocks trained (1,168 tensors) with fused backward, the bf16 difference and Adafactor; two steps, each with its
-    checkpoint. The peak (weights + RSS growth) of init + the first step and of the second step is the planner's
+@pytest.mark.parametrize("arch, depth, tensors, least_params", [("sdxl", None, 1168, 2.5e9),
+                                                              ("sd35_large", 2, 50, 0.38e9)])
+def test_lean_full_finetune_is_planned_within_15_percent(arch, depth, tensors, least_params):
+    """tests/realsize_full.py --lean: SDXL at full size (2.57 B weights, bf16; 1,168 tensors) and SD3.5-Large at real
+    width with two joint blocks (2432 wide; 50 tensors), every Linear and Conv2d in the blocks trained with fused
+    backward, the bf16 difference and Adafactor; two steps, each with its checkpoint. The peak (weights + RSS growth) of init + the first step and of the second step is the planner's
     training step within 15 % (the checkpoint is written from the live tensors: with a copy of the difference it was
     2.7 GiB over the plan). glibc returns freed blocks at once with MALLOC_MMAP_THRESHOLD_, so the RSS counts live
     tensors rather than memory it kept."""
@@ -134,21 +136,22 @@ def test_full_finetune_of_whole_sdxl_with_the_lean_options_is_planned_within_15_
     import sys
 
     repo = pathlib.Path(__file__).resolve().parents[2]
-    out = repo / "test-artifacts" / "realsize" / "full_finetune_sdxl_lean.json"
+    out = repo / "test-artifacts" / "realsize" / f"full_finetune_{arch}_lean.json"
     out.unlink(missing_ok=True)
-    done = subprocess.run([sys.executable, str(repo / "tests" / "realsize_full.py"), "--lean", "sdxl", "--out", str(out)],
-                          cwd=repo, capture_output=True, text=True, timeout=1800,
+    depth_args = ["--depth", str(depth)] if depth is not None else []
+    done = subprocess.run([sys.executable, str(repo / "tests" / "realsize_full.py"), "--lean", arch, *depth_args,
+                           "--out", str(out)], cwd=repo, capture_output=True, text=True, timeout=1800,
                           env={**os.environ, "PYTHONUNBUFFERED": "1", "MALLOC_MMAP_THRESHOLD_": "131072"})
-    assert done.returncode == 0, f"realsize_full --lean sdxl failed:\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}"
+    assert done.returncode == 0, f"realsize_full --lean {arch} failed:\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}"
     report = json.loads(out.read_text())
     peak = max(p["peak_rss_bytes"] for p in report["phases"] if p["phase"] in ("init + first step", "second step"))
     measured = report["diffusion_bytes"] + peak - report["baseline_rss_bytes"]
     ratio = report["planned_training_bytes"] / measured
-    print(f"\nSDXL full fine-tune, lean options: {report['trained_params'] / 1e9:.2f} B trained in {report['tensors']} "
-          f"tensors, training step {measured / GIB:.2f} GiB measured (weights + RSS growth), "
+    print(f"\n{arch} full fine-tune (depth {depth or 'full'}), lean options: {report['trained_params'] / 1e9:.2f} B "
+          f"trained in {report['tensors']} tensors, training step {measured / GIB:.2f} GiB measured (weights + RSS growth), "
           f"{report['planned_training_bytes'] / GIB:.2f} GiB planned ({ratio:.3f}x), {report['s_per_step']:.0f} s "
           f"(the second step), loss {report['loss']:.4f}")
     assert report["loss"] == report["loss"] and report["dtypes"] == ["torch.bfloat16"]
-    assert report["trained_params"] == report["planned_params"] > 2.5e9
-    assert report["trained_tensors"] == report["tensors"] == 1168 and report["most_gradients_alive"] == 1
+    assert report["trained_params"] == report["planned_params"] > least_params
+    assert report["trained_tensors"] == report["tensors"] == tensors and report["most_gradients_alive"] == 1
     assert 0.85 <= ratio <= 1.15, report
