@@ -25,6 +25,7 @@ from ...training.core.lora_extract import extract_from_differences
 from ...training.data.files import save_safetensors
 from ...training.core.optimizers import OptimizerConfig
 from ...training.core.trainer import TrainConfig
+from ...training.memory import planner
 from . import families, lora_formats, video
 from .comfy_bridge import TrainingRun, config_json
 from .comfy_model import REFERENCE_LATENTS, ComfyDenoiser, check_caches, data_fingerprint, model_blocks
@@ -188,11 +189,13 @@ class LoraTraining:
 
     def device_extra_bytes(self, trainer) -> int:
         """What the run adds on the device beyond the MODEL's weights (for ComfyUI's memory accounting): the
-        trainable weights, their gradients (none kept with fused backward) and the optimizer's two fp32 moments where
-        they live on the device."""
+        trainable weights, their gradients (none kept with fused backward) and the optimizer's state where it lives
+        on the device (the planner's model of it; sharded over the ranks: this rank's share)."""
         weights = sum(p.numel() * p.element_size() for p in trainer.params)
         gradients = 0 if trainer.policy.fused_backward else weights
-        state = 0 if trainer.policy.optimizer_state == "cpu" else 8 * sum(p.numel() for p in trainer.params)
+        spec = dataclasses.replace(planner.TrainableSpec.from_parameters(trainer.params, trainer.optimizer_config.name),
+                                   state_ranks=trainer.parallel.world_size if trainer.sharded else 1)
+        state = 0 if trainer.policy.optimizer_state == "cpu" else spec.optimizer_share_bytes()
         return weights + gradients + state
 
     @contextlib.contextmanager

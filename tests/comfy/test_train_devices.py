@@ -302,6 +302,8 @@ def test_devices_2_full_fine_tune_shards_its_optimizer_state_and_cancel_keeps_it
     _close_enough(two.adapters.state_dict(), one.adapters.state_dict())
     held = len(local_optimizer(two.trainer.optimizer).state)
     assert 0 < held < len(one.trainer.optimizer.state) == len(one.trainer.params)
+    # what the run tells ComfyUI it adds on the device: its share of the state
+    assert two.trained.device_extra_bytes(two.trainer) < one.trained.device_extra_bytes(one.trainer)
 
     _cancel_inside_rank_0s_forward(model, lambda: T.HeadroomTrainSteps.execute(two, 10))
     assert two.step == 3 and workers.replies() == {1: ("stopped", 3)}
