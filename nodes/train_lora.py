@@ -216,9 +216,9 @@ def start_lora_run(model, latent_cache, text_cache, lora_config, optimizer_confi
         check_caches(model.model, latent_cache, text_cache)
         train, batch_note = effective_batch(train, latent_cache, holdout, run_name, node)
         # A full fine-tune on several devices shards its optimizer state (training/memory/sharded_optimizer.py).
-        shares_state = lora_config.kind == "full" and optimizer_config.name in sharded_optimizer.SHARDABLE
+        ranks = sharded_optimizer.state_ranks(parse_devices(devices), lora_config.kind, optimizer_config.name)
         trainable = dataclasses.replace(lora_trainable(model, lora_config, optimizer_config.name),
-                                        ema=train.ema_decay > 0, state_ranks=parse_devices(devices) if shares_state else 1)
+                                        ema=train.ema_decay > 0, state_ranks=ranks)
         policy, plan_note = resolve_policy(policy, gradient_checkpointing, checkpoint_depth, node=node, plan_card=(
             lambda card: plan_for_card(model, latent_cache, text_cache, card, trainable, train.batch_size,
                                        train.precision, node, lora_config)))

@@ -261,7 +261,7 @@ def _run_inputs(run) -> tuple:
     adapter = getattr(config, "adapter", None) or AdapterConfig()  # ControlNet runs: activations as with a LoRA
     description = describe_comfy_model(run.source_model, adapter, config.train.precision)
     trainable = dataclasses.replace(planner.TrainableSpec.from_parameters(run.trainer.params, config.optimizer.name),
-                                    state_ranks=run.trainer.parallel.world_size if run.trainer.sharded else 1)
+                                    state_ranks=run.trainer.state_ranks)
     shape = cache_run_shape(run.source_model, run.latent_cache, run.text_cache, config.train.batch_size,
                             "HeadroomTrainSteps")
     budget = budget_bytes(run.policy, torch.device(run.source_model.load_device))

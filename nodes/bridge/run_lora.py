@@ -194,7 +194,7 @@ class LoraTraining:
         weights = sum(p.numel() * p.element_size() for p in trainer.params)
         gradients = 0 if trainer.policy.fused_backward else weights
         spec = dataclasses.replace(planner.TrainableSpec.from_parameters(trainer.params, trainer.optimizer_config.name),
-                                   state_ranks=trainer.parallel.world_size if trainer.sharded else 1)
+                                   state_ranks=trainer.state_ranks)
         state = 0 if trainer.policy.optimizer_state == "cpu" else spec.optimizer_share_bytes()
         return weights + gradients + state
 

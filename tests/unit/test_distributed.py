@@ -223,8 +223,8 @@ def test_adafactor_state_shards_too(tmp_path):
 def test_prodigy_and_lora_runs_keep_the_whole_state_on_every_rank():
     """Prodigy's step size is estimated from every tensor at once, and a LoRA's state is small: not sharded."""
     full = AdapterConfig(kind="full")
-    assert Trainer.shards_state(True, full, "AdamW", OffloadPolicy())
-    assert not Trainer.shards_state(True, full, "Prodigy", OffloadPolicy())
-    assert not Trainer.shards_state(True, AdapterConfig(), "AdamW", OffloadPolicy())
-    assert not Trainer.shards_state(True, full, "AdamW", OffloadPolicy(optimizer_state="cpu"))
-    assert not Trainer.shards_state(False, full, "AdamW", OffloadPolicy())
+    assert Trainer.shards_state(2, full, "AdamW", OffloadPolicy())
+    assert not Trainer.shards_state(2, full, "Prodigy", OffloadPolicy())
+    assert not Trainer.shards_state(2, AdapterConfig(), "AdamW", OffloadPolicy())
+    assert not Trainer.shards_state(2, full, "AdamW", OffloadPolicy(optimizer_state="cpu"))
+    assert not Trainer.shards_state(1, full, "AdamW", OffloadPolicy())

@@ -223,7 +223,8 @@ class Trainer:
                                  "full_precision to fp32")
             if self.policy.optimizer_state == "cpu":
                 self.optimizer = HostOptimizer(self.params, lambda host: create_optimizer(host, optimizer_config, device="cpu"))
-            elif self.shards_state(self.parallel is not None, trainable, optimizer_config.name, self.policy):
+            elif self.parallel is not None and self.shards_state(self.parallel.world_size, trainable,
+                                                                 optimizer_config.name, self.policy):
                 # Several ranks of a full fine-tune: each keeps the optimizer state of its share of the tensors.
                 self.optimizer = sharded_optimizer.sharded(
                     self.params, lambda share: create_optimizer(share, optimizer_config, device=denoiser.device))
@@ -246,17 +247,20 @@ class Trainer:
             self.rng = capture_rng()
 
     @staticmethod
-    def shards_state(several_ranks: bool, trainable, optimizer: str, policy: OffloadPolicy) -> bool:
-        """Whether the optimizer state is sharded over the ranks (memory/sharded_optimizer.py): a full fine-tune on
-        several ranks with its state on the device and an optimizer whose tensors step independently (the planner
-        asks this too)."""
+    def shards_state(ranks: int, trainable, optimizer: str, policy: OffloadPolicy) -> bool:
+        """Whether the optimizer state is sharded over `ranks` (memory/sharded_optimizer.py, whose rules the planner
+        follows too): a full fine-tune with its state on the device and an optimizer whose tensors step on their own."""
         kind = getattr(getattr(trainable, "config", trainable), "kind", None)
-        return (several_ranks and kind == "full" and policy.optimizer_state != "cpu" and not policy.fused_backward
-                and optimizer in sharded_optimizer.SHARDABLE)
+        return sharded_optimizer.state_ranks(ranks, kind, optimizer) > 1 and sharded_optimizer.applies(policy)
 
     @property
     def sharded(self) -> bool:
         return sharded_optimizer.is_sharded(self.optimizer)
+
+    @property
+    def state_ranks(self) -> int:
+        """The ranks the optimizer state is sharded over (planner.TrainableSpec.state_ranks); 1: whole."""
+        return self.parallel.world_size if self.sharded else 1
 
     def gather_state(self) -> None:
         """Every rank, at the same completed step: a sharded optimizer's state gathered on rank 0, which alone

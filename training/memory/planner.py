@@ -232,7 +232,7 @@ def optimizer_placement_cost(policy: OffloadPolicy, trainable: TrainableSpec) ->
     """Where the policy keeps the optimizer state and the gradients kept between steps (none with fused backward:
     each is freed inside backward, so none to park either): optimizer_parking.optimizer_cost for this run; with the
     state sharded over ranks (`state_ranks`), a rank's share on its device and rank 0's gathered copy on the host."""
-    sharded = trainable.state_ranks > 1 and policy.optimizer_state != "cpu" and not policy.fused_backward
+    sharded = trainable.state_ranks > 1 and sharded_optimizer.applies(policy)
     cost = optimizer_parking.optimizer_cost(
         policy.optimizer_state, policy.park_optimizer_during_validation, trainable.optimizer,
         trainable.optimizer_share_bytes() if sharded else trainable.optimizer_bytes(), trainable.param_bytes(),

@@ -32,6 +32,17 @@ from .cost import FeatureCost
 SHARDABLE = ("AdamW", "AdamW8bit", "PagedAdamW8bit", "Lion8bit", "Adafactor", "CAME")
 
 
+def state_ranks(ranks: int, kind: str, optimizer: str) -> int:
+    """Over how many ranks a run's optimizer state is sharded when its policy keeps the state on the device
+    (`applies`): a full fine-tune's, with an optimizer of SHARDABLE; 1 (whole) otherwise. A LoRA's state is small."""
+    return ranks if kind == "full" and optimizer in SHARDABLE else 1
+
+
+def applies(policy) -> bool:
+    """Whether a policy shards the state: not when it is in host RAM, nor with fused backward (one rank)."""
+    return policy.optimizer_state != "cpu" and not policy.fused_backward
+
+
 def sharded(params: Sequence[torch.nn.Parameter], make_optimizer: Callable[[list], torch.optim.Optimizer]):
     """The ranks' shared optimizer over `params` (each rank's `make_optimizer` gets its own share). Every rank of the
     running process group calls it with the same tensors in the same order."""
@@ -73,7 +84,8 @@ def load(optimizer, state: dict) -> None:
 
 def partition(numels: Sequence[int], ranks: int) -> list[list[int]]:
     """The tensor indices each rank owns: torch's partition (ZeroRedundancyOptimizer._partition_parameters), largest
-    first, ties in order, each onto the first rank with the fewest elements so far."""
+    first, ties in order, each onto the first rank with the fewest elements so far. Mirrored because torch's needs a
+    running process group, and the planner plans before one exists."""
     owned: list[list[int]] = [[] for _ in range(ranks)]
     sizes = [0] * ranks
     for index in sorted(range(len(numels)), key=lambda i: numels[i], reverse=True):
