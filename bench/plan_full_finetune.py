@@ -1,7 +1,8 @@
-"""The planner's figures for a full fine-tune of SD3.5 Large (8 B) at 1024 px on a 24 GB and an 80 GB card (issue 27),
+"""The planner's figures for a full fine-tune of SD3.5 Large (8 B) at 1024 px on a 16, 24 and 80 GB card (issue 27),
 as a run plans it: LoRA Config kind full on every Linear inside the blocks (targets all_linear), each memory option
 of the run on top of the last, and for each card the policy the planner's auto mode (the Offload Policy's `card`)
-chooses: base placement, checkpointing, optimizer state.
+chooses: base placement, checkpointing, optimizer state, and (with fused backward) whether the trained weights stay in
+host RAM.
 
     python bench/plan_full_finetune.py      # prints a Markdown table, the versions and the date
 
@@ -20,7 +21,7 @@ import torch
 
 import plan_table  # noqa: E402  (bench/: ComfyUI in-process, tests/ on sys.path)
 
-CARDS_GB = (24, 80)
+CARDS_GB = (16, 24, 80)
 RESERVE_GB = 1.0
 # (label, optimizer, LoRA Config full_precision, Offload Policy fused_backward): the plain run, then one option at a
 # time on top of the last.
@@ -61,6 +62,8 @@ def main() -> None:
             step = plan.phase("training step").total / 2 ** 30
             policy = plan.policy
             chosen = f"{policy.base_placement}, checkpointing {policy.checkpointing}, state on {policy.optimizer_state}"
+            if policy.trained_weights == "host":
+                chosen += ", trained weights in host RAM"
             if policy.base_storage != "as_loaded":
                 chosen += f", base {policy.base_storage}"
             cells += [f"{step:.1f} GiB ({chosen}){'' if plan.device_fits else ' **no fit**'}",

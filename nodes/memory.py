@@ -37,6 +37,8 @@ def _policy_input(name: str, spec: NodeInput, default) -> io.Input:
     options = {key: getattr(spec, key) for key in ("min", "max", "step") if getattr(spec, key) is not None}
     if spec.kind == "combo":
         options["options"] = list(spec.options)
+    if spec.advanced:
+        options["advanced"] = True
     return _IO_KINDS[spec.kind].Input(name, default=default, tooltip=spec.tooltip, optional=spec.optional, **options)
 
 

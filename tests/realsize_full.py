@@ -71,7 +71,8 @@ def train_two_steps(model, latents, texts, config, optimizer, run_name: str, pol
     figures = {"loss": loss, "s_per_step": peak.seconds, "dtypes": sorted({str(p.dtype) for p in params}),
                "trained_params": run.adapters.parameter_count(), "tensors": len(params),
                "trained_tensors": sum(int(bool(torch.any(p != 0))) for p in params),
-               "most_gradients_alive": run.trainer.optimizer.most_gradients_alive}
+               "most_gradients_alive": run.trainer.optimizer.most_gradients_alive,
+               "param_devices": sorted({p.device.type for p in params})}
     run.release()
     del run
     gc.collect()
@@ -207,18 +208,20 @@ def run(size: int = 64) -> dict:
     return report
 
 
-def run_lean(arch: str, depth: int | None = None, size: int = 64) -> dict:
+def run_lean(arch: str, depth: int | None = None, size: int = 64, trained_weights: str = "device") -> dict:
     """The lean full fine-tune alone on a whole model (`--lean sdxl`: SDXL at full size, 2.6 B weights, every one of
     its Linear and Conv2d layers inside the blocks trained): policy fused_backward, LoRA Config full_precision
     bf16_stochastic, Adafactor; two steps, the second's peak (weights + RSS growth) against the planner's step.
-    In the real-size tier (tests/realsize/test_full_finetune_pieces.py) and docs/BENCHMARKS.md."""
+    `trained_weights` host: the difference and the optimizer state in host RAM (policy trained_weights host,
+    optimizer_state cpu); on a CPU the device is the host, so the planned step is the device's plus the host RAM the
+    plan adds in it. In the real-size tier (tests/realsize/test_full_finetune_pieces.py) and docs/BENCHMARKS.md."""
     import realsize_models as R
     from headroom.nodes import cache as cache_nodes, data as data_nodes, train_lora as T
     from headroom.nodes.bridge.planning import describe_comfy_model, lora_trainable
     from headroom.training.memory import planner
     from headroom.training.memory.policy import OffloadPolicy
 
-    report = {"arch": arch, "depth": depth, "size": size, "phases": []}
+    report = {"arch": arch, "depth": depth, "size": size, "trained_weights": trained_weights, "phases": []}
     with W.Peak() as peak:
         model, clip, vae = R.build_family(arch, depth, 2, 0)
     report["phases"].append(peak.record("build (realsize_models)"))
@@ -236,7 +239,8 @@ def run_lean(arch: str, depth: int | None = None, size: int = 64) -> dict:
         config = T.HeadroomLoraConfig.execute("full", 16, 16.0, "all_layers", False, 0.0, 0,
                                               full_precision="bf16_stochastic").args[0]
         optimizer = T.HeadroomOptimizerConfig.execute("Adafactor", 1e-6, 0.0, "constant", 0, 100).args[0]
-        policy = OffloadPolicy(fused_backward=True)
+        policy = OffloadPolicy(fused_backward=True, **({} if trained_weights == "device" else dict(
+            optimizer_state="cpu", trained_weights="host")))
         report["baseline_rss_bytes"] = W.rss()
         report.update(train_two_steps(model, latents, texts, config, optimizer, f"realsize_full_lean_{arch}", policy,
                                       report))
@@ -244,10 +248,12 @@ def run_lean(arch: str, depth: int | None = None, size: int = 64) -> dict:
     description = describe_comfy_model(model, config, "fp32", tokens)
     trainable = lora_trainable(model, config, "Adafactor")
     plan = planner.estimate(description, trainable, planner.RunShape(1, size, size, tokens),
-                            OffloadPolicy(checkpointing="blocks", fused_backward=True))
+                            policy.replace(checkpointing="blocks"))
     step = next(p for p in plan.phases if p.phase == "training step")
-    report.update(planned_params=trainable.param_count, planned_training_bytes=step.total,
-                  planned_training_items=dict(step.items))
+    host_added = plan.host_added.get("training step", {}) if trained_weights == "host" else {}
+    report.update(planned_params=trainable.param_count, planned_training_bytes=step.total + sum(host_added.values()),
+                  planned_device_bytes=step.total, planned_training_items=dict(step.items),
+                  planned_host_added_items=dict(host_added))
     return report
 
 
@@ -258,11 +264,13 @@ def main() -> None:
     parser.add_argument("--lean", metavar="ARCH", help="only the lean full fine-tune of this whole model (run_lean)")
     parser.add_argument("--depth", type=int, default=None, help="--lean: the model's blocks at real width (default: "
                         "all of them; realsize_models.build_model)")
+    parser.add_argument("--trained-weights", choices=("device", "host"), default="device",
+                        help="--lean: the Offload Policy's trained_weights (host: with optimizer_state cpu)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     W.setup()
     started = time.perf_counter()
-    report = run_lean(args.lean, args.depth) if args.lean else run()
+    report = run_lean(args.lean, args.depth, trained_weights=args.trained_weights) if args.lean else run()
     report["seconds"] = time.perf_counter() - started
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

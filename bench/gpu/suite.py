@@ -5,7 +5,8 @@ Runs ComfyUI in-process and drives Headroom's node classes as a workflow runs th
 own classes with random bf16 weights (tests/realsize_models.py: nothing is downloaded). Per model: the resident run
 and the planner's auto policy for each budget (6, 8, 12, 16, 24 GiB), each budget emulated on the large card with
 torch.cuda.set_per_process_memory_fraction(budget / card total). Then ComfyUI's own TrainLoraNode on SDXL and
-Flux-dev (offloading off / on), full fine-tunes of SD3.5-Large and Flux-dev fitted to 24 and 48 GB cards (FULL_CARDS),
+Flux-dev (offloading off / on), full fine-tunes of SD3.5-Large and Flux-dev fitted to 16, 24 and 48 GB cards (FULL_CARDS;
+16 GB: SD3.5-Large's trained weights in host RAM, as the planner chooses them),
 the CUDA-marked tests and, last, each named policy (POLICIES) as given on Flux-dev, SDXL and SD3.5-Large. LoRA rank 16, batch 1, 1024 px (Wan: 832x480, 33 frames).
 
 The caches are in memory (tests/memory_caches.py): random latents of the model's latent format and random
@@ -87,7 +88,7 @@ POLICIES = {
 POLICY_MODELS = ("flux_dev", "sdxl", "sd35_large")
 # Full fine-tunes (issue 27) fitted by the planner to these cards, GiB: the SD3.5 Large template's 24 GB and a larger one.
 FULL_MODELS = ("sd35_large", "flux_dev")
-FULL_CARDS = (24, 48)
+FULL_CARDS = (16, 24, 48)
 
 
 def plan(models: list[str], budgets: list[float], policies: list[str], full_cards: tuple[float, ...] = FULL_CARDS

@@ -21,6 +21,8 @@ import comfy.patcher_extension
 import comfy.utils
 
 from ...training.core.adapters import AdapterConfig, AdapterSet
+from ...training.memory import trained_weights_on_host
+from ...training.memory.trained_weights_on_host import trained_weights_device
 from ...training.core.lora_extract import extract_from_differences
 from ...training.data.files import save_safetensors
 from ...training.core.optimizers import OptimizerConfig
@@ -43,13 +45,14 @@ REFERENCES = ("none", "control latents")
 
 
 # --- adapters on a clone ----------------------------------------------------------------------------------
-def attach_with_injection(patcher, adapters: AdapterSet) -> None:
-    """Make ComfyUI attach `adapters` whenever it loads `patcher` (a clone), and detach on unload."""
+def attach_with_injection(patcher, adapters: AdapterSet, home=None) -> None:
+    """Make ComfyUI attach `adapters` whenever it loads `patcher` (a clone), and detach on unload. `home`: where the
+    trained weights live (default the load device; host RAM: memory/trained_weights_on_host.py)."""
 
     def inject(mp):
         root = mp.model.diffusion_model
         # The load device, where ComfyUI computes (weights of a partially loaded model are cast there too).
-        adapters.to(mp.load_device)
+        adapters.to(mp.load_device if home is None else home)
         if adapters.attached_to is not root:
             adapters.detach()
             adapters.attach(root)
@@ -153,13 +156,16 @@ class LoraTraining:
         with run.placement.low_bit_storage():  # the adapters are built on the low-bit layers they will wrap
             paths = families.lora_targets(diffusion_model, config.family, config.adapter,
                                           [n for n, _ in model_blocks(diffusion_model)])
-            self.adapters = AdapterSet(diffusion_model, paths, config.adapter, device=patcher.load_device)
+            trained_weights_on_host.check_kind(run.policy, config.adapter.kind)
+            # The compute device, or host RAM (trained_weights host: each layer crosses to the card when it runs).
+            home = trained_weights_device(run.policy, patcher.load_device)
+            self.adapters = AdapterSet(diffusion_model, paths, config.adapter, device=home)
         if config.adapter.init_lora:  # a resumed run's checkpoint replaces these (Trainer.resume)
             self.adapters.start_from(read_lora_file(run.source_model, config.adapter.init_lora, config.adapter.kind),
                                      f"LoRA file {config.adapter.init_lora}")
         # Small: lives on the compute device from the start, so resumed optimizer state lands there too.
-        self.adapters.to(patcher.load_device)
-        attach_with_injection(patcher, self.adapters)
+        self.adapters.to(home)
+        attach_with_injection(patcher, self.adapters, home)
         options = {"prior": self.prior}
         latent_cache = run.latent_cache
         extras = []
@@ -193,6 +199,8 @@ class LoraTraining:
         on the device (the planner's model of it; sharded over the ranks: this rank's share)."""
         weights = sum(p.numel() * p.element_size() for p in trainer.params)
         gradients = 0 if trainer.policy.fused_backward else weights
+        if trainer.policy.trained_weights == "host":  # one layer at a time crosses to the card: nothing kept there
+            weights = 0
         spec = dataclasses.replace(planner.TrainableSpec.from_parameters(trainer.params, trainer.optimizer_config.name),
                                    state_ranks=trainer.state_ranks)
         state = 0 if trainer.policy.optimizer_state == "cpu" else spec.optimizer_share_bytes()

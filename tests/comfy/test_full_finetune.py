@@ -188,6 +188,42 @@ def test_fused_backward_trains_the_weights_of_the_plain_step(comfyui):
     assert on_host.trainer.optimizer.state_on_host
 
 
+def test_trained_weights_in_host_ram_train_the_weights_of_the_fused_host_step(comfyui):
+    """The Offload Policy's trained_weights host: the differences are made in host RAM and stay there whenever ComfyUI
+    loads the model (each layer's copy crosses to the compute device when it runs: on this CPU both are the host;
+    tests/unit/test_trained_weights_on_host.py runs the crossing on CUDA); the run tells ComfyUI it keeps no trained
+    weight on the device, trains the weights of the same run with them on the device, validates, and a run saved with
+    them on the device resumes with them in host RAM. An adapter run refuses it, naming the Init node."""
+    from headroom.nodes import train_lora as T
+
+    model, clip, vae, latents, texts = _data("sd15")
+    common = dict(kind="full", targets="all_layers", lr=1e-3, max_grad_norm=0.0)
+    host_state = _fused_policy(optimizer_state="cpu")
+    on_device = _init(model, latents, texts, "full_weights_device", policy=host_state, **common)
+    on_host = _init(model, latents, texts, "full_weights_host", policy=host_state.replace(trained_weights="host"),
+                    **common)
+    with torch.inference_mode():
+        for run in (on_device, on_host):
+            T.HeadroomTrainSteps.execute(run, 3)
+        images = T.HeadroomValidate.execute(on_host, clip=clip, vae=vae, prompts="a green cross", negative="",
+                                            loss_timesteps=1, **SAMPLING).args[0]
+    assert images.shape[0] == 1 and torch.isfinite(images).all()
+    assert all(p.device.type == "cpu" and p.is_pinned() == torch.cuda.is_available()
+               for p in on_host.adapters.parameters())
+    a, b = on_device.adapters.state_dict(), on_host.adapters.state_dict()
+    assert any(torch.any(v != 0) for v in b.values()) and all(torch.equal(a[k], b[k]) for k in a)
+    assert on_device.trainer.loss_history == on_host.trainer.loss_history
+    weights = sum(p.numel() * p.element_size() for p in on_host.trainer.params)
+    assert on_device.trained.device_extra_bytes(on_device.trainer) - on_host.trained.device_extra_bytes(
+        on_host.trainer) == weights
+    with torch.inference_mode():  # saved with the weights on the device, resumed with them in host RAM
+        resumed = _init(model, latents, texts, "full_weights_device", policy=host_state.replace(trained_weights="host"),
+                        **common)
+    assert resumed.trainer.step == 3 and all(torch.equal(a[k], v) for k, v in resumed.adapters.state_dict().items())
+    with pytest.raises(ValueError, match="HeadroomTrainLoraInit: trained_weights 'host' .* this run trains a lora"):
+        _init(model, latents, texts, "lora_weights_host", policy=host_state.replace(trained_weights="host"))
+
+
 def test_bf16_difference_with_stochastic_rounding_learns_and_resumes_exactly(comfyui):
     """full_precision bf16_stochastic: the difference is bf16 (half the memory), each update rounded stochastically
     in the fused step; it learns like the fp32 run, and a resumed run continues the rounding noise exactly."""

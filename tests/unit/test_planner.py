@@ -561,6 +561,53 @@ def test_full_finetune_options_cost_what_they_keep():
 
 
 
+def test_trained_weights_in_host_ram_leave_one_layer_on_the_card_and_the_planner_picks_them_last():
+    """trained_weights host (memory/trained_weights_on_host.py): the difference moves from the card to host RAM (the
+    run allocates it there: in both phases), the card keeps the largest layer's copy as it crosses and its gradient
+    in the compute dtype, and fused backward's gradient accumulates in host RAM. The auto planner tries it for a full
+    fine-tune with fused backward, after every placement with the weights on the card (their traffic is slower),
+    before a low-bit base (which changes the numerics); an adapter run never gets it."""
+    d = toy_description()
+    shapes = ((3072, 3072), (12288, 3072), (3072,)) * 4
+    n, largest = sum(math.prod(s) for s in shapes), 12288 * 3072
+    full = TrainableSpec(shapes, "AdamW", element_size=2, full=True)
+    fused_host_state = OffloadPolicy(fused_backward=True, optimizer_state="cpu")
+    device = estimate(d, full, SHAPE, fused_host_state)
+    host = estimate(d, full, SHAPE, fused_host_state.replace(trained_weights="host"))
+    items = host.phase("training step").items
+    assert "trainable weights (bf16)" not in items and "one tensor's gradient (fused backward)" not in items
+    assert items["one layer's trained weights + gradient in flight (trained weights in host RAM)"] == largest * (2 + 2)
+    assert "adapter weights (bf16)" not in host.phase("validation").items
+    assert host.host_bytes["trained weights (bf16, in host RAM)"] == 2 * n
+    for phase in ("training step", "validation"):
+        assert host.host_added[phase]["trained weights (bf16, in host RAM)"] == 2 * n
+    assert host.host_added["training step"]["one tensor's gradient (fused backward, in host RAM)"] == 2 * largest
+    saved = device.phase("training step").total - host.phase("training step").total
+    assert 2 * n - 6 * largest < saved < 2 * n  # the difference off the card, one layer's in flight
+    assert "trained weights in host RAM" in host.summary()
+
+    # auto: a budget no placement with the weights on the card fits, and one with them in host RAM does (the base as
+    # loaded: before a low-bit base)
+    candidates = planner.candidate_policies(OffloadPolicy(fused_backward=True), None, trained_weights_host=True)
+    smallest = {place: min(estimate(d, full, SHAPE, p).peak_bytes for p in candidates if p.trained_weights == place)
+                for place in ("device", "host")}
+    assert smallest["host"] < smallest["device"]
+    budget = (smallest["host"] + smallest["device"]) // 2
+    chosen = planner.plan_auto(d, full, SHAPE, OffloadPolicy(fused_backward=True), budget)
+    assert chosen.fits and chosen.policy.trained_weights == "host" and chosen.policy.base_storage == "as_loaded"
+    assert chosen.policy.optimizer_state == "cpu" and "trained weights host" not in chosen.reason
+    places = [p.trained_weights for p in candidates]
+    assert places == sorted(places, key=["device", "host"].index) and "host" in places  # the card's first
+    assert all(p.optimizer_state == "cpu" for p in candidates if p.trained_weights == "host")
+    # not for an adapter, nor without fused backward: they keep their weights on the card whatever the budget
+    for trainable, base in ((dataclasses.replace(full, full=False), OffloadPolicy(fused_backward=True)),
+                            (full, OffloadPolicy())):
+        assert planner.plan_auto(d, trainable, SHAPE, base, budget).policy.trained_weights == "device"
+    # a policy that asks for them keeps them, whatever else the planner changes
+    kept = planner.plan_auto(d, full, SHAPE, fused_host_state.replace(trained_weights="host"), 100 * GIB)
+    assert kept.policy.trained_weights == "host"
+
+
 def test_sharded_optimizer_state_costs_a_rank_its_share_and_rank_0_the_gathered_copy():
     from headroom.training.memory import sharded_optimizer
     from headroom.training.memory.policy import OffloadPolicy

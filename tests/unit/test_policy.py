@@ -194,8 +194,10 @@ def test_every_field_carries_its_node_input_and_the_node_defaults_give_the_defau
         assert spec.field_value(node_default) == f.default, name
         if spec.kind == "combo":
             assert f.default in spec.options, name
-            for option in spec.options:  # every option is a valid value on its own
-                OffloadPolicy.from_node_inputs({**{n: d for n, _, d in inputs}, name: option,
+            # every option is a valid value, with the settings it needs (trained weights in host RAM: a host step)
+            needs = {"trained_weights": {"fused_backward": True, "optimizer_state": "cpu"}}.get(name, {})
+            for option in spec.options:
+                OffloadPolicy.from_node_inputs({**{n: d for n, _, d in inputs}, **needs, name: option,
                                                 "checkpointing": option if name == "checkpointing" else "blocks"})
             with pytest.raises(PolicyError, match=name):
                 OffloadPolicy.from_node_inputs({**{n: d for n, _, d in inputs}, name: "no-such-option"})
@@ -208,3 +210,16 @@ def test_every_field_carries_its_node_input_and_the_node_defaults_give_the_defau
     assert type(policy.vram_budget_gb) is float and type(policy.checkpoint_depth) is int
     with pytest.raises(PolicyError, match="unknown \\['typo'\\], missing \\['encoders'\\]"):
         OffloadPolicy.from_node_inputs({**{n: d for n, d in node.items() if n != "encoders"}, "typo": 1})
+
+
+def test_trained_weights_in_host_ram_need_the_host_step():
+    """trained_weights host steps each tensor in host RAM inside backward: without fused backward and the optimizer
+    state on the host the policy says what to set; a saved policy without the field keeps its weights on the card."""
+    for fields in ({}, {"fused_backward": True}, {"optimizer_state": "cpu"}):
+        with pytest.raises(PolicyError, match="trained_weights 'host'.*needs fused_backward on and optimizer_state 'cpu'"):
+            OffloadPolicy(trained_weights="host", **fields)
+    policy = OffloadPolicy(trained_weights="host", fused_backward=True, optimizer_state="cpu")
+    assert OffloadPolicy.from_json(policy.to_json()) == policy and "trained weights in host RAM" in policy.describe()
+    saved = policy.to_dict()
+    del saved["trained_weights"]
+    assert OffloadPolicy.from_dict(saved).trained_weights == "device"

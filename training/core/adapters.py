@@ -28,6 +28,7 @@ from peft.tuners.lora import layer as lora_layer
 from peft.tuners.tuners_utils import BaseTunerLayer
 
 from ..checks import check_finite
+from ..memory.trained_weights_on_host import host_tensor, to_compute
 
 KINDS = ("lora", "dora", "loha", "lokr", "oft", "full")
 FULL_PRECISIONS = ("fp32", "bf16_stochastic")
@@ -234,10 +235,13 @@ class FullLayer(torch.nn.Module):
         else:
             shape = (base.out_features, base.in_features)
         # Made where they will live (`device`): a model-sized difference built in host RAM first would need that much
-        # host RAM for a moment on its way to the card.
-        self.full_weight = torch.nn.Parameter(torch.zeros(shape, dtype=dtype, device=device))
+        # host RAM for a moment on its way to the card. In host RAM (memory/trained_weights_on_host.py): pinned where
+        # a CUDA device will read it, and each product copies it to the input's device.
+        zeros = host_tensor if device is not None and torch.device(device).type == "cpu" else (
+            lambda size, dtype: torch.zeros(size, dtype=dtype, device=device))
+        self.full_weight = torch.nn.Parameter(zeros(shape, dtype))
         has_bias = getattr(base, "bias", None) is not None
-        self.full_bias = torch.nn.Parameter(torch.zeros(shape[0], dtype=dtype, device=device)) if has_bias else None
+        self.full_bias = torch.nn.Parameter(zeros((shape[0],), dtype)) if has_bias else None
 
     def get_base_layer(self) -> torch.nn.Module:
         return self.base_layer
@@ -251,7 +255,8 @@ class FullLayer(torch.nn.Module):
 
 class _CastDifference(torch.autograd.Function):
     """The difference's product with the layer input (F.linear, or F.conv2d with `conv` = (stride, padding, dilation,
-    groups)), the difference cast to the input's dtype for the product only.
+    groups)), the difference cast to the input's dtype (and copied to its device: a difference in host RAM,
+    memory/trained_weights_on_host.py) for the product only.
 
     Written by hand because torch's own linear / conv keep the cast copy they multiply with until backward: with the
     difference in fp32 under bf16 compute (or bf16 under a CPU's fp32) that is a copy of every trained weight in
@@ -262,8 +267,8 @@ class _CastDifference(torch.autograd.Function):
     def forward(ctx, x, weight, bias, conv):
         ctx.save_for_backward(x, weight)
         ctx.conv, ctx.bias_dtype = conv, None if bias is None else bias.dtype
-        cast = weight.to(x.dtype)
-        cast_bias = None if bias is None else bias.to(x.dtype)
+        cast = to_compute(weight, x)
+        cast_bias = None if bias is None else to_compute(bias, x)
         if conv is None:
             return torch.nn.functional.linear(x, cast, cast_bias)
         return torch.nn.functional.conv2d(x, cast, cast_bias, *conv)
@@ -272,7 +277,7 @@ class _CastDifference(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         x = x.to(grad.dtype)
-        cast = weight.to(grad.dtype)
+        cast = to_compute(weight, grad)
         grad_x = grad_weight = grad_bias = None
         if ctx.conv is None:
             rows = grad.reshape(-1, grad.shape[-1])
@@ -289,8 +294,9 @@ class _CastDifference(torch.autograd.Function):
                 grad_weight = torch.nn.grad.conv2d_weight(x, cast.shape, grad, *ctx.conv)
             if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
                 grad_bias = grad.sum((0, 2, 3))
-        return (grad_x, None if grad_weight is None else grad_weight.to(weight.dtype),
-                None if grad_bias is None else grad_bias.to(ctx.bias_dtype), None)
+        # In the weight's dtype, on its device (a host difference's gradient crosses back here).
+        return (grad_x, None if grad_weight is None else grad_weight.to(device=weight.device, dtype=weight.dtype),
+                None if grad_bias is None else grad_bias.to(device=weight.device, dtype=ctx.bias_dtype), None)
 
 
 def _float32(value: float) -> float:

@@ -29,6 +29,7 @@ from ..checks import check_finite
 from .objective import Objective, ObjectiveConfig, SamplingDescriptor, step_seed
 from ..memory import sharded_optimizer
 from ..memory.fused_backward import FusedBackward
+from ..memory import trained_weights_on_host
 from ..memory.optimizer_parking import HostOptimizer, parked
 from .optimizers import OptimizerConfig, create_optimizer, create_scheduler, current_lr
 from ..memory.policy import OffloadPolicy, memory_features
@@ -196,6 +197,7 @@ class Trainer:
             raise ValueError("prior images are for LoRA runs: a ControlNet run's items carry control images")
         self._prior = _Batches(prior[0], prior[1], range(len(prior[0])), config) if prior is not None else None
         self.params = list(trainable.parameters())
+        trained_weights_on_host.check_kind(self.policy, getattr(getattr(trainable, "config", None), "kind", None))
         # Data parallelism when a process group is running (training/core/distributed.py); None: one rank.
         self.parallel = DataParallel.current()
         # At most this many items per forward / backward on a rank (None: a rank's whole share of the batch at once):

@@ -200,16 +200,21 @@ class _Schedules:
 
 
 def gradients_cost(param_shapes: Sequence[Sequence[int]], grad_element_size: int, fused: bool,
-                   state_on_host: bool = False) -> FeatureCost:
+                   state_on_host: bool = False, weights_on_host: bool = False) -> FeatureCost:
     """Bytes of the trained tensors' gradients in a training step (the gradient has the weight's dtype): all of them
     on the device, or with fused backward the largest tensor's (the one being stepped), and the fp32 copy of that
-    tensor and its gradient the optimizer steps (bf16 weights, or the state in host RAM: there, beside it)."""
+    tensor and its gradient the optimizer steps (bf16 weights, or the state in host RAM: there, beside it).
+    `weights_on_host` (trained_weights_on_host.py): that gradient accumulates on the host weight."""
     sizes = [int(torch.Size(shape).numel()) for shape in param_shapes]
     dtype = {4: "fp32", 2: "bf16"}.get(grad_element_size, f"{grad_element_size}-byte")
     if not fused:
         return FeatureCost(training={f"gradients ({dtype})": sum(sizes) * grad_element_size})
     largest = max(sizes, default=0)
-    cost = FeatureCost(training={"one tensor's gradient (fused backward)": largest * grad_element_size})
+    cost = FeatureCost()
+    if weights_on_host:
+        cost.host_added_training["one tensor's gradient (fused backward, in host RAM)"] = largest * grad_element_size
+    else:
+        cost.training["one tensor's gradient (fused backward)"] = largest * grad_element_size
     if state_on_host:
         cost.host_added_training["one tensor's fp32 copy + gradient in its step"] = 8 * largest
     elif grad_element_size != 4:

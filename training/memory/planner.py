@@ -36,7 +36,7 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 from . import (activation_offload, checkpointing, fused_backward, host_ram, lowbit, optimizer_parking,
-               sharded_optimizer, weight_streaming)
+               sharded_optimizer, trained_weights_on_host, weight_streaming)
 from .cost import FeatureCost
 from .host_ram import HostRoom
 from .memory_stats import format_bytes
@@ -167,6 +167,7 @@ class TrainableSpec:
     element_size: int = 4  # bytes per trained weight: 4 (fp32), 2 (a full fine-tune's bf16 difference)
     # Ranks the optimizer state is sharded over (sharded_optimizer.py: a full fine-tune on several devices); 1: whole.
     state_ranks: int = 1
+    full: bool = False  # a full fine-tune's differences (their weights may live in host RAM: trained_weights_on_host.py)
 
     @property
     def param_count(self) -> int:
@@ -195,9 +196,12 @@ class TrainableSpec:
         return [_optimizer_state_bytes(self.optimizer, s) for s in self.shapes]
 
     @classmethod
-    def from_parameters(cls, params: Iterable[torch.Tensor], optimizer: str = "AdamW", ema: bool = False
-                        ) -> "TrainableSpec":
-        return cls(tuple(tuple(p.shape) for p in params), optimizer, ema)
+    def from_parameters(cls, params: Iterable[torch.Tensor], optimizer: str = "AdamW", ema: bool = False,
+                        full: bool = False) -> "TrainableSpec":
+        """The tensors a run trains (bf16 when every one is: a full fine-tune's bf16 difference)."""
+        params = list(params)
+        element_size = 2 if params and all(p.dtype == torch.bfloat16 for p in params) else 4
+        return cls(tuple(tuple(p.shape) for p in params), optimizer, ema, element_size=element_size, full=full)
 
     @classmethod
     def lora(cls, targets: Iterable[torch.nn.Module], rank: int, optimizer: str = "AdamW") -> "TrainableSpec":
@@ -225,7 +229,7 @@ class TrainableSpec:
                 out = module.out_features
             if getattr(module, "bias", None) is not None:
                 shapes.append((out,))
-        return cls(tuple(shapes), optimizer, element_size=element_size)
+        return cls(tuple(shapes), optimizer, element_size=element_size, full=True)
 
 
 def optimizer_placement_cost(policy: OffloadPolicy, trainable: TrainableSpec) -> FeatureCost:
@@ -330,7 +334,8 @@ class Plan:
         if streamed:
             base += f" ({format_bytes(streamed)} of blocks streamed from host RAM)"
         checkpoint = "no checkpointing" if p.checkpointing == "off" else f"checkpointing {p.checkpointing}"
-        text = (f"{base}, {checkpoint}, optimizer state on {p.optimizer_state}; planned peak "
+        trained = ", trained weights in host RAM" if p.trained_weights == "host" else ""
+        text = (f"{base}, {checkpoint}, optimizer state on {p.optimizer_state}{trained}; planned peak "
                 f"{format_bytes(self.peak_bytes)} ({self.peak.phase})")
         if self.budget_bytes is not None:
             text += f", budget {format_bytes(self.budget_bytes)}"
@@ -414,17 +419,20 @@ def estimate(description: ModelDescription, trainable: TrainableSpec, shape: Run
     in_flight = lowbit.weight_in_flight(storage, description.weight_copy_in_flight_bytes,
                                         description.largest_linear_numel, description.compute_element_size)
 
+    weights_on_host = policy.trained_weights == "host"
+    trained = trained_weights_on_host.trained_weights_cost(trainable.shapes, trainable.element_size,
+                                                           description.compute_element_size, weights_on_host)
     gradients = fused_backward.gradients_cost(trainable.shapes, trainable.element_size, policy.fused_backward,
-                                              state_on_host=policy.optimizer_state == "cpu")
-    trainables = {f"trainable weights ({trainable.dtype_name})": trainable.weight_bytes(), **gradients.training,
-                  **parking.training}
+                                              state_on_host=policy.optimizer_state == "cpu",
+                                              weights_on_host=weights_on_host)
+    trainables = {**trained.training, **gradients.training, **parking.training}
     activations = {name: value for cost in block_activations for name, value in cost.training.items()}
     activations["saved activations outside the blocks"] = int(outside)
     activations["gradient buffers of one block"] = int(2 * max(inputs, default=0))
     activations["one layer's weight copy in flight (cast / dequantised)"] = int(in_flight)
 
     # Validation (below) keeps the same frozen weights beside the adapter and ComfyUI's sampling working set.
-    sampling = {f"adapter weights ({trainable.dtype_name})": trainable.weight_bytes(), **parking.validation,
+    sampling = {**trained.validation, **parking.validation,
                 "sampling working set (ComfyUI estimate, cond+uncond)": int(
                     description.inference_bytes_per_latent_px * area * 2),
                 "one layer's weight copy in flight (cast / dequantised)": int(in_flight),
@@ -452,7 +460,7 @@ def estimate(description: ModelDescription, trainable: TrainableSpec, shape: Run
     validation_device = description.other_param_bytes + weight_streaming.resident_block_bytes(
         weight_streaming.validation_placement(policy.base_placement, device_budget is not None), block_weights, validation_rest,
         device_budget)
-    features: list[FeatureCost] = [parking, gradients, *block_activations, placement]
+    features: list[FeatureCost] = [trained, parking, gradients, *block_activations, placement]
     host = {name: value for cost in features for name, value in cost.host.items()}  # in host RAM instead
     notes = [note for cost in features for note in cost.training_notes]
 
@@ -504,20 +512,33 @@ def estimate(description: ModelDescription, trainable: TrainableSpec, shape: Run
 
 
 # --- choosing a policy ------------------------------------------------------------------------------------
-def candidate_policies(base: OffloadPolicy, storages: Sequence[str] | None = None) -> list[OffloadPolicy]:
+def candidate_policies(base: OffloadPolicy, storages: Sequence[str] | None = None,
+                       trained_weights_host: bool = False) -> list[OffloadPolicy]:
     """Every valid policy variant of `base`, fastest first: resident > partial > streamed, then no
     checkpointing > checkpointing > offloaded checkpointing, then optimizer on the device > host;
-    with `storages`, each further storage (precision change) after all variants of the previous one."""
+    `trained_weights_host` (a full fine-tune with fused backward): then the same with the trained weights in host
+    RAM (slower: their traffic every step); with `storages`, each further storage (precision change) after all
+    variants of the previous one. A `base` with its trained weights in host RAM keeps them there."""
+    places = ["host"] if base.trained_weights == "host" else ["device"] + (["host"] if trained_weights_host else [])
     result = []
     for storage in storages or [base.base_storage]:
-        for placement in PLACEMENTS:
-            for activations in CHECKPOINTING:
-                if placement != "resident" and activations == "off":
-                    continue  # invalid: see OffloadPolicy.validate
-                for optimizer_state in OPTIMIZER_STATES:
-                    result.append(base.replace(base_storage=storage, base_placement=placement,
-                                               checkpointing=activations, optimizer_state=optimizer_state))
+        for place in places:
+            for placement in PLACEMENTS:
+                for activations in CHECKPOINTING:
+                    if placement != "resident" and activations == "off":
+                        continue  # invalid: see OffloadPolicy.validate
+                    for optimizer_state in OPTIMIZER_STATES:
+                        if place == "host" and optimizer_state != "cpu":
+                            continue  # invalid: trained_weights_on_host.problem
+                        result.append(base.replace(base_storage=storage, base_placement=placement,
+                                                   checkpointing=activations, optimizer_state=optimizer_state,
+                                                   trained_weights=place))
     return result
+
+
+def _streams_trained_weights(trainable: TrainableSpec, base: OffloadPolicy) -> bool:
+    """Whether the planner may put the trained weights in host RAM: a full fine-tune with fused backward on."""
+    return trainable.full and base.fused_backward
 
 
 def plan_auto(description: ModelDescription, trainable: TrainableSpec, shape: RunShape, base: OffloadPolicy,
@@ -530,11 +551,12 @@ def plan_auto(description: ModelDescription, trainable: TrainableSpec, shape: Ru
     """
     storages = [base.base_storage] + [s for s in ("fp8", "int8", "nf4") if s != base.base_storage and base.base_storage == "as_loaded"]
     tried: list[Plan] = []
-    for policy in candidate_policies(base, storages):
+    for policy in candidate_policies(base, storages, _streams_trained_weights(trainable, base)):
         plan = estimate(description, trainable, shape, policy, budget_bytes, host_room)
         if plan.fits:
             faster = [f"{p.policy.base_placement}/{p.policy.checkpointing}/optimizer {p.policy.optimizer_state}"
                       f"{'' if p.policy.base_storage == policy.base_storage else '/' + p.policy.base_storage}"
+                      + ("/trained weights host" if p.policy.trained_weights == "host" else "")
                       + (f" needs {format_bytes(p.peak_bytes)} ({p.peak.phase})" if not p.device_fits else
                          f" adds {format_bytes(p.host_added_bytes)} of host RAM")
                       for p in tried[:3] + [p for p in tried[3:] if p.device_fits][:3]]  # + those host RAM ruled out
@@ -567,7 +589,7 @@ def next_smaller_policy(description: ModelDescription, trainable: TrainableSpec,
     least 10 % below `current`'s (a smaller step would likely fail again), or None when none is."""
     current_peak = estimate(description, trainable, shape, current, budget_bytes).peak_bytes
     storages = [current.base_storage] + [s for s in ("fp8", "int8", "nf4") if s != current.base_storage and current.base_storage == "as_loaded"]
-    candidates = candidate_policies(current, storages)
+    candidates = candidate_policies(current, storages, _streams_trained_weights(trainable, current))
     start = next((i for i, p in enumerate(candidates) if p == current), -1) + 1
     for policy in candidates[start:]:
         plan = estimate(description, trainable, shape, policy, budget_bytes)

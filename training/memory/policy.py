@@ -17,6 +17,8 @@ optimizer state sits. One policy serves the whole run (caching, training, valida
 - optimizer_state: "gpu" or "cpu" (the optimizer steps fp32 host copies, see optimizer_parking.py).
 - park_optimizer_during_validation: optimizer state and gradients go to host RAM while validating.
 - fused_backward: each trained tensor is stepped inside backward and its gradient freed (fused_backward.py).
+- trained_weights: "device" or "host" (a full fine-tune's trained weights in host RAM, streamed through the card
+  layer by layer; needs fused_backward and optimizer_state "cpu": trained_weights_on_host.py).
 - vae_tiled_decode: "auto" (tiled when the VAE plus a full decode would not fit the budget), "on", "off" (the
   stock full decode, which ComfyUI itself retries in tiles after an out-of-memory error).
 - encoders: "unload_after_use" (text encoders and VAE are loaded for caching / validation only) or
@@ -46,6 +48,7 @@ from .activation_offload import enable_offloaded_checkpointing
 from .checkpointing import inplace_depth_problem, wrap_blocks
 from .host_ram import HOST_RESERVE_BYTES
 from ..checks import check_finite
+from .trained_weights_on_host import PLACES as TRAINED_WEIGHTS, problem as trained_weights_problem
 from .weight_streaming import BasePlacement, WeightStreamer, base_placement
 
 PLACEMENTS = ("resident", "partial", "streamed")
@@ -82,6 +85,7 @@ class NodeInput:
     step: float | None = None
     zero_means: str | None = None
     optional: bool = False  # appended after workflows were saved: absent from them, the field's default applies
+    advanced: bool = False  # folded behind the node's advanced inputs (V3 `advanced`): expert settings
 
     def node_default(self, field_default: Any) -> Any:
         return 0.0 if self.zero_means is not None and field_default == self.zero_means else field_default
@@ -158,6 +162,13 @@ class OffloadPolicy:
         "a full set of gradients never exists (full fine-tuning: 2-4 bytes per trained weight saved). Gradient "
         "clipping then applies to each tensor on its own; needs grad_accumulation 1, one device and a precision "
         "other than fp16. With optimizer_state cpu each tensor is stepped in host RAM, where its state lives."))
+    # Appended last, default device: a workflow saved before it existed trains exactly as it did.
+    trained_weights: str = _field("device", NodeInput(
+        "combo", options=TRAINED_WEIGHTS, optional=True, advanced=True,
+        tooltip="Full fine-tuning: where the trained weights live. device: on the card. host: in host RAM, each layer "
+        "copied to the card for its forward and backward, its gradient copied back and stepped in host RAM (needs "
+        "fused_backward on and optimizer_state cpu): the card holds no trained weight, at the cost of that traffic "
+        "every step."))
 
     def __post_init__(self):
         self.validate()
@@ -193,6 +204,9 @@ class OffloadPolicy:
                 f"offload policy: base_placement={self.base_placement!r} needs checkpointing 'blocks' or "
                 "'blocks_cpu_offload': without it backward keeps every block's weights on the device"
             )
+        problem = trained_weights_problem(self)
+        if problem is not None:
+            raise PolicyError(f"offload policy: {problem}")
 
     # --- budget ----------------------------------------------------------------------------------------------
     @property
@@ -274,7 +288,8 @@ class OffloadPolicy:
                 f"{self.checkpointing}{depth}, optimizer state on {self.optimizer_state}"
                 + (", parked during validation" if self.park_optimizer_during_validation else "")
                 + (", encoders kept loaded" if self.encoders == "keep_loaded" else "")
-                + (", fused backward" if self.fused_backward else ""))
+                + (", fused backward" if self.fused_backward else "")
+                + (", trained weights in host RAM" if self.trained_weights == "host" else ""))
 
     # --- JSON ----------------------------------------------------------------------------------------------
     def to_dict(self) -> dict:

@@ -1,0 +1,96 @@
+"""Trained weights in host RAM (training/memory/trained_weights_on_host.py): a full fine-tune's difference lives in
+host RAM, each layer's copy crosses to the compute device for its product and its gradient crosses back, where fused
+backward steps it beside its optimizer state. The weights equal those of the same run with the difference on the
+device (both step in host RAM: optimizer_state cpu). On a CPU both homes are the host; the CUDA test runs the
+crossing itself (the GPU kit's CUDA step)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from headroom.training.core.adapters import AdapterConfig, AdapterSet
+from headroom.training.core.optimizers import OptimizerConfig, create_optimizer, create_scheduler
+from headroom.training.memory.fused_backward import FusedBackward
+from headroom.training.memory.policy import OffloadPolicy
+from headroom.training.memory.trained_weights_on_host import check_kind, trained_weights_device
+
+PATHS = ["0", "2", "4"]
+
+
+def _base(device, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 256), torch.nn.GELU(), torch.nn.Linear(256, 256), torch.nn.GELU(),
+                                torch.nn.Linear(256, 8)).to(device)
+    return model.requires_grad_(False)
+
+
+def _train(device, home, precision: str = "fp32", steps: int = 4):
+    """A full fine-tune of every Linear of a small model computing on `device`, its difference made in `home`, stepped
+    by fused backward with the state in host RAM; returns (the adapter set, the fused optimizer)."""
+    model = _base(device)
+    adapters = AdapterSet(model, PATHS, AdapterConfig(kind="full", full_precision=precision), device=home)
+    adapters.attach(model)
+    config = OptimizerConfig(name="AdamW", lr=1e-2, schedule="linear", warmup_steps=0, total_steps=10)
+    params = adapters.parameters()
+    fused = FusedBackward(params, lambda group: create_optimizer(group, config, device="cpu"),
+                          lambda opt: create_scheduler(opt, config), bf16_stochastic=precision != "fp32",
+                          state_on_host=True)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x, y = torch.randn(8, 16, generator=generator), torch.randn(8, 8, generator=generator)
+        F.mse_loss(model(x.to(device)), y.to(device)).backward()
+        fused.after_step()
+    return adapters, fused
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16_stochastic"])
+def test_the_weights_of_a_run_with_its_trained_weights_in_host_ram(precision):
+    """On this machine's compute device (the CPU here): the same weights as the difference on the device, the
+    difference and every gradient in host RAM, one gradient alive at a time."""
+    device = torch.device("cpu")
+    on_device, _ = _train(device, device, precision)
+    on_host, fused = _train(device, torch.device("cpu"), precision)
+    a, b = on_device.state_dict(), on_host.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert any(torch.any(v != 0) for v in b.values())  # it trained
+    assert all(p.device.type == "cpu" and p.grad is None for p in on_host.parameters())
+    assert fused.most_gradients_alive == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("precision", ["fp32", "bf16_stochastic"])
+def test_on_cuda_the_difference_crosses_the_card_and_trains_the_same_weights(precision):
+    """On a CUDA device: the difference stays in pinned host RAM, each gradient arrives there, and the weights equal
+    bit for bit those of the run whose difference lives on the card (the same products on the card, the same host
+    step); the card's peak is lower by about the difference."""
+    cuda = torch.device("cuda")
+    torch.cuda.reset_peak_memory_stats()
+    on_device, _ = _train(cuda, cuda, precision)
+    device_peak = torch.cuda.max_memory_allocated()
+    weights = sum(p.numel() * p.element_size() for p in on_device.parameters())
+    on_device_state = {k: v.cpu() for k, v in on_device.state_dict().items()}
+    del on_device
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    on_host, fused = _train(cuda, torch.device("cpu"), precision)
+    host_peak = torch.cuda.max_memory_allocated()
+    assert all(p.device.type == "cpu" and p.is_pinned() for p in on_host.parameters())
+    state = on_host.state_dict()
+    assert all(torch.equal(on_device_state[k], state[k]) for k in state)
+    assert fused.most_gradients_alive == 1
+    print(f"{precision}: peak {device_peak} B with the difference on the card, {host_peak} B in host RAM "
+          f"({weights} B of difference)")
+    assert host_peak < device_peak - weights // 2
+
+
+def test_only_a_full_fine_tune_keeps_its_trained_weights_in_host_ram():
+    host = OffloadPolicy(trained_weights="host", fused_backward=True, optimizer_state="cpu")
+    assert trained_weights_device(host, "cuda:0") == torch.device("cpu")
+    assert trained_weights_device(OffloadPolicy(), "cuda:0") == torch.device("cuda:0")
+    check_kind(host, "full")
+    check_kind(OffloadPolicy(), "lora")
+    for kind, said in (("lora", "a lora"), (None, "a ControlNet")):
+        with pytest.raises(ValueError, match=f"this run trains {said}: set kind full in the LoRA Config, or "
+                                             "trained_weights 'device'"):
+            check_kind(host, kind)

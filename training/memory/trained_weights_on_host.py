@@ -1,0 +1,97 @@
+"""Trained weights in host RAM: a full fine-tune's trained difference lives in host RAM and crosses the card one layer
+at a time (policy field `trained_weights` "host"; needs fused backward and optimizer_state "cpu").
+
+    policy = OffloadPolicy(trained_weights="host", fused_backward=True, optimizer_state="cpu")
+    home = trained_weights_device(policy, compute_device)   # where AdapterSet makes and keeps the differences
+
+What happens per trained layer (adapters.FullLayer / _CastDifference; the ZeRO-Infinity pattern, with torch's own
+autograd doing the moves):
+- forward: the layer's difference is copied host -> device in the compute dtype for its one product, then dropped;
+- backward: copied again (nothing of it is kept between forward and backward), the product's gradient is computed on
+  the card and copied device -> host, where it accumulates on the host parameter;
+- the fused backward hook then steps that tensor in host RAM, where its optimizer state is (fused_backward.py,
+  `state_on_host`), and writes the result into the host difference: nothing of the update goes back to the card.
+So the card holds no trained weight, no gradient and no optimizer state between layers: for SD3.5 Large's 8 B
+trained weights that is 16 GiB (bf16 difference) or 32 GiB (fp32, the exact option) off the card. The cost is
+traffic: per step every trained weight crosses host -> device once per forward (twice with checkpointing: the
+recompute) and once in backward, and its gradient crosses back once; on CUDA the differences are pinned so the
+copies run at the link's full speed (`host_tensor`).
+
+Numerics: the same products in the same dtypes on the same device as with the differences on the card, and the same
+host step as optimizer_state "cpu" with fused backward; so the weights equal those of that run bit for bit
+(tests/unit/test_trained_weights_on_host.py on CUDA; on a CPU both placements are the host and the run is the same).
+
+Why by hand: the difference's product is already a custom autograd Function (adapters._CastDifference, which casts
+rather than keeps a copy); moving its operand across devices there is two `.to` calls. Library offloaders (accelerate
+cpu_offload, diffusers group offloading, DeepSpeed ZeRO-Infinity) move whole modules' parameters and assume they own
+them; here the trained tensors are adapter parameters inside ComfyUI's shared MODEL (see weight_streaming.py).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .cost import FeatureCost
+
+PLACES = ("device", "host")
+_HOST = torch.device("cpu")
+
+
+def trained_weights_device(policy, compute_device: torch.device | str) -> torch.device:
+    """Where a run's trained weights live: the compute device, or host RAM with `trained_weights` "host"."""
+    return _HOST if policy.trained_weights == "host" else torch.device(compute_device)
+
+
+def problem(policy) -> str | None:
+    """Why this policy cannot keep its trained weights in host RAM (None: it can, or it does not ask to)."""
+    if policy.trained_weights != "host":
+        return None
+    if not policy.fused_backward or policy.optimizer_state != "cpu":
+        return ("trained_weights 'host' steps each trained tensor in host RAM inside backward: it needs fused_backward "
+                "on and optimizer_state 'cpu'")
+    return None
+
+
+def check_kind(policy, kind: str | None) -> None:
+    """Only a full fine-tune's differences stream (an adapter's small factors stay on the card)."""
+    if policy.trained_weights == "host" and kind != "full":
+        raise ValueError(f"trained_weights 'host' keeps a full fine-tune's trained weights in host RAM; this run trains "
+                         f"{'a ' + kind if kind else 'a ControlNet'}: set kind full in the LoRA Config, or "
+                         "trained_weights 'device' in the Offload Policy")
+
+
+def host_tensor(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """Zeros in host RAM, pinned where a CUDA device will read them (pinned memory copies at the link's full speed and
+    asynchronously; a machine without CUDA has nothing to pin for)."""
+    return torch.zeros(tuple(shape), dtype=dtype, device=_HOST, pin_memory=torch.cuda.is_available())
+
+
+def to_compute(tensor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """`tensor` on `like`'s device in `like`'s dtype, for one product (a host difference crosses to the card here)."""
+    return tensor.to(device=like.device, dtype=like.dtype, non_blocking=tensor.is_pinned())
+
+
+# --- what it costs (the planner adds it up: planner.estimate) ---------------------------------------------------
+def trained_weights_cost(shapes: Sequence[Sequence[int]], element_size: int, compute_element_size: int,
+                         on_host: bool) -> FeatureCost:
+    """The trained weights as the training step and validation hold them. On the device: all of them. In host RAM:
+    all of them there (pinned: allocated for the run), and on the device the largest layer's difference in flight
+    (its copy as it crosses; the cast to the compute dtype is the planner's "one layer's weight copy in flight") and
+    its gradient in the compute dtype before it crosses back."""
+    sizes = [int(torch.Size(shape).numel()) for shape in shapes]
+    dtype = {4: "fp32", 2: "bf16"}.get(element_size, f"{element_size}-byte")
+    total = sum(sizes) * element_size
+    if not on_host:
+        return FeatureCost(training={f"trainable weights ({dtype})": total},
+                           validation={f"adapter weights ({dtype})": total})
+    largest = max(sizes, default=0)
+    cost = FeatureCost(
+        training={"one layer's trained weights + gradient in flight (trained weights in host RAM)":
+                  largest * (element_size + compute_element_size)},
+        validation={"one layer's trained weights in flight (trained weights in host RAM)":
+                    largest * (element_size + compute_element_size)})
+    name = f"trained weights ({dtype}, in host RAM)"
+    for items in (cost.host, cost.host_added_training, cost.host_added_validation):
+        items[name] = total
+    return cost
