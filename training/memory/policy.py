@@ -110,7 +110,7 @@ class OffloadPolicy:
         tooltip="Device memory the run may use, in GiB. 0 = auto: what ComfyUI can free on its device minus the "
         "reserve, measured when the policy is used."))
     reserve_gb: float = _field(1.0, NodeInput(
-        "float", min=0.0, max=64.0, step=0.25,
+        "float", min=0.0, max=64.0, step=0.25, advanced=True,
         tooltip="Kept free for other programs and ComfyUI itself (auto budget only)."))
     base_placement: str = _field("resident", NodeInput(
         "combo", options=PLACEMENTS,
@@ -125,15 +125,15 @@ class OffloadPolicy:
         tooltip="blocks: recompute each block in backward; blocks_cpu_offload: also keep the saved block inputs in "
         "host RAM."))
     checkpoint_depth: int = _field(1, NodeInput(
-        "int", min=1, max=5,
+        "int", min=1, max=5, advanced=True,
         tooltip="1: recompute each model block; 2: each child of a block (finer, less memory, more recompute)."))
     optimizer_state: str = _field("gpu", NodeInput(
         "combo", options=OPTIMIZER_STATES,
         tooltip="cpu: optimizer state and fp32 master weights in host RAM."))
     park_optimizer_during_validation: bool = _field(True, NodeInput(
-        "bool", tooltip="Move optimizer state and gradients to host RAM while validating."))
+        "bool", advanced=True, tooltip="Move optimizer state and gradients to host RAM while validating."))
     vae_tiled_decode: str = _field("auto", NodeInput(
-        "combo", options=VAE_TILED,
+        "combo", options=VAE_TILED, advanced=True,
         tooltip="VAE decode of validation samples. auto: tiled when the VAE plus a full decode would not fit the "
         "budget; on: always tiled; off: the stock decode (which retries in tiles after running out of memory)."))
     encoders: str = _field("unload_after_use", NodeInput(
@@ -151,7 +151,7 @@ class OffloadPolicy:
         "the training node. custom: exactly the settings above, budget vram_budget_gb."))
     # Appended after `card`, default "auto": a workflow saved before it existed gets the auto host budget.
     host_ram_budget_gb: float | str = _field("auto", NodeInput(
-        "float", min=0.0, max=65536.0, step=1.0, zero_means="auto", optional=True,
+        "float", min=0.0, max=65536.0, step=1.0, zero_means="auto", optional=True, advanced=True,
         tooltip="Host (system) RAM this ComfyUI process may use, in GiB. 0 = auto: what it uses now plus what the "
         f"OS reports available, less {HOST_RESERVE_BYTES // GIB} GiB. The planner skips policies that would not fit it, and a run that "
         "cannot fit stops before its first step, saying what to change, instead of being killed by the OS."))
