@@ -44,8 +44,8 @@ def _gib(value) -> str:
 
 def _config_key(config: str) -> tuple:
     """Budgets ascending, then resident, then the named policies."""
-    if config.endswith("GB"):
-        return (0, float(config.removesuffix("GB")), "")
+    if config.endswith("GB") or config.endswith("GB-host"):  # a full fine-tune's card, its weights in host RAM after
+        return (0, float(config.removesuffix("-host").removesuffix("GB")), config)
     return (1, 0.0, "") if config == "resident" else (2, 0.0, config)
 
 

@@ -5,8 +5,7 @@ Runs ComfyUI in-process and drives Headroom's node classes as a workflow runs th
 own classes with random bf16 weights (tests/realsize_models.py: nothing is downloaded). Per model: the resident run
 and the planner's auto policy for each budget (6, 8, 12, 16, 24 GiB), each budget emulated on the large card with
 torch.cuda.set_per_process_memory_fraction(budget / card total). Then ComfyUI's own TrainLoraNode on SDXL and
-Flux-dev (offloading off / on), full fine-tunes of SD3.5-Large and Flux-dev fitted to 16, 24 and 48 GB cards (FULL_CARDS;
-16 GB: SD3.5-Large's trained weights in host RAM, as the planner chooses them),
+Flux-dev (offloading off / on), full fine-tunes of SD3.5-Large and Flux-dev fitted to 24 and 48 GB cards (FULL_CARDS) and, with their trained weights in host RAM, to 16 GB (FULL_HOST_CARDS),
 the CUDA-marked tests and, last, each named policy (POLICIES) as given on Flux-dev, SDXL and SD3.5-Large. LoRA rank 16, batch 1, 1024 px (Wan: 832x480, 33 frames).
 
 The caches are in memory (tests/memory_caches.py): random latents of the model's latent format and random
@@ -88,13 +87,15 @@ POLICIES = {
 POLICY_MODELS = ("flux_dev", "sdxl", "sd35_large")
 # Full fine-tunes (issue 27) fitted by the planner to these cards, GiB: the SD3.5 Large template's 24 GB and a larger one.
 FULL_MODELS = ("sd35_large", "flux_dev")
-FULL_CARDS = (16, 24, 48)
+FULL_CARDS = (24, 48)
+# ... and with the Offload Policy's trained_weights host (the difference in host RAM, optimizer state cpu), GiB.
+FULL_HOST_CARDS = (16,)
 
 
-def plan(models: list[str], budgets: list[float], policies: list[str], full_cards: tuple[float, ...] = FULL_CARDS
-         ) -> list[tuple[str, str, list[str]]]:
-    """The measurements in order of value, as (kind, model, configs): configs "resident", a budget in GiB ("8GB") or
-    "policy-<name>"; one model build per entry. Flux-dev and SDXL at 16 / 8 GiB and resident come first (the first
+def plan(models: list[str], budgets: list[float], policies: list[str], full_cards: tuple[float, ...] = FULL_CARDS,
+         full_host_cards: tuple[float, ...] = FULL_HOST_CARDS) -> list[tuple[str, str, list[str]]]:
+    """The measurements in order of value, as (kind, model, configs): configs "resident", a budget in GiB ("8GB"),
+    "policy-<name>", or a full fine-tune's card ("full-24GB", "full-16GB-host"); one model build per entry. Flux-dev and SDXL at 16 / 8 GiB and resident come first (the first
     command's share)."""
     first = [b for b in budgets if b in (16, 8)]
     rest = [b for b in budgets if b not in first]
@@ -103,7 +104,8 @@ def plan(models: list[str], budgets: list[float], policies: list[str], full_card
     steps += [("lora", m, ["resident", *map(_config, first)]) for m in head]
     steps += [("lora", m, list(map(_config, rest))) for m in head if rest]
     steps += [("native", m, ["offload_off", "offload_on"]) for m in NATIVE_MODELS if m in models]
-    steps += [("full", m, [f"full-{card:g}GB" for card in full_cards]) for m in FULL_MODELS if m in models and full_cards]
+    fulls = [f"full-{card:g}GB" for card in full_cards] + [f"full-{card:g}GB-host" for card in full_host_cards]
+    steps += [("full", m, fulls) for m in FULL_MODELS if m in models and fulls]
     steps += [("lora", m, ["resident", *map(_config, budgets)]) for m in models if m not in head]
     steps += [("lora", m, [f"policy-{p}" for p in policies]) for m in POLICY_MODELS if m in models and policies]
     return steps
@@ -326,19 +328,24 @@ def lora_run(patcher, name: str, config: str, args) -> dict:
 def full_run(patcher, name: str, config: str, args) -> dict:
     """A full fine-tune ("full-24GB"): LoRA Config kind full on every Linear in the blocks with the bf16 difference,
     Adafactor, the Offload Policy's fused backward and its card set to that size (the Init node's planner picks
-    placement, checkpointing and optimizer state), the card emulated on the large one; Init -> Steps -> Validate."""
+    placement, checkpointing and optimizer state), the card emulated on the large one; Init -> Steps -> Validate.
+    "full-16GB-host": the same with the policy's trained_weights host (and optimizer_state cpu, which it needs)."""
     from headroom.nodes import memory as M, train_lora as T
     from headroom.training.memory.policy import OffloadPolicy
 
     width, height, frames = shape(name, args.dry_run)
     tokens = text_tokens(name, args.dry_run)
     latent_cache, text_cache = caches(patcher, width, height, frames, tokens)
-    card = float(config.removeprefix("full-").removesuffix("GB"))
+    host = config.endswith("-host")
+    card = float(config.removeprefix("full-").removesuffix("-host").removesuffix("GB"))
     inputs = {field: default for field, _, default in OffloadPolicy.node_inputs()}
     inputs.update(card=f"{card:g} GB", fused_backward=True)
+    if host:
+        inputs.update(trained_weights="host", optimizer_state="cpu")
     policy = M.HeadroomOffloadPolicy.execute(**inputs).args[0]
     record = {"width": width, "height": height, "frames": frames, "text_tokens": tokens, "budget_gb": card,
-              "work": "full fine-tune: every Linear in the blocks, bf16 difference, fused backward, Adafactor"}
+              "work": "full fine-tune: every Linear in the blocks, bf16 difference, fused backward, Adafactor"
+              + (", trained weights in host RAM" if host else "")}
     lora = T.HeadroomLoraConfig.execute("full", 16, 16.0, "all_linear", False, 0.0, 0,
                                         full_precision="bf16_stochastic").args[0]
     optimizer = T.HeadroomOptimizerConfig.execute("Adafactor", 1e-6, 0.0, "constant", 0, 1000).args[0]
@@ -561,6 +568,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--full-cards", default=",".join(map(str, FULL_CARDS)),
                         help=f"comma list of cards in GiB the full fine-tunes of {', '.join(FULL_MODELS)} are fitted "
                         "to (none: leave them out)")
+    parser.add_argument("--full-host-cards", default=",".join(map(str, FULL_HOST_CARDS)),
+                        help="comma list of cards in GiB the same full fine-tunes are fitted to with their trained "
+                        "weights in host RAM (none: leave them out)")
     parser.add_argument("--no-cuda-tests", action="store_true", help="leave the CUDA-marked tests out")
     parser.add_argument("--page", type=Path, help="write the GPU section into this Markdown file (its own section only)")
     parser.add_argument("--png", type=Path, help="draw the peak-VRAM picture here")
@@ -591,7 +601,8 @@ def main(argv: list[str] | None = None) -> int:
         results.add({"type": "measurement", "id": lost, "status": "crashed",
                      "error": "the process ended inside this measurement (time limit or crash); not retried"})
     full_cards = tuple(float(c) for c in args.full_cards.split(",") if c.strip() and c.strip() != "none")
-    steps = plan(models, budgets, policies, full_cards)
+    full_host_cards = tuple(float(c) for c in args.full_host_cards.split(",") if c.strip() and c.strip() != "none")
+    steps = plan(models, budgets, policies, full_cards, full_host_cards)
     if args.no_cuda_tests:
         steps = [s for s in steps if s[0] != "cuda_tests"]
     if args.no_native:

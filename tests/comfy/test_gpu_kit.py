@@ -96,9 +96,14 @@ def test_dry_run_measures_a_full_fine_tune_fitted_to_a_card(comfyui, tmp_path):
     node's planner fitting it to a card; the row on the page."""
     results, page = tmp_path / "results", tmp_path / "BENCHMARKS.md"
     suite(results, "--models", "flux_dev", "--budgets", "8", "--no-native", "--no-cuda-tests", "--policies", "none",
-          "--full-cards", "24", "--page", str(page))
+          "--full-cards", "24", "--full-host-cards", "16", "--page", str(page))
     by_id = {r["id"]: r for r in measurements(results)}
-    assert list(by_id) == ["lora/flux_dev/resident", "lora/flux_dev/8GB", "full/flux_dev/full-24GB"]
+    assert list(by_id) == ["lora/flux_dev/resident", "lora/flux_dev/8GB", "full/flux_dev/full-24GB",
+                           "full/flux_dev/full-16GB-host"]
+    host = by_id["full/flux_dev/full-16GB-host"]  # the trained weights in host RAM, through the kit's own path
+    assert host["status"] == "ok", host.get("traceback")
+    assert host["policy_fields"]["trained_weights"] == "host" and host["policy_fields"]["optimizer_state"] == "cpu"
+    assert "trained weights in host RAM" in host["policy"] and "| Flux.1-dev | 16GB-host |" in page.read_text()
     run = by_id["full/flux_dev/full-24GB"]
     assert run["status"] == "ok", run.get("traceback")
     assert run["policy_fields"]["fused_backward"] and run["policy_fields"]["vram_budget_gb"] == 23.0  # 24 GB - reserve
