@@ -163,7 +163,8 @@ class LoraTraining:
         if config.adapter.init_lora:  # a resumed run's checkpoint replaces these (Trainer.resume)
             self.adapters.start_from(read_lora_file(run.source_model, config.adapter.init_lora, config.adapter.kind),
                                      f"LoRA file {config.adapter.init_lora}")
-        # Small: lives on the compute device from the start, so resumed optimizer state lands there too.
+        # Where the trained weights live (the compute device; host RAM for trained_weights host) from the start, so
+        # resumed optimizer state lands there too.
         self.adapters.to(home)
         attach_with_injection(patcher, self.adapters, home)
         options = {"prior": self.prior}
