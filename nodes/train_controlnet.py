@@ -15,6 +15,7 @@ from comfy_api.latest import io, ui
 from ..training.checks import check_finite
 from ..training.core.optimizers import OptimizerConfig
 from ..training.core.run_dir import RunFolderError, check_name, check_subfolder
+from ..training.memory import trained_weights_on_host
 from .bridge.comfy_bridge import TrainingRun, check_run_kind, node_id, send_node_text
 from .bridge.comfy_model import check_caches
 from .bridge.controlnet_build import check_control_cache, controlnet_trainable, controlnet_type_name
@@ -60,6 +61,7 @@ def start_controlnet_run(model, latent_cache, text_cache, optimizer_config, run_
             lambda card: plan_for_card(model, latent_cache, text_cache, card, trainable, train.batch_size,
                                        train.precision, node)))
         check_host_ram(policy, trainable, node)
+        trained_weights_on_host.check_kind(policy, None)  # a full fine-tune's option: refused before the run opens
         send_node_text(plan_note, shown_on)  # on the node before the run opens, and so before its first step
         config = ControlNetRunConfig(controlnet_type=type_name, blocks=blocks, init_seed=init_seed,
                                      optimizer=optimizer_config, train=train, holdout=holdout)

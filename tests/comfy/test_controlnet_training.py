@@ -256,6 +256,14 @@ def test_bad_control_caches_fail_clearly(comfyui):
     with pytest.raises(ValueError, match="blocks=5 is more than the base model's 2 joint blocks"):
         HeadroomTrainControlNetInit.execute(**_init_inputs(model, latent_cache, text_cache, _unique("deep"), blocks=5))
 
+    from headroom.training.memory.policy import OffloadPolicy  # a full fine-tune's option
+
+    host = OffloadPolicy(trained_weights="host", fused_backward=True, optimizer_state="cpu")
+    with pytest.raises(ValueError, match="HeadroomTrainControlNetInit: trained_weights 'host' .* this run trains a "
+                                         "ControlNet: set trained_weights 'device' in the Offload Policy"):
+        HeadroomTrainControlNetInit.execute(**_init_inputs(model, latent_cache, text_cache, _unique("host"),
+                                                           policy=host))
+
 
 def test_node_schemas_match_what_they_call(comfyui):
     """Node ids and categories follow the package's rules, and the init inputs (shared with the LoRA init
