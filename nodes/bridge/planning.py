@@ -13,7 +13,7 @@ import torch
 
 import comfy.model_management
 
-from ...training.memory import host_ram, planner
+from ...training.memory import host_ram, planner, trained_weights_on_host
 from ...training.core.adapters import AdapterConfig, AdapterSet
 from ...training.memory.policy import OffloadPolicy, PolicyError
 from ...training.core.trainer import PRECISIONS, auto_precision
@@ -221,6 +221,7 @@ def plan_lora_run(model, policy: OffloadPolicy, mode: str, batch_size: int, widt
     if precision == "auto":
         precision = auto_precision(model.load_device)
     try:
+        trained_weights_on_host.check_kind(policy, adapter.kind)  # a full fine-tune's option; this node plans LoRAs
         budget = budget_bytes(policy, torch.device(model.load_device))
         paths = lora_target_paths(model, adapter)
         latent_frames = video.check_frames(node, model.model, frames)

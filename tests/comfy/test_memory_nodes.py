@@ -238,3 +238,6 @@ def test_plan_errors_are_clear(comfyui):
     model, _, _ = build_tiny_models("sd15")
     with pytest.raises(ValueError, match="HeadroomMemoryPlan: policy must come from"):
         _plan(model, policy="resident")
+    host = _policy(trained_weights="host", fused_backward=True, optimizer_state="cpu").result[0]
+    with pytest.raises(ValueError, match="HeadroomMemoryPlan: trained_weights 'host' keeps a full fine-tune's"):
+        _plan(model, policy=host)  # it plans LoRAs: the Init node's card fit plans a full fine-tune
