@@ -208,8 +208,7 @@ def test_trained_weights_in_host_ram_train_the_weights_of_the_fused_host_step(co
         images = T.HeadroomValidate.execute(on_host, clip=clip, vae=vae, prompts="a green cross", negative="",
                                             loss_timesteps=1, **SAMPLING).args[0]
     assert images.shape[0] == 1 and torch.isfinite(images).all()
-    assert all(p.device.type == "cpu" and p.is_pinned() == torch.cuda.is_available()
-               for p in on_host.adapters.parameters())
+    assert all(p.device.type == "cpu" for p in on_host.adapters.parameters())
     a, b = on_device.adapters.state_dict(), on_host.adapters.state_dict()
     assert any(torch.any(v != 0) for v in b.values()) and all(torch.equal(a[k], b[k]) for k in a)
     assert on_device.trainer.loss_history == on_host.trainer.loss_history

@@ -61,7 +61,7 @@ def test_the_weights_of_a_run_with_its_trained_weights_in_host_ram(precision):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("precision", ["fp32", "bf16_stochastic"])
 def test_on_cuda_the_difference_crosses_the_card_and_trains_the_same_weights(precision):
-    """On a CUDA device: the difference stays in pinned host RAM, each gradient arrives there, and the weights equal
+    """On a CUDA device: the difference stays in host RAM, each gradient arrives there, and the weights equal
     bit for bit those of the run whose difference lives on the card (the same products on the card, the same host
     step); the card's peak is lower by about the difference."""
     cuda = torch.device("cuda")
@@ -75,7 +75,7 @@ def test_on_cuda_the_difference_crosses_the_card_and_trains_the_same_weights(pre
     torch.cuda.reset_peak_memory_stats()
     on_host, fused = _train(cuda, torch.device("cpu"), precision)
     host_peak = torch.cuda.max_memory_allocated()
-    assert all(p.device.type == "cpu" and p.is_pinned() for p in on_host.parameters())
+    assert all(p.device.type == "cpu" for p in on_host.parameters())
     state = on_host.state_dict()
     assert all(torch.equal(on_device_state[k], state[k]) for k in state)
     assert fused.most_gradients_alive == 1

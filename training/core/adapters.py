@@ -28,7 +28,7 @@ from peft.tuners.lora import layer as lora_layer
 from peft.tuners.tuners_utils import BaseTunerLayer
 
 from ..checks import check_finite
-from ..memory.trained_weights_on_host import host_tensor, to_compute
+from ..memory.trained_weights_on_host import to_compute
 
 KINDS = ("lora", "dora", "loha", "lokr", "oft", "full")
 FULL_PRECISIONS = ("fp32", "bf16_stochastic")
@@ -235,13 +235,11 @@ class FullLayer(torch.nn.Module):
         else:
             shape = (base.out_features, base.in_features)
         # Made where they will live (`device`): a model-sized difference built in host RAM first would need that much
-        # host RAM for a moment on its way to the card. In host RAM (memory/trained_weights_on_host.py): pinned where
-        # a CUDA device will read it, and each product copies it to the input's device.
-        zeros = host_tensor if device is not None and torch.device(device).type == "cpu" else (
-            lambda size, dtype: torch.zeros(size, dtype=dtype, device=device))
-        self.full_weight = torch.nn.Parameter(zeros(shape, dtype))
+        # host RAM for a moment on its way to the card. In host RAM (memory/trained_weights_on_host.py), each product
+        # copies it to the input's device.
+        self.full_weight = torch.nn.Parameter(torch.zeros(shape, dtype=dtype, device=device))
         has_bias = getattr(base, "bias", None) is not None
-        self.full_bias = torch.nn.Parameter(zeros((shape[0],), dtype)) if has_bias else None
+        self.full_bias = torch.nn.Parameter(torch.zeros(shape[0], dtype=dtype, device=device)) if has_bias else None
 
     def get_base_layer(self) -> torch.nn.Module:
         return self.base_layer

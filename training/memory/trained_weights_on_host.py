@@ -14,8 +14,13 @@ autograd doing the moves):
 So the card holds no trained weight, no gradient and no optimizer state between layers: for SD3.5 Large's 8 B
 trained weights that is 16 GiB (bf16 difference) or 32 GiB (fp32, the exact option) off the card. The cost is
 traffic: per step every trained weight crosses host -> device once per forward (twice with checkpointing: the
-recompute) and once in backward, and its gradient crosses back once; on CUDA the differences are pinned so the
-copies run at the link's full speed (`host_tensor`).
+recompute) and once in backward, and its gradient crosses back once.
+
+Not pinned: torch's pinned allocator rounds each block up to a power of two (a 2432 x 7296 bf16
+difference takes 64 MiB for its 35 MiB: up to 2x the planned host RAM), and registering plain memory with the driver,
+as ComfyUI does for the weights it offloads, must be undone before that memory is freed, which a run that ComfyUI may
+drop from its cache at any time cannot promise. Pageable copies are staged by the driver at a lower bandwidth; the GPU
+kit measures the step (`full-16GB-host`).
 
 Numerics: the same products in the same dtypes on the same device as with the differences on the card, and the same
 host step as optimizer_state "cpu" with fused backward; so the weights equal those of that run bit for bit
@@ -62,22 +67,16 @@ def check_kind(policy, kind: str | None) -> None:
                          "Offload Policy")
 
 
-def host_tensor(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-    """Zeros in host RAM, pinned where a CUDA device will read them (pinned memory copies at the link's full speed and
-    asynchronously; a machine without CUDA has nothing to pin for)."""
-    return torch.zeros(tuple(shape), dtype=dtype, device=_HOST, pin_memory=torch.cuda.is_available())
-
-
 def to_compute(tensor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """`tensor` on `like`'s device in `like`'s dtype, for one product (a host difference crosses to the card here)."""
-    return tensor.to(device=like.device, dtype=like.dtype, non_blocking=tensor.is_pinned())
+    return tensor.to(device=like.device, dtype=like.dtype)
 
 
 # --- what it costs (the planner adds it up: planner.estimate) ---------------------------------------------------
 def trained_weights_cost(shapes: Sequence[Sequence[int]], element_size: int, compute_element_size: int,
                          on_host: bool) -> FeatureCost:
     """The trained weights as the training step and validation hold them. On the device: all of them. In host RAM:
-    all of them there (pinned: allocated for the run), and on the device the largest layer's difference in flight
+    all of them there (allocated for the run), and on the device the largest layer's difference in flight
     (its copy as it crosses; the cast to the compute dtype is the planner's "one layer's weight copy in flight") and
     its gradient in the compute dtype before it crosses back."""
     sizes = [int(torch.Size(shape).numel()) for shape in shapes]
