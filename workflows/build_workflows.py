@@ -466,7 +466,7 @@ Download (file -> ComfyUI folder):
 
 Your images: a folder inside ComfyUI's input/ folder (here input/my_dataset), each image with a same-name .txt caption.
 
-What makes it fit: the Offload policy's fused_backward (each weight tensor is stepped as soon as its gradient is ready, so no full set of gradients exists), the LoRA Config's full_precision bf16_stochastic (the trained difference in bf16, updated with stochastic rounding), Adafactor (small optimizer state), and the card "this GPU (auto)": the planner streams as much of the base model from host RAM as the card needs (planned 23 GiB on a 24 GB card at 1024 px, docs/BENCHMARKS.md). Learning rate about 100x below a LoRA's.
+What makes it fit: the Offload policy's fused_backward (each weight tensor is stepped as soon as its gradient is ready, so no full set of gradients exists), the LoRA Config's full_precision bf16_stochastic (the trained difference in bf16, updated with stochastic rounding), Adafactor (small optimizer state), and the card "this GPU (auto)": the planner streams as much of the base model from host RAM as the card needs (planned 23 GiB on a 24 GB card at 1024 px, docs/BENCHMARKS.md). On a 16 GB card it also keeps the trained weights in host RAM (each layer crosses to the card as it runs; about 18 GiB of host RAM with Adafactor). Learning rate about 100x below a LoRA's.
 
 The file in models/loras/headroom/ holds the differences: stock Load LoRA applies it; stock Save Model after it writes a model file for Load Diffusion Model. docs/FULL_FINETUNE.md."""
 
