@@ -15,14 +15,17 @@ from headroom.training.memory.fused_backward import FusedBackward
 from headroom.training.memory.policy import OffloadPolicy
 from headroom.training.memory.trained_weights_on_host import check_kind, trained_weights_device
 
-PATHS = ["0", "2", "4"]
+# Six equal middle layers: no one layer is most of the difference (one layer's copy and gradient are in flight).
+SIZES = [16] + [256] * 7 + [8]
+PATHS = [str(2 * i) for i in range(len(SIZES) - 1)]
 
 
 def _base(device, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 256), torch.nn.GELU(), torch.nn.Linear(256, 256), torch.nn.GELU(),
-                                torch.nn.Linear(256, 8)).to(device)
-    return model.requires_grad_(False)
+    layers = []
+    for width_in, width_out in zip(SIZES, SIZES[1:]):
+        layers += [torch.nn.Linear(width_in, width_out), torch.nn.GELU()]
+    return torch.nn.Sequential(*layers[:-1]).to(device).requires_grad_(False)
 
 
 def _train(device, home, precision: str = "fp32", steps: int = 4):
