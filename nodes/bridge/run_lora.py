@@ -21,7 +21,6 @@ import comfy.patcher_extension
 import comfy.utils
 
 from ...training.core.adapters import AdapterConfig, AdapterSet
-from ...training.memory import trained_weights_on_host
 from ...training.memory.trained_weights_on_host import trained_weights_device
 from ...training.core.lora_extract import extract_from_differences
 from ...training.data.files import save_safetensors
@@ -156,7 +155,6 @@ class LoraTraining:
         with run.placement.low_bit_storage():  # the adapters are built on the low-bit layers they will wrap
             paths = families.lora_targets(diffusion_model, config.family, config.adapter,
                                           [n for n, _ in model_blocks(diffusion_model)])
-            trained_weights_on_host.check_kind(run.policy, config.adapter.kind)
             # The compute device, or host RAM (trained_weights host: each layer crosses to the card when it runs).
             home = trained_weights_device(run.policy, patcher.load_device)
             self.adapters = AdapterSet(diffusion_model, paths, config.adapter, device=home)

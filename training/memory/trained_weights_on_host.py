@@ -16,8 +16,9 @@ trained weights that is 16 GiB (bf16 difference) or 32 GiB (fp32, the exact opti
 traffic: per step every trained weight crosses host -> device once per forward (twice with checkpointing: the
 recompute) and once in backward, and its gradient crosses back once.
 
-Not pinned: torch's pinned allocator rounds each block up to a power of two (a 2432 x 7296 bf16
-difference takes 64 MiB for its 35 MiB: up to 2x the planned host RAM), and registering plain memory with the driver,
+Not pinned: torch's pinned allocator rounds each block up to a power of two (ATen/core/CachingHostAllocator.h in
+torch 2.14: PowerOf2Ceil below `pinned_max_round_threshold`, unlimited by default; a 2432 x 7296 bf16 difference
+would take 64 MiB for its 35 MiB: up to 2x the planned host RAM), and registering plain memory with the driver,
 as ComfyUI does for the weights it offloads, must be undone before that memory is freed, which a run that ComfyUI may
 drop from its cache at any time cannot promise. Pageable copies are staged by the driver at a lower bandwidth; the GPU
 kit measures the step (`full-16GB-host`).
