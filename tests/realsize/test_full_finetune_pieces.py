@@ -67,7 +67,7 @@ GIB = 2 ** 30
 
 def test_full_finetune_at_flux_width_goes_from_the_stock_loader_to_the_stock_loader():
     """tests/realsize_full.py: Flux-dev at real width (one double and one single block, bf16 as UNETLoader loads it
-    with --bf16-unet) from a file on disk, a full fine-tune of every Linear in the blocks (one step), saved as
+    with --bf16-unet) from a file on disk, a full fine-tune of every Linear in the blocks (two steps), saved as
     differences, applied by the stock LoraLoaderModelOnly, written by the stock ModelSave and loaded again by the stock
     UNETLoader. Every key comes back (the trained ones within one bf16 step of base + difference: ComfyUI rounds the
     patched weight stochastically), the base file and the shared MODEL are unchanged, and the planner's training step
@@ -87,7 +87,9 @@ def test_full_finetune_at_flux_width_goes_from_the_stock_loader_to_the_stock_loa
     assert done.returncode == 0, f"realsize_full failed:\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}"
     report = json.loads(out.read_text())
     phases = {p["phase"]: p for p in report["phases"]}
-    growth = phases["training"]["peak_rss_bytes"] - report["baseline_rss_bytes"]
+    # The second step's peak: AdamW's state exists beside the activations from then on (the first step's peak comes
+    # before it is made, and sits ~0.25 GiB lower at this size: a comparison on the edge of the bound).
+    growth = phases["second step"]["peak_rss_bytes"] - report["baseline_rss_bytes"]
     measured = report["diffusion_bytes"] + growth  # as the nodes cases compare (tests/realsize_worker.compare)
     ratio = report["planned_training_bytes"] / measured
     print(f"\nfull fine-tune, Flux-dev width {report['depth']}: {report['diffusion_params'] / 1e9:.2f} B params, "
