@@ -3,8 +3,11 @@
     python distributed_worker.py RANK WORLD_SIZE PORT JOB_JSON
 
 JOB_JSON: {"run_root", "run_name", "steps", "checkpoint_every", "batch_size", "grad_accum", "rank_batch",
-"timeout_s", "step_log", "step_seconds", "corrupt_rank", "corrupt_after", "out", "kind", "optimizer"}: kind "full" trains
-the toy's linear layers whole (with several ranks: its optimizer state sharded), `optimizer` one of OPTIMIZERS. The rank joins a gloo group on 127.0.0.1:PORT (world size 1: no group, the
+"timeout_s", "step_log", "step_seconds", "corrupt_rank", "corrupt_after", "out", "kind", "optimizer", "lr",
+"shard_weights", "checkpointing", "width"}: kind "full" trains the toy's linear layers whole (with several ranks: its
+optimizer state sharded), `optimizer` one of OPTIMIZERS, `shard_weights` true: its weights too, with FSDP2;
+`checkpointing` true: per-block gradient checkpointing; `width`: the toy's width (default 32). The rank joins a gloo
+group on 127.0.0.1:PORT (world size 1: no group, the
 plain path), builds the toy denoiser + LoRA of tests/unit/test_trainer.py on two buckets of toy latents, resumes
 the run folder when it holds a checkpoint, trains to `steps` and saves (rank 0 writes). It appends "step N" lines
 to `step_log` (flushed) and writes its adapter weights to `out` (a .pt per rank, written by torch.save).
@@ -20,6 +23,32 @@ TESTS = pathlib.Path(__file__).resolve().parent
 sys.path += [str(TESTS), str(TESTS / "unit")]
 
 
+def start_ranks(job: dict, world: int = 2) -> list:
+    """This script as `world` subprocesses (rank 0..world-1) on a free port, one torch thread each."""
+    import os
+    import socket
+    import subprocess
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return [subprocess.Popen([sys.executable, __file__, str(rank), str(world), str(port), json.dumps(job)],
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for rank in range(world)]
+
+
+def run_ranks(job: dict, world: int = 2) -> list[dict]:
+    """start_ranks, wait for every rank (each must succeed), and what each wrote to `job["out"]`."""
+    import torch
+
+    ranks = start_ranks(job, world)
+    for rank, process in enumerate(ranks):
+        _, err = process.communicate(timeout=300)
+        assert process.returncode == 0, f"rank {rank} failed:\n{err[-3000:]}"
+    return [torch.load(f"{job['out']}.rank{rank}.pt") for rank in range(world)]
+
+
 def toy_run(job: dict):
     import torch
     from headroom.training.core.adapters import (
@@ -31,6 +60,7 @@ def toy_run(job: dict):
     from headroom.training.core.optimizers import OptimizerConfig
     from headroom.training.core.run_dir import RunDir
     from headroom.training.core.trainer import TrainConfig, Trainer
+    from headroom.training.memory.policy import run_policy
     from memory_caches import MemoryLatentCache, MemoryTextCache
     from test_trainer import ToyDenoiser, ToyNet
 
@@ -39,9 +69,10 @@ def toy_run(job: dict):
     g = torch.Generator().manual_seed(0)
     latents = [torch.randn(4, 4, 4 if i < 5 else 6, generator=g) for i in range(11)]
     conds = {f"k{i}": {"cross_attn": torch.randn(3, 8, generator=g)} for i in range(11)}
-    cache = MemoryLatentCache(latents, [f"k{i}" for i in range(11)], {(32, 32): list(range(5)), (32, 48): list(range(5, 11))})
+    cache = MemoryLatentCache(latents, [f"k{i}" for i in range(11)],
+                              {(32, 32): list(range(5)), (32, 48): list(range(5, 11))})
     texts = MemoryTextCache(conds, {"cross_attn": torch.zeros(3, 8)})
-    denoiser = ToyDenoiser(ToyNet())
+    denoiser = ToyDenoiser(ToyNet(width=job.get("width", 32)))
     adapter = AdapterConfig(rank=4, alpha=4, targets="all_linear", kind=job.get("kind", "lora"))
     adapters = AdapterSet(denoiser.net, select_targets(denoiser.net, None, adapter, [n for n, _ in denoiser.blocks()]),
                           adapter)
@@ -50,9 +81,19 @@ def toy_run(job: dict):
                          caption_dropout=0.3, objective=ObjectiveConfig(timestep_sampling="logit_normal",
                                                                          noise_offset=0.05))
     run_dir = RunDir(job["run_root"], job["run_name"]) if job.get("run_root") else None
-    optimizer = OptimizerConfig(name=job.get("optimizer", "AdamW"), lr=1e-2, schedule="cosine", warmup_steps=2,
-                                total_steps=20)
-    return Trainer(denoiser, adapters, cache, texts, config, optimizer, run_dir=run_dir)
+    optimizer = OptimizerConfig(name=job.get("optimizer", "AdamW"), lr=job.get("lr", 1e-2), schedule="cosine",
+                                warmup_steps=2, total_steps=20)
+    policy = run_policy(None, gradient_checkpointing=True) if job.get("checkpointing") else None
+    return Trainer(denoiser, adapters, cache, texts, config, optimizer, run_dir=run_dir, policy=policy)
+
+
+def _resident_bytes() -> int:
+    import gc
+    import os
+
+    gc.collect()
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def main(rank: int, world: int, port: int, job: dict) -> None:
@@ -62,7 +103,10 @@ def main(rank: int, world: int, port: int, job: dict) -> None:
 
     torch.set_num_threads(1)
     if world > 1:
-        distributed.init(rank, world, "cpu", init_method=f"tcp://127.0.0.1:{port}", timeout_s=job.get("timeout_s", 60))
+        distributed.init(rank, world, "cpu", init_method=f"tcp://127.0.0.1:{port}", timeout_s=job.get("timeout_s", 60),
+                         shard_weights=job.get("shard_weights", False))
+    rss = []  # resident bytes before the run is built, then after each step (its gradients and state resident)
+    rss.append(_resident_bytes())
     trainer = toy_run(job)
     trainer.rank_batch = job.get("rank_batch")
     if trainer.run_dir is not None:
@@ -74,6 +118,7 @@ def main(rank: int, world: int, port: int, job: dict) -> None:
             log.write(f"rank {rank} step {report.step} loss {report.loss!r}\n")
             log.flush()
         time.sleep(job.get("step_seconds", 0))
+        rss.append(_resident_bytes())
         if job.get("corrupt_rank") == rank and report.step == job.get("corrupt_after"):
             trainer.denoiser.net.proj_out.bias.data[:] = float("nan")  # this rank's model only
 
@@ -85,10 +130,21 @@ def main(rank: int, world: int, port: int, job: dict) -> None:
     # The optimizer state this rank holds (sharded: its share), per tensor (0-d counters left out).
     state = [sum(v.nbytes for v in entries.values() if isinstance(v, torch.Tensor) and v.ndim > 0)
              for entries in local_optimizer(trainer.optimizer).state.values()]
-    torch.save({"adapter": trainer.trainable.state_dict(), "losses": trainer.loss_history, "state_bytes": sum(state),
+    adapter = trainer.trainable.state_dict()
+    if trainer.shards_weights:  # FSDP2: this rank's shard sizes, then the whole weights (every rank gathers them)
+        from headroom.training.memory.sharded_weights import full
+
+        state = [sum(v.to_local().nbytes for v in entries.values() if isinstance(v, torch.Tensor) and v.ndim > 0)
+                 for entries in trainer.optimizer.state.values()]
+        local_bytes = sum(p.to_local().nbytes for p in trainer.params)
+        adapter = {key: full(value) for key, value in adapter.items()}
+    torch.save({"adapter": adapter, "losses": trainer.loss_history, "state_bytes": sum(state),
+                "weight_bytes": local_bytes if trainer.shards_weights else None, "rss": rss,
                 "sharded": trainer.sharded, "shapes": [tuple(p.shape) for p in trainer.params],
                 "wrapper_state": len(trainer.optimizer.state) if trainer.sharded else None},
                f"{job['out']}.rank{rank}.pt")
+    if world > 1:  # gloo's threads are stopped here, not torn down by the interpreter's exit (which can abort)
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -55,6 +55,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lora-rank", type=int, default=16)
     p.add_argument("--kind", default="lora", help="the LoRA Config's kind: lora, ..., or full (a full fine-tune: each "
                    "rank keeps the optimizer state of its share of the weights, docs/FULL_FINETUNE.md)")
+    p.add_argument("--shard-weights", action="store_true", help="a full fine-tune (--kind full, --optimizer AdamW): "
+                   "each rank keeps 1/N of the trained weights, their gradients and optimizer state (torch's FSDP2, "
+                   "docs/DISTRIBUTED.md); without it only the optimizer state is shared out")
     p.add_argument("--optimizer", default="AdamW", help="the Optimizer Config's optimizer")
     p.add_argument("--targets", default="preset")
     p.add_argument("--seed", type=int, default=0)
@@ -151,7 +154,7 @@ def main(argv=None) -> int:
 
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if world > 1:
-        distributed.init(rank, world, device, timeout_s=options.timeout)
+        distributed.init(rank, world, device, timeout_s=options.timeout, shard_weights=options.shard_weights)
     parallel = distributed.DataParallel.current()
     started = time.monotonic()
 
@@ -165,7 +168,9 @@ def main(argv=None) -> int:
     if parallel is not None and rank == 0:
         parallel.barrier("wait for rank 0 to open the run")
     run.trainer.rank_batch = options.rank_batch
-    state = f"; optimizer state sharded over {world} ranks" if run.trainer.sharded else ""
+    state = (f"; weights, gradients and optimizer state sharded over {world} ranks (FSDP2)"
+             if run.trainer.shards_weights else
+             f"; optimizer state sharded over {world} ranks" if run.trainer.sharded else "")
     say(f"run '{options.run_name}' at step {run.step} on {device}; training to {options.steps}{state}")
     first, train_started = run.step, time.perf_counter()
     with torch.inference_mode():
@@ -174,10 +179,17 @@ def main(argv=None) -> int:
     seconds = time.perf_counter() - train_started
     say(f"step {step}, loss {loss:.9g}; {step - first} steps in {seconds:.2f} s "
         f"({seconds / max(step - first, 1):.4f} s/step, with the final checkpoint)")
-    if rank == 0 and options.save_subfolder:
-        with torch.inference_mode():
-            path = T.HeadroomSaveLora.execute(run, options.save_subfolder, "", "fp32").args[0]
-        say(f"saved {path}")
+    if options.save_subfolder:
+        from headroom.training.memory import sharded_weights
+
+        # Sharded weights (FSDP2): every rank gathers the whole difference for rank 0 to write.
+        layers = run.adapters.layers.values() if run.trainer.shards_weights else ()
+        with sharded_weights.whole(layers), torch.inference_mode():
+            if rank == 0:
+                path = T.HeadroomSaveLora.execute(run, options.save_subfolder, "", "fp32").args[0]
+                say(f"saved {path}")
+        if run.trainer.shards_weights:
+            parallel.barrier("wait for rank 0 to save the difference")
     if world > 1:
         torch.distributed.destroy_process_group()
     return 0

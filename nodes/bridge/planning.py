@@ -263,7 +263,7 @@ def _run_inputs(run) -> tuple:
     description = describe_comfy_model(run.source_model, adapter, config.train.precision)
     trainable = dataclasses.replace(planner.TrainableSpec.from_parameters(run.trainer.params, config.optimizer.name,
                                                                           full=adapter.kind == "full"),
-                                    state_ranks=run.trainer.state_ranks)
+                                    state_ranks=run.trainer.state_ranks, weight_ranks=run.trainer.weight_ranks)
     shape = cache_run_shape(run.source_model, run.latent_cache, run.text_cache, config.train.batch_size,
                             "HeadroomTrainSteps")
     budget = budget_bytes(run.policy, torch.device(run.source_model.load_device))

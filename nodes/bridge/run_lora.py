@@ -26,7 +26,7 @@ from ...training.core.lora_extract import extract_from_differences
 from ...training.data.files import save_safetensors
 from ...training.core.optimizers import OptimizerConfig
 from ...training.core.trainer import TrainConfig
-from ...training.memory import planner
+from ...training.memory import planner, sharded_weights
 from . import families, lora_formats, video
 from .comfy_bridge import TrainingRun, config_json
 from .comfy_model import REFERENCE_LATENTS, ComfyDenoiser, check_caches, data_fingerprint, model_blocks
@@ -196,12 +196,12 @@ class LoraTraining:
         """What the run adds on the device beyond the MODEL's weights (for ComfyUI's memory accounting): the
         trainable weights, their gradients (none kept with fused backward) and the optimizer's state where it lives
         on the device (the planner's model of it; sharded over the ranks: this rank's share)."""
-        weights = sum(p.numel() * p.element_size() for p in trainer.params)
+        weights = sum(sharded_weights.local_bytes(p) for p in trainer.params)  # FSDP2: this rank's shards
         gradients = 0 if trainer.policy.fused_backward else weights
         if trainer.policy.trained_weights == "host":  # one layer at a time crosses to the card: nothing kept there
             weights = 0
         spec = dataclasses.replace(planner.TrainableSpec.from_parameters(trainer.params, trainer.optimizer_config.name),
-                                   state_ranks=trainer.state_ranks)
+                                   state_ranks=trainer.state_ranks, weight_ranks=trainer.weight_ranks)
         state = 0 if trainer.policy.optimizer_state == "cpu" else spec.optimizer_share_bytes()
         return weights + gradients + state
 

@@ -88,3 +88,22 @@ def test_torchrun_full_fine_tune_shards_its_optimizer_state_and_one_rank_continu
     assert losses[0] == losses[1] and "saved headroom/full_step000002.safetensors" in two
     more = _launch(tmp_path, 1, 3, "full", "--kind", "full", "--lr", "1e-5")  # the whole state is in the checkpoint
     assert "run 'full' at step 2" in more and "step 3," in more and "sharded" not in more
+
+
+def test_torchrun_full_fine_tune_shards_its_weights_with_fsdp2_and_one_rank_continues(tmp_path):
+    """--shard-weights: each rank keeps half of every trained difference, its gradient and AdamW state (FSDP2); the
+    difference rank 0 saves is the 1-rank run's, and the run's checkpoint (gathered whole) continues on one rank."""
+    _dataset(tmp_path)
+    two = _launch(tmp_path, 2, 2, "fsdp", "--kind", "full", "--lr", "1e-5", "--shard-weights")
+    assert two.count("weights, gradients and optimizer state sharded over 2 ranks (FSDP2)") == 2, two
+    losses = _final_losses(two)
+    assert losses[0] == losses[1] and "saved headroom/fsdp_step000002.safetensors" in two
+    one = _launch(tmp_path, 1, 2, "single_full", "--kind", "full", "--lr", "1e-5")
+    assert _final_losses(one)[0] == pytest.approx(losses[0], rel=1e-5)
+    loras = tmp_path / "base" / "models" / "loras" / "headroom"
+    sharded, whole = load_file(loras / "fsdp_step000002.safetensors"), load_file(loras / "single_full_step000002.safetensors")
+    assert set(sharded) == set(whole) and any(key.endswith(".diff") for key in whole)
+    for key, value in whole.items():  # within 1e-3 as the LoRA runs above (Adam's first steps)
+        assert (sharded[key] - value).norm() <= 1e-3 * value.norm() + 1e-12, key
+    more = _launch(tmp_path, 1, 3, "fsdp", "--kind", "full", "--lr", "1e-5")
+    assert "run 'fsdp' at step 2" in more and "step 3," in more and "sharded" not in more

@@ -4,19 +4,15 @@ The ranks are subprocesses running tests/distributed_worker.py on the toy denois
 """
 from __future__ import annotations
 
-import json
 import os
-import pathlib
 import shutil
 import signal
-import socket
 import subprocess
-import sys
 import time
 
 import pytest
 import torch
-from distributed_worker import toy_run
+from distributed_worker import run_ranks, start_ranks, toy_run
 from headroom.training.core.adapters import AdapterConfig
 from headroom.training.core.run_dir import RunDir
 from headroom.training.core.trainer import Trainer
@@ -25,30 +21,15 @@ from headroom.training.memory.policy import OffloadPolicy
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-WORKER = pathlib.Path(__file__).resolve().parent.parent / "distributed_worker.py"
 STEPS = 10
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start_ranks(job: dict, world: int = 2) -> list[subprocess.Popen]:
-    port = _free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return [subprocess.Popen([sys.executable, str(WORKER), str(rank), str(world), str(port), json.dumps(job)],
-                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            for rank in range(world)]
+    return start_ranks(job, world)
 
 
 def _run_ranks(job: dict, world: int = 2) -> list[dict]:
-    ranks = _start_ranks(job, world)
-    for rank, process in enumerate(ranks):
-        _, err = process.communicate(timeout=300)
-        assert process.returncode == 0, f"rank {rank} failed:\n{err[-3000:]}"
-    return [torch.load(f"{job['out']}.rank{rank}.pt") for rank in range(world)]
+    return run_ranks(job, world)
 
 
 def _assert_close(actual: dict, expected: dict, rel: float = 1e-6) -> None:
@@ -157,12 +138,13 @@ def test_a_killed_rank_fails_the_other_with_its_name_and_keeps_the_checkpoint(tm
     resumed.train_to(checkpoint.step + 1)
 
 
-@pytest.mark.parametrize("kind", ["lora", "full"])
+@pytest.mark.parametrize("kind", ["lora", "full", "full FSDP2"])
 def test_a_nan_on_one_rank_stops_every_rank_at_the_same_step(tmp_path, kind):
     """Rank 1's model turns NaN after step 3: the global loss is NaN on both ranks, both stop at step 4, and rank 0
-    keeps the checkpoint of step 3 (a full fine-tune's sharded optimizer state gathered for it by both ranks)."""
+    keeps the checkpoint of step 3 (a full fine-tune's sharded optimizer state, and with FSDP2 its weights, gathered
+    for it by both ranks)."""
     job = _job(tmp_path, "nan", steps=STEPS, run_root=str(tmp_path), run_name="run", corrupt_rank=1, corrupt_after=3,
-               kind=kind)
+               kind=kind.split()[0], shard_weights=kind.endswith("FSDP2"))
     ranks = _start_ranks(job)
     errors = [process.communicate(timeout=300)[1] for process in ranks]
     for process, err in zip(ranks, errors):
@@ -228,3 +210,62 @@ def test_prodigy_and_lora_runs_keep_the_whole_state_on_every_rank():
     assert not Trainer.shards_state(2, AdapterConfig(), "AdamW", OffloadPolicy())
     assert not Trainer.shards_state(2, full, "AdamW", OffloadPolicy(optimizer_state="cpu"))
     assert not Trainer.shards_state(1, full, "AdamW", OffloadPolicy())
+
+
+# --- a full fine-tune: weights, gradients and optimizer state sharded with FSDP2 (training/memory/sharded_weights.py) ---
+@pytest.fixture(scope="module")
+def two_rank_fsdp_run(tmp_path_factory):
+    return _run_ranks(_job(tmp_path_factory.mktemp("fsdp"), "fsdp", kind="full", shard_weights=True, checkpointing=True))
+
+
+def test_fsdp2_shards_a_full_fine_tune_and_trains_the_one_rank_weights(two_rank_fsdp_run):
+    """Two buckets leave a rank an empty share at times (it trains a stand-in row weighted 0, so FSDP2's per-layer
+    collectives pair up); grad_accum 2, caption dropout, per-block gradient checkpointing (each layer's difference
+    gathered again for the recompute): the 1-rank weights (no checkpointing) within 1e-6."""
+    one = _one_rank({"kind": "full"})
+    one.train_to(STEPS)
+    reference = one.trainable.state_dict()
+    for rank in (0, 1):
+        _assert_close(two_rank_fsdp_run[rank]["adapter"], reference)
+        assert two_rank_fsdp_run[rank]["losses"][-1][1] == pytest.approx(one.loss_history[-1][1], rel=1e-6)
+    # each rank holds half of every difference (dim 0 split) and of its AdamW state
+    weights = sum(p.nbytes for p in one.params)
+    state = sum(v.nbytes for entries in one.optimizer.state.values() for v in entries.values() if v.ndim > 0)
+    assert [run["weight_bytes"] for run in two_rank_fsdp_run] == [weights // 2] * 2
+    assert [run["state_bytes"] for run in two_rank_fsdp_run] == [state // 2] * 2
+    # as the planner plans a rank's share (planner.TrainableSpec.weight_ranks)
+    from headroom.training.memory import sharded_weights
+
+    spec = planner.TrainableSpec(tuple(two_rank_fsdp_run[0]["shapes"]), "AdamW", state_ranks=2, weight_ranks=2, full=True)
+    assert spec.optimizer_share_bytes() == state // 2 and sharded_weights.weights_share(spec.shapes, 4, 2) == weights // 2
+
+
+def test_an_fsdp2_run_resumes_exactly_at_two_ranks_and_at_one(tmp_path, two_rank_fsdp_run):
+    """Its checkpoints hold the whole weights and optimizer state (gathered on rank 0, torch's one-optimizer layout):
+    the second half on 2 FSDP2 ranks (each taking its shards) and on 1 rank give the uninterrupted run's weights."""
+    job = {"run_root": str(tmp_path), "run_name": "run", "kind": "full", "shard_weights": True, "checkpointing": True}
+    _run_ranks(_job(tmp_path, "first", steps=STEPS // 2, **job))
+    shutil.copytree(tmp_path / "run", tmp_path / "copy")
+    second = _run_ranks(_job(tmp_path, "second", **job))
+    _assert_close(second[0]["adapter"], two_rank_fsdp_run[0]["adapter"])
+    resumed = _one_rank({"run_root": str(tmp_path), "run_name": "copy", "kind": "full"})
+    assert resumed.resume() and resumed.step == STEPS // 2
+    resumed.train_to(STEPS)
+    _assert_close(resumed.trainable.state_dict(), two_rank_fsdp_run[0]["adapter"])
+
+
+def test_fsdp2_refuses_what_it_cannot_shard_naming_the_setting(tmp_path):
+    from headroom.training.memory import sharded_weights
+
+    policy = OffloadPolicy()
+    assert sharded_weights.problem("full", "AdamW", policy, ema=False) is None
+    assert "kind full" in sharded_weights.problem("lora", "AdamW", policy, ema=False)
+    assert "choose AdamW" in sharded_weights.problem("full", "Adafactor", policy, ema=False)
+    assert "fused_backward off" in sharded_weights.problem("full", "AdamW", OffloadPolicy(fused_backward=True), False)
+    assert "trained_weights" in sharded_weights.problem("full", "AdamW", OffloadPolicy(optimizer_state="cpu"), False)
+    assert "ema_decay" in sharded_weights.problem("full", "AdamW", policy, ema=True)
+    # through the ranks: the Trainer refuses before training (every rank alike)
+    ranks = _start_ranks(_job(tmp_path, "refused", kind="full", optimizer="Adafactor", shard_weights=True))
+    for process in ranks:
+        _, err = process.communicate(timeout=300)
+        assert process.returncode != 0 and "choose AdamW" in err, err[-2000:]

@@ -625,3 +625,27 @@ def test_sharded_optimizer_state_costs_a_rank_its_share_and_rank_0_the_gathered_
     # state in host RAM or fused backward: not sharded (the Trainer keeps the whole state on each rank then)
     for policy in (OffloadPolicy(optimizer_state="cpu"), OffloadPolicy(fused_backward=True)):
         assert planner.optimizer_placement_cost(policy, two) == planner.optimizer_placement_cost(policy, whole)
+
+
+def test_fsdp2_costs_a_rank_its_rows_of_every_weight_gradient_and_state_and_one_whole_layer_in_flight():
+    from headroom.training.memory.policy import OffloadPolicy
+
+    d = toy_description()
+    shapes = ((3072, 3072), (3072,), (12288, 3072), (3072, 12288), (63, 3072))
+    whole = planner.TrainableSpec(shapes, "AdamW", full=True)
+    two = dataclasses.replace(whole, state_ranks=2, weight_ranks=2)
+    # dim 0 split as torch.chunk splits it: rank 0 has 32 of the 63 rows of the last tensor
+    rows = 3072 * 3072 / 2 + 3072 / 2 + 12288 * 3072 / 2 + 3072 * 12288 / 2 + 32 * 3072
+    assert two.optimizer_share_bytes() == 8 * rows
+    def step(spec):
+        return next(p for p in estimate(d, spec, SHAPE, OffloadPolicy()).phases if p.phase == "training step").items
+
+    one_rank, items = step(whole), step(two)
+    assert items["trainable weights (fp32, rank's share of 2, FSDP2)"] == 4 * rows
+    assert items["gradients (fp32, rank's share of 2, FSDP2)"] == 4 * rows
+    assert items["optimizer state (AdamW, rank's share of 2, FSDP2)"] == 8 * rows
+    in_flight = items["one layer's whole difference + gradient in flight (FSDP2 all-gather / reduce-scatter)"]
+    assert in_flight == 2 * 4 * 12288 * 3072
+    assert sum(items.values()) < sum(one_rank.values())
+    assert "trainable weights (fp32)" in one_rank and not any(k.startswith("trainable weights (fp32)") and "FSDP2" not in k
+                                                               for k in items)

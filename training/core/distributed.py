@@ -47,11 +47,17 @@ def backend_for(device: torch.device | str) -> str:
     return "nccl" if torch.device(device).type == "cuda" else "gloo"
 
 
+_shard_weights = False  # set by init: a full fine-tune's weights sharded with FSDP2 (memory/sharded_weights.py)
+
+
 def init(rank: int, world_size: int, device: torch.device | str = "cpu", init_method: str | None = None,
-         timeout_s: float = 600.0) -> None:
+         timeout_s: float = 600.0, shard_weights: bool = False) -> None:
     """Join (or create) the process group: NCCL for CUDA, gloo otherwise. `init_method` None: from the environment
     (torchrun / accelerate set MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE). A short `timeout_s` bounds how long a
-    rank waits for one that hangs."""
+    rank waits for one that hangs. `shard_weights`: the runs of this process shard a full fine-tune's weights,
+    gradients and optimizer state with FSDP2 (headless launchers only: see memory/sharded_weights.py)."""
+    global _shard_weights
+    _shard_weights = shard_weights
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -71,6 +77,9 @@ class DataParallel:
         self._step = 0
         self._done = self._losses = 0  # collectives of the current step (abort_step)
         self.others_know = False  # the other ranks know this rank stops (leave: nothing more to tell them)
+        # FSDP2 reduce-scatters the trained gradients inside backward: the step's gradient all-reduce then carries
+        # the abort flag alone.
+        self.shards_weights = _shard_weights
 
     @classmethod
     def current(cls) -> "DataParallel | None":
@@ -105,6 +114,8 @@ class DataParallel:
     def reduce_gradients(self, params: list[torch.nn.Parameter]) -> None:
         """Sum the trainable gradients over the ranks in one flat buffer (a parameter without a gradient counts 0),
         with the abort flag as its last element."""
+        if self.shards_weights:
+            params = []
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         flat = torch.cat([g.reshape(-1).float() for g in grads] + [torch.zeros(1)]).to(self.device)
         with self.collective("gradient all-reduce"):
@@ -116,6 +127,11 @@ class DataParallel:
             param.grad = flat[offset:offset + count].view_as(grad).to(grad)
             offset += count
 
+    def sum_over_ranks(self, tensor: torch.Tensor) -> None:
+        """Sum a tensor over the ranks, in place (FSDP2's gradient norm: each rank's share of the squares)."""
+        with self.collective("gradient norm all-reduce"):
+            dist.all_reduce(tensor)
+
     def abort_step(self, params: list[torch.nn.Parameter]) -> None:
         """This rank left its step midway (ComfyUI's interrupt raised inside rank 0's forward, an error): join the
         collective the other ranks wait in, with the abort flag set, so they discard the step and stop too
@@ -125,7 +141,7 @@ class DataParallel:
         if self._done < self._losses:
             flag = torch.tensor([0.0, 1.0], device=self.device)
         elif self._done == self._losses:
-            flag = torch.zeros(sum(p.numel() for p in params) + 1, device=self.device)
+            flag = torch.zeros((0 if self.shards_weights else sum(p.numel() for p in params)) + 1, device=self.device)
             flag[-1] = 1.0
         else:
             self.any_stops(True)

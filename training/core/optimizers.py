@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 
@@ -137,3 +137,36 @@ def current_lr(optimizer) -> float:
     if "d" in group:  # Prodigy: the effective step size is d * lr
         return float(group["d"] * group["lr"])
     return float(group["lr"])
+
+
+_NORM_CHUNK = 1 << 16  # elements per partial norm on a CPU (torch's fp32 norm is within 2e-7 up to this size)
+
+
+def _squared_norm(grad: torch.Tensor) -> torch.Tensor:
+    """The gradient's squared norm in fp64. On a CPU over chunks: torch 2.14's fp32 norm there adds up in one long
+    run and loses precision on large tensors (0.07 % low at 2^24 elements, 0.5 % at 2^26), and asking it for fp64
+    makes a whole fp64 copy. CUDA's norm is a tree reduction: whole."""
+    flat = grad.detach().reshape(-1)
+    if flat.device.type != "cpu":
+        return torch.linalg.vector_norm(flat).double().square()
+    return torch.stack([torch.linalg.vector_norm(chunk).double().square() for chunk in flat.split(_NORM_CHUNK)]).sum()
+
+
+def clip_gradients(params, max_norm: float, ranks_sum: Callable[[torch.Tensor], None] | None = None) -> None:
+    """torch's clip_grad_norm_ (the gradients scaled by max_norm / (total norm + 1e-6), at most 1), with the total
+    norm added up accurately (`_squared_norm`: one Flux / SDXL layer is past 2^24 elements). Gradients that are
+    DTensor shards (FSDP2, memory/sharded_weights.py) count their local part, and `ranks_sum` adds the ranks' sums
+    (an all-reduce)."""
+    with torch.no_grad():
+        grads = [p.grad for p in params if p.grad is not None]
+        grads = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+        if not grads and ranks_sum is None:
+            return
+        squares = [_squared_norm(g) for g in grads if g.numel()]
+        device = grads[0].device if grads else torch.device("cpu")
+        total = torch.stack(squares).sum() if squares else torch.zeros((), dtype=torch.float64, device=device)
+        if ranks_sum is not None:
+            ranks_sum(total)
+        coefficient = (max_norm / (total.sqrt() + 1e-6)).clamp(max=1.0)
+        for grad in grads:
+            grad.mul_(coefficient.to(grad.dtype))

@@ -27,11 +27,11 @@ from .. import public_module
 from ..data.cache_store import bucket_batches, item_conditioning
 from ..checks import check_finite
 from .objective import Objective, ObjectiveConfig, SamplingDescriptor, step_seed
-from ..memory import sharded_optimizer
+from ..memory import sharded_optimizer, sharded_weights
 from ..memory.fused_backward import FusedBackward
 from ..memory import trained_weights_on_host
 from ..memory.optimizer_parking import HostOptimizer, parked
-from .optimizers import OptimizerConfig, create_optimizer, create_scheduler, current_lr
+from .optimizers import OptimizerConfig, clip_gradients, create_optimizer, create_scheduler, current_lr
 from ..memory.policy import OffloadPolicy, memory_features
 from ..data.files import WriteError
 from .ema import WeightEMA
@@ -200,6 +200,16 @@ class Trainer:
         trained_weights_on_host.check_kind(self.policy, getattr(getattr(trainable, "config", None), "kind", None))
         # Data parallelism when a process group is running (training/core/distributed.py); None: one rank.
         self.parallel = DataParallel.current()
+        # A full fine-tune's weights, gradients and optimizer state sharded with FSDP2 (the launcher's --shard-weights):
+        # each trained layer becomes its FSDP unit before the optimizer sees its parameters.
+        self.shards_weights = self.parallel is not None and self.parallel.shards_weights
+        if self.shards_weights:
+            kind = getattr(getattr(trainable, "config", None), "kind", None)
+            why = sharded_weights.problem(kind, optimizer_config.name, self.policy, config.ema_decay > 0)
+            if why:
+                raise ValueError(why)
+            sharded_weights.shard(trainable.layers.values(), denoiser.device, self.parallel.world_size)
+            self.params = list(trainable.parameters())
         # At most this many items per forward / backward on a rank (None: a rank's whole share of the batch at once):
         # a batch's rows are then trained in chunks whose gradients add up, so N ranks (or one) keep the same global
         # batch with the same memory per rank. Set by the caller (the distributed launcher); not part of the run's
@@ -225,8 +235,8 @@ class Trainer:
                                  "full_precision to fp32")
             if self.policy.optimizer_state == "cpu":
                 self.optimizer = HostOptimizer(self.params, lambda host: create_optimizer(host, optimizer_config, device="cpu"))
-            elif self.parallel is not None and self.shards_state(self.parallel.world_size, trainable,
-                                                                 optimizer_config.name, self.policy):
+            elif self.parallel is not None and not self.shards_weights and self.shards_state(
+                    self.parallel.world_size, trainable, optimizer_config.name, self.policy):
                 # Several ranks of a full fine-tune: each keeps the optimizer state of its share of the tensors.
                 self.optimizer = sharded_optimizer.sharded(
                     self.params, lambda share: create_optimizer(share, optimizer_config, device=denoiser.device))
@@ -262,19 +272,43 @@ class Trainer:
     @property
     def state_ranks(self) -> int:
         """The ranks the optimizer state is sharded over (planner.TrainableSpec.state_ranks); 1: whole."""
-        return self.parallel.world_size if self.sharded else 1
+        return self.parallel.world_size if self.sharded or self.shards_weights else 1
+
+    @property
+    def weight_ranks(self) -> int:
+        """The ranks the trained weights and gradients are sharded over (FSDP2; planner.TrainableSpec.weight_ranks)."""
+        return self.parallel.world_size if self.shards_weights else 1
 
     def gather_state(self) -> None:
         """Every rank, at the same completed step: a sharded optimizer's state gathered on rank 0, which alone
         writes checkpoints (also later, while the other ranks wait). Nothing to do when not sharded."""
-        if self.sharded and (self._gathered is None or self._gathered[0] != self.step):
+        if self.shards_weights and (self._gathered is None or self._gathered[0] != self.step):
+            with self.parallel.collective("weights and optimizer state gather"):
+                self._gathered = (self.step, self._gather_whole())
+        elif self.sharded and (self._gathered is None or self._gathered[0] != self.step):
             with self.parallel.collective("optimizer state gather"):
                 self._gathered = (self.step, sharded_optimizer.gather(self.optimizer, self.parallel.is_main))
+
+    def _gather_whole(self) -> dict | None:
+        """FSDP2: the whole trained weights and optimizer state in host RAM on rank 0 (None on the others), one
+        tensor at a time."""
+        main = self.parallel.is_main
+        adapter = {}
+        for key, value in self.trainable.state_dict(copy=False).items():
+            whole = sharded_weights.full(value)
+            if main:
+                adapter[key] = whole.to("cpu", copy=True)
+        optimizer = sharded_weights.gather_optimizer_state(self.optimizer, main)
+        return {"adapter": adapter, "optimizer": optimizer} if main else None
 
     @property
     def can_save(self) -> bool:
         """Whether a checkpoint of this step can be written: finite weights, and a sharded optimizer's state
         gathered at this step (after a lost rank it is not: the last checkpoint on disk stays the run's)."""
+        if self.shards_weights:  # rank 0 checks the whole weights it gathered
+            gathered = self._gathered if self._gathered is not None and self._gathered[0] == self.step else None
+            return gathered is not None and (gathered[1] is None or all(
+                bool(torch.isfinite(t).all()) for t in gathered[1]["adapter"].values()))
         return self.params_finite() and (not self.sharded or (self._gathered or (None,))[0] == self.step)
 
     def _check_fused(self, config: TrainConfig) -> None:
@@ -364,6 +398,9 @@ class Trainer:
         noise = self.objective.sample_noise(x0, generator).to(x0)
         if rows is not None:
             weight = len(items[rows]) / len(items)
+            if not items[rows] and self.shards_weights:
+                # FSDP2's per-layer collectives need every rank's forward and backward: a stand-in row, weighted 0.
+                rows = slice(0, 1)
             items, dropout, x0, sigma, noise = items[rows], dropout[rows], x0[rows], sigma[rows], noise[rows]
             if not items:  # a bucket's last, smaller batch may leave a rank nothing: it adds no gradient
                 return torch.zeros((), device=self.denoiser.device), items
@@ -403,7 +440,9 @@ class Trainer:
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         if self.config.max_grad_norm > 0 and not self.policy.fused_backward:  # fused: clipped per tensor in backward
-            torch.nn.utils.clip_grad_norm_(self.params, self.config.max_grad_norm)
+            # FSDP2: each rank holds its gradients' shards, so their squares are added over the ranks.
+            clip_gradients(self.params, self.config.max_grad_norm,
+                           self.parallel.sum_over_ranks if self.shards_weights else None)
         if self.scaler is not None:
             self.scaler.step(self.optimizer)  # skips the update when fp16 gradients overflowed
             self.scaler.update()
@@ -502,8 +541,9 @@ class Trainer:
             raise
         except BaseException:
             self.optimizer.zero_grad(set_to_none=True)
-            self.parallel.abort_step(self.params)
-            self._gather_quietly()
+            if not self.shards_weights:  # FSDP2: the others may wait in a layer's collective; torchrun stops them
+                self.parallel.abort_step(self.params)
+                self._gather_quietly()
             raise
 
     def _gather_quietly(self) -> None:
@@ -515,7 +555,7 @@ class Trainer:
     def leave_between_steps(self) -> None:
         """This rank stops outside a step's collectives (see DataParallel.leave): the others stop at the same
         completed step. A lost group changes nothing: the error being raised says more."""
-        if self.parallel.others_know:
+        if self.parallel.others_know or self.shards_weights:  # FSDP2: torchrun stops the others
             return
         with contextlib.suppress(RankLostError):
             self.parallel.leave()
@@ -576,7 +616,8 @@ class Trainer:
         second copy of the trained weights, on their device, while it writes; the optimizer state is never copied)."""
         return Checkpoint(
             step=self.step, micro_step=self.step * self.config.grad_accum,
-            adapter=self.trainable.state_dict(copy=copy), optimizer=self._optimizer_state(),
+            adapter=self._gathered[1]["adapter"] if self.shards_weights else self.trainable.state_dict(copy=copy),
+            optimizer=self._optimizer_state(),
             scheduler=self.scheduler.state_dict(), scaler=self.scaler.state_dict() if self.scaler is not None else None,
             rng=self.rng, loss_history=[list(x) for x in self.loss_history],
             validation_history=[list(x) for x in self.validation_history],
@@ -584,12 +625,12 @@ class Trainer:
         )
 
     def _optimizer_state(self) -> dict:
-        if not self.sharded:
+        if not (self.sharded or self.shards_weights):
             return self.optimizer.state_dict()
         if self._gathered is None or self._gathered[0] != self.step:
             raise RuntimeError(f"the optimizer state of step {self.step} is spread over the ranks (not gathered at "
                                "this step): no checkpoint of it can be written")
-        return self._gathered[1]
+        return self._gathered[1]["optimizer"] if self.shards_weights else self._gathered[1]
 
     def restore(self, checkpoint: Checkpoint) -> None:
         """Load a checkpoint after checking it fits what this trainer trains (a file from disk is untrusted)."""
@@ -601,11 +642,17 @@ class Trainer:
                 "edited or written for other settings: move the run folder away, or use a new run name."
             )
         try:
-            self.trainable.load_state_dict(checkpoint.adapter)
-            if self.sharded:
-                sharded_optimizer.load(self.optimizer, checkpoint.optimizer)
+            if self.shards_weights:  # every rank read the whole checkpoint: each keeps its shards
+                live = self.trainable.state_dict(copy=False)
+                self.trainable.load_state_dict({key: sharded_weights.like(value, live[key])
+                                                for key, value in checkpoint.adapter.items()})
+                sharded_weights.load_optimizer_state(self.optimizer, checkpoint.optimizer)
             else:
-                self.optimizer.load_state_dict(checkpoint.optimizer)
+                self.trainable.load_state_dict(checkpoint.adapter)
+                if self.sharded:
+                    sharded_optimizer.load(self.optimizer, checkpoint.optimizer)
+                else:
+                    self.optimizer.load_state_dict(checkpoint.optimizer)
             self.scheduler.load_state_dict(checkpoint.scheduler)
             if self.scaler is not None and checkpoint.scaler is not None:
                 self.scaler.load_state_dict(checkpoint.scaler)
@@ -623,6 +670,9 @@ class Trainer:
         self.saved_step = checkpoint.step
         if self.sharded:
             self._gathered = (checkpoint.step, checkpoint.optimizer if self.parallel.is_main else None)
+        elif self.shards_weights:
+            self._gathered = (checkpoint.step, {"adapter": checkpoint.adapter, "optimizer": checkpoint.optimizer}
+                              if self.parallel.is_main else None)
 
     def _mismatch(self, checkpoint: Checkpoint) -> str | None:
         """What in a checkpoint does not fit this trainer: weight keys, shapes and dtypes; optimizer groups, state

@@ -29,6 +29,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from ..core.optimizers import clip_gradients
 from .cost import FeatureCost
 from .stochastic_rounding import stochastic_round_to_bf16
 
@@ -87,8 +88,8 @@ class FusedBackward:
     @torch.no_grad()
     def _step(self, index: int, param: torch.Tensor) -> None:
         grad = param.grad
-        if self.max_grad_norm > 0:  # torch's own clipping, on this parameter's gradient alone
-            torch.nn.utils.clip_grad_norm_(param, self.max_grad_norm)
+        if self.max_grad_norm > 0:  # clipping as the plain step clips, on this parameter's gradient alone
+            clip_gradients([param], self.max_grad_norm)
         stand_in = self._stand_ins[index]
         if stand_in is None:
             self.optimizers[index].step()

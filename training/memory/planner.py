@@ -36,7 +36,7 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 from . import (activation_offload, checkpointing, fused_backward, host_ram, lowbit, optimizer_parking,
-               sharded_optimizer, trained_weights_on_host, weight_streaming)
+               sharded_optimizer, sharded_weights, trained_weights_on_host, weight_streaming)
 from .cost import FeatureCost
 from .host_ram import HostRoom
 from .memory_stats import format_bytes
@@ -167,6 +167,9 @@ class TrainableSpec:
     element_size: int = 4  # bytes per trained weight: 4 (fp32), 2 (a full fine-tune's bf16 difference)
     # Ranks the optimizer state is sharded over (sharded_optimizer.py: a full fine-tune on several devices); 1: whole.
     state_ranks: int = 1
+    # Ranks the weights, gradients and state are sharded over (sharded_weights.py: FSDP2, the launcher's
+    # --shard-weights); 1: whole.
+    weight_ranks: int = 1
     full: bool = False  # a full fine-tune's differences (their weights may live in host RAM: trained_weights_on_host.py)
 
     @property
@@ -190,6 +193,8 @@ class TrainableSpec:
 
     def optimizer_share_bytes(self) -> int:
         """The optimizer state one rank holds when it is sharded over `state_ranks` (the largest rank's share)."""
+        if self.weight_ranks > 1:
+            return sharded_weights.state_share(self.shapes, self._state_bytes(), self.weight_ranks)
         return sharded_optimizer.state_share([math.prod(s) for s in self.shapes], self._state_bytes(), self.state_ranks)
 
     def _state_bytes(self) -> list[int]:
@@ -425,6 +430,10 @@ def estimate(description: ModelDescription, trainable: TrainableSpec, shape: Run
     gradients = fused_backward.gradients_cost(trainable.shapes, trainable.element_size, policy.fused_backward,
                                               state_on_host=policy.optimizer_state == "cpu",
                                               weights_on_host=weights_on_host)
+    if trainable.weight_ranks > 1:  # FSDP2: weights, gradients and state each rank's share (one feature)
+        trained = sharded_weights.cost(trainable.shapes, trainable.element_size, trainable._state_bytes(),
+                                       trainable.weight_ranks, trainable.optimizer)
+        gradients = parking = FeatureCost()
     trainables = {**trained.training, **gradients.training, **parking.training}
     activations = {name: value for cost in block_activations for name, value in cost.training.items()}
     activations["saved activations outside the blocks"] = int(outside)

@@ -13,10 +13,10 @@ other ranks wait: after validation, on cancel), so at the end of each training c
 rank 0, which keeps it gathered in host RAM, the whole state, until the next one. Traffic: one broadcast of every
 trained tensor per step.
 
-Why ZeRO stage 1 and not FSDP2 (fully_shard: weights and gradients sharded too). fully_shard runs on gloo CPU ranks
-here, but its all-gathers and reduce-scatters run inside forward and backward, one per layer; the run's way of
-stopping every rank together (a rank that leaves a step midway, ComfyUI's interrupt inside rank 0's forward, joins
-the collective the others wait in with an abort flag: DataParallel.abort_step) has no collective of its own there to
+Why ZeRO stage 1 here and FSDP2 (sharded_weights.py: weights and gradients sharded too) only headless: FSDP2's
+all-gathers and reduce-scatters run inside forward and backward, one per layer; the run's way of stopping every rank
+together inside ComfyUI (a rank that leaves a step midway, ComfyUI's interrupt inside rank 0's forward, joins the
+collective the others wait in with an abort flag: DataParallel.abort_step) has no collective of its own there to
 join, so the others would wait out the group's timeout. Stage 1 keeps every collective of a step where that
 protocol has one: the loss and gradient all-reduces, the step-end agreement, and this module's broadcasts.
 """
