@@ -102,23 +102,3 @@ def test_bitsandbytes_kernels_are_probed_once_per_optimizer_and_device(monkeypat
         with pytest.raises(RuntimeError, match="cannot run on cpu: no 8-bit kernel"):
             create_optimizer([torch.nn.Parameter(torch.zeros(8, 8))], config, device="cpu")
 
-
-def test_gradient_clipping_adds_up_the_norm_of_a_real_size_gradient_accurately():
-    """A gradient past 2^24 elements (one Flux / SDXL layer): the clip coefficient is max_norm over the exact norm
-    (fp64 reference) within 1e-6 (torch 2.14's fp32 norm on a CPU is 0.07 % low at 2^24 elements, 0.5 % at 2^26);
-    below max_norm nothing changes; several tensors clip together, as torch's clip_grad_norm_ does."""
-    from headroom.training.core.optimizers import clip_gradients
-
-    grad = torch.randn(1 << 25, generator=torch.Generator().manual_seed(0)) * 1e-3
-    exact = grad.double().norm().item()
-    params = [torch.nn.Parameter(torch.zeros(1 << 25)), torch.nn.Parameter(torch.zeros(3))]
-    params[0].grad, params[1].grad = grad.clone(), torch.tensor([0.0, 0.0, 0.0])
-    clip_gradients(params, 0.5 * exact)
-    assert abs(params[0].grad.double().norm().item() / (0.5 * exact) - 1) < 1e-6
-    params[0].grad = grad.clone()
-    clip_gradients(params, 2 * exact)
-    assert torch.equal(params[0].grad, grad)
-    small = [torch.nn.Parameter(torch.zeros(2)) for _ in range(2)]
-    small[0].grad, small[1].grad = torch.tensor([3.0, 0.0]), torch.tensor([0.0, 4.0])
-    clip_gradients(small, 1.0)  # total norm 5
-    assert torch.allclose(torch.cat([p.grad for p in small]), torch.tensor([0.6, 0.0, 0.0, 0.8]), atol=1e-6)

@@ -145,7 +145,8 @@ _NORM_CHUNK = 1 << 16  # elements per partial norm on a CPU (torch's fp32 norm i
 def _squared_norm(grad: torch.Tensor) -> torch.Tensor:
     """The gradient's squared norm in fp64. On a CPU over chunks: torch 2.14's fp32 norm there adds up in one long
     run and loses precision on large tensors (0.07 % low at 2^24 elements, 0.5 % at 2^26), and asking it for fp64
-    makes a whole fp64 copy. CUDA's norm is a tree reduction: whole."""
+    makes a whole fp64 copy. CUDA's reduction adds partial sums in a tree, so a tensor is taken whole there
+    (tests/unit/test_gradient_clipping.py checks both; the GPU kit runs it on CUDA)."""
     flat = grad.detach().reshape(-1)
     if flat.device.type != "cpu":
         return torch.linalg.vector_norm(flat).double().square()
