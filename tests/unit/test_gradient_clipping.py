@@ -15,7 +15,8 @@ def test_gradient_clipping_adds_up_the_norm_of_a_real_size_gradient_accurately(d
     below max_norm nothing changes; several tensors clip together, as torch's clip_grad_norm_ does."""
     grad = (torch.randn(1 << 25, generator=torch.Generator().manual_seed(0)) * 1e-3).to(device)
     exact = grad.double().norm().item()
-    params = [torch.nn.Parameter(torch.zeros(1 << 25, device=device)), torch.nn.Parameter(torch.zeros(3, device=device))]
+    params = [torch.nn.Parameter(torch.zeros(1 << 25, device=device)),
+              torch.nn.Parameter(torch.zeros(3, device=device))]
     params[0].grad, params[1].grad = grad.clone(), torch.zeros(3, device=device)
     clip_gradients(params, 0.5 * exact)
     assert abs(params[0].grad.double().norm().item() / (0.5 * exact) - 1) < 1e-6

@@ -73,7 +73,11 @@ def create_optimizer(params: Iterable[torch.nn.Parameter], config: OptimizerConf
     config.validate()
     params = list(params)
     if config.name == "AdamW":
-        return torch.optim.AdamW(params, lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay)
+        # On CUDA torch's fused kernel: its default (foreach) step makes a temporary the size of every trained tensor
+        # at once (the sqrt of exp_avg_sq), which a full fine-tune's plan has no room for. Not for DTensor shards.
+        fused = bool(params) and all(type(p) in (torch.Tensor, torch.nn.Parameter) and p.is_cuda for p in params)
+        return torch.optim.AdamW(params, lr=config.lr, betas=config.betas, eps=config.eps,
+                                 weight_decay=config.weight_decay, fused=fused or None)
     if config.name in _BITSANDBYTES:
         return _bitsandbytes_optimizer(params, config, device)
     if config.name == "Adafactor":
