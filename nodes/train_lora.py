@@ -221,7 +221,7 @@ def start_lora_run(model, latent_cache, text_cache, lora_config, optimizer_confi
                                         ema=train.ema_decay > 0, state_ranks=ranks)
         policy, plan_note = resolve_policy(policy, gradient_checkpointing, checkpoint_depth, node=node, plan_card=(
             lambda card: plan_for_card(model, latent_cache, text_cache, card, trainable, train.batch_size,
-                                       train.precision, node, lora_config)))
+                                       train.precision, node, lora_config, train.grad_accum)))
         check_host_ram(policy, trainable, node)
         send_node_text(plan_note, shown_on)  # on the node before the run opens, and so before its first step
         if reference not in REFERENCES:

@@ -207,8 +207,16 @@ def lora_trainable(patcher, adapter: AdapterConfig, optimizer: str, paths: list[
     paths = paths if paths is not None else lora_target_paths(patcher, adapter)
     modules = [patcher.model.diffusion_model.get_submodule(p) for p in paths]
     if adapter.kind == "full":
-        return planner.TrainableSpec.full(modules, optimizer, 2 if adapter.full_precision == "bf16_stochastic" else 4)
+        spec = planner.TrainableSpec.full(modules, optimizer, 2 if adapter.full_precision == "bf16_stochastic" else 4)
+        first = [m for p, m in zip(paths, modules) if in_first_block(patcher, p)]
+        return dataclasses.replace(spec, first_block_elements=planner.TrainableSpec.full(first).param_count)
     return planner.TrainableSpec.lora(modules, adapter.rank, optimizer)
+
+
+def in_first_block(patcher, path: str) -> bool:
+    """Whether a layer's path lies in the diffusion model's first training block (forward order)."""
+    blocks = training_blocks(patcher.model.diffusion_model)
+    return bool(blocks) and (path + ".").startswith(blocks[0][0] + ".")
 
 
 def plan_lora_run(model, policy: OffloadPolicy, mode: str, batch_size: int, width: int, height: int, rank: int,
@@ -261,11 +269,16 @@ def _run_inputs(run) -> tuple:
     config = run.config
     adapter = getattr(config, "adapter", None) or AdapterConfig()  # ControlNet runs: activations as with a LoRA
     description = describe_comfy_model(run.source_model, adapter, config.train.precision)
+    first = 0
+    if adapter.kind == "full":  # the first block's trained elements (planner.first_block_gradients_later)
+        first = sum(p.numel() for path, layer in run.adapters.layers.items() if in_first_block(run.source_model, path)
+                    for _, p in run.adapters._own_parameters(layer))
     trainable = dataclasses.replace(planner.TrainableSpec.from_parameters(run.trainer.params, config.optimizer.name,
                                                                           full=adapter.kind == "full"),
-                                    state_ranks=run.trainer.state_ranks, weight_ranks=run.trainer.weight_ranks)
+                                    state_ranks=run.trainer.state_ranks, weight_ranks=run.trainer.weight_ranks,
+                                    first_block_elements=first)
     shape = cache_run_shape(run.source_model, run.latent_cache, run.text_cache, config.train.batch_size,
-                            "HeadroomTrainSteps")
+                            "HeadroomTrainSteps", config.train.grad_accum)
     budget = budget_bytes(run.policy, torch.device(run.source_model.load_device))
     return description, trainable, shape, budget
 
@@ -284,17 +297,19 @@ def run_plan(run) -> planner.Plan:
     return planner.estimate(description, trainable, shape, run.policy, budget)
 
 
-def cache_run_shape(patcher, latent_cache, text_cache, batch_size: int, node: str) -> planner.RunShape:
+def cache_run_shape(patcher, latent_cache, text_cache, batch_size: int, node: str, grad_accum: int = 1
+                    ) -> planner.RunShape:
     """What a run's largest step processes: its largest bucket (clips' buckets are (w, h, frames)), its cached text
-    length, its batch."""
+    length, its batch (and its micro-steps per optimizer step)."""
     width, height, *frames = max(latent_cache.buckets, key=lambda size: math.prod(size))
     tokens = item_conditioning(text_cache, latent_cache, 0)["cross_attn"].shape[0]
     latent_frames = video.check_frames(node, patcher.model, frames[0]) if frames else 1
-    return planner.RunShape(batch_size, width, height, int(tokens), latent_frames)
+    return planner.RunShape(batch_size, width, height, int(tokens), latent_frames, grad_accum)
 
 
 def plan_for_card(patcher, latent_cache, text_cache, policy: OffloadPolicy, trainable: planner.TrainableSpec,
-                  batch_size: int, precision: str, node: str, adapter: AdapterConfig | None = None) -> planner.Plan:
+                  batch_size: int, precision: str, node: str, adapter: AdapterConfig | None = None,
+                  grad_accum: int = 1) -> planner.Plan:
     """The fastest policy whose planned peak fits `policy`'s card (planner.plan_auto), for a run opening on this
     MODEL with these caches: the model measured as the Memory Plan node measures it (activations as with a LoRA of
     `adapter`'s settings, the default for a ControlNet run)."""
@@ -303,5 +318,5 @@ def plan_for_card(patcher, latent_cache, text_cache, policy: OffloadPolicy, trai
     except PolicyError as error:
         raise ValueError(f"{node}: {error}") from None
     description = describe_comfy_model(patcher, adapter or AdapterConfig(), precision)
-    shape = cache_run_shape(patcher, latent_cache, text_cache, batch_size, node)
+    shape = cache_run_shape(patcher, latent_cache, text_cache, batch_size, node, grad_accum)
     return planner.plan_auto(description, trainable, shape, policy, budget, host_ram.host_room(policy.host_ram_budget_gb))

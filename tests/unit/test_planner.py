@@ -647,5 +647,32 @@ def test_fsdp2_costs_a_rank_its_rows_of_every_weight_gradient_and_state_and_one_
     in_flight = items["one layer's whole difference + gradient in flight (FSDP2 all-gather / reduce-scatter)"]
     assert in_flight == 2 * 4 * 12288 * 3072
     assert sum(items.values()) < sum(one_rank.values())
-    assert "trainable weights (fp32)" in one_rank and not any(k.startswith("trainable weights (fp32)") and "FSDP2" not in k
-                                                               for k in items)
+    assert "trainable weights (fp32)" in one_rank
+    assert not any(k.startswith("trainable weights (fp32)") and "FSDP2" not in k for k in items)
+
+
+def test_a_full_fine_tune_s_first_block_gradients_are_made_after_its_activations_go():
+    """One backward pass per step on one device: the step's peak is the larger of (everything + activations, the first
+    block's gradients not made yet) and (every gradient, no activations); accumulation, several ranks, fused backward
+    and an unknown first block keep the plain sum."""
+    from headroom.training.memory.policy import OffloadPolicy
+
+    d = toy_description()
+    shapes = ((3072, 3072), (3072,), (12288, 3072))
+    first = 3072 * 3072 + 3072
+
+    def step(spec, shape=SHAPE, policy=OffloadPolicy()):
+        return next(p for p in estimate(d, spec, shape, policy).phases if p.phase == "training step")
+
+    whole = planner.TrainableSpec(shapes, "AdamW", full=True)
+    known = dataclasses.replace(whole, first_block_elements=first)
+    plain, refined = step(whole).items, step(known).items
+    activations = sum(v for k, v in plain.items()
+                      if not k.startswith(("trainable", "gradients", "optimizer", "frozen", "allocator")))
+    later = plain["gradients (fp32)"] - refined["gradients (fp32), the first block's made as its activations go"]
+    assert 0 < later == min(4 * first, activations)
+    for spec, shape, policy in ((known, planner.RunShape(1, 512, 512, grad_accum=2), OffloadPolicy()),
+                                (dataclasses.replace(known, state_ranks=2), SHAPE, OffloadPolicy()),
+                                (known, SHAPE, OffloadPolicy(fused_backward=True)),
+                                (dataclasses.replace(known, full=False), SHAPE, OffloadPolicy())):
+        assert not any("first block" in k for k in step(spec, shape, policy).items)

@@ -170,6 +170,9 @@ class TrainableSpec:
     # Ranks the weights, gradients and state are sharded over (sharded_weights.py: FSDP2, the launcher's
     # --shard-weights); 1: whole.
     weight_ranks: int = 1
+    # Trained elements in the model's first block (forward order): backward reaches it last, so its gradients are made
+    # only as its own activations go (first_block_gradients_later). 0: not known.
+    first_block_elements: int = 0
     full: bool = False  # a full fine-tune's differences (their weights may live in host RAM: trained_weights_on_host.py)
 
     @property
@@ -249,6 +252,27 @@ def optimizer_placement_cost(policy: OffloadPolicy, trainable: TrainableSpec) ->
     if sharded:
         sharded_optimizer.gathered_copy_cost(cost, trainable.optimizer, trainable.optimizer_bytes())
     return cost
+
+
+def first_block_gradients_later(trainables: dict[str, int], trainable: TrainableSpec, shape: "RunShape",
+                                policy: OffloadPolicy, activation_bytes: int) -> dict[str, int]:
+    """A full fine-tune's gradients at the step's peak. Summing every gradient with the activations overstates it
+    when one backward pass makes them all: the first block's (forward order) are made only as backward leaves it,
+    while its activations go; after that no activation is left. So the peak is the larger of all else + activations
+    with the first block's gradients not yet made, and all gradients without activations: the gradients item less
+    min(first block's gradients, activations). Only with one backward pass per step on one device (gradient
+    accumulation keeps every gradient through the next pass; several ranks copy them all into one buffer to reduce)
+    and the gradients kept whole (not fused backward)."""
+    if not (trainable.full and trainable.first_block_elements and shape.grad_accum == 1 and not policy.fused_backward
+            and trainable.state_ranks == 1 and trainable.weight_ranks == 1):
+        return trainables
+    name = f"gradients ({trainable.dtype_name})"
+    if name not in trainables:
+        return trainables
+    later = min(trainable.first_block_elements * trainable.element_size, activation_bytes)
+    result = {key: value for key, value in trainables.items() if key != name}
+    result[f"{name}, the first block's made as its activations go"] = trainables[name] - later
+    return result
 
 
 # --- estimates ----------------------------------------------------------------------------------------------
@@ -395,6 +419,8 @@ class RunShape:
     # Latent frames of a video model's clips (Wan: (frames - 1) / 4 + 1). A video DiT's tokens, and with them what its
     # blocks keep (measured on one frame), grow with h * w * frames.
     latent_frames: int = 1
+    # Micro-steps per optimizer step: with more than one, every gradient is kept through the next backward pass.
+    grad_accum: int = 1
 
     def latent_area(self, description: ModelDescription) -> int:
         d = description.latent_downscale
@@ -439,6 +465,7 @@ def estimate(description: ModelDescription, trainable: TrainableSpec, shape: Run
     activations["saved activations outside the blocks"] = int(outside)
     activations["gradient buffers of one block"] = int(2 * max(inputs, default=0))
     activations["one layer's weight copy in flight (cast / dequantised)"] = int(in_flight)
+    trainables = first_block_gradients_later(trainables, trainable, shape, policy, sum(activations.values()))
 
     # Validation (below) keeps the same frozen weights beside the adapter and ComfyUI's sampling working set.
     sampling = {**trained.validation, **parking.validation,
