@@ -27,3 +27,16 @@ def test_gradient_clipping_adds_up_the_norm_of_a_real_size_gradient_accurately(d
     small[0].grad, small[1].grad = torch.tensor([3.0, 0.0], device=device), torch.tensor([0.0, 4.0], device=device)
     clip_gradients(small, 1.0)  # total norm 5
     assert torch.allclose(torch.cat([p.grad for p in small]).cpu(), torch.tensor([0.6, 0.0, 0.0, 0.8]), atol=1e-6)
+
+
+def test_bf16_and_fp32_gradients_clip_together_with_the_norm_taken_in_fp32():
+    """A bf16 difference's gradients (fused backward clips each alone; mixed lists clip together): the norm is taken in
+    fp32 (a bf16 norm keeps three digits), so the coefficient is the fp64 one within 1e-6."""
+    g = torch.Generator().manual_seed(1)
+    grads = [torch.randn(70_000, generator=g).bfloat16(), torch.randn(5, generator=g)]
+    exact = torch.cat([x.double() for x in grads]).norm().item()
+    params = [torch.nn.Parameter(torch.zeros_like(x)) for x in grads]
+    for param, grad in zip(params, grads):
+        param.grad = grad.clone()
+    clip_gradients(params, 1.0)
+    assert abs(params[1].grad[0].double().item() / grads[1][0].double().item() - 1.0 / (exact + 1e-6)) < 1e-6
