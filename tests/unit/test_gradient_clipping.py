@@ -1,10 +1,10 @@
-"""Gradient clipping (optimizers.clip_gradients): torch's clip coefficient, the total norm added up accurately."""
+"""Gradient clipping (training/gradient_clipping.py): torch's clip coefficient, the total norm added up accurately."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from headroom.training.core.optimizers import clip_gradients
+from headroom.training.gradient_clipping import clip_gradients
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(

@@ -31,7 +31,8 @@ from ..memory import sharded_optimizer, sharded_weights
 from ..memory.fused_backward import FusedBackward
 from ..memory import trained_weights_on_host
 from ..memory.optimizer_parking import HostOptimizer, parked
-from .optimizers import OptimizerConfig, clip_gradients, create_optimizer, create_scheduler, current_lr
+from ..gradient_clipping import clip_gradients
+from .optimizers import OptimizerConfig, create_optimizer, create_scheduler, current_lr
 from ..memory.policy import OffloadPolicy, memory_features
 from ..data.files import WriteError
 from .ema import WeightEMA

@@ -29,7 +29,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..core.optimizers import clip_gradients
+from ..gradient_clipping import clip_gradients
 from .cost import FeatureCost
 from .stochastic_rounding import stochastic_round_to_bf16
 
