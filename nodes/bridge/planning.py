@@ -208,15 +208,17 @@ def lora_trainable(patcher, adapter: AdapterConfig, optimizer: str, paths: list[
     modules = [patcher.model.diffusion_model.get_submodule(p) for p in paths]
     if adapter.kind == "full":
         spec = planner.TrainableSpec.full(modules, optimizer, 2 if adapter.full_precision == "bf16_stochastic" else 4)
-        first = [m for p, m in zip(paths, modules) if in_first_block(patcher, p)]
+        prefix = first_block_prefix(patcher)
+        first = [m for p, m in zip(paths, modules) if (p + ".").startswith(prefix)]
         return dataclasses.replace(spec, first_block_elements=planner.TrainableSpec.full(first).param_count)
     return planner.TrainableSpec.lora(modules, adapter.rank, optimizer)
 
 
-def in_first_block(patcher, path: str) -> bool:
-    """Whether a layer's path lies in the diffusion model's first training block (forward order)."""
+def first_block_prefix(patcher) -> str:
+    """The path prefix ("name.") of the diffusion model's first training block (forward order); a layer path + "."
+    starts with it when the layer lies in that block. A prefix no path has when the model has no blocks."""
     blocks = training_blocks(patcher.model.diffusion_model)
-    return bool(blocks) and (path + ".").startswith(blocks[0][0] + ".")
+    return blocks[0][0] + "." if blocks else "\0"
 
 
 def plan_lora_run(model, policy: OffloadPolicy, mode: str, batch_size: int, width: int, height: int, rank: int,
@@ -271,8 +273,8 @@ def _run_inputs(run) -> tuple:
     description = describe_comfy_model(run.source_model, adapter, config.train.precision)
     first = 0
     if adapter.kind == "full":  # the first block's trained elements (planner.first_block_gradients_later)
-        first = sum(p.numel() for path, layer in run.adapters.layers.items() if in_first_block(run.source_model, path)
-                    for _, p in run.adapters._own_parameters(layer))
+        prefix = first_block_prefix(run.source_model)
+        first = sum(t.numel() for key, t in run.adapters.state_dict(copy=False).items() if key.startswith(prefix))
     trainable = dataclasses.replace(planner.TrainableSpec.from_parameters(run.trainer.params, config.optimizer.name,
                                                                           full=adapter.kind == "full"),
                                     state_ranks=run.trainer.state_ranks, weight_ranks=run.trainer.weight_ranks,

@@ -13,9 +13,9 @@ layer. Inside ComfyUI, an interrupt raised in rank 0's forward leaves the other 
 the run's abort protocol (training/core/distributed.py) has no collective of its own to join. Under torchrun, no
 interrupt arrives inside a step and a failed rank ends the job (torchrun's agent stops the others).
 
-Cost (the planner's `weights_share`): per rank 1/N of the difference, its gradient and its state, plus one layer's
-whole difference in flight (two with the next one's all-gather). Rank 0 gathers the whole difference and state into
-host RAM for each checkpoint (`full`), as the ZeRO stage 1 path does for the state. Traffic per step: every
+Cost (`cost`, for the planner): per rank its rows of the difference, its gradient and its state, plus the largest
+layer's whole difference and unsharded gradient in flight. Rank 0 gathers the whole difference and state into host
+RAM for each checkpoint (`full`, `gather_optimizer_state`), as the ZeRO stage 1 path does for the state. Traffic per step: every
 difference all-gathered twice (forward, backward) and every gradient reduce-scattered once per backward pass.
 """
 from __future__ import annotations
