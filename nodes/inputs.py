@@ -273,5 +273,5 @@ def devices_input():
                           "always; N > 1 starts N - 1 worker processes (GPUs cuda:1..N-1 beside this one; on a "
                           "CPU, N CPU processes), each training 1/N of every batch (the same global batch). "
                           "A full fine-tune (LoRA Config kind full) keeps 1/N of its optimizer state on each device. "
-                          "Cancel stops every rank; only this process writes the run folder. "
+                          "Cancel stops every rank; only this process writes the run folder. Linux only (Windows refuses N > 1). "
                           "docs/DISTRIBUTED.md")

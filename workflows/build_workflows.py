@@ -955,7 +955,7 @@ def main(argv: list[str] | None = None) -> int:
     source.add_argument("--object-info", type=pathlib.Path, help="a saved /object_info JSON")
     parser.add_argument("--out", type=pathlib.Path, default=HERE, help="folder to write to (default: this one)")
     args = parser.parse_args(argv)
-    object_info = fetch_object_info(args.server) if args.server else json.loads(args.object_info.read_text())
+    object_info = fetch_object_info(args.server) if args.server else json.loads(args.object_info.read_text(encoding="utf-8"))
     for make in WORKFLOWS:
         workflow = make()
         ui, api = build(workflow, object_info)

@@ -274,7 +274,7 @@ def _execution_from_history(prompt_id: str, entry: dict, events: list[dict]) -> 
 # -- the command ------------------------------------------------------------------------------
 def load_api_workflow(path: pathlib.Path) -> dict:
     try:
-        workflow = json.loads(path.read_text())
+        workflow = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as error:
         raise SystemExit(f"cannot read workflow {path}: {error}")
     if "nodes" in workflow and "links" in workflow:

@@ -88,7 +88,7 @@ def demo_picture() -> Image.Image:
 def thumbnail(path: pathlib.Path) -> Image.Image:
     if path.stem == DEMO:
         return demo_picture()
-    return draw_graph(json.loads(path.read_text()), path.stem)
+    return draw_graph(json.loads(path.read_text(encoding="utf-8")), path.stem)
 
 
 def main() -> int:

@@ -34,6 +34,7 @@ import torch
 import torch.multiprocessing  # (registers the shared-memory pickling of tensors)
 
 from ...training.core import distributed
+from ...training import os_compat
 
 WORKER_SCRIPT = pathlib.Path(__file__).resolve().parent / "rank_worker_process.py"
 DEVICES = ("1", "2", "3", "4", "5", "6", "7", "8")
@@ -225,6 +226,9 @@ def _config_from_state(state: tuple):
 def parse_devices(devices: str) -> int:
     if devices not in DEVICES:
         raise ValueError(f"devices={devices!r}: choose one of {', '.join(DEVICES)}")
+    problem = os_compat.several_devices_problem() if devices != "1" else None
+    if problem:
+        raise ValueError(f"devices={devices}: {problem}.")
     return int(devices)
 
 

@@ -35,7 +35,7 @@ from typing import Any, Sequence
 import torch
 from safetensors.torch import load_file
 
-from .. import public_module
+from .. import os_compat, public_module
 from ..data.files import (UntrustedFileError, display_path, is_within, make_temp_dir, open_regular, path_in, prune_temp,
                     read_json, save_safetensors, temp_name, tensor_bytes, write_bytes, write_error, write_json,
                     write_new, write_safetensors, write_torch)
@@ -44,6 +44,9 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")
 _CHECKPOINT = re.compile(r"checkpoints/(step_(\d{8})(?:\.(\d{1,6}))?)")
 _CHECKPOINT_FOLDER = re.compile(r"step_(\d{8})(?:\.(\d{1,6}))?")
 KEEP_CHECKPOINTS = 2
+# The longest path a run writes inside its folder: checkpoints/<temp name of step_00000000.999999>/adapter.safetensors,
+# a temp name adding 31 characters (files.temp_name: ".", ".hrtmp-", a 10-digit pid, "-", 8 hex digits, ".tmp").
+LONGEST_INSIDE_RUN = len("checkpoints/") + len("step_00000000.999999") + 31 + len("/adapter.safetensors")
 TRAINER_JSON_MAX_BYTES = 64 << 20
 
 
@@ -67,6 +70,9 @@ def check_name(name: str, what: str = "run name") -> str:
             f"{what} {str(name)[:120]!r} is not allowed: use 1-100 letters, digits, '_', '-' or '.', starting with a "
             "letter or digit, without '..' or path separators"
         )
+    problem = os_compat.windows_name_problem(name)
+    if problem:
+        raise ValueError(f"{what} {name!r} is not allowed: {problem}; choose another name")
     return name
 
 
@@ -113,6 +119,9 @@ class RunDir:
         self.name = check_name(name)
         self.root = pathlib.Path(root)
         self.path = self.root / self.name
+        problem = os_compat.path_length_problem(self.path, LONGEST_INSIDE_RUN)
+        if problem:
+            raise ValueError(f"run name {self.name!r} in {display_path(self.root)}: {problem}")
         self._identity: tuple[int, int, int] | None = None  # config.json as this run read or wrote it
 
     @property
@@ -299,7 +308,7 @@ class RunDir:
                 "validation_history": _json_history(checkpoint.validation_history),
             }, allow_nan=False).encode()
             write_new(tmp / "trainer.json", lambda target: target.write_bytes(trainer))
-            os.replace(tmp, final)
+            os_compat.replace(tmp, final, what)
             tmp = None
         except Exception as error:
             if tmp is not None:

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from .. import public_module
+from .. import os_compat, public_module
 from .buckets import CROP_MODES
 from .files import UntrustedFileError, display_path, relative_text, resolve_inside
 
@@ -202,7 +202,7 @@ def _entries(folder: Path) -> list[Path]:
     """The visible entries of `folder` an item can come from: files and symlinks (a symlink is checked where it
     leads when it is read), not subfolders."""
     return [path for path in sorted(folder.iterdir())
-            if not path.name.startswith(".") and (path.is_symlink() or not path.is_dir())]
+            if not os_compat.is_hidden(path) and (path.is_symlink() or not path.is_dir())]
 
 
 def _images_in(folder: Path) -> dict[str, Path]:
@@ -290,7 +290,8 @@ def _read_caption(image_path: Path, roots: tuple[Path, ...], caption_path: Path 
             return f"{where}: the caption is not a regular file (a broken symlink or a folder?); replace it"
         if real.stat().st_size > CAPTION_MAX_BYTES:
             return f"{where}: caption is larger than {CAPTION_MAX_BYTES >> 20} MiB; shorten it"
-        return (real.read_text(encoding="utf-8").strip(),)
+        # utf-8-sig: Notepad's "UTF-8 with BOM" puts U+FEFF first, which would become part of the caption
+        return (real.read_text(encoding="utf-8-sig").strip(),)
     except UntrustedFileError as error:
         return str(error)
     except (OSError, UnicodeDecodeError) as error:

@@ -26,12 +26,11 @@ import re
 import secrets
 import shutil
 import stat
-import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from .. import public_module
+from .. import os_compat, public_module
 
 TEMP_MARK = ".hrtmp-"
 _TEMP = re.compile(r"\..+\.hrtmp-(\d+)-[0-9a-f]+(?:\.tmp)?")
@@ -145,7 +144,7 @@ def open_regular(path: str | os.PathLike, what: str, max_bytes: int | None = Non
     """Open a file of ours for reading: it must be a regular file, not a symlink (nor a FIFO or device, which
     would block or never end), and at most `max_bytes` long."""
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+        fd = os_compat.open_no_follow(path)
     except OSError as error:
         if error.errno == errno.ELOOP:
             raise UntrustedFileError(f"{what} {display_path(path)} is a symlink: refused") from None
@@ -177,49 +176,22 @@ def read_json(path: str | os.PathLike, what: str, max_bytes: int = JSON_MAX_BYTE
 
 
 # --- modes -----------------------------------------------------------------------------------------------------
-_umask_lock = threading.Lock()
-
-
-def current_umask() -> int:
-    try:  # Linux: read without changing it (os.umask can only be read by setting it)
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    with _umask_lock:
-        mask = os.umask(0o022)
-        os.umask(mask)
-    return mask
-
-
 def file_mode() -> int:
-    return 0o666 & ~current_umask()
+    return 0o666 & ~os_compat.current_umask()
 
 
 def dir_mode() -> int:
-    return 0o777 & ~current_umask()
+    return 0o777 & ~os_compat.current_umask()
 
 
 # --- temp files and their leftovers ------------------------------------------------------------------------------
 def _new_file(path: Path) -> None:
     """Create `path` empty and exclusively: every file Headroom writes starts here (and tests inject faults here)."""
-    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600))
+    os_compat.create_new_file(path)
 
 
 def temp_name(name: str) -> str:
     return f".{name}{TEMP_MARK}{os.getpid()}-{secrets.token_hex(4)}"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def prune_temp(folder: str | os.PathLike) -> list[str]:
@@ -242,7 +214,7 @@ def prune_temp(folder: str | os.PathLike) -> list[str]:
             continue
         if match is not None:
             pid = int(match.group(1))
-            if pid == os.getpid() or (_alive(pid) and not old):
+            if pid == os.getpid() or (os_compat.process_alive(pid) and not old):
                 continue
         elif not old:
             continue
@@ -298,22 +270,14 @@ def write_error(error: BaseException, what: str, path: Path, needed: int | None)
             f"disk full: {what} could not be written to {where} ({need}{has}). Free space on that disk, or move "
             "the folder to a disk with room, then queue again; everything written before is kept as it was."
         )
+    if isinstance(error, os_compat.FileInUseError):
+        return WriteError(f"{what} could not be written to {where}: {error.strerror}; everything written before is kept "
+                          "as it was.")
     if isinstance(error, OSError):
         reason = error.strerror or str(error)
         return WriteError(f"{what} could not be written to {where} ({reason}); make that folder writable, or move "
                           "it, then queue again; everything written before is kept as it was.")
     return None
-
-
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    except OSError as error:
-        if error.errno not in (errno.EINVAL, errno.EBADF):  # some file systems (and devices) cannot fsync
-            raise
-    finally:
-        os.close(fd)
 
 
 def write_atomic(path: str | os.PathLike, write: Callable[[Path], None], what: str, needed: int | None = None,
@@ -324,16 +288,20 @@ def write_atomic(path: str | os.PathLike, write: Callable[[Path], None], what: s
     path = Path(path)
     temp = None
     try:
+        problem = os_compat.path_length_problem(path.parent, len(temp_name(path.name) + ".tmp"))
+        if problem:
+            raise WriteError(f"{what} cannot be written to {display_path(path)}: {problem}; everything written "
+                             "before is kept as it was.")
         if make_parents:
             path.parent.mkdir(parents=True, exist_ok=True)
         temp = path.parent / (temp_name(path.name) + ".tmp")
         _new_file(temp)
         write(temp)
-        _fsync_path(temp)
+        os_compat.fsync_file(temp)
         os.chmod(temp, file_mode())
-        os.replace(temp, path)
+        os_compat.replace(temp, path, what)
         temp = None
-        _fsync_path(path.parent)
+        os_compat.fsync_folder(path.parent)
     except Exception as error:
         if temp is not None:
             _unlink_quietly(temp)
@@ -450,5 +418,5 @@ def write_new(path: Path, write: Callable[[Path], None]) -> None:
     """Write a new file inside a temp folder (the folder is renamed into place as a whole)."""
     _new_file(path)
     write(path)
-    _fsync_path(path)
+    os_compat.fsync_file(path)
     os.chmod(path, file_mode())

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .. import os_compat
 from .dataset import (CAPTION_EXTENSION, IMAGE_EXTENSIONS, MAX_IMAGE_PIXELS, Dataset, DatasetError, DatasetItem, FileImage,
                       TensorImage, _read_caption)
 from .files import UntrustedFileError, display_path, resolve_inside
@@ -208,7 +209,7 @@ class FrameFolder:
 
     def _frames(self) -> list[FileImage]:
         real = resolve_inside(self.folder, self.roots, "frame folder")
-        names = sorted(p for p in real.iterdir() if not p.name.startswith(".") and p.suffix.lower() in IMAGE_EXTENSIONS)
+        names = sorted(p for p in real.iterdir() if not os_compat.is_hidden(p) and p.suffix.lower() in IMAGE_EXTENSIONS)
         if not names:
             raise DatasetError(f"{self.describe()}: a frame folder without frame images ({', '.join(IMAGE_EXTENSIONS)}); "
                                "put the clip's frames there or remove the folder")
@@ -313,7 +314,7 @@ def _masks_in(folder: Path, roots: tuple[Path, ...]) -> dict[str, object]:
     """name stem -> mask source in a mask folder: an image (every frame), a video or a folder of frames."""
     masks = {}
     for path in sorted(folder.iterdir()):
-        source = None if path.name.startswith(".") else _source_at(path, roots)
+        source = None if os_compat.is_hidden(path) else _source_at(path, roots)
         if source is not None:
             masks[path.name if isinstance(source, FrameFolder) else path.stem] = source
     return masks
@@ -353,7 +354,7 @@ def dataset_from_video_folder(folder: Path, *, resolution: int, step: int, crop:
     items, problems = [], []
     for path in sorted(folder.iterdir()):
         suffix = path.suffix.lower()
-        if path.name.startswith(".") or suffix == CAPTION_EXTENSION:
+        if os_compat.is_hidden(path) or suffix == CAPTION_EXTENSION:
             continue
         source = _source_at(path, roots, frame_rate)
         caption_path = path.parent / (path.name + CAPTION_EXTENSION) if isinstance(source, FrameFolder) else None

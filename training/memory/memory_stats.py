@@ -14,15 +14,13 @@ import contextlib
 import json
 import math
 import os
-import resource
-import sys
-import tempfile
 import time
 from collections.abc import Iterator
 
 import torch
 
-from ..data.files import no_json_constants
+from .. import os_compat
+from ..data.files import no_json_constants, write_bytes
 
 RECORD_FORMAT = "headroom.memory_record"
 RECORD_VERSION = 1
@@ -38,44 +36,13 @@ def _as_device(device: torch.device | str | None) -> torch.device:
     return device
 
 
-def _proc_status_bytes(field: str) -> int | None:
-    """A `kB` field of /proc/self/status (Linux) in bytes, or None where there is no such file."""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
 def process_rss_bytes() -> int | None:
-    try:
-        import psutil
-    except ImportError:
-        return _proc_status_bytes("VmRSS")
-    return psutil.Process().memory_info().rss
+    return os_compat.process_rss_bytes()
 
 
-def process_peak_rss_bytes() -> int:
+def process_peak_rss_bytes() -> int | None:
     """Peak RSS since the last `reset_peak` (Linux) or since the process started (elsewhere)."""
-    # VmHWM is the value that /proc/self/clear_refs resets; getrusage is the portable fallback.
-    peak = _proc_status_bytes("VmHWM")
-    if peak is not None:
-        return peak
-    max_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return max_rss if sys.platform == "darwin" else max_rss * 1024  # bytes on macOS, KiB elsewhere
-
-
-def _reset_peak_rss() -> bool:
-    """Reset the kernel's RSS high-water mark; False where the OS cannot (then peaks are per process)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as clear_refs:
-            clear_refs.write("5")  # "5" resets only the peak RSS, nothing else (Linux >= 4.0)
-        return True
-    except OSError:
-        return False
+    return os_compat.process_peak_rss_bytes()
 
 
 def reset_peak(device: torch.device | str | None = None) -> bool:
@@ -86,7 +53,7 @@ def reset_peak(device: torch.device | str | None = None) -> bool:
     device = _as_device(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    return _reset_peak_rss()
+    return os_compat.reset_peak_rss()
 
 
 def device_memory_snapshot(device: torch.device | str | None = None) -> dict:
@@ -300,15 +267,7 @@ class PhaseRecorder:
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the JSON record atomically (a reader never sees half a file)."""
-        directory = os.path.dirname(os.path.abspath(path))
-        with tempfile.NamedTemporaryFile("w", dir=directory, suffix=".tmp", delete=False) as tmp:
-            try:
-                tmp.write(self.to_json())
-            except BaseException:
-                tmp.close()
-                os.unlink(tmp.name)
-                raise
-        os.replace(tmp.name, path)
+        write_bytes(path, self.to_json().encode("utf-8"), "memory record", make_parents=False)
 
     @staticmethod
     def _bar_value(record: dict) -> int:

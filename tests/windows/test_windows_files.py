@@ -1,0 +1,137 @@
+"""The engine's files, memory figures and names on Windows (imitated: tests/windows_imitation.py). Each test here
+failed before training/os_compat.py: the first write of every run, every read of a binary file, temp-file pruning,
+datasets made in Explorer, run names Windows cannot create, and files another program holds open."""
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import torch
+
+from headroom.training import os_compat
+from headroom.training.core.run_dir import Checkpoint, RunDir, check_name
+from headroom.training.data import files
+from headroom.training.memory import memory_stats
+
+# Bytes text mode would change: CR-LF (read as LF) and 0x1A (read as the end of the file).
+AWKWARD = torch.tensor([0x0D, 0x0A, 0x1A, 0x0A, 0x0D, 0x0D, 0x0A, 0x00] * 64, dtype=torch.uint8)
+
+
+def test_memory_figures_without_resource_or_proc(windows):
+    with pytest.raises(ImportError):  # the imitation: the pack's `import resource` fails as on Windows
+        exec("import resource", {"__name__": "headroom.training.memory.memory_stats"})
+    snapshot = memory_stats.device_memory_snapshot("cpu")
+    assert snapshot["process_rss_bytes"] > 0 and snapshot["process_peak_rss_bytes"] >= snapshot["process_rss_bytes"] // 2
+    assert memory_stats.reset_peak("cpu") is False  # Windows cannot reset the peak: peaks count from the start
+    recorder = memory_stats.PhaseRecorder("cpu")
+    with recorder.phase("training"):
+        pass
+    assert recorder.as_dict()["phases"][0]["peak_rss_bytes"] > 0
+
+
+def test_atomic_writes_do_not_open_folders(windows, tmp_path):
+    files.write_json(tmp_path / "sub" / "a.json", {"é": 1}, "test file")
+    assert files.read_json(tmp_path / "sub" / "a.json", "test file") == {"é": 1}
+    with pytest.raises(PermissionError):  # the imitation: Windows cannot open a folder
+        os_compat.fsync_file(tmp_path)
+
+
+def test_binary_files_survive_text_mode_bytes(windows, tmp_path):
+    tensors = {"weight": AWKWARD.clone(), "scale": torch.arange(300, dtype=torch.float32)}
+    files.save_safetensors(tmp_path / "lora.safetensors", tensors, "LoRA")
+    with files.open_regular(tmp_path / "lora.safetensors", "LoRA") as handle:
+        data = handle.read()
+    assert len(data) == os.path.getsize(tmp_path / "lora.safetensors")
+    from safetensors.torch import load
+
+    loaded = load(data)
+    assert torch.equal(loaded["weight"], AWKWARD) and torch.equal(loaded["scale"], tensors["scale"])
+
+
+def test_checkpoint_round_trip_keeps_every_byte(windows, tmp_path):
+    run = RunDir(tmp_path, "my_run")
+    run.write_config({"kind": "lora"})
+    checkpoint = Checkpoint(step=3, micro_step=3, adapter={"a": AWKWARD.float()}, optimizer={"state": {0: {"m": AWKWARD}}},
+                            scheduler={"last_epoch": 3}, scaler=None, rng={"torch": torch.get_rng_state()},
+                            loss_history=[[1, 0.5]], validation_history=[])
+    run.save_checkpoint(checkpoint)
+    loaded = run.load_checkpoint()
+    assert loaded.step == 3 and torch.equal(loaded.adapter["a"], AWKWARD.float())
+    assert torch.equal(loaded.optimizer["state"][0]["m"], AWKWARD)
+    assert torch.equal(loaded.rng["torch"], checkpoint.rng["torch"])
+
+
+def test_leftover_temps_are_pruned_without_signalling(windows, tmp_path):
+    import psutil
+
+    gone = max(psutil.pids()) + 1000
+    while psutil.pid_exists(gone):
+        gone += 1
+    dead = tmp_path / f".x.json{files.TEMP_MARK}{gone}-0123abcd.tmp"
+    live = tmp_path / f".y.json{files.TEMP_MARK}{os.getppid()}-0123abcd.tmp"
+    dead.write_bytes(b"")
+    live.write_bytes(b"")
+    assert files.prune_temp(tmp_path) == [dead.name]  # os.kill(pid, 0) would have been Ctrl+C to the console
+    assert live.exists()
+
+
+def test_dataset_ignores_explorer_files_and_caption_bom(windows, tmp_path):
+    from PIL import Image
+
+    from headroom.training.data.dataset import dataset_from_folder
+
+    Image.new("RGB", (64, 64), (10, 200, 30)).save(tmp_path / "dog01.png")
+    (tmp_path / "dog01.txt").write_bytes("\ufeffa photo of sks dog".encode("utf-8"))  # Notepad's UTF-8 with BOM
+    (tmp_path / "Thumbs.db").write_bytes(b"\xd0\xcf\x11\xe0")
+    (tmp_path / "desktop.ini").write_bytes(b"[.ShellClassInfo]\r\n")
+    dataset = dataset_from_folder(tmp_path, resolution=64, step=64)
+    assert [item.caption for item in dataset.items] == ["a photo of sks dog"]
+    assert dataset.warnings == ()
+
+
+@pytest.mark.parametrize("name", ["con", "NUL", "aux", "com1", "Lpt9", "con.backup", "run.", "nul.txt"])
+def test_names_windows_cannot_create_are_refused(name):
+    # Refused on every OS (no imitation needed): a workflow made on Linux is queued on Windows too.
+    with pytest.raises(ValueError, match="run name .* is not allowed: .*(device name|trailing dot)"):
+        check_name(name, "run name")
+    assert check_name("my_dog_v2.1", "run name") == "my_dog_v2.1"
+
+
+def test_paths_past_260_characters_say_what_to_do(windows, tmp_path):
+    deep = tmp_path / ("ComfyUI_windows_portable " + "x" * 80) / "ComfyUI" / "output" / "headroom_runs"
+    with pytest.raises(ValueError, match=r"run name 'a{60}' in .*paths of \d+ characters, and Windows allows 259 here: "
+                       r"use a shorter name .*LongPathsEnabled"):
+        RunDir(deep, "a" * 60)
+    with pytest.raises(files.WriteError, match=r"LoRA cannot be written to .*Windows allows 259"):
+        files.write_bytes(deep / "loras" / ("b" * 200 + ".safetensors"), b"x", "LoRA")
+    RunDir(tmp_path, "short")  # within the limit: fine
+    os_compat.WINDOWS = False  # (the fixture restores it) Linux and macOS have no such limit
+    RunDir(deep, "a" * 60)
+
+
+def test_a_file_held_by_another_program_is_retried_then_named(windows, tmp_path, monkeypatch):
+    target = tmp_path / "my_lora.safetensors"
+    files.write_bytes(target, b"old", "LoRA")
+    with windows.hold_open(target):  # released by the "antivirus" after 0.3 s: the save waits for it
+        threading.Timer(0.3, windows.held.clear).start()
+        files.write_bytes(target, b"new", "LoRA")
+    assert target.read_bytes() == b"new"
+
+    monkeypatch.setattr(os_compat, "REPLACE_WAIT_S", 0.3)
+    with windows.hold_open(target), pytest.raises(files.WriteError) as raised:
+        files.write_bytes(target, b"newer", "LoRA")
+    message = str(raised.value)
+    assert "LoRA could not be written to" in message and "my_lora.safetensors" in message
+    assert "in use by another program" in message and "Load LoRA" in message and "antivirus" in message
+    assert "make that folder writable" not in message
+    assert target.read_bytes() == b"new" and [p.name for p in tmp_path.iterdir()] == ["my_lora.safetensors"]
+
+
+def test_several_devices_are_refused_with_the_reason(windows, comfyui):
+    from headroom.nodes.bridge.rank_workers import parse_devices
+
+    assert parse_devices("1") == 1
+    with pytest.raises(ValueError, match=r"devices=2: training on several devices runs on Linux only: Windows has "
+                       r"neither NCCL nor the AF_UNIX sockets .* Set devices to 1"):
+        parse_devices("2")
