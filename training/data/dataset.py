@@ -290,8 +290,8 @@ def _read_caption(image_path: Path, roots: tuple[Path, ...], caption_path: Path 
             return f"{where}: the caption is not a regular file (a broken symlink or a folder?); replace it"
         if real.stat().st_size > CAPTION_MAX_BYTES:
             return f"{where}: caption is larger than {CAPTION_MAX_BYTES >> 20} MiB; shorten it"
-        # utf-8-sig: Notepad's "UTF-8 with BOM" puts U+FEFF first, which would become part of the caption
-        return (real.read_text(encoding="utf-8-sig").strip(),)
+        # Notepad's "UTF-8 with BOM" puts U+FEFF first, which would become part of the caption
+        return (real.read_text(encoding="utf-8").removeprefix("\ufeff").strip(),)
     except UntrustedFileError as error:
         return str(error)
     except (OSError, UnicodeDecodeError) as error:

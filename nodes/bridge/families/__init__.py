@@ -13,17 +13,28 @@ ControlNet's *type* (cldm "unet" / "sd3" / "flux") is what ControlNet run folder
 from __future__ import annotations
 
 import importlib
+import logging
 import pkgutil
 
 from ....training.core.adapters import AdapterConfig, TargetPreset, select_targets
 from .base import ControlNetError, ControlNetType, Family
+
+log = logging.getLogger("headroom")
+
 
 def _discover() -> dict[str, Family]:
     families = []
     for info in pkgutil.iter_modules(__path__):
         if info.name.startswith("_") or info.name == "base":
             continue
-        module = importlib.import_module(f"{__name__}.{info.name}")
+        try:
+            module = importlib.import_module(f"{__name__}.{info.name}")
+        except (ImportError, AttributeError, TypeError) as error:
+            # A family module subclasses ComfyUI's classes at import: one renamed or missing in this ComfyUI leaves
+            # that family out, never every node.
+            log.warning("Headroom: the %s family is left out: this ComfyUI lacks what it uses (%s: %s). Other "
+                        "families work; updating ComfyUI brings it back.", info.name, type(error).__name__, error)
+            continue
         family = getattr(module, "FAMILY", None)
         if not isinstance(family, Family) or family.name != info.name:
             raise ImportError(f"nodes/bridge/families/{info.name}.py must define FAMILY = Family(name={info.name!r}, ...)")

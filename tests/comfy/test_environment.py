@@ -1,0 +1,90 @@
+"""The declared, checked range (issue 40 item 3): on an older ComfyUI or torch, one log line saying what Headroom needs
+and what is installed, and one node saying it in the editor, instead of IMPORT FAILED; a family whose ComfyUI
+classes are missing is left out alone, every other node loads."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import pathlib
+import sys
+import tomllib
+
+import pytest
+
+from headroom.training import environment
+
+pytestmark = pytest.mark.comfyui
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+
+def test_versions_compare_by_their_numbers():
+    assert environment.older_than("2.5.1+cu121", "2.8") and not environment.older_than("2.8.0+cu128", "2.8")
+    assert not environment.older_than("2.14.1", "2.8") and environment.older_than("0.3.60", "0.33.0")
+    assert not environment.older_than("0.33.0", "0.33.0") and not environment.older_than("weird", "2.8")
+    line = environment.environment_problem({"torch": "2.5.1", "ComfyUI": "0.3.60"})
+    assert line.startswith("Headroom needs ComfyUI >= 0.33.0 (this one has 0.3.60) and torch >= 2.8 (this one has "
+                           "2.5.1): update ComfyUI") and "\n" not in line
+    assert environment.environment_problem({"torch": "2.14.1", "ComfyUI": "0.33.0"}) is None
+    assert environment.environment_problem({"torch": None, "ComfyUI": None}) is None  # unknown: no complaint
+
+
+def test_pyproject_declares_the_checked_minimums():
+    data = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))
+    assert data["tool"]["comfy"]["requires-comfyui"] == f">={environment.MIN_COMFYUI}"
+    assert data["tool"]["headroom"]["requires-torch"] == f">={environment.MIN_TORCH}"
+    assert not any(dep.split(">")[0].split("=")[0].strip() == "torch" for dep in data["project"]["dependencies"])
+
+
+def _node_list(extension):
+    return asyncio.run(extension.get_node_list())
+
+
+def test_this_comfyui_loads_every_node(headroom_nodes):
+    import headroom
+
+    nodes = _node_list(asyncio.run(headroom.comfy_entrypoint()))
+    assert len(nodes) > 20 and "HeadroomUnavailable" not in {node.GET_SCHEMA().node_id for node in nodes}
+
+
+def test_an_old_torch_gets_one_line_and_a_node_that_says_so(headroom_nodes, monkeypatch, caplog):
+    import headroom
+
+    monkeypatch.setattr(environment, "installed_versions", lambda: {"torch": "2.5.1+cu121", "ComfyUI": "0.33.0"})
+    with caplog.at_level(logging.WARNING, logger="headroom"):
+        [node] = _node_list(asyncio.run(headroom.comfy_entrypoint()))
+    [record] = [r for r in caplog.records if r.name == "headroom"]
+    assert record.getMessage() == ("Headroom: Headroom needs torch >= 2.8 (this one has 2.5.1+cu121): update ComfyUI "
+                                   "(Windows portable: run update\\update_comfyui_and_python_dependencies.bat; ComfyUI "
+                                   "Desktop updates itself; comfy-cli: comfy update all). Its nodes refuse to run until "
+                                   "then.")
+    schema = node.GET_SCHEMA()
+    assert schema.node_id == "HeadroomUnavailable" and "torch >= 2.8" in schema.description
+    with pytest.raises(RuntimeError, match=r"needs torch >= 2\.8 \(this one has 2\.5\.1\+cu121\)"):
+        node.execute()
+
+
+def test_nodes_that_cannot_import_say_so_instead_of_import_failed(headroom_nodes, monkeypatch, caplog):
+    import headroom
+
+    monkeypatch.setitem(sys.modules, "headroom.nodes", None)  # as a ComfyUI lacking a class the nodes import
+    with caplog.at_level(logging.WARNING, logger="headroom"):
+        [node] = _node_list(asyncio.run(headroom.comfy_entrypoint()))
+    assert node.GET_SCHEMA().node_id == "HeadroomUnavailable"
+    assert "Headroom's nodes cannot load on this ComfyUI (ModuleNotFoundError" in node.GET_SCHEMA().description
+
+
+def test_a_family_whose_comfyui_class_is_missing_is_left_out_alone(headroom_nodes, monkeypatch, caplog):
+    import comfy.text_encoders.hunyuan_video
+
+    from headroom.nodes.bridge import families
+
+    # hidream.py subclasses this tokenizer at import; a ComfyUI that renamed it once took every node down.
+    monkeypatch.delattr(comfy.text_encoders.hunyuan_video, "LLAMA3Tokenizer")
+    monkeypatch.delitem(sys.modules, "headroom.nodes.bridge.families.hidream")
+    with caplog.at_level(logging.WARNING, logger="headroom"):
+        found = families._discover()
+    assert "hidream" not in found and {"sd15", "sdxl", "flux", "qwen_image"} <= set(found)
+    assert set(found) == set(families.FAMILIES) - {"hidream"}
+    [line] = [r.getMessage() for r in caplog.records if r.name == "headroom"]
+    assert line.startswith("Headroom: the hidream family is left out: this ComfyUI lacks what it uses "
+                           "(AttributeError: ") and "LLAMA3Tokenizer" in line

@@ -1,0 +1,155 @@
+"""A Windows user's path, in process on a real ComfyUI, with Windows imitated (tests/windows_imitation.py): the tiny
+LoRA template with a dataset folder made in Explorer -> caches -> train -> cancel -> queue again (the run resumes
+from its checkpoint, as after a restart) -> validate -> save -> the stock Load LoRA node. And the pack loads where
+`resource` does not exist."""
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import logging
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.comfyui, pytest.mark.usefixtures("one_torch_thread")]
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+STEPS, CANCEL_AT = 6, 3
+
+
+def _explorer_dataset(folder: pathlib.Path, count: int = 4) -> None:
+    """Pictures and captions as a Windows user saves them: Notepad's UTF-8 with BOM and CR-LF, Explorer's
+    Thumbs.db and desktop.ini beside them."""
+    from PIL import Image, ImageDraw
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for index in range(count):
+        image = Image.new("RGB", (64, 64), (20, 20, 20))
+        ImageDraw.Draw(image).ellipse((8 + 4 * index, 8, 40 + 4 * index, 40), fill=(30, 200, 40))
+        image.save(folder / f"photo {index:02d}.png")
+        (folder / f"photo {index:02d}.txt").write_bytes(f"\ufeffa green circle number {index}\r\n".encode("utf-8"))
+    (folder / "Thumbs.db").write_bytes(b"\xd0\xcf\x11\xe0\xa1\xb1\x1a\xe1")
+    (folder / "desktop.ini").write_bytes(b"[.ShellClassInfo]\r\nIconResource=C:\\Windows\\system32\\imageres.dll\r\n")
+
+
+def _template_prompt(dataset: str) -> dict:
+    """workflows/api/tiny_lora_api.json, its synthetic data replaced by a dataset folder, made short."""
+    prompt = json.loads((REPO / "workflows" / "api" / "tiny_lora_api.json").read_text(encoding="utf-8"))
+    assert prompt["2"]["class_type"] == "HeadroomSyntheticDataset" and prompt["3"]["class_type"] == "HeadroomDatasetFromImages"
+    del prompt["2"], prompt["13"]  # PreviewAny shows the monitor's text: not what this test looks at
+    prompt["3"] = {"class_type": "HeadroomDatasetFromFolder", "inputs": {
+        "folder": dataset, "resolution": 64, "step": 64, "crop": "center", "flip": False, "seed": 0, "skip_bad": False,
+        "trigger_word": ""}}
+    prompt["8"]["inputs"]["run_name"] = "windows_user"
+    prompt["9"]["inputs"]["steps"] = STEPS
+    prompt["10"]["inputs"]["prompts"] = "a green circle number 1"
+    prompt["10"]["inputs"]["sample_steps"] = 2
+    return prompt
+
+
+class _NoClientServer:  # what PromptExecutor needs from a PromptServer when no client is connected
+    client_id = None
+    last_node_id = None
+
+    def send_sync(self, event, data, sid=None):
+        pass
+
+
+def _queue(prompt: dict, prompt_id: str):
+    """One queue of `prompt` through ComfyUI's own validation and PromptExecutor (a fresh executor: nothing kept in
+    memory from an earlier queue, as after a restart of ComfyUI)."""
+    import execution
+
+    valid, error, outputs, node_errors = asyncio.run(execution.validate_prompt(prompt_id, prompt, None))
+    assert valid, (error, node_errors)
+    executor = execution.PromptExecutor(
+        _NoClientServer(), cache_type=execution.CacheType.CLASSIC, cache_args={"lru": 0, "ram": 0.0, "ram_inactive": 0.0})
+    executor.execute(copy.deepcopy(prompt), prompt_id, {}, outputs)
+    return executor
+
+
+def test_a_windows_user_trains_cancels_resumes_and_loads_the_lora(windows, comfyui, cache_dir, monkeypatch, caplog):
+    import comfy.model_management
+    import folder_paths
+    import nodes
+
+    import headroom.nodes as headroom_nodes
+    from headroom.nodes.bridge import comfy_bridge
+    from headroom.nodes.tiny import HeadroomTinyModel
+
+    for module in headroom_nodes._NODE_MODULES:
+        for node in module.NODES:
+            monkeypatch.setitem(nodes.NODE_CLASS_MAPPINGS, node.GET_SCHEMA().node_id, node)
+    _explorer_dataset(pathlib.Path(folder_paths.get_input_directory()) / "my green circles")
+    prompt = _template_prompt("my green circles")
+
+    steps_seen = []
+    real_send_event = comfy_bridge.send_event
+
+    def cancel_once(event, data):  # the user presses Cancel while step CANCEL_AT is shown
+        real_send_event(event, data)
+        if event == comfy_bridge.STEP_EVENT:
+            steps_seen.append(data["step"])
+            if data["step"] == CANCEL_AT and len(steps_seen) == CANCEL_AT:
+                comfy.model_management.interrupt_current_processing(True)
+
+    monkeypatch.setattr(comfy_bridge, "send_event", cancel_once)
+    first = _queue(prompt, "first")
+    comfy.model_management.interrupt_current_processing(False)
+    assert not first.success and steps_seen == [1, 2, 3]
+    run_folder = pathlib.Path(folder_paths.get_output_directory()) / "headroom_runs" / "windows_user"
+    assert json.loads((run_folder / "latest.json").read_text(encoding="utf-8"))["step"] == CANCEL_AT
+
+    with caplog.at_level(logging.WARNING):
+        second = _queue(prompt, "second")
+    assert second.success, second.status_messages
+    assert steps_seen == [1, 2, 3, 4, 5, 6]  # resumed at the saved step, not started over
+    outputs = second.history_result["outputs"]
+    assert outputs["10"]["images"], "validation shows its images"
+    lora_name = "headroom/windows_user_step000006.safetensors"
+    lora_path = pathlib.Path(folder_paths.get_folder_paths("loras")[0]) / lora_name
+    assert lora_path.is_file() and not [p for p in lora_path.parent.iterdir() if p.name.startswith(".")]
+    assert json.loads((run_folder / "latest.json").read_text(encoding="utf-8"))["step"] == STEPS
+
+    # The stock Load LoRA node loads every key of the saved file.
+    with torch.inference_mode():
+        model, clip, _ = HeadroomTinyModel.execute("sd15", 0, "pretrained").args
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        patched_model, patched_clip = nodes.LoraLoader().load_lora(model, clip, lora_name, 1.0, 1.0)
+    assert not [r for r in caplog.records if "lora key not loaded" in r.getMessage()]
+    assert len(patched_model.patches) > 0
+
+
+def test_the_pack_loads_where_resource_does_not_exist(headroom_nodes, tmp_path):
+    """In a fresh Python whose `resource` / `fcntl` / `termios` cannot be imported by the pack (Windows), ComfyUI's V3
+    entry point lists every node (before training/os_compat.py: IMPORT FAILED, no node at all)."""
+    script = f"""
+import sys
+sys.path[:0] = [{str(REPO / 'tests')!r}]
+import conftest  # registers the repo as the package `headroom`
+import pytest
+from comfy_harness import import_comfyui_in_process
+from windows_imitation import WindowsImitation
+patch = pytest.MonkeyPatch()
+import headroom.training.os_compat  # the imitation switches its branch; nothing else of the pack is imported yet
+WindowsImitation(patch).install()
+import_comfyui_in_process()
+import asyncio, headroom
+extension = asyncio.run(headroom.comfy_entrypoint())
+nodes = asyncio.run(extension.get_node_list())
+from headroom.training.memory import memory_stats
+assert memory_stats.device_memory_snapshot("cpu")["process_peak_rss_bytes"] > 0
+print("NODES", len(nodes))
+"""
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env,
+                          cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-4000:]
+    count = int(done.stdout.split("NODES")[-1])
+    assert count == sum(len(module.NODES) for module in headroom_nodes._NODE_MODULES) and count > 20
