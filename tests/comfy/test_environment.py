@@ -39,6 +39,7 @@ def _node_list(extension):
     return asyncio.run(extension.get_node_list())
 
 
+@pytest.mark.min_torch
 def test_this_comfyui_loads_every_node(headroom_nodes):
     import headroom
 
@@ -88,3 +89,13 @@ def test_a_family_whose_comfyui_class_is_missing_is_left_out_alone(headroom_node
     [line] = [r.getMessage() for r in caplog.records if r.name == "headroom"]
     assert line.startswith("Headroom: the hidream family is left out: this ComfyUI lacks what it uses "
                            "(AttributeError: ") and "LLAMA3Tokenizer" in line
+
+
+def test_the_min_torch_venv_installs_the_declared_minimum():
+    """.ci/setup-min-torch builds the second venv where the min_torch tests run: on MIN_TORCH, not on some other."""
+    text = (REPO / ".ci" / "setup-min-torch").read_text(encoding="utf-8")
+    import re
+
+    pinned = re.search(r"torch==(\d+\.\d+)\.\d+ ", text).group(1)
+    assert pinned == environment.MIN_TORCH
+    assert f'startswith("{environment.MIN_TORCH}.")' in text

@@ -73,6 +73,7 @@ def _queue(prompt: dict, prompt_id: str):
     return executor
 
 
+@pytest.mark.min_torch
 def test_a_windows_user_trains_cancels_resumes_and_loads_the_lora(windows, comfyui, cache_dir, monkeypatch, caplog):
     import comfy.model_management
     import folder_paths
@@ -126,6 +127,7 @@ def test_a_windows_user_trains_cancels_resumes_and_loads_the_lora(windows, comfy
     assert len(patched_model.patches) > 0
 
 
+@pytest.mark.min_torch
 def test_the_pack_loads_where_resource_does_not_exist(headroom_nodes, tmp_path):
     """In a fresh Python whose `resource` / `fcntl` / `termios` cannot be imported by the pack (Windows), ComfyUI's V3
     entry point lists every node (before training/os_compat.py: IMPORT FAILED, no node at all)."""
