@@ -105,6 +105,10 @@ def test_paths_past_260_characters_say_what_to_do(windows, tmp_path):
         RunDir(deep, "a" * 60)
     with pytest.raises(files.WriteError, match=r"LoRA cannot be written to .*Windows allows 259"):
         files.write_bytes(deep / "loras" / ("b" * 200 + ".safetensors"), b"x", "LoRA")
+    from headroom.training.data.cache_store import CacheStoreError, ShardStore
+
+    with pytest.raises(CacheStoreError, match=r"cache folder .* cannot hold its shards: .*Windows allows 259"):
+        ShardStore(deep / ("c" * 40)).check_writable()
     RunDir(tmp_path, "short")  # within the limit: fine
     os_compat.WINDOWS = False  # (the fixture restores it) Linux and macOS have no such limit
     RunDir(deep, "a" * 60)

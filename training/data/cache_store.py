@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from .. import public_module
+from .. import os_compat, public_module
 from .buckets import CropPlan, apply_crop, make_buckets, nearest_bucket, plan_crop
 from .dataset import Dataset, DatasetError, reduce_factor
 from .video import clip_frame_rate, clip_frames, is_video
@@ -349,6 +349,10 @@ class ShardStore:
 
     def check_writable(self) -> None:
         """Raise a clear error now rather than after encoding, if entries could not be written."""
+        # A shard's temp name: "." + 40 hex digits + ".safetensors" + files.temp_name's 31 characters at most.
+        problem = os_compat.path_length_problem(self.shard_dir, 1 + 40 + len(".safetensors") + 31)
+        if problem:
+            raise CacheStoreError(f"cache folder {display_path(self.root)} cannot hold its shards: {problem}")
         try:
             self.shard_dir.mkdir(parents=True, exist_ok=True)
             with tempfile.NamedTemporaryFile(dir=self.shard_dir, prefix=".probe-"):
