@@ -2,7 +2,9 @@
 
 AdamW: torch. AdamW8bit / PagedAdamW8bit / Lion8bit: bitsandbytes. Adafactor: transformers.
 CAME: the `came-pytorch` package (the reference implementation of the CAME paper, as Sana uses).
-Prodigy: `prodigyopt`. Schedules: `diffusers.optimization.get_scheduler`.
+Prodigy: `prodigyopt`. Schedules: `transformers.optimization.get_scheduler`.
+bitsandbytes, came-pytorch and prodigyopt are optional packages: choosing an optimizer from one that is missing names
+the pip line to install it (check_available), before a run starts.
 """
 from __future__ import annotations
 
@@ -130,7 +132,10 @@ _KERNELS_FOUND: set[tuple[str, str]] = set()  # (bitsandbytes optimizer, device)
 
 
 def create_scheduler(optimizer, config: OptimizerConfig):
-    from diffusers.optimization import get_scheduler
+    # transformers' schedules: the names and formulas diffusers has (tests/unit/test_optimizers.py compares them), from
+    # a package ComfyUI already requires. diffusers' newer releases need a huggingface-hub that ComfyUI's transformers
+    # 4.x cannot import, so installing it for this one function broke users' ComfyUI (issue 40).
+    from transformers.optimization import get_scheduler
 
     return get_scheduler(config.schedule, optimizer, num_warmup_steps=config.warmup_steps,
                          num_training_steps=config.total_steps)
