@@ -5,12 +5,14 @@ from __future__ import annotations
 import importlib.util
 import io
 import math
+import sys
 
 import pytest
 import torch
 
-from headroom.training.core.optimizers import (OPTIMIZERS, SCHEDULES, OptimizerConfig, create_optimizer,
-                                               create_scheduler, current_lr)
+from headroom.training.checks import MissingPackageError
+from headroom.training.core.optimizers import (OPTIMIZERS, OPTIONAL_PACKAGES, SCHEDULES, OptimizerConfig,
+                                               check_available, create_optimizer, create_scheduler, current_lr)
 
 
 def _quadratic_run(config: OptimizerConfig, steps: int, state: dict | None = None, start: torch.Tensor | None = None):
@@ -160,6 +162,30 @@ def test_a_checkpoint_from_when_schedules_came_from_diffusers_resumes():
         resumed.step()
     assert lrs == pytest.approx([lr * _reference_factor("cosine", step, warmup, total, lr) for step in range(4, 10)],
                                 rel=1e-12)
+
+
+@pytest.mark.parametrize("name", sorted(OPTIONAL_PACKAGES))
+def test_an_optimizer_whose_package_is_missing_names_the_pip_line(monkeypatch, name):
+    """bitsandbytes, prodigyopt and came-pytorch are not installed with Headroom: choosing their optimizer without
+    them says which package and how to install it (also in the Windows portable build), before any step."""
+    module, package = OPTIONAL_PACKAGES[name]
+    monkeypatch.setitem(sys.modules, module, None)  # as if not installed
+    message = (rf"optimizer {name} needs the pip package '{package}', which is not installed\. Install it into "
+               rf"ComfyUI's Python: python -m pip install {package} \(Windows portable build, in its folder: "
+               rf"python_embeded\\python\.exe -m pip install {package}\), then restart ComfyUI; or choose AdamW")
+    with pytest.raises(MissingPackageError, match=message):
+        check_available(name)
+    with pytest.raises(MissingPackageError, match=message):
+        create_optimizer([torch.nn.Parameter(torch.zeros(2))], OptimizerConfig(name=name))
+
+
+def test_optimizers_from_torch_and_transformers_need_no_optional_package(monkeypatch):
+    for module, _ in OPTIONAL_PACKAGES.values():
+        monkeypatch.setitem(sys.modules, module, None)
+    assert set(OPTIMIZERS) - set(OPTIONAL_PACKAGES) == {"AdamW", "Adafactor"}
+    for name in ("AdamW", "Adafactor"):
+        check_available(name)
+        create_optimizer([torch.nn.Parameter(torch.zeros(2))], OptimizerConfig(name=name))
 
 
 def test_bad_optimizer_settings_are_named():
