@@ -43,7 +43,8 @@ ENVS = {
                  "pillow>=11,<12"],
     },
     "older": {
-        "description": "An environment not updated since spring 2025: Python 3.12, torch 2.5.1, transformers 4.50.3 "
+        "description": "An environment not updated since spring 2025: Python 3.12, torch 2.5.1 (below Headroom's 2.8: it "
+                       "will not run there, but installing must still leave it working), transformers 4.50.3 "
                        "(ComfyUI's lowest), huggingface-hub 0.30, safetensors 0.4.5, numpy 1.26",
         "python": "3.12",
         "uploaded_prior_to": "2025-04-15T00:00:00Z",
