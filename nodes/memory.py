@@ -17,8 +17,9 @@ from __future__ import annotations
 from comfy_api.latest import io, ui
 
 from ..training.core.adapters import TARGET_MODES
-from ..training.checks import check_finite
+from ..training.checks import MissingPackageError, check_finite
 from ..training.core.optimizers import OPTIMIZERS
+from ..training.memory import lowbit
 from ..training.memory.host_ram import HOST_RESERVE_BYTES, host_room
 from ..training.memory.policy import GIB, NodeInput, OffloadPolicy, PolicyError
 from ..training.core.trainer import PRECISIONS
@@ -66,6 +67,10 @@ class HeadroomOffloadPolicy(io.ComfyNode):
             policy = OffloadPolicy.from_node_inputs(inputs)
         except PolicyError as error:
             raise ValueError(f"HeadroomOffloadPolicy: {error}") from None
+        try:  # int8 / nf4 need the optional bitsandbytes: say so now, not when a run opens
+            lowbit.check_available(policy.base_storage)
+        except MissingPackageError as error:
+            raise MissingPackageError(f"HeadroomOffloadPolicy: {error}") from None
         text = policy.describe()
         if policy.budget_is_auto:
             available = available_device_bytes()

@@ -138,8 +138,9 @@ class HeadroomOptimizerConfig(io.ComfyNode):
             description="Optimizer and learning-rate schedule.",
             inputs=[
                 io.Combo.Input("optimizer", options=list(OPTIMIZERS), default="AdamW",
-                               tooltip="AdamW (torch); AdamW8bit / PagedAdamW8bit / Lion8bit (bitsandbytes, less "
-                               "memory); Adafactor; CAME; Prodigy (set lr 1.0: it finds the step size)."),
+                               tooltip="AdamW (torch); AdamW8bit / PagedAdamW8bit / Lion8bit (less memory; need the pip "
+                               "package bitsandbytes); Adafactor; CAME (needs came-pytorch); Prodigy (needs prodigyopt; "
+                               "set lr 1.0: it finds the step size)."),
                 io.Float.Input("learning_rate", default=1e-4, min=1e-8, max=10.0, step=1e-6,
                                tooltip="Learning rate after warm-up (the schedule scales it from there): about 1e-4 "
                                "for a LoRA with AdamW; 1.0 for Prodigy."),
@@ -147,7 +148,7 @@ class HeadroomOptimizerConfig(io.ComfyNode):
                                tooltip="Decoupled weight decay of the trained weights (0: none)."),
                 io.Combo.Input("schedule", options=list(SCHEDULES), default="constant",
                                tooltip="How the learning rate changes after warm-up over schedule_steps "
-                               "(diffusers' schedules): constant keeps it."),
+                               "(transformers' schedules): constant keeps it."),
                 io.Int.Input("warmup_steps", default=0, min=0, max=100000,
                              tooltip="Steps over which the learning rate rises linearly from 0 (0: no warm-up)."),
                 io.Int.Input("schedule_steps", default=1000, min=1, max=1000000,

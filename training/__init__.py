@@ -1,4 +1,4 @@
-"""The Headroom engine: pure torch + peft + diffusers utilities + safetensors.
+"""The Headroom engine: pure torch + peft + safetensors (bitsandbytes, prodigyopt, came-pytorch where installed).
 
 Nothing in this package imports ComfyUI; it is unit-tested on a machine without it.
 Modules import each other relatively so the package works both as `<pack>.training`

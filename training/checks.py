@@ -4,10 +4,16 @@ Float inputs: ComfyUI checks a FLOAT input against its min / max, but NaN compar
 prompt's JSON may carry NaN or Infinity, which Python's json reads), so a NaN passed every range check, switched
 features off silently and was stored in config.json, making the run unresumable. Every float a node takes goes
 through `check_finite`.
+
+Optional packages (bitsandbytes, prodigyopt, came-pytorch) are not installed with Headroom (their installs may change
+the packages ComfyUI runs on): a choice that needs one goes through `require_package`, which names the pip line.
 """
 from __future__ import annotations
 
+import importlib
 import math
+
+from . import public_module
 
 
 def check_finite(owner: str, **values) -> None:
@@ -15,3 +21,27 @@ def check_finite(owner: str, **values) -> None:
     for name, value in values.items():
         if isinstance(value, float) and not math.isfinite(value):
             raise ValueError(f"{owner}: {name}={value} is not a finite number; give a number (e.g. its default)")
+
+
+class MissingPackageError(ImportError):
+    """An optional package a chosen setting needs does not import; the message names the pip line that installs it."""
+
+    __module__ = public_module(__name__)  # a clean type name in ComfyUI's error report
+
+
+def require_package(module: str, package: str, needed_by: str, instead: str) -> None:
+    """Raise MissingPackageError when `module` does not import: `needed_by` (the setting, e.g. "optimizer Prodigy")
+    needs pip package `package`; `instead` says what to choose without it."""
+    top = module.split(".")[0]
+    try:
+        importlib.import_module(top)  # first: a submodule already imported is found without its package
+        importlib.import_module(module)
+    except Exception as error:  # a broken install (a missing CUDA library...) raises more than ImportError
+        missing = isinstance(error, ModuleNotFoundError) and (error.name or "").split(".")[0] == top
+        state = "which is not installed" if missing else f"which is installed but does not import ({error})"
+        verb = "Install" if missing else "Reinstall"
+        pip = f"-m pip install {'' if missing else '--force-reinstall '}{package}"
+        raise MissingPackageError(
+            f"{needed_by} needs the pip package '{package}', {state}. {verb} it into ComfyUI's Python: "
+            f"python {pip} (Windows portable build, in its folder: python_embeded\\python.exe {pip}), then restart "
+            f"ComfyUI; or {instead}.") from None

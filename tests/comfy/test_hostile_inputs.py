@@ -307,49 +307,69 @@ def _file_case(world, case: str, folder: pathlib.Path) -> str:
     (folder / "good.txt").write_text("a green square")
     caption = lambda name: _make(folder, name, "a caption")  # noqa: E731
     if case == "image_symlink_out":
-        _make(folder, "bad.png", link=str(outside / "outside.png")); caption("bad.txt")
+        _make(folder, "bad.png", link=str(outside / "outside.png"))
+        caption("bad.txt")
     elif case == "caption_symlink_out":
-        _make(folder, "bad.png", _png()); _make(folder, "bad.txt", link=str(outside / "secret.txt"))
+        _make(folder, "bad.png", _png())
+        _make(folder, "bad.txt", link=str(outside / "secret.txt"))
     elif case == "image_symlink_passwd":
-        _make(folder, "bad.png", link="/etc/passwd"); caption("bad.txt")
+        _make(folder, "bad.png", link="/etc/passwd")
+        caption("bad.txt")
     elif case == "caption_symlink_hostname":
-        _make(folder, "bad.png", _png()); _make(folder, "bad.txt", link="/etc/hostname")
+        _make(folder, "bad.png", _png())
+        _make(folder, "bad.txt", link="/etc/hostname")
     elif case == "caption_relative_symlink_out":
         _make(folder, "bad.png", _png())
         _make(folder, "bad.txt", link=os.path.relpath(outside / "secret.txt", folder))
     elif case == "dangling_image_symlink":
-        _make(folder, "bad.png", link=str(folder / "nowhere.png")); caption("bad.txt")
+        _make(folder, "bad.png", link=str(folder / "nowhere.png"))
+        caption("bad.txt")
     elif case == "symlink_loop":
-        _make(folder, "bad.png", link=str(folder / "loop.png")); _make(folder, "loop.png", link=str(folder / "bad.png"))
-        caption("bad.txt"); caption("loop.txt")
+        _make(folder, "bad.png", link=str(folder / "loop.png"))
+        _make(folder, "loop.png", link=str(folder / "bad.png"))
+        caption("bad.txt")
+        caption("loop.txt")
     elif case == "image_fifo":
-        os.mkfifo(folder / "bad.png"); caption("bad.txt")
+        os.mkfifo(folder / "bad.png")
+        caption("bad.txt")
     elif case == "caption_fifo":
-        _make(folder, "bad.png", _png()); os.mkfifo(folder / "bad.txt")
+        _make(folder, "bad.png", _png())
+        os.mkfifo(folder / "bad.txt")
     elif case == "caption_is_folder":
-        _make(folder, "bad.png", _png()); (folder / "bad.txt").mkdir()
+        _make(folder, "bad.png", _png())
+        (folder / "bad.txt").mkdir()
     elif case == "png_bomb_header":
-        _make(folder, "bad.png", png_header_only(100_000, 100_000)); caption("bad.txt")
+        _make(folder, "bad.png", png_header_only(100_000, 100_000))
+        caption("bad.txt")
     elif case == "png_oversize_header":
-        _make(folder, "bad.png", png_header_only(13_000, 13_000)); caption("bad.txt")
+        _make(folder, "bad.png", png_header_only(13_000, 13_000))
+        caption("bad.txt")
     elif case == "jpeg_bomb_header":
-        _make(folder, "bad.jpg", _jpeg_claiming(65_000, 65_000)); caption("bad.txt")
+        _make(folder, "bad.jpg", _jpeg_claiming(65_000, 65_000))
+        caption("bad.txt")
     elif case == "bmp_bomb_header":
-        _make(folder, "bad.bmp", _bmp_claiming(40_000, 40_000)); caption("bad.txt")
+        _make(folder, "bad.bmp", _bmp_claiming(40_000, 40_000))
+        caption("bad.txt")
     elif case == "truncated_png":
-        _make(folder, "bad.png", _png((64, 64))[:60]); caption("bad.txt")
+        _make(folder, "bad.png", _png((64, 64))[:60])
+        caption("bad.txt")
     elif case == "empty_png":
-        _make(folder, "bad.png", b""); caption("bad.txt")
+        _make(folder, "bad.png", b"")
+        caption("bad.txt")
     elif case == "text_as_png":
-        _make(folder, "bad.png", "this is not an image"); caption("bad.txt")
+        _make(folder, "bad.png", "this is not an image")
+        caption("bad.txt")
     elif case == "random_bytes_jpg":
-        _make(folder, "bad.jpg", os.urandom(4096)); caption("bad.txt")
+        _make(folder, "bad.jpg", os.urandom(4096))
+        caption("bad.txt")
     elif case == "unsupported_gif":
         Image.new("RGB", (8, 8)).save(folder / "bad.gif")
     elif case == "caption_not_utf8":
-        _make(folder, "bad.png", _png()); _make(folder, "bad.txt", b"\xff\xfe\xfa caption")
+        _make(folder, "bad.png", _png())
+        _make(folder, "bad.txt", b"\xff\xfe\xfa caption")
     elif case == "caption_huge":
-        _make(folder, "bad.png", _png()); _make(folder, "bad.txt", "x" * (2 << 20))
+        _make(folder, "bad.png", _png())
+        _make(folder, "bad.txt", "x" * (2 << 20))
     elif case == "caption_missing":
         _make(folder, "bad.png", _png())
     if case.startswith("caption_") and case != "caption_missing":
@@ -417,17 +437,22 @@ def _tamper(world, case: str, run_dir: pathlib.Path) -> None:
     elif case == "pointer_other_run":
         pointer({"step": 1, "checkpoint": "../hostile_template/checkpoints/step_00000001"})
     elif case == "checkpoint_folder_symlink_out":
-        shutil.rmtree(ckpt); ckpt.symlink_to(outside / "checkpoint", target_is_directory=True)
+        shutil.rmtree(ckpt)
+        ckpt.symlink_to(outside / "checkpoint", target_is_directory=True)
     elif case == "checkpoints_folder_symlink_out":
-        shutil.rmtree(run_dir / "checkpoints"); (run_dir / "checkpoints").symlink_to(outside, target_is_directory=True)
+        shutil.rmtree(run_dir / "checkpoints")
+        (run_dir / "checkpoints").symlink_to(outside, target_is_directory=True)
     elif case in ("adapter_symlink_out", "optimizer_symlink_out", "trainer_symlink_out", "rng_symlink_out"):
         name = {"adapter": "adapter.safetensors", "optimizer": "optimizer.pt", "trainer": "trainer.json",
                 "rng": "rng.pt"}[case.split("_")[0]]
-        (ckpt / name).unlink(); (ckpt / name).symlink_to(outside / "checkpoint" / name)
+        (ckpt / name).unlink()
+        (ckpt / name).symlink_to(outside / "checkpoint" / name)
     elif case == "pointer_symlink_out":
-        latest.unlink(); latest.symlink_to(outside / "latest.json")
+        latest.unlink()
+        latest.symlink_to(outside / "latest.json")
     elif case == "config_symlink_out":
-        (run_dir / "config.json").unlink(); (run_dir / "config.json").symlink_to(outside / "run" / "config.json")
+        (run_dir / "config.json").unlink()
+        (run_dir / "config.json").symlink_to(outside / "run" / "config.json")
     elif case == "pointer_not_json":
         pointer("{not json")
     elif case == "pointer_nan_step":
@@ -439,7 +464,8 @@ def _tamper(world, case: str, run_dir: pathlib.Path) -> None:
     elif case == "pointer_step_mismatch":
         pointer({"step": 5, "checkpoint": "checkpoints/step_00000001"})
     elif case == "pointer_is_folder":
-        latest.unlink(); latest.mkdir()
+        latest.unlink()
+        latest.mkdir()
     elif case == "pointer_huge":
         pointer(json.dumps({"step": 1, "checkpoint": "checkpoints/step_00000001", "pad": "x" * (1 << 17)}))
     elif case == "pointer_array":
@@ -457,14 +483,18 @@ def _tamper(world, case: str, run_dir: pathlib.Path) -> None:
         (ckpt / "trainer.json").write_text(json.dumps({"step": 1, "micro_step": 1, "loss_history": "junk",
                                                        "validation_history": []}))
     elif case == "adapter_truncated":
-        data = (ckpt / "adapter.safetensors").read_bytes(); (ckpt / "adapter.safetensors").write_bytes(data[:len(data) // 2])
+        data = (ckpt / "adapter.safetensors").read_bytes()
+        (ckpt / "adapter.safetensors").write_bytes(data[:len(data) // 2])
     elif case == "adapter_wrong_shape":
-        key = sorted(adapter)[0]; adapter[key] = torch.zeros(adapter[key].shape[0] + 1, *adapter[key].shape[1:])
+        key = sorted(adapter)[0]
+        adapter[key] = torch.zeros(adapter[key].shape[0] + 1, *adapter[key].shape[1:])
         save_file(adapter, str(ckpt / "adapter.safetensors"))
     elif case == "adapter_extra_key":
-        adapter["evil.weight"] = torch.zeros(2); save_file(adapter, str(ckpt / "adapter.safetensors"))
+        adapter["evil.weight"] = torch.zeros(2)
+        save_file(adapter, str(ckpt / "adapter.safetensors"))
     elif case == "adapter_missing_key":
-        adapter.pop(sorted(adapter)[0]); save_file(adapter, str(ckpt / "adapter.safetensors"))
+        adapter.pop(sorted(adapter)[0])
+        save_file(adapter, str(ckpt / "adapter.safetensors"))
     elif case == "adapter_wrong_dtype":
         save_file({k: v.half() for k, v in adapter.items()}, str(ckpt / "adapter.safetensors"))
     elif case == "optimizer_pickle_payload":
@@ -477,7 +507,9 @@ def _tamper(world, case: str, run_dir: pathlib.Path) -> None:
     elif case == "optimizer_empty":
         (ckpt / "optimizer.pt").write_bytes(b"")
     elif case == "scheduler_unknown_field":
-        states = _state(run_dir); states["scheduler"]["optimizer"] = "hijack"; torch.save(states, ckpt / "optimizer.pt")
+        states = _state(run_dir)
+        states["scheduler"]["optimizer"] = "hijack"
+        torch.save(states, ckpt / "optimizer.pt")
     elif case == "rng_wrong_shape":
         torch.save({"torch": torch.zeros(7, dtype=torch.uint8)}, ckpt / "rng.pt")
     elif case == "rng_pickle_payload":
@@ -490,14 +522,17 @@ def _tamper(world, case: str, run_dir: pathlib.Path) -> None:
     elif case == "config_missing_with_checkpoints":
         (run_dir / "config.json").unlink()
     elif case == "config_other_settings":
-        config = json.loads((run_dir / "config.json").read_text()); config["session"]["adapter"]["rank"] = 64
+        config = json.loads((run_dir / "config.json").read_text())
+        config["session"]["adapter"]["rank"] = 64
         (run_dir / "config.json").write_text(json.dumps(config))
     elif case == "memory_record_symlink_out":
-        (run_dir / "memory_record.json").unlink(); (run_dir / "memory_record.json").symlink_to(outside / "secret.txt")
+        (run_dir / "memory_record.json").unlink()
+        (run_dir / "memory_record.json").symlink_to(outside / "secret.txt")
     elif case == "memory_record_junk":
         (run_dir / "memory_record.json").write_text('{"format": "headroom-memory-record", "phases": 5}')
     elif case == "run_folder_symlink_out":
-        shutil.rmtree(run_dir); run_dir.symlink_to(outside / "run", target_is_directory=True)
+        shutil.rmtree(run_dir)
+        run_dir.symlink_to(outside / "run", target_is_directory=True)
     else:
         raise AssertionError(case)
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
@@ -40,6 +41,18 @@ def test_policy_node_outputs_the_policy_and_rejects_bad_combinations(comfyui, he
         _policy(base_placement="partial")
     ids = {node.define_schema().node_id for node in headroom_nodes.memory.NODES}
     assert ids == {"HeadroomOffloadPolicy", "HeadroomMemoryPlan"}
+
+
+@pytest.mark.parametrize("storage", ["int8", "nf4"])
+def test_policy_node_names_bitsandbytes_when_a_storage_needs_it(comfyui, monkeypatch, storage):
+    """bitsandbytes is optional: the policy node says so when int8 / nf4 is chosen without it, not the run."""
+    from headroom.training.checks import MissingPackageError
+
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # as if not installed
+    with pytest.raises(MissingPackageError, match=rf"HeadroomOffloadPolicy: offload policy base_storage '{storage}' "
+                       r"needs the pip package 'bitsandbytes'.*python -m pip install bitsandbytes"):
+        _policy(base_storage=storage)
+    assert _policy(base_storage="fp8").result[0].base_storage == "fp8"
 
 
 def test_policy_node_inputs_are_the_policy_fields(comfyui):

@@ -9,7 +9,9 @@ import torch
 
 from headroom.training.core.adapters import AdapterConfig, AdapterSet, select_targets
 from headroom.training.memory.checkpointing import wrap_blocks
-from headroom.training.memory.lowbit import STORAGES, LowBitBase, LowBitLinear, dequantize, quantize
+from headroom.training.checks import MissingPackageError
+from headroom.training.memory.lowbit import (STORAGES, LowBitBase, LowBitLinear, check_available, dequantize, quantize,
+                                             storage_installed)
 from headroom.training.memory.weight_streaming import WeightStreamer
 
 MAX_RELATIVE_ERROR = {"fp8": 0.04, "int8": 0.01, "nf4": 0.12}
@@ -88,10 +90,38 @@ def test_clear_errors():
         base.detach()
 
 
-def test_missing_bitsandbytes_is_a_clear_error(monkeypatch):
-    monkeypatch.setitem(sys.modules, "bitsandbytes.functional", None)
-    with pytest.raises(RuntimeError, match="base_storage='nf4' needs bitsandbytes.*use base_storage 'fp8'"):
-        LowBitBase(torch.nn.Sequential(frozen_linear(8, 8)), "nf4", "cpu")
+@pytest.mark.parametrize("storage", ["int8", "nf4"])
+def test_missing_bitsandbytes_is_a_clear_error(monkeypatch, storage):
+    """bitsandbytes is optional (installing it may change the user's torch): a low-bit storage that needs it names
+    the setting and the pip line, before any weight is swapped."""
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # as if not installed
+    root = torch.nn.Sequential(frozen_linear(8, 8))
+    linear = root[0]
+    with pytest.raises(MissingPackageError, match=rf"offload policy base_storage '{storage}' needs the pip package "
+                       r"'bitsandbytes', which is not installed\. Install it into ComfyUI's Python: python -m pip "
+                       r"install bitsandbytes \(Windows portable build, in its folder: python_embeded\\python\.exe -m "
+                       r"pip install bitsandbytes\), then restart ComfyUI; or choose base_storage 'fp8'"):
+        LowBitBase(root, storage, "cpu")
+    assert root[0] is linear
+    assert not storage_installed(storage) and storage_installed("fp8")
+    LowBitBase(root, "fp8", "cpu").detach()  # pure torch: no package needed
+
+
+def test_a_broken_bitsandbytes_says_reinstall(monkeypatch):
+    from headroom.training import checks
+
+    real = checks.importlib.import_module
+
+    def broken(name):
+        if name.startswith("bitsandbytes"):
+            raise OSError("libbitsandbytes_cuda.so: cannot open shared object file")
+        return real(name)
+
+    monkeypatch.setattr(checks.importlib, "import_module", broken)
+    with pytest.raises(MissingPackageError, match=r"installed but does not import \(libbitsandbytes_cuda.so.*"
+                       r"python -m pip install --force-reinstall bitsandbytes"):
+        check_available("int8")
+    check_available("fp8")
 
 
 class Net(torch.nn.Module):

@@ -1,13 +1,18 @@
-"""Optimizers by name from their libraries, schedules from diffusers, and state that resumes exactly."""
+"""Optimizers by name from their libraries, schedules from transformers (diffusers' formulas), and state that
+resumes exactly."""
 from __future__ import annotations
 
+import importlib.util
 import io
+import math
+import sys
 
 import pytest
 import torch
 
-from headroom.training.core.optimizers import (OPTIMIZERS, OptimizerConfig, create_optimizer, create_scheduler,
-                                          current_lr)
+from headroom.training.checks import MissingPackageError
+from headroom.training.core.optimizers import (OPTIMIZERS, OPTIONAL_PACKAGES, SCHEDULES, OptimizerConfig,
+                                               check_available, create_optimizer, create_scheduler, current_lr)
 
 
 def _quadratic_run(config: OptimizerConfig, steps: int, state: dict | None = None, start: torch.Tensor | None = None):
@@ -49,7 +54,7 @@ def test_every_optimizer_descends_and_resumes_exactly(name):
     assert torch.equal(resumed, straight), f"{name}: 10 + 10 resumed steps differ from 20 straight steps"
 
 
-def test_schedules_come_from_diffusers():
+def test_schedules_warm_up_then_decay():
     weight = torch.nn.Parameter(torch.zeros(2))
     config = OptimizerConfig(lr=1.0, schedule="cosine", warmup_steps=4, total_steps=12)
     optimizer = create_optimizer([weight], config)
@@ -61,6 +66,126 @@ def test_schedules_come_from_diffusers():
         scheduler.step()
     assert lrs[:5] == [0.0, 0.25, 0.5, 0.75, 1.0]
     assert lrs[5] > lrs[8] > lrs[11] > 0
+
+
+POLYNOMIAL_END = 1e-7  # the final LR of diffusers' (and transformers') polynomial schedule
+
+
+def _reference_factor(schedule: str, step: int, warmup: int, total: int, lr: float) -> float:
+    """The LR multiplier at `step` of each schedule as diffusers.optimization defines it (the schedules runs used before
+    they came from transformers): a linear warm-up, then the decay over total - warmup steps; constant has no warm-up;
+    cosine is half a cosine wave, cosine_with_restarts one cycle, polynomial power 1 down to 1e-7."""
+    if schedule == "constant":
+        return 1.0
+    if step < warmup:
+        return step / max(1, warmup)
+    progress = (step - warmup) / max(1, total - warmup)
+    if schedule == "constant_with_warmup":
+        return 1.0
+    if schedule == "linear":
+        return max(0.0, (total - step) / max(1, total - warmup))
+    if schedule == "cosine":
+        return max(0.0, 0.5 * (1.0 + math.cos(math.pi * 0.5 * 2.0 * progress)))
+    if schedule == "cosine_with_restarts":
+        return 0.0 if progress >= 1.0 else max(0.0, 0.5 * (1.0 + math.cos(math.pi * (progress % 1.0))))
+    assert schedule == "polynomial"
+    if step > total:
+        return POLYNOMIAL_END / lr
+    return ((lr - POLYNOMIAL_END) * (1 - (step - warmup) / (total - warmup)) + POLYNOMIAL_END) / lr
+
+
+def _lrs(scheduler_for, lr: float, steps: int) -> list[float]:
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=lr)
+    scheduler = scheduler_for(optimizer)
+    lrs = []
+    for _ in range(steps):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    return lrs
+
+
+SCHEDULE_CASES = [(warmup, total) for warmup, total in ((0, 10), (3, 12), (2, 7), (0, 1))]
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_every_schedule_keeps_the_lrs_it_had_from_diffusers(schedule):
+    """Every schedule gives the LR diffusers' gave at every step, warm-up, decay and past the horizon: against
+    diffusers' formulas always, and against diffusers itself where it is installed (an optional package now)."""
+    lr = 1e-3
+    for warmup, total in SCHEDULE_CASES:
+        config = OptimizerConfig(lr=lr, schedule=schedule, warmup_steps=warmup, total_steps=total)
+        ours = _lrs(lambda optimizer: create_scheduler(optimizer, config), lr, total + 3)
+        expected = [lr * _reference_factor(schedule, step, warmup, total, lr) for step in range(total + 3)]
+        assert ours == pytest.approx(expected, rel=1e-12, abs=1e-18), (schedule, warmup, total)
+        if importlib.util.find_spec("diffusers") is not None:
+            from diffusers.optimization import get_scheduler
+
+            theirs = _lrs(lambda optimizer: get_scheduler(schedule, optimizer, num_warmup_steps=warmup,
+                                                          num_training_steps=total), lr, total + 3)
+            assert ours == theirs, (schedule, warmup, total)
+
+
+def test_a_checkpoint_from_when_schedules_came_from_diffusers_resumes():
+    """diffusers' schedules are LambdaLRs over plain functions (their state dict holds lr_lambdas [None]);
+    transformers' over functools.partial: a run saved before the switch resumes on the same LRs."""
+    lr, warmup, total = 1e-3, 2, 10
+    config = OptimizerConfig(lr=lr, schedule="cosine", warmup_steps=warmup, total_steps=total)
+
+    def as_diffusers_made_it(optimizer):
+        return torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: _reference_factor("cosine", step, warmup, total, lr))
+
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=lr)
+    old = as_diffusers_made_it(optimizer)
+    for _ in range(4):
+        optimizer.step()
+        old.step()
+    buffer = io.BytesIO()
+    torch.save({"optimizer": optimizer.state_dict(), "scheduler": old.state_dict()}, buffer)  # as a checkpoint
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+    state = saved["scheduler"]
+    assert state["lr_lambdas"] == [None]
+
+    resumed_optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=lr)
+    resumed = create_scheduler(resumed_optimizer, config)
+    from headroom.training.core.trainer import _fields_mismatch
+
+    assert _fields_mismatch("LR scheduler", state, resumed.state_dict()) is None  # what resuming checks first
+    resumed_optimizer.load_state_dict(saved["optimizer"])  # the trainer's order: optimizer, then scheduler
+    resumed.load_state_dict(state)
+    lrs = []
+    for _ in range(6):
+        lrs.append(resumed_optimizer.param_groups[0]["lr"])
+        resumed_optimizer.step()
+        resumed.step()
+    assert lrs == pytest.approx([lr * _reference_factor("cosine", step, warmup, total, lr) for step in range(4, 10)],
+                                rel=1e-12)
+
+
+@pytest.mark.parametrize("name", sorted(OPTIONAL_PACKAGES))
+def test_an_optimizer_whose_package_is_missing_names_the_pip_line(monkeypatch, name):
+    """bitsandbytes, prodigyopt and came-pytorch are not installed with Headroom: choosing their optimizer without
+    them says which package and how to install it (also in the Windows portable build), before any step."""
+    module, package = OPTIONAL_PACKAGES[name]
+    monkeypatch.setitem(sys.modules, module, None)  # as if not installed
+    message = (rf"optimizer {name} needs the pip package '{package}', which is not installed\. Install it into "
+               rf"ComfyUI's Python: python -m pip install {package} \(Windows portable build, in its folder: "
+               rf"python_embeded\\python\.exe -m pip install {package}\), then restart ComfyUI; or choose AdamW")
+    with pytest.raises(MissingPackageError, match=message):
+        check_available(name)
+    with pytest.raises(MissingPackageError, match=message):
+        create_optimizer([torch.nn.Parameter(torch.zeros(2))], OptimizerConfig(name=name))
+
+
+def test_optimizers_from_torch_and_transformers_need_no_optional_package(monkeypatch):
+    for module, _ in OPTIONAL_PACKAGES.values():
+        monkeypatch.setitem(sys.modules, module, None)
+    assert set(OPTIMIZERS) - set(OPTIONAL_PACKAGES) == {"AdamW", "Adafactor"}
+    for name in ("AdamW", "Adafactor"):
+        check_available(name)
+        create_optimizer([torch.nn.Parameter(torch.zeros(2))], OptimizerConfig(name=name))
 
 
 def test_bad_optimizer_settings_are_named():

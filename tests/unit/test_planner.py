@@ -5,6 +5,7 @@ import dataclasses
 import gc
 import json
 import math
+import sys
 import weakref
 
 import pytest
@@ -218,6 +219,26 @@ def test_auto_lowers_precision_only_when_nothing_else_fits_and_says_so():
     assert "changes its numerics" in plan.reason
     nothing = plan_auto(d, TRAINABLE, SHAPE, OffloadPolicy(), budget_bytes=GIB)
     assert nothing.fits is False and "nothing fits" in nothing.reason
+
+
+def test_auto_tries_no_storage_whose_package_is_missing(monkeypatch):
+    """int8 / nf4 need the optional bitsandbytes: without it auto never picks them (the run would fail when it opens)
+    and, when nothing else fits, says what installing it would allow."""
+    d = toy_description(blocks=2, block_weights=3 * GIB)
+    smallest = {storage: plan_auto(d, TRAINABLE, SHAPE, OffloadPolicy(base_storage=storage), budget_bytes=1).peak_bytes
+                for storage in ("fp8", "nf4")}
+    assert smallest["nf4"] < smallest["fp8"]
+    budget = (smallest["nf4"] + smallest["fp8"]) // 2  # only nf4 fits
+    assert plan_auto(d, TRAINABLE, SHAPE, OffloadPolicy(), budget_bytes=budget).policy.base_storage == "nf4"
+    assert planner._storages(OffloadPolicy()) == ["as_loaded", "fp8", "int8", "nf4"]
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # as if not installed
+    without = plan_auto(d, TRAINABLE, SHAPE, OffloadPolicy(), budget_bytes=budget)
+    assert without.fits is False and without.policy.base_storage in ("as_loaded", "fp8")
+    assert ("Base storage int8 / nf4 was not tried: it needs the optional package bitsandbytes (python -m pip install "
+            "bitsandbytes, then restart ComfyUI).") in without.reason
+    fp8 = plan_auto(d, TRAINABLE, SHAPE, OffloadPolicy(), budget_bytes=int(smallest["fp8"] * 1.01))
+    assert fp8.fits and fp8.policy.base_storage == "fp8"
+    assert planner._storages(OffloadPolicy()) == ["as_loaded", "fp8"]  # also after an out-of-memory error
 
 
 def test_next_smaller_policy_after_out_of_memory():

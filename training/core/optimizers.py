@@ -2,44 +2,33 @@
 
 AdamW: torch. AdamW8bit / PagedAdamW8bit / Lion8bit: bitsandbytes. Adafactor: transformers.
 CAME: the `came-pytorch` package (the reference implementation of the CAME paper, as Sana uses).
-Prodigy: `prodigyopt`. Schedules: `diffusers.optimization.get_scheduler`.
+Prodigy: `prodigyopt`. Schedules: `transformers.optimization.get_scheduler`.
+bitsandbytes, came-pytorch and prodigyopt are optional packages: choosing an optimizer from one that is missing names
+the pip line to install it (check_available), before a run starts.
 """
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from typing import Iterable
 
 import torch
 
-from .. import public_module
-from ..checks import check_finite
+from ..checks import MissingPackageError, check_finite, require_package  # noqa: F401  (MissingPackageError: for nodes/)
 
 OPTIMIZERS = ("AdamW", "AdamW8bit", "PagedAdamW8bit", "Lion8bit", "Adafactor", "CAME", "Prodigy")
 SCHEDULES = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial")
 _BITSANDBYTES = ("AdamW8bit", "PagedAdamW8bit", "Lion8bit")
-# Optimizers from optional packages: the pip package each needs (import name, pip name).
-OPTIONAL_PACKAGES = {"CAME": ("came_pytorch", "came-pytorch"), "Prodigy": ("prodigyopt", "prodigyopt")}
-
-
-class MissingPackageError(ImportError):
-    """An optional package an optimizer needs is not installed; the message names the pip package."""
-
-    __module__ = public_module(__name__)  # a clean type name in ComfyUI's error report
+# Optimizers from optional packages (not installed with Headroom): optimizer -> (import name, pip name).
+OPTIONAL_PACKAGES = {**{name: ("bitsandbytes", "bitsandbytes") for name in _BITSANDBYTES},
+                     "CAME": ("came_pytorch", "came-pytorch"), "Prodigy": ("prodigyopt", "prodigyopt")}
 
 
 def check_available(name: str) -> None:
-    """Raise MissingPackageError when optimizer `name` needs a package this Python does not have."""
+    """Raise MissingPackageError when optimizer `name` needs a package this Python does not have (or cannot import)."""
     if name not in OPTIONAL_PACKAGES:
         return
     module, package = OPTIONAL_PACKAGES[name]
-    try:
-        importlib.import_module(module)
-    except ImportError as error:
-        raise MissingPackageError(
-            f"optimizer {name} needs the pip package '{package}', which is not installed ({error}). Install it into "
-            f"ComfyUI's Python (python -m pip install {package}) and restart ComfyUI, or choose AdamW."
-        ) from None
+    require_package(module, package, f"optimizer {name}", "choose AdamW or Adafactor, which need no extra package")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,10 +88,8 @@ def create_optimizer(params: Iterable[torch.nn.Parameter], config: OptimizerConf
 
 
 def _bitsandbytes_optimizer(params, config: OptimizerConfig, device: torch.device | None):
-    try:
-        import bitsandbytes as bnb
-    except ImportError as error:  # the package is a dependency, but a broken install should say so plainly
-        raise RuntimeError(f"optimizer {config.name} needs bitsandbytes, which failed to import: {error}") from error
+    check_available(config.name)
+    import bitsandbytes as bnb
     cls = getattr(bnb.optim, config.name)
     kwargs = dict(lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
     if config.name != "Lion8bit":
@@ -130,7 +117,10 @@ _KERNELS_FOUND: set[tuple[str, str]] = set()  # (bitsandbytes optimizer, device)
 
 
 def create_scheduler(optimizer, config: OptimizerConfig):
-    from diffusers.optimization import get_scheduler
+    # transformers' schedules: the names and formulas diffusers has (tests/unit/test_optimizers.py compares them), from
+    # a package ComfyUI already requires. diffusers' newer releases need a huggingface-hub that ComfyUI's transformers
+    # 4.x cannot import, so installing it for this one function broke users' ComfyUI (issue 40).
+    from transformers.optimization import get_scheduler
 
     return get_scheduler(config.schedule, optimizer, num_warmup_steps=config.warmup_steps,
                          num_training_steps=config.total_steps)

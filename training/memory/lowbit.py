@@ -22,22 +22,36 @@ weights are quantised flattened here; Linear8bitLt would quantise the activation
 """
 from __future__ import annotations
 
+import importlib.util
 import math
 from typing import Iterable
 
 import torch
 
+from ..checks import require_package
+
 STORAGES = ("fp8", "int8", "nf4")
+BITSANDBYTES_STORAGES = ("int8", "nf4")  # bitsandbytes is an optional package: see check_available
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 NF4_BLOCK = 64
 
 
+def check_available(storage: str) -> None:
+    """Raise MissingPackageError when `storage` needs bitsandbytes and it does not import: before a run, not mid-run."""
+    if storage in BITSANDBYTES_STORAGES:
+        require_package("bitsandbytes.functional", "bitsandbytes", f"offload policy base_storage {storage!r}",
+                        "choose base_storage 'fp8' (pure torch) or 'as_loaded'")
+
+
+def storage_installed(storage: str) -> bool:
+    """Whether `storage`'s package is installed (found, not imported: the planner asks for every candidate)."""
+    return storage not in BITSANDBYTES_STORAGES or importlib.util.find_spec("bitsandbytes") is not None
+
+
 def _bitsandbytes(storage: str):
-    try:
-        import bitsandbytes.functional as bnb_functional
-    except Exception as error:  # a broken install should say so plainly, not mid-run
-        raise RuntimeError(f"base_storage={storage!r} needs bitsandbytes, which failed to import: {error}; "
-                           "use base_storage 'fp8' or 'as_loaded'") from error
+    check_available(storage)
+    import bitsandbytes.functional as bnb_functional
+
     return bnb_functional
 
 

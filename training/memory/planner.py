@@ -577,6 +577,13 @@ def _streams_trained_weights(trainable: TrainableSpec, base: OffloadPolicy) -> b
     return trainable.full and base.fused_backward
 
 
+def _storages(base: OffloadPolicy) -> list[str]:
+    """The base storages to try, in order: `base`'s; then, from "as_loaded" only, fp8, int8 and nf4, less those whose
+    optional package (bitsandbytes) is not installed."""
+    lower = [s for s in ("fp8", "int8", "nf4") if base.base_storage == "as_loaded" and lowbit.storage_installed(s)]
+    return [base.base_storage] + lower
+
+
 def plan_auto(description: ModelDescription, trainable: TrainableSpec, shape: RunShape, base: OffloadPolicy,
               budget_bytes: int, host_room: HostRoom | None = None) -> Plan:
     """The fastest policy (see candidate_policies) whose estimated peak fits `budget_bytes` and whose added host
@@ -585,7 +592,7 @@ def plan_auto(description: ModelDescription, trainable: TrainableSpec, shape: Ru
     The frozen base's storage stays what `base` says while any variant fits; only when none does are
     lower-precision storages (fp8, then int8, then nf4) tried, and the reason says the numerics change.
     """
-    storages = [base.base_storage] + [s for s in ("fp8", "int8", "nf4") if s != base.base_storage and base.base_storage == "as_loaded"]
+    storages = _storages(base)
     tried: list[Plan] = []
     for policy in candidate_policies(base, storages, _streams_trained_weights(trainable, base)):
         plan = estimate(description, trainable, shape, policy, budget_bytes, host_room)
@@ -616,6 +623,10 @@ def plan_auto(description: ModelDescription, trainable: TrainableSpec, shape: Ru
     smallest.reason = (f"nothing fits the budget of {format_bytes(budget_bytes)}: the smallest estimate is "
                        f"{format_bytes(smallest.peak_bytes)} ({smallest.peak.phase}) with {smallest.policy.describe()}; "
                        "lower the batch size or resolution, or free device memory.")
+    untried = [s for s in lowbit.BITSANDBYTES_STORAGES if base.base_storage == "as_loaded" and s not in storages]
+    if untried:
+        smallest.reason += (f" Base storage {' / '.join(untried)} was not tried: it needs the optional package "
+                            "bitsandbytes (python -m pip install bitsandbytes, then restart ComfyUI).")
     return smallest
 
 
@@ -624,7 +635,7 @@ def next_smaller_policy(description: ModelDescription, trainable: TrainableSpec,
     """After an out-of-memory error: the first policy slower than `current` whose estimated peak is at
     least 10 % below `current`'s (a smaller step would likely fail again), or None when none is."""
     current_peak = estimate(description, trainable, shape, current, budget_bytes).peak_bytes
-    storages = [current.base_storage] + [s for s in ("fp8", "int8", "nf4") if s != current.base_storage and current.base_storage == "as_loaded"]
+    storages = _storages(current)
     candidates = candidate_policies(current, storages, _streams_trained_weights(trainable, current))
     start = next((i for i, p in enumerate(candidates) if p == current), -1) + 1
     for policy in candidates[start:]:

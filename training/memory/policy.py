@@ -118,8 +118,8 @@ class OffloadPolicy:
         "every block streams from host RAM one block ahead (needs checkpointing)."))
     base_storage: str = _field("as_loaded", NodeInput(
         "combo", options=STORAGES,
-        tooltip="Precision of the frozen block linears: as loaded, or a low-bit copy (fp8, bitsandbytes int8 / "
-        "nf4) that changes the numerics."))
+        tooltip="Precision of the frozen block linears: as loaded, or a low-bit copy (fp8; int8 / nf4 need the pip "
+        "package bitsandbytes) that changes the numerics."))
     checkpointing: str = _field("off", NodeInput(
         "combo", options=CHECKPOINTING,
         tooltip="blocks: recompute each block in backward; blocks_cpu_offload: also keep the saved block inputs in "
