@@ -5,7 +5,8 @@ asks for them through the V3 entry point, and nothing is monkeypatched.
 
 On a ComfyUI or torch older than the pack needs (training/environment.py), or one whose classes the nodes cannot
 import, the log says in one line what Headroom needs and what is installed, and a single node, "Headroom (needs an
-update)", says the same in the editor: never IMPORT FAILED with a traceback and no word of what to do.
+update)", says the same in the editor: never IMPORT FAILED with a traceback and no word of what to do. A node whose
+schema this ComfyUI cannot build is left out the same way (nodes/__init__.py), the others load.
 """
 import logging
 
@@ -32,9 +33,9 @@ async def comfy_entrypoint():
     return _unavailable_extension(problem)
 
 
-def _unavailable_extension(problem: str):
-    """An extension with one node that shows `problem` and refuses to run, built from the oldest V3 features."""
-    from comfy_api.latest import ComfyExtension, io
+def unavailable_node(problem: str):
+    """A node that shows `problem` in the editor and refuses to run, built from the oldest V3 features."""
+    from comfy_api.latest import io
 
     class HeadroomUnavailable(io.ComfyNode):
         @classmethod
@@ -46,9 +47,15 @@ def _unavailable_extension(problem: str):
         def execute(cls):
             raise RuntimeError(problem)
 
+    return HeadroomUnavailable
+
+
+def _unavailable_extension(problem: str):
+    from comfy_api.latest import ComfyExtension
+
     class HeadroomUnavailableExtension(ComfyExtension):
         async def get_node_list(self):
-            return [HeadroomUnavailable]
+            return [unavailable_node(problem)]
 
     return HeadroomUnavailableExtension()
 

@@ -99,3 +99,24 @@ def test_the_min_torch_venv_installs_the_declared_minimum():
     pinned = re.search(r"torch==(\d+\.\d+)\.\d+ ", text).group(1)
     assert pinned == environment.MIN_TORCH
     assert f'startswith("{environment.MIN_TORCH}.")' in text
+
+
+def test_a_node_whose_schema_this_comfyui_cannot_build_is_left_out_alone(headroom_nodes, monkeypatch, caplog):
+    """On a ComfyUI without the V3 `advanced` option (0.3.67 of October 2025, tried by hand), 11 schemas fail: those
+    nodes are left out and one node names them, instead of the whole pack failing to load."""
+    import headroom
+    from headroom.nodes.train_lora import HeadroomLoraConfig
+
+    def old_comfyui_schema(cls):
+        raise TypeError("Combo.Input.__init__() got an unexpected keyword argument 'advanced'")
+
+    monkeypatch.setattr(HeadroomLoraConfig, "define_schema", classmethod(old_comfyui_schema))
+    with caplog.at_level(logging.WARNING, logger="headroom"):
+        nodes = _node_list(asyncio.run(headroom.comfy_entrypoint()))
+    ids = [node.GET_SCHEMA().node_id for node in nodes]
+    assert "HeadroomLoraConfig" not in ids and "HeadroomTrainLora" in ids and ids[-1] == "HeadroomUnavailable"
+    description = nodes[-1].GET_SCHEMA().description
+    assert description.startswith("1 of Headroom's nodes cannot be built on this ComfyUI, so they are left out: "
+                                  "HeadroomLoraConfig (TypeError: Combo.Input.__init__() got an unexpected keyword "
+                                  "argument 'advanced')")
+    assert [r.getMessage() for r in caplog.records if r.name == "headroom"] == [f"Headroom: {description}"]
