@@ -305,17 +305,19 @@ def test_editor_turns_ui_workflow_into_the_shipped_api_workflow(browser_page, na
 
 
 def test_templates_list_only_the_ui_workflows_each_with_its_thumbnail(comfy_server, browser_page):
-    """The editor's Templates dialog, Extensions > comfyui-headroom: exactly the shipped UI workflows (the API ones
-    live in workflows/api/, which ComfyUI does not list), in reading order (js/headroom_templates.js: the demo first,
-    then by family; the server's own order is its directory listing), each card's picture its `<name>.jpg`
-    (workflows/thumbnails.py, which also writes the workflow's one-line title into the picture), loaded as a real
-    image. ComfyUI 0.33.0 gives a custom node's templates no index: the card's title is the file name."""
+    """The editor's Templates dialog, Extensions > Headroom (the pack's label: locales/en/main.json): exactly the shipped
+    UI workflows (the API ones live in workflows/api/, which ComfyUI does not list), in reading order
+    (js/headroom_templates.js: the demo first, then by family; the server's own order is its directory listing), each
+    card's picture its `<name>.jpg` (workflows/thumbnails.py, which also writes the workflow's one-line title into the
+    picture), loaded as a real image. ComfyUI 0.33.0 gives a custom node's templates no index, and frontend 1.49.6 no
+    title or description from i18n: the card's title is the file name."""
     from server_harness import PACKAGE_DIR_NAME
     from test_templates_order import template_order
 
     page, log = browser_page
     page.evaluate("() => window.app.extensionManager.command.execute('Comfy.BrowseTemplates')")
-    page.get_by_text(PACKAGE_DIR_NAME, exact=True).click()
+    label = json.loads((REPO_ROOT / "locales" / "en" / "main.json").read_text())["templateWorkflows"]["category"]
+    page.locator("[role=dialog]").get_by_text(label[PACKAGE_DIR_NAME], exact=True).click()
     cards = "[role=dialog] h3.line-clamp-1"  # a card's title (frontend 1.49.6); the side bar's headings are h3 too
     page.wait_for_function("(cards) => document.querySelectorAll(cards).length > 0", arg=cards, timeout=30_000)
     page.wait_for_timeout(1500)  # the first row's pictures
