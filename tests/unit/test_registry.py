@@ -24,7 +24,7 @@ COMFY = shutil.which("comfy", path=str(pathlib.Path(sys.executable).parent)) or 
 # What .comfyignore leaves out (the test restates it so either side drifting fails)
 LEFT_OUT_FOLDERS = (".ci/", "tests/", "bench/")
 LEFT_OUT_FILES = {".gitignore", ".comfyignore", "workflows/build_workflows.py", "workflows/thumbnails.py",
-                  "workflows/pretrain_tiny.py"}
+                  "workflows/pretrain_tiny.py", "workflows/build_locales.py"}
 
 
 def _repository_files() -> list[str]:
@@ -95,7 +95,7 @@ def test_the_pack_honours_comfyignore(checkout, tmp_path):
     assert not any(name.startswith(LEFT_OUT_FOLDERS) for name in packed)
     for needed in ("__init__.py", "pyproject.toml", "requirements.txt", "README.md", "nodes/__init__.py",
                    "training/__init__.py", "workflows/tiny_lora.json", "workflows/tiny_lora.jpg",
-                   "workflows/headroom_run.py"):
+                   "workflows/headroom_run.py", "locales/en/nodeDefs.json", "locales/en/main.json"):
         assert needed in packed, needed
     for folder in ("nodes/", "training/", "js/", "workflows/api/", "nodes/weights/"):
         assert any(name.startswith(folder) for name in packed), folder
