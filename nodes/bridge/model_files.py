@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import folder_paths
 
-from ...training.core.run_dir import check_name, check_subfolder
+from ...training.core.run_dir import NAME_MAX, check_name, check_subfolder
 from ...training.data.files import prune_temp
 from . import lora_formats
 from .comfy_bridge import TrainingRun
@@ -24,7 +24,10 @@ def models_file(folder: str, subfolder: str, filename: str, run: TrainingRun, wh
     """(the models/<folder> root, the .safetensors path) a save node writes for `run`, names checked (empty
     filename: <run name>_step<N>)."""
     check_subfolder(subfolder, "subfolder")
-    name = check_name(filename or f"{run.run_dir.name}_step{run.step:06d}", f"{what} file name")
+    # Default names add to a run name of up to NAME_MAX characters (save_extracted_lora's the most): file names may be
+    # that much longer, or a long run name would train and then fail to save.
+    name = check_name(filename or f"{run.run_dir.name}_step{run.step:06d}", f"{what} file name",
+                      longest=NAME_MAX + len("_step000000_extracted"))
     if not name.endswith(".safetensors"):
         name += ".safetensors"
     root = pathlib.Path(folder_paths.get_folder_paths(folder)[0])

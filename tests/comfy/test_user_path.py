@@ -219,3 +219,21 @@ def test_save_says_where_and_validate_shows_the_before_after_grid(comfyui):
     assert image["filename"] == "step_00000002_before_after.png" and image["type"] == "output", image
     path = pathlib.Path(folder_paths.get_output_directory(), image["subfolder"], image["filename"])
     assert path.is_file() and path == run.run_dir.validation_dir / image["filename"]
+
+
+def test_the_longest_run_name_still_saves_under_its_default_file_names(comfyui):
+    """A run name of the full 100 characters trains; the default file names add "_step000123" (and "_extracted"), which
+    a 100-character limit on file names refused only at the save, after the training."""
+    from types import SimpleNamespace
+
+    from headroom.nodes.bridge.model_files import models_file
+    from headroom.training.core.run_dir import check_name
+
+    name = check_name("n" * 100)
+    run = SimpleNamespace(run_dir=SimpleNamespace(name=name), step=123)
+    _, path = models_file("loras", "headroom", "", run, "LoRA")
+    assert path.name == f"{name}_step000123.safetensors"
+    _, path = models_file("loras", "headroom", f"{name}_step000123_extracted", run, "LoRA")
+    assert path.name == f"{name}_step000123_extracted.safetensors"
+    with pytest.raises(ValueError, match=r"run name 'n{101}' is not allowed: use 1-100 letters"):
+        check_name("n" * 101)

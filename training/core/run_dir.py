@@ -40,7 +40,8 @@ from ..data.files import (UntrustedFileError, display_path, is_within, make_temp
                     read_json, save_safetensors, temp_name, tensor_bytes, write_bytes, write_error, write_json,
                     write_new, write_safetensors, write_torch)
 
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+NAME_MAX = 100  # a run name's characters; a file named after the run adds "_step000123" and the like
 _CHECKPOINT = re.compile(r"checkpoints/(step_(\d{8})(?:\.(\d{1,6}))?)")
 _CHECKPOINT_FOLDER = re.compile(r"step_(\d{8})(?:\.(\d{1,6}))?")
 KEEP_CHECKPOINTS = 2
@@ -62,13 +63,13 @@ class RunFolderError(RuntimeError):
     __module__ = public_module(__name__)
 
 
-def check_name(name: str, what: str = "run name") -> str:
+def check_name(name: str, what: str = "run name", longest: int = NAME_MAX) -> str:
     """A single safe path segment: letters, digits, `_ . -`; no `..`, no separators, not absolute. A full match:
     `$` would also match before a final newline, and folders named "x\\n" were created."""
-    if not isinstance(name, str) or not _NAME.fullmatch(name) or ".." in name:
+    if not isinstance(name, str) or not _NAME.fullmatch(name) or ".." in name or len(name) > longest:
         raise ValueError(
-            f"{what} {str(name)[:120]!r} is not allowed: use 1-100 letters, digits, '_', '-' or '.', starting with a "
-            "letter or digit, without '..' or path separators"
+            f"{what} {str(name)[:120]!r} is not allowed: use 1-{longest} letters, digits, '_', '-' or '.', starting "
+            "with a letter or digit, without '..' or path separators"
         )
     problem = os_compat.windows_name_problem(name)
     if problem:
