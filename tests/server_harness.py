@@ -30,6 +30,10 @@ from comfy_harness import COMFYUI_FOUND_BY, COMFYUI_PATH, REPO_ROOT
 from headroom.workflows.headroom_run import ComfyClient, WorkflowError  # noqa: F401  (WorkflowError: for tests)
 
 PACKAGE_DIR_NAME = "comfyui-headroom"
+# How long a test waits for something that normally takes seconds (a cancel to land, a short workflow to finish)
+# before calling it a hang: generous, since a loaded 2-core machine runs everything several times slower (a 120 s
+# limit failed there while nothing hung). HEADROOM_TEST_WAIT_S overrides it.
+HANG_LIMIT_S = float(os.environ.get("HEADROOM_TEST_WAIT_S", "900"))
 
 
 def free_port() -> int:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from headroom.workflows.headroom_run import format_train_step
 from PIL import Image
-from server_harness import WorkflowError, start_comfy_server
+from server_harness import HANG_LIMIT_S, WorkflowError, start_comfy_server
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 HEADROOM_RUN = REPO_ROOT / "workflows" / "headroom_run.py"
@@ -220,7 +220,7 @@ def test_headroom_run_ctrl_c_interrupts_and_leaves_comfyui_idle(comfy_server, tm
             time.sleep(0.2)
         time.sleep(2)  # well inside the sampling loop by now
         process.send_signal(signal.SIGINT)
-        stdout, stderr = process.communicate(timeout=120)
+        stdout, stderr = process.communicate(timeout=HANG_LIMIT_S)
     finally:
         if process.poll() is None:
             process.kill()
@@ -242,8 +242,8 @@ def test_demo_workflow_runs_with_comfy_cli(comfy_server):
         pytest.skip("comfy-cli is not installed in this environment (pip install comfy-cli)")
     result = subprocess.run(
         [str(comfy), "--skip-prompt", "run", "--workflow", str(DEMO_WORKFLOW), "--wait",
-         "--host", "127.0.0.1", "--port", str(comfy_server.port), "--timeout", "240"],
-        check=False, capture_output=True, text=True, timeout=300)
+         "--host", "127.0.0.1", "--port", str(comfy_server.port), "--timeout", str(int(HANG_LIMIT_S))],
+        check=False, capture_output=True, text=True, timeout=HANG_LIMIT_S + 60)
 
     assert result.returncode == 0, result.stdout + result.stderr
     images = sorted((comfy_server.base_dir / "output" / "headroom_demo").glob("tiny_*.png"))
