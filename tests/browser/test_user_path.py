@@ -133,6 +133,31 @@ def test_offload_policy_folds_its_expert_input(browser_page):
     assert log.headroom_errors() == []
 
 
+def test_the_learning_rate_widget_keeps_0_and_shows_small_rates(browser_page):
+    """Optimizer Config's learning_rate in the real editor (issue 44): a typed 0 stays 0 (min 1e-8 made it 1e-8
+    silently, shown as 0.000000, and the run trained nothing), so the node refuses it by name; small rates are kept
+    and drawn as they are, not rounded to 0.000000."""
+    page, log = browser_page
+    node = add_node(page, "HeadroomOptimizerConfig")
+
+    def typed(value: float) -> dict:
+        set_widget(page, node, "learning_rate", value)
+        return page.evaluate("""(id) => {
+            const w = window.app.graph.getNodeById(id).widgets.find((w) => w.name === 'learning_rate');
+            return {value: w.value, shown: Number(w.value).toFixed(w.options.precision)};
+        }""", node)
+
+    assert typed(0) == {"value": 0, "shown": "0.00000000"}
+    assert typed(-1e-4)["value"] == 0  # clamped to min 0, which the node refuses as it refuses 0
+    assert typed(1e-5) == {"value": 1e-5, "shown": "0.00001000"}
+    assert typed(1e-6) == {"value": 1e-6, "shown": "0.00000100"}
+    assert typed(1e-8) == {"value": 1e-8, "shown": "0.00000001"}
+    assert typed(1e-4) == {"value": 1e-4, "shown": "0.00010000"}
+    show_node(page, node)
+    shot(page, "learning_rate_widget")
+    assert log.headroom_errors() == []
+
+
 def write_dataset(folder: pathlib.Path, count: int = 2) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     for index in range(count):
