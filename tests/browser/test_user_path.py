@@ -224,6 +224,23 @@ def test_dataset_folder_is_a_refreshable_list_and_old_typed_values_still_run(com
     queue_in_editor(page)
     assert wait_outcome(page) == "success"
     assert notes(page, dataset_node) == ""
+
+    # A caption whose image is missing: the run goes on, and the node says so on itself (not only in the server log).
+    (input_dir / f"my_photos_{tag}" / "img7.txt").write_text("its image was never copied")
+    queue_in_editor(page)
+    assert wait_outcome(page) == "success"
+    page.wait_for_timeout(500)
+    message = notes(page, dataset_node)
+    assert message.startswith("2 images.\nWarning: 1 caption(s) with no image of the same name"), message
+    assert (f"input/my_photos_{tag}/img7.txt: a caption with no image of the same name; add the image or remove the "
+            "caption") in message, message
+    show_node(page, dataset_node)
+    shot(page, "dataset_folder_orphan_caption")
+    (input_dir / f"my_photos_{tag}" / "img7.txt").unlink()
+    queue_in_editor(page)
+    assert wait_outcome(page) == "success"
+    page.wait_for_timeout(500)
+    assert notes(page, dataset_node) == ""  # the empty text of a clean folder clears the note
     assert log.headroom_errors() == []
 
 
