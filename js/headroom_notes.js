@@ -1,8 +1,10 @@
-// Headroom notes: the text Headroom's training and save nodes return in their UI output (`text`: where a LoRA was
-// saved, how the precision was chosen, a batch cut to the data, why nothing trained, a cancel) shown on the node
-// itself, under its widgets, where the user looks. The stock editor shows such text only on its Preview Any node.
-// workflows/build_workflows.py keeps room for it on these node types (NOTES_NODE_TYPES). When a Headroom node fails,
-// its error message is shown on it the same way (the stock editor shows it only behind "View details").
+// Headroom notes: the text Headroom's training, save and folder dataset nodes return in their UI output (`text`: where
+// a LoRA was saved, how the precision was chosen, a batch cut to the data, why nothing trained, a cancel, the files
+// skip_bad left out, captions with no image) shown on the node itself, under its widgets, where the user looks. The
+// stock editor shows such text only on its Preview Any node. workflows/build_workflows.py keeps room for it on the
+// training and save node types (NOTES_NODE_TYPES; a dataset node's text is rare: the node grows when it comes). When
+// a Headroom node fails, its error message is shown on it the same way (the stock editor shows it only behind "View
+// details").
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 
@@ -10,7 +12,8 @@ const WIDGET_NAME = "headroom_notes";
 const LINE_HEIGHT = 15;
 const CHAR_WIDTH = 7.5; // px of a character of the 12 px font, about (for the widget's height)
 const NODE_TYPES = ["HeadroomTrainLoraInit", "HeadroomTrainControlNetInit", "HeadroomTrainSteps", "HeadroomTrainLora",
-  "HeadroomTrainControlNet", "HeadroomSaveLora", "HeadroomSaveControlNet"];
+  "HeadroomTrainControlNet", "HeadroomSaveLora", "HeadroomSaveControlNet", "HeadroomDatasetFromFolder",
+  "HeadroomDatasetFromVideos"];
 
 function notesWidget(node) {
   let widget = node.widgets?.find((w) => w.name === WIDGET_NAME);

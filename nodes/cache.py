@@ -20,8 +20,8 @@ import torch
 from comfy_api.latest import io
 
 from ..training.checks import check_finite
-from ..training.data.dataset import (dataset_from_folder, dataset_from_tensors, folder_signature, split_captions,
-                                     with_trigger_word)
+from ..training.data.dataset import (DatasetError, dataset_from_folder, dataset_from_tensors, folder_signature,
+                                     split_captions, with_trigger_word)
 from ..training.data.video import MAX_CLIP_FRAMES, MAX_FRAMES_DEFAULT, VIDEO_EXTENSIONS, dataset_from_video_folder
 from ..training.memory.policy import OffloadPolicy
 from .bridge.cache_folders import check_dataset_folder, dataset_folders, dataset_roots, resolve_folders
@@ -80,6 +80,41 @@ def _with_trigger_word(node: str, dataset, trigger_word: str):
         raise ValueError(f"{node}: {error}") from None
 
 
+NOTE_LINES = 20  # the most files a dataset node's text lists per kind; the server log lists all
+
+
+def _dataset_from(node: str, build, **options):
+    """The dataset `build` (the engine's folder reader) makes, its errors naming the node as users see it."""
+    try:
+        return build(**options)
+    except DatasetError as error:
+        raise DatasetError(f"{node}: {error}") from None
+
+
+def _dataset_text(node: str, dataset, what: str, item: str) -> dict:
+    """The dataset node's UI text (js/headroom_notes.js shows it on the node): how many items, which ones skip_bad
+    left out and the captions with no item, each with its fix. Before, these went only to the server log, where a
+    user training from the editor never looked. Nothing to say: an empty text, which clears an earlier one."""
+    for warning in dataset.warnings:
+        log.warning("%s: %s", node, warning)
+    lines = []
+    if dataset.left_out:
+        lines += [f"{len(dataset)} {what}; {len(dataset.left_out)} left out (skip_bad):", *_listed(dataset.left_out)]
+    if dataset.notes:
+        if not lines:
+            lines.append(f"{len(dataset)} {what}.")
+        lines += [f"Warning: {len(dataset.notes)} caption(s) with no {item} of the same name (not used):",
+                  *_listed(dataset.notes)]
+    return {"text": ["\n".join(lines)] if lines else []}
+
+
+def _listed(problems: tuple[str, ...]) -> list[str]:
+    shown = [f"- {problem}" for problem in problems[:NOTE_LINES]]
+    if len(problems) > NOTE_LINES:
+        shown.append(f"- ... and {len(problems) - NOTE_LINES} more (the server log lists every one)")
+    return shown
+
+
 def _check_folder(node: str, folder) -> bool | str:
     """A dataset node's validate_inputs, there so a folder typed before the input was a list (or one a server's
     HEADROOM_DATASET_ROOTS allows) is not refused for being missing from it; whether the folder exists is checked
@@ -123,7 +158,7 @@ class HeadroomDatasetFromFolder(io.ComfyNode):
                 *_bucket_inputs(),
                 io.Boolean.Input("skip_bad", default=False,
                                  tooltip="Leave out unreadable images, missing captions and missing or mismatched "
-                                 "control images (listed as warnings) instead of stopping with an error."),
+                                 "control images (listed on the node) instead of stopping with an error."),
                 io.String.Input("mask_folder", default="", optional=True,
                                 tooltip="Optional sibling folder of loss masks matched by file name, e.g. "
                                 "'my_dataset_masks': white is learned, black is not (grey: partly); an image "
@@ -151,12 +186,11 @@ class HeadroomDatasetFromFolder(io.ComfyNode):
                 skip_bad: bool, control_folder: str = "", mask_folder: str = "", trigger_word: str = "") -> io.NodeOutput:
         check_dataset_folder(FOLDER_NODE, folder)
         images, control, masks = resolve_folders(folder, control_folder, mask_folder)
-        dataset = dataset_from_folder(images, control, resolution=resolution, step=step, crop=crop, flip=flip,
-                                      seed=seed, skip_bad=skip_bad, roots=tuple(map(Path, dataset_roots())),
-                                      mask_folder=masks)
-        for warning in dataset.warnings:
-            log.warning("HeadroomDatasetFromFolder: %s", warning)
-        return io.NodeOutput(_with_trigger_word(FOLDER_NODE, dataset, trigger_word))
+        dataset = _dataset_from(FOLDER_NODE, dataset_from_folder, folder=images, control_folder=control,
+                                resolution=resolution, step=step, crop=crop, flip=flip, seed=seed, skip_bad=skip_bad,
+                                roots=tuple(map(Path, dataset_roots())), mask_folder=masks)
+        return io.NodeOutput(_with_trigger_word(FOLDER_NODE, dataset, trigger_word),
+                             ui=_dataset_text(FOLDER_NODE, dataset, "images", "image"))
 
 
 class HeadroomDatasetFromVideos(io.ComfyNode):
@@ -175,7 +209,7 @@ class HeadroomDatasetFromVideos(io.ComfyNode):
                 _folder_input("my_clips", "clips with same-name .txt captions"),
                 *_bucket_inputs(),
                 io.Boolean.Input("skip_bad", default=False,
-                                 tooltip="Leave out unreadable clips and missing captions (listed as warnings) instead "
+                                 tooltip="Leave out unreadable clips and missing captions (listed on the node) instead "
                                  "of stopping with an error."),
                 io.Int.Input("max_frames", default=MAX_FRAMES_DEFAULT, min=1, max=MAX_CLIP_FRAMES,
                              tooltip="Frames a clip gives at most (from its first frame), cut down to what the VAE "
@@ -221,13 +255,12 @@ class HeadroomDatasetFromVideos(io.ComfyNode):
         check_finite("HeadroomDatasetFromVideos", frame_rate=frame_rate)
         check_dataset_folder(VIDEOS_NODE, folder)
         clips, _, masks = resolve_folders(folder, "", mask_folder)
-        dataset = dataset_from_video_folder(clips, resolution=resolution, step=step, crop=crop, flip=flip, seed=seed,
-                                            skip_bad=skip_bad, roots=tuple(map(Path, dataset_roots())),
-                                            max_frames=max_frames, frame_stride=frame_stride, mask_folder=masks,
-                                            frame_rate=frame_rate)
-        for warning in dataset.warnings:
-            log.warning("HeadroomDatasetFromVideos: %s", warning)
-        return io.NodeOutput(_with_trigger_word(VIDEOS_NODE, dataset, trigger_word))
+        dataset = _dataset_from(VIDEOS_NODE, dataset_from_video_folder, folder=clips, resolution=resolution,
+                                step=step, crop=crop, flip=flip, seed=seed, skip_bad=skip_bad,
+                                roots=tuple(map(Path, dataset_roots())), max_frames=max_frames,
+                                frame_stride=frame_stride, mask_folder=masks, frame_rate=frame_rate)
+        return io.NodeOutput(_with_trigger_word(VIDEOS_NODE, dataset, trigger_word),
+                             ui=_dataset_text(VIDEOS_NODE, dataset, "clips", "clip or image"))
 
 
 class HeadroomDatasetFromImages(io.ComfyNode):

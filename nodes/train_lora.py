@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 
 import torch
 
@@ -128,6 +129,27 @@ class HeadroomLoraConfig(io.ComfyNode):
         return io.NodeOutput(config)
 
 
+LEARNING_RATE_MAX = 10.0
+_LEARNING_RATE_HINT = ("set it above 0: about 1e-4 for a LoRA with AdamW, 1.0 for Prodigy (the editor rounds a rate to "
+                       "the decimals it shows, so one smaller than its last decimal becomes 0)")
+
+
+def learning_rate_problem(node: str, lr: float) -> str | None:
+    """What is wrong with learning rate `lr` and what to set, naming `node`; None when it trains. A rate of 0 runs
+    and saves a LoRA that changes nothing, a negative one trains away from the data: both refused, never clamped."""
+    if not math.isfinite(lr):
+        return f"{node}: learning_rate={lr} is not a finite number; give a number (e.g. its default 1e-4)"
+    if lr == 0:
+        return (f"{node}: learning_rate 0 trains nothing (the run would save weights that change nothing); "
+                f"{_LEARNING_RATE_HINT}")
+    if lr < 0:
+        return f"{node}: learning_rate {lr:g} is negative (it would train away from the data); {_LEARNING_RATE_HINT}"
+    if lr > LEARNING_RATE_MAX:
+        return (f"{node}: learning_rate {lr:g} is above {LEARNING_RATE_MAX:g}, far past any optimizer's useful "
+                "rate; about 1e-4 for a LoRA with AdamW, 1.0 for Prodigy")
+    return None
+
+
 class HeadroomOptimizerConfig(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
@@ -141,9 +163,12 @@ class HeadroomOptimizerConfig(io.ComfyNode):
                                tooltip="AdamW (torch); AdamW8bit / PagedAdamW8bit / Lion8bit (less memory; need the pip "
                                "package bitsandbytes); Adafactor; CAME (needs came-pytorch); Prodigy (needs prodigyopt; "
                                "set lr 1.0: it finds the step size)."),
-                io.Float.Input("learning_rate", default=1e-4, min=1e-8, max=10.0, step=1e-6,
+                # min 0, not 1e-8: the editor clamps to min silently (a 0 became 1e-8 and trained a LoRA that
+                # changes nothing), so 0 reaches validate_inputs, which refuses it by name. step 1e-8: the editor
+                # shows and rounds to the step's decimals, so rates down to 1e-8 show as they are, not as 0.000000.
+                io.Float.Input("learning_rate", default=1e-4, min=0.0, max=LEARNING_RATE_MAX, step=1e-8,
                                tooltip="Learning rate after warm-up (the schedule scales it from there): about 1e-4 "
-                               "for a LoRA with AdamW; 1.0 for Prodigy."),
+                               "for a LoRA with AdamW; 1.0 for Prodigy. Must be above 0."),
                 io.Float.Input("weight_decay", default=0.0, min=0.0, max=1.0, step=0.001,
                                tooltip="Decoupled weight decay of the trained weights (0: none)."),
                 io.Combo.Input("schedule", options=list(SCHEDULES), default="constant",
@@ -160,15 +185,28 @@ class HeadroomOptimizerConfig(io.ComfyNode):
         )
 
     @classmethod
+    def validate_inputs(cls, learning_rate: float | None = None) -> bool | str:
+        # Taking learning_rate here makes ComfyUI skip its own min / max check of it ("Value 0.0 smaller than min"),
+        # so the range is checked here, with what to set. None: linked, checked when the node runs. Not a number:
+        # ComfyUI's conversion already reported it.
+        if isinstance(learning_rate, (int, float)):
+            return learning_rate_problem(node_name(cls), learning_rate) or True
+        return True
+
+    @classmethod
     def execute(cls, optimizer, learning_rate, weight_decay, schedule, warmup_steps, schedule_steps) -> io.NodeOutput:
-        check_finite("HeadroomOptimizerConfig", learning_rate=learning_rate, weight_decay=weight_decay)
+        name = node_name(cls)
+        check_finite(name, learning_rate=learning_rate, weight_decay=weight_decay)
+        problem = learning_rate_problem(name, learning_rate)
+        if problem:  # a linked value, or a call from Python (workflows/headroom_train_distributed.py)
+            raise ValueError(problem)
         config = OptimizerConfig(name=optimizer, lr=learning_rate, weight_decay=weight_decay, schedule=schedule,
                                  warmup_steps=warmup_steps, total_steps=schedule_steps)
-        _checked("HeadroomOptimizerConfig", config.validate)
+        _checked(name, config.validate)
         try:  # an optimizer from an optional package: say now which pip package is missing, not mid-run
             check_available(optimizer)
         except MissingPackageError as error:
-            raise MissingPackageError(f"HeadroomOptimizerConfig: {error}") from None
+            raise MissingPackageError(f"{name}: {error}") from None
         return io.NodeOutput(config)
 
 

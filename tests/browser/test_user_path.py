@@ -133,6 +133,31 @@ def test_offload_policy_folds_its_expert_input(browser_page):
     assert log.headroom_errors() == []
 
 
+def test_the_learning_rate_widget_keeps_0_and_shows_small_rates(browser_page):
+    """Optimizer Config's learning_rate in the real editor (issue 44): a typed 0 stays 0 (min 1e-8 made it 1e-8
+    silently, shown as 0.000000, and the run trained nothing), so the node refuses it by name; small rates are kept
+    and drawn as they are, not rounded to 0.000000."""
+    page, log = browser_page
+    node = add_node(page, "HeadroomOptimizerConfig")
+
+    def typed(value: float) -> dict:
+        set_widget(page, node, "learning_rate", value)
+        return page.evaluate("""(id) => {
+            const w = window.app.graph.getNodeById(id).widgets.find((w) => w.name === 'learning_rate');
+            return {value: w.value, shown: Number(w.value).toFixed(w.options.precision)};
+        }""", node)
+
+    assert typed(0) == {"value": 0, "shown": "0.00000000"}
+    assert typed(-1e-4)["value"] == 0  # clamped to min 0, which the node refuses as it refuses 0
+    assert typed(1e-5) == {"value": 1e-5, "shown": "0.00001000"}
+    assert typed(1e-6) == {"value": 1e-6, "shown": "0.00000100"}
+    assert typed(1e-8) == {"value": 1e-8, "shown": "0.00000001"}
+    assert typed(1e-4) == {"value": 1e-4, "shown": "0.00010000"}
+    show_node(page, node)
+    shot(page, "learning_rate_widget")
+    assert log.headroom_errors() == []
+
+
 def write_dataset(folder: pathlib.Path, count: int = 2) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     for index in range(count):
@@ -199,6 +224,23 @@ def test_dataset_folder_is_a_refreshable_list_and_old_typed_values_still_run(com
     queue_in_editor(page)
     assert wait_outcome(page) == "success"
     assert notes(page, dataset_node) == ""
+
+    # A caption whose image is missing: the run goes on, and the node says so on itself (not only in the server log).
+    (input_dir / f"my_photos_{tag}" / "img7.txt").write_text("its image was never copied")
+    queue_in_editor(page)
+    assert wait_outcome(page) == "success"
+    page.wait_for_timeout(500)
+    message = notes(page, dataset_node)
+    assert message.startswith("2 images.\nWarning: 1 caption(s) with no image of the same name"), message
+    assert (f"input/my_photos_{tag}/img7.txt: a caption with no image of the same name; add the image or remove the "
+            "caption") in message, message
+    show_node(page, dataset_node)
+    shot(page, "dataset_folder_orphan_caption")
+    (input_dir / f"my_photos_{tag}" / "img7.txt").unlink()
+    queue_in_editor(page)
+    assert wait_outcome(page) == "success"
+    page.wait_for_timeout(500)
+    assert notes(page, dataset_node) == ""  # the empty text of a clean folder clears the note
     assert log.headroom_errors() == []
 
 

@@ -800,7 +800,8 @@ FLOAT_INPUTS = [("HeadroomLoraConfig", "alpha"), ("HeadroomLoraConfig", "dropout
                 ("HeadroomTrainLora", "frame_rate"), ("HeadroomDatasetFromVideos", "frame_rate")]
 
 
-NAMED_BY_DISPLAY_NAME = {"HeadroomValidate": "Validate LoRA (Headroom)", "HeadroomTrainLora": "Train LoRA (Headroom)"}
+NAMED_BY_DISPLAY_NAME = {"HeadroomValidate": "Validate LoRA (Headroom)", "HeadroomTrainLora": "Train LoRA (Headroom)",
+                         "HeadroomOptimizerConfig": "Optimizer Config (Headroom)"}
 
 
 @pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf], ids=["nan", "inf", "-inf"])

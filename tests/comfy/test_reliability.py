@@ -333,11 +333,11 @@ def test_the_missing_package_is_named_when_the_optimizer_is_chosen(comfyui, monk
     from headroom.training.core.optimizers import MissingPackageError
 
     monkeypatch.setitem(sys.modules, "prodigyopt", None)
-    with pytest.raises(MissingPackageError, match="HeadroomOptimizerConfig: optimizer Prodigy needs the pip package"):
+    with pytest.raises(MissingPackageError, match=r"Optimizer Config \(Headroom\): optimizer Prodigy needs the pip package"):
         HeadroomOptimizerConfig.execute("Prodigy", 1.0, 0.0, "constant", 0, 10)
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # optional too: the 8-bit optimizers
     for name in ("AdamW8bit", "PagedAdamW8bit", "Lion8bit"):
-        with pytest.raises(MissingPackageError, match=rf"HeadroomOptimizerConfig: optimizer {name} needs the pip "
+        with pytest.raises(MissingPackageError, match=rf"Optimizer Config \(Headroom\): optimizer {name} needs the pip "
                            r"package 'bitsandbytes'.*python_embeded\\python\.exe -m pip install bitsandbytes"):
             HeadroomOptimizerConfig.execute(name, 1e-4, 0.0, "constant", 0, 10)
     assert HeadroomOptimizerConfig.execute("AdamW", 1e-4, 0.0, "constant", 0, 10).result[0].name == "AdamW"

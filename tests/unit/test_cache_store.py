@@ -130,10 +130,25 @@ def test_folder_problems_name_the_file_and_fix_or_are_skipped(tmp_path, problem)
 def test_empty_folder_and_missing_folder(tmp_path):
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "orphan.txt").write_text("a caption without image")
-    with pytest.raises(DatasetError, match="no usable images in .*empty"):
+    with pytest.raises(DatasetError, match="no usable images in .*empty") as error:
         folder_dataset(tmp_path / "empty")
-    with pytest.raises(DatasetError, match="does not exist"):
-        folder_dataset(tmp_path / "nope")
+    assert "orphan.txt: a caption with no image of the same name; add the image or remove the caption" in str(error.value)
+
+
+def test_a_caption_with_no_image_is_a_warning_and_case_differences_are_not_orphans(tmp_path):
+    folder = tmp_path / "data"
+    write_folder(folder, count=2)
+    (folder / "lonely.txt").write_text("its image was deleted")
+    note = "data/lonely.txt: a caption with no image of the same name; add the image or remove the caption"
+    dataset = folder_dataset(folder)  # a warning, not an error: without skip_bad too
+    assert len(dataset) == 2 and len(dataset.notes) == 1 and dataset.notes[0].endswith(note)
+    assert dataset.left_out == () and dataset.warnings == dataset.notes  # the caching reports list it too
+
+    Image.new("RGB", (64, 64)).save(folder / "Upper.png")
+    (folder / "upper.TXT").write_text("Windows and macOS read it as Upper.png's caption")
+    dataset = folder_dataset(folder, skip_bad=True)
+    assert len(dataset.notes) == 1 and dataset.notes[0].endswith(note)  # upper.TXT is not called an orphan
+    assert len(dataset) == (3 if (folder / "Upper.txt").exists() else 2)  # Linux: Upper.png has no Upper.txt
 
 
 def test_tensor_dataset_checks_counts_and_sizes():

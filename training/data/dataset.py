@@ -3,7 +3,8 @@ image source. Pixels are loaded only when an item is cached (files) or are a vie
 already exists (in-memory IMAGE), so a DATASET never holds a decoded copy of every image.
 
 Everything that can be checked without decoding pixels is checked when the dataset is built, and each
-problem names the file and the fix; with `skip_bad` the item is left out and listed in `warnings`.
+problem names the file and the fix; with `skip_bad` the item is left out and listed in `left_out`. A caption with no
+image of its name is a warning (`notes`), never an error.
 
 Dataset files are untrusted: a file (or symlink) must resolve inside the folders datasets may be read from
 (`roots`; the nodes pass ComfyUI's input folder and the server owner's HEADROOM_DATASET_ROOTS), captions are
@@ -175,7 +176,10 @@ class Dataset:
     flip: bool = False
     seed: int = 0
     skip_bad: bool = False
-    warnings: tuple[str, ...] = field(default=())
+    # What a folder held that is not in `items`: the problem of each item skip_bad left out, and notes on files that
+    # are no item (a caption with no image of its name); both are warnings, shown on the dataset node.
+    left_out: tuple[str, ...] = field(default=())
+    notes: tuple[str, ...] = field(default=())
     # Clips (training/data/video.py): every frame_stride-th frame, at most max_frames, cut to what the VAE takes.
     max_frames: int = 81
     frame_stride: int = 1
@@ -188,6 +192,11 @@ class Dataset:
 
     def __len__(self) -> int:
         return len(self.items)
+
+    @property
+    def warnings(self) -> tuple[str, ...]:
+        """Every warning, for the caching reports: the left-out items, then the notes."""
+        return tuple(f"skipped {problem}" for problem in self.left_out) + self.notes
 
     @property
     def has_control(self) -> bool:
@@ -203,6 +212,16 @@ def _entries(folder: Path) -> list[Path]:
     leads when it is read), not subfolders."""
     return [path for path in sorted(folder.iterdir())
             if not os_compat.is_hidden(path) and (path.is_symlink() or not path.is_dir())]
+
+
+def orphan_captions(entries: list[Path], stems: set[str], what: str = "image", add: str = "image") -> list[str]:
+    """A note for each caption among `entries` whose stem is no item's (`stems`: every other entry's, so a caption
+    beside an unsupported file, which is reported already, is not named twice). Without it a caption whose image was
+    renamed, deleted or never copied was ignored silently, and nothing said that image was not trained on. Stems
+    compare without case: on Windows and macOS photo.png reads Photo.txt as its caption."""
+    known = {stem.casefold() for stem in stems}
+    return [f"{display_path(path)}: a caption with no {what} of the same name; add the {add} or remove the caption"
+            for path in entries if path.suffix.lower() == CAPTION_EXTENSION and path.stem.casefold() not in known]
 
 
 def _images_in(folder: Path) -> dict[str, Path]:
@@ -239,7 +258,9 @@ def dataset_from_folder(
     masks = _images_in(Path(mask_folder)) if mask_folder is not None else {}
 
     items, problems = [], []
-    for path in _entries(folder):
+    entries = _entries(folder)
+    notes = orphan_captions(entries, {path.stem for path in entries if path.suffix.lower() != CAPTION_EXTENSION})
+    for path in entries:
         if path.suffix.lower() == CAPTION_EXTENSION:
             continue
         if path.suffix.lower() not in IMAGE_EXTENSIONS:
@@ -263,18 +284,23 @@ def dataset_from_folder(
     if problems and not skip_bad:
         raise DatasetError(
             f"{len(problems)} problem(s) in dataset folder {display_path(folder)} (fix them, or enable skip_bad to "
-            "leave those items out):\n- " + "\n- ".join(problems)
+            "leave those items out):\n- " + "\n- ".join(problems) + also_noted(notes)
         )
     if not items:
         raise DatasetError(
             f"no usable images in {display_path(folder)}: put images ({', '.join(IMAGE_EXTENSIONS)}) there, each "
             f"with a same-name {CAPTION_EXTENSION} caption file"
-            + (" (skipped:\n- " + "\n- ".join(problems) + ")" if problems else "")
+            + (" (skipped:\n- " + "\n- ".join(problems) + ")" if problems else "") + also_noted(notes)
         )
     return Dataset(
         items=tuple(items), resolution=resolution, step=step, crop=crop, flip=flip, seed=seed,
-        skip_bad=skip_bad, warnings=tuple(f"skipped {problem}" for problem in problems),
+        skip_bad=skip_bad, left_out=tuple(problems), notes=tuple(notes),
     )
+
+
+def also_noted(notes: list[str]) -> str:
+    """The notes (captions with no image) an error about the folder names too: fixed in the same pass."""
+    return "\nAlso:\n- " + "\n- ".join(notes) if notes else ""
 
 
 def _read_caption(image_path: Path, roots: tuple[Path, ...], caption_path: Path | None = None) -> tuple[str] | str:

@@ -28,7 +28,7 @@ import torch
 
 from .. import os_compat
 from .dataset import (CAPTION_EXTENSION, IMAGE_EXTENSIONS, MAX_IMAGE_PIXELS, Dataset, DatasetError, DatasetItem, FileImage,
-                      TensorImage, _read_caption)
+                      TensorImage, _read_caption, also_noted, orphan_captions)
 from .files import UntrustedFileError, display_path, resolve_inside
 
 VIDEO_EXTENSIONS = (".mp4", ".webm", ".mov", ".mkv", ".avi", ".m4v")
@@ -352,9 +352,15 @@ def dataset_from_video_folder(folder: Path, *, resolution: int, step: int, crop:
     roots = tuple(roots) if roots else tuple(p for p in (folder, mask_folder) if p is not None)
     masks = _masks_in(Path(mask_folder), roots) if mask_folder is not None else {}
     items, problems = [], []
-    for path in sorted(folder.iterdir()):
+    entries = [path for path in sorted(folder.iterdir()) if not os_compat.is_hidden(path)]
+    # A frame folder's caption is `<folder name>.txt`, a file's `<stem>.txt`.
+    frame_folder = {path: path.is_dir() and not path.is_symlink() for path in entries}
+    names = {path.name if frame_folder[path] else path.stem for path in entries
+             if path.suffix.lower() != CAPTION_EXTENSION}
+    notes = orphan_captions([path for path in entries if not frame_folder[path]], names, "clip or image", "clip")
+    for path in entries:
         suffix = path.suffix.lower()
-        if os_compat.is_hidden(path) or suffix == CAPTION_EXTENSION:
+        if suffix == CAPTION_EXTENSION:
             continue
         source = _source_at(path, roots, frame_rate)
         caption_path = path.parent / (path.name + CAPTION_EXTENSION) if isinstance(source, FrameFolder) else None
@@ -375,13 +381,13 @@ def dataset_from_video_folder(folder: Path, *, resolution: int, step: int, crop:
         items.append(DatasetItem(name=path.name, caption=caption[0], image=source, mask=mask))
     if problems and not skip_bad:
         raise DatasetError(f"{len(problems)} problem(s) in dataset folder {display_path(folder)} (fix them, or enable "
-                           "skip_bad to leave those items out):\n- " + "\n- ".join(problems))
+                           "skip_bad to leave those items out):\n- " + "\n- ".join(problems) + also_noted(notes))
     if not items:
         raise DatasetError(f"no usable clips in {display_path(folder)}: put videos ({', '.join(VIDEO_EXTENSIONS)}), "
                            f"folders of frames or images there, each with a same-name {CAPTION_EXTENSION} caption file"
-                           + (" (skipped:\n- " + "\n- ".join(problems) + ")" if problems else ""))
+                           + (" (skipped:\n- " + "\n- ".join(problems) + ")" if problems else "") + also_noted(notes))
     return Dataset(items=tuple(items), resolution=resolution, step=step, crop=crop, flip=flip, seed=seed,
-                   skip_bad=skip_bad, warnings=tuple(f"skipped {problem}" for problem in problems),
+                   skip_bad=skip_bad, left_out=tuple(problems), notes=tuple(notes),
                    max_frames=max_frames, frame_stride=frame_stride)
 
 
