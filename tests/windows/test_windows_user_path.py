@@ -1,5 +1,5 @@
 """A Windows user's path, in process on a real ComfyUI, with Windows imitated (tests/windows_imitation.py): the tiny
-LoRA template with a dataset folder made in Explorer -> caches -> train -> cancel -> queue again (the run resumes
+LoRA template with a dataset folder made in Explorer (a name with spaces and an umlaut) -> caches -> train -> cancel -> queue again (the run resumes
 from its checkpoint, as after a restart) -> validate -> save -> the stock Load LoRA node. And the pack loads where
 `resource` does not exist."""
 from __future__ import annotations
@@ -86,8 +86,8 @@ def test_a_windows_user_trains_cancels_resumes_and_loads_the_lora(windows, comfy
     for module in headroom_nodes._NODE_MODULES:
         for node in module.NODES:
             monkeypatch.setitem(nodes.NODE_CLASS_MAPPINGS, node.GET_SCHEMA().node_id, node)
-    _explorer_dataset(pathlib.Path(folder_paths.get_input_directory()) / "my green circles")
-    prompt = _template_prompt("my green circles")
+    _explorer_dataset(pathlib.Path(folder_paths.get_input_directory()) / "Fotos von Jürgen")
+    prompt = _template_prompt("Fotos von Jürgen")
 
     steps_seen = []
     real_send_event = comfy_bridge.send_event
