@@ -1,7 +1,7 @@
 """A Windows user's path, in process on a real ComfyUI, with Windows imitated (tests/windows_imitation.py): the tiny
-LoRA template with a dataset folder made in Explorer (a name with spaces and an umlaut) -> caches -> train -> cancel -> queue again (the run resumes
-from its checkpoint, as after a restart) -> validate -> save -> the stock Load LoRA node. And the pack loads where
-`resource` does not exist."""
+LoRA template with a dataset folder made in Explorer (a name with spaces and an umlaut) -> caches -> train -> cancel
+-> queue again (the run resumes from its checkpoint, as after a restart) -> validate -> save -> the stock Load LoRA
+node. And the pack loads where `resource` does not exist."""
 from __future__ import annotations
 
 import asyncio
