@@ -6,7 +6,7 @@
 import { api } from "../../scripts/api.js";
 
 export const TEMPLATE_ORDER = [
-  "tiny_lora", "tiny_controlnet", "memory_plan",
+  "tiny_lora", "your_folder_lora", "tiny_controlnet", "memory_plan",
   "sd15_lora", "sd15_full_finetune", "sd15_controlnet", "sdxl_lora", "sd35_lora", "sd35_full_finetune",
   "flux_lora", "flux_kontext_lora", "flux2_klein_lora",
   "zimage_lora", "qwen_image_lora", "qwen_image_edit_lora",

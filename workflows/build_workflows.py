@@ -335,6 +335,55 @@ def tiny_lora() -> Workflow:
     ])
 
 
+YOUR_FOLDER = "my_dataset"  # the folder the Note asks for: never one ComfyUI makes itself (input/3d), so a run
+# without the user's folder stops with Dataset From Folder's "not a folder" message, which lists the folders there
+YOUR_FOLDER_TRIGGER = "sks_thing"
+
+YOUR_FOLDER_NOTE = f"""Tiny LoRA on your own folder of images. The demo's pipeline on the built-in tiny model (runs anywhere, even on a CPU, in a minute or two), reading a folder of yours: try the steps before a real model.
+
+1. Create the folder ComfyUI/input/{YOUR_FOLDER} and put your images in it, each with a same-name .txt caption (cat1.png + cat1.txt: "a cat on a sofa"). Any sizes: they are cropped to 64 x 64 here, the tiny model's size.
+2. Created it while ComfyUI runs? Press R in the editor (or reload the page): the folder list of Dataset From Folder is read when the editor loads the node definitions.
+3. Pick the folder on Dataset From Folder ({YOUR_FOLDER} is already set), and set trigger_word to a word of your own: it goes in front of every caption; the validation prompts start with it.
+4. Run.
+
+Latents and captions are cached once, the LoRA trains 400 steps (the chart on Train steps shows loss and memory), the before/after grid (the model alone on top, with the LoRA below) lands in output/headroom_runs/your_folder/validation/, the LoRA in models/loras/headroom/. The tiny model knows only coloured shapes: expect colours and rough shapes, not your photos. For a real model, open sd15_lora, sdxl_lora, flux_lora, ... with the same folder."""
+
+YOUR_FOLDER_PROMPTS = "\n".join(f"{YOUR_FOLDER_TRIGGER}, a {what}" for what in [
+    "red circle at the center", "blue square at the top left", "yellow triangle at the bottom right", "photo"])
+
+
+def your_folder_lora() -> Workflow:
+    """tiny_lora's graph (Init -> Train steps -> Validate -> Save) on the user's folder instead of synthetic shapes:
+    Dataset From Folder feeds both caches, at 64 px (the tiny model's size; the node's default 512 would cache latents
+    the model was never trained at and take far longer)."""
+    return Workflow("your_folder_lora", [
+        Note(100, 0, YOUR_FOLDER_NOTE, width=420, height=420),
+        Node(1, "HeadroomTinyModel", 0, {"family": "sd15", "seed": 0, "weights": "pretrained"},
+             title="Tiny SD1.5 model (pretrained)"),
+        Node(3, "HeadroomDatasetFromFolder", 1,
+             {"folder": YOUR_FOLDER, "resolution": 64, "step": 64, "seed": 0, "trigger_word": YOUR_FOLDER_TRIGGER},
+             title="Your folder (input/<folder>)"),
+        Node(4, "HeadroomCacheLatents", 1, links={"dataset": (3, "dataset"), "vae": (1, "VAE")}, title="Cache latents"),
+        Node(5, "HeadroomCacheText", 1, links={"dataset": (3, "dataset"), "clip": (1, "CLIP")}, title="Cache text"),
+        Node(6, "HeadroomLoraConfig", 2, {"rank": TINY_DEMO["rank"], "alpha": float(TINY_DEMO["rank"])}, title="LoRA"),
+        Node(7, "HeadroomOptimizerConfig", 2, {"learning_rate": TINY_DEMO["learning_rate"]}, title="Optimizer"),
+        Node(8, "HeadroomTrainLoraInit", 3, {"run_name": "your_folder", "precision": "fp32",
+                                             "batch_size": TINY_DEMO["batch_size"]},
+             links={"model": (1, "MODEL"), "latent_cache": (4, "latent_cache"), "text_cache": (5, "text_cache"),
+                    "lora_config": (6, "lora_config"), "optimizer_config": (7, "optimizer_config")},
+             title="Start (or resume) run"),
+        Node(9, "HeadroomTrainSteps", 4, {"steps": TINY_DEMO["steps"]}, links={"run": (8, "run")},
+             title="Train steps", width=440, extra_height=LIVE_CHART_HEIGHT),
+        Node(10, "HeadroomValidate", 5,
+             {"prompts": YOUR_FOLDER_PROMPTS, "sample_steps": TINY_DEMO["sample_steps"], "width": 64, "height": 64,
+              "loss_timesteps": 2, "compare_base": True},
+             links={"run": (9, "run"), "clip": (1, "CLIP"), "vae": (1, "VAE")}, title="Validate (before / after)"),
+        Node(11, "HeadroomSaveLora", 6, {"subfolder": "headroom"}, links={"run": (10, "run")}, title="Save LoRA"),
+        Node(12, "HeadroomVRAMMonitor", 6, links={"value": (11, "lora_name")}, title="Memory after the run"),
+        Node(13, "PreviewAny", 6, links={"source": (12, "report")}, title="Memory report"),
+    ])
+
+
 @dataclasses.dataclass
 class RealModel:
     """What differs between the real-model LoRA workflows."""
@@ -935,12 +984,14 @@ def flux_kontext_lora() -> Workflow:
     ), "none", "the instructions are cached as plain text (CLIP Text Encode), as Kontext's stock workflow encodes them.")
 
 
-WORKFLOWS = [tiny_lora, sd15_lora, sd15_full_finetune, sdxl_lora, sd35_lora, sd35_full_finetune, flux_lora, flux2_klein_lora, qwen_image_lora, zimage_lora,
+WORKFLOWS = [tiny_lora, your_folder_lora, sd15_lora, sd15_full_finetune, sdxl_lora, sd35_lora, sd35_full_finetune, flux_lora, flux2_klein_lora, qwen_image_lora, zimage_lora,
              qwen_image_edit_lora, flux_kontext_lora, wan21_lora, hunyuan_video15_lora, ltx2_lora,
              tiny_controlnet, sd15_controlnet,
              memory_plan]
 # Workflows small enough to run to completion on a CPU in the test suite (tests/server/test_workflows.py).
 TINY_WORKFLOWS = {"tiny_lora", "tiny_controlnet"}
+# Tiny workflows that read the user's folder: the test writes one (a bare server has none) and runs them on it.
+FOLDER_WORKFLOWS = {"your_folder_lora"}
 
 
 def fetch_object_info(server: str) -> dict:

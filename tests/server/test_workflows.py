@@ -6,7 +6,8 @@
 - The shipped files are exactly what workflows/build_workflows.py builds from this server's /object_info.
 - The server's own validation (POST /prompt) rejects the real-model workflows for missing model files and input
   images only (a bare test server has none), so everything else in them passes ComfyUI's checks.
-- The tiny workflows run to completion headless, and so do the video workflows with their loaders swapped for a tiny
+- The tiny workflows run to completion headless (the one on the user's folder on a folder of generated images; without
+  its folder it stops with Dataset From Folder's message), and so do the video workflows with their loaders swapped for a tiny
   model of their family (and sizes, steps and optimizer shrunk for a CPU): the shipped graph itself trains,
   validates a clip and saves.
 """
@@ -220,7 +221,8 @@ def test_shipped_files_are_what_the_generator_builds(object_info, make):
 
 
 # --- the server's own validation and real runs -----------------------------------------------------------------
-REAL_MODEL_WORKFLOWS = [m for m in build_workflows.WORKFLOWS if m.__name__ not in build_workflows.TINY_WORKFLOWS]
+REAL_MODEL_WORKFLOWS = [m for m in build_workflows.WORKFLOWS
+                        if m.__name__ not in build_workflows.TINY_WORKFLOWS | build_workflows.FOLDER_WORKFLOWS]
 
 
 def post_prompt(server, prompt: dict) -> tuple[int, dict]:
@@ -277,6 +279,60 @@ def test_tiny_workflow_runs_to_completion(comfy_server, name):
     saved = [path for folder in ("loras", "controlnet")
              for path in (comfy_server.base_dir / "models" / folder).rglob(f"{run_name}*.safetensors")]
     assert saved, f"no models/loras or models/controlnet file of run {run_name}"
+
+
+# --- the tiny workflow on the user's own folder -------------------------------------------------------------------
+def write_image_folder(folder: pathlib.Path, count: int) -> None:
+    """`count` 80x64 pictures (not the model's 64 x 64: the bucket crops them) with same-name captions."""
+    from PIL import Image, ImageDraw
+
+    folder.mkdir(parents=True)
+    for index in range(count):
+        image = Image.new("RGB", (80, 64), (30 * index, 90, 160))
+        ImageDraw.Draw(image).ellipse((20, 12, 60, 52), fill=(250, 200 - 40 * index, 40))
+        image.save(folder / f"photo{index}.png")
+        (folder / f"photo{index}.txt").write_text(f"a yellow circle number {index}")
+
+
+@pytest.mark.parametrize("name", sorted(build_workflows.FOLDER_WORKFLOWS))
+def test_folder_workflow_trains_on_a_folder_of_images(comfy_server, name):
+    """The shipped API form on a folder of generated images with captions, as a user fills input/<folder>: only the
+    folder, run name and lengths changed; the run trains, validates (before/after grid) and saves the LoRA."""
+    prompt = json.loads((API / f"{name}_api.json").read_text())
+    nodes = {node["class_type"]: node["inputs"] for node in prompt.values()}
+    assert nodes["HeadroomDatasetFromFolder"]["resolution"] == 64  # the tiny model's size, not the node's 512
+    assert nodes["HeadroomDatasetFromFolder"]["trigger_word"], "the template shows an example trigger word"
+    run_name = f"{name}_{uuid.uuid4().hex[:8]}"
+    write_image_folder(comfy_server.base_dir / "input" / run_name, 3)
+    nodes["HeadroomDatasetFromFolder"]["folder"] = run_name
+    nodes["HeadroomTrainLoraInit"]["run_name"] = run_name
+    nodes["HeadroomTrainSteps"]["steps"] = 3
+    nodes["HeadroomValidate"].update(sample_steps=2, loss_timesteps=1)
+    execution = comfy_server.run_workflow(prompt, timeout=900)
+    assert execution.status == "success"
+    saved = list((comfy_server.base_dir / "models" / "loras" / "headroom").glob(f"{run_name}_step*.safetensors"))
+    assert [path.name for path in saved] == [f"{run_name}_step000003.safetensors"], saved
+    validation = comfy_server.base_dir / "output" / "headroom_runs" / run_name / "validation"
+    assert list(validation.glob("*_before_after.png")), f"no before/after grid in {validation}"
+
+
+@pytest.mark.parametrize("name", sorted(build_workflows.FOLDER_WORKFLOWS))
+def test_folder_workflow_without_its_folder_says_which_folder_to_create(comfy_server, name):
+    """Shipped as it is, on a server whose input/ lacks the template's folder: ComfyUI's validation lets the prompt
+    through (no "value not in list" about a folder the editor's list may not have yet), and Dataset From Folder
+    stops it naming the folder, input/ and the folders there."""
+    prompt = json.loads((API / f"{name}_api.json").read_text())
+    folder = dataset_folders(prompt).pop()
+    assert folder == build_workflows.YOUR_FOLDER and folder != "3d"  # not a folder ComfyUI makes itself
+    assert not (comfy_server.base_dir / "input" / folder).exists()
+    prompt_id = comfy_server.queue(prompt)  # raises WorkflowError with ComfyUI's text if validation refuses it
+    execution = comfy_server.wait(prompt_id, timeout=600)
+    assert execution.status == "error"
+    assert execution.error["node_type"] == "HeadroomDatasetFromFolder", execution.error
+    message = execution.error["exception_message"]
+    assert message.startswith(f"Dataset From Folder (Headroom): folder '{folder}' is not a folder in ComfyUI's "
+                              "input directory"), message
+    assert "press R in the editor" in message, message
 
 
 # --- the video workflows on tiny models of their families ------------------------------------------------------

@@ -23,3 +23,4 @@ def test_the_order_names_every_shipped_workflow_once():
     assert len(order) == len(set(order)), order
     assert sorted(order) == shipped
     assert order[0] == "tiny_lora"  # the demo first: it runs anywhere in minutes
+    assert order[1] == "your_folder_lora"  # then the same on the user's own folder: the next step after the demo
