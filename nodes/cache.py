@@ -57,8 +57,9 @@ def _folder_input(example: str, what: str):
     definitions; its refresh lists new ones). A value typed before it was a list, or a folder a server's
     HEADROOM_DATASET_ROOTS allows, is accepted too: the node's validate_inputs checks it instead of the list."""
     return io.Combo.Input("folder", options=dataset_folders(),
-                          tooltip=f"Folder of {what} inside ComfyUI's input directory, e.g. '{example}' (press R in the "
-                          "editor to list folders added since).")
+                          tooltip=f"Folder of {what} inside ComfyUI's input directory, e.g. '{example}'. The list is "
+                          "the editor's copy from when it loaded the node definitions: after creating a folder while "
+                          "ComfyUI runs, press R in the editor (Refresh Node Definitions) or reload the page to see it.")
 
 
 def _trigger_word_input():

@@ -10,7 +10,7 @@ import pytest
 from PIL import Image
 
 from test_browser import (ARTIFACTS, WORKFLOWS, browser, browser_page, chart_state, load_workflow,  # noqa: F401
-                          show_node)
+                          open_editor, show_node)
 
 EVERYDAY_WIDGETS = 15
 NOTES = "headroom_notes"
@@ -324,4 +324,64 @@ def test_cancel_says_where_the_run_stopped_and_run_continues_it(browser_page):
     assert run["step"] == stopped + 3 and run["note"] is None and notes(page, train) == "", run
     show_node(page, train)
     shot(page, "resumed")
+    assert log.headroom_errors() == []
+
+
+def folder_choices(page, node_id: str) -> list[str]:
+    """The folder list of a dataset node's combo, as the editor holds it."""
+    return page.evaluate("(id) => window.app.graph.getNodeById(id).widgets.find((w) => w.name === 'folder')"
+                         ".options.values", node_id)
+
+
+def test_your_folder_template_lists_a_new_folder_after_pressing_r_and_trains_on_it(comfy_server, browser_page):
+    """The newcomer's path of the your_folder_lora template: a folder created while the editor is open is not in the
+    node's list until R is pressed on the canvas (the editor's Refresh Node Definitions), then it is; picked, the
+    template trains on it. A reload of the page lists a folder created after that too."""
+    page, log = browser_page
+    input_dir = comfy_server.base_dir / "input"
+    tag = uuid.uuid4().hex[:6]
+    workflow = json.loads((WORKFLOWS / "your_folder_lora.json").read_text())
+    ids = {node["type"]: str(node["id"]) for node in workflow["nodes"]}
+    load_workflow(page, workflow)
+    dataset = ids["HeadroomDatasetFromFolder"]
+
+    # What the newcomer sees on the dataset node: the folder the Note names, 64 px, a fixed seed, a trigger word.
+    values = page.evaluate("(id) => Object.fromEntries(window.app.graph.getNodeById(id).widgets"
+                           ".map((w) => [w.name, w.value]))", dataset)
+    assert values["folder"] == "my_dataset" and values["resolution"] == 64, values
+    assert values["seed"] == 0 and values["control_after_generate"] == "fixed", values
+    assert values["trigger_word"] == "sks_thing", values
+    assert "trigger_word" in widgets(page, dataset)["shown"]
+
+    # A folder created while the editor is open: not listed until R.
+    folder = f"my_photos_{tag}"
+    write_dataset(input_dir / folder, count=3)
+    page.wait_for_timeout(1000)
+    assert folder not in folder_choices(page, dataset), "the list changed without a refresh: the tooltip is wrong"
+    page.locator("#graph-canvas").click(position={"x": 700, "y": 960})  # an empty spot of the canvas, as a user would
+    page.keyboard.press("r")
+    page.wait_for_function("([id, folder]) => window.app.graph.getNodeById(id).widgets.find((w) => w.name === "
+                           "'folder').options.values.includes(folder)", arg=[dataset, folder], timeout=30_000)
+    show_node(page, dataset)
+    shot(page, "your_folder_after_r")
+
+    # Picked and run (short: 3 steps, 2 sampling steps); the LoRA is saved under the run's name.
+    run_name = f"your_folder_{tag}"
+    set_widget(page, dataset, "folder", folder)
+    set_widget(page, ids["HeadroomTrainLoraInit"], "run_name", run_name)
+    set_widget(page, ids["HeadroomTrainSteps"], "steps", 3)
+    set_widget(page, ids["HeadroomValidate"], "sample_steps", 2)
+    queue_in_editor(page)
+    assert wait_outcome(page) == "success"
+    page.wait_for_timeout(1000)
+    assert f"models/loras/headroom/{run_name}_step000003" in notes(page, ids["HeadroomSaveLora"])
+
+    # A reload reads the node definitions again: a folder created since is listed on the restored graph.
+    later = f"later_{tag}"
+    write_dataset(input_dir / later, count=1)
+    page.reload()
+    open_editor(page, comfy_server.url)
+    page.wait_for_function("(id) => window.app.graph.getNodeById(id)?.comfyClass === 'HeadroomDatasetFromFolder'",
+                           arg=dataset, timeout=30_000)
+    assert later in folder_choices(page, dataset)
     assert log.headroom_errors() == []
