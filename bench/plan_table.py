@@ -1,7 +1,7 @@
 """The planner's figures for the README's card table: for each shipped LoRA template, the fastest policy whose
 planned peak fits an 8 / 12 / 16 / 24 GB card (what the Offload Policy node's `card` resolves to), and that peak.
 
-    python bench/plan_table.py            # prints a Markdown table, the versions and the date
+    python bench/plan_table.py            # prints two Markdown tables (device peaks, host RAM), the versions and the date
     python bench/plan_table.py sdxl_lora  # only these templates
 
 Planned, not measured: the figures are the planner's (training/memory/planner.py) until a GPU measures them. Each
@@ -125,6 +125,15 @@ def cell(plan) -> str:
     return f"{peak}: {', '.join(parts)}" if plan.fits else f"no fit (min {peak})"
 
 
+def host_cell(plan) -> str:
+    """"7.2 + 0.1 GiB": the base weights the plan leaves in host RAM (streamed to the card each step), plus the most
+    the run adds to host RAM in one phase (training/memory/host_ram.py: optimizer state parked while sampling, EMA,
+    offloaded block inputs). Neither counts what ComfyUI holds anyway (its process, the text encoders and VAE its
+    loaders keep)."""
+    streamed = plan.host_bytes.get("streamed block weights", 0)
+    return f"{streamed / 2 ** 30:.1f} + {plan.host_added_bytes / 2 ** 30:.1f} GiB"
+
+
 def main() -> None:
     suite.import_comfyui(cpu=True, use_pytorch_cross_attention=True)
     torch.set_num_threads(1)
@@ -138,25 +147,33 @@ def main() -> None:
     from headroom.training.memory.policy import OffloadPolicy
 
     chosen = sys.argv[1:]
-    rows = []
+    rows, host_rows = [], []
     for template in [t for t in TEMPLATES if not chosen or t.workflow in chosen]:
         started = time.monotonic()
         description, trainable, full = describe(template)
         latent_frames = video.check_frames("plan_table", full.model, template.frames) if template.frames > 1 else 1
         shape = planner.RunShape(1, template.width, template.height, None, latent_frames)
-        cells = []
+        cells, host_cells = [], []
         for card in CARDS_GB:
             policy = OffloadPolicy(card=f"{card} GB")
-            cells.append(cell(planner.plan_auto(description, trainable, shape, policy, policy.budget_bytes())))
+            plan = planner.plan_auto(description, trainable, shape, policy, policy.budget_bytes())
+            cells.append(cell(plan))
+            host_cells.append(host_cell(plan))
         size = f"{template.width}x{template.height}" + (f", {template.frames} frames" if template.frames > 1 else "")
         base = description.frozen_bytes() / 2 ** 30
         rows.append(f"| {template.label} | `{template.workflow}` | {base:.1f} GiB, {size} | " + " | ".join(cells) + " |")
+        host_rows.append(f"| {template.label} | `{template.workflow}` | " + " | ".join(host_cells) + " |")
         print(f"{rows[-1]} ({time.monotonic() - started:.0f} s)", file=sys.stderr, flush=True)
     import comfyui_version
 
     print("| family | template | base weights, run | " + " | ".join(f"{c} GB" for c in CARDS_GB) + " |")
     print("|---|---|---|" + "---|" * len(CARDS_GB))
     print("\n".join(rows))
+    print("\nHost RAM of the same plans: base weights left in host RAM (streamed) + the most the run adds in one phase "
+          "(beside what ComfyUI's process and loaded models hold)\n")
+    print("| family | template | " + " | ".join(f"{c} GB" for c in CARDS_GB) + " |")
+    print("|---|---|" + "---|" * len(CARDS_GB))
+    print("\n".join(host_rows))
     print(f"\nplanned {datetime.date.today()}; torch {torch.__version__}, ComfyUI {comfyui_version.__version__}, "
           f"Python {platform.python_version()}; budget = card - 1 GiB reserve; batch 1, rank as the template, "
           "AdamW8bit, bf16; text encoders and VAE left out")
