@@ -131,3 +131,15 @@ def test_grid_cells_reads_a_file(tmp_path):
     path = tmp_path / "step_00000001.png"
     path.write_bytes(G.grid_png(G.labelled_grid(cells, "step 1", [("a", 1), ("b", 1)])))
     assert np.array_equal(G.grid_cells(path), cells)
+
+
+def test_the_prompt_strip_is_as_tall_as_the_longest_prompt_needs():
+    """Prompts of a run often differ only at their end: the strip wraps them onto up to HEADER_LINES lines."""
+    font, cells = G.grid_font(64), _cells(1, 2)
+    short = G.labelled_grid(cells, "step 1", [("a cat", 1), ("a dog", 1)])
+    long = G.labelled_grid(cells, "step 1", [("a green circle at the center", 1), ("a dog", 1)])
+    line = G._line_height(font)
+    assert G.grid_layout(short)["top"] == G.title_height(64) + line + 2 * G._padding(font)
+    lines = G.fit_lines("a green circle at the center", font, 64 - 2 * G._padding(font), G.HEADER_LINES)
+    assert len(lines) > 1 and not lines[-1].endswith("\u2026"), lines  # all of it, on more lines
+    assert G.grid_layout(long)["top"] == G.title_height(64) + len(lines) * line + 2 * G._padding(font)

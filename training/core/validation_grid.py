@@ -20,7 +20,7 @@ from PIL.PngImagePlugin import PngInfo
 GRID_KEY = "headroom_grid"  # the PNG text chunk holding the cells' place: {"left", "top", "rows", "columns", ...}
 BACKGROUND = (30, 30, 30)  # the label strips: dark, as the editor's nodes the grid is shown on
 TEXT = (235, 235, 235)
-HEADER_LINES = 2  # a prompt above its column: wrapped onto this many lines at most, then cut with an ellipsis
+HEADER_LINES = 4  # a prompt above its column: wrapped onto this many lines at most, then cut with an ellipsis
 MIN_FONT, MAX_FONT = 11, 64
 
 
@@ -118,7 +118,10 @@ def labelled_grid(cells: np.ndarray, title: str, columns: list[tuple[str, int]] 
                    for label in rows or []]
     widest = max((_width(font, text) for lines in label_lines for text in lines), default=0)
     left = int(np.ceil(2 * pad + widest)) if rows else 0
-    header = HEADER_LINES * line + 2 * pad if columns else 0
+    # Each prompt wrapped over its column; the strip as tall as the longest needs (the prompts of a run often differ
+    # only at their end: "a green circle at the center", "a green square at the top left").
+    headers = [fit_lines(label, font, span * width - 2 * pad, HEADER_LINES) for label, span in columns or []]
+    header = max((len(lines) for lines in headers), default=0) * line + 2 * pad if columns else 0
     top = title_height(min(height, width)) + header
     image = Image.new("RGB", (left + count_columns * width, top + count_rows * height), BACKGROUND)
     image.paste(Image.fromarray(np.ascontiguousarray(cells.transpose(0, 2, 1, 3, 4).reshape(
@@ -130,9 +133,9 @@ def labelled_grid(cells: np.ndarray, title: str, columns: list[tuple[str, int]] 
 
     text_at(pad, pad, shorten(title, font, image.width - 2 * pad))
     x = left
-    for label, span in columns or []:
+    for (_, span), lines in zip(columns or [], headers):
         room = span * width - 2 * pad
-        for index, text in enumerate(fit_lines(label, font, room, HEADER_LINES)):  # centred over its cells
+        for index, text in enumerate(lines):  # centred over its cells
             text_at(x + pad + (room - _width(font, text)) / 2, line + 3 * pad + index * line, text)
         x += span * width
     for row, lines in enumerate(label_lines):  # centred on the row's height
@@ -189,4 +192,4 @@ def grid_cells(image: Image.Image | str | pathlib.Path) -> np.ndarray:
     left, top, rows, columns, height, width = (int(layout[key]) for key in
                                                ("left", "top", "rows", "columns", "height", "width"))
     pixels = np.asarray(image.convert("RGB"))[top:top + rows * height, left:left + columns * width]
-    return pixels.reshape(rows, height, columns, width, 3).transpose(0, 2, 1, 3, 4)
+    return np.ascontiguousarray(pixels.reshape(rows, height, columns, width, 3).transpose(0, 2, 1, 3, 4))  # a copy: writable
