@@ -143,3 +143,38 @@ def test_the_prompt_strip_is_as_tall_as_the_longest_prompt_needs():
     lines = G.fit_lines("a green circle at the center", font, 64 - 2 * G._padding(font), G.HEADER_LINES)
     assert len(lines) > 1 and not lines[-1].endswith("\u2026"), lines  # all of it, on more lines
     assert G.grid_layout(long)["top"] == G.title_height(64) + len(lines) * line + 2 * G._padding(font)
+
+
+def test_an_enlarged_grid_keeps_its_record():
+    """docs/before_after.png is the demo's grid enlarged: its cells are the samples' pixels as blocks."""
+    cells = _cells(2, 3, 32)
+    grid = _written(G.labelled_grid(cells, "step 400", [(p, 1) for p in PROMPTS], ROWS))
+    big = _written(G.enlarged(grid, 2))
+    assert big.size == (2 * grid.width, 2 * grid.height)
+    assert np.array_equal(G.grid_cells(big), cells.repeat(2, axis=2).repeat(2, axis=3))
+    assert G.grid_layout(big)["column_labels"] == PROMPTS
+
+
+def test_the_docs_picture_is_the_demos_grid_and_the_thumbnail_reads_it():
+    """docs/before_after.png (README) is the demo's labelled grid enlarged 2x; the tiny_lora template's thumbnail
+    (workflows/thumbnails.py) takes the samples out of it through its record."""
+    import importlib.util
+    import pathlib
+
+    repo = pathlib.Path(__file__).resolve().parents[2]
+    picture = repo / "docs" / "before_after.png"
+    layout = G.grid_layout(picture)
+    assert G.grid_cells(picture).shape == (2, 8, 128, 128, 3)
+    assert layout["row_labels"][0] == "before: base model" and layout["row_labels"][1].startswith("after: tiny_demo")
+    assert all(label.startswith("a green ") for label in layout["column_labels"])
+    spec = importlib.util.spec_from_file_location("headroom_thumbnails", repo / "workflows" / "thumbnails.py")
+    thumbnails = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(thumbnails)
+    thumbnail = np.asarray(thumbnails.demo_picture())
+    assert thumbnail.shape == (thumbnails.SIZE[1], thumbnails.SIZE[0], 3)
+    # The samples alone, enlarged to fill it (its own labels drawn over the top of each half): no title strip.
+    cells = G.grid_cells(picture)
+    bare = np.concatenate([np.concatenate(list(row), axis=1) for row in cells], axis=0)
+    width = bare.shape[0] * thumbnails.SIZE[0] // thumbnails.SIZE[1]
+    expected = np.asarray(Image.fromarray(bare[:, :width]).resize(thumbnails.SIZE, Image.NEAREST))
+    assert np.array_equal(thumbnail[40:180], expected[40:180])
