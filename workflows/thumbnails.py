@@ -1,19 +1,24 @@
 """Thumbnails of the shipped UI workflows for the editor's Templates list: `<name>.jpg` beside `<name>.json`.
 
     python workflows/thumbnails.py            # rewrites every thumbnail (after build_workflows.py)
+    python workflows/thumbnails.py --demo-grid <step_..._before_after.png>
+                                              # docs/before_after.png from the grid `bash .ci/demo` wrote, then them
 
 ComfyUI (app/custom_node_manager.py) lists a custom node's `workflows/*.json` as templates, and the editor shows
 `<name>.jpg` from the same folder as each one's picture. The demo's is the before/after grid its LoRA makes
-(docs/before_after.png: pretrained model above, with the demo's LoRA below); every other one is its own graph,
-drawn from the UI file (nodes where the editor puts them, their titles, the links), under the model it trains.
-Standard library + Pillow only.
+(docs/before_after.png: the demo's grid enlarged 2x; here its samples alone, pretrained model above, with the demo's
+LoRA below); every other one is its own graph, drawn from the UI file (nodes where the editor puts them, their titles,
+the links), under the model it trains. Standard library, Pillow and numpy only (the grid's cells are read by
+training/core/validation_grid.py, loaded from its file).
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import pathlib
 import sys
 
+import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -73,9 +78,21 @@ def draw_graph(workflow: dict, name: str) -> Image.Image:
     return image
 
 
+def validation_grid():
+    """training/core/validation_grid.py (it imports nothing of the package): where a grid's cells are."""
+    spec = importlib.util.spec_from_file_location("headroom_validation_grid",
+                                                  HERE.parent / "training" / "core" / "validation_grid.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def demo_picture() -> Image.Image:
-    """The demo's before/after grid, cropped to the thumbnail's aspect (its left columns)."""
-    grid = Image.open(DEMO_PICTURE).convert("RGB")
+    """The demo's before/after samples (its grid without the labels: the thumbnail draws its own), cropped to the
+    thumbnail's aspect (its left columns)."""
+    cells = validation_grid().grid_cells(DEMO_PICTURE)  # [2, prompts, H, W, 3]
+    rows = [np.concatenate(list(row), axis=1) for row in cells]
+    grid = Image.fromarray(np.concatenate(rows, axis=0))
     width = min(grid.width, grid.height * SIZE[0] // SIZE[1])
     image = grid.crop((0, 0, width, grid.height)).resize(SIZE, Image.NEAREST)
     draw = ImageDraw.Draw(image)
@@ -91,7 +108,21 @@ def thumbnail(path: pathlib.Path) -> Image.Image:
     return draw_graph(json.loads(path.read_text(encoding="utf-8")), path.stem)
 
 
-def main() -> int:
+def write_demo_picture(grid_path: pathlib.Path) -> None:
+    """docs/before_after.png: the demo's before/after grid, labels and all, enlarged 2x (64 px samples read small)."""
+    grids = validation_grid()
+    temp = DEMO_PICTURE.with_suffix(".tmp.png")
+    temp.write_bytes(grids.grid_png(grids.enlarged(grid_path, 2)))
+    temp.replace(DEMO_PICTURE)
+    print(f"wrote {DEMO_PICTURE.relative_to(HERE.parent)}", file=sys.stderr)
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["--demo-grid"] and len(argv) == 2:
+        write_demo_picture(pathlib.Path(argv[1]))
+    elif argv:
+        print(__doc__, file=sys.stderr)
+        return 2
     for path in sorted(HERE.glob("*.json")):
         target = path.with_suffix(".jpg")
         thumbnail(path).save(target.with_suffix(".tmp.jpg"), "JPEG", quality=85)
@@ -101,4 +132,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

@@ -5,10 +5,9 @@ from __future__ import annotations
 import logging
 import os
 import pathlib
-from io import BytesIO
 
+import numpy as np
 import torch
-from PIL import Image
 
 import comfy.model_management
 import comfy.sample
@@ -17,6 +16,7 @@ import node_helpers
 from comfy_api.latest import ui
 
 from ...training.checks import check_finite
+from ...training.core.validation_grid import grid_png, labelled_grid
 from ...training.data.cache_store import item_conditioning
 from ...training.data.files import save_safetensors, write_bytes
 from ...training.memory.policy import PolicyError
@@ -182,31 +182,41 @@ def decode(run: TrainingRun, vae, samples: torch.Tensor) -> torch.Tensor:
     return images
 
 
-def _png_bytes(grid: torch.Tensor) -> bytes:
-    buffer = BytesIO()
-    Image.fromarray(video.stock_pixels(grid)).save(buffer, format="PNG")
-    return buffer.getvalue()
+def _title(run: TrainingRun, what: str = "") -> str:
+    return f"step {run.step} \u00b7 {run.run_dir.name}{what}"
 
 
-def save_before_after(run: TrainingRun, base: torch.Tensor, trained: torch.Tensor) -> pathlib.Path:
-    """Base samples (top row) over the run's samples (bottom row), same prompts and seeds, as one PNG next to the
-    validation grid: step_<step>_before_after.png."""
-    grid = torch.cat([torch.cat(list(base[..., :3]), dim=1), torch.cat(list(trained[..., :3]), dim=1)], dim=0)
+def save_before_after(run: TrainingRun, base: torch.Tensor, trained: torch.Tensor, prompts: list[str]) -> pathlib.Path:
+    """Base samples (top row, "before") over the run's samples (bottom row, "after"), same prompts and seeds, as one
+    PNG next to the validation grid: step_<step>_before_after.png, labelled (training/core/validation_grid.py): the
+    step and run above, each prompt over its column (a clip's frames: over all of them), each row's title at its
+    left."""
+    cells = np.stack([video.stock_pixels(base[..., :3]), video.stock_pixels(trained[..., :3])])  # [2, N*F, H, W, 3]
+    span = cells.shape[1] // len(prompts)  # a clip's frames side by side under its prompt
+    image = labelled_grid(cells, _title(run, " \u00b7 before / after, same seeds"),
+                          [(prompt, span) for prompt in prompts],
+                          ["before: base model", f"after: {run.run_dir.name} step {run.step}"])
     path = run.run_dir.validation_dir / f"step_{run.step:08d}_before_after.png"
     run.run_dir.check_present()
     run.run_dir.check_subfolder_inside(run.run_dir.validation_dir)
-    write_bytes(path, _png_bytes(grid), f"before/after grid of run '{run.run_dir.name}'")
+    write_bytes(path, grid_png(image), f"before/after grid of run '{run.run_dir.name}'")
     return path
 
 
-def save_validation(run: TrainingRun, images: torch.Tensor, samples: torch.Tensor, frames: int = 1,
+def save_validation(run: TrainingRun, images: torch.Tensor, samples: torch.Tensor, prompts: list[str], frames: int = 1,
                     fps: float | None = None) -> pathlib.Path:
-    """This step's validation images side by side as one PNG in the run directory, and the sampled latents
-    (float, before decoding) next to it. Clips (frames > 1): a row of frames per prompt, and each clip as an
-    animated WEBP next to it (nodes/bridge/video.py) at `fps` (None: VALIDATION_FPS)."""
-    row = torch.cat(list(images[..., :3]), dim=1) if frames == 1 else video.frame_grid(images, frames)  # [H, N*W, 3]
+    """This step's validation images side by side as one PNG in the run directory, each prompt over its image and the
+    step and run above (training/core/validation_grid.py), and the sampled latents (float, before decoding) next to it.
+    Clips (frames > 1): a row of frames per prompt, the prompt at its left, and each clip as an animated WEBP next to
+    it (nodes/bridge/video.py) at `fps` (None: VALIDATION_FPS)."""
+    pixels = video.stock_pixels(images[..., :3])  # [N * F, H, W, 3]: each prompt's frames in order
+    if frames == 1:
+        image = labelled_grid(pixels[None], _title(run), [(prompt, 1) for prompt in prompts])
+    else:
+        image = labelled_grid(pixels.reshape(-1, frames, *pixels.shape[1:]), _title(run),
+                              [(f"frame {index + 1}", 1) for index in range(frames)], prompts)
     path = run.run_dir.validation_dir / f"step_{run.step:08d}.png"
-    png = _png_bytes(row)
+    png = grid_png(image)
     run.run_dir.check_present()  # the validation folder never re-creates a vanished run folder
     run.run_dir.check_subfolder_inside(run.run_dir.validation_dir)
     write_bytes(path, png, f"validation grid of run '{run.run_dir.name}'")
@@ -248,13 +258,13 @@ def validate(node_cls, run: TrainingRun, clip=None, vae=None, prompts="", negati
                                                     references=references,
                                                     reference_encoding=reference_text_encoding(run), frames=frames,
                                                     starts=starts, frame_rate=rate)
-                grid = save_validation(run, images, samples, frames, rate)
+                grid = save_validation(run, images, samples, lines, frames, rate)
                 if compare_base:
                     base_images = base_samples(run, clip, vae, lines, negative, sample_seed, sample_steps, cfg,
                                                sampler_name, scheduler, width, height,
                                                reference_images=reference_images, references=references,
                                                frames=frames, starts=starts, frame_rate=rate)
-                    before_after = save_before_after(run, base_images, images)
+                    before_after = save_before_after(run, base_images, images, lines)
                 previews = ui.PreviewImage(images, cls=node_cls)
     except BaseException as error:  # cancel, out of memory, a wrong input...: checkpoint kept, device memory freed
         run.fail("validation", error)

@@ -1,5 +1,5 @@
 """Video validation: clip lengths a family's model takes, the empty latent its stock node makes, and the saved clips
-(an animated WEBP per prompt, as ComfyUI's SaveAnimatedWEBP writes it, and a frame grid PNG).
+(an animated WEBP per prompt, as ComfyUI's SaveAnimatedWEBP writes it; validation.py writes their frame grid PNG).
 
 Frame rates: a family whose model reads the clip's frame rate (Family.frame_rate: LTX-2, whose temporal positions are
 in seconds) trains each item at its cached clip's rate (a video's rate / frame_stride) and validates at the first
@@ -104,12 +104,6 @@ def webp_bytes(clip: torch.Tensor, fps: float = VALIDATION_FPS) -> bytes:
     frames[0].save(buffer, format="WEBP", save_all=True, append_images=frames[1:], duration=int(1000.0 / fps),
                    lossless=True, quality=80, method=4)
     return buffer.getvalue()
-
-
-def frame_grid(images: torch.Tensor, frames: int) -> torch.Tensor:
-    """[N * F, H, W, C] (each prompt's frames in order) -> [N * H, F * W, 3]: a row of frames per prompt."""
-    clips = images[..., :3].reshape(-1, frames, *images.shape[1:3], 3)
-    return torch.cat([torch.cat(list(clip), dim=1) for clip in clips], dim=0)
 
 
 def save_clips(grid_path: pathlib.Path, images: torch.Tensor, frames: int, what: str,

@@ -59,6 +59,19 @@ def notes(page, node_id: str) -> str:
         ?.find((w) => w.name === name)?.element.textContent ?? ''""", [node_id, NOTES])
 
 
+def prompts_box(page, node_id: str) -> dict:
+    """The node's prompts text box: its prompt lines, the height its text needs and the height it is shown at."""
+    return page.evaluate("""(id) => {
+        const element = window.app.graph.getNodeById(id).widgets.find((w) => w.name === 'prompts').element;
+        const shown = element.clientHeight;
+        const height = element.style.height;
+        element.style.height = '0px';  // the height its text needs, whatever room it has now
+        const needed = element.scrollHeight;
+        element.style.height = height;
+        return {lines: element.value.split('\\n').length, needed, shown};
+    }""", node_id)
+
+
 def queue_in_editor(page) -> None:
     """Queue the editor's graph; `window.__testOutcome` becomes 'success', 'interrupted' or the error when it ends."""
     page.evaluate("""() => {
@@ -275,6 +288,14 @@ def test_results_show_on_the_nodes_batch_is_explained_and_the_chart_follows_run_
     images = page.evaluate("(id) => (window.app.graph.getNodeById(id).imgs ?? []).map((i) => i.src)", validate)
     assert any("before_after" in src for src in images) or (shown and "before_after" in json.dumps(shown)), (
         images, shown)
+    # The image under the prompts box leaves it room for its prompts (js/headroom_prompts.js): the stock editor
+    # squeezed it to two lines when the grid arrived.
+    show_node(page, validate)
+    page.wait_for_function("(id) => window.app.graph.getNodeById(id).widgets"
+                           ".find((w) => w.name === '$$canvas-image-preview')?.computedHeight >= 220", arg=validate)
+    box = prompts_box(page, validate)
+    shot(page, "validate_prompts_and_grid")
+    assert box["lines"] == 8 and box["shown"] >= box["needed"] - 2, box
     state = chart_state(page, train)
     assert state["run"]["run"] == run_name and state["drawn"] == 12
     low, high = map(float, page.evaluate(

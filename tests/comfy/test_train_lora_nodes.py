@@ -548,10 +548,10 @@ def test_compare_base_writes_a_before_after_grid_of_the_untouched_base(comfyui):
     row the run's validation images; after training the top row stays the base, the bottom row moves."""
     import nodes
     import numpy as np
-    from PIL import Image
 
     from headroom.nodes import train_lora as T
     from headroom.nodes.bridge.validation import sample_images
+    from headroom.training.core.validation_grid import grid_cells, grid_layout
 
     model, clip, vae, latents, texts = _data("sd15")
     run = _init(model, latents, texts, "compare_base", rank=8, lr=2e-2, include_conv=True)
@@ -561,9 +561,9 @@ def test_compare_base_writes_a_before_after_grid_of_the_untouched_base(comfyui):
 
     def grid_rows(step):
         path = run.run_dir.validation_dir / f"step_{step:08d}_before_after.png"
-        pixels = np.array(Image.open(path).convert("RGB"), dtype=np.int16)
-        assert pixels.shape == (64, 64, 3)  # 2 rows (base, trained) x 2 prompts of 32 x 32
-        return pixels[:32], pixels[32:]
+        cells = grid_cells(path).astype(np.int16)
+        assert cells.shape == (2, 2, 32, 32, 3)  # 2 rows (base, trained) x 2 prompts of 32 x 32
+        return np.concatenate(list(cells[0]), axis=1), np.concatenate(list(cells[1]), axis=1)
 
     with torch.inference_mode():
         T.HeadroomTrainSteps.execute(run, 1)
@@ -583,6 +583,10 @@ def test_compare_base_writes_a_before_after_grid_of_the_untouched_base(comfyui):
         assert torch.equal(fresh_base, cached_base), "training must not change the base samples"
     saved = [entry for entry in first.ui["headroom_saved"] if entry["kind"] == "before/after grid"]
     assert saved and saved[0]["name"].endswith("step_00000001_before_after.png")
+    layout = grid_layout(run.run_dir.validation_dir / "step_00000001_before_after.png")  # what the labels say
+    assert layout["title"] == f"step 1 \u00b7 {run.run_dir.name} \u00b7 before / after, same seeds", layout
+    assert layout["column_labels"] == prompts.splitlines()
+    assert layout["row_labels"] == ["before: base model", f"after: {run.run_dir.name} step 1"]
     base_1, trained_1 = grid_rows(1)
     base_20, trained_20 = grid_rows(20)
     stock_pixels = (stock[0].clamp(0, 1) * 255).round().to(torch.int16).numpy()
@@ -592,7 +596,7 @@ def test_compare_base_writes_a_before_after_grid_of_the_untouched_base(comfyui):
 
 
 def test_validation_png_has_the_pixels_of_the_stock_save_image(comfyui):
-    """The validation grid's pixels are those ComfyUI's SaveImage writes for the same images (it truncates: a
+    """The validation grid's cells are the pixels ComfyUI's SaveImage writes for the same images (it truncates: a
     rounded grid differed by one level in about half of them)."""
     import folder_paths
     import nodes
@@ -600,6 +604,7 @@ def test_validation_png_has_the_pixels_of_the_stock_save_image(comfyui):
     from PIL import Image
 
     from headroom.nodes import train_lora as T
+    from headroom.training.core.validation_grid import grid_cells, grid_layout
 
     model, clip, vae, latents, texts = _data("sd15", count=2)
     run = _init(model, latents, texts, "png_like_save_image", rank=4, batch_size=2)
@@ -608,11 +613,15 @@ def test_validation_png_has_the_pixels_of_the_stock_save_image(comfyui):
                                             negative="", sample_seed=0, sample_steps=1, cfg=1.0, sampler_name="euler",
                                             scheduler="normal", width=32, height=32, loss_timesteps=1).args[0]
         saved = nodes.SaveImage().save_images(images, "png_like_save_image")["ui"]["images"]
-    stock = np.concatenate([np.asarray(Image.open(pathlib.Path(folder_paths.get_output_directory()) / s["subfolder"]
-                                                  / s["filename"])) for s in saved], axis=1)
-    ours = np.asarray(Image.open(run.run_dir.validation_dir / "step_00000000.png"))
-    assert ours.shape == stock.shape == (32, 64, 3)
+    stock = np.stack([np.asarray(Image.open(pathlib.Path(folder_paths.get_output_directory()) / s["subfolder"]
+                                         / s["filename"])) for s in saved])
+    path = run.run_dir.validation_dir / "step_00000000.png"
+    ours = grid_cells(path)[0]  # the grid's one row of samples, without the labels
+    assert ours.shape == stock.shape == (2, 32, 32, 3)
     assert np.array_equal(ours, stock), f"{int((ours != stock).sum())} values differ"
+    layout = grid_layout(path)  # each prompt over its sample, the step and run in the title
+    assert layout["column_labels"] == ["a red square", "a blue square"] and layout["row_labels"] == []
+    assert layout["title"] == f"step 0 \u00b7 {run.run_dir.name}" and layout["top"] > 0
 
 
 def test_a_card_resolves_to_the_fastest_policy_whose_planned_peak_fits_it(comfyui):

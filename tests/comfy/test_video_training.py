@@ -198,6 +198,7 @@ def test_four_clips_overfit_and_the_validation_clip_is_the_stock_loaders(cache_d
     from headroom.training.data.video import dataset_from_clips
 
     from headroom.nodes.bridge.tiny_models import build_tiny_models
+    from headroom.training.core.validation_grid import grid_cells
 
     with torch.inference_mode():
         model, clip, vae = build_tiny_models(family, 0)
@@ -220,8 +221,7 @@ def test_four_clips_overfit_and_the_validation_clip_is_the_stock_loaders(cache_d
     with Image.open(webp[0]) as animation:
         assert animation.is_animated and animation.n_frames == frames and animation.size == (size, size)
     grid = sorted(p for p in folder.glob("step_*.png") if "before" not in p.name)
-    with Image.open(grid[-1]) as image:
-        assert image.size == (frames * size, size)  # one row of frames per prompt
+    assert grid_cells(grid[-1]).shape == (1, frames, size, size, 3)  # one row of frames per prompt
     assert not list(folder.glob(".*hrtmp*"))  # written to temp files, then renamed
 
 

@@ -4,7 +4,6 @@ import uuid
 
 import numpy as np
 import pytest
-from PIL import Image
 from safetensors.torch import load_file
 from server_harness import output_pixels
 
@@ -74,13 +73,15 @@ def _stock_prompt(controlnet_name: str, prefix: str) -> dict:
 
 
 def test_saved_controlnet_through_stock_nodes_reproduces_validation_sample(comfy_server):
+    from headroom.training.core.validation_grid import grid_cells
+
     run_name = f"cn_roundtrip_{uuid.uuid4().hex[:8]}"
     comfy_server.run_workflow(_training_prompt(run_name), timeout=900)
     controlnet_name = f"{SUBFOLDER}/{run_name}_step{TRAIN_STEPS:06d}.safetensors"
     assert (comfy_server.base_dir / "models" / "controlnet" / controlnet_name).is_file()
     validation_dir = comfy_server.base_dir / "output" / "headroom_runs" / run_name / "validation"
     validation_latents = load_file(validation_dir / f"step_{TRAIN_STEPS:08d}_latents.safetensors")["samples"]
-    validation_pixels = np.asarray(Image.open(validation_dir / f"step_{TRAIN_STEPS:08d}.png"), dtype=np.int16)
+    [[validation_pixels]] = grid_cells(validation_dir / f"step_{TRAIN_STEPS:08d}.png").astype(np.int16)  # 1 prompt
 
     stock = comfy_server.run_workflow(_stock_prompt(controlnet_name, f"stock_controlnet_{run_name}"))
     # SaveLatent's file (by node id): what KSampler returned, float, under the key "latent_tensor".

@@ -9,24 +9,22 @@ import pathlib
 import time
 import uuid
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 pytestmark = pytest.mark.comfyui
 
 WORKFLOW = pathlib.Path(__file__).resolve().parents[2] / "workflows" / "api" / "tiny_lora_api.json"
 
 
-def grid_cells(path: pathlib.Path, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(base images, LoRA images) [N, size, size, 3] in 0..1 from a before/after grid."""
-    pixels = torch.from_numpy(np.array(Image.open(path).convert("RGB"))).float() / 255
-    assert pixels.shape[0] == 2 * size and pixels.shape[1] % size == 0, pixels.shape
-    cells = [pixels[row * size:(row + 1) * size, col * size:(col + 1) * size]
-             for row in range(2) for col in range(pixels.shape[1] // size)]
-    half = len(cells) // 2
-    return torch.stack(cells[:half]), torch.stack(cells[half:])
+def before_after_cells(path: pathlib.Path, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(base images, LoRA images) [N, size, size, 3] in 0..1 from a before/after grid, where the grid says its cells
+    are (training/core/validation_grid.py: the labels around them take room)."""
+    from headroom.training.core.validation_grid import grid_cells
+
+    cells = torch.from_numpy(grid_cells(path)).float() / 255
+    assert cells.shape[0] == 2 and cells.shape[2:] == (size, size, 3), cells.shape
+    return cells[0], cells[1]
 
 
 def test_demo_workflow_teaches_the_held_out_colour(comfy_server):
@@ -56,7 +54,7 @@ def test_demo_workflow_teaches_the_held_out_colour(comfy_server):
     assert lora_path.is_file() and lora_path.stat().st_size > 0, lora_path
     assert grid_path.is_file() and grid_path.name.endswith("_before_after.png"), grid_path
 
-    base, trained = grid_cells(grid_path, validate["width"])
+    base, trained = before_after_cells(grid_path, validate["width"])
     assert len(base) == len(validate["prompts"].splitlines())
     before, after = colour_fraction(base, colour), colour_fraction(trained, colour)
     print(f"demo workflow: {seconds:.0f} s; {colour} in {before:.0%} of base samples, {after:.0%} after the LoRA "
