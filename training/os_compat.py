@@ -136,31 +136,27 @@ def open_no_follow(path: str | os.PathLike) -> int:
     return os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
 
 
-def fsync_file(path: str | os.PathLike) -> None:
-    """Flush a written file to disk (file systems and devices that cannot fsync are let be)."""
-    # Windows flushes only through a handle with write access (FlushFileBuffers): O_RDWR there.
-    fd = os.open(path, (os.O_RDWR if WINDOWS else os.O_RDONLY) | _binary())
+def _fsync(path: str | os.PathLike, flags: int) -> None:
+    fd = os.open(path, flags)
     try:
         os.fsync(fd)
     except OSError as error:
-        if error.errno not in (errno.EINVAL, errno.EBADF):
+        if error.errno not in (errno.EINVAL, errno.EBADF):  # file systems and devices that cannot fsync are let be
             raise
     finally:
         os.close(fd)
+
+
+def fsync_file(path: str | os.PathLike) -> None:
+    """Flush a written file to disk."""
+    # Windows flushes only through a handle with write access (FlushFileBuffers): O_RDWR there.
+    _fsync(path, (os.O_RDWR if WINDOWS else os.O_RDONLY) | _binary())
 
 
 def fsync_folder(path: str | os.PathLike) -> None:
     """Make a rename in `path` durable. Windows cannot open a folder (and NTFS journals renames): nothing there."""
-    if WINDOWS:
-        return
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    except OSError as error:
-        if error.errno not in (errno.EINVAL, errno.EBADF):
-            raise
-    finally:
-        os.close(fd)
+    if not WINDOWS:
+        _fsync(path, os.O_RDONLY)
 
 
 class FileInUseError(PermissionError):
