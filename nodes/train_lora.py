@@ -17,7 +17,7 @@ import folder_paths
 from comfy_api.latest import io, ui
 
 from ..training.core.adapters import FULL_PRECISIONS, KINDS, TARGET_MODES, AdapterConfig
-from ..training.checks import check_finite
+from ..training.checks import check_finite, named
 from ..training.core.optimizers import OPTIMIZERS, SCHEDULES, MissingPackageError, OptimizerConfig, check_available
 from ..training.core.run_dir import RunFolderError, check_name, check_subfolder
 from ..training.memory import sharded_optimizer
@@ -121,11 +121,12 @@ class HeadroomLoraConfig(io.ComfyNode):
     @classmethod
     def execute(cls, kind, rank, alpha, targets, include_conv, dropout, init_seed, init_lora="none",
                 full_precision="fp32") -> io.NodeOutput:
-        check_finite("HeadroomLoraConfig", alpha=alpha, dropout=dropout)
+        name = node_name(cls)
+        check_finite(name, alpha=alpha, dropout=dropout)
         config = AdapterConfig(kind=kind, rank=rank, alpha=alpha, targets=targets, include_conv=include_conv,
                                dropout=dropout, init_seed=init_seed, init_lora=None if init_lora == "none" else init_lora,
                                full_precision=full_precision)
-        _checked("HeadroomLoraConfig", config.validate)
+        _checked(name, config.validate)
         return io.NodeOutput(config)
 
 
@@ -230,8 +231,9 @@ def start_lora_run(model, latent_cache, text_cache, lora_config, optimizer_confi
                    loss_type: str = "mse", huber_delta: float = 0.1, ema_decay: float = 0.0,
                    prior_latent_cache=None, prior_text_cache=None, prior_ratio: float = 0.5, reference: str = "none",
                    noise_min: float = 0.0, noise_max: float = 1.0, devices: str = "1",
-                   node: str = "HeadroomTrainLoraInit", shown_on: str | None = None) -> TrainingRun:
-    """Check every input (before any GPU work), then build or resume the run."""
+                   node: str = "Train LoRA: Init (Headroom)", shown_on: str | None = None) -> TrainingRun:
+    """Check every input (before any GPU work), then build or resume the run; `node`: the display name of the node
+    opening it, for messages."""
     try:
         check_name(run_name, "run name")
         check_finite(node, max_grad_norm=max_grad_norm, caption_dropout=caption_dropout, min_snr_gamma=min_snr_gamma,
@@ -243,9 +245,9 @@ def start_lora_run(model, latent_cache, text_cache, lora_config, optimizer_confi
         if prior is not None and prior_ratio <= 0:
             raise ValueError("prior_ratio=0 with prior caches connected: set a share > 0, or disconnect them")
         if not isinstance(lora_config, AdapterConfig):
-            raise ValueError("lora_config must come from a HeadroomLoraConfig node")
+            raise ValueError("lora_config must come from a LoRA Config (Headroom) node")
         if not isinstance(optimizer_config, OptimizerConfig):
-            raise ValueError("optimizer_config must come from a HeadroomOptimizerConfig node")
+            raise ValueError("optimizer_config must come from an Optimizer Config (Headroom) node")
         lora_config.validate()
         optimizer_config.validate()
         train, note = train_config(model, run_name, node, seed, batch_size, grad_accumulation, precision, max_grad_norm,
@@ -281,8 +283,7 @@ def start_lora_run(model, latent_cache, text_cache, lora_config, optimizer_confi
         run.batch_note, run.plan_note = batch_note, plan_note
         return run
     except (ValueError, RunFolderError) as error:
-        message = str(error)
-        raise ValueError(message if message.startswith("Headroom") else f"{node}: {message}") from error
+        raise ValueError(named(node, str(error))) from error
 
 
 class HeadroomTrainLoraInit(io.ComfyNode):
@@ -307,7 +308,7 @@ class HeadroomTrainLoraInit(io.ComfyNode):
 
     @classmethod
     def execute(cls, **inputs) -> io.NodeOutput:
-        run = start_lora_run(**inputs, shown_on=node_id(cls))
+        run = start_lora_run(**inputs, node=node_name(cls), shown_on=node_id(cls))
         return io.NodeOutput(run, run.step, ui=ui.PreviewText("\n".join(run.notes)))
 
 
@@ -343,8 +344,9 @@ class HeadroomTrainSteps(io.ComfyNode):
     @classmethod
     def execute(cls, run: TrainingRun, steps: int, checkpoint_every: int = 0,
                 checkpoint_minutes: float = DEFAULT_CHECKPOINT_MINUTES) -> io.NodeOutput:
-        check_checkpoint_inputs("HeadroomTrainSteps", checkpoint_every, checkpoint_minutes)
-        note = steps_note("HeadroomTrainSteps", run, steps, "steps")
+        name = node_name(cls)
+        check_checkpoint_inputs(name, checkpoint_every, checkpoint_minutes)
+        note = steps_note(name, run, steps, "steps")
         run.train_to(steps, node_id=node_id(cls), checkpoint_every=checkpoint_every,
                      checkpoint_minutes=checkpoint_minutes)
         history = {**run.history(steps), **({"note": note} if note else {})}
@@ -443,11 +445,11 @@ class HeadroomSaveLora(io.ComfyNode):
     @classmethod
     def execute(cls, run: TrainingRun, subfolder: str, filename: str, dtype: str,
                 format: str = "comfyui", weights: str = "auto") -> io.NodeOutput:  # noqa: A002 - the input's name
-        check_run_kind(run, "lora", "HeadroomSaveLora", "save")
+        check_run_kind(run, "lora", node_name(cls), "save")
         try:
             name = save_lora(run, subfolder, filename, dtype, format, weights)
         except ValueError as error:
-            raise ValueError(f"HeadroomSaveLora: {error}") from error
+            raise ValueError(f"{node_name(cls)}: {error}") from error
         return io.NodeOutput(name, ui={SAVED_KEY: [saved_file("LoRA", "loras", name)],
                                        "text": [saved_text("LoRA", "loras", name)]})
 
@@ -484,12 +486,13 @@ class HeadroomExtractLora(io.ComfyNode):
     @classmethod
     def execute(cls, run: TrainingRun, rank: int, energy: float, subfolder: str, filename: str, dtype: str,
                 weights: str = "auto") -> io.NodeOutput:
-        check_finite("HeadroomExtractLora", energy=energy)
-        check_run_kind(run, "lora", "HeadroomExtractLora", "save")
+        node = node_name(cls)
+        check_finite(node, energy=energy)
+        check_run_kind(run, "lora", node, "save")
         try:
             name, kept = save_extracted_lora(run, subfolder, filename, rank, energy, dtype, weights)
         except ValueError as error:
-            raise ValueError(f"HeadroomExtractLora: {error}") from error
+            raise ValueError(f"{node}: {error}") from error
         return io.NodeOutput(name, ui={SAVED_KEY: [saved_file("LoRA", "loras", name)],
                                        "text": [f"{saved_text('LoRA', 'loras', name)}\n{kept}"]})
 
@@ -512,8 +515,8 @@ class HeadroomApplyTrainedLora(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, run: TrainingRun, strength: float) -> io.NodeOutput:
-        lora = check_run_kind(run, "lora", "HeadroomApplyTrainedLora", "apply")
-        check_finite("HeadroomApplyTrainedLora", strength=strength)
+        lora = check_run_kind(run, "lora", node_name(cls), "apply")
+        check_finite(node_name(cls), strength=strength)
         return io.NodeOutput(lora.patched_model(run, model, strength))
 
 
@@ -585,9 +588,9 @@ class HeadroomTrainLora(io.ComfyNode):
     @classmethod
     def execute(cls, steps, validate_every, save_every, lora_subfolder, checkpoint_every=0,
                 checkpoint_minutes=DEFAULT_CHECKPOINT_MINUTES, **inputs) -> io.NodeOutput:
-        check_subfolder(lora_subfolder, "HeadroomTrainLora: lora_subfolder")
+        check_subfolder(lora_subfolder, f"{node_name(cls)}: lora_subfolder")
         run, lora_name, loss, outputs = train_validate_save(
-            cls, lambda **init: start_lora_run(**init, node="HeadroomTrainLora", shown_on=node_id(cls)),
+            cls, lambda **init: start_lora_run(**init, node=node_name(cls), shown_on=node_id(cls)),
             lambda run: save_lora(run, lora_subfolder, f"{run.run_dir.name}_step{run.step:06d}"),
             steps, validate_every, save_every, inputs, checkpoint_every=checkpoint_every,
             checkpoint_minutes=checkpoint_minutes)

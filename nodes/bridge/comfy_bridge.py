@@ -356,7 +356,7 @@ class TrainingRun:
     def __init__(self, model, latent_cache, text_cache, config, trained, run_root: pathlib.Path, run_name: str,
                  policy: OffloadPolicy | None = None):
         if policy is not None and not isinstance(policy, OffloadPolicy):
-            raise ValueError("policy must come from a HeadroomOffloadPolicy or HeadroomMemoryPlan node")
+            raise ValueError("policy must come from an Offload Policy (Headroom) or Memory Plan (Headroom) node")
         self.policy = policy if policy is not None else OffloadPolicy()
         Placement.free_shared_module(model)
         self.source_model, self.latent_cache, self.text_cache = model, latent_cache, text_cache

@@ -244,7 +244,7 @@ def test_bad_control_caches_fail_clearly(comfyui):
     from headroom.nodes.train_controlnet import HeadroomTrainControlNetInit
 
     model, clip, vae, latent_cache, text_cache = _caches("sd15", count=2, control=False)
-    with pytest.raises(ValueError, match="HeadroomTrainControlNetInit: the LATENT_CACHE has no control images"):
+    with pytest.raises(ValueError, match=r"Train ControlNet: Init \(Headroom\): the LATENT_CACHE has no control images"):
         HeadroomTrainControlNetInit.execute(**_init_inputs(model, latent_cache, text_cache, _unique("nocontrol")))
 
     model, clip, vae, latent_cache, text_cache = _caches("sd3", count=2, encoding="pixels")
@@ -259,7 +259,7 @@ def test_bad_control_caches_fail_clearly(comfyui):
     from headroom.training.memory.policy import OffloadPolicy  # a full fine-tune's option
 
     host = OffloadPolicy(trained_weights="host", fused_backward=True, optimizer_state="cpu")
-    with pytest.raises(ValueError, match="HeadroomTrainControlNetInit: trained_weights 'host' .* this run trains a "
+    with pytest.raises(ValueError, match=r"Train ControlNet: Init \(Headroom\): trained_weights 'host' .* this run trains a "
                                          "ControlNet: set trained_weights 'device' in the Offload Policy"):
         HeadroomTrainControlNetInit.execute(**_init_inputs(model, latent_cache, text_cache, _unique("host"),
                                                            policy=host))
@@ -374,4 +374,4 @@ def test_a_card_fits_a_controlnet_run_counting_the_controlnet(comfyui):
     assert run.trainer.policy.card == "custom" and planned.peak_bytes <= card.budget_bytes()
     assert run.trainer.policy == planner.plan_auto(description, trainable, shape, OffloadPolicy(card="8 GB"),
                                                    card.budget_bytes()).policy.replace(card="custom", vram_budget_gb=7.0)
-    assert "HeadroomTrainControlNetInit: 8 GB: base resident" in output.ui.as_dict()["text"][0]
+    assert "Train ControlNet: Init (Headroom): 8 GB: base resident" in output.ui.as_dict()["text"][0]
