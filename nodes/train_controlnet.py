@@ -29,7 +29,7 @@ from .bridge.model_files import runs_root, save_trained_controlnet
 from .bridge.planning import check_host_ram, plan_for_card
 from .bridge.rank_workers import open_on_devices
 from .bridge.run_settings import effective_batch, resolve_policy, run_fingerprint, train_config
-from .train_lora import CATEGORY, SAVED_KEY, saved_file, saved_text, train_validate_save
+from .train_lora import CATEGORY, SAVED_KEY, opened_text, saved_file, saved_text, train_validate_save
 
 
 def start_controlnet_run(model, latent_cache, text_cache, optimizer_config, run_name, seed, batch_size,
@@ -129,7 +129,7 @@ class HeadroomTrainControlNetInit(io.ComfyNode):
     def execute(cls, **inputs) -> io.NodeOutput:
         run = start_controlnet_run(**inputs, node=node_name(cls), shown_on=node_id(cls))
         return io.NodeOutput(run, run.step, run.trained.comfy_controlnet(),
-                             ui=ui.PreviewText("\n".join(run.notes)))
+                             ui=ui.PreviewText(opened_text(run)))
 
 
 # --- save -------------------------------------------------------------------------------------------------
@@ -163,7 +163,7 @@ class HeadroomSaveControlNet(io.ComfyNode):
         except ValueError as error:
             raise ValueError(f"{node_name(cls)}: {error}") from error
         return io.NodeOutput(name, ui={SAVED_KEY: [saved_file("ControlNet", "controlnet", name)],
-                                       "text": [saved_text("ControlNet", "controlnet", name)]})
+                                       "text": [saved_text(run, "ControlNet", "controlnet", name)]})
 
 
 # --- all in one ------------------------------------------------------------------------------------------------

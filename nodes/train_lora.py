@@ -22,7 +22,7 @@ from ..training.core.optimizers import OPTIMIZERS, SCHEDULES, MissingPackageErro
 from ..training.core.run_dir import RunFolderError, check_name, check_subfolder
 from ..training.memory import sharded_optimizer
 from .bridge import lora_formats
-from .bridge.comfy_bridge import TrainingRun, check_run_kind, node_id, node_name, send_node_text
+from .bridge.comfy_bridge import TrainingRun, check_run_kind, node_id, node_name, run_and_step, send_node_text
 from .bridge.comfy_model import check_caches, check_reference_cache, model_family
 from .bridge.model_files import runs_root, save_extracted_lora, save_lora
 from .bridge.planning import check_host_ram, lora_trainable, plan_for_card
@@ -49,9 +49,26 @@ def saved_file(kind: str, folder: str, name: str) -> dict:
     return {"kind": kind, "folder": folder, "name": name}
 
 
-def saved_text(kind: str, folder: str, name: str) -> str:
-    """What a save node shows on itself: where the file went, relative to ComfyUI's models/ folder."""
-    return f"{kind} saved to models/{folder}/{name}"
+def saved_text(run: TrainingRun, kind: str, folder: str, name: str) -> str:
+    """What a save node shows on itself: the run and step saved, and where the file went, relative to ComfyUI's
+    models/ folder."""
+    return f"{run_and_step(run)}: {kind} saved to models/{folder}/{name}"
+
+
+def opened_text(run: TrainingRun) -> str:
+    """What an Init node shows on itself: the run it opened, at which step, and its notes (precision, the policy
+    fitted to the card, the batch), one a line."""
+    how = "resumed from its last checkpoint" if run.resumed else "started"
+    return "\n".join([f"{run_and_step(run)}: {how}", *run.notes])
+
+
+def validated_text(run: TrainingRun, loss: float, sampled: bool) -> str:
+    """What Validate shows on itself: the run and step validated, the validation loss and, when it `sampled` images,
+    the grid's file under output/ (the images themselves show as ComfyUI's image preview)."""
+    text = f"{run_and_step(run)}: validation loss {loss:.4g}"
+    if sampled:
+        text += f"; grid saved to output/{run.last_validation['grid']}"
+    return text
 
 
 def shown_images(run: TrainingRun, previews) -> dict:
@@ -309,7 +326,7 @@ class HeadroomTrainLoraInit(io.ComfyNode):
     @classmethod
     def execute(cls, **inputs) -> io.NodeOutput:
         run = start_lora_run(**inputs, node=node_name(cls), shown_on=node_id(cls))
-        return io.NodeOutput(run, run.step, ui=ui.PreviewText("\n".join(run.notes)))
+        return io.NodeOutput(run, run.step, ui=ui.PreviewText(opened_text(run)))
 
 
 def check_checkpoint_inputs(node: str, checkpoint_every: int, checkpoint_minutes: float) -> None:
@@ -401,7 +418,8 @@ class HeadroomValidate(io.ComfyNode):
         # The chart of the training node showing this run restores its thumbnails from here after a reload.
         validation = {"run": run.run_dir.name, "step": run.step, "val_loss": loss,
                       "images": previews.values if previews is not None else []}
-        ui_output = {**shown_images(run, previews), VALIDATION_KEY: [validation]}
+        ui_output = {**shown_images(run, previews), VALIDATION_KEY: [validation],
+                     "text": [validated_text(run, loss, previews is not None)]}
         if previews is not None:
             ui_output[SAVED_KEY] = [saved_file("validation grid", "output", run.last_validation["grid"])]
             if "before_after" in run.last_validation:
@@ -451,7 +469,7 @@ class HeadroomSaveLora(io.ComfyNode):
         except ValueError as error:
             raise ValueError(f"{node_name(cls)}: {error}") from error
         return io.NodeOutput(name, ui={SAVED_KEY: [saved_file("LoRA", "loras", name)],
-                                       "text": [saved_text("LoRA", "loras", name)]})
+                                       "text": [saved_text(run, "LoRA", "loras", name)]})
 
 
 class HeadroomExtractLora(io.ComfyNode):
@@ -494,7 +512,7 @@ class HeadroomExtractLora(io.ComfyNode):
         except ValueError as error:
             raise ValueError(f"{node}: {error}") from error
         return io.NodeOutput(name, ui={SAVED_KEY: [saved_file("LoRA", "loras", name)],
-                                       "text": [f"{saved_text('LoRA', 'loras', name)}\n{kept}"]})
+                                       "text": [f"{saved_text(run, 'LoRA', 'loras', name)}\n{kept}"]})
 
 
 class HeadroomApplyTrainedLora(io.ComfyNode):
@@ -555,7 +573,7 @@ def train_validate_save(node_cls, start, save, steps: int, validate_every: int, 
     history = {**run.history(steps), **({"note": note} if note else {})}
     outputs = {**shown_images(run, previews), HISTORY_KEY: [history],
                "text": [*run.notes, *([note] if note else []), *run.fallback.untold(),
-                        *([saved_text(*saved_as, name)] if name else [])],
+                        *([saved_text(run, *saved_as, name)] if name else [])],
                SAVED_KEY: saved}
     return run, name, loss, outputs
 

@@ -74,6 +74,11 @@ def node_name(node_cls) -> str:
     return node_cls.define_schema().display_name
 
 
+def run_and_step(run) -> str:
+    """How a node's text names the run and step its result belongs to: "run 'my_lora', step 400"."""
+    return f"run '{run.run_dir.name}', step {run.step}"
+
+
 def send_event(event: str, data: dict) -> None:
     """A websocket event when a ComfyUI server is running in this process (nothing otherwise)."""
     server = sys.modules.get("server")
