@@ -126,6 +126,17 @@ export function showNotes(node, lines) {
   render(node);
 }
 
+// Called as the node is drawn: a node shorter than its widgets need (ComfyUI's image preview came after the notes) is
+// grown now, and drawn again: litegraph grows it while laying out the widgets, after it drew the node's body, and
+// nothing drew it again (the images hung below the node until the mouse moved).
+function growToFit(node) {
+  if (node.flags?.collapsed) return;
+  const [width, height] = node.computeSize();
+  if (height <= node.size[1] + 1 && width <= node.size[0] + 1) return;
+  node.setSize([Math.max(node.size[0], width), Math.max(node.size[1], height)]);
+  node.setDirtyCanvas?.(true, true);
+}
+
 function fitNode(node) {
   const [width, height] = node.computeSize();
   node.setSize([Math.max(node.size[0], width), Math.max(node.size[1], height)]);
@@ -265,6 +276,7 @@ app.registerExtension({
     nodeType.prototype.onDrawForeground = function (ctx) {
       const result = onDrawForeground?.apply(this, arguments);
       markImagesWhenStale(this); // before the widgets are drawn
+      growToFit(this);
       return result;
     };
   },
