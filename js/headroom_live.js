@@ -6,7 +6,7 @@
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 import { drawTrainingView } from "./headroom_chart.js";
-import { nodeForExecutionId, showNotes } from "./headroom_notes.js";
+import { markCurrent, nodeForExecutionId, showNotes } from "./headroom_notes.js";
 
 // The node types that train and emit `headroom.train.step` / `headroom.validate`.
 const TRAINING_NODE_TYPES = ["HeadroomTrainSteps", "HeadroomTrainLora", "HeadroomTrainControlNet"];
@@ -115,7 +115,14 @@ class LiveView {
     this.canvas.style.cssText = `width:100%;flex:1 1 auto;min-height:${CHART_HEIGHT - 20}px`;
     this.thumbnails = document.createElement("div");
     this.thumbnails.style.cssText = `display:none;gap:4px;height:${THUMBNAIL_HEIGHT}px;overflow:hidden`;
-    this.element.append(this.canvas, this.thumbnails);
+    // Over a chart of an earlier job (js/headroom_notes.js decides): says so; the chart and thumbnails are dimmed.
+    this.staleLabel = document.createElement("div");
+    this.staleLabel.className = "headroom-live-stale";
+    this.staleLabel.style.cssText = "display:none;position:absolute;left:0;right:0;top:40%;text-align:center;" +
+      "font:italic 12px sans-serif;color:#d8d8d8;background:rgba(20,20,20,0.75);padding:4px 6px;pointer-events:none";
+    this.element.style.position = "relative";
+    this.staleReason = null;
+    this.element.append(this.canvas, this.thumbnails, this.staleLabel);
     this.resizeObserver = new ResizeObserver(() => this.draw());
     this.resizeObserver.observe(this.canvas);
     this.widget = node.addDOMWidget("headroom_live", "headroom_live", this.element, {
@@ -130,6 +137,21 @@ class LiveView {
     this.run = run;
     this.showImages();
     this.draw();
+    this.showStale();
+  }
+
+  // `reason` (a string) when the node's chart is from an earlier job than this editor's current one; null when not.
+  setStale(reason) {
+    this.staleReason = reason ?? null;
+    this.showStale();
+  }
+
+  showStale() {
+    const stale = Boolean(this.staleReason && this.run);
+    this.staleLabel.textContent = stale ? `(${this.staleReason})` : "";
+    this.staleLabel.style.display = stale ? "block" : "none";
+    this.canvas.style.opacity = this.thumbnails.style.opacity = stale ? "0.45" : "1";
+    this.element.dataset.stale = stale ? "true" : "false";
   }
 
   showImages() {
@@ -214,6 +236,7 @@ function onTrainStep({ detail }) {
   }
   addStep(run, detail);
   view.setRun(run);
+  markCurrent(view.node, detail.prompt_id); // the chart is of the job running now
 }
 
 // A cancel (ComfyUI's interrupt) is no crash: the chart and the node say where the run stopped and how to go on.

@@ -26,6 +26,7 @@ from ..training.data.video import MAX_CLIP_FRAMES, MAX_FRAMES_DEFAULT, VIDEO_EXT
 from ..training.memory.policy import OffloadPolicy
 from .bridge.cache_folders import check_dataset_folder, dataset_folders, dataset_roots, resolve_folders
 from .bridge.caching import REFERENCE_ENCODINGS, cache_clip_text, cache_vae_latents
+from .bridge.comfy_bridge import node_name
 from .bridge.start_image import START_IMAGE_NODES
 from .io_types import DatasetType, LatentCacheType, OffloadPolicyType, TextCacheType
 
@@ -41,7 +42,7 @@ def _policy_tooltip() -> str:
 
 def _check_policy(node: str, policy) -> None:
     if policy is not None and not isinstance(policy, OffloadPolicy):
-        raise ValueError(f"{node}: policy must come from a HeadroomOffloadPolicy or HeadroomMemoryPlan node")
+        raise ValueError(f"{node}: policy must come from an Offload Policy (Headroom) or Memory Plan (Headroom) node")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -253,7 +254,7 @@ class HeadroomDatasetFromVideos(io.ComfyNode):
     def execute(cls, folder: str, resolution: int, step: int, crop: str, flip: bool, seed: int, skip_bad: bool,
                 max_frames: int = MAX_FRAMES_DEFAULT, frame_stride: int = 1, mask_folder: str = "",
                 frame_rate: float = 25.0, trigger_word: str = "") -> io.NodeOutput:
-        check_finite("HeadroomDatasetFromVideos", frame_rate=frame_rate)
+        check_finite(VIDEOS_NODE, frame_rate=frame_rate)
         check_dataset_folder(VIDEOS_NODE, folder)
         clips, _, masks = resolve_folders(folder, "", mask_folder)
         dataset = _dataset_from(VIDEOS_NODE, dataset_from_video_folder, folder=clips, resolution=resolution,
@@ -329,8 +330,9 @@ class HeadroomCacheLatents(io.ComfyNode):
 
     @classmethod
     def execute(cls, dataset, vae, control_encoding: str = "pixels", policy=None, start_image: str = "none") -> io.NodeOutput:
-        _check_policy("HeadroomCacheLatents", policy)
-        cache, summary = cache_vae_latents(dataset, vae, control_encoding, policy, start_image)
+        name = node_name(cls)
+        _check_policy(name, policy)
+        cache, summary = cache_vae_latents(dataset, vae, control_encoding, policy, start_image, node=name)
         return io.NodeOutput(cache, summary)
 
 
@@ -363,18 +365,19 @@ class HeadroomCacheText(io.ComfyNode):
 
     @classmethod
     def execute(cls, dataset, clip, policy=None, reference_encoding: str = "none") -> io.NodeOutput:
-        _check_policy("HeadroomCacheText", policy)
+        name = node_name(cls)
+        _check_policy(name, policy)
         if clip is None:
-            raise ValueError("HeadroomCacheText: the clip input is empty (the checkpoint has no text encoder?)")
+            raise ValueError(f"{name}: the clip input is empty (the checkpoint has no text encoder?)")
         if reference_encoding not in REFERENCE_ENCODINGS:
-            raise ValueError(f"HeadroomCacheText: reference_encoding={reference_encoding!r}: choose one of "
+            raise ValueError(f"{name}: reference_encoding={reference_encoding!r}: choose one of "
                              f"{', '.join(REFERENCE_ENCODINGS)}")
         if reference_encoding != "none" and not dataset.has_control:
-            raise ValueError(f"HeadroomCacheText: reference_encoding={reference_encoding} encodes each caption with "
+            raise ValueError(f"{name}: reference_encoding={reference_encoding} encodes each caption with "
                              "its item's control image, but the dataset has none: give it the reference images as "
                              "control images (Dataset from Images' control_images, Dataset from Folder's "
                              "control_folder), or set reference_encoding to 'none'")
-        cache, summary = cache_clip_text(dataset, clip, policy, reference_encoding)
+        cache, summary = cache_clip_text(dataset, clip, policy, reference_encoding, node=name)
         return io.NodeOutput(cache, summary)
 
 

@@ -2,6 +2,7 @@
 from comfy_api.latest import io
 
 from ..training.data.synthetic import COLOURS, SIZE_PRESETS, generate_shapes, parse_colours
+from .bridge.comfy_bridge import node_name
 
 
 class HeadroomSyntheticDataset(io.ComfyNode):
@@ -44,18 +45,18 @@ class HeadroomSyntheticDataset(io.ComfyNode):
     def validate_inputs(cls, resolution: int | None = None, colours: str | None = None) -> bool | str:
         # The widget steps by 8, but API prompts can send any integer. None: linked, checked at run time.
         if resolution is not None and resolution % 8:
-            return f"HeadroomSyntheticDataset: resolution={resolution} must be a multiple of 8"
+            return f"{node_name(cls)}: resolution={resolution} must be a multiple of 8"
         if colours is not None:
             try:
                 parse_colours(colours)
             except ValueError as error:
-                return f"HeadroomSyntheticDataset: {error}"
+                return f"{node_name(cls)}: {error}"
         return True
 
     @classmethod
     def execute(cls, count: int, resolution: int, seed: int, colours: str = "", sizes: str = "default") -> io.NodeOutput:
         if sizes not in SIZE_PRESETS:
-            raise ValueError(f"HeadroomSyntheticDataset: sizes={sizes!r}; choose one of {', '.join(SIZE_PRESETS)}")
+            raise ValueError(f"{node_name(cls)}: sizes={sizes!r}; choose one of {', '.join(SIZE_PRESETS)}")
         data = generate_shapes(count, resolution, seed, parse_colours(colours or ""), **SIZE_PRESETS[sizes])
         return io.NodeOutput(data.images, "\n".join(data.captions), data.control_images)
 

@@ -24,6 +24,7 @@ from ..training.memory.host_ram import HOST_RESERVE_BYTES, host_room
 from ..training.memory.policy import GIB, NodeInput, OffloadPolicy, PolicyError
 from ..training.core.trainer import PRECISIONS
 from .io_types import OffloadPolicyType
+from .bridge.comfy_bridge import node_name
 from .bridge.planning import available_device_bytes, plan_lora_run
 
 CATEGORY = "Headroom/memory"
@@ -62,15 +63,16 @@ class HeadroomOffloadPolicy(io.ComfyNode):
     def execute(cls, **inputs) -> io.NodeOutput:
         floats = {name: inputs[name] for name, spec, _ in OffloadPolicy.node_inputs()
                   if spec.kind == "float" and name in inputs}
-        check_finite("HeadroomOffloadPolicy", **floats)
+        name = node_name(cls)
+        check_finite(name, **floats)
         try:
             policy = OffloadPolicy.from_node_inputs(inputs)
         except PolicyError as error:
-            raise ValueError(f"HeadroomOffloadPolicy: {error}") from None
+            raise ValueError(f"{name}: {error}") from None
         try:  # int8 / nf4 need the optional bitsandbytes: say so now, not when a run opens
             lowbit.check_available(policy.base_storage)
         except MissingPackageError as error:
-            raise MissingPackageError(f"HeadroomOffloadPolicy: {error}") from None
+            raise MissingPackageError(f"{name}: {error}") from None
         text = policy.describe()
         if policy.budget_is_auto:
             available = available_device_bytes()
@@ -138,9 +140,9 @@ class HeadroomMemoryPlan(io.ComfyNode):
                 policy=None, clip=None, vae=None, frames: int = 1) -> io.NodeOutput:
         policy = policy if policy is not None else OffloadPolicy()
         if not isinstance(policy, OffloadPolicy):
-            raise ValueError("HeadroomMemoryPlan: policy must come from a HeadroomOffloadPolicy node")
+            raise ValueError(f"{node_name(cls)}: policy must come from an Offload Policy (Headroom) node")
         plan = plan_lora_run(model, policy, mode, batch_size, width, height, rank, targets, optimizer, precision,
-                             text_tokens, clip, vae, node="HeadroomMemoryPlan", frames=frames)
+                             text_tokens, clip, vae, node=node_name(cls), frames=frames)
         text = plan.to_text()
         return io.NodeOutput(text, plan.to_json(), plan.policy, ui=ui.PreviewText(text))
 

@@ -12,11 +12,11 @@ import dataclasses
 
 from comfy_api.latest import io, ui
 
-from ..training.checks import check_finite
+from ..training.checks import check_finite, named
 from ..training.core.optimizers import OptimizerConfig
 from ..training.core.run_dir import RunFolderError, check_name, check_subfolder
 from ..training.memory import trained_weights_on_host
-from .bridge.comfy_bridge import TrainingRun, check_run_kind, node_id, send_node_text
+from .bridge.comfy_bridge import TrainingRun, check_run_kind, node_id, node_name, send_node_text
 from .bridge.comfy_model import check_caches
 from .bridge.controlnet_build import check_control_cache, controlnet_trainable, controlnet_type_name
 from .bridge.families import CONTROLNET_TYPES
@@ -29,7 +29,7 @@ from .bridge.model_files import runs_root, save_trained_controlnet
 from .bridge.planning import check_host_ram, plan_for_card
 from .bridge.rank_workers import open_on_devices
 from .bridge.run_settings import effective_batch, resolve_policy, run_fingerprint, train_config
-from .train_lora import CATEGORY, SAVED_KEY, saved_file, saved_text, train_validate_save
+from .train_lora import CATEGORY, SAVED_KEY, opened_text, saved_file, saved_text, train_validate_save
 
 
 def start_controlnet_run(model, latent_cache, text_cache, optimizer_config, run_name, seed, batch_size,
@@ -37,16 +37,17 @@ def start_controlnet_run(model, latent_cache, text_cache, optimizer_config, run_
                          loss_weighting, min_snr_gamma, noise_offset, gradient_checkpointing, checkpoint_depth,
                          holdout, blocks=0, init_seed=0, validation_control=None, validation_strength=1.0,
                          policy=None, loss_type: str = "mse", huber_delta: float = 0.1, ema_decay: float = 0.0,
-                         devices: str = "1", node: str = "HeadroomTrainControlNetInit",
+                         devices: str = "1", node: str = "Train ControlNet: Init (Headroom)",
                          shown_on: str | None = None) -> TrainingRun:
-    """Check every input (before any GPU work), then build or resume the run."""
+    """Check every input (before any GPU work), then build or resume the run; `node`: the display name of the node
+    opening it, for messages."""
     try:
         check_name(run_name, "run name")
         check_finite(node, max_grad_norm=max_grad_norm, caption_dropout=caption_dropout, min_snr_gamma=min_snr_gamma,
                      noise_offset=noise_offset, validation_strength=validation_strength, huber_delta=huber_delta,
                      ema_decay=ema_decay)
         if not isinstance(optimizer_config, OptimizerConfig):
-            raise ValueError("optimizer_config must come from a HeadroomOptimizerConfig node")
+            raise ValueError("optimizer_config must come from an Optimizer Config (Headroom) node")
         optimizer_config.validate()
         train, note = train_config(model, run_name, node, seed, batch_size, grad_accumulation, precision, max_grad_norm,
                                    caption_dropout, timestep_sampling, loss_weighting, min_snr_gamma, noise_offset,
@@ -73,8 +74,7 @@ def start_controlnet_run(model, latent_cache, text_cache, optimizer_config, run_
         run.batch_note, run.plan_note = batch_note, plan_note
         return run
     except (ValueError, RunFolderError) as error:  # ControlNetError is a ValueError
-        message = str(error)
-        raise ValueError(message if message.startswith("Headroom") else f"{node}: {message}") from error
+        raise ValueError(named(node, str(error))) from error
 
 
 def controlnet_inputs() -> list:
@@ -127,9 +127,9 @@ class HeadroomTrainControlNetInit(io.ComfyNode):
 
     @classmethod
     def execute(cls, **inputs) -> io.NodeOutput:
-        run = start_controlnet_run(**inputs, shown_on=node_id(cls))
+        run = start_controlnet_run(**inputs, node=node_name(cls), shown_on=node_id(cls))
         return io.NodeOutput(run, run.step, run.trained.comfy_controlnet(),
-                             ui=ui.PreviewText("\n".join(run.notes)))
+                             ui=ui.PreviewText(opened_text(run)))
 
 
 # --- save -------------------------------------------------------------------------------------------------
@@ -157,13 +157,13 @@ class HeadroomSaveControlNet(io.ComfyNode):
 
     @classmethod
     def execute(cls, run, subfolder: str, filename: str, weights: str = "auto") -> io.NodeOutput:
-        check_run_kind(run, "controlnet", "HeadroomSaveControlNet", "save")
+        check_run_kind(run, "controlnet", node_name(cls), "save")
         try:
             name = save_trained_controlnet(run, subfolder, filename, weights)
         except ValueError as error:
-            raise ValueError(f"HeadroomSaveControlNet: {error}") from error
+            raise ValueError(f"{node_name(cls)}: {error}") from error
         return io.NodeOutput(name, ui={SAVED_KEY: [saved_file("ControlNet", "controlnet", name)],
-                                       "text": [saved_text("ControlNet", "controlnet", name)]})
+                                       "text": [saved_text(run, "ControlNet", "controlnet", name)]})
 
 
 # --- all in one ------------------------------------------------------------------------------------------------
@@ -190,9 +190,9 @@ class HeadroomTrainControlNet(io.ComfyNode):
     @classmethod
     def execute(cls, steps, validate_every, save_every, controlnet_subfolder, checkpoint_every=0,
                 checkpoint_minutes=DEFAULT_CHECKPOINT_MINUTES, **inputs) -> io.NodeOutput:
-        check_subfolder(controlnet_subfolder, "HeadroomTrainControlNet: controlnet_subfolder")
+        check_subfolder(controlnet_subfolder, f"{node_name(cls)}: controlnet_subfolder")
         run, name, loss, outputs = train_validate_save(
-            cls, lambda **init: start_controlnet_run(**init, node="HeadroomTrainControlNet", shown_on=node_id(cls)),
+            cls, lambda **init: start_controlnet_run(**init, node=node_name(cls), shown_on=node_id(cls)),
             lambda run: save_trained_controlnet(run, controlnet_subfolder, f"{run.run_dir.name}_step{run.step:06d}"),
             steps, validate_every, save_every, inputs, saved_as=("ControlNet", "controlnet"),
             checkpoint_every=checkpoint_every, checkpoint_minutes=checkpoint_minutes)

@@ -17,12 +17,12 @@ import folder_paths
 from comfy_api.latest import io, ui
 
 from ..training.core.adapters import FULL_PRECISIONS, KINDS, TARGET_MODES, AdapterConfig
-from ..training.checks import check_finite
+from ..training.checks import check_finite, named
 from ..training.core.optimizers import OPTIMIZERS, SCHEDULES, MissingPackageError, OptimizerConfig, check_available
 from ..training.core.run_dir import RunFolderError, check_name, check_subfolder
 from ..training.memory import sharded_optimizer
 from .bridge import lora_formats
-from .bridge.comfy_bridge import TrainingRun, check_run_kind, node_id, node_name, send_node_text
+from .bridge.comfy_bridge import TrainingRun, check_run_kind, node_id, node_name, run_and_step, send_node_text
 from .bridge.comfy_model import check_caches, check_reference_cache, model_family
 from .bridge.model_files import runs_root, save_extracted_lora, save_lora
 from .bridge.planning import check_host_ram, lora_trainable, plan_for_card
@@ -49,9 +49,26 @@ def saved_file(kind: str, folder: str, name: str) -> dict:
     return {"kind": kind, "folder": folder, "name": name}
 
 
-def saved_text(kind: str, folder: str, name: str) -> str:
-    """What a save node shows on itself: where the file went, relative to ComfyUI's models/ folder."""
-    return f"{kind} saved to models/{folder}/{name}"
+def saved_text(run: TrainingRun, kind: str, folder: str, name: str) -> str:
+    """What a save node shows on itself: the run and step saved, and where the file went, relative to ComfyUI's
+    models/ folder."""
+    return f"{run_and_step(run)}: {kind} saved to models/{folder}/{name}"
+
+
+def opened_text(run: TrainingRun) -> str:
+    """What an Init node shows on itself: the run it opened, at which step, and its notes (precision, the policy
+    fitted to the card, the batch), one a line."""
+    how = "resumed from its last checkpoint" if run.resumed else "started"
+    return "\n".join([f"{run_and_step(run)}: {how}", *run.notes])
+
+
+def validated_text(run: TrainingRun, loss: float, sampled: bool) -> str:
+    """What Validate shows on itself: the run and step validated, the validation loss and, when it `sampled` images,
+    the grid's file under output/ (the images themselves show as ComfyUI's image preview)."""
+    text = f"{run_and_step(run)}: validation loss {loss:.4g}"
+    if sampled:
+        text += f"; grid saved to output/{run.last_validation['grid']}"
+    return text
 
 
 def shown_images(run: TrainingRun, previews) -> dict:
@@ -121,11 +138,12 @@ class HeadroomLoraConfig(io.ComfyNode):
     @classmethod
     def execute(cls, kind, rank, alpha, targets, include_conv, dropout, init_seed, init_lora="none",
                 full_precision="fp32") -> io.NodeOutput:
-        check_finite("HeadroomLoraConfig", alpha=alpha, dropout=dropout)
+        name = node_name(cls)
+        check_finite(name, alpha=alpha, dropout=dropout)
         config = AdapterConfig(kind=kind, rank=rank, alpha=alpha, targets=targets, include_conv=include_conv,
                                dropout=dropout, init_seed=init_seed, init_lora=None if init_lora == "none" else init_lora,
                                full_precision=full_precision)
-        _checked("HeadroomLoraConfig", config.validate)
+        _checked(name, config.validate)
         return io.NodeOutput(config)
 
 
@@ -230,8 +248,9 @@ def start_lora_run(model, latent_cache, text_cache, lora_config, optimizer_confi
                    loss_type: str = "mse", huber_delta: float = 0.1, ema_decay: float = 0.0,
                    prior_latent_cache=None, prior_text_cache=None, prior_ratio: float = 0.5, reference: str = "none",
                    noise_min: float = 0.0, noise_max: float = 1.0, devices: str = "1",
-                   node: str = "HeadroomTrainLoraInit", shown_on: str | None = None) -> TrainingRun:
-    """Check every input (before any GPU work), then build or resume the run."""
+                   node: str = "Train LoRA: Init (Headroom)", shown_on: str | None = None) -> TrainingRun:
+    """Check every input (before any GPU work), then build or resume the run; `node`: the display name of the node
+    opening it, for messages."""
     try:
         check_name(run_name, "run name")
         check_finite(node, max_grad_norm=max_grad_norm, caption_dropout=caption_dropout, min_snr_gamma=min_snr_gamma,
@@ -243,9 +262,9 @@ def start_lora_run(model, latent_cache, text_cache, lora_config, optimizer_confi
         if prior is not None and prior_ratio <= 0:
             raise ValueError("prior_ratio=0 with prior caches connected: set a share > 0, or disconnect them")
         if not isinstance(lora_config, AdapterConfig):
-            raise ValueError("lora_config must come from a HeadroomLoraConfig node")
+            raise ValueError("lora_config must come from a LoRA Config (Headroom) node")
         if not isinstance(optimizer_config, OptimizerConfig):
-            raise ValueError("optimizer_config must come from a HeadroomOptimizerConfig node")
+            raise ValueError("optimizer_config must come from an Optimizer Config (Headroom) node")
         lora_config.validate()
         optimizer_config.validate()
         train, note = train_config(model, run_name, node, seed, batch_size, grad_accumulation, precision, max_grad_norm,
@@ -281,8 +300,7 @@ def start_lora_run(model, latent_cache, text_cache, lora_config, optimizer_confi
         run.batch_note, run.plan_note = batch_note, plan_note
         return run
     except (ValueError, RunFolderError) as error:
-        message = str(error)
-        raise ValueError(message if message.startswith("Headroom") else f"{node}: {message}") from error
+        raise ValueError(named(node, str(error))) from error
 
 
 class HeadroomTrainLoraInit(io.ComfyNode):
@@ -307,8 +325,8 @@ class HeadroomTrainLoraInit(io.ComfyNode):
 
     @classmethod
     def execute(cls, **inputs) -> io.NodeOutput:
-        run = start_lora_run(**inputs, shown_on=node_id(cls))
-        return io.NodeOutput(run, run.step, ui=ui.PreviewText("\n".join(run.notes)))
+        run = start_lora_run(**inputs, node=node_name(cls), shown_on=node_id(cls))
+        return io.NodeOutput(run, run.step, ui=ui.PreviewText(opened_text(run)))
 
 
 def check_checkpoint_inputs(node: str, checkpoint_every: int, checkpoint_minutes: float) -> None:
@@ -343,8 +361,9 @@ class HeadroomTrainSteps(io.ComfyNode):
     @classmethod
     def execute(cls, run: TrainingRun, steps: int, checkpoint_every: int = 0,
                 checkpoint_minutes: float = DEFAULT_CHECKPOINT_MINUTES) -> io.NodeOutput:
-        check_checkpoint_inputs("HeadroomTrainSteps", checkpoint_every, checkpoint_minutes)
-        note = steps_note("HeadroomTrainSteps", run, steps, "steps")
+        name = node_name(cls)
+        check_checkpoint_inputs(name, checkpoint_every, checkpoint_minutes)
+        note = steps_note(name, run, steps, "steps")
         run.train_to(steps, node_id=node_id(cls), checkpoint_every=checkpoint_every,
                      checkpoint_minutes=checkpoint_minutes)
         history = {**run.history(steps), **({"note": note} if note else {})}
@@ -399,7 +418,8 @@ class HeadroomValidate(io.ComfyNode):
         # The chart of the training node showing this run restores its thumbnails from here after a reload.
         validation = {"run": run.run_dir.name, "step": run.step, "val_loss": loss,
                       "images": previews.values if previews is not None else []}
-        ui_output = {**shown_images(run, previews), VALIDATION_KEY: [validation]}
+        ui_output = {**shown_images(run, previews), VALIDATION_KEY: [validation],
+                     "text": [validated_text(run, loss, previews is not None)]}
         if previews is not None:
             ui_output[SAVED_KEY] = [saved_file("validation grid", "output", run.last_validation["grid"])]
             if "before_after" in run.last_validation:
@@ -443,13 +463,13 @@ class HeadroomSaveLora(io.ComfyNode):
     @classmethod
     def execute(cls, run: TrainingRun, subfolder: str, filename: str, dtype: str,
                 format: str = "comfyui", weights: str = "auto") -> io.NodeOutput:  # noqa: A002 - the input's name
-        check_run_kind(run, "lora", "HeadroomSaveLora", "save")
+        check_run_kind(run, "lora", node_name(cls), "save")
         try:
             name = save_lora(run, subfolder, filename, dtype, format, weights)
         except ValueError as error:
-            raise ValueError(f"HeadroomSaveLora: {error}") from error
+            raise ValueError(f"{node_name(cls)}: {error}") from error
         return io.NodeOutput(name, ui={SAVED_KEY: [saved_file("LoRA", "loras", name)],
-                                       "text": [saved_text("LoRA", "loras", name)]})
+                                       "text": [saved_text(run, "LoRA", "loras", name)]})
 
 
 class HeadroomExtractLora(io.ComfyNode):
@@ -484,14 +504,15 @@ class HeadroomExtractLora(io.ComfyNode):
     @classmethod
     def execute(cls, run: TrainingRun, rank: int, energy: float, subfolder: str, filename: str, dtype: str,
                 weights: str = "auto") -> io.NodeOutput:
-        check_finite("HeadroomExtractLora", energy=energy)
-        check_run_kind(run, "lora", "HeadroomExtractLora", "save")
+        node = node_name(cls)
+        check_finite(node, energy=energy)
+        check_run_kind(run, "lora", node, "save")
         try:
             name, kept = save_extracted_lora(run, subfolder, filename, rank, energy, dtype, weights)
         except ValueError as error:
-            raise ValueError(f"HeadroomExtractLora: {error}") from error
+            raise ValueError(f"{node}: {error}") from error
         return io.NodeOutput(name, ui={SAVED_KEY: [saved_file("LoRA", "loras", name)],
-                                       "text": [f"{saved_text('LoRA', 'loras', name)}\n{kept}"]})
+                                       "text": [f"{saved_text(run, 'LoRA', 'loras', name)}\n{kept}"]})
 
 
 class HeadroomApplyTrainedLora(io.ComfyNode):
@@ -512,8 +533,8 @@ class HeadroomApplyTrainedLora(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, run: TrainingRun, strength: float) -> io.NodeOutput:
-        lora = check_run_kind(run, "lora", "HeadroomApplyTrainedLora", "apply")
-        check_finite("HeadroomApplyTrainedLora", strength=strength)
+        lora = check_run_kind(run, "lora", node_name(cls), "apply")
+        check_finite(node_name(cls), strength=strength)
         return io.NodeOutput(lora.patched_model(run, model, strength))
 
 
@@ -552,7 +573,7 @@ def train_validate_save(node_cls, start, save, steps: int, validate_every: int, 
     history = {**run.history(steps), **({"note": note} if note else {})}
     outputs = {**shown_images(run, previews), HISTORY_KEY: [history],
                "text": [*run.notes, *([note] if note else []), *run.fallback.untold(),
-                        *([saved_text(*saved_as, name)] if name else [])],
+                        *([saved_text(run, *saved_as, name)] if name else [])],
                SAVED_KEY: saved}
     return run, name, loss, outputs
 
@@ -585,9 +606,9 @@ class HeadroomTrainLora(io.ComfyNode):
     @classmethod
     def execute(cls, steps, validate_every, save_every, lora_subfolder, checkpoint_every=0,
                 checkpoint_minutes=DEFAULT_CHECKPOINT_MINUTES, **inputs) -> io.NodeOutput:
-        check_subfolder(lora_subfolder, "HeadroomTrainLora: lora_subfolder")
+        check_subfolder(lora_subfolder, f"{node_name(cls)}: lora_subfolder")
         run, lora_name, loss, outputs = train_validate_save(
-            cls, lambda **init: start_lora_run(**init, node="HeadroomTrainLora", shown_on=node_id(cls)),
+            cls, lambda **init: start_lora_run(**init, node=node_name(cls), shown_on=node_id(cls)),
             lambda run: save_lora(run, lora_subfolder, f"{run.run_dir.name}_step{run.step:06d}"),
             steps, validate_every, save_every, inputs, checkpoint_every=checkpoint_every,
             checkpoint_minutes=checkpoint_minutes)

@@ -211,7 +211,8 @@ def run_case(name: str, size: int, steps: int, checkpointing: bool, planner_esti
         init_record = peak.record("init (HeadroomTrainLoraInit)")
         run = init.args[0]
         report["precision"] = run.trainer.config.precision
-        report["precision_note"] = init.ui.as_dict()["text"][0]
+        # The Init node's text: the run it opened, then its notes, the precision note among them.
+        report["precision_note"] = next(line for line in init.ui.as_dict()["text"][0].splitlines() if "precision" in line)
         started = time.perf_counter()
         loss = T.HeadroomTrainSteps.execute(run, steps).args[1]
         report["train_seconds"] = time.perf_counter() - started

@@ -16,6 +16,12 @@ import math
 from . import public_module
 
 
+def named(owner: str, message: str) -> str:
+    """`message` as `owner` (a node's display name) says it: starting with "<owner>: " once (a deeper check that was
+    given the name may have put it there already)."""
+    return message if message.startswith(f"{owner}: ") else f"{owner}: {message}"
+
+
 def check_finite(owner: str, **values) -> None:
     """Raise ValueError naming `owner` and the input when any of `values` is a NaN or infinite float."""
     for name, value in values.items():

@@ -29,12 +29,14 @@ def _encoding(patcher, policy, recorder: PhaseRecorder, phase: str):
         unload_encoder(patcher, policy)
 
 
-def cache_vae_latents(dataset, vae, control_encoding: str = "pixels", policy=None, start_image: str = "none"):
+def cache_vae_latents(dataset, vae, control_encoding: str = "pixels", policy=None, start_image: str = "none", *,
+                      node: str):
     """(LatentCache, summary) of `dataset` encoded by `vae` (cached items reused); with a `start_image` node
-    (WanImageToVideo), each item's first frame through that node too (image-to-video: nodes/bridge/start_image.py)."""
+    (WanImageToVideo), each item's first frame through that node too (image-to-video: nodes/bridge/start_image.py).
+    `node`: the caching node's display name, for messages."""
     vae.throw_exception_if_invalid()
     if start_image not in START_IMAGE_NODES:
-        raise ValueError(f"HeadroomCacheLatents: start_image={start_image!r}: choose one of {', '.join(START_IMAGE_NODES)}")
+        raise ValueError(f"{node}: start_image={start_image!r}: choose one of {', '.join(START_IMAGE_NODES)}")
     node = None if start_image == "none" else start_image
     store = open_store("latents")
     options = {
@@ -72,9 +74,10 @@ def encode_with_reference(encoding: str, clip, text: str, image: torch.Tensor, v
     raise ValueError(f"reference_encoding={encoding!r}: choose one of {', '.join(REFERENCE_ENCODINGS)}")
 
 
-def cache_clip_text(dataset, clip, policy=None, reference_encoding: str = "none"):
+def cache_clip_text(dataset, clip, policy=None, reference_encoding: str = "none", *, node: str):
     """(TextCache, summary) of the dataset's captions and the empty prompt encoded by `clip` (cached ones reused);
-    with a `reference_encoding` node, each caption is encoded with its item's control image by that node."""
+    with a `reference_encoding` node, each caption is encoded with its item's control image by that node. `node`: the
+    caching node's display name, for messages."""
     store = open_store("text")
     options = {
         "text_encoder": type(clip.cond_stage_model).__qualname__,
@@ -94,7 +97,7 @@ def cache_clip_text(dataset, clip, policy=None, reference_encoding: str = "none"
     def flatten(conditioning) -> dict[str, torch.Tensor]:
         if len(conditioning) != 1:
             raise ValueError(
-                "HeadroomCacheText: this CLIP has scheduled hooks, which give one conditioning per keyframe; "
+                f"{node}: this CLIP has scheduled hooks, which give one conditioning per keyframe; "
                 "remove the hooks from the CLIP before caching"
             )
         cond, extras = conditioning[0]

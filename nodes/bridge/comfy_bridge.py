@@ -74,6 +74,11 @@ def node_name(node_cls) -> str:
     return node_cls.define_schema().display_name
 
 
+def run_and_step(run) -> str:
+    """How a node's text names the run and step its result belongs to: "run 'my_lora', step 400"."""
+    return f"run '{run.run_dir.name}', step {run.step}"
+
+
 def send_event(event: str, data: dict) -> None:
     """A websocket event when a ComfyUI server is running in this process (nothing otherwise)."""
     server = sys.modules.get("server")
@@ -356,7 +361,7 @@ class TrainingRun:
     def __init__(self, model, latent_cache, text_cache, config, trained, run_root: pathlib.Path, run_name: str,
                  policy: OffloadPolicy | None = None):
         if policy is not None and not isinstance(policy, OffloadPolicy):
-            raise ValueError("policy must come from a HeadroomOffloadPolicy or HeadroomMemoryPlan node")
+            raise ValueError("policy must come from an Offload Policy (Headroom) or Memory Plan (Headroom) node")
         self.policy = policy if policy is not None else OffloadPolicy()
         Placement.free_shared_module(model)
         self.source_model, self.latent_cache, self.text_cache = model, latent_cache, text_cache

@@ -13,6 +13,7 @@ import torch
 
 import comfy.model_management
 
+from ...training.checks import named
 from ...training.memory import host_ram, planner, trained_weights_on_host
 from ...training.core.adapters import AdapterConfig, AdapterSet
 from ...training.memory.policy import OffloadPolicy, PolicyError
@@ -141,7 +142,7 @@ def describe_comfy_model(patcher, adapter: AdapterConfig, precision: str = "bf16
     diffusion_model = model.diffusion_model
     named_blocks = training_blocks(diffusion_model)
     if not named_blocks:
-        raise ValueError(f"HeadroomMemoryPlan: {type(diffusion_model).__name__} has no repeated blocks to plan with")
+        raise ValueError(f"{type(diffusion_model).__name__} has no repeated blocks to plan with")
     samples = measure_model(patcher, adapter, precision)
     saved, inputs, outside = planner.fit_profile(samples)
     blocks = planner.describe_blocks(named_blocks, saved, inputs, samples)
@@ -223,10 +224,10 @@ def first_block_prefix(patcher) -> str:
 
 def plan_lora_run(model, policy: OffloadPolicy, mode: str, batch_size: int, width: int, height: int, rank: int,
                   targets: str, optimizer: str, precision: str, text_tokens: int, clip=None, vae=None,
-                  node: str = "HeadroomMemoryPlan", frames: int = 1) -> planner.Plan:
+                  *, node: str, frames: int = 1) -> planner.Plan:
     """The Memory Plan node's plan of a LoRA run on `model`: the estimate with `policy` (mode "estimate") or the
     fastest policy that fits the budget (mode "auto"); precision "auto" and text_tokens 0 as the training nodes
-    resolve them; `frames`: a video model's longest training clip."""
+    resolve them; `frames`: a video model's longest training clip; `node`: the node's display name, for messages."""
     adapter = AdapterConfig(rank=rank, alpha=float(rank), targets=targets)
     if precision == "auto":
         precision = auto_precision(model.load_device)
@@ -238,9 +239,9 @@ def plan_lora_run(model, policy: OffloadPolicy, mode: str, batch_size: int, widt
         if vae is not None and frames > 1 and frame_step(vae) is None:
             raise ValueError(f"frames={frames}, but this VAE ({type(vae.first_stage_model).__name__}) encodes images; "
                              "connect the video model's VAE")
+        description = describe_comfy_model(model, adapter, precision, text_tokens or None, clip, vae, frames)
     except (PolicyError, ValueError) as error:
-        raise ValueError(f"{node}: {error}") from None
-    description = describe_comfy_model(model, adapter, precision, text_tokens or None, clip, vae, frames)
+        raise ValueError(named(node, str(error))) from None
     trainable = lora_trainable(model, adapter, optimizer, paths)
     shape = planner.RunShape(batch_size, width, height, text_tokens or None, latent_frames)
     room = host_ram.host_room(policy.host_ram_budget_gb)
@@ -280,7 +281,7 @@ def _run_inputs(run) -> tuple:
                                     state_ranks=run.trainer.state_ranks, weight_ranks=run.trainer.weight_ranks,
                                     first_block_elements=first)
     shape = cache_run_shape(run.source_model, run.latent_cache, run.text_cache, config.train.batch_size,
-                            "HeadroomTrainSteps", config.train.grad_accum)
+                            "Train LoRA: Steps (Headroom)", config.train.grad_accum)
     budget = budget_bytes(run.policy, torch.device(run.source_model.load_device))
     return description, trainable, shape, budget
 

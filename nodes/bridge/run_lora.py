@@ -172,17 +172,18 @@ class LoraTraining:
             # Every item's cached control latents as its one reference, as ReferenceLatent appends a VAE Encode
             # output; kept when caption dropout empties the prompt (trainer's item_extras).
             extras.append(lambda item: {REFERENCE_LATENTS: [latent_cache.control(item).float()]})
-        start = item_start_extras(patcher.model, latent_cache, "HeadroomTrainLoraInit")  # image-to-video: start frames
+        # image-to-video: start frames. Errors here go up to the node that opens the run, which puts its name first.
+        start = item_start_extras(patcher.model, latent_cache, f"run '{run.run_dir.name}'")
         if start is not None:
             if self.prior is not None:
-                raise ValueError("HeadroomTrainLoraInit: prior images with start images (image-to-video): prior images "
-                                 "have no start image; disconnect prior_latent_cache / prior_text_cache")
+                raise ValueError("prior images with start images (image-to-video): prior images have no start image; "
+                                 "disconnect prior_latent_cache / prior_text_cache")
             extras.append(start)
         rates = video.item_frame_rate_extras(patcher.model, latent_cache)  # LTX-2: each clip at its own frame rate
         if rates is not None:
             if self.prior is not None:
-                raise ValueError("HeadroomTrainLoraInit: prior images with clips at their own frame rates (LTX-2) are not "
-                                 "supported; disconnect prior_latent_cache / prior_text_cache")
+                raise ValueError("prior images with clips at their own frame rates (LTX-2) are not supported; "
+                                 "disconnect prior_latent_cache / prior_text_cache")
             extras.append(rates)
         if extras:
             options["item_extras"] = lambda item: {k: v for extra in extras for k, v in extra(item).items()}
@@ -213,7 +214,7 @@ class LoraTraining:
         patcher = run.placement.patcher
         patcher.inject_model()  # a no-op when the load just injected; needed when the clone stayed loaded
         if self.adapters.attached_to is not patcher.model.diffusion_model:
-            raise RuntimeError("HeadroomTrainLora: ComfyUI did not attach the adapter to the loaded model")
+            raise RuntimeError(f"run '{run.run_dir.name}': ComfyUI did not attach the adapter to the loaded model")
         try:
             yield
         finally:
@@ -221,7 +222,8 @@ class LoraTraining:
 
     def check_detached(self, run) -> None:
         if self.adapters.attached_to is not None:
-            raise RuntimeError("HeadroomValidate: the adapter is still attached; cannot sample the base model")
+            raise RuntimeError(f"run '{run.run_dir.name}': the adapter is still attached; cannot sample the base "
+                               "model")
 
     # --- sampling -------------------------------------------------------------------------------------------
     @contextlib.contextmanager

@@ -103,7 +103,7 @@ def resolve_policy(policy, gradient_checkpointing: bool, checkpoint_depth: int, 
     the gradient_checkpointing / checkpoint_depth inputs mapped into it (training/memory/policy.run_policy). Every
     later step reads only `run.policy`."""
     if policy is not None and not isinstance(policy, OffloadPolicy):
-        raise ValueError("policy must come from a HeadroomOffloadPolicy or HeadroomMemoryPlan node")
+        raise ValueError("policy must come from an Offload Policy (Headroom) or Memory Plan (Headroom) node")
     note = ""
     if policy is not None and policy.fits_card:
         plan = plan_card(policy)

@@ -48,12 +48,13 @@ WEIGHTS = ("random", "pretrained")
 # per family (model.diffusion_model. / cond_stage_model. / first_stage_model.), fp16.
 WEIGHTS_DIR = pathlib.Path(__file__).resolve().parents[1] / "weights"
 PRETRAINED_FILES = {"sd15": WEIGHTS_DIR / "tiny_sd15_shapes.safetensors"}
+NODE = "Tiny Model (Headroom)"  # the display name of the node (nodes/tiny.py), for messages
 
 
 def tiny_spec(family: str):
     """The `TinyModel` of a tiny model name (nodes/bridge/families/base.py), or a ValueError naming the ones there are."""
     if family not in TINY_MODELS:
-        raise ValueError(f"HeadroomTinyModel: unknown family {family!r}; choose one of {', '.join(FAMILIES)}")
+        raise ValueError(f"{NODE}: unknown family {family!r}; choose one of {', '.join(FAMILIES)}")
     return TINY_MODELS[family][1]
 
 
@@ -95,9 +96,9 @@ def init_weights_(module: torch.nn.Module, seed: int) -> None:
 
 def _check_weights(family: str, weights: str) -> None:
     if weights not in WEIGHTS:
-        raise ValueError(f"HeadroomTinyModel: weights={weights!r}; choose one of {', '.join(WEIGHTS)}")
+        raise ValueError(f"{NODE}: weights={weights!r}; choose one of {', '.join(WEIGHTS)}")
     if weights == "pretrained" and family not in PRETRAINED_FILES:
-        raise ValueError(f"HeadroomTinyModel: weights='pretrained' exists for the {', '.join(PRETRAINED_FILES)} family "
+        raise ValueError(f"{NODE}: weights='pretrained' exists for the {', '.join(PRETRAINED_FILES)} family "
                          f"only, not {family!r}; use weights='random' for {family}")
 
 
@@ -105,7 +106,7 @@ def _check_weights(family: str, weights: str) -> None:
 def _pretrained_file(family: str) -> dict:
     path = PRETRAINED_FILES[family]
     if not path.is_file():
-        raise FileNotFoundError(f"HeadroomTinyModel: the pretrained weights {path} are missing; regenerate them with "
+        raise FileNotFoundError(f"{NODE}: the pretrained weights {path} are missing; regenerate them with "
                                 "`python workflows/pretrain_tiny.py` (or use weights='random')")
     return comfy.utils.load_torch_file(str(path), safe_load=True)
 
@@ -118,7 +119,7 @@ def pretrained_state_dict(family: str, prefix: str) -> dict:
 def _check_loaded(part: str, expected: set, got: set) -> None:
     missing, unexpected = sorted(expected - got), sorted(got - expected)
     if missing or unexpected:
-        raise RuntimeError(f"HeadroomTinyModel: the pretrained {part} does not match the tiny model "
+        raise RuntimeError(f"{NODE}: the pretrained {part} does not match the tiny model "
                            f"(missing {missing[:3]}, unexpected {unexpected[:3]}); regenerate it with "
                            "workflows/pretrain_tiny.py")
 

@@ -45,7 +45,7 @@ def sample_images(run: TrainingRun, clip, vae, prompts: list[str], negative: str
     model, given with both prompts by its stock node (WanImageToVideo), whose latent the sampler starts from.
     `frame_rate`: set on both prompts by the stock LTXVConditioning node (models that read it: LTX-2); None: the
     model's default. Returns (images, sampled latents)."""
-    latent_frames = video.check_frames("HeadroomValidate", run.source_model.model, frames)
+    latent_frames = video.check_frames(f"run '{run.run_dir.name}'", run.source_model.model, frames)
     negative_cond = clip.encode_from_tokens_scheduled(clip.tokenize(negative))
     latents = []
     # comfy.sample.prepare_noise reseeds the global torch RNG; fork it so validating never changes what the
@@ -244,7 +244,7 @@ def validate(node_cls, run: TrainingRun, clip=None, vae=None, prompts="", negati
     rate = video.validation_frame_rate(name, run.source_model.model, run.latent_cache, frame_rate)
     lines = [line.strip() for line in (prompts or "").splitlines() if line.strip()]
     if lines and (clip is None or vae is None):
-        raise ValueError("HeadroomValidate: validation prompts need the clip and vae inputs connected")
+        raise ValueError(f"{name}: validation prompts need the clip and vae inputs connected")
     images = previews = grid = before_after = None
     try:
         with run.phase("validation"):

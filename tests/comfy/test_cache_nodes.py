@@ -150,9 +150,11 @@ def test_caching_nodes_refuse_something_that_is_no_policy(cache_dir):
 
     _, clip, vae = build_tiny_models("sd15", seed=0)
     _, dataset = synthetic_dataset(count=2)
-    with pytest.raises(ValueError, match="^HeadroomCacheLatents: policy must come from a HeadroomOffloadPolicy"):
+    with pytest.raises(ValueError,
+                       match=r"^Cache Latents \(Headroom\): policy must come from an Offload Policy \(Headroom\) or "):
         HeadroomCacheLatents.execute(dataset, vae, policy={"encoders": "keep_loaded"})
-    with pytest.raises(ValueError, match="^HeadroomCacheText: policy must come from a HeadroomOffloadPolicy"):
+    with pytest.raises(ValueError,
+                       match=r"^Cache Text \(Headroom\): policy must come from an Offload Policy \(Headroom\) or "):
         HeadroomCacheText.execute(dataset, clip, policy="keep_loaded")
     assert not any(cache_dir.rglob("*.safetensors"))
 

@@ -232,7 +232,7 @@ def test_init_refuses_every_family_without_a_controlnet_layout_naming_it_and_the
             assert controlnet_type_name(model) == family.controlnet.name
             continue
         refused.append(name)
-        with pytest.raises(ValueError, match=rf"^HeadroomTrainControlNetInit: no ControlNet support for this MODEL: "
+        with pytest.raises(ValueError, match=rf"^Train ControlNet: Init \(Headroom\): no ControlNet support for this MODEL: "
                                              rf"family {name} .*sd15, sd2, sdxl \(unet: .*sd3 \(sd3: .*flux \(flux: "):
             TC.start_controlnet_run(model, None, None, optimizer, f"cn_refused_{name}", 0, 1, 1, "fp32", 1.0, 0.0,
                                     "uniform", "none", 5.0, 0.0, False, 1, 0)

@@ -222,8 +222,11 @@ def test_trained_file_through_stock_nodes_reproduces_the_run_validation_image(co
     images = HeadroomValidate.execute(run, clip=clip, vae=vae, prompts="a red circle", negative="blurry",
                                       loss_timesteps=4, **settings).args[0]
 
-    name = HeadroomSaveControlNet.execute(run, "headroom-tests", "").args[0]
+    saved = HeadroomSaveControlNet.execute(run, "headroom-tests", "")
+    name = saved.args[0]
     assert name in folder_paths.get_filename_list("controlnet")
+    # What the node shows: the run and step saved, and where (issue 44).
+    assert saved.ui["text"] == [f"run '{run.run_dir.name}', step 10: ControlNet saved to models/controlnet/{name}"]
     with torch.inference_mode():  # the stock graph: ControlNetLoader -> ControlNetApplyAdvanced -> KSampler -> VAEDecode
         control_net = nodes.ControlNetLoader().load_controlnet(name)[0]
         positive = nodes.CLIPTextEncode().encode(clip, "a red circle")[0]
@@ -244,7 +247,7 @@ def test_bad_control_caches_fail_clearly(comfyui):
     from headroom.nodes.train_controlnet import HeadroomTrainControlNetInit
 
     model, clip, vae, latent_cache, text_cache = _caches("sd15", count=2, control=False)
-    with pytest.raises(ValueError, match="HeadroomTrainControlNetInit: the LATENT_CACHE has no control images"):
+    with pytest.raises(ValueError, match=r"Train ControlNet: Init \(Headroom\): the LATENT_CACHE has no control images"):
         HeadroomTrainControlNetInit.execute(**_init_inputs(model, latent_cache, text_cache, _unique("nocontrol")))
 
     model, clip, vae, latent_cache, text_cache = _caches("sd3", count=2, encoding="pixels")
@@ -259,7 +262,7 @@ def test_bad_control_caches_fail_clearly(comfyui):
     from headroom.training.memory.policy import OffloadPolicy  # a full fine-tune's option
 
     host = OffloadPolicy(trained_weights="host", fused_backward=True, optimizer_state="cpu")
-    with pytest.raises(ValueError, match="HeadroomTrainControlNetInit: trained_weights 'host' .* this run trains a "
+    with pytest.raises(ValueError, match=r"Train ControlNet: Init \(Headroom\): trained_weights 'host' .* this run trains a "
                                          "ControlNet: set trained_weights 'device' in the Offload Policy"):
         HeadroomTrainControlNetInit.execute(**_init_inputs(model, latent_cache, text_cache, _unique("host"),
                                                            policy=host))
@@ -301,6 +304,8 @@ def test_all_in_one_node_trains_validates_saves_and_continues(comfyui, family):
     grids = sorted(p.name for p in run.run_dir.validation_dir.glob("*.png"))
     assert grids == ["step_00000002.png", "step_00000004.png"]
     assert output.ui is not None  # previews of the last validation
+    # Its text names the run and step of the ControlNet it saved last (issue 44).
+    assert output.ui["text"][-1] == f"run '{name}', step 4: ControlNet saved to models/controlnet/{saved}"
 
     again = HeadroomTrainControlNet.execute(steps=6, **inputs).args[1]  # queued again with more steps: continues
     assert again.resumed and again.step == 6
@@ -374,4 +379,6 @@ def test_a_card_fits_a_controlnet_run_counting_the_controlnet(comfyui):
     assert run.trainer.policy.card == "custom" and planned.peak_bytes <= card.budget_bytes()
     assert run.trainer.policy == planner.plan_auto(description, trainable, shape, OffloadPolicy(card="8 GB"),
                                                    card.budget_bytes()).policy.replace(card="custom", vram_budget_gb=7.0)
-    assert "HeadroomTrainControlNetInit: 8 GB: base resident" in output.ui.as_dict()["text"][0]
+    [text] = output.ui.as_dict()["text"]
+    assert text.startswith(f"run '{run.run_dir.name}', step 0: started\n"), text  # the run it opened (issue 44)
+    assert "\nTrain ControlNet: Init (Headroom): 8 GB: base resident" in text, text

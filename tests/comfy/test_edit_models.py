@@ -235,15 +235,15 @@ def test_bad_inputs_fail_clearly(comfyui):
 
     model, clip, vae = tiny("flux")
     latents, texts = cached(clip, vae)
-    with pytest.raises(ValueError, match=r"HeadroomTrainLoraInit: reference='control latents': the LATENT_CACHE has "
+    with pytest.raises(ValueError, match=r"Train LoRA: Init \(Headroom\): reference='control latents': the LATENT_CACHE has "
                                          r"no control images.*control_encoding 'latents'"):
         init(model, *cached(clip, vae, with_references=False), "edit_bad_none")
-    with pytest.raises(ValueError, match=r"HeadroomTrainLoraInit: reference='control latents': .*control images as "
+    with pytest.raises(ValueError, match=r"Train LoRA: Init \(Headroom\): reference='control latents': .*control images as "
                                          r"pixels.*control_encoding to 'latents'"):
         init(model, *cached(clip, vae, control_encoding="pixels"), "edit_bad_pixels")
-    with pytest.raises(ValueError, match=r"HeadroomTrainLoraInit: reference='sideways': choose one of"):
+    with pytest.raises(ValueError, match=r"Train LoRA: Init \(Headroom\): reference='sideways': choose one of"):
         init(model, latents, texts, "edit_bad_value", reference="sideways")
-    with pytest.raises(ValueError, match=r"HeadroomTrainLoraInit: reference='control latents' with prior images"):
+    with pytest.raises(ValueError, match=r"Train LoRA: Init \(Headroom\): reference='control latents' with prior images"):
         init(model, latents, texts, "edit_bad_prior", prior_latent_cache=latents, prior_text_cache=texts)
     # A model whose extra_conds ignores reference_latents (SD1.5), asked of the model, not of a family list.
     sd15, sd15_clip, sd15_vae = tiny("sd15")
@@ -251,7 +251,7 @@ def test_bad_inputs_fail_clearly(comfyui):
                                          r"latents.*set reference to 'none'"):
         init(sd15, *cached(sd15_clip, sd15_vae), "edit_bad_model")
     # Captions encoded with reference images need a control image per item.
-    with pytest.raises(ValueError, match=r"HeadroomCacheText: reference_encoding=TextEncodeQwenImageEdit encodes each "
+    with pytest.raises(ValueError, match=r"Cache Text \(Headroom\): reference_encoding=TextEncodeQwenImageEdit encodes each "
                                          r"caption with its item's control image, but the dataset has none"):
         cached(clip, vae, with_references=False, reference_encoding="TextEncodeQwenImageEdit")
     # The reference is part of the run: resuming with another setting is refused, as for other settings.

@@ -110,7 +110,7 @@ def test_ema_choices_that_cannot_work_are_refused(comfyui):
     for ema_file in run.run_dir.path.glob("checkpoints/step_*/ema.safetensors"):
         ema_file.unlink()  # as a checkpoint written without it
     del run
-    with pytest.raises(ValueError, match="HeadroomTrainLoraInit: the saved checkpoint of step 2 cannot be loaded "
+    with pytest.raises(ValueError, match=r"Train LoRA: Init \(Headroom\): the saved checkpoint of step 2 cannot be loaded "
                                          r"\(it holds no EMA weights"):
         _init(model, latents, texts, "ema_lost", rank=4, ema_decay=0.9)
     shutil.rmtree(plain.run_dir.path, ignore_errors=True)

@@ -46,7 +46,7 @@ def test_extracting_a_lora_needs_a_full_finetune(comfyui):
 
     model, clip, vae, latents, texts = _data("sd15")
     run = _init(model, latents, texts, "lora_not_full", rank=4)
-    with pytest.raises(ValueError, match="HeadroomExtractLora: a LoRA is extracted from a full fine-tune .*kind lora: "
+    with pytest.raises(ValueError, match=r"Extract LoRA from Full Fine-tune \(Headroom\): a LoRA is extracted from a full fine-tune .*kind lora: "
                                          "save it with Save LoRA"):
         T.HeadroomExtractLora.execute(run, 8, 0.0, "headroom", "", "fp32")
 
@@ -219,7 +219,7 @@ def test_trained_weights_in_host_ram_train_the_weights_of_the_fused_host_step(co
         resumed = _init(model, latents, texts, "full_weights_device", policy=host_state.replace(trained_weights="host"),
                         **common)
     assert resumed.trainer.step == 3 and all(torch.equal(a[k], v) for k, v in resumed.adapters.state_dict().items())
-    with pytest.raises(ValueError, match="HeadroomTrainLoraInit: trained_weights 'host' .* this run trains a lora"):
+    with pytest.raises(ValueError, match=r"Train LoRA: Init \(Headroom\): trained_weights 'host' .* this run trains a lora"):
         _init(model, latents, texts, "lora_weights_host", policy=host_state.replace(trained_weights="host"))
 
 
@@ -251,7 +251,7 @@ def test_fused_backward_and_bf16_differences_refuse_what_they_cannot_do(comfyui)
         _init(model, latents, texts, "fused_accum", kind="full", policy=_fused_policy(), grad_accumulation=2)
     with pytest.raises(ValueError, match="before fp16's gradient scaler"):
         _init(model, latents, texts, "fused_fp16", kind="full", policy=_fused_policy(), precision="fp16")
-    with pytest.raises(ValueError, match="HeadroomLoraConfig.*full_precision bf16_stochastic is for kind full"):
+    with pytest.raises(ValueError, match=r"LoRA Config \(Headroom\): .*full_precision bf16_stochastic is for kind full"):
         T.HeadroomLoraConfig.execute("lora", 8, 8.0, "preset", False, 0.0, 0, full_precision="bf16_stochastic")
 
 

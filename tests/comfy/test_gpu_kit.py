@@ -108,6 +108,6 @@ def test_dry_run_measures_a_full_fine_tune_fitted_to_a_card(comfyui, tmp_path):
     run = by_id["full/flux_dev/full-24GB"]
     assert run["status"] == "ok", run.get("traceback")
     assert run["policy_fields"]["fused_backward"] and run["policy_fields"]["vram_budget_gb"] == 23.0  # 24 GB - reserve
-    assert run["plan_reason"].startswith("HeadroomTrainLoraInit: 24 GB:")
+    assert run["plan_reason"].startswith("Train LoRA: Init (Headroom): 24 GB:")
     assert run["planner_train_bytes"] > 0 and run["s_per_step"] > 0 and run["budget_gb"] == 24
     assert "| Flux.1-dev | 24GB |" in page.read_text().split("Full fine-tunes")[1]

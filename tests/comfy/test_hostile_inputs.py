@@ -182,7 +182,7 @@ def test_bad_run_names_are_refused(world, name):
     before = sorted(os.listdir(runs_root()))
     with _watch(world), pytest.raises(ValueError) as error:
         _init(world["model"], world["latents"], world["texts"], name)
-    clear_error(error.value, "HeadroomTrainLoraInit", "run name")
+    clear_error(error.value, "Train LoRA: Init (Headroom): ", "run name")
     assert sorted(os.listdir(runs_root())) == before, "a folder was created for a refused name"
 
 
@@ -197,7 +197,7 @@ def test_bad_lora_file_names_are_refused(world, name):
 
     with _watch(world), pytest.raises(ValueError) as error:
         HeadroomSaveLora.execute(world["run"], "hostile", name, "fp32")
-    clear_error(error.value, "HeadroomSaveLora", "LoRA file name")
+    clear_error(error.value, "Save LoRA (Headroom): ", "LoRA file name")
 
 
 BAD_SUBFOLDERS = ["../x", "/abs", "a/../b", "a//b", "c:/x", "x\n/y", "..", "a/./b", "\\\\srv\\share", "x\x00"]
@@ -209,7 +209,7 @@ def test_bad_subfolders_are_refused(world, subfolder):
 
     with _watch(world), pytest.raises(ValueError) as error:
         HeadroomSaveLora.execute(world["run"], subfolder, "", "fp32")
-    clear_error(error.value, "HeadroomSaveLora", "subfolder")
+    clear_error(error.value, "Save LoRA (Headroom): ", "subfolder")
 
 
 # --- 2. dataset folder paths -------------------------------------------------------------------------------------------
@@ -581,7 +581,7 @@ def test_hostile_run_folder_files_are_refused(world, case, tmp_path, caplog):
         else:
             with pytest.raises((ValueError, RuntimeError)) as error:
                 _init(world["model"], world["latents"], world["texts"], name, rank=4, batch_size=2)
-            message = clear_error(error.value, "HeadroomTrainLoraInit", expected)
+            message = clear_error(error.value, "Train LoRA: Init (Headroom): ", expected)
             assert "run folder" in message or "new run name" in message or "run name" in message, message
     assert not os.path.exists(Payload.marker), "an unpickled payload ran"
 
@@ -802,8 +802,12 @@ FLOAT_INPUTS = [("HeadroomLoraConfig", "alpha"), ("HeadroomLoraConfig", "dropout
                 ("HeadroomTrainLora", "frame_rate"), ("HeadroomDatasetFromVideos", "frame_rate")]
 
 
-NAMED_BY_DISPLAY_NAME = {"HeadroomValidate": "Validate LoRA (Headroom)", "HeadroomTrainLora": "Train LoRA (Headroom)",
-                         "HeadroomOptimizerConfig": "Optimizer Config (Headroom)"}
+def display_name(node_id: str) -> str:
+    """The name the editor shows for node `node_id`."""
+    from headroom.nodes import _NODE_MODULES
+
+    return next(schema.display_name for module in _NODE_MODULES for schema in map(lambda n: n.define_schema(), module.NODES)
+                if schema.node_id == node_id)
 
 
 @pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf], ids=["nan", "inf", "-inf"])
@@ -814,10 +818,8 @@ def test_nan_and_infinity_are_refused_naming_the_input(world, node, name, value)
     before = sorted(os.listdir(runs_root()))
     with _watch(world), pytest.raises(ValueError) as error:
         _float_call(world, node, name, value)
-    # Named as users see it: the display name where the message is built from the running class (never its copy's
-    # class name, 'HeadroomValidateClone'), the node id where the owner is written out.
-    shown = NAMED_BY_DISPLAY_NAME.get(node, node)
-    message = clear_error(error.value, f"{shown}: {name}=", "not a finite number")
+    # Named as users see it, by the display name (never the class id, nor its running copy's 'HeadroomValidateClone').
+    message = clear_error(error.value, f"{display_name(node)}: {name}=", "not a finite number")
     assert "Clone" not in message, message
     assert sorted(os.listdir(runs_root())) == before, "a run folder (config.json with NaN) was written"
 

@@ -102,7 +102,7 @@ def test_a_cache_without_start_images_trains_text_to_video(cache_dir, tmp_path, 
     assert torch.equal(conds["c_concat"].cond, torch.zeros(1, 33, 2, 2, 2))
 
     wan_cache = types.SimpleNamespace(start_image="WanImageToVideo")
-    with pytest.raises(ValueError, match=r"HeadroomTrainLoraInit: the LATENT_CACHE holds WanImageToVideo start images "
-                                         r"but this MODEL takes HunyuanVideo15ImageToVideo's: cache the latents with "
+    with pytest.raises(ValueError, match=r"Train LoRA: Init \(Headroom\): the LATENT_CACHE holds WanImageToVideo start "
+                                         r"images but this MODEL takes HunyuanVideo15ImageToVideo's: cache the latents with "
                                          r"start_image HunyuanVideo15ImageToVideo"):
-        item_start_extras(model.model, wan_cache, "HeadroomTrainLoraInit")
+        item_start_extras(model.model, wan_cache, "Train LoRA: Init (Headroom)")

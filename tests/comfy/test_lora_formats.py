@@ -101,7 +101,7 @@ def test_unknown_format_is_refused_with_the_choices(comfyui, tmp_path):
 
     model, clip, vae, latents, texts = _data("sd15")
     run = _init(model, latents, texts, "formats_bad", rank=4)
-    with pytest.raises(ValueError, match=r"HeadroomSaveLora: format 'a1111': choose one of comfyui, kohya, diffusers$"):
+    with pytest.raises(ValueError, match=r"Save LoRA \(Headroom\): format 'a1111': choose one of comfyui, kohya, diffusers$"):
         T.HeadroomSaveLora.execute(run, "formats", "bad", "fp32", "a1111")
 
 
@@ -309,7 +309,7 @@ def test_wan_diffusers_format_is_refused_naming_the_formats_that_load(comfyui):
 
     model, clip, vae, latents, texts = _data("wan21")
     run = _init(model, latents, texts, "formats_wan21_diffusers", rank=4)
-    with pytest.raises(ValueError, match=r"HeadroomSaveLora: the diffusers format covers .*, not family wan21 \(ComfyUI's "
+    with pytest.raises(ValueError, match=r"Save LoRA \(Headroom\): the diffusers format covers .*, not family wan21 \(ComfyUI's "
                                          r"LoRA loader maps no diffusers names for it\); save in the comfyui or kohya format"):
         T.HeadroomSaveLora.execute(run, "formats", "refused_wan21", "fp32", "diffusers")
     assert not any("refused_wan21" in k for k in _lora_names())
@@ -321,7 +321,7 @@ def test_diffusers_format_refuses_other_kinds_naming_the_formats_that_carry_them
     model, clip, vae, latents, texts = _data("sd15")
     for kind in ("loha", "lokr", "dora"):
         run = _init(model, latents, texts, f"formats_diffusers_{kind}", kind=kind, rank=4)
-        with pytest.raises(ValueError, match=rf"HeadroomSaveLora: kind {kind} cannot be saved in the diffusers "
+        with pytest.raises(ValueError, match=rf"Save LoRA \(Headroom\): kind {kind} cannot be saved in the diffusers "
                                              r"format .*save it in the comfyui or kohya format"):
             T.HeadroomSaveLora.execute(run, "formats", f"refused_{kind}", "fp32", "diffusers")
         assert not any(f"refused_{kind}" in k for k in _lora_names())

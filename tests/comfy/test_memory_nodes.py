@@ -37,7 +37,7 @@ def test_policy_node_outputs_the_policy_and_rejects_bad_combinations(comfyui, he
     assert isinstance(policy, OffloadPolicy)
     assert (policy.vram_budget_gb, policy.base_placement, policy.checkpointing) == (6.0, "streamed", "blocks_cpu_offload")
     assert _policy().result[0].budget_is_auto
-    with pytest.raises(ValueError, match="HeadroomOffloadPolicy: .*needs checkpointing"):
+    with pytest.raises(ValueError, match=r"Offload Policy \(Headroom\): .*needs checkpointing"):
         _policy(base_placement="partial")
     ids = {node.define_schema().node_id for node in headroom_nodes.memory.NODES}
     assert ids == {"HeadroomOffloadPolicy", "HeadroomMemoryPlan"}
@@ -49,7 +49,7 @@ def test_policy_node_names_bitsandbytes_when_a_storage_needs_it(comfyui, monkeyp
     from headroom.training.checks import MissingPackageError
 
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # as if not installed
-    with pytest.raises(MissingPackageError, match=rf"HeadroomOffloadPolicy: offload policy base_storage '{storage}' "
+    with pytest.raises(MissingPackageError, match=rf"Offload Policy \(Headroom\): offload policy base_storage '{storage}' "
                        r"needs the pip package 'bitsandbytes'.*python -m pip install bitsandbytes"):
         _policy(base_storage=storage)
     assert _policy(base_storage="fp8").result[0].base_storage == "fp8"
@@ -249,8 +249,8 @@ def test_plan_errors_are_clear(comfyui):
     from headroom.nodes.bridge.tiny_models import build_tiny_models
 
     model, _, _ = build_tiny_models("sd15")
-    with pytest.raises(ValueError, match="HeadroomMemoryPlan: policy must come from"):
+    with pytest.raises(ValueError, match=r"Memory Plan \(Headroom\): policy must come from"):
         _plan(model, policy="resident")
     host = _policy(trained_weights="host", fused_backward=True, optimizer_state="cpu").result[0]
-    with pytest.raises(ValueError, match="HeadroomMemoryPlan: trained_weights 'host' keeps a full fine-tune's"):
+    with pytest.raises(ValueError, match=r"Memory Plan \(Headroom\): trained_weights 'host' keeps a full fine-tune's"):
         _plan(model, policy=host)  # it plans LoRAs: the Init node's card fit plans a full fine-tune

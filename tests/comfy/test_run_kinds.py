@@ -60,14 +60,14 @@ def test_lora_only_nodes_refuse_a_controlnet_run_naming_the_node_to_use(runs):
     model, _, controlnet_run = runs
     assert controlnet_run.trains == "controlnet"
     before = _saved("loras")
-    with pytest.raises(ValueError, match=r"^HeadroomSaveLora: run 'kind_cn_\d+' is a ControlNet run and this node "
+    with pytest.raises(ValueError, match=r"^Save LoRA \(Headroom\): run 'kind_cn_\d+' is a ControlNet run and this node "
                                          r"takes LoRA runs only; for a ControlNet run use Save ControlNet \(Headroom\)$"):
         HeadroomSaveLora.execute(controlnet_run, "kinds", "", "fp32")
-    with pytest.raises(ValueError, match=r"^HeadroomExtractLora: run 'kind_cn_\d+' is a ControlNet run and this node "
+    with pytest.raises(ValueError, match=r"^Extract LoRA from Full Fine-tune \(Headroom\): run 'kind_cn_\d+' is a ControlNet run and this node "
                                          r"takes LoRA runs only; for a ControlNet run use Save ControlNet \(Headroom\)$"):
         HeadroomExtractLora.execute(controlnet_run, 8, 0.0, "kinds", "", "fp32")
     assert _saved("loras") == before
-    with pytest.raises(ValueError, match=r"^HeadroomApplyTrainedLora: run 'kind_cn_\d+' is a ControlNet run .* use "
+    with pytest.raises(ValueError, match=r"^Apply Trained LoRA \(Headroom\): run 'kind_cn_\d+' is a ControlNet run .* use "
                                          r"the control_net output of its Init / Train ControlNet node"):
         HeadroomApplyTrainedLora.execute(model, controlnet_run, 1.0)
     # The LoRA-only parts say the same when asked for directly (a ControlNet run once inherited LoRA-only methods,
@@ -87,7 +87,7 @@ def test_controlnet_only_nodes_refuse_a_lora_run_naming_the_node_to_use(runs):
     _, lora_run, _ = runs
     assert lora_run.trains == "lora"
     before = _saved("controlnet")
-    with pytest.raises(ValueError, match=r"^HeadroomSaveControlNet: run 'kind_lora_\d+' is a LoRA run and this node "
+    with pytest.raises(ValueError, match=r"^Save ControlNet \(Headroom\): run 'kind_lora_\d+' is a LoRA run and this node "
                                          r"takes ControlNet runs only; for a LoRA run use Save LoRA \(Headroom\)$"):
         HeadroomSaveControlNet.execute(lora_run, "kinds", "")
     assert _saved("controlnet") == before
@@ -98,11 +98,11 @@ def test_nodes_given_something_else_say_what_they_take(runs):
     from headroom.nodes.train_lora import HeadroomApplyTrainedLora, HeadroomSaveLora
 
     model = runs[0]
-    with pytest.raises(ValueError, match="HeadroomSaveLora: the run input must be a TRAINING_RUN .*, not str"):
+    with pytest.raises(ValueError, match=r"Save LoRA \(Headroom\): the run input must be a TRAINING_RUN .*, not str"):
         HeadroomSaveLora.execute("run", "kinds", "", "fp32")
-    with pytest.raises(ValueError, match="HeadroomApplyTrainedLora: the run input must be a TRAINING_RUN"):
+    with pytest.raises(ValueError, match=r"Apply Trained LoRA \(Headroom\): the run input must be a TRAINING_RUN"):
         HeadroomApplyTrainedLora.execute(model, None, 1.0)
-    with pytest.raises(ValueError, match="HeadroomSaveControlNet: the run input must be a TRAINING_RUN"):
+    with pytest.raises(ValueError, match=r"Save ControlNet \(Headroom\): the run input must be a TRAINING_RUN"):
         HeadroomSaveControlNet.execute(object(), "kinds", "")
 
 

@@ -219,7 +219,7 @@ def test_bad_inputs_fail_before_training_with_clear_errors(comfyui):
         _init(model, sd3_latents, sd3_texts, "wrong_cache")
     with pytest.raises(ValueError, match=r"TEXT_CACHE 'cross_attn' is 32 wide but this model expects 4096"):
         _init(sd3_model, sd3_latents, texts, "wrong_text")
-    with pytest.raises(ValueError, match="HeadroomLoraConfig: rank=0 must be a positive integer"):
+    with pytest.raises(ValueError, match=r"LoRA Config \(Headroom\): rank=0 must be a positive integer"):
         T.HeadroomLoraConfig.execute("lora", 0, 1.0, "preset", False, 0.0, 0)
     with pytest.raises(ValueError, match=r"^Optimizer Config \(Headroom\): learning_rate 0 trains nothing"):
         T.HeadroomOptimizerConfig.execute("AdamW", 0.0, 0.0, "constant", 0, 10)
@@ -385,7 +385,7 @@ def test_a_run_whose_host_ram_does_not_fit_stops_before_it_opens(comfyui):
 
     model, _, _, latents, texts = _data("sd15")
     tight = _policy(optimizer_state="cpu", host_ram_budget_gb=0.001)
-    with pytest.raises(ValueError, match=r"HeadroomTrainLoraInit: host RAM: [\d.]+ GiB in use \+ [\d.]+ GiB added by "
+    with pytest.raises(ValueError, match=r"Train LoRA: Init \(Headroom\): host RAM: [\d.]+ GiB in use \+ [\d.]+ GiB added by "
                        r"the run, limit budget 0.00 GiB - DOES NOT FIT; .* keep the optimizer state on the device"):
         _init(model, latents, texts, "host_tight", rank=4, policy=tight)
     assert not (runs_root() / "host_tight").exists()
@@ -664,7 +664,7 @@ def test_a_card_resolves_to_the_fastest_policy_whose_planned_peak_fits_it(comfyu
     budgeted = [planner.estimate(description, trainable, shape, p, card.budget_bytes()).peak_bytes for p in candidates]
     assert budgeted[index] <= card.budget_bytes() < min(budgeted[:index])
     text = output.ui.as_dict()["text"][0]
-    assert "HeadroomTrainLoraInit: 8 GB: base " in text and "planned peak" in text and "DOES NOT FIT" not in text
+    assert "Train LoRA: Init (Headroom): 8 GB: base " in text and "planned peak" in text and "DOES NOT FIT" not in text
 
 
 def _plan_and_train_after_loads(monkeypatch, after_load, run_name: str):

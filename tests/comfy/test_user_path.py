@@ -102,8 +102,9 @@ def test_batch_larger_than_the_data_warns_and_config_records_the_batch_trained(c
     # A batch that fits every bucket says nothing.
     quiet = _all_in_one(model, latents, texts, "batch_fits", batch_size=2)
     assert not any("batch_size" in line for line in quiet.ui["text"]), quiet.ui["text"]
-    # The save is said on the node too: where the file went, relative to models/.
-    assert quiet.ui["text"][-1] == "LoRA saved to models/loras/headroom/batch_fits_step000002.safetensors"
+    # The save is said on the node too: the run and step saved, where the file went, relative to models/.
+    assert quiet.ui["text"][-1] == ("run 'batch_fits', step 2: LoRA saved to "
+                                    "models/loras/headroom/batch_fits_step000002.safetensors")
 
 
 def test_batch_larger_than_a_bucket_warns_on_the_node(comfyui):
@@ -132,6 +133,7 @@ def test_batch_larger_than_a_bucket_warns_on_the_node(comfyui):
             caption_dropout=0.0, timestep_sampling="uniform", loss_weighting="none", min_snr_gamma=5.0,
             noise_offset=0.0, gradient_checkpointing=False, checkpoint_depth=1, holdout=0)
     [text] = init.ui.as_dict()["text"]
+    assert text.startswith("run 'bucket_small', step 0: started\n"), text  # the run it opened, and its step
     assert "batch_size=2 is larger than 1 of the 2 aspect-ratio buckets (sizes 1, 3)" in text, text
     assert init.args[0].trainer.config.batch_size == 2
 
@@ -201,7 +203,9 @@ def test_dataset_folder_is_a_list_of_input_folders_that_still_takes_typed_values
     assert "must be a folder name" in HeadroomDatasetFromFolder.validate_inputs(folder=3)
 
 
-def test_save_says_where_and_validate_shows_the_before_after_grid(comfyui):
+def test_save_and_validate_name_the_run_and_step_and_validate_shows_the_before_after_grid(comfyui):
+    """Each result a node shows on itself names the run and step it belongs to (issue 44): a result of an earlier
+    step or another run never reads as current."""
     import folder_paths
     from headroom.nodes import train_lora as T
 
@@ -213,7 +217,18 @@ def test_save_says_where_and_validate_shows_the_before_after_grid(comfyui):
                         cfg=1.0, sampler_name="euler", scheduler="normal", width=32, height=32, loss_timesteps=2)
         plain = T.HeadroomValidate.execute(run, **sampling)
         compared = T.HeadroomValidate.execute(run, **sampling, compare_base=True)
-    assert saved.ui["text"] == ["LoRA saved to models/loras/mine/shown.safetensors"]
+    assert saved.ui["text"] == ["run 'shown_results', step 2: LoRA saved to models/loras/mine/shown.safetensors"]
+    grid = "output/headroom_runs/shown_results/validation/step_00000002.png"
+    [said] = plain.ui["text"]
+    assert re.fullmatch(rf"run 'shown_results', step 2: validation loss [\d.e-]+; grid saved to {grid}", said), said
+    assert compared.ui["text"][0].startswith("run 'shown_results', step 2: validation loss ")
+    with torch.inference_mode():
+        T.HeadroomTrainSteps.execute(run, 3)
+        later = T.HeadroomSaveLora.execute(run, "mine", "", "fp16")
+        no_prompts = T.HeadroomValidate.execute(run, **{**sampling, "prompts": ""})
+    assert later.ui["text"] == ["run 'shown_results', step 3: LoRA saved to "
+                                "models/loras/mine/shown_results_step000003.safetensors"]
+    assert re.fullmatch(r"run 'shown_results', step 3: validation loss [\d.e-]+", no_prompts.ui["text"][0])
     assert [image["type"] for image in plain.ui["images"]] == ["temp"]  # the samples
     [image] = compared.ui["images"]  # the before/after grid, from the run folder under output/
     assert image["filename"] == "step_00000002_before_after.png" and image["type"] == "output", image

@@ -230,11 +230,12 @@ def test_validation_frames_are_checked_against_the_family(comfyui, cache_dir):
     from headroom.nodes.bridge.video import check_frames
 
     wan = build_tiny_model_patcher("wan21", 0).model
-    assert check_frames("HeadroomValidate", wan, 1) == 1 and check_frames("HeadroomValidate", wan, 81) == 21
-    with pytest.raises(ValueError, match=r"HeadroomValidate: frames=6: wan21 clips have 4k\+1 frames; use 5 or 9"):
-        check_frames("HeadroomValidate", wan, 6)
-    with pytest.raises(ValueError, match=r"HeadroomValidate: frames=5, but this MODEL \(QwenImage\) makes images"):
-        check_frames("HeadroomValidate", build_tiny_model_patcher("qwen_image", 0).model, 5)
+    node = "Validate LoRA (Headroom)"
+    assert check_frames(node, wan, 1) == 1 and check_frames(node, wan, 81) == 21
+    with pytest.raises(ValueError, match=r"Validate LoRA \(Headroom\): frames=6: wan21 clips have 4k\+1 frames; use 5 or 9"):
+        check_frames(node, wan, 6)
+    with pytest.raises(ValueError, match=r"Validate LoRA \(Headroom\): frames=5, but this MODEL \(QwenImage\) makes images"):
+        check_frames(node, build_tiny_model_patcher("qwen_image", 0).model, 5)
 
 
 def _init_settings(**overrides):
@@ -318,7 +319,7 @@ def test_the_memory_plan_counts_frames(comfyui, family, clip_frames, wrong, hint
     print(f"{family} tiny, 256x256: {step(one)['phase']} {step(one)['total_bytes'] / 2**20:.1f} MiB (1 frame) -> "
           f"{step(clip)['total_bytes'] / 2**20:.1f} MiB ({clip_frames} frames)")
     assert step(clip)["total_bytes"] > step(one)["total_bytes"]
-    with pytest.raises(ValueError, match=rf"HeadroomMemoryPlan: frames={wrong}: {family} clips have {hint}"):
+    with pytest.raises(ValueError, match=rf"Memory Plan \(Headroom\): frames={wrong}: {family} clips have {hint}"):
         plan(wrong)
     assert planner.RunShape(1, 64, 64, latent_frames=5).latent_area(
         type("D", (), {"latent_downscale": 8})()) == 5 * 64
@@ -476,7 +477,7 @@ def test_the_memory_plan_counts_frames_for_the_vae(comfyui):
     assert plan_clip["peak_phase"] in ("caching (VAE encode)", "validation decode")
 
     # An image VAE cannot encode the clip the plan is for.
-    with pytest.raises(ValueError, match=r"HeadroomMemoryPlan: frames=17, but this VAE .* encodes images; connect the "
+    with pytest.raises(ValueError, match=r"Memory Plan \(Headroom\): frames=17, but this VAE .* encodes images; connect the "
                                          r"video model's VAE"):
         memory.HeadroomMemoryPlan.execute(model, "estimate", 1, 256, 256, 4, "preset", "AdamW", "fp32", 0,
                                           vae=build_tiny_vae("sd15", 0), frames=17)
@@ -574,8 +575,8 @@ def test_the_frame_rate_changes_ltx2s_loss_and_none_is_its_default(cache_dir, tm
             latents, texts = _cache(dataset, vae, clip)
             assert latents.frame_rate(0) == rate
             if family == "ltx2":  # validation: the first clip's rate, a given one, or none (the model's default)
-                assert video.validation_frame_rate("HeadroomValidate", model.model, latents) == rate
-                assert video.validation_frame_rate("HeadroomValidate", model.model, latents, 30.0) == 30.0
+                assert video.validation_frame_rate("Validate LoRA (Headroom)", model.model, latents) == rate
+                assert video.validation_frame_rate("Validate LoRA (Headroom)", model.model, latents, 30.0) == 30.0
             keys[rate] = [item[0] for item in latents._items]
             run = init_run(model, latents, texts, f"{family}_rate_{rate}_{tmp_path.name}", 8, 1e-2, "preset", False)
             with torch.inference_mode():
@@ -587,9 +588,9 @@ def test_the_frame_rate_changes_ltx2s_loss_and_none_is_its_default(cache_dir, tm
             assert losses[25.0] == losses[None]
         else:
             assert losses[12.0] == losses[25.0] == losses[None]
-            with pytest.raises(ValueError, match=r"HeadroomValidate: frame_rate=12.0 given, but this MODEL \(WAN21\) "
+            with pytest.raises(ValueError, match=r"Validate LoRA \(Headroom\): frame_rate=12.0 given, but this MODEL \(WAN21\) "
                                                  r"takes no frame rate"):
-                video.validation_frame_rate("HeadroomValidate", model.model, latents, 12.0)
+                video.validation_frame_rate("Validate LoRA (Headroom)", model.model, latents, 12.0)
 
 
 def test_the_all_in_one_node_validates_ltx2_at_its_frame_rate(cache_dir, tmp_path):

@@ -182,7 +182,7 @@ def test_headroom_run_prints_progress_saved_files_and_notes_with_or_without_webs
     assert "websocket-client is not installed" in result.stderr and "pip install websocket-client" in result.stderr
     lines = result.stdout.splitlines()
     assert any(line.startswith(("queued (", "running (")) for line in lines), result.stdout
-    assert any(line.startswith(f"note: HeadroomTrainSteps: run '{run_name}' is at step 4, past steps=3") for line in lines)
+    assert any(line.startswith(f"note: Train LoRA: Steps (Headroom): run '{run_name}' is at step 4, past steps=3") for line in lines)
     assert f"saved LoRA: {lora}" in lines, result.stdout
 
 

@@ -191,5 +191,5 @@ def test_the_policy_fitted_to_the_card_shows_on_the_init_node_before_the_first_s
     steps = [i for i, (kind, _) in enumerate(kinds) if kind == "headroom.train.step"]
     assert shown and steps and shown[0] < steps[0], kinds
     text = kinds[shown[0]][1]["text"]
-    assert text.startswith("HeadroomTrainLoraInit: this GPU (auto): base resident") and "planned peak" in text
+    assert text.startswith("Train LoRA: Init (Headroom): this GPU (auto): base resident") and "planned peak" in text
     assert text in execution.outputs["8"]["text"][0]
