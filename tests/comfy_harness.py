@@ -110,3 +110,54 @@ def headroom_nodes(comfyui):
     import headroom.nodes
 
     return headroom.nodes
+
+
+# ComfyUI's own validation and PromptExecutor, in process: what the server does with a queued prompt, without the
+# server. Tests that look at what a graph does as ComfyUI runs it (caching between queues, the UI text the editor
+# receives, a cancel and queue again) go through these.
+class NoClientServer:
+    """What PromptExecutor needs from a PromptServer when no client is connected."""
+    client_id = None
+    last_node_id = None
+
+    def send_sync(self, event, data, sid=None):
+        pass
+
+
+def register_nodes(monkeypatch, *node_lists) -> None:
+    """Put these node classes (each a module's NODES list) into ComfyUI's NODE_CLASS_MAPPINGS for one test."""
+    import nodes
+
+    for node_list in node_lists:
+        for node in node_list:
+            monkeypatch.setitem(nodes.NODE_CLASS_MAPPINGS, node.GET_SCHEMA().node_id, node)
+
+
+def validate_prompt(prompt: dict, prompt_id: str = "test"):
+    """ComfyUI's validate_prompt on a copy of `prompt`: (valid, error, outputs, node_errors)."""
+    import asyncio
+    import copy
+
+    import execution
+
+    return asyncio.run(execution.validate_prompt(prompt_id, copy.deepcopy(prompt), None))
+
+
+def new_executor():
+    """A fresh PromptExecutor (nothing cached from an earlier queue, as after a restart of ComfyUI)."""
+    import execution
+
+    return execution.PromptExecutor(NoClientServer(), cache_type=execution.CacheType.CLASSIC,
+                                    cache_args={"lru": 0, "ram": 0.0, "ram_inactive": 0.0})
+
+
+def queue_prompt(prompt: dict, prompt_id: str = "test", executor=None):
+    """One queue of `prompt`: validated (it must be valid), then executed on `executor` (kept between queues, as the
+    server keeps one) or a fresh one. Returns the executor: `success`, `status_messages`, `history_result`."""
+    import copy
+
+    valid, error, outputs, node_errors = validate_prompt(prompt, prompt_id)
+    assert valid, (error, node_errors)
+    executor = executor or new_executor()
+    executor.execute(copy.deepcopy(prompt), prompt_id, {}, outputs)  # the server parses a fresh prompt each time
+    return executor

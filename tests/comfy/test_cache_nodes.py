@@ -410,15 +410,13 @@ def test_graph_through_comfyui_executor_reruns_only_what_an_edited_caption_chang
     import copy
 
     import comfy.sd
-    import execution
     import folder_paths
-    import nodes
+    from comfy_harness import new_executor, register_nodes
     from headroom.nodes import cache, tiny
     from headroom.nodes.bridge.encoders import is_loaded
     from headroom.training.data.synthetic import generate_shapes
 
-    for node in cache.NODES + tiny.NODES:
-        monkeypatch.setitem(nodes.NODE_CLASS_MAPPINGS, node.GET_SCHEMA().node_id, node)
+    register_nodes(monkeypatch, cache.NODES, tiny.NODES)
     folder = Path(folder_paths.get_input_directory()) / f"graph_{tmp_path.name}"
     folder.mkdir()
     data = generate_shapes(3, 64, seed=3)
@@ -443,16 +441,7 @@ def test_graph_through_comfyui_executor_reruns_only_what_an_edited_caption_chang
     monkeypatch.setattr(comfy.sd.VAE, "encode", vae_encode)
     monkeypatch.setattr(comfy.sd.CLIP, "tokenize", clip_tokenize)
 
-    class NoClientServer:  # what PromptExecutor needs from PromptServer when no client is connected
-        client_id = None
-        last_node_id = None
-
-        def send_sync(self, event, data, sid=None):
-            pass
-
-    executor = execution.PromptExecutor(
-        NoClientServer(), cache_type=execution.CacheType.CLASSIC, cache_args={"lru": 0, "ram": 0.0, "ram_inactive": 0.0}
-    )
+    executor = new_executor()
     prompt = {
         "1": {"class_type": "HeadroomTinyModel", "inputs": {"family": "sd15", "seed": 0}},
         "2": {"class_type": "HeadroomDatasetFromFolder",
@@ -466,6 +455,7 @@ def test_graph_through_comfyui_executor_reruns_only_what_an_edited_caption_chang
     def run(name):
         vae_calls.clear()
         clip_calls.clear()
+        # The caching nodes are not output nodes: run them as named outputs, as a graph whose sinks they are.
         executor.execute(copy.deepcopy(prompt), name, {}, ["3", "4"])
         assert executor.success, executor.status_messages
         return next(msg["nodes"] for event, msg in executor.status_messages if event == "execution_cached")

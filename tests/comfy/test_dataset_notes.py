@@ -4,12 +4,11 @@ ComfyUI's own validate_prompt and PromptExecutor, reading the node's UI text as 
 """
 from __future__ import annotations
 
-import asyncio
-import copy
 from pathlib import Path
 
 import numpy as np
 import pytest
+from comfy_harness import queue_prompt
 from PIL import Image
 
 pytestmark = pytest.mark.comfyui
@@ -60,22 +59,7 @@ def _prompt(folder: Path, skip_bad: bool) -> dict:
 
 def _run(prompt: dict):
     """ComfyUI's validation and executor on `prompt`; returns the executor."""
-    import execution
-
-    valid, error, outputs, node_errors = asyncio.run(execution.validate_prompt("notes", copy.deepcopy(prompt), None))
-    assert valid, (error, node_errors)
-
-    class NoClientServer:  # what PromptExecutor needs from PromptServer when no client is connected
-        client_id = None
-        last_node_id = None
-
-        def send_sync(self, event, data, sid=None):
-            pass
-
-    executor = execution.PromptExecutor(
-        NoClientServer(), cache_type=execution.CacheType.CLASSIC, cache_args={"lru": 0, "ram": 0.0, "ram_inactive": 0.0})
-    executor.execute(copy.deepcopy(prompt), "notes-run", {}, outputs)
-    return executor
+    return queue_prompt(prompt, "notes-run")
 
 
 def _shown(executor) -> list[str]:

@@ -6,11 +6,10 @@ to set, and a small valid rate reaches the optimizer as it was typed.
 """
 from __future__ import annotations
 
-import asyncio
-import copy
 import math
 
 import pytest
+from comfy_harness import queue_prompt, validate_prompt
 
 pytestmark = pytest.mark.comfyui
 
@@ -38,25 +37,7 @@ def _prompt(learning_rate) -> dict:
 
 
 def _validate(prompt: dict):
-    import execution
-
-    return asyncio.run(execution.validate_prompt("lr", copy.deepcopy(prompt), None))
-
-
-def _run(prompt: dict, outputs):
-    import execution
-
-    class NoClientServer:  # what PromptExecutor needs from PromptServer when no client is connected
-        client_id = None
-        last_node_id = None
-
-        def send_sync(self, event, data, sid=None):
-            pass
-
-    executor = execution.PromptExecutor(
-        NoClientServer(), cache_type=execution.CacheType.CLASSIC, cache_args={"lru": 0, "ram": 0.0, "ram_inactive": 0.0})
-    executor.execute(copy.deepcopy(prompt), "lr-run", {}, outputs)
-    return executor
+    return validate_prompt(prompt, "lr")
 
 
 @pytest.mark.parametrize("value,says", [(0.0, "learning_rate 0 trains nothing"),
@@ -100,9 +81,7 @@ def test_nan_is_refused_at_validation_naming_the_node(registered):
 @pytest.mark.parametrize("value", [1e-6, 1e-8, 1e-9, 3.5e-7])
 def test_a_small_valid_rate_passes_unchanged(registered, value):
     prompt = _prompt(value)
-    valid, error, outputs, node_errors = _validate(prompt)
-    assert valid, (error, node_errors)
-    executor = _run(prompt, outputs)
+    executor = queue_prompt(prompt, "lr-run")
     assert executor.success, executor.status_messages
     config = registered.execute(learning_rate=value, **INPUTS).args[0]
     assert config.lr == value  # not clamped, not rounded

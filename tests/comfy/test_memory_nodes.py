@@ -207,24 +207,10 @@ def test_unet_blocks_are_the_layers_the_model_calls(comfyui):
 
 def test_a_prompt_with_policy_and_plan_runs_through_comfyui(comfyui, monkeypatch):
     """Through ComfyUI's own validation and PromptExecutor: tiny model -> policy -> plan in auto mode."""
-    import asyncio
-    import copy
-
-    import execution
-    import nodes
-
+    from comfy_harness import queue_prompt, register_nodes
     from headroom.nodes import memory, tiny
 
-    for node in memory.NODES + tiny.NODES:
-        monkeypatch.setitem(nodes.NODE_CLASS_MAPPINGS, node.GET_SCHEMA().node_id, node)
-
-    class NoClientServer:
-        client_id = None
-        last_node_id = None
-
-        def send_sync(self, event, data, sid=None):
-            pass
-
+    register_nodes(monkeypatch, memory.NODES, tiny.NODES)
     prompt = {
         "1": {"class_type": "HeadroomTinyModel", "inputs": {"family": "sd15", "seed": 0}},
         "2": {"class_type": "HeadroomOffloadPolicy", "inputs": {
@@ -235,11 +221,7 @@ def test_a_prompt_with_policy_and_plan_runs_through_comfyui(comfyui, monkeypatch
             "model": ["1", 0], "policy": ["2", 0], "mode": "auto", "batch_size": 1, "width": 64, "height": 64,
             "rank": 4, "targets": "preset", "optimizer": "AdamW", "precision": "fp32", "text_tokens": 0}},
     }
-    valid, error, outputs, node_errors = asyncio.run(execution.validate_prompt("plan", prompt, None))
-    assert valid, (error, node_errors)
-    executor = execution.PromptExecutor(
-        NoClientServer(), cache_type=execution.CacheType.CLASSIC, cache_args={"lru": 0, "ram": 0.0, "ram_inactive": 0.0})
-    executor.execute(copy.deepcopy(prompt), "plan-run", {}, outputs)
+    executor = queue_prompt(prompt, "plan-run")
     assert executor.success
     shown = executor.history_result["outputs"]["3"]["text"][0]
     assert shown.startswith("Headroom memory plan:") and "chosen: the fastest policy that fits" in shown

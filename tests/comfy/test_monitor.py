@@ -1,6 +1,4 @@
 """The VRAM monitor and memory report nodes, run in-process against a real ComfyUI."""
-import asyncio
-import copy
 import json
 import mmap
 
@@ -133,23 +131,11 @@ def test_memory_report_node_renders_a_run_record(comfyui):
 def test_executor_reruns_the_monitor_on_every_queue_and_puts_its_report_in_the_history(comfyui, monkeypatch):
     """Through ComfyUI's own PromptExecutor: the second queue of the same prompt re-runs the monitor
     (fresh report) while its cached upstream node does not run again; a monitor nothing consumes is skipped."""
-    import execution
-    import nodes
+    from comfy_harness import new_executor, queue_prompt, register_nodes
     from headroom.nodes import data, monitor
 
-    for node in data.NODES + monitor.NODES:
-        monkeypatch.setitem(nodes.NODE_CLASS_MAPPINGS, node.GET_SCHEMA().node_id, node)
-
-    class NoClientServer:  # what PromptExecutor needs from PromptServer when no client is connected
-        client_id = None
-        last_node_id = None
-
-        def send_sync(self, event, data, sid=None):
-            pass
-
-    executor = execution.PromptExecutor(
-        NoClientServer(), cache_type=execution.CacheType.CLASSIC, cache_args={"lru": 0, "ram": 0.0, "ram_inactive": 0.0}
-    )
+    register_nodes(monkeypatch, data.NODES, monitor.NODES)
+    executor = new_executor()
     prompt = {
         "1": {"class_type": "HeadroomSyntheticDataset", "inputs": {"count": 2, "resolution": 32, "seed": 0}},
         "2": {"class_type": "HeadroomVRAMMonitor", "inputs": {"value": ["1", 0], "reset_peak": False,
@@ -157,12 +143,9 @@ def test_executor_reruns_the_monitor_on_every_queue_and_puts_its_report_in_the_h
         "3": {"class_type": "PreviewImage", "inputs": {"images": ["2", 0]}},
         "4": {"class_type": "HeadroomVRAMMonitor", "inputs": {"value": ["1", 1], "reset_peak": False}},
     }
-    valid, error, outputs, node_errors = asyncio.run(execution.validate_prompt("check", prompt, None))
-    assert valid, (error, node_errors)
-
     reports, cached = [], []
     for run in range(2):
-        executor.execute(copy.deepcopy(prompt), f"run{run}", {}, outputs)  # the server parses a fresh prompt each time
+        queue_prompt(prompt, f"run{run}", executor)
         assert executor.success
         history = json.loads(json.dumps(executor.history_result["outputs"]))
         assert "4" not in history  # not an output node: an unused monitor does not force a run
@@ -173,7 +156,7 @@ def test_executor_reruns_the_monitor_on_every_queue_and_puts_its_report_in_the_h
 
     # Default (report_every_run off): the second queue replays the cache, monitor and downstream alike.
     prompt["2"]["inputs"]["report_every_run"] = False
-    executor.execute(copy.deepcopy(prompt), "run2", {}, outputs)
-    executor.execute(copy.deepcopy(prompt), "run3", {}, outputs)
+    queue_prompt(prompt, "run2", executor)
+    queue_prompt(prompt, "run3", executor)
     assert executor.success
     assert set(next(msg["nodes"] for event, msg in executor.status_messages if event == "execution_cached")) == {"1", "2", "3"}

@@ -4,8 +4,6 @@ LoRA template with a dataset folder made in Explorer (a name with spaces and an 
 node. And the pack loads where `resource` does not exist."""
 from __future__ import annotations
 
-import asyncio
-import copy
 import json
 import logging
 import os
@@ -15,6 +13,7 @@ import sys
 
 import pytest
 import torch
+from comfy_harness import queue_prompt
 
 pytestmark = [pytest.mark.comfyui, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -52,25 +51,10 @@ def _template_prompt(dataset: str) -> dict:
     return prompt
 
 
-class _NoClientServer:  # what PromptExecutor needs from a PromptServer when no client is connected
-    client_id = None
-    last_node_id = None
-
-    def send_sync(self, event, data, sid=None):
-        pass
-
-
 def _queue(prompt: dict, prompt_id: str):
     """One queue of `prompt` through ComfyUI's own validation and PromptExecutor (a fresh executor: nothing kept in
     memory from an earlier queue, as after a restart of ComfyUI)."""
-    import execution
-
-    valid, error, outputs, node_errors = asyncio.run(execution.validate_prompt(prompt_id, prompt, None))
-    assert valid, (error, node_errors)
-    executor = execution.PromptExecutor(
-        _NoClientServer(), cache_type=execution.CacheType.CLASSIC, cache_args={"lru": 0, "ram": 0.0, "ram_inactive": 0.0})
-    executor.execute(copy.deepcopy(prompt), prompt_id, {}, outputs)
-    return executor
+    return queue_prompt(prompt, prompt_id)
 
 
 @pytest.mark.min_torch
