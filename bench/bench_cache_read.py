@@ -9,7 +9,7 @@ grows while reading. Page cache is warm (the files were just written); nothing h
 
     python bench/bench_cache_read.py [--items 10000] [--shape 4,64,64] [--dir PATH]
 
-Prints a Markdown table row (header first) to paste into docs/BENCHMARKS.md.
+Prints a Markdown table row (header first) to paste into docs/benchmarks/cache_and_distributed.md.
 """
 from __future__ import annotations
 

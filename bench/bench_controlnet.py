@@ -12,7 +12,7 @@ validation shares the training weights, so its peak must not exceed training's. 
     OMP_NUM_THREADS=2 python bench/bench_controlnet.py [--family sd15] [--steps 10] [--batch 2]
 
 Needs a ComfyUI checkout (found like the tests do: $COMFYUI_PATH or ~/comfy/ComfyUI); runs it on the CPU
-unless a GPU is present. Prints Markdown tables to paste into docs/BENCHMARKS.md.
+unless a GPU is present. Prints Markdown tables to paste into docs/benchmarks/cpu_step_time.md.
 """
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ optimizer state around one validation.
     OMP_NUM_THREADS=1 python bench/bench_memory_cpu.py [--rounds 3] [--steps 3] [--families sd15,sd3,flux]
 
 Needs a ComfyUI checkout (found like the tests do: $COMFYUI_PATH or ~/comfy/ComfyUI). Prints a Markdown
-table to paste into docs/BENCHMARKS.md.
+table to paste into docs/benchmarks/cpu_step_time.md.
 """
 from __future__ import annotations
 

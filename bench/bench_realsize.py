@@ -11,7 +11,8 @@ the phase works with + its growth), and the LoRA keys the stock loader mapped. T
 precision "auto": one convolution and one matmul at fp32, bf16 and fp16.
 
     python bench/bench_realsize.py [--models sdxl,flux_dev,sd35_large] [--size 128] [--steps 3]
-        [--checkpointing both|on|off] [--planner-models sdxl,flux_dev,sd35_large] [--write docs/BENCHMARKS.md]
+        [--checkpointing both|on|off] [--planner-models sdxl,flux_dev,sd35_large]
+        [--write docs/benchmarks/realsize_cpu.md]
 
 Needs a ComfyUI checkout (found like the tests do) and RAM: SDXL peaks at ~14 GiB loading its checkpoint and
 ~18 GiB training without checkpointing; the planner's description runs forwards of each model (its measurement
@@ -133,7 +134,9 @@ def main() -> None:
     parser.add_argument("--planner-models", default="sdxl,flux_dev,sd35_large",
                         help="models whose planner estimate is measured (its description runs forwards of the model)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    parser.add_argument("--write", type=Path, help="write the Markdown sections into this file, replacing old versions")
+    parser.add_argument("--write", type=Path,
+                        help="write the Markdown sections into this file (docs/benchmarks/realsize_cpu.md), "
+                        "replacing their old versions")
     args = parser.parse_args()
     sys.path.insert(0, str(REPO_ROOT / "tests"))
     harness = _import("comfy_harness", REPO_ROOT / "tests" / "comfy_harness.py")

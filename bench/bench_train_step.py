@@ -13,7 +13,7 @@ Step time = (time to N+W steps - time to W steps) / N, so set-up (the native nod
 our Init) is left out of it; set-up plus the W warm-up steps is reported separately.
 
     OMP_NUM_THREADS=1 python bench/bench_train_step.py [--families sd15,sd3,flux] [--steps 20] [--warmup 5]
-        [--threads 1] [--write docs/BENCHMARKS.md]
+        [--threads 1] [--write docs/benchmarks/cpu_step_time.md]
 
 Needs a ComfyUI checkout (found like the tests do: $COMFYUI_PATH or ~/comfy/ComfyUI); runs on the CPU.
 Prints a Markdown section; --write puts it into the given file in place of its previous version (heading to the end
@@ -158,7 +158,9 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--resolution", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--write", type=Path, help="write the Markdown section into this file, replacing its previous version")
+    parser.add_argument("--write", type=Path,
+                        help="write the Markdown section into this file (docs/benchmarks/cpu_step_time.md), "
+                        "replacing its previous version")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     setup()

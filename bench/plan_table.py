@@ -81,8 +81,8 @@ def describe(template: Template):
     import realsize_models as models
     adapter = AdapterConfig(rank=template.rank, alpha=float(template.rank), targets="preset")
     # The UNets are measured in fp32 and their activations halved: bf16 convolutions on a CPU are ~180x slower
-    # (docs/BENCHMARKS.md, CPU compute precision), too slow for a full UNet; what autocast keeps in fp32 (norms) is
-    # then counted at half its size.
+    # (docs/benchmarks/realsize_cpu.md, CPU compute precision), too slow for a full UNet; what autocast keeps in fp32
+    # (norms) is then counted at half its size.
     unet = template.measured_depth is None
     dtype, precision = (torch.float32, "fp32") if unet else (torch.bfloat16, "bf16")
     measured_model = models.build_model(template.architecture, template.measured_depth, dtype=dtype, device="cpu",

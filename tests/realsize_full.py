@@ -219,7 +219,8 @@ def run_lean(arch: str, depth: int | None = None, size: int = 64, trained_weight
     bf16_stochastic, Adafactor; two steps, the second's peak (weights + RSS growth) against the planner's step.
     `trained_weights` host: the difference and the optimizer state in host RAM (policy trained_weights host,
     optimizer_state cpu); on a CPU the device is the host, so the planned step is the device's plus the host RAM the
-    plan adds in it. In the real-size tier (tests/realsize/test_full_finetune_pieces.py) and docs/BENCHMARKS.md."""
+    plan adds in it. In the real-size tier (tests/realsize/test_full_finetune_pieces.py) and
+    docs/benchmarks/full_finetune.md."""
     import realsize_models as R
     from headroom.nodes import cache as cache_nodes, data as data_nodes, train_lora as T
     from headroom.nodes.bridge.planning import describe_comfy_model, lora_trainable

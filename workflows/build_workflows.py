@@ -285,9 +285,9 @@ def write_atomically(path: pathlib.Path, text: str) -> None:
 
 # --- the shipped workflows ------------------------------------------------------------------------------------
 LIVE_CHART_HEIGHT = 260  # the live loss/VRAM chart js/headroom_live.js draws on training nodes
-# The demo's LoRA run (tests/server/test_demo.py checks what it teaches; docs/BENCHMARKS.md has its time).
-# The dataset uses the sizes the pretrained model was trained on (docs/BENCHMARKS.md: with the default sizes and
-# 16 images the LoRA drew green in 25-62 % of the samples).
+# The demo's LoRA run (tests/server/test_demo.py checks what it teaches; docs/benchmarks/pretrain_demo.md has its
+# time). The dataset uses the sizes the pretrained model was trained on (docs/benchmarks/pretrain_demo.md: with the
+# default sizes and 16 images the LoRA drew green in 25-62 % of the samples).
 TINY_DEMO = {"count": 64, "sizes": "large", "rank": 8, "learning_rate": 5e-3, "batch_size": 4, "steps": 400,
              "sample_steps": 4}
 

@@ -12,13 +12,13 @@ mkdir -p "$TMP" "$OUT"
 export PYTHONPATH="$TMP/site${PYTHONPATH:+:$PYTHONPATH}" COMFYUI_PATH="$TMP/ComfyUI" PYTHONUNBUFFERED=1
 rm -rf "$TMP/ComfyUI" && tar -xzf .gpukit/ComfyUI.tar.gz -C "$TMP"
 if [ -f .gpukit/results/results.jsonl ]; then cp .gpukit/results/results.jsonl "$OUT/results.jsonl"; fi
-cp docs/BENCHMARKS.md "$OUT/BENCHMARKS.md"
+cp docs/benchmarks/gpu_kit.md "$OUT/gpu_kit.md"
 # A CUDA error leaves the process's CUDA context unusable: the suite then stops with status 3 and starts again
 # here, in a new process, resuming its results; --minutes counts from the first start (GPUKIT_STARTED).
 export GPUKIT_STARTED=${GPUKIT_STARTED:-$(date +%s)}
 for attempt in 1 2 3 4 5; do
   status=0
-  "$PY" bench/gpu/suite.py --results "$OUT" --page "$OUT/BENCHMARKS.md" --png "$OUT/gpu_vram.png" "$@" 2>&1 \
+  "$PY" bench/gpu/suite.py --results "$OUT" --page "$OUT/gpu_kit.md" --png "$OUT/gpu_vram.png" "$@" 2>&1 \
     | tee -a "$OUT/suite.log" || status=$?
   [ "$status" -eq 3 ] || exit "$status"
 done

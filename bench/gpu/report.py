@@ -1,8 +1,9 @@
 """The GPU kit's results page and picture, drawn from its results.jsonl (bench/gpu/suite.py) and nothing else.
 
-    python bench/gpu/report.py RESULTS.jsonl --page docs/BENCHMARKS.md --png docs/gpu_vram.png
+    python bench/gpu/report.py RESULTS.jsonl --page docs/benchmarks/gpu_kit.md --png docs/benchmarks/gpu_vram.png
 
 The page replaces only its own section of the Markdown file (between the two markers below; appended when absent).
+Its links are relative to docs/benchmarks/, where the page and the picture live: ../GPU_KIT.md, gpu_vram.png.
 What the figures show is computed here: a planner estimate off by more than 10 %, a policy whose peak exceeds its
 budget, a budget run whose step is slower than 1.15x the resident one. The picture (PIL): peak allocated VRAM per
 model and budget, against the goal lines.
@@ -97,7 +98,7 @@ def section(records: list[dict]) -> str:
     total = machine.get("gpu_total_bytes")
     lines += [
         f"- Machine: {gpu or 'no GPU'}" + (f" ({total / GIB:.0f} GiB), driver {machine.get('driver')}" if total else "")
-        + f", {machine.get('cpus')} CPUs; how to run it: [GPU_KIT.md](GPU_KIT.md)",
+        + f", {machine.get('cpus')} CPUs; how to run it: [GPU_KIT.md](../GPU_KIT.md)",
         f"- Versions: Python {machine.get('python')}, torch {machine.get('torch')} (CUDA {machine.get('cuda')}), "
         f"ComfyUI {machine.get('comfyui')}, transformers {machine.get('transformers')}, peft {machine.get('peft')}, "
         f"diffusers {machine.get('diffusers')}",
@@ -279,7 +280,8 @@ def write(records: list[dict], page: Path | None = None, png: Path | None = None
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("results", type=Path, help="the kit's results.jsonl")
-    parser.add_argument("--page", type=Path, help="Markdown file whose GPU section is replaced (or appended)")
+    parser.add_argument("--page", type=Path, help="Markdown file whose GPU section is replaced (or appended): "
+                        "docs/benchmarks/gpu_kit.md")
     parser.add_argument("--png", type=Path, help="where to draw the picture")
     args = parser.parse_args()
     write(read(args.results), args.page, args.png)

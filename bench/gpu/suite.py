@@ -1,4 +1,4 @@
-"""GPU kit: every memory and speed figure of docs/BENCHMARKS.md's GPU section, measured in one go on a borrowed GPU.
+"""GPU kit: every memory and speed figure of docs/benchmarks/gpu_kit.md, measured in one go on a borrowed GPU.
 
 Runs ComfyUI in-process and drives Headroom's node classes as a workflow runs them (Offload Policy -> Memory Plan
 (auto) -> Train LoRA: Init -> Train LoRA: Steps -> Validate LoRA (loss only)) on full-size models built from ComfyUI's
@@ -15,9 +15,10 @@ training step and the validation loss.
 Each result is appended to <results>/results.jsonl as it is measured; a later command skips what is there (a
 measurement that killed its process is recorded as "crashed" and not retried). A time guard starts no measurement
 that would end after --minutes (guessing it as long as the longest so far) and records what is left. Ordered by
-value: Flux-dev and SDXL resident, 16 and 8 GiB first. The page (docs/BENCHMARKS.md's GPU section) and the picture are drawn from the JSON (bench/gpu/report.py).
+value: Flux-dev and SDXL resident, 16 and 8 GiB first. The page (docs/benchmarks/gpu_kit.md's GPU section) and the
+picture are drawn from the JSON (bench/gpu/report.py).
 
-    python3 bench/gpu/suite.py --results .gpukit/results --page $OUT/BENCHMARKS.md --png $OUT/gpu_vram.png
+    python3 bench/gpu/suite.py --results .gpukit/results --page $OUT/gpu_kit.md --png $OUT/gpu_vram.png
     python bench/gpu/suite.py --dry-run --results /tmp/kit      # the same path on the CPU with the tiny models
 
 docs/GPU_KIT.md says how to run it on the borrowed machine (what travels, the commands).

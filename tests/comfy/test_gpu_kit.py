@@ -42,7 +42,7 @@ def measurements(results) -> list[dict]:
 
 
 def test_dry_run_measures_resumes_and_writes_the_page(comfyui, tmp_path):
-    results, page, png = tmp_path / "results", tmp_path / "BENCHMARKS.md", tmp_path / "gpu_vram.png"
+    results, page, png = tmp_path / "results", tmp_path / "gpu_kit.md", tmp_path / "gpu_vram.png"
     page.write_text(OLD_PAGE)
 
     suite(results, "--models", "sdxl", "--budgets", "8", "--no-native", "--policies", "none")
@@ -95,7 +95,7 @@ def test_dry_run_measures_resumes_and_writes_the_page(comfyui, tmp_path):
 def test_dry_run_measures_a_full_fine_tune_fitted_to_a_card(comfyui, tmp_path):
     """The kit's full fine-tune (issue 27): kind full with the bf16 difference, fused backward and Adafactor, the Init
     node's planner fitting it to a card; the row on the page."""
-    results, page = tmp_path / "results", tmp_path / "BENCHMARKS.md"
+    results, page = tmp_path / "results", tmp_path / "gpu_kit.md"
     suite(results, "--models", "flux_dev", "--budgets", "8", "--no-native", "--no-cuda-tests", "--policies", "none",
           "--full-cards", "24", "--full-host-cards", "16", "--page", str(page))
     by_id = {r["id"]: r for r in measurements(results)}

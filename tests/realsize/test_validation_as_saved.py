@@ -4,7 +4,7 @@ single block, bf16 weights computed in fp32 on a CPU through ComfyUI's manual ca
 The stock LoraLoader bakes a LoRA into the bf16 weights (comfy/lora.py, stochastic rounding seeded by the key);
 validation with lora_application="as_saved_file" samples exactly that, so its latents equal what LoraLoader +
 KSampler give from the saved file. "unmerged" computes the LoRA beside the frozen weights in full precision; its
-difference from the stock result is printed (docs/BENCHMARKS.md states it).
+difference from the stock result is printed (docs/memory/VALIDATION.md states it).
 """
 from __future__ import annotations
 

@@ -41,7 +41,7 @@ def test_findings_flag_planner_misses_budget_overruns_and_slow_streaming():
 
 def test_page_replaces_only_its_own_section(tmp_path):
     module = report()
-    page = tmp_path / "BENCHMARKS.md"
+    page = tmp_path / "gpu_kit.md"
     page.write_text("# Benchmarks\n\nabove\n")
     module.write_page(page, module.section([lora("resident", 1.0, 10.0, 10.0, 10.0)]))
     first = page.read_text()
