@@ -80,7 +80,7 @@ def describe(template: Template):
 
     import realsize_models as models
     adapter = AdapterConfig(rank=template.rank, alpha=float(template.rank), targets="preset")
-    # The UNets are measured in fp32 and their activations halved: bf16 convolutions on a CPU are ~180x slower
+    # The UNets are measured in fp32 and their activations halved: bf16 convolutions on a CPU are ~240x slower
     # (docs/benchmarks/realsize_cpu.md, CPU compute precision), too slow for a full UNet; what autocast keeps in fp32
     # (norms) is then counted at half its size.
     unet = template.measured_depth is None

@@ -45,7 +45,7 @@ PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 def auto_precision(device: torch.device | str) -> str:
     """The compute precision for a device: bf16 on a CUDA device that supports it, fp16 on other CUDA devices,
     fp32 elsewhere. A CPU has no fast low-precision kernels for these models (measured here: bf16 convolutions
-    ~180x slower than fp32, docs/benchmarks/realsize_cpu.md), and its weights in bf16 are cast to fp32 per layer
+    ~240x slower than fp32, docs/benchmarks/realsize_cpu.md), and its weights in bf16 are cast to fp32 per layer
     anyway."""
     device = torch.device(device)
     if device.type != "cuda":

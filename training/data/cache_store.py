@@ -19,7 +19,8 @@ Layout of one store (one folder per kind, e.g. `<headroom_cache>/latents`):
   `shards/` (training/files.py).
 - Before entries are reused their tensors are re-hashed against the manifest: a corrupt or truncated
   shard is found and its entries are encoded again. (This reads every cached byte once per caching
-  run: about a second per GiB, see docs/benchmarks/cache_and_distributed.md; cheap next to encoding.)
+  run: about 5 s per GiB on a 2-core VM, 3.0 s for 626 MiB, docs/benchmarks/cache_and_distributed.md; cheap next
+  to encoding.)
 - Reads go through `safetensors.safe_open` (memory-mapped) with a few shard handles open at a time,
   so memory does not grow with the number of items read.
 - The manifest is rewritten whole after each shard (O(entries) per shard); fine into the 100k-entry
