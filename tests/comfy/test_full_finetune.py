@@ -136,7 +136,7 @@ def test_full_finetune_is_saved_for_the_stock_loaders(comfyui, tmp_path):
         CheckpointSave().save(lora_model, clip, vae, f"checkpoints/{prefix}")
         output = pathlib.Path(folder_paths.get_output_directory())
         files = [next((output / folder).glob(f"{prefix}_*.safetensors")) for folder in ("diffusion_models", "checkpoints")]
-        differences = run.adapters.state_dict()  # {"<layer>.full_weight" | "<layer>.full_bias": difference}
+        differences = dict(run.adapters.differences())  # {"<layer>.weight" | "<layer>.bias": W' - W}
         for file in files:
             state = comfy.utils.load_torch_file(str(file))
             unet_prefix = comfy.model_detection.unet_prefix_from_state_dict(state)
@@ -144,7 +144,7 @@ def test_full_finetune_is_saved_for_the_stock_loaders(comfyui, tmp_path):
             assert weights.keys() == base.keys(), file.name  # the input's key layout, every key
             for key, weight in weights.items():
                 layer, kind = key.rsplit(".", 1)
-                difference = differences.get(f"{layer}.full_{kind}")
+                difference = differences.get(key)
                 expected = base[key] if difference is None else (base[key].float() + difference).to(base[key].dtype)
                 assert torch.equal(weight, expected), (file.name, key)
             loaded = build_tiny_model_patcher("sd15", seed=7)  # other random weights: all of them must be replaced
