@@ -153,7 +153,7 @@ def run(size: int = 64) -> dict:
         with W.Peak() as peak:
             name = T.HeadroomSaveLora.execute(run, "realsize", "realsize_full_difference", "fp32").args[0]
         report["phases"].append(peak.record("save (differences)"))
-        differences = run.adapters.state_dict()
+        differences = dict(run.adapters.differences())  # {"<layer>.weight" | "<layer>.bias": W' - W}, fp32
         run.release()
         del run
         gc.collect()
@@ -181,8 +181,7 @@ def run(size: int = 64) -> dict:
     weights = tuned.model.diffusion_model.state_dict()
     changed, unchanged, worst = 0, 0, 0.0
     for key, weight in weights.items():
-        layer, kind = key.rsplit(".", 1)
-        difference = differences.get(f"{layer}.full_{kind}")
+        difference = differences.get(key)
         if difference is None:
             unchanged += int(torch.equal(weight, base[key]))
             continue

@@ -15,7 +15,7 @@ import comfy.model_management
 
 from ...training.checks import named
 from ...training.memory import host_ram, planner, trained_weights_on_host
-from ...training.core.adapters import AdapterConfig, AdapterSet
+from ...training.core.adapters import AdapterConfig, AdapterSet, _CastProduct
 from ...training.memory.policy import OffloadPolicy, PolicyError
 from ...training.core.trainer import PRECISIONS, auto_precision
 from ...training.data.cache_store import item_conditioning
@@ -104,12 +104,13 @@ def _measure(patcher, adapter: AdapterConfig, precision: str) -> list[planner.Ac
         weights = [*diffusion_model.parameters(), *diffusion_model.buffers()]
         paths = lora_target_paths(patcher, adapter)
         if adapter.kind == "full":
-            # A full fine-tune's differences are the size of the weights themselves (4 bytes each): measured with a
-            # rank-1 LoRA on the same layers instead, which keeps the same layer inputs for backward; the
-            # differences, their gradients and optimizer state are counted from their shapes (lora_trainable).
-            adapter = dataclasses.replace(adapter, kind="lora", rank=1, alpha=1.0, full_precision="fp32")
-        adapters = AdapterSet(diffusion_model, paths, adapter)
-        adapters.to(denoiser.device)
+            # A full fine-tune's own weights are the size of the base's: measured with probes of the same layers
+            # instead (_OneCopyProbe: what FullLayer keeps for backward, without making its weights); the trained
+            # weights, their gradients and optimizer state are counted from their shapes (lora_trainable).
+            adapters = _OneCopyProbes(diffusion_model, paths)
+        else:
+            adapters = AdapterSet(diffusion_model, paths, adapter)
+            adapters.to(denoiser.device)
         dtype = PRECISIONS[precision]
         samples = []
         adapters.attach(diffusion_model)
@@ -132,6 +133,45 @@ def _measure(patcher, adapter: AdapterConfig, precision: str) -> list[planner.Ac
         finally:
             adapters.detach()
     return samples
+
+
+class _OneCopyProbe(torch.nn.Module):
+    """A full fine-tune's layer as the planner measures it: adapters.FullLayer computes with its own weight W' alone
+    (the base layer is not called, so no cast copy of the base weight is kept for backward), and keeps its input and W'
+    (a trained tensor, counted from shapes). Here the same product (adapters._CastProduct) with the base's stored
+    weight in W's place, made a leaf that needs a gradient (a view of the frozen weight: the measurement skips it) so
+    autograd records what a training step records; nothing the size of the weights is made."""
+
+    def __init__(self, base: torch.nn.Module):
+        super().__init__()
+        self.base_layer = base
+
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        base = self.base_layer
+        conv = (base.stride, base.padding, base.dilation, base.groups) if isinstance(base, torch.nn.Conv2d) else None
+        weight = base.weight.detach().requires_grad_(True)
+        return _CastProduct.apply(x, weight, None if base.bias is None else base.bias.detach(), conv)
+
+
+class _OneCopyProbes:
+    """_OneCopyProbe on each of `paths`, attached / detached as an AdapterSet is."""
+
+    def __init__(self, root: torch.nn.Module, paths: list[str]):
+        self.root, self.paths = root, paths
+
+    def attach(self, root: torch.nn.Module) -> None:
+        for path in self.paths:
+            parent, _, child = path.rpartition(".")
+            module = root.get_submodule(parent)
+            setattr(module, child, _OneCopyProbe(getattr(module, child)))
+
+    def detach(self) -> None:
+        for path in self.paths:
+            parent, _, child = path.rpartition(".")
+            module = self.root.get_submodule(parent)
+            probe = getattr(module, child)
+            if isinstance(probe, _OneCopyProbe):
+                setattr(module, child, probe.base_layer)
 
 
 def describe_comfy_model(patcher, adapter: AdapterConfig, precision: str = "bf16", text_tokens: int | None = None,

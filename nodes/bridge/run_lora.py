@@ -68,6 +68,34 @@ def comfy_patches(patcher, adapters: AdapterSet) -> dict:
     return comfy.lora.load_lora(adapters.comfy_state_dict(), key_map, log_missing=True)
 
 
+def patched_base_reader(patcher):
+    """A full fine-tune's base (adapters.FullLayer `read_base`): each layer's weight and bias in fp32 as ComfyUI
+    computes them once it loads `patcher`, whether or not it is loaded now: the stored tensor (the original when a
+    load patched it in place: the backup ComfyUI keeps) with the MODEL's own patches applied (a Load LoRA before the
+    run), in ComfyUI's own arithmetic (comfy.lora.calculate_weight, fp32). The same every time it is read, so the run
+    starts from it and saves W' - W against it."""
+
+    def read(path: str, module: torch.nn.Module, device):
+        out = []
+        for name in ("weight", "bias"):
+            if getattr(module, name, None) is None:
+                out.append(None)
+                continue
+            key = f"diffusion_model.{path}.{name}"
+            backup = patcher.backup.get(key)
+            stored = backup.weight if backup is not None else getattr(module, name)  # the module: attached or not
+            if hasattr(stored, "dequantize") and type(stored).__name__ == "QuantizedTensor":  # ComfyUI's low-bit
+                stored = stored.dequantize()
+            tensor = stored.detach().to(device=device, dtype=torch.float32, copy=True)
+            patches = patcher.patches.get(key)
+            if patches:
+                tensor = comfy.lora.calculate_weight(patches, tensor, key, intermediate_dtype=torch.float32)
+            out.append(tensor)
+        return out[0], out[1]
+
+    return read
+
+
 class AsSavedWeight:
     """A ComfyUI weight wrapper that gives a layer the weight the stock LoraLoader bakes from the saved file, made
     when the layer runs and dropped after it.
@@ -157,7 +185,8 @@ class LoraTraining:
                                           [n for n, _ in model_blocks(diffusion_model)])
             # The compute device, or host RAM (trained_weights host: each layer crosses to the card when it runs).
             home = trained_weights_device(run.policy, patcher.load_device)
-            self.adapters = AdapterSet(diffusion_model, paths, config.adapter, device=home)
+            self.adapters = AdapterSet(diffusion_model, paths, config.adapter, device=home,
+                                       base_reader=patched_base_reader(patcher))
         if config.adapter.init_lora:  # a resumed run's checkpoint replaces these (Trainer.resume)
             self.adapters.start_from(read_lora_file(run.source_model, config.adapter.init_lora, config.adapter.kind),
                                      f"LoRA file {config.adapter.init_lora}")
@@ -304,10 +333,8 @@ class LoraTraining:
             raise ValueError(f"a LoRA is extracted from a full fine-tune (LoRA Config kind full); this run trains "
                              f"kind {adapter.kind}: save it with Save LoRA")
         with run.weights(weights) as used:
-            differences = ((f"{path_}.{name}", parameter) for path_, layer in self.adapters.layers.items()
-                           for name, parameter in (("weight", layer.full_weight), ("bias", layer.full_bias))
-                           if parameter is not None)
-            state, kept = extract_from_differences(differences, rank=rank, energy=energy, dtype=SAVE_DTYPES[dtype])
+            state, kept = extract_from_differences(self.adapters.differences(), rank=rank, energy=energy,
+                                                   dtype=SAVE_DTYPES[dtype])
         metadata = {**self.metadata(run), "headroom.kind": "lora", "headroom.extracted_from": "full",
                     "headroom.rank": str(rank) if rank > 0 else "by energy", "headroom.extracted": kept.summary(),
                     "headroom.weights": used}

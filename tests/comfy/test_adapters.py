@@ -71,10 +71,11 @@ def test_state_dict_round_trip_and_seeded_init():
         AdapterSet(Net(), ["blocks.1.lin"], config).load_state_dict(first.state_dict())
 
 
-def test_full_kind_trains_the_weights_as_the_runs_own_difference():
-    """kind full: the output starts as the base layer's exactly; the difference's gradient is the base weight's own
-    gradient (so each optimizer step is the full fine-tune's); after a change the layer computes with W + difference;
-    the base weights are never written; the export holds ComfyUI's diff keys, nothing else."""
+def test_full_kind_trains_the_runs_own_copy_of_the_weights():
+    """kind full: the run's own copy W' of each trained weight starts as the base's, so the output starts as the base
+    layer's exactly; its gradient is the base weight's own (each optimizer step is the full fine-tune's); after a
+    change the layer computes with W' alone (the base layer is never called); the base weights are never written; the
+    export holds ComfyUI's diff keys, W' - W, nothing else."""
     net, twin = Net(), Net()
     paths = ["blocks.0.lin", "blocks.0.conv"]
     before = {k: v.clone() for k, v in net.state_dict().items()}
@@ -87,15 +88,19 @@ def test_full_kind_trains_the_weights_as_the_runs_own_difference():
         assert torch.equal(layer(inputs[path]), reference(inputs[path]))
         (layer(inputs[path]) ** 2).sum().backward()
         (reference(inputs[path]) ** 2).sum().backward()
-        torch.testing.assert_close(layer.full_weight.grad, reference.weight.grad, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(layer.full_bias.grad, reference.bias.grad, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(layer.full_trained_weight.grad, reference.weight.grad, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(layer.full_trained_bias.grad, reference.bias.grad, rtol=1e-5, atol=1e-6)
+        layer.base_layer.register_forward_pre_hook(lambda *_: pytest.fail("the base layer was called"))
     _randomize(adapters)
     with torch.no_grad():
         lin, conv = net.blocks[0].lin, net.blocks[0].conv
         torch.testing.assert_close(lin(inputs["blocks.0.lin"]), torch.nn.functional.linear(
-            inputs["blocks.0.lin"], lin.base_layer.weight + lin.full_weight, lin.base_layer.bias + lin.full_bias))
+            inputs["blocks.0.lin"], lin.full_trained_weight, lin.full_trained_bias))
         torch.testing.assert_close(conv(inputs["blocks.0.conv"]), conv.base_layer._conv_forward(
-            inputs["blocks.0.conv"], conv.base_layer.weight + conv.full_weight, conv.base_layer.bias + conv.full_bias))
+            inputs["blocks.0.conv"], conv.full_trained_weight, conv.full_trained_bias))
+        exported = adapters.comfy_state_dict(prefix="")
+        assert torch.equal(exported["blocks.0.lin.diff"], lin.full_trained_weight - lin.base_layer.weight)
+        assert torch.equal(exported["blocks.0.conv.diff_b"], conv.full_trained_bias - conv.base_layer.bias)
     adapters.detach()
     assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())
     assert sorted(adapters.comfy_state_dict(prefix="")) == [
@@ -109,10 +114,10 @@ def test_full_kind_trains_the_weights_as_the_runs_own_difference():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("layer", ["linear", "conv"])
 def test_full_kinds_product_has_torchs_gradients_and_keeps_no_cast_copy(layer, dtype):
-    """The difference's product (adapters._CastDifference) gives torch's own gradients for the input, the difference
+    """The trained weight's product (adapters._CastProduct) gives torch's own gradients for the input, the weight
     and its bias (a strided, dilated, grouped conv; a linear on [B, T, C]), and what it keeps for backward is the input
-    and the difference itself: no copy cast to the compute dtype (torch's linear / conv would keep one)."""
-    from headroom.training.core.adapters import _CastDifference
+    and the weight itself: no copy cast to the compute dtype (torch's linear / conv would keep one)."""
+    from headroom.training.core.adapters import _CastProduct
 
     torch.manual_seed(0)
     if layer == "linear":
@@ -126,7 +131,7 @@ def test_full_kinds_product_has_torchs_gradients_and_keeps_no_cast_copy(layer, d
     theirs = [t.clone().requires_grad_(True) for t in (x, weight, bias)]
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        out = _CastDifference.apply(ours[0], ours[1], ours[2], conv)
+        out = _CastProduct.apply(ours[0], ours[1], ours[2], conv)
     expected = reference(theirs[0], theirs[1].float(), theirs[2].float())
     torch.testing.assert_close(out, expected)
     grad = torch.randn_like(out)

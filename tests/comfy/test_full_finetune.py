@@ -59,6 +59,58 @@ def test_full_finetune_resumes_exactly(comfyui):
                      caption_dropout=0.25)
 
 
+def test_a_run_folder_of_the_difference_layout_resumes_on_one_copy(comfyui):
+    """Checkpoints written before issue 42 hold the trained difference D ("<layer>.full_weight" / ".full_bias") and
+    its EMA: resuming converts them once to the run's own weights W' = W + D (the EMA's likewise) and the run goes on
+    as the run that never stopped (to fp32 rounding: W + (W' - W) is W' within an ulp)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from headroom.nodes import train_lora as T
+
+    model, clip, vae, latents, texts = _data("sd15")
+    settings = dict(kind="full", targets="all_layers", lr=1e-3, batch_size=2, ema_decay=0.9)
+    straight = _init(model, latents, texts, "full_layout_straight", **settings)
+    old = _init(model, latents, texts, "full_layout_old", **settings)
+    with torch.inference_mode():
+        T.HeadroomTrainSteps.execute(straight, 6)
+        T.HeadroomTrainSteps.execute(old, 3)
+        # The checkpoint rewritten as the old layout wrote it: differences under the old names, the EMA of them.
+        differences = dict(old.adapters.differences())
+        at_three = old.adapters.state_dict()
+        folder = old.run_dir.path / json.loads((old.run_dir.path / "latest.json").read_text())["checkpoint"]
+        adapter = load_file(str(folder / "adapter.safetensors"))
+        names = list(old.adapters.state_dict(copy=False))  # the parameter order: the EMA's names are its indices
+        assert sorted(names) == sorted(adapter)
+        ema = load_file(str(folder / "ema.safetensors"))
+        bases = {}
+        for path, layer in old.adapters.layers.items():
+            weight, bias = layer.read_base(torch.device("cpu"))
+            bases[f"{path}.full_trained_weight"], bases[f"{path}.full_trained_bias"] = weight, bias
+        old_adapter = {key.replace(".full_trained_", ".full_"): differences[
+            key.replace(".full_trained_", ".")] for key in names}
+        old_ema = {name: ema[name] - bases[key] for name, key in zip(sorted(ema), names)}
+        old.release()
+        save_file(old_adapter, str(folder / "adapter.safetensors"))
+        save_file(old_ema, str(folder / "ema.safetensors"))
+        resumed = _init(model, latents, texts, "full_layout_old", **settings)
+        assert resumed.step == 3
+        assert sorted(resumed.adapters.state_dict()) == sorted(names)
+        # Converted once: W + D is W' to fp32 rounding (within an ulp of W' and one of D), the EMA's likewise.
+        converted, converted_ema = resumed.adapters.state_dict(), resumed.trainer.ema.state_dict()
+        for key, name in zip(names, sorted(ema)):
+            torch.testing.assert_close(converted[key], at_three[key], rtol=3e-7, atol=1e-9)
+            torch.testing.assert_close(converted_ema[name], ema[name], rtol=3e-7, atol=1e-9)
+        T.HeadroomTrainSteps.execute(resumed, 6)
+    # Then it trains on as the straight run does: AdamW divides by the gradients' own size, so an ulp of difference
+    # may move a weight whose gradient is near zero by a fraction of a step; within 10 % of the steps' movement.
+    a, b = straight.adapters.state_dict(), resumed.adapters.state_dict()
+    moved = max((a[key] - at_three[key]).abs().max().item() for key in a)
+    assert moved > 0 and max((b[key] - a[key]).abs().max().item() for key in a) <= 0.1 * moved
+    assert resumed.step == straight.step == 6
+
+
 def _resumes_exactly(model, latents, texts, name, **settings):
     """A run trained 3 + 3 steps (released and opened again between) ends where a run of 6 steps does, bit for bit;
     returns the straight run."""
@@ -136,7 +188,7 @@ def test_full_finetune_is_saved_for_the_stock_loaders(comfyui, tmp_path):
         CheckpointSave().save(lora_model, clip, vae, f"checkpoints/{prefix}")
         output = pathlib.Path(folder_paths.get_output_directory())
         files = [next((output / folder).glob(f"{prefix}_*.safetensors")) for folder in ("diffusion_models", "checkpoints")]
-        differences = run.adapters.state_dict()  # {"<layer>.full_weight" | "<layer>.full_bias": difference}
+        differences = dict(run.adapters.differences())  # {"<layer>.weight" | "<layer>.bias": W' - W}
         for file in files:
             state = comfy.utils.load_torch_file(str(file))
             unet_prefix = comfy.model_detection.unet_prefix_from_state_dict(state)
@@ -144,7 +196,7 @@ def test_full_finetune_is_saved_for_the_stock_loaders(comfyui, tmp_path):
             assert weights.keys() == base.keys(), file.name  # the input's key layout, every key
             for key, weight in weights.items():
                 layer, kind = key.rsplit(".", 1)
-                difference = differences.get(f"{layer}.full_{kind}")
+                difference = differences.get(key)
                 expected = base[key] if difference is None else (base[key].float() + difference).to(base[key].dtype)
                 assert torch.equal(weight, expected), (file.name, key)
             loaded = build_tiny_model_patcher("sd15", seed=7)  # other random weights: all of them must be replaced

@@ -128,7 +128,7 @@ class _Recorder(torch.optim.Optimizer):
 
 def test_stochastic_rounding_is_unbiased_and_keeps_what_bf16_holds():
     generator = torch.Generator().manual_seed(0)
-    exact = torch.tensor([0.0, 1.0, -2.5, 3.0e38, float("inf"), float("-inf")])
+    exact = torch.tensor([0.0, 1.0, -2.5, 2.0 ** 127, float("inf"), float("-inf")])
     assert torch.equal(stochastic_round_to_bf16(exact, generator).float(), exact.to(torch.bfloat16).float())
     assert torch.isnan(stochastic_round_to_bf16(torch.tensor([float("nan")]), generator)).all()
     # 1 + a quarter of a bf16 step (2^-7 at 1.0): up with probability 1/4, on both signs.
@@ -137,6 +137,41 @@ def test_stochastic_rounding_is_unbiased_and_keeps_what_bf16_holds():
         assert set(rounded.abs().unique().tolist()) == {1.0, 1.0 + 2 ** -7}
         assert rounded.mean().item() == pytest.approx(value, abs=2e-5)
         assert (rounded.abs() > 1.0).float().mean().item() == pytest.approx(0.25, abs=0.01)
+
+
+def test_cpu_rounding_noise_is_unbiased_per_weight_and_follows_its_generator():
+    """The CPU's counter-based noise (stochastic_rounding._round_on_cpu, past one 2^20-element chunk): every weight's
+    mean over many roundings is its fp32 value, each rounding is one of its two bf16 neighbours, values bf16 holds
+    stay, inf and NaN (any payload) stay, and the same generator state gives the same rounding."""
+    values = torch.randn(3 * 2 ** 19, generator=torch.Generator().manual_seed(5)) * 10.0 ** torch.randint(
+        -6, 6, (3 * 2 ** 19,), generator=torch.Generator().manual_seed(6))
+    generator = torch.Generator().manual_seed(0)
+    total = torch.zeros_like(values, dtype=torch.float64)
+    down = values.to(torch.bfloat16).float()  # a neighbour; the other is one bf16 step away
+    rounds = 64
+    for _ in range(rounds):
+        rounded = stochastic_round_to_bf16(values, generator).float()
+        step = (rounded - down).abs()
+        assert bool((step <= down.abs() * 2 ** -7 * 1.001).all())  # one of its two neighbours
+        total += rounded.double()
+    step = torch.ldexp(torch.ones_like(values), torch.frexp(down)[1] - 8).double()  # the gap between its neighbours
+    error = (total / rounds - values.double()) / step  # in bf16 steps
+    # Unbiased: the signed errors average out over 1.5 M weights; each mean of 64 roundings is within its standard
+    # error (at most 1/16 step; 0.039 step expected on average) of the value.
+    assert abs(error.mean().item()) < 0.002 and error.abs().mean().item() < 0.045 and error.abs().max().item() < 0.5
+    positions = torch.randint(0, values.numel(), (64,), generator=torch.Generator().manual_seed(7))
+    special = values.to(torch.bfloat16).float()  # values bf16 holds
+    special[positions[:16]] = float("inf")
+    special[positions[16:32]] = float("-inf")
+    special.view(torch.int32)[positions[32:48]] = -1  # 0xFFFFFFFF: a NaN whose payload fills every bit
+    special.view(torch.int32)[positions[48:]] = 0x7FFFFFFF  # adding noise would carry it past the sign bit
+    rounded = stochastic_round_to_bf16(special, generator).float()
+    nan = torch.isnan(special)
+    assert int(nan.sum()) == len(set(positions[32:].tolist())) and torch.isnan(rounded[nan]).all()
+    assert torch.equal(rounded[~nan], special[~nan])  # inf, -inf and every value bf16 holds: unchanged
+    a, b = torch.Generator().manual_seed(9), torch.Generator().manual_seed(9)
+    assert torch.equal(stochastic_round_to_bf16(values, a), stochastic_round_to_bf16(values, b))
+    assert not torch.equal(stochastic_round_to_bf16(values, a), stochastic_round_to_bf16(values, b.manual_seed(10)))
 
 
 def test_bf16_weights_learn_with_stochastic_rounding_where_rounding_to_nearest_stalls():

@@ -210,56 +210,84 @@ class OFTLayer(torch.nn.Module):
 
 
 class FullLayer(torch.nn.Module):
-    """Full fine-tuning of one Linear / Conv2d: the run's own weight is the base's plus a trained difference,
-    W' = W + full_weight and b' = b + full_bias (fp32, zero at the start: the output is the base layer's, bit for bit).
+    """Full fine-tuning of one Linear / Conv2d: the run trains its own copy of the layer's weight and bias,
+    W' and b' (`full_trained_weight` / `full_trained_bias`), started from the base's (cast / dequantised to fp32 and
+    then to `dtype`: what the base layer computes with, read by `read_base`), and the forward is F.linear / F.conv2d
+    with W' and b' alone: the base layer is held (for saving and for `detach`) but never called, so a training step is
+    the 3 products of training the layer in place (the old layout, the base's output plus x D^T for a trained
+    difference D, took 5), and the base's weights need not be on the card for it.
 
-    Why a difference and not a copy of W: the base weights are ComfyUI's MODEL, shared with every other node, and are
-    never written; the difference is what ComfyUI's loader applies as a "diff" patch (comfy/lora.py), so the saved
-    file goes through the stock Load LoRA onto the same base, and stock Save Model / Save Checkpoint write the merged
-    model from there. The gradient of W' is the gradient of the difference, so every optimizer step is the full
-    fine-tune's step; the one change is weight decay, which pulls towards the base weights instead of towards zero.
-    Applied to the base layer's output (y + x W_d^T + b_d), like OFTLayer: it works on any base layer (ComfyUI's cast
-    ops, streamed or low-bit weights) and keeps no merged copy of W for backward; the cost is one more matmul per
-    layer. Memory: the difference in fp32 (4 bytes per weight; `dtype` bf16: 2, trained with stochastic rounding by
-    memory/fused_backward.py), with the gradient and optimizer state a full fine-tune
-    has (the planner counts them from the layers' shapes: planner.TrainableSpec.full)."""
+    Why a copy beside ComfyUI's base and not the base itself: the base weights are ComfyUI's MODEL, shared with every
+    other node, and are never written. What is saved is still what ComfyUI's loader applies as a "diff" patch
+    (comfy/lora.py): W' - W, computed at save one layer at a time (`difference`), so the saved file goes through the
+    stock Load LoRA onto the same base, and stock Save Model / Save Checkpoint write the merged model from there.
+    Weight decay (AdamW's decoupled decay) now pulls W' towards zero, as in every other full fine-tuner (kohya
+    sd-scripts, OneTrainer); with the difference it pulled towards the base weights.
+
+    Memory: W' in fp32 (4 bytes per weight; `dtype` bf16: 2, trained with stochastic rounding by
+    memory/fused_backward.py), with the gradient and optimizer state a full fine-tune has (the planner counts them
+    from the layers' shapes: planner.TrainableSpec.full); the base stays where ComfyUI placed it."""
 
     def __init__(self, base: torch.nn.Module, device: torch.device | str | None = None,
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, read_base=None):
+        """`read_base(device)`: the base's (weight, bias or None) in fp32 on `device`, as the layer computes with them
+        (default `base_weights`; the ComfyUI bridge gives one that applies the MODEL's own patches)."""
         super().__init__()
         self.base_layer = base
-        if isinstance(base, torch.nn.Conv2d):
-            if base.padding_mode != "zeros":
-                raise ValueError(f"kind full: a Conv2d with padding_mode {base.padding_mode!r} is not supported")
-            shape = (base.out_channels, base.in_channels // base.groups, *base.kernel_size)
-        else:
-            shape = (base.out_features, base.in_features)
-        # Made where they will live (`device`): a model-sized difference built in host RAM first would need that much
-        # host RAM for a moment on its way to the card. In host RAM (memory/trained_weights_on_host.py), each product
-        # copies it to the input's device.
-        self.full_weight = torch.nn.Parameter(torch.zeros(shape, dtype=dtype, device=device))
-        has_bias = getattr(base, "bias", None) is not None
-        self.full_bias = torch.nn.Parameter(torch.zeros(shape[0], dtype=dtype, device=device)) if has_bias else None
+        if isinstance(base, torch.nn.Conv2d) and base.padding_mode != "zeros":
+            raise ValueError(f"kind full: a Conv2d with padding_mode {base.padding_mode!r} is not supported")
+        self.read_base = read_base if read_base is not None else (lambda where: base_weights(base, where))
+        # Made where they will live (`device`), one layer at a time: a model-sized copy built in host RAM first would
+        # need that much host RAM for a moment on its way to the card. In host RAM
+        # (memory/trained_weights_on_host.py), each product copies it to the input's device.
+        weight, bias = self.read_base(device)
+        self.full_trained_weight = torch.nn.Parameter(weight.to(device=device, dtype=dtype))
+        self.full_trained_bias = None if bias is None else torch.nn.Parameter(bias.to(device=device, dtype=dtype))
 
     def get_base_layer(self) -> torch.nn.Module:
         return self.base_layer
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        y = self.base_layer(x, *args, **kwargs)
         base = self.base_layer
         conv = (base.stride, base.padding, base.dilation, base.groups) if isinstance(base, torch.nn.Conv2d) else None
-        return y + _CastDifference.apply(x, self.full_weight, self.full_bias, conv).to(y.dtype)
+        return _CastProduct.apply(x, self.full_trained_weight, self.full_trained_bias, conv)
+
+    @torch.no_grad()
+    def difference(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """W' - W and b' - b in fp32, on W's device (what ComfyUI's "diff" / "diff_b" keys hold)."""
+        device = self.full_trained_weight.device
+        weight, bias = self.read_base(device)
+        weight = self.full_trained_weight.float() - weight
+        if bias is not None:
+            bias = self.full_trained_bias.float() - bias
+        return weight, bias
 
 
-class _CastDifference(torch.autograd.Function):
-    """The difference's product with the layer input (F.linear, or F.conv2d with `conv` = (stride, padding, dilation,
-    groups)), the difference cast to the input's dtype (and copied to its device: a difference in host RAM,
+def base_weights(base: torch.nn.Module, device=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A Linear / Conv2d's weight and bias in fp32 on `device`, as the layer computes with them: through ComfyUI's
+    cast (comfy.ops cast_bias_weight: weights in another dtype or in host RAM, quantised weights, the weight functions
+    of a partly loaded model), else the module's own (training/memory/lowbit.py's layers dequantise in `weight`)."""
+    if hasattr(base, "comfy_cast_weights"):
+        import comfy.ops  # only ComfyUI's layers have it: the engine imports without ComfyUI
+
+        device = torch.device(device) if device is not None else base.weight.device
+        weight, bias = comfy.ops.cast_bias_weight(base, None, dtype=torch.float32, device=device,
+                                                  bias_dtype=torch.float32)
+    else:
+        weight, bias = base.weight, getattr(base, "bias", None)
+    weight = weight.detach().to(device=device, dtype=torch.float32, copy=True)
+    return weight, None if bias is None else bias.detach().to(device=device, dtype=torch.float32, copy=True)
+
+
+class _CastProduct(torch.autograd.Function):
+    """A layer's product with its own weight (F.linear, or F.conv2d with `conv` = (stride, padding, dilation,
+    groups)), the weight cast to the input's dtype (and copied to its device: a weight in host RAM,
     memory/trained_weights_on_host.py) for the product only.
 
     Written by hand because torch's own linear / conv keep the cast copy they multiply with until backward: with the
-    difference in fp32 under bf16 compute (or bf16 under a CPU's fp32) that is a copy of every trained weight in
-    the compute dtype, held for the whole forward without checkpointing. Here backward casts the difference again.
-    Gradients: the product's, in the difference's dtype (tests/comfy/test_adapters.py checks them against torch's)."""
+    weight in fp32 under bf16 compute (or bf16 under a CPU's fp32) that is a copy of every trained weight in the
+    compute dtype, held for the whole forward without checkpointing. Here backward casts the weight again.
+    Gradients: the product's, in the weight's dtype (tests/comfy/test_adapters.py checks them against torch's)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, conv):
@@ -305,12 +333,13 @@ def _float32(value: float) -> float:
 ADAPTER_LAYERS = (BaseTunerLayer, OFTLayer, FullLayer)
 
 
-def _peft_layer(base: torch.nn.Module, config: AdapterConfig, device=None) -> torch.nn.Module:
+def _peft_layer(base: torch.nn.Module, config: AdapterConfig, device=None, read_base=None) -> torch.nn.Module:
     rank, alpha = int(config.rank), float(config.alpha)
     if config.kind == "oft":
         return OFTLayer(base, rank, alpha)
     if config.kind == "full":
-        return FullLayer(base, device, torch.bfloat16 if config.full_precision == "bf16_stochastic" else torch.float32)
+        return FullLayer(base, device, torch.bfloat16 if config.full_precision == "bf16_stochastic" else torch.float32,
+                         read_base)
     if config.kind in ("lora", "dora"):
         peft_config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=config.dropout, use_dora=config.kind == "dora")
         cls = lora_layer.Conv2d if isinstance(base, torch.nn.Conv2d) else lora_layer.Linear
@@ -346,9 +375,10 @@ class AdapterSet:
     """The adapter layers of one run: created once, attached to / detached from a module tree."""
 
     def __init__(self, root: torch.nn.Module, paths: list[str], config: AdapterConfig,
-                 device: torch.device | str | None = None):
-        """`device`: where kind full makes its differences (the size of the weights); the small adapters of the other
-        kinds are made beside their base layer and moved with `to`."""
+                 device: torch.device | str | None = None, base_reader=None):
+        """`device`: where kind full makes its trained weights (the size of the base's); the small adapters of the
+        other kinds are made beside their base layer and moved with `to`. `base_reader(path, module, device)`: kind
+        full's base (weight, bias) in fp32, as FullLayer's `read_base` (default adapters.base_weights)."""
         config.validate()
         self.config = config
         self.layers: dict[str, torch.nn.Module] = {}
@@ -362,7 +392,9 @@ class AdapterSet:
                 base = root.get_submodule(path)
                 if not isinstance(base, (torch.nn.Linear, torch.nn.Conv2d)):
                     raise TypeError(f"adapter target {path} is a {type(base).__name__}; only Linear and Conv2d are supported")
-                layer = _peft_layer(base, config, device)
+                read_base = None if base_reader is None else (
+                    lambda where, path=path, base=base: base_reader(path, base, where))
+                layer = _peft_layer(base, config, device, read_base)
                 # peft casts the adapter to the base dtype (fp16/bf16/fp8 bases): trainable weights stay fp32 (a full
                 # fine-tune's difference: the dtype its full_precision chose).
                 if config.kind != "full":
@@ -480,22 +512,61 @@ class AdapterSet:
 
     def comfy_state_dict(self, prefix: str = "diffusion_model.", dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
         """The adapter in the key format ComfyUI's LoraLoader maps (see module docstring)."""
-        out: dict[str, torch.Tensor] = {}
+        result: dict[str, torch.Tensor] = {}
         with torch.no_grad():
             for path, layer in self.layers.items():
                 key = prefix + path
                 if self.config.kind in ("lora", "dora"):
-                    out.update(_export_lora(key, layer))
+                    out = _export_lora(key, layer)
                 elif self.config.kind == "loha":
-                    out.update(_export_loha(key, layer))
+                    out = _export_loha(key, layer)
                 elif self.config.kind == "lokr":
-                    out.update(_export_lokr(key, layer))
+                    out = _export_lokr(key, layer)
                 elif self.config.kind == "full":
-                    out.update(_export_full(key, layer))
+                    out = _export_full(key, layer)
                 else:
-                    out.update(_export_oft(key, layer))
-        # Copies, never views of the live parameters: a caller may hold the dict while the weights change (EMA swap).
-        return {k: v.detach().to("cpu", dtype, copy=True).contiguous() for k, v in out.items()}
+                    out = _export_oft(key, layer)
+                # Copies in host RAM at once, never views of the live parameters (a caller may hold the dict while the
+                # weights change: EMA swap), and a full fine-tune's W' - W one layer at a time on the device.
+                result.update({k: v.detach().to("cpu", dtype, copy=True).contiguous() for k, v in out.items()})
+        return result
+
+    def differences(self):
+        """Kind full: ("<path>.weight" | "<path>.bias", W' - W in fp32) one layer at a time (a generator: no
+        model-sized temporary), for LoRA extraction."""
+        for path, layer in self.layers.items():
+            weight, bias = layer.difference()
+            yield f"{path}.weight", weight
+            if bias is not None:
+                yield f"{path}.bias", bias
+
+    def upgrade_checkpoint(self, checkpoint):
+        """A full fine-tune's checkpoint written with the old layout (a trained difference D beside the base:
+        "<path>.full_weight" / "<path>.full_bias", and its EMA) in this layout, converted once: W' = W + D (the
+        EMA's the same: the average of W + D is W + the average of D). The optimizer state carries over as it is:
+        the gradient of W' is the gradient of D. Other checkpoints are returned unchanged."""
+        old = {"full_weight": "full_trained_weight", "full_bias": "full_trained_bias"}
+        saved = checkpoint.adapter
+        if self.config.kind != "full" or not any(key.rpartition(".")[2] in old for key in saved):
+            return checkpoint
+        adapter, ema = {}, None if checkpoint.ema is None else dict(checkpoint.ema)
+        # The trainer's parameter order: the EMA names each tensor by its index.
+        order = {key: f"{index:06d}" for index, key in enumerate(self.state_dict(copy=False))}
+        with torch.no_grad():
+            for path, layer in self.layers.items():
+                weight, bias = layer.read_base(layer.full_trained_weight.device)
+                for name, base in (("full_weight", weight), ("full_bias", bias)):
+                    key = f"{path}.{name}"
+                    if key not in saved or base is None:
+                        continue  # _mismatch names what is missing or extra
+                    new = f"{path}.{old[name]}"
+                    difference = saved[key]
+                    adapter[new] = (base + difference.to(base)).to(difference.dtype).cpu()
+                    name_in_ema = order.get(new)
+                    if ema is not None and name_in_ema in ema:
+                        ema[name_in_ema] = (base + ema[name_in_ema].to(base)).cpu()
+        adapter.update({k: v for k, v in saved.items() if k.rpartition(".")[2] not in old})
+        return dataclasses.replace(checkpoint, adapter=adapter, ema=ema)
 
     def parameter_count(self) -> int:
         return sum(p.numel() for p in self.parameters())
@@ -545,10 +616,8 @@ def _export_lokr(key: str, layer) -> dict[str, torch.Tensor]:
 
 
 def _export_full(key: str, layer: FullLayer) -> dict[str, torch.Tensor]:
-    out = {f"{key}.diff": layer.full_weight.float()}
-    if layer.full_bias is not None:
-        out[f"{key}.diff_b"] = layer.full_bias.float()
-    return out
+    weight, bias = layer.difference()
+    return {f"{key}.diff": weight, **({} if bias is None else {f"{key}.diff_b": bias})}
 
 
 def _export_oft(key: str, layer: OFTLayer) -> dict[str, torch.Tensor]:

@@ -636,6 +636,9 @@ class Trainer:
 
     def restore(self, checkpoint: Checkpoint) -> None:
         """Load a checkpoint after checking it fits what this trainer trains (a file from disk is untrusted)."""
+        upgrade = getattr(self.trainable, "upgrade_checkpoint", None)  # an older layout of the same run, converted
+        if upgrade is not None:
+            checkpoint = upgrade(checkpoint)
         problem = self._mismatch(checkpoint)
         if problem:
             where = f"run '{self.run_dir.name}'" if self.run_dir is not None else "the checkpoint"
