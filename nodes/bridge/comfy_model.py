@@ -24,6 +24,7 @@ import comfy.utils
 from ...training.data.cache_store import fingerprint_state_dict, fingerprint_value, item_conditioning
 from ...training.core.objective import SamplingDescriptor
 from . import families
+from .rope_autograd import register_rope_autograd
 
 
 # --- what kind of model is this -------------------------------------------------------------------------
@@ -294,6 +295,9 @@ class ComfyDenoiser:
     """The engine's Denoiser over a ComfyUI ModelPatcher (the training clone)."""
 
     def __init__(self, patcher):
+        # Some ComfyUI models (ErnieImage, JoyImage, Cosmos Predict2, Anima) call comfy_kitchen's RoPE ops, which have
+        # no backward of their own, even while training: give them one (nodes/bridge/rope_autograd.py).
+        register_rope_autograd()
         self.patcher = patcher
         self.model: comfy.model_base.BaseModel = patcher.model
         # The patcher's model_sampling: a stock ModelSampling* node (SD3 / Flux shift, EDM, v-prediction) object-patches
