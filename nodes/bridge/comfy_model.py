@@ -35,6 +35,11 @@ def model_family(model: comfy.model_base.BaseModel) -> str | None:
 
 def sampling_descriptor(model_sampling) -> SamplingDescriptor:
     """The engine's view of a ComfyUI `model_sampling` object."""
+    if is_edm_flow(model_sampling):
+        # Cosmos Predict2 (text-to-image, image-to-video): rectified flow sampled with EDM-style sigmas
+        # (ComfyDenoiser.comfy_input).
+        low, high = float(model_sampling.sigma_min), float(model_sampling.sigma_max)
+        return SamplingDescriptor("flow", flow_range=(low / (1.0 + low), high / (1.0 + high)))
     if isinstance(model_sampling, comfy.model_sampling.CONST):
         if isinstance(model_sampling, comfy.model_sampling.ModelSamplingFlux):
             # Flux: sigma = e^mu / (e^mu + 1/t - 1) == SD3's shift form with shift = e^mu.
@@ -52,6 +57,13 @@ def sampling_descriptor(model_sampling) -> SamplingDescriptor:
         f"model sampling {type(model_sampling).__mro__[1].__name__}+{type(model_sampling).__mro__[2].__name__} is not "
         "supported for training (supported: discrete eps / v-prediction, and flow models such as SD3 and Flux)"
     )
+
+
+def is_edm_flow(model_sampling) -> bool:
+    """ComfyUI's COSMOS_RFLOW sampling (Cosmos Predict2): a rectified flow whose sigma s is EDM's, s = t / (1 - t) of
+    the flow time t, and whose input x0 + s * noise is the flow's x_t times 1 + s."""
+    return (isinstance(model_sampling, comfy.model_sampling.COSMOS_RFLOW)
+            and isinstance(model_sampling, comfy.model_sampling.ModelSamplingCosmosRFlow))
 
 
 def expected_cond_dims(model: comfy.model_base.BaseModel) -> dict[str, int]:
@@ -302,7 +314,9 @@ class ComfyDenoiser:
         self.model: comfy.model_base.BaseModel = patcher.model
         # The patcher's model_sampling: a stock ModelSampling* node (SD3 / Flux shift, EDM, v-prediction) object-patches
         # it, and the samplers use the patched one; the module's own attribute is the unpatched default.
-        self.sampling = sampling_descriptor(patcher.get_model_object("model_sampling"))
+        model_sampling = patcher.get_model_object("model_sampling")
+        self.sampling = sampling_descriptor(model_sampling)
+        self.edm_flow = is_edm_flow(model_sampling)
         self.device = torch.device(patcher.load_device)
         # Blocks that add into their inputs in place (Flux's `img += ...`): see training/memory/checkpointing.py.
         self.inplace_blocks = families.inplace_blocks(self.model)
@@ -320,7 +334,19 @@ class ComfyDenoiser:
             per_item.append({k: v.process_cond(batch_size=1, area=None) for k, v in model_conds.items()})
         return per_item
 
+    def comfy_input(self, x_t: torch.Tensor, sigma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (input, sigma) ComfyUI's apply_model takes for the engine's x_t at noise level sigma: the same, except
+        for rectified flow under EDM sigmas (is_edm_flow), where the flow time t is ComfyUI's sigma t / (1 - t) and
+        its input is x_t * (1 + sigma): COSMOS_RFLOW.calculate_input divides that back to x_t, and the model sees
+        timestep sigma / (1 + sigma) = t."""
+        if not self.edm_flow:
+            return x_t, sigma
+        comfy_sigma = sigma / (1.0 - sigma)
+        scale = (1.0 + comfy_sigma).view(-1, *([1] * (x_t.ndim - 1))).to(x_t)
+        return x_t * scale, comfy_sigma
+
     def predict(self, x_t: torch.Tensor, sigma: torch.Tensor, conds) -> torch.Tensor:
+        x_t, sigma = self.comfy_input(x_t, sigma)
         return self.grouped_forward(x_t, sigma, self._item_conds(x_t, conds),
                                     lambda index, x, s, cond: self.model.apply_model(x, s, transformer_options={}, **cond))
 
