@@ -242,6 +242,8 @@ def base_fingerprint(patcher) -> str:
 
 # --- conditioning -> model inputs ------------------------------------------------------------------------
 REFERENCE_LATENTS = "reference_latents"  # the conditioning entry ComfyUI's ReferenceLatent node appends to
+# Suffix of the cached flag that marks an entry the text encoder gave without a batch dimension (caching.py)
+AS_GIVEN = ":as_given"
 FRAME_RATE = "frame_rate"  # the clip's frames per second, where LTXVConditioning sets it (nodes/bridge/video.py)
 
 
@@ -250,8 +252,15 @@ def model_inputs(model: comfy.model_base.BaseModel, cond: dict, noise: torch.Ten
     their batch dimension back; `reference_latents` is a list of unbatched VAE latents (as VAE Encode gives them,
     not process_in'ed), passed on as the list of [1, C, h, w] ReferenceLatent appends; a 0-d bool is an encoder's flag
     (LTX-2's unprocessed_ltxav_embeds), passed on as the bool it was."""
-    params = {name: value.item() if value.dtype == torch.bool and value.ndim == 0 else value.unsqueeze(0).to(device)
-              for name, value in cond.items() if torch.is_tensor(value)}  # 0-d bools: cached flags (caching.py)
+    as_given = {name[:-len(AS_GIVEN)] for name in cond if name.endswith(AS_GIVEN)}
+    params = {}
+    for name, value in cond.items():
+        if not torch.is_tensor(value) or name.endswith(AS_GIVEN):
+            continue
+        if value.dtype == torch.bool and value.ndim == 0:  # cached flags (caching.py)
+            params[name] = value.item()
+        else:  # the batch dimension caching took off, except where the encoder gave the entry without one
+            params[name] = value.to(device) if name in as_given else value.unsqueeze(0).to(device)
     if REFERENCE_LATENTS in cond:
         params[REFERENCE_LATENTS] = [latent.unsqueeze(0).to(device) for latent in cond[REFERENCE_LATENTS]]
     if cond.get(FRAME_RATE) is not None:  # a float (an item's clip rate): a constant cond, batches split by it
