@@ -104,6 +104,46 @@ def _constructor_value(module: torch.nn.Module, config: dict, name: str):
     return None if parameter is None or parameter.default is inspect.Parameter.empty else parameter.default
 
 
+# ComfyUI model classes no LoRA can be trained on, and why (check_trainable: at Init, before any work).
+UNTRAINABLE = {
+    "PixelDiTT2I": "ComfyUI's PixelDiT blocks modulate and update their activations in place (comfy/ldm/pixeldit: "
+                   "apply_adaln_, addcmul_), which autograd cannot differentiate, so no step could run",
+}
+# ComfyUI model classes that take inputs a run's caches do not hold yet: what is missing, and what the run trains then
+# (missing_inputs_note: shown on the Init node before training). Matched by the class itself, not its subclasses.
+MISSING_INPUTS = {
+    "Kandinsky5": "its image-to-video checkpoints take a start image (the stock Kandinsky5ImageToVideo node's "
+                  "time_dim_replace / concat_mask), which the caches do not hold: this run trains text-to-video, on "
+                  "single frames (clips need a family module); use a text-to-video checkpoint",
+    "WAN22_S2V": "it takes audio (audio_embed) and a reference image, which the caches do not hold: this run trains "
+                 "it on text alone; expect the LoRA not to follow audio",
+    "WAN21_HuMo": "it takes audio (audio_embed) and reference images, which the caches do not hold: this run trains "
+                  "it on text alone; expect the LoRA not to follow audio",
+    "WAN22_Animate": "it takes a pose video and a face video, which the caches do not hold: this run trains it on text "
+                     "alone; expect the LoRA not to follow poses",
+}
+
+
+def _model_class(model: comfy.model_base.BaseModel) -> str:
+    """The ComfyUI model class (comfy.supported_models) a MODEL was loaded as, e.g. "Kandinsky5"."""
+    return type(getattr(model, "model_config", None)).__name__
+
+
+def check_trainable(model: comfy.model_base.BaseModel) -> None:
+    """A MODEL whose class cannot train -> a ValueError saying why, before any work."""
+    for untrainable, why in UNTRAINABLE.items():
+        base = getattr(comfy.model_base, untrainable, None)  # the model_base class of the same name: its subclasses too
+        if _model_class(model) == untrainable or (base is not None and isinstance(model, base)):
+            raise ValueError(f"this MODEL ({_model_class(model)}) cannot train a LoRA: {why}; train another model")
+
+
+def missing_inputs_note(model: comfy.model_base.BaseModel, node: str) -> str:
+    """What an Init node says before training about inputs this MODEL's class takes that the caches do not hold
+    ("" when none)."""
+    name = _model_class(model)
+    return f"{node}: {name}: {MISSING_INPUTS[name]}" if name in MISSING_INPUTS else ""
+
+
 def check_caches(model: comfy.model_base.BaseModel, latent_cache, text_cache) -> None:
     """Wrong cache for this model -> a clear error, before any GPU work."""
     channels = model.latent_format.latent_channels
