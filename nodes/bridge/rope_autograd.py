@@ -63,8 +63,7 @@ def register_rope_autograd() -> None:
     if _registered:
         return
     _registered = True
-    try:
-        import comfy_kitchen  # noqa: F401  (defines torch.ops.comfy_kitchen)
+    try:  # importing comfy_kitchen defines its ops (torch.ops.comfy_kitchen)
         from comfy_kitchen.backends.eager import rope as eager
     except ImportError:
         return
