@@ -23,7 +23,8 @@ from ..training.core.run_dir import RunFolderError, check_name, check_subfolder
 from ..training.memory import sharded_optimizer
 from .bridge import lora_formats
 from .bridge.comfy_bridge import TrainingRun, check_run_kind, node_id, node_name, run_and_step, send_node_text
-from .bridge.comfy_model import check_caches, check_reference_cache, model_family
+from .bridge.comfy_model import (check_caches, check_reference_cache, check_trainable, missing_inputs_note,
+                                 model_family)
 from .bridge.model_files import runs_root, save_extracted_lora, save_lora
 from .bridge.planning import check_host_ram, lora_trainable, plan_for_card
 from .bridge.rank_workers import open_on_devices, parse_devices
@@ -267,6 +268,7 @@ def start_lora_run(model, latent_cache, text_cache, lora_config, optimizer_confi
             raise ValueError("optimizer_config must come from an Optimizer Config (Headroom) node")
         lora_config.validate()
         optimizer_config.validate()
+        check_trainable(model.model)
         train, note = train_config(model, run_name, node, seed, batch_size, grad_accumulation, precision, max_grad_norm,
                                    caption_dropout, timestep_sampling, loss_weighting, min_snr_gamma, noise_offset,
                                    loss_type, huber_delta, ema_decay, prior_ratio=prior_ratio if prior else 0.0,
@@ -281,7 +283,9 @@ def start_lora_run(model, latent_cache, text_cache, lora_config, optimizer_confi
             lambda card: plan_for_card(model, latent_cache, text_cache, card, trainable, train.batch_size,
                                        train.precision, node, lora_config, train.grad_accum)))
         check_host_ram(policy, trainable, node)
-        send_node_text(plan_note, shown_on)  # on the node before the run opens, and so before its first step
+        inputs_note = missing_inputs_note(model.model, node)
+        # on the node before the run opens, and so before its first step
+        send_node_text("\n".join(n for n in (plan_note, inputs_note) if n), shown_on)
         if reference not in REFERENCES:
             raise ValueError(f"reference={reference!r}: choose one of {', '.join(map(repr, REFERENCES))}")
         if reference != "none":
@@ -297,7 +301,7 @@ def start_lora_run(model, latent_cache, text_cache, lora_config, optimizer_confi
         run = open_on_devices(devices, model, open_lora_run, (latent_cache, text_cache, config, runs_root(), run_name),
                               {"policy": policy, "prior": prior})
         run.precision_note = note
-        run.batch_note, run.plan_note = batch_note, plan_note
+        run.batch_note, run.plan_note, run.inputs_note = batch_note, plan_note, inputs_note
         return run
     except (ValueError, RunFolderError) as error:
         raise ValueError(named(node, str(error))) from error

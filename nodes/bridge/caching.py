@@ -13,6 +13,7 @@ from ...training.data.cache_store import CacheStoreError, cache_latents, cache_t
 from ...training.data.files import WriteError
 from ...training.memory.memory_stats import PhaseRecorder
 from .cache_folders import open_store, with_relocate_hint
+from .comfy_model import AS_GIVEN
 from .encoders import ProgressForward, encoder_fingerprint, frame_step, spatial_downscale, unbatch, unload_encoder
 from .start_image import START_IMAGE_NODES, start_encoder
 
@@ -103,7 +104,13 @@ def cache_clip_text(dataset, clip, policy=None, reference_encoding: str = "none"
         cond, extras = conditioning[0]
         tensors = {"cross_attn": unbatch(cond)}
         for name, value in extras.items():
-            if isinstance(value, torch.Tensor):
+            if isinstance(value, torch.Tensor) and value.ndim > 0 and value.shape[0] != 1:
+                # An entry the encoder gives without a batch dimension (one prompt's entries have a batch of 1), such
+                # as Anima's t5xxl_ids [tokens]: kept as given and marked, so the model gets it as the stock node
+                # gives it (comfy_model.model_inputs) rather than with a batch dimension added.
+                tensors[name] = value
+                tensors[name + AS_GIVEN] = torch.tensor(True)
+            elif isinstance(value, torch.Tensor):
                 tensors[name] = unbatch(value)
             elif isinstance(value, bool):  # a flag extra_conds reads (LTX-2's unprocessed_ltxav_embeds): a 0-d tensor
                 tensors[name] = torch.tensor(value)

@@ -349,12 +349,13 @@ class TrainingRun:
     precision_note = ""  # how the init node chose the compute precision (nodes/bridge/run_settings.resolve_precision)
     plan_note = ""  # the policy the planner chose for the policy's card (nodes/bridge/run_settings.resolve_policy)
     batch_note = ""  # why the run trains smaller batches than batch_size (nodes/bridge/run_settings.effective_batch)
+    inputs_note = ""  # inputs the MODEL's class takes that the caches do not hold (comfy_model.missing_inputs_note)
 
     @property
     def notes(self) -> list[str]:
         """What the node that opened the run tells the user about it (its UI text): precision, the policy fitted to
-        the card, the batch."""
-        return [note for note in (self.precision_note, self.plan_note, self.batch_note) if note]
+        the card, the batch, inputs the model takes that the caches do not hold."""
+        return [note for note in (self.precision_note, self.plan_note, self.batch_note, self.inputs_note) if note]
     _planned_base_share = _NOT_PLANNED  # _planned_shares: (training, validation), planned on the first load
     ranks = None  # a multi-device run's worker ranks (nodes/bridge/rank_workers.RankWorkers), told to train with rank 0
 

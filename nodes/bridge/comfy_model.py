@@ -24,6 +24,7 @@ import comfy.utils
 from ...training.data.cache_store import fingerprint_state_dict, fingerprint_value, item_conditioning
 from ...training.core.objective import SamplingDescriptor
 from . import families
+from .rope_autograd import register_rope_autograd
 
 
 # --- what kind of model is this -------------------------------------------------------------------------
@@ -34,6 +35,11 @@ def model_family(model: comfy.model_base.BaseModel) -> str | None:
 
 def sampling_descriptor(model_sampling) -> SamplingDescriptor:
     """The engine's view of a ComfyUI `model_sampling` object."""
+    if is_edm_flow(model_sampling):
+        # Cosmos Predict2 (text-to-image, image-to-video): rectified flow sampled with EDM-style sigmas
+        # (ComfyDenoiser.comfy_input).
+        low, high = float(model_sampling.sigma_min), float(model_sampling.sigma_max)
+        return SamplingDescriptor("flow", flow_range=(low / (1.0 + low), high / (1.0 + high)))
     if isinstance(model_sampling, comfy.model_sampling.CONST):
         if isinstance(model_sampling, comfy.model_sampling.ModelSamplingFlux):
             # Flux: sigma = e^mu / (e^mu + 1/t - 1) == SD3's shift form with shift = e^mu.
@@ -51,6 +57,13 @@ def sampling_descriptor(model_sampling) -> SamplingDescriptor:
         f"model sampling {type(model_sampling).__mro__[1].__name__}+{type(model_sampling).__mro__[2].__name__} is not "
         "supported for training (supported: discrete eps / v-prediction, and flow models such as SD3 and Flux)"
     )
+
+
+def is_edm_flow(model_sampling) -> bool:
+    """ComfyUI's COSMOS_RFLOW sampling (Cosmos Predict2): a rectified flow whose sigma s is EDM's, s = t / (1 - t) of
+    the flow time t, and whose input x0 + s * noise is the flow's x_t times 1 + s."""
+    return (isinstance(model_sampling, comfy.model_sampling.COSMOS_RFLOW)
+            and isinstance(model_sampling, comfy.model_sampling.ModelSamplingCosmosRFlow))
 
 
 def expected_cond_dims(model: comfy.model_base.BaseModel) -> dict[str, int]:
@@ -89,6 +102,46 @@ def _constructor_value(module: torch.nn.Module, config: dict, name: str):
         return config[name]
     parameter = inspect.signature(type(module).__init__).parameters.get(name)
     return None if parameter is None or parameter.default is inspect.Parameter.empty else parameter.default
+
+
+# ComfyUI model classes no LoRA can be trained on, and why (check_trainable: at Init, before any work).
+UNTRAINABLE = {
+    "PixelDiTT2I": "ComfyUI's PixelDiT blocks modulate and update their activations in place (comfy/ldm/pixeldit: "
+                   "apply_adaln_, addcmul_), which autograd cannot differentiate, so no step could run",
+}
+# ComfyUI model classes that take inputs a run's caches do not hold yet: what is missing, and what the run trains then
+# (missing_inputs_note: shown on the Init node before training). Matched by the class itself, not its subclasses.
+MISSING_INPUTS = {
+    "Kandinsky5": "its image-to-video checkpoints take a start image (the stock Kandinsky5ImageToVideo node's "
+                  "time_dim_replace / concat_mask), which the caches do not hold: this run trains text-to-video, on "
+                  "single frames (clips need a family module); use a text-to-video checkpoint",
+    "WAN22_S2V": "it takes audio (audio_embed) and a reference image, which the caches do not hold: this run trains "
+                 "it on text alone; expect the LoRA not to follow audio",
+    "WAN21_HuMo": "it takes audio (audio_embed) and reference images, which the caches do not hold: this run trains "
+                  "it on text alone; expect the LoRA not to follow audio",
+    "WAN22_Animate": "it takes a pose video and a face video, which the caches do not hold: this run trains it on text "
+                     "alone; expect the LoRA not to follow poses",
+}
+
+
+def _model_class(model: comfy.model_base.BaseModel) -> str:
+    """The ComfyUI model class (comfy.supported_models) a MODEL was loaded as, e.g. "Kandinsky5"."""
+    return type(getattr(model, "model_config", None)).__name__
+
+
+def check_trainable(model: comfy.model_base.BaseModel) -> None:
+    """A MODEL whose class cannot train -> a ValueError saying why, before any work."""
+    for untrainable, why in UNTRAINABLE.items():
+        base = getattr(comfy.model_base, untrainable, None)  # the model_base class of the same name: its subclasses too
+        if _model_class(model) == untrainable or (base is not None and isinstance(model, base)):
+            raise ValueError(f"this MODEL ({_model_class(model)}) cannot train a LoRA: {why}; train another model")
+
+
+def missing_inputs_note(model: comfy.model_base.BaseModel, node: str) -> str:
+    """What an Init node says before training about inputs this MODEL's class takes that the caches do not hold
+    ("" when none)."""
+    name = _model_class(model)
+    return f"{node}: {name}: {MISSING_INPUTS[name]}" if name in MISSING_INPUTS else ""
 
 
 def check_caches(model: comfy.model_base.BaseModel, latent_cache, text_cache) -> None:
@@ -229,6 +282,8 @@ def base_fingerprint(patcher) -> str:
 
 # --- conditioning -> model inputs ------------------------------------------------------------------------
 REFERENCE_LATENTS = "reference_latents"  # the conditioning entry ComfyUI's ReferenceLatent node appends to
+# Suffix of the cached flag that marks an entry the text encoder gave without a batch dimension (caching.py)
+AS_GIVEN = ":as_given"
 FRAME_RATE = "frame_rate"  # the clip's frames per second, where LTXVConditioning sets it (nodes/bridge/video.py)
 
 
@@ -237,8 +292,15 @@ def model_inputs(model: comfy.model_base.BaseModel, cond: dict, noise: torch.Ten
     their batch dimension back; `reference_latents` is a list of unbatched VAE latents (as VAE Encode gives them,
     not process_in'ed), passed on as the list of [1, C, h, w] ReferenceLatent appends; a 0-d bool is an encoder's flag
     (LTX-2's unprocessed_ltxav_embeds), passed on as the bool it was."""
-    params = {name: value.item() if value.dtype == torch.bool and value.ndim == 0 else value.unsqueeze(0).to(device)
-              for name, value in cond.items() if torch.is_tensor(value)}  # 0-d bools: cached flags (caching.py)
+    as_given = {name[:-len(AS_GIVEN)] for name in cond if name.endswith(AS_GIVEN)}
+    params = {}
+    for name, value in cond.items():
+        if not torch.is_tensor(value) or name.endswith(AS_GIVEN):
+            continue
+        if value.dtype == torch.bool and value.ndim == 0:  # cached flags (caching.py)
+            params[name] = value.item()
+        else:  # the batch dimension caching took off, except where the encoder gave the entry without one
+            params[name] = value.to(device) if name in as_given else value.unsqueeze(0).to(device)
     if REFERENCE_LATENTS in cond:
         params[REFERENCE_LATENTS] = [latent.unsqueeze(0).to(device) for latent in cond[REFERENCE_LATENTS]]
     if cond.get(FRAME_RATE) is not None:  # a float (an item's clip rate): a constant cond, batches split by it
@@ -294,11 +356,16 @@ class ComfyDenoiser:
     """The engine's Denoiser over a ComfyUI ModelPatcher (the training clone)."""
 
     def __init__(self, patcher):
+        # Some ComfyUI models (ErnieImage, JoyImage, Cosmos Predict2, Anima) call comfy_kitchen's RoPE ops, which have
+        # no backward of their own, even while training: give them one (nodes/bridge/rope_autograd.py).
+        register_rope_autograd()
         self.patcher = patcher
         self.model: comfy.model_base.BaseModel = patcher.model
         # The patcher's model_sampling: a stock ModelSampling* node (SD3 / Flux shift, EDM, v-prediction) object-patches
         # it, and the samplers use the patched one; the module's own attribute is the unpatched default.
-        self.sampling = sampling_descriptor(patcher.get_model_object("model_sampling"))
+        model_sampling = patcher.get_model_object("model_sampling")
+        self.sampling = sampling_descriptor(model_sampling)
+        self.edm_flow = is_edm_flow(model_sampling)
         self.device = torch.device(patcher.load_device)
         # Blocks that add into their inputs in place (Flux's `img += ...`): see training/memory/checkpointing.py.
         self.inplace_blocks = families.inplace_blocks(self.model)
@@ -316,7 +383,19 @@ class ComfyDenoiser:
             per_item.append({k: v.process_cond(batch_size=1, area=None) for k, v in model_conds.items()})
         return per_item
 
+    def comfy_input(self, x_t: torch.Tensor, sigma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (input, sigma) ComfyUI's apply_model takes for the engine's x_t at noise level sigma: the same, except
+        for rectified flow under EDM sigmas (is_edm_flow), where the flow time t is ComfyUI's sigma t / (1 - t) and
+        its input is x_t * (1 + sigma): COSMOS_RFLOW.calculate_input divides that back to x_t, and the model sees
+        timestep sigma / (1 + sigma) = t."""
+        if not self.edm_flow:
+            return x_t, sigma
+        comfy_sigma = sigma / (1.0 - sigma)
+        scale = (1.0 + comfy_sigma).view(-1, *([1] * (x_t.ndim - 1))).to(x_t)
+        return x_t * scale, comfy_sigma
+
     def predict(self, x_t: torch.Tensor, sigma: torch.Tensor, conds) -> torch.Tensor:
+        x_t, sigma = self.comfy_input(x_t, sigma)
         return self.grouped_forward(x_t, sigma, self._item_conds(x_t, conds),
                                     lambda index, x, s, cond: self.model.apply_model(x, s, transformer_options={}, **cond))
 

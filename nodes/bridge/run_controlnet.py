@@ -32,6 +32,7 @@ class ControlNetDenoiser(ComfyDenoiser):
         controls = [cond[CONTROL_HINT] for cond in conds]
         text_conds = [{k: v for k, v in cond.items() if k != CONTROL_HINT} for cond in conds]
         hint = prepare_hint(self.controlnet, controls, x_t)
+        x_t, sigma = self.comfy_input(x_t, sigma)
 
         def forward(index, x, s, cond):  # per batchable group (Qwen-Image: captions of different lengths)
             part = hint if index is None else hint.index_select(0, index.to(hint.device))

@@ -47,6 +47,9 @@ class SamplingDescriptor:
     prediction: Prediction
     sigmas: torch.Tensor | None = None
     flow_shift: float = 1.0
+    # The flow times the model's sampling reaches (trained times are clamped into it): (1e-4, 1) for SD3 / Flux; Cosmos
+    # Predict2's rectified flow stops at its EDM sigma range, t = sigma / (1 + sigma) for sigma in [0.002, 80].
+    flow_range: tuple[float, float] = (1e-4, 1.0)
 
     def __post_init__(self):
         if self.prediction not in PREDICTIONS:
@@ -133,7 +136,7 @@ class Objective:
     def sigma_at(self, t: torch.Tensor) -> torch.Tensor:
         """Noise level for times in [0, 1]. Discrete models pick a table entry, as their sampler does."""
         if self.sampling.prediction == "flow":
-            return t.clamp(1e-4, 1.0)
+            return t.clamp(*self.sampling.flow_range)
         sigmas = self.sampling.sigmas
         index = (t * len(sigmas)).long().clamp(0, len(sigmas) - 1)
         return sigmas[index].float()
