@@ -8,7 +8,7 @@ host RAM.
 
 Planned, not measured. The model is described as bench/plan_table.py describes it (two blocks measured at real width on
 this CPU, the full-depth model on the meta device); the trained tensors are what the run trains
-(nodes/bridge/planning.lora_trainable: each targeted layer's difference, weight and bias).
+(nodes/bridge/planning.lora_trainable: each targeted layer's trained copy, weight and bias).
 """
 from __future__ import annotations
 
@@ -26,12 +26,12 @@ RESERVE_GB = 1.0
 # (label, optimizer, LoRA Config full_precision, Offload Policy fused_backward): the plain run, then one option at a
 # time on top of the last.
 VARIANTS = [
-    ("fp32 difference, all gradients, AdamW", "AdamW", "fp32", False),
+    ("fp32 weights, all gradients, AdamW", "AdamW", "fp32", False),
     ("+ fused backward", "AdamW", "fp32", True),
-    ("+ bf16 difference, stochastic rounding", "AdamW", "bf16_stochastic", True),
+    ("+ bf16 weights, stochastic rounding", "AdamW", "bf16_stochastic", True),
     ("... with AdamW8bit state", "AdamW8bit", "bf16_stochastic", True),
     ("... with Adafactor state", "Adafactor", "bf16_stochastic", True),
-    ("fp32 difference, all gradients, Adafactor", "Adafactor", "fp32", False),
+    ("fp32 weights, all gradients, Adafactor", "Adafactor", "fp32", False),
 ]
 
 

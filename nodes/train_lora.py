@@ -99,7 +99,8 @@ class HeadroomLoraConfig(io.ComfyNode):
                                tooltip="lora; dora (weight-decomposed); loha (Hadamard); lokr (Kronecker); oft "
                                "(orthogonal finetuning: rotates each layer's output features in blocks, ComfyUI's "
                                "OFT format); full (full fine-tune: trains the targeted layers' weights themselves, "
-                               "as the run's own difference to the shared base, saved as a file Load LoRA applies; "
+                               "as the run's own copy (the shared model is unchanged), saved as the difference to the "
+                               "base, a file Load LoRA applies; "
                                "rank, alpha and dropout do not apply; all_layers trains every layer)."),
                 io.Int.Input("rank", default=16, min=1, max=1024,
                              tooltip="Size of the low-rank update: higher learns more detail and takes more memory "
@@ -128,9 +129,9 @@ class HeadroomLoraConfig(io.ComfyNode):
                                "text-encoder layers are dropped."),
                 io.Combo.Input("full_precision", options=list(FULL_PRECISIONS), default="fp32", optional=True,
                                advanced=True,
-                               tooltip="kind full only: the trained difference in fp32 (exact), or bf16_stochastic: "
-                               "bf16 updated with stochastic rounding, half the memory of the difference and its "
-                               "gradient (needs fused_backward on in the Offload Policy)."),
+                               tooltip="kind full only: the trained weights in fp32 (exact), or bf16_stochastic: "
+                               "bf16 updated with stochastic rounding, half the memory of the weights and their "
+                               "gradients (needs fused_backward on in the Offload Policy)."),
             ],
             outputs=[LoraConfigType.Output("lora_config",
                                            tooltip="What to train, for a Train LoRA (Init) node's lora_config.")],
