@@ -788,7 +788,7 @@ def plan_auto(description: ModelDescription, trainable: TrainableSpec, shape: Ru
         plan = min(fitting, key=_seconds)  # the first of equals: the candidates' order
         faster = [p for p in sorted(tried, key=_seconds) if _seconds(p) < _seconds(plan)]
         faster = faster[:3] + [p for p in faster[3:] if p.device_fits][:3]  # + those host RAM ruled out
-        plan.reason = (f"chosen: the fastest predicted policy that fits - {_seconds(plan):.3f} s/step, peak "
+        plan.reason = (f"chosen: the fastest policy that fits (predicted {_seconds(plan):.3f} s/step) - peak "
                        f"{format_bytes(plan.peak_bytes)} ({plan.peak.phase}) within the budget of "
                        f"{format_bytes(budget_bytes)}.")
         if plan.policy.checkpoint_selection is not None:
