@@ -120,6 +120,10 @@ def test_partial_placement_recomputes_fewer_blocks_where_streaming_would_cost_mo
     assert plan.predicted_s_per_step <= every.predicted_s_per_step
     kept = set(range(57)) - set(plan.checkpointed_blocks)
     assert kept <= set(plan.resident_blocks)
+    # the run estimates its own policy again (for the share of the base its load keeps): the same share, the slack kept
+    again = estimate(d, LORA, SHAPE, plan.policy, 24 * GIB)
+    assert again.base_device_bytes == plan.base_device_bytes and again.to_dict() == plan.to_dict() | {"reason": ""}
+    assert again.peak_bytes <= 24 * GIB * (1 - planner.SELECTION_SLACK) + MIB
 
 
 def test_a_selection_that_leaves_streamed_blocks_unrecomputed_does_not_fit():
@@ -198,7 +202,8 @@ def test_calibration_forwards_time_each_block_and_the_fit_follows_the_area():
         samples.append(planner.measure_activations(run, blocks, latent_area=area))
     assert all(len(s.block_forward_s) == 2 and s.block_forward_s[0] >= 2e-4 * s.latent_area for s in samples)
     forward, outside = planner.fit_times(samples)
-    assert forward[0].per_latent_px == pytest.approx(2e-4, rel=0.5) and forward[0].per_latent_px > forward[1].per_latent_px
+    # sleep overshoots on a busy machine: the slope is the sleep's, within a loose margin
+    assert 1.5e-4 < forward[0].per_latent_px < 6e-4 and forward[0].per_latent_px > forward[1].per_latent_px
     assert outside.const >= 0 and outside.per_latent_px >= 0
     profiles = planner.describe_blocks([("a", blocks[0]), ("b", blocks[1])], [ActivationLaw()] * 2,
                                        [ActivationLaw()] * 2, samples, forward)

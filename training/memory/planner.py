@@ -574,7 +574,7 @@ def estimate(description: ModelDescription, trainable: TrainableSpec, shape: Run
     outer = {"frozen weights outside the blocks": description.other_param_bytes}
     training_rest = sum(outer.values()) + sum(trainables.values()) + sum(activations.values())
     validation_rest = sum(outer.values()) + sum(sampling.values())
-    device_budget = None if budget_bytes is None else int(budget_bytes / (1 + ALLOCATOR_OVERHEAD))
+    device_budget = None if budget_bytes is None else int(planned_room(policy, budget_bytes) / (1 + ALLOCATOR_OVERHEAD))
     placement = weight_streaming.placement_cost(policy.base_placement, block_weights, storage, training_rest,
                                                 device_budget, validation_rest)
     weights = {**outer, **placement.training}
@@ -659,6 +659,14 @@ def estimate(description: ModelDescription, trainable: TrainableSpec, shape: Run
                 resident_blocks=tuple(resident), streamed_blocks=tuple(streamed))
 
 
+def planned_room(policy: OffloadPolicy, budget_bytes: int) -> int:
+    """The bytes a plan fills of `budget_bytes`: all of it, or SELECTION_SLACK less where only some blocks are
+    checkpointed (selective_plans; the run's own estimate, nodes/bridge/planning.run_plan, sizes its share alike)."""
+    if policy.checkpointing == "off" or policy.checkpoint_selection is None:
+        return budget_bytes
+    return int(budget_bytes * (1 - SELECTION_SLACK))
+
+
 def _checkpointed(policy: OffloadPolicy, count: int) -> list[int]:
     """The indices of the blocks `policy` recomputes in backward, of `count` blocks."""
     if policy.checkpointing == "off":
@@ -736,13 +744,11 @@ def selective_plans(description: ModelDescription, trainable: TrainableSpec, sha
     freed = [(b.saved.at(area, tokens) - b.inputs.at(area, tokens)) * batch + b.copies_kept(storage)
              for b in description.blocks]
     order = sorted(range(len(freed)), key=lambda i: (freed[i] <= 0, forward[i] / max(freed[i], 1.0), i))
-    short = int(budget_bytes * (1 - SELECTION_SLACK))
     plans = []
     for count in range(1, len(order)):
-        plan = estimate(description, trainable, shape, policy.replace(checkpoint_blocks=format_blocks(order[:count])),
-                        short, host_room)
-        if plan.fits:
-            plan.budget_bytes = budget_bytes  # planned `short`; shown against the budget
+        selective = policy.replace(checkpoint_blocks=format_blocks(order[:count]))
+        plan = estimate(description, trainable, shape, selective, budget_bytes, host_room)
+        if plan.fits and plan.peak_bytes <= planned_room(selective, budget_bytes):
             plans.append(plan)
             if policy.base_placement == "resident":
                 break
