@@ -208,3 +208,13 @@ def test_calibration_forwards_time_each_block_and_the_fit_follows_the_area():
     profiles = planner.describe_blocks([("a", blocks[0]), ("b", blocks[1])], [ActivationLaw()] * 2,
                                        [ActivationLaw()] * 2, samples, forward)
     assert profiles[0].forward_s == forward[0]
+
+
+def test_after_out_of_memory_a_selective_plan_is_followed_by_every_block_checkpointed():
+    d = flux_like()
+    budget = resident_peak(d) - int(0.95 * GIB)
+    selective = plan_auto(d, LORA, SHAPE, OffloadPolicy(), budget)
+    assert selective.policy.checkpoint_selection is not None
+    following = planner.next_smaller_policy(d, LORA, SHAPE, selective.policy, budget)
+    assert following.policy == selective.policy.replace(checkpoint_blocks="")
+    assert following.peak_bytes <= 0.9 * selective.peak_bytes
