@@ -106,9 +106,12 @@ def describe(template: Template):
                    for profile, law in zip(planner.describe_blocks(named, [k.saved for k in laws],
                                                                    [k.inputs for k in laws]), laws))
     linears = [m.weight.numel() for _, block in named for m in block.modules() if isinstance(m, torch.nn.Linear)]
+    # The time model as on a GPU: no block times (this CPU's would say nothing of a GPU's; each block is then costed
+    # at reading its weights, training/memory/time_model.py) and the default host->device bandwidth.
     description = dataclasses.replace(
         measured, blocks=blocks, largest_linear_numel=max(linears),
-        other_param_bytes=planner.frozen_bytes(full.model.diffusion_model) - sum(b.param_bytes for b in blocks))
+        other_param_bytes=planner.frozen_bytes(full.model.diffusion_model) - sum(b.param_bytes for b in blocks),
+        outside_forward_s=planner.ActivationLaw(), compute_device="cuda", h2d_bytes_per_s=0.0)
     return description, lora_trainable(full, adapter, "AdamW8bit"), full
 
 
@@ -119,6 +122,8 @@ def cell(plan) -> str:
     if policy.base_storage != "as_loaded":
         parts.append(policy.base_storage)
     parts += {"off": [], "blocks": ["ckpt"], "blocks_cpu_offload": ["ckpt offload"]}[policy.checkpointing]
+    if policy.checkpointing != "off" and policy.checkpoint_selection is not None:  # selective: k of n blocks
+        parts[-1] += f" {len(plan.checkpointed_blocks)}/{len(plan.resident_blocks) + len(plan.streamed_blocks)}"
     if policy.optimizer_state == "cpu":
         parts.append("optim cpu")
     peak = f"{plan.peak_bytes / 2 ** 30:.1f} GiB"

@@ -31,7 +31,7 @@ CATEGORY = "Headroom/memory"
 MODES = ("estimate", "auto")
 
 
-_IO_KINDS = {"float": io.Float, "int": io.Int, "bool": io.Boolean, "combo": io.Combo}
+_IO_KINDS = {"float": io.Float, "int": io.Int, "bool": io.Boolean, "combo": io.Combo, "string": io.String}
 
 
 def _policy_input(name: str, spec: NodeInput, default) -> io.Input:

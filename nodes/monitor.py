@@ -108,7 +108,8 @@ class HeadroomMemoryReport(io.ComfyNode):
     @classmethod
     def execute(cls, run=None, record_json: str = "") -> io.NodeOutput:
         if run is not None:
-            recorder = PhaseRecorder(run.memory.device, phases=list(run.memory.phases), warnings=run.memory.warnings)
+            recorder = PhaseRecorder(run.memory.device, phases=list(run.memory.phases), warnings=run.memory.warnings,
+                                     step_time=run.memory.step_time)
         elif record_json.strip():
             try:
                 recorder = PhaseRecorder.from_json(record_json)

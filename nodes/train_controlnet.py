@@ -58,9 +58,15 @@ def start_controlnet_run(model, latent_cache, text_cache, optimizer_config, run_
         check_control_cache(type_name, latent_cache, node)
         trainable = dataclasses.replace(controlnet_trainable(model, blocks, optimizer_config.name),
                                         ema=train.ema_decay > 0)
-        policy, plan_note = resolve_policy(policy, gradient_checkpointing, checkpoint_depth, node=node, plan_card=(
-            lambda card: plan_for_card(model, latent_cache, text_cache, card, trainable, train.batch_size,
-                                       train.precision, node)))
+        planned = []  # the card's plan, when one is made: its predicted s/step goes to the memory record
+
+        def plan_card(card):
+            planned.append(plan_for_card(model, latent_cache, text_cache, card, trainable, train.batch_size,
+                                         train.precision, node))
+            return planned[-1]
+
+        policy, plan_note = resolve_policy(policy, gradient_checkpointing, checkpoint_depth, node=node,
+                                           plan_card=plan_card)
         check_host_ram(policy, trainable, node)
         trained_weights_on_host.check_kind(policy, None)  # a full fine-tune's option: refused before the run opens
         send_node_text(plan_note, shown_on)  # on the node before the run opens, and so before its first step
@@ -72,6 +78,8 @@ def start_controlnet_run(model, latent_cache, text_cache, optimizer_config, run_
                                             "validation_strength": validation_strength})
         run.precision_note = note
         run.batch_note, run.plan_note = batch_note, plan_note
+        if planned:
+            run.predicted_s_per_step = planned[-1].predicted_s_per_step
         return run
     except (ValueError, RunFolderError) as error:  # ControlNetError is a ValueError
         raise ValueError(named(node, str(error))) from error

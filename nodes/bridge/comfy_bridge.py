@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import pathlib
+import statistics
 import sys
 import time
 
@@ -205,7 +206,8 @@ class RunRecord:
             try:  # a regular file of the run (not a symlink), of a sane size
                 with open_regular(path, "memory record", max_bytes=16 << 20) as handle:
                     stored = PhaseRecorder.from_json(handle.read().decode("utf-8"))
-                    return PhaseRecorder(device, phases=stored.phases, warnings=stored.warnings)
+                    return PhaseRecorder(device, phases=stored.phases, warnings=stored.warnings,
+                                         step_time=stored.step_time)
             except (ValueError, OSError) as error:  # a report, not training state: start a new one
                 logging.warning("Headroom: ignoring the unreadable memory record %s of run '%s' (%s); starting a "
                                 "new one", path.name, self.run_dir.name, error)
@@ -350,6 +352,9 @@ class TrainingRun:
     plan_note = ""  # the policy the planner chose for the policy's card (nodes/bridge/run_settings.resolve_policy)
     batch_note = ""  # why the run trains smaller batches than batch_size (nodes/bridge/run_settings.effective_batch)
     inputs_note = ""  # inputs the MODEL's class takes that the caches do not hold (comfy_model.missing_inputs_note)
+    # The planner's predicted s/step for this run (its card's plan, or the plan of its placement; None: no plan made),
+    # recorded beside the measured one in the memory record (PhaseRecorder.step_time).
+    predicted_s_per_step: float | None = None
 
     @property
     def notes(self) -> list[str]:
@@ -519,9 +524,14 @@ class TrainingRun:
         started = time.perf_counter()
         device = self.denoiser.device
         self.fallback.start()
+        step_seconds: list[float] = []
 
         def after_step(report: StepReport) -> None:
             per_step = (time.perf_counter() - started) / (report.step - start_step)
+            step_seconds.append(report.seconds)
+            # The measured s/step beside the plan's prediction: the median after the first step (its warm-up).
+            timed = step_seconds[1:] or step_seconds
+            self.memory.record_step_time(self.predicted_s_per_step, statistics.median(timed), len(timed))
             progress.update_absolute(report.step - start_step)
             figures = memory_figures(device)
             self.step_figures[report.step] = (report.lr, per_step, figures)
@@ -599,6 +609,8 @@ class TrainingRun:
             try:
                 plan = run_plan(self)
                 self._planned_base_share = (plan.base_device_bytes, plan.validation_base_device_bytes)
+                if self.predicted_s_per_step is None:
+                    self.predicted_s_per_step = plan.predicted_s_per_step
             except Exception as error:  # the plan is advice for the load, not a reason to stop the run
                 logging.warning("Headroom: run '%s': no memory plan for its placement (%s); ComfyUI places the base",
                                 self.run_dir.name, error)

@@ -14,7 +14,7 @@ import torch
 import comfy.model_management
 
 from ...training.checks import named
-from ...training.memory import host_ram, planner, trained_weights_on_host
+from ...training.memory import host_ram, planner, time_model, trained_weights_on_host
 from ...training.core.adapters import AdapterConfig, AdapterSet, _CastProduct
 from ...training.memory.policy import OffloadPolicy, PolicyError
 from ...training.core.trainer import PRECISIONS, auto_precision
@@ -78,7 +78,8 @@ def latent_shape(model, height: int, width: int) -> tuple[int, ...]:
 
 
 def measure_model(patcher, adapter: AdapterConfig, precision: str = "bf16") -> list[planner.ActivationSample]:
-    """Forwards of the MODEL at the calibration sizes as training runs it; per-block saved bytes.
+    """Forwards of the MODEL at the calibration sizes as training runs it; per-block saved bytes and forward times
+    (the planner's time model; on a CPU, the CPU's time).
 
     The model is loaded through ComfyUI (as sampling would load it) and a LoRA of `adapter`'s settings is
     attached to the module tree for the duration (detached again before returning, also on an error), so
@@ -112,6 +113,8 @@ def _measure(patcher, adapter: AdapterConfig, precision: str) -> list[planner.Ac
             adapters = AdapterSet(diffusion_model, paths, adapter)
             adapters.to(denoiser.device)
         dtype = PRECISIONS[precision]
+        device = denoiser.device
+        synchronize = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
         samples = []
         adapters.attach(diffusion_model)
         try:
@@ -129,7 +132,7 @@ def _measure(patcher, adapter: AdapterConfig, precision: str) -> list[planner.Ac
                         return denoiser.predict(x, sigma, [cond])
 
                 samples.append(planner.measure_activations(run, blocks, weights=weights, latent_area=height * width,
-                                                           text_tokens=tokens))
+                                                           text_tokens=tokens, synchronize=synchronize))
         finally:
             adapters.detach()
     return samples
@@ -185,7 +188,9 @@ def describe_comfy_model(patcher, adapter: AdapterConfig, precision: str = "bf16
         raise ValueError(f"{type(diffusion_model).__name__} has no repeated blocks to plan with")
     samples = measure_model(patcher, adapter, precision)
     saved, inputs, outside = planner.fit_profile(samples)
-    blocks = planner.describe_blocks(named_blocks, saved, inputs, samples)
+    forward_s, outside_forward_s = planner.fit_times(samples)
+    blocks = planner.describe_blocks(named_blocks, saved, inputs, samples, forward_s)
+    device = torch.device(patcher.load_device)
     channels = model.latent_format.latent_channels
     probe = 64  # ComfyUI's estimate is linear in the latent area
     inference = model.memory_required(list(latent_shape(model, probe, probe))) / (probe * probe)
@@ -204,6 +209,9 @@ def describe_comfy_model(patcher, adapter: AdapterConfig, precision: str = "bf16
         largest_linear_numel=max((w.numel() for w in linears), default=0),
         stored_element_size=max(linears, key=torch.Tensor.numel).element_size() if linears else 2,
         compute_element_size=torch.empty((), dtype=compute_dtype).element_size(),
+        # the time model: where it computes, and the pinned host->device bandwidth there (measured once per process)
+        outside_forward_s=outside_forward_s, compute_device=device.type,
+        h2d_bytes_per_s=float(time_model.h2d_bytes_per_s(device) or 0.0),
     )
     if clip is not None:
         description["text_encoder_bytes"] = int(clip.patcher.model_size())

@@ -624,6 +624,14 @@ HOSTILE_MEMORY_RECORDS = {
     "warning_unknown_kind": _record().replace('"phases"', '"warnings": [{"kind": "evil", "message": "m"}], "phases"'),
     "warning_huge_message": _record().replace('"phases"', '"warnings": [{"kind": "spill", "message": "'
                                               + "x" * 5000 + '"}], "phases"'),
+    # the plan's predicted s/step beside the measured one (PhaseRecorder.step_time)
+    "step_time_nan": _record().replace('"phases"', '"step_time": {"predicted_s_per_step": NaN, '
+                                       '"measured_s_per_step": 1.0, "steps": 2}, "phases"'),
+    "step_time_negative": _record().replace('"phases"', '"step_time": {"predicted_s_per_step": 1.0, '
+                                            '"measured_s_per_step": -1.0, "steps": 2}, "phases"'),
+    "step_time_unknown_field": _record().replace('"phases"', '"step_time": {"predicted_s_per_step": 1.0, '
+                                                 '"measured_s_per_step": 1.0, "steps": 2, "evil": 1}, "phases"'),
+    "step_time_not_object": _record().replace('"phases"', '"step_time": "fast", "phases"'),
 }
 
 

@@ -148,6 +148,27 @@ def test_checkpointing_options_are_bitwise_equal(plain, checkpointing, depth):
 
 
 @pytest.mark.parametrize("checkpointing", ["blocks", "blocks_cpu_offload"])
+def test_selective_checkpointing_is_bitwise_equal_and_wraps_the_planned_blocks(plain, checkpointing):
+    """policy checkpoint_blocks (the planner's selection): exactly those blocks are checkpointed, the rest keep their
+    activations, and the trained weights are the plain run's bit for bit."""
+    trainer = make_trainer()
+    blocks = blocks_of(trainer)
+    selection = {0, len(blocks) - 1}
+    policy = OffloadPolicy(checkpointing=checkpointing, checkpoint_blocks=",".join(map(str, sorted(selection))))
+    wrapped = []
+
+    @contextlib.contextmanager
+    def selective():
+        with memory_features(policy, blocks, "cpu"):
+            wrapped.append({i for i, m in enumerate(blocks) if "forward" in m.__dict__})
+            yield
+
+    assert_bitwise(plain, train(trainer, selective))
+    assert wrapped == [selection] and len(blocks) > len(selection)
+    assert all("forward" not in m.__dict__ for m in trainer.denoiser.net.modules())  # undone
+
+
+@pytest.mark.parametrize("checkpointing", ["blocks", "blocks_cpu_offload"])
 def test_streamed_blocks_are_bitwise_equal(plain, checkpointing):
     trainer = make_trainer()
     host_weights = {n: t for n, t in trainer.denoiser.net.named_parameters()}

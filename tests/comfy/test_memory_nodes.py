@@ -71,7 +71,7 @@ def test_policy_node_inputs_are_the_policy_fields(comfyui):
     # Appended inputs are optional: a workflow saved before them has none and gets the field's default.
     assert [*info["input_order"]["required"], *info["input_order"]["optional"]] == [f.name for f in fields]
     assert list(info["input_order"]["optional"]) == [f.name for f in fields if f.metadata["node_input"].optional]
-    types = {"float": "FLOAT", "int": "INT", "bool": "BOOLEAN", "combo": "COMBO"}
+    types = {"float": "FLOAT", "int": "INT", "bool": "BOOLEAN", "combo": "COMBO", "string": "STRING"}
     for f in fields:
         spec = f.metadata["node_input"]
         kind, options = required[f.name]
@@ -133,7 +133,11 @@ def test_plan_describes_the_real_model_and_leaves_it_unchanged(comfyui, family):
     assert [type(m) for m in dm.modules()] == modules_before
     assert all(not m._forward_pre_hooks and not m._forward_hooks for m in dm.modules())
     assert all(torch.equal(before[k], v) for k, v in dm.state_dict().items())
+    # the time model: each block's forward timed in the calibration forwards (on this CPU), nothing crosses a link
+    assert plan["predicted_s_per_step"] > 0 and "predicted" in text and "s/step" in text
+    assert sorted(plan["blocks"]["resident"]) == list(range(len(training_blocks(dm))))
     description = describe_comfy_model(model, AdapterConfig(rank=4, alpha=4))
+    assert description.timed and description.compute_device == "cpu" and description.h2d() is None
     assert [b.name for b in description.blocks] == [name for name, _ in training_blocks(dm)]
     assert description.other_param_bytes + sum(b.param_bytes for b in description.blocks) == \
         sum(t.numel() * t.element_size() for t in dm.state_dict().values())

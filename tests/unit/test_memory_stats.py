@@ -100,6 +100,34 @@ def test_warnings_are_kept_and_shown_and_older_records_have_none():
     assert PhaseRecorder.from_json(json.dumps(older)).warnings == []
 
 
+def test_the_step_time_keeps_the_plans_prediction_beside_the_measured_one_and_is_read_back_strictly():
+    recorder = PhaseRecorder("cpu")
+    with recorder.phase("training"):
+        pass
+    assert "step_time" not in recorder.as_dict()  # none until a run trains
+    recorder.record_step_time(1.0, 1.25, 20)
+    restored = PhaseRecorder.from_json(recorder.to_json())
+    assert restored.step_time == {"predicted_s_per_step": 1.0, "measured_s_per_step": 1.25, "steps": 20}
+    assert ("step time: measured 1.250 s/step (median of 20 steps), predicted 1.000 s/step by the plan (measured "
+            "1.25x)") in restored.render_text()
+    recorder.record_step_time(None, 0.5, 3)  # no plan was made (a CPU run with its own policy)
+    assert "no plan's prediction" in PhaseRecorder.from_json(recorder.to_json()).render_text()
+    record = recorder.as_dict()
+    for bad in ({"predicted_s_per_step": float("inf"), "measured_s_per_step": 1.0, "steps": 1},
+                {"predicted_s_per_step": -1.0, "measured_s_per_step": 1.0, "steps": 1},
+                {"predicted_s_per_step": 1.0, "measured_s_per_step": 0, "steps": 1},
+                {"predicted_s_per_step": 1.0, "measured_s_per_step": True, "steps": 1},
+                {"predicted_s_per_step": 1.0, "measured_s_per_step": 1.0, "steps": 1.5},
+                {"predicted_s_per_step": 1.0, "measured_s_per_step": 1.0},
+                {"predicted_s_per_step": 1.0, "measured_s_per_step": 1.0, "steps": 1, "extra": 2}, [1.0]):
+        with pytest.raises(ValueError, match="step_time|Infinity is not a number"):
+            PhaseRecorder.from_json(json.dumps({**record, "step_time": bad}))
+    with pytest.raises(ValueError):  # NaN / Infinity literals are no JSON
+        PhaseRecorder.from_json(recorder.to_json().replace('"measured_s_per_step": 0.5', '"measured_s_per_step": NaN'))
+    with pytest.raises(ValueError, match="step_time"):
+        recorder.record_step_time(float("nan"), 1.0, 1)
+
+
 @pytest.mark.parametrize(
     "text, message",
     [("{not json", "not valid JSON"), ('{"phases": []}', "not a 'headroom.memory_record'"),

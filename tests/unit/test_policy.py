@@ -33,6 +33,7 @@ def test_json_round_trip_keeps_every_field():
     ("checkpoint_depth", 1.5), ("optimizer_state", "disk"), ("vae_tiled_decode", "sometimes"), ("encoders", "keep"),
     ("park_optimizer_during_validation", "no"), ("host_ram_budget_gb", float("nan")), ("host_ram_budget_gb", -2),
     ("host_ram_budget_gb", 0), ("host_ram_budget_gb", "plenty"), ("host_ram_budget_gb", True),
+    ("checkpoint_blocks", "a,b"), ("checkpoint_blocks", "-1"), ("checkpoint_blocks", "1.5"), ("checkpoint_blocks", 3),
 ])
 def test_bad_values_name_the_field(field, value):
     with pytest.raises(PolicyError, match=field):
@@ -125,6 +126,66 @@ def test_memory_features_switch_on_and_undo(checkpointing):
     assert not any("forward" in b.__dict__ for b in blocks)
 
 
+class _Residual(torch.nn.Module):
+    def __init__(self, width=8):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(width, 2 * width), torch.nn.Linear(2 * width, width)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return x + self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+@pytest.mark.parametrize("checkpointing", ["blocks", "blocks_cpu_offload"])
+def test_selective_checkpointing_recomputes_exactly_the_planned_blocks_with_the_same_numerics(checkpointing):
+    """policy checkpoint_blocks (the planner's selection): only those blocks are wrapped and run again in backward;
+    the loss and every gradient equal the plain run's (checkpointing changes no numerics)."""
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList(_Residual() for _ in range(5))
+    x = torch.randn(3, 8)
+
+    def step(policy):
+        blocks.zero_grad()
+        for block in blocks:
+            block.calls = 0
+        with memory_features(policy, list(blocks), "cpu"):
+            wrapped = {i for i, b in enumerate(blocks) if "forward" in b.__dict__}
+            h = x.clone().requires_grad_(True)
+            for block in blocks:
+                h = block(h)
+            loss = (h ** 2).mean()
+            loss.backward()
+        grads = [p.grad.clone() for p in blocks.parameters()]
+        return wrapped, [b.calls for b in blocks], loss.detach(), grads
+
+    _, plain_calls, plain_loss, plain_grads = step(OffloadPolicy())
+    wrapped, calls, loss, grads = step(OffloadPolicy(checkpointing=checkpointing, checkpoint_blocks="1,3"))
+    assert plain_calls == [1] * 5
+    assert wrapped == {1, 3} and calls == [1, 2, 1, 2, 1]  # the planned ones, recomputed once in backward
+    assert torch.allclose(loss, plain_loss, rtol=0, atol=1e-6)
+    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(grads, plain_grads))
+    assert not any("forward" in b.__dict__ for b in blocks)  # undone
+    every, _, _, _ = step(OffloadPolicy(checkpointing=checkpointing))
+    assert every == set(range(5))
+    with pytest.raises((ValueError, PolicyError), match="not among this model's 5 blocks"):
+        step(OffloadPolicy(checkpointing=checkpointing, checkpoint_blocks="1,7"))
+    policy = OffloadPolicy(checkpointing=checkpointing, checkpoint_blocks=" 3, 1,")
+    assert policy.checkpoint_selection == {1, 3} and "2 selected blocks" in policy.describe()
+    assert OffloadPolicy.from_json(policy.to_json()) == policy
+
+
+def test_selective_checkpointing_always_recomputes_the_streamed_blocks():
+    """Which blocks stream is the load's choice: every block the streamer moves is checkpointed whatever the selection
+    (its device copy would otherwise stay until backward). Exercised on the CPU, where every block takes the trip."""
+    blocks = [_Residual().requires_grad_(False) for _ in range(3)]  # a frozen base
+    policy = OffloadPolicy(base_placement="partial", checkpointing="blocks", checkpoint_blocks="0")
+    with memory_features(policy, blocks, "cpu", exercise_on_cpu=True):
+        assert all("forward" in b.__dict__ for b in blocks)
+    with memory_features(policy, blocks, "cpu"):  # the streamer idle (a CPU run): only the selection
+        assert ["forward" in b.__dict__ for b in blocks] == [True, False, False]
+
+
 def test_memory_features_streaming_undone_after_an_error():
     blocks = [_Block(), _Block()]
     weights = [b.inner.weight for b in blocks]
@@ -190,7 +251,7 @@ def test_every_field_carries_its_node_input_and_the_node_defaults_give_the_defau
     inputs = OffloadPolicy.node_inputs()
     assert [name for name, _, _ in inputs] == [f.name for f in fields]
     for f, (name, spec, node_default) in zip(fields, inputs):
-        assert isinstance(spec, NodeInput) and spec.kind in ("float", "int", "bool", "combo") and spec.tooltip, name
+        assert isinstance(spec, NodeInput) and spec.kind in ("float", "int", "bool", "combo", "string") and spec.tooltip, name
         assert spec.field_value(node_default) == f.default, name
         if spec.kind == "combo":
             assert f.default in spec.options, name

@@ -190,15 +190,21 @@ def inplace_depth_problem(inplace_inputs: bool, checkpoint_depth: int | None) ->
 
 
 def wrap_blocks(blocks: Iterable[torch.nn.Module], checkpoint_depth: int | None = None,
-                inplace_inputs: bool = False) -> Callable[[], None]:
+                inplace_inputs: bool = False, selected: Iterable[int] | None = None) -> Callable[[], None]:
     """Checkpoint the modules `checkpoint_depth` below `blocks` (None: no checkpointing) and/or make the
-    blocks safe for in-place input updates. Returns the function that undoes all of it."""
+    blocks safe for in-place input updates. `selected`: the indices of the blocks to checkpoint (selective
+    checkpointing: the planner's choice, planner.estimate); None: every block. Returns the function that undoes
+    all of it."""
     blocks = list(blocks)
     problem = inplace_depth_problem(inplace_inputs, checkpoint_depth)
     if problem is not None:
         raise ValueError(problem)
+    outside = sorted(i for i in (selected or ()) if not 0 <= i < len(blocks))
+    if outside:  # a plan made for another model: say so rather than checkpoint something else
+        raise ValueError(f"checkpoint blocks {outside} are not among this model's {len(blocks)} blocks")
     block_ids = set(map(id, blocks)) if inplace_inputs else set()
-    checkpointed = modules_at_depth(blocks, checkpoint_depth) if checkpoint_depth is not None else []
+    chosen = blocks if selected is None else [blocks[i] for i in sorted(set(selected))]
+    checkpointed = modules_at_depth(chosen, checkpoint_depth) if checkpoint_depth is not None else []
     checkpoint_ids = set(map(id, checkpointed))
     wrapped = []
     for module in {id(m): m for m in [*blocks, *checkpointed]}.values():

@@ -172,6 +172,41 @@ def check_warning(record, where: str) -> None:
             raise ValueError(f"{where}: field {name!r} = {str(value)[:40]!r} is not valid")
 
 
+# The step time (`PhaseRecorder.step_time`): the planner's predicted s/step (planner.Plan.predicted_s_per_step; None: no
+# plan was made) beside the measured one (the median of the last training call's steps after its first) and how many
+# steps that median is of.
+_STEP_TIME_FIELDS = {
+    "predicted_s_per_step": lambda v: v is None or (_is_seconds(v) and v > 0),
+    "measured_s_per_step": lambda v: v is None or (_is_seconds(v) and v > 0),
+    "steps": _is_count,
+}
+
+
+def check_step_time(record, where: str) -> None:
+    """The step time read back: an object of exactly its fields, each finite and > 0 (or null), or a ValueError."""
+    if not isinstance(record, dict):
+        raise ValueError(f"{where}: must be an object")
+    unknown = sorted(str(key)[:40] for key in record if key not in _STEP_TIME_FIELDS)
+    if unknown:
+        raise ValueError(f"{where}: unknown field(s) {', '.join(unknown)}")
+    for name, valid in _STEP_TIME_FIELDS.items():
+        if name not in record:
+            raise ValueError(f"{where}: field {name!r} is missing")
+        if not valid(record[name]):
+            raise ValueError(f"{where}: field {name!r} = {str(record[name])[:40]!r} is not valid")
+
+
+def step_time_line(step_time: dict) -> str:
+    """"step time: measured 1.10 s/step (median of 20 steps), predicted 1.00 s/step by the plan (measured 1.10x)"."""
+    measured, predicted = step_time["measured_s_per_step"], step_time["predicted_s_per_step"]
+    text = "step time: " + ("not measured" if measured is None else
+                            f"measured {measured:.3f} s/step (median of {step_time['steps']} steps)")
+    text += ", no plan's prediction" if predicted is None else f", predicted {predicted:.3f} s/step by the plan"
+    if measured is not None and predicted is not None:
+        text += f" (measured {measured / predicted:.2f}x)"
+    return text
+
+
 class PhaseRecorder:
     """Per-phase peak memory and wall time of one run.
 
@@ -185,10 +220,11 @@ class PhaseRecorder:
     """
 
     def __init__(self, device: torch.device | str | None = None, phases: list[dict] | None = None,
-                 warnings: list[dict] | None = None):
+                 warnings: list[dict] | None = None, step_time: dict | None = None):
         self.device = _as_device(device)
         self.phases: list[dict] = list(phases or [])
         self.warnings: list[dict] = list(warnings or [])
+        self.step_time: dict | None = None if step_time is None else dict(step_time)
         self._open_phase: str | None = None
 
     @contextlib.contextmanager
@@ -228,9 +264,19 @@ class PhaseRecorder:
             self.phases.append(record)
             self._open_phase = None
 
+    def record_step_time(self, predicted_s: float | None, measured_s: float | None, steps: int) -> None:
+        """The planner's predicted s/step beside the measured one (see _STEP_TIME_FIELDS)."""
+        step_time = {"predicted_s_per_step": None if predicted_s is None else float(predicted_s),
+                     "measured_s_per_step": None if measured_s is None else float(measured_s), "steps": int(steps)}
+        check_step_time(step_time, "memory record: step_time")
+        self.step_time = step_time
+
     def as_dict(self) -> dict:
-        return {"format": RECORD_FORMAT, "version": RECORD_VERSION, "device": str(self.device), "phases": self.phases,
+        data = {"format": RECORD_FORMAT, "version": RECORD_VERSION, "device": str(self.device), "phases": self.phases,
                 "warnings": self.warnings}
+        if self.step_time is not None:  # absent until a run trains (and in records written before it was kept)
+            data["step_time"] = dict(self.step_time)
+        return data
 
     def to_json(self) -> str:
         return json.dumps(self.as_dict(), indent=1)
@@ -263,7 +309,10 @@ class PhaseRecorder:
             raise ValueError("memory record: 'warnings' must be a list")
         for index, warning in enumerate(warnings):
             check_warning(warning, f"memory record: warning {index}")
-        return cls(_checked_device(data.get("device", "cpu"), "memory record"), phases, warnings)
+        step_time = data.get("step_time")
+        if step_time is not None:
+            check_step_time(step_time, "memory record: step_time")
+        return cls(_checked_device(data.get("device", "cpu"), "memory record"), phases, warnings, step_time)
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the JSON record atomically (a reader never sees half a file)."""
@@ -279,6 +328,8 @@ class PhaseRecorder:
         if not self.phases:
             return "\n".join(["Headroom memory report: no phases recorded.", *warnings])
         lines = ["Headroom memory report (peak per phase; bar colour in the chart):", *warnings]
+        if self.step_time is not None:
+            lines.append(step_time_line(self.step_time))
         for index, record in enumerate(self.phases):
             colour = _BAR_COLOURS[index % len(_BAR_COLOURS)][0]
             status = "" if record.get("completed", True) else "  FAILED"

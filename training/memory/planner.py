@@ -31,21 +31,28 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import time
 from typing import Callable, Iterable, Sequence
 
 import torch
 
 from . import (activation_offload, checkpointing, fused_backward, host_ram, lowbit, optimizer_parking,
-               sharded_optimizer, sharded_weights, trained_weights_on_host, weight_streaming)
+               sharded_optimizer, sharded_weights, time_model, trained_weights_on_host, weight_streaming)
 from .cost import FeatureCost
 from .host_ram import HostRoom
 from .memory_stats import format_bytes
-from .policy import CHECKPOINTING, OPTIMIZER_STATES, PLACEMENTS, OffloadPolicy
+from .policy import CHECKPOINTING, OPTIMIZER_STATES, PLACEMENTS, OffloadPolicy, format_blocks
+from .time_model import StepTime
 
 ALLOCATOR_OVERHEAD = 0.05  # caching-allocator rounding and fragmentation, on top of live tensors
 TILE_PX = 512  # ComfyUI's default tiled VAE decode tile, in pixels
 BNB_MIN_8BIT_SIZE = 4096  # bitsandbytes keeps 32-bit state for smaller tensors
 PLAN_FORMAT = "headroom.memory_plan"
+# A plan that checkpoints only some blocks stops adding blocks as soon as the step fits: it is planned this share of
+# the budget short of it. The 5 % allocator overhead is the GPU kit's average; where all-or-nothing checkpointing left
+# room to spare, a selective plan sits at the edge, and an activation estimate a few % low (planner / measured ran
+# 1.02-1.07x) would then run out of memory.
+SELECTION_SLACK = 0.03
 
 
 # --- descriptions -----------------------------------------------------------------------------------------
@@ -85,6 +92,9 @@ class BlockProfile:
     # Linear layers goes away with low-bit storage (its layers keep only the packed weight, training/lowbit.py).
     weight_copy_bytes: int = 0
     linear_copy_bytes: int = 0
+    # Seconds of this block's forward per sample, a law of the latent area (measured in the calibration forwards,
+    # time_model.fit_seconds); zero: not measured.
+    forward_s: ActivationLaw = ActivationLaw()
 
     def copies_kept(self, storage: str) -> int:
         """Bytes of weight copies this block's forward keeps for backward, with the base stored as `storage`."""
@@ -120,6 +130,11 @@ class ModelDescription:
     compute_element_size: int = 2
     stored_element_size: int = 2  # that weight's dtype as loaded (what validation as the saved file rounds to)
     text_encoder_copy_in_flight_bytes: int = 0
+    # The time model (time_model.py): seconds of the forward outside the blocks per sample; where the model computes
+    # ("cpu": nothing crosses to a device) and the pinned host->device bandwidth measured there (0: the default).
+    outside_forward_s: ActivationLaw = ActivationLaw()
+    compute_device: str = "cuda"
+    h2d_bytes_per_s: float = 0.0
 
     def frozen_bytes(self, storage: str = "as_loaded") -> int:
         return self.other_param_bytes + sum(b.weight_bytes(storage) for b in self.blocks)
@@ -130,9 +145,29 @@ class ModelDescription:
     @classmethod
     def from_dict(cls, data: dict) -> "ModelDescription":
         data = dict(data)
-        blocks = tuple(BlockProfile(**{**b, "saved": ActivationLaw(**b["saved"]), "inputs": ActivationLaw(**b["inputs"])})
+        blocks = tuple(BlockProfile(**{**b, "saved": ActivationLaw(**b["saved"]), "inputs": ActivationLaw(**b["inputs"]),
+                                       "forward_s": ActivationLaw(**b.get("forward_s", {}))})
                        for b in data.pop("blocks"))
-        return cls(blocks=blocks, outside_saved=ActivationLaw(**data.pop("outside_saved")), **data)
+        return cls(blocks=blocks, outside_saved=ActivationLaw(**data.pop("outside_saved")),
+                   outside_forward_s=ActivationLaw(**data.pop("outside_forward_s", {})), **data)
+
+    @property
+    def timed(self) -> bool:
+        """Whether block forward times were measured (time_model: else estimated from weight bytes)."""
+        return any(b.forward_s != ActivationLaw() for b in self.blocks)
+
+    def h2d(self) -> float | None:
+        """Pinned host->device bytes per second (None: nothing crosses, a CPU)."""
+        if self.compute_device == "cpu":
+            return None
+        return self.h2d_bytes_per_s or time_model.DEFAULT_H2D_BYTES_PER_S
+
+    def forward_seconds(self, area: float, tokens: float, batch: int, storage: str = "as_loaded") -> list[float]:
+        """Each block's forward in seconds for a batch: measured, or (none measured) reading its weights once."""
+        if self.timed:
+            return [b.forward_s.at(area, tokens) * batch for b in self.blocks]
+        bandwidth = time_model.DEVICE_BYTES_PER_S.get(self.compute_device, time_model.DEVICE_BYTES_PER_S["cuda"])
+        return [b.weight_bytes(storage) / bandwidth for b in self.blocks]
 
 
 def _optimizer_state_bytes(optimizer: str, shape: tuple[int, ...]) -> int:
@@ -305,6 +340,22 @@ class Plan:
     # and the room it has (host_ram.py). None: no host budget applied.
     host_added: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
     host_room: HostRoom | None = None
+    # The time model (time_model.py): the predicted step, and which whole blocks are checkpointed, stay on the device
+    # and stream from host RAM in a training step (indices in forward order).
+    step_time: StepTime | None = None
+    checkpointed_blocks: tuple[int, ...] = ()
+    resident_blocks: tuple[int, ...] = ()
+    streamed_blocks: tuple[int, ...] = ()
+
+    @property
+    def predicted_s_per_step(self) -> float | None:
+        return None if self.step_time is None else self.step_time.total_s
+
+    def blocks_line(self) -> str:
+        """Which blocks are checkpointed, resident and streamed, in one line."""
+        count = len(self.resident_blocks) + len(self.streamed_blocks)
+        return (f"blocks ({count}): checkpointed {_ranges(self.checkpointed_blocks)}; resident "
+                f"{_ranges(self.resident_blocks)}; streamed {_ranges(self.streamed_blocks)}")
 
     @property
     def peak(self) -> PhaseEstimate:
@@ -350,6 +401,10 @@ class Plan:
             "host_added_bytes": self.host_added_bytes, "host_fits": self.host_fits,
             "host_in_use_bytes": None if self.host_room is None else self.host_room.in_use_bytes,
             "host_limit_bytes": None if self.host_room is None else self.host_room.limit_bytes,
+            "predicted_s_per_step": self.predicted_s_per_step,
+            "step_time": None if self.step_time is None else self.step_time.to_dict(),
+            "blocks": {"checkpointed": list(self.checkpointed_blocks), "resident": list(self.resident_blocks),
+                       "streamed": list(self.streamed_blocks)},
         }
 
     def to_json(self) -> str:
@@ -363,6 +418,8 @@ class Plan:
         if streamed:
             base += f" ({format_bytes(streamed)} of blocks streamed from host RAM)"
         checkpoint = "no checkpointing" if p.checkpointing == "off" else f"checkpointing {p.checkpointing}"
+        if p.checkpointing != "off" and p.checkpoint_selection is not None:
+            checkpoint += f" ({len(self.checkpointed_blocks)} of {len(self.resident_blocks) + len(self.streamed_blocks)} blocks)"
         trained = ", trained weights in host RAM" if p.trained_weights == "host" else ""
         text = (f"{base}, {checkpoint}, optimizer state on {p.optimizer_state}{trained}; planned peak "
                 f"{format_bytes(self.peak_bytes)} ({self.peak.phase})")
@@ -372,6 +429,8 @@ class Plan:
             text += f", host RAM {format_bytes(sum(self.host_bytes.values()))}"
         if self.host_fits is False:
             text += f"; {self.host_room.describe(self.host_added_bytes)}"
+        if self.step_time is not None:
+            text += f"; predicted {self.step_time.total_s:.3f} s/step"
         return text + (" - DOES NOT FIT" if self.fits is False else "")
 
     def placement_line(self) -> str:
@@ -391,6 +450,10 @@ class Plan:
         placement = self.placement_line()
         if placement:
             lines.append(placement)
+        if self.step_time is not None:
+            lines.append(self.step_time.describe())
+        if self.resident_blocks or self.streamed_blocks:
+            lines.append(self.blocks_line())
         for phase in self.phases:
             lines.append(f"{phase.phase}: {format_bytes(phase.total)}")
             for name, value in phase.items.items():
@@ -406,6 +469,17 @@ class Plan:
         if self.reason:
             lines.append(self.reason)
         return "\n".join(lines)
+
+
+def _ranges(indices: Sequence[int]) -> str:
+    """"0-3,7" for [0, 1, 2, 3, 7]; "none" for none."""
+    runs: list[list[int]] = []
+    for i in sorted(indices):
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs) or "none"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -443,10 +517,23 @@ def estimate(description: ModelDescription, trainable: TrainableSpec, shape: Run
     inputs = [b.inputs.at(area, tokens) * batch for b in blocks]
     outside = description.outside_saved.at(area, tokens) * batch
 
+    # Which blocks are recomputed (policy checkpoint_blocks: selective checkpointing; "": every block).
+    checkpointed = _checkpointed(policy, len(blocks))
+    kept = sorted(set(range(len(blocks))) - set(checkpointed))
+
     # Each memory feature says what it costs (its module's cost function); they are added up here.
     parking = optimizer_placement_cost(policy, trainable)
-    block_activations = [feature(policy.checkpointing, saved, copies, inputs)
-                         for feature in (checkpointing.activation_cost, activation_offload.activation_cost)]
+    if checkpointed and kept:  # selective: the features cost the checkpointed blocks, the others keep what they save
+        def only(values):
+            return [values[i] for i in checkpointed]
+        block_activations = [feature(policy.checkpointing, only(saved), only(copies), only(inputs))
+                             for feature in (checkpointing.activation_cost, activation_offload.activation_cost)]
+        block_activations.append(FeatureCost(training={
+            "saved activations, blocks not checkpointed": int(sum(saved[i] for i in kept)),
+            "weight copies kept for backward, blocks not checkpointed": int(sum(copies[i] for i in kept))}))
+    else:
+        block_activations = [feature(policy.checkpointing, saved, copies, inputs)
+                             for feature in (checkpointing.activation_cost, activation_offload.activation_cost)]
     in_flight = lowbit.weight_in_flight(storage, description.weight_copy_in_flight_bytes,
                                         description.largest_linear_numel, description.compute_element_size)
 
@@ -487,7 +574,7 @@ def estimate(description: ModelDescription, trainable: TrainableSpec, shape: Run
     outer = {"frozen weights outside the blocks": description.other_param_bytes}
     training_rest = sum(outer.values()) + sum(trainables.values()) + sum(activations.values())
     validation_rest = sum(outer.values()) + sum(sampling.values())
-    device_budget = None if budget_bytes is None else int(budget_bytes / (1 + ALLOCATOR_OVERHEAD))
+    device_budget = None if budget_bytes is None else int(planned_room(policy, budget_bytes) / (1 + ALLOCATOR_OVERHEAD))
     placement = weight_streaming.placement_cost(policy.base_placement, block_weights, storage, training_rest,
                                                 device_budget, validation_rest)
     weights = {**outer, **placement.training}
@@ -499,6 +586,15 @@ def estimate(description: ModelDescription, trainable: TrainableSpec, shape: Run
     features: list[FeatureCost] = [trained, parking, gradients, *block_activations, placement]
     host = {name: value for cost in features for name, value in cost.host.items()}  # in host RAM instead
     notes = [note for cost in features for note in cost.training_notes]
+
+    # Whole blocks: a block that is not recomputed must stay on the device (autograd keeps the weights it used until
+    # backward); the rest of the resident share goes to checkpointed blocks in forward order, and what is left streams.
+    resident_share = base_device - description.other_param_bytes
+    resident = _resident_blocks(block_weights, checkpointed, resident_share)
+    streamed = sorted(set(range(len(blocks))) - set(resident))
+    held = sum(block_weights[i] for i in set(streamed) - set(checkpointed))
+    if held:
+        weights["streamed blocks not checkpointed (autograd keeps their weights)"] = held
 
     training_items = {**weights, **trainables, **activations}
     training_items["allocator overhead (5%)"] = int(ALLOCATOR_OVERHEAD * sum(training_items.values()))
@@ -542,9 +638,57 @@ def estimate(description: ModelDescription, trainable: TrainableSpec, shape: Run
     save = PhaseEstimate("save", save_items)
 
     host_added = host_ram.added_by_phase(features, trainable.ema, trainable.param_bytes(), trainable.weight_bytes())
+
+    # The time model (time_model.py): compute and transfer overlap; the optimizer step and the first copy do not.
+    h2d = description.h2d()
+    crossing = 0
+    if policy.checkpointing == "blocks_cpu_offload":
+        crossing += 2 * int(sum(inputs[i] for i in checkpointed))  # block inputs to host RAM and back
+    if weights_on_host:
+        crossing += 3 * trainable.weight_bytes()  # in for forward and for backward, the gradient back
+    step = time_model.step_time(
+        description.forward_seconds(area, tokens, batch, storage),
+        description.outside_forward_s.at(area, tokens) * batch, checkpointed,
+        [block_weights[i] for i in streamed], h2d, crossing,
+        time_model.optimizer_step_s(trainable.weight_bytes(), trainable.optimizer_bytes(),
+                                    policy.optimizer_state == "cpu", description.compute_device, h2d),
+        description.timed)
     return Plan(policy, [cache_text, cache_vae, training, validation, decode, save], budget_bytes, host_bytes=host,
                 base_device_bytes=base_device, validation_base_device_bytes=validation_device,
-                host_added=host_added, host_room=host_room)
+                host_added=host_added, host_room=host_room, step_time=step, checkpointed_blocks=tuple(checkpointed),
+                resident_blocks=tuple(resident), streamed_blocks=tuple(streamed))
+
+
+def planned_room(policy: OffloadPolicy, budget_bytes: int) -> int:
+    """The bytes a plan fills of `budget_bytes`: all of it, or SELECTION_SLACK less where only some blocks are
+    checkpointed (selective_plans; the run's own estimate, nodes/bridge/planning.run_plan, sizes its share alike)."""
+    if policy.checkpointing == "off" or policy.checkpoint_selection is None:
+        return budget_bytes
+    return int(budget_bytes * (1 - SELECTION_SLACK))
+
+
+def _checkpointed(policy: OffloadPolicy, count: int) -> list[int]:
+    """The indices of the blocks `policy` recomputes in backward, of `count` blocks."""
+    if policy.checkpointing == "off":
+        return []
+    selection = policy.checkpoint_selection
+    if selection is None:
+        return list(range(count))
+    if selection and max(selection) >= count:
+        raise ValueError(f"checkpoint_blocks {sorted(selection)} are not among this model's {count} blocks")
+    return sorted(selection)
+
+
+def _resident_blocks(block_weights: Sequence[int], checkpointed: Sequence[int], share: int) -> list[int]:
+    """The blocks kept on the device within `share` bytes: those not checkpointed first (they must be), then the
+    checkpointed ones in forward order while they fit."""
+    chosen, room = [], share
+    first = sorted(set(range(len(block_weights))) - set(checkpointed))
+    for i in [*first, *checkpointed]:
+        if block_weights[i] <= room:
+            chosen.append(i)
+            room -= block_weights[i]
+    return sorted(chosen)
 
 
 # --- choosing a policy ------------------------------------------------------------------------------------
@@ -568,7 +712,7 @@ def candidate_policies(base: OffloadPolicy, storages: Sequence[str] | None = Non
                             continue  # invalid: trained_weights_on_host.problem
                         result.append(base.replace(base_storage=storage, base_placement=placement,
                                                    checkpointing=activations, optimizer_state=optimizer_state,
-                                                   trained_weights=place))
+                                                   trained_weights=place, checkpoint_blocks=""))
     return result
 
 
@@ -584,35 +728,85 @@ def _storages(base: OffloadPolicy) -> list[str]:
     return [base.base_storage] + lower
 
 
+def selective_plans(description: ModelDescription, trainable: TrainableSpec, shape: RunShape, policy: OffloadPolicy,
+                    budget_bytes: int, host_room: HostRoom | None = None) -> list[Plan]:
+    """`policy` (checkpointing "blocks", every block) with only some blocks checkpointed, the plans that fit: the
+    blocks whose recompute costs the least time per byte of activations it frees first (forward seconds / (saved +
+    weight copies - inputs)), one more at a time. Planned SELECTION_SLACK short of the budget. "resident": the first
+    that fits (each further block only adds recompute); "partial": every one that fits (each further block also
+    frees room for resident blocks, so less streams: the time model weighs the two). None for "streamed" (every block
+    streams, so every block is recomputed)."""
+    if policy.checkpointing != "blocks" or policy.base_placement == "streamed" or policy.checkpoint_selection is not None:
+        return []
+    area, tokens, batch = shape.latent_area(description), shape.tokens(description), shape.batch
+    storage = policy.base_storage
+    forward = description.forward_seconds(area, tokens, batch, storage)
+    freed = [(b.saved.at(area, tokens) - b.inputs.at(area, tokens)) * batch + b.copies_kept(storage)
+             for b in description.blocks]
+    order = sorted(range(len(freed)), key=lambda i: (freed[i] <= 0, forward[i] / max(freed[i], 1.0), i))
+    plans = []
+    for count in range(1, len(order)):
+        selective = policy.replace(checkpoint_blocks=format_blocks(order[:count]))
+        plan = estimate(description, trainable, shape, selective, budget_bytes, host_room)
+        if plan.fits and plan.peak_bytes <= planned_room(selective, budget_bytes):
+            plans.append(plan)
+            if policy.base_placement == "resident":
+                break
+    return plans
+
+
+def _seconds(plan: Plan) -> float:
+    return plan.predicted_s_per_step if plan.predicted_s_per_step is not None else math.inf
+
+
+def _option(plan: Plan, storage: str) -> str:
+    p = plan.policy
+    return (f"{p.base_placement}/{p.checkpointing}/optimizer {p.optimizer_state}"
+            f"{'' if p.base_storage == storage else '/' + p.base_storage}"
+            + ("/trained weights host" if p.trained_weights == "host" else "")
+            + (f" needs {format_bytes(plan.peak_bytes)} ({plan.peak.phase})" if not plan.device_fits else
+               f" adds {format_bytes(plan.host_added_bytes)} of host RAM")
+            + f", {_seconds(plan):.3f} s/step")
+
+
 def plan_auto(description: ModelDescription, trainable: TrainableSpec, shape: RunShape, base: OffloadPolicy,
               budget_bytes: int, host_room: HostRoom | None = None) -> Plan:
-    """The fastest policy (see candidate_policies) whose estimated peak fits `budget_bytes` and whose added host
-    RAM fits `host_room` (where given), with the reason.
+    """The policy with the smallest predicted step time (time_model.py) of those (see candidate_policies, and
+    selective checkpointing: selective_plans) whose estimated peak fits `budget_bytes` and whose added host RAM fits
+    `host_room` (where given), with the reason.
 
     The frozen base's storage stays what `base` says while any variant fits; only when none does are
     lower-precision storages (fp8, then int8, then nf4) tried, and the reason says the numerics change.
     """
     storages = _storages(base)
+    candidates = candidate_policies(base, storages, _streams_trained_weights(trainable, base))
     tried: list[Plan] = []
-    for policy in candidate_policies(base, storages, _streams_trained_weights(trainable, base)):
-        plan = estimate(description, trainable, shape, policy, budget_bytes, host_room)
-        if plan.fits:
-            faster = [f"{p.policy.base_placement}/{p.policy.checkpointing}/optimizer {p.policy.optimizer_state}"
-                      f"{'' if p.policy.base_storage == policy.base_storage else '/' + p.policy.base_storage}"
-                      + ("/trained weights host" if p.policy.trained_weights == "host" else "")
-                      + (f" needs {format_bytes(p.peak_bytes)} ({p.peak.phase})" if not p.device_fits else
-                         f" adds {format_bytes(p.host_added_bytes)} of host RAM")
-                      for p in tried[:3] + [p for p in tried[3:] if p.device_fits][:3]]  # + those host RAM ruled out
-            plan.reason = (f"chosen: the fastest policy that fits - peak {format_bytes(plan.peak_bytes)} ({plan.peak.phase}) "
-                           f"within the budget of {format_bytes(budget_bytes)}.")
-            if faster:
-                plan.reason += (" Faster options over budget: " + "; ".join(faster) + (" ..." if len(tried) > 3 else "")
-                                + ".")
-            if policy.base_storage != base.base_storage:
-                plan.reason += (f" No policy fits with the base as loaded: the base is stored as {policy.base_storage}, "
-                                "which changes its numerics.")
-            return plan
-        tried.append(plan)
+    for storage in storages:
+        fitting: list[Plan] = []
+        for policy in (p for p in candidates if p.base_storage == storage):
+            plan = estimate(description, trainable, shape, policy, budget_bytes, host_room)
+            if plan.fits:
+                fitting += [plan, *selective_plans(description, trainable, shape, policy, budget_bytes, host_room)]
+            else:
+                tried.append(plan)
+        if not fitting:
+            continue
+        plan = min(fitting, key=_seconds)  # the first of equals: the candidates' order
+        faster = [p for p in sorted(tried, key=_seconds) if _seconds(p) < _seconds(plan)]
+        faster = faster[:3] + [p for p in faster[3:] if p.device_fits][:3]  # + those host RAM ruled out
+        plan.reason = (f"chosen: the fastest policy that fits (predicted {_seconds(plan):.3f} s/step) - peak "
+                       f"{format_bytes(plan.peak_bytes)} ({plan.peak.phase}) within the budget of "
+                       f"{format_bytes(budget_bytes)}.")
+        if plan.policy.checkpoint_selection is not None:
+            plan.reason += (f" Checkpointing {len(plan.checkpointed_blocks)} of {len(description.blocks)} blocks, "
+                            "those whose recompute costs least per byte saved; planned "
+                            f"{SELECTION_SLACK:.0%} under the budget (allocator slack).")
+        if faster:
+            plan.reason += " Faster options over budget: " + "; ".join(_option(p, storage) for p in faster) + "."
+        if storage != base.base_storage:
+            plan.reason += (f" No policy fits with the base as loaded: the base is stored as {storage}, "
+                            "which changes its numerics.")
+        return plan
     on_device = [p for p in tried if p.device_fits]
     if on_device:  # the card has room; host RAM has not, for any of them
         least = min(on_device, key=lambda p: p.host_added_bytes)
@@ -633,11 +827,14 @@ def plan_auto(description: ModelDescription, trainable: TrainableSpec, shape: Ru
 def next_smaller_policy(description: ModelDescription, trainable: TrainableSpec, shape: RunShape,
                         current: OffloadPolicy, budget_bytes: int | None = None) -> Plan | None:
     """After an out-of-memory error: the first policy slower than `current` whose estimated peak is at
-    least 10 % below `current`'s (a smaller step would likely fail again), or None when none is."""
+    least 10 % below `current`'s (a smaller step would likely fail again), or None when none is. A `current` that
+    checkpoints only some blocks is followed by the same policy with every block checkpointed, and so on."""
     current_peak = estimate(description, trainable, shape, current, budget_bytes).peak_bytes
     storages = _storages(current)
     candidates = candidate_policies(current, storages, _streams_trained_weights(trainable, current))
-    start = next((i for i, p in enumerate(candidates) if p == current), -1) + 1
+    every_block = current.replace(checkpoint_blocks="")
+    at = next((i for i, p in enumerate(candidates) if p == every_block), -1)
+    start = at if every_block != current and at >= 0 else at + 1
     for policy in candidates[start:]:
         plan = estimate(description, trainable, shape, policy, budget_bytes)
         if plan.peak_bytes <= 0.9 * current_peak:
@@ -657,6 +854,9 @@ class ActivationSample:
     outside_saved: int  # everything saved outside the blocks (their few weight copies included)
     block_weight_copies: list[int] = dataclasses.field(default_factory=list)  # see BlockProfile.weight_copy_bytes
     block_linear_copies: list[int] = dataclasses.field(default_factory=list)  # the part made by Linear layers
+    # Seconds of each block's forward, and of the rest of the forward (time_model.py; empty / 0: not timed)
+    block_forward_s: list[float] = dataclasses.field(default_factory=list)
+    outside_forward_s: float = 0.0
 
     @property
     def total_saved(self) -> int:
@@ -672,8 +872,8 @@ def _storage_bytes(tensor: torch.Tensor) -> int:
 
 
 def measure_activations(run_forward: Callable[[], object], blocks: Sequence[torch.nn.Module],
-                        weights: Iterable[torch.Tensor] = (), latent_area: int = 0, text_tokens: int = 0
-                        ) -> ActivationSample:
+                        weights: Iterable[torch.Tensor] = (), latent_area: int = 0, text_tokens: int = 0,
+                        synchronize: Callable[[], None] | None = None) -> ActivationSample:
     """Count what one forward keeps for backward, per block (no checkpointing; tensors counted once each).
 
     `run_forward()` runs the forward as training does (the trainables attached, grad enabled) and returns
@@ -684,6 +884,10 @@ def measure_activations(run_forward: Callable[[], object], blocks: Sequence[torc
     those of Linear layers. Weight copies are counted once per layer call and not held: when ComfyUI keeps part
     of the base in host RAM, every such layer casts a device copy of its weight, and holding them all would
     bring the whole model to the device (a Flux-dev plan on an 8 GiB card ran out of memory measuring).
+
+    Each block's forward is timed too (the time model, time_model.py), and the rest of the forward; `synchronize`
+    waits for the device's queued work (CUDA: torch.cuda.synchronize) so a time is the block's own. The counting
+    hooks run inside the timed spans: at calibration sizes they are part of what is measured.
     """
     weight_keys = {_storage_key(w) for w in weights}
     seen: set[int] = set()
@@ -695,6 +899,9 @@ def measure_activations(run_forward: Callable[[], object], blocks: Sequence[torc
     linear_copies = [0] * len(blocks)
     outside = [0]
     calls = [0]  # layer calls so far: a layer's weight copy is counted once per call
+    sync = synchronize or (lambda: None)
+    forward_s = [0.0] * len(blocks)
+    started = [0.0]
     copied: set[int] = set()  # the layer calls whose weight copy is counted
 
     def is_weight_copy(tensor: torch.Tensor) -> bool:
@@ -755,8 +962,12 @@ def measure_activations(run_forward: Callable[[], object], blocks: Sequence[torc
             for t in tensors:
                 keys.setdefault(_storage_key(t), _storage_bytes(t))
             block_inputs[index] = sum(keys.values())
+            sync()
+            started[0] = time.perf_counter()
 
-        def post(module, args, output):
+        def post(module, args, output, index=index):
+            sync()
+            forward_s[index] += time.perf_counter() - started[0]
             current[0] = None
 
         handles.append(block.register_forward_pre_hook(pre, with_kwargs=True))
@@ -766,14 +977,19 @@ def measure_activations(run_forward: Callable[[], object], blocks: Sequence[torc
                 handles.append(layer.register_forward_pre_hook(enter_layer))
                 handles.append(layer.register_forward_hook(leave_layer))
     try:
+        sync()
+        begun = time.perf_counter()
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             output = run_forward()
+        sync()
+        total_s = time.perf_counter() - begun
         del output
     finally:
         kept.clear()
         for handle in handles:
             handle.remove()
-    return ActivationSample(latent_area, text_tokens, block_saved, block_inputs, outside[0], block_copies, linear_copies)
+    return ActivationSample(latent_area, text_tokens, block_saved, block_inputs, outside[0], block_copies, linear_copies,
+                            forward_s, max(0.0, total_s - sum(forward_s)))
 
 
 _LAW_TERMS = ("const", "per_latent_px", "per_latent_px2", "per_text_token", "per_px_token")
@@ -816,8 +1032,28 @@ def fit_profile(samples: Sequence[ActivationSample]) -> tuple[list[ActivationLaw
     return saved, inputs, solve([s.outside_saved for s in samples])
 
 
+def fit_times(samples: Sequence[ActivationSample]) -> tuple[list[ActivationLaw], ActivationLaw]:
+    """Per-block forward seconds per sample and the rest of the forward's, each a line in the latent area
+    (time_model.fit_seconds). The first forward pays for one-time setup (kernels chosen, handles made): it is left
+    out where the others still show two areas. Laws of zero where the samples were not timed."""
+    timed = [s for s in samples if s.block_forward_s]
+    if len(timed) > 2 and len({s.latent_area for s in timed[1:]}) >= 2:
+        timed = timed[1:]
+    if not timed:
+        return [ActivationLaw()] * len(samples[0].block_saved if samples else []), ActivationLaw()
+    areas = [s.latent_area for s in timed]
+
+    def law(seconds):
+        const, per_px = time_model.fit_seconds(areas, seconds)
+        return ActivationLaw(const=const, per_latent_px=per_px)
+
+    blocks = [law([s.block_forward_s[i] for s in timed]) for i in range(len(timed[0].block_forward_s))]
+    return blocks, law([s.outside_forward_s for s in timed])
+
+
 def describe_blocks(named_blocks: Sequence[tuple[str, torch.nn.Module]], saved: Sequence[ActivationLaw],
-                    inputs: Sequence[ActivationLaw], samples: Sequence[ActivationSample] = ()) -> tuple[BlockProfile, ...]:
+                    inputs: Sequence[ActivationLaw], samples: Sequence[ActivationSample] = (),
+                    forward_s: Sequence[ActivationLaw] = ()) -> tuple[BlockProfile, ...]:
     """BlockProfiles from the modules (frozen weight bytes, frozen Linear statistics), fitted activation laws
     and the weight copies the `samples` measured (the largest seen: they do not depend on the size); trainable
     tensors (adapters) are left out, the TrainableSpec counts them."""
@@ -835,6 +1071,7 @@ def describe_blocks(named_blocks: Sequence[tuple[str, torch.nn.Module]], saved: 
             saved=saved_law, inputs=inputs_law,
             weight_copy_bytes=max((s.block_weight_copies[index] for s in samples if s.block_weight_copies), default=0),
             linear_copy_bytes=max((s.block_linear_copies[index] for s in samples if s.block_linear_copies), default=0),
+            forward_s=forward_s[index] if index < len(forward_s) else ActivationLaw(),
         ))
     return tuple(profiles)
 

@@ -12,8 +12,8 @@ optimizer state sits. One policy serves the whole run (caching, training, valida
   "nf4" (see lowbit.py; these change the numerics of the frozen base).
 - checkpointing: "off", "blocks" (recompute each block in backward), "blocks_cpu_offload" (and keep the
   saved block inputs in host RAM, see activation_offload.py), at checkpoint_depth (1: each block, 2: each child
-  of a block...). The training nodes' gradient_checkpointing / checkpoint_depth inputs map into these
-  (`run_policy`).
+  of a block...); checkpoint_blocks: only these blocks (selective checkpointing, the planner's choice; "": all).
+  The training nodes' gradient_checkpointing / checkpoint_depth inputs map into these (`run_policy`).
 - optimizer_state: "gpu" or "cpu" (the optimizer steps fp32 host copies, see optimizer_parking.py).
 - park_optimizer_during_validation: optimizer state and gradients go to host RAM while validating.
 - fused_backward: each trained tensor is stepped inside backward and its gradient freed (fused_backward.py).
@@ -77,7 +77,7 @@ class NodeInput:
     """How the policy node (nodes/memory.HeadroomOffloadPolicy) shows one field, in plain data: training/ imports
     no ComfyUI, the node turns this into its io input. The node's default is the field's default, except where
     `zero_means` is set: the node's 0 stands for that field value (the budget's "auto"), so its default is 0."""
-    kind: str  # "float", "int", "bool" or "combo"
+    kind: str  # "float", "int", "bool", "combo" or "string"
     tooltip: str
     options: tuple[str, ...] = ()  # a combo's values, in the node's order
     min: float | None = None
@@ -170,6 +170,14 @@ class OffloadPolicy:
         "fused_backward on and optimizer_state cpu): the card holds no trained weight, at the cost of that traffic "
         "every step."))
 
+    # Appended last, default "": a workflow saved before it existed checkpoints every block, as it did.
+    checkpoint_blocks: str = _field("", NodeInput(
+        "string", optional=True, advanced=True,
+        tooltip="Selective checkpointing: the model blocks to recompute (indices in forward order, comma-separated, "
+        "e.g. 0,1,5), where checkpointing is on; empty = every block. A card's plan fills this in: the blocks whose "
+        "recompute is cheapest per byte saved, until the step fits (blocks streamed from host RAM are always "
+        "recomputed)."))
+
     def __post_init__(self):
         self.validate()
 
@@ -204,6 +212,9 @@ class OffloadPolicy:
                 f"offload policy: base_placement={self.base_placement!r} needs checkpointing 'blocks' or "
                 "'blocks_cpu_offload': without it backward keeps every block's weights on the device"
             )
+        if not isinstance(self.checkpoint_blocks, str) or len(self.checkpoint_blocks) > 20000:
+            raise PolicyError("offload policy: checkpoint_blocks must be text: block indices, comma-separated")
+        parse_blocks(self.checkpoint_blocks)
         problem = trained_weights_problem(self)
         if problem is not None:
             raise PolicyError(f"offload policy: {problem}")
@@ -262,6 +273,11 @@ class OffloadPolicy:
                 and needed_bytes > budget_bytes)
 
     @property
+    def checkpoint_selection(self) -> frozenset[int] | None:
+        """The block indices checkpointing applies to (None: every block; only where checkpointing is on)."""
+        return parse_blocks(self.checkpoint_blocks) if self.checkpoint_blocks.strip() else None
+
+    @property
     def checkpointing_enabled(self) -> bool:
         return self.checkpointing != "off"
 
@@ -284,6 +300,8 @@ class OffloadPolicy:
         else:
             budget = "auto" if self.budget_is_auto else f"{float(self.vram_budget_gb):g} GiB"
         depth = f" (depth {self.checkpoint_depth})" if self.checkpointing_enabled else ""
+        if self.checkpointing_enabled and self.checkpoint_selection is not None:
+            depth += f", {len(self.checkpoint_selection)} selected blocks"
         return (f"budget {budget}, base {self.base_placement}/{self.base_storage}, checkpointing "
                 f"{self.checkpointing}{depth}, optimizer state on {self.optimizer_state}"
                 + (", parked during validation" if self.park_optimizer_during_validation else "")
@@ -337,6 +355,24 @@ class OffloadPolicy:
         return cls(**{name: inputs[name].field_value(value) for name, value in values.items()})
 
 
+def parse_blocks(text: str) -> frozenset[int]:
+    """Block indices from "0, 3,5" (policy checkpoint_blocks); "" is none. Anything else is a PolicyError."""
+    indices = set()
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if not part.isdigit() or len(part) > 6:
+            raise PolicyError(f"offload policy: checkpoint_blocks: {part[:20]!r} is not a block index (0, 1, ...)")
+        indices.add(int(part))
+    return frozenset(indices)
+
+
+def format_blocks(indices) -> str:
+    """The policy's checkpoint_blocks text for a set of block indices."""
+    return ",".join(str(i) for i in sorted(indices))
+
+
 def run_policy(policy: OffloadPolicy | None, gradient_checkpointing: bool = False,
                checkpoint_depth: int = 1) -> OffloadPolicy:
     """The policy a run trains under, resolved once when it opens: the given policy (None: everything resident),
@@ -369,18 +405,29 @@ def memory_features(policy: OffloadPolicy, blocks: Sequence[torch.nn.Module], de
     """
     restores = []
     streamer = None
+    blocks = list(blocks)
     try:
+        if policy.placement.stream_blocks:
+            streamer = WeightStreamer(blocks, device, **streamer_options).attach()
+        selected = policy.checkpoint_selection
+        if selected is not None and streamer is not None:
+            # A streamed block is always recomputed: without it autograd keeps its device copy until backward. Which
+            # blocks stream is ComfyUI's load's choice (what it left in host RAM: the streamer's non-empty slots).
+            selected = selected | {i for i, slots in enumerate(streamer.slots) if slots}
         if policy.checkpointing == "blocks":
-            restores.append(wrap_blocks(blocks, policy.checkpoint_depth, inplace_inputs=inplace_inputs))
+            restores.append(wrap_blocks(blocks, policy.checkpoint_depth, inplace_inputs=inplace_inputs,
+                                        selected=selected))
         else:
             problem = inplace_depth_problem(inplace_inputs, policy.checkpoint_depth)
             if policy.checkpointing == "blocks_cpu_offload" and problem is not None:
                 raise PolicyError(f"offload policy: {problem}")
             restores.append(wrap_blocks(blocks, None, inplace_inputs=inplace_inputs))
             if policy.checkpointing == "blocks_cpu_offload":
-                restores.append(enable_offloaded_checkpointing(blocks, policy.checkpoint_depth))
-        if policy.placement.stream_blocks:
-            streamer = WeightStreamer(blocks, device, **streamer_options).attach()
+                if selected is not None and max(selected, default=0) >= len(blocks):
+                    raise PolicyError(f"offload policy: checkpoint_blocks {sorted(selected)} are not among this "
+                                      f"model's {len(blocks)} blocks")
+                chosen = blocks if selected is None else [blocks[i] for i in sorted(selected)]
+                restores.append(enable_offloaded_checkpointing(chosen, policy.checkpoint_depth))
         yield streamer
     finally:
         if streamer is not None:

@@ -1,0 +1,220 @@
+"""The planner's time model (training/memory/time_model.py) and selective checkpointing, on recorded timings: a
+Flux.1-dev-like description (19 double + 38 single blocks, their bf16 weight bytes; activations at 1024 px sized so
+the resident plan is about the GPU kit's 53 GiB; forward times splitting the kit's resident 0.605 s/step by weight)."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from headroom.training.memory import planner, time_model
+from headroom.training.memory.planner import (ActivationLaw, BlockProfile, ModelDescription, RunShape, TrainableSpec,
+                                              candidate_policies, estimate, plan_auto, selective_plans)
+from headroom.training.memory.policy import GIB, OffloadPolicy
+
+MIB = 2 ** 20
+AREA = 128 * 128  # Flux's latent at 1024 px
+RESIDENT_S = 0.605  # GPU kit, H200, Flux.1-dev LoRA rank 16, batch 1, 1024 px, bf16
+
+
+def flux_like(h2d: float = 25e9) -> ModelDescription:
+    double, single = 339_700_000 * 2, 141_600_000 * 2  # bf16 weight bytes of a double / single block
+    total = 19 * double + 38 * single
+    forward = RESIDENT_S / (1 + time_model.BACKWARD_PER_FORWARD)  # the step's forward, split by weight
+
+    def block(name, weights, saved_mib):
+        return BlockProfile(name, weights, linear_weight_bytes=weights, linear_weight_numel=weights // 2,
+                            linear_rows=30_000, linear_count=10, saved=ActivationLaw(0, saved_mib * MIB / AREA),
+                            inputs=ActivationLaw(0, 30 * MIB / AREA),
+                            forward_s=ActivationLaw(0, forward * weights / total / AREA))
+
+    blocks = (*(block(f"double_blocks.{i}", double, 700) for i in range(19)),
+              *(block(f"single_blocks.{i}", single, 300) for i in range(38)))
+    return ModelDescription("Flux", blocks, other_param_bytes=400 * MIB, latent_channels=16, text_tokens=512,
+                            inference_bytes_per_latent_px=5e4, h2d_bytes_per_s=h2d)
+
+
+LORA = TrainableSpec(((16, 3072), (3072, 16)) * 500, "AdamW")  # ~49M trained weights: a rank-16 LoRA's order
+SHAPE = RunShape(1, 1024, 1024)
+
+
+def resident_peak(d):
+    return estimate(d, LORA, SHAPE, OffloadPolicy()).peak_bytes
+
+
+def test_the_step_is_the_larger_of_compute_and_transfer_plus_what_does_not_overlap():
+    t = time_model.step_time([0.1, 0.2], 0.05, [1], [10 ** 9, 0], 1e9, other_transfer_bytes=5 * 10 ** 8,
+                             optimizer_s=0.01)
+    assert t.compute_s == pytest.approx(2.5 * 0.35 + 0.2) and t.recompute_s == pytest.approx(0.2)
+    assert t.transfer_s == pytest.approx(2.5) and t.fill_s == pytest.approx(1.0)  # a streamed block twice + the rest
+    assert t.bound == "transfer" and t.total_s == pytest.approx(2.5 + 0.01 + 1.0)
+    cpu = time_model.step_time([0.1, 0.2], 0.05, [1], [10 ** 9, 0], None, optimizer_s=0.01)
+    assert cpu.transfer_s == cpu.fill_s == 0 and cpu.bound == "compute"
+    assert cpu.total_s == pytest.approx(2.5 * 0.35 + 0.2 + 0.01)
+    # on a plan: what streams crosses twice (forward, recompute), at the description's bandwidth
+    d = flux_like()
+    plan = estimate(d, LORA, SHAPE, OffloadPolicy(base_placement="streamed", checkpointing="blocks"))
+    assert plan.streamed_blocks == tuple(range(57)) and plan.resident_blocks == ()
+    assert plan.step_time.transfer_s == pytest.approx(2 * sum(b.param_bytes for b in d.blocks) / 25e9)
+    assert plan.step_time.bound == "transfer"
+    assert estimate(d, LORA, SHAPE, OffloadPolicy()).predicted_s_per_step == pytest.approx(RESIDENT_S, rel=0.01)
+
+
+def test_a_budget_slightly_under_resident_checkpoints_a_few_blocks_not_all():
+    """SDXL at 12 GiB in the GPU kit: 0.95 GiB over without checkpointing, and every block was checkpointed (2.04x
+    the resident step). Now: the blocks cheapest to recompute per byte saved, until it fits, with the slack."""
+    d = flux_like()
+    budget = resident_peak(d) - int(0.95 * GIB)
+    plan = plan_auto(d, LORA, SHAPE, OffloadPolicy(), budget)
+    assert plan.fits and plan.policy.base_placement == "resident" and plan.policy.checkpointing == "blocks"
+    assert 0 < len(plan.checkpointed_blocks) < 6, plan.checkpointed_blocks
+    assert plan.policy.checkpoint_selection == set(plan.checkpointed_blocks)
+    assert plan.peak_bytes <= budget * (1 - planner.SELECTION_SLACK)  # the allocator's slack kept
+    every = estimate(d, LORA, SHAPE, OffloadPolicy(checkpointing="blocks"), budget)
+    assert plan.predicted_s_per_step < every.predicted_s_per_step
+    assert plan.predicted_s_per_step < 1.1 * RESIDENT_S
+    # double blocks free 700 MiB for 2.4x the recompute of a single block's 300: per byte, they are cheaper
+    assert all(d.blocks[i].name.startswith("double") for i in plan.checkpointed_blocks)
+    assert "Checkpointing" in plan.reason and "allocator slack" in plan.reason
+    text = plan.to_text()
+    assert "predicted" in text and "s/step" in text and "blocks (57): checkpointed" in text
+    data = json.loads(plan.to_json())
+    assert data["predicted_s_per_step"] == pytest.approx(plan.predicted_s_per_step)
+    assert data["blocks"]["checkpointed"] == list(plan.checkpointed_blocks)
+    assert f"({len(plan.checkpointed_blocks)} of 57 blocks)" in plan.summary() and "s/step" in plan.summary()
+
+
+@pytest.mark.parametrize("budget_gib", [6, 8, 12, 16, 24, 40])
+def test_the_chosen_policy_is_the_fastest_predicted_of_those_that_fit(budget_gib):
+    d = flux_like()
+    budget = budget_gib * GIB
+    plan = plan_auto(d, LORA, SHAPE, OffloadPolicy(), budget)
+    fitting = []
+    for policy in candidate_policies(OffloadPolicy(), ["as_loaded"]):
+        whole = estimate(d, LORA, SHAPE, policy, budget)
+        if whole.fits:
+            fitting += [whole, *selective_plans(d, LORA, SHAPE, policy, budget)]
+    assert plan.fits and fitting
+    assert plan.predicted_s_per_step == pytest.approx(min(p.predicted_s_per_step for p in fitting))
+    # the plan says which whole blocks stay and which stream; a block not recomputed stays
+    assert sorted(plan.resident_blocks + plan.streamed_blocks) == list(range(57))
+    assert set(plan.streamed_blocks) <= set(plan.checkpointed_blocks)
+
+
+def test_the_predicted_step_does_not_grow_with_the_budget():
+    d = flux_like()
+    budgets = [6, 7, 8, 10, 12, 16, 20, 24, 32, 40, 48, 56, 64, 80]
+    times = [plan_auto(d, LORA, SHAPE, OffloadPolicy(), b * GIB).predicted_s_per_step for b in budgets]
+    assert all(later <= earlier * (1 + 1e-9) for earlier, later in zip(times, times[1:])), times
+    assert times[-1] == pytest.approx(RESIDENT_S, rel=0.01) and times[0] > times[-1]
+
+
+def test_partial_placement_recomputes_fewer_blocks_where_streaming_would_cost_more():
+    """A partial plan checkpoints what frees room for resident blocks only while that is faster (the time model
+    weighs recompute against the bytes streamed); blocks it does not recompute stay on the device."""
+    d = flux_like()
+    plan = plan_auto(d, LORA, SHAPE, OffloadPolicy(), 24 * GIB)
+    assert plan.policy.base_placement == "partial"
+    every = estimate(d, LORA, SHAPE, OffloadPolicy(base_placement="partial", checkpointing="blocks"), 24 * GIB)
+    assert plan.predicted_s_per_step <= every.predicted_s_per_step
+    kept = set(range(57)) - set(plan.checkpointed_blocks)
+    assert kept <= set(plan.resident_blocks)
+    # the run estimates its own policy again (for the share of the base its load keeps): the same share, the slack kept
+    again = estimate(d, LORA, SHAPE, plan.policy, 24 * GIB)
+    assert again.base_device_bytes == plan.base_device_bytes and again.to_dict() == plan.to_dict() | {"reason": ""}
+    assert again.peak_bytes <= 24 * GIB * (1 - planner.SELECTION_SLACK) + MIB
+
+
+def test_a_selection_that_leaves_streamed_blocks_unrecomputed_does_not_fit():
+    """Partial placement with too few blocks recomputed: the blocks that must stay do not fit the resident share, and
+    autograd would keep the streamed ones' weights: the plan counts them and goes over the budget."""
+    d = flux_like()
+    policy = OffloadPolicy(base_placement="partial", checkpointing="blocks", checkpoint_blocks="0")
+    plan = estimate(d, LORA, SHAPE, policy, 12 * GIB)
+    assert plan.phase("training step").items["streamed blocks not checkpointed (autograd keeps their weights)"] > 0
+    assert plan.fits is False
+    with pytest.raises(ValueError, match="not among this model's 57 blocks"):
+        estimate(d, LORA, SHAPE, OffloadPolicy(checkpointing="blocks", checkpoint_blocks="57"))
+
+
+def test_without_measured_times_blocks_cost_reading_their_weights_and_a_cpu_moves_nothing():
+    d = ModelDescription.from_dict({**flux_like().to_dict(), "compute_device": "cpu"})
+    assert d.timed and d.h2d() is None
+    plan = estimate(d, LORA, SHAPE, OffloadPolicy(base_placement="streamed", checkpointing="blocks"))
+    assert plan.step_time.transfer_s == 0 and plan.step_time.bound == "compute"
+    untimed = ModelDescription.from_dict({**flux_like().to_dict(), "blocks": [
+        {**b, "forward_s": {}} for b in flux_like().to_dict()["blocks"]]})
+    assert not untimed.timed
+    forward = untimed.forward_seconds(AREA, 512, 1)
+    assert forward[0] == pytest.approx(untimed.blocks[0].param_bytes / time_model.DEVICE_BYTES_PER_S["cuda"])
+    assert "not measured" in estimate(untimed, LORA, SHAPE, OffloadPolicy()).step_time.describe()
+    # a description written before the time model reads back (no forward_s, no outside_forward_s)
+    old = flux_like().to_dict()
+    old.pop("outside_forward_s")
+    for b in old["blocks"]:
+        b.pop("forward_s")
+    assert not ModelDescription.from_dict(old).timed
+
+
+def test_measured_times_fit_a_line_in_the_area_never_below_zero():
+    assert time_model.fit_seconds([1, 2, 3], [1.0, 2.0, 3.0]) == pytest.approx((0.0, 1.0))
+    const, slope = time_model.fit_seconds([1, 2, 3], [3.0, 2.0, 1.0])  # noise that fell with the area: flat
+    assert slope == 0 and const == pytest.approx(2.0)
+    assert time_model.h2d_bytes_per_s("cpu") is None
+
+
+def test_the_optimizer_step_is_bandwidth_bound_and_slower_in_host_ram():
+    on_device = time_model.optimizer_step_s(4 * 10 ** 8, 8 * 10 ** 8, False, "cuda", 2e10)
+    on_host = time_model.optimizer_step_s(4 * 10 ** 8, 8 * 10 ** 8, True, "cuda", 2e10)
+    assert on_device == pytest.approx((3 * 4 + 2 * 8) * 10 ** 8 / 1e12)
+    assert on_host == pytest.approx((3 * 4 + 2 * 8) * 10 ** 8 / 2e10 + 2 * 4 * 10 ** 8 / 2e10)
+    assert math.isfinite(on_host) and on_host > on_device
+
+
+def test_calibration_forwards_time_each_block_and_the_fit_follows_the_area():
+    """planner.measure_activations times each block's forward (the time model's input on the machine that plans: a
+    CPU's own time there); the first forward is left out of the fit (one-time setup)."""
+    import time
+
+    import torch
+
+    class Sleepy(torch.nn.Module):
+        def __init__(self, per_px):
+            super().__init__()
+            self.linear, self.per_px = torch.nn.Linear(4, 4), per_px
+
+        def forward(self, x):
+            time.sleep(self.per_px * x.shape[0])
+            return self.linear(x)
+
+    blocks = [Sleepy(2e-4), Sleepy(0.0)]
+    samples = []
+    for area in (64, 32, 64, 128, 32):
+        x = torch.randn(area, 4)
+
+        def run(x=x):
+            h = x
+            for block in blocks:
+                h = block(h)
+            return h.sum()
+
+        samples.append(planner.measure_activations(run, blocks, latent_area=area))
+    assert all(len(s.block_forward_s) == 2 and s.block_forward_s[0] >= 2e-4 * s.latent_area for s in samples)
+    forward, outside = planner.fit_times(samples)
+    # sleep overshoots on a busy machine: the slope is the sleep's, within a loose margin
+    assert 1.5e-4 < forward[0].per_latent_px < 6e-4 and forward[0].per_latent_px > forward[1].per_latent_px
+    assert outside.const >= 0 and outside.per_latent_px >= 0
+    profiles = planner.describe_blocks([("a", blocks[0]), ("b", blocks[1])], [ActivationLaw()] * 2,
+                                       [ActivationLaw()] * 2, samples, forward)
+    assert profiles[0].forward_s == forward[0]
+
+
+def test_after_out_of_memory_a_selective_plan_is_followed_by_every_block_checkpointed():
+    d = flux_like()
+    budget = resident_peak(d) - int(0.95 * GIB)
+    selective = plan_auto(d, LORA, SHAPE, OffloadPolicy(), budget)
+    assert selective.policy.checkpoint_selection is not None
+    following = planner.next_smaller_policy(d, LORA, SHAPE, selective.policy, budget)
+    assert following.policy == selective.policy.replace(checkpoint_blocks="")
+    assert following.peak_bytes <= 0.9 * selective.peak_bytes

@@ -1,0 +1,131 @@
+"""The planner's time model: the predicted seconds of one training step under a plan (planner.estimate).
+
+    step = max(compute, transfer) + optimizer + fill
+
+- compute: every block's forward and backward, the work outside the blocks, and the forward of each checkpointed
+  block again (its recompute in backward). Forward times are measured in the planner's calibration forwards
+  (planner.measure_activations, fitted per block as a law of the latent area); backward is taken as
+  BACKWARD_PER_FORWARD times the forward (no backward runs in calibration). A block with no measured time is
+  costed at reading its weights once (weight bytes / device memory bandwidth): the least a forward can take.
+- transfer: the bytes crossing between host and device in a step over the pinned host->device bandwidth: each
+  streamed block twice (its forward, and its recompute in backward: a streamed block is always checkpointed),
+  offloaded block inputs there and back, a full fine-tune's trained weights in host RAM (in for forward and
+  backward, the gradient back). On a CPU nothing crosses.
+- compute and transfer overlap (the streamer copies the next block on a side stream while this one computes), so
+  the step takes the larger of the two: the physical limit of a streamed step.
+- not overlapped, so added: the optimizer step (it runs after backward's last gradient; a bandwidth-bound estimate
+  from the bytes it reads and writes, on the device or, with optimizer_state "cpu", in host RAM plus gradients down
+  and weights up), and the pipeline fill (the first streamed block's copy, before any compute can start).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Sequence
+
+import torch
+
+# Backward of a frozen base with an adapter: input gradients through every frozen layer (about the forward's work)
+# and attention's backward (about 2.5x its forward); no weight gradients of the base. 1.5x the forward, a rule of thumb.
+BACKWARD_PER_FORWARD = 1.5
+# Pinned host->device copies over PCIe 4.0 x16 in practice (about 25 GB/s peak); measured on CUDA when planning.
+DEFAULT_H2D_BYTES_PER_S = 20e9
+# Memory bandwidth for the bandwidth-bound estimates (optimizer step, a block's forward when none is measured):
+# a current GPU's HBM/GDDR order of magnitude, and a desktop's host RAM.
+DEVICE_BYTES_PER_S = {"cuda": 1e12, "cpu": 2e10}
+HOST_BYTES_PER_S = 2e10
+H2D_PROBE_BYTES = 256 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTime:
+    """A plan's predicted step, in seconds, by part (see the module docstring for the formula)."""
+
+    compute_s: float  # forward + backward of everything, recompute included
+    recompute_s: float  # the part of compute_s that recomputes checkpointed blocks
+    transfer_s: float  # host <-> device copies, overlapped with compute
+    optimizer_s: float
+    fill_s: float
+    timed: bool = True  # block times measured (False: estimated from weight bytes)
+
+    @property
+    def total_s(self) -> float:
+        return max(self.compute_s, self.transfer_s) + self.optimizer_s + self.fill_s
+
+    @property
+    def bound(self) -> str:
+        return "transfer" if self.transfer_s > self.compute_s else "compute"
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "total_s": self.total_s, "bound": self.bound}
+
+    def describe(self) -> str:
+        text = (f"predicted {self.total_s:.3f} s/step ({self.bound}-bound: compute {self.compute_s:.3f} s incl. "
+                f"recompute {self.recompute_s:.3f} s, transfer {self.transfer_s:.3f} s; + optimizer "
+                f"{self.optimizer_s:.3f} s, fill {self.fill_s:.3f} s)")
+        return text if self.timed else text + " - block times not measured: estimated from weight bytes"
+
+
+def step_time(forward_s: Sequence[float], outside_forward_s: float, checkpointed: Sequence[int],
+              streamed_block_bytes: Sequence[int], h2d_bytes_per_s: float | None, other_transfer_bytes: int = 0,
+              optimizer_s: float = 0.0, timed: bool = True) -> StepTime:
+    """The predicted step. `forward_s`: each block's forward (batch included); `checkpointed`: the indices
+    recomputed in backward; `streamed_block_bytes`: the bytes of each block streamed from host RAM (one copy);
+    `h2d_bytes_per_s` None: nothing crosses (a CPU); `other_transfer_bytes`: further bytes crossing per step."""
+    recompute = sum(forward_s[i] for i in checkpointed)
+    compute = (1 + BACKWARD_PER_FORWARD) * (sum(forward_s) + outside_forward_s) + recompute
+    if h2d_bytes_per_s is None:
+        transfer = fill = 0.0
+    else:
+        transfer = (2 * sum(streamed_block_bytes) + other_transfer_bytes) / h2d_bytes_per_s
+        fill = max(streamed_block_bytes, default=0) / h2d_bytes_per_s
+    return StepTime(compute, recompute, transfer, optimizer_s, fill, timed)
+
+
+def optimizer_step_s(weight_bytes: int, state_bytes: int, on_host: bool, device_type: str,
+                     h2d_bytes_per_s: float | None) -> float:
+    """Bandwidth-bound: the step reads weights, gradients (the weights' size) and state, and writes weights and
+    state. In host RAM (optimizer_state "cpu") the gradients go down and the weights come back over the link too."""
+    touched = 3 * weight_bytes + 2 * state_bytes
+    if not on_host:
+        return touched / DEVICE_BYTES_PER_S.get(device_type, DEVICE_BYTES_PER_S["cuda"])
+    link = 0.0 if h2d_bytes_per_s is None else 2 * weight_bytes / h2d_bytes_per_s
+    return touched / HOST_BYTES_PER_S + link
+
+
+def fit_seconds(areas: Sequence[float], seconds: Sequence[float]) -> tuple[float, float]:
+    """(const, per_latent_px) of a line through measured times, both >= 0: a time that fell with the area (noise in
+    tiny calibration forwards) is taken as flat."""
+    n = len(areas)
+    mean_a, mean_t = sum(areas) / n, sum(seconds) / n
+    spread = sum((a - mean_a) ** 2 for a in areas)
+    slope = max(0.0, sum((a - mean_a) * (t - mean_t) for a, t in zip(areas, seconds)) / spread) if spread else 0.0
+    return max(0.0, mean_t - slope * mean_a), slope
+
+
+@functools.lru_cache(maxsize=None)
+def _measured_h2d(device: str) -> float:
+    source = torch.empty(H2D_PROBE_BYTES, dtype=torch.uint8, pin_memory=True)
+    target = torch.empty(H2D_PROBE_BYTES, dtype=torch.uint8, device=device)
+    target.copy_(source, non_blocking=True)  # warm-up: the first copy pays for setting the path up
+    torch.cuda.synchronize(device)
+    started = time.perf_counter()
+    for _ in range(3):
+        target.copy_(source, non_blocking=True)
+    torch.cuda.synchronize(device)
+    return 3 * H2D_PROBE_BYTES / (time.perf_counter() - started)
+
+
+def h2d_bytes_per_s(device: torch.device | str) -> float | None:
+    """Pinned host->device bandwidth for `device`: measured once per process on CUDA (a 256 MiB pinned copy), None on
+    a CPU (nothing crosses), DEFAULT_H2D_BYTES_PER_S elsewhere or when measuring fails."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return None
+    if device.type != "cuda":
+        return DEFAULT_H2D_BYTES_PER_S
+    try:
+        return _measured_h2d(str(device))
+    except (RuntimeError, torch.cuda.OutOfMemoryError):
+        return DEFAULT_H2D_BYTES_PER_S
