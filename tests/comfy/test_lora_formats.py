@@ -735,7 +735,7 @@ def test_flux2_kohya_metadata_names_the_variant_as_musubi_tuner_does(comfyui, ca
 
 
 def _diffusers_transformer_of(family: str, model):
-    """diffusers' own transformer class for a tiny zimage / qwen_image model, in its shape, carrying the tiny model's
+    """diffusers' own transformer class for a tiny zimage / qwen_image / krea2 model, in its shape, carrying the tiny model's
     weights where ComfyUI's conversion maps them (its embedders too where it does). Returns (transformer, conversion:
     {diffusers key: ComfyUI key | (key, (dim, offset, size))})."""
     import comfy.utils
@@ -749,6 +749,19 @@ def _diffusers_transformer_of(family: str, model):
             cap_feat_dim=config["cap_feat_dim"], rope_theta=config["rope_theta"], axes_dims=config["axes_dims"],
             axes_lens=config["axes_lens"])
         conversion = comfy.utils.z_image_to_diffusers(config, output_prefix="diffusion_model.")
+    elif family == "krea2":
+        from diffusers import Krea2Transformer2DModel
+
+        dm = model.model.diffusion_model
+        block, text_block = dm.blocks[0], dm.txtfusion.layerwise_blocks[0]
+        transformer = Krea2Transformer2DModel(
+            in_channels=config["channels"] * config["patch"] ** 2, num_layers=config["layers"],
+            attention_head_dim=config["features"] // config["heads"], num_attention_heads=config["heads"],
+            num_key_value_heads=config["kvheads"], intermediate_size=block.mlp.gate.out_features,
+            text_hidden_dim=config["txtdim"], num_text_layers=config["txtlayers"],
+            text_num_attention_heads=config["txtheads"], text_num_key_value_heads=config["txtkvheads"],
+            text_intermediate_size=text_block.mlp.gate.out_features)
+        conversion = comfy.utils.krea2_to_diffusers(config, output_prefix="diffusion_model.")
     else:  # ComfyUI's Qwen-Image module paths are diffusers' names
         transformer = QwenImageTransformer2DModel(
             in_channels=config["in_channels"], out_channels=config["out_channels"], num_layers=config["num_layers"],
@@ -767,7 +780,7 @@ def _diffusers_transformer_of(family: str, model):
     return transformer.eval(), conversion
 
 
-@pytest.mark.parametrize("family", ["zimage", "qwen_image"])
+@pytest.mark.parametrize("family", ["zimage", "qwen_image", "krea2"])
 def test_new_family_diffusers_files_load_in_diffusers_with_comfyuis_weights(comfyui, family, caplog):
     """Z-Image / Qwen-Image: diffusers' pipeline loader injects every layer of the diffusers-format file into the
     family's diffusers transformer (Z-Image's fused qkv as to_q / to_k / to_v) with no unmatched key, and the fused
@@ -781,7 +794,9 @@ def test_new_family_diffusers_files_load_in_diffusers_with_comfyuis_weights(comf
     diffusers_name = _save(run, f"{family}_lora_diffusers_loader", "diffusers")
     names = lora_formats.diffusers_names(model, run.adapters.layers, family)
     from_comfy, _ = _stock_loader_weights(model, clip, comfy_name, caplog)
-    pipeline = ZImagePipeline if family == "zimage" else QwenImagePipeline
+    from diffusers import Krea2Pipeline
+
+    pipeline = {"zimage": ZImagePipeline, "qwen_image": QwenImagePipeline, "krea2": Krea2Pipeline}[family]
     with torch.inference_mode(False), torch.no_grad():
         transformer, conversion = _diffusers_transformer_of(family, model)
         layers = _load_with_diffusers(transformer, pipeline, folder_paths.get_full_path_or_raise("loras", diffusers_name),
