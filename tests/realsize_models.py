@@ -206,6 +206,15 @@ ARCHITECTURES["ltx2"] = {
     "unet_config": {"image_model": "ltxav", "num_layers": 48, "attention_head_dim": 128, "cross_attention_dim": 4096,
                     "use_keyframes_abs_pos_embedding": False},
 }
+ARCHITECTURES["krea2"] = {
+    # Krea 2 as comfy/model_detection.py derives it from the released file: 6144 wide (first.weight), 48 heads and 12
+    # KV heads of 128 (its detection's fixed head width), 28 blocks, patch 2, 16 channels, a 12-layer text stack of
+    # Qwen3-VL-4B's 2560 (txtfusion.projector / prenorm); the text-fusion heads are the class default (20 of 128).
+    # `layers` sets the depth (28). 12.8 B at full depth.
+    "text_tokens": 128, "text_encoder": "krea2", "latent_channels": 16, "vae": "wan21", "depth": 28,
+    "unet_config": {"image_model": "krea2", "features": 6144, "channels": 16, "patch": 2, "layers": 28, "heads": 48,
+                    "kvheads": 12, "txtlayers": 12, "txtdim": 2560},
+}
 T5XXL_LAYERS = 24  # the released T5-XXL encoder
 
 
@@ -220,6 +229,8 @@ def unet_config(name: str, depth=None) -> dict:
         config["num_blocks"] = int(depth)
     elif name == "zimage":
         config["n_layers"] = int(depth)
+    elif name == "krea2":
+        config["layers"] = int(depth)
     elif name in ("qwen_image", "ltx2") or name.startswith("wan21_"):
         config["num_layers"] = int(depth)
     elif name in ("flux_dev", "chroma", "hunyuan_image_21", "hunyuan_video15") or name.startswith("flux2_"):
@@ -311,9 +322,40 @@ def clip_target(text_encoder: str):
     if text_encoder == "flux":
         return comfy.supported_models_base.ClipTarget(comfy.text_encoders.flux.FluxTokenizer,
                                                       comfy.text_encoders.flux.flux_clip())
-    if text_encoder in ("zimage", "qwen_image"):  # Qwen3-4B / Qwen2.5-VL-7B (with its vision tower, fixed size)
+    if text_encoder in ("zimage", "qwen_image", "krea2"):  # Qwen3-4B / Qwen2.5-VL-7B (with its vision tower, fixed
+        # size) / Qwen3-VL-4B (Krea 2's 12-layer tap)
         return comfy.model_detection.model_config_from_unet_config(unet_config(text_encoder)).clip_target()
-    raise ValueError(f"unknown text encoder family {text_encoder!r}: sdxl, sd3, flux, zimage or qwen_image")
+    raise ValueError(f"unknown text encoder family {text_encoder!r}: sdxl, sd3, flux, zimage, qwen_image or krea2")
+
+
+def _krea2_few_layers_clip_model(layers: int):
+    """ComfyUI's Krea 2 Qwen3-VL text model at real width with `layers` layers (given through its `qwen3vl_4b_class`
+    model option). Krea 2 taps 12 hidden states up to layer 35; with fewer layers the model taps every hidden state
+    it has (layers + 1) and repeats them to 12, so its conditioning keeps the real shape (seq, 12 x 2560) that the DiT
+    unpacks. The vision tower (1024 wide, 24 blocks, which ComfyUI builds at that size whatever the config) is built
+    small: it encodes only images given to the text-encode node, which no caption here is."""
+    import comfy.text_encoders.krea2
+    import comfy.text_encoders.qwen3vl
+
+    taps = len(comfy.text_encoders.krea2.KREA2_TAP_LAYERS)
+
+    class FewLayers(comfy.text_encoders.krea2.Krea2Qwen3VLClipModel):
+        def __init__(self, device="cpu", dtype=None, model_options={}, **kwargs):
+            super().__init__(device=device, dtype=dtype, model_options=model_options, **kwargs)
+            self.layer = list(range(layers + 1))
+            self.options_default = (self.layer, *self.options_default[1:])  # what reset_clip_options restores
+            config = {**comfy.text_encoders.qwen3vl.QWEN3VL_VISION_COMMON, "hidden_size": 32, "num_heads": 2,
+                      "intermediate_size": 64, "depth": 1, "deepstack_visual_indexes": [0],
+                      "out_hidden_size": self.transformer.model.config.hidden_size}
+            self.transformer.visual = comfy.text_encoders.qwen3vl.Qwen3VLVisionModel(
+                config, device=device, dtype=dtype, ops=self.operations)
+
+        def forward(self, tokens):
+            z, *rest = super().forward(tokens)  # z: [B, layers + 1, seq, 2560]
+            z = z.repeat(1, -(-taps // z.shape[1]), 1, 1)[:, :taps]
+            return (z, *rest)
+
+    return FewLayers
 
 
 def build_clip(text_encoder: str, t5_layers: int = T5XXL_LAYERS, seed: int = 1, dtype: torch.dtype | None = None,
@@ -324,7 +366,10 @@ def build_clip(text_encoder: str, t5_layers: int = T5XXL_LAYERS, seed: int = 1, 
 
     options = {"t5xxl_model_config": {"num_layers": int(t5_layers), "num_decoder_layers": int(t5_layers)},
                "qwen3_4b_model_config": {"num_hidden_layers": int(t5_layers)},
-               "qwen25_7b_model_config": {"num_hidden_layers": int(t5_layers)}}
+               "qwen25_7b_model_config": {"num_hidden_layers": int(t5_layers)},
+               "qwen3vl_4b_model_config": {"num_hidden_layers": int(t5_layers)}}
+    if text_encoder == "krea2" and int(t5_layers) < 36:
+        options["qwen3vl_4b_class"] = _krea2_few_layers_clip_model(int(t5_layers))
     if dtype is not None:
         options["dtype"] = dtype
     clip = comfy.sd.CLIP(clip_target(text_encoder), parameters=0, model_options=options, disable_dynamic=disable_dynamic)

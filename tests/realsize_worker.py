@@ -56,6 +56,9 @@ CASES = {
     # (Qwen-Image reads the last).
     "zimage": Case("zimage", 1, 3, None),
     "qwen_image": Case("qwen_image", 2, 1, None),
+    # Krea 2: real width (6144, 48 + 12 KV heads of 128; text fusion at 2560), one of its 28 blocks; Qwen3-VL-4B at real
+    # width with 1 layer, its 12 taps repeated from the 2 hidden states it has (tests/realsize_models.py).
+    "krea2": Case("krea2", 1, 1, None),
 }
 
 
@@ -262,7 +265,8 @@ def run_case(name: str, size: int, steps: int, checkpointing: bool, planner_esti
 
 # The diffusers pipeline whose lora_state_dict reads each family's files (SD3 has no kohya reader in diffusers).
 _DIFFUSERS_PIPELINES = {"sdxl": "StableDiffusionXLPipeline", "flux_dev": "FluxPipeline", "sd35_large": "StableDiffusion3Pipeline",
-                        "zimage": "ZImagePipeline", "qwen_image": "QwenImagePipeline"}
+                        "zimage": "ZImagePipeline", "qwen_image": "QwenImagePipeline",
+                        "krea2": "Krea2Pipeline"}
 
 
 def _other_format(run, model, clip, file_format: str, case: str) -> dict:
@@ -283,7 +287,8 @@ def _other_format(run, model, clip, file_format: str, case: str) -> dict:
     result = {"file": name, "patched_weights": len(lora_model.patches),
               "not_loaded": [m for m in capture.messages if "lora key not loaded" in m]}
     del lora_model
-    if not (file_format == "kohya" and case == "sd35_large"):
+    # diffusers has no kohya reader for SD3, nor for Krea 2 (its Krea 2 loader converts "diffusion_model." keys only).
+    if not (file_format == "kohya" and case in ("sd35_large", "krea2")):
         pipeline = getattr(diffusers, _DIFFUSERS_PIPELINES[case])
         state = pipeline.lora_state_dict(folder_paths.get_full_path("loras", name))
         state = state[0] if isinstance(state, tuple) else state

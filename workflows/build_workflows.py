@@ -727,6 +727,28 @@ def zimage_lora() -> Workflow:
         sampling={"sample_steps": 30, "cfg": 4.0, "sampler_name": "euler", "scheduler": "simple", "width": 1024, "height": 1024},
     ))
 
+
+def krea2_lora() -> Workflow:
+    # Krea 2 (12.8 B single-stream DiT, Qwen3-VL-4B text encoder, the Wan 2.1 VAE of Qwen-Image): train Raw, the
+    # undistilled model (Turbo is distilled for few-step sampling without CFG and loses that when trained directly);
+    # its one-frame video latents are handled as images throughout.
+    return real_model_lora(RealModel(
+        "krea2_lora", "Krea 2",
+        [Node(1, "UNETLoader", 0, {"unet_name": "krea2_raw_bf16.safetensors"}, title="Load diffusion model"),
+         Node(2, "CLIPLoader", 0, {"clip_name": "qwen3vl_4b_bf16.safetensors", "type": "krea2"},
+              title="Load text encoder"),
+         Node(3, "VAELoader", 0, {"vae_name": "qwen_image_vae.safetensors"}, title="Load VAE")],
+        (1, "MODEL"), (2, "CLIP"), (3, "VAE"),
+        "- krea2_raw_bf16.safetensors (Krea 2 Raw, not Turbo) -> models/diffusion_models/\n"
+        "- qwen3vl_4b_bf16.safetensors -> models/text_encoders/\n"
+        "- qwen_image_vae.safetensors (the Wan 2.1 VAE) -> models/vae/\n"
+        "(Comfy-Org's Krea 2 repackage on Hugging Face; bucket sides are multiples of 16: VAE 8x, patch 2)",
+        resolution=1024, bucket_step=16, rank=16, optimizer="AdamW8bit", learning_rate=1e-4, precision="bf16",
+        timestep_sampling="shifted", policy=policy("partial", "blocks"),
+        sampling={"sample_steps": 30, "cfg": 3.5, "sampler_name": "euler", "scheduler": "simple", "width": 1024, "height": 1024},
+    ))
+
+
 WAN21_NOTE = """Wan 2.1 text-to-video LoRA (1.3B; the 14B and Wan 2.2 A14B's experts load and train the same way) with cached clip latents and text, validation clips and a memory report.
 
 Download (file -> ComfyUI folder):
@@ -985,6 +1007,7 @@ def flux_kontext_lora() -> Workflow:
 
 
 WORKFLOWS = [tiny_lora, your_folder_lora, sd15_lora, sd15_full_finetune, sdxl_lora, sd35_lora, sd35_full_finetune, flux_lora, flux2_klein_lora, qwen_image_lora, zimage_lora,
+             krea2_lora,
              qwen_image_edit_lora, flux_kontext_lora, wan21_lora, hunyuan_video15_lora, ltx2_lora,
              tiny_controlnet, sd15_controlnet,
              memory_plan]

@@ -72,11 +72,13 @@ def expected_cond_dims(model: comfy.model_base.BaseModel) -> dict[str, int]:
     dims = {}
     # Lumina 2 / Z-Image: cap_feat_dim. Qwen-Image: joint_attention_dim, which its detection leaves to the class
     # default (3584, Qwen2.5-VL-7B's width); neither has a pooled vector.
-    # Wan: text_dim, also left to the class default (4096, UMT5-XXL's).
+    # Wan: text_dim, also left to the class default (4096, UMT5-XXL's). Krea 2: a stack of txtlayers encoder layers
+    # of txtdim each, flattened into one vector per token.
     context = (config.get("context_dim") or config.get("context_in_dim") or config.get("cap_feat_dim")
                or _constructor_value(model.diffusion_model, config, "joint_attention_dim")
                or _constructor_value(model.diffusion_model, config, "text_dim")
-               or _ltx2_text_width(model.diffusion_model, config))
+               or _ltx2_text_width(model.diffusion_model, config)
+               or _layer_stack_width(model.diffusion_model, config))
     if context is None and isinstance(config.get("context_embedder_config"), dict):
         context = config["context_embedder_config"].get("params", {}).get("in_features")
     if context:
@@ -94,6 +96,14 @@ def _ltx2_text_width(module: torch.nn.Module, config: dict) -> int | None:
     if _constructor_value(module, config, "caption_proj_before_connector") is not False:
         return None
     return _constructor_value(module, config, "caption_channels")
+
+
+def _layer_stack_width(module: torch.nn.Module, config: dict) -> int | None:
+    """The text width of a model conditioned on several encoder layers flattened per token (Krea 2: txtlayers x
+    txtdim, which its txtfusion adapter unpacks), or None."""
+    layers = _constructor_value(module, config, "txtlayers")
+    width = _constructor_value(module, config, "txtdim")
+    return int(layers) * int(width) if layers and width else None
 
 
 def _constructor_value(module: torch.nn.Module, config: dict, name: str):

@@ -201,7 +201,7 @@ def test_family_presets_pick_the_documented_layers(comfyui):
 
     picked = {}
     for family in ("sd15", "sd2", "sdxl", "sd3", "flux", "flux2", "chroma", "zimage", "qwen_image",
-                   "hidream", "hunyuan_image", "wan21", "hunyuan_video15", "ltx2"):
+                   "hidream", "hunyuan_image", "krea2", "wan21", "hunyuan_video15", "ltx2"):
         model = build_tiny_model_patcher(family, 0).model
         assert model_family(model) == family
         blocks = [n for n, _ in model_blocks(model.diffusion_model)]
@@ -268,3 +268,12 @@ def test_family_presets_pick_the_documented_layers(comfyui):
     # HunyuanImage 2.1: Flux's block layers; the text refiner, the byT5 mapper and the modulation stay frozen.
     assert {p.split(".", 2)[2] for p in picked["hunyuan_image"]} == {p.split(".", 2)[2] for p in picked["flux"]}
     assert len(picked["hunyuan_image"]) == 8 + 2
+    # Krea 2: every Linear of the main blocks (attention with its gate, SwiGLU MLP); the embedders, the text-fusion
+    # blocks and the final layer stay frozen. Its blocks have no modulation Linear, so all_linear picks the same.
+    assert {p.split(".", 2)[0] for p in picked["krea2"]} == {"blocks"}
+    assert sorted({p.split(".", 2)[2] for p in picked["krea2"]}) == [
+        "attn.gate", "attn.wk", "attn.wo", "attn.wq", "attn.wv", "mlp.down", "mlp.gate", "mlp.up"]
+    assert len(picked["krea2"]) == 8 * 2
+    krea2 = build_tiny_model_patcher("krea2", 0).model.diffusion_model
+    assert select_targets(krea2, families.lora_preset("krea2"), AdapterConfig(targets="all_linear"),
+                          [n for n, _ in model_blocks(krea2)]) == picked["krea2"]

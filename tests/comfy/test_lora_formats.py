@@ -47,7 +47,7 @@ def _patched_weights(lora_model) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("family,kind", [("sd15", "lora"), ("sd15", "loha"), ("sd15", "dora"), ("sd15", "oft"),
                                          ("sd3", "lora"), ("flux", "lora"), ("flux", "lokr"), ("zimage", "lora"),
                                          ("qwen_image", "lora"), ("sd2", "lora"), ("sdxl", "lora"), ("chroma", "lora"),
-                                         ("hidream", "lora"), ("hunyuan_image", "lora"),
+                                         ("hidream", "lora"), ("hunyuan_image", "lora"), ("krea2", "lora"),
                                          ("wan21", "lora"), ("hunyuan_video15", "lora"), ("ltx2", "lora")])
 def test_kohya_file_is_the_same_lora_for_the_stock_loader(comfyui, family, kind, caplog):
     import nodes
@@ -66,6 +66,8 @@ def test_kohya_file_is_the_same_lora_for_the_stock_loader(comfyui, family, kind,
     if family == "ltx2":  # the module paths, as ComfyUI's map for LTX-2 reads them
         assert "lora_unet_transformer_blocks_0_attn1_to_q.lora_down.weight" in keys
         assert "lora_unet_transformer_blocks_1_ff_net_0_proj.alpha" in keys and not any("audio" in k for k in keys)
+    if family == "krea2":  # the module paths (musubi-tuner's Krea 2 names: its LoRA wraps the DiT's own modules)
+        assert "lora_unet_blocks_0_attn_wq.lora_down.weight" in keys and "lora_unet_blocks_1_mlp_down.alpha" in keys
     if family == "wan21":  # musubi-tuner's Wan names
         assert "lora_unet_blocks_0_self_attn_q.lora_down.weight" in keys and "lora_unet_blocks_1_ffn_2.alpha" in keys
     assert metadata["ss_network_dim"] == "4" and float(metadata["ss_network_alpha"]) == 4.0
@@ -73,7 +75,7 @@ def test_kohya_file_is_the_same_lora_for_the_stock_loader(comfyui, family, kind,
     assert metadata.get("ss_base_model_version") == {"sd15": "sd_v1", "sd3": "sd3", "flux": "flux1", "zimage": "z_image",
                                                  "qwen_image": "qwen_image", "sd2": "sd_v2_v", "sdxl": "sdxl_base_v1-0",
                                                  "chroma": "chroma", "hidream": "hidream_i1",
-                                                 "hunyuan_image": "hunyuan_image_2_1", "wan21": "wan",
+                                                 "hunyuan_image": "hunyuan_image_2_1", "krea2": "krea2", "wan21": "wan",
                                                  "hunyuan_video15": "hunyuan_video_1_5",
                                                  "ltx2": None}[family]  # no sd-scripts base model name for LTX-2
     if family == "sd2":  # the tiny SD2 is v-prediction (SD2.1-768-v): what sd-scripts writes with --v2 --v_parameterization
@@ -268,7 +270,7 @@ def _diffusers_file_checks(name: str, component: str, layer_count: int, rank: in
                                             ("sd15", {"targets": "all_linear", "include_conv": True}),
                                             ("sd3", {"targets": "all_linear"}), ("flux", {"targets": "all_linear"}),
                                             ("zimage", {}), ("qwen_image", {}),
-                                            ("hidream", {})])
+                                            ("hidream", {}), ("krea2", {})])
 def test_diffusers_file_is_the_same_lora_for_the_stock_loader(comfyui, family, targets, caplog):
     from headroom.nodes.bridge import lora_formats
 
@@ -288,6 +290,11 @@ def test_diffusers_file_is_the_same_lora_for_the_stock_loader(comfyui, family, t
     elif family in ("qwen_image", "hidream"):  # ComfyUI's module paths are diffusers' transformer class's names
         assert ("transformer.transformer_blocks.0.img_mlp.net.0.proj.lora_A.weight" in keys if family == "qwen_image"
                 else "transformer.double_stream_blocks.0.block.attn1.to_q.lora_A.weight" in keys)
+        assert layer_count == len(run.adapters.layers)
+    elif family == "krea2":  # diffusers' Krea2Transformer2DModel names (comfy.utils.krea2_to_diffusers)
+        assert "transformer.transformer_blocks.0.attn.to_q.lora_A.weight" in keys
+        assert "transformer.transformer_blocks.0.attn.to_out.0.lora_B.weight" in keys
+        assert "transformer.transformer_blocks.1.ff.down.lora_A.weight" in keys
         assert layer_count == len(run.adapters.layers)
     else:  # PEFT names; the fused qkv weights are split into diffusers' separate layers
         assert any(k.endswith("transformer_blocks.0.attn.to_q.lora_A.weight") for k in keys)
@@ -728,7 +735,7 @@ def test_flux2_kohya_metadata_names_the_variant_as_musubi_tuner_does(comfyui, ca
 
 
 def _diffusers_transformer_of(family: str, model):
-    """diffusers' own transformer class for a tiny zimage / qwen_image model, in its shape, carrying the tiny model's
+    """diffusers' own transformer class for a tiny zimage / qwen_image / krea2 model, in its shape, carrying the tiny model's
     weights where ComfyUI's conversion maps them (its embedders too where it does). Returns (transformer, conversion:
     {diffusers key: ComfyUI key | (key, (dim, offset, size))})."""
     import comfy.utils
@@ -742,6 +749,19 @@ def _diffusers_transformer_of(family: str, model):
             cap_feat_dim=config["cap_feat_dim"], rope_theta=config["rope_theta"], axes_dims=config["axes_dims"],
             axes_lens=config["axes_lens"])
         conversion = comfy.utils.z_image_to_diffusers(config, output_prefix="diffusion_model.")
+    elif family == "krea2":
+        from diffusers import Krea2Transformer2DModel
+
+        dm = model.model.diffusion_model
+        block, text_block = dm.blocks[0], dm.txtfusion.layerwise_blocks[0]
+        transformer = Krea2Transformer2DModel(
+            in_channels=config["channels"] * config["patch"] ** 2, num_layers=config["layers"],
+            attention_head_dim=config["features"] // config["heads"], num_attention_heads=config["heads"],
+            num_key_value_heads=config["kvheads"], intermediate_size=block.mlp.gate.out_features,
+            text_hidden_dim=config["txtdim"], num_text_layers=config["txtlayers"],
+            text_num_attention_heads=config["txtheads"], text_num_key_value_heads=config["txtkvheads"],
+            text_intermediate_size=text_block.mlp.gate.out_features)
+        conversion = comfy.utils.krea2_to_diffusers(config, output_prefix="diffusion_model.")
     else:  # ComfyUI's Qwen-Image module paths are diffusers' names
         transformer = QwenImageTransformer2DModel(
             in_channels=config["in_channels"], out_channels=config["out_channels"], num_layers=config["num_layers"],
@@ -760,7 +780,7 @@ def _diffusers_transformer_of(family: str, model):
     return transformer.eval(), conversion
 
 
-@pytest.mark.parametrize("family", ["zimage", "qwen_image"])
+@pytest.mark.parametrize("family", ["zimage", "qwen_image", "krea2"])
 def test_new_family_diffusers_files_load_in_diffusers_with_comfyuis_weights(comfyui, family, caplog):
     """Z-Image / Qwen-Image: diffusers' pipeline loader injects every layer of the diffusers-format file into the
     family's diffusers transformer (Z-Image's fused qkv as to_q / to_k / to_v) with no unmatched key, and the fused
@@ -774,7 +794,9 @@ def test_new_family_diffusers_files_load_in_diffusers_with_comfyuis_weights(comf
     diffusers_name = _save(run, f"{family}_lora_diffusers_loader", "diffusers")
     names = lora_formats.diffusers_names(model, run.adapters.layers, family)
     from_comfy, _ = _stock_loader_weights(model, clip, comfy_name, caplog)
-    pipeline = ZImagePipeline if family == "zimage" else QwenImagePipeline
+    from diffusers import Krea2Pipeline
+
+    pipeline = {"zimage": ZImagePipeline, "qwen_image": QwenImagePipeline, "krea2": Krea2Pipeline}[family]
     with torch.inference_mode(False), torch.no_grad():
         transformer, conversion = _diffusers_transformer_of(family, model)
         layers = _load_with_diffusers(transformer, pipeline, folder_paths.get_full_path_or_raise("loras", diffusers_name),

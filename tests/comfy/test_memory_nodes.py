@@ -9,7 +9,7 @@ import torch
 
 pytestmark = pytest.mark.comfyui
 FAMILIES = ["sd15", "sd2", "sdxl", "sd3", "flux", "flux2", "chroma", "zimage", "qwen_image", "hidream", "hunyuan_image",
-            "ltx2"]
+            "krea2", "ltx2"]
 
 
 def _policy(**overrides):

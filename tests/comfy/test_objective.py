@@ -146,7 +146,8 @@ def test_step_seeds_differ_per_step_and_salt():
 
 
 @pytest.mark.comfyui
-@pytest.mark.parametrize("family", ["sd15", "sd2", "sdxl", "sd3", "flux", "flux2", "chroma", "zimage", "qwen_image"])
+@pytest.mark.parametrize("family", ["sd15", "sd2", "sdxl", "sd3", "flux", "flux2", "chroma", "zimage", "qwen_image",
+                                    "krea2"])
 def test_descriptor_from_comfyui_model_sampling(comfyui, family):
     from headroom.nodes.bridge.comfy_model import sampling_descriptor
     from headroom.nodes.bridge.tiny_models import build_tiny_model_patcher

@@ -70,6 +70,9 @@ CASES = [
     # 3072 wide, 2 blocks (at 1 the weights are so small that the training step's fp32 casts of the 56 M-entry
     # modulation weights alone come near the "second copy" bound); Qwen2.5-VL-7B at real width, 1 layer; Wan 2.1 VAE
     ("qwen_image", [], 720_185_920),
+    # 6144 wide, 1 of 28 blocks (+ the text-fusion blocks at 2560); Qwen3-VL-4B at real width, 1 layer; Wan 2.1 VAE;
+    # the planner's estimate against the measured phases (its block structure measured at real width)
+    ("krea2", ["--planner"], 1_097_756_492),
 ]
 
 
@@ -187,7 +190,7 @@ def test_flux2_lora_keys_map_at_real_width_and_full_depth(case, args, full, redu
 
 # The released depths (tests/realsize_models.py ARCHITECTURES) of the families whose real-size case is reduced to one
 # block: (the LoRA modules the preset picks per block).
-FULL_DEPTH = {"zimage": ("zimage", 5), "qwen_image": ("qwen_image", 12)}
+FULL_DEPTH = {"zimage": ("zimage", 5), "qwen_image": ("qwen_image", 12), "krea2": ("krea2", 8)}
 
 
 @pytest.mark.parametrize("arch", list(FULL_DEPTH))
