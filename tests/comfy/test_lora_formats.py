@@ -340,7 +340,7 @@ def test_diffusers_format_refuses_a_family_comfyui_maps_no_diffusers_names_for(c
 
     model, clip, vae, latents, texts = _data("hunyuan_image")
     run = _init(model, latents, texts, "formats_diffusers_hunyuan_image", rank=4)
-    with pytest.raises(ValueError, match=r"the diffusers format covers sd15, .*qwen_image, hidream models, not family "
+    with pytest.raises(ValueError, match=r"the diffusers format covers sd15, .*qwen_image, hidream, krea2 models, not family "
                                          r"hunyuan_image .*save in the comfyui or kohya format"):
         T.HeadroomSaveLora.execute(run, "formats", "refused_hunyuan_image", "fp32", "diffusers")
     assert not any("refused_hunyuan_image" in k for k in _lora_names())
