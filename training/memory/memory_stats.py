@@ -135,7 +135,12 @@ _CUDA_FIELDS = {"peak_allocated_bytes": _is_count, "peak_reserved_bytes": _is_co
 def check_phase(record: dict, where: str) -> None:
     """One phase record read back (from a file or pasted JSON): exactly the fields `phase` writes, each of its type
     and range (finite, non-negative), or a ValueError naming the field."""
-    fields = {**_PHASE_FIELDS, **(_CUDA_FIELDS if record.get("cuda") is True else {})}
+    _check_exact_fields(record, {**_PHASE_FIELDS, **(_CUDA_FIELDS if record.get("cuda") is True else {})}, where)
+    _checked_device(record["device"], where)
+
+
+def _check_exact_fields(record: dict, fields: dict, where: str) -> None:
+    """`record` has exactly `fields` (name -> check), each valid, or a ValueError naming the field."""
     unknown = sorted(str(key)[:40] for key in record if key not in fields)
     if unknown:
         raise ValueError(f"{where}: unknown field(s) {', '.join(unknown)}")
@@ -144,7 +149,6 @@ def check_phase(record: dict, where: str) -> None:
             raise ValueError(f"{where}: field {name!r} is missing")
         if not valid(record[name]):
             raise ValueError(f"{where}: field {name!r} = {str(record[name])[:40]!r} is not valid")
-    _checked_device(record["device"], where)
 
 
 # Every field a warning has (training/memory/fallback.py's Finding.as_dict), with its check.
@@ -186,14 +190,7 @@ def check_step_time(record, where: str) -> None:
     """The step time read back: an object of exactly its fields, each finite and > 0 (or null), or a ValueError."""
     if not isinstance(record, dict):
         raise ValueError(f"{where}: must be an object")
-    unknown = sorted(str(key)[:40] for key in record if key not in _STEP_TIME_FIELDS)
-    if unknown:
-        raise ValueError(f"{where}: unknown field(s) {', '.join(unknown)}")
-    for name, valid in _STEP_TIME_FIELDS.items():
-        if name not in record:
-            raise ValueError(f"{where}: field {name!r} is missing")
-        if not valid(record[name]):
-            raise ValueError(f"{where}: field {name!r} = {str(record[name])[:40]!r} is not valid")
+    _check_exact_fields(record, _STEP_TIME_FIELDS, where)
 
 
 def step_time_line(step_time: dict) -> str:
