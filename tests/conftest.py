@@ -90,6 +90,21 @@ def worker_scope(nodeid: str) -> str:
     return SHARED_WORKER_FOLDERS.get(folder, path)
 
 
+# The two long shared scopes go out first, one to each worker (longest first): the realsize tier (~25 min on the quiet
+# 2-core box) and the server + browser tests (~12 min); every other file then goes to whichever worker is free. xdist's
+# own order (most tests first) dealt both to one worker, which ran ~20 min after the other had finished.
+LONG_SCOPES_FIRST = ("realsize", "server")
+
+
+def _scope_rank(nodeid: str) -> int:
+    scope = worker_scope(nodeid)
+    return LONG_SCOPES_FIRST.index(scope) if scope in LONG_SCOPES_FIRST else len(LONG_SCOPES_FIRST)
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: _scope_rank(item.nodeid))  # stable: each file keeps its order
+
+
 @pytest.hookimpl(tryfirst=True, optionalhook=True)  # before xdist's own choice; only exists with xdist installed
 def pytest_xdist_make_scheduler(config, log):
     if config.getvalue("dist") != "loadfile":
@@ -97,6 +112,10 @@ def pytest_xdist_make_scheduler(config, log):
     from xdist.scheduler import LoadScopeScheduling
 
     class ByFileAndTier(LoadScopeScheduling):
+        def __init__(self, config, log=None):
+            super().__init__(config, log)
+            config.option.loadscopereorder = False  # the collection order above (long scopes first) is the order
+
         def _split_scope(self, nodeid: str) -> str:
             return worker_scope(nodeid)
 
