@@ -106,7 +106,7 @@ ARCHITECTURES.update({
     # comfy/model_detection derives from the released checkpoints (checked there: detect_unet_config of the
     # full-depth model's keys gives it back).
     "sd15": {  # model_detection's SD15: SD2.1's layout with CLIP-L's 768-wide context, 8 heads, conv projections
-        "text_tokens": 77, "text_encoder": None, "latent_channels": 4, "depth": None,
+        "text_tokens": 77, "text_encoder": "sd15", "latent_channels": 4, "depth": None,
         "unet_config": {
             "use_checkpoint": False, "image_size": 32, "out_channels": 4, "use_spatial_transformer": True,
             "legacy": False, "adm_in_channels": None, "in_channels": 4, "model_channels": 320,
@@ -306,7 +306,7 @@ def _model_patcher(name, depth=None, seed=0, dtype=torch.bfloat16, disable_dynam
 
 
 def clip_target(text_encoder: str):
-    """ComfyUI's ClipTarget (tokenizer + text-encoder class) of a family: sdxl (CLIP-L + CLIP-G), sd3 (CLIP-L +
+    """ComfyUI's ClipTarget (tokenizer + text-encoder class) of a family: sd15 (CLIP-L), sdxl (CLIP-L + CLIP-G), sd3 (CLIP-L +
     CLIP-G + T5-XXL), flux (CLIP-L + T5-XXL)."""
     import comfy.model_detection
     import comfy.supported_models
@@ -316,6 +316,8 @@ def clip_target(text_encoder: str):
 
     if text_encoder == "sdxl":
         return comfy.supported_models.SDXL(unet_config("sdxl")).clip_target()
+    if text_encoder == "sd15":  # CLIP-L
+        return comfy.supported_models.SD15(unet_config("sd15")).clip_target()
     if text_encoder == "sd3":
         return comfy.supported_models_base.ClipTarget(
             comfy.text_encoders.sd3_clip.SD3Tokenizer, comfy.text_encoders.sd3_clip.sd3_clip(clip_l=True, clip_g=True, t5=True))
@@ -325,7 +327,7 @@ def clip_target(text_encoder: str):
     if text_encoder in ("zimage", "qwen_image", "krea2"):  # Qwen3-4B / Qwen2.5-VL-7B (with its vision tower, fixed
         # size) / Qwen3-VL-4B (Krea 2's 12-layer tap)
         return comfy.model_detection.model_config_from_unet_config(unet_config(text_encoder)).clip_target()
-    raise ValueError(f"unknown text encoder family {text_encoder!r}: sdxl, sd3, flux, zimage, qwen_image or krea2")
+    raise ValueError(f"unknown text encoder family {text_encoder!r}: sd15, sdxl, sd3, flux, zimage, qwen_image or krea2")
 
 
 def _krea2_few_layers_clip_model(layers: int):
