@@ -73,10 +73,12 @@ def expected_cond_dims(model: comfy.model_base.BaseModel) -> dict[str, int]:
     # Lumina 2 / Z-Image: cap_feat_dim. Qwen-Image: joint_attention_dim, which its detection leaves to the class
     # default (3584, Qwen2.5-VL-7B's width); neither has a pooled vector.
     # Wan: text_dim, also left to the class default (4096, UMT5-XXL's). Krea 2: a stack of txtlayers encoder layers
-    # of txtdim each, flattened into one vector per token.
+    # of txtdim each, flattened into one vector per token. Ideogram 4: llm_features_dim (13 Qwen3-VL-8B layers of 4096
+    # side by side), set by its config's unet_extra_config.
     context = (config.get("context_dim") or config.get("context_in_dim") or config.get("cap_feat_dim")
                or _constructor_value(model.diffusion_model, config, "joint_attention_dim")
                or _constructor_value(model.diffusion_model, config, "text_dim")
+               or config.get("llm_features_dim")
                or _ltx2_text_width(model.diffusion_model, config)
                or _layer_stack_width(model.diffusion_model, config))
     if context is None and isinstance(config.get("context_embedder_config"), dict):
