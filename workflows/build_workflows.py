@@ -751,9 +751,10 @@ def krea2_lora() -> Workflow:
 
 def ideogram4_lora() -> Workflow:
     # Ideogram 4 (9.3 B single-stream DiT, Qwen3-VL-8B text encoder tapped at 13 layers, the Flux.2 VAE): released in
-    # fp8 only (Comfy-Org's repackage: ideogram4_fp8_scaled); the LoRA trains the conditional model. Its asymmetric
-    # CFG runs a second, unconditional model (ideogram4_unconditional_*), which validation here does not load: it
-    # samples without CFG. Timesteps logit-normal: its flow shift is 1.0 (where "shifted" is uniform) and its own
+    # fp8 only (Comfy-Org's repackage: ideogram4_fp8_scaled), whose layers ComfyUI builds as quantized mixed-precision
+    # ops, which Init refuses (nodes/bridge/comfy_model.check_trainable): the Note says to load a bf16 copy. The LoRA
+    # trains the conditional model. Its asymmetric CFG runs a second, unconditional model (ideogram4_unconditional_*),
+    # which validation here does not load: it samples without CFG. Timesteps logit-normal: its flow shift is 1.0 (where "shifted" is uniform) and its own
     # sampling schedule (comfy_extras/nodes_ideogram4.py Ideogram4Scheduler) is a logit-normal one. Non-commercial
     # licence.
     return real_model_lora(RealModel(
@@ -769,7 +770,10 @@ def ideogram4_lora() -> Workflow:
         "- flux2-vae.safetensors -> models/vae/\n"
         "(Comfy-Org's Ideogram 4 repackage on Hugging Face; bucket sides are multiples of 16: the Flux.2 VAE's 16x. "
         "Validation samples without CFG: Ideogram 4's CFG runs its second, unconditional model "
-        "(ideogram4_unconditional_fp8_scaled.safetensors), which sampling with the LoRA afterwards may load)",
+        "(ideogram4_unconditional_fp8_scaled.safetensors), which sampling with the LoRA afterwards may load.)\n"
+        "Headroom does not train on ComfyUI's scaled fp8 layers yet: with the fp8 file Init stops and says so. "
+        "Put a bf16 copy of the model (the fp8 file dequantized) in models/diffusion_models/ and pick it in "
+        "Load diffusion model.",
         resolution=1024, bucket_step=16, rank=16, optimizer="AdamW8bit", learning_rate=1e-4, precision="bf16",
         timestep_sampling="logit_normal", policy=policy("resident", "blocks"),
         sampling={"sample_steps": 20, "cfg": 1.0, "sampler_name": "euler", "scheduler": "simple", "width": 1024, "height": 1024},

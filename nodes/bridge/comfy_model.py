@@ -147,6 +147,20 @@ def check_trainable(model: comfy.model_base.BaseModel) -> None:
         base = getattr(comfy.model_base, untrainable, None)  # the model_base class of the same name: its subclasses too
         if _model_class(model) == untrainable or (base is not None and isinstance(model, base)):
             raise ValueError(f"this MODEL ({_model_class(model)}) cannot train a LoRA: {why}; train another model")
+    quantized = quantized_layers(model)
+    if quantized:
+        raise ValueError(
+            f"this MODEL's layers hold ComfyUI's quantized weights ({len(quantized)} layers, e.g. {quantized[0]}: a "
+            "scaled fp8 / int8 / nvfp4 file, such as Ideogram 4's ideogram4_fp8_scaled), which are not torch Linear "
+            "layers and take no adapter yet; load the model from a bf16 / fp16 / fp32 file (the Offload Policy's "
+            "base_storage fp8 / int8 / nf4 then stores it low-bit for training)")
+
+
+def quantized_layers(model: comfy.model_base.BaseModel) -> list[str]:
+    """Paths of the diffusion model's layers whose weight is ComfyUI's QuantizedTensor (comfy.ops mixed-precision
+    layers, as the stock loaders build a scaled fp8 / int8 / nvfp4 file): not torch.nn.Linear, so no target."""
+    return [path for path, module in model.diffusion_model.named_modules()
+            if type(getattr(module, "weight", None)).__name__ == "QuantizedTensor"]
 
 
 def missing_inputs_note(model: comfy.model_base.BaseModel, node: str) -> str:
