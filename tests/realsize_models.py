@@ -215,12 +215,20 @@ ARCHITECTURES["krea2"] = {
     "unet_config": {"image_model": "krea2", "features": 6144, "channels": 16, "patch": 2, "layers": 28, "heads": 48,
                     "kvheads": 12, "txtlayers": 12, "txtdim": 2560},
 }
+ARCHITECTURES["ideogram4"] = {
+    # Ideogram 4 (9.3 B) as comfy/model_detection.py derives it from the released file: 128 input channels
+    # (input_proj: Flux.2 latents) and 34 blocks (`layers`); the rest is supported_models.Ideogram4's
+    # unet_extra_config, which sets it whatever the file: 18 heads of 256 (4608 wide), FFN 12288, adaLN 512, the
+    # 13-layer Qwen3-VL-8B text stack of 4096 (53248).
+    "text_tokens": 256, "text_encoder": "ideogram4", "latent_channels": 128, "depth": 34,
+    "unet_config": {"image_model": "ideogram4", "in_channels": 128, "num_layers": 34},
+}
 T5XXL_LAYERS = 24  # the released T5-XXL encoder
 
 
 def unet_config(name: str, depth=None) -> dict:
     """The architecture's unet_config; `depth` reduces it at real width: SD3.5 joint blocks (int), Wan / LTX-2 blocks
-    (int), Flux / Chroma / HunyuanImage 2.1 / HunyuanVideo 1.5 (double blocks, single blocks), HiDream (double-, single-stream blocks). The UNets (SDXL, SD2.1) are always
+    (int; Ideogram 4: blocks), Flux / Chroma / HunyuanImage 2.1 / HunyuanVideo 1.5 (double blocks, single blocks), HiDream (double-, single-stream blocks). The UNets (SDXL, SD2.1) are always
     full size."""
     config = dict(ARCHITECTURES[name]["unet_config"])
     if depth is None:
@@ -231,7 +239,7 @@ def unet_config(name: str, depth=None) -> dict:
         config["n_layers"] = int(depth)
     elif name == "krea2":
         config["layers"] = int(depth)
-    elif name in ("qwen_image", "ltx2") or name.startswith("wan21_"):
+    elif name in ("qwen_image", "ltx2", "ideogram4") or name.startswith("wan21_"):
         config["num_layers"] = int(depth)
     elif name in ("flux_dev", "chroma", "hunyuan_image_21", "hunyuan_video15") or name.startswith("flux2_"):
         config["depth"], config["depth_single_blocks"] = (int(d) for d in depth)
@@ -324,10 +332,11 @@ def clip_target(text_encoder: str):
     if text_encoder == "flux":
         return comfy.supported_models_base.ClipTarget(comfy.text_encoders.flux.FluxTokenizer,
                                                       comfy.text_encoders.flux.flux_clip())
-    if text_encoder in ("zimage", "qwen_image", "krea2"):  # Qwen3-4B / Qwen2.5-VL-7B (with its vision tower, fixed
-        # size) / Qwen3-VL-4B (Krea 2's 12-layer tap)
+    if text_encoder in ("zimage", "qwen_image", "krea2", "ideogram4"):  # Qwen3-4B / Qwen2.5-VL-7B (with its vision
+        # tower, fixed size) / Qwen3-VL-4B (Krea 2's 12-layer tap) / Qwen3-VL-8B's language model (Ideogram 4's 13 taps)
         return comfy.model_detection.model_config_from_unet_config(unet_config(text_encoder)).clip_target()
-    raise ValueError(f"unknown text encoder family {text_encoder!r}: sd15, sdxl, sd3, flux, zimage, qwen_image or krea2")
+    raise ValueError(f"unknown text encoder family {text_encoder!r}: sd15, sdxl, sd3, flux, zimage, qwen_image, krea2 "
+                     "or ideogram4")
 
 
 def _krea2_few_layers_clip_model(layers: int):
@@ -360,6 +369,29 @@ def _krea2_few_layers_clip_model(layers: int):
     return FewLayers
 
 
+def _ideogram4_few_layers_clip_model(layers: int):
+    """ComfyUI's Ideogram 4 text model (Qwen3-VL-8B's language model, comfy/text_encoders/ideogram4.py) at real width
+    with `layers` layers (given through its `qwen3vl_8b_class` model option). Ideogram 4 taps 13 hidden states up to
+    the last layer's output (36); with fewer layers the model taps every hidden state it has (layers + 1) and repeats
+    them to 13, so its conditioning keeps the real shape (seq, 13 x 4096) that the DiT projects."""
+    import comfy.text_encoders.ideogram4
+
+    taps = len(comfy.text_encoders.ideogram4.IDEOGRAM4_TAP_LAYERS)
+
+    class FewLayers(comfy.text_encoders.ideogram4.Qwen3VL8BModel):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.layer = list(range(layers + 1))
+            self.options_default = (self.layer, *self.options_default[1:])  # what reset_clip_options restores
+
+        def forward(self, tokens):
+            z, *rest = super().forward(tokens)  # z: [B, layers + 1, seq, 4096]
+            z = z.repeat(1, -(-taps // z.shape[1]), 1, 1)[:, :taps]
+            return (z, *rest)
+
+    return FewLayers
+
+
 def build_clip(text_encoder: str, t5_layers: int = T5XXL_LAYERS, seed: int = 1, dtype: torch.dtype | None = None,
                disable_dynamic: bool = False):
     """comfy.sd.CLIP of a family at real width; T5-XXL (or the Qwen LLM encoders of zimage / qwen_image) with
@@ -369,9 +401,12 @@ def build_clip(text_encoder: str, t5_layers: int = T5XXL_LAYERS, seed: int = 1, 
     options = {"t5xxl_model_config": {"num_layers": int(t5_layers), "num_decoder_layers": int(t5_layers)},
                "qwen3_4b_model_config": {"num_hidden_layers": int(t5_layers)},
                "qwen25_7b_model_config": {"num_hidden_layers": int(t5_layers)},
-               "qwen3vl_4b_model_config": {"num_hidden_layers": int(t5_layers)}}
+               "qwen3vl_4b_model_config": {"num_hidden_layers": int(t5_layers)},
+               "qwen3vl_8b_model_config": {"num_hidden_layers": int(t5_layers)}}
     if text_encoder == "krea2" and int(t5_layers) < 36:
         options["qwen3vl_4b_class"] = _krea2_few_layers_clip_model(int(t5_layers))
+    if text_encoder == "ideogram4" and int(t5_layers) < 36:
+        options["qwen3vl_8b_class"] = _ideogram4_few_layers_clip_model(int(t5_layers))
     if dtype is not None:
         options["dtype"] = dtype
     clip = comfy.sd.CLIP(clip_target(text_encoder), parameters=0, model_options=options, disable_dynamic=disable_dynamic)

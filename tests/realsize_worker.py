@@ -59,6 +59,11 @@ CASES = {
     # Krea 2: real width (6144, 48 + 12 KV heads of 128; text fusion at 2560), one of its 28 blocks; Qwen3-VL-4B at real
     # width with 1 layer, its 12 taps repeated from the 2 hidden states it has (tests/realsize_models.py).
     "krea2": Case("krea2", 1, 1, None),
+    # Ideogram 4: real width (4608 = 18 heads of 256, FFN 12288, the 53248-wide text projection), two of its 34 blocks
+    # (at one, the fp32 cast of the 245 M-entry text projection alone is as large as all the bf16 weights: the "second
+    # copy" bound); Qwen3-VL-8B's language model at real width with 1 layer, its 13 taps repeated from the 2 hidden
+    # states it has.
+    "ideogram4": Case("ideogram4", 2, 1, None),
 }
 
 
@@ -176,6 +181,7 @@ def run_case(name: str, size: int, steps: int, checkpointing: bool, planner_esti
     import nodes
     import realsize_models as R
     from headroom.nodes import cache as cache_nodes, data as data_nodes, train_lora as T
+    from headroom.nodes.bridge import families
 
     case = CASES[name]
     torch.manual_seed(0)
@@ -234,7 +240,9 @@ def run_case(name: str, size: int, steps: int, checkpointing: bool, planner_esti
         finally:
             logging.getLogger().removeHandler(capture)
         loader_record = peak.record("stock LoraLoader")
-        formats = {fmt: _other_format(run, model, clip, fmt, name) for fmt in ("kohya", "diffusers")}
+        # Each other format the family has names in (ComfyUI maps no diffusers names for some: Ideogram 4).
+        formats = {fmt: _other_format(run, model, clip, fmt, name) for fmt in ("kohya", "diffusers")
+                   if fmt != "diffusers" or families.family_of(model.model).diffusers_component}
     # The run's own memory record (caching, training, validation, save), with init and the stock loader in order.
     recorded = json.loads(run.run_dir.memory_record_path.read_text())["phases"]
     caching = [p for p in recorded if p["phase"].startswith("caching")]
@@ -287,8 +295,9 @@ def _other_format(run, model, clip, file_format: str, case: str) -> dict:
     result = {"file": name, "patched_weights": len(lora_model.patches),
               "not_loaded": [m for m in capture.messages if "lora key not loaded" in m]}
     del lora_model
-    # diffusers has no kohya reader for SD3, nor for Krea 2 (its Krea 2 loader converts "diffusion_model." keys only).
-    if not (file_format == "kohya" and case in ("sd35_large", "krea2")):
+    # diffusers has no kohya reader for SD3, nor for Krea 2 / Ideogram 4 (their loaders convert "diffusion_model." keys
+    # only).
+    if not (file_format == "kohya" and case in ("sd35_large", "krea2", "ideogram4")):
         pipeline = getattr(diffusers, _DIFFUSERS_PIPELINES[case])
         state = pipeline.lora_state_dict(folder_paths.get_full_path("loras", name))
         state = state[0] if isinstance(state, tuple) else state

@@ -749,6 +749,37 @@ def krea2_lora() -> Workflow:
     ))
 
 
+def ideogram4_lora() -> Workflow:
+    # Ideogram 4 (9.3 B single-stream DiT, Qwen3-VL-8B text encoder tapped at 13 layers, the Flux.2 VAE): released in
+    # fp8 only (Comfy-Org's repackage: ideogram4_fp8_scaled), whose layers ComfyUI builds as quantized mixed-precision
+    # ops, which Init refuses (nodes/bridge/comfy_model.check_trainable): the Note says to load a bf16 copy. The LoRA
+    # trains the conditional model. Its asymmetric CFG runs a second, unconditional model (ideogram4_unconditional_*),
+    # which validation here does not load: it samples without CFG. Timesteps logit-normal: its flow shift is 1.0 (where "shifted" is uniform) and its own
+    # sampling schedule (comfy_extras/nodes_ideogram4.py Ideogram4Scheduler) is a logit-normal one. Non-commercial
+    # licence.
+    return real_model_lora(RealModel(
+        "ideogram4_lora", "Ideogram 4",
+        [Node(1, "UNETLoader", 0, {"unet_name": "ideogram4_fp8_scaled.safetensors"}, title="Load diffusion model"),
+         Node(2, "CLIPLoader", 0, {"clip_name": "qwen3vl_8b_fp8_scaled.safetensors", "type": "ideogram4"},
+              title="Load text encoder"),
+         Node(3, "VAELoader", 0, {"vae_name": "flux2-vae.safetensors"}, title="Load VAE")],
+        (1, "MODEL"), (2, "CLIP"), (3, "VAE"),
+        "- ideogram4_fp8_scaled.safetensors (the conditional model; Ideogram 4 is released in fp8 only) -> "
+        "models/diffusion_models/\n"
+        "- qwen3vl_8b_fp8_scaled.safetensors -> models/text_encoders/\n"
+        "- flux2-vae.safetensors -> models/vae/\n"
+        "(Comfy-Org's Ideogram 4 repackage on Hugging Face; bucket sides are multiples of 16: the Flux.2 VAE's 16x. "
+        "Validation samples without CFG: Ideogram 4's CFG runs its second, unconditional model "
+        "(ideogram4_unconditional_fp8_scaled.safetensors), which sampling with the LoRA afterwards may load.)\n"
+        "Headroom does not train on ComfyUI's scaled fp8 layers yet: with the fp8 file Init stops and says so. "
+        "Put a bf16 copy of the model (the fp8 file dequantized) in models/diffusion_models/ and pick it in "
+        "Load diffusion model.",
+        resolution=1024, bucket_step=16, rank=16, optimizer="AdamW8bit", learning_rate=1e-4, precision="bf16",
+        timestep_sampling="logit_normal", policy=policy("resident", "blocks"),
+        sampling={"sample_steps": 20, "cfg": 1.0, "sampler_name": "euler", "scheduler": "simple", "width": 1024, "height": 1024},
+    ))
+
+
 WAN21_NOTE = """Wan 2.1 text-to-video LoRA (1.3B; the 14B and Wan 2.2 A14B's experts load and train the same way) with cached clip latents and text, validation clips and a memory report.
 
 Download (file -> ComfyUI folder):
@@ -1007,7 +1038,7 @@ def flux_kontext_lora() -> Workflow:
 
 
 WORKFLOWS = [tiny_lora, your_folder_lora, sd15_lora, sd15_full_finetune, sdxl_lora, sd35_lora, sd35_full_finetune, flux_lora, flux2_klein_lora, qwen_image_lora, zimage_lora,
-             krea2_lora,
+             krea2_lora, ideogram4_lora,
              qwen_image_edit_lora, flux_kontext_lora, wan21_lora, hunyuan_video15_lora, ltx2_lora,
              tiny_controlnet, sd15_controlnet,
              memory_plan]

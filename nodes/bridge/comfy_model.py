@@ -73,10 +73,12 @@ def expected_cond_dims(model: comfy.model_base.BaseModel) -> dict[str, int]:
     # Lumina 2 / Z-Image: cap_feat_dim. Qwen-Image: joint_attention_dim, which its detection leaves to the class
     # default (3584, Qwen2.5-VL-7B's width); neither has a pooled vector.
     # Wan: text_dim, also left to the class default (4096, UMT5-XXL's). Krea 2: a stack of txtlayers encoder layers
-    # of txtdim each, flattened into one vector per token.
+    # of txtdim each, flattened into one vector per token. Ideogram 4: llm_features_dim (13 Qwen3-VL-8B layers of 4096
+    # side by side), set by its config's unet_extra_config.
     context = (config.get("context_dim") or config.get("context_in_dim") or config.get("cap_feat_dim")
                or _constructor_value(model.diffusion_model, config, "joint_attention_dim")
                or _constructor_value(model.diffusion_model, config, "text_dim")
+               or config.get("llm_features_dim")
                or _ltx2_text_width(model.diffusion_model, config)
                or _layer_stack_width(model.diffusion_model, config))
     if context is None and isinstance(config.get("context_embedder_config"), dict):
@@ -145,6 +147,20 @@ def check_trainable(model: comfy.model_base.BaseModel) -> None:
         base = getattr(comfy.model_base, untrainable, None)  # the model_base class of the same name: its subclasses too
         if _model_class(model) == untrainable or (base is not None and isinstance(model, base)):
             raise ValueError(f"this MODEL ({_model_class(model)}) cannot train a LoRA: {why}; train another model")
+    quantized = quantized_layers(model)
+    if quantized:
+        raise ValueError(
+            f"this MODEL's layers hold ComfyUI's quantized weights ({len(quantized)} layers, e.g. {quantized[0]}: a "
+            "scaled fp8 / int8 / nvfp4 file, such as Ideogram 4's ideogram4_fp8_scaled), which are not torch Linear "
+            "layers and take no adapter yet; load the model from a bf16 / fp16 / fp32 file (the Offload Policy's "
+            "base_storage fp8 / int8 / nf4 then stores it low-bit for training)")
+
+
+def quantized_layers(model: comfy.model_base.BaseModel) -> list[str]:
+    """Paths of the diffusion model's layers whose weight is ComfyUI's QuantizedTensor (comfy.ops mixed-precision
+    layers, as the stock loaders build a scaled fp8 / int8 / nvfp4 file): not torch.nn.Linear, so no target."""
+    return [path for path, module in model.diffusion_model.named_modules()
+            if type(getattr(module, "weight", None)).__name__ == "QuantizedTensor"]
 
 
 def missing_inputs_note(model: comfy.model_base.BaseModel, node: str) -> str:

@@ -201,7 +201,7 @@ def test_family_presets_pick_the_documented_layers(comfyui):
 
     picked = {}
     for family in ("sd15", "sd2", "sdxl", "sd3", "flux", "flux2", "chroma", "zimage", "qwen_image",
-                   "hidream", "hunyuan_image", "krea2", "wan21", "hunyuan_video15", "ltx2"):
+                   "hidream", "hunyuan_image", "krea2", "ideogram4", "wan21", "hunyuan_video15", "ltx2"):
         model = build_tiny_model_patcher(family, 0).model
         assert model_family(model) == family
         blocks = [n for n, _ in model_blocks(model.diffusion_model)]
@@ -277,3 +277,14 @@ def test_family_presets_pick_the_documented_layers(comfyui):
     krea2 = build_tiny_model_patcher("krea2", 0).model.diffusion_model
     assert select_targets(krea2, families.lora_preset("krea2"), AdapterConfig(targets="all_linear"),
                           [n for n, _ in model_blocks(krea2)]) == picked["krea2"]
+    # Ideogram 4: attention (fused qkv, o) and SwiGLU feed-forward of every block, as musubi-tuner's Ideogram 4 LoRA;
+    # the blocks' adaLN modulation (which all_linear adds), the embedders and the final layer stay frozen.
+    assert {p.split(".", 2)[0] for p in picked["ideogram4"]} == {"layers"}
+    assert sorted({p.split(".", 2)[2] for p in picked["ideogram4"]}) == [
+        "attention.o", "attention.qkv", "feed_forward.w1", "feed_forward.w2", "feed_forward.w3"]
+    assert len(picked["ideogram4"]) == 5 * 2
+    ideogram4 = build_tiny_model_patcher("ideogram4", 0).model.diffusion_model
+    all_linear = select_targets(ideogram4, families.lora_preset("ideogram4"), AdapterConfig(targets="all_linear"),
+                                [n for n, _ in model_blocks(ideogram4)])
+    assert sorted(set(all_linear) - set(picked["ideogram4"])) == ["layers.0.adaln_modulation",
+                                                                  "layers.1.adaln_modulation"]

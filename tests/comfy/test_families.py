@@ -42,7 +42,7 @@ def test_one_module_per_family(comfyui):
     folder = pathlib.Path(families.__file__).parent
     modules = sorted(p.stem for p in folder.glob("*.py") if p.stem not in ("__init__", "base"))
     assert list(families.FAMILIES) == ["sd15", "sd2", "sdxl", "sd3", "flux", "flux2", "chroma", "zimage", "qwen_image",
-                                       "hidream", "hunyuan_image", "krea2", "wan21", "hunyuan_video15", "ltx2"]
+                                       "hidream", "hunyuan_image", "krea2", "ideogram4", "wan21", "hunyuan_video15", "ltx2"]
     assert sorted(families.FAMILIES) == modules
     assert list(families.CONTROLNET_TYPES) == ["unet", "sd3", "flux", "qwen_image"]  # stored names: never renamed
     assert (families.get("sd15").controlnet is families.get("sd2").controlnet is families.get("sdxl").controlnet
@@ -121,12 +121,12 @@ def test_family_facts_are_the_tables_they_replaced(comfyui):
 
     assert {f.name: f.text_tokens for f in families.FAMILIES.values()} == {
         "sd15": 77, "sd2": 77, "sdxl": 77, "sd3": 154, "flux": 256, "flux2": 512, "chroma": 256, "zimage": 128,
-        "qwen_image": 128, "hidream": 128, "hunyuan_image": 128, "krea2": 128, "wan21": 512, "hunyuan_video15": 256,
+        "qwen_image": 128, "hidream": 128, "hunyuan_image": 128, "krea2": 128, "ideogram4": 256, "wan21": 512, "hunyuan_video15": 256,
         "ltx2": 1024}
     assert {name: lora_formats.diffusers_component(name) for name in families.FAMILIES} == {
         "sd15": "unet", "sd2": "unet", "sdxl": "unet", "sd3": "transformer", "flux": "transformer",
         "flux2": "transformer", "chroma": "transformer", "zimage": "transformer", "qwen_image": "transformer",
-        "hidream": "transformer", "hunyuan_image": None, "krea2": "transformer", "wan21": None, "hunyuan_video15": None,
+        "hidream": "transformer", "hunyuan_image": None, "krea2": "transformer", "ideogram4": None, "wan21": None, "hunyuan_video15": None,
         "ltx2": None}
     assert lora_formats.diffusers_component(None) is None and families.lora_preset("wan") is None
     assert {f.name: f.kohya_base for f in families.FAMILIES.values()} == {
@@ -135,7 +135,7 @@ def test_family_facts_are_the_tables_they_replaced(comfyui):
         "sd2": ("sd_v2", "stable-diffusion-v2-512/lora"), "chroma": ("chroma", "chroma/lora"),
         "zimage": ("z_image", "Z-Image/lora"), "qwen_image": ("qwen_image", "Qwen-Image/lora"),
         "hidream": ("hidream_i1", "hidream-i1/lora"), "hunyuan_image": ("hunyuan_image_2_1", "HunyuanImage-2.1/lora"),
-        "krea2": ("krea2", "Krea-2/lora"),
+        "krea2": ("krea2", "Krea-2/lora"), "ideogram4": ("ideogram4", "Ideogram-4/lora"),
         "wan21": ("wan", "wan2.1/lora"), "hunyuan_video15": ("hunyuan_video_1_5", "hunyuan-video-1.5/lora"),
         "ltx2": ("", "")}
     assert [f.name for f in families.FAMILIES.values() if f.lora_preset.conv is not None] == ["sd15", "sd2", "sdxl"]
@@ -150,7 +150,7 @@ def test_a_model_of_no_family_trains_with_all_linear_only(comfyui):
     model = _models()["sd15"].model
     blocks = ["input_blocks.1"]
     with pytest.raises(ValueError, match=r"this model has no LoRA target preset \(presets: sd15, sd2, sdxl, sd3, "
-                                         r"flux, flux2, chroma, zimage, qwen_image, hidream, hunyuan_image, krea2, wan21, "
+                                         r"flux, flux2, chroma, zimage, qwen_image, hidream, hunyuan_image, krea2, ideogram4, wan21, "
                                          r"hunyuan_video15, ltx2\); "
                                          "set targets to 'all_linear'"):
         families.lora_targets(model.diffusion_model, None, AdapterConfig(), blocks)
@@ -159,7 +159,7 @@ def test_a_model_of_no_family_trains_with_all_linear_only(comfyui):
 
 def test_zimage_and_qwen_image_expect_their_text_encoders_width(comfyui):
     """cross_attn is the text encoder's hidden size (Qwen3-4B 2560, Qwen2.5-VL-7B 3584; Krea 2: 12 Qwen3-VL-4B layers
-    of 2560 side by side), no pooled vector: from the unet_config ComfyUI detects for the released files (Qwen-Image's
+    of 2560 side by side; Ideogram 4: 13 Qwen3-VL-8B layers of 4096), no pooled vector: from the unet_config ComfyUI detects for the released files (Qwen-Image's
     leaves the width to the class default), and from the tiny models; a text cache of another width is refused naming
     the fix."""
     import comfy.model_detection
@@ -169,14 +169,15 @@ def test_zimage_and_qwen_image_expect_their_text_encoders_width(comfyui):
     from headroom.nodes.bridge.comfy_model import check_caches, expected_cond_dims
     from headroom.nodes.bridge.tiny_models import build_tiny_model_patcher
 
-    for arch, width, tiny_width in (("zimage", 2560, 32), ("qwen_image", 3584, 32), ("krea2", 12 * 2560, 12 * 32)):
+    for arch, width, tiny_width in (("zimage", 2560, 32), ("qwen_image", 3584, 32), ("krea2", 12 * 2560, 12 * 32),
+                                    ("ideogram4", 13 * 4096, 13 * 32)):
         config = comfy.model_detection.model_config_from_unet_config(R.unet_config(arch, 1))
         assert expected_cond_dims(config.get_model({}, "", device="meta")) == {"cross_attn": width}
         tiny = build_tiny_model_patcher(arch, 0).model
         assert expected_cond_dims(tiny) == {"cross_attn": tiny_width}
 
         class Latents:  # the two things check_caches reads of each cache
-            latent_channels = 16
+            latent_channels = tiny.latent_format.latent_channels  # 16; Ideogram 4: Flux.2's 128
 
             def __len__(self):
                 return 1

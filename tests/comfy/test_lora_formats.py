@@ -48,7 +48,7 @@ def _patched_weights(lora_model) -> dict[str, torch.Tensor]:
                                          ("sd3", "lora"), ("flux", "lora"), ("flux", "lokr"), ("zimage", "lora"),
                                          ("qwen_image", "lora"), ("sd2", "lora"), ("sdxl", "lora"), ("chroma", "lora"),
                                          ("hidream", "lora"), ("hunyuan_image", "lora"), ("krea2", "lora"),
-                                         ("wan21", "lora"), ("hunyuan_video15", "lora"), ("ltx2", "lora")])
+                                         ("ideogram4", "lora"), ("wan21", "lora"), ("hunyuan_video15", "lora"), ("ltx2", "lora")])
 def test_kohya_file_is_the_same_lora_for_the_stock_loader(comfyui, family, kind, caplog):
     import nodes
 
@@ -68,6 +68,9 @@ def test_kohya_file_is_the_same_lora_for_the_stock_loader(comfyui, family, kind,
         assert "lora_unet_transformer_blocks_1_ff_net_0_proj.alpha" in keys and not any("audio" in k for k in keys)
     if family == "krea2":  # the module paths (musubi-tuner's Krea 2 names: its LoRA wraps the DiT's own modules)
         assert "lora_unet_blocks_0_attn_wq.lora_down.weight" in keys and "lora_unet_blocks_1_mlp_down.alpha" in keys
+    if family == "ideogram4":  # the module paths (musubi-tuner's Ideogram 4 names: its LoRA wraps the DiT's modules)
+        assert ("lora_unet_layers_0_attention_qkv.lora_down.weight" in keys
+                and "lora_unet_layers_1_feed_forward_w2.alpha" in keys and not any("adaln" in k for k in keys))
     if family == "wan21":  # musubi-tuner's Wan names
         assert "lora_unet_blocks_0_self_attn_q.lora_down.weight" in keys and "lora_unet_blocks_1_ffn_2.alpha" in keys
     assert metadata["ss_network_dim"] == "4" and float(metadata["ss_network_alpha"]) == 4.0
@@ -75,7 +78,8 @@ def test_kohya_file_is_the_same_lora_for_the_stock_loader(comfyui, family, kind,
     assert metadata.get("ss_base_model_version") == {"sd15": "sd_v1", "sd3": "sd3", "flux": "flux1", "zimage": "z_image",
                                                  "qwen_image": "qwen_image", "sd2": "sd_v2_v", "sdxl": "sdxl_base_v1-0",
                                                  "chroma": "chroma", "hidream": "hidream_i1",
-                                                 "hunyuan_image": "hunyuan_image_2_1", "krea2": "krea2", "wan21": "wan",
+                                                 "hunyuan_image": "hunyuan_image_2_1", "krea2": "krea2", "ideogram4": "ideogram4",
+                                                 "wan21": "wan",
                                                  "hunyuan_video15": "hunyuan_video_1_5",
                                                  "ltx2": None}[family]  # no sd-scripts base model name for LTX-2
     if family == "sd2":  # the tiny SD2 is v-prediction (SD2.1-768-v): what sd-scripts writes with --v2 --v_parameterization
@@ -334,16 +338,19 @@ def test_diffusers_format_refuses_other_kinds_naming_the_formats_that_carry_them
         assert not any(f"refused_{kind}" in k for k in _lora_names())
 
 
-def test_diffusers_format_refuses_a_family_comfyui_maps_no_diffusers_names_for(comfyui):
-    """HunyuanImage 2.1: ComfyUI's LoRA key map has no diffusers names for it, so no file the stock loader reads."""
+@pytest.mark.parametrize("family", ["hunyuan_image", "ideogram4"])
+def test_diffusers_format_refuses_a_family_comfyui_maps_no_diffusers_names_for(comfyui, family):
+    """HunyuanImage 2.1, Ideogram 4: ComfyUI's LoRA key map has no diffusers names for them (diffusers has an
+    Ideogram4Transformer2DModel, but the stock loader would leave its names unloaded), so no file the stock loader
+    reads."""
     from headroom.nodes import train_lora as T
 
-    model, clip, vae, latents, texts = _data("hunyuan_image")
-    run = _init(model, latents, texts, "formats_diffusers_hunyuan_image", rank=4)
+    model, clip, vae, latents, texts = _data(family)
+    run = _init(model, latents, texts, f"formats_diffusers_{family}", rank=4)
     with pytest.raises(ValueError, match=r"the diffusers format covers sd15, .*qwen_image, hidream, krea2 models, not family "
-                                         r"hunyuan_image .*save in the comfyui or kohya format"):
-        T.HeadroomSaveLora.execute(run, "formats", "refused_hunyuan_image", "fp32", "diffusers")
-    assert not any("refused_hunyuan_image" in k for k in _lora_names())
+                                         rf"{family} .*save in the comfyui or kohya format"):
+        T.HeadroomSaveLora.execute(run, "formats", f"refused_{family}", "fp32", "diffusers")
+    assert not any(f"refused_{family}" in k for k in _lora_names())
 
 
 def _lora_names() -> list[str]:
