@@ -59,6 +59,9 @@ CASES = {
     # Krea 2: real width (6144, 48 + 12 KV heads of 128; text fusion at 2560), one of its 28 blocks; Qwen3-VL-4B at real
     # width with 1 layer, its 12 taps repeated from the 2 hidden states it has (tests/realsize_models.py).
     "krea2": Case("krea2", 1, 1, None),
+    # HiDream-O1: real width (Qwen3-VL-8B's 4096, 32 + 8 KV heads of 128, its full vocabulary), 1 of 36 decoder layers
+    # and 1 of 27 vision blocks; no text encoder weights, no VAE (pixels).
+    "hidream_o1": Case("hidream_o1", 1, 0, None),
 }
 
 
@@ -234,7 +237,9 @@ def run_case(name: str, size: int, steps: int, checkpointing: bool, planner_esti
         finally:
             logging.getLogger().removeHandler(capture)
         loader_record = peak.record("stock LoraLoader")
-        formats = {fmt: _other_format(run, model, clip, fmt, name) for fmt in ("kohya", "diffusers")}
+        # HiDream-O1 has no diffusers names (no diffusers class): that format is refused (tests/comfy/test_lora_formats.py).
+        formats = {fmt: _other_format(run, model, clip, fmt, name)
+                   for fmt in (("kohya",) if name == "hidream_o1" else ("kohya", "diffusers"))}
     # The run's own memory record (caching, training, validation, save), with init and the stock loader in order.
     recorded = json.loads(run.run_dir.memory_record_path.read_text())["phases"]
     caching = [p for p in recorded if p["phase"].startswith("caching")]
@@ -288,7 +293,7 @@ def _other_format(run, model, clip, file_format: str, case: str) -> dict:
               "not_loaded": [m for m in capture.messages if "lora key not loaded" in m]}
     del lora_model
     # diffusers has no kohya reader for SD3, nor for Krea 2 (its Krea 2 loader converts "diffusion_model." keys only).
-    if not (file_format == "kohya" and case in ("sd35_large", "krea2")):
+    if case in _DIFFUSERS_PIPELINES and not (file_format == "kohya" and case in ("sd35_large", "krea2")):
         pipeline = getattr(diffusers, _DIFFUSERS_PIPELINES[case])
         state = pipeline.lora_state_dict(folder_paths.get_full_path("loras", name))
         state = state[0] if isinstance(state, tuple) else state

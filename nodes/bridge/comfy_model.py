@@ -406,6 +406,13 @@ def make_trainable(diffusion_model: torch.nn.Module) -> None:
             module.__class__ = _OutOfPlaceLlamaBlock
 
 
+def restore_stock_forwards(diffusion_model: torch.nn.Module) -> None:
+    """Undo make_trainable (the planner's measurement leaves the MODEL as it found it)."""
+    for module in diffusion_model.modules():
+        if type(module) is _OutOfPlaceLlamaBlock:
+            module.__class__ = comfy.text_encoders.llama.TransformerBlock
+
+
 def clear_model_caches(diffusion_model: torch.nn.Module) -> None:
     """Forget what the model caches across sampler steps keyed by the prompt alone, not by its weights (HiDream-O1's
     text-prefix K/V, `clear_kv_cache`): a training step or a new LoRA changes those weights, and a cached K/V would

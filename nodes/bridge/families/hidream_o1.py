@@ -34,8 +34,8 @@ from .base import Family, TinyModel
 # The released geometry is the class default (comfy/ldm/hidream_o1/model.py HiDreamO1TextConfig; ComfyUI's detection
 # returns only {"image_model": "hidream_o1"}). The tiny one keeps what the code fixes: 128-wide heads with grouped KV
 # (the interleaved M-RoPE sections [24, 20, 20] cover 64 of 128), the vocabulary (the chat template's special tokens
-# are ids up to 151673), 32-px patches; 2 layers of 64.
-TINY_TEXT = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
+# are ids up to 151673), 32-px patches; 2 layers of 32.
+TINY_TEXT = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
              "num_key_value_heads": 1}
 # The vision tower (reference images only; never called by a text-to-image run) built small.
 TINY_VISION = {"hidden_size": 32, "num_heads": 2, "intermediate_size": 64, "depth": 1, "deepstack_visual_indexes": ()}
@@ -64,6 +64,8 @@ FAMILY = Family(
     diffusers_component=None,
     # musubi-tuner's names (its architecture id "hidream_o1_image"; modelspec.architecture after its "<arch>/lora").
     kohya_base=("hidream_o1_image", "HiDream-O1-Image/lora"),
+    # The prompt's token ids (the model embeds them itself: comfy/ldm/hidream_o1) and their float placeholder.
+    calibration_cond_shapes=lambda model, tokens: {"cross_attn": (tokens, 1), "text_input_ids": (tokens,)},
     latent_downscale=1,
     tiny=TINY,
     position=25,
