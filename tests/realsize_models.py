@@ -386,7 +386,8 @@ def build_clip(text_encoder: str, t5_layers: int = T5XXL_LAYERS, seed: int = 1, 
     if dtype is not None:
         options["dtype"] = dtype
     clip = comfy.sd.CLIP(clip_target(text_encoder), parameters=0, model_options=options, disable_dynamic=disable_dynamic)
-    random_init_(clip.cond_stage_model, seed)
+    if any(True for _ in clip.cond_stage_model.parameters()):  # HiDream-O1's tokenizer-only encoder has none
+        random_init_(clip.cond_stage_model, seed)
     clip.patcher.cached_patcher_init = (_clip_patcher, (text_encoder, t5_layers, seed, dtype))
     return clip
 
