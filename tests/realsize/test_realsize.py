@@ -75,7 +75,7 @@ CASES = [
     ("krea2", ["--planner"], 1_097_756_492),
     # 4096 wide, 1 of 36 decoder layers (+ its 151936 x 4096 token embedding), 1 vision block; pixels, no encoder
     # weights; the planner's estimate against the measured phases
-    ("hidream_o1", ["--planner"], 0),
+    ("hidream_o1", ["--planner"], 912_827_856),
 ]
 
 
