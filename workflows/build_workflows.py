@@ -754,7 +754,8 @@ def hidream_o1_lora() -> Workflow:
     # RGB patches): one checkpoint holds MODEL, the tokenizer-only CLIP and the identity pixel-space VAE. Train Full,
     # the undistilled model (Dev is distilled for few steps), text-to-image only (reference images are not cached).
     # Validation as ComfyUI's HiDream-O1 template samples Full (cfg 5, dpmpp_2m_sde_gpu, normal), at the run's 1024
-    # px: the planner plans validation at the training size.
+    # px: the planner plans validation at the training size. Its 15.0 GiB of base weights stay resident on a 24 GB
+    # card with blocks checkpointed (bench/plan_table.py hidream_o1_lora: the planner's 24 GB plan is resident).
     return real_model_lora(RealModel(
         "hidream_o1_lora", "HiDream-O1",
         [checkpoint("hidream_o1_image_bf16.safetensors")],
@@ -765,10 +766,10 @@ def hidream_o1_lora() -> Workflow:
         "tokenizer and the pixel-space VAE; no text encoder or VAE to download, the Gemma 4 of ComfyUI's own template "
         "only rewrites prompts.) Training images: sides multiples of 32 px (the model's pixel patches; the bucket "
         "step is 32). Text-to-image only: reference images (HiDream-O1 Reference Images) are not trained. The model "
-        "was trained near 2048x2048; this run trains and validates at 1024 (raise resolution, width and height if "
-        "the card has room: the planner plans the size you set)",
+        "was trained near 2048x2048; this run trains and validates at 1024: raise resolution, width and height if "
+        "the card has room (the planner plans the dataset's largest bucket)",
         resolution=1024, bucket_step=32, rank=16, optimizer="AdamW8bit", learning_rate=1e-4, precision="bf16",
-        timestep_sampling="shifted", policy=policy("partial", "blocks"),
+        timestep_sampling="shifted", policy=policy("resident", "blocks"),
         sampling={"sample_steps": 30, "cfg": 5.0, "sampler_name": "dpmpp_2m_sde_gpu", "scheduler": "normal",
                   "width": 1024, "height": 1024},
     ))
