@@ -56,6 +56,7 @@ TEMPLATES = [
     Template("qwen_image_lora", "Qwen-Image", "qwen_image", 1, 1024, 1024, 16),
     Template("krea2_lora", "Krea 2", "krea2", 1, 1024, 1024, 16),
     Template("ideogram4_lora", "Ideogram 4", "ideogram4", 1, 1024, 1024, 16),
+    Template("hidream_o1_lora", "HiDream-O1", "hidream_o1", 1, 1024, 1024, 16),
     Template("wan21_lora", "Wan 2.1 T2V 1.3B", "wan21_1_3b", 1, 480, 480, 32, frames=33),
     Template("hunyuan_video15_lora", "HunyuanVideo 1.5", "hunyuan_video15", (1, 0), 848, 480, 32, frames=33),
     Template("ltx2_lora", "LTX-2 19B", "ltx2", 1, 768, 512, 32, frames=49),

@@ -9,8 +9,12 @@ import torch
 
 
 def image_size(model) -> int:
-    """The test images' side: 32 px, or two latent pixels where the VAE downscales more (HunyuanImage 2.1: 32x)."""
-    return max(32, 2 * model.model.latent_format.spacial_downscale_ratio)
+    """The test images' side: 32 px, or two latent pixels where the VAE downscales more (HunyuanImage 2.1: 32x), or two
+    patches of a pixel-space model whose position ids need an image of more than one patch (HiDream-O1's 32 px)."""
+    downscale = model.model.latent_format.spacial_downscale_ratio
+    patch = getattr(model.model.diffusion_model, "patch_size", None)
+    pixel_patch = patch if isinstance(patch, int) and downscale == 1 else 1
+    return max(32, 2 * downscale, 2 * pixel_patch)
 
 
 def cached_data(model, clip, vae, count=4, resolution=None, seed=0):

@@ -223,6 +223,15 @@ ARCHITECTURES["ideogram4"] = {
     "text_tokens": 256, "text_encoder": "ideogram4", "latent_channels": 128, "depth": 34,
     "unet_config": {"image_model": "ideogram4", "in_channels": 128, "num_layers": 34},
 }
+ARCHITECTURES["hidream_o1"] = {
+    # HiDream-O1-Image as ComfyUI builds it from the released file: its detection returns {"image_model": "hidream_o1"}
+    # and every size is the class default (comfy/ldm/hidream_o1/model.py): Qwen3-VL-8B's decoder, 4096 wide, 36 layers
+    # of 32 heads / 8 KV heads of 128, MLP 12288, its 151936-token embedding; the vision tower 1152 wide, 27 blocks.
+    # `depth` sets the decoder layers (36); a reduced model also keeps one vision block (reference images only). No
+    # text encoder weights (the "CLIP" only tokenizes) and no VAE (pixels in, pixels out). 8.8 B at full depth.
+    "text_tokens": 128, "text_encoder": "hidream_o1", "latent_channels": 3, "vae": "pixel", "depth": 36,
+    "unet_config": {"image_model": "hidream_o1"},
+}
 T5XXL_LAYERS = 24  # the released T5-XXL encoder
 
 
@@ -239,6 +248,10 @@ def unet_config(name: str, depth=None) -> dict:
         config["n_layers"] = int(depth)
     elif name == "krea2":
         config["layers"] = int(depth)
+    elif name == "hidream_o1":
+        config["text_config_overrides"] = {"num_hidden_layers": int(depth)}
+        if int(depth) < ARCHITECTURES[name]["depth"]:
+            config["vision_config_overrides"] = {"depth": 1, "deepstack_visual_indexes": ()}
     elif name in ("qwen_image", "ltx2", "ideogram4") or name.startswith("wan21_"):
         config["num_layers"] = int(depth)
     elif name in ("flux_dev", "chroma", "hunyuan_image_21", "hunyuan_video15") or name.startswith("flux2_"):
@@ -332,8 +345,10 @@ def clip_target(text_encoder: str):
     if text_encoder == "flux":
         return comfy.supported_models_base.ClipTarget(comfy.text_encoders.flux.FluxTokenizer,
                                                       comfy.text_encoders.flux.flux_clip())
-    if text_encoder in ("zimage", "qwen_image", "krea2", "ideogram4"):  # Qwen3-4B / Qwen2.5-VL-7B (with its vision
-        # tower, fixed size) / Qwen3-VL-4B (Krea 2's 12-layer tap) / Qwen3-VL-8B's language model (Ideogram 4's 13 taps)
+    if text_encoder in ("zimage", "qwen_image", "krea2", "ideogram4",
+                        "hidream_o1"):  # Qwen3-4B / Qwen2.5-VL-7B (with its vision
+        # tower, fixed size) / Qwen3-VL-4B (Krea 2's 12-layer tap) / Qwen3-VL-8B's language model (Ideogram 4's 13 taps) /
+        # HiDream-O1's tokenizer
         return comfy.model_detection.model_config_from_unet_config(unet_config(text_encoder)).clip_target()
     raise ValueError(f"unknown text encoder family {text_encoder!r}: sd15, sdxl, sd3, flux, zimage, qwen_image, krea2 "
                      "or ideogram4")
@@ -410,7 +425,8 @@ def build_clip(text_encoder: str, t5_layers: int = T5XXL_LAYERS, seed: int = 1, 
     if dtype is not None:
         options["dtype"] = dtype
     clip = comfy.sd.CLIP(clip_target(text_encoder), parameters=0, model_options=options, disable_dynamic=disable_dynamic)
-    random_init_(clip.cond_stage_model, seed)
+    if any(True for _ in clip.cond_stage_model.parameters()):  # HiDream-O1's tokenizer-only encoder has none
+        random_init_(clip.cond_stage_model, seed)
     clip.patcher.cached_patcher_init = (_clip_patcher, (text_encoder, t5_layers, seed, dtype))
     return clip
 
@@ -442,6 +458,10 @@ def build_vae(latent_channels: int, seed: int = 2, kind: str | None = None):
     the rest is made uninitialised and filled in place."""
     import comfy.sd
 
+    if kind == "pixel":  # HiDream-O1's: ComfyUI's PixelspaceConversionVAE, what its checkpoint's sentinel makes
+        vae = comfy.sd.VAE(sd={"pixel_space_vae": torch.tensor(1.0)})
+        vae.patcher.cached_patcher_init = (_vae_patcher, (latent_channels, seed, kind))
+        return vae
     if kind == "wan21":  # base width 96 (decoder.head.0.gamma), RGB in and out: the released Wan 2.1 VAE
         sketch = {"decoder.middle.0.residual.0.gamma": torch.zeros(384, 1, 1, 1),
                   "decoder.head.0.gamma": torch.zeros(96, 1, 1, 1), "encoder.conv1.weight": torch.zeros(96, 3, 3, 3, 3),

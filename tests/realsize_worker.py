@@ -64,6 +64,9 @@ CASES = {
     # copy" bound); Qwen3-VL-8B's language model at real width with 1 layer, its 13 taps repeated from the 2 hidden
     # states it has.
     "ideogram4": Case("ideogram4", 2, 1, None),
+    # HiDream-O1: real width (Qwen3-VL-8B's 4096, 32 + 8 KV heads of 128, its full vocabulary), 1 of 36 decoder layers
+    # and 1 of 27 vision blocks; no text encoder weights, no VAE (pixels).
+    "hidream_o1": Case("hidream_o1", 1, 0, None),
 }
 
 
@@ -295,9 +298,9 @@ def _other_format(run, model, clip, file_format: str, case: str) -> dict:
     result = {"file": name, "patched_weights": len(lora_model.patches),
               "not_loaded": [m for m in capture.messages if "lora key not loaded" in m]}
     del lora_model
-    # diffusers has no kohya reader for SD3, nor for Krea 2 / Ideogram 4 (their loaders convert "diffusion_model." keys
-    # only).
-    if not (file_format == "kohya" and case in ("sd35_large", "krea2", "ideogram4")):
+    # diffusers has no kohya reader for SD3, nor for Krea 2 (its Krea 2 loader converts "diffusion_model." keys only);
+    # Ideogram 4 and HiDream-O1 have no diffusers pipeline.
+    if case in _DIFFUSERS_PIPELINES and not (file_format == "kohya" and case in ("sd35_large", "krea2")):
         pipeline = getattr(diffusers, _DIFFUSERS_PIPELINES[case])
         state = pipeline.lora_state_dict(folder_paths.get_full_path("loras", name))
         state = state[0] if isinstance(state, tuple) else state

@@ -780,6 +780,33 @@ def ideogram4_lora() -> Workflow:
     ))
 
 
+def hidream_o1_lora() -> Workflow:
+    # HiDream-O1-Image (8 B pixel-space unified transformer: Qwen3-VL-8B's decoder over the prompt's tokens and 32-px
+    # RGB patches): one checkpoint holds MODEL, the tokenizer-only CLIP and the identity pixel-space VAE. Train Full,
+    # the undistilled model (Dev is distilled: ComfyUI's own template samples it at cfg 1), text-to-image only
+    # (reference images are not cached).
+    # Validation as ComfyUI's HiDream-O1 template samples Full (cfg 5, dpmpp_2m_sde_gpu, normal), at the run's 1024
+    # px: the planner plans validation at the training size. Its 15.0 GiB of base weights stay resident on a 24 GB
+    # card with blocks checkpointed (bench/plan_table.py hidream_o1_lora: the planner's 24 GB plan is resident).
+    return real_model_lora(RealModel(
+        "hidream_o1_lora", "HiDream-O1",
+        [checkpoint("hidream_o1_image_bf16.safetensors")],
+        (1, "MODEL"), (1, "CLIP"), (1, "VAE"),
+        "- hidream_o1_image_bf16.safetensors (HiDream-O1-Image Full, 16.4 GB) -> models/checkpoints/\n"
+        "- or hidream_o1_image_dev_bf16.safetensors (Dev, distilled: sampled at cfg 1) -> models/checkpoints/\n"
+        "(Comfy-Org/HiDream-O1-Image on Hugging Face, its checkpoints/ folder: one file holds the model, its "
+        "tokenizer and the pixel-space VAE; no text encoder or VAE to download, the Gemma 4 of ComfyUI's own template "
+        "only rewrites prompts.) Training images: sides multiples of 32 px (the model's pixel patches; the bucket "
+        "step is 32). Text-to-image only: reference images (HiDream-O1 Reference Images) are not trained. The model "
+        "was trained near 2048x2048; this run trains and validates at 1024: raise resolution, width and height if "
+        "the card has room (the planner plans the dataset's largest bucket).",
+        resolution=1024, bucket_step=32, rank=16, optimizer="AdamW8bit", learning_rate=1e-4, precision="bf16",
+        timestep_sampling="shifted", policy=policy("resident", "blocks"),
+        sampling={"sample_steps": 30, "cfg": 5.0, "sampler_name": "dpmpp_2m_sde_gpu", "scheduler": "normal",
+                  "width": 1024, "height": 1024},
+    ))
+
+
 WAN21_NOTE = """Wan 2.1 text-to-video LoRA (1.3B; the 14B and Wan 2.2 A14B's experts load and train the same way) with cached clip latents and text, validation clips and a memory report.
 
 Download (file -> ComfyUI folder):
@@ -1038,7 +1065,7 @@ def flux_kontext_lora() -> Workflow:
 
 
 WORKFLOWS = [tiny_lora, your_folder_lora, sd15_lora, sd15_full_finetune, sdxl_lora, sd35_lora, sd35_full_finetune, flux_lora, flux2_klein_lora, qwen_image_lora, zimage_lora,
-             krea2_lora, ideogram4_lora,
+             krea2_lora, ideogram4_lora, hidream_o1_lora,
              qwen_image_edit_lora, flux_kontext_lora, wan21_lora, hunyuan_video15_lora, ltx2_lora,
              tiny_controlnet, sd15_controlnet,
              memory_plan]

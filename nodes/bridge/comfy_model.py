@@ -19,6 +19,7 @@ import torch
 import comfy.model_base
 import comfy.model_sampling
 import comfy.samplers
+import comfy.text_encoders.llama
 import comfy.utils
 
 from ...training.data.cache_store import fingerprint_state_dict, fingerprint_value, item_conditioning
@@ -43,9 +44,11 @@ def sampling_descriptor(model_sampling) -> SamplingDescriptor:
     if isinstance(model_sampling, comfy.model_sampling.CONST):
         if isinstance(model_sampling, comfy.model_sampling.ModelSamplingFlux):
             # Flux: sigma = e^mu / (e^mu + 1/t - 1) == SD3's shift form with shift = e^mu.
-            return SamplingDescriptor("flow", flow_shift=math.exp(float(model_sampling.shift)))
+            return SamplingDescriptor("flow", flow_shift=math.exp(float(model_sampling.shift)),
+                                      noise_scale=_noise_scale(model_sampling))
         if isinstance(model_sampling, comfy.model_sampling.ModelSamplingDiscreteFlow):
-            return SamplingDescriptor("flow", flow_shift=float(model_sampling.shift))
+            return SamplingDescriptor("flow", flow_shift=float(model_sampling.shift),
+                                      noise_scale=_noise_scale(model_sampling))
     elif isinstance(model_sampling, comfy.model_sampling.ModelSamplingDiscrete) and not isinstance(
             model_sampling, comfy.model_sampling.ModelSamplingDiscreteEDM):
         sigmas = model_sampling.sigmas.detach().float().cpu().clone()
@@ -57,6 +60,11 @@ def sampling_descriptor(model_sampling) -> SamplingDescriptor:
         f"model sampling {type(model_sampling).__mro__[1].__name__}+{type(model_sampling).__mro__[2].__name__} is not "
         "supported for training (supported: discrete eps / v-prediction, and flow models such as SD3 and Flux)"
     )
+
+
+def _noise_scale(model_sampling) -> float:
+    """The factor CONST.noise_scaling puts on the noise (sampling_settings' noise_scale: HiDream-O1's 8.0; else 1)."""
+    return float(getattr(model_sampling, "noise_scale", 1.0))
 
 
 def is_edm_flow(model_sampling) -> bool:
@@ -213,13 +221,21 @@ def batchable_groups(per_item: list[dict]) -> list[list[int]]:
 
 
 def model_blocks(diffusion_model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """The repeated blocks: the elements of the model's top-level ModuleLists, plus a UNet's middle block."""
+    """The repeated blocks: the elements of the model's top-level ModuleLists, plus a UNet's middle block. A model with
+    no ModuleList of its own, built around a language model (HiDream-O1: its Qwen3-VL decoder's `language_model.layers`
+    next to a vision tower's `visual.blocks`), has the largest ModuleList one level down (by parameters) as its blocks."""
     blocks = []
     for name, child in diffusion_model.named_children():
         if isinstance(child, torch.nn.ModuleList):
             blocks += [(f"{name}.{i}", block) for i, block in enumerate(child)]
         elif name == "middle_block":
             blocks.append((name, child))
+    if not blocks:
+        nested = [(f"{name}.{inner}", grandchild) for name, child in diffusion_model.named_children()
+                  for inner, grandchild in child.named_children() if isinstance(grandchild, torch.nn.ModuleList)]
+        if nested:
+            name, largest = max(nested, key=lambda item: sum(p.numel() for p in item[1].parameters()))
+            blocks = [(f"{name}.{i}", block) for i, block in enumerate(largest)]
     return blocks
 
 
@@ -377,6 +393,51 @@ def check_reference_cache(model: comfy.model_base.BaseModel, latent_cache, text_
     return inputs
 
 
+# --- models ComfyUI runs for inference only ---------------------------------------------------------------
+class _OutOfPlaceLlamaBlock(comfy.text_encoders.llama.TransformerBlock):
+    """ComfyUI's Llama-style decoder layer (comfy/text_encoders/llama.py TransformerBlock) with its last residual added
+    out of place while autograd records: the stock forward writes it into the layer's input (`torch.add(residual, x,
+    out=output)`), which autograd refuses ("functions with out=... arguments don't support automatic differentiation")
+    whenever a LoRA makes anything in the layer require grad. The same additions in the same order: the same values.
+    Without grad (sampling) the stock forward runs as it is. HiDream-O1's denoiser is such a decoder
+    (comfy/ldm/hidream_o1: Qwen3-VL-8B's layers over text and image tokens)."""
+
+    def forward(self, x, attention_mask=None, freqs_cis=None, optimized_attention=None, past_key_value=None):
+        if not torch.is_grad_enabled():
+            return super().forward(x, attention_mask=attention_mask, freqs_cis=freqs_cis,
+                                   optimized_attention=optimized_attention, past_key_value=past_key_value)
+        attended, present_key_value = self.self_attn(hidden_states=self.input_layernorm(x), attention_mask=attention_mask,
+                                                     freqs_cis=freqs_cis, optimized_attention=optimized_attention,
+                                                     past_key_value=past_key_value)
+        x = x + attended
+        return x + self.mlp(self.post_attention_layernorm(x)), present_key_value
+
+
+def make_trainable(diffusion_model: torch.nn.Module) -> None:
+    """Give layers whose stock forward autograd cannot differentiate a forward it can, same values (the Llama-style
+    decoder layers of _OutOfPlaceLlamaBlock; their class is swapped in place, so ComfyUI's samplers, hooks and
+    checkpoint wrappers see the same modules)."""
+    for module in diffusion_model.modules():
+        if type(module) is comfy.text_encoders.llama.TransformerBlock:
+            module.__class__ = _OutOfPlaceLlamaBlock
+
+
+def restore_stock_forwards(diffusion_model: torch.nn.Module) -> None:
+    """Undo make_trainable (the planner's measurement leaves the MODEL as it found it)."""
+    for module in diffusion_model.modules():
+        if type(module) is _OutOfPlaceLlamaBlock:
+            module.__class__ = comfy.text_encoders.llama.TransformerBlock
+
+
+def clear_model_caches(diffusion_model: torch.nn.Module) -> None:
+    """Forget what the model caches across sampler steps keyed by the prompt alone, not by its weights (HiDream-O1's
+    text-prefix K/V, `clear_kv_cache`): a training step or a new LoRA changes those weights, and a cached K/V would
+    also hold the previous step's autograd graph."""
+    clear = getattr(diffusion_model, "clear_kv_cache", None)
+    if callable(clear):
+        clear()
+
+
 # --- the denoiser -----------------------------------------------------------------------------------------
 class ComfyDenoiser:
     """The engine's Denoiser over a ComfyUI ModelPatcher (the training clone)."""
@@ -395,6 +456,7 @@ class ComfyDenoiser:
         self.device = torch.device(patcher.load_device)
         # Blocks that add into their inputs in place (Flux's `img += ...`): see training/memory/checkpointing.py.
         self.inplace_blocks = families.inplace_blocks(self.model)
+        make_trainable(self.model.diffusion_model)
 
     def to_model_latent(self, latents: torch.Tensor) -> torch.Tensor:
         return self.model.process_latent_in(latents)
@@ -422,8 +484,13 @@ class ComfyDenoiser:
 
     def predict(self, x_t: torch.Tensor, sigma: torch.Tensor, conds) -> torch.Tensor:
         x_t, sigma = self.comfy_input(x_t, sigma)
-        return self.grouped_forward(x_t, sigma, self._item_conds(x_t, conds),
-                                    lambda index, x, s, cond: self.model.apply_model(x, s, transformer_options={}, **cond))
+        clear_model_caches(self.model.diffusion_model)  # every step sees its own weights
+        try:
+            return self.grouped_forward(x_t, sigma, self._item_conds(x_t, conds),
+                                        lambda index, x, s, cond: self.model.apply_model(x, s, transformer_options={},
+                                                                                         **cond))
+        finally:
+            clear_model_caches(self.model.diffusion_model)
 
     @staticmethod
     def grouped_forward(x_t: torch.Tensor, sigma: torch.Tensor, per_item: list[dict], forward) -> torch.Tensor:

@@ -20,12 +20,24 @@ from ...training.memory.policy import OffloadPolicy, PolicyError
 from ...training.core.trainer import PRECISIONS, auto_precision
 from ...training.data.cache_store import item_conditioning
 from . import families, video
-from .comfy_model import ComfyDenoiser, expected_cond_dims, model_blocks, replace_inference_tensors, training_blocks
+from .comfy_model import (ComfyDenoiser, expected_cond_dims, model_blocks, replace_inference_tensors,
+                          restore_stock_forwards, training_blocks)
 from .encoders import frame_step, spatial_downscale
 
 # Calibration forwards (latent height, width, text tokens): three areas, two text lengths, so that attention
 # maps (quadratic in the area, or area x text) are fitted too. Multiples of 8 latent px: every UNet level divides.
 CALIBRATION = ((16, 16, 8), (16, 32, 8), (32, 32, 8), (16, 16, 16), (16, 32, 16))
+
+
+
+def calibration_sizes(model) -> tuple[tuple[int, int, int], ...]:
+    """CALIBRATION's (latent height, latent width, text tokens), scaled up for a pixel-space model with large patches
+    (HiDream-O1's 32 px: 16 px would be no whole patch, and its position ids need more than one): the same few tokens
+    per side as a latent model's 2x2 patches of an 8x VAE. The planner reads activations per latent area, so the
+    measured sizes need not be the run's."""
+    patch = getattr(model.diffusion_model, "patch_size", None)
+    scale = max(1, patch // 8) if isinstance(patch, int) and model.latent_format.spacial_downscale_ratio == 1 else 1
+    return tuple((height * scale, width * scale, tokens) for height, width, tokens in CALIBRATION)
 
 
 # --- budget -----------------------------------------------------------------------------------------------
@@ -118,7 +130,7 @@ def _measure(patcher, adapter: AdapterConfig, precision: str) -> list[planner.Ac
         samples = []
         adapters.attach(diffusion_model)
         try:
-            for height, width, tokens in CALIBRATION:
+            for height, width, tokens in calibration_sizes(model):
                 generator = torch.Generator().manual_seed(0)
                 x = torch.randn(latent_shape(model, height, width), generator=generator).to(denoiser.device)
                 if denoiser.sampling.prediction == "flow":
@@ -135,6 +147,7 @@ def _measure(patcher, adapter: AdapterConfig, precision: str) -> list[planner.Ac
                                                            text_tokens=tokens, synchronize=synchronize))
         finally:
             adapters.detach()
+            restore_stock_forwards(diffusion_model)
     return samples
 
 

@@ -2,6 +2,7 @@
 VAE decode (tiled as the policy says), the grids and latents saved in the run folder, the validation event."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pathlib
@@ -22,11 +23,22 @@ from ...training.data.files import save_safetensors, write_bytes
 from ...training.memory.policy import PolicyError
 from . import video
 from .comfy_bridge import VALIDATE_EVENT, TrainingRun, node_id, node_name, send_event
-from .comfy_model import REFERENCE_LATENTS, reference_inputs
+from .comfy_model import REFERENCE_LATENTS, clear_model_caches, reference_inputs
 from .caching import encode_with_reference
 from .encoders import unload_encoder
 from .planning import budget_bytes
 from .start_image import start_image_node, stock_start_conditioning
+
+
+@contextlib.contextmanager
+def _fresh_model_caches(model):
+    """Sampling from no cached prompt state of an earlier step's weights, and leaving none behind for the next user
+    of the shared MODEL (comfy_model.clear_model_caches)."""
+    clear_model_caches(model.model.diffusion_model)
+    try:
+        yield
+    finally:
+        clear_model_caches(model.model.diffusion_model)
 
 
 def sample_images(run: TrainingRun, clip, vae, prompts: list[str], negative: str, seed: int, steps: int, cfg: float,
@@ -54,7 +66,7 @@ def sample_images(run: TrainingRun, clip, vae, prompts: list[str], negative: str
     model_context = run.base_sampling_model() if base else run.sampling_model(lora_application)
     # The base keeps to validation's own planned placement while the sampler runs (TrainingRun.sampling_placement).
     with torch.no_grad(), torch.random.fork_rng(devices=devices), model_context as sampled, \
-            run.sampling_placement(sampled) as model:
+            run.sampling_placement(sampled) as model, _fresh_model_caches(model):
         for index, prompt in enumerate(prompts):
             positive = clip.encode_from_tokens_scheduled(clip.tokenize(prompt))
             negative_item = negative_cond

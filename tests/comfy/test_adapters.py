@@ -201,7 +201,7 @@ def test_family_presets_pick_the_documented_layers(comfyui):
 
     picked = {}
     for family in ("sd15", "sd2", "sdxl", "sd3", "flux", "flux2", "chroma", "zimage", "qwen_image",
-                   "hidream", "hunyuan_image", "krea2", "ideogram4", "wan21", "hunyuan_video15", "ltx2"):
+                   "hidream", "hunyuan_image", "krea2", "ideogram4", "hidream_o1", "wan21", "hunyuan_video15", "ltx2"):
         model = build_tiny_model_patcher(family, 0).model
         assert model_family(model) == family
         blocks = [n for n, _ in model_blocks(model.diffusion_model)]
@@ -288,3 +288,15 @@ def test_family_presets_pick_the_documented_layers(comfyui):
                                 [n for n, _ in model_blocks(ideogram4)])
     assert sorted(set(all_linear) - set(picked["ideogram4"])) == ["layers.0.adaln_modulation",
                                                                   "layers.1.adaln_modulation"]
+    # HiDream-O1 (musubi-tuner's text-to-image targets): every Linear of the Qwen3-VL decoder layers, the pixel patch
+    # embedding and the unpatchify; the vision tower, the timestep embedder and the token embeddings stay frozen. Its
+    # blocks are the decoder's layers (no top-level ModuleList), which all_linear takes without the patch layers.
+    assert sorted({re.sub(r"^language_model\.layers\.\d+\.", "", p) for p in picked["hidream_o1"]}) == [
+        "final_layer2.linear", "mlp.down_proj", "mlp.gate_proj", "mlp.up_proj", "self_attn.k_proj", "self_attn.o_proj",
+        "self_attn.q_proj", "self_attn.v_proj", "x_embedder.proj1", "x_embedder.proj2"]
+    assert len(picked["hidream_o1"]) == 7 * 2 + 3
+    hidream_o1 = build_tiny_model_patcher("hidream_o1", 0).model.diffusion_model
+    assert [n for n, _ in model_blocks(hidream_o1)] == ["language_model.layers.0", "language_model.layers.1"]
+    assert select_targets(hidream_o1, families.lora_preset("hidream_o1"), AdapterConfig(targets="all_linear"),
+                          [n for n, _ in model_blocks(hidream_o1)]) == [p for p in picked["hidream_o1"]
+                                                                         if p.startswith("language_model.")]

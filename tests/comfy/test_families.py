@@ -42,7 +42,7 @@ def test_one_module_per_family(comfyui):
     folder = pathlib.Path(families.__file__).parent
     modules = sorted(p.stem for p in folder.glob("*.py") if p.stem not in ("__init__", "base"))
     assert list(families.FAMILIES) == ["sd15", "sd2", "sdxl", "sd3", "flux", "flux2", "chroma", "zimage", "qwen_image",
-                                       "hidream", "hunyuan_image", "krea2", "ideogram4", "wan21", "hunyuan_video15", "ltx2"]
+                                       "hidream", "hunyuan_image", "krea2", "ideogram4", "hidream_o1", "wan21", "hunyuan_video15", "ltx2"]
     assert sorted(families.FAMILIES) == modules
     assert list(families.CONTROLNET_TYPES) == ["unet", "sd3", "flux", "qwen_image"]  # stored names: never renamed
     assert (families.get("sd15").controlnet is families.get("sd2").controlnet is families.get("sdxl").controlnet
@@ -121,12 +121,12 @@ def test_family_facts_are_the_tables_they_replaced(comfyui):
 
     assert {f.name: f.text_tokens for f in families.FAMILIES.values()} == {
         "sd15": 77, "sd2": 77, "sdxl": 77, "sd3": 154, "flux": 256, "flux2": 512, "chroma": 256, "zimage": 128,
-        "qwen_image": 128, "hidream": 128, "hunyuan_image": 128, "krea2": 128, "ideogram4": 256, "wan21": 512, "hunyuan_video15": 256,
+        "qwen_image": 128, "hidream": 128, "hunyuan_image": 128, "krea2": 128, "ideogram4": 256, "hidream_o1": 128, "wan21": 512, "hunyuan_video15": 256,
         "ltx2": 1024}
     assert {name: lora_formats.diffusers_component(name) for name in families.FAMILIES} == {
         "sd15": "unet", "sd2": "unet", "sdxl": "unet", "sd3": "transformer", "flux": "transformer",
         "flux2": "transformer", "chroma": "transformer", "zimage": "transformer", "qwen_image": "transformer",
-        "hidream": "transformer", "hunyuan_image": None, "krea2": "transformer", "ideogram4": None, "wan21": None, "hunyuan_video15": None,
+        "hidream": "transformer", "hunyuan_image": None, "krea2": "transformer", "ideogram4": None, "hidream_o1": None, "wan21": None, "hunyuan_video15": None,
         "ltx2": None}
     assert lora_formats.diffusers_component(None) is None and families.lora_preset("wan") is None
     assert {f.name: f.kohya_base for f in families.FAMILIES.values()} == {
@@ -136,6 +136,7 @@ def test_family_facts_are_the_tables_they_replaced(comfyui):
         "zimage": ("z_image", "Z-Image/lora"), "qwen_image": ("qwen_image", "Qwen-Image/lora"),
         "hidream": ("hidream_i1", "hidream-i1/lora"), "hunyuan_image": ("hunyuan_image_2_1", "HunyuanImage-2.1/lora"),
         "krea2": ("krea2", "Krea-2/lora"), "ideogram4": ("ideogram4", "Ideogram-4/lora"),
+        "krea2": ("krea2", "Krea-2/lora"), "hidream_o1": ("hidream_o1_image", "HiDream-O1-Image/lora"),
         "wan21": ("wan", "wan2.1/lora"), "hunyuan_video15": ("hunyuan_video_1_5", "hunyuan-video-1.5/lora"),
         "ltx2": ("", "")}
     assert [f.name for f in families.FAMILIES.values() if f.lora_preset.conv is not None] == ["sd15", "sd2", "sdxl"]
@@ -150,7 +151,7 @@ def test_a_model_of_no_family_trains_with_all_linear_only(comfyui):
     model = _models()["sd15"].model
     blocks = ["input_blocks.1"]
     with pytest.raises(ValueError, match=r"this model has no LoRA target preset \(presets: sd15, sd2, sdxl, sd3, "
-                                         r"flux, flux2, chroma, zimage, qwen_image, hidream, hunyuan_image, krea2, ideogram4, wan21, "
+                                         r"flux, flux2, chroma, zimage, qwen_image, hidream, hunyuan_image, krea2, ideogram4, hidream_o1, wan21, "
                                          r"hunyuan_video15, ltx2\); "
                                          "set targets to 'all_linear'"):
         families.lora_targets(model.diffusion_model, None, AdapterConfig(), blocks)

@@ -14,11 +14,16 @@ from test_train_lora_nodes import _data, _init
 pytestmark = [pytest.mark.comfyui, pytest.mark.usefixtures("one_torch_thread")]
 
 
+def _side(family: str) -> int:
+    """The test images' side: 32 px, two of HiDream-O1's 32-px patches for it (its position ids need more than one)."""
+    return 64 if family == "hidream_o1" else 32
+
+
 def _save_both(family: str, kind: str, **targets):
     """Train 2 steps, save the same adapter in both formats: (model, clip, run, comfyui name, kohya name)."""
     from headroom.nodes import train_lora as T
 
-    model, clip, vae, latents, texts = _data(family)
+    model, clip, vae, latents, texts = _data(family, resolution=_side(family))
     tag = "_".join([family, kind, *(f"{k}{v}" for k, v in targets.items())])
     run = _init(model, latents, texts, f"formats_{tag}", kind=kind, rank=4, lr=2e-2, **targets)
     with torch.inference_mode():
@@ -48,7 +53,7 @@ def _patched_weights(lora_model) -> dict[str, torch.Tensor]:
                                          ("sd3", "lora"), ("flux", "lora"), ("flux", "lokr"), ("zimage", "lora"),
                                          ("qwen_image", "lora"), ("sd2", "lora"), ("sdxl", "lora"), ("chroma", "lora"),
                                          ("hidream", "lora"), ("hunyuan_image", "lora"), ("krea2", "lora"),
-                                         ("ideogram4", "lora"), ("wan21", "lora"), ("hunyuan_video15", "lora"), ("ltx2", "lora")])
+                                         ("ideogram4", "lora"), ("hidream_o1", "lora"), ("wan21", "lora"), ("hunyuan_video15", "lora"), ("ltx2", "lora")])
 def test_kohya_file_is_the_same_lora_for_the_stock_loader(comfyui, family, kind, caplog):
     import nodes
 
@@ -71,14 +76,17 @@ def test_kohya_file_is_the_same_lora_for_the_stock_loader(comfyui, family, kind,
     if family == "ideogram4":  # the module paths (musubi-tuner's Ideogram 4 names: its LoRA wraps the DiT's modules)
         assert ("lora_unet_layers_0_attention_qkv.lora_down.weight" in keys
                 and "lora_unet_layers_1_feed_forward_w2.alpha" in keys and not any("adaln" in k for k in keys))
+    if family == "hidream_o1":  # the module paths (musubi-tuner's HiDream-O1 LoRA wraps the model's own modules)
+        assert "lora_unet_language_model_layers_0_self_attn_q_proj.lora_down.weight" in keys
+        assert "lora_unet_x_embedder_proj1.alpha" in keys and "lora_unet_final_layer2_linear.alpha" in keys
     if family == "wan21":  # musubi-tuner's Wan names
         assert "lora_unet_blocks_0_self_attn_q.lora_down.weight" in keys and "lora_unet_blocks_1_ffn_2.alpha" in keys
     assert metadata["ss_network_dim"] == "4" and float(metadata["ss_network_alpha"]) == 4.0
-    assert metadata["ss_steps"] == "2" and metadata["ss_resolution"] == "(32, 32)"
+    assert metadata["ss_steps"] == "2" and metadata["ss_resolution"] == f"({_side(family)}, {_side(family)})"
     assert metadata.get("ss_base_model_version") == {"sd15": "sd_v1", "sd3": "sd3", "flux": "flux1", "zimage": "z_image",
                                                  "qwen_image": "qwen_image", "sd2": "sd_v2_v", "sdxl": "sdxl_base_v1-0",
                                                  "chroma": "chroma", "hidream": "hidream_i1",
-                                                 "hunyuan_image": "hunyuan_image_2_1", "krea2": "krea2", "ideogram4": "ideogram4",
+                                                 "hunyuan_image": "hunyuan_image_2_1", "krea2": "krea2", "ideogram4": "ideogram4", "hidream_o1": "hidream_o1_image",
                                                  "wan21": "wan",
                                                  "hunyuan_video15": "hunyuan_video_1_5",
                                                  "ltx2": None}[family]  # no sd-scripts base model name for LTX-2
@@ -313,17 +321,20 @@ def test_diffusers_file_is_the_same_lora_for_the_stock_loader(comfyui, family, t
     assert any(not torch.equal(w, model.model.state_dict()[k].float()) for k, w in from_comfy.items())
 
 
-def test_wan_diffusers_format_is_refused_naming_the_formats_that_load(comfyui):
-    """ComfyUI's LoRA key map has no diffusers (WanTransformer3DModel) names for Wan: a file in them would not load
-    through the stock loader, so the save is refused before anything is written."""
+@pytest.mark.parametrize("family", ["wan21", "hidream_o1"])
+def test_wan_diffusers_format_is_refused_naming_the_formats_that_load(comfyui, family):
+    """ComfyUI's LoRA key map has no diffusers (WanTransformer3DModel) names for Wan, nor any for HiDream-O1 (diffusers
+    has no class for it): a file in them would not load through the stock loader, so the save is refused before
+    anything is written."""
     from headroom.nodes import train_lora as T
 
-    model, clip, vae, latents, texts = _data("wan21")
-    run = _init(model, latents, texts, "formats_wan21_diffusers", rank=4)
-    with pytest.raises(ValueError, match=r"Save LoRA \(Headroom\): the diffusers format covers .*, not family wan21 \(ComfyUI's "
-                                         r"LoRA loader maps no diffusers names for it\); save in the comfyui or kohya format"):
-        T.HeadroomSaveLora.execute(run, "formats", "refused_wan21", "fp32", "diffusers")
-    assert not any("refused_wan21" in k for k in _lora_names())
+    model, clip, vae, latents, texts = _data(family, resolution=_side(family))
+    run = _init(model, latents, texts, f"formats_{family}_diffusers", rank=4)
+    with pytest.raises(ValueError, match=rf"Save LoRA \(Headroom\): the diffusers format covers .*, not family {family} "
+                                         r"\(ComfyUI's LoRA loader maps no diffusers names for it\); save in the comfyui or "
+                                         r"kohya format"):
+        T.HeadroomSaveLora.execute(run, "formats", f"refused_{family}", "fp32", "diffusers")
+    assert not any(f"refused_{family}" in k for k in _lora_names())
 
 
 def test_diffusers_format_refuses_other_kinds_naming_the_formats_that_carry_them(comfyui):

@@ -147,7 +147,7 @@ def test_step_seeds_differ_per_step_and_salt():
 
 @pytest.mark.comfyui
 @pytest.mark.parametrize("family", ["sd15", "sd2", "sdxl", "sd3", "flux", "flux2", "chroma", "zimage", "qwen_image",
-                                    "krea2", "ideogram4"])
+                                    "krea2", "ideogram4", "hidream_o1"])
 def test_descriptor_from_comfyui_model_sampling(comfyui, family):
     from headroom.nodes.bridge.comfy_model import sampling_descriptor
     from headroom.nodes.bridge.tiny_models import build_tiny_model_patcher
@@ -169,6 +169,10 @@ def test_descriptor_from_comfyui_model_sampling(comfyui, family):
 
         assert isinstance(model_sampling, comfy.model_sampling.ModelSamplingDiscreteFlow)
         assert (float(model_sampling.shift), float(model_sampling.multiplier), descriptor.flow_shift) == (1.0, 1.0, 1.0)
+    if family == "hidream_o1":  # its sampling settings: shift 3.0, noise scaled by 8.0 (supported_models.HiDreamO1)
+        assert (descriptor.flow_shift, descriptor.noise_scale) == (3.0, 8.0)
+    else:
+        assert descriptor.noise_scale == 1.0
     x0, noise, sigma = torch.randn(3, 4, 2, 2), torch.randn(3, 4, 2, 2), objective.sigma_at(t)
     torch.testing.assert_close(objective.noisy(x0, noise, sigma), model_sampling.noise_scaling(sigma, noise, x0))
     assert math.isfinite(float(objective.loss(x0, x0 + 0.1, sigma)))

@@ -5,7 +5,7 @@ import torch
 pytestmark = pytest.mark.comfyui
 
 FAMILIES = ["sd15", "sd2", "sdxl", "sd3", "flux", "flux2", "flux2_dev", "chroma", "zimage", "qwen_image", "hidream",
-            "hunyuan_image", "krea2", "ideogram4", "wan21", "wan21_i2v", "hunyuan_video15", "ltx2"]
+            "hunyuan_image", "krea2", "ideogram4", "hidream_o1", "wan21", "wan21_i2v", "hunyuan_video15", "ltx2"]
 
 
 def _weights(patcher):
@@ -29,6 +29,7 @@ def test_tiny_family_samples_with_stock_nodes(comfyui, family):
                      "qwen_image": comfy.model_base.QwenImage, "hidream": comfy.model_base.HiDream,
                      "hunyuan_image": comfy.model_base.HunyuanImage21, "krea2": comfy.model_base.Krea2,
                      "ideogram4": comfy.model_base.Ideogram4,
+                     "hidream_o1": comfy.model_base.HiDreamO1,
                      "wan21": comfy.model_base.WAN21, "wan21_i2v": comfy.model_base.WAN21, "hunyuan_video15": comfy.model_base.HunyuanVideo15,
                      "ltx2": comfy.model_base.LTXAV}
     assert type(model.model) is expected_base[family]
@@ -39,15 +40,16 @@ def test_tiny_family_samples_with_stock_nodes(comfyui, family):
         positive = nodes.CLIPTextEncode().encode(clip, "a red circle at the center")[0]
         negative = nodes.CLIPTextEncode().encode(clip, "")[0]
         channels = vae.latent_channels
-        latent = {"samples": torch.zeros(1, channels, 8, 8)}
+        latent_side = 64 if family == "hidream_o1" else 8  # HiDream-O1: pixels, two of its 32-px patches
+        latent = {"samples": torch.zeros(1, channels, latent_side, latent_side)}
         cfg = 1.0 if family in ("flux", "chroma") else 4.0
         samples = nodes.common_ksampler(model, 0, 4, cfg, "euler", "normal", positive, negative, latent)[0]
         image = nodes.VAEDecode().decode(vae, samples)[0]
         again = nodes.VAEDecode().decode(vae, nodes.common_ksampler(
             model, 0, 4, cfg, "euler", "normal", positive, negative, latent)[0])[0]
     frames = (1,) if model.model.latent_format.latent_dimensions == 3 else ()  # video latents: qwen_image, wan21, hunyuan_video15, ltx2
-    assert samples["samples"].shape == (1, channels, *frames, 8, 8)
-    side = 8 * model.model.latent_format.spacial_downscale_ratio  # 8x; Flux.2: 16x
+    assert samples["samples"].shape == (1, channels, *frames, latent_side, latent_side)
+    side = latent_side * model.model.latent_format.spacial_downscale_ratio  # 8x; Flux.2: 16x
     assert vae.spacial_compression_decode() == model.model.latent_format.spacial_downscale_ratio
     assert image.shape == (1, side, side, 3)
     assert torch.isfinite(image).all() and image.std() > 0
@@ -56,7 +58,7 @@ def test_tiny_family_samples_with_stock_nodes(comfyui, family):
     # The LLM text encoders (Flux.2 Klein's Qwen3, Z-Image's Qwen3, Qwen-Image's Qwen2.5-VL) and Chroma's T5-only
     # encoder have no pooled vector.
     assert (positive[0][1].get("pooled_output") is not None) == (family not in ("flux2", "flux2_dev", "chroma", "zimage",
-                                                                                "qwen_image", "hunyuan_image", "krea2", "ideogram4", "wan21",
+                                                                                "qwen_image", "hunyuan_image", "krea2", "ideogram4", "hidream_o1", "wan21",
                                                                                 "wan21_i2v",
                                                                                 "hunyuan_video15", "ltx2"))
 

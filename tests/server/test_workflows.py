@@ -395,3 +395,27 @@ def test_video_workflow_runs_on_a_tiny_model_of_its_family(comfy_server, object_
     assert saved, f"no LoRA of run {run_name} in models/loras"
     validation = comfy_server.base_dir / "output" / "headroom_runs" / run_name / "validation"
     assert list(validation.glob("*.webp")), f"no validation clip in {validation}"
+
+
+# (workflow, family, image side in pixels: the tiny model's smallest sample with whole patches)
+IMAGE_WORKFLOWS = [("hidream_o1_lora", "hidream_o1", 64)]
+
+
+@pytest.mark.parametrize("name, family, size", IMAGE_WORKFLOWS, ids=[w[0] for w in IMAGE_WORKFLOWS])
+def test_image_workflow_runs_on_a_tiny_model_of_its_family(comfy_server, object_info, name, family, size):
+    """The shipped graph (its one Train LoRA node, its validation sampler and scheduler, its bucket step) with the
+    loader swapped for a tiny model of its family: it trains, validates and saves."""
+    prompt = with_tiny_model(json.loads((API / f"{name}_api.json").read_text()), object_info, family)
+    nodes = {node["class_type"]: node["inputs"] for node in prompt.values()}
+    run_name = f"{name}_{uuid.uuid4().hex[:8]}"
+    write_image_folder(comfy_server.base_dir / "input" / run_name, 2)
+    nodes["HeadroomDatasetFromFolder"].update(folder=run_name, resolution=size)
+    nodes["HeadroomOptimizerConfig"].update(optimizer="AdamW")  # bitsandbytes' 8-bit AdamW needs a GPU
+    nodes["HeadroomTrainLora"].update(run_name=run_name, precision="fp32", steps=2, validate_every=2, save_every=2,
+                                      width=size, height=size, sample_steps=2)
+    execution = comfy_server.run_workflow(prompt, timeout=900)
+    assert execution.status == "success"
+    saved = list((comfy_server.base_dir / "models" / "loras").rglob(f"{run_name}*.safetensors"))
+    assert saved, f"no LoRA of run {run_name} in models/loras"
+    validation = comfy_server.base_dir / "output" / "headroom_runs" / run_name / "validation"
+    assert list(validation.iterdir()), f"no validation image in {validation}"

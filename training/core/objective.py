@@ -6,6 +6,7 @@ the noise parametrisation ComfyUI samples with:
 
 - eps / v (ComfyUI `EPS`, `V_PREDICTION`, discrete schedule): x_t = x0 + sigma * noise
 - flow (ComfyUI `CONST`, SD3 / Flux):                        x_t = sigma * noise + (1 - sigma) * x0
+  (times the model's noise_scale on the noise where its sampling settings set one: HiDream-O1's 8.0)
 
 The denoiser returns its x0 estimate (what ComfyUI's `BaseModel.apply_model` returns). The loss in the
 model's native space (eps, v or flow velocity) is a per-sample multiple of the x0 error:
@@ -50,6 +51,10 @@ class SamplingDescriptor:
     # The flow times the model's sampling reaches (trained times are clamped into it): (1e-4, 1) for SD3 / Flux; Cosmos
     # Predict2's rectified flow stops at its EDM sigma range, t = sigma / (1 + sigma) for sigma in [0.002, 80].
     flow_range: tuple[float, float] = (1e-4, 1.0)
+    # The factor on the noise in a flow model's input (ComfyUI's CONST.noise_scaling: sigma * (s * noise) + (1 - sigma)
+    # * x0): 1.0 for most; HiDream-O1's pixel-space model samples with 8.0. The loss is unchanged: the model's x0
+    # estimate still gives its velocity as (x_t - x0_hat) / sigma.
+    noise_scale: float = 1.0
 
     def __post_init__(self):
         if self.prediction not in PREDICTIONS:
@@ -156,7 +161,7 @@ class Objective:
     def noisy(self, x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
         s = sigma.view(-1, *([1] * (x0.ndim - 1))).to(x0)
         if self.sampling.prediction == "flow":
-            return s * noise + (1.0 - s) * x0
+            return s * (self.sampling.noise_scale * noise) + (1.0 - s) * x0
         return x0 + s * noise
 
     def sample_weight(self, sigma: torch.Tensor, min_snr: bool = True) -> torch.Tensor:
