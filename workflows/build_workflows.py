@@ -793,7 +793,8 @@ def hidream_o1_lora() -> Workflow:
         [checkpoint("hidream_o1_image_bf16.safetensors")],
         (1, "MODEL"), (1, "CLIP"), (1, "VAE"),
         "- hidream_o1_image_bf16.safetensors (HiDream-O1-Image Full, 16.4 GB) -> models/checkpoints/\n"
-        "- or hidream_o1_image_dev_bf16.safetensors (Dev, distilled: sampled at cfg 1) -> models/checkpoints/\n"
+        "(Dev, the distilled model, is published as hidream_o1_image_dev_fp8_scaled, a scaled fp8 file Headroom does "
+        "not train yet: Init says so.)\n"
         "(Comfy-Org/HiDream-O1-Image on Hugging Face, its checkpoints/ folder: one file holds the model, its "
         "tokenizer and the pixel-space VAE; no text encoder or VAE to download, the Gemma 4 of ComfyUI's own template "
         "only rewrites prompts.) Training images: sides multiples of 32 px (the model's pixel patches; the bucket "
