@@ -201,7 +201,7 @@ def test_family_presets_pick_the_documented_layers(comfyui):
 
     picked = {}
     for family in ("sd15", "sd2", "sdxl", "sd3", "flux", "flux2", "chroma", "zimage", "qwen_image",
-                   "hidream", "hunyuan_image", "krea2", "ideogram4", "hidream_o1", "wan21", "hunyuan_video15", "ltx2"):
+                   "hidream", "hunyuan_image", "krea2", "hidream_o1", "ideogram4", "wan21", "hunyuan_video15", "ltx2"):
         model = build_tiny_model_patcher(family, 0).model
         assert model_family(model) == family
         blocks = [n for n, _ in model_blocks(model.diffusion_model)]

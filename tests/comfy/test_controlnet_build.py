@@ -236,7 +236,7 @@ def test_init_refuses_every_family_without_a_controlnet_layout_naming_it_and_the
                                              rf"family {name} .*sd15, sd2, sdxl \(unet: .*sd3 \(sd3: .*flux \(flux: "):
             TC.start_controlnet_run(model, None, None, optimizer, f"cn_refused_{name}", 0, 1, 1, "fp32", 1.0, 0.0,
                                     "uniform", "none", 5.0, 0.0, False, 1, 0)
-    assert refused == ["flux2", "chroma", "zimage", "hidream", "hunyuan_image", "krea2", "ideogram4", "hidream_o1", "wan21", "hunyuan_video15",
+    assert refused == ["flux2", "chroma", "zimage", "hidream", "hunyuan_image", "krea2", "hidream_o1", "ideogram4", "wan21", "hunyuan_video15",
                        "ltx2"]
 
 

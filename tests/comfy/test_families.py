@@ -42,7 +42,7 @@ def test_one_module_per_family(comfyui):
     folder = pathlib.Path(families.__file__).parent
     modules = sorted(p.stem for p in folder.glob("*.py") if p.stem not in ("__init__", "base"))
     assert list(families.FAMILIES) == ["sd15", "sd2", "sdxl", "sd3", "flux", "flux2", "chroma", "zimage", "qwen_image",
-                                       "hidream", "hunyuan_image", "krea2", "ideogram4", "hidream_o1", "wan21", "hunyuan_video15", "ltx2"]
+                                       "hidream", "hunyuan_image", "krea2", "hidream_o1", "ideogram4", "wan21", "hunyuan_video15", "ltx2"]
     assert sorted(families.FAMILIES) == modules
     assert list(families.CONTROLNET_TYPES) == ["unet", "sd3", "flux", "qwen_image"]  # stored names: never renamed
     assert (families.get("sd15").controlnet is families.get("sd2").controlnet is families.get("sdxl").controlnet
@@ -151,7 +151,7 @@ def test_a_model_of_no_family_trains_with_all_linear_only(comfyui):
     model = _models()["sd15"].model
     blocks = ["input_blocks.1"]
     with pytest.raises(ValueError, match=r"this model has no LoRA target preset \(presets: sd15, sd2, sdxl, sd3, "
-                                         r"flux, flux2, chroma, zimage, qwen_image, hidream, hunyuan_image, krea2, ideogram4, hidream_o1, wan21, "
+                                         r"flux, flux2, chroma, zimage, qwen_image, hidream, hunyuan_image, krea2, hidream_o1, ideogram4, wan21, "
                                          r"hunyuan_video15, ltx2\); "
                                          "set targets to 'all_linear'"):
         families.lora_targets(model.diffusion_model, None, AdapterConfig(), blocks)

@@ -9,7 +9,7 @@ import torch
 
 pytestmark = pytest.mark.comfyui
 FAMILIES = ["sd15", "sd2", "sdxl", "sd3", "flux", "flux2", "chroma", "zimage", "qwen_image", "hidream", "hunyuan_image",
-            "krea2", "ideogram4", "hidream_o1", "ltx2"]
+            "krea2", "hidream_o1", "ideogram4", "ltx2"]
 
 
 def _policy(**overrides):

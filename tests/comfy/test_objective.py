@@ -147,7 +147,7 @@ def test_step_seeds_differ_per_step_and_salt():
 
 @pytest.mark.comfyui
 @pytest.mark.parametrize("family", ["sd15", "sd2", "sdxl", "sd3", "flux", "flux2", "chroma", "zimage", "qwen_image",
-                                    "krea2", "ideogram4", "hidream_o1"])
+                                    "krea2", "hidream_o1", "ideogram4"])
 def test_descriptor_from_comfyui_model_sampling(comfyui, family):
     from headroom.nodes.bridge.comfy_model import sampling_descriptor
     from headroom.nodes.bridge.tiny_models import build_tiny_model_patcher

@@ -5,7 +5,7 @@ import torch
 pytestmark = pytest.mark.comfyui
 
 FAMILIES = ["sd15", "sd2", "sdxl", "sd3", "flux", "flux2", "flux2_dev", "chroma", "zimage", "qwen_image", "hidream",
-            "hunyuan_image", "krea2", "ideogram4", "hidream_o1", "wan21", "wan21_i2v", "hunyuan_video15", "ltx2"]
+            "hunyuan_image", "krea2", "hidream_o1", "ideogram4", "wan21", "wan21_i2v", "hunyuan_video15", "ltx2"]
 
 
 def _weights(patcher):
@@ -58,7 +58,7 @@ def test_tiny_family_samples_with_stock_nodes(comfyui, family):
     # The LLM text encoders (Flux.2 Klein's Qwen3, Z-Image's Qwen3, Qwen-Image's Qwen2.5-VL) and Chroma's T5-only
     # encoder have no pooled vector.
     assert (positive[0][1].get("pooled_output") is not None) == (family not in ("flux2", "flux2_dev", "chroma", "zimage",
-                                                                                "qwen_image", "hunyuan_image", "krea2", "ideogram4", "hidream_o1", "wan21",
+                                                                                "qwen_image", "hunyuan_image", "krea2", "hidream_o1", "ideogram4", "wan21",
                                                                                 "wan21_i2v",
                                                                                 "hunyuan_video15", "ltx2"))
 
