@@ -1,4 +1,5 @@
-"""Streamed blocks: the mechanics with CPU->CPU copies (exercise_on_cpu), and identical results."""
+"""Streamed blocks through the ring of device slots: the mechanics with CPU->CPU copies (exercise_on_cpu), and results
+bit for bit those of the resident run."""
 from __future__ import annotations
 
 import pytest
@@ -37,42 +38,138 @@ def make_blocks(seed=0, count=4):
     return torch.nn.ModuleList([Block() for _ in range(count)])
 
 
-def train(blocks, steps=3, checkpointing=None, depth=1):
+def train(blocks, steps=3, checkpointing=None, depth=1, order=None, trace=None):
+    """A few AdamW steps on the blocks' trainable weights; `order`: the blocks' execution order (default in order);
+    `trace`: a list receiving (loss, LoRA gradients) per step."""
     optimizer = torch.optim.AdamW([p for p in blocks.parameters() if p.requires_grad], lr=1e-2)
     restore = checkpointing(blocks, depth) if checkpointing else (lambda: None)
     g = torch.Generator().manual_seed(7)
     for _ in range(steps):
         x = torch.randn(3, 5, 16, generator=g)
-        for block in blocks:
-            x = block(x)
-        x.square().mean().backward()
+        for i in order or range(len(blocks)):
+            x = blocks[i](x)
+        loss = x.square().mean()
+        loss.backward()
+        if trace is not None:
+            trace.append((loss.detach().clone(), [p.grad.clone() for p in blocks.parameters() if p.requires_grad]))
         optimizer.step()
         optimizer.zero_grad()
     restore()
     return [p.detach().clone() for p in blocks.parameters() if p.requires_grad]
 
 
-def reference():
-    return train(make_blocks())
+def reference(count=4, **options):
+    return train(make_blocks(count=count), **options)
 
 
-@pytest.mark.parametrize("checkpointing, depth", [
-    (None, 1), (enable_checkpointing, 1), (enable_checkpointing, 2), (enable_offloaded_checkpointing, 1)])
+def assert_same(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        if isinstance(x, (list, tuple)):
+            assert_same(x, y)
+        else:
+            assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("checkpointing, depth", [(enable_checkpointing, 1), (enable_offloaded_checkpointing, 1)])
 def test_streamed_training_is_bitwise_equal(checkpointing, depth):
     blocks = make_blocks()
     with WeightStreamer(blocks, "cpu", exercise_on_cpu=True, record=True) as streamer:
         result = train(blocks, checkpointing=checkpointing, depth=depth)
-    for a, b in zip(reference(), result):
-        assert torch.equal(a, b)
-    assert streamer.max_on_device <= 2
+    assert_same(reference(), result)
+    assert streamer.max_on_device <= 2 and streamer.fallback_fetches == 0
 
 
-def test_fetch_order_is_one_block_ahead_forward_then_backward():
+@pytest.mark.parametrize("slots, resident", [(2, ()), (3, ()), (2, (0, 1)), (3, (0, 2, 5)), (2, (5,))])
+def test_the_ring_is_bitwise_the_resident_run(slots, resident):
+    """Loss, LoRA gradients and updated weights of every step, with 2 and 3 slots, all blocks streamed or some
+    whole blocks resident and the rest streamed."""
+    expected, got = [], []
+    reference_weights = train(make_blocks(count=6), steps=4, checkpointing=enable_checkpointing, trace=expected)
+    blocks = make_blocks(count=6)
+    with WeightStreamer(blocks, "cpu", slots=slots, resident=resident, exercise_on_cpu=True) as streamer:
+        weights = train(blocks, steps=4, checkpointing=enable_checkpointing, trace=got)
+        assert streamer.streamed_blocks() == set(range(6)) - set(resident)
+    assert_same(expected, got)
+    assert_same(reference_weights, weights)
+    assert streamer.max_on_device <= slots and streamer.fallback_fetches == 0
+
+
+def test_fetch_order_keeps_the_last_blocks_across_the_turn():
+    """One copy per block per pass, except the blocks still in a slot: the last ones at the forward -> backward
+    turn, the first ones at the next step's forward."""
     blocks = make_blocks()
     with WeightStreamer(blocks, "cpu", exercise_on_cpu=True, record=True) as streamer:
         train(blocks, steps=1, checkpointing=enable_checkpointing)
-    assert streamer.fetch_log == [0, 1, 2, 3, 3, 2, 1, 0]
-    assert streamer.install_log == [("forward", i) for i in range(4)] + [("backward", i) for i in (3, 2, 1, 0)]
+        assert streamer.fetch_log == [0, 1, 2, 3, 1, 0]
+        assert streamer.install_log == [("forward", i) for i in range(4)] + [("backward", i) for i in (3, 2, 1, 0)]
+        train(blocks, steps=1, checkpointing=enable_checkpointing)
+        assert streamer.fetch_log[6:] == [2, 3, 1, 0]
+    blocks = make_blocks(count=6)
+    with WeightStreamer(blocks, "cpu", slots=3, exercise_on_cpu=True, record=True) as streamer:
+        train(blocks, steps=2, checkpointing=enable_checkpointing)
+    # 3 slots: two blocks in flight ahead; three kept at each turn
+    assert streamer.fetch_log == [0, 1, 2, 3, 4, 5, 2, 1, 0] + [3, 4, 5, 2, 1, 0]
+
+
+def test_no_allocation_in_steady_state():
+    blocks = make_blocks(count=5)
+    with WeightStreamer(blocks, "cpu", slots=3, exercise_on_cpu=True) as streamer:
+        assert streamer.allocations == 3  # the slots, at attach
+        pointers = streamer.slot_pointers()
+        train(blocks, steps=1, checkpointing=enable_checkpointing)
+        seen = []
+        handle = blocks[2].base.register_forward_pre_hook(lambda m, a: seen.append(m.weight))
+        train(blocks, steps=3, checkpointing=enable_checkpointing)
+        handle.remove()
+        assert streamer.allocations == 3 and streamer.fallback_fetches == 0
+        assert streamer.slot_pointers() == pointers
+        # the installed weights are cached views of the slots: no new tensor per install either
+        assert len({id(w) for w in seen}) <= 3 and all(w.untyped_storage().data_ptr() in pointers for w in seen)
+
+
+def test_a_block_run_out_of_order_is_fetched_synchronously_and_stays_correct():
+    order = [0, 2, 1, 3, 1]  # skips ahead, comes back, runs a block twice
+    expected = reference(order=order, checkpointing=enable_checkpointing)
+    blocks = make_blocks()
+    with WeightStreamer(blocks, "cpu", exercise_on_cpu=True, record=True) as streamer:
+        result = train(blocks, order=order, checkpointing=enable_checkpointing)
+    assert_same(expected, result)
+    assert streamer.fallback_fetches == 0 and streamer.max_on_device <= 2
+
+
+@pytest.mark.parametrize("checkpointing, depth", [(None, 1), (enable_checkpointing, 2)])
+def test_a_block_autograd_keeps_weights_of_pins_its_slot(checkpointing, depth):
+    """Not checkpointed (or checkpointed below the block, with a frozen buffer used outside the checkpoints):
+    autograd saves views of the slot for backward. The slot is pinned until that backward ran, the next blocks go to
+    one-off buffers: bitwise correct, slow (the policy streams only checkpointed blocks)."""
+    blocks = make_blocks()
+    with WeightStreamer(blocks, "cpu", exercise_on_cpu=True) as streamer:
+        result = train(blocks, checkpointing=checkpointing, depth=depth)
+        assert streamer.fallback_fetches > 0
+        assert all(slot.pins == 0 for slot in streamer._ring)  # released with the graph
+    assert_same(reference(), result)
+
+
+def test_host_tensors_become_views_of_one_packed_buffer_reused_by_the_next_attach():
+    blocks = make_blocks()
+    host = dict(blocks.named_parameters()) | dict(blocks.named_buffers())
+    values = {name: t.detach().clone() for name, t in host.items()}
+    streamer = WeightStreamer(blocks, "cpu", exercise_on_cpu=True).attach()
+    storages = {name: t.untyped_storage().data_ptr() for name, t in host.items()}
+    streamer.detach()
+    for b in range(4):  # one storage per block for its frozen tensors; the trainable ones untouched
+        frozen = {storages[f"{b}.{n}"] for n in ("norm.weight", "norm.bias", "base.weight", "base.bias", "scale")}
+        assert len(frozen) == 1 and storages[f"{b}.down.weight"] not in frozen
+    WeightStreamer(blocks, "cpu", exercise_on_cpu=True).attach().detach()
+    now = dict(blocks.named_parameters()) | dict(blocks.named_buffers())
+    assert all(now[name] is t and torch.equal(t, values[name]) for name, t in host.items())
+    assert {name: t.untyped_storage().data_ptr() for name, t in host.items()} == storages  # not packed again
+
+
+def test_fewer_than_two_slots_are_refused():
+    with pytest.raises(ValueError, match="slots"):
+        WeightStreamer(make_blocks(), "cpu", slots=1)
 
 
 def test_blocks_compute_with_device_copies_and_get_their_host_tensors_back():
@@ -105,8 +202,7 @@ def test_cpu_device_is_a_no_op():
     with WeightStreamer(blocks, "cpu") as streamer:
         assert not streamer.enabled and all(not b._forward_pre_hooks for b in blocks)
         result = train(blocks)
-    for a, b in zip(reference(), result):
-        assert torch.equal(a, b)
+    assert_same(reference(), result)
 
 
 def test_attach_twice_is_refused_and_detach_is_idempotent():

@@ -413,7 +413,7 @@ def memory_features(policy: OffloadPolicy, blocks: Sequence[torch.nn.Module], de
         if selected is not None and streamer is not None:
             # A streamed block is always recomputed: without it autograd keeps its device copy until backward. Which
             # blocks stream is ComfyUI's load's choice (what it left in host RAM: the streamer's non-empty slots).
-            selected = selected | {i for i, slots in enumerate(streamer.slots) if slots}
+            selected = selected | streamer.streamed_blocks()
         if policy.checkpointing == "blocks":
             restores.append(wrap_blocks(blocks, policy.checkpoint_depth, inplace_inputs=inplace_inputs,
                                         selected=selected))
