@@ -95,6 +95,64 @@ def test_the_ring_is_bitwise_the_resident_run(slots, resident):
     assert streamer.max_on_device <= slots and streamer.fallback_fetches == 0
 
 
+class Net(torch.nn.Module):
+    """Blocks between frozen layers outside them (an embedder and a final norm)."""
+
+    def __init__(self, count=5):
+        super().__init__()
+        torch.manual_seed(3)
+        self.embed = torch.nn.Linear(16, 16).requires_grad_(False)
+        self.blocks = make_blocks(count=count)
+        self.final = torch.nn.LayerNorm(16).requires_grad_(False)
+
+    def forward(self, x):
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.final(x)
+
+
+def train_net(net, steps=3, trace=None):
+    optimizer = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=1e-2)
+    restore = enable_checkpointing(net.blocks)
+    g = torch.Generator().manual_seed(11)
+    for _ in range(steps):
+        loss = net(torch.randn(2, 7, 16, generator=g)).square().mean()
+        loss.backward()
+        trace.append((loss.detach().clone(), [p.grad.clone() for p in net.parameters() if p.requires_grad]))
+        optimizer.step()
+        optimizer.zero_grad()
+    restore()
+    return [p.detach().clone() for p in net.parameters() if p.requires_grad]
+
+
+def test_whole_blocks_and_non_block_layers_kept_on_the_device_the_rest_streamed():
+    """The plan's placement: non-block layers and whole resident blocks copied once at attach and kept installed,
+    the other blocks through the ring; bit for bit the resident run."""
+    expected, got = [], []
+    reference_weights = train_net(Net(), trace=expected)
+    net = Net()
+    host = {name: t for name, t in net.named_parameters()}
+    seen = {}
+    handle = net.blocks[1].base.register_forward_pre_hook(lambda m, a: seen.update({"block 1": m.weight}))
+    with WeightStreamer(net.blocks, "cpu", resident=(1, 3), keep=[net], exercise_on_cpu=True,
+                        record=True) as streamer:
+        assert net.embed.weight.untyped_storage().data_ptr() not in streamer.slot_pointers()
+        kept, streamed = streamer.kept_bytes(), streamer.streamed_blocks()
+        weights = train_net(net, trace=got)
+    handle.remove()
+    assert all(t is host[name] for name, t in net.named_parameters())  # detached: the host tensors back
+    assert_same(expected, got)
+    assert_same(reference_weights, weights)
+    per_block = sum(t.numel() * 4 for t in (net.blocks[0].norm.weight, net.blocks[0].norm.bias,
+                                            net.blocks[0].base.weight, net.blocks[0].base.bias, net.blocks[0].scale))
+    outside = sum(t.numel() * 4 for t in (*net.embed.parameters(), *net.final.parameters()))
+    assert kept == 2 * per_block + outside
+    assert streamed == {0, 2, 4} and streamer.allocations == 2 + 3  # slots + kept buffers
+    assert {i for _, i in streamer.install_log} == {0, 2, 4} and set(streamer.fetch_log) == {0, 2, 4}
+    assert seen["block 1"] is not net.blocks[1].base.weight  # a device copy, installed from attach to detach
+
+
 def test_fetch_order_keeps_the_last_blocks_across_the_turn():
     """One copy per block per pass, except the blocks still in a slot: the last ones at the forward -> backward
     turn, the first ones at the next step's forward."""

@@ -163,10 +163,12 @@ def _unregister(buffer: torch.Tensor) -> None:
 
 class WeightStreamer:
     def __init__(self, blocks: Sequence[torch.nn.Module], device: torch.device | str, *, slots: int = DEFAULT_SLOTS,
-                 resident: Iterable[int] = (), exercise_on_cpu: bool = False, pin_host_copies: bool = True,
-                 record: bool = False):
+                 resident: Iterable[int] = (), keep: Sequence[torch.nn.Module] = (), exercise_on_cpu: bool = False,
+                 pin_host_copies: bool = True, record: bool = False):
         """`blocks` in execution order. `slots`: device slots in the ring (>= 2; prefetch depth `slots - 1`).
-        `resident`: indices of blocks left alone (on a device only what is not there already streams anyway).
+        `resident`: indices of whole blocks kept on the device from attach to detach (the plan's resident blocks:
+        what of them is in host RAM is copied once, at attach, into a buffer of its own); `keep`: modules whose frozen
+        weights outside the blocks are kept on the device the same way (the non-block layers).
         `pin_host_copies`: pin the packed host buffers on CUDA (False: pageable, for a host short of lockable RAM).
         `record`: keep a log of every install and fetch (tests, bench)."""
         if isinstance(slots, bool) or not isinstance(slots, int) or slots < 2:
@@ -177,6 +179,7 @@ class WeightStreamer:
             self.device = torch.device("cuda", torch.cuda.current_device())  # compare like with like below
         self.slot_count = slots
         self.resident = frozenset(resident)
+        self.keep = list(keep)
         self.exercise_on_cpu = exercise_on_cpu
         self.pin_host_copies = pin_host_copies
         self.active = False
@@ -187,6 +190,7 @@ class WeightStreamer:
         self._by_storage: dict[int, _Slot] = {}  # slot buffer's data_ptr -> slot
         self._temps: dict[int, list[torch.Tensor]] = {}  # block -> its weights in a one-off buffer (no slot free)
         self._installed: set[int] = set()
+        self._kept: list[_Block] = []  # resident blocks and non-block layers copied once at attach (installed)
         self._handles = []
         self._saving = None  # the saved-tensors hook context open while a block runs with grad
         self._copy_stream = None
@@ -220,7 +224,17 @@ class WeightStreamer:
         cuda = self.device.type == "cuda"
         if cuda:
             self._copy_stream = torch.cuda.Stream(self.device)
-        self._blocks = [self._pack(i, block) for i, block in enumerate(self.blocks)]
+        in_blocks = {id(m) for block in self.blocks for m in block.modules()}
+        self._blocks = []
+        for index, block in enumerate(self.blocks):
+            packed = self._pack(self._collect(block.modules()), pin=index not in self.resident)
+            if index in self.resident:
+                self._keep_on_device(packed)
+                packed = _Block([], 0)
+            self._blocks.append(packed)
+        for module in self.keep:
+            self._keep_on_device(self._pack(self._collect(m for m in module.modules() if id(m) not in in_blocks),
+                                            pin=False))
         self._streamed = [i for i, b in enumerate(self._blocks) if b.tensors]
         largest = max((b.nbytes for b in self._blocks), default=0)
         if self._streamed:
@@ -244,6 +258,9 @@ class WeightStreamer:
         self._handles.clear()
         for index in list(self._installed):
             self._release(index)
+        for kept in self._kept:
+            for t in kept.tensors:
+                (t.module._parameters if t.is_param else t.module._buffers)[t.name] = t.host
         if self._cuda:
             torch.cuda.current_stream(self.device).wait_stream(self._copy_stream)
             self._copy_stream.synchronize()  # no copy reads a host buffer we unpin below
@@ -252,7 +269,7 @@ class WeightStreamer:
                 _unregister(block.packed)  # pageable again: no pinned RAM outlives the run
                 block.registered = False
         # The host tensors stay views of their packed block (same values, pageable): a later attach reuses it.
-        self._blocks, self._streamed, self._ring = [], [], []
+        self._blocks, self._streamed, self._ring, self._kept = [], [], [], []
         self._slot_of.clear()
         self._by_storage.clear()
         self._temps.clear()
@@ -265,17 +282,22 @@ class WeightStreamer:
     def __exit__(self, *exc) -> None:
         self.detach()
 
-    def _pack(self, index: int, block: torch.nn.Module) -> _Block:
-        """The block's streamed tensors in one flat host buffer; the modules' host tensors become views of it."""
-        tensors, offset = [], 0
-        if index not in self.resident:
-            for module in block.modules():
-                for name, param in module._parameters.items():
-                    if param is not None and not param.requires_grad and self._needs_streaming(param):
-                        tensors.append((module, name, True, param))
-                for name, buffer in module._buffers.items():
-                    if buffer is not None and self._needs_streaming(buffer):
-                        tensors.append((module, name, False, buffer))
+    def _collect(self, modules: Iterable[torch.nn.Module]) -> list[tuple]:
+        """The frozen tensors of `modules` that are not on the device: (module, name, is_param, tensor)."""
+        tensors = []
+        for module in modules:
+            for name, param in module._parameters.items():
+                if param is not None and not param.requires_grad and self._needs_streaming(param):
+                    tensors.append((module, name, True, param))
+            for name, buffer in module._buffers.items():
+                if buffer is not None and self._needs_streaming(buffer):
+                    tensors.append((module, name, False, buffer))
+        return tensors
+
+    def _pack(self, tensors: list[tuple], pin: bool = True) -> _Block:
+        """`tensors` in one flat host buffer (pinned on CUDA where `pin`); the modules' host tensors become views of
+        it."""
+        offset = 0
         laid = []
         seen: dict[int, _Tensor] = {}
         for module, name, is_param, host in tensors:
@@ -300,7 +322,7 @@ class WeightStreamer:
                     if not t.host.is_pinned():  # pinned by someone else (their record of it): left alone
                         t.host.data = t.view(packed)  # the old storage is freed: host RAM is not doubled
             result.packed = packed
-        if self.device.type == "cuda" and self.pin_host_copies:
+        if self.device.type == "cuda" and self.pin_host_copies and pin:
             result.registered = _register(result.packed)
             if not result.registered and not self._warned_pin:
                 self._warned_pin = True
@@ -324,6 +346,19 @@ class WeightStreamer:
         if self.device.type == "cpu":
             return True  # exercise mode: every frozen tensor takes the round trip
         return tensor.device != self.device
+
+    def _keep_on_device(self, block: _Block) -> None:
+        """One copy, at attach, into a buffer of its own; installed until detach."""
+        if not block.tensors:
+            return
+        buffer = torch.empty(block.nbytes, dtype=torch.uint8, device=self.device)
+        buffer.copy_(block.packed)
+        self.allocations += 1
+        for t in block.tensors:
+            view = t.view(buffer)
+            (t.module._parameters if t.is_param else t.module._buffers)[t.name] = (
+                torch.nn.Parameter(view, requires_grad=False) if t.is_param else view)
+        self._kept.append(block)
 
     # --- the ring ----------------------------------------------------------------------------------------------
     def _victim(self, keep: set[int]) -> _Slot | None:
@@ -491,6 +526,10 @@ class WeightStreamer:
     def streamed_bytes(self) -> list[int]:
         """Bytes streamed per block (0 for a block with nothing to stream; [] before attach)."""
         return [sum(t.nbytes for t in {id(t.host): t for t in b.tensors}.values()) for b in self._blocks]
+
+    def kept_bytes(self) -> int:
+        """Bytes copied once at attach and kept on the device (resident blocks and non-block layers from host RAM)."""
+        return sum(t.nbytes for block in self._kept for t in {id(t.host): t for t in block.tensors}.values())
 
     def streamed_blocks(self) -> set[int]:
         """The indices of the blocks that stream (the rest are resident, or hold no frozen weights)."""
