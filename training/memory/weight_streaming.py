@@ -569,13 +569,13 @@ def resident_block_bytes(placement: str, block_weights: Sequence[int], rest_byte
                          device_budget: int | None) -> int:
     """The frozen block weights kept on the device: all ("resident", or "partial" without a budget), none
     ("streamed"), or for "partial" what the room `device_budget` leaves beside everything else (`rest_bytes`) and
-    the two streaming buffers. The run's load keeps ComfyUI to this share (nodes/bridge/comfy_bridge.Placement)."""
+    the ring's slots (DEFAULT_SLOTS blocks). The run's load keeps ComfyUI to this share (nodes/bridge/comfy_bridge.Placement)."""
     all_blocks = sum(block_weights)
     if placement == "resident" or (placement == "partial" and device_budget is None):
         return all_blocks
     if placement == "streamed":
         return 0
-    return max(0, min(all_blocks, device_budget - rest_bytes - 2 * max(block_weights, default=0)))
+    return max(0, min(all_blocks, device_budget - rest_bytes - DEFAULT_SLOTS * max(block_weights, default=0)))
 
 
 def validation_placement(placement: str, budgeted: bool = True) -> str:
@@ -597,8 +597,8 @@ def _phase_weights(placement: str, block_weights: Sequence[int], storage: str, r
     if placement == "resident":
         return {f"frozen block weights ({storage})": all_blocks}, all_blocks
     resident_part = resident_block_bytes(placement, block_weights, rest_bytes, device_budget)
-    buffers = 0 if resident_part >= all_blocks else 2 * max(block_weights, default=0)
-    weights = {"streamed block buffers (2 blocks)": buffers}
+    buffers = 0 if resident_part >= all_blocks else DEFAULT_SLOTS * max(block_weights, default=0)
+    weights = {f"streamed block buffers ({DEFAULT_SLOTS} blocks)": buffers}
     if placement == "partial":
         weights[f"resident block weights ({storage}, partial)"] = resident_part
     return weights, resident_part
