@@ -283,3 +283,31 @@ def test_inference_without_grad_streams_without_backward_hooks():
             for block in blocks:
                 x = block(x)
     assert streamer.install_log == [("forward", i) for i in range(4)]
+
+
+def test_memory_features_with_the_plans_placement_checkpoints_what_streams_and_matches_the_resident_run():
+    """policy.memory_features with the streamer options the bridge sets from the plan: resident whole blocks (not
+    checkpointed, as selective checkpointing leaves them), the non-block layers kept, the rest streamed through a
+    3-slot ring and always recomputed."""
+    from headroom.training.memory.policy import OffloadPolicy, memory_features
+
+    expected, got = [], []
+    reference_weights = train_net(Net(count=6), trace=expected)
+    net = Net(count=6)
+    policy = OffloadPolicy(base_placement="partial", checkpointing="blocks", checkpoint_blocks="1")
+    wrapped = []
+    with memory_features(policy, net.blocks, "cpu", exercise_on_cpu=True, resident=(0, 3), keep=[net],
+                         slots=3) as streamer:
+        wrapped = {i for i, block in enumerate(net.blocks) if "forward" in block.__dict__}
+        optimizer = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=1e-2)
+        g = torch.Generator().manual_seed(11)
+        for _ in range(3):
+            loss = net(torch.randn(2, 7, 16, generator=g)).square().mean()
+            loss.backward()
+            got.append((loss.detach().clone(), [p.grad.clone() for p in net.parameters() if p.requires_grad]))
+            optimizer.step()
+            optimizer.zero_grad()
+    assert wrapped == {1, 2, 4, 5}  # the selection and every streamed block; resident 0 and 3 keep activations
+    assert streamer.fallback_fetches == 0 and streamer.allocations == 3 + 3
+    assert_same(expected, got)
+    assert_same(reference_weights, [p.detach().clone() for p in net.parameters() if p.requires_grad])

@@ -185,6 +185,9 @@ class Trainer:
         self.run_dir = run_dir
         # Checkpointing, streaming, optimizer placement...: the run's policy, resolved once (policy.run_policy).
         self.policy = policy if policy is not None else OffloadPolicy()
+        # The streamer's options from the run's plan (weight_streaming.WeightStreamer: slots, resident whole blocks,
+        # non-block layers kept on the device); set by the ComfyUI bridge on a device, empty elsewhere.
+        self.stream_options: dict = {}
         self.item_extras = item_extras
         self.objective = Objective(denoiser.sampling, config.objective)
         self.train_items = list(range(len(latent_cache))) if train_items is None else list(train_items)
@@ -500,7 +503,8 @@ class Trainer:
             try:
                 # Checkpointing, offloaded checkpoints and streamed blocks, as the policy says (training/policy.py).
                 with memory_features(self.policy, [m for _, m in self.denoiser.blocks()], self.denoiser.device,
-                                     inplace_inputs=getattr(self.denoiser, "inplace_blocks", False)):
+                                     inplace_inputs=getattr(self.denoiser, "inplace_blocks", False),
+                                     **self.stream_options):
                     self.trainable.train(True)
                     while self.step < target_step:
                         started = time.perf_counter()
