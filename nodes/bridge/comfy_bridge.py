@@ -346,6 +346,11 @@ class Placement:
                 blocks = [block for _, block in training_blocks(self.patcher.model.diffusion_model)]
                 block_bytes = sum(t.numel() * t.element_size() for block in blocks
                                   for t in [*block.parameters(), *block.buffers()] if not t.requires_grad)
+                if whole_blocks:
+                    # ComfyUI unloads smallest first, so freeing the blocks' bytes may take non-block layers and
+                    # leave slices of blocks: everything goes, and the streamer brings the non-block layers and the
+                    # plan's resident blocks back whole (one copy each, at attach).
+                    block_bytes = max(block_bytes, self.patcher.loaded_size())
                 self.patcher.partially_unload(self.patcher.offload_device, memory_to_free=block_bytes)
             if training and placement.stream_blocks and self.patcher.load_device != self.patcher.offload_device:
                 unpin_block_weights(self.patcher)  # the streamer pins its own packed buffers
