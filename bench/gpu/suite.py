@@ -385,11 +385,12 @@ def train_and_measure(patcher, name: str, config: str, args, record: dict, polic
                               validation_base_device_bytes=plan.validation_base_device_bytes,
                               **plan_times(plan.to_dict()))
             counters = [allocator_counters(device)]
-            T.HeadroomTrainSteps.execute(run, args.warmup)  # loads the model, kernels, allocator, optimizer state
-            counters.append(allocator_counters(device))
-            T.HeadroomTrainSteps.execute(run, args.warmup + args.steps)
-            counters.append(allocator_counters(device))
-            record["allocator"] = allocator_deltas(counters, args.steps)
+            with counters_per_step():
+                T.HeadroomTrainSteps.execute(run, args.warmup)  # loads the model, kernels, allocator, optimizer state
+                counters.append(allocator_counters(device))
+                T.HeadroomTrainSteps.execute(run, args.warmup + args.steps)
+                counters.append(allocator_counters(device))
+            record["allocator"] = allocator_deltas(counters, args.steps, step_counters(run, args.warmup, counters[1]))
             training = [p for p in run.record.memory.phases if p["phase"] == "training"][-1]
             own = validation_seconds(run, width, height)  # validation on its own placement (the plan's)
             validation = [p for p in run.record.memory.phases if p["phase"] == "validation"][-1]
@@ -440,15 +441,41 @@ def allocator_counters(device) -> dict | None:
     return {name: int(stats.get(name, 0)) for name in ALLOCATOR_COUNTERS}
 
 
-def allocator_deltas(counters: list[dict | None], steps: int) -> dict | None:
-    """What the allocator did in the warm-up and in the timed steps (and per timed step): retries (a cudaMalloc that
-    failed, the cache flushed and tried again), device-wide syncs, out-of-memory errors, cudaMalloc / cudaFree."""
+@contextlib.contextmanager
+def counters_per_step():
+    """The run's per-step figures (TrainingRun.step_figures, read after each step) carry the allocator's counters."""
+    from headroom.nodes.bridge import comfy_bridge
+
+    figures = comfy_bridge.memory_figures
+    comfy_bridge.memory_figures = lambda device: {**figures(device), "allocator": allocator_counters(device)}
+    try:
+        yield
+    finally:
+        comfy_bridge.memory_figures = figures
+
+
+def step_counters(run, warmup: int, start: dict | None) -> list[dict]:
+    """Each timed step's counters, as the difference from the step before (the first: from the warm-up's end)."""
+    out, previous = [], start
+    for step in sorted(s for s in run.step_figures if s > warmup):
+        now = run.step_figures[step][2].get("allocator")
+        if now is None or previous is None:
+            return []
+        out.append({name: now[name] - previous[name] for name in ALLOCATOR_COUNTERS})
+        previous = now
+    return out
+
+
+def allocator_deltas(counters: list[dict | None], steps: int, per_step: list[dict] | None = None) -> dict | None:
+    """What the allocator did in the warm-up and in the timed steps (in all, on average, and step by step): retries
+    (a cudaMalloc that failed, the cache flushed and tried again), device-wide syncs, out-of-memory errors,
+    cudaMalloc / cudaFree."""
     if any(c is None for c in counters):
         return None
     before, warm, timed = counters
     warmup = {name: warm[name] - before[name] for name in ALLOCATOR_COUNTERS}
     steady = {name: timed[name] - warm[name] for name in ALLOCATOR_COUNTERS}
-    return {"warmup": warmup, "timed": steady,
+    return {"warmup": warmup, "timed": steady, "per_step": per_step or [],
             "timed_per_step": {name: value / max(1, steps) for name, value in steady.items()}}
 
 

@@ -84,3 +84,27 @@ def test_rows_against_their_physical_limit_the_prediction_and_the_allocator():
     assert "Pinned host->device bandwidth, measured once: 50.0 GB/s." in text
     assert "| Flux.1-dev | 24GB | 50 / 7 (2) | 0.900 | 0.850 | 0.94 | 0.800 (measured compute) | 1.12x | 0 | 0 | 0 |" in text
     assert "| Flux.1-dev | 8GB | 50 / 7 (2) | 1.500 | 1.000 | 0.67 | 1.200 (planned compute) | 1.25x | 3 | 0 | 0 |" in text
+
+
+def test_the_kit_counts_the_allocator_per_step():
+    """bench/gpu/suite.py: the counters over the warm-up, the timed steps, and each timed step (from the run's per-step
+    figures); none without CUDA."""
+    spec = importlib.util.spec_from_file_location("gpukit_suite_unit", REPO_ROOT / "bench" / "gpu" / "suite.py")
+    suite = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # dataclasses look it up there
+    spec.loader.exec_module(suite)
+
+    def counters(retries, syncs):
+        return dict.fromkeys(suite.ALLOCATOR_COUNTERS, 0) | {"num_alloc_retries": retries,
+                                                             "num_sync_all_streams": syncs}
+
+    class Run:
+        step_figures = {1: (0, 0, {"allocator": counters(5, 1)}), 2: (0, 0, {"allocator": counters(7, 1)}),
+                        3: (0, 0, {"allocator": counters(7, 4)})}
+
+    per_step = suite.step_counters(Run(), 1, counters(5, 1))
+    assert [(c["num_alloc_retries"], c["num_sync_all_streams"]) for c in per_step] == [(2, 0), (0, 3)]
+    deltas = suite.allocator_deltas([counters(0, 0), counters(5, 1), counters(7, 4)], 2, per_step)
+    assert deltas["warmup"]["num_alloc_retries"] == 5 and deltas["timed"]["num_sync_all_streams"] == 3
+    assert deltas["timed_per_step"]["num_alloc_retries"] == 1.0 and deltas["per_step"] == per_step
+    assert suite.allocator_deltas([None, None, None], 2) is None
+    assert suite.allocator_counters(__import__("torch").device("cpu")) is None
