@@ -311,3 +311,54 @@ def test_memory_features_with_the_plans_placement_checkpoints_what_streams_and_m
     assert streamer.fallback_fetches == 0 and streamer.allocations == 3 + 3
     assert_same(expected, got)
     assert_same(reference_weights, [p.detach().clone() for p in net.parameters() if p.requires_grad])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the copy stream, the slot events, pinned buffers")
+@pytest.mark.parametrize("slots", [2, 3])
+def test_the_ring_on_cuda_is_bitwise_the_resident_run(slots):
+    """On a GPU (the kit's CUDA-marked tests): frozen weights in host RAM through the ring (pinned packed buffers, the
+    copy stream, free / ready events), the LoRA on the device; bit for bit the all-resident run, the slots fixed,
+    no fallback, no allocator retry."""
+    device = torch.device("cuda")
+
+    def run(streamed):
+        blocks = make_blocks(count=6)
+        if streamed:
+            for block in blocks:
+                block.down.to(device), block.up.to(device)  # trainable on the device, frozen in host RAM
+        else:
+            blocks.to(device)
+        optimizer = torch.optim.AdamW([p for p in blocks.parameters() if p.requires_grad], lr=1e-2)
+        restore = enable_checkpointing(blocks)
+        g = torch.Generator().manual_seed(7)
+        trace = []
+        streamer = WeightStreamer(blocks, device, slots=slots).attach() if streamed else None
+        try:
+            pointers = streamer.slot_pointers() if streamer else []
+            pinned = all(t.is_pinned() for b in blocks for t in (b.base.weight, b.norm.weight, b.scale)) \
+                if streamer else None
+            for _ in range(4):
+                x = torch.randn(3, 5, 16, generator=g).to(device)
+                for block in blocks:
+                    x = block(x)
+                loss = x.square().mean()
+                loss.backward()
+                trace.append((loss.detach().cpu(), [p.grad.cpu() for p in blocks.parameters() if p.requires_grad]))
+                optimizer.step()
+                optimizer.zero_grad()
+            torch.cuda.synchronize()
+            if streamer:
+                assert streamer.slot_pointers() == pointers and streamer.allocations == slots
+                assert streamer.fallback_fetches == 0 and pinned
+        finally:
+            if streamer:
+                streamer.detach()
+            restore()
+        return trace, [p.detach().cpu() for p in blocks.parameters() if p.requires_grad]
+
+    expected = run(False)
+    retries = torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
+    got = run(True)
+    assert torch.cuda.memory_stats(device).get("num_alloc_retries", 0) == retries
+    assert_same(expected[0], got[0])
+    assert_same(expected[1], got[1])
