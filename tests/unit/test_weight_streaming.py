@@ -225,6 +225,23 @@ def test_host_tensors_become_views_of_one_packed_buffer_reused_by_the_next_attac
     assert {name: t.untyped_storage().data_ptr() for name, t in host.items()} == storages  # not packed again
 
 
+def test_an_attach_that_fails_gives_the_modules_their_host_tensors_back(monkeypatch):
+    from headroom.training.memory import weight_streaming
+
+    net = Net()
+    host = {name: t for name, t in [*net.named_parameters(), *net.named_buffers()]}
+
+    def no_room(*args):
+        raise RuntimeError("CUDA out of memory (the slots)")
+
+    monkeypatch.setattr(weight_streaming, "_Slot", no_room)
+    streamer = WeightStreamer(net.blocks, "cpu", resident=(1,), keep=[net], exercise_on_cpu=True)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        streamer.attach()
+    assert not streamer.active and all(not b._forward_pre_hooks for b in net.blocks)
+    assert all(t is host[name] for name, t in [*net.named_parameters(), *net.named_buffers()])
+
+
 def test_fewer_than_two_slots_are_refused():
     with pytest.raises(ValueError, match="slots"):
         WeightStreamer(make_blocks(), "cpu", slots=1)

@@ -221,6 +221,15 @@ class WeightStreamer:
         self.active = True
         if not self.enabled:
             return self  # CPU: the weights already are where the compute happens
+        try:
+            self._set_up()
+        except BaseException:  # out of memory for the slots, say: the modules get their host tensors back
+            self.detach()
+            raise
+        return self
+
+    def _set_up(self) -> None:
+        """Pack the host buffers, keep the resident blocks and non-block layers, allocate the slots, add the hooks."""
         cuda = self.device.type == "cuda"
         if cuda:
             self._copy_stream = torch.cuda.Stream(self.device)
@@ -247,7 +256,6 @@ class WeightStreamer:
         for index, block in enumerate(self.blocks):
             self._handles.append(block.register_forward_pre_hook(self._make_pre_forward(index)))
             self._handles.append(block.register_forward_hook(self._make_post_forward(index)))
-        return self
 
     def detach(self) -> None:
         if not self.active:
