@@ -22,6 +22,8 @@ END = "<!-- gpu-kit:end -->"
 GOALS_GB = {"flux_dev": 6.0, "sdxl": 3.0, "qwen_image": 10.0}  # the goal lines: peak VRAM at 1024 px
 PLANNER_TOLERANCE = 0.10
 STREAMED_SLOWDOWN = 1.15
+LIMIT_GOAL = 1.15  # issue 41: a budget run within 1.15x its physical limit
+PREDICTION_TOLERANCE = 0.15  # issue 41: the predicted s/step within 15 % of the measured
 LABELS = {"flux_dev": "Flux.1-dev", "sdxl": "SDXL", "qwen_image": "Qwen-Image", "flux2_klein_9b": "Flux.2 Klein 9B",
           "zimage": "Z-Image", "wan22_14b": "Wan 2.2 14B", "sd35_large": "SD3.5-Large"}
 
@@ -50,9 +52,26 @@ def _config_key(config: str) -> tuple:
     return (1, 0.0, "") if config == "resident" else (2, 0.0, config)
 
 
+def physical_limit(r: dict, measured: dict[str, dict]) -> tuple[float | None, str]:
+    """A row's physical limit, max(compute with its recompute, bytes crossing / pinned bandwidth), and where its
+    compute part comes from: the same model's "ckpt" row (resident, every block checkpointed, no cap: measured) when
+    the row checkpoints every block, else the plan's compute (calibrated); the transfer part is the plan's (its
+    streamed bytes over the bandwidth measured when planning)."""
+    t = r.get("step_time")
+    if not t:
+        return None, ""
+    ckpt = measured.get(f"lora/{r['model']}/ckpt")
+    blocks = r.get("plan_blocks") or {}
+    every = blocks.get("checkpointed") and blocks.get("checkpointed") == blocks.get("resident", 0) + blocks.get(
+        "streamed", 0)
+    if ckpt and ckpt.get("status") == "ok" and ckpt.get("s_per_step") and every:
+        return max(ckpt["s_per_step"], t["transfer_s"]), "measured compute"
+    return t["limit_s"], "planned compute"
+
+
 def findings(measured: dict[str, dict]) -> dict[str, list[str]]:
     """What the figures show, computed: planner misses, budget overruns, slow streamed steps, failures."""
-    out = {"planner": [], "budget": [], "speed": [], "failed": []}
+    out = {"planner": [], "budget": [], "speed": [], "failed": [], "limit": [], "predicted": [], "allocator": []}
     resident = {r["model"]: r for r in measured.values() if r.get("kind") == "lora" and r["config"] == "resident"
                 and r.get("status") == "ok"}
     for ident, r in measured.items():
@@ -76,6 +95,19 @@ def findings(measured: dict[str, dict]) -> dict[str, list[str]]:
         if budget is not None and reserved is not None and reserved > budget * GIB:
             out["budget"].append(f"`{ident}`: peak reserved {reserved / GIB:.2f} GiB over the {budget:g} GiB budget "
                                  f"({r.get('policy')})")
+        limit, _ = physical_limit(r, measured)
+        if r["kind"] == "lora" and budget is not None and limit and r.get("s_per_step") and (
+                r["s_per_step"] > LIMIT_GOAL * limit):
+            out["limit"].append(f"`{ident}`: {r['s_per_step']:.2f} s/step = {r['s_per_step'] / limit:.2f}x its "
+                                f"physical limit {limit:.2f} s")
+        predicted = r.get("predicted_s_per_step")
+        if predicted and r.get("s_per_step") and abs(predicted / r["s_per_step"] - 1) > PREDICTION_TOLERANCE:
+            out["predicted"].append(f"`{ident}`: predicted {predicted:.2f} s/step vs measured {r['s_per_step']:.2f} s "
+                                    f"({predicted / r['s_per_step']:.2f}x)")
+        timed = ((r.get("allocator") or {}).get("timed") or {})
+        if timed.get("num_alloc_retries") or timed.get("num_ooms"):
+            out["allocator"].append(f"`{ident}`: {timed.get('num_alloc_retries', 0)} allocator retries, "
+                                    f"{timed.get('num_ooms', 0)} out-of-memory in the timed steps")
         base = resident.get(r["model"])
         if r["kind"] == "lora" and budget is not None and base is not None and r.get("s_per_step") and base.get("s_per_step"):
             ratio = r["s_per_step"] / base["s_per_step"]
@@ -180,6 +212,34 @@ def section(records: list[dict]) -> str:
             lines.append(f"| {LABELS.get(r['model'], r['model'])} | {r['config']} | "
                          f"{_gib(r.get('training_base_bytes'))} / {_gib(r.get('validation_base_bytes'))} | "
                          f"{before:.2f} | {own:.2f} | {1 - own / before:.0%} |")
+    timed = [r for r in lora if r.get("step_time") or r.get("allocator")]
+    if timed:
+        link = measured.get("h2d") or {}
+        bandwidth = link.get("h2d_bytes_per_s")
+        lines += ["", "Streaming at the physical limit (issue 41): each row's measured step against the plan's "
+                  "prediction and against its physical limit max(compute with its recompute, bytes crossing / "
+                  "pinned bandwidth); the allocator's counters (`torch.cuda.memory_stats`) over the timed steps, per "
+                  "step. Pinned host->device bandwidth, measured once: "
+                  + (f"{bandwidth / 1e9:.1f} GB/s." if bandwidth else "not measured (no CUDA device)."), "",
+                  "| model | budget GiB / policy | blocks resident / streamed (ring slots) | s/step | predicted s | "
+                  "predicted / measured | physical limit s (compute from) | measured / limit | alloc. retries / "
+                  "step | sync-all-streams / step | OOMs |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in timed:
+            blocks = r.get("plan_blocks") or {}
+            placed = (f"{blocks.get('resident')} / {blocks.get('streamed')} ({blocks.get('slots')})"
+                      if blocks.get("streamed") else f"{blocks.get('resident', '')} / 0")
+            measured_s, predicted = r.get("s_per_step"), r.get("predicted_s_per_step")
+            limit, source = physical_limit(r, measured)
+            per_step = (r.get("allocator") or {}).get("timed_per_step") or {}
+            lines.append(
+                f"| {LABELS.get(r['model'], r['model'])} | {r['config']} | {placed} | "
+                f"{'' if measured_s is None else f'{measured_s:.3f}'} | "
+                f"{'' if predicted is None else f'{predicted:.3f}'} | "
+                f"{f'{predicted / measured_s:.2f}' if predicted and measured_s else ''} | "
+                f"{'' if limit is None else f'{limit:.3f} ({source})'} | "
+                f"{f'{measured_s / limit:.2f}x' if limit and measured_s else ''} | "
+                + " | ".join("" if name not in per_step else f"{per_step[name]:g}"
+                             for name in ("num_alloc_retries", "num_sync_all_streams", "num_ooms")) + " |")
     tests = measured.get("cuda_tests")
     if tests:
         lines += ["", f"CUDA-marked tests ({', '.join(tests.get('files', [])) or 'none found'}): "
@@ -194,6 +254,12 @@ def section(records: list[dict]) -> str:
                  + ("; ".join(found["budget"]) if found["budget"] else "none"))
     lines.append(f"- Budget runs slower than {STREAMED_SLOWDOWN}x the resident step: "
                  + ("; ".join(found["speed"]) if found["speed"] else "none"))
+    lines.append(f"- Budget runs slower than {LIMIT_GOAL}x their physical limit: "
+                 + ("; ".join(found["limit"]) if found["limit"] else "none"))
+    lines.append(f"- Predicted s/step off by more than {PREDICTION_TOLERANCE:.0%}: "
+                 + ("; ".join(found["predicted"]) if found["predicted"] else "none"))
+    lines.append("- Allocator retries or out-of-memory errors in the timed steps: "
+                 + ("; ".join(found["allocator"]) if found["allocator"] else "none"))
     lines.append("- Not measured (failed, out of memory or crashed): "
                  + ("; ".join(found["failed"]) if found["failed"] else "none"))
     left = lefts[-1]["ids"] if lefts else []

@@ -95,14 +95,17 @@ FULL_HOST_CARDS = (16,)
 
 def plan(models: list[str], budgets: list[float], policies: list[str], full_cards: tuple[float, ...] = FULL_CARDS,
          full_host_cards: tuple[float, ...] = FULL_HOST_CARDS) -> list[tuple[str, str, list[str]]]:
-    """The measurements in order of value, as (kind, model, configs): configs "resident", a budget in GiB ("8GB"),
+    """The measurements in order of value, as (kind, model, configs): configs "resident", "ckpt" (resident, every
+    block checkpointed), a budget in GiB ("8GB"),
     "policy-<name>", or a full fine-tune's card ("full-24GB", "full-16GB-host"); one model build per entry. Flux-dev and SDXL at 16 / 8 GiB and resident come first (the first
     command's share)."""
     first = [b for b in budgets if b in (16, 8)]
     rest = [b for b in budgets if b not in first]
-    steps: list[tuple[str, str, list[str]]] = [("cuda_tests", "", [])]
+    steps: list[tuple[str, str, list[str]]] = [("cuda_tests", "", []), ("h2d", "", [])]
     head = [m for m in ("flux_dev", "sdxl") if m in models]
-    steps += [("lora", m, ["resident", *map(_config, first)]) for m in head]
+    # Flux-dev resident with every block checkpointed and no cap: the compute part of a streamed step's physical
+    # limit (issue 41: max(compute with its recompute, bytes crossing / pinned bandwidth)).
+    steps += [("lora", m, ["resident", *(["ckpt"] if m == "flux_dev" else []), *map(_config, first)]) for m in head]
     steps += [("lora", m, list(map(_config, rest))) for m in head if rest]
     steps += [("native", m, ["offload_off", "offload_on"]) for m in NATIVE_MODELS if m in models]
     fulls = [f"full-{card:g}GB" for card in full_cards] + [f"full-{card:g}GB-host" for card in full_host_cards]
@@ -319,7 +322,7 @@ def lora_run(patcher, name: str, config: str, args) -> dict:
                   plan_fits=plan["fits"], plan_reason=plan["reason"],
                   planner_train_bytes=phases.get("training step"), planner_validation_bytes=phases.get("validation"),
                   base_device_bytes=plan.get("base_device_bytes"),
-                  validation_base_device_bytes=plan.get("validation_base_device_bytes"))
+                  validation_base_device_bytes=plan.get("validation_base_device_bytes"), **plan_times(plan))
     free_device()
     lora = T.HeadroomLoraConfig.execute("lora", 16, 16.0, "preset", False, 0.0, 0).args[0]
     optimizer = T.HeadroomOptimizerConfig.execute("AdamW", 1e-4, 0.0, "constant", 0, 1000).args[0]
@@ -379,9 +382,15 @@ def train_and_measure(patcher, name: str, config: str, args, record: dict, polic
                               plan_reason=run.plan_note, planner_train_bytes=plan.phase("training step").total,
                               planner_validation_bytes=plan.phase("validation").total,
                               base_device_bytes=plan.base_device_bytes,
-                              validation_base_device_bytes=plan.validation_base_device_bytes)
-            T.HeadroomTrainSteps.execute(run, args.warmup)  # loads the model, kernels, allocator, optimizer state
-            T.HeadroomTrainSteps.execute(run, args.warmup + args.steps)
+                              validation_base_device_bytes=plan.validation_base_device_bytes,
+                              **plan_times(plan.to_dict()))
+            counters = [allocator_counters(device)]
+            with counters_per_step():
+                T.HeadroomTrainSteps.execute(run, args.warmup)  # loads the model, kernels, allocator, optimizer state
+                counters.append(allocator_counters(device))
+                T.HeadroomTrainSteps.execute(run, args.warmup + args.steps)
+                counters.append(allocator_counters(device))
+            record["allocator"] = allocator_deltas(counters, args.steps, step_counters(run, args.warmup, counters[1]))
             training = [p for p in run.record.memory.phases if p["phase"] == "training"][-1]
             own = validation_seconds(run, width, height)  # validation on its own placement (the plan's)
             validation = [p for p in run.record.memory.phases if p["phase"] == "validation"][-1]
@@ -409,6 +418,77 @@ def train_and_measure(patcher, name: str, config: str, args, record: dict, polic
         del run
         free_device()
     return record
+
+
+# --- issue 41: the step against its physical limit ------------------------------------------------------------------
+ALLOCATOR_COUNTERS = ("num_alloc_retries", "num_sync_all_streams", "num_ooms", "num_device_alloc", "num_device_free")
+
+
+def plan_times(plan: dict) -> dict:
+    """The plan's predicted step (time_model.StepTime.to_dict: compute, transfer, its physical limit) and where the
+    base's blocks are, from its JSON."""
+    blocks = plan.get("blocks") or {}
+    return {"predicted_s_per_step": plan.get("predicted_s_per_step"), "step_time": plan.get("step_time"),
+            "plan_blocks": {"resident": len(blocks.get("resident", [])), "streamed": len(blocks.get("streamed", [])),
+                            "checkpointed": len(blocks.get("checkpointed", [])), "slots": blocks.get("slots")}}
+
+
+def allocator_counters(device) -> dict | None:
+    """The caching allocator's counters now (torch.cuda.memory_stats); None without CUDA."""
+    if device.type != "cuda":
+        return None
+    stats = torch.cuda.memory_stats(device)
+    return {name: int(stats.get(name, 0)) for name in ALLOCATOR_COUNTERS}
+
+
+@contextlib.contextmanager
+def counters_per_step():
+    """The run's per-step figures (TrainingRun.step_figures, read after each step) carry the allocator's counters."""
+    from headroom.nodes.bridge import comfy_bridge
+
+    figures = comfy_bridge.memory_figures
+    comfy_bridge.memory_figures = lambda device: {**figures(device), "allocator": allocator_counters(device)}
+    try:
+        yield
+    finally:
+        comfy_bridge.memory_figures = figures
+
+
+def step_counters(run, warmup: int, start: dict | None) -> list[dict]:
+    """Each timed step's counters, as the difference from the step before (the first: from the warm-up's end)."""
+    out, previous = [], start
+    for step in sorted(s for s in run.step_figures if s > warmup):
+        now = run.step_figures[step][2].get("allocator")
+        if now is None or previous is None:
+            return []
+        out.append({name: now[name] - previous[name] for name in ALLOCATOR_COUNTERS})
+        previous = now
+    return out
+
+
+def allocator_deltas(counters: list[dict | None], steps: int, per_step: list[dict] | None = None) -> dict | None:
+    """What the allocator did in the warm-up and in the timed steps (in all, on average, and step by step): retries
+    (a cudaMalloc that failed, the cache flushed and tried again), device-wide syncs, out-of-memory errors,
+    cudaMalloc / cudaFree."""
+    if any(c is None for c in counters):
+        return None
+    before, warm, timed = counters
+    warmup = {name: warm[name] - before[name] for name in ALLOCATOR_COUNTERS}
+    steady = {name: timed[name] - warm[name] for name in ALLOCATOR_COUNTERS}
+    return {"warmup": warmup, "timed": steady, "per_step": per_step or [],
+            "timed_per_step": {name: value / max(1, steps) for name, value in steady.items()}}
+
+
+def h2d_bandwidth(dry_run: bool) -> dict:
+    """Pinned host->device bandwidth, measured once (time_model.h2d_bytes_per_s: what the planner uses); none on the
+    CPU (nothing crosses)."""
+    from headroom.training.memory import time_model
+
+    if dry_run or not torch.cuda.is_available():
+        return {"status": "ok", "h2d_bytes_per_s": None, "probe_bytes": time_model.H2D_PROBE_BYTES,
+                "note": "no CUDA device: nothing crosses"}
+    return {"status": "ok", "h2d_bytes_per_s": time_model.h2d_bytes_per_s(torch.device("cuda")),
+            "probe_bytes": time_model.H2D_PROBE_BYTES}
 
 
 def validation_seconds(run, width: int, height: int) -> float:
@@ -634,6 +714,8 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 if kind == "cuda_tests":
                     record = cuda_tests(timeout=max(60.0, args.minutes * 60 - (time.monotonic() - started)))
+                elif kind == "h2d":
+                    record = h2d_bandwidth(args.dry_run)
                 else:
                     if patcher is None:
                         patcher = build_model(name, args.dry_run)

@@ -253,6 +253,21 @@ def keep_to_share(patcher, planned_bytes: int | None) -> int:
     return over
 
 
+def unpin_block_weights(patcher) -> list[str]:
+    """The block weights ComfyUI pinned in host RAM (its offload pins them in place), unpinned through its own
+    records: the trainer's WeightStreamer packs each streamed block into one buffer of its own and pins that (the
+    weights become views of it: a weight ComfyUI still had pinned would be packed beside, doubling its host RAM).
+    Returns the keys unpinned."""
+    pinned = getattr(patcher, "pinned", None)
+    if not pinned or not hasattr(patcher, "unpin_weight"):
+        return []
+    blocks = [f"diffusion_model.{name}." for name, _ in training_blocks(patcher.model.diffusion_model)]
+    keys = sorted(key for key in pinned if any(key.startswith(prefix) for prefix in blocks))
+    for key in keys:
+        patcher.unpin_weight(key)
+    return keys
+
+
 SAMPLING_PLACEMENT_KEY = "headroom.validation_placement"
 
 
@@ -305,13 +320,18 @@ class Placement:
                           prefixes=blocks)
 
     def load(self, patchers: list, extra_bytes: int, base_device_bytes: int | None = None,
-             placement: BasePlacement | None = None) -> None:
+             placement: BasePlacement | None = None, whole_blocks: bool = False) -> None:
         """Load the training patchers through ComfyUI's model management, as the policy places the frozen base
         (`extra_bytes`: what the run adds on the device beyond the weights, for ComfyUI's accounting;
         `base_device_bytes`: for "partial" placement, the share of the base the run's plan keeps on the device;
-        `placement`: another than the policy's, validation's own)."""
+        `placement`: another than the policy's, validation's own; `whole_blocks`: the plan places whole blocks
+        (planner.Plan.resident_blocks): every block goes to host RAM here and the trainer's WeightStreamer keeps the
+        plan's resident blocks and the non-block layers on the device, streaming the rest through its ring)."""
         # Decided in one place: training/memory/weight_streaming.base_placement
+        training = placement is None
         placement = placement if placement is not None else self.policy.placement
+        if whole_blocks and placement.stream_blocks:
+            placement = dataclasses.replace(placement, blocks_to_host=True)
         with torch.inference_mode(False):  # weights copied to the device here are then usable by autograd
             # Not a full load: ComfyUI may keep part of the base in host RAM (its lowvram load); the trainer's
             # WeightStreamer brings those blocks to the device one block ahead.
@@ -326,7 +346,14 @@ class Placement:
                 blocks = [block for _, block in training_blocks(self.patcher.model.diffusion_model)]
                 block_bytes = sum(t.numel() * t.element_size() for block in blocks
                                   for t in [*block.parameters(), *block.buffers()] if not t.requires_grad)
+                if whole_blocks:
+                    # ComfyUI unloads smallest first, so freeing the blocks' bytes may take non-block layers and
+                    # leave slices of blocks: everything goes, and the streamer brings the non-block layers and the
+                    # plan's resident blocks back whole (one copy each, at attach).
+                    block_bytes = max(block_bytes, self.patcher.loaded_size())
                 self.patcher.partially_unload(self.patcher.offload_device, memory_to_free=block_bytes)
+            if training and placement.stream_blocks and self.patcher.load_device != self.patcher.offload_device:
+                unpin_block_weights(self.patcher)  # the streamer pins its own packed buffers
             # ComfyUI's load ends with the adapters injected; its weight keys (and the weights it pinned) are those
             # of the bare module tree.
             with self.patcher.use_ejected():
@@ -443,7 +470,8 @@ class TrainingRun:
         patchers, extra = self.trained.patchers(self), self.trained.device_extra_bytes(self.trainer)
         share = self._validation_device_share() if phase == "validation" else None
         if share is None:  # training, or a validation nothing was planned for (a CPU, no plan): training's placement
-            self.placement.load(patchers, extra, self._base_device_share())
+            whole = phase != "validation" and self._plan_streamer()
+            self.placement.load(patchers, extra, self._base_device_share(), whole_blocks=whole)
         else:
             own = base_placement(validation_placement(self.policy.base_placement))
             self.placement.load(patchers, extra, share, own)
@@ -599,6 +627,23 @@ class TrainingRun:
             return None
         return self._planned_shares()[1]
 
+    def _plan_streamer(self) -> bool:
+        """On a device, with blocks streamed: the streamer set up as the run's plan places the base (its resident
+        whole blocks, the non-block layers kept on the device, its ring's slots). False where no plan was made (a
+        CPU, or the plan failed: ComfyUI's own partial placement stands, the streamer brings what it left in host
+        RAM)."""
+        if not self.policy.streams_blocks:
+            return False
+        self._planned_shares()
+        planned = getattr(self, "_planned_blocks", None)
+        if planned is None:
+            self.trainer.stream_options = {}
+            return False
+        resident, slots = planned
+        self.trainer.stream_options = {"resident": resident, "slots": slots,
+                                       "keep": [self.placement.patcher.model.diffusion_model]}
+        return True
+
     def _planned_shares(self) -> tuple[int | None, int | None]:
         """(training, validation) shares of the base on the device from the run's plan, planned once; (None, None)
         on a CPU or when the plan cannot be made."""
@@ -609,6 +654,7 @@ class TrainingRun:
             try:
                 plan = run_plan(self)
                 self._planned_base_share = (plan.base_device_bytes, plan.validation_base_device_bytes)
+                self._planned_blocks = (tuple(plan.resident_blocks), plan.stream_slots)
                 if self.predicted_s_per_step is None:
                     self.predicted_s_per_step = plan.predicted_s_per_step
             except Exception as error:  # the plan is advice for the load, not a reason to stop the run

@@ -47,12 +47,12 @@ def test_dry_run_measures_resumes_and_writes_the_page(comfyui, tmp_path):
 
     suite(results, "--models", "sdxl", "--budgets", "8", "--no-native", "--policies", "none")
     first = {r["id"]: r for r in measurements(results)}
-    assert list(first) == ["cuda_tests", "lora/sdxl/resident", "lora/sdxl/8GB"]
+    assert list(first) == ["cuda_tests", "h2d", "lora/sdxl/resident", "lora/sdxl/8GB"]
 
     # The time guard: nothing starts, what is left is recorded.
     suite(results, "--models", "sdxl,wan22_14b", "--budgets", "8", "--policies", "streamed_ckpt", "--minutes", "0")
     records = [json.loads(line) for line in (results / "results.jsonl").read_text().splitlines()]
-    assert len(measurements(results)) == 3
+    assert len(measurements(results)) == 4
     assert records[-1]["type"] == "left"
     assert records[-1]["ids"] == ["native/sdxl/offload_off", "native/sdxl/offload_on", "lora/wan22_14b/resident",
                                   "lora/wan22_14b/8GB", "lora/sdxl/policy-streamed_ckpt"]
@@ -60,8 +60,8 @@ def test_dry_run_measures_resumes_and_writes_the_page(comfyui, tmp_path):
     suite(results, "--models", "sdxl,wan22_14b", "--budgets", "8", "--policies", "streamed_ckpt", "--page", str(page),
           "--png", str(png))
     by_id = {r["id"]: r for r in measurements(results)}
-    assert len(by_id) == len(measurements(results)) == 8  # nothing measured twice
-    assert [r["id"] for r in measurements(results)][:3] == list(first)  # resumed after the first command
+    assert len(by_id) == len(measurements(results)) == 9  # nothing measured twice
+    assert [r["id"] for r in measurements(results)][:4] == list(first)  # resumed after the first command
     for ident in ("lora/sdxl/resident", "lora/sdxl/8GB", "lora/wan22_14b/resident", "lora/wan22_14b/8GB",
                   "lora/sdxl/policy-streamed_ckpt"):
         run = by_id[ident]
@@ -71,6 +71,9 @@ def test_dry_run_measures_resumes_and_writes_the_page(comfyui, tmp_path):
         assert run["fallback"] is None  # the driver's fallback finding, per run: none on a CPU
         # Validation timed on its own placement and on training's (issue 28 item 3's A/B)
         assert run["validation_seconds"] > 0 and run["validation_seconds_training_placement"] > 0
+        # issue 41: the plan's predicted step beside the measured one; no allocator counters without CUDA
+        assert run["predicted_s_per_step"] > 0 and run["step_time"]["limit_s"] > 0 and run["allocator"] is None
+        assert run["plan_blocks"]["resident"] + run["plan_blocks"]["streamed"] > 0
     assert by_id["lora/sdxl/8GB"]["budget_gb"] == 8 and by_id["lora/sdxl/resident"]["budget_gb"] is None
     assert by_id["lora/sdxl/policy-streamed_ckpt"]["policy_fields"]["base_placement"] == "streamed"
     assert (by_id["lora/wan22_14b/8GB"]["frames"], by_id["lora/sdxl/8GB"]["frames"]) == (5, 1)  # a clip, an image
@@ -85,6 +88,8 @@ def test_dry_run_measures_resumes_and_writes_the_page(comfyui, tmp_path):
     for row in ("| SDXL | 8GB |", "| SDXL | resident |", "| Wan 2.2 14B | 8GB |", "| Wan 2.2 14B | resident |",
                 "| SDXL | policy-streamed_ckpt |", "| SDXL | off |", "| SDXL | on |"):
         assert row in text
+    assert by_id["h2d"]["h2d_bytes_per_s"] is None and "not measured (no CUDA device)" in text
+    assert "Streaming at the physical limit" in text and "| SDXL | 8GB | " in text.split("physical limit (issue 41)")[1]
     assert re.search(r"CUDA-marked tests \([^)]*tests/unit/test_memory_stats\.py", text)
     assert "Validation on its own placement" in text and "| SDXL | 8GB | " in text.split("its own placement")[1]
     assert "Left for the next command (time guard): none" in text
@@ -99,8 +104,11 @@ def test_dry_run_measures_a_full_fine_tune_fitted_to_a_card(comfyui, tmp_path):
     suite(results, "--models", "flux_dev", "--budgets", "8", "--no-native", "--no-cuda-tests", "--policies", "none",
           "--full-cards", "24", "--full-host-cards", "16", "--page", str(page))
     by_id = {r["id"]: r for r in measurements(results)}
-    assert list(by_id) == ["lora/flux_dev/resident", "lora/flux_dev/8GB", "full/flux_dev/full-24GB",
-                           "full/flux_dev/full-16GB-host"]
+    assert list(by_id) == ["h2d", "lora/flux_dev/resident", "lora/flux_dev/ckpt", "lora/flux_dev/8GB",
+                           "full/flux_dev/full-24GB", "full/flux_dev/full-16GB-host"]
+    ckpt = by_id["lora/flux_dev/ckpt"]  # resident, every block checkpointed, no cap: the limit's compute part
+    assert ckpt["status"] == "ok" and ckpt["budget_gb"] is None and ckpt["policy_fields"]["checkpointing"] == "blocks"
+    assert ckpt["policy_fields"]["base_placement"] == "resident"
     host = by_id["full/flux_dev/full-16GB-host"]  # the trained weights in host RAM, through the kit's own path
     assert host["status"] == "ok", host.get("traceback")
     assert host["policy_fields"]["trained_weights"] == "host" and host["policy_fields"]["optimizer_state"] == "cpu"

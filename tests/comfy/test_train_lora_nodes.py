@@ -844,5 +844,28 @@ def test_partial_placement_keeps_the_planned_share_of_the_base(comfyui, monkeypa
     validation = plan.phase("validation")
     assert plan.validation_base_device_bytes == (plan.base_device_bytes - blocks
                                                  + validation.items["resident block weights (as_loaded, partial)"])
+    # The streamer placed as planned: the plan's resident whole blocks and the non-block layers kept on the device,
+    # the rest through the ring (issue 41 item 2); from the same single plan.
+    assert run._plan_streamer() and len(calls) == 1
+    options = run.trainer.stream_options
+    assert options["resident"] == plan.resident_blocks and options["slots"] == plan.stream_slots == 2
+    assert options["keep"] == [run.placement.patcher.model.diffusion_model]
+    # ComfyUI's pins of block weights are undone (the streamer pins its packed buffers); others are left
+    patcher = run.placement.patcher
+    first_block = comfy_bridge.training_blocks(patcher.model.diffusion_model)[0][0]
+    unpinned = []
+    monkeypatch.setattr(patcher, "pinned", {f"diffusion_model.{first_block}.x.weight", "diffusion_model.final.weight"})
+    monkeypatch.setattr(patcher, "unpin_weight", unpinned.append)
+    assert comfy_bridge.unpin_block_weights(patcher) == unpinned == [f"diffusion_model.{first_block}.x.weight"]
+    # The training load with whole blocks: everything ComfyUI loaded goes to host RAM (its smallest-first unload would
+    # leave slices of blocks); the streamer brings the non-block layers and the resident blocks back whole.
+    freed = []
+    monkeypatch.setattr(comfy_bridge.comfy.model_management, "load_models_gpu", lambda *args, **kwargs: None)
+    monkeypatch.setattr(comfy_bridge, "keep_to_share", lambda patcher, share: 0)
+    monkeypatch.setattr(patcher, "partially_unload", lambda device, memory_to_free=0: freed.append(memory_to_free))
+    monkeypatch.setattr(patcher, "loaded_size", lambda: 10 * total)
+    run.placement.load([patcher], 0, share, whole_blocks=True)
+    assert freed == [10 * total] and len(unpinned) == 2  # ComfyUI's pins of block weights undone on the way
     run.policy = run.policy.replace(base_placement="resident")
+    assert not run._plan_streamer()
     assert run._base_device_share() is None and run._validation_device_share() is None  # everything loads

@@ -18,7 +18,7 @@ def report():
 
 
 def lora(config, s_per_step, estimate_gib, peak_gib, reserved_gib, status="ok"):
-    budget = None if config == "resident" else float(config.removesuffix("GB"))
+    budget = float(config.removesuffix("GB")) if config.endswith("GB") else None
     return {"type": "measurement", "id": f"lora/flux_dev/{config}", "kind": "lora", "model": "flux_dev",
             "config": config, "budget_gb": budget, "status": status, "s_per_step": s_per_step,
             "planner_train_bytes": estimate_gib * GIB, "train_peak_allocated": peak_gib * GIB,
@@ -51,3 +51,60 @@ def test_page_replaces_only_its_own_section(tmp_path):
     second = page.read_text()
     assert second.count(module.BEGIN) == 1 and second.endswith("\nbelow\n") and "| Flux.1-dev | 8GB |" in second
     assert "| Flux.1-dev | resident |" not in second
+
+
+def test_rows_against_their_physical_limit_the_prediction_and_the_allocator():
+    """Issue 41's rows: the ratio to max(compute, streamed bytes / bandwidth) (compute measured by the resident
+    every-block-checkpointed row where the row recomputes every block), predicted vs measured, allocator retries."""
+    def timed(config, s_per_step, predicted, compute, transfer, checkpointed, retries=0):
+        row = lora(config, s_per_step, 5.0, 5.0, 5.0)
+        row.update(predicted_s_per_step=predicted, plan_blocks={"resident": 50, "streamed": 7,
+                                                                "checkpointed": checkpointed, "slots": 2},
+                   step_time={"compute_s": compute, "transfer_s": transfer, "limit_s": max(compute, transfer)},
+                   allocator={"timed": {"num_alloc_retries": retries, "num_ooms": 0, "num_sync_all_streams": 0},
+                              "timed_per_step": {"num_alloc_retries": retries / 10, "num_sync_all_streams": 0.0,
+                                                 "num_ooms": 0.0}})
+        return row
+
+    module = report()
+    records = [{"type": "measurement", "id": "h2d", "kind": "h2d", "model": "", "config": "", "status": "ok",
+                "h2d_bytes_per_s": 50e9},
+               lora("resident", 0.6, 10.0, 10.0, 10.0),
+               timed("ckpt", 0.8, 0.8, 0.8, 0.0, 57),
+               timed("24GB", 0.9, 0.85, 0.7, 0.6, 57),  # every block recomputed: limit from the ckpt row, 0.8 s
+               timed("8GB", 1.5, 1.0, 0.7, 1.2, 20, retries=30)]  # selective: the plan's compute; 1.25x its limit
+    measured = module.latest(records)
+    assert module.physical_limit(measured["lora/flux_dev/24GB"], measured) == (0.8, "measured compute")
+    assert module.physical_limit(measured["lora/flux_dev/8GB"], measured) == (1.2, "planned compute")
+    found = module.findings(measured)
+    assert found["limit"] == ["`lora/flux_dev/8GB`: 1.50 s/step = 1.25x its physical limit 1.20 s"]
+    assert found["predicted"] == ["`lora/flux_dev/8GB`: predicted 1.00 s/step vs measured 1.50 s (0.67x)"]
+    assert found["allocator"] == ["`lora/flux_dev/8GB`: 30 allocator retries, 0 out-of-memory in the timed steps"]
+    text = module.section(records)
+    assert "Pinned host->device bandwidth, measured once: 50.0 GB/s." in text
+    assert "| Flux.1-dev | 24GB | 50 / 7 (2) | 0.900 | 0.850 | 0.94 | 0.800 (measured compute) | 1.12x | 0 | 0 | 0 |" in text
+    assert "| Flux.1-dev | 8GB | 50 / 7 (2) | 1.500 | 1.000 | 0.67 | 1.200 (planned compute) | 1.25x | 3 | 0 | 0 |" in text
+
+
+def test_the_kit_counts_the_allocator_per_step():
+    """bench/gpu/suite.py: the counters over the warm-up, the timed steps, and each timed step (from the run's per-step
+    figures); none without CUDA."""
+    spec = importlib.util.spec_from_file_location("gpukit_suite_unit", REPO_ROOT / "bench" / "gpu" / "suite.py")
+    suite = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # dataclasses look it up there
+    spec.loader.exec_module(suite)
+
+    def counters(retries, syncs):
+        return dict.fromkeys(suite.ALLOCATOR_COUNTERS, 0) | {"num_alloc_retries": retries,
+                                                             "num_sync_all_streams": syncs}
+
+    class Run:
+        step_figures = {1: (0, 0, {"allocator": counters(5, 1)}), 2: (0, 0, {"allocator": counters(7, 1)}),
+                        3: (0, 0, {"allocator": counters(7, 4)})}
+
+    per_step = suite.step_counters(Run(), 1, counters(5, 1))
+    assert [(c["num_alloc_retries"], c["num_sync_all_streams"]) for c in per_step] == [(2, 0), (0, 3)]
+    deltas = suite.allocator_deltas([counters(0, 0), counters(5, 1), counters(7, 4)], 2, per_step)
+    assert deltas["warmup"]["num_alloc_retries"] == 5 and deltas["timed"]["num_sync_all_streams"] == 3
+    assert deltas["timed_per_step"]["num_alloc_retries"] == 1.0 and deltas["per_step"] == per_step
+    assert suite.allocator_deltas([None, None, None], 2) is None
+    assert suite.allocator_counters(__import__("torch").device("cpu")) is None

@@ -1,6 +1,8 @@
 """The training engine on a tiny plain-torch denoiser (no ComfyUI): the loop, resume, precision, errors."""
 from __future__ import annotations
 
+import copy
+
 import math
 
 import pytest
@@ -181,6 +183,45 @@ def test_non_finite_loss_names_step_and_keeps_last_good_checkpoint(tmp_path):
     assert restored.resume() and restored.step == 2
     for key, value in good.items():
         assert torch.equal(restored.trainable.state_dict()[key], value)
+
+
+def test_no_host_sync_between_forward_and_backward(monkeypatch):
+    """The loss is read back once, after the last backward of the step (issue 41 item 4): the device keeps its queue
+    across the forward -> backward turn. The losses reported are those .item() gives, bit for bit."""
+    trainer = make_trainer(config=TrainConfig(batch_size=2, seed=3, grad_accum=2))
+    events, read = [], []
+    predict, micro = trainer.denoiser.predict, trainer._micro_step_loss
+    monkeypatch.setattr(trainer.denoiser, "predict", lambda *a: events.append("forward") or predict(*a))
+
+    def micro_step_loss(*args):
+        loss, items = micro(*args)
+        read.append(float(loss.detach().clone()))  # the test's own read, on a copy: not the trainer's
+        loss.register_hook(lambda grad: events.append("backward"))
+        return loss, items
+
+    monkeypatch.setattr(trainer, "_micro_step_loss", micro_step_loss)
+    for name in ("item", "tolist"):
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, _o=original: events.append("sync") or _o(self))
+    trainer.train_to(2)
+    turns = [events[k + 1] for k, event in enumerate(events) if event == "forward"]
+    assert turns == ["backward"] * 4  # each forward straight into its backward, no read in between
+    assert events[:5] == ["forward", "backward", "forward", "backward", "sync"]  # read once, after the last
+    assert [loss for _, loss in trainer.loss_history] == [(read[0] + read[1]) / 2, (read[2] + read[3]) / 2]
+
+
+def test_a_non_finite_loss_read_after_backward_still_stops_before_the_optimizer(tmp_path):
+    """The check moved after backward: the same error, the weights, optimizer state and step untouched."""
+    trainer = make_trainer(RunDir(tmp_path, "late"), config=TrainConfig(batch_size=2, seed=3, grad_accum=2))
+    trainer.train_to(1)
+    weights = {k: v.clone() for k, v in trainer.trainable.state_dict().items()}
+    state = copy.deepcopy(trainer.optimizer.state_dict())
+    trainer.denoiser.net.proj_out.bias.data[:] = float("nan")
+    with pytest.raises(NonFiniteLossError, match=r"training loss became nan at step 2.*among items"):
+        trainer.train_to(3)
+    assert trainer.step == 1 and len(trainer.loss_history) == 1
+    assert all(torch.equal(trainer.trainable.state_dict()[k], v) for k, v in weights.items())
+    assert str(trainer.optimizer.state_dict()) == str(state)
 
 
 def test_a_checkpoint_is_written_from_the_live_weights_without_a_copy(tmp_path, monkeypatch):

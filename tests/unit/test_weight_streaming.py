@@ -1,4 +1,5 @@
-"""Streamed blocks: the mechanics with CPU->CPU copies (exercise_on_cpu), and identical results."""
+"""Streamed blocks through the ring of device slots: the mechanics with CPU->CPU copies (exercise_on_cpu), and results
+bit for bit those of the resident run."""
 from __future__ import annotations
 
 import pytest
@@ -37,42 +38,213 @@ def make_blocks(seed=0, count=4):
     return torch.nn.ModuleList([Block() for _ in range(count)])
 
 
-def train(blocks, steps=3, checkpointing=None, depth=1):
+def train(blocks, steps=3, checkpointing=None, depth=1, order=None, trace=None):
+    """A few AdamW steps on the blocks' trainable weights; `order`: the blocks' execution order (default in order);
+    `trace`: a list receiving (loss, LoRA gradients) per step."""
     optimizer = torch.optim.AdamW([p for p in blocks.parameters() if p.requires_grad], lr=1e-2)
     restore = checkpointing(blocks, depth) if checkpointing else (lambda: None)
     g = torch.Generator().manual_seed(7)
     for _ in range(steps):
         x = torch.randn(3, 5, 16, generator=g)
-        for block in blocks:
-            x = block(x)
-        x.square().mean().backward()
+        for i in order or range(len(blocks)):
+            x = blocks[i](x)
+        loss = x.square().mean()
+        loss.backward()
+        if trace is not None:
+            trace.append((loss.detach().clone(), [p.grad.clone() for p in blocks.parameters() if p.requires_grad]))
         optimizer.step()
         optimizer.zero_grad()
     restore()
     return [p.detach().clone() for p in blocks.parameters() if p.requires_grad]
 
 
-def reference():
-    return train(make_blocks())
+def reference(count=4, **options):
+    return train(make_blocks(count=count), **options)
 
 
-@pytest.mark.parametrize("checkpointing, depth", [
-    (None, 1), (enable_checkpointing, 1), (enable_checkpointing, 2), (enable_offloaded_checkpointing, 1)])
+def assert_same(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        if isinstance(x, (list, tuple)):
+            assert_same(x, y)
+        else:
+            assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("checkpointing, depth", [(enable_checkpointing, 1), (enable_offloaded_checkpointing, 1)])
 def test_streamed_training_is_bitwise_equal(checkpointing, depth):
     blocks = make_blocks()
     with WeightStreamer(blocks, "cpu", exercise_on_cpu=True, record=True) as streamer:
         result = train(blocks, checkpointing=checkpointing, depth=depth)
-    for a, b in zip(reference(), result):
-        assert torch.equal(a, b)
-    assert streamer.max_on_device <= 2
+    assert_same(reference(), result)
+    assert streamer.max_on_device <= 2 and streamer.fallback_fetches == 0
 
 
-def test_fetch_order_is_one_block_ahead_forward_then_backward():
+@pytest.mark.parametrize("slots, resident", [(2, ()), (3, ()), (2, (0, 1)), (3, (0, 2, 5)), (2, (5,))])
+def test_the_ring_is_bitwise_the_resident_run(slots, resident):
+    """Loss, LoRA gradients and updated weights of every step, with 2 and 3 slots, all blocks streamed or some
+    whole blocks resident and the rest streamed."""
+    expected, got = [], []
+    reference_weights = train(make_blocks(count=6), steps=4, checkpointing=enable_checkpointing, trace=expected)
+    blocks = make_blocks(count=6)
+    with WeightStreamer(blocks, "cpu", slots=slots, resident=resident, exercise_on_cpu=True) as streamer:
+        weights = train(blocks, steps=4, checkpointing=enable_checkpointing, trace=got)
+        assert streamer.streamed_blocks() == set(range(6)) - set(resident)
+    assert_same(expected, got)
+    assert_same(reference_weights, weights)
+    assert streamer.max_on_device <= slots and streamer.fallback_fetches == 0
+
+
+class Net(torch.nn.Module):
+    """Blocks between frozen layers outside them (an embedder and a final norm)."""
+
+    def __init__(self, count=5):
+        super().__init__()
+        torch.manual_seed(3)
+        self.embed = torch.nn.Linear(16, 16).requires_grad_(False)
+        self.blocks = make_blocks(count=count)
+        self.final = torch.nn.LayerNorm(16).requires_grad_(False)
+
+    def forward(self, x):
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.final(x)
+
+
+def train_net(net, steps=3, trace=None):
+    optimizer = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=1e-2)
+    restore = enable_checkpointing(net.blocks)
+    g = torch.Generator().manual_seed(11)
+    for _ in range(steps):
+        loss = net(torch.randn(2, 7, 16, generator=g)).square().mean()
+        loss.backward()
+        trace.append((loss.detach().clone(), [p.grad.clone() for p in net.parameters() if p.requires_grad]))
+        optimizer.step()
+        optimizer.zero_grad()
+    restore()
+    return [p.detach().clone() for p in net.parameters() if p.requires_grad]
+
+
+def test_whole_blocks_and_non_block_layers_kept_on_the_device_the_rest_streamed():
+    """The plan's placement: non-block layers and whole resident blocks copied once at attach and kept installed,
+    the other blocks through the ring; bit for bit the resident run."""
+    expected, got = [], []
+    reference_weights = train_net(Net(), trace=expected)
+    net = Net()
+    host = {name: t for name, t in net.named_parameters()}
+    seen = {}
+    handle = net.blocks[1].base.register_forward_pre_hook(lambda m, a: seen.update({"block 1": m.weight}))
+    with WeightStreamer(net.blocks, "cpu", resident=(1, 3), keep=[net], exercise_on_cpu=True,
+                        record=True) as streamer:
+        assert net.embed.weight.untyped_storage().data_ptr() not in streamer.slot_pointers()
+        kept, streamed = streamer.kept_bytes(), streamer.streamed_blocks()
+        weights = train_net(net, trace=got)
+    handle.remove()
+    assert all(t is host[name] for name, t in net.named_parameters())  # detached: the host tensors back
+    assert_same(expected, got)
+    assert_same(reference_weights, weights)
+    per_block = sum(t.numel() * 4 for t in (net.blocks[0].norm.weight, net.blocks[0].norm.bias,
+                                            net.blocks[0].base.weight, net.blocks[0].base.bias, net.blocks[0].scale))
+    outside = sum(t.numel() * 4 for t in (*net.embed.parameters(), *net.final.parameters()))
+    assert kept == 2 * per_block + outside
+    assert streamed == {0, 2, 4} and streamer.allocations == 2 + 3  # slots + kept buffers
+    assert {i for _, i in streamer.install_log} == {0, 2, 4} and set(streamer.fetch_log) == {0, 2, 4}
+    assert seen["block 1"] is not net.blocks[1].base.weight  # a device copy, installed from attach to detach
+
+
+def test_fetch_order_keeps_the_last_blocks_across_the_turn():
+    """One copy per block per pass, except the blocks still in a slot: the last ones at the forward -> backward
+    turn, the first ones at the next step's forward."""
     blocks = make_blocks()
     with WeightStreamer(blocks, "cpu", exercise_on_cpu=True, record=True) as streamer:
         train(blocks, steps=1, checkpointing=enable_checkpointing)
-    assert streamer.fetch_log == [0, 1, 2, 3, 3, 2, 1, 0]
-    assert streamer.install_log == [("forward", i) for i in range(4)] + [("backward", i) for i in (3, 2, 1, 0)]
+        assert streamer.fetch_log == [0, 1, 2, 3, 1, 0]
+        assert streamer.install_log == [("forward", i) for i in range(4)] + [("backward", i) for i in (3, 2, 1, 0)]
+        train(blocks, steps=1, checkpointing=enable_checkpointing)
+        assert streamer.fetch_log[6:] == [2, 3, 1, 0]
+    blocks = make_blocks(count=6)
+    with WeightStreamer(blocks, "cpu", slots=3, exercise_on_cpu=True, record=True) as streamer:
+        train(blocks, steps=2, checkpointing=enable_checkpointing)
+    # 3 slots: two blocks in flight ahead; three kept at each turn
+    assert streamer.fetch_log == [0, 1, 2, 3, 4, 5, 2, 1, 0] + [3, 4, 5, 2, 1, 0]
+
+
+def test_no_allocation_in_steady_state():
+    blocks = make_blocks(count=5)
+    with WeightStreamer(blocks, "cpu", slots=3, exercise_on_cpu=True) as streamer:
+        assert streamer.allocations == 3  # the slots, at attach
+        pointers = streamer.slot_pointers()
+        train(blocks, steps=1, checkpointing=enable_checkpointing)
+        seen = []
+        handle = blocks[2].base.register_forward_pre_hook(lambda m, a: seen.append(m.weight))
+        train(blocks, steps=3, checkpointing=enable_checkpointing)
+        handle.remove()
+        assert streamer.allocations == 3 and streamer.fallback_fetches == 0
+        assert streamer.slot_pointers() == pointers
+        # the installed weights are cached views of the slots: no new tensor per install either
+        assert len({id(w) for w in seen}) <= 3 and all(w.untyped_storage().data_ptr() in pointers for w in seen)
+
+
+def test_a_block_run_out_of_order_is_fetched_synchronously_and_stays_correct():
+    order = [0, 2, 1, 3, 1]  # skips ahead, comes back, runs a block twice
+    expected = reference(order=order, checkpointing=enable_checkpointing)
+    blocks = make_blocks()
+    with WeightStreamer(blocks, "cpu", exercise_on_cpu=True, record=True) as streamer:
+        result = train(blocks, order=order, checkpointing=enable_checkpointing)
+    assert_same(expected, result)
+    assert streamer.fallback_fetches == 0 and streamer.max_on_device <= 2
+
+
+@pytest.mark.parametrize("checkpointing, depth", [(None, 1), (enable_checkpointing, 2)])
+def test_a_block_autograd_keeps_weights_of_pins_its_slot(checkpointing, depth):
+    """Not checkpointed (or checkpointed below the block, with a frozen buffer used outside the checkpoints):
+    autograd saves views of the slot for backward. The slot is pinned until that backward ran, the next blocks go to
+    one-off buffers: bitwise correct, slow (the policy streams only checkpointed blocks)."""
+    blocks = make_blocks()
+    with WeightStreamer(blocks, "cpu", exercise_on_cpu=True) as streamer:
+        result = train(blocks, checkpointing=checkpointing, depth=depth)
+        assert streamer.fallback_fetches > 0
+        assert all(slot.pins == 0 for slot in streamer._ring)  # released with the graph
+    assert_same(reference(), result)
+
+
+def test_host_tensors_become_views_of_one_packed_buffer_reused_by_the_next_attach():
+    blocks = make_blocks()
+    host = dict(blocks.named_parameters()) | dict(blocks.named_buffers())
+    values = {name: t.detach().clone() for name, t in host.items()}
+    streamer = WeightStreamer(blocks, "cpu", exercise_on_cpu=True).attach()
+    storages = {name: t.untyped_storage().data_ptr() for name, t in host.items()}
+    streamer.detach()
+    for b in range(4):  # one storage per block for its frozen tensors; the trainable ones untouched
+        frozen = {storages[f"{b}.{n}"] for n in ("norm.weight", "norm.bias", "base.weight", "base.bias", "scale")}
+        assert len(frozen) == 1 and storages[f"{b}.down.weight"] not in frozen
+    WeightStreamer(blocks, "cpu", exercise_on_cpu=True).attach().detach()
+    now = dict(blocks.named_parameters()) | dict(blocks.named_buffers())
+    assert all(now[name] is t and torch.equal(t, values[name]) for name, t in host.items())
+    assert {name: t.untyped_storage().data_ptr() for name, t in host.items()} == storages  # not packed again
+
+
+def test_an_attach_that_fails_gives_the_modules_their_host_tensors_back(monkeypatch):
+    from headroom.training.memory import weight_streaming
+
+    net = Net()
+    host = {name: t for name, t in [*net.named_parameters(), *net.named_buffers()]}
+
+    def no_room(*args):
+        raise RuntimeError("CUDA out of memory (the slots)")
+
+    monkeypatch.setattr(weight_streaming, "_Slot", no_room)
+    streamer = WeightStreamer(net.blocks, "cpu", resident=(1,), keep=[net], exercise_on_cpu=True)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        streamer.attach()
+    assert not streamer.active and all(not b._forward_pre_hooks for b in net.blocks)
+    assert all(t is host[name] for name, t in [*net.named_parameters(), *net.named_buffers()])
+
+
+def test_fewer_than_two_slots_are_refused():
+    with pytest.raises(ValueError, match="slots"):
+        WeightStreamer(make_blocks(), "cpu", slots=1)
 
 
 def test_blocks_compute_with_device_copies_and_get_their_host_tensors_back():
@@ -105,8 +277,7 @@ def test_cpu_device_is_a_no_op():
     with WeightStreamer(blocks, "cpu") as streamer:
         assert not streamer.enabled and all(not b._forward_pre_hooks for b in blocks)
         result = train(blocks)
-    for a, b in zip(reference(), result):
-        assert torch.equal(a, b)
+    assert_same(reference(), result)
 
 
 def test_attach_twice_is_refused_and_detach_is_idempotent():
@@ -129,3 +300,82 @@ def test_inference_without_grad_streams_without_backward_hooks():
             for block in blocks:
                 x = block(x)
     assert streamer.install_log == [("forward", i) for i in range(4)]
+
+
+def test_memory_features_with_the_plans_placement_checkpoints_what_streams_and_matches_the_resident_run():
+    """policy.memory_features with the streamer options the bridge sets from the plan: resident whole blocks (not
+    checkpointed, as selective checkpointing leaves them), the non-block layers kept, the rest streamed through a
+    3-slot ring and always recomputed."""
+    from headroom.training.memory.policy import OffloadPolicy, memory_features
+
+    expected, got = [], []
+    reference_weights = train_net(Net(count=6), trace=expected)
+    net = Net(count=6)
+    policy = OffloadPolicy(base_placement="partial", checkpointing="blocks", checkpoint_blocks="1")
+    wrapped = []
+    with memory_features(policy, net.blocks, "cpu", exercise_on_cpu=True, resident=(0, 3), keep=[net],
+                         slots=3) as streamer:
+        wrapped = {i for i, block in enumerate(net.blocks) if "forward" in block.__dict__}
+        optimizer = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=1e-2)
+        g = torch.Generator().manual_seed(11)
+        for _ in range(3):
+            loss = net(torch.randn(2, 7, 16, generator=g)).square().mean()
+            loss.backward()
+            got.append((loss.detach().clone(), [p.grad.clone() for p in net.parameters() if p.requires_grad]))
+            optimizer.step()
+            optimizer.zero_grad()
+    assert wrapped == {1, 2, 4, 5}  # the selection and every streamed block; resident 0 and 3 keep activations
+    assert streamer.fallback_fetches == 0 and streamer.allocations == 3 + 3
+    assert_same(expected, got)
+    assert_same(reference_weights, [p.detach().clone() for p in net.parameters() if p.requires_grad])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the copy stream, the slot events, pinned buffers")
+@pytest.mark.parametrize("slots", [2, 3])
+def test_the_ring_on_cuda_is_bitwise_the_resident_run(slots):
+    """On a GPU (the kit's CUDA-marked tests): frozen weights in host RAM through the ring (pinned packed buffers, the
+    copy stream, free / ready events), the LoRA on the device; bit for bit the all-resident run, the slots fixed,
+    no fallback, no allocator retry."""
+    device = torch.device("cuda")
+
+    def run(streamed):
+        blocks = make_blocks(count=6)
+        if streamed:
+            for block in blocks:
+                block.down.to(device), block.up.to(device)  # trainable on the device, frozen in host RAM
+        else:
+            blocks.to(device)
+        optimizer = torch.optim.AdamW([p for p in blocks.parameters() if p.requires_grad], lr=1e-2)
+        restore = enable_checkpointing(blocks)
+        g = torch.Generator().manual_seed(7)
+        trace = []
+        streamer = WeightStreamer(blocks, device, slots=slots).attach() if streamed else None
+        try:
+            pointers = streamer.slot_pointers() if streamer else []
+            pinned = all(t.is_pinned() for b in blocks for t in (b.base.weight, b.norm.weight, b.scale)) \
+                if streamer else None
+            for _ in range(4):
+                x = torch.randn(3, 5, 16, generator=g).to(device)
+                for block in blocks:
+                    x = block(x)
+                loss = x.square().mean()
+                loss.backward()
+                trace.append((loss.detach().cpu(), [p.grad.cpu() for p in blocks.parameters() if p.requires_grad]))
+                optimizer.step()
+                optimizer.zero_grad()
+            torch.cuda.synchronize()
+            if streamer:
+                assert streamer.slot_pointers() == pointers and streamer.allocations == slots
+                assert streamer.fallback_fetches == 0 and pinned
+        finally:
+            if streamer:
+                streamer.detach()
+            restore()
+        return trace, [p.detach().cpu() for p in blocks.parameters() if p.requires_grad]
+
+    expected = run(False)
+    retries = torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
+    got = run(True)
+    assert torch.cuda.memory_stats(device).get("num_alloc_retries", 0) == retries
+    assert_same(expected[0], got[0])
+    assert_same(expected[1], got[1])

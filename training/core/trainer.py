@@ -185,6 +185,9 @@ class Trainer:
         self.run_dir = run_dir
         # Checkpointing, streaming, optimizer placement...: the run's policy, resolved once (policy.run_policy).
         self.policy = policy if policy is not None else OffloadPolicy()
+        # The streamer's options from the run's plan (weight_streaming.WeightStreamer: slots, resident whole blocks,
+        # non-block layers kept on the device); set by the ComfyUI bridge on a device, empty elsewhere.
+        self.stream_options: dict = {}
         self.item_extras = item_extras
         self.objective = Objective(denoiser.sampling, config.objective)
         self.train_items = list(range(len(latent_cache))) if train_items is None else list(train_items)
@@ -421,22 +424,36 @@ class Trainer:
             raise ValueError("fused backward steps in every backward pass: a batch trained in chunks (rank_batch) "
                              "would step once per chunk")
         self.optimizer.zero_grad(set_to_none=True)
-        losses = []
+        # The loss is read back (a host sync) once, after the last backward, not between each forward and its
+        # backward: the device keeps its queue across the turn (issue 41 item 4). A non-finite loss still stops the
+        # step before the optimizer touches the weights, with the same message. Read before backward where that
+        # cannot wait: several ranks agree on the loss in a collective, and fused backward steps the optimizer
+        # inside backward.
+        read_now = self.parallel is not None or self.policy.fused_backward
+        losses, pending = [], []  # pending: (micro-step index in `losses`, loss tensor, items)
         for j in range(accum):
             micro_step = self.step * accum + j
-            total = 0.0
+            losses.append(0.0)
             for rows in self._row_slices(len(self.batch_items(micro_step))) or [None]:
                 loss, items = self._micro_step_loss(micro_step, rows)
-                # Several ranks: every rank checks and reports the global loss, so all stop (or go on) together.
-                value = self.parallel.global_loss(loss, self.step) if self.parallel is not None else loss.item()
-                if not math.isfinite(value):
-                    raise self._non_finite(value, items)
-                total += value
+                if read_now:
+                    # Several ranks: every rank checks and reports the global loss, so all stop (or go on) together.
+                    value = self.parallel.global_loss(loss, self.step) if self.parallel is not None else loss.item()
+                    if not math.isfinite(value):
+                        raise self._non_finite(value, items)
+                    losses[j] += value
+                else:
+                    pending.append((j, loss.detach(), items))
                 if not items:
                     continue  # this rank's chunk of the batch was empty
                 scaled = loss / accum
                 (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
-            losses.append(total)
+        if pending:
+            values = torch.stack([loss.to(torch.float64) for _, loss, _ in pending]).tolist()  # exact: as .item()
+            for (j, _, items), value in zip(pending, values):
+                if not math.isfinite(value):
+                    raise self._non_finite(value, items)
+                losses[j] += value
         if self.parallel is not None:
             self.parallel.reduce_gradients(self.params)  # once per optimizer step, like DDP's no_sync
         if self.scaler is not None:
@@ -500,7 +517,8 @@ class Trainer:
             try:
                 # Checkpointing, offloaded checkpoints and streamed blocks, as the policy says (training/policy.py).
                 with memory_features(self.policy, [m for _, m in self.denoiser.blocks()], self.denoiser.device,
-                                     inplace_inputs=getattr(self.denoiser, "inplace_blocks", False)):
+                                     inplace_inputs=getattr(self.denoiser, "inplace_blocks", False),
+                                     **self.stream_options):
                     self.trainable.train(True)
                     while self.step < target_step:
                         started = time.perf_counter()

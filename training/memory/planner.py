@@ -346,6 +346,7 @@ class Plan:
     checkpointed_blocks: tuple[int, ...] = ()
     resident_blocks: tuple[int, ...] = ()
     streamed_blocks: tuple[int, ...] = ()
+    stream_slots: int = weight_streaming.DEFAULT_SLOTS  # the ring's device slots (prefetch depth + 1)
 
     @property
     def predicted_s_per_step(self) -> float | None:
@@ -404,7 +405,7 @@ class Plan:
             "predicted_s_per_step": self.predicted_s_per_step,
             "step_time": None if self.step_time is None else self.step_time.to_dict(),
             "blocks": {"checkpointed": list(self.checkpointed_blocks), "resident": list(self.resident_blocks),
-                       "streamed": list(self.streamed_blocks)},
+                       "streamed": list(self.streamed_blocks), "slots": self.stream_slots},
         }
 
     def to_json(self) -> str:
@@ -649,10 +650,10 @@ def estimate(description: ModelDescription, trainable: TrainableSpec, shape: Run
     step = time_model.step_time(
         description.forward_seconds(area, tokens, batch, storage),
         description.outside_forward_s.at(area, tokens) * batch, checkpointed,
-        [block_weights[i] for i in streamed], h2d, crossing,
+        [block_weights[i] if i in set(streamed) else 0 for i in range(len(blocks))], h2d, crossing,
         time_model.optimizer_step_s(trainable.weight_bytes(), trainable.optimizer_bytes(),
                                     policy.optimizer_state == "cpu", description.compute_device, h2d),
-        description.timed)
+        description.timed, weight_streaming.DEFAULT_SLOTS)
     return Plan(policy, [cache_text, cache_vae, training, validation, decode, save], budget_bytes, host_bytes=host,
                 base_device_bytes=base_device, validation_base_device_bytes=validation_device,
                 host_added=host_added, host_room=host_room, step_time=step, checkpointed_blocks=tuple(checkpointed),
@@ -679,12 +680,22 @@ def _checkpointed(policy: OffloadPolicy, count: int) -> list[int]:
     return sorted(selection)
 
 
+def spread(items: Sequence[int]) -> list[int]:
+    """`items` reordered so that any first k of them lie evenly among the rest: positions in van der Corput order
+    (0, 1/2, 1/4, 3/4, 1/8, ...)."""
+    n = len(items)
+    bits = max(1, (n - 1).bit_length())
+    keys = sorted(range(1 << bits), key=lambda k: int(f"{k:0{bits}b}"[::-1], 2))
+    return [items[k] for k in keys if k < n]
+
+
 def _resident_blocks(block_weights: Sequence[int], checkpointed: Sequence[int], share: int) -> list[int]:
     """The blocks kept on the device within `share` bytes: those not checkpointed first (they must be), then the
-    checkpointed ones in forward order while they fit."""
+    checkpointed ones spread evenly over the model while they fit (`spread`): the ring copies the next streamed block
+    while a resident one computes, so resident blocks between streamed ones hide copies (time_model.ring_pass)."""
     chosen, room = [], share
     first = sorted(set(range(len(block_weights))) - set(checkpointed))
-    for i in [*first, *checkpointed]:
+    for i in [*first, *spread(list(checkpointed))]:
         if block_weights[i] <= room:
             chosen.append(i)
             room -= block_weights[i]

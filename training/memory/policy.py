@@ -5,9 +5,10 @@ optimizer state sits. One policy serves the whole run (caching, training, valida
 
 - vram_budget_gb: the device memory the run may use, in GiB, or "auto": ComfyUI's free memory minus
   `reserve_gb` (the node resolves it; the engine only ever sees a number of bytes).
-- base_placement: "resident" (all frozen weights on the device), "partial" (ComfyUI keeps what fits
-  resident; the other blocks are streamed), "streamed" (only the non-block weights are resident; every
-  block is streamed from host RAM, one block ahead; see weight_streaming.py).
+- base_placement: "resident" (all frozen weights on the device), "partial" (the plan's whole blocks and the
+  non-block weights resident, the other blocks streamed; without a plan ComfyUI keeps what fits), "streamed"
+  (only the non-block weights are resident; every block streams from host RAM through the ring of device slots;
+  see weight_streaming.py).
 - base_storage: "as_loaded" (ComfyUI's dtype) or a low-bit copy of the block linears: "fp8" / "int8" /
   "nf4" (see lowbit.py; these change the numerics of the frozen base).
 - checkpointing: "off", "blocks" (recompute each block in backward), "blocks_cpu_offload" (and keep the
@@ -413,7 +414,7 @@ def memory_features(policy: OffloadPolicy, blocks: Sequence[torch.nn.Module], de
         if selected is not None and streamer is not None:
             # A streamed block is always recomputed: without it autograd keeps its device copy until backward. Which
             # blocks stream is ComfyUI's load's choice (what it left in host RAM: the streamer's non-empty slots).
-            selected = selected | {i for i, slots in enumerate(streamer.slots) if slots}
+            selected = selected | streamer.streamed_blocks()
         if policy.checkpointing == "blocks":
             restores.append(wrap_blocks(blocks, policy.checkpoint_depth, inplace_inputs=inplace_inputs,
                                         selected=selected))

@@ -1,6 +1,12 @@
 """The planner's time model: the predicted seconds of one training step under a plan (planner.estimate).
 
-    step = max(compute, transfer) + optimizer + fill
+    step = max(pipeline, transfer) + optimizer + fill
+
+- pipeline: the ring of the streamer (weight_streaming.py) played block by block, forward then backward: a block
+  starts when the one before it is done and its own copy is in; copies run one after another on the copy stream,
+  each once its slot's previous block is done (`slots` apart). Per block that is max(its compute, its copy) where
+  nothing is left to overlap, and resident blocks between streamed ones hide their copies. Plus the work outside
+  the blocks. Never less than compute, nor than the copies.
 
 - compute: every block's forward and backward, the work outside the blocks, and the forward of each checkpointed
   block again (its recompute in backward). Forward times are measured in the planner's calibration forwards
@@ -8,14 +14,17 @@
   BACKWARD_PER_FORWARD times the forward (no backward runs in calibration). A block with no measured time is
   costed at reading its weights once (weight bytes / device memory bandwidth): the least a forward can take.
 - transfer: the bytes crossing between host and device in a step over the pinned host->device bandwidth: each
-  streamed block twice (its forward, and its recompute in backward: a streamed block is always checkpointed),
-  offloaded block inputs there and back, a full fine-tune's trained weights in host RAM (in for forward and
-  backward, the gradient back). On a CPU nothing crosses.
-- compute and transfer overlap (the streamer copies the next block on a side stream while this one computes), so
-  the step takes the larger of the two: the physical limit of a streamed step.
+  streamed block twice (its forward, and its recompute in backward: a streamed block is always checkpointed), less
+  the blocks still in the ring's slots at a turn (the last `slots` streamed blocks at forward -> backward, the
+  first `slots` at the next step's forward), offloaded block inputs there and back, a full fine-tune's trained
+  weights in host RAM (in for forward and backward, the gradient back). On a CPU nothing crosses.
+- compute and transfer overlap (the ring copies ahead on a side stream while blocks compute): the physical limit
+  of a streamed step is max(compute, transfer) + optimizer (`StepTime.limit_s`); the prediction adds what the
+  per-block pipeline loses to it.
 - not overlapped, so added: the optimizer step (it runs after backward's last gradient; a bandwidth-bound estimate
   from the bytes it reads and writes, on the device or, with optimizer_state "cpu", in host RAM plus gradients down
-  and weights up), and the pipeline fill (the first streamed block's copy, before any compute can start).
+  and weights up), and the pipeline fill (a copy before any compute can start: none in a steady step, whose first
+  streamed blocks are still in the ring from the previous backward).
 """
 from __future__ import annotations
 
@@ -48,39 +57,82 @@ class StepTime:
     optimizer_s: float
     fill_s: float
     timed: bool = True  # block times measured (False: estimated from weight bytes)
+    pipeline_s: float | None = None  # per block max(compute, copy), summed (None: compute_s)
 
     @property
     def total_s(self) -> float:
-        return max(self.compute_s, self.transfer_s) + self.optimizer_s + self.fill_s
+        pipeline = self.compute_s if self.pipeline_s is None else max(self.pipeline_s, self.compute_s)
+        return max(pipeline, self.transfer_s) + self.optimizer_s + self.fill_s
+
+    @property
+    def limit_s(self) -> float:
+        """The physical limit: max(compute with its recompute + the optimizer step, bytes crossing / bandwidth)."""
+        return max(self.compute_s + self.optimizer_s, self.transfer_s)
 
     @property
     def bound(self) -> str:
         return "transfer" if self.transfer_s > self.compute_s else "compute"
 
     def to_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "total_s": self.total_s, "bound": self.bound}
+        return {**dataclasses.asdict(self), "total_s": self.total_s, "limit_s": self.limit_s, "bound": self.bound}
 
     def describe(self) -> str:
         text = (f"predicted {self.total_s:.3f} s/step ({self.bound}-bound: compute {self.compute_s:.3f} s incl. "
                 f"recompute {self.recompute_s:.3f} s, transfer {self.transfer_s:.3f} s; + optimizer "
-                f"{self.optimizer_s:.3f} s, fill {self.fill_s:.3f} s)")
+                f"{self.optimizer_s:.3f} s, fill {self.fill_s:.3f} s; physical limit {self.limit_s:.3f} s)")
         return text if self.timed else text + " - block times not measured: estimated from weight bytes"
+
+
+def ring_fetches(streamed_block_bytes: Sequence[int], slots: int) -> tuple[list[int], list[int]]:
+    """The blocks the ring copies in a steady step: (in forward, in backward). Those still in a slot at a turn are
+    not copied again (weight_streaming.py): the first `slots` streamed blocks in forward, the last in backward."""
+    streamed = [i for i, size in enumerate(streamed_block_bytes) if size > 0]
+    return streamed[slots:], streamed[:max(0, len(streamed) - slots)]
+
+
+def ring_pass(order: Sequence[int], compute_s: Sequence[float], copy_s: Sequence[float], streamed: set[int],
+              slots: int) -> float:
+    """Seconds of one pass (forward or backward) over the blocks in `order` through the ring: `compute_s` per block,
+    `copy_s` per block (0: no copy in this pass: resident, or still in a slot), `streamed` the blocks that use a
+    slot (copied or kept from the turn)."""
+    compute_end, copy_end, ends, users = 0.0, 0.0, {}, []
+    for i in order:
+        ready = 0.0
+        if i in streamed:
+            if copy_s[i] > 0:
+                previous = users[-slots] if len(users) >= slots else None  # the slot's last block
+                copy_end = max(copy_end, ends[previous] if previous is not None else 0.0) + copy_s[i]
+                ready = copy_end
+            users.append(i)
+        compute_end = max(compute_end, ready) + compute_s[i]
+        ends[i] = compute_end
+    return compute_end
 
 
 def step_time(forward_s: Sequence[float], outside_forward_s: float, checkpointed: Sequence[int],
               streamed_block_bytes: Sequence[int], h2d_bytes_per_s: float | None, other_transfer_bytes: int = 0,
-              optimizer_s: float = 0.0, timed: bool = True) -> StepTime:
+              optimizer_s: float = 0.0, timed: bool = True, slots: int = 2) -> StepTime:
     """The predicted step. `forward_s`: each block's forward (batch included); `checkpointed`: the indices
-    recomputed in backward; `streamed_block_bytes`: the bytes of each block streamed from host RAM (one copy);
-    `h2d_bytes_per_s` None: nothing crosses (a CPU); `other_transfer_bytes`: further bytes crossing per step."""
+    recomputed in backward; `streamed_block_bytes`: per block, the bytes streamed from host RAM (one copy; 0: a
+    resident block); `h2d_bytes_per_s` None: nothing crosses (a CPU); `other_transfer_bytes`: further bytes crossing
+    per step; `slots`: the ring's device slots (weight_streaming.WeightStreamer)."""
     recompute = sum(forward_s[i] for i in checkpointed)
     compute = (1 + BACKWARD_PER_FORWARD) * (sum(forward_s) + outside_forward_s) + recompute
     if h2d_bytes_per_s is None:
-        transfer = fill = 0.0
-    else:
-        transfer = (2 * sum(streamed_block_bytes) + other_transfer_bytes) / h2d_bytes_per_s
-        fill = max(streamed_block_bytes, default=0) / h2d_bytes_per_s
-    return StepTime(compute, recompute, transfer, optimizer_s, fill, timed)
+        return StepTime(compute, recompute, 0.0, optimizer_s, 0.0, timed, compute)
+    forward_copies, backward_copies = (set(part) for part in ring_fetches(streamed_block_bytes, slots))
+    copy = [size / h2d_bytes_per_s for size in streamed_block_bytes]
+    streamed = {i for i, size in enumerate(streamed_block_bytes) if size > 0}
+    recomputed = set(checkpointed)
+    n = len(forward_s)
+    backward = [BACKWARD_PER_FORWARD * f + (f if i in recomputed else 0.0) for i, f in enumerate(forward_s)]
+    pipeline = ((1 + BACKWARD_PER_FORWARD) * outside_forward_s
+                + ring_pass(range(n), forward_s, [c if i in forward_copies else 0.0 for i, c in enumerate(copy)],
+                            streamed, slots)
+                + ring_pass(range(n - 1, -1, -1), backward,
+                            [c if i in backward_copies else 0.0 for i, c in enumerate(copy)], streamed, slots))
+    crossing = sum(streamed_block_bytes[i] for i in (*forward_copies, *backward_copies)) + other_transfer_bytes
+    return StepTime(compute, recompute, crossing / h2d_bytes_per_s, optimizer_s, 0.0, timed, pipeline)
 
 
 def optimizer_step_s(weight_bytes: int, state_bytes: int, on_host: bool, device_type: str,

@@ -1,25 +1,40 @@
-"""Streamed blocks: frozen block weights stay in host RAM and visit the device one block at a time.
+"""Streamed blocks: a ring of fixed device slots through which frozen block weights visit the device.
 
-    streamer = WeightStreamer(blocks, device)   # blocks in execution order
+    streamer = WeightStreamer(blocks, device, slots=2)   # blocks in execution order
     streamer.attach()
     ... training steps (with per-block checkpointing) ...
     streamer.detach()
 
-What happens per block i:
-- forward:  just before block i runs, its frozen weights are on the device (copied ahead of time when
-  block i-1 started: "prefetch"), installed into the block's modules in place of the host tensors; block
-  i+1's copy starts on a side CUDA stream. After block i, the host tensors are put back; the device
-  copies live on only while autograd still references them (with checkpointing: not at all).
-- backward: just before block i's backward (a gradient hook on the block's outputs, which runs before
-  checkpointing recomputes the block) the weights are installed again and block i-1's copy starts.
-At most two blocks' weights are on the device at once (the one in use and the one in flight): double
-buffering through the caching allocator rather than two fixed buffers, so a copy still referenced by
-autograd is never overwritten. Copies go host->device only; frozen weights are never copied back.
-Only frozen tensors (requires_grad False) that are not already on the device are streamed: trainable
-adapter weights and whatever ComfyUI keeps resident ("partial" placement) stay where they are.
+The pieces, all made once at `attach` (no allocation in a steady-state step):
+- a packed host buffer per streamed block: the block's frozen tensors (those requires_grad False, not on the device
+  already, not in a `resident` block) laid out at 256-byte aligned offsets in one flat byte buffer, pinned on CUDA
+  (cudaHostRegister in place, as ComfyUI pins; undone at detach, so no pinned RAM outlives the run). The modules'
+  host tensors become views of it (same objects, `.data` swapped: host RAM is not doubled); a later attach finds
+  the block packed already and copies nothing. A block crosses in ONE copy per pass.
+- `slots` device slots, each one flat byte buffer the size of the largest packed block. An installed block's
+  weights are dtype/shape views of its slot (Parameter objects cached per slot and block), put in place of the host
+  tensors on the modules; after the block they are put back.
+- a copy stream (CUDA) ordered by two events per slot: "free" (recorded on the compute stream when the slot's last
+  block is done with it; the copy waits for it on the device) and "ready" (recorded on the copy stream after the
+  copy; compute waits for it before the block runs). Before refilling a slot the CPU waits for that slot's "free"
+  event, so its lead over the device is bounded by the ring (at most `slots - 1` blocks of prefetch queued).
 
-On a CPU device `attach` does nothing and results are bitwise those of the plain run;
-`exercise_on_cpu=True` runs the whole machinery with CPU->CPU copies (for tests).
+Order: forward runs blocks 0..n-1 and keeps the next `slots - 1` streamed blocks in flight; backward (a gradient
+hook on each block's outputs, before checkpointing recomputes the block) runs n-1..0 likewise. A block still in a
+slot is installed without a copy: at the forward -> backward turn the last blocks are still there (backward starts
+with no fetch), and at the next step's forward the first ones. A block run out of order (not in a slot) is fetched
+synchronously into a free slot: correct rather than fast. Copies go host->device only; frozen weights are never
+copied back; trainable tensors (adapter weights) and what is resident are left where they are.
+
+Blocks not checkpointed: autograd then saves views of the slot (a Linear saves its weight) for backward, and a slot
+overwritten before that backward would give wrong gradients. The streamer watches what autograd saves while a block
+runs (a saved-tensors hook; inside a checkpoint the checkpoint's own hook takes them, so nothing is seen): a slot a
+saved tensor views stays PINNED until that block's backward has run (the next block's backward hook, or the next
+forward). With every slot pinned a block goes to a one-off device buffer (`fallback_fetches`, an allocation):
+correct, slow and memory-hungry, which is why the policy streams only checkpointed blocks (policy.memory_features).
+
+On a CPU device `attach` does nothing and results are bitwise those of the plain run; `exercise_on_cpu=True` runs
+the whole machinery with CPU->CPU copies (for tests), `resident` (block indices) keeps blocks out of the ring there.
 
 Why this is written here and not taken from a library (checked against accelerate 1.15 and diffusers 0.42):
 - diffusers `apply_group_offloading(..., use_stream=True)` offloads by restoring every parameter of a group
@@ -30,10 +45,13 @@ Why this is written here and not taken from a library (checked against accelerat
   every argument container (`send_to_device`), which breaks ComfyUI's shared `transformer_options`.
 - accelerate `cpu_offload` moves each leaf synchronously on use (no side stream, no prefetch) and parks
   weights on the meta device, which ComfyUI's ModelPatcher accounting and state_dict paths cannot read.
+- the ring swappers of musubi-tuner, OneTrainer and ai-toolkit are built into their own model classes (a block's
+  weights swapped whole, LoRA applied outside the block); here the adapter lives inside the block and must stay.
 """
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Iterable, Sequence
 
 import torch
@@ -41,15 +59,68 @@ from torch.autograd.graph import register_multi_grad_hook
 
 from .cost import FeatureCost
 
+ALIGN = 256  # bytes: each tensor's offset in a packed block (kernels' vector loads want aligned weights)
+DEFAULT_SLOTS = 2
+
 
 @dataclasses.dataclass
-class _Slot:
-    """One streamed tensor: where it lives on its module and its host copy."""
+class _Tensor:
+    """One streamed tensor: where it lives on its module, its host object and its place in the packed block."""
 
     module: torch.nn.Module
     name: str
     is_param: bool
-    host: torch.Tensor  # the object the module held before attach (Parameter or buffer)
+    host: torch.Tensor  # the object the module held before attach (Parameter or buffer); stays that object
+    offset: int  # bytes into the packed block / the slot
+    span: int  # bytes its storage span covers (numel * element size when contiguous)
+    nbytes: int  # numel * element size
+
+    def view(self, buffer: torch.Tensor) -> torch.Tensor:
+        """This tensor as a view of a flat byte `buffer` laid out like the packed block (same dtype, shape, strides)."""
+        host = self.host
+        raw = buffer[self.offset:self.offset + self.span]
+        if self.span == 0:
+            return torch.empty(host.shape, dtype=host.dtype, device=buffer.device)
+        return raw.view(host.dtype).as_strided(host.shape, host.stride())
+
+
+@dataclasses.dataclass
+class _Block:
+    tensors: list[_Tensor]
+    nbytes: int  # the packed block, padding included
+    packed: torch.Tensor | None = None  # flat uint8 host buffer (None: nothing streamed)
+    registered: bool = False  # pinned in place by us (cudaHostRegister)
+
+
+class _Slot:
+    """A fixed device buffer of the ring, with the block whose weights it holds."""
+
+    def __init__(self, buffer: torch.Tensor, cuda: bool):
+        self.buffer = buffer
+        self.block: int | None = None  # whose weights are (or will be, once `ready` passes) in it
+        self.installed = False
+        self.pins = 0  # saved tensors autograd holds that view it (a block not checkpointed)
+        self.used = 0  # tick of the last install or fetch (least recently used goes first)
+        self.ready = torch.cuda.Event() if cuda else None  # copy done (recorded on the copy stream)
+        self.free = torch.cuda.Event() if cuda else None  # last user done (recorded on the compute stream)
+        self.free_recorded = False
+        self.free_stale = False  # unpinned by autograd: its free event must be recorded before reuse
+        self.params: dict[int, list[torch.Tensor]] = {}  # block -> its tensors as views of this slot (cached)
+
+
+class _Held:
+    """What autograd keeps for a saved tensor that views a slot: the slot stays pinned while it lives."""
+
+    __slots__ = ("tensor", "slot")
+
+    def __init__(self, tensor: torch.Tensor, slot: _Slot):
+        self.tensor, self.slot = tensor, slot
+        slot.pins += 1
+
+    def __del__(self):
+        self.slot.pins -= 1
+        if self.slot.pins == 0:
+            self.slot.free_stale = True
 
 
 def _output_tensors(output) -> list[torch.Tensor]:
@@ -62,33 +133,86 @@ def _output_tensors(output) -> list[torch.Tensor]:
     return []
 
 
+def _span_bytes(tensor: torch.Tensor) -> int:
+    if tensor.numel() == 0:
+        return 0
+    span = 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+    return span * tensor.element_size()
+
+
+def _raw_bytes(tensor: torch.Tensor, span: int) -> torch.Tensor:
+    """The bytes `tensor`'s storage span covers, as a flat uint8 tensor (its layout kept: strides, gaps)."""
+    return torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage(),
+                                                  tensor.storage_offset() * tensor.element_size(), (span,))
+
+
+def _register(buffer: torch.Tensor) -> bool:
+    """Pin a host buffer in place (as ComfyUI pins); False when CUDA refuses (it then stays pageable)."""
+    try:
+        return int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel(), 1)) == 0
+    except (RuntimeError, AttributeError):
+        return False
+
+
+def _unregister(buffer: torch.Tensor) -> None:
+    try:
+        torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
+    except (RuntimeError, AttributeError):
+        pass
+
+
 class WeightStreamer:
-    def __init__(self, blocks: Sequence[torch.nn.Module], device: torch.device | str, *,
-                 exercise_on_cpu: bool = False, pin_host_copies: bool = False, record: bool = False):
-        """`blocks` in execution order. `pin_host_copies`: pin host weights that are not pinned yet (for
-        use outside ComfyUI; inside ComfyUI its partial load pins the offloaded weights itself).
+    def __init__(self, blocks: Sequence[torch.nn.Module], device: torch.device | str, *, slots: int = DEFAULT_SLOTS,
+                 resident: Iterable[int] = (), keep: Sequence[torch.nn.Module] = (), exercise_on_cpu: bool = False,
+                 pin_host_copies: bool = True, record: bool = False):
+        """`blocks` in execution order. `slots`: device slots in the ring (>= 2; prefetch depth `slots - 1`).
+        `resident`: indices of whole blocks kept on the device from attach to detach (the plan's resident blocks:
+        what of them is in host RAM is copied once, at attach, into a buffer of its own); `keep`: modules whose frozen
+        weights outside the blocks are kept on the device the same way (the non-block layers).
+        `pin_host_copies`: pin the packed host buffers on CUDA (False: pageable, for a host short of lockable RAM).
         `record`: keep a log of every install and fetch (tests, bench)."""
+        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 2:
+            raise ValueError(f"WeightStreamer: slots={slots!r} must be an integer >= 2 (one in use, one in flight)")
         self.blocks = list(blocks)
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())  # compare like with like below
+        self.slot_count = slots
+        self.resident = frozenset(resident)
+        self.keep = list(keep)
         self.exercise_on_cpu = exercise_on_cpu
         self.pin_host_copies = pin_host_copies
         self.active = False
-        self.slots: list[list[_Slot]] = []
-        self._pending: dict[int, tuple[list[torch.Tensor], object]] = {}  # block -> (device copies, ready event)
-        self._installed: dict[int, list[torch.Tensor]] = {}
+        self._blocks: list[_Block] = []
+        self._streamed: list[int] = []  # indices of the blocks with something to stream, in order
+        self._ring: list[_Slot] = []
+        self._slot_of: dict[int, _Slot] = {}  # block -> the slot holding (or receiving) its weights
+        self._by_storage: dict[int, _Slot] = {}  # slot buffer's data_ptr -> slot
+        self._temps: dict[int, list[torch.Tensor]] = {}  # block -> its weights in a one-off buffer (no slot free)
+        self._installed: set[int] = set()
+        self._kept: list[_Block] = []  # resident blocks and non-block layers copied once at attach (installed)
         self._handles = []
-        self._pinned_by_us: list[torch.Tensor] = []
+        self._saving = None  # the saved-tensors hook context open while a block runs with grad
         self._copy_stream = None
+        self._tick = 0
+        self._warned_pin = False
+        # Counters: device buffers allocated (the slots at attach; a one-off buffer per fallback), host->device
+        # copies, and copies that had no slot (every slot in use or pinned by autograd).
+        self.allocations = 0
+        self.fetches = 0
+        self.fallback_fetches = 0
         # With `record`: ("forward" | "backward", block) per install, and the order of fetches.
         self.install_log: list[tuple[str, int]] | None = [] if record else None
         self.fetch_log: list[int] | None = [] if record else None
-        self.max_on_device = 0  # most blocks on the device at once (installed + in flight)
+        self.max_on_device = 0  # most blocks on the device at once (in slots + one-off buffers)
 
     @property
     def enabled(self) -> bool:
         return self.device.type != "cpu" or self.exercise_on_cpu
+
+    @property
+    def _cuda(self) -> bool:
+        return self._copy_stream is not None
 
     # --- attach / detach -------------------------------------------------------------------------------------
     def attach(self) -> "WeightStreamer":
@@ -97,28 +221,66 @@ class WeightStreamer:
         self.active = True
         if not self.enabled:
             return self  # CPU: the weights already are where the compute happens
-        if self.device.type == "cuda":
+        try:
+            self._set_up()
+        except BaseException:  # out of memory for the slots, say: the modules get their host tensors back
+            self.detach()
+            raise
+        return self
+
+    def _set_up(self) -> None:
+        """Pack the host buffers, keep the resident blocks and non-block layers, allocate the slots, add the hooks."""
+        cuda = self.device.type == "cuda"
+        if cuda:
             self._copy_stream = torch.cuda.Stream(self.device)
-        self.slots = [self._collect(block) for block in self.blocks]
+        in_blocks = {id(m) for block in self.blocks for m in block.modules()}
+        self._blocks = []
+        for index, block in enumerate(self.blocks):
+            packed = self._pack(self._collect(block.modules()), pin=index not in self.resident)
+            if index in self.resident:
+                self._keep_on_device(packed)
+                packed = _Block([], 0)
+            self._blocks.append(packed)
+        for module in self.keep:
+            self._keep_on_device(self._pack(self._collect(m for m in module.modules() if id(m) not in in_blocks),
+                                            pin=False))
+        self._streamed = [i for i, b in enumerate(self._blocks) if b.tensors]
+        largest = max((b.nbytes for b in self._blocks), default=0)
+        if self._streamed:
+            for _ in range(min(self.slot_count, len(self._streamed))):
+                buffer = torch.empty(largest, dtype=torch.uint8, device=self.device)
+                self.allocations += 1
+                slot = _Slot(buffer, cuda)
+                self._ring.append(slot)
+                self._by_storage[buffer.untyped_storage().data_ptr()] = slot
         for index, block in enumerate(self.blocks):
             self._handles.append(block.register_forward_pre_hook(self._make_pre_forward(index)))
             self._handles.append(block.register_forward_hook(self._make_post_forward(index)))
-        return self
 
     def detach(self) -> None:
         if not self.active:
             return
+        self._stop_watching()
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
         for index in list(self._installed):
             self._release(index)
-        self._pending.clear()
-        with torch.no_grad():
-            for tensor in self._pinned_by_us:
-                tensor.data = tensor.data.clone()  # back to pageable memory: no pinned RAM outlives the run
-        self._pinned_by_us.clear()
-        self.slots = []
+        for kept in self._kept:
+            for t in kept.tensors:
+                (t.module._parameters if t.is_param else t.module._buffers)[t.name] = t.host
+        if self._cuda:
+            torch.cuda.current_stream(self.device).wait_stream(self._copy_stream)
+            self._copy_stream.synchronize()  # no copy reads a host buffer we unpin below
+        for block in self._blocks:
+            if block.registered:
+                _unregister(block.packed)  # pageable again: no pinned RAM outlives the run
+                block.registered = False
+        # The host tensors stay views of their packed block (same values, pageable): a later attach reuses it.
+        self._blocks, self._streamed, self._ring, self._kept = [], [], [], []
+        self._slot_of.clear()
+        self._by_storage.clear()
+        self._temps.clear()
         self._copy_stream = None
         self.active = False
 
@@ -128,81 +290,213 @@ class WeightStreamer:
     def __exit__(self, *exc) -> None:
         self.detach()
 
-    def _collect(self, block: torch.nn.Module) -> list[_Slot]:
-        slots = []
-        for module in block.modules():
+    def _collect(self, modules: Iterable[torch.nn.Module]) -> list[tuple]:
+        """The frozen tensors of `modules` that are not on the device: (module, name, is_param, tensor)."""
+        tensors = []
+        for module in modules:
             for name, param in module._parameters.items():
                 if param is not None and not param.requires_grad and self._needs_streaming(param):
-                    slots.append(_Slot(module, name, True, param))
+                    tensors.append((module, name, True, param))
             for name, buffer in module._buffers.items():
                 if buffer is not None and self._needs_streaming(buffer):
-                    slots.append(_Slot(module, name, False, buffer))
-        if self.pin_host_copies and self.device.type == "cuda":
+                    tensors.append((module, name, False, buffer))
+        return tensors
+
+    def _pack(self, tensors: list[tuple], pin: bool = True) -> _Block:
+        """`tensors` in one flat host buffer (pinned on CUDA where `pin`); the modules' host tensors become views of
+        it."""
+        offset = 0
+        laid = []
+        seen: dict[int, _Tensor] = {}
+        for module, name, is_param, host in tensors:
+            if id(host) in seen:  # one tensor under two names (tied weights): one place in the block
+                first = seen[id(host)]
+                laid.append(_Tensor(module, name, is_param, host, first.offset, first.span, first.nbytes))
+                continue
+            span = _span_bytes(host)
+            laid.append(_Tensor(module, name, is_param, host, offset, span, host.numel() * host.element_size()))
+            seen[id(host)] = laid[-1]
+            offset += -(-span // ALIGN) * ALIGN
+        result = _Block(laid, offset)
+        if not laid:
+            return result
+        result.packed = self._packed_already(laid, offset)
+        if result.packed is None:
+            packed = torch.empty(offset, dtype=torch.uint8)
             with torch.no_grad():
-                for slot in slots:
-                    if not slot.host.is_pinned():
-                        slot.host.data = slot.host.data.pin_memory()
-                        self._pinned_by_us.append(slot.host)
-        return slots
+                for t in seen.values():
+                    packed[t.offset:t.offset + t.span].copy_(_raw_bytes(t.host, t.span))
+                for t in seen.values():
+                    if not t.host.is_pinned():  # pinned by someone else (their record of it): left alone
+                        t.host.data = t.view(packed)  # the old storage is freed: host RAM is not doubled
+            result.packed = packed
+        if self.device.type == "cuda" and self.pin_host_copies and pin:
+            result.registered = _register(result.packed)
+            if not result.registered and not self._warned_pin:
+                self._warned_pin = True
+                logging.warning("Headroom: weight streaming could not pin its host buffers (CUDA refused); "
+                                "copies run from pageable memory, slower")
+        return result
+
+    @staticmethod
+    def _packed_already(laid: list[_Tensor], nbytes: int) -> torch.Tensor | None:
+        """The block's packed buffer when its tensors are views of one already (a previous attach made it)."""
+        storage = laid[0].host.untyped_storage()
+        if storage.nbytes() != nbytes or laid[0].host.is_pinned():
+            return None
+        for t in laid:
+            if (t.host.untyped_storage().data_ptr() != storage.data_ptr()
+                    or t.host.storage_offset() * t.host.element_size() != t.offset):
+                return None
+        return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,))
 
     def _needs_streaming(self, tensor: torch.Tensor) -> bool:
         if self.device.type == "cpu":
             return True  # exercise mode: every frozen tensor takes the round trip
         return tensor.device != self.device
 
-    # --- moving weights ----------------------------------------------------------------------------------------
-    def _prefetch(self, index: int) -> None:
-        """Start copying block `index` to the device (side stream on CUDA)."""
-        if index < 0 or index >= len(self.blocks) or index in self._pending or index in self._installed:
+    def _keep_on_device(self, block: _Block) -> None:
+        """One copy, at attach, into a buffer of its own; installed until detach."""
+        if not block.tensors:
             return
+        buffer = torch.empty(block.nbytes, dtype=torch.uint8, device=self.device)
+        buffer.copy_(block.packed)
+        self.allocations += 1
+        for t in block.tensors:
+            view = t.view(buffer)
+            (t.module._parameters if t.is_param else t.module._buffers)[t.name] = (
+                torch.nn.Parameter(view, requires_grad=False) if t.is_param else view)
+        self._kept.append(block)
+
+    # --- the ring ----------------------------------------------------------------------------------------------
+    def _victim(self, keep: set[int]) -> _Slot | None:
+        """The least recently used slot not installed, not pinned by autograd, not holding a block in `keep`."""
+        choices = [s for s in self._ring if not s.installed and s.pins == 0 and s.block not in keep]
+        return min(choices, key=lambda s: (s.block is not None, s.used), default=None)
+
+    def _fetch(self, index: int, keep: set[int]) -> bool:
+        """Start copying block `index` into a slot (on the copy stream on CUDA). False: no slot could take it."""
+        slot = self._victim(keep | {index})
+        if slot is None:
+            return False
+        if slot.block is not None:
+            del self._slot_of[slot.block]
+        block = self._blocks[index]
+        if self._cuda:
+            if slot.free_stale:  # unpinned by autograd: its last reader is whatever was launched so far
+                slot.free.record(torch.cuda.current_stream(self.device))
+                slot.free_recorded, slot.free_stale = True, False
+            if slot.free_recorded:
+                slot.free.synchronize()  # the CPU's lead is bounded: its previous block is done on the device
+                self._copy_stream.wait_event(slot.free)
+            with torch.cuda.stream(self._copy_stream):
+                slot.buffer[:block.nbytes].copy_(block.packed, non_blocking=True)
+                slot.ready.record(self._copy_stream)
+        else:
+            slot.buffer[:block.nbytes].copy_(block.packed)
+        slot.block, slot.free_stale = index, False
+        self._tick += 1
+        slot.used = self._tick
+        self._slot_of[index] = slot
+        self.fetches += 1
         if self.fetch_log is not None:
             self.fetch_log.append(index)
-        hosts = [slot.host for slot in self.slots[index]]
-        if self._copy_stream is None:
-            copies = [h.detach().to(self.device, copy=True) for h in hosts]
-            self._pending[index] = (copies, None)
-        else:
-            # Copies are allocated on the side stream and handed to the compute stream with record_stream,
-            # so the allocator reuses their memory only after the compute stream is done with them.
-            with torch.cuda.stream(self._copy_stream):
-                copies = [h.detach().to(self.device, non_blocking=True) for h in hosts]
-                ready = torch.cuda.Event()
-                ready.record(self._copy_stream)
-            self._pending[index] = (copies, ready)
         self._count_on_device()
+        return True
+
+    def _prefetch(self, around: int, step: int) -> None:
+        """Keep the next `slots - 1` streamed blocks after `around` (step +1: forward, -1: backward) in slots."""
+        order = self._streamed if step > 0 else self._streamed[::-1]
+        later = [i for i in order if (i - around) * step > 0][:self.slot_count - 1]
+        keep = set(later) | {around}
+        for index in later:
+            if index not in self._slot_of and not self._fetch(index, keep):
+                return  # no slot free: the rest come when they are installed
 
     def _install(self, index: int, phase: str) -> None:
-        if index in self._installed:
+        block = self._blocks[index]
+        if index in self._installed or not block.tensors:
             return
-        self._prefetch(index)  # no-op when the copy is already in flight
-        copies, ready = self._pending.pop(index)
-        if ready is not None:
-            stream = torch.cuda.current_stream(self.device)
-            stream.wait_event(ready)
-            for copy in copies:
-                copy.record_stream(stream)
-        for slot, copy in zip(self.slots[index], copies):
-            if slot.is_param:
-                slot.module._parameters[slot.name] = torch.nn.Parameter(copy, requires_grad=False)
-            else:
-                slot.module._buffers[slot.name] = copy
-        self._installed[index] = copies
+        if index not in self._slot_of and not self._fetch(index, set()):
+            self._fetch_one_off(index)  # out of order with every slot in use or pinned: correct, not fast
+        if index in self._temps:
+            views = self._temps[index]
+        else:
+            slot = self._slot_of[index]
+            if self._cuda:
+                torch.cuda.current_stream(self.device).wait_event(slot.ready)
+            views = slot.params.get(index)
+            if views is None:
+                views = slot.params[index] = [
+                    torch.nn.Parameter(t.view(slot.buffer), requires_grad=False) if t.is_param else t.view(slot.buffer)
+                    for t in block.tensors]
+            slot.installed = True
+            self._tick += 1
+            slot.used = self._tick
+        for t, view in zip(block.tensors, views):
+            (t.module._parameters if t.is_param else t.module._buffers)[t.name] = view
+        self._installed.add(index)
         if self.install_log is not None:
             self.install_log.append((phase, index))
+
+    def _fetch_one_off(self, index: int) -> None:
+        block = self._blocks[index]
+        buffer = torch.empty(block.nbytes, dtype=torch.uint8, device=self.device)
+        buffer.copy_(block.packed, non_blocking=self._cuda)  # on the compute stream: ordered before the block
+        self.allocations += 1
+        self.fetches += 1
+        self.fallback_fetches += 1
+        if self.fetch_log is not None:
+            self.fetch_log.append(index)
+        self._temps[index] = [torch.nn.Parameter(t.view(buffer), requires_grad=False) if t.is_param
+                              else t.view(buffer) for t in block.tensors]
         self._count_on_device()
 
     def _release(self, index: int) -> None:
-        """Put the host tensors back; the device copies die when autograd no longer needs them."""
-        if self._installed.pop(index, None) is None:
+        """Put the host tensors back; the slot may take another block once the device is done with this one."""
+        if index not in self._installed:
             return
-        for slot in self.slots[index]:
-            if slot.is_param:
-                slot.module._parameters[slot.name] = slot.host
-            else:
-                slot.module._buffers[slot.name] = slot.host
+        self._installed.discard(index)
+        for t in self._blocks[index].tensors:
+            (t.module._parameters if t.is_param else t.module._buffers)[t.name] = t.host
+        if self._temps.pop(index, None) is not None:
+            return  # autograd keeps the one-off buffer alive as long as it needs it
+        slot = self._slot_of[index]
+        slot.installed = False
+        if self._cuda:
+            slot.free.record(torch.cuda.current_stream(self.device))
+            slot.free_recorded, slot.free_stale = True, False
 
     def _count_on_device(self) -> None:
-        self.max_on_device = max(self.max_on_device, len(self._installed) + len(self._pending))
+        self.max_on_device = max(self.max_on_device, len(self._slot_of) + len(self._temps))
+
+    # --- autograd holding slots (blocks not checkpointed) -------------------------------------------------------
+    def _watch(self) -> None:
+        """While a block runs with grad: a saved tensor viewing a slot pins it (see the module docstring)."""
+        self._stop_watching()
+        by_storage = self._by_storage
+
+        def pack(tensor):
+            try:
+                slot = by_storage.get(tensor.untyped_storage().data_ptr())
+            except (RuntimeError, NotImplementedError):  # tensor subclasses without a plain storage
+                slot = None
+            return tensor if slot is None else _Held(tensor, slot)
+
+        def unpack(packed):
+            return packed.tensor if isinstance(packed, _Held) else packed
+
+        try:
+            context = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+            context.__enter__()
+        except RuntimeError:  # saved-tensors hooks disabled here (an enclosing checkpoint's recompute)
+            return
+        self._saving = context
+
+    def _stop_watching(self) -> None:
+        if self._saving is not None:
+            context, self._saving = self._saving, None
+            context.__exit__(None, None, None)
 
     # --- hooks ------------------------------------------------------------------------------------------------
     def _make_pre_forward(self, index: int):
@@ -210,12 +504,15 @@ class WeightStreamer:
             for other in [i for i in self._installed if i != index]:
                 self._release(other)
             self._install(index, "forward")
-            self._prefetch(index + 1)
+            self._prefetch(index, +1)
+            if torch.is_grad_enabled() and self._blocks[index].tensors:
+                self._watch()
 
         return pre_forward
 
     def _make_post_forward(self, index: int):
         def post_forward(module, args, output):
+            self._stop_watching()
             self._release(index)
             tensors = _output_tensors(output)
             if tensors and torch.is_grad_enabled():
@@ -226,16 +523,29 @@ class WeightStreamer:
 
     def _before_backward(self, index: int) -> None:
         # Runs on autograd's thread before block `index` computes its gradients (and before checkpointing
-        # recomputes it), while the main thread waits in backward(): no concurrent access to the state.
+        # recomputes it), while the main thread waits in backward(): no concurrent access to the state. The block
+        # after it is done with its backward by now (its nodes come first in autograd's order).
         for other in [i for i in self._installed if i != index]:
             self._release(other)
         self._install(index, "backward")
-        self._prefetch(index - 1)
+        self._prefetch(index, -1)
 
-    # --- figures for the planner / bench ----------------------------------------------------------------------
+    # --- figures for the planner / bench / tests ---------------------------------------------------------------
     def streamed_bytes(self) -> list[int]:
-        """Bytes streamed per block (0 before attach)."""
-        return [sum(s.host.numel() * s.host.element_size() for s in slots) for slots in self.slots]
+        """Bytes streamed per block (0 for a block with nothing to stream; [] before attach)."""
+        return [sum(t.nbytes for t in {id(t.host): t for t in b.tensors}.values()) for b in self._blocks]
+
+    def kept_bytes(self) -> int:
+        """Bytes copied once at attach and kept on the device (resident blocks and non-block layers from host RAM)."""
+        return sum(t.nbytes for block in self._kept for t in {id(t.host): t for t in block.tensors}.values())
+
+    def streamed_blocks(self) -> set[int]:
+        """The indices of the blocks that stream (the rest are resident, or hold no frozen weights)."""
+        return set(self._streamed)
+
+    def slot_pointers(self) -> list[int]:
+        """The device address of each slot (fixed from attach to detach)."""
+        return [slot.buffer.data_ptr() for slot in self._ring]
 
 
 def stream_blocks(blocks: Iterable[torch.nn.Module], device: torch.device | str, **options) -> WeightStreamer:
@@ -267,13 +577,13 @@ def resident_block_bytes(placement: str, block_weights: Sequence[int], rest_byte
                          device_budget: int | None) -> int:
     """The frozen block weights kept on the device: all ("resident", or "partial" without a budget), none
     ("streamed"), or for "partial" what the room `device_budget` leaves beside everything else (`rest_bytes`) and
-    the two streaming buffers. The run's load keeps ComfyUI to this share (nodes/bridge/comfy_bridge.Placement)."""
+    the ring's slots (DEFAULT_SLOTS blocks). The run's load keeps ComfyUI to this share (nodes/bridge/comfy_bridge.Placement)."""
     all_blocks = sum(block_weights)
     if placement == "resident" or (placement == "partial" and device_budget is None):
         return all_blocks
     if placement == "streamed":
         return 0
-    return max(0, min(all_blocks, device_budget - rest_bytes - 2 * max(block_weights, default=0)))
+    return max(0, min(all_blocks, device_budget - rest_bytes - DEFAULT_SLOTS * max(block_weights, default=0)))
 
 
 def validation_placement(placement: str, budgeted: bool = True) -> str:
@@ -295,8 +605,8 @@ def _phase_weights(placement: str, block_weights: Sequence[int], storage: str, r
     if placement == "resident":
         return {f"frozen block weights ({storage})": all_blocks}, all_blocks
     resident_part = resident_block_bytes(placement, block_weights, rest_bytes, device_budget)
-    buffers = 0 if resident_part >= all_blocks else 2 * max(block_weights, default=0)
-    weights = {"streamed block buffers (2 blocks)": buffers}
+    buffers = 0 if resident_part >= all_blocks else DEFAULT_SLOTS * max(block_weights, default=0)
+    weights = {f"streamed block buffers ({DEFAULT_SLOTS} blocks)": buffers}
     if placement == "partial":
         weights[f"resident block weights ({storage}, partial)"] = resident_part
     return weights, resident_part

@@ -1,0 +1,99 @@
+"""The ring streamer at Flux.1-dev's width (issue 41): three single-stream blocks of Flux.1-dev's shapes (hidden 3072,
+MLP 12288: 141 M bf16 weights a block, linear1's 66 M elements well past 2^24) with a rank-16 LoRA inside, trained two
+steps with every block checkpointed, all streamed through a 2-slot ring or with one block resident: the loss, the
+LoRA gradients and the updated LoRA weights bit for bit those of the resident run. Tiny tensors hide what large ones
+break (offsets in a 283 MB flat slot, dtype views at large offsets)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from headroom.training.memory.checkpointing import wrap_blocks
+from headroom.training.memory.weight_streaming import WeightStreamer
+
+pytestmark = pytest.mark.realsize
+
+HIDDEN, MLP, HEADS, RANK, TOKENS = 3072, 12288, 24, 16, 8
+
+
+class SingleBlock(torch.nn.Module):
+    """Flux's single-stream block's weights (modulation, linear1 -> qkv + MLP in, linear2 <- attention + MLP out,
+    q/k norms), bf16 storage cast to fp32 per use as ComfyUI's manual cast does on a CPU; a LoRA on linear1."""
+
+    def __init__(self):
+        super().__init__()
+        self.modulation = torch.nn.Linear(HIDDEN, 3 * HIDDEN, dtype=torch.bfloat16)
+        self.linear1 = torch.nn.Linear(HIDDEN, 3 * HIDDEN + MLP, dtype=torch.bfloat16)
+        self.linear2 = torch.nn.Linear(HIDDEN + MLP, HIDDEN, dtype=torch.bfloat16)
+        self.q_norm = torch.nn.RMSNorm(HIDDEN // HEADS, dtype=torch.bfloat16)
+        self.k_norm = torch.nn.RMSNorm(HIDDEN // HEADS, dtype=torch.bfloat16)
+        self.requires_grad_(False)
+        self.down = torch.nn.Parameter(torch.randn(RANK, HIDDEN) * 0.01)
+        self.up = torch.nn.Parameter(torch.randn(3 * HIDDEN + MLP, RANK) * 0.01)
+
+    @staticmethod
+    def _linear(layer, x):
+        return F.linear(x, layer.weight.float(), layer.bias.float())
+
+    def forward(self, x, vec):
+        shift, scale, gate = self._linear(self.modulation, F.silu(vec)).chunk(3, dim=-1)
+        h = F.layer_norm(x, (HIDDEN,)) * (1 + scale) + shift
+        h = self._linear(self.linear1, h) + F.linear(F.linear(h, self.down), self.up)
+        qkv, mlp = h.split([3 * HIDDEN, MLP], dim=-1)
+        q, k, v = qkv.view(*qkv.shape[:-1], 3, HEADS, HIDDEN // HEADS).unbind(-3)
+        q, k = F.rms_norm(q, (HIDDEN // HEADS,), self.q_norm.weight.float()), F.rms_norm(
+            k, (HIDDEN // HEADS,), self.k_norm.weight.float())
+        attention = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        out = self._linear(self.linear2, torch.cat([attention.transpose(1, 2).flatten(2), F.gelu(mlp)], -1))
+        return x + gate * out
+
+
+def _blocks():
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList([SingleBlock() for _ in range(3)])
+    with torch.no_grad():
+        for name, p in blocks.named_parameters():
+            if not p.requires_grad:
+                p.normal_(0, 0.02)
+    return blocks
+
+
+def _train(blocks, trace):
+    optimizer = torch.optim.AdamW([p for p in blocks.parameters() if p.requires_grad], lr=1e-3)
+    restore = wrap_blocks(blocks, 1)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        x, vec = torch.randn(1, TOKENS, HIDDEN, generator=g), torch.randn(1, 1, HIDDEN, generator=g)
+        for block in blocks:
+            x = block(x, vec)
+        loss = x.square().mean()
+        loss.backward()
+        trace.append((loss.detach().clone(), [p.grad.clone() for p in blocks.parameters() if p.requires_grad]))
+        optimizer.step()
+        optimizer.zero_grad()
+    restore()
+    return [p.detach().clone() for p in blocks.parameters() if p.requires_grad]
+
+
+def _assert_same(a, b):
+    for x, y in zip(a, b, strict=True):
+        if isinstance(x, (list, tuple)):
+            _assert_same(x, y)
+        else:
+            assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("resident", [(), (1,)])
+def test_the_ring_at_flux_width_is_bitwise_the_resident_run(resident):
+    assert 3 * HIDDEN * HIDDEN + MLP * HIDDEN > 2 ** 24
+    expected, got = [], []
+    weights = _train(_blocks(), expected)
+    blocks = _blocks()
+    with WeightStreamer(blocks, "cpu", resident=resident, exercise_on_cpu=True, record=True) as streamer:
+        streamed = _train(blocks, got)
+        per_block = streamer.streamed_bytes()
+    _assert_same(expected, got)
+    _assert_same(weights, streamed)
+    assert max(per_block) > 2 ** 28 and streamer.fallback_fetches == 0  # 283 MB a block
+    assert streamer.allocations == 2 + len(resident)  # the slots (and a resident block's buffer), once
