@@ -86,7 +86,7 @@ def test_kohya_file_is_the_same_lora_for_the_stock_loader(comfyui, family, kind,
     assert metadata.get("ss_base_model_version") == {"sd15": "sd_v1", "sd3": "sd3", "flux": "flux1", "zimage": "z_image",
                                                  "qwen_image": "qwen_image", "sd2": "sd_v2_v", "sdxl": "sdxl_base_v1-0",
                                                  "chroma": "chroma", "hidream": "hidream_i1",
-                                                 "hunyuan_image": "hunyuan_image_2_1", "krea2": "krea2", "ideogram4": "hidream_o1", "ideogram4": "hidream_o1_image",
+                                                 "hunyuan_image": "hunyuan_image_2_1", "krea2": "krea2", "ideogram4": "ideogram4", "hidream_o1": "hidream_o1_image",
                                                  "wan21": "wan",
                                                  "hunyuan_video15": "hunyuan_video_1_5",
                                                  "ltx2": None}[family]  # no sd-scripts base model name for LTX-2

@@ -126,8 +126,9 @@ def test_nodes_on_a_real_size_model(case, args, params):
     if case == "flux_dev":
         assert "load (stock UNETLoader)" in phases
     if "planner" in report:
-        for row in report["compared"].values():
-            assert row["planner_bytes"] > 0
+        for name, row in report["compared"].items():
+            # HiDream-O1's weightless "text encoder" (a tokenizer) is planned at 0 bytes, which is what it holds
+            assert row["planner_bytes"] > 0 or report[limits.get(name, "diffusion_bytes")] < 2 ** 20, (name, row)
 
 
 def test_first_load_replaces_inference_weights_one_at_a_time():
