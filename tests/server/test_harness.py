@@ -211,7 +211,10 @@ def test_headroom_run_ctrl_c_interrupts_and_leaves_comfyui_idle(comfy_server, tm
     process = subprocess.Popen(
         [sys.executable, str(HEADROOM_RUN), str(workflow_path), "--port", str(comfy_server.port),
          "--set", "Sampler.steps=10000"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        # Ctrl+C as a terminal delivers it: a suite started in the background by a non-interactive shell inherits
+        # SIGINT ignored, and Python installs no KeyboardInterrupt handler then (the run sampled all 10,000 steps)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 120
         while not comfy_server.queue_state()["queue_running"]:
