@@ -50,8 +50,10 @@ def test_bf16_stochastic_fused_steps_and_extraction_at_flux_width():
     assert 0.8 < along < 1.2
     # A LoRA of the fine-tune's difference: the update of a few AdamW steps is low-rank enough that rank 64 holds
     # most of it; the stock loader's arithmetic (base + up @ down) gives it back.
-    base = {k: v.float() for k, v in start32.state_dict().items()}
-    trained = {k: v.float() for k, v in fp32.state_dict().items()}
+    # The first weight (12288 x 3072) and both biases: the second weight's SVD would double the test's time for the
+    # same check (each weight is decomposed on its own).
+    base = {k: v.float() for k, v in start32.state_dict().items() if k != "2.weight"}
+    trained = {k: v.float() for k, v in fp32.state_dict().items() if k != "2.weight"}
     lora, report = extract_lora(base, trained, rank=64)
     up, down = lora["diffusion_model.0.lora_up.weight"], lora["diffusion_model.0.lora_down.weight"]
     assert up.shape == (HIDDEN, 64) and down.shape == (64, WIDTH) and report.whole == ["0.bias", "2.bias"]
