@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 pytestmark = [pytest.mark.comfyui, pytest.mark.realsize]
 
 PROMPT = "a red circle in the center"
-SAMPLING = dict(sample_seed=3, sample_steps=3, cfg=1.0, sampler_name="euler", scheduler="simple", width=64, height=64)
+SAMPLING = dict(sample_seed=3, sample_steps=2, cfg=1.0, sampler_name="euler", scheduler="simple", width=64, height=64)
 
 
 def test_as_saved_file_validation_equals_the_stock_loader_at_real_width(comfyui, monkeypatch):
@@ -37,7 +37,7 @@ def test_as_saved_file_validation_equals_the_stock_loader_at_real_width(comfyui,
             run_name="as_saved_file", seed=0, batch_size=1, grad_accumulation=1, precision="auto", max_grad_norm=1.0,
             caption_dropout=0.0, timestep_sampling="uniform", loss_weighting="none", min_snr_gamma=5.0,
             noise_offset=0.0, gradient_checkpointing=True, checkpoint_depth=1, holdout=0).args[0]
-        T.HeadroomTrainSteps.execute(run, 3)
+        T.HeadroomTrainSteps.execute(run, 1)  # one AdamW step already gives the LoRA an effect
         validation_latents = {}
         for mode in ("unmerged", "as_saved_file"):
             T.HeadroomValidate.execute(run, clip=clip, vae=vae, prompts=PROMPT, negative="", loss_timesteps=1,
@@ -63,7 +63,7 @@ def test_as_saved_file_validation_equals_the_stock_loader_at_real_width(comfyui,
         positive = nodes.CLIPTextEncode().encode(clip, PROMPT)[0]
         negative = nodes.CLIPTextEncode().encode(clip, "")[0]
         empty = nodes.EmptyLatentImage().generate(64, 64, 1)[0]
-        ksampler = dict(seed=3, steps=3, cfg=1.0, sampler_name="euler", scheduler="simple", positive=positive,
+        ksampler = dict(seed=3, steps=2, cfg=1.0, sampler_name="euler", scheduler="simple", positive=positive,
                         negative=negative, latent=empty)
         lora_model = nodes.LoraLoader().load_lora(model, clip, name, 1.0, 0.0)[0]
         stock = nodes.common_ksampler(lora_model, **ksampler)[0]["samples"].float()
