@@ -56,18 +56,25 @@ def torch_threads_per_worker() -> int | None:
     return max(1, (os.cpu_count() or 1) // int(workers)) if workers else None
 
 
+# Subprocesses started by tests (the real-size workers, tests/realsize_worker.py and realsize_full.py) take their
+# torch threads from here: the worker's share, as the tests in process do.
+if torch_threads_per_worker() is not None:
+    os.environ.setdefault("HEADROOM_TORCH_THREADS", str(torch_threads_per_worker()))
+
+
 @pytest.fixture(autouse=True)
 def worker_torch_threads(request):
-    """Each test starts on its worker's share of the cores. Two workers of two threads each on two cores run tiny
-    models 2.6x slower than one thread each (the threads wait on each other's time slices); a module that sets torch's
-    threads at import (collection imports every module in every worker) would otherwise set them for all tests.
-    Real-size tests take every core, as their subprocesses do: their large matrix products still gain from a second
-    thread on a busy machine (measured: 17 s against 21.6 s for a 2048x3072x3072 product 20 times)."""
+    """Each test starts on its worker's share of the cores, real-size tests too. Two workers of two threads each on
+    two cores run tiny models 2.6x slower than one thread each (the threads wait on each other's time slices); a
+    module that sets torch's threads at import (collection imports every module in every worker) would otherwise set
+    them for all tests. Real-size tests took every core until measured beside a one-thread worker: SD3.5's lean full
+    fine-tune (realsize_full.py --lean sd35_large --depth 1) ran 56 s on one thread against 73 s on two, and the
+    other worker did 20 % more work meanwhile (a large product alone still gains from a second thread)."""
     share = torch_threads_per_worker()
     if share is not None:
         import torch
 
-        torch.set_num_threads((os.cpu_count() or 1) if request.node.get_closest_marker("realsize") else share)
+        torch.set_num_threads(share)
     yield
 
 

@@ -272,7 +272,7 @@ def main() -> None:
     parser.add_argument("--trained-weights", choices=("device", "host"), default="device",
                         help="--lean: the Offload Policy's trained_weights (host: with optimizer_state cpu)")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads or os.cpu_count() or 1)
+    torch.set_num_threads(args.threads or int(os.environ.get("HEADROOM_TORCH_THREADS", 0)) or os.cpu_count() or 1)
     W.setup()
     started = time.perf_counter()
     report = run_lean(args.lean, args.depth, trained_weights=args.trained_weights) if args.lean else run()

@@ -466,9 +466,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--no-checkpointing", action="store_true", help="train without gradient checkpointing")
     parser.add_argument("--planner", action="store_true", help="also report the planner's estimate (runs forwards)")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: every core)")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: $HEADROOM_TORCH_THREADS, set by the test suite per pytest-xdist worker, else every core)")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads or os.cpu_count() or 1)
+    torch.set_num_threads(args.threads or int(os.environ.get("HEADROOM_TORCH_THREADS", 0)) or os.cpu_count() or 1)
     if args.case == "replace":
         report = replace_case("flux_dev", (1, 1))
     elif args.case == "host_ram":
