@@ -20,8 +20,8 @@ from ...training.memory.policy import OffloadPolicy, PolicyError
 from ...training.core.trainer import PRECISIONS, auto_precision
 from ...training.data.cache_store import item_conditioning
 from . import families, video
-from .comfy_model import (ComfyDenoiser, expected_cond_dims, model_blocks, replace_inference_tensors,
-                          restore_stock_forwards, training_blocks)
+from .comfy_model import (ComfyDenoiser, expected_cond_dims, model_blocks, quantized_weights_for_inference,
+                          replace_inference_tensors, restore_stock_forwards, training_blocks)
 from .encoders import frame_step, spatial_downscale
 
 # Calibration forwards (latent height, width, text tokens): three areas, two text lengths, so that attention
@@ -148,6 +148,7 @@ def _measure(patcher, adapter: AdapterConfig, precision: str) -> list[planner.Ac
         finally:
             adapters.detach()
             restore_stock_forwards(diffusion_model)
+            quantized_weights_for_inference(diffusion_model, patcher)  # stock nodes load the MODEL again after
     return samples
 
 
