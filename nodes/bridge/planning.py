@@ -20,8 +20,9 @@ from ...training.memory.policy import OffloadPolicy, PolicyError
 from ...training.core.trainer import PRECISIONS, auto_precision
 from ...training.data.cache_store import item_conditioning
 from . import families, video
-from .comfy_model import (ComfyDenoiser, expected_cond_dims, model_blocks, quantized_weights_for_inference,
-                          replace_inference_tensors, restore_stock_forwards, training_blocks)
+from .comfy_model import (ComfyDenoiser, expected_cond_dims, model_blocks, quantized_layers,
+                          quantized_weights_for_inference, replace_inference_tensors, restore_stock_forwards,
+                          training_blocks)
 from .encoders import frame_step, spatial_downscale
 
 # Calibration forwards (latent height, width, text tokens): three areas, two text lengths, so that attention
@@ -226,6 +227,7 @@ def describe_comfy_model(patcher, adapter: AdapterConfig, precision: str = "bf16
         # the time model: where it computes, and the pinned host->device bandwidth there (measured once per process)
         outside_forward_s=outside_forward_s, compute_device=device.type,
         h2d_bytes_per_s=float(time_model.h2d_bytes_per_s(device) or 0.0),
+        quantized_layers=len(quantized_layers(model)),
     )
     if clip is not None:
         description["text_encoder_bytes"] = int(clip.patcher.model_size())
