@@ -212,6 +212,8 @@ def describe_comfy_model(patcher, adapter: AdapterConfig, precision: str = "bf16
     family = families.family_of(model)
     # The dtype layers compute in: the autocast precision, else ComfyUI's manual-cast dtype, else the weights' own.
     compute_dtype = PRECISIONS[precision] or model.manual_cast_dtype or model.get_dtype()
+    # The Linears low-bit storage would re-store: torch's only (ComfyUI's quantized layers are stored low-bit already;
+    # lowbit.LowBitStorage leaves them, and weight_copy_in_flight_bytes counts their dequantised copy).
     linears = [m.weight for _, block in named_blocks for m in block.modules()
                if isinstance(m, torch.nn.Linear) and not m.weight.requires_grad]
     description = dict(

@@ -1087,6 +1087,7 @@ def describe_blocks(named_blocks: Sequence[tuple[str, torch.nn.Module]], saved: 
     tensors (adapters) are left out, the TrainableSpec counts them."""
     profiles = []
     for index, ((name, block), saved_law, inputs_law) in enumerate(zip(named_blocks, saved, inputs)):
+        # torch's Linears: what low-bit storage re-stores (ComfyUI's quantized layers are not: stored low-bit already)
         linears = [m for m in block.modules() if isinstance(m, torch.nn.Linear)
                    and isinstance(m.weight, torch.nn.Parameter) and not m.weight.requires_grad]
         profiles.append(BlockProfile(
