@@ -752,8 +752,8 @@ def krea2_lora() -> Workflow:
 def ideogram4_lora() -> Workflow:
     # Ideogram 4 (9.3 B single-stream DiT, Qwen3-VL-8B text encoder tapped at 13 layers, the Flux.2 VAE): released in
     # fp8 only (Comfy-Org's repackage: ideogram4_fp8_scaled), whose layers ComfyUI builds as quantized mixed-precision
-    # ops, which Init refuses (nodes/bridge/comfy_model.check_trainable): the Note says to load a bf16 copy. The LoRA
-    # trains the conditional model. Its asymmetric CFG runs a second, unconditional model (ideogram4_unconditional_*),
+    # ops: the LoRA trains on them as they are (kinds lora / dora / oft / full; the base stays resident, never
+    # streamed: tests/comfy/test_ideogram4_fp8.py). The LoRA trains the conditional model. Its asymmetric CFG runs a second, unconditional model (ideogram4_unconditional_*),
     # which validation here does not load: it samples without CFG. Timesteps logit-normal: its flow shift is 1.0 (where "shifted" is uniform) and its own
     # sampling schedule (comfy_extras/nodes_ideogram4.py Ideogram4Scheduler) is a logit-normal one. Non-commercial
     # licence.
@@ -771,9 +771,9 @@ def ideogram4_lora() -> Workflow:
         "(Comfy-Org's Ideogram 4 repackage on Hugging Face; bucket sides are multiples of 16: the Flux.2 VAE's 16x. "
         "Validation samples without CFG: Ideogram 4's CFG runs its second, unconditional model "
         "(ideogram4_unconditional_fp8_scaled.safetensors), which sampling with the LoRA afterwards may load.)\n"
-        "Headroom does not train on ComfyUI's scaled fp8 layers yet: with the fp8 file Init stops and says so. "
-        "Put a bf16 copy of the model (the fp8 file dequantized) in models/diffusion_models/ and pick it in "
-        "Load diffusion model.",
+        "The LoRA trains on the fp8 file's layers as they are (LoRA Config kinds lora, dora, oft or full; the base stays "
+        "resident on the card, never streamed). Validation as the saved file samples what Load LoRA + KSampler "
+        "sample on this fp8 model.",
         resolution=1024, bucket_step=16, rank=16, optimizer="AdamW8bit", learning_rate=1e-4, precision="bf16",
         timestep_sampling="logit_normal", policy=policy("resident", "blocks"),
         sampling={"sample_steps": 20, "cfg": 1.0, "sampler_name": "euler", "scheduler": "simple", "width": 1024, "height": 1024},
@@ -793,8 +793,8 @@ def hidream_o1_lora() -> Workflow:
         [checkpoint("hidream_o1_image_bf16.safetensors")],
         (1, "MODEL"), (1, "CLIP"), (1, "VAE"),
         "- hidream_o1_image_bf16.safetensors (HiDream-O1-Image Full, 16.4 GB) -> models/checkpoints/\n"
-        "(Dev, the distilled model, is published as hidream_o1_image_dev_fp8_scaled, a scaled fp8 file Headroom does "
-        "not train yet: Init says so.)\n"
+        "(Dev, the distilled model, is published as hidream_o1_image_dev_fp8_scaled, a scaled fp8 file: a LoRA of kind "
+        "lora, dora, oft or full trains on it too, its base kept resident.)\n"
         "(Comfy-Org/HiDream-O1-Image on Hugging Face, its checkpoints/ folder: one file holds the model, its "
         "tokenizer and the pixel-space VAE; no text encoder or VAE to download, the Gemma 4 of ComfyUI's own template "
         "only rewrites prompts.) Training images: sides multiples of 32 px (the model's pixel patches; the bucket "

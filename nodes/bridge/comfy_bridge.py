@@ -41,7 +41,8 @@ from ...training.memory.weight_streaming import BasePlacement, base_placement, v
 from ...training.core.distributed import is_main_process
 from ...training.core.run_dir import RunDir, RunFolderError
 from ...training.core.trainer import StepReport, Trainer
-from .comfy_model import base_fingerprint, data_fingerprint, model_blocks, replace_inference_tensors, training_blocks
+from .comfy_model import (base_fingerprint, data_fingerprint, model_blocks, quantized_weights_for_inference,
+                          replace_inference_tensors, training_blocks)
 from .memory_fallback import FallbackWatch
 from .planning import next_plan_for, run_plan
 
@@ -475,9 +476,16 @@ class TrainingRun:
         else:
             own = base_placement(validation_placement(self.policy.base_placement))
             self.placement.load(patchers, extra, share, own)
-        # ComfyUI's split / sub-quadratic attention chunks by free memory: a recompute must chunk as its forward did.
-        with self.trained.attach(self), pinned_reading(comfy.model_management, "get_free_memory"):
-            yield
+        base = self.placement.patcher.model.diffusion_model
+        if phase == "validation":  # ComfyUI's sampler loads the clone again under inference mode
+            quantized_weights_for_inference(base, self.placement.patcher)
+        try:
+            # ComfyUI's split / sub-quadratic attention chunks by free memory: a recompute must chunk as its forward
+            # did.
+            with self.trained.attach(self), pinned_reading(comfy.model_management, "get_free_memory"):
+                yield
+        finally:  # the MODEL's quantized weights usable by stock nodes again (a no-op for any other model)
+            quantized_weights_for_inference(base, self.placement.patcher)
 
     @contextlib.contextmanager
     def validating(self):

@@ -23,6 +23,7 @@ import comfy.text_encoders.llama
 import comfy.utils
 
 from ...training.data.cache_store import fingerprint_state_dict, fingerprint_value, item_conditioning
+from ...training.core.adapters import is_quantized
 from ...training.core.objective import SamplingDescriptor
 from . import families
 from .rope_autograd import register_rope_autograd
@@ -155,20 +156,47 @@ def check_trainable(model: comfy.model_base.BaseModel) -> None:
         base = getattr(comfy.model_base, untrainable, None)  # the model_base class of the same name: its subclasses too
         if _model_class(model) == untrainable or (base is not None and isinstance(model, base)):
             raise ValueError(f"this MODEL ({_model_class(model)}) cannot train a LoRA: {why}; train another model")
-    quantized = quantized_layers(model)
+
+
+# Adapter kinds that cannot wrap ComfyUI's quantized layers, and why (check_quantized_kind: at Init, before any work).
+# lora / dora (peft's LoRA layers call the base layer and read its weight through peft's dequantize hook, which hands
+# back the QuantizedTensor: its ops dequantize), oft (rotates the base layer's output) and full (reads the base
+# dequantized: run_lora.patched_base_reader) train on them.
+QUANTIZED_UNSUPPORTED = {
+    "loha": "peft's LoHa layers take torch Linear / Conv layers only",
+    "lokr": "peft's LoKr layers take torch Linear / Conv layers only",
+}
+
+
+def check_quantized_kind(model: comfy.model_base.BaseModel, kind: str) -> None:
+    """A MODEL with ComfyUI's quantized layers and an adapter kind that cannot wrap them -> a ValueError naming the
+    layer and what to do, before any work."""
+    quantized = quantized_layers(model) if kind in QUANTIZED_UNSUPPORTED else []
     if quantized:
         raise ValueError(
             f"this MODEL's layers hold ComfyUI's quantized weights ({len(quantized)} layers, e.g. {quantized[0]}: a "
-            "scaled fp8 / int8 / nvfp4 file, such as Ideogram 4's ideogram4_fp8_scaled), which are not torch Linear "
-            "layers and take no adapter yet; load the model from a bf16 / fp16 / fp32 file (the Offload Policy's "
-            "base_storage fp8 / int8 / nf4 then stores it low-bit for training)")
+            f"scaled fp8 / int8 / nvfp4 file), and LoRA Config (Headroom) kind {kind} cannot train on them "
+            f"({QUANTIZED_UNSUPPORTED[kind]}): choose kind lora, dora, oft or full, or load the model from a bf16 / "
+            "fp16 / fp32 file")
+
+
+def check_quantized_placement(model: comfy.model_base.BaseModel, policy) -> None:
+    """A MODEL with ComfyUI's quantized layers and a policy that streams blocks -> a ValueError saying what to do, before
+    any work (weight_streaming.check_streamable says why the ring cannot carry them)."""
+    quantized = quantized_layers(model) if policy.streams_blocks else []
+    if quantized:
+        raise ValueError(
+            f"this MODEL's layers hold ComfyUI's quantized weights ({len(quantized)} layers, e.g. {quantized[0]}: a "
+            f"scaled fp8 / int8 / nvfp4 file), which weight streaming cannot carry, and the Offload Policy "
+            f"(Headroom)'s base_placement {policy.base_placement} streams blocks: set base_placement to resident, or "
+            "let a Memory Plan (Headroom) / card choose (it keeps such a base resident)")
 
 
 def quantized_layers(model: comfy.model_base.BaseModel) -> list[str]:
     """Paths of the diffusion model's layers whose weight is ComfyUI's QuantizedTensor (comfy.ops mixed-precision
-    layers, as the stock loaders build a scaled fp8 / int8 / nvfp4 file): not torch.nn.Linear, so no target."""
-    return [path for path, module in model.diffusion_model.named_modules()
-            if type(getattr(module, "weight", None)).__name__ == "QuantizedTensor"]
+    layers, as the stock loaders build a scaled fp8 / int8 / nvfp4 file). Adapters train on them (adapters.is_linear);
+    what cannot is refused by name (check_quantized_kind)."""
+    return [path for path, module in model.diffusion_model.named_modules() if is_quantized(module)]
 
 
 def missing_inputs_note(model: comfy.model_base.BaseModel, node: str) -> str:
@@ -301,6 +329,36 @@ def replace_inference_tensors(module: torch.nn.Module, patcher=None) -> None:
             del old
             if was_pinned:
                 patcher.pin_weight_to_device(key)
+
+
+def quantized_weights_for_inference(module: torch.nn.Module, patcher=None) -> None:
+    """Give ComfyUI's quantized weights (QuantizedTensor parameters) back as inference tensors, same values, before
+    ComfyUI's own code runs on the module under inference mode again (its samplers, every stock node).
+
+    Why: training needs them as normal tensors (replace_inference_tensors; a load outside inference mode clones them
+    too: comfy.ops._quantized_apply), but ComfyUI's `module.to(...)` under inference mode, which every load and
+    unload calls, re-wraps each QuantizedTensor parameter as torch.nn.Parameter, and that fails for a normal one
+    ("Cannot set version_counter for inference tensor"): after a training step the stock KSampler could not load
+    the MODEL. One tensor at a time (never the weights twice), unpinning and pinning as replace_inference_tensors."""
+    pinned = patcher.pinned if patcher is not None else set()
+    with torch.inference_mode():
+        names = [name for name, param in module.named_parameters() if is_quantized_tensor(param)
+                 and not param.is_inference()]
+        for name in names:
+            key = f"diffusion_model.{name}"
+            was_pinned = key in pinned
+            if was_pinned:
+                patcher.unpin_weight(key)
+            old = comfy.utils.get_attr(module, name)
+            comfy.utils.set_attr_param(module, name, old.clone())  # detach() of a normal one fails here too
+            del old
+            if was_pinned:
+                patcher.pin_weight_to_device(key)
+
+
+def is_quantized_tensor(tensor) -> bool:
+    """ComfyUI's QuantizedTensor (comfy_kitchen; a Parameter made of one keeps its type)."""
+    return type(tensor).__name__ == "QuantizedTensor"
 
 
 def data_fingerprint(latent_cache) -> str:

@@ -20,8 +20,9 @@ from ...training.memory.policy import OffloadPolicy, PolicyError
 from ...training.core.trainer import PRECISIONS, auto_precision
 from ...training.data.cache_store import item_conditioning
 from . import families, video
-from .comfy_model import (ComfyDenoiser, expected_cond_dims, model_blocks, replace_inference_tensors,
-                          restore_stock_forwards, training_blocks)
+from .comfy_model import (ComfyDenoiser, expected_cond_dims, model_blocks, quantized_layers,
+                          quantized_weights_for_inference, replace_inference_tensors, restore_stock_forwards,
+                          training_blocks)
 from .encoders import frame_step, spatial_downscale
 
 # Calibration forwards (latent height, width, text tokens): three areas, two text lengths, so that attention
@@ -148,6 +149,7 @@ def _measure(patcher, adapter: AdapterConfig, precision: str) -> list[planner.Ac
         finally:
             adapters.detach()
             restore_stock_forwards(diffusion_model)
+            quantized_weights_for_inference(diffusion_model, patcher)  # stock nodes load the MODEL again after
     return samples
 
 
@@ -210,6 +212,8 @@ def describe_comfy_model(patcher, adapter: AdapterConfig, precision: str = "bf16
     family = families.family_of(model)
     # The dtype layers compute in: the autocast precision, else ComfyUI's manual-cast dtype, else the weights' own.
     compute_dtype = PRECISIONS[precision] or model.manual_cast_dtype or model.get_dtype()
+    # The Linears low-bit storage would re-store: torch's only (ComfyUI's quantized layers are stored low-bit already;
+    # lowbit.LowBitStorage leaves them, and weight_copy_in_flight_bytes counts their dequantised copy).
     linears = [m.weight for _, block in named_blocks for m in block.modules()
                if isinstance(m, torch.nn.Linear) and not m.weight.requires_grad]
     description = dict(
@@ -225,6 +229,7 @@ def describe_comfy_model(patcher, adapter: AdapterConfig, precision: str = "bf16
         # the time model: where it computes, and the pinned host->device bandwidth there (measured once per process)
         outside_forward_s=outside_forward_s, compute_device=device.type,
         h2d_bytes_per_s=float(time_model.h2d_bytes_per_s(device) or 0.0),
+        quantized_layers=len(quantized_layers(model)),
     )
     if clip is not None:
         description["text_encoder_bytes"] = int(clip.patcher.model_size())

@@ -20,7 +20,7 @@ import comfy.model_patcher
 import comfy.patcher_extension
 import comfy.utils
 
-from ...training.core.adapters import AdapterConfig, AdapterSet
+from ...training.core.adapters import AdapterConfig, AdapterSet, is_quantized
 from ...training.memory.trained_weights_on_host import trained_weights_device
 from ...training.core.lora_extract import extract_from_differences
 from ...training.data.files import save_safetensors
@@ -123,15 +123,31 @@ class AsSavedWeight:
 def as_saved_file_model(model, adapters: AdapterSet, strength: float = 1.0):
     """A clone of `model` that samples as if the stock LoraLoader had loaded the adapter's saved file at `strength`,
     without baking it into a second copy of the weights: one AsSavedWeight per patched weight (ComfyUI's own
-    weight-wrapper hook, installed on the layers when ComfyUI loads the clone)."""
+    weight-wrapper hook, installed on the layers when ComfyUI loads the clone).
+
+    Layers holding ComfyUI's quantized weights (a scaled fp8 / int8 / nvfp4 file) get the patches themselves, baked
+    by ComfyUI's own load (ModelPatcher.patch_weight_to_device: dequantized, comfy.lora.calculate_weight, then
+    requantized with stochastic rounding seeded by the key): a weight wrapper there would turn the layer's quantized
+    product (its input quantized too) into a plain one, which stock never computes, so only stock's own path gives
+    stock's result. That holds one requantized copy of those layers' weights (their storage size) while the clone
+    is loaded."""
     clone = model.clone()
+    patches = comfy_patches(clone, adapters)
+    quantized = {k: v for k, v in patches.items() if _on_quantized_layer(clone.model, k if isinstance(k, str) else k[0])}
+    clone.add_patches(quantized, strength)
     patched = model.clone()  # never loaded: only collects the patches as the stock loader lays them out
     patched.patches = {}
-    patched.add_patches(comfy_patches(patched, adapters), strength)
+    patched.add_patches({k: v for k, v in patches.items() if k not in quantized}, strength)
     for key, patches in patched.patches.items():
         stored, _, _ = comfy.model_patcher.get_key_weight(clone.model, key)
         clone.add_weight_wrapper(key, AsSavedWeight(key, patches, stored.dtype))
     return clone
+
+
+def _on_quantized_layer(model, key: str) -> bool:
+    """Whether the weight key ("diffusion_model.<path>.weight" / ".bias") belongs to a layer whose weight is
+    ComfyUI's QuantizedTensor."""
+    return is_quantized(comfy.utils.get_attr(model, key.rpartition(".")[0]))
 
 
 # --- the LoRA run ---------------------------------------------------------------------------------------------

@@ -1,15 +1,21 @@
 """Ideogram 4 is released in fp8 only (Comfy-Org's ideogram4_fp8_scaled.safetensors, the file workflows/ideogram4_lora
-names). The stock UNETLoader builds that file's layers as ComfyUI's mixed-precision ops (QuantizedTensor weights), which
-are not torch Linear layers and take no adapter yet: Init refuses the MODEL before any work, naming why and what
-loads instead (rather than "no target modules matched")."""
+names). The stock UNETLoader builds that file's layers as ComfyUI's mixed-precision ops (QuantizedTensor weights, not
+torch Linear layers). A LoRA trains on them as they are: the tiny Ideogram 4 converted to the scaled fp8 file layout
+and loaded as UNETLoader loads it, trained, saved, loaded by the stock LoraLoaderModelOnly onto the same fp8 MODEL;
+Headroom's validation (as the saved file) samples what stock KSampler samples, bit for bit. Kinds peft cannot put on
+such layers, and streaming them, are refused at Init by name; the planner counts their stored bytes."""
 from __future__ import annotations
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
-from family_checks import cached_data, init_run
+from family_checks import cached_data, empty_latent
 
 pytestmark = [pytest.mark.comfyui, pytest.mark.usefixtures("one_torch_thread")]
+SAMPLING = dict(sample_seed=3, sample_steps=3, cfg=2.0, sampler_name="euler", scheduler="simple")
+PROMPT = "a red circle"
+QUANTIZED = r"this MODEL's layers hold ComfyUI's quantized weights \(12 layers, e\.g\. layers\.0\.attention\.qkv: a scaled fp8"
 
 
 def _scaled_fp8(state_dict: dict) -> dict:
@@ -26,25 +32,136 @@ def _scaled_fp8(state_dict: dict) -> dict:
     return out
 
 
-def test_a_scaled_fp8_base_is_refused_at_init_naming_why(comfyui, monkeypatch):
+@pytest.fixture(scope="module")
+def fp8_model(comfyui):
+    """(fp8 MODEL, plain MODEL, clip, vae, latent cache, text cache)."""
     import comfy.sd
     import comfy.supported_models
 
-    from headroom.nodes.bridge import families
-    from headroom.nodes.bridge.comfy_model import quantized_layers
     from headroom.nodes.bridge.families import ideogram4
     from headroom.nodes.bridge.tiny_models import build_tiny_models
 
     model, clip, vae = build_tiny_models("ideogram4", seed=0)
     latents, texts = cached_data(model, clip, vae)
     state_dict = _scaled_fp8(model.model.diffusion_model.state_dict())
-    # ComfyUI's detection fixes the released geometry through the config's unet_extra_config: the tiny one's here.
-    monkeypatch.setattr(comfy.supported_models.Ideogram4, "unet_extra_config", ideogram4._TinyIdeogram4.unet_extra_config)
-    fp8 = comfy.sd.load_diffusion_model_state_dict(state_dict)  # what UNETLoader does with the file's tensors
+    with pytest.MonkeyPatch.context() as patch:
+        # ComfyUI's detection fixes the released geometry through the config's unet_extra_config: the tiny one's here.
+        patch.setattr(comfy.supported_models.Ideogram4, "unet_extra_config",
+                      ideogram4._TinyIdeogram4.unet_extra_config)
+        with torch.inference_mode():  # as UNETLoader runs (its QuantizedTensors are inference tensors)
+            fp8 = comfy.sd.load_diffusion_model_state_dict(state_dict)
+    return fp8, model, clip, vae, latents, texts
+
+
+def _init(fp8_model, kind, run_name, policy=None):
+    from headroom.nodes import train_lora as T
+
+    fp8, _, _, _, latents, texts = fp8_model
+    with torch.inference_mode():
+        lora = T.HeadroomLoraConfig.execute(kind, 4, 4.0, "preset", False, 0.0, 0).args[0]
+        opt = T.HeadroomOptimizerConfig.execute("AdamW", 2e-2, 0.0, "constant", 0, 1000).args[0]
+        return T.HeadroomTrainLoraInit.execute(
+            model=fp8, latent_cache=latents, text_cache=texts, lora_config=lora, optimizer_config=opt,
+            run_name=run_name, seed=0, batch_size=4, grad_accumulation=1, precision="fp32", max_grad_norm=1.0,
+            caption_dropout=0.0, timestep_sampling="uniform", loss_weighting="none", min_snr_gamma=5.0,
+            noise_offset=0.0, gradient_checkpointing=False, checkpoint_depth=1, holdout=0, policy=policy).args[0]
+
+
+def test_the_stock_loader_builds_quantized_layers(fp8_model):
+    from headroom.nodes.bridge import families
+    from headroom.nodes.bridge.comfy_model import quantized_layers
+    from headroom.training.core.adapters import is_linear
+
+    fp8, model = fp8_model[:2]
+    qkv = fp8.model.diffusion_model.layers[0].attention.qkv
     assert families.family_of(fp8.model).name == "ideogram4"
-    assert not isinstance(fp8.model.diffusion_model.layers[0].attention.qkv, torch.nn.Linear)
+    assert not isinstance(qkv, torch.nn.Linear) and is_linear(qkv) and type(qkv.weight).__name__ == "QuantizedTensor"
     assert len(quantized_layers(fp8.model)) == 2 * 6 and quantized_layers(model.model) == []  # 6 Linears a block
-    with pytest.raises(ValueError, match=r"^Train LoRA: Init \(Headroom\): this MODEL's layers hold ComfyUI's quantized "
-                                         r"weights \(12 layers, e\.g\. layers\.0\.attention\.qkv: a scaled fp8 .*load "
-                                         r"the model from a bf16 / fp16 / fp32 file"):
-        init_run(fp8, latents, texts, "ideogram4_fp8_scaled", 4, 2e-2, "preset", False)
+
+
+@pytest.mark.parametrize("kind", ["lora", "dora", "oft", "full"])
+def test_a_lora_trains_on_scaled_fp8_and_validation_is_the_stock_sample(fp8_model, kind):
+    """Loss falls, the trained weights are fp32, the fp8 base is unchanged bit for bit; the saved file loads in stock
+    LoraLoaderModelOnly onto the fp8 MODEL (every trained layer patched) and KSampler samples exactly what Validate
+    (lora_application as_saved_file) sampled."""
+    import comfy.model_management
+    import nodes
+
+    from headroom.nodes import train_lora as T
+
+    fp8, _, clip, vae = fp8_model[:4]
+    base = {k: v.clone() for k, v in fp8.model.diffusion_model.state_dict().items()}
+    run = _init(fp8_model, kind, f"fp8_{kind}")
+    with torch.inference_mode():
+        before = run.loss_on(run.train_items)
+        T.HeadroomTrainSteps.execute(run, 10)
+        after = run.loss_on(run.train_items)
+        T.HeadroomValidate.execute(run, clip=clip, vae=vae, prompts=PROMPT, negative="", loss_timesteps=1, width=32,
+                                   height=32, lora_application="as_saved_file", **SAMPLING)
+        validation = load_file(str(run.run_dir.validation_dir / f"step_{run.step:08d}_latents.safetensors"))["samples"]
+        name = T.HeadroomSaveLora.execute(run, "headroom/fp8", "", "fp32").args[0]
+        positive = nodes.CLIPTextEncode().encode(clip, PROMPT)[0]
+        negative = nodes.CLIPTextEncode().encode(clip, "")[0]
+        lora_model = nodes.LoraLoaderModelOnly().load_lora_model_only(fp8, name, 1.0)[0]
+        ksampler = (SAMPLING["sample_seed"], SAMPLING["sample_steps"], SAMPLING["cfg"], SAMPLING["sampler_name"],
+                    SAMPLING["scheduler"], positive, negative, empty_latent(fp8, 32, 32))
+        stock = nodes.common_ksampler(lora_model, *ksampler)[0]["samples"].float()
+        comfy.model_management.unload_all_models()  # the patched clone gives the shared weights back
+        plain = nodes.common_ksampler(fp8, *ksampler)[0]["samples"].float()
+    print(f"{kind}: loss {before:.4f} -> {after:.4f}; as saved vs stock max abs diff "
+          f"{(validation - stock).abs().max().item():.3g}")
+    assert after < before
+    assert {p.dtype for p in run.adapters.parameters()} == {torch.float32}
+    assert len(lora_model.patches) >= len(run.adapters.layers)  # every trained layer patched by the stock loader
+    assert torch.equal(validation, stock)
+    assert not torch.equal(plain, stock), "the LoRA should change the sample"
+    now = fp8.model.diffusion_model.state_dict()
+    assert all(torch.equal(base[k].view(torch.uint8) if base[k].dtype == torch.float8_e4m3fn else base[k],
+                           now[k].view(torch.uint8) if now[k].dtype == torch.float8_e4m3fn else now[k]) for k in base)
+    run.release()
+
+
+@pytest.mark.parametrize("kind", ["loha", "lokr"])
+def test_kinds_peft_cannot_put_on_quantized_layers_are_refused_at_init(fp8_model, kind):
+    with pytest.raises(ValueError, match=rf"^Train LoRA: Init \(Headroom\): {QUANTIZED}.*LoRA Config \(Headroom\) "
+                                         rf"kind {kind} cannot train on them.*choose kind lora, dora, oft or full"):
+        _init(fp8_model, kind, f"fp8_{kind}")
+
+
+def test_streaming_a_quantized_base_is_refused_at_init(fp8_model):
+    from headroom.training.memory.policy import OffloadPolicy
+
+    with pytest.raises(ValueError, match=rf"^Train LoRA: Init \(Headroom\): {QUANTIZED}.*weight streaming cannot carry"
+                                         r".*Offload Policy \(Headroom\)'s base_placement streamed streams blocks: "
+                                         r"set base_placement to resident"):
+        _init(fp8_model, "lora", "fp8_streamed", OffloadPolicy(base_placement="streamed", checkpointing="blocks"))
+
+
+def test_the_planner_counts_the_quantized_storage_and_keeps_it_resident(fp8_model):
+    """The blocks' frozen bytes are what the fp8 file stores (1 byte a weight, its scales, the rest as loaded), not
+    the dequantised dtype the QuantizedTensor reports; each layer's weight is dequantised for its product (in flight);
+    no plan streams such a base or stores it low-bit again."""
+    import dataclasses
+
+    from headroom.nodes.bridge import planning
+    from headroom.training.core.adapters import AdapterConfig
+    from headroom.training.memory import planner
+    from headroom.training.memory.policy import OffloadPolicy
+
+    fp8, model = fp8_model[:2]
+    described = planning.describe_comfy_model(fp8, AdapterConfig(rank=4, alpha=4), "fp32")
+    plain = planning.describe_comfy_model(model, AdapterConfig(rank=4, alpha=4), "fp32")
+    for profile, block in zip(described.blocks, fp8.model.diffusion_model.layers, strict=True):
+        stored = block.state_dict()  # ComfyUI's own: the fp8 data, scales, and a comfy_quant marker per layer
+        assert profile.param_bytes == sum(t.nbytes for k, t in stored.items() if not k.endswith("comfy_quant"))
+    fp8_numel = sum(t.numel() for t in fp8.model.diffusion_model.state_dict().values()
+                    if t.dtype == torch.float8_e4m3fn)
+    # the tiny model is fp32 on the CPU: each fp8 weight 3 bytes less than its fp32 original, plus one fp32 scale a layer
+    assert sum(b.param_bytes for b in plain.blocks) - sum(b.param_bytes for b in described.blocks) == \
+        3 * fp8_numel - 4 * 12
+    assert described.weight_copy_in_flight_bytes == 4 * fp8.model.diffusion_model.layers[0].attention.qkv.weight.numel()
+    assert described.quantized_layers == 12 and plain.quantized_layers == 0
+    candidates = planner.candidate_policies(OffloadPolicy())
+    assert {p.base_placement for p in planner._plannable(described, candidates)} == {"resident"}
+    assert planner._storages(OffloadPolicy(), described) == ["as_loaded"]
+    assert planner._plannable(dataclasses.replace(described, quantized_layers=0), candidates) == candidates

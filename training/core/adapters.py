@@ -99,6 +99,23 @@ class AdapterConfig:
                              f"to 0, not {self.dropout}")
 
 
+def is_linear(module: torch.nn.Module) -> bool:
+    """A linear layer an adapter can wrap: torch's, or ComfyUI's mixed-precision Linear (comfy.ops.mixed_precision_ops,
+    what the stock loaders build for a scaled fp8 / int8 / nvfp4 file: a torch.nn.Module, not a torch.nn.Linear, whose
+    weight may be a QuantizedTensor). Both take `x @ W^T + b` with `in_features` / `out_features`, which is all peft's
+    layers and ours ask of a base; the quantized one runs its own forward and backward (comfy.ops QuantLinearFunc)."""
+    if isinstance(module, torch.nn.Linear):
+        return True
+    weight = getattr(module, "weight", None)
+    return (type(module).__name__ == "Linear" and hasattr(module, "comfy_cast_weights")
+            and hasattr(module, "in_features") and weight is not None and weight.ndim == 2)
+
+
+def is_quantized(module: torch.nn.Module) -> bool:
+    """A layer whose weight is ComfyUI's QuantizedTensor (comfy_kitchen: fp8 / int8 / nvfp4 data and its scales)."""
+    return type(getattr(module, "weight", None)).__name__ == "QuantizedTensor"
+
+
 def select_targets(root: torch.nn.Module, preset: TargetPreset | None, config: AdapterConfig,
                    block_prefixes: Iterable[str], presets: Iterable[str] = ()) -> list[str]:
     """Paths of the submodules of `root` the adapter wraps, in module order. `preset`: the model family's (None:
@@ -122,14 +139,14 @@ def select_targets(root: torch.nn.Module, preset: TargetPreset | None, config: A
         if not path:
             continue
         if config.targets == "preset":
-            if isinstance(module, torch.nn.Linear) and any(p.search(path) for p in patterns):
+            if is_linear(module) and any(p.search(path) for p in patterns):
                 paths.append(path)
             elif conv is not None and isinstance(module, torch.nn.Conv2d) and conv.search(path):
                 paths.append(path)
         elif config.targets == "all_layers":
-            if isinstance(module, (torch.nn.Linear, torch.nn.Conv2d)):
+            if is_linear(module) or isinstance(module, torch.nn.Conv2d):
                 paths.append(path)
-        elif isinstance(module, torch.nn.Linear) and any(path.startswith(b + ".") for b in block_prefixes):
+        elif is_linear(module) and any(path.startswith(b + ".") for b in block_prefixes):
             paths.append(path)
         elif config.include_conv and isinstance(module, torch.nn.Conv2d) and any(path.startswith(b + ".") for b in block_prefixes):
             paths.append(path)
@@ -390,7 +407,7 @@ class AdapterSet:
             torch.manual_seed(config.init_seed)
             for path in paths:
                 base = root.get_submodule(path)
-                if not isinstance(base, (torch.nn.Linear, torch.nn.Conv2d)):
+                if not (is_linear(base) or isinstance(base, torch.nn.Conv2d)):
                     raise TypeError(f"adapter target {path} is a {type(base).__name__}; only Linear and Conv2d are supported")
                 read_base = None if base_reader is None else (
                     lambda where, path=path, base=base: base_reader(path, base, where))

@@ -170,8 +170,11 @@ class LowBitBase:
         self.storage = storage
         self.originals: dict[str, torch.nn.Linear] = {}
         self.replacements: dict[str, LowBitLinear] = {}
+        already = []  # ComfyUI's quantized layers (a scaled fp8 file): stored low-bit already, never re-stored
         with torch.no_grad():
             for path, module in root.named_modules():
+                if type(getattr(module, "weight", None)).__name__ == "QuantizedTensor":
+                    already.append(path)
                 if type(module) is LowBitLinear or not isinstance(module, torch.nn.Linear):
                     continue
                 if prefixes is not None and not any(path == p or path.startswith(p + ".") for p in prefixes):
@@ -186,6 +189,10 @@ class LowBitBase:
                 self.originals[path] = module
                 self.replacements[path] = LowBitLinear(module, storage, device)
         if not self.replacements:
+            if already:
+                raise ValueError(f"low-bit storage {storage!r}: this MODEL's layers are stored quantized already "
+                                 f"({len(already)} layers, e.g. {already[0]}: a scaled fp8 / int8 / nvfp4 file, "
+                                 "trained as they are): set the Offload Policy (Headroom)'s base_storage to as_loaded")
             raise ValueError(f"low-bit storage {storage!r}: no frozen Linear layers found to store in low bits")
         self.attached = False
         self.attach()

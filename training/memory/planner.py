@@ -135,6 +135,9 @@ class ModelDescription:
     outside_forward_s: ActivationLaw = ActivationLaw()
     compute_device: str = "cuda"
     h2d_bytes_per_s: float = 0.0
+    # Layers holding ComfyUI's quantized weights (a scaled fp8 / int8 / nvfp4 file): trained as they are, never
+    # streamed (weight_streaming cannot pack them) nor stored low-bit again; the plans keep the base resident.
+    quantized_layers: int = 0
 
     def frozen_bytes(self, storage: str = "as_loaded") -> int:
         return self.other_param_bytes + sum(b.weight_bytes(storage) for b in self.blocks)
@@ -732,11 +735,22 @@ def _streams_trained_weights(trainable: TrainableSpec, base: OffloadPolicy) -> b
     return trainable.full and base.fused_backward
 
 
-def _storages(base: OffloadPolicy) -> list[str]:
+def _storages(base: OffloadPolicy, description: ModelDescription | None = None) -> list[str]:
     """The base storages to try, in order: `base`'s; then, from "as_loaded" only, fp8, int8 and nf4, less those whose
-    optional package (bitsandbytes) is not installed."""
+    optional package (bitsandbytes) is not installed. A base of ComfyUI's quantized layers: `base`'s alone (stored
+    low-bit already)."""
+    if description is not None and description.quantized_layers:
+        return [base.base_storage]
     lower = [s for s in ("fp8", "int8", "nf4") if base.base_storage == "as_loaded" and lowbit.storage_installed(s)]
     return [base.base_storage] + lower
+
+
+def _plannable(description: ModelDescription, candidates: list[OffloadPolicy]) -> list[OffloadPolicy]:
+    """The candidates the model can run: with ComfyUI's quantized layers, none that streams blocks (the ring packs
+    plain tensors only: weight_streaming.check_streamable)."""
+    if not description.quantized_layers:
+        return candidates
+    return [p for p in candidates if not p.streams_blocks]
 
 
 def selective_plans(description: ModelDescription, trainable: TrainableSpec, shape: RunShape, policy: OffloadPolicy,
@@ -789,8 +803,8 @@ def plan_auto(description: ModelDescription, trainable: TrainableSpec, shape: Ru
     The frozen base's storage stays what `base` says while any variant fits; only when none does are
     lower-precision storages (fp8, then int8, then nf4) tried, and the reason says the numerics change.
     """
-    storages = _storages(base)
-    candidates = candidate_policies(base, storages, _streams_trained_weights(trainable, base))
+    storages = _storages(base, description)
+    candidates = _plannable(description, candidate_policies(base, storages, _streams_trained_weights(trainable, base)))
     tried: list[Plan] = []
     for storage in storages:
         fitting: list[Plan] = []
@@ -841,8 +855,9 @@ def next_smaller_policy(description: ModelDescription, trainable: TrainableSpec,
     least 10 % below `current`'s (a smaller step would likely fail again), or None when none is. A `current` that
     checkpoints only some blocks is followed by the same policy with every block checkpointed, and so on."""
     current_peak = estimate(description, trainable, shape, current, budget_bytes).peak_bytes
-    storages = _storages(current)
-    candidates = candidate_policies(current, storages, _streams_trained_weights(trainable, current))
+    storages = _storages(current, description)
+    candidates = _plannable(description,
+                            candidate_policies(current, storages, _streams_trained_weights(trainable, current)))
     every_block = current.replace(checkpoint_blocks="")
     at = next((i for i, p in enumerate(candidates) if p == every_block), -1)
     start = at if every_block != current and at >= 0 else at + 1
@@ -875,11 +890,13 @@ class ActivationSample:
 
 
 def _storage_key(tensor: torch.Tensor) -> int:
-    return tensor.untyped_storage().data_ptr()
+    # A QuantizedTensor has no storage of its own (a wrapper subclass): its data's (a quantized layer's backward
+    # saves its weight: then the weight's own key, skipped as a weight).
+    return (tensor._qdata if is_quantized(tensor) else tensor).untyped_storage().data_ptr()
 
 
 def _storage_bytes(tensor: torch.Tensor) -> int:
-    return tensor.untyped_storage().nbytes()
+    return tensor_bytes(tensor) if is_quantized(tensor) else tensor.untyped_storage().nbytes()
 
 
 def measure_activations(run_forward: Callable[[], object], blocks: Sequence[torch.nn.Module],
@@ -1070,6 +1087,7 @@ def describe_blocks(named_blocks: Sequence[tuple[str, torch.nn.Module]], saved: 
     tensors (adapters) are left out, the TrainableSpec counts them."""
     profiles = []
     for index, ((name, block), saved_law, inputs_law) in enumerate(zip(named_blocks, saved, inputs)):
+        # torch's Linears: what low-bit storage re-stores (ComfyUI's quantized layers are not: stored low-bit already)
         linears = [m for m in block.modules() if isinstance(m, torch.nn.Linear)
                    and isinstance(m.weight, torch.nn.Parameter) and not m.weight.requires_grad]
         profiles.append(BlockProfile(
@@ -1094,12 +1112,29 @@ def largest_weight_copy_bytes(module: torch.nn.Module, compute_dtype: torch.dtyp
     if compute_dtype is None:
         return 0
     size = torch.empty((), dtype=compute_dtype).element_size()
+    # A QuantizedTensor reports the dequantised dtype, which may be the compute dtype, and is dequantised all the same
+    # (its layer's backward: comfy.ops QuantLinearFunc).
     return max((t.numel() * size for layer in module.modules() if not isinstance(layer, torch.nn.Embedding)
-                for t in layer.parameters(recurse=False) if not t.requires_grad and t.dtype != compute_dtype),
-               default=0)
+                for t in layer.parameters(recurse=False)
+                if not t.requires_grad and (t.dtype != compute_dtype or is_quantized(t))), default=0)
 
 
 def frozen_bytes(module: torch.nn.Module) -> int:
-    """Bytes of a module's frozen parameters and buffers (shared tensors once)."""
+    """Bytes of a module's frozen parameters and buffers (shared tensors once), as stored (tensor_bytes)."""
     tensors = {id(t): t for t in (*module.parameters(), *module.buffers()) if not t.requires_grad}
-    return sum(t.numel() * t.element_size() for t in tensors.values())
+    return sum(tensor_bytes(t) for t in tensors.values())
+
+
+def tensor_bytes(tensor: torch.Tensor) -> int:
+    """Bytes a tensor's storage takes. A wrapper tensor subclass (ComfyUI's QuantizedTensor, comfy_kitchen: the
+    weights of a scaled fp8 / int8 / nvfp4 file) reports the numel and dtype of its dequantised value (fp8 as bf16:
+    twice its size); what it stores is its inner tensors (`__tensor_flatten__`: the fp8 data and its scales)."""
+    if is_quantized(tensor):
+        names, _ = tensor.__tensor_flatten__()
+        return sum(getattr(tensor, name).numel() * getattr(tensor, name).element_size() for name in names)
+    return tensor.numel() * tensor.element_size()
+
+
+def is_quantized(tensor) -> bool:
+    """ComfyUI's QuantizedTensor (by name: the engine imports without ComfyUI)."""
+    return type(tensor).__name__ == "QuantizedTensor"

@@ -292,6 +292,8 @@ class WeightStreamer:
 
     def _collect(self, modules: Iterable[torch.nn.Module]) -> list[tuple]:
         """The frozen tensors of `modules` that are not on the device: (module, name, is_param, tensor)."""
+        modules = list(modules)
+        check_streamable(modules)
         tensors = []
         for module in modules:
             for name, param in module._parameters.items():
@@ -546,6 +548,20 @@ class WeightStreamer:
     def slot_pointers(self) -> list[int]:
         """The device address of each slot (fixed from attach to detach)."""
         return [slot.buffer.data_ptr() for slot in self._ring]
+
+
+def check_streamable(modules: Iterable[torch.nn.Module]) -> None:
+    """Blocks holding ComfyUI's quantized weights (QuantizedTensor: a scaled fp8 / int8 / nvfp4 file) -> a ValueError
+    saying what to do. The ring packs each tensor's bytes into one buffer and makes the weight a dtype / shape view of
+    its slot; a QuantizedTensor is a wrapper of several tensors (its data and scales) with no storage of its own, so
+    it cannot be one such view. The planner never chooses streaming for such a model (planner._plannable)."""
+    for module in modules:
+        for name, param in module.named_parameters():
+            if type(param).__name__ == "QuantizedTensor":
+                raise ValueError(
+                    f"weight streaming cannot stream ComfyUI's quantized weights ({name}: a scaled fp8 / int8 / nvfp4 "
+                    "file): set the Offload Policy (Headroom)'s base_placement to resident, or let a Memory Plan "
+                    "(Headroom) / card choose (it keeps such a base resident)")
 
 
 def stream_blocks(blocks: Iterable[torch.nn.Module], device: torch.device | str, **options) -> WeightStreamer:
