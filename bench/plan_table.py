@@ -45,6 +45,7 @@ class Template:
     height: int
     rank: int
     frames: int = 1
+    scaled_fp8: bool = False  # the template loads a scaled fp8 file (ComfyUI's quantized layers: see as_scaled_fp8)
 
 
 # The templates' run settings (workflows/build_workflows.py): AdamW8bit, bf16, batch 1.
@@ -55,7 +56,7 @@ TEMPLATES = [
     Template("zimage_lora", "Z-Image", "zimage", 1, 1024, 1024, 16),
     Template("qwen_image_lora", "Qwen-Image", "qwen_image", 1, 1024, 1024, 16),
     Template("krea2_lora", "Krea 2", "krea2", 1, 1024, 1024, 16),
-    Template("ideogram4_lora", "Ideogram 4", "ideogram4", 1, 1024, 1024, 16),
+    Template("ideogram4_lora", "Ideogram 4", "ideogram4", 1, 1024, 1024, 16, scaled_fp8=True),
     Template("hidream_o1_lora", "HiDream-O1", "hidream_o1", 1, 1024, 1024, 16),
     Template("wan21_lora", "Wan 2.1 T2V 1.3B", "wan21_1_3b", 1, 480, 480, 32, frames=33),
     Template("hunyuan_video15_lora", "HunyuanVideo 1.5", "hunyuan_video15", (1, 0), 848, 480, 32, frames=33),
@@ -115,7 +116,23 @@ def describe(template: Template):
         measured, blocks=blocks, largest_linear_numel=max(linears),
         other_param_bytes=planner.frozen_bytes(full.model.diffusion_model) - sum(b.param_bytes for b in blocks),
         outside_forward_s=planner.ActivationLaw(), compute_device="cuda", h2d_bytes_per_s=0.0)
+    if template.scaled_fp8:
+        description = as_scaled_fp8(description)
     return description, lora_trainable(full, adapter, "AdamW8bit"), full
+
+
+def as_scaled_fp8(description):
+    """The description of the same model loaded from a scaled fp8 file (Ideogram 4's only release): each block Linear's
+    weight stored in 1 byte a weight plus its scale, as ComfyUI's quantized layers hold it, and the base kept resident
+    (the planner streams no quantized block: training/memory/weight_streaming.check_streamable). A file with each block
+    Linear quantized is what the released ones are; layers outside the blocks stay as loaded."""
+    from headroom.training.memory import planner
+
+    blocks = tuple(dataclasses.replace(
+        b, param_bytes=b.param_bytes - b.linear_weight_bytes + b.linear_weight_numel + 4 * b.linear_count,
+        linear_weight_bytes=b.linear_weight_numel) for b in description.blocks)
+    return dataclasses.replace(description, blocks=blocks,
+                               quantized_layers=sum(b.linear_count for b in blocks))
 
 
 def cell(plan) -> str:
