@@ -18,12 +18,13 @@ PROMPT = "a red circle"
 QUANTIZED = r"this MODEL's layers hold ComfyUI's quantized weights \(12 layers, e\.g\. layers\.0\.attention\.qkv: a scaled fp8"
 
 
-def _scaled_fp8(state_dict: dict) -> dict:
-    """The tiny model's weights in the layout of a scaled fp8 release: each block Linear's weight in float8_e4m3fn with
-    its per-tensor `scale_weight`, and the `scaled_fp8` marker ComfyUI's loader converts (comfy.utils.convert_old_quants)."""
+def _scaled_fp8(state_dict: dict, blocks: tuple[str, ...] = ("layers.",)) -> dict:
+    """The tiny model's weights in the layout of a scaled fp8 release: each block Linear's weight (keys under one of
+    `blocks`) in float8_e4m3fn with its per-tensor `scale_weight`, and the `scaled_fp8` marker ComfyUI's loader
+    converts (comfy.utils.convert_old_quants)."""
     out = {"scaled_fp8": torch.empty(0, dtype=torch.float8_e4m3fn)}
     for key, tensor in state_dict.items():
-        if key.startswith("layers.") and key.endswith(".weight") and tensor.ndim == 2:
+        if key.startswith(blocks) and key.endswith(".weight") and tensor.ndim == 2:
             scale = tensor.abs().max().float() / 448.0
             out[key] = (tensor.float() / scale).to(torch.float8_e4m3fn)
             out[key[:-len("weight")] + "scale_weight"] = scale.reshape(())
@@ -64,7 +65,7 @@ def _init(fp8_model, kind, run_name, policy=None):
             model=fp8, latent_cache=latents, text_cache=texts, lora_config=lora, optimizer_config=opt,
             run_name=run_name, seed=0, batch_size=4, grad_accumulation=1, precision="fp32", max_grad_norm=1.0,
             caption_dropout=0.0, timestep_sampling="uniform", loss_weighting="none", min_snr_gamma=5.0,
-            noise_offset=0.0, gradient_checkpointing=False, checkpoint_depth=1, holdout=0, policy=policy).args[0]
+            noise_offset=0.0, gradient_checkpointing=True, checkpoint_depth=1, holdout=0, policy=policy).args[0]
 
 
 def test_the_stock_loader_builds_quantized_layers(fp8_model):
@@ -165,3 +166,32 @@ def test_the_planner_counts_the_quantized_storage_and_keeps_it_resident(fp8_mode
     assert {p.base_placement for p in planner._plannable(described, candidates)} == {"resident"}
     assert planner._storages(OffloadPolicy(), described) == ["as_loaded"]
     assert planner._plannable(dataclasses.replace(described, quantized_layers=0), candidates) == candidates
+
+
+def test_flux_blocks_made_safe_for_in_place_inputs_train_on_scaled_fp8(comfyui):
+    """Flux's blocks update their inputs in place, so checkpointing guards them with saved-tensor hooks
+    (training/memory/checkpointing._inplace_safe) that see every saved tensor, the quantized layers' saved
+    QuantizedTensor weights too (no storage of their own: reading it raised before). Found at real width
+    (tests/realsize/test_quantized_base_real_width.py); the tiny Flux as scaled fp8 takes the same path."""
+    import comfy.sd
+
+    from headroom.nodes import train_lora as T
+    from headroom.nodes.bridge.comfy_model import quantized_layers
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
+
+    model, clip, vae = build_tiny_models("flux", seed=0)
+    latents, texts = cached_data(model, clip, vae)
+    state_dict = _scaled_fp8(model.model.diffusion_model.state_dict(), ("double_blocks.", "single_blocks."))
+    with torch.inference_mode():
+        fp8 = comfy.sd.load_diffusion_model_state_dict(state_dict)
+        assert quantized_layers(fp8.model)
+        lora = T.HeadroomLoraConfig.execute("lora", 4, 4.0, "preset", False, 0.0, 0).args[0]
+        opt = T.HeadroomOptimizerConfig.execute("AdamW", 2e-2, 0.0, "constant", 0, 1000).args[0]
+        run = T.HeadroomTrainLoraInit.execute(
+            model=fp8, latent_cache=latents, text_cache=texts, lora_config=lora, optimizer_config=opt,
+            run_name="fp8_flux_inplace", seed=0, batch_size=2, grad_accumulation=1, precision="fp32",
+            max_grad_norm=1.0, caption_dropout=0.0, timestep_sampling="uniform", loss_weighting="none",
+            min_snr_gamma=5.0, noise_offset=0.0, gradient_checkpointing=True, checkpoint_depth=1, holdout=0).args[0]
+        loss = float(T.HeadroomTrainSteps.execute(run, 2).args[1])
+    assert loss == loss
+    run.release()

@@ -21,6 +21,7 @@ import threading
 from typing import Callable, Iterable, Sequence
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils.checkpoint import checkpoint
 
 from .cost import FeatureCost
@@ -120,6 +121,10 @@ def _inplace_safe(forward: Callable) -> Callable:
         storages = {t.untyped_storage().data_ptr() for t in tensors([*args, *kwargs.values()])}
 
         def pack(saved: torch.Tensor) -> torch.Tensor:
+            # A wrapper tensor (ComfyUI's QuantizedTensor weight, saved by its layer's backward) has no storage of
+            # its own, and is never one of the block's inputs.
+            if is_traceable_wrapper_subclass(saved):
+                return saved
             return saved.clone() if saved.untyped_storage().data_ptr() in storages else saved
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda saved: saved):
