@@ -131,8 +131,11 @@ def as_scaled_fp8(description):
     blocks = tuple(dataclasses.replace(
         b, param_bytes=b.param_bytes - b.linear_weight_bytes + b.linear_weight_numel + 4 * b.linear_count,
         linear_weight_bytes=b.linear_weight_numel) for b in description.blocks)
-    return dataclasses.replace(description, blocks=blocks,
-                               quantized_layers=sum(b.linear_count for b in blocks))
+    # each quantized layer's weight is dequantised for its product (comfy.ops QuantLinearFunc): the largest in flight
+    copy = description.largest_linear_numel * description.compute_element_size
+    return dataclasses.replace(description, blocks=blocks, quantized_layers=sum(b.linear_count for b in blocks),
+                               weight_copy_in_flight_bytes=max(copy, description.weight_copy_in_flight_bytes),
+                               block_weight_copy_in_flight_bytes=copy)
 
 
 def cell(plan) -> str:

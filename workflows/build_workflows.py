@@ -772,7 +772,7 @@ def ideogram4_lora() -> Workflow:
         "Validation samples without CFG: Ideogram 4's CFG runs its second, unconditional model "
         "(ideogram4_unconditional_fp8_scaled.safetensors), which sampling with the LoRA afterwards may load.)\n"
         "The LoRA trains on the fp8 file's layers as they are (LoRA Config kinds lora, dora, oft or full; the base stays "
-        "resident on the card, never streamed: a 16 GB card or larger, planned 13.8 GiB there). Validation as the saved "
+        "resident on the card, never streamed: a 16 GB card or larger, planned 13.9 GiB there). Validation as the saved "
         "file samples what Load LoRA + KSampler "
         "sample on this fp8 model.",
         resolution=1024, bucket_step=16, rank=16, optimizer="AdamW8bit", learning_rate=1e-4, precision="bf16",

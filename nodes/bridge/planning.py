@@ -223,6 +223,8 @@ def describe_comfy_model(patcher, adapter: AdapterConfig, precision: str = "bf16
         text_tokens=text_tokens or (family.text_tokens if family else 77),
         inference_bytes_per_latent_px=float(inference),
         weight_copy_in_flight_bytes=planner.largest_weight_copy_bytes(diffusion_model, model.manual_cast_dtype),
+        block_weight_copy_in_flight_bytes=max(planner.largest_weight_copy_bytes(block, model.manual_cast_dtype)
+                                              for _, block in named_blocks),
         largest_linear_numel=max((w.numel() for w in linears), default=0),
         stored_element_size=max(linears, key=torch.Tensor.numel).element_size() if linears else 2,
         compute_element_size=torch.empty((), dtype=compute_dtype).element_size(),

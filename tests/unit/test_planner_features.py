@@ -256,3 +256,35 @@ def reference_estimate(description: ModelDescription, trainable: TrainableSpec, 
                         base_device_bytes=description.other_param_bytes + training_blocks,
                         validation_base_device_bytes=description.other_param_bytes + validation_blocks,
                         host_added={"training step": added_training, "validation": added_validation})
+
+
+def test_an_outer_layers_copy_in_flight_counts_only_above_the_blocks_activations():
+    """A layer outside the blocks (Ideogram 4's 53248 x 4608 text projection) casts its weight at the start of the
+    forward, before any block holds activations, and never in backward: the training step counts the larger of the
+    largest block layer's copy and that one less the step's block activations; validation the larger of the block
+    copy and that one less ComfyUI's sampling working set. Without the block copy told apart (None), the largest copy
+    of all counts, as before."""
+    import dataclasses
+
+    base = descriptions()["toy"]
+    trainable = TrainableSpec(((64, 4096), (4096, 64)), "AdamW")
+    shape, policy = RunShape(1, 1024, 1024), OffloadPolicy(checkpointing="blocks")
+    name = "one layer's weight copy in flight (cast / dequantised)"
+
+    def items(outer, block):
+        plan = estimate(dataclasses.replace(base, weight_copy_in_flight_bytes=outer,
+                                            block_weight_copy_in_flight_bytes=block), trainable, shape, policy)
+        return {p.phase: p.items for p in plan.phases}
+
+    step, sampling = items(10 * MIB, 10 * MIB)["training step"], items(10 * MIB, 10 * MIB)["validation"]
+    others = sum(v for k, v in step.items() if k in (
+        "checkpointed block inputs", "one block recomputed in backward", "saved activations outside the blocks",
+        "gradient buffers of one block"))
+    working = sampling["sampling working set (ComfyUI estimate, cond+uncond)"]
+    assert others > 100 * MIB and working > 0
+    big = items(2 * GIB, 10 * MIB)
+    assert big["training step"][name] == 2 * GIB - others
+    assert big["validation"][name] == 2 * GIB - working
+    small = items(others // 2, 10 * MIB)  # smaller than the blocks' activations: only the block layer's copy counts
+    assert small["training step"][name] == 10 * MIB
+    assert items(2 * GIB, None)["training step"][name] == 2 * GIB

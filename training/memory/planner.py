@@ -126,6 +126,11 @@ class ModelDescription:
     # One layer's weight in compute precision, made for the product and freed after it (ComfyUI's manual cast of
     # weights stored in another dtype; low-bit storage dequantises the same way): what one layer adds in flight.
     weight_copy_in_flight_bytes: int = 0  # the largest block or outer weight, as loaded
+    # The largest block weight's copy (None: not told apart, the largest of all counts in every phase). A layer outside
+    # the blocks (an embedder, a text projection: Ideogram 4's 53248 x 4608) makes its copy at the start of a forward,
+    # before any block's activations exist and never in backward (its input needs no gradient): it counts only where
+    # it exceeds what the blocks hold at the peak (estimate: in_flight_training / in_flight_validation).
+    block_weight_copy_in_flight_bytes: int | None = None
     largest_linear_numel: int = 0  # the largest block Linear weight, dequantised when stored low-bit
     compute_element_size: int = 2
     stored_element_size: int = 2  # that weight's dtype as loaded (what validation as the saved file rounds to)
@@ -538,8 +543,11 @@ def estimate(description: ModelDescription, trainable: TrainableSpec, shape: Run
     else:
         block_activations = [feature(policy.checkpointing, saved, copies, inputs)
                              for feature in (checkpointing.activation_cost, activation_offload.activation_cost)]
-    in_flight = lowbit.weight_in_flight(storage, description.weight_copy_in_flight_bytes,
-                                        description.largest_linear_numel, description.compute_element_size)
+    in_flight_any = lowbit.weight_in_flight(storage, description.weight_copy_in_flight_bytes,
+                                            description.largest_linear_numel, description.compute_element_size)
+    in_flight_block = in_flight_any if description.block_weight_copy_in_flight_bytes is None else lowbit.weight_in_flight(
+        storage, description.block_weight_copy_in_flight_bytes, description.largest_linear_numel,
+        description.compute_element_size)
 
     weights_on_host = policy.trained_weights == "host"
     trained = trained_weights_on_host.trained_weights_cost(trainable.shapes, trainable.element_size,
@@ -555,14 +563,19 @@ def estimate(description: ModelDescription, trainable: TrainableSpec, shape: Run
     activations = {name: value for cost in block_activations for name, value in cost.training.items()}
     activations["saved activations outside the blocks"] = int(outside)
     activations["gradient buffers of one block"] = int(2 * max(inputs, default=0))
-    activations["one layer's weight copy in flight (cast / dequantised)"] = int(in_flight)
+    # A block layer's copy is made at the peak (a block recomputed in backward); an outer layer's only while the blocks
+    # hold nothing yet (the start of the forward): that one counts where it is larger than the blocks' activations.
+    activations["one layer's weight copy in flight (cast / dequantised)"] = int(max(
+        in_flight_block, in_flight_any - sum(activations.values())))
     trainables = first_block_gradients_later(trainables, trainable, shape, policy, sum(activations.values()))
 
     # Validation (below) keeps the same frozen weights beside the adapter and ComfyUI's sampling working set.
+    working_set = int(description.inference_bytes_per_latent_px * area * 2)
     sampling = {**trained.validation, **parking.validation,
-                "sampling working set (ComfyUI estimate, cond+uncond)": int(
-                    description.inference_bytes_per_latent_px * area * 2),
-                "one layer's weight copy in flight (cast / dequantised)": int(in_flight),
+                "sampling working set (ComfyUI estimate, cond+uncond)": working_set,
+                # as in training: an outer layer's copy is made before the model call's working set
+                "one layer's weight copy in flight (cast / dequantised)": int(max(in_flight_block,
+                                                                                   in_flight_any - working_set)),
                 # Validation as the saved file (the default, nodes/bridge/comfy_bridge.AsSavedWeight) merges the
                 # LoRA into that layer's weight as it runs: the LoRA product in fp32 (ComfyUI's LoRA compute dtype
                 # on a CPU; fp16 on some GPUs, so this is the upper bound), the merge rounded to the stored dtype,
