@@ -126,8 +126,6 @@ def as_scaled_fp8(description):
     weight stored in 1 byte a weight plus its scale, as ComfyUI's quantized layers hold it, and the base kept resident
     (the planner streams no quantized block: training/memory/weight_streaming.check_streamable). A file with each block
     Linear quantized is what the released ones are; layers outside the blocks stay as loaded."""
-    from headroom.training.memory import planner
-
     blocks = tuple(dataclasses.replace(
         b, param_bytes=b.param_bytes - b.linear_weight_bytes + b.linear_weight_numel + 4 * b.linear_count,
         linear_weight_bytes=b.linear_weight_numel) for b in description.blocks)
