@@ -23,8 +23,8 @@ from ..training.core.run_dir import RunFolderError, check_name, check_subfolder
 from ..training.memory import sharded_optimizer
 from .bridge import lora_formats
 from .bridge.comfy_bridge import TrainingRun, check_run_kind, node_id, node_name, run_and_step, send_node_text
-from .bridge.comfy_model import (check_caches, check_quantized_kind, check_quantized_placement,
-                                 check_reference_cache, check_trainable, missing_inputs_note, model_family)
+from .bridge.comfy_model import (check_caches, check_quantized_kind, check_reference_cache, check_trainable,
+                                 missing_inputs_note, model_family)
 from .bridge.model_files import runs_root, save_extracted_lora, save_lora
 from .bridge.planning import check_host_ram, lora_trainable, plan_for_card
 from .bridge.rank_workers import open_on_devices, parse_devices
@@ -291,7 +291,6 @@ def start_lora_run(model, latent_cache, text_cache, lora_config, optimizer_confi
         policy, plan_note = resolve_policy(policy, gradient_checkpointing, checkpoint_depth, node=node,
                                            plan_card=plan_card)
         check_host_ram(policy, trainable, node)
-        check_quantized_placement(model.model, policy)
         inputs_note = missing_inputs_note(model.model, node)
         # on the node before the run opens, and so before its first step
         send_node_text("\n".join(n for n in (plan_note, inputs_note) if n), shown_on)

@@ -771,8 +771,10 @@ def ideogram4_lora() -> Workflow:
         "(Comfy-Org's Ideogram 4 repackage on Hugging Face; bucket sides are multiples of 16: the Flux.2 VAE's 16x. "
         "Validation samples without CFG: Ideogram 4's CFG runs its second, unconditional model "
         "(ideogram4_unconditional_fp8_scaled.safetensors), which sampling with the LoRA afterwards may load.)\n"
-        "The LoRA trains on the fp8 file's layers as they are (LoRA Config kinds lora, dora, oft or full; the base stays "
-        "resident on the card, never streamed: a 16 GB card or larger, planned 13.9 GiB there). Validation as the saved "
+        "The LoRA trains on the fp8 file's layers as they are (LoRA Config kinds lora, dora, oft or full; the base "
+        "resident on a 16 GB card or larger, planned 13.9 GiB there; on a smaller card set the Offload Policy's "
+        "base_placement to partial or streamed, or let a Memory Plan choose: the blocks stream as stored, fp8). "
+        "Validation as the saved "
         "file samples what Load LoRA + KSampler "
         "sample on this fp8 model.",
         resolution=1024, bucket_step=16, rank=16, optimizer="AdamW8bit", learning_rate=1e-4, precision="bf16",

@@ -180,18 +180,6 @@ def check_quantized_kind(model: comfy.model_base.BaseModel, kind: str) -> None:
             "fp16 / fp32 file")
 
 
-def check_quantized_placement(model: comfy.model_base.BaseModel, policy) -> None:
-    """A MODEL with ComfyUI's quantized layers and a policy that streams blocks -> a ValueError saying what to do, before
-    any work (weight_streaming.check_streamable says why the ring cannot carry them)."""
-    quantized = quantized_layers(model) if policy.streams_blocks else []
-    if quantized:
-        raise ValueError(
-            f"this MODEL's layers hold ComfyUI's quantized weights ({len(quantized)} layers, e.g. {quantized[0]}: a "
-            f"scaled fp8 / int8 / nvfp4 file), which weight streaming cannot carry, and the Offload Policy "
-            f"(Headroom)'s base_placement {policy.base_placement} streams blocks: set base_placement to resident, or "
-            "let a Memory Plan (Headroom) / card choose (it keeps such a base resident)")
-
-
 def quantized_layers(model: comfy.model_base.BaseModel) -> list[str]:
     """Paths of the diffusion model's layers whose weight is ComfyUI's QuantizedTensor (comfy.ops mixed-precision
     layers, as the stock loaders build a scaled fp8 / int8 / nvfp4 file). Adapters train on them (adapters.is_linear);

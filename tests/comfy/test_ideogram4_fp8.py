@@ -3,7 +3,8 @@ names). The stock UNETLoader builds that file's layers as ComfyUI's mixed-precis
 torch Linear layers). A LoRA trains on them as they are: the tiny Ideogram 4 converted to the scaled fp8 file layout
 and loaded as UNETLoader loads it, trained, saved, loaded by the stock LoraLoaderModelOnly onto the same fp8 MODEL;
 Headroom's validation (as the saved file) samples what stock KSampler samples, bit for bit. Kinds peft cannot put on
-such layers, and streaming them, are refused at Init by name; the planner counts their stored bytes."""
+such layers are refused at Init by name; the weight streamer carries them (bit for bit); the planner counts their
+stored bytes."""
 from __future__ import annotations
 
 import pytest
@@ -129,21 +130,69 @@ def test_kinds_peft_cannot_put_on_quantized_layers_are_refused_at_init(fp8_model
         _init(fp8_model, kind, f"fp8_{kind}")
 
 
-def test_streaming_a_quantized_base_is_refused_at_init(fp8_model):
+@pytest.mark.parametrize("placement", ["streamed", "partial"])
+def test_the_ring_streams_a_quantized_base_bitwise(fp8_model, monkeypatch, placement):
+    """The weight streamer carries ComfyUI's QuantizedTensor weights (their fp8 data and scales packed like any
+    tensor, the QuantizedTensor rebuilt around views of the slot at install): its whole machinery run on the CPU
+    (CPU->CPU copies; "partial": block 0 kept resident, block 1 through the ring) trains the same losses and LoRA
+    weights, bit for bit, as the resident base, and gives the host weights back unchanged."""
+    from headroom.nodes import train_lora as T
+    from headroom.training.memory import policy as policy_module
     from headroom.training.memory.policy import OffloadPolicy
+    from headroom.training.memory.weight_streaming import WeightStreamer
 
-    with pytest.raises(ValueError, match=rf"^Train LoRA: Init \(Headroom\): {QUANTIZED}.*weight streaming cannot carry"
-                                         r".*Offload Policy \(Headroom\)'s base_placement streamed streams blocks: "
-                                         r"set base_placement to resident"):
-        _init(fp8_model, "lora", "fp8_streamed", OffloadPolicy(base_placement="streamed", checkpointing="blocks"))
+    streamers = []
+
+    class Exercised(WeightStreamer):  # as on a device: every block's frozen weights through the ring
+        def __init__(self, blocks, device, **options):
+            resident = (0,) if placement == "partial" else ()
+            super().__init__(blocks, device, **{**options, "exercise_on_cpu": True, "record": True,
+                                                "resident": resident})
+            streamers.append(self)
+
+    monkeypatch.setattr(policy_module, "WeightStreamer", Exercised)
+    fp8 = fp8_model[0]
+    layers = fp8.model.diffusion_model.layers
+    streamed_layer = layers[1].attention.qkv  # the base layer (peft wraps it for the run)
+    fp8_data = streamed_layer.weight._qdata.view(torch.uint8).clone()
+    seen = []
+    handle = streamed_layer.register_forward_pre_hook(  # the weight it runs on, and the ring's slots then
+        lambda module, args: seen.append((module.weight, set(streamers[-1].slot_pointers()) if streamers else set())))
+    results = []
+    try:
+        for name, policy in (("resident", OffloadPolicy(checkpointing="blocks")),
+                             (placement, OffloadPolicy(base_placement=placement, checkpointing="blocks"))):
+            run = _init(fp8_model, "lora", f"fp8_ring_{placement}_{name}", policy)
+            with torch.inference_mode():
+                losses = [float(T.HeadroomTrainSteps.execute(run, step).args[1]) for step in (1, 2, 3)]
+            results.append((losses, {k: v.detach().clone() for k, v in run.adapters.state_dict().items()}))
+            run.release()
+    finally:
+        handle.remove()
+    (resident_losses, resident_weights), (losses, weights) = results
+    assert losses == resident_losses
+    assert resident_weights.keys() == weights.keys()
+    assert all(torch.equal(resident_weights[k], weights[k]) for k in weights)
+    streamer = streamers[-1]
+    assert {phase for phase, _ in streamer.install_log} == {"forward", "backward"}
+    assert {block for _, block in streamer.install_log} == ({1} if placement == "partial" else {0, 1})
+    assert streamer.fetches > 0 and streamer.fallback_fetches == 0 and not streamer.active
+    # the streamed run's forwards ran on a QuantizedTensor rebuilt around views of a ring slot (fp8 data and scale)
+    ring = [(w, slots) for w, slots in seen if slots]
+    assert ring and all(type(w).__name__ == "QuantizedTensor" and isinstance(w, torch.nn.Parameter)
+                        and not w.requires_grad
+                        and w._qdata.dtype == torch.float8_e4m3fn
+                        and w._qdata.untyped_storage().data_ptr() in slots
+                        and w._params.scale.untyped_storage().data_ptr() in slots for w, slots in ring)
+    host = streamed_layer.weight  # the host weight back on the layer, unchanged
+    assert type(host).__name__ == "QuantizedTensor" and torch.equal(host._qdata.view(torch.uint8), fp8_data)
+    assert all(host._qdata.untyped_storage().data_ptr() not in slots for _, slots in ring)
 
 
-def test_the_planner_counts_the_quantized_storage_and_keeps_it_resident(fp8_model):
+def test_the_planner_counts_the_quantized_storage_and_may_stream_it(fp8_model):
     """The blocks' frozen bytes are what the fp8 file stores (1 byte a weight, its scales, the rest as loaded), not
     the dequantised dtype the QuantizedTensor reports; each layer's weight is dequantised for its product (in flight);
-    no plan streams such a base or stores it low-bit again."""
-    import dataclasses
-
+    plans may stream such a base (the ring carries it as stored) but never store it low-bit again."""
     from headroom.nodes.bridge import planning
     from headroom.training.core.adapters import AdapterConfig
     from headroom.training.memory import planner
@@ -163,9 +212,16 @@ def test_the_planner_counts_the_quantized_storage_and_keeps_it_resident(fp8_mode
     assert described.weight_copy_in_flight_bytes == 4 * fp8.model.diffusion_model.layers[0].attention.qkv.weight.numel()
     assert described.quantized_layers == 12 and plain.quantized_layers == 0
     candidates = planner.candidate_policies(OffloadPolicy())
-    assert {p.base_placement for p in planner._plannable(described, candidates)} == {"resident"}
+    assert {p.base_placement for p in candidates} == {"resident", "partial", "streamed"}
     assert planner._storages(OffloadPolicy(), described) == ["as_loaded"]
-    assert planner._plannable(dataclasses.replace(described, quantized_layers=0), candidates) == candidates
+    # a streamed plan carries the stored (fp8) bytes through the ring: two blocks' buffers, the rest in host RAM
+    trainable = planner.TrainableSpec(((4, 512), (1536, 4)) * 12, "AdamW")
+    shape = planner.RunShape(batch=4, width=32, height=32)
+    streamed = OffloadPolicy(base_placement="streamed", checkpointing="blocks")
+    plan = planner.estimate(described, trainable, shape, streamed)
+    assert plan.host_bytes["streamed block weights"] == sum(b.param_bytes for b in described.blocks)
+    assert plan.phase("training step").items["streamed block buffers (2 blocks)"] == 2 * max(
+        b.param_bytes for b in described.blocks)
 
 
 def test_flux_blocks_made_safe_for_in_place_inputs_train_on_scaled_fp8(comfyui):

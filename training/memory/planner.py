@@ -141,7 +141,7 @@ class ModelDescription:
     compute_device: str = "cuda"
     h2d_bytes_per_s: float = 0.0
     # Layers holding ComfyUI's quantized weights (a scaled fp8 / int8 / nvfp4 file): trained as they are, never
-    # streamed (weight_streaming cannot pack them) nor stored low-bit again; the plans keep the base resident.
+    # stored low-bit again (planner._storages); streamed as stored (weight_streaming packs their inner tensors).
     quantized_layers: int = 0
 
     def frozen_bytes(self, storage: str = "as_loaded") -> int:
@@ -758,14 +758,6 @@ def _storages(base: OffloadPolicy, description: ModelDescription | None = None) 
     return [base.base_storage] + lower
 
 
-def _plannable(description: ModelDescription, candidates: list[OffloadPolicy]) -> list[OffloadPolicy]:
-    """The candidates the model can run: with ComfyUI's quantized layers, none that streams blocks (the ring packs
-    plain tensors only: weight_streaming.check_streamable)."""
-    if not description.quantized_layers:
-        return candidates
-    return [p for p in candidates if not p.streams_blocks]
-
-
 def selective_plans(description: ModelDescription, trainable: TrainableSpec, shape: RunShape, policy: OffloadPolicy,
                     budget_bytes: int, host_room: HostRoom | None = None) -> list[Plan]:
     """`policy` (checkpointing "blocks", every block) with only some blocks checkpointed, the plans that fit: the
@@ -817,7 +809,7 @@ def plan_auto(description: ModelDescription, trainable: TrainableSpec, shape: Ru
     lower-precision storages (fp8, then int8, then nf4) tried, and the reason says the numerics change.
     """
     storages = _storages(base, description)
-    candidates = _plannable(description, candidate_policies(base, storages, _streams_trained_weights(trainable, base)))
+    candidates = candidate_policies(base, storages, _streams_trained_weights(trainable, base))
     tried: list[Plan] = []
     for storage in storages:
         fitting: list[Plan] = []
@@ -869,8 +861,7 @@ def next_smaller_policy(description: ModelDescription, trainable: TrainableSpec,
     checkpoints only some blocks is followed by the same policy with every block checkpointed, and so on."""
     current_peak = estimate(description, trainable, shape, current, budget_bytes).peak_bytes
     storages = _storages(current, description)
-    candidates = _plannable(description,
-                            candidate_policies(current, storages, _streams_trained_weights(trainable, current)))
+    candidates = candidate_policies(current, storages, _streams_trained_weights(trainable, current))
     every_block = current.replace(checkpoint_blocks="")
     at = next((i for i, p in enumerate(candidates) if p == every_block), -1)
     start = at if every_block != current and at >= 0 else at + 1

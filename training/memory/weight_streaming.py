@@ -10,7 +10,10 @@ The pieces, all made once at `attach` (no allocation in a steady-state step):
   already, not in a `resident` block) laid out at 256-byte aligned offsets in one flat byte buffer, pinned on CUDA
   (cudaHostRegister in place, as ComfyUI pins; undone at detach, so no pinned RAM outlives the run). The modules'
   host tensors become views of it (same objects, `.data` swapped: host RAM is not doubled); a later attach finds
-  the block packed already and copies nothing. A block crosses in ONE copy per pass.
+  the block packed already and copies nothing. A block crosses in ONE copy per pass. A wrapper tensor subclass
+  (ComfyUI's QuantizedTensor: a scaled fp8 / int8 / nvfp4 file) is packed as its inner plain tensors
+  (`__tensor_flatten__`: the quantized data and its scales) and rebuilt around views of the slot at install
+  (`__tensor_unflatten__`); the host object goes back after, as for a plain tensor.
 - `slots` device slots, each one flat byte buffer the size of the largest packed block. An installed block's
   weights are dtype/shape views of its slot (Parameter objects cached per slot and block), put in place of the host
   tensors on the modules; after the block they are put back.
@@ -56,6 +59,7 @@ from typing import Iterable, Sequence
 
 import torch
 from torch.autograd.graph import register_multi_grad_hook
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .cost import FeatureCost
 
@@ -74,10 +78,18 @@ class _Tensor:
     offset: int  # bytes into the packed block / the slot
     span: int  # bytes its storage span covers (numel * element size when contiguous)
     nbytes: int  # numel * element size
+    # A wrapper tensor subclass (ComfyUI's QuantizedTensor): its inner plain tensors (__tensor_flatten__'s names ->
+    # their places in the packed block) and the flatten context; offset / span unused, nbytes their sum.
+    parts: dict[str, "_Tensor"] | None = None
+    context: object = None
 
     def view(self, buffer: torch.Tensor) -> torch.Tensor:
-        """This tensor as a view of a flat byte `buffer` laid out like the packed block (same dtype, shape, strides)."""
+        """This tensor as a view of a flat byte `buffer` laid out like the packed block (same dtype, shape, strides);
+        a wrapper subclass rebuilt around views of its inner tensors."""
         host = self.host
+        if self.parts is not None:
+            inner = {name: part.view(buffer) for name, part in self.parts.items()}
+            return type(host).__tensor_unflatten__(inner, self.context, host.size(), host.stride())
         raw = buffer[self.offset:self.offset + self.span]
         if self.span == 0:
             return torch.empty(host.shape, dtype=host.dtype, device=buffer.device)
@@ -131,6 +143,33 @@ def _output_tensors(output) -> list[torch.Tensor]:
     if isinstance(output, dict):
         return [t for item in output.values() for t in _output_tensors(item)]
     return []
+
+
+def _device_object(t: _Tensor, buffer: torch.Tensor) -> torch.Tensor:
+    """`t` as a view of `buffer`, a frozen Parameter where the host one was (as comfy.ops._quantized_apply re-wraps a
+    QuantizedTensor)."""
+    view = t.view(buffer)
+    if not t.is_param:
+        return view
+    if t.parts is None:
+        return torch.nn.Parameter(view, requires_grad=False)
+    # torch.nn.Parameter's own path for a tensor subclass less its detach(), which a QuantizedTensor makes by cloning
+    # its scales (off the slot: a device copy kept per cached install). A fresh unflatten has no autograd history.
+    view.requires_grad_(False)
+    view._is_param = True
+    return view
+
+
+def _storage_pointers(tensor: torch.Tensor) -> list[int]:
+    """The storages a tensor's data lives in: its own, or (a wrapper subclass: no storage of its own) its inner
+    tensors'."""
+    if is_traceable_wrapper_subclass(tensor):
+        names, _ = tensor.__tensor_flatten__()
+        return [p for name in names for p in _storage_pointers(getattr(tensor, name))]
+    try:
+        return [tensor.untyped_storage().data_ptr()]
+    except (RuntimeError, NotImplementedError):  # other tensor subclasses without a plain storage
+        return []
 
 
 def _span_bytes(tensor: torch.Tensor) -> int:
@@ -292,8 +331,6 @@ class WeightStreamer:
 
     def _collect(self, modules: Iterable[torch.nn.Module]) -> list[tuple]:
         """The frozen tensors of `modules` that are not on the device: (module, name, is_param, tensor)."""
-        modules = list(modules)
-        check_streamable(modules)
         tensors = []
         for module in modules:
             for name, param in module._parameters.items():
@@ -309,20 +346,41 @@ class WeightStreamer:
         it."""
         offset = 0
         laid = []
-        seen: dict[int, _Tensor] = {}
-        for module, name, is_param, host in tensors:
+        seen: dict[int, _Tensor] = {}  # the plain tensors laid out (a wrapper subclass's inner ones), by id
+
+        def place(module, name, is_param, host) -> _Tensor:
+            nonlocal offset
             if id(host) in seen:  # one tensor under two names (tied weights): one place in the block
                 first = seen[id(host)]
-                laid.append(_Tensor(module, name, is_param, host, first.offset, first.span, first.nbytes))
-                continue
+                return _Tensor(module, name, is_param, host, first.offset, first.span, first.nbytes)
             span = _span_bytes(host)
-            laid.append(_Tensor(module, name, is_param, host, offset, span, host.numel() * host.element_size()))
-            seen[id(host)] = laid[-1]
+            seen[id(host)] = _Tensor(module, name, is_param, host, offset, span, host.numel() * host.element_size())
             offset += -(-span // ALIGN) * ALIGN
+            return seen[id(host)]
+
+        wrappers: dict[int, _Tensor] = {}
+        for module, name, is_param, host in tensors:
+            if not is_traceable_wrapper_subclass(host):
+                laid.append(place(module, name, is_param, host))
+                continue
+            # ComfyUI's QuantizedTensor: its inner tensors (fp8 data, scales) packed like any other; rebuilt at install
+            if id(host) not in wrappers:
+                names, context = host.__tensor_flatten__()
+                parts = {}
+                for inner_name in names:
+                    inner = getattr(host, inner_name)
+                    if is_traceable_wrapper_subclass(inner):
+                        raise ValueError(f"weight streaming: {name}'s {inner_name} is itself a tensor subclass "
+                                         f"({type(inner).__name__}), which the ring does not carry")
+                    parts[inner_name] = place(None, inner_name, False, inner)
+                wrappers[id(host)] = _Tensor(module, name, is_param, host, 0, 0, sum(p.nbytes for p in parts.values()),
+                                             parts, context)
+            first = wrappers[id(host)]
+            laid.append(dataclasses.replace(first, module=module, name=name, is_param=is_param))
         result = _Block(laid, offset)
         if not laid:
             return result
-        result.packed = self._packed_already(laid, offset)
+        result.packed = self._packed_already(list(seen.values()), offset)
         if result.packed is None:
             packed = torch.empty(offset, dtype=torch.uint8)
             with torch.no_grad():
@@ -365,9 +423,7 @@ class WeightStreamer:
         buffer.copy_(block.packed)
         self.allocations += 1
         for t in block.tensors:
-            view = t.view(buffer)
-            (t.module._parameters if t.is_param else t.module._buffers)[t.name] = (
-                torch.nn.Parameter(view, requires_grad=False) if t.is_param else view)
+            (t.module._parameters if t.is_param else t.module._buffers)[t.name] = _device_object(t, buffer)
         self._kept.append(block)
 
     # --- the ring ----------------------------------------------------------------------------------------------
@@ -429,9 +485,7 @@ class WeightStreamer:
                 torch.cuda.current_stream(self.device).wait_event(slot.ready)
             views = slot.params.get(index)
             if views is None:
-                views = slot.params[index] = [
-                    torch.nn.Parameter(t.view(slot.buffer), requires_grad=False) if t.is_param else t.view(slot.buffer)
-                    for t in block.tensors]
+                views = slot.params[index] = [_device_object(t, slot.buffer) for t in block.tensors]
             slot.installed = True
             self._tick += 1
             slot.used = self._tick
@@ -450,8 +504,7 @@ class WeightStreamer:
         self.fallback_fetches += 1
         if self.fetch_log is not None:
             self.fetch_log.append(index)
-        self._temps[index] = [torch.nn.Parameter(t.view(buffer), requires_grad=False) if t.is_param
-                              else t.view(buffer) for t in block.tensors]
+        self._temps[index] = [_device_object(t, buffer) for t in block.tensors]
         self._count_on_device()
 
     def _release(self, index: int) -> None:
@@ -479,10 +532,8 @@ class WeightStreamer:
         by_storage = self._by_storage
 
         def pack(tensor):
-            try:
-                slot = by_storage.get(tensor.untyped_storage().data_ptr())
-            except (RuntimeError, NotImplementedError):  # tensor subclasses without a plain storage
-                slot = None
+            # a wrapper subclass (a QuantizedTensor weight) has no storage: its inner tensors' tell
+            slot = next((by_storage[p] for p in _storage_pointers(tensor) if p in by_storage), None)
             return tensor if slot is None else _Held(tensor, slot)
 
         def unpack(packed):
@@ -548,20 +599,6 @@ class WeightStreamer:
     def slot_pointers(self) -> list[int]:
         """The device address of each slot (fixed from attach to detach)."""
         return [slot.buffer.data_ptr() for slot in self._ring]
-
-
-def check_streamable(modules: Iterable[torch.nn.Module]) -> None:
-    """Blocks holding ComfyUI's quantized weights (QuantizedTensor: a scaled fp8 / int8 / nvfp4 file) -> a ValueError
-    saying what to do. The ring packs each tensor's bytes into one buffer and makes the weight a dtype / shape view of
-    its slot; a QuantizedTensor is a wrapper of several tensors (its data and scales) with no storage of its own, so
-    it cannot be one such view. The planner never chooses streaming for such a model (planner._plannable)."""
-    for module in modules:
-        for name, param in module.named_parameters():
-            if type(param).__name__ == "QuantizedTensor":
-                raise ValueError(
-                    f"weight streaming cannot stream ComfyUI's quantized weights ({name}: a scaled fp8 / int8 / nvfp4 "
-                    "file): set the Offload Policy (Headroom)'s base_placement to resident, or let a Memory Plan "
-                    "(Headroom) / card choose (it keeps such a base resident)")
 
 
 def stream_blocks(blocks: Iterable[torch.nn.Module], device: torch.device | str, **options) -> WeightStreamer:
