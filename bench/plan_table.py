@@ -123,8 +123,8 @@ def describe(template: Template):
 
 def as_scaled_fp8(description):
     """The description of the same model loaded from a scaled fp8 file (Ideogram 4's only release): each block Linear's
-    weight stored in 1 byte a weight plus its scale, as ComfyUI's quantized layers hold it, and the base kept resident
-    (the planner streams no quantized block: training/memory/weight_streaming.check_streamable). A file with each block
+    weight stored in 1 byte a weight plus its scale, as ComfyUI's quantized layers hold it (streamed as such: the ring
+    carries their inner tensors, training/memory/weight_streaming.py). A file with each block
     Linear quantized is what the released ones are; layers outside the blocks stay as loaded."""
     blocks = tuple(dataclasses.replace(
         b, param_bytes=b.param_bytes - b.linear_weight_bytes + b.linear_weight_numel + 4 * b.linear_count,
