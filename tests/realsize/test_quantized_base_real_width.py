@@ -2,7 +2,9 @@
 layout of a scaled fp8 release (each block Linear's weight float8_e4m3fn with its scale; the MLP weights 3072 x 12288,
 past 2^24 elements), loaded as UNETLoader loads such a file, trained one step, saved; the stock LoraLoaderModelOnly +
 KSampler sample from the saved file exactly what Validate (as the saved file) sampled; the fp8 base is unchanged and
-the planner counts its stored bytes (1 a weight). tests/comfy/test_ideogram4_fp8.py holds the same on the tiny model
+the planner counts its stored bytes (1 a weight); the same step with the block streamed through the ring (its fp8
+data and scales packed in a host buffer, the QuantizedTensor rebuilt around a slot; the ring run on the CPU) gives
+the same loss and LoRA weights bit for bit. tests/comfy/test_ideogram4_fp8.py holds the same on the tiny model
 with every kind."""
 from __future__ import annotations
 
@@ -30,14 +32,16 @@ def _scaled_fp8(state_dict: dict) -> dict:
     return out
 
 
-def test_a_lora_on_a_scaled_fp8_base_at_flux_width_is_what_the_stock_loader_samples(comfyui):
+def test_a_lora_on_a_scaled_fp8_base_at_flux_width_is_what_the_stock_loader_samples(comfyui, monkeypatch):
     import comfy.model_management
     import comfy.sd
     import nodes
     import realsize_models
     from headroom.nodes import cache as cache_nodes, data as data_nodes, train_lora as T
     from headroom.nodes.bridge.comfy_model import quantized_layers
-    from headroom.training.memory import planner
+    from headroom.training.memory import planner, policy as policy_module
+    from headroom.training.memory.policy import OffloadPolicy
+    from headroom.training.memory.weight_streaming import WeightStreamer
 
     with torch.inference_mode():  # as ComfyUI's loaders and nodes run
         model, clip, vae = realsize_models.build_family("flux_dev", (1, 0), t5_layers=1)
@@ -54,12 +58,16 @@ def test_a_lora_on_a_scaled_fp8_base_at_flux_width_is_what_the_stock_loader_samp
         texts = cache_nodes.HeadroomCacheText.execute(dataset, clip).args[0]
         lora = T.HeadroomLoraConfig.execute("lora", 8, 8.0, "preset", False, 0.0, 0).args[0]
         optimizer = T.HeadroomOptimizerConfig.execute("AdamW", 2e-3, 0.0, "constant", 0, 100).args[0]
-        run = T.HeadroomTrainLoraInit.execute(
-            model=fp8, latent_cache=latents, text_cache=texts, lora_config=lora, optimizer_config=optimizer,
-            run_name="fp8_flux_width", seed=0, batch_size=1, grad_accumulation=1, precision="auto", max_grad_norm=1.0,
-            caption_dropout=0.0, timestep_sampling="uniform", loss_weighting="none", min_snr_gamma=5.0,
-            noise_offset=0.0, gradient_checkpointing=True, checkpoint_depth=1, holdout=0).args[0]
+        def init(name, policy=None):
+            return T.HeadroomTrainLoraInit.execute(
+                model=fp8, latent_cache=latents, text_cache=texts, lora_config=lora, optimizer_config=optimizer,
+                run_name=name, seed=0, batch_size=1, grad_accumulation=1, precision="auto", max_grad_norm=1.0,
+                caption_dropout=0.0, timestep_sampling="uniform", loss_weighting="none", min_snr_gamma=5.0,
+                noise_offset=0.0, gradient_checkpointing=True, checkpoint_depth=1, holdout=0, policy=policy).args[0]
+
+        run = init("fp8_flux_width")
         loss = float(T.HeadroomTrainSteps.execute(run, 1).args[1])  # one AdamW step gives the LoRA an effect
+        trained_weights = {k: v.detach().clone() for k, v in run.adapters.state_dict().items()}
         T.HeadroomValidate.execute(run, clip=clip, vae=vae, prompts=PROMPT, negative="", loss_timesteps=1,
                                    lora_application="as_saved_file", sample_seed=3, sample_steps=2, cfg=1.0,
                                    sampler_name="euler", scheduler="simple", width=64, height=64)
@@ -76,6 +84,23 @@ def test_a_lora_on_a_scaled_fp8_base_at_flux_width_is_what_the_stock_loader_samp
         stock = nodes.common_ksampler(lora_model, **sampled)[0]["samples"].float()
         comfy.model_management.unload_all_models()  # the patched clone gives the shared weights back
         plain = nodes.common_ksampler(fp8, **sampled)[0]["samples"].float()
+        streamers = []
+
+        class Exercised(WeightStreamer):  # as on a device: the block's frozen weights through the ring
+            def __init__(self, blocks, device, **options):
+                super().__init__(blocks, device, **{**options, "exercise_on_cpu": True, "record": True})
+                streamers.append(self)
+
+            def detach(self):
+                self.per_block = self.streamed_bytes()  # the packed blocks, before they are let go
+                super().detach()
+
+        monkeypatch.setattr(policy_module, "WeightStreamer", Exercised)
+        streamed_run = init("fp8_flux_width_streamed", OffloadPolicy(base_placement="streamed", checkpointing="blocks"))
+        streamed_loss = float(T.HeadroomTrainSteps.execute(streamed_run, 1).args[1])
+        streamed_weights = {k: v.detach().clone() for k, v in streamed_run.adapters.state_dict().items()}
+        per_block = streamers[-1].per_block
+        streamed_run.release()
     now = diffusion.state_dict()
     as_bytes = {k: (v.view(torch.uint8) if v.dtype == torch.float8_e4m3fn else v) for k, v in base.items()}
     fp8_numel = sum(v.numel() for v in base.values() if v.dtype == torch.float8_e4m3fn)
@@ -90,3 +115,8 @@ def test_a_lora_on_a_scaled_fp8_base_at_flux_width_is_what_the_stock_loader_samp
     assert all(torch.equal(as_bytes[k], now[k].view(torch.uint8) if now[k].dtype == torch.float8_e4m3fn else now[k])
                for k in base)
     assert planner.frozen_bytes(diffusion) == fp8_numel + other  # 1 byte an fp8 weight, its scales, the rest as loaded
+    streamer = streamers[-1]
+    print(f"streamed through the ring: {max(per_block, default=0) / 2 ** 20:.0f} MB a block, loss {streamed_loss:.4f}")
+    assert streamed_loss == loss and streamed_weights.keys() == trained_weights.keys()
+    assert all(torch.equal(streamed_weights[k], trained_weights[k]) for k in trained_weights)
+    assert streamer.fetches > 0 and streamer.fallback_fetches == 0 and max(per_block) > 2 ** 28
