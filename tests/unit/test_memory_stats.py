@@ -12,10 +12,12 @@ GPU_KEYS = {"name", "driver_total_bytes", "driver_free_bytes", "allocated_bytes"
             "max_allocated_bytes", "max_reserved_bytes"}
 
 
-def _touch(n_bytes: int) -> bytearray:
-    """Allocate and write n_bytes so they become resident."""
-    block = bytearray(n_bytes)
-    for offset in range(0, n_bytes, 4096):
+def _touch(n_bytes: int) -> mmap.mmap:
+    """Map n_bytes of fresh anonymous memory and write every page, so exactly that much becomes resident. Not a
+    bytearray: malloc may hand back heap pages an earlier test left resident (in a pytest-xdist worker that had run
+    others, a 200 MiB bytearray once grew the RSS by nothing)."""
+    block = mmap.mmap(-1, n_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    for offset in range(0, n_bytes, mmap.PAGESIZE):
         block[offset] = 1
     return block
 
