@@ -1,4 +1,5 @@
 """Memory snapshots, per-phase records, and their text/JSON/chart renderings (no ComfyUI)."""
+import gc
 import json
 import mmap
 import sys
@@ -13,9 +14,8 @@ GPU_KEYS = {"name", "driver_total_bytes", "driver_free_bytes", "allocated_bytes"
 
 
 def _touch(n_bytes: int) -> mmap.mmap:
-    """Map n_bytes of fresh anonymous memory and write every page, so exactly that much becomes resident. Not a
-    bytearray: malloc may hand back heap pages an earlier test left resident (in a pytest-xdist worker that had run
-    others, a 200 MiB bytearray once grew the RSS by nothing)."""
+    """Map n_bytes of fresh anonymous memory and write every page, so exactly that much becomes resident (malloc could
+    hand back heap pages an earlier test left resident)."""
     block = mmap.mmap(-1, n_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     for offset in range(0, n_bytes, mmap.PAGESIZE):
         block[offset] = 1
@@ -32,12 +32,20 @@ def test_cpu_snapshot_reports_the_process_and_no_gpu_figures():
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-phase RSS peaks need Linux /proc/self/clear_refs")
 def test_recorder_records_each_phase_rss_peak_and_time():
-    recorder = PhaseRecorder("cpu")
-    with recorder.phase("small"):
-        pass
-    with recorder.phase("large"):
-        block = _touch(200 * 2**20)
-        del block
+    # Earlier tests' garbage first, and no collection inside the phases: in a pytest-xdist worker that had run the
+    # large-tensor tests, both phases once peaked at the RSS of their start (cyclic garbage of ~200 MiB or more
+    # collected inside the "large" phase freed as much as the phase added).
+    gc.collect()
+    gc.disable()
+    try:
+        recorder = PhaseRecorder("cpu")
+        with recorder.phase("small"):
+            pass
+        with recorder.phase("large"):
+            block = _touch(200 * 2**20)
+            del block
+    finally:
+        gc.enable()
     small, large = recorder.phases
     assert [small["phase"], large["phase"]] == ["small", "large"]
     assert small["peak_rss_scope"] == large["peak_rss_scope"] == "phase"
