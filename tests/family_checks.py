@@ -8,6 +8,21 @@ import logging
 import torch
 
 
+def scaled_fp8(state_dict: dict, blocks: tuple[str, ...]) -> dict:
+    """A diffusion model's weights in the layout of a scaled fp8 release: each block Linear's weight (keys under one of
+    `blocks`) in float8_e4m3fn with its per-tensor `scale_weight`, and the `scaled_fp8` marker ComfyUI's loader
+    converts (comfy.utils.convert_old_quants) into its quantized layers; the rest as it is."""
+    out = {"scaled_fp8": torch.empty(0, dtype=torch.float8_e4m3fn)}
+    for key, tensor in state_dict.items():
+        if key.startswith(blocks) and key.endswith(".weight") and tensor.ndim == 2:
+            scale = tensor.abs().max().float() / 448.0
+            out[key] = (tensor.float() / scale).to(torch.float8_e4m3fn)
+            out[key[:-len("weight")] + "scale_weight"] = scale.reshape(())
+        else:
+            out[key] = tensor
+    return out
+
+
 def image_size(model) -> int:
     """The test images' side: 32 px, or two latent pixels where the VAE downscales more (HunyuanImage 2.1: 32x), or two
     patches of a pixel-space model whose position ids need an image of more than one patch (HiDream-O1's 32 px)."""

@@ -23,7 +23,7 @@ import comfy.text_encoders.llama
 import comfy.utils
 
 from ...training.data.cache_store import fingerprint_state_dict, fingerprint_value, item_conditioning
-from ...training.core.adapters import is_quantized
+from ...training.memory.lowbit import is_quantized_layer, is_quantized_tensor
 from ...training.core.objective import SamplingDescriptor
 from . import families
 from .rope_autograd import register_rope_autograd
@@ -184,7 +184,7 @@ def quantized_layers(model: comfy.model_base.BaseModel) -> list[str]:
     """Paths of the diffusion model's layers whose weight is ComfyUI's QuantizedTensor (comfy.ops mixed-precision
     layers, as the stock loaders build a scaled fp8 / int8 / nvfp4 file). Adapters train on them (adapters.is_linear);
     what cannot is refused by name (check_quantized_kind)."""
-    return [path for path, module in model.diffusion_model.named_modules() if is_quantized(module)]
+    return [path for path, module in model.diffusion_model.named_modules() if is_quantized_layer(module)]
 
 
 def missing_inputs_note(model: comfy.model_base.BaseModel, node: str) -> str:
@@ -342,11 +342,6 @@ def quantized_weights_for_inference(module: torch.nn.Module, patcher=None) -> No
             del old
             if was_pinned:
                 patcher.pin_weight_to_device(key)
-
-
-def is_quantized_tensor(tensor) -> bool:
-    """ComfyUI's QuantizedTensor (comfy_kitchen; a Parameter made of one keeps its type)."""
-    return type(tensor).__name__ == "QuantizedTensor"
 
 
 def data_fingerprint(latent_cache) -> str:

@@ -20,7 +20,8 @@ import comfy.model_patcher
 import comfy.patcher_extension
 import comfy.utils
 
-from ...training.core.adapters import AdapterConfig, AdapterSet, is_quantized
+from ...training.core.adapters import AdapterConfig, AdapterSet
+from ...training.memory.lowbit import is_quantized_layer, is_quantized_tensor
 from ...training.memory.trained_weights_on_host import trained_weights_device
 from ...training.core.lora_extract import extract_from_differences
 from ...training.data.files import save_safetensors
@@ -84,7 +85,7 @@ def patched_base_reader(patcher):
             key = f"diffusion_model.{path}.{name}"
             backup = patcher.backup.get(key)
             stored = backup.weight if backup is not None else getattr(module, name)  # the module: attached or not
-            if hasattr(stored, "dequantize") and type(stored).__name__ == "QuantizedTensor":  # ComfyUI's low-bit
+            if is_quantized_tensor(stored):  # ComfyUI's low-bit
                 stored = stored.dequantize()
             tensor = stored.detach().to(device=device, dtype=torch.float32, copy=True)
             patches = patcher.patches.get(key)
@@ -147,7 +148,7 @@ def as_saved_file_model(model, adapters: AdapterSet, strength: float = 1.0):
 def _on_quantized_layer(model, key: str) -> bool:
     """Whether the weight key ("diffusion_model.<path>.weight" / ".bias") belongs to a layer whose weight is
     ComfyUI's QuantizedTensor."""
-    return is_quantized(comfy.utils.get_attr(model, key.rpartition(".")[0]))
+    return is_quantized_layer(comfy.utils.get_attr(model, key.rpartition(".")[0]))
 
 
 # --- the LoRA run ---------------------------------------------------------------------------------------------

@@ -11,27 +11,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from family_checks import cached_data, empty_latent
+from family_checks import cached_data, empty_latent, scaled_fp8
 
 pytestmark = [pytest.mark.comfyui, pytest.mark.usefixtures("one_torch_thread")]
 SAMPLING = dict(sample_seed=3, sample_steps=3, cfg=2.0, sampler_name="euler", scheduler="simple")
 PROMPT = "a red circle"
 QUANTIZED = r"this MODEL's layers hold ComfyUI's quantized weights \(12 layers, e\.g\. layers\.0\.attention\.qkv: a scaled fp8"
-
-
-def _scaled_fp8(state_dict: dict, blocks: tuple[str, ...] = ("layers.",)) -> dict:
-    """The tiny model's weights in the layout of a scaled fp8 release: each block Linear's weight (keys under one of
-    `blocks`) in float8_e4m3fn with its per-tensor `scale_weight`, and the `scaled_fp8` marker ComfyUI's loader
-    converts (comfy.utils.convert_old_quants)."""
-    out = {"scaled_fp8": torch.empty(0, dtype=torch.float8_e4m3fn)}
-    for key, tensor in state_dict.items():
-        if key.startswith(blocks) and key.endswith(".weight") and tensor.ndim == 2:
-            scale = tensor.abs().max().float() / 448.0
-            out[key] = (tensor.float() / scale).to(torch.float8_e4m3fn)
-            out[key[:-len("weight")] + "scale_weight"] = scale.reshape(())
-        else:
-            out[key] = tensor
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +30,7 @@ def fp8_model(comfyui):
 
     model, clip, vae = build_tiny_models("ideogram4", seed=0)
     latents, texts = cached_data(model, clip, vae)
-    state_dict = _scaled_fp8(model.model.diffusion_model.state_dict())
+    state_dict = scaled_fp8(model.model.diffusion_model.state_dict(), ("layers.",))
     with pytest.MonkeyPatch.context() as patch:
         # ComfyUI's detection fixes the released geometry through the config's unet_extra_config: the tiny one's here.
         patch.setattr(comfy.supported_models.Ideogram4, "unet_extra_config",
@@ -237,7 +222,7 @@ def test_flux_blocks_made_safe_for_in_place_inputs_train_on_scaled_fp8(comfyui):
 
     model, clip, vae = build_tiny_models("flux", seed=0)
     latents, texts = cached_data(model, clip, vae)
-    state_dict = _scaled_fp8(model.model.diffusion_model.state_dict(), ("double_blocks.", "single_blocks."))
+    state_dict = scaled_fp8(model.model.diffusion_model.state_dict(), ("double_blocks.", "single_blocks."))
     with torch.inference_mode():
         fp8 = comfy.sd.load_diffusion_model_state_dict(state_dict)
         assert quantized_layers(fp8.model)

@@ -10,26 +10,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from family_checks import scaled_fp8
 from safetensors.torch import load_file
 
 pytestmark = [pytest.mark.comfyui, pytest.mark.realsize]
 
 PROMPT = "a red circle in the center"
 BLOCKS = ("double_blocks.", "single_blocks.")
-
-
-def _scaled_fp8(state_dict: dict) -> dict:
-    """Each block Linear's weight as a scaled fp8 file stores it (per-tensor scale, the `scaled_fp8` marker ComfyUI's
-    loader converts: comfy.utils.convert_old_quants); the rest as it is."""
-    out = {"scaled_fp8": torch.empty(0, dtype=torch.float8_e4m3fn)}
-    for key, tensor in state_dict.items():
-        if key.startswith(BLOCKS) and key.endswith(".weight") and tensor.ndim == 2:
-            scale = tensor.abs().max().float() / 448.0
-            out[key] = (tensor.float() / scale).to(torch.float8_e4m3fn)
-            out[key[:-len("weight")] + "scale_weight"] = scale.reshape(())
-        else:
-            out[key] = tensor
-    return out
 
 
 def test_a_lora_on_a_scaled_fp8_base_at_flux_width_is_what_the_stock_loader_samples(comfyui, monkeypatch):
@@ -45,7 +32,7 @@ def test_a_lora_on_a_scaled_fp8_base_at_flux_width_is_what_the_stock_loader_samp
 
     with torch.inference_mode():  # as ComfyUI's loaders and nodes run
         model, clip, vae = realsize_models.build_family("flux_dev", (1, 0), t5_layers=1)
-        fp8 = comfy.sd.load_diffusion_model_state_dict(_scaled_fp8(model.model.diffusion_model.state_dict()))
+        fp8 = comfy.sd.load_diffusion_model_state_dict(scaled_fp8(model.model.diffusion_model.state_dict(), BLOCKS))
         del model
         layers = quantized_layers(fp8.model)
         diffusion = fp8.model.diffusion_model

@@ -111,11 +111,6 @@ def is_linear(module: torch.nn.Module) -> bool:
             and hasattr(module, "in_features") and weight is not None and weight.ndim == 2)
 
 
-def is_quantized(module: torch.nn.Module) -> bool:
-    """A layer whose weight is ComfyUI's QuantizedTensor (comfy_kitchen: fp8 / int8 / nvfp4 data and its scales)."""
-    return type(getattr(module, "weight", None)).__name__ == "QuantizedTensor"
-
-
 def select_targets(root: torch.nn.Module, preset: TargetPreset | None, config: AdapterConfig,
                    block_prefixes: Iterable[str], presets: Iterable[str] = ()) -> list[str]:
     """Paths of the submodules of `root` the adapter wraps, in module order. `preset`: the model family's (None:

@@ -153,6 +153,17 @@ def _split(path: str) -> tuple[str, str]:
     return parent, child
 
 
+def is_quantized_tensor(tensor) -> bool:
+    """ComfyUI's QuantizedTensor (comfy_kitchen: fp8 / int8 / nvfp4 data and its scales, what the stock loaders build
+    for a scaled fp8 file; a Parameter made of one keeps its type). By name: the engine imports without ComfyUI."""
+    return type(tensor).__name__ == "QuantizedTensor"
+
+
+def is_quantized_layer(module: torch.nn.Module) -> bool:
+    """A layer whose weight is ComfyUI's QuantizedTensor: stored low-bit already, trained as it is."""
+    return is_quantized_tensor(getattr(module, "weight", None))
+
+
 class LowBitBase:
     """Low-bit copies of the frozen Linear layers under `prefixes` of `root`, swapped in and out.
 
@@ -173,7 +184,7 @@ class LowBitBase:
         already = []  # ComfyUI's quantized layers (a scaled fp8 file): stored low-bit already, never re-stored
         with torch.no_grad():
             for path, module in root.named_modules():
-                if type(getattr(module, "weight", None)).__name__ == "QuantizedTensor":
+                if is_quantized_layer(module):
                     already.append(path)
                 if type(module) is LowBitLinear or not isinstance(module, torch.nn.Linear):
                     continue

@@ -129,7 +129,7 @@ class ModelDescription:
     # The largest block weight's copy (None: not told apart, the largest of all counts in every phase). A layer outside
     # the blocks (an embedder, a text projection: Ideogram 4's 53248 x 4608) makes its copy at the start of a forward,
     # before any block's activations exist and never in backward (its input needs no gradient): it counts only where
-    # it exceeds what the blocks hold at the peak (estimate: in_flight_training / in_flight_validation).
+    # it exceeds what the blocks hold at the peak (estimate: in_flight_block / in_flight_any).
     block_weight_copy_in_flight_bytes: int | None = None
     largest_linear_numel: int = 0  # the largest block Linear weight, dequantised when stored low-bit
     compute_element_size: int = 2
@@ -896,11 +896,11 @@ class ActivationSample:
 def _storage_key(tensor: torch.Tensor) -> int:
     # A QuantizedTensor has no storage of its own (a wrapper subclass): its data's (a quantized layer's backward
     # saves its weight: then the weight's own key, skipped as a weight).
-    return (tensor._qdata if is_quantized(tensor) else tensor).untyped_storage().data_ptr()
+    return (tensor._qdata if lowbit.is_quantized_tensor(tensor) else tensor).untyped_storage().data_ptr()
 
 
 def _storage_bytes(tensor: torch.Tensor) -> int:
-    return tensor_bytes(tensor) if is_quantized(tensor) else tensor.untyped_storage().nbytes()
+    return tensor_bytes(tensor) if lowbit.is_quantized_tensor(tensor) else tensor.untyped_storage().nbytes()
 
 
 def measure_activations(run_forward: Callable[[], object], blocks: Sequence[torch.nn.Module],
@@ -1120,7 +1120,7 @@ def largest_weight_copy_bytes(module: torch.nn.Module, compute_dtype: torch.dtyp
     # (its layer's backward: comfy.ops QuantLinearFunc).
     return max((t.numel() * size for layer in module.modules() if not isinstance(layer, torch.nn.Embedding)
                 for t in layer.parameters(recurse=False)
-                if not t.requires_grad and (t.dtype != compute_dtype or is_quantized(t))), default=0)
+                if not t.requires_grad and (t.dtype != compute_dtype or lowbit.is_quantized_tensor(t))), default=0)
 
 
 def frozen_bytes(module: torch.nn.Module) -> int:
@@ -1133,12 +1133,7 @@ def tensor_bytes(tensor: torch.Tensor) -> int:
     """Bytes a tensor's storage takes. A wrapper tensor subclass (ComfyUI's QuantizedTensor, comfy_kitchen: the
     weights of a scaled fp8 / int8 / nvfp4 file) reports the numel and dtype of its dequantised value (fp8 as bf16:
     twice its size); what it stores is its inner tensors (`__tensor_flatten__`: the fp8 data and its scales)."""
-    if is_quantized(tensor):
+    if lowbit.is_quantized_tensor(tensor):
         names, _ = tensor.__tensor_flatten__()
         return sum(getattr(tensor, name).numel() * getattr(tensor, name).element_size() for name in names)
     return tensor.numel() * tensor.element_size()
-
-
-def is_quantized(tensor) -> bool:
-    """ComfyUI's QuantizedTensor (by name: the engine imports without ComfyUI)."""
-    return type(tensor).__name__ == "QuantizedTensor"
