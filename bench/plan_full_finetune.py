@@ -66,6 +66,12 @@ def main() -> None:
                 chosen += ", trained weights in host RAM"
             if policy.base_storage != "as_loaded":
                 chosen += f", base {policy.base_storage}"
+            streamed = plan.host_bytes.get("streamed block weights", 0)
+            if streamed >= 0.05 * 2 ** 30:
+                chosen += f", {streamed / 2 ** 30:.1f} GiB of base streamed"
+            peak = plan.peak
+            if peak.phase != "training step":  # the card's peak is another phase (validation, as the saved file)
+                chosen += f"; peak {peak.total / 2 ** 30:.1f} GiB in {peak.phase}"
             cells += [f"{step:.1f} GiB ({chosen}){'' if plan.device_fits else ' **no fit**'}",
                       f"{sum(plan.host_bytes.values()) / 2 ** 30:.1f} GiB"]
         print(f"| {label} | " + " | ".join(cells) + " |")

@@ -479,9 +479,9 @@ Download (file -> ComfyUI folder):
 
 Your images: a folder inside ComfyUI's input/ folder (here input/my_dataset), each image with a same-name .txt caption.
 
-LoRA Config kind "full": each layer trains its own difference to the shared model (which stays unchanged for the rest of the graph). Memory: about 10 bytes per trained weight with 8-bit AdamW (the difference, its gradient, the optimizer state), 8 GiB for SD1.5's 0.86 B weights, plus the model: a 12-16 GB card. Learning rate about 100x below a LoRA's.
+LoRA Config kind "full": each layer trains its own copy of its weights; the shared model stays unchanged for the rest of the graph, and on a GPU a trained layer's base weights wait in host RAM during the step (one copy on the card). Memory: about 10 bytes per trained weight with 8-bit AdamW (the copy, its gradient, the optimizer state), 8 GiB for SD1.5's 0.86 B weights, plus the activations: a 12-16 GB card. Learning rate about 100x below a LoRA's.
 
-The file in models/loras/headroom/ holds the differences: stock Load LoRA applies it; stock Save Model / Save Checkpoint after it write a model file for Load Diffusion Model / Load Checkpoint. docs/FULL_FINETUNE.md."""
+The file in models/loras/headroom/ holds the differences to the base (trained minus base, what stock loaders read): stock Load LoRA applies it; stock Save Model / Save Checkpoint after it write a model file for Load Diffusion Model / Load Checkpoint. docs/FULL_FINETUNE.md."""
 
 
 def as_full_finetune(workflow: Workflow, name: str, label: str, note: str, lora: dict, lora_title: str,
@@ -515,7 +515,7 @@ Download (file -> ComfyUI folder):
 
 Your images: a folder inside ComfyUI's input/ folder (here input/my_dataset), each image with a same-name .txt caption.
 
-What makes it fit: the Offload policy's fused_backward (each weight tensor is stepped as soon as its gradient is ready, so no full set of gradients exists), the LoRA Config's full_precision bf16_stochastic (the trained difference in bf16, updated with stochastic rounding), Adafactor (small optimizer state), and the card "this GPU (auto)": the planner streams as much of the base model from host RAM as the card needs (planned 23 GiB on a 24 GB card at 1024 px, docs/BENCHMARKS.md). On a 16 GB card it also keeps the trained weights in host RAM (each layer crosses to the card as it runs; about 18 GiB of host RAM with Adafactor). Learning rate about 100x below a LoRA's.
+What makes it fit: one copy of each trained weight on the card (the run's own bf16 copy; the trained layers' base weights wait in host RAM during the step), the Offload policy's fused_backward (each weight tensor is stepped as soon as its gradient is ready, so no full set of gradients exists), the LoRA Config's full_precision bf16_stochastic (the trained copy in bf16, updated with stochastic rounding), Adafactor (small optimizer state), and the card "this GPU (auto)": on a 24 GB card at 1024 px the planner keeps everything else on the card, nothing streamed (22.2 GiB planned, docs/BENCHMARKS.md). On a 16 GB card it also keeps the trained weights in host RAM (each layer crosses to the card as it runs; about 30 GiB of host RAM with Adafactor). Learning rate about 100x below a LoRA's.
 
 The file in models/loras/headroom/ holds the differences: stock Load LoRA applies it; stock Save Model after it writes a model file for Load Diffusion Model. docs/FULL_FINETUNE.md."""
 

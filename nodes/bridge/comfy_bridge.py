@@ -331,8 +331,8 @@ class Placement:
         # Decided in one place: training/memory/weight_streaming.base_placement
         training = placement is None
         placement = placement if placement is not None else self.policy.placement
-        if whole_blocks and placement.stream_blocks:
-            placement = dataclasses.replace(placement, blocks_to_host=True)
+        if whole_blocks:  # also a resident full fine-tune's: its trained layers' base weights stay in host RAM
+            placement = dataclasses.replace(placement, full_load=False, blocks_to_host=True, stream_blocks=True)
         with torch.inference_mode(False):  # weights copied to the device here are then usable by autograd
             # Not a full load: ComfyUI may keep part of the base in host RAM (its lowvram load); the trainer's
             # WeightStreamer brings those blocks to the device one block ahead.
@@ -639,8 +639,10 @@ class TrainingRun:
         """On a device, with blocks streamed: the streamer set up as the run's plan places the base (its resident
         whole blocks, the non-block layers kept on the device, its ring's slots). False where no plan was made (a
         CPU, or the plan failed: ComfyUI's own partial placement stands, the streamer brings what it left in host
-        RAM)."""
-        if not self.policy.streams_blocks:
+        RAM). A full fine-tune, whatever its placement: its trained layers' base weights (never read by the step) stay
+        in host RAM, the streamer bringing the rest as the plan places it (resident: every other weight kept)."""
+        unread = self.trained.unread_base_layers()
+        if not (self.policy.streams_blocks or unread):
             return False
         self._planned_shares()
         planned = getattr(self, "_planned_blocks", None)
@@ -649,7 +651,7 @@ class TrainingRun:
             return False
         resident, slots = planned
         self.trainer.stream_options = {"resident": resident, "slots": slots,
-                                       "keep": [self.placement.patcher.model.diffusion_model]}
+                                       "keep": [self.placement.patcher.model.diffusion_model], "unread": unread}
         return True
 
     def _planned_shares(self) -> tuple[int | None, int | None]:

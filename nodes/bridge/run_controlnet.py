@@ -122,6 +122,10 @@ class ControlNetTraining:
         trainable = sum(p.numel() * p.element_size() for p in trainer.params)
         return trainable * (1 if trainer.policy.optimizer_state == "cpu" else 3)
 
+    def unread_base_layers(self) -> list:
+        """The base runs whole beside the ControlNet: every weight of it is read."""
+        return []
+
     @contextlib.contextmanager
     def attach(self, run):
         yield  # loading both patchers is all: the ControlNet runs beside the base, never inside it

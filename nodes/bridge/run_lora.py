@@ -252,6 +252,11 @@ class LoraTraining:
         state = 0 if trainer.policy.optimizer_state == "cpu" else spec.optimizer_share_bytes()
         return weights + gradients + state
 
+    def unread_base_layers(self) -> list:
+        """The base layers a training step never reads (a full fine-tune's: adapters.AdapterSet.unread_base_layers),
+        whose weights the run leaves in host RAM."""
+        return self.adapters.unread_base_layers()
+
     @contextlib.contextmanager
     def attach(self, run):
         """The adapters attached to the loaded clone. Outside this block they are ejected again, even though the

@@ -4,6 +4,7 @@ Load LoRA applies it (the run's validation image, reproduced), stock Save Model 
 model: exactly the base weights plus the trained difference, under the input's keys."""
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 import re
 
@@ -315,3 +316,53 @@ def test_a_run_resumed_with_fused_backward_switched_says_so(comfyui):
         T.HeadroomTrainSteps.execute(_init(model, latents, texts, "fused_switch", kind="full"), 1)
         with pytest.raises(ValueError, match="saved with the Offload Policy's fused_backward off: set it off"):
             _init(model, latents, texts, "fused_switch", kind="full", policy=_fused_policy())
+
+
+def test_on_a_device_the_trained_layers_base_stays_in_host_ram(comfyui, monkeypatch):
+    """Issue 42: on a device a full fine-tune's training load puts every block in host RAM (ComfyUI's own partial unload,
+    not a full load) and the streamer brings back what the plan keeps, less the trained layers' base layers (`unread`:
+    FullLayer computes with its own copy). Resident: every block kept, none streamed. The plan counts those weights in
+    host RAM and validation (as the saved file) with them. On the CPU nothing is loaded apart: the device check is made
+    to pass and the load's ComfyUI calls are recorded."""
+    from headroom.nodes.bridge import comfy_bridge, planning
+    from headroom.training.memory import planner
+    from headroom.training.memory.policy import OffloadPolicy
+
+    model, _, _, latents, texts = _data("flux", count=2)
+    run = _init(model, latents, texts, "full_base_in_host_ram", kind="full", targets="all_linear", batch_size=2,
+                policy=OffloadPolicy(checkpointing="blocks"))
+    unread = run.trained.unread_base_layers()
+    assert len(unread) == len(run.adapters.layers) > 0
+    assert run._plan_streamer() is False and run.trainer.stream_options == {}  # a CPU: no plan, nothing to place
+    patcher = run.placement.patcher
+    monkeypatch.setattr(patcher, "offload_device", torch.device("meta"))
+    describe = planning.describe_comfy_model  # as a GPU's model describes itself (on a CPU nothing is left apart)
+    monkeypatch.setattr(planning, "describe_comfy_model",
+                        lambda *args, **kwargs: dataclasses.replace(describe(*args, **kwargs), compute_device="cuda"))
+    with torch.inference_mode():
+        plan = planning.run_plan(run)
+        assert run._plan_streamer()
+    blocks = comfy_bridge.training_blocks(patcher.model.diffusion_model)
+    options = run.trainer.stream_options
+    assert options["unread"] == unread and options["resident"] == plan.resident_blocks == tuple(range(len(blocks)))
+    base = sum(planner.frozen_bytes(layer) for layer in unread)
+    training, validation = plan.phase("training step").items, plan.phase("validation").items
+    host = plan.host_bytes["trained layers' base weights (the training step never reads them)"]
+    assert host == base > 0
+    frozen = planner.frozen_bytes(model.model.diffusion_model)
+    assert (training["frozen weights outside the blocks"] + training["frozen block weights (as_loaded)"]
+            == frozen - base)
+    assert validation["frozen weights outside the blocks"] + validation["frozen block weights (as_loaded)"] == frozen
+    # The load: not ComfyUI's full load (the blocks would all come to the device beside the trained copies), and then
+    # everything it placed there back to host RAM.
+    loads, freed = [], []
+    monkeypatch.setattr(comfy_bridge.comfy.model_management, "load_models_gpu",
+                        lambda models, memory_required=0, force_full_load=False: loads.append(force_full_load))
+    monkeypatch.setattr(patcher, "partially_unload", lambda device, memory_to_free=0: freed.append(memory_to_free))
+    monkeypatch.setattr(patcher, "loaded_size", lambda: 10 * frozen)
+    run.placement.load([patcher], 0, run._base_device_share(), whole_blocks=True)
+    assert loads == [False] and freed == [10 * frozen]
+    # A LoRA reads its base: nothing unread, and a resident LoRA run places nothing itself.
+    lora = _init(model, latents, texts, "lora_reads_its_base", rank=4, batch_size=2,
+                 policy=OffloadPolicy(checkpointing="blocks"))
+    assert lora.trained.unread_base_layers() == [] and not lora._plan_streamer()

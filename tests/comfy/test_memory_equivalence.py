@@ -227,7 +227,7 @@ def test_optimizer_state_on_host_is_bitwise_equal(name):
 
 
 # --- the real trainer on a tiny ComfyUI model --------------------------------------------------------------
-def _tiny_session(tmp_path, family):
+def _tiny_session(tmp_path, family, adapter=None):
     from headroom.nodes.bridge.run_lora import LoraRunConfig, open_lora_run
     from headroom.nodes.bridge.comfy_model import expected_cond_dims, model_family
     from headroom.nodes.bridge.start_image import start_image_node
@@ -251,7 +251,7 @@ def _tiny_session(tmp_path, family):
         starts = [{"concat_latent_image": torch.randn(channels, *frames, 8, 8, generator=g), "concat_mask": mask}
                   for _ in latents]
         latent_cache.start_image, latent_cache.start = start_image_node(model.model), starts.__getitem__
-    config = LoraRunConfig(family=model_family(model.model), adapter=AdapterConfig(rank=4, alpha=4),
+    config = LoraRunConfig(family=model_family(model.model), adapter=adapter or AdapterConfig(rank=4, alpha=4),
                            optimizer=OptimizerConfig(lr=1e-3), train=TrainConfig(batch_size=2, seed=1), holdout=0)
     return open_lora_run(model, latent_cache, MemoryTextCache(conds, cond()), config, tmp_path, "run")
 
@@ -294,6 +294,60 @@ def test_tiny_comfy_model_streamed_offloaded_checkpoints_bitwise(comfyui, tmp_pa
         assert_bitwise(results[0], result)
     assert calls == [STEPS, 2 * STEPS, 2 * STEPS]  # the checkpointed runs recomputed each block in backward
     assert streamers[:2] == [None, None] and {phase for phase, _ in streamers[2].install_log} == {"forward", "backward"}
+
+
+@pytest.mark.comfyui
+@pytest.mark.parametrize("family", ["sd15", "flux"])  # a UNet; a DiT whose blocks add in place
+def test_a_full_fine_tune_leaves_its_trained_base_in_host_ram_bitwise(comfyui, tmp_path, family, monkeypatch):
+    """Issue 42: a full fine-tune's training step never reads its trained layers' base (adapters.FullLayer), so the
+    streamer leaves those weights where they are (`unread`, the bridge's choice for every full fine-tune on a device):
+    every block kept (a resident plan) or some streamed (partial), the run is the plain one bit for bit, and no trained
+    layer's base weight is ever swapped for a device copy."""
+    import comfy.model_management
+
+    from headroom.nodes.bridge.comfy_model import training_blocks
+    from headroom.training.core.adapters import FullLayer
+
+    monkeypatch.setattr(comfy.model_management, "in_training", True)
+    policy = OffloadPolicy(checkpointing="blocks")
+    results, streamers = [], []
+    for index, resident in enumerate([None, "all", (0,)]):
+        session = _tiny_session(tmp_path / str(index), family, AdapterConfig(kind="full", targets="all_linear"))
+        root = session.patcher.model.diffusion_model
+        blocks = [m for _, m in training_blocks(root)]
+        unread = session.trained.unread_base_layers()
+        layers = list(session.trained.adapters.layers.values())
+        assert len(unread) == len(layers) > 0 and all(isinstance(layer, FullLayer) for layer in layers)
+        host = {id(t) for base in unread for t in base.parameters()}
+        installed = []
+        handles = [layer.register_forward_pre_hook(
+            lambda m, args: installed.extend(id(t) in host for t in m.base_layer.parameters())) for layer in layers]
+
+        @contextlib.contextmanager
+        def features(resident=resident, blocks=blocks, unread=unread, root=root):
+            inplace = session.denoiser.inplace_blocks
+            if resident is None:  # no streamer: checkpointing alone
+                with memory_features(policy, blocks, "cpu", inplace_inputs=inplace) as streamer:
+                    assert streamer is None
+                    yield
+                return
+            kept = range(len(blocks)) if resident == "all" else resident
+            with memory_features(policy, blocks, "cpu", exercise_on_cpu=True, resident=kept, keep=[root],
+                                 unread=unread, inplace_inputs=inplace) as streamer:
+                streamers.append((streamer.streamed_blocks(), streamer.slot_bytes(), streamer.kept_bytes()))
+                yield
+
+        with session.attached():
+            results.append(train(session.trainer, features))
+        for handle in handles:
+            handle.remove()
+        assert installed and all(installed)  # the base weights stayed the host tensors all through
+        session.release()
+    for result in results[1:]:
+        assert_bitwise(results[0], result)
+    (all_streamed, all_slot, all_kept), (streamed, slot, kept) = streamers
+    assert all_streamed == set() and all_slot == 0 and streamed == set(range(1, len(blocks)))
+    assert 0 < slot and kept < all_kept
 
 
 @pytest.mark.comfyui

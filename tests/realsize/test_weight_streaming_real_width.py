@@ -34,6 +34,8 @@ class SingleBlock(torch.nn.Module):
 
     @staticmethod
     def _linear(layer, x):
+        if not hasattr(layer, "weight"):  # a full fine-tune's layer (adapters.FullLayer): its own product
+            return layer(x)
         return F.linear(x, layer.weight.float(), layer.bias.float())
 
     def forward(self, x, vec):
@@ -97,3 +99,49 @@ def test_the_ring_at_flux_width_is_bitwise_the_resident_run(resident):
     _assert_same(weights, streamed)
     assert max(per_block) > 2 ** 28 and streamer.fallback_fetches == 0  # 283 MB a block
     assert streamer.allocations == 2 + len(resident)  # the slots (and a resident block's buffer), once
+
+
+def test_a_full_fine_tune_at_flux_width_streams_only_what_its_step_reads():
+    """Issue 42 at real width: linear1 trained whole (adapters.FullLayer, a bf16 copy of its 66 M weights, past 2^24)
+    with its base layer `unread`: a streamed block carries the rest (modulation, linear2, the norms: 151 MB of its
+    283), the resident block keeps only that, and the losses, the LoRA gradients and every trained weight are bit for
+    bit those of the run without the streamer."""
+    from headroom.training.core.adapters import FullLayer
+
+    def full_blocks():
+        blocks = _blocks()
+        for block in blocks:
+            block.linear1 = FullLayer(block.linear1, dtype=torch.bfloat16)
+        return blocks
+
+    def train(blocks, losses):
+        optimizer = torch.optim.AdamW([p for p in blocks.parameters() if p.requires_grad], lr=1e-3)
+        restore = wrap_blocks(blocks, 1)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(2):
+            x, vec = torch.randn(1, TOKENS, HIDDEN, generator=g), torch.randn(1, 1, HIDDEN, generator=g)
+            for block in blocks:
+                x = block(x, vec)
+            loss = x.square().mean()
+            loss.backward()
+            losses.append((loss.detach().clone(), [b.down.grad.clone() for b in blocks]))
+            optimizer.step()
+            optimizer.zero_grad()
+        restore()
+        return [p.detach().clone() for p in blocks.parameters() if p.requires_grad]
+
+    expected, got = [], []
+    weights = train(full_blocks(), expected)
+    blocks = full_blocks()
+    unread = [block.linear1.base_layer for block in blocks]
+    host = [(base.weight, base.bias) for base in unread]
+    with WeightStreamer(blocks, "cpu", resident=(1,), unread=unread, exercise_on_cpu=True) as streamer:
+        trained = train(blocks, got)
+        slot, kept, streamed = streamer.slot_bytes(), streamer.kept_bytes(), streamer.streamed_blocks()
+    _assert_same(expected, got)
+    _assert_same(weights, trained)
+    assert all(b.weight is w and b.bias is bias for b, (w, bias) in zip(unread, host))
+    whole = sum(t.numel() * 2 for t in blocks[0].parameters() if not t.requires_grad)
+    read = whole - 2 * (HIDDEN * (3 * HIDDEN + MLP) + 3 * HIDDEN + MLP)  # all but linear1's weight and bias
+    assert read <= slot < read + 6 * 256 and kept == read and streamed == {0, 2}
+    assert slot < 0.54 * whole

@@ -700,3 +700,50 @@ def test_a_full_fine_tune_s_first_block_gradients_are_made_after_its_activations
                                 (known, SHAPE, OffloadPolicy(fused_backward=True)),
                                 (dataclasses.replace(known, full=False), SHAPE, OffloadPolicy())):
         assert not any("first block" in k for k in step(spec, shape, policy).items)
+
+
+def test_a_full_fine_tunes_trained_base_is_planned_in_host_ram_for_the_training_step():
+    """Issue 42: a full fine-tune's training step never reads its trained layers' base weights (adapters.FullLayer
+    computes with its own copy): the plan counts them in host RAM, not on the device, in whatever placement and
+    storage; validation (as the saved file: base + W' - W) still reads them."""
+    model = ToyModel()
+    named = [(f"blocks.{i}", b) for i, b in enumerate(model.blocks)]
+    targets = [model.proj] + [m for _, b in named for m in b.modules() if isinstance(m, torch.nn.Linear)][1:]
+    profiles, outside = planner.unread_base(named, targets)
+    assert outside == planner.frozen_bytes(model.proj)
+    first = [m for m in model.blocks[0].modules() if isinstance(m, torch.nn.Linear)][1:]
+    assert profiles[0].param_bytes == sum(planner.frozen_bytes(m) for m in first)
+    assert profiles[0].linear_count == len(first) and profiles[1].linear_count == len(first) + 1
+    assert profiles[0].linear_weight_numel == sum(m.weight.numel() for m in first)
+
+    d = toy_description()  # 4 blocks of 1 GiB, half of it in Linear weights
+    unread = BlockProfile("b", 300 * MIB, linear_weight_bytes=256 * MIB, linear_weight_numel=128 * MIB,
+                          linear_rows=2048, linear_count=4)
+    full = TrainableSpec(((4096, 4096),) * 8, "Adafactor", element_size=2, full=True)
+    reading = dataclasses.replace(full, unread_base_blocks=(unread,) * 4, unread_base_outside=40 * MIB)
+    for policy in (OffloadPolicy(checkpointing="blocks"), OffloadPolicy(base_placement="streamed", checkpointing="blocks"),
+                   OffloadPolicy(checkpointing="blocks", base_storage="fp8")):
+        before, after = (estimate(d, t, SHAPE, policy) for t in (full, reading))
+        storage = policy.base_storage
+        moved = 4 * unread.weight_bytes(storage) + 40 * MIB
+        if storage == "fp8":
+            assert unread.weight_bytes("fp8") < 300 * MIB
+        training = (before.phase("training step"), after.phase("training step"))
+        assert training[1].items["frozen weights outside the blocks"] == 60 * MIB
+        assert after.host_bytes["trained layers' base weights (the training step never reads them)"] == moved
+        if policy.base_placement == "resident":
+            assert (training[0].items[f"frozen block weights ({storage})"]
+                    - training[1].items[f"frozen block weights ({storage})"]) == moved - 40 * MIB
+            assert after.base_device_bytes == before.base_device_bytes - moved
+        else:  # what streams: the blocks less their trained layers' base
+            assert before.host_bytes["streamed block weights"] - after.host_bytes["streamed block weights"] == \
+                moved - 40 * MIB
+            assert after.step_time.transfer_s < before.step_time.transfer_s
+        assert before.phase("validation").items == after.phase("validation").items  # validation reads the base
+    # On a CPU the host is the device: nothing is left apart.
+    on_cpu = dataclasses.replace(d, compute_device="cpu")
+    policy = OffloadPolicy(checkpointing="blocks")
+    assert estimate(on_cpu, reading, SHAPE, policy).phase("training step").items == \
+        estimate(on_cpu, full, SHAPE, policy).phase("training step").items
+    with pytest.raises(ValueError, match="given for 3 blocks, the model has 4"):
+        estimate(d, dataclasses.replace(reading, unread_base_blocks=(unread,) * 3), SHAPE, OffloadPolicy())

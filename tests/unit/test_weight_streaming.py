@@ -379,3 +379,43 @@ def test_the_ring_on_cuda_is_bitwise_the_resident_run(slots):
     assert torch.cuda.memory_stats(device).get("num_alloc_retries", 0) == retries
     assert_same(expected[0], got[0])
     assert_same(expected[1], got[1])
+
+
+def test_a_full_fine_tunes_base_layers_are_neither_streamed_nor_kept():
+    """A full fine-tune's trained layer computes with its own copy alone (adapters.FullLayer): its base layer is
+    `unread`, left in host RAM, so the card holds one copy of each trained weight and a streamed block carries only
+    what the step reads (issue 42). Bit for bit the run without the streamer."""
+    from headroom.training.core.adapters import FullLayer
+
+    def full_blocks():
+        blocks = make_blocks(count=4)
+        for block in blocks:
+            block.base = FullLayer(block.base)
+        return blocks
+
+    expected = []
+    reference_weights = train(full_blocks(), checkpointing=enable_checkpointing, trace=expected)
+    blocks = full_blocks()
+    bases = [block.base.base_layer for block in blocks]
+    host = [(base.weight, base.bias) for base in bases]
+    seen = []
+    handles = [block.base.register_forward_pre_hook(lambda m, a: seen.append((m.base_layer.weight,
+                                                                              m.base_layer.bias)))
+               for block in blocks]
+    got = []
+    with WeightStreamer(blocks, "cpu", resident=(1,), unread=bases, exercise_on_cpu=True, record=True) as streamer:
+        weights = train(blocks, checkpointing=enable_checkpointing, trace=got)
+        kept, slot, streamed = streamer.kept_bytes(), streamer.slot_bytes(), streamer.streamed_blocks()
+    for handle in handles:
+        handle.remove()
+    assert_same(expected, got)
+    assert_same(reference_weights, weights)
+    # the base weights stayed the host objects all through the step, resident block or streamed
+    assert len(seen) >= 4 and all(any(w is h[0] and b is h[1] for h in host) for w, b in seen)
+    read = sum(t.numel() * 4 for t in (blocks[0].norm.weight, blocks[0].norm.bias, blocks[0].scale))
+    assert kept == read  # block 1: its norm and buffer, not its base Linear
+    assert slot == 3 * 256  # three tensors at 256-byte aligned offsets: the base's weight and bias are not packed
+    assert streamed == {0, 2, 3}
+    # without `unread` the same blocks carry the base too
+    with WeightStreamer(full_blocks(), "cpu", resident=(1,), exercise_on_cpu=True) as streamer:
+        assert streamer.slot_bytes() == 3 * 256 + 16 * 16 * 4 + 256

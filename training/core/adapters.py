@@ -421,6 +421,11 @@ class AdapterSet:
     def parameters(self) -> list[torch.nn.Parameter]:
         return [p for layer in self.layers.values() for _, p in self._own_parameters(layer)]
 
+    def unread_base_layers(self) -> list[torch.nn.Module]:
+        """The base layers a training step never reads: kind full's (FullLayer computes with its trained copy alone; the
+        other kinds add to the base's output). Weight streaming leaves their weights in host RAM."""
+        return [layer.base_layer for layer in self.layers.values() if isinstance(layer, FullLayer)]
+
     def to(self, device: torch.device) -> "AdapterSet":
         for param in self.parameters():
             param.data = param.data.to(device)

@@ -217,6 +217,12 @@ class TrainableSpec:
     # only as its own activations go (first_block_gradients_later). 0: not known.
     first_block_elements: int = 0
     full: bool = False  # a full fine-tune's differences (their weights may live in host RAM: trained_weights_on_host.py)
+    # A full fine-tune's trained layers' base weights, which its training step never reads (adapters.FullLayer computes
+    # with its trained copy alone) and leaves in host RAM (weight_streaming's `unread`): per block of the model (a
+    # profile of those layers, for low-bit storage's figures) and the bytes outside the blocks (`unread_base`). Empty:
+    # none (an adapter reads its base).
+    unread_base_blocks: tuple[BlockProfile, ...] = ()
+    unread_base_outside: int = 0
 
     @property
     def param_count(self) -> int:
@@ -281,6 +287,28 @@ class TrainableSpec:
             if getattr(module, "bias", None) is not None:
                 shapes.append((out,))
         return cls(tuple(shapes), optimizer, element_size=element_size, full=True)
+
+
+def unread_base(named_blocks: Sequence[tuple[str, torch.nn.Module]], targets: Iterable[torch.nn.Module]
+                ) -> tuple[tuple[BlockProfile, ...], int]:
+    """A full fine-tune's `targets` (the layers it trains) as the base weights its training step never reads: per block
+    of `named_blocks` a BlockProfile of the targets inside it, and the bytes of the targets outside every block
+    (TrainableSpec.unread_base_blocks / unread_base_outside)."""
+    targets = list(targets)
+    wanted = {id(m) for m in targets}
+    inside: set[int] = set()
+    profiles = []
+    for name, block in named_blocks:
+        layers = [m for m in block.modules() if id(m) in wanted]
+        inside.update(id(m) for m in layers)
+        linears = [m for m in layers if isinstance(m, torch.nn.Linear)
+                   and isinstance(m.weight, torch.nn.Parameter) and not m.weight.requires_grad]
+        profiles.append(BlockProfile(
+            name=name, param_bytes=sum(frozen_bytes(m) for m in layers),
+            linear_weight_bytes=sum(m.weight.numel() * m.weight.element_size() for m in linears),
+            linear_weight_numel=sum(m.weight.numel() for m in linears),
+            linear_rows=sum(m.out_features for m in linears), linear_count=len(linears)))
+    return tuple(profiles), sum(frozen_bytes(m) for m in targets if id(m) not in inside)
 
 
 def optimizer_placement_cost(policy: OffloadPolicy, trainable: TrainableSpec) -> FeatureCost:
@@ -520,7 +548,18 @@ def estimate(description: ModelDescription, trainable: TrainableSpec, shape: Run
     area, tokens, batch = shape.latent_area(description), shape.tokens(description), shape.batch
     blocks = description.blocks
     storage = policy.base_storage
-    block_weights = [b.weight_bytes(storage) for b in blocks]
+    # Validation reads every base weight (as the saved file: base + W' - W); a full fine-tune's training step not its
+    # trained layers' (TrainableSpec.unread_base_blocks): on a device the run leaves them in host RAM (on a CPU the
+    # host is the device: nothing is left apart).
+    validation_block_weights = [b.weight_bytes(storage) for b in blocks]
+    unread = [0] * len(blocks)
+    apart = description.compute_device != "cpu"
+    if trainable.unread_base_blocks and apart:
+        if len(trainable.unread_base_blocks) != len(blocks):
+            raise ValueError(f"planner: the trained layers' base is given for {len(trainable.unread_base_blocks)} "
+                             f"blocks, the model has {len(blocks)}")
+        unread = [u.weight_bytes(storage) for u in trainable.unread_base_blocks]
+    block_weights = [w - u for w, u in zip(validation_block_weights, unread)]
     saved = [b.saved.at(area, tokens) * batch for b in blocks]
     copies = [b.copies_kept(storage) for b in blocks]  # per block, whatever the batch
     inputs = [b.inputs.at(area, tokens) * batch for b in blocks]
@@ -588,20 +627,25 @@ def estimate(description: ModelDescription, trainable: TrainableSpec, shape: Run
     # its own room (weight_streaming.validation_placement): a training step beside its trainables and activations,
     # validation beside the adapter, parked state and ComfyUI's sampling working set. (One share for both, sized by
     # training alone, put validation over the budget where sampling needs more: Flux.2 Klein at 8 GB.)
-    outer = {"frozen weights outside the blocks": description.other_param_bytes}
+    outer_name = "frozen weights outside the blocks"
+    outer = {outer_name: description.other_param_bytes - (trainable.unread_base_outside if apart else 0)}
+    validation_outer = {outer_name: description.other_param_bytes}
     training_rest = sum(outer.values()) + sum(trainables.values()) + sum(activations.values())
-    validation_rest = sum(outer.values()) + sum(sampling.values())
+    validation_rest = sum(validation_outer.values()) + sum(sampling.values())
     device_budget = None if budget_bytes is None else int(planned_room(policy, budget_bytes) / (1 + ALLOCATOR_OVERHEAD))
     placement = weight_streaming.placement_cost(policy.base_placement, block_weights, storage, training_rest,
-                                                device_budget, validation_rest)
+                                                device_budget, validation_rest, validation_block_weights)
     weights = {**outer, **placement.training}
-    base_device = description.other_param_bytes + weight_streaming.resident_block_bytes(
+    base_device = outer[outer_name] + weight_streaming.resident_block_bytes(
         policy.base_placement, block_weights, training_rest, device_budget)
     validation_device = description.other_param_bytes + weight_streaming.resident_block_bytes(
-        weight_streaming.validation_placement(policy.base_placement, device_budget is not None), block_weights, validation_rest,
-        device_budget)
+        weight_streaming.validation_placement(policy.base_placement, device_budget is not None),
+        validation_block_weights, validation_rest, device_budget)
     features: list[FeatureCost] = [trained, parking, gradients, *block_activations, placement]
     host = {name: value for cost in features for name, value in cost.host.items()}  # in host RAM instead
+    left_apart = description.other_param_bytes - outer[outer_name] + sum(unread)
+    if left_apart:
+        host["trained layers' base weights (the training step never reads them)"] = left_apart
     notes = [note for cost in features for note in cost.training_notes]
 
     # Whole blocks: a block that is not recomputed must stay on the device (autograd keeps the weights it used until
@@ -618,7 +662,7 @@ def estimate(description: ModelDescription, trainable: TrainableSpec, shape: Run
     training = PhaseEstimate("training step", training_items, notes)
 
     # Validation: the same frozen weights, the adapter, ComfyUI's inference estimate for cond + uncond.
-    validation_items = {**outer, **placement.validation, **sampling}
+    validation_items = {**validation_outer, **placement.validation, **sampling}
     validation_items["allocator overhead (5%)"] = int(ALLOCATOR_OVERHEAD * sum(validation_items.values()))
     validation = PhaseEstimate("validation", validation_items,
                                [note for cost in features for note in cost.validation_notes])

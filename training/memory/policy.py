@@ -408,7 +408,9 @@ def memory_features(policy: OffloadPolicy, blocks: Sequence[torch.nn.Module], de
     streamer = None
     blocks = list(blocks)
     try:
-        if policy.placement.stream_blocks:
+        # A full fine-tune's placement names the base layers it never reads (`unread`): they stay in host RAM, which
+        # takes the streamer's whole-block placement whatever the policy's (resident: every block kept, none streamed).
+        if policy.placement.stream_blocks or streamer_options.get("unread"):
             streamer = WeightStreamer(blocks, device, **streamer_options).attach()
         selected = policy.checkpoint_selection
         if selected is not None and streamer is not None:

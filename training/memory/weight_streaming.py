@@ -29,6 +29,10 @@ with no fetch), and at the next step's forward the first ones. A block run out o
 synchronously into a free slot: correct rather than fast. Copies go host->device only; frozen weights are never
 copied back; trainable tensors (adapter weights) and what is resident are left where they are.
 
+A full fine-tune's trained layers compute with their trained copy alone (adapters.FullLayer): their base layers are
+`unread`, their weights neither streamed nor kept, so the card holds one copy of each trained weight and a streamed
+block carries only what the step reads (its untrained layers, norms).
+
 Blocks not checkpointed: autograd then saves views of the slot (a Linear saves its weight) for backward, and a slot
 overwritten before that backward would give wrong gradients. The streamer watches what autograd saves while a block
 runs (a saved-tensors hook; inside a checkpoint the checkpoint's own hook takes them, so nothing is seen): a slot a
@@ -202,12 +206,15 @@ def _unregister(buffer: torch.Tensor) -> None:
 
 class WeightStreamer:
     def __init__(self, blocks: Sequence[torch.nn.Module], device: torch.device | str, *, slots: int = DEFAULT_SLOTS,
-                 resident: Iterable[int] = (), keep: Sequence[torch.nn.Module] = (), exercise_on_cpu: bool = False,
-                 pin_host_copies: bool = True, record: bool = False):
+                 resident: Iterable[int] = (), keep: Sequence[torch.nn.Module] = (),
+                 unread: Iterable[torch.nn.Module] = (), exercise_on_cpu: bool = False, pin_host_copies: bool = True,
+                 record: bool = False):
         """`blocks` in execution order. `slots`: device slots in the ring (>= 2; prefetch depth `slots - 1`).
         `resident`: indices of whole blocks kept on the device from attach to detach (the plan's resident blocks:
         what of them is in host RAM is copied once, at attach, into a buffer of its own); `keep`: modules whose frozen
-        weights outside the blocks are kept on the device the same way (the non-block layers).
+        weights outside the blocks are kept on the device the same way (the non-block layers). `unread`: modules whose
+        own tensors the step never reads (a full fine-tune's base layers: adapters.FullLayer computes with its trained
+        copy alone), left where they are, neither streamed nor kept: the base of the trained layers stays in host RAM.
         `pin_host_copies`: pin the packed host buffers on CUDA (False: pageable, for a host short of lockable RAM).
         `record`: keep a log of every install and fetch (tests, bench)."""
         if isinstance(slots, bool) or not isinstance(slots, int) or slots < 2:
@@ -219,6 +226,7 @@ class WeightStreamer:
         self.slot_count = slots
         self.resident = frozenset(resident)
         self.keep = list(keep)
+        self.unread = {id(sub) for m in unread for sub in m.modules()}
         self.exercise_on_cpu = exercise_on_cpu
         self.pin_host_copies = pin_host_copies
         self.active = False
@@ -333,6 +341,8 @@ class WeightStreamer:
         """The frozen tensors of `modules` that are not on the device: (module, name, is_param, tensor)."""
         tensors = []
         for module in modules:
+            if id(module) in self.unread:
+                continue
             for name, param in module._parameters.items():
                 if param is not None and not param.requires_grad and self._needs_streaming(param):
                     tensors.append((module, name, True, param))
@@ -596,6 +606,10 @@ class WeightStreamer:
         """The indices of the blocks that stream (the rest are resident, or hold no frozen weights)."""
         return set(self._streamed)
 
+    def slot_bytes(self) -> int:
+        """Bytes of each device slot: the largest streamed block as packed (0: nothing streams)."""
+        return self._ring[0].buffer.numel() if self._ring else 0
+
     def slot_pointers(self) -> list[int]:
         """The device address of each slot (fixed from attach to detach)."""
         return [slot.buffer.data_ptr() for slot in self._ring]
@@ -666,19 +680,23 @@ def _phase_weights(placement: str, block_weights: Sequence[int], storage: str, r
 
 
 def placement_cost(placement: str, block_weights: Sequence[int], storage: str, rest_bytes: int,
-                   device_budget: int | None, validation_rest_bytes: int | None = None) -> FeatureCost:
+                   device_budget: int | None, validation_rest_bytes: int | None = None,
+                   validation_block_weights: Sequence[int] | None = None) -> FeatureCost:
     """Where the frozen block weights (`block_weights`, as stored) are during a run (policy base_placement):
     "resident" all on the device; "streamed" two blocks' buffers (the one in use and the one in flight), the rest in
     host RAM; "partial" as many as fit the room `device_budget` (the budget less the allocator's share) leaves beside
     everything else a training step holds (`rest_bytes`) and the buffers, the rest streamed. Validation is placed on
     its own (`validation_placement`) in the room it leaves beside what it holds (`validation_rest_bytes`; None: the
-    training figure)."""
+    training figure), of the block weights it reads (`validation_block_weights`; None: training's; a full fine-tune's
+    training step reads fewer: its trained layers compute with their own copy)."""
     all_blocks = sum(block_weights)
     notes = []
     if placement == "partial" and device_budget is None:
         notes.append("partial placement without a budget: estimated as fully resident")
     training, resident_part = _phase_weights(placement, block_weights, storage, rest_bytes, device_budget)
-    validation, _ = _phase_weights(validation_placement(placement, device_budget is not None), block_weights, storage,
+    validation, _ = _phase_weights(validation_placement(placement, device_budget is not None),
+                                   block_weights if validation_block_weights is None else validation_block_weights,
+                                   storage,
                                    rest_bytes if validation_rest_bytes is None else validation_rest_bytes,
                                    device_budget)
     # What the training step streams from host RAM (the figure the plan's summary names).
