@@ -108,8 +108,10 @@ def resolve_policy(policy, gradient_checkpointing: bool, checkpoint_depth: int, 
     if policy is not None and policy.fits_card:
         plan = plan_card(policy)
         note = f"{node}: {policy.card}: {plan.summary()}"
-        if plan.fits:
+        if plan.fits and not plan.slow:
             logging.info(note)
+        elif plan.fits:  # the summary says why
+            logging.warning(note)
         else:
             note += f". {plan.reason}"
             logging.warning(note)

@@ -261,3 +261,23 @@ def test_whole_block_placement_more_budget_more_resident_blocks_less_streamed_ti
 
     in_row, spread = resident({0, 1, 2, 3}), resident(set(planner.spread(list(range(8)))[:4]))
     assert in_row.limit_s == spread.limit_s == pytest.approx(spread.total_s) and spread.total_s < in_row.total_s
+
+
+def test_a_plan_far_slower_than_a_card_holding_the_whole_run_says_so():
+    """Issue 42 item 3: a placement that fits only with the trained weights and the optimizer in host RAM is offered,
+    but its summary, reason and JSON say how much slower than a card that holds the whole run it is predicted, and
+    what costs most; a plan near that card's step says nothing."""
+    d = flux_like()
+    full = TrainableSpec(((3072, 3072),) * 1000, "AdamW", element_size=2, full=True)  # 9.4 B weights, bf16
+    fused = OffloadPolicy(fused_backward=True)
+    tight = plan_auto(d, full, SHAPE, fused, 16 * GIB)
+    assert tight.fits and tight.policy.trained_weights == "host" and tight.policy.optimizer_state == "cpu"
+    unbounded = estimate(d, full, SHAPE, candidate_policies(fused)[0], None)
+    ratio = tight.predicted_s_per_step / unbounded.predicted_s_per_step
+    assert ratio >= planner.SLOW_STEP_RATIO
+    assert tight.slow.startswith(f"predicted {ratio:.1f}x the step of a card that holds the whole run")
+    assert "most of it the optimizer step in host RAM" in tight.slow
+    assert f"SLOW: {tight.slow}" in tight.summary() and f"Slow: {tight.slow}." in tight.reason
+    assert json.loads(tight.to_json())["slow"] == tight.slow
+    roomy = plan_auto(d, LORA, SHAPE, OffloadPolicy(), 48 * GIB)
+    assert roomy.slow == "" and "SLOW" not in roomy.summary()

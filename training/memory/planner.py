@@ -53,6 +53,9 @@ PLAN_FORMAT = "headroom.memory_plan"
 # room to spare, a selective plan sits at the edge, and an activation estimate a few % low (planner / measured ran
 # 1.02-1.07x) would then run out of memory.
 SELECTION_SLACK = 0.03
+# A plan predicted at this many times the step of a card that holds the whole run says so (Plan.slow): it fits, but a
+# user may rather choose a smaller batch, a smaller optimizer state or a larger card.
+SLOW_STEP_RATIO = 3.0
 
 
 # --- descriptions -----------------------------------------------------------------------------------------
@@ -383,6 +386,8 @@ class Plan:
     resident_blocks: tuple[int, ...] = ()
     streamed_blocks: tuple[int, ...] = ()
     stream_slots: int = weight_streaming.DEFAULT_SLOTS  # the ring's device slots (prefetch depth + 1)
+    # plan_auto: why the step is predicted SLOW_STEP_RATIO times or more that of a card holding the whole run ("": not)
+    slow: str = ""
 
     @property
     def predicted_s_per_step(self) -> float | None:
@@ -442,6 +447,7 @@ class Plan:
             "step_time": None if self.step_time is None else self.step_time.to_dict(),
             "blocks": {"checkpointed": list(self.checkpointed_blocks), "resident": list(self.resident_blocks),
                        "streamed": list(self.streamed_blocks), "slots": self.stream_slots},
+            "slow": self.slow,
         }
 
     def to_json(self) -> str:
@@ -468,6 +474,8 @@ class Plan:
             text += f"; {self.host_room.describe(self.host_added_bytes)}"
         if self.step_time is not None:
             text += f"; predicted {self.step_time.total_s:.3f} s/step"
+        if self.slow:
+            text += f" - SLOW: {self.slow}"
         return text + (" - DOES NOT FIT" if self.fits is False else "")
 
     def placement_line(self) -> str:
@@ -833,6 +841,19 @@ def _seconds(plan: Plan) -> float:
     return plan.predicted_s_per_step if plan.predicted_s_per_step is not None else math.inf
 
 
+def _slowness(plan: Plan, unbounded: Plan) -> str:
+    """Why `plan`'s step is predicted SLOW_STEP_RATIO times or more that of `unbounded` (the fastest policy on a card
+    that holds the whole run), naming the part that costs most; "" when it is not."""
+    step, reference = plan.step_time, _seconds(unbounded)
+    if step is None or not 0 < reference < math.inf or step.total_s < SLOW_STEP_RATIO * reference:
+        return ""
+    parts = {"the optimizer step" + (" in host RAM" if plan.policy.optimizer_state == "cpu" else ""): step.optimizer_s,
+             "host <-> device copies": step.transfer_s, "recomputing checkpointed blocks": step.recompute_s}
+    part, seconds = max(parts.items(), key=lambda item: item[1])
+    return (f"predicted {step.total_s / reference:.1f}x the step of a card that holds the whole run "
+            f"({reference:.3f} s/step), most of it {part} ({seconds:.3f} s)")
+
+
 def _option(plan: Plan, storage: str) -> str:
     p = plan.policy
     return (f"{p.base_placement}/{p.checkpointing}/optimizer {p.optimizer_state}"
@@ -880,6 +901,9 @@ def plan_auto(description: ModelDescription, trainable: TrainableSpec, shape: Ru
         if storage != base.base_storage:
             plan.reason += (f" No policy fits with the base as loaded: the base is stored as {storage}, "
                             "which changes its numerics.")
+        plan.slow = _slowness(plan, estimate(description, trainable, shape, candidates[0], None))
+        if plan.slow:
+            plan.reason += f" Slow: {plan.slow}."
         return plan
     on_device = [p for p in tried if p.device_fits]
     if on_device:  # the card has room; host RAM has not, for any of them
