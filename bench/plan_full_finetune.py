@@ -4,7 +4,8 @@ of the run on top of the last, and for each card the policy the planner's auto m
 chooses: base placement, checkpointing, optimizer state, and (with fused backward) whether the trained weights stay in
 host RAM.
 
-    python bench/plan_full_finetune.py      # prints a Markdown table, the versions and the date
+    python bench/plan_full_finetune.py                 # SD3.5 Large: a Markdown table, the versions and the date
+    python bench/plan_full_finetune.py flux_dev        # the same for Flux.1-dev (any bench/plan_table.py template's)
 
 Planned, not measured. The model is described as bench/plan_table.py describes it (two blocks measured at real width on
 this CPU, the full-depth model on the meta device); the trained tensors are what the run trains
@@ -36,6 +37,7 @@ VARIANTS = [
 
 
 def main() -> None:
+    architecture = sys.argv[1] if len(sys.argv) > 1 else "sd35_large"
     plan_table.suite.import_comfyui(cpu=True, use_pytorch_cross_attention=True)
     torch.set_num_threads(1)
     import comfy.model_management
@@ -47,7 +49,10 @@ def main() -> None:
     from headroom.training.memory.policy import OffloadPolicy
 
     started = time.monotonic()
-    template = next(t for t in plan_table.TEMPLATES if t.architecture == "sd35_large")
+    template = next((t for t in plan_table.TEMPLATES if t.architecture == architecture), None)
+    if template is None:
+        sys.exit(f"no template of architecture {architecture!r}: one of "
+                 f"{', '.join(t.architecture for t in plan_table.TEMPLATES)}")
     description, _, full = plan_table.describe(template)
     shape = RunShape(1, 1024, 1024)
     print("| options | " + " | ".join(f"{c} GB card: training step (policy chosen) | host RAM" for c in CARDS_GB) + " |")
@@ -78,7 +83,7 @@ def main() -> None:
     import comfyui_version
 
     count = trainable.param_count
-    print(f"\nSD3.5 Large, {count / 1e9:.2f} B trained weights (every Linear in the blocks, with biases), 1024x1024, "
+    print(f"\n{template.label}, {count / 1e9:.2f} B trained weights (every Linear in the blocks, with biases), 1024x1024, "
           f"batch 1; budget = card - {RESERVE_GB:g} GiB; planned {datetime.date.today()}; torch {torch.__version__}, "
           f"ComfyUI {comfyui_version.__version__}, Python {platform.python_version()} ({time.monotonic() - started:.0f} s)")
 

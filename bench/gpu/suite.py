@@ -89,7 +89,8 @@ POLICY_MODELS = ("flux_dev", "sdxl", "sd35_large")
 # Full fine-tunes (issue 27) fitted by the planner to these cards, GiB: the SD3.5 Large template's 24 GB and a larger one.
 FULL_MODELS = ("sd35_large", "flux_dev")
 FULL_CARDS = (24, 48)
-# ... and with the Offload Policy's trained_weights host (the difference in host RAM, optimizer state cpu), GiB.
+# ... and with the Offload Policy's trained_weights host (the trained weights in host RAM, each tensor stepped where
+# the planner puts its optimizer state: the card with Adafactor), GiB.
 FULL_HOST_CARDS = (16,)
 
 
@@ -333,7 +334,8 @@ def full_run(patcher, name: str, config: str, args) -> dict:
     """A full fine-tune ("full-24GB"): LoRA Config kind full on every Linear in the blocks with the bf16 difference,
     Adafactor, the Offload Policy's fused backward and its card set to that size (the Init node's planner picks
     placement, checkpointing and optimizer state), the card emulated on the large one; Init -> Steps -> Validate.
-    "full-16GB-host": the same with the policy's trained_weights host (and optimizer_state cpu, which it needs)."""
+    "full-16GB-host": the same with the policy's trained_weights host (the planner picks the optimizer state's place:
+    the card, each tensor stepped there in backward, or host RAM)."""
     from headroom.nodes import memory as M, train_lora as T
     from headroom.training.memory.policy import OffloadPolicy
 
@@ -345,7 +347,7 @@ def full_run(patcher, name: str, config: str, args) -> dict:
     inputs = {field: default for field, _, default in OffloadPolicy.node_inputs()}
     inputs.update(card=f"{card:g} GB", fused_backward=True)
     if host:
-        inputs.update(trained_weights="host", optimizer_state="cpu")
+        inputs.update(trained_weights="host")
     policy = M.HeadroomOffloadPolicy.execute(**inputs).args[0]
     record = {"width": width, "height": height, "frames": frames, "text_tokens": tokens, "budget_gb": card,
               "work": "full fine-tune: every Linear in the blocks, bf16 difference, fused backward, Adafactor"

@@ -168,7 +168,7 @@ class _OneCopyProbe(torch.nn.Module):
         base = self.base_layer
         conv = (base.stride, base.padding, base.dilation, base.groups) if isinstance(base, torch.nn.Conv2d) else None
         weight = base.weight.detach().requires_grad_(True)
-        return _CastProduct.apply(x, weight, None if base.bias is None else base.bias.detach(), conv)
+        return _CastProduct.apply(x, weight, None if base.bias is None else base.bias.detach(), conv, None)
 
 
 class _OneCopyProbes:

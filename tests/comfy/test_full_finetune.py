@@ -276,6 +276,30 @@ def test_trained_weights_in_host_ram_train_the_weights_of_the_fused_host_step(co
         _init(model, latents, texts, "lora_weights_host", policy=host_state.replace(trained_weights="host"))
 
 
+def test_trained_weights_in_host_ram_stepped_where_their_state_is(comfyui):
+    """Issue 42 item 3: trained_weights host with optimizer_state gpu: each layer's backward hands its gradients to
+    the step on the compute device (FusedBackward.step_on_device; on this CPU the host, so the hand-over is what is
+    checked) instead of autograd: bf16 copies with stochastic rounding and per-tensor clipping train the weights of the
+    same run with them on the device, the state stays where the step runs, and the run resumes exactly."""
+    from headroom.nodes import train_lora as T
+
+    model, clip, vae, latents, texts = _data("sd15")
+    common = dict(kind="full", targets="all_layers", lr=1e-3, max_grad_norm=0.05, full_precision="bf16_stochastic",
+                  optimizer="Adafactor", batch_size=2)
+    on_device = _init(model, latents, texts, "full_state_gpu", policy=_fused_policy(), **common)
+    stepped = _resumes_exactly(model, latents, texts, "full_weights_host_state_gpu",
+                               policy=_fused_policy(trained_weights="host"), **common)
+    with torch.inference_mode():
+        T.HeadroomTrainSteps.execute(on_device, 6)
+    fused = stepped.trainer.optimizer
+    assert fused.step_device == stepped.trainer.denoiser.device and not fused.state_on_host
+    assert all(layer.device_step == fused.step_on_device for layer in stepped.adapters.layers.values())
+    assert fused.most_gradients_alive == 1 and len(fused.state) == len(fused.params)
+    a, b = on_device.adapters.state_dict(), stepped.adapters.state_dict()
+    assert any(torch.any(v != 0) for v in b.values()) and all(torch.equal(a[k], b[k]) for k in a)
+    assert on_device.trainer.loss_history == stepped.trainer.loss_history
+
+
 def test_bf16_difference_with_stochastic_rounding_learns_and_resumes_exactly(comfyui):
     """full_precision bf16_stochastic: the difference is bf16 (half the memory), each update rounded stochastically
     in the fused step; it learns like the fp32 run, and a resumed run continues the rounding noise exactly."""

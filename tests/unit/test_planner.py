@@ -622,7 +622,15 @@ def test_trained_weights_in_host_ram_leave_one_layer_on_the_card_and_the_planner
     assert chosen.policy.optimizer_state == "cpu" and "trained weights host" not in chosen.reason
     places = [p.trained_weights for p in candidates]
     assert places == sorted(places, key=["device", "host"].index) and "host" in places  # the card's first
-    assert all(p.optimizer_state == "cpu" for p in candidates if p.trained_weights == "host")
+    # stepped where the state is: host RAM, or the card (each tensor there in backward, fused_backward.step_on_device)
+    assert {p.optimizer_state for p in candidates if p.trained_weights == "host"} == {"cpu", "gpu"}
+    on_card = estimate(d, full, SHAPE, fused_host_state.replace(trained_weights="host", optimizer_state="gpu"))
+    items = on_card.phase("training step").items
+    assert items["one tensor's gradient (fused backward)"] == 2 * largest
+    assert items["one tensor's copy + fp32 copy + gradient in its step (stepped on the device)"] == (2 + 8) * largest
+    assert items["optimizer state (AdamW)"] == full.optimizer_bytes()
+    assert "one tensor's gradient (fused backward, in host RAM)" not in on_card.host_added["training step"]
+    assert on_card.predicted_s_per_step < host.predicted_s_per_step  # no step of every weight in host RAM
     # not for an adapter, nor without fused backward: they keep their weights on the card whatever the budget
     for trainable, base in ((dataclasses.replace(full, full=False), OffloadPolicy(fused_backward=True)),
                             (full, OffloadPolicy())):

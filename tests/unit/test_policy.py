@@ -273,14 +273,16 @@ def test_every_field_carries_its_node_input_and_the_node_defaults_give_the_defau
         OffloadPolicy.from_node_inputs({**{n: d for n, d in node.items() if n != "encoders"}, "typo": 1})
 
 
-def test_trained_weights_in_host_ram_need_the_host_step():
-    """trained_weights host steps each tensor in host RAM inside backward: without fused backward and the optimizer
-    state on the host the policy says what to set; a saved policy without the field keeps its weights on the card."""
-    for fields in ({}, {"fused_backward": True}, {"optimizer_state": "cpu"}):
-        with pytest.raises(PolicyError, match="trained_weights 'host'.*needs fused_backward on and optimizer_state 'cpu'"):
+def test_trained_weights_in_host_ram_need_the_fused_step():
+    """trained_weights host steps each tensor inside backward, where its optimizer state is (host RAM or the card):
+    without fused backward the policy says what to set; a saved policy without the field keeps its weights on the
+    card."""
+    for fields in ({}, {"optimizer_state": "cpu"}):
+        with pytest.raises(PolicyError, match="trained_weights 'host'.*needs fused_backward on"):
             OffloadPolicy(trained_weights="host", **fields)
-    policy = OffloadPolicy(trained_weights="host", fused_backward=True, optimizer_state="cpu")
-    assert OffloadPolicy.from_json(policy.to_json()) == policy and "trained weights in host RAM" in policy.describe()
+    for state in ("cpu", "gpu"):
+        policy = OffloadPolicy(trained_weights="host", fused_backward=True, optimizer_state=state)
+        assert OffloadPolicy.from_json(policy.to_json()) == policy and "trained weights in host RAM" in policy.describe()
     saved = policy.to_dict()
     del saved["trained_weights"]
     assert OffloadPolicy.from_dict(saved).trained_weights == "device"

@@ -28,21 +28,30 @@ def _base(device, seed: int = 0) -> torch.nn.Module:
     return torch.nn.Sequential(*layers[:-1]).to(device).requires_grad_(False)
 
 
-def _train(device, home, precision: str = "fp32", steps: int = 4):
-    """A full fine-tune of every Linear of a small model computing on `device`, its difference made in `home`, stepped
-    by fused backward with the state in host RAM; returns (the adapter set, the fused optimizer)."""
+def _train(device, home, precision: str = "fp32", steps: int = 4, state: str = "host", clip: float = 0.0,
+           optimizer: str = "AdamW"):
+    """A full fine-tune of every Linear of a small model computing on `device`, its trained weights made in `home`,
+    stepped by fused backward with the state in host RAM (`state` "host") or on `device` ("device": a `home` in host
+    RAM is stepped there through step_on_device); returns (the adapter set, the fused optimizer)."""
     model = _base(device)
     adapters = AdapterSet(model, PATHS, AdapterConfig(kind="full", full_precision=precision), device=home)
     adapters.attach(model)
-    config = OptimizerConfig(name="AdamW", lr=1e-2, schedule="linear", warmup_steps=0, total_steps=10)
+    config = OptimizerConfig(name=optimizer, lr=1e-2, schedule="linear", warmup_steps=0, total_steps=10)
     params = adapters.parameters()
-    fused = FusedBackward(params, lambda group: create_optimizer(group, config, device="cpu"),
-                          lambda opt: create_scheduler(opt, config), bf16_stochastic=precision != "fp32",
-                          state_on_host=True)
+    on_host = state == "host"
+    where = "cpu" if on_host else device
+    fused = FusedBackward(params, lambda group: create_optimizer(group, config, device=where),
+                          lambda opt: create_scheduler(opt, config), max_grad_norm=clip,
+                          bf16_stochastic=precision != "fp32", state_on_host=on_host,
+                          step_device=device if not on_host and torch.device(home).type == "cpu" else None)
+    if fused.step_device is not None:
+        adapters.step_on_device(fused.step_on_device)
     generator = torch.Generator().manual_seed(1)
     for _ in range(steps):
+        fused.zero_grad()
         x, y = torch.randn(8, 16, generator=generator), torch.randn(8, 8, generator=generator)
         F.mse_loss(model(x.to(device)), y.to(device)).backward()
+        assert all(p.grad is None for p in params)  # each stepped in backward, its gradient freed (or never made)
         fused.after_step()
     return adapters, fused
 
@@ -85,6 +94,54 @@ def test_on_cuda_the_difference_crosses_the_card_and_trains_the_same_weights(pre
     print(f"{precision}: peak {device_peak} B with the difference on the card, {host_peak} B in host RAM "
           f"({weights} B of difference)")
     assert host_peak < device_peak - weights // 2
+
+
+@pytest.mark.parametrize("precision, clip, optimizer", [("fp32", 0.0, "AdamW"), ("fp32", 0.05, "Adafactor"),
+                                                        ("bf16_stochastic", 0.05, "AdamW")])
+def test_stepped_where_the_state_is_the_same_weights(precision, clip, optimizer):
+    """Issue 42 item 3: trained weights in host RAM with their optimizer state on the compute device: each layer's
+    backward hands its gradient to the step there (FusedBackward.step_on_device), none reaches autograd, and the step
+    is the one in host RAM, bit for bit (on a CPU both are the host: the same arithmetic, the hand-over checked)."""
+    device = torch.device("cpu")
+    on_host, _ = _train(device, device, precision, clip=clip, optimizer=optimizer)
+    stepped_there, fused = _train(device, device, precision, state="device", clip=clip, optimizer=optimizer)
+    assert fused.step_device == device and fused.most_gradients_alive == 1
+    assert all(layer.device_step == fused.step_on_device for layer in stepped_there.layers.values())
+    a, b = on_host.state_dict(), stepped_there.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert len(fused.state) == len(fused.params)  # each tensor's state where its step ran
+    # each tensor is stepped at its first gradient: a layer run twice in one step is refused, not stepped twice
+    model = _base(device)
+    adapters = AdapterSet(model, ["0"], AdapterConfig(kind="full"), device=device)
+    adapters.attach(model)
+    config = OptimizerConfig(name="AdamW", lr=1e-2)
+    fused = FusedBackward(adapters.parameters(), lambda group: create_optimizer(group, config, device="cpu"),
+                          step_device=device)
+    adapters.step_on_device(fused.step_on_device)
+    first = model[0]
+    with pytest.raises(RuntimeError, match=r"the trained tensor \(256, 16\) got a second gradient in one training step"):
+        (first(torch.randn(2, 16)) + first(torch.randn(2, 16))).square().mean().backward()
+    fused.zero_grad()  # the next step steps it again
+    first(torch.randn(2, 16)).square().mean().backward()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("precision", ["fp32", "bf16_stochastic"])
+def test_on_cuda_host_weights_stepped_on_the_card_train_the_weights_of_the_card(precision):
+    """Trained weights in host RAM, optimizer state on the card: the weights equal bit for bit those of the run with
+    everything on the card (the same products, the same step on the card), and no trained weight, gradient or
+    fp32 copy stays on the card between layers."""
+    cuda = torch.device("cuda")
+    on_card, _ = _train(cuda, cuda, precision, state="device", clip=0.05)
+    expected = {k: v.cpu() for k, v in on_card.state_dict().items()}
+    del on_card
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    on_host, fused = _train(cuda, torch.device("cpu"), precision, state="device", clip=0.05)
+    assert fused.step_device == cuda and all(p.device.type == "cpu" for p in on_host.parameters())
+    state = on_host.state_dict()
+    assert all(torch.equal(expected[k], state[k]) for k in state)
+    assert all(v.device.type == "cuda" for s in fused.state.values() for v in s.values() if torch.is_tensor(v) and v.numel() > 1)
 
 
 def test_only_a_full_fine_tune_keeps_its_trained_weights_in_host_ram():

@@ -255,6 +255,9 @@ class FullLayer(torch.nn.Module):
         weight, bias = self.read_base(device)
         self.full_trained_weight = torch.nn.Parameter(weight.to(device=device, dtype=dtype))
         self.full_trained_bias = None if bias is None else torch.nn.Parameter(bias.to(device=device, dtype=dtype))
+        # Trained weights in host RAM stepped on the card (memory/trained_weights_on_host.py): backward hands each
+        # gradient, where it was computed, to this (fused_backward.FusedBackward.step_on_device) instead of autograd.
+        self.device_step = None
 
     def get_base_layer(self) -> torch.nn.Module:
         return self.base_layer
@@ -262,7 +265,7 @@ class FullLayer(torch.nn.Module):
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         base = self.base_layer
         conv = (base.stride, base.padding, base.dilation, base.groups) if isinstance(base, torch.nn.Conv2d) else None
-        return _CastProduct.apply(x, self.full_trained_weight, self.full_trained_bias, conv)
+        return _CastProduct.apply(x, self.full_trained_weight, self.full_trained_bias, conv, self.device_step)
 
     @torch.no_grad()
     def difference(self) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -299,12 +302,17 @@ class _CastProduct(torch.autograd.Function):
     Written by hand because torch's own linear / conv keep the cast copy they multiply with until backward: with the
     weight in fp32 under bf16 compute (or bf16 under a CPU's fp32) that is a copy of every trained weight in the
     compute dtype, held for the whole forward without checkpointing. Here backward casts the weight again.
-    Gradients: the product's, in the weight's dtype (tests/comfy/test_adapters.py checks them against torch's)."""
+    Gradients: the product's, in the weight's dtype (tests/comfy/test_adapters.py checks them against torch's).
+
+    `device_step(tensor, on_device, grad)` (a weight in host RAM stepped on the card: trained_weights_on_host.py):
+    backward copies the weight to the input's device once in its own dtype (for the product and the step) and hands
+    the weight's and bias's gradients there to it, returning none to autograd: no gradient crosses to the host."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, conv):
+    def forward(ctx, x, weight, bias, conv, device_step=None):
         ctx.save_for_backward(x, weight)
-        ctx.conv, ctx.bias_dtype = conv, None if bias is None else bias.dtype
+        ctx.conv, ctx.bias_dtype, ctx.device_step = conv, None if bias is None else bias.dtype, device_step
+        ctx.bias = bias if device_step is not None else None  # the host tensor the step writes (not saved: a leaf)
         cast = to_compute(weight, x)
         cast_bias = None if bias is None else to_compute(bias, x)
         if conv is None:
@@ -315,7 +323,9 @@ class _CastProduct(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         x = x.to(grad.dtype)
-        cast = to_compute(weight, grad)
+        step = ctx.device_step
+        on_device = weight.to(grad.device) if step is not None else None  # one copy: the product's and the step's
+        cast = to_compute(weight if on_device is None else on_device, grad)
         grad_x = grad_weight = grad_bias = None
         if ctx.conv is None:
             rows = grad.reshape(-1, grad.shape[-1])
@@ -332,9 +342,15 @@ class _CastProduct(torch.autograd.Function):
                 grad_weight = torch.nn.grad.conv2d_weight(x, cast.shape, grad, *ctx.conv)
             if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
                 grad_bias = grad.sum((0, 2, 3))
-        # In the weight's dtype, on its device (a host difference's gradient crosses back here).
+        if step is not None:  # stepped here, on the compute device, in the weight's dtype; autograd gets none
+            if grad_weight is not None:
+                step(weight, on_device, grad_weight.to(weight.dtype))
+            if grad_bias is not None:
+                step(ctx.bias, ctx.bias.to(grad.device), grad_bias.to(ctx.bias_dtype))
+            return grad_x, None, None, None, None
+        # In the weight's dtype, on its device (a host weight's gradient crosses back here).
         return (grad_x, None if grad_weight is None else grad_weight.to(device=weight.device, dtype=weight.dtype),
-                None if grad_bias is None else grad_bias.to(device=weight.device, dtype=ctx.bias_dtype), None)
+                None if grad_bias is None else grad_bias.to(device=weight.device, dtype=ctx.bias_dtype), None, None)
 
 
 def _float32(value: float) -> float:
@@ -420,6 +436,14 @@ class AdapterSet:
 
     def parameters(self) -> list[torch.nn.Parameter]:
         return [p for layer in self.layers.values() for _, p in self._own_parameters(layer)]
+
+    def step_on_device(self, step) -> None:
+        """Kind full with its trained weights in host RAM and their optimizer state on the card: each layer's backward
+        hands its gradients to `step(tensor, on_device, grad)` (fused_backward.FusedBackward.step_on_device; None: back
+        to autograd)."""
+        for layer in self.layers.values():
+            if isinstance(layer, FullLayer):
+                layer.device_step = step
 
     def unread_base_layers(self) -> list[torch.nn.Module]:
         """The base layers a training step never reads: kind full's (FullLayer computes with its trained copy alone; the

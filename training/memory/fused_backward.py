@@ -19,12 +19,18 @@ backward" tutorial): one optimizer per parameter, stepped from that parameter's 
   hook, with fp32 state, and the result is written back with stochastic rounding (stochastic_rounding.py);
 - `state_on_host` (policy optimizer_state "cpu"): that fp32 copy, the gradient and the optimizer state are in host RAM;
   each tensor crosses to the host and back once per step, and no gradient or state is kept on the device (the
-  ZeRO-Offload pattern, without a second set of master weights: the device tensor is the weight).
+  ZeRO-Offload pattern, without a second set of master weights: the device tensor is the weight);
+- `step_device` (trained weights in host RAM, optimizer state on the card: trained_weights_on_host.py): a host tensor
+  is stepped on the card while its layer is there, its gradient handed over by the layer's backward
+  (`step_on_device`: adapters.FullLayer) instead of accumulated by autograd on the host; the updated tensor is
+  copied back, and no gradient crosses. Each such tensor is stepped once per training step (a layer run twice in one
+  step is refused: its first gradient would be stepped alone).
 With the same optimizer implementation the weights equal those of the unfused step (tests/unit/test_fused_backward.py:
 bitwise in fp32 with AdamW, Adafactor and clipping off).
 """
 from __future__ import annotations
 
+import types
 from typing import Callable, Sequence
 
 import torch
@@ -38,11 +44,12 @@ class FusedBackward:
     def __init__(self, params: Sequence[torch.nn.Parameter], make_optimizer: Callable[[list], torch.optim.Optimizer],
                  make_scheduler: Callable[[torch.optim.Optimizer], object] | None = None, *,
                  max_grad_norm: float = 0.0, bf16_stochastic: bool = False, seed: int = 0,
-                 state_on_host: bool = False):
+                 state_on_host: bool = False, step_device: torch.device | str | None = None):
         """`make_optimizer([param])`: one optimizer per parameter (training/core/optimizers.create_optimizer; with
         `state_on_host`, one for the CPU); `make_scheduler(optimizer)`: its learning-rate schedule (None: constant).
         `state_on_host`: the optimizer state lives in host RAM and each parameter's step runs there, on an fp32 copy
-        of the parameter and its gradient (device to host), the result copied back (host to device)."""
+        of the parameter and its gradient (device to host), the result copied back (host to device). `step_device`:
+        parameters are in host RAM and stepped there, their state too, through `step_on_device`."""
         self.params = [p for p in params if p.requires_grad]
         self.max_grad_norm = float(max_grad_norm)
         self.bf16_stochastic = bf16_stochastic
@@ -52,8 +59,12 @@ class FusedBackward:
         # it, and fp32) whose data exists only during that parameter's step; on the parameter's device, or the host.
         # Placed there now: loading a checkpoint moves the state to where the stand-in is.
         self.state_on_host = state_on_host
-        self._stand_ins = [self._empty(torch.device("cpu") if state_on_host else p.device)
-                           if bf16_stochastic or state_on_host else None for p in self.params]
+        self.step_device = None if step_device is None or state_on_host else torch.device(step_device)
+        home = torch.device("cpu") if state_on_host else self.step_device
+        self._stand_ins = [self._empty(home or p.device) if bf16_stochastic or state_on_host or home is not None
+                           else None for p in self.params]
+        self._index = {id(p): i for i, p in enumerate(self.params)}
+        self._stepped_on_device: set[int] = set()  # this training step's (step_on_device), cleared by zero_grad
         self.optimizers = [make_optimizer([stand_in if stand_in is not None else param])
                            for param, stand_in in zip(self.params, self._stand_ins)]
         self.schedulers = [make_scheduler(opt) for opt in self.optimizers] if make_scheduler is not None else []
@@ -75,6 +86,8 @@ class FusedBackward:
 
     def _make_hook(self, index: int):
         def hook(param: torch.Tensor) -> None:
+            if param.grad is None:  # autograd got none: the layer stepped it on the device (step_on_device)
+                return
             self._alive += 1
             self.most_gradients_alive = max(self.most_gradients_alive, self._alive)
             try:
@@ -107,6 +120,41 @@ class FusedBackward:
             stand_in.grad = None
             stand_in.data = torch.empty(0, device=where)
 
+    @torch.no_grad()
+    def step_on_device(self, param: torch.Tensor, on_device: torch.Tensor, grad: torch.Tensor) -> None:
+        """Step `param` (in host RAM) on the card: `on_device` its copy there (its dtype), `grad` its gradient there (its
+        dtype). The same arithmetic as `_step`: clipped in the gradient's dtype, an fp32 stand-in stepped with the state
+        where it lives, the result (stochastically rounded to bf16) written to `param`."""
+        index = self._index[id(param)]
+        if self.step_device is None:
+            raise RuntimeError("fused backward: a tensor handed to step_on_device, but this run steps no tensor there")
+        if index in self._stepped_on_device:
+            raise RuntimeError(f"fused backward: the trained tensor {tuple(param.shape)} got a second gradient in one "
+                               "training step (its layer runs twice per step): with the trained weights in host RAM "
+                               "and their optimizer state on the card each tensor is stepped at its first gradient. "
+                               "Set the Offload Policy's optimizer_state to cpu for this model")
+        self._stepped_on_device.add(index)
+        self._alive += 1
+        self.most_gradients_alive = max(self.most_gradients_alive, self._alive)
+        try:
+            if self.max_grad_norm > 0:  # as `_step` clips the parameter's gradient
+                clip_gradients([types.SimpleNamespace(grad=grad)], self.max_grad_norm)
+            stand_in = self._stand_ins[index]
+            stand_in.data = on_device.to(stand_in.device, torch.float32, copy=True)
+            stand_in.grad = grad.to(stand_in.device, torch.float32, copy=True)
+            try:
+                self.optimizers[index].step()
+                result = (stochastic_round_to_bf16(stand_in.data, self._generator(stand_in.device))
+                          if self.bf16_stochastic else stand_in.data)
+                # Back to host RAM: the one crossing of the update. Through .data: a layer run twice in the step would
+                # otherwise fail in torch's in-place check before the guard above could say why.
+                param.data.copy_(result)
+            finally:
+                stand_in.grad = None
+                stand_in.data = torch.empty(0, device=stand_in.device)
+        finally:
+            self._alive -= 1
+
     @staticmethod
     def _empty(device: torch.device) -> torch.nn.Parameter:
         return torch.nn.Parameter(torch.empty(0, device=device), requires_grad=False)
@@ -137,8 +185,10 @@ class FusedBackward:
         return state
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Before each training step (the Trainer's first call): no gradient left, none stepped on the device yet."""
         for param in self.params:  # normally none is left: each hook frees its gradient
             param.grad = None
+        self._stepped_on_device.clear()
 
     def step(self) -> None:
         """Nothing: every parameter was stepped inside backward."""
@@ -212,12 +262,15 @@ def gradients_cost(param_shapes: Sequence[Sequence[int]], grad_element_size: int
         return FeatureCost(training={f"gradients ({dtype})": sum(sizes) * grad_element_size})
     largest = max(sizes, default=0)
     cost = FeatureCost()
-    if weights_on_host:
+    if weights_on_host and state_on_host:
         cost.host_added_training["one tensor's gradient (fused backward, in host RAM)"] = largest * grad_element_size
-    else:
+    else:  # weights in host RAM stepped on the card (step_on_device): the gradient stays there
         cost.training["one tensor's gradient (fused backward)"] = largest * grad_element_size
     if state_on_host:
         cost.host_added_training["one tensor's fp32 copy + gradient in its step"] = 8 * largest
+    elif weights_on_host:
+        cost.training["one tensor's copy + fp32 copy + gradient in its step (stepped on the device)"] = (
+            (grad_element_size + 8) * largest)
     elif grad_element_size != 4:
         cost.training["one tensor's fp32 copy + gradient in its step (stochastic rounding)"] = 8 * largest
     return cost

@@ -787,8 +787,6 @@ def candidate_policies(base: OffloadPolicy, storages: Sequence[str] | None = Non
                     if placement != "resident" and activations == "off":
                         continue  # invalid: see OffloadPolicy.validate
                     for optimizer_state in OPTIMIZER_STATES:
-                        if place == "host" and optimizer_state != "cpu":
-                            continue  # invalid: trained_weights_on_host.problem
                         result.append(base.replace(base_storage=storage, base_placement=placement,
                                                    checkpointing=activations, optimizer_state=optimizer_state,
                                                    trained_weights=place, checkpoint_blocks=""))

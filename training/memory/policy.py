@@ -19,7 +19,7 @@ optimizer state sits. One policy serves the whole run (caching, training, valida
 - park_optimizer_during_validation: optimizer state and gradients go to host RAM while validating.
 - fused_backward: each trained tensor is stepped inside backward and its gradient freed (fused_backward.py).
 - trained_weights: "device" or "host" (a full fine-tune's trained weights in host RAM, streamed through the card
-  layer by layer; needs fused_backward and optimizer_state "cpu": trained_weights_on_host.py).
+  layer by layer, each stepped where its optimizer state is; needs fused_backward: trained_weights_on_host.py).
 - vae_tiled_decode: "auto" (tiled when the VAE plus a full decode would not fit the budget), "on", "off" (the
   stock full decode, which ComfyUI itself retries in tiles after an out-of-memory error).
 - encoders: "unload_after_use" (text encoders and VAE are loaded for caching / validation only) or
@@ -167,9 +167,10 @@ class OffloadPolicy:
     trained_weights: str = _field("device", NodeInput(
         "combo", options=TRAINED_WEIGHTS, optional=True, advanced=True,
         tooltip="Full fine-tuning: where the trained weights live. device: on the card. host: in host RAM, each layer "
-        "copied to the card for its forward and backward, its gradient copied back and stepped in host RAM (needs "
-        "fused_backward on and optimizer_state cpu): the card holds no trained weight, at the cost of that traffic "
-        "every step."))
+        "copied to the card for its forward and backward (needs fused_backward on): with optimizer_state gpu each "
+        "tensor is stepped on the card in backward, where its state is, and the update copied back; with cpu its "
+        "gradient is copied back and stepped in host RAM (far slower for billions of weights). The card holds no "
+        "trained weight, at the cost of that traffic every step."))
 
     # Appended last, default "": a workflow saved before it existed checkpoints every block, as it did.
     checkpoint_blocks: str = _field("", NodeInput(

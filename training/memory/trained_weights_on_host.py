@@ -1,20 +1,24 @@
-"""Trained weights in host RAM: a full fine-tune's trained difference lives in host RAM and crosses the card one layer
-at a time (policy field `trained_weights` "host"; needs fused backward and optimizer_state "cpu").
+"""Trained weights in host RAM: a full fine-tune's trained weights W' live in host RAM and cross the card one layer at a
+time (policy field `trained_weights` "host"; needs fused backward), each tensor stepped where its optimizer state is.
 
-    policy = OffloadPolicy(trained_weights="host", fused_backward=True, optimizer_state="cpu")
-    home = trained_weights_device(policy, compute_device)   # where AdapterSet makes and keeps the differences
+    policy = OffloadPolicy(trained_weights="host", fused_backward=True, optimizer_state="gpu")  # or "cpu"
+    home = trained_weights_device(policy, compute_device)   # where AdapterSet makes and keeps the trained weights
 
-What happens per trained layer (adapters.FullLayer / _CastDifference; the ZeRO-Infinity pattern, with torch's own
-autograd doing the moves):
-- forward: the layer's difference is copied host -> device in the compute dtype for its one product, then dropped;
-- backward: copied again (nothing of it is kept between forward and backward), the product's gradient is computed on
-  the card and copied device -> host, where it accumulates on the host parameter;
-- the fused backward hook then steps that tensor in host RAM, where its optimizer state is (fused_backward.py,
-  `state_on_host`), and writes the result into the host difference: nothing of the update goes back to the card.
-So the card holds no trained weight, no gradient and no optimizer state between layers: for SD3.5 Large's 8 B
-trained weights that is 16 GiB (bf16 difference) or 32 GiB (fp32, the exact option) off the card. The cost is
-traffic: per step every trained weight crosses host -> device once per forward (twice with checkpointing: the
-recompute) and once in backward, and its gradient crosses back once.
+What happens per trained layer (adapters.FullLayer / _CastProduct; the ZeRO-Infinity pattern):
+- forward: the layer's W' is copied host -> device in the compute dtype for its one product, then dropped;
+- backward: copied again (nothing of it is kept between forward and backward) and the product's gradient computed on
+  the card; then, where the optimizer state is:
+  - optimizer_state "gpu" (the fast one): the layer hands its gradient to the step there (fused_backward.py
+    `step_on_device`): the tensor is stepped on the card with its state, which stays there (Adafactor's factored
+    state: 0.03 GiB for SD3.5 Large's 8 B weights), and the update copied back device -> host. No gradient crosses;
+  - optimizer_state "cpu": the gradient is copied device -> host, where it accumulates on the host parameter, and the
+    fused backward hook steps the tensor in host RAM (`state_on_host`): nothing of the update goes back to the card,
+    but host RAM steps every weight (about 90-120 ns each: minutes a step for billions of weights; the planner says
+    so: planner.Plan.slow).
+So the card holds no trained weight and no gradient between layers: for SD3.5 Large's 8 B trained weights that is 16
+GiB (bf16) or 32 GiB (fp32, the exact option) off the card. The cost is traffic: per step every trained weight crosses
+host -> device once per forward (twice with checkpointing: the recompute) and once in backward, and its update (or
+gradient) crosses back once.
 
 Not pinned: torch's pinned allocator rounds each block up to a power of two (ATen/core/CachingHostAllocator.h in
 torch 2.14: PowerOf2Ceil below `pinned_max_round_threshold`, unlimited by default; a 2432 x 7296 bf16 difference
@@ -23,12 +27,16 @@ as ComfyUI does for the weights it offloads, must be undone before that memory i
 drop from its cache at any time cannot promise. Pageable copies are staged by the driver at a lower bandwidth; the GPU
 kit measures the step (`full-16GB-host`).
 
-Numerics: the same products in the same dtypes on the same device as with the differences on the card, and the same
-host step as optimizer_state "cpu" with fused backward; so the weights equal those of that run bit for bit
-(tests/unit/test_trained_weights_on_host.py on CUDA; on a CPU both placements are the host and the run is the same).
+Numerics: the same products in the same dtypes on the same device as with the weights on the card, and the same
+step (fused backward's: clipped in the gradient's dtype, an fp32 stand-in, stochastic rounding to bf16) where the
+state is; so the weights equal those of the run with the weights on the card and the same optimizer_state bit for bit
+(tests/unit/test_trained_weights_on_host.py on CUDA; on a CPU both placements are the host and the run is the same,
+and the step on the card is checked against the step in host RAM: tests/unit/test_fused_backward.py).
 
-Why by hand: the difference's product is already a custom autograd Function (adapters._CastDifference, which casts
-rather than keeps a copy); moving its operand across devices there is two `.to` calls. Library offloaders (accelerate
+Why by hand: the trained weight's product is already a custom autograd Function (adapters._CastProduct, which casts
+rather than keeps a copy); moving its operand across devices there is two `.to` calls, and handing the gradient to
+the step on the card is one call there (autograd cannot accumulate a gradient on the card into a host leaf: it would
+copy it to the host first). Library offloaders (accelerate
 cpu_offload, diffusers group offloading, DeepSpeed ZeRO-Infinity) move whole modules' parameters and assume they own
 them; here the trained tensors are adapter parameters inside ComfyUI's shared MODEL (see weight_streaming.py).
 """
@@ -53,9 +61,9 @@ def problem(policy) -> str | None:
     """Why this policy cannot keep its trained weights in host RAM (None: it can, or it does not ask to)."""
     if policy.trained_weights != "host":
         return None
-    if not policy.fused_backward or policy.optimizer_state != "cpu":
-        return ("trained_weights 'host' steps each trained tensor in host RAM inside backward: it needs fused_backward "
-                "on and optimizer_state 'cpu'")
+    if not policy.fused_backward:
+        return ("trained_weights 'host' steps each trained tensor inside backward, where its optimizer state is (host "
+                "RAM with optimizer_state 'cpu', the card with 'gpu'): it needs fused_backward on")
     return None
 
 
