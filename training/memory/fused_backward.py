@@ -49,7 +49,8 @@ class FusedBackward:
         `state_on_host`, one for the CPU); `make_scheduler(optimizer)`: its learning-rate schedule (None: constant).
         `state_on_host`: the optimizer state lives in host RAM and each parameter's step runs there, on an fp32 copy
         of the parameter and its gradient (device to host), the result copied back (host to device). `step_device`:
-        parameters are in host RAM and stepped there, their state too, through `step_on_device`."""
+        the parameters are in host RAM and each is stepped on this device, where its state lives, when its layer hands
+        over its gradient (`step_on_device`)."""
         self.params = [p for p in params if p.requires_grad]
         self.max_grad_norm = float(max_grad_norm)
         self.bf16_stochastic = bf16_stochastic
