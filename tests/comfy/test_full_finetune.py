@@ -280,12 +280,13 @@ def test_trained_weights_in_host_ram_stepped_where_their_state_is(comfyui):
     """Issue 42 item 3: trained_weights host with optimizer_state gpu: each layer's backward hands its gradients to
     the step on the compute device (FusedBackward.step_on_device; on this CPU the host, so the hand-over is what is
     checked) instead of autograd: bf16 copies with stochastic rounding and per-tensor clipping train the weights of the
-    same run with them on the device, the state stays where the step runs, and the run resumes exactly."""
+    same run with them on the device, with every block checkpointed, the state stays where the step runs, and the run
+    resumes exactly."""
     from headroom.nodes import train_lora as T
 
     model, clip, vae, latents, texts = _data("sd15")
     common = dict(kind="full", targets="all_layers", lr=1e-3, max_grad_norm=0.05, full_precision="bf16_stochastic",
-                  optimizer="Adafactor", batch_size=2)
+                  optimizer="Adafactor", batch_size=2, gradient_checkpointing=True)  # recomputed: hooks unpack
     on_device = _init(model, latents, texts, "full_state_gpu", policy=_fused_policy(), **common)
     stepped = _resumes_exactly(model, latents, texts, "full_weights_host_state_gpu",
                                policy=_fused_policy(trained_weights="host"), **common)

@@ -111,7 +111,9 @@ def test_dry_run_measures_a_full_fine_tune_fitted_to_a_card(comfyui, tmp_path):
     assert ckpt["policy_fields"]["base_placement"] == "resident"
     host = by_id["full/flux_dev/full-16GB-host"]  # the trained weights in host RAM, through the kit's own path
     assert host["status"] == "ok", host.get("traceback")
-    assert host["policy_fields"]["trained_weights"] == "host" and host["policy_fields"]["optimizer_state"] == "cpu"
+    # the optimizer state where the planner put it: the card (each tensor stepped there) or host RAM
+    state = host["policy_fields"]["optimizer_state"]
+    assert host["policy_fields"]["trained_weights"] == "host" and f"optimizer state on {state}" in host["policy"]
     assert "trained weights in host RAM" in host["policy"] and "| Flux.1-dev | 16GB-host |" in page.read_text()
     run = by_id["full/flux_dev/full-24GB"]
     assert run["status"] == "ok", run.get("traceback")

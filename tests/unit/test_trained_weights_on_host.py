@@ -29,7 +29,7 @@ def _base(device, seed: int = 0) -> torch.nn.Module:
 
 
 def _train(device, home, precision: str = "fp32", steps: int = 4, state: str = "host", clip: float = 0.0,
-           optimizer: str = "AdamW"):
+           optimizer: str = "AdamW", checkpointed: bool = False):
     """A full fine-tune of every Linear of a small model computing on `device`, its trained weights made in `home`,
     stepped by fused backward with the state in host RAM (`state` "host") or on `device` ("device": a `home` in host
     RAM is stepped there through step_on_device); returns (the adapter set, the fused optimizer)."""
@@ -50,7 +50,10 @@ def _train(device, home, precision: str = "fp32", steps: int = 4, state: str = "
     for _ in range(steps):
         fused.zero_grad()
         x, y = torch.randn(8, 16, generator=generator), torch.randn(8, 8, generator=generator)
-        F.mse_loss(model(x.to(device)), y.to(device)).backward()
+        x = x.to(device)
+        # checkpointed: recomputed in backward, its saved tensors unpacked by checkpointing's hooks (other objects)
+        out = torch.utils.checkpoint.checkpoint(model, x, use_reentrant=False) if checkpointed else model(x)
+        F.mse_loss(out, y.to(device)).backward()
         assert all(p.grad is None for p in params)  # each stepped in backward, its gradient freed (or never made)
         fused.after_step()
     return adapters, fused
@@ -96,15 +99,16 @@ def test_on_cuda_the_difference_crosses_the_card_and_trains_the_same_weights(pre
     assert host_peak < device_peak - weights // 2
 
 
-@pytest.mark.parametrize("precision, clip, optimizer", [("fp32", 0.0, "AdamW"), ("fp32", 0.05, "Adafactor"),
-                                                        ("bf16_stochastic", 0.05, "AdamW")])
-def test_stepped_where_the_state_is_the_same_weights(precision, clip, optimizer):
+@pytest.mark.parametrize("precision, clip, optimizer, checkpointed", [
+    ("fp32", 0.0, "AdamW", False), ("fp32", 0.05, "Adafactor", True), ("bf16_stochastic", 0.05, "AdamW", True)])
+def test_stepped_where_the_state_is_the_same_weights(precision, clip, optimizer, checkpointed):
     """Issue 42 item 3: trained weights in host RAM with their optimizer state on the compute device: each layer's
     backward hands its gradient to the step there (FusedBackward.step_on_device), none reaches autograd, and the step
     is the one in host RAM, bit for bit (on a CPU both are the host: the same arithmetic, the hand-over checked)."""
     device = torch.device("cpu")
-    on_host, _ = _train(device, device, precision, clip=clip, optimizer=optimizer)
-    stepped_there, fused = _train(device, device, precision, state="device", clip=clip, optimizer=optimizer)
+    on_host, _ = _train(device, device, precision, clip=clip, optimizer=optimizer, checkpointed=checkpointed)
+    stepped_there, fused = _train(device, device, precision, state="device", clip=clip, optimizer=optimizer,
+                                  checkpointed=checkpointed)
     assert fused.step_device == device and fused.most_gradients_alive == 1
     assert all(layer.device_step == fused.step_on_device for layer in stepped_there.layers.values())
     a, b = on_host.state_dict(), stepped_there.state_dict()

@@ -312,7 +312,9 @@ class _CastProduct(torch.autograd.Function):
     def forward(ctx, x, weight, bias, conv, device_step=None):
         ctx.save_for_backward(x, weight)
         ctx.conv, ctx.bias_dtype, ctx.device_step = conv, None if bias is None else bias.dtype, device_step
-        ctx.bias = bias if device_step is not None else None  # the host tensor the step writes (not saved: a leaf)
+        # The parameters the step writes, themselves: a saved tensor comes back from checkpointing's hooks as another
+        # object (the step finds its tensor by identity).
+        ctx.parameters = (weight, bias) if device_step is not None else None
         cast = to_compute(weight, x)
         cast_bias = None if bias is None else to_compute(bias, x)
         if conv is None:
@@ -343,10 +345,11 @@ class _CastProduct(torch.autograd.Function):
             if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
                 grad_bias = grad.sum((0, 2, 3))
         if step is not None:  # stepped here, on the compute device, in the weight's dtype; autograd gets none
+            weight_param, bias_param = ctx.parameters
             if grad_weight is not None:
-                step(weight, on_device, grad_weight.to(weight.dtype))
+                step(weight_param, on_device, grad_weight.to(weight.dtype))
             if grad_bias is not None:
-                step(ctx.bias, ctx.bias.to(grad.device), grad_bias.to(ctx.bias_dtype))
+                step(bias_param, bias_param.to(grad.device), grad_bias.to(ctx.bias_dtype))
             return grad_x, None, None, None, None
         # In the weight's dtype, on its device (a host weight's gradient crosses back here).
         return (grad_x, None if grad_weight is None else grad_weight.to(device=weight.device, dtype=weight.dtype),
