@@ -5,6 +5,8 @@ LoRA gradients and the updated LoRA weights bit for bit those of the resident ru
 break (offsets in a 283 MB flat slot, dtype views at large offsets)."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -61,17 +63,18 @@ def _blocks():
     return blocks
 
 
-def _train(blocks, trace):
+def _train(blocks, trace, recorded=lambda blocks: [p for p in blocks.parameters() if p.requires_grad], steps=2):
+    """AdamW steps, every block checkpointed; `trace` gets each step's loss and the gradients of `recorded`."""
     optimizer = torch.optim.AdamW([p for p in blocks.parameters() if p.requires_grad], lr=1e-3)
     restore = wrap_blocks(blocks, 1)
     g = torch.Generator().manual_seed(1)
-    for _ in range(2):
+    for _ in range(steps):
         x, vec = torch.randn(1, TOKENS, HIDDEN, generator=g), torch.randn(1, 1, HIDDEN, generator=g)
         for block in blocks:
             x = block(x, vec)
         loss = x.square().mean()
         loss.backward()
-        trace.append((loss.detach().clone(), [p.grad.clone() for p in blocks.parameters() if p.requires_grad]))
+        trace.append((loss.detach().clone(), [p.grad.clone() for p in recorded(blocks)]))
         optimizer.step()
         optimizer.zero_grad()
     restore()
@@ -104,8 +107,8 @@ def test_the_ring_at_flux_width_is_bitwise_the_resident_run(resident):
 def test_a_full_fine_tune_at_flux_width_streams_only_what_its_step_reads():
     """Issue 42 at real width: linear1 trained whole (adapters.FullLayer, a bf16 copy of its 66 M weights, past 2^24)
     with its base layer `unread`: a streamed block carries the rest (modulation, linear2, the norms: 151 MB of its
-    283), the resident block keeps only that, and the losses, the LoRA gradients and every trained weight are bit for
-    bit those of the run without the streamer."""
+    283), the resident block keeps only that, and the loss, the LoRA gradients and every trained weight after a step
+    are bit for bit those of the run without the streamer."""
     from headroom.training.core.adapters import FullLayer
 
     def full_blocks():
@@ -114,29 +117,17 @@ def test_a_full_fine_tune_at_flux_width_streams_only_what_its_step_reads():
             block.linear1 = FullLayer(block.linear1, dtype=torch.bfloat16)
         return blocks
 
-    def train(blocks, losses):
-        optimizer = torch.optim.AdamW([p for p in blocks.parameters() if p.requires_grad], lr=1e-3)
-        restore = wrap_blocks(blocks, 1)
-        g = torch.Generator().manual_seed(1)
-        for _ in range(2):
-            x, vec = torch.randn(1, TOKENS, HIDDEN, generator=g), torch.randn(1, 1, HIDDEN, generator=g)
-            for block in blocks:
-                x = block(x, vec)
-            loss = x.square().mean()
-            loss.backward()
-            losses.append((loss.detach().clone(), [b.down.grad.clone() for b in blocks]))
-            optimizer.step()
-            optimizer.zero_grad()
-        restore()
-        return [p.detach().clone() for p in blocks.parameters() if p.requires_grad]
+    def lora_only(blocks):  # the LoRA's gradients (the trained copies' are large and checked through the weights)
+        return [block.down for block in blocks]
 
     expected, got = [], []
-    weights = train(full_blocks(), expected)
-    blocks = full_blocks()
+    reference = full_blocks()
+    blocks = copy.deepcopy(reference)  # the same start, without drawing 0.85 G random weights again
+    weights = _train(reference, expected, lora_only, steps=1)
     unread = [block.linear1.base_layer for block in blocks]
     host = [(base.weight, base.bias) for base in unread]
     with WeightStreamer(blocks, "cpu", resident=(1,), unread=unread, exercise_on_cpu=True) as streamer:
-        trained = train(blocks, got)
+        trained = _train(blocks, got, lora_only, steps=1)
         slot, kept, streamed = streamer.slot_bytes(), streamer.kept_bytes(), streamer.streamed_blocks()
     _assert_same(expected, got)
     _assert_same(weights, trained)
