@@ -386,7 +386,8 @@ class Plan:
     resident_blocks: tuple[int, ...] = ()
     streamed_blocks: tuple[int, ...] = ()
     stream_slots: int = weight_streaming.DEFAULT_SLOTS  # the ring's device slots (prefetch depth + 1)
-    # plan_auto: why the step is predicted SLOW_STEP_RATIO times or more that of a card holding the whole run ("": not)
+    # plan_auto: why the step is predicted SLOW_STEP_RATIO times or more that of a card holding the whole run
+    # ("": it is not)
     slow: str = ""
 
     @property
@@ -848,8 +849,10 @@ def _slowness(plan: Plan, unbounded: Plan) -> str:
     parts = {"the optimizer step" + (" in host RAM" if plan.policy.optimizer_state == "cpu" else ""): step.optimizer_s,
              "host <-> device copies": step.transfer_s, "recomputing checkpointed blocks": step.recompute_s}
     part, seconds = max(parts.items(), key=lambda item: item[1])
+    untimed = "" if step.timed else (" (block times not measured: compute estimated from weight bytes, so the ratio "
+                                     "is high)")
     return (f"predicted {step.total_s / reference:.1f}x the step of a card that holds the whole run "
-            f"({reference:.3f} s/step), most of it {part} ({seconds:.3f} s)")
+            f"({reference:.3f} s/step), most of it {part} ({seconds:.3f} s){untimed}")
 
 
 def _option(plan: Plan, storage: str) -> str:
