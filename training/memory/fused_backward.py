@@ -30,6 +30,7 @@ bitwise in fp32 with AdamW, Adafactor and clipping off).
 """
 from __future__ import annotations
 
+import contextlib
 import types
 from typing import Callable, Sequence
 
@@ -89,43 +90,50 @@ class FusedBackward:
         def hook(param: torch.Tensor) -> None:
             if param.grad is None:  # autograd got none: the layer stepped it on the device (step_on_device)
                 return
-            self._alive += 1
-            self.most_gradients_alive = max(self.most_gradients_alive, self._alive)
             try:
-                self._step(index, param)
+                with self._one_gradient():
+                    self._step(index, param.detach(), param.grad, param.copy_)
             finally:
                 param.grad = None
-                self._alive -= 1
 
         return hook
 
+    @contextlib.contextmanager
+    def _one_gradient(self):
+        """Count the gradients alive at once (most_gradients_alive) around one tensor's step."""
+        self._alive += 1
+        self.most_gradients_alive = max(self.most_gradients_alive, self._alive)
+        try:
+            yield
+        finally:
+            self._alive -= 1
+
     @torch.no_grad()
-    def _step(self, index: int, param: torch.Tensor) -> None:
-        grad = param.grad
-        if self.max_grad_norm > 0:  # clipping as the plain step clips, on this parameter's gradient alone
-            clip_gradients([param], self.max_grad_norm)
+    def _step(self, index: int, weight: torch.Tensor, grad: torch.Tensor, write: Callable[[torch.Tensor], object]
+              ) -> None:
+        """One tensor's step: `grad` clipped in its own dtype (as the plain step clips, on this tensor alone); then the
+        optimizer steps the parameter itself, or an fp32 stand-in of `weight` and `grad` where the state lives, whose
+        result (stochastically rounded to bf16) goes to `write`."""
+        if self.max_grad_norm > 0:
+            clip_gradients([types.SimpleNamespace(grad=grad)], self.max_grad_norm)
         stand_in = self._stand_ins[index]
-        if stand_in is None:
+        if stand_in is None:  # the parameter itself, its gradient `grad`
             self.optimizers[index].step()
             return
         where = stand_in.device
-        stand_in.data = param.detach().to(where, torch.float32, copy=True)
+        stand_in.data = weight.to(where, torch.float32, copy=True)
         stand_in.grad = grad.to(where, torch.float32, copy=True)
         try:
             self.optimizers[index].step()
-            if self.bf16_stochastic:
-                param.copy_(stochastic_round_to_bf16(stand_in.data, self._generator(where)))
-            else:
-                param.copy_(stand_in.data)
+            write(stochastic_round_to_bf16(stand_in.data, self._generator(where)) if self.bf16_stochastic
+                  else stand_in.data)
         finally:
             stand_in.grad = None
             stand_in.data = torch.empty(0, device=where)
 
-    @torch.no_grad()
     def step_on_device(self, param: torch.Tensor, on_device: torch.Tensor, grad: torch.Tensor) -> None:
         """Step `param` (in host RAM) on the card: `on_device` its copy there (its dtype), `grad` its gradient there (its
-        dtype). The same arithmetic as `_step`: clipped in the gradient's dtype, an fp32 stand-in stepped with the state
-        where it lives, the result (stochastically rounded to bf16) written to `param`."""
+        dtype); the same step as the hook's (`_step`), the result copied back into `param`."""
         index = self._index[id(param)]
         if self.step_device is None:
             raise RuntimeError("fused backward: a tensor handed to step_on_device, but this run steps no tensor there")
@@ -135,26 +143,10 @@ class FusedBackward:
                                "and their optimizer state on the card each tensor is stepped at its first gradient. "
                                "Set the Offload Policy's optimizer_state to cpu for this model")
         self._stepped_on_device.add(index)
-        self._alive += 1
-        self.most_gradients_alive = max(self.most_gradients_alive, self._alive)
-        try:
-            if self.max_grad_norm > 0:  # as `_step` clips the parameter's gradient
-                clip_gradients([types.SimpleNamespace(grad=grad)], self.max_grad_norm)
-            stand_in = self._stand_ins[index]
-            stand_in.data = on_device.to(stand_in.device, torch.float32, copy=True)
-            stand_in.grad = grad.to(stand_in.device, torch.float32, copy=True)
-            try:
-                self.optimizers[index].step()
-                result = (stochastic_round_to_bf16(stand_in.data, self._generator(stand_in.device))
-                          if self.bf16_stochastic else stand_in.data)
-                # Back to host RAM: the one crossing of the update. Through .data: a layer run twice in the step would
-                # otherwise fail in torch's in-place check before the guard above could say why.
-                param.data.copy_(result)
-            finally:
-                stand_in.grad = None
-                stand_in.data = torch.empty(0, device=stand_in.device)
-        finally:
-            self._alive -= 1
+        with self._one_gradient():
+            # Back to host RAM: the one crossing of the update. Through .data: a layer run twice in the step would
+            # otherwise fail in torch's in-place check before the guard above could say why.
+            self._step(index, on_device, grad, param.data.copy_)
 
     @staticmethod
     def _empty(device: torch.device) -> torch.nn.Parameter:
