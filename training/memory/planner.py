@@ -304,13 +304,8 @@ def unread_base(named_blocks: Sequence[tuple[str, torch.nn.Module]], targets: It
     for name, block in named_blocks:
         layers = [m for m in block.modules() if id(m) in wanted]
         inside.update(id(m) for m in layers)
-        linears = [m for m in layers if isinstance(m, torch.nn.Linear)
-                   and isinstance(m.weight, torch.nn.Parameter) and not m.weight.requires_grad]
-        profiles.append(BlockProfile(
-            name=name, param_bytes=sum(frozen_bytes(m) for m in layers),
-            linear_weight_bytes=sum(m.weight.numel() * m.weight.element_size() for m in linears),
-            linear_weight_numel=sum(m.weight.numel() for m in linears),
-            linear_rows=sum(m.out_features for m in linears), linear_count=len(linears)))
+        profiles.append(BlockProfile(name=name, param_bytes=sum(frozen_bytes(m) for m in layers),
+                                     **_linear_statistics(layers)))
     return tuple(profiles), sum(frozen_bytes(m) for m in targets if id(m) not in inside)
 
 
@@ -1160,22 +1155,26 @@ def describe_blocks(named_blocks: Sequence[tuple[str, torch.nn.Module]], saved: 
     tensors (adapters) are left out, the TrainableSpec counts them."""
     profiles = []
     for index, ((name, block), saved_law, inputs_law) in enumerate(zip(named_blocks, saved, inputs)):
-        # torch's Linears: what low-bit storage re-stores (ComfyUI's quantized layers are not: stored low-bit already)
-        linears = [m for m in block.modules() if isinstance(m, torch.nn.Linear)
-                   and isinstance(m.weight, torch.nn.Parameter) and not m.weight.requires_grad]
         profiles.append(BlockProfile(
             name=name,
             param_bytes=frozen_bytes(block),
-            linear_weight_bytes=sum(m.weight.numel() * m.weight.element_size() for m in linears),
-            linear_weight_numel=sum(m.weight.numel() for m in linears),
-            linear_rows=sum(m.out_features for m in linears),
-            linear_count=len(linears),
+            **_linear_statistics(block.modules()),
             saved=saved_law, inputs=inputs_law,
             weight_copy_bytes=max((s.block_weight_copies[index] for s in samples if s.block_weight_copies), default=0),
             linear_copy_bytes=max((s.block_linear_copies[index] for s in samples if s.block_linear_copies), default=0),
             forward_s=forward_s[index] if index < len(forward_s) else ActivationLaw(),
         ))
     return tuple(profiles)
+
+
+def _linear_statistics(modules: Iterable[torch.nn.Module]) -> dict[str, int]:
+    """BlockProfile's Linear fields for the frozen torch Linears among `modules`: what low-bit storage re-stores
+    (ComfyUI's quantized layers are not: stored low-bit already)."""
+    linears = [m for m in modules if isinstance(m, torch.nn.Linear)
+               and isinstance(m.weight, torch.nn.Parameter) and not m.weight.requires_grad]
+    return {"linear_weight_bytes": sum(m.weight.numel() * m.weight.element_size() for m in linears),
+            "linear_weight_numel": sum(m.weight.numel() for m in linears),
+            "linear_rows": sum(m.out_features for m in linears), "linear_count": len(linears)}
 
 
 def largest_weight_copy_bytes(module: torch.nn.Module, compute_dtype: torch.dtype | None) -> int:
