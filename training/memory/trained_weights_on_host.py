@@ -13,8 +13,8 @@ What happens per trained layer (adapters.FullLayer / _CastProduct; the ZeRO-Infi
     state: 0.03 GiB for SD3.5 Large's 8 B weights), and the update copied back device -> host. No gradient crosses;
   - optimizer_state "cpu": the gradient is copied device -> host, where it accumulates on the host parameter, and the
     fused backward hook steps the tensor in host RAM (`state_on_host`): nothing of the update goes back to the card,
-    but host RAM steps every weight (about 90-120 ns each: minutes a step for billions of weights; the planner says
-    so: planner.Plan.slow).
+    but host RAM steps every weight, bound by its memory bandwidth (far slower than the card for billions of
+    weights; time_model.optimizer_step_s predicts it, planner.Plan.slow says so).
 So the card holds no trained weight and no gradient between layers: for SD3.5 Large's 8 B trained weights that is 16
 GiB (bf16) or 32 GiB (fp32, the exact option) off the card. The cost is traffic: per step every trained weight crosses
 host -> device once per forward (twice with checkpointing: the recompute) and once in backward, and its update (or
