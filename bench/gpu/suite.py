@@ -392,6 +392,7 @@ def train_and_measure(patcher, name: str, config: str, args, record: dict, polic
                 counters.append(allocator_counters(device))
                 T.HeadroomTrainSteps.execute(run, args.warmup + args.steps)
                 counters.append(allocator_counters(device))
+            crossed = crossed_per_step(run)
             record["allocator"] = allocator_deltas(counters, args.steps, step_counters(run, args.warmup, counters[1]))
             training = [p for p in run.record.memory.phases if p["phase"] == "training"][-1]
             own = validation_seconds(run, width, height)  # validation on its own placement (the plan's)
@@ -408,6 +409,7 @@ def train_and_measure(patcher, name: str, config: str, args, record: dict, polic
                       validation_seconds_training_placement=on_training,
                       validation_base_bytes=record.get("validation_base_device_bytes"),
                       training_base_bytes=record.get("base_device_bytes"))
+        record.update(crossed)
     except Exception as error:  # an out-of-memory error is a result; anything else too, with its traceback
         record.update(status="oom" if is_out_of_memory(error) or "out of memory" in str(error).lower() else "failed",
                       error=_short(error), traceback=traceback.format_exc()[-3000:])
@@ -520,6 +522,17 @@ def training_placement_for_validation(run):
         yield
     finally:
         del run.attached, run._validation_device_share
+
+
+def crossed_per_step(run) -> dict:
+    """Trained weights in host RAM (trained_weights_on_host.Crossings): the bytes that crossed each way per training
+    step so far (twice in, once back), and the trained weights' bytes; {} for any other run."""
+    crossings = getattr(run.trainer.optimizer, "crossings", None)
+    if crossings is None:
+        return {}
+    return {"crossed_to_device_per_step": crossings.to_device_bytes / run.trainer.step,
+            "crossed_to_host_per_step": crossings.to_host_bytes / run.trainer.step,
+            "trained_weight_bytes": sum(p.numel() * p.element_size() for p in run.trainer.params)}
 
 
 def step_seconds(run, warmup: int) -> list[float]:

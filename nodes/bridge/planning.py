@@ -279,9 +279,11 @@ def lora_trainable(patcher, adapter: AdapterConfig, optimizer: str, paths: list[
         spec = planner.TrainableSpec.full(modules, optimizer, 2 if adapter.full_precision == "bf16_stochastic" else 4)
         prefix = first_block_prefix(patcher)
         first = [m for p, m in zip(paths, modules) if (p + ".").startswith(prefix)]
-        blocks, outside = planner.unread_base(training_blocks(patcher.model.diffusion_model), modules)
+        named_blocks = training_blocks(patcher.model.diffusion_model)
+        blocks, outside = planner.unread_base(named_blocks, modules)
         return dataclasses.replace(spec, first_block_elements=planner.TrainableSpec.full(first).param_count,
-                                   unread_base_blocks=blocks, unread_base_outside=outside)
+                                   unread_base_blocks=blocks, unread_base_outside=outside,
+                                   block_layers=planner.trained_per_block(named_blocks, modules))
     return planner.TrainableSpec.lora(modules, adapter.rank, optimizer)
 
 
@@ -348,12 +350,14 @@ def _run_inputs(run) -> tuple:
         first = sum(t.numel() for key, t in run.adapters.state_dict(copy=False).items() if key.startswith(prefix))
     # A full fine-tune's trained layers' base weights: never read by its training step, left in host RAM
     unread = run.trained.unread_base_layers()
-    blocks, outside = planner.unread_base(training_blocks(run.source_model.model.diffusion_model), unread) if unread \
-        else ((), 0)
+    named_blocks = training_blocks(run.source_model.model.diffusion_model)
+    blocks, outside = planner.unread_base(named_blocks, unread) if unread else ((), 0)
+    per_block = planner.trained_per_block(named_blocks, unread) if unread else ()
     trainable = dataclasses.replace(planner.TrainableSpec.from_parameters(run.trainer.params, config.optimizer.name,
                                                                           full=adapter.kind == "full"),
                                     state_ranks=run.trainer.state_ranks, weight_ranks=run.trainer.weight_ranks,
-                                    first_block_elements=first, unread_base_blocks=blocks, unread_base_outside=outside)
+                                    first_block_elements=first, unread_base_blocks=blocks, unread_base_outside=outside,
+                                    block_layers=per_block)
     shape = cache_run_shape(run.source_model, run.latent_cache, run.text_cache, config.train.batch_size,
                             "Train LoRA: Steps (Headroom)", config.train.grad_accum)
     budget = budget_bytes(run.policy, torch.device(run.source_model.load_device))

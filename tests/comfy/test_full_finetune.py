@@ -294,7 +294,10 @@ def test_trained_weights_in_host_ram_stepped_where_their_state_is(comfyui):
         T.HeadroomTrainSteps.execute(on_device, 6)
     fused = stepped.trainer.optimizer
     assert fused.step_device == stepped.trainer.denoiser.device and not fused.state_on_host
-    assert all(layer.device_step == fused.step_on_device for layer in stepped.adapters.layers.values())
+    assert all(layer.device_step == fused.step_on_device and layer.crossings is fused.crossings
+               for layer in stepped.adapters.layers.values())
+    # each weight crossed in twice per step (forward; the recompute and backward on one copy), its update back once
+    assert fused.crossings.to_host_bytes > 0 and fused.crossings.to_device_bytes == 2 * fused.crossings.to_host_bytes
     assert fused.most_gradients_alive == 1 and len(fused.state) == len(fused.params)
     a, b = on_device.adapters.state_dict(), stepped.adapters.state_dict()
     assert any(torch.any(v != 0) for v in b.values()) and all(torch.equal(a[k], b[k]) for k in a)

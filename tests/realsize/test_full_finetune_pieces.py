@@ -176,10 +176,12 @@ def test_lean_full_finetune_is_planned_within_15_percent(arch, depth, tensors, l
 def test_host_weights_stepped_on_the_device_at_flux_width_are_the_host_steps():
     """Issue 42 item 3 at real width: the Flux-dev MLP's first layer trained whole (adapters.FullLayer, bf16 with
     stochastic rounding and per-tensor clipping) with its trained weights in host RAM and each tensor stepped where its optimizer state is
-    (FusedBackward.step_on_device: the layer's backward hands over its 37.7 M-element gradient) gives the weights of
+    (FusedBackward.step_on_device: the layer's backward hands over its 37.7 M-element gradient; the weight and its
+    update cross through trained_weights_on_host.Crossings' staging buffers) gives the weights of
     the step in host RAM bit for bit (on a CPU the device is the host: the hand-over, the clipping and the rounding of
     tensors past 2^24 are what is checked)."""
     from headroom.training.core.adapters import AdapterConfig, AdapterSet
+    from headroom.training.memory.trained_weights_on_host import Crossings
 
     def train(step_device):
         mlp = _mlp(torch.bfloat16).requires_grad_(False)
@@ -187,16 +189,18 @@ def test_host_weights_stepped_on_the_device_at_flux_width_are_the_host_steps():
                               device="cpu")
         adapters.attach(mlp)
         config = OptimizerConfig(name="AdamW", lr=1e-4)
+        crossings = Crossings("cpu", adapters.parameters()) if step_device is not None else None
         fused = FusedBackward(adapters.parameters(), lambda group: create_optimizer(group, config, device="cpu"),
                               max_grad_norm=0.5, bf16_stochastic=True, seed=3, state_on_host=step_device is None,
-                              step_device=step_device)
+                              step_device=step_device, crossings=crossings)
         if step_device is not None:
-            adapters.step_on_device(fused.step_on_device)
+            adapters.weights_in_host_ram(crossings, fused.step_on_device)
         generator = torch.Generator().manual_seed(1)
         for _ in range(2):
             fused.zero_grad()
             x = torch.randn(8, WIDTH, generator=generator)
             F.mse_loss(mlp(x.to(torch.bfloat16)).float(), x).backward()
+            fused.step()
         return adapters.state_dict(), fused
 
     on_host, _ = train(None)

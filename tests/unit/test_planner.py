@@ -11,7 +11,7 @@ import weakref
 import pytest
 import torch
 
-from headroom.training.memory import planner
+from headroom.training.memory import planner, trained_weights_on_host
 from headroom.training.core.adapters import AdapterConfig, AdapterSet, select_targets
 from headroom.training.memory.lowbit import LowBitBase
 from headroom.training.core.optimizers import OptimizerConfig, create_optimizer
@@ -292,6 +292,21 @@ def measure(model, h, w, tokens):
     context = torch.randn(1, tokens, 32, generator=g)
     return planner.measure_activations(lambda: model(latent, context), list(model.blocks),
                                        weights=list(model.parameters()), latent_area=h * w, text_tokens=tokens)
+
+
+def test_calibration_records_the_order_each_block_calls_its_modules():
+    """measure_activations notes, per block, its modules in the order its forward first calls them (ToyBlock calls kv
+    before q, against module order); describe_blocks keeps it in the profile (BlockProfile.call_order: the planner
+    reverses it for backward) and a description round-trips it through its dict."""
+    model = ToyModel()
+    sample = measure(model, 8, 8, 4)
+    assert sample.block_call_order == [("norm", "kv", "q", "mlp", "mlp.0", "mlp.1", "mlp.2")] * 3
+    named = [(f"blocks.{i}", b) for i, b in enumerate(model.blocks)]
+    laws = [ActivationLaw()] * 3
+    profiles = planner.describe_blocks(named, laws, laws, [sample])
+    assert profiles[0].call_order == sample.block_call_order[0]
+    description = ModelDescription("toy", profiles, other_param_bytes=0)
+    assert ModelDescription.from_dict(json.loads(json.dumps(description.to_dict()))) == description
 
 
 def lora_model():
@@ -640,6 +655,53 @@ def test_trained_weights_in_host_ram_leave_one_layer_on_the_card_and_the_planner
     assert kept.policy.trained_weights == "host"
 
 
+def test_trained_weights_in_host_ram_keep_a_checkpointed_block_from_recompute_to_backward_and_pin_staging():
+    """trained_weights host with checkpointing (trained_weights_on_host.Crossings): the recompute's copies of a block's
+    trained weights stay on the card until backward reaches each layer (last to first), beside one tensor's step;
+    the plan counts what they add to the largest tensor's step (`block_layers`, recompute_kept_cost). The fixed
+    staging buffers (two each way, the largest tensor; on CUDA pinned, rounded up to a power of two) are host RAM."""
+    d = toy_description()
+    shapes = ((3072, 3072), (12288, 3072), (3072,)) * 4
+    large, small = 12288 * 3072, 3072 * 3072
+    # the largest tensor's step on the card (state there): its copy + gradient in flight (bf16: 2 + 2 B), its
+    # gradient (2 B) and its copy + fp32 copy + gradient in the step (2 + 8 B)
+    alongside = (4 + 2 + 10) * large
+    sizes = ((large,) * 4, (small, large), (large, small), (large,))
+    layers = tuple(tuple((f"layer{i}", n) for i, n in enumerate(block)) for block in sizes)  # module order
+    full = TrainableSpec(shapes, "AdamW", element_size=2, full=True, block_layers=layers)
+    host = OffloadPolicy(fused_backward=True, optimizer_state="gpu", trained_weights="host")
+    name = "a checkpointed block's trained weights kept from its recompute to its backward"
+    assert name not in estimate(d, full, SHAPE, host).phase("training step").items  # nothing recomputed
+    every = estimate(d, full, SHAPE, host.replace(checkpointing="blocks"))
+    # block 0: at its last layer the copies of the three before it are still kept (3 x 2 B per element)
+    assert every.phase("training step").items[name] == 3 * large * 2
+    some = estimate(d, full, SHAPE, host.replace(checkpointing="blocks", checkpoint_blocks="1,2"))
+    assert some.phase("training step").items[name] == small * 2  # block 1: the small layer's copy beside the large step
+    # block 2 and 3: the large layer comes first (its step alone is the most): nothing beyond the step's own items
+    assert name not in estimate(d, full, SHAPE, host.replace(checkpointing="blocks", checkpoint_blocks="2,3")
+                                ).phase("training step").items
+    assert trained_weights_on_host.recompute_kept_cost([(large,) * 4], 2, alongside, large) == {name: 6 * large}
+    # the order the calibration forward called the layers in (BlockProfile.call_order) is the one backward reverses:
+    # block 1 called large first, block 2 small first (their module order the other way round)
+    called = dataclasses.replace(d, blocks=tuple(dataclasses.replace(b, call_order=order) for b, order in zip(
+        d.blocks, ((), ("layer1", "other", "layer0"), ("layer1", "layer0"), ()))))
+    assert name not in estimate(called, full, SHAPE, host.replace(checkpointing="blocks", checkpoint_blocks="1")
+                                ).phase("training step").items
+    assert estimate(called, full, SHAPE, host.replace(checkpointing="blocks", checkpoint_blocks="2")
+                    ).phase("training step").items[name] == small * 2
+    assert planner.in_call_order((("a", 1), ("b", 2), ("c", 3)), ("c", "x", "a")) == [3, 1, 2]  # unnamed: last
+    staging = "staging buffers (trained weights in host RAM)"
+    for plan in (every, some):  # on CUDA: two buffers each way of the largest tensor (72 MiB of bf16), pinned:
+        # rounded up to a power of two by torch's pinned allocator
+        assert plan.host_bytes[staging] == plan.host_added["training step"][staging] == 2 * 2 * 128 * MIB
+    # with the state in host RAM only the weights come in through them (the gradients go back through autograd)
+    assert estimate(d, full, SHAPE, host.replace(optimizer_state="cpu")).host_bytes[staging] == 2 * 128 * MIB
+    # on a CPU (the tests' runs) the ring's buffers are plain memory
+    cpu = dataclasses.replace(d, compute_device="cpu")
+    assert estimate(cpu, full, SHAPE, host).host_bytes[staging] == 2 * 2 * 72 * MIB
+    assert staging not in estimate(d, full, SHAPE, host.replace(trained_weights="device")).host_bytes
+
+
 def test_sharded_optimizer_state_costs_a_rank_its_share_and_rank_0_the_gathered_copy():
     from headroom.training.memory import sharded_optimizer
     from headroom.training.memory.policy import OffloadPolicy
@@ -719,6 +781,11 @@ def test_a_full_fine_tunes_trained_base_is_planned_in_host_ram_for_the_training_
     targets = [model.proj] + [m for _, b in named for m in b.modules() if isinstance(m, torch.nn.Linear)][1:]
     profiles, outside = planner.unread_base(named, targets)
     assert outside == planner.frozen_bytes(model.proj)
+    # each block's trained layers: name in the block and elements, weight and bias (TrainableSpec.block_layers)
+    assert planner.trained_per_block(named, targets) == tuple(
+        tuple((n, m.weight.numel() + m.bias.numel()) for n, m in b.named_modules() if m in targets) for _, b in named)
+    first, second = planner.trained_per_block(named, targets)[:2]
+    assert len(first) == len(second) - 1  # the first block's first Linear is not a target
     first = [m for m in model.blocks[0].modules() if isinstance(m, torch.nn.Linear)][1:]
     assert profiles[0].param_bytes == sum(planner.frozen_bytes(m) for m in first)
     assert profiles[0].linear_count == len(first) and profiles[1].linear_count == len(first) + 1

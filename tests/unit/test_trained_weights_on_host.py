@@ -13,7 +13,8 @@ from headroom.training.core.adapters import AdapterConfig, AdapterSet
 from headroom.training.core.optimizers import OptimizerConfig, create_optimizer, create_scheduler
 from headroom.training.memory.fused_backward import FusedBackward
 from headroom.training.memory.policy import OffloadPolicy
-from headroom.training.memory.trained_weights_on_host import check_kind, trained_weights_device
+from headroom.training.memory.checkpointing import wrap_blocks
+from headroom.training.memory.trained_weights_on_host import Crossings, check_kind, trained_weights_device
 
 # Six equal middle layers: no one layer is most of the difference (one layer's copy and gradient are in flight).
 SIZES = [16] + [256] * 7 + [8]
@@ -28,35 +29,44 @@ def _base(device, seed: int = 0) -> torch.nn.Module:
     return torch.nn.Sequential(*layers[:-1]).to(device).requires_grad_(False)
 
 
-def _train(device, home, precision: str = "fp32", steps: int = 4, state: str = "host", clip: float = 0.0,
-           optimizer: str = "AdamW", checkpointed: bool = False):
-    """A full fine-tune of every Linear of a small model computing on `device`, its trained weights made in `home`,
-    stepped by fused backward with the state in host RAM (`state` "host") or on `device` ("device": a `home` in host
-    RAM is stepped there through step_on_device); returns (the adapter set, the fused optimizer)."""
+def _train(device, on_host: bool, precision: str = "fp32", steps: int = 4, state: str = "host", clip: float = 0.0,
+           optimizer: str = "AdamW", checkpointed: bool = False, blocks: int = 1):
+    """A full fine-tune of every Linear of a small model computing on `device`, its trained weights in host RAM
+    (`on_host`: crossing through trained_weights_on_host.Crossings) or on `device`, stepped by fused backward with
+    the state in host RAM (`state` "host") or on `device` ("device": host weights are stepped there through
+    step_on_device); `checkpointed`: the model as `blocks` checkpointed blocks (training/memory/checkpointing.py).
+    Returns (the adapter set, the fused optimizer, the crossings or None)."""
     model = _base(device)
+    home = torch.device("cpu") if on_host else device
     adapters = AdapterSet(model, PATHS, AdapterConfig(kind="full", full_precision=precision), device=home)
     adapters.attach(model)
     config = OptimizerConfig(name=optimizer, lr=1e-2, schedule="linear", warmup_steps=0, total_steps=10)
     params = adapters.parameters()
-    on_host = state == "host"
-    where = "cpu" if on_host else device
+    state_on_host = state == "host"
+    where = "cpu" if state_on_host else device
+    crossings = Crossings(device, params) if on_host else None
     fused = FusedBackward(params, lambda group: create_optimizer(group, config, device=where),
                           lambda opt: create_scheduler(opt, config), max_grad_norm=clip,
-                          bf16_stochastic=precision != "fp32", state_on_host=on_host,
-                          step_device=device if not on_host and torch.device(home).type == "cpu" else None)
-    if fused.step_device is not None:
-        adapters.step_on_device(fused.step_on_device)
+                          bf16_stochastic=precision != "fp32", state_on_host=state_on_host,
+                          step_device=device if on_host and not state_on_host else None, crossings=crossings)
+    if on_host:
+        adapters.weights_in_host_ram(crossings, fused.step_on_device if fused.step_device is not None else None)
+    if checkpointed:  # blocks of consecutive layers, each recomputed in backward
+        per = len(model) // blocks + 1
+        chunks = [torch.nn.Sequential(*list(model)[i:i + per]) for i in range(0, len(model), per)]
+        wrap_blocks(chunks, 1)
+        model = torch.nn.Sequential(*chunks)
     generator = torch.Generator().manual_seed(1)
     for _ in range(steps):
         fused.zero_grad()
         x, y = torch.randn(8, 16, generator=generator), torch.randn(8, 8, generator=generator)
-        x = x.to(device)
-        # checkpointed: recomputed in backward, its saved tensors unpacked by checkpointing's hooks (other objects)
-        out = torch.utils.checkpoint.checkpoint(model, x, use_reentrant=False) if checkpointed else model(x)
-        F.mse_loss(out, y.to(device)).backward()
+        F.mse_loss(model(x.to(device)), y.to(device)).backward()
         assert all(p.grad is None for p in params)  # each stepped in backward, its gradient freed (or never made)
+        if crossings is not None:  # every copy a recompute kept was its backward's
+            assert not any(crossings._kept.values())
+        fused.step()
         fused.after_step()
-    return adapters, fused
+    return adapters, fused, crossings
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16_stochastic"])
@@ -64,13 +74,72 @@ def test_the_weights_of_a_run_with_its_trained_weights_in_host_ram(precision):
     """On this machine's compute device (the CPU here): the same weights as the difference on the device, the
     difference and every gradient in host RAM, one gradient alive at a time."""
     device = torch.device("cpu")
-    on_device, _ = _train(device, device, precision)
-    on_host, fused = _train(device, torch.device("cpu"), precision)
+    on_device, _, _ = _train(device, False, precision)
+    on_host, fused, _ = _train(device, True, precision)
     a, b = on_device.state_dict(), on_host.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert any(torch.any(v != 0) for v in b.values())  # it trained
     assert all(p.device.type == "cpu" and p.grad is None for p in on_host.parameters())
     assert fused.most_gradients_alive == 1
+
+
+@pytest.mark.parametrize("state, checkpointed", [("device", True), ("device", False), ("host", True)])
+def test_each_weight_crosses_twice_to_the_device_and_once_back_per_step(state, checkpointed):
+    """Issue 42 item 3: a trained weight in host RAM crosses to the device once for the forward and once for the
+    recompute and backward together (a checkpointed block's recompute keeps its copy for the backward right after it),
+    and its update back once (state on the device; with the state in host RAM the gradient goes back through autograd
+    instead); the weights are those of the run that keeps them on the device, bit for bit."""
+    device, steps = torch.device("cpu"), 3
+    on_device, _, _ = _train(device, False, "bf16_stochastic", steps=steps, state=state, checkpointed=checkpointed,
+                             blocks=3)
+    on_host, fused, crossings = _train(device, True, "bf16_stochastic", steps=steps, state=state,
+                                       checkpointed=checkpointed, blocks=3)
+    a, b = on_device.state_dict(), on_host.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    weights = sum(p.numel() * p.element_size() for p in on_host.parameters())
+    assert crossings.to_device_bytes == 2 * weights * steps
+    assert crossings.to_host_bytes == (weights * steps if state == "device" else 0)
+    assert not crossings._kept  # every recompute's copy went to its backward
+    assert len(crossings._in) == 2 and len(crossings._back) == (2 if state == "device" else 0)  # the fixed rings
+
+
+def test_a_staging_buffer_the_driver_cannot_pin_is_pageable(monkeypatch):
+    """Pinned memory is a limited resource (a host short of lockable RAM, Windows' WDDM): a buffer the driver refuses
+    to pin is made pageable instead (the copies then synchronous), the run goes on."""
+    from headroom.training.memory import trained_weights_on_host
+
+    plain = torch.empty
+
+    def refusing(*args, pin_memory=False, **kwargs):
+        if pin_memory:
+            raise RuntimeError("CUDA error: out of memory (cudaHostAlloc)")
+        return plain(*args, **kwargs)
+
+    monkeypatch.setattr(trained_weights_on_host.torch, "empty", refusing)
+    buffer = trained_weights_on_host._Buffer(64, pinned=True)
+    assert buffer.bytes.numel() == 64 and not buffer.bytes.is_pinned()
+
+
+def test_crossings_stage_through_a_fixed_ring_and_land_updates_late():
+    """The staging ring: copies to the device go through the same few buffers (sized for the largest tensor), and
+    an update coming back is written into its host tensor only when its buffer is needed again or at `finish` (on a
+    CUDA device: when its copy's event has passed), never lost."""
+    tensors = [torch.full((4, 4), float(i)) for i in range(4)] + [torch.zeros(3)]
+    crossings = Crossings("cpu", tensors, buffers=2)
+    assert crossings.buffer_bytes == 64
+    copies = [crossings.to_device(t) for t in tensors]
+    assert all(torch.equal(c, t) and c.data_ptr() != t.data_ptr() for c, t in zip(copies, tensors))
+    assert len(crossings._in) == 2 and crossings.to_device_bytes == 4 * 64 + 12
+    for i, t in enumerate(tensors[:3]):
+        crossings.to_host(t, torch.full((4, 4), 10.0 + i, dtype=torch.float64))  # converted to the tensor's dtype
+    # two buffers: the third update landed the first; the other two are still in their buffers
+    assert torch.equal(tensors[0], torch.full((4, 4), 10.0))
+    assert torch.equal(tensors[1], torch.full((4, 4), 1.0)) and torch.equal(tensors[2], torch.full((4, 4), 2.0))
+    crossings.finish()
+    assert [t[0, 0].item() for t in tensors[:4]] == [10.0, 11.0, 12.0, 3.0] and crossings.to_host_bytes == 3 * 64
+    # outside a recompute nothing is kept for backward
+    crossings.keep(tensors[0], copies[0])
+    assert not crossings._kept
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -81,14 +150,14 @@ def test_on_cuda_the_difference_crosses_the_card_and_trains_the_same_weights(pre
     step); the card's peak is lower by about the difference."""
     cuda = torch.device("cuda")
     torch.cuda.reset_peak_memory_stats()
-    on_device, _ = _train(cuda, cuda, precision)
+    on_device, _, _ = _train(cuda, False, precision)
     device_peak = torch.cuda.max_memory_allocated()
     weights = sum(p.numel() * p.element_size() for p in on_device.parameters())
     on_device_state = {k: v.cpu() for k, v in on_device.state_dict().items()}
     del on_device
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    on_host, fused = _train(cuda, torch.device("cpu"), precision)
+    on_host, fused, _ = _train(cuda, True, precision)
     host_peak = torch.cuda.max_memory_allocated()
     assert all(p.device.type == "cpu" for p in on_host.parameters())
     state = on_host.state_dict()
@@ -106,9 +175,9 @@ def test_stepped_where_the_state_is_the_same_weights(precision, clip, optimizer,
     backward hands its gradient to the step there (FusedBackward.step_on_device), none reaches autograd, and the step
     is the one in host RAM, bit for bit (on a CPU both are the host: the same arithmetic, the hand-over checked)."""
     device = torch.device("cpu")
-    on_host, _ = _train(device, device, precision, clip=clip, optimizer=optimizer, checkpointed=checkpointed)
-    stepped_there, fused = _train(device, device, precision, state="device", clip=clip, optimizer=optimizer,
-                                  checkpointed=checkpointed)
+    on_host, _, _ = _train(device, True, precision, clip=clip, optimizer=optimizer, checkpointed=checkpointed)
+    stepped_there, fused, _ = _train(device, True, precision, state="device", clip=clip, optimizer=optimizer,
+                                     checkpointed=checkpointed)
     assert fused.step_device == device and fused.most_gradients_alive == 1
     assert all(layer.device_step == fused.step_on_device for layer in stepped_there.layers.values())
     a, b = on_host.state_dict(), stepped_there.state_dict()
@@ -119,9 +188,10 @@ def test_stepped_where_the_state_is_the_same_weights(precision, clip, optimizer,
     adapters = AdapterSet(model, ["0"], AdapterConfig(kind="full"), device=device)
     adapters.attach(model)
     config = OptimizerConfig(name="AdamW", lr=1e-2)
+    crossings = Crossings(device, adapters.parameters())
     fused = FusedBackward(adapters.parameters(), lambda group: create_optimizer(group, config, device="cpu"),
-                          step_device=device)
-    adapters.step_on_device(fused.step_on_device)
+                          step_device=device, crossings=crossings)
+    adapters.weights_in_host_ram(crossings, fused.step_on_device)
     first = model[0]
     with pytest.raises(RuntimeError, match=r"the trained tensor \(256, 16\) got a second gradient in one training step"):
         (first(torch.randn(2, 16)) + first(torch.randn(2, 16))).square().mean().backward()
@@ -136,12 +206,12 @@ def test_on_cuda_host_weights_stepped_on_the_card_train_the_weights_of_the_card(
     everything on the card (the same products, the same step on the card), and no trained weight, gradient or
     fp32 copy stays on the card between layers."""
     cuda = torch.device("cuda")
-    on_card, _ = _train(cuda, cuda, precision, state="device", clip=0.05)
+    on_card, _, _ = _train(cuda, False, precision, state="device", clip=0.05)
     expected = {k: v.cpu() for k, v in on_card.state_dict().items()}
     del on_card
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    on_host, fused = _train(cuda, torch.device("cpu"), precision, state="device", clip=0.05)
+    on_host, fused, _ = _train(cuda, True, precision, state="device", clip=0.05)
     assert fused.step_device == cuda and all(p.device.type == "cpu" for p in on_host.parameters())
     state = on_host.state_dict()
     assert all(torch.equal(expected[k], state[k]) for k in state)

@@ -255,8 +255,10 @@ class FullLayer(torch.nn.Module):
         weight, bias = self.read_base(device)
         self.full_trained_weight = torch.nn.Parameter(weight.to(device=device, dtype=dtype))
         self.full_trained_bias = None if bias is None else torch.nn.Parameter(bias.to(device=device, dtype=dtype))
-        # Trained weights in host RAM stepped on the card (memory/trained_weights_on_host.py): backward hands each
-        # gradient, where it was computed, to this (fused_backward.FusedBackward.step_on_device) instead of autograd.
+        # Trained weights in host RAM (memory/trained_weights_on_host.py): `crossings` copies them to the compute
+        # device and back; with their optimizer state on the card, backward hands each gradient, where it was
+        # computed, to `device_step` (fused_backward.FusedBackward.step_on_device) instead of autograd.
+        self.crossings = None
         self.device_step = None
 
     def get_base_layer(self) -> torch.nn.Module:
@@ -265,7 +267,8 @@ class FullLayer(torch.nn.Module):
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         base = self.base_layer
         conv = (base.stride, base.padding, base.dilation, base.groups) if isinstance(base, torch.nn.Conv2d) else None
-        return _CastProduct.apply(x, self.full_trained_weight, self.full_trained_bias, conv, self.device_step)
+        return _CastProduct.apply(x, self.full_trained_weight, self.full_trained_bias, conv, self.crossings,
+                                  self.device_step)
 
     @torch.no_grad()
     def difference(self) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -296,25 +299,30 @@ def base_weights(base: torch.nn.Module, device=None) -> tuple[torch.Tensor, torc
 
 class _CastProduct(torch.autograd.Function):
     """A layer's product with its own weight (F.linear, or F.conv2d with `conv` = (stride, padding, dilation,
-    groups)), the weight cast to the input's dtype (and copied to its device: a weight in host RAM,
-    memory/trained_weights_on_host.py) for the product only.
+    groups)), the weight cast to the input's dtype for the product only.
 
     Written by hand because torch's own linear / conv keep the cast copy they multiply with until backward: with the
     weight in fp32 under bf16 compute (or bf16 under a CPU's fp32) that is a copy of every trained weight in the
     compute dtype, held for the whole forward without checkpointing. Here backward casts the weight again.
     Gradients: the product's, in the weight's dtype (tests/comfy/test_adapters.py checks them against torch's).
 
-    `device_step(tensor, on_device, grad)` (a weight in host RAM stepped on the card: trained_weights_on_host.py):
-    backward copies the weight to the input's device once in its own dtype (for the product and the step) and hands
-    the weight's and bias's gradients there to it, returning none to autograd: no gradient crosses to the host."""
+    `crossings` (a weight in host RAM: memory/trained_weights_on_host.Crossings): the weight is copied to the input's
+    device in its own dtype for the product, in forward and again in backward (a recompute's copy serving the backward
+    after it). `device_step(tensor, on_device, grad)` (its optimizer state on the card): backward hands the weight's
+    and bias's gradients there to it, returning none to autograd: no gradient crosses to the host, the update does
+    (FusedBackward.step_on_device)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, conv, device_step=None):
+    def forward(ctx, x, weight, bias, conv, crossings=None, device_step=None):
         ctx.save_for_backward(x, weight)
-        ctx.conv, ctx.bias_dtype, ctx.device_step = conv, None if bias is None else bias.dtype, device_step
-        # The parameters the step writes, themselves: a saved tensor comes back from checkpointing's hooks as another
-        # object (the step finds its tensor by identity).
-        ctx.parameters = (weight, bias) if device_step is not None else None
+        ctx.conv, ctx.bias_dtype, ctx.crossings, ctx.device_step = (conv, None if bias is None else bias.dtype,
+                                                                     crossings, device_step)
+        # The parameters themselves (the step writes them, the crossings find their copies by them): a saved tensor
+        # comes back from checkpointing's hooks as another object.
+        ctx.parameters = (weight, bias)
+        if crossings is not None:  # backward reads the bias only to step it on the device
+            weight = _crossed(crossings, weight, True)
+            bias = None if bias is None else _crossed(crossings, bias, device_step is not None)
         cast = to_compute(weight, x)
         cast_bias = None if bias is None else to_compute(bias, x)
         if conv is None:
@@ -325,9 +333,11 @@ class _CastProduct(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         x = x.to(grad.dtype)
-        step = ctx.device_step
-        on_device = weight.to(grad.device) if step is not None else None  # one copy: the product's and the step's
-        cast = to_compute(weight if on_device is None else on_device, grad)
+        crossings, step = ctx.crossings, ctx.device_step
+        weight_param, bias_param = ctx.parameters
+        # One copy on the device, the product's and the step's
+        on_device = crossings.to_device(weight_param) if crossings is not None else weight
+        cast = to_compute(on_device, grad)
         grad_x = grad_weight = grad_bias = None
         if ctx.conv is None:
             rows = grad.reshape(-1, grad.shape[-1])
@@ -345,15 +355,24 @@ class _CastProduct(torch.autograd.Function):
             if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
                 grad_bias = grad.sum((0, 2, 3))
         if step is not None:  # stepped here, on the compute device, in the weight's dtype; autograd gets none
-            weight_param, bias_param = ctx.parameters
             if grad_weight is not None:
                 step(weight_param, on_device, grad_weight.to(weight.dtype))
             if grad_bias is not None:
-                step(bias_param, bias_param.to(grad.device), grad_bias.to(ctx.bias_dtype))
-            return grad_x, None, None, None, None
+                step(bias_param, crossings.to_device(bias_param), grad_bias.to(ctx.bias_dtype))
+            return grad_x, None, None, None, None, None
         # In the weight's dtype, on its device (a host weight's gradient crosses back here).
         return (grad_x, None if grad_weight is None else grad_weight.to(device=weight.device, dtype=weight.dtype),
-                None if grad_bias is None else grad_bias.to(device=weight.device, dtype=ctx.bias_dtype), None, None)
+                None if grad_bias is None else grad_bias.to(device=weight.device, dtype=ctx.bias_dtype), None, None,
+                None)
+
+
+def _crossed(crossings, tensor: torch.Tensor, backward_reads: bool) -> torch.Tensor:
+    """A host tensor's copy on the device for a forward product, kept for the backward when this is a recompute and
+    that backward reads it."""
+    on_device = crossings.to_device(tensor)
+    if backward_reads:
+        crossings.keep(tensor, on_device)
+    return on_device
 
 
 def _float32(value: float) -> float:
@@ -440,13 +459,14 @@ class AdapterSet:
     def parameters(self) -> list[torch.nn.Parameter]:
         return [p for layer in self.layers.values() for _, p in self._own_parameters(layer)]
 
-    def step_on_device(self, step) -> None:
-        """Kind full with its trained weights in host RAM and their optimizer state on the card: each layer's backward
-        hands its gradients to `step(tensor, on_device, grad)` (fused_backward.FusedBackward.step_on_device; None: back
-        to autograd)."""
+    def weights_in_host_ram(self, crossings, step=None) -> None:
+        """Kind full with its trained weights in host RAM: each layer copies them to the compute device and back
+        through `crossings` (memory/trained_weights_on_host.Crossings); with their optimizer state on the card, its
+        backward hands its gradients to `step(tensor, on_device, grad)` (fused_backward.FusedBackward.step_on_device;
+        None: to autograd)."""
         for layer in self.layers.values():
             if isinstance(layer, FullLayer):
-                layer.device_step = step
+                layer.crossings, layer.device_step = crossings, step
 
     def unread_base_layers(self) -> list[torch.nn.Module]:
         """The base layers a training step never reads: kind full's (FullLayer computes with its trained copy alone; the

@@ -228,16 +228,19 @@ class Trainer:
             # optimizer state "cpu": each step runs in host RAM, where the state is.
             on_host = self.policy.optimizer_state == "cpu"
             step_device = torch.device("cpu") if on_host else denoiser.device
-            # Trained weights in host RAM with their state on the card: each tensor stepped there in backward, its
-            # layer handing over the gradient (trained_weights_on_host.py).
-            on_device_steps = self.policy.trained_weights == "host" and not on_host
+            # Trained weights in host RAM: copied to the card and back through pinned staging buffers; with their
+            # state on the card each tensor is stepped there in backward, its layer handing over the gradient
+            # (trained_weights_on_host.py).
+            weights_on_host = self.policy.trained_weights == "host"
+            crossings = trained_weights_on_host.Crossings(denoiser.device, self.params) if weights_on_host else None
+            on_device_steps = weights_on_host and not on_host
             self.optimizer = FusedBackward(
                 self.params, lambda group: create_optimizer(group, optimizer_config, device=step_device),
                 lambda opt: create_scheduler(opt, optimizer_config), max_grad_norm=config.max_grad_norm,
                 bf16_stochastic=bf16_weights, seed=step_seed(config.seed, 0, _SALT_ROUNDING), state_on_host=on_host,
-                step_device=denoiser.device if on_device_steps else None)
-            if on_device_steps:
-                trainable.step_on_device(self.optimizer.step_on_device)
+                step_device=denoiser.device if on_device_steps else None, crossings=crossings)
+            if weights_on_host:
+                trainable.weights_in_host_ram(crossings, self.optimizer.step_on_device if on_device_steps else None)
             self.scheduler = self.optimizer.schedule
         else:
             if bf16_weights:

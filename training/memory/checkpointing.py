@@ -70,6 +70,13 @@ def replaying(run: Callable) -> Callable:
     return replaying_run
 
 
+def recomputing() -> bool:
+    """Whether this thread is inside a checkpoint's recompute (backward is about to use what it makes): a host weight's
+    copy made there can serve that backward too (trained_weights_on_host.Crossings.keep)."""
+    tape = getattr(_tape, "current", None)
+    return tape is not None and tape[1]
+
+
 @contextlib.contextmanager
 def pinned_reading(owner, name: str):
     """Within it, `owner.<name>` (a function of plain arguments reading the machine's state, e.g. ComfyUI's

@@ -7,8 +7,8 @@ so a full fine-tune never holds a full set of gradients (for an 8 B model: 16 Gi
 
 The Trainer uses it in place of its optimizer (policy field `fused_backward`): it has the optimizer's face
 (`param_groups`, `state`, `zero_grad`, `state_dict` in torch's one-optimizer layout, so checkpoints are checked as
-any other), `step()` does nothing (every parameter was stepped in backward) and `schedule` is the one schedule of
-all the parameters.
+any other), `step()` only lands updates still crossing to host RAM (every parameter was stepped in backward) and
+`schedule` is the one schedule of all the parameters.
 
 torch provides the mechanism (Tensor.register_post_accumulate_grad_hook, the pattern of its "optimizer step in
 backward" tutorial): one optimizer per parameter, stepped from that parameter's hook. What follows from it:
@@ -23,7 +23,8 @@ backward" tutorial): one optimizer per parameter, stepped from that parameter's 
 - `step_device` (trained weights in host RAM, optimizer state on the card: trained_weights_on_host.py): a host tensor
   is stepped on the card while its layer is there, its gradient handed over by the layer's backward
   (`step_on_device`: adapters.FullLayer) instead of accumulated by autograd on the host; the updated tensor is
-  copied back, and no gradient crosses. Each such tensor is stepped once per training step (a layer run twice in one
+  copied back (through `crossings`' staging buffers, landed in host RAM by `step()` at the latest), and no gradient
+  crosses. Each such tensor is stepped once per training step (a layer run twice in one
   step is refused: its first gradient would be stepped alone).
 With the same optimizer implementation the weights equal those of the unfused step (tests/unit/test_fused_backward.py:
 bitwise in fp32 with AdamW, Adafactor and clipping off).
@@ -45,13 +46,14 @@ class FusedBackward:
     def __init__(self, params: Sequence[torch.nn.Parameter], make_optimizer: Callable[[list], torch.optim.Optimizer],
                  make_scheduler: Callable[[torch.optim.Optimizer], object] | None = None, *,
                  max_grad_norm: float = 0.0, bf16_stochastic: bool = False, seed: int = 0,
-                 state_on_host: bool = False, step_device: torch.device | str | None = None):
+                 state_on_host: bool = False, step_device: torch.device | str | None = None, crossings=None):
         """`make_optimizer([param])`: one optimizer per parameter (training/core/optimizers.create_optimizer; with
         `state_on_host`, one for the CPU); `make_scheduler(optimizer)`: its learning-rate schedule (None: constant).
         `state_on_host`: the optimizer state lives in host RAM and each parameter's step runs there, on an fp32 copy
         of the parameter and its gradient (device to host), the result copied back (host to device). `step_device`:
         the parameters are in host RAM and each is stepped on this device, where its state lives, when its layer hands
-        over its gradient (`step_on_device`)."""
+        over its gradient (`step_on_device`). `crossings` (trained_weights_on_host.Crossings: the parameters in host
+        RAM): the updates go back through it, landed in the parameters by `step` (the step's end) and `zero_grad`."""
         self.params = [p for p in params if p.requires_grad]
         self.max_grad_norm = float(max_grad_norm)
         self.bf16_stochastic = bf16_stochastic
@@ -67,6 +69,7 @@ class FusedBackward:
                            else None for p in self.params]
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self._stepped_on_device: set[int] = set()  # this training step's (step_on_device), cleared by zero_grad
+        self.crossings = crossings
         self.optimizers = [make_optimizer([stand_in if stand_in is not None else param])
                            for param, stand_in in zip(self.params, self._stand_ins)]
         self.schedulers = [make_scheduler(opt) for opt in self.optimizers] if make_scheduler is not None else []
@@ -144,9 +147,15 @@ class FusedBackward:
                                "Set the Offload Policy's optimizer_state to cpu for this model")
         self._stepped_on_device.add(index)
         with self._one_gradient():
-            # Back to host RAM: the one crossing of the update. Through .data: a layer run twice in the step would
-            # otherwise fail in torch's in-place check before the guard above could say why.
-            self._step(index, on_device, grad, param.data.copy_)
+            # Back to host RAM: the one crossing of the update (landed in `param` by `step` at the latest).
+            self._step(index, on_device, grad, self._to_host(param))
+
+    def _to_host(self, param: torch.Tensor) -> Callable[[torch.Tensor], None]:
+        if self.crossings is not None:
+            return lambda update: self.crossings.to_host(param, update)
+        # Through .data: a layer run twice in the step would otherwise fail in torch's in-place check before the guard
+        # in step_on_device could say why.
+        return param.data.copy_
 
     @staticmethod
     def _empty(device: torch.device) -> torch.nn.Parameter:
@@ -182,9 +191,15 @@ class FusedBackward:
         for param in self.params:  # normally none is left: each hook frees its gradient
             param.grad = None
         self._stepped_on_device.clear()
+        self._land_updates()  # normally done by step(): a backward that failed half-way leaves none in flight
 
     def step(self) -> None:
-        """Nothing: every parameter was stepped inside backward."""
+        """Every parameter was stepped inside backward: only the updates still crossing to host RAM are landed."""
+        self._land_updates()
+
+    def _land_updates(self) -> None:
+        if self.crossings is not None:
+            self.crossings.finish()
 
     def state_dict(self) -> dict:
         """torch's layout of one optimizer with a group per parameter (index i: the i-th parameter), and the

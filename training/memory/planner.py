@@ -98,6 +98,9 @@ class BlockProfile:
     # Seconds of this block's forward per sample, a law of the latent area (measured in the calibration forwards,
     # time_model.fit_seconds); zero: not measured.
     forward_s: ActivationLaw = ActivationLaw()
+    # Its modules' names (relative to the block) in the order its forward first calls them (measured in the
+    # calibration forwards; empty: not measured, module order is assumed): backward meets its layers in reverse.
+    call_order: tuple[str, ...] = ()
 
     def copies_kept(self, storage: str) -> int:
         """Bytes of weight copies this block's forward keeps for backward, with the base stored as `storage`."""
@@ -157,7 +160,8 @@ class ModelDescription:
     def from_dict(cls, data: dict) -> "ModelDescription":
         data = dict(data)
         blocks = tuple(BlockProfile(**{**b, "saved": ActivationLaw(**b["saved"]), "inputs": ActivationLaw(**b["inputs"]),
-                                       "forward_s": ActivationLaw(**b.get("forward_s", {}))})
+                                       "forward_s": ActivationLaw(**b.get("forward_s", {})),
+                                       "call_order": tuple(b.get("call_order", ()))})
                        for b in data.pop("blocks"))
         return cls(blocks=blocks, outside_saved=ActivationLaw(**data.pop("outside_saved")),
                    outside_forward_s=ActivationLaw(**data.pop("outside_forward_s", {})), **data)
@@ -226,6 +230,10 @@ class TrainableSpec:
     # none (an adapter reads its base).
     unread_base_blocks: tuple[BlockProfile, ...] = ()
     unread_base_outside: int = 0
+    # A full fine-tune's trained layers per block of the model (`trained_per_block`: each layer's name relative to the
+    # block and its trained elements, weight and bias): with its trained weights in host RAM a checkpointed block's
+    # copies stay on the card from its recompute to its backward. Empty: not known.
+    block_layers: tuple[tuple[tuple[str, int], ...], ...] = ()
 
     @property
     def param_count(self) -> int:
@@ -307,6 +315,22 @@ def unread_base(named_blocks: Sequence[tuple[str, torch.nn.Module]], targets: It
         profiles.append(BlockProfile(name=name, param_bytes=sum(frozen_bytes(m) for m in layers),
                                      **_linear_statistics(layers)))
     return tuple(profiles), sum(frozen_bytes(m) for m in targets if id(m) not in inside)
+
+
+def trained_per_block(named_blocks: Sequence[tuple[str, torch.nn.Module]], targets: Iterable[torch.nn.Module]
+                      ) -> tuple[tuple[tuple[str, int], ...], ...]:
+    """A full fine-tune of `targets`: per block of `named_blocks`, each trained layer's name relative to the block and
+    its elements (weight and bias), in module order (TrainableSpec.block_layers)."""
+    wanted = {id(m) for m in targets}
+    return tuple(tuple((name, TrainableSpec.full([m]).param_count) for name, m in block.named_modules() if id(m) in wanted)
+                 for _, block in named_blocks)
+
+
+def in_call_order(layers: Sequence[tuple[str, int]], call_order: Sequence[str]) -> list[int]:
+    """The elements of a block's trained `layers` (name, elements) in the order its forward calls them (BlockProfile.
+    call_order; a layer it does not name, or no order at all: after those, in module order)."""
+    rank = {name: i for i, name in enumerate(call_order)}
+    return [elements for _, elements in sorted(layers, key=lambda layer: rank.get(layer[0], len(rank)))]
 
 
 def optimizer_placement_cost(policy: OffloadPolicy, trainable: TrainableSpec) -> FeatureCost:
@@ -594,10 +618,20 @@ def estimate(description: ModelDescription, trainable: TrainableSpec, shape: Run
 
     weights_on_host = policy.trained_weights == "host"
     trained = trained_weights_on_host.trained_weights_cost(trainable.shapes, trainable.element_size,
-                                                           description.compute_element_size, weights_on_host)
+                                                           description.compute_element_size, weights_on_host,
+                                                           policy.optimizer_state != "cpu",
+                                                           torch.device(description.compute_device).type == "cuda")
     gradients = fused_backward.gradients_cost(trainable.shapes, trainable.element_size, policy.fused_backward,
                                               state_on_host=policy.optimizer_state == "cpu",
                                               weights_on_host=weights_on_host)
+    if weights_on_host and checkpointed and trainable.block_layers:
+        # What one tensor's step holds beside the kept copies: on the card, and on a CPU host RAM too (the same RAM)
+        alongside = sum(trained.training.values()) + sum(gradients.training.values()) + (
+            0 if apart else sum(gradients.host_added_training.values()))
+        trained.training.update(trained_weights_on_host.recompute_kept_cost(
+            [in_call_order(trainable.block_layers[i], blocks[i].call_order) for i in checkpointed
+             if i < len(trainable.block_layers)],
+            trainable.element_size, alongside, max(math.prod(s) for s in trainable.shapes)))
     if trainable.weight_ranks > 1:  # FSDP2: weights, gradients and state each rank's share (one feature)
         trained = sharded_weights.cost(trainable.shapes, trainable.element_size, trainable._state_bytes(),
                                        trainable.weight_ranks, trainable.optimizer)
@@ -710,7 +744,7 @@ def estimate(description: ModelDescription, trainable: TrainableSpec, shape: Run
     if policy.checkpointing == "blocks_cpu_offload":
         crossing += 2 * int(sum(inputs[i] for i in checkpointed))  # block inputs to host RAM and back
     if weights_on_host:
-        crossing += 3 * trainable.weight_bytes()  # in for forward and for backward, the gradient back
+        crossing += 3 * trainable.weight_bytes()  # in for the forward, for recompute + backward; update back
     step = time_model.step_time(
         description.forward_seconds(area, tokens, batch, storage),
         description.outside_forward_s.at(area, tokens) * batch, checkpointed,
@@ -951,6 +985,8 @@ class ActivationSample:
     # Seconds of each block's forward, and of the rest of the forward (time_model.py; empty / 0: not timed)
     block_forward_s: list[float] = dataclasses.field(default_factory=list)
     outside_forward_s: float = 0.0
+    # Per block, its modules' names (relative to the block) in the order its forward first called them
+    block_call_order: list[tuple[str, ...]] = dataclasses.field(default_factory=list)
 
     @property
     def total_saved(self) -> int:
@@ -1049,6 +1085,8 @@ def measure_activations(run_forward: Callable[[], object], blocks: Sequence[torc
     def leave_layer(module, args, output) -> None:  # returns None: a forward hook's result would replace the output
         layers.pop()
 
+    call_order: list[dict[str, None]] = [{} for _ in blocks]  # per block, names in first-call order (dict: ordered)
+
     handles = []
     for index, block in enumerate(blocks):
         def pre(module, args, kwargs, index=index):
@@ -1068,10 +1106,13 @@ def measure_activations(run_forward: Callable[[], object], blocks: Sequence[torc
 
         handles.append(block.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(block.register_forward_hook(post))
-        for layer in block.modules():
+        for name, layer in block.named_modules():
             if layer._parameters.get("weight") is not None:
                 handles.append(layer.register_forward_pre_hook(enter_layer))
                 handles.append(layer.register_forward_hook(leave_layer))
+            if name:
+                handles.append(layer.register_forward_pre_hook(
+                    lambda module, args, name=name, order=call_order[index]: order.setdefault(name)))
     try:
         sync()
         begun = time.perf_counter()
@@ -1085,7 +1126,7 @@ def measure_activations(run_forward: Callable[[], object], blocks: Sequence[torc
         for handle in handles:
             handle.remove()
     return ActivationSample(latent_area, text_tokens, block_saved, block_inputs, outside[0], block_copies, linear_copies,
-                            forward_s, max(0.0, total_s - sum(forward_s)))
+                            forward_s, max(0.0, total_s - sum(forward_s)), [tuple(order) for order in call_order])
 
 
 _LAW_TERMS = ("const", "per_latent_px", "per_latent_px2", "per_text_token", "per_px_token")
@@ -1163,6 +1204,7 @@ def describe_blocks(named_blocks: Sequence[tuple[str, torch.nn.Module]], saved: 
             weight_copy_bytes=max((s.block_weight_copies[index] for s in samples if s.block_weight_copies), default=0),
             linear_copy_bytes=max((s.block_linear_copies[index] for s in samples if s.block_linear_copies), default=0),
             forward_s=forward_s[index] if index < len(forward_s) else ActivationLaw(),
+            call_order=next((s.block_call_order[index] for s in samples if s.block_call_order), ()),
         ))
     return tuple(profiles)
 
