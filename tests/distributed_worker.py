@@ -110,10 +110,7 @@ def main(rank: int, world: int, port: int, job: dict) -> None:
     trainer = toy_run(job)
     trainer.rank_batch = job.get("rank_batch")
     if trainer.run_dir is not None:
-        if job.get("slow_resume_rank") == rank:  # a rank that reads its checkpoint late (a slow disk)
-            time.sleep(job.get("slow_resume_s", 0))
         trainer.resume()
-    resumed_at = time.time()
     log = open(job["step_log"], "a", buffering=1) if job.get("step_log") else None
 
     def after_step(report):
@@ -126,7 +123,6 @@ def main(rank: int, world: int, port: int, job: dict) -> None:
             trainer.denoiser.net.proj_out.bias.data[:] = float("nan")  # this rank's model only
 
     trainer.train_to(job["steps"], after_step, checkpoint_every=job.get("checkpoint_every", 0))
-    saving_at = time.time()
     if trainer.run_dir is not None:
         trainer.save()
     from headroom.training.memory.sharded_optimizer import local_optimizer
@@ -145,8 +141,7 @@ def main(rank: int, world: int, port: int, job: dict) -> None:
     torch.save({"adapter": adapter, "losses": trainer.loss_history, "state_bytes": sum(state),
                 "weight_bytes": local_bytes if trainer.shards_weights else None, "rss": rss,
                 "sharded": trainer.sharded, "shapes": [tuple(p.shape) for p in trainer.params],
-                "wrapper_state": len(trainer.optimizer.state) if trainer.sharded else None,
-                "resumed_at": resumed_at, "saving_at": saving_at},
+                "wrapper_state": len(trainer.optimizer.state) if trainer.sharded else None},
                f"{job['out']}.rank{rank}.pt")
     if world > 1:  # gloo's threads are stopped here, not torn down by the interpreter's exit (which can abort)
         torch.distributed.destroy_process_group()

@@ -744,10 +744,6 @@ class Trainer:
     def resume(self) -> bool:
         """Load the run directory's latest checkpoint, if there is one."""
         checkpoint = self.run_dir.load_checkpoint() if self.run_dir is not None else None
-        if self.parallel is not None:
-            # Every rank has read the checkpoint before rank 0 may write that step again (a run resumed and saved with
-            # no step between replaces the folder another rank was still reading).
-            self.parallel.barrier("resume")
         if checkpoint is None:
             return False
         self.restore(checkpoint)
