@@ -181,7 +181,8 @@ def test_a_sharded_run_resumes_exactly_at_two_ranks_and_at_one(tmp_path, two_ran
     """The first half on 2 ranks; its checkpoint holds the whole optimizer state in the one-optimizer layout, so the
     second half on 2 ranks (each loading its share) and on 1 rank both give the uninterrupted 2-rank run's weights."""
     _run_ranks(_job(tmp_path, "first", steps=STEPS // 2, run_root=str(tmp_path), run_name="run", kind="full"))
-    # Resumed and saved again at the same step (no training in between): rank 0 writes the whole state it loaded.
+    # Resumed and saved again at the same step (no training in between): rank 0 writes the whole state it loaded,
+    # maybe while rank 1 still reads that step (RunDir.load_checkpoint then reads the new copy).
     again = _run_ranks(_job(tmp_path, "again", steps=STEPS // 2, run_root=str(tmp_path), run_name="run", kind="full"))
     assert [run["wrapper_state"] for run in again] == [0, 0]  # no second copy of a rank's share after loading it
     shutil.copytree(tmp_path / "run", tmp_path / "copy")

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from headroom.training.core.run_dir import Checkpoint, RunDir, check_name, check_subfolder
+from headroom.training.core.run_dir import Checkpoint, CheckpointError, RunDir, check_name, check_subfolder
 
 
 def _checkpoint(step: int) -> Checkpoint:
@@ -89,3 +89,31 @@ def test_settings_added_or_removed_later_let_older_runs_resume(tmp_path):
     with pytest.raises(ValueError, match=r"train.checkpoint_depth: stored 2, now 1"):
         run.check_compatible({"train": {"seed": 0, "gradient_checkpointing": True, "checkpoint_depth": 1}},
                              removed_later=removed)
+
+
+def test_a_checkpoint_saved_again_while_another_rank_reads_it_is_read_from_its_new_folder(tmp_path, monkeypatch):
+    """Several ranks read one run: rank 0 may save the step it resumed while rank 1 still reads it, and prune the
+    folder rank 1 reads. Rank 1 then reads the copy latest.json names (bounded: a folder replaced at every read
+    fails with the file's name)."""
+    from headroom.training.core import run_dir as run_dir_module
+
+    writer = RunDir(tmp_path, "run")
+    writer.save_checkpoint(_checkpoint(15))
+    reader = RunDir(tmp_path, "run")
+    load_torch, saves = run_dir_module._load_torch, []
+
+    def rank0_saves_while_rng_is_read(path, what):
+        if path.name == "rng.pt" and len(saves) < limit:
+            saves.append(writer.save_checkpoint(_checkpoint(15)))  # prunes the folder `path` is in
+        return load_torch(path, what)
+
+    monkeypatch.setattr(run_dir_module, "_load_torch", rank0_saves_while_rng_is_read)
+    limit = 1
+    loaded = reader.load_checkpoint()
+    assert loaded.step == 15 and [p.name for p in saves] == ["step_00000015.1"]
+    assert torch.equal(loaded.adapter["a.lora_A.default.weight"], _checkpoint(15).adapter["a.lora_A.default.weight"])
+    assert sorted(p.name for p in (writer.path / "checkpoints").iterdir()) == ["step_00000015.1"]
+    limit = 10  # replaced at every read: the reader gives up after READ_ATTEMPTS reads, naming the file
+    with pytest.raises(CheckpointError, match="rng.pt"):
+        reader.load_checkpoint()
+    assert len(saves) == 1 + run_dir_module.READ_ATTEMPTS

@@ -45,6 +45,8 @@ NAME_MAX = 100  # a run name's characters; a file named after the run adds "_ste
 _CHECKPOINT = re.compile(r"checkpoints/(step_(\d{8})(?:\.(\d{1,6}))?)")
 _CHECKPOINT_FOLDER = re.compile(r"step_(\d{8})(?:\.(\d{1,6}))?")
 KEEP_CHECKPOINTS = 2
+# Reads of the latest checkpoint when another process replaced it meanwhile (load_checkpoint).
+READ_ATTEMPTS = 3
 # The longest path a run writes inside its folder: checkpoints/<temp name of step_00000000.999999>/adapter.safetensors,
 # a temp name adding 31 characters (files.temp_name: ".", ".hrtmp-", a 10-digit pid, "-", 8 hex digits, ".tmp").
 LONGEST_INSIDE_RUN = len("checkpoints/") + len("step_00000000.999999") + 31 + len("/adapter.safetensors")
@@ -361,9 +363,22 @@ class RunDir:
     def load_checkpoint(self) -> Checkpoint | None:
         """The checkpoint latest.json names, its structure checked (CheckpointError naming the problem)."""
         pointer = self._pointer()
-        if pointer is None:
-            return None
-        step, folder = pointer
+        for attempt in range(READ_ATTEMPTS):
+            if pointer is None:
+                return None
+            try:
+                return self._read_checkpoint(*pointer)
+            except CheckpointError:
+                # Several ranks read one run: rank 0 may save the step it resumed (e.g. after a validation) while
+                # another rank still reads it, and prune the folder being read (Linux deletes it under the reader;
+                # Windows refuses and prunes later). Then latest.json names the new copy: read that one.
+                newer = self._pointer()
+                if newer == pointer or attempt == READ_ATTEMPTS - 1:
+                    raise
+                pointer = newer
+        return None  # not reached: the last attempt returns or raises
+
+    def _read_checkpoint(self, step: int, folder: pathlib.Path) -> Checkpoint:
         try:
             current = folder / "trainer.json"
             trainer = read_json(current, "trainer state", max_bytes=TRAINER_JSON_MAX_BYTES)
