@@ -47,6 +47,7 @@ def main() -> None:
     from headroom.training.core.adapters import AdapterConfig
     from headroom.training.memory.planner import RunShape, plan_auto
     from headroom.training.memory.policy import OffloadPolicy
+    from headroom.training.memory.time_model import DEFAULT_H2D_BYTES_PER_S
 
     started = time.monotonic()
     template = next((t for t in plan_table.TEMPLATES if t.architecture == architecture), None)
@@ -66,7 +67,7 @@ def main() -> None:
                              int((card - RESERVE_GB) * 2 ** 30))
             step = plan.phase("training step").total / 2 ** 30
             policy = plan.policy
-            chosen = f"{policy.base_placement}, checkpointing {policy.checkpointing}, state on {policy.optimizer_state}"
+            chosen = f"{policy.base_placement}, checkpointing {policy.checkpointing}, state {policy.optimizer_state_said}"
             if policy.trained_weights == "host":
                 chosen += ", trained weights in host RAM"
             if policy.base_storage != "as_loaded":
@@ -77,6 +78,8 @@ def main() -> None:
             peak = plan.peak
             if peak.phase != "training step":  # the card's peak is another phase (validation, as the saved file)
                 chosen += f"; peak {peak.total / 2 ** 30:.1f} GiB in {peak.phase}"
+            if plan.predicted_s_per_step is not None:
+                chosen += f"; predicted {plan.predicted_s_per_step:.2f} s/step"
             cells += [f"{step:.1f} GiB ({chosen}){'' if plan.device_fits else ' **no fit**'}",
                       f"{sum(plan.host_bytes.values()) / 2 ** 30:.1f} GiB"]
         print(f"| {label} | " + " | ".join(cells) + " |")
@@ -85,7 +88,10 @@ def main() -> None:
     count = trainable.param_count
     print(f"\n{template.label}, {count / 1e9:.2f} B trained weights (every Linear in the blocks, with biases), 1024x1024, "
           f"batch 1; budget = card - {RESERVE_GB:g} GiB; planned {datetime.date.today()}; torch {torch.__version__}, "
-          f"ComfyUI {comfyui_version.__version__}, Python {platform.python_version()} ({time.monotonic() - started:.0f} s)")
+          f"ComfyUI {comfyui_version.__version__}, Python {platform.python_version()} ({time.monotonic() - started:.0f} s). "
+          "Predicted s/step: the planner's time model without block times measured on a GPU (compute estimated from "
+          f"reading the weights, so far too low), host <-> device copies at {DEFAULT_H2D_BYTES_PER_S / 1e9:.0f} GB/s and "
+          "the optimizer step: meaningful where copies or a host RAM step bound it, not for compute-bound rows.")
 
 
 if __name__ == "__main__":

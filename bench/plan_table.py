@@ -145,8 +145,8 @@ def cell(plan) -> str:
     parts += {"off": [], "blocks": ["ckpt"], "blocks_cpu_offload": ["ckpt offload"]}[policy.checkpointing]
     if policy.checkpointing != "off" and policy.checkpoint_selection is not None:  # selective: k of n blocks
         parts[-1] += f" {len(plan.checkpointed_blocks)}/{len(plan.resident_blocks) + len(plan.streamed_blocks)}"
-    if policy.optimizer_state == "cpu":
-        parts.append("optim cpu")
+    if policy.optimizer_state != "gpu":
+        parts.append(f"optim {policy.optimizer_state}")
     peak = f"{plan.peak_bytes / 2 ** 30:.1f} GiB"
     return f"{peak}: {', '.join(parts)}" if plan.fits else f"no fit (min {peak})"
 

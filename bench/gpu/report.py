@@ -47,8 +47,9 @@ def _gib(value) -> str:
 
 def _config_key(config: str) -> tuple:
     """Budgets ascending, then resident, then the named policies."""
-    if config.endswith("GB") or config.endswith("GB-host"):  # a full fine-tune's card, its weights in host RAM after
-        return (0, float(config.removesuffix("-host").removesuffix("GB")), config)
+    card, _, variant = config.partition("-")  # a budget or card, then its variants
+    if card.endswith("GB") and variant in ("", "host", "streamed-state", "ballast"):
+        return (0, float(card.removesuffix("GB")), config)
     return (1, 0.0, "") if config == "resident" else (2, 0.0, config)
 
 
@@ -190,7 +191,9 @@ def section(records: list[dict]) -> str:
     if full:
         lines += ["", "Full fine-tunes (LoRA Config kind full on every Linear in the blocks, bf16 difference with "
                   "stochastic rounding, Offload Policy fused_backward, Adafactor), fitted by the Init node's planner "
-                  "to the card (emulated as above):", "",
+                  "to the card (emulated as above); `streamed-state`: AdamW with its state streamed from host RAM for "
+                  "each tensor's step, the policy given (partial base, every block checkpointed, budget card - 1 GiB):",
+                  "",
                   "| model | card | policy run | planner step GiB | peak alloc. GiB | peak reserved GiB | planner / "
                   "measured | host RAM peak GiB | s/step | status |", "|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
         for r in full:

@@ -4,7 +4,8 @@ Runs ComfyUI in-process and drives Headroom's node classes as a workflow runs th
 (auto) -> Train LoRA: Init -> Train LoRA: Steps -> Validate LoRA (loss only)) on full-size models built from ComfyUI's
 own classes with random bf16 weights (tests/realsize_models.py: nothing is downloaded). Per model: the resident run
 and the planner's auto policy for each budget (6, 8, 12, 16, 24 GiB), each budget emulated on the large card with
-torch.cuda.set_per_process_memory_fraction(budget / card total). Then ComfyUI's own TrainLoraNode on SDXL and
+torch.cuda.set_per_process_memory_fraction(budget / card total) (SDXL at 16 GiB also with a ballast allocation
+filling the card beyond it instead: "16GB-ballast"). Then ComfyUI's own TrainLoraNode on SDXL and
 Flux-dev (offloading off / on), full fine-tunes of SD3.5-Large and Flux-dev fitted to 24 and 48 GB cards (FULL_CARDS) and, with their trained weights in host RAM, to 16 GB (FULL_HOST_CARDS),
 the CUDA-marked tests and, last, each named policy (POLICIES) as given on Flux-dev, SDXL and SD3.5-Large. LoRA rank 16, batch 1, 1024 px (Wan: 832x480, 33 frames).
 
@@ -92,13 +93,20 @@ FULL_CARDS = (24, 48)
 # ... and with the Offload Policy's trained_weights host (the trained weights in host RAM, each tensor stepped where
 # the planner puts its optimizer state: the card with Adafactor), GiB.
 FULL_HOST_CARDS = (16,)
+# ... and with AdamW's fp32 state (8 bytes per weight) streamed from host RAM to the card for each tensor's step
+# (optimizer_state streamed), as the planner fits SD3.5-Large with AdamW to a 24 GB card (docs/benchmarks/
+# full_finetune.md): the policy given (partial base, every block checkpointed), so the path runs in the dry run too.
+FULL_STREAMED_STATE_CARDS = (24,)
+FULL_STREAMED_STATE_MODELS = ("sd35_large",)
 
 
 def plan(models: list[str], budgets: list[float], policies: list[str], full_cards: tuple[float, ...] = FULL_CARDS,
-         full_host_cards: tuple[float, ...] = FULL_HOST_CARDS) -> list[tuple[str, str, list[str]]]:
+         full_host_cards: tuple[float, ...] = FULL_HOST_CARDS,
+         full_streamed_state_cards: tuple[float, ...] = FULL_STREAMED_STATE_CARDS) -> list[tuple[str, str, list[str]]]:
     """The measurements in order of value, as (kind, model, configs): configs "resident", "ckpt" (resident, every
     block checkpointed), a budget in GiB ("8GB"),
-    "policy-<name>", or a full fine-tune's card ("full-24GB", "full-16GB-host"); one model build per entry. Flux-dev and SDXL at 16 / 8 GiB and resident come first (the first
+    "policy-<name>", or a full fine-tune's card ("full-24GB", "full-16GB-host", "full-24GB-streamed-state"); one model
+    build per entry. Flux-dev and SDXL at 16 / 8 GiB and resident come first (the first
     command's share)."""
     first = [b for b in budgets if b in (16, 8)]
     rest = [b for b in budgets if b not in first]
@@ -106,11 +114,18 @@ def plan(models: list[str], budgets: list[float], policies: list[str], full_card
     head = [m for m in ("flux_dev", "sdxl") if m in models]
     # Flux-dev resident with every block checkpointed and no cap: the compute part of a streamed step's physical
     # limit (issue 41: max(compute with its recompute, bytes crossing / pinned bandwidth)).
-    steps += [("lora", m, ["resident", *(["ckpt"] if m == "flux_dev" else []), *map(_config, first)]) for m in head]
+    # SDXL at 16 GiB also with the smaller card made by a ballast allocation instead of the memory fraction (issue 41:
+    # the 16 GiB row ran 1.40x resident with the resident policy): "16GB-ballast" (Budget).
+    steps += [("lora", m, ["resident", *(["ckpt"] if m == "flux_dev" else []), *map(_config, first),
+                           *(["16GB-ballast"] if m == "sdxl" and 16 in first else [])]) for m in head]
     steps += [("lora", m, list(map(_config, rest))) for m in head if rest]
     steps += [("native", m, ["offload_off", "offload_on"]) for m in NATIVE_MODELS if m in models]
     fulls = [f"full-{card:g}GB" for card in full_cards] + [f"full-{card:g}GB-host" for card in full_host_cards]
-    steps += [("full", m, fulls) for m in FULL_MODELS if m in models and fulls]
+    streamed_state = [f"full-{card:g}GB-streamed-state" for card in full_streamed_state_cards]
+    for m in FULL_MODELS:
+        configs = fulls + (streamed_state if m in FULL_STREAMED_STATE_MODELS else [])
+        if m in models and configs:
+            steps.append(("full", m, configs))
     steps += [("lora", m, ["resident", *map(_config, budgets)]) for m in models if m not in head]
     steps += [("lora", m, [f"policy-{p}" for p in policies]) for m in POLICY_MODELS if m in models and policies]
     return steps
@@ -267,18 +282,36 @@ def free_device() -> None:
         torch.cuda.empty_cache()
 
 
+def ballast_bytes(card: int, free: int, reserved: int) -> int:
+    """The ballast that leaves a process `card` bytes of a larger card: what the driver has free (`free`) beyond what
+    the card would still have free (`card` less what the caching allocator already holds, `reserved`); 0 when the card
+    is no larger."""
+    return max(0, free - max(0, card - reserved))
+
+
 class Budget:
     """A card of `gb` GiB emulated on a larger one: the caching allocator may hold at most `gb` GiB of this process
     (torch.cuda.set_per_process_memory_fraction), and torch.cuda.mem_get_info, which ComfyUI's model management
     reads to decide how much of a model to load, reports that card (total `gb`, free what the allocator has not
-    reserved of it). None: the whole card. A no-op without CUDA."""
+    reserved of it). None: the whole card. A no-op without CUDA.
 
-    def __init__(self, gb: float | None, device):
-        self.gb, self.device = gb, device
+    `ballast` (issue 41's SDXL 16 GiB question: does the emulation itself slow a run down?): instead, one allocation
+    fills the card beyond `gb` GiB (`ballast_bytes`), so the driver, mem_get_info and the allocator's out-of-memory path
+    all see the smaller card unpatched and uncapped, as on a real one; torch's peaks then include the ballast
+    (`self.ballast_bytes`: the row subtracts it)."""
+
+    def __init__(self, gb: float | None, device, ballast: bool = False):
+        self.gb, self.device, self.ballast = gb, device, ballast
         self.mem_get_info = None
+        self.ballast_tensor, self.ballast_bytes = None, 0
 
     def __enter__(self):
-        if self.device.type == "cuda" and self.gb is not None:
+        if self.device.type == "cuda" and self.gb is not None and self.ballast:
+            free, total = torch.cuda.mem_get_info(self.device)
+            card = min(total, int(self.gb * GIB))
+            self.ballast_bytes = ballast_bytes(card, free, torch.cuda.memory_reserved(self.device))
+            self.ballast_tensor = torch.empty(self.ballast_bytes, dtype=torch.uint8, device=self.device)
+        elif self.device.type == "cuda" and self.gb is not None:
             total = torch.cuda.get_device_properties(self.device).total_memory
             card = min(total, int(self.gb * GIB))
             torch.cuda.set_per_process_memory_fraction(card / total, self.device)
@@ -291,6 +324,9 @@ class Budget:
         return self
 
     def __exit__(self, *exc):
+        if self.ballast_tensor is not None:
+            self.ballast_tensor = None
+            torch.cuda.empty_cache()
         if self.mem_get_info is not None:
             torch.cuda.mem_get_info = self.mem_get_info
         if self.device.type == "cuda":
@@ -307,7 +343,7 @@ def lora_run(patcher, name: str, config: str, args) -> dict:
     width, height, frames = shape(name, args.dry_run)
     tokens = text_tokens(name, args.dry_run)
     latent_cache, text_cache = caches(patcher, width, height, frames, tokens)
-    budget = float(config.removesuffix("GB")) if config.endswith("GB") else None
+    budget = float(config.removesuffix("-ballast").removesuffix("GB")) if "GB" in config else None
     inputs = {field: default for field, _, default in OffloadPolicy.node_inputs()}
     inputs.update(POLICIES.get(config.removeprefix("policy-"), {}))  # resident: the node's defaults
     inputs["vram_budget_gb"] = budget or 0.0  # 0: auto (resident and named policies: the whole card)
@@ -335,26 +371,32 @@ def full_run(patcher, name: str, config: str, args) -> dict:
     Adafactor, the Offload Policy's fused backward and its card set to that size (the Init node's planner picks
     placement, checkpointing and optimizer state), the card emulated on the large one; Init -> Steps -> Validate.
     "full-16GB-host": the same with the policy's trained_weights host (the planner picks the optimizer state's place:
-    the card, each tensor stepped there in backward, or host RAM)."""
+    the card, each tensor stepped there in backward, or host RAM). "full-24GB-streamed-state": AdamW, its state
+    streamed from host RAM for each tensor's step (FULL_STREAMED_STATE_CARDS: the policy given, budget card - 1 GiB)."""
     from headroom.nodes import memory as M, train_lora as T
     from headroom.training.memory.policy import OffloadPolicy
 
     width, height, frames = shape(name, args.dry_run)
     tokens = text_tokens(name, args.dry_run)
     latent_cache, text_cache = caches(patcher, width, height, frames, tokens)
-    host = config.endswith("-host")
-    card = float(config.removeprefix("full-").removesuffix("-host").removesuffix("GB"))
+    card_text, _, variant = config.removeprefix("full-").partition("-")
+    card = float(card_text.removesuffix("GB"))
     inputs = {field: default for field, _, default in OffloadPolicy.node_inputs()}
     inputs.update(card=f"{card:g} GB", fused_backward=True)
-    if host:
+    if variant == "host":
         inputs.update(trained_weights="host")
+    elif variant == "streamed-state":
+        inputs.update(card="custom", vram_budget_gb=card - 1.0, base_placement="partial", checkpointing="blocks",
+                      optimizer_state="streamed")
     policy = M.HeadroomOffloadPolicy.execute(**inputs).args[0]
+    optimizer_name = "AdamW" if variant == "streamed-state" else "Adafactor"
     record = {"width": width, "height": height, "frames": frames, "text_tokens": tokens, "budget_gb": card,
-              "work": "full fine-tune: every Linear in the blocks, bf16 difference, fused backward, Adafactor"
-              + (", trained weights in host RAM" if host else "")}
+              "work": "full fine-tune: every Linear in the blocks, bf16 difference, fused backward, " + optimizer_name
+              + {"host": ", trained weights in host RAM", "streamed-state": ", its state streamed from host RAM"}.get(
+                  variant, "")}
     lora = T.HeadroomLoraConfig.execute("full", 16, 16.0, "all_linear", False, 0.0, 0,
                                         full_precision="bf16_stochastic").args[0]
-    optimizer = T.HeadroomOptimizerConfig.execute("Adafactor", 1e-6, 0.0, "constant", 0, 1000).args[0]
+    optimizer = T.HeadroomOptimizerConfig.execute(optimizer_name, 1e-6, 0.0, "constant", 0, 1000).args[0]
     return train_and_measure(patcher, name, config, args, record, policy, lora, optimizer, latent_cache, text_cache)
 
 
@@ -370,7 +412,8 @@ def train_and_measure(patcher, name: str, config: str, args, record: dict, polic
     width, height, budget = record["width"], record["height"], record["budget_gb"]
     run = None
     try:
-        with Budget(budget, device), torch.inference_mode():  # as ComfyUI runs nodes
+        with Budget(budget, device, ballast=config.endswith("-ballast")) as card, \
+                torch.inference_mode():  # as ComfyUI runs nodes
             run = T.HeadroomTrainLoraInit.execute(
                 model=patcher, latent_cache=latent_cache, text_cache=text_cache, lora_config=lora,
                 optimizer_config=optimizer, run_name=f"gpukit_{name}_{config}", seed=0, batch_size=1,
@@ -399,12 +442,16 @@ def train_and_measure(patcher, name: str, config: str, args, record: dict, polic
             validation = [p for p in run.record.memory.phases if p["phase"] == "validation"][-1]
             with training_placement_for_validation(run):  # the same on training's placement (before issue 28)
                 on_training = validation_seconds(run, width, height)
+        def run_only(peak):  # torch's peaks count a ballast (Budget(ballast=True)) as this process's: not the run's
+            return None if peak is None else peak - card.ballast_bytes
+
         record.update(status="ok", s_per_step=statistics.median(step_seconds(run, args.warmup)),
-                      train_peak_allocated=training.get("peak_allocated_bytes"),
-                      train_peak_reserved=training.get("peak_reserved_bytes"),
+                      train_peak_allocated=run_only(training.get("peak_allocated_bytes")),
+                      train_peak_reserved=run_only(training.get("peak_reserved_bytes")),
                       train_peak_rss=training.get("peak_rss_bytes"),
-                      validation_peak_allocated=validation.get("peak_allocated_bytes"),
-                      validation_peak_reserved=validation.get("peak_reserved_bytes"),
+                      validation_peak_allocated=run_only(validation.get("peak_allocated_bytes")),
+                      validation_peak_reserved=run_only(validation.get("peak_reserved_bytes")),
+                      ballast_bytes=card.ballast_bytes,
                       loss=float(run.trainer.last_loss), validation_seconds=own,
                       validation_seconds_training_placement=on_training,
                       validation_base_bytes=record.get("validation_base_device_bytes"),
@@ -526,13 +573,22 @@ def training_placement_for_validation(run):
 
 def crossed_per_step(run) -> dict:
     """Trained weights in host RAM (trained_weights_on_host.Crossings): the bytes that crossed each way per training
-    step so far (twice in, once back), and the trained weights' bytes; {} for any other run."""
-    crossings = getattr(run.trainer.optimizer, "crossings", None)
-    if crossings is None:
-        return {}
-    return {"crossed_to_device_per_step": crossings.to_device_bytes / run.trainer.step,
-            "crossed_to_host_per_step": crossings.to_host_bytes / run.trainer.step,
-            "trained_weight_bytes": sum(p.numel() * p.element_size() for p in run.trainer.params)}
+    step so far (twice in, once back), and the trained weights' bytes; optimizer state streamed
+    (streamed_optimizer_state.StreamedState): the state's bytes crossed each way (in from the second step on, back at
+    every step) and the state's bytes; {} for any other run."""
+    fused, steps, out = run.trainer.optimizer, run.trainer.step, {}
+    crossings = getattr(fused, "crossings", None)
+    if crossings is not None:
+        out.update({"crossed_to_device_per_step": crossings.to_device_bytes / steps,
+                    "crossed_to_host_per_step": crossings.to_host_bytes / steps,
+                    "trained_weight_bytes": sum(p.numel() * p.element_size() for p in run.trainer.params)})
+    streamed = getattr(fused, "streamed_state", None)
+    if streamed is not None:
+        to_device, to_host = streamed.bytes_each_way
+        out.update({"state_crossed_to_device": to_device, "state_crossed_to_host": to_host, "steps": steps,
+                    "optimizer_state_bytes": sum(v.numel() * v.element_size() for state in fused.state.values()
+                                                 for v in state.values() if isinstance(v, torch.Tensor))})
+    return out
 
 
 def step_seconds(run, warmup: int) -> list[float]:
@@ -667,6 +723,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--full-host-cards", default=",".join(map(str, FULL_HOST_CARDS)),
                         help="comma list of cards in GiB the same full fine-tunes are fitted to with their trained "
                         "weights in host RAM (none: leave them out)")
+    parser.add_argument("--full-streamed-state-cards", default=",".join(map(str, FULL_STREAMED_STATE_CARDS)),
+                        help=f"comma list of cards in GiB a full fine-tune of {', '.join(FULL_STREAMED_STATE_MODELS)} "
+                        "with AdamW runs on with its optimizer state streamed from host RAM (none: leave it out)")
     parser.add_argument("--no-cuda-tests", action="store_true", help="leave the CUDA-marked tests out")
     parser.add_argument("--page", type=Path, help="write the GPU section into this Markdown file (its own section only)")
     parser.add_argument("--png", type=Path, help="draw the peak-VRAM picture here")
@@ -698,7 +757,9 @@ def main(argv: list[str] | None = None) -> int:
                      "error": "the process ended inside this measurement (time limit or crash); not retried"})
     full_cards = tuple(float(c) for c in args.full_cards.split(",") if c.strip() and c.strip() != "none")
     full_host_cards = tuple(float(c) for c in args.full_host_cards.split(",") if c.strip() and c.strip() != "none")
-    steps = plan(models, budgets, policies, full_cards, full_host_cards)
+    full_streamed_state_cards = tuple(float(c) for c in args.full_streamed_state_cards.split(",")
+                                      if c.strip() and c.strip() != "none")
+    steps = plan(models, budgets, policies, full_cards, full_host_cards, full_streamed_state_cards)
     if args.no_cuda_tests:
         steps = [s for s in steps if s[0] != "cuda_tests"]
     if args.no_native:

@@ -120,7 +120,7 @@ class ControlNetTraining:
         # The ControlNet's weights are loaded by its own ModelPatcher (counted by ComfyUI): gradients and the
         # optimizer's moments where they live on the device.
         trainable = sum(p.numel() * p.element_size() for p in trainer.params)
-        return trainable * (1 if trainer.policy.optimizer_state == "cpu" else 3)
+        return trainable * (1 if trainer.policy.optimizer_state in ("cpu", "streamed") else 3)
 
     def unread_base_layers(self) -> list:
         """The base runs whole beside the ControlNet: every weight of it is read."""

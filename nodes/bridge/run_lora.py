@@ -249,7 +249,7 @@ class LoraTraining:
             weights = 0
         spec = dataclasses.replace(planner.TrainableSpec.from_parameters(trainer.params, trainer.optimizer_config.name),
                                    state_ranks=trainer.state_ranks, weight_ranks=trainer.weight_ranks)
-        state = 0 if trainer.policy.optimizer_state == "cpu" else spec.optimizer_share_bytes()
+        state = 0 if trainer.policy.optimizer_state in ("cpu", "streamed") else spec.optimizer_share_bytes()
         return weights + gradients + state
 
     def unread_base_layers(self) -> list:

@@ -302,6 +302,19 @@ def test_trained_weights_in_host_ram_stepped_where_their_state_is(comfyui):
     a, b = on_device.adapters.state_dict(), stepped.adapters.state_dict()
     assert any(torch.any(v != 0) for v in b.values()) and all(torch.equal(a[k], b[k]) for k in a)
     assert on_device.trainer.loss_history == stepped.trainer.loss_history
+    # optimizer_state streamed: the state in host RAM between steps, crossing with its tensor for the step on the
+    # device (memory/streamed_optimizer_state.py): the same weights, resumed exactly, no state counted on the device
+    streamed = _resumes_exactly(model, latents, texts, "full_weights_host_state_streamed",
+                                policy=_fused_policy(trained_weights="host", optimizer_state="streamed"), **common)
+    b = streamed.adapters.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a) and on_device.trainer.loss_history == streamed.trainer.loss_history
+    fused = streamed.trainer.optimizer
+    assert fused.streamed_state is not None and len(fused.state) == len(fused.params)
+    to_device, to_host = fused.streamed_state.bytes_each_way
+    state = sum(v.numel() * v.element_size() for s in fused.state.values() for v in s.values()
+                if isinstance(v, torch.Tensor))
+    assert to_host == 6 * state and to_device == 5 * state  # each step back once, in once from the second step
+    assert streamed.trained.device_extra_bytes(streamed.trainer) == 0
 
 
 def test_bf16_difference_with_stochastic_rounding_learns_and_resumes_exactly(comfyui):

@@ -113,15 +113,36 @@ def test_dry_run_measures_a_full_fine_tune_fitted_to_a_card(comfyui, tmp_path):
     assert host["status"] == "ok", host.get("traceback")
     # the optimizer state where the planner put it: the card (each tensor stepped there) or host RAM
     state = host["policy_fields"]["optimizer_state"]
-    assert host["policy_fields"]["trained_weights"] == "host" and f"optimizer state on {state}" in host["policy"]
+    said = "optimizer state streamed from host RAM" if state == "streamed" else f"optimizer state on {state}"
+    assert host["policy_fields"]["trained_weights"] == "host" and said in host["policy"]
     assert "trained weights in host RAM" in host["policy"] and "| Flux.1-dev | 16GB-host |" in page.read_text()
     # each trained weight crossed to the card twice per step (forward; recompute and backward), back once (its update,
     # or with the state in host RAM its gradient through autograd, which the crossings do not carry)
     assert host["crossed_to_device_per_step"] == 2 * host["trained_weight_bytes"] > 0
-    assert host["crossed_to_host_per_step"] == (host["trained_weight_bytes"] if state == "gpu" else 0)
+    assert host["crossed_to_host_per_step"] == (host["trained_weight_bytes"] if state != "cpu" else 0)
     run = by_id["full/flux_dev/full-24GB"]
     assert run["status"] == "ok", run.get("traceback")
     assert run["policy_fields"]["fused_backward"] and run["policy_fields"]["vram_budget_gb"] == 23.0  # 24 GB - reserve
     assert run["plan_reason"].startswith("Train LoRA: Init (Headroom): 24 GB:")
     assert run["planner_train_bytes"] > 0 and run["s_per_step"] > 0 and run["budget_gb"] == 24
     assert "| Flux.1-dev | 24GB |" in page.read_text().split("Full fine-tunes")[1]
+
+
+def test_dry_run_measures_a_full_fine_tune_with_its_optimizer_state_streamed(comfyui, tmp_path):
+    """The kit's AdamW full fine-tune of SD3.5-Large with its optimizer state streamed from host RAM for each tensor's
+    step (issue 42 item 3): the row records the state's bytes crossed each way (back at every step, in from the
+    second), beside the trained weights' (none: they stay on the card)."""
+    results, page = tmp_path / "results", tmp_path / "gpu_kit.md"
+    suite(results, "--models", "sd35_large", "--budgets", "", "--no-native", "--no-cuda-tests", "--policies", "none",
+          "--full-cards", "none", "--full-host-cards", "none", "--full-streamed-state-cards", "24", "--page", str(page))
+    by_id = {r["id"]: r for r in measurements(results)}
+    assert list(by_id) == ["h2d", "full/sd35_large/full-24GB-streamed-state", "lora/sd35_large/resident"]
+    run = by_id["full/sd35_large/full-24GB-streamed-state"]
+    assert run["status"] == "ok", run.get("traceback")
+    assert run["policy_fields"]["optimizer_state"] == "streamed" and run["policy_fields"]["vram_budget_gb"] == 23.0
+    assert "optimizer state streamed from host RAM" in run["policy"] and "AdamW" in run["work"]
+    steps, state = run["steps"], run["optimizer_state_bytes"]
+    assert steps == 2 and state > 0  # warm-up + 1 timed step
+    assert (run["state_crossed_to_device"], run["state_crossed_to_host"]) == ((steps - 1) * state, steps * state)
+    assert "crossed_to_device_per_step" not in run  # the trained weights stay on the card
+    assert "| SD3.5-Large | 24GB-streamed-state |" in page.read_text().split("Full fine-tunes")[1]

@@ -179,11 +179,13 @@ def test_host_weights_stepped_on_the_device_at_flux_width_are_the_host_steps():
     (FusedBackward.step_on_device: the layer's backward hands over its 37.7 M-element gradient; the weight and its
     update cross through trained_weights_on_host.Crossings' staging buffers) gives the weights of
     the step in host RAM bit for bit (on a CPU the device is the host: the hand-over, the clipping and the rounding of
-    tensors past 2^24 are what is checked)."""
+    tensors past 2^24 are what is checked); with the optimizer state streamed (streamed_optimizer_state.py: AdamW's
+    two 151 MB fp32 moments in host RAM between steps, crossing through staging buffers sized for them) too."""
     from headroom.training.core.adapters import AdapterConfig, AdapterSet
+    from headroom.training.memory.streamed_optimizer_state import StreamedState
     from headroom.training.memory.trained_weights_on_host import Crossings
 
-    def train(step_device):
+    def train(step_device, streamed=False):
         mlp = _mlp(torch.bfloat16).requires_grad_(False)
         adapters = AdapterSet(mlp, ["0"], AdapterConfig(kind="full", full_precision="bf16_stochastic"),
                               device="cpu")
@@ -192,7 +194,9 @@ def test_host_weights_stepped_on_the_device_at_flux_width_are_the_host_steps():
         crossings = Crossings("cpu", adapters.parameters()) if step_device is not None else None
         fused = FusedBackward(adapters.parameters(), lambda group: create_optimizer(group, config, device="cpu"),
                               max_grad_norm=0.5, bf16_stochastic=True, seed=3, state_on_host=step_device is None,
-                              step_device=step_device, crossings=crossings)
+                              step_device=step_device, crossings=crossings,
+                              streamed_state=StreamedState("cpu", max(p.numel() for p in adapters.parameters()))
+                              if streamed else None)
         if step_device is not None:
             adapters.weights_in_host_ram(crossings, fused.step_on_device)
         generator = torch.Generator().manual_seed(1)
@@ -208,3 +212,8 @@ def test_host_weights_stepped_on_the_device_at_flux_width_are_the_host_steps():
     assert fused.most_gradients_alive == 1 and on_host.keys() == stepped.keys()
     assert all(torch.equal(on_host[k], stepped[k]) for k in on_host)
     assert max(v.numel() for v in stepped.values()) > 2 ** 24
+    streamed, fused = train(torch.device("cpu"), streamed=True)
+    assert all(torch.equal(on_host[k], streamed[k]) for k in on_host)
+    state = sum(v.numel() * v.element_size() for s in fused.state.values() for v in s.values()
+                if isinstance(v, torch.Tensor))
+    assert state > 2 * 4 * 2 ** 24 and fused.streamed_state.bytes_each_way == (state, 2 * state)  # 2 steps

@@ -108,3 +108,21 @@ def test_the_kit_counts_the_allocator_per_step():
     assert deltas["timed_per_step"]["num_alloc_retries"] == 1.0 and deltas["per_step"] == per_step
     assert suite.allocator_deltas([None, None, None], 2) is None
     assert suite.allocator_counters(__import__("torch").device("cpu")) is None
+
+
+def test_the_kit_emulates_sdxl_at_16_gib_with_a_ballast_too():
+    """Issue 41: SDXL at 16 GiB ran 1.40x its resident step with the resident policy; the kit measures it again with
+    the smaller card made by one allocation beside the memory fraction ("16GB-ballast"), which leaves the process the
+    card's bytes however much the allocator already holds, and its row sorts beside the 16 GiB one."""
+    spec = importlib.util.spec_from_file_location("gpukit_suite_unit", REPO_ROOT / "bench" / "gpu" / "suite.py")
+    suite = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(suite)
+    entries = {(kind, model): configs for kind, model, configs in suite.plan(["flux_dev", "sdxl"], [8, 16], [])}
+    assert entries[("lora", "sdxl")] == ["resident", "8GB", "16GB", "16GB-ballast"]
+    assert "16GB-ballast" not in entries[("lora", "flux_dev")]
+    assert all("16GB-ballast" not in configs for _, _, configs in suite.plan(["sdxl"], [8], []))
+    # 141 GB card, 140 GB free, the allocator holding 1 GB already: a 16 GB card leaves 15 GB more to allocate
+    assert suite.ballast_bytes(16 * GIB, 140 * GIB, 1 * GIB) == 125 * GIB
+    assert suite.ballast_bytes(16 * GIB, 10 * GIB, 1 * GIB) == 0  # the card is no larger: nothing to fill
+    keys = sorted(["resident", "16GB-ballast", "8GB", "16GB", "policy-ckpt"], key=report()._config_key)
+    assert keys == ["8GB", "16GB", "16GB-ballast", "resident", "policy-ckpt"]

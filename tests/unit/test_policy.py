@@ -255,8 +255,10 @@ def test_every_field_carries_its_node_input_and_the_node_defaults_give_the_defau
         assert spec.field_value(node_default) == f.default, name
         if spec.kind == "combo":
             assert f.default in spec.options, name
-            # every option is a valid value, with the settings it needs (trained weights in host RAM: a host step)
-            needs = {"trained_weights": {"fused_backward": True, "optimizer_state": "cpu"}}.get(name, {})
+            # every option is a valid value, with the settings it needs (trained weights in host RAM: a host step;
+            # streamed optimizer state: fused backward)
+            needs = {"trained_weights": {"fused_backward": True, "optimizer_state": "cpu"},
+                     "optimizer_state": {"fused_backward": True}}.get(name, {})
             for option in spec.options:
                 OffloadPolicy.from_node_inputs({**{n: d for n, _, d in inputs}, **needs, name: option,
                                                 "checkpointing": option if name == "checkpointing" else "blocks"})

@@ -14,6 +14,7 @@ from headroom.training.core.optimizers import OptimizerConfig, create_optimizer,
 from headroom.training.memory.fused_backward import FusedBackward
 from headroom.training.memory.policy import OffloadPolicy
 from headroom.training.memory.checkpointing import wrap_blocks
+from headroom.training.memory.streamed_optimizer_state import StreamedState
 from headroom.training.memory.trained_weights_on_host import Crossings, check_kind, trained_weights_device
 
 # Six equal middle layers: no one layer is most of the difference (one layer's copy and gradient are in flight).
@@ -30,12 +31,15 @@ def _base(device, seed: int = 0) -> torch.nn.Module:
 
 
 def _train(device, on_host: bool, precision: str = "fp32", steps: int = 4, state: str = "host", clip: float = 0.0,
-           optimizer: str = "AdamW", checkpointed: bool = False, blocks: int = 1):
+           optimizer: str = "AdamW", checkpointed: bool = False, blocks: int = 1, streamed: bool = False,
+           after_step=None, resume: tuple | None = None):
     """A full fine-tune of every Linear of a small model computing on `device`, its trained weights in host RAM
     (`on_host`: crossing through trained_weights_on_host.Crossings) or on `device`, stepped by fused backward with
     the state in host RAM (`state` "host") or on `device` ("device": host weights are stepped there through
-    step_on_device); `checkpointed`: the model as `blocks` checkpointed blocks (training/memory/checkpointing.py).
-    Returns (the adapter set, the fused optimizer, the crossings or None)."""
+    step_on_device; `streamed`: that state kept in host RAM between steps, streamed_optimizer_state.py);
+    `checkpointed`: the model as `blocks` checkpointed blocks (training/memory/checkpointing.py); `after_step(fused)`
+    after each step; `resume`: (weights, optimizer state, schedule state, steps done) loaded before training, the data
+    drawn from there on. Returns (the adapter set, the fused optimizer, the crossings or None)."""
     model = _base(device)
     home = torch.device("cpu") if on_host else device
     adapters = AdapterSet(model, PATHS, AdapterConfig(kind="full", full_precision=precision), device=home)
@@ -48,7 +52,8 @@ def _train(device, on_host: bool, precision: str = "fp32", steps: int = 4, state
     fused = FusedBackward(params, lambda group: create_optimizer(group, config, device=where),
                           lambda opt: create_scheduler(opt, config), max_grad_norm=clip,
                           bf16_stochastic=precision != "fp32", state_on_host=state_on_host,
-                          step_device=device if on_host and not state_on_host else None, crossings=crossings)
+                          step_device=device if on_host and not state_on_host else None, crossings=crossings,
+                          streamed_state=StreamedState(device, max(p.numel() for p in params)) if streamed else None)
     if on_host:
         adapters.weights_in_host_ram(crossings, fused.step_on_device if fused.step_device is not None else None)
     if checkpointed:  # blocks of consecutive layers, each recomputed in backward
@@ -57,6 +62,13 @@ def _train(device, on_host: bool, precision: str = "fp32", steps: int = 4, state
         wrap_blocks(chunks, 1)
         model = torch.nn.Sequential(*chunks)
     generator = torch.Generator().manual_seed(1)
+    if resume is not None:
+        weights, state, schedule, done = resume
+        adapters.load_state_dict(weights)
+        fused.load_state_dict(state)
+        fused.schedule.load_state_dict(schedule)
+        for _ in range(done):
+            torch.randn(8, 16, generator=generator), torch.randn(8, 8, generator=generator)
     for _ in range(steps):
         fused.zero_grad()
         x, y = torch.randn(8, 16, generator=generator), torch.randn(8, 8, generator=generator)
@@ -66,6 +78,8 @@ def _train(device, on_host: bool, precision: str = "fp32", steps: int = 4, state
             assert not any(crossings._kept.values())
         fused.step()
         fused.after_step()
+        if after_step is not None:
+            after_step(fused)
     return adapters, fused, crossings
 
 

@@ -34,6 +34,7 @@ from ..memory.optimizer_parking import HostOptimizer, parked
 from ..gradient_clipping import clip_gradients
 from .optimizers import OptimizerConfig, create_optimizer, create_scheduler, current_lr
 from ..memory.policy import OffloadPolicy, memory_features
+from ..memory.streamed_optimizer_state import StreamedState
 from ..data.files import WriteError
 from .ema import WeightEMA
 from .distributed import DataParallel, RankLostError, RanksStopped
@@ -234,11 +235,15 @@ class Trainer:
             weights_on_host = self.policy.trained_weights == "host"
             crossings = trained_weights_on_host.Crossings(denoiser.device, self.params) if weights_on_host else None
             on_device_steps = weights_on_host and not on_host
+            # Optimizer state "streamed": in host RAM between steps, each tensor's crossing to the card for its step
+            # (memory/streamed_optimizer_state.py).
+            streamed = StreamedState(denoiser.device, max((p.numel() for p in self.params), default=0)) \
+                if self.policy.optimizer_state == "streamed" else None
             self.optimizer = FusedBackward(
                 self.params, lambda group: create_optimizer(group, optimizer_config, device=step_device),
                 lambda opt: create_scheduler(opt, optimizer_config), max_grad_norm=config.max_grad_norm,
                 bf16_stochastic=bf16_weights, seed=step_seed(config.seed, 0, _SALT_ROUNDING), state_on_host=on_host,
-                step_device=denoiser.device if on_device_steps else None, crossings=crossings)
+                step_device=denoiser.device if on_device_steps else None, crossings=crossings, streamed_state=streamed)
             if weights_on_host:
                 trainable.weights_in_host_ram(crossings, self.optimizer.step_on_device if on_device_steps else None)
             self.scheduler = self.optimizer.schedule

@@ -46,14 +46,17 @@ class FusedBackward:
     def __init__(self, params: Sequence[torch.nn.Parameter], make_optimizer: Callable[[list], torch.optim.Optimizer],
                  make_scheduler: Callable[[torch.optim.Optimizer], object] | None = None, *,
                  max_grad_norm: float = 0.0, bf16_stochastic: bool = False, seed: int = 0,
-                 state_on_host: bool = False, step_device: torch.device | str | None = None, crossings=None):
+                 state_on_host: bool = False, step_device: torch.device | str | None = None, crossings=None,
+                 streamed_state=None):
         """`make_optimizer([param])`: one optimizer per parameter (training/core/optimizers.create_optimizer; with
         `state_on_host`, one for the CPU); `make_scheduler(optimizer)`: its learning-rate schedule (None: constant).
         `state_on_host`: the optimizer state lives in host RAM and each parameter's step runs there, on an fp32 copy
         of the parameter and its gradient (device to host), the result copied back (host to device). `step_device`:
         the parameters are in host RAM and each is stepped on this device, where its state lives, when its layer hands
         over its gradient (`step_on_device`). `crossings` (trained_weights_on_host.Crossings: the parameters in host
-        RAM): the updates go back through it, landed in the parameters by `step` (the step's end) and `zero_grad`."""
+        RAM): the updates go back through it, landed in the parameters by `step` (the step's end) and `zero_grad`.
+        `streamed_state` (streamed_optimizer_state.StreamedState): each optimizer's state in host RAM between its
+        steps, on the card for its step (landed in host RAM by `step` and `zero_grad` too)."""
         self.params = [p for p in params if p.requires_grad]
         self.max_grad_norm = float(max_grad_norm)
         self.bf16_stochastic = bf16_stochastic
@@ -70,6 +73,9 @@ class FusedBackward:
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self._stepped_on_device: set[int] = set()  # this training step's (step_on_device), cleared by zero_grad
         self.crossings = crossings
+        if streamed_state is not None and state_on_host:
+            raise ValueError("optimizer state streamed to the card for its step, or stepped in host RAM: not both")
+        self.streamed_state = streamed_state
         self.optimizers = [make_optimizer([stand_in if stand_in is not None else param])
                            for param, stand_in in zip(self.params, self._stand_ins)]
         self.schedulers = [make_scheduler(opt) for opt in self.optimizers] if make_scheduler is not None else []
@@ -121,18 +127,26 @@ class FusedBackward:
             clip_gradients([types.SimpleNamespace(grad=grad)], self.max_grad_norm)
         stand_in = self._stand_ins[index]
         if stand_in is None:  # the parameter itself, its gradient `grad`
-            self.optimizers[index].step()
+            with self._state_here(index):
+                self.optimizers[index].step()
             return
         where = stand_in.device
         stand_in.data = weight.to(where, torch.float32, copy=True)
         stand_in.grad = grad.to(where, torch.float32, copy=True)
         try:
-            self.optimizers[index].step()
+            with self._state_here(index):
+                self.optimizers[index].step()
             write(stochastic_round_to_bf16(stand_in.data, self._generator(where)) if self.bf16_stochastic
                   else stand_in.data)
         finally:
             stand_in.grad = None
             stand_in.data = torch.empty(0, device=where)
+
+    def _state_here(self, index: int):
+        """Where the optimizer's step runs, its state for the step (streamed from host RAM: `streamed_state`)."""
+        if self.streamed_state is None:
+            return contextlib.nullcontext()
+        return self.streamed_state.on_card(index, self.optimizers[index])
 
     def step_on_device(self, param: torch.Tensor, on_device: torch.Tensor, grad: torch.Tensor) -> None:
         """Step `param` (in host RAM) on the card: `on_device` its copy there (its dtype), `grad` its gradient there (its
@@ -200,6 +214,8 @@ class FusedBackward:
     def _land_updates(self) -> None:
         if self.crossings is not None:
             self.crossings.finish()
+        if self.streamed_state is not None:
+            self.streamed_state.finish()
 
     def state_dict(self) -> dict:
         """torch's layout of one optimizer with a group per parameter (index i: the i-th parameter), and the
@@ -218,11 +234,13 @@ class FusedBackward:
         if len(groups) != len(self.optimizers):
             raise ValueError(f"fused backward state for {len(groups)} parameters, this run trains "
                              f"{len(self.optimizers)}")
-        for opt, group in zip(self.optimizers, groups):
+        for position, (opt, group) in enumerate(zip(self.optimizers, groups)):
             index = group["params"][0]
             entry = saved["state"].get(index)
             opt.load_state_dict({"state": {0: entry} if entry is not None else {},
                                  "param_groups": [{**group, "params": [0]}]})
+            if self.streamed_state is not None:  # torch put it where the tensor is stepped: back to host RAM
+                self.streamed_state.park(position, opt)
         generators = saved.get("rounding_generators", {})
         if not isinstance(generators, dict) or not all(
                 isinstance(device, str) and isinstance(state, torch.Tensor) and state.dtype == torch.uint8

@@ -37,11 +37,12 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 from . import (activation_offload, checkpointing, fused_backward, host_ram, lowbit, optimizer_parking,
-               sharded_optimizer, sharded_weights, time_model, trained_weights_on_host, weight_streaming)
+               sharded_optimizer, sharded_weights, streamed_optimizer_state, time_model, trained_weights_on_host,
+               weight_streaming)
 from .cost import FeatureCost
 from .host_ram import HostRoom
 from .memory_stats import format_bytes
-from .policy import CHECKPOINTING, OPTIMIZER_STATES, PLACEMENTS, OffloadPolicy, format_blocks
+from .policy import CHECKPOINTING, PLACEMENTS, OffloadPolicy, format_blocks
 from .time_model import StepTime
 
 ALLOCATOR_OVERHEAD = 0.05  # caching-allocator rounding and fragmentation, on top of live tensors
@@ -333,10 +334,15 @@ def in_call_order(layers: Sequence[tuple[str, int]], call_order: Sequence[str]) 
     return [elements for _, elements in sorted(layers, key=lambda layer: rank.get(layer[0], len(rank)))]
 
 
-def optimizer_placement_cost(policy: OffloadPolicy, trainable: TrainableSpec) -> FeatureCost:
+def optimizer_placement_cost(policy: OffloadPolicy, trainable: TrainableSpec, pinned: bool = True) -> FeatureCost:
     """Where the policy keeps the optimizer state and the gradients kept between steps (none with fused backward:
     each is freed inside backward, so none to park either): optimizer_parking.optimizer_cost for this run; with the
-    state sharded over ranks (`state_ranks`), a rank's share on its device and rank 0's gathered copy on the host."""
+    state sharded over ranks (`state_ranks`), a rank's share on its device and rank 0's gathered copy on the host;
+    streamed (streamed_optimizer_state.py): in host RAM, one tensor's on the card (`pinned`: its staging buffers)."""
+    if policy.optimizer_state == "streamed":
+        return streamed_optimizer_state.streamed_state_cost(
+            trainable.optimizer, trainable.optimizer_bytes(), max(trainable._state_bytes(), default=0),
+            max((math.prod(s) for s in trainable.shapes), default=0), pinned)
     sharded = trainable.state_ranks > 1 and sharded_optimizer.applies(policy)
     cost = optimizer_parking.optimizer_cost(
         policy.optimizer_state, policy.park_optimizer_during_validation, trainable.optimizer,
@@ -484,7 +490,7 @@ class Plan:
         if p.checkpointing != "off" and p.checkpoint_selection is not None:
             checkpoint += f" ({len(self.checkpointed_blocks)} of {len(self.resident_blocks) + len(self.streamed_blocks)} blocks)"
         trained = ", trained weights in host RAM" if p.trained_weights == "host" else ""
-        text = (f"{base}, {checkpoint}, optimizer state on {p.optimizer_state}{trained}; planned peak "
+        text = (f"{base}, {checkpoint}, optimizer state {p.optimizer_state_said}{trained}; planned peak "
                 f"{format_bytes(self.peak_bytes)} ({self.peak.phase})")
         if self.budget_bytes is not None:
             text += f", budget {format_bytes(self.budget_bytes)}"
@@ -598,7 +604,8 @@ def estimate(description: ModelDescription, trainable: TrainableSpec, shape: Run
     kept = sorted(set(range(len(blocks))) - set(checkpointed))
 
     # Each memory feature says what it costs (its module's cost function); they are added up here.
-    parking = optimizer_placement_cost(policy, trainable)
+    cuda = torch.device(description.compute_device).type == "cuda"
+    parking = optimizer_placement_cost(policy, trainable, pinned=cuda)
     if checkpointed and kept:  # selective: the features cost the checkpointed blocks, the others keep what they save
         def only(values):
             return [values[i] for i in checkpointed]
@@ -619,8 +626,7 @@ def estimate(description: ModelDescription, trainable: TrainableSpec, shape: Run
     weights_on_host = policy.trained_weights == "host"
     trained = trained_weights_on_host.trained_weights_cost(trainable.shapes, trainable.element_size,
                                                            description.compute_element_size, weights_on_host,
-                                                           policy.optimizer_state != "cpu",
-                                                           torch.device(description.compute_device).type == "cuda")
+                                                           policy.optimizer_state != "cpu", cuda)
     gradients = fused_backward.gradients_cost(trainable.shapes, trainable.element_size, policy.fused_backward,
                                               state_on_host=policy.optimizer_state == "cpu",
                                               weights_on_host=weights_on_host)
@@ -745,6 +751,8 @@ def estimate(description: ModelDescription, trainable: TrainableSpec, shape: Run
         crossing += 2 * int(sum(inputs[i] for i in checkpointed))  # block inputs to host RAM and back
     if weights_on_host:
         crossing += 3 * trainable.weight_bytes()  # in for the forward, for recompute + backward; update back
+    if policy.optimizer_state == "streamed":
+        crossing += 2 * trainable.optimizer_bytes()  # each tensor's state to the card for its step, and back
     step = time_model.step_time(
         description.forward_seconds(area, tokens, batch, storage),
         description.outside_forward_s.at(area, tokens) * batch, checkpointed,
@@ -804,7 +812,8 @@ def _resident_blocks(block_weights: Sequence[int], checkpointed: Sequence[int], 
 def candidate_policies(base: OffloadPolicy, storages: Sequence[str] | None = None,
                        trained_weights_host: bool = False) -> list[OffloadPolicy]:
     """Every valid policy variant of `base`, fastest first: resident > partial > streamed, then no
-    checkpointing > checkpointing > offloaded checkpointing, then optimizer on the device > host;
+    checkpointing > checkpointing > offloaded checkpointing, then optimizer state on the device > streamed (fused
+    backward) > host;
     `trained_weights_host` (a full fine-tune with fused backward): then the same with the trained weights in host
     RAM (slower: their traffic every step); with `storages`, each further storage (precision change) after all
     variants of the previous one. A `base` with its trained weights in host RAM keeps them there."""
@@ -816,11 +825,17 @@ def candidate_policies(base: OffloadPolicy, storages: Sequence[str] | None = Non
                 for activations in CHECKPOINTING:
                     if placement != "resident" and activations == "off":
                         continue  # invalid: see OffloadPolicy.validate
-                    for optimizer_state in OPTIMIZER_STATES:
+                    for optimizer_state in _optimizer_states(base):
                         result.append(base.replace(base_storage=storage, base_placement=placement,
                                                    checkpointing=activations, optimizer_state=optimizer_state,
                                                    trained_weights=place, checkpoint_blocks=""))
     return result
+
+
+def _optimizer_states(base: OffloadPolicy) -> tuple[str, ...]:
+    """Where the optimizer state may be, fastest first: on the card; streamed to it for each tensor's step (fused
+    backward only); in host RAM, stepped there."""
+    return ("gpu", "streamed", "cpu") if base.fused_backward else ("gpu", "cpu")
 
 
 def _streams_trained_weights(trainable: TrainableSpec, base: OffloadPolicy) -> bool:

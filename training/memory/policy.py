@@ -15,7 +15,8 @@ optimizer state sits. One policy serves the whole run (caching, training, valida
   saved block inputs in host RAM, see activation_offload.py), at checkpoint_depth (1: each block, 2: each child
   of a block...); checkpoint_blocks: only these blocks (selective checkpointing, the planner's choice; "": all).
   The training nodes' gradient_checkpointing / checkpoint_depth inputs map into these (`run_policy`).
-- optimizer_state: "gpu" or "cpu" (the optimizer steps fp32 host copies, see optimizer_parking.py).
+- optimizer_state: "gpu", "cpu" (the optimizer steps fp32 host copies, see optimizer_parking.py) or "streamed" (in
+  host RAM, each tensor's state crossing to the card for its step; needs fused_backward: streamed_optimizer_state.py).
 - park_optimizer_during_validation: optimizer state and gradients go to host RAM while validating.
 - fused_backward: each trained tensor is stepped inside backward and its gradient freed (fused_backward.py).
 - trained_weights: "device" or "host" (a full fine-tune's trained weights in host RAM, streamed through the card
@@ -55,7 +56,7 @@ from .weight_streaming import BasePlacement, WeightStreamer, base_placement
 PLACEMENTS = ("resident", "partial", "streamed")
 STORAGES = ("as_loaded", "fp8", "int8", "nf4")
 CHECKPOINTING = ("off", "blocks", "blocks_cpu_offload")
-OPTIMIZER_STATES = ("gpu", "cpu")
+OPTIMIZER_STATES = ("gpu", "cpu", "streamed")
 VAE_TILED = ("auto", "on", "off")
 ENCODERS = ("unload_after_use", "keep_loaded")
 # The card a run fits (policy field `card`): "custom" is the fields as given; any other is resolved by the planner
@@ -130,7 +131,9 @@ class OffloadPolicy:
         tooltip="1: recompute each model block; 2: each child of a block (finer, less memory, more recompute)."))
     optimizer_state: str = _field("gpu", NodeInput(
         "combo", options=OPTIMIZER_STATES,
-        tooltip="cpu: optimizer state and fp32 master weights in host RAM."))
+        tooltip="gpu: optimizer state on the card. cpu: optimizer state and fp32 master weights in host RAM, the "
+        "step run there. streamed: the state in host RAM, each tensor's crossing to the card for its step (needs "
+        "fused_backward; far faster than cpu for a full fine-tune, at the cost of that traffic every step)."))
     park_optimizer_during_validation: bool = _field(True, NodeInput(
         "bool", advanced=True, tooltip="Move optimizer state and gradients to host RAM while validating."))
     vae_tiled_decode: str = _field("auto", NodeInput(
@@ -167,8 +170,9 @@ class OffloadPolicy:
     trained_weights: str = _field("device", NodeInput(
         "combo", options=TRAINED_WEIGHTS, optional=True, advanced=True,
         tooltip="Full fine-tuning: where the trained weights live. device: on the card. host: in host RAM, each layer "
-        "copied to the card for its forward and backward (needs fused_backward on): with optimizer_state gpu each "
-        "tensor is stepped on the card in backward, where its state is, and the update copied back; with cpu its "
+        "copied to the card for its forward and backward (needs fused_backward on): with optimizer_state gpu or "
+        "streamed each tensor is stepped on the card in backward (its state there, or crossing with it) and the "
+        "update copied back; with cpu its "
         "gradient is copied back and stepped in host RAM (far slower for billions of weights). The card holds no "
         "trained weight, at the cost of that traffic every step."))
 
@@ -220,6 +224,9 @@ class OffloadPolicy:
         problem = trained_weights_problem(self)
         if problem is not None:
             raise PolicyError(f"offload policy: {problem}")
+        if self.optimizer_state == "streamed" and not self.fused_backward:
+            raise PolicyError("offload policy: optimizer_state 'streamed' brings each tensor's state to the card for "
+                              "its step inside backward: it needs fused_backward on (or optimizer_state gpu / cpu)")
 
     # --- budget ----------------------------------------------------------------------------------------------
     @property
@@ -296,6 +303,11 @@ class OffloadPolicy:
     def replace(self, **changes: Any) -> "OffloadPolicy":
         return dataclasses.replace(self, **changes)
 
+    @property
+    def optimizer_state_said(self) -> str:
+        """Where the optimizer state is, in words: "on gpu", "on cpu", "streamed from host RAM"."""
+        return "streamed from host RAM" if self.optimizer_state == "streamed" else f"on {self.optimizer_state}"
+
     def describe(self) -> str:
         if self.fits_card:
             budget = f"fit to {self.card}"
@@ -305,7 +317,7 @@ class OffloadPolicy:
         if self.checkpointing_enabled and self.checkpoint_selection is not None:
             depth += f", {len(self.checkpoint_selection)} selected blocks"
         return (f"budget {budget}, base {self.base_placement}/{self.base_storage}, checkpointing "
-                f"{self.checkpointing}{depth}, optimizer state on {self.optimizer_state}"
+                f"{self.checkpointing}{depth}, optimizer state {self.optimizer_state_said}"
                 + (", parked during validation" if self.park_optimizer_during_validation else "")
                 + (", encoders kept loaded" if self.encoders == "keep_loaded" else "")
                 + (", fused backward" if self.fused_backward else "")

@@ -14,6 +14,8 @@ What happens per trained layer (adapters.FullLayer / _CastProduct; the ZeRO-Infi
   - optimizer_state "gpu" (the fast one): the layer hands its gradient to the step there (fused_backward.py
     `step_on_device`): the tensor is stepped on the card with its state, which stays there (Adafactor's factored
     state: 0.03 GiB for SD3.5 Large's 8 B weights), and the update copied back device -> host. No gradient crosses;
+  - optimizer_state "streamed": the same step on the card, its state crossing from host RAM for it and back
+    (streamed_optimizer_state.py);
   - optimizer_state "cpu": the gradient is copied device -> host, where it accumulates on the host parameter, and the
     fused backward hook steps the tensor in host RAM (`state_on_host`): nothing of the update goes back to the card,
     but host RAM steps every weight, bound by its memory bandwidth (far slower than the card for billions of
@@ -74,7 +76,7 @@ def problem(policy) -> str | None:
         return None
     if not policy.fused_backward:
         return ("trained_weights 'host' steps each trained tensor inside backward, where its optimizer state is (host "
-                "RAM with optimizer_state 'cpu', the card with 'gpu'): it needs fused_backward on")
+                "RAM with optimizer_state 'cpu', the card with 'gpu' or 'streamed'): it needs fused_backward on")
     return None
 
 
@@ -116,10 +118,14 @@ class Crossings:
     On a CPU (the tests and the GPU kit's dry run: both homes are the host) the same ring runs with plain buffers and
     no events (each copy done when it returns): the same copies, numbers and counts, the updates landing as late."""
 
-    def __init__(self, device: torch.device | str, tensors: Sequence[torch.Tensor], buffers: int = STAGING_BUFFERS):
+    def __init__(self, device: torch.device | str, tensors: Sequence[torch.Tensor], buffers: int = STAGING_BUFFERS,
+                 buffer_bytes: int | None = None):
+        """Buffers the size of the largest of `tensors`, or `buffer_bytes` (what crosses is made later: optimizer
+        state, streamed_optimizer_state.py)."""
         self.device = torch.device(device)
         self.pinned = self.device.type == "cuda" and torch.cuda.is_available()
-        self.buffer_bytes = max((t.numel() * t.element_size() for t in tensors), default=0)
+        self.buffer_bytes = max((t.numel() * t.element_size() for t in tensors), default=0) \
+            if buffer_bytes is None else int(buffer_bytes)
         self.buffers = buffers
         self._in: list[_Buffer] = []  # made at first use: a run that never crosses pins nothing
         self._back: list[_Buffer] = []
@@ -133,6 +139,7 @@ class Crossings:
         kept = self._kept.get(id(tensor))
         if kept:
             return kept.pop()
+        self._fits(tensor)
         self.to_device_bytes += tensor.numel() * tensor.element_size()
         buffer = self._next(self._in, "_turn_in")
         if buffer.event is not None:
@@ -153,6 +160,7 @@ class Crossings:
     def to_host(self, tensor: torch.Tensor, update: torch.Tensor) -> None:
         """Write `update` (on the device) into `tensor` (host RAM, any dtype `update` converts to): a non-blocking
         copy into a staging buffer now, into `tensor` when it has landed (at the latest at `finish`)."""
+        self._fits(tensor)
         self.to_host_bytes += tensor.numel() * tensor.element_size()
         buffer = self._next(self._back, "_turn_back")
         self._land(buffer)
@@ -183,6 +191,11 @@ class Crossings:
             # Through .data: the host tensor is a trained parameter, written outside autograd
             buffer.destination.data.copy_(buffer.view(buffer.destination))
             buffer.destination = None
+
+    def _fits(self, tensor: torch.Tensor) -> None:
+        if tensor.numel() * tensor.element_size() > self.buffer_bytes:
+            raise RuntimeError(f"a {tuple(tensor.shape)} {tensor.dtype} tensor does not fit the {self.buffer_bytes}-byte "
+                               "staging buffers made for this run's largest tensor")
 
     def _next(self, ring: list[_Buffer], turn: str) -> _Buffer:
         if len(ring) < self.buffers:
