@@ -195,8 +195,8 @@ def test_host_weights_stepped_on_the_device_at_flux_width_are_the_host_steps():
         fused = FusedBackward(adapters.parameters(), lambda group: create_optimizer(group, config, device="cpu"),
                               max_grad_norm=0.5, bf16_stochastic=True, seed=3, state_on_host=step_device is None,
                               step_device=step_device, crossings=crossings,
-                              streamed_state=StreamedState("cpu", max(p.numel() for p in adapters.parameters()))
-                              if streamed else None)
+                              streamed_state=StreamedState("cpu", max(p.numel() for p in adapters.parameters()),
+                                                           "AdamW") if streamed else None)
         if step_device is not None:
             adapters.weights_in_host_ram(crossings, fused.step_on_device)
         generator = torch.Generator().manual_seed(1)
@@ -217,3 +217,4 @@ def test_host_weights_stepped_on_the_device_at_flux_width_are_the_host_steps():
     state = sum(v.numel() * v.element_size() for s in fused.state.values() for v in s.values()
                 if isinstance(v, torch.Tensor))
     assert state > 2 * 4 * 2 ** 24 and fused.streamed_state.bytes_each_way == (state, 2 * state)  # 2 steps
+    assert fused.streamed_state.large.to_host_bytes > 0.99 * 2 * state  # the moments, through their own ring

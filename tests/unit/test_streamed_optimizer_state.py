@@ -11,7 +11,8 @@ import torch
 from headroom.training.memory import planner
 from headroom.training.memory.cost import FeatureCost
 from headroom.training.memory.policy import OffloadPolicy, PolicyError
-from headroom.training.memory.streamed_optimizer_state import StreamedState, streamed_state_cost
+from headroom.training.memory import streamed_optimizer_state
+from headroom.training.memory.streamed_optimizer_state import streamed_state_cost
 from headroom.training.memory.trained_weights_on_host import Crossings
 from test_trained_weights_on_host import _train
 
@@ -88,23 +89,54 @@ def test_streamed_needs_fused_backward_and_says_where_the_state_is():
     assert OffloadPolicy.from_dict(policy.to_dict()) == policy
 
 
-def test_the_staging_buffers_refuse_a_tensor_larger_than_they_were_made_for():
+def test_the_staging_buffers_refuse_a_tensor_larger_than_they_were_made_for_or_grow_when_told():
     crossings = Crossings(CPU, (), buffer_bytes=16)
     crossings.to_device(torch.zeros(4))  # 16 bytes: fits
     with pytest.raises(RuntimeError, match=r"\(5,\) torch.float32 tensor does not fit the 16-byte staging buffers"):
         crossings.to_device(torch.zeros(5))
-    state = StreamedState(CPU, 3)  # fp32 state of a 3-element tensor: 12 bytes
-    assert state.crossings.buffer_bytes == 12
+    growing = Crossings(CPU, (), buffer_bytes=16, grow=True)
+    home = torch.zeros(4)
+    growing.to_host(home, torch.ones(4))  # in flight until landed
+    assert torch.equal(growing.to_device(torch.arange(6.0)), torch.arange(6.0)) and growing.buffer_bytes == 24
+    assert torch.equal(home, torch.ones(4))  # landed before its buffer went
+    # one large buffer per tensor-shaped state entry (AdamW's two fp32 moments; 1 byte each for the 8-bit ones), and
+    # a ring of small ones for the rest
+    assert streamed_optimizer_state.staging_layout("AdamW", 10 ** 6) == ((2, 4 * 10 ** 6), (32, 1 << 20))
+    assert streamed_optimizer_state.staging_layout("AdamW8bit", 10 ** 7)[0] == (2, 10 ** 7)
+    assert streamed_optimizer_state.staging_layout("Prodigy", 10 ** 6)[0] == (4, 4 * 10 ** 6)
+    assert streamed_optimizer_state.largest_tensor_shaped("Adafactor", [(3072, 3072), (3072,)]) == 3072
+    assert streamed_optimizer_state.largest_tensor_shaped("AdamW", [(3072, 3072), (3072,)]) == 3072 ** 2
+
+
+def test_large_state_entries_cross_through_their_own_ring_and_the_rest_through_the_small_one(monkeypatch):
+    """With the small ring's limit lowered below the tiny model's moments, the moments take the large ring (a buffer
+    each) and the step counts the small one; a state entry larger than the large ring's buffers grows them: the
+    weights stay those of the state on the device."""
+    monkeypatch.setattr(streamed_optimizer_state, "SMALL_STATE_BYTES", 64)
+    kwargs = dict(precision="fp32", state="device", optimizer="AdamW", checkpointed=False)
+    resident, _, _ = _train(CPU, True, **kwargs)
+    streamed, fused, _ = _train(CPU, True, streamed=True, **kwargs)
+    assert _same(resident, streamed)
+    large, small = fused.streamed_state.large, fused.streamed_state.small
+    assert large.to_host_bytes > 0 and small.to_host_bytes > 0 and len(large._back) == 2
+    moments = sum(v.numel() * v.element_size() for s in fused.state.values() for k, v in s.items()
+                  if k != "step" and v.numel() * v.element_size() > 64)
+    assert large.to_host_bytes == 4 * moments  # 4 steps
+    monkeypatch.setattr(streamed_optimizer_state, "staging_layout", lambda optimizer, largest: ((2, 64), (32, 64)))
+    squeezed, fused, _ = _train(CPU, True, streamed=True, **kwargs)  # the large ring's buffers grow to a moment's size
+    assert _same(resident, squeezed) and fused.streamed_state.large.buffer_bytes == 4 * max(
+        p.numel() for p in fused.params)
 
 
 def test_the_planner_counts_streamed_state_in_host_ram_one_tensor_on_the_card_and_its_crossings():
-    cost = streamed_state_cost("AdamW", 8000, 800, 100, pinned=True)
-    assert cost.training == {"one tensor's optimizer state in its step (AdamW, streamed)": 800}
+    cost = streamed_state_cost("AdamW", 8 * 10 ** 7, 8 * 10 ** 6, 10 ** 6, pinned=True)
+    assert cost.training == {"one tensor's optimizer state in its step (AdamW, streamed)": 8 * 10 ** 6}
+    small = 32 * (1 << 20)  # each way: 32 small buffers of 1 MiB, and a buffer per moment (4 MB, rounded up to 4 MiB)
     for items in (cost.host, cost.host_added_training, cost.host_added_validation):
-        assert items == {"optimizer state (AdamW, streamed from host RAM)": 8000,
-                         "staging buffers (optimizer state streamed)": 4 * 512}  # 400 B rounded up to 512, 2 x 2
-    assert streamed_state_cost("AdamW", 8000, 800, 100, pinned=False).host[
-        "staging buffers (optimizer state streamed)"] == 4 * 400
+        assert items == {"optimizer state (AdamW, streamed from host RAM)": 8 * 10 ** 7,
+                         "staging buffers (optimizer state streamed)": 2 * (2 * (1 << 22) + small)}
+    assert streamed_state_cost("AdamW", 8 * 10 ** 7, 8 * 10 ** 6, 10 ** 6, pinned=False).host[
+        "staging buffers (optimizer state streamed)"] == 2 * (2 * 4 * 10 ** 6 + small)
     spec = planner.TrainableSpec(((64, 32), (32, 32), (16,)), "AdamW", full=True)
     streamed = OffloadPolicy(optimizer_state="streamed", fused_backward=True)
     cost = planner.optimizer_placement_cost(streamed, spec, pinned=False)
@@ -134,5 +166,5 @@ def test_on_cuda_the_state_lives_in_host_ram_and_trains_the_weights_of_the_state
 
     streamed, fused, _ = _train(cuda, on_host, streamed=True, after_step=between_steps, **kwargs)
     assert places and set(places) == {"cpu"}
-    assert fused.streamed_state.crossings.pinned
+    assert fused.streamed_state.pinned
     assert _same(resident, streamed)

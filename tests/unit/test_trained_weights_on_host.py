@@ -14,7 +14,7 @@ from headroom.training.core.optimizers import OptimizerConfig, create_optimizer,
 from headroom.training.memory.fused_backward import FusedBackward
 from headroom.training.memory.policy import OffloadPolicy
 from headroom.training.memory.checkpointing import wrap_blocks
-from headroom.training.memory.streamed_optimizer_state import StreamedState
+from headroom.training.memory.streamed_optimizer_state import StreamedState, largest_tensor_shaped
 from headroom.training.memory.trained_weights_on_host import Crossings, check_kind, trained_weights_device
 
 # Six equal middle layers: no one layer is most of the difference (one layer's copy and gradient are in flight).
@@ -53,7 +53,8 @@ def _train(device, on_host: bool, precision: str = "fp32", steps: int = 4, state
                           lambda opt: create_scheduler(opt, config), max_grad_norm=clip,
                           bf16_stochastic=precision != "fp32", state_on_host=state_on_host,
                           step_device=device if on_host and not state_on_host else None, crossings=crossings,
-                          streamed_state=StreamedState(device, max(p.numel() for p in params)) if streamed else None)
+                          streamed_state=StreamedState(device, largest_tensor_shaped(optimizer, [p.shape for p in params]),
+                                                       optimizer) if streamed else None)
     if on_host:
         adapters.weights_in_host_ram(crossings, fused.step_on_device if fused.step_device is not None else None)
     if checkpointed:  # blocks of consecutive layers, each recomputed in backward

@@ -34,7 +34,7 @@ from ..memory.optimizer_parking import HostOptimizer, parked
 from ..gradient_clipping import clip_gradients
 from .optimizers import OptimizerConfig, create_optimizer, create_scheduler, current_lr
 from ..memory.policy import OffloadPolicy, memory_features
-from ..memory.streamed_optimizer_state import StreamedState
+from ..memory.streamed_optimizer_state import StreamedState, largest_tensor_shaped
 from ..data.files import WriteError
 from .ema import WeightEMA
 from .distributed import DataParallel, RankLostError, RanksStopped
@@ -237,8 +237,8 @@ class Trainer:
             on_device_steps = weights_on_host and not on_host
             # Optimizer state "streamed": in host RAM between steps, each tensor's crossing to the card for its step
             # (memory/streamed_optimizer_state.py).
-            streamed = StreamedState(denoiser.device, max((p.numel() for p in self.params), default=0)) \
-                if self.policy.optimizer_state == "streamed" else None
+            streamed = StreamedState(denoiser.device, largest_tensor_shaped(optimizer_config.name, [
+                p.shape for p in self.params]), optimizer_config.name) if self.policy.optimizer_state == "streamed" else None
             self.optimizer = FusedBackward(
                 self.params, lambda group: create_optimizer(group, optimizer_config, device=step_device),
                 lambda opt: create_scheduler(opt, optimizer_config), max_grad_norm=config.max_grad_norm,

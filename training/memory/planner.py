@@ -342,7 +342,7 @@ def optimizer_placement_cost(policy: OffloadPolicy, trainable: TrainableSpec, pi
     if policy.optimizer_state == "streamed":
         return streamed_optimizer_state.streamed_state_cost(
             trainable.optimizer, trainable.optimizer_bytes(), max(trainable._state_bytes(), default=0),
-            max((math.prod(s) for s in trainable.shapes), default=0), pinned)
+            streamed_optimizer_state.largest_tensor_shaped(trainable.optimizer, trainable.shapes), pinned)
     sharded = trainable.state_ranks > 1 and sharded_optimizer.applies(policy)
     cost = optimizer_parking.optimizer_cost(
         policy.optimizer_state, policy.park_optimizer_during_validation, trainable.optimizer,

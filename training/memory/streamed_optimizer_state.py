@@ -18,9 +18,13 @@ backward, trained_weights_on_host.py); with the weights on the card it is steppe
 What crosses: every tensor of the state on the step's device (torch's exp_avg / exp_avg_sq, Adafactor's factored rows
 and columns, bitsandbytes' 8-bit state with its scales); what the optimizer keeps elsewhere (torch's step count, a CPU
 scalar) stays where it is. The crossings go through `Crossings`' fixed pinned staging buffers (non-blocking, an event
-per buffer; trained_weights_on_host.py), sized for the largest tensor's fp32 state; each state is landed in its host
-tensor at the latest where the step already waits (FusedBackward.step / zero_grad), before anything reads it (a save,
-the next step). Between steps the optimizer's state dict holds the host tensors, so checkpoints, resume and parking
+per buffer; trained_weights_on_host.py) in two rings each way: one buffer per tensor-shaped state entry of the
+optimizer (`PARAM_SHAPED_STATE`: AdamW's two moments; 1 byte per weight for the 8-bit ones) and `SMALL_BUFFERS` small
+ones for the rest (step counts, 8-bit scales and maps, factored rows and columns). A buffer is reused only after its
+last copy has passed, so a ring smaller than one tensor's state would make the CPU wait for the card inside every
+tensor's step, with nothing queued behind it; sized so, the CPU waits at most for the previous tensor's copies while
+the card runs this one's step. Each state is landed in its host tensor at the latest where the step already waits
+(FusedBackward.step / zero_grad), before anything reads it (a save, the next step). Between steps the optimizer's state dict holds the host tensors, so checkpoints, resume and parking
 see the state where it lives; a loaded checkpoint's state goes back to host RAM tensor by tensor (`park`).
 
 Numerics: the same step on the same device in the same dtypes as with the state on the card, so the weights equal that
@@ -33,27 +37,55 @@ few lines below, over torch's copies and events.
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 
 from .cost import FeatureCost
 from .trained_weights_on_host import STAGING_BUFFERS, Crossings
 
-STATE_ELEMENT_BYTES = 4  # the widest state element (fp32 moments): what the staging buffers are sized for
+# Per optimizer: its state entries the shape of the tensor, and their bytes per element (planner._optimizer_state_bytes'
+# layouts; Adafactor's are factored for matrices: only a vector's second moment). Others: four fp32 entries at most.
+PARAM_SHAPED_STATE = {"AdamW": (2, 4), "AdamW8bit": (2, 1), "PagedAdamW8bit": (2, 1), "Lion8bit": (1, 1),
+                      "Adafactor": (1, 4), "CAME": (1, 4), "Prodigy": (4, 4)}
+UNKNOWN_STATE = (4, 4)
+# The smaller state entries cross through their own ring: up to this many bytes each, this many buffers each way.
+SMALL_STATE_BYTES = 1 << 20
+SMALL_BUFFERS = 32
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:
     return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
 
 
+def largest_tensor_shaped(optimizer: str, shapes) -> int:
+    """The elements of the largest of these tensors whose state has an entry of the tensor's shape (Adafactor factors
+    a matrix's: only its vectors')."""
+    return max((math.prod(shape) for shape in shapes if optimizer != "Adafactor" or len(shape) < 2), default=0)
+
+
+def staging_layout(optimizer: str, largest_elements: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """((buffers, bytes each) of the large ring, the same of the small ring), each way, for `optimizer`'s state of
+    tensors of at most `largest_elements` elements."""
+    count, element_bytes = PARAM_SHAPED_STATE.get(optimizer, UNKNOWN_STATE)
+    return ((max(STAGING_BUFFERS, count), max(element_bytes * int(largest_elements), SMALL_STATE_BYTES)),
+            (SMALL_BUFFERS, SMALL_STATE_BYTES))
+
+
 class StreamedState:
     """Each fused-backward optimizer's state in host RAM between its steps (module docstring); `largest_elements`: the
-    largest trained tensor's elements (the staging buffers hold its fp32 state)."""
+    largest trained tensor's elements and `optimizer` its name (what the staging buffers are sized for: a larger state
+    entry than expected makes its ring's buffers that size, after the copies in flight)."""
 
-    def __init__(self, device: torch.device | str, largest_elements: int):
+    def __init__(self, device: torch.device | str, largest_elements: int, optimizer: str = "AdamW"):
         self.device = torch.device(device)
-        self.crossings = Crossings(self.device, (), buffer_bytes=STATE_ELEMENT_BYTES * int(largest_elements))
+        (large, large_bytes), (small, small_bytes) = staging_layout(optimizer, largest_elements)
+        self.large = Crossings(self.device, (), buffers=large, buffer_bytes=large_bytes, grow=True)
+        self.small = Crossings(self.device, (), buffers=small, buffer_bytes=small_bytes)
         self._homes: dict[int, dict[str, torch.Tensor]] = {}  # optimizer index -> {state key: its host tensor}
+
+    def _ring(self, tensor: torch.Tensor) -> Crossings:
+        return self.small if tensor.numel() * tensor.element_size() <= SMALL_STATE_BYTES else self.large
 
     @contextlib.contextmanager
     def on_card(self, index: int, optimizer: torch.optim.Optimizer):
@@ -62,7 +94,7 @@ class StreamedState:
         state = _state(optimizer)
         if state is not None:
             for name, home in homes.items():
-                state[name] = self.crossings.to_device(home)
+                state[name] = self._ring(home).to_device(home)
         try:
             yield
         finally:
@@ -86,17 +118,23 @@ class StreamedState:
             if now:
                 home.copy_(value)
             else:  # landed by finish(), before anything reads it
-                self.crossings.to_host(home, value)
+                self._ring(home).to_host(home, value)
             state[name] = home
 
     def finish(self) -> None:
         """Every state crossing back landed in its host tensor (FusedBackward.step / zero_grad)."""
-        self.crossings.finish()
+        self.large.finish()
+        self.small.finish()
 
     @property
     def bytes_each_way(self) -> tuple[int, int]:
         """(to the card, back to host RAM) bytes of state crossed so far (tests and the GPU kit)."""
-        return self.crossings.to_device_bytes, self.crossings.to_host_bytes
+        return (self.large.to_device_bytes + self.small.to_device_bytes,
+                self.large.to_host_bytes + self.small.to_host_bytes)
+
+    @property
+    def pinned(self) -> bool:
+        return self.large.pinned
 
 
 def _state(optimizer: torch.optim.Optimizer) -> dict | None:
@@ -107,16 +145,17 @@ def _state(optimizer: torch.optim.Optimizer) -> dict | None:
 # --- what it costs (the planner adds it up: planner.estimate) ---------------------------------------------------
 def streamed_state_cost(optimizer: str, state_bytes: int, largest_state_bytes: int, largest_elements: int,
                         pinned: bool) -> FeatureCost:
-    """optimizer_state "streamed": all of the state (`state_bytes`) in host RAM with one ring of staging buffers each
-    way (`STAGING_BUFFERS` each, the largest tensor's fp32 state; rounded up to a power of two when `pinned`, a CUDA
-    device's: torch's pinned allocator), and on the card the largest tensor's state (`largest_state_bytes`) during its
-    step."""
-    buffer = STATE_ELEMENT_BYTES * largest_elements
-    if pinned and buffer:
-        buffer = 1 << (buffer - 1).bit_length()
+    """optimizer_state "streamed": all of the state (`state_bytes`) in host RAM with its staging rings each way
+    (`staging_layout`, for tensors of at most `largest_elements` elements with tensor-shaped state; each buffer rounded
+    up to a power of two when `pinned`, a CUDA device's: torch's pinned allocator), and on the card the largest
+    tensor's state (`largest_state_bytes`) during its step."""
+    def rounded(size: int) -> int:
+        return 1 << (size - 1).bit_length() if pinned and size else size
+
+    staging = sum(count * rounded(size) for count, size in staging_layout(optimizer, largest_elements))
     cost = FeatureCost(training={f"one tensor's optimizer state in its step ({optimizer}, streamed)":
                                  largest_state_bytes})
     for items in (cost.host, cost.host_added_training, cost.host_added_validation):
         items[f"optimizer state ({optimizer}, streamed from host RAM)"] = state_bytes
-        items["staging buffers (optimizer state streamed)"] = 2 * STAGING_BUFFERS * buffer
+        items["staging buffers (optimizer state streamed)"] = 2 * staging
     return cost

@@ -119,14 +119,16 @@ class Crossings:
     no events (each copy done when it returns): the same copies, numbers and counts, the updates landing as late."""
 
     def __init__(self, device: torch.device | str, tensors: Sequence[torch.Tensor], buffers: int = STAGING_BUFFERS,
-                 buffer_bytes: int | None = None):
+                 buffer_bytes: int | None = None, grow: bool = False):
         """Buffers the size of the largest of `tensors`, or `buffer_bytes` (what crosses is made later: optimizer
-        state, streamed_optimizer_state.py)."""
+        state, streamed_optimizer_state.py); `grow`: a larger tensor than that makes the buffers its size (after every
+        crossing in flight has landed) instead of an error."""
         self.device = torch.device(device)
         self.pinned = self.device.type == "cuda" and torch.cuda.is_available()
         self.buffer_bytes = max((t.numel() * t.element_size() for t in tensors), default=0) \
             if buffer_bytes is None else int(buffer_bytes)
         self.buffers = buffers
+        self.grow = grow
         self._in: list[_Buffer] = []  # made at first use: a run that never crosses pins nothing
         self._back: list[_Buffer] = []
         self._turn_in = self._turn_back = 0
@@ -193,9 +195,18 @@ class Crossings:
             buffer.destination = None
 
     def _fits(self, tensor: torch.Tensor) -> None:
-        if tensor.numel() * tensor.element_size() > self.buffer_bytes:
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes <= self.buffer_bytes:
+            return
+        if not self.grow:
             raise RuntimeError(f"a {tuple(tensor.shape)} {tensor.dtype} tensor does not fit the {self.buffer_bytes}-byte "
                                "staging buffers made for this run's largest tensor")
+        self.finish()  # every update landed; and no copy into the card still reads a buffer:
+        for buffer in self._in:
+            if buffer.event is not None:
+                buffer.event.synchronize()
+        self._in, self._back, self._turn_in, self._turn_back = [], [], 0, 0
+        self.buffer_bytes = nbytes
 
     def _next(self, ring: list[_Buffer], turn: str) -> _Buffer:
         if len(ring) < self.buffers:
