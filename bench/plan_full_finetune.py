@@ -70,6 +70,8 @@ def main() -> None:
             chosen = f"{policy.base_placement}, checkpointing {policy.checkpointing}, state {policy.optimizer_state_said}"
             if policy.trained_weights == "host":
                 chosen += ", trained weights in host RAM"
+                if policy.trained_card_blocks:
+                    chosen += f" but {len(policy.trained_card_blocks)} blocks' kept on the card"
             if policy.base_storage != "as_loaded":
                 chosen += f", base {policy.base_storage}"
             streamed = plan.host_bytes.get("streamed block weights", 0)

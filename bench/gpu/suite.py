@@ -581,7 +581,11 @@ def crossed_per_step(run) -> dict:
     if crossings is not None:
         out.update({"crossed_to_device_per_step": crossings.to_device_bytes / steps,
                     "crossed_to_host_per_step": crossings.to_host_bytes / steps,
-                    "trained_weight_bytes": sum(p.numel() * p.element_size() for p in run.trainer.params)})
+                    "trained_weight_bytes": sum(p.numel() * p.element_size() for p in run.trainer.params),
+                    # those that cross: all but the blocks the plan keeps on the card (trained_weights_card_blocks)
+                    "crossing_weight_bytes": sum(p.numel() * p.element_size()
+                                                 for p in run.trained.adapters.parameters_in_host_ram()),
+                    "card_blocks": len(run.policy.trained_card_blocks)})
     streamed = getattr(fused, "streamed_state", None)
     if streamed is not None:
         to_device, to_host = streamed.bytes_each_way

@@ -30,7 +30,8 @@ from ...training.core.trainer import TrainConfig
 from ...training.memory import planner, sharded_weights
 from . import families, lora_formats, video
 from .comfy_bridge import TrainingRun, config_json
-from .comfy_model import REFERENCE_LATENTS, ComfyDenoiser, check_caches, data_fingerprint, model_blocks
+from .comfy_model import (REFERENCE_LATENTS, ComfyDenoiser, check_caches, data_fingerprint, model_blocks,
+                          training_blocks)
 from .lora_formats import read_lora_file
 from .start_image import item_start_extras
 
@@ -45,6 +46,22 @@ REFERENCES = ("none", "control latents")
 
 
 # --- adapters on a clone ----------------------------------------------------------------------------------
+def card_block_paths(diffusion_model: torch.nn.Module, paths: list[str], policy) -> list[str]:
+    """The trained layers (of `paths`) in the blocks whose trained weights the policy keeps on the card with
+    trained_weights host (trained_weights_card_blocks, indices in training_blocks' forward order)."""
+    indices = policy.trained_card_blocks if policy.trained_weights == "host" else frozenset()
+    if not indices:
+        return []
+    named = training_blocks(diffusion_model)
+    beyond = sorted(i for i in indices if i >= len(named))
+    if beyond:
+        raise ValueError(f"trained_weights_card_blocks: block {beyond[0]} does not exist: this model has {len(named)} "
+                         f"blocks (0-{len(named) - 1}); clear the field or let the card's plan fill it in")
+    prefixes = tuple(named[i][0] + "." for i in sorted(indices))
+    return [path for path in paths if (path + ".").startswith(prefixes)]
+
+
+
 def attach_with_injection(patcher, adapters: AdapterSet, home=None) -> None:
     """Make ComfyUI attach `adapters` whenever it loads `patcher` (a clone), and detach on unload. `home`: where the
     trained weights live (default the load device; host RAM: memory/trained_weights_on_host.py)."""
@@ -200,10 +217,13 @@ class LoraTraining:
         with run.placement.low_bit_storage():  # the adapters are built on the low-bit layers they will wrap
             paths = families.lora_targets(diffusion_model, config.family, config.adapter,
                                           [n for n, _ in model_blocks(diffusion_model)])
-            # The compute device, or host RAM (trained_weights host: each layer crosses to the card when it runs).
+            # The compute device, or host RAM (trained_weights host: each layer crosses to the card when it runs, but
+            # those of the blocks the policy keeps on the card).
             home = trained_weights_device(run.policy, patcher.load_device)
             self.adapters = AdapterSet(diffusion_model, paths, config.adapter, device=home,
-                                       base_reader=patched_base_reader(patcher))
+                                       base_reader=patched_base_reader(patcher),
+                                       on_card=card_block_paths(diffusion_model, paths, run.policy),
+                                       card_device=patcher.load_device)
         if config.adapter.init_lora:  # a resumed run's checkpoint replaces these (Trainer.resume)
             self.adapters.start_from(read_lora_file(run.source_model, config.adapter.init_lora, config.adapter.kind),
                                      f"LoRA file {config.adapter.init_lora}")
@@ -245,8 +265,9 @@ class LoraTraining:
         on the device (the planner's model of it; sharded over the ranks: this rank's share)."""
         weights = sum(sharded_weights.local_bytes(p) for p in trainer.params)  # FSDP2: this rank's shards
         gradients = 0 if trainer.policy.fused_backward else weights
-        if trainer.policy.trained_weights == "host":  # one layer at a time crosses to the card: nothing kept there
-            weights = 0
+        if trainer.policy.trained_weights == "host":  # one layer at a time crosses to the card: only those kept there
+            crossing = {id(p) for p in self.adapters.parameters_in_host_ram()}
+            weights = sum(p.numel() * p.element_size() for p in trainer.params if id(p) not in crossing)
         spec = dataclasses.replace(planner.TrainableSpec.from_parameters(trainer.params, trainer.optimizer_config.name),
                                    state_ranks=trainer.state_ranks, weight_ranks=trainer.weight_ranks)
         state = 0 if trainer.policy.optimizer_state in ("cpu", "streamed") else spec.optimizer_share_bytes()

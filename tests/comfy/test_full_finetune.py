@@ -276,6 +276,39 @@ def test_trained_weights_in_host_ram_train_the_weights_of_the_fused_host_step(co
         _init(model, latents, texts, "lora_weights_host", policy=host_state.replace(trained_weights="host"))
 
 
+def test_blocks_whose_trained_weights_the_policy_keeps_on_the_card(comfyui):
+    """trained_weights_card_blocks (a card's plan fills it in): with the trained weights in host RAM, the layers of
+    those blocks are made on the compute device and never cross, the rest as before; the run trains the weights of
+    the run with every layer on the device, tells ComfyUI it keeps those layers' weights there, and a block index the
+    model does not have is refused, naming the field."""
+    from headroom.nodes import train_lora as T
+    from headroom.nodes.bridge.comfy_model import training_blocks
+
+    model, clip, vae, latents, texts = _data("sd15")
+    common = dict(kind="full", targets="all_layers", lr=1e-3, max_grad_norm=0.0)
+    on_device = _init(model, latents, texts, "full_split_device", policy=_fused_policy(), **common)
+    split = _init(model, latents, texts, "full_split_blocks", policy=_fused_policy(  # the state streamed too
+        trained_weights="host", trained_weights_card_blocks="0,2", optimizer_state="streamed"), **common)
+    with torch.inference_mode():
+        for run in (on_device, split):
+            T.HeadroomTrainSteps.execute(run, 3)
+    a, b = on_device.adapters.state_dict(), split.adapters.state_dict()
+    assert any(torch.any(v != 0) for v in b.values()) and all(torch.equal(a[k], b[k]) for k in a)
+    names = [name for name, _ in training_blocks(split.placement.patcher.model.diffusion_model)]
+    kept = [path for path in split.adapters.layers if (path + ".").startswith((names[0] + ".", names[2] + "."))]
+    assert kept and set(kept) == split.adapters.on_card
+    assert all(split.adapters.layers[path].crossings is None for path in kept)
+    assert all(layer.crossings is split.trainer.optimizer.crossings for path, layer in split.adapters.layers.items()
+               if path not in kept)
+    card_bytes = sum(p.numel() * p.element_size() for path in kept
+                     for _, p in split.adapters._own_parameters(split.adapters.layers[path]))
+    assert split.trained.device_extra_bytes(split.trainer) == card_bytes > 0  # no state kept there either
+    assert "2 blocks' on the card" in split.policy.describe()
+    with pytest.raises(ValueError, match=r"trained_weights_card_blocks: block 999 does not exist: this model has"):
+        _init(model, latents, texts, "full_split_beyond", policy=_fused_policy(
+            trained_weights="host", trained_weights_card_blocks="0,999"), **common)
+
+
 def test_trained_weights_in_host_ram_stepped_where_their_state_is(comfyui):
     """Issue 42 item 3: trained_weights host with optimizer_state gpu: each layer's backward hands its gradients to
     the step on the compute device (FusedBackward.step_on_device; on this CPU the host, so the hand-over is what is

@@ -288,3 +288,17 @@ def test_trained_weights_in_host_ram_need_the_fused_step():
     saved = policy.to_dict()
     del saved["trained_weights"]
     assert OffloadPolicy.from_dict(saved).trained_weights == "device"
+
+
+def test_trained_weights_card_blocks_need_the_trained_weights_in_host_ram_and_name_themselves():
+    host = OffloadPolicy(fused_backward=True, trained_weights="host")
+    kept = host.replace(trained_weights_card_blocks="3, 0,1")
+    assert kept.trained_card_blocks == frozenset({0, 1, 3}) and host.trained_card_blocks == frozenset()
+    assert "trained weights in host RAM (3 blocks' on the card)" in kept.describe()
+    assert OffloadPolicy.from_dict(kept.to_dict()) == kept
+    with pytest.raises(PolicyError, match="trained_weights_card_blocks keeps these blocks' trained weights on the card"):
+        OffloadPolicy(trained_weights_card_blocks="0")
+    with pytest.raises(PolicyError, match=r"trained_weights_card_blocks: 'x' is not a block index"):
+        host.replace(trained_weights_card_blocks="0,x")
+    with pytest.raises(PolicyError, match=r"checkpoint_blocks: 'x' is not a block index"):
+        host.replace(checkpoint_blocks="x")

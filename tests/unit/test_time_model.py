@@ -290,3 +290,33 @@ def test_a_plan_far_slower_than_a_card_holding_the_whole_run_says_so():
     untimed = dataclasses.replace(d, blocks=tuple(dataclasses.replace(b, forward_s=ActivationLaw()) for b in d.blocks))
     assert plan_auto(untimed, full, SHAPE, fused, 16 * GIB).slow.endswith("compute estimated from weight bytes, so "
                                                                            "the ratio is high)")
+
+
+def test_a_full_fine_tune_keeps_the_trained_weights_of_the_most_blocks_that_fit_on_the_card():
+    """Issue 42: with the trained weights in host RAM the card often has room left in the step; the planner keeps the
+    trained weights of as many blocks as fit there (trained_weights_card_blocks, the largest first: each byte kept
+    saves its three crossings), counts them on the card in training and validation and only the rest crossing, and
+    one block more would not fit."""
+    d = flux_like()
+    double, single = (3072, 110_592), (3072, 46_080)  # a Flux double / single block's trained elements, bf16
+    full = TrainableSpec((double,) * 19 + (single,) * 38, "Adafactor", element_size=2, full=True,
+                         block_layers=tuple(((f"{i}.w", math.prod(s)),) for i, s in
+                                            enumerate((double,) * 19 + (single,) * 38)),
+                         unread_base_blocks=d.blocks)  # every block's weights trained: their base never read
+    chosen = plan_auto(d, full, SHAPE, OffloadPolicy(fused_backward=True), 24 * GIB)
+    policy = chosen.policy
+    kept = policy.trained_card_blocks
+    assert chosen.fits and policy.trained_weights == "host" and 0 < len(kept) < 57
+    assert sorted(kept)[:3] == [0, 1, 2]  # the double blocks (largest) first
+    on_card = sum(math.prod(full.shapes[i]) for i in kept) * 2
+    assert chosen.phase("training step").items["trained weights kept on the card (bf16, trained weights in host RAM)"] \
+        == chosen.phase("validation").items["trained weights kept on the card (bf16, trained weights in host RAM)"] \
+        == on_card
+    assert chosen.host_bytes["trained weights (bf16, in host RAM)"] == full.weight_bytes() - on_card
+    all_crossing = estimate(d, full, SHAPE, policy.replace(trained_weights_card_blocks=""), 24 * GIB)
+    assert all_crossing.fits and chosen.predicted_s_per_step < all_crossing.predicted_s_per_step
+    assert all_crossing.step_time.transfer_s - chosen.step_time.transfer_s == pytest.approx(3 * on_card / d.h2d())
+    order = sorted(range(57), key=lambda i: (-math.prod(full.shapes[i]), i))
+    one_more = policy.replace(trained_weights_card_blocks=",".join(map(str, order[:len(kept) + 1])))
+    assert not estimate(d, full, SHAPE, one_more, 24 * GIB).fits
+    assert f"{len(kept)} blocks' kept on the card" in chosen.summary() and "stay on the card" in chosen.reason

@@ -32,23 +32,26 @@ def _base(device, seed: int = 0) -> torch.nn.Module:
 
 def _train(device, on_host: bool, precision: str = "fp32", steps: int = 4, state: str = "host", clip: float = 0.0,
            optimizer: str = "AdamW", checkpointed: bool = False, blocks: int = 1, streamed: bool = False,
-           after_step=None, resume: tuple | None = None):
+           after_step=None, resume: tuple | None = None, on_card: tuple[int, ...] = ()):
     """A full fine-tune of every Linear of a small model computing on `device`, its trained weights in host RAM
     (`on_host`: crossing through trained_weights_on_host.Crossings) or on `device`, stepped by fused backward with
     the state in host RAM (`state` "host") or on `device` ("device": host weights are stepped there through
     step_on_device; `streamed`: that state kept in host RAM between steps, streamed_optimizer_state.py);
     `checkpointed`: the model as `blocks` checkpointed blocks (training/memory/checkpointing.py); `after_step(fused)`
     after each step; `resume`: (weights, optimizer state, schedule state, steps done) loaded before training, the data
-    drawn from there on. Returns (the adapter set, the fused optimizer, the crossings or None)."""
+    drawn from there on; `on_card`: with the trained weights in host RAM, the layers (indices into PATHS) kept on
+    `device` all the same (policy trained_weights_card_blocks). Returns (the adapter set, the fused optimizer, the
+    crossings or None)."""
     model = _base(device)
     home = torch.device("cpu") if on_host else device
-    adapters = AdapterSet(model, PATHS, AdapterConfig(kind="full", full_precision=precision), device=home)
+    adapters = AdapterSet(model, PATHS, AdapterConfig(kind="full", full_precision=precision), device=home,
+                          on_card=[PATHS[i] for i in on_card], card_device=device if on_card else None)
     adapters.attach(model)
     config = OptimizerConfig(name=optimizer, lr=1e-2, schedule="linear", warmup_steps=0, total_steps=10)
     params = adapters.parameters()
     state_on_host = state == "host"
     where = "cpu" if state_on_host else device
-    crossings = Crossings(device, params) if on_host else None
+    crossings = Crossings(device, adapters.parameters_in_host_ram()) if on_host else None
     fused = FusedBackward(params, lambda group: create_optimizer(group, config, device=where),
                           lambda opt: create_scheduler(opt, config), max_grad_norm=clip,
                           bf16_stochastic=precision != "fp32", state_on_host=state_on_host,
@@ -231,6 +234,12 @@ def test_on_cuda_host_weights_stepped_on_the_card_train_the_weights_of_the_card(
     state = on_host.state_dict()
     assert all(torch.equal(expected[k], state[k]) for k in state)
     assert all(v.device.type == "cuda" for s in fused.state.values() for v in s.values() if torch.is_tensor(v) and v.numel() > 1)
+    # some layers kept on the card (trained_weights_card_blocks): made there, never crossing, the same weights
+    split, _, crossings = _train(cuda, True, precision, state="device", clip=0.05, on_card=(1, 4))
+    assert {p.device.type for i in (1, 4) for _, p in split._own_parameters(split.layers[PATHS[i]])} == {"cuda"}
+    assert {p.device.type for p in split.parameters_in_host_ram()} == {"cpu"} and crossings.pinned
+    state = split.state_dict()
+    assert all(torch.equal(expected[k], state[k].cpu()) for k in state)
 
 
 def test_only_a_full_fine_tune_keeps_its_trained_weights_in_host_ram():
@@ -244,3 +253,32 @@ def test_only_a_full_fine_tune_keeps_its_trained_weights_in_host_ram():
         check_kind(host, "lora")
     with pytest.raises(ValueError, match="this run trains a ControlNet: set trained_weights 'device'"):
         check_kind(host, None)
+
+
+@pytest.mark.parametrize("state", ["device", "host"])
+def test_layers_kept_on_the_card_do_not_cross_and_train_the_same_weights(state):
+    """trained_weights_card_blocks: with the trained weights in host RAM, the layers of the blocks the plan keeps on
+    the card are made there, stepped by fused backward's hook like any weight on the card, and never cross; the others
+    cross as before (twice in, once back with the state on the card); the weights are those of the run with every
+    layer crossing, bit for bit."""
+    device = torch.device("cpu")
+    kwargs = dict(precision="bf16_stochastic", state=state, checkpointed=True, blocks=3, clip=0.05)
+    crossing, _, _ = _train(device, True, **kwargs)
+    kept = (0, 3, 7)
+    split, fused, crossings = _train(device, True, on_card=kept, **kwargs)
+    assert _same_weights(crossing, split)
+    on_card = [p for i in kept for _, p in split._own_parameters(split.layers[PATHS[i]])]
+    assert all(split.layers[PATHS[i]].crossings is None for i in kept)
+    assert all(split.layers[path].crossings is crossings for i, path in enumerate(PATHS) if i not in kept)
+    crossed = sum(p.numel() * p.element_size() for p in split.parameters_in_host_ram())
+    assert crossed == sum(p.numel() * p.element_size() for p in split.parameters()) - sum(
+        p.numel() * p.element_size() for p in on_card)
+    assert crossings.to_device_bytes == 4 * 2 * crossed  # 4 steps
+    assert crossings.to_host_bytes == (4 * crossed if state == "device" else 0)
+    with pytest.raises(ValueError, match="on_card keeps a full fine-tune's trained layers on the card"):
+        AdapterSet(_base(device), PATHS, AdapterConfig(kind="full"), device=device, on_card=[PATHS[0]])
+
+
+def _same_weights(a, b) -> bool:
+    a, b = a.state_dict(), b.state_dict()
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -425,12 +425,19 @@ class AdapterSet:
     """The adapter layers of one run: created once, attached to / detached from a module tree."""
 
     def __init__(self, root: torch.nn.Module, paths: list[str], config: AdapterConfig,
-                 device: torch.device | str | None = None, base_reader=None):
+                 device: torch.device | str | None = None, base_reader=None, on_card: Iterable[str] = (),
+                 card_device: torch.device | str | None = None):
         """`device`: where kind full makes its trained weights (the size of the base's); the small adapters of the
         other kinds are made beside their base layer and moved with `to`. `base_reader(path, module, device)`: kind
-        full's base (weight, bias) in fp32, as FullLayer's `read_base` (default adapters.base_weights)."""
+        full's base (weight, bias) in fp32, as FullLayer's `read_base` (default adapters.base_weights). `on_card`:
+        kind full with its trained weights in host RAM (`device` the host), the layers whose trained weights stay on
+        `card_device` all the same (policy trained_weights_card_blocks), wherever `to` moves the rest."""
         config.validate()
         self.config = config
+        self.on_card = frozenset(on_card)
+        self.card_device = None if card_device is None else torch.device(card_device)
+        if self.on_card and (config.kind != "full" or self.card_device is None):
+            raise ValueError("on_card keeps a full fine-tune's trained layers on the card: kind full and a card_device")
         self.layers: dict[str, torch.nn.Module] = {}
         self.attached_to: torch.nn.Module | None = None
         if config.kind == "oft":
@@ -444,7 +451,7 @@ class AdapterSet:
                     raise TypeError(f"adapter target {path} is a {type(base).__name__}; only Linear and Conv2d are supported")
                 read_base = None if base_reader is None else (
                     lambda where, path=path, base=base: base_reader(path, base, where))
-                layer = _peft_layer(base, config, device, read_base)
+                layer = _peft_layer(base, config, self.card_device if path in self.on_card else device, read_base)
                 # peft casts the adapter to the base dtype (fp16/bf16/fp8 bases): trainable weights stay fp32 (a full
                 # fine-tune's difference: the dtype its full_precision chose).
                 if config.kind != "full":
@@ -460,13 +467,18 @@ class AdapterSet:
         return [p for layer in self.layers.values() for _, p in self._own_parameters(layer)]
 
     def weights_in_host_ram(self, crossings, step=None) -> None:
-        """Kind full with its trained weights in host RAM: each layer copies them to the compute device and back
-        through `crossings` (memory/trained_weights_on_host.Crossings); with their optimizer state on the card, its
-        backward hands its gradients to `step(tensor, on_device, grad)` (fused_backward.FusedBackward.step_on_device;
-        None: to autograd)."""
-        for layer in self.layers.values():
-            if isinstance(layer, FullLayer):
+        """Kind full with its trained weights in host RAM: each layer (but those kept `on_card`) copies them to the
+        compute device and back through `crossings` (memory/trained_weights_on_host.Crossings); with their optimizer
+        state on the card, its backward hands its gradients to `step(tensor, on_device, grad)`
+        (fused_backward.FusedBackward.step_on_device; None: to autograd)."""
+        for path, layer in self.layers.items():
+            if isinstance(layer, FullLayer) and path not in self.on_card:
                 layer.crossings, layer.device_step = crossings, step
+
+    def parameters_in_host_ram(self) -> list[torch.nn.Parameter]:
+        """The trained tensors that cross (`weights_in_host_ram`): all but those of the layers kept `on_card`."""
+        return [p for path, layer in self.layers.items() if path not in self.on_card
+                for _, p in self._own_parameters(layer)]
 
     def unread_base_layers(self) -> list[torch.nn.Module]:
         """The base layers a training step never reads: kind full's (FullLayer computes with its trained copy alone; the
@@ -474,10 +486,13 @@ class AdapterSet:
         return [layer.base_layer for layer in self.layers.values() if isinstance(layer, FullLayer)]
 
     def to(self, device: torch.device) -> "AdapterSet":
-        for param in self.parameters():
-            param.data = param.data.to(device)
-            if param.grad is not None:
-                param.grad = param.grad.to(device)
+        """Every trained tensor to `device`, but those of the layers kept `on_card` (to the card device)."""
+        for path, layer in self.layers.items():
+            where = self.card_device if path in self.on_card else device
+            for _, param in self._own_parameters(layer):
+                param.data = param.data.to(where)
+                if param.grad is not None:
+                    param.grad = param.grad.to(where)
         return self
 
     def train(self, mode: bool = True) -> None:

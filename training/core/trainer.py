@@ -233,7 +233,9 @@ class Trainer:
             # state on the card each tensor is stepped there in backward, its layer handing over the gradient
             # (trained_weights_on_host.py).
             weights_on_host = self.policy.trained_weights == "host"
-            crossings = trained_weights_on_host.Crossings(denoiser.device, self.params) if weights_on_host else None
+            # (the layers the policy keeps on the card all the same do not cross: trained_weights_card_blocks)
+            crossings = trained_weights_on_host.Crossings(denoiser.device, trainable.parameters_in_host_ram()) \
+                if weights_on_host else None
             on_device_steps = weights_on_host and not on_host
             # Optimizer state "streamed": in host RAM between steps, each tensor's crossing to the card for its step
             # (memory/streamed_optimizer_state.py).

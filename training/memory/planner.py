@@ -490,6 +490,8 @@ class Plan:
         if p.checkpointing != "off" and p.checkpoint_selection is not None:
             checkpoint += f" ({len(self.checkpointed_blocks)} of {len(self.resident_blocks) + len(self.streamed_blocks)} blocks)"
         trained = ", trained weights in host RAM" if p.trained_weights == "host" else ""
+        if p.trained_card_blocks:
+            trained += f" but {len(p.trained_card_blocks)} blocks' kept on the card"
         text = (f"{base}, {checkpoint}, optimizer state {p.optimizer_state_said}{trained}; planned peak "
                 f"{format_bytes(self.peak_bytes)} ({self.peak.phase})")
         if self.budget_bytes is not None:
@@ -624,19 +626,23 @@ def estimate(description: ModelDescription, trainable: TrainableSpec, shape: Run
         description.compute_element_size)
 
     weights_on_host = policy.trained_weights == "host"
+    # The blocks whose trained weights stay on the card with the rest in host RAM (trained_weights_card_blocks).
+    card_blocks = policy.trained_card_blocks if weights_on_host else frozenset()
+    on_card_elements = sum(elements for i in card_blocks if i < len(trainable.block_layers)
+                           for _, elements in trainable.block_layers[i])
     trained = trained_weights_on_host.trained_weights_cost(trainable.shapes, trainable.element_size,
                                                            description.compute_element_size, weights_on_host,
-                                                           policy.optimizer_state != "cpu", cuda)
+                                                           policy.optimizer_state != "cpu", cuda, on_card_elements)
     gradients = fused_backward.gradients_cost(trainable.shapes, trainable.element_size, policy.fused_backward,
                                               state_on_host=policy.optimizer_state == "cpu",
                                               weights_on_host=weights_on_host)
     if weights_on_host and checkpointed and trainable.block_layers:
         # What one tensor's step holds beside the kept copies: on the card, and on a CPU host RAM too (the same RAM)
-        alongside = sum(trained.training.values()) + sum(gradients.training.values()) + (
-            0 if apart else sum(gradients.host_added_training.values()))
+        alongside = sum(trained.training.values()) - on_card_elements * trainable.element_size + sum(
+            gradients.training.values()) + (0 if apart else sum(gradients.host_added_training.values()))
         trained.training.update(trained_weights_on_host.recompute_kept_cost(
             [in_call_order(trainable.block_layers[i], blocks[i].call_order) for i in checkpointed
-             if i < len(trainable.block_layers)],
+             if i < len(trainable.block_layers) and i not in card_blocks],
             trainable.element_size, alongside, max(math.prod(s) for s in trainable.shapes)))
     if trainable.weight_ranks > 1:  # FSDP2: weights, gradients and state each rank's share (one feature)
         trained = sharded_weights.cost(trainable.shapes, trainable.element_size, trainable._state_bytes(),
@@ -750,7 +756,8 @@ def estimate(description: ModelDescription, trainable: TrainableSpec, shape: Run
     if policy.checkpointing == "blocks_cpu_offload":
         crossing += 2 * int(sum(inputs[i] for i in checkpointed))  # block inputs to host RAM and back
     if weights_on_host:
-        crossing += 3 * trainable.weight_bytes()  # in for the forward, for recompute + backward; update back
+        # in for the forward, for recompute + backward; update back (but the blocks kept on the card)
+        crossing += 3 * (trainable.weight_bytes() - on_card_elements * trainable.element_size)
     if policy.optimizer_state == "streamed":
         crossing += 2 * trainable.optimizer_bytes()  # each tensor's state to the card for its step, and back
     step = time_model.step_time(
@@ -828,7 +835,8 @@ def candidate_policies(base: OffloadPolicy, storages: Sequence[str] | None = Non
                     for optimizer_state in _optimizer_states(base):
                         result.append(base.replace(base_storage=storage, base_placement=placement,
                                                    checkpointing=activations, optimizer_state=optimizer_state,
-                                                   trained_weights=place, checkpoint_blocks=""))
+                                                   trained_weights=place, checkpoint_blocks="",
+                                                   trained_weights_card_blocks=""))
     return result
 
 
@@ -926,7 +934,9 @@ def plan_auto(description: ModelDescription, trainable: TrainableSpec, shape: Ru
         for policy in (p for p in candidates if p.base_storage == storage):
             plan = estimate(description, trainable, shape, policy, budget_bytes, host_room)
             if plan.fits:
-                fitting += [plan, *selective_plans(description, trainable, shape, policy, budget_bytes, host_room)]
+                found = [plan, *selective_plans(description, trainable, shape, policy, budget_bytes, host_room)]
+                fitting += found + [kept for p in found if (kept := with_trained_blocks_on_card(
+                    description, trainable, shape, p, budget_bytes, host_room)) is not None]
             else:
                 tried.append(plan)
         if not fitting:
@@ -941,6 +951,10 @@ def plan_auto(description: ModelDescription, trainable: TrainableSpec, shape: Ru
             plan.reason += (f" Checkpointing {len(plan.checkpointed_blocks)} of {len(description.blocks)} blocks, "
                             "those whose recompute costs least per byte saved; planned "
                             f"{SELECTION_SLACK:.0%} under the budget (allocator slack).")
+        if plan.policy.trained_card_blocks:
+            plan.reason += (f" The trained weights of {len(plan.policy.trained_card_blocks)} of "
+                            f"{sum(1 for layers in trainable.block_layers if layers)} blocks stay on the card (the most "
+                            "that fit, largest first); the others cross from host RAM each step.")
         if faster:
             plan.reason += " Faster options over budget: " + "; ".join(_option(p, storage) for p in faster) + "."
         if storage != base.base_storage:
@@ -967,15 +981,41 @@ def plan_auto(description: ModelDescription, trainable: TrainableSpec, shape: Ru
     return smallest
 
 
+def with_trained_blocks_on_card(description: ModelDescription, trainable: TrainableSpec, shape: RunShape, plan: Plan,
+                                budget_bytes: int, host_room: HostRoom | None = None) -> Plan | None:
+    """`plan` (its trained weights in host RAM) with the trained weights of as many blocks as fit kept on the card
+    (policy trained_weights_card_blocks), the largest blocks first: each byte kept saves its three crossings per step,
+    so the most bytes kept is the fastest; None when it does not apply or not one block fits."""
+    policy = plan.policy
+    if policy.trained_weights != "host" or policy.trained_card_blocks or not trainable.block_layers:
+        return None
+    sizes = [sum(elements for _, elements in layers) for layers in trainable.block_layers]
+    order = sorted((i for i, size in enumerate(sizes) if size), key=lambda i: (-sizes[i], i))
+    # Every block kept, with no trained layer outside them: that is the trained weights on the card (its own candidate)
+    outside = trainable.param_count - sum(sizes)
+    best, low, high = None, 1, len(order) - (0 if outside > 0 else 1)
+    while low <= high:  # more blocks on the card only adds to the card's peak: the most that fit, by bisection
+        middle = (low + high) // 2
+        kept = estimate(description, trainable, shape,
+                        policy.replace(trained_weights_card_blocks=format_blocks(order[:middle])), budget_bytes,
+                        host_room)
+        if kept.fits:
+            best, low = kept, middle + 1
+        else:
+            high = middle - 1
+    return best
+
+
 def next_smaller_policy(description: ModelDescription, trainable: TrainableSpec, shape: RunShape,
                         current: OffloadPolicy, budget_bytes: int | None = None) -> Plan | None:
     """After an out-of-memory error: the first policy slower than `current` whose estimated peak is at
     least 10 % below `current`'s (a smaller step would likely fail again), or None when none is. A `current` that
-    checkpoints only some blocks is followed by the same policy with every block checkpointed, and so on."""
+    checkpoints only some blocks, or keeps some blocks' trained weights on the card, is followed by the same policy
+    with every block checkpointed and every trained weight in host RAM, and so on."""
     current_peak = estimate(description, trainable, shape, current, budget_bytes).peak_bytes
     storages = _storages(current, description)
     candidates = candidate_policies(current, storages, _streams_trained_weights(trainable, current))
-    every_block = current.replace(checkpoint_blocks="")
+    every_block = current.replace(checkpoint_blocks="", trained_weights_card_blocks="")
     at = next((i for i, p in enumerate(candidates) if p == every_block), -1)
     start = at if every_block != current and at >= 0 else at + 1
     for policy in candidates[start:]:

@@ -183,6 +183,13 @@ class OffloadPolicy:
         "e.g. 0,1,5), where checkpointing is on; empty = every block. A card's plan fills this in: the blocks whose "
         "recompute is cheapest per byte saved, until the step fits (blocks streamed from host RAM are always "
         "recomputed)."))
+    # Appended last, default "": a workflow saved before it existed keeps every trained weight where trained_weights
+    # says, as it did.
+    trained_weights_card_blocks: str = _field("", NodeInput(
+        "string", optional=True, advanced=True,
+        tooltip="With trained_weights host: the model blocks whose trained weights stay on the card all the same "
+        "(indices in forward order, comma-separated); empty = none. A card's plan fills this in: as many as fit "
+        "beside the step, since each one kept saves its three crossings per step."))
 
     def __post_init__(self):
         self.validate()
@@ -221,6 +228,12 @@ class OffloadPolicy:
         if not isinstance(self.checkpoint_blocks, str) or len(self.checkpoint_blocks) > 20000:
             raise PolicyError("offload policy: checkpoint_blocks must be text: block indices, comma-separated")
         parse_blocks(self.checkpoint_blocks)
+        if not isinstance(self.trained_weights_card_blocks, str) or len(self.trained_weights_card_blocks) > 20000:
+            raise PolicyError("offload policy: trained_weights_card_blocks must be text: block indices, comma-separated")
+        if parse_blocks(self.trained_weights_card_blocks, "trained_weights_card_blocks") and \
+                self.trained_weights != "host":
+            raise PolicyError("offload policy: trained_weights_card_blocks keeps these blocks' trained weights on the "
+                              "card while the others are in host RAM: set trained_weights host, or clear it")
         problem = trained_weights_problem(self)
         if problem is not None:
             raise PolicyError(f"offload policy: {problem}")
@@ -287,6 +300,11 @@ class OffloadPolicy:
         return parse_blocks(self.checkpoint_blocks) if self.checkpoint_blocks.strip() else None
 
     @property
+    def trained_card_blocks(self) -> frozenset[int]:
+        """The blocks whose trained weights stay on the card with trained_weights host (trained_weights_card_blocks)."""
+        return parse_blocks(self.trained_weights_card_blocks, "trained_weights_card_blocks")
+
+    @property
     def checkpointing_enabled(self) -> bool:
         return self.checkpointing != "off"
 
@@ -321,7 +339,8 @@ class OffloadPolicy:
                 + (", parked during validation" if self.park_optimizer_during_validation else "")
                 + (", encoders kept loaded" if self.encoders == "keep_loaded" else "")
                 + (", fused backward" if self.fused_backward else "")
-                + (", trained weights in host RAM" if self.trained_weights == "host" else ""))
+                + (", trained weights in host RAM" if self.trained_weights == "host" else "")
+                + (f" ({len(self.trained_card_blocks)} blocks' on the card)" if self.trained_card_blocks else ""))
 
     # --- JSON ----------------------------------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -369,15 +388,16 @@ class OffloadPolicy:
         return cls(**{name: inputs[name].field_value(value) for name, value in values.items()})
 
 
-def parse_blocks(text: str) -> frozenset[int]:
-    """Block indices from "0, 3,5" (policy checkpoint_blocks); "" is none. Anything else is a PolicyError."""
+def parse_blocks(text: str, field: str = "checkpoint_blocks") -> frozenset[int]:
+    """Block indices from "0, 3,5" (policy checkpoint_blocks, trained_weights_card_blocks); "" is none. Anything else
+    is a PolicyError naming `field`."""
     indices = set()
     for part in text.split(","):
         part = part.strip()
         if not part:
             continue
         if not part.isdigit() or len(part) > 6:
-            raise PolicyError(f"offload policy: checkpoint_blocks: {part[:20]!r} is not a block index (0, 1, ...)")
+            raise PolicyError(f"offload policy: {field}: {part[:20]!r} is not a block index (0, 1, ...)")
         indices.add(int(part))
     return frozenset(indices)
 

@@ -219,13 +219,15 @@ class Crossings:
 
 # --- what it costs (the planner adds it up: planner.estimate) ---------------------------------------------------
 def trained_weights_cost(shapes: Sequence[Sequence[int]], element_size: int, compute_element_size: int,
-                         on_host: bool, updates_back: bool = True, pinned: bool = True) -> FeatureCost:
+                         on_host: bool, updates_back: bool = True, pinned: bool = True,
+                         on_card_elements: int = 0) -> FeatureCost:
     """The trained weights as the training step and validation hold them. On the device: all of them. In host RAM:
     all of them there (allocated for the run) with `Crossings`' staging buffers (one ring in, and one back for the
     updates when the optimizer state is on the device: `updates_back`; each rounded up to a power of two by torch's
     pinned allocator when `pinned`, a CUDA device's), and on the device the largest layer's copy in flight (the cast to
     the compute dtype is the planner's "one layer's weight copy in flight") and its gradient in the compute dtype
-    (with checkpointing, the recompute's copies: `recompute_kept_cost`)."""
+    (with checkpointing, the recompute's copies: `recompute_kept_cost`); `on_card_elements` of them (the blocks the
+    policy keeps on the card: trained_weights_card_blocks) on the device instead, in training and validation."""
     sizes = [int(torch.Size(shape).numel()) for shape in shapes]
     dtype = {4: "fp32", 2: "bf16"}.get(element_size, f"{element_size}-byte")
     total = sum(sizes) * element_size
@@ -242,8 +244,12 @@ def trained_weights_cost(shapes: Sequence[Sequence[int]], element_size: int, com
     if pinned and buffer:
         buffer = 1 << (buffer - 1).bit_length()  # torch's pinned blocks: powers of two
     staging = (2 if updates_back else 1) * STAGING_BUFFERS * buffer
+    on_card = on_card_elements * element_size
+    if on_card:
+        for items in (cost.training, cost.validation):
+            items[f"trained weights kept on the card ({dtype}, trained weights in host RAM)"] = on_card
     for items in (cost.host, cost.host_added_training, cost.host_added_validation):
-        items[f"trained weights ({dtype}, in host RAM)"] = total
+        items[f"trained weights ({dtype}, in host RAM)"] = total - on_card
         items["staging buffers (trained weights in host RAM)"] = staging
     return cost
 
