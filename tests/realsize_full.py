@@ -212,7 +212,8 @@ def run(size: int = 64) -> dict:
     return report
 
 
-def run_lean(arch: str, depth: int | None = None, size: int = 64, trained_weights: str = "device") -> dict:
+def run_lean(arch: str, depth: int | None = None, size: int = 64, trained_weights: str = "device",
+             card_blocks: str = "") -> dict:
     """The lean full fine-tune alone on a whole model (`--lean sdxl`: SDXL at full size, 2.6 B weights, every one of
     its Linear and Conv2d layers inside the blocks trained): policy fused_backward, LoRA Config full_precision
     bf16_stochastic, Adafactor; two steps, the second's peak (weights + RSS growth) against the planner's step.
@@ -226,7 +227,8 @@ def run_lean(arch: str, depth: int | None = None, size: int = 64, trained_weight
     from headroom.training.memory import planner
     from headroom.training.memory.policy import OffloadPolicy
 
-    report = {"arch": arch, "depth": depth, "size": size, "trained_weights": trained_weights, "phases": []}
+    report = {"arch": arch, "depth": depth, "size": size, "trained_weights": trained_weights,
+              "card_blocks": card_blocks, "phases": []}
     with W.Peak() as peak:
         model, clip, vae = R.build_family(arch, depth, 2, 0)
     report["phases"].append(peak.record("build (realsize_models)"))
@@ -245,7 +247,7 @@ def run_lean(arch: str, depth: int | None = None, size: int = 64, trained_weight
                                               full_precision="bf16_stochastic").args[0]
         optimizer = T.HeadroomOptimizerConfig.execute("Adafactor", 1e-6, 0.0, "constant", 0, 100).args[0]
         policy = OffloadPolicy(fused_backward=True, **({} if trained_weights == "device" else dict(
-            optimizer_state="cpu", trained_weights="host")))
+            optimizer_state="cpu", trained_weights="host", trained_weights_card_blocks=card_blocks)))
         report["baseline_rss_bytes"] = W.rss()
         report.update(train_two_steps(model, latents, texts, config, optimizer, f"realsize_full_lean_{arch}", policy,
                                       report))
@@ -271,11 +273,14 @@ def main() -> None:
                         "all of them; realsize_models.build_model)")
     parser.add_argument("--trained-weights", choices=("device", "host"), default="device",
                         help="--lean: the Offload Policy's trained_weights (host: with optimizer_state cpu)")
+    parser.add_argument("--card-blocks", default="", help="--lean with --trained-weights host: the Offload Policy's "
+                        "trained_weights_card_blocks (these blocks' trained weights kept on the device)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads or int(os.environ.get("HEADROOM_TORCH_THREADS", 0)) or os.cpu_count() or 1)
     W.setup()
     started = time.perf_counter()
-    report = run_lean(args.lean, args.depth, trained_weights=args.trained_weights) if args.lean else run()
+    report = run_lean(args.lean, args.depth, trained_weights=args.trained_weights, card_blocks=args.card_blocks) \
+        if args.lean else run()
     report["seconds"] = time.perf_counter() - started
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
