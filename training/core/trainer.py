@@ -239,8 +239,10 @@ class Trainer:
             on_device_steps = weights_on_host and not on_host
             # Optimizer state "streamed": in host RAM between steps, each tensor's crossing to the card for its step
             # (memory/streamed_optimizer_state.py).
-            streamed = StreamedState(denoiser.device, largest_tensor_shaped(optimizer_config.name, [
-                p.shape for p in self.params]), optimizer_config.name) if self.policy.optimizer_state == "streamed" else None
+            streamed = None
+            if self.policy.optimizer_state == "streamed":
+                largest = largest_tensor_shaped(optimizer_config.name, [p.shape for p in self.params])
+                streamed = StreamedState(denoiser.device, largest, optimizer_config.name)
             self.optimizer = FusedBackward(
                 self.params, lambda group: create_optimizer(group, optimizer_config, device=step_device),
                 lambda opt: create_scheduler(opt, optimizer_config), max_grad_norm=config.max_grad_norm,

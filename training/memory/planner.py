@@ -952,9 +952,9 @@ def plan_auto(description: ModelDescription, trainable: TrainableSpec, shape: Ru
                             "those whose recompute costs least per byte saved; planned "
                             f"{SELECTION_SLACK:.0%} under the budget (allocator slack).")
         if plan.policy.trained_card_blocks:
-            plan.reason += (f" The trained weights of {len(plan.policy.trained_card_blocks)} of "
-                            f"{sum(1 for layers in trainable.block_layers if layers)} blocks stay on the card (the most "
-                            "that fit, largest first); the others cross from host RAM each step.")
+            blocks = sum(1 for layers in trainable.block_layers if layers)
+            plan.reason += (f" The trained weights of {len(plan.policy.trained_card_blocks)} of {blocks} blocks stay "
+                            "on the card (the most that fit, largest first); the others cross from host RAM each step.")
         if faster:
             plan.reason += " Faster options over budget: " + "; ".join(_option(p, storage) for p in faster) + "."
         if storage != base.base_storage:

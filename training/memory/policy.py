@@ -229,7 +229,8 @@ class OffloadPolicy:
             raise PolicyError("offload policy: checkpoint_blocks must be text: block indices, comma-separated")
         parse_blocks(self.checkpoint_blocks)
         if not isinstance(self.trained_weights_card_blocks, str) or len(self.trained_weights_card_blocks) > 20000:
-            raise PolicyError("offload policy: trained_weights_card_blocks must be text: block indices, comma-separated")
+            raise PolicyError("offload policy: trained_weights_card_blocks must be text: block indices, "
+                              "comma-separated")
         if parse_blocks(self.trained_weights_card_blocks, "trained_weights_card_blocks") and \
                 self.trained_weights != "host":
             raise PolicyError("offload policy: trained_weights_card_blocks keeps these blocks' trained weights on the "

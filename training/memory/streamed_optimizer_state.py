@@ -11,9 +11,10 @@ Between "gpu" (the state on the card: AdamW's 8 bytes per weight, 95 GB for Flux
 (the state in host RAM and the step there too: host RAM steps every weight, 87-120 ns per weight measured on a 2-core
 CPU, minutes per step for billions of them), this keeps the state in host RAM and the step on the card: per step each
 tensor's state crosses in once and back once (AdamW8bit: 2 bytes per weight each way, 24 GB for Flux: about 1 s at
-~50 GB/s), and the card holds one tensor's state at a time. With trained_weights "host" it rides the same crossing as its weight (the step on the card in the layer's
-backward, trained_weights_on_host.py); with the weights on the card it is stepped in fused backward's hook. The kohya
-/ OneTrainer peers keep the state on the card or step on the CPU; DeepSpeed ZeRO-Offload steps on the CPU.
+~50 GB/s), and the card holds one tensor's state at a time. With trained_weights "host" it rides with its weight's
+step on the card in the layer's backward (trained_weights_on_host.py); with the weights on the card it is stepped in
+fused backward's hook. The kohya / OneTrainer peers keep the state on the card or step on the CPU; DeepSpeed
+ZeRO-Offload steps on the CPU.
 
 What crosses: every tensor of the state on the step's device (torch's exp_avg / exp_avg_sq, Adafactor's factored rows
 and columns, bitsandbytes' 8-bit state with its scales); what the optimizer keeps elsewhere (torch's step count, a CPU
@@ -24,8 +25,9 @@ ones for the rest (step counts, 8-bit scales and maps, factored rows and columns
 last copy has passed, so a ring smaller than one tensor's state would make the CPU wait for the card inside every
 tensor's step, with nothing queued behind it; sized so, the CPU waits at most for the previous tensor's copies while
 the card runs this one's step. Each state is landed in its host tensor at the latest where the step already waits
-(FusedBackward.step / zero_grad), before anything reads it (a save, the next step). Between steps the optimizer's state dict holds the host tensors, so checkpoints, resume and parking
-see the state where it lives; a loaded checkpoint's state goes back to host RAM tensor by tensor (`park`).
+(FusedBackward.step / zero_grad), before anything reads it (a save, the next step). Between steps the optimizer's
+state dict holds the host tensors, so checkpoints, resume and parking see the state where it lives; a loaded
+checkpoint's state goes back to host RAM tensor by tensor (`park`).
 
 Numerics: the same step on the same device in the same dtypes as with the state on the card, so the weights equal that
 run's bit for bit (tests/unit/test_streamed_optimizer_state.py).
