@@ -126,13 +126,14 @@ def test_everyday_training_node_is_small_and_folds_expert_inputs(browser_page, n
 def test_offload_policy_folds_its_expert_input(browser_page):
     """The Offload Policy shows the everyday choices (the card to fit, or the budget and where things live) and folds
     the expert ones (the reserve, checkpoint depth, parking, tiled decode, the host RAM budget, a full fine-tune's
-    weights in host RAM, the blocks to checkpoint) behind the node's advanced toggle; the node is drawn without gaps."""
+    weights in host RAM, the blocks to checkpoint, the blocks whose trained weights stay on the card) behind the node's
+    advanced toggle; the node is drawn without gaps."""
     page, log = browser_page
     node = add_node(page, "HeadroomOffloadPolicy")  # as the editor sizes a new node
     folded = widgets(page, node)
     hidden = set(folded["all"]) - set(folded["shown"])
     assert hidden == {"reserve_gb", "checkpoint_depth", "park_optimizer_during_validation", "vae_tiled_decode",
-                      "host_ram_budget_gb", "trained_weights", "checkpoint_blocks"}, hidden
+                      "host_ram_budget_gb", "trained_weights", "checkpoint_blocks", "trained_weights_card_blocks"}, hidden
     assert {"card", "fused_backward", "optimizer_state"} <= set(folded["shown"]), folded["shown"]
     assert max(folded["gaps"]) <= 8, f"empty space between the widgets drawn: {folded['gaps']}"
     show_node(page, node)
@@ -140,7 +141,7 @@ def test_offload_policy_folds_its_expert_input(browser_page):
     page.evaluate("(id) => { const n = window.app.graph.getNodeById(id); n.showAdvanced = true;"
                   " n.setSize(n.computeSize()); n.setDirtyCanvas(true, true); }", node)
     unfolded = widgets(page, node)
-    assert unfolded["shown"] == unfolded["all"] and unfolded["shown"][-1] == "checkpoint_blocks"
+    assert unfolded["shown"] == unfolded["all"] and unfolded["shown"][-1] == "trained_weights_card_blocks"
     show_node(page, node)
     shot(page, "HeadroomOffloadPolicy_advanced")
     assert log.headroom_errors() == []
