@@ -23,7 +23,6 @@ import json
 import logging
 import pathlib
 import re
-import resource
 import sys
 import time
 import types
@@ -169,7 +168,11 @@ def run(arch: str, depth, meta_only: bool = False) -> dict:
             fmt: sorted(set(reduced_patterns[fmt]) ^ {_pattern(n) for n in names}) for fmt, names in full_names.items()},
     }
     report["seconds"] = time.perf_counter() - started
-    report["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    # This process's own peak (Linux: VmHWM). Not getrusage's ru_maxrss: Linux carries the parent's high-water mark into
+    # a forked and exec'd child's, so a pytest worker that had grown past 6 GiB made every key check here "use" it.
+    from headroom.training.os_compat import process_peak_rss_bytes
+
+    report["peak_rss_bytes"] = process_peak_rss_bytes()
     return report
 
 
