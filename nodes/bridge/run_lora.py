@@ -61,7 +61,6 @@ def card_block_paths(diffusion_model: torch.nn.Module, paths: list[str], policy)
     return [path for path in paths if (path + ".").startswith(prefixes)]
 
 
-
 def attach_with_injection(patcher, adapters: AdapterSet, home=None) -> None:
     """Make ComfyUI attach `adapters` whenever it loads `patcher` (a clone), and detach on unload. `home`: where the
     trained weights live (default the load device; host RAM: memory/trained_weights_on_host.py)."""

@@ -174,7 +174,7 @@ class OffloadPolicy:
         "streamed each tensor is stepped on the card in backward (its state there, or crossing with it) and the "
         "update copied back; with cpu its "
         "gradient is copied back and stepped in host RAM (far slower for billions of weights). The card holds no "
-        "trained weight, at the cost of that traffic every step."))
+        "trained weight (but those of trained_weights_card_blocks), at the cost of that traffic every step."))
 
     # Appended last, default "": a workflow saved before it existed checkpoints every block, as it did.
     checkpoint_blocks: str = _field("", NodeInput(

@@ -8,8 +8,9 @@ backward, then back; the step itself runs on the card.
     streamed.finish()                                            # where the step already waits: every state landed
 
 Between "gpu" (the state on the card: AdamW's 8 bytes per weight, 95 GB for Flux.1-dev's 11.8 B weights) and "cpu"
-(the state in host RAM and the step there too: host RAM steps every weight, 87-120 ns per weight measured on a 2-core
-CPU, minutes per step for billions of them), this keeps the state in host RAM and the step on the card: per step each
+(the state in host RAM and the step there too: host RAM steps every weight, 6.5-11 ns per weight for the optimizer's
+step alone on one thread of a 2-core VM, bench/bench_host_optimizer_step.py: over a minute per step for Flux's 11.8 B
+weights), this keeps the state in host RAM and the step on the card: per step each
 tensor's state crosses in once and back once (AdamW8bit: 2 bytes per weight each way, 24 GB for Flux: about 1 s at
 ~50 GB/s), and the card holds one tensor's state at a time. With trained_weights "host" it rides with its weight's
 step on the card in the layer's backward (trained_weights_on_host.py); with the weights on the card it is stepped in
@@ -44,7 +45,7 @@ import math
 import torch
 
 from .cost import FeatureCost
-from .trained_weights_on_host import STAGING_BUFFERS, Crossings
+from .trained_weights_on_host import STAGING_BUFFERS, Crossings, staged_bytes
 
 # Per optimizer: its state entries the shape of the tensor, and their bytes per element (planner._optimizer_state_bytes'
 # layouts; Adafactor's are factored for matrices: only a vector's second moment). Others: four fp32 entries at most.
@@ -151,10 +152,7 @@ def streamed_state_cost(optimizer: str, state_bytes: int, largest_state_bytes: i
     (`staging_layout`, for tensors of at most `largest_elements` elements with tensor-shaped state; each buffer rounded
     up to a power of two when `pinned`, a CUDA device's: torch's pinned allocator), and on the card the largest
     tensor's state (`largest_state_bytes`) during its step."""
-    def rounded(size: int) -> int:
-        return 1 << (size - 1).bit_length() if pinned and size else size
-
-    staging = sum(count * rounded(size) for count, size in staging_layout(optimizer, largest_elements))
+    staging = sum(count * staged_bytes(size, pinned) for count, size in staging_layout(optimizer, largest_elements))
     cost = FeatureCost(training={f"one tensor's optimizer state in its step ({optimizer}, streamed)":
                                  largest_state_bytes})
     for items in (cost.host, cost.host_added_training, cost.host_added_validation):

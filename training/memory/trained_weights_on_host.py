@@ -218,6 +218,12 @@ class Crossings:
 
 
 # --- what it costs (the planner adds it up: planner.estimate) ---------------------------------------------------
+def staged_bytes(nbytes: int, pinned: bool) -> int:
+    """Host RAM a staging buffer of `nbytes` takes: rounded up to a power of two when `pinned` (torch's pinned
+    allocator's blocks)."""
+    return 1 << (nbytes - 1).bit_length() if pinned and nbytes else nbytes
+
+
 def trained_weights_cost(shapes: Sequence[Sequence[int]], element_size: int, compute_element_size: int,
                          on_host: bool, updates_back: bool = True, pinned: bool = True,
                          on_card_elements: int = 0) -> FeatureCost:
@@ -240,10 +246,7 @@ def trained_weights_cost(shapes: Sequence[Sequence[int]], element_size: int, com
                   largest * (element_size + compute_element_size)},
         validation={"one layer's trained weights in flight (trained weights in host RAM)":
                     largest * (element_size + compute_element_size)})
-    buffer = largest * element_size
-    if pinned and buffer:
-        buffer = 1 << (buffer - 1).bit_length()  # torch's pinned blocks: powers of two
-    staging = (2 if updates_back else 1) * STAGING_BUFFERS * buffer
+    staging = (2 if updates_back else 1) * STAGING_BUFFERS * staged_bytes(largest * element_size, pinned)
     on_card = on_card_elements * element_size
     if on_card:
         for items in (cost.training, cost.validation):

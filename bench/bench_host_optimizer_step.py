@@ -1,0 +1,62 @@
+"""Nanoseconds per weight of one optimizer step in host RAM: what fused backward does per trained tensor with the
+Offload Policy's optimizer_state "cpu" (an fp32 tensor, its gradient and its state on the CPU; one optimizer per
+tensor: training/memory/fused_backward.py), for torch's AdamW and transformers' Adafactor with the settings
+training/core/optimizers.create_optimizer gives them. The planner's time model prices this step as bandwidth-bound
+(training/memory/time_model.optimizer_step_s); this says what a CPU does.
+
+    python bench/bench_host_optimizer_step.py [--numel 37748736] [--repeats 5] [--threads 1]
+
+Prints the figures, the machine's threads, the versions and the date (docs/benchmarks/full_finetune.md)."""
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import statistics
+import time
+
+import torch
+
+
+def make(name: str, param: torch.nn.Parameter) -> torch.optim.Optimizer:
+    if name == "AdamW":  # create_optimizer: torch's AdamW (its fused kernel only on CUDA)
+        return torch.optim.AdamW([param], lr=1e-4, weight_decay=0.01)
+    from transformers.optimization import Adafactor  # create_optimizer's settings
+
+    return Adafactor([param], lr=1e-4, scale_parameter=False, relative_step=False, warmup_init=False,
+                     weight_decay=0.0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--numel", type=int, default=3072 * 12288, help="default: one Flux-dev MLP weight")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=0, help="torch's CPU threads (default: torch's own)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rows = args.numel // 3072 if args.numel % 3072 == 0 else 1
+    shape = (rows, args.numel // rows)  # a matrix: Adafactor factors its second moment
+    generator = torch.Generator().manual_seed(0)
+    for name in ("AdamW", "Adafactor"):
+        param = torch.nn.Parameter(torch.randn(shape, generator=generator))
+        param.grad = torch.randn(shape, generator=generator) * 1e-3
+        optimizer = make(name, param)
+        optimizer.step()  # the first step makes the state
+        times = []
+        for _ in range(args.repeats):
+            started = time.perf_counter()
+            optimizer.step()
+            times.append(time.perf_counter() - started)
+        per_weight = [t / args.numel * 1e9 for t in times]
+        print(f"{name}: best {min(per_weight):.1f} / median {statistics.median(per_weight):.1f} ns per weight "
+              f"({args.numel} weights, {torch.get_num_threads()} threads)")
+    import transformers
+
+    print(f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads; torch "
+          f"{torch.__version__}, transformers {transformers.__version__}, Python {platform.python_version()}; "
+          f"{datetime.date.today()}")
+
+
+if __name__ == "__main__":
+    main()
