@@ -47,7 +47,7 @@ def main() -> None:
     from headroom.training.core.adapters import AdapterConfig
     from headroom.training.memory.planner import RunShape, plan_auto
     from headroom.training.memory.policy import OffloadPolicy
-    from headroom.training.memory.time_model import DEFAULT_H2D_BYTES_PER_S
+    from headroom.training.memory.time_model import DEFAULT_H2D_BYTES_PER_S, host_step_rate
 
     started = time.monotonic()
     template = next((t for t in plan_table.TEMPLATES if t.architecture == architecture), None)
@@ -93,7 +93,11 @@ def main() -> None:
           f"ComfyUI {comfyui_version.__version__}, Python {platform.python_version()} ({time.monotonic() - started:.0f} s). "
           "Predicted s/step: the planner's time model without block times measured on a GPU (compute estimated from "
           f"reading the weights, so far too low), host <-> device copies at {DEFAULT_H2D_BYTES_PER_S / 1e9:.0f} GB/s and "
-          "the optimizer step: meaningful where copies or a host RAM step bound it, not for compute-bound rows.")
+          "the optimizer step (in host RAM at this CPU's rate on one thread, measured as fused backward steps: "
+          + ", ".join(f"{name} {host_step_rate(name, precision != 'fp32') * 1e9:.1f} ns per weight"
+                      + (" with bf16 rounding" if precision != "fp32" else "")
+                      for name, precision in sorted({(v[1], v[2]) for v in VARIANTS}))
+          + "): meaningful where copies or a host RAM step bound it, not for compute-bound rows.")
 
 
 if __name__ == "__main__":

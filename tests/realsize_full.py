@@ -9,7 +9,7 @@ stock ModelSave writes the base (as it would be downloaded) -> stock UNETLoader 
 every Linear inside the blocks) -> two HeadroomTrainSteps steps -> HeadroomSaveLora (the differences, "diff" keys) ->
 stock LoraLoaderModelOnly -> stock ModelSave (the fine-tuned model) -> stock UNETLoader. Reported: per phase the peak
 RSS; the second step's peak (the model's weights + the growth over the resident models) against the planner's
-training step for this run (its trained state from planner.TrainableSpec.full); every key of the fine-tuned file
+training step for this run (its trained state from planner.TrainableSpec.of_full_layers); every key of the fine-tuned file
 against the base + the difference; the base file's and the shared MODEL's digests before and after. Then the lean
 options on the same model (policy fused_backward, LoRA Config full_precision bf16_stochastic): two steps, the peak
 against the planner's.

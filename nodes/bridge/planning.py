@@ -276,12 +276,12 @@ def lora_trainable(patcher, adapter: AdapterConfig, optimizer: str, paths: list[
     paths = paths if paths is not None else lora_target_paths(patcher, adapter)
     modules = [patcher.model.diffusion_model.get_submodule(p) for p in paths]
     if adapter.kind == "full":
-        spec = planner.TrainableSpec.full(modules, optimizer, 2 if adapter.full_precision == "bf16_stochastic" else 4)
+        spec = planner.TrainableSpec.of_full_layers(modules, optimizer, 2 if adapter.full_precision == "bf16_stochastic" else 4)
         prefix = first_block_prefix(patcher)
         first = [m for p, m in zip(paths, modules) if (p + ".").startswith(prefix)]
         named_blocks = training_blocks(patcher.model.diffusion_model)
         blocks, outside = planner.unread_base(named_blocks, modules)
-        return dataclasses.replace(spec, first_block_elements=planner.TrainableSpec.full(first).param_count,
+        return dataclasses.replace(spec, first_block_elements=planner.TrainableSpec.of_full_layers(first).param_count,
                                    unread_base_blocks=blocks, unread_base_outside=outside,
                                    block_layers=planner.trained_per_block(named_blocks, modules))
     return planner.TrainableSpec.lora(modules, adapter.rank, optimizer)

@@ -107,7 +107,7 @@ def test_full_kind_trains_the_runs_own_copy_of_the_weights():
         "blocks.0.conv.diff", "blocks.0.conv.diff_b", "blocks.0.lin.diff", "blocks.0.lin.diff_b"]
     assert adapters.parameter_count() == 48 * 32 + 48 + 16 * 8 * 9 + 16
     # The planner counts the same tensors from the layers' shapes.
-    spec = TrainableSpec.full([twin.get_submodule(p) for p in paths])
+    spec = TrainableSpec.of_full_layers([twin.get_submodule(p) for p in paths])
     assert spec.param_count == adapters.parameter_count() and spec.param_bytes() == 4 * spec.param_count
 
 

@@ -176,12 +176,34 @@ def test_measured_times_fit_a_line_in_the_area_never_below_zero():
     assert time_model.h2d_bytes_per_s("cpu") is None
 
 
-def test_the_optimizer_step_is_bandwidth_bound_and_slower_in_host_ram():
+def test_the_optimizer_step_is_bandwidth_bound_on_a_card_and_priced_per_weight_in_host_ram():
     on_device = time_model.optimizer_step_s(4 * 10 ** 8, 8 * 10 ** 8, False, "cuda", 2e10)
-    on_host = time_model.optimizer_step_s(4 * 10 ** 8, 8 * 10 ** 8, True, "cuda", 2e10)
+    on_host = time_model.optimizer_step_s(4 * 10 ** 8, 8 * 10 ** 8, True, "cuda", 2e10, 15e-9, 10 ** 8)
     assert on_device == pytest.approx((3 * 4 + 2 * 8) * 10 ** 8 / 1e12)
-    assert on_host == pytest.approx((3 * 4 + 2 * 8) * 10 ** 8 / 2e10 + 2 * 4 * 10 ** 8 / 2e10)
+    assert on_host == pytest.approx(10 ** 8 * 15e-9 + 2 * 4 * 10 ** 8 / 2e10)  # the step, gradients down, weights up
     assert math.isfinite(on_host) and on_host > on_device
+    # a CPU run steps in host RAM whatever the policy says, and nothing crosses
+    assert time_model.optimizer_step_s(4 * 10 ** 8, 0, False, "cpu", None, 15e-9, 10 ** 8) == pytest.approx(1.5)
+
+
+def test_the_host_step_is_measured_once_per_optimizer_as_fused_backward_runs_it(monkeypatch):
+    """host_step_s_per_weight times fused backward's own step of a probe tensor in host RAM (a bandwidth figure was
+    9-32x too fast: docs/benchmarks/full_finetune.md): a positive rate, below a microsecond per weight on any CPU;
+    cached per (optimizer, rounding, threads); an optimizer that cannot step here gets the default."""
+    import torch
+
+    monkeypatch.setattr(time_model, "HOST_STEP_PROBE_SHAPE", (256, 128))
+    time_model.host_step_s_per_weight.cache_clear()
+    try:
+        fp32 = time_model.host_step_rate("AdamW", False)
+        assert 0 < fp32 < 1e-6
+        assert time_model.host_step_s_per_weight.cache_info().currsize == 1
+        assert time_model.host_step_rate("AdamW", False) == fp32  # measured once
+        assert 0 < time_model.host_step_rate("Adafactor", True) < 1e-6  # bf16 weights: the copy and the rounding
+        assert time_model.host_step_s_per_weight("no such optimizer", False, torch.get_num_threads()) == \
+            time_model.DEFAULT_HOST_STEP_S_PER_WEIGHT
+    finally:
+        time_model.host_step_s_per_weight.cache_clear()
 
 
 def test_calibration_forwards_time_each_block_and_the_fit_follows_the_area():

@@ -238,7 +238,7 @@ class FullLayer(torch.nn.Module):
 
     Memory: W' in fp32 (4 bytes per weight; `dtype` bf16: 2, trained with stochastic rounding by
     memory/fused_backward.py), with the gradient and optimizer state a full fine-tune has (the planner counts them
-    from the layers' shapes: planner.TrainableSpec.full); the base stays where ComfyUI placed it."""
+    from the layers' shapes: planner.TrainableSpec.of_full_layers); the base stays where ComfyUI placed it."""
 
     def __init__(self, base: torch.nn.Module, device: torch.device | str | None = None,
                  dtype: torch.dtype = torch.float32, read_base=None):

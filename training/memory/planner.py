@@ -284,7 +284,7 @@ class TrainableSpec:
         return cls(tuple(shapes), optimizer)
 
     @classmethod
-    def full(cls, targets: Iterable[torch.nn.Module], optimizer: str = "AdamW", element_size: int = 4
+    def of_full_layers(cls, targets: Iterable[torch.nn.Module], optimizer: str = "AdamW", element_size: int = 4
              ) -> "TrainableSpec":
         """A full fine-tune of Linear / Conv2d `targets` (adapters.FullLayer): a difference the size of each weight
         and bias, of `element_size` bytes per weight (4: fp32, 2: bf16 with stochastic rounding)."""
@@ -323,7 +323,7 @@ def trained_per_block(named_blocks: Sequence[tuple[str, torch.nn.Module]], targe
     """A full fine-tune of `targets`: per block of `named_blocks`, each trained layer's name relative to the block and
     its elements (weight and bias), in module order (TrainableSpec.block_layers)."""
     wanted = {id(m) for m in targets}
-    return tuple(tuple((name, TrainableSpec.full([m]).param_count) for name, m in block.named_modules() if id(m) in wanted)
+    return tuple(tuple((name, TrainableSpec.of_full_layers([m]).param_count) for name, m in block.named_modules() if id(m) in wanted)
                  for _, block in named_blocks)
 
 
@@ -760,12 +760,14 @@ def estimate(description: ModelDescription, trainable: TrainableSpec, shape: Run
         crossing += 3 * (trainable.weight_bytes() - on_card_elements * trainable.element_size)
     if policy.optimizer_state == "streamed":
         crossing += 2 * trainable.optimizer_bytes()  # each tensor's state to the card for its step, and back
+    host_step = policy.optimizer_state == "cpu" or description.compute_device == "cpu"
+    host_rate = time_model.host_step_rate(trainable.optimizer, trainable.element_size == 2) if host_step else 0.0
     step = time_model.step_time(
         description.forward_seconds(area, tokens, batch, storage),
         description.outside_forward_s.at(area, tokens) * batch, checkpointed,
         [block_weights[i] if i in set(streamed) else 0 for i in range(len(blocks))], h2d, crossing,
-        time_model.optimizer_step_s(trainable.weight_bytes(), trainable.optimizer_bytes(),
-                                    policy.optimizer_state == "cpu", description.compute_device, h2d),
+        time_model.optimizer_step_s(trainable.weight_bytes(), trainable.optimizer_bytes(), host_step,
+                                    description.compute_device, h2d, host_rate, trainable.param_count),
         description.timed, weight_streaming.DEFAULT_SLOTS)
     return Plan(policy, [cache_text, cache_vae, training, validation, decode, save], budget_bytes, host_bytes=host,
                 base_device_bytes=base_device, validation_base_device_bytes=validation_device,

@@ -21,9 +21,10 @@
 - compute and transfer overlap (the ring copies ahead on a side stream while blocks compute): the physical limit
   of a streamed step is max(compute, transfer) + optimizer (`StepTime.limit_s`); the prediction adds what the
   per-block pipeline loses to it.
-- not overlapped, so added: the optimizer step (it runs after backward's last gradient; a bandwidth-bound estimate
-  from the bytes it reads and writes, on the device or, with optimizer_state "cpu", in host RAM plus gradients down
-  and weights up), and the pipeline fill (a copy before any compute can start: none in a steady step, whose first
+- not overlapped, so added: the optimizer step (it runs after backward's last gradient: on a card a bandwidth-bound
+  estimate from the bytes it reads and writes; in host RAM - optimizer_state "cpu", or a CPU run - the seconds per
+  weight of fused backward's step measured once on this machine (`host_step_s_per_weight`), plus gradients down and
+  weights up over the link), and the pipeline fill (a copy before any compute can start: none in a steady step, whose first
   streamed blocks are still in the ring from the previous backward).
 """
 from __future__ import annotations
@@ -40,11 +41,18 @@ import torch
 BACKWARD_PER_FORWARD = 1.5
 # Pinned host->device copies over PCIe 4.0 x16 in practice (about 25 GB/s peak); measured on CUDA when planning.
 DEFAULT_H2D_BYTES_PER_S = 20e9
-# Memory bandwidth for the bandwidth-bound estimates (optimizer step, a block's forward when none is measured):
-# a current GPU's HBM/GDDR order of magnitude, and a desktop's host RAM.
+# Memory bandwidth for the bandwidth-bound estimates (the optimizer step on a card, a block's forward when none is
+# measured): a current GPU's HBM/GDDR order of magnitude, and a desktop's host RAM.
 DEVICE_BYTES_PER_S = {"cuda": 1e12, "cpu": 2e10}
-HOST_BYTES_PER_S = 2e10
 H2D_PROBE_BYTES = 256 << 20
+# The host step's probe: one matrix (Adafactor factors it) of 8 M weights, stepped as fused backward steps a tensor in
+# host RAM (its fp32 copies made per step: larger than a CPU's caches, as a model's layers are; 1 M weights measured
+# 2-3x faster than a layer's step); about 0.2 s per step on one thread, measured once per process and optimizer.
+HOST_STEP_PROBE_SHAPE = (4096, 2048)
+# Seconds per weight of that step where it cannot be measured (an optimizer whose package is missing, or whose kernels
+# do not run on a CPU): this probe's AdamW and Adafactor on one thread of a 2-core VM, 15-21 ns
+# (docs/benchmarks/full_finetune.md). A bandwidth figure (bytes touched / host RAM bandwidth) was 9-32x too fast.
+DEFAULT_HOST_STEP_S_PER_WEIGHT = 18e-9
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,14 +144,16 @@ def step_time(forward_s: Sequence[float], outside_forward_s: float, checkpointed
 
 
 def optimizer_step_s(weight_bytes: int, state_bytes: int, on_host: bool, device_type: str,
-                     h2d_bytes_per_s: float | None) -> float:
-    """Bandwidth-bound: the step reads weights, gradients (the weights' size) and state, and writes weights and
-    state. In host RAM (optimizer_state "cpu") the gradients go down and the weights come back over the link too."""
-    touched = 3 * weight_bytes + 2 * state_bytes
-    if not on_host:
-        return touched / DEVICE_BYTES_PER_S.get(device_type, DEVICE_BYTES_PER_S["cuda"])
+                     h2d_bytes_per_s: float | None, host_s_per_weight: float = DEFAULT_HOST_STEP_S_PER_WEIGHT,
+                     elements: int = 0) -> float:
+    """On a card bandwidth-bound: the step reads weights, gradients (the weights' size) and state, and writes weights
+    and state. In host RAM (optimizer_state "cpu", or `device_type` "cpu") `elements` weights at `host_s_per_weight`
+    each (host_step_s_per_weight: a CPU steps far below its memory bandwidth), and with a card the gradients go down
+    and the weights come back over the link."""
+    if not on_host and device_type != "cpu":
+        return (3 * weight_bytes + 2 * state_bytes) / DEVICE_BYTES_PER_S.get(device_type, DEVICE_BYTES_PER_S["cuda"])
     link = 0.0 if h2d_bytes_per_s is None else 2 * weight_bytes / h2d_bytes_per_s
-    return touched / HOST_BYTES_PER_S + link
+    return elements * host_s_per_weight + link
 
 
 def fit_seconds(areas: Sequence[float], seconds: Sequence[float]) -> tuple[float, float]:
@@ -154,6 +164,40 @@ def fit_seconds(areas: Sequence[float], seconds: Sequence[float]) -> tuple[float
     spread = sum((a - mean_a) ** 2 for a in areas)
     slope = max(0.0, sum((a - mean_a) * (t - mean_t) for a, t in zip(areas, seconds)) / spread) if spread else 0.0
     return max(0.0, mean_t - slope * mean_a), slope
+
+
+@functools.lru_cache(maxsize=None)
+def host_step_s_per_weight(optimizer: str, bf16_stochastic: bool, threads: int | None = None) -> float:
+    """Seconds per weight of one trained tensor's optimizer step in host RAM as fused backward runs it (fp32 stand-in,
+    the optimizer `optimizer` with the engine's settings, the bf16 rounding with `bf16_stochastic`): measured once per
+    process on a HOST_STEP_PROBE_SHAPE tensor, the best of 3 steps after the one that makes the state, with torch's
+    CPU threads (`threads`: the cache key; None: torch's current count). DEFAULT_HOST_STEP_S_PER_WEIGHT where the
+    optimizer cannot step on this CPU."""
+    from ..core.optimizers import OptimizerConfig, create_optimizer
+    from .fused_backward import FusedBackward
+
+    del threads  # only the cache key: the probe runs with torch's current threads
+    dtype = torch.bfloat16 if bf16_stochastic else torch.float32
+    generator = torch.Generator().manual_seed(0)
+    param = torch.nn.Parameter(torch.randn(HOST_STEP_PROBE_SHAPE, generator=generator).to(dtype))
+    gradient = (torch.randn(HOST_STEP_PROBE_SHAPE, generator=generator) * 1e-3).to(dtype)
+    try:
+        fused = FusedBackward([param], lambda group: create_optimizer(group, OptimizerConfig(name=optimizer)),
+                              bf16_stochastic=bf16_stochastic, state_on_host=True)
+        times = []
+        for _ in range(4):
+            started = time.perf_counter()
+            param.backward(gradient)  # the tensor's hook steps it (as in a run's backward) and frees the gradient
+            times.append(time.perf_counter() - started)
+        fused.remove()
+    except Exception:  # noqa: BLE001 - a missing package or CPU kernel: the planner still plans, with the default
+        return DEFAULT_HOST_STEP_S_PER_WEIGHT
+    return min(times[1:]) / param.numel()
+
+
+def host_step_rate(optimizer: str, bf16_stochastic: bool) -> float:
+    """host_step_s_per_weight at torch's current CPU threads."""
+    return host_step_s_per_weight(optimizer, bf16_stochastic, torch.get_num_threads())
 
 
 @functools.lru_cache(maxsize=None)
