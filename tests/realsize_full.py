@@ -72,7 +72,9 @@ def train_two_steps(model, latents, texts, config, optimizer, run_name: str, pol
                "trained_params": run.adapters.parameter_count(), "tensors": len(params),
                "trained_tensors": sum(int(bool(torch.any(p != 0))) for p in params),
                "most_gradients_alive": run.trainer.optimizer.most_gradients_alive,
-               "param_devices": sorted({p.device.type for p in params})}
+               "param_devices": sorted({p.device.type for p in params}),
+               # the trained weights the run keeps in host RAM (trained_weights host: all but the card blocks')
+               "params_in_host_ram": sum(p.numel() for p in run.adapters.parameters_in_host_ram())}
     run.release()
     del run
     gc.collect()
