@@ -3,7 +3,7 @@ Offload Policy's optimizer_state "cpu" (an fp32 tensor, its gradient and its sta
 tensor: training/memory/fused_backward.py), for torch's AdamW and transformers' Adafactor with the settings
 training/core/optimizers.create_optimizer gives them: the optimizer's own step on a tensor stepped in place. Then the
 step as fused backward runs it (the fp32 copy of weight and gradient made per step; bf16 weights rounded back), which
-is what the planner's time model measures once per process (training/memory/time_model.host_step_s_per_weight, on its
+is what the planner's time model is given, measured once per process (training/core/optimizers.host_step_s_per_weight, on its
 smaller probe tensor) and prices the host step at.
 
     python bench/bench_host_optimizer_step.py [--numel 37748736] [--repeats 5] [--threads 1]
@@ -26,16 +26,16 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
-def _time_model():
+def _optimizers():
     # The repo root is the package; import it as `headroom` without putting the root on sys.path.
     spec = importlib.util.spec_from_file_location("headroom", REPO_ROOT / "__init__.py",
                                                   submodule_search_locations=[str(REPO_ROOT)])
     module = importlib.util.module_from_spec(spec)
     sys.modules["headroom"] = module
     spec.loader.exec_module(module)
-    from headroom.training.memory import time_model
+    from headroom.training.core import optimizers
 
-    return time_model
+    return optimizers
 
 
 def make(name: str, param: torch.nn.Parameter) -> torch.optim.Optimizer:
@@ -57,7 +57,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     rows = args.numel // 3072 if args.numel % 3072 == 0 else 1
     shape = (rows, args.numel // rows)  # a matrix: Adafactor factors its second moment
-    time_model = _time_model()
+    optimizers = _optimizers()
     generator = torch.Generator().manual_seed(0)
     for name in ("AdamW", "Adafactor"):
         param = torch.nn.Parameter(torch.randn(shape, generator=generator))
@@ -73,9 +73,9 @@ def main() -> None:
         print(f"{name}: best {min(per_weight):.1f} / median {statistics.median(per_weight):.1f} ns per weight "
               f"({args.numel} weights, {torch.get_num_threads()} threads)")
         for bf16 in (False, True):
-            time_model.HOST_STEP_PROBE_SHAPE = shape
-            time_model.host_step_s_per_weight.cache_clear()
-            rate = time_model.host_step_rate(name, bf16)
+            optimizers.HOST_STEP_PROBE_SHAPE = shape
+            optimizers.host_step_s_per_weight.cache_clear()
+            rate = optimizers.host_step_rate(name, bf16)
             print(f"{name} as fused backward steps it ({'bf16 weights, stochastic rounding' if bf16 else 'fp32'}): "
                   f"best {rate * 1e9:.1f} ns per weight")
     import transformers

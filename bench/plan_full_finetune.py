@@ -43,11 +43,12 @@ def main() -> None:
     import comfy.model_management
 
     comfy.model_management.pytorch_attention_flash_attention = lambda: True  # as on an NVIDIA GPU (plan_table.py)
-    from headroom.nodes.bridge.planning import lora_trainable
+    from headroom.nodes.bridge.planning import lora_trainable, with_host_step
     from headroom.training.core.adapters import AdapterConfig
     from headroom.training.memory.planner import RunShape, plan_auto
     from headroom.training.memory.policy import OffloadPolicy
-    from headroom.training.memory.time_model import DEFAULT_H2D_BYTES_PER_S, host_step_rate
+    from headroom.training.core.optimizers import host_step_rate
+    from headroom.training.memory.time_model import DEFAULT_H2D_BYTES_PER_S
 
     started = time.monotonic()
     template = next((t for t in plan_table.TEMPLATES if t.architecture == architecture), None)
@@ -60,7 +61,7 @@ def main() -> None:
     print("|---|" + "---:|---:|" * len(CARDS_GB))
     for label, optimizer, precision, fused in VARIANTS:
         adapter = AdapterConfig(kind="full", targets="all_linear", full_precision=precision)
-        trainable = lora_trainable(full, adapter, optimizer)
+        trainable = with_host_step(lora_trainable(full, adapter, optimizer))  # as a run plans it
         cells = []
         for card in CARDS_GB:
             plan = plan_auto(description, trainable, shape, OffloadPolicy(fused_backward=fused),

@@ -16,6 +16,7 @@ import comfy.model_management
 from ...training.checks import named
 from ...training.memory import host_ram, planner, time_model, trained_weights_on_host
 from ...training.core.adapters import AdapterConfig, AdapterSet, _CastProduct
+from ...training.core.optimizers import host_step_rate
 from ...training.memory.policy import OffloadPolicy, PolicyError
 from ...training.core.trainer import PRECISIONS, auto_precision
 from ...training.data.cache_store import item_conditioning
@@ -314,12 +315,21 @@ def plan_lora_run(model, policy: OffloadPolicy, mode: str, batch_size: int, widt
         description = describe_comfy_model(model, adapter, precision, text_tokens or None, clip, vae, frames)
     except (PolicyError, ValueError) as error:
         raise ValueError(named(node, str(error))) from None
-    trainable = lora_trainable(model, adapter, optimizer, paths)
+    trainable = with_host_step(lora_trainable(model, adapter, optimizer, paths))
     shape = planner.RunShape(batch_size, width, height, text_tokens or None, latent_frames)
     room = host_ram.host_room(policy.host_ram_budget_gb)
     if mode == "auto":
         return planner.plan_auto(description, trainable, shape, policy, budget, room)
-    return planner.estimate(description, trainable, shape, policy, budget, room)
+    # the ring's slots as the run chooses them for its policy (run_plan)
+    return planner.with_best_slots(description, trainable, shape,
+                                   planner.estimate(description, trainable, shape, policy, budget, room), budget, room)
+
+
+def with_host_step(trainable: planner.TrainableSpec) -> planner.TrainableSpec:
+    """`trainable` with its optimizer's step in host RAM timed on this machine (the time model's price of
+    optimizer_state "cpu" and of a run on the CPU; measured once per process: core/optimizers.host_step_rate)."""
+    rate = host_step_rate(trainable.optimizer, trainable.element_size == 2)  # 2 bytes: bf16 with stochastic rounding
+    return dataclasses.replace(trainable, host_step_s_per_weight=rate)
 
 
 def check_host_ram(policy: OffloadPolicy, trainable: planner.TrainableSpec, node: str) -> None:
@@ -358,6 +368,7 @@ def _run_inputs(run) -> tuple:
                                     state_ranks=run.trainer.state_ranks, weight_ranks=run.trainer.weight_ranks,
                                     first_block_elements=first, unread_base_blocks=blocks, unread_base_outside=outside,
                                     block_layers=per_block)
+    trainable = with_host_step(trainable)
     shape = cache_run_shape(run.source_model, run.latent_cache, run.text_cache, config.train.batch_size,
                             "Train LoRA: Steps (Headroom)", config.train.grad_accum)
     budget = budget_bytes(run.policy, torch.device(run.source_model.load_device))
@@ -373,9 +384,11 @@ def next_plan_for(run) -> planner.Plan | None:
 
 def run_plan(run) -> planner.Plan:
     """The planner's estimate of an open run with its own policy (for the share of the base its load may place on
-    the device: planner.Plan.base_device_bytes)."""
+    the device: planner.Plan.base_device_bytes), with the streamer's slots the planner chooses for it (as the card's
+    auto plan does: planner.with_best_slots)."""
     description, trainable, shape, budget = _run_inputs(run)
-    return planner.estimate(description, trainable, shape, run.policy, budget)
+    return planner.with_best_slots(description, trainable, shape,
+                                   planner.estimate(description, trainable, shape, run.policy, budget), budget)
 
 
 def cache_run_shape(patcher, latent_cache, text_cache, batch_size: int, node: str, grad_accum: int = 1
@@ -400,4 +413,5 @@ def plan_for_card(patcher, latent_cache, text_cache, policy: OffloadPolicy, trai
         raise ValueError(f"{node}: {error}") from None
     description = describe_comfy_model(patcher, adapter or AdapterConfig(), precision)
     shape = cache_run_shape(patcher, latent_cache, text_cache, batch_size, node, grad_accum)
-    return planner.plan_auto(description, trainable, shape, policy, budget, host_ram.host_room(policy.host_ram_budget_gb))
+    return planner.plan_auto(description, with_host_step(trainable), shape, policy, budget,
+                             host_ram.host_room(policy.host_ram_budget_gb))

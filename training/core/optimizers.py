@@ -9,6 +9,8 @@ the pip line to install it (check_available), before a run starts.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import time
 from typing import Iterable
 
 import torch
@@ -114,6 +116,47 @@ def _bitsandbytes_optimizer(params, config: OptimizerConfig, device: torch.devic
 
 
 _KERNELS_FOUND: set[tuple[str, str]] = set()  # (bitsandbytes optimizer, device) whose probe step ran
+
+
+# The host step's probe (host_step_s_per_weight): one matrix (Adafactor factors it) of 8 M weights, larger than a
+# CPU's caches as a model's layers are (1 M weights measured 2-3x faster than a layer's step); about 0.2 s per step on
+# one thread.
+HOST_STEP_PROBE_SHAPE = (4096, 2048)
+
+
+@functools.lru_cache(maxsize=None)
+def host_step_s_per_weight(name: str, bf16_stochastic: bool, threads: int) -> float:
+    """Seconds per weight of one trained tensor's optimizer step in host RAM as fused backward runs it (Offload Policy
+    optimizer_state "cpu", or a run on the CPU: an fp32 stand-in, optimizer `name` with create_optimizer's settings,
+    the bf16 rounding with `bf16_stochastic`), for the planner's time model (planner.TrainableSpec): measured on a
+    HOST_STEP_PROBE_SHAPE tensor, the best of 3 steps after the one that makes the state, once per process per
+    (optimizer, rounding, torch's CPU `threads`: the probe runs with the current ones). Where the optimizer cannot step
+    on this CPU (a missing package or kernel) the time model's default."""
+    from ..memory.fused_backward import FusedBackward
+    from ..memory.time_model import DEFAULT_HOST_STEP_S_PER_WEIGHT
+
+    del threads  # the cache key
+    dtype = torch.bfloat16 if bf16_stochastic else torch.float32
+    generator = torch.Generator().manual_seed(0)
+    param = torch.nn.Parameter(torch.randn(HOST_STEP_PROBE_SHAPE, generator=generator).to(dtype))
+    gradient = (torch.randn(HOST_STEP_PROBE_SHAPE, generator=generator) * 1e-3).to(dtype)
+    try:
+        fused = FusedBackward([param], lambda group: create_optimizer(group, OptimizerConfig(name=name)),
+                              bf16_stochastic=bf16_stochastic, state_on_host=True)
+        times = []
+        for _ in range(4):
+            started = time.perf_counter()
+            param.backward(gradient)  # the tensor's hook steps it (as in a run's backward) and frees the gradient
+            times.append(time.perf_counter() - started)
+        fused.remove()
+    except Exception:  # noqa: BLE001 - a planner's figure: the run itself reports a missing package by name
+        return DEFAULT_HOST_STEP_S_PER_WEIGHT
+    return min(times[1:]) / param.numel()
+
+
+def host_step_rate(name: str, bf16_stochastic: bool) -> float:
+    """host_step_s_per_weight with torch's current CPU threads."""
+    return host_step_s_per_weight(name, bf16_stochastic, torch.get_num_threads())
 
 
 def create_scheduler(optimizer, config: OptimizerConfig):

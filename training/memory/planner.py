@@ -235,6 +235,9 @@ class TrainableSpec:
     # block and its trained elements, weight and bias): with its trained weights in host RAM a checkpointed block's
     # copies stay on the card from its recompute to its backward. Empty: not known.
     block_layers: tuple[tuple[tuple[str, int], ...], ...] = ()
+    # Seconds per weight of the optimizer's step in host RAM on this machine (core/optimizers.host_step_s_per_weight,
+    # measured by the nodes' planning); 0: not measured, time_model.DEFAULT_HOST_STEP_S_PER_WEIGHT.
+    host_step_s_per_weight: float = 0.0
 
     @property
     def param_count(self) -> int:
@@ -420,10 +423,11 @@ class Plan:
         return None if self.step_time is None else self.step_time.total_s
 
     def blocks_line(self) -> str:
-        """Which blocks are checkpointed, resident and streamed, in one line."""
+        """Which blocks are checkpointed, resident and streamed (through a ring of how many slots), in one line."""
         count = len(self.resident_blocks) + len(self.streamed_blocks)
+        ring = f" through a ring of {self.stream_slots} device slots" if self.streamed_blocks else ""
         return (f"blocks ({count}): checkpointed {_ranges(self.checkpointed_blocks)}; resident "
-                f"{_ranges(self.resident_blocks)}; streamed {_ranges(self.streamed_blocks)}")
+                f"{_ranges(self.resident_blocks)}; streamed {_ranges(self.streamed_blocks)}{ring}")
 
     @property
     def peak(self) -> PhaseEstimate:
@@ -578,9 +582,11 @@ class RunShape:
 
 
 def estimate(description: ModelDescription, trainable: TrainableSpec, shape: RunShape, policy: OffloadPolicy,
-             budget_bytes: int | None = None, host_room: HostRoom | None = None) -> Plan:
+             budget_bytes: int | None = None, host_room: HostRoom | None = None,
+             slots: int = weight_streaming.DEFAULT_SLOTS) -> Plan:
     """Peak device bytes per phase of a run with `policy`, itemised; and the host RAM it adds, checked against
-    `host_room` where given (host_ram.py)."""
+    `host_room` where given (host_ram.py). `slots`: the streamer's ring of device slots, a block each (with_best_slots
+    chooses it)."""
     area, tokens, batch = shape.latent_area(description), shape.tokens(description), shape.batch
     blocks = description.blocks
     storage = policy.base_storage
@@ -684,10 +690,10 @@ def estimate(description: ModelDescription, trainable: TrainableSpec, shape: Run
     validation_rest = sum(validation_outer.values()) + sum(sampling.values())
     device_budget = None if budget_bytes is None else int(planned_room(policy, budget_bytes) / (1 + ALLOCATOR_OVERHEAD))
     placement = weight_streaming.placement_cost(policy.base_placement, block_weights, storage, training_rest,
-                                                device_budget, validation_rest, validation_block_weights)
+                                                device_budget, validation_rest, validation_block_weights, slots)
     weights = {**outer, **placement.training}
     base_device = outer[outer_name] + weight_streaming.resident_block_bytes(
-        policy.base_placement, block_weights, training_rest, device_budget)
+        policy.base_placement, block_weights, training_rest, device_budget, slots)
     validation_device = description.other_param_bytes + weight_streaming.resident_block_bytes(
         weight_streaming.validation_placement(policy.base_placement, device_budget is not None),
         validation_block_weights, validation_rest, device_budget)
@@ -750,7 +756,8 @@ def estimate(description: ModelDescription, trainable: TrainableSpec, shape: Run
 
     host_added = host_ram.added_by_phase(features, trainable.ema, trainable.param_bytes(), trainable.weight_bytes())
 
-    # The time model (time_model.py): compute and transfer overlap; the optimizer step and the first copy do not.
+    # The time model (time_model.py): compute and the ring's copies overlap; the optimizer step, the first copy and
+    # the copies queued on the compute stream (`crossing`: offloaded inputs, trained weights, streamed state) do not.
     h2d = description.h2d()
     crossing = 0
     if policy.checkpointing == "blocks_cpu_offload":
@@ -761,18 +768,18 @@ def estimate(description: ModelDescription, trainable: TrainableSpec, shape: Run
     if policy.optimizer_state == "streamed":
         crossing += 2 * trainable.optimizer_bytes()  # each tensor's state to the card for its step, and back
     host_step = policy.optimizer_state == "cpu" or description.compute_device == "cpu"
-    host_rate = time_model.host_step_rate(trainable.optimizer, trainable.element_size == 2) if host_step else 0.0
+    host_rate = trainable.host_step_s_per_weight or time_model.DEFAULT_HOST_STEP_S_PER_WEIGHT
     step = time_model.step_time(
         description.forward_seconds(area, tokens, batch, storage),
         description.outside_forward_s.at(area, tokens) * batch, checkpointed,
         [block_weights[i] if i in set(streamed) else 0 for i in range(len(blocks))], h2d, crossing,
         time_model.optimizer_step_s(trainable.weight_bytes(), trainable.optimizer_bytes(), host_step,
                                     description.compute_device, h2d, host_rate, trainable.param_count),
-        description.timed, weight_streaming.DEFAULT_SLOTS)
+        description.timed, slots)
     return Plan(policy, [cache_text, cache_vae, training, validation, decode, save], budget_bytes, host_bytes=host,
                 base_device_bytes=base_device, validation_base_device_bytes=validation_device,
                 host_added=host_added, host_room=host_room, step_time=step, checkpointed_blocks=tuple(checkpointed),
-                resident_blocks=tuple(resident), streamed_blocks=tuple(streamed))
+                resident_blocks=tuple(resident), streamed_blocks=tuple(streamed), stream_slots=slots)
 
 
 def planned_room(policy: OffloadPolicy, budget_bytes: int) -> int:
@@ -943,7 +950,8 @@ def plan_auto(description: ModelDescription, trainable: TrainableSpec, shape: Ru
                 tried.append(plan)
         if not fitting:
             continue
-        plan = min(fitting, key=_seconds)  # the first of equals: the candidates' order
+        plan = with_best_slots(description, trainable, shape, min(fitting, key=_seconds),  # the first of equals
+                               budget_bytes, host_room)
         faster = [p for p in sorted(tried, key=_seconds) if _seconds(p) < _seconds(plan)]
         faster = faster[:3] + [p for p in faster[3:] if p.device_fits][:3]  # + those host RAM ruled out
         plan.reason = (f"chosen: the fastest policy that fits (predicted {_seconds(plan):.3f} s/step) - peak "
@@ -981,6 +989,32 @@ def plan_auto(description: ModelDescription, trainable: TrainableSpec, shape: Ru
         smallest.reason += (f" Base storage {' / '.join(untried)} was not tried: it needs the optional package "
                             "bitsandbytes (python -m pip install bitsandbytes, then restart ComfyUI).")
     return smallest
+
+
+# The ring's device slots the planner weighs (with_best_slots): prefetch depth 1 to 3. Each slot more holds a block
+# more on the card, so fewer stay resident; it pays where copies come in bursts the ring cannot smooth (blocks of
+# uneven size or compute, resident ones between streamed ones).
+SLOT_CHOICES = (2, 3, 4)
+
+
+def with_best_slots(description: ModelDescription, trainable: TrainableSpec, shape: RunShape, plan: Plan,
+                    budget_bytes: int | None, host_room: HostRoom | None = None) -> Plan:
+    """`plan` with the number of the streamer's device slots (SLOT_CHOICES) whose plan fits and predicts the fastest
+    step; the fewest of equals. `plan` itself where no block streams (or no budget: nothing to weigh), or on a CPU."""
+    if not plan.streamed_blocks or budget_bytes is None or description.h2d() is None:
+        return plan
+    best = plan
+    for slots in SLOT_CHOICES:
+        if slots == plan.stream_slots:
+            continue
+        other = estimate(description, trainable, shape, plan.policy, budget_bytes, host_room, slots)
+        if not other.fits or other.peak_bytes > planned_room(plan.policy, budget_bytes):
+            continue
+        if _seconds(other) < _seconds(best) or (_seconds(other) == _seconds(best) and slots < best.stream_slots):
+            best = other
+    if best is not plan:
+        best.reason, best.slow = plan.reason, plan.slow
+    return best
 
 
 def with_trained_blocks_on_card(description: ModelDescription, trainable: TrainableSpec, shape: RunShape, plan: Plan,

@@ -17,14 +17,17 @@
   streamed block twice (its forward, and its recompute in backward: a streamed block is always checkpointed), less
   the blocks still in the ring's slots at a turn (the last `slots` streamed blocks at forward -> backward, the
   first `slots` at the next step's forward), offloaded block inputs there and back, a full fine-tune's trained
-  weights in host RAM (in for forward and backward, the gradient back). On a CPU nothing crosses.
-- compute and transfer overlap (the ring copies ahead on a side stream while blocks compute): the physical limit
-  of a streamed step is max(compute, transfer) + optimizer (`StepTime.limit_s`); the prediction adds what the
-  per-block pipeline loses to it.
+  weights in host RAM (in for forward and backward, the update back), streamed optimizer state (in and back). On a
+  CPU nothing crosses.
+- the ring's copies overlap compute (copied ahead on a side stream while blocks compute); the others are `serial`:
+  queued on the compute stream just before the layer that needs them (trained_weights_on_host.Crossings, the
+  streamed state's rings, save_on_cpu's offloaded inputs), so the card computes nothing meanwhile and they add to
+  the step. The physical limit of a streamed step is max(compute + optimizer, transfer) (`StepTime.limit_s`: every
+  copy overlapped); the prediction adds what the per-block pipeline loses to it and the serial copies.
 - not overlapped, so added: the optimizer step (it runs after backward's last gradient: on a card a bandwidth-bound
   estimate from the bytes it reads and writes; in host RAM - optimizer_state "cpu", or a CPU run - the seconds per
-  weight of fused backward's step measured once on this machine (`host_step_s_per_weight`), plus gradients down and
-  weights up over the link), and the pipeline fill (a copy before any compute can start: none in a steady step, whose first
+  weight of fused backward's step measured once on this machine (TrainableSpec.host_step_s_per_weight), plus
+  gradients down and weights up over the link), and the pipeline fill (a copy before any compute can start: none in a steady step, whose first
   streamed blocks are still in the ring from the previous backward).
 """
 from __future__ import annotations
@@ -45,13 +48,10 @@ DEFAULT_H2D_BYTES_PER_S = 20e9
 # measured): a current GPU's HBM/GDDR order of magnitude, and a desktop's host RAM.
 DEVICE_BYTES_PER_S = {"cuda": 1e12, "cpu": 2e10}
 H2D_PROBE_BYTES = 256 << 20
-# The host step's probe: one matrix (Adafactor factors it) of 8 M weights, stepped as fused backward steps a tensor in
-# host RAM (its fp32 copies made per step: larger than a CPU's caches, as a model's layers are; 1 M weights measured
-# 2-3x faster than a layer's step); about 0.2 s per step on one thread, measured once per process and optimizer.
-HOST_STEP_PROBE_SHAPE = (4096, 2048)
-# Seconds per weight of that step where it cannot be measured (an optimizer whose package is missing, or whose kernels
-# do not run on a CPU): this probe's AdamW and Adafactor on one thread of a 2-core VM, 15-21 ns
-# (docs/benchmarks/full_finetune.md). A bandwidth figure (bytes touched / host RAM bandwidth) was 9-32x too fast.
+# Seconds per weight of one trained tensor's optimizer step in host RAM where it was not measured
+# (training/core/optimizers.host_step_s_per_weight measures it for the planner: TrainableSpec.host_step_s_per_weight):
+# that probe's AdamW and Adafactor on one thread of a 2-core VM, 15-21 ns (docs/benchmarks/full_finetune.md). A
+# bandwidth figure (bytes touched / host RAM bandwidth) was 9-32x too fast.
 DEFAULT_HOST_STEP_S_PER_WEIGHT = 18e-9
 
 
@@ -66,11 +66,12 @@ class StepTime:
     fill_s: float
     timed: bool = True  # block times measured (False: estimated from weight bytes)
     pipeline_s: float | None = None  # per block max(compute, copy), summed (None: compute_s)
+    serial_s: float = 0.0  # the part of transfer_s queued on the compute stream (not overlapped: added)
 
     @property
     def total_s(self) -> float:
         pipeline = self.compute_s if self.pipeline_s is None else max(self.pipeline_s, self.compute_s)
-        return max(pipeline, self.transfer_s) + self.optimizer_s + self.fill_s
+        return max(pipeline, self.transfer_s - self.serial_s) + self.serial_s + self.optimizer_s + self.fill_s
 
     @property
     def limit_s(self) -> float:
@@ -85,8 +86,9 @@ class StepTime:
         return {**dataclasses.asdict(self), "total_s": self.total_s, "limit_s": self.limit_s, "bound": self.bound}
 
     def describe(self) -> str:
+        serial = f" ({self.serial_s:.3f} s of it on the compute stream)" if self.serial_s else ""
         text = (f"predicted {self.total_s:.3f} s/step ({self.bound}-bound: compute {self.compute_s:.3f} s incl. "
-                f"recompute {self.recompute_s:.3f} s, transfer {self.transfer_s:.3f} s; + optimizer "
+                f"recompute {self.recompute_s:.3f} s, transfer {self.transfer_s:.3f} s{serial}; + optimizer "
                 f"{self.optimizer_s:.3f} s, fill {self.fill_s:.3f} s; physical limit {self.limit_s:.3f} s)")
         return text if self.timed else text + " - block times not measured: estimated from weight bytes"
 
@@ -118,12 +120,12 @@ def ring_pass(order: Sequence[int], compute_s: Sequence[float], copy_s: Sequence
 
 
 def step_time(forward_s: Sequence[float], outside_forward_s: float, checkpointed: Sequence[int],
-              streamed_block_bytes: Sequence[int], h2d_bytes_per_s: float | None, other_transfer_bytes: int = 0,
+              streamed_block_bytes: Sequence[int], h2d_bytes_per_s: float | None, serial_transfer_bytes: int = 0,
               optimizer_s: float = 0.0, timed: bool = True, slots: int = 2) -> StepTime:
     """The predicted step. `forward_s`: each block's forward (batch included); `checkpointed`: the indices
     recomputed in backward; `streamed_block_bytes`: per block, the bytes streamed from host RAM (one copy; 0: a
-    resident block); `h2d_bytes_per_s` None: nothing crosses (a CPU); `other_transfer_bytes`: further bytes crossing
-    per step; `slots`: the ring's device slots (weight_streaming.WeightStreamer)."""
+    resident block); `h2d_bytes_per_s` None: nothing crosses (a CPU); `serial_transfer_bytes`: further bytes crossing
+    per step on the compute stream (not overlapped); `slots`: the ring's device slots (weight_streaming.WeightStreamer)."""
     recompute = sum(forward_s[i] for i in checkpointed)
     compute = (1 + BACKWARD_PER_FORWARD) * (sum(forward_s) + outside_forward_s) + recompute
     if h2d_bytes_per_s is None:
@@ -139,8 +141,9 @@ def step_time(forward_s: Sequence[float], outside_forward_s: float, checkpointed
                             streamed, slots)
                 + ring_pass(range(n - 1, -1, -1), backward,
                             [c if i in backward_copies else 0.0 for i, c in enumerate(copy)], streamed, slots))
-    crossing = sum(streamed_block_bytes[i] for i in (*forward_copies, *backward_copies)) + other_transfer_bytes
-    return StepTime(compute, recompute, crossing / h2d_bytes_per_s, optimizer_s, 0.0, timed, pipeline)
+    crossing = sum(streamed_block_bytes[i] for i in (*forward_copies, *backward_copies)) + serial_transfer_bytes
+    return StepTime(compute, recompute, crossing / h2d_bytes_per_s, optimizer_s, 0.0, timed, pipeline,
+                    serial_transfer_bytes / h2d_bytes_per_s)
 
 
 def optimizer_step_s(weight_bytes: int, state_bytes: int, on_host: bool, device_type: str,
@@ -148,7 +151,7 @@ def optimizer_step_s(weight_bytes: int, state_bytes: int, on_host: bool, device_
                      elements: int = 0) -> float:
     """On a card bandwidth-bound: the step reads weights, gradients (the weights' size) and state, and writes weights
     and state. In host RAM (optimizer_state "cpu", or `device_type` "cpu") `elements` weights at `host_s_per_weight`
-    each (host_step_s_per_weight: a CPU steps far below its memory bandwidth), and with a card the gradients go down
+    each (measured: a CPU steps far below its memory bandwidth), and with a card the gradients go down
     and the weights come back over the link."""
     if not on_host and device_type != "cpu":
         return (3 * weight_bytes + 2 * state_bytes) / DEVICE_BYTES_PER_S.get(device_type, DEVICE_BYTES_PER_S["cuda"])
@@ -164,40 +167,6 @@ def fit_seconds(areas: Sequence[float], seconds: Sequence[float]) -> tuple[float
     spread = sum((a - mean_a) ** 2 for a in areas)
     slope = max(0.0, sum((a - mean_a) * (t - mean_t) for a, t in zip(areas, seconds)) / spread) if spread else 0.0
     return max(0.0, mean_t - slope * mean_a), slope
-
-
-@functools.lru_cache(maxsize=None)
-def host_step_s_per_weight(optimizer: str, bf16_stochastic: bool, threads: int | None = None) -> float:
-    """Seconds per weight of one trained tensor's optimizer step in host RAM as fused backward runs it (fp32 stand-in,
-    the optimizer `optimizer` with the engine's settings, the bf16 rounding with `bf16_stochastic`): measured once per
-    process on a HOST_STEP_PROBE_SHAPE tensor, the best of 3 steps after the one that makes the state, with torch's
-    CPU threads (`threads`: the cache key; None: torch's current count). DEFAULT_HOST_STEP_S_PER_WEIGHT where the
-    optimizer cannot step on this CPU."""
-    from ..core.optimizers import OptimizerConfig, create_optimizer
-    from .fused_backward import FusedBackward
-
-    del threads  # only the cache key: the probe runs with torch's current threads
-    dtype = torch.bfloat16 if bf16_stochastic else torch.float32
-    generator = torch.Generator().manual_seed(0)
-    param = torch.nn.Parameter(torch.randn(HOST_STEP_PROBE_SHAPE, generator=generator).to(dtype))
-    gradient = (torch.randn(HOST_STEP_PROBE_SHAPE, generator=generator) * 1e-3).to(dtype)
-    try:
-        fused = FusedBackward([param], lambda group: create_optimizer(group, OptimizerConfig(name=optimizer)),
-                              bf16_stochastic=bf16_stochastic, state_on_host=True)
-        times = []
-        for _ in range(4):
-            started = time.perf_counter()
-            param.backward(gradient)  # the tensor's hook steps it (as in a run's backward) and frees the gradient
-            times.append(time.perf_counter() - started)
-        fused.remove()
-    except Exception:  # noqa: BLE001 - a missing package or CPU kernel: the planner still plans, with the default
-        return DEFAULT_HOST_STEP_S_PER_WEIGHT
-    return min(times[1:]) / param.numel()
-
-
-def host_step_rate(optimizer: str, bf16_stochastic: bool) -> float:
-    """host_step_s_per_weight at torch's current CPU threads."""
-    return host_step_s_per_weight(optimizer, bf16_stochastic, torch.get_num_threads())
 
 
 @functools.lru_cache(maxsize=None)

@@ -641,16 +641,16 @@ def base_placement(placement: str) -> BasePlacement:
 
 # --- what it costs (the planner adds it up: planner.estimate) ---------------------------------------------------
 def resident_block_bytes(placement: str, block_weights: Sequence[int], rest_bytes: int,
-                         device_budget: int | None) -> int:
+                         device_budget: int | None, slots: int = DEFAULT_SLOTS) -> int:
     """The frozen block weights kept on the device: all ("resident", or "partial" without a budget), none
     ("streamed"), or for "partial" what the room `device_budget` leaves beside everything else (`rest_bytes`) and
-    the ring's slots (DEFAULT_SLOTS blocks). The run's load keeps ComfyUI to this share (nodes/bridge/comfy_bridge.Placement)."""
+    the ring's `slots` (a block each). The run's load keeps ComfyUI to this share (nodes/bridge/comfy_bridge.Placement)."""
     all_blocks = sum(block_weights)
     if placement == "resident" or (placement == "partial" and device_budget is None):
         return all_blocks
     if placement == "streamed":
         return 0
-    return max(0, min(all_blocks, device_budget - rest_bytes - DEFAULT_SLOTS * max(block_weights, default=0)))
+    return max(0, min(all_blocks, device_budget - rest_bytes - slots * max(block_weights, default=0)))
 
 
 def validation_placement(placement: str, budgeted: bool = True) -> str:
@@ -666,14 +666,14 @@ def validation_placement(placement: str, budgeted: bool = True) -> str:
 
 
 def _phase_weights(placement: str, block_weights: Sequence[int], storage: str, rest_bytes: int,
-                   device_budget: int | None) -> tuple[dict[str, int], int]:
+                   device_budget: int | None, slots: int = DEFAULT_SLOTS) -> tuple[dict[str, int], int]:
     """The device items of the frozen block weights in one phase, and the bytes of them resident."""
     all_blocks = sum(block_weights)
     if placement == "resident":
         return {f"frozen block weights ({storage})": all_blocks}, all_blocks
-    resident_part = resident_block_bytes(placement, block_weights, rest_bytes, device_budget)
-    buffers = 0 if resident_part >= all_blocks else DEFAULT_SLOTS * max(block_weights, default=0)
-    weights = {f"streamed block buffers ({DEFAULT_SLOTS} blocks)": buffers}
+    resident_part = resident_block_bytes(placement, block_weights, rest_bytes, device_budget, slots)
+    buffers = 0 if resident_part >= all_blocks else slots * max(block_weights, default=0)
+    weights = {f"streamed block buffers ({slots} blocks)": buffers}
     if placement == "partial":
         weights[f"resident block weights ({storage}, partial)"] = resident_part
     return weights, resident_part
@@ -681,11 +681,11 @@ def _phase_weights(placement: str, block_weights: Sequence[int], storage: str, r
 
 def placement_cost(placement: str, block_weights: Sequence[int], storage: str, rest_bytes: int,
                    device_budget: int | None, validation_rest_bytes: int | None = None,
-                   validation_block_weights: Sequence[int] | None = None) -> FeatureCost:
+                   validation_block_weights: Sequence[int] | None = None, slots: int = DEFAULT_SLOTS) -> FeatureCost:
     """Where the frozen block weights (`block_weights`, as stored) are during a run (policy base_placement):
-    "resident" all on the device; "streamed" two blocks' buffers (the one in use and the one in flight), the rest in
-    host RAM; "partial" as many as fit the room `device_budget` (the budget less the allocator's share) leaves beside
-    everything else a training step holds (`rest_bytes`) and the buffers, the rest streamed. Validation is placed on
+    "resident" all on the device; "streamed" the ring's `slots` blocks' buffers (the one in use and those in flight),
+    the rest in host RAM; "partial" as many as fit the room `device_budget` (the budget less the allocator's share)
+    leaves beside everything else a training step holds (`rest_bytes`) and the buffers, the rest streamed. Validation is placed on
     its own (`validation_placement`) in the room it leaves beside what it holds (`validation_rest_bytes`; None: the
     training figure), of the block weights it reads (`validation_block_weights`; None: training's; a full fine-tune's
     training step reads fewer: its trained layers compute with their own copy)."""
@@ -693,7 +693,7 @@ def placement_cost(placement: str, block_weights: Sequence[int], storage: str, r
     notes = []
     if placement == "partial" and device_budget is None:
         notes.append("partial placement without a budget: estimated as fully resident")
-    training, resident_part = _phase_weights(placement, block_weights, storage, rest_bytes, device_budget)
+    training, resident_part = _phase_weights(placement, block_weights, storage, rest_bytes, device_budget, slots)
     validation, _ = _phase_weights(validation_placement(placement, device_budget is not None),
                                    block_weights if validation_block_weights is None else validation_block_weights,
                                    storage,
