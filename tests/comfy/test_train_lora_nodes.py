@@ -649,7 +649,8 @@ def test_a_card_resolves_to_the_fastest_policy_whose_planned_peak_fits_it(comfyu
 
     lora = T.HeadroomLoraConfig.execute("lora", 4, 4.0, "preset", False, 0.0, 0).args[0]
     description = planning.describe_comfy_model(model, lora, "fp32")
-    trainable = planning.lora_trainable(model, lora, "AdamW")
+    # as the node plans: its optimizer's host step timed on this machine (once per process: the same figure)
+    trainable = planning.with_host_step(planning.lora_trainable(model, lora, "AdamW"))
     shape = planning.cache_run_shape(model, latents, texts, 4, "test")
     peaks = [planner.estimate(description, trainable, shape, p).peak_bytes
              for p in planner.candidate_policies(_policy())]
