@@ -74,7 +74,8 @@ def train_two_steps(model, latents, texts, config, optimizer, run_name: str, pol
                "most_gradients_alive": run.trainer.optimizer.most_gradients_alive,
                "param_devices": sorted({p.device.type for p in params}),
                # the trained weights the run keeps in host RAM (trained_weights host: all but the card blocks')
-               "params_in_host_ram": sum(p.numel() for p in run.adapters.parameters_in_host_ram())}
+               "params_in_host_ram": sum(p.numel() for p in run.adapters.parameters_in_host_ram())
+               if policy.trained_weights == "host" else 0}
     run.release()
     del run
     gc.collect()
