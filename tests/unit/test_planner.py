@@ -595,8 +595,12 @@ def test_full_finetune_options_cost_what_they_keep():
     items = host.phase("training step").items
     assert "optimizer state (AdamW)" not in items and not any("fp32 copy" in name for name in items)
     assert host.host_bytes == {"optimizer state (AdamW)": 8 * n}  # no master weights: the device tensor is the weight
+    # fused backward's two fp32 buffers for one tensor's step in host RAM, kept for the run (pinned on CUDA: each
+    # rounded up to a power of two)
+    kept = 2 * trained_weights_on_host.staged_bytes(4 * largest, d.compute_device == "cuda")
     assert host.host_added["training step"] == {"optimizer state (AdamW)": 8 * n,
-                                                "one tensor's fp32 copy + gradient in its step": 8 * largest}
+                                                "one tensor's fp32 copy + gradient in its step (kept buffers)": kept}
+    assert host.host_added["validation"]["one tensor's fp32 copy + gradient in its step (kept buffers)"] == kept
 
 
 

@@ -198,7 +198,7 @@ def test_the_optimizer_step_is_bandwidth_bound_on_a_card_and_priced_per_weight_i
 
 def test_the_host_step_is_measured_once_per_optimizer_as_fused_backward_runs_it(monkeypatch):
     """core/optimizers.host_step_s_per_weight times fused backward's own step of a probe tensor in host RAM (a
-    bandwidth figure was 9-32x too fast: docs/benchmarks/full_finetune.md): a positive rate, below a microsecond per
+    bandwidth figure was 6-27x too fast: docs/benchmarks/full_finetune.md): a positive rate, below a microsecond per
     weight on any CPU; cached per (optimizer, rounding, threads); an optimizer that cannot step here gets the time
     model's default. The planner prices a host step at the TrainableSpec's rate (the nodes' planning measures it)."""
     import torch

@@ -19,7 +19,10 @@ backward" tutorial): one optimizer per parameter, stepped from that parameter's 
   hook, with fp32 state, and the result is written back with stochastic rounding (stochastic_rounding.py);
 - `state_on_host` (policy optimizer_state "cpu"): that fp32 copy, the gradient and the optimizer state are in host RAM;
   each tensor crosses to the host and back once per step, and no gradient or state is kept on the device (the
-  ZeRO-Offload pattern, without a second set of master weights: the device tensor is the weight);
+  ZeRO-Offload pattern, without a second set of master weights: the device tensor is the weight). The two fp32
+  copies go into two host buffers the size of the largest tensor, made at the first step and kept (pinned when the
+  tensors come from CUDA): fresh ones per tensor, first-touched page by page, made the host step 1.2-1.4x slower
+  (bench/bench_host_optimizer_step.py);
 - `step_device` (trained weights in host RAM, optimizer state on the card: trained_weights_on_host.py): a host tensor
   is stepped on the card while its layer is there, its gradient handed over by the layer's backward
   (`step_on_device`: adapters.FullLayer) instead of accumulated by autograd on the host; the updated tensor is
@@ -40,6 +43,7 @@ import torch
 from ..gradient_clipping import clip_gradients
 from .cost import FeatureCost
 from .stochastic_rounding import stochastic_round_to_bf16
+from .trained_weights_on_host import staged_bytes
 
 
 class FusedBackward:
@@ -83,6 +87,7 @@ class FusedBackward:
         self.schedule = _Schedules(self.schedulers)
         self.seed = int(seed)
         self._generators: dict[str, torch.Generator] = {}  # per device: the rounding noise of bf16_stochastic
+        self._host_copies: list[torch.Tensor] | None = None  # state_on_host: the fp32 weight and gradient buffers
         self.most_gradients_alive = 0  # the most parameters holding a gradient at once (tests, bench)
         self._alive = 0
         self._handles = [param.register_post_accumulate_grad_hook(self._make_hook(index))
@@ -131,8 +136,11 @@ class FusedBackward:
                 self.optimizers[index].step()
             return
         where = stand_in.device
-        stand_in.data = weight.to(where, torch.float32, copy=True)
-        stand_in.grad = grad.to(where, torch.float32, copy=True)
+        if self.state_on_host:
+            stand_in.data, stand_in.grad = self._in_host_buffers(weight, grad)
+        else:
+            stand_in.data = weight.to(where, torch.float32, copy=True)
+            stand_in.grad = grad.to(where, torch.float32, copy=True)
         try:
             with self._state_here(index):
                 self.optimizers[index].step()
@@ -141,6 +149,18 @@ class FusedBackward:
         finally:
             stand_in.grad = None
             stand_in.data = torch.empty(0, device=where)
+
+    def _in_host_buffers(self, weight: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 copies of `weight` and `grad` in the kept host buffers (made at the first step: the largest tensor's
+        size, pinned when the tensors come from CUDA, so the copy down is a DMA)."""
+        if self._host_copies is None:
+            largest = max(p.numel() for p in self.params)
+            pinned = weight.is_cuda or grad.is_cuda
+            self._host_copies = [torch.empty(largest, dtype=torch.float32, pin_memory=pinned) for _ in range(2)]
+        copies = [buffer[:weight.numel()].view(weight.shape) for buffer in self._host_copies]
+        for copy, source in zip(copies, (weight, grad)):
+            copy.copy_(source)
+        return copies[0], copies[1]
 
     def _state_here(self, index: int):
         """Where the optimizer's step runs, its state for the step (streamed from host RAM: `streamed_state`)."""
@@ -253,6 +273,7 @@ class FusedBackward:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._host_copies = None
 
 
 class _Schedules:
@@ -277,10 +298,11 @@ class _Schedules:
 
 
 def gradients_cost(param_shapes: Sequence[Sequence[int]], grad_element_size: int, fused: bool,
-                   state_on_host: bool = False, weights_on_host: bool = False) -> FeatureCost:
+                   state_on_host: bool = False, weights_on_host: bool = False, pinned: bool = False) -> FeatureCost:
     """Bytes of the trained tensors' gradients in a training step (the gradient has the weight's dtype): all of them
     on the device, or with fused backward the largest tensor's (the one being stepped), and the fp32 copy of that
-    tensor and its gradient the optimizer steps (bf16 weights, or the state in host RAM: there, beside it).
+    tensor and its gradient the optimizer steps (bf16 weights, or the state in host RAM: there, beside it, in two
+    buffers kept for the run, `pinned` on CUDA: rounded up to a power of two).
     `weights_on_host` (trained_weights_on_host.py): that gradient accumulates on the host weight."""
     sizes = [int(torch.Size(shape).numel()) for shape in param_shapes]
     dtype = {4: "fp32", 2: "bf16"}.get(grad_element_size, f"{grad_element_size}-byte")
@@ -292,8 +314,10 @@ def gradients_cost(param_shapes: Sequence[Sequence[int]], grad_element_size: int
         cost.host_added_training["one tensor's gradient (fused backward, in host RAM)"] = largest * grad_element_size
     else:  # weights in host RAM stepped on the card (step_on_device): the gradient stays there
         cost.training["one tensor's gradient (fused backward)"] = largest * grad_element_size
-    if state_on_host:
-        cost.host_added_training["one tensor's fp32 copy + gradient in its step"] = 8 * largest
+    if state_on_host:  # kept from the first step on (FusedBackward._in_host_buffers), validation too
+        kept = 2 * staged_bytes(4 * largest, pinned)
+        cost.host_added_training["one tensor's fp32 copy + gradient in its step (kept buffers)"] = kept
+        cost.host_added_validation["one tensor's fp32 copy + gradient in its step (kept buffers)"] = kept
     elif weights_on_host:
         cost.training["one tensor's copy + fp32 copy + gradient in its step (stepped on the device)"] = (
             (grad_element_size + 8) * largest)

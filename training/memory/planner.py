@@ -641,7 +641,7 @@ def estimate(description: ModelDescription, trainable: TrainableSpec, shape: Run
                                                            policy.optimizer_state != "cpu", cuda, on_card_elements)
     gradients = fused_backward.gradients_cost(trainable.shapes, trainable.element_size, policy.fused_backward,
                                               state_on_host=policy.optimizer_state == "cpu",
-                                              weights_on_host=weights_on_host)
+                                              weights_on_host=weights_on_host, pinned=cuda and not weights_on_host)
     if weights_on_host and checkpointed and trainable.block_layers:
         # What one tensor's step holds beside the kept copies: on the card, and on a CPU host RAM too (the same RAM)
         alongside = sum(trained.training.values()) - on_card_elements * trainable.element_size + sum(

@@ -50,9 +50,9 @@ DEVICE_BYTES_PER_S = {"cuda": 1e12, "cpu": 2e10}
 H2D_PROBE_BYTES = 256 << 20
 # Seconds per weight of one trained tensor's optimizer step in host RAM where it was not measured
 # (training/core/optimizers.host_step_s_per_weight measures it for the planner: TrainableSpec.host_step_s_per_weight):
-# that probe's AdamW and Adafactor on one thread of a 2-core VM, 15-21 ns (docs/benchmarks/full_finetune.md). A
-# bandwidth figure (bytes touched / host RAM bandwidth) was 9-32x too fast.
-DEFAULT_HOST_STEP_S_PER_WEIGHT = 18e-9
+# that probe's AdamW and Adafactor on one thread of a 2-core VM, 10-15 ns (docs/benchmarks/full_finetune.md). A
+# bandwidth figure (bytes touched / host RAM bandwidth) was 6-27x too fast.
+DEFAULT_HOST_STEP_S_PER_WEIGHT = 15e-9
 
 
 @dataclasses.dataclass(frozen=True)
