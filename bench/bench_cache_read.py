@@ -15,25 +15,18 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib.util
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-
 
 def _import_engine():
-    # The repo root is the package; import it as `headroom` without putting the root on sys.path.
-    spec = importlib.util.spec_from_file_location("headroom", REPO_ROOT / "__init__.py",
-                                                  submodule_search_locations=[str(REPO_ROOT)])
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["headroom"] = module
-    spec.loader.exec_module(module)
+    from headroom_package import import_headroom
+
+    import_headroom()
     from headroom.training.data import cache_store
 
     return cache_store

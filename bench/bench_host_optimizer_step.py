@@ -17,22 +17,13 @@ import platform
 import statistics
 import time
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import torch
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def _optimizers():
-    # The repo root is the package; import it as `headroom` without putting the root on sys.path.
-    spec = importlib.util.spec_from_file_location("headroom", REPO_ROOT / "__init__.py",
-                                                  submodule_search_locations=[str(REPO_ROOT)])
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["headroom"] = module
-    spec.loader.exec_module(module)
+    from headroom_package import import_headroom
+
+    import_headroom()
     from headroom.training.core import optimizers
 
     return optimizers

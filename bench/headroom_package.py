@@ -1,0 +1,21 @@
+"""The repository as the package `headroom` for the benches that need only its engine (no ComfyUI): the repo root is
+the package, imported without putting the root on sys.path (as ComfyUI imports a custom node)."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def import_headroom():
+    """The package `headroom` (imported once; later calls return it)."""
+    if "headroom" in sys.modules:
+        return sys.modules["headroom"]
+    spec = importlib.util.spec_from_file_location("headroom", REPO_ROOT / "__init__.py",
+                                                  submodule_search_locations=[str(REPO_ROOT)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["headroom"] = module
+    spec.loader.exec_module(module)
+    return module
