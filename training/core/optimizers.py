@@ -137,20 +137,25 @@ def host_step_s_per_weight(name: str, bf16_stochastic: bool, threads: int) -> fl
 
     del threads  # the cache key
     dtype = torch.bfloat16 if bf16_stochastic else torch.float32
-    generator = torch.Generator().manual_seed(0)
-    param = torch.nn.Parameter(torch.randn(HOST_STEP_PROBE_SHAPE, generator=generator).to(dtype))
-    gradient = (torch.randn(HOST_STEP_PROBE_SHAPE, generator=generator) * 1e-3).to(dtype)
-    try:
-        fused = FusedBackward([param], lambda group: create_optimizer(group, OptimizerConfig(name=name)),
-                              bf16_stochastic=bf16_stochastic, state_on_host=True)
-        times = []
-        for _ in range(4):
-            started = time.perf_counter()
-            param.backward(gradient)  # the tensor's hook steps it (as in a run's backward) and frees the gradient
-            times.append(time.perf_counter() - started)
-        fused.remove()
-    except Exception:  # noqa: BLE001 - a planner's figure: the run itself reports a missing package by name
-        return DEFAULT_HOST_STEP_S_PER_WEIGHT
+    # Planning runs inside ComfyUI's node execution, under torch.inference_mode(): the probe trains as a run does.
+    with torch.inference_mode(False), torch.enable_grad():
+        generator = torch.Generator().manual_seed(0)
+        param = torch.nn.Parameter(torch.randn(HOST_STEP_PROBE_SHAPE, generator=generator).to(dtype))
+        gradient = (torch.randn(HOST_STEP_PROBE_SHAPE, generator=generator) * 1e-3).to(dtype)
+        start = param.detach().clone()
+        try:
+            fused = FusedBackward([param], lambda group: create_optimizer(group, OptimizerConfig(name=name)),
+                                  bf16_stochastic=bf16_stochastic, state_on_host=True)
+            times = []
+            for _ in range(4):
+                started = time.perf_counter()
+                param.backward(gradient)  # the tensor's hook steps it (as in a run's backward), frees the gradient
+                times.append(time.perf_counter() - started)
+            fused.remove()
+        except Exception:  # noqa: BLE001 - a planner's figure: the run itself reports a missing package by name
+            return DEFAULT_HOST_STEP_S_PER_WEIGHT
+        if torch.equal(param, start):  # nothing stepped: not a figure of the step
+            return DEFAULT_HOST_STEP_S_PER_WEIGHT
     return min(times[1:]) / param.numel()
 
 
