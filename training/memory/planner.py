@@ -999,8 +999,9 @@ SLOT_CHOICES = (2, 3, 4)
 
 def with_best_slots(description: ModelDescription, trainable: TrainableSpec, shape: RunShape, plan: Plan,
                     budget_bytes: int | None, host_room: HostRoom | None = None) -> Plan:
-    """`plan` with the number of the streamer's device slots (SLOT_CHOICES) whose plan fits and predicts the fastest
-    step; the fewest of equals. `plan` itself where no block streams (or no budget: nothing to weigh), or on a CPU."""
+    """`plan` (an estimate: no reason yet) with the number of the streamer's device slots (SLOT_CHOICES) whose plan
+    fits and predicts the fastest step; the fewest of equals. `plan` itself where no block streams (or no budget:
+    nothing to weigh), or on a CPU."""
     if not plan.streamed_blocks or budget_bytes is None or description.h2d() is None:
         return plan
     best = plan
@@ -1012,8 +1013,6 @@ def with_best_slots(description: ModelDescription, trainable: TrainableSpec, sha
             continue
         if _seconds(other) < _seconds(best) or (_seconds(other) == _seconds(best) and slots < best.stream_slots):
             best = other
-    if best is not plan:
-        best.reason, best.slow = plan.reason, plan.slow
     return best
 
 

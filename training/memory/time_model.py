@@ -27,8 +27,8 @@
 - not overlapped, so added: the optimizer step (it runs after backward's last gradient: on a card a bandwidth-bound
   estimate from the bytes it reads and writes; in host RAM - optimizer_state "cpu", or a CPU run - the seconds per
   weight of fused backward's step measured once on this machine (TrainableSpec.host_step_s_per_weight), plus
-  gradients down and weights up over the link), and the pipeline fill (a copy before any compute can start: none in a steady step, whose first
-  streamed blocks are still in the ring from the previous backward).
+  gradients down and weights up over the link), and the pipeline fill (a copy before any compute can start: none in
+  a steady step, whose first streamed blocks are still in the ring from the previous backward).
 """
 from __future__ import annotations
 
