@@ -115,9 +115,11 @@ def test_the_chosen_policy_is_the_fastest_predicted_of_those_that_fit(budget_gib
             fitting += [whole, *selective_plans(d, LORA, SHAPE, policy, budget)]
     assert plan.fits and fitting
     fastest = min(fitting, key=lambda p: p.predicted_s_per_step)  # at the ring's default two slots
-    # then the slots that predict the fastest step for it (planner.with_best_slots): never slower
-    assert plan.predicted_s_per_step == pytest.approx(
-        planner.with_best_slots(d, LORA, SHAPE, fastest, budget).predicted_s_per_step)
+    # each with the slots that predict the fastest step for it (planner.with_best_slots), every one weighed: the plan
+    # skips those that cannot win (planner.fastest_with_slots) and finds the same; never slower than two slots
+    deepest = min((planner.with_best_slots(d, LORA, SHAPE, p, budget) for p in fitting),
+                  key=lambda p: p.predicted_s_per_step)
+    assert plan.predicted_s_per_step == pytest.approx(deepest.predicted_s_per_step)
     assert plan.predicted_s_per_step <= fastest.predicted_s_per_step
     # the plan says which whole blocks stay and which stream; a block not recomputed stays
     assert sorted(plan.resident_blocks + plan.streamed_blocks) == list(range(57))
@@ -142,8 +144,9 @@ def test_partial_placement_recomputes_fewer_blocks_where_streaming_would_cost_mo
     assert plan.predicted_s_per_step <= every.predicted_s_per_step
     kept = set(range(57)) - set(plan.checkpointed_blocks)
     assert kept <= set(plan.resident_blocks)
-    # the run estimates its own policy again (for the share of the base its load keeps): the same share, the slack kept
-    again = estimate(d, LORA, SHAPE, plan.policy, 24 * GIB)
+    # the run estimates its own policy again, with the slots it suits best (nodes/bridge/planning.run_plan, for the
+    # share of the base its load keeps): the same plan, the slack kept
+    again = planner.with_best_slots(d, LORA, SHAPE, estimate(d, LORA, SHAPE, plan.policy, 24 * GIB), 24 * GIB)
     assert again.base_device_bytes == plan.base_device_bytes and again.to_dict() == plan.to_dict() | {"reason": ""}
     assert again.peak_bytes <= planner.planned_room(plan.policy, 24 * GIB) + MIB
 
@@ -390,3 +393,17 @@ def test_the_plan_chooses_the_rings_slots_each_a_block_fewer_resident():
     assert not roomy.streamed_blocks and roomy.stream_slots == 2
     on_cpu = dataclasses.replace(d, compute_device="cpu")
     assert planner.with_best_slots(on_cpu, LORA, SHAPE, two, 16 * GIB) is two
+    # every fitting policy is weighed with its own best ring, not only the fastest at two slots: at 24 GiB checkpointing
+    # 52 blocks with three slots beats the 56 that were fastest with two (and with their own best ring)
+    budget = 24 * GIB
+    fitting = [p for policy in candidate_policies(OffloadPolicy(), ["as_loaded"])
+               if (whole := estimate(d, LORA, SHAPE, policy, budget)).fits
+               for p in (whole, *selective_plans(d, LORA, SHAPE, policy, budget))]
+    at_two = min(fitting, key=lambda p: p.predicted_s_per_step)
+    plan = plan_auto(d, LORA, SHAPE, OffloadPolicy(), budget)
+    assert plan.policy != at_two.policy and plan.stream_slots > 2
+    assert plan.predicted_s_per_step < planner.with_best_slots(d, LORA, SHAPE, at_two, budget).predicted_s_per_step
+    # what it skips cannot win: no ring takes a step below its compute, serial copies and optimizer step
+    for p in fitting:
+        deeper = planner.with_best_slots(d, LORA, SHAPE, p, budget)
+        assert deeper.predicted_s_per_step >= p.step_time.ring_floor_s == pytest.approx(deeper.step_time.ring_floor_s)

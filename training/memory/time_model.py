@@ -79,6 +79,12 @@ class StepTime:
         return max(self.compute_s + self.optimizer_s, self.transfer_s)
 
     @property
+    def ring_floor_s(self) -> float:
+        """What no depth of the ring can take the step below: compute, the copies on the compute stream, the
+        optimizer step and the fill (planner.fastest_with_slots skips a plan whose floor is not faster than the best)."""
+        return self.compute_s + self.serial_s + self.optimizer_s + self.fill_s
+
+    @property
     def bound(self) -> str:
         return "transfer" if self.transfer_s > self.compute_s else "compute"
 
