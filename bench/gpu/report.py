@@ -103,8 +103,10 @@ def findings(measured: dict[str, dict]) -> dict[str, list[str]]:
                                 f"physical limit {limit:.2f} s")
         predicted = r.get("predicted_s_per_step")
         if predicted and r.get("s_per_step") and abs(predicted / r["s_per_step"] - 1) > PREDICTION_TOLERANCE:
+            timing = ("block times at the run's size" if (r.get("step_time") or {}).get("timed_at_run_size")
+                      else "block times from the calibration fit")
             out["predicted"].append(f"`{ident}`: predicted {predicted:.2f} s/step vs measured {r['s_per_step']:.2f} s "
-                                    f"({predicted / r['s_per_step']:.2f}x)")
+                                    f"({predicted / r['s_per_step']:.2f}x; {timing})")
         timed = ((r.get("allocator") or {}).get("timed") or {})
         if timed.get("num_alloc_retries") or timed.get("num_ooms"):
             out["allocator"].append(f"`{ident}`: {timed.get('num_alloc_retries', 0)} allocator retries, "

@@ -99,15 +99,23 @@ def measure_model(patcher, adapter: AdapterConfig, precision: str = "bf16") -> l
     attached to the module tree for the duration (detached again before returning, also on an error), so
     autograd records exactly what the training step keeps. No backward runs.
     """
+    return measure_and_time(patcher, adapter, precision)[0]
+
+
+def measure_and_time(patcher, adapter: AdapterConfig, precision: str = "bf16", timing: planner.RunShape | None = None
+                     ) -> tuple[list[planner.ActivationSample], planner.BlockTimes | None]:
+    """measure_model's samples, and with `timing` (a run's shape) each block's forward timed at that shape
+    (time_at_run_size; None where it was skipped)."""
     in_training = comfy.model_management.in_training
     try:
         comfy.model_management.in_training = True  # the training code paths (e.g. Flux's differentiable RoPE)
-        return _measure(patcher, adapter, precision)
+        return _measure(patcher, adapter, precision, timing)
     finally:
         comfy.model_management.in_training = in_training
 
 
-def _measure(patcher, adapter: AdapterConfig, precision: str) -> list[planner.ActivationSample]:
+def _measure(patcher, adapter: AdapterConfig, precision: str, timing: planner.RunShape | None = None
+             ) -> tuple[list[planner.ActivationSample], planner.BlockTimes | None]:
     model = patcher.model
     diffusion_model = model.diffusion_model
     with torch.inference_mode(False):
@@ -147,11 +155,108 @@ def _measure(patcher, adapter: AdapterConfig, precision: str) -> list[planner.Ac
 
                 samples.append(planner.measure_activations(run, blocks, weights=weights, latent_area=height * width,
                                                            text_tokens=tokens, synchronize=synchronize))
+            timed = None if timing is None else time_at_run_size(model, denoiser, blocks, dtype, timing, synchronize)
         finally:
             adapters.detach()
             restore_stock_forwards(diffusion_model)
             quantized_weights_for_inference(diffusion_model, patcher)  # stock nodes load the MODEL again after
-    return samples
+    return samples, timed
+
+
+def run_latent_shape(model, shape: planner.RunShape) -> tuple[int, ...]:
+    """One item of the run's latent (`shape`'s largest bucket): [1, C, h, w], or [1, C, frames, h, w] for a video
+    latent format."""
+    family = families.family_of(model)
+    downscale = family.latent_downscale if family else 8
+    size = latent_shape(model, shape.height // downscale, shape.width // downscale)
+    if len(size) == 5:
+        size = (*size[:2], shape.latent_frames, *size[3:])
+    return size
+
+
+def time_at_run_size(model, denoiser, blocks: list[torch.nn.Module], dtype, shape: planner.RunShape,
+                     synchronize=None) -> planner.BlockTimes | None:
+    """Each block's forward timed at the run's latent size (one item, the run's text length; planner.time_blocks),
+    under no_grad with the calibration's adapters attached: the time model then reads the compute the run's size
+    needs, where the calibration's tiny forwards (16-32 latent px) are bound on a GPU by launching kernels. A block
+    that ComfyUI's load left (partly) in host RAM visits the device for its own forward (_BlocksOnDevice), so its
+    time is its compute, not ComfyUI's per-layer copies. Skipped (None: the calibration's fit is used) where the
+    forward and one block's weights would not fit what is free on the device, or it runs out of memory."""
+    device = denoiser.device
+    size = run_latent_shape(model, shape)
+    tokens = shape.text_tokens or (families.family_of(model).text_tokens if families.family_of(model) else 77)
+    visiting = _BlocksOnDevice(blocks, device)
+    if device.type != "cpu":
+        needed = model.memory_required(list(size)) + visiting.largest_bytes
+        if needed > comfy.model_management.get_free_memory(device):
+            return None
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(size, generator=generator).to(device)
+    if denoiser.sampling.prediction == "flow":
+        sigma = torch.full((1,), 0.5, device=device)
+    else:
+        sigma = denoiser.sampling.sigmas[len(denoiser.sampling.sigmas) // 2].reshape(1).to(device)
+    cond = calibration_cond(model, tokens, device)
+
+    def run():
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+            return denoiser.predict(x, sigma, [cond])
+
+    area = math.prod(size[2:])
+    try:
+        with torch.no_grad(), visiting:
+            # on a GPU the first forward chooses kernels: the second is timed
+            return planner.time_blocks(run, blocks, area, synchronize, repeats=2 if device.type == "cuda" else 1)
+    except torch.cuda.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        return None
+
+
+class _BlocksOnDevice:
+    """While timing: each block's tensors that ComfyUI left in host RAM copied to the device before its forward (a
+    pre-hook registered before planner.time_blocks' own, so outside the timed span) and the host tensors put back
+    after it: one block's weights on the device at a time, as the run's ring holds them. Not the run's
+    WeightStreamer: that packs and pins the host tensors, which a plan must not do to the shared MODEL. Tensor
+    subclasses (ComfyUI's quantized weights) stay where they are: their layers cast them, time included."""
+
+    def __init__(self, blocks: list[torch.nn.Module], device: torch.device):
+        self.blocks, self.device = blocks, torch.device(device)
+        self.handles, self.swapped = [], []
+        self.largest_bytes = max((sum(t.numel() * t.element_size() for _, _, t in self._away(b)) for b in blocks),
+                                 default=0)
+
+    def _away(self, block: torch.nn.Module):
+        for module in block.modules():
+            for store in (module._parameters, module._buffers):
+                for name, tensor in store.items():
+                    if (tensor is not None and tensor.device != self.device and tensor.device.type != "meta"
+                            and type(tensor) in (torch.Tensor, torch.nn.Parameter)):
+                        yield store, name, tensor
+
+    def __enter__(self):
+        if self.largest_bytes:
+            for block in self.blocks:
+                self.handles.append(block.register_forward_pre_hook(self._to_device))
+                self.handles.append(block.register_forward_hook(self._back))
+        return self
+
+    def _to_device(self, block, args):
+        for store, name, tensor in list(self._away(block)):
+            moved = tensor.detach().to(self.device)
+            store[name] = torch.nn.Parameter(moved, requires_grad=False) if isinstance(tensor, torch.nn.Parameter) \
+                else moved
+            self.swapped.append((store, name, tensor))
+
+    def _back(self, block, args, output):
+        while self.swapped:
+            store, name, tensor = self.swapped.pop()
+            store[name] = tensor
+
+    def __exit__(self, *exc):
+        self._back(None, None, None)
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
 
 
 class _OneCopyProbe(torch.nn.Module):
@@ -194,17 +299,19 @@ class _OneCopyProbes:
 
 
 def describe_comfy_model(patcher, adapter: AdapterConfig, precision: str = "bf16", text_tokens: int | None = None,
-                         clip=None, vae=None, frames: int = 1) -> planner.ModelDescription:
+                         clip=None, vae=None, frames: int = 1, timing: planner.RunShape | None = None
+                         ) -> planner.ModelDescription:
     """The planner's description of a ComfyUI MODEL (and, optionally, its CLIP and VAE, whose estimates are for
-    `frames`-frame clips) for training a LoRA of `adapter`'s settings."""
+    `frames`-frame clips) for training a LoRA of `adapter`'s settings; with `timing` (the run's shape) its block
+    times measured at that shape (time_at_run_size), else fitted from the calibration forwards."""
     model = patcher.model
     diffusion_model = model.diffusion_model
     named_blocks = training_blocks(diffusion_model)
     if not named_blocks:
         raise ValueError(f"{type(diffusion_model).__name__} has no repeated blocks to plan with")
-    samples = measure_model(patcher, adapter, precision)
+    samples, timed = measure_and_time(patcher, adapter, precision, timing)
     saved, inputs, outside = planner.fit_profile(samples)
-    forward_s, outside_forward_s = planner.fit_times(samples)
+    forward_s, outside_forward_s = planner.fit_times(samples) if timed is None else timed.laws()
     blocks = planner.describe_blocks(named_blocks, saved, inputs, samples, forward_s)
     device = torch.device(patcher.load_device)
     channels = model.latent_format.latent_channels
@@ -231,6 +338,7 @@ def describe_comfy_model(patcher, adapter: AdapterConfig, precision: str = "bf16
         compute_element_size=torch.empty((), dtype=compute_dtype).element_size(),
         # the time model: where it computes, and the pinned host->device bandwidth there (measured once per process)
         outside_forward_s=outside_forward_s, compute_device=device.type,
+        timed_at_area=0 if timed is None else timed.latent_area,
         h2d_bytes_per_s=float(time_model.h2d_bytes_per_s(device) or 0.0),
         quantized_layers=len(quantized_layers(model)),
     )
@@ -312,11 +420,12 @@ def plan_lora_run(model, policy: OffloadPolicy, mode: str, batch_size: int, widt
         if vae is not None and frames > 1 and frame_step(vae) is None:
             raise ValueError(f"frames={frames}, but this VAE ({type(vae.first_stage_model).__name__}) encodes images; "
                              "connect the video model's VAE")
-        description = describe_comfy_model(model, adapter, precision, text_tokens or None, clip, vae, frames)
+        shape = planner.RunShape(batch_size, width, height, text_tokens or None, latent_frames)
+        description = describe_comfy_model(model, adapter, precision, text_tokens or None, clip, vae, frames,
+                                           timing=shape)
     except (PolicyError, ValueError) as error:
         raise ValueError(named(node, str(error))) from None
     trainable = with_host_step(lora_trainable(model, adapter, optimizer, paths))
-    shape = planner.RunShape(batch_size, width, height, text_tokens or None, latent_frames)
     room = host_ram.host_room(policy.host_ram_budget_gb)
     if mode == "auto":
         return planner.plan_auto(description, trainable, shape, policy, budget, room)
@@ -353,7 +462,9 @@ def _run_inputs(run) -> tuple:
     weights, batch, largest bucket and text length, and its policy's budget on the model's device."""
     config = run.config
     adapter = getattr(config, "adapter", None) or AdapterConfig()  # ControlNet runs: activations as with a LoRA
-    description = describe_comfy_model(run.source_model, adapter, config.train.precision)
+    shape = cache_run_shape(run.source_model, run.latent_cache, run.text_cache, config.train.batch_size,
+                            "Train LoRA: Steps (Headroom)", config.train.grad_accum)
+    description = describe_comfy_model(run.source_model, adapter, config.train.precision, timing=shape)
     first = 0
     if adapter.kind == "full":  # the first block's trained elements (planner.first_block_gradients_later)
         prefix = first_block_prefix(run.source_model)
@@ -369,8 +480,6 @@ def _run_inputs(run) -> tuple:
                                     first_block_elements=first, unread_base_blocks=blocks, unread_base_outside=outside,
                                     block_layers=per_block)
     trainable = with_host_step(trainable)
-    shape = cache_run_shape(run.source_model, run.latent_cache, run.text_cache, config.train.batch_size,
-                            "Train LoRA: Steps (Headroom)", config.train.grad_accum)
     budget = budget_bytes(run.policy, torch.device(run.source_model.load_device))
     return description, trainable, shape, budget
 
@@ -411,7 +520,7 @@ def plan_for_card(patcher, latent_cache, text_cache, policy: OffloadPolicy, trai
         budget = budget_bytes(policy, torch.device(patcher.load_device))
     except PolicyError as error:
         raise ValueError(f"{node}: {error}") from None
-    description = describe_comfy_model(patcher, adapter or AdapterConfig(), precision)
     shape = cache_run_shape(patcher, latent_cache, text_cache, batch_size, node, grad_accum)
+    description = describe_comfy_model(patcher, adapter or AdapterConfig(), precision, timing=shape)
     return planner.plan_auto(description, with_host_step(trainable), shape, policy, budget,
                              host_ram.host_room(policy.host_ram_budget_gb))

@@ -165,6 +165,71 @@ def test_measured_profile_predicts_a_larger_bucket(comfyui, family, monkeypatch)
     assert comfy.model_management.in_training is False
 
 
+def test_the_plan_times_each_block_at_the_runs_size(comfyui, monkeypatch):
+    """The time model's block times come from forwards at the run's latent size (planning.time_at_run_size: the
+    calibration's tiny forwards are launch-bound on a GPU), one item, no_grad; the laws are exact there. Where that
+    timing cannot run (out of memory) the calibration's fit is used."""
+    import torch
+
+    from headroom.nodes.bridge import planning
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
+    from headroom.training.core.adapters import AdapterConfig
+    from headroom.training.memory import planner
+
+    model, _, _ = build_tiny_models("flux")
+    timed, real = [], planner.time_blocks
+
+    def recording(run_forward, blocks, latent_area, synchronize=None, repeats=1):
+        assert not torch.is_grad_enabled()
+        timed.append(real(run_forward, blocks, latent_area, synchronize, repeats))
+        return timed[-1]
+
+    monkeypatch.setattr(planner, "time_blocks", recording)
+    _, plan_json, _ = _plan(model, width=128, height=96, batch_size=2).result
+    assert [t.latent_area for t in timed] == [(96 // 8) * (128 // 8)]  # the node's width and height, one item
+    assert json.loads(plan_json)["predicted_s_per_step"] > 0
+    shape = planner.RunShape(2, 128, 96)
+    description = planning.describe_comfy_model(model, AdapterConfig(rank=4, alpha=4), "fp32", timing=shape)
+    times = timed[-1]
+    assert description.timed_at_area == times.latent_area == shape.latent_area(description)
+    assert [b.forward_s.at(times.latent_area, 77) for b in description.blocks] == \
+        pytest.approx(list(times.block_forward_s))
+    assert description.forward_seconds(times.latent_area, 77, 2) == pytest.approx([2 * t for t in times.block_forward_s])
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("no room at the run's size")
+
+    monkeypatch.setattr(planner, "time_blocks", out_of_memory)
+    fitted = planning.describe_comfy_model(model, AdapterConfig(rank=4, alpha=4), "fp32", timing=shape)
+    assert fitted.timed and fitted.timed_at_area == 0  # the calibration's times, fitted
+
+
+def test_a_block_comfyui_left_in_host_ram_visits_the_device_for_its_timed_forward(comfyui):
+    """planning._BlocksOnDevice: the tensors of a block not on the device are copied there before its forward and
+    put back after (the same objects), so its time is its compute and the shared MODEL is left as it was. Here the
+    "device" is torch's meta device (shapes only): the CPU machine has no second device to copy to."""
+    import torch
+
+    from headroom.nodes.bridge import planning
+
+    blocks = [torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8)), torch.nn.Linear(8, 4)]
+    originals = [[*b.parameters()] for b in blocks]
+    seen = []
+    for block in blocks:
+        block.register_forward_hook(lambda m, a, o: seen.append({p.device.type for p in m.parameters()}))
+    visiting = planning._BlocksOnDevice(blocks, torch.device("meta"))
+    assert visiting.largest_bytes == (4 * 8 + 8 + 8 + 8) * 4
+    with visiting:
+        h = torch.empty(2, 4, device="meta")
+        for block in blocks:
+            h = block(h)
+    assert seen == [{"meta"}, {"meta"}]  # on the device while each ran
+    after = [p for b in blocks for p in b.parameters()]
+    assert all(p is q for p, q in zip(after, (p for ps in originals for p in ps)))  # the host objects back
+    assert all(p.device.type == "cpu" for p in after)
+    assert all(len(b._forward_pre_hooks) == 0 for b in blocks)
+
+
 def test_auto_mode_chooses_a_policy_that_fits_and_says_why(comfyui):
     from headroom.nodes.bridge.tiny_models import build_tiny_models
     from headroom.training.memory.policy import OffloadPolicy

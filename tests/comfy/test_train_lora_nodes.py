@@ -637,10 +637,17 @@ def test_a_card_resolves_to_the_fastest_policy_whose_planned_peak_fits_it(comfyu
     from headroom.training.memory import planner
     from headroom.training.memory.policy import GIB
 
-    # Block times as the time model takes them when none are measured (from weight bytes): the same in the node's
-    # plan and in this test's (measured milliseconds of a tiny model on a shared CPU differ from run to run).
+    # Block times fixed: the same in the node's plan and in this test's (measured milliseconds of a tiny model on a
+    # shared CPU differ from run to run).
     monkeypatch.setattr(planner, "fit_times", lambda samples: ([planner.ActivationLaw()] * len(samples[0].block_saved),
                                                                planner.ActivationLaw()))
+    timed_areas = []  # and so are the times at the run's size (planning.time_at_run_size): the area is the run's
+
+    def fixed_times(run_forward, blocks, latent_area, synchronize=None, repeats=1):
+        timed_areas.append(latent_area)
+        return planner.BlockTimes(latent_area, tuple(1e-3 * (i + 1) for i in range(len(blocks))), 1e-3)
+
+    monkeypatch.setattr(planner, "time_blocks", fixed_times)
 
     model, clip, vae, latents, texts = _data("sd15")
     old = _policy(base_placement="streamed", checkpointing="blocks")  # no card: as saved before it existed
@@ -648,10 +655,11 @@ def test_a_card_resolves_to_the_fastest_policy_whose_planned_peak_fits_it(comfyu
     assert _init(model, latents, texts, "card_old", rank=4, policy=old).trainer.policy == old
 
     lora = T.HeadroomLoraConfig.execute("lora", 4, 4.0, "preset", False, 0.0, 0).args[0]
-    description = planning.describe_comfy_model(model, lora, "fp32")
+    shape = planning.cache_run_shape(model, latents, texts, 4, "test")
+    description = planning.describe_comfy_model(model, lora, "fp32", timing=shape)
+    assert description.timed_at_area == shape.latent_area(description) and description.timed
     # as the node plans: its optimizer's host step timed on this machine (once per process: the same figure)
     trainable = planning.with_host_step(planning.lora_trainable(model, lora, "AdamW"))
-    shape = planning.cache_run_shape(model, latents, texts, 4, "test")
     peaks = [planner.estimate(description, trainable, shape, p).peak_bytes
              for p in planner.candidate_policies(_policy())]
     # The tiny model fits any real card: a reserve that leaves a budget between the fastest candidate's peak and the
@@ -665,6 +673,7 @@ def test_a_card_resolves_to_the_fastest_policy_whose_planned_peak_fits_it(comfyu
         caption_dropout=0.0, timestep_sampling="uniform", loss_weighting="none", min_snr_gamma=5.0, noise_offset=0.0,
         gradient_checkpointing=False, checkpoint_depth=1, holdout=0, policy=card)
     run = output.args[0]
+    assert set(timed_areas) == {shape.latent_area(description)}  # the Init node timed its largest bucket too
     chosen = run.trainer.policy
     assert chosen.card == "custom" and abs(chosen.vram_budget_gb * GIB - card.budget_bytes()) < GIB / 1000
     assert (chosen.base_placement, chosen.checkpointing) != ("resident", "off")

@@ -78,7 +78,10 @@ def test_rows_against_their_physical_limit_the_prediction_and_the_allocator():
     assert module.physical_limit(measured["lora/flux_dev/8GB"], measured) == (1.2, "planned compute")
     found = module.findings(measured)
     assert found["limit"] == ["`lora/flux_dev/8GB`: 1.50 s/step = 1.25x its physical limit 1.20 s"]
-    assert found["predicted"] == ["`lora/flux_dev/8GB`: predicted 1.00 s/step vs measured 1.50 s (0.67x)"]
+    assert found["predicted"] == ["`lora/flux_dev/8GB`: predicted 1.00 s/step vs measured 1.50 s (0.67x; block times "
+                                  "from the calibration fit)"]
+    measured["lora/flux_dev/8GB"]["step_time"]["timed_at_run_size"] = True  # planner.time_blocks, where it fits
+    assert module.findings(measured)["predicted"][0].endswith("(0.67x; block times at the run's size)")
     assert found["allocator"] == ["`lora/flux_dev/8GB`: 30 allocator retries, 0 out-of-memory in the timed steps"]
     text = module.section(records)
     assert "Pinned host->device bandwidth, measured once: 50.0 GB/s." in text

@@ -271,6 +271,48 @@ def test_calibration_forwards_time_each_block_and_the_fit_follows_the_area():
     assert profiles[0].forward_s == forward[0]
 
 
+def test_block_times_at_the_runs_size_are_each_blocks_own_in_the_last_forward_and_proportional_to_the_area():
+    """planner.time_blocks (the nodes time each block at the run's size: nodes/bridge/planning.time_at_run_size): per
+    block the seconds between its own hooks, hooks registered before (a block brought to the device) outside the
+    span; the last of `repeats` forwards counts (the first pays for one-time setup); the laws are exact at the area
+    timed and proportional elsewhere."""
+    import time
+
+    import torch
+
+    class Sleepy(torch.nn.Module):
+        def __init__(self, seconds, first=0.0):
+            super().__init__()
+            self.linear, self.seconds, self.first, self.calls = torch.nn.Linear(4, 4), seconds, first, 0
+
+        def forward(self, x):
+            self.calls += 1
+            time.sleep(self.seconds + (self.first if self.calls == 1 else 0.0))
+            return self.linear(x)
+
+    blocks = [Sleepy(0.02), Sleepy(0.0, first=0.5)]
+    before = blocks[0].register_forward_pre_hook(lambda module, args: time.sleep(0.3))  # e.g. a copy to the device
+
+    def run():
+        time.sleep(0.01)  # outside the blocks
+        h = torch.randn(8, 4)
+        for block in blocks:
+            h = block(h)
+        return h.sum()
+
+    times = planner.time_blocks(run, blocks, latent_area=4096, repeats=2)
+    before.remove()
+    assert [b.calls for b in blocks] == [2, 2]
+    assert 0.02 <= times.block_forward_s[0] < 0.3  # its sleep, not the hook's before it
+    assert times.block_forward_s[1] < 0.5  # the first forward's one-time cost left out
+    assert times.outside_forward_s >= 0.3 + 0.01  # the earlier hook ran outside the block's span
+    assert not blocks[0]._forward_pre_hooks and not blocks[0]._forward_hooks  # its hooks removed
+    forward, outside = times.laws()
+    assert [law.at(4096, 77) for law in forward] == pytest.approx(list(times.block_forward_s))
+    assert forward[0].at(2048, 77) == pytest.approx(times.block_forward_s[0] / 2)
+    assert outside.at(4096, 0) == pytest.approx(times.outside_forward_s)
+
+
 def test_after_out_of_memory_a_selective_plan_is_followed_by_every_block_checkpointed():
     d = flux_like()
     budget = resident_peak(d) - int(0.95 * GIB)

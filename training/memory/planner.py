@@ -147,6 +147,9 @@ class ModelDescription:
     outside_forward_s: ActivationLaw = ActivationLaw()
     compute_device: str = "cuda"
     h2d_bytes_per_s: float = 0.0
+    # The latent area the block forward times were measured at (time_blocks: the run's, batch 1); 0: fitted from the
+    # calibration forwards (tiny sizes, extrapolated) or not measured.
+    timed_at_area: int = 0
     # Layers holding ComfyUI's quantized weights (a scaled fp8 / int8 / nvfp4 file): trained as they are, never
     # stored low-bit again (planner._storages); streamed as stored (weight_streaming packs their inner tensors).
     quantized_layers: int = 0
@@ -776,6 +779,8 @@ def estimate(description: ModelDescription, trainable: TrainableSpec, shape: Run
         time_model.optimizer_step_s(trainable.weight_bytes(), trainable.optimizer_bytes(), host_step,
                                     description.compute_device, h2d, host_rate, trainable.param_count),
         description.timed, slots)
+    if description.timed_at_area:
+        step = dataclasses.replace(step, timed_at_run_size=description.timed_at_area == area)
     return Plan(policy, [cache_text, cache_vae, training, validation, decode, save], budget_bytes, host_bytes=host,
                 base_device_bytes=base_device, validation_base_device_bytes=validation_device,
                 host_added=host_added, host_room=host_room, step_time=step, checkpointed_blocks=tuple(checkpointed),
@@ -1273,6 +1278,64 @@ def fit_profile(samples: Sequence[ActivationSample]) -> tuple[list[ActivationLaw
     saved = [solve([s.block_saved[i] for s in samples]) for i in range(len(samples[0].block_saved))]
     inputs = [solve([s.block_inputs[i] for s in samples]) for i in range(len(samples[0].block_inputs))]
     return saved, inputs, solve([s.outside_saved for s in samples])
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockTimes:
+    """Seconds of each block's forward and of the rest of the forward for one item at one latent area (time_blocks)."""
+
+    latent_area: int
+    block_forward_s: tuple[float, ...]
+    outside_forward_s: float
+
+    def laws(self) -> tuple[list[ActivationLaw], ActivationLaw]:
+        """The time laws through these times: proportional to the latent area, so exact at the area measured (the
+        run's: the planner reads them there) and scaled by area elsewhere (a smaller bucket)."""
+        area = max(self.latent_area, 1)
+        return ([ActivationLaw(per_latent_px=seconds / area) for seconds in self.block_forward_s],
+                ActivationLaw(per_latent_px=self.outside_forward_s / area))
+
+
+def time_blocks(run_forward: Callable[[], object], blocks: Sequence[torch.nn.Module], latent_area: int,
+                synchronize: Callable[[], None] | None = None, repeats: int = 1) -> BlockTimes:
+    """Each block's forward timed in `repeats` forwards of `run_forward()` (the last counts: the first pays for
+    choosing kernels and making handles), and the rest of the forward. `synchronize` waits for the device's queued
+    work (CUDA) before a block starts and after it ends, so a time is the block's own compute: hooks registered
+    before this call (weight_streaming's ring installing a block that ComfyUI left in host RAM) run outside the
+    timed span. Why apart from measure_activations: the time model needs times at the run's size (calibration sizes
+    are tiny, and on a GPU a tiny forward is bound by launching kernels, not by the compute the run's size needs),
+    where counting saved tensors would keep a training step's activations; timed under no_grad, only hooks that
+    read the clock."""
+    sync = synchronize or (lambda: None)
+    forward_s = [0.0] * len(blocks)
+    started = [0.0]
+
+    def pre(module, args):
+        sync()
+        started[0] = time.perf_counter()
+
+    def post(index):
+        def hook(module, args, output):
+            sync()
+            forward_s[index] += time.perf_counter() - started[0]
+        return hook
+
+    total_s = 0.0
+    handles = [h for i, block in enumerate(blocks)
+               for h in (block.register_forward_pre_hook(pre), block.register_forward_hook(post(i)))]
+    try:
+        for _ in range(max(1, repeats)):
+            forward_s[:] = [0.0] * len(blocks)
+            sync()
+            begun = time.perf_counter()
+            output = run_forward()
+            sync()
+            total_s = time.perf_counter() - begun
+            del output
+    finally:
+        for handle in handles:
+            handle.remove()
+    return BlockTimes(int(latent_area), tuple(forward_s), max(0.0, total_s - sum(forward_s)))
 
 
 def fit_times(samples: Sequence[ActivationSample]) -> tuple[list[ActivationLaw], ActivationLaw]:

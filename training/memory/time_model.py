@@ -9,9 +9,12 @@
   the blocks. Never less than compute, nor than the copies.
 
 - compute: every block's forward and backward, the work outside the blocks, and the forward of each checkpointed
-  block again (its recompute in backward). Forward times are measured in the planner's calibration forwards
-  (planner.measure_activations, fitted per block as a law of the latent area); backward is taken as
-  BACKWARD_PER_FORWARD times the forward (no backward runs in calibration). A block with no measured time is
+  block again (its recompute in backward). Forward times are measured per block at the run's latent size, one
+  item, under no_grad (planner.time_blocks, from the nodes: nodes/bridge/planning.time_at_run_size; a block ComfyUI
+  left in host RAM is brought to the device first, so its time is compute), or, where that does not fit, in the
+  calibration forwards (planner.measure_activations at 16-32 latent px, fitted as a line in the latent area: on a
+  GPU such tiny forwards are bound by launching kernels, so the line says little of a 128 px latent); backward is
+  taken as BACKWARD_PER_FORWARD times the forward (no backward is timed). A block with no measured time is
   costed at reading its weights once (weight bytes / device memory bandwidth): the least a forward can take.
 - transfer: the bytes crossing between host and device in a step over the pinned host->device bandwidth: each
   streamed block twice (its forward, and its recompute in backward: a streamed block is always checkpointed), less
@@ -67,6 +70,9 @@ class StepTime:
     timed: bool = True  # block times measured (False: estimated from weight bytes)
     pipeline_s: float | None = None  # per block max(compute, copy), summed (None: compute_s)
     serial_s: float = 0.0  # the part of transfer_s queued on the compute stream (not overlapped: added)
+    # Block times measured at this step's latent size (planner.time_blocks) rather than fitted from the calibration's
+    # tiny forwards and extrapolated
+    timed_at_run_size: bool = False
 
     @property
     def total_s(self) -> float:
@@ -96,7 +102,9 @@ class StepTime:
         text = (f"predicted {self.total_s:.3f} s/step ({self.bound}-bound: compute {self.compute_s:.3f} s incl. "
                 f"recompute {self.recompute_s:.3f} s, transfer {self.transfer_s:.3f} s{serial}; + optimizer "
                 f"{self.optimizer_s:.3f} s, fill {self.fill_s:.3f} s; physical limit {self.limit_s:.3f} s)")
-        return text if self.timed else text + " - block times not measured: estimated from weight bytes"
+        if not self.timed:
+            return text + " - block times not measured: estimated from weight bytes"
+        return text + ("; block times measured at the run's size" if self.timed_at_run_size else "")
 
 
 def ring_fetches(streamed_block_bytes: Sequence[int], slots: int) -> tuple[list[int], list[int]]:

@@ -1,0 +1,124 @@
+"""Benchmark: the planner's predicted s/step against the measured one, on a CPU, through the nodes.
+
+Per model (tests/realsize_models.py: real width, a selectable depth) and checkpointing off / on: the predicted step
+of the run's own policy with the block times as the planner takes them (a) fitted from the calibration forwards
+(16-32 latent px, extrapolated as a line in the latent area) and (b) timed at the run's latent size
+(planner.time_blocks, what the nodes use where it fits), beside (c) the measured median s/step of HeadroomTrainSteps
+after a warm-up step (HeadroomTrainLoraInit: LoRA rank 16, preset targets, AdamW, precision fp32, batch 1). On a CPU
+nothing crosses a link, so this checks the compute part of the time model (forward times, backward taken as 1.5x
+the forward, the recompute, the optimizer step); the GPU kit (bench/gpu/suite.py) records the same prediction beside
+each measured row on a card.
+
+    python bench/bench_step_prediction.py [--models sd15,flux_dev,sd35_large] [--depth 1] [--size 256]
+        [--steps 3] [--threads 2]
+
+Needs a ComfyUI checkout (found like the tests do) and ~10 GiB of RAM for Flux-width blocks. Prints a Markdown table.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import platform
+import shlex
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def _import(name: str, path: Path, package: bool = False):
+    spec = importlib.util.spec_from_file_location(name, path,
+                                                  submodule_search_locations=[str(path.parent)] if package else None)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def setup() -> None:
+    """The package as `headroom` (the repo root never goes on sys.path) and ComfyUI in-process on the CPU."""
+    _import("headroom", REPO_ROOT / "__init__.py", package=True)
+    _import("comfy_harness", REPO_ROOT / "tests" / "comfy_harness.py").import_comfyui_in_process()
+    sys.path.insert(0, str(REPO_ROOT / "tests"))  # realsize_models
+
+
+def data(arch: str, depth, size: int):
+    import realsize_models as R
+    from headroom.nodes import cache as cache_nodes, data as data_nodes
+
+    model, clip, vae = R.build_family(arch, depth, 2, 0)
+    with torch.inference_mode():
+        images, captions, _ = data_nodes.HeadroomSyntheticDataset.execute(2, size, 0).args
+        dataset = cache_nodes.HeadroomDatasetFromImages.execute(images, captions, size, 64, "center", False, 0).args[0]
+        latents = cache_nodes.HeadroomCacheLatents.execute(dataset, vae).args[0]
+        texts = cache_nodes.HeadroomCacheText.execute(dataset, clip).args[0]
+    return model, latents, texts
+
+
+def measure(model, latents, texts, checkpointing: bool, steps: int) -> dict:
+    """Predicted (fitted, timed at the run's size) and measured s/step of one run."""
+    from headroom.nodes import train_lora as T
+    from headroom.nodes.bridge import planning
+    from headroom.training.memory import planner
+    from headroom.training.memory.policy import OffloadPolicy
+
+    with torch.inference_mode():  # as ComfyUI runs nodes
+        lora = T.HeadroomLoraConfig.execute("lora", 16, 16.0, "preset", False, 0.0, 0).args[0]
+        optimizer = T.HeadroomOptimizerConfig.execute("AdamW", 1e-4, 0.0, "constant", 0, 1000).args[0]
+        shape = planning.cache_run_shape(model, latents, texts, 1, "bench")
+        policy = OffloadPolicy(checkpointing="blocks" if checkpointing else "off")
+        trainable = planning.with_host_step(planning.lora_trainable(model, lora, "AdamW"))
+        predicted = {}
+        for name, timing in (("fitted", None), ("at_run_size", shape)):
+            description = planning.describe_comfy_model(model, lora, "fp32", timing=timing)
+            predicted[name] = planner.estimate(description, trainable, shape, policy).predicted_s_per_step
+        run = T.HeadroomTrainLoraInit.execute(
+            model=model, latent_cache=latents, text_cache=texts, lora_config=lora, optimizer_config=optimizer,
+            run_name="bench_step_prediction", seed=0, batch_size=1, grad_accumulation=1, precision="fp32",
+            max_grad_norm=1.0, caption_dropout=0.0, timestep_sampling="uniform", loss_weighting="none",
+            min_snr_gamma=5.0, noise_offset=0.0, gradient_checkpointing=checkpointing, checkpoint_depth=1, holdout=0
+        ).args[0]
+        T.HeadroomTrainSteps.execute(run, 1)  # warm-up
+        seconds = []
+        for step in range(2, steps + 2):
+            T.HeadroomTrainSteps.execute(run, step)  # one step per call: its figure is that step's seconds
+            seconds.append(run.step_figures[step][1])
+        run.release()
+    measured = statistics.median(seconds)
+    return {"fitted": predicted["fitted"], "at_run_size": predicted["at_run_size"], "measured": measured}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="sd15,flux_dev,sd35_large")
+    parser.add_argument("--depth", type=int, default=1, help="blocks of each kind for the transformer models")
+    parser.add_argument("--size", type=int, default=256, help="image size in px")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    setup()
+    rows = []
+    for arch in args.models.split(","):
+        depth = None if arch in ("sd15", "sdxl") else (args.depth if arch != "flux_dev" else (args.depth, args.depth))
+        model, latents, texts = data(arch, depth, args.size)
+        for checkpointing in (False, True):
+            r = measure(model, latents, texts, checkpointing, args.steps)
+            rows.append(f"| {arch} (depth {depth}) | {'on' if checkpointing else 'off'} | {r['measured']:.2f} | "
+                        f"{r['fitted']:.2f} ({r['fitted'] / r['measured']:.2f}x) | "
+                        f"{r['at_run_size']:.2f} ({r['at_run_size'] / r['measured']:.2f}x) |")
+            print(rows[-1], flush=True)
+    print(f"\n{platform.processor() or platform.machine()}, {args.threads} threads, torch {torch.__version__}, "
+          f"{datetime.date.today()}, {args.size} px, batch 1, LoRA rank 16 (preset), AdamW, fp32: "
+          f"`{' '.join(shlex.quote(a) for a in ['python', *sys.argv])}`\n")
+    print("| model | checkpointing | measured s/step | predicted, calibration fit | predicted, timed at run size |")
+    print("|---|---|---:|---:|---:|")
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()
