@@ -19,6 +19,8 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib.util
+import itertools
+import os
 import platform
 import shlex
 import statistics
@@ -28,6 +30,7 @@ from pathlib import Path
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+RUNS = itertools.count()
 
 
 def _import(name: str, path: Path, package: bool = False):
@@ -73,12 +76,14 @@ def measure(model, latents, texts, checkpointing: bool, steps: int) -> dict:
         policy = OffloadPolicy(checkpointing="blocks" if checkpointing else "off")
         trainable = planning.with_host_step(planning.lora_trainable(model, lora, "AdamW"))
         predicted = {}
+        planning.TIMING_BUDGET_S = float("inf")  # a real-width forward on a CPU takes seconds: timed all the same
         for name, timing in (("fitted", None), ("at_run_size", shape)):
             description = planning.describe_comfy_model(model, lora, "fp32", timing=timing)
             predicted[name] = planner.estimate(description, trainable, shape, policy).predicted_s_per_step
         run = T.HeadroomTrainLoraInit.execute(
             model=model, latent_cache=latents, text_cache=texts, lora_config=lora, optimizer_config=optimizer,
-            run_name="bench_step_prediction", seed=0, batch_size=1, grad_accumulation=1, precision="fp32",
+            run_name=f"bench_step_prediction_{os.getpid()}_{next(RUNS)}",  # a new run each: nothing resumed
+            seed=0, batch_size=1, grad_accumulation=1, precision="fp32",
             max_grad_norm=1.0, caption_dropout=0.0, timestep_sampling="uniform", loss_weighting="none",
             min_snr_gamma=5.0, noise_offset=0.0, gradient_checkpointing=checkpointing, checkpoint_depth=1, holdout=0
         ).args[0]
@@ -86,7 +91,7 @@ def measure(model, latents, texts, checkpointing: bool, steps: int) -> dict:
         seconds = []
         for step in range(2, steps + 2):
             T.HeadroomTrainSteps.execute(run, step)  # one step per call: its figure is that step's seconds
-            seconds.append(run.step_figures[step][1])
+            seconds.append(run.step_figures[max(run.step_figures)][1])
         run.release()
     measured = statistics.median(seconds)
     return {"fitted": predicted["fitted"], "at_run_size": predicted["at_run_size"], "measured": measured}

@@ -155,7 +155,8 @@ def _measure(patcher, adapter: AdapterConfig, precision: str, timing: planner.Ru
 
                 samples.append(planner.measure_activations(run, blocks, weights=weights, latent_area=height * width,
                                                            text_tokens=tokens, synchronize=synchronize))
-            timed = None if timing is None else time_at_run_size(model, denoiser, blocks, dtype, timing, synchronize)
+            timed = None if timing is None else time_at_run_size(model, denoiser, blocks, dtype, timing, synchronize,
+                                                                 samples)
         finally:
             adapters.detach()
             restore_stock_forwards(diffusion_model)
@@ -174,17 +175,35 @@ def run_latent_shape(model, shape: planner.RunShape) -> tuple[int, ...]:
     return size
 
 
+# The most seconds a plan spends timing at the run's size, as the calibration's fit predicts them (a forward, two on a
+# GPU, and each kind of block's forward and backward twice more): a GPU's timing of a 1024 px image model takes a
+# fraction of this; a CPU's of a real-width model at 512 px, or a long video clip's on a GPU, keep the fit instead.
+TIMING_BUDGET_S = 5.0
+
+
 def time_at_run_size(model, denoiser, blocks: list[torch.nn.Module], dtype, shape: planner.RunShape,
-                     synchronize=None) -> planner.BlockTimes | None:
+                     synchronize=None, samples: list[planner.ActivationSample] = ()) -> planner.BlockTimes | None:
     """Each block's forward timed at the run's latent size (one item, the run's text length; planner.time_blocks),
-    under no_grad with the calibration's adapters attached: the time model then reads the compute the run's size
-    needs, where the calibration's tiny forwards (16-32 latent px) are bound on a GPU by launching kernels. A block
-    that ComfyUI's load left (partly) in host RAM visits the device for its own forward (_BlocksOnDevice), so its
-    time is its compute, not ComfyUI's per-layer copies. Skipped (None: the calibration's fit is used) where the
-    forward and one block's weights would not fit what is free on the device, or it runs out of memory."""
+    under no_grad with the calibration's adapters attached, and the first block of each kind's backward (its ratio to
+    the forward: planner.time_blocks with backward): the time model then reads the compute the run's size needs,
+    where the calibration's tiny forwards (16-32 latent px) are bound on a GPU by launching kernels. A block that
+    ComfyUI's load left (partly) in host RAM visits the device for its own forward (_BlocksOnDevice), so its time is
+    its compute, not ComfyUI's per-layer copies. Skipped (None: the calibration's fit is used) where the
+    calibration's `samples` predict a forward at the run's size beyond TIMING_BUDGET_S, where the forward and one
+    block's weights would not fit what is free on the device, or where it runs out of memory."""
     device = denoiser.device
     size = run_latent_shape(model, shape)
     tokens = shape.text_tokens or (families.family_of(model).text_tokens if families.family_of(model) else 77)
+    area = math.prod(size[2:])
+    repeats = 2 if device.type == "cuda" else 1  # on a GPU the first forward chooses kernels: the second is timed
+    if samples:  # what the timing would take, by the calibration's fit
+        forward, outside = planner.fit_times(samples)
+        seconds = [law.at(area, tokens) for law in forward]
+        first_of_kind = {planner.block_kind(block): i for i, block in reversed(list(enumerate(blocks)))}
+        cost = (repeats * (sum(seconds) + outside.at(area, tokens))
+                + 2 * (1 + time_model.BACKWARD_PER_FORWARD) * sum(seconds[i] for i in first_of_kind.values()))
+        if cost > TIMING_BUDGET_S:
+            return None
     visiting = _BlocksOnDevice(blocks, device)
     if device.type != "cpu":
         needed = model.memory_required(list(size)) + visiting.largest_bytes
@@ -202,11 +221,10 @@ def time_at_run_size(model, denoiser, blocks: list[torch.nn.Module], dtype, shap
         with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
             return denoiser.predict(x, sigma, [cond])
 
-    area = math.prod(size[2:])
     try:
         with torch.no_grad(), visiting:
-            # on a GPU the first forward chooses kernels: the second is timed
-            return planner.time_blocks(run, blocks, area, synchronize, repeats=2 if device.type == "cuda" else 1)
+            return planner.time_blocks(run, blocks, area, synchronize, repeats=repeats, backward=True,
+                                       inplace_inputs=families.inplace_blocks(model))
     except torch.cuda.OutOfMemoryError:
         torch.cuda.empty_cache()
         return None
@@ -312,7 +330,8 @@ def describe_comfy_model(patcher, adapter: AdapterConfig, precision: str = "bf16
     samples, timed = measure_and_time(patcher, adapter, precision, timing)
     saved, inputs, outside = planner.fit_profile(samples)
     forward_s, outside_forward_s = planner.fit_times(samples) if timed is None else timed.laws()
-    blocks = planner.describe_blocks(named_blocks, saved, inputs, samples, forward_s)
+    blocks = planner.describe_blocks(named_blocks, saved, inputs, samples, forward_s,
+                                     () if timed is None else timed.block_backward_per_forward)
     device = torch.device(patcher.load_device)
     channels = model.latent_format.latent_channels
     probe = 64  # ComfyUI's estimate is linear in the latent area
@@ -339,6 +358,7 @@ def describe_comfy_model(patcher, adapter: AdapterConfig, precision: str = "bf16
         # the time model: where it computes, and the pinned host->device bandwidth there (measured once per process)
         outside_forward_s=outside_forward_s, compute_device=device.type,
         timed_at_area=0 if timed is None else timed.latent_area,
+        outside_backward_per_forward=0.0 if timed is None else timed.outside_backward_per_forward,
         h2d_bytes_per_s=float(time_model.h2d_bytes_per_s(device) or 0.0),
         quantized_layers=len(quantized_layers(model)),
     )

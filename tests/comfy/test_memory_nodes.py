@@ -172,6 +172,7 @@ def test_the_plan_times_each_block_at_the_runs_size(comfyui, monkeypatch):
     import torch
 
     from headroom.nodes.bridge import planning
+    from headroom.nodes.bridge.comfy_model import training_blocks
     from headroom.nodes.bridge.tiny_models import build_tiny_models
     from headroom.training.core.adapters import AdapterConfig
     from headroom.training.memory import planner
@@ -179,9 +180,9 @@ def test_the_plan_times_each_block_at_the_runs_size(comfyui, monkeypatch):
     model, _, _ = build_tiny_models("flux")
     timed, real = [], planner.time_blocks
 
-    def recording(run_forward, blocks, latent_area, synchronize=None, repeats=1):
+    def recording(run_forward, blocks, latent_area, synchronize=None, repeats=1, **options):
         assert not torch.is_grad_enabled()
-        timed.append(real(run_forward, blocks, latent_area, synchronize, repeats))
+        timed.append(real(run_forward, blocks, latent_area, synchronize, repeats, **options))
         return timed[-1]
 
     monkeypatch.setattr(planner, "time_blocks", recording)
@@ -194,7 +195,20 @@ def test_the_plan_times_each_block_at_the_runs_size(comfyui, monkeypatch):
     assert description.timed_at_area == times.latent_area == shape.latent_area(description)
     assert [b.forward_s.at(times.latent_area, 77) for b in description.blocks] == \
         pytest.approx(list(times.block_forward_s))
-    assert description.forward_seconds(times.latent_area, 77, 2) == pytest.approx([2 * t for t in times.block_forward_s])
+    assert description.forward_seconds(times.latent_area, 77, 2) == \
+        pytest.approx([2 * t for t in times.block_forward_s])
+    # each kind of block's backward timed too (Flux's double and single blocks: two kinds), and it prices the step
+    ratios = [b.backward_per_forward for b in description.blocks]
+    assert all(r > 0 for r in ratios) and ratios == list(times.block_backward_per_forward)
+    blocks = [block for _, block in training_blocks(model.model.diffusion_model)]
+    assert len({planner.block_kind(block) for block in blocks}) == len(set(ratios)) == 2
+
+    # a forward at the run's size the calibration predicts beyond the plan's timing budget is not run
+    monkeypatch.setattr(planning, "TIMING_BUDGET_S", 0.0)
+    calls = len(timed)
+    assert planning.describe_comfy_model(model, AdapterConfig(rank=4, alpha=4), "fp32", timing=shape).timed_at_area == 0
+    assert len(timed) == calls
+    monkeypatch.setattr(planning, "TIMING_BUDGET_S", 5.0)
 
     def out_of_memory(*args, **kwargs):
         raise torch.cuda.OutOfMemoryError("no room at the run's size")

@@ -643,7 +643,7 @@ def test_a_card_resolves_to_the_fastest_policy_whose_planned_peak_fits_it(comfyu
                                                                planner.ActivationLaw()))
     timed_areas = []  # and so are the times at the run's size (planning.time_at_run_size): the area is the run's
 
-    def fixed_times(run_forward, blocks, latent_area, synchronize=None, repeats=1):
+    def fixed_times(run_forward, blocks, latent_area, synchronize=None, repeats=1, **options):
         timed_areas.append(latent_area)
         return planner.BlockTimes(latent_area, tuple(1e-3 * (i + 1) for i in range(len(blocks))), 1e-3)
 

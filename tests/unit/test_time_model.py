@@ -313,6 +313,63 @@ def test_block_times_at_the_runs_size_are_each_blocks_own_in_the_last_forward_an
     assert outside.at(4096, 0) == pytest.approx(times.outside_forward_s)
 
 
+def test_the_backward_is_timed_once_per_kind_of_block_and_prices_the_step():
+    """planner.time_blocks(backward=True): the first block of each kind (class, tensor shapes) runs again on the inputs
+    it had, with gradients, and its backward's seconds per forward second stand for every block of its kind; a block
+    that adds into its input in place is run through the trainer's protection (checkpointing.inplace_safe). The time
+    model prices each block's backward with its ratio (BACKWARD_PER_FORWARD where none was measured)."""
+    import time
+
+    import torch
+
+    class SlowBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, seconds):
+            ctx.seconds = seconds
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            time.sleep(ctx.seconds)
+            return grad * 2, None
+
+    class Block(torch.nn.Module):
+        def __init__(self, width, forward_s, backward_s, inplace=False):
+            super().__init__()
+            self.norm = torch.nn.LayerNorm(width)
+            self.forward_s, self.backward_s, self.inplace = forward_s, backward_s, inplace
+
+        def forward(self, x):
+            time.sleep(self.forward_s)
+            h = SlowBackward.apply(self.norm(x), self.backward_s)
+            if self.inplace:
+                x += h  # as Flux's blocks do: autograd refuses it on an input a layer saved
+                return x
+            return x + h
+
+    blocks = [Block(4, 0.02, 0.2), Block(4, 0.02, 0.2), Block(8, 0.02, 0.0, inplace=True)]
+
+    def run():
+        h = torch.randn(2, 4)
+        h = blocks[1](blocks[0](h))
+        return blocks[2](torch.cat([h, h], dim=1))
+
+    with torch.no_grad():
+        times = planner.time_blocks(run, blocks, latent_area=64, backward=True, inplace_inputs=True)
+        plain = planner.time_blocks(run, blocks, latent_area=64, backward=True)
+    ratios = times.block_backward_per_forward
+    assert ratios[0] == ratios[1] and ratios[0] > 5.0  # one kind, timed once: ~10x (sleep overshoots, never under)
+    assert 0 < ratios[2] < ratios[0]
+    assert plain.block_backward_per_forward[2] == 0.0  # refused in place without the protection: not measured
+    assert times.outside_backward_per_forward > 0
+    # priced per block: the step is each forward (1 + its ratio), not 2.5x every forward
+    forward = list(times.block_forward_s)
+    step = time_model.step_time(forward, 0.0, [], [0, 0, 0], None, backward_per_forward=ratios)
+    assert step.compute_s == pytest.approx(sum((1 + r) * f for r, f in zip(ratios, forward)))
+    rule = time_model.step_time(forward, 0.0, [], [0, 0, 0], None, backward_per_forward=(0.0, 0.0, 0.0))
+    assert rule.compute_s == pytest.approx((1 + time_model.BACKWARD_PER_FORWARD) * sum(forward))
+
+
 def test_after_out_of_memory_a_selective_plan_is_followed_by_every_block_checkpointed():
     d = flux_like()
     budget = resident_peak(d) - int(0.95 * GIB)

@@ -141,6 +141,12 @@ def _inplace_safe(forward: Callable) -> Callable:
     return safe_forward
 
 
+def inplace_safe(forward: Callable) -> Callable:
+    """`forward` made safe for a block that adds into its inputs in place (the module docstring): what the trainer
+    runs for such a block, and what the planner times its backward through (planner.time_backward)."""
+    return _inplace_safe(forward)
+
+
 def protects_inplace_inputs(forward: Callable) -> bool:
     """Whether `forward` is a block forward made safe for in-place input updates by `wrap_blocks`."""
     return getattr(forward, "protects_inplace_inputs", False)

@@ -102,6 +102,9 @@ class BlockProfile:
     # Its modules' names (relative to the block) in the order its forward first calls them (measured in the
     # calibration forwards; empty: not measured, module order is assumed): backward meets its layers in reverse.
     call_order: tuple[str, ...] = ()
+    # Its backward's seconds per second of its forward, timed at the run's size (time_blocks; the first block of its
+    # kind measured for all of them); 0: not measured (time_model.BACKWARD_PER_FORWARD).
+    backward_per_forward: float = 0.0
 
     def copies_kept(self, storage: str) -> int:
         """Bytes of weight copies this block's forward keeps for backward, with the base stored as `storage`."""
@@ -150,6 +153,8 @@ class ModelDescription:
     # The latent area the block forward times were measured at (time_blocks: the run's, batch 1); 0: fitted from the
     # calibration forwards (tiny sizes, extrapolated) or not measured.
     timed_at_area: int = 0
+    # The work outside the blocks: its backward per forward second (0: time_model.BACKWARD_PER_FORWARD)
+    outside_backward_per_forward: float = 0.0
     # Layers holding ComfyUI's quantized weights (a scaled fp8 / int8 / nvfp4 file): trained as they are, never
     # stored low-bit again (planner._storages); streamed as stored (weight_streaming packs their inner tensors).
     quantized_layers: int = 0
@@ -778,7 +783,7 @@ def estimate(description: ModelDescription, trainable: TrainableSpec, shape: Run
         [block_weights[i] if i in set(streamed) else 0 for i in range(len(blocks))], h2d, crossing,
         time_model.optimizer_step_s(trainable.weight_bytes(), trainable.optimizer_bytes(), host_step,
                                     description.compute_device, h2d, host_rate, trainable.param_count),
-        description.timed, slots)
+        description.timed, slots, [b.backward_per_forward for b in blocks], description.outside_backward_per_forward)
     if description.timed_at_area:
         step = dataclasses.replace(step, timed_at_run_size=description.timed_at_area == area)
     return Plan(policy, [cache_text, cache_vae, training, validation, decode, save], budget_bytes, host_bytes=host,
@@ -1287,6 +1292,15 @@ class BlockTimes:
     latent_area: int
     block_forward_s: tuple[float, ...]
     outside_forward_s: float
+    # Per block its backward's seconds per forward second (0: not measured); the first block of each kind timed
+    block_backward_per_forward: tuple[float, ...] = ()
+
+    @property
+    def outside_backward_per_forward(self) -> float:
+        """The blocks' ratio (weighted by their forward) for the work outside them, which is not timed apart."""
+        pairs = [(r, f) for r, f in zip(self.block_backward_per_forward, self.block_forward_s) if r > 0]
+        seconds = sum(f for _, f in pairs)
+        return sum(r * f for r, f in pairs) / seconds if seconds > 0 else 0.0
 
     def laws(self) -> tuple[list[ActivationLaw], ActivationLaw]:
         """The time laws through these times: proportional to the latent area, so exact at the area measured (the
@@ -1296,8 +1310,57 @@ class BlockTimes:
                 ActivationLaw(per_latent_px=self.outside_forward_s / area))
 
 
+def block_kind(block: torch.nn.Module) -> tuple:
+    """What makes two blocks compute alike: their class and their tensors' names, shapes and dtypes."""
+    return (type(block).__name__, *((name, tuple(t.shape), t.dtype) for name, t in
+                                    (*block.named_parameters(), *block.named_buffers())))
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for item in value for t in _tensors(item)]
+    if isinstance(value, dict):
+        return [t for item in value.values() for t in _tensors(item)]
+    return []
+
+
+def _needing_gradients(value):
+    """`value` with each floating-point tensor needing a gradient, as a block's inputs do in training: made from a
+    fresh leaf, not the leaf itself (blocks add to their inputs in place, which autograd refuses on a leaf)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().requires_grad_(True).clone() if value.is_floating_point() else value
+    if type(value) in (tuple, list):  # plain containers only (a named tuple is rebuilt differently)
+        return type(value)(_needing_gradients(item) for item in value)
+    if type(value) is dict:
+        return {key: _needing_gradients(item) for key, item in value.items()}
+    return value
+
+
+def time_backward(block: torch.nn.Module, args: tuple, kwargs: dict, forward_s: float,
+                  synchronize: Callable[[], None] | None = None, inplace_inputs: bool = False) -> float:
+    """`block`'s backward in seconds per second of its forward (`forward_s`, timed apart): the block run on these
+    inputs with gradients on (every floating-point input needing one, as in training; `inplace_inputs`: through the
+    trainer's protection for blocks that add into their inputs, checkpointing.inplace_safe) and its outputs' backward
+    timed. 0 where it cannot tell (no output needs a gradient, or the forward took no time)."""
+    sync = synchronize or (lambda: None)
+    run = checkpointing.inplace_safe(block) if inplace_inputs else block
+    with torch.enable_grad():
+        outputs = [t for t in _tensors(run(*_needing_gradients(args), **_needing_gradients(kwargs)))
+                   if t.requires_grad]
+        if not outputs or forward_s <= 0:
+            return 0.0
+        sync()
+        started = time.perf_counter()
+        torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
+        sync()
+        return (time.perf_counter() - started) / forward_s
+
+
 def time_blocks(run_forward: Callable[[], object], blocks: Sequence[torch.nn.Module], latent_area: int,
-                synchronize: Callable[[], None] | None = None, repeats: int = 1) -> BlockTimes:
+                synchronize: Callable[[], None] | None = None, repeats: int = 1, backward: bool = False,
+                inplace_inputs: bool = False) -> BlockTimes:
     """Each block's forward timed in `repeats` forwards of `run_forward()` (the last counts: the first pays for
     choosing kernels and making handles), and the rest of the forward. `synchronize` waits for the device's queued
     work (CUDA) before a block starts and after it ends, so a time is the block's own compute: hooks registered
@@ -1305,12 +1368,19 @@ def time_blocks(run_forward: Callable[[], object], blocks: Sequence[torch.nn.Mod
     timed span. Why apart from measure_activations: the time model needs times at the run's size (calibration sizes
     are tiny, and on a GPU a tiny forward is bound by launching kernels, not by the compute the run's size needs),
     where counting saved tensors would keep a training step's activations; timed under no_grad, only hooks that
-    read the clock."""
+    read the clock. With `backward`: the first block of each kind (block_kind) is run again on the inputs it had in
+    the last forward, with gradients, and its backward timed (time_backward: one block's activations at a time, as
+    a checkpointed block's recompute holds them); its ratio to its forward stands for every block of its kind."""
     sync = synchronize or (lambda: None)
     forward_s = [0.0] * len(blocks)
     started = [0.0]
+    kinds = [block_kind(block) for block in blocks] if backward else []
+    first_of_kind = {kind: index for index, kind in reversed(list(enumerate(kinds)))}
+    inputs: dict[int, tuple] = {}
 
-    def pre(module, args):
+    def pre(module, args, kwargs, index):
+        if index in first_of_kind.values():
+            inputs[index] = (args, kwargs)  # the last forward's are kept (tensors the model made: no copy)
         sync()
         started[0] = time.perf_counter()
 
@@ -1322,7 +1392,8 @@ def time_blocks(run_forward: Callable[[], object], blocks: Sequence[torch.nn.Mod
 
     total_s = 0.0
     handles = [h for i, block in enumerate(blocks)
-               for h in (block.register_forward_pre_hook(pre), block.register_forward_hook(post(i)))]
+               for h in (block.register_forward_pre_hook(lambda m, a, k, i=i: pre(m, a, k, i), with_kwargs=True),
+                         block.register_forward_hook(post(i)))]
     try:
         for _ in range(max(1, repeats)):
             forward_s[:] = [0.0] * len(blocks)
@@ -1335,7 +1406,23 @@ def time_blocks(run_forward: Callable[[], object], blocks: Sequence[torch.nn.Mod
     finally:
         for handle in handles:
             handle.remove()
-    return BlockTimes(int(latent_area), tuple(forward_s), max(0.0, total_s - sum(forward_s)))
+    ratios = [0.0] * len(blocks) if backward else []
+    for kind, index in first_of_kind.items():
+        args, kwargs = inputs.pop(index, ((), {}))
+        try:
+            ratio = 0.0
+            # Twice, the second counts, on any device: a process's first backward (autograd's threads, the in-place
+            # protection's hooks) took 0.4 s on a CPU where the block's took 0.3 ms
+            for _ in range(2 if args or kwargs else 0):
+                ratio = time_backward(blocks[index], args, kwargs, forward_s[index], sync, inplace_inputs)
+        except (torch.cuda.OutOfMemoryError, RuntimeError, TypeError, ValueError):
+            # not measured (no room for one block's activations; a block that cannot be run again on its own inputs):
+            # the time model's rule of thumb, the plan unharmed
+            ratio = 0.0
+        for i, other in enumerate(kinds):
+            if other == kind:
+                ratios[i] = ratio
+    return BlockTimes(int(latent_area), tuple(forward_s), max(0.0, total_s - sum(forward_s)), tuple(ratios))
 
 
 def fit_times(samples: Sequence[ActivationSample]) -> tuple[list[ActivationLaw], ActivationLaw]:
@@ -1359,7 +1446,8 @@ def fit_times(samples: Sequence[ActivationSample]) -> tuple[list[ActivationLaw],
 
 def describe_blocks(named_blocks: Sequence[tuple[str, torch.nn.Module]], saved: Sequence[ActivationLaw],
                     inputs: Sequence[ActivationLaw], samples: Sequence[ActivationSample] = (),
-                    forward_s: Sequence[ActivationLaw] = ()) -> tuple[BlockProfile, ...]:
+                    forward_s: Sequence[ActivationLaw] = (), backward_per_forward: Sequence[float] = ()
+                    ) -> tuple[BlockProfile, ...]:
     """BlockProfiles from the modules (frozen weight bytes, frozen Linear statistics), fitted activation laws
     and the weight copies the `samples` measured (the largest seen: they do not depend on the size); trainable
     tensors (adapters) are left out, the TrainableSpec counts them."""
@@ -1374,6 +1462,7 @@ def describe_blocks(named_blocks: Sequence[tuple[str, torch.nn.Module]], saved: 
             linear_copy_bytes=max((s.block_linear_copies[index] for s in samples if s.block_linear_copies), default=0),
             forward_s=forward_s[index] if index < len(forward_s) else ActivationLaw(),
             call_order=next((s.block_call_order[index] for s in samples if s.block_call_order), ()),
+            backward_per_forward=backward_per_forward[index] if index < len(backward_per_forward) else 0.0,
         ))
     return tuple(profiles)
 

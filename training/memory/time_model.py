@@ -14,8 +14,9 @@
   left in host RAM is brought to the device first, so its time is compute), or, where that does not fit, in the
   calibration forwards (planner.measure_activations at 16-32 latent px, fitted as a line in the latent area: on a
   GPU such tiny forwards are bound by launching kernels, so the line says little of a 128 px latent); backward is
-  taken as BACKWARD_PER_FORWARD times the forward (no backward is timed). A block with no measured time is
-  costed at reading its weights once (weight bytes / device memory bandwidth): the least a forward can take.
+  each block's measured ratio of backward to forward times its forward (timed with the forward at the run's size,
+  once per kind of block: BlockProfile.backward_per_forward), else BACKWARD_PER_FORWARD. A block with no measured
+  time is costed at reading its weights once (weight bytes / device memory bandwidth): the least a forward can take.
 - transfer: the bytes crossing between host and device in a step over the pinned host->device bandwidth: each
   streamed block twice (its forward, and its recompute in backward: a streamed block is always checkpointed), less
   the blocks still in the ring's slots at a turn (the last `slots` streamed blocks at forward -> backward, the
@@ -43,7 +44,9 @@ from typing import Sequence
 import torch
 
 # Backward of a frozen base with an adapter: input gradients through every frozen layer (about the forward's work)
-# and attention's backward (about 2.5x its forward); no weight gradients of the base. 1.5x the forward, a rule of thumb.
+# and attention's backward (about 2.5x its forward); no weight gradients of the base. 1.5x the forward, a rule of thumb
+# for blocks whose backward was not timed (planner.time_blocks times one block of each kind at the run's size: 0.8-0.9x
+# for Flux's and SD3.5's blocks on a CPU at real width, docs/benchmarks/cpu_step_time.md).
 BACKWARD_PER_FORWARD = 1.5
 # Pinned host->device copies over PCIe 4.0 x16 in practice (about 25 GB/s peak); measured on CUDA when planning.
 DEFAULT_H2D_BYTES_PER_S = 20e9
@@ -135,13 +138,20 @@ def ring_pass(order: Sequence[int], compute_s: Sequence[float], copy_s: Sequence
 
 def step_time(forward_s: Sequence[float], outside_forward_s: float, checkpointed: Sequence[int],
               streamed_block_bytes: Sequence[int], h2d_bytes_per_s: float | None, serial_transfer_bytes: int = 0,
-              optimizer_s: float = 0.0, timed: bool = True, slots: int = 2) -> StepTime:
+              optimizer_s: float = 0.0, timed: bool = True, slots: int = 2,
+              backward_per_forward: Sequence[float] = (), outside_backward_per_forward: float = 0.0) -> StepTime:
     """The predicted step. `forward_s`: each block's forward (batch included); `checkpointed`: the indices
     recomputed in backward; `streamed_block_bytes`: per block, the bytes streamed from host RAM (one copy; 0: a
     resident block); `h2d_bytes_per_s` None: nothing crosses (a CPU); `serial_transfer_bytes`: further bytes crossing
-    per step on the compute stream (not overlapped); `slots`: the ring's device slots (weight_streaming.WeightStreamer)."""
+    per step on the compute stream (not overlapped); `slots`: the ring's device slots (weight_streaming.WeightStreamer);
+    `backward_per_forward`: per block its backward's seconds per forward second, measured (planner.time_blocks; 0 or
+    missing: BACKWARD_PER_FORWARD), and the same for the work outside the blocks."""
+    ratios = [r if r > 0 else BACKWARD_PER_FORWARD for r in
+              (*backward_per_forward[:len(forward_s)], *[0.0] * (len(forward_s) - len(backward_per_forward)))]
+    outside_ratio = outside_backward_per_forward if outside_backward_per_forward > 0 else BACKWARD_PER_FORWARD
     recompute = sum(forward_s[i] for i in checkpointed)
-    compute = (1 + BACKWARD_PER_FORWARD) * (sum(forward_s) + outside_forward_s) + recompute
+    compute = (sum((1 + r) * f for r, f in zip(ratios, forward_s)) + (1 + outside_ratio) * outside_forward_s
+               + recompute)
     if h2d_bytes_per_s is None:
         return StepTime(compute, recompute, 0.0, optimizer_s, 0.0, timed, compute)
     forward_copies, backward_copies = (set(part) for part in ring_fetches(streamed_block_bytes, slots))
@@ -149,8 +159,8 @@ def step_time(forward_s: Sequence[float], outside_forward_s: float, checkpointed
     streamed = {i for i, size in enumerate(streamed_block_bytes) if size > 0}
     recomputed = set(checkpointed)
     n = len(forward_s)
-    backward = [BACKWARD_PER_FORWARD * f + (f if i in recomputed else 0.0) for i, f in enumerate(forward_s)]
-    pipeline = ((1 + BACKWARD_PER_FORWARD) * outside_forward_s
+    backward = [r * f + (f if i in recomputed else 0.0) for i, (r, f) in enumerate(zip(ratios, forward_s))]
+    pipeline = ((1 + outside_ratio) * outside_forward_s
                 + ring_pass(range(n), forward_s, [c if i in forward_copies else 0.0 for i, c in enumerate(copy)],
                             streamed, slots)
                 + ring_pass(range(n - 1, -1, -1), backward,
