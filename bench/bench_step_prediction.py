@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.util
 import itertools
 import os
 import platform
@@ -33,19 +32,11 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 RUNS = itertools.count()
 
 
-def _import(name: str, path: Path, package: bool = False):
-    spec = importlib.util.spec_from_file_location(name, path,
-                                                  submodule_search_locations=[str(path.parent)] if package else None)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def setup() -> None:
     """The package as `headroom` (the repo root never goes on sys.path) and ComfyUI in-process on the CPU."""
-    _import("headroom", REPO_ROOT / "__init__.py", package=True)
-    _import("comfy_harness", REPO_ROOT / "tests" / "comfy_harness.py").import_comfyui_in_process()
+    from headroom_package import import_headroom_and_comfyui
+
+    import_headroom_and_comfyui()
     sys.path.insert(0, str(REPO_ROOT / "tests"))  # realsize_models
 
 

@@ -19,3 +19,14 @@ def import_headroom():
     sys.modules["headroom"] = module
     spec.loader.exec_module(module)
     return module
+
+
+def import_headroom_and_comfyui() -> None:
+    """The package `headroom` and ComfyUI imported in-process on the CPU (found as the tests find it:
+    tests/comfy_harness.py), for the benches that drive the nodes."""
+    import_headroom()
+    spec = importlib.util.spec_from_file_location("comfy_harness", REPO_ROOT / "tests" / "comfy_harness.py")
+    harness = importlib.util.module_from_spec(spec)
+    sys.modules["comfy_harness"] = harness
+    spec.loader.exec_module(harness)
+    harness.import_comfyui_in_process()
