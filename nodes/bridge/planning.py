@@ -193,15 +193,16 @@ def time_at_run_size(model, denoiser, blocks: list[torch.nn.Module], dtype, shap
     block's weights would not fit what is free on the device, or where it runs out of memory."""
     device = denoiser.device
     size = run_latent_shape(model, shape)
-    tokens = shape.text_tokens or (families.family_of(model).text_tokens if families.family_of(model) else 77)
+    family = families.family_of(model)
+    tokens = shape.text_tokens or (family.text_tokens if family else 77)
     area = math.prod(size[2:])
     repeats = 2 if device.type == "cuda" else 1  # on a GPU the first forward chooses kernels: the second is timed
     if samples:  # what the timing would take, by the calibration's fit
         forward, outside = planner.fit_times(samples)
         seconds = [law.at(area, tokens) for law in forward]
-        first_of_kind = {planner.block_kind(block): i for i, block in reversed(list(enumerate(blocks)))}
+        first = planner.first_of_each_kind([planner.block_kind(block) for block in blocks]).values()
         cost = (repeats * (sum(seconds) + outside.at(area, tokens))
-                + 2 * (1 + time_model.BACKWARD_PER_FORWARD) * sum(seconds[i] for i in first_of_kind.values()))
+                + 2 * (1 + time_model.BACKWARD_PER_FORWARD) * sum(seconds[i] for i in first))
         if cost > TIMING_BUDGET_S:
             return None
     visiting = _BlocksOnDevice(blocks, device)

@@ -35,6 +35,7 @@ import time
 from typing import Callable, Iterable, Sequence
 
 import torch
+import torch.utils._pytree as pytree  # torch's own nested-container walk (torch.utils.checkpoint uses it)
 
 from . import (activation_offload, checkpointing, fused_backward, host_ram, lowbit, optimizer_parking,
                sharded_optimizer, sharded_weights, streamed_optimizer_state, time_model, trained_weights_on_host,
@@ -1316,26 +1317,15 @@ def block_kind(block: torch.nn.Module) -> tuple:
                                     (*block.named_parameters(), *block.named_buffers())))
 
 
-def _tensors(value) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for item in value for t in _tensors(item)]
-    if isinstance(value, dict):
-        return [t for item in value.values() for t in _tensors(item)]
-    return []
+def first_of_each_kind(kinds: Sequence[tuple]) -> dict[tuple, int]:
+    """The index of the first block of each kind, by kind (`kinds`: each block's block_kind)."""
+    return {kind: index for index, kind in reversed(list(enumerate(kinds)))}
 
 
-def _needing_gradients(value):
-    """`value` with each floating-point tensor needing a gradient, as a block's inputs do in training: made from a
-    fresh leaf, not the leaf itself (blocks add to their inputs in place, which autograd refuses on a leaf)."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().requires_grad_(True).clone() if value.is_floating_point() else value
-    if type(value) in (tuple, list):  # plain containers only (a named tuple is rebuilt differently)
-        return type(value)(_needing_gradients(item) for item in value)
-    if type(value) is dict:
-        return {key: _needing_gradients(item) for key, item in value.items()}
-    return value
+def _needing_gradient(tensor: torch.Tensor) -> torch.Tensor:
+    """A floating-point tensor needing a gradient, as a block's inputs do in training: made from a fresh leaf, not the
+    leaf itself (blocks add to their inputs in place, which autograd refuses on a leaf)."""
+    return tensor.detach().requires_grad_(True).clone() if tensor.is_floating_point() else tensor
 
 
 def time_backward(block: torch.nn.Module, args: tuple, kwargs: dict, forward_s: float,
@@ -1346,9 +1336,10 @@ def time_backward(block: torch.nn.Module, args: tuple, kwargs: dict, forward_s: 
     timed. 0 where it cannot tell (no output needs a gradient, or the forward took no time)."""
     sync = synchronize or (lambda: None)
     run = checkpointing.inplace_safe(block) if inplace_inputs else block
+    args, kwargs = pytree.tree_map_only(torch.Tensor, _needing_gradient, (args, kwargs))
     with torch.enable_grad():
-        outputs = [t for t in _tensors(run(*_needing_gradients(args), **_needing_gradients(kwargs)))
-                   if t.requires_grad]
+        outputs = [t for t in pytree.tree_leaves(run(*args, **kwargs))
+                   if isinstance(t, torch.Tensor) and t.requires_grad]
         if not outputs or forward_s <= 0:
             return 0.0
         sync()
@@ -1364,18 +1355,19 @@ def time_blocks(run_forward: Callable[[], object], blocks: Sequence[torch.nn.Mod
     """Each block's forward timed in `repeats` forwards of `run_forward()` (the last counts: the first pays for
     choosing kernels and making handles), and the rest of the forward. `synchronize` waits for the device's queued
     work (CUDA) before a block starts and after it ends, so a time is the block's own compute: hooks registered
-    before this call (weight_streaming's ring installing a block that ComfyUI left in host RAM) run outside the
-    timed span. Why apart from measure_activations: the time model needs times at the run's size (calibration sizes
-    are tiny, and on a GPU a tiny forward is bound by launching kernels, not by the compute the run's size needs),
-    where counting saved tensors would keep a training step's activations; timed under no_grad, only hooks that
-    read the clock. With `backward`: the first block of each kind (block_kind) is run again on the inputs it had in
-    the last forward, with gradients, and its backward timed (time_backward: one block's activations at a time, as
-    a checkpointed block's recompute holds them); its ratio to its forward stands for every block of its kind."""
+    before this call (nodes/bridge/planning._BlocksOnDevice copying a block that ComfyUI left in host RAM to the
+    device) run outside the timed span. Why apart from measure_activations: the time model needs times at the run's
+    size (calibration sizes are tiny, and on a GPU a tiny forward is bound by launching kernels, not by the compute
+    the run's size needs), where counting saved tensors would keep a training step's activations; timed under
+    no_grad, only hooks that read the clock. With `backward`: the first block of each kind (block_kind) is run again
+    on the inputs it had in the last forward, with gradients, and its backward timed (time_backward: one block's
+    activations at a time, as a checkpointed block's recompute holds them); its ratio to its forward stands for
+    every block of its kind."""
     sync = synchronize or (lambda: None)
     forward_s = [0.0] * len(blocks)
     started = [0.0]
     kinds = [block_kind(block) for block in blocks] if backward else []
-    first_of_kind = {kind: index for index, kind in reversed(list(enumerate(kinds)))}
+    first_of_kind = first_of_each_kind(kinds)
     inputs: dict[int, tuple] = {}
 
     def pre(module, args, kwargs, index):
