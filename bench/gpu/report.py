@@ -120,6 +120,18 @@ def findings(measured: dict[str, dict]) -> dict[str, list[str]]:
     return out
 
 
+def step_counts_text(measured: dict) -> str:
+    """Which rows took how many warm-up + timed steps (suite.step_counts: issue 41's rows 3 + 10, the rest 1 + 4)."""
+    counts: dict[tuple[int, int], int] = {}
+    for r in measured.values():
+        if r.get("status") == "ok" and r.get("timed_steps") is not None:
+            key = (r.get("warmup_steps"), r["timed_steps"])
+            counts[key] = counts.get(key, 0) + 1
+    if not counts:
+        return "steps per row not recorded"
+    return "; ".join(f"{n} row{'s' * (n != 1)} {w} + {s}" for (w, s), n in sorted(counts.items(), key=str))
+
+
 def section(records: list[dict]) -> str:
     measured = latest(records)
     commands = [r for r in records if r.get("type") == "command"]
@@ -146,7 +158,7 @@ def section(records: list[dict]) -> str:
         "CUDA context and cuBLAS workspaces are outside it.",
         "- Peaks: `torch.cuda.max_memory_allocated / reserved` over the timed steps (the run's memory record, phase "
         "training) and over the validation loss; host RAM peak: the process's resident set (RSS) over the training "
-        "phase; step time: median of the timed steps after the warm-up.",
+        "phase; step time: median of the timed steps after the warm-up (" + step_counts_text(measured) + ").",
         "",
         "![peak VRAM per model and budget](gpu_vram.png)",
         "",

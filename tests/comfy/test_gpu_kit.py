@@ -33,7 +33,9 @@ def suite(results, *args: str) -> None:
     spec = importlib.util.spec_from_file_location("gpukit_suite", SUITE)
     module = sys.modules["gpukit_suite"] = importlib.util.module_from_spec(spec)  # dataclasses look it up there
     spec.loader.exec_module(module)
-    assert module.main(["--dry-run", "--results", str(results), "--steps", "1", *args]) == 0
+    # issue 41's rows one warm-up step and two timed, the others one and one (the defaults, 3 + 10 and 1 + 4: the GPU's)
+    assert module.main(["--dry-run", "--results", str(results), "--warmup", "1", "--steps", "2", "--other-steps", "1",
+                        *args]) == 0
 
 
 def measurements(results) -> list[dict]:
@@ -75,6 +77,10 @@ def test_dry_run_measures_resumes_and_writes_the_page(comfyui, tmp_path):
         assert run["predicted_s_per_step"] > 0 and run["step_time"]["limit_s"] > 0 and run["allocator"] is None
         assert run["plan_blocks"]["resident"] + run["plan_blocks"]["streamed"] > 0
     assert by_id["lora/sdxl/8GB"]["budget_gb"] == 8 and by_id["lora/sdxl/resident"]["budget_gb"] is None
+    counts = {ident: (r.get("warmup_steps"), r.get("timed_steps")) for ident, r in by_id.items()}
+    assert counts["lora/sdxl/8GB"] == counts["lora/sdxl/resident"] == (1, 2)  # issue 41's rows
+    assert counts["lora/wan22_14b/8GB"] == counts["lora/sdxl/policy-streamed_ckpt"] == (1, 1)
+    assert counts["native/sdxl/offload_on"] == (1, 1)
     assert by_id["lora/sdxl/policy-streamed_ckpt"]["policy_fields"]["base_placement"] == "streamed"
     assert (by_id["lora/wan22_14b/8GB"]["frames"], by_id["lora/sdxl/8GB"]["frames"]) == (5, 1)  # a clip, an image
     assert by_id["native/sdxl/offload_on"]["status"] == "ok" and by_id["native/sdxl/offload_on"]["offloading"]
@@ -93,6 +99,7 @@ def test_dry_run_measures_resumes_and_writes_the_page(comfyui, tmp_path):
     assert re.search(r"CUDA-marked tests \([^)]*tests/unit/test_memory_stats\.py", text)
     assert "Validation on its own placement" in text and "| SDXL | 8GB | " in text.split("its own placement")[1]
     assert "Left for the next command (time guard): none" in text
+    assert "median of the timed steps after the warm-up (" in text and " rows 1 + 2" in text
     with Image.open(png) as image:
         assert image.format == "PNG" and image.size == (1200, 560)
 

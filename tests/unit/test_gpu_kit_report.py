@@ -129,3 +129,24 @@ def test_the_kit_emulates_sdxl_at_16_gib_with_a_ballast_too():
     assert suite.ballast_bytes(16 * GIB, 10 * GIB, 1 * GIB) == 0  # the card is no larger: nothing to fill
     keys = sorted(["resident", "16GB-ballast", "8GB", "16GB", "policy-ckpt"], key=report()._config_key)
     assert keys == ["8GB", "16GB", "16GB-ballast", "resident", "policy-ckpt"]
+
+
+def test_issue_41s_rows_take_three_warm_up_and_ten_timed_steps():
+    """Issue 41 asks its streaming rows (Flux.1-dev, SDXL, Qwen-Image resident, checkpointed and at each budget) be
+    timed over 10 steps after 3 of warm-up; the kit's other rows keep 1 + 4 so a device command measures more of them.
+    The page says which rows took which."""
+    spec = importlib.util.spec_from_file_location("gpukit_suite_counts", REPO_ROOT / "bench" / "gpu" / "suite.py")
+    suite = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(suite)
+    args = suite.arguments().parse_args(["--results", "unused"])  # the defaults
+    streaming = [("lora", m, c) for m in ("flux_dev", "sdxl", "qwen_image")
+                 for c in ("resident", "ckpt", "6GB", "24GB", "16GB-ballast")]
+    others = [("lora", "sd35_large", "8GB"), ("lora", "flux_dev", "policy-ckpt"), ("full", "flux_dev", "full-24GB"),
+              ("native", "sdxl", "offload_on"), ("lora", "wan22_14b", "resident")]
+    assert all(suite.step_counts(args, *row) == {"warmup": 3, "steps": 10} for row in streaming)
+    assert all(suite.step_counts(args, *row) == {"warmup": 1, "steps": 4} for row in others)
+    rows = {"a": {"status": "ok", "warmup_steps": 3, "timed_steps": 10},
+            "b": {"status": "ok", "warmup_steps": 3, "timed_steps": 10},
+            "c": {"status": "ok", "warmup_steps": 1, "timed_steps": 4}, "d": {"status": "oom"}}
+    assert report().step_counts_text(rows) == "1 row 1 + 4; 2 rows 3 + 10"
+    assert report().step_counts_text({}) == "steps per row not recorded"
