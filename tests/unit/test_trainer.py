@@ -344,6 +344,59 @@ def test_a_checkpointed_block_saves_the_streams_of_its_tuple_input():
     assert any(t.shape == x.shape and torch.equal(t, x) for t in saved), [t.shape for t in saved]
 
 
+class KeywordDropoutBlock(torch.nn.Module):
+    """A block ComfyUI calls with keyword tensors alone (as Qwen-Image's), with LoRA-like dropout inside."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+        self.dropout = torch.nn.Dropout(0.5)
+
+    def forward(self, *, hidden_states, encoder_hidden_states, scale=1.0):
+        return self.linear(self.dropout(hidden_states)) * scale + encoder_hidden_states
+
+
+def _keyword_block_gradients(device, checkpointed: bool, monkeypatch=None):
+    from headroom.training.memory.checkpointing import wrap_blocks
+
+    torch.manual_seed(0)
+    block = KeywordDropoutBlock().to(device)
+    restore = wrap_blocks([block], checkpoint_depth=1) if checkpointed else (lambda: None)
+    x = torch.randn(4, 8, device=device, requires_grad=True)
+    context = torch.randn(4, 8, device=device, requires_grad=True)
+    torch.manual_seed(1)
+    if device.type == "cuda":
+        torch.cuda.manual_seed(1)
+    block(hidden_states=x, encoder_hidden_states=context, scale=2.0).square().sum().backward()
+    restore()
+    return x.grad, context.grad, block.linear.weight.grad
+
+
+def test_a_block_called_with_keyword_tensors_tells_the_checkpoint_their_devices(monkeypatch):
+    """torch's checkpoint restores the RNG state of the devices of its positional tensors only: a block called with
+    keywords alone must hand them over positionally, or on a GPU its recompute draws dropout masks other than its
+    forward's (the CUDA test below). Here: the checkpoint is asked for every tensor's device, and the gradients are
+    those of the plain block."""
+    import torch.utils.checkpoint as torch_checkpoint
+
+    asked = []  # the devices it looks for are those of these tensors (the same *args go to get_device_states)
+    original = torch_checkpoint._infer_device_type
+    monkeypatch.setattr(torch_checkpoint, "_infer_device_type",
+                        lambda *args: asked.append([a for a in args if torch.is_tensor(a)]) or original(*args))
+    cpu = torch.device("cpu")
+    checkpointed = _keyword_block_gradients(cpu, True)
+    assert asked and len(asked[0]) == 2 and asked[0][0].shape == (4, 8)
+    for got, want in zip(checkpointed, _keyword_block_gradients(cpu, False)):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the device's RNG state across the recompute")
+def test_a_checkpointed_block_called_with_keyword_tensors_recomputes_the_same_dropout_on_cuda():
+    cuda = torch.device("cuda")
+    for got, want in zip(_keyword_block_gradients(cuda, True), _keyword_block_gradients(cuda, False)):
+        assert torch.equal(got, want)
+
+
 def test_inplace_blocks_refuse_finer_checkpoints():
     from headroom.training.memory.checkpointing import wrap_blocks
 

@@ -193,7 +193,18 @@ def _checkpointed(forward: Callable) -> Callable:
     def checkpointed_forward(*args, **kwargs):
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
-        return checkpoint(replaying(forward), *args, use_reentrant=False, **kwargs)
+        # Tensors passed by keyword go in positionally: torch's checkpoint saves and restores the RNG state only of the
+        # devices its positional tensors are on (torch.utils.checkpoint: get_device_states(*args)). A block called
+        # with keywords alone (ComfyUI's Qwen-Image) would otherwise recompute LoRA dropout on a GPU with another mask
+        # than its forward drew: gradients of a different network, silently (a CPU's RNG state is always restored).
+        names = [k for k, v in kwargs.items() if torch.is_tensor(v)]
+        others = {k: v for k, v in kwargs.items() if k not in names}
+        count = len(args)
+
+        def run(*tensors):
+            return forward(*tensors[:count], **dict(zip(names, tensors[count:])), **others)
+
+        return checkpoint(replaying(run), *args, *(kwargs[k] for k in names), use_reentrant=False)
 
     return checkpointed_forward
 
