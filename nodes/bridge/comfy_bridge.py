@@ -269,6 +269,18 @@ def unpin_block_weights(patcher) -> list[str]:
     return keys
 
 
+def pinnable_host_bytes() -> int | None:
+    """The host RAM the run's WeightStreamer may pin: what ComfyUI's share for pinned memory leaves now (its
+    MAX_PINNED_MEMORY: 40 % of the RAM on Windows, which lets a process lock about half; none with
+    --disable-pinned-memory or a device ComfyUI does not pin for). None where this ComfyUI keeps no such account."""
+    most = getattr(comfy.model_management, "MAX_PINNED_MEMORY", None)
+    if not isinstance(most, (int, float)):
+        return None
+    if most <= 0:
+        return 0
+    return max(0, int(most - getattr(comfy.model_management, "TOTAL_PINNED_MEMORY", 0)))
+
+
 SAMPLING_PLACEMENT_KEY = "headroom.validation_placement"
 
 
@@ -473,6 +485,8 @@ class TrainingRun:
         if share is None:  # training, or a validation nothing was planned for (a CPU, no plan): training's placement
             whole = phase != "validation" and self._plan_streamer()
             self.placement.load(patchers, extra, self._base_device_share(), whole_blocks=whole)
+            if phase != "validation":  # read after the load: it unpinned the blocks the streamer pins its own way
+                self.trainer.stream_options["pin_limit_bytes"] = pinnable_host_bytes()
         else:
             own = base_placement(validation_placement(self.policy.base_placement))
             self.placement.load(patchers, extra, share, own)

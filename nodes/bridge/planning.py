@@ -240,6 +240,8 @@ class _BlocksOnDevice:
 
     def __init__(self, blocks: list[torch.nn.Module], device: torch.device):
         self.blocks, self.device = blocks, torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())  # as tensors name it: cuda:N
         self.handles, self.swapped = [], []
         self.largest_bytes = max((sum(t.numel() * t.element_size() for _, _, t in self._away(b)) for b in blocks),
                                  default=0)

@@ -381,6 +381,40 @@ def test_offload_policy_is_applied_by_the_training_nodes_and_keeps_the_weights(c
     assert _no_adapter_attached(model)
 
 
+def test_the_streamer_pins_within_what_comfyuis_pinned_memory_share_leaves(comfyui, monkeypatch):
+    """ComfyUI keeps its pins within MAX_PINNED_MEMORY (40 % of the RAM on Windows, which lets a process lock about
+    half; 0 with --disable-pinned-memory): the run's WeightStreamer is given what that share leaves at each training
+    load, so it never pins past it (weight_streaming: the rest streams pageable)."""
+    import comfy.model_management as mm
+    from headroom.nodes import train_lora as T
+    from headroom.nodes.bridge.comfy_bridge import pinnable_host_bytes
+    from headroom.training.memory import policy as policy_module
+
+    given = []
+
+    class Spy(policy_module.WeightStreamer):
+        def __init__(self, *args, **options):
+            given.append(options.get("pin_limit_bytes"))
+            super().__init__(*args, **options)
+
+    monkeypatch.setattr(policy_module, "WeightStreamer", Spy)
+    monkeypatch.setattr(mm, "MAX_PINNED_MEMORY", 12 * 2 ** 30, raising=False)
+    monkeypatch.setattr(mm, "TOTAL_PINNED_MEMORY", 5 * 2 ** 30, raising=False)
+    assert pinnable_host_bytes() == 7 * 2 ** 30
+    model, _, _, latents, texts = _data("sd15")
+    run = _init(model, latents, texts, "pin_share", rank=4,
+                policy=_policy(base_placement="streamed", checkpointing="blocks"))
+    T.HeadroomTrainSteps.execute(run, 1)
+    monkeypatch.setattr(mm, "MAX_PINNED_MEMORY", -1, raising=False)  # ComfyUI pins nothing: neither does the run
+    T.HeadroomTrainSteps.execute(run, 2)
+    assert given == [7 * 2 ** 30, 0]
+    monkeypatch.setattr(mm, "TOTAL_PINNED_MEMORY", 20 * 2 ** 30, raising=False)
+    monkeypatch.setattr(mm, "MAX_PINNED_MEMORY", 12 * 2 ** 30, raising=False)
+    assert pinnable_host_bytes() == 0  # ComfyUI's own pins past its share: nothing left
+    monkeypatch.delattr(mm, "MAX_PINNED_MEMORY")
+    assert pinnable_host_bytes() is None  # a ComfyUI without the account: no limit of ours
+
+
 def test_a_run_whose_host_ram_does_not_fit_stops_before_it_opens(comfyui):
     """The policy's host RAM budget is checked when the run opens: over it, the Init node names itself, the host
     RAM in use and added, and what to change, and no run folder is made; within it, the run opens."""

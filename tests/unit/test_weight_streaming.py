@@ -381,6 +381,86 @@ def test_the_ring_on_cuda_is_bitwise_the_resident_run(slots):
     assert_same(expected[1], got[1])
 
 
+def test_pinning_stops_at_its_limit_and_the_rest_streams_pageable(monkeypatch, caplog):
+    """Windows lets a process lock about half of its RAM and ComfyUI keeps its pins within 40 % of it: the streamer
+    pins no more than `pin_limit_bytes` (comfy_bridge.pinnable_host_bytes), the blocks past it cross from pageable
+    memory, said once; a refused pin counts the same. Results bitwise those of the resident run. (CPU: the pinning
+    call is stood in for; the CUDA test below pins for real.)"""
+    from headroom.training.memory import weight_streaming
+
+    calls = []
+    monkeypatch.setattr(WeightStreamer, "_pins_host_copies", lambda self: True)
+    monkeypatch.setattr(weight_streaming, "_register", lambda buffer, device: calls.append(buffer.numel()) or True)
+    monkeypatch.setattr(weight_streaming, "_unregister", lambda buffer, device: calls.append(-buffer.numel()))
+    blocks = make_blocks()
+    one_block = WeightStreamer(blocks, "cpu", exercise_on_cpu=True).attach()
+    nbytes = one_block._blocks[0].nbytes
+    one_block.detach()
+    calls.clear()
+    with caplog.at_level("WARNING"):
+        with WeightStreamer(blocks, "cpu", exercise_on_cpu=True, pin_limit_bytes=int(2.5 * nbytes)) as streamer:
+            assert [b.registered for b in streamer._blocks] == [True, True, False, False]
+            assert streamer.pinned_bytes == 2 * nbytes and streamer.pageable_blocks == 2
+            got = train(blocks, checkpointing=enable_checkpointing)
+    assert calls == [nbytes, nbytes, -nbytes, -nbytes] and streamer.pinned_bytes == 0  # unpinned at detach
+    assert_same(got, reference(checkpointing=enable_checkpointing))
+    said = [r.getMessage() for r in caplog.records if "pinned" in r.getMessage()]
+    assert len(said) == 1 and "ComfyUI leaves to pin" in said[0] and "pageable" in said[0]
+
+    caplog.clear()
+    monkeypatch.setattr(weight_streaming, "_register", lambda buffer, device: False)  # CUDA refuses
+    with caplog.at_level("WARNING"):
+        with WeightStreamer(make_blocks(), "cpu", exercise_on_cpu=True) as streamer:
+            assert streamer.pageable_blocks == 4 and streamer.pinned_bytes == 0
+    assert any("CUDA refused" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: cudaHostRegister and its last error")
+def test_a_refused_pin_leaves_no_cuda_error_behind():
+    """cudaHostRegister refusing (here: a buffer registered twice) leaves the thread's last CUDA error set, which
+    torch's next kernel-launch check would raise as its own; the streamer's pin reads and drops it."""
+    from headroom.training.memory import weight_streaming
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    buffer = torch.empty(1 << 20, dtype=torch.uint8)
+    assert weight_streaming._register(buffer, device)
+    assert buffer.is_pinned() and not weight_streaming._register(buffer, device)  # pinned already: not again
+    assert int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel(), 1)) != 0  # the raw refusal
+    weight_streaming._discard_cuda_error(device)
+    assert torch.ones(4, device=device).add_(1).sum().item() == 8  # the next kernel runs
+    weight_streaming._unregister(buffer, device)
+    assert not buffer.is_pinned()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: pinned and pageable packed buffers")
+def test_the_ring_on_cuda_with_a_pin_limit_is_bitwise_the_resident_run():
+    device = torch.device("cuda")
+    expected = train_on(make_blocks().to(device), device)  # every weight on the card
+    blocks = make_blocks()
+    for block in blocks:
+        block.down.to(device), block.up.to(device)
+    with WeightStreamer(blocks, device, pin_limit_bytes=1) as streamer:  # nothing fits: every block pageable
+        assert streamer.pinned_bytes == 0 and streamer.pageable_blocks == 4
+        got = train_on(blocks, device)
+    assert_same(got, expected)
+
+
+def train_on(blocks, device, steps=3):
+    """train() with the inputs made on the CPU generator and moved to `device` (the same numbers as train's)."""
+    optimizer = torch.optim.AdamW([p for p in blocks.parameters() if p.requires_grad], lr=1e-2)
+    restore = enable_checkpointing(blocks)
+    g = torch.Generator().manual_seed(7)
+    for _ in range(steps):
+        x = torch.randn(3, 5, 16, generator=g).to(device)
+        for block in blocks:
+            x = block(x)
+        x.square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    restore()
+    return [p.detach().clone() for p in blocks.parameters() if p.requires_grad]
+
+
 def test_a_full_fine_tunes_base_layers_are_neither_streamed_nor_kept():
     """A full fine-tune's trained layer computes with its own copy alone (adapters.FullLayer): its base layer is
     `unread`, left in host RAM, so the card holds one copy of each trained weight and a streamed block carries only

@@ -156,7 +156,10 @@ class FusedBackward:
         if self._host_copies is None:
             largest = max(p.numel() for p in self.params)
             pinned = weight.is_cuda or grad.is_cuda
-            self._host_copies = [torch.empty(largest, dtype=torch.float32, pin_memory=pinned) for _ in range(2)]
+            try:
+                self._host_copies = [torch.empty(largest, dtype=torch.float32, pin_memory=pinned) for _ in range(2)]
+            except RuntimeError:  # the driver refuses to lock more host RAM (Windows: about half of it): pageable
+                self._host_copies = [torch.empty(largest, dtype=torch.float32) for _ in range(2)]
         copies = [buffer[:weight.numel()].view(weight.shape) for buffer in self._host_copies]
         for copy, source in zip(copies, (weight, grad)):
             copy.copy_(source)

@@ -171,11 +171,12 @@ class Crossings:
         buffer.destination = tensor
 
     def _event(self):
-        """An event recorded on the current stream after the copy just queued (None on a CPU: the copy is done)."""
+        """An event recorded on the device's current stream (where the copy just queued runs, whichever device is
+        current) after that copy (None on a CPU: the copy is done)."""
         if not self.pinned:
             return None
         event = torch.cuda.Event()
-        event.record()
+        event.record(torch.cuda.current_stream(self.device))
         return event
 
     def finish(self) -> None:

@@ -8,7 +8,8 @@
 The pieces, all made once at `attach` (no allocation in a steady-state step):
 - a packed host buffer per streamed block: the block's frozen tensors (those requires_grad False, not on the device
   already, not in a `resident` block) laid out at 256-byte aligned offsets in one flat byte buffer, pinned on CUDA
-  (cudaHostRegister in place, as ComfyUI pins; undone at detach, so no pinned RAM outlives the run). The modules'
+  (cudaHostRegister in place, as ComfyUI pins; undone at detach, so no pinned RAM outlives the run; within
+  `pin_limit_bytes`, the rest pageable; a refused pin's CUDA error cleared). The modules'
   host tensors become views of it (same objects, `.data` swapped: host RAM is not doubled); a later attach finds
   the block packed already and copies nothing. A block crosses in ONE copy per pass. A wrapper tensor subclass
   (ComfyUI's QuantizedTensor: a scaled fp8 / int8 / nvfp4 file) is packed as its inner plain tensors
@@ -189,26 +190,46 @@ def _raw_bytes(tensor: torch.Tensor, span: int) -> torch.Tensor:
                                                   tensor.storage_offset() * tensor.element_size(), (span,))
 
 
-def _register(buffer: torch.Tensor) -> bool:
-    """Pin a host buffer in place (as ComfyUI pins); False when CUDA refuses (it then stays pageable)."""
+def _register(buffer: torch.Tensor, device: torch.device) -> bool:
+    """Pin a host buffer in place (as ComfyUI pins); False when CUDA refuses (it then stays pageable) or the buffer is
+    empty or pinned already (registering it again is an error)."""
+    if buffer.numel() == 0 or buffer.is_pinned():
+        return False
     try:
-        return int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel(), 1)) == 0
+        if int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel(), 1)) == 0:
+            return True
     except (RuntimeError, AttributeError):
         return False
+    _discard_cuda_error(device)
+    return False
 
 
-def _unregister(buffer: torch.Tensor) -> None:
+def _unregister(buffer: torch.Tensor, device: torch.device) -> None:
     try:
-        torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
+        if int(torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())) != 0:
+            _discard_cuda_error(device)
     except (RuntimeError, AttributeError):
         pass
+
+
+def _discard_cuda_error(device: torch.device) -> None:
+    """A refused cudaHostRegister / Unregister leaves its error as the thread's last CUDA error, which torch's next
+    kernel-launch check raises as that kernel's own ("CUDA error: out of memory": the run would stop, or the out-of-
+    memory fallback would pick a plan that streams, and pins, more). torch's binding cannot clear it
+    (no cudaGetLastError), so one tiny kernel's check reads and drops it, as ComfyUI does after a refused pin
+    (model_management.discard_cuda_async_error)."""
+    try:
+        torch.ones(1, dtype=torch.uint8, device=device).add_(1)
+        torch.cuda.synchronize(device)
+    except RuntimeError:
+        pass  # the refusal itself, already handled: the buffer stays pageable
 
 
 class WeightStreamer:
     def __init__(self, blocks: Sequence[torch.nn.Module], device: torch.device | str, *, slots: int = DEFAULT_SLOTS,
                  resident: Iterable[int] = (), keep: Sequence[torch.nn.Module] = (),
                  unread: Iterable[torch.nn.Module] = (), exercise_on_cpu: bool = False, pin_host_copies: bool = True,
-                 record: bool = False):
+                 pin_limit_bytes: int | None = None, record: bool = False):
         """`blocks` in execution order. `slots`: device slots in the ring (>= 2; prefetch depth `slots - 1`).
         `resident`: indices of whole blocks kept on the device from attach to detach (the plan's resident blocks:
         what of them is in host RAM is copied once, at attach, into a buffer of its own); `keep`: modules whose frozen
@@ -216,6 +237,9 @@ class WeightStreamer:
         own tensors the step never reads (a full fine-tune's base layers: adapters.FullLayer computes with its trained
         copy alone), left where they are, neither streamed nor kept: the base of the trained layers stays in host RAM.
         `pin_host_copies`: pin the packed host buffers on CUDA (False: pageable, for a host short of lockable RAM).
+        `pin_limit_bytes`: pin no more than this many bytes in all (None: no limit of ours); the blocks past it stay
+        pageable. Windows lets a process lock about half of the RAM, and ComfyUI keeps its own pins within a share
+        of it (comfy_bridge.pinnable_host_bytes passes what that share leaves).
         `record`: keep a log of every install and fetch (tests, bench)."""
         if isinstance(slots, bool) or not isinstance(slots, int) or slots < 2:
             raise ValueError(f"WeightStreamer: slots={slots!r} must be an integer >= 2 (one in use, one in flight)")
@@ -229,6 +253,9 @@ class WeightStreamer:
         self.unread = {id(sub) for m in unread for sub in m.modules()}
         self.exercise_on_cpu = exercise_on_cpu
         self.pin_host_copies = pin_host_copies
+        self.pin_limit_bytes = pin_limit_bytes
+        self.pinned_bytes = 0  # registered by us now (within pin_limit_bytes)
+        self.pageable_blocks = 0  # streamed blocks left pageable (the limit reached, or CUDA refused)
         self.active = False
         self._blocks: list[_Block] = []
         self._streamed: list[int] = []  # indices of the blocks with something to stream, in order
@@ -318,11 +345,13 @@ class WeightStreamer:
                 (t.module._parameters if t.is_param else t.module._buffers)[t.name] = t.host
         if self._cuda:
             torch.cuda.current_stream(self.device).wait_stream(self._copy_stream)
-            self._copy_stream.synchronize()  # no copy reads a host buffer we unpin below
+            # No copy reads a host buffer we unpin below: the ring's (copy stream) nor a one-off fetch's (compute).
+            torch.cuda.current_stream(self.device).synchronize()
         for block in self._blocks:
             if block.registered:
-                _unregister(block.packed)  # pageable again: no pinned RAM outlives the run
+                _unregister(block.packed, self.device)  # pageable again: no pinned RAM outlives the run
                 block.registered = False
+        self.pinned_bytes = 0
         # The host tensors stay views of their packed block (same values, pageable): a later attach reuses it.
         self._blocks, self._streamed, self._ring, self._kept = [], [], [], []
         self._slot_of.clear()
@@ -400,13 +429,23 @@ class WeightStreamer:
                     if not t.host.is_pinned():  # pinned by someone else (their record of it): left alone
                         t.host.data = t.view(packed)  # the old storage is freed: host RAM is not doubled
             result.packed = packed
-        if self.device.type == "cuda" and self.pin_host_copies and pin:
-            result.registered = _register(result.packed)
-            if not result.registered and not self._warned_pin:
-                self._warned_pin = True
-                logging.warning("Headroom: weight streaming could not pin its host buffers (CUDA refused); "
-                                "copies run from pageable memory, slower")
+        if self._pins_host_copies() and pin:
+            within = self.pin_limit_bytes is None or self.pinned_bytes + offset <= self.pin_limit_bytes
+            result.registered = within and _register(result.packed, self.device)
+            if result.registered:
+                self.pinned_bytes += offset
+            elif not result.packed.is_pinned():
+                self.pageable_blocks += 1
+                if not self._warned_pin:
+                    self._warned_pin = True
+                    why = (f"the {self.pin_limit_bytes / 2 ** 30:.1f} GiB of host RAM ComfyUI leaves to pin are used"
+                           if not within else "CUDA refused to pin more host RAM")
+                    logging.warning("Headroom: weight streaming pinned %.1f GiB of its host buffers; %s, so the rest "
+                                    "crosses from pageable memory, slower", self.pinned_bytes / 2 ** 30, why)
         return result
+
+    def _pins_host_copies(self) -> bool:
+        return self.device.type == "cuda" and self.pin_host_copies
 
     @staticmethod
     def _packed_already(laid: list[_Tensor], nbytes: int) -> torch.Tensor | None:
