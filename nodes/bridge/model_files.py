@@ -39,7 +39,9 @@ def listed_name(folder: str, root: pathlib.Path, path: pathlib.Path) -> str:
     folder's mtime, which invalidates ComfyUI's file-list cache; dropping the entry too makes the new name show up
     at once even where mtimes are coarse.)"""
     folder_paths.filename_list_cache.pop(folder, None)
-    return os.path.relpath(path, root).replace(os.sep, "/")
+    # As folder_paths.recursive_search names it: with the OS's separator (Windows lists "headroom\\x.safetensors"; a
+    # "/" name would load, but a combo checks it against the list: "Value not in list").
+    return os.path.relpath(path, root)
 
 
 def save_to_models(run: TrainingRun, folder: str, subfolder: str, filename: str, what: str,

@@ -141,3 +141,21 @@ def test_several_devices_are_refused_with_the_reason(windows, comfyui):
     with pytest.raises(ValueError, match=r"devices=2: training on several devices runs on Linux only: Windows has "
                        r"neither NCCL nor the AF_UNIX sockets .* Set devices to 1"):
         parse_devices("2")
+
+
+def test_a_saved_files_name_is_the_one_comfyui_lists_on_windows(comfyui, monkeypatch):
+    """ComfyUI lists a file in a subfolder with the OS's separator (folder_paths.recursive_search: os.path.relpath):
+    "headroom\\x.safetensors" on Windows. The name a save returns (the nodes' lora_name / model name outputs) is that
+    one, or a combo fed with it says "Value not in list". Windows' path rules stood in by ntpath."""
+    import ntpath
+    import types
+
+    import folder_paths
+    from headroom.nodes.bridge import model_files
+
+    monkeypatch.setattr(model_files, "os", types.SimpleNamespace(path=ntpath, sep="\\"))
+    root = "C:\\ComfyUI_windows_portable\\ComfyUI\\models\\loras"
+    name = model_files.listed_name("loras", root, root + "\\headroom\\my run_step000010.safetensors")
+    assert name == "headroom\\my run_step000010.safetensors"
+    assert name == ntpath.relpath(ntpath.join(root, "headroom", "my run_step000010.safetensors"), root)  # ComfyUI's
+    assert "loras" not in folder_paths.filename_list_cache  # listed again at once
