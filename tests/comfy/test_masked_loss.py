@@ -86,6 +86,38 @@ def test_mask_folder_matches_by_name_and_checks_sizes(tmp_path):
         dataset_from_tensors(data.images, data.captions, resolution=32, step=16, masks=torch.ones(2, 32, 32))
 
 
+def test_masks_and_controls_match_their_image_in_another_case_and_unused_ones_are_noted(tmp_path):
+    """Windows and macOS read IMG_0.png and img_0.PNG as one name (a caption is found so): a mask or control image
+    differing from its image only in case belongs to it, as Explorer shows them; a name matching no image is noted
+    (it was left out silently), and two files differing only in case match neither (ambiguous: the image's error)."""
+    data = generate_shapes(3, 32, seed=1)
+    images, masks, controls = tmp_path / "set", tmp_path / "set_masks", tmp_path / "set_controls"
+    for folder in (images, masks, controls):
+        folder.mkdir()
+    for i in range(3):
+        Image.fromarray((data.images[i].numpy() * 255).astype(np.uint8)).save(images / f"IMG_{i}.png")
+        (images / f"IMG_{i}.txt").write_text(data.captions[i])
+        Image.fromarray((data.images[i].numpy() * 255).astype(np.uint8)).save(controls / f"img_{i}.PNG")
+    Image.fromarray(np.zeros((32, 32), np.uint8)).save(masks / "img_0.png")  # IMG_0's, in another case
+    Image.fromarray(np.zeros((32, 32), np.uint8)).save(masks / "IMG_1.png")  # the same name
+    Image.fromarray(np.zeros((32, 32), np.uint8)).save(masks / "IMG_9.png")  # no such image
+    dataset = dataset_from_folder(images, controls, resolution=32, step=16, mask_folder=masks)
+    assert [item.mask is not None for item in dataset.items] == [True, True, False]
+    assert [item.control is not None for item in dataset.items] == [True, True, True]
+    assert dataset.items[0].mask.load().max() == 0.0
+    assert [n for n in dataset.notes if "IMG_9.png: a mask with no image of the same name in the dataset" in n]
+    assert len(dataset.notes) == 1
+
+    Image.fromarray(np.zeros((32, 32), np.uint8)).save(controls / "IMG_2.jpg")  # exact name wins over img_2.PNG
+    Image.fromarray(np.zeros((32, 32), np.uint8)).save(controls / "Img_1.jpg")  # img_1 / Img_1: ambiguous for IMG_1
+    with pytest.raises(DatasetError, match=r"IMG_1.png: no control image named IMG_1\.\*"):
+        dataset_from_folder(images, controls, resolution=32, step=16)
+    dataset = dataset_from_folder(images, controls, resolution=32, step=16, skip_bad=True)
+    assert [item.name for item in dataset.items] == ["IMG_0.png", "IMG_2.png"]
+    assert dataset.items[1].control.load().max() == 0.0  # IMG_2.jpg, not img_2.PNG
+    assert [n for n in dataset.notes if "img_1.PNG: a control image with no image" in n] == []  # it has one
+
+
 @pytest.mark.comfyui
 def test_the_masked_out_half_is_not_learned(comfyui):
     """Two runs on the same images (a different colour field in each half): one learns the whole image, one

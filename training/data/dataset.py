@@ -224,9 +224,39 @@ def orphan_captions(entries: list[Path], stems: set[str], what: str = "image", a
             for path in entries if path.suffix.lower() == CAPTION_EXTENSION and path.stem.casefold() not in known]
 
 
-def _images_in(folder: Path) -> dict[str, Path]:
+def _images_in(folder: Path) -> "ByName":
     """stem -> path of every supported image directly in `folder` (hidden files ignored)."""
-    return {path.stem: path for path in _entries(folder) if path.suffix.lower() in IMAGE_EXTENSIONS}
+    return ByName({path.stem: path for path in _entries(folder) if path.suffix.lower() in IMAGE_EXTENSIONS})
+
+
+class ByName:
+    """The files of a control or mask folder by name stem, found for an image's stem: the same name, else the one name
+    that differs from it only in case. Windows and macOS read photo.png and Photo.PNG as one name (a caption is found
+    so), and a mask named IMG_001.png beside img_001.jpg would otherwise be left out of training without a word."""
+
+    def __init__(self, found: dict):
+        self.found = found
+        self.folded: dict[str, list] = {}
+        for name, value in found.items():
+            self.folded.setdefault(name.casefold(), []).append(value)
+
+    def get(self, stem: str):
+        if stem in self.found:
+            return self.found[stem]
+        same = self.folded.get(stem.casefold(), [])
+        return same[0] if len(same) == 1 else None
+
+    def unmatched(self, stems: set[str], what: str, folder: Path, item: str = "image") -> list[str]:
+        """A note per file here that no stem among `stems` finds (it is never used), like a caption with no image."""
+        known = {stem.casefold() for stem in stems}
+        return [f"{self._shown(name, folder)}: a {what} with no {item} of the same name in the dataset; rename it as "
+                f"its {item.split()[0]}, or remove it" for name in self.found if name.casefold() not in known]
+
+    def _shown(self, name: str, folder: Path) -> str:
+        value = self.found[name]  # a path, or a clip's mask source (FileImage, a video, a frame folder)
+        if hasattr(value, "describe"):
+            return value.describe()
+        return display_path(value if isinstance(value, Path) else Path(folder) / name)
 
 
 def dataset_from_folder(
@@ -254,12 +284,17 @@ def dataset_from_folder(
     if mask_folder is not None and not Path(mask_folder).is_dir():
         raise DatasetError(f"mask folder {display_path(mask_folder)} does not exist or is not a folder")
     roots = tuple(roots) if roots else tuple(p for p in (folder, control_folder, mask_folder) if p is not None)
-    controls = _images_in(Path(control_folder)) if control_folder is not None else {}
-    masks = _images_in(Path(mask_folder)) if mask_folder is not None else {}
+    controls = _images_in(Path(control_folder)) if control_folder is not None else ByName({})
+    masks = _images_in(Path(mask_folder)) if mask_folder is not None else ByName({})
 
     items, problems = [], []
     entries = _entries(folder)
     notes = orphan_captions(entries, {path.stem for path in entries if path.suffix.lower() != CAPTION_EXTENSION})
+    stems = {path.stem for path in entries if path.suffix.lower() in IMAGE_EXTENSIONS}
+    if control_folder is not None:
+        notes += controls.unmatched(stems, "control image", control_folder)
+    if mask_folder is not None:
+        notes += masks.unmatched(stems, "mask", mask_folder)
     for path in entries:
         if path.suffix.lower() == CAPTION_EXTENSION:
             continue
@@ -271,13 +306,14 @@ def dataset_from_folder(
             continue
         caption = _read_caption(path, roots)
         problem = caption if not isinstance(caption, tuple) else _check_item(path, controls, control_folder, roots)
-        if not problem and path.stem in masks:
-            problem = _check_sibling(path, FileImage(masks[path.stem], roots), "mask", roots)
+        mask_path = masks.get(path.stem)
+        if not problem and mask_path is not None:
+            problem = _check_sibling(path, FileImage(mask_path, roots), "mask", roots)
         if problem:
             problems.append(problem)
             continue
-        control = FileImage(controls[path.stem], roots) if control_folder is not None else None
-        mask = FileImage(masks[path.stem], roots) if path.stem in masks else None
+        control = FileImage(controls.get(path.stem), roots) if control_folder is not None else None
+        mask = FileImage(mask_path, roots) if mask_path is not None else None
         items.append(DatasetItem(name=path.name, caption=caption[0], image=FileImage(path, roots), control=control,
                                  mask=mask))
 
@@ -324,7 +360,7 @@ def _read_caption(image_path: Path, roots: tuple[Path, ...], caption_path: Path 
         return f"{where}: caption cannot be read as UTF-8 text ({error}); re-save it as UTF-8"
 
 
-def _check_item(path: Path, controls: dict[str, Path], control_folder: Path | None,
+def _check_item(path: Path, controls: ByName, control_folder: Path | None,
                 roots: tuple[Path, ...]) -> str | None:
     """A message naming the problem with this item and its fix, or None if it is usable."""
     image = FileImage(path, roots)
@@ -337,10 +373,11 @@ def _check_item(path: Path, controls: dict[str, Path], control_folder: Path | No
         return f"{image.describe()}: unreadable or corrupt image ({_reason(error)}); re-export it or remove it"
     if control_folder is None:
         return None
-    if path.stem not in controls:
+    control = controls.get(path.stem)
+    if control is None:
         return (f"{image.describe()}: no control image named {path.stem}.* in {display_path(control_folder)}; add one "
                 "or remove the image")
-    return _check_sibling(path, FileImage(controls[path.stem], roots), "control image", roots, size)
+    return _check_sibling(path, FileImage(control, roots), "control image", roots, size)
 
 
 def _check_sibling(path: Path, sibling: FileImage, what: str, roots: tuple[Path, ...],

@@ -27,8 +27,8 @@ import numpy as np
 import torch
 
 from .. import os_compat
-from .dataset import (CAPTION_EXTENSION, IMAGE_EXTENSIONS, MAX_IMAGE_PIXELS, Dataset, DatasetError, DatasetItem, FileImage,
-                      TensorImage, _read_caption, also_noted, orphan_captions)
+from .dataset import (CAPTION_EXTENSION, IMAGE_EXTENSIONS, MAX_IMAGE_PIXELS, ByName, Dataset, DatasetError, DatasetItem,
+                      FileImage, TensorImage, _read_caption, also_noted, orphan_captions)
 from .files import UntrustedFileError, display_path, resolve_inside
 
 VIDEO_EXTENSIONS = (".mp4", ".webm", ".mov", ".mkv", ".avi", ".m4v")
@@ -310,14 +310,15 @@ def _source_at(path: Path, roots: tuple[Path, ...], frame_rate: float | None = N
     return FileImage(path, roots) if suffix in IMAGE_EXTENSIONS else None
 
 
-def _masks_in(folder: Path, roots: tuple[Path, ...]) -> dict[str, object]:
-    """name stem -> mask source in a mask folder: an image (every frame), a video or a folder of frames."""
+def _masks_in(folder: Path, roots: tuple[Path, ...]) -> ByName:
+    """name stem -> mask source in a mask folder: an image (every frame), a video or a folder of frames; found by a
+    clip's name as dataset.ByName finds it (the same name, else the one differing only in case)."""
     masks = {}
     for path in sorted(folder.iterdir()):
         source = None if os_compat.is_hidden(path) else _source_at(path, roots)
         if source is not None:
             masks[path.name if isinstance(source, FrameFolder) else path.stem] = source
-    return masks
+    return ByName(masks)
 
 
 def _check_mask_size(source, mask) -> str | None:
@@ -350,7 +351,7 @@ def dataset_from_video_folder(folder: Path, *, resolution: int, step: int, crop:
     if not frame_rate > 0:
         raise DatasetError(f"frame_rate={frame_rate}: give the frame folders' frames per second (more than 0)")
     roots = tuple(roots) if roots else tuple(p for p in (folder, mask_folder) if p is not None)
-    masks = _masks_in(Path(mask_folder), roots) if mask_folder is not None else {}
+    masks = _masks_in(Path(mask_folder), roots) if mask_folder is not None else ByName({})
     items, problems = [], []
     entries = [path for path in sorted(folder.iterdir()) if not os_compat.is_hidden(path)]
     # A frame folder's caption is `<folder name>.txt`, a file's `<stem>.txt`.
@@ -358,6 +359,8 @@ def dataset_from_video_folder(folder: Path, *, resolution: int, step: int, crop:
     names = {path.name if frame_folder[path] else path.stem for path in entries
              if path.suffix.lower() != CAPTION_EXTENSION}
     notes = orphan_captions([path for path in entries if not frame_folder[path]], names, "clip or image", "clip")
+    if mask_folder is not None:
+        notes += masks.unmatched(names, "mask", mask_folder, "clip or image")
     for path in entries:
         suffix = path.suffix.lower()
         if suffix == CAPTION_EXTENSION:
