@@ -121,11 +121,27 @@ def create_new_file(path: str | os.PathLike) -> None:
     os.close(os.open(path, flags, 0o600))
 
 
+FILE_ATTRIBUTE_REPARSE_POINT = 0x400
+IO_REPARSE_TAG_NAME_SURROGATE = 0x20000000  # the tag's bit for "names another file": symlinks, junctions
+
+
+def _names_another_file(status: os.stat_result) -> bool:
+    """Whether an lstat result is a symlink or a Windows reparse point that names another file (a junction). Other
+    reparse points are the file itself: compressed by Windows (compact.exe, CompactGUI: WOF), deduplicated, a
+    cloud placeholder; refusing them refused a user's compressed dataset or models folder."""
+    if stat.S_ISLNK(status.st_mode):
+        return True
+    if not getattr(status, "st_file_attributes", 0) & FILE_ATTRIBUTE_REPARSE_POINT:
+        return False
+    tag = getattr(status, "st_reparse_tag", None)
+    return tag is None or bool(tag & IO_REPARSE_TAG_NAME_SURROGATE)
+
+
 def open_no_follow(path: str | os.PathLike) -> int:
     """A binary read-only descriptor of `path`; OSError(ELOOP) when `path` is a symlink. FIFOs do not block."""
     if WINDOWS:  # no O_NOFOLLOW: refuse a symlink (or junction) by lstat, then check the opened file is that one
         before = os.lstat(path)
-        if stat.S_ISLNK(before.st_mode) or getattr(before, "st_file_attributes", 0) & 0x400:  # REPARSE_POINT
+        if _names_another_file(before):
             raise OSError(errno.ELOOP, "is a symlink", str(path))
         fd = os.open(path, os.O_RDONLY | _binary())
         after = os.fstat(fd)

@@ -159,3 +159,37 @@ def test_a_saved_files_name_is_the_one_comfyui_lists_on_windows(comfyui, monkeyp
     assert name == "headroom\\my run_step000010.safetensors"
     assert name == ntpath.relpath(ntpath.join(root, "headroom", "my run_step000010.safetensors"), root)  # ComfyUI's
     assert "loras" not in folder_paths.filename_list_cache  # listed again at once
+
+
+@pytest.mark.parametrize("tag, refused", [(0x80000017, False),  # WOF: compressed by compact.exe / CompactGUI
+                                          (0x80000013, False),  # deduplicated (Windows Server)
+                                          (0x9000001A, False),  # a cloud placeholder (OneDrive)
+                                          (0xA0000003, True),  # a junction (mount point)
+                                          (0xA000000C, True)])  # a symlink's tag
+def test_a_file_windows_compressed_is_read_and_a_junction_is_not(windows, tmp_path, monkeypatch, tag, refused):
+    """Reading untrusted files refuses what names another file (a symlink, a junction), not every reparse point:
+    Windows' own file compression (a ComfyUI folder compressed with CompactGUI) is one too, and such a dataset was
+    refused as a symlink. Windows' lstat fields stood in (st_file_attributes, st_reparse_tag)."""
+    import types
+
+    path = tmp_path / "photo.png"
+    path.write_bytes(b"\x89PNG")
+    real_lstat = os.lstat
+
+    def windows_lstat(target, *args, **kwargs):
+        status = real_lstat(target, *args, **kwargs)
+        if os.fspath(target) != os.fspath(path):
+            return status
+        fields = {name: getattr(status, name) for name in dir(status) if name.startswith("st_")}
+        return types.SimpleNamespace(**fields, st_file_attributes=0x400 | 0x20, st_reparse_tag=tag)
+
+    monkeypatch.setattr(os_compat.os, "lstat", windows_lstat)
+    if refused:
+        with pytest.raises(OSError, match="is a symlink"):
+            os_compat.open_no_follow(path)
+    else:
+        fd = os_compat.open_no_follow(path)
+        try:
+            assert os.read(fd, 4) == b"\x89PNG"
+        finally:
+            os.close(fd)
