@@ -8,7 +8,8 @@ process behave as Windows does where the pack once relied on POSIX:
   runtime's _read does); a write in text mode would turn every LF byte into CR-LF, which this cannot do to a raw
   descriptor, so it is refused with that reason (code that would corrupt a file on Windows fails here);
 - `os.kill(pid, 0)` is CTRL_C_EVENT to the console: raised as ImitatedCtrlC;
-- a file another program holds open (`hold_open`) cannot be replaced or removed (PermissionError, WinError 32);
+- a file another program holds open (`hold_open`) cannot be replaced or removed (PermissionError, WinError 32), nor
+  the folder it is in renamed;
 - shutil.rmtree and tempfile take their Windows paths (no descriptor-based walk; O_BINARY in tempfile's flags).
 The descriptor rules apply to calls made from the pack's own code (nodes/, training/, workflows/): libraries keep
 their Linux paths, as on Windows they have their own Windows paths.
@@ -96,7 +97,9 @@ class WindowsImitation:
 
         def held_check(*paths):
             for path in paths:
-                if os.path.abspath(path) in self.held:
+                key = os.path.abspath(path)
+                # a held file, or a folder with one inside (Windows renames no folder while a file in it is open)
+                if any(held == key or held.startswith(key + os.sep) for held in self.held):
                     raise PermissionError(errno.EACCES, "The process cannot access the file because it is being "
                                           "used by another process", str(path))
 

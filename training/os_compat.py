@@ -182,12 +182,20 @@ class FileInUseError(PermissionError):
 REPLACE_WAIT_S = 5.0  # how long a replace blocked by another program is retried (an antivirus scan takes ~1 s)
 LIKELY_HOLDERS = ("ComfyUI itself (a Load LoRA / Load Checkpoint node has the file loaded: remove that node or load "
                   "another file first), an antivirus scan, Explorer's preview pane, or a program the file is open in")
+# A folder is renamed into place (a checkpoint) only after its files were written: Windows refuses the rename while
+# another program has one of them open, which is when antivirus and sync programs read a new file (a multi-GB
+# optimizer state takes them longer than a LoRA): retried longer, and named for what holds it.
+FOLDER_REPLACE_WAIT_S = 30.0
+FOLDER_HOLDERS = ("an antivirus scan or a sync / backup program (OneDrive, Dropbox) reading the files just written in "
+                  "it, or Explorer showing that folder")
 
 
 def replace(source: str | os.PathLike, target: str | os.PathLike, what: str = "file") -> None:
-    """os.replace, which on Windows fails (WinError 5 / 32) while another program has `target` open: retried for
-    REPLACE_WAIT_S, then a FileInUseError naming `what`, the file and the programs that usually hold one."""
-    deadline = time.monotonic() + REPLACE_WAIT_S
+    """os.replace, which on Windows fails (WinError 5 / 32) while another program has `target` open (or, for a
+    folder, a file in `source`): retried for REPLACE_WAIT_S (a folder: FOLDER_REPLACE_WAIT_S), then a FileInUseError
+    naming `what`, the file and the programs that usually hold one."""
+    folder = os.path.isdir(source)
+    deadline = time.monotonic() + (FOLDER_REPLACE_WAIT_S if folder else REPLACE_WAIT_S)
     delay = 0.05
     while True:
         try:
@@ -198,8 +206,9 @@ def replace(source: str | os.PathLike, target: str | os.PathLike, what: str = "f
                 raise
             if time.monotonic() >= deadline:
                 raise FileInUseError(
-                    error.errno, f"{what} is in use by another program and could not be replaced. Likely holders: "
-                    f"{LIKELY_HOLDERS}. Close it, then queue again", str(target)) from error
+                    error.errno, f"{what} is in use by another program and could not be {'moved into place' if folder else 'replaced'}. "
+                    f"Likely holders: {FOLDER_HOLDERS if folder else LIKELY_HOLDERS}. Close it, then queue again",
+                    str(target)) from error
         time.sleep(delay)
         delay = min(delay * 2, 0.5)
 

@@ -134,6 +134,47 @@ def test_a_file_held_by_another_program_is_retried_then_named(windows, tmp_path,
     assert target.read_bytes() == b"new" and [p.name for p in tmp_path.iterdir()] == ["my_lora.safetensors"]
 
 
+def test_a_checkpoint_folder_another_program_reads_is_waited_for_then_named(windows, tmp_path, monkeypatch):
+    """A checkpoint is written into a temp folder renamed into place; Windows refuses that rename while another
+    program has a file in it open, which is when antivirus and sync programs read what was just written: the save
+    waits for them (longer than for a file), then names them, not a Load LoRA node; nothing already saved is lost."""
+    from headroom.training.core import run_dir as run_dir_module
+
+    run = RunDir(tmp_path, "my_run")
+    run.write_config({"kind": "lora"})
+
+    def checkpoint(step):
+        return Checkpoint(step=step, micro_step=step, adapter={"a": torch.full((4,), float(step))},
+                          optimizer={"state": {}}, scheduler={"last_epoch": step}, scaler=None,
+                          rng={"torch": torch.get_rng_state()}, loss_history=[[step, 0.5]], validation_history=[])
+
+    real_temp = run_dir_module.make_temp_dir
+    scanned = []
+
+    def scanned_temp(parent, name):  # the "antivirus" opens the optimizer state as soon as it is there
+        folder = real_temp(parent, name)
+        scanned.append(folder)
+        windows.held.add(os.path.abspath(folder / "optimizer.pt"))
+        return folder
+
+    monkeypatch.setattr(run_dir_module, "make_temp_dir", scanned_temp)
+    threading.Timer(0.4, windows.held.clear).start()
+    run.save_checkpoint(checkpoint(1))  # waited for the scan
+    assert run.load_checkpoint().step == 1 and scanned
+
+    monkeypatch.setattr(os_compat, "FOLDER_REPLACE_WAIT_S", 0.3)
+    with pytest.raises(files.WriteError) as raised:
+        run.save_checkpoint(checkpoint(2))
+    windows.held.clear()
+    message = str(raised.value)
+    assert "checkpoint of run 'my_run' at step 2" in message and "could not be moved into place" in message
+    assert "antivirus" in message and "OneDrive" in message and "Load LoRA" not in message
+    assert run.load_checkpoint().step == 1  # the last good one kept
+    monkeypatch.setattr(run_dir_module, "make_temp_dir", real_temp)  # the scan is over: queued again
+    run.save_checkpoint(checkpoint(2))
+    assert run.load_checkpoint().step == 2
+
+
 def test_several_devices_are_refused_with_the_reason(windows, comfyui):
     from headroom.nodes.bridge.rank_workers import parse_devices
 
