@@ -350,6 +350,7 @@ class ProgressPrinter:
         self.training_nodes: set[str] = set()  # nodes that send train steps: their plain progress bar is redundant
         self.last_poll: tuple[str, float] | None = None
         self.open_line = False
+        self.open_length = 0  # characters of the progress line shown: a shorter one pads over them
 
     def _node_name(self, node_id) -> str:
         node = self.workflow.get(str(node_id), {})
@@ -358,17 +359,19 @@ class ProgressPrinter:
     def _line(self, text: str) -> None:
         if self.open_line:
             self.stream.write("\n")
-            self.open_line = False
+            self.open_line, self.open_length = False, 0
         self.stream.write(text + "\n")
         self.stream.flush()
 
     def _progress(self, text: str, final: bool, kind: str = "progress") -> None:
         if self.tty:
-            self.stream.write("\r\033[K" + text)
-            self.open_line = True
-            if final:
-                self._line("")
-                self.open_line = False
+            # "\r" and spaces over the longer line before, not the erase-line escape: Windows' console (conhost)
+            # prints escapes as text unless a program turns them on.
+            self.stream.write("\r" + text + " " * max(0, self.open_length - len(text)))
+            self.open_line, self.open_length = True, len(text)
+            if final:  # the line stays; what follows starts below it
+                self.stream.write("\n")
+                self.open_line, self.open_length = False, 0
             self.stream.flush()
         elif final or time.monotonic() - self.last_print.get(kind, 0.0) >= 1.0:
             self.last_print[kind] = time.monotonic()
@@ -437,6 +440,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="override an input; NODE is a node id, title or unique class type (repeatable)")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds to wait for the run (default 3600)")
     args = parser.parse_args(argv)
+    for stream in (sys.stdout, sys.stderr):
+        # Node titles, prompts and ComfyUI's errors may hold characters a Windows code page lacks (cp1252 when the
+        # output is redirected): shown as "?" rather than a UnicodeEncodeError ending the command.
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="replace")
 
     try:
         workflow = load_api_workflow(args.workflow)

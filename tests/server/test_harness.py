@@ -259,3 +259,34 @@ def test_train_step_line_shows_loss_lr_speed_and_memory():
                               "eta_s": 47.5, "allocated": 512 * 2**20, "reserved": 1024 * 2**20})
     assert line == "step 5/100  loss 0.1235  lr 1.00e-04  0.50s/step  ETA 48s  VRAM alloc 512MB reserved 1024MB"
     assert format_train_step({"step": 3}) == "step 3"
+
+
+def test_progress_lines_overwrite_without_escapes_and_odd_characters_do_not_stop_the_command():
+    """On a terminal each progress line goes over the one before with a carriage return and spaces (Windows' console
+    prints the erase-line escape as text); redirected into a Windows code page (cp1252 here), characters it lacks
+    are shown as '?' instead of ending headroom_run with a UnicodeEncodeError."""
+    from headroom.workflows.headroom_run import ProgressPrinter, main
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    terminal = Terminal()
+    printer = ProgressPrinter({"7": {"class_type": "HeadroomTrainLora", "_meta": {"title": "Train"}}}, terminal)
+    printer({"type": "headroom.train.step", "data": {"node": "7", "step": 1, "total_steps": 3, "loss": 0.123456}})
+    printer({"type": "headroom.train.step", "data": {"node": "7", "step": 2, "total_steps": 3}})
+    printer({"type": "headroom.train.step", "data": {"node": "7", "step": 3, "total_steps": 3}})
+    shown = terminal.getvalue()
+    assert "\033" not in shown
+    assert shown == "\r  step 1/3  loss 0.1235\r  step 2/3" + " " * 13 + "\r  step 3/3\n"
+
+    raw = io.BytesIO()
+    code_page = io.TextIOWrapper(raw, encoding="cp1252")
+    real = sys.stdout, sys.stderr
+    sys.stdout = sys.stderr = code_page
+    try:
+        assert main(["/nonexistent/Zeichnung \u2192 \u732b.json"]) != 0  # an error naming the path: printed
+        code_page.flush()
+    finally:
+        sys.stdout, sys.stderr = real
+    assert "Zeichnung ? ?" in raw.getvalue().decode("cp1252")
