@@ -284,11 +284,11 @@ def path_length_problem(folder: str | os.PathLike, longest_inside: int) -> str |
 # --- several GPUs ----------------------------------------------------------------------------------------------
 
 
-def several_devices_problem() -> str | None:
-    """Why training on several devices cannot run here, or None."""
+def several_devices_problem(fix: str = "Set devices to 1 (one GPU trains as always)") -> str | None:
+    """Why training on several devices cannot run here, or None; `fix`: what the user does instead."""
     if WINDOWS:
         return ("training on several devices runs on Linux only: Windows has neither NCCL nor the AF_UNIX sockets "
-                "Headroom's rank processes talk through. Set devices to 1 (one GPU trains as always)")
+                f"Headroom's rank processes talk through. {fix}")
     return None
 
 

@@ -149,6 +149,12 @@ def main(argv=None) -> int:
     if cuda:
         torch.cuda.set_device(local_rank)  # before ComfyUI picks its device (the current one)
     import_comfyui(options.comfyui, options.base_directory, cpu=not cuda)
+    from headroom.training import os_compat
+
+    problem = os_compat.several_devices_problem("Run one process, or train in ComfyUI on one GPU") if world > 1 else None
+    if problem:  # torch's own error would be about NCCL
+        print(f"headroom_train_distributed: {problem}", file=sys.stderr)
+        return 2
     from headroom.nodes import train_lora as T
     from headroom.training.core import distributed
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import builtins
 import os
+import sys
 import threading
 
 import pytest
@@ -182,6 +183,28 @@ def test_several_devices_are_refused_with_the_reason(windows, comfyui):
     with pytest.raises(ValueError, match=r"devices=2: training on several devices runs on Linux only: Windows has "
                        r"neither NCCL nor the AF_UNIX sockets .* Set devices to 1"):
         parse_devices("2")
+
+
+def test_the_distributed_script_says_why_several_processes_cannot_train_on_windows(windows, comfyui, monkeypatch,
+                                                                                   tmp_path, capsys):
+    """torchrun on Windows would stop in torch's NCCL error: the script says the reason and what to do instead,
+    before it opens a run."""
+    import importlib.util
+
+    from comfy_harness import COMFYUI_PATH, REPO_ROOT
+
+    spec = importlib.util.spec_from_file_location("headroom_train_distributed_windows",
+                                                  REPO_ROOT / "workflows" / "headroom_train_distributed.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the script puts ComfyUI first, as its own process would
+    assert script.main(["--tiny-model", "sd15", "--dataset", str(tmp_path), "--run-name", "two_ranks", "--steps", "1",
+                        "--comfyui", str(COMFYUI_PATH)]) == 2
+    said = capsys.readouterr().err
+    assert "runs on Linux only" in said and "Run one process, or train in ComfyUI on one GPU" in said
+    assert not (tmp_path / "two_ranks").exists()
 
 
 def test_a_saved_files_name_is_the_one_comfyui_lists_on_windows(comfyui, monkeypatch):
