@@ -166,7 +166,7 @@ def main(argv: list[str]) -> int:
         return 1 if stale else 0
     LOCALE_DIR.mkdir(parents=True, exist_ok=True)
     for path in stale:
-        path.write_text(wanted[path], encoding="utf-8")
+        path.write_text(wanted[path], encoding="utf-8", newline="\n")
         print(f"wrote {path.relative_to(REPO)}")
     return 0
 

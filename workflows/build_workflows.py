@@ -278,7 +278,7 @@ def render(data: dict) -> str:
 
 def write_atomically(path: pathlib.Path, text: str) -> None:
     fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w", encoding="utf-8") as handle:
+    with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as handle:
         handle.write(text)
     os.replace(temp, path)
 
