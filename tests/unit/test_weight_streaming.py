@@ -170,6 +170,32 @@ def test_fetch_order_keeps_the_last_blocks_across_the_turn():
     assert streamer.fetch_log == [0, 1, 2, 3, 4, 5, 2, 1, 0] + [3, 4, 5, 2, 1, 0]
 
 
+@pytest.mark.parametrize("slots", [2, 3])
+def test_a_forward_starts_the_next_copies_after_queueing_its_own_block(slots):
+    """The next blocks' copies are started after a block's kernels are queued, not before: a refill waits on the CPU
+    for its slot's previous block, and the device must still have this block to run meanwhile (on a GPU the wait
+    before it left the device idle at every block boundary, and a pageable copy ran serially). Each block still
+    finds itself in a slot: no synchronous fetch in the steady state."""
+    blocks = make_blocks(count=6)
+    with WeightStreamer(blocks, "cpu", slots=slots, exercise_on_cpu=True, record=True) as streamer:
+        fetched_when_run = {}
+
+        def at_compute(index):
+            def hook(module, args):
+                if torch.is_grad_enabled():
+                    fetched_when_run.setdefault(index, list(streamer.fetch_log))
+            return hook
+
+        handles = [block.register_forward_pre_hook(at_compute(i)) for i, block in enumerate(blocks)]
+        train(blocks, steps=1, checkpointing=enable_checkpointing)
+        for handle in handles:
+            handle.remove()
+    for index in range(1, 5):  # in flight when block `index` runs: the blocks after it the block before started
+        later = [i for i in fetched_when_run[index] if i > index]
+        assert later == list(range(index + 1, index + slots - 1)), (index, fetched_when_run)
+    assert streamer.fetch_log[:6] == list(range(6))  # forward: each block once, in order, none out of turn
+
+
 def test_no_allocation_in_steady_state():
     blocks = make_blocks(count=5)
     with WeightStreamer(blocks, "cpu", slots=3, exercise_on_cpu=True) as streamer:

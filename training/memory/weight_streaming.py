@@ -23,7 +23,8 @@ The pieces, all made once at `attach` (no allocation in a steady-state step):
   copy; compute waits for it before the block runs). Before refilling a slot the CPU waits for that slot's "free"
   event, so its lead over the device is bounded by the ring (at most `slots - 1` blocks of prefetch queued).
 
-Order: forward runs blocks 0..n-1 and keeps the next `slots - 1` streamed blocks in flight; backward (a gradient
+Order: forward runs blocks 0..n-1 and keeps the next `slots - 1` streamed blocks in flight (their copies started
+after each block's kernels are queued, so the CPU's wait for a slot never leaves the device idle); backward (a gradient
 hook on each block's outputs, before checkpointing recomputes the block) runs n-1..0 likewise. A block still in a
 slot is installed without a copy: at the forward -> backward turn the last blocks are still there (backward starts
 with no fetch), and at the next step's forward the first ones. A block run out of order (not in a slot) is fetched
@@ -606,7 +607,6 @@ class WeightStreamer:
             for other in [i for i in self._installed if i != index]:
                 self._release(other)
             self._install(index, "forward")
-            self._prefetch(index, +1)
             if torch.is_grad_enabled() and self._blocks[index].tensors:
                 self._watch()
 
@@ -616,6 +616,11 @@ class WeightStreamer:
         def post_forward(module, args, output):
             self._stop_watching()
             self._release(index)
+            # The next blocks' copies are started here, after this block's kernels are queued, not before them: a
+            # refill first waits on the CPU for its slot's last block (the one before this) to finish, and the device
+            # then still has this block to run, instead of idling until the CPU queues it (and a copy from pageable
+            # host memory, synchronous, overlaps this block).
+            self._prefetch(index, +1)
             tensors = _output_tensors(output)
             if tensors and torch.is_grad_enabled():
                 register_multi_grad_hook(tensors, lambda grads: self._before_backward(index), mode="any")
