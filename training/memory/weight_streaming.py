@@ -20,8 +20,10 @@ The pieces, all made once at `attach` (no allocation in a steady-state step):
   tensors on the modules; after the block they are put back.
 - a copy stream (CUDA) ordered by two events per slot: "free" (recorded on the compute stream when the slot's last
   block is done with it; the copy waits for it on the device) and "ready" (recorded on the copy stream after the
-  copy; compute waits for it before the block runs). Before refilling a slot the CPU waits for that slot's "free"
-  event, so its lead over the device is bounded by the ring (at most `slots - 1` blocks of prefetch queued).
+  copy; compute waits for it before the block runs). The CPU waits for neither: the device keeps the order, and a
+  wait on the CPU before a refill left the device idle at each block boundary until the CPU queued the next
+  block (the step's own end, which reads the loss, bounds the CPU's lead to one step; the caching allocator is
+  stream-ordered, and nothing in a slot is allocated).
 
 Order: forward runs blocks 0..n-1 and keeps the next `slots - 1` streamed blocks in flight (their copies started
 after each block's kernels are queued, so the CPU's wait for a slot never leaves the device idle); backward (a gradient
@@ -495,8 +497,7 @@ class WeightStreamer:
                 slot.free.record(torch.cuda.current_stream(self.device))
                 slot.free_recorded, slot.free_stale = True, False
             if slot.free_recorded:
-                slot.free.synchronize()  # the CPU's lead is bounded: its previous block is done on the device
-                self._copy_stream.wait_event(slot.free)
+                self._copy_stream.wait_event(slot.free)  # on the device only: the CPU goes on queueing
             with torch.cuda.stream(self._copy_stream):
                 slot.buffer[:block.nbytes].copy_(block.packed, non_blocking=True)
                 slot.ready.record(self._copy_stream)
