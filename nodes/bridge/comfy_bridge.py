@@ -44,7 +44,7 @@ from ...training.core.trainer import StepReport, Trainer
 from .comfy_model import (base_fingerprint, data_fingerprint, model_blocks, quantized_weights_for_inference,
                           replace_inference_tensors, training_blocks)
 from .memory_fallback import FallbackWatch
-from .planning import next_plan_for, run_plan
+from .planning import next_plan_for, pinnable_host_bytes, run_plan
 
 STEP_EVENT = "headroom.train.step"  # read by js/headroom_live.js and workflows/headroom_run.py
 VALIDATE_EVENT = "headroom.validate"
@@ -267,18 +267,6 @@ def unpin_block_weights(patcher) -> list[str]:
     for key in keys:
         patcher.unpin_weight(key)
     return keys
-
-
-def pinnable_host_bytes() -> int | None:
-    """The host RAM the run's WeightStreamer may pin: what ComfyUI's share for pinned memory leaves now (its
-    MAX_PINNED_MEMORY: 40 % of the RAM on Windows, which lets a process lock about half; none with
-    --disable-pinned-memory or a device ComfyUI does not pin for). None where this ComfyUI keeps no such account."""
-    most = getattr(comfy.model_management, "MAX_PINNED_MEMORY", None)
-    if not isinstance(most, (int, float)):
-        return None
-    if most <= 0:
-        return 0
-    return max(0, int(most - getattr(comfy.model_management, "TOTAL_PINNED_MEMORY", 0)))
 
 
 SAMPLING_PLACEMENT_KEY = "headroom.validation_placement"

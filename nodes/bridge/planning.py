@@ -451,10 +451,29 @@ def plan_lora_run(model, policy: OffloadPolicy, mode: str, batch_size: int, widt
     trainable = with_host_step(lora_trainable(model, adapter, optimizer, paths))
     room = host_ram.host_room(policy.host_ram_budget_gb)
     if mode == "auto":
-        return planner.plan_auto(description, trainable, shape, policy, budget, room)
+        return with_pinning(planner.plan_auto(description, trainable, shape, policy, budget, room), model.load_device)
     # the ring's slots as the run chooses them for its policy (run_plan)
-    return planner.with_best_slots(description, trainable, shape,
-                                   planner.estimate(description, trainable, shape, policy, budget, room), budget, room)
+    return with_pinning(planner.with_best_slots(description, trainable, shape, planner.estimate(
+        description, trainable, shape, policy, budget, room), budget, room), model.load_device)
+
+
+def pinnable_host_bytes() -> int | None:
+    """The host RAM a run's WeightStreamer may pin: what ComfyUI's share for pinned memory leaves now (its
+    MAX_PINNED_MEMORY: 40 % of the RAM on Windows, which lets a process lock about half; none with
+    --disable-pinned-memory or a device ComfyUI does not pin for). None where this ComfyUI keeps no such account."""
+    most = getattr(comfy.model_management, "MAX_PINNED_MEMORY", None)
+    if not isinstance(most, (int, float)):
+        return None
+    if most <= 0:
+        return 0
+    return max(0, int(most - getattr(comfy.model_management, "TOTAL_PINNED_MEMORY", 0)))
+
+
+def with_pinning(plan: planner.Plan, device) -> planner.Plan:
+    """`plan` with the host RAM its streamed blocks may pin on `device` (a CUDA card; elsewhere nothing is pinned)."""
+    if torch.device(device).type == "cuda":
+        plan.pinnable_bytes = pinnable_host_bytes()
+    return plan
 
 
 def with_host_step(trainable: planner.TrainableSpec) -> planner.TrainableSpec:
@@ -519,8 +538,8 @@ def run_plan(run) -> planner.Plan:
     the device: planner.Plan.base_device_bytes), with the streamer's slots the planner chooses for it (as the card's
     auto plan does: planner.with_best_slots)."""
     description, trainable, shape, budget = _run_inputs(run)
-    return planner.with_best_slots(description, trainable, shape,
-                                   planner.estimate(description, trainable, shape, run.policy, budget), budget)
+    return with_pinning(planner.with_best_slots(description, trainable, shape, planner.estimate(
+        description, trainable, shape, run.policy, budget), budget), run.denoiser.device)
 
 
 def cache_run_shape(patcher, latent_cache, text_cache, batch_size: int, node: str, grad_accum: int = 1
@@ -545,5 +564,5 @@ def plan_for_card(patcher, latent_cache, text_cache, policy: OffloadPolicy, trai
         raise ValueError(f"{node}: {error}") from None
     shape = cache_run_shape(patcher, latent_cache, text_cache, batch_size, node, grad_accum)
     description = describe_comfy_model(patcher, adapter or AdapterConfig(), precision, timing=shape)
-    return planner.plan_auto(description, with_host_step(trainable), shape, policy, budget,
-                             host_ram.host_room(policy.host_ram_budget_gb))
+    return with_pinning(planner.plan_auto(description, with_host_step(trainable), shape, policy, budget,
+                                          host_ram.host_room(policy.host_ram_budget_gb)), patcher.load_device)

@@ -387,7 +387,7 @@ def test_the_streamer_pins_within_what_comfyuis_pinned_memory_share_leaves(comfy
     load, so it never pins past it (weight_streaming: the rest streams pageable)."""
     import comfy.model_management as mm
     from headroom.nodes import train_lora as T
-    from headroom.nodes.bridge.comfy_bridge import pinnable_host_bytes
+    from headroom.nodes.bridge.planning import pinnable_host_bytes
     from headroom.training.memory import policy as policy_module
 
     given = []

@@ -831,3 +831,21 @@ def test_a_full_fine_tunes_trained_base_is_planned_in_host_ram_for_the_training_
         estimate(on_cpu, full, SHAPE, policy).phase("training step").items
     with pytest.raises(ValueError, match="given for 3 blocks, the model has 4"):
         estimate(d, dataclasses.replace(reading, unread_base_blocks=(unread,) * 3), SHAPE, OffloadPolicy())
+
+
+def test_a_plan_says_what_of_its_streamed_blocks_cannot_be_pinned():
+    """Streamed blocks are pinned within what ComfyUI's pinned-memory share leaves (Windows: 40 % of the RAM); past
+    it they cross from pageable memory, which the predicted step does not price: the plan says how much, on the node
+    and in one line, and its JSON carries both figures. Nothing is said when everything is pinned or not known."""
+    d = toy_description()
+    plan = estimate(d, TRAINABLE, SHAPE, OffloadPolicy(base_placement="streamed", checkpointing="blocks"),
+                    budget_bytes=int(3.5 * GIB))
+    streamed = plan.host_bytes["streamed block weights"]
+    assert streamed > 0 and plan.pageable_bytes == 0 and plan.pinned_line() == ""  # not known: nothing said
+    plan.pinnable_bytes = streamed // 4
+    assert plan.pageable_bytes == streamed - streamed // 4
+    assert plan.pinned_line() in plan.to_text() and "cross from pageable memory" in plan.pinned_line()
+    assert "of blocks unpinned: slower" in plan.summary()
+    assert plan.to_dict()["pinnable_bytes"] == streamed // 4 and plan.to_dict()["pageable_bytes"] == plan.pageable_bytes
+    plan.pinnable_bytes = streamed
+    assert plan.pageable_bytes == 0 and "unpinned" not in plan.summary() and "pageable" not in plan.to_text()

@@ -426,6 +426,10 @@ class Plan:
     # plan_auto: why the step is predicted SLOW_STEP_RATIO times or more that of a card holding the whole run
     # ("": it is not)
     slow: str = ""
+    # The host RAM the run may pin for its streamed blocks (ComfyUI's pinned-memory share, what it leaves: the bridge's
+    # pinnable_host_bytes; None: not known, or nothing crosses). Blocks past it cross from pageable memory, which the
+    # predicted step does not price (pinned_line says so).
+    pinnable_bytes: int | None = None
 
     @property
     def predicted_s_per_step(self) -> float | None:
@@ -486,7 +490,7 @@ class Plan:
             "step_time": None if self.step_time is None else self.step_time.to_dict(),
             "blocks": {"checkpointed": list(self.checkpointed_blocks), "resident": list(self.resident_blocks),
                        "streamed": list(self.streamed_blocks), "slots": self.stream_slots},
-            "slow": self.slow,
+            "slow": self.slow, "pinnable_bytes": self.pinnable_bytes, "pageable_bytes": self.pageable_bytes,
         }
 
     def to_json(self) -> str:
@@ -515,9 +519,25 @@ class Plan:
             text += f"; {self.host_room.describe(self.host_added_bytes)}"
         if self.step_time is not None:
             text += f"; predicted {self.step_time.total_s:.3f} s/step"
+        if self.pageable_bytes:
+            text += f" ({format_bytes(self.pageable_bytes)} of blocks unpinned: slower)"
         if self.slow:
             text += f" - SLOW: {self.slow}"
         return text + (" - DOES NOT FIT" if self.fits is False else "")
+
+    @property
+    def pageable_bytes(self) -> int:
+        """Streamed block bytes past what the run may pin (0: every streamed block pinned, or not known)."""
+        streamed = self.host_bytes.get("streamed block weights", 0)
+        return 0 if self.pinnable_bytes is None else max(0, streamed - self.pinnable_bytes)
+
+    def pinned_line(self) -> str:
+        """What of the streamed blocks crosses from pageable memory, when some does ("" otherwise)."""
+        if not self.pageable_bytes:
+            return ""
+        return (f"pinned memory: ComfyUI's share leaves {format_bytes(self.pinnable_bytes)} to pin, so "
+                f"{format_bytes(self.pageable_bytes)} of the streamed blocks cross from pageable memory, slower than "
+                "the predicted step (Windows pins at most 40 % of the RAM; base_storage fp8 halves what streams)")
 
     def placement_line(self) -> str:
         """Where the frozen base is in training and in validation, when the two differ ("" otherwise)."""
@@ -540,6 +560,8 @@ class Plan:
             lines.append(self.step_time.describe())
         if self.resident_blocks or self.streamed_blocks:
             lines.append(self.blocks_line())
+        if self.pinned_line():
+            lines.append(self.pinned_line())
         for phase in self.phases:
             lines.append(f"{phase.phase}: {format_bytes(phase.total)}")
             for name, value in phase.items.items():
