@@ -110,7 +110,8 @@ def findings(measured: dict[str, dict]) -> dict[str, list[str]]:
         timed = ((r.get("allocator") or {}).get("timed") or {})
         if timed.get("num_alloc_retries") or timed.get("num_ooms"):
             out["allocator"].append(f"`{ident}`: {timed.get('num_alloc_retries', 0)} allocator retries, "
-                                    f"{timed.get('num_ooms', 0)} out-of-memory in the timed steps")
+                                    f"{timed.get('num_ooms', 0)} out-of-memory in the timed steps"
+                                    + first_timed_step(r.get("allocator")))
         base = resident.get(r["model"])
         if r["kind"] == "lora" and budget is not None and base is not None and r.get("s_per_step") and base.get("s_per_step"):
             ratio = r["s_per_step"] / base["s_per_step"]
@@ -118,6 +119,18 @@ def findings(measured: dict[str, dict]) -> dict[str, list[str]]:
                 out["speed"].append(f"`{ident}`: {r['s_per_step']:.2f} s/step = {ratio:.2f}x the resident "
                                     f"{base['s_per_step']:.2f} s ({r.get('policy')})")
     return out
+
+
+def first_timed_step(allocator: dict) -> str:
+    """Of a row's allocator retries, how many came in its first timed step, which follows the second Steps call's
+    attach (the ring's slots taken from the allocator again, the first block fetched without a prefetch), and how many
+    in the steady steps after it, which issue 41's goal is about ("" without per-step counters)."""
+    per_step = allocator.get("per_step") or []
+    if len(per_step) < 2:
+        return ""
+    first = per_step[0].get("num_alloc_retries", 0)
+    steady = sum(step.get("num_alloc_retries", 0) for step in per_step[1:])
+    return f" ({first} in the first, after the attach; {steady} in the {len(per_step) - 1} steady steps after it)"
 
 
 def step_counts_text(measured: dict) -> str:

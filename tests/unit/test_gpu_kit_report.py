@@ -83,6 +83,12 @@ def test_rows_against_their_physical_limit_the_prediction_and_the_allocator():
     measured["lora/flux_dev/8GB"]["step_time"]["timed_at_run_size"] = True  # planner.time_blocks, where it fits
     assert module.findings(measured)["predicted"][0].endswith("(0.67x; block times at the run's size)")
     assert found["allocator"] == ["`lora/flux_dev/8GB`: 30 allocator retries, 0 out-of-memory in the timed steps"]
+    # With the per-step counters: the first timed step (after the second Steps call's attach) apart from the steady ones
+    measured["lora/flux_dev/8GB"]["allocator"]["per_step"] = [{"num_alloc_retries": 28}, {"num_alloc_retries": 2},
+                                                              {"num_alloc_retries": 0}]
+    assert module.findings(measured)["allocator"] == [
+        "`lora/flux_dev/8GB`: 30 allocator retries, 0 out-of-memory in the timed steps (28 in the first, after the "
+        "attach; 2 in the 2 steady steps after it)"]
     text = module.section(records)
     assert "Pinned host->device bandwidth, measured once: 50.0 GB/s." in text
     assert "| Flux.1-dev | 24GB | 50 / 7 (2) | 0.900 | 0.850 | 0.94 | 0.800 (measured compute) | 1.12x | 0 | 0 | 0 |" in text
