@@ -205,10 +205,10 @@ def replace(source: str | os.PathLike, target: str | os.PathLike, what: str = "f
             if not WINDOWS:
                 raise
             if time.monotonic() >= deadline:
+                done, holders = ("moved into place", FOLDER_HOLDERS) if folder else ("replaced", LIKELY_HOLDERS)
                 raise FileInUseError(
-                    error.errno, f"{what} is in use by another program and could not be {'moved into place' if folder else 'replaced'}. "
-                    f"Likely holders: {FOLDER_HOLDERS if folder else LIKELY_HOLDERS}. Close it, then queue again",
-                    str(target)) from error
+                    error.errno, f"{what} is in use by another program and could not be {done}. Likely holders: "
+                    f"{holders}. Close it, then queue again", str(target)) from error
         time.sleep(delay)
         delay = min(delay * 2, 0.5)
 

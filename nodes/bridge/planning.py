@@ -14,7 +14,7 @@ import torch
 import comfy.model_management
 
 from ...training.checks import named
-from ...training.memory import host_ram, planner, time_model, trained_weights_on_host
+from ...training.memory import host_ram, planner, time_model, trained_weights_on_host, weight_streaming
 from ...training.core.adapters import AdapterConfig, AdapterSet, _CastProduct
 from ...training.core.optimizers import host_step_rate
 from ...training.memory.policy import OffloadPolicy, PolicyError
@@ -239,9 +239,7 @@ class _BlocksOnDevice:
     subclasses (ComfyUI's quantized weights) stay where they are: their layers cast them, time included."""
 
     def __init__(self, blocks: list[torch.nn.Module], device: torch.device):
-        self.blocks, self.device = blocks, torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())  # as tensors name it: cuda:N
+        self.blocks, self.device = blocks, weight_streaming.indexed_device(device)  # as tensors name it: cuda:N
         self.handles, self.swapped = [], []
         self.largest_bytes = max((sum(t.numel() * t.element_size() for _, _, t in self._away(b)) for b in blocks),
                                  default=0)

@@ -560,8 +560,9 @@ class Plan:
             lines.append(self.step_time.describe())
         if self.resident_blocks or self.streamed_blocks:
             lines.append(self.blocks_line())
-        if self.pinned_line():
-            lines.append(self.pinned_line())
+        pinned = self.pinned_line()
+        if pinned:
+            lines.append(pinned)
         for phase in self.phases:
             lines.append(f"{phase.phase}: {format_bytes(phase.total)}")
             for name, value in phase.items.items():

@@ -94,15 +94,21 @@ def to_compute(tensor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return tensor.to(device=like.device, dtype=like.dtype)
 
 
+def host_buffer(numel: int, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
+    """A flat host buffer, pinned where asked and the driver allows (Windows locks about half of the RAM at most);
+    else pageable, its copies then synchronous."""
+    try:
+        return torch.empty(numel, dtype=dtype, pin_memory=pinned)
+    except RuntimeError:  # the driver refuses to lock more host RAM
+        return torch.empty(numel, dtype=dtype)
+
+
 class _Buffer:
     """One staging buffer: its bytes, the event of the copy that last used it, and (coming back) the host tensor that
     copy is for."""
 
     def __init__(self, nbytes: int, pinned: bool):
-        try:
-            self.bytes = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
-        except RuntimeError:  # the driver refuses to lock more host RAM: pageable, the copies then synchronous
-            self.bytes = torch.empty(nbytes, dtype=torch.uint8)
+        self.bytes = host_buffer(nbytes, torch.uint8, pinned)
         self.event = None
         self.destination: torch.Tensor | None = None
 

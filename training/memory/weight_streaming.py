@@ -26,7 +26,8 @@ The pieces, all made once at `attach` (no allocation in a steady-state step):
   stream-ordered, and nothing in a slot is allocated).
 
 Order: forward runs blocks 0..n-1 and keeps the next `slots - 1` streamed blocks in flight (their copies started
-after each block's kernels are queued, so the CPU's wait for a slot never leaves the device idle); backward (a gradient
+after each block's kernels are queued: a copy from pageable memory, which holds the CPU, then overlaps that block);
+backward (a gradient
 hook on each block's outputs, before checkpointing recomputes the block) runs n-1..0 likewise. A block still in a
 slot is installed without a copy: at the forward -> backward turn the last blocks are still there (backward starts
 with no fetch), and at the next step's forward the first ones. A block run out of order (not in a slot) is fetched
@@ -193,6 +194,14 @@ def _raw_bytes(tensor: torch.Tensor, span: int) -> torch.Tensor:
                                                   tensor.storage_offset() * tensor.element_size(), (span,))
 
 
+def indexed_device(device: torch.device | str) -> torch.device:
+    """`device` as tensors on it name theirs: "cuda" becomes "cuda:N" (the current one), so they compare equal."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def _register(buffer: torch.Tensor, device: torch.device) -> bool:
     """Pin a host buffer in place (as ComfyUI pins); False when CUDA refuses (it then stays pageable) or the buffer is
     empty or pinned already (registering it again is an error)."""
@@ -242,14 +251,12 @@ class WeightStreamer:
         `pin_host_copies`: pin the packed host buffers on CUDA (False: pageable, for a host short of lockable RAM).
         `pin_limit_bytes`: pin no more than this many bytes in all (None: no limit of ours); the blocks past it stay
         pageable. Windows lets a process lock about half of the RAM, and ComfyUI keeps its own pins within a share
-        of it (comfy_bridge.pinnable_host_bytes passes what that share leaves).
+        of it (nodes/bridge/planning.pinnable_host_bytes gives what that share leaves).
         `record`: keep a log of every install and fetch (tests, bench)."""
         if isinstance(slots, bool) or not isinstance(slots, int) or slots < 2:
             raise ValueError(f"WeightStreamer: slots={slots!r} must be an integer >= 2 (one in use, one in flight)")
         self.blocks = list(blocks)
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())  # compare like with like below
+        self.device = indexed_device(device)  # compare like with like below
         self.slot_count = slots
         self.resident = frozenset(resident)
         self.keep = list(keep)
@@ -617,10 +624,9 @@ class WeightStreamer:
         def post_forward(module, args, output):
             self._stop_watching()
             self._release(index)
-            # The next blocks' copies are started here, after this block's kernels are queued, not before them: a
-            # refill first waits on the CPU for its slot's last block (the one before this) to finish, and the device
-            # then still has this block to run, instead of idling until the CPU queues it (and a copy from pageable
-            # host memory, synchronous, overlaps this block).
+            # The next blocks' copies are started here, after this block's kernels are queued, not before them: a copy
+            # from pageable host memory (past the pin limit) holds the CPU until it is done, and the device then has
+            # this block to run meanwhile instead of idling.
             self._prefetch(index, +1)
             tensors = _output_tensors(output)
             if tensors and torch.is_grad_enabled():
