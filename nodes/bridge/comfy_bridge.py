@@ -34,6 +34,7 @@ from ...training.core.adapters import ADAPTER_LAYERS
 from ...training.memory.checkpointing import inplace_depth_problem, pinned_reading
 from ...training.data.files import WriteError, open_regular
 from ...training.memory.lowbit import LowBitBase, LowBitLinear
+from ...training.memory import pinned_host
 from ...training.memory.memory_stats import PhaseRecorder, process_rss_bytes
 from ...training.memory.oom import is_out_of_memory, out_of_memory
 from ...training.memory.policy import OffloadPolicy
@@ -44,7 +45,7 @@ from ...training.core.trainer import StepReport, Trainer
 from .comfy_model import (base_fingerprint, data_fingerprint, model_blocks, quantized_weights_for_inference,
                           replace_inference_tensors, training_blocks)
 from .memory_fallback import FallbackWatch
-from .planning import next_plan_for, pinnable_host_bytes, run_plan
+from .planning import comfy_pins_host_memory, next_plan_for, pinnable_host_bytes, run_plan
 
 STEP_EVENT = "headroom.train.step"  # read by js/headroom_live.js and workflows/headroom_run.py
 VALIDATE_EVENT = "headroom.validate"
@@ -475,6 +476,7 @@ class TrainingRun:
             self.placement.load(patchers, extra, self._base_device_share(), whole_blocks=whole)
             if phase != "validation":  # read after the load: it unpinned the blocks the streamer pins its own way
                 self.trainer.stream_options["pin_limit_bytes"] = pinnable_host_bytes()
+                pinned_host.set_allowed(comfy_pins_host_memory())  # --disable-pinned-memory: Headroom pins nothing
         else:
             own = base_placement(validation_placement(self.policy.base_placement))
             self.placement.load(patchers, extra, share, own)

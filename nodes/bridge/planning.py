@@ -361,6 +361,9 @@ def describe_comfy_model(patcher, adapter: AdapterConfig, precision: str = "bf16
         timed_at_area=0 if timed is None else timed.latent_area,
         outside_backward_per_forward=0.0 if timed is None else timed.outside_backward_per_forward,
         h2d_bytes_per_s=float(time_model.h2d_bytes_per_s(device) or 0.0),
+        # and what the run may pin for its streamed blocks, the rest crossing at the pageable bandwidth
+        pageable_h2d_bytes_per_s=float(time_model.pageable_h2d_bytes_per_s(device) or 0.0),
+        pinnable_bytes=pinnable_host_bytes() if device.type == "cuda" else None,
         quantized_layers=len(quantized_layers(model)),
     )
     if clip is not None:
@@ -449,10 +452,10 @@ def plan_lora_run(model, policy: OffloadPolicy, mode: str, batch_size: int, widt
     trainable = with_host_step(lora_trainable(model, adapter, optimizer, paths))
     room = host_ram.host_room(policy.host_ram_budget_gb)
     if mode == "auto":
-        return with_pinning(planner.plan_auto(description, trainable, shape, policy, budget, room), model.load_device)
+        return planner.plan_auto(description, trainable, shape, policy, budget, room)
     # the ring's slots as the run chooses them for its policy (run_plan)
-    return with_pinning(planner.with_best_slots(description, trainable, shape, planner.estimate(
-        description, trainable, shape, policy, budget, room), budget, room), model.load_device)
+    return planner.with_best_slots(description, trainable, shape, planner.estimate(
+        description, trainable, shape, policy, budget, room), budget, room)
 
 
 def pinnable_host_bytes() -> int | None:
@@ -467,11 +470,11 @@ def pinnable_host_bytes() -> int | None:
     return max(0, int(most - getattr(comfy.model_management, "TOTAL_PINNED_MEMORY", 0)))
 
 
-def with_pinning(plan: planner.Plan, device) -> planner.Plan:
-    """`plan` with the host RAM its streamed blocks may pin on `device` (a CUDA card; elsewhere nothing is pinned)."""
-    if torch.device(device).type == "cuda":
-        plan.pinnable_bytes = pinnable_host_bytes()
-    return plan
+def comfy_pins_host_memory() -> bool:
+    """False where ComfyUI runs with --disable-pinned-memory (its MAX_PINNED_MEMORY then stays -1; the same on a
+    device ComfyUI does not pin for, where nothing crosses); True where this ComfyUI keeps no such account."""
+    most = getattr(comfy.model_management, "MAX_PINNED_MEMORY", None)
+    return not isinstance(most, (int, float)) or most > 0
 
 
 def with_host_step(trainable: planner.TrainableSpec) -> planner.TrainableSpec:
@@ -536,8 +539,8 @@ def run_plan(run) -> planner.Plan:
     the device: planner.Plan.base_device_bytes), with the streamer's slots the planner chooses for it (as the card's
     auto plan does: planner.with_best_slots)."""
     description, trainable, shape, budget = _run_inputs(run)
-    return with_pinning(planner.with_best_slots(description, trainable, shape, planner.estimate(
-        description, trainable, shape, run.policy, budget), budget), run.denoiser.device)
+    return planner.with_best_slots(description, trainable, shape, planner.estimate(
+        description, trainable, shape, run.policy, budget), budget)
 
 
 def cache_run_shape(patcher, latent_cache, text_cache, batch_size: int, node: str, grad_accum: int = 1
@@ -562,5 +565,5 @@ def plan_for_card(patcher, latent_cache, text_cache, policy: OffloadPolicy, trai
         raise ValueError(f"{node}: {error}") from None
     shape = cache_run_shape(patcher, latent_cache, text_cache, batch_size, node, grad_accum)
     description = describe_comfy_model(patcher, adapter or AdapterConfig(), precision, timing=shape)
-    return with_pinning(planner.plan_auto(description, with_host_step(trainable), shape, policy, budget,
-                                          host_ram.host_room(policy.host_ram_budget_gb)), patcher.load_device)
+    return planner.plan_auto(description, with_host_step(trainable), shape, policy, budget,
+                             host_ram.host_room(policy.host_ram_budget_gb))

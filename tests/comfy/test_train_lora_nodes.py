@@ -384,10 +384,12 @@ def test_offload_policy_is_applied_by_the_training_nodes_and_keeps_the_weights(c
 def test_the_streamer_pins_within_what_comfyuis_pinned_memory_share_leaves(comfyui, monkeypatch):
     """ComfyUI keeps its pins within MAX_PINNED_MEMORY (40 % of the RAM on Windows, which lets a process lock about
     half; 0 with --disable-pinned-memory): the run's WeightStreamer is given what that share leaves at each training
-    load, so it never pins past it (weight_streaming: the rest streams pageable)."""
+    load, so it never pins past it (weight_streaming: the rest streams pageable); with --disable-pinned-memory the run
+    pins nothing anywhere (pinned_host: staging buffers, offloaded block inputs too)."""
     import comfy.model_management as mm
     from headroom.nodes import train_lora as T
     from headroom.nodes.bridge.planning import pinnable_host_bytes
+    from headroom.training.memory import pinned_host
     from headroom.training.memory import policy as policy_module
 
     given = []
@@ -404,10 +406,12 @@ def test_the_streamer_pins_within_what_comfyuis_pinned_memory_share_leaves(comfy
     model, _, _, latents, texts = _data("sd15")
     run = _init(model, latents, texts, "pin_share", rank=4,
                 policy=_policy(base_placement="streamed", checkpointing="blocks"))
+    monkeypatch.setattr(pinned_host, "_allowed", False)  # as a CPU ComfyUI (MAX_PINNED_MEMORY -1) leaves it
     T.HeadroomTrainSteps.execute(run, 1)
+    assert pinned_host.allowed()
     monkeypatch.setattr(mm, "MAX_PINNED_MEMORY", -1, raising=False)  # ComfyUI pins nothing: neither does the run
     T.HeadroomTrainSteps.execute(run, 2)
-    assert given == [7 * 2 ** 30, 0]
+    assert given == [7 * 2 ** 30, 0] and not pinned_host.allowed()
     monkeypatch.setattr(mm, "TOTAL_PINNED_MEMORY", 20 * 2 ** 30, raising=False)
     monkeypatch.setattr(mm, "MAX_PINNED_MEMORY", 12 * 2 ** 30, raising=False)
     assert pinnable_host_bytes() == 0  # ComfyUI's own pins past its share: nothing left

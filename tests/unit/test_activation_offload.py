@@ -6,7 +6,7 @@ import contextlib
 import pytest
 import torch
 
-from headroom.training.memory import activation_offload
+from headroom.training.memory import activation_offload, pinned_host, trained_weights_on_host
 from headroom.training.memory.activation_offload import enable_offloaded_checkpointing
 from headroom.training.memory.checkpointing import wrap_blocks
 
@@ -135,15 +135,83 @@ def test_inputs_changed_in_place_are_still_caught_on_cpu(enable):
     restore()
 
 
-def test_save_on_cpu_is_used_for_device_tensors(monkeypatch):
-    # The default hooks are torch's own save_on_cpu whenever a block input is not on the CPU.
-    chosen = []
-    monkeypatch.setattr(torch.autograd.graph, "save_on_cpu",
-                        lambda pin_memory: chosen.append(pin_memory) or contextlib.nullcontext())
+def test_the_default_hooks_move_device_tensors_to_host_ram_and_leave_a_cpu_run_alone():
+    # The default hooks are the pinned-or-pageable ones whenever a block input is not on the CPU; on the CPU none.
     on_device = torch.empty(1, device="meta")
-    activation_offload._default_offload_hooks([torch.zeros(1), on_device])
-    activation_offload._default_offload_hooks([torch.zeros(1)])
-    assert chosen == [torch.cuda.is_available()]
+    assert isinstance(activation_offload._default_offload_hooks([torch.zeros(1), on_device]),
+                      torch.autograd.graph.saved_tensors_hooks)
+    assert isinstance(activation_offload._default_offload_hooks([torch.zeros(1)]), contextlib.nullcontext)
+
+
+@pytest.mark.parametrize("pin_refused", [False, True])
+def test_a_refused_pin_leaves_the_inputs_in_pageable_ram_and_the_results_unchanged(monkeypatch, caplog, pin_refused):
+    """Windows lets a process lock about half of its RAM, and ComfyUI and the weight streamer pin up to 40 % of it:
+    a block input the driver refuses to pin waits in pageable host RAM (said once), where torch's own save_on_cpu
+    would stop the step with "CUDA error: out of memory". Here the refusal is real: this CUDA build of torch without
+    a driver refuses every pin once told CUDA is there. Gradients bitwise those of no checkpointing either way."""
+    monkeypatch.setattr(activation_offload, "_refused_said", False)
+    monkeypatch.setattr(pinned_host, "_allowed", True)  # not --disable-pinned-memory (a CPU ComfyUI's bridge sets it)
+    if pin_refused:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        with pytest.raises(RuntimeError):
+            torch.empty(1, pin_memory=True)
+    packed = []
+    real = activation_offload._to_host
+    monkeypatch.setattr(activation_offload, "_to_host", lambda t: packed.append(real(t)) or packed[-1])
+
+    def hooks(tensors):
+        return activation_offload.pinned_or_pageable_offload()
+
+    plain, _ = grads_after_step()
+    with caplog.at_level("WARNING"):
+        offloaded, _ = grads_after_step(enable_offloaded_checkpointing, offload_hooks=hooks)
+    assert all(torch.equal(a, b) for a, b in zip(plain, offloaded))
+    assert len(packed) == 9 and all(copy.device.type == "cpu" and not copy.is_pinned() for _, copy in packed)
+    said = [r.getMessage() for r in caplog.records if "refused to pin" in r.getMessage()]
+    assert len(said) == (1 if pin_refused else 0)  # once, though 9 inputs were refused
+
+
+def test_with_pinning_disabled_no_pin_is_tried(monkeypatch, caplog):
+    """ComfyUI's --disable-pinned-memory (mirrored by the bridge: pinned_host.set_allowed): every host buffer the run
+    makes is pageable, none is even tried (this driverless CUDA build would raise if one were), nothing is said."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(activation_offload, "_refused_said", False)
+    monkeypatch.setattr(pinned_host, "_allowed", True)
+    tried = []
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: tried.append(k.get("pin_memory")) or real_empty(
+        *a, **{key: v for key, v in k.items() if key != "pin_memory"}))
+    assert not pinned_host.host_empty(4, torch.float32, pinned=True).is_pinned() and tried == [True]  # tried: refused
+    pinned_host.set_allowed(False)
+    tried.clear()
+    with caplog.at_level("WARNING"):
+        device, copy = activation_offload._to_host(torch.ones(3))
+    buffer = trained_weights_on_host.host_buffer(4, torch.uint8, pinned=True)
+    assert tried == [None, None] and not copy.is_pinned() and not buffer.is_pinned() and torch.equal(copy, torch.ones(3))
+    assert not caplog.records
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: block inputs offloaded to pinned host RAM")
+def test_on_a_card_the_block_inputs_wait_in_pinned_host_ram_and_the_results_are_unchanged(monkeypatch):
+    """The default hooks on a card: each block input copied to pinned host RAM (asynchronously) and back for its
+    recompute; gradients bitwise those of plain checkpointing on the card."""
+    packed = []
+    real = activation_offload._to_host
+    monkeypatch.setattr(activation_offload, "_to_host", lambda t: packed.append(real(t)) or packed[-1])
+
+    def on_card(enable=None):
+        blocks = make_model().cuda()
+        g = torch.Generator().manual_seed(1)
+        img, txt, vec = (torch.randn(2, 5, 8, generator=g).cuda() for _ in range(3))
+        restore = enable(blocks) if enable else (lambda: None)
+        run(blocks, img, txt, vec).backward()
+        restore()
+        return [p.grad.clone() for p in blocks.parameters() if p.requires_grad]
+
+    plain = on_card(enable_checkpointing)
+    offloaded = on_card(enable_offloaded_checkpointing)
+    assert all(torch.equal(a, b) for a, b in zip(plain, offloaded))
+    assert len(packed) == 9 and all(device.type == "cuda" and copy.is_pinned() for device, copy in packed)
 
 
 def inplace_run(inplace=True, offload_hooks=None):

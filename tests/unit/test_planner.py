@@ -835,17 +835,25 @@ def test_a_full_fine_tunes_trained_base_is_planned_in_host_ram_for_the_training_
 
 def test_a_plan_says_what_of_its_streamed_blocks_cannot_be_pinned():
     """Streamed blocks are pinned within what ComfyUI's pinned-memory share leaves (Windows: 40 % of the RAM); past
-    it they cross from pageable memory, which the predicted step does not price: the plan says how much, on the node
-    and in one line, and its JSON carries both figures. Nothing is said when everything is pinned or not known."""
+    it they cross from pageable memory: the plan says how much, on the node and in one line, its JSON carries both
+    figures, and its predicted step prices those copies (tests/unit/test_time_model.py). Nothing is said when
+    everything is pinned or the share is not known."""
     d = toy_description()
-    plan = estimate(d, TRAINABLE, SHAPE, OffloadPolicy(base_placement="streamed", checkpointing="blocks"),
-                    budget_bytes=int(3.5 * GIB))
+    policy = OffloadPolicy(base_placement="streamed", checkpointing="blocks")
+    plan = estimate(d, TRAINABLE, SHAPE, policy, budget_bytes=int(3.5 * GIB))
     streamed = plan.host_bytes["streamed block weights"]
     assert streamed > 0 and plan.pageable_bytes == 0 and plan.pinned_line() == ""  # not known: nothing said
-    plan.pinnable_bytes = streamed // 4
-    assert plan.pageable_bytes == streamed - streamed // 4
-    assert plan.pinned_line() in plan.to_text() and "cross from pageable memory" in plan.pinned_line()
-    assert "of blocks unpinned: slower" in plan.summary()
-    assert plan.to_dict()["pinnable_bytes"] == streamed // 4 and plan.to_dict()["pageable_bytes"] == plan.pageable_bytes
-    plan.pinnable_bytes = streamed
-    assert plan.pageable_bytes == 0 and "unpinned" not in plan.summary() and "pageable" not in plan.to_text()
+    limited = estimate(dataclasses.replace(d, pinnable_bytes=streamed // 4), TRAINABLE, SHAPE, policy,
+                       budget_bytes=int(3.5 * GIB))
+    block = streamed // len(limited.streamed_blocks)
+    assert limited.pinnable_bytes == streamed // 4 and limited.pageable_bytes == streamed - block  # one block pinned
+    assert limited.pinned_line() in limited.to_text() and "cross from pageable memory" in limited.pinned_line()
+    assert "of blocks unpinned: slower" in limited.summary()
+    assert limited.to_dict()["pinnable_bytes"] == streamed // 4
+    assert limited.to_dict()["pageable_bytes"] == limited.pageable_bytes
+    assert limited.predicted_s_per_step > plan.predicted_s_per_step
+    everything = estimate(dataclasses.replace(d, pinnable_bytes=streamed), TRAINABLE, SHAPE, policy,
+                          budget_bytes=int(3.5 * GIB))
+    assert everything.pageable_bytes == 0 and "unpinned" not in everything.summary()
+    assert "pageable" not in everything.to_text()
+    assert everything.predicted_s_per_step == plan.predicted_s_per_step

@@ -413,6 +413,47 @@ def test_whole_block_placement_more_budget_more_resident_blocks_less_streamed_ti
     assert in_row.limit_s == spread.limit_s == pytest.approx(spread.total_s) and spread.total_s < in_row.total_s
 
 
+def test_streamed_blocks_past_the_pin_limit_cross_at_the_pageable_bandwidth():
+    """Windows lets a process lock about half its RAM and ComfyUI keeps its pins within 40 % of it: the ring pins its
+    blocks in forward order, each that still fits (as weight_streaming.WeightStreamer does: tests/unit/
+    test_weight_streaming.py checks the two agree), and the rest cross from pageable memory at its own measured
+    bandwidth. The predicted step prices each copy at its own rate and says how much of the transfer is pageable."""
+    assert time_model.pinned_blocks([3, 3, 1, 3, 0], 5) == {0, 2}  # block 1 does not fit beside 0, block 2 does
+    assert time_model.pinned_blocks([3, 3, 0, 3], None) == {0, 1, 3}  # no limit: every streamed block
+    assert time_model.pinned_blocks([3, 3], 0) == set()  # --disable-pinned-memory
+    forward, bytes_ = [0.1] * 4, [10 ** 9] * 4
+    pinned = time_model.step_time(forward, 0.0, range(4), bytes_, 1e9, slots=2)
+    limited = time_model.step_time(forward, 0.0, range(4), bytes_, 1e9, slots=2, pin_limit_bytes=2 * 10 ** 9,
+                                   pageable_bytes_per_s=5e8)
+    # blocks 0, 1 pinned; 2, 3 pageable. Copied: 2, 3 in forward (0, 1 still in the ring), 0, 1 in backward
+    assert pinned.transfer_s == pytest.approx(4.0) and pinned.pageable_s == 0
+    assert limited.transfer_s == pytest.approx(2 * 2.0 + 2 * 1.0) and limited.pageable_s == pytest.approx(4.0)
+    assert limited.total_s > pinned.total_s and limited.limit_s == pytest.approx(6.0)
+    assert "4.000 s from pageable memory" in limited.describe() and "pageable" not in pinned.describe()
+    default = time_model.step_time(forward, 0.0, range(4), bytes_, 1e9, slots=2, pin_limit_bytes=0)
+    assert default.pageable_s == pytest.approx(4 * 10 ** 9 / time_model.DEFAULT_PAGEABLE_H2D_BYTES_PER_S)
+    # on a plan: the Flux-like description on a 12 GiB budget with 8 GiB left to pin (a 32 GB Windows PC beside
+    # ComfyUI's own pins), and the pageable bandwidth a third of the pinned one
+    d = flux_like()
+    free = plan_auto(d, LORA, SHAPE, OffloadPolicy(), 12 * GIB)
+    tight_d = dataclasses.replace(d, pinnable_bytes=8 * GIB, pageable_h2d_bytes_per_s=25e9 / 3)
+    tight = estimate(tight_d, LORA, SHAPE, free.policy, 12 * GIB, slots=free.stream_slots)
+    sizes = [b.param_bytes if i in free.streamed_blocks else 0 for i, b in enumerate(d.blocks)]
+    kept = time_model.pinned_blocks(sizes, 8 * GIB)
+    assert free.pageable_bytes == 0 and free.pinnable_bytes is None
+    assert tight.pageable_bytes == sum(sizes) - sum(sizes[i] for i in kept) > 0
+    assert tight.predicted_s_per_step > free.predicted_s_per_step and tight.step_time.pageable_s > 0
+    assert "priced in the predicted step" in tight.pinned_line()
+    # the planner weighs it: with the pin limit it chooses another plan (here the block inputs to host RAM, pinned by
+    # torch's own allocator, for more resident blocks: 2.35 s against 2.64 s for the unlimited choice under the limit)
+    chosen = plan_auto(tight_d, LORA, SHAPE, OffloadPolicy(), 12 * GIB)
+    assert chosen.fits and chosen.policy != free.policy
+    assert chosen.predicted_s_per_step < 0.95 * tight.predicted_s_per_step
+    # a CPU run pins nothing and crosses nothing: the limit is not applied
+    on_cpu = estimate(dataclasses.replace(tight_d, compute_device="cpu"), LORA, SHAPE, free.policy, 12 * GIB)
+    assert on_cpu.pageable_bytes == 0 and on_cpu.pinnable_bytes is None
+
+
 def test_a_plan_far_slower_than_a_card_holding_the_whole_run_says_so():
     """Issue 42 item 3: a placement that fits only with the trained weights and the optimizer in host RAM is offered,
     but its summary, reason and JSON say how much slower than a card that holds the whole run it is predicted, and

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from headroom.training.memory.activation_offload import enable_offloaded_checkpointing
+from headroom.training.memory import time_model
 from headroom.training.memory.checkpointing import wrap_blocks
 from headroom.training.memory.weight_streaming import WeightStreamer, stream_blocks
 
@@ -426,6 +427,9 @@ def test_pinning_stops_at_its_limit_and_the_rest_streams_pageable(monkeypatch, c
     with caplog.at_level("WARNING"):
         with WeightStreamer(blocks, "cpu", exercise_on_cpu=True, pin_limit_bytes=int(2.5 * nbytes)) as streamer:
             assert [b.registered for b in streamer._blocks] == [True, True, False, False]
+            # the time model's price of the step counts the same blocks pageable (time_model.pinned_blocks)
+            assert {i for i, b in enumerate(streamer._blocks) if b.registered} == \
+                time_model.pinned_blocks([b.nbytes for b in streamer._blocks], int(2.5 * nbytes))
             assert streamer.pinned_bytes == 2 * nbytes and streamer.pageable_blocks == 2
             got = train(blocks, checkpointing=enable_checkpointing)
     assert calls == [nbytes, nbytes, -nbytes, -nbytes] and streamer.pinned_bytes == 0  # unpinned at detach

@@ -1,10 +1,10 @@
 """Per-block checkpointing whose saved block inputs live in host RAM (policy checkpointing="blocks_cpu_offload").
 
 Non-reentrant `torch.utils.checkpoint` keeps, per checkpointed block, only the block's inputs; it saves the
-positional tensor inputs through autograd's saved-tensor mechanism, so torch's own
-`torch.autograd.graph.save_on_cpu(pin_memory=True)` around the call moves exactly those inputs to (pinned)
-host RAM and brings them back when backward recomputes the block. Everything the block saves *inside* the
-checkpoint is handled by the checkpoint itself (dropped, recomputed), so save_on_cpu never sees it.
+positional tensor inputs through autograd's saved-tensor mechanism, so saved-tensor hooks around the call (torch's
+`save_on_cpu(pin_memory=True)`, with a fallback to pageable RAM where the driver refuses to pin: `_to_host`) move
+exactly those inputs to (pinned) host RAM and bring them back when backward recomputes the block. Everything the block saves *inside* the
+checkpoint is handled by the checkpoint itself (dropped, recomputed), so the hooks never see it.
 
 Tensors passed as keyword arguments are not saved that way (the checkpoint keeps them in its closure), and
 ComfyUI calls many blocks with keywords (Flux: `block(img=..., txt=..., vec=..., pe=...)`), so the
@@ -14,7 +14,7 @@ Blocks that update their inputs in place (Flux) are first protected by `checkpoi
 inplace_inputs=True)`; the protection works through saved-tensor hooks of its own, which would override the
 non-reentrant checkpoint's (nothing recomputed, nothing offloaded). Such a protected forward is therefore
 checkpointed reentrantly, exactly as wrap_blocks does (`checkpointing.checkpoint_inplace_safe`): that
-checkpoint saves its tensor inputs with `save_for_backward`, so the same save_on_cpu moves them to host RAM.
+checkpoint saves its tensor inputs with `save_for_backward`, so the same hooks move them to host RAM.
 
 On the CPU there is nowhere to offload to: no hooks are installed, so it is exactly plain checkpointing
 (autograd's own check for inputs modified in place included, which a saved-tensor hook would bypass).
@@ -24,6 +24,7 @@ wrapped there (its in-place input protection) is wrapped once more and put back 
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Callable, Iterable, Sequence
 
 import torch
@@ -31,13 +32,44 @@ from torch.utils.checkpoint import checkpoint
 
 from .checkpointing import (replaying, checkpoint_inplace_safe, modules_at_depth, protects_inplace_inputs,
                             recomputed_block_bytes)
+from . import pinned_host
 from .cost import FeatureCost
+
+
+_refused_said = False  # a refused pin is logged once per process
+
+
+def _to_host(tensor: torch.Tensor) -> tuple[torch.device, torch.Tensor]:
+    """torch's save_on_cpu(pin_memory=True) pack, but where the driver refuses to pin (Windows lets a process lock
+    about half of its RAM, and ComfyUI and the weight streamer pin up to 40 % of it) or ComfyUI runs with
+    --disable-pinned-memory (pinned_host.py) the input waits in pageable host RAM, its copies then synchronous, instead
+    of the step stopping with "CUDA error: out of memory". torch's save_on_cpu has no such fallback, hence these
+    hooks."""
+    global _refused_said
+    pinnable = torch.cuda.is_available() and not tensor.is_sparse and pinned_host.allowed()
+    packed = pinned_host.host_empty(tensor.size(), tensor.dtype, pinnable, tensor.layout)
+    if pinnable and not packed.is_pinned() and not _refused_said:
+        _refused_said = True
+        logging.warning("Headroom: checkpointing blocks_cpu_offload: the driver refused to pin more host RAM; block "
+                        "inputs wait in pageable RAM, slower")
+    packed.copy_(tensor, non_blocking=packed.is_pinned())
+    return tensor.device, packed
+
+
+def _to_device(saved: tuple[torch.device, torch.Tensor]) -> torch.Tensor:
+    device, packed = saved
+    return packed.to(device, non_blocking=packed.is_pinned())
+
+
+def pinned_or_pageable_offload() -> contextlib.AbstractContextManager:
+    """Saved-tensor hooks moving what is saved to host RAM (pinned where the driver allows) and back for backward."""
+    return torch.autograd.graph.saved_tensors_hooks(_to_host, _to_device)
 
 
 def _default_offload_hooks(tensors: list[torch.Tensor]) -> contextlib.AbstractContextManager:
     if all(t.device.type == "cpu" for t in tensors):
         return contextlib.nullcontext()
-    return torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
+    return pinned_or_pageable_offload()
 
 
 def offloaded_checkpoint(forward: Callable, args: tuple, kwargs: dict,

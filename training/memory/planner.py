@@ -151,6 +151,11 @@ class ModelDescription:
     outside_forward_s: ActivationLaw = ActivationLaw()
     compute_device: str = "cuda"
     h2d_bytes_per_s: float = 0.0
+    # The pageable host->device bandwidth there (0: the default), and the host RAM the run's streamed blocks may pin
+    # (ComfyUI's pinned-memory share, what it leaves: the bridge's pinnable_host_bytes; None: no limit known). The
+    # streamed blocks past it cross at the pageable bandwidth (time_model.pinned_blocks).
+    pageable_h2d_bytes_per_s: float = 0.0
+    pinnable_bytes: int | None = None
     # The latent area the block forward times were measured at (time_blocks: the run's, batch 1); 0: fitted from the
     # calibration forwards (tiny sizes, extrapolated) or not measured.
     timed_at_area: int = 0
@@ -426,10 +431,11 @@ class Plan:
     # plan_auto: why the step is predicted SLOW_STEP_RATIO times or more that of a card holding the whole run
     # ("": it is not)
     slow: str = ""
-    # The host RAM the run may pin for its streamed blocks (ComfyUI's pinned-memory share, what it leaves: the bridge's
-    # pinnable_host_bytes; None: not known, or nothing crosses). Blocks past it cross from pageable memory, which the
-    # predicted step does not price (pinned_line says so).
+    # The host RAM the run may pin for its streamed blocks (ModelDescription.pinnable_bytes; None: not known, or nothing
+    # crosses), and the streamed block bytes past it, which cross from pageable memory: slower, and priced so in the
+    # predicted step (pinned_line says so).
     pinnable_bytes: int | None = None
+    pageable_bytes: int = 0
 
     @property
     def predicted_s_per_step(self) -> float | None:
@@ -525,19 +531,14 @@ class Plan:
             text += f" - SLOW: {self.slow}"
         return text + (" - DOES NOT FIT" if self.fits is False else "")
 
-    @property
-    def pageable_bytes(self) -> int:
-        """Streamed block bytes past what the run may pin (0: every streamed block pinned, or not known)."""
-        streamed = self.host_bytes.get("streamed block weights", 0)
-        return 0 if self.pinnable_bytes is None else max(0, streamed - self.pinnable_bytes)
-
     def pinned_line(self) -> str:
         """What of the streamed blocks crosses from pageable memory, when some does ("" otherwise)."""
         if not self.pageable_bytes:
             return ""
         return (f"pinned memory: ComfyUI's share leaves {format_bytes(self.pinnable_bytes)} to pin, so "
-                f"{format_bytes(self.pageable_bytes)} of the streamed blocks cross from pageable memory, slower than "
-                "the predicted step (Windows pins at most 40 % of the RAM; base_storage fp8 halves what streams)")
+                f"{format_bytes(self.pageable_bytes)} of the streamed blocks cross from pageable memory, slower "
+                "(priced in the predicted step; Windows pins at most 40 % of the RAM; base_storage fp8 halves what "
+                "streams)")
 
     def placement_line(self) -> str:
         """Where the frozen base is in training and in validation, when the two differ ("" otherwise)."""
@@ -791,6 +792,9 @@ def estimate(description: ModelDescription, trainable: TrainableSpec, shape: Run
     # The time model (time_model.py): compute and the ring's copies overlap; the optimizer step, the first copy and
     # the copies queued on the compute stream (`crossing`: offloaded inputs, trained weights, streamed state) do not.
     h2d = description.h2d()
+    streamed_bytes = [block_weights[i] if i in set(streamed) else 0 for i in range(len(blocks))]
+    pin_limit = description.pinnable_bytes if h2d is not None else None
+    pinned = time_model.pinned_blocks(streamed_bytes, pin_limit)
     crossing = 0
     if policy.checkpointing == "blocks_cpu_offload":
         crossing += 2 * int(sum(inputs[i] for i in checkpointed))  # block inputs to host RAM and back
@@ -804,16 +808,19 @@ def estimate(description: ModelDescription, trainable: TrainableSpec, shape: Run
     step = time_model.step_time(
         description.forward_seconds(area, tokens, batch, storage),
         description.outside_forward_s.at(area, tokens) * batch, checkpointed,
-        [block_weights[i] if i in set(streamed) else 0 for i in range(len(blocks))], h2d, crossing,
+        streamed_bytes, h2d, crossing,
         time_model.optimizer_step_s(trainable.weight_bytes(), trainable.optimizer_bytes(), host_step,
                                     description.compute_device, h2d, host_rate, trainable.param_count),
-        description.timed, slots, [b.backward_per_forward for b in blocks], description.outside_backward_per_forward)
+        description.timed, slots, [b.backward_per_forward for b in blocks], description.outside_backward_per_forward,
+        pin_limit, description.pageable_h2d_bytes_per_s or None)
     if description.timed_at_area:
         step = dataclasses.replace(step, timed_at_run_size=description.timed_at_area == area)
     return Plan(policy, [cache_text, cache_vae, training, validation, decode, save], budget_bytes, host_bytes=host,
                 base_device_bytes=base_device, validation_base_device_bytes=validation_device,
                 host_added=host_added, host_room=host_room, step_time=step, checkpointed_blocks=tuple(checkpointed),
-                resident_blocks=tuple(resident), streamed_blocks=tuple(streamed), stream_slots=slots)
+                resident_blocks=tuple(resident), streamed_blocks=tuple(streamed), stream_slots=slots,
+                pinnable_bytes=pin_limit,
+                pageable_bytes=sum(size for i, size in enumerate(streamed_bytes) if size and i not in pinned))
 
 
 def planned_room(policy: OffloadPolicy, budget_bytes: int) -> int:

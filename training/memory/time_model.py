@@ -17,7 +17,9 @@
   each block's measured ratio of backward to forward times its forward (timed with the forward at the run's size,
   once per kind of block: BlockProfile.backward_per_forward), else BACKWARD_PER_FORWARD. A block with no measured
   time is costed at reading its weights once (weight bytes / device memory bandwidth): the least a forward can take.
-- transfer: the bytes crossing between host and device in a step over the pinned host->device bandwidth: each
+- transfer: the bytes crossing between host and device in a step over the pinned host->device bandwidth (a streamed
+  block past what the run may pin - ComfyUI's pinned-memory share, Windows: 40 % of the RAM - over the pageable
+  bandwidth, measured alike: `pinned_blocks` says which, as the streamer pins them): each
   streamed block twice (its forward, and its recompute in backward: a streamed block is always checkpointed), less
   the blocks still in the ring's slots at a turn (the last `slots` streamed blocks at forward -> backward, the
   first `slots` at the next step's forward), offloaded block inputs there and back, a full fine-tune's trained
@@ -50,6 +52,9 @@ import torch
 BACKWARD_PER_FORWARD = 1.5
 # Pinned host->device copies over PCIe 4.0 x16 in practice (about 25 GB/s peak); measured on CUDA when planning.
 DEFAULT_H2D_BYTES_PER_S = 20e9
+# Pageable host->device copies: the driver stages them through its own pinned buffer, a copy at a time; about half the
+# pinned figure on the PCs we know of (measured on CUDA when planning, as the pinned one).
+DEFAULT_PAGEABLE_H2D_BYTES_PER_S = 10e9
 # Memory bandwidth for the bandwidth-bound estimates (the optimizer step on a card, a block's forward when none is
 # measured): a current GPU's HBM/GDDR order of magnitude, and a desktop's host RAM.
 DEVICE_BYTES_PER_S = {"cuda": 1e12, "cpu": 2e10}
@@ -73,6 +78,7 @@ class StepTime:
     timed: bool = True  # block times measured (False: estimated from weight bytes)
     pipeline_s: float | None = None  # per block max(compute, copy), summed (None: compute_s)
     serial_s: float = 0.0  # the part of transfer_s queued on the compute stream (not overlapped: added)
+    pageable_s: float = 0.0  # the part of transfer_s copying streamed blocks from pageable memory (past the pin limit)
     # Block times measured at this step's latent size (planner.time_blocks) rather than fitted from the calibration's
     # tiny forwards and extrapolated
     timed_at_run_size: bool = False
@@ -101,7 +107,9 @@ class StepTime:
         return {**dataclasses.asdict(self), "total_s": self.total_s, "limit_s": self.limit_s, "bound": self.bound}
 
     def describe(self) -> str:
-        serial = f" ({self.serial_s:.3f} s of it on the compute stream)" if self.serial_s else ""
+        parts = [f"{self.serial_s:.3f} s of it on the compute stream" if self.serial_s else "",
+                 f"{self.pageable_s:.3f} s from pageable memory" if self.pageable_s else ""]
+        serial = f" ({', '.join(p for p in parts if p)})" if any(parts) else ""
         text = (f"predicted {self.total_s:.3f} s/step ({self.bound}-bound: compute {self.compute_s:.3f} s incl. "
                 f"recompute {self.recompute_s:.3f} s, transfer {self.transfer_s:.3f} s{serial}; + optimizer "
                 f"{self.optimizer_s:.3f} s, fill {self.fill_s:.3f} s; physical limit {self.limit_s:.3f} s)")
@@ -115,6 +123,17 @@ def ring_fetches(streamed_block_bytes: Sequence[int], slots: int) -> tuple[list[
     not copied again (weight_streaming.py): the first `slots` streamed blocks in forward, the last in backward."""
     streamed = [i for i, size in enumerate(streamed_block_bytes) if size > 0]
     return streamed[slots:], streamed[:max(0, len(streamed) - slots)]
+
+
+def pinned_blocks(streamed_block_bytes: Sequence[int], limit_bytes: int | None) -> set[int]:
+    """The streamed blocks the ring pins within `limit_bytes` (None: every one), as weight_streaming.WeightStreamer
+    pins them: in forward order, each block that still fits beside those pinned before it; the rest stay pageable."""
+    pinned, total = set(), 0
+    for i, size in enumerate(streamed_block_bytes):
+        if size > 0 and (limit_bytes is None or total + size <= limit_bytes):
+            pinned.add(i)
+            total += size
+    return pinned
 
 
 def ring_pass(order: Sequence[int], compute_s: Sequence[float], copy_s: Sequence[float], streamed: set[int],
@@ -139,13 +158,16 @@ def ring_pass(order: Sequence[int], compute_s: Sequence[float], copy_s: Sequence
 def step_time(forward_s: Sequence[float], outside_forward_s: float, checkpointed: Sequence[int],
               streamed_block_bytes: Sequence[int], h2d_bytes_per_s: float | None, serial_transfer_bytes: int = 0,
               optimizer_s: float = 0.0, timed: bool = True, slots: int = 2,
-              backward_per_forward: Sequence[float] = (), outside_backward_per_forward: float = 0.0) -> StepTime:
+              backward_per_forward: Sequence[float] = (), outside_backward_per_forward: float = 0.0,
+              pin_limit_bytes: int | None = None, pageable_bytes_per_s: float | None = None) -> StepTime:
     """The predicted step. `forward_s`: each block's forward (batch included); `checkpointed`: the indices
     recomputed in backward; `streamed_block_bytes`: per block, the bytes streamed from host RAM (one copy; 0: a
     resident block); `h2d_bytes_per_s` None: nothing crosses (a CPU); `serial_transfer_bytes`: further bytes crossing
     per step on the compute stream (not overlapped); `slots`: the ring's device slots (weight_streaming.WeightStreamer);
     `backward_per_forward`: per block its backward's seconds per forward second, measured (planner.time_blocks; 0 or
-    missing: BACKWARD_PER_FORWARD), and the same for the work outside the blocks."""
+    missing: BACKWARD_PER_FORWARD), and the same for the work outside the blocks; `pin_limit_bytes`: the host RAM the
+    ring may pin (None: all of it; the blocks past it copy at `pageable_bytes_per_s`, None:
+    DEFAULT_PAGEABLE_H2D_BYTES_PER_S)."""
     ratios = [r if r > 0 else BACKWARD_PER_FORWARD for r in
               (*backward_per_forward[:len(forward_s)], *[0.0] * (len(forward_s) - len(backward_per_forward)))]
     outside_ratio = outside_backward_per_forward if outside_backward_per_forward > 0 else BACKWARD_PER_FORWARD
@@ -155,7 +177,9 @@ def step_time(forward_s: Sequence[float], outside_forward_s: float, checkpointed
     if h2d_bytes_per_s is None:
         return StepTime(compute, recompute, 0.0, optimizer_s, 0.0, timed, compute)
     forward_copies, backward_copies = (set(part) for part in ring_fetches(streamed_block_bytes, slots))
-    copy = [size / h2d_bytes_per_s for size in streamed_block_bytes]
+    pinned = pinned_blocks(streamed_block_bytes, pin_limit_bytes)
+    pageable_rate = pageable_bytes_per_s or DEFAULT_PAGEABLE_H2D_BYTES_PER_S
+    copy = [size / (h2d_bytes_per_s if i in pinned else pageable_rate) for i, size in enumerate(streamed_block_bytes)]
     streamed = {i for i, size in enumerate(streamed_block_bytes) if size > 0}
     recomputed = set(checkpointed)
     n = len(forward_s)
@@ -165,9 +189,11 @@ def step_time(forward_s: Sequence[float], outside_forward_s: float, checkpointed
                             streamed, slots)
                 + ring_pass(range(n - 1, -1, -1), backward,
                             [c if i in backward_copies else 0.0 for i, c in enumerate(copy)], streamed, slots))
-    crossing = sum(streamed_block_bytes[i] for i in (*forward_copies, *backward_copies)) + serial_transfer_bytes
-    return StepTime(compute, recompute, crossing / h2d_bytes_per_s, optimizer_s, 0.0, timed, pipeline,
-                    serial_transfer_bytes / h2d_bytes_per_s)
+    copies = [copy[i] for i in (*forward_copies, *backward_copies)]
+    pageable = sum(copy[i] for i in (*forward_copies, *backward_copies) if i not in pinned)
+    serial = serial_transfer_bytes / h2d_bytes_per_s
+    return StepTime(compute, recompute, sum(copies) + serial, optimizer_s, 0.0, timed, pipeline, serial,
+                    pageable_s=pageable)
 
 
 def optimizer_step_s(weight_bytes: int, state_bytes: int, on_host: bool, device_type: str,
@@ -194,8 +220,8 @@ def fit_seconds(areas: Sequence[float], seconds: Sequence[float]) -> tuple[float
 
 
 @functools.lru_cache(maxsize=None)
-def _measured_h2d(device: str) -> float:
-    source = torch.empty(H2D_PROBE_BYTES, dtype=torch.uint8, pin_memory=True)
+def _measured_h2d(device: str, pinned: bool = True) -> float:
+    source = torch.empty(H2D_PROBE_BYTES, dtype=torch.uint8, pin_memory=pinned)
     target = torch.empty(H2D_PROBE_BYTES, dtype=torch.uint8, device=device)
     target.copy_(source, non_blocking=True)  # warm-up: the first copy pays for setting the path up
     torch.cuda.synchronize(device)
@@ -218,3 +244,17 @@ def h2d_bytes_per_s(device: torch.device | str) -> float | None:
         return _measured_h2d(str(device))
     except (RuntimeError, torch.cuda.OutOfMemoryError):
         return DEFAULT_H2D_BYTES_PER_S
+
+
+def pageable_h2d_bytes_per_s(device: torch.device | str) -> float | None:
+    """Pageable host->device bandwidth for `device` (the streamed blocks past the pin limit): as h2d_bytes_per_s, from
+    a 256 MiB pageable buffer; DEFAULT_PAGEABLE_H2D_BYTES_PER_S where it is not measured."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return None
+    if device.type != "cuda":
+        return DEFAULT_PAGEABLE_H2D_BYTES_PER_S
+    try:
+        return _measured_h2d(str(device), pinned=False)
+    except (RuntimeError, torch.cuda.OutOfMemoryError):
+        return DEFAULT_PAGEABLE_H2D_BYTES_PER_S

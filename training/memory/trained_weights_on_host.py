@@ -57,6 +57,7 @@ from typing import Sequence
 
 import torch
 
+from . import pinned_host
 from .checkpointing import recomputing
 from .cost import FeatureCost
 
@@ -95,12 +96,9 @@ def to_compute(tensor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 def host_buffer(numel: int, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
-    """A flat host buffer, pinned where asked and the driver allows (Windows locks about half of the RAM at most);
-    else pageable, its copies then synchronous."""
-    try:
-        return torch.empty(numel, dtype=dtype, pin_memory=pinned)
-    except RuntimeError:  # the driver refuses to lock more host RAM
-        return torch.empty(numel, dtype=dtype)
+    """A flat host buffer, pinned where asked, allowed and the driver agrees (pinned_host.py); else pageable, its
+    copies then synchronous."""
+    return pinned_host.host_empty(numel, dtype, pinned)
 
 
 class _Buffer:

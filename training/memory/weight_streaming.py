@@ -70,6 +70,7 @@ import torch
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from . import pinned_host
 from .cost import FeatureCost
 
 ALIGN = 256  # bytes: each tensor's offset in a packed block (kernels' vector loads want aligned weights)
@@ -455,7 +456,7 @@ class WeightStreamer:
         return result
 
     def _pins_host_copies(self) -> bool:
-        return self.device.type == "cuda" and self.pin_host_copies
+        return self.device.type == "cuda" and self.pin_host_copies and pinned_host.allowed()
 
     @staticmethod
     def _packed_already(laid: list[_Tensor], nbytes: int) -> torch.Tensor | None:

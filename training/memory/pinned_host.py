@@ -1,0 +1,37 @@
+"""Pinned host RAM where the user and the driver allow it, else pageable.
+
+Host buffers a CUDA run copies from or to (the weight streamer's blocks, the staging buffers of trained weights and
+streamed state, fused backward's host copies, offloaded block inputs) are pinned so the copies are DMA, asynchronous.
+Two things stop that, and torch's `pin_memory=True` handles neither (it raises):
+- the user: ComfyUI's `--disable-pinned-memory` is one switch for the process; the bridge mirrors it here
+  (`set_allowed`, from comfy_bridge's training attach) so Headroom pins nothing either;
+- the driver: Windows lets a process lock about half of its RAM, and ComfyUI and the weight streamer pin up to 40 %
+  of it; a refused buffer stays pageable, its copies then synchronous (slower, not a stopped step).
+"""
+from __future__ import annotations
+
+import torch
+
+_allowed = True
+
+
+def set_allowed(allowed: bool) -> None:
+    """Pin host buffers (True, the default) or never (ComfyUI started with --disable-pinned-memory)."""
+    global _allowed
+    _allowed = bool(allowed)
+
+
+def allowed() -> bool:
+    return _allowed
+
+
+def host_empty(size: torch.Size | tuple[int, ...] | int, dtype: torch.dtype, pinned: bool,
+               layout: torch.layout = torch.strided) -> torch.Tensor:
+    """An empty host tensor, pinned where asked, allowed and the driver agrees; else pageable. (The refused pin's CUDA
+    error is consumed by torch's own check, which raised it.) `.is_pinned()` says which it got."""
+    if pinned and _allowed:
+        try:
+            return torch.empty(size, dtype=dtype, layout=layout, pin_memory=True)
+        except RuntimeError:  # the driver refuses to lock more host RAM
+            pass
+    return torch.empty(size, dtype=dtype, layout=layout)
