@@ -108,7 +108,9 @@ def _pretrained_file(family: str) -> dict:
     if not path.is_file():
         raise FileNotFoundError(f"{NODE}: the pretrained weights {path} are missing; regenerate them with "
                                 "`python workflows/pretrain_tiny.py` (or use weights='random')")
-    return comfy.utils.load_torch_file(str(path), safe_load=True)
+    # Copied out of the file's memory map (7 MB): kept mapped for the process, Windows would refuse to replace the
+    # file while ComfyUI runs, and an update of the pack (ComfyUI-Manager's git pull) that changes it would fail.
+    return {key: tensor.clone() for key, tensor in comfy.utils.load_torch_file(str(path), safe_load=True).items()}
 
 
 def pretrained_state_dict(family: str, prefix: str) -> dict:

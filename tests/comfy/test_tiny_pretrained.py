@@ -66,6 +66,27 @@ def test_pretrained_weights_load_through_comfyui_and_match_the_file(comfyui):
                                                    model.model.diffusion_model.state_dict().values()))
 
 
+@pytest.mark.skipif(not pathlib.Path("/proc/self/maps").is_file(), reason="reads the process's file mappings (Linux)")
+def test_the_pretrained_file_is_not_kept_mapped(comfyui):
+    """On Windows a mapped file cannot be replaced: an update of the pack (ComfyUI-Manager's git pull while ComfyUI
+    runs) that changes the shipped weights would fail. The weights are copied out of the map, which then closes."""
+    import gc
+
+    from headroom.nodes.bridge.tiny_models import PRETRAINED_FILES, build_tiny_models
+
+    models = build_tiny_models("sd15", weights="pretrained")
+    gc.collect()
+    mapped = pathlib.Path("/proc/self/maps").read_text()
+    assert models[0] is not None and str(PRETRAINED_FILES["sd15"].resolve()) not in mapped
+    # nor is any other file of the pack held open or mapped (docs/WINDOWS.md says updating while ComfyUI runs works)
+    pack = pathlib.Path(__file__).resolve().parents[2]
+    held = [str(p.resolve()) for p in pathlib.Path("/proc/self/fd").iterdir() if p.exists()]
+    held += [line.split(maxsplit=5)[-1] for line in mapped.splitlines() if len(line.split()) == 6]
+    ours = [h for h in held if h.startswith(str(pack) + "/")
+            and not h[len(str(pack)):].startswith(("/.venv", "/tests/"))]
+    assert ours == []
+
+
 def test_pretrained_only_for_sd15_with_a_clear_error(comfyui):
     from headroom.nodes.bridge.tiny_models import build_tiny_models
 
