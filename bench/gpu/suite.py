@@ -545,9 +545,8 @@ def allocator_deltas(counters: list[dict | None], steps: int, per_step: list[dic
 
 
 def h2d_bandwidth(dry_run: bool) -> dict:
-    """Pinned and pageable host->device bandwidth, measured once each (time_model.h2d_bytes_per_s and
-    pageable_h2d_bytes_per_s: what the planner uses; pageable prices the streamed blocks past the pin limit); none on
-    the CPU (nothing crosses)."""
+    """Pinned and pageable host->device bandwidth, measured once each (time_model.h2d_bytes_per_s: what the planner
+    uses; pageable prices the streamed blocks past the pin limit); none on the CPU (nothing crosses)."""
     from headroom.training.memory import time_model
 
     if dry_run or not torch.cuda.is_available():
@@ -555,7 +554,7 @@ def h2d_bandwidth(dry_run: bool) -> dict:
                 "probe_bytes": time_model.H2D_PROBE_BYTES, "note": "no CUDA device: nothing crosses"}
     device = torch.device("cuda")
     return {"status": "ok", "h2d_bytes_per_s": time_model.h2d_bytes_per_s(device),
-            "pageable_h2d_bytes_per_s": time_model.pageable_h2d_bytes_per_s(device),
+            "pageable_h2d_bytes_per_s": time_model.h2d_bytes_per_s(device, pinned=False),
             "probe_bytes": time_model.H2D_PROBE_BYTES}
 
 

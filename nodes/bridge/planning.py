@@ -362,7 +362,7 @@ def describe_comfy_model(patcher, adapter: AdapterConfig, precision: str = "bf16
         outside_backward_per_forward=0.0 if timed is None else timed.outside_backward_per_forward,
         h2d_bytes_per_s=float(time_model.h2d_bytes_per_s(device) or 0.0),
         # and what the run may pin for its streamed blocks, the rest crossing at the pageable bandwidth
-        pageable_h2d_bytes_per_s=float(time_model.pageable_h2d_bytes_per_s(device) or 0.0),
+        pageable_h2d_bytes_per_s=float(time_model.h2d_bytes_per_s(device, pinned=False) or 0.0),
         pinnable_bytes=pinnable_host_bytes() if device.type == "cuda" else None,
         quantized_layers=len(quantized_layers(model)),
     )

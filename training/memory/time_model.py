@@ -232,29 +232,17 @@ def _measured_h2d(device: str, pinned: bool = True) -> float:
     return 3 * H2D_PROBE_BYTES / (time.perf_counter() - started)
 
 
-def h2d_bytes_per_s(device: torch.device | str) -> float | None:
-    """Pinned host->device bandwidth for `device`: measured once per process on CUDA (a 256 MiB pinned copy), None on
-    a CPU (nothing crosses), DEFAULT_H2D_BYTES_PER_S elsewhere or when measuring fails."""
+def h2d_bytes_per_s(device: torch.device | str, pinned: bool = True) -> float | None:
+    """Host->device bandwidth for `device` from pinned host RAM (or pageable: the streamed blocks past the pin limit):
+    measured once per process on CUDA (a 256 MiB copy), None on a CPU (nothing crosses), DEFAULT_H2D_BYTES_PER_S
+    (DEFAULT_PAGEABLE_H2D_BYTES_PER_S) elsewhere or when measuring fails."""
     device = torch.device(device)
+    default = DEFAULT_H2D_BYTES_PER_S if pinned else DEFAULT_PAGEABLE_H2D_BYTES_PER_S
     if device.type == "cpu":
         return None
     if device.type != "cuda":
-        return DEFAULT_H2D_BYTES_PER_S
+        return default
     try:
-        return _measured_h2d(str(device))
+        return _measured_h2d(str(device), pinned)
     except (RuntimeError, torch.cuda.OutOfMemoryError):
-        return DEFAULT_H2D_BYTES_PER_S
-
-
-def pageable_h2d_bytes_per_s(device: torch.device | str) -> float | None:
-    """Pageable host->device bandwidth for `device` (the streamed blocks past the pin limit): as h2d_bytes_per_s, from
-    a 256 MiB pageable buffer; DEFAULT_PAGEABLE_H2D_BYTES_PER_S where it is not measured."""
-    device = torch.device(device)
-    if device.type == "cpu":
-        return None
-    if device.type != "cuda":
-        return DEFAULT_PAGEABLE_H2D_BYTES_PER_S
-    try:
-        return _measured_h2d(str(device), pinned=False)
-    except (RuntimeError, torch.cuda.OutOfMemoryError):
-        return DEFAULT_PAGEABLE_H2D_BYTES_PER_S
+        return default
