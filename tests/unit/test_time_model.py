@@ -63,7 +63,7 @@ def test_the_step_is_the_per_block_pipeline_or_the_transfer_plus_what_does_not_o
                                   optimizer_s=0.01, slots=2)
     assert serial.transfer_s == pytest.approx(2.5) and serial.serial_s == pytest.approx(0.5)
     assert serial.total_s == pytest.approx(t.total_s + 0.5) and serial.limit_s == pytest.approx(2.5)
-    assert "0.500 s of it on the compute stream" in serial.describe()
+    assert "0.500 s of it not overlapped" in serial.describe()
     roomy = time_model.step_time(forward, 0.05, [0, 1, 2], bytes_, 1e9, optimizer_s=0.01, slots=3)
     assert roomy.transfer_s == 0 and roomy.total_s == pytest.approx(roomy.compute_s + 0.01)  # all stay in the ring
     cpu = time_model.step_time([0.1, 0.2], 0.05, [1], [10 ** 9, 0], None, optimizer_s=0.01)
@@ -430,6 +430,15 @@ def test_streamed_blocks_past_the_pin_limit_cross_at_the_pageable_bandwidth():
     assert limited.transfer_s == pytest.approx(2 * 2.0 + 2 * 1.0) and limited.pageable_s == pytest.approx(4.0)
     assert limited.total_s > pinned.total_s and limited.limit_s == pytest.approx(6.0)
     assert "4.000 s from pageable memory" in limited.describe() and "pageable" not in pinned.describe()
+    # A pageable copy holds the CPU, which queues nothing meanwhile. Forward: block 2's copy (2 s), started after block
+    # 1 is queued, overlaps block 1 only; block 3's overlaps block 2: 0.4 + 2 x 1.9 = 4.2 s. Backward (0.25 s a block:
+    # 1.5 x forward + the recompute) copies the pinned blocks 1 and 0 through the ring: 2.5 s.
+    assert limited.pipeline_s == pytest.approx(4.2 + 2.5) and limited.total_s == pytest.approx(6.7)
+    # Every block pageable: backward's copies are serial too (before_backward starts the next copy before queueing its
+    # own block, into the slot the block running now frees): 4.2 + 4 x 0.25 + 2 x 2 = 9.2 s
+    unpinned = time_model.step_time(forward, 0.0, range(4), bytes_, 1e9, slots=2, pin_limit_bytes=0,
+                                    pageable_bytes_per_s=5e8)
+    assert unpinned.serial_s == pytest.approx(4.0) and unpinned.total_s == pytest.approx(9.2)
     default = time_model.step_time(forward, 0.0, range(4), bytes_, 1e9, slots=2, pin_limit_bytes=0)
     assert default.pageable_s == pytest.approx(4 * 10 ** 9 / time_model.DEFAULT_PAGEABLE_H2D_BYTES_PER_S)
     # on a plan: the Flux-like description on a 12 GiB budget with 8 GiB left to pin (a 32 GB Windows PC beside

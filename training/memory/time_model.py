@@ -25,7 +25,9 @@
   first `slots` at the next step's forward), offloaded block inputs there and back, a full fine-tune's trained
   weights in host RAM (in for forward and backward, the update back), streamed optimizer state (in and back). On a
   CPU nothing crosses.
-- the ring's copies overlap compute (copied ahead on a side stream while blocks compute); the others are `serial`:
+- the ring's copies overlap compute (copied ahead on a side stream while blocks compute), but those from pageable
+  memory hold the CPU, which queues nothing meanwhile: in forward each overlaps one block, in backward none (added to
+  `serial`); the others are `serial` too:
   queued on the compute stream just before the layer that needs them (trained_weights_on_host.Crossings, the
   streamed state's rings, save_on_cpu's offloaded inputs), so the card computes nothing meanwhile and they add to
   the step. The physical limit of a streamed step is max(compute + optimizer, transfer) (`StepTime.limit_s`: every
@@ -77,7 +79,7 @@ class StepTime:
     fill_s: float
     timed: bool = True  # block times measured (False: estimated from weight bytes)
     pipeline_s: float | None = None  # per block max(compute, copy), summed (None: compute_s)
-    serial_s: float = 0.0  # the part of transfer_s queued on the compute stream (not overlapped: added)
+    serial_s: float = 0.0  # the part of transfer_s not overlapped (on the compute stream, pageable in backward): added
     pageable_s: float = 0.0  # the part of transfer_s copying streamed blocks from pageable memory (past the pin limit)
     # Block times measured at this step's latent size (planner.time_blocks) rather than fitted from the calibration's
     # tiny forwards and extrapolated
@@ -107,7 +109,7 @@ class StepTime:
         return {**dataclasses.asdict(self), "total_s": self.total_s, "limit_s": self.limit_s, "bound": self.bound}
 
     def describe(self) -> str:
-        parts = [f"{self.serial_s:.3f} s of it on the compute stream" if self.serial_s else "",
+        parts = [f"{self.serial_s:.3f} s of it not overlapped" if self.serial_s else "",
                  f"{self.pageable_s:.3f} s from pageable memory" if self.pageable_s else ""]
         serial = f" ({', '.join(p for p in parts if p)})" if any(parts) else ""
         text = (f"predicted {self.total_s:.3f} s/step ({self.bound}-bound: compute {self.compute_s:.3f} s incl. "
@@ -184,16 +186,25 @@ def step_time(forward_s: Sequence[float], outside_forward_s: float, checkpointed
     recomputed = set(checkpointed)
     n = len(forward_s)
     backward = [r * f + (f if i in recomputed else 0.0) for i, (r, f) in enumerate(zip(ratios, forward_s))]
-    pipeline = ((1 + outside_ratio) * outside_forward_s
-                + ring_pass(range(n), forward_s, [c if i in forward_copies else 0.0 for i, c in enumerate(copy)],
+    # The ring's pinned copies overlap as ring_pass plays them. A pageable copy holds the CPU until it is done, so
+    # nothing is queued meanwhile (weight_streaming: forward starts the next copies after queueing its block; backward
+    # before queueing its own): in forward it overlaps only its issuer's block (the streamed block `slots - 1` ahead of
+    # it), in backward nothing (the slot it fills frees when the block queued last ends): serial.
+    order = sorted(streamed)
+    pageable_forward = [i for i in forward_copies if i not in pinned]
+    pageable_backward = [i for i in backward_copies if i not in pinned]
+    held = sum(max(0.0, copy[i] - forward_s[order[order.index(i) - (slots - 1)]]) for i in pageable_forward)
+    pipeline = ((1 + outside_ratio) * outside_forward_s + held
+                + ring_pass(range(n), forward_s,
+                            [c if i in forward_copies and i in pinned else 0.0 for i, c in enumerate(copy)],
                             streamed, slots)
                 + ring_pass(range(n - 1, -1, -1), backward,
-                            [c if i in backward_copies else 0.0 for i, c in enumerate(copy)], streamed, slots))
+                            [c if i in backward_copies and i in pinned else 0.0 for i, c in enumerate(copy)],
+                            streamed, slots))
     copies = [copy[i] for i in (*forward_copies, *backward_copies)]
-    pageable = sum(copy[i] for i in (*forward_copies, *backward_copies) if i not in pinned)
-    serial = serial_transfer_bytes / h2d_bytes_per_s
-    return StepTime(compute, recompute, sum(copies) + serial, optimizer_s, 0.0, timed, pipeline, serial,
-                    pageable_s=pageable)
+    serial = serial_transfer_bytes / h2d_bytes_per_s + sum(copy[i] for i in pageable_backward)
+    return StepTime(compute, recompute, sum(copies) + serial_transfer_bytes / h2d_bytes_per_s, optimizer_s, 0.0,
+                    timed, pipeline, serial, pageable_s=sum(copy[i] for i in (*pageable_forward, *pageable_backward)))
 
 
 def optimizer_step_s(weight_bytes: int, state_bytes: int, on_host: bool, device_type: str,
