@@ -439,6 +439,12 @@ def test_streamed_blocks_past_the_pin_limit_cross_at_the_pageable_bandwidth():
     unpinned = time_model.step_time(forward, 0.0, range(4), bytes_, 1e9, slots=2, pin_limit_bytes=0,
                                     pageable_bytes_per_s=5e8)
     assert unpinned.serial_s == pytest.approx(4.0) and unpinned.total_s == pytest.approx(9.2)
+    # With 3 slots backward starts a pageable copy one block later (weight_streaming._prefetch), so it overlaps the
+    # block queued before: forward copies block 3 over block 1 (0.4 + 1.9), backward block 0 over block 2
+    # (1.0 + 1.75): 5.05 s, nothing serial
+    deeper = time_model.step_time(forward, 0.0, range(4), bytes_, 1e9, slots=3, pin_limit_bytes=0,
+                                  pageable_bytes_per_s=5e8)
+    assert deeper.serial_s == 0 and deeper.total_s == pytest.approx(2.3 + 2.75)
     default = time_model.step_time(forward, 0.0, range(4), bytes_, 1e9, slots=2, pin_limit_bytes=0)
     assert default.pageable_s == pytest.approx(4 * 10 ** 9 / time_model.DEFAULT_PAGEABLE_H2D_BYTES_PER_S)
     # on a plan: the Flux-like description on a 12 GiB budget with 8 GiB left to pin (a 32 GB Windows PC beside

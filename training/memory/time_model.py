@@ -187,13 +187,16 @@ def step_time(forward_s: Sequence[float], outside_forward_s: float, checkpointed
     n = len(forward_s)
     backward = [r * f + (f if i in recomputed else 0.0) for i, (r, f) in enumerate(zip(ratios, forward_s))]
     # The ring's pinned copies overlap as ring_pass plays them. A pageable copy holds the CPU until it is done, so
-    # nothing is queued meanwhile (weight_streaming: forward starts the next copies after queueing its block; backward
-    # before queueing its own): in forward it overlaps only its issuer's block (the streamed block `slots - 1` ahead of
-    # it), in backward nothing (the slot it fills frees when the block queued last ends): serial.
+    # nothing is queued meanwhile (weight_streaming._prefetch): in forward it overlaps only the block that started it
+    # (the streamed block `slots - 1` before it); in backward, with 3 or more slots, only the block queued before the
+    # one that started it (the streamed block `slots - 1` after it), and with 2 slots nothing (its slot frees when the
+    # block running then ends): serial.
     order = sorted(streamed)
     pageable_forward = [i for i in forward_copies if i not in pinned]
     pageable_backward = [i for i in backward_copies if i not in pinned]
     held = sum(max(0.0, copy[i] - forward_s[order[order.index(i) - (slots - 1)]]) for i in pageable_forward)
+    if slots > 2:
+        held += sum(max(0.0, copy[i] - backward[order[order.index(i) + slots - 1]]) for i in pageable_backward)
     pipeline = ((1 + outside_ratio) * outside_forward_s + held
                 + ring_pass(range(n), forward_s,
                             [c if i in forward_copies and i in pinned else 0.0 for i, c in enumerate(copy)],
@@ -202,7 +205,7 @@ def step_time(forward_s: Sequence[float], outside_forward_s: float, checkpointed
                             [c if i in backward_copies and i in pinned else 0.0 for i, c in enumerate(copy)],
                             streamed, slots))
     copies = [copy[i] for i in (*forward_copies, *backward_copies)]
-    serial = serial_transfer_bytes / h2d_bytes_per_s + sum(copy[i] for i in pageable_backward)
+    serial = serial_transfer_bytes / h2d_bytes_per_s + (0.0 if slots > 2 else sum(copy[i] for i in pageable_backward))
     return StepTime(compute, recompute, sum(copies) + serial_transfer_bytes / h2d_bytes_per_s, optimizer_s, 0.0,
                     timed, pipeline, serial, pageable_s=sum(copy[i] for i in (*pageable_forward, *pageable_backward)))
 

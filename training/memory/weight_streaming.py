@@ -27,8 +27,9 @@ The pieces, all made once at `attach` (no allocation in a steady-state step):
 
 Order: forward runs blocks 0..n-1 and keeps the next `slots - 1` streamed blocks in flight (their copies started
 after each block's kernels are queued: a copy from pageable memory, which holds the CPU, then overlaps that block);
-backward (a gradient
-hook on each block's outputs, before checkpointing recomputes the block) runs n-1..0 likewise. A block still in a
+backward (a gradient hook on each block's outputs, before checkpointing recomputes the block) runs n-1..0 likewise,
+but starts its copies before queueing its block, so with 3 or more slots a pageable block is fetched one block later
+than a pinned one (its slot would free only when the block running then ends, the device idle through the copy). A block still in a
 slot is installed without a copy: at the forward -> backward turn the last blocks are still there (backward starts
 with no fetch), and at the next step's forward the first ones. A block run out of order (not in a slot) is fetched
 synchronously into a free slot: correct rather than fast. Copies go host->device only; frozen weights are never
@@ -525,6 +526,12 @@ class WeightStreamer:
         """Keep the next `slots - 1` streamed blocks after `around` (step +1: forward, -1: backward) in slots."""
         order = self._streamed if step > 0 else self._streamed[::-1]
         later = [i for i in order if (i - around) * step > 0][:self.slot_count - 1]
+        if step < 0 and self.slot_count > 2 and self._pins_host_copies():
+            # A copy from pageable memory holds the CPU until it is done. Backward starts copies before queueing its
+            # block, and the deepest one's slot frees only when the block running now ends: started here the device
+            # would idle through it. One block later (within the ring) it overlaps that block instead.
+            later = [i for depth, i in enumerate(later, 1)
+                     if depth < self.slot_count - 1 or self._blocks[i].registered or self._blocks[i].packed.is_pinned()]
         keep = set(later) | {around}
         for index in later:
             if index not in self._slot_of and not self._fetch(index, keep):
