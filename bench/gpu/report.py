@@ -48,7 +48,7 @@ def _gib(value) -> str:
 def _config_key(config: str) -> tuple:
     """Budgets ascending, then resident, then the named policies."""
     card, _, variant = config.partition("-")  # a budget or card, then its variants
-    if card.endswith("GB") and variant in ("", "host", "streamed-state", "ballast"):
+    if card.endswith("GB") and (variant in ("", "host", "streamed-state", "ballast") or variant.startswith("pin")):
         return (0, float(card.removesuffix("GB")), config)
     return (1, 0.0, "") if config == "resident" else (2, 0.0, config)
 

@@ -119,7 +119,8 @@ def plan(models: list[str], budgets: list[float], policies: list[str], full_card
     # the 16 GiB row ran 1.40x resident with the resident policy): "16GB-ballast" (Budget).
     steps += [("lora", m, ["resident", *(["ckpt"] if m == "flux_dev" else []), *map(_config, first),
                            *(["16GB-ballast"] if m == "sdxl" and 16 in first else [])]) for m in head]
-    steps += [("lora", m, list(map(_config, rest))) for m in head if rest]
+    steps += [("lora", m, [*map(_config, rest), *(PIN_ROWS if m == "flux_dev" and 12 in rest else [])])
+              for m in head if rest]
     steps += [("native", m, ["offload_off", "offload_on"]) for m in NATIVE_MODELS if m in models]
     fulls = [f"full-{card:g}GB" for card in full_cards] + [f"full-{card:g}GB-host" for card in full_host_cards]
     streamed_state = [f"full-{card:g}GB-streamed-state" for card in full_streamed_state_cards]
@@ -134,6 +135,39 @@ def plan(models: list[str], budgets: list[float], policies: list[str], full_card
 
 def _config(budget: float) -> str:
     return f"{budget:g}GB"
+
+
+# Flux-dev at 12 GiB on a PC whose pinned-memory share leaves 8 GiB to pin (Windows: ComfyUI's 40 % of a 32 GB PC's
+# RAM, less its own pins): the streamed blocks past it cross from pageable memory, which the time model prices
+# (time_model.pinned_blocks, the pageable bandwidth). Predicted against measured, as the other rows.
+PIN_ROWS = ("12GB-pin8",)
+
+
+def parse_config(config: str) -> tuple[float | None, bool, float | None]:
+    """A LoRA row's config as (budget GiB or None, ballast, GiB left to pin or None): "resident" (None, False, None),
+    "8GB" (8, False, None), "16GB-ballast" (16, True, None), "12GB-pin8" (12, False, 8)."""
+    if "GB" not in config or config.startswith("policy-"):
+        return None, False, None
+    budget, _, variant = config.partition("GB")
+    pin = float(variant.removeprefix("-pin")) if variant.startswith("-pin") else None
+    return float(budget), variant == "-ballast", pin
+
+
+@contextlib.contextmanager
+def pin_share(gib: float | None):
+    """ComfyUI's pinned-memory account set so that `gib` GiB are left to pin (nodes/bridge/planning.pinnable_host_bytes
+    reads MAX_PINNED_MEMORY less TOTAL_PINNED_MEMORY), as on a PC with less RAM; None: as it is."""
+    if gib is None:
+        yield
+        return
+    import comfy.model_management as mm
+
+    saved = mm.MAX_PINNED_MEMORY
+    mm.MAX_PINNED_MEMORY = mm.TOTAL_PINNED_MEMORY + int(gib * GIB)
+    try:
+        yield
+    finally:
+        mm.MAX_PINNED_MEMORY = saved
 
 
 # Issue 41's rows: the streamed step against the resident one and the card's link, measured with the issue's 3 warm-up
@@ -350,19 +384,27 @@ class Budget:
 
 # --- one Headroom LoRA run through the nodes ---------------------------------------------------------------------
 def lora_run(patcher, name: str, config: str, args) -> dict:
-    """Offload Policy -> Memory Plan -> Init -> Steps (warm-up, then the timed steps) -> Validate (loss only)."""
+    """Offload Policy -> Memory Plan -> Init -> Steps (warm-up, then the timed steps) -> Validate (loss only); a
+    "-pinN" row with ComfyUI's pinned-memory share leaving N GiB (pin_share)."""
+    budget, _, pin = parse_config(config)
+    with pin_share(pin):
+        return _lora_run(patcher, name, config, args, budget, pin)
+
+
+def _lora_run(patcher, name: str, config: str, args, budget: float | None, pin: float | None) -> dict:
     from headroom.nodes import memory as M, train_lora as T
+    from headroom.nodes.bridge.planning import pinnable_host_bytes
     from headroom.training.memory.policy import OffloadPolicy
 
     width, height, frames = shape(name, args.dry_run)
     tokens = text_tokens(name, args.dry_run)
     latent_cache, text_cache = caches(patcher, width, height, frames, tokens)
-    budget = float(config.removesuffix("-ballast").removesuffix("GB")) if "GB" in config else None
     inputs = {field: default for field, _, default in OffloadPolicy.node_inputs()}
     inputs.update(POLICIES.get(config.removeprefix("policy-"), {}))  # resident: the node's defaults
     inputs["vram_budget_gb"] = budget or 0.0  # 0: auto (resident and named policies: the whole card)
     policy = M.HeadroomOffloadPolicy.execute(**inputs).args[0]
-    record = {"width": width, "height": height, "frames": frames, "text_tokens": tokens, "budget_gb": budget}
+    record = {"width": width, "height": height, "frames": frames, "text_tokens": tokens, "budget_gb": budget,
+              **({"pin_share_gb": pin, "pinnable_bytes_at_plan": pinnable_host_bytes()} if pin is not None else {})}
     started = time.perf_counter()
     _, plan_json, chosen = M.HeadroomMemoryPlan.execute(
         patcher, "estimate" if budget is None else "auto", 1, width, height, 16, "preset", "AdamW", "auto", tokens,
@@ -373,7 +415,8 @@ def lora_run(patcher, name: str, config: str, args) -> dict:
                   plan_fits=plan["fits"], plan_reason=plan["reason"],
                   planner_train_bytes=phases.get("training step"), planner_validation_bytes=phases.get("validation"),
                   base_device_bytes=plan.get("base_device_bytes"),
-                  validation_base_device_bytes=plan.get("validation_base_device_bytes"), **plan_times(plan))
+                  validation_base_device_bytes=plan.get("validation_base_device_bytes"),
+                  plan_pageable_bytes=plan.get("pageable_bytes"), **plan_times(plan))
     free_device()
     lora = T.HeadroomLoraConfig.execute("lora", 16, 16.0, "preset", False, 0.0, 0).args[0]
     optimizer = T.HeadroomOptimizerConfig.execute("AdamW", 1e-4, 0.0, "constant", 0, 1000).args[0]
@@ -426,7 +469,7 @@ def train_and_measure(patcher, name: str, config: str, args, record: dict, polic
     width, height, budget = record["width"], record["height"], record["budget_gb"]
     run = None
     try:
-        with Budget(budget, device, ballast=config.endswith("-ballast")) as card, \
+        with Budget(budget, device, ballast=parse_config(config)[1]) as card, \
                 torch.inference_mode():  # as ComfyUI runs nodes
             run = T.HeadroomTrainLoraInit.execute(
                 model=patcher, latent_cache=latent_cache, text_cache=text_cache, lora_config=lora,

@@ -104,6 +104,26 @@ def test_dry_run_measures_resumes_and_writes_the_page(comfyui, tmp_path):
         assert image.format == "PNG" and image.size == (1200, 560)
 
 
+def test_dry_run_measures_flux_with_8_gib_left_to_pin(comfyui, tmp_path):
+    """The "12GB-pin8" row: ComfyUI's pinned-memory account leaves 8 GiB to pin while the row plans and trains (as on
+    a PC with less RAM: the streamed blocks past it cross from pageable memory, priced by the plan), and is put back
+    after it."""
+    import comfy.model_management as mm
+
+    before = (mm.MAX_PINNED_MEMORY, mm.TOTAL_PINNED_MEMORY)
+    results = tmp_path / "results"
+    suite(results, "--models", "flux_dev", "--budgets", "12", "--no-native", "--no-cuda-tests", "--policies", "none",
+          "--full-cards", "none", "--full-host-cards", "none", "--full-streamed-state-cards", "none")
+    by_id = {r["id"]: r for r in measurements(results)}
+    assert list(by_id) == ["h2d", "lora/flux_dev/resident", "lora/flux_dev/ckpt", "lora/flux_dev/12GB",
+                           "lora/flux_dev/12GB-pin8"]
+    pinned = by_id["lora/flux_dev/12GB-pin8"]
+    assert pinned["status"] == "ok", pinned.get("traceback")
+    assert pinned["pin_share_gb"] == 8 and pinned["pinnable_bytes_at_plan"] == 8 * 2 ** 30 and pinned["budget_gb"] == 12
+    assert "plan_pageable_bytes" in pinned and "pin_share_gb" not in by_id["lora/flux_dev/12GB"]
+    assert (mm.MAX_PINNED_MEMORY, mm.TOTAL_PINNED_MEMORY) == before
+
+
 def test_dry_run_measures_a_full_fine_tune_fitted_to_a_card(comfyui, tmp_path):
     """The kit's full fine-tune (issue 27): kind full with the bf16 difference, fused backward and Adafactor, the Init
     node's planner fitting it to a card; the row on the page."""

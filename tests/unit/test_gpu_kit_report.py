@@ -134,8 +134,24 @@ def test_the_kit_emulates_sdxl_at_16_gib_with_a_ballast_too():
     # 141 GB card, 140 GB free, the allocator holding 1 GB already: a 16 GB card leaves 15 GB more to allocate
     assert suite.ballast_bytes(16 * GIB, 140 * GIB, 1 * GIB) == 125 * GIB
     assert suite.ballast_bytes(16 * GIB, 10 * GIB, 1 * GIB) == 0  # the card is no larger: nothing to fill
-    keys = sorted(["resident", "16GB-ballast", "8GB", "16GB", "policy-ckpt"], key=report()._config_key)
-    assert keys == ["8GB", "16GB", "16GB-ballast", "resident", "policy-ckpt"]
+    keys = sorted(["resident", "16GB-ballast", "8GB", "16GB", "policy-ckpt", "12GB-pin8"], key=report()._config_key)
+    assert keys == ["8GB", "12GB-pin8", "16GB", "16GB-ballast", "resident", "policy-ckpt"]
+
+
+def test_the_kit_measures_flux_at_12_gib_with_8_gib_left_to_pin():
+    """A Windows PC pins at most 40 % of its RAM (ComfyUI's share): the kit's "12GB-pin8" row runs Flux.1-dev at 12 GiB
+    with ComfyUI's account set to leave 8 GiB to pin, so the streamed blocks past it cross from pageable memory and
+    the prediction that prices them is measured (the row's run: tests/comfy/test_gpu_kit.py)."""
+    spec = importlib.util.spec_from_file_location("gpukit_suite_pin", REPO_ROOT / "bench" / "gpu" / "suite.py")
+    suite = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(suite)
+    entries = {(kind, model): configs for kind, model, configs in suite.plan(["flux_dev", "sdxl"], [8, 12, 16], [])}
+    assert entries[("lora", "flux_dev")][-1] == "12GB-pin8" and "12GB-pin8" not in entries[("lora", "sdxl")]
+    assert all("12GB-pin8" not in configs for _, _, configs in suite.plan(["flux_dev"], [8, 16], []))
+    assert [suite.parse_config(c) for c in ("resident", "8GB", "16GB-ballast", "12GB-pin8", "policy-ckpt")] == [
+        (None, False, None), (8.0, False, None), (16.0, True, None), (12.0, False, 8.0), (None, False, None)]
+    args = suite.arguments().parse_args(["--results", "unused"])
+    assert suite.step_counts(args, "lora", "flux_dev", "12GB-pin8") == {"warmup": 3, "steps": 10}
 
 
 def test_issue_41s_rows_take_three_warm_up_and_ten_timed_steps():
