@@ -24,6 +24,7 @@ PLANNER_TOLERANCE = 0.10
 STREAMED_SLOWDOWN = 1.15
 LIMIT_GOAL = 1.15  # issue 41: a budget run within 1.15x its physical limit
 PREDICTION_TOLERANCE = 0.15  # issue 41: the predicted s/step within 15 % of the measured
+CALL_START_NOTE_S = 1.0  # a Steps call's start (load, attach, pinning) worth naming: what each call pays once
 LABELS = {"flux_dev": "Flux.1-dev", "sdxl": "SDXL", "qwen_image": "Qwen-Image", "flux2_klein_9b": "Flux.2 Klein 9B",
           "zimage": "Z-Image", "wan22_14b": "Wan 2.2 14B", "sd35_large": "SD3.5-Large"}
 
@@ -72,7 +73,8 @@ def physical_limit(r: dict, measured: dict[str, dict]) -> tuple[float | None, st
 
 def findings(measured: dict[str, dict]) -> dict[str, list[str]]:
     """What the figures show, computed: planner misses, budget overruns, slow streamed steps, failures."""
-    out = {"planner": [], "budget": [], "speed": [], "failed": [], "limit": [], "predicted": [], "allocator": []}
+    out = {"planner": [], "budget": [], "speed": [], "failed": [], "limit": [], "predicted": [], "allocator": [],
+           "start": []}
     resident = {r["model"]: r for r in measured.values() if r.get("kind") == "lora" and r["config"] == "resident"
                 and r.get("status") == "ok"}
     for ident, r in measured.items():
@@ -112,6 +114,9 @@ def findings(measured: dict[str, dict]) -> dict[str, list[str]]:
             out["allocator"].append(f"`{ident}`: {timed.get('num_alloc_retries', 0)} allocator retries, "
                                     f"{timed.get('num_ooms', 0)} out-of-memory in the timed steps"
                                     + first_timed_step(r.get("allocator")))
+        first, median = r.get("first_step_seconds"), r.get("s_per_step")
+        if first is not None and median and first - median > CALL_START_NOTE_S:
+            out["start"].append(f"`{ident}`: {first - median:.1f} s")
         base = resident.get(r["model"])
         if r["kind"] == "lora" and budget is not None and base is not None and r.get("s_per_step") and base.get("s_per_step"):
             ratio = r["s_per_step"] / base["s_per_step"]
@@ -292,6 +297,9 @@ def section(records: list[dict]) -> str:
                  + ("; ".join(found["predicted"]) if found["predicted"] else "none"))
     lines.append("- Allocator retries or out-of-memory errors in the timed steps: "
                  + ("; ".join(found["allocator"]) if found["allocator"] else "none"))
+    lines.append(f"- A Steps call's start (ComfyUI's load, the ring's attach and pinning) over {CALL_START_NOTE_S:g} s, "
+                 "paid once per call (its first timed step less the median): "
+                 + ("; ".join(found["start"]) if found["start"] else "none"))
     lines.append("- Not measured (failed, out of memory or crashed): "
                  + ("; ".join(found["failed"]) if found["failed"] else "none"))
     left = lefts[-1]["ids"] if lefts else []

@@ -83,6 +83,10 @@ def test_rows_against_their_physical_limit_the_prediction_and_the_allocator():
     measured["lora/flux_dev/8GB"]["step_time"]["timed_at_run_size"] = True  # planner.time_blocks, where it fits
     assert module.findings(measured)["predicted"][0].endswith("(0.67x; block times at the run's size)")
     assert found["allocator"] == ["`lora/flux_dev/8GB`: 30 allocator retries, 0 out-of-memory in the timed steps"]
+    assert found["start"] == []  # no first step recorded
+    measured["lora/flux_dev/8GB"]["first_step_seconds"] = 9.5  # re-pinning 20 GB at the second Steps call, say
+    measured["lora/flux_dev/24GB"]["first_step_seconds"] = 1.2  # under the note's 1 s over the median
+    assert module.findings(measured)["start"] == ["`lora/flux_dev/8GB`: 8.0 s"]
     # With the per-step counters: the first timed step (after the second Steps call's attach) apart from the steady ones
     measured["lora/flux_dev/8GB"]["allocator"]["per_step"] = [{"num_alloc_retries": 28}, {"num_alloc_retries": 2},
                                                               {"num_alloc_retries": 0}]
