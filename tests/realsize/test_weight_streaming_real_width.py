@@ -53,9 +53,9 @@ class SingleBlock(torch.nn.Module):
         return x + gate * out
 
 
-def _blocks():
+def _blocks(count=3):
     torch.manual_seed(0)
-    blocks = torch.nn.ModuleList([SingleBlock() for _ in range(3)])
+    blocks = torch.nn.ModuleList([SingleBlock() for _ in range(count)])
     with torch.no_grad():
         for name, p in blocks.named_parameters():
             if not p.requires_grad:
@@ -102,6 +102,32 @@ def test_the_ring_at_flux_width_is_bitwise_the_resident_run(resident):
     _assert_same(weights, streamed)
     assert max(per_block) > 2 ** 28 and streamer.fallback_fetches == 0  # 283 MB a block
     assert streamer.allocations == 2 + len(resident)  # the slots (and a resident block's buffer), once
+
+
+def test_blocks_past_the_pin_limit_stream_from_pageable_memory_bitwise_at_flux_width(monkeypatch):
+    """A Windows PC pins at most 40 % of its RAM: the blocks past the pin limit stay pageable, and with 3 slots backward
+    fetches such a block one block later (weight_streaming._prefetch). Four Flux-width blocks, one pinned (the pinning
+    call stood in for on the CPU), three pageable: the loss, the gradients and the weights bit for bit the resident
+    run's, every block fetched before it runs."""
+    from headroom.training.memory import weight_streaming
+
+    monkeypatch.setattr(WeightStreamer, "_pins_host_copies", lambda self: True)
+    monkeypatch.setattr(weight_streaming, "_register", lambda buffer, device: True)
+    monkeypatch.setattr(weight_streaming, "_unregister", lambda buffer, device: None)
+    expected, got = [], []
+    weights = _train(_blocks(4), expected)
+    blocks = _blocks(4)
+    with WeightStreamer(blocks, "cpu", slots=3, exercise_on_cpu=True, pin_limit_bytes=300 * 2 ** 20,
+                        record=True) as streamer:
+        streamed = _train(blocks, got)
+        registered = [block.registered for block in streamer._blocks]
+    _assert_same(expected, got)
+    _assert_same(weights, streamed)
+    assert registered == [True, False, False, False] and streamer.pageable_blocks == 3
+    assert streamer.fallback_fetches == 0 and streamer.allocations == 3
+    # step 1: every block in forward, block 0 in backward (1-3 still in the ring at the turn); step 2: block 3 in
+    # forward (0-2 still there from backward), block 0 in backward
+    assert streamer.fetch_log == [0, 1, 2, 3, 0] + [3, 0]
 
 
 def test_a_full_fine_tune_at_flux_width_streams_only_what_its_step_reads():
