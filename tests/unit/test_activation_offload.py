@@ -171,6 +171,21 @@ def test_a_refused_pin_leaves_the_inputs_in_pageable_ram_and_the_results_unchang
     assert len(said) == (1 if pin_refused else 0)  # once, though 9 inputs were refused
 
 
+def test_the_pinned_buffers_torch_caches_are_given_back_when_offloading_ends(monkeypatch):
+    """torch keeps freed pinned buffers locked for reuse until the process ends: the offload's restore gives them back
+    (pinned_host.release_cached), on a card only, once; the CUDA test above checks torch's own figures."""
+    calls = []
+    monkeypatch.setattr(torch._C, "_host_emptyCache", lambda: calls.append(1), raising=False)
+    grads_after_step(enable_offloaded_checkpointing)
+    assert calls == [] or torch.cuda.is_available()  # no card: nothing to give back, nothing called
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    restore = enable_offloaded_checkpointing(make_model(), offload_hooks=RecordingHooks())
+    restore()
+    assert calls == [1]
+    monkeypatch.delattr(torch._C, "_host_emptyCache")  # an older torch without the call: skipped
+    enable_offloaded_checkpointing(make_model(), offload_hooks=RecordingHooks())()
+
+
 def test_with_pinning_disabled_no_pin_is_tried(monkeypatch, caplog):
     """ComfyUI's --disable-pinned-memory (mirrored by the bridge: pinned_host.set_allowed): every host buffer the run
     makes is pageable, none is even tried (this driverless CUDA build would raise if one were), nothing is said."""
@@ -194,10 +209,17 @@ def test_with_pinning_disabled_no_pin_is_tried(monkeypatch, caplog):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: block inputs offloaded to pinned host RAM")
 def test_on_a_card_the_block_inputs_wait_in_pinned_host_ram_and_the_results_are_unchanged(monkeypatch):
     """The default hooks on a card: each block input copied to pinned host RAM (asynchronously) and back for its
-    recompute; gradients bitwise those of plain checkpointing on the card."""
-    packed = []
+    recompute; gradients bitwise those of plain checkpointing on the card. After the run the pinned buffers torch
+    cached for reuse are given back (still locked they would count against Windows' limit)."""
+    packed, cached, pinned = [], [], []
     real = activation_offload._to_host
-    monkeypatch.setattr(activation_offload, "_to_host", lambda t: packed.append(real(t)) or packed[-1])
+
+    def to_host(tensor):
+        packed.append(real(tensor))
+        pinned.append(packed[-1][0].type == "cuda" and packed[-1][1].is_pinned())
+        return packed[-1]
+
+    monkeypatch.setattr(activation_offload, "_to_host", to_host)
 
     def on_card(enable=None):
         blocks = make_model().cuda()
@@ -205,13 +227,20 @@ def test_on_a_card_the_block_inputs_wait_in_pinned_host_ram_and_the_results_are_
         img, txt, vec = (torch.randn(2, 5, 8, generator=g).cuda() for _ in range(3))
         restore = enable(blocks) if enable else (lambda: None)
         run(blocks, img, txt, vec).backward()
+        torch.cuda.synchronize()
+        packed.clear()  # what backward brought back is freed: torch's allocator caches it
+        stats = torch.cuda.host_memory_stats()
+        cached.append(stats["allocated_bytes.current"] - stats["active_bytes.current"])
         restore()
+        stats = torch.cuda.host_memory_stats()
+        cached.append(stats["allocated_bytes.current"] - stats["active_bytes.current"])
         return [p.grad.clone() for p in blocks.parameters() if p.requires_grad]
 
     plain = on_card(enable_checkpointing)
     offloaded = on_card(enable_offloaded_checkpointing)
     assert all(torch.equal(a, b) for a, b in zip(plain, offloaded))
-    assert len(packed) == 9 and all(device.type == "cuda" and copy.is_pinned() for device, copy in packed)
+    assert len(pinned) == 9 and all(pinned)
+    assert cached[3] == 0  # the offload's buffers, cached by torch after backward, given back by its restore
 
 
 def inplace_run(inplace=True, offload_hooks=None):

@@ -116,6 +116,7 @@ def enable_offloaded_checkpointing(blocks: Iterable[torch.nn.Module], depth: int
                 module.__dict__.pop("forward", None)
             else:
                 module.forward = previous
+        pinned_host.release_cached()  # the inputs' pinned buffers, cached by torch: unlocked for ComfyUI and the OS
 
     return restore
 

@@ -25,6 +25,17 @@ def allowed() -> bool:
     return _allowed
 
 
+def release_cached() -> None:
+    """Give the pinned buffers torch keeps cached for reuse back to the OS. torch's pinned allocator keeps a freed
+    buffer locked until the process ends, rounded up to a power of two: after a run of offloaded block inputs that is
+    GBs of RAM the OS cannot page and ComfyUI cannot pin (Windows: about half of the RAM in all). Buffers in use are
+    kept. torch has it as a private call only (`torch._C._host_emptyCache`, which torch's own CUDA graphs use):
+    skipped where a torch lacks it."""
+    empty = getattr(torch._C, "_host_emptyCache", None)
+    if empty is not None and torch.cuda.is_available():
+        empty()
+
+
 def host_empty(size: torch.Size | tuple[int, ...] | int, dtype: torch.dtype, pinned: bool,
                layout: torch.layout = torch.strided) -> torch.Tensor:
     """An empty host tensor, pinned where asked, allowed and the driver agrees; else pageable. (The refused pin's CUDA
