@@ -42,8 +42,8 @@ from ...training.memory.weight_streaming import BasePlacement, base_placement, v
 from ...training.core.distributed import is_main_process
 from ...training.core.run_dir import RunDir, RunFolderError
 from ...training.core.trainer import StepReport, Trainer
-from .comfy_model import (base_fingerprint, data_fingerprint, model_blocks, quantized_weights_for_inference,
-                          replace_inference_tensors, training_blocks)
+from .comfy_model import (base_fingerprint, comfy_pinned_block_keys, data_fingerprint, model_blocks,
+                          quantized_weights_for_inference, replace_inference_tensors, training_blocks)
 from .memory_fallback import FallbackWatch
 from .planning import comfy_pins_host_memory, next_plan_for, pinnable_host_bytes, run_plan
 
@@ -260,11 +260,9 @@ def unpin_block_weights(patcher) -> list[str]:
     records: the trainer's WeightStreamer packs each streamed block into one buffer of its own and pins that (the
     weights become views of it: a weight ComfyUI still had pinned would be packed beside, doubling its host RAM).
     Returns the keys unpinned."""
-    pinned = getattr(patcher, "pinned", None)
-    if not pinned or not hasattr(patcher, "unpin_weight"):
+    if not hasattr(patcher, "unpin_weight"):
         return []
-    blocks = [f"diffusion_model.{name}." for name, _ in training_blocks(patcher.model.diffusion_model)]
-    keys = sorted(key for key in pinned if any(key.startswith(prefix) for prefix in blocks))
+    keys = comfy_pinned_block_keys(patcher)
     for key in keys:
         patcher.unpin_weight(key)
     return keys
@@ -476,7 +474,6 @@ class TrainingRun:
             self.placement.load(patchers, extra, self._base_device_share(), whole_blocks=whole)
             if phase != "validation":  # read after the load: it unpinned the blocks the streamer pins its own way
                 self.trainer.stream_options["pin_limit_bytes"] = pinnable_host_bytes()
-                pinned_host.set_allowed(comfy_pins_host_memory())  # --disable-pinned-memory: Headroom pins nothing
         else:
             own = base_placement(validation_placement(self.policy.base_placement))
             self.placement.load(patchers, extra, share, own)
@@ -486,7 +483,9 @@ class TrainingRun:
         try:
             # ComfyUI's split / sub-quadratic attention chunks by free memory: a recompute must chunk as its forward
             # did.
-            with self.trained.attach(self), pinned_reading(comfy.model_management, "get_free_memory"):
+            # --disable-pinned-memory: Headroom pins nothing either (pinned_host.py)
+            with pinned_host.allowing(comfy_pins_host_memory()), self.trained.attach(self), \
+                    pinned_reading(comfy.model_management, "get_free_memory"):
                 yield
         finally:  # the MODEL's quantized weights usable by stock nodes again (a no-op for any other model)
             quantized_weights_for_inference(base, self.placement.patcher)

@@ -269,6 +269,18 @@ def training_blocks(diffusion_model: torch.nn.Module) -> list[tuple[str, torch.n
     return blocks
 
 
+def comfy_pinned_block_keys(patcher) -> list[str]:
+    """The keys of the block weights ComfyUI's offload pinned in host RAM (its patcher's own record)."""
+    pinned = getattr(patcher, "pinned", None) or ()
+    blocks = tuple(f"diffusion_model.{name}." for name, _ in training_blocks(patcher.model.diffusion_model))
+    return sorted(key for key in pinned if key.startswith(blocks))
+
+
+def comfy_pinned_block_bytes(patcher) -> int:
+    """Their bytes, as ComfyUI counts them (the pinned tensor's nbytes)."""
+    return sum(comfy.utils.get_attr(patcher.model, key).nbytes for key in comfy_pinned_block_keys(patcher))
+
+
 def made_in_inference_mode(tensor: torch.Tensor) -> bool:
     """Whether autograd would refuse to save this tensor: an inference tensor, or a Parameter made under inference
     mode whose data a later `module.to(...)` replaced outside it. Module.to keeps the Parameter object and sets its

@@ -21,7 +21,7 @@ from ...training.memory.policy import OffloadPolicy, PolicyError
 from ...training.core.trainer import PRECISIONS, auto_precision
 from ...training.data.cache_store import item_conditioning
 from . import families, video
-from .comfy_model import (ComfyDenoiser, expected_cond_dims, model_blocks, quantized_layers,
+from .comfy_model import (ComfyDenoiser, comfy_pinned_block_bytes, expected_cond_dims, model_blocks, quantized_layers,
                           quantized_weights_for_inference, replace_inference_tensors, restore_stock_forwards,
                           training_blocks)
 from .encoders import frame_step, spatial_downscale
@@ -363,7 +363,8 @@ def describe_comfy_model(patcher, adapter: AdapterConfig, precision: str = "bf16
         h2d_bytes_per_s=float(time_model.h2d_bytes_per_s(device) or 0.0),
         # and what the run may pin for its streamed blocks, the rest crossing at the pageable bandwidth
         pageable_h2d_bytes_per_s=float(time_model.h2d_bytes_per_s(device, pinned=False) or 0.0),
-        pinnable_bytes=pinnable_host_bytes() if device.type == "cuda" else None,
+        # (ComfyUI's own pins of this model's blocks counted as freed: the run's training load unpins them)
+        pinnable_bytes=pinnable_host_bytes(comfy_pinned_block_bytes(patcher)) if device.type == "cuda" else None,
         quantized_layers=len(quantized_layers(model)),
     )
     if clip is not None:
@@ -458,16 +459,17 @@ def plan_lora_run(model, policy: OffloadPolicy, mode: str, batch_size: int, widt
         description, trainable, shape, policy, budget, room), budget, room)
 
 
-def pinnable_host_bytes() -> int | None:
+def pinnable_host_bytes(released: int = 0) -> int | None:
     """The host RAM a run's WeightStreamer may pin: what ComfyUI's share for pinned memory leaves now (its
     MAX_PINNED_MEMORY: 40 % of the RAM on Windows, which lets a process lock about half; none with
-    --disable-pinned-memory or a device ComfyUI does not pin for). None where this ComfyUI keeps no such account."""
+    --disable-pinned-memory or a device ComfyUI does not pin for), `released` bytes of ComfyUI's pins counted as
+    freed. None where this ComfyUI keeps no such account."""
     most = getattr(comfy.model_management, "MAX_PINNED_MEMORY", None)
     if not isinstance(most, (int, float)):
         return None
     if most <= 0:
         return 0
-    return max(0, int(most - getattr(comfy.model_management, "TOTAL_PINNED_MEMORY", 0)))
+    return max(0, int(most - max(0, getattr(comfy.model_management, "TOTAL_PINNED_MEMORY", 0) - released)))
 
 
 def comfy_pins_host_memory() -> bool:

@@ -396,7 +396,7 @@ def test_the_streamer_pins_within_what_comfyuis_pinned_memory_share_leaves(comfy
 
     class Spy(policy_module.WeightStreamer):
         def __init__(self, *args, **options):
-            given.append(options.get("pin_limit_bytes"))
+            given.append((options.get("pin_limit_bytes"), pinned_host.allowed()))
             super().__init__(*args, **options)
 
     monkeypatch.setattr(policy_module, "WeightStreamer", Spy)
@@ -406,12 +406,23 @@ def test_the_streamer_pins_within_what_comfyuis_pinned_memory_share_leaves(comfy
     model, _, _, latents, texts = _data("sd15")
     run = _init(model, latents, texts, "pin_share", rank=4,
                 policy=_policy(base_placement="streamed", checkpointing="blocks"))
-    monkeypatch.setattr(pinned_host, "_allowed", False)  # as a CPU ComfyUI (MAX_PINNED_MEMORY -1) leaves it
     T.HeadroomTrainSteps.execute(run, 1)
-    assert pinned_host.allowed()
     monkeypatch.setattr(mm, "MAX_PINNED_MEMORY", -1, raising=False)  # ComfyUI pins nothing: neither does the run
     T.HeadroomTrainSteps.execute(run, 2)
-    assert given == [7 * 2 ** 30, 0] and not pinned_host.allowed()
+    assert given == [(7 * 2 ** 30, True), (0, False)]
+    assert pinned_host.allowed()  # the switch as it was after the run's steps
+    # The plan, made before the run's training load, counts ComfyUI's pins of the model's block weights as freed
+    # (that load unpins them: the streamer pins its own packed buffers); other pins stay counted.
+    from headroom.nodes.bridge.comfy_model import comfy_pinned_block_bytes, training_blocks
+
+    monkeypatch.setattr(mm, "MAX_PINNED_MEMORY", 12 * 2 ** 30, raising=False)
+    assert pinnable_host_bytes(2 * 2 ** 30) == 9 * 2 ** 30 and pinnable_host_bytes(10 * 2 ** 30) == 12 * 2 ** 30
+    patcher = run.placement.patcher
+    name, block = training_blocks(patcher.model.diffusion_model)[0]
+    inner, weight = next(iter(block.named_parameters()))
+    outside = next(key for key, _ in patcher.model.diffusion_model.named_parameters() if not key.startswith(name))
+    monkeypatch.setattr(patcher, "pinned", {f"diffusion_model.{name}.{inner}", f"diffusion_model.{outside}"})
+    assert comfy_pinned_block_bytes(patcher) == weight.nbytes > 0
     monkeypatch.setattr(mm, "TOTAL_PINNED_MEMORY", 20 * 2 ** 30, raising=False)
     monkeypatch.setattr(mm, "MAX_PINNED_MEMORY", 12 * 2 ** 30, raising=False)
     assert pinnable_host_bytes() == 0  # ComfyUI's own pins past its share: nothing left

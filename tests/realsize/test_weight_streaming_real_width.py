@@ -112,6 +112,7 @@ def test_blocks_past_the_pin_limit_stream_from_pageable_memory_bitwise_at_flux_w
     from headroom.training.memory import weight_streaming
 
     monkeypatch.setattr(WeightStreamer, "_pins_host_copies", lambda self: True)
+    monkeypatch.setattr(WeightStreamer, "_copies_from_pageable_hold_the_cpu", lambda self: True)
     monkeypatch.setattr(weight_streaming, "_register", lambda buffer, device: True)
     monkeypatch.setattr(weight_streaming, "_unregister", lambda buffer, device: None)
     expected, got = [], []

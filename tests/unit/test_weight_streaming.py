@@ -197,19 +197,22 @@ def test_a_forward_starts_the_next_copies_after_queueing_its_own_block(slots):
     assert streamer.fetch_log[:6] == list(range(6))  # forward: each block once, in order, none out of turn
 
 
-@pytest.mark.parametrize("pinned", [True, False])
+@pytest.mark.parametrize("pinned", [True, False, "pinning off"])
 def test_backward_starts_a_copy_from_pageable_memory_one_block_later(monkeypatch, pinned):
-    """A copy from pageable memory (past the pin limit) holds the CPU until it is done. Backward starts its copies
-    before queueing its block, and with 3 slots the deepest one's slot frees only when the block running then ends:
-    the device would idle through the copy. So a pageable block is fetched one block later (still before it runs:
-    no synchronous fetch), a pinned one as deep as the ring allows. Results bitwise the resident run's."""
+    """A copy from pageable memory (past the pin limit, or every block with pinning off) holds the CPU until it is
+    done. Backward starts its copies before queueing its block, and with 3 slots the deepest one's slot frees only
+    when the block running then ends: the device would idle through the copy. So a pageable block is fetched one
+    block later (still before it runs: no synchronous fetch), a pinned one as deep as the ring allows. Results
+    bitwise the resident run's. (CPU: CUDA's copy semantics and the pinning call stood in for.)"""
     from headroom.training.memory import weight_streaming
 
-    monkeypatch.setattr(WeightStreamer, "_pins_host_copies", lambda self: True)
-    monkeypatch.setattr(weight_streaming, "_register", lambda buffer, device: pinned)
+    monkeypatch.setattr(WeightStreamer, "_copies_from_pageable_hold_the_cpu", lambda self: True)
+    monkeypatch.setattr(WeightStreamer, "_pins_host_copies", lambda self: self.pin_host_copies)
+    monkeypatch.setattr(weight_streaming, "_register", lambda buffer, device: pinned is True)
     monkeypatch.setattr(weight_streaming, "_unregister", lambda buffer, device: None)
     blocks = make_blocks(count=6)
-    with WeightStreamer(blocks, "cpu", slots=3, exercise_on_cpu=True, record=True) as streamer:
+    with WeightStreamer(blocks, "cpu", slots=3, exercise_on_cpu=True, record=True,
+                        pin_host_copies=pinned != "pinning off") as streamer:
         fetched_after, real = {}, streamer._before_backward
 
         def spy(index):
@@ -221,7 +224,7 @@ def test_backward_starts_a_copy_from_pageable_memory_one_block_later(monkeypatch
         assert streamer.fallback_fetches == 0
     assert_same(got, reference(count=6, steps=1, checkpointing=enable_checkpointing))
     # blocks 5, 4, 3 are still in the ring at the turn; 2, 1, 0 are fetched in backward
-    expected = {4: [2], 3: [2, 1], 2: [2, 1, 0]} if pinned else {4: [], 3: [2], 2: [2, 1]}
+    expected = {4: [2], 3: [2, 1], 2: [2, 1, 0]} if pinned is True else {4: [], 3: [2], 2: [2, 1]}
     assert {k: fetched_after[k] for k in (4, 3, 2)} == expected
 
 

@@ -46,7 +46,7 @@ def _to_host(tensor: torch.Tensor) -> tuple[torch.device, torch.Tensor]:
     of the step stopping with "CUDA error: out of memory". torch's save_on_cpu has no such fallback, hence these
     hooks."""
     global _refused_said
-    pinnable = torch.cuda.is_available() and not tensor.is_sparse and pinned_host.allowed()
+    pinnable = torch.cuda.is_available() and not tensor.is_sparse and tensor.numel() > 0 and pinned_host.allowed()
     packed = pinned_host.host_empty(tensor.size(), tensor.dtype, pinnable, tensor.layout)
     if pinnable and not packed.is_pinned() and not _refused_said:
         _refused_said = True

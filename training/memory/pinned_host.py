@@ -4,21 +4,29 @@ Host buffers a CUDA run copies from or to (the weight streamer's blocks, the sta
 streamed state, fused backward's host copies, offloaded block inputs) are pinned so the copies are DMA, asynchronous.
 Two things stop that, and torch's `pin_memory=True` handles neither (it raises):
 - the user: ComfyUI's `--disable-pinned-memory` is one switch for the process; the bridge mirrors it here
-  (`set_allowed`, from comfy_bridge's training attach) so Headroom pins nothing either;
+  (`allowing`, around comfy_bridge's attach) so Headroom pins nothing either;
 - the driver: Windows lets a process lock about half of its RAM, and ComfyUI and the weight streamer pin up to 40 %
   of it; a refused buffer stays pageable, its copies then synchronous (slower, not a stopped step).
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
 _allowed = True
 
 
-def set_allowed(allowed: bool) -> None:
-    """Pin host buffers (True, the default) or never (ComfyUI started with --disable-pinned-memory)."""
+@contextlib.contextmanager
+def allowing(allowed: bool):
+    """Within the block, pin host buffers (True, the default) or never (ComfyUI started with
+    --disable-pinned-memory); as it was after."""
     global _allowed
-    _allowed = bool(allowed)
+    before, _allowed = _allowed, bool(allowed)
+    try:
+        yield
+    finally:
+        _allowed = before
 
 
 def allowed() -> bool:
@@ -33,7 +41,10 @@ def release_cached() -> None:
     skipped where a torch lacks it."""
     empty = getattr(torch._C, "_host_emptyCache", None)
     if empty is not None and torch.cuda.is_available():
-        empty()
+        try:
+            empty()
+        except RuntimeError:  # a CUDA error already pending (the run's own, being raised): nothing given back
+            pass
 
 
 def host_empty(size: torch.Size | tuple[int, ...] | int, dtype: torch.dtype, pinned: bool,

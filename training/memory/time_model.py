@@ -26,8 +26,8 @@
   weights in host RAM (in for forward and backward, the update back), streamed optimizer state (in and back). On a
   CPU nothing crosses.
 - the ring's copies overlap compute (copied ahead on a side stream while blocks compute), but those from pageable
-  memory hold the CPU, which queues nothing meanwhile: in forward each overlaps one block, in backward none (added to
-  `serial`); the others are `serial` too:
+  memory hold the CPU, which queues nothing meanwhile: in forward each overlaps one block, in backward one block with
+  3 or more slots and none with 2 (added to the pipeline); the others are `serial`:
   queued on the compute stream just before the layer that needs them (trained_weights_on_host.Crossings, the
   streamed state's rings, save_on_cpu's offloaded inputs), so the card computes nothing meanwhile and they add to
   the step. The physical limit of a streamed step is max(compute + optimizer, transfer) (`StepTime.limit_s`: every
@@ -79,7 +79,7 @@ class StepTime:
     fill_s: float
     timed: bool = True  # block times measured (False: estimated from weight bytes)
     pipeline_s: float | None = None  # per block max(compute, copy), summed (None: compute_s)
-    serial_s: float = 0.0  # the part of transfer_s not overlapped (on the compute stream, pageable in backward): added
+    serial_s: float = 0.0  # the part of transfer_s queued on the compute stream (not overlapped: added)
     pageable_s: float = 0.0  # the part of transfer_s copying streamed blocks from pageable memory (past the pin limit)
     # Block times measured at this step's latent size (planner.time_blocks) rather than fitted from the calibration's
     # tiny forwards and extrapolated
@@ -109,7 +109,7 @@ class StepTime:
         return {**dataclasses.asdict(self), "total_s": self.total_s, "limit_s": self.limit_s, "bound": self.bound}
 
     def describe(self) -> str:
-        parts = [f"{self.serial_s:.3f} s of it not overlapped" if self.serial_s else "",
+        parts = [f"{self.serial_s:.3f} s of it on the compute stream" if self.serial_s else "",
                  f"{self.pageable_s:.3f} s from pageable memory" if self.pageable_s else ""]
         serial = f" ({', '.join(p for p in parts if p)})" if any(parts) else ""
         text = (f"predicted {self.total_s:.3f} s/step ({self.bound}-bound: compute {self.compute_s:.3f} s incl. "
@@ -197,6 +197,8 @@ def step_time(forward_s: Sequence[float], outside_forward_s: float, checkpointed
     held = sum(max(0.0, copy[i] - forward_s[order[order.index(i) - (slots - 1)]]) for i in pageable_forward)
     if slots > 2:
         held += sum(max(0.0, copy[i] - backward[order[order.index(i) + slots - 1]]) for i in pageable_backward)
+    else:  # in the pipeline, not `serial`: a deeper ring overlaps them (ring_floor_s stays a floor for every depth)
+        held += sum(copy[i] for i in pageable_backward)
     pipeline = ((1 + outside_ratio) * outside_forward_s + held
                 + ring_pass(range(n), forward_s,
                             [c if i in forward_copies and i in pinned else 0.0 for i, c in enumerate(copy)],
@@ -205,9 +207,9 @@ def step_time(forward_s: Sequence[float], outside_forward_s: float, checkpointed
                             [c if i in backward_copies and i in pinned else 0.0 for i, c in enumerate(copy)],
                             streamed, slots))
     copies = [copy[i] for i in (*forward_copies, *backward_copies)]
-    serial = serial_transfer_bytes / h2d_bytes_per_s + (0.0 if slots > 2 else sum(copy[i] for i in pageable_backward))
-    return StepTime(compute, recompute, sum(copies) + serial_transfer_bytes / h2d_bytes_per_s, optimizer_s, 0.0,
-                    timed, pipeline, serial, pageable_s=sum(copy[i] for i in (*pageable_forward, *pageable_backward)))
+    serial = serial_transfer_bytes / h2d_bytes_per_s
+    return StepTime(compute, recompute, sum(copies) + serial, optimizer_s, 0.0, timed, pipeline, serial,
+                    pageable_s=sum(copy[i] for i in (*pageable_forward, *pageable_backward)))
 
 
 def optimizer_step_s(weight_bytes: int, state_bytes: int, on_host: bool, device_type: str,
@@ -235,7 +237,8 @@ def fit_seconds(areas: Sequence[float], seconds: Sequence[float]) -> tuple[float
 
 @functools.lru_cache(maxsize=None)
 def _measured_h2d(device: str, pinned: bool = True) -> float:
-    source = torch.empty(H2D_PROBE_BYTES, dtype=torch.uint8, pin_memory=pinned)
+    # written first: untouched pageable memory maps the OS's shared zero page, whose copy reads from cache (too fast)
+    source = torch.empty(H2D_PROBE_BYTES, dtype=torch.uint8, pin_memory=pinned).fill_(1)
     target = torch.empty(H2D_PROBE_BYTES, dtype=torch.uint8, device=device)
     target.copy_(source, non_blocking=True)  # warm-up: the first copy pays for setting the path up
     torch.cuda.synchronize(device)

@@ -456,6 +456,11 @@ class WeightStreamer:
                                     "crosses from pageable memory, slower", self.pinned_bytes / 2 ** 30, why)
         return result
 
+    def _copies_from_pageable_hold_the_cpu(self) -> bool:
+        """On CUDA a copy from pageable host memory returns once it is done (a pinned one at once): with pinning off
+        (--disable-pinned-memory) every block is such."""
+        return self.device.type == "cuda"
+
     def _pins_host_copies(self) -> bool:
         return self.device.type == "cuda" and self.pin_host_copies and pinned_host.allowed()
 
@@ -526,7 +531,7 @@ class WeightStreamer:
         """Keep the next `slots - 1` streamed blocks after `around` (step +1: forward, -1: backward) in slots."""
         order = self._streamed if step > 0 else self._streamed[::-1]
         later = [i for i in order if (i - around) * step > 0][:self.slot_count - 1]
-        if step < 0 and self.slot_count > 2 and self._pins_host_copies():
+        if step < 0 and self.slot_count > 2 and self._copies_from_pageable_hold_the_cpu():
             # A copy from pageable memory holds the CPU until it is done. Backward starts copies before queueing its
             # block, and the deepest one's slot frees only when the block running now ends: started here the device
             # would idle through it. One block later (within the ring) it overlaps that block instead.
