@@ -29,7 +29,7 @@
   memory hold the CPU, which queues nothing meanwhile: in forward each overlaps one block, in backward one block with
   3 or more slots and none with 2 (added to the pipeline); the others are `serial`:
   queued on the compute stream just before the layer that needs them (trained_weights_on_host.Crossings, the
-  streamed state's rings, save_on_cpu's offloaded inputs), so the card computes nothing meanwhile and they add to
+  streamed state's rings, the offloaded block inputs' hooks), so the card computes nothing meanwhile and they add to
   the step. The physical limit of a streamed step is max(compute + optimizer, transfer) (`StepTime.limit_s`: every
   copy overlapped); the prediction adds what the per-block pipeline loses to it and the serial copies.
 - not overlapped, so added: the optimizer step (it runs after backward's last gradient: on a card a bandwidth-bound
@@ -190,7 +190,7 @@ def step_time(forward_s: Sequence[float], outside_forward_s: float, checkpointed
     # nothing is queued meanwhile (weight_streaming._prefetch): in forward it overlaps only the block that started it
     # (the streamed block `slots - 1` before it); in backward, with 3 or more slots, only the block queued before the
     # one that started it (the streamed block `slots - 1` after it), and with 2 slots nothing (its slot frees when the
-    # block running then ends): serial.
+    # block running then ends): the whole copy is added.
     order = sorted(streamed)
     pageable_forward = [i for i in forward_copies if i not in pinned]
     pageable_backward = [i for i in backward_copies if i not in pinned]
