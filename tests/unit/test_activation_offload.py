@@ -207,7 +207,7 @@ def test_with_pinning_disabled_no_pin_is_tried(monkeypatch, caplog):
     tried.clear()
     with caplog.at_level("WARNING"), pinned_host.allowing(False):
         device, copy = activation_offload._to_host(torch.ones(3))
-        buffer = trained_weights_on_host.host_buffer(4, torch.uint8, pinned=True)
+        buffer = trained_weights_on_host._Buffer(4, pinned=True).bytes  # the staging buffers' own call
     assert tried == [None, None] and not copy.is_pinned() and not buffer.is_pinned() and torch.equal(copy, torch.ones(3))
     assert not caplog.records and pinned_host.allowed()
 

@@ -3,8 +3,9 @@
 Non-reentrant `torch.utils.checkpoint` keeps, per checkpointed block, only the block's inputs; it saves the
 positional tensor inputs through autograd's saved-tensor mechanism, so saved-tensor hooks around the call (torch's
 `save_on_cpu(pin_memory=True)`, with a fallback to pageable RAM where the driver refuses to pin: `_to_host`) move
-exactly those inputs to (pinned) host RAM and bring them back when backward recomputes the block. Everything the block saves *inside* the
-checkpoint is handled by the checkpoint itself (dropped, recomputed), so the hooks never see it.
+exactly those inputs to (pinned) host RAM and bring them back when backward recomputes the block. Everything the
+block saves *inside* the checkpoint is handled by the checkpoint itself (dropped, recomputed), so the hooks never
+see it.
 
 Tensors passed as keyword arguments are not saved that way (the checkpoint keeps them in its closure), and
 ComfyUI calls many blocks with keywords (Flux: `block(img=..., txt=..., vec=..., pe=...)`), so the

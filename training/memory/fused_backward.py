@@ -43,7 +43,8 @@ import torch
 from ..gradient_clipping import clip_gradients
 from .cost import FeatureCost
 from .stochastic_rounding import stochastic_round_to_bf16
-from .trained_weights_on_host import host_buffer, staged_bytes
+from . import pinned_host
+from .trained_weights_on_host import staged_bytes
 
 
 class FusedBackward:
@@ -156,7 +157,7 @@ class FusedBackward:
         if self._host_copies is None:
             largest = max(p.numel() for p in self.params)
             pinned = weight.is_cuda or grad.is_cuda
-            self._host_copies = [host_buffer(largest, torch.float32, pinned) for _ in range(2)]
+            self._host_copies = [pinned_host.host_empty(largest, torch.float32, pinned) for _ in range(2)]
         copies = [buffer[:weight.numel()].view(weight.shape) for buffer in self._host_copies]
         for copy, source in zip(copies, (weight, grad)):
             copy.copy_(source)

@@ -54,8 +54,8 @@ import torch
 BACKWARD_PER_FORWARD = 1.5
 # Pinned host->device copies over PCIe 4.0 x16 in practice (about 25 GB/s peak); measured on CUDA when planning.
 DEFAULT_H2D_BYTES_PER_S = 20e9
-# Pageable host->device copies: the driver stages them through its own pinned buffer, a copy at a time; about half the
-# pinned figure on the PCs we know of (measured on CUDA when planning, as the pinned one).
+# Pageable host->device copies: the driver stages them through its own pinned buffer, a copy at a time. An assumed
+# half of the pinned default, not a measurement (measured on CUDA when planning, as the pinned one).
 DEFAULT_PAGEABLE_H2D_BYTES_PER_S = 10e9
 # Memory bandwidth for the bandwidth-bound estimates (the optimizer step on a card, a block's forward when none is
 # measured): a current GPU's HBM/GDDR order of magnitude, and a desktop's host RAM.
@@ -192,11 +192,12 @@ def step_time(forward_s: Sequence[float], outside_forward_s: float, checkpointed
     # one that started it (the streamed block `slots - 1` after it), and with 2 slots nothing (its slot frees when the
     # block running then ends): the whole copy is added.
     order = sorted(streamed)
+    position = {block: k for k, block in enumerate(order)}
     pageable_forward = [i for i in forward_copies if i not in pinned]
     pageable_backward = [i for i in backward_copies if i not in pinned]
-    held = sum(max(0.0, copy[i] - forward_s[order[order.index(i) - (slots - 1)]]) for i in pageable_forward)
+    held = sum(max(0.0, copy[i] - forward_s[order[position[i] - (slots - 1)]]) for i in pageable_forward)
     if slots > 2:
-        held += sum(max(0.0, copy[i] - backward[order[order.index(i) + slots - 1]]) for i in pageable_backward)
+        held += sum(max(0.0, copy[i] - backward[order[position[i] + slots - 1]]) for i in pageable_backward)
     else:  # in the pipeline, not `serial`: a deeper ring overlaps them (ring_floor_s stays a floor for every depth)
         held += sum(copy[i] for i in pageable_backward)
     pipeline = ((1 + outside_ratio) * outside_forward_s + held

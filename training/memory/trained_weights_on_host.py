@@ -95,18 +95,12 @@ def to_compute(tensor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return tensor.to(device=like.device, dtype=like.dtype)
 
 
-def host_buffer(numel: int, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
-    """A flat host buffer, pinned where asked, allowed and the driver agrees (pinned_host.py); else pageable, its
-    copies then synchronous."""
-    return pinned_host.host_empty(numel, dtype, pinned)
-
-
 class _Buffer:
     """One staging buffer: its bytes, the event of the copy that last used it, and (coming back) the host tensor that
     copy is for."""
 
     def __init__(self, nbytes: int, pinned: bool):
-        self.bytes = host_buffer(nbytes, torch.uint8, pinned)
+        self.bytes = pinned_host.host_empty(nbytes, torch.uint8, pinned)  # pageable where pinning is refused
         self.event = None
         self.destination: torch.Tensor | None = None
 

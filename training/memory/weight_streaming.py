@@ -113,6 +113,7 @@ class _Block:
     nbytes: int  # the packed block, padding included
     packed: torch.Tensor | None = None  # flat uint8 host buffer (None: nothing streamed)
     registered: bool = False  # pinned in place by us (cudaHostRegister)
+    pinned: bool = False  # by us or by someone else: its copies are asynchronous (read at attach, not per step)
 
 
 class _Slot:
@@ -362,7 +363,7 @@ class WeightStreamer:
         for block in self._blocks:
             if block.registered:
                 _unregister(block.packed, self.device)  # pageable again: no pinned RAM outlives the run
-                block.registered = False
+                block.registered = block.pinned = False
         self.pinned_bytes = 0
         # The host tensors stay views of their packed block (same values, pageable): a later attach reuses it.
         self._blocks, self._streamed, self._ring, self._kept = [], [], [], []
@@ -454,6 +455,7 @@ class WeightStreamer:
                            if not within else "CUDA refused to pin more host RAM")
                     logging.warning("Headroom: weight streaming pinned %.1f GiB of its host buffers; %s, so the rest "
                                     "crosses from pageable memory, slower", self.pinned_bytes / 2 ** 30, why)
+        result.pinned = result.registered or result.packed.is_pinned()
         return result
 
     def _copies_from_pageable_hold_the_cpu(self) -> bool:
@@ -535,8 +537,7 @@ class WeightStreamer:
             # A copy from pageable memory holds the CPU until it is done. Backward starts copies before queueing its
             # block, and the deepest one's slot frees only when the block running now ends: started here the device
             # would idle through it. One block later (within the ring) it overlaps that block instead.
-            later = [i for depth, i in enumerate(later, 1)
-                     if depth < self.slot_count - 1 or self._blocks[i].registered or self._blocks[i].packed.is_pinned()]
+            later = [i for depth, i in enumerate(later, 1) if depth < self.slot_count - 1 or self._blocks[i].pinned]
         keep = set(later) | {around}
         for index in later:
             if index not in self._slot_of and not self._fetch(index, keep):
