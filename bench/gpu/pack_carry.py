@@ -34,6 +34,7 @@ WHEELS = [
     "torchsde==0.2.6", "trampoline==0.1.2",  # comfy.k_diffusion.sampling (torchsde needs trampoline)
     "av==18.1.0",  # comfy_api.latest (_ui, video types): every V3 node, Headroom's too
     "pydantic==2.14.4", "pydantic-core==2.50.5", "annotated-types==0.8.0", "typing-inspection==0.4.5",  # comfy_api
+    "prodigyopt==1.1.2",  # the CUDA tests' Prodigy resume case (an optional optimizer; the tests install it here)
 ]
 PLATFORMS = ["manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux_2_24_x86_64", "manylinux_2_27_x86_64",
              "manylinux_2_28_x86_64", "manylinux_2_31_x86_64", "manylinux_2_34_x86_64"]

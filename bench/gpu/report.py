@@ -79,7 +79,9 @@ def findings(measured: dict[str, dict]) -> dict[str, list[str]]:
                 and r.get("status") == "ok"}
     for ident, r in measured.items():
         if r.get("status") != "ok":
-            out["failed"].append(f"`{ident}`: {r.get('status')} ({(r.get('error') or '').splitlines()[0][:200]})")
+            # the CUDA tests' record has a summary, no error: either one's first line, or nothing
+            said = (r.get("error") or r.get("summary") or "").strip().splitlines()
+            out["failed"].append(f"`{ident}`: {r.get('status')}" + (f" ({said[0][:200]})" if said else ""))
             if r.get("status") == "oom" and r.get("budget_gb") is not None:  # the cap is the budget: it did not fit
                 out["budget"].append(f"`{ident}`: out of memory under the {r['budget_gb']:g} GiB cap "
                                      f"({r.get('policy')})")
@@ -282,6 +284,9 @@ def section(records: list[dict]) -> str:
         lines += ["", f"CUDA-marked tests ({', '.join(tests.get('files', [])) or 'none found'}): "
                   f"{tests.get('passed', 0)} passed, {tests.get('failed', 0)} failed, {tests.get('skipped', 0)} "
                   f"skipped, {tests.get('errors', 0)} errors ({tests.get('status')})."]
+        for failure in tests.get("failures") or []:  # each with its message (pytest's junit XML)
+            said = (failure.get("message") or "").strip().splitlines()
+            lines.append(f"- `{failure.get('test')}`: {failure.get('kind')}" + (f": {said[0][:300]}" if said else ""))
     found = findings(measured)
     lines += ["", "What the figures show (computed from the JSON):", ""]
     lines.append(f"- Planner off by more than {PLANNER_TOLERANCE:.0%} (training step, allocated; \"partial\" rows, "

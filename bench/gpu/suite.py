@@ -45,6 +45,7 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
+from xml.etree import ElementTree
 
 import torch
 
@@ -726,12 +727,15 @@ def cuda_tests(timeout: float) -> dict:
     record = {"files": files}
     if not files:
         return {**record, "status": "ok", "passed": 0, "failed": 0, "skipped": 0, "errors": 0}
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files]
-    try:
-        done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout,
-                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    except subprocess.TimeoutExpired:
-        return {**record, "status": "failed", "error": f"pytest ran past {timeout:.0f} s"}
+    with tempfile.TemporaryDirectory(prefix="headroom-cuda-tests-") as folder:
+        junit = Path(folder) / "junit.xml"
+        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}", *files]
+        try:
+            done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout,
+                                  env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        except subprocess.TimeoutExpired:
+            return {**record, "status": "failed", "error": f"pytest ran past {timeout:.0f} s"}
+        record["failures"] = failed_tests(junit)
     summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
     counts = {key: int(n) for n, key in re.findall(r"(\d+) (passed|failed|skipped|errors?)", summary)}
     record.update(status="ok" if done.returncode in (0, 5) else "failed", returncode=done.returncode, summary=summary,
@@ -740,6 +744,22 @@ def cuda_tests(timeout: float) -> dict:
     if done.returncode not in (0, 5):
         record["output"] = (done.stdout + done.stderr)[-4000:]
     return record
+
+
+def failed_tests(junit: Path) -> list[dict]:
+    """Each failed or erroring test of a pytest junit XML file with its message: what the output's tail, which keeps
+    only the last failure in full, does not say (the first GPU session of the CUDA tests ran nine failures blind)."""
+    try:
+        cases = ElementTree.parse(junit).getroot().iter("testcase")
+    except (OSError, ElementTree.ParseError):
+        return []
+    out = []
+    for case in cases:
+        for problem in (*case.findall("failure"), *case.findall("error")):
+            text = (problem.get("message") or problem.text or "").strip()
+            out.append({"test": f"{case.get('classname', '')}::{case.get('name', '')}", "kind": problem.tag,
+                        "message": text[:600], "detail": (problem.text or "")[-1500:]})
+    return out
 
 
 # --- the machine ----------------------------------------------------------------------------------------------------

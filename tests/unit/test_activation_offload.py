@@ -56,12 +56,15 @@ def grads_after_step(enable=None, **options):
 class RecordingHooks:
     """Offload hooks for tests: copy each packed tensor (a stand-in for the device->host move), count calls."""
 
-    def __init__(self):
-        self.packed, self.unpacked = [], 0
+    def __init__(self, placeholders=False):
+        # torch before 2.14's non-reentrant checkpoint saves an empty placeholder per call beside the inputs
+        # (torch 2.11 on the GPU kit's image): not a block input, counted only where a test asks
+        self.packed, self.unpacked, self.placeholders = [], 0, placeholders
 
     def __call__(self, tensors):
         def pack(tensor):
-            self.packed.append(tuple(tensor.shape))
+            if tensor.numel() or self.placeholders:
+                self.packed.append(tuple(tensor.shape))
             return tensor.clone()
 
         def unpack(copy):
@@ -86,7 +89,7 @@ def test_exactly_the_block_inputs_are_offloaded_keywords_included():
     grads_after_step(enable_offloaded_checkpointing, offload_hooks=hooks)
     # per block: img, txt and vec, all passed as keywords by the caller; nothing saved inside the block
     assert hooks.packed == [(2, 5, 8)] * 9
-    assert hooks.unpacked == 9  # each brought back once, when backward recomputes the block
+    assert hooks.unpacked in (9, 12)  # each brought back once, when backward recomputes the block (+ placeholders)
 
 
 def test_depth_two_offloads_the_inputs_of_each_child():
@@ -151,7 +154,17 @@ def test_a_refused_pin_leaves_the_inputs_in_pageable_ram_and_the_results_unchang
     a driver refuses every pin once told CUDA is there. Gradients bitwise those of no checkpointing either way."""
     monkeypatch.setattr(activation_offload, "_refused_said", False)
     monkeypatch.setattr(pinned_host, "_allowed", True)  # not --disable-pinned-memory (a CPU ComfyUI's bridge sets it)
-    if pin_refused:
+    card = torch.cuda.is_available()
+    if pin_refused and card:  # a driver that pins: its refusal played, with the error torch raises
+        real_empty = torch.empty
+
+        def refusing(*args, pin_memory=False, **kwargs):
+            if pin_memory:
+                raise RuntimeError("CUDA error: out of memory")
+            return real_empty(*args, **kwargs)
+
+        monkeypatch.setattr(torch, "empty", refusing)
+    elif pin_refused:
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
         with pytest.raises(RuntimeError):
             torch.empty(1, pin_memory=True)
@@ -166,7 +179,10 @@ def test_a_refused_pin_leaves_the_inputs_in_pageable_ram_and_the_results_unchang
     with caplog.at_level("WARNING"):
         offloaded, _ = grads_after_step(enable_offloaded_checkpointing, offload_hooks=hooks)
     assert all(torch.equal(a, b) for a, b in zip(plain, offloaded))
-    assert len(packed) == 9 and all(copy.device.type == "cpu" and not copy.is_pinned() for _, copy in packed)
+    inputs = [copy for _, copy in packed if copy.numel()]  # not torch 2.11's empty placeholders (RecordingHooks)
+    # pinned only where a driver is there and agrees; the CPU's own tensors are never "offloaded" by the default hooks
+    assert len(inputs) == 9 and all(copy.device.type == "cpu" and copy.is_pinned() == (card and not pin_refused)
+                                    for copy in inputs)
     said = [r.getMessage() for r in caplog.records if "refused to pin" in r.getMessage()]
     assert len(said) == (1 if pin_refused else 0)  # once, though 9 inputs were refused
 
@@ -177,7 +193,8 @@ def test_the_pinned_buffers_torch_caches_are_given_back_when_offloading_ends(mon
     calls = []
     monkeypatch.setattr(torch._C, "_host_emptyCache", lambda: calls.append(1), raising=False)
     grads_after_step(enable_offloaded_checkpointing)
-    assert calls == [] or torch.cuda.is_available()  # no card: nothing to give back, nothing called
+    assert calls == ([1] if torch.cuda.is_available() else [])  # no card: nothing to give back, nothing called
+    calls.clear()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     restore = enable_offloaded_checkpointing(make_model(), offload_hooks=RecordingHooks())
     restore()
@@ -222,7 +239,8 @@ def test_on_a_card_the_block_inputs_wait_in_pinned_host_ram_and_the_results_are_
 
     def to_host(tensor):
         packed.append(real(tensor))
-        pinned.append(packed[-1][0].type == "cuda" and packed[-1][1].is_pinned())
+        if tensor.numel():  # not torch 2.11's empty placeholder (RecordingHooks)
+            pinned.append(packed[-1][0].type == "cuda" and packed[-1][1].is_pinned())
         return packed[-1]
 
     monkeypatch.setattr(activation_offload, "_to_host", to_host)
@@ -274,7 +292,7 @@ def inplace_run(inplace=True, offload_hooks=None):
 
 @pytest.mark.parametrize("recording", [False, True])
 def test_blocks_updating_inputs_in_place_get_the_uncheckpointed_gradients(recording):
-    offload_hooks = RecordingHooks() if recording else activation_offload._default_offload_hooks
+    offload_hooks = RecordingHooks(placeholders=True) if recording else activation_offload._default_offload_hooks
     reference, reference_calls = inplace_run(inplace=False)
     protected, _ = inplace_run()
     offloaded, calls = inplace_run(offload_hooks=offload_hooks)

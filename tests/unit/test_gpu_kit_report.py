@@ -177,3 +177,30 @@ def test_issue_41s_rows_take_three_warm_up_and_ten_timed_steps():
             "c": {"status": "ok", "warmup_steps": 1, "timed_steps": 4}, "d": {"status": "oom"}}
     assert report().step_counts_text(rows) == "1 row 1 + 4; 2 rows 3 + 10"
     assert report().step_counts_text({}) == "steps per row not recorded"
+
+
+def test_failed_cuda_tests_are_listed_each_with_its_message(tmp_path):
+    """The kit's CUDA tests record each failure's message from pytest's junit XML (the output's tail keeps only the
+    last failure), and the page lists them; a failed record with a summary and no error text is a finding, not a
+    crash (the first GPU session's page stopped on one: IndexError)."""
+    spec = importlib.util.spec_from_file_location("gpukit_suite_junit", REPO_ROOT / "bench" / "gpu" / "suite.py")
+    suite = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(suite)
+    (tmp_path / "test_two.py").write_text("def test_fine():\n    pass\n\n\ndef test_off():\n"
+                                          "    assert [1, 2] == [1, 3], 'the second differs'\n")
+    junit = tmp_path / "junit.xml"
+    __import__("subprocess").run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                                  f"--junitxml={junit}", str(tmp_path / "test_two.py")], cwd=tmp_path,
+                                 capture_output=True)
+    failures = suite.failed_tests(junit)
+    assert [(f["test"].split("::")[-1], f["kind"]) for f in failures] == [("test_off", "failure")]
+    assert "the second differs" in failures[0]["message"]
+    assert suite.failed_tests(tmp_path / "absent.xml") == []
+    record = {"type": "measurement", "id": "cuda_tests", "kind": "cuda_tests", "model": "", "config": "",
+              "status": "failed", "files": ["tests/unit/test_two.py"], "passed": 1, "failed": 1,
+              "summary": "1 failed, 1 passed in 0.1s", "failures": failures}
+    module = report()
+    assert module.findings({"cuda_tests": record})["failed"] == ["`cuda_tests`: failed (1 failed, 1 passed in 0.1s)"]
+    assert module.findings({"cuda_tests": {**record, "summary": ""}})["failed"] == ["`cuda_tests`: failed"]
+    text = module.section([record])
+    assert "- `test_two::test_off`: failure: AssertionError: the second differs" in text
