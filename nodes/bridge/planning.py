@@ -136,7 +136,7 @@ def _measure(patcher, adapter: AdapterConfig, precision: str, timing: planner.Ru
             adapters.to(denoiser.device)
         dtype = PRECISIONS[precision]
         device = denoiser.device
-        synchronize = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
+        synchronize = device_synchronize(device)
         samples = []
         adapters.attach(diffusion_model)
         try:
@@ -153,6 +153,13 @@ def _measure(patcher, adapter: AdapterConfig, precision: str, timing: planner.Ru
                     with torch.autocast(denoiser.device.type, dtype=dtype, enabled=dtype is not None):
                         return denoiser.predict(x, sigma, [cond])
 
+                if synchronize is not None:
+                    # On a GPU the first forward at a shape chooses its kernels (cuDNN's algorithm search under
+                    # ComfyUI's --fast autotune, lazily loaded kernels, cuBLAS's workspaces): untimed here, or the
+                    # fit read that as compute (a cold process planned SDXL at 8.7 s/step for a 0.55 s step).
+                    with torch.no_grad():
+                        run()
+                    synchronize()
                 samples.append(planner.measure_activations(run, blocks, weights=weights, latent_area=height * width,
                                                            text_tokens=tokens, synchronize=synchronize))
             timed = None if timing is None else time_at_run_size(model, denoiser, blocks, dtype, timing, synchronize,
@@ -162,6 +169,12 @@ def _measure(patcher, adapter: AdapterConfig, precision: str, timing: planner.Ru
             restore_stock_forwards(diffusion_model)
             quantized_weights_for_inference(diffusion_model, patcher)  # stock nodes load the MODEL again after
     return samples, timed
+
+
+def device_synchronize(device: torch.device):
+    """What waits for `device`'s queued work before a time is read (CUDA: torch.cuda.synchronize); None on a CPU,
+    whose work is done when the call returns."""
+    return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
 
 
 def run_latent_shape(model, shape: planner.RunShape) -> tuple[int, ...]:

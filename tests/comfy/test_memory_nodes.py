@@ -165,6 +165,38 @@ def test_measured_profile_predicts_a_larger_bucket(comfyui, family, monkeypatch)
     assert comfy.model_management.in_training is False
 
 
+def test_on_a_device_each_calibration_size_is_run_once_untimed_first(comfyui, monkeypatch):
+    """A GPU's first forward at a shape chooses its kernels (cuDNN's search, lazy kernel loads): on a device each
+    calibration size runs once under no_grad before the timed, counted forward, or a cold process's fit reads the
+    kernel choice as compute (the GPU kit planned SDXL at 8.7 s/step for a measured 0.55 s). The device is played
+    here by the CPU with a synchronize; on a CPU itself no forward is added."""
+    from headroom.nodes.bridge import planning
+    from headroom.nodes.bridge.comfy_model import training_blocks
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
+    from headroom.training.core.adapters import AdapterConfig
+    from headroom.training.memory import planner
+
+    model, _, _ = build_tiny_models("sdxl")
+    first = training_blocks(model.model.diffusion_model)[0][1]
+    events = []
+    first.register_forward_pre_hook(lambda module, args: events.append("timed" if torch.is_grad_enabled() else "warm"))
+    real = planner.measure_activations
+
+    def measuring(run_forward, blocks, *args, latent_area=0, **kwargs):
+        events.append(f"measure {latent_area}")
+        return real(run_forward, blocks, *args, latent_area=latent_area, **kwargs)
+
+    monkeypatch.setattr(planner, "measure_activations", measuring)
+    planning.measure_and_time(model, AdapterConfig(rank=4, alpha=4), "fp32")  # the CPU: no warm-up
+    sizes = [h * w for h, w, _ in planning.calibration_sizes(model.model)]
+    assert events == [e for area in sizes for e in (f"measure {area}", "timed")]
+    events.clear()
+    synced = []
+    monkeypatch.setattr(planning, "device_synchronize", lambda device: lambda: synced.append(1))
+    planning.measure_and_time(model, AdapterConfig(rank=4, alpha=4), "fp32")
+    assert events == [e for area in sizes for e in ("warm", f"measure {area}", "timed")] and synced
+
+
 def test_the_plan_times_each_block_at_the_runs_size(comfyui, monkeypatch):
     """The time model's block times come from forwards at the run's latent size (planning.time_at_run_size: the
     calibration's tiny forwards are launch-bound on a GPU), one item, no_grad; the laws are exact there. Where that
