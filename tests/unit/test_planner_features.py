@@ -187,6 +187,9 @@ def reference_estimate(description: ModelDescription, trainable: TrainableSpec, 
             validation_items[f"optimizer state ({trainable.optimizer})"] = optimizer
     validation_items["sampling working set (ComfyUI estimate, cond+uncond)"] = int(
         description.inference_bytes_per_latent_px * area * 2)
+    # the GPU kit's Flux.1-dev validation at 6 GiB: the allocator's cache holds more than is live beside it
+    validation_items["allocator slack beside the working set (validation's per-layer casts fragment the cache)"] = int(
+        planner.VALIDATION_SLACK * int(description.inference_bytes_per_latent_px * area * 2))
     validation_items["one layer's weight copy in flight (cast / dequantised)"] = int(in_flight)
     # Validation as the saved file (the default, nodes/bridge/comfy_bridge.AsSavedWeight) merges the LoRA into that layer's
     # weight as it runs: the LoRA product in fp32 (ComfyUI's LoRA compute dtype on a CPU; fp16 on some GPUs, so this

@@ -55,6 +55,12 @@ PLAN_FORMAT = "headroom.memory_plan"
 # room to spare, a selective plan sits at the edge, and an activation estimate a few % low (planner / measured ran
 # 1.02-1.07x) would then run out of memory.
 SELECTION_SLACK = 0.03
+# Validation through ComfyUI's model call casts each streamed layer's weight to the device beside a working set of
+# varied sizes: the caching allocator then holds more than is live. On an H200 (GPU kit, Flux.1-dev 1024 px, a 3.3
+# GiB working set) reserved ran 0.9 GiB over allocated at 8 GiB and reached the cap at 12 and 16; at 6 GiB the
+# validation loss ran out of memory at 5.08 GiB allocated of a plan filled to the budget. This share of the working
+# set is left free beside it (validation's base share is that much smaller).
+VALIDATION_SLACK = 0.3
 # A plan predicted at this many times the step of a card that holds the whole run says so (Plan.slow): it fits, but a
 # user may rather choose a smaller batch, a smaller optimizer state or a larger card.
 SLOW_STEP_RATIO = 3.0
@@ -701,6 +707,8 @@ def estimate(description: ModelDescription, trainable: TrainableSpec, shape: Run
     working_set = int(description.inference_bytes_per_latent_px * area * 2)
     sampling = {**trained.validation, **parking.validation,
                 "sampling working set (ComfyUI estimate, cond+uncond)": working_set,
+                "allocator slack beside the working set (validation's per-layer casts fragment the cache)": int(
+                    VALIDATION_SLACK * working_set),
                 # as in training: an outer layer's copy is made before the model call's working set
                 "one layer's weight copy in flight (cast / dequantised)": int(max(in_flight_block,
                                                                                    in_flight_any - working_set)),
