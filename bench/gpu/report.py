@@ -118,7 +118,9 @@ def findings(measured: dict[str, dict]) -> dict[str, list[str]]:
                                     + first_timed_step(r.get("allocator")))
         first, median = r.get("first_step_seconds"), r.get("s_per_step")
         if first is not None and median and first - median > CALL_START_NOTE_S:
-            out["start"].append(f"`{ident}`: {first - median:.1f} s")
+            parts = {k: v for k, v in (r.get("start_seconds") or {}).items() if v is not None}
+            split = ", ".join(f"{name} {seconds:.1f}" for name, seconds in parts.items())
+            out["start"].append(f"`{ident}`: {first - median:.1f} s" + (f" ({split} s)" if split else ""))
         base = resident.get(r["model"])
         if r["kind"] == "lora" and budget is not None and base is not None and r.get("s_per_step") and base.get("s_per_step"):
             ratio = r["s_per_step"] / base["s_per_step"]
@@ -279,6 +281,18 @@ def section(records: list[dict]) -> str:
                 f"{f'{measured_s / limit:.2f}x' if limit and measured_s else ''} | "
                 + " | ".join("" if name not in per_step else f"{per_step[name]:g}"
                              for name in ("num_alloc_retries", "num_sync_all_streams", "num_ooms")) + " |")
+        traced = [r for r in timed if r.get("overlap")]
+        if traced:
+            lines += ["", "One steady streamed step traced (`torch.profiler`, the device waited for at its end): the "
+                      "device's seconds copying host->device, computing, both at once, and neither (idle: waiting "
+                      "for the CPU, or for a copy nothing overlapped).", "",
+                      "| model | budget GiB / policy | traced step s | copying s | computing s | both s | idle s | "
+                      "copies |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+            for r in traced:
+                o = r["overlap"]
+                lines.append(f"| {LABELS.get(r['model'], r['model'])} | {r['config']} | {o['step_s']:.3f} | "
+                             f"{o['copy_s']:.3f} | {o['compute_s']:.3f} | {o['overlap_s']:.3f} | {o['idle_s']:.3f} | "
+                             f"{o['copies']} |")
     tests = measured.get("cuda_tests")
     if tests:
         lines += ["", f"CUDA-marked tests ({', '.join(tests.get('files', [])) or 'none found'}): "

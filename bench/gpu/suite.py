@@ -495,6 +495,13 @@ def train_and_measure(patcher, name: str, config: str, args, record: dict, polic
                 counters.append(allocator_counters(device))
             crossed = crossed_per_step(run)
             record["allocator"] = allocator_deltas(counters, args.steps, step_counters(run, args.warmup, counters[1]))
+            if budget is not None:  # issue 41: where a step under a budget spends its time
+                try:  # a trace that cannot be made (no CUPTI, say) loses the trace, not the row's figures
+                    record["overlap"] = profiled_overlap(run, args.warmup + args.steps + 2)
+                except Exception as error:
+                    if is_out_of_memory(error):
+                        raise
+                    record["overlap_error"] = _short(error)
             training = [p for p in run.record.memory.phases if p["phase"] == "training"][-1]
             own = validation_seconds(run, width, height)  # validation on its own placement (the plan's)
             validation = [p for p in run.record.memory.phases if p["phase"] == "validation"][-1]
@@ -503,9 +510,11 @@ def train_and_measure(patcher, name: str, config: str, args, record: dict, polic
         def run_only(peak):  # torch's peaks count a ballast (Budget(ballast=True)) as this process's: not the run's
             return None if peak is None else peak - card.ballast_bytes
 
-        timed_seconds = step_seconds(run, args.warmup)
+        timed_seconds = step_seconds(run, args.warmup, args.warmup + args.steps)  # not the traced call's steps
         # The first timed step also holds the second Steps call's start: ComfyUI's load, the ring's attach (its
         # slots, pinning its host buffers again: cudaHostRegister of every streamed block) - the report says how long.
+        # where that start went: ComfyUI's load with the placement's unload, and the streamer's attach by part
+        record["start_seconds"] = {"comfy_load": run.load_seconds, **run.trainer.stream_setup_seconds}
         record.update(status="ok", s_per_step=statistics.median(timed_seconds), first_step_seconds=timed_seconds[0],
                       train_peak_allocated=run_only(training.get("peak_allocated_bytes")),
                       train_peak_reserved=run_only(training.get("peak_reserved_bytes")),
@@ -534,6 +543,89 @@ def train_and_measure(patcher, name: str, config: str, args, record: dict, polic
 
 # --- issue 41: the step against its physical limit ------------------------------------------------------------------
 ALLOCATOR_COUNTERS = ("num_alloc_retries", "num_sync_all_streams", "num_ooms", "num_device_alloc", "num_device_free")
+
+
+def profiled_overlap(run, target_step: int) -> dict | None:
+    """One steady streamed step traced by torch.profiler (issue 41: the copy / compute overlap): a Steps call of two
+    steps, the second traced (the first holds the call's start), the device waited for before the trace ends so the
+    step's whole device work is in it. On a CPU (the dry run) the same call is traced: no device work, all idle."""
+    from torch.profiler import ProfilerActivity, profile, record_function, schedule
+
+    from headroom.nodes import train_lora as T
+
+    cuda = run.denoiser.device.type == "cuda"
+    trainer = run.trainer
+    real = trainer.train_step
+    marks: list[tuple[float, float]] = []
+
+    with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])],
+                 schedule=schedule(wait=1, warmup=0, active=1)) as traced:
+        def traced_step():
+            with record_function("headroom_step"):
+                loss = real()
+                if cuda:
+                    torch.cuda.synchronize(run.denoiser.device)
+            traced.step()
+            return loss
+
+        trainer.train_step = traced_step  # the instance's own, removed below
+        try:
+            T.HeadroomTrainSteps.execute(run, target_step)
+        finally:
+            del trainer.train_step
+    for event in traced.events():
+        if event.name == "headroom_step" and event.device_type == torch.autograd.DeviceType.CPU:
+            marks.append((event.time_range.start, event.time_range.end))
+    if not marks:
+        return None
+    start, end = marks[-1]
+    copies, kernels = [], []
+    for event in traced.events():
+        if event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        span = (max(event.time_range.start, start), min(event.time_range.end, end))
+        if span[1] <= span[0]:
+            continue
+        if "Memcpy HtoD" in event.name:
+            copies.append(span)
+        elif not event.name.startswith(("Memcpy", "Memset")):
+            kernels.append(span)
+    return overlap_figures(start, end, copies, kernels)
+
+
+def overlap_figures(start: float, end: float, copies: list[tuple[float, float]],
+                    kernels: list[tuple[float, float]]) -> dict:
+    """Seconds of one step (times in microseconds, as the profiler gives them): the device copying host -> device,
+    computing, both at once, neither (idle: the device waiting for the CPU or for a copy it could not overlap)."""
+    def union(spans):
+        merged = []
+        for a, b in sorted(spans):
+            if merged and a <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], b)
+            else:
+                merged.append([a, b])
+        return merged
+
+    def length(spans):
+        return sum(b - a for a, b in spans)
+
+    def intersect(xs, ys):
+        out, i, j = [], 0, 0
+        while i < len(xs) and j < len(ys):
+            a, b = max(xs[i][0], ys[j][0]), min(xs[i][1], ys[j][1])
+            if a < b:
+                out.append((a, b))
+            if xs[i][1] < ys[j][1]:
+                i += 1
+            else:
+                j += 1
+        return out
+
+    copy, compute = union(copies), union(kernels)
+    both = length(intersect(copy, compute))
+    busy = length(copy) + length(compute) - both
+    return {"step_s": (end - start) / 1e6, "copy_s": length(copy) / 1e6, "compute_s": length(compute) / 1e6,
+            "overlap_s": both / 1e6, "idle_s": max(0.0, end - start - busy) / 1e6, "copies": len(copies)}
 
 
 def plan_times(plan: dict) -> dict:
@@ -658,10 +750,11 @@ def crossed_per_step(run) -> dict:
     return out
 
 
-def step_seconds(run, warmup: int) -> list[float]:
-    """Each timed step's wall time, from the run's per-step figures (the mean since the Steps call started)."""
+def step_seconds(run, warmup: int, last: int | None = None) -> list[float]:
+    """Each timed step's wall time (the steps after `warmup` up to `last`, one Steps call), from the run's per-step
+    figures (the mean since the Steps call started)."""
     figures = run.step_figures
-    steps = sorted(s for s in figures if s > warmup)
+    steps = sorted(s for s in figures if s > warmup and (last is None or s <= last))
     out, previous = [], 0.0
     for index, step in enumerate(steps, start=1):
         total = figures[step][1] * index

@@ -382,6 +382,7 @@ class TrainingRun:
     # The planner's predicted s/step for this run (its card's plan, or the plan of its placement; None: no plan made),
     # recorded beside the measured one in the memory record (PhaseRecorder.step_time).
     predicted_s_per_step: float | None = None
+    load_seconds: float | None = None  # the last attach's ComfyUI load and placement (`attached`)
 
     @property
     def notes(self) -> list[str]:
@@ -469,6 +470,7 @@ class TrainingRun:
         load puts training's placement back."""
         patchers, extra = self.trained.patchers(self), self.trained.device_extra_bytes(self.trainer)
         share = self._validation_device_share() if phase == "validation" else None
+        started = time.perf_counter()
         if share is None:  # training, or a validation nothing was planned for (a CPU, no plan): training's placement
             whole = phase != "validation" and self._plan_streamer()
             self.placement.load(patchers, extra, self._base_device_share(), whole_blocks=whole)
@@ -477,6 +479,8 @@ class TrainingRun:
         else:
             own = base_placement(validation_placement(self.policy.base_placement))
             self.placement.load(patchers, extra, share, own)
+        # ComfyUI's load with the placement's unload after it, each attach (the GPU kit records a Steps call's)
+        self.load_seconds = time.perf_counter() - started
         base = self.placement.patcher.model.diffusion_model
         if phase == "validation":  # ComfyUI's sampler loads the clone again under inference mode
             quantized_weights_for_inference(base, self.placement.patcher)

@@ -87,6 +87,9 @@ def test_rows_against_their_physical_limit_the_prediction_and_the_allocator():
     measured["lora/flux_dev/8GB"]["first_step_seconds"] = 9.5  # re-pinning 20 GB at the second Steps call, say
     measured["lora/flux_dev/24GB"]["first_step_seconds"] = 1.2  # under the note's 1 s over the median
     assert module.findings(measured)["start"] == ["`lora/flux_dev/8GB`: 8.0 s"]
+    # where it went, as the kit records it (the run's ComfyUI load, the streamer's attach by part)
+    measured["lora/flux_dev/8GB"]["start_seconds"] = {"comfy_load": 5.25, "pack": 1.5, "pin": 0.75, "keep": None}
+    assert module.findings(measured)["start"] == ["`lora/flux_dev/8GB`: 8.0 s (comfy_load 5.2, pack 1.5, pin 0.8 s)"]
     # With the per-step counters: the first timed step (after the second Steps call's attach) apart from the steady ones
     measured["lora/flux_dev/8GB"]["allocator"]["per_step"] = [{"num_alloc_retries": 28}, {"num_alloc_retries": 2},
                                                               {"num_alloc_retries": 0}]
@@ -204,3 +207,20 @@ def test_failed_cuda_tests_are_listed_each_with_its_message(tmp_path):
     assert module.findings({"cuda_tests": {**record, "summary": ""}})["failed"] == ["`cuda_tests`: failed"]
     text = module.section([record])
     assert "- `test_two::test_off`: failure: AssertionError: the second differs" in text
+
+
+def test_a_traced_step_splits_into_copying_computing_both_and_idle():
+    """Issue 41: one streamed step's profiler trace, as device seconds copying, computing, both at once and idle;
+    overlapping spans of one kind counted once, spans clipped to the step by the kit."""
+    spec = importlib.util.spec_from_file_location("gpukit_suite_overlap", REPO_ROOT / "bench" / "gpu" / "suite.py")
+    suite = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(suite)
+    # a 10 ms step: copies 0-3 and 2-4 ms (one span 0-4), kernels 3-6 and 8-9 ms: both 3-4, idle 6-8 and 9-10
+    figures = suite.overlap_figures(0, 10_000, [(0, 3_000), (2_000, 4_000)], [(3_000, 6_000), (8_000, 9_000)])
+    assert figures == {"step_s": 0.01, "copy_s": 0.004, "compute_s": 0.004, "overlap_s": 0.001, "idle_s": 0.003,
+                       "copies": 2}
+    row = {**lora("8GB", 1.5, 5.0, 5.0, 5.0), "plan_blocks": {"resident": 5, "streamed": 52, "slots": 3},
+           "step_time": {"compute_s": 1.0, "transfer_s": 1.2, "limit_s": 1.2, "recompute_s": 0.0},
+           "predicted_s_per_step": 1.4, "overlap": figures}
+    text = report().section([row])
+    assert "| Flux.1-dev | 8GB | 0.010 | 0.004 | 0.004 | 0.001 | 0.003 | 2 |" in text

@@ -152,6 +152,10 @@ def test_whole_blocks_and_non_block_layers_kept_on_the_device_the_rest_streamed(
     assert streamed == {0, 2, 4} and streamer.allocations == 2 + 3  # slots + kept buffers
     assert {i for _, i in streamer.install_log} == {0, 2, 4} and set(streamer.fetch_log) == {0, 2, 4}
     assert seen["block 1"] is not net.blocks[1].base.weight  # a device copy, installed from attach to detach
+    # the attach's seconds by part (the GPU kit records where a Steps call's start goes); no pin on a CPU
+    parts = streamer.setup_seconds
+    assert set(parts) == {"pack", "pin", "keep", "slots"} and all(v >= 0 for v in parts.values())
+    assert parts["pack"] > 0 and parts["keep"] > 0
 
 
 def test_fetch_order_keeps_the_last_blocks_across_the_turn():

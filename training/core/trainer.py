@@ -189,6 +189,7 @@ class Trainer:
         # The streamer's options from the run's plan (weight_streaming.WeightStreamer: slots, resident whole blocks,
         # non-block layers kept on the device); set by the ComfyUI bridge on a device, empty elsewhere.
         self.stream_options: dict = {}
+        self.stream_setup_seconds: dict[str, float] = {}  # the last train_to's streamer attach, by part
         self.item_extras = item_extras
         self.objective = Objective(denoiser.sampling, config.objective)
         self.train_items = list(range(len(latent_cache))) if train_items is None else list(train_items)
@@ -536,7 +537,9 @@ class Trainer:
                 # Checkpointing, offloaded checkpoints and streamed blocks, as the policy says (training/policy.py).
                 with memory_features(self.policy, [m for _, m in self.denoiser.blocks()], self.denoiser.device,
                                      inplace_inputs=getattr(self.denoiser, "inplace_blocks", False),
-                                     **self.stream_options):
+                                     **self.stream_options) as streamer:
+                    # where this stretch's start went (WeightStreamer.setup_seconds; the GPU kit records it)
+                    self.stream_setup_seconds = dict(streamer.setup_seconds) if streamer is not None else {}
                     self.trainable.train(True)
                     while self.step < target_step:
                         started = time.perf_counter()

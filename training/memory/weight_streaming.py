@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from typing import Iterable, Sequence
 
 import torch
@@ -292,6 +293,10 @@ class WeightStreamer:
         self.install_log: list[tuple[str, int]] | None = [] if record else None
         self.fetch_log: list[int] | None = [] if record else None
         self.max_on_device = 0  # most blocks on the device at once (in slots + one-off buffers)
+        # The last attach's seconds by part: packing host buffers ("pack": a block ComfyUI moved since is laid out
+        # again), pinning them ("pin"), copying the resident blocks and non-block layers to the device ("keep"), the
+        # slots ("slots"). The GPU kit saw a Steps call start 10-17 s on Flux.1-dev: this says where it goes.
+        self.setup_seconds: dict[str, float] = {}
 
     @property
     def enabled(self) -> bool:
@@ -318,6 +323,7 @@ class WeightStreamer:
     def _set_up(self) -> None:
         """Pack the host buffers, keep the resident blocks and non-block layers, allocate the slots, add the hooks."""
         cuda = self.device.type == "cuda"
+        self.setup_seconds = dict.fromkeys(("pack", "pin", "keep", "slots"), 0.0)
         if cuda:
             self._copy_stream = torch.cuda.Stream(self.device)
         in_blocks = {id(m) for block in self.blocks for m in block.modules()}
@@ -333,6 +339,7 @@ class WeightStreamer:
                                             pin=False))
         self._streamed = [i for i, b in enumerate(self._blocks) if b.tensors]
         largest = max((b.nbytes for b in self._blocks), default=0)
+        started = time.perf_counter()
         if self._streamed:
             for _ in range(min(self.slot_count, len(self._streamed))):
                 buffer = torch.empty(largest, dtype=torch.uint8, device=self.device)
@@ -340,6 +347,7 @@ class WeightStreamer:
                 slot = _Slot(buffer, cuda)
                 self._ring.append(slot)
                 self._by_storage[buffer.untyped_storage().data_ptr()] = slot
+        self.setup_seconds["slots"] += time.perf_counter() - started
         for index, block in enumerate(self.blocks):
             self._handles.append(block.register_forward_pre_hook(self._make_pre_forward(index)))
             self._handles.append(block.register_forward_hook(self._make_post_forward(index)))
@@ -432,6 +440,7 @@ class WeightStreamer:
         result = _Block(laid, offset)
         if not laid:
             return result
+        started = time.perf_counter()
         result.packed = self._packed_already(list(seen.values()), offset)
         if result.packed is None:
             packed = torch.empty(offset, dtype=torch.uint8)
@@ -442,6 +451,9 @@ class WeightStreamer:
                     if not t.host.is_pinned():  # pinned by someone else (their record of it): left alone
                         t.host.data = t.view(packed)  # the old storage is freed: host RAM is not doubled
             result.packed = packed
+        if self.setup_seconds:
+            self.setup_seconds["pack"] += time.perf_counter() - started
+        started = time.perf_counter()
         if self._pins_host_copies() and pin:
             within = self.pin_limit_bytes is None or self.pinned_bytes + offset <= self.pin_limit_bytes
             result.registered = within and _register(result.packed, self.device)
@@ -456,6 +468,8 @@ class WeightStreamer:
                     logging.warning("Headroom: weight streaming pinned %.1f GiB of its host buffers; %s, so the rest "
                                     "crosses from pageable memory, slower", self.pinned_bytes / 2 ** 30, why)
         result.pinned = result.registered or result.packed.is_pinned()
+        if self.setup_seconds:
+            self.setup_seconds["pin"] += time.perf_counter() - started
         return result
 
     def _copies_from_pageable_hold_the_cpu(self) -> bool:
@@ -487,8 +501,10 @@ class WeightStreamer:
         """One copy, at attach, into a buffer of its own; installed until detach."""
         if not block.tensors:
             return
+        started = time.perf_counter()
         buffer = torch.empty(block.nbytes, dtype=torch.uint8, device=self.device)
-        buffer.copy_(block.packed)
+        buffer.copy_(block.packed)  # from pageable memory: done when it returns
+        self.setup_seconds["keep"] = self.setup_seconds.get("keep", 0.0) + time.perf_counter() - started
         self.allocations += 1
         for t in block.tensors:
             (t.module._parameters if t.is_param else t.module._buffers)[t.name] = _device_object(t, buffer)
