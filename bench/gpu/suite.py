@@ -488,29 +488,30 @@ def train_and_measure(patcher, name: str, config: str, args, record: dict, polic
                               validation_base_device_bytes=plan.validation_base_device_bytes,
                               **plan_times(plan.to_dict()))
             counters = [allocator_counters(device)]
+            # issue 41: where a step under a budget spends its time: the last timed step traced (torch.profiler)
+            trace = StepTrace(run, traced_step=args.steps) if budget is not None else contextlib.nullcontext()
             with counters_per_step():
                 T.HeadroomTrainSteps.execute(run, args.warmup)  # loads the model, kernels, allocator, optimizer state
                 counters.append(allocator_counters(device))
-                T.HeadroomTrainSteps.execute(run, args.warmup + args.steps)
+                with trace:
+                    T.HeadroomTrainSteps.execute(run, args.warmup + args.steps)
                 counters.append(allocator_counters(device))
+            if budget is not None:
+                record.update(trace.result())
             crossed = crossed_per_step(run)
             record["allocator"] = allocator_deltas(counters, args.steps, step_counters(run, args.warmup, counters[1]))
-            if budget is not None:  # issue 41: where a step under a budget spends its time
-                try:  # a trace that cannot be made (no CUPTI, say) loses the trace, not the row's figures
-                    record["overlap"] = profiled_overlap(run, args.warmup + args.steps + 2)
-                except Exception as error:
-                    if is_out_of_memory(error):
-                        raise
-                    record["overlap_error"] = _short(error)
             training = [p for p in run.record.memory.phases if p["phase"] == "training"][-1]
             own = validation_seconds(run, width, height)  # validation on its own placement (the plan's)
             validation = [p for p in run.record.memory.phases if p["phase"] == "validation"][-1]
-            with training_placement_for_validation(run):  # the same on training's placement (before issue 28)
-                on_training = validation_seconds(run, width, height)
+            on_training = None  # the same on training's placement (issue 28), unless the plan made them the same
+            base = record.get("base_device_bytes")
+            if base is None or record.get("validation_base_device_bytes") != base:
+                with training_placement_for_validation(run):
+                    on_training = validation_seconds(run, width, height)
         def run_only(peak):  # torch's peaks count a ballast (Budget(ballast=True)) as this process's: not the run's
             return None if peak is None else peak - card.ballast_bytes
 
-        timed_seconds = step_seconds(run, args.warmup, args.warmup + args.steps)  # not the traced call's steps
+        timed_seconds = step_seconds(run, args.warmup)
         # The first timed step also holds the second Steps call's start: ComfyUI's load, the ring's attach (its
         # slots, pinning its host buffers again: cudaHostRegister of every streamed block) - the report says how long.
         # where that start went: ComfyUI's load with the placement's unload, and the streamer's attach by part
@@ -545,52 +546,74 @@ def train_and_measure(patcher, name: str, config: str, args, record: dict, polic
 ALLOCATOR_COUNTERS = ("num_alloc_retries", "num_sync_all_streams", "num_ooms", "num_device_alloc", "num_device_free")
 
 
-def profiled_overlap(run, target_step: int) -> dict | None:
-    """One steady streamed step traced by torch.profiler (issue 41: the copy / compute overlap): a Steps call of two
-    steps, the second traced (the first holds the call's start), the device waited for before the trace ends so the
-    step's whole device work is in it. On a CPU (the dry run) the same call is traced: no device work, all idle."""
-    from torch.profiler import ProfilerActivity, profile, record_function, schedule
+class StepTrace:
+    """The `traced_step`-th step of the Steps call inside the block traced by torch.profiler (issue 41: the copy /
+    compute overlap), the device waited for at its end so its whole device work is in the trace (that step only: the
+    others run untraced, the profiler idle until then). `result()`: {"overlap": overlap_figures(...)}, or
+    {"overlap_error": ...} where no trace could be made (no CUPTI, say): the row keeps its other figures. On a CPU
+    (the dry run) the same step is traced: no device work, all idle."""
 
-    from headroom.nodes import train_lora as T
+    def __init__(self, run, traced_step: int):
+        self.run, self.traced_step = run, traced_step
+        self.error, self.profiler = None, None
 
-    cuda = run.denoiser.device.type == "cuda"
-    trainer = run.trainer
-    real = trainer.train_step
-    marks: list[tuple[float, float]] = []
+    def __enter__(self):
+        from torch.profiler import ProfilerActivity, profile, record_function, schedule
 
-    with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])],
-                 schedule=schedule(wait=1, warmup=0, active=1)) as traced:
+        cuda = self.run.denoiser.device.type == "cuda"
+        trainer = self.run.trainer
+        real = trainer.train_step
+        try:
+            self.profiler = profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])],
+                                    schedule=schedule(wait=self.traced_step - 1, warmup=0, active=1)).__enter__()
+        except Exception as error:
+            self.error = error
+            return self
+
         def traced_step():
             with record_function("headroom_step"):
                 loss = real()
                 if cuda:
-                    torch.cuda.synchronize(run.denoiser.device)
-            traced.step()
+                    torch.cuda.synchronize(self.run.denoiser.device)
+            self.profiler.step()
             return loss
 
-        trainer.train_step = traced_step  # the instance's own, removed below
+        trainer.train_step = traced_step  # the instance's own, removed at exit
+        return self
+
+    def __exit__(self, *exc):
+        self.run.trainer.__dict__.pop("train_step", None)
+        if self.profiler is not None:
+            try:
+                self.profiler.__exit__(None, None, None)
+            except Exception as error:
+                self.error = self.error or error
+        return False
+
+    def result(self) -> dict:
+        if self.error is not None or self.profiler is None:
+            return {"overlap_error": _short(self.error) if self.error else "not traced"}
         try:
-            T.HeadroomTrainSteps.execute(run, target_step)
-        finally:
-            del trainer.train_step
-    for event in traced.events():
-        if event.name == "headroom_step" and event.device_type == torch.autograd.DeviceType.CPU:
-            marks.append((event.time_range.start, event.time_range.end))
-    if not marks:
-        return None
-    start, end = marks[-1]
-    copies, kernels = [], []
-    for event in traced.events():
-        if event.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        span = (max(event.time_range.start, start), min(event.time_range.end, end))
-        if span[1] <= span[0]:
-            continue
-        if "Memcpy HtoD" in event.name:
-            copies.append(span)
-        elif not event.name.startswith(("Memcpy", "Memset")):
-            kernels.append(span)
-    return overlap_figures(start, end, copies, kernels)
+            events = list(self.profiler.events())
+        except Exception as error:
+            return {"overlap_error": _short(error)}
+        marks = [(e.time_range.start, e.time_range.end) for e in events
+                 if e.name == "headroom_step" and e.device_type == torch.autograd.DeviceType.CPU]
+        if not marks:
+            return {"overlap_error": "the traced step is not in the trace"}
+        start, end = marks[-1]
+        copies, kernels = [], []
+        for event in events:
+            if event.device_type != torch.autograd.DeviceType.CUDA:
+                continue
+            span = (max(event.time_range.start, start), min(event.time_range.end, end))
+            if span[1] <= span[0]:
+                continue
+            if "Memcpy HtoD" in event.name:
+                copies.append(span)
+            elif not event.name.startswith(("Memcpy", "Memset")):
+                kernels.append(span)
+        return {"overlap": overlap_figures(start, end, copies, kernels)}
 
 
 def overlap_figures(start: float, end: float, copies: list[tuple[float, float]],
@@ -750,11 +773,10 @@ def crossed_per_step(run) -> dict:
     return out
 
 
-def step_seconds(run, warmup: int, last: int | None = None) -> list[float]:
-    """Each timed step's wall time (the steps after `warmup` up to `last`, one Steps call), from the run's per-step
-    figures (the mean since the Steps call started)."""
+def step_seconds(run, warmup: int) -> list[float]:
+    """Each timed step's wall time, from the run's per-step figures (the mean since the Steps call started)."""
     figures = run.step_figures
-    steps = sorted(s for s in figures if s > warmup and (last is None or s <= last))
+    steps = sorted(s for s in figures if s > warmup)
     out, previous = [], 0.0
     for index, step in enumerate(steps, start=1):
         total = figures[step][1] * index

@@ -35,6 +35,7 @@ from ...training.memory.checkpointing import inplace_depth_problem, pinned_readi
 from ...training.data.files import WriteError, open_regular
 from ...training.memory.lowbit import LowBitBase, LowBitLinear
 from ...training.memory import pinned_host
+from ...training import os_compat
 from ...training.memory.memory_stats import PhaseRecorder, process_rss_bytes
 from ...training.memory.oom import is_out_of_memory, out_of_memory
 from ...training.memory.policy import OffloadPolicy
@@ -358,6 +359,8 @@ class Placement:
             # of the bare module tree.
             with self.patcher.use_ejected():
                 replace_inference_tensors(self.patcher.model.diffusion_model, self.patcher)
+        # what the load moved to the device and the unload back left freed in the C heap: to the OS (Linux)
+        os_compat.release_freed_host_memory()
 
     def release(self) -> None:
         """Unload the training clone and give cached device memory back (after a cancel or an error)."""

@@ -73,6 +73,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from . import pinned_host
+from .. import os_compat
 from .cost import FeatureCost
 
 ALIGN = 256  # bytes: each tensor's offset in a packed block (kernels' vector loads want aligned weights)
@@ -348,6 +349,8 @@ class WeightStreamer:
                 self._ring.append(slot)
                 self._by_storage[buffer.untyped_storage().data_ptr()] = slot
         self.setup_seconds["slots"] += time.perf_counter() - started
+        # the per-tensor host storages packing replaced, back to the OS (glibc keeps them in its heap otherwise)
+        os_compat.release_freed_host_memory()
         for index, block in enumerate(self.blocks):
             self._handles.append(block.register_forward_pre_hook(self._make_pre_forward(index)))
             self._handles.append(block.register_forward_hook(self._make_post_forward(index)))
