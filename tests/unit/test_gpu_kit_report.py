@@ -134,9 +134,12 @@ def test_the_kit_emulates_sdxl_at_16_gib_with_a_ballast_too():
     spec = importlib.util.spec_from_file_location("gpukit_suite_unit", REPO_ROOT / "bench" / "gpu" / "suite.py")
     suite = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(suite)
-    entries = {(kind, model): configs for kind, model, configs in suite.plan(["flux_dev", "sdxl"], [8, 16], [])}
-    assert entries[("lora", "sdxl")] == ["resident", "8GB", "16GB", "16GB-ballast"]
-    assert "16GB-ballast" not in entries[("lora", "flux_dev")]
+    steps = suite.plan(["flux_dev", "sdxl"], [8, 16], [])
+    sdxl = [configs for kind, model, configs in steps if (kind, model) == ("lora", "sdxl")]
+    # the rows the last lease left open first (resident, 8 GiB); the 16 GiB pair it answered in a later entry
+    assert sdxl == [["resident", "8GB"], ["16GB", "16GB-ballast"]]
+    assert all("16GB-ballast" not in configs for _, model, configs in steps if model == "flux_dev")
+    assert [(kind, model) for kind, model, _ in steps][2:4] == [("lora", "flux_dev"), ("lora", "sdxl")]
     assert all("16GB-ballast" not in configs for _, _, configs in suite.plan(["sdxl"], [8], []))
     # 141 GB card, 140 GB free, the allocator holding 1 GB already: a 16 GB card leaves 15 GB more to allocate
     assert suite.ballast_bytes(16 * GIB, 140 * GIB, 1 * GIB) == 125 * GIB
