@@ -256,6 +256,25 @@ def keep_to_share(patcher, planned_bytes: int | None) -> int:
     return over
 
 
+@contextlib.contextmanager
+def comfy_pins_suspended(suspend: bool = True):
+    """Within the block ComfyUI pins no weight (its MAX_PINNED_MEMORY at 0, which its pin_memory reads at each call);
+    as it was after. A whole-block training load: ComfyUI's load pins each weight it leaves in host RAM and its partial
+    unload each weight it moves there (one cudaHostRegister per tensor), and the placement unpins every block weight
+    right after (`unpin_block_weights`: the streamer pins its packed buffers) while the streamer keeps the non-block
+    layers on the device: those pins, about the whole model each Steps call, would only be made to be undone."""
+    management = comfy.model_management
+    before = getattr(management, "MAX_PINNED_MEMORY", None)
+    if not suspend or not isinstance(before, (int, float)) or before <= 0:
+        yield
+        return
+    management.MAX_PINNED_MEMORY = 0
+    try:
+        yield
+    finally:
+        management.MAX_PINNED_MEMORY = before
+
+
 def unpin_block_weights(patcher) -> list[str]:
     """The block weights ComfyUI pinned in host RAM (its offload pins them in place), unpinned through its own
     records: the trainer's WeightStreamer packs each streamed block into one buffer of its own and pins that (the
@@ -333,7 +352,9 @@ class Placement:
         placement = placement if placement is not None else self.policy.placement
         if whole_blocks:  # also a resident full fine-tune's: its trained layers' base weights stay in host RAM
             placement = dataclasses.replace(placement, full_load=False, blocks_to_host=True, stream_blocks=True)
-        with torch.inference_mode(False):  # weights copied to the device here are then usable by autograd
+        # weights copied to the device here are then usable by autograd; whole blocks: ComfyUI pins nothing the
+        # placement would unpin right after
+        with torch.inference_mode(False), comfy_pins_suspended(whole_blocks and training):
             # Not a full load: ComfyUI may keep part of the base in host RAM (its lowvram load); the trainer's
             # WeightStreamer brings those blocks to the device one block ahead.
             comfy.model_management.load_models_gpu(patchers, memory_required=extra_bytes,
