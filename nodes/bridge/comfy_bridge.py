@@ -257,22 +257,21 @@ def keep_to_share(patcher, planned_bytes: int | None) -> int:
 
 
 @contextlib.contextmanager
-def comfy_pins_suspended(suspend: bool = True):
-    """Within the block ComfyUI pins no weight (its MAX_PINNED_MEMORY at 0, which its pin_memory reads at each call);
-    as it was after. A whole-block training load: ComfyUI's load pins each weight it leaves in host RAM and its partial
-    unload each weight it moves there (one cudaHostRegister per tensor), and the placement unpins every block weight
-    right after (`unpin_block_weights`: the streamer pins its packed buffers) while the streamer keeps the non-block
-    layers on the device: those pins, about the whole model each Steps call, would only be made to be undone."""
-    management = comfy.model_management
-    before = getattr(management, "MAX_PINNED_MEMORY", None)
-    if not suspend or not isinstance(before, (int, float)) or before <= 0:
+def comfy_pins_suspended(patcher, suspend: bool = True):
+    """Within the block ComfyUI pins none of `patcher`'s weights (its `pin_weight_to_device`, which its load calls
+    for each weight it leaves in host RAM and its partial unload for each weight it moves there, a no-op on this
+    patcher alone); as it was after. A whole-block training load: the placement unpins every block weight right after
+    (`unpin_block_weights`: the streamer pins its packed buffers) while the streamer keeps the non-block layers on the
+    device, so those pins, one cudaHostRegister per tensor for about the whole model each Steps call, would only be
+    made to be undone. ComfyUI's pin account and other models' pins are left alone."""
+    if not suspend or not hasattr(patcher, "pin_weight_to_device"):
         yield
         return
-    management.MAX_PINNED_MEMORY = 0
+    patcher.pin_weight_to_device = lambda key: None  # the instance's own, over the class's
     try:
         yield
     finally:
-        management.MAX_PINNED_MEMORY = before
+        del patcher.pin_weight_to_device
 
 
 def unpin_block_weights(patcher) -> list[str]:
@@ -354,7 +353,7 @@ class Placement:
             placement = dataclasses.replace(placement, full_load=False, blocks_to_host=True, stream_blocks=True)
         # weights copied to the device here are then usable by autograd; whole blocks: ComfyUI pins nothing the
         # placement would unpin right after
-        with torch.inference_mode(False), comfy_pins_suspended(whole_blocks and training):
+        with torch.inference_mode(False), comfy_pins_suspended(self.patcher, whole_blocks and training):
             # Not a full load: ComfyUI may keep part of the base in host RAM (its lowvram load); the trainer's
             # WeightStreamer brings those blocks to the device one block ahead.
             comfy.model_management.load_models_gpu(patchers, memory_required=extra_bytes,

@@ -918,26 +918,30 @@ def test_partial_placement_keeps_the_planned_share_of_the_base(comfyui, monkeypa
     assert comfy_bridge.unpin_block_weights(patcher) == unpinned == [f"diffusion_model.{first_block}.x.weight"]
     # The training load with whole blocks: everything ComfyUI loaded goes to host RAM (its smallest-first unload would
     # leave slices of blocks); the streamer brings the non-block layers and the resident blocks back whole.
-    freed, pin_limits = [], []
+    freed, pins = [], []
+    monkeypatch.setattr(type(patcher), "pin_weight_to_device", lambda self, key: pins.append(key))
     management = comfy_bridge.comfy.model_management
-    monkeypatch.setattr(management, "MAX_PINNED_MEMORY", 8 * 2**30)  # a ComfyUI that pins (a CPU one does not)
-    monkeypatch.setattr(management, "load_models_gpu",
-                        lambda *args, **kwargs: pin_limits.append(management.MAX_PINNED_MEMORY))
+
+    def comfy_load(patchers, **kwargs):  # ComfyUI's load pins each weight it leaves in host RAM
+        patchers[0].pin_weight_to_device("diffusion_model.final.weight")
+
+    def comfy_unload(device, memory_to_free=0):  # its partial unload each weight it moves there
+        freed.append(memory_to_free)
+        patcher.pin_weight_to_device(f"diffusion_model.{first_block}.x.weight")
+
+    monkeypatch.setattr(management, "load_models_gpu", comfy_load)
     monkeypatch.setattr(comfy_bridge, "keep_to_share", lambda patcher, share: 0)
-    monkeypatch.setattr(patcher, "partially_unload", lambda device, memory_to_free=0: freed.append(memory_to_free)
-                        or pin_limits.append(management.MAX_PINNED_MEMORY))
+    monkeypatch.setattr(patcher, "partially_unload", comfy_unload)
     monkeypatch.setattr(patcher, "loaded_size", lambda: 10 * total)
     run.placement.load([patcher], 0, share, whole_blocks=True)
     assert freed == [10 * total] and len(unpinned) == 2  # ComfyUI's pins of block weights undone on the way
-    # ... and none made in the first place: ComfyUI's pins suspended through that load (its load pins what it leaves
-    # in host RAM, its unload what it moves there), its account as it was after
-    assert pin_limits == [0, 0] and management.MAX_PINNED_MEMORY == 8 * 2**30
-    pin_limits.clear()
+    # ... and none made in the first place: this patcher's pins suspended through that load, as they were after
+    assert pins == [] and "pin_weight_to_device" not in vars(patcher)
     run.placement.load([patcher], 0, share)  # a load that keeps ComfyUI's placement: its pins stand
-    assert pin_limits and set(pin_limits) == {8 * 2**30}
-    with pytest.raises(RuntimeError), comfy_bridge.comfy_pins_suspended():
+    assert pins == ["diffusion_model.final.weight"]
+    with pytest.raises(RuntimeError), comfy_bridge.comfy_pins_suspended(patcher):
         raise RuntimeError("a load failing")
-    assert management.MAX_PINNED_MEMORY == 8 * 2**30
+    assert "pin_weight_to_device" not in vars(patcher)
     run.policy = run.policy.replace(base_placement="resident")
     assert not run._plan_streamer()
     assert run._base_device_share() is None and run._validation_device_share() is None  # everything loads
