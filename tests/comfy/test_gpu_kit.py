@@ -96,6 +96,7 @@ def test_dry_run_measures_resumes_and_writes_the_page(comfyui, tmp_path):
     assert by_id["native/sdxl/offload_on"]["status"] == "ok" and by_id["native/sdxl/offload_on"]["offloading"]
     tests = by_id["cuda_tests"]
     assert "tests/unit/test_memory_stats.py" in tests["files"] and tests["status"] == "ok" and tests["skipped"] >= 1
+    assert tests["failures"] == []  # read from pytest's junit XML: each failure's message (none here)
 
     text = page.read_text()
     assert text.startswith("# Benchmarks\n\nKept above.\n") and text.endswith("\n\nKept below.\n")
