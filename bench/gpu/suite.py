@@ -519,9 +519,8 @@ def train_and_measure(patcher, name: str, config: str, args, record: dict, polic
             return None if peak is None else peak - card.ballast_bytes
 
         timed_seconds = step_seconds(run, args.warmup)
-        # The first timed step also holds the second Steps call's start: ComfyUI's load, the ring's attach (its
-        # slots, pinning its host buffers again: cudaHostRegister of every streamed block) - the report says how long.
-        # where that start went: ComfyUI's load with the placement's unload, and the streamer's attach by part
+        # The first timed step also holds the second Steps call's start (the report says how long); where it went:
+        # ComfyUI's load with the placement's unload, and the streamer's attach by part (pack, pin, keep, slots)
         record["start_seconds"] = {"comfy_load": run.load_seconds, **run.trainer.stream_setup_seconds}
         record.update(status="ok", s_per_step=statistics.median(timed_seconds), first_step_seconds=timed_seconds[0],
                       train_peak_allocated=run_only(training.get("peak_allocated_bytes")),

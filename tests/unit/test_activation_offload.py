@@ -68,7 +68,8 @@ class RecordingHooks:
             return tensor.clone()
 
         def unpack(copy):
-            self.unpacked += 1
+            if copy.numel() or self.placeholders:
+                self.unpacked += 1
             return copy
 
         return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
@@ -89,7 +90,7 @@ def test_exactly_the_block_inputs_are_offloaded_keywords_included():
     grads_after_step(enable_offloaded_checkpointing, offload_hooks=hooks)
     # per block: img, txt and vec, all passed as keywords by the caller; nothing saved inside the block
     assert hooks.packed == [(2, 5, 8)] * 9
-    assert hooks.unpacked in (9, 12)  # each brought back once, when backward recomputes the block (+ placeholders)
+    assert hooks.unpacked == 9  # each brought back once, when backward recomputes the block
 
 
 def test_depth_two_offloads_the_inputs_of_each_child():

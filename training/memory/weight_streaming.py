@@ -454,8 +454,7 @@ class WeightStreamer:
                     if not t.host.is_pinned():  # pinned by someone else (their record of it): left alone
                         t.host.data = t.view(packed)  # the old storage is freed: host RAM is not doubled
             result.packed = packed
-        if self.setup_seconds:
-            self.setup_seconds["pack"] += time.perf_counter() - started
+        self.setup_seconds["pack"] += time.perf_counter() - started
         started = time.perf_counter()
         if self._pins_host_copies() and pin:
             within = self.pin_limit_bytes is None or self.pinned_bytes + offset <= self.pin_limit_bytes
@@ -471,8 +470,7 @@ class WeightStreamer:
                     logging.warning("Headroom: weight streaming pinned %.1f GiB of its host buffers; %s, so the rest "
                                     "crosses from pageable memory, slower", self.pinned_bytes / 2 ** 30, why)
         result.pinned = result.registered or result.packed.is_pinned()
-        if self.setup_seconds:
-            self.setup_seconds["pin"] += time.perf_counter() - started
+        self.setup_seconds["pin"] += time.perf_counter() - started
         return result
 
     def _copies_from_pageable_hold_the_cpu(self) -> bool:
@@ -507,7 +505,7 @@ class WeightStreamer:
         started = time.perf_counter()
         buffer = torch.empty(block.nbytes, dtype=torch.uint8, device=self.device)
         buffer.copy_(block.packed)  # from pageable memory: done when it returns
-        self.setup_seconds["keep"] = self.setup_seconds.get("keep", 0.0) + time.perf_counter() - started
+        self.setup_seconds["keep"] += time.perf_counter() - started
         self.allocations += 1
         for t in block.tensors:
             (t.module._parameters if t.is_param else t.module._buffers)[t.name] = _device_object(t, buffer)
