@@ -21,7 +21,7 @@ from headroom.training.data.cache_store import (
     fingerprint_value, text_key,
 )
 from headroom.training.data.dataset import (
-    DatasetError, dataset_from_folder, dataset_from_tensors, folder_signature, split_captions,
+    DatasetError, dataset_from_folder, dataset_from_tensors, folder_signature, name_order, split_captions,
 )
 from headroom.training.data.synthetic import generate_shapes
 
@@ -83,6 +83,34 @@ def test_folder_dataset_is_a_lazy_description(tmp_path):
     assert dataset.items[0].image.size() == (64, 64)
     pixels = dataset.items[0].image.load()
     assert pixels.shape == (64, 64, 3) and pixels.dtype == torch.float32 and 0 <= pixels.min() <= pixels.max() <= 1
+
+
+def test_items_and_frames_are_read_in_one_order_on_every_os_with_numbers_by_value(tmp_path):
+    """sorted(Path) compares names without case on Windows and by code point on Linux: a shared workflow trained its
+    images in another order per machine, and a clip's unpadded frames 1.png ... 10.png were read 1, 10, 2."""
+    from pathlib import PurePosixPath, PureWindowsPath
+
+    from headroom.training.data.video import FrameFolder
+
+    names = ["img10.png", "b.png", "IMG_3.png", "img2.png", "A.png", "img_2.png", "Img2.png"]
+    expected = ["A.png", "b.png", "Img2.png", "img2.png", "img10.png", "img_2.png", "IMG_3.png"]
+    assert sorted(map(PureWindowsPath, names)) != sorted(map(PurePosixPath, names))  # the old per-OS orders
+    for flavour in (PureWindowsPath, PurePosixPath):
+        assert [p.name for p in sorted(map(flavour, names), key=name_order)] == expected
+
+    folder = tmp_path / "data"
+    folder.mkdir()
+    for name in names:
+        Image.new("RGB", (64, 64)).save(folder / name)
+        (folder / name).with_suffix(".txt").write_text(name)
+    assert [item.name for item in folder_dataset(folder).items] == expected
+
+    clip = tmp_path / "clip"
+    clip.mkdir()
+    for frame in range(1, 12):
+        Image.new("RGB", (16, 16), (frame, 0, 0)).save(clip / f"{frame}.png")
+    frames = FrameFolder(clip)._frames()
+    assert [image.path.name for image in frames] == [f"{frame}.png" for frame in range(1, 12)]
 
 
 def test_exif_rotation_is_applied_to_size_and_pixels(tmp_path):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import re
 import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -207,10 +208,22 @@ class Dataset:
         return any(item.mask is not None for item in self.items)
 
 
+_NUMBER = re.compile(r"([0-9]+)")
+
+
+def name_order(path: Path) -> tuple:
+    """The order a folder's entries are read in: numbers by value, letters without case, the exact name on a tie
+    (img2.png before img10.png, IMG_3 between img_2 and img_4, as Explorer and Finder list them). The same on every
+    OS: sorted(Path) compares names without case on Windows and by code point elsewhere, so one shared workflow
+    trained its images in another order per machine, and a clip's frames 1.png ... 10.png were read 1, 10, 2."""
+    parts = _NUMBER.split(path.name.casefold())  # text, number, text, ...: int and str never meet in a comparison
+    return tuple(int(part) if index % 2 else part for index, part in enumerate(parts)), path.name
+
+
 def _entries(folder: Path) -> list[Path]:
     """The visible entries of `folder` an item can come from: files and symlinks (a symlink is checked where it
     leads when it is read), not subfolders."""
-    return [path for path in sorted(folder.iterdir())
+    return [path for path in sorted(folder.iterdir(), key=name_order)
             if not os_compat.is_hidden(path) and (path.is_symlink() or not path.is_dir())]
 
 

@@ -28,7 +28,7 @@ import torch
 
 from .. import os_compat
 from .dataset import (CAPTION_EXTENSION, IMAGE_EXTENSIONS, MAX_IMAGE_PIXELS, ByName, Dataset, DatasetError, DatasetItem,
-                      FileImage, TensorImage, _read_caption, also_noted, orphan_captions)
+                      FileImage, TensorImage, _read_caption, also_noted, name_order, orphan_captions)
 from .files import UntrustedFileError, display_path, resolve_inside
 
 VIDEO_EXTENSIONS = (".mp4", ".webm", ".mov", ".mkv", ".avi", ".m4v")
@@ -193,8 +193,8 @@ class FileVideo:
 
 
 class FrameFolder:
-    """A clip as a folder of frame images, in file-name order (frame_0001.png, ...); every frame of one size, shown at
-    `rate` frames per second (frame images carry none)."""
+    """A clip as a folder of frame images, in name order with numbers by value (frame_1.png ... frame_10.png, as
+    frame_0001.png ...); every frame of one size, shown at `rate` frames per second (frame images carry none)."""
 
     def __init__(self, folder: Path, roots: tuple[Path, ...] | None = None, rate: float | None = None):
         self.folder = Path(folder)
@@ -209,7 +209,8 @@ class FrameFolder:
 
     def _frames(self) -> list[FileImage]:
         real = resolve_inside(self.folder, self.roots, "frame folder")
-        names = sorted(p for p in real.iterdir() if not os_compat.is_hidden(p) and p.suffix.lower() in IMAGE_EXTENSIONS)
+        names = sorted((p for p in real.iterdir() if not os_compat.is_hidden(p) and p.suffix.lower() in IMAGE_EXTENSIONS),
+                       key=name_order)
         if not names:
             raise DatasetError(f"{self.describe()}: a frame folder without frame images ({', '.join(IMAGE_EXTENSIONS)}); "
                                "put the clip's frames there or remove the folder")
@@ -314,7 +315,7 @@ def _masks_in(folder: Path, roots: tuple[Path, ...]) -> ByName:
     """name stem -> mask source in a mask folder: an image (every frame), a video or a folder of frames; found by a
     clip's name as dataset.ByName finds it (the same name, else the one differing only in case)."""
     masks = {}
-    for path in sorted(folder.iterdir()):
+    for path in sorted(folder.iterdir(), key=name_order):
         source = None if os_compat.is_hidden(path) else _source_at(path, roots)
         if source is not None:
             masks[path.name if isinstance(source, FrameFolder) else path.stem] = source
@@ -353,7 +354,7 @@ def dataset_from_video_folder(folder: Path, *, resolution: int, step: int, crop:
     roots = tuple(roots) if roots else tuple(p for p in (folder, mask_folder) if p is not None)
     masks = _masks_in(Path(mask_folder), roots) if mask_folder is not None else ByName({})
     items, problems = [], []
-    entries = [path for path in sorted(folder.iterdir()) if not os_compat.is_hidden(path)]
+    entries = [path for path in sorted(folder.iterdir(), key=name_order) if not os_compat.is_hidden(path)]
     # A frame folder's caption is `<folder name>.txt`, a file's `<stem>.txt`.
     frame_folder = {path: path.is_dir() and not path.is_symlink() for path in entries}
     names = {path.name if frame_folder[path] else path.stem for path in entries
