@@ -46,11 +46,12 @@ def cached_data(model, clip, vae, count=4, resolution=None, seed=0):
     return latents, texts
 
 
-def init_run(model, latents, texts, run_name, rank, lr, targets, include_conv, schedule="constant", steps=1000):
+def init_run(model, latents, texts, run_name, rank, lr, targets, include_conv, schedule="constant", steps=1000,
+             kind="lora"):
     from headroom.nodes import train_lora as T
 
     with torch.inference_mode():
-        lora = T.HeadroomLoraConfig.execute("lora", rank, float(rank), targets, include_conv, 0.0, 0).args[0]
+        lora = T.HeadroomLoraConfig.execute(kind, rank, float(rank), targets, include_conv, 0.0, 0).args[0]
         opt = T.HeadroomOptimizerConfig.execute("AdamW", lr, 0.0, schedule, 0, steps).args[0]
         return T.HeadroomTrainLoraInit.execute(
             model=model, latent_cache=latents, text_cache=texts, lora_config=lora, optimizer_config=opt,

@@ -3,11 +3,13 @@ each of its `TINY_VARIANTS`): a new family file or variant is tested here withou
 
 - overfit: 4 images, the loss on them halves within 300 steps (the trainer learns through the family's model);
 - round trip: cache -> train -> validate through stock samplers -> save -> the stock LoraLoader + KSampler reproduce
-  the validation image (<= 1e-3), with zero "lora key not loaded", and the base weights unchanged.
+  the validation image (<= 1e-3), with zero "lora key not loaded", and the base weights unchanged;
+- Headroom's own layers (OFT, full fine-tuning) in place of every layer: a training step through the family's model.
 """
 from __future__ import annotations
 
 import ast
+import math
 import pathlib
 
 import pytest
@@ -84,3 +86,19 @@ def test_saved_lora_reproduces_validation_through_stock_nodes(comfyui, family, c
     model, clip, vae, latents, texts = _tiny(family)
     run = init_run(model, latents, texts, f"conformance_roundtrip_{family}", 8, 2e-2, "preset", False)
     check_stock_round_trip(run, model, clip, vae, caplog, label=family)
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_headroom_layers_in_place_of_every_layer_take_a_training_step(comfyui, family):
+    """OFT and full fine-tuning put Headroom's own modules where the family's layers were (the other kinds, peft's).
+    ComfyUI's model code reads attributes of the layers it calls: Wan's feed-forward reads `.weight` before calling its
+    down-projection (comfy.ops.linear_input_act), and both kinds stopped there at the first step."""
+    from headroom.nodes import train_lora as T
+
+    model, _, _, latents, texts = _tiny(family)
+    # OFT on every Linear of the blocks (a layer outside them may have an odd width: krea2's text projector has 1)
+    for kind, rank, targets in (("oft", 2, "all_linear"), ("full", 1, "all_layers")):
+        run = init_run(model, latents, texts, f"conformance_{kind}_{family}", rank, 1e-4, targets, False, kind=kind)
+        with torch.inference_mode():
+            _, loss, step = T.HeadroomTrainSteps.execute(run, 1).args
+        assert step == 1 and math.isfinite(loss), (kind, loss)

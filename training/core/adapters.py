@@ -200,6 +200,16 @@ class OFTLayer(torch.nn.Module):
     def get_base_layer(self) -> torch.nn.Module:
         return self.base_layer
 
+    # ComfyUI reads a layer's weight before calling it (comfy.ops.linear_input_act: Wan's feed-forward picks its INT8
+    # kernel by it) and the base's is what this layer multiplies with, as peft's adapter layers answer.
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.base_layer.weight
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return getattr(self.base_layer, "bias", None)
+
     def rotation(self) -> torch.Tensor:
         """R per block [block_num, block_size, block_size], in float32 as ComfyUI's loader computes it (autocast off:
         under bf16 / fp16 autocast the Cayley product would otherwise run in half precision)."""
@@ -263,6 +273,16 @@ class FullLayer(torch.nn.Module):
 
     def get_base_layer(self) -> torch.nn.Module:
         return self.base_layer
+
+    # ComfyUI reads a layer's weight before calling it (comfy.ops.linear_input_act: Wan's feed-forward picks its INT8
+    # kernel by it): the weight this layer computes with is W', never the base's (code using it would skip training).
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.full_trained_weight
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self.full_trained_bias
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         base = self.base_layer
