@@ -143,6 +143,28 @@ def test_full_kinds_product_has_torchs_gradients_and_keeps_no_cast_copy(layer, d
     assert len(saved) == 2 and saved[0] is ours[0] and saved[1] is ours[1]
 
 
+@pytest.mark.parametrize("shape", [(5, 12), (2, 5, 12), (2, 3, 5, 12)])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_full_kinds_linear_is_torchs_bit_for_bit_and_takes_an_in_place_residual(shape, with_bias):
+    """torch's linear returns a [B, T, C] input's product with a bias as a view; out of a custom Function a view cannot
+    be changed in place (model code adding a residual with += stopped the step) and FSDP2 warned at every sharded
+    layer. The product is torch's bit for bit, not a view, and a residual added in place trains through it."""
+    from headroom.training.core.adapters import _CastProduct
+
+    torch.manual_seed(0)
+    x, weight = torch.randn(shape, requires_grad=True), torch.randn(7, 12, requires_grad=True)
+    bias = torch.randn(7, requires_grad=True) if with_bias else None
+    out = _CastProduct.apply(x, weight, bias, None)
+    assert torch.equal(out, torch.nn.functional.linear(x, weight, bias)) and not out._is_view()
+    residual = torch.randn(out.shape)
+    out += residual
+    out.square().sum().backward()
+    expected = [t.detach().clone().requires_grad_(True) for t in (x, weight)]
+    (torch.nn.functional.linear(*expected, bias.detach() if with_bias else None) + residual).square().sum().backward()
+    torch.testing.assert_close(x.grad, expected[0].grad)
+    torch.testing.assert_close(weight.grad, expected[1].grad)
+
+
 def test_bad_adapter_settings():
     with pytest.raises(ValueError, match="rank=0 must be a positive integer"):
         AdapterConfig(rank=0).validate()

@@ -317,6 +317,19 @@ def base_weights(base: torch.nn.Module, device=None) -> tuple[torch.Tensor, torc
     return weight, None if bias is None else bias.detach().to(device=device, dtype=torch.float32, copy=True)
 
 
+def _linear_not_a_view(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear, its result not a view. torch's linear multiplies a contiguous input of 3 or more dimensions with a
+    bias as one addmm on its rows and returns a view of that: a custom Function's output that is a view cannot be
+    changed in place (autograd refuses it: model code adding a residual with += would stop the step), and FSDP2
+    warns at every sharded layer that in-place changes of it would skip its all-gather. The same addmm, written into
+    a tensor of the output's shape: bit for bit F.linear, no extra copy."""
+    if bias is None or x.dim() < 3 or not x.is_contiguous():
+        return torch.nn.functional.linear(x, weight, bias)  # not a view here
+    out = x.new_empty((*x.shape[:-1], weight.shape[0]))
+    torch.addmm(bias, x.view(-1, x.shape[-1]), weight.t(), out=out.view(-1, weight.shape[0]))
+    return out
+
+
 class _CastProduct(torch.autograd.Function):
     """A layer's product with its own weight (F.linear, or F.conv2d with `conv` = (stride, padding, dilation,
     groups)), the weight cast to the input's dtype for the product only.
@@ -346,7 +359,7 @@ class _CastProduct(torch.autograd.Function):
         cast = to_compute(weight, x)
         cast_bias = None if bias is None else to_compute(bias, x)
         if conv is None:
-            return torch.nn.functional.linear(x, cast, cast_bias)
+            return _linear_not_a_view(x, cast, cast_bias)
         return torch.nn.functional.conv2d(x, cast, cast_bias, *conv)
 
     @staticmethod
