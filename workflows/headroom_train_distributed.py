@@ -22,6 +22,7 @@ unless --comfyui names it.
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.util
 import os
 import pathlib
@@ -137,35 +138,11 @@ def open_run(options):
             noise_offset=0.0, gradient_checkpointing=False, checkpoint_depth=1, holdout=0).args[0]
 
 
-def main(argv=None) -> int:
-    options = parse_args(argv)
-    if os.path.isabs(options.dataset):  # the command line's owner allows its own folder (nodes/cache.py roots)
-        roots = os.environ.get("HEADROOM_DATASET_ROOTS", "")
-        os.environ["HEADROOM_DATASET_ROOTS"] = os.pathsep.join(filter(None, [roots, os.path.dirname(options.dataset)]))
-    rank, world, local_rank = (int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0)))
+def train_and_save(options, rank: int, world: int, device, parallel, say) -> None:
+    """Open the run (rank 0 first), train it to options.steps and save what it trained: the run and everything
+    holding it end with this call."""
     import torch
-
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.set_device(local_rank)  # before ComfyUI picks its device (the current one)
-    import_comfyui(options.comfyui, options.base_directory, cpu=not cuda)
-    from headroom.training import os_compat
-
-    problem = os_compat.several_devices_problem("Run one process, or train in ComfyUI on one GPU") if world > 1 else None
-    if problem:  # torch's own error would be about NCCL
-        print(f"headroom_train_distributed: {problem}", file=sys.stderr)
-        return 2
     from headroom.nodes import train_lora as T
-    from headroom.training.core import distributed
-
-    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
-    if world > 1:
-        distributed.init(rank, world, device, timeout_s=options.timeout, shard_weights=options.shard_weights)
-    parallel = distributed.DataParallel.current()
-    started = time.monotonic()
-
-    def say(message: str) -> None:
-        print(f"[rank {rank}/{world} {time.monotonic() - started:7.1f}s] {message}", flush=True)
 
     # Rank 0 first: it writes the caches and the run folder; the others then read them.
     if parallel is not None and rank != 0:
@@ -196,7 +173,44 @@ def main(argv=None) -> int:
                 say(f"saved {path}")
         if run.trainer.shards_weights:
             parallel.barrier("wait for rank 0 to save the difference")
+
+
+def main(argv=None) -> int:
+    options = parse_args(argv)
+    if os.path.isabs(options.dataset):  # the command line's owner allows its own folder (nodes/cache.py roots)
+        roots = os.environ.get("HEADROOM_DATASET_ROOTS", "")
+        os.environ["HEADROOM_DATASET_ROOTS"] = os.pathsep.join(filter(None, [roots, os.path.dirname(options.dataset)]))
+    rank, world, local_rank = (int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0)))
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(local_rank)  # before ComfyUI picks its device (the current one)
+    import_comfyui(options.comfyui, options.base_directory, cpu=not cuda)
+    from headroom.training import os_compat
+
+    problem = os_compat.several_devices_problem("Run one process, or train in ComfyUI on one GPU") if world > 1 else None
+    if problem:  # torch's own error would be about NCCL
+        print(f"headroom_train_distributed: {problem}", file=sys.stderr)
+        return 2
+    from headroom.training.core import distributed
+
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if world > 1:
+        distributed.init(rank, world, device, timeout_s=options.timeout, shard_weights=options.shard_weights)
+    parallel = distributed.DataParallel.current()
+    started = time.monotonic()
+
+    def say(message: str) -> None:
+        print(f"[rank {rank}/{world} {time.monotonic() - started:7.1f}s] {message}", flush=True)
+
+    train_and_save(options, rank, world, device, parallel, say)
+    if world > 1:
+        # FSDP2's per-layer state sits in reference cycles with the run's modules: left to the interpreter's teardown,
+        # what holds the group's tensors was destroyed while Python was shutting down, and a rank that had finished
+        # could abort there ("terminate called without an active exception", about 1 run in 60 on a loaded machine),
+        # so torchrun failed a finished run. Collected here, while the group and the interpreter are whole.
+        gc.collect()
         torch.distributed.destroy_process_group()
     return 0
 
