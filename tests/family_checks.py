@@ -3,8 +3,10 @@
 a ComfyUI model no family module describes)."""
 from __future__ import annotations
 
+import json
 import logging
 
+import pytest
 import torch
 
 
@@ -21,6 +23,33 @@ def scaled_fp8(state_dict: dict, blocks: tuple[str, ...]) -> dict:
         else:
             out[key] = tensor
     return out
+
+
+def int8_tensorwise(state_dict: dict, blocks: tuple[str, ...]) -> dict:
+    """Each block Linear's weight (keys under one of `blocks`) as int8 with its per-tensor `weight_scale` and the
+    `comfy_quant` marker ComfyUI's mixed-precision loader builds its INT8 layers from; the rest as it is."""
+    marker = torch.tensor(list(json.dumps({"format": "int8_tensorwise"}).encode("utf-8")), dtype=torch.uint8)
+    out = {}
+    for key, tensor in state_dict.items():
+        if key.startswith(blocks) and key.endswith(".weight") and tensor.ndim == 2:
+            scale = tensor.abs().max().float() / 127.0
+            out[key] = (tensor.float() / scale).round().clamp(-127, 127).to(torch.int8)
+            out[key[:-len("weight")] + "weight_scale"] = scale.reshape(())
+            out[key[:-len("weight")] + "comfy_quant"] = marker.clone()
+        else:
+            out[key] = tensor
+    return out
+
+
+def loaded_as_a_file(state_dict: dict, config_class, unet_extra_config: dict):
+    """The MODEL ComfyUI's UNETLoader builds from `state_dict` (its quantized layers too). Its detection fixes part
+    of a released geometry through the config class's unet_extra_config: the tiny model's is given here."""
+    import comfy.sd
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(config_class, "unet_extra_config", unet_extra_config)
+        with torch.inference_mode():  # as UNETLoader runs (its QuantizedTensors are inference tensors)
+            return comfy.sd.load_diffusion_model_state_dict(state_dict)
 
 
 def image_size(model) -> int:

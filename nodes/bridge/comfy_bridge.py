@@ -389,6 +389,22 @@ class Placement:
         comfy.model_management.soft_empty_cache()
 
 
+@contextlib.contextmanager
+def training_code_paths():
+    """Inside the block ComfyUI's models take their training paths (comfy.model_management.in_training: Flux's
+    differentiable RoPE, LTX-2's unfused feed-forward) and call the layers Headroom wraps as modules: outside it
+    comfy.ops.linear_input_act reads the layer's weight and, for ComfyUI's INT8 weights, runs its own kernel on the
+    layer, which a LoRA / OFT wrapper is not (a LoRA on an INT8 Wan stopped at its validation loss). For every
+    computation on the training clone with the run's layers attached: the step, the validation loss, "unmerged"
+    sampling."""
+    before = comfy.model_management.in_training
+    comfy.model_management.in_training = True
+    try:
+        yield
+    finally:
+        comfy.model_management.in_training = before
+
+
 class TrainingRun:
     """One training run inside ComfyUI, the TRAINING_RUN value nodes pass along: a record, a placement and what it
     trains (`trained`: run_lora.LoraTraining or run_controlnet.ControlNetTraining), around the engine's Trainer.
@@ -611,13 +627,9 @@ class TrainingRun:
             comfy.model_management.throw_exception_if_processing_interrupted()
 
         try:
-            with self.phase("training"), self.attached():
-                comfy.model_management.in_training = True
-                try:
-                    self.trainer.train_to(target_step, after_step=after_step, checkpoint_every=checkpoint_every,
-                                          checkpoint_seconds=checkpoint_minutes * 60)
-                finally:
-                    comfy.model_management.in_training = False
+            with self.phase("training"), self.attached(), training_code_paths():
+                self.trainer.train_to(target_step, after_step=after_step, checkpoint_every=checkpoint_every,
+                                      checkpoint_seconds=checkpoint_minutes * 60)
         except BaseException as error:
             # Cancel (InterruptProcessingException), out of memory, non-finite loss...: keep the last
             # completed step on disk and give the device memory back before the node exits.
@@ -713,7 +725,7 @@ class TrainingRun:
     # --- validation loss, history, weights ------------------------------------------------------------------
     def loss_on(self, items, times: int = 4, seed: int = 0) -> float:
         """The deterministic loss (fixed noise levels and noise) on cached items, with the current weights."""
-        with self.validating():
+        with self.validating(), training_code_paths():  # the training step's function, on held-out items
             return self.trainer.validation_loss(items, times=times, seed=seed)
 
     def validation_loss(self, times: int = 4, seed: int = 0, weights: str = "auto") -> float:

@@ -29,7 +29,7 @@ from ...training.core.optimizers import OptimizerConfig
 from ...training.core.trainer import TrainConfig
 from ...training.memory import planner, sharded_weights
 from . import families, lora_formats, video
-from .comfy_bridge import TrainingRun, config_json
+from .comfy_bridge import TrainingRun, config_json, training_code_paths
 from .comfy_model import (REFERENCE_LATENTS, ComfyDenoiser, check_caches, data_fingerprint, model_blocks,
                           training_blocks)
 from .lora_formats import read_lora_file
@@ -307,7 +307,7 @@ class LoraTraining:
         if lora_application not in LORA_APPLICATIONS:
             raise ValueError(f"lora_application={lora_application!r}: choose one of {', '.join(LORA_APPLICATIONS)}")
         if lora_application == "unmerged":
-            with run.validating():
+            with run.validating(), training_code_paths():
                 yield run.placement.patcher
             return
         with run.trainer.parked_for_validation():

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from family_checks import cached_data, empty_latent, scaled_fp8
+from family_checks import cached_data, empty_latent, loaded_as_a_file, scaled_fp8
 
 pytestmark = [pytest.mark.comfyui, pytest.mark.usefixtures("one_torch_thread")]
 SAMPLING = dict(sample_seed=3, sample_steps=3, cfg=2.0, sampler_name="euler", scheduler="simple")
@@ -22,7 +22,6 @@ QUANTIZED = r"this MODEL's layers hold ComfyUI's quantized weights \(12 layers, 
 @pytest.fixture(scope="module")
 def fp8_model(comfyui):
     """(fp8 MODEL, plain MODEL, clip, vae, latent cache, text cache)."""
-    import comfy.sd
     import comfy.supported_models
 
     from headroom.nodes.bridge.families import ideogram4
@@ -31,12 +30,7 @@ def fp8_model(comfyui):
     model, clip, vae = build_tiny_models("ideogram4", seed=0)
     latents, texts = cached_data(model, clip, vae)
     state_dict = scaled_fp8(model.model.diffusion_model.state_dict(), ("layers.",))
-    with pytest.MonkeyPatch.context() as patch:
-        # ComfyUI's detection fixes the released geometry through the config's unet_extra_config: the tiny one's here.
-        patch.setattr(comfy.supported_models.Ideogram4, "unet_extra_config",
-                      ideogram4._TinyIdeogram4.unet_extra_config)
-        with torch.inference_mode():  # as UNETLoader runs (its QuantizedTensors are inference tensors)
-            fp8 = comfy.sd.load_diffusion_model_state_dict(state_dict)
+    fp8 = loaded_as_a_file(state_dict, comfy.supported_models.Ideogram4, ideogram4._TinyIdeogram4.unet_extra_config)
     return fp8, model, clip, vae, latents, texts
 
 
