@@ -44,7 +44,8 @@ from ...training.core.distributed import is_main_process
 from ...training.core.run_dir import RunDir, RunFolderError
 from ...training.core.trainer import StepReport, Trainer
 from .comfy_model import (base_fingerprint, comfy_pinned_block_keys, data_fingerprint, model_blocks,
-                          quantized_weights_for_inference, replace_inference_tensors, training_blocks)
+                          quantized_weights_for_inference, replace_inference_tensors, training_blocks,
+                          training_code_paths)
 from .memory_fallback import FallbackWatch
 from .planning import comfy_pins_host_memory, next_plan_for, pinnable_host_bytes, run_plan
 
@@ -387,22 +388,6 @@ class Placement:
         self.patcher.eject_model()
         comfy.model_management.unload_model_and_clones(self.patcher)
         comfy.model_management.soft_empty_cache()
-
-
-@contextlib.contextmanager
-def training_code_paths():
-    """Inside the block ComfyUI's models take their training paths (comfy.model_management.in_training: Flux's
-    differentiable RoPE, LTX-2's unfused feed-forward) and call the layers Headroom wraps as modules: outside it
-    comfy.ops.linear_input_act reads the layer's weight and, for ComfyUI's INT8 weights, runs its own kernel on the
-    layer, which a LoRA / OFT wrapper is not (a LoRA on an INT8 Wan stopped at its validation loss). For every
-    computation on the training clone with the run's layers attached: the step, the validation loss, "unmerged"
-    sampling."""
-    before = comfy.model_management.in_training
-    comfy.model_management.in_training = True
-    try:
-        yield
-    finally:
-        comfy.model_management.in_training = before
 
 
 class TrainingRun:

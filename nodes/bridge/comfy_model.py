@@ -9,6 +9,7 @@ Imports nothing of Headroom's nodes/ but the family registry: the run (comfy_bri
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 import json
@@ -17,6 +18,7 @@ import math
 import torch
 
 import comfy.model_base
+import comfy.model_management
 import comfy.model_sampling
 import comfy.samplers
 import comfy.text_encoders.llama
@@ -27,6 +29,22 @@ from ...training.memory.lowbit import is_quantized_layer, is_quantized_tensor
 from ...training.core.objective import SamplingDescriptor
 from . import families
 from .rope_autograd import register_rope_autograd
+
+
+@contextlib.contextmanager
+def training_code_paths():
+    """Inside the block ComfyUI's models take their training paths (comfy.model_management.in_training: Flux's
+    differentiable RoPE, LTX-2's unfused feed-forward) and call the layers Headroom wraps as modules: outside it
+    comfy.ops.linear_input_act reads the layer's weight and, for ComfyUI's INT8 weights, runs its own kernel on the
+    layer, which a LoRA / OFT wrapper is not (a LoRA on an INT8 Wan stopped at its validation loss). For every
+    computation on the training clone with the run's layers attached: the step, the validation loss, "unmerged"
+    sampling, and the planner's calibration of the step."""
+    before = comfy.model_management.in_training
+    comfy.model_management.in_training = True
+    try:
+        yield
+    finally:
+        comfy.model_management.in_training = before
 
 
 # --- what kind of model is this -------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from ...training.data.cache_store import item_conditioning
 from . import families, video
 from .comfy_model import (ComfyDenoiser, comfy_pinned_block_bytes, expected_cond_dims, model_blocks, quantized_layers,
                           quantized_weights_for_inference, replace_inference_tensors, restore_stock_forwards,
-                          training_blocks)
+                          training_blocks, training_code_paths)
 from .encoders import frame_step, spatial_downscale
 
 # Calibration forwards (latent height, width, text tokens): three areas, two text lengths, so that attention
@@ -106,12 +106,8 @@ def measure_and_time(patcher, adapter: AdapterConfig, precision: str = "bf16", t
                      ) -> tuple[list[planner.ActivationSample], planner.BlockTimes | None]:
     """measure_model's samples, and with `timing` (a run's shape) each block's forward timed at that shape
     (time_at_run_size; None where it was skipped)."""
-    in_training = comfy.model_management.in_training
-    try:
-        comfy.model_management.in_training = True  # the training code paths (e.g. Flux's differentiable RoPE)
+    with training_code_paths():
         return _measure(patcher, adapter, precision, timing)
-    finally:
-        comfy.model_management.in_training = in_training
 
 
 def _measure(patcher, adapter: AdapterConfig, precision: str, timing: planner.RunShape | None = None

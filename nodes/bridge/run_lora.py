@@ -29,9 +29,9 @@ from ...training.core.optimizers import OptimizerConfig
 from ...training.core.trainer import TrainConfig
 from ...training.memory import planner, sharded_weights
 from . import families, lora_formats, video
-from .comfy_bridge import TrainingRun, config_json, training_code_paths
+from .comfy_bridge import TrainingRun, config_json
 from .comfy_model import (REFERENCE_LATENTS, ComfyDenoiser, check_caches, data_fingerprint, model_blocks,
-                          training_blocks)
+                          training_blocks, training_code_paths)
 from .lora_formats import read_lora_file
 from .start_image import item_start_extras
 
