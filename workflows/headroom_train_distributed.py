@@ -208,7 +208,7 @@ def main(argv=None) -> int:
     if world > 1:
         # FSDP2's per-layer state sits in reference cycles with the run's modules: left to the interpreter's teardown,
         # what holds the group's tensors was destroyed while Python was shutting down, and a rank that had finished
-        # could abort there ("terminate called without an active exception", about 1 run in 100 on a loaded machine),
+        # could abort there ("terminate called without an active exception", once in ~200 runs on a loaded machine),
         # so torchrun failed a finished run. Collected here, while the group and the interpreter are whole.
         gc.collect()
         torch.distributed.destroy_process_group()
