@@ -10,35 +10,41 @@ import pytest
 import torch
 
 
+def _block_linears_stored(state_dict: dict, blocks: tuple[str, ...], store) -> dict:
+    """`state_dict` with each block Linear's weight (keys under one of `blocks`) replaced by `store(prefix, weight)`'s
+    entries; the rest as it is."""
+    out = {}
+    for key, tensor in state_dict.items():
+        if key.startswith(blocks) and key.endswith(".weight") and tensor.ndim == 2:
+            out.update(store(key[:-len("weight")], tensor))
+        else:
+            out[key] = tensor
+    return out
+
+
 def scaled_fp8(state_dict: dict, blocks: tuple[str, ...]) -> dict:
     """A diffusion model's weights in the layout of a scaled fp8 release: each block Linear's weight (keys under one of
     `blocks`) in float8_e4m3fn with its per-tensor `scale_weight`, and the `scaled_fp8` marker ComfyUI's loader
     converts (comfy.utils.convert_old_quants) into its quantized layers; the rest as it is."""
-    out = {"scaled_fp8": torch.empty(0, dtype=torch.float8_e4m3fn)}
-    for key, tensor in state_dict.items():
-        if key.startswith(blocks) and key.endswith(".weight") and tensor.ndim == 2:
-            scale = tensor.abs().max().float() / 448.0
-            out[key] = (tensor.float() / scale).to(torch.float8_e4m3fn)
-            out[key[:-len("weight")] + "scale_weight"] = scale.reshape(())
-        else:
-            out[key] = tensor
-    return out
+    def store(prefix, weight):
+        scale = weight.abs().max().float() / 448.0
+        return {prefix + "weight": (weight.float() / scale).to(torch.float8_e4m3fn),
+                prefix + "scale_weight": scale.reshape(())}
+
+    return {"scaled_fp8": torch.empty(0, dtype=torch.float8_e4m3fn), **_block_linears_stored(state_dict, blocks, store)}
 
 
 def int8_tensorwise(state_dict: dict, blocks: tuple[str, ...]) -> dict:
     """Each block Linear's weight (keys under one of `blocks`) as int8 with its per-tensor `weight_scale` and the
     `comfy_quant` marker ComfyUI's mixed-precision loader builds its INT8 layers from; the rest as it is."""
     marker = torch.tensor(list(json.dumps({"format": "int8_tensorwise"}).encode("utf-8")), dtype=torch.uint8)
-    out = {}
-    for key, tensor in state_dict.items():
-        if key.startswith(blocks) and key.endswith(".weight") and tensor.ndim == 2:
-            scale = tensor.abs().max().float() / 127.0
-            out[key] = (tensor.float() / scale).round().clamp(-127, 127).to(torch.int8)
-            out[key[:-len("weight")] + "weight_scale"] = scale.reshape(())
-            out[key[:-len("weight")] + "comfy_quant"] = marker.clone()
-        else:
-            out[key] = tensor
-    return out
+
+    def store(prefix, weight):
+        scale = weight.abs().max().float() / 127.0
+        return {prefix + "weight": (weight.float() / scale).round().clamp(-127, 127).to(torch.int8),
+                prefix + "weight_scale": scale.reshape(()), prefix + "comfy_quant": marker.clone()}
+
+    return _block_linears_stored(state_dict, blocks, store)
 
 
 def loaded_as_a_file(state_dict: dict, config_class, unet_extra_config: dict):

@@ -148,7 +148,8 @@ def test_full_kinds_product_has_torchs_gradients_and_keeps_no_cast_copy(layer, d
 def test_full_kinds_linear_is_torchs_bit_for_bit_and_takes_an_in_place_residual(shape, with_bias):
     """torch's linear returns a [B, T, C] input's product with a bias as a view; out of a custom Function a view cannot
     be changed in place (model code adding a residual with += stopped the step) and FSDP2 warned at every sharded
-    layer. The product is torch's bit for bit, not a view, and a residual added in place trains through it."""
+    layer. The product is torch's bit for bit (under autocast too), not a view, and a residual added in place trains
+    through it."""
     from headroom.training.core.adapters import _CastProduct
 
     torch.manual_seed(0)
@@ -163,6 +164,9 @@ def test_full_kinds_linear_is_torchs_bit_for_bit_and_takes_an_in_place_residual(
     (torch.nn.functional.linear(*expected, bias.detach() if with_bias else None) + residual).square().sum().backward()
     torch.testing.assert_close(x.grad, expected[0].grad)
     torch.testing.assert_close(weight.grad, expected[1].grad)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # as precision bf16 runs it: in autocast's dtype, as torch's
+        mixed = _CastProduct.apply(x, weight, bias, None)
+        assert torch.equal(mixed, torch.nn.functional.linear(x, weight, bias)) and mixed.dtype == torch.bfloat16
 
 
 def test_bad_adapter_settings():

@@ -2,7 +2,7 @@
 QuantizedTensor weights): Wan's feed-forward hands its down-projection to comfy.ops.linear_input_act, which reads the
 layer's weight and, outside training, runs ComfyUI's fused INT8 kernel on the layer itself. With a LoRA or OFT layer
 in its place (the training clone, for the validation loss and "unmerged" sampling) that stopped validation with an
-AttributeError; the layers Headroom attaches are now always called as modules (comfy_bridge.training_code_paths)."""
+AttributeError; the layers Headroom attaches are now always called as modules (comfy_model.training_code_paths)."""
 from __future__ import annotations
 
 import pytest

@@ -322,9 +322,14 @@ def _linear_not_a_view(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     bias as one addmm on its rows and returns a view of that: a custom Function's output that is a view cannot be
     changed in place (autograd refuses it: model code adding a residual with += would stop the step), and FSDP2
     warns at every sharded layer that in-place changes of it would skip its all-gather. The same addmm, written into
-    a tensor of the output's shape: bit for bit F.linear, no extra copy."""
+    a tensor of the output's shape: bit for bit F.linear, no extra copy. Under autocast the three are cast to its
+    dtype first, as autocast casts linear's inputs (an `out=` product is not autocast: it would run in fp32)."""
     if bias is None or x.dim() < 3 or not x.is_contiguous():
         return torch.nn.functional.linear(x, weight, bias)  # not a view here
+    device = x.device.type
+    if torch.is_autocast_enabled(device) and x.is_floating_point() and x.dtype != torch.float64:
+        dtype = torch.get_autocast_dtype(device)
+        x, weight, bias = x.to(dtype), weight.to(dtype), bias.to(dtype)
     out = x.new_empty((*x.shape[:-1], weight.shape[0]))
     torch.addmm(bias, x.view(-1, x.shape[-1]), weight.t(), out=out.view(-1, weight.shape[0]))
     return out
