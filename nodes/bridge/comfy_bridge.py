@@ -275,6 +275,29 @@ def comfy_pins_suspended(patcher, suspend: bool = True):
         del patcher.pin_weight_to_device
 
 
+@contextlib.contextmanager
+def comfy_loads_no_weights(patcher, active: bool = True):
+    """Within the block ComfyUI's load moves none of `patcher`'s weights to the device: it marks each layer to be cast
+    from host RAM when used, the state its partial unload leaves a layer in (its `partially_load`, which
+    `load_models_gpu` calls with the free memory to fill, is given none to fill); as it was after. A whole-block
+    training load sends every block back to host RAM right after it, and the streamer moves the non-block layers and
+    the plan's resident blocks to the device, once. Without this ComfyUI's load fills the budget with weights first,
+    on every Steps call (the clone is loaded again each time): they crossed to the device and back for nothing, and
+    their freed host copies stayed in the C heap. The GPU kit measured a Steps call's start growing with the budget
+    (Flux.1-dev 9.6 / 13.2 / 16.9 s at 8 / 12 / 16 GiB), and the process's host RAM with it. Other patchers loaded in
+    the same call (a ControlNet run's ControlNet) load as ComfyUI decides. By hand: ComfyUI has no per-model option
+    for it; its `minimum_memory_required` at the free memory would unload every other model to make that room."""
+    if not active:
+        yield
+        return
+    fill = type(patcher).partially_load
+    patcher.partially_load = lambda device_to, extra_memory=0, **kwargs: fill(patcher, device_to, 0, **kwargs)
+    try:
+        yield
+    finally:
+        del patcher.partially_load
+
+
 def unpin_block_weights(patcher) -> list[str]:
     """The block weights ComfyUI pinned in host RAM (its offload pins them in place), unpinned through its own
     records: the trainer's WeightStreamer packs each streamed block into one buffer of its own and pins that (the
@@ -352,9 +375,11 @@ class Placement:
         placement = placement if placement is not None else self.policy.placement
         if whole_blocks:  # also a resident full fine-tune's: its trained layers' base weights stay in host RAM
             placement = dataclasses.replace(placement, full_load=False, blocks_to_host=True, stream_blocks=True)
-        # weights copied to the device here are then usable by autograd; whole blocks: ComfyUI pins nothing the
-        # placement would unpin right after
-        with torch.inference_mode(False), comfy_pins_suspended(self.patcher, whole_blocks and training):
+        # weights copied to the device here are then usable by autograd; whole blocks: ComfyUI loads no weight the
+        # placement would send back right after, and pins nothing it would unpin
+        apart = self.patcher.load_device != self.patcher.offload_device
+        with torch.inference_mode(False), comfy_pins_suspended(self.patcher, whole_blocks and training), \
+                comfy_loads_no_weights(self.patcher, whole_blocks and training and apart):
             # Not a full load: ComfyUI may keep part of the base in host RAM (its lowvram load); the trainer's
             # WeightStreamer brings those blocks to the device one block ahead.
             comfy.model_management.load_models_gpu(patchers, memory_required=extra_bytes,
@@ -362,7 +387,7 @@ class Placement:
             # ComfyUI fills its free memory (less extra_bytes): with a budget below the card, or activations to
             # keep, that is too much. Back to the planned share through its own partial unload.
             keep_to_share(self.patcher, base_device_bytes)
-            if placement.blocks_to_host and self.patcher.load_device != self.patcher.offload_device:
+            if placement.blocks_to_host and apart:
                 # Every block's frozen weights back to host RAM through ComfyUI's own partial unload, so its
                 # accounting stays right; non-block weights (embedders, final layers) stay resident.
                 blocks = [block for _, block in training_blocks(self.patcher.model.diffusion_model)]
@@ -374,7 +399,7 @@ class Placement:
                     # plan's resident blocks back whole (one copy each, at attach).
                     block_bytes = max(block_bytes, self.patcher.loaded_size())
                 self.patcher.partially_unload(self.patcher.offload_device, memory_to_free=block_bytes)
-            if training and placement.stream_blocks and self.patcher.load_device != self.patcher.offload_device:
+            if training and placement.stream_blocks and apart:
                 unpin_block_weights(self.patcher)  # the streamer pins its own packed buffers
             # ComfyUI's load ends with the adapters injected; its weight keys (and the weights it pinned) are those
             # of the bare module tree.

@@ -922,8 +922,12 @@ def test_partial_placement_keeps_the_planned_share_of_the_base(comfyui, monkeypa
     monkeypatch.setattr(type(patcher), "pin_weight_to_device", lambda self, key: pins.append(key))
     management = comfy_bridge.comfy.model_management
 
+    fills = []
+
     def comfy_load(patchers, **kwargs):  # ComfyUI's load pins each weight it leaves in host RAM
         patchers[0].pin_weight_to_device("diffusion_model.final.weight")
+        # and fills the free memory with weights through partially_load, here given none to fill
+        fills.append("partially_load" in vars(patchers[0]))
 
     def comfy_unload(device, memory_to_free=0):  # its partial unload each weight it moves there
         freed.append(memory_to_free)
@@ -935,10 +939,12 @@ def test_partial_placement_keeps_the_planned_share_of_the_base(comfyui, monkeypa
     monkeypatch.setattr(patcher, "loaded_size", lambda: 10 * total)
     run.placement.load([patcher], 0, share, whole_blocks=True)
     assert freed == [10 * total] and len(unpinned) == 2  # ComfyUI's pins of block weights undone on the way
-    # ... and none made in the first place: this patcher's pins suspended through that load, as they were after
+    # ... and none made in the first place: this patcher's pins suspended through that load, as they were after;
+    # no weight loaded only to be sent back (comfy_loads_no_weights: tests/comfy/test_comfy_load.py)
     assert pins == [] and "pin_weight_to_device" not in vars(patcher)
-    run.placement.load([patcher], 0, share)  # a load that keeps ComfyUI's placement: its pins stand
-    assert pins == ["diffusion_model.final.weight"]
+    assert fills == [True] and "partially_load" not in vars(patcher)
+    run.placement.load([patcher], 0, share)  # a load that keeps ComfyUI's placement: its pins stand, it fills
+    assert pins == ["diffusion_model.final.weight"] and fills == [True, False]
     with pytest.raises(RuntimeError), comfy_bridge.comfy_pins_suspended(patcher):
         raise RuntimeError("a load failing")
     assert "pin_weight_to_device" not in vars(patcher)
