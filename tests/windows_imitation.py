@@ -9,7 +9,7 @@ process behave as Windows does where the pack once relied on POSIX:
   descriptor, so it is refused with that reason (code that would corrupt a file on Windows fails here);
 - `os.kill(pid, 0)` is CTRL_C_EVENT to the console: raised as ImitatedCtrlC;
 - a file another program holds open (`hold_open`) cannot be replaced or removed (PermissionError, WinError 32), nor
-  the folder it is in renamed;
+  the folder it is in renamed; nor can a file with the Read-only attribute (no write bit in st_mode: WinError 5);
 - shutil.rmtree and tempfile take their Windows paths (no descriptor-based walk; O_BINARY in tempfile's flags).
 The descriptor rules apply to calls made from the pack's own code (nodes/, training/, workflows/): libraries keep
 their Linux paths, as on Windows they have their own Windows paths.
@@ -22,6 +22,7 @@ import errno
 import os
 import pathlib
 import shutil
+import stat
 import sys
 import tempfile
 
@@ -103,12 +104,20 @@ class WindowsImitation:
                     raise PermissionError(errno.EACCES, "The process cannot access the file because it is being "
                                           "used by another process", str(path))
 
+        def read_only_check(path):
+            # Windows neither replaces nor removes a file whose Read-only attribute is set (st_mode without S_IWRITE)
+            if os.path.isfile(path) and not os.stat(path).st_mode & stat.S_IWRITE:
+                raise PermissionError(errno.EACCES, "Access is denied", str(path))
+
         patch.setattr(os, "open", imitated_open)
         patch.setattr(os, "kill", imitated_kill)
-        patch.setattr(os, "replace", lambda src, dst, **kw: (held_check(src, dst), real_replace(src, dst, **kw))[1])
+        patch.setattr(os, "replace", lambda src, dst, **kw: (held_check(src, dst), read_only_check(dst),
+                                                             real_replace(src, dst, **kw))[-1])
         patch.setattr(os, "rename", lambda src, dst, **kw: (held_check(src, dst), real_rename(src, dst, **kw))[1])
-        patch.setattr(os, "unlink", lambda path, **kw: (held_check(path), real_unlink(path, **kw))[1])
-        patch.setattr(os, "remove", lambda path, **kw: (held_check(path), real_remove(path, **kw))[1])
+        patch.setattr(os, "unlink", lambda path, **kw: (held_check(path), read_only_check(path),
+                                                        real_unlink(path, **kw))[-1])
+        patch.setattr(os, "remove", lambda path, **kw: (held_check(path), read_only_check(path),
+                                                        real_remove(path, **kw))[-1])
         return self
 
     @contextlib.contextmanager

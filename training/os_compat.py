@@ -205,6 +205,19 @@ class FileInUseError(PermissionError):
     """Windows refused to replace or remove a file another program holds open; the message names the file."""
 
 
+class ReadOnlyFileError(PermissionError):
+    """Windows refused to replace a file whose Read-only attribute is set; the message names the file."""
+
+
+def _read_only(path: str | os.PathLike) -> bool:
+    """Whether `path` is a file with Windows' Read-only attribute (st_mode without S_IWRITE there)."""
+    try:
+        status = os.stat(path)
+    except OSError:
+        return False
+    return stat.S_ISREG(status.st_mode) and not status.st_mode & stat.S_IWRITE
+
+
 REPLACE_WAIT_S = 5.0  # how long a replace blocked by another program is retried (an antivirus scan takes ~1 s)
 LIKELY_HOLDERS = ("ComfyUI itself (a Load LoRA / Load Checkpoint node has the file loaded: remove that node or load "
                   "another file first), an antivirus scan, Explorer's preview pane, or a program the file is open in")
@@ -219,7 +232,8 @@ FOLDER_HOLDERS = ("an antivirus scan or a sync / backup program (OneDrive, Dropb
 def replace(source: str | os.PathLike, target: str | os.PathLike, what: str = "file") -> None:
     """os.replace, which on Windows fails (WinError 5 / 32) while another program has `target` open (or, for a
     folder, a file in `source`): retried for REPLACE_WAIT_S (a folder: FOLDER_REPLACE_WAIT_S), then a FileInUseError
-    naming `what`, the file and the programs that usually hold one."""
+    naming `what`, the file and the programs that usually hold one. A target with the Read-only attribute (which
+    Windows never replaces; Linux and macOS do, as the folder allows) is a ReadOnlyFileError at once."""
     folder = os.path.isdir(source)
     deadline = time.monotonic() + (FOLDER_REPLACE_WAIT_S if folder else REPLACE_WAIT_S)
     delay = 0.05
@@ -230,6 +244,11 @@ def replace(source: str | os.PathLike, target: str | os.PathLike, what: str = "f
         except PermissionError as error:
             if not WINDOWS:
                 raise
+            if not folder and _read_only(target):
+                raise ReadOnlyFileError(
+                    error.errno, f"{what} is read-only (its Read-only attribute is set) and could not be replaced. "
+                    "Clear Read-only in the file's Properties, or save under another name, then queue again",
+                    str(target)) from error
             if time.monotonic() >= deadline:
                 done, holders = ("moved into place", FOLDER_HOLDERS) if folder else ("replaced", LIKELY_HOLDERS)
                 raise FileInUseError(

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import builtins
 import os
+import stat
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -135,6 +137,23 @@ def test_a_file_held_by_another_program_is_retried_then_named(windows, tmp_path,
     assert "in use by another program" in message and "Load LoRA" in message and "antivirus" in message
     assert "make that folder writable" not in message
     assert target.read_bytes() == b"new" and [p.name for p in tmp_path.iterdir()] == ["my_lora.safetensors"]
+
+
+def test_a_read_only_file_is_named_at_once_and_kept(windows, tmp_path, monkeypatch):
+    """A LoRA a user marked read-only (to keep it) and saved over with the same name: Windows refuses the replace
+    (WinError 5, as for a file in use), which waited and then blamed another program; now it says read-only at once."""
+    target = tmp_path / "keeper.safetensors"
+    files.write_bytes(target, b"kept", "LoRA")
+    target.chmod(stat.S_IREAD)  # Windows' Read-only attribute, as os.chmod sets it there
+    monkeypatch.setattr(os_compat, "REPLACE_WAIT_S", 30.0)
+    started = time.monotonic()
+    with pytest.raises(files.WriteError) as raised:
+        files.write_bytes(target, b"new", "LoRA")
+    assert time.monotonic() - started < 5
+    message = str(raised.value)
+    assert "LoRA could not be written to" in message and "keeper.safetensors" in message
+    assert "read-only" in message and "Properties" in message and "another program" not in message
+    assert target.read_bytes() == b"kept" and [p.name for p in tmp_path.iterdir()] == ["keeper.safetensors"]
 
 
 def test_a_checkpoint_folder_another_program_reads_is_waited_for_then_named(windows, tmp_path, monkeypatch):

@@ -270,7 +270,7 @@ def write_error(error: BaseException, what: str, path: Path, needed: int | None)
             f"disk full: {what} could not be written to {where} ({need}{has}). Free space on that disk, or move "
             "the folder to a disk with room, then queue again; everything written before is kept as it was."
         )
-    if isinstance(error, os_compat.FileInUseError):
+    if isinstance(error, (os_compat.FileInUseError, os_compat.ReadOnlyFileError)):
         return WriteError(f"{what} could not be written to {where}: {error.strerror}; everything written before is kept "
                           "as it was.")
     if isinstance(error, OSError):
