@@ -248,9 +248,9 @@ def partial_excess(loaded_bytes: int, planned_bytes: int | None) -> int:
 
 
 def keep_to_share(patcher, planned_bytes: int | None) -> int:
-    """ComfyUI fills its free memory when it loads a model: back to the plan's share of the base through its own
-    partial unload (the weights it moves out are cast per layer from host RAM as they are used). Returns the bytes
-    moved out."""
+    """What is on the device past the plan's share of the base (an earlier load's: a load fills at most to it,
+    `comfy_fills_at_most`, and never unloads): back to the share through ComfyUI's own partial unload (the weights it
+    moves out are cast per layer from host RAM as they are used). Returns the bytes moved out."""
     over = partial_excess(patcher.loaded_size(), planned_bytes)
     if over:
         patcher.partially_unload(patcher.offload_device, memory_to_free=over)
@@ -276,22 +276,29 @@ def comfy_pins_suspended(patcher, suspend: bool = True):
 
 
 @contextlib.contextmanager
-def comfy_loads_no_weights(patcher, active: bool = True):
-    """Within the block ComfyUI's load moves none of `patcher`'s weights to the device: it marks each layer to be cast
-    from host RAM when used, the state its partial unload leaves a layer in (its `partially_load`, which
-    `load_models_gpu` calls with the free memory to fill, is given none to fill); as it was after. A whole-block
-    training load sends every block back to host RAM right after it, and the streamer moves the non-block layers and
-    the plan's resident blocks to the device, once. Without this ComfyUI's load fills the budget with weights first,
-    on every Steps call (the clone is loaded again each time): they crossed to the device and back for nothing, and
-    their freed host copies stayed in the C heap. The GPU kit measured a Steps call's start growing with the budget
-    (Flux.1-dev 9.6 / 13.2 / 16.9 s at 8 / 12 / 16 GiB), and the process's host RAM with it. Other patchers loaded in
-    the same call (a ControlNet run's ControlNet) load as ComfyUI decides. By hand: ComfyUI has no per-model option
-    for it; its `minimum_memory_required` at the free memory would unload every other model to make that room."""
-    if not active:
+def comfy_fills_at_most(patcher, most: int | None):
+    """Within the block ComfyUI's load leaves at most `most` bytes of `patcher`'s weights on the device (None: as it
+    decides), the others marked to be cast from host RAM when used, the state its partial unload leaves a layer in;
+    as it was after. `load_models_gpu` fills the free memory through the patcher's `partially_load`, here given no
+    more room than `most` leaves; other patchers loaded in the same call (a ControlNet run's ControlNet) load as
+    ComfyUI decides.
+
+    Without it the run's load filled the budget with weights on every attach (the clone is loaded again each Steps
+    call and each validation), and sent back to host RAM what the plan does not keep there: a whole-block training
+    load (`most` 0) every block, the streamer then moving the non-block layers and the plan's resident blocks once;
+    a partial load what lies past its share. Those weights crossed to the device and back for nothing, and their
+    freed host copies stayed in the C heap: the GPU kit measured a Steps call's start growing with the budget
+    (Flux.1-dev 9.6 / 13.2 / 16.9 s at 8 / 12 / 16 GiB), and the process's host RAM with it. By hand: ComfyUI has
+    no per-model limit; its `minimum_memory_required` at the free memory would unload every other model for room."""
+    if most is None:
         yield
         return
     fill = type(patcher).partially_load
-    patcher.partially_load = lambda device_to, extra_memory=0, **kwargs: fill(patcher, device_to, 0, **kwargs)
+
+    def filling_at_most(device_to, extra_memory=0, **kwargs):
+        return fill(patcher, device_to, min(extra_memory, max(0, most - patcher.loaded_size())), **kwargs)
+
+    patcher.partially_load = filling_at_most
     try:
         yield
     finally:
@@ -375,17 +382,20 @@ class Placement:
         placement = placement if placement is not None else self.policy.placement
         if whole_blocks:  # also a resident full fine-tune's: its trained layers' base weights stay in host RAM
             placement = dataclasses.replace(placement, full_load=False, blocks_to_host=True, stream_blocks=True)
-        # weights copied to the device here are then usable by autograd; whole blocks: ComfyUI loads no weight the
-        # placement would send back right after, and pins nothing it would unpin
         apart = self.patcher.load_device != self.patcher.offload_device
+        # ComfyUI fills its free memory (less extra_bytes) with weights: it loads no more than the plan keeps there
+        # (whole blocks: none, every block goes to host RAM below; partial: the planned share)
+        most = (0 if whole_blocks and training else base_device_bytes) if apart else None
+        # weights copied to the device here are then usable by autograd; whole blocks: ComfyUI pins nothing the
+        # placement would unpin right after
         with torch.inference_mode(False), comfy_pins_suspended(self.patcher, whole_blocks and training), \
-                comfy_loads_no_weights(self.patcher, whole_blocks and training and apart):
+                comfy_fills_at_most(self.patcher, most):
             # Not a full load: ComfyUI may keep part of the base in host RAM (its lowvram load); the trainer's
             # WeightStreamer brings those blocks to the device one block ahead.
             comfy.model_management.load_models_gpu(patchers, memory_required=extra_bytes,
                                                    force_full_load=placement.full_load)
-            # ComfyUI fills its free memory (less extra_bytes): with a budget below the card, or activations to
-            # keep, that is too much. Back to the planned share through its own partial unload.
+            # What an earlier load left past the planned share (a load never unloads): back to it through ComfyUI's
+            # own partial unload.
             keep_to_share(self.patcher, base_device_bytes)
             if placement.blocks_to_host and apart:
                 # Every block's frozen weights back to host RAM through ComfyUI's own partial unload, so its
@@ -553,8 +563,9 @@ class TrainingRun:
     @contextlib.contextmanager
     def sampling_placement(self, model):
         """While ComfyUI's sampler samples `model` (a patcher of this run's base), the base keeps to validation's
-        planned share: the sampler's own load fills the device's free memory, past a budget below the card. A
-        sampler wrapper (ComfyUI's patcher extension), so it acts after that load and before the first step."""
+        planned share: the sampler's own load would fill the device's free memory, past a budget below the card. Its
+        load fills at most the share (`comfy_fills_at_most`), and a sampler wrapper (ComfyUI's patcher extension),
+        acting after that load and before the first step, moves out what an earlier load left past it."""
         share = self._validation_device_share()
         if share is None:
             yield model
@@ -567,7 +578,8 @@ class TrainingRun:
         model.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.SAMPLER_SAMPLE, SAMPLING_PLACEMENT_KEY,
                                    keep_validation_share)
         try:
-            yield model
+            with comfy_fills_at_most(model, share):
+                yield model
         finally:
             model.remove_wrappers_with_key(comfy.patcher_extension.WrappersMP.SAMPLER_SAMPLE, SAMPLING_PLACEMENT_KEY)
 

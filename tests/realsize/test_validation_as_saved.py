@@ -45,19 +45,23 @@ def test_as_saved_file_validation_equals_the_stock_loader_at_real_width(comfyui,
             path = run.run_dir.validation_dir / f"step_{run.step:08d}_latents.safetensors"
             validation_latents[mode] = load_file(str(path))["samples"]
         # Validation on its own placement (issue 28 item 3): the sampled model kept to a third of the base on the
-        # device, the rest moved out by ComfyUI's partial unload and cast per layer with the LoRA merged as it goes.
-        # On a CPU nothing is planned (one device), so the share is set here; the partial unload runs CPU to CPU.
+        # device (ComfyUI's load fills no more), the rest cast per layer with the LoRA merged as it goes. On a CPU
+        # nothing is planned (one device), so the share is set here; the load runs CPU to CPU.
         from headroom.nodes.bridge import comfy_bridge
 
-        moved = []
+        placed_bytes = []  # (moved out, left on the device) as the sampler's first step starts
         keep = comfy_bridge.keep_to_share
-        monkeypatch.setattr(comfy_bridge, "keep_to_share", lambda patcher, share: moved.append(keep(patcher, share)))
-        monkeypatch.setattr(run, "_validation_device_share", lambda: run.placement.patcher.model_size() // 3)
+        monkeypatch.setattr(comfy_bridge, "keep_to_share",
+                            lambda patcher, share: placed_bytes.append((keep(patcher, share), patcher.loaded_size())))
+        share = run.placement.patcher.model_size() // 3
+        monkeypatch.setattr(run, "_validation_device_share", lambda: share)
         T.HeadroomValidate.execute(run, clip=clip, vae=vae, prompts=PROMPT, negative="", loss_timesteps=1,
                                    lora_application="as_saved_file", **SAMPLING)
         validation_latents["placed"] = load_file(str(path))["samples"]
         monkeypatch.undo()
-        assert moved and moved[0] > 0
+        # at most the share on the device at each sampling's first step (here ComfyUI's cast buffers for the
+        # LoRA-patched layers leave room for few of them), every other layer cast from host RAM
+        assert placed_bytes and all(left <= share for _, left in placed_bytes)
         name = T.HeadroomSaveLora.execute(run, "tests", "", "fp32").args[0]
 
         positive = nodes.CLIPTextEncode().encode(clip, PROMPT)[0]
