@@ -48,7 +48,7 @@ def main() -> None:
     from headroom.training.memory.planner import RunShape, plan_auto
     from headroom.training.memory.policy import OffloadPolicy
     from headroom.training.core.optimizers import host_step_rate
-    from headroom.training.memory.time_model import DEFAULT_H2D_BYTES_PER_S
+    from headroom.training.memory.time_model import DEFAULT_H2D_BYTES_PER_S, DEFAULT_HOST_COPY_BYTES_PER_S
 
     started = time.monotonic()
     template = next((t for t in plan_table.TEMPLATES if t.architecture == architecture), None)
@@ -93,7 +93,8 @@ def main() -> None:
           f"batch 1; budget = card - {RESERVE_GB:g} GiB; planned {datetime.date.today()}; torch {torch.__version__}, "
           f"ComfyUI {comfyui_version.__version__}, Python {platform.python_version()} ({time.monotonic() - started:.0f} s). "
           "Predicted s/step: the planner's time model without block times measured on a GPU (compute estimated from "
-          f"reading the weights, so far too low), host <-> device copies at {DEFAULT_H2D_BYTES_PER_S / 1e9:.0f} GB/s and "
+          f"reading the weights, so far too low), host <-> device copies at {DEFAULT_H2D_BYTES_PER_S / 1e9:.0f} GB/s, the "
+          f"CPU's copies through the staging buffers at {DEFAULT_HOST_COPY_BYTES_PER_S / 1e9:.0f} GB/s and "
           "the optimizer step (in host RAM at this CPU's rate on one thread, measured as fused backward steps: "
           + ", ".join(f"{name} {host_step_rate(name, precision != 'fp32') * 1e9:.1f} ns per weight"
                       + (" with bf16 rounding" if precision != "fp32" else "")

@@ -255,13 +255,16 @@ def section(records: list[dict]) -> str:
     if timed:
         link = measured.get("h2d") or {}
         bandwidth, pageable = link.get("h2d_bytes_per_s"), link.get("pageable_h2d_bytes_per_s")
+        host_copy = link.get("host_copy_bytes_per_s")
         lines += ["", "Streaming at the physical limit (issue 41): each row's measured step against the plan's "
                   "prediction and against its physical limit max(compute with its recompute, bytes crossing / "
                   "pinned bandwidth); the allocator's counters (`torch.cuda.memory_stats`) over the timed steps, per "
                   "step. Pinned host->device bandwidth, measured once: "
                   + (f"{bandwidth / 1e9:.1f} GB/s" if bandwidth else "not measured (no CUDA device).")
-                  + (f"; pageable (the streamed blocks past the pin limit) {pageable / 1e9:.1f} GB/s." if pageable
-                     else "." if bandwidth else ""), "",
+                  + (f"; pageable (the streamed blocks past the pin limit) {pageable / 1e9:.1f} GB/s" if pageable
+                     else "")
+                  + (f"; the CPU's copies into pinned staging buffers (trained weights in host RAM, streamed state) "
+                     f"{host_copy / 1e9:.1f} GB/s" if host_copy else "") + ("." if bandwidth else ""), "",
                   "| model | budget GiB / policy | blocks resident / streamed (ring slots) | s/step | predicted s | "
                   "predicted / measured | physical limit s (compute from) | measured / limit | alloc. retries / "
                   "step | sync-all-streams / step | OOMs |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]

@@ -714,16 +714,18 @@ def allocator_deltas(counters: list[dict | None], steps: int, per_step: list[dic
 
 def h2d_bandwidth(dry_run: bool) -> dict:
     """Pinned and pageable host->device bandwidth, measured once each (time_model.h2d_bytes_per_s: what the planner
-    uses; pageable prices the streamed blocks past the pin limit); none on the CPU (nothing crosses)."""
+    uses; pageable prices the streamed blocks past the pin limit), and the CPU's copies into pinned staging buffers
+    (time_model.host_copy_bytes_per_s); none on the CPU (nothing crosses)."""
     from headroom.training.memory import time_model
 
     if dry_run or not torch.cuda.is_available():
         return {"status": "ok", "h2d_bytes_per_s": None, "pageable_h2d_bytes_per_s": None,
-                "probe_bytes": time_model.H2D_PROBE_BYTES, "note": "no CUDA device: nothing crosses"}
+                "host_copy_bytes_per_s": None, "probe_bytes": time_model.H2D_PROBE_BYTES,
+                "note": "no CUDA device: nothing crosses"}
     device = torch.device("cuda")
     return {"status": "ok", "h2d_bytes_per_s": time_model.h2d_bytes_per_s(device),
             "pageable_h2d_bytes_per_s": time_model.h2d_bytes_per_s(device, pinned=False),
-            "probe_bytes": time_model.H2D_PROBE_BYTES}
+            "host_copy_bytes_per_s": time_model.host_copy_bytes_per_s(device), "probe_bytes": time_model.H2D_PROBE_BYTES}
 
 
 def validation_seconds(run, width: int, height: int) -> float:

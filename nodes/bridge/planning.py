@@ -372,6 +372,8 @@ def describe_comfy_model(patcher, adapter: AdapterConfig, precision: str = "bf16
         h2d_bytes_per_s=float(time_model.h2d_bytes_per_s(device) or 0.0),
         # and what the run may pin for its streamed blocks, the rest crossing at the pageable bandwidth
         pageable_h2d_bytes_per_s=float(time_model.h2d_bytes_per_s(device, pinned=False) or 0.0),
+        # and the CPU's copies through the staging buffers of trained weights in host RAM and streamed state
+        host_copy_bytes_per_s=float(time_model.host_copy_bytes_per_s(device) or 0.0),
         # (ComfyUI's own pins of this model's blocks counted as freed: the run's training load unpins them)
         pinnable_bytes=pinnable_host_bytes(comfy_pinned_block_bytes(patcher)) if device.type == "cuda" else None,
         quantized_layers=len(quantized_layers(model)),

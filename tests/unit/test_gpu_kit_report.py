@@ -68,7 +68,8 @@ def test_rows_against_their_physical_limit_the_prediction_and_the_allocator():
 
     module = report()
     records = [{"type": "measurement", "id": "h2d", "kind": "h2d", "model": "", "config": "", "status": "ok",
-                "h2d_bytes_per_s": 50e9, "pageable_h2d_bytes_per_s": 21e9},
+                "h2d_bytes_per_s": 50e9, "pageable_h2d_bytes_per_s": 21e9,
+                "host_copy_bytes_per_s": 12e9},
                lora("resident", 0.6, 10.0, 10.0, 10.0),
                timed("ckpt", 0.8, 0.8, 0.8, 0.0, 57),
                timed("24GB", 0.9, 0.85, 0.7, 0.6, 57),  # every block recomputed: limit from the ckpt row, 0.8 s
@@ -98,7 +99,8 @@ def test_rows_against_their_physical_limit_the_prediction_and_the_allocator():
         "attach; 2 in the 2 steady steps after it)"]
     text = module.section(records)
     assert ("Pinned host->device bandwidth, measured once: 50.0 GB/s; pageable (the streamed blocks past the pin "
-            "limit) 21.0 GB/s." in text)
+            "limit) 21.0 GB/s; the CPU's copies into pinned staging buffers (trained weights in host RAM, streamed "
+            "state) 12.0 GB/s." in text)
     assert "| Flux.1-dev | 24GB | 50 / 7 (2) | 0.900 | 0.850 | 0.94 | 0.800 (measured compute) | 1.12x | 0 | 0 | 0 |" in text
     assert "| Flux.1-dev | 8GB | 50 / 7 (2) | 1.500 | 1.000 | 0.67 | 1.200 (planned compute) | 1.25x | 3 | 0 | 0 |" in text
 

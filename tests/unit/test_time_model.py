@@ -64,6 +64,16 @@ def test_the_step_is_the_per_block_pipeline_or_the_transfer_plus_what_does_not_o
     assert serial.transfer_s == pytest.approx(2.5) and serial.serial_s == pytest.approx(0.5)
     assert serial.total_s == pytest.approx(t.total_s + 0.5) and serial.limit_s == pytest.approx(2.5)
     assert "0.500 s of it on the compute stream" in serial.describe()
+    # the part of them the CPU also copies through the pinned staging buffers (trained weights in host RAM, streamed
+    # state): the step takes at least those copies, whatever the card does meanwhile
+    staged = dict(serial_transfer_bytes=5 * 10 ** 8, optimizer_s=0.01, slots=2, staged_bytes=5 * 10 ** 8)
+    slow_copies = time_model.step_time(forward, 0.05, [0, 1, 2], bytes_, 1e9, host_copy_bytes_per_s=1e8, **staged)
+    assert slow_copies.host_copy_s == pytest.approx(5.0) and slow_copies.total_s == pytest.approx(5.0)
+    assert slow_copies.bound == "host-copy" and slow_copies.ring_floor_s == pytest.approx(5.0)
+    assert "the CPU's staging copies 5.000 s" in slow_copies.describe()
+    fast_copies = time_model.step_time(forward, 0.05, [0, 1, 2], bytes_, 1e9, host_copy_bytes_per_s=1e10, **staged)
+    assert fast_copies.host_copy_s == pytest.approx(0.05) and fast_copies.total_s == pytest.approx(serial.total_s)
+    assert time_model.step_time(forward, 0.05, [0, 1, 2], bytes_, None, **staged).host_copy_s == 0  # a CPU: none
     roomy = time_model.step_time(forward, 0.05, [0, 1, 2], bytes_, 1e9, optimizer_s=0.01, slots=3)
     assert roomy.transfer_s == 0 and roomy.total_s == pytest.approx(roomy.compute_s + 0.01)  # all stay in the ring
     cpu = time_model.step_time([0.1, 0.2], 0.05, [1], [10 ** 9, 0], None, optimizer_s=0.01)
@@ -485,7 +495,13 @@ def test_a_plan_far_slower_than_a_card_holding_the_whole_run_says_so():
     ratio = tight.predicted_s_per_step / unbounded.predicted_s_per_step
     assert ratio >= planner.SLOW_STEP_RATIO
     assert tight.slow.startswith(f"predicted {ratio:.1f}x the step of a card that holds the whole run")
-    assert "most of it host <-> device copies" in tight.slow
+    # the CPU copies every crossing of the weights and the state through the pinned staging buffers, at 10 GB/s here
+    # (time_model.DEFAULT_HOST_COPY_BYTES_PER_S) against the link's 25: those copies take longest
+    assert "most of it the CPU's copies through the staging buffers" in tight.slow
+    assert tight.step_time.bound == "host-copy" and tight.predicted_s_per_step == tight.step_time.host_copy_s
+    assert "the CPU's staging copies" in tight.step_time.describe()
+    fast_copies = estimate(dataclasses.replace(d, host_copy_bytes_per_s=1e12), full, SHAPE, tight.policy, 16 * GIB)
+    assert "most of it host <-> device copies" in planner._slowness(fast_copies, unbounded)
     on_host = estimate(d, full, SHAPE, tight.policy.replace(optimizer_state="cpu"), 16 * GIB)
     assert on_host.fits and on_host.predicted_s_per_step > tight.predicted_s_per_step
     assert "most of it the optimizer step in host RAM" in planner._slowness(on_host, unbounded)
@@ -523,6 +539,8 @@ def test_a_full_fine_tune_keeps_the_trained_weights_of_the_most_blocks_that_fit_
     all_crossing = estimate(d, full, SHAPE, policy.replace(trained_weights_card_blocks=""), 24 * GIB)
     assert all_crossing.fits and chosen.predicted_s_per_step < all_crossing.predicted_s_per_step
     assert all_crossing.step_time.transfer_s - chosen.step_time.transfer_s == pytest.approx(3 * on_card / d.h2d())
+    assert all_crossing.step_time.host_copy_s - chosen.step_time.host_copy_s == pytest.approx(
+        3 * on_card / time_model.DEFAULT_HOST_COPY_BYTES_PER_S)  # and the CPU copies none of them through staging
     order = sorted(range(57), key=lambda i: (-math.prod(full.shapes[i]), i))
     one_more = policy.replace(trained_weights_card_blocks=",".join(map(str, order[:len(kept) + 1])))
     assert not estimate(d, full, SHAPE, one_more, 24 * GIB).fits
@@ -564,3 +582,20 @@ def test_the_plan_chooses_the_rings_slots_each_a_block_fewer_resident():
     for p in fitting:
         deeper = planner.with_best_slots(d, LORA, SHAPE, p, budget)
         assert deeper.predicted_s_per_step >= p.step_time.ring_floor_s == pytest.approx(deeper.step_time.ring_floor_s)
+
+
+def test_of_plans_the_cpus_staging_copies_bind_alike_the_one_whose_card_is_done_sooner_wins():
+    """Where the CPU's copies through the staging buffers bound the step (time_model: host_copy_s), placements that
+    differ on the card predict the same step; the planner then takes the one whose card does its share sooner (more
+    of the base resident) rather than whichever came first."""
+    d = flux_like()
+    full = TrainableSpec(((3072, 3072),) * 1000, "AdamW", element_size=2, full=True)  # 9.4 B weights, bf16
+    on_host = OffloadPolicy(fused_backward=True, trained_weights="host", optimizer_state="streamed",
+                            checkpointing="blocks")
+    streamed = estimate(d, full, SHAPE, on_host.replace(base_placement="streamed"), 48 * GIB)
+    resident = estimate(d, full, SHAPE, on_host.replace(base_placement="resident"), 48 * GIB)
+    assert streamed.fits and resident.fits
+    assert streamed.step_time.bound == resident.step_time.bound == "host-copy"
+    assert streamed.predicted_s_per_step == resident.predicted_s_per_step
+    assert resident.step_time.card_s < streamed.step_time.card_s
+    assert planner.fastest_with_slots(d, full, SHAPE, [streamed, resident], 48 * GIB) is resident

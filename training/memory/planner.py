@@ -162,6 +162,8 @@ class ModelDescription:
     # streamed blocks past it cross at the pageable bandwidth (time_model.pinned_blocks).
     pageable_h2d_bytes_per_s: float = 0.0
     pinnable_bytes: int | None = None
+    # The CPU's copy bandwidth into pinned staging buffers there (0: the default; time_model.host_copy_bytes_per_s)
+    host_copy_bytes_per_s: float = 0.0
     # The latent area the block forward times were measured at (time_blocks: the run's, batch 1); 0: fitted from the
     # calibration forwards (tiny sizes, extrapolated) or not measured.
     timed_at_area: int = 0
@@ -803,14 +805,15 @@ def estimate(description: ModelDescription, trainable: TrainableSpec, shape: Run
     streamed_bytes = [block_weights[i] if i in set(streamed) else 0 for i in range(len(blocks))]
     pin_limit = description.pinnable_bytes if h2d is not None else None
     pinned = time_model.pinned_blocks(streamed_bytes, pin_limit)
-    crossing = 0
+    crossing = staged = 0  # staged: what the CPU also copies through the pinned staging buffers
     if policy.checkpointing == "blocks_cpu_offload":
         crossing += 2 * int(sum(inputs[i] for i in checkpointed))  # block inputs to host RAM and back
     if weights_on_host:
         # in for the forward, for recompute + backward; update back (but the blocks kept on the card)
-        crossing += 3 * (trainable.weight_bytes() - on_card_elements * trainable.element_size)
+        staged += 3 * (trainable.weight_bytes() - on_card_elements * trainable.element_size)
     if policy.optimizer_state == "streamed":
-        crossing += 2 * trainable.optimizer_bytes()  # each tensor's state to the card for its step, and back
+        staged += 2 * trainable.optimizer_bytes()  # each tensor's state to the card for its step, and back
+    crossing += staged
     host_step = policy.optimizer_state == "cpu" or description.compute_device == "cpu"
     host_rate = trainable.host_step_s_per_weight or time_model.DEFAULT_HOST_STEP_S_PER_WEIGHT
     step = time_model.step_time(
@@ -820,7 +823,7 @@ def estimate(description: ModelDescription, trainable: TrainableSpec, shape: Run
         time_model.optimizer_step_s(trainable.weight_bytes(), trainable.optimizer_bytes(), host_step,
                                     description.compute_device, h2d, host_rate, trainable.param_count),
         description.timed, slots, [b.backward_per_forward for b in blocks], description.outside_backward_per_forward,
-        pin_limit, description.pageable_h2d_bytes_per_s or None)
+        pin_limit, description.pageable_h2d_bytes_per_s or None, staged, description.host_copy_bytes_per_s or None)
     if description.timed_at_area:
         step = dataclasses.replace(step, timed_at_run_size=description.timed_at_area == area)
     return Plan(policy, [cache_text, cache_vae, training, validation, decode, save], budget_bytes, host_bytes=host,
@@ -950,6 +953,12 @@ def _seconds(plan: Plan) -> float:
     return plan.predicted_s_per_step if plan.predicted_s_per_step is not None else math.inf
 
 
+def _rank(plan: Plan) -> tuple[float, float]:
+    """The fastest predicted step first; of equals (a floor both reach, such as the CPU's staging copies), the one
+    whose card does its share sooner."""
+    return _seconds(plan), plan.step_time.card_s if plan.step_time is not None else math.inf
+
+
 def _slowness(plan: Plan, unbounded: Plan) -> str:
     """Why `plan`'s step is predicted SLOW_STEP_RATIO times or more that of `unbounded` (the fastest policy on a card
     that holds the whole run), naming the part that costs most; "" when it is not."""
@@ -957,7 +966,8 @@ def _slowness(plan: Plan, unbounded: Plan) -> str:
     if step is None or not 0 < reference < math.inf or step.total_s < SLOW_STEP_RATIO * reference:
         return ""
     parts = {"the optimizer step" + (" in host RAM" if plan.policy.optimizer_state == "cpu" else ""): step.optimizer_s,
-             "host <-> device copies": step.transfer_s, "recomputing checkpointed blocks": step.recompute_s}
+             "host <-> device copies": step.transfer_s, "recomputing checkpointed blocks": step.recompute_s,
+             "the CPU's copies through the staging buffers": step.host_copy_s}
     part, seconds = max(parts.items(), key=lambda item: item[1])
     untimed = "" if step.timed else (" (block times not measured: compute estimated from weight bytes, so the ratio "
                                      "is high)")
@@ -1059,7 +1069,7 @@ def with_best_slots(description: ModelDescription, trainable: TrainableSpec, sha
         other = estimate(description, trainable, shape, plan.policy, budget_bytes, host_room, slots)
         if not other.fits or other.peak_bytes > planned_room(plan.policy, budget_bytes):
             continue
-        if _seconds(other) < _seconds(best) or (_seconds(other) == _seconds(best) and slots < best.stream_slots):
+        if _rank(other) < _rank(best) or (_rank(other) == _rank(best) and slots < best.stream_slots):
             best = other
     return best
 
@@ -1070,13 +1080,13 @@ def fastest_with_slots(description: ModelDescription, trainable: TrainableSpec, 
     suit it (with_best_slots): a policy may win only with a deeper ring. The first of equals. A plan whose
     StepTime.ring_floor_s is no faster than the best so far cannot win at any depth, and is not estimated again (on
     the Flux-like recorded timings, 6-48 GiB: 3-32 of 11-120 plans weighed; plan_auto 0.3-0.5 s on a 2-core VM)."""
-    ordered = sorted(plans, key=_seconds)  # stable: the first of equals stays first
+    ordered = sorted(plans, key=_rank)  # stable: the first of equals stays first
     best = with_best_slots(description, trainable, shape, ordered[0], budget_bytes, host_room)
     for plan in ordered[1:]:
-        if plan.step_time is None or plan.step_time.ring_floor_s >= _seconds(best):
+        if plan.step_time is None or (plan.step_time.ring_floor_s, plan.step_time.card_floor_s) >= _rank(best):
             continue
         other = with_best_slots(description, trainable, shape, plan, budget_bytes, host_room)
-        if _seconds(other) < _seconds(best):
+        if _rank(other) < _rank(best):
             best = other
     return best
 

@@ -32,6 +32,11 @@
   streamed state's rings, the offloaded block inputs' hooks), so the card computes nothing meanwhile and they add to
   the step. The physical limit of a streamed step is max(compute + optimizer, transfer) (`StepTime.limit_s`: every
   copy overlapped); the prediction adds what the per-block pipeline loses to it and the serial copies.
+- the CPU's copies through the pinned staging buffers: a full fine-tune's trained weights in host RAM and streamed
+  optimizer state are copied by the CPU into a staging buffer before each crossing in, and out of one after each
+  crossing back (trained_weights_on_host.Crossings: pinned staging, not pinned weights, the module says why). The CPU
+  runs at most a staging buffer or two ahead of the card, so the step takes at least those copies' time at the
+  host's copy bandwidth (measured once, as the link's), which can be below the link's (a 2-core VM: 10-13 GB/s).
 - not overlapped, so added: the optimizer step (it runs after backward's last gradient: on a card a bandwidth-bound
   estimate from the bytes it reads and writes; in host RAM - optimizer_state "cpu", or a CPU run - the seconds per
   weight of fused backward's step measured once on this machine (TrainableSpec.host_step_s_per_weight), plus
@@ -61,6 +66,9 @@ DEFAULT_PAGEABLE_H2D_BYTES_PER_S = 10e9
 # measured): a current GPU's HBM/GDDR order of magnitude, and a desktop's host RAM.
 DEVICE_BYTES_PER_S = {"cuda": 1e12, "cpu": 2e10}
 H2D_PROBE_BYTES = 256 << 20
+# Host RAM -> pinned host RAM copies (torch's copy_, as the staging buffers are filled): a 2-core VM's 10-13 GB/s
+# (1-2 threads); measured on CUDA when planning, as the link.
+DEFAULT_HOST_COPY_BYTES_PER_S = 10e9
 # Seconds per weight of one trained tensor's optimizer step in host RAM where it was not measured
 # (training/core/optimizers.host_step_s_per_weight measures it for the planner: TrainableSpec.host_step_s_per_weight):
 # that probe's AdamW and Adafactor on one thread of a 2-core VM, 10-15 ns (docs/benchmarks/full_finetune.md). A
@@ -81,14 +89,23 @@ class StepTime:
     pipeline_s: float | None = None  # per block max(compute, copy), summed (None: compute_s)
     serial_s: float = 0.0  # the part of transfer_s queued on the compute stream (not overlapped: added)
     pageable_s: float = 0.0  # the part of transfer_s copying streamed blocks from pageable memory (past the pin limit)
+    # The CPU's copies into and out of the pinned staging buffers (trained weights in host RAM, streamed state): the
+    # step takes at least this long, whatever the card does meanwhile
+    host_copy_s: float = 0.0
     # Block times measured at this step's latent size (planner.time_blocks) rather than fitted from the calibration's
     # tiny forwards and extrapolated
     timed_at_run_size: bool = False
 
     @property
-    def total_s(self) -> float:
+    def card_s(self) -> float:
+        """The card's share of the step: its pipeline of compute and copies, the copies it waits for, the optimizer
+        step and the fill."""
         pipeline = self.compute_s if self.pipeline_s is None else max(self.pipeline_s, self.compute_s)
         return max(pipeline, self.transfer_s - self.serial_s) + self.serial_s + self.optimizer_s + self.fill_s
+
+    @property
+    def total_s(self) -> float:
+        return max(self.card_s, self.host_copy_s)
 
     @property
     def limit_s(self) -> float:
@@ -98,11 +115,19 @@ class StepTime:
     @property
     def ring_floor_s(self) -> float:
         """What no depth of the ring can take the step below: compute, the copies on the compute stream, the
-        optimizer step and the fill (planner.fastest_with_slots skips a plan whose floor is not faster than the best)."""
+        optimizer step and the fill, and the CPU's staging copies (planner.fastest_with_slots skips a plan whose
+        floors are not below the best's step)."""
+        return max(self.card_floor_s, self.host_copy_s)
+
+    @property
+    def card_floor_s(self) -> float:
+        """The same for the card's share of the step (StepTime.card_s)."""
         return self.compute_s + self.serial_s + self.optimizer_s + self.fill_s
 
     @property
     def bound(self) -> str:
+        if self.host_copy_s and self.host_copy_s >= self.total_s:  # the CPU's staging copies take longest
+            return "host-copy"
         return "transfer" if self.transfer_s > self.compute_s else "compute"
 
     def to_dict(self) -> dict:
@@ -112,9 +137,10 @@ class StepTime:
         parts = [f"{self.serial_s:.3f} s of it on the compute stream" if self.serial_s else "",
                  f"{self.pageable_s:.3f} s from pageable memory" if self.pageable_s else ""]
         serial = f" ({', '.join(p for p in parts if p)})" if any(parts) else ""
+        host = f"; the CPU's staging copies {self.host_copy_s:.3f} s" if self.host_copy_s else ""
         text = (f"predicted {self.total_s:.3f} s/step ({self.bound}-bound: compute {self.compute_s:.3f} s incl. "
                 f"recompute {self.recompute_s:.3f} s, transfer {self.transfer_s:.3f} s{serial}; + optimizer "
-                f"{self.optimizer_s:.3f} s, fill {self.fill_s:.3f} s; physical limit {self.limit_s:.3f} s)")
+                f"{self.optimizer_s:.3f} s, fill {self.fill_s:.3f} s{host}; physical limit {self.limit_s:.3f} s)")
         if not self.timed:
             return text + " - block times not measured: estimated from weight bytes"
         return text + ("; block times measured at the run's size" if self.timed_at_run_size else "")
@@ -161,7 +187,8 @@ def step_time(forward_s: Sequence[float], outside_forward_s: float, checkpointed
               streamed_block_bytes: Sequence[int], h2d_bytes_per_s: float | None, serial_transfer_bytes: int = 0,
               optimizer_s: float = 0.0, timed: bool = True, slots: int = 2,
               backward_per_forward: Sequence[float] = (), outside_backward_per_forward: float = 0.0,
-              pin_limit_bytes: int | None = None, pageable_bytes_per_s: float | None = None) -> StepTime:
+              pin_limit_bytes: int | None = None, pageable_bytes_per_s: float | None = None,
+              staged_bytes: int = 0, host_copy_bytes_per_s: float | None = None) -> StepTime:
     """The predicted step. `forward_s`: each block's forward (batch included); `checkpointed`: the indices
     recomputed in backward; `streamed_block_bytes`: per block, the bytes streamed from host RAM (one copy; 0: a
     resident block); `h2d_bytes_per_s` None: nothing crosses (a CPU); `serial_transfer_bytes`: further bytes crossing
@@ -169,7 +196,8 @@ def step_time(forward_s: Sequence[float], outside_forward_s: float, checkpointed
     `backward_per_forward`: per block its backward's seconds per forward second, measured (planner.time_blocks; 0 or
     missing: BACKWARD_PER_FORWARD), and the same for the work outside the blocks; `pin_limit_bytes`: the host RAM the
     ring may pin (None: all of it; the blocks past it copy at `pageable_bytes_per_s`, None:
-    DEFAULT_PAGEABLE_H2D_BYTES_PER_S)."""
+    DEFAULT_PAGEABLE_H2D_BYTES_PER_S); `staged_bytes`: the part of `serial_transfer_bytes` the CPU also copies through
+    the pinned staging buffers, at `host_copy_bytes_per_s` (None: DEFAULT_HOST_COPY_BYTES_PER_S)."""
     ratios = [r if r > 0 else BACKWARD_PER_FORWARD for r in
               (*backward_per_forward[:len(forward_s)], *[0.0] * (len(forward_s) - len(backward_per_forward)))]
     outside_ratio = outside_backward_per_forward if outside_backward_per_forward > 0 else BACKWARD_PER_FORWARD
@@ -210,7 +238,8 @@ def step_time(forward_s: Sequence[float], outside_forward_s: float, checkpointed
     copies = [copy[i] for i in (*forward_copies, *backward_copies)]
     serial = serial_transfer_bytes / h2d_bytes_per_s
     return StepTime(compute, recompute, sum(copies) + serial, optimizer_s, 0.0, timed, pipeline, serial,
-                    pageable_s=sum(copy[i] for i in (*pageable_forward, *pageable_backward)))
+                    pageable_s=sum(copy[i] for i in (*pageable_forward, *pageable_backward)),
+                    host_copy_s=staged_bytes / (host_copy_bytes_per_s or DEFAULT_HOST_COPY_BYTES_PER_S))
 
 
 def optimizer_step_s(weight_bytes: int, state_bytes: int, on_host: bool, device_type: str,
@@ -248,6 +277,33 @@ def _measured_h2d(device: str, pinned: bool = True) -> float:
         target.copy_(source, non_blocking=True)
     torch.cuda.synchronize(device)
     return 3 * H2D_PROBE_BYTES / (time.perf_counter() - started)
+
+
+@functools.lru_cache(maxsize=None)
+def _measured_host_copy() -> float:
+    # as Crossings fills a staging buffer: torch's copy_ from pageable host RAM (written first, see above) into pinned
+    source = torch.empty(H2D_PROBE_BYTES, dtype=torch.uint8).fill_(1)
+    target = torch.empty(H2D_PROBE_BYTES, dtype=torch.uint8, pin_memory=True)
+    target.copy_(source)  # warm-up: the first touch of the pages
+    started = time.perf_counter()
+    for _ in range(3):
+        target.copy_(source)
+    return 3 * H2D_PROBE_BYTES / (time.perf_counter() - started)
+
+
+def host_copy_bytes_per_s(device: torch.device | str) -> float | None:
+    """Bytes per second the CPU copies from host RAM into a pinned staging buffer (trained_weights_on_host.Crossings):
+    measured once per process on CUDA (256 MiB), None on a CPU (nothing crosses), DEFAULT_HOST_COPY_BYTES_PER_S
+    elsewhere or when measuring fails."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return None
+    if device.type != "cuda":
+        return DEFAULT_HOST_COPY_BYTES_PER_S
+    try:
+        return _measured_host_copy()
+    except RuntimeError:
+        return DEFAULT_HOST_COPY_BYTES_PER_S
 
 
 def h2d_bytes_per_s(device: torch.device | str, pinned: bool = True) -> float | None:
