@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -293,16 +294,20 @@ def comfy_fills_at_most(patcher, most: int | None):
     if most is None:
         yield
         return
-    fill = type(patcher).partially_load
+    outer = vars(patcher).get("partially_load")  # an enclosing limit's (restored after)
+    fill = outer or functools.partial(type(patcher).partially_load, patcher)
 
     def filling_at_most(device_to, extra_memory=0, **kwargs):
-        return fill(patcher, device_to, min(extra_memory, max(0, most - patcher.loaded_size())), **kwargs)
+        return fill(device_to, min(extra_memory, max(0, most - patcher.loaded_size())), **kwargs)
 
     patcher.partially_load = filling_at_most
     try:
         yield
     finally:
-        del patcher.partially_load
+        if outer is None:
+            del patcher.partially_load
+        else:
+            patcher.partially_load = outer
 
 
 def unpin_block_weights(patcher) -> list[str]:

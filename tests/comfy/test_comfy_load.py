@@ -35,5 +35,11 @@ def test_a_load_fills_at_most_what_the_plan_keeps_and_casts_the_rest_from_host_r
         with pytest.raises(RuntimeError), comfy_fills_at_most(patcher, 0):
             raise RuntimeError("a load failing")
         assert "partially_load" not in vars(patcher)
+        with comfy_fills_at_most(patcher, share):  # nested: the inner limit within the outer one, the outer's after
+            outer = patcher.partially_load
+            with comfy_fills_at_most(patcher, 0):
+                management.load_models_gpu([patcher])
+            assert patcher.partially_load is outer
+        assert "partially_load" not in vars(patcher)
     finally:
         management.unload_model_and_clones(patcher)
