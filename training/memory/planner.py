@@ -1077,8 +1077,9 @@ def with_best_slots(description: ModelDescription, trainable: TrainableSpec, sha
 def fastest_with_slots(description: ModelDescription, trainable: TrainableSpec, shape: RunShape, plans: Sequence[Plan],
                        budget_bytes: int | None, host_room: HostRoom | None = None) -> Plan:
     """Of `plans` (estimates that fit, at the ring's default slots) the fastest predicted once each has the slots that
-    suit it (with_best_slots): a policy may win only with a deeper ring. The first of equals. A plan whose
-    StepTime.ring_floor_s is no faster than the best so far cannot win at any depth, and is not estimated again (on
+    suit it (with_best_slots): a policy may win only with a deeper ring. Of equal steps the one whose card is done
+    sooner (`_rank`), then the first. A plan whose StepTime floors rank no better than the best so far cannot win at
+    any depth, and is not estimated again (on
     the Flux-like recorded timings, 6-48 GiB: 3-32 of 11-120 plans weighed; plan_auto 0.3-0.5 s on a 2-core VM)."""
     ordered = sorted(plans, key=_rank)  # stable: the first of equals stays first
     best = with_best_slots(description, trainable, shape, ordered[0], budget_bytes, host_room)
