@@ -1079,8 +1079,8 @@ def fastest_with_slots(description: ModelDescription, trainable: TrainableSpec, 
     """Of `plans` (estimates that fit, at the ring's default slots) the fastest predicted once each has the slots that
     suit it (with_best_slots): a policy may win only with a deeper ring. Of equal steps the one whose card is done
     sooner (`_rank`), then the first. A plan whose StepTime floors rank no better than the best so far cannot win at
-    any depth, and is not estimated again (on
-    the Flux-like recorded timings, 6-48 GiB: 3-32 of 11-120 plans weighed; plan_auto 0.3-0.5 s on a 2-core VM)."""
+    any depth, and is not estimated again (on the Flux-like recorded timings, 6-48 GiB: 3-32 of 11-120 plans weighed;
+    plan_auto 0.3-0.5 s on a 2-core VM)."""
     ordered = sorted(plans, key=_rank)  # stable: the first of equals stays first
     best = with_best_slots(description, trainable, shape, ordered[0], budget_bytes, host_room)
     for plan in ordered[1:]:
