@@ -280,9 +280,9 @@ def comfy_pins_suspended(patcher, suspend: bool = True):
 def comfy_fills_at_most(patcher, most: int | None):
     """Within the block ComfyUI's load leaves at most `most` bytes of `patcher`'s weights on the device (None: as it
     decides), the others marked to be cast from host RAM when used, the state its partial unload leaves a layer in;
-    as it was after. `load_models_gpu` fills the free memory through the patcher's `partially_load`, here given no
-    more room than `most` leaves; other patchers loaded in the same call (a ControlNet run's ControlNet) load as
-    ComfyUI decides.
+    as it was after. `load_models_gpu` fills the free memory (`partially_load`, which may first unpatch and so ask
+    again for what was loaded), through the patcher's `load`, here given no more than `most` and never a full load;
+    other patchers loaded in the same call (a ControlNet run's ControlNet) load as ComfyUI decides.
 
     Without it the run's load filled the budget with weights on every attach (the clone is loaded again each Steps
     call and each validation), and sent back to host RAM what the plan does not keep there: a whole-block training
@@ -294,20 +294,22 @@ def comfy_fills_at_most(patcher, most: int | None):
     if most is None:
         yield
         return
-    outer = vars(patcher).get("partially_load")  # an enclosing limit's (restored after)
-    fill = outer or functools.partial(type(patcher).partially_load, patcher)
+    outer = vars(patcher).get("load")  # an enclosing limit's (restored after)
+    load = outer or functools.partial(type(patcher).load, patcher)
 
-    def filling_at_most(device_to, extra_memory=0, **kwargs):
-        return fill(device_to, min(extra_memory, max(0, most - patcher.loaded_size())), **kwargs)
+    def loading_at_most(device_to=None, lowvram_model_memory=0, force_patch_weights=False, full_load=False, **kwargs):
+        if most < patcher.model_size() and (full_load or lowvram_model_memory > most):
+            lowvram_model_memory, full_load = most, False
+        return load(device_to, lowvram_model_memory, force_patch_weights, full_load, **kwargs)
 
-    patcher.partially_load = filling_at_most
+    patcher.load = loading_at_most
     try:
         yield
     finally:
         if outer is None:
-            del patcher.partially_load
+            del patcher.load
         else:
-            patcher.partially_load = outer
+            patcher.load = outer
 
 
 def unpin_block_weights(patcher) -> list[str]:

@@ -922,12 +922,13 @@ def test_partial_placement_keeps_the_planned_share_of_the_base(comfyui, monkeypa
     monkeypatch.setattr(type(patcher), "pin_weight_to_device", lambda self, key: pins.append(key))
     management = comfy_bridge.comfy.model_management
 
-    fills = []  # the room each load's partially_load was given (comfy_fills_at_most: tests/comfy/test_comfy_load.py)
-    monkeypatch.setattr(type(patcher), "partially_load", lambda self, device, extra_memory, **_: fills.append(extra_memory))
+    fills = []  # what each load of the weights was let fill (comfy_fills_at_most: tests/comfy/test_comfy_load.py)
+    monkeypatch.setattr(type(patcher), "load", lambda self, device, lowvram_model_memory, force_patch_weights, full_load:
+                        fills.append((lowvram_model_memory, full_load)))
 
     def comfy_load(patchers, **kwargs):  # ComfyUI's load pins each weight it leaves in host RAM
         patchers[0].pin_weight_to_device("diffusion_model.final.weight")
-        patchers[0].partially_load(patchers[0].load_device, 10 ** 15)  # and fills its free memory with weights
+        patchers[0].load(patchers[0].load_device, lowvram_model_memory=10 ** 15, full_load=True)  # and fills memory
 
     def comfy_unload(device, memory_to_free=0):  # its partial unload each weight it moves there
         freed.append(memory_to_free)
@@ -942,10 +943,9 @@ def test_partial_placement_keeps_the_planned_share_of_the_base(comfyui, monkeypa
     # ... and none made in the first place: this patcher's pins suspended through that load, as they were after;
     # no weight loaded only to be sent back
     assert pins == [] and "pin_weight_to_device" not in vars(patcher)
-    assert fills == [0] and "partially_load" not in vars(patcher)
-    monkeypatch.setattr(patcher, "loaded_size", lambda: 0)
+    assert fills == [(0, False)] and "load" not in vars(patcher)
     run.placement.load([patcher], 0, share)  # a load that keeps ComfyUI's placement: its pins stand, it fills the share
-    assert pins == ["diffusion_model.final.weight"] and fills == [0, share]
+    assert pins == ["diffusion_model.final.weight"] and fills == [(0, False), (share, False)]
     with pytest.raises(RuntimeError), comfy_bridge.comfy_pins_suspended(patcher):
         raise RuntimeError("a load failing")
     assert "pin_weight_to_device" not in vars(patcher)
