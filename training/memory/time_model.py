@@ -36,7 +36,8 @@
   optimizer state are copied by the CPU into a staging buffer before each crossing in, and out of one after each
   crossing back (trained_weights_on_host.Crossings: pinned staging, not pinned weights, the module says why). The CPU
   runs at most a staging buffer or two ahead of the card, so the step takes at least those copies' time at the
-  host's copy bandwidth (measured once, as the link's), which can be below the link's (a 2-core VM: 10-13 GB/s).
+  host's copy bandwidth (measured once, as the link's), which can be below the link's (a 2-core VM: 9-10 GB/s on one
+  thread).
 - not overlapped, so added: the optimizer step (it runs after backward's last gradient: on a card a bandwidth-bound
   estimate from the bytes it reads and writes; in host RAM - optimizer_state "cpu", or a CPU run - the seconds per
   weight of fused backward's step measured once on this machine (TrainableSpec.host_step_s_per_weight), plus
@@ -66,8 +67,8 @@ DEFAULT_PAGEABLE_H2D_BYTES_PER_S = 10e9
 # measured): a current GPU's HBM/GDDR order of magnitude, and a desktop's host RAM.
 DEVICE_BYTES_PER_S = {"cuda": 1e12, "cpu": 2e10}
 H2D_PROBE_BYTES = 256 << 20
-# Host RAM -> pinned host RAM copies (torch's copy_, as the staging buffers are filled): a 2-core VM's 10-13 GB/s
-# (1-2 threads); measured on CUDA when planning, as the link.
+# Host RAM -> pinned host RAM copies (torch's copy_, as the staging buffers are filled): a 2-core VM's 9-10 GB/s on
+# one thread, 16-17 on two (bench/bench_host_copy.py, docs/BENCHMARKS.md); measured on CUDA when planning, as the link.
 DEFAULT_HOST_COPY_BYTES_PER_S = 10e9
 # Seconds per weight of one trained tensor's optimizer step in host RAM where it was not measured
 # (training/core/optimizers.host_step_s_per_weight measures it for the planner: TrainableSpec.host_step_s_per_weight):
@@ -265,30 +266,32 @@ def fit_seconds(areas: Sequence[float], seconds: Sequence[float]) -> tuple[float
     return max(0.0, mean_t - slope * mean_a), slope
 
 
-@functools.lru_cache(maxsize=None)
-def _measured_h2d(device: str, pinned: bool = True) -> float:
-    # written first: untouched pageable memory maps the OS's shared zero page, whose copy reads from cache (too fast)
-    source = torch.empty(H2D_PROBE_BYTES, dtype=torch.uint8, pin_memory=pinned).fill_(1)
-    target = torch.empty(H2D_PROBE_BYTES, dtype=torch.uint8, device=device)
-    target.copy_(source, non_blocking=True)  # warm-up: the first copy pays for setting the path up
-    torch.cuda.synchronize(device)
+def _copy_bytes_per_s(source: torch.Tensor, target: torch.Tensor, synchronize=lambda: None) -> float:
+    """Bytes per second of `target.copy_(source)`, timed over 3 copies after a warm-up (the first copy pays for
+    setting the path up and touching the pages). `source` written first: untouched pageable memory maps the OS's
+    shared zero page, whose copy reads from cache (too fast)."""
+    target.copy_(source, non_blocking=True)
+    synchronize()
     started = time.perf_counter()
     for _ in range(3):
         target.copy_(source, non_blocking=True)
-    torch.cuda.synchronize(device)
-    return 3 * H2D_PROBE_BYTES / (time.perf_counter() - started)
+    synchronize()
+    return 3 * source.numel() * source.element_size() / (time.perf_counter() - started)
 
 
 @functools.lru_cache(maxsize=None)
-def _measured_host_copy() -> float:
-    # as Crossings fills a staging buffer: torch's copy_ from pageable host RAM (written first, see above) into pinned
+def _measured_h2d(device: str, pinned: bool = True) -> float:
+    source = torch.empty(H2D_PROBE_BYTES, dtype=torch.uint8, pin_memory=pinned).fill_(1)
+    target = torch.empty(H2D_PROBE_BYTES, dtype=torch.uint8, device=device)
+    return _copy_bytes_per_s(source, target, lambda: torch.cuda.synchronize(device))
+
+
+@functools.lru_cache(maxsize=None)
+def measured_host_copy(pinned: bool = True) -> float:
+    """As Crossings fills a staging buffer: torch's copy_ from pageable host RAM into a pinned (or, `pinned` False,
+    pageable) buffer of H2D_PROBE_BYTES (bench/bench_host_copy.py measures it on a machine without CUDA)."""
     source = torch.empty(H2D_PROBE_BYTES, dtype=torch.uint8).fill_(1)
-    target = torch.empty(H2D_PROBE_BYTES, dtype=torch.uint8, pin_memory=True)
-    target.copy_(source)  # warm-up: the first touch of the pages
-    started = time.perf_counter()
-    for _ in range(3):
-        target.copy_(source)
-    return 3 * H2D_PROBE_BYTES / (time.perf_counter() - started)
+    return _copy_bytes_per_s(source, torch.empty(H2D_PROBE_BYTES, dtype=torch.uint8, pin_memory=pinned))
 
 
 def host_copy_bytes_per_s(device: torch.device | str) -> float | None:
@@ -301,7 +304,7 @@ def host_copy_bytes_per_s(device: torch.device | str) -> float | None:
     if device.type != "cuda":
         return DEFAULT_HOST_COPY_BYTES_PER_S
     try:
-        return _measured_host_copy()
+        return measured_host_copy()
     except RuntimeError:
         return DEFAULT_HOST_COPY_BYTES_PER_S
 
