@@ -10,6 +10,8 @@ process behave as Windows does where the pack once relied on POSIX:
 - `os.kill(pid, 0)` is CTRL_C_EVENT to the console: raised as ImitatedCtrlC;
 - a file another program holds open (`hold_open`) cannot be replaced or removed (PermissionError, WinError 32), nor
   the folder it is in renamed; nor can a file with the Read-only attribute (no write bit in st_mode: WinError 5);
+- nor a file this process has memory-mapped (safetensors' `safe_open`, torch's `mmap=True`: WinError 1224, "a file
+  with a user-mapped section open"), read from /proc/self/maps at each call, so whatever maps it is caught;
 - shutil.rmtree and tempfile take their Windows paths (no descriptor-based walk; O_BINARY in tempfile's flags).
 The descriptor rules apply to calls made from the pack's own code (nodes/, training/, workflows/): libraries keep
 their Linux paths, as on Windows they have their own Windows paths.
@@ -32,6 +34,13 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 PACK_FOLDERS = tuple(str(REPO / folder) + os.sep for folder in ("nodes", "training", "workflows"))
 O_BINARY = 0x8000  # Windows' value
 BLOCKED_MODULES = ("resource", "fcntl", "termios", "pty", "tty", "pwd", "grp", "winreg")  # winreg: no long paths
+
+
+def mapped_files() -> set[str]:
+    """The files this process has memory-mapped now (Linux's /proc/self/maps: real paths)."""
+    with open("/proc/self/maps", encoding="utf-8", errors="surrogateescape") as maps:
+        return {fields[5] for fields in (line.rstrip("\n").split(maxsplit=5) for line in maps)
+                if len(fields) == 6 and fields[5].startswith(os.sep) and not fields[5].endswith(" (deleted)")}
 
 
 class ImitatedCtrlC(AssertionError):
@@ -103,6 +112,10 @@ class WindowsImitation:
                 if any(held == key or held.startswith(key + os.sep) for held in self.held):
                     raise PermissionError(errno.EACCES, "The process cannot access the file because it is being "
                                           "used by another process", str(path))
+                real = os.path.realpath(path)
+                if any(mapped == real or mapped.startswith(real + os.sep) for mapped in mapped_files()):
+                    raise PermissionError(errno.EACCES, "The requested operation cannot be performed on a file with "
+                                          "a user-mapped section open", str(path))
 
         def read_only_check(path):
             # Windows neither replaces nor removes a file whose Read-only attribute is set (st_mode without S_IWRITE)

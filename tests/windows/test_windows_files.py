@@ -4,6 +4,7 @@ datasets made in Explorer, run names Windows cannot create, and files another pr
 from __future__ import annotations
 
 import builtins
+import gc
 import os
 import stat
 import sys
@@ -13,6 +14,7 @@ import time
 import pytest
 import torch
 
+import windows_imitation
 from headroom.training import os_compat
 from headroom.training.core.run_dir import Checkpoint, RunDir, check_name
 from headroom.training.data import files
@@ -278,3 +280,46 @@ def test_a_file_windows_compressed_is_read_and_a_junction_is_not(windows, tmp_pa
             assert os.read(fd, 4) == b"\x89PNG"
         finally:
             os.close(fd)
+
+
+def test_a_cache_shard_still_mapped_is_not_written_over(windows, tmp_path, monkeypatch):
+    """A latent cache's shard goes bad (a bit flipped on disk) while the last caching run's LatentCache still has it
+    memory-mapped (ComfyUI keeps the previous prompt's outputs). The next caching run re-encodes exactly that
+    shard's entries: their shard name came from their keys, so it was written over the mapped file, which Windows
+    refuses (WinError 1224): the run waited and then failed blaming another program. Now a shard takes a name no
+    file has, and the mapped one is removed by a later caching run once it is unmapped and old."""
+    from headroom.training.data.cache_store import ShardStore, cache_latents
+    from headroom.training.data.dataset import dataset_from_tensors
+    from headroom.training.data.synthetic import generate_shapes
+
+    def vae(pixels):
+        return torch.nn.functional.avg_pool2d(torch.cat([pixels.movedim(-1, 1)] * 2, dim=1)[:, :4], 8)
+
+    monkeypatch.setattr(os_compat, "REPLACE_WAIT_S", 0.3)
+    data = generate_shapes(3, 32, seed=3)
+    dataset = dataset_from_tensors(data.images, data.captions, resolution=32, step=16)
+    root = tmp_path / "cache"
+    earlier, _ = cache_latents(dataset, ShardStore(root), vae, "fp-vae", {})
+    expected = [earlier.latent(i).clone() for i in range(3)]  # `earlier` keeps its shard mapped from here on
+    (shard,) = (root / "shards").iterdir()
+    assert str(shard.resolve()) in windows_imitation.mapped_files()
+    with open(shard, "r+b") as handle:  # every entry's bytes flipped in place (after the header): still mapped
+        handle.seek(8 + int.from_bytes(handle.read(8), "little"))
+        start = handle.tell()
+        tensors = handle.read()
+        handle.seek(start)
+        handle.write(bytes(b ^ 0xFF for b in tensors))
+
+    again, report = cache_latents(dataset, ShardStore(root), vae, "fp-vae", {})
+    assert report.misses == 3 and report.hits == 0
+    assert all(torch.equal(again.latent(i), expected[i]) for i in range(3))
+    assert shard.exists()  # mapped by `earlier`: Windows keeps it (unlisted, harmless)
+    manifest_shards = {path.name for path in (root / "shards").iterdir()} - {shard.name}
+    assert len(manifest_shards) == 1
+
+    del earlier
+    gc.collect()
+    old = time.time() - 2 * 3600
+    os.utime(shard, (old, old))
+    cache_latents(dataset, ShardStore(root), vae, "fp-vae", {})
+    assert {path.name for path in (root / "shards").iterdir()} == manifest_shards

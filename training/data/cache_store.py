@@ -10,7 +10,8 @@ Layout of one store (one folder per kind, e.g. `<headroom_cache>/latents`):
   Same inputs -> same key -> a hit, without loading the encoder. Captions are not part of latent
   keys, so editing a caption re-encodes that caption's text and nothing else.
 - Writes are atomic: a shard is written to a temp file, fsynced and renamed; the manifest is rewritten
-  the same way, and only after its shard is in place. A cancel or crash leaves every entry listed in
+  the same way, and only after its shard is in place. A shard never takes an existing file's name (Windows cannot
+  replace a shard still memory-mapped); unlisted shards an hour old are removed when a store opens. A cancel or crash leaves every entry listed in
   the manifest complete, so the next run resumes from there. Encoded entries are committed when a shard
   is full and at least every `COMMIT_SECONDS` (a kill loses at most that much encoding, plus the item in
   flight), so one caching run may write many small shards.
@@ -54,8 +55,8 @@ from .. import os_compat, public_module
 from .buckets import CropPlan, apply_crop, make_buckets, nearest_bucket, plan_crop
 from .dataset import Dataset, DatasetError, reduce_factor
 from .video import clip_frame_rate, clip_frames, is_video
-from .files import (UntrustedFileError, WriteError, display_path, format_bytes, open_regular, prune_temp, read_json,
-                    relative_text, resolve_inside, save_safetensors, write_bytes)
+from .files import (STALE_TEMP_SECONDS, UntrustedFileError, WriteError, display_path, format_bytes, open_regular,
+                    prune_temp, read_json, relative_text, resolve_inside, save_safetensors, write_bytes)
 
 log = logging.getLogger(__name__)
 
@@ -254,6 +255,7 @@ class ShardStore:
             prune_temp(folder)
         self.warnings: list[str] = []  # what was wrong with the manifest as found (reported by the caching runs)
         self.entries: dict[str, dict] = self._read_manifest(self.warnings)
+        _prune_unlisted_shards(self.shard_dir, {entry["shard"] for entry in self.entries.values()})
 
     # -- manifest ------------------------------------------------------------------------------------
 
@@ -395,7 +397,7 @@ class ShardWriter:
             return
         store = self.store
         keys = sorted(self.pending)
-        name = hashlib.sha256("\n".join(keys).encode()).hexdigest()[:40] + ".safetensors"
+        name = _free_shard_name(store.shard_dir, keys)
         path = store.shard_dir / name
         tensors, added = {}, {}
         for key in keys:
@@ -460,6 +462,40 @@ class _ShardReader:
 
     def __setstate__(self, state):
         self.__init__(state["shard_dir"], state["max_open"])
+
+
+def _free_shard_name(shard_dir: Path, keys: Sequence[str]) -> str:
+    """A shard's file name from its entry keys, one no file in `shard_dir` has. Entries re-encoded after their shard
+    went bad have the keys of that shard, whose file this process may still have memory-mapped (an earlier
+    LatentCache: ComfyUI keeps the last prompt's outputs); Windows refuses to replace a mapped file (WinError 1224)
+    or delete it, so the new shard never takes an existing name."""
+    text = "\n".join(keys)
+    for attempt in range(1000):
+        name = hashlib.sha256(f"{text}\n{attempt}".encode() if attempt else text.encode()).hexdigest()[:40]
+        if not os.path.lexists(shard_dir / f"{name}.safetensors"):
+            return f"{name}.safetensors"
+    raise CacheStoreError(f"cache folder {display_path(shard_dir)} holds 1000 shards of the same entries; remove it "
+                          "and run the caching node again")
+
+
+def _prune_unlisted_shards(shard_dir: Path, listed: set[str]) -> None:
+    """Remove shard files no manifest entry names that are older than files.STALE_TEMP_SECONDS: a bad shard whose
+    removal Windows refused while it was memory-mapped (ShardStore._commit). The age spares a shard another
+    process wrote a moment ago and has not listed yet. One still mapped stays until a later run."""
+    try:
+        entries = list(os.scandir(shard_dir))
+    except OSError:
+        return
+    now = time.time()
+    for entry in entries:
+        if _SHARD.fullmatch(entry.name) is None or entry.name in listed:
+            continue
+        try:
+            if entry.is_file(follow_symlinks=False) and \
+                    now - entry.stat(follow_symlinks=False).st_mtime > STALE_TEMP_SECONDS:
+                os.unlink(entry.path)
+        except OSError:  # still mapped on Windows, or gone already
+            pass
 
 
 def _entry_well_formed(key, entry) -> bool:
