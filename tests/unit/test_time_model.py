@@ -8,6 +8,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from headroom.training.memory import planner, time_model
 from headroom.training.memory.planner import (ActivationLaw, BlockProfile, ModelDescription, RunShape, TrainableSpec,
@@ -599,3 +600,35 @@ def test_of_plans_the_cpus_staging_copies_bind_alike_the_one_whose_card_is_done_
     assert streamed.predicted_s_per_step == resident.predicted_s_per_step
     assert resident.step_time.card_s < streamed.step_time.card_s
     assert planner.fastest_with_slots(d, full, SHAPE, [streamed, resident], 48 * GIB) is resident
+
+
+def test_the_bandwidth_probes_give_their_pinned_buffer_back(monkeypatch):
+    """torch's pinned allocator keeps a freed buffer locked for the process: the probes' 256 MiB would stay out of
+    what the OS can page and ComfyUI can pin (Windows: about half the RAM in all). Each probe gives it back."""
+    from headroom.training.memory import pinned_host
+
+    released = []
+    monkeypatch.setattr(pinned_host, "release_cached", lambda: released.append(1))
+    monkeypatch.setattr(time_model, "H2D_PROBE_BYTES", 1 << 20)
+    time_model.measured_host_copy.cache_clear()
+    try:
+        assert time_model.measured_host_copy(False) > 0 and released == [1]
+        assert time_model.measured_host_copy(False) > 0 and released == [1]  # measured once
+    finally:
+        time_model.measured_host_copy.cache_clear()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the pinned probes need CUDA")
+def test_after_the_probes_torch_keeps_no_pinned_buffer_cached():
+    from headroom.training.memory import pinned_host
+
+    pinned_host.release_cached()  # what earlier tests of this process left cached
+    time_model._measured_h2d.cache_clear()
+    time_model.measured_host_copy.cache_clear()
+    try:
+        assert time_model.h2d_bytes_per_s("cuda") > 0 and time_model.host_copy_bytes_per_s("cuda") > 0
+        stats = torch.cuda.host_memory_stats()
+        assert stats["allocated_bytes.current"] - stats["active_bytes.current"] < time_model.H2D_PROBE_BYTES
+    finally:
+        time_model._measured_h2d.cache_clear()
+        time_model.measured_host_copy.cache_clear()

@@ -53,6 +53,8 @@ from typing import Sequence
 
 import torch
 
+from . import pinned_host
+
 # Backward of a frozen base with an adapter: input gradients through every frozen layer (about the forward's work)
 # and attention's backward (about 2.5x its forward); no weight gradients of the base. 1.5x the forward, a rule of thumb
 # for blocks whose backward was not timed (planner.time_blocks times one block of each kind at the run's size: 0.8-0.9x
@@ -281,17 +283,28 @@ def _copy_bytes_per_s(source: torch.Tensor, target: torch.Tensor, synchronize=la
 
 @functools.lru_cache(maxsize=None)
 def _measured_h2d(device: str, pinned: bool = True) -> float:
-    source = torch.empty(H2D_PROBE_BYTES, dtype=torch.uint8, pin_memory=pinned).fill_(1)
-    target = torch.empty(H2D_PROBE_BYTES, dtype=torch.uint8, device=device)
-    return _copy_bytes_per_s(source, target, lambda: torch.cuda.synchronize(device))
+    source = target = None
+    try:
+        source = torch.empty(H2D_PROBE_BYTES, dtype=torch.uint8, pin_memory=pinned).fill_(1)
+        target = torch.empty(H2D_PROBE_BYTES, dtype=torch.uint8, device=device)
+        return _copy_bytes_per_s(source, target, lambda: torch.cuda.synchronize(device))
+    finally:
+        del source, target
+        pinned_host.release_cached()  # torch would keep the probe's pinned buffer locked for the whole process
 
 
 @functools.lru_cache(maxsize=None)
 def measured_host_copy(pinned: bool = True) -> float:
     """As Crossings fills a staging buffer: torch's copy_ from pageable host RAM into a pinned (or, `pinned` False,
     pageable) buffer of H2D_PROBE_BYTES (bench/bench_host_copy.py measures it on a machine without CUDA)."""
-    source = torch.empty(H2D_PROBE_BYTES, dtype=torch.uint8).fill_(1)
-    return _copy_bytes_per_s(source, torch.empty(H2D_PROBE_BYTES, dtype=torch.uint8, pin_memory=pinned))
+    source = target = None
+    try:
+        source = torch.empty(H2D_PROBE_BYTES, dtype=torch.uint8).fill_(1)
+        target = torch.empty(H2D_PROBE_BYTES, dtype=torch.uint8, pin_memory=pinned)
+        return _copy_bytes_per_s(source, target)
+    finally:
+        del source, target
+        pinned_host.release_cached()
 
 
 def host_copy_bytes_per_s(device: torch.device | str) -> float | None:
