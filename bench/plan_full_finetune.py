@@ -6,6 +6,8 @@ host RAM.
 
     python bench/plan_full_finetune.py                 # SD3.5 Large: a Markdown table, the versions and the date
     python bench/plan_full_finetune.py flux_dev        # the same for Flux.1-dev (any bench/plan_table.py template's)
+    python bench/plan_full_finetune.py sdxl --targets all_layers --cards 8,12,16,24
+                                                       # a template's LoRA Config targets, other cards (GB)
 
 Planned, not measured. The model is described as bench/plan_table.py describes it (two blocks measured at real width on
 this CPU, the full-depth model on the meta device); the trained tensors are what the run trains
@@ -13,6 +15,7 @@ this CPU, the full-depth model on the meta device); the trained tensors are what
 """
 from __future__ import annotations
 
+import argparse
 import datetime
 import platform
 import sys
@@ -37,7 +40,12 @@ VARIANTS = [
 
 
 def main() -> None:
-    architecture = sys.argv[1] if len(sys.argv) > 1 else "sd35_large"
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("architecture", nargs="?", default="sd35_large", help="a bench/plan_table.py template's")
+    parser.add_argument("--targets", default="all_linear", help="LoRA Config targets (all_layers: convs and norms too)")
+    parser.add_argument("--cards", default=",".join(map(str, CARDS_GB)), help="card sizes in GB, comma-separated")
+    args = parser.parse_args()
+    architecture, cards = args.architecture, [float(card) for card in args.cards.split(",") if card.strip()]
     plan_table.suite.import_comfyui(cpu=True, use_pytorch_cross_attention=True)
     torch.set_num_threads(1)
     import comfy.model_management
@@ -57,13 +65,13 @@ def main() -> None:
                  f"{', '.join(t.architecture for t in plan_table.TEMPLATES)}")
     description, _, full = plan_table.describe(template)
     shape = RunShape(1, 1024, 1024)
-    print("| options | " + " | ".join(f"{c} GB card: training step (policy chosen) | host RAM" for c in CARDS_GB) + " |")
-    print("|---|" + "---:|---:|" * len(CARDS_GB))
+    print("| options | " + " | ".join(f"{c:g} GB card: training step (policy chosen) | host RAM" for c in cards) + " |")
+    print("|---|" + "---:|---:|" * len(cards))
     for label, optimizer, precision, fused in VARIANTS:
-        adapter = AdapterConfig(kind="full", targets="all_linear", full_precision=precision)
+        adapter = AdapterConfig(kind="full", targets=args.targets, full_precision=precision)
         trainable = with_host_step(lora_trainable(full, adapter, optimizer))  # as a run plans it
         cells = []
-        for card in CARDS_GB:
+        for card in cards:
             plan = plan_auto(description, trainable, shape, OffloadPolicy(fused_backward=fused),
                              int((card - RESERVE_GB) * 2 ** 30))
             step = plan.phase("training step").total / 2 ** 30
@@ -89,7 +97,9 @@ def main() -> None:
     import comfyui_version
 
     count = trainable.param_count
-    print(f"\n{template.label}, {count / 1e9:.2f} B trained weights (every Linear in the blocks, with biases), 1024x1024, "
+    trained = ("every Linear in the blocks, with biases" if args.targets == "all_linear" else
+               f"LoRA Config targets {args.targets}")
+    print(f"\n{template.label}, {count / 1e9:.2f} B trained weights ({trained}), 1024x1024, "
           f"batch 1; budget = card - {RESERVE_GB:g} GiB; planned {datetime.date.today()}; torch {torch.__version__}, "
           f"ComfyUI {comfyui_version.__version__}, Python {platform.python_version()} ({time.monotonic() - started:.0f} s). "
           "Predicted s/step: the planner's time model without block times measured on a GPU (compute estimated from "

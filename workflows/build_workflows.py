@@ -485,11 +485,14 @@ The file in models/loras/headroom/ holds the differences to the base (trained mi
 
 
 def as_full_finetune(workflow: Workflow, name: str, label: str, note: str, lora: dict, lora_title: str,
-                     optimizer: dict, policy_values: dict | None = None) -> Workflow:
-    """A LoRA template turned into a full fine-tune: its LoRA Config, optimizer and policy values, its own Note."""
+                     optimizer: dict, policy_values: dict | None = None, save_at_end: bool = False) -> Workflow:
+    """A LoRA template turned into a full fine-tune: its LoRA Config, optimizer and policy values, its own Note;
+    `save_at_end`: the differences saved once, at the end (a large model's file is tens of GB: one per 500 steps
+    would fill a disk), the run's checkpoints keeping it resumable."""
     workflow.name = name
+    train = {"run_name": name, **({"save_every": 0} if save_at_end else {})}
     changes = {"HeadroomLoraConfig": lora, "HeadroomOptimizerConfig": optimizer, "HeadroomOffloadPolicy": policy_values or {},
-               "HeadroomTrainLora": {"run_name": name}}
+               "HeadroomTrainLora": train}
     titles = {"HeadroomLoraConfig": lora_title, "HeadroomTrainLora": f"Train ({label} full fine-tune)"}
     for item in workflow.nodes:
         if isinstance(item, Note):
@@ -517,7 +520,7 @@ Your images: a folder inside ComfyUI's input/ folder (here input/my_dataset), ea
 
 What makes it fit: one copy of each trained weight on the card (the run's own bf16 copy; the trained layers' base weights wait in host RAM during the step), the Offload policy's fused_backward (each weight tensor is stepped as soon as its gradient is ready, so no full set of gradients exists), the LoRA Config's full_precision bf16_stochastic (the trained copy in bf16, updated with stochastic rounding), Adafactor (small optimizer state), and the card "this GPU (auto)": on a 24 GB card at 1024 px the planner keeps everything else on the card, nothing streamed (22.2 GiB planned, docs/BENCHMARKS.md). On a 16 GB card it also keeps the trained weights in host RAM (each layer crosses to the card as it runs and is stepped there, where Adafactor's small state stays; about 30 GiB of host RAM). Learning rate about 100x below a LoRA's.
 
-The file in models/loras/headroom/ holds the differences: stock Load LoRA applies it; stock Save Model after it writes a model file for Load Diffusion Model. docs/FULL_FINETUNE.md."""
+Saved once, at the end of the steps, to models/loras/headroom/ (about 32 GB: the differences to the base in fp32, so base + file is the trained model exactly); the run's checkpoints keep it resumable; a Save LoRA (Headroom) node on the Train node's run output can save it in bf16, at half the size and not exact. Stock Load LoRA applies the file; stock Save Model after it writes a model file for Load Diffusion Model. docs/FULL_FINETUNE.md."""
 
 
 def sd35_full_finetune() -> Workflow:
@@ -525,7 +528,27 @@ def sd35_full_finetune() -> Workflow:
     return as_full_finetune(sd35_lora(), "sd35_full_finetune", "SD3.5 Large", SD35_FULL_NOTE,
                             {"kind": "full", "targets": "all_linear", "full_precision": "bf16_stochastic"},
                             "Full fine-tune (every linear layer, bf16)", {"optimizer": "Adafactor", "learning_rate": 1e-6},
-                            {"fused_backward": True})
+                            {"fused_backward": True}, save_at_end=True)
+
+
+SDXL_FULL_NOTE = """SDXL full fine-tune: trains the model's own weights (every layer of the UNet, 2.6 B weights), not an adapter.
+
+Download (file -> ComfyUI folder):
+- sd_xl_base_1.0.safetensors -> models/checkpoints/
+
+Your images: a folder inside ComfyUI's input/ folder (here input/my_dataset), each image with a same-name .txt caption.
+
+What makes it fit: one copy of each trained weight on the card (the run's own bf16 copy; the trained layers' base weights wait in host RAM during the step), the Offload policy's fused_backward (each weight tensor is stepped as soon as its gradient is ready, so no full set of gradients exists), the LoRA Config's full_precision bf16_stochastic (the trained copy in bf16, updated with stochastic rounding) and Adafactor (small optimizer state). With the card "this GPU (auto)" the planner fits it at 1024 px (planned, not yet measured on a GPU: docs/benchmarks/full_finetune.md): on a 16 GB or larger card everything stays on the card, nothing checkpointed (11.9 GiB); on a 12 GB card some blocks are checkpointed (10.7 GiB); on an 8 GB card most blocks' trained weights wait in host RAM and cross to the card as their layers run (7.0 GiB, about 5 GiB of host RAM). Learning rate about 100x below a LoRA's.
+
+Saved once, at the end of the steps, to models/loras/headroom/ (about 10 GB: the differences to the base in fp32, so base + file is the trained model exactly); the run's checkpoints keep it resumable; a Save LoRA (Headroom) node on the Train node's run output can save it in bf16, at half the size and not exact. Stock Load LoRA applies the file; stock Save Checkpoint after it writes a model file for Load Checkpoint. docs/FULL_FINETUNE.md."""
+
+
+def sdxl_full_finetune() -> Workflow:
+    """The SDXL LoRA template as a full fine-tune of every layer with the memory options that fit it on 8-16 GB."""
+    return as_full_finetune(sdxl_lora(), "sdxl_full_finetune", "SDXL", SDXL_FULL_NOTE,
+                            {"kind": "full", "targets": "all_layers", "full_precision": "bf16_stochastic"},
+                            "Full fine-tune (every layer, bf16)", {"optimizer": "Adafactor", "learning_rate": 1e-6},
+                            {"fused_backward": True}, save_at_end=True)
 
 
 def sdxl_lora() -> Workflow:
@@ -568,6 +591,28 @@ def flux_lora() -> Workflow:
         timestep_sampling="shifted", policy=policy("partial", "blocks"),
         sampling={"sample_steps": 20, "cfg": 1.0, "sampler_name": "euler", "scheduler": "simple", "width": 1024, "height": 1024},
     ))
+
+
+FLUX_FULL_NOTE = """Flux.1 dev full fine-tune: trains the model's own weights (every linear layer of its 57 blocks, 11.8 B weights), not an adapter, on a 24 GB card.
+
+Download (file -> ComfyUI folder):
+- flux1-dev.safetensors -> models/diffusion_models/
+- clip_l.safetensors, t5xxl_fp16.safetensors -> models/text_encoders/
+- ae.safetensors -> models/vae/
+
+Your images: a folder inside ComfyUI's input/ folder (here input/my_dataset), each image with a same-name .txt caption.
+
+What makes it fit: the run's own bf16 copy of each trained weight (stochastic rounding), fused_backward (no full set of gradients) and Adafactor (small state, stepped on the card). The bf16 copy alone is 22 GiB, so with the card "this GPU (auto)" on a 24 GB card the planner keeps the trained weights of the blocks that fit on the card (38 of 57) and the rest in host RAM, each layer's crossing to the card as it runs and stepped there: 22.9 GiB on the card, about 28 GiB of host RAM, predicted 1.6 s/step; on a 16 GB card 15 blocks' stay (14.7 GiB, about 35 GiB of host RAM, predicted 4 s/step). Planned, not yet measured on a GPU (docs/benchmarks/full_finetune.md). Learning rate far below a LoRA's.
+
+Saved once, at the end of the steps, to models/loras/headroom/ (about 47 GB: the differences to the base in fp32, so base + file is the trained model exactly); the run's checkpoints keep it resumable; a Save LoRA (Headroom) node on the Train node's run output can save it in bf16, at half the size and not exact. Stock Load LoRA applies the file; stock Save Model after it writes a model file for Load Diffusion Model. docs/FULL_FINETUNE.md."""
+
+
+def flux_full_finetune() -> Workflow:
+    """The Flux.1 dev LoRA template as a full fine-tune of every linear layer with the memory options for 24 GB."""
+    return as_full_finetune(flux_lora(), "flux_full_finetune", "Flux.1 dev", FLUX_FULL_NOTE,
+                            {"kind": "full", "targets": "all_linear", "full_precision": "bf16_stochastic"},
+                            "Full fine-tune (every linear layer, bf16)", {"optimizer": "Adafactor", "learning_rate": 1e-5},
+                            {"fused_backward": True}, save_at_end=True)
 
 
 TINY_CONTROLNET_NOTE = """Tiny demo ControlNet: runs anywhere, even on a CPU.
@@ -1068,7 +1113,8 @@ def flux_kontext_lora() -> Workflow:
     ), "none", "the instructions are cached as plain text (CLIP Text Encode), as Kontext's stock workflow encodes them.")
 
 
-WORKFLOWS = [tiny_lora, your_folder_lora, sd15_lora, sd15_full_finetune, sdxl_lora, sd35_lora, sd35_full_finetune, flux_lora, flux2_klein_lora, qwen_image_lora, zimage_lora,
+WORKFLOWS = [tiny_lora, your_folder_lora, sd15_lora, sd15_full_finetune, sdxl_lora, sdxl_full_finetune, sd35_lora,
+             sd35_full_finetune, flux_lora, flux_full_finetune, flux2_klein_lora, qwen_image_lora, zimage_lora,
              krea2_lora, ideogram4_lora, hidream_o1_lora,
              qwen_image_edit_lora, flux_kontext_lora, wan21_lora, hunyuan_video15_lora, ltx2_lora,
              tiny_controlnet, sd15_controlnet,
