@@ -10,11 +10,11 @@ Layout of one store (one folder per kind, e.g. `<headroom_cache>/latents`):
   Same inputs -> same key -> a hit, without loading the encoder. Captions are not part of latent
   keys, so editing a caption re-encodes that caption's text and nothing else.
 - Writes are atomic: a shard is written to a temp file, fsynced and renamed; the manifest is rewritten
-  the same way, and only after its shard is in place. A shard never takes an existing file's name (Windows cannot
-  replace a shard still memory-mapped); unlisted shards an hour old are removed when a store opens. A cancel or crash leaves every entry listed in
-  the manifest complete, so the next run resumes from there. Encoded entries are committed when a shard
-  is full and at least every `COMMIT_SECONDS` (a kill loses at most that much encoding, plus the item in
-  flight), so one caching run may write many small shards.
+  the same way, and only after its shard is in place. A shard never takes an existing file's name (Windows
+  cannot replace a shard still memory-mapped); unlisted shards an hour old are removed when a store opens. A
+  cancel or crash leaves every entry listed in the manifest complete, so the next run resumes from there.
+  Encoded entries are committed when a shard is full and at least every `COMMIT_SECONDS` (a kill loses at most
+  that much encoding, plus the item in flight), so one caching run may write many small shards.
 - The manifest is untrusted when read back: entries that are not well-formed, or whose shard is not a
   shard file name of ours, are dropped (and rebuilt); shard files are read only as regular files inside
   `shards/` (training/files.py).
