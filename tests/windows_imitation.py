@@ -11,7 +11,8 @@ process behave as Windows does where the pack once relied on POSIX:
 - a file another program holds open (`hold_open`) cannot be replaced or removed (PermissionError, WinError 32), nor
   the folder it is in renamed; nor can a file with the Read-only attribute (no write bit in st_mode: WinError 5);
 - nor a file this process has memory-mapped (safetensors' `safe_open`, torch's `mmap=True`: WinError 1224, "a file
-  with a user-mapped section open"), read from /proc/self/maps at each call, so whatever maps it is caught;
+  with a user-mapped section open") or still open (Python's `open` and `os.open` share no delete access there),
+  read from /proc/self/maps and /proc/self/fd at each call, so whatever holds it is caught;
 - shutil.rmtree and tempfile take their Windows paths (no descriptor-based walk; O_BINARY in tempfile's flags).
 The descriptor rules apply to calls made from the pack's own code (nodes/, training/, workflows/): libraries keep
 their Linux paths, as on Windows they have their own Windows paths.
@@ -41,6 +42,19 @@ def mapped_files() -> set[str]:
     with open("/proc/self/maps", encoding="utf-8", errors="surrogateescape") as maps:
         return {fields[5] for fields in (line.rstrip("\n").split(maxsplit=5) for line in maps)
                 if len(fields) == 6 and fields[5].startswith(os.sep) and not fields[5].endswith(" (deleted)")}
+
+
+def open_files() -> set[str]:
+    """The regular files this process has open now (Linux's /proc/self/fd: real paths)."""
+    found = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # closed meanwhile (the listing's own descriptor)
+            continue
+        if target.startswith(os.sep) and not target.endswith(" (deleted)") and os.path.isfile(target):
+            found.add(target)
+    return found
 
 
 class ImitatedCtrlC(AssertionError):
@@ -116,6 +130,9 @@ class WindowsImitation:
                 if any(mapped == real or mapped.startswith(real + os.sep) for mapped in mapped_files()):
                     raise PermissionError(errno.EACCES, "The requested operation cannot be performed on a file with "
                                           "a user-mapped section open", str(path))
+                if any(held == real or held.startswith(real + os.sep) for held in open_files()):
+                    raise PermissionError(errno.EACCES, "The process cannot access the file because it is being "
+                                          "used by another process (this one holds it open)", str(path))
 
         def read_only_check(path):
             # Windows neither replaces nor removes a file whose Read-only attribute is set (st_mode without S_IWRITE)
