@@ -503,6 +503,24 @@ def as_full_finetune(workflow: Workflow, name: str, label: str, note: str, lora:
     return workflow
 
 
+def saved_at_end(size: str, stock_save: str) -> str:
+    """The Note's last paragraph for a large full fine-tune (as_full_finetune's save_at_end)."""
+    return ("\n\nSaved once, at the end of the steps, to models/loras/headroom/ (about " + size + ": the differences to "
+            "the base in fp32, so base + file is the trained model exactly); the run's checkpoints keep it resumable; "
+            "a Save LoRA (Headroom) node on the Train node's run output can save it in bf16, at half the size and not "
+            "exact. Stock Load LoRA applies the file; " + stock_save + ". docs/FULL_FINETUNE.md.")
+
+
+def lean_full_finetune(workflow: Workflow, name: str, label: str, note: str, targets: str, lora_title: str,
+                       learning_rate: float) -> Workflow:
+    """A large model's LoRA template as a full fine-tune with the options that fit it on one card: kind full on
+    `targets` with bf16 trained weights (stochastic rounding), Adafactor, fused backward; saved once, at the end."""
+    return as_full_finetune(workflow, name, label, note,
+                            {"kind": "full", "targets": targets, "full_precision": "bf16_stochastic"}, lora_title,
+                            {"optimizer": "Adafactor", "learning_rate": learning_rate}, {"fused_backward": True},
+                            save_at_end=True)
+
+
 def sd15_full_finetune() -> Workflow:
     """The SD1.5 LoRA template with LoRA Config kind full (every layer), its learning rate and its own Note."""
     return as_full_finetune(sd15_lora(), "sd15_full_finetune", "SD1.5", FULL_NOTE,
@@ -518,17 +536,13 @@ Download (file -> ComfyUI folder):
 
 Your images: a folder inside ComfyUI's input/ folder (here input/my_dataset), each image with a same-name .txt caption.
 
-What makes it fit: one copy of each trained weight on the card (the run's own bf16 copy; the trained layers' base weights wait in host RAM during the step), the Offload policy's fused_backward (each weight tensor is stepped as soon as its gradient is ready, so no full set of gradients exists), the LoRA Config's full_precision bf16_stochastic (the trained copy in bf16, updated with stochastic rounding), Adafactor (small optimizer state), and the card "this GPU (auto)": on a 24 GB card at 1024 px the planner keeps everything else on the card, nothing streamed (22.2 GiB planned, docs/BENCHMARKS.md). On a 16 GB card it also keeps the trained weights in host RAM (each layer crosses to the card as it runs and is stepped there, where Adafactor's small state stays; about 30 GiB of host RAM). Learning rate about 100x below a LoRA's.
-
-Saved once, at the end of the steps, to models/loras/headroom/ (about 32 GB: the differences to the base in fp32, so base + file is the trained model exactly); the run's checkpoints keep it resumable; a Save LoRA (Headroom) node on the Train node's run output can save it in bf16, at half the size and not exact. Stock Load LoRA applies the file; stock Save Model after it writes a model file for Load Diffusion Model. docs/FULL_FINETUNE.md."""
+What makes it fit: one copy of each trained weight on the card (the run's own bf16 copy; the trained layers' base weights wait in host RAM during the step), the Offload policy's fused_backward (each weight tensor is stepped as soon as its gradient is ready, so no full set of gradients exists), the LoRA Config's full_precision bf16_stochastic (the trained copy in bf16, updated with stochastic rounding), Adafactor (small optimizer state), and the card "this GPU (auto)": on a 24 GB card at 1024 px the planner keeps everything else on the card, nothing streamed (22.2 GiB planned, docs/BENCHMARKS.md). On a 16 GB card it also keeps the trained weights in host RAM (each layer crosses to the card as it runs and is stepped there, where Adafactor's small state stays; about 30 GiB of host RAM). Learning rate about 100x below a LoRA's.""" + saved_at_end("32 GB", "stock Save Model after it writes a model file for Load Diffusion Model")
 
 
 def sd35_full_finetune() -> Workflow:
     """The SD3.5 Large LoRA template as a full fine-tune with the memory options that fit it on a 24 GB card."""
-    return as_full_finetune(sd35_lora(), "sd35_full_finetune", "SD3.5 Large", SD35_FULL_NOTE,
-                            {"kind": "full", "targets": "all_linear", "full_precision": "bf16_stochastic"},
-                            "Full fine-tune (every linear layer, bf16)", {"optimizer": "Adafactor", "learning_rate": 1e-6},
-                            {"fused_backward": True}, save_at_end=True)
+    return lean_full_finetune(sd35_lora(), "sd35_full_finetune", "SD3.5 Large", SD35_FULL_NOTE, "all_linear",
+                              "Full fine-tune (every linear layer, bf16)", 1e-6)
 
 
 SDXL_FULL_NOTE = """SDXL full fine-tune: trains the model's own weights (every layer of the UNet, 2.6 B weights), not an adapter.
@@ -538,17 +552,13 @@ Download (file -> ComfyUI folder):
 
 Your images: a folder inside ComfyUI's input/ folder (here input/my_dataset), each image with a same-name .txt caption.
 
-What makes it fit: one copy of each trained weight on the card (the run's own bf16 copy; the trained layers' base weights wait in host RAM during the step), the Offload policy's fused_backward (each weight tensor is stepped as soon as its gradient is ready, so no full set of gradients exists), the LoRA Config's full_precision bf16_stochastic (the trained copy in bf16, updated with stochastic rounding) and Adafactor (small optimizer state). With the card "this GPU (auto)" the planner fits it at 1024 px (planned, not yet measured on a GPU: docs/benchmarks/full_finetune.md): on a 16 GB or larger card everything stays on the card, nothing checkpointed (11.9 GiB); on a 12 GB card some blocks are checkpointed (10.7 GiB); on an 8 GB card most blocks' trained weights wait in host RAM and cross to the card as their layers run (7.0 GiB, about 5 GiB of host RAM). Learning rate about 100x below a LoRA's.
-
-Saved once, at the end of the steps, to models/loras/headroom/ (about 10 GB: the differences to the base in fp32, so base + file is the trained model exactly); the run's checkpoints keep it resumable; a Save LoRA (Headroom) node on the Train node's run output can save it in bf16, at half the size and not exact. Stock Load LoRA applies the file; stock Save Checkpoint after it writes a model file for Load Checkpoint. docs/FULL_FINETUNE.md."""
+What makes it fit: one copy of each trained weight on the card (the run's own bf16 copy; the trained layers' base weights wait in host RAM during the step), the Offload policy's fused_backward (each weight tensor is stepped as soon as its gradient is ready, so no full set of gradients exists), the LoRA Config's full_precision bf16_stochastic (the trained copy in bf16, updated with stochastic rounding) and Adafactor (small optimizer state). With the card "this GPU (auto)" the planner fits it at 1024 px (planned, not yet measured on a GPU: docs/benchmarks/full_finetune.md): on a 16 GB or larger card everything stays on the card, nothing checkpointed (11.9 GiB); on a 12 GB card some blocks are checkpointed (10.7 GiB); on an 8 GB card most blocks' trained weights wait in host RAM and cross to the card as their layers run (7.0 GiB, about 5 GiB of host RAM). Learning rate about 100x below a LoRA's.""" + saved_at_end("10 GB", "stock Save Checkpoint after it writes a model file for Load Checkpoint")
 
 
 def sdxl_full_finetune() -> Workflow:
     """The SDXL LoRA template as a full fine-tune of every layer with the memory options that fit it on 8-16 GB."""
-    return as_full_finetune(sdxl_lora(), "sdxl_full_finetune", "SDXL", SDXL_FULL_NOTE,
-                            {"kind": "full", "targets": "all_layers", "full_precision": "bf16_stochastic"},
-                            "Full fine-tune (every layer, bf16)", {"optimizer": "Adafactor", "learning_rate": 1e-6},
-                            {"fused_backward": True}, save_at_end=True)
+    return lean_full_finetune(sdxl_lora(), "sdxl_full_finetune", "SDXL", SDXL_FULL_NOTE, "all_layers",
+                              "Full fine-tune (every layer, bf16)", 1e-6)
 
 
 def sdxl_lora() -> Workflow:
@@ -602,17 +612,13 @@ Download (file -> ComfyUI folder):
 
 Your images: a folder inside ComfyUI's input/ folder (here input/my_dataset), each image with a same-name .txt caption.
 
-What makes it fit: the run's own bf16 copy of each trained weight (stochastic rounding), fused_backward (no full set of gradients) and Adafactor (small state, stepped on the card). The bf16 copy alone is 22 GiB, so with the card "this GPU (auto)" on a 24 GB card the planner keeps the trained weights of the blocks that fit on the card (38 of 57) and the rest in host RAM, each layer's crossing to the card as it runs and stepped there: 22.9 GiB on the card, about 28 GiB of host RAM, predicted 1.6 s/step; on a 16 GB card 15 blocks' stay (14.7 GiB, about 35 GiB of host RAM, predicted 4 s/step). Planned, not yet measured on a GPU (docs/benchmarks/full_finetune.md). Learning rate far below a LoRA's.
-
-Saved once, at the end of the steps, to models/loras/headroom/ (about 47 GB: the differences to the base in fp32, so base + file is the trained model exactly); the run's checkpoints keep it resumable; a Save LoRA (Headroom) node on the Train node's run output can save it in bf16, at half the size and not exact. Stock Load LoRA applies the file; stock Save Model after it writes a model file for Load Diffusion Model. docs/FULL_FINETUNE.md."""
+What makes it fit: the run's own bf16 copy of each trained weight (stochastic rounding), fused_backward (no full set of gradients) and Adafactor (small state, stepped on the card). The bf16 copy alone is 22 GiB, so with the card "this GPU (auto)" on a 24 GB card the planner keeps the trained weights of the blocks that fit on the card (38 of 57) and the rest in host RAM, each layer's crossing to the card as it runs and stepped there: 22.9 GiB on the card, about 28 GiB of host RAM, predicted 1.6 s/step; on a 16 GB card 15 blocks' stay (14.7 GiB, about 35 GiB of host RAM, predicted 4 s/step). Planned, not yet measured on a GPU (docs/benchmarks/full_finetune.md). Learning rate far below a LoRA's.""" + saved_at_end("47 GB", "stock Save Model after it writes a model file for Load Diffusion Model")
 
 
 def flux_full_finetune() -> Workflow:
     """The Flux.1 dev LoRA template as a full fine-tune of every linear layer with the memory options for 24 GB."""
-    return as_full_finetune(flux_lora(), "flux_full_finetune", "Flux.1 dev", FLUX_FULL_NOTE,
-                            {"kind": "full", "targets": "all_linear", "full_precision": "bf16_stochastic"},
-                            "Full fine-tune (every linear layer, bf16)", {"optimizer": "Adafactor", "learning_rate": 1e-5},
-                            {"fused_backward": True}, save_at_end=True)
+    return lean_full_finetune(flux_lora(), "flux_full_finetune", "Flux.1 dev", FLUX_FULL_NOTE, "all_linear",
+                              "Full fine-tune (every linear layer, bf16)", 1e-5)
 
 
 TINY_CONTROLNET_NOTE = """Tiny demo ControlNet: runs anywhere, even on a CPU.
