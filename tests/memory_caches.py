@@ -20,6 +20,9 @@ class MemoryLatentCache:
     def control(self, i):
         return None
 
+    def release_files(self):  # nothing mapped
+        pass
+
 
 class MemoryTextCache:
     def __init__(self, conds, empty):
@@ -30,3 +33,6 @@ class MemoryTextCache:
 
     def empty_conditioning(self):
         return self._empty
+
+    def release_files(self):  # nothing mapped
+        pass

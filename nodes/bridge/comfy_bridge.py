@@ -559,6 +559,8 @@ class TrainingRun:
                 yield
         finally:  # the MODEL's quantized weights usable by stock nodes again (a no-op for any other model)
             quantized_weights_for_inference(base, self.placement.patcher)
+            for cache in (self.latent_cache, self.text_cache, *self.trained.caches()):
+                cache.release_files()  # no cache shard left mapped between calls (Windows cannot delete one)
 
     @contextlib.contextmanager
     def validating(self):

@@ -85,6 +85,10 @@ class ControlNetTraining:
         self.initial_weights = initial_weights  # a worker rank: rank 0's ControlNet weights (for_other_ranks)
         self.controlnet: TrainableControlNet | None = None  # built by `build`
 
+    def caches(self) -> tuple:
+        """No cache beside the run's own."""
+        return ()
+
     def identity(self, run) -> dict:
         return {"kind": "controlnet"}
 

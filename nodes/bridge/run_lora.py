@@ -192,6 +192,11 @@ class LoraTraining:
         self.prior = prior
         self.adapters: AdapterSet | None = None  # built by `build`
 
+    def caches(self) -> tuple:
+        """The caches the run reads beside its own: the prior images' (comfy_bridge.TrainingRun.attached releases
+        their files after each call)."""
+        return self.prior or ()
+
     def identity(self, run) -> dict:
         """What beyond the configuration makes the run: its start images (image-to-video caches), its prior images'
         caches and data."""

@@ -139,3 +139,38 @@ print("NODES", len(nodes))
     assert done.returncode == 0, done.stderr[-4000:]
     count = int(done.stdout.split("NODES")[-1])
     assert count == sum(len(module.NODES) for module in headroom_nodes._NODE_MODULES) and count > 20
+
+
+@pytest.mark.min_torch
+def test_between_calls_a_run_holds_no_cache_file_so_the_cache_folder_can_be_deleted(windows, comfyui, cache_dir):
+    """ComfyUI keeps a node's outputs, so a run lives on between queues with the caches it read. Windows deletes no
+    file mapped or open: after Train Steps and Validate return, none of the cache's shards is held, and the user can
+    delete the cache folder in Explorer while ComfyUI runs (before: the shards the run read last stayed mapped)."""
+    import shutil
+
+    import windows_imitation
+    from headroom.nodes import cache as cache_nodes, data as data_nodes, train_lora as T
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
+
+    with torch.inference_mode():
+        model, clip, vae = build_tiny_models("sd15", 0)
+        images, captions, _ = data_nodes.HeadroomSyntheticDataset.execute(4, 32, 0).args
+        dataset = cache_nodes.HeadroomDatasetFromImages.execute(images, captions, 32, 32, "center", False, 0).args[0]
+        latents = cache_nodes.HeadroomCacheLatents.execute(dataset, vae).args[0]
+        texts = cache_nodes.HeadroomCacheText.execute(dataset, clip).args[0]
+        lora = T.HeadroomLoraConfig.execute("lora", 4, 4.0, "preset", False, 0.0, 0).args[0]
+        optimizer = T.HeadroomOptimizerConfig.execute("AdamW", 1e-3, 0.0, "constant", 0, 100).args[0]
+        run = T.HeadroomTrainLoraInit.execute(model=model, latent_cache=latents, text_cache=texts, lora_config=lora,
+                                              optimizer_config=optimizer, run_name="windows_cache_folder", seed=0,
+                                              batch_size=2, grad_accumulation=1, precision="fp32", max_grad_norm=1.0,
+                                              caption_dropout=0.0, timestep_sampling="uniform", loss_weighting="none",
+                                              min_snr_gamma=5.0, noise_offset=0.0, gradient_checkpointing=False,
+                                              checkpoint_depth=1, holdout=0).args[0]
+        T.HeadroomTrainSteps.execute(run, 2)
+        T.HeadroomValidate.execute(run, loss_timesteps=1)
+    shards = [str(path.resolve()) for path in cache_dir.rglob("*.safetensors")]
+    assert shards
+    held = windows_imitation.mapped_files() | windows_imitation.open_files()
+    assert not [shard for shard in shards if shard in held]
+    shutil.rmtree(cache_dir)  # as Explorer deletes it: refused for a held file (tests/windows_imitation.py)
+    assert not cache_dir.exists() and run.step == 2

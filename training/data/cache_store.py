@@ -457,6 +457,14 @@ class _ShardReader:
                 self._handles.move_to_end(shard)
             return handle.get_tensor(tensor_name)
 
+    def close(self) -> None:
+        """Drop the open handles; the next read opens its shard again. Windows neither deletes nor replaces a mapped
+        file: a run that keeps its caches between calls (ComfyUI keeps node outputs) would hold its last shards
+        mapped until ComfyUI drops it, and a user could not delete the cache folder meanwhile. (Tensors already
+        read keep their own mapping until they are freed: what training read was copied into its batches.)"""
+        with self._lock:
+            self._handles.clear()
+
     def __getstate__(self):  # handles cannot cross processes (e.g. DataLoader workers); reopen there
         return {"shard_dir": self.shard_dir, "max_open": self.max_open}
 
@@ -561,6 +569,10 @@ class LatentCache:
             buckets.setdefault(item[2], []).append(index)
         self.buckets = dict(sorted(buckets.items()))
 
+    def release_files(self) -> None:
+        """Unmap the shards read so far (_ShardReader.close): at the end of each training or validation call."""
+        self._reader.close()
+
     def __len__(self) -> int:
         return len(self._items)
 
@@ -646,6 +658,10 @@ class TextCache:
         self._entries = entries
         self._empty_key = empty_key
         self._reader = _ShardReader(self.root / "shards")
+
+    def release_files(self) -> None:
+        """Unmap the shards read so far (_ShardReader.close): at the end of each training or validation call."""
+        self._reader.close()
 
     def __len__(self) -> int:
         return len(self._entries)
