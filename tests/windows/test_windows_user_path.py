@@ -149,23 +149,16 @@ def test_between_calls_a_run_holds_no_cache_file_so_the_cache_folder_can_be_dele
     import shutil
 
     import windows_imitation
-    from headroom.nodes import cache as cache_nodes, data as data_nodes, train_lora as T
+    from family_checks import cached_data, init_run
+    from headroom.nodes import train_lora as T
     from headroom.nodes.bridge.tiny_models import build_tiny_models
 
     with torch.inference_mode():
         model, clip, vae = build_tiny_models("sd15", 0)
-        images, captions, _ = data_nodes.HeadroomSyntheticDataset.execute(4, 32, 0).args
-        dataset = cache_nodes.HeadroomDatasetFromImages.execute(images, captions, 32, 32, "center", False, 0).args[0]
-        latents = cache_nodes.HeadroomCacheLatents.execute(dataset, vae).args[0]
-        texts = cache_nodes.HeadroomCacheText.execute(dataset, clip).args[0]
-        lora = T.HeadroomLoraConfig.execute("lora", 4, 4.0, "preset", False, 0.0, 0).args[0]
-        optimizer = T.HeadroomOptimizerConfig.execute("AdamW", 1e-3, 0.0, "constant", 0, 100).args[0]
-        run = T.HeadroomTrainLoraInit.execute(model=model, latent_cache=latents, text_cache=texts, lora_config=lora,
-                                              optimizer_config=optimizer, run_name="windows_cache_folder", seed=0,
-                                              batch_size=2, grad_accumulation=1, precision="fp32", max_grad_norm=1.0,
-                                              caption_dropout=0.0, timestep_sampling="uniform", loss_weighting="none",
-                                              min_snr_gamma=5.0, noise_offset=0.0, gradient_checkpointing=False,
-                                              checkpoint_depth=1, holdout=0).args[0]
+    latents, texts = cached_data(model, clip, vae, resolution=32)
+    run = init_run(model, latents, texts, "windows_cache_folder", rank=4, lr=1e-3, targets="preset",
+                   include_conv=False)
+    with torch.inference_mode():
         T.HeadroomTrainSteps.execute(run, 2)
         T.HeadroomValidate.execute(run, loss_timesteps=1)
     shards = [str(path.resolve()) for path in cache_dir.rglob("*.safetensors")]
