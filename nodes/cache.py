@@ -20,6 +20,7 @@ import torch
 from comfy_api.latest import io
 
 from ..training.checks import check_finite
+from ..training.data.caption_tags import MAX_KEEP, MAX_SHUFFLES
 from ..training.data.dataset import (DatasetError, dataset_from_folder, dataset_from_tensors, folder_signature,
                                      split_captions, with_trigger_word)
 from ..training.data.video import MAX_CLIP_FRAMES, MAX_FRAMES_DEFAULT, VIDEO_EXTENSIONS, dataset_from_video_folder
@@ -357,6 +358,15 @@ class HeadroomCacheText(io.ComfyNode):
                                "reference), exactly as that stock node encodes it (no VAE: the reference latents come "
                                "from Cache Latents), one entry per item; validate with reference_images, which are "
                                "then encoded by that node too (what the stock edit workflow does)."),
+                io.Int.Input("tag_shuffles", default=0, min=0, max=MAX_SHUFFLES, optional=True, advanced=True,
+                             tooltip="For tag captions ('ohwx, red hair, smiling, outdoors'): also cache up to this "
+                             "many other orders of each caption's comma-separated tags; training picks one of a "
+                             "caption's orders (as written or shuffled) at random per image and step, as kohya's "
+                             "shuffle_caption does, so no tag owes its weight to its place. Each order is one more "
+                             "encoding per caption (caching time and disk). 0: captions as written (sentences)."),
+                io.Int.Input("keep_tags", default=1, min=0, max=MAX_KEEP, optional=True, advanced=True,
+                             tooltip="With tag_shuffles: the first this many tags stay in place (the trigger word; "
+                             "kohya's keep_tokens). The rest are shuffled."),
             ],
             outputs=[TextCacheType.Output("text_cache", tooltip="The encoded captions, for the training nodes' "
                                       "text_cache."),
@@ -364,7 +374,8 @@ class HeadroomCacheText(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls, dataset, clip, policy=None, reference_encoding: str = "none") -> io.NodeOutput:
+    def execute(cls, dataset, clip, policy=None, reference_encoding: str = "none", tag_shuffles: int = 0,
+                keep_tags: int = 1) -> io.NodeOutput:
         name = node_name(cls)
         _check_policy(name, policy)
         if clip is None:
@@ -377,7 +388,11 @@ class HeadroomCacheText(io.ComfyNode):
                              "its item's control image, but the dataset has none: give it the reference images as "
                              "control images (Dataset from Images' control_images, Dataset from Folder's "
                              "control_folder), or set reference_encoding to 'none'")
-        cache, summary = cache_clip_text(dataset, clip, policy, reference_encoding, node=name)
+        for input_name, value, most in (("tag_shuffles", tag_shuffles, MAX_SHUFFLES), ("keep_tags", keep_tags, MAX_KEEP)):
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= most:
+                raise ValueError(f"{name}: {input_name}={value!r}: give a whole number from 0 to {most}")
+        cache, summary = cache_clip_text(dataset, clip, policy, reference_encoding, node=name,
+                                         tag_shuffles=tag_shuffles, keep_tags=keep_tags)
         return io.NodeOutput(cache, summary)
 
 

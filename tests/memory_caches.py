@@ -25,11 +25,16 @@ class MemoryLatentCache:
 
 
 class MemoryTextCache:
-    def __init__(self, conds, empty):
+    def __init__(self, conds, empty, orders=None):
+        # orders: key -> the conditionings of the caption's other tag orders (TextCache.tag_orders)
         self._conds, self._empty, self.fingerprint = conds, empty, "memory"
+        self._orders = orders or {}
 
-    def conditioning(self, key):
-        return self._conds[key]
+    def conditioning(self, key, order=0):
+        return self._conds[key] if order == 0 else self._orders[key][order - 1]
+
+    def tag_orders(self, key):
+        return 1 + len(self._orders.get(key, ()))
 
     def empty_conditioning(self):
         return self._empty

@@ -75,10 +75,12 @@ def encode_with_reference(encoding: str, clip, text: str, image: torch.Tensor, v
     raise ValueError(f"reference_encoding={encoding!r}: choose one of {', '.join(REFERENCE_ENCODINGS)}")
 
 
-def cache_clip_text(dataset, clip, policy=None, reference_encoding: str = "none", *, node: str):
+def cache_clip_text(dataset, clip, policy=None, reference_encoding: str = "none", *, node: str, tag_shuffles: int = 0,
+                    keep_tags: int = 0):
     """(TextCache, summary) of the dataset's captions and the empty prompt encoded by `clip` (cached ones reused);
-    with a `reference_encoding` node, each caption is encoded with its item's control image by that node. `node`: the
-    caching node's display name, for messages."""
+    with a `reference_encoding` node, each caption is encoded with its item's control image by that node; with
+    `tag_shuffles`, other orders of each caption's tags too (cache_store.cache_text). `node`: the caching node's
+    display name, for messages."""
     store = open_store("text")
     options = {
         "text_encoder": type(clip.cond_stage_model).__qualname__,
@@ -128,6 +130,7 @@ def cache_clip_text(dataset, clip, policy=None, reference_encoding: str = "none"
             references=[item.control for item in dataset.items] if with_references else None,
             encode_with_reference=encode_reference if with_references else None,
             reference_encoding=reference_encoding if with_references else None,
+            tag_shuffles=tag_shuffles, keep_tags=keep_tags,
         )
     cache.memory_phases = recorder.phases
     if dropped:

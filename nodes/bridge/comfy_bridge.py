@@ -193,6 +193,8 @@ class RunRecord:
             **stored, "base_fingerprint": self.fingerprint,
             "latent_cache": getattr(latent_cache, "fingerprint", None),
             "text_cache": getattr(text_cache, "fingerprint", None), "data": data_fingerprint(latent_cache),
+            # None (as for runs from before it was stored) unless the captions were cached in several tag orders
+            "tag_shuffling": getattr(text_cache, "tag_shuffling", None),
         }
         self.run_dir.check_compatible(self.stored, added_later=CONFIG_ADDED_LATER, removed_later=CONFIG_REMOVED_LATER,
                                       renamed=CONFIG_RENAMED)

@@ -207,6 +207,7 @@ class LoraTraining:
         check_caches(run.source_model.model, *self.prior)
         return {**identity, "prior_latent_cache": getattr(self.prior[0], "fingerprint", None),
                 "prior_text_cache": getattr(self.prior[1], "fingerprint", None),
+                "prior_tag_shuffling": getattr(self.prior[1], "tag_shuffling", None),
                 "prior_data": data_fingerprint(self.prior[0])}
 
     def for_other_ranks(self) -> dict:

@@ -466,3 +466,44 @@ def test_graph_through_comfyui_executor_reruns_only_what_an_edited_caption_chang
     assert run("edited") == ["1"]  # only the model node is reused; the dataset node ran again
     assert vae_calls == [] and clip_calls == ["an edited caption"]
     assert patchers and not any(is_loaded(patcher) for patcher in patchers)
+
+
+def test_tag_shuffling_caches_each_order_as_clip_text_encode_and_a_run_keeps_its_orders(cache_dir, comfyui):
+    """Cache Text's tag_shuffles: every cached tag order of a caption is exactly stock CLIP Text Encode of that text,
+    the caption as written first; Train Steps trains on the shuffled cache; a run started with shuffled captions does
+    not resume on captions cached as written (the run folder names the setting)."""
+    import nodes
+    from headroom.nodes import cache as cache_nodes, train_lora as T
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
+    from headroom.training.data.caption_tags import tag_orders
+    from headroom.training.data.synthetic import generate_shapes
+    from test_train_lora_nodes import _init
+
+    model, clip, vae = build_tiny_models("sd15", seed=0)
+    data = generate_shapes(3, 32, seed=0)
+    captions = ["ohwx, red hair, smiling, outdoors", "ohwx, blue hair, indoors", "a photo in sentences"]
+    with torch.inference_mode():
+        dataset = cache_nodes.HeadroomDatasetFromImages.execute(data.images, "\n".join(captions), 32, 32, "center",
+                                                                False, 0).args[0]
+        latents = cache_nodes.HeadroomCacheLatents.execute(dataset, vae).args[0]
+        shuffled, summary = cache_nodes.HeadroomCacheText.execute(dataset, clip, tag_shuffles=4, keep_tags=1).args
+        plain = cache_nodes.HeadroomCacheText.execute(dataset, clip).args[0]
+        assert "tag shuffling: 2 of 3 captions cached in 8 tag orders in all (keep_tags 1)" in summary
+        for index, caption in enumerate(captions):
+            key = latents.text_key(index)
+            orders = tag_orders(caption, 4, 1)
+            assert shuffled.tag_orders(key) == len(orders) == [5, 2, 1][index]
+            for order, text in enumerate(orders):
+                (cond, extras), = nodes.CLIPTextEncode().encode(clip, text)[0]
+                assert torch.equal(shuffled.conditioning(key, order)["cross_attn"], cond[0]), text
+            assert torch.equal(plain.conditioning(key)["cross_attn"], shuffled.conditioning(key)["cross_attn"])
+        with pytest.raises(ValueError, match=r"Cache Text \(Headroom\): tag_shuffles=17: give a whole number from 0 "
+                                             r"to 16"):
+            cache_nodes.HeadroomCacheText.execute(dataset, clip, tag_shuffles=17)
+
+        run = _init(model, latents, shuffled, "tags", batch_size=3)
+        T.HeadroomTrainSteps.execute(run, 2)
+        with pytest.raises(ValueError, match=r"tag_shuffling: stored \{'keep': 1, 'shuffles': 4\}, now None"):
+            _init(model, latents, plain, "tags", batch_size=3)
+        run = _init(model, latents, shuffled, "tags", batch_size=3)  # the same orders: it resumes
+        T.HeadroomTrainSteps.execute(run, 3)

@@ -82,12 +82,14 @@ def toy_data(count=4, seed=0):
 
 
 def make_trainer(run_dir=None, config=TrainConfig(batch_size=2, seed=3), optimizer=OptimizerConfig(lr=1e-2),
-                 adapter=AdapterConfig(rank=4, alpha=4, targets="all_linear"), train_items=None, policy=None):
+                 adapter=AdapterConfig(rank=4, alpha=4, targets="all_linear"), train_items=None, policy=None,
+                 text_cache=None):
     denoiser = ToyDenoiser(ToyNet())
     paths = select_targets(denoiser.net, None, adapter, [n for n, _ in denoiser.blocks()])
     adapters = AdapterSet(denoiser.net, paths, adapter)
     adapters.attach(denoiser.net)
     latents, texts = toy_data()
+    texts = text_cache if text_cache is not None else texts
     return Trainer(denoiser, adapters, latents, texts, config, optimizer, train_items=train_items, run_dir=run_dir,
                    policy=policy)
 

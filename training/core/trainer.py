@@ -8,7 +8,7 @@
     backward (scaled for fp16) ... every `grad_accum` micro-steps: unscale, clip, optimizer + LR step
 
 The batch, caption dropout, noise levels and noise of a micro-step come from a generator seeded by (seed,
-micro-step); what draws from torch's global RNG (peft's dropout) runs on the run's own saved copy of it.
+micro-step), the tag order of each item's caption (a text cache with tag shuffling) from one of its own; what draws from torch's global RNG (peft's dropout) runs on the run's own saved copy of it.
 So a run depends only on its seed, and one resumed from its run directory draws exactly what the straight
 run drew. The model is reached only through the small `Denoiser` protocol below; ComfyUI's MODEL
 implements it in nodes/bridge/comfy_bridge.py, and unit tests drive the engine with a tiny plain-torch denoiser.
@@ -52,7 +52,7 @@ def auto_precision(device: torch.device | str) -> str:
     if device.type != "cuda":
         return "fp32"
     return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
-_SALT_BATCH, _SALT_VALIDATION, _SALT_GLOBAL, _SALT_ROUNDING = 1, 2, 3, 4
+_SALT_BATCH, _SALT_VALIDATION, _SALT_GLOBAL, _SALT_ROUNDING, _SALT_TAGS = 1, 2, 3, 4, 5
 
 
 class Denoiser(Protocol):
@@ -377,7 +377,9 @@ class Trainer:
         return torch.stack([m.float() if m is not None else torch.ones(shape) for m in masks]).to(self.denoiser.device)
 
     def _conds(self, items: Sequence[int], dropout: torch.Tensor | None = None,
-               source: _Batches | None = None) -> list[dict[str, torch.Tensor]]:
+               source: _Batches | None = None, draws: torch.Tensor | None = None) -> list[dict[str, torch.Tensor]]:
+        """The items' conditioning; `dropout`: which get the empty prompt; `draws`: which cached tag order of its
+        caption each gets (item_conditioning; None: as written)."""
         latent_cache, text_cache = (source.latent_cache, source.text_cache) if source is not None else \
             (self.latent_cache, self.text_cache)
         conds = []
@@ -385,7 +387,7 @@ class Trainer:
             if dropout is not None and dropout[n]:
                 conds.append(text_cache.empty_conditioning())
             else:
-                conds.append(item_conditioning(text_cache, latent_cache, i))
+                conds.append(item_conditioning(text_cache, latent_cache, i, int(draws[n]) if draws is not None else 0))
             if self.item_extras is not None and (source is None or source is self._batches):
                 conds[-1] = {**conds[-1], **self.item_extras(i)}
         return conds
@@ -417,6 +419,9 @@ class Trainer:
         generator = torch.Generator().manual_seed(step_seed(self.config.seed, micro_step, _SALT_BATCH))
         # Drawn for the whole batch, then this rank's rows: N ranks train on exactly what one rank would.
         dropout = torch.rand(len(items), generator=generator) < self.config.caption_dropout
+        # Its own generator, so a text cache without tag shuffling leaves every other draw as it was.
+        tags = torch.Generator().manual_seed(step_seed(self.config.seed, micro_step, _SALT_TAGS))
+        draws = torch.randint(1 << 30, (len(items),), generator=tags)
         x0 = self._latents(items, source.latent_cache)
         sigma = self.objective.sample_sigma(len(items), generator).to(self.denoiser.device)
         noise = self.objective.sample_noise(x0, generator).to(x0)
@@ -425,12 +430,13 @@ class Trainer:
             if not items[rows] and self.shards_weights:
                 # FSDP2's per-layer collectives need every rank's forward and backward: a stand-in row, weighted 0.
                 rows = slice(0, 1)
-            items, dropout, x0, sigma, noise = items[rows], dropout[rows], x0[rows], sigma[rows], noise[rows]
+            items, dropout, draws = items[rows], dropout[rows], draws[rows]
+            x0, sigma, noise = x0[rows], sigma[rows], noise[rows]
             if not items:  # a bucket's last, smaller batch may leave a rank nothing: it adds no gradient
                 return torch.zeros((), device=self.denoiser.device), items
         x_t = self.objective.noisy(x0, noise, sigma)
         with self._autocast():
-            x0_hat = self.denoiser.predict(x_t, sigma, self._conds(items, dropout, source))
+            x0_hat = self.denoiser.predict(x_t, sigma, self._conds(items, dropout, source, draws))
         loss = self.objective.loss(x0_hat, x0, sigma, mask=self._masks(items, source.latent_cache))
         if rows is not None:
             loss = loss * weight

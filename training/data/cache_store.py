@@ -52,6 +52,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from .. import os_compat, public_module
+from .caption_tags import tag_orders
 from .buckets import CropPlan, apply_crop, make_buckets, nearest_bucket, plan_crop
 from .dataset import Dataset, DatasetError, reduce_factor
 from .video import clip_frame_rate, clip_frames, is_video
@@ -97,12 +98,15 @@ def reference_text_key(caption: str, reference_digest: str) -> str:
     return text_key(f"{caption}\x00reference:{reference_digest}")
 
 
-def item_conditioning(text_cache, latent_cache, index: int) -> dict[str, torch.Tensor]:
+def item_conditioning(text_cache, latent_cache, index: int, draw: int = 0) -> dict[str, torch.Tensor]:
     """Item `index`'s cached conditioning: its caption's, or, where the text cache encoded each caption with its
-    item's reference image (`per_reference`), that item's own."""
-    if getattr(text_cache, "per_reference", False):
-        return text_cache.conditioning(latent_cache.reference_text_key(index))
-    return text_cache.conditioning(latent_cache.text_key(index))
+    item's reference image (`per_reference`), that item's own. `draw` (a random integer, training): picks one of the
+    caption's cached tag orders (caption_tags); 0: the caption as written."""
+    key = latent_cache.reference_text_key(index) if getattr(text_cache, "per_reference", False) else \
+        latent_cache.text_key(index)
+    if draw == 0:
+        return text_cache.conditioning(key)
+    return text_cache.conditioning(key, draw % text_cache.tag_orders(key))
 
 
 # The conditioning entries a start-image node (WanImageToVideo) adds to a prompt, cached per item by `start_encode`.
@@ -645,15 +649,18 @@ class TextCache:
     that ComfyUI gives a single prompt is removed (cross_attn [T, D], pooled_output [D]).
     """
 
-    def __init__(self, root: Path, entries: dict[str, tuple[str, str, tuple[str, ...]]], empty_key: str,
-                 fingerprint: str, reference_encoding: str | None = None):
-        # entries: text key -> (entry key, shard file, tensor names)
+    def __init__(self, root: Path, entries: dict[str, list[tuple[str, str, tuple[str, ...]]]], empty_key: str,
+                 fingerprint: str, reference_encoding: str | None = None, tag_shuffling: dict | None = None):
+        # entries: text key -> [(entry key, shard file, tensor names) per tag order, the caption as written first]
         self.root = Path(root)
         self.fingerprint = fingerprint
         # The stock node whose encoding of a caption with a reference image this cache holds, per item
         # (Qwen-Image-Edit's TextEncodeQwenImageEdit); None: per caption, as CLIPTextEncode.
         self.reference_encoding = reference_encoding
         self.per_reference = reference_encoding is not None
+        # {"shuffles", "keep"} of caption_tags.tag_orders where captions were cached in several tag orders, else None:
+        # part of a run's configuration (a resumed run trains on the same orders).
+        self.tag_shuffling = tag_shuffling
         self.memory_phases: list[dict] = []  # how building it went (memory_stats.PhaseRecorder records)
         self._entries = entries
         self._empty_key = empty_key
@@ -669,13 +676,18 @@ class TextCache:
     def keys(self) -> list[str]:
         return list(self._entries)
 
-    def conditioning(self, key: str) -> dict[str, torch.Tensor]:
+    def tag_orders(self, key: str) -> int:
+        """How many tag orders of the caption are cached (1: as written only)."""
+        return len(self._entries[key]) if key in self._entries else 1
+
+    def conditioning(self, key: str, order: int = 0) -> dict[str, torch.Tensor]:
+        """The caption's conditioning; `order` > 0: one of its other tag orders (0 .. tag_orders(key) - 1)."""
         if key not in self._entries:
             raise KeyError(
                 f"caption {key[:12]} is not in this text cache: the LATENT_CACHE and TEXT_CACHE were made from "
                 "different datasets; cache the text of the same dataset"
             )
-        entry, shard, names = self._entries[key]
+        entry, shard, names = self._entries[key][order]
         return {name: self._reader.get(shard, f"{entry}/{name}") for name in names}
 
     def empty_conditioning(self) -> dict[str, torch.Tensor]:
@@ -717,6 +729,7 @@ class CacheReport:
     bytes_written: int = 0
     seconds: float = 0.0
     warnings: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # what else the run did (text: the tag orders cached)
 
     def summary(self) -> str:
         lines = [
@@ -725,6 +738,7 @@ class CacheReport:
             + f", {self.hits} hits / {self.misses} encoded, {format_bytes(self.bytes_total, largest='GiB')} cached "
             f"({format_bytes(self.bytes_written, largest='GiB')} written), {self.seconds:.1f} s"
         ]
+        lines += self.notes
         lines += [f"warning: {warning}" for warning in self.warnings]
         return "\n".join(lines)
 
@@ -1006,6 +1020,8 @@ def cache_text(
     references: Sequence | None = None,
     encode_with_reference: Callable[[str, torch.Tensor], Mapping[str, torch.Tensor]] | None = None,
     reference_encoding: str | None = None,
+    tag_shuffles: int = 0,
+    keep_tags: int = 0,
 ) -> tuple[TextCache, CacheReport]:
     """Encode every distinct caption, and the empty prompt, that is not cached yet.
 
@@ -1013,6 +1029,8 @@ def cache_text(
     (one image source per caption: each item's control image), every caption is encoded with its reference as
     `encode_with_reference(text, pixels [H, W, 3])` and cached per (caption, reference), found by
     `reference_text_key`; `reference_encoding` names how (the stock node), and the empty prompt stays text only.
+    With `tag_shuffles`, each caption's other tag orders (caption_tags.tag_orders, the first `keep_tags` in place)
+    are encoded too, with the same reference, under the caption's key.
     """
     started = time.monotonic()
     report = CacheReport(kind="text")
@@ -1024,12 +1042,14 @@ def cache_text(
             fields.update(reference=reference_digest, reference_encoding=reference_encoding)
         return entry_key(fields)
 
-    # text key -> (caption, reference image source or None, entry key), in order; the empty prompt (caption dropout)
-    # is always text only.
-    wanted = {text_key(""): ("", None, entry_of(""))}
+    # text key -> [(text, reference image source or None, entry key) per tag order, the caption as written first], in
+    # order; the empty prompt (caption dropout) is always text only, as written.
+    wanted = {text_key(""): [("", None, entry_of(""))]}
     if references is None:
         for caption in captions:
-            wanted.setdefault(text_key(caption), (caption, None, entry_of(caption)))
+            if text_key(caption) not in wanted:
+                wanted[text_key(caption)] = [(text, None, entry_of(text))
+                                             for text in tag_orders(caption, tag_shuffles, keep_tags)]
     else:
         if len(references) != len(captions) or any(source is None for source in references):
             raise DatasetError("encoding captions with reference images needs a control image for every item; give "
@@ -1037,32 +1057,44 @@ def cache_text(
                                "control_folder)")
         for caption, source in zip(captions, references):
             digest = source.digest()
-            wanted.setdefault(reference_text_key(caption, digest), (caption, source, entry_of(caption, digest)))
+            if reference_text_key(caption, digest) not in wanted:
+                wanted[reference_text_key(caption, digest)] = [
+                    (text, source, entry_of(text, digest)) for text in tag_orders(caption, tag_shuffles, keep_tags)]
 
-    good, problems = store.verify(entry for _, _, entry in wanted.values())
+    encodings = [order for orders in wanted.values() for order in orders]
+    good, problems = store.verify(entry for _, _, entry in encodings)
     report.warnings += store.warnings + problems
-    misses = [key for key, (_, _, entry) in wanted.items() if entry not in good]
-    report.hits, report.misses = len(wanted) - len(misses), len(misses)
-    progress(report.hits, len(wanted))
+    misses = [order for order in encodings if order[2] not in good]
+    report.hits, report.misses = len(encodings) - len(misses), len(misses)
+    progress(report.hits, len(encodings))
     if misses:
         store.check_writable()
         with store.writer() as writer:
-            for done, key in enumerate(misses, start=1):
+            for done, (text, source, entry) in enumerate(misses, start=1):
                 check_interrupt()
-                caption, source, entry = wanted[key]
-                tensors = dict(encode(caption) if source is None else encode_with_reference(caption, source.load()))
+                tensors = dict(encode(text) if source is None else encode_with_reference(text, source.load()))
                 if "cross_attn" not in tensors:
                     raise ValueError("the text encoder gave no 'cross_attn' tensor")
                 writer.add(entry, tensors)
-                progress(report.hits + done, len(wanted))
+                progress(report.hits + done, len(encodings))
         report.bytes_written = writer.bytes_written
 
     entries = store.entries
-    table = {key: (entry, entries[entry]["shard"], tuple(entries[entry]["tensors"]))
-             for key, (_, _, entry) in wanted.items()}
+    table = {key: [(entry, entries[entry]["shard"], tuple(entries[entry]["tensors"])) for _, _, entry in orders]
+             for key, orders in wanted.items()}
     cache = TextCache(store.root, table, empty_key=text_key(""), fingerprint=fingerprint,
-                      reference_encoding=reference_encoding if references is not None else None)
-    report.items = len(wanted)
-    report.bytes_total = sum(entries[entry]["bytes"] for _, _, entry in wanted.values())
+                      reference_encoding=reference_encoding if references is not None else None,
+                      tag_shuffling={"shuffles": tag_shuffles, "keep": keep_tags} if tag_shuffles else None)
+    report.items = len(encodings)
+    report.bytes_total = sum(entries[entry]["bytes"] for _, _, entry in encodings)
+    if tag_shuffles:
+        shuffled = sum(len(orders) > 1 for key, orders in wanted.items() if key != text_key(""))
+        report.notes.append(f"tag shuffling: {shuffled} of {len(wanted) - 1} captions cached in "
+                            f"{sum(len(orders) for orders in wanted.values()) - 1} tag orders in all (keep_tags "
+                            f"{keep_tags}); training picks one order per item and step")
+        if not shuffled:
+            report.warnings.append(f"tag_shuffles={tag_shuffles}, but no caption has two or more comma-separated "
+                                   f"tags after its first {keep_tags}: every caption is cached as written (set "
+                                   "tag_shuffles to 0 for captions in sentences)")
     report.seconds = time.monotonic() - started
     return cache, report

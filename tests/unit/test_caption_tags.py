@@ -1,0 +1,115 @@
+"""Tag shuffling (training/data/caption_tags.py): the tag orders a caption is cached in, the text cache that holds
+them (cache_store.cache_text), and the trainer's choice of one order per item and step. The node runs it with
+ComfyUI's CLIP in tests/comfy/test_cache_nodes.py."""
+import math
+
+import pytest
+import torch
+
+from headroom.training.core.trainer import TrainConfig
+from headroom.training.data.cache_store import ShardStore, cache_text, text_key
+from headroom.training.data.caption_tags import split_tags, tag_orders
+from memory_caches import MemoryTextCache
+from test_cache_store import CountingTextEncoder
+from test_trainer import make_trainer, toy_data
+
+
+def test_the_caption_as_written_comes_first_then_distinct_orders_with_the_kept_tags_in_place():
+    caption = "ohwx,  red hair, smiling,, outdoors, from side"
+    orders = tag_orders(caption, 8, 1)
+    assert orders[0] == caption  # exactly as written: its text key is the one the latent cache names
+    assert len(orders) == 9
+    tags = split_tags(caption)
+    assert tags == ["ohwx", "red hair", "smiling", "outdoors", "from side"]
+    shuffled = [split_tags(order) for order in orders[1:]]
+    assert all(order[0] == "ohwx" and sorted(order) == sorted(tags) for order in shuffled)
+    assert len({tuple(order) for order in [tags, *shuffled]}) == 9  # none repeats another, nor the written order
+    assert all(order == ", ".join(split_tags(order)) for order in orders[1:])
+    assert tag_orders(caption, 8, 1) == orders  # seeded by the caption: a second caching finds them all
+    assert tag_orders(caption, 8, 2)[1:] != orders[1:]
+    assert all(split_tags(order)[:2] == ["ohwx", "red hair"] for order in tag_orders(caption, 8, 2))
+    assert len({split_tags(order)[0] for order in tag_orders(caption, 16, 0)}) > 1  # keep 0: the first moves too
+
+
+def test_captions_with_few_orders_give_what_there_is():
+    assert tag_orders("a photo of a cat in the snow", 16, 0) == ["a photo of a cat in the snow"]  # a sentence
+    assert tag_orders("ohwx, smiling", 16, 1) == ["ohwx, smiling"]  # one tag moves: nothing to shuffle
+    assert tag_orders("ohwx, smiling", 4, 0) == ["ohwx, smiling", "smiling, ohwx"]
+    assert len(tag_orders("ohwx, a, b, c", 16, 1)) == math.factorial(3)  # all 3! orders, the written one first
+    # Repeated tags have fewer distinct orders (3 of a, a, b): it stops there rather than looking forever.
+    assert sorted(tag_orders("ohwx, a, a, b", 16, 1)) == ["ohwx, a, a, b", "ohwx, a, b, a", "ohwx, b, a, a"]
+    assert tag_orders("ohwx, a, b", 0, 1) == ["ohwx, a, b"]
+    for shuffles, keep in ((-1, 1), (17, 1), (2, -1), (2, 65)):
+        with pytest.raises(ValueError, match="choose"):
+            tag_orders("a, b, c", shuffles, keep)
+
+
+def test_each_order_is_encoded_once_cached_and_found_again(tmp_path):
+    captions = ["ohwx, red hair, smiling, outdoors", "ohwx, a photo", "a sentence without tags"]
+    encoder = CountingTextEncoder()
+    cache, report = cache_text(captions, ShardStore(tmp_path / "text"), encoder, "fp-te", {}, tag_shuffles=3,
+                               keep_tags=1)
+    expected = {caption: tag_orders(caption, 3, 1) for caption in captions}
+    assert [len(orders) for orders in expected.values()] == [4, 1, 1]
+    assert sorted(encoder.calls) == sorted(["", *[text for orders in expected.values() for text in orders]])
+    for caption, orders in expected.items():
+        key = text_key(caption)
+        assert cache.tag_orders(key) == len(orders)
+        for order, text in enumerate(orders):
+            assert torch.equal(cache.conditioning(key, order)["cross_attn"], CountingTextEncoder()(text)["cross_attn"])
+        assert torch.equal(cache.conditioning(key)["cross_attn"], CountingTextEncoder()(caption)["cross_attn"])
+    assert cache.tag_orders(text_key("")) == 1 and cache.tag_shuffling == {"shuffles": 3, "keep": 1}
+    assert "tag shuffling: 1 of 3 captions cached in 6 tag orders in all (keep_tags 1)" in report.summary()
+    assert "warning" not in report.summary()
+
+    encoder = CountingTextEncoder()
+    again, report = cache_text(captions, ShardStore(tmp_path / "text"), encoder, "fp-te", {}, tag_shuffles=3,
+                               keep_tags=1)
+    assert encoder.calls == [] and report.hits == 7 and report.misses == 0
+    plain, report = cache_text(captions, ShardStore(tmp_path / "text"), encoder, "fp-te", {})
+    assert encoder.calls == [] and report.hits == 4  # as written: the same entries
+    assert plain.tag_shuffling is None and plain.tag_orders(text_key(captions[0])) == 1
+
+    _, report = cache_text(["a sentence", "another one"], ShardStore(tmp_path / "text"), encoder, "fp-te", {},
+                           tag_shuffles=4, keep_tags=1)
+    assert "warning: tag_shuffles=4, but no caption has two or more comma-separated tags after its first 1" in \
+        report.summary()
+
+
+def _orders_seen(trainer, steps):
+    """(item, draw) the trainer's batches gave each item in `steps` optimizer steps."""
+    seen = []
+    original = trainer._conds
+
+    def spy(items, dropout=None, source=None, draws=None):
+        seen.extend(zip(items, draws.tolist()))
+        return original(items, dropout, source, draws)
+
+    trainer._conds = spy
+    trainer.train_to(steps)
+    return seen
+
+
+def test_training_draws_an_order_per_item_and_step_and_leaves_every_other_draw_as_it_was():
+    _, texts = toy_data()
+    g = torch.Generator().manual_seed(9)
+    other = {key: [{"cross_attn": torch.randn(3, 8, generator=g)} for _ in range(2)] for key in ("k0", "k1")}
+    shuffled = MemoryTextCache(texts._conds, texts._empty, orders=other)
+    config = TrainConfig(batch_size=2, seed=3)
+
+    plain = make_trainer(config=config)
+    plain_seen = _orders_seen(plain, 30)
+    run = make_trainer(config=config, text_cache=shuffled)
+    seen = _orders_seen(run, 30)
+    assert seen == plain_seen  # the same batches, and the same draws: their own generator, seeded by (seed, step)
+    chosen = {item: {draw % 3 for i, draw in seen if i == item} for item in (0, 1)}
+    assert chosen == {0: {0, 1, 2}, 1: {0, 1, 2}}  # every order of a shuffled caption is trained on
+    assert run.loss_history != plain.loss_history  # ... and its conditioning is the order's
+
+    # Orders whose conditioning is the caption's own: exactly the run without shuffling (no other draw moved).
+    same = MemoryTextCache(texts._conds, texts._empty, orders={key: [texts._conds[key]] * 2 for key in ("k0", "k1")})
+    again = make_trainer(config=config, text_cache=same)
+    again.train_to(30)
+    assert again.loss_history == plain.loss_history
+    assert all(torch.equal(a, b) for a, b in zip(again.trainable.state_dict().values(),
+                                                 plain.trainable.state_dict().values()))

@@ -1,0 +1,49 @@
+"""Tag shuffling: other orders of a caption's comma-separated tags, for tag-captioned datasets.
+
+kohya's `shuffle_caption` / `keep_tokens` shuffle the tags of a caption every step, before the text encoder. Headroom
+trains on cached encodings, so the orders are drawn once, when the captions are cached: `tag_orders` gives, besides
+the caption as written, up to `shuffles` other orders of its tags (the first `keep` tags stay in place: the trigger
+word), each encoded and cached; training picks one of a caption's orders at random per item and step
+(trainer `_SALT_TAGS`). Cost: the text cache holds (1 + shuffles) encodings per caption, and caching encodes as many.
+Written here because no library does it for cached encodings; the orders are seeded by the caption, so caching the
+same dataset again finds every order in the cache.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+from collections import Counter
+
+MAX_SHUFFLES = 16  # the node's limit: each order is one more encoding per caption on disk (a T5 prompt: ~2-4 MB)
+MAX_KEEP = 64
+
+
+def split_tags(caption: str) -> list[str]:
+    """The caption's tags: its comma-separated parts, stripped, empty ones left out (kohya's split)."""
+    return [tag.strip() for tag in caption.split(",") if tag.strip()]
+
+
+def tag_orders(caption: str, shuffles: int, keep: int) -> list[str]:
+    """The caption as written, then up to `shuffles` distinct other orders of its tags (the first `keep` in place),
+    joined with ", ". Fewer where the tags have fewer orders (a caption without commas: none); the same caption,
+    shuffles and keep give the same orders."""
+    if not 0 <= shuffles <= MAX_SHUFFLES:
+        raise ValueError(f"tag_shuffles={shuffles}: choose 0 (captions as written) to {MAX_SHUFFLES}")
+    if not 0 <= keep <= MAX_KEEP:
+        raise ValueError(f"keep_tags={keep}: choose 0 to {MAX_KEEP}")
+    tags = split_tags(caption)
+    kept, moved = tags[:keep], tags[keep:]
+    if shuffles == 0 or len(moved) < 2:
+        return [caption]
+    distinct = math.factorial(len(moved)) // math.prod(math.factorial(n) for n in Counter(moved).values())
+    wanted = min(shuffles, distinct - 1)  # every distinct order but the written one (a repeated tag: fewer)
+    rng = random.Random(hashlib.sha256(f"{keep}\x00{caption}".encode("utf-8")).digest())
+    seen, orders = {tuple(moved)}, [caption]
+    while len(orders) <= wanted:  # at most 16 of >= 17 distinct orders, or every one of few: ends quickly
+        order = moved[:]
+        rng.shuffle(order)
+        if tuple(order) not in seen:
+            seen.add(tuple(order))
+            orders.append(", ".join(kept + order))
+    return orders
