@@ -208,10 +208,15 @@ def run_case(name: str, size: int, steps: int, checkpointing: bool, planner_esti
     captions = []
     with torch.inference_mode():  # as ComfyUI runs nodes
         images, caption_text, _ = data_nodes.HeadroomSyntheticDataset.execute(count, size, 0).args
+        tagged = name in TAG_CASES
+        if tagged:  # tag captions ('ohwx, a, red, circle, ...'), cached in several tag orders and trained on
+            caption_text = "\n".join(", ".join(["ohwx", *line.split()]) for line in caption_text.splitlines())
         captions = caption_text.splitlines()
         dataset = cache_nodes.HeadroomDatasetFromImages.execute(images, caption_text, size, 64, "center", False, 0).args[0]
         latents = cache_nodes.HeadroomCacheLatents.execute(dataset, vae).args[0]
-        texts = cache_nodes.HeadroomCacheText.execute(dataset, clip).args[0]
+        texts = cache_nodes.HeadroomCacheText.execute(dataset, clip, tag_shuffles=TAG_SHUFFLES if tagged else 0).args[0]
+        if tagged:
+            report["tag_orders"] = tag_orders_report(clip, latents, texts, captions)
         lora = T.HeadroomLoraConfig.execute("lora", 16, 16.0, "preset", False, 0.0, 0).args[0]
         optimizer = T.HeadroomOptimizerConfig.execute("AdamW", 1e-4, 0.0, "constant", 0, 100).args[0]
         with Peak() as peak:
@@ -310,6 +315,26 @@ def _other_format(run, model, clip, file_format: str, case: str) -> dict:
 
 
 OFT_CASES = ("zimage", "qwen_image")
+# Cases whose captions are tags cached in TAG_SHUFFLES other orders (Cache Text's tag_shuffles) at real width
+TAG_CASES, TAG_SHUFFLES = ("sdxl",), 2
+
+
+def tag_orders_report(clip, latents, texts, captions: list[str]) -> dict:
+    """The tag orders cached per caption, and whether each caption's last order is exactly stock CLIP Text Encode of
+    its text (every tensor the encoder gives)."""
+    import nodes
+    from headroom.training.data.caption_tags import tag_orders
+
+    orders, equal = [], []
+    for index, caption in enumerate(captions):
+        key = latents.text_key(index)
+        texts_of = tag_orders(caption, TAG_SHUFFLES, 1)
+        orders.append(texts.tag_orders(key))
+        (cond, extras), = nodes.CLIPTextEncode().encode(clip, texts_of[-1])[0]
+        cached = texts.conditioning(key, len(texts_of) - 1)
+        stock = {"cross_attn": cond[0], **{k: v[0] for k, v in extras.items() if isinstance(v, torch.Tensor)}}
+        equal.append(set(cached) == set(stock) and all(torch.equal(cached[k], stock[k]) for k in stock))
+    return {"orders": orders, "stock_equal": equal}
 
 
 def _oft_run(model, clip, latents, texts, case: str) -> dict:

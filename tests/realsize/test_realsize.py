@@ -125,6 +125,11 @@ def test_nodes_on_a_real_size_model(case, args, params):
         assert "load (stock CheckpointLoaderSimple)" in phases and phases["save (comfy.sd.save_checkpoint)"]["file_bytes"] > 0
     if case == "flux_dev":
         assert "load (stock UNETLoader)" in phases
+    from realsize_worker import TAG_CASES, TAG_SHUFFLES
+
+    if case in TAG_CASES:  # tag captions in 1 + TAG_SHUFFLES orders each, as stock CLIP Text Encode encodes each
+        assert report["tag_orders"] == {"orders": [1 + TAG_SHUFFLES] * report["images"],
+                                        "stock_equal": [True] * report["images"]}, report["tag_orders"]
     if "planner" in report:
         for name, row in report["compared"].items():
             # HiDream-O1's weightless "text encoder" (a tokenizer) is planned at 0 bytes, which is what it holds
