@@ -22,7 +22,7 @@ from comfy_api.latest import io
 from ..training.checks import check_finite
 from ..training.data.caption_tags import MAX_KEEP, MAX_SHUFFLES
 from ..training.data.dataset import (DatasetError, dataset_from_folder, dataset_from_tensors, folder_signature,
-                                     split_captions, with_trigger_word)
+                                     split_captions, unread_repeat_folders_warning, with_trigger_word)
 from ..training.data.video import MAX_CLIP_FRAMES, MAX_FRAMES_DEFAULT, VIDEO_EXTENSIONS, dataset_from_video_folder
 from ..training.memory.policy import OffloadPolicy
 from .bridge.cache_folders import check_dataset_folder, dataset_folders, dataset_roots, resolve_folders
@@ -101,11 +101,20 @@ def _dataset_text(node: str, dataset, what: str, item: str) -> dict:
     for warning in dataset.warnings:
         log.warning("%s: %s", node, warning)
     lines = []
+    if dataset.repeat_folders:
+        passes = sum(item.repeats for item in dataset.items)
+        lines += [f"{len(dataset)} {what} in {len(dataset.repeat_folders)} repeat folder(s), {passes} per epoch:",
+                  *(f"- {folder.name}: {folder.images} x {folder.repeats}" + (
+                      f" ({folder.named_captions} without a caption file, captioned "
+                      f"{folder.name.partition('_')[2].strip()!r})" if folder.named_captions else "")
+                    for folder in dataset.repeat_folders)]
+    if dataset.unread_repeat_folders:
+        lines.append(f"Warning: {unread_repeat_folders_warning(dataset.unread_repeat_folders)}.")
     if dataset.left_out:
         lines += [f"{len(dataset)} {what}; {len(dataset.left_out)} left out (skip_bad):", *_listed(dataset.left_out)]
     if dataset.notes:
-        if not lines:
-            lines.append(f"{len(dataset)} {what}.")
+        if not (dataset.left_out or dataset.repeat_folders):
+            lines.insert(0, f"{len(dataset)} {what}.")
         lines += [f"Warning: {len(dataset.notes)} caption(s) with no {item} of the same name (not used):",
                   *_listed(dataset.notes)]
     return {"text": ["\n".join(lines)] if lines else []}
@@ -152,7 +161,10 @@ class HeadroomDatasetFromFolder(io.ComfyNode):
             display_name="Dataset From Folder (Headroom)",
             category="Headroom/data",
             description="Images with same-name .txt captions from a folder inside ComfyUI's input directory "
-            "(or a folder the server's owner allows), with optional control images. Nothing is decoded here.",
+            "(or a folder the server's owner allows), with optional control images. A folder of kohya-style "
+            "repeat folders ('10_ohwx dog', '1_style': no images of its own) is read folder by folder, each image "
+            "trained on that many times per epoch, one without a caption file captioned with the folder's name "
+            "('ohwx dog'). Nothing is decoded here.",
             inputs=[
                 _folder_input("my_dataset", "images with same-name .txt captions"),
                 io.String.Input("control_folder", default="", optional=True,
@@ -388,7 +400,8 @@ class HeadroomCacheText(io.ComfyNode):
                              "its item's control image, but the dataset has none: give it the reference images as "
                              "control images (Dataset from Images' control_images, Dataset from Folder's "
                              "control_folder), or set reference_encoding to 'none'")
-        for input_name, value, most in (("tag_shuffles", tag_shuffles, MAX_SHUFFLES), ("keep_tags", keep_tags, MAX_KEEP)):
+        for input_name, value, most in (("tag_shuffles", tag_shuffles, MAX_SHUFFLES),
+                                        ("keep_tags", keep_tags, MAX_KEEP)):
             if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= most:
                 raise ValueError(f"{name}: {input_name}={value!r}: give a whole number from 0 to {most}")
         cache, summary = cache_clip_text(dataset, clip, policy, reference_encoding, node=name,

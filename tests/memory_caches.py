@@ -17,6 +17,9 @@ class MemoryLatentCache:
     def text_key(self, i):
         return self._keys[i]
 
+    def repeats(self, i):
+        return 1
+
     def control(self, i):
         return None
 

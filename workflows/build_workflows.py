@@ -411,7 +411,7 @@ def real_model_lora(spec: RealModel) -> Workflow:
 Download (file -> ComfyUI folder):
 {spec.downloads}
 
-Your images: a folder inside ComfyUI's input/ folder (here input/my_dataset), each image with a same-name .txt caption (photo1.png + photo1.txt).
+Your images: a folder inside ComfyUI's input/ folder (here input/my_dataset), each image with a same-name .txt caption (photo1.png + photo1.txt). kohya's layout works as it is: subfolders named <repeats>_<name> (my_dataset/10_ohwx dog, my_dataset/1_style), each image trained that many times per epoch. Tag captions (ohwx, red hair, smiling): Cache text's tag_shuffles (advanced) trains on shuffled tag orders.
 
 Memory: the Offload policy node's card is "this GPU (auto)": when the run opens, the planner measures the model and picks the fastest settings whose planned peak fits this card, and the Train node shows them. Pick 8 / 12 / 16 / 24 / 48 GB to fit another card, or custom to set them yourself. workflows/memory_plan.json shows a model's plan per phase without training.
 

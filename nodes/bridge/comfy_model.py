@@ -375,9 +375,13 @@ def quantized_weights_for_inference(module: torch.nn.Module, patcher=None) -> No
 
 
 def data_fingerprint(latent_cache) -> str:
-    """Which items a run trains on: their captions and bucket sizes, in order (cache fingerprints name the encoders)."""
+    """Which items a run trains on: their captions and bucket sizes, in order, and how often an item repeats per epoch
+    where it does (kohya-style repeat folders; items without are as before, so earlier runs resume); cache
+    fingerprints name the encoders."""
     bucket_of = {i: list(bucket) for bucket, indices in latent_cache.buckets.items() for i in indices}
-    items = [[latent_cache.text_key(i), bucket_of[i]] for i in range(len(latent_cache))]
+    repeats = [latent_cache.repeats(i) for i in range(len(latent_cache))]
+    items = [[latent_cache.text_key(i), bucket_of[i], *([repeats[i]] if repeats[i] != 1 else [])]
+             for i in range(len(latent_cache))]
     return hashlib.sha256(json.dumps(items).encode()).hexdigest()
 
 

@@ -69,7 +69,8 @@ def effective_batch(train: TrainConfig, latent_cache, holdout: int, run_name: st
     larger batch_size is cut to that (the run and its config.json record what it trains with), and a bucket smaller
     than the batch gives smaller batches. Returns the TrainConfig and a warning for the node ('' when none)."""
     items = max(len(latent_cache) - holdout, 0)  # the training items come first (RunRecord's holdout split)
-    sizes = [sum(1 for i in indices if i < items) for indices in latent_cache.buckets.values()]
+    # an item of a repeat folder is in its bucket's batches as many times as it repeats per epoch (trainer._Subset)
+    sizes = [sum(latent_cache.repeats(i) for i in indices if i < items) for indices in latent_cache.buckets.values()]
     sizes = [size for size in sizes if size]
     if not sizes or train.batch_size <= min(sizes):
         return train, ""

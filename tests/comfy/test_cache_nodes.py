@@ -507,3 +507,67 @@ def test_tag_shuffling_caches_each_order_as_clip_text_encode_and_a_run_keeps_its
             _init(model, latents, plain, "tags", batch_size=3)
         run = _init(model, latents, shuffled, "tags", batch_size=3)  # the same orders: it resumes
         T.HeadroomTrainSteps.execute(run, 3)
+
+
+def test_repeat_folders_through_the_nodes_train_each_item_as_often_as_its_folder_says(cache_dir, comfyui, tmp_path):
+    """Dataset From Folder on kohya's layout in ComfyUI's input directory (`img/10_ohwx dog`, `img/1_style`): the node
+    lists the repeat folders; its fingerprint sees a file changed inside one; a run's epoch trains every item as
+    often as it repeats, and a run resumes only on the same repeats. A dataset without repeat folders keeps the data
+    fingerprint earlier versions stored."""
+    import hashlib
+    import json as json_module
+
+    import folder_paths
+    from headroom.nodes import cache as cache_nodes
+    from headroom.nodes.bridge.comfy_model import data_fingerprint
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
+    from headroom.nodes.train_lora import HeadroomTrainSteps
+    from test_train_lora_nodes import _init
+
+    def write(folder: Path, names: list[str], captioned: bool = True, seed: int = 0) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        rng = np.random.default_rng(seed)
+        for name in names:
+            Image.fromarray(rng.integers(0, 255, (32, 32, 3), dtype=np.uint8)).save(folder / f"{name}.png")
+            if captioned:
+                (folder / f"{name}.txt").write_text(f"a photo of {name}", encoding="utf-8")
+
+    root = Path(folder_paths.get_input_directory()) / f"kohya_{tmp_path.name}"
+    write(root / "img" / "3_ohwx dog", ["a", "b"], captioned=False)
+    write(root / "img" / "1_style", ["c"], seed=1)
+    folder = f"{root.name}/img"
+    inputs = dict(resolution=32, step=32, crop="center", flip=False, seed=0, skip_bad=False)
+    model, clip, vae = build_tiny_models("sd15", seed=0)
+    with torch.inference_mode():
+        output = cache_nodes.HeadroomDatasetFromFolder.execute(folder=folder, **inputs)
+        dataset = output.args[0]
+        assert output.ui["text"] == ["3 images in 2 repeat folder(s), 7 per epoch:\n- 1_style: 1 x 1\n"
+                                     "- 3_ohwx dog: 2 x 3 (2 without a caption file, captioned 'ohwx dog')"]
+        signature = cache_nodes.HeadroomDatasetFromFolder.fingerprint_inputs(folder=folder, **inputs)
+        (root / "img" / "3_ohwx dog" / "a.txt").write_text("ohwx dog, sitting", encoding="utf-8")
+        assert cache_nodes.HeadroomDatasetFromFolder.fingerprint_inputs(folder=folder, **inputs) != signature
+        dataset = cache_nodes.HeadroomDatasetFromFolder.execute(folder=folder, **inputs).args[0]
+        latents = cache_nodes.HeadroomCacheLatents.execute(dataset, vae).args[0]
+        texts = cache_nodes.HeadroomCacheText.execute(dataset, clip).args[0]
+        assert [latents.repeats(i) for i in range(3)] == [1, 3, 3]
+
+        run = _init(model, latents, texts, "repeats", batch_size=1)
+        assert run.trainer._batches.per_epoch == 7  # 1 + 2 x 3 batches of one
+        HeadroomTrainSteps.execute(run, 7)
+        assert run.trainer.step == 7
+        epoch = [run.trainer.batch_items(m)[0] for m in range(7)]  # what those 7 steps trained on
+        assert sorted(epoch) == [0, 1, 1, 1, 2, 2, 2]
+
+        (root / "img" / "3_ohwx dog").rename(root / "img" / "5_ohwx dog")
+        dataset = cache_nodes.HeadroomDatasetFromFolder.execute(folder=folder, **inputs).args[0]
+        five = cache_nodes.HeadroomCacheLatents.execute(dataset, vae).args[0]
+        with pytest.raises(ValueError, match=r"run 'repeats' already exists .*different configuration \(data: "):
+            _init(model, five, texts, "repeats", batch_size=1)
+
+    # Without repeat folders the fingerprint is the one earlier versions computed: their runs resume.
+    _, plain = synthetic_dataset(count=2)
+    with torch.inference_mode():
+        plain_latents = cache_nodes.HeadroomCacheLatents.execute(plain, vae).args[0]
+    bucket_of = {i: list(bucket) for bucket, indices in plain_latents.buckets.items() for i in indices}
+    earlier = [[plain_latents.text_key(i), bucket_of[i]] for i in range(len(plain_latents))]
+    assert data_fingerprint(plain_latents) == hashlib.sha256(json_module.dumps(earlier).encode()).hexdigest()

@@ -8,7 +8,8 @@
     backward (scaled for fp16) ... every `grad_accum` micro-steps: unscale, clip, optimizer + LR step
 
 The batch, caption dropout, noise levels and noise of a micro-step come from a generator seeded by (seed,
-micro-step), the tag order of each item's caption (a text cache with tag shuffling) from one of its own; what draws from torch's global RNG (peft's dropout) runs on the run's own saved copy of it.
+micro-step), the tag order of each item's caption (a text cache with tag shuffling) from one of its own; what
+draws from torch's global RNG (peft's dropout) runs on the run's own saved copy of it.
 So a run depends only on its seed, and one resumed from its run directory draws exactly what the straight
 run drew. The model is reached only through the small `Denoiser` protocol below; ComfyUI's MODEL
 implements it in nodes/bridge/comfy_bridge.py, and unit tests drive the engine with a tiny plain-torch denoiser.
@@ -137,13 +138,14 @@ class StepReport:
 
 
 class _Subset:
-    """A LatentCache seen through a subset of its items (training items, without held-out ones)."""
+    """A LatentCache seen through a subset of its items (training items, without held-out ones), each listed in its
+    bucket as many times as it repeats per epoch (repeat folders), so an epoch's batches hold every repeat."""
 
     def __init__(self, cache, items: Sequence[int]):
         keep = set(items)
         self.buckets = {}
         for bucket, indices in cache.buckets.items():
-            kept = [i for i in indices if i in keep]
+            kept = [i for i in indices if i in keep for _ in range(cache.repeats(i))]
             if kept:
                 self.buckets[bucket] = kept
 

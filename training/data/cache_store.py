@@ -553,7 +553,8 @@ class LatentCache:
 
     def __init__(self, root: Path, items: list[tuple[str, str, tuple[int, int], str, bool, str, str | None]],
                  fingerprint: str, latent_channels: int, control_kind: str | None, masked: list[bool] | None = None,
-                 start_image: str | None = None, frame_rates: list[float | None] | None = None):
+                 start_image: str | None = None, frame_rates: list[float | None] | None = None,
+                 repeats: list[int] | None = None):
         # items: (entry key, shard file, bucket (w, h) or (w, h, frames) of clips, text key, has control, display
         # name, text key with the control image as reference or None)
         self.root = Path(root)
@@ -567,6 +568,8 @@ class LatentCache:
         self.start_image = start_image
         # Frames per second of each clip (its video's rate / frame_stride); None: an image, or unknown.
         self._frame_rates = list(frame_rates) if frame_rates is not None else [None] * len(items)
+        # Times per epoch each item is trained on (its dataset item's repeat folder; 1 elsewhere).
+        self._repeats = list(repeats) if repeats is not None else [1] * len(items)
         self._reader = _ShardReader(self.root / "shards")
         buckets: dict[tuple[int, int], list[int]] = {}
         for index, item in enumerate(items):
@@ -611,6 +614,10 @@ class LatentCache:
         """Item `index`'s start image [H, W, 3] 0..1 (its first frame, cropped) in `start_image` caches; else None."""
         key, shard = self._items[index][:2]
         return self._reader.get(shard, f"{key}/start_frame") if self.start_image is not None else None
+
+    def repeats(self, index: int) -> int:
+        """Times per epoch item `index` is trained on (kohya-style repeat folders; 1 elsewhere)."""
+        return self._repeats[index]
 
     def frame_rate(self, index: int) -> float | None:
         """Frames per second of clip `index` as cached (None: an image, a clip of unknown rate, or an older cache)."""
@@ -932,7 +939,8 @@ def cache_latents(
     cache = LatentCache(store.root, items, fingerprint, latent_channels=0,
                         control_kind=control_encoding if dataset.has_control else None,
                         masked=["mask" in entries[p.key]["tensors"] for p in kept], start_image=start_image,
-                        frame_rates=[p.frame_rate for p in kept])
+                        frame_rates=[p.frame_rate for p in kept],
+                        repeats=[dataset.items[p.item_index].repeats for p in kept])
     cache.latent_channels = int(cache.latent(0).shape[0])
     report.items, report.buckets = len(cache), len(cache.buckets)
     report.bytes_total = sum(entries[p.key]["bytes"] for p in kept)

@@ -164,6 +164,17 @@ class DatasetItem:
     image: ImageSource  # or a clip: training/data/video.py (FileVideo, FrameFolder, TensorVideo)
     control: ImageSource | None = None
     mask: ImageSource | None = None  # loss mask: white is learned, black is not (grey: partly)
+    repeats: int = 1  # times per epoch the item is trained on (its repeat folder's N: kohya's `N_name` folders)
+
+
+@dataclass(frozen=True)
+class RepeatFolder:
+    """One of a dataset folder's kohya-style `<repeats>_<name>` subfolders, as read."""
+
+    name: str  # the subfolder's name, e.g. "10_ohwx dog"
+    repeats: int
+    images: int
+    named_captions: int = 0  # images without a caption file, captioned with the folder's name after `N_`
 
 
 @dataclass(frozen=True)
@@ -181,6 +192,10 @@ class Dataset:
     # are no item (a caption with no image of its name); both are warnings, shown on the dataset node.
     left_out: tuple[str, ...] = field(default=())
     notes: tuple[str, ...] = field(default=())
+    # A folder of kohya-style repeat folders (dataset_from_folder): each one read, in order; `unread_repeat_folders`:
+    # such subfolders of a folder with images of its own, which are not read (a warning).
+    repeat_folders: tuple[RepeatFolder, ...] = field(default=())
+    unread_repeat_folders: tuple[str, ...] = field(default=())
     # Clips (training/data/video.py): every frame_stride-th frame, at most max_frames, cut to what the VAE takes.
     max_frames: int = 81
     frame_stride: int = 1
@@ -196,8 +211,9 @@ class Dataset:
 
     @property
     def warnings(self) -> tuple[str, ...]:
-        """Every warning, for the caching reports: the left-out items, then the notes."""
-        return tuple(f"skipped {problem}" for problem in self.left_out) + self.notes
+        """Every warning, for the caching reports: the left-out items, the notes, then repeat folders not read."""
+        unread = (unread_repeat_folders_warning(self.unread_repeat_folders),) if self.unread_repeat_folders else ()
+        return tuple(f"skipped {problem}" for problem in self.left_out) + self.notes + unread
 
     @property
     def has_control(self) -> bool:
@@ -288,7 +304,12 @@ def dataset_from_folder(
     """Images in `folder` with same-name `.txt` captions; control images in `control_folder` and loss masks in
     `mask_folder` matched by file name stem (any supported extension) and of the same size as their image
     (an image without a mask is learned whole). Files are read only where they resolve inside `roots`
-    (default: the dataset, control and mask folders)."""
+    (default: the dataset, control and mask folders).
+
+    A folder without images of its own whose subfolders are named `<repeats>_<name>` (kohya's layout, e.g.
+    `10_ohwx dog`, `1_style`) is read subfolder by subfolder: each item is trained on `repeats` times per epoch, an
+    image without a caption file is captioned with the folder's name after `N_` (kohya's class tokens), and the
+    control and mask folders, if given, have the same subfolders."""
     folder = Path(folder)
     if not folder.is_dir():
         raise DatasetError(f"dataset folder {display_path(folder)} does not exist or is not a folder")
@@ -297,10 +318,91 @@ def dataset_from_folder(
     if mask_folder is not None and not Path(mask_folder).is_dir():
         raise DatasetError(f"mask folder {display_path(mask_folder)} does not exist or is not a folder")
     roots = tuple(roots) if roots else tuple(p for p in (folder, control_folder, mask_folder) if p is not None)
+
+    concepts = repeat_folders_of(folder)
+    own_images = any(path.suffix.lower() in IMAGE_EXTENSIONS for path in _entries(folder))
+    read, unread = [], ()
+    if concepts and not own_images:
+        items, problems, notes = [], [], []
+        for path, repeats in concepts:
+            if repeats > MAX_REPEATS:
+                raise DatasetError(f"{display_path(path)}: a repeat folder named for {repeats} repeats (kohya's "
+                                   f"'<repeats>_<name>'; at most {MAX_REPEATS}): rename it, e.g. '10_"
+                                   f"{path.name.partition('_')[2]}', or move it out of {display_path(folder)}")
+            name_caption = path.name.partition("_")[2].strip()
+            got, left, noted, named = _folder_items(
+                path, _mirrored(control_folder, path.name, "control"), _mirrored(mask_folder, path.name, "mask"),
+                roots, repeats=repeats, name_caption=name_caption)
+            items += got
+            problems += left
+            notes += noted
+            read.append(RepeatFolder(path.name, repeats, len(got), named))
+    else:
+        items, problems, notes, _ = _folder_items(folder, control_folder, mask_folder, roots)
+        unread = tuple(path.name for path, _ in concepts)
+
+    if problems and not skip_bad:
+        raise DatasetError(
+            f"{len(problems)} problem(s) in dataset folder {display_path(folder)} (fix them, or enable skip_bad to "
+            "leave those items out):\n- " + "\n- ".join(problems) + also_noted(notes)
+        )
+    if not items:
+        raise DatasetError(
+            f"no usable images in {display_path(folder)}: put images ({', '.join(IMAGE_EXTENSIONS)}) there, each "
+            f"with a same-name {CAPTION_EXTENSION} caption file"
+            + (" (or in subfolders named '<repeats>_<name>', kohya's layout)" if not concepts else "")
+            + (" (skipped:\n- " + "\n- ".join(problems) + ")" if problems else "") + also_noted(notes)
+        )
+    return Dataset(
+        items=tuple(items), resolution=resolution, step=step, crop=crop, flip=flip, seed=seed,
+        skip_bad=skip_bad, left_out=tuple(problems), notes=tuple(notes), repeat_folders=tuple(read),
+        unread_repeat_folders=unread,
+    )
+
+
+# kohya's concept folders: "<repeats>_<name>", repeats from 1 (a leading zero or 0 repeats is no repeat folder)
+REPEAT_FOLDER = re.compile(r"([1-9][0-9]*)_(.*\S.*)")
+MAX_REPEATS = 500  # more is more likely a name ("2024_trip") than repeats: refused, naming the folder
+
+
+def repeat_folders_of(folder: Path) -> list[tuple[Path, int]]:
+    """(subfolder, repeats) of each visible, not symlinked subfolder of `folder` named `<repeats>_<name>`, in the
+    order folders are read (name_order)."""
+    found = []
+    for path in sorted(folder.iterdir(), key=name_order):
+        match = REPEAT_FOLDER.fullmatch(path.name)
+        if match and not os_compat.is_hidden(path) and not path.is_symlink() and path.is_dir():
+            found.append((path, int(match.group(1))))
+    return found
+
+
+def unread_repeat_folders_warning(names: tuple[str, ...]) -> str:
+    shown = ", ".join(repr(name) for name in names[:5]) + (", ..." if len(names) > 5 else "")
+    return (f"subfolders {shown} look like kohya repeat folders but are not read: this folder has images of its own "
+            "(repeat folders are read from a folder with none); move its images into a '1_<name>' subfolder to train "
+            "them all")
+
+
+def _mirrored(folder: Path | None, name: str, what: str) -> Path | None:
+    """A repeat folder's counterpart in the control or mask folder, which must have the same subfolders."""
+    if folder is None:
+        return None
+    counterpart = Path(folder) / name
+    if counterpart.is_symlink() or not counterpart.is_dir():
+        raise DatasetError(f"{what} folder {display_path(folder)} has no subfolder {name!r}: with repeat folders, give "
+                           f"the {what} folder the same subfolders, each {what} image in the one of its image")
+    return counterpart
+
+
+def _folder_items(folder: Path, control_folder: Path | None, mask_folder: Path | None, roots: tuple[Path, ...],
+                  repeats: int = 1, name_caption: str | None = None) -> tuple[list, list[str], list[str], int]:
+    """(items, problems, notes, images captioned with `name_caption`) of the images in one folder (not its
+    subfolders). `name_caption`: the caption of an image without a caption file (a repeat folder's name), else a
+    missing caption is a problem."""
     controls = _images_in(Path(control_folder)) if control_folder is not None else ByName({})
     masks = _images_in(Path(mask_folder)) if mask_folder is not None else ByName({})
 
-    items, problems = [], []
+    items, problems, named = [], [], 0
     entries = _entries(folder)
     notes = orphan_captions(entries, {path.stem for path in entries if path.suffix.lower() != CAPTION_EXTENSION})
     stems = {path.stem for path in entries if path.suffix.lower() in IMAGE_EXTENSIONS}
@@ -317,7 +419,8 @@ def dataset_from_folder(
                 "move it out of the dataset folder"
             )
             continue
-        caption = _read_caption(path, roots)
+        without_caption = name_caption is not None and not os.path.lexists(path.with_suffix(CAPTION_EXTENSION))
+        caption = (name_caption,) if without_caption else _read_caption(path, roots)
         problem = caption if not isinstance(caption, tuple) else _check_item(path, controls, control_folder, roots)
         mask_path = masks.get(path.stem)
         if not problem and mask_path is not None:
@@ -327,24 +430,11 @@ def dataset_from_folder(
             continue
         control = FileImage(controls.get(path.stem), roots) if control_folder is not None else None
         mask = FileImage(mask_path, roots) if mask_path is not None else None
-        items.append(DatasetItem(name=path.name, caption=caption[0], image=FileImage(path, roots), control=control,
-                                 mask=mask))
-
-    if problems and not skip_bad:
-        raise DatasetError(
-            f"{len(problems)} problem(s) in dataset folder {display_path(folder)} (fix them, or enable skip_bad to "
-            "leave those items out):\n- " + "\n- ".join(problems) + also_noted(notes)
-        )
-    if not items:
-        raise DatasetError(
-            f"no usable images in {display_path(folder)}: put images ({', '.join(IMAGE_EXTENSIONS)}) there, each "
-            f"with a same-name {CAPTION_EXTENSION} caption file"
-            + (" (skipped:\n- " + "\n- ".join(problems) + ")" if problems else "") + also_noted(notes)
-        )
-    return Dataset(
-        items=tuple(items), resolution=resolution, step=step, crop=crop, flip=flip, seed=seed,
-        skip_bad=skip_bad, left_out=tuple(problems), notes=tuple(notes),
-    )
+        name = path.name if name_caption is None else f"{folder.name}/{path.name}"
+        items.append(DatasetItem(name=name, caption=caption[0], image=FileImage(path, roots), control=control,
+                                 mask=mask, repeats=repeats))
+        named += without_caption
+    return items, problems, notes, named
 
 
 def also_noted(notes: list[str]) -> str:
@@ -500,14 +590,22 @@ def dataset_from_tensors(
 
 
 def folder_signature(*folders: Path | None) -> str:
-    """A cheap digest of the folders' listings (names, sizes, mtimes): changes when any file changes."""
+    """A cheap digest of the folders' listings (names, sizes, mtimes), their repeat folders' too (a folder without
+    any gives what it gave before they existed): changes when any file changes."""
     hasher = hashlib.sha256()
-    for folder in folders:
-        if folder is None or not Path(folder).is_dir():
-            hasher.update(b"-")
-            continue
+
+    def listing(folder: Path) -> None:
         for entry in sorted(os.scandir(folder), key=lambda e: e.name):
             if entry.is_file():
                 stat = entry.stat()
                 hasher.update(f"{entry.name}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+
+    for folder in folders:
+        if folder is None or not Path(folder).is_dir():
+            hasher.update(b"-")
+            continue
+        listing(folder)
+        for subfolder, _ in repeat_folders_of(Path(folder)):
+            hasher.update(f"{subfolder.name}/\n".encode())
+            listing(subfolder)
     return hasher.hexdigest()
