@@ -35,6 +35,8 @@ def kohya_layout(root: Path) -> Path:
     folder (left alone) and a 0_ folder (no repeats: not one)."""
     images = root / "img"
     write_images(images / "10_ohwx dog", ["a", "b", "c"], {"a": "ohwx dog, sitting", "b": "ohwx dog, running"})
+    for cache in ("a.npz", "b_0032x0032_sdxl.npz", "c_te.npz"):  # kohya's caches beside the images: passed over
+        (images / "10_ohwx dog" / cache).write_bytes(b"PK\x03\x04")
     write_images(images / "1_style", ["d", "e"], {"d": "a painting", "e": "a sketch"}, seed=1)
     write_images(images / "backup", ["old"], {"old": "old"}, seed=2)
     write_images(images / "0_none", ["z"], {"z": "z"}, seed=3)

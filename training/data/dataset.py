@@ -32,6 +32,9 @@ from .files import UntrustedFileError, display_path, relative_text, resolve_insi
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
 CAPTION_EXTENSION = ".txt"
+# Files other trainers keep beside the images, passed over rather than reported as unsupported: kohya sd-scripts'
+# latent and text-encoder caches (`img.npz`, `img_1024x1024_sdxl.npz`, `img_te.npz`).
+OTHER_TRAINERS_FILES = (".npz",)
 _SWAPPED_EXIF_ORIENTATIONS = (5, 6, 7, 8)  # rotated by 90 degrees: width and height trade places
 MAX_IMAGE_PIXELS = 12800 * 12800  # ~164 Mpx: below PIL's own bomb limit (2 x 89.5 Mpx), above any real photo
 CAPTION_MAX_BYTES = 1 << 20
@@ -403,7 +406,7 @@ def _folder_items(folder: Path, control_folder: Path | None, mask_folder: Path |
     masks = _images_in(Path(mask_folder)) if mask_folder is not None else ByName({})
 
     items, problems, named = [], [], 0
-    entries = _entries(folder)
+    entries = [path for path in _entries(folder) if path.suffix.lower() not in OTHER_TRAINERS_FILES]
     notes = orphan_captions(entries, {path.stem for path in entries if path.suffix.lower() != CAPTION_EXTENSION})
     stems = {path.stem for path in entries if path.suffix.lower() in IMAGE_EXTENSIONS}
     if control_folder is not None:
