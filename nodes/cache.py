@@ -13,6 +13,8 @@ first path - the yaml's when given - is the one used.
 from __future__ import annotations
 
 import logging
+import re
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -72,6 +74,33 @@ def _trigger_word_input():
                            "the LoRA learned. Changing it encodes the captions again (Cache Text).")
 
 
+def _extra_resolutions_input():
+    # Appended last and optional: workflows saved before it existed keep working (one size).
+    return io.String.Input("extra_resolutions", default="", optional=True, advanced=True,
+                           tooltip="Multi-resolution training: other sizes each item is also cached and trained "
+                           "at, e.g. '512, 768' beside resolution 1024, each with its own buckets (a batch never mixes "
+                           "sizes), so the LoRA learns the subject at every size it will be prompted at. Each size "
+                           f"is one more latent per item (caching time, disk, steps per epoch); at most "
+                           f"{MAX_EXTRA_RESOLUTIONS}, multiples of step. Empty: resolution only.")
+
+
+MAX_EXTRA_RESOLUTIONS = 4
+
+
+def _with_extra_resolutions(node: str, dataset, extra_resolutions: str):
+    """The dataset with the extra sizes `extra_resolutions` lists ('512, 768'); errors name the node."""
+    parts = [part for part in re.split(r"[,;\s]+", extra_resolutions or "") if part]
+    if not parts:
+        return dataset
+    if not all(part.isdigit() for part in parts) or len(parts) > MAX_EXTRA_RESOLUTIONS:
+        raise ValueError(f"{node}: extra_resolutions={extra_resolutions[:80]!r}: give up to {MAX_EXTRA_RESOLUTIONS} "
+                         "sizes as whole numbers separated by commas, e.g. '512, 768' (empty: resolution only)")
+    try:
+        return replace(dataset, extra_resolutions=tuple(int(part) for part in parts))
+    except DatasetError as error:
+        raise DatasetError(f"{node}: {error}") from None
+
+
 FOLDER_NODE = "Dataset From Folder (Headroom)"
 VIDEOS_NODE = "Dataset From Videos (Headroom)"
 
@@ -101,6 +130,9 @@ def _dataset_text(node: str, dataset, what: str, item: str) -> dict:
     for warning in dataset.warnings:
         log.warning("%s: %s", node, warning)
     lines = []
+    if dataset.extra_resolutions:
+        lines.append(f"{len(dataset)} {what}, each cached and trained at {len(dataset.resolutions)} sizes "
+                     f"({', '.join(map(str, dataset.resolutions))}).")
     if dataset.repeat_folders:
         passes = sum(item.repeats for item in dataset.items)
         lines += [f"{len(dataset)} {what} in {len(dataset.repeat_folders)} repeat folder(s), {passes} per epoch:",
@@ -113,7 +145,7 @@ def _dataset_text(node: str, dataset, what: str, item: str) -> dict:
     if dataset.left_out:
         lines += [f"{len(dataset)} {what}; {len(dataset.left_out)} left out (skip_bad):", *_listed(dataset.left_out)]
     if dataset.notes:
-        if not (dataset.left_out or dataset.repeat_folders):
+        if not (dataset.left_out or dataset.repeat_folders or dataset.extra_resolutions):
             lines.insert(0, f"{len(dataset)} {what}.")
         lines += [f"Warning: {len(dataset.notes)} caption(s) with no {item} of the same name (not used):",
                   *_listed(dataset.notes)]
@@ -179,6 +211,7 @@ class HeadroomDatasetFromFolder(io.ComfyNode):
                                 "'my_dataset_masks': white is learned, black is not (grey: partly); an image "
                                 "without a mask is learned whole. Empty: no masks."),
                 _trigger_word_input(),
+                _extra_resolutions_input(),
             ],
             outputs=[DatasetType.Output("dataset", tooltip=_DATASET_TOOLTIP)],
         )
@@ -198,12 +231,14 @@ class HeadroomDatasetFromFolder(io.ComfyNode):
 
     @classmethod
     def execute(cls, folder: str, resolution: int, step: int, crop: str, flip: bool, seed: int,
-                skip_bad: bool, control_folder: str = "", mask_folder: str = "", trigger_word: str = "") -> io.NodeOutput:
+                skip_bad: bool, control_folder: str = "", mask_folder: str = "", trigger_word: str = "",
+                extra_resolutions: str = "") -> io.NodeOutput:
         check_dataset_folder(FOLDER_NODE, folder)
         images, control, masks = resolve_folders(folder, control_folder, mask_folder)
         dataset = _dataset_from(FOLDER_NODE, dataset_from_folder, folder=images, control_folder=control,
                                 resolution=resolution, step=step, crop=crop, flip=flip, seed=seed, skip_bad=skip_bad,
                                 roots=tuple(map(Path, dataset_roots())), mask_folder=masks)
+        dataset = _with_extra_resolutions(FOLDER_NODE, dataset, extra_resolutions)
         return io.NodeOutput(_with_trigger_word(FOLDER_NODE, dataset, trigger_word),
                              ui=_dataset_text(FOLDER_NODE, dataset, "images", "image"))
 
@@ -244,6 +279,7 @@ class HeadroomDatasetFromVideos(io.ComfyNode):
                                "divided by frame_stride too. Models that read a clip's rate (LTX-2) train at it; "
                                "others ignore it."),
                 _trigger_word_input(),
+                _extra_resolutions_input(),
             ],
             outputs=[DatasetType.Output("dataset", tooltip=_DATASET_TOOLTIP)],
         )
@@ -266,7 +302,7 @@ class HeadroomDatasetFromVideos(io.ComfyNode):
     @classmethod
     def execute(cls, folder: str, resolution: int, step: int, crop: str, flip: bool, seed: int, skip_bad: bool,
                 max_frames: int = MAX_FRAMES_DEFAULT, frame_stride: int = 1, mask_folder: str = "",
-                frame_rate: float = 25.0, trigger_word: str = "") -> io.NodeOutput:
+                frame_rate: float = 25.0, trigger_word: str = "", extra_resolutions: str = "") -> io.NodeOutput:
         check_finite(VIDEOS_NODE, frame_rate=frame_rate)
         check_dataset_folder(VIDEOS_NODE, folder)
         clips, _, masks = resolve_folders(folder, "", mask_folder)
@@ -274,6 +310,7 @@ class HeadroomDatasetFromVideos(io.ComfyNode):
                                 step=step, crop=crop, flip=flip, seed=seed, skip_bad=skip_bad,
                                 roots=tuple(map(Path, dataset_roots())), max_frames=max_frames,
                                 frame_stride=frame_stride, mask_folder=masks, frame_rate=frame_rate)
+        dataset = _with_extra_resolutions(VIDEOS_NODE, dataset, extra_resolutions)
         return io.NodeOutput(_with_trigger_word(VIDEOS_NODE, dataset, trigger_word),
                              ui=_dataset_text(VIDEOS_NODE, dataset, "clips", "clip or image"))
 
@@ -298,6 +335,7 @@ class HeadroomDatasetFromImages(io.ComfyNode):
                               tooltip="Optional loss masks, one per image (or one for all) of the images' size: 1 "
                               "is learned, 0 is not."),
                 _trigger_word_input(),
+                _extra_resolutions_input(),
             ],
             outputs=[DatasetType.Output("dataset", tooltip=_DATASET_TOOLTIP)],
         )
@@ -305,10 +343,12 @@ class HeadroomDatasetFromImages(io.ComfyNode):
     @classmethod
     def execute(cls, images: torch.Tensor, captions: str, resolution: int, step: int, crop: str, flip: bool,
                 seed: int, control_images: torch.Tensor | None = None, masks: torch.Tensor | None = None,
-                trigger_word: str = "") -> io.NodeOutput:
+                trigger_word: str = "", extra_resolutions: str = "") -> io.NodeOutput:
+        node = "Dataset From Images (Headroom)"
         dataset = dataset_from_tensors(images, split_captions(captions), control_images, resolution=resolution,
                                        step=step, crop=crop, flip=flip, seed=seed, masks=masks)
-        return io.NodeOutput(_with_trigger_word("Dataset From Images (Headroom)", dataset, trigger_word))
+        dataset = _with_extra_resolutions(node, dataset, extra_resolutions)
+        return io.NodeOutput(_with_trigger_word(node, dataset, trigger_word))
 
 
 class HeadroomCacheLatents(io.ComfyNode):

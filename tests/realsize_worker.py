@@ -212,8 +212,11 @@ def run_case(name: str, size: int, steps: int, checkpointing: bool, planner_esti
         if tagged:  # tag captions ('ohwx, a, red, circle, ...'), cached in several tag orders and trained on
             caption_text = "\n".join(", ".join(["ohwx", *line.split()]) for line in caption_text.splitlines())
         captions = caption_text.splitlines()
-        dataset = cache_nodes.HeadroomDatasetFromImages.execute(images, caption_text, size, 64, "center", False, 0).args[0]
+        dataset = cache_nodes.HeadroomDatasetFromImages.execute(
+            images, caption_text, size, 64, "center", False, 0,
+            extra_resolutions=str(EXTRA_SIZE_CASES.get(name, ""))).args[0]
         latents = cache_nodes.HeadroomCacheLatents.execute(dataset, vae).args[0]
+        report["buckets"] = {"x".join(map(str, bucket)): len(items) for bucket, items in latents.buckets.items()}
         texts = cache_nodes.HeadroomCacheText.execute(dataset, clip, tag_shuffles=TAG_SHUFFLES if tagged else 0).args[0]
         if tagged:
             report["tag_orders"] = tag_orders_report(clip, latents, texts, captions)
@@ -317,17 +320,21 @@ def _other_format(run, model, clip, file_format: str, case: str) -> dict:
 OFT_CASES = ("zimage", "qwen_image")
 # Cases whose captions are tags cached in TAG_SHUFFLES other orders (Cache Text's tag_shuffles) at real width
 TAG_CASES, TAG_SHUFFLES = ("sdxl",), 2
+# Cases also cached and trained at a second size (the dataset nodes' extra_resolutions): case -> the size
+EXTRA_SIZE_CASES = {"sdxl": 128}
 
 
 def tag_orders_report(clip, latents, texts, captions: list[str]) -> dict:
     """The tag orders cached per caption, and whether each caption's last order is exactly stock CLIP Text Encode of
     its text (every tensor the encoder gives)."""
     import nodes
+    from headroom.training.data.cache_store import text_key
     from headroom.training.data.caption_tags import tag_orders
 
     orders, equal = [], []
-    for index, caption in enumerate(captions):
-        key = latents.text_key(index)
+    for caption in captions:
+        key = text_key(caption)
+        assert any(latents.text_key(i) == key for i in range(len(latents)))
         texts_of = tag_orders(caption, TAG_SHUFFLES, 1)
         orders.append(texts.tag_orders(key))
         (cond, extras), = nodes.CLIPTextEncode().encode(clip, texts_of[-1])[0]

@@ -571,3 +571,44 @@ def test_repeat_folders_through_the_nodes_train_each_item_as_often_as_its_folder
     bucket_of = {i: list(bucket) for bucket, indices in plain_latents.buckets.items() for i in indices}
     earlier = [[plain_latents.text_key(i), bucket_of[i]] for i in range(len(plain_latents))]
     assert data_fingerprint(plain_latents) == hashlib.sha256(json_module.dumps(earlier).encode()).hexdigest()
+
+
+def test_extra_resolutions_through_the_nodes(cache_dir, comfyui, tmp_path):
+    """The dataset nodes' extra_resolutions: sizes parsed and checked with the node named; the folder node says the
+    sizes; a tiny SD1.5 run trains on batches of each size, never mixed."""
+    import folder_paths
+    from headroom.nodes import cache as cache_nodes
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
+    from headroom.nodes.train_lora import HeadroomTrainSteps
+    from headroom.training.data.dataset import DatasetError
+    from headroom.training.data.synthetic import generate_shapes
+    from test_train_lora_nodes import _init
+
+    data = generate_shapes(3, 96, seed=0)
+    options = dict(resolution=64, step=32, crop="center", flip=False, seed=0)
+    images_node = cache_nodes.HeadroomDatasetFromImages
+    for text, message in [("96; x", r"extra_resolutions='96; x': give up to 4 sizes as whole numbers"),
+                          ("96 128 160 192 224", r"extra_resolutions=.96 128 160 192 224.: give up to 4 sizes"),
+                          ("80", r"extra_resolutions: 80 must be a multiple of step 32 from 64 to 4096 \(e.g. 64\)")]:
+        with pytest.raises((ValueError, DatasetError), match=r"^Dataset From Images \(Headroom\): " + message):
+            images_node.execute(data.images, "\n".join(data.captions), extra_resolutions=text, **options)
+    model, clip, vae = build_tiny_models("sd15", seed=0)
+    with torch.inference_mode():
+        dataset = images_node.execute(data.images, "\n".join(data.captions), extra_resolutions=" 96, ", **options).args[0]
+        assert dataset.resolutions == (64, 96)
+        latents = cache_nodes.HeadroomCacheLatents.execute(dataset, vae).args[0]
+        texts = cache_nodes.HeadroomCacheText.execute(dataset, clip).args[0]
+        assert set(latents.buckets) == {(64, 64), (96, 96)} and len(latents) == 6
+        run = _init(model, latents, texts, "sizes", batch_size=3)
+        HeadroomTrainSteps.execute(run, 2)
+        batches = [run.trainer.batch_items(m) for m in range(2)]
+        assert sorted(sorted(batch) for batch in batches) == [[0, 2, 4], [1, 3, 5]]  # one size per batch
+
+    folder = Path(folder_paths.get_input_directory()) / f"sizes_{tmp_path.name}"
+    folder.mkdir()
+    for i in range(2):
+        Image.fromarray((data.images[i].numpy() * 255).astype(np.uint8)).save(folder / f"img{i}.png")
+        (folder / f"img{i}.txt").write_text(data.captions[i], encoding="utf-8")
+    output = cache_nodes.HeadroomDatasetFromFolder.execute(folder=folder.name, skip_bad=False,
+                                                           extra_resolutions="96", **options)
+    assert output.ui["text"] == ["2 images, each cached and trained at 2 sizes (64, 96)."]

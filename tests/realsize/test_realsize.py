@@ -125,7 +125,10 @@ def test_nodes_on_a_real_size_model(case, args, params):
         assert "load (stock CheckpointLoaderSimple)" in phases and phases["save (comfy.sd.save_checkpoint)"]["file_bytes"] > 0
     if case == "flux_dev":
         assert "load (stock UNETLoader)" in phases
-    from realsize_worker import TAG_CASES, TAG_SHUFFLES
+    from realsize_worker import EXTRA_SIZE_CASES, TAG_CASES, TAG_SHUFFLES
+
+    sizes = [report["size"], *([EXTRA_SIZE_CASES[case]] if case in EXTRA_SIZE_CASES else [])]
+    assert report["buckets"] == {f"{size}x{size}": report["images"] for size in sizes}  # each image at each size
 
     if case in TAG_CASES:  # tag captions in 1 + TAG_SHUFFLES orders each, as stock CLIP Text Encode encodes each
         assert report["tag_orders"] == {"orders": [1 + TAG_SHUFFLES] * report["images"],

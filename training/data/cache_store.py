@@ -810,7 +810,7 @@ def cache_latents(
         raise ValueError(f"control_encoding must be 'pixels' or 'latents', got {control_encoding!r}")
     started = time.monotonic()
     report = CacheReport(kind="latents", warnings=list(dataset.warnings))
-    bucket_sizes = make_buckets(dataset.resolution, dataset.step)
+    bucket_sizes = {resolution: make_buckets(resolution, dataset.step) for resolution in dataset.resolutions}
 
     planned: list[_PlannedLatent] = []
     for index, item in enumerate(dataset.items):
@@ -848,8 +848,11 @@ def cache_latents(
             except DatasetError as error:
                 _skip_or_raise(dataset, str(error), report)
                 continue
-        bucket = nearest_bucket(size[0], size[1], bucket_sizes)
-        for flip in (False, True) if dataset.flip else (False,):
+        # One item per size (resolution, then the extra ones) and mirror; an item's key is its crop's, so the items
+        # at `resolution` keep the keys they had before extra sizes existed.
+        for bucket, flip in dict.fromkeys((nearest_bucket(size[0], size[1], bucket_sizes[resolution]), flip)
+                                          for resolution in dataset.resolutions
+                                          for flip in ((False, True) if dataset.flip else (False,))):
             plan = plan_crop(size, bucket, dataset.crop, dataset.seed, image_digest, flip)
             reduce = reduce_factor(size, plan.resized)
             key = entry_key({
@@ -880,16 +883,19 @@ def cache_latents(
     failed_items: set[int] = set()
     if misses:
         store.check_writable()
-        loaded: tuple | None = None  # (item index, pixels, control pixels, mask pixels): flip variants share a decode
+        # ((item index, decode reduction), pixels, control pixels, mask pixels): the variants of an item decoded at one
+        # reduction (mirrored ones; sizes that decode it alike) share a decode
+        loaded: tuple | None = None
         with store.writer() as writer:
             for done, entry in enumerate(misses, start=1):
                 check_interrupt()
                 item = dataset.items[entry.item_index]
                 if entry.item_index in failed_items:
                     continue
-                if loaded is None or loaded[0] != entry.item_index:
+                if loaded is None or loaded[0] != (entry.item_index, entry.reduce):
                     try:
-                        loaded = (entry.item_index, item.image.load_frames(list(entry.frames), entry.reduce)
+                        loaded = ((entry.item_index, entry.reduce),
+                                  item.image.load_frames(list(entry.frames), entry.reduce)
                                   if entry.frames is not None else item.image.load(entry.reduce),
                                   item.control.load(entry.reduce) if item.control is not None else None,
                                   _load_mask(item.mask, entry))

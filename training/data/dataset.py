@@ -30,6 +30,7 @@ from .. import os_compat, public_module
 from .buckets import CROP_MODES
 from .files import UntrustedFileError, display_path, relative_text, resolve_inside
 
+MIN_RESOLUTION, MAX_RESOLUTION = 64, 4096  # the dataset nodes' resolution input's range
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
 CAPTION_EXTENSION = ".txt"
 # Files other trainers keep beside the images, passed over rather than reported as unsupported: kohya sd-scripts'
@@ -202,12 +203,28 @@ class Dataset:
     # Clips (training/data/video.py): every frame_stride-th frame, at most max_frames, cut to what the VAE takes.
     max_frames: int = 81
     frame_stride: int = 1
+    # Other sizes every item is also cached and trained at (multi-resolution training): each its own buckets.
+    extra_resolutions: tuple[int, ...] = field(default=())
 
     def __post_init__(self):
         if not self.items:
             raise DatasetError("the dataset has no items")
         if self.crop not in CROP_MODES:
             raise DatasetError(f"crop must be one of {CROP_MODES}, got {self.crop!r}")
+        for extra in self.extra_resolutions:
+            if extra == self.resolution or self.extra_resolutions.count(extra) > 1:
+                raise DatasetError(f"extra_resolutions: {extra} is given twice (resolution is {self.resolution}); "
+                                   "give each size once")
+            if not MIN_RESOLUTION <= extra <= MAX_RESOLUTION or extra % self.step:
+                lowest = -(-max(MIN_RESOLUTION, self.step) // self.step) * self.step
+                closest = min(max(extra // self.step * self.step, lowest), MAX_RESOLUTION // self.step * self.step)
+                raise DatasetError(f"extra_resolutions: {extra} must be a multiple of step {self.step} from "
+                                   f"{MIN_RESOLUTION} to {MAX_RESOLUTION} (e.g. {closest})")
+
+    @property
+    def resolutions(self) -> tuple[int, ...]:
+        """Every size the items are cached at: `resolution`, then the extra ones."""
+        return (self.resolution, *self.extra_resolutions)
 
     def __len__(self) -> int:
         return len(self.items)
