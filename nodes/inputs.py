@@ -80,7 +80,9 @@ def training_settings(caption_dropout=None) -> list:
         io.Int.Input("checkpoint_depth", advanced=True, default=1, min=1, max=5,
                      tooltip="1: each model block; 2: each child of a block (finer, less memory, more recompute)."),
         io.Int.Input("holdout", advanced=True, default=0, min=0, max=100000,
-                     tooltip="Last N cached items held out for the validation loss; 0 validates on training items."),
+                     tooltip="Last N cached items held out for the validation loss; 0 validates on training items. "
+                     "With flip or extra_resolutions each image gives several items, in a row: hold out all of the "
+                     "last image's (2 with flip, x the number of sizes) to keep it unseen."),
     ]
 
 
