@@ -113,3 +113,35 @@ def test_training_draws_an_order_per_item_and_step_and_leaves_every_other_draw_a
     assert again.loss_history == plain.loss_history
     assert all(torch.equal(a, b) for a, b in zip(again.trainable.state_dict().values(),
                                                  plain.trainable.state_dict().values()))
+
+
+def test_captions_encoded_with_their_reference_images_are_shuffled_per_item(tmp_path):
+    """Qwen-Image-Edit's text path (a caption encoded with its item's reference image) with tag shuffling: every order
+    of an item's caption is encoded with that item's reference, under the item's key, and training draws among them."""
+    from headroom.training.data.cache_store import item_conditioning
+    from test_cache_store import folder_dataset, run_latents, write_folder
+
+    write_folder(tmp_path / "data", count=2, controls=tmp_path / "controls")
+    for i in range(2):
+        (tmp_path / "data" / f"img{i}.txt").write_text("ohwx, red, night, rain")
+    dataset = folder_dataset(tmp_path / "data", control_folder=tmp_path / "controls")
+    calls = []
+
+    def with_reference(text, image):
+        calls.append(text)
+        return {"cross_attn": torch.cat([CountingTextEncoder()(text)["cross_attn"], image.mean().reshape(1, 1).expand(1, 8)])}
+
+    text, report = cache_text([i.caption for i in dataset.items], ShardStore(tmp_path / "text"), CountingTextEncoder(),
+                              "fp-te", {}, references=[i.control for i in dataset.items],
+                              encode_with_reference=with_reference, reference_encoding="TextEncodeQwenImageEdit",
+                              tag_shuffles=2, keep_tags=1)
+    orders = tag_orders("ohwx, red, night, rain", 2, 1)
+    assert sorted(calls) == sorted(orders * 2) and report.misses == 7  # 2 items x 3 orders + the empty prompt
+    latents = run_latents(dataset, tmp_path / "latents", control_encoding="latents")[0]
+    for item in range(2):
+        drawn = {draw: item_conditioning(text, latents, item, draw)["cross_attn"] for draw in range(3)}
+        for draw, order in enumerate(orders):
+            assert torch.equal(drawn[draw][:-1], CountingTextEncoder()(order)["cross_attn"])
+        assert len({drawn[draw][-1, 0].item() for draw in range(3)}) == 1  # every order with this item's reference
+    first, second = (item_conditioning(text, latents, item, 1)["cross_attn"] for item in range(2))
+    assert first[-1, 0] != second[-1, 0]  # the same order, each item with its own reference
