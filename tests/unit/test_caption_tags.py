@@ -129,7 +129,8 @@ def test_captions_encoded_with_their_reference_images_are_shuffled_per_item(tmp_
 
     def with_reference(text, image):
         calls.append(text)
-        return {"cross_attn": torch.cat([CountingTextEncoder()(text)["cross_attn"], image.mean().reshape(1, 1).expand(1, 8)])}
+        reference = image.mean().reshape(1, 1).expand(1, 8)
+        return {"cross_attn": torch.cat([CountingTextEncoder()(text)["cross_attn"], reference])}
 
     text, report = cache_text([i.caption for i in dataset.items], ShardStore(tmp_path / "text"), CountingTextEncoder(),
                               "fp-te", {}, references=[i.control for i in dataset.items],

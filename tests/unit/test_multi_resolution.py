@@ -1,6 +1,7 @@
 """Multi-resolution datasets (Dataset.extra_resolutions): every item cached at each size with that size's buckets,
 each size's latents exactly those of a dataset at that size alone (the decode shared only where it is the same), the
-items at `resolution` keeping their cache keys, and the sizes checked. The nodes' input: tests/comfy/test_cache_nodes.py."""
+items at `resolution` keeping their cache keys, and the sizes checked. The nodes' input:
+tests/comfy/test_cache_nodes.py."""
 from dataclasses import replace
 
 import numpy as np
