@@ -92,7 +92,7 @@ def _with_extra_resolutions(node: str, dataset, extra_resolutions: str):
     parts = [part for part in re.split(r"[,;\s]+", extra_resolutions or "") if part]
     if not parts:
         return dataset
-    if not all(part.isdigit() for part in parts) or len(parts) > MAX_EXTRA_RESOLUTIONS:
+    if not all(re.fullmatch(r"[0-9]{1,6}", part) for part in parts) or len(parts) > MAX_EXTRA_RESOLUTIONS:
         raise ValueError(f"{node}: extra_resolutions={extra_resolutions[:80]!r}: give up to {MAX_EXTRA_RESOLUTIONS} "
                          "sizes as whole numbers separated by commas, e.g. '512, 768' (empty: resolution only)")
     try:

@@ -589,6 +589,8 @@ def test_extra_resolutions_through_the_nodes(cache_dir, comfyui, tmp_path):
     images_node = cache_nodes.HeadroomDatasetFromImages
     for text, message in [("96; x", r"extra_resolutions='96; x': give up to 4 sizes as whole numbers"),
                           ("96 128 160 192 224", r"extra_resolutions=.96 128 160 192 224.: give up to 4 sizes"),
+                          ("96, \u00b2", r"extra_resolutions=.96, \u00b2.: give up to 4 sizes"),  # a digit to isdigit
+                          ("9" * 5000, r"extra_resolutions=.9{80}.: give up to 4 sizes"),
                           ("80", r"extra_resolutions: 80 must be a multiple of step 32 from 64 to 4096 \(e.g. 64\)")]:
         with pytest.raises((ValueError, DatasetError), match=r"^Dataset From Images \(Headroom\): " + message):
             images_node.execute(data.images, "\n".join(data.captions), extra_resolutions=text, **options)
