@@ -13,6 +13,7 @@ import pathlib
 import shutil
 import sys
 import tempfile
+import time
 
 import pytest
 
@@ -55,6 +56,24 @@ def register_module(name: str, path: pathlib.Path, package: bool = False):
     spec.loader.exec_module(module)
     return module
 _BASE_DIR = None
+BASE_PREFIX = "headroom-comfy-base-"
+STALE_BASE_SECONDS = 12 * 3600  # far longer than any test process lives
+
+
+def prune_stale_bases(root: str | os.PathLike | None = None, max_age_s: float = STALE_BASE_SECONDS) -> list[str]:
+    """Remove the base directories of test processes that were killed before their atexit ran (a timeout, a kill, a
+    process ending with os._exit): such leftovers, each with the real-size tier's GiB-sized checkpoints, filled a
+    machine's disk until a later run's save failed with 'No space left on device'. Only ones untouched for
+    `max_age_s`, so a base another test process is using is never touched. Returns the names removed."""
+    removed = []
+    for path in pathlib.Path(root or tempfile.gettempdir()).glob(BASE_PREFIX + "*"):
+        try:
+            if path.is_dir() and not path.is_symlink() and time.time() - path.stat().st_mtime > max_age_s:
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path.name)
+        except OSError:
+            continue
+    return removed
 
 
 def import_comfyui_in_process() -> pathlib.Path:
@@ -76,7 +95,8 @@ def import_comfyui_in_process() -> pathlib.Path:
         comfy.options.enable_args_parsing(False)
         from comfy.cli_args import args
 
-        _BASE_DIR = pathlib.Path(tempfile.mkdtemp(prefix="headroom-comfy-base-"))
+        prune_stale_bases()
+        _BASE_DIR = pathlib.Path(tempfile.mkdtemp(prefix=BASE_PREFIX))
         # Removed when the process ends: the real-size tier writes GiB-sized checkpoints here, and a base left
         # behind by every test process filled a CI machine's disk within a day.
         atexit.register(shutil.rmtree, _BASE_DIR, ignore_errors=True)
