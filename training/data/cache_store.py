@@ -1058,7 +1058,8 @@ def cache_text(
 
     # text key -> [(text, reference image source or None, entry key) per tag order, the caption as written first], in
     # order; the empty prompt (caption dropout) is always text only, as written.
-    wanted = {text_key(""): [("", None, entry_of(""))]}
+    empty_key = text_key("")
+    wanted = {empty_key: [("", None, entry_of(""))]}
     if references is None:
         for caption in captions:
             if text_key(caption) not in wanted:
@@ -1096,13 +1097,13 @@ def cache_text(
     entries = store.entries
     table = {key: [(entry, entries[entry]["shard"], tuple(entries[entry]["tensors"])) for _, _, entry in orders]
              for key, orders in wanted.items()}
-    cache = TextCache(store.root, table, empty_key=text_key(""), fingerprint=fingerprint,
+    cache = TextCache(store.root, table, empty_key=empty_key, fingerprint=fingerprint,
                       reference_encoding=reference_encoding if references is not None else None,
                       tag_shuffling={"shuffles": tag_shuffles, "keep": keep_tags} if tag_shuffles else None)
     report.items = len(encodings)
     report.bytes_total = sum(entries[entry]["bytes"] for _, _, entry in encodings)
     if tag_shuffles:
-        shuffled = sum(len(orders) > 1 for key, orders in wanted.items() if key != text_key(""))
+        shuffled = sum(len(orders) > 1 for key, orders in wanted.items() if key != empty_key)
         report.notes.append(f"tag shuffling: {shuffled} of {len(wanted) - 1} captions cached in "
                             f"{sum(len(orders) for orders in wanted.values()) - 1} tag orders in all (keep_tags "
                             f"{keep_tags}); training picks one order per item and step")

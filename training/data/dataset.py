@@ -340,9 +340,9 @@ def dataset_from_folder(
     roots = tuple(roots) if roots else tuple(p for p in (folder, control_folder, mask_folder) if p is not None)
 
     concepts = repeat_folders_of(folder)
-    own_images = any(path.suffix.lower() in IMAGE_EXTENSIONS for path in _entries(folder))
     read, unread = [], ()
-    if concepts and not own_images:
+    # Listed a second time only where there are repeat folders: a folder of its own images reads them, as before.
+    if concepts and not any(path.suffix.lower() in IMAGE_EXTENSIONS for path in _entries(folder)):
         items, problems, notes = [], [], []
         for path, repeats in concepts:
             if repeats > MAX_REPEATS:
