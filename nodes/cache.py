@@ -23,8 +23,9 @@ from comfy_api.latest import io
 
 from ..training.checks import check_finite
 from ..training.data.caption_tags import MAX_KEEP, MAX_SHUFFLES
-from ..training.data.dataset import (DatasetError, dataset_from_folder, dataset_from_tensors, folder_signature,
-                                     split_captions, unread_repeat_folders_warning, with_trigger_word)
+from ..training.data.dataset import (TRANSPARENCY_MODES, DatasetError, dataset_from_folder, dataset_from_tensors,
+                                     folder_signature, split_captions, unread_repeat_folders_warning,
+                                     with_trigger_word)
 from ..training.data.video import MAX_CLIP_FRAMES, MAX_FRAMES_DEFAULT, VIDEO_EXTENSIONS, dataset_from_video_folder
 from ..training.memory.policy import OffloadPolicy
 from .bridge.cache_folders import check_dataset_folder, dataset_folders, dataset_roots, resolve_folders
@@ -142,14 +143,36 @@ def _dataset_text(node: str, dataset, what: str, item: str) -> dict:
                     for folder in dataset.repeat_folders)]
     if dataset.unread_repeat_folders:
         lines.append(f"Warning: {unread_repeat_folders_warning(dataset.unread_repeat_folders)}.")
+    transparency = _transparency_text(dataset)
+    if transparency:
+        log.info("%s: %s", node, transparency)
+        lines.append(transparency)
     if dataset.left_out:
         lines += [f"{len(dataset)} {what}; {len(dataset.left_out)} left out (skip_bad):", *_listed(dataset.left_out)]
     if dataset.notes:
-        if not (dataset.left_out or dataset.repeat_folders or dataset.extra_resolutions):
+        if not (dataset.left_out or dataset.repeat_folders or dataset.extra_resolutions or transparency):
             lines.insert(0, f"{len(dataset)} {what}.")
         lines += [f"Warning: {len(dataset.notes)} caption(s) with no {item} of the same name (not used):",
                   *_listed(dataset.notes)]
     return {"text": ["\n".join(lines)] if lines else []}
+
+
+def _transparency_text(dataset) -> str:
+    """A line on the images with an alpha channel and what is done with them ('' when there are none and the
+    transparency input is left at ignore). Said even at the default: their transparent pixels train as the colours
+    stored under them (often black, or the photo the cut-out came from), which a user rarely means."""
+    count, mode = dataset.alpha_images, dataset.transparency
+    if not count:
+        return "" if mode == "ignore" else (f"Warning: transparency is {mode}, but no image has an alpha channel: "
+                                            "nothing changes.")
+    images = f"{count} of {len(dataset)} images have an alpha channel"
+    if mode == "ignore":
+        return (f"Note: {images}; transparency is ignore, so their transparent pixels train as the colours stored "
+                "under them (as Load Image reads them). Set transparency to loss_mask to learn only their opaque "
+                "pixels, or to white / black to put them on that background.")
+    if mode == "loss_mask":
+        return f"{images}: only their opaque pixels are learned (transparency: loss_mask)."
+    return f"{images}: put on a {mode} background (transparency: {mode})."
 
 
 def _listed(problems: tuple[str, ...]) -> list[str]:
@@ -212,6 +235,15 @@ class HeadroomDatasetFromFolder(io.ComfyNode):
                                 "without a mask is learned whole. Empty: no masks."),
                 _trigger_word_input(),
                 _extra_resolutions_input(),
+                # Appended last and optional: workflows saved before it existed keep working (alpha dropped).
+                io.Combo.Input("transparency", options=list(TRANSPARENCY_MODES), default="ignore", optional=True,
+                               advanced=True,
+                               tooltip="What to do with images that have an alpha channel (transparent PNG or WebP "
+                               "cut-outs). ignore: alpha dropped, as Load Image reads them (transparent pixels train "
+                               "as whatever colour is stored under them). loss_mask: only opaque pixels are learned, "
+                               "grey alpha partly (times the image's mask from mask_folder, if any). white / black: "
+                               "put on that background, which the model then learns too. Images without "
+                               "transparency are read alike in every mode."),
             ],
             outputs=[DatasetType.Output("dataset", tooltip=_DATASET_TOOLTIP)],
         )
@@ -232,12 +264,12 @@ class HeadroomDatasetFromFolder(io.ComfyNode):
     @classmethod
     def execute(cls, folder: str, resolution: int, step: int, crop: str, flip: bool, seed: int,
                 skip_bad: bool, control_folder: str = "", mask_folder: str = "", trigger_word: str = "",
-                extra_resolutions: str = "") -> io.NodeOutput:
+                extra_resolutions: str = "", transparency: str = "ignore") -> io.NodeOutput:
         check_dataset_folder(FOLDER_NODE, folder)
         images, control, masks = resolve_folders(folder, control_folder, mask_folder)
         dataset = _dataset_from(FOLDER_NODE, dataset_from_folder, folder=images, control_folder=control,
                                 resolution=resolution, step=step, crop=crop, flip=flip, seed=seed, skip_bad=skip_bad,
-                                roots=tuple(map(Path, dataset_roots())), mask_folder=masks)
+                                roots=tuple(map(Path, dataset_roots())), mask_folder=masks, transparency=transparency)
         dataset = _with_extra_resolutions(FOLDER_NODE, dataset, extra_resolutions)
         return io.NodeOutput(_with_trigger_word(FOLDER_NODE, dataset, trigger_word),
                              ui=_dataset_text(FOLDER_NODE, dataset, "images", "image"))
@@ -333,7 +365,8 @@ class HeadroomDatasetFromImages(io.ComfyNode):
                 *_bucket_inputs(),
                 io.Mask.Input("masks", optional=True,
                               tooltip="Optional loss masks, one per image (or one for all) of the images' size: 1 "
-                              "is learned, 0 is not."),
+                              "is learned, 0 is not. Load Image's MASK is 1 where the image is transparent: pass it "
+                              "through Invert Mask to learn the opaque part."),
                 _trigger_word_input(),
                 _extra_resolutions_input(),
             ],

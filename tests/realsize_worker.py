@@ -207,15 +207,23 @@ def run_case(name: str, size: int, steps: int, checkpointing: bool, planner_esti
 
     captions = []
     with torch.inference_mode():  # as ComfyUI runs nodes
-        images, caption_text, _ = data_nodes.HeadroomSyntheticDataset.execute(count, size, 0).args
+        images, caption_text, shapes = data_nodes.HeadroomSyntheticDataset.execute(count, size, 0).args
         tagged = name in TAG_CASES
         if tagged:  # tag captions ('ohwx, a, red, circle, ...'), cached in several tag orders and trained on
             caption_text = "\n".join(", ".join(["ohwx", *line.split()]) for line in caption_text.splitlines())
         captions = caption_text.splitlines()
-        dataset = cache_nodes.HeadroomDatasetFromImages.execute(
-            images, caption_text, size, 64, "center", False, 0,
-            extra_resolutions=str(EXTRA_SIZE_CASES.get(name, ""))).args[0]
+        if name in ALPHA_CASES:
+            dataset = cutout_dataset(images, captions, shapes[..., 0], name)
+        else:
+            dataset = cache_nodes.HeadroomDatasetFromImages.execute(
+                images, caption_text, size, 64, "center", False, 0,
+                extra_resolutions=str(EXTRA_SIZE_CASES.get(name, ""))).args[0]
         latents = cache_nodes.HeadroomCacheLatents.execute(dataset, vae).args[0]
+        if name in ALPHA_CASES:  # each cached mask at the latent's size, its mean the alpha's (area averaging)
+            report["alpha_masks"] = [
+                {"mask": list(latents.mask(i).shape), "latent": list(latents.latent(i).shape),
+                 "mean": float(latents.mask(i).mean()), "alpha_mean": float(shapes[i, ..., 0].mean())}
+                if latents.mask(i) is not None else None for i in range(len(latents))]
         report["buckets"] = {"x".join(map(str, bucket)): len(items) for bucket, items in latents.buckets.items()}
         texts = cache_nodes.HeadroomCacheText.execute(dataset, clip, tag_shuffles=TAG_SHUFFLES if tagged else 0).args[0]
         if tagged:
@@ -322,6 +330,29 @@ OFT_CASES = ("zimage", "qwen_image")
 TAG_CASES, TAG_SHUFFLES = ("sdxl",), 2
 # Cases also cached and trained at a second size (the dataset nodes' extra_resolutions): case -> the size
 EXTRA_SIZE_CASES = {"sdxl": 128}
+
+
+# Cases whose images are transparent cut-outs read from a folder, their alpha the loss mask (transparency: loss_mask)
+ALPHA_CASES = ("flux_dev",)
+
+
+def cutout_dataset(images, captions: list[str], alpha, name: str):
+    """The synthetic images as RGBA PNGs (alpha: each image's shape mask) with captions in ComfyUI's input folder,
+    read by Dataset From Folder with transparency loss_mask."""
+    import folder_paths
+    import numpy as np
+    from PIL import Image
+    from headroom.nodes import cache as cache_nodes
+
+    folder = pathlib.Path(folder_paths.get_input_directory()) / f"realsize_cutouts_{name}"
+    folder.mkdir(parents=True, exist_ok=True)
+    for index, caption in enumerate(captions):
+        rgba = torch.cat([images[index], alpha[index, ..., None]], dim=-1)
+        Image.fromarray((rgba.float().numpy() * 255).round().astype(np.uint8), "RGBA").save(folder / f"{index}.png")
+        (folder / f"{index}.txt").write_text(caption, encoding="utf-8")
+    return cache_nodes.HeadroomDatasetFromFolder.execute(
+        folder=folder.name, resolution=images.shape[1], step=64, crop="center", flip=False, seed=0, skip_bad=False,
+        transparency="loss_mask").args[0]
 
 
 def tag_orders_report(clip, latents, texts, captions: list[str]) -> dict:

@@ -573,6 +573,53 @@ def test_repeat_folders_through_the_nodes_train_each_item_as_often_as_its_folder
     assert data_fingerprint(plain_latents) == hashlib.sha256(json_module.dumps(earlier).encode()).hexdigest()
 
 
+def test_transparency_through_the_folder_node(cache_dir, comfyui, tmp_path):
+    """Dataset From Folder's transparency on cut-outs in ComfyUI's input directory: the node says how many images have
+    an alpha channel and what is done with them (at the default too, with the fix); loss_mask caches their alpha as
+    the loss mask and a tiny SD1.5 run trains on it; a mode with no image to act on warns that nothing changes."""
+    import folder_paths
+    from headroom.nodes import cache as cache_nodes
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
+    from headroom.nodes.train_lora import HeadroomTrainSteps
+    from test_train_lora_nodes import _init
+
+    root = Path(folder_paths.get_input_directory()) / f"cutouts_{tmp_path.name}"
+    root.mkdir()
+    rng = np.random.default_rng(0)
+    for index in range(3):
+        pixels = rng.integers(0, 255, (32, 32, 4), dtype=np.uint8)
+        pixels[..., 3] = 0
+        pixels[8:24, 8:24, 3] = 255
+        Image.fromarray(pixels if index else pixels[..., :3]).save(root / f"{index}.png")  # 0.png: opaque
+        (root / f"{index}.txt").write_text(f"a cut-out {index}", encoding="utf-8")
+    inputs = dict(folder=root.name, resolution=32, step=32, crop="center", flip=False, seed=0, skip_bad=False)
+    node = cache_nodes.HeadroomDatasetFromFolder
+    assert node.execute(**inputs).ui["text"] == [
+        "Note: 2 of 3 images have an alpha channel; transparency is ignore, so their transparent pixels train as the "
+        "colours stored under them (as Load Image reads them). Set transparency to loss_mask to learn only their "
+        "opaque pixels, or to white / black to put them on that background."]
+    assert node.execute(**inputs, transparency="white").ui["text"] == [
+        "2 of 3 images have an alpha channel: put on a white background (transparency: white)."]
+    output = node.execute(**inputs, transparency="loss_mask")
+    assert output.ui["text"] == ["2 of 3 images have an alpha channel: only their opaque pixels are learned "
+                                 "(transparency: loss_mask)."]
+    assert node.fingerprint_inputs(**inputs, transparency="loss_mask") != node.fingerprint_inputs(**inputs)
+    model, clip, vae = build_tiny_models("sd15", seed=0)
+    with torch.inference_mode():
+        latents = cache_nodes.HeadroomCacheLatents.execute(output.args[0], vae).args[0]
+        texts = cache_nodes.HeadroomCacheText.execute(output.args[0], clip).args[0]
+        assert [latents.mask(i) is not None for i in range(3)] == [False, True, True]
+        assert latents.mask(1)[0, 0, 0] == 0 and latents.mask(1)[0, 2, 2] == 1  # 8x smaller: cells of 8 pixels
+        run = _init(model, latents, texts, "cutouts", batch_size=3)
+        HeadroomTrainSteps.execute(run, 2)
+        assert run.trainer.step == 2
+
+    for index in (1, 2):
+        Image.open(root / f"{index}.png").convert("RGB").save(root / f"{index}.png")
+    assert node.execute(**inputs, transparency="loss_mask").ui["text"] == [
+        "Warning: transparency is loss_mask, but no image has an alpha channel: nothing changes."]
+
+
 def test_extra_resolutions_through_the_nodes(cache_dir, comfyui, tmp_path):
     """The dataset nodes' extra_resolutions: sizes parsed and checked with the node named; the folder node says the
     sizes; a tiny SD1.5 run trains on batches of each size, never mixed."""

@@ -133,6 +133,12 @@ def test_nodes_on_a_real_size_model(case, args, params):
     if case in TAG_CASES:  # tag captions in 1 + TAG_SHUFFLES orders each, as stock CLIP Text Encode encodes each
         assert report["tag_orders"] == {"orders": [1 + TAG_SHUFFLES] * report["images"],
                                         "stock_equal": [True] * report["images"]}, report["tag_orders"]
+    from realsize_worker import ALPHA_CASES
+
+    if case in ALPHA_CASES:  # transparent cut-outs: every alpha cached as the loss mask at the real VAE's latent size
+        for masked in report["alpha_masks"]:
+            assert masked is not None and masked["mask"] == [1, *masked["latent"][-2:]], masked
+            assert 0 < masked["alpha_mean"] < 1 and abs(masked["mean"] - masked["alpha_mean"]) < 1e-4, masked
     if "planner" in report:
         for name, row in report["compared"].items():
             # HiDream-O1's weightless "text encoder" (a tokenizer) is planned at 0 bytes, which is what it holds

@@ -40,6 +40,11 @@ _SWAPPED_EXIF_ORIENTATIONS = (5, 6, 7, 8)  # rotated by 90 degrees: width and he
 MAX_IMAGE_PIXELS = 12800 * 12800  # ~164 Mpx: below PIL's own bomb limit (2 x 89.5 Mpx), above any real photo
 CAPTION_MAX_BYTES = 1 << 20
 REDUCING_GAP = 2  # decode at least twice the size the bucket needs; the antialiased resize does the rest
+# What Dataset From Folder does with images that have an alpha channel: `ignore` reads them as ComfyUI's Load Image
+# does (the colours stored under transparent pixels, alpha dropped); `loss_mask` learns only their opaque pixels
+# (kohya's alpha_mask); `white` / `black` put them on that background first.
+TRANSPARENCY_MODES = ("ignore", "loss_mask", "white", "black")
+BACKGROUNDS = {"white": (255, 255, 255), "black": (0, 0, 0)}
 
 
 class DatasetError(ValueError):
@@ -48,12 +53,21 @@ class DatasetError(ValueError):
     __module__ = public_module(__name__)  # a clean type name in ComfyUI's error report
 
 
-class FileImage:
-    """An image file, decoded on demand. It is read only where it resolves inside `roots` (default: its folder)."""
+def _has_alpha(img: Image.Image) -> bool:
+    """Whether an opened image has transparency: an alpha channel, or a palette / colour marked transparent."""
+    return img.mode in ("RGBA", "RGBa", "LA", "La", "PA") or "transparency" in img.info
 
-    def __init__(self, path: Path, roots: tuple[Path, ...] | None = None):
+
+class FileImage:
+    """An image file, decoded on demand. It is read only where it resolves inside `roots` (default: its folder).
+    `background` (RGB 0..255): transparent pixels are put on it when loaded (else the alpha channel is dropped, as
+    ComfyUI's Load Image does)."""
+
+    def __init__(self, path: Path, roots: tuple[Path, ...] | None = None,
+                 background: tuple[int, int, int] | None = None):
         self.path = Path(path)
         self.roots = tuple(roots) if roots else (self.path.parent,)
+        self.background = background
 
     def describe(self) -> str:
         return display_path(self.path)
@@ -96,6 +110,12 @@ class FileImage:
         with self._open() as img:
             img.verify()
 
+    def has_alpha(self) -> bool:
+        """Whether the image has transparency (an alpha channel or a transparent palette entry); reads the header
+        only, so an alpha channel that is opaque everywhere counts too."""
+        with self._open() as img:
+            return _has_alpha(img)
+
     def load(self, reduce: int = 1) -> torch.Tensor:
         """[H, W, 3] float32 0..1, EXIF rotation applied (as ComfyUI's LoadImage does); with `reduce` > 1 about
         1/reduce of the size per side, decoded small where the format allows (JPEG) and box-reduced otherwise,
@@ -113,19 +133,62 @@ class FileImage:
                 grey = np.asarray(img, dtype=np.float32) / 65535.0
                 array = np.repeat(grey[..., None], 3, axis=-1)
             else:
+                if self.background is not None and _has_alpha(img):
+                    img = Image.alpha_composite(Image.new("RGBA", img.size, (*self.background, 255)),
+                                                img.convert("RGBA"))
                 img = img.convert("RGB")
                 if remaining > 1:
                     img = img.reduce(remaining)
                 array = np.asarray(img, dtype=np.float32) / 255.0
         return torch.from_numpy(array.copy())
 
+    def load_alpha(self, reduce: int = 1) -> torch.Tensor:
+        """The alpha channel as [H, W, 3] float32 0..1 (1: opaque), of the size `load(reduce)` gives; an image
+        without transparency is opaque everywhere. (No JPEG draft scaling here: a JPEG has no alpha.)"""
+        with self._open() as img:
+            img = ImageOps.exif_transpose(img)
+            alpha = img.convert("RGBA").getchannel("A") if _has_alpha(img) else Image.new("L", img.size, 255)
+            if reduce > 1:
+                alpha = alpha.reduce(reduce)
+            array = np.asarray(alpha, dtype=np.float32) / 255.0
+        return torch.from_numpy(np.repeat(array[..., None], 3, axis=-1))
+
     def digest(self) -> str:
-        """sha256 of the file's bytes."""
+        """sha256 of the file's bytes (and, for an image put on a background, of that background: other pixels)."""
         hasher = hashlib.sha256()
         with open(self._real(), "rb") as file:
             for chunk in iter(lambda: file.read(1 << 20), b""):
                 hasher.update(chunk)
-        return hasher.hexdigest()
+        if self.background is None:
+            return hasher.hexdigest()
+        return hashlib.sha256(f"{hasher.hexdigest()} on {self.background}".encode()).hexdigest()
+
+
+class AlphaMask:
+    """The loss mask of an image with transparency: its alpha channel (opaque: learned, transparent: not; kohya's
+    alpha_mask), times the item's mask file where it has one (learned where both allow)."""
+
+    def __init__(self, image: FileImage, mask: FileImage | None = None):
+        self.image = image
+        self.mask = mask
+
+    def describe(self) -> str:
+        return f"the alpha channel of {self.image.describe()}" + (
+            f" times mask {self.mask.describe()}" if self.mask is not None else "")
+
+    def size(self) -> tuple[int, int]:
+        return self.image.size()
+
+    def check(self) -> None:
+        self.image.check()
+
+    def load(self, reduce: int = 1) -> torch.Tensor:
+        alpha = self.image.load_alpha(reduce)
+        return alpha if self.mask is None else alpha * self.mask.load(reduce)
+
+    def digest(self) -> str:
+        parts = ("alpha", self.image.digest(), self.mask.digest() if self.mask is not None else "")
+        return hashlib.sha256(" ".join(parts).encode()).hexdigest()
 
 
 def reduce_factor(size: tuple[int, int], resized: tuple[int, int]) -> int:
@@ -158,7 +221,7 @@ class TensorImage:
         return hashlib.sha256(pixels.numpy().tobytes()).hexdigest()
 
 
-ImageSource = FileImage | TensorImage
+ImageSource = FileImage | TensorImage | AlphaMask
 
 
 @dataclass(frozen=True)
@@ -205,10 +268,16 @@ class Dataset:
     frame_stride: int = 1
     # Other sizes every item is also cached and trained at (multi-resolution training): each its own buckets.
     extra_resolutions: tuple[int, ...] = field(default=())
+    # Images with transparency (dataset_from_folder) and what was done with them (TRANSPARENCY_MODES).
+    transparency: str = "ignore"
+    alpha_images: int = 0
 
     def __post_init__(self):
         if not self.items:
             raise DatasetError("the dataset has no items")
+        if self.transparency not in TRANSPARENCY_MODES:
+            raise DatasetError(f"transparency must be one of {', '.join(TRANSPARENCY_MODES)}, got "
+                               f"{self.transparency!r}")
         if self.crop not in CROP_MODES:
             raise DatasetError(f"crop must be one of {CROP_MODES}, got {self.crop!r}")
         for extra in self.extra_resolutions:
@@ -320,11 +389,13 @@ def dataset_from_folder(
     skip_bad: bool = False,
     roots: tuple[Path, ...] | None = None,
     mask_folder: Path | None = None,
+    transparency: str = "ignore",
 ) -> Dataset:
     """Images in `folder` with same-name `.txt` captions; control images in `control_folder` and loss masks in
     `mask_folder` matched by file name stem (any supported extension) and of the same size as their image
     (an image without a mask is learned whole). Files are read only where they resolve inside `roots`
-    (default: the dataset, control and mask folders).
+    (default: the dataset, control and mask folders). `transparency` (TRANSPARENCY_MODES): what is done with
+    images that have an alpha channel.
 
     A folder without images of its own whose subfolders are named `<repeats>_<name>` (kohya's layout, e.g.
     `10_ohwx dog`, `1_style`) is read subfolder by subfolder: each item is trained on `repeats` times per epoch, an
@@ -337,6 +408,8 @@ def dataset_from_folder(
         raise DatasetError(f"control folder {display_path(control_folder)} does not exist or is not a folder")
     if mask_folder is not None and not Path(mask_folder).is_dir():
         raise DatasetError(f"mask folder {display_path(mask_folder)} does not exist or is not a folder")
+    if transparency not in TRANSPARENCY_MODES:
+        raise DatasetError(f"transparency must be one of {', '.join(TRANSPARENCY_MODES)}, got {transparency!r}")
     roots = tuple(roots) if roots else tuple(p for p in (folder, control_folder, mask_folder) if p is not None)
 
     concepts = repeat_folders_of(folder)
@@ -373,11 +446,30 @@ def dataset_from_folder(
             + (" (or in subfolders named '<repeats>_<name>', kohya's layout)" if not concepts else "")
             + (" (skipped:\n- " + "\n- ".join(problems) + ")" if problems else "") + also_noted(notes)
         )
+    items, alpha_images = _with_transparency(items, transparency)
     return Dataset(
         items=tuple(items), resolution=resolution, step=step, crop=crop, flip=flip, seed=seed,
         skip_bad=skip_bad, left_out=tuple(problems), notes=tuple(notes), repeat_folders=tuple(read),
-        unread_repeat_folders=unread,
+        unread_repeat_folders=unread, transparency=transparency, alpha_images=alpha_images,
     )
+
+
+def _with_transparency(items: list[DatasetItem], transparency: str) -> tuple[list[DatasetItem], int]:
+    """(the items with `transparency` applied to those whose image has an alpha channel, how many have one). Items
+    without transparency are unchanged whatever the mode, so their cache entries are shared between modes."""
+    done, alpha_images = [], 0
+    for item in items:
+        if not item.image.has_alpha():  # its header was read already (_check_item): no new failure here
+            done.append(item)
+            continue
+        alpha_images += 1
+        if transparency == "loss_mask":
+            done.append(replace(item, mask=AlphaMask(item.image, item.mask)))
+        elif transparency in BACKGROUNDS:
+            done.append(replace(item, image=FileImage(item.image.path, item.image.roots, BACKGROUNDS[transparency])))
+        else:
+            done.append(item)
+    return done, alpha_images
 
 
 # kohya's concept folders: "<repeats>_<name>", repeats from 1 (a leading zero or 0 repeats is no repeat folder)
