@@ -72,7 +72,8 @@ def _trigger_word_input():
     return io.String.Input("trigger_word", default="", optional=True,
                            tooltip="A word (or words) put in front of every caption, e.g. 'sks_dog' -> 'sks_dog, a dog "
                            "on grass' (captions that start with it already are kept); prompt with it to call up what "
-                           "the LoRA learned. Changing it encodes the captions again (Cache Text).")
+                           "the LoRA learned. Captions holding ai-toolkit's [trigger] placeholder get the word "
+                           "there instead. Changing it encodes the captions again (Cache Text).")
 
 
 def _extra_resolutions_input():

@@ -146,3 +146,21 @@ def test_captions_encoded_with_their_reference_images_are_shuffled_per_item(tmp_
         assert len({drawn[draw][-1, 0].item() for draw in range(3)}) == 1  # every order with this item's reference
     first, second = (item_conditioning(text, latents, item, 1)["cross_attn"] for item in range(2))
     assert first[-1, 0] != second[-1, 0]  # the same order, each item with its own reference
+
+
+def test_ai_toolkits_trigger_placeholder_takes_the_trigger_word_and_is_refused_without_one():
+    """Captions written for ai-toolkit hold '[trigger]' where the trigger word goes: it is put there (every one),
+    not in front; captions without it are prefixed as before; without a trigger word the placeholder would be
+    learned literally, so the dataset is refused, naming an item and the fix."""
+    from headroom.training.data.dataset import Dataset, DatasetError, DatasetItem, TensorImage, with_trigger_word
+
+    pixels = torch.zeros(8, 8, 3)
+    captions = ["[trigger] sitting on a sofa", "a photo of [trigger], [trigger] smiling", "a plain caption"]
+    dataset = Dataset(items=tuple(DatasetItem(f"image {i}", caption, TensorImage(pixels, f"image {i}"))
+                                  for i, caption in enumerate(captions)), resolution=64, step=64)
+    assert [item.caption for item in with_trigger_word(dataset, " ohwx ").items] == [
+        "ohwx sitting on a sofa", "a photo of ohwx, ohwx smiling", "ohwx, a plain caption"]
+    with pytest.raises(DatasetError, match=r"2 caption\(s\) hold ai-toolkit's \[trigger\] placeholder \(e\.g\. "
+                                           r"image 0: '\[trigger\] sitting on a sofa'\) but trigger_word is empty: "
+                                           r"set trigger_word"):
+        with_trigger_word(dataset, "")

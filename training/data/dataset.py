@@ -622,16 +622,30 @@ def _reason(error: BaseException) -> str:
     return "unknown format" if isinstance(error, UnidentifiedImageError) else text
 
 
+TRIGGER_PLACEHOLDER = "[trigger]"  # ai-toolkit's stand-in for the trigger word in captions
+
+
 def with_trigger_word(dataset: Dataset, word: str) -> Dataset:
-    """Every caption starting with `word` ("word, caption"; one that starts with it already is left as it is). The
-    captions are what the text cache is keyed by, so a new trigger word encodes them again."""
+    """Every caption starting with `word` ("word, caption"; one that starts with it already is left as it is). A
+    caption holding ai-toolkit's `[trigger]` placeholder gets `word` in its place instead, so datasets captioned for
+    ai-toolkit train as they did there; without a word such captions are refused (the encoder would learn the
+    literal '[trigger]'). The captions are what the text cache is keyed by, so a new trigger word encodes them
+    again."""
     word = word.strip()
     if any(ord(c) < 32 for c in word):
         raise DatasetError(f"trigger_word {word[:60]!r} contains control characters (a newline?): give one line")
     if not word:
+        placeholders = [item for item in dataset.items if TRIGGER_PLACEHOLDER in item.caption]
+        if placeholders:
+            raise DatasetError(
+                f"{len(placeholders)} caption(s) hold ai-toolkit's {TRIGGER_PLACEHOLDER} placeholder (e.g. "
+                f"{placeholders[0].name}: {placeholders[0].caption[:80]!r}) but trigger_word is empty: set "
+                f"trigger_word to the word it stands for, or remove {TRIGGER_PLACEHOLDER} from the captions")
         return dataset
 
     def prefixed(caption: str) -> str:
+        if TRIGGER_PLACEHOLDER in caption:
+            return caption.replace(TRIGGER_PLACEHOLDER, word)
         if caption == word or caption.startswith((f"{word},", f"{word} ")):
             return caption
         return f"{word}, {caption}" if caption else word
