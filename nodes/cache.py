@@ -453,6 +453,12 @@ class HeadroomCacheText(io.ComfyNode):
                 io.Int.Input("keep_tags", default=1, min=0, max=MAX_KEEP, optional=True, advanced=True,
                              tooltip="With tag_shuffles: the first this many tags stay in place (the trigger word; "
                              "kohya's keep_tokens). The rest are shuffled."),
+                # Appended last and optional: workflows saved before it existed keep working (no tag left out).
+                io.Float.Input("tag_dropout", default=0.0, min=0.0, max=1.0, step=0.05, optional=True, advanced=True,
+                               tooltip="With tag_shuffles: each shuffled order also leaves out each tag after the "
+                               "first keep_tags with this probability (kohya's caption_tag_dropout_rate), so the "
+                               "LoRA does not need every tag to call up what it learned; the caption as written stays "
+                               "one of the orders. Typical: 0.05-0.2. 0: every tag kept."),
             ],
             outputs=[TextCacheType.Output("text_cache", tooltip="The encoded captions, for the training nodes' "
                                       "text_cache."),
@@ -461,7 +467,7 @@ class HeadroomCacheText(io.ComfyNode):
 
     @classmethod
     def execute(cls, dataset, clip, policy=None, reference_encoding: str = "none", tag_shuffles: int = 0,
-                keep_tags: int = 1) -> io.NodeOutput:
+                keep_tags: int = 1, tag_dropout: float = 0.0) -> io.NodeOutput:
         name = node_name(cls)
         _check_policy(name, policy)
         if clip is None:
@@ -478,8 +484,14 @@ class HeadroomCacheText(io.ComfyNode):
                                         ("keep_tags", keep_tags, MAX_KEEP)):
             if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= most:
                 raise ValueError(f"{name}: {input_name}={value!r}: give a whole number from 0 to {most}")
+        check_finite(name, tag_dropout=tag_dropout)
+        if isinstance(tag_dropout, bool) or not isinstance(tag_dropout, (int, float)) or not 0 <= tag_dropout <= 1:
+            raise ValueError(f"{name}: tag_dropout={tag_dropout!r}: give a number from 0 to 1")
+        if tag_dropout and not tag_shuffles:
+            raise ValueError(f"{name}: tag_dropout={tag_dropout:g} leaves tags out of the shuffled orders, and "
+                             "tag_shuffles is 0 (none): set tag_shuffles to 4-8, or tag_dropout to 0")
         cache, summary = cache_clip_text(dataset, clip, policy, reference_encoding, node=name,
-                                         tag_shuffles=tag_shuffles, keep_tags=keep_tags)
+                                         tag_shuffles=tag_shuffles, keep_tags=keep_tags, tag_dropout=tag_dropout)
         return io.NodeOutput(cache, summary)
 
 

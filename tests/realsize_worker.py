@@ -209,7 +209,7 @@ def run_case(name: str, size: int, steps: int, checkpointing: bool, planner_esti
     with torch.inference_mode():  # as ComfyUI runs nodes
         images, caption_text, shapes = data_nodes.HeadroomSyntheticDataset.execute(count, size, 0).args
         tagged = name in TAG_CASES
-        if tagged:  # tag captions ('ohwx, a, red, circle, ...'), cached in several tag orders and trained on
+        if tagged:  # tag captions ('ohwx, a, red, circle, ...'), cached in several tag orders (some tags left out)
             caption_text = "\n".join(", ".join(["ohwx", *line.split()]) for line in caption_text.splitlines())
         captions = caption_text.splitlines()
         if name in ALPHA_CASES:
@@ -225,7 +225,8 @@ def run_case(name: str, size: int, steps: int, checkpointing: bool, planner_esti
                  "mean": float(latents.mask(i).mean()), "alpha_mean": float(shapes[i, ..., 0].mean())}
                 if latents.mask(i) is not None else None for i in range(len(latents))]
         report["buckets"] = {"x".join(map(str, bucket)): len(items) for bucket, items in latents.buckets.items()}
-        texts = cache_nodes.HeadroomCacheText.execute(dataset, clip, tag_shuffles=TAG_SHUFFLES if tagged else 0).args[0]
+        texts = cache_nodes.HeadroomCacheText.execute(dataset, clip, tag_shuffles=TAG_SHUFFLES if tagged else 0,
+                                                      tag_dropout=TAG_DROPOUT if tagged else 0.0).args[0]
         if tagged:
             report["tag_orders"] = tag_orders_report(clip, latents, texts, captions)
         lora = T.HeadroomLoraConfig.execute("lora", 16, 16.0, "preset", False, 0.0, 0).args[0]
@@ -326,8 +327,9 @@ def _other_format(run, model, clip, file_format: str, case: str) -> dict:
 
 
 OFT_CASES = ("zimage", "qwen_image")
-# Cases whose captions are tags cached in TAG_SHUFFLES other orders (Cache Text's tag_shuffles) at real width
-TAG_CASES, TAG_SHUFFLES = ("sdxl",), 2
+# Cases whose captions are tags cached in TAG_SHUFFLES other orders (Cache Text's tag_shuffles), leaving tags out at
+# TAG_DROPOUT (tag_dropout), at real width
+TAG_CASES, TAG_SHUFFLES, TAG_DROPOUT = ("sdxl",), 2, 0.3
 # Cases also cached and trained at a second size (the dataset nodes' extra_resolutions): case -> the size
 EXTRA_SIZE_CASES = {"sdxl": 128}
 
@@ -366,7 +368,7 @@ def tag_orders_report(clip, latents, texts, captions: list[str]) -> dict:
     for caption in captions:
         key = text_key(caption)
         assert any(latents.text_key(i) == key for i in range(len(latents)))
-        texts_of = tag_orders(caption, TAG_SHUFFLES, 1)
+        texts_of = tag_orders(caption, TAG_SHUFFLES, 1, TAG_DROPOUT)
         orders.append(texts.tag_orders(key))
         (cond, extras), = nodes.CLIPTextEncode().encode(clip, texts_of[-1])[0]
         cached = texts.conditioning(key, len(texts_of) - 1)

@@ -76,10 +76,11 @@ def encode_with_reference(encoding: str, clip, text: str, image: torch.Tensor, v
 
 
 def cache_clip_text(dataset, clip, policy=None, reference_encoding: str = "none", *, node: str, tag_shuffles: int = 0,
-                    keep_tags: int = 0):
+                    keep_tags: int = 0, tag_dropout: float = 0.0):
     """(TextCache, summary) of the dataset's captions and the empty prompt encoded by `clip` (cached ones reused);
     with a `reference_encoding` node, each caption is encoded with its item's control image by that node; with
-    `tag_shuffles`, other orders of each caption's tags too (cache_store.cache_text). `node`: the caching node's
+    `tag_shuffles`, other orders of each caption's tags too (with `tag_dropout`, some tags left out of them;
+    cache_store.cache_text). `node`: the caching node's
     display name, for messages."""
     store = open_store("text")
     options = {
@@ -130,7 +131,7 @@ def cache_clip_text(dataset, clip, policy=None, reference_encoding: str = "none"
             references=[item.control for item in dataset.items] if with_references else None,
             encode_with_reference=encode_reference if with_references else None,
             reference_encoding=reference_encoding if with_references else None,
-            tag_shuffles=tag_shuffles, keep_tags=keep_tags,
+            tag_shuffles=tag_shuffles, keep_tags=keep_tags, tag_dropout=tag_dropout,
         )
     cache.memory_phases = recorder.phases
     if dropped:

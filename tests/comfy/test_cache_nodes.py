@@ -508,6 +508,23 @@ def test_tag_shuffling_caches_each_order_as_clip_text_encode_and_a_run_keeps_its
         run = _init(model, latents, shuffled, "tags", batch_size=3)  # the same orders: it resumes
         T.HeadroomTrainSteps.execute(run, 3)
 
+        # tag_dropout: orders leaving tags out, each exactly CLIP Text Encode of its text; a run resumes only on the
+        # same rate; without shuffled orders there is nothing to leave tags out of.
+        dropped, summary = cache_nodes.HeadroomCacheText.execute(dataset, clip, tag_shuffles=4, keep_tags=1,
+                                                                 tag_dropout=0.3).args
+        assert "(keep_tags 1, tag_dropout 0.3)" in summary
+        key = latents.text_key(0)
+        for order, text in enumerate(tag_orders(captions[0], 4, 1, dropout=0.3)):
+            (cond, extras), = nodes.CLIPTextEncode().encode(clip, text)[0]
+            assert torch.equal(dropped.conditioning(key, order)["cross_attn"], cond[0]), text
+        with pytest.raises(ValueError, match=r"tag_shuffling.dropout: stored None, now 0.3"):
+            _init(model, latents, dropped, "tags", batch_size=3)
+        with pytest.raises(ValueError, match=r"Cache Text \(Headroom\): tag_dropout=0.2 leaves tags out of the "
+                                             r"shuffled orders, and tag_shuffles is 0"):
+            cache_nodes.HeadroomCacheText.execute(dataset, clip, tag_dropout=0.2)
+        with pytest.raises(ValueError, match=r"Cache Text \(Headroom\): tag_dropout=nan is not a finite number"):
+            cache_nodes.HeadroomCacheText.execute(dataset, clip, tag_shuffles=4, tag_dropout=float("nan"))
+
 
 def test_repeat_folders_through_the_nodes_train_each_item_as_often_as_its_folder_says(cache_dir, comfyui, tmp_path):
     """Dataset From Folder on kohya's layout in ComfyUI's input directory (`img/10_ohwx dog`, `img/1_style`): the node

@@ -44,6 +44,30 @@ def test_captions_with_few_orders_give_what_there_is():
             tag_orders("a, b, c", shuffles, keep)
 
 
+def test_tag_dropout_leaves_shuffled_tags_out_of_the_other_orders_at_its_rate():
+    """kohya's caption_tag_dropout_rate on cached orders: the caption as written first, then distinct shuffles each
+    leaving out tags after the kept ones at about the rate; the orders without dropout are those of before; a rate
+    that leaves few distinct orders gives those, and stops."""
+    tags = [f"tag{i}" for i in range(12)]
+    caption = ", ".join(["ohwx", *tags])
+    orders = tag_orders(caption, 16, 1, dropout=0.25)
+    assert orders[0] == caption and len(orders) == 17 and len(set(orders)) == 17
+    assert orders == tag_orders(caption, 16, 1, dropout=0.25)  # seeded by the caption: cached again, found again
+    kept = [split_tags(order) for order in orders[1:]]
+    assert all(order[0] == "ohwx" and set(order[1:]) <= set(tags) and len(set(order)) == len(order) for order in kept)
+    dropped = sum(len(tags) + 1 - len(order) for order in kept) / (16 * len(tags))
+    assert 0.15 < dropped < 0.35, dropped
+    assert tag_orders(caption, 16, 1, dropout=0.0) == tag_orders(caption, 16, 1)
+    # One tag after the kept one: with dropout it has one other order (the tag left out); at rate 1 every other
+    # order is the kept tags alone: one, and the draws stop.
+    assert tag_orders("ohwx, smiling", 4, 1, dropout=0.5) == ["ohwx, smiling", "ohwx"]
+    assert tag_orders(caption, 16, 1, dropout=1.0) == [caption, "ohwx"]
+    assert tag_orders("a photo of a cat", 4, 1, dropout=0.5) == ["a photo of a cat"]  # no tag after the kept one
+    for rate in (-0.1, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="tag_dropout=.*choose 0"):
+            tag_orders(caption, 4, 1, dropout=rate)
+
+
 def test_each_order_is_encoded_once_cached_and_found_again(tmp_path):
     captions = ["ohwx, red hair, smiling, outdoors", "ohwx, a photo", "a sentence without tags"]
     encoder = CountingTextEncoder()
@@ -69,6 +93,12 @@ def test_each_order_is_encoded_once_cached_and_found_again(tmp_path):
     plain, report = cache_text(captions, ShardStore(tmp_path / "text"), encoder, "fp-te", {})
     assert encoder.calls == [] and report.hits == 4  # as written: the same entries
     assert plain.tag_shuffling is None and plain.tag_orders(text_key(captions[0])) == 1
+
+    dropped, report = cache_text(captions, ShardStore(tmp_path / "text"), encoder, "fp-te", {}, tag_shuffles=3,
+                                 keep_tags=1, tag_dropout=0.5)
+    assert dropped.tag_shuffling == {"shuffles": 3, "keep": 1, "dropout": 0.5}  # what a run stores and resumes on
+    assert "(keep_tags 1, tag_dropout 0.5)" in report.summary()
+    assert dropped.tag_orders(text_key(captions[1])) == 2  # "ohwx, a photo" and "ohwx"
 
     _, report = cache_text(["a sentence", "another one"], ShardStore(tmp_path / "text"), encoder, "fp-te", {},
                            tag_shuffles=4, keep_tags=1)

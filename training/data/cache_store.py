@@ -665,7 +665,7 @@ class TextCache:
         # (Qwen-Image-Edit's TextEncodeQwenImageEdit); None: per caption, as CLIPTextEncode.
         self.reference_encoding = reference_encoding
         self.per_reference = reference_encoding is not None
-        # {"shuffles", "keep"} of caption_tags.tag_orders where captions were cached in several tag orders, else None:
+        # {"shuffles", "keep"(, "dropout")} of caption_tags.tag_orders where captions were cached in several tag orders, else None:
         # part of a run's configuration (a resumed run trains on the same orders).
         self.tag_shuffling = tag_shuffling
         self.memory_phases: list[dict] = []  # how building it went (memory_stats.PhaseRecorder records)
@@ -1036,6 +1036,7 @@ def cache_text(
     reference_encoding: str | None = None,
     tag_shuffles: int = 0,
     keep_tags: int = 0,
+    tag_dropout: float = 0.0,
 ) -> tuple[TextCache, CacheReport]:
     """Encode every distinct caption, and the empty prompt, that is not cached yet.
 
@@ -1044,7 +1045,8 @@ def cache_text(
     `encode_with_reference(text, pixels [H, W, 3])` and cached per (caption, reference), found by
     `reference_text_key`; `reference_encoding` names how (the stock node), and the empty prompt stays text only.
     With `tag_shuffles`, each caption's other tag orders (caption_tags.tag_orders, the first `keep_tags` in place)
-    are encoded too, with the same reference, under the caption's key.
+    are encoded too, with the same reference, under the caption's key; with `tag_dropout`, each other order leaves
+    out each of its shuffled tags with that probability.
     """
     started = time.monotonic()
     report = CacheReport(kind="text")
@@ -1064,7 +1066,7 @@ def cache_text(
         for caption in captions:
             if text_key(caption) not in wanted:
                 wanted[text_key(caption)] = [(text, None, entry_of(text))
-                                             for text in tag_orders(caption, tag_shuffles, keep_tags)]
+                                             for text in tag_orders(caption, tag_shuffles, keep_tags, tag_dropout)]
     else:
         if len(references) != len(captions) or any(source is None for source in references):
             raise DatasetError("encoding captions with reference images needs a control image for every item; give "
@@ -1074,7 +1076,7 @@ def cache_text(
             digest = source.digest()
             if reference_text_key(caption, digest) not in wanted:
                 wanted[reference_text_key(caption, digest)] = [
-                    (text, source, entry_of(text, digest)) for text in tag_orders(caption, tag_shuffles, keep_tags)]
+                    (text, source, entry_of(text, digest)) for text in tag_orders(caption, tag_shuffles, keep_tags, tag_dropout)]
 
     encodings = [order for orders in wanted.values() for order in orders]
     good, problems = store.verify(entry for _, _, entry in encodings)
@@ -1099,17 +1101,26 @@ def cache_text(
              for key, orders in wanted.items()}
     cache = TextCache(store.root, table, empty_key=empty_key, fingerprint=fingerprint,
                       reference_encoding=reference_encoding if references is not None else None,
-                      tag_shuffling={"shuffles": tag_shuffles, "keep": keep_tags} if tag_shuffles else None)
+                      tag_shuffling=_tag_shuffling(tag_shuffles, keep_tags, tag_dropout))
     report.items = len(encodings)
     report.bytes_total = sum(entries[entry]["bytes"] for _, _, entry in encodings)
     if tag_shuffles:
         shuffled = sum(len(orders) > 1 for key, orders in wanted.items() if key != empty_key)
         report.notes.append(f"tag shuffling: {shuffled} of {len(wanted) - 1} captions cached in "
                             f"{sum(len(orders) for orders in wanted.values()) - 1} tag orders in all (keep_tags "
-                            f"{keep_tags}); training picks one order per item and step")
+                            f"{keep_tags}" + (f", tag_dropout {tag_dropout:g}" if tag_dropout else "") +
+                            "); training picks one order per item and step")
         if not shuffled:
             report.warnings.append(f"tag_shuffles={tag_shuffles}, but no caption has two or more comma-separated "
                                    f"tags after its first {keep_tags}: every caption is cached as written (set "
                                    "tag_shuffles to 0 for captions in sentences)")
     report.seconds = time.monotonic() - started
     return cache, report
+
+
+def _tag_shuffling(shuffles: int, keep: int, dropout: float) -> dict | None:
+    """What a text cache's tag orders were drawn with, as runs store it ("dropout" only where used, so runs stored
+    before it existed resume), or None without tag orders."""
+    if not shuffles:
+        return None
+    return {"shuffles": shuffles, "keep": keep, **({"dropout": dropout} if dropout else {})}

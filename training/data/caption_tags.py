@@ -1,4 +1,4 @@
-"""Tag shuffling: other orders of a caption's comma-separated tags, for tag-captioned datasets.
+"""Tag shuffling (and tag dropout): other orders of a caption's comma-separated tags, for tag-captioned datasets.
 
 kohya's `shuffle_caption` / `keep_tokens` shuffle the tags of a caption every step, before the text encoder. Headroom
 trains on cached encodings, so the orders are drawn once, when the captions are cached: `tag_orders` gives, besides
@@ -6,7 +6,8 @@ the caption as written, up to `shuffles` other orders of its tags (the first `ke
 word), each encoded and cached; training picks one of a caption's orders at random per item and step
 (trainer `_SALT_TAGS`). Cost: the text cache holds (1 + shuffles) encodings per caption, and caching encodes as many.
 Written here because no library does it for cached encodings; the orders are seeded by the caption, so caching the
-same dataset again finds every order in the cache.
+same dataset again finds every order in the cache. With `dropout` (kohya's `caption_tag_dropout_rate`), each other
+order also leaves out each of its shuffled tags with that probability, so no tag is always there to lean on.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from collections import Counter
 
 MAX_SHUFFLES = 16  # the node's limit: each order is one more encoding per caption on disk (a T5 prompt: ~2-4 MB)
 MAX_KEEP = 64
+TRIES_PER_ORDER = 64  # with dropout, distinct orders are drawn until this many tries per order have been made
 
 
 def split_tags(caption: str) -> list[str]:
@@ -24,16 +26,21 @@ def split_tags(caption: str) -> list[str]:
     return [tag.strip() for tag in caption.split(",") if tag.strip()]
 
 
-def tag_orders(caption: str, shuffles: int, keep: int) -> list[str]:
+def tag_orders(caption: str, shuffles: int, keep: int, dropout: float = 0.0) -> list[str]:
     """The caption as written, then up to `shuffles` distinct other orders of its tags (the first `keep` in place),
     joined with ", ". Fewer where the tags have fewer orders (a caption without commas: none); the same caption,
-    shuffles and keep give the same orders."""
+    shuffles, keep and dropout give the same orders. `dropout`: each other order leaves out each tag after the
+    first `keep` with this probability (the orders without dropout are the ones of before it existed)."""
     if not 0 <= shuffles <= MAX_SHUFFLES:
         raise ValueError(f"tag_shuffles={shuffles}: choose 0 (captions as written) to {MAX_SHUFFLES}")
     if not 0 <= keep <= MAX_KEEP:
         raise ValueError(f"keep_tags={keep}: choose 0 to {MAX_KEEP}")
+    if not 0.0 <= dropout <= 1.0:  # NaN fails this too
+        raise ValueError(f"tag_dropout={dropout}: choose 0 (every tag kept) to 1")
     tags = split_tags(caption)
     kept, moved = tags[:keep], tags[keep:]
+    if dropout > 0 and shuffles > 0 and moved:
+        return _orders_with_dropout(caption, kept, moved, shuffles, keep, dropout)
     if shuffles == 0 or len(moved) < 2:
         return [caption]
     distinct = math.factorial(len(moved)) // math.prod(math.factorial(n) for n in Counter(moved).values())
@@ -43,6 +50,25 @@ def tag_orders(caption: str, shuffles: int, keep: int) -> list[str]:
     while len(orders) <= wanted:  # at most 16 of >= 17 distinct orders, or every one of few: ends quickly
         order = moved[:]
         rng.shuffle(order)
+        if tuple(order) not in seen:
+            seen.add(tuple(order))
+            orders.append(", ".join(kept + order))
+    return orders
+
+
+def _orders_with_dropout(caption: str, kept: list[str], moved: list[str], shuffles: int, keep: int,
+                         dropout: float) -> list[str]:
+    """tag_orders with dropout: each other order shuffles the moved tags and leaves out each with probability
+    `dropout`. The number of distinct results is hard to count (subsets times orders, fewer with repeated tags or a
+    high rate), so draws stop after TRIES_PER_ORDER per order wanted: fewer orders, never a loop without end."""
+    rng = random.Random(hashlib.sha256(f"{keep}\x00{dropout!r}\x00{caption}".encode("utf-8")).digest())
+    seen, orders = {tuple(moved)}, [caption]
+    for _ in range(TRIES_PER_ORDER * shuffles):
+        if len(orders) > shuffles:
+            break
+        order = moved[:]
+        rng.shuffle(order)
+        order = [tag for tag in order if rng.random() >= dropout]
         if tuple(order) not in seen:
             seen.add(tuple(order))
             orders.append(", ".join(kept + order))
