@@ -1,8 +1,12 @@
-"""Data nodes: a deterministic synthetic dataset for demos, tests and ControlNet work."""
-from comfy_api.latest import io
+"""Data nodes: a deterministic synthetic dataset for demos, tests and ControlNet work; a preview of what a dataset
+will train on."""
+from comfy_api.latest import io, ui
 
+from ..training.data.dataset import DatasetError
+from ..training.data.preview import MAX_PREVIEWS, preview_batch, preview_items, preview_lines
 from ..training.data.synthetic import COLOURS, SIZE_PRESETS, generate_shapes, parse_colours
 from .bridge.comfy_bridge import node_name
+from .io_types import DatasetType
 
 
 class HeadroomSyntheticDataset(io.ComfyNode):
@@ -61,4 +65,55 @@ class HeadroomSyntheticDataset(io.ComfyNode):
         return io.NodeOutput(data.images, "\n".join(data.captions), data.control_images)
 
 
-NODES = [HeadroomSyntheticDataset]
+class HeadroomPreviewDataset(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="HeadroomPreviewDataset",
+            display_name="Preview Dataset (Headroom)",
+            category="Headroom/data",
+            description="What the dataset will train on, before anything is cached: each item cropped to its "
+            "bucket exactly as Cache Latents will encode it (at resolution, not mirrored; a clip's first frame), "
+            "what its loss mask leaves out darkened, and its caption as it will be encoded (trigger word "
+            "included). Only the items shown are decoded.",
+            is_output_node=True,
+            inputs=[
+                DatasetType.Input("dataset", tooltip="From a Dataset node (Headroom)."),
+                io.Int.Input("count", default=16, min=1, max=MAX_PREVIEWS,
+                             tooltip="How many items to show, from start."),
+                io.Int.Input("start", default=0, min=0, max=10_000_000,
+                             tooltip="The first item shown (0: the first); step through a large dataset with it."),
+                io.Boolean.Input("show_masks", default=True,
+                                 tooltip="Darken what each item's loss mask (mask_folder, masks, or transparency "
+                                 "loss_mask) leaves out, so you see what is learned. Off: the crops as they are."),
+            ],
+            outputs=[
+                io.Image.Output("images", tooltip="The crops, scaled to fit 512 px and centred on a grey canvas of "
+                                "the largest bucket's shape (an IMAGE batch has one size); each bucket's size is in "
+                                "the captions."),
+                io.String.Output("captions", tooltip="One line per item: its number, name, bucket size (repeats, "
+                                 "share of the mask learned) and caption."),
+            ],
+        )
+
+    @classmethod
+    def execute(cls, dataset, count: int = 16, start: int = 0, show_masks: bool = True) -> io.NodeOutput:
+        name = node_name(cls)
+        if not 1 <= count <= MAX_PREVIEWS:
+            raise ValueError(f"{name}: count={count!r}: give 1 to {MAX_PREVIEWS}")
+        if not 0 <= start < len(dataset):
+            raise ValueError(f"{name}: start={start!r} is past the dataset's last item ({len(dataset)} items: give "
+                             f"0 to {len(dataset) - 1})")
+        previews = preview_items(dataset, start, count)
+        lines = preview_lines(previews)
+        try:
+            images = preview_batch(previews, show_masks)
+        except DatasetError as error:
+            raise DatasetError(f"{name}: {error}:\n- " + "\n- ".join(lines)) from None
+        shown = f"items {start}-{previews[-1].index} of {len(dataset)}, at resolution {dataset.resolution}"
+        text = "\n".join([shown + ":", *lines])
+        return io.NodeOutput(images, "\n".join(lines),
+                             ui={**ui.PreviewImage(images, cls=cls).as_dict(), "text": [text]})
+
+
+NODES = [HeadroomSyntheticDataset, HeadroomPreviewDataset]

@@ -346,7 +346,7 @@ YOUR_FOLDER_NOTE = f"""Tiny LoRA on your own folder of images. The demo's pipeli
 3. Pick the folder on Dataset From Folder ({YOUR_FOLDER} is already set), and set trigger_word to a word of your own: it goes in front of every caption; the validation prompts start with it.
 4. Run.
 
-Latents and captions are cached once, the LoRA trains 400 steps (the chart on Train steps shows loss and memory), the before/after grid (the model alone on top, with the LoRA below) lands in output/headroom_runs/your_folder/validation/, the LoRA in models/loras/headroom/. The tiny model knows only coloured shapes: expect colours and rough shapes, not your photos. For a real model, open sd15_lora, sdxl_lora, flux_lora, ... with the same folder."""
+Preview Dataset shows the first 8 images as they are cropped for training, each with its caption. Latents and captions are cached once, the LoRA trains 400 steps (the chart on Train steps shows loss and memory), the before/after grid (the model alone on top, with the LoRA below) lands in output/headroom_runs/your_folder/validation/, the LoRA in models/loras/headroom/. The tiny model knows only coloured shapes: expect colours and rough shapes, not your photos. For a real model, open sd15_lora, sdxl_lora, flux_lora, ... with the same folder."""
 
 YOUR_FOLDER_PROMPTS = "\n".join(f"{YOUR_FOLDER_TRIGGER}, a {what}" for what in [
     "red circle at the center", "blue square at the top left", "yellow triangle at the bottom right", "photo"])
@@ -381,6 +381,8 @@ def your_folder_lora() -> Workflow:
         Node(11, "HeadroomSaveLora", 6, {"subfolder": "headroom"}, links={"run": (10, "run")}, title="Save LoRA"),
         Node(12, "HeadroomVRAMMonitor", 6, links={"value": (11, "lora_name")}, title="Memory after the run"),
         Node(13, "PreviewAny", 6, links={"source": (12, "report")}, title="Memory report"),
+        Node(14, "HeadroomPreviewDataset", 2, {"count": 8}, links={"dataset": (3, "dataset")},
+             title="What it trains on (crops, captions)"),
     ])
 
 

@@ -397,6 +397,13 @@ def test_your_folder_template_lists_a_new_folder_after_pressing_r_and_trains_on_
     assert wait_outcome(page) == "success"
     page.wait_for_timeout(1000)
     assert f"models/loras/headroom/{run_name}_step000003" in notes(page, ids["HeadroomSaveLora"])
+    # What it trained on: Preview Dataset shows the folder's 3 crops and says what each is, on the node.
+    preview = ids["HeadroomPreviewDataset"]
+    page.wait_for_function("(id) => (window.app.graph.getNodeById(id).imgs ?? []).length === 3", arg=preview,
+                           timeout=30_000)
+    assert notes(page, preview).startswith("items 0-2 of 3, at resolution 64:\n0: "), notes(page, preview)
+    show_node(page, preview)
+    shot(page, "your_folder_preview")
 
     # A reload reads the node definitions again: a folder created since is listed on the restored graph.
     later = f"later_{tag}"

@@ -637,6 +637,43 @@ def test_transparency_through_the_folder_node(cache_dir, comfyui, tmp_path):
         "Warning: transparency is loss_mask, but no image has an alpha channel: nothing changes."]
 
 
+def test_preview_dataset_shows_the_crops_and_captions_the_run_will_train_on(comfyui, tmp_path):
+    """Preview Dataset on Dataset From Folder (trigger word, cut-outs as loss masks): the IMAGE batch, one caption
+    line per item as it will be encoded, the images saved where the editor shows a node's previews (ComfyUI's temp
+    folder) and the text on the node; start past the end is refused, naming the node."""
+    import folder_paths
+    from headroom.nodes import cache as cache_nodes
+    from headroom.nodes.data import HeadroomPreviewDataset
+
+    root = Path(folder_paths.get_input_directory()) / f"preview_{tmp_path.name}"
+    root.mkdir()
+    rng = np.random.default_rng(0)
+    for index, (width, height) in enumerate([(96, 48), (48, 96), (64, 64)]):
+        pixels = rng.integers(0, 255, (height, width, 4), dtype=np.uint8)
+        pixels[..., 3] = 255 if index else 0  # 0.png: transparent everywhere (nothing learned)
+        Image.fromarray(pixels).save(root / f"{index}.png")
+        (root / f"{index}.txt").write_text(f"[trigger] number {index}", encoding="utf-8")
+    dataset = cache_nodes.HeadroomDatasetFromFolder.execute(
+        folder=root.name, resolution=64, step=16, crop="center", flip=True, seed=0, skip_bad=False,
+        trigger_word="ohwx", transparency="loss_mask").args[0]
+    output = HeadroomPreviewDataset.execute(dataset, count=2, start=1)
+    images, captions = output.args
+    assert images.shape[0] == 2 and images.shape[-1] == 3 and images.dtype == torch.float32
+    lines = captions.splitlines()
+    assert len(lines) == 2 and lines[0].startswith("1: 1.png (") and lines[0].endswith(
+        ", mask: 100% learned): ohwx number 1")
+    ui = output.ui
+    assert len(ui["images"]) == 2 and all(entry["type"] == "temp" for entry in ui["images"])
+    assert all((Path(folder_paths.get_temp_directory()) / entry["subfolder"] / entry["filename"]).is_file()
+               for entry in ui["images"])
+    assert ui["text"] == [f"items 1-2 of 3, at resolution 64:\n{captions}"]
+    first = HeadroomPreviewDataset.execute(dataset, count=1, start=0).args
+    assert first[1].endswith(", mask: 0% learned): ohwx number 0") and first[0].max() <= 0.25  # all darkened
+    with pytest.raises(ValueError, match=r"Preview Dataset \(Headroom\): start=3 is past the dataset's last item "
+                                         r"\(3 items: give 0 to 2\)"):
+        HeadroomPreviewDataset.execute(dataset, count=4, start=3)
+
+
 def test_extra_resolutions_through_the_nodes(cache_dir, comfyui, tmp_path):
     """The dataset nodes' extra_resolutions: sizes parsed and checked with the node named; the folder node says the
     sizes; a tiny SD1.5 run trains on batches of each size, never mixed."""
