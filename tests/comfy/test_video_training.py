@@ -96,13 +96,16 @@ def test_video_folder_caches_5d_latents_in_frame_buckets(cache_dir, tmp_path):
     _write_video(folder / "b_video.mp4", clips.clips[1])
     _write_frames(folder / "c_short", clips.clips[2, :3])
     Image.fromarray((clips.clips[3, 0].numpy() * 255).astype(np.uint8)).save(folder / "d_image.png")
-    for name, caption in zip(("a_frames", "b_video", "c_short", "d_image"), clips.captions):
-        (folder / f"{name}.txt").write_text(caption)
+    # Captions as .txt, or as kohya's .caption (a frame folder's beside it: a_frames.caption)
+    for name, caption, extension in zip(("a_frames", "b_video", "c_short", "d_image"), clips.captions,
+                                        (".caption", ".txt", ".txt", ".caption")):
+        (folder / f"{name}{extension}").write_text(caption)
 
     model, clip, vae = _tiny_wan()
     with torch.inference_mode():
         dataset = cache_nodes.HeadroomDatasetFromVideos.execute(folder.name, 32, 16, "center", False, 0, False,
                                                                 max_frames=81, frame_stride=1).args[0]
+    assert [item.caption for item in dataset.items] == list(clips.captions) and dataset.notes == ()
     latents, texts = _cache(dataset, vae, clip)
     shapes = {latents.name(i): tuple(latents.latent(i).shape) for i in range(len(latents))}
     assert shapes == {"a_frames": (16, 2, 4, 4), "b_video.mp4": (16, 3, 4, 4), "c_short": (16, 1, 4, 4),

@@ -127,3 +127,26 @@ def test_a_cache_without_repeat_folders_batches_as_before():
     cache = MemoryLatentCache(latents, [f"k{i}" for i in range(6)])
     batches = _Batches(cache, None, list(range(6)), TrainConfig(batch_size=2, seed=3))
     assert batches.per_epoch == 3 and sorted(i for b in range(3) for i in batches[b]) == list(range(6))
+
+
+def test_kohya_caption_files_are_read_where_there_is_no_txt(tmp_path):
+    """kohya sd-scripts' default caption_extension is .caption: such captions are read (a .txt beside one wins), never
+    reported as unsupported files; a .caption with no image is noted as a .txt one is."""
+    images = tmp_path / "img" / "5_ohwx"
+    write_images(images, ["a", "b", "c"], {"a": "from txt"})
+    (images / "b.caption").write_text("from caption", encoding="utf-8")
+    (images / "a.caption").write_text("not read: a.txt wins", encoding="utf-8")
+    (images / "orphan.caption").write_text("no image", encoding="utf-8")
+    dataset = read(tmp_path / "img")
+    assert [(item.name, item.caption) for item in dataset.items] == [
+        ("5_ohwx/a.png", "from txt"), ("5_ohwx/b.png", "from caption"), ("5_ohwx/c.png", "ohwx")]
+    assert dataset.repeat_folders[0].named_captions == 1  # only c has neither file
+    assert len(dataset.notes) == 1 and "orphan.caption: a caption with no image" in dataset.notes[0]
+
+    flat = tmp_path / "flat"
+    write_images(flat, ["x", "y"], {"x": "x as txt"})
+    (flat / "y.caption").write_text("y as caption", encoding="utf-8")
+    assert [item.caption for item in read(flat).items] == ["x as txt", "y as caption"]
+    (flat / "y.caption").unlink()
+    with pytest.raises(DatasetError, match=r"y.png: no caption file; write the caption into .*y\.txt"):
+        read(flat)

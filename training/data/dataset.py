@@ -33,6 +33,9 @@ from .files import UntrustedFileError, display_path, relative_text, resolve_insi
 MIN_RESOLUTION, MAX_RESOLUTION = 64, 4096  # the dataset nodes' resolution input's range
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
 CAPTION_EXTENSION = ".txt"
+# Caption files by preference: `.txt`, else `.caption` (kohya sd-scripts' default caption_extension), so a dataset
+# captioned for kohya reads as it is. An image with both reads its `.txt`.
+CAPTION_EXTENSIONS = (CAPTION_EXTENSION, ".caption")
 # Files other trainers keep beside the images, passed over rather than reported as unsupported: kohya sd-scripts'
 # latent and text-encoder caches (`img.npz`, `img_1024x1024_sdxl.npz`, `img_te.npz`).
 OTHER_TRAINERS_FILES = (".npz",)
@@ -339,7 +342,16 @@ def orphan_captions(entries: list[Path], stems: set[str], what: str = "image", a
     compare without case: on Windows and macOS photo.png reads Photo.txt as its caption."""
     known = {stem.casefold() for stem in stems}
     return [f"{display_path(path)}: a caption with no {what} of the same name; add the {add} or remove the caption"
-            for path in entries if path.suffix.lower() == CAPTION_EXTENSION and path.stem.casefold() not in known]
+            for path in entries if path.suffix.lower() in CAPTION_EXTENSIONS and path.stem.casefold() not in known]
+
+
+def caption_file(base: Path, frame_folder: bool = False) -> Path:
+    """The caption file of the image (or clip) at `base`: `<stem>.txt`, else `<stem>.caption` where only that
+    exists; a frame folder's is `<folder name>.txt` (or `.caption`) beside it. The `.txt` path when neither exists
+    (where a message says to write it)."""
+    candidates = [base.parent / (base.name + extension) if frame_folder else base.with_suffix(extension)
+                  for extension in CAPTION_EXTENSIONS]
+    return next((path for path in candidates if os.path.lexists(path)), candidates[0])
 
 
 def _images_in(folder: Path) -> "ByName":
@@ -391,7 +403,7 @@ def dataset_from_folder(
     mask_folder: Path | None = None,
     transparency: str = "ignore",
 ) -> Dataset:
-    """Images in `folder` with same-name `.txt` captions; control images in `control_folder` and loss masks in
+    """Images in `folder` with same-name `.txt` (or `.caption`) captions; control images in `control_folder` and loss masks in
     `mask_folder` matched by file name stem (any supported extension) and of the same size as their image
     (an image without a mask is learned whole). Files are read only where they resolve inside `roots`
     (default: the dataset, control and mask folders). `transparency` (TRANSPARENCY_MODES): what is done with
@@ -516,14 +528,14 @@ def _folder_items(folder: Path, control_folder: Path | None, mask_folder: Path |
 
     items, problems, named = [], [], 0
     entries = [path for path in _entries(folder) if path.suffix.lower() not in OTHER_TRAINERS_FILES]
-    notes = orphan_captions(entries, {path.stem for path in entries if path.suffix.lower() != CAPTION_EXTENSION})
+    notes = orphan_captions(entries, {path.stem for path in entries if path.suffix.lower() not in CAPTION_EXTENSIONS})
     stems = {path.stem for path in entries if path.suffix.lower() in IMAGE_EXTENSIONS}
     if control_folder is not None:
         notes += controls.unmatched(stems, "control image", control_folder)
     if mask_folder is not None:
         notes += masks.unmatched(stems, "mask", mask_folder)
     for path in entries:
-        if path.suffix.lower() == CAPTION_EXTENSION:
+        if path.suffix.lower() in CAPTION_EXTENSIONS:
             continue
         if path.suffix.lower() not in IMAGE_EXTENSIONS:
             problems.append(
@@ -531,7 +543,7 @@ def _folder_items(folder: Path, control_folder: Path | None, mask_folder: Path |
                 "move it out of the dataset folder"
             )
             continue
-        without_caption = name_caption is not None and not os.path.lexists(path.with_suffix(CAPTION_EXTENSION))
+        without_caption = name_caption is not None and not os.path.lexists(caption_file(path))
         caption = (name_caption,) if without_caption else _read_caption(path, roots)
         problem = caption if not isinstance(caption, tuple) else _check_item(path, controls, control_folder, roots)
         mask_path = masks.get(path.stem)
@@ -557,7 +569,7 @@ def also_noted(notes: list[str]) -> str:
 def _read_caption(image_path: Path, roots: tuple[Path, ...], caption_path: Path | None = None) -> tuple[str] | str:
     """(the caption of an image,) or a message naming the problem and its fix. `caption_path`: where it is when not
     beside the image under the same stem (a frame folder's `<folder name>.txt`)."""
-    caption_path = caption_path or image_path.with_suffix(CAPTION_EXTENSION)
+    caption_path = caption_path or caption_file(image_path)
     where = display_path(caption_path)
     if not os.path.lexists(caption_path):
         return f"{display_path(image_path)}: no caption file; write the caption into {where}"

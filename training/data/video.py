@@ -27,8 +27,9 @@ import numpy as np
 import torch
 
 from .. import os_compat
-from .dataset import (CAPTION_EXTENSION, IMAGE_EXTENSIONS, MAX_IMAGE_PIXELS, ByName, Dataset, DatasetError, DatasetItem,
-                      FileImage, TensorImage, _read_caption, also_noted, name_order, orphan_captions)
+from .dataset import (CAPTION_EXTENSION, CAPTION_EXTENSIONS, IMAGE_EXTENSIONS, MAX_IMAGE_PIXELS, ByName, Dataset,
+                      DatasetError, DatasetItem, FileImage, TensorImage, _read_caption, also_noted, caption_file,
+                      name_order, orphan_captions)
 from .files import UntrustedFileError, display_path, resolve_inside
 
 VIDEO_EXTENSIONS = (".mp4", ".webm", ".mov", ".mkv", ".avi", ".m4v")
@@ -355,19 +356,19 @@ def dataset_from_video_folder(folder: Path, *, resolution: int, step: int, crop:
     masks = _masks_in(Path(mask_folder), roots) if mask_folder is not None else ByName({})
     items, problems = [], []
     entries = [path for path in sorted(folder.iterdir(), key=name_order) if not os_compat.is_hidden(path)]
-    # A frame folder's caption is `<folder name>.txt`, a file's `<stem>.txt`.
+    # A frame folder's caption is `<folder name>.txt`, a file's `<stem>.txt` (or `.caption`: caption_file).
     frame_folder = {path: path.is_dir() and not path.is_symlink() for path in entries}
     names = {path.name if frame_folder[path] else path.stem for path in entries
-             if path.suffix.lower() != CAPTION_EXTENSION}
+             if path.suffix.lower() not in CAPTION_EXTENSIONS}
     notes = orphan_captions([path for path in entries if not frame_folder[path]], names, "clip or image", "clip")
     if mask_folder is not None:
         notes += masks.unmatched(names, "mask", mask_folder, "clip or image")
     for path in entries:
         suffix = path.suffix.lower()
-        if suffix == CAPTION_EXTENSION:
+        if suffix in CAPTION_EXTENSIONS:
             continue
         source = _source_at(path, roots, frame_rate)
-        caption_path = path.parent / (path.name + CAPTION_EXTENSION) if isinstance(source, FrameFolder) else None
+        caption_path = caption_file(path, frame_folder=True) if isinstance(source, FrameFolder) else None
         if source is None:
             problems.append(f"{display_path(path)}: unsupported file type {suffix!r} (videos: {', '.join(VIDEO_EXTENSIONS)}; "
                             f"images: {', '.join(IMAGE_EXTENSIONS)}; or a folder of frames); move it out of the "
