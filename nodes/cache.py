@@ -73,7 +73,8 @@ def _trigger_word_input():
                            tooltip="A word (or words) put in front of every caption, e.g. 'sks_dog' -> 'sks_dog, a dog "
                            "on grass' (captions that start with it already are kept); prompt with it to call up what "
                            "the LoRA learned. Captions holding ai-toolkit's [trigger] placeholder get the word "
-                           "there instead. Changing it encodes the captions again (Cache Text).")
+                           "there instead. On Dataset From Folder, images without a caption file are captioned with "
+                           "the word alone. Changing it encodes the captions again (Cache Text).")
 
 
 def _extra_resolutions_input():
@@ -144,6 +145,9 @@ def _dataset_text(node: str, dataset, what: str, item: str) -> dict:
                     for folder in dataset.repeat_folders)]
     if dataset.unread_repeat_folders:
         lines.append(f"Warning: {unread_repeat_folders_warning(dataset.unread_repeat_folders)}.")
+    if dataset.default_captions:
+        lines.append(f"{dataset.default_captions} of {len(dataset)} {what} have no caption file: captioned with the "
+                     "trigger word alone.")
     transparency = _transparency_text(dataset)
     if transparency:
         log.info("%s: %s", node, transparency)
@@ -151,7 +155,8 @@ def _dataset_text(node: str, dataset, what: str, item: str) -> dict:
     if dataset.left_out:
         lines += [f"{len(dataset)} {what}; {len(dataset.left_out)} left out (skip_bad):", *_listed(dataset.left_out)]
     if dataset.notes:
-        if not (dataset.left_out or dataset.repeat_folders or dataset.extra_resolutions or transparency):
+        if not (dataset.left_out or dataset.repeat_folders or dataset.extra_resolutions or transparency
+                or dataset.default_captions):
             lines.insert(0, f"{len(dataset)} {what}.")
         lines += [f"Warning: {len(dataset.notes)} caption(s) with no {item} of the same name (not used):",
                   *_listed(dataset.notes)]
@@ -270,7 +275,8 @@ class HeadroomDatasetFromFolder(io.ComfyNode):
         images, control, masks = resolve_folders(folder, control_folder, mask_folder)
         dataset = _dataset_from(FOLDER_NODE, dataset_from_folder, folder=images, control_folder=control,
                                 resolution=resolution, step=step, crop=crop, flip=flip, seed=seed, skip_bad=skip_bad,
-                                roots=tuple(map(Path, dataset_roots())), mask_folder=masks, transparency=transparency)
+                                roots=tuple(map(Path, dataset_roots())), mask_folder=masks, transparency=transparency,
+                                default_caption=(trigger_word or "").strip() or None)
         dataset = _with_extra_resolutions(FOLDER_NODE, dataset, extra_resolutions)
         return io.NodeOutput(_with_trigger_word(FOLDER_NODE, dataset, trigger_word),
                              ui=_dataset_text(FOLDER_NODE, dataset, "images", "image"))

@@ -674,6 +674,26 @@ def test_preview_dataset_shows_the_crops_and_captions_the_run_will_train_on(comf
         HeadroomPreviewDataset.execute(dataset, count=4, start=3)
 
 
+def test_a_folder_without_captions_trains_on_its_trigger_word(comfyui, tmp_path):
+    """Dataset From Folder on images without caption files: with a trigger word each is captioned with it (the node
+    says how many); without one, the error names the image and both fixes."""
+    import folder_paths
+    from headroom.nodes import cache as cache_nodes
+
+    root = Path(folder_paths.get_input_directory()) / f"uncaptioned_{tmp_path.name}"
+    root.mkdir()
+    for index in range(3):
+        Image.fromarray(np.full((32, 32, 3), 40 * index, np.uint8)).save(root / f"{index}.png")
+    (root / "0.txt").write_text("a grey square", encoding="utf-8")
+    inputs = dict(folder=root.name, resolution=32, step=32, crop="center", flip=False, seed=0, skip_bad=False)
+    output = cache_nodes.HeadroomDatasetFromFolder.execute(**inputs, trigger_word="sks_style")
+    assert [item.caption for item in output.args[0].items] == ["sks_style, a grey square", "sks_style", "sks_style"]
+    assert output.ui["text"] == ["2 of 3 images have no caption file: captioned with the trigger word alone."]
+    with pytest.raises(ValueError, match=r"(?s)Dataset From Folder \(Headroom\): 2 problem\(s\) .*1.png: no caption "
+                                         r"file; write the caption into .*1\.txt \(or set trigger_word"):
+        cache_nodes.HeadroomDatasetFromFolder.execute(**inputs)
+
+
 def test_extra_resolutions_through_the_nodes(cache_dir, comfyui, tmp_path):
     """The dataset nodes' extra_resolutions: sizes parsed and checked with the node named; the folder node says the
     sizes; a tiny SD1.5 run trains on batches of each size, never mixed."""

@@ -786,6 +786,10 @@ def _float_call(world, node: str, name: str, value: float):
     if node == "HeadroomTrainLora":  # checked first, before the run is built from the other inputs
         return _as_run(T.HeadroomTrainLora).execute(steps=2, validate_every=0, save_every=0, lora_subfolder="x",
                                            **{"checkpoint_minutes": 1.0, name: value})
+    if node == "HeadroomCacheText":  # checked before anything is encoded
+        dataset = C.HeadroomDatasetFromImages.execute(torch.rand(1, 32, 32, 3), "a, b, c", 32, 32, "center", False,
+                                                      0).args[0]
+        return _as_run(C.HeadroomCacheText).execute(dataset, world["clip"], tag_shuffles=4, tag_dropout=value)
     if node == "HeadroomDatasetFromVideos":  # checked before the folder is looked at
         return _as_run(C.HeadroomDatasetFromVideos).execute(folder="", resolution=64, step=16, crop="center", flip=False,
                                                    seed=0, skip_bad=False, frame_rate=value)
@@ -807,7 +811,8 @@ FLOAT_INPUTS = [("HeadroomLoraConfig", "alpha"), ("HeadroomLoraConfig", "dropout
                 ("HeadroomOffloadPolicy", "vram_budget_gb"), ("HeadroomOffloadPolicy", "reserve_gb"),
                 ("HeadroomOffloadPolicy", "host_ram_budget_gb"),
                 ("HeadroomTrainLora", "checkpoint_minutes"), ("HeadroomValidate", "frame_rate"),
-                ("HeadroomTrainLora", "frame_rate"), ("HeadroomDatasetFromVideos", "frame_rate")]
+                ("HeadroomTrainLora", "frame_rate"), ("HeadroomDatasetFromVideos", "frame_rate"),
+                ("HeadroomCacheText", "tag_dropout")]
 
 
 def display_name(node_id: str) -> str:

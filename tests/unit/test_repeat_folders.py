@@ -150,3 +150,19 @@ def test_kohya_caption_files_are_read_where_there_is_no_txt(tmp_path):
     (flat / "y.caption").unlink()
     with pytest.raises(DatasetError, match=r"y.png: no caption file; write the caption into .*y\.txt"):
         read(flat)
+
+
+def test_with_a_default_caption_images_without_a_caption_file_take_it(tmp_path):
+    """A flat folder of uncaptioned images (a style or a subject trained on its trigger word alone): the node passes
+    its trigger word as the default caption; without one, the missing caption's message says so. In repeat folders
+    the folder's name stays the caption, as kohya's."""
+    flat = tmp_path / "flat"
+    write_images(flat, ["x", "y", "z"], {"x": "a caption of its own"})
+    dataset = read(flat, default_caption="sks_style")
+    assert [item.caption for item in dataset.items] == ["a caption of its own", "sks_style", "sks_style"]
+    assert dataset.default_captions == 2 and [item.name for item in dataset.items] == ["x.png", "y.png", "z.png"]
+    with pytest.raises(DatasetError, match=r"y.png: no caption file; write the caption into .*y\.txt \(or set "
+                                           r"trigger_word: images without a caption file are then captioned with it"):
+        read(flat)
+    kohya = read(kohya_layout(tmp_path / "kohya"), default_caption="sks_style")
+    assert kohya.items[-1].caption == "ohwx dog" and kohya.default_captions == 0

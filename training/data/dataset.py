@@ -274,6 +274,8 @@ class Dataset:
     # Images with transparency (dataset_from_folder) and what was done with them (TRANSPARENCY_MODES).
     transparency: str = "ignore"
     alpha_images: int = 0
+    # Images without a caption file captioned with dataset_from_folder's default_caption (the trigger word)
+    default_captions: int = 0
 
     def __post_init__(self):
         if not self.items:
@@ -402,12 +404,14 @@ def dataset_from_folder(
     roots: tuple[Path, ...] | None = None,
     mask_folder: Path | None = None,
     transparency: str = "ignore",
+    default_caption: str | None = None,
 ) -> Dataset:
     """Images in `folder` with same-name `.txt` (or `.caption`) captions; control images in `control_folder` and loss masks in
     `mask_folder` matched by file name stem (any supported extension) and of the same size as their image
     (an image without a mask is learned whole). Files are read only where they resolve inside `roots`
     (default: the dataset, control and mask folders). `transparency` (TRANSPARENCY_MODES): what is done with
-    images that have an alpha channel.
+    images that have an alpha channel. `default_caption` (the node's trigger word): the caption of an image without
+    a caption file, else such an image is a problem.
 
     A folder without images of its own whose subfolders are named `<repeats>_<name>` (kohya's layout, e.g.
     `10_ohwx dog`, `1_style`) is read subfolder by subfolder: each item is trained on `repeats` times per epoch, an
@@ -425,7 +429,7 @@ def dataset_from_folder(
     roots = tuple(roots) if roots else tuple(p for p in (folder, control_folder, mask_folder) if p is not None)
 
     concepts = repeat_folders_of(folder)
-    read, unread = [], ()
+    read, unread, default_captions = [], (), 0
     # Listed a second time only where there are repeat folders: a folder of its own images reads them, as before.
     if concepts and not any(path.suffix.lower() in IMAGE_EXTENSIONS for path in _entries(folder)):
         items, problems, notes = [], [], []
@@ -437,13 +441,14 @@ def dataset_from_folder(
             name_caption = path.name.partition("_")[2].strip()
             got, left, noted, named = _folder_items(
                 path, _mirrored(control_folder, path.name, "control"), _mirrored(mask_folder, path.name, "mask"),
-                roots, repeats=repeats, name_caption=name_caption)
+                roots, repeats=repeats, name_caption=name_caption, in_repeat_folder=True)
             items += got
             problems += left
             notes += noted
             read.append(RepeatFolder(path.name, repeats, len(got), named))
     else:
-        items, problems, notes, _ = _folder_items(folder, control_folder, mask_folder, roots)
+        items, problems, notes, default_captions = _folder_items(folder, control_folder, mask_folder, roots,
+                                                                 name_caption=default_caption)
         unread = tuple(path.name for path, _ in concepts)
 
     if problems and not skip_bad:
@@ -463,6 +468,7 @@ def dataset_from_folder(
         items=tuple(items), resolution=resolution, step=step, crop=crop, flip=flip, seed=seed,
         skip_bad=skip_bad, left_out=tuple(problems), notes=tuple(notes), repeat_folders=tuple(read),
         unread_repeat_folders=unread, transparency=transparency, alpha_images=alpha_images,
+        default_captions=default_captions,
     )
 
 
@@ -519,10 +525,11 @@ def _mirrored(folder: Path | None, name: str, what: str) -> Path | None:
 
 
 def _folder_items(folder: Path, control_folder: Path | None, mask_folder: Path | None, roots: tuple[Path, ...],
-                  repeats: int = 1, name_caption: str | None = None) -> tuple[list, list[str], list[str], int]:
+                  repeats: int = 1, name_caption: str | None = None,
+                  in_repeat_folder: bool = False) -> tuple[list, list[str], list[str], int]:
     """(items, problems, notes, images captioned with `name_caption`) of the images in one folder (not its
-    subfolders). `name_caption`: the caption of an image without a caption file (a repeat folder's name), else a
-    missing caption is a problem."""
+    subfolders). `name_caption`: the caption of an image without a caption file (a repeat folder's name, or the
+    trigger word), else a missing caption is a problem. Items in a repeat folder are named with it."""
     controls = _images_in(Path(control_folder)) if control_folder is not None else ByName({})
     masks = _images_in(Path(mask_folder)) if mask_folder is not None else ByName({})
 
@@ -544,7 +551,9 @@ def _folder_items(folder: Path, control_folder: Path | None, mask_folder: Path |
             )
             continue
         without_caption = name_caption is not None and not os.path.lexists(caption_file(path))
-        caption = (name_caption,) if without_caption else _read_caption(path, roots)
+        caption = (name_caption,) if without_caption else _read_caption(
+            path, roots, missing_hint="" if in_repeat_folder else
+            " (or set trigger_word: images without a caption file are then captioned with it alone)")
         problem = caption if not isinstance(caption, tuple) else _check_item(path, controls, control_folder, roots)
         mask_path = masks.get(path.stem)
         if not problem and mask_path is not None:
@@ -554,7 +563,7 @@ def _folder_items(folder: Path, control_folder: Path | None, mask_folder: Path |
             continue
         control = FileImage(controls.get(path.stem), roots) if control_folder is not None else None
         mask = FileImage(mask_path, roots) if mask_path is not None else None
-        name = path.name if name_caption is None else f"{folder.name}/{path.name}"
+        name = f"{folder.name}/{path.name}" if in_repeat_folder else path.name
         items.append(DatasetItem(name=name, caption=caption[0], image=FileImage(path, roots), control=control,
                                  mask=mask, repeats=repeats))
         named += without_caption
@@ -566,13 +575,15 @@ def also_noted(notes: list[str]) -> str:
     return "\nAlso:\n- " + "\n- ".join(notes) if notes else ""
 
 
-def _read_caption(image_path: Path, roots: tuple[Path, ...], caption_path: Path | None = None) -> tuple[str] | str:
-    """(the caption of an image,) or a message naming the problem and its fix. `caption_path`: where it is when not
-    beside the image under the same stem (a frame folder's `<folder name>.txt`)."""
+def _read_caption(image_path: Path, roots: tuple[Path, ...], caption_path: Path | None = None,
+                  missing_hint: str = "") -> tuple[str] | str:
+    """(the caption of an image,) or a message naming the problem and its fix (`missing_hint`: another fix of a
+    missing caption file). `caption_path`: where it is when not beside the image under the same stem (a frame
+    folder's `<folder name>.txt`)."""
     caption_path = caption_path or caption_file(image_path)
     where = display_path(caption_path)
     if not os.path.lexists(caption_path):
-        return f"{display_path(image_path)}: no caption file; write the caption into {where}"
+        return f"{display_path(image_path)}: no caption file; write the caption into {where}{missing_hint}"
     try:
         real = resolve_inside(caption_path, roots, "caption")
         if not real.is_file():
