@@ -144,3 +144,19 @@ def test_cached_alpha_masks_take_the_images_crop_and_flip_and_opaque_images_shar
     changed = (white.latent(0) - plain.latent(0)).abs().amax(0)
     assert changed[0, 0] > 0.5 and changed[2, 2] == 0  # corner: transparent; (16..23, 16..23): inside the square
     torch.testing.assert_close(white.latent(2), plain.latent(2))
+
+
+def test_jfif_and_avif_images_are_read(tmp_path):
+    """Windows browsers save JPEGs as .jfif; AVIF (where Pillow decodes it) with its alpha: both read as any image."""
+    from PIL import features
+
+    pixels = cut_out()
+    write(tmp_path, "photo.jfif", pixels[..., :3], quality=95, format="JPEG")
+    names = ["photo.jfif"]
+    if features.check("avif"):  # the venv's Pillow (13) has it; an older one reports .avif as unsupported
+        write(tmp_path, "cut.avif", pixels, quality=100)
+        names.insert(0, "cut.avif")
+    dataset = dataset_from_folder(tmp_path, resolution=32, step=16, transparency="loss_mask")
+    assert [item.name for item in dataset.items] == names
+    assert dataset.alpha_images == len(names) - 1
+    assert FileImage(tmp_path / "photo.jfif").load().shape == (32, 48, 3)

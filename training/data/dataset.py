@@ -24,14 +24,17 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import Image, ImageOps, UnidentifiedImageError, features
 
 from .. import os_compat, public_module
 from .buckets import CROP_MODES
 from .files import UntrustedFileError, display_path, relative_text, resolve_inside
 
 MIN_RESOLUTION, MAX_RESOLUTION = 64, 4096  # the dataset nodes' resolution input's range
-IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
+# `.jfif`: JPEGs as Windows browsers save them; `.avif` where this Pillow decodes it (11.3+ with libavif), else such
+# files are reported as unsupported, naming the extensions that are.
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".jfif", ".webp", ".bmp", ".tif", ".tiff") + (
+    (".avif",) if features.check("avif") else ())
 CAPTION_EXTENSION = ".txt"
 # Caption files by preference: `.txt`, else `.caption` (kohya sd-scripts' default caption_extension), so a dataset
 # captioned for kohya reads as it is. An image with both reads its `.txt`.
