@@ -194,3 +194,32 @@ def test_ai_toolkits_trigger_placeholder_takes_the_trigger_word_and_is_refused_w
                                            r"image 0: '\[trigger\] sitting on a sofa'\) but trigger_word is empty: "
                                            r"set trigger_word"):
         with_trigger_word(dataset, "")
+
+
+def test_a_caption_file_of_several_lines_is_cached_line_by_line_and_trained_one_line_per_step(tmp_path):
+    """Several lines in a caption file are alternative captions (OneTrainer's and kohya's wildcard convention): each
+    line is cached (with its tag orders) under the caption's key, the first line as the caption used without a draw;
+    a trigger word goes before every line; the file's blank lines and indents are dropped."""
+    from PIL import Image
+
+    from headroom.training.data.caption_tags import caption_variants
+    from headroom.training.data.dataset import dataset_from_folder, with_trigger_word
+
+    Image.new("RGB", (32, 32)).save(tmp_path / "a.png")
+    (tmp_path / "a.txt").write_text("a dog on grass\r\n\r\n   a brown dog, outdoors  \n", encoding="utf-8")
+    caption = dataset_from_folder(tmp_path, resolution=32, step=32).items[0].caption
+    assert caption == "a dog on grass\na brown dog, outdoors"
+    dataset = dataset_from_folder(tmp_path, resolution=32, step=32)
+    assert with_trigger_word(dataset, "ohwx").items[0].caption == "ohwx, a dog on grass\nohwx, a brown dog, outdoors"
+    assert caption_variants(caption) == ["a dog on grass", "a brown dog, outdoors"]
+    assert caption_variants(caption, 4, 0) == ["a dog on grass", "a brown dog, outdoors", "outdoors, a brown dog"]
+    assert caption_variants("one line, two tags", 4, 0) == tag_orders("one line, two tags", 4, 0)  # as before
+
+    encoder = CountingTextEncoder()
+    cache, report = cache_text([caption, "a cat"], ShardStore(tmp_path / "text"), encoder, "fp-te", {})
+    key = text_key(caption)
+    assert cache.tag_orders(key) == 2 and cache.tag_shuffling is None
+    for order, line in enumerate(caption_variants(caption)):
+        assert torch.equal(cache.conditioning(key, order)["cross_attn"], CountingTextEncoder()(line)["cross_attn"])
+    assert caption not in encoder.calls  # never the lines joined
+    assert "1 caption(s) of several lines: each line cached as an alternative caption" in report.summary()

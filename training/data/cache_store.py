@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from .. import os_compat, public_module
-from .caption_tags import tag_orders
+from .caption_tags import caption_lines, caption_variants
 from .buckets import CropPlan, apply_crop, make_buckets, nearest_bucket, plan_crop
 from .dataset import Dataset, DatasetError, reduce_factor
 from .video import clip_frame_rate, clip_frames, is_video
@@ -1046,7 +1046,8 @@ def cache_text(
     `reference_text_key`; `reference_encoding` names how (the stock node), and the empty prompt stays text only.
     With `tag_shuffles`, each caption's other tag orders (caption_tags.tag_orders, the first `keep_tags` in place)
     are encoded too, with the same reference, under the caption's key; with `tag_dropout`, each other order leaves
-    out each of its shuffled tags with that probability.
+    out each of its shuffled tags with that probability. A caption of several lines (alternative captions) is
+    cached line by line under its key (caption_tags.caption_variants), each line with its tag orders.
     """
     started = time.monotonic()
     report = CacheReport(kind="text")
@@ -1066,7 +1067,7 @@ def cache_text(
         for caption in captions:
             if text_key(caption) not in wanted:
                 wanted[text_key(caption)] = [(text, None, entry_of(text))
-                                             for text in tag_orders(caption, tag_shuffles, keep_tags, tag_dropout)]
+                                             for text in caption_variants(caption, tag_shuffles, keep_tags, tag_dropout)]
     else:
         if len(references) != len(captions) or any(source is None for source in references):
             raise DatasetError("encoding captions with reference images needs a control image for every item; give "
@@ -1076,7 +1077,7 @@ def cache_text(
             digest = source.digest()
             if reference_text_key(caption, digest) not in wanted:
                 wanted[reference_text_key(caption, digest)] = [
-                    (text, source, entry_of(text, digest)) for text in tag_orders(caption, tag_shuffles, keep_tags, tag_dropout)]
+                    (text, source, entry_of(text, digest)) for text in caption_variants(caption, tag_shuffles, keep_tags, tag_dropout)]
 
     encodings = [order for orders in wanted.values() for order in orders]
     good, problems = store.verify(entry for _, _, entry in encodings)
@@ -1104,6 +1105,10 @@ def cache_text(
                       tag_shuffling=_tag_shuffling(tag_shuffles, keep_tags, tag_dropout))
     report.items = len(encodings)
     report.bytes_total = sum(entries[entry]["bytes"] for _, _, entry in encodings)
+    several = len({text_key(caption) for caption in captions if len(caption_lines(caption)) > 1})
+    if several:
+        report.notes.append(f"{several} caption(s) of several lines: each line cached as an alternative caption; "
+                            "training picks one per item and step")
     if tag_shuffles:
         shuffled = sum(len(orders) > 1 for key, orders in wanted.items() if key != empty_key)
         report.notes.append(f"tag shuffling: {shuffled} of {len(wanted) - 1} captions cached in "

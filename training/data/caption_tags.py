@@ -21,6 +21,23 @@ MAX_KEEP = 64
 TRIES_PER_ORDER = 64  # with dropout, distinct orders are drawn until this many tries per order have been made
 
 
+def caption_lines(caption: str) -> list[str]:
+    """A caption file's lines, stripped, empty ones left out: several lines are alternative captions of one image
+    (OneTrainer's and kohya's wildcard convention), one picked per step."""
+    return [line.strip() for line in caption.splitlines() if line.strip()]
+
+
+def caption_variants(caption: str, shuffles: int = 0, keep: int = 0, dropout: float = 0.0) -> list[str]:
+    """Every text cached for a caption, the one used where no draw is made first: a one-line caption's tag orders
+    (tag_orders: the caption as written first), or, for a caption of several lines, each line's tag orders in turn
+    (the first line as written first), once each. Training draws one per item and step, uniformly: a line with
+    more tag orders is picked more often, in proportion to them."""
+    lines = caption_lines(caption)
+    if len(lines) < 2:
+        return tag_orders(caption, shuffles, keep, dropout)
+    return list(dict.fromkeys(text for line in lines for text in tag_orders(line, shuffles, keep, dropout)))
+
+
 def split_tags(caption: str) -> list[str]:
     """The caption's tags: its comma-separated parts, stripped, empty ones left out (kohya's split)."""
     return [tag.strip() for tag in caption.split(",") if tag.strip()]

@@ -593,8 +593,10 @@ def _read_caption(image_path: Path, roots: tuple[Path, ...], caption_path: Path 
             return f"{where}: the caption is not a regular file (a broken symlink or a folder?); replace it"
         if real.stat().st_size > CAPTION_MAX_BYTES:
             return f"{where}: caption is larger than {CAPTION_MAX_BYTES >> 20} MiB; shorten it"
-        # Notepad's "UTF-8 with BOM" puts U+FEFF first, which would become part of the caption
-        return (real.read_text(encoding="utf-8").removeprefix("\ufeff").strip(),)
+        # Notepad's "UTF-8 with BOM" puts U+FEFF first, which would become part of the caption. Several lines are
+        # alternative captions (caption_tags.caption_lines): kept one per line, blank lines and indents dropped.
+        text = real.read_text(encoding="utf-8").removeprefix("\ufeff")
+        return ("\n".join(line.strip() for line in text.splitlines() if line.strip()),)
     except UntrustedFileError as error:
         return str(error)
     except (OSError, UnicodeDecodeError) as error:
@@ -670,6 +672,8 @@ def with_trigger_word(dataset: Dataset, word: str) -> Dataset:
         return dataset
 
     def prefixed(caption: str) -> str:
+        if "\n" in caption:  # alternative captions, one per line: each gets the word
+            return "\n".join(prefixed(line) for line in caption.split("\n"))
         if TRIGGER_PLACEHOLDER in caption:
             return caption.replace(TRIGGER_PLACEHOLDER, word)
         if caption == word or caption.startswith((f"{word},", f"{word} ")):

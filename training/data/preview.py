@@ -97,6 +97,7 @@ def preview_lines(previews: list[ItemPreview], caption_chars: int = 160) -> list
             continue
         extras = "".join([f", x{p.repeats} per epoch" if p.repeats > 1 else "",
                           f", mask: {p.mask.mean().item():.0%} learned" if p.mask is not None else ""])
-        caption = p.caption if len(p.caption) <= caption_chars else p.caption[:caption_chars - 3] + "..."
+        caption = p.caption.replace("\n", " | ")  # alternative captions, one picked per step
+        caption = caption if len(caption) <= caption_chars else caption[:caption_chars - 3] + "..."
         lines.append(f"{p.index}: {p.name} ({p.bucket[0]}x{p.bucket[1]}{extras}): {caption or '(empty caption)'}")
     return lines
