@@ -17,15 +17,13 @@ import re
 from dataclasses import replace
 from pathlib import Path
 
-import torch
-
 from comfy_api.latest import io
 
 from ..training.checks import check_finite
 from ..training.data.caption_tags import MAX_KEEP, MAX_SHUFFLES
-from ..training.data.dataset import (TRANSPARENCY_MODES, DatasetError, dataset_from_folder, dataset_from_tensors,
-                                     folder_signature, split_captions, unread_repeat_folders_warning,
-                                     with_trigger_word)
+from ..training.data.dataset import (TRANSPARENCY_MODES, DatasetError, dataset_from_folder, dataset_from_image_list,
+                                     dataset_from_tensors, folder_signature, split_captions,
+                                     unread_repeat_folders_warning, with_trigger_word)
 from ..training.data.video import MAX_CLIP_FRAMES, MAX_FRAMES_DEFAULT, VIDEO_EXTENSIONS, dataset_from_video_folder
 from ..training.memory.policy import OffloadPolicy
 from .bridge.cache_folders import check_dataset_folder, dataset_folders, dataset_roots, resolve_folders
@@ -362,11 +360,17 @@ class HeadroomDatasetFromImages(io.ComfyNode):
             display_name="Dataset From Images (Headroom)",
             category="Headroom/data",
             description="A dataset from an IMAGE batch and its captions (one per line, in image order), with an "
-            "optional control IMAGE batch of the same size.",
+            "optional control IMAGE batch of the same size; or from the image and text lists ComfyUI's own dataset "
+            "nodes give (Load Image-Text (from Folder), Resize Images, Add Text Prefix, ...), images of any sizes, "
+            "one caption each.",
+            # Lists arrive whole (one run of the node, not one per image): ComfyUI's dataset nodes give lists.
+            is_input_list=True,
             inputs=[
-                io.Image.Input("images", tooltip="The training images as an IMAGE batch (e.g. from Load Image)."),
+                io.Image.Input("images", tooltip="The training images: an IMAGE batch (e.g. from Load Image), or the "
+                               "image list of ComfyUI's dataset nodes (sizes may differ)."),
                 io.String.Input("captions", multiline=True, default="",
-                                tooltip="One caption per line, in the order of the images."),
+                                tooltip="One caption per line, in the order of the images; or the text list of "
+                                "ComfyUI's dataset nodes (one caption per image)."),
                 io.Image.Input("control_images", optional=True,
                                tooltip="One control image per image, of the same size."),
                 *_bucket_inputs(),
@@ -381,14 +385,41 @@ class HeadroomDatasetFromImages(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls, images: torch.Tensor, captions: str, resolution: int, step: int, crop: str, flip: bool,
-                seed: int, control_images: torch.Tensor | None = None, masks: torch.Tensor | None = None,
-                trigger_word: str = "", extra_resolutions: str = "") -> io.NodeOutput:
+    def execute(cls, images, captions, resolution, step, crop, flip, seed, control_images=None, masks=None,
+                trigger_word="", extra_resolutions="") -> io.NodeOutput:
         node = "Dataset From Images (Headroom)"
-        dataset = dataset_from_tensors(images, split_captions(captions), control_images, resolution=resolution,
-                                       step=step, crop=crop, flip=flip, seed=seed, masks=masks)
-        dataset = _with_extra_resolutions(node, dataset, extra_resolutions)
-        return io.NodeOutput(_with_trigger_word(node, dataset, trigger_word))
+        # is_input_list: every input is a list (a widget's value: a list of one); called directly: as given.
+        images, texts = _as_list(images), _as_list(captions)
+        controls = _as_list(control_images) if control_images is not None else None
+        mask_list = _as_list(masks) if masks is not None else None
+        settings = {name: _one_value(node, name, value) for name, value in dict(
+            resolution=resolution, step=step, crop=crop, flip=flip, seed=seed, trigger_word=trigger_word,
+            extra_resolutions=extra_resolutions).items()}
+        buckets = {name: settings[name] for name in ("resolution", "step", "crop", "flip", "seed")}
+        if len(images) == 1:  # one IMAGE batch, captions one per line (or one per image from a list of texts)
+            captions_of = split_captions(texts[0]) if len(texts) == 1 else list(texts)
+            dataset = _dataset_from(node, dataset_from_tensors, images=images[0], captions=captions_of,
+                                    control_images=controls[0] if controls else None,
+                                    masks=mask_list[0] if mask_list else None, **buckets)
+        else:  # a list of IMAGEs: ComfyUI's dataset nodes
+            captions_of = split_captions(texts[0]) if len(texts) == 1 else list(texts)
+            dataset = _dataset_from(node, dataset_from_image_list, images=images, captions=captions_of,
+                                    control_images=controls, masks=mask_list, **buckets)
+        dataset = _with_extra_resolutions(node, dataset, settings["extra_resolutions"])
+        return io.NodeOutput(_with_trigger_word(node, dataset, settings["trigger_word"]))
+
+
+def _as_list(value) -> list:
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def _one_value(node: str, name: str, value):
+    """A setting of a node whose inputs arrive as lists: its one value (a widget's list of one; a list input linked
+    to it must hold one value throughout)."""
+    values = _as_list(value)
+    if not values or any(v != values[0] for v in values[1:]):
+        raise ValueError(f"{node}: {name} got {len(values)} different values from a list; give it one value")
+    return values[0]
 
 
 class HeadroomCacheLatents(io.ComfyNode):

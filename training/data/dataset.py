@@ -745,6 +745,65 @@ def dataset_from_tensors(
     return Dataset(items=items, resolution=resolution, step=step, crop=crop, flip=flip, seed=seed)
 
 
+def dataset_from_image_list(
+    images: list[torch.Tensor],
+    captions: list[str],
+    control_images: list[torch.Tensor] | None = None,
+    *,
+    resolution: int,
+    step: int,
+    crop: str = "center",
+    flip: bool = False,
+    seed: int = 0,
+    masks: list[torch.Tensor] | None = None,
+) -> Dataset:
+    """Items from a list of IMAGEs, as ComfyUI's own dataset nodes give them (Load Image-Text (from Folder), Resize
+    Images, ...: one [1, H, W, 3] per image, sizes differing), each element's images in turn, with one caption per
+    image; control images and masks ([H, W] or [B, H, W]) as lists of the same shape, or one mask for all."""
+    def flat(batches, what: str) -> list[torch.Tensor]:
+        out = []
+        for position, batch in enumerate(batches):
+            if batch.ndim == 2 and what == "masks":
+                batch = batch.unsqueeze(0)  # a single mask [H, W]
+            if batch.ndim != (3 if what == "masks" else 4) or (what != "masks" and batch.shape[-1] != 3):
+                shape = "a MASK [B, H, W]" if what == "masks" else "an IMAGE [B, H, W, 3]"
+                raise DatasetError(f"{what} list element {position} must be {shape}, got shape "
+                                   f"{tuple(batch.shape)}")
+            out += list(batch)
+        return out
+
+    pictures = flat(images, "images")
+    if len(captions) != len(pictures):
+        raise DatasetError(f"{len(pictures)} images but {len(captions)} captions; give one caption per image, in "
+                           "the order of the images")
+    controls = flat(control_images, "control_images") if control_images is not None else None
+    if controls is not None and (len(controls) != len(pictures) or
+                                 any(c.shape != p.shape for c, p in zip(controls, pictures))):
+        raise DatasetError(f"control_images: {len(controls)} images for {len(pictures)} images, or of other sizes; "
+                           "give one control image of its image's size per image")
+    mask_list = flat(masks, "masks") if masks is not None else None
+    if mask_list is not None:
+        if len(mask_list) == 1:
+            mask_list = mask_list * len(pictures)
+        if len(mask_list) != len(pictures) or any(m.shape != p.shape[:2] for m, p in zip(mask_list, pictures)):
+            raise DatasetError(f"masks: {len(mask_list)} masks for {len(pictures)} images, or of other sizes; give "
+                               "one mask of its image's size per image (or one for all)")
+    items = tuple(
+        DatasetItem(
+            name=f"image {index}",
+            caption="\n".join(line.strip() for line in captions[index].splitlines() if line.strip()),
+            image=TensorImage(picture, f"image {index} of the IMAGE list"),
+            control=None if controls is None else TensorImage(controls[index], f"control image {index} of the list"),
+            mask=None if mask_list is None
+            else TensorImage(mask_list[index].unsqueeze(-1).expand(-1, -1, 3), f"mask {index} of the MASK list"),
+        )
+        for index, picture in enumerate(pictures)
+    )
+    if not items:
+        raise DatasetError("the image list is empty")
+    return Dataset(items=items, resolution=resolution, step=step, crop=crop, flip=flip, seed=seed)
+
+
 def folder_signature(*folders: Path | None) -> str:
     """A cheap digest of the folders' listings (names, sizes, mtimes), their repeat folders' too (a folder without
     any gives what it gave before they existed): changes when any file changes."""
