@@ -223,3 +223,25 @@ def test_a_caption_file_of_several_lines_is_cached_line_by_line_and_trained_one_
         assert torch.equal(cache.conditioning(key, order)["cross_attn"], CountingTextEncoder()(line)["cross_attn"])
     assert caption not in encoder.calls  # never the lines joined
     assert "1 caption(s) of several lines: each line cached as an alternative caption" in report.summary()
+
+
+def test_wildcards_make_a_text_per_combination_cached_and_drawn_per_step(tmp_path):
+    """kohya's {a|b} wildcards: every combination (the first options first), an empty option without a double space,
+    braces without '|' left as written, many combinations sampled to MAX_WILDCARD_TEXTS, seeded by the line; each text
+    cached under the caption's key, never the braces."""
+    from headroom.training.data.caption_tags import MAX_WILDCARD_TEXTS, caption_variants, wildcard_texts
+
+    assert wildcard_texts("a {red|blue} car{| with wheels}") == [
+        "a red car", "a red car with wheels", "a blue car", "a blue car with wheels"]
+    assert wildcard_texts("a {} thing {x} {y|}") == ["a {} thing {x} y", "a {} thing {x}"]
+    many = wildcard_texts("{a|b|c} {d|e|f} {g|h|i}")  # 27 combinations
+    assert len(many) == MAX_WILDCARD_TEXTS and many[0] == "a d g" and many == wildcard_texts("{a|b|c} {d|e|f} {g|h|i}")
+    assert caption_variants("ohwx, {red|blue} hair, smiling", 2, 1) == [
+        "ohwx, red hair, smiling", "ohwx, smiling, red hair", "ohwx, blue hair, smiling", "ohwx, smiling, blue hair"]
+
+    caption = "a {red|blue} car\na truck"
+    encoder = CountingTextEncoder()
+    cache, report = cache_text([caption], ShardStore(tmp_path / "text"), encoder, "fp-te", {})
+    assert cache.tag_orders(text_key(caption)) == 3
+    assert sorted(encoder.calls) == sorted(["", "a red car", "a blue car", "a truck"])
+    assert "1 caption(s) with {a|b} wildcards: each text they make cached" in report.summary()

@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from .. import os_compat, public_module
-from .caption_tags import caption_lines, caption_variants
+from .caption_tags import MAX_WILDCARD_TEXTS, WILDCARD, caption_lines, caption_variants
 from .buckets import CropPlan, apply_crop, make_buckets, nearest_bucket, plan_crop
 from .dataset import Dataset, DatasetError, reduce_factor
 from .video import clip_frame_rate, clip_frames, is_video
@@ -1109,6 +1109,10 @@ def cache_text(
     if several:
         report.notes.append(f"{several} caption(s) of several lines: each line cached as an alternative caption; "
                             "training picks one per item and step")
+    wildcards = len({text_key(caption) for caption in captions if WILDCARD.search(caption)})
+    if wildcards:
+        report.notes.append(f"{wildcards} caption(s) with {{a|b}} wildcards: each text they make cached (at most "
+                            f"{MAX_WILDCARD_TEXTS} per line); training picks one per item and step")
     if tag_shuffles:
         shuffled = sum(len(orders) > 1 for key, orders in wanted.items() if key != empty_key)
         report.notes.append(f"tag shuffling: {shuffled} of {len(wanted) - 1} captions cached in "

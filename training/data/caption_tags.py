@@ -12,8 +12,10 @@ order also leaves out each of its shuffled tags with that probability, so no tag
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 import random
+import re
 from collections import Counter
 
 MAX_SHUFFLES = 16  # the node's limit: each order is one more encoding per caption on disk (a T5 prompt: ~2-4 MB)
@@ -27,15 +29,47 @@ def caption_lines(caption: str) -> list[str]:
     return [line.strip() for line in caption.splitlines() if line.strip()]
 
 
+WILDCARD = re.compile(r"\{([^{}]*\|[^{}]*)\}")  # kohya's wildcard: {red|blue|green}, one option per step
+MAX_WILDCARD_TEXTS = 16  # per line: more combinations are sampled (seeded by the line), the first options first
+
+
+def wildcard_texts(line: str) -> list[str]:
+    """The texts a line's `{a|b|c}` wildcards make (kohya's enable_wildcard): every combination of one option per
+    group, the first options first, at most MAX_WILDCARD_TEXTS (sampled, seeded by the line, where there are
+    more); a line without wildcards: itself. Braces without '|' are left as written."""
+    groups = [match.group(1).split("|") for match in WILDCARD.finditer(line)]  # spaces kept, as written
+    if not groups:
+        return [line]
+    parts = WILDCARD.split(line)[::2]  # the text around the groups
+
+    def text(choice: tuple[int, ...]) -> str:
+        joined = parts[0] + "".join(group[i] + part for group, i, part in zip(groups, choice, parts[1:]))
+        return " ".join(joined.split())  # an empty option leaves no double space
+
+    total = math.prod(len(group) for group in groups)
+    if total <= MAX_WILDCARD_TEXTS:
+        choices = list(itertools.product(*(range(len(group)) for group in groups)))
+    else:
+        rng = random.Random(hashlib.sha256(f"wildcards\x00{line}".encode("utf-8")).digest())
+        choices = [tuple(0 for _ in groups)]
+        while len(choices) < MAX_WILDCARD_TEXTS:  # total > 16 distinct: ends
+            choice = tuple(rng.randrange(len(group)) for group in groups)
+            if choice not in choices:
+                choices.append(choice)
+    return list(dict.fromkeys(text(choice) for choice in choices))
+
+
 def caption_variants(caption: str, shuffles: int = 0, keep: int = 0, dropout: float = 0.0) -> list[str]:
     """Every text cached for a caption, the one used where no draw is made first: a one-line caption's tag orders
     (tag_orders: the caption as written first), or, for a caption of several lines, each line's tag orders in turn
-    (the first line as written first), once each. Training draws one per item and step, uniformly: a line with
-    more tag orders is picked more often, in proportion to them."""
+    (the first line as written first), once each; a line with `{a|b}` wildcards, each text they make
+    (wildcard_texts) with its tag orders. Training draws one per item and step, uniformly: a line with more tag
+    orders is picked more often, in proportion to them."""
     lines = caption_lines(caption)
-    if len(lines) < 2:
+    if len(lines) < 2 and not WILDCARD.search(caption):
         return tag_orders(caption, shuffles, keep, dropout)
-    return list(dict.fromkeys(text for line in lines for text in tag_orders(line, shuffles, keep, dropout)))
+    texts = [text for line in lines for text in wildcard_texts(line)]
+    return list(dict.fromkeys(order for text in texts for order in tag_orders(text, shuffles, keep, dropout)))
 
 
 def split_tags(caption: str) -> list[str]:
