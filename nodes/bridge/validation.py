@@ -19,6 +19,7 @@ from comfy_api.latest import ui
 from ...training.checks import check_finite
 from ...training.core.validation_grid import grid_png, labelled_grid
 from ...training.data.cache_store import item_conditioning
+from ...training.data.dataset import TRIGGER_PLACEHOLDER
 from ...training.data.files import save_safetensors, write_bytes
 from ...training.memory.policy import PolicyError
 from . import video
@@ -239,6 +240,15 @@ def save_validation(run: TrainingRun, images: torch.Tensor, samples: torch.Tenso
     return path
 
 
+def check_no_placeholder(name: str, prompts: str) -> None:
+    """Sample prompts copied from an ai-toolkit config hold its [trigger] placeholder, which ai-toolkit fills in; here
+    the samples would show what the literal text does, so it is refused, naming the prompt."""
+    for number, line in enumerate((prompts or "").splitlines(), start=1):
+        if TRIGGER_PLACEHOLDER in line:
+            raise ValueError(f"{name}: prompt line {number} ({line.strip()[:60]!r}) holds ai-toolkit's "
+                             f"{TRIGGER_PLACEHOLDER} placeholder: write the trigger word itself in its place")
+
+
 def validate(node_cls, run: TrainingRun, clip=None, vae=None, prompts="", negative="", sample_seed=0,
              sample_steps=20, cfg=4.0, sampler_name="euler", scheduler="normal", width=512, height=512,
              loss_timesteps=4, lora_application="as_saved_file", weights="auto", compare_base=False,
@@ -251,6 +261,7 @@ def validate(node_cls, run: TrainingRun, clip=None, vae=None, prompts="", negati
     LTXVConditioning node; 0: the first cached clip's (video.validation_frame_rate)."""
     name = node_name(node_cls)
     check_finite(name, cfg=cfg, frame_rate=frame_rate)
+    check_no_placeholder(name, prompts)
     run.resolve_weights(weights)  # a wrong choice is an input error, before anything runs
     video.check_frames(name, run.source_model.model, frames)
     rate = video.validation_frame_rate(name, run.source_model.model, run.latent_cache, frame_rate)

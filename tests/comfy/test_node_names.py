@@ -41,6 +41,16 @@ def test_errors_of_the_init_and_all_in_one_nodes_name_the_node_that_failed(comfy
                                           **RUN_INPUTS)
     with pytest.raises(ValueError, match=r"^Train LoRA: Steps \(Headroom\): checkpoint_every=-1 and "):
         T.HeadroomTrainSteps.execute(None, 5, checkpoint_every=-1)
+    # Sample prompts copied from an ai-toolkit config: refused before the run is touched (the all-in-one node: before
+    # any step, not at its first validation)
+    placeholder = r"prompt line 2 \('\[trigger\] holding a sign'\) holds ai-toolkit's \[trigger\] placeholder"
+    with pytest.raises(ValueError, match=r"^Validate LoRA \(Headroom\): " + placeholder):
+        T.HeadroomValidate.execute(None, clip=None, vae=None, prompts="a cat\n[trigger] holding a sign", negative="",
+                                   sample_seed=0, sample_steps=1, cfg=1.0, sampler_name="euler", scheduler="normal",
+                                   width=64, height=64, loss_timesteps=1)
+    with pytest.raises(ValueError, match=r"^Train LoRA \(Headroom\): " + placeholder):
+        T.HeadroomTrainLora.execute(steps=2, validate_every=0, save_every=0, lora_subfolder="headroom", **RUN_INPUTS,
+                                    prompts="a cat\n[trigger] holding a sign")
 
 
 def test_errors_of_data_and_model_nodes_name_the_node(comfyui):
