@@ -10,6 +10,7 @@ import torch
 import comfy.model_management
 
 from ...training.data.cache_store import CacheStoreError, cache_latents, cache_text
+from ...training.data.caption_tags import TooManyVariants
 from ...training.data.files import WriteError
 from ...training.memory.memory_stats import PhaseRecorder
 from .cache_folders import open_store, with_relocate_hint
@@ -28,6 +29,15 @@ def _encoding(patcher, policy, recorder: PhaseRecorder, phase: str):
         raise with_relocate_hint(error) from error
     finally:
         unload_encoder(patcher, policy)
+
+
+@contextlib.contextmanager
+def _named(node: str, *errors: type[Exception]):
+    """Those errors as ValueError naming the node users see (the engine's messages name the caption or file)."""
+    try:
+        yield
+    except errors as error:
+        raise ValueError(f"{node}: {error}") from None
 
 
 def cache_vae_latents(dataset, vae, control_encoding: str = "pixels", policy=None, start_image: str = "none", *,
@@ -123,7 +133,7 @@ def cache_clip_text(dataset, clip, policy=None, reference_encoding: str = "none"
 
     recorder = PhaseRecorder(clip.patcher.load_device)
     with_references = reference_encoding != "none"
-    with _encoding(clip.patcher, policy, recorder, "caching text"):
+    with _encoding(clip.patcher, policy, recorder, "caching text"), _named(node, TooManyVariants):
         cache, report = cache_text(
             [item.caption for item in dataset.items], store, encode, encoder_fingerprint(clip.patcher), options,
             progress=ProgressForward(),

@@ -524,6 +524,11 @@ def test_tag_shuffling_caches_each_order_as_clip_text_encode_and_a_run_keeps_its
             cache_nodes.HeadroomCacheText.execute(dataset, clip, tag_dropout=0.2)
         with pytest.raises(ValueError, match=r"Cache Text \(Headroom\): tag_dropout=nan is not a finite number"):
             cache_nodes.HeadroomCacheText.execute(dataset, clip, tag_shuffles=4, tag_dropout=float("nan"))
+        from dataclasses import replace
+
+        pasted = replace(dataset, items=(replace(dataset.items[0], caption="\n".join(map(str, range(40)))),))
+        with pytest.raises(ValueError, match=r"^Cache Text \(Headroom\): caption '0'... has 40 lines"):
+            cache_nodes.HeadroomCacheText.execute(pasted, clip)
 
 
 def test_repeat_folders_through_the_nodes_train_each_item_as_often_as_its_folder_says(cache_dir, comfyui, tmp_path):

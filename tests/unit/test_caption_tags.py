@@ -245,3 +245,16 @@ def test_wildcards_make_a_text_per_combination_cached_and_drawn_per_step(tmp_pat
     assert cache.tag_orders(text_key(caption)) == 3
     assert sorted(encoder.calls) == sorted(["", "a red car", "a blue car", "a truck"])
     assert "1 caption(s) with {a|b} wildcards: each text they make cached" in report.summary()
+
+
+def test_a_caption_that_would_make_too_many_texts_is_refused_naming_it():
+    """Caption files are untrusted: a file of many lines, or wildcards times tag orders, would each be an encoding on
+    disk; refused with what makes them, before anything is encoded."""
+    from headroom.training.data.caption_tags import MAX_LINES, MAX_VARIANTS, TooManyVariants, caption_variants
+
+    assert len(caption_variants("\n".join(f"line {i}" for i in range(MAX_LINES)))) == MAX_LINES
+    with pytest.raises(TooManyVariants, match=f"has {MAX_LINES + 1} lines \\(alternative captions\\); at most"):
+        caption_variants("\n".join(f"line {i}" for i in range(MAX_LINES + 1)))
+    with pytest.raises(TooManyVariants, match=r"makes 68 texts to cache \(2 line\(s\), 4 with their wildcards, then "
+                                              rf"their tag orders\); at most {MAX_VARIANTS}"):
+        caption_variants("{a|b}, x, y, z, w\n{c|d}, x, y, z, w", 16, 1)

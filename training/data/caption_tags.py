@@ -29,6 +29,14 @@ def caption_lines(caption: str) -> list[str]:
     return [line.strip() for line in caption.splitlines() if line.strip()]
 
 
+MAX_LINES = 32  # alternative captions per caption file: more is likely not captions (a pasted document)
+MAX_VARIANTS = 64  # texts cached per caption (lines x wildcard texts x tag orders): each is an encoding on disk
+
+
+class TooManyVariants(ValueError):
+    """A caption would be cached as more than MAX_VARIANTS texts; the message says what makes them."""
+
+
 WILDCARD = re.compile(r"\{([^{}]*\|[^{}]*)\}")  # kohya's wildcard: {red|blue|green}, one option per step
 MAX_WILDCARD_TEXTS = 16  # per line: more combinations are sampled (seeded by the line), the first options first
 
@@ -68,8 +76,16 @@ def caption_variants(caption: str, shuffles: int = 0, keep: int = 0, dropout: fl
     lines = caption_lines(caption)
     if len(lines) < 2 and not WILDCARD.search(caption):
         return tag_orders(caption, shuffles, keep, dropout)
+    if len(lines) > MAX_LINES:
+        raise TooManyVariants(f"caption {lines[0][:60]!r}... has {len(lines)} lines (alternative captions); at most "
+                              f"{MAX_LINES}")
     texts = [text for line in lines for text in wildcard_texts(line)]
-    return list(dict.fromkeys(order for text in texts for order in tag_orders(text, shuffles, keep, dropout)))
+    variants = list(dict.fromkeys(order for text in texts for order in tag_orders(text, shuffles, keep, dropout)))
+    if len(variants) > MAX_VARIANTS:
+        raise TooManyVariants(f"caption {lines[0][:60]!r} makes {len(variants)} texts to cache ({len(lines)} line(s), "
+                              f"{len(texts)} with their wildcards, then their tag orders); at most {MAX_VARIANTS}, "
+                              "each an encoding on disk: use fewer lines, wildcard options or tag_shuffles")
+    return variants
 
 
 def split_tags(caption: str) -> list[str]:
