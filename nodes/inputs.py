@@ -152,6 +152,15 @@ def noise_range_inputs() -> list:
     ]
 
 
+def masked_out_weight_input():
+    # Appended last and optional on every training node: workflows saved before it existed keep working (0).
+    return io.Float.Input("masked_out_weight", advanced=True, default=0.0, min=0.0, max=1.0, step=0.01, optional=True,
+                          tooltip="Loss weight of what loss masks leave out (mask_folder, masks, transparency "
+                          "loss_mask): 0, they are not learned at all; a little, e.g. 0.1 (OneTrainer's unmasked "
+                          "weight), keeps the model's backgrounds from drifting while the subject is learned. Items "
+                          "without a mask are learned whole either way.")
+
+
 def frames_input():
     # Appended last and optional: workflows saved before it existed keep working (images).
     return io.Int.Input("frames", advanced=True, default=1, min=1, max=1025, optional=True,

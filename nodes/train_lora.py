@@ -32,7 +32,8 @@ from .bridge.run_lora import REFERENCES, SAVE_DTYPES, LoraRunConfig, open_lora_r
 from .bridge.run_settings import effective_batch, resolve_policy, run_fingerprint, train_config
 from .bridge.validation import check_no_placeholder, validate
 from .inputs import (DEFAULT_CHECKPOINT_MINUTES, added_train_inputs, checkpoint_inputs, compare_base_input,
-                     devices_input, frame_rate_input, frames_input, lora_config_input, model_and_caches, noise_range_inputs, optimizer_config_input,
+                     devices_input, frame_rate_input, frames_input, lora_config_input, masked_out_weight_input,
+                     model_and_caches, noise_range_inputs, optimizer_config_input,
                      policy_input, prior_inputs, reference_images_input, reference_input, run_name_input,
                      schedule_inputs, start_image_input, training_settings, validation_inputs, validation_names,
                      weights_input)
@@ -250,6 +251,7 @@ def start_lora_run(model, latent_cache, text_cache, lora_config, optimizer_confi
                    loss_type: str = "mse", huber_delta: float = 0.1, ema_decay: float = 0.0,
                    prior_latent_cache=None, prior_text_cache=None, prior_ratio: float = 0.5, reference: str = "none",
                    noise_min: float = 0.0, noise_max: float = 1.0, devices: str = "1",
+                   masked_out_weight: float = 0.0,
                    node: str = "Train LoRA: Init (Headroom)", shown_on: str | None = None) -> TrainingRun:
     """Check every input (before any GPU work), then build or resume the run; `node`: the display name of the node
     opening it, for messages."""
@@ -257,7 +259,7 @@ def start_lora_run(model, latent_cache, text_cache, lora_config, optimizer_confi
         check_name(run_name, "run name")
         check_finite(node, max_grad_norm=max_grad_norm, caption_dropout=caption_dropout, min_snr_gamma=min_snr_gamma,
                      noise_offset=noise_offset, huber_delta=huber_delta, ema_decay=ema_decay, prior_ratio=prior_ratio,
-                     noise_min=noise_min, noise_max=noise_max)
+                     noise_min=noise_min, noise_max=noise_max, masked_out_weight=masked_out_weight)
         if (prior_latent_cache is None) != (prior_text_cache is None):
             raise ValueError("prior images need both prior_latent_cache and prior_text_cache connected (or neither)")
         prior = (prior_latent_cache, prior_text_cache) if prior_latent_cache is not None else None
@@ -274,7 +276,7 @@ def start_lora_run(model, latent_cache, text_cache, lora_config, optimizer_confi
         train, note = train_config(model, run_name, node, seed, batch_size, grad_accumulation, precision, max_grad_norm,
                                    caption_dropout, timestep_sampling, loss_weighting, min_snr_gamma, noise_offset,
                                    loss_type, huber_delta, ema_decay, prior_ratio=prior_ratio if prior else 0.0,
-                                   noise_range=(noise_min, noise_max))
+                                   noise_range=(noise_min, noise_max), masked_out_weight=masked_out_weight)
         check_caches(model.model, latent_cache, text_cache)
         train, batch_note = effective_batch(train, latent_cache, holdout, run_name, node)
         # A full fine-tune on several devices shards its optimizer state (training/memory/sharded_optimizer.py).
@@ -327,7 +329,7 @@ class HeadroomTrainLoraInit(io.ComfyNode):
             description="Set up (or resume) a LoRA training run on this MODEL from cached latents and text. "
             "The MODEL itself is never modified: the adapter lives on a clone.",
             inputs=[*lora_run_inputs(), *added_train_inputs(), *prior_inputs(), reference_input(), *noise_range_inputs(),
-                    devices_input()],
+                    devices_input(), masked_out_weight_input()],
             outputs=[TrainingRunType.Output("run", tooltip="The training run, for Train Steps, Validate, Save and Apply."),
                      io.Int.Output("step", tooltip="Step the run starts from (resumed).")],
             hidden=[io.Hidden.unique_id],
@@ -610,7 +612,7 @@ class HeadroomTrainLora(io.ComfyNode):
             inputs=[*lora_run_inputs(), *schedule_inputs("lora_subfolder"), *validation_inputs(optional=True),
                     *checkpoint_inputs(), *added_train_inputs(), *prior_inputs(), compare_base_input(),
                     reference_input(), reference_images_input(), frames_input(), *noise_range_inputs(),
-                    devices_input(), start_image_input(), frame_rate_input()],
+                    devices_input(), start_image_input(), frame_rate_input(), masked_out_weight_input()],
             outputs=[io.Model.Output("model", tooltip="The MODEL with the trained LoRA applied."),
                      TrainingRunType.Output("run", tooltip="The training run, for Validate, Save and Apply nodes."),
                      io.String.Output("lora_name", tooltip="The last saved LoRA, as Load LoRA lists it."),

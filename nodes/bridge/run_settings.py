@@ -42,7 +42,8 @@ def resolve_precision(precision: str, device, run_name: str, node: str) -> tuple
 def train_config(model, run_name: str, node: str, seed, batch_size, grad_accumulation, precision, max_grad_norm,
                  caption_dropout, timestep_sampling, loss_weighting, min_snr_gamma, noise_offset, loss_type: str,
                  huber_delta: float, ema_decay: float, prior_ratio: float = 0.0,
-                 noise_range: tuple[float, float] = (0.0, 1.0)) -> tuple[TrainConfig, str]:
+                 noise_range: tuple[float, float] = (0.0, 1.0),
+                 masked_out_weight: float = 0.0) -> tuple[TrainConfig, str]:
     """The engine's TrainConfig from the Init nodes' shared inputs (LoRA and ControlNet), checked, with the note
     on how the compute precision was chosen."""
     precision, note = resolve_precision(precision, model.load_device, run_name, node)
@@ -51,7 +52,8 @@ def train_config(model, run_name: str, node: str, seed, batch_size, grad_accumul
         precision=precision, caption_dropout=caption_dropout, ema_decay=ema_decay, prior_ratio=prior_ratio,
         objective=ObjectiveConfig(timestep_sampling=timestep_sampling, loss_weighting=loss_weighting,
                                   min_snr_gamma=min_snr_gamma, noise_offset=noise_offset, loss_type=loss_type,
-                                  huber_delta=huber_delta, noise_min=noise_range[0], noise_max=noise_range[1]),
+                                  huber_delta=huber_delta, noise_min=noise_range[0], noise_max=noise_range[1],
+                                  masked_out_weight=masked_out_weight),
     )
     train.validate()
     return train, note

@@ -812,7 +812,8 @@ FLOAT_INPUTS = [("HeadroomLoraConfig", "alpha"), ("HeadroomLoraConfig", "dropout
                 ("HeadroomOffloadPolicy", "host_ram_budget_gb"),
                 ("HeadroomTrainLora", "checkpoint_minutes"), ("HeadroomValidate", "frame_rate"),
                 ("HeadroomTrainLora", "frame_rate"), ("HeadroomDatasetFromVideos", "frame_rate"),
-                ("HeadroomCacheText", "tag_dropout")]
+                ("HeadroomCacheText", "tag_dropout"), ("HeadroomTrainLoraInit", "masked_out_weight"),
+                ("HeadroomTrainControlNetInit", "masked_out_weight")]
 
 
 def display_name(node_id: str) -> str:

@@ -41,6 +41,25 @@ def test_masked_loss_is_the_loss_of_the_kept_region(loss_type):
                                objective.loss(x0_hat[:1], x0[:1], sigma[:1]) / 2)
 
 
+def test_masked_out_weight_lets_what_masks_leave_out_count_a_little():
+    """masked_out_weight w: the mask counts as w + (1 - w) * mask (OneTrainer's unmasked weight); 0 is the mask as is,
+    1 ignores it; out of range refused."""
+    g = torch.Generator().manual_seed(1)
+    x0, x0_hat = torch.randn(2, 4, 6, 6, generator=g), torch.randn(2, 4, 6, 6, generator=g)
+    sigma = torch.tensor([0.3, 0.8])
+    mask = torch.zeros(2, 1, 6, 6)
+    mask[:, :, :, 3:] = 1.0
+    for loss_type in ("mse", "huber"):
+        plain, quarter, whole = (_objective(loss_type=loss_type, masked_out_weight=w) for w in (0.0, 0.25, 1.0))
+        torch.testing.assert_close(quarter.loss(x0_hat, x0, sigma, mask=mask),
+                                   plain.loss(x0_hat, x0, sigma, mask=0.25 + 0.75 * mask))
+        torch.testing.assert_close(whole.loss(x0_hat, x0, sigma, mask=mask), plain.loss(x0_hat, x0, sigma))
+        torch.testing.assert_close(quarter.loss(x0_hat, x0, sigma), plain.loss(x0_hat, x0, sigma))  # no mask: whole
+    for weight in (-0.1, 1.5):
+        with pytest.raises(ValueError, match=r"masked_out_weight=.*give 0"):
+            ObjectiveConfig(masked_out_weight=weight).validate("flow")
+
+
 def test_masks_are_cached_at_latent_resolution_with_the_images_crop_and_flip(tmp_path):
     data = generate_shapes(2, (48, 80), seed=3)  # 80 wide, 48 high: the (80, 48) bucket at 64 / 16
     masks = torch.zeros(2, 48, 80)

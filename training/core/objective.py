@@ -78,11 +78,17 @@ class ObjectiveConfig:
     # expert trains where it samples (high noise: 0.875..1, low noise: 0..0.875). Sampled times are mapped into it.
     noise_min: float = 0.0
     noise_max: float = 1.0
+    # The loss weight of what a loss mask leaves out (0: not learned). OneTrainer's "unmasked weight": a little (0.1)
+    # keeps the model's backgrounds from drifting while the masked subject is learned.
+    masked_out_weight: float = 0.0
 
     def validate(self, prediction: Prediction) -> None:
         check_finite("objective", min_snr_gamma=self.min_snr_gamma, logit_mean=self.logit_mean, logit_std=self.logit_std,
                      shift=self.shift, noise_offset=self.noise_offset, huber_delta=self.huber_delta,
-                     noise_min=self.noise_min, noise_max=self.noise_max)
+                     noise_min=self.noise_min, noise_max=self.noise_max, masked_out_weight=self.masked_out_weight)
+        if not 0.0 <= self.masked_out_weight <= 1.0:
+            raise ValueError(f"masked_out_weight={self.masked_out_weight}: give 0 (masked-out parts not learned) to 1 "
+                             "(masks ignored)")
         if not 0.0 <= self.noise_min < self.noise_max <= 1.0:
             raise ValueError(f"noise_min={self.noise_min}, noise_max={self.noise_max}: need 0 <= noise_min < noise_max "
                              "<= 1 (the part of the noise range to train; 0 and 1: all of it)")
@@ -185,7 +191,10 @@ class Objective:
 
         mask [B, 1, h, w] (clips: [B, 1, T, h, w], one per latent frame) in 0..1 at latent resolution, broadcast over
         the channels: each sample's loss is the mask-weighted mean over its elements, so what is masked out (0) is not
-        learned and a partly masked image weighs as much as a whole one; a sample masked out entirely contributes 0."""
+        learned and a partly masked image weighs as much as a whole one; a sample masked out entirely contributes 0.
+        With `masked_out_weight` w, the mask counts as w + (1 - w) * mask: what it leaves out weighs w."""
+        if mask is not None and self.config.masked_out_weight:
+            mask = self.config.masked_out_weight + (1.0 - self.config.masked_out_weight) * mask
         error = x0_hat.float() - x0.float()
         weight = self.sample_weight(sigma, min_snr=weighted).to(error.device)
         if not weighted or self.config.loss_type == "mse":
