@@ -236,10 +236,12 @@ def run_case(name: str, size: int, steps: int, checkpointing: bool, planner_esti
                 model=model, latent_cache=latents, text_cache=texts, lora_config=lora, optimizer_config=optimizer,
                 run_name=f"realsize_{name}", seed=0, batch_size=1, grad_accumulation=1, precision="auto",
                 max_grad_norm=1.0, caption_dropout=0.0, timestep_sampling="uniform", loss_weighting="none",
-                min_snr_gamma=5.0, noise_offset=0.0, gradient_checkpointing=checkpointing, checkpoint_depth=1, holdout=0)
+                min_snr_gamma=5.0, noise_offset=0.0, gradient_checkpointing=checkpointing, checkpoint_depth=1, holdout=0,
+                masked_out_weight=ALPHA_MASKED_OUT_WEIGHT if name in ALPHA_CASES else 0.0)
         init_record = peak.record("init (HeadroomTrainLoraInit)")
         run = init.args[0]
         report["precision"] = run.trainer.config.precision
+        report["masked_out_weight"] = run.trainer.config.objective.masked_out_weight
         # The Init node's text: the run it opened, then its notes, the precision note among them.
         report["precision_note"] = next(line for line in init.ui.as_dict()["text"][0].splitlines() if "precision" in line)
         started = time.perf_counter()
@@ -336,6 +338,7 @@ EXTRA_SIZE_CASES = {"sdxl": 128}
 
 # Cases whose images are transparent cut-outs read from a folder, their alpha the loss mask (transparency: loss_mask)
 ALPHA_CASES = ("flux_dev",)
+ALPHA_MASKED_OUT_WEIGHT = 0.1  # what the alpha leaves out still counts a little (masked_out_weight)
 
 
 def cutout_dataset(images, captions: list[str], alpha, name: str):

@@ -133,9 +133,12 @@ def test_nodes_on_a_real_size_model(case, args, params):
     if case in TAG_CASES:  # tag captions in 1 + TAG_SHUFFLES orders each, as stock CLIP Text Encode encodes each
         assert report["tag_orders"] == {"orders": [1 + TAG_SHUFFLES] * report["images"],
                                         "stock_equal": [True] * report["images"]}, report["tag_orders"]
-    from realsize_worker import ALPHA_CASES
+    from realsize_worker import ALPHA_CASES, ALPHA_MASKED_OUT_WEIGHT
 
-    if case in ALPHA_CASES:  # transparent cut-outs: every alpha cached as the loss mask at the real VAE's latent size
+    # transparent cut-outs: every alpha cached as the loss mask at the real VAE's latent size, trained with what it
+    # leaves out counting a little
+    assert report["masked_out_weight"] == (ALPHA_MASKED_OUT_WEIGHT if case in ALPHA_CASES else 0.0)
+    if case in ALPHA_CASES:
         for masked in report["alpha_masks"]:
             assert masked is not None and masked["mask"] == [1, *masked["latent"][-2:]], masked
             assert 0 < masked["alpha_mean"] < 1 and abs(masked["mean"] - masked["alpha_mean"]) < 1e-4, masked
