@@ -71,8 +71,8 @@ def _trigger_word_input():
                            tooltip="A word (or words) put in front of every caption, e.g. 'sks_dog' -> 'sks_dog, a dog "
                            "on grass' (captions that start with it already are kept); prompt with it to call up what "
                            "the LoRA learned. Captions holding ai-toolkit's [trigger] placeholder get the word "
-                           "there instead. On Dataset From Folder, images without a caption file are captioned with "
-                           "the word alone. Changing it encodes the captions again (Cache Text).")
+                           "there instead. On the folder nodes, an image or clip without a caption file is captioned "
+                           "with the word alone. Changing it encodes the captions again (Cache Text).")
 
 
 def _extra_resolutions_input():
@@ -346,7 +346,8 @@ class HeadroomDatasetFromVideos(io.ComfyNode):
         dataset = _dataset_from(VIDEOS_NODE, dataset_from_video_folder, folder=clips, resolution=resolution,
                                 step=step, crop=crop, flip=flip, seed=seed, skip_bad=skip_bad,
                                 roots=tuple(map(Path, dataset_roots())), max_frames=max_frames,
-                                frame_stride=frame_stride, mask_folder=masks, frame_rate=frame_rate)
+                                frame_stride=frame_stride, mask_folder=masks, frame_rate=frame_rate,
+                                default_caption=(trigger_word or "").strip() or None)
         dataset = _with_extra_resolutions(VIDEOS_NODE, dataset, extra_resolutions)
         return io.NodeOutput(_with_trigger_word(VIDEOS_NODE, dataset, trigger_word),
                              ui=_dataset_text(VIDEOS_NODE, dataset, "clips", "clip or image"))

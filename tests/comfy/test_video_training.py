@@ -106,6 +106,17 @@ def test_video_folder_caches_5d_latents_in_frame_buckets(cache_dir, tmp_path):
         dataset = cache_nodes.HeadroomDatasetFromVideos.execute(folder.name, 32, 16, "center", False, 0, False,
                                                                 max_frames=81, frame_stride=1).args[0]
     assert [item.caption for item in dataset.items] == list(clips.captions) and dataset.notes == ()
+    # A clip without a caption file: captioned with the trigger word alone, the node says so; without one, the fix
+    (folder / "c_short.txt").unlink()
+    with torch.inference_mode():
+        output = cache_nodes.HeadroomDatasetFromVideos.execute(folder.name, 32, 16, "center", False, 0, False,
+                                                               trigger_word="sks_motion")
+        with pytest.raises(ValueError, match=r"(?s)c_short: no caption file; write the caption into .*c_short\.txt "
+                                             r"\(or set trigger_word"):
+            cache_nodes.HeadroomDatasetFromVideos.execute(folder.name, 32, 16, "center", False, 0, False)
+    assert output.args[0].items[2].caption == "sks_motion" and output.ui["text"] == [
+        "1 of 4 clips have no caption file: captioned with the trigger word alone."]
+    (folder / "c_short.txt").write_text(clips.captions[2])
     latents, texts = _cache(dataset, vae, clip)
     shapes = {latents.name(i): tuple(latents.latent(i).shape) for i in range(len(latents))}
     assert shapes == {"a_frames": (16, 2, 4, 4), "b_video.mp4": (16, 3, 4, 4), "c_short": (16, 1, 4, 4),

@@ -162,7 +162,7 @@ def test_with_a_default_caption_images_without_a_caption_file_take_it(tmp_path):
     assert [item.caption for item in dataset.items] == ["a caption of its own", "sks_style", "sks_style"]
     assert dataset.default_captions == 2 and [item.name for item in dataset.items] == ["x.png", "y.png", "z.png"]
     with pytest.raises(DatasetError, match=r"y.png: no caption file; write the caption into .*y\.txt \(or set "
-                                           r"trigger_word: images without a caption file are then captioned with it"):
+                                           r"trigger_word: files without a caption file are then captioned with it"):
         read(flat)
     kohya = read(kohya_layout(tmp_path / "kohya"), default_caption="sks_style")
     assert kohya.items[-1].caption == "ohwx dog" and kohya.default_captions == 0

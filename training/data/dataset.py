@@ -39,6 +39,8 @@ CAPTION_EXTENSION = ".txt"
 # Caption files by preference: `.txt`, else `.caption` (kohya sd-scripts' default caption_extension), so a dataset
 # captioned for kohya reads as it is. An image with both reads its `.txt`.
 CAPTION_EXTENSIONS = (CAPTION_EXTENSION, ".caption")
+# A missing caption's other fix on the folder nodes: their trigger word captions files without one (default_caption)
+MISSING_CAPTION_HINT = " (or set trigger_word: files without a caption file are then captioned with it alone)"
 # Files other trainers keep beside the images, passed over rather than reported as unsupported: kohya sd-scripts'
 # latent and text-encoder caches (`img.npz`, `img_1024x1024_sdxl.npz`, `img_te.npz`).
 OTHER_TRAINERS_FILES = (".npz",)
@@ -555,8 +557,7 @@ def _folder_items(folder: Path, control_folder: Path | None, mask_folder: Path |
             continue
         without_caption = name_caption is not None and not os.path.lexists(caption_file(path))
         caption = (name_caption,) if without_caption else _read_caption(
-            path, roots, missing_hint="" if in_repeat_folder else
-            " (or set trigger_word: images without a caption file are then captioned with it alone)")
+            path, roots, missing_hint="" if in_repeat_folder else MISSING_CAPTION_HINT)
         problem = caption if not isinstance(caption, tuple) else _check_item(path, controls, control_folder, roots)
         mask_path = masks.get(path.stem)
         if not problem and mask_path is not None:

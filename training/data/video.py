@@ -21,6 +21,7 @@ folder's given rate (Dataset From Videos' frame_rate), an in-memory clip's given
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 
 import numpy as np
@@ -28,8 +29,8 @@ import torch
 
 from .. import os_compat
 from .dataset import (CAPTION_EXTENSION, CAPTION_EXTENSIONS, IMAGE_EXTENSIONS, MAX_IMAGE_PIXELS, ByName, Dataset,
-                      DatasetError, DatasetItem, FileImage, TensorImage, _read_caption, also_noted, caption_file,
-                      name_order, orphan_captions)
+                      MISSING_CAPTION_HINT, DatasetError, DatasetItem, FileImage, TensorImage, _read_caption,
+                      also_noted, caption_file, name_order, orphan_captions)
 from .files import UntrustedFileError, display_path, resolve_inside
 
 VIDEO_EXTENSIONS = (".mp4", ".webm", ".mov", ".mkv", ".avi", ".m4v")
@@ -335,12 +336,14 @@ def _check_mask_size(source, mask) -> str | None:
 def dataset_from_video_folder(folder: Path, *, resolution: int, step: int, crop: str = "center", flip: bool = False,
                               seed: int = 0, skip_bad: bool = False, roots: tuple[Path, ...] | None = None,
                               max_frames: int = MAX_FRAMES_DEFAULT, frame_stride: int = 1,
-                              mask_folder: Path | None = None, frame_rate: float = 25.0) -> Dataset:
+                              mask_folder: Path | None = None, frame_rate: float = 25.0,
+                              default_caption: str | None = None) -> Dataset:
     """Clips in `folder`: video files (VIDEO_EXTENSIONS) and subfolders of frame images, each with a caption beside it
     (`clip.mp4` + `clip.txt`, `clip/` + `clip.txt`); images there are one-frame clips (`photo.png` + `photo.txt`).
     Loss masks in `mask_folder`, matched by name stem: an image (applied to every frame of its clip), or a video / frame
     folder with the clip's frames (the same frames are taken from it); of the clip's size. Cache Latents checks the
-    frame counts. `frame_rate`: frames per second of the frame folders (video files carry their own)."""
+    frame counts. `frame_rate`: frames per second of the frame folders (video files carry their own).
+    `default_caption` (the node's trigger word): the caption of a clip without a caption file, else a problem."""
     folder = Path(folder)
     if not folder.is_dir():
         raise DatasetError(f"dataset folder {display_path(folder)} does not exist or is not a folder")
@@ -354,7 +357,7 @@ def dataset_from_video_folder(folder: Path, *, resolution: int, step: int, crop:
         raise DatasetError(f"frame_rate={frame_rate}: give the frame folders' frames per second (more than 0)")
     roots = tuple(roots) if roots else tuple(p for p in (folder, mask_folder) if p is not None)
     masks = _masks_in(Path(mask_folder), roots) if mask_folder is not None else ByName({})
-    items, problems = [], []
+    items, problems, default_captions = [], [], 0
     entries = [path for path in sorted(folder.iterdir(), key=name_order) if not os_compat.is_hidden(path)]
     # A frame folder's caption is `<folder name>.txt`, a file's `<stem>.txt` (or `.caption`: caption_file).
     frame_folder = {path: path.is_dir() and not path.is_symlink() for path in entries}
@@ -376,7 +379,10 @@ def dataset_from_video_folder(folder: Path, *, resolution: int, step: int, crop:
             continue
         stem = path.name if isinstance(source, FrameFolder) else path.stem
         mask = masks.get(stem)
-        caption = _read_caption(path, roots, caption_path)
+        if default_caption is not None and not os.path.lexists(caption_path or caption_file(path)):
+            caption, default_captions = (default_caption,), default_captions + 1
+        else:
+            caption = _read_caption(path, roots, caption_path, missing_hint=MISSING_CAPTION_HINT)
         problem = caption if not isinstance(caption, tuple) else _check_source(source)
         if not problem and mask is not None:
             problem = _check_mask_size(source, mask)
@@ -393,7 +399,7 @@ def dataset_from_video_folder(folder: Path, *, resolution: int, step: int, crop:
                            + (" (skipped:\n- " + "\n- ".join(problems) + ")" if problems else "") + also_noted(notes))
     return Dataset(items=tuple(items), resolution=resolution, step=step, crop=crop, flip=flip, seed=seed,
                    skip_bad=skip_bad, left_out=tuple(problems), notes=tuple(notes),
-                   max_frames=max_frames, frame_stride=frame_stride)
+                   max_frames=max_frames, frame_stride=frame_stride, default_captions=default_captions)
 
 
 def _tensor_mask(mask: torch.Tensor | None, index: int):
