@@ -220,10 +220,10 @@ class HeadroomDatasetFromFolder(io.ComfyNode):
             display_name="Dataset From Folder (Headroom)",
             category="Headroom/data",
             description="Images with same-name .txt captions (or kohya's .caption) from a folder inside ComfyUI's "
-            "input directory (or a folder the server's owner allows), with optional control images. A folder of kohya-style "
-            "repeat folders ('10_ohwx dog', '1_style': no images of its own) is read folder by folder, each image "
-            "trained on that many times per epoch, one without a caption file captioned with the folder's name "
-            "('ohwx dog'). Nothing is decoded here.",
+            "input directory (or a folder the server's owner allows), with optional control images. A folder of "
+            "kohya-style repeat folders ('10_ohwx dog', '1_style': no images of its own) is read folder by folder, "
+            "each image trained on that many times per epoch, one without a caption file captioned with the "
+            "folder's name ('ohwx dog'). Nothing is decoded here.",
             inputs=[
                 _folder_input("my_dataset", "images with same-name .txt captions"),
                 io.String.Input("control_folder", default="", optional=True,

@@ -236,8 +236,8 @@ def run_case(name: str, size: int, steps: int, checkpointing: bool, planner_esti
                 model=model, latent_cache=latents, text_cache=texts, lora_config=lora, optimizer_config=optimizer,
                 run_name=f"realsize_{name}", seed=0, batch_size=1, grad_accumulation=1, precision="auto",
                 max_grad_norm=1.0, caption_dropout=0.0, timestep_sampling="uniform", loss_weighting="none",
-                min_snr_gamma=5.0, noise_offset=0.0, gradient_checkpointing=checkpointing, checkpoint_depth=1, holdout=0,
-                masked_out_weight=ALPHA_MASKED_OUT_WEIGHT if name in ALPHA_CASES else 0.0)
+                min_snr_gamma=5.0, noise_offset=0.0, gradient_checkpointing=checkpointing, checkpoint_depth=1,
+                holdout=0, masked_out_weight=ALPHA_MASKED_OUT_WEIGHT if name in ALPHA_CASES else 0.0)
         init_record = peak.record("init (HeadroomTrainLoraInit)")
         run = init.args[0]
         report["precision"] = run.trainer.config.precision

@@ -2,7 +2,8 @@
 input and output (as stock nodes have), one display-name convention, dataset nodes in one category."""
 import pytest
 
-DATA_NODES = {"HeadroomSyntheticDataset", "HeadroomDatasetFromFolder", "HeadroomDatasetFromImages", "HeadroomPreviewDataset"}
+DATA_NODES = {"HeadroomSyntheticDataset", "HeadroomDatasetFromFolder", "HeadroomDatasetFromImages",
+              "HeadroomPreviewDataset"}
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """ComfyUI's own dataset nodes feeding Headroom on a real server: the image and text lists of Load Image-Text (from
 Folder) (one [1, H, W, 3] per image, sizes differing), through a stock list node (Shuffle Pairs of Image-Text),
-into Dataset From Images, which takes the lists whole (one dataset, not one per image) and keeps each caption with its image;
-Preview Dataset shows the result."""
+into Dataset From Images, which takes the lists whole (one dataset, not one per image) and keeps each caption with
+its image; Preview Dataset shows the result."""
 import re
 import uuid
 

@@ -665,8 +665,8 @@ class TextCache:
         # (Qwen-Image-Edit's TextEncodeQwenImageEdit); None: per caption, as CLIPTextEncode.
         self.reference_encoding = reference_encoding
         self.per_reference = reference_encoding is not None
-        # {"shuffles", "keep"(, "dropout")} of caption_tags.tag_orders where captions were cached in several tag orders, else None:
-        # part of a run's configuration (a resumed run trains on the same orders).
+        # {"shuffles", "keep"(, "dropout")} of caption_tags.tag_orders where captions were cached in several tag
+        # orders, else None: part of a run's configuration (a resumed run trains on the same orders).
         self.tag_shuffling = tag_shuffling
         self.memory_phases: list[dict] = []  # how building it went (memory_stats.PhaseRecorder records)
         self._entries = entries
@@ -1066,8 +1066,8 @@ def cache_text(
     if references is None:
         for caption in captions:
             if text_key(caption) not in wanted:
-                wanted[text_key(caption)] = [(text, None, entry_of(text))
-                                             for text in caption_variants(caption, tag_shuffles, keep_tags, tag_dropout)]
+                wanted[text_key(caption)] = [(text, None, entry_of(text)) for text in caption_variants(
+                    caption, tag_shuffles, keep_tags, tag_dropout)]
     else:
         if len(references) != len(captions) or any(source is None for source in references):
             raise DatasetError("encoding captions with reference images needs a control image for every item; give "
@@ -1077,7 +1077,8 @@ def cache_text(
             digest = source.digest()
             if reference_text_key(caption, digest) not in wanted:
                 wanted[reference_text_key(caption, digest)] = [
-                    (text, source, entry_of(text, digest)) for text in caption_variants(caption, tag_shuffles, keep_tags, tag_dropout)]
+                    (text, source, entry_of(text, digest))
+                    for text in caption_variants(caption, tag_shuffles, keep_tags, tag_dropout)]
 
     encodings = [order for orders in wanted.values() for order in orders]
     good, problems = store.verify(entry for _, _, entry in encodings)

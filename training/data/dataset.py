@@ -411,8 +411,8 @@ def dataset_from_folder(
     transparency: str = "ignore",
     default_caption: str | None = None,
 ) -> Dataset:
-    """Images in `folder` with same-name `.txt` (or `.caption`) captions; control images in `control_folder` and loss masks in
-    `mask_folder` matched by file name stem (any supported extension) and of the same size as their image
+    """Images in `folder` with same-name `.txt` (or `.caption`) captions; control images in `control_folder` and loss
+    masks in `mask_folder` matched by file name stem (any supported extension) and of the same size as their image
     (an image without a mask is learned whole). Files are read only where they resolve inside `roots`
     (default: the dataset, control and mask folders). `transparency` (TRANSPARENCY_MODES): what is done with
     images that have an alpha channel. `default_caption` (the node's trigger word): the caption of an image without
