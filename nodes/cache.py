@@ -397,13 +397,13 @@ class HeadroomDatasetFromImages(io.ComfyNode):
             resolution=resolution, step=step, crop=crop, flip=flip, seed=seed, trigger_word=trigger_word,
             extra_resolutions=extra_resolutions).items()}
         buckets = {name: settings[name] for name in ("resolution", "step", "crop", "flip", "seed")}
-        if len(images) == 1:  # one IMAGE batch, captions one per line (or one per image from a list of texts)
-            captions_of = split_captions(texts[0]) if len(texts) == 1 else list(texts)
+        # One text: captions one per line (the widget); a list of texts: one caption each (ComfyUI's dataset nodes)
+        captions_of = split_captions(texts[0]) if len(texts) == 1 else list(texts)
+        if len(images) == 1:  # one IMAGE batch
             dataset = _dataset_from(node, dataset_from_tensors, images=images[0], captions=captions_of,
                                     control_images=controls[0] if controls else None,
                                     masks=mask_list[0] if mask_list else None, **buckets)
         else:  # a list of IMAGEs: ComfyUI's dataset nodes
-            captions_of = split_captions(texts[0]) if len(texts) == 1 else list(texts)
             dataset = _dataset_from(node, dataset_from_image_list, images=images, captions=captions_of,
                                     control_images=controls, masks=mask_list, **buckets)
         dataset = _with_extra_resolutions(node, dataset, settings["extra_resolutions"])
