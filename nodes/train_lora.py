@@ -18,7 +18,8 @@ from comfy_api.latest import io, ui
 
 from ..training.core.adapters import FULL_PRECISIONS, KINDS, TARGET_MODES, AdapterConfig
 from ..training.checks import check_finite, named
-from ..training.core.optimizers import OPTIMIZERS, SCHEDULES, MissingPackageError, OptimizerConfig, check_available
+from ..training.core.optimizers import (LORAPLUS_MAX, OPTIMIZERS, SCHEDULES, MissingPackageError, OptimizerConfig,
+                                        check_available)
 from ..training.core.run_dir import RunFolderError, check_name, check_subfolder
 from ..training.memory import sharded_optimizer
 from .bridge import lora_formats
@@ -199,6 +200,11 @@ class HeadroomOptimizerConfig(io.ComfyNode):
                              tooltip="Steps over which the learning rate rises linearly from 0 (0: no warm-up)."),
                 io.Int.Input("schedule_steps", default=1000, min=1, max=1000000,
                              tooltip="Length of decaying schedules (linear, cosine...), usually the planned steps."),
+                io.Float.Input("loraplus_lr_ratio", advanced=True, default=1.0, min=1.0, max=LORAPLUS_MAX, step=0.5,
+                               optional=True,
+                               tooltip="LoRA+ (kohya's loraplus_lr_ratio): a LoRA's up matrices learn at this many "
+                               "times the learning rate, which makes it learn faster at the same rate for the rest. "
+                               "1: off. The paper suggests 16; start around 4. LoRA and DoRA runs; not with Prodigy."),
             ],
             outputs=[OptimizerConfigType.Output("optimizer_config",
                                                 tooltip="Optimizer and schedule, for a training node's "
@@ -215,14 +221,16 @@ class HeadroomOptimizerConfig(io.ComfyNode):
         return True
 
     @classmethod
-    def execute(cls, optimizer, learning_rate, weight_decay, schedule, warmup_steps, schedule_steps) -> io.NodeOutput:
+    def execute(cls, optimizer, learning_rate, weight_decay, schedule, warmup_steps, schedule_steps,
+                loraplus_lr_ratio=1.0) -> io.NodeOutput:
         name = node_name(cls)
-        check_finite(name, learning_rate=learning_rate, weight_decay=weight_decay)
+        check_finite(name, learning_rate=learning_rate, weight_decay=weight_decay, loraplus_lr_ratio=loraplus_lr_ratio)
         problem = learning_rate_problem(name, learning_rate)
         if problem:  # a linked value, or a call from Python (workflows/headroom_train_distributed.py)
             raise ValueError(problem)
         config = OptimizerConfig(name=optimizer, lr=learning_rate, weight_decay=weight_decay, schedule=schedule,
-                                 warmup_steps=warmup_steps, total_steps=schedule_steps)
+                                 warmup_steps=warmup_steps, total_steps=schedule_steps,
+                                 loraplus_lr_ratio=loraplus_lr_ratio)
         _checked(name, config.validate)
         try:  # an optimizer from an optional package: say now which pip package is missing, not mid-run
             check_available(optimizer)
@@ -472,16 +480,21 @@ class HeadroomSaveLora(io.ComfyNode):
                                "load_lora_weights reads (unet.* / transformer.*, alpha folded in, PEFT config in "
                                "the metadata); plain LoRA on sd15 / sdxl / sd3 / flux (Load LoRA reads it too)."),
                 weights_input("Save"),
+                io.Boolean.Input("caption_tags", advanced=True, default=True, optional=True,
+                                 tooltip="Write how many training images' captions hold each tag into the file "
+                                 "(kohya's ss_tag_frequency, in every format: what Civitai and LoRA managers show as "
+                                 "the trained words, the trigger word first). Off: the file holds no caption text."),
             ],
             outputs=[io.String.Output("lora_name", tooltip="The name Load LoRA lists.")],
         )
 
     @classmethod
     def execute(cls, run: TrainingRun, subfolder: str, filename: str, dtype: str,
-                format: str = "comfyui", weights: str = "auto") -> io.NodeOutput:  # noqa: A002 - the input's name
+                format: str = "comfyui", weights: str = "auto",  # noqa: A002 - the input's name
+                caption_tags: bool = True) -> io.NodeOutput:
         check_run_kind(run, "lora", node_name(cls), "save")
         try:
-            name = save_lora(run, subfolder, filename, dtype, format, weights)
+            name = save_lora(run, subfolder, filename, dtype, format, weights, caption_tags)
         except ValueError as error:
             raise ValueError(f"{node_name(cls)}: {error}") from error
         return io.NodeOutput(name, ui={SAVED_KEY: [saved_file("LoRA", "loras", name)],

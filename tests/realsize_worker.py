@@ -230,7 +230,9 @@ def run_case(name: str, size: int, steps: int, checkpointing: bool, planner_esti
         if tagged:
             report["tag_orders"] = tag_orders_report(clip, latents, texts, captions)
         lora = T.HeadroomLoraConfig.execute("lora", 16, 16.0, "preset", False, 0.0, 0).args[0]
-        optimizer = T.HeadroomOptimizerConfig.execute("AdamW", 1e-4, 0.0, "constant", 0, 100).args[0]
+        optimizer = T.HeadroomOptimizerConfig.execute(
+            "AdamW", 1e-4, 0.0, "constant", 0, 100, loraplus_lr_ratio=LORAPLUS_RATIO if name in LORAPLUS_CASES else 1.0
+        ).args[0]
         with Peak() as peak:
             init = T.HeadroomTrainLoraInit.execute(
                 model=model, latent_cache=latents, text_cache=texts, lora_config=lora, optimizer_config=optimizer,
@@ -242,6 +244,10 @@ def run_case(name: str, size: int, steps: int, checkpointing: bool, planner_esti
         run = init.args[0]
         report["precision"] = run.trainer.config.precision
         report["masked_out_weight"] = run.trainer.config.objective.masked_out_weight
+        # LoRA+: the optimizer's groups (rate, tensors, of them the up matrices) over the real layer names
+        ups = _up_matrices(run)
+        report["lr_groups"] = [(group["lr"], len(group["params"]), sum(id(p) in ups for p in group["params"]))
+                               for group in run.trainer.optimizer.param_groups]
         # The Init node's text: the run it opened, then its notes, the precision note among them.
         report["precision_note"] = next(line for line in init.ui.as_dict()["text"][0].splitlines() if "precision" in line)
         started = time.perf_counter()
@@ -337,6 +343,7 @@ EXTRA_SIZE_CASES = {"sdxl": 128}
 
 
 # Cases whose images are transparent cut-outs read from a folder, their alpha the loss mask (transparency: loss_mask)
+LORAPLUS_CASES, LORAPLUS_RATIO = ("sdxl",), 4.0  # Optimizer Config loraplus_lr_ratio
 ALPHA_CASES = ("flux_dev",)
 ALPHA_MASKED_OUT_WEIGHT = 0.1  # what the alpha leaves out still counts a little (masked_out_weight)
 
@@ -358,6 +365,11 @@ def cutout_dataset(images, captions: list[str], alpha, name: str):
     return cache_nodes.HeadroomDatasetFromFolder.execute(
         folder=folder.name, resolution=images.shape[1], step=64, crop="center", flip=False, seed=0, skip_bad=False,
         transparency="loss_mask").args[0]
+
+
+def _up_matrices(run) -> set[int]:
+    return {id(p) for layer in run.adapters.layers.values() for n, p in layer.named_parameters()
+            if n.startswith("lora_B")}
 
 
 def tag_orders_report(clip, latents, texts, captions: list[str]) -> dict:

@@ -300,6 +300,25 @@ def kohya_metadata(family: str | None, kind: str, rank: int, alpha: float, steps
     return metadata
 
 
+def kohya_training_metadata(optimizer, train) -> dict[str, str]:
+    """The sd-scripts keys of how the LoRA was trained (`optimizer`: OptimizerConfig, `train`: TrainConfig), as other
+    UIs and Civitai list them."""
+    objective = train.objective
+    metadata = {
+        "ss_optimizer": optimizer.name, "ss_learning_rate": str(optimizer.lr), "ss_unet_lr": str(optimizer.lr),
+        "ss_lr_scheduler": optimizer.schedule, "ss_lr_warmup_steps": str(optimizer.warmup_steps),
+        "ss_seed": str(train.seed), "ss_batch_size_per_device": str(train.batch_size),
+        "ss_gradient_accumulation_steps": str(train.grad_accum), "ss_max_grad_norm": str(train.max_grad_norm),
+        "ss_mixed_precision": train.precision, "ss_caption_dropout_rate": str(train.caption_dropout),
+        "ss_noise_offset": str(objective.noise_offset), "ss_loss_type": objective.loss_type,
+    }
+    if objective.loss_weighting == "min_snr":
+        metadata["ss_min_snr_gamma"] = str(objective.min_snr_gamma)
+    if optimizer.loraplus_lr_ratio != 1.0:
+        metadata["ss_loraplus_lr_ratio"] = str(optimizer.loraplus_lr_ratio)
+    return metadata
+
+
 # Text-encoder parts of a LoRA file: Headroom trains the diffusion model only, so continuing drops them.
 _TEXT_ENCODER_PREFIXES = ("lora_te", "text_encoder", "lora_clip", "te1_", "te2_")
 

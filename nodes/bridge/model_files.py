@@ -56,13 +56,13 @@ def save_to_models(run: TrainingRun, folder: str, subfolder: str, filename: str,
 
 
 def save_lora(run: TrainingRun, subfolder: str, filename: str, dtype: str = "fp32", file_format: str = "comfyui",
-              weights: str = "auto") -> str:
+              weights: str = "auto", caption_tags: bool = True) -> str:
     """Write the adapter under models/loras/<subfolder>/; returns the name LoraLoader lists."""
     if file_format not in lora_formats.FORMATS:
         raise ValueError(f"format {file_format!r}: choose one of {', '.join(lora_formats.FORMATS)}")
     lora = run.trained_as("lora")
     return save_to_models(run, "loras", subfolder, filename, "LoRA",
-                          lambda path: lora.save(run, path, dtype, file_format, weights))
+                          lambda path: lora.save(run, path, dtype, file_format, weights, caption_tags))
 
 
 def save_extracted_lora(run: TrainingRun, subfolder: str, filename: str, rank: int, energy: float,

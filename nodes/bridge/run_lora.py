@@ -24,6 +24,7 @@ from ...training.core.adapters import AdapterConfig, AdapterSet
 from ...training.memory.lowbit import is_quantized_layer, is_quantized_tensor
 from ...training.memory.trained_weights_on_host import trained_weights_device
 from ...training.core.lora_extract import extract_from_differences
+from ...training.data.caption_tags import tag_frequency
 from ...training.data.files import save_safetensors
 from ...training.core.optimizers import OptimizerConfig
 from ...training.core.trainer import TrainConfig
@@ -165,6 +166,21 @@ def _on_quantized_layer(model, key: str) -> bool:
     """Whether the weight key ("diffusion_model.<path>.weight" / ".bias") belongs to a layer whose weight is
     ComfyUI's QuantizedTensor."""
     return is_quantized_layer(comfy.utils.get_attr(model, key.rpartition(".")[0]))
+
+
+def caption_tag_metadata(run) -> dict[str, str]:
+    """kohya's ss_tag_frequency ({run name: {tag: images whose caption holds it}}: what Civitai and LoRA managers show
+    as a LoRA's trained words, the trigger word first) and ss_num_train_images (with repeats) over the run's training
+    images, each image once (its sizes and mirror are one image); {} where the text cache holds no captions."""
+    captions = getattr(run.text_cache, "captions", None) or {}
+    images: dict[str, int] = {}
+    for index in run.train_items:
+        images.setdefault(run.latent_cache.name(index), index)
+    texts = [captions.get(run.latent_cache.text_key(index)) for index in images.values()]
+    if not texts or None in texts:
+        return {}
+    return {"ss_tag_frequency": json.dumps({run.run_dir.name: tag_frequency(texts)}),
+            "ss_num_train_images": str(sum(run.latent_cache.repeats(index) for index in images.values()))}
 
 
 # --- the LoRA run ---------------------------------------------------------------------------------------------
@@ -345,9 +361,11 @@ class LoraTraining:
             "headroom.config": json.dumps(config.to_json(), sort_keys=True),
         }
 
-    def save(self, run, path, dtype: str = "fp32", file_format: str = "comfyui", weights: str = "auto") -> None:
+    def save(self, run, path, dtype: str = "fp32", file_format: str = "comfyui", weights: str = "auto",
+             caption_tags: bool = True) -> None:
         """Write the adapter to `path` (atomically) in `file_format`'s key names (nodes/bridge/lora_formats.py), of the
-        trained weights or their EMA (`weights`), in `dtype`."""
+        trained weights or their EMA (`weights`), in `dtype`; with `caption_tags`, the training captions' tag counts
+        (caption_tag_metadata) in every format."""
         family, adapter = run.config.family, run.config.adapter
         if file_format == "kohya":  # refused before any work
             lora_formats.check_kohya_kind(adapter.kind)
@@ -357,7 +375,8 @@ class LoraTraining:
         with run.weights(weights) as used:  # diffusers: fp32 here, cast after alpha is folded in
             state = self.adapters.comfy_state_dict(
                 dtype=torch.float32 if file_format == "diffusers" else SAVE_DTYPES[dtype])
-        metadata = {**self.metadata(run), "headroom.weights": used}
+        metadata = {**self.metadata(run), "headroom.weights": used,
+                    **(caption_tag_metadata(run) if caption_tags else {})}
         if file_format == "diffusers":
             state, config = lora_formats.to_diffusers(state, names, family, SAVE_DTYPES[dtype])
             metadata.update(lora_formats.diffusers_metadata(config))
@@ -369,6 +388,7 @@ class LoraTraining:
             metadata.update(lora_formats.kohya_metadata(
                 family, adapter.kind, adapter.rank, adapter.alpha, run.step, path.name[: -len(".safetensors")],
                 max(buckets, key=lambda b: b[0] * b[1]) if buckets else None, model=run.source_model))
+            metadata.update(lora_formats.kohya_training_metadata(run.config.optimizer, run.config.train))
             metadata["headroom.format"] = "kohya"
         save_safetensors(path, state, f"LoRA {path.name}", metadata=metadata)
 

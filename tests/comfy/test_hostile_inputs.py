@@ -798,6 +798,7 @@ def _float_call(world, node: str, name: str, value: float):
 
 FLOAT_INPUTS = [("HeadroomLoraConfig", "alpha"), ("HeadroomLoraConfig", "dropout"),
                 ("HeadroomOptimizerConfig", "learning_rate"), ("HeadroomOptimizerConfig", "weight_decay"),
+                ("HeadroomOptimizerConfig", "loraplus_lr_ratio"),
                 ("HeadroomTrainLoraInit", "max_grad_norm"), ("HeadroomTrainLoraInit", "caption_dropout"),
                 ("HeadroomTrainLoraInit", "min_snr_gamma"), ("HeadroomTrainLoraInit", "noise_offset"),
                 ("HeadroomTrainLoraInit", "noise_min"), ("HeadroomTrainLoraInit", "noise_max"),

@@ -898,3 +898,39 @@ def test_a_peft_named_sd15_file_from_diffusers_continues_exactly(comfyui, caplog
     for key in expected:
         torch.testing.assert_close(got[key], expected[key], rtol=1e-6, atol=1e-7)
 
+
+
+def test_saved_files_carry_the_captions_tag_counts_and_kohyas_training_keys(comfyui):
+    """Every format holds ss_tag_frequency over the training images (each image once, though flip caches it twice;
+    the held-out item left out), the trigger word first, and ss_num_train_images; caption_tags off writes no caption
+    text. The kohya format adds sd-scripts' training keys."""
+    from headroom.nodes import cache as cache_nodes, data as data_nodes, train_lora as T
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
+
+    captions = ["red, circle, top left", "blue, circle", "red, square, {small|large}", "green, triangle"]
+    with torch.inference_mode():
+        model, clip, vae = build_tiny_models("sd15", 0)
+        images = data_nodes.HeadroomSyntheticDataset.execute(4, 32, 0).args[0]
+        dataset = cache_nodes.HeadroomDatasetFromImages.execute(images, "\n".join(captions), 32, 32, "center", True, 0,
+                                                                trigger_word="ohwx").args[0]
+        latents = cache_nodes.HeadroomCacheLatents.execute(dataset, vae).args[0]
+        texts = cache_nodes.HeadroomCacheText.execute(dataset, clip).args[0]
+    assert len(latents) == 8  # each image and its mirror
+    run = _init(model, latents, texts, "tag_counts", rank=4, holdout=2, loraplus_lr_ratio=2.0)  # the last image out
+    with torch.inference_mode():
+        T.HeadroomTrainSteps.execute(run, 1)
+        names = {fmt: T.HeadroomSaveLora.execute(run, "formats", f"tags_{fmt}", "fp32", fmt).args[0]
+                 for fmt in ("comfyui", "kohya", "diffusers")}
+        private = T.HeadroomSaveLora.execute(run, "formats", "tags_off", "fp32", caption_tags=False).args[0]
+    expected = {"ohwx": 3, "red": 2, "circle": 2, "top left": 1, "blue": 1, "square": 1, "{small|large}": 1}
+    for fmt, name in names.items():
+        metadata = _read(name)[1]
+        counts = json.loads(metadata["ss_tag_frequency"])
+        assert counts == {"tag_counts": expected} and next(iter(counts["tag_counts"])) == "ohwx", fmt
+        assert metadata["ss_num_train_images"] == "3", fmt
+    assert {key for key in _read(names["comfyui"])[1] if key.startswith("ss_")} == {"ss_tag_frequency",
+                                                                                   "ss_num_train_images"}
+    kohya = _read(names["kohya"])[1]
+    assert (kohya["ss_optimizer"], float(kohya["ss_learning_rate"]), kohya["ss_lr_scheduler"], kohya["ss_seed"],
+            kohya["ss_loraplus_lr_ratio"]) == ("AdamW", 1e-2, "constant", "0", "2.0")
+    assert not any("ohwx" in value or "circle" in value for value in _read(private)[1].values())

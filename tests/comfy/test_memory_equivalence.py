@@ -414,3 +414,70 @@ def test_validation_on_its_own_placement_samples_the_same_images(comfyui, tmp_pa
         assert placed_bytes[0][0] == 0
     assert all(torch.equal(a, b) for a, b in zip(plain, placed, strict=True))
     session.release()
+
+
+# --- LoRA+ (Optimizer Config loraplus_lr_ratio) --------------------------------------------------------------------
+def _make_loraplus_trainer(ratio: float, policy: OffloadPolicy | None = None, kind: str = "lora") -> Trainer:
+    trainer = make_trainer(OptimizerConfig(lr=1e-2, loraplus_lr_ratio=ratio))
+    if policy is None:
+        return trainer
+    # the same run under `policy` (the optimizer paths are chosen in Trainer.__init__)
+    return Trainer(trainer.denoiser, trainer.trainable, trainer.latent_cache, trainer.text_cache, trainer.config,
+                   trainer.optimizer_config, policy=policy)
+
+
+def test_loraplus_trains_the_up_matrices_at_ratio_times_the_rate():
+    """AdamW's first step moves every weight with a gradient by lr (its update is lr * m / sqrt(v) = lr * sign):
+    with loraplus_lr_ratio 8 the up matrices (B, zero at the start, so the down matrices get no gradient at the first
+    step) move by 8 lr, and at the next step the down matrices at the optimizer's own rate."""
+    lr, ratio = 1e-2, 8.0
+    trainer = _make_loraplus_trainer(ratio)
+    start = trainer.trainable.state_dict()
+    with torch.inference_mode(False):
+        trainer.trainable.train(True)
+        trainer.train_step()
+    after = trainer.trainable.state_dict()
+    ups = [k for k in start if ".lora_B." in k]
+    downs = [k for k in start if ".lora_A." in k]
+    assert ups and downs
+    moves = {key: (after[key] - start[key]).abs().max().item() for key in ups}
+    # (the last two-stream block's text output reaches no prediction in this toy model: no gradient, no move)
+    assert sum(move > 0 for move in moves.values()) >= len(ups) - 1
+    for key, move in moves.items():
+        assert move == 0 or move == pytest.approx(ratio * lr, rel=1e-3), key
+    for key in downs:
+        assert torch.equal(after[key], start[key]), key
+    assert trainer.optimizer.param_groups[0]["lr"] == lr  # the 1x group first: what the chart reports
+    with torch.inference_mode(False):
+        trainer.train_step()
+    moved = max((trainer.trainable.state_dict()[k] - after[k]).abs().max().item() for k in downs)
+    # their first gradient at Adam's second step: m = 0.1 g, v = 0.001 g^2, bias-corrected by 1 - 0.9^2 and
+    # 1 - 0.999^2: a move of 0.744 lr, at the 1x rate
+    assert moved == pytest.approx(lr * (0.1 / 0.19) / (0.001 / (1 - 0.999 ** 2)) ** 0.5, rel=1e-3)
+
+
+@pytest.mark.parametrize("policy", [OffloadPolicy(fused_backward=True), OffloadPolicy(optimizer_state="cpu"),
+                                    OffloadPolicy(fused_backward=True, optimizer_state="cpu")],
+                         ids=["fused_backward", "state_on_host", "fused_state_on_host"])
+def test_loraplus_is_the_same_on_every_optimizer_path(policy):
+    """The learning rates per tensor reach the optimizer stepped inside backward and the one in host RAM: their
+    weights are the plain step's bit for bit."""
+    expected = train(_make_loraplus_trainer(4.0))
+    assert not torch.equal(expected["double_blocks.0.img_qkv.lora_B.default.weight"],
+                           train(make_trainer())["double_blocks.0.img_qkv.lora_B.default.weight"])  # the ratio counts
+    assert_bitwise(expected, train(_make_loraplus_trainer(4.0, policy)))
+
+
+def test_loraplus_is_refused_where_there_is_no_up_matrix():
+    with pytest.raises(ValueError, match="kind loha has none"):
+        denoiser = ToyDenoiser(ToyDiT())
+        config = AdapterConfig(kind="loha", rank=4, alpha=4, targets="all_linear")
+        adapters = AdapterSet(denoiser.net, select_targets(denoiser.net, None, config,
+                                                           [n for n, _ in denoiser.blocks()]), config)
+        Trainer(denoiser, adapters, MemoryLatentCache([torch.zeros(4, 4, 4)], ["k"]),
+                MemoryTextCache({"k": {"cross_attn": torch.zeros(3, 8)}}, {"cross_attn": torch.zeros(3, 8)}),
+                TrainConfig(batch_size=1), OptimizerConfig(loraplus_lr_ratio=4.0))
+    with pytest.raises(ValueError, match="Prodigy finds one step size"):
+        OptimizerConfig(name="Prodigy", lr=1.0, loraplus_lr_ratio=4.0).validate()
+    with pytest.raises(ValueError, match="between 1 \\(off\\) and 64"):
+        OptimizerConfig(loraplus_lr_ratio=0.5).validate()

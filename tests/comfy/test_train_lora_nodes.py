@@ -41,7 +41,8 @@ def _data(family, count=4, resolution=32, seed=0):
 
 
 def _init(model, latents, texts, run_name, kind="lora", rank=8, targets="preset", include_conv=False, lr=1e-2,
-          optimizer="AdamW", schedule="constant", schedule_steps=1000, dropout=0.0, full_precision="fp32", **train):
+          optimizer="AdamW", schedule="constant", schedule_steps=1000, dropout=0.0, full_precision="fp32",
+          loraplus_lr_ratio=1.0, **train):
     from headroom.nodes import train_lora as T
 
     settings = dict(seed=0, batch_size=4, grad_accumulation=1, precision="fp32", max_grad_norm=1.0, caption_dropout=0.0,
@@ -51,7 +52,8 @@ def _init(model, latents, texts, run_name, kind="lora", rank=8, targets="preset"
     with torch.inference_mode():
         lora = T.HeadroomLoraConfig.execute(kind, rank, float(rank), targets, include_conv, dropout, 0,
                                             full_precision=full_precision).args[0]
-        opt = T.HeadroomOptimizerConfig.execute(optimizer, lr, 0.0, schedule, 0, schedule_steps).args[0]
+        opt = T.HeadroomOptimizerConfig.execute(optimizer, lr, 0.0, schedule, 0, schedule_steps,
+                                                loraplus_lr_ratio=loraplus_lr_ratio).args[0]
         return T.HeadroomTrainLoraInit.execute(model=model, latent_cache=latents, text_cache=texts, lora_config=lora,
                                                optimizer_config=opt, run_name=run_name, **settings).args[0]
 
@@ -239,6 +241,30 @@ def test_bad_inputs_fail_before_training_with_clear_errors(comfyui):
     for bad_subfolder in ("../../escape", "/etc", "a/../b"):
         with pytest.raises(ValueError, match="subfolder"):
             T.HeadroomSaveLora.execute(run, bad_subfolder, "", "fp32")
+    assert _no_adapter_attached(model)
+
+
+def test_loraplus_ratio_is_part_of_the_run_and_refused_where_it_cannot_apply(comfyui):
+    """Optimizer Config loraplus_lr_ratio reaches the run (the up matrices' optimizer group at 4x, the chart's rate
+    the 1x one) and its config.json: resuming with another ratio is refused like any other setting. Kinds without up
+    matrices and Prodigy are refused by the nodes, by name."""
+    from headroom.nodes import train_lora as T
+
+    model, _, _, latents, texts = _data("sd15")
+    run = _init(model, latents, texts, "loraplus", rank=4, lr=1e-3, loraplus_lr_ratio=4.0)
+    with torch.inference_mode():
+        T.HeadroomTrainSteps.execute(run, 1)
+    assert [group["lr"] for group in run.trainer.optimizer.param_groups] == [1e-3, 4e-3]
+    ups = {id(p) for layer in run.adapters.layers.values() for name, p in layer.named_parameters()
+           if name.startswith("lora_B")}
+    assert ups and {id(p) for p in run.trainer.optimizer.param_groups[1]["params"]} == ups
+    assert run.config.optimizer.loraplus_lr_ratio == 4.0
+    with pytest.raises(ValueError, match=r"optimizer.loraplus_lr_ratio: stored 4.0, now 1.0"):
+        _init(model, latents, texts, "loraplus", rank=4, lr=1e-3)
+    with pytest.raises(ValueError, match=r"kind loha has none"):
+        _init(model, latents, texts, "loraplus_loha", kind="loha", rank=4, loraplus_lr_ratio=4.0)
+    with pytest.raises(ValueError, match=r"^Optimizer Config \(Headroom\): Prodigy finds one step size"):
+        T.HeadroomOptimizerConfig.execute("Prodigy", 1.0, 0.0, "constant", 0, 10, loraplus_lr_ratio=4.0)
     assert _no_adapter_attached(model)
 
 

@@ -142,6 +142,14 @@ def test_nodes_on_a_real_size_model(case, args, params):
         for masked in report["alpha_masks"]:
             assert masked is not None and masked["mask"] == [1, *masked["latent"][-2:]], masked
             assert 0 < masked["alpha_mean"] < 1 and abs(masked["mean"] - masked["alpha_mean"]) < 1e-4, masked
+
+    from realsize_worker import LORAPLUS_CASES, LORAPLUS_RATIO
+
+    layers = report["lora"]["layers"]
+    # one group at the rate; with LoRA+ the up matrices (one per layer) in a second at LORAPLUS_RATIO times it
+    expected = [[1e-4, 2 * layers, layers]] if case not in LORAPLUS_CASES else \
+        [[1e-4, layers, 0], [pytest.approx(1e-4 * LORAPLUS_RATIO, rel=1e-12), layers, layers]]
+    assert [list(group) for group in report["lr_groups"]] == expected
     if "planner" in report:
         for name, row in report["compared"].items():
             # HiDream-O1's weightless "text encoder" (a tokenizer) is planned at 0 bytes, which is what it holds

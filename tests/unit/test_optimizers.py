@@ -227,3 +227,25 @@ def test_bitsandbytes_kernels_are_probed_once_per_optimizer_and_device(monkeypat
         with pytest.raises(RuntimeError, match="cannot run on cpu: no 8-bit kernel"):
             create_optimizer([torch.nn.Parameter(torch.zeros(8, 8))], config, device="cpu")
 
+
+
+@pytest.mark.parametrize("name", [name for name in OPTIMIZERS if name != "Prodigy"])
+def test_learning_rate_scales_group_the_parameters_and_follow_the_schedule(name):
+    """LoRA+ (loraplus_lr_ratio): each parameter in the group of its scale, the 1x group first (current_lr reports
+    it), and the schedule scales every group's rate alike, so the ratio holds at every step."""
+    config = OptimizerConfig(name=name, lr=_lr_for(name), schedule="cosine", warmup_steps=2, total_steps=10,
+                             loraplus_lr_ratio=4.0)
+    down, up, other = (torch.nn.Parameter(torch.randn(8, 8)) for _ in range(3))
+    optimizer = create_optimizer([up, down, other], config, lr_scales=[4.0, 1.0, 1.0])
+    scheduler = create_scheduler(optimizer, config)
+    assert [[id(p) for p in group["params"]] for group in optimizer.param_groups] == [[id(down), id(other)], [id(up)]]
+    for _ in range(4):
+        (up.sum() + down.square().sum() + other.sum()).backward()
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        low, high = (group["lr"] for group in optimizer.param_groups)
+        assert 0 < low <= config.lr and high == pytest.approx(4 * low, rel=1e-12)
+        assert current_lr(optimizer) == low
+    with pytest.raises(ValueError, match="2 learning-rate scales for 3 parameters"):
+        create_optimizer([up, down, other], config, lr_scales=[1.0, 4.0])

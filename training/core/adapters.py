@@ -504,6 +504,17 @@ class AdapterSet:
     def parameters(self) -> list[torch.nn.Parameter]:
         return [p for layer in self.layers.values() for _, p in self._own_parameters(layer)]
 
+    def learning_rate_scales(self, loraplus_lr_ratio: float) -> list[float]:
+        """Per parameter (in `parameters()` order), its learning rate as a multiple of the optimizer's: LoRA+ trains
+        the up matrices (lora_B) at `loraplus_lr_ratio` times, everything else (down matrices, DoRA's magnitudes) at
+        1x."""
+        if self.config.kind not in ("lora", "dora"):
+            raise ValueError(f"loraplus_lr_ratio {loraplus_lr_ratio:g} (Optimizer Config) raises the learning rate of "
+                             f"a LoRA's up matrices, and kind {self.config.kind} has none: set it to 1, or train kind "
+                             "lora or dora")
+        return [loraplus_lr_ratio if name.startswith("lora_B") else 1.0
+                for layer in self.layers.values() for name, _ in self._own_parameters(layer)]
+
     def weights_in_host_ram(self, crossings, step=None) -> None:
         """Kind full with its trained weights in host RAM: each layer (but those kept `on_card`) copies them to the
         compute device and back through `crossings` (memory/trained_weights_on_host.Crossings); with their optimizer

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import torch
 
@@ -19,6 +19,7 @@ from ..checks import MissingPackageError, check_finite, require_package  # noqa:
 
 OPTIMIZERS = ("AdamW", "AdamW8bit", "PagedAdamW8bit", "Lion8bit", "Adafactor", "CAME", "Prodigy")
 SCHEDULES = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial")
+LORAPLUS_MAX = 64.0
 _BITSANDBYTES = ("AdamW8bit", "PagedAdamW8bit", "Lion8bit")
 # Optimizers from optional packages (not installed with Headroom): optimizer -> (import name, pip name).
 OPTIONAL_PACKAGES = {**{name: ("bitsandbytes", "bitsandbytes") for name in _BITSANDBYTES},
@@ -43,10 +44,13 @@ class OptimizerConfig:
     schedule: str = "constant"
     warmup_steps: int = 0
     total_steps: int = 1000  # horizon of decaying schedules (linear / cosine / polynomial)
+    # LoRA+ (Hayou et al. 2024; kohya's and musubi-tuner's network_args loraplus_lr_ratio): the learning rate of a
+    # LoRA's up matrices (B, zero at the start) is this many times lr. 1: off.
+    loraplus_lr_ratio: float = 1.0
 
     def validate(self) -> None:
         check_finite("optimizer", lr=self.lr, weight_decay=self.weight_decay, eps=self.eps, beta1=self.betas[0],
-                     beta2=self.betas[1])
+                     beta2=self.betas[1], loraplus_lr_ratio=self.loraplus_lr_ratio)
         if self.name not in OPTIMIZERS:
             raise ValueError(f"unknown optimizer {self.name!r}: choose one of {', '.join(OPTIMIZERS)}")
         if not self.lr > 0:
@@ -57,46 +61,65 @@ class OptimizerConfig:
             raise ValueError(f"unknown LR schedule {self.schedule!r}: choose one of {', '.join(SCHEDULES)}")
         if self.warmup_steps < 0 or self.total_steps <= 0:
             raise ValueError(f"warmup_steps={self.warmup_steps} must be >= 0 and total_steps={self.total_steps} > 0")
+        if not 1.0 <= self.loraplus_lr_ratio <= LORAPLUS_MAX:
+            raise ValueError(f"loraplus_lr_ratio={self.loraplus_lr_ratio} must be between 1 (off) and "
+                             f"{LORAPLUS_MAX:g}: the up matrices' learning rate is that many times the others' (4 to 16 "
+                             "for LoRA+)")
+        if self.loraplus_lr_ratio != 1.0 and self.name == "Prodigy":
+            raise ValueError(f"Prodigy finds one step size for all trained weights, and loraplus_lr_ratio "
+                             f"{self.loraplus_lr_ratio:g} asks for two: set loraplus_lr_ratio to 1, or choose another "
+                             "optimizer")
 
 
-def create_optimizer(params: Iterable[torch.nn.Parameter], config: OptimizerConfig, device: torch.device | None = None):
-    """The optimizer `config.name` over `params`. `device` is where the parameters live (for bitsandbytes)."""
+def create_optimizer(params: Iterable[torch.nn.Parameter], config: OptimizerConfig, device: torch.device | None = None,
+                     lr_scales: Sequence[float] | None = None):
+    """The optimizer `config.name` over `params`. `device` is where the parameters live (for bitsandbytes).
+    `lr_scales`: one per parameter, its learning rate as a multiple of config.lr (LoRA+: learning_rate_scales); the
+    parameters are then grouped by it, the group at 1x first (what current_lr reports)."""
     config.validate()
     params = list(params)
+    groups = params if lr_scales is None else _groups_by_scale(params, lr_scales, config.lr)
     if config.name == "AdamW":
         # On CUDA torch's fused kernel: its default (foreach) step makes a temporary the size of every trained tensor
         # at once (the sqrt of exp_avg_sq), which a full fine-tune's plan has no room for. Not for DTensor shards.
         fused = bool(params) and all(type(p) in (torch.Tensor, torch.nn.Parameter) and p.is_cuda for p in params)
-        return torch.optim.AdamW(params, lr=config.lr, betas=config.betas, eps=config.eps,
+        return torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, eps=config.eps,
                                  weight_decay=config.weight_decay, fused=fused or None)
     if config.name in _BITSANDBYTES:
-        return _bitsandbytes_optimizer(params, config, device)
+        return _bitsandbytes_optimizer(groups, params, config, device)
     if config.name == "Adafactor":
         from transformers.optimization import Adafactor
 
         # Fixed external LR (relative_step off) so schedules and the lr input mean the same as for AdamW.
-        return Adafactor(params, lr=config.lr, scale_parameter=False, relative_step=False, warmup_init=False,
+        return Adafactor(groups, lr=config.lr, scale_parameter=False, relative_step=False, warmup_init=False,
                          weight_decay=config.weight_decay)
     check_available(config.name)
     if config.name == "CAME":
         from came_pytorch import CAME
 
-        return CAME(params, lr=config.lr, weight_decay=config.weight_decay, betas=(config.betas[0], config.betas[1], 0.9999),
-                    eps=(1e-30, 1e-16))
+        return CAME(groups, lr=config.lr, weight_decay=config.weight_decay,
+                    betas=(config.betas[0], config.betas[1], 0.9999), eps=(1e-30, 1e-16))
     from prodigyopt import Prodigy
 
     # Prodigy estimates the step size itself; lr is a multiplier, 1.0 is the recommended value.
-    return Prodigy(params, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
+    return Prodigy(groups, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
 
 
-def _bitsandbytes_optimizer(params, config: OptimizerConfig, device: torch.device | None):
+def _groups_by_scale(params: list, lr_scales: Sequence[float], lr: float) -> list[dict]:
+    if len(lr_scales) != len(params):
+        raise ValueError(f"{len(lr_scales)} learning-rate scales for {len(params)} parameters")
+    scales = sorted(set(lr_scales), key=lambda scale: (scale != 1.0, scale))
+    return [{"params": [p for p, s in zip(params, lr_scales) if s == scale], "lr": lr * scale} for scale in scales]
+
+
+def _bitsandbytes_optimizer(groups, params, config: OptimizerConfig, device: torch.device | None):
     check_available(config.name)
     import bitsandbytes as bnb
     cls = getattr(bnb.optim, config.name)
     kwargs = dict(lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
     if config.name != "Lion8bit":
         kwargs["eps"] = config.eps
-    optimizer = cls(params, **kwargs)
+    optimizer = cls(groups, **kwargs)
     probe_device = torch.device(device) if device is not None else (params[0].device if params else torch.device("cpu"))
     if (config.name, str(probe_device)) in _KERNELS_FOUND:  # fused backward makes one optimizer per tensor
         return optimizer

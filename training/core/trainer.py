@@ -225,6 +225,7 @@ class Trainer:
         # configuration, as it changes no result.
         self.rank_batch: int | None = None
         bf16_weights = any(p.dtype == torch.bfloat16 for p in self.params)
+        lr_scales = self._learning_rate_scales(trainable, optimizer_config)  # LoRA+; None: one rate for all
         if self.policy.fused_backward:
             self._check_fused(config)
             # Each trained tensor is stepped inside backward and its gradient freed (memory/fused_backward.py): it
@@ -250,7 +251,8 @@ class Trainer:
                 self.params, lambda group: create_optimizer(group, optimizer_config, device=step_device),
                 lambda opt: create_scheduler(opt, optimizer_config), max_grad_norm=config.max_grad_norm,
                 bf16_stochastic=bf16_weights, seed=step_seed(config.seed, 0, _SALT_ROUNDING), state_on_host=on_host,
-                step_device=denoiser.device if on_device_steps else None, crossings=crossings, streamed_state=streamed)
+                step_device=denoiser.device if on_device_steps else None, crossings=crossings, streamed_state=streamed,
+                lr_scales=lr_scales)
             if weights_on_host:
                 trainable.weights_in_host_ram(crossings, self.optimizer.step_on_device if on_device_steps else None)
             self.scheduler = self.optimizer.schedule
@@ -260,14 +262,16 @@ class Trainer:
                                  "rounding by fused backward: turn fused_backward on in the Offload Policy, or set "
                                  "full_precision to fp32")
             if self.policy.optimizer_state == "cpu":
-                self.optimizer = HostOptimizer(self.params, lambda host: create_optimizer(host, optimizer_config, device="cpu"))
+                self.optimizer = HostOptimizer(self.params, lambda host: create_optimizer(
+                    host, optimizer_config, device="cpu", lr_scales=lr_scales))
             elif self.parallel is not None and not self.shards_weights and self.shards_state(
                     self.parallel.world_size, trainable, optimizer_config.name, self.policy):
                 # Several ranks of a full fine-tune: each keeps the optimizer state of its share of the tensors.
                 self.optimizer = sharded_optimizer.sharded(
                     self.params, lambda share: create_optimizer(share, optimizer_config, device=denoiser.device))
             else:
-                self.optimizer = create_optimizer(self.params, optimizer_config, device=denoiser.device)
+                self.optimizer = create_optimizer(self.params, optimizer_config, device=denoiser.device,
+                                                  lr_scales=lr_scales)
             self.scheduler = create_scheduler(self.optimizer, optimizer_config)
         self.scaler = torch.amp.GradScaler(denoiser.device.type) if config.precision == "fp16" else None
         self.ema = WeightEMA(self.params, config.ema_decay) if config.ema_decay > 0 else None
@@ -283,6 +287,19 @@ class Trainer:
         with _forked_rng():
             torch.manual_seed(step_seed(config.seed, 0, _SALT_GLOBAL))
             self.rng = capture_rng()
+
+    @staticmethod
+    def _learning_rate_scales(trainable, optimizer_config: OptimizerConfig) -> list[float] | None:
+        """Each trained tensor's learning rate as a multiple of the optimizer's (LoRA+: the up matrices at
+        loraplus_lr_ratio times); None when all train at the optimizer's rate."""
+        ratio = optimizer_config.loraplus_lr_ratio
+        if ratio == 1.0:
+            return None
+        scales = getattr(trainable, "learning_rate_scales", None)
+        if scales is None:
+            raise ValueError(f"loraplus_lr_ratio {ratio:g} (Optimizer Config) raises the learning rate of a LoRA's up "
+                             "matrices, and this run trains no LoRA: set it to 1")
+        return scales(ratio)
 
     @staticmethod
     def shards_state(ranks: int, trainable, optimizer: str, policy: OffloadPolicy) -> bool:

@@ -657,9 +657,12 @@ class TextCache:
     """
 
     def __init__(self, root: Path, entries: dict[str, list[tuple[str, str, tuple[str, ...]]]], empty_key: str,
-                 fingerprint: str, reference_encoding: str | None = None, tag_shuffling: dict | None = None):
+                 fingerprint: str, reference_encoding: str | None = None, tag_shuffling: dict | None = None,
+                 captions: dict[str, str] | None = None):
         # entries: text key -> [(entry key, shard file, tensor names) per tag order, the caption as written first]
         self.root = Path(root)
+        # text key -> the caption as the dataset gave it (a saved LoRA's tag counts: caption_tags.tag_frequency)
+        self.captions = dict(captions or {})
         self.fingerprint = fingerprint
         # The stock node whose encoding of a caption with a reference image this cache holds, per item
         # (Qwen-Image-Edit's TextEncodeQwenImageEdit); None: per caption, as CLIPTextEncode.
@@ -1103,7 +1106,8 @@ def cache_text(
              for key, orders in wanted.items()}
     cache = TextCache(store.root, table, empty_key=empty_key, fingerprint=fingerprint,
                       reference_encoding=reference_encoding if references is not None else None,
-                      tag_shuffling=_tag_shuffling(tag_shuffles, keep_tags, tag_dropout))
+                      tag_shuffling=_tag_shuffling(tag_shuffles, keep_tags, tag_dropout),
+                      captions={text_key(caption): caption for caption in captions})
     report.items = len(encodings)
     report.bytes_total = sum(entries[entry]["bytes"] for _, _, entry in encodings)
     several = len({text_key(caption) for caption in captions if len(caption_lines(caption)) > 1})

@@ -93,6 +93,17 @@ def split_tags(caption: str) -> list[str]:
     return [tag.strip() for tag in caption.split(",") if tag.strip()]
 
 
+def tag_frequency(captions) -> dict[str, int]:
+    """How many of `captions` hold each tag (comma-separated, as kohya's ss_tag_frequency counts them: what Civitai and
+    LoRA managers show as a LoRA's trained words), a tag counted once per caption whatever its lines hold; most
+    frequent first."""
+    counts: dict[str, int] = {}
+    for caption in captions:
+        for tag in dict.fromkeys(tag for line in caption_lines(caption) for tag in split_tags(line)):
+            counts[tag] = counts.get(tag, 0) + 1
+    return dict(sorted(counts.items(), key=lambda item: -item[1]))
+
+
 def tag_orders(caption: str, shuffles: int, keep: int, dropout: float = 0.0) -> list[str]:
     """The caption as written, then up to `shuffles` distinct other orders of its tags (the first `keep` in place),
     joined with ", ". Fewer where the tags have fewer orders (a caption without commas: none); the same caption,

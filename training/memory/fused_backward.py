@@ -52,7 +52,7 @@ class FusedBackward:
                  make_scheduler: Callable[[torch.optim.Optimizer], object] | None = None, *,
                  max_grad_norm: float = 0.0, bf16_stochastic: bool = False, seed: int = 0,
                  state_on_host: bool = False, step_device: torch.device | str | None = None, crossings=None,
-                 streamed_state=None):
+                 streamed_state=None, lr_scales: Sequence[float] | None = None):
         """`make_optimizer([param])`: one optimizer per parameter (training/core/optimizers.create_optimizer; with
         `state_on_host`, one for the CPU); `make_scheduler(optimizer)`: its learning-rate schedule (None: constant).
         `state_on_host`: the optimizer state lives in host RAM and each parameter's step runs there, on an fp32 copy
@@ -61,7 +61,8 @@ class FusedBackward:
         over its gradient (`step_on_device`). `crossings` (trained_weights_on_host.Crossings: the parameters in host
         RAM): the updates go back through it, landed in the parameters by `step` (the step's end) and `zero_grad`.
         `streamed_state` (streamed_optimizer_state.StreamedState): each optimizer's state in host RAM between its
-        steps, on the card for its step (landed in host RAM by `step` and `zero_grad` too)."""
+        steps, on the card for its step (landed in host RAM by `step` and `zero_grad` too). `lr_scales`: one per
+        parameter (LoRA+): its optimizer's learning rate times that, before its schedule is made."""
         self.params = [p for p in params if p.requires_grad]
         self.max_grad_norm = float(max_grad_norm)
         self.bf16_stochastic = bf16_stochastic
@@ -83,6 +84,11 @@ class FusedBackward:
         self.streamed_state = streamed_state
         self.optimizers = [make_optimizer([stand_in if stand_in is not None else param])
                            for param, stand_in in zip(self.params, self._stand_ins)]
+        if lr_scales is not None:
+            if len(lr_scales) != len(self.params):
+                raise ValueError(f"{len(lr_scales)} learning-rate scales for {len(self.params)} trained parameters")
+            for optimizer, scale in zip(self.optimizers, lr_scales):
+                optimizer.param_groups[0]["lr"] *= scale
         self.schedulers = [make_scheduler(opt) for opt in self.optimizers] if make_scheduler is not None else []
         # The learning-rate schedule of every parameter's optimizer, advanced together once per training step.
         self.schedule = _Schedules(self.schedulers)
