@@ -88,6 +88,19 @@ def _extra_resolutions_input():
 MAX_EXTRA_RESOLUTIONS = 4
 
 
+def _upscale_input():
+    # Appended last and optional: workflows saved before it existed keep working (small images enlarged, as before).
+    return io.Boolean.Input("upscale_small_images", default=True, optional=True, advanced=True,
+                            tooltip="On: an image smaller than its bucket is enlarged to fill it. Off (kohya's "
+                            "bucket_no_upscale): it trains in the nearest bucket of a smaller size that it fills, so "
+                            "it is only ever scaled down (enlarged images teach softness). Cache Latents says how "
+                            "many images were enlarged 1.25x or more.")
+
+
+def _with_upscale(dataset, upscale_small_images: bool):
+    return dataset if upscale_small_images else replace(dataset, upscale=False)
+
+
 def _with_extra_resolutions(node: str, dataset, extra_resolutions: str):
     """The dataset with the extra sizes `extra_resolutions` lists ('512, 768'); errors name the node."""
     parts = [part for part in re.split(r"[,;\s]+", extra_resolutions or "") if part]
@@ -248,6 +261,7 @@ class HeadroomDatasetFromFolder(io.ComfyNode):
                                "grey alpha partly (times the image's mask from mask_folder, if any). white / black: "
                                "put on that background, which the model then learns too. Images without "
                                "transparency are read alike in every mode."),
+                _upscale_input(),
             ],
             outputs=[DatasetType.Output("dataset", tooltip=_DATASET_TOOLTIP)],
         )
@@ -268,14 +282,15 @@ class HeadroomDatasetFromFolder(io.ComfyNode):
     @classmethod
     def execute(cls, folder: str, resolution: int, step: int, crop: str, flip: bool, seed: int,
                 skip_bad: bool, control_folder: str = "", mask_folder: str = "", trigger_word: str = "",
-                extra_resolutions: str = "", transparency: str = "ignore") -> io.NodeOutput:
+                extra_resolutions: str = "", transparency: str = "ignore",
+                upscale_small_images: bool = True) -> io.NodeOutput:
         check_dataset_folder(FOLDER_NODE, folder)
         images, control, masks = resolve_folders(folder, control_folder, mask_folder)
         dataset = _dataset_from(FOLDER_NODE, dataset_from_folder, folder=images, control_folder=control,
                                 resolution=resolution, step=step, crop=crop, flip=flip, seed=seed, skip_bad=skip_bad,
                                 roots=tuple(map(Path, dataset_roots())), mask_folder=masks, transparency=transparency,
                                 default_caption=(trigger_word or "").strip() or None)
-        dataset = _with_extra_resolutions(FOLDER_NODE, dataset, extra_resolutions)
+        dataset = _with_upscale(_with_extra_resolutions(FOLDER_NODE, dataset, extra_resolutions), upscale_small_images)
         return io.NodeOutput(_with_trigger_word(FOLDER_NODE, dataset, trigger_word),
                              ui=_dataset_text(FOLDER_NODE, dataset, "images", "image"))
 
@@ -317,6 +332,7 @@ class HeadroomDatasetFromVideos(io.ComfyNode):
                                "others ignore it."),
                 _trigger_word_input(),
                 _extra_resolutions_input(),
+                _upscale_input(),
             ],
             outputs=[DatasetType.Output("dataset", tooltip=_DATASET_TOOLTIP)],
         )
@@ -339,7 +355,8 @@ class HeadroomDatasetFromVideos(io.ComfyNode):
     @classmethod
     def execute(cls, folder: str, resolution: int, step: int, crop: str, flip: bool, seed: int, skip_bad: bool,
                 max_frames: int = MAX_FRAMES_DEFAULT, frame_stride: int = 1, mask_folder: str = "",
-                frame_rate: float = 25.0, trigger_word: str = "", extra_resolutions: str = "") -> io.NodeOutput:
+                frame_rate: float = 25.0, trigger_word: str = "", extra_resolutions: str = "",
+                upscale_small_images: bool = True) -> io.NodeOutput:
         check_finite(VIDEOS_NODE, frame_rate=frame_rate)
         check_dataset_folder(VIDEOS_NODE, folder)
         clips, _, masks = resolve_folders(folder, "", mask_folder)
@@ -348,7 +365,7 @@ class HeadroomDatasetFromVideos(io.ComfyNode):
                                 roots=tuple(map(Path, dataset_roots())), max_frames=max_frames,
                                 frame_stride=frame_stride, mask_folder=masks, frame_rate=frame_rate,
                                 default_caption=(trigger_word or "").strip() or None)
-        dataset = _with_extra_resolutions(VIDEOS_NODE, dataset, extra_resolutions)
+        dataset = _with_upscale(_with_extra_resolutions(VIDEOS_NODE, dataset, extra_resolutions), upscale_small_images)
         return io.NodeOutput(_with_trigger_word(VIDEOS_NODE, dataset, trigger_word),
                              ui=_dataset_text(VIDEOS_NODE, dataset, "clips", "clip or image"))
 
@@ -381,13 +398,14 @@ class HeadroomDatasetFromImages(io.ComfyNode):
                               "through Invert Mask to learn the opaque part."),
                 _trigger_word_input(),
                 _extra_resolutions_input(),
+                _upscale_input(),
             ],
             outputs=[DatasetType.Output("dataset", tooltip=_DATASET_TOOLTIP)],
         )
 
     @classmethod
     def execute(cls, images, captions, resolution, step, crop, flip, seed, control_images=None, masks=None,
-                trigger_word="", extra_resolutions="") -> io.NodeOutput:
+                trigger_word="", extra_resolutions="", upscale_small_images=True) -> io.NodeOutput:
         node = "Dataset From Images (Headroom)"
         # is_input_list: every input is a list (a widget's value: a list of one); called directly: as given.
         images, texts = _as_list(images), _as_list(captions)
@@ -395,7 +413,7 @@ class HeadroomDatasetFromImages(io.ComfyNode):
         mask_list = _as_list(masks) if masks is not None else None
         settings = {name: _one_value(node, name, value) for name, value in dict(
             resolution=resolution, step=step, crop=crop, flip=flip, seed=seed, trigger_word=trigger_word,
-            extra_resolutions=extra_resolutions).items()}
+            extra_resolutions=extra_resolutions, upscale_small_images=upscale_small_images).items()}
         buckets = {name: settings[name] for name in ("resolution", "step", "crop", "flip", "seed")}
         # One text: captions one per line (the widget); a list of texts: one caption each (ComfyUI's dataset nodes)
         captions_of = split_captions(texts[0]) if len(texts) == 1 else list(texts)
@@ -406,7 +424,8 @@ class HeadroomDatasetFromImages(io.ComfyNode):
         else:  # a list of IMAGEs: ComfyUI's dataset nodes
             dataset = _dataset_from(node, dataset_from_image_list, images=images, captions=captions_of,
                                     control_images=controls, masks=mask_list, **buckets)
-        dataset = _with_extra_resolutions(node, dataset, settings["extra_resolutions"])
+        dataset = _with_upscale(_with_extra_resolutions(node, dataset, settings["extra_resolutions"]),
+                                settings["upscale_small_images"])
         return io.NodeOutput(_with_trigger_word(node, dataset, settings["trigger_word"]))
 
 

@@ -217,8 +217,10 @@ def run_case(name: str, size: int, steps: int, checkpointing: bool, planner_esti
         else:
             dataset = cache_nodes.HeadroomDatasetFromImages.execute(
                 images, caption_text, size, 64, "center", False, 0,
-                extra_resolutions=str(EXTRA_SIZE_CASES.get(name, ""))).args[0]
-        latents = cache_nodes.HeadroomCacheLatents.execute(dataset, vae).args[0]
+                extra_resolutions=str(EXTRA_SIZE_CASES.get(name, "")),
+                upscale_small_images=name not in NO_UPSCALE_CASES).args[0]
+        latents, summary = cache_nodes.HeadroomCacheLatents.execute(dataset, vae).args
+        report["enlarged_note"] = [line for line in summary.splitlines() if "smaller than their bucket" in line]
         if name in ALPHA_CASES:  # each cached mask at the latent's size, its mean the alpha's (area averaging)
             report["alpha_masks"] = [
                 {"mask": list(latents.mask(i).shape), "latent": list(latents.latent(i).shape),
@@ -339,7 +341,10 @@ OFT_CASES = ("zimage", "qwen_image")
 # TAG_DROPOUT (tag_dropout), at real width
 TAG_CASES, TAG_SHUFFLES, TAG_DROPOUT = ("sdxl",), 2, 0.3
 # Cases also cached and trained at a second size (the dataset nodes' extra_resolutions): case -> the size
-EXTRA_SIZE_CASES = {"sdxl": 128}
+EXTRA_SIZE_CASES = {"sdxl": 128, "zimage": 128}
+# Cases whose dataset node has upscale_small_images off: their images (the training size) are not enlarged to the
+# extra size, which then adds no bucket
+NO_UPSCALE_CASES = ("zimage",)
 
 
 # Cases whose images are transparent cut-outs read from a folder, their alpha the loss mask (transparency: loss_mask)

@@ -28,6 +28,7 @@ from .comfy_model import REFERENCE_LATENTS, clear_model_caches, reference_inputs
 from .caching import encode_with_reference
 from .encoders import unload_encoder
 from .planning import budget_bytes
+from .sample_prompts import SamplePrompt, parse_prompts
 from .start_image import start_image_node, stock_start_conditioning
 
 
@@ -42,8 +43,9 @@ def _fresh_model_caches(model):
         clear_model_caches(model.model.diffusion_model)
 
 
-def sample_images(run: TrainingRun, clip, vae, prompts: list[str], negative: str, seed: int, steps: int, cfg: float,
-                  sampler_name: str, scheduler: str, width: int, height: int, lora_application: str = "as_saved_file",
+def sample_images(run: TrainingRun, clip, vae, prompts: list[str | SamplePrompt], negative: str, seed: int, steps: int,
+                  cfg: float, sampler_name: str, scheduler: str, width: int, height: int,
+                  lora_application: str = "as_saved_file",
                   base: bool = False, references: list | None = None,
                   reference_encoding: str | None = None, frames: int = 1,
                   starts: list | None = None, frame_rate: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,7 +59,8 @@ def sample_images(run: TrainingRun, clip, vae, prompts: list[str], negative: str
     come back as images, prompt after prompt. `starts`: one start image [1, H, W, 3] per prompt of an image-to-video
     model, given with both prompts by its stock node (WanImageToVideo), whose latent the sampler starts from.
     `frame_rate`: set on both prompts by the stock LTXVConditioning node (models that read it: LTX-2); None: the
-    model's default. Returns (images, sampled latents)."""
+    model's default. A SamplePrompt's own negative / seed / steps / cfg (kohya's --n / --d / --s / --l) replace
+    those arguments for its sample. Returns (images, sampled latents)."""
     latent_frames = video.check_frames(f"run '{run.run_dir.name}'", run.source_model.model, frames)
     negative_cond = clip.encode_from_tokens_scheduled(clip.tokenize(negative))
     latents = []
@@ -68,12 +71,15 @@ def sample_images(run: TrainingRun, clip, vae, prompts: list[str], negative: str
     # The base keeps to validation's own planned placement while the sampler runs (TrainingRun.sampling_placement).
     with torch.no_grad(), torch.random.fork_rng(devices=devices), model_context as sampled, \
             run.sampling_placement(sampled) as model, _fresh_model_caches(model):
-        for index, prompt in enumerate(prompts):
+        for index, line in enumerate(prompts):
+            line = line if isinstance(line, SamplePrompt) else SamplePrompt(line)
+            prompt, negative_text = line.text, negative if line.negative is None else line.negative
             positive = clip.encode_from_tokens_scheduled(clip.tokenize(prompt))
-            negative_item = negative_cond
+            negative_item = negative_cond if line.negative is None else \
+                clip.encode_from_tokens_scheduled(clip.tokenize(line.negative))
             if reference_encoding is not None and references is not None:  # both prompts with the reference image
                 positive, negative_item = (encode_with_reference(reference_encoding, clip, text, references[index], vae)
-                                           for text in (prompt, negative))
+                                           for text in (prompt, negative_text))
             positive, negative_run = ((positive, negative_item) if base
                                       else run.sampling_conditioning(positive, negative_item, vae))
             if references is not None and reference_encoding is None:  # exactly ReferenceLatent (comfy_extras/nodes_edit_model.py), on both
@@ -95,9 +101,12 @@ def sample_images(run: TrainingRun, clip, vae, prompts: list[str], negative: str
             # (HunyuanVideo15ImageToVideo's is 16x: no downscale_ratio_spacial, left as it is).
             spatial = start_latent.get("downscale_ratio_spacial") if starts is not None else 8
             latent = comfy.sample.fix_empty_latent_channels(model, empty, spatial)
-            noise = comfy.sample.prepare_noise(latent, seed)
-            latents.append(comfy.sample.sample(model, noise, steps, cfg, sampler_name, scheduler, positive,
-                                               negative_run, latent, denoise=1.0, disable_pbar=True, seed=seed))
+            line_seed = seed if line.seed is None else line.seed
+            noise = comfy.sample.prepare_noise(latent, line_seed)
+            latents.append(comfy.sample.sample(
+                model, noise, steps if line.steps is None else line.steps, cfg if line.cfg is None else line.cfg,
+                sampler_name, scheduler, positive, negative_run, latent, denoise=1.0, disable_pbar=True,
+                seed=line_seed))
     samples = torch.cat(latents)
     with torch.no_grad():  # decoded after the denoiser's step is done: the VAE loads on its own
         return decode(run, vae, samples), samples
@@ -265,7 +274,8 @@ def validate(node_cls, run: TrainingRun, clip=None, vae=None, prompts="", negati
     run.resolve_weights(weights)  # a wrong choice is an input error, before anything runs
     video.check_frames(name, run.source_model.model, frames)
     rate = video.validation_frame_rate(name, run.source_model.model, run.latent_cache, frame_rate)
-    lines = [line.strip() for line in (prompts or "").splitlines() if line.strip()]
+    lines, width, height = parse_prompts(name, prompts, width, height)  # kohya's --n / --d / --s / --l / --w / --h
+    labels = [line.label for line in lines]
     if lines and (clip is None or vae is None):
         raise ValueError(f"{name}: validation prompts need the clip and vae inputs connected")
     images = previews = grid = before_after = None
@@ -281,13 +291,13 @@ def validate(node_cls, run: TrainingRun, clip=None, vae=None, prompts="", negati
                                                     references=references,
                                                     reference_encoding=reference_text_encoding(run), frames=frames,
                                                     starts=starts, frame_rate=rate)
-                grid = save_validation(run, images, samples, lines, frames, rate)
+                grid = save_validation(run, images, samples, labels, frames, rate)
                 if compare_base:
                     base_images = base_samples(run, clip, vae, lines, negative, sample_seed, sample_steps, cfg,
                                                sampler_name, scheduler, width, height,
                                                reference_images=reference_images, references=references,
                                                frames=frames, starts=starts, frame_rate=rate)
-                    before_after = save_before_after(run, base_images, images, lines)
+                    before_after = save_before_after(run, base_images, images, labels)
                 previews = ui.PreviewImage(images, cls=node_cls)
     except BaseException as error:  # cancel, out of memory, a wrong input...: checkpoint kept, device memory freed
         run.fail("validation", error)

@@ -740,3 +740,16 @@ def test_extra_resolutions_through_the_nodes(cache_dir, comfyui, tmp_path):
     output = cache_nodes.HeadroomDatasetFromFolder.execute(folder=folder.name, skip_bad=False,
                                                            extra_resolutions="96", **options)
     assert output.ui["text"] == ["2 images, each cached and trained at 2 sizes (64, 96)."]
+
+    # upscale_small_images: at the extra 128 px the 96 px images are enlarged 1.33x, and Cache Latents names them; off,
+    # they are cached in the 96 px bucket they fill
+    with torch.inference_mode():
+        for upscale, buckets in ((True, {(64, 64), (128, 128)}), (False, {(64, 64), (96, 96)})):
+            dataset = images_node.execute(data.images, "\n".join(data.captions), extra_resolutions="128",
+                                          upscale_small_images=upscale, **options).args[0]
+            latents, summary = cache_nodes.HeadroomCacheLatents.execute(dataset, vae).args
+            assert set(latents.buckets) == buckets
+            assert ("3 image(s) smaller than their bucket, enlarged 1.25x or more (most: " in summary) == upscale
+    dataset = cache_nodes.HeadroomDatasetFromFolder.execute(folder=folder.name, skip_bad=False,
+                                                            upscale_small_images=False, **options).args[0]
+    assert dataset.upscale is False

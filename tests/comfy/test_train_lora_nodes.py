@@ -978,3 +978,49 @@ def test_partial_placement_keeps_the_planned_share_of_the_base(comfyui, monkeypa
     run.policy = run.policy.replace(base_placement="resident")
     assert not run._plan_streamer()
     assert run._base_device_share() is None and run._validation_device_share() is None  # everything loads
+
+
+def test_prompt_lines_with_kohyas_sample_options_sample_as_the_stock_nodes_would(comfyui):
+    """A prompt line from an sd-scripts / musubi-tuner prompt file (`text --n negative --d seed --s steps --l cfg
+    --w W --h H`) samples as CLIP Text Encode + KSampler with those settings, the options not encoded as text; the
+    grid names what they changed. Lines of different sizes, and options no line sets here, are refused by name."""
+    import nodes
+
+    from headroom.nodes import train_lora as T
+    from headroom.training.core.validation_grid import grid_layout
+
+    model, clip, vae, latents, texts = _data("sd15", count=2)
+    run = _init(model, latents, texts, "sample_options", rank=4, batch_size=2)
+    prompts = "a red circle --n blurry, dark --d 7 --s 3 --l 2.5 --w 48 --h 32\n\na blue square --w 48 --h 32"
+    settings = dict(negative="", sample_seed=5, sample_steps=2, cfg=1.0, sampler_name="euler", scheduler="normal",
+                    width=32, height=32, loss_timesteps=1)
+    with torch.inference_mode():
+        images = T.HeadroomValidate.execute(run, clip=clip, vae=vae, prompts=prompts, **settings).args[0]
+        stock = []
+        for text, negative, seed, steps, cfg in (("a red circle", "blurry, dark", 7, 3, 2.5),
+                                                 ("a blue square", "", 5, 2, 1.0)):
+            positive = nodes.CLIPTextEncode().encode(clip, text)[0]
+            negative = nodes.CLIPTextEncode().encode(clip, negative)[0]
+            empty = nodes.EmptyLatentImage().generate(48, 32, 1)[0]
+            stock.append(nodes.VAEDecode().decode(vae, nodes.common_ksampler(
+                model, seed, steps, cfg, "euler", "normal", positive, negative, empty)[0])[0])
+    assert images.shape == (2, 32, 48, 3)
+    # the run's zero-initialised LoRA applied as the saved file: the base model's samples
+    assert (images - torch.cat(stock)).abs().max() <= 1 / 255
+    layout = grid_layout(run.run_dir.validation_dir / "step_00000000.png")
+    assert layout["column_labels"] == ["a red circle (seed 7, steps 3, cfg 2.5)", "a blue square"]
+
+    for bad, message in (("a cat --w 64\na dog", r"several sizes \(32x32, 64x32\)"),
+                         ("a cat --ss euler_a", r"--ss .* use the sampler_name input"),
+                         ("a cat --q 9", r"--q is not a sample option")):
+        with pytest.raises(ValueError, match=r"^Validate LoRA \(Headroom\): .*" + message):
+            T.HeadroomValidate.execute(run, clip=clip, vae=vae, prompts=bad, **settings)
+        with pytest.raises(ValueError, match=r"^Train LoRA \(Headroom\): .*" + message):  # before any step
+            T.HeadroomTrainLora.execute(model=model, latent_cache=latents, text_cache=texts, lora_config=None,
+                                        optimizer_config=None, run_name="never", seed=0, batch_size=1,
+                                        grad_accumulation=1, precision="fp32", max_grad_norm=1.0, caption_dropout=0.0,
+                                        timestep_sampling="uniform", loss_weighting="none", min_snr_gamma=5.0,
+                                        noise_offset=0.0, gradient_checkpointing=False, checkpoint_depth=1, holdout=0,
+                                        steps=2, validate_every=0, save_every=0, lora_subfolder="headroom",
+                                        prompts=bad, width=32, height=32)
+    assert run.step == 0

@@ -127,8 +127,18 @@ def test_nodes_on_a_real_size_model(case, args, params):
         assert "load (stock UNETLoader)" in phases
     from realsize_worker import EXTRA_SIZE_CASES, TAG_CASES, TAG_SHUFFLES
 
-    sizes = [report["size"], *([EXTRA_SIZE_CASES[case]] if case in EXTRA_SIZE_CASES else [])]
-    assert report["buckets"] == {f"{size}x{size}": report["images"] for size in sizes}  # each image at each size
+    from realsize_worker import NO_UPSCALE_CASES
+
+    # each image at each size; with upscale_small_images off, not at the larger extra size (never enlarged); on, the
+    # images enlarged for it are named
+    sizes = [report["size"], *([EXTRA_SIZE_CASES[case]] if case in EXTRA_SIZE_CASES and case not in NO_UPSCALE_CASES
+                               else [])]
+    assert report["buckets"] == {f"{size}x{size}": report["images"] for size in sizes}
+    factor = max(sizes) / report["size"]
+    assert report["enlarged_note"] == ([f"{report['images']} image(s) smaller than their bucket, enlarged 1.25x or "
+                                        f"more (most: image 0, {factor:.2f}x); enlarged images teach softness: turn "
+                                        "upscale_small_images off on the dataset node to train them in smaller "
+                                        "buckets, or lower resolution"] if factor >= 1.25 else [])
 
     if case in TAG_CASES:  # tag captions in 1 + TAG_SHUFFLES orders each, as stock CLIP Text Encode encodes each
         assert report["tag_orders"] == {"orders": [1 + TAG_SHUFFLES] * report["images"],

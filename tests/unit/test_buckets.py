@@ -84,3 +84,24 @@ def test_apply_crop_resizes_within_range():
     # A flat image stays flat through resize + crop.
     flat = apply_crop(torch.full((100, 150, 3), 0.25), plan)
     assert torch.allclose(flat, torch.full_like(flat, 0.25), atol=1e-6)
+
+
+def test_bucket_for_enlarges_only_when_upscale_is_on():
+    """upscale on: the nearest bucket at the resolution (what caches were always keyed by). Off (kohya's
+    bucket_no_upscale): an image smaller than that bucket takes the nearest bucket of the largest smaller resolution
+    that it covers, so it is never enlarged; larger images are unaffected; an image smaller than every bucket takes the
+    smallest."""
+    from headroom.training.data.buckets import bucket_for, upscale_factor
+
+    for width in range(24, 400, 37):
+        for height in range(24, 400, 41):
+            default = nearest_bucket(width, height, make_buckets(128, 16))
+            assert bucket_for(width, height, 128, 16) == default
+            own = bucket_for(width, height, 128, 16, upscale=False)
+            if upscale_factor((width, height), default) <= 1:
+                assert own == default, (width, height)
+            elif min(width, height) >= 16 and width * height >= 16 * 16:
+                assert upscale_factor((width, height), own) <= 1, (width, height, own)
+    assert bucket_for(600, 400, 1024, 64) == (1216, 832)  # enlarged 2.03x
+    assert bucket_for(600, 400, 1024, 64, upscale=False) == (512, 384)  # resolution 448: its nearest, scaled down
+    assert bucket_for(10, 10, 64, 16, upscale=False) == (16, 16)  # nothing smaller: the smallest bucket

@@ -108,3 +108,29 @@ def test_an_unreadable_item_is_named_and_the_others_shown(tmp_path):
     assert preview_batch(previews).shape[0] == 1
     with pytest.raises(DatasetError, match="no item shown could be read"):
         preview_batch(previews[:1])
+
+
+@pytest.mark.parametrize("upscale", [True, False])
+def test_small_images_are_enlarged_and_named_or_trained_in_smaller_buckets(tmp_path, upscale):
+    """A 40 px image at resolution 64: enlarged 1.6x to its bucket and named in Cache Latents' notes, or (upscale off)
+    cached in the 32 px bucket it covers; the larger image's bucket is the same either way, and the preview is the
+    encoded crop in both."""
+    from dataclasses import replace
+
+    images = tmp_path / "set"
+    write(images, "small.png", (40, 40), "a small one")
+    write(images, "large.png", (200, 100), "a large one", seed=1)
+    dataset = dataset_from_folder(images, resolution=64, step=16)
+    dataset = dataset if upscale else replace(dataset, upscale=False)
+    vae = RecordingVae()
+    cache, report = cache_latents(dataset, ShardStore(tmp_path / "cache"), vae, "vae", {})
+    previews = preview_items(dataset, 0, 2)
+    assert [p.name for p in previews] == ["large.png", "small.png"]
+    assert [p.bucket for p in previews] == [(80, 48), (64, 64) if upscale else (32, 32)]
+    assert [cache.bucket(i) for i in range(2)] == [p.bucket for p in previews]
+    for index, preview in enumerate(previews):
+        assert torch.equal(preview.pixels, vae.samples[index]), preview.name
+    enlarged = [note for note in report.notes if "smaller than their bucket" in note]
+    assert enlarged == ([("1 image(s) smaller than their bucket, enlarged 1.25x or more (most: small.png, 1.60x); "
+                          "enlarged images teach softness: turn upscale_small_images off on the dataset node to "
+                          "train them in smaller buckets, or lower resolution")] if upscale else [])

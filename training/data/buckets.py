@@ -9,6 +9,7 @@ trainers that do (kohya, SimpleTuner) are applications, not importable libraries
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import random
@@ -49,6 +50,31 @@ def nearest_bucket(width: int, height: int, buckets: list[tuple[int, int]]) -> t
     """The bucket whose aspect ratio is nearest (in log space, so 2:1 and 1:2 are equally far from 1:1)."""
     aspect = math.log(width / height)
     return min(buckets, key=lambda b: (abs(math.log(b[0] / b[1]) - aspect), -b[0] * b[1]))
+
+
+@functools.lru_cache(maxsize=256)
+def _buckets(resolution: int, step: int) -> tuple[tuple[int, int], ...]:
+    return tuple(make_buckets(resolution, step))
+
+
+def bucket_for(width: int, height: int, resolution: int, step: int, upscale: bool = True) -> tuple[int, int]:
+    """The bucket an image of (`width`, `height`) trains in at `resolution`: the nearest in aspect ratio. With
+    `upscale` off (kohya's bucket_no_upscale), an image smaller than that bucket takes the nearest bucket of the
+    largest smaller resolution (a multiple of `step`) that it covers, so it is only ever scaled down; an image smaller
+    than every bucket takes the smallest."""
+    bucket = nearest_bucket(width, height, list(_buckets(resolution, step)))
+    if upscale:
+        return bucket
+    for smaller in range(resolution, step - 1, -step):
+        bucket = nearest_bucket(width, height, list(_buckets(smaller, step)))
+        if bucket[0] <= width and bucket[1] <= height:
+            return bucket
+    return bucket
+
+
+def upscale_factor(size: tuple[int, int], bucket: tuple[int, int]) -> float:
+    """How much an image of `size` is enlarged to cover `bucket` (plan_crop's resize; <= 1: not enlarged)."""
+    return max(bucket[0] / size[0], bucket[1] / size[1])
 
 
 @dataclass(frozen=True)

@@ -53,7 +53,7 @@ from safetensors import safe_open
 
 from .. import os_compat, public_module
 from .caption_tags import MAX_WILDCARD_TEXTS, WILDCARD, caption_lines, caption_variants
-from .buckets import CropPlan, apply_crop, make_buckets, nearest_bucket, plan_crop
+from .buckets import CropPlan, apply_crop, bucket_for, plan_crop, upscale_factor
 from .dataset import Dataset, DatasetError, reduce_factor
 from .video import clip_frame_rate, clip_frames, is_video
 from .files import (STALE_TEMP_SECONDS, UntrustedFileError, WriteError, display_path, format_bytes, open_regular,
@@ -753,6 +753,11 @@ class CacheReport:
         return "\n".join(lines)
 
 
+# An image enlarged this much or more for a bucket is named in Cache Latents' notes (a resize of a few percent is not
+# visible; 1.25x is where upscaled detail starts to look soft).
+ENLARGED_NOTE_FACTOR = 1.25
+
+
 def _no_interrupt() -> None:
     pass
 
@@ -813,9 +818,9 @@ def cache_latents(
         raise ValueError(f"control_encoding must be 'pixels' or 'latents', got {control_encoding!r}")
     started = time.monotonic()
     report = CacheReport(kind="latents", warnings=list(dataset.warnings))
-    bucket_sizes = {resolution: make_buckets(resolution, dataset.step) for resolution in dataset.resolutions}
 
     planned: list[_PlannedLatent] = []
+    enlarged: dict[int, float] = {}  # item -> how much its image is enlarged for its largest bucket, where it is
     for index, item in enumerate(dataset.items):
         try:
             image_digest = item.image.digest()
@@ -853,10 +858,12 @@ def cache_latents(
                 continue
         # One item per size (resolution, then the extra ones) and mirror; an item's key is its crop's, so the items
         # at `resolution` keep the keys they had before extra sizes existed.
-        for bucket, flip in dict.fromkeys((nearest_bucket(size[0], size[1], bucket_sizes[resolution]), flip)
+        for bucket, flip in dict.fromkeys((bucket_for(*size, resolution, dataset.step, dataset.upscale), flip)
                                           for resolution in dataset.resolutions
                                           for flip in ((False, True) if dataset.flip else (False,))):
             plan = plan_crop(size, bucket, dataset.crop, dataset.seed, image_digest, flip)
+            if upscale_factor(size, bucket) >= ENLARGED_NOTE_FACTOR:
+                enlarged[index] = max(enlarged.get(index, 0.0), upscale_factor(size, bucket))
             reduce = reduce_factor(size, plan.resized)
             key = entry_key({
                 "kind": "latent", "encoder": fingerprint, "options": dict(encoder_options),
@@ -871,6 +878,13 @@ def cache_latents(
                                           reference_text_key(item.caption, control_digest) if control_digest else None,
                                           frames, rate))
 
+    if enlarged:
+        most = max(enlarged, key=enlarged.get)
+        report.notes.append(
+            f"{len(enlarged)} image(s) smaller than their bucket, enlarged {ENLARGED_NOTE_FACTOR:g}x or more (most: "
+            f"{dataset.items[most].name}, {enlarged[most]:.2f}x); enlarged images teach softness: "
+            + ("turn upscale_small_images off on the dataset node to train them in smaller buckets, or lower "
+               "resolution" if dataset.upscale else "they are smaller than the smallest bucket"))
     odd = sorted({p.plan.bucket for p in planned if p.plan.bucket[0] % downscale or p.plan.bucket[1] % downscale})
     if odd:
         sizes = ", ".join(f"{w}x{h}" for w, h in odd)

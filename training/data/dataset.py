@@ -281,6 +281,9 @@ class Dataset:
     alpha_images: int = 0
     # Images without a caption file captioned with dataset_from_folder's default_caption (the trigger word)
     default_captions: int = 0
+    # False: an image smaller than its bucket trains in a smaller bucket instead of enlarged (kohya's
+    # bucket_no_upscale; buckets.bucket_for)
+    upscale: bool = True
 
     def __post_init__(self):
         if not self.items:

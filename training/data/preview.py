@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .buckets import apply_crop, make_buckets, nearest_bucket, plan_crop
+from .buckets import apply_crop, bucket_for, plan_crop
 from .dataset import Dataset, DatasetError, reduce_factor
 from .video import is_video
 
@@ -39,13 +39,12 @@ def preview_items(dataset: Dataset, start: int, count: int) -> list[ItemPreview]
     """Items start .. start + count - 1 (those that exist) at `dataset.resolution`, unflipped, as Cache Latents
     crops them (a clip: its first frame). An item that cannot be read is returned with its problem, not raised:
     Cache Latents reports it (or skip_bad leaves it out) the same way."""
-    buckets = make_buckets(dataset.resolution, dataset.step)
     previews = []
     for index in range(start, min(start + count, len(dataset))):
         item = dataset.items[index]
         try:
             size = item.image.size()
-            bucket = nearest_bucket(size[0], size[1], buckets)
+            bucket = bucket_for(*size, dataset.resolution, dataset.step, dataset.upscale)
             # The crop Cache Latents plans: a random crop is seeded by the image's digest, as there
             plan = plan_crop(size, bucket, dataset.crop, dataset.seed, item.image.digest(), False)
             reduce = reduce_factor(size, plan.resized)
