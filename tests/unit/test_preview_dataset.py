@@ -130,6 +130,8 @@ def test_small_images_are_enlarged_and_named_or_trained_in_smaller_buckets(tmp_p
     assert [cache.bucket(i) for i in range(2)] == [p.bucket for p in previews]
     for index, preview in enumerate(previews):
         assert torch.equal(preview.pixels, vae.samples[index]), preview.name
+    assert preview_lines(previews)[1] == ("1: small.png (64x64, enlarged 1.60x): a small one" if upscale
+                                          else "1: small.png (32x32): a small one")
     enlarged = [note for note in report.notes if "smaller than their bucket" in note]
     assert enlarged == ([("1 image(s) smaller than their bucket, enlarged 1.25x or more (most: small.png, 1.60x); "
                           "enlarged images teach softness: turn upscale_small_images off on the dataset node to "

@@ -72,6 +72,11 @@ def bucket_for(width: int, height: int, resolution: int, step: int, upscale: boo
     return bucket
 
 
+# An image enlarged this much or more for its bucket is named (Cache Latents' notes, Preview Dataset's lines): a resize
+# of a few percent is not visible; 1.25x is where enlarged detail starts to look soft.
+ENLARGED_NOTE_FACTOR = 1.25
+
+
 def upscale_factor(size: tuple[int, int], bucket: tuple[int, int]) -> float:
     """How much an image of `size` is enlarged to cover `bucket` (plan_crop's resize; <= 1: not enlarged)."""
     return max(bucket[0] / size[0], bucket[1] / size[1])

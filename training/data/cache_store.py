@@ -53,7 +53,7 @@ from safetensors import safe_open
 
 from .. import os_compat, public_module
 from .caption_tags import MAX_WILDCARD_TEXTS, WILDCARD, caption_lines, caption_variants
-from .buckets import CropPlan, apply_crop, bucket_for, plan_crop, upscale_factor
+from .buckets import ENLARGED_NOTE_FACTOR, CropPlan, apply_crop, bucket_for, plan_crop, upscale_factor
 from .dataset import Dataset, DatasetError, reduce_factor
 from .video import clip_frame_rate, clip_frames, is_video
 from .files import (STALE_TEMP_SECONDS, UntrustedFileError, WriteError, display_path, format_bytes, open_regular,
@@ -751,11 +751,6 @@ class CacheReport:
         lines += self.notes
         lines += [f"warning: {warning}" for warning in self.warnings]
         return "\n".join(lines)
-
-
-# An image enlarged this much or more for a bucket is named in Cache Latents' notes (a resize of a few percent is not
-# visible; 1.25x is where upscaled detail starts to look soft).
-ENLARGED_NOTE_FACTOR = 1.25
 
 
 def _no_interrupt() -> None:

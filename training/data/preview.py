@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .buckets import apply_crop, bucket_for, plan_crop
+from .buckets import ENLARGED_NOTE_FACTOR, apply_crop, bucket_for, plan_crop, upscale_factor
 from .dataset import Dataset, DatasetError, reduce_factor
 from .video import is_video
 
@@ -33,6 +33,7 @@ class ItemPreview:
     pixels: torch.Tensor | None  # [bucket_h, bucket_w, 3] float32 0..1, as Cache Latents crops it; None: unreadable
     mask: torch.Tensor | None  # [bucket_h, bucket_w] 0..1 (1: learned), or None: learned whole
     problem: str = ""  # why `pixels` is None
+    enlarged: float = 1.0  # how much the image is enlarged to fill its bucket (buckets.upscale_factor; <= 1: not)
 
 
 def preview_items(dataset: Dataset, start: int, count: int) -> list[ItemPreview]:
@@ -54,7 +55,8 @@ def preview_items(dataset: Dataset, start: int, count: int) -> list[ItemPreview]
             previews.append(ItemPreview(index, item.name, item.caption, (0, 0), item.repeats, None, None,
                                         str(error) or type(error).__name__))
             continue
-        previews.append(ItemPreview(index, item.name, item.caption, bucket, item.repeats, pixels, mask))
+        previews.append(ItemPreview(index, item.name, item.caption, bucket, item.repeats, pixels, mask,
+                                    enlarged=upscale_factor(size, bucket)))
     return previews
 
 
@@ -95,7 +97,8 @@ def preview_lines(previews: list[ItemPreview], caption_chars: int = 160) -> list
             lines.append(f"{p.index}: {p.name}: not shown: {p.problem}")
             continue
         extras = "".join([f", x{p.repeats} per epoch" if p.repeats > 1 else "",
-                          f", mask: {p.mask.mean().item():.0%} learned" if p.mask is not None else ""])
+                          f", mask: {p.mask.mean().item():.0%} learned" if p.mask is not None else "",
+                          f", enlarged {p.enlarged:.2f}x" if p.enlarged >= ENLARGED_NOTE_FACTOR else ""])
         caption = p.caption.replace("\n", " | ")  # alternative captions, one picked per step
         caption = caption if len(caption) <= caption_chars else caption[:caption_chars - 3] + "..."
         lines.append(f"{p.index}: {p.name} ({p.bucket[0]}x{p.bucket[1]}{extras}): {caption or '(empty caption)'}")
