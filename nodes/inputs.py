@@ -192,6 +192,14 @@ def schedule_inputs(subfolder_input: str) -> list:
     ]
 
 
+def keep_saves_input():
+    # Appended last and optional: workflows saved before it existed keep every save, as before.
+    return io.Int.Input("keep_saves", advanced=True, default=0, min=0, max=10_000, optional=True,
+                        tooltip="Keep only the newest this many of the run's step saves (<run>_step<N>) in the "
+                        "subfolder, removing older ones after each save (ai-toolkit's max_step_saves_to_keep); only "
+                        "files this run wrote are removed. 0: keep every save.")
+
+
 def validation_inputs(optional: bool) -> list:
     """Validate's settings; optional on the all-in-one nodes (no prompts: only the validation loss)."""
     return [

@@ -21,12 +21,12 @@ from .bridge.comfy_model import check_caches
 from .bridge.controlnet_build import check_control_cache, controlnet_trainable, controlnet_type_name
 from .bridge.families import CONTROLNET_TYPES
 from .inputs import (DEFAULT_CHECKPOINT_MINUTES, added_train_inputs, checkpoint_inputs, devices_input,
-                     masked_out_weight_input, model_and_caches, optimizer_config_input, policy_input, run_name_input,
+                     keep_saves_input, masked_out_weight_input, model_and_caches, optimizer_config_input, policy_input, run_name_input,
                      schedule_inputs,
                      training_settings, validation_inputs, weights_input)
 from .io_types import TrainingRunType
 from .bridge.run_controlnet import ControlNetRunConfig, open_controlnet_run
-from .bridge.model_files import runs_root, save_trained_controlnet
+from .bridge.model_files import runs_root, save_trained_controlnet, step_save_name
 from .bridge.planning import check_host_ram, plan_for_card
 from .bridge.rank_workers import open_on_devices
 from .bridge.run_settings import effective_batch, resolve_policy, run_fingerprint, train_config
@@ -189,7 +189,7 @@ class HeadroomTrainControlNet(io.ComfyNode):
             is_output_node=True,
             inputs=[*controlnet_run_inputs(), *schedule_inputs("controlnet_subfolder"),
                     *validation_inputs(optional=True), *checkpoint_inputs(), *added_train_inputs(), devices_input(),
-                    masked_out_weight_input()],
+                    masked_out_weight_input(), keep_saves_input()],
             outputs=[io.ControlNet.Output("control_net", tooltip="The trained ControlNet (in memory) for stock nodes."),
                      TrainingRunType.Output("run", tooltip="The training run, for Validate and Save nodes."),
                      io.String.Output("control_net_name",
@@ -200,13 +200,14 @@ class HeadroomTrainControlNet(io.ComfyNode):
 
     @classmethod
     def execute(cls, steps, validate_every, save_every, controlnet_subfolder, checkpoint_every=0,
-                checkpoint_minutes=DEFAULT_CHECKPOINT_MINUTES, **inputs) -> io.NodeOutput:
+                checkpoint_minutes=DEFAULT_CHECKPOINT_MINUTES, keep_saves=0, **inputs) -> io.NodeOutput:
         check_subfolder(controlnet_subfolder, f"{node_name(cls)}: controlnet_subfolder")
         run, name, loss, outputs = train_validate_save(
             cls, lambda **init: start_controlnet_run(**init, node=node_name(cls), shown_on=node_id(cls)),
-            lambda run: save_trained_controlnet(run, controlnet_subfolder, f"{run.run_dir.name}_step{run.step:06d}"),
+            lambda run: save_trained_controlnet(run, controlnet_subfolder, step_save_name(run)),
             steps, validate_every, save_every, inputs, saved_as=("ControlNet", "controlnet"),
-            checkpoint_every=checkpoint_every, checkpoint_minutes=checkpoint_minutes)
+            checkpoint_every=checkpoint_every, checkpoint_minutes=checkpoint_minutes, subfolder=controlnet_subfolder,
+            keep_saves=keep_saves)
         return io.NodeOutput(run.trained.comfy_controlnet(), run, name, loss, ui=outputs)
 
 

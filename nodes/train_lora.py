@@ -26,7 +26,7 @@ from .bridge import lora_formats
 from .bridge.comfy_bridge import TrainingRun, check_run_kind, node_id, node_name, run_and_step, send_node_text
 from .bridge.comfy_model import (check_caches, check_quantized_kind, check_reference_cache, check_trainable,
                                  missing_inputs_note, model_family)
-from .bridge.model_files import runs_root, save_extracted_lora, save_lora
+from .bridge.model_files import prune_step_saves, runs_root, save_extracted_lora, save_lora, step_save_name
 from .bridge.planning import check_host_ram, lora_trainable, plan_for_card
 from .bridge.rank_workers import open_on_devices, parse_devices
 from .bridge.run_lora import REFERENCES, SAVE_DTYPES, LoraRunConfig, open_lora_run
@@ -34,7 +34,8 @@ from .bridge.run_settings import effective_batch, resolve_policy, run_fingerprin
 from .bridge.sample_prompts import parse_prompts
 from .bridge.validation import check_no_placeholder, validate
 from .inputs import (DEFAULT_CHECKPOINT_MINUTES, added_train_inputs, checkpoint_inputs, compare_base_input,
-                     devices_input, frame_rate_input, frames_input, lora_config_input, masked_out_weight_input,
+                     devices_input, frame_rate_input, frames_input, keep_saves_input, lora_config_input,
+                     masked_out_weight_input,
                      model_and_caches, noise_range_inputs, optimizer_config_input,
                      policy_input, prior_inputs, reference_images_input, reference_input, run_name_input,
                      schedule_inputs, start_image_input, training_settings, validation_inputs, validation_names,
@@ -571,10 +572,12 @@ class HeadroomApplyTrainedLora(io.ComfyNode):
 # --- all in one --------------------------------------------------------------------------------------------
 def train_validate_save(node_cls, start, save, steps: int, validate_every: int, save_every: int, inputs: dict,
                         saved_as: tuple[str, str] = ("LoRA", "loras"), checkpoint_every: int = 0,
-                        checkpoint_minutes: float = DEFAULT_CHECKPOINT_MINUTES):
+                        checkpoint_minutes: float = DEFAULT_CHECKPOINT_MINUTES, subfolder: str = "",
+                        keep_saves: int = 0):
     """The all-in-one loop: `start(**init inputs)` builds or resumes the run, which then trains to `steps`,
     validating every `validate_every` and saving (`save(run)` -> name) every `save_every` steps, and at the end;
-    resumable checkpoints every `checkpoint_every` steps / `checkpoint_minutes` minutes.
+    resumable checkpoints every `checkpoint_every` steps / `checkpoint_minutes` minutes; `keep_saves` > 0: after each
+    save, only the newest that many of the run's step saves in models/<saved_as folder>/`subfolder` are kept.
     Returns (run, saved name, validation loss, UI output)."""
     label = node_name(node_cls)
     check_checkpoint_inputs(label, checkpoint_every, checkpoint_minutes)
@@ -585,7 +588,7 @@ def train_validate_save(node_cls, start, save, steps: int, validate_every: int, 
     parse_prompts(label, validation.get("prompts", ""), validation.get("width", 512), validation.get("height", 512))
     run = start(**{k: v for k, v in inputs.items() if k not in names})
     note = steps_note(label, run, steps, "steps")
-    previews, loss, name, saved = None, float("nan"), "", []
+    previews, loss, name, saved, pruned, prune_problems = None, float("nan"), "", [], [], []
     while True:
         target = min(t for t in (steps, _next(run.step, validate_every), _next(run.step, save_every)) if t)
         run.train_to(target, node_id=node_id(node_cls), checkpoint_every=checkpoint_every,
@@ -600,12 +603,20 @@ def train_validate_save(node_cls, start, save, steps: int, validate_every: int, 
         if done or (save_every and run.step % save_every == 0):
             name = save(run)
             saved.append(saved_file(*saved_as, name))
+            if keep_saves:
+                removed, problems = prune_step_saves(run, saved_as[1], subfolder, keep_saves)
+                pruned += removed
+                for problem in problems:
+                    logging.warning("%s: %s", label, problem)
+                    prune_problems.append(f"Warning: {problem}")
         if done:
             break
     history = {**run.history(steps), **({"note": note} if note else {})}
     outputs = {**shown_images(run, previews), HISTORY_KEY: [history],
                "text": [*run.notes, *([note] if note else []), *run.fallback.untold(),
-                        *([saved_text(run, *saved_as, name)] if name else [])],
+                        *([saved_text(run, *saved_as, name)] if name else []),
+                        *([f"{len(pruned)} older save(s) removed (keep_saves {keep_saves}): {', '.join(pruned)}"]
+                          if pruned else []), *prune_problems],
                SAVED_KEY: saved}
     return run, name, loss, outputs
 
@@ -627,7 +638,8 @@ class HeadroomTrainLora(io.ComfyNode):
             inputs=[*lora_run_inputs(), *schedule_inputs("lora_subfolder"), *validation_inputs(optional=True),
                     *checkpoint_inputs(), *added_train_inputs(), *prior_inputs(), compare_base_input(),
                     reference_input(), reference_images_input(), frames_input(), *noise_range_inputs(),
-                    devices_input(), start_image_input(), frame_rate_input(), masked_out_weight_input()],
+                    devices_input(), start_image_input(), frame_rate_input(), masked_out_weight_input(),
+                    keep_saves_input()],
             outputs=[io.Model.Output("model", tooltip="The MODEL with the trained LoRA applied."),
                      TrainingRunType.Output("run", tooltip="The training run, for Validate, Save and Apply nodes."),
                      io.String.Output("lora_name", tooltip="The last saved LoRA, as Load LoRA lists it."),
@@ -637,13 +649,13 @@ class HeadroomTrainLora(io.ComfyNode):
 
     @classmethod
     def execute(cls, steps, validate_every, save_every, lora_subfolder, checkpoint_every=0,
-                checkpoint_minutes=DEFAULT_CHECKPOINT_MINUTES, **inputs) -> io.NodeOutput:
+                checkpoint_minutes=DEFAULT_CHECKPOINT_MINUTES, keep_saves=0, **inputs) -> io.NodeOutput:
         check_subfolder(lora_subfolder, f"{node_name(cls)}: lora_subfolder")
         run, lora_name, loss, outputs = train_validate_save(
             cls, lambda **init: start_lora_run(**init, node=node_name(cls), shown_on=node_id(cls)),
-            lambda run: save_lora(run, lora_subfolder, f"{run.run_dir.name}_step{run.step:06d}"),
+            lambda run: save_lora(run, lora_subfolder, step_save_name(run)),
             steps, validate_every, save_every, inputs, checkpoint_every=checkpoint_every,
-            checkpoint_minutes=checkpoint_minutes)
+            checkpoint_minutes=checkpoint_minutes, subfolder=lora_subfolder, keep_saves=keep_saves)
         return io.NodeOutput(run.trained.patched_model(run), run, lora_name, loss, ui=outputs)
 
 

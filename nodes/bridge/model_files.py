@@ -2,14 +2,16 @@
 under models/<folder> and the name the stock loader lists it by, and the saves themselves (LoRA, ControlNet)."""
 from __future__ import annotations
 
+import json
 import os
 import pathlib
+import re
 from collections.abc import Callable
 
 import folder_paths
 
 from ...training.core.run_dir import NAME_MAX, check_name, check_subfolder
-from ...training.data.files import prune_temp
+from ...training.data.files import UntrustedFileError, open_regular, prune_temp
 from . import lora_formats
 from .comfy_bridge import TrainingRun
 
@@ -26,7 +28,7 @@ def models_file(folder: str, subfolder: str, filename: str, run: TrainingRun, wh
     check_subfolder(subfolder, "subfolder")
     # Default names add to a run name of up to NAME_MAX characters (save_extracted_lora's the most): file names may be
     # that much longer, or a long run name would train and then fail to save.
-    name = check_name(filename or f"{run.run_dir.name}_step{run.step:06d}", f"{what} file name",
+    name = check_name(filename or step_save_name(run), f"{what} file name",
                       longest=NAME_MAX + len("_step000000_extracted"))
     if not name.endswith(".safetensors"):
         name += ".safetensors"
@@ -82,3 +84,63 @@ def save_trained_controlnet(run: TrainingRun, subfolder: str, filename: str, wei
     controlnet = run.trained_as("controlnet")
     return save_to_models(run, "controlnet", subfolder, filename, "ControlNet",
                           lambda path: controlnet.save(run, path, weights))
+
+
+def step_save_name(run: TrainingRun) -> str:
+    """The file name (without .safetensors) the all-in-one nodes save the run's current step under."""
+    return f"{run.run_dir.name}_step{run.step:06d}"
+
+
+def prune_step_saves(run: TrainingRun, folder: str, subfolder: str, keep: int) -> tuple[list[str], list[str]]:
+    """Remove all but the newest `keep` of the run's step saves (step_save_name) in models/<folder>/<subfolder>/, as
+    ai-toolkit's max_step_saves_to_keep does: (names removed, problems). A file is removed only when its metadata says
+    this run wrote it (the run's name and base fingerprint): a file of the same name from anything else stays. A
+    file that cannot be removed (on Windows: open in a loader) is named in the problems; the run goes on."""
+    root = pathlib.Path(folder_paths.get_folder_paths(folder)[0])
+    directory = root / subfolder if subfolder else root
+    pattern = re.compile(re.escape(run.run_dir.name) + r"_step(\d{6,})\.safetensors")
+    try:
+        entries = [(int(match[1]), entry) for entry in os.scandir(directory)
+                   if (match := pattern.fullmatch(entry.name)) and entry.is_file(follow_symlinks=False)]
+    except OSError as error:
+        return [], [f"older saves not pruned: {directory.name} cannot be listed ({error.strerror})"]
+    removed, problems = [], []
+    for _, entry in sorted(entries)[:-keep] if len(entries) > keep else []:
+        if not _written_by(run, entry.path):
+            continue
+        try:
+            os.remove(entry.path)
+        except OSError as error:
+            problems.append(f"older save {entry.name} not removed ({error.strerror}; open in a loader?)")
+            continue
+        removed.append(entry.name)
+    if removed:
+        folder_paths.filename_list_cache.pop(folder, None)  # the loaders' lists drop the removed names
+    return removed, problems
+
+
+def _written_by(run: TrainingRun, path: str) -> bool:
+    """Whether the safetensors file at `path` says `run` wrote it (its headroom.run and headroom.base_fingerprint);
+    a file that cannot be read as one is not the run's."""
+    metadata = _safetensors_metadata(path)
+    return metadata.get("headroom.run") == run.run_dir.name and \
+        metadata.get("headroom.base_fingerprint") == run.fingerprint
+
+
+HEADER_MAX_BYTES = 100 << 20  # safetensors' own limit on a header
+
+
+def _safetensors_metadata(path: str) -> dict:
+    """A safetensors file's __metadata__ ({} where it has none or is no such file), read from its header alone. By
+    hand, not safetensors.safe_open: that maps the whole file, and on Windows a file cannot be removed while a
+    mapping of it lives."""
+    try:
+        with open_regular(path, "saved file") as handle:
+            length = int.from_bytes(handle.read(8), "little")
+            if not 2 <= length <= HEADER_MAX_BYTES:
+                return {}
+            header = json.loads(handle.read(length).decode("utf-8"))
+    except (UntrustedFileError, OSError, UnicodeDecodeError, ValueError, RecursionError):
+        return {}
+    metadata = header.get("__metadata__") if isinstance(header, dict) else None
+    return metadata if isinstance(metadata, dict) else {}

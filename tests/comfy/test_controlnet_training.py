@@ -305,7 +305,7 @@ def test_all_in_one_node_trains_validates_saves_and_continues(comfyui, family):
     # A latent-hint ControlNet (Qwen-Image's) validates with a control image of its own: the cache holds latents.
     control = {} if family == "sd15" else {"validation_control": torch.ones(1, 64, 64, 3)}
     inputs = dict(_init_inputs(model, latent_cache, text_cache, name, batch_size=2, **control), validate_every=2,
-                  save_every=0, controlnet_subfolder="headroom-tests", **validation)
+                  save_every=0, controlnet_subfolder="headroom-tests", keep_saves=1, **validation)
     output = HeadroomTrainControlNet.execute(steps=4, **inputs)
     control_net, run, saved, loss = output.args
     assert isinstance(control_net, comfy.controlnet.ControlNet) and control_net.control_model is run.controlnet.module
@@ -316,8 +316,13 @@ def test_all_in_one_node_trains_validates_saves_and_continues(comfyui, family):
     # Its text names the run and step of the ControlNet it saved last (issue 44).
     assert output.ui["text"][-1] == f"run '{name}', step 4: ControlNet saved to models/controlnet/{saved}"
 
-    again = HeadroomTrainControlNet.execute(steps=6, **inputs).args[1]  # queued again with more steps: continues
+    again_output = HeadroomTrainControlNet.execute(steps=6, **inputs)  # queued again with more steps: continues
+    again = again_output.args[1]
     assert again.resumed and again.step == 6
+    # keep_saves 1: the step-6 save replaced the step-4 one
+    assert saved not in folder_paths.get_filename_list("controlnet") and again_output.args[2] in \
+        folder_paths.get_filename_list("controlnet")
+    assert again_output.ui["text"][-1] == f"1 older save(s) removed (keep_saves 1): {name}_step000004.safetensors"
 
 
 @pytest.mark.parametrize("family", ["sd15", "flux"])

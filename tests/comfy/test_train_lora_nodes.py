@@ -1024,3 +1024,52 @@ def test_prompt_lines_with_kohyas_sample_options_sample_as_the_stock_nodes_would
                                         steps=2, validate_every=0, save_every=0, lora_subfolder="headroom",
                                         prompts=bad, width=32, height=32)
     assert run.step == 0
+
+
+def test_keep_saves_removes_only_the_runs_own_older_step_saves(comfyui, monkeypatch):
+    """Train LoRA keep_saves 2, saving every step to 4 and then continuing to 5: the newest two step saves stay after
+    each save; the older ones this run wrote are removed, and the node says which. A file of the same name that
+    another run wrote (its metadata says so), and one that is no safetensors file, stay where they are."""
+    import folder_paths
+
+    from headroom.nodes import train_lora as T
+
+    model, clip, vae, latents, texts = _data("sd15")
+    folder = pathlib.Path(folder_paths.get_folder_paths("loras")[0]) / "pruned"
+    folder.mkdir(parents=True, exist_ok=True)
+    from safetensors.torch import save_file
+
+    save_file({"x": torch.zeros(1)}, str(folder / "keep_two_step000000.safetensors"),
+              metadata={"headroom.run": "keep_two", "headroom.base_fingerprint": "another model"})
+    (folder / "keep_two_step000001.safetensors.txt").write_text("not a save")
+    with torch.inference_mode():
+        lora = T.HeadroomLoraConfig.execute("lora", 4, 4.0, "preset", False, 0.0, 0).args[0]
+        opt = T.HeadroomOptimizerConfig.execute("AdamW", 1e-3, 0.0, "constant", 0, 100).args[0]
+        inputs = dict(model=model, latent_cache=latents, text_cache=texts, lora_config=lora, optimizer_config=opt,
+                      run_name="keep_two", seed=0, batch_size=2, grad_accumulation=1, precision="fp32",
+                      max_grad_norm=1.0, caption_dropout=0.0, timestep_sampling="uniform", loss_weighting="none",
+                      min_snr_gamma=5.0, noise_offset=0.0, gradient_checkpointing=False, checkpoint_depth=1,
+                      holdout=0, validate_every=0, save_every=1, lora_subfolder="pruned", keep_saves=2)
+        first = T.HeadroomTrainLora.execute(steps=4, **inputs)
+        assert sorted(p.name for p in folder.iterdir()) == [
+            "keep_two_step000000.safetensors", "keep_two_step000001.safetensors.txt",
+            "keep_two_step000003.safetensors", "keep_two_step000004.safetensors"]
+        assert ("2 older save(s) removed (keep_saves 2): keep_two_step000001.safetensors, "
+                "keep_two_step000002.safetensors") in first.ui["text"]
+        assert "pruned/keep_two_step000001.safetensors" not in folder_paths.get_filename_list("loras")
+        T.HeadroomTrainLora.execute(steps=5, **inputs)
+        assert sorted(p.name for p in folder.iterdir()) == [
+            "keep_two_step000000.safetensors", "keep_two_step000001.safetensors.txt",
+            "keep_two_step000004.safetensors", "keep_two_step000005.safetensors"]
+        # Windows refuses to remove a file a loader holds open: the save stays, the node says so, the run goes on
+        from headroom.nodes.bridge import model_files
+
+        def held_open(path):
+            raise PermissionError(13, "The process cannot access the file because it is being used by another "
+                                      "process")
+
+        monkeypatch.setattr(model_files.os, "remove", held_open)
+        last = T.HeadroomTrainLora.execute(steps=6, **inputs)
+    assert (folder / "keep_two_step000004.safetensors").exists() and last.args[1].step == 6
+    assert any(line.startswith("Warning: older save keep_two_step000004.safetensors not removed (The process cannot "
+                               "access the file") for line in last.ui["text"])
