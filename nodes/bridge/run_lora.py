@@ -168,18 +168,27 @@ def _on_quantized_layer(model, key: str) -> bool:
     return is_quantized_layer(comfy.utils.get_attr(model, key.rpartition(".")[0]))
 
 
+# The most frequent tags a saved file lists: sentence captions make one "tag" per caption, and a file's metadata is
+# read with its header by every loader (kohya writes them all).
+MAX_SAVED_TAGS = 1000
+
+
 def caption_tag_metadata(run) -> dict[str, str]:
     """kohya's ss_tag_frequency ({run name: {tag: images whose caption holds it}}: what Civitai and LoRA managers show
     as a LoRA's trained words, the trigger word first) and ss_num_train_images (with repeats) over the run's training
-    images, each image once (its sizes and mirror are one image); {} where the text cache holds no captions."""
-    captions = getattr(run.text_cache, "captions", None) or {}
+    images, each image once (its sizes and mirror are one image), the MAX_SAVED_TAGS most frequent; {} where the
+    text cache holds no captions."""
+    captions = getattr(run.text_cache, "captions", None)
+    if not captions:
+        return {}
     images: dict[str, int] = {}
     for index in run.train_items:
         images.setdefault(run.latent_cache.name(index), index)
     texts = [captions.get(run.latent_cache.text_key(index)) for index in images.values()]
     if not texts or None in texts:
         return {}
-    return {"ss_tag_frequency": json.dumps({run.run_dir.name: tag_frequency(texts)}),
+    counts = dict(list(tag_frequency(texts).items())[:MAX_SAVED_TAGS])
+    return {"ss_tag_frequency": json.dumps({run.run_dir.name: counts}),
             "ss_num_train_images": str(sum(run.latent_cache.repeats(index) for index in images.values()))}
 
 

@@ -258,3 +258,13 @@ def test_a_caption_that_would_make_too_many_texts_is_refused_naming_it():
     with pytest.raises(TooManyVariants, match=r"makes 68 texts to cache \(2 line\(s\), 4 with their wildcards, then "
                                               rf"their tag orders\); at most {MAX_VARIANTS}"):
         caption_variants("{a|b}, x, y, z, w\n{c|d}, x, y, z, w", 16, 1)
+
+
+def test_tag_frequency_counts_each_tag_once_per_caption_most_frequent_first():
+    """kohya's ss_tag_frequency: comma-separated tags, stripped, counted per caption (a tag on several of a caption's
+    alternative lines counts once), the most frequent first, ties in the order first seen."""
+    from headroom.training.data.caption_tags import tag_frequency
+
+    counts = tag_frequency(["ohwx, red, circle", "ohwx,blue , circle\nohwx, circle, night", "ohwx", " , ,", ""])
+    assert counts == {"ohwx": 3, "circle": 2, "red": 1, "blue": 1, "night": 1}
+    assert list(counts) == ["ohwx", "circle", "red", "blue", "night"]
