@@ -208,7 +208,8 @@ def validation_inputs(optional: bool) -> list:
         io.String.Input("prompts", multiline=True, default="", optional=optional,
                         tooltip="One prompt per line; empty: no images, only the validation loss. A line may end "
                         "with kohya's sample options (as in sd-scripts / musubi-tuner prompt files): --n negative, "
-                        "--d seed, --s steps, --l cfg, --w / --h size (the same on every line)."),
+                        "--d seed, --s steps, --l cfg, --g guidance (as FluxGuidance), --w / --h size (the same on every "
+                        "line)."),
         io.String.Input("negative", default="", optional=optional, tooltip="Negative prompt of every sample."),
         io.Int.Input("sample_seed", advanced=True, default=0, min=0, max=0xFFFFFFFFFFFFFFFF, optional=optional,
                      tooltip="Noise seed of the samples: the same at every validation, so steps compare."),

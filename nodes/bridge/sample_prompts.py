@@ -2,8 +2,9 @@
 `a red fox --n blurry --d 42 --s 28 --l 5.5 --w 768 --h 512`. Users paste those files; without reading the options
 the text `--n blurry --d 42` would be encoded as part of the prompt, and the samples would show it, silently.
 
-Read here: --n (negative prompt), --d (seed), --s (steps), --l (cfg), --w / --h (size). Every other option is refused,
-naming it and the node input that does its job: an option left in the prompt would be encoded as text.
+Read here: --n (negative prompt), --d (seed), --s (steps), --l (cfg), --g (embedded guidance, set on the prompt as the
+stock FluxGuidance node sets it), --w / --h (size). Every other option is refused, naming it and the node input that
+does its job: an option left in the prompt would be encoded as text.
 Hand-written: no library parses this format (sd-scripts and musubi-tuner each parse it inside their samplers).
 """
 from __future__ import annotations
@@ -17,7 +18,6 @@ _OPTION = re.compile(r"\s--([A-Za-z]+)(?=\s|$)")
 # Options of the other trainers' prompt files that no prompt line sets here: what to use instead.
 _ELSEWHERE = {
     "ss": "the sampler_name input", "f": "the frames input",
-    "g": "nothing per prompt: samples take the model's default embedded guidance, as CLIP Text Encode leaves it",
     "fs": "the MODEL's own shift (a ModelSampling node before the training node)",
     "i": "the start_image input (image-to-video) or reference_images (edit models)",
     "cn": "the validation_control input (ControlNet runs)",
@@ -33,14 +33,15 @@ class SamplePrompt:
     seed: int | None = None
     steps: int | None = None
     cfg: float | None = None
+    guidance: float | None = None  # embedded guidance (Flux): FluxGuidance's value on the prompt
     width: int | None = None
     height: int | None = None
 
     @property
     def label(self) -> str:
         """The prompt as the grid names it: its text, and what its options change."""
-        changed = [f"{name} {value}" for name, value in (("seed", self.seed), ("steps", self.steps), ("cfg", self.cfg))
-                   if value is not None]
+        changed = [f"{name} {value}" for name, value in (("seed", self.seed), ("steps", self.steps), ("cfg", self.cfg),
+                                                          ("guidance", self.guidance)) if value is not None]
         return f"{self.text} ({', '.join(changed)})" if changed else self.text
 
 
@@ -57,26 +58,28 @@ def parse_line(name: str, number: int, line: str) -> SamplePrompt:
         if key in _ELSEWHERE:
             raise ValueError(f"{where} (another trainer's sample option) is not read from a prompt here: remove it "
                              f"and use {_ELSEWHERE[key]}")
-        if key not in ("n", "d", "s", "l", "w", "h"):
+        if key not in ("n", "d", "s", "l", "g", "w", "h"):
             raise ValueError(f"{where} is not a sample option (read here: --n negative, --d seed, --s steps, --l cfg, "
-                             "--w / --h size): remove it, or it would be encoded as part of the prompt")
+                             "--g guidance, --w / --h size): remove it, or it would be encoded as part of the prompt")
         options[key] = _value(where, key, value)
     if not text:
         raise ValueError(f"{name}: prompt line {number} ({line.strip()[:60]!r}) has options but no prompt before them")
     return SamplePrompt(text, negative=options.get("n"), seed=options.get("d"), steps=options.get("s"),
-                        cfg=options.get("l"), width=options.get("w"), height=options.get("h"))
+                        cfg=options.get("l"), guidance=options.get("g"), width=options.get("w"),
+                        height=options.get("h"))
 
 
 def _value(where: str, key: str, value: str):
     if key == "n":
         return value
-    if key == "l":
+    if key in ("l", "g"):
         try:
             number = float(value)
         except ValueError:
             number = math.nan
         if not (math.isfinite(number) and 0.0 <= number <= 100.0):
-            raise ValueError(f"{where} {value!r} is not a cfg scale: give a number from 0 to 100")
+            what = "cfg scale" if key == "l" else "guidance"
+            raise ValueError(f"{where} {value!r} is not a {what}: give a number from 0 to 100")
         return number
     if not re.fullmatch(r"\d{1,20}", value):
         raise ValueError(f"{where} {value!r} is not a whole number: give one (e.g. --{key} "

@@ -60,7 +60,8 @@ def sample_images(run: TrainingRun, clip, vae, prompts: list[str | SamplePrompt]
     model, given with both prompts by its stock node (WanImageToVideo), whose latent the sampler starts from.
     `frame_rate`: set on both prompts by the stock LTXVConditioning node (models that read it: LTX-2); None: the
     model's default. A SamplePrompt's own negative / seed / steps / cfg (kohya's --n / --d / --s / --l) replace
-    those arguments for its sample. Returns (images, sampled latents)."""
+    those arguments for its sample; its guidance (--g) is set on the positive prompt as FluxGuidance sets it. Returns
+    (images, sampled latents)."""
     latent_frames = video.check_frames(f"run '{run.run_dir.name}'", run.source_model.model, frames)
     negative_cond = clip.encode_from_tokens_scheduled(clip.tokenize(negative))
     latents = []
@@ -80,6 +81,8 @@ def sample_images(run: TrainingRun, clip, vae, prompts: list[str | SamplePrompt]
             if reference_encoding is not None and references is not None:  # both prompts with the reference image
                 positive, negative_item = (encode_with_reference(reference_encoding, clip, text, references[index], vae)
                                            for text in (prompt, negative_text))
+            if line.guidance is not None:  # --g: as the stock FluxGuidance node sets it, on the positive prompt
+                positive = node_helpers.conditioning_set_values(positive, {"guidance": line.guidance})
             positive, negative_run = ((positive, negative_item) if base
                                       else run.sampling_conditioning(positive, negative_item, vae))
             if references is not None and reference_encoding is None:  # exactly ReferenceLatent (comfy_extras/nodes_edit_model.py), on both

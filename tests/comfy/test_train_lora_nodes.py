@@ -982,9 +982,11 @@ def test_partial_placement_keeps_the_planned_share_of_the_base(comfyui, monkeypa
 
 def test_prompt_lines_with_kohyas_sample_options_sample_as_the_stock_nodes_would(comfyui):
     """A prompt line from an sd-scripts / musubi-tuner prompt file (`text --n negative --d seed --s steps --l cfg
-    --w W --h H`) samples as CLIP Text Encode + KSampler with those settings, the options not encoded as text; the
-    grid names what they changed. Lines of different sizes, and options no line sets here, are refused by name."""
+    --g guidance --w W --h H`) samples as CLIP Text Encode (+ FluxGuidance) + KSampler with those settings, the
+    options not encoded as text; the grid names what they changed. Lines of different sizes, and options no line sets
+    here, are refused by name."""
     import nodes
+    from comfy_extras import nodes_flux
 
     from headroom.nodes import train_lora as T
     from headroom.training.core.validation_grid import grid_layout
@@ -1009,6 +1011,22 @@ def test_prompt_lines_with_kohyas_sample_options_sample_as_the_stock_nodes_would
     assert (images - torch.cat(stock)).abs().max() <= 1 / 255
     layout = grid_layout(run.run_dir.validation_dir / "step_00000000.png")
     assert layout["column_labels"] == ["a red circle (seed 7, steps 3, cfg 2.5)", "a blue square"]
+
+    # --g on Flux: the prompt's embedded guidance, as the stock FluxGuidance node sets it
+    flux_model, flux_clip, flux_vae, flux_latents, flux_texts = _data("flux", count=2)
+    flux_run = _init(flux_model, flux_latents, flux_texts, "sample_guidance", rank=4, batch_size=2)
+    with torch.inference_mode():
+        guided = T.HeadroomValidate.execute(flux_run, clip=flux_clip, vae=flux_vae, prompts="a red circle --g 7.5",
+                                            **settings).args[0]
+        unguided = T.HeadroomValidate.execute(flux_run, clip=flux_clip, vae=flux_vae, prompts="a red circle",
+                                              **settings).args[0]
+        positive = nodes_flux.FluxGuidance.execute(nodes.CLIPTextEncode().encode(flux_clip, "a red circle")[0],
+                                                   7.5).args[0]
+        negative = nodes.CLIPTextEncode().encode(flux_clip, "")[0]
+        stock = nodes.VAEDecode().decode(flux_vae, nodes.common_ksampler(
+            flux_model, 5, 2, 1.0, "euler", "normal", positive, negative,
+            nodes.EmptyLatentImage().generate(32, 32, 1)[0])[0])[0]
+    assert (guided - stock).abs().max() <= 1 / 255 and (unguided - stock).abs().max() > 1 / 255
 
     for bad, message in (("a cat --w 64\na dog", r"several sizes \(32x32, 64x32\)"),
                          ("a cat --ss euler_a", r"--ss .* use the sampler_name input"),
