@@ -458,6 +458,14 @@ class HeadroomValidate(io.ComfyNode):
 # --- save / apply ------------------------------------------------------------------------------------------
 
 
+def caption_tags_input():
+    # Appended last and optional: workflows saved before it existed write the tag counts (the default).
+    return io.Boolean.Input("caption_tags", advanced=True, default=True, optional=True,
+                            tooltip="Write how many training images' captions hold each tag into the file (kohya's "
+                            "ss_tag_frequency, in every format: what Civitai and LoRA managers show as the trained "
+                            "words, the trigger word first). Off: the file holds no caption text.")
+
+
 class HeadroomSaveLora(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
@@ -482,10 +490,7 @@ class HeadroomSaveLora(io.ComfyNode):
                                "load_lora_weights reads (unet.* / transformer.*, alpha folded in, PEFT config in "
                                "the metadata); plain LoRA on sd15 / sdxl / sd3 / flux (Load LoRA reads it too)."),
                 weights_input("Save"),
-                io.Boolean.Input("caption_tags", advanced=True, default=True, optional=True,
-                                 tooltip="Write how many training images' captions hold each tag into the file "
-                                 "(kohya's ss_tag_frequency, in every format: what Civitai and LoRA managers show as "
-                                 "the trained words, the trigger word first). Off: the file holds no caption text."),
+                caption_tags_input(),
             ],
             outputs=[io.String.Output("lora_name", tooltip="The name Load LoRA lists.")],
         )
@@ -528,18 +533,19 @@ class HeadroomExtractLora(io.ComfyNode):
                 io.Combo.Input("dtype", options=list(SAVE_DTYPES), default="fp32",
                                tooltip="Precision of the saved weights: fp32; bf16 / fp16 half the file size."),
                 weights_input("Extract from"),
+                caption_tags_input(),
             ],
             outputs=[io.String.Output("lora_name", tooltip="The name Load LoRA lists.")],
         )
 
     @classmethod
     def execute(cls, run: TrainingRun, rank: int, energy: float, subfolder: str, filename: str, dtype: str,
-                weights: str = "auto") -> io.NodeOutput:
+                weights: str = "auto", caption_tags: bool = True) -> io.NodeOutput:
         node = node_name(cls)
         check_finite(node, energy=energy)
         check_run_kind(run, "lora", node, "save")
         try:
-            name, kept = save_extracted_lora(run, subfolder, filename, rank, energy, dtype, weights)
+            name, kept = save_extracted_lora(run, subfolder, filename, rank, energy, dtype, weights, caption_tags)
         except ValueError as error:
             raise ValueError(f"{node}: {error}") from error
         return io.NodeOutput(name, ui={SAVED_KEY: [saved_file("LoRA", "loras", name)],

@@ -68,14 +68,15 @@ def save_lora(run: TrainingRun, subfolder: str, filename: str, dtype: str = "fp3
 
 
 def save_extracted_lora(run: TrainingRun, subfolder: str, filename: str, rank: int, energy: float,
-                        dtype: str = "fp32", weights: str = "auto") -> tuple[str, str]:
+                        dtype: str = "fp32", weights: str = "auto", caption_tags: bool = True) -> tuple[str, str]:
     """Write a LoRA extracted from a full fine-tune's differences under models/loras/<subfolder>/ (empty filename:
     <run name>_step<N>_extracted); returns (the name LoraLoader lists, what the extraction kept)."""
     lora = run.trained_as("lora")
     filename = filename or f"{run.run_dir.name}_step{run.step:06d}_extracted"
     kept = []
     name = save_to_models(run, "loras", subfolder, filename, "LoRA",
-                          lambda path: kept.append(lora.save_extracted(run, path, rank, energy, dtype, weights)))
+                          lambda path: kept.append(lora.save_extracted(run, path, rank, energy, dtype, weights,
+                                                                              caption_tags)))
     return name, kept[0]
 
 

@@ -401,10 +401,11 @@ class LoraTraining:
             metadata["headroom.format"] = "kohya"
         save_safetensors(path, state, f"LoRA {path.name}", metadata=metadata)
 
-    def save_extracted(self, run, path, rank: int, energy: float, dtype: str = "fp32", weights: str = "auto") -> str:
+    def save_extracted(self, run, path, rank: int, energy: float, dtype: str = "fp32", weights: str = "auto",
+                       caption_tags: bool = True) -> str:
         """Write a LoRA extracted from a full fine-tune's differences (training/core/lora_extract.py: truncated SVD per
-        weight by `rank` / `energy`, biases whole) to `path` (atomically) in ComfyUI's LoRA keys; returns what it
-        kept."""
+        weight by `rank` / `energy`, biases whole) to `path` (atomically) in ComfyUI's LoRA keys, with the captions'
+        tag counts as `save` writes them (`caption_tags`); returns what it kept."""
         adapter = run.config.adapter
         if adapter.kind != "full":
             raise ValueError(f"a LoRA is extracted from a full fine-tune (LoRA Config kind full); this run trains "
@@ -414,7 +415,7 @@ class LoraTraining:
                                                    dtype=SAVE_DTYPES[dtype])
         metadata = {**self.metadata(run), "headroom.kind": "lora", "headroom.extracted_from": "full",
                     "headroom.rank": str(rank) if rank > 0 else "by energy", "headroom.extracted": kept.summary(),
-                    "headroom.weights": used}
+                    "headroom.weights": used, **(caption_tag_metadata(run) if caption_tags else {})}
         save_safetensors(path, state, f"LoRA {path.name}", metadata=metadata)
         return kept.summary()
 

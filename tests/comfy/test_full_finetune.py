@@ -5,6 +5,7 @@ model: exactly the base weights plus the trained difference, under the input's k
 from __future__ import annotations
 
 import dataclasses
+import json
 import pathlib
 import re
 
@@ -179,6 +180,18 @@ def test_full_finetune_is_saved_for_the_stock_loaders(comfyui, tmp_path):
         assert max(ranks) == 2 and re.search(r"\(rank [12]-2, ", small.ui["text"][0]), (ranks, small.ui)
         small_model = nodes.LoraLoader().load_lora(model, clip, small.args[0], 1.0, 0.0)[0]
         assert len(small_model.patches) == len(saved)  # every trained weight and bias, none left out
+        # the training captions' tag counts, as Save LoRA writes them (caption_tags off: none)
+        from safetensors import safe_open
+
+        def metadata(lora_name):
+            with safe_open(folder_paths.get_full_path_or_raise("loras", lora_name), "pt") as handle:
+                return handle.metadata()
+
+        assert json.loads(metadata(small.args[0])["ss_tag_frequency"]) == json.loads(
+            metadata(name)["ss_tag_frequency"]) != {}
+        private = T.HeadroomExtractLora.execute(run, 2, 0.0, "headroom", "full_saved_r2_private", "fp32",
+                                                caption_tags=False).args[0]
+        assert "ss_tag_frequency" not in metadata(private)
 
         # Stock Save Model / Save Checkpoint write the merged model. A tiny model is no released configuration, so
         # ComfyUI's detection cannot name it and Load Diffusion Model / Load Checkpoint refuse it: their own steps after
