@@ -32,7 +32,7 @@ from .bridge.rank_workers import open_on_devices, parse_devices
 from .bridge.run_lora import REFERENCES, SAVE_DTYPES, LoraRunConfig, open_lora_run
 from .bridge.run_settings import effective_batch, resolve_policy, run_fingerprint, train_config
 from .bridge.sample_prompts import parse_prompts
-from .bridge.validation import check_no_placeholder, validate
+from .bridge.validation import validate
 from .inputs import (DEFAULT_CHECKPOINT_MINUTES, added_train_inputs, checkpoint_inputs, compare_base_input,
                      devices_input, frame_rate_input, frames_input, keep_saves_input, lora_config_input,
                      masked_out_weight_input,
@@ -590,7 +590,7 @@ def train_validate_save(node_cls, start, save, steps: int, validate_every: int, 
     names = validation_names()
     validation = {k: v for k, v in inputs.items() if k in names}
     check_finite(label, **validation)  # its validations' floats (cfg, frame_rate) before any training
-    check_no_placeholder(label, validation.get("prompts", ""))  # not after hours of training, at the first validation
+    # its prompts' options and placeholders: not after hours of training, at the first validation
     parse_prompts(label, validation.get("prompts", ""), validation.get("width", 512), validation.get("height", 512))
     run = start(**{k: v for k, v in inputs.items() if k not in names})
     note = steps_note(label, run, steps, "steps")

@@ -4,7 +4,8 @@ the text `--n blurry --d 42` would be encoded as part of the prompt, and the sam
 
 Read here: --n (negative prompt), --d (seed), --s (steps), --l (cfg), --g (embedded guidance, set on the prompt as the
 stock FluxGuidance node sets it), --w / --h (size). Every other option is refused, naming it and the node input that
-does its job: an option left in the prompt would be encoded as text.
+does its job: an option left in the prompt would be encoded as text. So is ai-toolkit's [trigger] placeholder, which
+ai-toolkit fills in and which here would be encoded as written.
 Hand-written: no library parses this format (sd-scripts and musubi-tuner each parse it inside their samplers).
 """
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+
+from ...training.data.dataset import TRIGGER_PLACEHOLDER
 
 # " --x value": an option starts at a space followed by two dashes and its letters (kohya splits lines on " --").
 _OPTION = re.compile(r"\s--([A-Za-z]+)(?=\s|$)")
@@ -48,6 +51,9 @@ class SamplePrompt:
 def parse_line(name: str, number: int, line: str) -> SamplePrompt:
     """Line `number` of node `name`'s prompts, its options read; a ValueError naming the line and option when one
     cannot be used."""
+    if TRIGGER_PLACEHOLDER in line:
+        raise ValueError(f"{name}: prompt line {number} ({line.strip()[:60]!r}) holds ai-toolkit's "
+                         f"{TRIGGER_PLACEHOLDER} placeholder: write the trigger word itself in its place")
     parts = _OPTION.split(" " + line)  # [text, option, value, option, value, ...]
     text, options = parts[0].strip(), {}
     for option, value in zip(parts[1::2], parts[2::2]):

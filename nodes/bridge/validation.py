@@ -19,7 +19,6 @@ from comfy_api.latest import ui
 from ...training.checks import check_finite
 from ...training.core.validation_grid import grid_png, labelled_grid
 from ...training.data.cache_store import item_conditioning
-from ...training.data.dataset import TRIGGER_PLACEHOLDER
 from ...training.data.files import save_safetensors, write_bytes
 from ...training.memory.policy import PolicyError
 from . import video
@@ -75,12 +74,13 @@ def sample_images(run: TrainingRun, clip, vae, prompts: list[str | SamplePrompt]
         for index, line in enumerate(prompts):
             line = line if isinstance(line, SamplePrompt) else SamplePrompt(line)
             prompt, negative_text = line.text, negative if line.negative is None else line.negative
-            positive = clip.encode_from_tokens_scheduled(clip.tokenize(prompt))
-            negative_item = negative_cond if line.negative is None else \
-                clip.encode_from_tokens_scheduled(clip.tokenize(line.negative))
             if reference_encoding is not None and references is not None:  # both prompts with the reference image
                 positive, negative_item = (encode_with_reference(reference_encoding, clip, text, references[index], vae)
                                            for text in (prompt, negative_text))
+            else:
+                positive = clip.encode_from_tokens_scheduled(clip.tokenize(prompt))
+                negative_item = negative_cond if line.negative is None else \
+                    clip.encode_from_tokens_scheduled(clip.tokenize(line.negative))
             if line.guidance is not None:  # --g: as the stock FluxGuidance node sets it, on the positive prompt
                 positive = node_helpers.conditioning_set_values(positive, {"guidance": line.guidance})
             positive, negative_run = ((positive, negative_item) if base
@@ -252,15 +252,6 @@ def save_validation(run: TrainingRun, images: torch.Tensor, samples: torch.Tenso
     return path
 
 
-def check_no_placeholder(name: str, prompts: str) -> None:
-    """Sample prompts copied from an ai-toolkit config hold its [trigger] placeholder, which ai-toolkit fills in; here
-    the samples would show what the literal text does, so it is refused, naming the prompt."""
-    for number, line in enumerate((prompts or "").splitlines(), start=1):
-        if TRIGGER_PLACEHOLDER in line:
-            raise ValueError(f"{name}: prompt line {number} ({line.strip()[:60]!r}) holds ai-toolkit's "
-                             f"{TRIGGER_PLACEHOLDER} placeholder: write the trigger word itself in its place")
-
-
 def validate(node_cls, run: TrainingRun, clip=None, vae=None, prompts="", negative="", sample_seed=0,
              sample_steps=20, cfg=4.0, sampler_name="euler", scheduler="normal", width=512, height=512,
              loss_timesteps=4, lora_application="as_saved_file", weights="auto", compare_base=False,
@@ -273,11 +264,11 @@ def validate(node_cls, run: TrainingRun, clip=None, vae=None, prompts="", negati
     LTXVConditioning node; 0: the first cached clip's (video.validation_frame_rate)."""
     name = node_name(node_cls)
     check_finite(name, cfg=cfg, frame_rate=frame_rate)
-    check_no_placeholder(name, prompts)
+    # kohya's --n / --d / --s / --l / --g / --w / --h read, ai-toolkit's [trigger] refused: before anything runs
+    lines, width, height = parse_prompts(name, prompts, width, height)
     run.resolve_weights(weights)  # a wrong choice is an input error, before anything runs
     video.check_frames(name, run.source_model.model, frames)
     rate = video.validation_frame_rate(name, run.source_model.model, run.latent_cache, frame_rate)
-    lines, width, height = parse_prompts(name, prompts, width, height)  # kohya's --n / --d / --s / --l / --w / --h
     labels = [line.label for line in lines]
     if lines and (clip is None or vae is None):
         raise ValueError(f"{name}: validation prompts need the clip and vae inputs connected")

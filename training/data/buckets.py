@@ -13,6 +13,7 @@ import functools
 import hashlib
 import math
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -46,7 +47,7 @@ def make_buckets(resolution: int, step: int, max_aspect: float = 4.0) -> list[tu
     return sorted(buckets)
 
 
-def nearest_bucket(width: int, height: int, buckets: list[tuple[int, int]]) -> tuple[int, int]:
+def nearest_bucket(width: int, height: int, buckets: Sequence[tuple[int, int]]) -> tuple[int, int]:
     """The bucket whose aspect ratio is nearest (in log space, so 2:1 and 1:2 are equally far from 1:1)."""
     aspect = math.log(width / height)
     return min(buckets, key=lambda b: (abs(math.log(b[0] / b[1]) - aspect), -b[0] * b[1]))
@@ -62,13 +63,12 @@ def bucket_for(width: int, height: int, resolution: int, step: int, upscale: boo
     `upscale` off (kohya's bucket_no_upscale), an image smaller than that bucket takes the nearest bucket of the
     largest smaller resolution (a multiple of `step`) that it covers, so it is only ever scaled down; an image smaller
     than every bucket takes the smallest."""
-    bucket = nearest_bucket(width, height, list(_buckets(resolution, step)))
     if upscale:
-        return bucket
+        return nearest_bucket(width, height, _buckets(resolution, step))
     for smaller in range(resolution, step - 1, -step):
-        bucket = nearest_bucket(width, height, list(_buckets(smaller, step)))
+        bucket = nearest_bucket(width, height, _buckets(smaller, step))
         if bucket[0] <= width and bucket[1] <= height:
-            return bucket
+            break
     return bucket
 
 

@@ -857,8 +857,9 @@ def cache_latents(
                                           for resolution in dataset.resolutions
                                           for flip in ((False, True) if dataset.flip else (False,))):
             plan = plan_crop(size, bucket, dataset.crop, dataset.seed, image_digest, flip)
-            if upscale_factor(size, bucket) >= ENLARGED_NOTE_FACTOR:
-                enlarged[index] = max(enlarged.get(index, 0.0), upscale_factor(size, bucket))
+            factor = upscale_factor(size, bucket)
+            if factor >= ENLARGED_NOTE_FACTOR:
+                enlarged[index] = max(enlarged.get(index, 0.0), factor)
             reduce = reduce_factor(size, plan.resized)
             key = entry_key({
                 "kind": "latent", "encoder": fingerprint, "options": dict(encoder_options),
