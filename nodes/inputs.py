@@ -12,7 +12,7 @@ from __future__ import annotations
 import comfy.samplers
 from comfy_api.latest import io
 
-from ..training.core.objective import LOSS_TYPES, LOSS_WEIGHTINGS, TIMESTEP_SAMPLINGS
+from ..training.core.objective import LOSS_TYPES, LOSS_WEIGHTINGS, MULTIRES_ITERATIONS_MAX, TIMESTEP_SAMPLINGS
 from ..training.core.trainer import PRECISIONS
 from .bridge.comfy_bridge import WEIGHT_CHOICES
 from .io_types import LatentCacheType, LoraConfigType, OffloadPolicyType, OptimizerConfigType, TextCacheType
@@ -68,7 +68,9 @@ def training_settings(caption_dropout=None) -> list:
         io.Combo.Input("timestep_sampling", advanced=True, options=list(TIMESTEP_SAMPLINGS), default="uniform",
                        tooltip="shifted: times shifted as the model samples (SD3 / Flux shift)."),
         io.Combo.Input("loss_weighting", advanced=True, options=list(LOSS_WEIGHTINGS), default="none",
-                       tooltip="min_snr: min-SNR-gamma weighting (eps / v models)."),
+                       tooltip="min_snr: min-SNR-gamma weighting; debiased: the debiased estimation (kohya's "
+                       "debiased_estimation_loss), which weighs the noisiest times less (eps / v models; flow models: "
+                       "none)."),
         io.Float.Input("min_snr_gamma", advanced=True, default=5.0, min=0.1, max=100.0, step=0.1,
                        tooltip="Gamma of the min_snr loss weighting (used only when loss_weighting is min_snr)."),
         io.Float.Input("noise_offset", advanced=True, default=0.0, min=0.0, max=1.0, step=0.001,
@@ -149,6 +151,25 @@ def noise_range_inputs() -> list:
                        "expert 0..0.875 (I2V: 0..0.9); train each expert's LoRA on its own part. 0 and 1: everything."),
         io.Float.Input("noise_max", advanced=True, default=1.0, min=0.0, max=1.0, step=0.005, optional=True,
                        tooltip="Train only noise levels up to here (see noise_min)."),
+    ]
+
+
+def extra_noise_inputs() -> list:
+    """kohya's input perturbation and pyramid noise: appended last and optional on every training node, so workflows
+    saved before they existed keep working (off); part of the run."""
+    return [
+        io.Float.Input("ip_noise_gamma", advanced=True, default=0.0, min=0.0, max=1.0, step=0.01, optional=True,
+                       tooltip="Input perturbation (kohya's ip_noise_gamma): the model's input gets this much extra "
+                       "noise while the loss still asks for the clean target, which reduces the drift between "
+                       "training and sampling. 0: off; 0.1 is usual."),
+        io.Int.Input("multires_noise_iterations", advanced=True, default=0, min=0, max=MULTIRES_ITERATIONS_MAX,
+                     optional=True,
+                     tooltip="Multi-resolution (pyramid) noise, kohya's name: adds coarser noise in this many steps, "
+                     "which helps learn overall tone and contrast (very dark or bright images). 0: off; 6-10 usual."),
+        io.Float.Input("multires_noise_discount", advanced=True, default=0.3, min=0.01, max=1.0, step=0.01,
+                       optional=True,
+                       tooltip="How much each coarser step adds (its weight is this to the power of the step): 0.3 "
+                       "usual, 0.1 light. Used only when multires_noise_iterations is above 0."),
     ]
 
 

@@ -127,6 +127,9 @@ class HeadroomMemoryPlan(io.ComfyNode):
                              "(4k+1, e.g. 33 or 81; LTX-2: 8k+1); the step's activations and, with the VAE, its "
                              "encode / decode estimates grow with "
                              "them. 1: images."),
+                io.String.Input("layers", default="", multiline=True, optional=True, advanced=True,
+                                tooltip="Which of the targeted layers the planned LoRA trains, as LoRA Config's layers "
+                                "(empty: all of them)."),
             ],
             outputs=[io.String.Output("plan_text", tooltip="The plan as text (also shown on the node)."),
                      io.String.Output("plan_json", tooltip="The plan as JSON: each phase's estimate, itemised."),
@@ -137,12 +140,12 @@ class HeadroomMemoryPlan(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, mode, batch_size, width, height, rank, targets, optimizer, precision, text_tokens,
-                policy=None, clip=None, vae=None, frames: int = 1) -> io.NodeOutput:
+                policy=None, clip=None, vae=None, frames: int = 1, layers: str = "") -> io.NodeOutput:
         policy = policy if policy is not None else OffloadPolicy()
         if not isinstance(policy, OffloadPolicy):
             raise ValueError(f"{node_name(cls)}: policy must come from an Offload Policy (Headroom) node")
         plan = plan_lora_run(model, policy, mode, batch_size, width, height, rank, targets, optimizer, precision,
-                             text_tokens, clip, vae, node=node_name(cls), frames=frames)
+                             text_tokens, clip, vae, node=node_name(cls), frames=frames, layers=layers or "")
         text = plan.to_text()
         return io.NodeOutput(text, plan.to_json(), plan.policy, ui=ui.PreviewText(text))
 

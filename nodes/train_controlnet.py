@@ -21,9 +21,9 @@ from .bridge.comfy_model import check_caches
 from .bridge.controlnet_build import check_control_cache, controlnet_trainable, controlnet_type_name
 from .bridge.families import CONTROLNET_TYPES
 from .inputs import (DEFAULT_CHECKPOINT_MINUTES, added_train_inputs, checkpoint_inputs, devices_input,
-                     keep_saves_input, masked_out_weight_input, model_and_caches, optimizer_config_input, policy_input, run_name_input,
-                     schedule_inputs,
-                     training_settings, validation_inputs, weights_input)
+                     extra_noise_inputs, keep_saves_input, masked_out_weight_input, model_and_caches,
+                     optimizer_config_input, policy_input, run_name_input, schedule_inputs, training_settings,
+                     validation_inputs, weights_input)
 from .io_types import TrainingRunType
 from .bridge.run_controlnet import ControlNetRunConfig, open_controlnet_run
 from .bridge.model_files import runs_root, save_trained_controlnet, step_save_name
@@ -38,7 +38,8 @@ def start_controlnet_run(model, latent_cache, text_cache, optimizer_config, run_
                          loss_weighting, min_snr_gamma, noise_offset, gradient_checkpointing, checkpoint_depth,
                          holdout, blocks=0, init_seed=0, validation_control=None, validation_strength=1.0,
                          policy=None, loss_type: str = "mse", huber_delta: float = 0.1, ema_decay: float = 0.0,
-                         devices: str = "1", masked_out_weight: float = 0.0,
+                         devices: str = "1", masked_out_weight: float = 0.0, ip_noise_gamma: float = 0.0,
+                         multires_noise_iterations: int = 0, multires_noise_discount: float = 0.3,
                          node: str = "Train ControlNet: Init (Headroom)",
                          shown_on: str | None = None) -> TrainingRun:
     """Check every input (before any GPU work), then build or resume the run; `node`: the display name of the node
@@ -47,13 +48,15 @@ def start_controlnet_run(model, latent_cache, text_cache, optimizer_config, run_
         check_name(run_name, "run name")
         check_finite(node, max_grad_norm=max_grad_norm, caption_dropout=caption_dropout, min_snr_gamma=min_snr_gamma,
                      noise_offset=noise_offset, validation_strength=validation_strength, huber_delta=huber_delta,
-                     ema_decay=ema_decay, masked_out_weight=masked_out_weight)
+                     ema_decay=ema_decay, masked_out_weight=masked_out_weight, ip_noise_gamma=ip_noise_gamma,
+                     multires_noise_discount=multires_noise_discount)
         if not isinstance(optimizer_config, OptimizerConfig):
             raise ValueError("optimizer_config must come from an Optimizer Config (Headroom) node")
         optimizer_config.validate()
         train, note = train_config(model, run_name, node, seed, batch_size, grad_accumulation, precision, max_grad_norm,
                                    caption_dropout, timestep_sampling, loss_weighting, min_snr_gamma, noise_offset,
-                                   loss_type, huber_delta, ema_decay, masked_out_weight=masked_out_weight)
+                                   loss_type, huber_delta, ema_decay, masked_out_weight=masked_out_weight,
+                                   extra_noise=(ip_noise_gamma, multires_noise_iterations, multires_noise_discount))
         type_name = controlnet_type_name(model)
         check_caches(model.model, latent_cache, text_cache)
         train, batch_note = effective_batch(train, latent_cache, holdout, run_name, node)
@@ -124,7 +127,8 @@ class HeadroomTrainControlNetInit(io.ComfyNode):
             description="Set up (or resume) a ControlNet training run for this MODEL from cached latents, control "
             "images and text; train it with Train Steps. Families: " + "; ".join(
                 t.description for t in CONTROLNET_TYPES.values()) + ".",
-            inputs=[*controlnet_run_inputs(), *added_train_inputs(), devices_input(), masked_out_weight_input()],
+            inputs=[*controlnet_run_inputs(), *added_train_inputs(), devices_input(), masked_out_weight_input(),
+                    *extra_noise_inputs()],
             outputs=[TrainingRunType.Output("run", tooltip="The training run, for Train Steps, Validate and Save."),
                      io.Int.Output("step", tooltip="Step the run starts from (resumed)."),
                      io.ControlNet.Output("control_net", tooltip="The run's ControlNet (in memory) for stock nodes.")],
@@ -189,7 +193,7 @@ class HeadroomTrainControlNet(io.ComfyNode):
             is_output_node=True,
             inputs=[*controlnet_run_inputs(), *schedule_inputs("controlnet_subfolder"),
                     *validation_inputs(optional=True), *checkpoint_inputs(), *added_train_inputs(), devices_input(),
-                    masked_out_weight_input(), keep_saves_input()],
+                    masked_out_weight_input(), keep_saves_input(), *extra_noise_inputs()],
             outputs=[io.ControlNet.Output("control_net", tooltip="The trained ControlNet (in memory) for stock nodes."),
                      TrainingRunType.Output("run", tooltip="The training run, for Validate and Save nodes."),
                      io.String.Output("control_net_name",

@@ -18,8 +18,8 @@ from comfy_api.latest import io, ui
 
 from ..training.core.adapters import FULL_PRECISIONS, KINDS, TARGET_MODES, AdapterConfig
 from ..training.checks import check_finite, named
-from ..training.core.optimizers import (LORAPLUS_MAX, OPTIMIZERS, SCHEDULES, MissingPackageError, OptimizerConfig,
-                                        check_available)
+from ..training.core.optimizers import (LORAPLUS_MAX, OPTIMIZERS, SCALE_WEIGHT_NORMS_MAX, SCHEDULES,
+                                        MissingPackageError, OptimizerConfig, check_available)
 from ..training.core.run_dir import RunFolderError, check_name, check_subfolder
 from ..training.memory import sharded_optimizer
 from .bridge import lora_formats
@@ -34,8 +34,8 @@ from .bridge.run_settings import effective_batch, resolve_policy, run_fingerprin
 from .bridge.sample_prompts import parse_prompts
 from .bridge.validation import validate
 from .inputs import (DEFAULT_CHECKPOINT_MINUTES, added_train_inputs, checkpoint_inputs, compare_base_input,
-                     devices_input, frame_rate_input, frames_input, keep_saves_input, lora_config_input,
-                     masked_out_weight_input,
+                     devices_input, extra_noise_inputs, frame_rate_input, frames_input, keep_saves_input,
+                     lora_config_input, masked_out_weight_input,
                      model_and_caches, noise_range_inputs, optimizer_config_input,
                      policy_input, prior_inputs, reference_images_input, reference_input, run_name_input,
                      schedule_inputs, start_image_input, training_settings, validation_inputs, validation_names,
@@ -136,6 +136,21 @@ class HeadroomLoraConfig(io.ComfyNode):
                                tooltip="kind full only: the trained weights in fp32 (exact), or bf16_stochastic: "
                                "bf16 updated with stochastic rounding, half the memory of the weights and their "
                                "gradients (needs fused_backward on in the Offload Policy)."),
+                io.String.Input("layers", default="", multiline=True, optional=True, advanced=True,
+                                tooltip="Train only some of the layers targets selects: parts of ComfyUI's layer "
+                                "names, separated by commas, spaces or lines; ! before one leaves its layers out. "
+                                "Empty: all of them. Wildcards as in file names: * any text, ? one character. E.g. "
+                                "Flux single blocks only: single_blocks; blocks 10-19: single_blocks.1?. (end a "
+                                "number with a dot: blocks.1 also matches blocks.10); every linear layer but the "
+                                "modulation ones (targets all_linear): !mod. The names are ComfyUI's "
+                                "(double_blocks.0.img_attn.qkv, input_blocks.4.1...), not diffusers': a pattern "
+                                "matching no layer is refused, the message showing the names."),
+                io.String.Input("layer_lr_scales", default="", multiline=True, optional=True, advanced=True,
+                                tooltip="Learning rates per layer, as multiples of the Optimizer Config's: "
+                                "pattern=scale pairs (patterns as in layers), separated by commas, spaces or lines; "
+                                "a layer takes the first that matches it, 1 where none does. E.g. "
+                                "input_blocks=0.5 output_blocks=1.5 (kohya's block learning-rate weights), "
+                                "double_blocks=2. Not with Prodigy (one step size for all)."),
             ],
             outputs=[LoraConfigType.Output("lora_config",
                                            tooltip="What to train, for a Train LoRA (Init) node's lora_config.")],
@@ -143,12 +158,13 @@ class HeadroomLoraConfig(io.ComfyNode):
 
     @classmethod
     def execute(cls, kind, rank, alpha, targets, include_conv, dropout, init_seed, init_lora="none",
-                full_precision="fp32") -> io.NodeOutput:
+                full_precision="fp32", layers="", layer_lr_scales="") -> io.NodeOutput:
         name = node_name(cls)
         check_finite(name, alpha=alpha, dropout=dropout)
         config = AdapterConfig(kind=kind, rank=rank, alpha=alpha, targets=targets, include_conv=include_conv,
                                dropout=dropout, init_seed=init_seed, init_lora=None if init_lora == "none" else init_lora,
-                               full_precision=full_precision)
+                               full_precision=full_precision, layers=layers or "",
+                               layer_lr_scales=layer_lr_scales or "")
         _checked(name, config.validate)
         return io.NodeOutput(config)
 
@@ -207,6 +223,13 @@ class HeadroomOptimizerConfig(io.ComfyNode):
                                tooltip="LoRA+ (kohya's loraplus_lr_ratio): a LoRA's up matrices learn at this many "
                                "times the learning rate, which makes it learn faster at the same rate for the rest. "
                                "1: off. The paper suggests 16; start around 4. LoRA and DoRA runs; not with Prodigy."),
+                io.Float.Input("scale_weight_norms", advanced=True, default=0.0, min=0.0, max=SCALE_WEIGHT_NORMS_MAX,
+                               step=0.01, optional=True,
+                               tooltip="Max-norm regularisation (kohya's scale_weight_norms): after each step, a "
+                               "layer whose LoRA update has a norm above this is scaled back to it, which keeps "
+                               "single layers from overpowering the model (and the LoRA usable at higher strength). "
+                               "0: off; 1 is usual. LoRA and DoRA runs; Train Steps shows how many layers it "
+                               "scaled."),
             ],
             outputs=[OptimizerConfigType.Output("optimizer_config",
                                                 tooltip="Optimizer and schedule, for a training node's "
@@ -224,15 +247,16 @@ class HeadroomOptimizerConfig(io.ComfyNode):
 
     @classmethod
     def execute(cls, optimizer, learning_rate, weight_decay, schedule, warmup_steps, schedule_steps,
-                loraplus_lr_ratio=1.0) -> io.NodeOutput:
+                loraplus_lr_ratio=1.0, scale_weight_norms=0.0) -> io.NodeOutput:
         name = node_name(cls)
-        check_finite(name, learning_rate=learning_rate, weight_decay=weight_decay, loraplus_lr_ratio=loraplus_lr_ratio)
+        check_finite(name, learning_rate=learning_rate, weight_decay=weight_decay, loraplus_lr_ratio=loraplus_lr_ratio,
+                     scale_weight_norms=scale_weight_norms)
         problem = learning_rate_problem(name, learning_rate)
         if problem:  # a linked value, or a call from Python (workflows/headroom_train_distributed.py)
             raise ValueError(problem)
         config = OptimizerConfig(name=optimizer, lr=learning_rate, weight_decay=weight_decay, schedule=schedule,
                                  warmup_steps=warmup_steps, total_steps=schedule_steps,
-                                 loraplus_lr_ratio=loraplus_lr_ratio)
+                                 loraplus_lr_ratio=loraplus_lr_ratio, scale_weight_norms=scale_weight_norms)
         _checked(name, config.validate)
         try:  # an optimizer from an optional package: say now which pip package is missing, not mid-run
             check_available(optimizer)
@@ -261,7 +285,8 @@ def start_lora_run(model, latent_cache, text_cache, lora_config, optimizer_confi
                    loss_type: str = "mse", huber_delta: float = 0.1, ema_decay: float = 0.0,
                    prior_latent_cache=None, prior_text_cache=None, prior_ratio: float = 0.5, reference: str = "none",
                    noise_min: float = 0.0, noise_max: float = 1.0, devices: str = "1",
-                   masked_out_weight: float = 0.0,
+                   masked_out_weight: float = 0.0, ip_noise_gamma: float = 0.0, multires_noise_iterations: int = 0,
+                   multires_noise_discount: float = 0.3,
                    node: str = "Train LoRA: Init (Headroom)", shown_on: str | None = None) -> TrainingRun:
     """Check every input (before any GPU work), then build or resume the run; `node`: the display name of the node
     opening it, for messages."""
@@ -269,7 +294,8 @@ def start_lora_run(model, latent_cache, text_cache, lora_config, optimizer_confi
         check_name(run_name, "run name")
         check_finite(node, max_grad_norm=max_grad_norm, caption_dropout=caption_dropout, min_snr_gamma=min_snr_gamma,
                      noise_offset=noise_offset, huber_delta=huber_delta, ema_decay=ema_decay, prior_ratio=prior_ratio,
-                     noise_min=noise_min, noise_max=noise_max, masked_out_weight=masked_out_weight)
+                     noise_min=noise_min, noise_max=noise_max, masked_out_weight=masked_out_weight,
+                     ip_noise_gamma=ip_noise_gamma, multires_noise_discount=multires_noise_discount)
         if (prior_latent_cache is None) != (prior_text_cache is None):
             raise ValueError("prior images need both prior_latent_cache and prior_text_cache connected (or neither)")
         prior = (prior_latent_cache, prior_text_cache) if prior_latent_cache is not None else None
@@ -286,7 +312,8 @@ def start_lora_run(model, latent_cache, text_cache, lora_config, optimizer_confi
         train, note = train_config(model, run_name, node, seed, batch_size, grad_accumulation, precision, max_grad_norm,
                                    caption_dropout, timestep_sampling, loss_weighting, min_snr_gamma, noise_offset,
                                    loss_type, huber_delta, ema_decay, prior_ratio=prior_ratio if prior else 0.0,
-                                   noise_range=(noise_min, noise_max), masked_out_weight=masked_out_weight)
+                                   noise_range=(noise_min, noise_max), masked_out_weight=masked_out_weight,
+                                   extra_noise=(ip_noise_gamma, multires_noise_iterations, multires_noise_discount))
         check_caches(model.model, latent_cache, text_cache)
         train, batch_note = effective_batch(train, latent_cache, holdout, run_name, node)
         # A full fine-tune on several devices shards its optimizer state (training/memory/sharded_optimizer.py).
@@ -339,7 +366,7 @@ class HeadroomTrainLoraInit(io.ComfyNode):
             description="Set up (or resume) a LoRA training run on this MODEL from cached latents and text. "
             "The MODEL itself is never modified: the adapter lives on a clone.",
             inputs=[*lora_run_inputs(), *added_train_inputs(), *prior_inputs(), reference_input(), *noise_range_inputs(),
-                    devices_input(), masked_out_weight_input()],
+                    devices_input(), masked_out_weight_input(), *extra_noise_inputs()],
             outputs=[TrainingRunType.Output("run", tooltip="The training run, for Train Steps, Validate, Save and Apply."),
                      io.Int.Output("step", tooltip="Step the run starts from (resumed).")],
             hidden=[io.Hidden.unique_id],
@@ -393,9 +420,20 @@ class HeadroomTrainSteps(io.ComfyNode):
         run.train_to(steps, node_id=node_id(cls), checkpoint_every=checkpoint_every,
                      checkpoint_minutes=checkpoint_minutes)
         history = {**run.history(steps), **({"note": note} if note else {})}
-        text = [*([note] if note else []), *run.fallback.untold()]  # untold: the driver's memory fallback, once
+        text = [*([note] if note else []), *norms_text(run), *run.fallback.untold()]  # untold: the fallback, once
         return io.NodeOutput(run, run.trainer.last_loss, run.step,
                              ui={HISTORY_KEY: [history], **({"text": text} if text else {})})
+
+
+def norms_text(run: TrainingRun) -> list[str]:
+    """scale_weight_norms' line: how many layers its cap scaled at the run's last step (none shown when off)."""
+    norms = getattr(run.trainer, "last_norms", None)
+    if norms is None:
+        return []
+    scaled, mean, largest = norms.tolist()
+    return [f"scale_weight_norms {run.config.optimizer.scale_weight_norms:g}: {int(scaled)} of "
+            f"{len(run.trainer.trainable.layers)} layers scaled back at step {run.step}; update norms mean "
+            f"{mean:.3g}, largest {largest:.3g}"]
 
 
 def steps_note(node: str, run: TrainingRun, steps: int, input_name: str) -> str | None:
@@ -645,7 +683,7 @@ class HeadroomTrainLora(io.ComfyNode):
                     *checkpoint_inputs(), *added_train_inputs(), *prior_inputs(), compare_base_input(),
                     reference_input(), reference_images_input(), frames_input(), *noise_range_inputs(),
                     devices_input(), start_image_input(), frame_rate_input(), masked_out_weight_input(),
-                    keep_saves_input()],
+                    keep_saves_input(), *extra_noise_inputs()],
             outputs=[io.Model.Output("model", tooltip="The MODEL with the trained LoRA applied."),
                      TrainingRunType.Output("run", tooltip="The training run, for Validate, Save and Apply nodes."),
                      io.String.Output("lora_name", tooltip="The last saved LoRA, as Load LoRA lists it."),

@@ -232,9 +232,11 @@ def run_case(name: str, size: int, steps: int, checkpointing: bool, planner_esti
         if tagged:
             report["tag_orders"] = tag_orders_report(clip, latents, texts, captions)
         lora = T.HeadroomLoraConfig.execute("lora", 16, 16.0, "preset", False, 0.0, 0).args[0]
+        if name in LAYERS_CASES:
+            report["layers_filter"] = layers_report(model, LAYERS_CASES[name])
         optimizer = T.HeadroomOptimizerConfig.execute(
-            "AdamW", 1e-4, 0.0, "constant", 0, 100, loraplus_lr_ratio=LORAPLUS_RATIO if name in LORAPLUS_CASES else 1.0
-        ).args[0]
+            "AdamW", 1e-4, 0.0, "constant", 0, 100, loraplus_lr_ratio=LORAPLUS_RATIO if name in LORAPLUS_CASES else 1.0,
+            scale_weight_norms=SCALE_NORMS_CASES.get(name, 0.0)).args[0]
         with Peak() as peak:
             init = T.HeadroomTrainLoraInit.execute(
                 model=model, latent_cache=latents, text_cache=texts, lora_config=lora, optimizer_config=optimizer,
@@ -256,6 +258,8 @@ def run_case(name: str, size: int, steps: int, checkpointing: bool, planner_esti
         loss = T.HeadroomTrainSteps.execute(run, steps).args[1]
         report["train_seconds"] = time.perf_counter() - started
         report["loss"] = float(loss)
+        if name in SCALE_NORMS_CASES:
+            report["norms"] = {"shown": run.trainer.last_norms.tolist(), "formed": formed_norms(run)}
         # One sampling step without CFG: the validation path (placement, sampler, VAE decode) at real width once; each
         # further step or CFG pass is another full forward on the CPU and shows nothing new about memory.
         T.HeadroomValidate.execute(run, clip=clip, vae=vae, prompts=captions[0], negative="", sample_seed=0,
@@ -345,12 +349,51 @@ EXTRA_SIZE_CASES = {"sdxl": 128, "zimage": 128}
 # Cases whose dataset node has upscale_small_images off: their images (the training size) are not enlarged to the
 # extra size, which then adds no bucket
 NO_UPSCALE_CASES = ("zimage",)
-
-
-# Cases whose images are transparent cut-outs read from a folder, their alpha the loss mask (transparency: loss_mask)
 LORAPLUS_CASES, LORAPLUS_RATIO = ("sdxl",), 4.0  # Optimizer Config loraplus_lr_ratio
+# Cases trained with Optimizer Config scale_weight_norms at this cap: below every layer's update after a step, so every
+# layer is scaled back to it (its norm from the rank x rank Gram matrices), checked against the formed products
+SCALE_NORMS_CASES = {"sdxl": 1e-6}
+# Cases whose LoRA Config `layers` selection and `layer_lr_scales` are checked over the real model's layer names (the
+# run itself trains all at one rate)
+LAYERS_CASES = {"sdxl": "output_blocks !attn2"}
+LAYER_LR_SCALES = "input_blocks=0.5 middle_block=1 output_blocks=1.5"  # kohya's down / mid / up block weights
+# Cases whose images are transparent cut-outs read from a folder, their alpha the loss mask (transparency: loss_mask)
 ALPHA_CASES = ("flux_dev",)
 ALPHA_MASKED_OUT_WEIGHT = 0.1  # what the alpha leaves out still counts a little (masked_out_weight)
+
+
+def formed_norms(run) -> list[float]:
+    """Each LoRA layer's update scale * up @ down formed in full, its Frobenius norm (what scale_weight_norms caps)."""
+    norms = []
+    with torch.no_grad():
+        for layer in run.adapters.layers.values():
+            up, down = layer.lora_B["default"].weight, layer.lora_A["default"].weight
+            product = up.reshape(up.shape[0], -1).double() @ down.reshape(down.shape[0], -1).double()
+            norms.append(float(product.norm() * layer.scaling["default"]))
+    return norms
+
+
+def layers_report(model, layers: str) -> dict:
+    """The layers LoRA Config's `layers` keeps of the preset's, what a diffusers-scheme name gets (refused), and each
+    preset layer's LAYER_LR_SCALES scale."""
+    from headroom.nodes import train_lora as T
+    from headroom.nodes.bridge.planning import lora_target_paths
+    from headroom.training.core.adapters import layer_lr_scales
+
+    def targets(layers: str) -> list[str]:
+        config = T.HeadroomLoraConfig.execute("lora", 16, 16.0, "preset", False, 0.0, 0, layers=layers).args[0]
+        return lora_target_paths(model, config)
+
+    try:
+        targets("down_blocks.1")
+        refused = None
+    except ValueError as error:
+        refused = str(error)
+    preset = targets("")
+    scaled = T.HeadroomLoraConfig.execute("lora", 16, 16.0, "preset", False, 0.0, 0,
+                                          layer_lr_scales=LAYER_LR_SCALES).args[0]
+    return {"preset": preset, "chosen": targets(layers), "diffusers_name": refused,
+            "scales": layer_lr_scales(preset, scaled)}
 
 
 def cutout_dataset(images, captions: list[str], alpha, name: str):

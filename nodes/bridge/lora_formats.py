@@ -314,6 +314,15 @@ def kohya_training_metadata(optimizer, train) -> dict[str, str]:
     }
     if objective.loss_weighting == "min_snr":
         metadata["ss_min_snr_gamma"] = str(objective.min_snr_gamma)
+    if objective.loss_weighting == "debiased":
+        metadata["ss_debiased_estimation"] = "True"
+    if optimizer.scale_weight_norms:
+        metadata["ss_scale_weight_norms"] = str(optimizer.scale_weight_norms)
+    if objective.ip_noise_gamma:
+        metadata["ss_ip_noise_gamma"] = str(objective.ip_noise_gamma)
+    if objective.multires_noise_iterations:
+        metadata["ss_multires_noise_iterations"] = str(objective.multires_noise_iterations)
+        metadata["ss_multires_noise_discount"] = str(objective.multires_noise_discount)
     if optimizer.loraplus_lr_ratio != 1.0:
         metadata["ss_loraplus_lr_ratio"] = str(optimizer.loraplus_lr_ratio)
     return metadata

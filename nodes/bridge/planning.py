@@ -441,14 +441,16 @@ def first_block_prefix(patcher) -> str:
 
 def plan_lora_run(model, policy: OffloadPolicy, mode: str, batch_size: int, width: int, height: int, rank: int,
                   targets: str, optimizer: str, precision: str, text_tokens: int, clip=None, vae=None,
-                  *, node: str, frames: int = 1) -> planner.Plan:
+                  *, node: str, frames: int = 1, layers: str = "") -> planner.Plan:
     """The Memory Plan node's plan of a LoRA run on `model`: the estimate with `policy` (mode "estimate") or the
     fastest policy that fits the budget (mode "auto"); precision "auto" and text_tokens 0 as the training nodes
-    resolve them; `frames`: a video model's longest training clip; `node`: the node's display name, for messages."""
-    adapter = AdapterConfig(rank=rank, alpha=float(rank), targets=targets)
+    resolve them; `frames`: a video model's longest training clip; `layers`: LoRA Config's filter of the targets;
+    `node`: the node's display name, for messages."""
+    adapter = AdapterConfig(rank=rank, alpha=float(rank), targets=targets, layers=layers)
     if precision == "auto":
         precision = auto_precision(model.load_device)
     try:
+        adapter.validate()
         trained_weights_on_host.check_kind(policy, adapter.kind)  # a full fine-tune's option; this node plans LoRAs
         budget = budget_bytes(policy, torch.device(model.load_device))
         paths = lora_target_paths(model, adapter)

@@ -184,6 +184,95 @@ def test_bad_adapter_settings():
         select_targets(Net(), None, AdapterConfig(targets="all_linear"), [])
 
 
+class Deep(torch.nn.Module):
+    """Twelve blocks, so block 1 and blocks 10 / 11 share a prefix, as in real models."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([Block() for _ in range(12)])
+        self.requires_grad_(False)
+
+
+def test_layers_keeps_the_matching_targets_and_leaves_out_the_excluded():
+    net, blocks = Deep(), [f"blocks.{i}" for i in range(12)]
+    everything = select_targets(net, None, AdapterConfig(targets="all_linear", include_conv=True), blocks)
+    assert len(everything) == 24
+
+    def picked(layers):
+        return select_targets(net, None, AdapterConfig(targets="all_linear", include_conv=True, layers=layers), blocks)
+
+    assert picked("") == picked("  \n ") == everything
+    assert picked("blocks.1.") == ["blocks.1.lin", "blocks.1.conv"]  # the dot: not blocks 10, 11
+    assert picked("blocks.1") == ["blocks.1.lin", "blocks.1.conv", "blocks.10.lin", "blocks.10.conv",
+                                  "blocks.11.lin", "blocks.11.conv"]
+    assert picked("lin") == [p for p in everything if p.endswith(".lin")]
+    assert picked("!conv") == picked("lin")  # excluding only: every other target
+    # include several (commas, spaces, lines), then leave some out; regular expressions work
+    assert picked("blocks.1., blocks.2.\nblocks.3. !conv") == ["blocks.1.lin", "blocks.2.lin", "blocks.3.lin"]
+    # the shell's wildcards, dots literal: ? one character, * any text, [..] one of
+    assert picked("blocks.1?.conv") == ["blocks.10.conv", "blocks.11.conv"]
+    assert picked("blocks.[05].*conv") == ["blocks.0.conv", "blocks.5.conv"]
+    # the filter applies within targets: all_linear without convolutions has no conv to keep
+    assert select_targets(net, None, AdapterConfig(targets="all_linear", layers="blocks.0."), blocks) == ["blocks.0.lin"]
+
+
+def test_layers_refuses_what_would_train_the_wrong_layers():
+    net, blocks = Deep(), [f"blocks.{i}" for i in range(12)]
+
+    def pick(layers):
+        return select_targets(net, None, AdapterConfig(targets="all_linear", layers=layers), blocks)
+
+    # a name of another naming scheme (diffusers') matches nothing: refused, showing this model's names
+    with pytest.raises(ValueError, match=r"LoRA Config layers: 'transformer_blocks' matches none of the 12 layers "
+                                         r"targets=all_linear selects \(named like blocks.0.lin, blocks.6.lin, "
+                                         r"blocks.11.lin\); these are ComfyUI's layer names"):
+        pick("blocks.0., transformer_blocks")
+    with pytest.raises(ValueError, match=r"'!norm' matches none of the 12 layers"):
+        pick("!norm")  # the LayerNorms are not targets
+    with pytest.raises(ValueError, match=r"layers 'lin !blocks' leaves none of the 12 layers .* to train: exclude less"):
+        pick("lin !blocks")
+    with pytest.raises(ValueError, match=r"'BLOCKS.0.' matches none"):
+        pick("BLOCKS.0.")  # case-sensitive on every OS (fnmatch.fnmatch would not be on Windows)
+    # refused when the LoRA Config node runs, before any model is seen
+    with pytest.raises(ValueError, match="a lone '!' leaves nothing out"):
+        AdapterConfig(layers="attn ! mlp").validate()
+    with pytest.raises(ValueError, match="65 patterns, over 64"):
+        AdapterConfig(layers=" ".join(f"blocks.{i}." for i in range(65))).validate()
+    with pytest.raises(ValueError, match="201 characters, over 200"):
+        AdapterConfig(layers="a" * 201).validate()
+
+
+@pytest.mark.parametrize("kind", ["lora", "loha", "full"])
+def test_layer_lr_scales_give_each_layers_tensors_their_rate(kind):
+    """layer_lr_scales: each trained tensor at its layer's scale (the first pattern that matches it, 1 where none
+    does), times the LoRA+ ratio for a LoRA's up matrices; refused: a pattern matching no trained layer, malformed
+    pairs, scales outside (0, 100]."""
+    from headroom.training.core.adapters import layer_lr_scales
+
+    net, blocks = Deep(), [f"blocks.{i}" for i in range(12)]
+    config = AdapterConfig(kind=kind, rank=2, targets="all_linear", include_conv=True,
+                           layer_lr_scales="blocks.1?.=0.5, conv=2 blocks.1.=3")
+    paths = select_targets(net, None, config, blocks)
+    per_layer = layer_lr_scales(paths, config)
+    assert per_layer["blocks.10.lin"] == per_layer["blocks.11.conv"] == 0.5  # the first match wins
+    assert per_layer["blocks.0.conv"] == per_layer["blocks.1.conv"] == 2.0 and per_layer["blocks.1.lin"] == 3.0
+    assert per_layer["blocks.0.lin"] == 1.0
+    adapters = AdapterSet(net, paths, config)
+    names = [(path, name) for path, layer in adapters.layers.items() for name, _ in adapters._own_parameters(layer)]
+    expected = [per_layer[path] for path, _ in names]
+    assert adapters.learning_rate_scales() == expected and len(expected) == len(adapters.parameters())
+    if kind == "lora":  # LoRA+ on top: the up matrices at 4x their layer's scale
+        assert adapters.learning_rate_scales(4.0) == [s * (4.0 if name.startswith("lora_B") else 1.0)
+                                                       for s, (_, name) in zip(expected, names)]
+    with pytest.raises(ValueError, match=r"LoRA Config layer_lr_scales: 'attn' matches none of the 24 trained layers"):
+        layer_lr_scales(paths, AdapterConfig(layer_lr_scales="attn=2"))
+    for text, message in (("blocks.1", "'blocks.1' is not pattern=scale"), ("=2", "'=2' is not pattern=scale"),
+                          ("lin=fast", "'lin=fast' is not pattern=scale"), ("lin=0", "'lin=0': the scale must be above 0"),
+                          ("lin=nan", "'lin=nan': the scale must be above 0"), ("lin=101", "'lin=101': .* at most 100")):
+        with pytest.raises(ValueError, match=f"layer_lr_scales: {message}"):
+            AdapterConfig(layer_lr_scales=text).validate()
+
+
 @pytest.mark.comfyui
 @pytest.mark.parametrize("kind,rank", [("lora", 4), ("dora", 4), ("loha", 3), ("lokr", 2), ("lokr", 8), ("oft", 4),
                                        ("oft", 16), ("full", 1)])

@@ -189,16 +189,18 @@ def test_controlnet_learns_to_follow_the_control(comfyui, family):
 
 
 def test_resume_through_train_steps_is_exact(comfyui):
+    """With the extra noise on (input perturbation, pyramid noise), whose draws come from the step's seed too."""
     from headroom.nodes.train_controlnet import HeadroomTrainControlNetInit
     from headroom.nodes.train_lora import HeadroomTrainSteps
 
     model, clip, vae, latent_cache, text_cache = _caches("sd15", count=4)
     name = _unique("resume")
-    straight = HeadroomTrainControlNetInit.execute(**_init_inputs(model, latent_cache, text_cache, name + "_a", batch_size=2)).args[0]
+    extra = dict(ip_noise_gamma=0.1, multires_noise_iterations=3, multires_noise_discount=0.5)
+    straight = HeadroomTrainControlNetInit.execute(**_init_inputs(model, latent_cache, text_cache, name + "_a", batch_size=2, **extra)).args[0]
     HeadroomTrainSteps.execute(straight, 6)
-    first = HeadroomTrainControlNetInit.execute(**_init_inputs(model, latent_cache, text_cache, name + "_b", batch_size=2)).args[0]
+    first = HeadroomTrainControlNetInit.execute(**_init_inputs(model, latent_cache, text_cache, name + "_b", batch_size=2, **extra)).args[0]
     HeadroomTrainSteps.execute(first, 3)
-    resumed, step = HeadroomTrainControlNetInit.execute(**_init_inputs(model, latent_cache, text_cache, name + "_b", batch_size=2)).args[:2]
+    resumed, step = HeadroomTrainControlNetInit.execute(**_init_inputs(model, latent_cache, text_cache, name + "_b", batch_size=2, **extra)).args[:2]
     assert step == 3 and resumed.resumed
     HeadroomTrainSteps.execute(resumed, 6)
     HeadroomTrainSteps.execute(resumed, 6)  # the same target again: no work
@@ -275,6 +277,12 @@ def test_bad_control_caches_fail_clearly(comfyui):
                                          "trains no LoRA: set it to 1"):
         HeadroomTrainControlNetInit.execute(**{**_init_inputs(model, latent_cache, text_cache, _unique("loraplus")),
                                                "optimizer_config": loraplus})
+    capped = HeadroomOptimizerConfig.execute("AdamW", 1e-3, 0.0, "constant", 0, 10, scale_weight_norms=1.0).args[0]
+    with pytest.raises(ValueError, match=r"Train ControlNet: Init \(Headroom\): scale_weight_norms 1 \(Optimizer "
+                                         r"Config\) caps the norm of a LoRA's up @ down product, and this run trains "
+                                         "no LoRA: set it to 0"):
+        HeadroomTrainControlNetInit.execute(**{**_init_inputs(model, latent_cache, text_cache, _unique("capped")),
+                                               "optimizer_config": capped})
 
 
 def test_node_schemas_match_what_they_call(comfyui):

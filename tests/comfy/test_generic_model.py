@@ -90,3 +90,9 @@ def test_training_uses_the_model_sampling_a_stock_node_patched_in(comfyui):
     assert ComfyDenoiser(sd15).sampling.prediction == "eps"
     v_pred = ModelSamplingDiscrete().patch(sd15, "v_prediction", False)[0]
     assert ComfyDenoiser(v_pred).sampling.prediction == "v"
+    # zsnr (kohya's zero_terminal_snr): the rescaled table, its last sigma ~4500 (SNR ~5e-8), is the one trained on
+    zsnr = ModelSamplingDiscrete().patch(sd15, "v_prediction", True)[0]
+    table = zsnr.get_model_object("model_sampling").sigmas.float().cpu()
+    descriptor = ComfyDenoiser(zsnr).sampling
+    assert descriptor.prediction == "v" and torch.equal(descriptor.sigmas, table) and table[-1] > 1000
+    assert not torch.equal(table, ComfyDenoiser(v_pred).sampling.sigmas)

@@ -798,7 +798,7 @@ def _float_call(world, node: str, name: str, value: float):
 
 FLOAT_INPUTS = [("HeadroomLoraConfig", "alpha"), ("HeadroomLoraConfig", "dropout"),
                 ("HeadroomOptimizerConfig", "learning_rate"), ("HeadroomOptimizerConfig", "weight_decay"),
-                ("HeadroomOptimizerConfig", "loraplus_lr_ratio"),
+                ("HeadroomOptimizerConfig", "loraplus_lr_ratio"), ("HeadroomOptimizerConfig", "scale_weight_norms"),
                 ("HeadroomTrainLoraInit", "max_grad_norm"), ("HeadroomTrainLoraInit", "caption_dropout"),
                 ("HeadroomTrainLoraInit", "min_snr_gamma"), ("HeadroomTrainLoraInit", "noise_offset"),
                 ("HeadroomTrainLoraInit", "noise_min"), ("HeadroomTrainLoraInit", "noise_max"),
@@ -814,7 +814,9 @@ FLOAT_INPUTS = [("HeadroomLoraConfig", "alpha"), ("HeadroomLoraConfig", "dropout
                 ("HeadroomTrainLora", "checkpoint_minutes"), ("HeadroomValidate", "frame_rate"),
                 ("HeadroomTrainLora", "frame_rate"), ("HeadroomDatasetFromVideos", "frame_rate"),
                 ("HeadroomCacheText", "tag_dropout"), ("HeadroomTrainLoraInit", "masked_out_weight"),
-                ("HeadroomTrainControlNetInit", "masked_out_weight")]
+                ("HeadroomTrainControlNetInit", "masked_out_weight"), ("HeadroomTrainLoraInit", "ip_noise_gamma"),
+                ("HeadroomTrainControlNetInit", "ip_noise_gamma"), ("HeadroomTrainLoraInit", "multires_noise_discount"),
+                ("HeadroomTrainControlNetInit", "multires_noise_discount")]
 
 
 def display_name(node_id: str) -> str:

@@ -63,11 +63,12 @@ def test_loss_equals_native_space_mse(prediction):
     torch.testing.assert_close(objective.loss(x0_hat, x0, sigma), expected, rtol=1e-5, atol=1e-6)
 
 
-def _native_case(prediction, seed=2):
+def _native_case(prediction, seed=2, sigma=None):
     """(x0, x0_hat, sigma, native output, native target), related as ComfyUI's calculate_denoised relates them."""
     g = torch.Generator().manual_seed(seed)
     x0, noise, output = (torch.randn(3, 4, 2, 2, generator=g) for _ in range(3))
-    sigma = torch.tensor([0.1, 1.0, 5.0]) if prediction != "flow" else torch.tensor([0.05, 0.5, 0.95])
+    if sigma is None:
+        sigma = torch.tensor([0.1, 1.0, 5.0]) if prediction != "flow" else torch.tensor([0.05, 0.5, 0.95])
     s = sigma.view(-1, 1, 1, 1)
     x_t = _objective(prediction).noisy(x0, noise, sigma)
     if prediction == "eps":
@@ -114,6 +115,86 @@ def test_min_snr_gamma_caps_low_noise_weights(prediction):
     factor = torch.minimum(snr, torch.tensor(5.0)) / (snr + 1 if prediction == "v" else snr)
     torch.testing.assert_close(capped, plain * factor)
     assert capped[0] < plain[0] and capped[-1] == plain[-1] * factor[-1]
+
+
+@pytest.mark.parametrize("prediction", ["eps", "v"])
+def test_debiased_weighting_is_kohyas_on_the_native_loss(prediction):
+    """loss_weighting debiased: the native-space squared error times 1 / sqrt(SNR) (eps) or 1 / (SNR + 1) (v), SNR =
+    1 / sigma^2 capped at 1000, as sd-scripts' apply_debiased_estimation; the validation loss stays unweighted."""
+    x0, x0_hat, sigma, output, target = _native_case(prediction, sigma=torch.tensor([0.01, 1.0, 5.0]))  # SNR 1e4: capped
+    objective = _objective(prediction, loss_weighting="debiased")
+    snr = (1 / sigma**2).clamp(max=1000.0)
+    weight = 1 / (snr + 1) if prediction == "v" else 1 / snr.sqrt()
+    native = _objective(prediction).sample_weight(sigma)
+    per_sample = (output - target).square().flatten(1).mean(1)  # the native-space squared error
+    torch.testing.assert_close(objective.loss(x0_hat, x0, sigma), (per_sample * weight).mean(), rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(objective.loss(x0_hat, x0, sigma, weighted=False), per_sample.mean(), rtol=1e-5,
+                               atol=1e-7)
+    # the noisiest times weigh the most, relative to the plain loss
+    ratio = objective.sample_weight(sigma) / native
+    assert ratio[0] < ratio[1] < ratio[2]
+    with pytest.raises(ValueError, match="loss_weighting='debiased' is defined for eps / v models; this is a flow"):
+        _objective("flow", loss_weighting="debiased")
+
+
+@pytest.mark.parametrize("prediction", ["eps", "v", "flow"])
+def test_input_perturbation_keeps_the_clean_noises_target(prediction):
+    """ip_noise_gamma: the model's input is noised with noise + perturbation, and the loss of its x0 estimate is the
+    native-space error against the target of the clean noise, as sd-scripts computes it (eps: the noise; v: the
+    velocity of the clean x_t; flow: noise - x0). Off: nothing is drawn and x_t, x0 are as before."""
+    g = torch.Generator().manual_seed(4)
+    x0, noise, output = (torch.randn(3, 4, 2, 2, generator=g) for _ in range(3))
+    sigma = torch.tensor([0.1, 1.0, 5.0]) if prediction != "flow" else torch.tensor([0.05, 0.5, 0.95])
+    s = sigma.view(-1, 1, 1, 1)
+    objective = _objective(prediction, ip_noise_gamma=0.1)
+    perturbation = objective.sample_perturbation(x0, torch.Generator().manual_seed(5))
+    torch.testing.assert_close(perturbation, 0.1 * torch.randn(x0.shape, generator=torch.Generator().manual_seed(5)))
+    model_input, target = objective.perturbed(x0, noise, sigma, perturbation)
+    torch.testing.assert_close(model_input, _objective(prediction).noisy(x0, noise + perturbation, sigma))
+    clean = objective.noisy(x0, noise, sigma)
+    if prediction == "v":  # ComfyUI's V_PREDICTION.calculate_denoised, sigma_data 1
+        x0_hat = model_input / (s**2 + 1) - output * s / (s**2 + 1).sqrt()
+        native_target = (clean / (s**2 + 1) - x0) * (s**2 + 1).sqrt() / s
+    else:  # EPS and CONST: input - output * sigma
+        x0_hat = model_input - output * s
+        native_target = noise if prediction == "eps" else noise - x0
+    expected = (output - native_target).square().flatten(1).mean(1).mean()
+    torch.testing.assert_close(objective.loss(x0_hat, target, sigma), expected, rtol=1e-5, atol=1e-6)
+    off = _objective(prediction)
+    assert off.sample_perturbation(x0, g) is None
+    unperturbed = off.perturbed(x0, noise, sigma, None)
+    assert torch.equal(unperturbed[0], clean) and unperturbed[1] is x0
+    with pytest.raises(ValueError, match=r"ip_noise_gamma=1.5: give 0 \(off\) to 1"):
+        _objective(prediction, ip_noise_gamma=1.5)
+
+
+def test_multires_noise_adds_coarse_noise_and_keeps_unit_spread():
+    """multires_noise_iterations: one iteration adds a second full-size draw (discount^0 = 1, upsampling to the same
+    size changes nothing), then each sample is rescaled to unit std; more iterations add low-frequency noise
+    (visible after pooling); clips keep their frames; off, the noise is the plain draw."""
+    like = torch.zeros(3, 4, 32, 48)
+    plain = _objective("eps").sample_noise(like, torch.Generator().manual_seed(6))
+    torch.testing.assert_close(plain, torch.randn(like.shape, generator=torch.Generator().manual_seed(6)))
+    one = _objective("eps", multires_noise_iterations=1).sample_noise(like, torch.Generator().manual_seed(6))
+    g = torch.Generator().manual_seed(6)
+    first = torch.randn(like.shape, generator=g)
+    torch.rand((), generator=g)  # the size factor, unused at i = 0
+    total = first + torch.randn(like.shape, generator=g)
+    torch.testing.assert_close(one, total / total.flatten(1).std(dim=1).view(-1, 1, 1, 1))
+    pyramid = _objective("eps", multires_noise_iterations=8, multires_noise_discount=0.8).sample_noise(
+        like, torch.Generator().manual_seed(6))
+    assert pyramid.shape == like.shape
+    torch.testing.assert_close(pyramid.flatten(1).std(dim=1), torch.ones(3))
+    pooled = [torch.nn.functional.avg_pool2d(n, 8).std().item() for n in (plain, pyramid)]
+    assert pooled[1] > 2 * pooled[0], pooled  # white noise averages out over 8x8 pixels; the coarse part does not
+    clip = _objective("eps", multires_noise_iterations=4).sample_noise(torch.zeros(1, 4, 3, 16, 16),
+                                                                      torch.Generator().manual_seed(1))
+    assert clip.shape == (1, 4, 3, 16, 16) and torch.isfinite(clip).all()
+    with pytest.raises(ValueError, match=r"multires_noise_iterations=17: give a whole number from 0 \(off\) to 16"):
+        _objective("eps", multires_noise_iterations=17)
+    with pytest.raises(ValueError, match=r"multires_noise_discount=0.0: give more than 0, up to 1"):
+        _objective("eps", multires_noise_iterations=6, multires_noise_discount=0.0)
+    _objective("eps", multires_noise_discount=0.0)  # unused while off
 
 
 def test_noise_offset_shifts_each_channel_by_a_constant():

@@ -1,6 +1,7 @@
 """LoRA training nodes on real ComfyUI objects (tiny sd15 / sd3 / flux models, in-process, CPU)."""
 from __future__ import annotations
 
+import math
 import pathlib
 import threading
 
@@ -42,7 +43,7 @@ def _data(family, count=4, resolution=32, seed=0):
 
 def _init(model, latents, texts, run_name, kind="lora", rank=8, targets="preset", include_conv=False, lr=1e-2,
           optimizer="AdamW", schedule="constant", schedule_steps=1000, dropout=0.0, full_precision="fp32",
-          loraplus_lr_ratio=1.0, **train):
+          loraplus_lr_ratio=1.0, layers="", scale_weight_norms=0.0, layer_lr_scales="", **train):
     from headroom.nodes import train_lora as T
 
     settings = dict(seed=0, batch_size=4, grad_accumulation=1, precision="fp32", max_grad_norm=1.0, caption_dropout=0.0,
@@ -51,9 +52,11 @@ def _init(model, latents, texts, run_name, kind="lora", rank=8, targets="preset"
     settings.update(train)
     with torch.inference_mode():
         lora = T.HeadroomLoraConfig.execute(kind, rank, float(rank), targets, include_conv, dropout, 0,
-                                            full_precision=full_precision).args[0]
+                                            full_precision=full_precision, layers=layers,
+                                            layer_lr_scales=layer_lr_scales).args[0]
         opt = T.HeadroomOptimizerConfig.execute(optimizer, lr, 0.0, schedule, 0, schedule_steps,
-                                                loraplus_lr_ratio=loraplus_lr_ratio).args[0]
+                                                loraplus_lr_ratio=loraplus_lr_ratio,
+                                                scale_weight_norms=scale_weight_norms).args[0]
         return T.HeadroomTrainLoraInit.execute(model=model, latent_cache=latents, text_cache=texts, lora_config=lora,
                                                optimizer_config=opt, run_name=run_name, **settings).args[0]
 
@@ -268,6 +271,121 @@ def test_loraplus_ratio_is_part_of_the_run_and_refused_where_it_cannot_apply(com
     assert _no_adapter_attached(model)
 
 
+@pytest.mark.parametrize("kind", ["lora", "full"])
+def test_layers_trains_and_saves_only_the_chosen_layers(comfyui, kind, caplog):
+    """LoRA Config layers on Flux: the run trains the targets the patterns keep, the saved file holds those and
+    stock Load LoRA applies every key of it; the filter is part of the run (another one does not resume it); the
+    Memory Plan node plans the smaller set; a name of diffusers' scheme is refused naming ComfyUI's."""
+    import json
+
+    import comfy.utils
+    import folder_paths
+    import nodes
+    from headroom.nodes import train_lora as T
+    from headroom.nodes.memory import HeadroomMemoryPlan
+
+    model, clip, _, latents, texts = _data("flux")
+    layers = "single_blocks !linear2" if kind == "lora" else "double_blocks.0.img_attn"
+    run = _init(model, latents, texts, f"layers_{kind}", kind=kind, rank=4, lr=1e-3, layers=layers)
+    trained = sorted(run.adapters.layers)
+    if kind == "lora":  # every single block's linear1, no linear2, nothing of the double blocks
+        blocks = len(model.model.diffusion_model.single_blocks)
+        assert trained == sorted(f"single_blocks.{i}.linear1" for i in range(blocks))
+    else:
+        assert trained == ["double_blocks.0.img_attn.proj", "double_blocks.0.img_attn.qkv"]
+    with torch.inference_mode():
+        T.HeadroomTrainSteps.execute(run, 2)
+        name = T.HeadroomSaveLora.execute(run, "headroom", "", "fp32").args[0]
+        lora_model = nodes.LoraLoader().load_lora(model, clip, name, 1.0, 0.0)[0]
+    saved = comfy.utils.load_torch_file(folder_paths.get_full_path("loras", name), safe_load=True)
+    assert {key.rsplit(".", 2 if ".lora_" in key else 1)[0].removeprefix("diffusion_model.") for key in saved} == set(
+        trained)
+    assert "lora key not loaded" not in caplog.text
+    assert sorted(k.removeprefix("diffusion_model.").rsplit(".", 1)[0] for k in lora_model.patches
+                  if k.endswith(".weight")) == trained
+    with pytest.raises(ValueError, match=r"adapter.layers: stored '.+', now ''"):
+        _init(model, latents, texts, f"layers_{kind}", kind=kind, rank=4, lr=1e-3)
+    with pytest.raises(ValueError, match=r"LoRA Config layers: 'transformer_blocks' matches none of the \d+ layers "
+                                         r"targets=preset selects \(named like double_blocks.0.img_attn.qkv, "):
+        _init(model, latents, texts, "layers_diffusers", rank=4, layers="transformer_blocks")
+    assert _no_adapter_attached(model)
+    plan_inputs = dict(mode="estimate", batch_size=1, width=64, height=64, rank=4, targets="preset",
+                       optimizer="AdamW", precision="fp32", text_tokens=0)
+
+    def trainable(**layers):
+        plan = json.loads(HeadroomMemoryPlan.execute(model, **plan_inputs, **layers).result[1])
+        return next(p for p in plan["phases"] if p["phase"] == "training step")["items"]["trainable weights (fp32)"]
+
+    some = trainable(layers="single_blocks !linear2")
+    assert 0 < some < trainable() == trainable(layers="")
+    with pytest.raises(ValueError, match=r"^Memory Plan \(Headroom\): .*'!norm' matches none"):
+        trainable(layers="!norm")
+
+
+def test_extra_noise_and_debiased_weighting_are_part_of_the_run(comfyui):
+    """Init ip_noise_gamma, multires_noise_iterations / _discount and loss_weighting debiased reach the run's
+    objective, change what it trains, are part of its config.json (a run resumes only with the same values) and of a
+    kohya-format file's ss_* metadata."""
+    from safetensors import safe_open
+
+    import folder_paths
+    from headroom.nodes import train_lora as T
+
+    model, _, _, latents, texts = _data("sd15")
+    extra = dict(ip_noise_gamma=0.1, multires_noise_iterations=6, multires_noise_discount=0.3)
+    run = _init(model, latents, texts, "perturbed", rank=4, lr=1e-3, loss_weighting="debiased", **extra)
+    plain = _init(model, latents, texts, "unperturbed", rank=4, lr=1e-3)
+    objective = run.trainer.config.objective
+    assert (objective.ip_noise_gamma, objective.multires_noise_iterations, objective.multires_noise_discount,
+            objective.loss_weighting) == (0.1, 6, 0.3, "debiased")
+    with torch.inference_mode():
+        losses = [T.HeadroomTrainSteps.execute(r, 1).args[1] for r in (run, plain)]
+        name = T.HeadroomSaveLora.execute(run, "headroom", "", "fp32", format="kohya").args[0]
+    assert all(math.isfinite(loss) for loss in losses) and losses[0] != losses[1]
+    with safe_open(folder_paths.get_full_path_or_raise("loras", name), "pt") as f:
+        metadata = f.metadata()
+    assert metadata["ss_ip_noise_gamma"] == "0.1" and metadata["ss_debiased_estimation"] == "True"
+    assert (metadata["ss_multires_noise_iterations"], metadata["ss_multires_noise_discount"]) == ("6", "0.3")
+    with pytest.raises(ValueError, match=r"objective.ip_noise_gamma: stored 0.1, now 0.0"):
+        _init(model, latents, texts, "perturbed", rank=4, lr=1e-3, loss_weighting="debiased",
+              **{**extra, "ip_noise_gamma": 0.0})
+    with pytest.raises(ValueError, match=r"objective.multires_noise_iterations: stored 6, now 0"):
+        _init(model, latents, texts, "perturbed", rank=4, lr=1e-3, loss_weighting="debiased",
+              **{**extra, "multires_noise_iterations": 0})
+    for r in (run, plain):
+        r.release()
+
+
+def test_layer_lr_scales_set_each_layers_rate_and_are_part_of_the_run(comfyui):
+    """LoRA Config layer_lr_scales: the cross-attention layers' tensors train in an optimizer group at half the rate,
+    the rest at the rate; with LoRA+ the up matrices at its ratio times their layer's; the scales are part of the run;
+    Prodigy (one step size for all) is refused, by name."""
+    from headroom.nodes import train_lora as T
+
+    model, _, _, latents, texts = _data("sd15")
+    run = _init(model, latents, texts, "layer_rates", rank=4, lr=1e-3, layer_lr_scales="attn2=0.5")
+    with torch.inference_mode():
+        T.HeadroomTrainSteps.execute(run, 1)
+    groups = run.trainer.optimizer.param_groups
+    assert [group["lr"] for group in groups] == [1e-3, 5e-4]
+    cross = {id(p) for path, layer in run.adapters.layers.items() if ".attn2." in path
+             for name, p in layer.named_parameters() if name.startswith("lora_")}
+    assert cross and {id(p) for p in groups[1]["params"]} == cross
+    with pytest.raises(ValueError, match=r"adapter.layer_lr_scales: stored 'attn2=0.5', now ''"):
+        _init(model, latents, texts, "layer_rates", rank=4, lr=1e-3)
+    both = _init(model, latents, texts, "layer_rates_plus", rank=4, lr=1e-3, layer_lr_scales="attn2=0.5",
+                 loraplus_lr_ratio=4.0)
+    assert sorted(group["lr"] for group in both.trainer.optimizer.param_groups) == pytest.approx(
+        [5e-4, 1e-3, 2e-3, 4e-3])
+    with pytest.raises(ValueError, match=r"Prodigy finds one step size for all trained weights, and LoRA Config "
+                                         r"layer_lr_scales asks for several"):
+        _init(model, latents, texts, "layer_rates_prodigy", rank=4, lr=1.0, optimizer="Prodigy",
+              layer_lr_scales="attn2=0.5")
+    for r in (run, both):
+        r.release()
+    assert _no_adapter_attached(model)
+
+
 def test_all_in_one_node_validates_and_saves(comfyui):
     import folder_paths
     from headroom.nodes import train_lora as T
@@ -404,6 +522,59 @@ def test_offload_policy_is_applied_by_the_training_nodes_and_keeps_the_weights(c
     (a, images_a, loss_a), (b, images_b, loss_b) = results
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert torch.equal(images_a, images_b) and loss_a == loss_b
+    assert _no_adapter_attached(model)
+
+
+def _update_norms(run) -> list[float]:
+    """Each trained layer's update scale * up @ down, formed in full, its Frobenius norm (kohya's product; a conv
+    layer's 3x3 down and 1x1 up composed by a convolution, as sd-scripts composes them)."""
+    norms = []
+    for layer in run.adapters.layers.values():
+        up, down = layer.lora_B["default"].weight.detach(), layer.lora_A["default"].weight.detach()
+        if down.ndim == 4:
+            product = torch.nn.functional.conv2d(down.permute(1, 0, 2, 3), up).permute(1, 0, 2, 3)
+        else:
+            product = up @ down
+        norms.append(float((product * layer.scaling["default"]).norm()))
+    return norms
+
+
+def test_scale_weight_norms_caps_each_layers_update_and_the_host_optimizer_follows(comfyui):
+    """Optimizer Config scale_weight_norms: after every step no layer's update norm exceeds the cap (those above it
+    are at it exactly), Train Steps says how many were scaled; with the optimizer state in host RAM the host copies
+    follow the capped weights (the run equals the plain one); other kinds and ControlNet runs are refused."""
+    from safetensors import safe_open
+
+    import folder_paths
+    from headroom.nodes import train_lora as T
+    from headroom.training.memory.optimizer_parking import HostOptimizer
+
+    model, _, _, latents, texts = _data("sd15")
+    free = _init(model, latents, texts, "norms_free", rank=4, lr=2e-2, include_conv=True)
+    T.HeadroomTrainSteps.execute(free, 3)
+    cap = sorted(_update_norms(free))[len(free.adapters.layers) // 2]  # half the layers grow past it
+    plain = _init(model, latents, texts, "norms_plain", rank=4, lr=2e-2, include_conv=True, scale_weight_norms=cap)
+    host = _init(model, latents, texts, "norms_host", rank=4, lr=2e-2, include_conv=True, scale_weight_norms=cap,
+                 policy=_policy(optimizer_state="cpu"))
+    assert isinstance(host.trainer.optimizer, HostOptimizer)
+    texts_shown = [T.HeadroomTrainSteps.execute(run, 3).ui["text"] for run in (plain, host)]
+    norms = _update_norms(plain)
+    assert max(norms) <= cap * (1 + 1e-5) and sum(abs(n - cap) < cap * 1e-5 for n in norms) >= 2
+    scaled = int(plain.trainer.last_norms[0])
+    assert scaled >= 2 and texts_shown[0] == texts_shown[1] == [
+        f"scale_weight_norms {cap:g}: {scaled} of {len(norms)} layers scaled back at step 3; update norms mean "
+        f"{sum(norms) / len(norms):.3g}, largest {max(norms):.3g}"]
+    a, b = plain.adapters.state_dict(), host.adapters.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    with torch.inference_mode():
+        name = T.HeadroomSaveLora.execute(plain, "headroom", "", "fp32", format="kohya").args[0]
+    with safe_open(folder_paths.get_full_path_or_raise("loras", name), "pt") as f:
+        assert f.metadata()["ss_scale_weight_norms"] == str(cap)
+    with pytest.raises(ValueError, match=r"scale_weight_norms 0.5 \(Optimizer Config\) caps the norm of a LoRA's up "
+                                         r"@ down product, and this run trains kind loha: set it to 0"):
+        _init(model, latents, texts, "norms_loha", kind="loha", rank=4, scale_weight_norms=0.5)
+    for run in (free, plain, host):
+        run.release()
     assert _no_adapter_attached(model)
 
 

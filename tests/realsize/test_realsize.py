@@ -160,6 +160,24 @@ def test_nodes_on_a_real_size_model(case, args, params):
     expected = [[1e-4, 2 * layers, layers]] if case not in LORAPLUS_CASES else \
         [[1e-4, layers, 0], [pytest.approx(1e-4 * LORAPLUS_RATIO, rel=1e-12), layers, layers]]
     assert [list(group) for group in report["lr_groups"]] == expected
+
+    from realsize_worker import SCALE_NORMS_CASES
+
+    if case in SCALE_NORMS_CASES:  # every layer's update scaled back to the cap: the formed products say so
+        cap, norms = SCALE_NORMS_CASES[case], report["norms"]
+        assert norms["formed"] == [pytest.approx(cap, rel=1e-4)] * layers, max(norms["formed"])
+        assert norms["shown"] == [layers, pytest.approx(cap, rel=1e-4), pytest.approx(cap, rel=1e-4)]
+    if "layers_filter" in report:  # LAYERS_CASES: the self-attention of SDXL's output blocks, of its 560 layers
+        chosen = report["layers_filter"]
+        assert len(chosen["preset"]) == 560
+        assert chosen["chosen"] == [p for p in chosen["preset"] if p.startswith("output_blocks.") and ".attn2." not in p]
+        assert 0 < len(chosen["chosen"]) < 560
+        assert chosen["diffusers_name"].startswith(
+            "LoRA Config layers: 'down_blocks.1' matches none of the 560 layers targets=preset selects (named like "
+            "input_blocks.4.1."), chosen["diffusers_name"]
+        block_scale = {"input_blocks": 0.5, "middle_block": 1.0, "output_blocks": 1.5}  # LAYER_LR_SCALES
+        assert chosen["scales"] == {p: block_scale[p.split(".")[0]] for p in chosen["preset"]}
+        assert set(chosen["scales"].values()) == {0.5, 1.0, 1.5}
     if "planner" in report:
         for name, row in report["compared"].items():
             # HiDream-O1's weightless "text encoder" (a tokenizer) is planned at 0 bytes, which is what it holds

@@ -17,6 +17,7 @@ Export writes the keys ComfyUI's stock LoraLoader maps (`comfy.lora.load_lora` +
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import math
 import re
 from typing import Iterable
@@ -33,6 +34,10 @@ from ..memory.trained_weights_on_host import to_compute
 KINDS = ("lora", "dora", "loha", "lokr", "oft", "full")
 FULL_PRECISIONS = ("fp32", "bf16_stochastic")
 TARGET_MODES = ("preset", "all_linear", "all_layers")
+# LoRA Config `layers`: at most this many patterns of at most this many characters (a layer path is under 100).
+LAYER_PATTERNS_MAX = 64
+LAYER_PATTERN_CHARS_MAX = 200
+LAYER_LR_SCALE_MAX = 100.0  # LoRA Config layer_lr_scales: a layer's rate is at most this times the optimizer's
 
 
 
@@ -65,9 +70,18 @@ class AdapterConfig:
     # kind full: the trained difference in fp32 (exact) or bf16 updated with stochastic rounding (half the memory of
     # the difference and its gradient; needs the policy's fused backward, whose per-tensor step does the rounding)
     full_precision: str = "fp32"
+    # Which of the targeted layers to train: patterns searched in the layer paths, "!" before one leaves its matches
+    # out ("" = all of them; `layer_patterns`). musubi-tuner's include / exclude_patterns, ai-toolkit's only_if_contains
+    # / ignore_if_contains.
+    layers: str = ""
+    # Learning rates per layer, as multiples of the optimizer's: "pattern=scale" pairs, patterns as in `layers`, the
+    # first that matches a layer giving its scale (1 where none does). kohya's block learning-rate weights.
+    layer_lr_scales: str = ""
 
     def validate(self) -> None:
         check_finite("adapter", alpha=self.alpha, dropout=self.dropout)
+        layer_patterns(self.layers)
+        layer_scale_patterns(self.layer_lr_scales)
         if self.kind not in KINDS:
             raise ValueError(f"adapter kind {self.kind!r} is unknown: choose one of {KINDS}")
         if int(self.rank) != self.rank or self.rank <= 0:
@@ -97,6 +111,93 @@ class AdapterConfig:
         if self.kind == "full" and self.dropout:
             raise ValueError(f"kind full trains the weights themselves and has no adapter input to drop: set dropout "
                              f"to 0, not {self.dropout}")
+
+
+def layer_patterns(text: str) -> tuple[dict[str, re.Pattern], dict[str, re.Pattern]]:
+    """LoRA Config `layers` read: ({pattern: matcher} to include, {pattern: matcher} to exclude). Patterns are
+    separated by commas, spaces or new lines; one starting with "!" excludes. A pattern matches a layer whose name
+    contains it, with the shell's wildcards (* any text, ? one character, [0-5] one of), dots literal: fnmatch's
+    translation, case-sensitive on every OS (fnmatch.fnmatch would ignore case on Windows only). Not regular
+    expressions, where "blocks.1." would also match "blocks.10.". Refused: a bare "!", too many or too long ones."""
+    include, exclude = {}, {}
+    for token in re.split(r"[,\s]+", text.strip()):
+        if not token:
+            continue
+        negated = token.startswith("!")
+        pattern = token[1:] if negated else token
+        if not pattern:
+            raise ValueError("layers: a lone '!' leaves nothing out; write the layers to leave out after it, e.g. "
+                             "!img_mod")
+        if len(pattern) > LAYER_PATTERN_CHARS_MAX:
+            raise ValueError(f"layers: the pattern {token[:40]!r}... is {len(pattern)} characters, over "
+                             f"{LAYER_PATTERN_CHARS_MAX}; layer names are short: write a part of them")
+        (exclude if negated else include)[token] = re.compile(fnmatch.translate(f"*{pattern}*"))
+    if len(include) + len(exclude) > LAYER_PATTERNS_MAX:
+        raise ValueError(f"layers: {len(include) + len(exclude)} patterns, over {LAYER_PATTERNS_MAX}; one pattern "
+                         "can match many layers (e.g. single_blocks.1?. is blocks 10-19)")
+    return include, exclude
+
+
+def layer_scale_patterns(text: str) -> list[tuple[str, re.Pattern, float]]:
+    """LoRA Config `layer_lr_scales` read: [(pattern, matcher, scale)] in order. Pairs "pattern=scale" separated by
+    commas, spaces or new lines; patterns as `layer_patterns` reads them; scales finite, above 0 (leave a layer out
+    with `layers`) and at most LAYER_LR_SCALE_MAX."""
+    pairs = []
+    for token in re.split(r"[,\s]+", text.strip()):
+        if not token:
+            continue
+        pattern, equals, value = token.rpartition("=")
+        try:
+            scale = float(value) if equals and pattern else None
+        except ValueError:
+            scale = None
+        if scale is None:
+            raise ValueError(f"layer_lr_scales: {token!r} is not pattern=scale; e.g. single_blocks=0.5 trains the "
+                             "single blocks at half the learning rate")
+        if not (math.isfinite(scale) and 0 < scale <= LAYER_LR_SCALE_MAX):
+            raise ValueError(f"layer_lr_scales: {token!r}: the scale must be above 0 and at most "
+                             f"{LAYER_LR_SCALE_MAX:g} (to train no layer of it, leave it out with layers)")
+        if len(pattern) > LAYER_PATTERN_CHARS_MAX:
+            raise ValueError(f"layer_lr_scales: the pattern {pattern[:40]!r}... is {len(pattern)} characters, over "
+                             f"{LAYER_PATTERN_CHARS_MAX}")
+        pairs.append((pattern, re.compile(fnmatch.translate(f"*{pattern}*")), scale))
+    if len(pairs) > LAYER_PATTERNS_MAX:
+        raise ValueError(f"layer_lr_scales: {len(pairs)} pairs, over {LAYER_PATTERNS_MAX}")
+    return pairs
+
+
+def layer_lr_scales(paths: Iterable[str], config: "AdapterConfig") -> dict[str, float]:
+    """{path: its learning-rate scale} for the trained `paths`: the first `layer_lr_scales` pattern matching it, 1
+    where none does. A pattern that matches none of them is refused, as in `layers`."""
+    paths = list(paths)
+    pairs = layer_scale_patterns(config.layer_lr_scales)
+    for pattern, matcher, _ in pairs:
+        if not any(matcher.match(path) for path in paths):
+            raise ValueError(f"LoRA Config layer_lr_scales: {pattern!r} matches none of the {len(paths)} trained "
+                             f"layers (named like {paths[0]}, {paths[-1]}); these are ComfyUI's layer names")
+    return {path: next((scale for _, matcher, scale in pairs if matcher.match(path)), 1.0) for path in paths}
+
+
+def filter_layers(paths: list[str], config: "AdapterConfig") -> list[str]:
+    """The `paths` that `config.layers` keeps: those matching an include pattern (every path when there is none) and
+    no exclude pattern. A pattern that matches none of `paths` is refused (a typo, or another naming: these are
+    ComfyUI's module names, e.g. Flux's double_blocks.0.img_attn.qkv, not diffusers' transformer_blocks.0.attn.to_q),
+    and so is a filter that keeps nothing."""
+    include, exclude = layer_patterns(config.layers)
+    if not include and not exclude:
+        return paths
+    named_like = ", ".join(dict.fromkeys([paths[0], paths[len(paths) // 2], paths[-1]]))
+    selected = f"the {len(paths)} layers targets={config.targets} selects (named like {named_like})"
+    for token, matcher in (*include.items(), *exclude.items()):
+        if not any(matcher.match(path) for path in paths):
+            raise ValueError(f"LoRA Config layers: {token!r} matches none of {selected}; these are ComfyUI's layer "
+                             "names: correct the pattern or remove it")
+    kept = [path for path in paths if (not include or any(m.match(path) for m in include.values()))
+            and not any(m.match(path) for m in exclude.values())]
+    if not kept:
+        raise ValueError(f"LoRA Config layers {config.layers.strip()!r} leaves none of {selected} to train: exclude "
+                         "less")
+    return kept
 
 
 def is_linear(module: torch.nn.Module) -> bool:
@@ -147,7 +248,7 @@ def select_targets(root: torch.nn.Module, preset: TargetPreset | None, config: A
             paths.append(path)
     if not paths:
         raise ValueError(f"no target modules matched for family {family!r} with targets={config.targets!r}")
-    return paths
+    return filter_layers(paths, config)
 
 
 def _out_features(module: torch.nn.Module) -> int:
@@ -504,16 +605,38 @@ class AdapterSet:
     def parameters(self) -> list[torch.nn.Parameter]:
         return [p for layer in self.layers.values() for _, p in self._own_parameters(layer)]
 
-    def learning_rate_scales(self, loraplus_lr_ratio: float) -> list[float]:
-        """Per parameter (in `parameters()` order), its learning rate as a multiple of the optimizer's: LoRA+ trains
-        the up matrices (lora_B) at `loraplus_lr_ratio` times, everything else (down matrices, DoRA's magnitudes) at
-        1x."""
-        if self.config.kind not in ("lora", "dora"):
+    def learning_rate_scales(self, loraplus_lr_ratio: float = 1.0) -> list[float]:
+        """Per parameter (in `parameters()` order), its learning rate as a multiple of the optimizer's: its layer's
+        `layer_lr_scales` scale, times `loraplus_lr_ratio` for a LoRA's up matrices (lora_B; LoRA+), down matrices
+        and DoRA's magnitudes at the layer's scale."""
+        if loraplus_lr_ratio != 1.0 and self.config.kind not in ("lora", "dora"):
             raise ValueError(f"loraplus_lr_ratio {loraplus_lr_ratio:g} (Optimizer Config) raises the learning rate of "
                              f"a LoRA's up matrices, and kind {self.config.kind} has none: set it to 1, or train kind "
                              "lora or dora")
-        return [loraplus_lr_ratio if name.startswith("lora_B") else 1.0
-                for layer in self.layers.values() for name, _ in self._own_parameters(layer)]
+        per_layer = layer_lr_scales(self.layers, self.config)
+        return [per_layer[path] * (loraplus_lr_ratio if name.startswith("lora_B") else 1.0)
+                for path, layer in self.layers.items() for name, _ in self._own_parameters(layer)]
+
+    def cap_norms(self, max_norm: float) -> torch.Tensor:
+        """Max-norm regularisation (kohya's scale_weight_norms), after an optimizer step: a layer whose update
+        scale * up @ down has a Frobenius norm above `max_norm` gets both matrices scaled by sqrt(max_norm / norm), so
+        the update's norm is `max_norm` and its direction unchanged. The norm comes from the rank x rank Gram
+        matrices, |U D|^2 = sum((U^T U) * (D D^T)), never the product (a rank-16 Flux layer: 16 x 16 work, not
+        3072 x 12288), and with no host sync. Returns [layers scaled, mean norm, largest norm] (after scaling) on the
+        device, read when shown. Kinds lora and dora (the trainer refuses others)."""
+        norms, factors = [], []
+        with torch.no_grad():
+            for layer in self.layers.values():
+                up, down = layer.lora_B["default"].weight, layer.lora_A["default"].weight
+                u, d = up.reshape(up.shape[0], -1).float(), down.reshape(down.shape[0], -1).float()
+                norm = layer.scaling["default"] * torch.sum((u.T @ u) * (d @ d.T)).clamp_min(0.0).sqrt()
+                factor = (max_norm / norm.clamp_min(1e-30)).clamp(max=1.0)  # 1: under the cap
+                up.mul_(factor.sqrt().to(up.dtype))
+                down.mul_(factor.sqrt().to(down.dtype))
+                norms.append(norm * factor)
+                factors.append(factor)
+            norms = torch.stack(norms)
+            return torch.stack([(torch.stack(factors) < 1.0).sum().float(), norms.mean(), norms.max()])
 
     def weights_in_host_ram(self, crossings, step=None) -> None:
         """Kind full with its trained weights in host RAM: each layer (but those kept `on_card`) copies them to the
@@ -583,7 +706,7 @@ class AdapterSet:
         outside = sorted(set(lora) - set(self.layers))
         if outside:
             raise ValueError(f"{source} adapts {len(outside)} layer(s) this run does not train (e.g. {outside[0]}); "
-                             "choose targets / include_conv that cover them (all_layers covers every layer)")
+                             "choose targets / include_conv / layers that cover them (all_layers covers every layer)")
         with torch.no_grad():
             for path, (down, up, scale) in lora.items():
                 layer = self.layers[path]
@@ -601,7 +724,7 @@ class AdapterSet:
         outside = sorted(set(oft) - set(self.layers))
         if outside:
             raise ValueError(f"{source} adapts {len(outside)} layer(s) this run does not train (e.g. {outside[0]}); "
-                             "choose targets / include_conv that cover them (all_layers covers every layer)")
+                             "choose targets / include_conv / layers that cover them (all_layers covers every layer)")
         with torch.no_grad():
             for path, (blocks, alpha) in oft.items():
                 layer = self.layers[path]

@@ -13,7 +13,8 @@ model's native space (eps, v or flow velocity) is a per-sample multiple of the x
   eps:  |eps_hat - eps|^2 = |x0_hat - x0|^2 / sigma^2
   v:    |v_hat - v|^2     = |x0_hat - x0|^2 * (sigma^2 + 1) / sigma^2      (sigma_data = 1)
   flow: |u_hat - u|^2     = |x0_hat - x0|^2 / sigma^2
-so one code path serves all three, with min-SNR-gamma weighting on top for eps / v.
+so one code path serves all three, with min-SNR-gamma weighting on top for eps / v, or the debiased estimation's
+(Yu et al. 2024, kohya's debiased_estimation_loss): 1 / sqrt(SNR) for eps, 1 / (SNR + 1) for v, SNR capped at 1000.
 
 `loss_type` l1 / huber compares the native-space error itself, (x0_hat - x0) * sqrt(factor above), with
 |e| or torch's Huber loss (quadratic below `huber_delta`, linear above: robust to the outlier samples that
@@ -32,7 +33,12 @@ from ..checks import check_finite
 Prediction = Literal["eps", "v", "flow"]
 PREDICTIONS = ("eps", "v", "flow")
 TIMESTEP_SAMPLINGS = ("uniform", "logit_normal", "shifted")
-LOSS_WEIGHTINGS = ("none", "min_snr")
+LOSS_WEIGHTINGS = ("none", "min_snr", "debiased")
+# debiased: the SNR is capped here (kohya's cap) so that the least noisy times do not get a zero weight
+DEBIASED_SNR_MAX = 1000.0
+# multires_noise_iterations: the steps stop where the coarsest noise is 1 latent pixel wide (5-8 steps): more add
+# nothing
+MULTIRES_ITERATIONS_MAX = 16
 LOSS_TYPES = ("mse", "l1", "huber")
 
 
@@ -69,7 +75,7 @@ class ObjectiveConfig:
     logit_mean: float = 0.0
     logit_std: float = 1.0
     shift: float | None = None  # for "shifted": None = the model's own flow shift
-    loss_weighting: str = "none"  # none | min_snr
+    loss_weighting: str = "none"  # none | min_snr | debiased
     min_snr_gamma: float = 5.0
     noise_offset: float = 0.0
     loss_type: str = "mse"  # mse | l1 | huber
@@ -81,11 +87,29 @@ class ObjectiveConfig:
     # The loss weight of what a loss mask leaves out (0: not learned). OneTrainer's "unmasked weight": a little (0.1)
     # keeps the model's backgrounds from drifting while the masked subject is learned.
     masked_out_weight: float = 0.0
+    # Input perturbation (Ning et al. 2023; kohya's ip_noise_gamma, diffusers' input_perturbation): the model's input
+    # is noised with noise + gamma * extra while the loss still asks for what the noise alone implies, so the model
+    # learns from inputs a little off the training images' exact path (less exposure bias). 0: off; 0.1 usual.
+    ip_noise_gamma: float = 0.0
+    # Multi-resolution (pyramid) noise, kohya's multires_noise_iterations / _discount: coarser normal noise added to the
+    # noise at discount^i (`multires_noise`). 0 iterations: off.
+    multires_noise_iterations: int = 0
+    multires_noise_discount: float = 0.3
 
     def validate(self, prediction: Prediction) -> None:
         check_finite("objective", min_snr_gamma=self.min_snr_gamma, logit_mean=self.logit_mean, logit_std=self.logit_std,
                      shift=self.shift, noise_offset=self.noise_offset, huber_delta=self.huber_delta,
-                     noise_min=self.noise_min, noise_max=self.noise_max, masked_out_weight=self.masked_out_weight)
+                     noise_min=self.noise_min, noise_max=self.noise_max, masked_out_weight=self.masked_out_weight,
+                     ip_noise_gamma=self.ip_noise_gamma, multires_noise_discount=self.multires_noise_discount)
+        if int(self.multires_noise_iterations) != self.multires_noise_iterations or not \
+                0 <= self.multires_noise_iterations <= MULTIRES_ITERATIONS_MAX:
+            raise ValueError(f"multires_noise_iterations={self.multires_noise_iterations}: give a whole number from 0 "
+                             f"(off) to {MULTIRES_ITERATIONS_MAX}; 6-10 is usual")
+        if self.multires_noise_iterations and not 0.0 < self.multires_noise_discount <= 1.0:
+            raise ValueError(f"multires_noise_discount={self.multires_noise_discount}: give more than 0, up to 1; 0.3 "
+                             "is usual (0.1 for a light touch)")
+        if not 0.0 <= self.ip_noise_gamma <= 1.0:
+            raise ValueError(f"ip_noise_gamma={self.ip_noise_gamma}: give 0 (off) to 1; 0.1 is usual")
         if not 0.0 <= self.masked_out_weight <= 1.0:
             raise ValueError(f"masked_out_weight={self.masked_out_weight}: give 0 (masked-out parts not learned) to 1 "
                              "(masks ignored)")
@@ -100,8 +124,9 @@ class ObjectiveConfig:
             raise ValueError(f"timestep_sampling={self.timestep_sampling!r}: choose one of {TIMESTEP_SAMPLINGS}")
         if self.loss_weighting not in LOSS_WEIGHTINGS:
             raise ValueError(f"loss_weighting={self.loss_weighting!r}: choose one of {LOSS_WEIGHTINGS}")
-        if self.loss_weighting == "min_snr" and prediction == "flow":
-            raise ValueError("loss_weighting='min_snr' is defined for eps / v models; this is a flow model: use 'none'")
+        if self.loss_weighting != "none" and prediction == "flow":
+            raise ValueError(f"loss_weighting={self.loss_weighting!r} is defined for eps / v models; this is a flow "
+                             "model: use 'none'")
         if self.loss_weighting == "min_snr" and self.min_snr_gamma <= 0:
             raise ValueError(f"min_snr_gamma={self.min_snr_gamma} must be > 0")
         if self.logit_std <= 0:
@@ -161,25 +186,75 @@ class Objective:
             # Per-channel constant offset: lets the model learn overall brightness shifts.
             offset = torch.randn(like.shape[:2] + (1,) * (like.ndim - 2), generator=generator)
             noise = noise + self.config.noise_offset * offset
+        if self.config.multires_noise_iterations:
+            noise = self.multires_noise(noise, generator)
         return noise
 
+    def multires_noise(self, noise: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        """Pyramid noise: for i = 0 .. iterations - 1, normal noise at the latent's size divided by r^i (r drawn in
+        [2, 4) per step) upsampled bilinearly and added at discount^i, until a side reaches 1; then each sample rescaled
+        to unit standard deviation. The coarse parts are low-frequency noise the model must also remove, which helps it
+        learn overall tone and contrast (kohya's pyramid noise; per-sample rescaling here, so a sample's noise does not
+        depend on the others in its batch). Clips: per frame, the frames kept. Written here: no library has it."""
+        height, width = noise.shape[-2:]
+        frames = tuple(noise.shape[2:-2])  # () for images, (T,) for clips
+        mode = "bilinear" if not frames else "trilinear"
+        total = noise
+        for i in range(int(self.config.multires_noise_iterations)):
+            r = 2.0 + 2.0 * float(torch.rand((), generator=generator))
+            small_h, small_w = max(1, int(height / r ** i)), max(1, int(width / r ** i))
+            coarse = torch.randn(*noise.shape[:2], *frames, small_h, small_w, generator=generator, dtype=noise.dtype)
+            total = total + torch.nn.functional.interpolate(coarse, size=(*frames, height, width), mode=mode) * \
+                self.config.multires_noise_discount ** i
+            if small_h == 1 or small_w == 1:
+                break
+        spread = total.flatten(1).std(dim=1).view(-1, *([1] * (noise.ndim - 1)))
+        return total / spread
+
+    def sample_perturbation(self, like: torch.Tensor, generator: torch.Generator) -> torch.Tensor | None:
+        """The input perturbation's extra noise (ip_noise_gamma times a normal draw); None when off (nothing drawn, so
+        every other draw of a run is what it was without the setting)."""
+        if not self.config.ip_noise_gamma:
+            return None
+        return self.config.ip_noise_gamma * torch.randn(like.shape, generator=generator, dtype=torch.float32)
+
     # --- x_t and loss -----------------------------------------------------------------------------------
+    def perturbed(self, x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor, perturbation: torch.Tensor | None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the model's input, the x0 the loss compares its estimate with). Without a perturbation: x_t and x0. With
+        one, the input is noised with noise + perturbation and the target is the x0 estimate that would make the
+        native output equal its target for the unperturbed noise: x0 + c_skip * (input - x_t), where c_skip is how
+        ComfyUI's denoised estimate follows its input at a fixed model output (1 for eps and flow, 1 / (sigma^2 + 1)
+        for v, sigma_data = 1). So the native-space loss is exactly kohya's: output vs the clean noise's target."""
+        x_t = self.noisy(x0, noise, sigma)
+        if perturbation is None:
+            return x_t, x0
+        model_input = self.noisy(x0, noise + perturbation.to(noise), sigma)
+        skip = torch.ones_like(sigma, dtype=torch.float32)
+        if self.sampling.prediction == "v":
+            skip = 1.0 / (sigma.float().square() + 1.0)
+        skip = skip.view(-1, *([1] * (x0.ndim - 1))).to(x0.device)
+        return model_input, (x0.float() + skip * (model_input.float() - x_t.float())).to(x0.dtype)
+
     def noisy(self, x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
         s = sigma.view(-1, *([1] * (x0.ndim - 1))).to(x0)
         if self.sampling.prediction == "flow":
             return s * (self.sampling.noise_scale * noise) + (1.0 - s) * x0
         return x0 + s * noise
 
-    def sample_weight(self, sigma: torch.Tensor, min_snr: bool = True) -> torch.Tensor:
-        """Per-sample factor turning the x0 error into the native-space loss (and min-SNR on top)."""
+    def sample_weight(self, sigma: torch.Tensor, weighting: bool = True) -> torch.Tensor:
+        """Per-sample factor turning the x0 error into the native-space loss (and `loss_weighting` on top)."""
         sigma = sigma.float()
         inv_sq = 1.0 / sigma.square()
         if self.sampling.prediction == "v":
             weight = (sigma.square() + 1.0) * inv_sq
         else:
             weight = inv_sq
-        if min_snr and self.config.loss_weighting == "min_snr":
-            snr = inv_sq  # x_t = x0 + sigma*eps  ->  SNR = 1 / sigma^2
+        snr = inv_sq  # x_t = x0 + sigma*eps  ->  SNR = 1 / sigma^2
+        if weighting and self.config.loss_weighting == "debiased":
+            capped = snr.clamp(max=DEBIASED_SNR_MAX)
+            weight = weight / (capped + 1.0) if self.sampling.prediction == "v" else weight / capped.sqrt()
+        if weighting and self.config.loss_weighting == "min_snr":
             gamma = torch.full_like(snr, self.config.min_snr_gamma)
             denominator = snr + 1.0 if self.sampling.prediction == "v" else snr
             weight = weight * torch.minimum(snr, gamma) / denominator
@@ -187,7 +262,8 @@ class Objective:
 
     def loss(self, x0_hat: torch.Tensor, x0: torch.Tensor, sigma: torch.Tensor, weighted: bool = True,
              mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Mean native-space loss over the batch. weighted=False: the plain squared error, no min-SNR (validation).
+        """Mean native-space loss over the batch. weighted=False: the plain squared error, no loss_weighting
+        (validation).
 
         mask [B, 1, h, w] (clips: [B, 1, T, h, w], one per latent frame) in 0..1 at latent resolution, broadcast over
         the channels: each sample's loss is the mask-weighted mean over its elements, so what is masked out (0) is not
@@ -196,17 +272,17 @@ class Objective:
         if mask is not None and self.config.masked_out_weight:
             mask = self.config.masked_out_weight + (1.0 - self.config.masked_out_weight) * mask
         error = x0_hat.float() - x0.float()
-        weight = self.sample_weight(sigma, min_snr=weighted).to(error.device)
+        weight = self.sample_weight(sigma, weighting=weighted).to(error.device)
         if not weighted or self.config.loss_type == "mse":
             return (_per_sample_mean(error.square(), mask) * weight).mean()
-        native = self.sample_weight(sigma, min_snr=False).to(error.device)
+        native = self.sample_weight(sigma, weighting=False).to(error.device)
         native_error = error * native.sqrt().view(-1, *([1] * (error.ndim - 1)))
         if self.config.loss_type == "l1":
             elements = native_error.abs()
         else:
             elements = torch.nn.functional.huber_loss(native_error, torch.zeros_like(native_error), reduction="none",
                                                       delta=self.config.huber_delta)
-        return (_per_sample_mean(elements, mask) * (weight / native)).mean()  # weight / native: min-SNR alone
+        return (_per_sample_mean(elements, mask) * (weight / native)).mean()  # weight / native: the weighting alone
 
     def fixed_times(self, count: int) -> torch.Tensor:
         """Evenly spread times for the deterministic validation loss (ends excluded), in the trained noise range."""

@@ -20,6 +20,7 @@ from ..checks import MissingPackageError, check_finite, require_package  # noqa:
 OPTIMIZERS = ("AdamW", "AdamW8bit", "PagedAdamW8bit", "Lion8bit", "Adafactor", "CAME", "Prodigy")
 SCHEDULES = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial")
 LORAPLUS_MAX = 64.0
+SCALE_WEIGHT_NORMS_MAX = 100.0  # scale_weight_norms: past this no LoRA layer's update is ever capped
 _BITSANDBYTES = ("AdamW8bit", "PagedAdamW8bit", "Lion8bit")
 # Optimizers from optional packages (not installed with Headroom): optimizer -> (import name, pip name).
 OPTIONAL_PACKAGES = {**{name: ("bitsandbytes", "bitsandbytes") for name in _BITSANDBYTES},
@@ -47,10 +48,17 @@ class OptimizerConfig:
     # LoRA+ (Hayou et al. 2024; kohya's and musubi-tuner's network_args loraplus_lr_ratio): the learning rate of a
     # LoRA's up matrices (B, zero at the start) is this many times lr. 1: off.
     loraplus_lr_ratio: float = 1.0
+    # Max-norm regularisation (kohya's scale_weight_norms): after each step, a LoRA layer whose update (scale * up @
+    # down) has a Frobenius norm above this is scaled back to it (AdapterSet.cap_norms). 0: off; 1 is usual.
+    scale_weight_norms: float = 0.0
 
     def validate(self) -> None:
         check_finite("optimizer", lr=self.lr, weight_decay=self.weight_decay, eps=self.eps, beta1=self.betas[0],
-                     beta2=self.betas[1], loraplus_lr_ratio=self.loraplus_lr_ratio)
+                     beta2=self.betas[1], loraplus_lr_ratio=self.loraplus_lr_ratio,
+                     scale_weight_norms=self.scale_weight_norms)
+        if not 0.0 <= self.scale_weight_norms <= SCALE_WEIGHT_NORMS_MAX:
+            raise ValueError(f"scale_weight_norms={self.scale_weight_norms}: give 0 (off) to "
+                             f"{SCALE_WEIGHT_NORMS_MAX:g}, the largest norm a layer's update may reach (1 is usual)")
         if self.name not in OPTIMIZERS:
             raise ValueError(f"unknown optimizer {self.name!r}: choose one of {', '.join(OPTIMIZERS)}")
         if not self.lr > 0:

@@ -2,9 +2,9 @@
 
     batch  = cached latents + cached conditioning of one bucket (caption dropout -> the empty prompt)
     sigma, noise = objective.sample(...)            seeded by (run seed, micro-step)
-    x_t    = objective.noisy(x0, noise, sigma)
+    x_t, target = objective.perturbed(x0, noise, sigma, extra)   x_t (ip_noise_gamma: noised a little more), x0
     x0_hat = denoiser.predict(x_t, sigma, conds)    under autocast for bf16 / fp16
-    loss   = objective.loss(x0_hat, x0, sigma)      native eps / v / flow space, optional min-SNR
+    loss   = objective.loss(x0_hat, target, sigma)  native eps / v / flow space, optional min-SNR / debiased
     backward (scaled for fp16) ... every `grad_accum` micro-steps: unscale, clip, optimizer + LR step
 
 The batch, caption dropout, noise levels and noise of a micro-step come from a generator seeded by (seed,
@@ -226,6 +226,8 @@ class Trainer:
         self.rank_batch: int | None = None
         bf16_weights = any(p.dtype == torch.bfloat16 for p in self.params)
         lr_scales = self._learning_rate_scales(trainable, optimizer_config)  # LoRA+; None: one rate for all
+        self._cap_norms = self._norm_cap(trainable, optimizer_config)  # scale_weight_norms; None: off
+        self.last_norms: torch.Tensor | None = None  # the last step's [layers scaled, mean norm, largest norm]
         if self.policy.fused_backward:
             self._check_fused(config)
             # Each trained tensor is stepped inside backward and its gradient freed (memory/fused_backward.py): it
@@ -267,6 +269,10 @@ class Trainer:
             elif self.parallel is not None and not self.shards_weights and self.shards_state(
                     self.parallel.world_size, trainable, optimizer_config.name, self.policy):
                 # Several ranks of a full fine-tune: each keeps the optimizer state of its share of the tensors.
+                if lr_scales is not None:
+                    raise ValueError("layer_lr_scales (LoRA Config) with a full fine-tune's optimizer state shared out "
+                                     "over several devices: not supported; clear layer_lr_scales, or turn "
+                                     "fused_backward on in the Offload Policy")
                 self.optimizer = sharded_optimizer.sharded(
                     self.params, lambda share: create_optimizer(share, optimizer_config, device=denoiser.device))
             else:
@@ -290,16 +296,35 @@ class Trainer:
 
     @staticmethod
     def _learning_rate_scales(trainable, optimizer_config: OptimizerConfig) -> list[float] | None:
-        """Each trained tensor's learning rate as a multiple of the optimizer's (LoRA+: the up matrices at
-        loraplus_lr_ratio times); None when all train at the optimizer's rate."""
+        """Each trained tensor's learning rate as a multiple of the optimizer's (LoRA Config layer_lr_scales; LoRA+:
+        the up matrices at loraplus_lr_ratio times); None when all train at the optimizer's rate."""
         ratio = optimizer_config.loraplus_lr_ratio
-        if ratio == 1.0:
-            return None
         scales = getattr(trainable, "learning_rate_scales", None)
         if scales is None:
-            raise ValueError(f"loraplus_lr_ratio {ratio:g} (Optimizer Config) raises the learning rate of a LoRA's up "
-                             "matrices, and this run trains no LoRA: set it to 1")
-        return scales(ratio)
+            if ratio != 1.0:
+                raise ValueError(f"loraplus_lr_ratio {ratio:g} (Optimizer Config) raises the learning rate of a LoRA's "
+                                 "up matrices, and this run trains no LoRA: set it to 1")
+            return None
+        scales = scales(ratio)
+        if set(scales) == {1.0}:
+            return None
+        if optimizer_config.name == "Prodigy":  # (LoRA+ with Prodigy: refused by OptimizerConfig itself)
+            raise ValueError("Prodigy finds one step size for all trained weights, and LoRA Config layer_lr_scales "
+                             "asks for several: clear layer_lr_scales, or choose another optimizer")
+        return scales
+
+    @staticmethod
+    def _norm_cap(trainable, optimizer_config: OptimizerConfig) -> Callable[[], torch.Tensor] | None:
+        """scale_weight_norms' cap, run after each optimizer step (AdapterSet.cap_norms); None when off."""
+        limit = optimizer_config.scale_weight_norms
+        if not limit:
+            return None
+        kind = getattr(getattr(trainable, "config", None), "kind", None)
+        if kind not in ("lora", "dora"):
+            trains = f"kind {kind}" if kind else "no LoRA"
+            raise ValueError(f"scale_weight_norms {limit:g} (Optimizer Config) caps the norm of a LoRA's up @ down "
+                             f"product, and this run trains {trains}: set it to 0, or train kind lora or dora")
+        return lambda: trainable.cap_norms(limit)
 
     @staticmethod
     def shards_state(ranks: int, trainable, optimizer: str, policy: OffloadPolicy) -> bool:
@@ -444,6 +469,7 @@ class Trainer:
         x0 = self._latents(items, source.latent_cache)
         sigma = self.objective.sample_sigma(len(items), generator).to(self.denoiser.device)
         noise = self.objective.sample_noise(x0, generator).to(x0)
+        perturbation = self.objective.sample_perturbation(x0, generator)
         if rows is not None:
             weight = len(items[rows]) / len(items)
             if not items[rows] and self.shards_weights:
@@ -451,12 +477,13 @@ class Trainer:
                 rows = slice(0, 1)
             items, dropout, draws = items[rows], dropout[rows], draws[rows]
             x0, sigma, noise = x0[rows], sigma[rows], noise[rows]
+            perturbation = perturbation[rows] if perturbation is not None else None
             if not items:  # a bucket's last, smaller batch may leave a rank nothing: it adds no gradient
                 return torch.zeros((), device=self.denoiser.device), items
-        x_t = self.objective.noisy(x0, noise, sigma)
+        x_t, target = self.objective.perturbed(x0, noise, sigma, perturbation)
         with self._autocast():
             x0_hat = self.denoiser.predict(x_t, sigma, self._conds(items, dropout, source, draws))
-        loss = self.objective.loss(x0_hat, x0, sigma, mask=self._masks(items, source.latent_cache))
+        loss = self.objective.loss(x0_hat, target, sigma, mask=self._masks(items, source.latent_cache))
         if rows is not None:
             loss = loss * weight
         return loss, items if source is self._batches else [f"prior {i}" for i in items]
@@ -511,6 +538,10 @@ class Trainer:
             self.scaler.update()
         else:
             self.optimizer.step()
+        if self._cap_norms is not None:
+            self.last_norms = self._cap_norms()
+            if isinstance(self.optimizer, HostOptimizer):
+                self.optimizer.weights_changed()
         self.scheduler.step()
         if self.ema is not None:
             self.ema.update(self.params)

@@ -117,11 +117,15 @@ class HostOptimizer(torch.optim.Optimizer):
         return self.inner.state_dict()
 
     @torch.no_grad()
+    def weights_changed(self) -> None:
+        """The device weights were changed outside a step (scale_weight_norms' cap): the host masters follow them."""
+        for device_param, host_param in zip(self.device_params, self.host_params):
+            host_param.copy_(device_param)
+
     def load_state_dict(self, state_dict: dict) -> None:
         # The device weights are restored first (the trainer loads the adapter, then the optimizer):
         # the host masters follow them.
-        for device_param, host_param in zip(self.device_params, self.host_params):
-            host_param.copy_(device_param)
+        self.weights_changed()
         self.inner.load_state_dict(state_dict)
         self._pull_group_values()
 
