@@ -113,39 +113,46 @@ class AdapterConfig:
                              f"to 0, not {self.dropout}")
 
 
+def _name_patterns(text: str, input_name: str) -> list[str]:
+    """The patterns of a LoRA Config layer-name input: separated by commas, spaces or new lines, at most
+    LAYER_PATTERNS_MAX of them (they run against every layer path of the model)."""
+    tokens = [token for token in re.split(r"[,\s]+", text.strip()) if token]
+    if len(tokens) > LAYER_PATTERNS_MAX:
+        raise ValueError(f"{input_name}: {len(tokens)} patterns, over {LAYER_PATTERNS_MAX}; one pattern can match "
+                         "many layers (e.g. single_blocks.1?. is blocks 10-19)")
+    return tokens
+
+
+def _name_matcher(pattern: str, input_name: str) -> re.Pattern:
+    """A layer-name pattern as a matcher of whole paths: a path matches when its name contains the pattern, with the
+    shell's wildcards (* any text, ? one character, [0-5] one of), dots literal: fnmatch's translation, case-sensitive
+    on every OS (fnmatch.fnmatch would ignore case on Windows only). Not regular expressions, where "blocks.1." would
+    also match "blocks.10."."""
+    if len(pattern) > LAYER_PATTERN_CHARS_MAX:
+        raise ValueError(f"{input_name}: the pattern {pattern[:40]!r}... is {len(pattern)} characters, over "
+                         f"{LAYER_PATTERN_CHARS_MAX}; layer names are short: write a part of them")
+    return re.compile(fnmatch.translate(f"*{pattern}*"))
+
+
 def layer_patterns(text: str) -> tuple[dict[str, re.Pattern], dict[str, re.Pattern]]:
-    """LoRA Config `layers` read: ({pattern: matcher} to include, {pattern: matcher} to exclude). Patterns are
-    separated by commas, spaces or new lines; one starting with "!" excludes. A pattern matches a layer whose name
-    contains it, with the shell's wildcards (* any text, ? one character, [0-5] one of), dots literal: fnmatch's
-    translation, case-sensitive on every OS (fnmatch.fnmatch would ignore case on Windows only). Not regular
-    expressions, where "blocks.1." would also match "blocks.10.". Refused: a bare "!", too many or too long ones."""
+    """LoRA Config `layers` read: ({pattern: matcher} to include, {pattern: matcher} to exclude); a pattern starting
+    with "!" excludes (`_name_matcher` says what matches). Refused: a bare "!", too many or too long patterns."""
     include, exclude = {}, {}
-    for token in re.split(r"[,\s]+", text.strip()):
-        if not token:
-            continue
+    for token in _name_patterns(text, "layers"):
         negated = token.startswith("!")
         pattern = token[1:] if negated else token
         if not pattern:
             raise ValueError("layers: a lone '!' leaves nothing out; write the layers to leave out after it, e.g. "
                              "!img_mod")
-        if len(pattern) > LAYER_PATTERN_CHARS_MAX:
-            raise ValueError(f"layers: the pattern {token[:40]!r}... is {len(pattern)} characters, over "
-                             f"{LAYER_PATTERN_CHARS_MAX}; layer names are short: write a part of them")
-        (exclude if negated else include)[token] = re.compile(fnmatch.translate(f"*{pattern}*"))
-    if len(include) + len(exclude) > LAYER_PATTERNS_MAX:
-        raise ValueError(f"layers: {len(include) + len(exclude)} patterns, over {LAYER_PATTERNS_MAX}; one pattern "
-                         "can match many layers (e.g. single_blocks.1?. is blocks 10-19)")
+        (exclude if negated else include)[token] = _name_matcher(pattern, "layers")
     return include, exclude
 
 
 def layer_scale_patterns(text: str) -> list[tuple[str, re.Pattern, float]]:
-    """LoRA Config `layer_lr_scales` read: [(pattern, matcher, scale)] in order. Pairs "pattern=scale" separated by
-    commas, spaces or new lines; patterns as `layer_patterns` reads them; scales finite, above 0 (leave a layer out
-    with `layers`) and at most LAYER_LR_SCALE_MAX."""
+    """LoRA Config `layer_lr_scales` read: [(pattern, matcher, scale)] in order, from "pattern=scale" pairs; scales
+    finite, above 0 (leave a layer out with `layers`) and at most LAYER_LR_SCALE_MAX."""
     pairs = []
-    for token in re.split(r"[,\s]+", text.strip()):
-        if not token:
-            continue
+    for token in _name_patterns(text, "layer_lr_scales"):
         pattern, equals, value = token.rpartition("=")
         try:
             scale = float(value) if equals and pattern else None
@@ -157,12 +164,7 @@ def layer_scale_patterns(text: str) -> list[tuple[str, re.Pattern, float]]:
         if not (math.isfinite(scale) and 0 < scale <= LAYER_LR_SCALE_MAX):
             raise ValueError(f"layer_lr_scales: {token!r}: the scale must be above 0 and at most "
                              f"{LAYER_LR_SCALE_MAX:g} (to train no layer of it, leave it out with layers)")
-        if len(pattern) > LAYER_PATTERN_CHARS_MAX:
-            raise ValueError(f"layer_lr_scales: the pattern {pattern[:40]!r}... is {len(pattern)} characters, over "
-                             f"{LAYER_PATTERN_CHARS_MAX}")
-        pairs.append((pattern, re.compile(fnmatch.translate(f"*{pattern}*")), scale))
-    if len(pairs) > LAYER_PATTERNS_MAX:
-        raise ValueError(f"layer_lr_scales: {len(pairs)} pairs, over {LAYER_PATTERNS_MAX}")
+        pairs.append((pattern, _name_matcher(pattern, "layer_lr_scales"), scale))
     return pairs
 
 
