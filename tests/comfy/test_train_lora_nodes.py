@@ -381,6 +381,19 @@ def test_layer_lr_scales_set_each_layers_rate_and_are_part_of_the_run(comfyui):
                                          r"layer_lr_scales asks for several"):
         _init(model, latents, texts, "layer_rates_prodigy", rank=4, lr=1.0, optimizer="Prodigy",
               layer_lr_scales="attn2=0.5")
+    # the chart's rate is the optimizer's even where the first group / tensor is a scaled one (fused backward: one
+    # optimizer per tensor, the first the first layer's)
+    from headroom.training.core.optimizers import current_lr
+
+    for fused in (False, True):
+        first = _init(model, latents, texts, f"layer_rates_first_{fused}", rank=4, lr=1e-3,
+                      layer_lr_scales="input_blocks=0.5", policy=_policy(fused_backward=fused))
+        assert next(iter(first.adapters.layers)).startswith("input_blocks.")
+        with torch.inference_mode():
+            T.HeadroomTrainSteps.execute(first, 1)
+        assert first.trainer.optimizer.param_groups[0]["lr"] == (5e-4 if fused else 1e-3)
+        assert current_lr(first.trainer.optimizer) == pytest.approx(1e-3, rel=1e-12)
+        first.release()
     for r in (run, both):
         r.release()
     assert _no_adapter_attached(model)

@@ -83,7 +83,8 @@ def create_optimizer(params: Iterable[torch.nn.Parameter], config: OptimizerConf
                      lr_scales: Sequence[float] | None = None):
     """The optimizer `config.name` over `params`. `device` is where the parameters live (for bitsandbytes).
     `lr_scales`: one per parameter, its learning rate as a multiple of config.lr (LoRA+: learning_rate_scales); the
-    parameters are then grouped by it, the group at 1x first (what current_lr reports)."""
+    parameters are then grouped by it, the group at 1x first, each group's multiple in its "lr_scale" (what current_lr
+    divides out)."""
     config.validate()
     params = list(params)
     groups = params if lr_scales is None else _groups_by_scale(params, lr_scales, config.lr)
@@ -117,7 +118,8 @@ def _groups_by_scale(params: list, lr_scales: Sequence[float], lr: float) -> lis
     if len(lr_scales) != len(params):
         raise ValueError(f"{len(lr_scales)} learning-rate scales for {len(params)} parameters")
     scales = sorted(set(lr_scales), key=lambda scale: (scale != 1.0, scale))
-    return [{"params": [p for p, s in zip(params, lr_scales) if s == scale], "lr": lr * scale} for scale in scales]
+    return [{"params": [p for p, s in zip(params, lr_scales) if s == scale], "lr": lr * scale, "lr_scale": scale}
+            for scale in scales]
 
 
 def _bitsandbytes_optimizer(groups, params, config: OptimizerConfig, device: torch.device | None):
@@ -206,7 +208,10 @@ def create_scheduler(optimizer, config: OptimizerConfig):
 
 
 def current_lr(optimizer) -> float:
+    """The optimizer's learning rate now (its schedule applied): what the chart shows. A group trained at a multiple
+    of it (LoRA+, layer_lr_scales) says the multiple in "lr_scale" (checkpoints written before have none: 1)."""
     group = optimizer.param_groups[0]
+    lr = group["lr"] / group.get("lr_scale", 1.0)
     if "d" in group:  # Prodigy: the effective step size is d * lr
-        return float(group["d"] * group["lr"])
-    return float(group["lr"])
+        return float(group["d"] * lr)
+    return float(lr)

@@ -89,6 +89,7 @@ class FusedBackward:
                 raise ValueError(f"{len(lr_scales)} learning-rate scales for {len(self.params)} trained parameters")
             for optimizer, scale in zip(self.optimizers, lr_scales):
                 optimizer.param_groups[0]["lr"] *= scale
+                optimizer.param_groups[0]["lr_scale"] = scale  # what current_lr divides out
         self.schedulers = [make_scheduler(opt) for opt in self.optimizers] if make_scheduler is not None else []
         # The learning-rate schedule of every parameter's optimizer, advanced together once per training step.
         self.schedule = _Schedules(self.schedulers)
