@@ -225,7 +225,7 @@ class Trainer:
         # configuration, as it changes no result.
         self.rank_batch: int | None = None
         bf16_weights = any(p.dtype == torch.bfloat16 for p in self.params)
-        lr_scales = self._learning_rate_scales(trainable, optimizer_config)  # LoRA+; None: one rate for all
+        lr_scales = self._learning_rate_scales(trainable, optimizer_config)  # layer_lr_scales, LoRA+; None: one rate
         self._cap_norms = self._norm_cap(trainable, optimizer_config)  # scale_weight_norms; None: off
         self.last_norms: torch.Tensor | None = None  # the last step's [layers scaled, mean norm, largest norm]
         if self.policy.fused_backward:
