@@ -155,8 +155,9 @@ def noise_range_inputs() -> list:
 
 
 def extra_noise_inputs() -> list:
-    """kohya's input perturbation and pyramid noise: appended last and optional on every training node, so workflows
-    saved before they existed keep working (off); part of the run."""
+    """kohya's input perturbation, pyramid noise and random strengths: appended last and optional on every training
+    node, so workflows saved before they existed keep working (off); part of the run. Their values reach the run's
+    ObjectiveConfig under the same names."""
     return [
         io.Float.Input("ip_noise_gamma", advanced=True, default=0.0, min=0.0, max=1.0, step=0.01, optional=True,
                        tooltip="Input perturbation (kohya's ip_noise_gamma): the model's input gets this much extra "
@@ -170,6 +171,12 @@ def extra_noise_inputs() -> list:
                        optional=True,
                        tooltip="How much each coarser step adds (its weight is this to the power of the step): 0.3 "
                        "usual, 0.1 light. Used only when multires_noise_iterations is above 0."),
+        io.Boolean.Input("noise_offset_random_strength", advanced=True, default=False, optional=True,
+                         tooltip="kohya's name: each sample's noise offset at a strength drawn from 0 to noise_offset "
+                         "(then the largest) instead of noise_offset itself."),
+        io.Boolean.Input("ip_noise_gamma_random_strength", advanced=True, default=False, optional=True,
+                         tooltip="kohya's name: each sample's input perturbation at a strength drawn from 0 to "
+                         "ip_noise_gamma (then the largest) instead of ip_noise_gamma itself."),
     ]
 
 

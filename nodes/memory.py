@@ -130,6 +130,9 @@ class HeadroomMemoryPlan(io.ComfyNode):
                 io.String.Input("layers", default="", multiline=True, optional=True, advanced=True,
                                 tooltip="Which of the targeted layers the planned LoRA trains, as LoRA Config's layers "
                                 "(empty: all of them)."),
+                io.String.Input("layer_ranks", default="", multiline=True, optional=True, advanced=True,
+                                tooltip="Ranks per layer of the planned LoRA, as LoRA Config's layer_ranks (empty: rank "
+                                "for all)."),
             ],
             outputs=[io.String.Output("plan_text", tooltip="The plan as text (also shown on the node)."),
                      io.String.Output("plan_json", tooltip="The plan as JSON: each phase's estimate, itemised."),
@@ -140,12 +143,13 @@ class HeadroomMemoryPlan(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, mode, batch_size, width, height, rank, targets, optimizer, precision, text_tokens,
-                policy=None, clip=None, vae=None, frames: int = 1, layers: str = "") -> io.NodeOutput:
+                policy=None, clip=None, vae=None, frames: int = 1, layers: str = "", layer_ranks: str = "") -> io.NodeOutput:
         policy = policy if policy is not None else OffloadPolicy()
         if not isinstance(policy, OffloadPolicy):
             raise ValueError(f"{node_name(cls)}: policy must come from an Offload Policy (Headroom) node")
         plan = plan_lora_run(model, policy, mode, batch_size, width, height, rank, targets, optimizer, precision,
-                             text_tokens, clip, vae, node=node_name(cls), frames=frames, layers=layers or "")
+                             text_tokens, clip, vae, node=node_name(cls), frames=frames, layers=layers or "",
+                             layer_ranks=layer_ranks or "")
         text = plan.to_text()
         return io.NodeOutput(text, plan.to_json(), plan.policy, ui=ui.PreviewText(text))
 

@@ -40,6 +40,7 @@ def start_controlnet_run(model, latent_cache, text_cache, optimizer_config, run_
                          policy=None, loss_type: str = "mse", huber_delta: float = 0.1, ema_decay: float = 0.0,
                          devices: str = "1", masked_out_weight: float = 0.0, ip_noise_gamma: float = 0.0,
                          multires_noise_iterations: int = 0, multires_noise_discount: float = 0.3,
+                         noise_offset_random_strength: bool = False, ip_noise_gamma_random_strength: bool = False,
                          node: str = "Train ControlNet: Init (Headroom)",
                          shown_on: str | None = None) -> TrainingRun:
     """Check every input (before any GPU work), then build or resume the run; `node`: the display name of the node
@@ -56,7 +57,11 @@ def start_controlnet_run(model, latent_cache, text_cache, optimizer_config, run_
         train, note = train_config(model, run_name, node, seed, batch_size, grad_accumulation, precision, max_grad_norm,
                                    caption_dropout, timestep_sampling, loss_weighting, min_snr_gamma, noise_offset,
                                    loss_type, huber_delta, ema_decay, masked_out_weight=masked_out_weight,
-                                   extra_noise=(ip_noise_gamma, multires_noise_iterations, multires_noise_discount))
+                                   extra_noise=dict(ip_noise_gamma=ip_noise_gamma,
+                                                    multires_noise_iterations=multires_noise_iterations,
+                                                    multires_noise_discount=multires_noise_discount,
+                                                    noise_offset_random_strength=noise_offset_random_strength,
+                                                    ip_noise_gamma_random_strength=ip_noise_gamma_random_strength))
         type_name = controlnet_type_name(model)
         check_caches(model.model, latent_cache, text_cache)
         train, batch_note = effective_batch(train, latent_cache, holdout, run_name, node)

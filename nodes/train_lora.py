@@ -151,6 +151,12 @@ class HeadroomLoraConfig(io.ComfyNode):
                                 "a layer takes the first that matches it, 1 where none does. E.g. "
                                 "input_blocks=0.5 output_blocks=1.5 (kohya's block learning-rate weights), "
                                 "double_blocks=2. Not with Prodigy (one step size for all)."),
+                io.String.Input("layer_ranks", default="", multiline=True, optional=True, advanced=True,
+                                tooltip="Ranks per layer: pattern=rank pairs (patterns as in layers), separated by "
+                                "commas, spaces or lines; a layer takes the first that matches it, rank where none "
+                                "does. alpha stays one for all, so a layer's scale is alpha / its rank (kohya's "
+                                "block_dims, peft's rank_pattern). E.g. single_blocks=8 input_blocks=4. Kinds lora, "
+                                "dora, loha, lokr."),
             ],
             outputs=[LoraConfigType.Output("lora_config",
                                            tooltip="What to train, for a Train LoRA (Init) node's lora_config.")],
@@ -158,13 +164,13 @@ class HeadroomLoraConfig(io.ComfyNode):
 
     @classmethod
     def execute(cls, kind, rank, alpha, targets, include_conv, dropout, init_seed, init_lora="none",
-                full_precision="fp32", layers="", layer_lr_scales="") -> io.NodeOutput:
+                full_precision="fp32", layers="", layer_lr_scales="", layer_ranks="") -> io.NodeOutput:
         name = node_name(cls)
         check_finite(name, alpha=alpha, dropout=dropout)
         config = AdapterConfig(kind=kind, rank=rank, alpha=alpha, targets=targets, include_conv=include_conv,
                                dropout=dropout, init_seed=init_seed, init_lora=None if init_lora == "none" else init_lora,
                                full_precision=full_precision, layers=layers or "",
-                               layer_lr_scales=layer_lr_scales or "")
+                               layer_lr_scales=layer_lr_scales or "", layer_ranks=layer_ranks or "")
         _checked(name, config.validate)
         return io.NodeOutput(config)
 
@@ -286,7 +292,8 @@ def start_lora_run(model, latent_cache, text_cache, lora_config, optimizer_confi
                    prior_latent_cache=None, prior_text_cache=None, prior_ratio: float = 0.5, reference: str = "none",
                    noise_min: float = 0.0, noise_max: float = 1.0, devices: str = "1",
                    masked_out_weight: float = 0.0, ip_noise_gamma: float = 0.0, multires_noise_iterations: int = 0,
-                   multires_noise_discount: float = 0.3,
+                   multires_noise_discount: float = 0.3, noise_offset_random_strength: bool = False,
+                   ip_noise_gamma_random_strength: bool = False,
                    node: str = "Train LoRA: Init (Headroom)", shown_on: str | None = None) -> TrainingRun:
     """Check every input (before any GPU work), then build or resume the run; `node`: the display name of the node
     opening it, for messages."""
@@ -313,7 +320,11 @@ def start_lora_run(model, latent_cache, text_cache, lora_config, optimizer_confi
                                    caption_dropout, timestep_sampling, loss_weighting, min_snr_gamma, noise_offset,
                                    loss_type, huber_delta, ema_decay, prior_ratio=prior_ratio if prior else 0.0,
                                    noise_range=(noise_min, noise_max), masked_out_weight=masked_out_weight,
-                                   extra_noise=(ip_noise_gamma, multires_noise_iterations, multires_noise_discount))
+                                   extra_noise=dict(ip_noise_gamma=ip_noise_gamma,
+                                                    multires_noise_iterations=multires_noise_iterations,
+                                                    multires_noise_discount=multires_noise_discount,
+                                                    noise_offset_random_strength=noise_offset_random_strength,
+                                                    ip_noise_gamma_random_strength=ip_noise_gamma_random_strength))
         check_caches(model.model, latent_cache, text_cache)
         train, batch_note = effective_batch(train, latent_cache, holdout, run_name, node)
         # A full fine-tune on several devices shards its optimizer state (training/memory/sharded_optimizer.py).

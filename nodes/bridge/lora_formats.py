@@ -25,6 +25,7 @@ written here: every name saved is, by construction, one the stock loader maps ba
 """
 from __future__ import annotations
 
+import collections
 import json
 import re
 
@@ -234,8 +235,7 @@ def to_diffusers(state: dict[str, torch.Tensor], names: dict[str, list[tuple[str
     (each split part gets its rows of up, the whole down); also the PEFT LoraConfig fields of the file."""
     component = families.FAMILIES[family].diffusers_component
     out: dict[str, torch.Tensor] = {}
-    targets: list[str] = []
-    rank = None
+    targets: dict[str, int] = {}  # diffusers module: its rank
     used = set()
     for path, layers in names.items():
         key = prefix + path
@@ -250,11 +250,18 @@ def to_diffusers(state: dict[str, torch.Tensor], names: dict[str, list[tuple[str
             part = up if rows is None else up[rows]
             out[name + down_suffix] = down.to(dtype).contiguous()
             out[name + up_suffix] = part.to(dtype).contiguous()
-            targets.append(module)
+            targets[module] = rank
     left = sorted(set(state) - used)
     if left:
         raise ValueError(f"adapter key {left[0]} has no place in a diffusers-format file (plain LoRA only)")
+    # alpha is folded into up, so every layer's alpha is its rank. Layers of another rank than the most common one
+    # (LoRA Config layer_ranks) are named by their module paths in peft's rank_pattern / alpha_pattern, as diffusers
+    # itself names them when it reads a file without this config (peft matches a key at the end of a path after a dot).
+    rank = collections.Counter(targets.values()).most_common(1)[0][0]
     config = {"r": int(rank), "lora_alpha": int(rank), "target_modules": sorted(targets)}
+    others = {module: int(r) for module, r in sorted(targets.items()) if r != rank}
+    if others:
+        config.update(rank_pattern=others, alpha_pattern=dict(others))
     LoraConfig(**config)  # what diffusers builds from it: must construct
     return out, {f"{component}.{field}": value for field, value in config.items()}
 
@@ -320,6 +327,10 @@ def kohya_training_metadata(optimizer, train) -> dict[str, str]:
         metadata["ss_scale_weight_norms"] = str(optimizer.scale_weight_norms)
     if objective.ip_noise_gamma:
         metadata["ss_ip_noise_gamma"] = str(objective.ip_noise_gamma)
+    if objective.ip_noise_gamma_random_strength:
+        metadata["ss_ip_noise_gamma_random_strength"] = "True"
+    if objective.noise_offset_random_strength:
+        metadata["ss_noise_offset_random_strength"] = "True"
     if objective.multires_noise_iterations:
         metadata["ss_multires_noise_iterations"] = str(objective.multires_noise_iterations)
         metadata["ss_multires_noise_discount"] = str(objective.multires_noise_discount)

@@ -15,7 +15,7 @@ import comfy.model_management
 
 from ...training.checks import named
 from ...training.memory import host_ram, planner, time_model, trained_weights_on_host, weight_streaming
-from ...training.core.adapters import AdapterConfig, AdapterSet, _CastProduct
+from ...training.core.adapters import AdapterConfig, AdapterSet, _CastProduct, layer_ranks
 from ...training.core.optimizers import host_step_rate
 from ...training.memory.policy import OffloadPolicy, PolicyError
 from ...training.core.trainer import PRECISIONS, auto_precision
@@ -429,7 +429,8 @@ def lora_trainable(patcher, adapter: AdapterConfig, optimizer: str, paths: list[
         return dataclasses.replace(spec, first_block_elements=planner.TrainableSpec.of_full_layers(first).param_count,
                                    unread_base_blocks=blocks, unread_base_outside=outside,
                                    block_layers=planner.trained_per_block(named_blocks, modules))
-    return planner.TrainableSpec.lora(modules, adapter.rank, optimizer)
+    ranks = layer_ranks(paths, adapter)
+    return planner.TrainableSpec.lora(modules, [ranks[p] for p in paths], optimizer)
 
 
 def first_block_prefix(patcher) -> str:
@@ -441,12 +442,12 @@ def first_block_prefix(patcher) -> str:
 
 def plan_lora_run(model, policy: OffloadPolicy, mode: str, batch_size: int, width: int, height: int, rank: int,
                   targets: str, optimizer: str, precision: str, text_tokens: int, clip=None, vae=None,
-                  *, node: str, frames: int = 1, layers: str = "") -> planner.Plan:
+                  *, node: str, frames: int = 1, layers: str = "", layer_ranks: str = "") -> planner.Plan:
     """The Memory Plan node's plan of a LoRA run on `model`: the estimate with `policy` (mode "estimate") or the
     fastest policy that fits the budget (mode "auto"); precision "auto" and text_tokens 0 as the training nodes
-    resolve them; `frames`: a video model's longest training clip; `layers`: LoRA Config's filter of the targets;
-    `node`: the node's display name, for messages."""
-    adapter = AdapterConfig(rank=rank, alpha=float(rank), targets=targets, layers=layers)
+    resolve them; `frames`: a video model's longest training clip; `layers`: LoRA Config's filter of the targets,
+    `layer_ranks` its ranks per layer; `node`: the node's display name, for messages."""
+    adapter = AdapterConfig(rank=rank, alpha=float(rank), targets=targets, layers=layers, layer_ranks=layer_ranks)
     if precision == "auto":
         precision = auto_precision(model.load_device)
     try:

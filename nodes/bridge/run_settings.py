@@ -43,11 +43,10 @@ def train_config(model, run_name: str, node: str, seed, batch_size, grad_accumul
                  caption_dropout, timestep_sampling, loss_weighting, min_snr_gamma, noise_offset, loss_type: str,
                  huber_delta: float, ema_decay: float, prior_ratio: float = 0.0,
                  noise_range: tuple[float, float] = (0.0, 1.0),
-                 masked_out_weight: float = 0.0, extra_noise: tuple[float, int, float] = (0.0, 0, 0.3)
-                 ) -> tuple[TrainConfig, str]:
+                 masked_out_weight: float = 0.0, extra_noise: dict | None = None) -> tuple[TrainConfig, str]:
     """The engine's TrainConfig from the Init nodes' shared inputs (LoRA and ControlNet), checked, with the note
-    on how the compute precision was chosen. `extra_noise`: (ip_noise_gamma, multires_noise_iterations,
-    multires_noise_discount)."""
+    on how the compute precision was chosen. `extra_noise`: the extra_noise_inputs' values (nodes/inputs.py), by their
+    ObjectiveConfig names."""
     precision, note = resolve_precision(precision, model.load_device, run_name, node)
     train = TrainConfig(
         seed=seed, batch_size=batch_size, grad_accum=grad_accumulation, max_grad_norm=max_grad_norm,
@@ -55,8 +54,7 @@ def train_config(model, run_name: str, node: str, seed, batch_size, grad_accumul
         objective=ObjectiveConfig(timestep_sampling=timestep_sampling, loss_weighting=loss_weighting,
                                   min_snr_gamma=min_snr_gamma, noise_offset=noise_offset, loss_type=loss_type,
                                   huber_delta=huber_delta, noise_min=noise_range[0], noise_max=noise_range[1],
-                                  masked_out_weight=masked_out_weight, ip_noise_gamma=extra_noise[0],
-                                  multires_noise_iterations=extra_noise[1], multires_noise_discount=extra_noise[2]),
+                                  masked_out_weight=masked_out_weight, **(extra_noise or {})),
     )
     train.validate()
     return train, note

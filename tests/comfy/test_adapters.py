@@ -267,22 +267,75 @@ def test_layer_lr_scales_give_each_layers_tensors_their_rate(kind):
     with pytest.raises(ValueError, match=r"LoRA Config layer_lr_scales: 'attn' matches none of the 24 trained layers"):
         layer_lr_scales(paths, AdapterConfig(layer_lr_scales="attn=2"))
     for text, message in (("blocks.1", "'blocks.1' is not pattern=scale"), ("=2", "'=2' is not pattern=scale"),
-                          ("lin=fast", "'lin=fast' is not pattern=scale"), ("lin=0", "'lin=0': the scale must be above 0"),
+                          ("lin=fast", "'lin=fast': the scale must be above 0"), ("lin=0", "'lin=0': the scale must be above 0"),
                           ("lin=nan", "'lin=nan': the scale must be above 0"), ("lin=101", "'lin=101': .* at most 100")):
         with pytest.raises(ValueError, match=f"layer_lr_scales: {message}"):
             AdapterConfig(layer_lr_scales=text).validate()
 
 
+def test_layer_ranks_give_each_layer_its_rank():
+    """layer_ranks: each layer at the rank of the first pattern that matches it (the config's where none does); the
+    trainable tensors shrink and grow with it; refused: a pattern matching no trained layer, malformed pairs, ranks
+    outside 1-1024, kinds without a low-rank size; a saved LoRA of another rank at a layer cannot be continued."""
+    from headroom.training.core.adapters import layer_ranks
+
+    net, blocks = Deep(), [f"blocks.{i}" for i in range(12)]
+    config = AdapterConfig(rank=4, targets="all_linear", include_conv=True, layer_ranks="blocks.1?.=1, conv=2 blocks.1.=8")
+    paths = select_targets(net, None, config, blocks)
+    ranks = layer_ranks(paths, config)
+    assert ranks["blocks.10.lin"] == ranks["blocks.11.conv"] == 1  # the first match wins
+    assert ranks["blocks.0.conv"] == ranks["blocks.1.conv"] == 2 and ranks["blocks.1.lin"] == 8
+    assert ranks["blocks.0.lin"] == 4
+    adapters = AdapterSet(net, paths, config)
+    for path, layer in adapters.layers.items():
+        assert layer.lora_A["default"].weight.shape[0] == layer.lora_B["default"].weight.shape[1] == ranks[path]
+        assert layer.scaling["default"] == config.alpha / ranks[path]  # one alpha for all, as kohya's block_dims
+    uniform = AdapterSet(Deep(), paths, AdapterConfig(rank=4, targets="all_linear", include_conv=True))
+    assert adapters.parameter_count() != uniform.parameter_count()
+    with pytest.raises(ValueError, match=r"LoRA Config layer_ranks: 'attn' matches none of the 24 trained layers"):
+        layer_ranks(paths, AdapterConfig(layer_ranks="attn=2"))
+    for text, message in (("blocks.1", "'blocks.1' is not pattern=rank"), ("lin=0", "'lin=0': the rank must be a "
+                          "whole number from 1 to 1024"), ("lin=2.5", "'lin=2.5': the rank"), ("lin=1025", "'lin=1025'"),
+                          ("lin=-1", "'lin=-1'")):
+        with pytest.raises(ValueError, match=f"layer_ranks: {message}"):
+            AdapterConfig(layer_ranks=text).validate()
+    for kind, why in (("oft", "its rank is the block size"), ("full", "it trains the weights themselves")):
+        with pytest.raises(ValueError, match=f"layer_ranks sets a low-rank size per layer, and kind {kind} has none "
+                                             f"\\({why}"):
+            AdapterConfig(kind=kind, layer_ranks="lin=2").validate()
+    # continuing a saved LoRA: each layer's rank must be the file's there, and the message says which input to change
+    saved = {path: (layer.lora_A["default"].weight.detach(), layer.lora_B["default"].weight.detach(), 1.0)
+             for path, layer in adapters.layers.items()}
+    with pytest.raises(ValueError, match=r"has rank 2 at blocks.0.conv; set the LoRA config's rank to 2 to continue it"):
+        uniform.start_from(saved, "saved.safetensors")
+    with pytest.raises(ValueError, match=r"has rank 4 at blocks.1.lin; set the LoRA config's layer_ranks to give it "
+                                         r"rank 4 there \(now 8\) to continue it"):
+        AdapterSet(Deep(), paths, AdapterConfig(rank=4, targets="all_linear", include_conv=True,
+                                                layer_ranks="blocks.1.lin=8")).start_from(
+            {path: (torch.zeros(4, 1), torch.zeros(1, 4), 1.0) for path in ["blocks.1.lin"]}, "saved.safetensors")
+    same = AdapterSet(Deep(), paths, config)
+    same.start_from(saved, "saved.safetensors")
+    assert all(torch.equal(same.layers[p].lora_B["default"].weight, adapters.layers[p].lora_B["default"].weight)
+               for p in paths)
+
+
 @pytest.mark.comfyui
-@pytest.mark.parametrize("kind,rank", [("lora", 4), ("dora", 4), ("loha", 3), ("lokr", 2), ("lokr", 8), ("oft", 4),
-                                       ("oft", 16), ("full", 1)])
-def test_export_is_reproduced_by_comfyui_lora_loading(comfyui, kind, rank):
-    """peft's forward == the base layer run with the weight ComfyUI's stock LoRA path computes from our file."""
+@pytest.mark.parametrize("kind,rank,layer_ranks", [
+    ("lora", 4, ""), ("dora", 4, ""), ("loha", 3, ""), ("lokr", 2, ""), ("lokr", 8, ""), ("oft", 4, ""), ("oft", 16, ""),
+    ("full", 1, ""), ("lora", 4, "conv=2"), ("dora", 4, "lin=8"), ("loha", 3, "conv=5"), ("lokr", 8, "lin=2")])
+def test_export_is_reproduced_by_comfyui_lora_loading(comfyui, kind, rank, layer_ranks):
+    """peft's forward == the base layer run with the weight ComfyUI's stock LoRA path computes from our file; with
+    layer_ranks, a layer of another rank (its scale alpha / its rank) too."""
     import comfy.lora
 
     net = Net()
     paths = ["blocks.0.lin", "blocks.0.conv"]
-    adapters = AdapterSet(net, paths, AdapterConfig(kind=kind, rank=rank, alpha=rank * 1.5))
+    adapters = AdapterSet(net, paths, AdapterConfig(kind=kind, rank=rank, alpha=rank * 1.5, layer_ranks=layer_ranks))
+    if layer_ranks:
+        pattern, _, other = layer_ranks.partition("=")
+        assert {path: layer.r["default"] for path, layer in adapters.layers.items()} == {
+            path: int(other) if pattern in path else rank for path in paths}
+        assert all(layer.scaling["default"] == rank * 1.5 / layer.r["default"] for layer in adapters.layers.values())
     _randomize(adapters)
     exported = adapters.comfy_state_dict(prefix="diffusion_model.")
     key_map = {f"diffusion_model.{p}": f"diffusion_model.{p}.weight" for p in paths}

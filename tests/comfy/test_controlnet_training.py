@@ -189,13 +189,15 @@ def test_controlnet_learns_to_follow_the_control(comfyui, family):
 
 
 def test_resume_through_train_steps_is_exact(comfyui):
-    """With the extra noise on (input perturbation, pyramid noise), whose draws come from the step's seed too."""
+    """With the extra noise on (input perturbation and noise offset at random strengths, pyramid noise), whose draws
+    come from the step's seed too."""
     from headroom.nodes.train_controlnet import HeadroomTrainControlNetInit
     from headroom.nodes.train_lora import HeadroomTrainSteps
 
     model, clip, vae, latent_cache, text_cache = _caches("sd15", count=4)
     name = _unique("resume")
-    extra = dict(ip_noise_gamma=0.1, multires_noise_iterations=3, multires_noise_discount=0.5)
+    extra = dict(ip_noise_gamma=0.1, multires_noise_iterations=3, multires_noise_discount=0.5, noise_offset=0.05,
+                 noise_offset_random_strength=True, ip_noise_gamma_random_strength=True)
     straight = HeadroomTrainControlNetInit.execute(**_init_inputs(model, latent_cache, text_cache, name + "_a", batch_size=2, **extra)).args[0]
     HeadroomTrainSteps.execute(straight, 6)
     first = HeadroomTrainControlNetInit.execute(**_init_inputs(model, latent_cache, text_cache, name + "_b", batch_size=2, **extra)).args[0]

@@ -505,11 +505,12 @@ def _write_lora(name: str, state: dict[str, torch.Tensor], metadata: dict[str, s
     return f"formats/{name}.safetensors"
 
 
-@pytest.mark.parametrize("alpha", [4.0, 3.0])
-def test_sdxl_files_are_the_same_lora_for_comfyui_and_diffusers(comfyui, alpha, caplog):
+@pytest.mark.parametrize("alpha,layer_ranks", [(4.0, ""), (3.0, ""), (3.0, "attn2=2 output_blocks=8")])
+def test_sdxl_files_are_the_same_lora_for_comfyui_and_diffusers(comfyui, alpha, layer_ranks, caplog):
     """SDXL (a tiny SDXL built here; no training node run: an adapter of random weights on the SDXL preset layers,
     exported as the save node exports): comfyui / kohya / diffusers files give ComfyUI the same weights, and
-    diffusers' SDXL loader injects every layer of the kohya and diffusers files with the same fused weights."""
+    diffusers' SDXL loader injects every layer of the kohya and diffusers files with the same fused weights; with
+    layer_ranks, layers of three ranks (the diffusers file's config names the others in rank_pattern)."""
     from diffusers import StableDiffusionXLPipeline
     import folder_paths
 
@@ -518,19 +519,26 @@ def test_sdxl_files_are_the_same_lora_for_comfyui_and_diffusers(comfyui, alpha, 
 
     model = _tiny_sdxl()
     root = model.model.diffusion_model
-    adapter_config = AdapterConfig(kind="lora", rank=4, alpha=alpha)
+    adapter_config = AdapterConfig(kind="lora", rank=4, alpha=alpha, layer_ranks=layer_ranks)
     paths = select_targets(root, families.lora_preset("sdxl"), adapter_config, [])
     adapters = AdapterSet(root, paths, adapter_config)
+    ranks = {layer.r["default"] for layer in adapters.layers.values()}
+    assert ranks == ({2, 4, 8} if layer_ranks else {4})
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for layer in adapters.layers.values():  # peft starts up at zero: give it an effect
             layer.lora_B["default"].weight.copy_(torch.randn(layer.lora_B["default"].weight.shape, generator=generator) * 0.1)
     state = adapters.comfy_state_dict()
-    tag = f"sdxl_alpha{alpha:g}"
+    tag = f"sdxl_alpha{alpha:g}" + ("_ranks" if layer_ranks else "")
     comfy_name = _write_lora(f"{tag}_comfyui", state, {})
     kohya_name = _write_lora(f"{tag}_kohya", lora_formats.to_kohya(state, lora_formats.kohya_names(model, paths, "sdxl")), {})
     names = lora_formats.diffusers_names(model, paths, "sdxl")
     diffusers_state, config = lora_formats.to_diffusers(state, names, "sdxl", torch.float32)
+    assert ("unet.rank_pattern" in config) == bool(layer_ranks)
+    if layer_ranks:
+        pattern, common = config["unet.rank_pattern"], config["unet.r"]  # r: the most common rank
+        assert set(pattern.values()) | {common} == {2, 4, 8} and common not in pattern.values()
+        assert pattern == config["unet.alpha_pattern"]  # alpha folded into up: each layer's alpha is its rank
     diffusers_name = _write_lora(f"{tag}_diffusers", diffusers_state, lora_formats.diffusers_metadata(config))
     layer_count = sum(len(layers) for layers in names.values())
     assert layer_count == len(paths)  # SDXL's UNet has no fused weights

@@ -206,6 +206,33 @@ def test_noise_offset_shifts_each_channel_by_a_constant():
     assert difference.abs().max() > 0
 
 
+def test_random_strengths_draw_each_samples_offset_and_perturbation_strength():
+    """noise_offset_random_strength / ip_noise_gamma_random_strength: each sample's offset / perturbation at a strength
+    drawn uniformly in [0, the setting), after the draws a fixed-strength run makes (which are unchanged); on with a
+    setting of 0, refused naming both inputs."""
+    like = torch.zeros(64, 4, 8, 8)
+    g = torch.Generator().manual_seed(3)
+    plain = torch.randn(like.shape, generator=g)
+    offset = torch.randn(64, 4, 1, 1, generator=g)
+    strength = 0.5 * torch.rand(64, generator=g).view(-1, 1, 1, 1)
+    random_offset = _objective("eps", noise_offset=0.5, noise_offset_random_strength=True).sample_noise(
+        like, torch.Generator().manual_seed(3))
+    torch.testing.assert_close(random_offset, plain + strength * offset)
+    assert 0 <= strength.min() < 0.1 and 0.4 < strength.max() < 0.5  # the whole range, per sample
+    g = torch.Generator().manual_seed(5)
+    extra = torch.randn(like.shape, generator=g)
+    gamma = 0.1 * torch.rand(64, generator=g).view(-1, 1, 1, 1)
+    perturbation = _objective("eps", ip_noise_gamma=0.1, ip_noise_gamma_random_strength=True).sample_perturbation(
+        like, torch.Generator().manual_seed(5))
+    torch.testing.assert_close(perturbation, gamma * extra)
+    assert len(gamma.unique()) == 64
+    for name in ("noise_offset", "ip_noise_gamma"):
+        with pytest.raises(ValueError, match=f"{name}_random_strength draws each sample's {name} from 0 to {name}, and "
+                                             f"{name} is 0: set {name} \\(the largest\\), or turn "
+                                             f"{name}_random_strength off"):
+            _objective("eps", **{f"{name}_random_strength": True})
+
+
 def test_bad_objective_settings_are_rejected():
     with pytest.raises(ValueError, match="min_snr' is defined for eps / v"):
         _objective("flow", loss_weighting="min_snr")

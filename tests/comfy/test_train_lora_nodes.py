@@ -43,7 +43,7 @@ def _data(family, count=4, resolution=32, seed=0):
 
 def _init(model, latents, texts, run_name, kind="lora", rank=8, targets="preset", include_conv=False, lr=1e-2,
           optimizer="AdamW", schedule="constant", schedule_steps=1000, dropout=0.0, full_precision="fp32",
-          loraplus_lr_ratio=1.0, layers="", scale_weight_norms=0.0, layer_lr_scales="", **train):
+          loraplus_lr_ratio=1.0, layers="", scale_weight_norms=0.0, layer_lr_scales="", layer_ranks="", **train):
     from headroom.nodes import train_lora as T
 
     settings = dict(seed=0, batch_size=4, grad_accumulation=1, precision="fp32", max_grad_norm=1.0, caption_dropout=0.0,
@@ -53,7 +53,7 @@ def _init(model, latents, texts, run_name, kind="lora", rank=8, targets="preset"
     with torch.inference_mode():
         lora = T.HeadroomLoraConfig.execute(kind, rank, float(rank), targets, include_conv, dropout, 0,
                                             full_precision=full_precision, layers=layers,
-                                            layer_lr_scales=layer_lr_scales).args[0]
+                                            layer_lr_scales=layer_lr_scales, layer_ranks=layer_ranks).args[0]
         opt = T.HeadroomOptimizerConfig.execute(optimizer, lr, 0.0, schedule, 0, schedule_steps,
                                                 loraplus_lr_ratio=loraplus_lr_ratio,
                                                 scale_weight_norms=scale_weight_norms).args[0]
@@ -322,22 +322,77 @@ def test_layers_trains_and_saves_only_the_chosen_layers(comfyui, kind, caplog):
         trainable(layers="!norm")
 
 
+def test_layer_ranks_train_and_save_each_layers_rank(comfyui, caplog):
+    """LoRA Config layer_ranks on Flux: each layer trains at the rank of the first pattern matching it (rank where
+    none), the saved file (ComfyUI and kohya names) holds each at that rank with the one alpha, stock Load LoRA applies
+    every key; the ranks are part of the run; the Memory Plan node counts the trainable weights at those ranks."""
+    import json
+
+    import comfy.utils
+    import folder_paths
+    import nodes
+    from headroom.nodes import train_lora as T
+    from headroom.nodes.memory import HeadroomMemoryPlan
+
+    model, clip, _, latents, texts = _data("flux")
+    ranks = "single_blocks=2 img_attn=8"
+    run = _init(model, latents, texts, "layer_ranks", rank=4, lr=1e-3, layer_ranks=ranks)
+    expected = {path: 2 if path.startswith("single_blocks.") else 8 if ".img_attn." in path else 4
+                for path in run.adapters.layers}
+    assert {path: layer.r["default"] for path, layer in run.adapters.layers.items()} == expected
+    assert set(expected.values()) == {2, 4, 8}
+    with torch.inference_mode():
+        T.HeadroomTrainSteps.execute(run, 2)
+        names = [T.HeadroomSaveLora.execute(run, f"ranks_{f}", "", "fp32", format=f).args[0] for f in ("comfyui", "kohya")]
+        for name in names:
+            caplog.clear()
+            lora_model = nodes.LoraLoader().load_lora(model, clip, name, 1.0, 0.0)[0]
+            assert "lora key not loaded" not in caplog.text
+            assert len([k for k in lora_model.patches if k.endswith(".weight")]) == len(expected)
+    saved = comfy.utils.load_torch_file(folder_paths.get_full_path("loras", names[0]), safe_load=True)
+    assert {key[len("diffusion_model."):-len(".lora_down.weight")]: int(value.shape[0]) for key, value in saved.items()
+            if key.endswith(".lora_down.weight")} == expected
+    assert {float(value) for key, value in saved.items() if key.endswith(".alpha")} == {4.0}
+    kohya = comfy.utils.load_torch_file(folder_paths.get_full_path("loras", names[1]), safe_load=True)
+    assert sorted(int(v.shape[0]) for k, v in kohya.items() if k.endswith(".lora_down.weight")) == sorted(
+        expected.values())
+    with pytest.raises(ValueError, match=r"adapter.layer_ranks: stored 'single_blocks=2 img_attn=8', now ''"):
+        _init(model, latents, texts, "layer_ranks", rank=4, lr=1e-3)
+    with pytest.raises(ValueError, match=r"^LoRA Config \(Headroom\): layer_ranks sets a low-rank size per layer, "
+                                         r"and kind full has none"):
+        _init(model, latents, texts, "layer_ranks_full", kind="full", rank=4, layer_ranks=ranks)
+    plan_inputs = dict(mode="estimate", batch_size=1, width=64, height=64, rank=4, targets="preset",
+                       optimizer="AdamW", precision="fp32", text_tokens=0)
+
+    def trainable(**inputs):
+        plan = json.loads(HeadroomMemoryPlan.execute(model, **plan_inputs, **inputs).result[1])
+        return next(p for p in plan["phases"] if p["phase"] == "training step")["items"]["trainable weights (fp32)"]
+
+    assert trainable(layer_ranks=ranks) == 4 * run.adapters.parameter_count() != trainable()
+    with pytest.raises(ValueError, match=r"^Memory Plan \(Headroom\): .*layer_ranks: 'attn=0': the rank must be"):
+        trainable(layer_ranks="attn=0")
+    run.release()
+    assert _no_adapter_attached(model)
+
+
 def test_extra_noise_and_debiased_weighting_are_part_of_the_run(comfyui):
-    """Init ip_noise_gamma, multires_noise_iterations / _discount and loss_weighting debiased reach the run's
-    objective, change what it trains, are part of its config.json (a run resumes only with the same values) and of a
-    kohya-format file's ss_* metadata."""
+    """Init ip_noise_gamma, multires_noise_iterations / _discount, the random strengths of the noise offset and the
+    perturbation and loss_weighting debiased reach the run's objective, change what it trains, are part of its
+    config.json (a run resumes only with the same values) and of a kohya-format file's ss_* metadata."""
     from safetensors import safe_open
 
     import folder_paths
     from headroom.nodes import train_lora as T
 
     model, _, _, latents, texts = _data("sd15")
-    extra = dict(ip_noise_gamma=0.1, multires_noise_iterations=6, multires_noise_discount=0.3)
+    extra = dict(ip_noise_gamma=0.1, multires_noise_iterations=6, multires_noise_discount=0.3, noise_offset=0.05,
+                 noise_offset_random_strength=True, ip_noise_gamma_random_strength=True)
     run = _init(model, latents, texts, "perturbed", rank=4, lr=1e-3, loss_weighting="debiased", **extra)
     plain = _init(model, latents, texts, "unperturbed", rank=4, lr=1e-3)
     objective = run.trainer.config.objective
     assert (objective.ip_noise_gamma, objective.multires_noise_iterations, objective.multires_noise_discount,
             objective.loss_weighting) == (0.1, 6, 0.3, "debiased")
+    assert objective.noise_offset_random_strength and objective.ip_noise_gamma_random_strength
     with torch.inference_mode():
         losses = [T.HeadroomTrainSteps.execute(r, 1).args[1] for r in (run, plain)]
         name = T.HeadroomSaveLora.execute(run, "headroom", "", "fp32", format="kohya").args[0]
@@ -346,12 +401,18 @@ def test_extra_noise_and_debiased_weighting_are_part_of_the_run(comfyui):
         metadata = f.metadata()
     assert metadata["ss_ip_noise_gamma"] == "0.1" and metadata["ss_debiased_estimation"] == "True"
     assert (metadata["ss_multires_noise_iterations"], metadata["ss_multires_noise_discount"]) == ("6", "0.3")
+    assert metadata["ss_ip_noise_gamma_random_strength"] == metadata["ss_noise_offset_random_strength"] == "True"
     with pytest.raises(ValueError, match=r"objective.ip_noise_gamma: stored 0.1, now 0.0"):
         _init(model, latents, texts, "perturbed", rank=4, lr=1e-3, loss_weighting="debiased",
               **{**extra, "ip_noise_gamma": 0.0})
     with pytest.raises(ValueError, match=r"objective.multires_noise_iterations: stored 6, now 0"):
         _init(model, latents, texts, "perturbed", rank=4, lr=1e-3, loss_weighting="debiased",
               **{**extra, "multires_noise_iterations": 0})
+    with pytest.raises(ValueError, match=r"objective.ip_noise_gamma_random_strength: stored True, now False"):
+        _init(model, latents, texts, "perturbed", rank=4, lr=1e-3, loss_weighting="debiased",
+              **{**extra, "ip_noise_gamma_random_strength": False})
+    with pytest.raises(ValueError, match=r"^Train LoRA: Init \(Headroom\): .*noise_offset_random_strength draws"):
+        _init(model, latents, texts, "offset_random_alone", rank=4, noise_offset_random_strength=True)
     for r in (run, plain):
         r.release()
 

@@ -178,6 +178,9 @@ def test_nodes_on_a_real_size_model(case, args, params):
         block_scale = {"input_blocks": 0.5, "middle_block": 1.0, "output_blocks": 1.5}  # LAYER_LR_SCALES
         assert chosen["scales"] == {p: block_scale[p.split(".")[0]] for p in chosen["preset"]}
         assert set(chosen["scales"].values()) == {0.5, 1.0, 1.5}
+        block_rank = {"input_blocks": 8, "middle_block": 16, "output_blocks": 32}  # LAYER_RANKS, rank 16
+        assert chosen["ranks"] == {p: block_rank[p.split(".")[0]] for p in chosen["preset"]}
+        assert chosen["planned_elements"] == chosen["ranked_elements"] > 0  # the Memory Plan counts each layer's rank
     if "planner" in report:
         for name, row in report["compared"].items():
             # HiDream-O1's weightless "text encoder" (a tokenizer) is planned at 0 bytes, which is what it holds

@@ -38,6 +38,9 @@ TARGET_MODES = ("preset", "all_linear", "all_layers")
 LAYER_PATTERNS_MAX = 64
 LAYER_PATTERN_CHARS_MAX = 200
 LAYER_LR_SCALE_MAX = 100.0  # LoRA Config layer_lr_scales: a layer's rate is at most this times the optimizer's
+LAYER_RANK_MAX = 1024  # LoRA Config layer_ranks: as its rank input's largest
+# The kinds whose rank is a low-rank size, which layer_ranks may set per layer (oft's rank is its block size; full has none).
+LAYER_RANK_KINDS = ("lora", "dora", "loha", "lokr")
 
 
 
@@ -77,11 +80,18 @@ class AdapterConfig:
     # Learning rates per layer, as multiples of the optimizer's: "pattern=scale" pairs, patterns as in `layers`, the
     # first that matches a layer giving its scale (1 where none does). kohya's block learning-rate weights.
     layer_lr_scales: str = ""
+    # Ranks per layer: "pattern=rank" pairs as in `layer_lr_scales` (the config's rank where none matches), alpha the
+    # same for all, so a layer's scale is alpha / its rank as in kohya's block_dims and peft's rank_pattern.
+    layer_ranks: str = ""
 
     def validate(self) -> None:
         check_finite("adapter", alpha=self.alpha, dropout=self.dropout)
         layer_patterns(self.layers)
         layer_scale_patterns(self.layer_lr_scales)
+        if layer_rank_patterns(self.layer_ranks) and self.kind not in LAYER_RANK_KINDS:
+            raise ValueError(f"layer_ranks sets a low-rank size per layer, and kind {self.kind} has none "
+                             f"({'its rank is the block size of the rotations' if self.kind == 'oft' else 'it trains the weights themselves'})"
+                             f": clear layer_ranks, or train kind {', '.join(LAYER_RANK_KINDS)}")
         if self.kind not in KINDS:
             raise ValueError(f"adapter kind {self.kind!r} is unknown: choose one of {KINDS}")
         if int(self.rank) != self.rank or self.rank <= 0:
@@ -148,36 +158,75 @@ def layer_patterns(text: str) -> tuple[dict[str, re.Pattern], dict[str, re.Patte
     return include, exclude
 
 
+def _pattern_values(text: str, input_name: str, read, what: str, example: str
+                    ) -> list[tuple[str, re.Pattern, object]]:
+    """A LoRA Config "pattern=<what>" input read: [(pattern, matcher, read(value))] in order. `read` returns the value,
+    or raises ValueError saying what is wrong with it; `example` shows a correct pair."""
+    pairs = []
+    for token in _name_patterns(text, input_name):
+        pattern, equals, value = token.rpartition("=")
+        if not (equals and pattern and value):
+            raise ValueError(f"{input_name}: {token!r} is not pattern={what}; e.g. {example}")
+        try:
+            parsed = read(value)
+        except ValueError as error:
+            raise ValueError(f"{input_name}: {token!r}: {error}") from None
+        pairs.append((pattern, _name_matcher(pattern, input_name), parsed))
+    return pairs
+
+
+def _scale(value: str) -> float:
+    try:
+        scale = float(value)
+    except ValueError:
+        scale = math.nan
+    if not (math.isfinite(scale) and 0 < scale <= LAYER_LR_SCALE_MAX):
+        raise ValueError(f"the scale must be above 0 and at most {LAYER_LR_SCALE_MAX:g} (to train no layer of it, "
+                         "leave it out with layers)")
+    return scale
+
+
+def _rank(value: str) -> int:
+    if not value.isdigit() or not 1 <= int(value) <= LAYER_RANK_MAX:
+        raise ValueError(f"the rank must be a whole number from 1 to {LAYER_RANK_MAX} (to train no layer of it, "
+                         "leave it out with layers)")
+    return int(value)
+
+
 def layer_scale_patterns(text: str) -> list[tuple[str, re.Pattern, float]]:
     """LoRA Config `layer_lr_scales` read: [(pattern, matcher, scale)] in order, from "pattern=scale" pairs; scales
     finite, above 0 (leave a layer out with `layers`) and at most LAYER_LR_SCALE_MAX."""
-    pairs = []
-    for token in _name_patterns(text, "layer_lr_scales"):
-        pattern, equals, value = token.rpartition("=")
-        try:
-            scale = float(value) if equals and pattern else None
-        except ValueError:
-            scale = None
-        if scale is None:
-            raise ValueError(f"layer_lr_scales: {token!r} is not pattern=scale; e.g. single_blocks=0.5 trains the "
-                             "single blocks at half the learning rate")
-        if not (math.isfinite(scale) and 0 < scale <= LAYER_LR_SCALE_MAX):
-            raise ValueError(f"layer_lr_scales: {token!r}: the scale must be above 0 and at most "
-                             f"{LAYER_LR_SCALE_MAX:g} (to train no layer of it, leave it out with layers)")
-        pairs.append((pattern, _name_matcher(pattern, "layer_lr_scales"), scale))
-    return pairs
+    return _pattern_values(text, "layer_lr_scales", _scale, "scale",
+                           "single_blocks=0.5 trains the single blocks at half the learning rate")
+
+
+def layer_rank_patterns(text: str) -> list[tuple[str, re.Pattern, int]]:
+    """LoRA Config `layer_ranks` read: [(pattern, matcher, rank)] in order, from "pattern=rank" pairs; ranks whole,
+    1 to LAYER_RANK_MAX (leave a layer out with `layers`, not with rank 0)."""
+    return _pattern_values(text, "layer_ranks", _rank, "rank", "single_blocks=8 trains the single blocks at rank 8")
+
+
+def _per_layer(paths: Iterable[str], pairs: list, input_name: str, default) -> dict:
+    """{path: the value of the first of `pairs` whose pattern matches it, `default` where none does}. A pattern that
+    matches none of `paths` is refused, as in `layers`."""
+    paths = list(paths)
+    for pattern, matcher, _ in pairs:
+        if not any(matcher.match(path) for path in paths):
+            raise ValueError(f"LoRA Config {input_name}: {pattern!r} matches none of the {len(paths)} trained "
+                             f"layers (named like {paths[0]}, {paths[-1]}); these are ComfyUI's layer names")
+    return {path: next((value for _, matcher, value in pairs if matcher.match(path)), default) for path in paths}
 
 
 def layer_lr_scales(paths: Iterable[str], config: "AdapterConfig") -> dict[str, float]:
     """{path: its learning-rate scale} for the trained `paths`: the first `layer_lr_scales` pattern matching it, 1
-    where none does. A pattern that matches none of them is refused, as in `layers`."""
-    paths = list(paths)
-    pairs = layer_scale_patterns(config.layer_lr_scales)
-    for pattern, matcher, _ in pairs:
-        if not any(matcher.match(path) for path in paths):
-            raise ValueError(f"LoRA Config layer_lr_scales: {pattern!r} matches none of the {len(paths)} trained "
-                             f"layers (named like {paths[0]}, {paths[-1]}); these are ComfyUI's layer names")
-    return {path: next((scale for _, matcher, scale in pairs if matcher.match(path)), 1.0) for path in paths}
+    where none does."""
+    return _per_layer(paths, layer_scale_patterns(config.layer_lr_scales), "layer_lr_scales", 1.0)
+
+
+def layer_ranks(paths: Iterable[str], config: "AdapterConfig") -> dict[str, int]:
+    """{path: its rank} for the trained `paths`: the first `layer_ranks` pattern matching it, the config's rank where
+    none does."""
+    return _per_layer(paths, layer_rank_patterns(config.layer_ranks), "layer_ranks", int(config.rank))
 
 
 def filter_layers(paths: list[str], config: "AdapterConfig") -> list[str]:
@@ -524,8 +573,9 @@ def _float32(value: float) -> float:
 ADAPTER_LAYERS = (BaseTunerLayer, OFTLayer, FullLayer)
 
 
-def _peft_layer(base: torch.nn.Module, config: AdapterConfig, device=None, read_base=None) -> torch.nn.Module:
-    rank, alpha = int(config.rank), float(config.alpha)
+def _peft_layer(base: torch.nn.Module, config: AdapterConfig, device=None, read_base=None, rank: int | None = None
+                ) -> torch.nn.Module:
+    rank, alpha = int(config.rank if rank is None else rank), float(config.alpha)
     if config.kind == "oft":
         return OFTLayer(base, rank, alpha)
     if config.kind == "full":
@@ -583,6 +633,7 @@ class AdapterSet:
         self.attached_to: torch.nn.Module | None = None
         if config.kind == "oft":
             _check_oft_block_size(root, paths, int(config.rank))
+        ranks = layer_ranks(paths, config)
         # Seeded init without disturbing the caller's global RNG stream.
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(config.init_seed)
@@ -592,7 +643,8 @@ class AdapterSet:
                     raise TypeError(f"adapter target {path} is a {type(base).__name__}; only Linear and Conv2d are supported")
                 read_base = None if base_reader is None else (
                     lambda where, path=path, base=base: base_reader(path, base, where))
-                layer = _peft_layer(base, config, self.card_device if path in self.on_card else device, read_base)
+                layer = _peft_layer(base, config, self.card_device if path in self.on_card else device, read_base,
+                                    ranks[path])
                 # peft casts the adapter to the base dtype (fp16/bf16/fp8 bases): trainable weights stay fp32 (a full
                 # fine-tune's difference: the dtype its full_precision chose).
                 if config.kind != "full":
@@ -713,9 +765,12 @@ class AdapterSet:
             for path, (down, up, scale) in lora.items():
                 layer = self.layers[path]
                 a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
-                if down.shape[0] != self.config.rank:
-                    raise ValueError(f"{source} has rank {down.shape[0]} at {path}; set the LoRA config's rank to "
-                                     f"{down.shape[0]} to continue it")
+                rank = layer.r["default"]
+                if down.shape[0] != rank:
+                    change = (f"rank to {down.shape[0]}" if rank == self.config.rank else
+                              f"layer_ranks to give it rank {down.shape[0]} there (now {rank})")
+                    raise ValueError(f"{source} has rank {down.shape[0]} at {path}; set the LoRA config's {change} to "
+                                     "continue it")
                 if down.numel() != a.numel() or up.numel() != b.numel():
                     raise ValueError(f"{source}: {path} has shapes {tuple(up.shape)} / {tuple(down.shape)}, this "
                                      f"model's layer needs {tuple(b.shape)} / {tuple(a.shape)}: a LoRA of another model")

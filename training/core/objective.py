@@ -95,6 +95,11 @@ class ObjectiveConfig:
     # noise at discount^i (`multires_noise`). 0 iterations: off.
     multires_noise_iterations: int = 0
     multires_noise_discount: float = 0.3
+    # kohya's noise_offset_random_strength / ip_noise_gamma_random_strength: each sample's offset / perturbation at a
+    # strength drawn uniformly from 0 to the setting (per sample here, kohya draws one per batch), so the model sees
+    # the whole range rather than one strength.
+    noise_offset_random_strength: bool = False
+    ip_noise_gamma_random_strength: bool = False
 
     def validate(self, prediction: Prediction) -> None:
         check_finite("objective", min_snr_gamma=self.min_snr_gamma, logit_mean=self.logit_mean, logit_std=self.logit_std,
@@ -110,6 +115,10 @@ class ObjectiveConfig:
                              "is usual (0.1 for a light touch)")
         if not 0.0 <= self.ip_noise_gamma <= 1.0:
             raise ValueError(f"ip_noise_gamma={self.ip_noise_gamma}: give 0 (off) to 1; 0.1 is usual")
+        for name, strength in (("ip_noise_gamma", self.ip_noise_gamma), ("noise_offset", self.noise_offset)):
+            if getattr(self, f"{name}_random_strength") and not strength:
+                raise ValueError(f"{name}_random_strength draws each sample's {name} from 0 to {name}, and {name} is "
+                                 f"0: set {name} (the largest), or turn {name}_random_strength off")
         if not 0.0 <= self.masked_out_weight <= 1.0:
             raise ValueError(f"masked_out_weight={self.masked_out_weight}: give 0 (masked-out parts not learned) to 1 "
                              "(masks ignored)")
@@ -185,7 +194,8 @@ class Objective:
         if self.config.noise_offset > 0:
             # Per-channel constant offset: lets the model learn overall brightness shifts.
             offset = torch.randn(like.shape[:2] + (1,) * (like.ndim - 2), generator=generator)
-            noise = noise + self.config.noise_offset * offset
+            strength = self._strength(self.config.noise_offset, self.config.noise_offset_random_strength, like, generator)
+            noise = noise + strength * offset
         if self.config.multires_noise_iterations:
             noise = self.multires_noise(noise, generator)
         return noise
@@ -216,7 +226,19 @@ class Objective:
         every other draw of a run is what it was without the setting)."""
         if not self.config.ip_noise_gamma:
             return None
-        return self.config.ip_noise_gamma * torch.randn(like.shape, generator=generator, dtype=torch.float32)
+        extra = torch.randn(like.shape, generator=generator, dtype=torch.float32)
+        return self._strength(self.config.ip_noise_gamma, self.config.ip_noise_gamma_random_strength, like,
+                              generator) * extra
+
+    @staticmethod
+    def _strength(largest: float, random_strength: bool, like: torch.Tensor, generator: torch.Generator
+                  ) -> float | torch.Tensor:
+        """`largest`, or with `random_strength` one strength per sample drawn uniformly in [0, largest) (shaped to
+        broadcast over the sample), drawn after the noise it scales so the draws before it are those of a run
+        without it."""
+        if not random_strength:
+            return largest
+        return largest * torch.rand(like.shape[0], generator=generator).view(-1, *([1] * (like.ndim - 1)))
 
     # --- x_t and loss -----------------------------------------------------------------------------------
     def perturbed(self, x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor, perturbation: torch.Tensor | None

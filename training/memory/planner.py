@@ -298,10 +298,14 @@ class TrainableSpec:
         return cls(tuple(tuple(p.shape) for p in params), optimizer, ema, element_size=element_size, full=full)
 
     @classmethod
-    def lora(cls, targets: Iterable[torch.nn.Module], rank: int, optimizer: str = "AdamW") -> "TrainableSpec":
-        """LoRA down/up matrices of rank `rank` on Linear / Conv2d `targets`."""
+    def lora(cls, targets: Iterable[torch.nn.Module], rank: int | Sequence[int], optimizer: str = "AdamW"
+             ) -> "TrainableSpec":
+        """LoRA down/up matrices of rank `rank` (one, or one per target: LoRA Config layer_ranks) on Linear / Conv2d
+        `targets`."""
+        targets = list(targets)
+        ranks = [rank] * len(targets) if isinstance(rank, int) else list(rank)
         shapes = []
-        for module in targets:
+        for module, rank in zip(targets, ranks, strict=True):
             if isinstance(module, torch.nn.Conv2d):
                 shapes += [(rank, module.in_channels, *module.kernel_size), (module.out_channels, rank, 1, 1)]
             else:
