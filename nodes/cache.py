@@ -21,8 +21,8 @@ from comfy_api.latest import io
 
 from ..training.checks import check_finite
 from ..training.data.caption_tags import MAX_KEEP, MAX_SHUFFLES
-from ..training.data.dataset import (TRANSPARENCY_MODES, DatasetError, dataset_from_folder, dataset_from_image_list,
-                                     dataset_from_tensors, folder_signature, split_captions,
+from ..training.data.dataset import (MAX_RESOLUTION, TRANSPARENCY_MODES, DatasetError, dataset_from_folder,
+                                     dataset_from_image_list, dataset_from_tensors, folder_signature, split_captions,
                                      unread_repeat_folders_warning, with_trigger_word)
 from ..training.data.video import MAX_CLIP_FRAMES, MAX_FRAMES_DEFAULT, VIDEO_EXTENSIONS, dataset_from_video_folder
 from ..training.memory.policy import OffloadPolicy
@@ -99,6 +99,31 @@ def _upscale_input():
 
 def _with_upscale(dataset, upscale_small_images: bool):
     return dataset if upscale_small_images else replace(dataset, upscale=False)
+
+
+def _bucket_side_inputs() -> list:
+    # Appended last and optional: workflows saved before they existed keep working (no limit).
+    return [
+        io.Int.Input("min_bucket_side", default=0, min=0, max=MAX_RESOLUTION, step=8, optional=True, advanced=True,
+                     tooltip="No bucket side shorter than this (kohya's min_bucket_reso), so very wide or tall "
+                     "images are cropped to a less extreme shape instead. 0: no limit (the step). A multiple of "
+                     "step."),
+        io.Int.Input("max_bucket_side", default=0, min=0, max=MAX_RESOLUTION, step=8, optional=True, advanced=True,
+                     tooltip="No bucket side longer than this (kohya's max_bucket_reso): a wide bucket's long side "
+                     "is cut to it and the bucket has fewer pixels (e.g. 1024 keeps every side of a 1024 run within "
+                     "1024). 0: no limit. A multiple of step."),
+    ]
+
+
+def _with_bucket_sides(node: str, dataset, min_bucket_side: int, max_bucket_side: int):
+    """The dataset with its buckets' side limits; errors name the node."""
+    sides = (int(min_bucket_side or 0), int(max_bucket_side or 0))
+    if sides == dataset.bucket_sides:
+        return dataset
+    try:
+        return replace(dataset, bucket_sides=sides)
+    except DatasetError as error:
+        raise DatasetError(f"{node}: {error}") from None
 
 
 def _with_extra_resolutions(node: str, dataset, extra_resolutions: str):
@@ -262,6 +287,7 @@ class HeadroomDatasetFromFolder(io.ComfyNode):
                                "put on that background, which the model then learns too. Images without "
                                "transparency are read alike in every mode."),
                 _upscale_input(),
+                *_bucket_side_inputs(),
             ],
             outputs=[DatasetType.Output("dataset", tooltip=_DATASET_TOOLTIP)],
         )
@@ -283,7 +309,8 @@ class HeadroomDatasetFromFolder(io.ComfyNode):
     def execute(cls, folder: str, resolution: int, step: int, crop: str, flip: bool, seed: int,
                 skip_bad: bool, control_folder: str = "", mask_folder: str = "", trigger_word: str = "",
                 extra_resolutions: str = "", transparency: str = "ignore",
-                upscale_small_images: bool = True) -> io.NodeOutput:
+                upscale_small_images: bool = True, min_bucket_side: int = 0, max_bucket_side: int = 0
+                ) -> io.NodeOutput:
         check_dataset_folder(FOLDER_NODE, folder)
         images, control, masks = resolve_folders(folder, control_folder, mask_folder)
         dataset = _dataset_from(FOLDER_NODE, dataset_from_folder, folder=images, control_folder=control,
@@ -291,6 +318,7 @@ class HeadroomDatasetFromFolder(io.ComfyNode):
                                 roots=tuple(map(Path, dataset_roots())), mask_folder=masks, transparency=transparency,
                                 default_caption=(trigger_word or "").strip() or None)
         dataset = _with_upscale(_with_extra_resolutions(FOLDER_NODE, dataset, extra_resolutions), upscale_small_images)
+        dataset = _with_bucket_sides(FOLDER_NODE, dataset, min_bucket_side, max_bucket_side)
         return io.NodeOutput(_with_trigger_word(FOLDER_NODE, dataset, trigger_word),
                              ui=_dataset_text(FOLDER_NODE, dataset, "images", "image"))
 
@@ -333,6 +361,7 @@ class HeadroomDatasetFromVideos(io.ComfyNode):
                 _trigger_word_input(),
                 _extra_resolutions_input(),
                 _upscale_input(),
+                *_bucket_side_inputs(),
             ],
             outputs=[DatasetType.Output("dataset", tooltip=_DATASET_TOOLTIP)],
         )
@@ -356,7 +385,8 @@ class HeadroomDatasetFromVideos(io.ComfyNode):
     def execute(cls, folder: str, resolution: int, step: int, crop: str, flip: bool, seed: int, skip_bad: bool,
                 max_frames: int = MAX_FRAMES_DEFAULT, frame_stride: int = 1, mask_folder: str = "",
                 frame_rate: float = 25.0, trigger_word: str = "", extra_resolutions: str = "",
-                upscale_small_images: bool = True) -> io.NodeOutput:
+                upscale_small_images: bool = True, min_bucket_side: int = 0, max_bucket_side: int = 0
+                ) -> io.NodeOutput:
         check_finite(VIDEOS_NODE, frame_rate=frame_rate)
         check_dataset_folder(VIDEOS_NODE, folder)
         clips, _, masks = resolve_folders(folder, "", mask_folder)
@@ -366,6 +396,7 @@ class HeadroomDatasetFromVideos(io.ComfyNode):
                                 frame_stride=frame_stride, mask_folder=masks, frame_rate=frame_rate,
                                 default_caption=(trigger_word or "").strip() or None)
         dataset = _with_upscale(_with_extra_resolutions(VIDEOS_NODE, dataset, extra_resolutions), upscale_small_images)
+        dataset = _with_bucket_sides(VIDEOS_NODE, dataset, min_bucket_side, max_bucket_side)
         return io.NodeOutput(_with_trigger_word(VIDEOS_NODE, dataset, trigger_word),
                              ui=_dataset_text(VIDEOS_NODE, dataset, "clips", "clip or image"))
 
@@ -399,13 +430,15 @@ class HeadroomDatasetFromImages(io.ComfyNode):
                 _trigger_word_input(),
                 _extra_resolutions_input(),
                 _upscale_input(),
+                *_bucket_side_inputs(),
             ],
             outputs=[DatasetType.Output("dataset", tooltip=_DATASET_TOOLTIP)],
         )
 
     @classmethod
     def execute(cls, images, captions, resolution, step, crop, flip, seed, control_images=None, masks=None,
-                trigger_word="", extra_resolutions="", upscale_small_images=True) -> io.NodeOutput:
+                trigger_word="", extra_resolutions="", upscale_small_images=True, min_bucket_side=0,
+                max_bucket_side=0) -> io.NodeOutput:
         node = "Dataset From Images (Headroom)"
         # is_input_list: every input is a list (a widget's value: a list of one); called directly: as given.
         images, texts = _as_list(images), _as_list(captions)
@@ -413,7 +446,8 @@ class HeadroomDatasetFromImages(io.ComfyNode):
         mask_list = _as_list(masks) if masks is not None else None
         settings = {name: _one_value(node, name, value) for name, value in dict(
             resolution=resolution, step=step, crop=crop, flip=flip, seed=seed, trigger_word=trigger_word,
-            extra_resolutions=extra_resolutions, upscale_small_images=upscale_small_images).items()}
+            extra_resolutions=extra_resolutions, upscale_small_images=upscale_small_images,
+            min_bucket_side=min_bucket_side, max_bucket_side=max_bucket_side).items()}
         buckets = {name: settings[name] for name in ("resolution", "step", "crop", "flip", "seed")}
         # One text: captions one per line (the widget); a list of texts: one caption each (ComfyUI's dataset nodes)
         captions_of = split_captions(texts[0]) if len(texts) == 1 else list(texts)
@@ -426,6 +460,7 @@ class HeadroomDatasetFromImages(io.ComfyNode):
                                     control_images=controls, masks=mask_list, **buckets)
         dataset = _with_upscale(_with_extra_resolutions(node, dataset, settings["extra_resolutions"]),
                                 settings["upscale_small_images"])
+        dataset = _with_bucket_sides(node, dataset, settings["min_bucket_side"], settings["max_bucket_side"])
         return io.NodeOutput(_with_trigger_word(node, dataset, settings["trigger_word"]))
 
 

@@ -218,7 +218,10 @@ def run_case(name: str, size: int, steps: int, checkpointing: bool, planner_esti
             dataset = cache_nodes.HeadroomDatasetFromImages.execute(
                 images, caption_text, size, 64, "center", False, 0,
                 extra_resolutions=str(EXTRA_SIZE_CASES.get(name, "")),
-                upscale_small_images=name not in NO_UPSCALE_CASES).args[0]
+                upscale_small_images=name not in NO_UPSCALE_CASES,
+                min_bucket_side=BUCKET_SIDES_CASES.get(name, (0, 0))[0],
+                max_bucket_side=BUCKET_SIDES_CASES.get(name, (0, 0))[1]).args[0]
+            report["bucket_sides"] = list(dataset.bucket_sides)
         latents, summary = cache_nodes.HeadroomCacheLatents.execute(dataset, vae).args
         report["enlarged_note"] = [line for line in summary.splitlines() if "smaller than their bucket" in line]
         if name in ALPHA_CASES:  # each cached mask at the latent's size, its mean the alpha's (area averaging)
@@ -350,6 +353,9 @@ EXTRA_SIZE_CASES = {"sdxl": 128, "zimage": 128}
 # extra size, which then adds no bucket
 NO_UPSCALE_CASES = ("zimage",)
 LORAPLUS_CASES, LORAPLUS_RATIO = ("sdxl",), 4.0  # Optimizer Config loraplus_lr_ratio
+# Cases whose dataset limits bucket sides (min_bucket_side, max_bucket_side) as kohya's min / max_bucket_reso do, here
+# to the step and the largest size: the square images keep their square buckets at every size
+BUCKET_SIDES_CASES = {"sdxl": (64, 128)}
 # Cases trained with Optimizer Config scale_weight_norms at this cap: below every layer's update after a step, so every
 # layer is scaled back to it (its norm from the rank x rank Gram matrices), checked against the formed products
 SCALE_NORMS_CASES = {"sdxl": 1e-6}

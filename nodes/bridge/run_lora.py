@@ -421,7 +421,9 @@ class LoraTraining:
 
     def describe(self, run) -> str:
         adapter = run.config.adapter
-        return "full fine-tune" if adapter.kind == "full" else f"{adapter.kind} r{adapter.rank}"
+        if adapter.kind == "full":
+            return "full fine-tune"
+        return f"{adapter.kind} r{adapter.rank}" + (" (other ranks by layer_ranks)" if adapter.layer_ranks else "")
 
 
 def open_lora_run(model, latent_cache, text_cache, config: LoraRunConfig, run_root, run_name: str, policy=None,

@@ -296,7 +296,8 @@ def test_layer_ranks_give_each_layer_its_rank():
         layer_ranks(paths, AdapterConfig(layer_ranks="attn=2"))
     for text, message in (("blocks.1", "'blocks.1' is not pattern=rank"), ("lin=0", "'lin=0': the rank must be a "
                           "whole number from 1 to 1024"), ("lin=2.5", "'lin=2.5': the rank"), ("lin=1025", "'lin=1025'"),
-                          ("lin=-1", "'lin=-1'")):
+                          ("lin=-1", "'lin=-1'"), ("lin=\u00b2", "'lin=\u00b2': the rank"), ("lin=" + "9" * 400, "the pattern "
+                          "'lin=9+'... is 404 characters, over 200")):
         with pytest.raises(ValueError, match=f"layer_ranks: {message}"):
             AdapterConfig(layer_ranks=text).validate()
     for kind, why in (("oft", "its rank is the block size"), ("full", "it trains the weights themselves")):

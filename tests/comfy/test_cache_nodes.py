@@ -753,3 +753,42 @@ def test_extra_resolutions_through_the_nodes(cache_dir, comfyui, tmp_path):
     dataset = cache_nodes.HeadroomDatasetFromFolder.execute(folder=folder.name, skip_bad=False,
                                                             upscale_small_images=False, **options).args[0]
     assert dataset.upscale is False
+
+
+def test_bucket_side_limits_through_the_nodes(cache_dir, comfyui, tmp_path):
+    """min_bucket_side / max_bucket_side on the dataset nodes: wide (4:1) images cache in the bucket the limits leave
+    them (max: the long side cut, min: a less extreme shape), at every size of the dataset; bad limits refused naming
+    the node; the folder and video nodes take them too."""
+    import folder_paths
+    from headroom.nodes import cache as cache_nodes
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
+    from headroom.training.data.dataset import DatasetError
+
+    wide = torch.rand(2, 64, 256, 3, generator=torch.Generator().manual_seed(0))
+    options = dict(resolution=64, step=16, crop="center", flip=False, seed=0)
+    images_node = cache_nodes.HeadroomDatasetFromImages
+    _, _, vae = build_tiny_models("sd15", seed=0)
+    with torch.inference_mode():
+        # (0, 96): both sizes' nearest bucket is 96 x 32 (one item each); (48, 0): 64 px has no 4:1 bucket left
+        for sides, buckets in (((0, 0), {(128, 32), (256, 64)}), ((0, 96), {(96, 32)}),
+                               ((48, 0), {(80, 48), (256, 64)})):
+            dataset = images_node.execute(wide, "a\nb", extra_resolutions="128", min_bucket_side=sides[0],
+                                          max_bucket_side=sides[1], **options).args[0]
+            assert dataset.bucket_sides == sides
+            latents = cache_nodes.HeadroomCacheLatents.execute(dataset, vae).args[0]
+            assert set(latents.buckets) == buckets, sides
+    for sides, message in (((0, 100), r"max_bucket_side=100: give 0 \(no limit\) or a multiple of step 16"),
+                           ((96, 64), r"min_bucket_side=96 is over max_bucket_side=64"),
+                           ((80, 0), r"min_bucket_side=80 leaves resolution 64 no bucket")):
+        with pytest.raises(DatasetError, match=r"^Dataset From Images \(Headroom\): " + message):
+            images_node.execute(wide, "a\nb", min_bucket_side=sides[0], max_bucket_side=sides[1], **options)
+    folder = Path(folder_paths.get_input_directory()) / f"sides_{tmp_path.name}"
+    folder.mkdir()
+    Image.fromarray((wide[0].numpy() * 255).astype(np.uint8)).save(folder / "wide.png")
+    (folder / "wide.txt").write_text("a wide image", encoding="utf-8")
+    for node in (cache_nodes.HeadroomDatasetFromFolder, cache_nodes.HeadroomDatasetFromVideos):
+        dataset = node.execute(folder=folder.name, skip_bad=False, max_bucket_side=96, **options).args[0]
+        assert dataset.bucket_sides == (0, 96)
+    with pytest.raises(DatasetError, match=r"^Dataset From Folder \(Headroom\): min_bucket_side=96 is over"):
+        cache_nodes.HeadroomDatasetFromFolder.execute(folder=folder.name, skip_bad=False, min_bucket_side=96,
+                                                      max_bucket_side=64, **options)

@@ -127,13 +127,15 @@ def test_nodes_on_a_real_size_model(case, args, params):
         assert "load (stock UNETLoader)" in phases
     from realsize_worker import EXTRA_SIZE_CASES, TAG_CASES, TAG_SHUFFLES
 
-    from realsize_worker import NO_UPSCALE_CASES
+    from realsize_worker import ALPHA_CASES, BUCKET_SIDES_CASES, NO_UPSCALE_CASES
 
     # each image at each size; with upscale_small_images off, not at the larger extra size (never enlarged); on, the
     # images enlarged for it are named
     sizes = [report["size"], *([EXTRA_SIZE_CASES[case]] if case in EXTRA_SIZE_CASES and case not in NO_UPSCALE_CASES
                                else [])]
     assert report["buckets"] == {f"{size}x{size}": report["images"] for size in sizes}
+    if case not in ALPHA_CASES:
+        assert report["bucket_sides"] == list(BUCKET_SIDES_CASES.get(case, (0, 0)))
     factor = max(sizes) / report["size"]
     assert report["enlarged_note"] == ([f"{report['images']} image(s) smaller than their bucket, enlarged 1.25x or "
                                         f"more (most: image 0, {factor:.2f}x); enlarged images teach softness: turn "
@@ -143,7 +145,7 @@ def test_nodes_on_a_real_size_model(case, args, params):
     if case in TAG_CASES:  # tag captions in 1 + TAG_SHUFFLES orders each, as stock CLIP Text Encode encodes each
         assert report["tag_orders"] == {"orders": [1 + TAG_SHUFFLES] * report["images"],
                                         "stock_equal": [True] * report["images"]}, report["tag_orders"]
-    from realsize_worker import ALPHA_CASES, ALPHA_MASKED_OUT_WEIGHT
+    from realsize_worker import ALPHA_MASKED_OUT_WEIGHT
 
     # transparent cut-outs: every alpha cached as the loss mask at the real VAE's latent size, trained with what it
     # leaves out counting a little

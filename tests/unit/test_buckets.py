@@ -35,6 +35,35 @@ def test_bad_bucket_settings_are_rejected_with_the_values(resolution, step):
         make_buckets(resolution, step)
 
 
+def test_bucket_side_limits_cut_long_sides_and_drop_short_ones():
+    """sides (kohya's min / max_bucket_reso): a long side over the longest is cut to it (less area, as kohya's), a
+    bucket with a short side under the shortest is gone; (0, 0) is the plain list; refused: limits off the step, a
+    shortest over the longest, a shortest that leaves a resolution no bucket."""
+    from headroom.training.data.buckets import bucket_for, check_bucket_sides
+
+    assert make_buckets(64, 16, sides=(0, 0)) == make_buckets(64, 16)
+    assert make_buckets(64, 16, sides=(0, 96)) == [(32, 96), (48, 80), (64, 64), (80, 48), (96, 32)]
+    assert make_buckets(64, 16, sides=(48, 0)) == [(48, 80), (64, 64), (80, 48)]
+    assert make_buckets(64, 16, sides=(0, 48)) == [(16, 48), (32, 48), (48, 16), (48, 32), (48, 48)]
+    for sides in ((256, 1024), (512, 1536), (0, 768), (704, 0)):
+        buckets = make_buckets(1024, 64, sides=sides)
+        assert buckets and all((sides[0] or 64) <= side <= (sides[1] or 4096) for b in buckets for side in b), sides
+        assert all(w * h <= 1024 * 1024 for w, h in buckets)
+    assert (1024, 1024) in make_buckets(1024, 64, sides=(256, 1024))  # kohya's defaults at 1024: every side <= 1024
+    assert bucket_for(256, 64, 64, 16) == (128, 32) and bucket_for(256, 64, 64, 16, sides=(0, 96)) == (96, 32)
+    assert bucket_for(256, 64, 64, 16, sides=(48, 0)) == (80, 48)
+    # no upscale: the smaller resolutions walked have the same limits, and stop where the shortest leaves none
+    assert bucket_for(40, 40, 64, 16, upscale=False, sides=(32, 0)) == (32, 32)
+    assert bucket_for(20, 20, 64, 16, upscale=False, sides=(32, 0)) == (32, 32)
+    for sides, message in (((24, 0), r"min_bucket_side=24: give 0 \(no limit\) or a multiple of step 16 \(e.g. 16\)"),
+                           ((0, 100), r"max_bucket_side=100: .* \(e.g. 96\)"),
+                           ((96, 64), r"min_bucket_side=96 is over max_bucket_side=64"),
+                           ((80, 0), r"min_bucket_side=80 leaves resolution 64 no bucket .* at most 64")):
+        with pytest.raises(ValueError, match=message):
+            check_bucket_sides(sides, 16, (64, 128))
+    check_bucket_sides((64, 64), 16, (64, 128))
+
+
 def test_nearest_bucket_follows_aspect_ratio():
     buckets = make_buckets(1024, 64)
     assert nearest_bucket(2000, 2000, buckets) == (1024, 1024)

@@ -130,17 +130,18 @@ def _name_patterns(text: str, input_name: str) -> list[str]:
     if len(tokens) > LAYER_PATTERNS_MAX:
         raise ValueError(f"{input_name}: {len(tokens)} patterns, over {LAYER_PATTERNS_MAX}; one pattern can match "
                          "many layers (e.g. single_blocks.1?. is blocks 10-19)")
+    for token in tokens:
+        if len(token) > LAYER_PATTERN_CHARS_MAX:
+            raise ValueError(f"{input_name}: the pattern {token[:40]!r}... is {len(token)} characters, over "
+                             f"{LAYER_PATTERN_CHARS_MAX}; layer names are short: write a part of them")
     return tokens
 
 
-def _name_matcher(pattern: str, input_name: str) -> re.Pattern:
+def _name_matcher(pattern: str) -> re.Pattern:
     """A layer-name pattern as a matcher of whole paths: a path matches when its name contains the pattern, with the
     shell's wildcards (* any text, ? one character, [0-5] one of), dots literal: fnmatch's translation, case-sensitive
     on every OS (fnmatch.fnmatch would ignore case on Windows only). Not regular expressions, where "blocks.1." would
-    also match "blocks.10."."""
-    if len(pattern) > LAYER_PATTERN_CHARS_MAX:
-        raise ValueError(f"{input_name}: the pattern {pattern[:40]!r}... is {len(pattern)} characters, over "
-                         f"{LAYER_PATTERN_CHARS_MAX}; layer names are short: write a part of them")
+    also match "blocks.10." (`_name_patterns` has limited its length)."""
     return re.compile(fnmatch.translate(f"*{pattern}*"))
 
 
@@ -154,7 +155,7 @@ def layer_patterns(text: str) -> tuple[dict[str, re.Pattern], dict[str, re.Patte
         if not pattern:
             raise ValueError("layers: a lone '!' leaves nothing out; write the layers to leave out after it, e.g. "
                              "!img_mod")
-        (exclude if negated else include)[token] = _name_matcher(pattern, "layers")
+        (exclude if negated else include)[token] = _name_matcher(pattern)
     return include, exclude
 
 
@@ -171,7 +172,7 @@ def _pattern_values(text: str, input_name: str, read, what: str, example: str
             parsed = read(value)
         except ValueError as error:
             raise ValueError(f"{input_name}: {token!r}: {error}") from None
-        pairs.append((pattern, _name_matcher(pattern, input_name), parsed))
+        pairs.append((pattern, _name_matcher(pattern), parsed))
     return pairs
 
 
@@ -187,7 +188,7 @@ def _scale(value: str) -> float:
 
 
 def _rank(value: str) -> int:
-    if not value.isdigit() or not 1 <= int(value) <= LAYER_RANK_MAX:
+    if not re.fullmatch(r"[0-9]{1,5}", value) or not 1 <= int(value) <= LAYER_RANK_MAX:  # ASCII digits only
         raise ValueError(f"the rank must be a whole number from 1 to {LAYER_RANK_MAX} (to train no layer of it, "
                          "leave it out with layers)")
     return int(value)

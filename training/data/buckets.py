@@ -24,9 +24,13 @@ CROP_MODES = ("center", "random")
 RESIZE_METHOD = "torch-bicubic-antialias-clamp-v1"
 
 
-def make_buckets(resolution: int, step: int, max_aspect: float = 4.0) -> list[tuple[int, int]]:
+def make_buckets(resolution: int, step: int, max_aspect: float = 4.0, sides: tuple[int, int] = (0, 0)
+                 ) -> list[tuple[int, int]]:
     """(width, height) sizes with both sides multiples of `step`, area at most resolution**2 (the
-    long side as large as the step allows), aspect ratio within 1/max_aspect .. max_aspect."""
+    long side as large as the step allows), aspect ratio within 1/max_aspect .. max_aspect. `sides`: (shortest,
+    longest) side a bucket may have, 0 for no limit (kohya's min_bucket_reso / max_bucket_reso): a long side over the
+    longest is cut to it (that bucket then has less area, as kohya's), a short side under the shortest has no bucket.
+    Empty when the limits leave none."""
     if step < 8 or step % 8:
         raise ValueError(f"bucket side step must be a positive multiple of 8, got {step}")
     if resolution < step or resolution % step:
@@ -34,17 +38,37 @@ def make_buckets(resolution: int, step: int, max_aspect: float = 4.0) -> list[tu
             f"resolution {resolution} must be a multiple of the side step {step} "
             f"(e.g. {max(step, resolution // step * step)})"
         )
+    shortest, longest = sides
     area = resolution * resolution
     buckets = set()
     # Walk the short side up to the square; the long side is the largest step multiple that keeps
     # the area within budget. Mirroring each size makes portrait and landscape buckets match.
-    short = step
-    while short * short <= area:
+    short = max(step, shortest)
+    while short * short <= area and (not longest or short <= longest):
         long = area // short // step * step
+        if longest:
+            long = min(long, longest)
         if long / short <= max_aspect:
             buckets.update({(short, long), (long, short)})
         short += step
     return sorted(buckets)
+
+
+def check_bucket_sides(sides: tuple[int, int], step: int, resolutions: Sequence[int]) -> None:
+    """Refuse bucket side limits that are not 0 or multiples of `step`, a shortest over the longest, or limits that
+    leave one of `resolutions` no bucket; the message names the inputs (min_bucket_side, max_bucket_side)."""
+    shortest, longest = sides
+    for name, side in (("min_bucket_side", shortest), ("max_bucket_side", longest)):
+        if side < 0 or side % step:
+            raise ValueError(f"{name}={side}: give 0 (no limit) or a multiple of step {step} (e.g. "
+                             f"{max(step, side // step * step)})")
+    if shortest and longest and shortest > longest:
+        raise ValueError(f"min_bucket_side={shortest} is over max_bucket_side={longest}: give a shortest side at most "
+                         "the longest")
+    for resolution in resolutions:
+        if not make_buckets(resolution, step, sides=sides):
+            raise ValueError(f"min_bucket_side={shortest} leaves resolution {resolution} no bucket (its square is "
+                             f"{resolution} wide): give a min_bucket_side of at most {resolution}")
 
 
 def nearest_bucket(width: int, height: int, buckets: Sequence[tuple[int, int]]) -> tuple[int, int]:
@@ -54,19 +78,24 @@ def nearest_bucket(width: int, height: int, buckets: Sequence[tuple[int, int]]) 
 
 
 @functools.lru_cache(maxsize=256)
-def _buckets(resolution: int, step: int) -> tuple[tuple[int, int], ...]:
-    return tuple(make_buckets(resolution, step))
+def _buckets(resolution: int, step: int, sides: tuple[int, int] = (0, 0)) -> tuple[tuple[int, int], ...]:
+    return tuple(make_buckets(resolution, step, sides=sides))
 
 
-def bucket_for(width: int, height: int, resolution: int, step: int, upscale: bool = True) -> tuple[int, int]:
+def bucket_for(width: int, height: int, resolution: int, step: int, upscale: bool = True,
+               sides: tuple[int, int] = (0, 0)) -> tuple[int, int]:
     """The bucket an image of (`width`, `height`) trains in at `resolution`: the nearest in aspect ratio. With
     `upscale` off (kohya's bucket_no_upscale), an image smaller than that bucket takes the nearest bucket of the
     largest smaller resolution (a multiple of `step`) that it covers, so it is only ever scaled down; an image smaller
-    than every bucket takes the smallest."""
+    than every bucket takes the smallest. `sides`: make_buckets' side limits."""
     if upscale:
-        return nearest_bucket(width, height, _buckets(resolution, step))
+        return nearest_bucket(width, height, _buckets(resolution, step, sides))
+    bucket = None
     for smaller in range(resolution, step - 1, -step):
-        bucket = nearest_bucket(width, height, _buckets(smaller, step))
+        candidates = _buckets(smaller, step, sides)
+        if not candidates:  # below min_bucket_side: no smaller bucket exists
+            break
+        bucket = nearest_bucket(width, height, candidates)
         if bucket[0] <= width and bucket[1] <= height:
             break
     return bucket

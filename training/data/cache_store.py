@@ -853,7 +853,8 @@ def cache_latents(
                 continue
         # One item per size (resolution, then the extra ones) and mirror; an item's key is its crop's, so the items
         # at `resolution` keep the keys they had before extra sizes existed.
-        for bucket, flip in dict.fromkeys((bucket_for(*size, resolution, dataset.step, dataset.upscale), flip)
+        for bucket, flip in dict.fromkeys((bucket_for(*size, resolution, dataset.step, dataset.upscale,
+                                                      dataset.bucket_sides), flip)
                                           for resolution in dataset.resolutions
                                           for flip in ((False, True) if dataset.flip else (False,))):
             plan = plan_crop(size, bucket, dataset.crop, dataset.seed, image_digest, flip)

@@ -27,7 +27,7 @@ import torch
 from PIL import Image, ImageOps, UnidentifiedImageError, features
 
 from .. import os_compat, public_module
-from .buckets import CROP_MODES
+from .buckets import CROP_MODES, check_bucket_sides
 from .files import UntrustedFileError, display_path, relative_text, resolve_inside
 
 MIN_RESOLUTION, MAX_RESOLUTION = 64, 4096  # the dataset nodes' resolution input's range
@@ -284,6 +284,9 @@ class Dataset:
     # False: an image smaller than its bucket trains in a smaller bucket instead of enlarged (kohya's
     # bucket_no_upscale; buckets.bucket_for)
     upscale: bool = True
+    # (shortest, longest) side a bucket may have, 0: no limit (kohya's min_bucket_reso / max_bucket_reso;
+    # buckets.make_buckets)
+    bucket_sides: tuple[int, int] = (0, 0)
 
     def __post_init__(self):
         if not self.items:
@@ -302,6 +305,10 @@ class Dataset:
                 closest = min(max(extra // self.step * self.step, lowest), MAX_RESOLUTION // self.step * self.step)
                 raise DatasetError(f"extra_resolutions: {extra} must be a multiple of step {self.step} from "
                                    f"{MIN_RESOLUTION} to {MAX_RESOLUTION} (e.g. {closest})")
+        try:
+            check_bucket_sides(self.bucket_sides, self.step, self.resolutions)
+        except ValueError as error:
+            raise DatasetError(str(error)) from None
 
     @property
     def resolutions(self) -> tuple[int, ...]:

@@ -45,7 +45,7 @@ def preview_items(dataset: Dataset, start: int, count: int) -> list[ItemPreview]
         item = dataset.items[index]
         try:
             size = item.image.size()
-            bucket = bucket_for(*size, dataset.resolution, dataset.step, dataset.upscale)
+            bucket = bucket_for(*size, dataset.resolution, dataset.step, dataset.upscale, dataset.bucket_sides)
             # The crop Cache Latents plans: a random crop is seeded by the image's digest, as there
             plan = plan_crop(size, bucket, dataset.crop, dataset.seed, item.image.digest(), False)
             reduce = reduce_factor(size, plan.resized)
