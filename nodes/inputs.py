@@ -180,6 +180,12 @@ def extra_noise_inputs() -> list:
     ]
 
 
+def layer_names_input(name: str, tooltip: str):
+    """A LoRA Config / Memory Plan input of layer-name patterns (training/core/adapters.py reads them): advanced,
+    optional and empty by default, so workflows saved before it existed keep working (every layer, one value)."""
+    return io.String.Input(name, default="", multiline=True, optional=True, advanced=True, tooltip=tooltip)
+
+
 def masked_out_weight_input():
     # Appended last and optional on every training node: workflows saved before it existed keep working (0).
     return io.Float.Input("masked_out_weight", advanced=True, default=0.0, min=0.0, max=1.0, step=0.01, optional=True,

@@ -23,6 +23,7 @@ from ..training.memory import lowbit
 from ..training.memory.host_ram import HOST_RESERVE_BYTES, host_room
 from ..training.memory.policy import GIB, NodeInput, OffloadPolicy, PolicyError
 from ..training.core.trainer import PRECISIONS
+from .inputs import layer_names_input
 from .io_types import OffloadPolicyType
 from .bridge.comfy_bridge import node_name
 from .bridge.planning import available_device_bytes, plan_lora_run
@@ -127,12 +128,12 @@ class HeadroomMemoryPlan(io.ComfyNode):
                              "(4k+1, e.g. 33 or 81; LTX-2: 8k+1); the step's activations and, with the VAE, its "
                              "encode / decode estimates grow with "
                              "them. 1: images."),
-                io.String.Input("layers", default="", multiline=True, optional=True, advanced=True,
-                                tooltip="Which of the targeted layers the planned LoRA trains, as LoRA Config's layers "
-                                "(empty: all of them)."),
-                io.String.Input("layer_ranks", default="", multiline=True, optional=True, advanced=True,
-                                tooltip="Ranks per layer of the planned LoRA, as LoRA Config's layer_ranks (empty: rank "
-                                "for all)."),
+                layer_names_input("layers",
+                                  "Which of the targeted layers the planned LoRA trains, as LoRA Config's layers "
+                                  "(empty: all of them)."),
+                layer_names_input("layer_ranks",
+                                  "Ranks per layer of the planned LoRA, as LoRA Config's layer_ranks (empty: rank "
+                                  "for all)."),
             ],
             outputs=[io.String.Output("plan_text", tooltip="The plan as text (also shown on the node)."),
                      io.String.Output("plan_json", tooltip="The plan as JSON: each phase's estimate, itemised."),

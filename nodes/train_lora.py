@@ -35,7 +35,7 @@ from .bridge.sample_prompts import parse_prompts
 from .bridge.validation import validate
 from .inputs import (DEFAULT_CHECKPOINT_MINUTES, added_train_inputs, checkpoint_inputs, compare_base_input,
                      devices_input, extra_noise_inputs, frame_rate_input, frames_input, keep_saves_input,
-                     lora_config_input, masked_out_weight_input,
+                     layer_names_input, lora_config_input, masked_out_weight_input,
                      model_and_caches, noise_range_inputs, optimizer_config_input,
                      policy_input, prior_inputs, reference_images_input, reference_input, run_name_input,
                      schedule_inputs, start_image_input, training_settings, validation_inputs, validation_names,
@@ -136,27 +136,27 @@ class HeadroomLoraConfig(io.ComfyNode):
                                tooltip="kind full only: the trained weights in fp32 (exact), or bf16_stochastic: "
                                "bf16 updated with stochastic rounding, half the memory of the weights and their "
                                "gradients (needs fused_backward on in the Offload Policy)."),
-                io.String.Input("layers", default="", multiline=True, optional=True, advanced=True,
-                                tooltip="Train only some of the layers targets selects: parts of ComfyUI's layer "
-                                "names, separated by commas, spaces or lines; ! before one leaves its layers out. "
-                                "Empty: all of them. Wildcards as in file names: * any text, ? one character. E.g. "
-                                "Flux single blocks only: single_blocks; blocks 10-19: single_blocks.1?. (end a "
-                                "number with a dot: blocks.1 also matches blocks.10); every linear layer but the "
-                                "modulation ones (targets all_linear): !mod. The names are ComfyUI's "
-                                "(double_blocks.0.img_attn.qkv, input_blocks.4.1...), not diffusers': a pattern "
-                                "matching no layer is refused, the message showing the names."),
-                io.String.Input("layer_lr_scales", default="", multiline=True, optional=True, advanced=True,
-                                tooltip="Learning rates per layer, as multiples of the Optimizer Config's: "
-                                "pattern=scale pairs (patterns as in layers), separated by commas, spaces or lines; "
-                                "a layer takes the first that matches it, 1 where none does. E.g. "
-                                "input_blocks=0.5 output_blocks=1.5 (kohya's block learning-rate weights), "
-                                "double_blocks=2. Not with Prodigy (one step size for all)."),
-                io.String.Input("layer_ranks", default="", multiline=True, optional=True, advanced=True,
-                                tooltip="Ranks per layer: pattern=rank pairs (patterns as in layers), separated by "
-                                "commas, spaces or lines; a layer takes the first that matches it, rank where none "
-                                "does. alpha stays one for all, so a layer's scale is alpha / its rank (kohya's "
-                                "block_dims, peft's rank_pattern). E.g. single_blocks=8 input_blocks=4. Kinds lora, "
-                                "dora, loha, lokr."),
+                layer_names_input("layers",
+                                  "Train only some of the layers targets selects: parts of ComfyUI's layer "
+                                  "names, separated by commas, spaces or lines; ! before one leaves its layers out. "
+                                  "Empty: all of them. Wildcards as in file names: * any text, ? one character. E.g. "
+                                  "Flux single blocks only: single_blocks; blocks 10-19: single_blocks.1?. (end a "
+                                  "number with a dot: blocks.1 also matches blocks.10); every linear layer but the "
+                                  "modulation ones (targets all_linear): !mod. The names are ComfyUI's "
+                                  "(double_blocks.0.img_attn.qkv, input_blocks.4.1...), not diffusers': a pattern "
+                                  "matching no layer is refused, the message showing the names."),
+                layer_names_input("layer_lr_scales",
+                                  "Learning rates per layer, as multiples of the Optimizer Config's: "
+                                  "pattern=scale pairs (patterns as in layers), separated by commas, spaces or lines; "
+                                  "a layer takes the first that matches it, 1 where none does. E.g. "
+                                  "input_blocks=0.5 output_blocks=1.5 (kohya's block learning-rate weights), "
+                                  "double_blocks=2. Not with Prodigy (one step size for all)."),
+                layer_names_input("layer_ranks",
+                                  "Ranks per layer: pattern=rank pairs (patterns as in layers), separated by "
+                                  "commas, spaces or lines; a layer takes the first that matches it, rank where none "
+                                  "does. alpha stays one for all, so a layer's scale is alpha / its rank (kohya's "
+                                  "block_dims, peft's rank_pattern). E.g. single_blocks=8 input_blocks=4. Kinds lora, "
+                                  "dora, loha, lokr."),
             ],
             outputs=[LoraConfigType.Output("lora_config",
                                            tooltip="What to train, for a Train LoRA (Init) node's lora_config.")],

@@ -242,6 +242,24 @@ def test_layers_refuses_what_would_train_the_wrong_layers():
         AdapterConfig(layers="a" * 201).validate()
 
 
+# The pattern=value pairs after the first of the per-layer inputs' tests: conv layers 2, block 1's linear 8.
+FIRST_MATCH_TAIL = "conv=2 blocks.1.=8"
+
+
+def _deep_targets(**settings):
+    """(Deep, the config of `settings`, the 24 linear and conv layers targets=all_linear with include_conv selects)."""
+    net = Deep()
+    config = AdapterConfig(targets="all_linear", include_conv=True, **settings)
+    return net, config, select_targets(net, None, config, [f"blocks.{i}" for i in range(12)])
+
+
+def _check_first_match_wins(per_layer: dict, first, default) -> None:
+    """A per-layer input of "blocks.1?.=<first>, " + FIRST_MATCH_TAIL: each layer takes its first matching pair."""
+    assert per_layer["blocks.10.lin"] == per_layer["blocks.11.conv"] == first  # blocks.1?. before conv
+    assert per_layer["blocks.0.conv"] == per_layer["blocks.1.conv"] == 2 and per_layer["blocks.1.lin"] == 8
+    assert per_layer["blocks.0.lin"] == default
+
+
 @pytest.mark.parametrize("kind", ["lora", "loha", "full"])
 def test_layer_lr_scales_give_each_layers_tensors_their_rate(kind):
     """layer_lr_scales: each trained tensor at its layer's scale (the first pattern that matches it, 1 where none
@@ -249,14 +267,9 @@ def test_layer_lr_scales_give_each_layers_tensors_their_rate(kind):
     pairs, scales outside (0, 100]."""
     from headroom.training.core.adapters import layer_lr_scales
 
-    net, blocks = Deep(), [f"blocks.{i}" for i in range(12)]
-    config = AdapterConfig(kind=kind, rank=2, targets="all_linear", include_conv=True,
-                           layer_lr_scales="blocks.1?.=0.5, conv=2 blocks.1.=3")
-    paths = select_targets(net, None, config, blocks)
+    net, config, paths = _deep_targets(kind=kind, rank=2, layer_lr_scales=f"blocks.1?.=0.5, {FIRST_MATCH_TAIL}")
     per_layer = layer_lr_scales(paths, config)
-    assert per_layer["blocks.10.lin"] == per_layer["blocks.11.conv"] == 0.5  # the first match wins
-    assert per_layer["blocks.0.conv"] == per_layer["blocks.1.conv"] == 2.0 and per_layer["blocks.1.lin"] == 3.0
-    assert per_layer["blocks.0.lin"] == 1.0
+    _check_first_match_wins(per_layer, 0.5, 1.0)
     adapters = AdapterSet(net, paths, config)
     names = [(path, name) for path, layer in adapters.layers.items() for name, _ in adapters._own_parameters(layer)]
     expected = [per_layer[path] for path, _ in names]
@@ -279,13 +292,9 @@ def test_layer_ranks_give_each_layer_its_rank():
     outside 1-1024, kinds without a low-rank size; a saved LoRA of another rank at a layer cannot be continued."""
     from headroom.training.core.adapters import layer_ranks
 
-    net, blocks = Deep(), [f"blocks.{i}" for i in range(12)]
-    config = AdapterConfig(rank=4, targets="all_linear", include_conv=True, layer_ranks="blocks.1?.=1, conv=2 blocks.1.=8")
-    paths = select_targets(net, None, config, blocks)
+    net, config, paths = _deep_targets(rank=4, layer_ranks=f"blocks.1?.=1, {FIRST_MATCH_TAIL}")
     ranks = layer_ranks(paths, config)
-    assert ranks["blocks.10.lin"] == ranks["blocks.11.conv"] == 1  # the first match wins
-    assert ranks["blocks.0.conv"] == ranks["blocks.1.conv"] == 2 and ranks["blocks.1.lin"] == 8
-    assert ranks["blocks.0.lin"] == 4
+    _check_first_match_wins(ranks, 1, 4)
     adapters = AdapterSet(net, paths, config)
     for path, layer in adapters.layers.items():
         assert layer.lora_A["default"].weight.shape[0] == layer.lora_B["default"].weight.shape[1] == ranks[path]
