@@ -372,6 +372,27 @@ def test_export_is_reproduced_by_comfyui_lora_loading(comfyui, kind, rank, layer
 
 
 @pytest.mark.comfyui
+@pytest.mark.parametrize("family", ["sd15", "sdxl"])
+def test_layer_ranks_of_kohyas_conv_dim_give_the_3x3_convolutions_their_rank(comfyui, family):
+    """docs/COMING_FROM.md maps kohya's conv_dim (LoCon) to include_conv with these layer_ranks: every 3x3
+    convolution of the UNet blocks (ResBlocks, down- and upsamplers) at that rank, the 1x1 ones (skip connections,
+    SD1.5's transformer projections) and the linear layers at the rank, as kohya's network does."""
+    from headroom.nodes.bridge import families
+    from headroom.nodes.bridge.tiny_models import build_tiny_model_patcher
+    from headroom.training.core.adapters import layer_ranks
+
+    root = build_tiny_model_patcher(family, 0).model.diffusion_model
+    config = AdapterConfig(rank=16, include_conv=True, layer_ranks="in_layers=8 out_layers=8 .op=8 .conv=8")
+    paths = select_targets(root, families.lora_preset(family), config, [])
+    ranks = layer_ranks(paths, config)
+    modules = {path: root.get_submodule(path) for path in paths}
+    three = {p for p, m in modules.items() if isinstance(m, torch.nn.Conv2d) and m.kernel_size == (3, 3)}
+    assert three and any(p.endswith(".op") for p in three) and any(p.endswith(".conv") for p in three)
+    assert {p for p, rank in ranks.items() if rank == 8} == three
+    assert any(isinstance(m, torch.nn.Conv2d) and m.kernel_size == (1, 1) for p, m in modules.items() if ranks[p] == 16)
+
+
+@pytest.mark.comfyui
 def test_family_presets_pick_the_documented_layers(comfyui):
     from headroom.nodes.bridge import families
     from headroom.nodes.bridge.comfy_model import model_blocks, model_family
