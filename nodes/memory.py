@@ -144,7 +144,8 @@ class HeadroomMemoryPlan(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, mode, batch_size, width, height, rank, targets, optimizer, precision, text_tokens,
-                policy=None, clip=None, vae=None, frames: int = 1, layers: str = "", layer_ranks: str = "") -> io.NodeOutput:
+                policy=None, clip=None, vae=None, frames: int = 1, layers: str = "", layer_ranks: str = ""
+                ) -> io.NodeOutput:
         policy = policy if policy is not None else OffloadPolicy()
         if not isinstance(policy, OffloadPolicy):
             raise ValueError(f"{node_name(cls)}: policy must come from an Offload Policy (Headroom) node")

@@ -39,8 +39,9 @@ LAYER_PATTERNS_MAX = 64
 LAYER_PATTERN_CHARS_MAX = 200
 LAYER_LR_SCALE_MAX = 100.0  # LoRA Config layer_lr_scales: a layer's rate is at most this times the optimizer's
 LAYER_RANK_MAX = 1024  # LoRA Config layer_ranks: as its rank input's largest
-# The kinds whose rank is a low-rank size, which layer_ranks may set per layer (oft's rank is its block size; full has none).
+# The kinds whose rank is a low-rank size, which layer_ranks may set per layer (and why the others have none).
 LAYER_RANK_KINDS = ("lora", "dora", "loha", "lokr")
+_NO_LOW_RANK = {"oft": "its rank is the block size of the rotations", "full": "it trains the weights themselves"}
 
 
 
@@ -88,12 +89,12 @@ class AdapterConfig:
         check_finite("adapter", alpha=self.alpha, dropout=self.dropout)
         layer_patterns(self.layers)
         layer_scale_patterns(self.layer_lr_scales)
-        if layer_rank_patterns(self.layer_ranks) and self.kind not in LAYER_RANK_KINDS:
-            raise ValueError(f"layer_ranks sets a low-rank size per layer, and kind {self.kind} has none "
-                             f"({'its rank is the block size of the rotations' if self.kind == 'oft' else 'it trains the weights themselves'})"
-                             f": clear layer_ranks, or train kind {', '.join(LAYER_RANK_KINDS)}")
         if self.kind not in KINDS:
             raise ValueError(f"adapter kind {self.kind!r} is unknown: choose one of {KINDS}")
+        if layer_rank_patterns(self.layer_ranks) and self.kind not in LAYER_RANK_KINDS:
+            raise ValueError(f"layer_ranks sets a low-rank size per layer, and kind {self.kind} has none "
+                             f"({_NO_LOW_RANK[self.kind]}): clear layer_ranks, or train kind "
+                             f"{', '.join(LAYER_RANK_KINDS)}")
         if int(self.rank) != self.rank or self.rank <= 0:
             raise ValueError(f"rank={self.rank} must be a positive integer")
         if self.alpha <= 0:

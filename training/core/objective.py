@@ -194,8 +194,8 @@ class Objective:
         if self.config.noise_offset > 0:
             # Per-channel constant offset: lets the model learn overall brightness shifts.
             offset = torch.randn(like.shape[:2] + (1,) * (like.ndim - 2), generator=generator)
-            strength = self._strength(self.config.noise_offset, self.config.noise_offset_random_strength, like, generator)
-            noise = noise + strength * offset
+            noise = noise + self._strength(self.config.noise_offset, self.config.noise_offset_random_strength, like,
+                                           generator) * offset
         if self.config.multires_noise_iterations:
             noise = self.multires_noise(noise, generator)
         return noise
