@@ -154,9 +154,15 @@ class HeadroomLoraConfig(io.ComfyNode):
                 layer_names_input("layer_ranks",
                                   "Ranks per layer: pattern=rank pairs (patterns as in layers), separated by "
                                   "commas, spaces or lines; a layer takes the first that matches it, rank where none "
-                                  "does. alpha stays one for all, so a layer's scale is alpha / its rank (kohya's "
+                                  "does. A layer's scale is its alpha (alpha, or layer_alphas') / its rank (kohya's "
                                   "block_dims, peft's rank_pattern). E.g. single_blocks=8 input_blocks=4. Kinds lora, "
                                   "dora, loha, lokr."),
+                layer_names_input("layer_alphas",
+                                  "Alphas per layer: pattern=alpha pairs (patterns as in layers), separated by "
+                                  "commas, spaces or lines; a layer takes the first that matches it, alpha where none "
+                                  "does, so its scale is its alpha / its rank (kohya's conv_alpha and block_alphas, "
+                                  "peft's alpha_pattern). E.g. with layer_ranks in_layers=8 out_layers=8: in_layers=4 "
+                                  "out_layers=4. Each layer's alpha is saved with it. Kinds lora, dora, loha, lokr."),
             ],
             outputs=[LoraConfigType.Output("lora_config",
                                            tooltip="What to train, for a Train LoRA (Init) node's lora_config.")],
@@ -164,13 +170,15 @@ class HeadroomLoraConfig(io.ComfyNode):
 
     @classmethod
     def execute(cls, kind, rank, alpha, targets, include_conv, dropout, init_seed, init_lora="none",
-                full_precision="fp32", layers="", layer_lr_scales="", layer_ranks="") -> io.NodeOutput:
+                full_precision="fp32", layers="", layer_lr_scales="", layer_ranks="", layer_alphas=""
+                ) -> io.NodeOutput:
         name = node_name(cls)
         check_finite(name, alpha=alpha, dropout=dropout)
         config = AdapterConfig(kind=kind, rank=rank, alpha=alpha, targets=targets, include_conv=include_conv,
                                dropout=dropout, init_seed=init_seed, init_lora=None if init_lora == "none" else init_lora,
                                full_precision=full_precision, layers=layers or "",
-                               layer_lr_scales=layer_lr_scales or "", layer_ranks=layer_ranks or "")
+                               layer_lr_scales=layer_lr_scales or "", layer_ranks=layer_ranks or "",
+                               layer_alphas=layer_alphas or "")
         _checked(name, config.validate)
         return io.NodeOutput(config)
 
@@ -537,7 +545,9 @@ class HeadroomSaveLora(io.ComfyNode):
                                "key). kohya: lora_unet_* names with sd-scripts metadata, for A1111 / Forge / "
                                "diffusers / Civitai (Load LoRA reads it too). diffusers: the names diffusers' "
                                "load_lora_weights reads (unet.* / transformer.*, alpha folded in, PEFT config in "
-                               "the metadata); plain LoRA on sd15 / sdxl / sd3 / flux (Load LoRA reads it too)."),
+                               "the metadata); plain LoRA on sd15 / sdxl / sd3 / flux (Load LoRA reads it too). With "
+                               "LoRA Config layer_alphas, diffusers misreads kohya files (one alpha for all): for "
+                               "diffusers use diffusers."),
                 weights_input("Save"),
                 caption_tags_input(),
             ],

@@ -364,6 +364,7 @@ SCALE_NORMS_CASES = {"sdxl": 1e-6}
 LAYERS_CASES = {"sdxl": "output_blocks !attn2"}
 LAYER_LR_SCALES = "input_blocks=0.5 middle_block=1 output_blocks=1.5"  # kohya's down / mid / up block weights
 LAYER_RANKS = "input_blocks=8 output_blocks=32"  # kohya's block_dims; the middle block at the config's 16
+LAYER_ALPHAS = "input_blocks=4 attn2=32"  # kohya's block_alphas; the rest at the config's 16
 # Cases whose images are transparent cut-outs read from a folder, their alpha the loss mask (transparency: loss_mask)
 ALPHA_CASES = ("flux_dev",)
 ALPHA_MASKED_OUT_WEIGHT = 0.1  # what the alpha leaves out still counts a little (masked_out_weight)
@@ -382,8 +383,8 @@ def formed_norms(run) -> list[float]:
 
 def layers_report(model, layers: str) -> dict:
     """The layers LoRA Config's `layers` keeps of the preset's, what a diffusers-scheme name gets (refused), and each
-    preset layer's LAYER_LR_SCALES scale; with LAYER_RANKS, each preset layer's rank in adapters built on the real
-    model, their trainable elements and the Memory Plan's count of them."""
+    preset layer's LAYER_LR_SCALES scale; with LAYER_RANKS and LAYER_ALPHAS, each preset layer's rank and scale in
+    adapters built on the real model, their trainable elements and the Memory Plan's count of them."""
     from headroom.nodes import train_lora as T
     from headroom.nodes.bridge.planning import lora_target_paths, lora_trainable
     from headroom.training.core.adapters import AdapterSet, layer_lr_scales
@@ -400,11 +401,13 @@ def layers_report(model, layers: str) -> dict:
     preset = targets("")
     scaled = T.HeadroomLoraConfig.execute("lora", 16, 16.0, "preset", False, 0.0, 0,
                                           layer_lr_scales=LAYER_LR_SCALES).args[0]
-    ranked = T.HeadroomLoraConfig.execute("lora", 16, 16.0, "preset", False, 0.0, 0, layer_ranks=LAYER_RANKS).args[0]
+    ranked = T.HeadroomLoraConfig.execute("lora", 16, 16.0, "preset", False, 0.0, 0, layer_ranks=LAYER_RANKS,
+                                          layer_alphas=LAYER_ALPHAS).args[0]
     adapters = AdapterSet(model.model.diffusion_model, preset, ranked)
     return {"preset": preset, "chosen": targets(layers), "diffusers_name": refused,
             "scales": layer_lr_scales(preset, scaled),
             "ranks": {path: layer.r["default"] for path, layer in adapters.layers.items()},
+            "lora_scales": {path: layer.scaling["default"] for path, layer in adapters.layers.items()},
             "ranked_elements": adapters.parameter_count(),
             "planned_elements": lora_trainable(model, ranked, "AdamW", preset).param_count}
 

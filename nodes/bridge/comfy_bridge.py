@@ -61,6 +61,7 @@ CONFIG_ADDED_LATER = {"session.train.objective.loss_type": "mse", "session.train
                       "session.train.objective.masked_out_weight": 0.0, "session.optimizer.loraplus_lr_ratio": 1.0,
                       "session.optimizer.scale_weight_norms": 0.0, "session.adapter.layers": "",
                       "session.adapter.layer_lr_scales": "", "session.adapter.layer_ranks": "",
+                      "session.adapter.layer_alphas": "",
                       "session.train.objective.ip_noise_gamma": 0.0,
                       "session.train.objective.multires_noise_iterations": 0,
                       "session.train.objective.multires_noise_discount": 0.3,

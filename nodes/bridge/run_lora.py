@@ -423,7 +423,12 @@ class LoraTraining:
         adapter = run.config.adapter
         if adapter.kind == "full":
             return "full fine-tune"
-        return f"{adapter.kind} r{adapter.rank}" + (" (other ranks by layer_ranks)" if adapter.layer_ranks else "")
+        per_layer = [(what, name) for what, name in (("ranks", "layer_ranks"), ("alphas", "layer_alphas"))
+                     if getattr(adapter, name)]
+        if not per_layer:
+            return f"{adapter.kind} r{adapter.rank}"
+        return f"{adapter.kind} r{adapter.rank} (other " + " and ".join(w for w, _ in per_layer) + " by " + \
+            " and ".join(n for _, n in per_layer) + ")"
 
 
 def open_lora_run(model, latent_cache, text_cache, config: LoraRunConfig, run_root, run_name: str, policy=None,

@@ -329,23 +329,76 @@ def test_layer_ranks_give_each_layer_its_rank():
                for p in paths)
 
 
+@pytest.mark.parametrize("kind", ["lora", "dora", "loha", "lokr"])
+def test_layer_alphas_give_each_layer_its_alpha(kind):
+    """layer_alphas: each layer's alpha the first pattern's that matches it (the config's where none does), its scale
+    that alpha / its rank, with layer_ranks too (kohya's conv_dim + conv_alpha); refused: a pattern matching no trained
+    layer, malformed pairs, alphas outside (0, 4096] or not written in ASCII digits, kinds oft and full. A saved LoRA
+    whose layers have other alphas is continued with the same effect (its up rescaled by the file's scale over the
+    layer's)."""
+    from headroom.training.core.adapters import layer_alphas, layer_ranks
+
+    net, config, paths = _deep_targets(kind=kind, rank=4, alpha=4.0, layer_alphas=f"blocks.1?.=0.5, {FIRST_MATCH_TAIL}",
+                                       layer_ranks="conv=8")
+    alphas, ranks = layer_alphas(paths, config), layer_ranks(paths, config)
+    _check_first_match_wins(alphas, 0.5, 4.0)
+    adapters = AdapterSet(net, paths, config)
+    for path, layer in adapters.layers.items():
+        alpha = layer.lora_alpha["default"] if kind in ("lora", "dora") else layer.alpha["default"]
+        assert alpha == alphas[path] and layer.scaling["default"] == alphas[path] / ranks[path]
+    assert {layer.scaling["default"] for layer in adapters.layers.values()} == {0.5 / 4, 0.5 / 8, 2 / 8, 8 / 4, 1.0}
+    with pytest.raises(ValueError, match=r"LoRA Config layer_alphas: 'attn' matches none of the 24 trained layers"):
+        layer_alphas(paths, AdapterConfig(layer_alphas="attn=2"))
+    for text, message in (("blocks.1", "'blocks.1' is not pattern=alpha"), ("lin=0", "'lin=0': the alpha must be above "
+                          "0 and at most 4096"), ("lin=4097", "'lin=4097'"), ("lin=-1", "'lin=-1'"), ("lin=nan", "'lin=nan'"),
+                          ("lin=inf", "'lin=inf'"), ("lin=1_0", "'lin=1_0'"), ("lin=\u0661", "'lin=\u0661': the alpha"),
+                          ("lin=1e999", "'lin=1e999'")):
+        with pytest.raises(ValueError, match=f"layer_alphas: {message}"):
+            AdapterConfig(layer_alphas=text).validate()
+    for bad_kind, why in (("oft", "its alpha is the constraint of the rotations"),
+                          ("full", "it trains the weights themselves")):
+        with pytest.raises(ValueError, match=f"layer_alphas sets the alpha of a low-rank scale per layer, and kind "
+                                             f"{bad_kind} has none \\({why}"):
+            AdapterConfig(kind=bad_kind, rank=4, layer_alphas="lin=2").validate()
+    if kind != "lora":
+        return
+    # continuing a saved LoRA of these alphas with one alpha for all: the same product, so the same effect
+    _randomize(adapters)
+    saved = {path: (layer.lora_A["default"].weight.detach(), layer.lora_B["default"].weight.detach(),
+                    layer.scaling["default"]) for path, layer in adapters.layers.items()}
+    uniform = AdapterSet(Deep(), paths, AdapterConfig(rank=4, alpha=4.0, targets="all_linear", include_conv=True,
+                                                      layer_ranks="conv=8"))
+    uniform.start_from(saved, "saved.safetensors")
+    for path, layer in uniform.layers.items():
+        product = layer.lora_B["default"].weight.flatten(1) @ layer.lora_A["default"].weight.flatten(1)
+        original = adapters.layers[path]
+        expected = original.lora_B["default"].weight.flatten(1) @ original.lora_A["default"].weight.flatten(1)
+        torch.testing.assert_close(product * layer.scaling["default"], expected * original.scaling["default"])
+
+
 @pytest.mark.comfyui
-@pytest.mark.parametrize("kind,rank,layer_ranks", [
-    ("lora", 4, ""), ("dora", 4, ""), ("loha", 3, ""), ("lokr", 2, ""), ("lokr", 8, ""), ("oft", 4, ""), ("oft", 16, ""),
-    ("full", 1, ""), ("lora", 4, "conv=2"), ("dora", 4, "lin=8"), ("loha", 3, "conv=5"), ("lokr", 8, "lin=2")])
-def test_export_is_reproduced_by_comfyui_lora_loading(comfyui, kind, rank, layer_ranks):
+@pytest.mark.parametrize("kind,rank,layer_ranks,layer_alphas", [
+    ("lora", 4, "", ""), ("dora", 4, "", ""), ("loha", 3, "", ""), ("lokr", 2, "", ""), ("lokr", 8, "", ""),
+    ("oft", 4, "", ""), ("oft", 16, "", ""), ("full", 1, "", ""), ("lora", 4, "conv=2", ""), ("dora", 4, "lin=8", ""),
+    ("loha", 3, "conv=5", ""), ("lokr", 8, "lin=2", ""), ("lora", 4, "conv=2", "conv=1"), ("dora", 4, "", "lin=0.5"),
+    ("loha", 3, "conv=5", "conv=2.5"), ("lokr", 8, "", "lin=32")])
+def test_export_is_reproduced_by_comfyui_lora_loading(comfyui, kind, rank, layer_ranks, layer_alphas):
     """peft's forward == the base layer run with the weight ComfyUI's stock LoRA path computes from our file; with
-    layer_ranks, a layer of another rank (its scale alpha / its rank) too."""
+    layer_ranks / layer_alphas, a layer of another rank or alpha (its scale its alpha / its rank) too."""
     import comfy.lora
 
     net = Net()
     paths = ["blocks.0.lin", "blocks.0.conv"]
-    adapters = AdapterSet(net, paths, AdapterConfig(kind=kind, rank=rank, alpha=rank * 1.5, layer_ranks=layer_ranks))
-    if layer_ranks:
+    adapters = AdapterSet(net, paths, AdapterConfig(kind=kind, rank=rank, alpha=rank * 1.5, layer_ranks=layer_ranks,
+                                                    layer_alphas=layer_alphas))
+    if layer_ranks or layer_alphas:
         pattern, _, other = layer_ranks.partition("=")
-        assert {path: layer.r["default"] for path, layer in adapters.layers.items()} == {
-            path: int(other) if pattern in path else rank for path in paths}
-        assert all(layer.scaling["default"] == rank * 1.5 / layer.r["default"] for layer in adapters.layers.values())
+        expected_ranks = {path: int(other) if pattern and pattern in path else rank for path in paths}
+        pattern, _, other = layer_alphas.partition("=")
+        expected_alphas = {path: float(other) if pattern and pattern in path else rank * 1.5 for path in paths}
+        assert {path: layer.r["default"] for path, layer in adapters.layers.items()} == expected_ranks
+        assert {path: layer.scaling["default"] for path, layer in adapters.layers.items()} == {
+            path: expected_alphas[path] / expected_ranks[path] for path in paths}
     _randomize(adapters)
     exported = adapters.comfy_state_dict(prefix="diffusion_model.")
     key_map = {f"diffusion_model.{p}": f"diffusion_model.{p}.weight" for p in paths}

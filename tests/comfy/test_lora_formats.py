@@ -505,12 +505,16 @@ def _write_lora(name: str, state: dict[str, torch.Tensor], metadata: dict[str, s
     return f"formats/{name}.safetensors"
 
 
-@pytest.mark.parametrize("alpha,layer_ranks", [(4.0, ""), (3.0, ""), (3.0, "attn2=2 output_blocks=8")])
-def test_sdxl_files_are_the_same_lora_for_comfyui_and_diffusers(comfyui, alpha, layer_ranks, caplog):
+@pytest.mark.parametrize("alpha,layer_ranks,layer_alphas", [
+    (4.0, "", ""), (3.0, "", ""), (3.0, "attn2=2 output_blocks=8", ""),
+    (3.0, "attn2=2 output_blocks=8", "attn1=6 output_blocks.0.=0.5")])
+def test_sdxl_files_are_the_same_lora_for_comfyui_and_diffusers(comfyui, alpha, layer_ranks, layer_alphas, caplog):
     """SDXL (a tiny SDXL built here; no training node run: an adapter of random weights on the SDXL preset layers,
     exported as the save node exports): comfyui / kohya / diffusers files give ComfyUI the same weights, and
     diffusers' SDXL loader injects every layer of the kohya and diffusers files with the same fused weights; with
-    layer_ranks, layers of three ranks (the diffusers file's config names the others in rank_pattern)."""
+    layer_ranks and layer_alphas, layers of three ranks and three alphas (the diffusers file's config names the other
+    ranks in rank_pattern; each layer's alpha / rank folded into its up; diffusers misreads the kohya file's per-layer
+    alphas, see below)."""
     from diffusers import StableDiffusionXLPipeline
     import folder_paths
 
@@ -519,17 +523,20 @@ def test_sdxl_files_are_the_same_lora_for_comfyui_and_diffusers(comfyui, alpha, 
 
     model = _tiny_sdxl()
     root = model.model.diffusion_model
-    adapter_config = AdapterConfig(kind="lora", rank=4, alpha=alpha, layer_ranks=layer_ranks)
+    adapter_config = AdapterConfig(kind="lora", rank=4, alpha=alpha, layer_ranks=layer_ranks,
+                                   layer_alphas=layer_alphas)
     paths = select_targets(root, families.lora_preset("sdxl"), adapter_config, [])
     adapters = AdapterSet(root, paths, adapter_config)
     ranks = {layer.r["default"] for layer in adapters.layers.values()}
     assert ranks == ({2, 4, 8} if layer_ranks else {4})
+    assert {layer.lora_alpha["default"] for layer in adapters.layers.values()} == (
+        {0.5, 3.0, 6.0} if layer_alphas else {alpha})
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for layer in adapters.layers.values():  # peft starts up at zero: give it an effect
             layer.lora_B["default"].weight.copy_(torch.randn(layer.lora_B["default"].weight.shape, generator=generator) * 0.1)
     state = adapters.comfy_state_dict()
-    tag = f"sdxl_alpha{alpha:g}" + ("_ranks" if layer_ranks else "")
+    tag = f"sdxl_alpha{alpha:g}" + ("_ranks" if layer_ranks else "") + ("_alphas" if layer_alphas else "")
     comfy_name = _write_lora(f"{tag}_comfyui", state, {})
     kohya_name = _write_lora(f"{tag}_kohya", lora_formats.to_kohya(state, lora_formats.kohya_names(model, paths, "sdxl")), {})
     names = lora_formats.diffusers_names(model, paths, "sdxl")
@@ -557,7 +564,11 @@ def test_sdxl_files_are_the_same_lora_for_comfyui_and_diffusers(comfyui, alpha, 
             torch.testing.assert_close(from_diffusers[key], weight, rtol=1e-6, atol=1e-7)
 
     worst = {}
-    for file_format, name in (("kohya", kohya_name), ("diffusers", diffusers_name)):
+    # diffusers' SDXL kohya loader gives every layer the most common alpha when they differ (its alpha_pattern names
+    # attention processors, "attn1.processor.to_q_lora.down.weight", which no module of its UNet has); ComfyUI, kohya
+    # and A1111 read each layer's alpha. The diffusers-format file folds each layer's alpha into its up.
+    formats = (("kohya", kohya_name),) if not layer_alphas else ()
+    for file_format, name in (*formats, ("diffusers", diffusers_name)):
         with torch.inference_mode(False), torch.no_grad():
             unet, conversion = _diffusers_sdxl_unet(model)
             layers = _load_with_diffusers(unet, StableDiffusionXLPipeline, folder_paths.get_full_path_or_raise("loras", name),

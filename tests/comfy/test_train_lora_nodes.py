@@ -43,7 +43,8 @@ def _data(family, count=4, resolution=32, seed=0):
 
 def _init(model, latents, texts, run_name, kind="lora", rank=8, targets="preset", include_conv=False, lr=1e-2,
           optimizer="AdamW", schedule="constant", schedule_steps=1000, dropout=0.0, full_precision="fp32",
-          loraplus_lr_ratio=1.0, layers="", scale_weight_norms=0.0, layer_lr_scales="", layer_ranks="", **train):
+          loraplus_lr_ratio=1.0, layers="", scale_weight_norms=0.0, layer_lr_scales="", layer_ranks="", layer_alphas="",
+          **train):
     from headroom.nodes import train_lora as T
 
     settings = dict(seed=0, batch_size=4, grad_accumulation=1, precision="fp32", max_grad_norm=1.0, caption_dropout=0.0,
@@ -53,7 +54,8 @@ def _init(model, latents, texts, run_name, kind="lora", rank=8, targets="preset"
     with torch.inference_mode():
         lora = T.HeadroomLoraConfig.execute(kind, rank, float(rank), targets, include_conv, dropout, 0,
                                             full_precision=full_precision, layers=layers,
-                                            layer_lr_scales=layer_lr_scales, layer_ranks=layer_ranks).args[0]
+                                            layer_lr_scales=layer_lr_scales, layer_ranks=layer_ranks,
+                                            layer_alphas=layer_alphas).args[0]
         opt = T.HeadroomOptimizerConfig.execute(optimizer, lr, 0.0, schedule, 0, schedule_steps,
                                                 loraplus_lr_ratio=loraplus_lr_ratio,
                                                 scale_weight_norms=scale_weight_norms).args[0]
@@ -322,12 +324,14 @@ def test_layers_trains_and_saves_only_the_chosen_layers(comfyui, kind, caplog):
         trainable(layers="!norm")
 
 
-def test_layer_ranks_train_and_save_each_layers_rank(comfyui, caplog):
-    """LoRA Config layer_ranks on Flux: each layer trains at the rank of the first pattern matching it (rank where
-    none), the saved file (ComfyUI and kohya names) holds each at that rank with the one alpha, stock Load LoRA applies
-    every key; the ranks are part of the run; the Memory Plan node counts the trainable weights at those ranks."""
+def test_layer_ranks_and_alphas_train_and_save_each_layers_rank_and_alpha(comfyui, caplog):
+    """LoRA Config layer_ranks and layer_alphas on Flux: each layer trains at the rank and alpha of the first pattern
+    matching it (rank / alpha where none), the saved file (ComfyUI and kohya names) holds each at that rank with its
+    alpha, stock Load LoRA applies every key and its patched weights are the run's (alpha / rank as trained); the ranks
+    and alphas are part of the run; the Memory Plan node counts the trainable weights at those ranks."""
     import json
 
+    import comfy.lora
     import comfy.utils
     import folder_paths
     import nodes
@@ -336,11 +340,15 @@ def test_layer_ranks_train_and_save_each_layers_rank(comfyui, caplog):
 
     model, clip, _, latents, texts = _data("flux")
     ranks = "single_blocks=2 img_attn=8"
-    run = _init(model, latents, texts, "layer_ranks", rank=4, lr=1e-3, layer_ranks=ranks)
+    alphas = "single_blocks=1 txt_mlp=0.5"
+    run = _init(model, latents, texts, "layer_ranks", rank=4, lr=1e-3, layer_ranks=ranks, layer_alphas=alphas)
     expected = {path: 2 if path.startswith("single_blocks.") else 8 if ".img_attn." in path else 4
                 for path in run.adapters.layers}
+    expected_alphas = {path: 1.0 if path.startswith("single_blocks.") else 0.5 if ".txt_mlp." in path else 4.0
+                       for path in run.adapters.layers}
     assert {path: layer.r["default"] for path, layer in run.adapters.layers.items()} == expected
-    assert set(expected.values()) == {2, 4, 8}
+    assert {path: layer.lora_alpha["default"] for path, layer in run.adapters.layers.items()} == expected_alphas
+    assert set(expected.values()) == {2, 4, 8} and set(expected_alphas.values()) == {0.5, 1.0, 4.0}
     with torch.inference_mode():
         T.HeadroomTrainSteps.execute(run, 2)
         names = [T.HeadroomSaveLora.execute(run, f"ranks_{f}", "", "fp32", format=f).args[0] for f in ("comfyui", "kohya")]
@@ -349,15 +357,25 @@ def test_layer_ranks_train_and_save_each_layers_rank(comfyui, caplog):
             lora_model = nodes.LoraLoader().load_lora(model, clip, name, 1.0, 0.0)[0]
             assert "lora key not loaded" not in caplog.text
             assert len([k for k in lora_model.patches if k.endswith(".weight")]) == len(expected)
+            for path, layer in run.adapters.layers.items():  # the weight stock Load LoRA patches in: the run's
+                key, base = f"diffusion_model.{path}.weight", layer.get_base_layer().weight.float()
+                merged = comfy.lora.calculate_weight(lora_model.patches[key], base.clone(), key)
+                delta = layer.scaling["default"] * (layer.lora_B["default"].weight @ layer.lora_A["default"].weight)
+                torch.testing.assert_close(merged - base, delta, rtol=1e-4, atol=1e-6)
     saved = comfy.utils.load_torch_file(folder_paths.get_full_path("loras", names[0]), safe_load=True)
     assert {key[len("diffusion_model."):-len(".lora_down.weight")]: int(value.shape[0]) for key, value in saved.items()
             if key.endswith(".lora_down.weight")} == expected
-    assert {float(value) for key, value in saved.items() if key.endswith(".alpha")} == {4.0}
+    assert {key[len("diffusion_model."):-len(".alpha")]: float(value) for key, value in saved.items()
+            if key.endswith(".alpha")} == expected_alphas
     kohya = comfy.utils.load_torch_file(folder_paths.get_full_path("loras", names[1]), safe_load=True)
     assert sorted(int(v.shape[0]) for k, v in kohya.items() if k.endswith(".lora_down.weight")) == sorted(
         expected.values())
     with pytest.raises(ValueError, match=r"adapter.layer_ranks: stored 'single_blocks=2 img_attn=8', now ''"):
-        _init(model, latents, texts, "layer_ranks", rank=4, lr=1e-3)
+        _init(model, latents, texts, "layer_ranks", rank=4, lr=1e-3, layer_alphas=alphas)
+    with pytest.raises(ValueError, match=r"adapter.layer_alphas: stored 'single_blocks=1 txt_mlp=0.5', now ''"):
+        _init(model, latents, texts, "layer_ranks", rank=4, lr=1e-3, layer_ranks=ranks)
+    with pytest.raises(ValueError, match=r"^LoRA Config \(Headroom\): layer_alphas: 'img_attn=0': the alpha must be"):
+        _init(model, latents, texts, "layer_alphas_zero", rank=4, layer_alphas="img_attn=0")
     with pytest.raises(ValueError, match=r"^LoRA Config \(Headroom\): layer_ranks sets a low-rank size per layer, "
                                          r"and kind full has none"):
         _init(model, latents, texts, "layer_ranks_full", kind="full", rank=4, layer_ranks=ranks)

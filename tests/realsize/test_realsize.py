@@ -182,6 +182,10 @@ def test_nodes_on_a_real_size_model(case, args, params):
         assert set(chosen["scales"].values()) == {0.5, 1.0, 1.5}
         block_rank = {"input_blocks": 8, "middle_block": 16, "output_blocks": 32}  # LAYER_RANKS, rank 16
         assert chosen["ranks"] == {p: block_rank[p.split(".")[0]] for p in chosen["preset"]}
+        alphas = {p: 4.0 if p.startswith("input_blocks.") else 32.0 if ".attn2." in p else 16.0  # LAYER_ALPHAS, alpha 16
+                  for p in chosen["preset"]}
+        assert chosen["lora_scales"] == {p: alphas[p] / chosen["ranks"][p] for p in chosen["preset"]}
+        assert set(chosen["lora_scales"].values()) == {0.5, 1.0, 2.0}  # each alpha / its rank
         assert chosen["planned_elements"] == chosen["ranked_elements"] > 0  # the Memory Plan counts each layer's rank
     if "planner" in report:
         for name, row in report["compared"].items():

@@ -39,9 +39,13 @@ LAYER_PATTERNS_MAX = 64
 LAYER_PATTERN_CHARS_MAX = 200
 LAYER_LR_SCALE_MAX = 100.0  # LoRA Config layer_lr_scales: a layer's rate is at most this times the optimizer's
 LAYER_RANK_MAX = 1024  # LoRA Config layer_ranks: as its rank input's largest
-# The kinds whose rank is a low-rank size, which layer_ranks may set per layer (and why the others have none).
+LAYER_ALPHA_MAX = 4096.0  # LoRA Config layer_alphas: as its alpha input's largest
+# The kinds whose rank is a low-rank size and alpha its scale's numerator, which layer_ranks / layer_alphas may set
+# per layer; why the others have neither (oft's alpha is a constraint, full has no scale).
 LAYER_RANK_KINDS = ("lora", "dora", "loha", "lokr")
 _NO_LOW_RANK = {"oft": "its rank is the block size of the rotations", "full": "it trains the weights themselves"}
+_NO_SCALE = {"oft": "its alpha is the constraint of the rotations, one for all layers",
+             "full": "it trains the weights themselves"}
 
 
 
@@ -81,9 +85,13 @@ class AdapterConfig:
     # Learning rates per layer, as multiples of the optimizer's: "pattern=scale" pairs, patterns as in `layers`, the
     # first that matches a layer giving its scale (1 where none does). kohya's block learning-rate weights.
     layer_lr_scales: str = ""
-    # Ranks per layer: "pattern=rank" pairs as in `layer_lr_scales` (the config's rank where none matches), alpha the
-    # same for all, so a layer's scale is alpha / its rank as in kohya's block_dims and peft's rank_pattern.
+    # Ranks per layer: "pattern=rank" pairs as in `layer_lr_scales` (the config's rank where none matches); a layer's
+    # scale is its alpha / its rank, as in kohya's block_dims and peft's rank_pattern.
     layer_ranks: str = ""
+    # Alphas per layer: "pattern=alpha" pairs as in `layer_ranks` (the config's alpha where none matches), so a layer's
+    # scale is its alpha / its rank: kohya's conv_alpha (with conv_dim as layer_ranks) and block_alphas, peft's
+    # alpha_pattern.
+    layer_alphas: str = ""
 
     def validate(self) -> None:
         check_finite("adapter", alpha=self.alpha, dropout=self.dropout)
@@ -91,10 +99,12 @@ class AdapterConfig:
         layer_scale_patterns(self.layer_lr_scales)
         if self.kind not in KINDS:
             raise ValueError(f"adapter kind {self.kind!r} is unknown: choose one of {KINDS}")
-        if layer_rank_patterns(self.layer_ranks) and self.kind not in LAYER_RANK_KINDS:
-            raise ValueError(f"layer_ranks sets a low-rank size per layer, and kind {self.kind} has none "
-                             f"({_NO_LOW_RANK[self.kind]}): clear layer_ranks, or train kind "
-                             f"{', '.join(LAYER_RANK_KINDS)}")
+        for name, sets, why, patterns in (
+                ("layer_ranks", "a low-rank size", _NO_LOW_RANK, layer_rank_patterns(self.layer_ranks)),
+                ("layer_alphas", "the alpha of a low-rank scale", _NO_SCALE, layer_alpha_patterns(self.layer_alphas))):
+            if patterns and self.kind not in LAYER_RANK_KINDS:
+                raise ValueError(f"{name} sets {sets} per layer, and kind {self.kind} has none ({why[self.kind]}): "
+                                 f"clear {name}, or train kind {', '.join(LAYER_RANK_KINDS)}")
         if int(self.rank) != self.rank or self.rank <= 0:
             raise ValueError(f"rank={self.rank} must be a positive integer")
         if self.alpha <= 0:
@@ -177,11 +187,15 @@ def _pattern_values(text: str, input_name: str, read, what: str, example: str
     return pairs
 
 
+def _decimal(value: str) -> float:
+    """A decimal number written in ASCII (float() also reads other scripts' digits and underscores), or NaN."""
+    if not re.fullmatch(r"(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]{1,3})?", value):
+        return math.nan
+    return float(value)
+
+
 def _scale(value: str) -> float:
-    try:
-        scale = float(value)
-    except ValueError:
-        scale = math.nan
+    scale = _decimal(value)
     if not (math.isfinite(scale) and 0 < scale <= LAYER_LR_SCALE_MAX):
         raise ValueError(f"the scale must be above 0 and at most {LAYER_LR_SCALE_MAX:g} (to train no layer of it, "
                          "leave it out with layers)")
@@ -195,6 +209,13 @@ def _rank(value: str) -> int:
     return int(value)
 
 
+def _alpha(value: str) -> float:
+    alpha = _decimal(value)
+    if not (math.isfinite(alpha) and 0 < alpha <= LAYER_ALPHA_MAX):
+        raise ValueError(f"the alpha must be above 0 and at most {LAYER_ALPHA_MAX:g}, as the alpha input")
+    return alpha
+
+
 def layer_scale_patterns(text: str) -> list[tuple[str, re.Pattern, float]]:
     """LoRA Config `layer_lr_scales` read: [(pattern, matcher, scale)] in order, from "pattern=scale" pairs; scales
     finite, above 0 (leave a layer out with `layers`) and at most LAYER_LR_SCALE_MAX."""
@@ -206,6 +227,13 @@ def layer_rank_patterns(text: str) -> list[tuple[str, re.Pattern, int]]:
     """LoRA Config `layer_ranks` read: [(pattern, matcher, rank)] in order, from "pattern=rank" pairs; ranks whole,
     1 to LAYER_RANK_MAX (leave a layer out with `layers`, not with rank 0)."""
     return _pattern_values(text, "layer_ranks", _rank, "rank", "single_blocks=8 trains the single blocks at rank 8")
+
+
+def layer_alpha_patterns(text: str) -> list[tuple[str, re.Pattern, float]]:
+    """LoRA Config `layer_alphas` read: [(pattern, matcher, alpha)] in order, from "pattern=alpha" pairs; alphas
+    finite, above 0 and at most LAYER_ALPHA_MAX."""
+    return _pattern_values(text, "layer_alphas", _alpha, "alpha",
+                           "in_layers=1 gives the ResBlocks' first convolutions alpha 1")
 
 
 def _per_layer(paths: Iterable[str], pairs: list, input_name: str, default) -> dict:
@@ -229,6 +257,12 @@ def layer_ranks(paths: Iterable[str], config: "AdapterConfig") -> dict[str, int]
     """{path: its rank} for the trained `paths`: the first `layer_ranks` pattern matching it, the config's rank where
     none does."""
     return _per_layer(paths, layer_rank_patterns(config.layer_ranks), "layer_ranks", int(config.rank))
+
+
+def layer_alphas(paths: Iterable[str], config: "AdapterConfig") -> dict[str, float]:
+    """{path: its alpha} for the trained `paths`: the first `layer_alphas` pattern matching it, the config's alpha
+    where none does."""
+    return _per_layer(paths, layer_alpha_patterns(config.layer_alphas), "layer_alphas", float(config.alpha))
 
 
 def filter_layers(paths: list[str], config: "AdapterConfig") -> list[str]:
@@ -575,9 +609,9 @@ def _float32(value: float) -> float:
 ADAPTER_LAYERS = (BaseTunerLayer, OFTLayer, FullLayer)
 
 
-def _peft_layer(base: torch.nn.Module, config: AdapterConfig, device=None, read_base=None, rank: int | None = None
-                ) -> torch.nn.Module:
-    rank, alpha = int(config.rank if rank is None else rank), float(config.alpha)
+def _peft_layer(base: torch.nn.Module, config: AdapterConfig, device=None, read_base=None, rank: int | None = None,
+                alpha: float | None = None) -> torch.nn.Module:
+    rank, alpha = int(config.rank if rank is None else rank), float(config.alpha if alpha is None else alpha)
     if config.kind == "oft":
         return OFTLayer(base, rank, alpha)
     if config.kind == "full":
@@ -635,7 +669,7 @@ class AdapterSet:
         self.attached_to: torch.nn.Module | None = None
         if config.kind == "oft":
             _check_oft_block_size(root, paths, int(config.rank))
-        ranks = layer_ranks(paths, config)
+        ranks, alphas = layer_ranks(paths, config), layer_alphas(paths, config)
         # Seeded init without disturbing the caller's global RNG stream.
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(config.init_seed)
@@ -646,7 +680,7 @@ class AdapterSet:
                 read_base = None if base_reader is None else (
                     lambda where, path=path, base=base: base_reader(path, base, where))
                 layer = _peft_layer(base, config, self.card_device if path in self.on_card else device, read_base,
-                                    ranks[path])
+                                    ranks[path], alphas[path])
                 # peft casts the adapter to the base dtype (fp16/bf16/fp8 bases): trainable weights stay fp32 (a full
                 # fine-tune's difference: the dtype its full_precision chose).
                 if config.kind != "full":
