@@ -1,7 +1,8 @@
 """Nanoseconds per weight of one optimizer step in host RAM: what fused backward does per trained tensor with the
 Offload Policy's optimizer_state "cpu" (an fp32 tensor, its gradient and its state on the CPU; one optimizer per
 tensor: training/memory/fused_backward.py), for torch's AdamW and transformers' Adafactor with the settings
-training/core/optimizers.create_optimizer gives them: the optimizer's own step on a tensor stepped in place. Then the
+training/core/optimizers.create_optimizer gives them (and torch's AdamW as it steps CPU tensors by default, unfused):
+the optimizer's own step on a tensor stepped in place. Then the
 step as fused backward runs it (the fp32 copy of weight and gradient made per step; bf16 weights rounded back), which
 is what the planner's time model is given, measured once per process (training/core/optimizers.host_step_s_per_weight, on its
 smaller probe tensor) and prices the host step at.
@@ -30,12 +31,13 @@ def _optimizers():
 
 
 def make(name: str, param: torch.nn.Parameter) -> torch.optim.Optimizer:
-    if name == "AdamW":  # create_optimizer: torch's AdamW (its fused kernel only on CUDA)
+    """The optimizer as create_optimizer makes it (AdamW: torch's fused kernel); "AdamW (torch's default)": torch's
+    AdamW as it steps CPU tensors by default (tensor by tensor, no fused kernel), for comparison."""
+    if name == "AdamW (torch's default)":
         return torch.optim.AdamW([param], lr=1e-4, weight_decay=0.01)
-    from transformers.optimization import Adafactor  # create_optimizer's settings
-
-    return Adafactor([param], lr=1e-4, scale_parameter=False, relative_step=False, warmup_init=False,
-                     weight_decay=0.0)
+    optimizers = _optimizers()
+    decay = 0.01 if name == "AdamW" else 0.0  # as before: AdamW with decay, Adafactor without
+    return optimizers.create_optimizer([param], optimizers.OptimizerConfig(name=name, weight_decay=decay))
 
 
 def main() -> None:
@@ -50,7 +52,7 @@ def main() -> None:
     shape = (rows, args.numel // rows)  # a matrix: Adafactor factors its second moment
     optimizers = _optimizers()
     generator = torch.Generator().manual_seed(0)
-    for name in ("AdamW", "Adafactor"):
+    for name in ("AdamW (torch's default)", "AdamW", "Adafactor"):
         param = torch.nn.Parameter(torch.randn(shape, generator=generator))
         param.grad = torch.randn(shape, generator=generator) * 1e-3
         optimizer = make(name, param)
@@ -63,7 +65,7 @@ def main() -> None:
         per_weight = [t / args.numel * 1e9 for t in times]
         print(f"{name}: best {min(per_weight):.1f} / median {statistics.median(per_weight):.1f} ns per weight "
               f"({args.numel} weights, {torch.get_num_threads()} threads)")
-        for bf16 in (False, True):
+        for bf16 in (False, True) if name in optimizers.OPTIMIZERS else ():
             optimizers.HOST_STEP_PROBE_SHAPE = shape
             optimizers.host_step_s_per_weight.cache_clear()
             rate = optimizers.host_step_rate(name, bf16)
