@@ -249,3 +249,34 @@ def test_learning_rate_scales_group_the_parameters_and_follow_the_schedule(name)
         assert current_lr(optimizer) == low
     with pytest.raises(ValueError, match="2 learning-rate scales for 3 parameters"):
         create_optimizer([up, down, other], config, lr_scales=[1.0, 4.0])
+
+
+def test_adamw_steps_cpu_tensors_with_torchs_fused_kernel():
+    """AdamW on CPU tensors (a run on the CPU, optimizer_state cpu's host step) uses torch's fused kernel, as on CUDA:
+    one pass per tensor instead of about ten (bench/bench_host_optimizer_step.py). It steps as torch's default AdamW
+    does, to rounding; parameter groups (LoRA+, layer_lr_scales) are fused too, and the state resumes exactly."""
+    config = OptimizerConfig(name="AdamW", lr=1e-2, weight_decay=0.01)
+    generator = torch.Generator().manual_seed(0)
+    start = torch.randn(32, 48, generator=generator)
+    gradients = [torch.randn(32, 48, generator=generator) for _ in range(4)]
+    weights = {}
+    for fused in (True, False):
+        weight = torch.nn.Parameter(start.clone())
+        optimizer = create_optimizer([weight], config) if fused else torch.optim.AdamW(
+            [weight], lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay)
+        assert optimizer.defaults["fused"] is (True if fused else None)
+        for gradient in gradients:
+            weight.grad = gradient.clone()
+            optimizer.step()
+        weights[fused] = weight.detach()
+    assert not torch.equal(weights[True], start)
+    torch.testing.assert_close(weights[True], weights[False], rtol=1e-6, atol=1e-6)
+    grouped = create_optimizer([torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(3))], config,
+                               lr_scales=[1.0, 4.0])
+    assert grouped.defaults["fused"] is True and len(grouped.param_groups) == 2
+    first, _, _, _ = _quadratic_run(config, 6)
+    _, optimizer, scheduler, _ = _quadratic_run(config, 3)
+    state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}
+    middle = optimizer.param_groups[0]["params"][0].detach()
+    resumed, _, _, _ = _quadratic_run(config, 3, state=state, start=middle)
+    assert torch.equal(resumed, first)
