@@ -2,10 +2,10 @@
 Offload Policy's optimizer_state "cpu" (an fp32 tensor, its gradient and its state on the CPU; one optimizer per
 tensor: training/memory/fused_backward.py), for torch's AdamW and transformers' Adafactor with the settings
 training/core/optimizers.create_optimizer gives them (and torch's AdamW as it steps CPU tensors by default, unfused):
-the optimizer's own step on a tensor stepped in place. Then the
-step as fused backward runs it (the fp32 copy of weight and gradient made per step; bf16 weights rounded back), which
-is what the planner's time model is given, measured once per process (training/core/optimizers.host_step_s_per_weight, on its
-smaller probe tensor) and prices the host step at.
+the optimizer's own step on a tensor stepped in place. Then the step as fused backward runs it (the fp32 copy of
+weight and gradient made per step; bf16 weights rounded back), which is what the planner's time model is given,
+measured once per process (training/core/optimizers.host_step_s_per_weight, on its smaller probe tensor) and prices
+the host step at.
 
     python bench/bench_host_optimizer_step.py [--numel 37748736] [--repeats 5] [--threads 1]
 

@@ -423,12 +423,9 @@ class LoraTraining:
         adapter = run.config.adapter
         if adapter.kind == "full":
             return "full fine-tune"
-        per_layer = [(what, name) for what, name in (("ranks", "layer_ranks"), ("alphas", "layer_alphas"))
-                     if getattr(adapter, name)]
-        if not per_layer:
-            return f"{adapter.kind} r{adapter.rank}"
-        return f"{adapter.kind} r{adapter.rank} (other " + " and ".join(w for w, _ in per_layer) + " by " + \
-            " and ".join(n for _, n in per_layer) + ")"
+        by = [name for name in ("layer_ranks", "layer_alphas") if getattr(adapter, name)]
+        other = f" (other {' and '.join(n.removeprefix('layer_') for n in by)} by {' and '.join(by)})" if by else ""
+        return f"{adapter.kind} r{adapter.rank}{other}"
 
 
 def open_lora_run(model, latent_cache, text_cache, config: LoraRunConfig, run_root, run_name: str, policy=None,

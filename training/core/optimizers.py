@@ -91,7 +91,7 @@ def create_optimizer(params: Iterable[torch.nn.Parameter], config: OptimizerConf
     if config.name == "AdamW":
         # torch's fused kernel, one pass per tensor: on CUDA the default (foreach) step makes a temporary the size of
         # every trained tensor at once (the sqrt of exp_avg_sq), which a full fine-tune's plan has no room for; on a
-        # CPU the default steps tensor by tensor in about ten passes, 5-6x the time of the fused one
+        # CPU the default steps tensor by tensor in about ten passes, 7-9x the time of the fused one
         # (bench/bench_host_optimizer_step.py), which a host step (optimizer_state cpu) waits for. All parameters on
         # one kind of device; not for DTensor shards.
         tensors = [t for p in params for t in (p["params"] if isinstance(p, dict) else [p])]  # groups, as given
