@@ -19,6 +19,7 @@ import torch
 
 
 _LOW_BITS = 1 << 16  # the fp32 mantissa bits a bf16 drops
+_EXPONENT = 0x7F800000  # an fp32's exponent bits: all set for inf and NaN
 _CHUNK = 1 << 20  # elements rounded at once on a CPU: the int32 temporaries (4 MiB each) stay in cache
 _tables: dict[int, torch.Tensor] = {}  # the hashed element indices 0 .. _CHUNK-1, made once
 
@@ -49,18 +50,26 @@ def _round_on_cpu(value: torch.Tensor, generator: torch.Generator | None) -> tor
     multiplier, low 16 bits kept. The keys are drawn from `generator` once per call (its state is the run's:
     checkpoints save it). Unbiased whatever the table: for any element the XOR with a uniform key makes its low 16
     bits uniform, and multiplying by an odd number permutes them (bit k of a product depends on bits <= k only).
-    Element-wise int32 ops on one reused buffer, which torch spreads over the CPU's threads."""
+    Element-wise int32 ops, which torch spreads over the CPU's threads, into three buffers made once per call: a chunk
+    allocates nothing (fresh temporaries per chunk cost a page fault per 4 KiB where glibc maps them anew)."""
     keys = torch.randint(-2 ** 31, 2 ** 31, (2,), dtype=torch.int64, generator=generator).tolist()
     table, multiplier = _table(), _int32(keys[1] | 1)
     flat, bits = value.reshape(-1), value.reshape(-1).view(torch.int32)
     out = torch.empty(flat.shape, dtype=torch.bfloat16)
-    buffer = torch.empty(min(_CHUNK, flat.numel()), dtype=torch.int32)
+    size = min(_CHUNK, flat.numel())
+    noisy, exponent = torch.empty(size, dtype=torch.int32), torch.empty(size, dtype=torch.int32)
+    special = torch.empty(size, dtype=torch.bool)
     for index, start in enumerate(range(0, flat.numel(), _CHUNK)):
         end = min(start + _CHUNK, flat.numel())
-        noise = torch.bitwise_xor(table[:end - start], _int32(keys[0] + index * 0x9E3779B9),  # chunks differ
-                                  out=buffer[:end - start])
-        noise.mul_(multiplier).bitwise_and_(_LOW_BITS - 1).add_(bits[start:end])  # int32 * wraps like uint32
-        out[start:end] = _finish(flat[start:end], noise)
+        chunk, n = bits[start:end], end - start
+        noise = torch.bitwise_xor(table[:n], _int32(keys[0] + index * 0x9E3779B9), out=noisy[:n])  # chunks differ
+        noise.mul_(multiplier).bitwise_and_(_LOW_BITS - 1).add_(chunk)  # int32 * wraps like uint32
+        noise.bitwise_and_(-_LOW_BITS)  # -2^16 = 0xFFFF0000: keep the top 16 bits
+        # inf and NaN (every exponent bit set) are kept as they are, as _finish does
+        inf_or_nan = torch.eq(torch.bitwise_and(chunk, _EXPONENT, out=exponent[:n]), _EXPONENT, out=special[:n])
+        if inf_or_nan.any():
+            noise[inf_or_nan] = chunk[inf_or_nan]
+        out[start:end].copy_(noise.view(torch.float32))  # exact: the low 16 bits are zero (or inf / NaN, kept)
     return out.view(value.shape)
 
 
