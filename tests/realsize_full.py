@@ -1,9 +1,13 @@
 """A full fine-tune (LoRA Config kind "full") of Flux-dev at real width (3072; one double and one single block), in a
 process of its own, from a file on disk back to a file on disk through stock nodes only:
 
-    python tests/realsize_full.py --out result.json
-    MALLOC_MMAP_THRESHOLD_=131072 python tests/realsize_full.py --lean sdxl --out result.json   # lean options, whole SDXL
-    MALLOC_MMAP_THRESHOLD_=131072 python tests/realsize_full.py --lean sd35_large --depth 2 --out result.json
+    THP_MEM_ALLOC_ENABLE=1 python tests/realsize_full.py --out result.json
+    THP_MEM_ALLOC_ENABLE=1 MALLOC_MMAP_THRESHOLD_=131072 python tests/realsize_full.py --lean sdxl --out result.json
+    THP_MEM_ALLOC_ENABLE=1 MALLOC_MMAP_THRESHOLD_=131072 python tests/realsize_full.py --lean sd35_large --depth 2 \
+        --out result.json
+
+(--lean: the lean options alone on a whole model; THP_MEM_ALLOC_ENABLE: huge pages for torch's large CPU tensors, as
+the real-size tier runs it, tests/realsize/test_full_finetune_pieces.py SCRIPT_ENV.)
 
 stock ModelSave writes the base (as it would be downloaded) -> stock UNETLoader -> HeadroomTrainLoraInit (kind full,
 every Linear inside the blocks) -> two HeadroomTrainSteps steps -> HeadroomSaveLora (the differences, "diff" keys) ->

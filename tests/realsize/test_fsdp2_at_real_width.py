@@ -7,7 +7,6 @@ import dataclasses
 import math
 
 import pytest
-import torch
 from distributed_worker import run_ranks
 
 pytestmark = pytest.mark.realsize

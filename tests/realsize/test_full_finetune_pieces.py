@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from headroom.training.core.lora_extract import extract_lora
 from headroom.training.core.optimizers import OptimizerConfig, create_optimizer
 from headroom.training.memory.fused_backward import FusedBackward
+from realsize_worker import SCRIPT_ENV
 
 pytestmark = pytest.mark.realsize
 
@@ -85,7 +86,7 @@ def test_full_finetune_at_flux_width_goes_from_the_stock_loader_to_the_stock_loa
     out = repo / "test-artifacts" / "realsize" / "full_finetune_flux_dev.json"
     out.unlink(missing_ok=True)
     done = subprocess.run([sys.executable, str(repo / "tests" / "realsize_full.py"), "--out", str(out)], cwd=repo,
-                          capture_output=True, text=True, timeout=1800, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                          capture_output=True, text=True, timeout=1800, env={**os.environ, **SCRIPT_ENV})
     assert done.returncode == 0, f"realsize_full failed:\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}"
     report = json.loads(out.read_text())
     phases = {p["phase"]: p for p in report["phases"]}
@@ -154,7 +155,7 @@ def test_lean_full_finetune_is_planned_within_15_percent(arch, depth, tensors, l
     done = subprocess.run([sys.executable, str(repo / "tests" / "realsize_full.py"), "--lean", arch, *depth_args,
                            "--trained-weights", trained_weights, *card_args, "--out", str(out)], cwd=repo,
                           capture_output=True, text=True, timeout=1800,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1", "MALLOC_MMAP_THRESHOLD_": "131072"})
+                          env={**os.environ, **SCRIPT_ENV, "MALLOC_MMAP_THRESHOLD_": "131072"})
     assert done.returncode == 0, f"realsize_full --lean {arch} failed:\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}"
     report = json.loads(out.read_text())
     peak = max(p["peak_rss_bytes"] for p in report["phases"] if p["phase"] in ("init + first step", "second step"))

@@ -21,6 +21,7 @@ import sys
 import pytest
 
 from comfy_harness import COMFYUI_FOUND_BY, COMFYUI_PATH, REPO_ROOT
+from realsize_worker import SCRIPT_ENV
 
 pytestmark = [pytest.mark.realsize, pytest.mark.skipif(COMFYUI_PATH is None, reason=COMFYUI_FOUND_BY)]
 
@@ -33,7 +34,7 @@ def run_worker(case: str, *args: str, timeout: int = 1800, report: str | None = 
     out = ARTIFACTS / f"{report or case}.json"
     out.unlink(missing_ok=True)
     done = subprocess.run([sys.executable, str(WORKER), case, "--out", str(out), *args], cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                          capture_output=True, text=True, timeout=timeout, env={**os.environ, **SCRIPT_ENV})
     assert done.returncode == 0, f"realsize worker {case} failed:\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}"
     return json.loads(out.read_text())
 
@@ -234,7 +235,7 @@ def test_flux2_lora_keys_map_at_real_width_and_full_depth(case, args, full, redu
     out.unlink(missing_ok=True)
     done = subprocess.run([sys.executable, str(REPO_ROOT / "tests" / "realsize_flux2.py"), case, "--out", str(out), *args],
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=1800,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                          env={**os.environ, **SCRIPT_ENV})
     assert done.returncode == 0, f"{case} failed:\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}"
     report = json.loads(out.read_text())
     deep = report["full_depth"]
@@ -347,7 +348,7 @@ def test_family_lora_keys_at_real_width(arch, args, family, params):
     out.unlink(missing_ok=True)
     done = subprocess.run([sys.executable, str(REPO_ROOT / "tests" / "realsize_keys.py"), arch, *args, "--out", str(out)],
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+                          env={**os.environ, **SCRIPT_ENV, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
     assert done.returncode == 0, f"realsize_keys {arch} failed:\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}"
     report = json.loads(out.read_text())
     full = report["full_depth"]
