@@ -7,7 +7,7 @@ process of its own, from a file on disk back to a file on disk through stock nod
         --out result.json
 
 (--lean: the lean options alone on a whole model; THP_MEM_ALLOC_ENABLE: huge pages for torch's large CPU tensors, as
-the real-size tier runs it, tests/realsize/test_full_finetune_pieces.py SCRIPT_ENV.)
+the real-size tier runs it: tests/realsize_worker.py SCRIPT_ENV.)
 
 stock ModelSave writes the base (as it would be downloaded) -> stock UNETLoader -> HeadroomTrainLoraInit (kind full,
 every Linear inside the blocks) -> two HeadroomTrainSteps steps -> HeadroomSaveLora (the differences, "diff" keys) ->

@@ -20,7 +20,7 @@ import torch
 
 _LOW_BITS = 1 << 16  # the fp32 mantissa bits a bf16 drops
 _EXPONENT = 0x7F800000  # an fp32's exponent bits: all set for inf and NaN
-_CHUNK = 1 << 20  # elements rounded at once on a CPU: the int32 temporaries (4 MiB each) stay in cache
+_CHUNK = 1 << 20  # elements rounded at once on a CPU: the int32 buffers (4 MiB each) stay in cache
 _tables: dict[int, torch.Tensor] = {}  # the hashed element indices 0 .. _CHUNK-1, made once
 
 
