@@ -2,6 +2,7 @@
 
     python tests/realsize_keys.py chroma --depth 1,1 --out result.json
     python tests/realsize_keys.py sdxl --meta-only --out result.json
+    python tests/realsize_keys.py --cases cases.json   # several in one process: [{"arch", "depth", "meta_only", "out"}]
 
 1. the diffusion model at real width (tests/realsize_models.py: ComfyUI's classes from the unet_config its
    model_detection derives from the released checkpoint; checked here by detecting it back from the full-depth
@@ -137,7 +138,15 @@ def _reduced(arch: str, depth, adapter) -> dict:
 
 
 def run(arch: str, depth, meta_only: bool = False) -> dict:
-    W.setup()
+    """One case's report; its peak RSS is the process's if it is the first, else the high-water mark since it began
+    (reset: W.Peak)."""
+    with W.Peak() as peak:
+        report = _run(arch, depth, meta_only)
+    report["peak_rss_bytes"] = peak.record("case")["peak_rss_bytes"]
+    return report
+
+
+def _run(arch: str, depth, meta_only: bool = False) -> dict:
     import comfy.lora
 
     from headroom.nodes.bridge import families
@@ -168,27 +177,44 @@ def run(arch: str, depth, meta_only: bool = False) -> dict:
             fmt: sorted(set(reduced_patterns[fmt]) ^ {_pattern(n) for n in names}) for fmt, names in full_names.items()},
     }
     report["seconds"] = time.perf_counter() - started
-    # This process's own peak (Linux: VmHWM). Not getrusage's ru_maxrss: Linux carries the parent's high-water mark into
-    # a forked and exec'd child's, so a pytest worker that had grown past 6 GiB made every key check here "use" it.
-    from headroom.training.os_compat import process_peak_rss_bytes
-
-    report["peak_rss_bytes"] = process_peak_rss_bytes()
     return report
+
+
+def _depth(text: str):
+    depth = tuple(int(d) for d in text.split(",")) if text else None
+    return depth[0] if depth is not None and len(depth) == 1 else depth
+
+
+def _write(out: str, report: dict) -> None:
+    path = pathlib.Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1, default=str))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("arch", help="tests/realsize_models.ARCHITECTURES name")
+    parser.add_argument("arch", nargs="?", help="tests/realsize_models.ARCHITECTURES name")
     parser.add_argument("--depth", default="", help="reduced depth (comma-separated for (double, single) blocks)")
     parser.add_argument("--meta-only", action="store_true", help="the full-depth names on the meta device only")
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out", help="where the report goes")
+    parser.add_argument("--cases", help="a JSON list of cases ({arch, depth, meta_only, out}) run one after another "
+                                        "in this process (ComfyUI is imported once); a case that fails writes its "
+                                        "traceback as {arch, error} and the next one runs")
     args = parser.parse_args()
-    depth = tuple(int(d) for d in args.depth.split(",")) if args.depth else None
-    depth = depth[0] if depth is not None and len(depth) == 1 else depth
-    report = run(args.arch, depth, args.meta_only)
-    out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1, default=str))
+    if (args.cases is None) == (args.arch is None) or (args.arch is not None and args.out is None):
+        parser.error("give an arch and --out, or --cases")
+    W.setup()
+    if args.arch is not None:
+        _write(args.out, run(args.arch, _depth(args.depth), args.meta_only))
+        return
+    import traceback
+
+    for case in json.loads(pathlib.Path(args.cases).read_text()):
+        try:
+            report = run(case["arch"], _depth(case.get("depth", "")), bool(case.get("meta_only", False)))
+        except Exception:  # noqa: BLE001 - written for the case's own test to show; the next case still runs
+            report = {"arch": case["arch"], "error": traceback.format_exc()}
+        _write(case["out"], report)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -342,15 +343,30 @@ REFUSED_FORMATS = {"hunyuan_image": ["diffusers"], "wan21": ["diffusers"], "huny
                    "ltx2": ["diffusers"], "ideogram4": ["diffusers"]}
 
 
-@pytest.mark.parametrize("arch, args, family, params", KEY_CASES, ids=[c[0] for c in KEY_CASES])
-def test_family_lora_keys_at_real_width(arch, args, family, params):
-    out = ARTIFACTS / f"keys_{arch}.json"
-    out.unlink(missing_ok=True)
-    done = subprocess.run([sys.executable, str(REPO_ROOT / "tests" / "realsize_keys.py"), arch, *args, "--out", str(out)],
-                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=900,
+@pytest.fixture(scope="module")
+def key_reports():
+    """Every KEY_CASES case in one tests/realsize_keys.py process, one after another (ComfyUI imported once, ~10 s
+    a process): {arch: its report}, or the process's output where it wrote none."""
+    cases = [{"arch": arch, "depth": args[args.index("--depth") + 1] if "--depth" in args else "",
+              "meta_only": "--meta-only" in args, "out": str(ARTIFACTS / f"keys_{arch}.json")}
+             for arch, args, _, _ in KEY_CASES]
+    for case in cases:
+        pathlib.Path(case["out"]).unlink(missing_ok=True)
+    listed = ARTIFACTS / "keys_cases.json"
+    listed.parent.mkdir(parents=True, exist_ok=True)
+    listed.write_text(json.dumps(cases))
+    done = subprocess.run([sys.executable, str(REPO_ROOT / "tests" / "realsize_keys.py"), "--cases", str(listed)],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=1800,
                           env={**os.environ, **SCRIPT_ENV, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
-    assert done.returncode == 0, f"realsize_keys {arch} failed:\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}"
-    report = json.loads(out.read_text())
+    output = f"realsize_keys exited {done.returncode}:\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}"
+    return {case["arch"]: json.loads(pathlib.Path(case["out"]).read_text()) if pathlib.Path(case["out"]).exists()
+            else {"error": output} for case in cases}
+
+
+@pytest.mark.parametrize("arch, args, family, params", KEY_CASES, ids=[c[0] for c in KEY_CASES])
+def test_family_lora_keys_at_real_width(key_reports, arch, args, family, params):
+    report = key_reports[arch]
+    assert "error" not in report, f"realsize_keys {arch} failed:\n{report['error']}"
     full = report["full_depth"]
     print(f"{arch}: {full['params'] / 1e9:.2f} B params at full depth, {full['trained_layers']} preset layers "
           f"({', '.join(f'{fmt} {n} names' for fmt, n in full['names'].items())}), all in ComfyUI's key map; "
