@@ -2,6 +2,7 @@
 and saves, through the stock loader, at reduced depth and at full depth.
 
     python tests/realsize_flux2.py flux2_klein_4b --out result.json [--depth 1 1 | --meta-only]
+    python tests/realsize_flux2.py --cases cases.json   # several in one process: [{"arch", "depth", "out"}]
 
 1. Full depth on the meta device (no memory): the unet_config of tests/realsize_models.py is the one
    comfy/model_detection.py derives from the model's key layout (read back from the meta state dict), the model has
@@ -206,31 +207,56 @@ def reduced_depth(arch: str, depth, report: dict, size: int = 64, steps: int = 1
 
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("arch", choices=["flux2_dev", "flux2_klein_4b", "flux2_klein_9b"])
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--depth", type=int, nargs=2, default=(1, 1), help="double and single blocks at real width")
-    parser.add_argument("--meta-only", action="store_true", help="only the full-depth key map on the meta device")
-    parser.add_argument("--threads", type=int, default=0)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads or os.cpu_count() or 1)
-    W.setup()
+def run(arch: str, depth, meta_only: bool) -> dict:
     started = time.perf_counter()
-    report = {"arch": args.arch, "depth": list(args.depth), "meta_only": args.meta_only, "phases": []}
+    report = {"arch": arch, "depth": list(depth), "meta_only": meta_only, "phases": []}
     with W.Peak() as peak:
-        patcher, full = full_depth(args.arch)
+        patcher, full = full_depth(arch)
     report["phases"].append(peak.record("full depth on the meta device"))
     report["full_depth"] = full
-    if not args.meta_only:
+    if not meta_only:
         del patcher
         gc.collect()
-        reduced_depth(args.arch, tuple(args.depth), report)
+        reduced_depth(arch, tuple(depth), report)
     report["seconds"] = time.perf_counter() - started
     report["peak_rss_bytes"] = max(p["peak_rss_bytes"] for p in report["phases"])
-    out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1, default=str))
+    return report
+
+
+def _write_report(out: str, report: dict) -> None:
+    path = pathlib.Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1, default=str))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("arch", nargs="?", choices=["flux2_dev", "flux2_klein_4b", "flux2_klein_9b"])
+    parser.add_argument("--out", help="where the report goes")
+    parser.add_argument("--depth", type=int, nargs=2, default=(1, 1), help="double and single blocks at real width")
+    parser.add_argument("--meta-only", action="store_true", help="only the full-depth key map on the meta device")
+    parser.add_argument("--cases", help="a JSON list of cases ({arch, depth, out}) run one after another in this "
+                                        "process (ComfyUI is imported once); a case that fails writes its traceback "
+                                        "as {arch, error} and the next one runs")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch threads (0: $HEADROOM_TORCH_THREADS, set by the test suite, else every core)")
+    args = parser.parse_args()
+    if (args.cases is None) == (args.arch is None) or (args.arch is not None and args.out is None):
+        parser.error("give an arch and --out, or --cases")
+    torch.set_num_threads(args.threads or int(os.environ.get("HEADROOM_TORCH_THREADS", 0)) or os.cpu_count() or 1)
+    W.setup()
+    if args.arch is not None:
+        _write_report(args.out, run(args.arch, args.depth, args.meta_only))
+        return
+    import traceback
+
+    for case in json.loads(pathlib.Path(args.cases).read_text()):
+        try:
+            report = run(case["arch"], case.get("depth", (1, 1)), False)
+        except Exception:  # noqa: BLE001 - written for the case's own test to show; the next case still runs
+            report = {"arch": case["arch"], "error": traceback.format_exc()}
+        _write_report(case["out"], report)
+        gc.collect()
 
 
 if __name__ == "__main__":

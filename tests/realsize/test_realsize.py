@@ -230,15 +230,33 @@ FLUX2_CASES = [
 ]
 
 
+def run_cases(script: str, cases: list[dict], timeout: int = 1800) -> dict:
+    """`cases` ({arch, ..., out}) in one run of tests/<script> --cases (ComfyUI imported once: ~10 s a process):
+    {arch: its report}, or the process's output where it wrote none."""
+    for case in cases:
+        pathlib.Path(case["out"]).unlink(missing_ok=True)
+    listed = ARTIFACTS / f"{pathlib.Path(script).stem}_cases.json"
+    listed.parent.mkdir(parents=True, exist_ok=True)
+    listed.write_text(json.dumps(cases))
+    done = subprocess.run([sys.executable, str(REPO_ROOT / "tests" / script), "--cases", str(listed)],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **SCRIPT_ENV, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+    output = f"{script} exited {done.returncode}:\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}"
+    return {case["arch"]: json.loads(pathlib.Path(case["out"]).read_text()) if pathlib.Path(case["out"]).exists()
+            else {"error": output} for case in cases}
+
+
+@pytest.fixture(scope="module")
+def flux2_reports():
+    """Every FLUX2_CASES case in one tests/realsize_flux2.py process."""
+    return run_cases("realsize_flux2.py", [{"arch": case, "depth": [int(d) for d in args[1:3]],
+                                            "out": str(ARTIFACTS / f"{case}.json")} for case, args, _, _ in FLUX2_CASES])
+
+
 @pytest.mark.parametrize("case, args, full, reduced", FLUX2_CASES, ids=[c[0] for c in FLUX2_CASES])
-def test_flux2_lora_keys_map_at_real_width_and_full_depth(case, args, full, reduced):
-    out = ARTIFACTS / f"{case}.json"
-    out.unlink(missing_ok=True)
-    done = subprocess.run([sys.executable, str(REPO_ROOT / "tests" / "realsize_flux2.py"), case, "--out", str(out), *args],
-                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=1800,
-                          env={**os.environ, **SCRIPT_ENV})
-    assert done.returncode == 0, f"{case} failed:\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}"
-    report = json.loads(out.read_text())
+def test_flux2_lora_keys_map_at_real_width_and_full_depth(flux2_reports, case, args, full, reduced):
+    report = flux2_reports[case]
+    assert "error" not in report, f"{case} failed:\n{report['error']}"
     deep = report["full_depth"]
     print(f"{case}: full depth {deep['params'] / 1e9:.2f} B, {deep['targets']} preset layers; "
           + "; ".join(f"{fmt}: {f['patched_weights']} patched, {len(f['not_loaded'])} not loaded" for fmt, f in deep["files"].items())
@@ -345,22 +363,10 @@ REFUSED_FORMATS = {"hunyuan_image": ["diffusers"], "wan21": ["diffusers"], "huny
 
 @pytest.fixture(scope="module")
 def key_reports():
-    """Every KEY_CASES case in one tests/realsize_keys.py process, one after another (ComfyUI imported once, ~10 s
-    a process): {arch: its report}, or the process's output where it wrote none."""
-    cases = [{"arch": arch, "depth": args[args.index("--depth") + 1] if "--depth" in args else "",
-              "meta_only": "--meta-only" in args, "out": str(ARTIFACTS / f"keys_{arch}.json")}
-             for arch, args, _, _ in KEY_CASES]
-    for case in cases:
-        pathlib.Path(case["out"]).unlink(missing_ok=True)
-    listed = ARTIFACTS / "keys_cases.json"
-    listed.parent.mkdir(parents=True, exist_ok=True)
-    listed.write_text(json.dumps(cases))
-    done = subprocess.run([sys.executable, str(REPO_ROOT / "tests" / "realsize_keys.py"), "--cases", str(listed)],
-                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=1800,
-                          env={**os.environ, **SCRIPT_ENV, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
-    output = f"realsize_keys exited {done.returncode}:\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}"
-    return {case["arch"]: json.loads(pathlib.Path(case["out"]).read_text()) if pathlib.Path(case["out"]).exists()
-            else {"error": output} for case in cases}
+    """Every KEY_CASES case in one tests/realsize_keys.py process."""
+    return run_cases("realsize_keys.py", [
+        {"arch": arch, "depth": args[args.index("--depth") + 1] if "--depth" in args else "",
+         "meta_only": "--meta-only" in args, "out": str(ARTIFACTS / f"keys_{arch}.json")} for arch, args, _, _ in KEY_CASES])
 
 
 @pytest.mark.parametrize("arch, args, family, params", KEY_CASES, ids=[c[0] for c in KEY_CASES])
