@@ -31,7 +31,7 @@ import comfy.model_management
 import comfy.patcher_extension
 import comfy.utils
 
-from ...training.core.adapters import ADAPTER_LAYERS
+from ...training.core.adapters import adapter_layer_types
 from ...training.memory.checkpointing import inplace_depth_problem, pinned_reading
 from ...training.data.files import WriteError, open_regular
 from ...training.memory.lowbit import LowBitBase, LowBitLinear
@@ -354,7 +354,7 @@ class Placement:
     def free_shared_module(model) -> None:
         """A previous run's clone loaded with its adapter or low-bit layers in the shared module: unloaded, so the
         module (and the new run's fingerprint of it) is ComfyUI's own again."""
-        if any(isinstance(m, (*ADAPTER_LAYERS, LowBitLinear)) for m in model.model.diffusion_model.modules()):
+        if any(isinstance(m, (*adapter_layer_types(), LowBitLinear)) for m in model.model.diffusion_model.modules()):
             comfy.model_management.unload_model_and_clones(model)
 
     @contextlib.contextmanager

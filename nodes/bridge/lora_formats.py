@@ -30,7 +30,6 @@ import json
 import re
 
 import torch
-from peft import LoraConfig
 
 import comfy.lora
 import comfy.lora_convert
@@ -262,6 +261,8 @@ def to_diffusers(state: dict[str, torch.Tensor], names: dict[str, list[tuple[str
     others = {module: int(r) for module, r in sorted(targets.items()) if r != rank}
     if others:
         config.update(rank_pattern=others, alpha_pattern=dict(others))
+    from peft import LoraConfig  # on first use: peft's import is most of the pack's own (training/core/adapters.py)
+
     LoraConfig(**config)  # what diffusers builds from it: must construct
     return out, {f"{component}.{field}": value for field, value in config.items()}
 

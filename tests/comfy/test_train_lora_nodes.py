@@ -64,9 +64,9 @@ def _init(model, latents, texts, run_name, kind="lora", rank=8, targets="preset"
 
 
 def _no_adapter_attached(model):
-    from headroom.training.core.adapters import ADAPTER_LAYERS
+    from headroom.training.core.adapters import adapter_layer_types
 
-    return not any(isinstance(m, ADAPTER_LAYERS) for m in model.model.diffusion_model.modules())
+    return not any(isinstance(m, adapter_layer_types()) for m in model.model.diffusion_model.modules())
 
 
 @pytest.mark.parametrize("family", FAMILIES)
