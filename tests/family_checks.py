@@ -135,13 +135,13 @@ def validate_samples(run, clip, vae, size, frames, **video) -> torch.Tensor:
 
 
 def overfit(run) -> tuple[float, float]:
-    """Train until the loss on the training items halves (checked every 50 steps from 100, at most 300 steps);
+    """Train until the loss on the training items halves (checked every 50 steps, at most 300 steps);
     returns (initial, final) loss."""
     from headroom.nodes import train_lora as T
 
     with torch.inference_mode():
         initial = run.loss_on(run.train_items)
-        for target in range(100, 301, 50):
+        for target in range(50, 301, 50):
             T.HeadroomTrainSteps.execute(run, target)
             final = run.loss_on(run.train_items)
             if final <= 0.5 * initial:
