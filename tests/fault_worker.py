@@ -58,6 +58,7 @@ def setup(base: str) -> None:
     import torch
 
     import headroom.nodes  # noqa: F401  (registers the cache folder)
+    import peft  # noqa: F401  (the pack imports it at a run's first adapter layer: here once, not in every job)
     from headroom.nodes import data as data_nodes
     from headroom.nodes.bridge.tiny_models import build_tiny_models
     from test_train_lora_nodes import _data

@@ -20,6 +20,7 @@ import dataclasses
 import fnmatch
 import math
 import re
+import sys
 from typing import Iterable
 
 import torch
@@ -602,12 +603,11 @@ def _float32(value: float) -> float:
 
 
 def adapter_layer_types() -> tuple[type, ...]:
-    """Every module type an AdapterSet swaps into a module tree. peft is imported where a run first needs it, not with
-    the pack: with its imports (bitsandbytes, parts of transformers) it was 1.7 of the pack's 2.1 s in ComfyUI's
-    start-up."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    return BaseTunerLayer, OFTLayer, FullLayer
+    """Every module type an AdapterSet swaps into a module tree. peft is imported where a run first makes one of its
+    layers (_peft_layer), not with the pack: with its imports (bitsandbytes, parts of transformers) it was 1.7 of the
+    pack's 2.1 s in ComfyUI's start-up. Until then no peft layer exists, so its base class is not asked for."""
+    tuners = sys.modules.get("peft.tuners.tuners_utils")
+    return (OFTLayer, FullLayer) + ((tuners.BaseTunerLayer,) if tuners is not None else ())
 
 
 def _peft_layer(base: torch.nn.Module, config: AdapterConfig, device=None, read_base=None, rank: int | None = None,
