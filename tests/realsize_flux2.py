@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib.util
-import json
 import logging
 import os
 import pathlib
@@ -223,12 +222,6 @@ def run(arch: str, depth, meta_only: bool) -> dict:
     return report
 
 
-def _write_report(out: str, report: dict) -> None:
-    path = pathlib.Path(out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=1, default=str))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("arch", nargs="?", choices=["flux2_dev", "flux2_klein_4b", "flux2_klein_9b"])
@@ -246,17 +239,9 @@ def main() -> None:
     torch.set_num_threads(args.threads or int(os.environ.get("HEADROOM_TORCH_THREADS", 0)) or os.cpu_count() or 1)
     W.setup()
     if args.arch is not None:
-        _write_report(args.out, run(args.arch, args.depth, args.meta_only))
-        return
-    import traceback
-
-    for case in json.loads(pathlib.Path(args.cases).read_text()):
-        try:
-            report = run(case["arch"], case.get("depth", (1, 1)), False)
-        except Exception:  # noqa: BLE001 - written for the case's own test to show; the next case still runs
-            report = {"arch": case["arch"], "error": traceback.format_exc()}
-        _write_report(case["out"], report)
-        gc.collect()
+        W.write_report(args.out, run(args.arch, args.depth, args.meta_only))
+    else:
+        W.run_cases(args.cases, lambda case: run(case["arch"], case.get("depth", (1, 1)), False))
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ LoraLoader in tests/realsize_worker.py already).
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import pathlib
 import re
@@ -185,12 +184,6 @@ def _depth(text: str):
     return depth[0] if depth is not None and len(depth) == 1 else depth
 
 
-def _write(out: str, report: dict) -> None:
-    path = pathlib.Path(out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=1, default=str))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("arch", nargs="?", help="tests/realsize_models.ARCHITECTURES name")
@@ -205,16 +198,10 @@ def main() -> None:
         parser.error("give an arch and --out, or --cases")
     W.setup()
     if args.arch is not None:
-        _write(args.out, run(args.arch, _depth(args.depth), args.meta_only))
-        return
-    import traceback
-
-    for case in json.loads(pathlib.Path(args.cases).read_text()):
-        try:
-            report = run(case["arch"], _depth(case.get("depth", "")), bool(case.get("meta_only", False)))
-        except Exception:  # noqa: BLE001 - written for the case's own test to show; the next case still runs
-            report = {"arch": case["arch"], "error": traceback.format_exc()}
-        _write(case["out"], report)
+        W.write_report(args.out, run(args.arch, _depth(args.depth), args.meta_only))
+    else:
+        W.run_cases(args.cases, lambda case: run(case["arch"], _depth(case.get("depth", "")),
+                                                 bool(case.get("meta_only", False))))
 
 
 if __name__ == "__main__":

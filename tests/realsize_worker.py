@@ -607,6 +607,28 @@ def compare(report: dict, planner_key: str = "checkpointing") -> dict:
     return out
 
 
+def write_report(out: str | pathlib.Path, report: dict) -> None:
+    """A script's JSON report, its folder made."""
+    path = pathlib.Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1, default=str))
+
+
+def run_cases(cases_file: str, run_one) -> None:
+    """Each case of a JSON list ({arch, ..., out}) through run_one(case) -> its report, one after another in this
+    process (ComfyUI is imported once: ~10 s a process); a case that fails writes its traceback as {arch, error} and
+    the next one runs."""
+    import traceback
+
+    for case in json.loads(pathlib.Path(cases_file).read_text()):
+        try:
+            report = run_one(case)
+        except Exception:  # noqa: BLE001 - written for the case's own test to show; the next case still runs
+            report = {"arch": case["arch"], "error": traceback.format_exc()}
+        write_report(case["out"], report)
+        gc.collect()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("case", choices=[*CASES, "replace", "host_ram"], help="a model case, or replace: "
@@ -629,9 +651,7 @@ def main() -> None:
         report = run_case(args.case, args.size, args.steps, not args.no_checkpointing, args.planner)
     if args.case in CASES:
         report["compared"] = compare(report, "checkpointing" if not args.no_checkpointing else "no_checkpointing")
-    out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1, default=str))
+    write_report(args.out, report)
 
 
 if __name__ == "__main__":
