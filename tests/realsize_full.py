@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import gc
 import hashlib
-import json
 import os
 import pathlib
 import sys
@@ -289,9 +288,7 @@ def main() -> None:
     report = run_lean(args.lean, args.depth, trained_weights=args.trained_weights, card_blocks=args.card_blocks) \
         if args.lean else run()
     report["seconds"] = time.perf_counter() - started
-    out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1, default=str))
+    W.write_report(args.out, report)
 
 
 if __name__ == "__main__":
