@@ -275,7 +275,7 @@ def test_bad_control_caches_fail_clearly(comfyui):
 
     loraplus = HeadroomOptimizerConfig.execute("AdamW", 1e-3, 0.0, "constant", 0, 10, loraplus_lr_ratio=4.0).args[0]
     with pytest.raises(ValueError, match=r"Train ControlNet: Init \(Headroom\): loraplus_lr_ratio 4 \(Optimizer "
-                                         "Config\) raises the learning rate of a LoRA's up matrices, and this run "
+                                         r"Config\) raises the learning rate of a LoRA's up matrices, and this run "
                                          "trains no LoRA: set it to 1"):
         HeadroomTrainControlNetInit.execute(**{**_init_inputs(model, latent_cache, text_cache, _unique("loraplus")),
                                                "optimizer_config": loraplus})
