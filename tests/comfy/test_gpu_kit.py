@@ -47,7 +47,9 @@ def test_dry_run_measures_resumes_and_writes_the_page(comfyui, tmp_path):
     results, page, png = tmp_path / "results", tmp_path / "gpu_kit.md", tmp_path / "gpu_vram.png"
     page.write_text(OLD_PAGE)
 
-    suite(results, "--models", "sdxl", "--budgets", "8", "--no-native", "--policies", "none")
+    # the CUDA tests' step with one of their files (every one of them runs in this suite anyway)
+    suite(results, "--models", "sdxl", "--budgets", "8", "--no-native", "--policies", "none",
+          "--cuda-test-files", "tests/unit/test_memory_stats.py")
     first = {r["id"]: r for r in measurements(results)}
     assert list(first) == ["cuda_tests", "h2d", "lora/sdxl/resident", "lora/sdxl/8GB"]
 
@@ -97,7 +99,11 @@ def test_dry_run_measures_resumes_and_writes_the_page(comfyui, tmp_path):
     tests = by_id["cuda_tests"]
     # which test failed, read from pytest's junit XML (each failure's message), or why pytest did not finish
     assert tests["status"] == "ok", tests.get("failures") or tests.get("error") or tests.get("output")
-    assert "tests/unit/test_memory_stats.py" in tests["files"] and tests["skipped"] >= 1 and tests["failures"] == []
+    assert tests["files"] == ["tests/unit/test_memory_stats.py"] and tests["skipped"] >= 1 and tests["failures"] == []
+    assert tests["passed"] > 0
+    # what the GPU machine runs without --cuda-test-files: every marked file
+    marked = set(sys.modules["gpukit_suite"].cuda_test_files())
+    assert {"tests/unit/test_memory_stats.py", "tests/unit/test_weight_streaming.py"} <= marked
 
     text = page.read_text()
     assert text.startswith("# Benchmarks\n\nKept above.\n") and text.endswith("\n\nKept below.\n")
