@@ -569,9 +569,14 @@ class StepTrace:
         cuda = self.run.denoiser.device.type == "cuda"
         trainer = self.run.trainer
         real = trainer.train_step
+        # One warm-up step before the traced one where there is one: the profiler starts CUPTI there, not inside the
+        # traced step's copy / compute figures (the step timings are a median: one slower step does not move them).
+        # One cycle (repeat=1): a second would begin with its warm-up and clear the traced step's events at exit.
+        warmup = min(1, self.traced_step - 1)
+        cycle = schedule(wait=self.traced_step - 1 - warmup, warmup=warmup, active=1, repeat=1)
         try:
             self.profiler = profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])],
-                                    schedule=schedule(wait=self.traced_step - 1, warmup=0, active=1)).__enter__()
+                                    schedule=cycle).__enter__()
         except Exception as error:
             self.error = error
             return self
