@@ -1,4 +1,5 @@
-"""One rank of a data-parallel toy run (tests/unit/test_distributed.py), started by the test as a subprocess.
+"""One rank of a data-parallel toy run (tests/unit/test_distributed.py), started by the test as a subprocess, or forked
+from this script's zygote (Zygote, `--zygote`: the imports done once).
 
     python distributed_worker.py RANK WORLD_SIZE PORT JOB_JSON
 
@@ -24,29 +25,156 @@ TESTS = pathlib.Path(__file__).resolve().parent
 sys.path += [str(TESTS), str(TESTS / "unit")]
 
 
-def start_ranks(job: dict, world: int = 2) -> list:
-    """This script as `world` subprocesses (rank 0..world-1) on a free port, one torch thread each."""
+def start_ranks(job: dict, world: int = 2, forked: bool = False) -> list:
+    """This script as `world` subprocesses (rank 0..world-1) on a free port, one torch thread each. `forked`: each rank
+    forked from this test process's zygote (ForkedRank), which imported torch, peft and the toy's modules once."""
     import socket
     import subprocess
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    if forked:
+        return [Zygote.shared().start(rank, world, port, job) for rank in range(world)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return [subprocess.Popen([sys.executable, __file__, str(rank), str(world), str(port), json.dumps(job)],
                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             for rank in range(world)]
 
 
-def run_ranks(job: dict, world: int = 2) -> list[dict]:
+def run_ranks(job: dict, world: int = 2, forked: bool = False) -> list[dict]:
     """start_ranks, wait for every rank (each must succeed), and what each wrote to `job["out"]`."""
     import torch
 
-    ranks = start_ranks(job, world)
+    ranks = start_ranks(job, world, forked)
     for rank, process in enumerate(ranks):
         _, err = process.communicate(timeout=300)
         assert process.returncode == 0, f"rank {rank} failed:\n{err[-3000:]}"
     return [torch.load(f"{job['out']}.rank{rank}.pt") for rank in range(world)]
+
+
+class Zygote:
+    """This script as `--zygote`: torch, peft (the pack imports it at a run's first LoRA layer) and the toy's modules
+    imported once, then one rank forked per request. A fresh interpreter spent ~10 s of a toy rank's life importing
+    them (peft ~6 s), the toy run itself a second or two. JSON lines on its stdin / stdout: {"op": "start", "rank",
+    "world", "port", "job", "stdout", "stderr"} -> {"pid"}; {"op": "poll", "pid"} -> {"code": None while it runs, else
+    its exit code, or minus the signal that ended it}. One per test process, started on first use."""
+    _shared = None
+
+    def __init__(self):
+        import subprocess
+        import tempfile
+
+        self.folder = pathlib.Path(tempfile.mkdtemp(prefix="headroom-ranks-"))
+        self.process = subprocess.Popen([sys.executable, __file__, "--zygote"], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, stderr=open(self.folder / "zygote.err", "w"),
+                                        env={**os.environ, "OMP_NUM_THREADS": "1"}, text=True)
+        self.count = 0
+        if self.process.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"the ranks' zygote did not start: {(self.folder / 'zygote.err').read_text()[-3000:]}")
+
+    @classmethod
+    def shared(cls) -> "Zygote":
+        if cls._shared is None or cls._shared.process.poll() is not None:
+            import atexit
+
+            cls._shared = cls()
+            atexit.register(cls._shared.close)
+        return cls._shared
+
+    def close(self) -> None:
+        import shutil
+
+        self.process.kill()
+        self.process.wait()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+    def ask(self, **request) -> dict:
+        self.process.stdin.write(json.dumps(request) + "\n")
+        self.process.stdin.flush()
+        line = self.process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the ranks' zygote ended: {(self.folder / 'zygote.err').read_text()[-3000:]}")
+        return json.loads(line)
+
+    def start(self, rank: int, world: int, port: int, job: dict) -> "ForkedRank":
+        self.count += 1
+        out, err = (self.folder / f"{self.count}.rank{rank}.{name}" for name in ("out", "err"))
+        pid = self.ask(op="start", rank=rank, world=world, port=port, job=job, stdout=str(out), stderr=str(err))["pid"]
+        return ForkedRank(self, pid, out, err)
+
+
+class ForkedRank:
+    """A rank the zygote forked, with as much of subprocess.Popen as the tests use: pid, poll(), communicate(),
+    kill(), returncode (negative: the signal that ended it). Its output goes to files, read by communicate()."""
+
+    def __init__(self, zygote: Zygote, pid: int, out: pathlib.Path, err: pathlib.Path):
+        self.zygote, self.pid, self.out, self.err = zygote, pid, out, err
+        self.returncode = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:  # the zygote reaps it: until then its pid is its own (safe to signal)
+            self.returncode = self.zygote.ask(op="poll", pid=self.pid)["code"]
+        return self.returncode
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        import subprocess
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"rank pid {self.pid}", timeout)
+            time.sleep(0.05)
+        return self.out.read_text(errors="replace"), self.err.read_text(errors="replace")
+
+    def kill(self) -> None:
+        import signal
+
+        if self.poll() is None:
+            os.kill(self.pid, signal.SIGKILL)
+
+
+def zygote() -> None:
+    """The zygote's loop (Zygote): imports once, then forks a rank per request and reaps them when asked."""
+    import traceback
+
+    import conftest  # noqa: F401  (registers the repo as the package `headroom`)
+    import peft  # noqa: F401
+    import torch
+    import torch.distributed  # noqa: F401
+    from headroom.training.core import distributed  # noqa: F401
+    from headroom.training.memory import sharded_optimizer, sharded_weights  # noqa: F401
+    import memory_caches  # noqa: F401
+    import test_trainer  # noqa: F401
+
+    torch.set_num_threads(1)
+    print("ready", flush=True)
+    for line in sys.stdin:
+        request = json.loads(line)
+        if request["op"] == "poll":
+            pid, status = os.waitpid(request["pid"], os.WNOHANG)
+            code = None if pid == 0 else (os.WEXITSTATUS(status) if os.WIFEXITED(status) else -os.WTERMSIG(status))
+            print(json.dumps({"code": code}), flush=True)
+            continue
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid:
+            print(json.dumps({"pid": pid}), flush=True)
+            continue
+        code = 1
+        try:  # the rank: its own output files, never the protocol pipes
+            for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
+                os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
+            try:
+                main(request["rank"], request["world"], request["port"], request["job"])
+                code = 0
+            except BaseException:
+                traceback.print_exc()  # as an interpreter prints what ended it
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
 
 
 def toy_run(job: dict):
@@ -158,7 +286,9 @@ def run(rank: int, world: int, job: dict) -> None:
                f"{job['out']}.rank{rank}.pt")
 
 
-if __name__ == "__main__":
+if __name__ == "__main__" and sys.argv[1:] == ["--zygote"]:
+    zygote()
+elif __name__ == "__main__":
     main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4]))
     # Everything the test reads is written and closed: the rank ends without the interpreter's teardown, where a rank
     # that had finished could still abort now and then ("terminate called without an active exception", C++ threads

@@ -1,6 +1,7 @@
 """Data-parallel training on torch.distributed: 2 CPU ranks (gloo, separate processes) against one rank.
 
-The ranks are subprocesses running tests/distributed_worker.py on the toy denoiser of test_trainer.py.
+The ranks are processes running tests/distributed_worker.py on the toy denoiser of test_trainer.py, each forked from
+a zygote that imported torch and peft once (distributed_worker.Zygote).
 """
 from __future__ import annotations
 
@@ -25,11 +26,11 @@ STEPS = 10
 
 
 def _start_ranks(job: dict, world: int = 2) -> list[subprocess.Popen]:
-    return start_ranks(job, world)
+    return start_ranks(job, world, forked=True)  # each a process of its own, forked with the imports done
 
 
 def _run_ranks(job: dict, world: int = 2) -> list[dict]:
-    return run_ranks(job, world)
+    return run_ranks(job, world, forked=True)
 
 
 def _assert_close(actual: dict, expected: dict, rel: float = 1e-6) -> None:
