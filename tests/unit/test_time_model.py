@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import types
 
 import pytest
 import torch
@@ -255,7 +256,8 @@ def clock(monkeypatch):
             self.now += seconds
 
     virtual = Clock()
-    monkeypatch.setattr(planner.time, "perf_counter", lambda: virtual.now)
+    # the planner's own `time` only (it reads perf_counter alone): the process's clock stays real
+    monkeypatch.setattr(planner, "time", types.SimpleNamespace(perf_counter=lambda: virtual.now))
     return virtual
 
 
