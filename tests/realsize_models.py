@@ -269,7 +269,7 @@ def unet_config(name: str, depth=None) -> dict:
 # follow each other in a model: the last few are kept). The pool's size is prime, so consecutive rows of a matrix are
 # different windows of it, as are tensors of the same shape.
 POOL_SIZE = 4_194_301  # the largest prime below 2 ** 22: 16 MiB of fp32 draws, doubled (any window is one slice)
-SCALED_POOLS_KEPT = 4
+SCALED_POOLS_KEPT = 4  # with the doubled pool, at most ~0.16 GiB while a module is filled; freed when random_init_ returns
 
 
 class _NormalPool:
