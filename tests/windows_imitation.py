@@ -13,7 +13,8 @@ process behave as Windows does where the pack once relied on POSIX:
 - nor a file this process has memory-mapped (safetensors' `safe_open`, torch's `mmap=True`: WinError 1224, "a file
   with a user-mapped section open") or still open (Python's `open` and `os.open` share no delete access there),
   read from /proc/self/maps and /proc/self/fd at each call, so whatever holds it is caught;
-- shutil.rmtree and tempfile take their Windows paths (no descriptor-based walk; O_BINARY in tempfile's flags).
+- shutil.rmtree and tempfile take their Windows paths (no descriptor-based walk; O_BINARY in tempfile's flags);
+- `os` has none of O_NOFOLLOW, O_NONBLOCK, O_DIRECTORY, posix_fadvise.
 The descriptor rules apply to calls made from the pack's own code (nodes/, training/, workflows/): libraries keep
 their Linux paths, as on Windows they have their own Windows paths.
 """
@@ -87,7 +88,7 @@ class WindowsImitation:
 
         patch.setattr(builtins, "__import__", imitated_import)
         patch.setattr(os, "O_BINARY", O_BINARY, raising=False)
-        for name in ("O_NOFOLLOW", "O_NONBLOCK", "O_DIRECTORY"):
+        for name in ("O_NOFOLLOW", "O_NONBLOCK", "O_DIRECTORY", "posix_fadvise", "POSIX_FADV_DONTNEED"):
             patch.delattr(os, name, raising=False)
         patch.setattr(shutil, "_use_fd_functions", False)  # rmtree's Windows walk
         patch.setattr(shutil.rmtree, "avoids_symlink_attacks", False)

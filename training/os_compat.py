@@ -7,7 +7,8 @@ functions instead of POSIX-only modules and calls (tests/unit/test_import_graph.
 - process memory: psutil (Windows: the peak working set), /proc/self/status on Linux, `resource` only on macOS;
   freed tensors' memory given back to the OS (glibc's malloc_trim on Linux; Windows and macOS do it themselves);
 - files: `os.open` with O_BINARY (without it Windows opens in text mode: CR-LF translation and 0x1A as end of file),
-  no O_NOFOLLOW on Windows (a symlink is refused by lstat instead), folders fsynced only where they can be opened;
+  no O_NOFOLLOW on Windows (a symlink is refused by lstat instead), folders fsynced only where they can be opened,
+  a checkpoint's pages dropped from the page cache once on disk (posix_fadvise: Linux);
 - process liveness: psutil on Windows (there `os.kill(pid, 0)` is CTRL_C_EVENT to the console ComfyUI runs in);
 - names and paths Windows cannot create (CON, NUL, COM1, trailing dots / spaces, `<>:"|?*`) and its 260-character
   path limit; names are checked on every OS, since a workflow made on Linux is queued on Windows too;
@@ -178,10 +179,12 @@ def open_no_follow(path: str | os.PathLike) -> int:
     return os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
 
 
-def _fsync(path: str | os.PathLike, flags: int) -> None:
+def _fsync(path: str | os.PathLike, flags: int, drop_cached: bool = False) -> None:
     fd = os.open(path, flags)
     try:
         os.fsync(fd)
+        if drop_cached:
+            _drop_cached(fd)
     except OSError as error:
         if error.errno not in (errno.EINVAL, errno.EBADF):  # file systems and devices that cannot fsync are let be
             raise
@@ -189,10 +192,25 @@ def _fsync(path: str | os.PathLike, flags: int) -> None:
         os.close(fd)
 
 
-def fsync_file(path: str | os.PathLike) -> None:
-    """Flush a written file to disk."""
+def _drop_cached(fd: int) -> None:
+    """Let Linux drop a file's pages from its page cache (they are on disk: fsynced). Windows and macOS have no
+    posix_fadvise: nothing is done there."""
+    if WINDOWS or not hasattr(os, "posix_fadvise"):
+        return
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    except OSError:  # advice only: a file system that ignores it keeps the pages, as without it
+        pass
+
+
+def fsync_file(path: str | os.PathLike, drop_cached: bool = False) -> None:
+    """Flush a written file to disk. `drop_cached`: then drop its pages from the page cache (Linux), for a large
+    file read back rarely, such as a run's checkpoint. Linux keeps written pages cached and, short of memory, reclaims
+    the oldest first: a model file read when ComfyUI loaded it goes before the checkpoints written since, and its next
+    use reads it from disk again (bench/bench_checkpoint_cache.py: a 6 GiB model 0 % cached after three 4 GiB
+    checkpoints, 99 % with the drop; docs/BENCHMARKS.md)."""
     # Windows flushes only through a handle with write access (FlushFileBuffers): O_RDWR there.
-    _fsync(path, (os.O_RDWR if WINDOWS else os.O_RDONLY) | _binary())
+    _fsync(path, (os.O_RDWR if WINDOWS else os.O_RDONLY) | _binary(), drop_cached)
 
 
 def fsync_folder(path: str | os.PathLike) -> None:

@@ -18,7 +18,7 @@ POSIX_ONLY_MODULES = {"resource", "fcntl", "termios", "pwd", "grp", "posix", "pt
 OS_ONLY_ATTRIBUTES = {
     "os": {"kill", "killpg", "open", "fsync", "fdatasync", "fork", "setsid", "getuid", "geteuid", "getgid", "getpgid",
            "sysconf", "statvfs", "getloadavg", "sched_getaffinity", "nice", "mkfifo", "chown", "O_NOFOLLOW",
-           "O_DIRECTORY", "O_NONBLOCK", "O_BINARY", "WNOHANG", "uname"},
+           "O_DIRECTORY", "O_NONBLOCK", "O_BINARY", "WNOHANG", "uname", "posix_fadvise", "POSIX_FADV_DONTNEED"},
     "socket": {"AF_UNIX"},
     "signal": {"SIGKILL", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGALRM", "SIGCHLD", "alarm", "setitimer", "pause"},
 }

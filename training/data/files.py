@@ -414,9 +414,10 @@ def make_temp_dir(folder: Path, name: str) -> Path:
     return path
 
 
-def write_new(path: Path, write: Callable[[Path], None]) -> None:
-    """Write a new file inside a temp folder (the folder is renamed into place as a whole)."""
+def write_new(path: Path, write: Callable[[Path], None], drop_cached: bool = False) -> None:
+    """Write a new file inside a temp folder (the folder is renamed into place as a whole). `drop_cached`: its
+    pages leave the page cache once on disk (os_compat.fsync_file)."""
     _new_file(path)
     write(path)
-    os_compat.fsync_file(path)
+    os_compat.fsync_file(path, drop_cached)
     os.chmod(path, file_mode())
