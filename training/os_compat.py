@@ -8,7 +8,7 @@ functions instead of POSIX-only modules and calls (tests/unit/test_import_graph.
   freed tensors' memory given back to the OS (glibc's malloc_trim on Linux; Windows and macOS do it themselves);
 - files: `os.open` with O_BINARY (without it Windows opens in text mode: CR-LF translation and 0x1A as end of file),
   no O_NOFOLLOW on Windows (a symlink is refused by lstat instead), folders fsynced only where they can be opened,
-  a checkpoint's pages dropped from the page cache once on disk (posix_fadvise: Linux);
+  a checkpoint's pages dropped from the page cache as they reach the disk (posix_fadvise: Linux);
 - process liveness: psutil on Windows (there `os.kill(pid, 0)` is CTRL_C_EVENT to the console ComfyUI runs in);
 - names and paths Windows cannot create (CON, NUL, COM1, trailing dots / spaces, `<>:"|?*`) and its 260-character
   path limit; names are checked on every OS, since a workflow made on Linux is queued on Windows too;
@@ -22,6 +22,7 @@ while imitating what Windows does where it differs.
 from __future__ import annotations
 
 import errno
+import io
 import os
 import re
 import stat
@@ -179,44 +180,97 @@ def open_no_follow(path: str | os.PathLike) -> int:
     return os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
 
 
-def _fsync(path: str | os.PathLike, flags: int, drop_cached: bool = False) -> None:
-    fd = os.open(path, flags)
+def _fsync_descriptor(fd: int) -> None:
     try:
         os.fsync(fd)
-        if drop_cached:
-            _drop_cached(fd)
     except OSError as error:
         if error.errno not in (errno.EINVAL, errno.EBADF):  # file systems and devices that cannot fsync are let be
             raise
+
+
+def _fsync(path: str | os.PathLike, flags: int) -> None:
+    fd = os.open(path, flags)
+    try:
+        _fsync_descriptor(fd)
     finally:
         os.close(fd)
 
 
-def _drop_cached(fd: int) -> None:
-    """Let Linux drop a file's pages from its page cache (they are on disk: fsynced). Windows and macOS have no
-    posix_fadvise: nothing is done there."""
-    if WINDOWS or not hasattr(os, "posix_fadvise"):
-        return
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    except OSError:  # advice only: a file system that ignores it keeps the pages, as without it
-        pass
-
-
-def fsync_file(path: str | os.PathLike, drop_cached: bool = False) -> None:
-    """Flush a written file to disk. `drop_cached`: then drop its pages from the page cache (Linux), for a large
-    file read back rarely, such as a run's checkpoint. Linux keeps written pages cached and, short of memory, reclaims
-    the oldest first: a model file read when ComfyUI loaded it goes before the checkpoints written since, and its next
-    use reads it from disk again (bench/bench_checkpoint_cache.py: a 6 GiB model 0 % cached after three 4 GiB
-    checkpoints, 99 % with the drop; docs/BENCHMARKS.md)."""
+def fsync_file(path: str | os.PathLike) -> None:
+    """Flush a written file to disk."""
     # Windows flushes only through a handle with write access (FlushFileBuffers): O_RDWR there.
-    _fsync(path, (os.O_RDWR if WINDOWS else os.O_RDONLY) | _binary(), drop_cached)
+    _fsync(path, (os.O_RDWR if WINDOWS else os.O_RDONLY) | _binary())
 
 
 def fsync_folder(path: str | os.PathLike) -> None:
     """Make a rename in `path` durable. Windows cannot open a folder (and NTFS journals renames): nothing there."""
     if not WINDOWS:
         _fsync(path, os.O_RDONLY)
+
+
+def _can_drop_cached() -> bool:
+    return not WINDOWS and hasattr(os, "posix_fadvise")
+
+
+def _drop_cached(fd: int, start: int, length: int) -> None:
+    """Let Linux drop a range of a file's pages from its page cache, once they are on disk (fsynced: a dirty page is
+    not dropped). Windows and macOS have no posix_fadvise: nothing is done there."""
+    if not _can_drop_cached():
+        return
+    try:
+        os.posix_fadvise(fd, start, length, os.POSIX_FADV_DONTNEED)
+    except OSError:  # advice only: a file system that ignores it keeps the pages, as without it
+        pass
+
+
+# While a file that leaves the page cache is written, its written part is flushed and dropped every this many
+# bytes: what it holds in the cache at once, whatever its size (a full fine-tune's optimizer state: tens of GB).
+DROP_BEHIND_BYTES = 256 << 20
+
+
+class _DropBehindFile(io.FileIO):
+    """A file written front to back whose pages leave the page cache as they reach the disk: every DROP_BEHIND_BYTES
+    written, and the rest when it is closed. By hand: Python has no sync_file_range, and the libraries write through
+    a file object. The fsync of each part takes the disk time the file's final fsync would have taken. After a
+    failed write (a full disk) nothing more is flushed: the write's own error is the one raised."""
+
+    def __init__(self, path: str | os.PathLike):
+        super().__init__(path, "wb")
+        self._dropped, self._failed = 0, False
+
+    def write(self, data) -> int:
+        try:
+            written = super().write(data)
+            end = self.tell()
+            if end - self._dropped >= DROP_BEHIND_BYTES:
+                self._drop_to(end)
+        except BaseException:
+            self._failed = True
+            raise
+        return written
+
+    def _drop_to(self, end: int) -> None:
+        _fsync_descriptor(self.fileno())
+        _drop_cached(self.fileno(), self._dropped, end - self._dropped)
+        self._dropped = end
+
+    def close(self) -> None:
+        try:
+            if not self.closed and not self._failed:
+                self._drop_to(self.tell())
+        finally:
+            super().close()
+
+
+def open_to_write(path: str | os.PathLike, drop_cached: bool = False) -> io.BufferedIOBase:
+    """`path` opened to write, binary. `drop_cached`: for a large file read back rarely, such as a run's checkpoint,
+    its pages leave the page cache as they reach the disk (Linux). Linux keeps written pages cached and, short of
+    memory, reclaims the oldest first: a model file read when ComfyUI loaded it goes before the checkpoints written
+    since, and its next use reads it from disk again (bench/bench_checkpoint_cache.py: a 6 GiB model 0 % cached
+    after three 4 GiB checkpoints, 99 % when they are dropped; docs/BENCHMARKS.md)."""
+    if drop_cached and _can_drop_cached():
+        return io.BufferedWriter(_DropBehindFile(path), buffer_size=1 << 20)
+    return open(path, "wb")
 
 
 class FileInUseError(PermissionError):

@@ -144,7 +144,7 @@ def _cached_bytes(path) -> int:
 @pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="posix_fadvise: Linux's page cache")
 def test_a_checkpoints_large_files_leave_the_page_cache_once_on_disk(tmp_path):
     """A checkpoint of a few GB would stay in Linux's page cache, pushing out what users' programs cached; its
-    adapter, optimizer state and EMA are dropped from it once fsynced. Other writes (a LoRA a loader reads next) stay
+    adapter, optimizer state and EMA leave it as they reach the disk. Other writes (a LoRA a loader reads next) stay
     cached: the control, which shows the measurement sees cached pages."""
     from headroom.training.data.files import write_bytes
 
@@ -159,3 +159,19 @@ def test_a_checkpoints_large_files_leave_the_page_cache_once_on_disk(tmp_path):
     for name in ("adapter.safetensors", "optimizer.pt", "ema.safetensors"):
         assert (folder / name).stat().st_size >= size and _cached_bytes(folder / name) <= size // 64, name
     assert torch.equal(RunDir(tmp_path, "run").load_checkpoint().optimizer["state"][0]["exp_avg"], torch.ones(size // 4))
+
+
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="posix_fadvise: Linux's page cache")
+def test_a_large_file_leaves_the_page_cache_while_it_is_written(tmp_path, monkeypatch):
+    """A full fine-tune's optimizer state can be tens of GB: cached whole until its end, one file would still push
+    out the users' cached files. Every DROP_BEHIND_BYTES written is flushed and dropped, and the rest at close."""
+    from headroom.training import os_compat
+
+    monkeypatch.setattr(os_compat, "DROP_BEHIND_BYTES", 4 << 20)
+    path = tmp_path / "optimizer.pt"
+    with os_compat.open_to_write(path, drop_cached=True) as handle:
+        for _ in range(32):
+            handle.write(bytes(1 << 20))
+        handle.flush()
+        assert path.stat().st_size == 32 << 20 and _cached_bytes(path) <= 5 << 20  # at most the part since the last drop
+    assert _cached_bytes(path) == 0 and path.read_bytes() == bytes(32 << 20)

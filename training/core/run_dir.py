@@ -299,17 +299,17 @@ class RunDir:
             checkpoints.mkdir(parents=self._identity is None, exist_ok=True)
             tmp = make_temp_dir(checkpoints, folder_name)
             # write_safetensors copies the tensors off their device one at a time (not all of them at once). A
-            # checkpoint is read back only when a run is opened again (resume): its pages leave the page cache once
-            # on disk, rather than the users' cached files (os_compat.fsync_file).
-            write_new(tmp / "adapter.safetensors", lambda target: write_safetensors(target, checkpoint.adapter),
-                      drop_cached=True)
+            # checkpoint is read back only when a run is opened again (resume): its pages leave the page cache as
+            # they reach the disk, rather than the users' cached files (os_compat.open_to_write).
+            write_new(tmp / "adapter.safetensors",
+                      lambda target: write_safetensors(target, checkpoint.adapter, drop_cached=True))
             write_new(tmp / "optimizer.pt", lambda target: write_torch(
-                target, {"optimizer": checkpoint.optimizer, "scheduler": checkpoint.scheduler, "scaler": checkpoint.scaler}),
-                drop_cached=True)
+                target, {"optimizer": checkpoint.optimizer, "scheduler": checkpoint.scheduler, "scaler": checkpoint.scaler},
+                drop_cached=True))
             write_new(tmp / "rng.pt", lambda target: write_torch(target, checkpoint.rng))
             if checkpoint.ema is not None:
-                write_new(tmp / "ema.safetensors", lambda target: write_safetensors(target, checkpoint.ema),
-                          drop_cached=True)
+                write_new(tmp / "ema.safetensors",
+                          lambda target: write_safetensors(target, checkpoint.ema, drop_cached=True))
             trainer = json.dumps({
                 "step": checkpoint.step, "micro_step": checkpoint.micro_step,
                 "loss_history": _json_history(checkpoint.loss_history),

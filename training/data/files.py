@@ -356,7 +356,8 @@ _SAFETENSORS_DTYPES = ("uint64:U64 int64:I64 float64:F64 complex64:C64 float32:F
                        "bool:BOOL").split()
 
 
-def write_safetensors(target: Path, tensors: dict, metadata: dict[str, str] | None = None) -> None:
+def write_safetensors(target: Path, tensors: dict, metadata: dict[str, str] | None = None,
+                      drop_cached: bool = False) -> None:
     """A safetensors file streamed through a Python file object, byte for byte what safetensors.torch.save makes.
 
     Written here because the library can only write by path, into a temp file of its own (a kill leaves an
@@ -371,7 +372,7 @@ def write_safetensors(target: Path, tensors: dict, metadata: dict[str, str] | No
         from safetensors.torch import save
 
         data = save({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, metadata=metadata)
-        with open(target, "wb") as handle:
+        with os_compat.open_to_write(target, drop_cached) as handle:
             handle.write(data)
         return
     order = sorted(tensors, key=lambda name: (kinds[tensors[name].dtype][0], name))
@@ -384,7 +385,7 @@ def write_safetensors(target: Path, tensors: dict, metadata: dict[str, str] | No
         offset += size
     text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     text += b" " * (-len(text) % 8)
-    with open(target, "wb") as handle:
+    with os_compat.open_to_write(target, drop_cached) as handle:
         handle.write(len(text).to_bytes(8, "little"))
         handle.write(text)
         for name in order:
@@ -393,10 +394,10 @@ def write_safetensors(target: Path, tensors: dict, metadata: dict[str, str] | No
                 handle.write(tensor.reshape(-1).view(torch.uint8).numpy().data)
 
 
-def write_torch(target: Path, value: Any) -> None:
+def write_torch(target: Path, value: Any, drop_cached: bool = False) -> None:
     import torch
 
-    with open(target, "wb") as handle:  # through a Python file, a full disk is an OSError(ENOSPC)
+    with os_compat.open_to_write(target, drop_cached) as handle:  # a Python file: a full disk is an OSError(ENOSPC)
         torch.save(value, handle)
 
 
@@ -414,10 +415,9 @@ def make_temp_dir(folder: Path, name: str) -> Path:
     return path
 
 
-def write_new(path: Path, write: Callable[[Path], None], drop_cached: bool = False) -> None:
-    """Write a new file inside a temp folder (the folder is renamed into place as a whole). `drop_cached`: its
-    pages leave the page cache once on disk (os_compat.fsync_file)."""
+def write_new(path: Path, write: Callable[[Path], None]) -> None:
+    """Write a new file inside a temp folder (the folder is renamed into place as a whole)."""
     _new_file(path)
     write(path)
-    os_compat.fsync_file(path, drop_cached)
+    os_compat.fsync_file(path)
     os.chmod(path, file_mode())
