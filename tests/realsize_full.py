@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import gc
 import hashlib
+import json
 import os
 import pathlib
 import sys
@@ -32,6 +33,7 @@ import time
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import page_cache  # noqa: E402
 from realsize_flux2 import W  # noqa: E402  (tests/realsize_worker.py, loaded once)
 
 ARCH, DEPTH = "flux_dev", (1, 1)
@@ -152,6 +154,10 @@ def run(size: int = 64) -> dict:
             loss = T.HeadroomTrainSteps.execute(run, 2).args[1]
         report["phases"].append(peak.record("second step"))
         report["loss"], report["s_per_step"] = float(loss), peak.seconds
+        # The checkpoint that call ended with (GB of AdamW state and trained weights): left the page cache as written
+        latest = run.run_dir.path / json.loads((run.run_dir.path / "latest.json").read_text())["checkpoint"]
+        report["checkpoint_bytes"] = sum(f.stat().st_size for f in latest.iterdir())
+        report["checkpoint_cached_bytes"] = sum(page_cache.cached_bytes(f) for f in latest.iterdir())
         adapter = run.config.adapter
         report["trained_params"] = run.adapters.parameter_count()
         report["planned_params"] = lora_trainable(model, adapter, "AdamW").param_count

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from headroom.training.core.run_dir import Checkpoint, CheckpointError, RunDir, check_name, check_subfolder
+from page_cache import cached_bytes
 
 
 def _checkpoint(step: int) -> Checkpoint:
@@ -119,28 +120,6 @@ def test_a_checkpoint_saved_again_while_another_rank_reads_it_is_read_from_its_n
     assert len(saves) == 1 + run_dir_module.READ_ATTEMPTS
 
 
-def _cached_bytes(path) -> int:
-    """Bytes of the file at `path` in Linux's page cache now: mincore(2) over a fresh read-only mapping of it."""
-    import ctypes
-    import mmap
-    import os
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype, libc.mmap.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
-                                                              ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    size, page = os.path.getsize(path), mmap.PAGESIZE
-    pages = (size + page - 1) // page
-    with open(path, "rb") as handle:
-        address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, handle.fileno(), 0)
-    assert address not in (None, ctypes.c_void_p(-1).value), ctypes.get_errno()
-    try:
-        resident = (ctypes.c_ubyte * pages)()
-        assert libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(size), resident) == 0, ctypes.get_errno()
-    finally:
-        libc.munmap(ctypes.c_void_p(address), ctypes.c_size_t(size))
-    return sum(flag & 1 for flag in resident) * page
-
-
 @pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="posix_fadvise: Linux's page cache")
 def test_a_checkpoints_large_files_leave_the_page_cache_once_on_disk(tmp_path):
     """A checkpoint of a few GB would stay in Linux's page cache, pushing out what users' programs cached; its
@@ -150,14 +129,14 @@ def test_a_checkpoints_large_files_leave_the_page_cache_once_on_disk(tmp_path):
 
     size = 16 << 20
     write_bytes(tmp_path / "lora.safetensors", bytes(size), "a LoRA")
-    assert _cached_bytes(tmp_path / "lora.safetensors") >= size // 2
+    assert cached_bytes(tmp_path / "lora.safetensors") >= size // 2
     checkpoint = _checkpoint(3)
     checkpoint.adapter = {"a.weight": torch.ones(size // 4)}
     checkpoint.optimizer["state"][0]["exp_avg"] = torch.ones(size // 4)
     checkpoint.ema = {"a.weight": torch.ones(size // 4)}
     folder = RunDir(tmp_path, "run").save_checkpoint(checkpoint)
     for name in ("adapter.safetensors", "optimizer.pt", "ema.safetensors"):
-        assert (folder / name).stat().st_size >= size and _cached_bytes(folder / name) <= size // 64, name
+        assert (folder / name).stat().st_size >= size and cached_bytes(folder / name) <= size // 64, name
     assert torch.equal(RunDir(tmp_path, "run").load_checkpoint().optimizer["state"][0]["exp_avg"], torch.ones(size // 4))
 
 
@@ -173,5 +152,5 @@ def test_a_large_file_leaves_the_page_cache_while_it_is_written(tmp_path, monkey
         for _ in range(32):
             handle.write(bytes(1 << 20))
         handle.flush()
-        assert path.stat().st_size == 32 << 20 and _cached_bytes(path) <= 5 << 20  # at most the part since the last drop
-    assert _cached_bytes(path) == 0 and path.read_bytes() == bytes(32 << 20)
+        assert path.stat().st_size == 32 << 20 and cached_bytes(path) <= 5 << 20  # at most the part since the last drop
+    assert cached_bytes(path) == 0 and path.read_bytes() == bytes(32 << 20)
