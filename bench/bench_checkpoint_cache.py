@@ -20,11 +20,11 @@ wrote."""
 from __future__ import annotations
 
 import argparse
-import ctypes
 import datetime
+import importlib.util
 import json
-import mmap
 import os
+import pathlib
 import platform
 import shutil
 import subprocess
@@ -35,6 +35,7 @@ import time
 import torch
 
 MODES = ("kept", "at-close", "written")
+REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def _page_cache_bytes() -> int:
@@ -43,21 +44,11 @@ def _page_cache_bytes() -> int:
 
 
 def cached_share(path: str) -> float:
-    """The share of the file's pages in the page cache now (mincore over a read-only mapping)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype, libc.mmap.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
-                                                              ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    size = os.path.getsize(path)
-    pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
-    with open(path, "rb") as handle:
-        address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, handle.fileno(), 0)
-    flags = (ctypes.c_ubyte * pages)()
-    try:
-        if libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(size), flags) != 0:
-            raise OSError(ctypes.get_errno(), "mincore")
-    finally:
-        libc.munmap(ctypes.c_void_p(address), ctypes.c_size_t(size))
-    return sum(flag & 1 for flag in flags) / pages
+    """The share of the file's pages in the page cache now (tests/page_cache.py: mincore)."""
+    spec = importlib.util.spec_from_file_location("page_cache", REPO_ROOT / "tests" / "page_cache.py")
+    page_cache = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(page_cache)
+    return page_cache.cached_bytes(path) / os.path.getsize(path)
 
 
 def read_seconds(path: str) -> float:
