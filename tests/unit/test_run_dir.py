@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
@@ -120,7 +121,10 @@ def test_a_checkpoint_saved_again_while_another_rank_reads_it_is_read_from_its_n
     assert len(saves) == 1 + run_dir_module.READ_ATTEMPTS
 
 
-@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="posix_fadvise: Linux's page cache")
+LINUX_ONLY = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="posix_fadvise: Linux's page cache")
+
+
+@LINUX_ONLY
 def test_a_checkpoints_large_files_leave_the_page_cache_once_on_disk(tmp_path):
     """A checkpoint of a few GB would stay in Linux's page cache, pushing out what users' programs cached; its
     adapter, optimizer state and EMA leave it as they reach the disk. Other writes (a LoRA a loader reads next) stay
@@ -140,7 +144,7 @@ def test_a_checkpoints_large_files_leave_the_page_cache_once_on_disk(tmp_path):
     assert torch.equal(RunDir(tmp_path, "run").load_checkpoint().optimizer["state"][0]["exp_avg"], torch.ones(size // 4))
 
 
-@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="posix_fadvise: Linux's page cache")
+@LINUX_ONLY
 def test_a_large_file_leaves_the_page_cache_while_it_is_written(tmp_path, monkeypatch):
     """A full fine-tune's optimizer state can be tens of GB: cached whole until its end, one file would still push
     out the users' cached files. Every DROP_BEHIND_BYTES written is flushed and dropped, and the rest at close."""
