@@ -209,18 +209,8 @@ def fsync_folder(path: str | os.PathLike) -> None:
 
 
 def _can_drop_cached() -> bool:
+    """Windows and macOS have no posix_fadvise: files written there stay as they were."""
     return not WINDOWS and hasattr(os, "posix_fadvise")
-
-
-def _drop_cached(fd: int, start: int, length: int) -> None:
-    """Let Linux drop a range of a file's pages from its page cache, once they are on disk (fsynced: a dirty page is
-    not dropped). Windows and macOS have no posix_fadvise: nothing is done there."""
-    if not _can_drop_cached():
-        return
-    try:
-        os.posix_fadvise(fd, start, length, os.POSIX_FADV_DONTNEED)
-    except OSError:  # advice only: a file system that ignores it keeps the pages, as without it
-        pass
 
 
 # While a file that leaves the page cache is written, its written part is flushed and dropped every this many
@@ -250,8 +240,11 @@ class _DropBehindFile(io.FileIO):
         return written
 
     def _drop_to(self, end: int) -> None:
-        _fsync_descriptor(self.fileno())
-        _drop_cached(self.fileno(), self._dropped, end - self._dropped)
+        _fsync_descriptor(self.fileno())  # a dirty page is not dropped
+        try:
+            os.posix_fadvise(self.fileno(), self._dropped, end - self._dropped, os.POSIX_FADV_DONTNEED)
+        except OSError:  # advice only: a file system that ignores it keeps the pages, as without it
+            pass
         self._dropped = end
 
     def close(self) -> None:
