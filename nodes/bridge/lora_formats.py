@@ -272,11 +272,24 @@ def diffusers_metadata(config: dict) -> dict[str, str]:
     return {DIFFUSERS_METADATA_KEY: json.dumps(config, indent=2, sort_keys=True), "format": "pt"}
 
 
+def kohya_conv_args(kind: str, convolutions: list[tuple[int, float]]) -> dict[str, str]:
+    """sd-scripts' / LyCORIS' `conv_dim` / `conv_alpha` network args (LoCon) for the (rank, alpha) of each trained
+    convolution with a kernel larger than 1x1 (their 1x1 ones take network_dim / alpha, as ours take `rank` / `alpha`).
+    Written only where one rank and one alpha hold for all of them: per-layer values are in the file's shapes and
+    alpha keys, which loaders read; a single conv_dim would misstate them."""
+    if kind == "oft" or not convolutions or len(set(convolutions)) != 1:  # OFT's rank is a block size, not a dim
+        return {}
+    rank, alpha = convolutions[0]
+    return {"conv_dim": str(int(rank)), "conv_alpha": f"{float(alpha):g}"}
+
+
 def kohya_metadata(family: str | None, kind: str, rank: int, alpha: float, steps: int, title: str,
-                   resolution: tuple[int, int] | None, model=None) -> dict[str, str]:
+                   resolution: tuple[int, int] | None, model=None,
+                   network_args: dict[str, str] | None = None) -> dict[str, str]:
     """The sd-scripts metadata keys UIs read (network dim / alpha / base model / resolution / steps). `model`: the
     ComfyUI MODEL, for the family's model-dependent keys (Family.kohya_architecture: the variant's architecture
-    string; Family.kohya_extra: SD2's v-prediction keys)."""
+    string; Family.kohya_extra: SD2's v-prediction keys). `network_args`: more of sd-scripts' network args
+    (kohya_conv_args), written in `ss_network_args` as sd-scripts writes them."""
     known = families.get(family)
     base_version, architecture = known.kohya_base if known is not None else ("", "")
     if known is not None and known.kohya_architecture is not None and model is not None:
@@ -291,10 +304,12 @@ def kohya_metadata(family: str | None, kind: str, rank: int, alpha: float, steps
         "modelspec.sai_model_spec": "1.0.0",
         "modelspec.title": title,
     }
+    args = dict(network_args or {})
     if kind != "lora":
-        args = {"algo": _LYCORIS_ALGO[kind]}
+        args["algo"] = _LYCORIS_ALGO[kind]
         if kind == "dora":
             args["dora_wd"] = "True"
+    if args:
         metadata["ss_network_args"] = json.dumps(args)
     if base_version:
         metadata["ss_base_model_version"] = base_version

@@ -20,7 +20,7 @@ import comfy.model_patcher
 import comfy.patcher_extension
 import comfy.utils
 
-from ...training.core.adapters import AdapterConfig, AdapterSet
+from ...training.core.adapters import AdapterConfig, AdapterSet, layer_alphas, layer_ranks
 from ...training.memory.lowbit import is_quantized_layer, is_quantized_tensor
 from ...training.memory.trained_weights_on_host import trained_weights_device
 from ...training.core.lora_extract import extract_from_differences
@@ -396,10 +396,18 @@ class LoraTraining:
             buckets = list(run.latent_cache.buckets)
             metadata.update(lora_formats.kohya_metadata(
                 family, adapter.kind, adapter.rank, adapter.alpha, run.step, path.name[: -len(".safetensors")],
-                max(buckets, key=lambda b: b[0] * b[1]) if buckets else None, model=run.source_model))
+                max(buckets, key=lambda b: b[0] * b[1]) if buckets else None, model=run.source_model,
+                network_args=lora_formats.kohya_conv_args(adapter.kind, self._spatial_convolutions(adapter))))
             metadata.update(lora_formats.kohya_training_metadata(run.config.optimizer, run.config.train))
             metadata["headroom.format"] = "kohya"
         save_safetensors(path, state, f"LoRA {path.name}", metadata=metadata)
+
+    def _spatial_convolutions(self, adapter) -> list[tuple[int, float]]:
+        """(rank, alpha) of each trained convolution whose kernel is larger than 1x1 (kohya's LoCon conv_dim layers)."""
+        ranks, alphas = layer_ranks(self.adapters.layers, adapter), layer_alphas(self.adapters.layers, adapter)
+        return [(ranks[path], alphas[path]) for path, layer in self.adapters.layers.items()
+                if isinstance(base := getattr(layer, "base_layer", layer), torch.nn.Conv2d)
+                and tuple(base.kernel_size) != (1, 1)]
 
     def save_extracted(self, run, path, rank: int, energy: float, dtype: str = "fp32", weights: str = "auto",
                        caption_tags: bool = True) -> str:

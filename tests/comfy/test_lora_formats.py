@@ -110,6 +110,48 @@ def test_kohya_file_is_the_same_lora_for_the_stock_loader(comfyui, family, kind,
     assert any(not torch.equal(w, model.model.state_dict()[k].float()) for k, w in from_comfy.items())
 
 
+@pytest.mark.parametrize("kind,layer_ranks,layer_alphas,conv_args", [
+    ("lora", "in_layers=8 out_layers=8 .op=8 .conv=8", "in_layers=2 out_layers=2 .op=2 .conv=2",
+     {"conv_dim": "8", "conv_alpha": "2"}),
+    ("loha", "in_layers=8 out_layers=8 .op=8 .conv=8", "", {"conv_dim": "8", "conv_alpha": "4", "algo": "loha"}),
+    ("lora", "in_layers=8 .op=8 .conv=8", "", None),  # out_layers at rank 4: no one conv_dim holds
+    ("lora", "", "", None)])  # no convolution trained
+def test_kohya_file_names_the_locon_conv_dim_it_holds(comfyui, kind, layer_ranks, layer_alphas, conv_args, caplog):
+    """kohya's LoCon (conv_dim / conv_alpha, docs/COMING_FROM.md): the 3x3 convolutions at one rank and alpha are
+    named in ss_network_args as sd-scripts writes them, and the file holds those ranks and alphas; where the 3x3
+    convolutions differ, or none is trained, no conv_dim is written (the file's shapes say what each layer is)."""
+    import nodes
+
+    from headroom.nodes import train_lora as T
+
+    model, clip, vae, latents, texts = _data("sd15")
+    include_conv = conv_args is not None or bool(layer_ranks)
+    tag = f"locon_{kind}_{len(layer_ranks)}_{len(layer_alphas)}_{include_conv}"
+    run = _init(model, latents, texts, f"formats_{tag}", kind=kind, rank=4, include_conv=include_conv,
+                layer_ranks=layer_ranks, layer_alphas=layer_alphas)
+    with torch.inference_mode():
+        T.HeadroomTrainSteps.execute(run, 1)
+        name = T.HeadroomSaveLora.execute(run, "formats", f"{tag}_kohya", "fp32", "kohya").args[0]
+    keys, metadata = _read(name)
+    args = json.loads(metadata.get("ss_network_args", "{}"))
+    assert {k: v for k, v in args.items() if k.startswith("conv_")} == {
+        k: v for k, v in (conv_args or {}).items() if k.startswith("conv_")}
+    if conv_args:
+        assert args == conv_args and metadata["ss_network_dim"] == "4"
+        import folder_paths
+        from safetensors.torch import load_file
+
+        state = load_file(folder_paths.get_full_path_or_raise("loras", name))
+        spatial = [k[: -len(".lora_down.weight")] for k, v in state.items()
+                   if k.endswith(".lora_down.weight") and v.ndim == 4 and v.shape[2:] != (1, 1)]
+        if kind == "lora":  # each 3x3 convolution's rank and alpha are those the args name
+            assert spatial and all(state[k + ".lora_down.weight"].shape[0] == int(args["conv_dim"])
+                                   and float(state[k + ".alpha"]) == float(args["conv_alpha"]) for k in spatial)
+    with torch.inference_mode():
+        loaded, _ = nodes.LoraLoader().load_lora(model, clip, name, 1.0, 0.0)
+    assert "lora key not loaded" not in caplog.text and len(loaded.patches) == len(run.adapters.layers)
+
+
 def test_unknown_format_is_refused_with_the_choices(comfyui, tmp_path):
     from headroom.nodes import train_lora as T
 
