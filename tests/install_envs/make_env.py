@@ -42,6 +42,15 @@ ENVS = {
                  "huggingface-hub==0.36.2", "safetensors==0.6.2", "tokenizers==0.22.1", "numpy>=2,<3",
                  "pillow>=11,<12"],
     },
+    "windows_portable_0_33": {
+        "description": "ComfyUI 0.33's default Windows portable build (August 2026, the ComfyUI Headroom requires): "
+                       "embedded Python 3.13, torch and everything else the newest of its day, as the build installs "
+                       "them (transformers 5, huggingface-hub 1)",
+        "python": "3.13",
+        "uploaded_prior_to": "2026-08-22T00:00:00Z",
+        "pins": ["torch", "torchvision", "torchaudio", "transformers", "huggingface-hub", "safetensors", "tokenizers",
+                 "numpy", "pillow"],
+    },
     "older": {
         "description": "An environment not updated since spring 2025: Python 3.12, torch 2.5.1 (below Headroom's 2.8: it "
                        "will not run there, but installing must still leave it working), transformers 4.50.3 "

@@ -33,7 +33,7 @@ ENV_DIR = REPO / "tests" / "install_envs"
 sys.path.append(str(ENV_DIR))
 from make_env import canonical, find_python, pip_environ  # noqa: E402
 
-ENV_NAMES = ("windows_portable_2026", "older")
+ENV_NAMES = ("windows_portable_0_33", "windows_portable_2026", "older")
 # What a typical ComfyUI environment owns: installing Headroom may never change these (nor anything else installed).
 OWNED_BY_COMFYUI = ("torch", "torchvision", "torchaudio", "transformers", "huggingface-hub", "safetensors",
                     "tokenizers", "numpy", "pillow")
@@ -192,14 +192,17 @@ def test_pyproject_dependencies_are_requirements_txt():
 
 def test_environments_are_what_their_names_say():
     """The recorded environments hold the versions the tests are about (make_env.py regenerates them)."""
-    for name, expected in (("windows_portable_2026", {"torch": "2.8.0", "transformers": "4.57.1",
+    for name, expected in (("windows_portable_0_33", {"torch": "2.13.0", "transformers": "5.15.1",
+                                                      "huggingface-hub": "1.28.0", "safetensors": "0.8.0"}),
+                           ("windows_portable_2026", {"torch": "2.8.0", "transformers": "4.57.1",
                                                       "huggingface-hub": "0.36.2", "safetensors": "0.6.2"}),
                            ("older", {"torch": "2.5.1", "transformers": "4.50.3", "numpy": "1.26.4"})):
         spec = json.loads((ENV_DIR / f"{name}.json").read_text())
         versions = {canonical(p["name"]): p["version"] for p in spec["packages"]}
         assert {key: versions.get(key) for key in expected} == expected
         assert spec["pip"] and all(p["requires_dist"] is not None for p in spec["packages"])
-        assert "nvidia-cudnn-cu12" in versions  # torch's own requirements are there too, or pip would add them
+        # torch's own requirements are there too, or pip would add them (cu12's or cu13's, as torch's wheel names)
+        assert any(name.startswith("nvidia-cudnn-cu") for name in versions)
 
 
 def test_ci_installs_the_test_extra():
