@@ -9,6 +9,8 @@ Each environment of tests/install_envs/ (what a user's ComfyUI has installed, wi
 make_env.py) becomes a venv whose site-packages holds metadata-only dist-info folders: pip takes torch & co as
 installed without their gigabytes. `pip install --dry-run --report` then says what it would install, resolving
 against PyPI as it is today, so a new release of a dependency that would drag an upgrade fails here: that is the point.
+uv (ComfyUI Desktop's environment, Manager's `use_uv`, comfy-cli's `--fast-deps`) resolves differently; its
+`uv pip install --dry-run` is read the same way.
 Markers are evaluated for this machine (Linux, the venv's platform), not for the Windows portable build: the
 environments hold the Linux wheels' metadata, and our requirements carry no marker that tells the two apart.
 
@@ -97,6 +99,20 @@ class FakeEnv:
         self._pip("install", "--dry-run", "--quiet", "--report", str(report), *args)
         return [item["metadata"] for item in json.loads(report.read_text())["install"]]
 
+    def uv_changes(self, *args: str) -> list[tuple[str, str, str]]:
+        """(name, installed version, version uv would install) for each installed package `uv pip install <args>` would
+        replace or remove here: uv's resolver, not pip's (it prefers what is installed, and backtracks differently)."""
+        environ = {**pip_environ(), "UV_NO_CONFIG": "1"}  # PyPI as a user's uv sees it: no uv.toml of this machine
+        result = subprocess.run([sys.executable, "-m", "uv", "pip", "install", "--dry-run", "--python", self.python,
+                                 *args], capture_output=True, text=True, env=environ, timeout=600)
+        if result.returncode != 0:
+            pytest.fail(f"uv pip install {' '.join(args)} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
+        out = result.stdout + result.stderr
+        removed = dict(re.findall(r"^ - ([A-Za-z0-9._-]+)==(\S+)$", out, re.M))
+        added = {canonical(name): version for name, version in re.findall(r"^ \+ ([A-Za-z0-9._-]+)==(\S+)$", out, re.M)}
+        assert "Would install" in out or "Would make no changes" in out or "Audited" in out, out  # uv said what it does
+        return [(name, old, added.get(canonical(name), "(removed)")) for name, old in removed.items()]
+
     def changes(self, installs: list[dict]) -> list[tuple[str, str, str]]:
         """(name, installed version, version pip would install) for each installed package pip would replace."""
         return [(self.installed[key][0], self.installed[key][1], item["version"]) for item in installs
@@ -157,6 +173,27 @@ def test_each_requirements_line_changes_no_installed_package(fake_envs, env_name
         for item in installs:
             env.write(item)
     assert not changes, _describe(changes, env)
+
+
+@pypi
+@pytest.mark.parametrize("env_name", ENV_NAMES)
+def test_uv_installs_change_no_installed_package(fake_envs, env_name):
+    """uv's way: ComfyUI Desktop manages its Python with uv, and ComfyUI-Manager's `use_uv` and comfy-cli's
+    `--fast-deps` install through it. The whole file, and each line alone on the environment as it was."""
+    env = fake_envs(env_name)
+    changes = [(*change, "-r requirements.txt") for change in env.uv_changes("-r", str(REPO / "requirements.txt"))]
+    for line in requirement_lines():
+        changes += [(*change, line) for change in env.uv_changes(line)]
+    assert not changes, _describe(changes, env)
+
+
+@pypi
+def test_the_uv_check_sees_an_upgrade(fake_envs):
+    """uv's output is read: an unbounded accelerate would replace the torch of a ComfyUI on torch 2.5.1 (accelerate
+    1.16 requires torch>=2.6), which is why requirements.txt bounds it."""
+    env = fake_envs("older")
+    changed = {canonical(name): (old, new) for name, old, new in env.uv_changes("accelerate>=0.21")}
+    assert changed["torch"][0] == "2.5.1" and changed["torch"][1] != "2.5.1"
 
 
 @pypi
