@@ -19,7 +19,6 @@ Needs PyPI (marker `pypi`); runs in the normal suite (about a minute).
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import re
 import shutil
