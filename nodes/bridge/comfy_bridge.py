@@ -43,6 +43,7 @@ from ...training.memory.policy import OffloadPolicy
 from ...training.memory.weight_streaming import BasePlacement, base_placement, validation_placement
 from ...training.core.distributed import is_main_process
 from ...training.core.run_dir import RunDir, RunFolderError
+from ...training.core.scalar_log import ScalarLog
 from ...training.core.trainer import StepReport, Trainer
 from .comfy_model import (base_fingerprint, comfy_pinned_block_keys, data_fingerprint, model_blocks,
                           quantized_weights_for_inference, replace_inference_tensors, training_blocks,
@@ -494,6 +495,8 @@ class TrainingRun:
             self.resumed = self.trainer.resume()
         self.record.commit()
         self.fallback = FallbackWatch(self.run_dir.name, self.record.memory)  # the driver's sysmem fallback, said once
+        # The curves as a TensorBoard log in the run folder (ranks > 0 of a run on several devices write none)
+        self.scalar_log = ScalarLog(self.run_dir.path, self.step) if self.record.writes else None
 
     # --- the parts, by name ---------------------------------------------------------------------------------
     @property
@@ -660,6 +663,11 @@ class TrainingRun:
             figures = memory_figures(device)
             self.step_figures[report.step] = (report.lr, per_step, figures)
             warning = self.fallback.after_step(report.step)
+            if self.scalar_log is not None:
+                self.scalar_log.scalars(report.step, {
+                    "loss/train": report.loss, "learning_rate": report.lr, "time/s_per_step": report.seconds,
+                    **{f"memory/{key}_gib": None if figures[key] is None else figures[key] / 2**30
+                       for key in ("peak", "reserved", "rss")}})
             send_event(STEP_EVENT, {
                 "node": node_id, "run": self.run_dir.name, "step": report.step, "total_steps": target_step,
                 "loss": report.loss,
@@ -776,6 +784,8 @@ class TrainingRun:
         with self.weights(weights):
             value = self.loss_on(self.validation_items, times=times, seed=seed)
         self.trainer.record_validation(value)  # the checkpoint holds the trained weights, never the EMA swapped in
+        if self.scalar_log is not None:
+            self.scalar_log.scalars(self.step, {"loss/validation": value})
         self.trainer.save()
         return value
 

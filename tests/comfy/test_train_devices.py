@@ -30,6 +30,8 @@ def test_devices_2_spawns_trains_like_one_device_and_cancel_stops_every_rank(com
         T.HeadroomTrainSteps.execute(one, 3)
         T.HeadroomTrainSteps.execute(two, 3)
     assert two.step == 3 and workers.replies() == {1: ("trained", 3)}
+    # rank 0 alone writes the run's curves (training/core/scalar_log.py): one events file, not one per rank
+    assert len(list((RunDir(T.runs_root(), "two_devices").path / "tensorboard").iterdir())) == 1
     _close_enough(two.adapters.state_dict(), one.adapters.state_dict())  # the same global batch (Adam: 1e-3)
     assert two.trainer.last_loss == pytest.approx(one.trainer.last_loss, rel=1e-4)
 

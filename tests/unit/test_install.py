@@ -105,7 +105,8 @@ class FakeEnv:
         result = subprocess.run([sys.executable, "-m", "uv", "pip", "install", "--dry-run", "--python", self.python,
                                  *args], capture_output=True, text=True, env=environ, timeout=600)
         if result.returncode != 0:
-            pytest.fail(f"uv pip install {' '.join(args)} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
+            pytest.fail(f"uv pip install {' '.join(args)} failed ({result.returncode}):\n"
+                        f"{result.stdout}\n{result.stderr}")
         out = result.stdout + result.stderr
         removed = dict(re.findall(r"^ - ([A-Za-z0-9._-]+)==(\S+)$", out, re.M))
         added = {canonical(name): version for name, version in re.findall(r"^ \+ ([A-Za-z0-9._-]+)==(\S+)$", out, re.M)}

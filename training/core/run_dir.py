@@ -10,6 +10,7 @@ Layout of `<root>/<run name>/`:
       rng.pt                       torch CPU (and CUDA) RNG states
       trainer.json                 step, micro-step, loss history, validation-loss history
   validation/                      sample grids per step
+  tensorboard/                     the run's curves for TensorBoard (training/core/scalar_log.py; written, never read)
 
 A checkpoint directory is written under a temporary name and renamed into place, then latest.json is
 replaced: a kill at any point leaves the previous checkpoint readable, and the next open removes the temp
