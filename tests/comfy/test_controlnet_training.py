@@ -209,6 +209,12 @@ def test_resume_through_train_steps_is_exact(comfyui):
     assert resumed.step == 6
     a, b = straight.controlnet.state_dict(), resumed.controlnet.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
+    # The run's TensorBoard log, two processes' files in effect (two Init calls): steps 1-6 once each, as straight's
+    from test_run_tensorboard import _curves
+
+    losses = _curves(resumed.run_dir.path)["loss/train"]
+    assert [step for step, _ in losses] == [1, 2, 3, 4, 5, 6]
+    assert losses == _curves(straight.run_dir.path)["loss/train"]
 
 
 def test_trained_file_through_stock_nodes_reproduces_the_run_validation_image(comfyui):

@@ -8,6 +8,8 @@ its format is small: TFRecord framing (length and data, each with a masked CRC-3
 protobuf's wire format (tensorflow/core/util/event.proto, summary.proto). tests/comfy/test_scalar_log.py reads the
 files back with TensorBoard's own reader, CRCs checked.
 
+Cost: ~170 bytes and ~30 us a step (six scalars; measured on a 2-core VM), 1.7 MB for 10,000 steps.
+
 Only written, never read: an upload into output/ can change nothing here. A log that cannot be written (disk full, a
 file in the way) says so once in the log and is given up for the rest of the process: it never stops a run. Each
 write opens, appends and closes, so between steps no file of the run is held open (Windows can then delete it).
