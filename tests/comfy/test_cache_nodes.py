@@ -7,6 +7,7 @@ Encoder calls are counted by wrapping the VAE / CLIP object's method in the test
 code is not changed for it. Nodes run inside torch.inference_mode(), as ComfyUI runs them.
 """
 import json
+import math
 import os
 from pathlib import Path
 
@@ -80,6 +81,61 @@ def test_cached_values_equal_stock_vae_encode_and_clip_text_encode(cache_dir, fa
             assert "pooled_output" in tensor_extras and set(cached) == {"cross_attn"} | tensor_extras
             for name in tensor_extras:
                 assert torch.equal(cached[name], extras[name][0]), name
+
+
+@pytest.mark.parametrize("family", ["sd15", "sdxl"])
+def test_clip_skip_is_the_stock_clip_set_last_layer_before_cache_text(cache_dir, family):
+    """kohya's clip_skip 2 (docs/COMING_FROM.md): the stock CLIP Set Last Layer node at -2 on the CLIP given to Cache
+    Text. Its captions are cached as CLIPTextEncode encodes them with that CLIP: for SD1.5 apart from the last layer's
+    (the layer is part of the cache key, so the two are two entries); SDXL's encoders already stop at the penultimate
+    layer, so -2 changes nothing there (as in sd-scripts, where clip_skip does not apply to SDXL)."""
+    import nodes
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
+
+    from headroom.nodes.cache import HeadroomCacheText
+    from headroom.training.data.cache_store import text_key
+
+    _, clip, _ = build_tiny_models(family, seed=0)
+    data, dataset = synthetic_dataset(count=2)
+
+    with torch.inference_mode():
+        skipped = nodes.CLIPSetLastLayer().set_last_layer(clip, -2)[0]
+        last, _ = HeadroomCacheText.execute(dataset, clip)
+        second, _ = HeadroomCacheText.execute(dataset, skipped)
+        key = text_key(data.captions[0])
+        (cond, extras), = nodes.CLIPTextEncode().encode(skipped, data.captions[0])[0]
+    assert torch.equal(second.conditioning(key)["cross_attn"], cond[0])
+    assert torch.equal(second.conditioning(key)["pooled_output"], extras["pooled_output"][0])
+    same = torch.equal(second.conditioning(key)["cross_attn"], last.conditioning(key)["cross_attn"])
+    assert same == (family == "sdxl")
+
+
+def test_a_caption_longer_than_77_tokens_is_cached_whole_and_trains_beside_short_ones(cache_dir):
+    """kohya's max_token_length 150 / 225 has no counterpart here because none is needed (docs/COMING_FROM.md): a
+    long caption is cached as CLIPTextEncode encodes it, 75 tokens a chunk, and a batch mixing it with short
+    captions trains (ComfyUI's cond_cat repeats the shorter ones, as its sampler does)."""
+    import nodes
+    from headroom.nodes import cache as cache_nodes, train_lora as T
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
+    from headroom.training.data.synthetic import generate_shapes
+    from test_train_lora_nodes import _init
+
+    model, clip, vae = build_tiny_models("sd15", seed=0)
+    data = generate_shapes(2, 32, seed=0)
+    captions = [", ".join(f"tag{i}" for i in range(60)), "a red square"]  # 60 tags: ~180 tokens
+    with torch.inference_mode():
+        dataset = cache_nodes.HeadroomDatasetFromImages.execute(data.images, "\n".join(captions), 32, 32, "center",
+                                                                False, 0).args[0]
+        latents = cache_nodes.HeadroomCacheLatents.execute(dataset, vae).args[0]
+        texts = cache_nodes.HeadroomCacheText.execute(dataset, clip).args[0]
+        (cond, _), = nodes.CLIPTextEncode().encode(clip, captions[0])[0]
+    long = texts.conditioning(latents.text_key(0))["cross_attn"]
+    assert long.shape[0] == cond.shape[1] > 77 and long.shape[0] % 77 == 0 and torch.equal(long, cond[0])
+    assert texts.conditioning(latents.text_key(1))["cross_attn"].shape[0] == 77
+    run = _init(model, latents, texts, "long_caption", rank=4, batch_size=2)
+    with torch.inference_mode():
+        loss = T.HeadroomTrainSteps.execute(run, 2).args[1]
+    assert run.step == 2 and math.isfinite(loss)
 
 
 def test_a_16x_vae_caches_its_own_latent_size_and_refuses_buckets_it_would_crop(cache_dir):
