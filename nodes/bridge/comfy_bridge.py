@@ -466,7 +466,19 @@ class TrainingRun:
     def notes(self) -> list[str]:
         """What the node that opened the run tells the user about it (its UI text): precision, the policy fitted to
         the card, the batch, inputs the model takes that the caches do not hold."""
-        return [note for note in (self.precision_note, self.plan_note, self.batch_note, self.inputs_note) if note]
+        return [note for note in (self.precision_note, self.plan_note, self.batch_note, self.inputs_note,
+                                  self.epoch_note) if note]
+
+    @property
+    def epoch_note(self) -> str:
+        """How many steps an epoch takes, for those who count in epochs (kohya's max_train_epochs): the training
+        items' batches (repeat folders counted), over the micro-steps a step takes and the share prior images take."""
+        train = self.config.train
+        steps = self.trainer.batches_per_epoch / (1.0 - train.prior_ratio) / train.grad_accum
+        exact = abs(steps - round(steps)) < 1e-9
+        count = f"{round(steps)}" if exact else f"about {steps:.1f}"
+        return (f"an epoch (each training item once, repeat folders counted) is {count} step"
+                f"{'' if exact and round(steps) == 1 else 's'}")
     _planned_base_share = _NOT_PLANNED  # _planned_shares: (training, validation), planned on the first load
     ranks = None  # a multi-device run's worker ranks (nodes/bridge/rank_workers.RankWorkers), told to train with rank 0
 

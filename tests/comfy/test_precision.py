@@ -67,8 +67,9 @@ def test_auto_on_a_cpu_computes_in_fp32_and_says_so(comfyui, caplog):
     run = output.args[0]
     assert run.config.train.precision == "fp32" and run.trainer.config.precision == "fp32"
     assert run.run_dir.read_config()["session"]["train"]["precision"] == "fp32"  # resolved, not "auto"
-    opened, note = output.ui.as_dict()["text"][0].split("\n")
+    opened, note, epoch = output.ui.as_dict()["text"][0].split("\n")
     assert opened == "run 'precision_auto', step 0: started"
+    assert epoch == "an epoch (each training item once, repeat folders counted) is 1 step"
     assert note == "Train LoRA: Init (Headroom): precision auto -> fp32 on cpu (a CPU has no fast bf16 / fp16 kernels)"
     assert note in caplog.text
     with torch.inference_mode():
@@ -93,7 +94,8 @@ def test_explicit_bf16_on_a_cpu_is_honoured_with_a_warning_and_resumes_under_aut
     assert resumed.args[0].step == 2 and resumed.args[0].trainer.config.precision == "bf16"
     assert resumed.ui.as_dict()["text"] == ("run 'precision_bf16', step 2: resumed from its last checkpoint\n"
                                             "Train LoRA: Init (Headroom): precision auto -> bf16, as run 'precision_bf16' "
-                                            "was started",)
+                                            "was started\n"
+                                            "an epoch (each training item once, repeat folders counted) is 1 step",)
     # An explicit different precision is a different configuration: refused, naming the stored value.
     with pytest.raises(ValueError, match="precision: stored 'bf16', now 'fp32'"):
         _init(model, latents, texts, "precision_bf16", "fp32")

@@ -1354,3 +1354,18 @@ def test_keep_saves_removes_only_the_runs_own_older_step_saves(comfyui, monkeypa
     assert (folder / "keep_two_step000004.safetensors").exists() and last.args[1].step == 6
     assert any(line.startswith("Warning: older save keep_two_step000004.safetensors not removed (The process cannot "
                                "access the file") for line in last.ui["text"])
+
+
+@pytest.mark.parametrize("batch_size,grad_accumulation,expected", [(2, 1, "2 steps"), (2, 2, "1 step"),
+                                                                  (3, 1, "2 steps"), (4, 2, "about 0.5 steps")])
+def test_init_says_how_many_steps_an_epoch_is(comfyui, batch_size, grad_accumulation, expected):
+    """For those who count in epochs (kohya's max_train_epochs, save_every_n_epochs; docs/COMING_FROM.md): 4
+    training items (one of 5 held out) in one bucket are 2 batches of 2 (or of 3: 3 + 1), a step takes
+    `grad_accumulation` of them."""
+    from headroom.nodes.train_lora import opened_text
+
+    model, _, _, latents, texts = _data("sd15", count=5)
+    run = _init(model, latents, texts, f"epoch_{batch_size}_{grad_accumulation}", rank=4, holdout=1,
+                batch_size=batch_size, grad_accumulation=grad_accumulation)
+    assert len(run.train_items) == 4
+    assert f"an epoch (each training item once, repeat folders counted) is {expected}" in opened_text(run).splitlines()
