@@ -122,7 +122,7 @@ def test_a_caption_longer_than_77_tokens_is_cached_whole_and_trains_beside_short
 
     model, clip, vae = build_tiny_models("sd15", seed=0)
     data = generate_shapes(2, 32, seed=0)
-    captions = [", ".join(f"tag{i}" for i in range(60)), "a red square"]  # 60 tags: ~180 tokens
+    captions = [", ".join(f"tag{i}" for i in range(60)), "a red square"]  # 60 tags: past 225 tokens, 4 chunks
     with torch.inference_mode():
         dataset = cache_nodes.HeadroomDatasetFromImages.execute(data.images, "\n".join(captions), 32, 32, "center",
                                                                 False, 0).args[0]
