@@ -5,8 +5,8 @@ are used to. Loss, validation loss, learning rate, seconds per step and memory, 
 Written by hand, without the `tensorboard` package: it pulls protobuf and grpcio into ComfyUI's Python, where other
 node packs pin their own versions (installing must change none of a user's packages). What a scalar log needs of
 its format is small: TFRecord framing (length and data, each with a masked CRC-32C) around `Event` messages in
-protobuf's wire format (tensorflow/core/util/event.proto, summary.proto). tests/comfy/test_scalar_log.py reads the
-files back with TensorBoard's own reader, CRCs checked.
+protobuf's wire format (tensorflow/core/util/event.proto, summary.proto). tests/unit/test_scalar_log.py and
+tests/comfy/test_run_tensorboard.py read the files back with TensorBoard's own reader, CRCs checked.
 
 Cost: ~170 bytes and ~30 us a step (six scalars; measured on a 2-core VM), 1.7 MB for 10,000 steps.
 
