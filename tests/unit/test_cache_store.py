@@ -5,7 +5,6 @@ writes on a full disk, and the reading side (LatentCache / TextCache / bucket_ba
 The encoders here are small deterministic functions (this file tests the store, not an encoder);
 tests/comfy/test_cache_nodes.py runs the same paths with ComfyUI's real VAE and CLIP.
 """
-import errno
 import hashlib
 import json
 import struct
@@ -17,7 +16,6 @@ import pytest
 import torch
 from PIL import Image
 
-from headroom.training.data import cache_store
 from headroom.training.data.cache_store import (
     CacheStoreError, ShardStore, bucket_batches, cache_latents, cache_text, fingerprint_state_dict,
     fingerprint_value, text_key,
