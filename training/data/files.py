@@ -116,15 +116,21 @@ def relative_text(text: str) -> str:
 # --- untrusted paths -----------------------------------------------------------------------------------------
 def is_within(path: str | os.PathLike, root: str | os.PathLike) -> bool:
     """Whether the real path of `path` is `root` or inside it (both resolved, symlinks included)."""
-    real, base = os.path.realpath(path), os.path.realpath(root)
+    return _real_within(os.path.realpath(path), root)
+
+
+def _real_within(real: str, root: str | os.PathLike) -> bool:
+    base = os.path.realpath(root)
     return real == base or real.startswith(base.rstrip(os.sep) + os.sep)
 
 
 def resolve_inside(path: str | os.PathLike, roots: Iterable[str | os.PathLike], what: str) -> Path:
-    """The real path of `path` when it lies inside one of `roots`; otherwise an UntrustedFileError."""
+    """The real path of `path` when it lies inside one of `roots`; otherwise an UntrustedFileError. The path is
+    resolved once (every image of a dataset passes here each time it is opened; realpath is slow on Windows)."""
     roots = list(roots)
-    if any(is_within(path, root) for root in roots):
-        return Path(os.path.realpath(path))
+    real = os.path.realpath(path)
+    if any(_real_within(real, root) for root in roots):
+        return Path(real)
     where = " or ".join(display_path(root) for root in roots)
     raise UntrustedFileError(f"{what} {display_path(path)} leads outside {where} (a symlink?): refused")
 
