@@ -54,8 +54,6 @@ def test_extracting_a_lora_needs_a_full_finetune(comfyui):
 
 
 def test_full_finetune_resumes_exactly(comfyui):
-    from headroom.nodes import train_lora as T
-
     model, clip, vae, latents, texts = _data("sd15")
     _resumes_exactly(model, latents, texts, "full", kind="full", targets="all_layers", lr=1e-3, batch_size=2,
                      caption_dropout=0.25)
@@ -363,8 +361,8 @@ def test_trained_weights_in_host_ram_stepped_where_their_state_is(comfyui):
     assert streamed.trained.device_extra_bytes(streamed.trainer) == 0
 
 
-def test_bf16_difference_with_stochastic_rounding_learns_and_resumes_exactly(comfyui):
-    """full_precision bf16_stochastic: the difference is bf16 (half the memory), each update rounded stochastically
+def test_bf16_weights_with_stochastic_rounding_learn_and_resume_exactly(comfyui):
+    """full_precision bf16_stochastic: the trained weights are bf16 (half the memory), each update rounded stochastically
     in the fused step; it learns like the fp32 run, and a resumed run continues the rounding noise exactly."""
     from headroom.nodes import train_lora as T
 
@@ -377,11 +375,11 @@ def test_bf16_difference_with_stochastic_rounding_learns_and_resumes_exactly(com
     with torch.inference_mode():
         T.HeadroomTrainSteps.execute(straight, 50)
         final = straight.loss_on(straight.train_items)
-    print(f"bf16 difference, stochastic rounding: loss {initial:.4f} -> {final:.4f} in 50 steps")
+    print(f"bf16 trained weights, stochastic rounding: loss {initial:.4f} -> {final:.4f} in 50 steps")
     assert final <= 0.6 * initial
 
 
-def test_fused_backward_and_bf16_differences_refuse_what_they_cannot_do(comfyui):
+def test_fused_backward_and_bf16_weights_refuse_what_they_cannot_do(comfyui):
     from headroom.nodes import train_lora as T
 
     model, clip, vae, latents, texts = _data("sd15")

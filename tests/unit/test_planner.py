@@ -750,7 +750,7 @@ def test_fsdp2_costs_a_rank_its_rows_of_every_weight_gradient_and_state_and_one_
     assert items["trainable weights (fp32, rank's share of 2, FSDP2)"] == 4 * rows
     assert items["gradients (fp32, rank's share of 2, FSDP2)"] == 4 * rows
     assert items["optimizer state (AdamW, rank's share of 2, FSDP2)"] == 8 * rows
-    in_flight = items["one layer's whole difference + gradient in flight (FSDP2 all-gather / reduce-scatter)"]
+    in_flight = items["one layer's whole weight + gradient in flight (FSDP2 all-gather / reduce-scatter)"]
     assert in_flight == 2 * 4 * 12288 * 3072
     assert sum(items.values()) < sum(one_rank.values())
     assert "trainable weights (fp32)" in one_rank

@@ -72,8 +72,8 @@ class AdapterConfig:
     dropout: float = 0.0
     init_seed: int = 0
     init_lora: str | None = None  # a LoRA file (as Load LoRA lists it) the run starts from instead of zero
-    # kind full: the trained difference in fp32 (exact) or bf16 updated with stochastic rounding (half the memory of
-    # the difference and its gradient; needs the policy's fused backward, whose per-tensor step does the rounding)
+    # kind full: the trained weights W' in fp32 (exact) or bf16 updated with stochastic rounding (half the memory of
+    # the weights and their gradient; needs the policy's fused backward, whose per-tensor step does the rounding)
     full_precision: str = "fp32"
     # Which of the targeted layers to train: patterns searched in the layer paths, "!" before one leaves its matches
     # out ("" = all of them; `layer_patterns`). musubi-tuner's include / exclude_patterns, ai-toolkit's only_if_contains
@@ -124,7 +124,7 @@ class AdapterConfig:
         if self.full_precision not in FULL_PRECISIONS:
             raise ValueError(f"full_precision={self.full_precision!r}: choose one of {', '.join(FULL_PRECISIONS)}")
         if self.kind != "full" and self.full_precision != "fp32":
-            raise ValueError(f"full_precision {self.full_precision} is for kind full (a full fine-tune's difference); "
+            raise ValueError(f"full_precision {self.full_precision} is for kind full (a full fine-tune's trained weights); "
                              f"kind {self.kind} trains fp32 adapters: set full_precision to fp32")
         if self.kind == "full" and self.dropout:
             raise ValueError(f"kind full trains the weights themselves and has no adapter input to drop: set dropout "
@@ -687,7 +687,7 @@ class AdapterSet:
                 layer = _peft_layer(base, config, self.card_device if path in self.on_card else device, read_base,
                                     ranks[path], alphas[path])
                 # peft casts the adapter to the base dtype (fp16/bf16/fp8 bases): trainable weights stay fp32 (a full
-                # fine-tune's difference: the dtype its full_precision chose).
+                # fine-tune's W': the dtype its full_precision chose).
                 if config.kind != "full":
                     for name, param in self._own_parameters(layer):
                         param.data = param.data.float()
@@ -843,8 +843,8 @@ class AdapterSet:
     # --- state ------------------------------------------------------------------------------------------
     def state_dict(self, copy: bool = True) -> dict[str, torch.Tensor]:
         """Trainable tensors under peft's own names (`<path>.<param>`): the exact resume format. `copy` False: the
-        live tensors (detached), for writing them out at once (a copy of a full fine-tune's difference is the size
-        of the trained weights, on their device)."""
+        live tensors (detached), for writing them out at once (a copy of a full fine-tune's W' is the size of the
+        trained weights, on their device)."""
         return {f"{path}.{name}": p.detach().clone() if copy else p.detach() for path, layer in self.layers.items()
                 for name, p in self._own_parameters(layer)}
 

@@ -237,7 +237,7 @@ class TrainableSpec:
     shapes: tuple[tuple[int, ...], ...]
     optimizer: str = "AdamW"
     ema: bool = False  # an EMA copy of the weights is kept in host RAM (core/ema.py)
-    element_size: int = 4  # bytes per trained weight: 4 (fp32), 2 (a full fine-tune's bf16 difference)
+    element_size: int = 4  # bytes per trained weight: 4 (fp32), 2 (a full fine-tune's bf16 weights)
     # Ranks the optimizer state is sharded over (sharded_optimizer.py: a full fine-tune on several devices); 1: whole.
     state_ranks: int = 1
     # Ranks the weights, gradients and state are sharded over (sharded_weights.py: FSDP2, the launcher's
@@ -246,7 +246,7 @@ class TrainableSpec:
     # Trained elements in the model's first block (forward order): backward reaches it last, so its gradients are made
     # only as its own activations go (first_block_gradients_later). 0: not known.
     first_block_elements: int = 0
-    full: bool = False  # a full fine-tune's differences (their weights may live in host RAM: trained_weights_on_host.py)
+    full: bool = False  # a full fine-tune's own weights W' (they may live in host RAM: trained_weights_on_host.py)
     # A full fine-tune's trained layers' base weights, which its training step never reads (adapters.FullLayer computes
     # with its trained copy alone) and leaves in host RAM (weight_streaming's `unread`): per block of the model (a
     # profile of those layers, for low-bit storage's figures) and the bytes outside the blocks (`unread_base`). Empty:
@@ -292,7 +292,7 @@ class TrainableSpec:
     @classmethod
     def from_parameters(cls, params: Iterable[torch.Tensor], optimizer: str = "AdamW", ema: bool = False,
                         full: bool = False) -> "TrainableSpec":
-        """The tensors a run trains (bf16 when every one is: a full fine-tune's bf16 difference)."""
+        """The tensors a run trains (bf16 when every one is: a full fine-tune's bf16 weights)."""
         params = list(params)
         element_size = 2 if params and all(p.dtype == torch.bfloat16 for p in params) else 4
         return cls(tuple(tuple(p.shape) for p in params), optimizer, ema, element_size=element_size, full=full)
@@ -315,7 +315,7 @@ class TrainableSpec:
     @classmethod
     def of_full_layers(cls, targets: Iterable[torch.nn.Module], optimizer: str = "AdamW", element_size: int = 4
              ) -> "TrainableSpec":
-        """A full fine-tune of Linear / Conv2d `targets` (adapters.FullLayer): a difference the size of each weight
+        """A full fine-tune of Linear / Conv2d `targets` (adapters.FullLayer): a trained copy of each weight
         and bias, of `element_size` bytes per weight (4: fp32, 2: bf16 with stochastic rounding)."""
         shapes = []
         for module in targets:

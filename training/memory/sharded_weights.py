@@ -1,9 +1,9 @@
 """A full fine-tune's trained weights, gradients and optimizer state sharded over the ranks: torch's FSDP2
 (`fully_shard`, the ZeRO-3 analogue). Headless only: the distributed launcher's `--shard-weights` (torchrun).
 
-Each trained layer (adapters.FullLayer) is one FSDP unit holding its difference only (the frozen base layer inside it
-is an ignored parameter: never wrapped, moved or sharded). A rank keeps 1/N of every difference, of its gradient and
-of its optimizer state; a layer's whole difference exists while its product runs (all-gathered before its forward,
+Each trained layer (adapters.FullLayer) is one FSDP unit holding its trained weight W' only (the frozen base layer inside it
+is an ignored parameter: never wrapped, moved or sharded). A rank keeps 1/N of every W', of its gradient and
+of its optimizer state; a layer's whole W' exists while its product runs (all-gathered before its forward,
 freed after it, gathered again for backward) and its gradient is reduce-scattered as backward leaves the layer. The
 losses are already weighted by each rank's share of the batch, so the reduce-scatter sums
 (`set_force_sum_reduction_for_comms`, divide factor 1): N ranks train the 1-rank weights.
@@ -13,10 +13,10 @@ layer. Inside ComfyUI, an interrupt raised in rank 0's forward leaves the other 
 the run's abort protocol (training/core/distributed.py) has no collective of its own to join. Under torchrun, no
 interrupt arrives inside a step and a failed rank ends the job (torchrun's agent stops the others).
 
-Cost (`cost`, for the planner): per rank its rows of the difference, its gradient and its state, plus the largest
-layer's whole difference and unsharded gradient in flight. Rank 0 gathers the whole difference and state into host
+Cost (`cost`, for the planner): per rank its rows of W', its gradient and its state, plus the largest
+layer's whole W' and unsharded gradient in flight. Rank 0 gathers the whole W' and state into host
 RAM for each checkpoint (`full`, `gather_optimizer_state`), as the ZeRO stage 1 path does for the state. Traffic per step: every
-difference all-gathered twice (forward, backward) and every gradient reduce-scattered once per backward pass.
+W' all-gathered twice (forward, backward) and every gradient reduce-scattered once per backward pass.
 """
 from __future__ import annotations
 
@@ -117,8 +117,8 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict) -> None:
 
 @contextlib.contextmanager
 def whole(layers: Iterable[torch.nn.Module]) -> Iterator[None]:
-    """Every rank, together: inside the block each layer holds its whole difference as a plain tensor (what saving
-    the difference reads); sharded again after. Writes inside the block are not kept (the shards are the weights)."""
+    """Every rank, together: inside the block each layer holds its whole W' as a plain tensor (what saving
+    the difference W' - W reads); sharded again after. Writes inside the block are not kept (the shards are the weights)."""
     from torch.distributed.fsdp import FSDPModule
 
     units = [layer for layer in layers if isinstance(layer, FSDPModule)]
@@ -159,14 +159,14 @@ def local_bytes(tensor: torch.Tensor) -> int:
 
 def cost(shapes, element_size: int, state_bytes, ranks: int, optimizer: str) -> FeatureCost:
     """One rank's trained weights, gradients and optimizer state (rank 0's shares, the largest), the largest
-    layer's whole difference and gradient while its product runs, and rank 0's gathered copy for checkpoints."""
+    layer's whole W' and gradient while its product runs, and rank 0's gathered copy for checkpoints."""
     dtype = {4: "fp32", 2: "bf16"}.get(element_size, f"{element_size}-byte")
     weights = weights_share(shapes, element_size, ranks)
     share = f"rank's share of {ranks}, FSDP2"
     result = FeatureCost(
         training={f"trainable weights ({dtype}, {share})": weights, f"gradients ({dtype}, {share})": weights,
                   f"optimizer state ({optimizer}, {share})": state_share(shapes, state_bytes, ranks),
-                  "one layer's whole difference + gradient in flight (FSDP2 all-gather / reduce-scatter)":
+                  "one layer's whole weight + gradient in flight (FSDP2 all-gather / reduce-scatter)":
                       2 * max((math.prod(shape) for shape in shapes), default=0) * element_size},
         validation={f"adapter weights ({dtype}, {share})": weights})
     gathered = "whole trained weights + optimizer state gathered on rank 0 for checkpoints"

@@ -82,7 +82,7 @@ def problem(policy) -> str | None:
 
 
 def check_kind(policy, kind: str | None) -> None:
-    """Only a full fine-tune's differences stream (an adapter's small factors stay on the card)."""
+    """Only a full fine-tune's trained weights stream (an adapter's small factors stay on the card)."""
     if policy.trained_weights == "host" and kind != "full":
         change = "set kind full in the LoRA Config, or " if kind else ""
         raise ValueError(f"trained_weights 'host' keeps a full fine-tune's trained weights in host RAM; this run trains "
