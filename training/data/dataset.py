@@ -73,21 +73,24 @@ def _orientation(img: Image.Image) -> int | None:
     wherever they are, go through PIL's own chunk parser here with the pixel data skipped: PIL has no call for that."""
     if not isinstance(img, PngImagePlugin.PngImageFile):
         return img.getexif().get(ExifTags.Base.Orientation)
-    with open(img.filename, "rb") as fp:
-        fp.seek(8)  # the 8-byte PNG signature, which Image.open checked
-        stream = PngImagePlugin.PngStream(fp)
-        try:
-            while True:  # every pass moves on by at least a chunk's 12 header and CRC bytes: it ends at the file's end
-                cid, pos, length = stream.read()
-                if cid == b"IEND":
-                    break
-                if cid in _PNG_METADATA_CHUNKS:
-                    stream.call(cid, pos, length)
-                else:
-                    fp.seek(length, os.SEEK_CUR)
-                fp.seek(4, os.SEEK_CUR)  # the chunk's CRC
-        except (struct.error, SyntaxError, EOFError, UnicodeDecodeError):  # a truncated or odd tail: PIL's load stops
-            pass                                                           # reading chunks there too
+    fp = img.fp  # the file Image.open read the header from (no second open); its position is put back after
+    resume_at = fp.tell()
+    fp.seek(8)  # the 8-byte PNG signature, which Image.open checked
+    stream = PngImagePlugin.PngStream(fp)
+    try:
+        while True:  # every pass moves on by at least a chunk's 12 header and CRC bytes: it ends at the file's end
+            cid, pos, length = stream.read()
+            if cid == b"IEND":
+                break
+            if cid in _PNG_METADATA_CHUNKS:
+                stream.call(cid, pos, length)
+            else:
+                fp.seek(length, os.SEEK_CUR)
+            fp.seek(4, os.SEEK_CUR)  # the chunk's CRC
+    except (struct.error, SyntaxError, EOFError, UnicodeDecodeError):  # a truncated or odd tail: PIL's load stops
+        pass                                                           # reading chunks there too
+    finally:
+        fp.seek(resume_at)
     img.info = {**img.info, **stream.im_info}
     return Image.Image.getexif(img).get(ExifTags.Base.Orientation)  # the base class's: from `info` alone
 
