@@ -151,6 +151,7 @@ def world(comfyui, tmp_path_factory):
     cache_root = pathlib.Path(folder_paths.get_output_directory()).parent / "hostile_cache"
     with pytest.MonkeyPatch.context() as patch:  # a cache folder of this module's own (its manifests get edited)
         patch.setitem(folder_paths.folder_names_and_paths, "headroom_cache", ([str(cache_root)], set()))
+        patch.delenv("HEADROOM_DATASET_ROOTS", raising=False)  # ComfyUI's input folder is the only dataset root
         model, clip, vae, latents, texts = _data("sd15")
         run = _init(model, latents, texts, "hostile_template", rank=4, batch_size=2)
         with torch.inference_mode():

@@ -222,6 +222,9 @@ def test_the_distributed_script_says_why_several_processes_cannot_train_on_windo
     spec.loader.exec_module(script)
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
+    # The script lets its own process read the dataset's folder (os.environ, as its command line's owner); set here so
+    # the change is undone: left behind, it let later tests' datasets under the same temp folder be listed.
+    monkeypatch.setenv("HEADROOM_DATASET_ROOTS", "")
     monkeypatch.setattr(sys, "path", list(sys.path))  # the script puts ComfyUI first, as its own process would
     assert script.main(["--tiny-model", "sd15", "--dataset", str(tmp_path), "--run-name", "two_ranks", "--steps", "1",
                         "--comfyui", str(COMFYUI_PATH)]) == 2
