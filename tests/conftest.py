@@ -78,6 +78,25 @@ def worker_torch_threads(request):
     yield
 
 
+@pytest.fixture(autouse=True)
+def headroom_environment_kept(request):
+    """A test leaves the HEADROOM_* variables as it found them (monkeypatch's setenv undoes itself). One that ran the
+    distributed script's main() in-process left HEADROOM_DATASET_ROOTS set to its temp folder's parent, and every
+    hostile-input test after it in the same worker found datasets outside ComfyUI's input folder readable."""
+    def headroom_variables() -> dict[str, str]:
+        return {name: value for name, value in os.environ.items() if name.startswith("HEADROOM_")}
+
+    before = headroom_variables()
+    yield
+    after = headroom_variables()
+    if after != before:
+        for name in after.keys() - before.keys():
+            del os.environ[name]
+        os.environ.update(before)
+        changed = sorted(name for name in before.keys() | after.keys() if before.get(name) != after.get(name))
+        pytest.fail(f"{request.node.nodeid} changed {changed} in os.environ and left them: use monkeypatch.setenv")
+
+
 from comfy_harness import cache_dir, comfyui, headroom_nodes  # noqa: E402,F401  (fixtures)
 from server_harness import comfy_server  # noqa: E402,F401  (fixture: a real ComfyUI server subprocess)
 
