@@ -45,6 +45,30 @@ def test_images_with_transparency_are_found_by_their_header(tmp_path):
     assert [FileImage(p).has_alpha() for p in (opaque, jpeg)] == [False, False]
 
 
+@pytest.mark.parametrize("repeat_folder", [False, True])
+def test_listing_reads_each_images_transparency_from_its_one_opening(tmp_path, monkeypatch, repeat_folder):
+    """Dataset From Folder opens each image once (its size, transparency and structure on one header read): an
+    opening is a header parse, and on Windows an antivirus scan. What it finds is what has_alpha() says, in a
+    repeat folder (kohya's layout) too."""
+    folder = tmp_path / "set"
+    images = folder / "3_ohwx" if repeat_folder else folder
+    write(images, "rgba.png", cut_out())
+    write(images, "la.png", cut_out()[..., [0, 3]])
+    write(images, "rgb.png", cut_out()[..., :3])
+    Image.fromarray(cut_out()[..., :3]).convert("P").save(images / "palette.png", transparency=0)
+    (images / "palette.txt").write_text("a palette", encoding="utf-8")
+    write(images, "photo.jpg", cut_out()[..., :3])
+    opened = []
+    real_open = FileImage._open
+    monkeypatch.setattr(FileImage, "_open", lambda self: (opened.append(self.path.name), real_open(self))[1])
+    dataset = dataset_from_folder(folder, resolution=32, step=16, transparency="loss_mask")
+    assert sorted(opened) == ["la.png", "palette.png", "photo.jpg", "rgb.png", "rgba.png"]
+    masked = {item.image.path.name for item in dataset.items if isinstance(item.mask, AlphaMask)}
+    monkeypatch.undo()
+    assert masked == {item.image.path.name for item in dataset.items if item.image.has_alpha()}
+    assert masked == {"rgba.png", "la.png", "palette.png"} and dataset.alpha_images == 3
+
+
 def test_ignore_drops_alpha_and_a_background_composites_exactly(tmp_path):
     pixels = cut_out()
     path = write(tmp_path, "cut.png", pixels)

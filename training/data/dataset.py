@@ -156,10 +156,15 @@ class FileImage:
 
     def checked_size(self) -> tuple[int, int]:
         """check(), then size(), on one opening of the file (listing a folder opens each image once less)."""
+        return self.checked_header()[0]
+
+    def checked_header(self) -> tuple[tuple[int, int], bool]:
+        """(size(), has_alpha()) after check(), on one opening of the file: each opening is a header parse here, and
+        on Windows an antivirus scan too (has_alpha on its own was a quarter of listing 3,000 small PNGs)."""
         with self._open() as img:
-            size = _shown_size(img)
+            size, alpha = _shown_size(img), _has_alpha(img)
             img.verify()  # last: the image cannot be read after it
-            return size
+            return size, alpha
 
     def has_alpha(self) -> bool:
         """Whether the image has transparency (an alpha channel or a transparent palette entry); reads the header
@@ -487,6 +492,7 @@ def dataset_from_folder(
     roots = tuple(roots) if roots else tuple(p for p in (folder, control_folder, mask_folder) if p is not None)
 
     concepts = repeat_folders_of(folder)
+    alpha_of: dict[Path, bool] = {}  # each usable image's transparency, read when its header was checked
     read, unread, default_captions = [], (), 0
     # Listed a second time only where there are repeat folders: a folder of its own images reads them, as before.
     if concepts and not any(path.suffix.lower() in IMAGE_EXTENSIONS for path in _entries(folder)):
@@ -499,14 +505,14 @@ def dataset_from_folder(
             name_caption = path.name.partition("_")[2].strip()
             got, left, noted, named = _folder_items(
                 path, _mirrored(control_folder, path.name, "control"), _mirrored(mask_folder, path.name, "mask"),
-                roots, repeats=repeats, name_caption=name_caption, in_repeat_folder=True)
+                roots, repeats=repeats, name_caption=name_caption, in_repeat_folder=True, alpha_of=alpha_of)
             items += got
             problems += left
             notes += noted
             read.append(RepeatFolder(path.name, repeats, len(got), named))
     else:
         items, problems, notes, default_captions = _folder_items(folder, control_folder, mask_folder, roots,
-                                                                 name_caption=default_caption)
+                                                                 name_caption=default_caption, alpha_of=alpha_of)
         unread = tuple(path.name for path, _ in concepts)
 
     if problems and not skip_bad:
@@ -521,7 +527,7 @@ def dataset_from_folder(
             + (" (or in subfolders named '<repeats>_<name>', kohya's layout)" if not concepts else "")
             + (" (skipped:\n- " + "\n- ".join(problems) + ")" if problems else "") + also_noted(notes)
         )
-    items, alpha_images = _with_transparency(items, transparency)
+    items, alpha_images = _with_transparency(items, transparency, alpha_of)
     return Dataset(
         items=tuple(items), resolution=resolution, step=step, crop=crop, flip=flip, seed=seed,
         skip_bad=skip_bad, left_out=tuple(problems), notes=tuple(notes), repeat_folders=tuple(read),
@@ -530,12 +536,14 @@ def dataset_from_folder(
     )
 
 
-def _with_transparency(items: list[DatasetItem], transparency: str) -> tuple[list[DatasetItem], int]:
+def _with_transparency(items: list[DatasetItem], transparency: str,
+                       alpha_of: dict[Path, bool]) -> tuple[list[DatasetItem], int]:
     """(the items with `transparency` applied to those whose image has an alpha channel, how many have one). Items
-    without transparency are unchanged whatever the mode, so their cache entries are shared between modes."""
+    without transparency are unchanged whatever the mode, so their cache entries are shared between modes.
+    `alpha_of`: what each image's header said when it was checked (_check_item)."""
     done, alpha_images = [], 0
     for item in items:
-        if not item.image.has_alpha():  # its header was read already (_check_item): no new failure here
+        if not alpha_of[item.image.path]:
             done.append(item)
             continue
         alpha_images += 1
@@ -583,11 +591,12 @@ def _mirrored(folder: Path | None, name: str, what: str) -> Path | None:
 
 
 def _folder_items(folder: Path, control_folder: Path | None, mask_folder: Path | None, roots: tuple[Path, ...],
-                  repeats: int = 1, name_caption: str | None = None,
-                  in_repeat_folder: bool = False) -> tuple[list, list[str], list[str], int]:
+                  repeats: int = 1, name_caption: str | None = None, in_repeat_folder: bool = False,
+                  alpha_of: dict[Path, bool] | None = None) -> tuple[list, list[str], list[str], int]:
     """(items, problems, notes, images captioned with `name_caption`) of the images in one folder (not its
     subfolders). `name_caption`: the caption of an image without a caption file (a repeat folder's name, or the
-    trigger word), else a missing caption is a problem. Items in a repeat folder are named with it."""
+    trigger word), else a missing caption is a problem. Items in a repeat folder are named with it. `alpha_of`
+    (image path -> whether it has transparency) gets each usable image's entry."""
     controls = _images_in(Path(control_folder)) if control_folder is not None else ByName({})
     masks = _images_in(Path(mask_folder)) if mask_folder is not None else ByName({})
 
@@ -611,7 +620,8 @@ def _folder_items(folder: Path, control_folder: Path | None, mask_folder: Path |
         without_caption = name_caption is not None and not os.path.lexists(caption_file(path))
         caption = (name_caption,) if without_caption else _read_caption(
             path, roots, missing_hint="" if in_repeat_folder else MISSING_CAPTION_HINT)
-        problem = caption if not isinstance(caption, tuple) else _check_item(path, controls, control_folder, roots)
+        problem = caption if not isinstance(caption, tuple) else _check_item(path, controls, control_folder, roots,
+                                                                             alpha_of)
         mask_path = masks.get(path.stem)
         if not problem and mask_path is not None:
             problem = _check_sibling(path, FileImage(mask_path, roots), "mask", roots)
@@ -661,11 +671,14 @@ def _read_caption(image_path: Path, roots: tuple[Path, ...], caption_path: Path 
 
 
 def _check_item(path: Path, controls: ByName, control_folder: Path | None,
-                roots: tuple[Path, ...]) -> str | None:
-    """A message naming the problem with this item and its fix, or None if it is usable."""
+                roots: tuple[Path, ...], alpha_of: dict[Path, bool] | None = None) -> str | None:
+    """A message naming the problem with this item and its fix, or None if it is usable. `alpha_of[path]`: whether
+    the image has transparency, read from the same opening of its header."""
     image = FileImage(path, roots)
     try:
-        size = image.checked_size()
+        size, alpha = image.checked_header()
+        if alpha_of is not None:
+            alpha_of[path] = alpha
     except DatasetError as error:
         return str(error)
     except (OSError, UnidentifiedImageError, SyntaxError, ValueError) as error:
