@@ -58,11 +58,17 @@ def test_listing_reads_each_images_transparency_from_its_one_opening(tmp_path, m
     Image.fromarray(cut_out()[..., :3]).convert("P").save(images / "palette.png", transparency=0)
     (images / "palette.txt").write_text("a palette", encoding="utf-8")
     write(images, "photo.jpg", cut_out()[..., :3])
+    masks = tmp_path / "masks" / "3_ohwx" if repeat_folder else tmp_path / "masks"
+    masks.mkdir(parents=True)
+    Image.fromarray(np.full((32, 48), 255, np.uint8)).save(masks / "rgb.png")  # a mask file: opened once itself
     opened = []
     real_open = FileImage._open
-    monkeypatch.setattr(FileImage, "_open", lambda self: (opened.append(self.path.name), real_open(self))[1])
-    dataset = dataset_from_folder(folder, resolution=32, step=16, transparency="loss_mask")
-    assert sorted(opened) == ["la.png", "palette.png", "photo.jpg", "rgb.png", "rgba.png"]
+    monkeypatch.setattr(FileImage, "_open", lambda self: (opened.append(self.path.parent.name + "/" + self.path.name),
+                                                          real_open(self))[1])
+    dataset = dataset_from_folder(folder, resolution=32, step=16, transparency="loss_mask", mask_folder=masks.parent
+                                  if repeat_folder else masks)
+    names = ("la.png", "palette.png", "photo.jpg", "rgb.png", "rgba.png")
+    assert sorted(opened) == sorted([f"{images.name}/{name}" for name in names] + [f"{masks.name}/rgb.png"])
     masked = {item.image.path.name for item in dataset.items if isinstance(item.mask, AlphaMask)}
     monkeypatch.undo()
     assert masked == {item.image.path.name for item in dataset.items if item.image.has_alpha()}

@@ -492,7 +492,7 @@ def dataset_from_folder(
     roots = tuple(roots) if roots else tuple(p for p in (folder, control_folder, mask_folder) if p is not None)
 
     concepts = repeat_folders_of(folder)
-    alpha_of: dict[Path, bool] = {}  # each usable image's transparency, read when its header was checked
+    headers: dict[Path, tuple[tuple[int, int], bool]] = {}  # each usable image's (size, transparency) when checked
     read, unread, default_captions = [], (), 0
     # Listed a second time only where there are repeat folders: a folder of its own images reads them, as before.
     if concepts and not any(path.suffix.lower() in IMAGE_EXTENSIONS for path in _entries(folder)):
@@ -505,14 +505,14 @@ def dataset_from_folder(
             name_caption = path.name.partition("_")[2].strip()
             got, left, noted, named = _folder_items(
                 path, _mirrored(control_folder, path.name, "control"), _mirrored(mask_folder, path.name, "mask"),
-                roots, repeats=repeats, name_caption=name_caption, in_repeat_folder=True, alpha_of=alpha_of)
+                roots, repeats=repeats, name_caption=name_caption, in_repeat_folder=True, headers=headers)
             items += got
             problems += left
             notes += noted
             read.append(RepeatFolder(path.name, repeats, len(got), named))
     else:
         items, problems, notes, default_captions = _folder_items(folder, control_folder, mask_folder, roots,
-                                                                 name_caption=default_caption, alpha_of=alpha_of)
+                                                                 name_caption=default_caption, headers=headers)
         unread = tuple(path.name for path, _ in concepts)
 
     if problems and not skip_bad:
@@ -527,7 +527,7 @@ def dataset_from_folder(
             + (" (or in subfolders named '<repeats>_<name>', kohya's layout)" if not concepts else "")
             + (" (skipped:\n- " + "\n- ".join(problems) + ")" if problems else "") + also_noted(notes)
         )
-    items, alpha_images = _with_transparency(items, transparency, alpha_of)
+    items, alpha_images = _with_transparency(items, transparency, headers)
     return Dataset(
         items=tuple(items), resolution=resolution, step=step, crop=crop, flip=flip, seed=seed,
         skip_bad=skip_bad, left_out=tuple(problems), notes=tuple(notes), repeat_folders=tuple(read),
@@ -537,13 +537,13 @@ def dataset_from_folder(
 
 
 def _with_transparency(items: list[DatasetItem], transparency: str,
-                       alpha_of: dict[Path, bool]) -> tuple[list[DatasetItem], int]:
+                       headers: dict[Path, tuple[tuple[int, int], bool]]) -> tuple[list[DatasetItem], int]:
     """(the items with `transparency` applied to those whose image has an alpha channel, how many have one). Items
     without transparency are unchanged whatever the mode, so their cache entries are shared between modes.
-    `alpha_of`: what each image's header said when it was checked (_check_item)."""
+    `headers`: what each image's header said when it was checked (_check_item)."""
     done, alpha_images = [], 0
     for item in items:
-        if not alpha_of[item.image.path]:
+        if not headers[item.image.path][1]:
             done.append(item)
             continue
         alpha_images += 1
@@ -592,11 +592,12 @@ def _mirrored(folder: Path | None, name: str, what: str) -> Path | None:
 
 def _folder_items(folder: Path, control_folder: Path | None, mask_folder: Path | None, roots: tuple[Path, ...],
                   repeats: int = 1, name_caption: str | None = None, in_repeat_folder: bool = False,
-                  alpha_of: dict[Path, bool] | None = None) -> tuple[list, list[str], list[str], int]:
+                  headers: dict | None = None) -> tuple[list, list[str], list[str], int]:
     """(items, problems, notes, images captioned with `name_caption`) of the images in one folder (not its
     subfolders). `name_caption`: the caption of an image without a caption file (a repeat folder's name, or the
-    trigger word), else a missing caption is a problem. Items in a repeat folder are named with it. `alpha_of`
-    (image path -> whether it has transparency) gets each usable image's entry."""
+    trigger word), else a missing caption is a problem. Items in a repeat folder are named with it. `headers`
+    (image path -> (size, whether it has transparency)) gets each usable image's entry."""
+    headers = {} if headers is None else headers
     controls = _images_in(Path(control_folder)) if control_folder is not None else ByName({})
     masks = _images_in(Path(mask_folder)) if mask_folder is not None else ByName({})
 
@@ -621,10 +622,10 @@ def _folder_items(folder: Path, control_folder: Path | None, mask_folder: Path |
         caption = (name_caption,) if without_caption else _read_caption(
             path, roots, missing_hint="" if in_repeat_folder else MISSING_CAPTION_HINT)
         problem = caption if not isinstance(caption, tuple) else _check_item(path, controls, control_folder, roots,
-                                                                             alpha_of)
+                                                                             headers)
         mask_path = masks.get(path.stem)
         if not problem and mask_path is not None:
-            problem = _check_sibling(path, FileImage(mask_path, roots), "mask", roots)
+            problem = _check_sibling(path, FileImage(mask_path, roots), "mask", roots, headers[path][0])
         if problem:
             problems.append(problem)
             continue
@@ -671,14 +672,14 @@ def _read_caption(image_path: Path, roots: tuple[Path, ...], caption_path: Path 
 
 
 def _check_item(path: Path, controls: ByName, control_folder: Path | None,
-                roots: tuple[Path, ...], alpha_of: dict[Path, bool] | None = None) -> str | None:
-    """A message naming the problem with this item and its fix, or None if it is usable. `alpha_of[path]`: whether
-    the image has transparency, read from the same opening of its header."""
+                roots: tuple[Path, ...], headers: dict | None = None) -> str | None:
+    """A message naming the problem with this item and its fix, or None if it is usable. `headers[path]`: its
+    (size, whether it has transparency), read from the same opening of its header."""
     image = FileImage(path, roots)
     try:
         size, alpha = image.checked_header()
-        if alpha_of is not None:
-            alpha_of[path] = alpha
+        if headers is not None:
+            headers[path] = size, alpha
     except DatasetError as error:
         return str(error)
     except (OSError, UnidentifiedImageError, SyntaxError, ValueError) as error:
