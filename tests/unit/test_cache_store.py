@@ -288,6 +288,33 @@ def test_fingerprint_sees_values_shapes_dtypes_and_names():
     assert fingerprint_value(patches) != fingerprint_value(stronger)
 
 
+@pytest.mark.min_torch
+def test_fingerprints_read_fp8_weights_on_every_torch_and_keep_their_values():
+    """Every fp8 checkpoint's weights are float8; torch 2.8's CPU implements no indexing for float8, and the strided
+    sample's gather raised there (every fp8 run failed at its start on the oldest declared torch). The sample is read
+    through an integer view of the same bytes, so every fingerprint is the one earlier releases made (these digests
+    are the old code's on torch 2.14): caches already on users' disks stay hits."""
+    steps = torch.arange(1 << 21) % 89 - 44  # small integers: exact in every dtype below, the same on every torch
+    weights = {
+        "fp32": (steps[:5000] / 8).float(),
+        "bf16_transposed": steps[:7000].to(torch.bfloat16).reshape(70, 100).t(),
+        "fp16_big": (steps / 16).half().reshape(1024, -1),
+        "fp8": (steps[:9000] / 4).to(torch.float8_e4m3fn).reshape(90, 100),
+        "fp8_transposed": (steps[:(1 << 20)] / 4).to(torch.float8_e4m3fn).reshape(1024, 1024).t(),
+        "fp8_e5m2": (steps[:3000] / 2).to(torch.float8_e5m2),
+    }
+    digests = {
+        "fp32": "26cbd8f89b289bde6d7a234af5839628b13cb6379d67f3743ffc3a5e1837cec6",
+        "bf16_transposed": "d9f439b3a3aaa916a9a26d2e8d362917e44a7589bd589bc87e123e373bc233a9",
+        "fp16_big": "e793842ba52ff08e592d1c73ca937872bd9cc0f4b4429bf45f2f57858b524f43",
+        "fp8": "5e7255d9eae8ef0afe4140c26fd4f9df9c34c3c5b444b2d28d5e3455db11dbf6",
+        "fp8_transposed": "ff0f0839a55dc6a1af733d44396499f490427a0648858bafa9597c46e4ff1523",
+        "fp8_e5m2": "2dc0bf4e90b36312036270ffdb7abd78ba00843f49761ccfd974828c860b9eb7",
+    }
+    assert {name: fingerprint_state_dict({name: weight}) for name, weight in weights.items()} == digests
+    assert fingerprint_state_dict(weights) == "00f71db96a8008354aabfca57d4382727c8a73c96f8ba1a7849b9b3a7886fa92"
+
+
 # --- latent caching ----------------------------------------------------------------------------------
 
 

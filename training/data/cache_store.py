@@ -163,12 +163,24 @@ def sample_indices(numel: int, samples: int) -> torch.Tensor:
     return torch.arange(samples, dtype=torch.int64) * (numel - 1) // (samples - 1)
 
 
+_INTEGERS_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _same_bytes_as_integers(tensor: torch.Tensor) -> torch.Tensor:
+    """A plain floating-point tensor viewed as integers of its element size: the same bytes, so the same
+    fingerprint, but indexable on every torch (torch 2.8's CPU implements no indexing for float8, the dtype of
+    every fp8 checkpoint)."""
+    if type(tensor) is torch.Tensor and tensor.is_floating_point() and tensor.element_size() in _INTEGERS_OF_SIZE:
+        return tensor.view(_INTEGERS_OF_SIZE[tensor.element_size()])
+    return tensor
+
+
 def _sample_bytes(tensor: torch.Tensor, samples: int) -> bytes:
     """Raw bytes of up to `samples` evenly strided values of `tensor` (all of it when small), read through the
     tensor's own strides: a strided or expanded view is never copied whole."""
     if tensor.is_meta:
         return b"meta"
-    tensor = tensor.detach()
+    tensor = _same_bytes_as_integers(tensor.detach())
     indices = sample_indices(tensor.numel(), samples).to(tensor.device)
     if tensor.is_contiguous():
         values = tensor.reshape(-1)[indices]
