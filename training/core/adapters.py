@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import inspect
 import math
 import re
 import sys
@@ -625,14 +626,37 @@ def _peft_layer(base: torch.nn.Module, config: AdapterConfig, device=None, read_
     if config.kind in ("lora", "dora"):
         peft_config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=config.dropout, use_dora=config.kind == "dora")
         cls = lora_layer.Conv2d if isinstance(base, torch.nn.Conv2d) else lora_layer.Linear
-        return cls(base, "default", config=peft_config, r=rank, lora_alpha=alpha)
+        return _made_by_peft(cls, base, peft_config, rank, "lora_alpha", alpha)
     if config.kind == "loha":
         peft_config = LoHaConfig(r=rank, alpha=alpha, module_dropout=config.dropout)
         cls = loha.Conv2d if isinstance(base, torch.nn.Conv2d) else loha.Linear
-        return cls(base, "default", config=peft_config, r=rank, alpha=alpha)
+        return _made_by_peft(cls, base, peft_config, rank, "alpha", alpha)
     peft_config = LoKrConfig(r=rank, alpha=alpha, module_dropout=config.dropout)
     cls = lokr.Conv2d if isinstance(base, torch.nn.Conv2d) else lokr.Linear
-    return cls(base, "default", config=peft_config, r=rank, alpha=alpha)
+    return _made_by_peft(cls, base, peft_config, rank, "alpha", alpha)
+
+
+# What a peft layer's constructor takes besides the config's fields.
+_PEFT_LAYER_ARGUMENTS = frozenset({"self", "base_layer", "adapter_name", "r", "device", "dtype", "config", "kwargs"})
+
+
+def _made_by_peft(cls: type, base: torch.nn.Module, peft_config, rank: int, alpha_name: str, alpha: float):
+    """peft layer `cls` around `base` as `peft_config` says, on every peft Headroom declares (requirements.txt: 0.13
+    on). peft 0.19 (LoRA) and 0.20 (LoHa, LoKr) made the layers take their config; before, each took the config's
+    fields as keyword arguments, and an unknown `config=` fell into **kwargs unread: DoRA trained as plain LoRA, the
+    dropout was lost, and LoKr (device and dtype first) failed. There the layer gets the config's fields as peft's
+    own tuner gave them (LoRA: those its constructors or `update_layer` name; LoHa / LoKr: all of them, some read
+    from **kwargs), so every peft builds the layer the config describes."""
+    if "config" in inspect.signature(cls.update_layer).parameters:
+        return cls(base, "default", config=peft_config, r=rank, **{alpha_name: alpha})
+    if alpha_name == "alpha":  # LoHa / LoKr: peft's own tuner passed the whole config as keywords (some read there)
+        named = set(peft_config.to_dict())
+    else:
+        named = set(inspect.signature(cls.update_layer).parameters).union(
+            *(inspect.signature(klass.__init__).parameters for klass in cls.__mro__ if "__init__" in vars(klass)))
+    fields = {name: getattr(peft_config, name) for name in named - _PEFT_LAYER_ARGUMENTS - {alpha_name}
+              if hasattr(peft_config, name)}
+    return cls(base, adapter_name="default", r=rank, **{alpha_name: alpha}, **fields)
 
 
 def _check_oft_block_size(root: torch.nn.Module, paths: list[str], block_size: int) -> None:

@@ -1,0 +1,51 @@
+"""Each adapter kind peft makes is the layer its config describes, on every peft Headroom declares (requirements.txt:
+0.13 on; the min_torch venv holds that oldest peft, CI's main venv the newest). peft 0.19 / 0.20 changed how its
+layers take their config; before, an unread `config=` made DoRA a plain LoRA and dropped the dropout, silently."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from headroom.training.core.adapters import AdapterConfig, AdapterSet
+
+pytestmark = pytest.mark.min_torch
+
+
+class Toy(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(64, 48)
+        self.conv = torch.nn.Conv2d(16, 48, 3, padding=1)
+
+
+# The trained tensors of each kind (peft's names, as the savers read them).
+PARAMETERS = {
+    "lora": {"lora_A.default.weight", "lora_B.default.weight"},
+    "dora": {"lora_A.default.weight", "lora_B.default.weight", "lora_magnitude_vector.default.weight"},
+    "loha": {"hada_w1_a.default", "hada_w1_b.default", "hada_w2_a.default", "hada_w2_b.default"},
+    "lokr": {"lokr_w1.default", "lokr_w2.default"},  # rank 4 against factors of 8: peft keeps w2 whole
+}
+
+
+@pytest.mark.parametrize("kind", list(PARAMETERS))
+def test_each_kind_is_the_layer_its_config_describes(kind):
+    torch.manual_seed(0)
+    root = Toy()
+    config = AdapterConfig(kind=kind, rank=4, alpha=8.0, dropout=0.25)
+    adapters = AdapterSet(root, ["linear", "conv"], config)
+    for path, layer in adapters.layers.items():
+        trained = {name for name, _ in adapters._own_parameters(layer)}
+        assert trained == PARAMETERS[kind], (path, sorted(trained))
+        assert layer.r["default"] == 4 and layer.scaling["default"] == pytest.approx(2.0), path
+        dropout = layer.lora_dropout["default"] if kind in ("lora", "dora") else None
+        if dropout is not None:
+            assert isinstance(dropout, torch.nn.Dropout) and dropout.p == 0.25, path
+        else:
+            assert layer.module_dropout["default"] == 0.25, path
+        assert all(p.dtype == torch.float32 and p.requires_grad for _, p in adapters._own_parameters(layer))
+    adapters.attach(root)
+    root.eval()  # no dropout: an untrained adapter changes nothing
+    x, image = torch.randn(2, 64), torch.randn(1, 16, 8, 8)
+    with torch.no_grad():
+        assert torch.allclose(root.linear(x), root.linear.get_base_layer()(x), atol=1e-6)
+        assert torch.allclose(root.conv(image), root.conv.get_base_layer()(image), atol=1e-6)
