@@ -51,3 +51,18 @@ def require_package(module: str, package: str, needed_by: str, instead: str) -> 
             f"{needed_by} needs the pip package '{package}', {state}. {verb} it into ComfyUI's Python: "
             f"python {pip} (Windows portable build, in its folder: python_embeded\\python.exe {pip}), then restart "
             f"ComfyUI; or {instead}.") from None
+
+
+def require_version(module: str, minimum: str, needed_by: str, why: str, instead: str) -> None:
+    """Raise MissingPackageError when the installed `module` (its pip package of that name) is older than `minimum`:
+    `needed_by` needs that release; `why` says what the older one does; `instead` what to choose without it. Headroom
+    never upgrades a package a user's ComfyUI holds (requirements.txt), so an older one is named here, at the setting."""
+    from packaging.version import Version
+
+    installed = str(getattr(importlib.import_module(module), "__version__", "0"))
+    if Version(installed) < Version(minimum):
+        pip = f'-m pip install --upgrade "{module}>={minimum}"'
+        raise MissingPackageError(
+            f"{needed_by} needs the pip package '{module}' {minimum} or later; this ComfyUI's Python has {installed}, "
+            f"{why}. Upgrade it: python {pip} (Windows portable build, in its folder: python_embeded\\python.exe "
+            f"{pip}), then restart ComfyUI; or {instead}.")

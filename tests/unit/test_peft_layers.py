@@ -1,11 +1,15 @@
 """Each adapter kind peft makes is the layer its config describes, on every peft Headroom declares (requirements.txt:
 0.13 on; the min_torch venv holds that oldest peft, CI's main venv the newest). peft 0.19 / 0.20 changed how its
-layers take their config; before, an unread `config=` made DoRA a plain LoRA and dropped the dropout, silently."""
+layers take their config; before, an unread `config=` made DoRA a plain LoRA and dropped the dropout, silently. peft
+0.13's LoKr leaves alpha / rank out of its forward: kind lokr is refused there, naming the upgrade."""
 from __future__ import annotations
 
+import peft
 import pytest
 import torch
+from packaging.version import Version
 
+from headroom.training.checks import MissingPackageError
 from headroom.training.core.adapters import AdapterConfig, AdapterSet
 
 pytestmark = pytest.mark.min_torch
@@ -32,6 +36,12 @@ def test_each_kind_is_the_layer_its_config_describes(kind):
     torch.manual_seed(0)
     root = Toy()
     config = AdapterConfig(kind=kind, rank=4, alpha=8.0, dropout=0.25)
+    if kind == "lokr" and Version(peft.__version__) < Version("0.14"):  # the min_torch venv's peft 0.13
+        with pytest.raises(MissingPackageError, match=r"kind lokr needs the pip package 'peft' 0\.14 or later; this "
+                           r"ComfyUI's Python has 0\.13\.\d+, whose LoKr leaves alpha / rank out of its forward .*"
+                           r'python -m pip install --upgrade "peft>=0\.14".*or choose kind loha or lora\.$'):
+            AdapterSet(root, ["linear", "conv"], config)
+        return
     adapters = AdapterSet(root, ["linear", "conv"], config)
     for path, layer in adapters.layers.items():
         trained = {name for name, _ in adapters._own_parameters(layer)}

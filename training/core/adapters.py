@@ -26,7 +26,7 @@ from typing import Iterable
 
 import torch
 
-from ..checks import check_finite
+from ..checks import check_finite, require_version
 from ..memory.trained_weights_on_host import to_compute
 
 KINDS = ("lora", "dora", "loha", "lokr", "oft", "full")
@@ -631,6 +631,8 @@ def _peft_layer(base: torch.nn.Module, config: AdapterConfig, device=None, read_
         peft_config = LoHaConfig(r=rank, alpha=alpha, module_dropout=config.dropout)
         cls = loha.Conv2d if isinstance(base, torch.nn.Conv2d) else loha.Linear
         return _made_by_peft(cls, base, peft_config, rank, "alpha", alpha)
+    require_version("peft", "0.14", "kind lokr", "whose LoKr leaves alpha / rank out of its forward (what would "
+                    "train is not what the saved file applies)", "choose kind loha or lora")
     peft_config = LoKrConfig(r=rank, alpha=alpha, module_dropout=config.dropout)
     cls = lokr.Conv2d if isinstance(base, torch.nn.Conv2d) else lokr.Linear
     return _made_by_peft(cls, base, peft_config, rank, "alpha", alpha)
