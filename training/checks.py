@@ -55,8 +55,9 @@ def require_package(module: str, package: str, needed_by: str, instead: str) -> 
 
 def require_version(module: str, minimum: str, needed_by: str, why: str, instead: str) -> None:
     """Raise MissingPackageError when the installed `module` (its pip package of that name) is older than `minimum`:
-    `needed_by` needs that release; `why` says what the older one does; `instead` what to choose without it. Headroom
-    never upgrades a package a user's ComfyUI holds (requirements.txt), so an older one is named here, at the setting."""
+    `needed_by` needs that release; `why` says what the older one does; `instead` what to choose without it.
+    Headroom never upgrades a package a user's ComfyUI holds (requirements.txt): an older one is named here, at the
+    setting."""
     from packaging.version import Version
 
     installed = str(getattr(importlib.import_module(module), "__version__", "0"))

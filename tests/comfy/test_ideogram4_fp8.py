@@ -60,8 +60,8 @@ def test_the_stock_loader_builds_quantized_layers(fp8_model):
     assert len(quantized_layers(fp8.model)) == 2 * 6 and quantized_layers(model.model) == []  # 6 Linears a block
 
 
-# the LoRA case also on the oldest declared torch: fp8 is how most Flux / Ideogram users hold their base (torch 2.8's CPU
-# could not index a float8 weight, and every fp8 run failed at its start there)
+# the LoRA case also on the oldest declared torch: fp8 is how most Flux / Ideogram users hold their base (torch 2.8's
+# CPU could not index a float8 weight, and every fp8 run failed at its start there)
 @pytest.mark.parametrize("kind", [pytest.param("lora", marks=pytest.mark.min_torch), "dora", "oft", "full"])
 def test_a_lora_trains_on_scaled_fp8_and_validation_is_the_stock_sample(fp8_model, kind):
     """Loss falls, the trained weights are fp32, the fp8 base is unchanged bit for bit; the saved file loads in stock
