@@ -631,8 +631,6 @@ def _peft_layer(base: torch.nn.Module, config: AdapterConfig, device=None, read_
         peft_config = LoHaConfig(r=rank, alpha=alpha, module_dropout=config.dropout)
         cls = loha.Conv2d if isinstance(base, torch.nn.Conv2d) else loha.Linear
         return _made_by_peft(cls, base, peft_config, rank, "alpha", alpha)
-    require_version("peft", "0.14", "kind lokr", "whose LoKr leaves alpha / rank out of its forward (what would "
-                    "train is not what the saved file applies)", "choose kind loha or lora")
     peft_config = LoKrConfig(r=rank, alpha=alpha, module_dropout=config.dropout)
     cls = lokr.Conv2d if isinstance(base, torch.nn.Conv2d) else lokr.Linear
     return _made_by_peft(cls, base, peft_config, rank, "alpha", alpha)
@@ -651,7 +649,9 @@ def _made_by_peft(cls: type, base: torch.nn.Module, peft_config, rank: int, alph
     from **kwargs), so every peft builds the layer the config describes."""
     if "config" in inspect.signature(cls.update_layer).parameters:
         return cls(base, "default", config=peft_config, r=rank, **{alpha_name: alpha})
-    if alpha_name == "alpha":  # LoHa / LoKr: peft's own tuner passed the whole config as keywords (some read there)
+    from peft.tuners.lycoris_utils import LycorisConfig
+
+    if isinstance(peft_config, LycorisConfig):  # LoHa / LoKr: peft's tuner passed the whole config (some read there)
         named = set(peft_config.to_dict())
     else:
         named = set(inspect.signature(cls.update_layer).parameters).union(
@@ -700,6 +700,9 @@ class AdapterSet:
         self.attached_to: torch.nn.Module | None = None
         if config.kind == "oft":
             _check_oft_block_size(root, paths, int(config.rank))
+        if config.kind == "lokr":
+            require_version("peft", "0.14", "kind lokr", "whose LoKr leaves alpha / rank out of its forward (what "
+                            "would train is not what the saved file applies)", "choose kind loha or lora")
         ranks, alphas = layer_ranks(paths, config), layer_alphas(paths, config)
         # Seeded init without disturbing the caller's global RNG stream.
         with torch.random.fork_rng(devices=[]):
