@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import json
 import pathlib
 import shutil
 import tempfile
@@ -46,21 +47,35 @@ _LLAMA3_SPECIAL = {"<|begin_of_text|>": 128000, "<|end_of_text|>": 128001, "<|eo
 
 @functools.lru_cache(maxsize=1)
 def tiny_llama3_tokenizer_folder() -> str:
-    """A folder holding a Llama-3-style tokenizer (tokenizer.json + tokenizer_config.json) that transformers'
-    LlamaTokenizerFast, the class ComfyUI loads it with, saved itself: its BPE with no merges over "▁", the printable
-    ASCII characters and the 256 byte-fallback tokens (every text encodes), Llama-3's special tokens at their ids,
-    <|begin_of_text|> first. Written once per process to a temporary folder, removed at exit."""
-    from transformers import LlamaTokenizerFast
+    """A folder holding a Llama-3-style tokenizer (tokenizer.json + tokenizer_config.json) for transformers'
+    LlamaTokenizerFast, the class ComfyUI loads it with: a BPE with no merges over "▁", the printable ASCII characters
+    and the 256 byte-fallback tokens (every text encodes), Llama-3's special tokens at their ids, <|begin_of_text|>
+    first. Written once per process to a temporary folder, removed at exit.
+
+    Built with the `tokenizers` library, not by LlamaTokenizerFast(vocab=..., merges=...): that constructor is
+    transformers 5's, and ComfyUI runs on transformers 4 too (4.50.3 on; the Windows portable build of early 2026 ships
+    4.57.1), where it asks for a sentencepiece file. The tokenizer.json is the one transformers 5 writes for it."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
     vocab = {f"<0x{byte:02X}>": byte for byte in range(256)}
     vocab["▁"] = 256
     vocab.update({chr(code): 257 + i for i, code in enumerate(range(33, 127))})
     vocab.update(_LLAMA3_SPECIAL)
-    tokenizer = LlamaTokenizerFast(vocab=vocab, merges=[], bos_token="<|begin_of_text|>", eos_token="<|eot_id|>",
-                                   unk_token=None, add_bos_token=True, add_eos_token=False)
+    bos, eos = "<|begin_of_text|>", "<|eot_id|>"
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True, fuse_unk=True))
+    # SentencePiece's word boundary: "▁" before the first word and for every space; decoded back to spaces
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+    tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                           decoders.Strip(" ", 1, 0)])
+    tokenizer.post_processor = processors.TemplateProcessing(  # <|begin_of_text|> first, no end token (Llama-3's)
+        single=f"{bos} $A", pair=f"{bos} $A {bos}:1 $B:1", special_tokens=[(bos, _LLAMA3_SPECIAL[bos])])
+    tokenizer.add_special_tokens([AddedToken(bos, normalized=False), AddedToken(eos, normalized=False)])
     folder = pathlib.Path(tempfile.mkdtemp(prefix="headroom-tiny-llama3-"))
     atexit.register(shutil.rmtree, folder, ignore_errors=True)
-    tokenizer.save_pretrained(str(folder))
+    tokenizer.save(str(folder / "tokenizer.json"))
+    settings = {"tokenizer_class": "LlamaTokenizer", "bos_token": bos, "eos_token": eos, "unk_token": None,
+                "add_bos_token": True, "add_eos_token": False, "clean_up_tokenization_spaces": False}
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings, indent=2), encoding="utf-8")
     return str(folder)
 
 
