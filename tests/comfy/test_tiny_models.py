@@ -12,6 +12,7 @@ def _weights(patcher):
     return {k: v.detach().clone() for k, v in patcher.model.diffusion_model.state_dict().items()}
 
 
+@pytest.mark.min_torch  # every family's tokenizers and text encoder on the portable build's transformers 4 too
 @pytest.mark.parametrize("family", FAMILIES)
 def test_tiny_family_samples_with_stock_nodes(comfyui, family):
     import comfy.model_base
@@ -117,6 +118,33 @@ def test_tiny_hidream_tokenizer_is_llama3s_layout_on_a_character_vocabulary(comf
         cond, extras = clip.encode_from_tokens_scheduled(tokens)[0]
     # T5's 128 tokens; every Llama layer's hidden states (ComfyUI drops the embedding output) over its 128 tokens
     assert cond.shape == (1, 128, 32) and extras["conditioning_llama3"].shape == (1, 2, 128, 32)
+
+
+# What the tiny tokenizer gave when transformers 5's LlamaTokenizerFast(vocab=..., merges=[]) built it (its token ids
+# are what the tiny HiDream's text encoder was trained on); now built with `tokenizers`, on transformers 4 and 5 alike.
+LLAMA_IDS_BEFORE = {
+    "a photo of  a cat, \u00fcn\u00ef": [128000, 256, 321, 256, 336, 328, 335, 340, 335, 256, 335, 326, 256, 256, 321, 256,
+                                   323, 321, 340, 268, 256, 195, 188, 334, 195, 175],
+    "": [128000],
+    " lead": [128000, 256, 332, 325, 321, 324],
+    "x<|eot_id|>y": [128000, 256, 344, 128009, 345],
+    "tab\there\nnew \u4e2d": [128000, 256, 340, 321, 322, 9, 328, 325, 338, 325, 10, 334, 325, 343, 256, 228, 184, 173],
+}
+
+
+@pytest.mark.min_torch
+def test_tiny_hidream_tokenizer_gives_the_same_ids_on_every_transformers(comfyui):
+    """The Windows portable build of early 2026 ships transformers 4.57.1, whose LlamaTokenizerFast takes no
+    vocabulary in its constructor (the tiny HiDream failed to build there); the CI's min_torch venv holds that
+    release. The folder ComfyUI's class reads gives the ids it gave before, and decodes them back."""
+    from transformers import LlamaTokenizerFast
+
+    from headroom.nodes.bridge.families.hidream import tiny_llama3_tokenizer_folder
+
+    tokenizer = LlamaTokenizerFast.from_pretrained(tiny_llama3_tokenizer_folder())
+    for text, ids in LLAMA_IDS_BEFORE.items():
+        assert tokenizer(text).input_ids == ids, text
+        assert tokenizer.decode(ids, skip_special_tokens=True) == text.replace("<|eot_id|>", "").lstrip(" "), text
 
 
 def test_deep_clone_goes_through_cached_patcher_init(comfyui):
