@@ -118,6 +118,11 @@ def test_the_min_torch_venv_installs_the_declared_minimum():
     pinned = re.search(r"torch==(\d+\.\d+)\.\d+ ", text).group(1)
     assert pinned == environment.MIN_TORCH
     assert f'startswith("{environment.MIN_TORCH}.")' in text
+    # ... with the other packages of the Windows portable build that shipped that torch (transformers 4.57.1,
+    # safetensors 0.6.2...): the profile tests/unit/test_install.py installs into
+    assert "tests/install_envs/windows_portable_2026.json" in text
+    profile = json.loads((REPO / "tests" / "install_envs" / "windows_portable_2026.json").read_text(encoding="utf-8"))
+    assert re.search(r"torch==(\d+\.\d+)\.\d+ ", text).group(0).strip() in profile["pins"]
 
 
 def test_a_node_whose_schema_this_comfyui_cannot_build_is_left_out_alone(headroom_nodes, monkeypatch, caplog):

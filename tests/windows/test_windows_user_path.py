@@ -14,6 +14,7 @@ import sys
 import pytest
 import torch
 from comfy_harness import queue_prompt
+from windows_imitation import mapped_files
 
 pytestmark = [pytest.mark.comfyui, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -94,6 +95,10 @@ def test_a_windows_user_trains_cancels_resumes_and_loads_the_lora(windows, comfy
         second = _queue(prompt, "second")
     assert second.success, second.status_messages
     assert steps_seen == [1, 2, 3, 4, 5, 6]  # resumed at the saved step, not started over
+    # Nothing the run read stays mapped: safetensors before 0.8 (the portable build's 0.6.2, the min_torch venv's)
+    # returns views of a mapping of the file, which Windows would keep from being pruned, replaced or deleted.
+    output = os.path.realpath(folder_paths.get_output_directory()) + os.sep
+    assert not [path for path in mapped_files() if path.startswith(output)]
     outputs = second.history_result["outputs"]
     assert outputs["10"]["images"], "validation shows its images"
     lora_name = "headroom/windows_user_step000006.safetensors"
