@@ -142,13 +142,21 @@ class WindowsImitation:
 
         patch.setattr(os, "open", imitated_open)
         patch.setattr(os, "kill", imitated_kill)
-        patch.setattr(os, "replace", lambda src, dst, **kw: (held_check(src, dst), read_only_check(dst),
-                                                             real_replace(src, dst, **kw))[-1])
-        patch.setattr(os, "rename", lambda src, dst, **kw: (held_check(src, dst), real_rename(src, dst, **kw))[1])
-        patch.setattr(os, "unlink", lambda path, **kw: (held_check(path), read_only_check(path),
-                                                        real_unlink(path, **kw))[-1])
-        patch.setattr(os, "remove", lambda path, **kw: (held_check(path), read_only_check(path),
-                                                        real_remove(path, **kw))[-1])
+        imitated = {
+            "replace": lambda src, dst, **kw: (held_check(src, dst), read_only_check(dst),
+                                               real_replace(src, dst, **kw))[-1],
+            "rename": lambda src, dst, **kw: (held_check(src, dst), real_rename(src, dst, **kw))[1],
+            "unlink": lambda path, **kw: (held_check(path), read_only_check(path), real_unlink(path, **kw))[-1],
+            "remove": lambda path, **kw: (held_check(path), read_only_check(path), real_remove(path, **kw))[-1],
+        }
+        for name, function in imitated.items():
+            patch.setattr(os, name, function)
+        # Python 3.10's pathlib took os.unlink / rename / replace when it was imported (its _NormalAccessor; 3.11
+        # calls os.* each time): without this, Path.unlink of a mapped file succeeded in the imitation on 3.10.
+        accessor = getattr(pathlib, "_normal_accessor", None)
+        if accessor is not None:
+            for name in ("unlink", "rename", "replace"):
+                patch.setattr(accessor, name, imitated[name])
         return self
 
     @contextlib.contextmanager

@@ -326,3 +326,26 @@ def test_a_cache_shard_still_mapped_is_not_written_over(windows, tmp_path, monke
     os.utime(shard, (old, old))
     cache_latents(dataset, ShardStore(root), vae, "fp-vae", {})
     assert {path.name for path in (root / "shards").iterdir()} == manifest_shards
+
+
+def test_the_imitation_refuses_a_mapped_file_however_it_is_removed_or_replaced(windows, tmp_path):
+    """The imitation itself: Windows refuses to remove, rename or replace a mapped file whether the code calls os.* or
+    pathlib (Python 3.10's pathlib took os.unlink when it was imported: Path.unlink went past the imitation there)."""
+    import mmap
+    import pathlib
+
+    mapped, other = tmp_path / "mapped.bin", tmp_path / "other.bin"
+    mapped.write_bytes(b"\x00" * 4096)
+    other.write_bytes(b"\x01" * 4096)
+    with open(mapped, "rb") as handle:
+        view = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
+        for remove in (os.unlink, os.remove, pathlib.Path.unlink, lambda path: path.rename(tmp_path / "moved.bin"),
+                       lambda path: other.replace(path)):
+            with pytest.raises(PermissionError, match="user-mapped section"):
+                remove(mapped)
+        assert mapped.read_bytes() == b"\x00" * 4096
+    finally:
+        view.close()
+    mapped.unlink()  # unmapped: allowed
+    assert not mapped.exists()
