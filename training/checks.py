@@ -46,11 +46,41 @@ def require_package(module: str, package: str, needed_by: str, instead: str) -> 
         missing = isinstance(error, ModuleNotFoundError) and (error.name or "").split(".")[0] == top
         state = "which is not installed" if missing else f"which is installed but does not import ({error})"
         verb = "Install" if missing else "Reinstall"
-        pip = f"-m pip install {'' if missing else '--force-reinstall '}{package}"
+        # --no-deps: a forced reinstall also reinstalls every dependency at its newest, torch among them (bitsandbytes
+        # and peft depend on it): a user's CUDA torch replaced by PyPI's, which on Windows is the CPU build.
+        pip = f"-m pip install {'' if missing else '--force-reinstall --no-deps '}{package}"
         raise MissingPackageError(
             f"{needed_by} needs the pip package '{package}', {state}. {verb} it into ComfyUI's Python: "
             f"python {pip} (Windows portable build, in its folder: python_embeded\\python.exe {pip}), then restart "
             f"ComfyUI; or {instead}.") from None
+
+
+# peft 0.15 and later import accelerate's `clear_device_cache` (new in accelerate 0.32) but declare accelerate 0.21 or
+# later, so pip keeps an older accelerate a ComfyUI holds (another node's) and installs a peft that does not import.
+PEFT_NEEDS_ACCELERATE = ("0.15", "0.32")
+
+
+def require_peft(needed_by: str, instead: str) -> None:
+    """Raise MissingPackageError when peft does not import, before a run: with peft 0.15+ beside accelerate < 0.32
+    (read from the installed packages' metadata: nothing imported) naming both ways out, else as require_package."""
+    from importlib import metadata
+
+    from packaging.version import Version
+
+    try:
+        peft, accelerate = metadata.version("peft"), metadata.version("accelerate")
+    except metadata.PackageNotFoundError:
+        peft = accelerate = None
+    new_peft, old_accelerate = PEFT_NEEDS_ACCELERATE
+    if peft and accelerate and Version(peft) >= Version(new_peft) and Version(accelerate) < Version(old_accelerate):
+        upgrade, older_peft = f'-m pip install "accelerate>={old_accelerate},<1.16"', '-m pip install "peft==0.14.0"'
+        raise MissingPackageError(
+            f"{needed_by} needs peft, which does not import here: this ComfyUI's Python has peft {peft} and accelerate "
+            f"{accelerate}, and peft {new_peft} and later use a function accelerate added in {old_accelerate} (they "
+            f"declare accelerate 0.21 or later, so pip kept the older one). Upgrade accelerate: python {upgrade}, or "
+            f"keep it and install the last peft that imports with it: python {older_peft} (Windows portable build, in "
+            f"its folder: python_embeded\\python.exe in place of python); then restart ComfyUI; or {instead}.")
+    require_package("peft", "peft", needed_by, instead)
 
 
 def require_version(module: str, minimum: str, needed_by: str, why: str, instead: str) -> None:

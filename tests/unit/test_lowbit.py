@@ -119,7 +119,7 @@ def test_a_broken_bitsandbytes_says_reinstall(monkeypatch):
 
     monkeypatch.setattr(checks.importlib, "import_module", broken)
     with pytest.raises(MissingPackageError, match=r"installed but does not import \(libbitsandbytes_cuda.so.*"
-                       r"python -m pip install --force-reinstall bitsandbytes"):
+                       r"python -m pip install --force-reinstall --no-deps bitsandbytes"):
         check_available("int8")
     check_available("fp8")
 

@@ -59,3 +59,29 @@ def test_each_kind_is_the_layer_its_config_describes(kind):
     with torch.no_grad():
         assert torch.allclose(root.linear(x), root.linear.get_base_layer()(x), atol=1e-6)
         assert torch.allclose(root.conv(image), root.conv.get_base_layer()(image), atol=1e-6)
+
+
+def test_peft_beside_an_older_accelerate_is_named_before_a_run_and_oft_full_need_no_peft(monkeypatch):
+    """peft 0.15+ imports a function accelerate added in 0.32 while declaring accelerate 0.21 or later: in a ComfyUI
+    whose other nodes hold accelerate 0.21-0.31, installing Headroom keeps that accelerate and brings the newest peft,
+    which does not import (found by hand on ComfyUI's lowest declared packages). A run of a peft kind is refused at
+    its start naming both packages and both ways out; kinds oft and full (the pack's own layers) train without peft."""
+    from importlib import metadata
+
+    real_version = metadata.version
+    installed = {"peft": "0.21.2", "accelerate": "0.25.0"}
+    monkeypatch.setattr(metadata, "version", lambda name: installed.get(name) or real_version(name))
+    for kind in ("lora", "dora", "loha", "lokr"):
+        with pytest.raises(MissingPackageError, match=(
+                rf"^kind {kind} needs peft, which does not import here: this ComfyUI's Python has peft 0\.21\.2 and "
+                r"accelerate 0\.25\.0, .* added in 0\.32 .* python -m pip install \"accelerate>=0\.32,<1\.16\", or .*"
+                r"python -m pip install \"peft==0\.14\.0\" .*then restart ComfyUI; or choose kind oft or full")):
+            AdapterSet(Toy(), ["linear", "conv"], AdapterConfig(kind=kind, rank=4, alpha=8.0))
+    installed["accelerate"] = "0.32.0"  # the pair that imports: no refusal
+    AdapterSet(Toy(), ["linear"], AdapterConfig(kind="lora", rank=4, alpha=8.0))
+
+    monkeypatch.setitem(__import__("sys").modules, "peft", None)  # peft does not import at all
+    with pytest.raises(MissingPackageError, match=r"^kind lora needs the pip package 'peft', which is not installed"):
+        AdapterSet(Toy(), ["linear"], AdapterConfig(kind="lora", rank=4, alpha=8.0))
+    full = AdapterSet(Toy(), ["linear"], AdapterConfig(kind="full"))  # (kind oft: ComfyUI's OFTDiff, not peft)
+    assert type(full.layers["linear"]).__name__ == "FullLayer"

@@ -26,7 +26,7 @@ from typing import Iterable
 
 import torch
 
-from ..checks import check_finite, require_version
+from ..checks import check_finite, require_peft, require_version
 from ..memory.trained_weights_on_host import to_compute
 
 KINDS = ("lora", "dora", "loha", "lokr", "oft", "full")
@@ -41,6 +41,7 @@ LAYER_ALPHA_MAX = 4096.0  # LoRA Config layer_alphas: as its alpha input's large
 # The kinds whose rank is a low-rank size and alpha its scale's numerator, which layer_ranks / layer_alphas may set
 # per layer; why the others have neither (oft's alpha is a constraint, full has no scale).
 LAYER_RANK_KINDS = ("lora", "dora", "loha", "lokr")
+PEFT_KINDS = ("lora", "dora", "loha", "lokr")  # peft's layers; oft and full are the pack's own
 _NO_LOW_RANK = {"oft": "its rank is the block size of the rotations", "full": "it trains the weights themselves"}
 _NO_SCALE = {"oft": "its alpha is the constraint of the rotations, one for all layers",
              "full": "it trains the weights themselves"}
@@ -613,16 +614,17 @@ def adapter_layer_types() -> tuple[type, ...]:
 
 def _peft_layer(base: torch.nn.Module, config: AdapterConfig, device=None, read_base=None, rank: int | None = None,
                 alpha: float | None = None) -> torch.nn.Module:
-    from peft import LoHaConfig, LoKrConfig, LoraConfig
-    from peft.tuners import loha, lokr
-    from peft.tuners.lora import layer as lora_layer
-
     rank, alpha = int(config.rank if rank is None else rank), float(config.alpha if alpha is None else alpha)
     if config.kind == "oft":
         return OFTLayer(base, rank, alpha)
     if config.kind == "full":
         return FullLayer(base, device, torch.bfloat16 if config.full_precision == "bf16_stochastic" else torch.float32,
                          read_base)
+    # peft only for its kinds: oft and full are the pack's own layers and run where peft does not import
+    from peft import LoHaConfig, LoKrConfig, LoraConfig
+    from peft.tuners import loha, lokr
+    from peft.tuners.lora import layer as lora_layer
+
     if config.kind in ("lora", "dora"):
         peft_config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=config.dropout, use_dora=config.kind == "dora")
         cls = lora_layer.Conv2d if isinstance(base, torch.nn.Conv2d) else lora_layer.Linear
@@ -700,6 +702,8 @@ class AdapterSet:
         self.attached_to: torch.nn.Module | None = None
         if config.kind == "oft":
             _check_oft_block_size(root, paths, int(config.rank))
+        if config.kind in PEFT_KINDS:
+            require_peft(f"kind {config.kind}", "choose kind oft or full (the pack's own layers: no peft)")
         if config.kind == "lokr":
             require_version("peft", "0.14", "kind lokr", "whose LoKr leaves alpha / rank out of its forward (what "
                             "would train is not what the saved file applies)", "choose kind loha or lora")
