@@ -61,26 +61,29 @@ PEFT_NEEDS_ACCELERATE = ("0.15", "0.32")
 
 
 def require_peft(needed_by: str, instead: str) -> None:
-    """Raise MissingPackageError when peft does not import, before a run: with peft 0.15+ beside accelerate < 0.32
-    (read from the installed packages' metadata: nothing imported) naming both ways out, else as require_package."""
-    from importlib import metadata
-
-    from packaging.version import Version
-
+    """Raise MissingPackageError when peft does not import, before a run: as require_package, except where the
+    installed packages' metadata shows the cause, peft 0.15+ beside accelerate < 0.32: then naming both ways out."""
     try:
-        peft, accelerate = metadata.version("peft"), metadata.version("accelerate")
-    except metadata.PackageNotFoundError:
-        peft = accelerate = None
-    new_peft, old_accelerate = PEFT_NEEDS_ACCELERATE
-    if peft and accelerate and Version(peft) >= Version(new_peft) and Version(accelerate) < Version(old_accelerate):
+        require_package("peft", "peft", needed_by, instead)
+    except MissingPackageError as error:
+        from importlib import metadata
+
+        from packaging.version import Version
+
+        try:
+            peft, accelerate = metadata.version("peft"), metadata.version("accelerate")
+        except metadata.PackageNotFoundError:
+            raise error from None
+        new_peft, old_accelerate = PEFT_NEEDS_ACCELERATE
+        if Version(peft) < Version(new_peft) or Version(accelerate) >= Version(old_accelerate):
+            raise
         upgrade, older_peft = f'-m pip install "accelerate>={old_accelerate},<1.16"', '-m pip install "peft==0.14.0"'
         raise MissingPackageError(
             f"{needed_by} needs peft, which does not import here: this ComfyUI's Python has peft {peft} and accelerate "
             f"{accelerate}, and peft {new_peft} and later use a function accelerate added in {old_accelerate} (they "
             f"declare accelerate 0.21 or later, so pip kept the older one). Upgrade accelerate: python {upgrade}, or "
             f"keep it and install the last peft that imports with it: python {older_peft} (Windows portable build, in "
-            f"its folder: python_embeded\\python.exe in place of python); then restart ComfyUI; or {instead}.")
-    require_package("peft", "peft", needed_by, instead)
+            f"its folder: python_embeded\\python.exe in place of python); then restart ComfyUI; or {instead}.") from None
 
 
 def require_version(module: str, minimum: str, needed_by: str, why: str, instead: str) -> None:

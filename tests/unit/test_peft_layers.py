@@ -4,6 +4,8 @@ layers take their config; before, an unread `config=` made DoRA a plain LoRA and
 0.13's LoKr leaves alpha / rank out of its forward: kind lokr is refused there, naming the upgrade."""
 from __future__ import annotations
 
+import sys
+
 import peft
 import pytest
 import torch
@@ -68,9 +70,19 @@ def test_peft_beside_an_older_accelerate_is_named_before_a_run_and_oft_full_need
     its start naming both packages and both ways out; kinds oft and full (the pack's own layers) train without peft."""
     from importlib import metadata
 
-    real_version = metadata.version
+    from headroom.training import checks
+
+    real_version, real_import = metadata.version, checks.importlib.import_module
     installed = {"peft": "0.21.2", "accelerate": "0.25.0"}
     monkeypatch.setattr(metadata, "version", lambda name: installed.get(name) or real_version(name))
+
+    def peft_import(name):  # what that pair raises
+        if name.startswith("peft") and installed["accelerate"] == "0.25.0":
+            raise ImportError("cannot import name 'clear_device_cache' from 'accelerate.utils.memory'",
+                              name="accelerate.utils.memory")
+        return real_import(name)
+
+    monkeypatch.setattr(checks.importlib, "import_module", peft_import)
     for kind in ("lora", "dora", "loha", "lokr"):
         with pytest.raises(MissingPackageError, match=(
                 rf"^kind {kind} needs peft, which does not import here: this ComfyUI's Python has peft 0\.21\.2 and "
@@ -80,7 +92,7 @@ def test_peft_beside_an_older_accelerate_is_named_before_a_run_and_oft_full_need
     installed["accelerate"] = "0.32.0"  # the pair that imports: no refusal
     AdapterSet(Toy(), ["linear"], AdapterConfig(kind="lora", rank=4, alpha=8.0))
 
-    monkeypatch.setitem(__import__("sys").modules, "peft", None)  # peft does not import at all
+    monkeypatch.setitem(sys.modules, "peft", None)  # peft does not import at all
     with pytest.raises(MissingPackageError, match=r"^kind lora needs the pip package 'peft', which is not installed"):
         AdapterSet(Toy(), ["linear"], AdapterConfig(kind="lora", rank=4, alpha=8.0))
     full = AdapterSet(Toy(), ["linear"], AdapterConfig(kind="full"))  # (kind oft: ComfyUI's OFTDiff, not peft)
