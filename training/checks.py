@@ -45,14 +45,17 @@ def require_package(module: str, package: str, needed_by: str, instead: str) -> 
     except Exception as error:  # a broken install (a missing CUDA library...) raises more than ImportError
         missing = isinstance(error, ModuleNotFoundError) and (error.name or "").split(".")[0] == top
         state = "which is not installed" if missing else f"which is installed but does not import ({error})"
-        verb = "Install" if missing else "Reinstall"
         # --no-deps: a forced reinstall also reinstalls every dependency at its newest, torch among them (bitsandbytes
         # and peft depend on it): a user's CUDA torch replaced by PyPI's, which on Windows is the CPU build.
         pip = f"-m pip install {'' if missing else '--force-reinstall --no-deps '}{package}"
+        # A package that failed part-way may have loaded its library: Windows keeps a loaded DLL locked, and pip's
+        # reinstall then fails with "Access is denied" while ComfyUI runs.
+        how = ("Install it into ComfyUI's Python" if missing else
+               "Close ComfyUI (Windows keeps a loaded package's files locked), then reinstall it with ComfyUI's Python")
+        again = "then restart ComfyUI" if missing else "then start ComfyUI again"
         raise MissingPackageError(
-            f"{needed_by} needs the pip package '{package}', {state}. {verb} it into ComfyUI's Python: "
-            f"python {pip} (Windows portable build, in its folder: python_embeded\\python.exe {pip}), then restart "
-            f"ComfyUI; or {instead}.") from None
+            f"{needed_by} needs the pip package '{package}', {state}. {how}: python {pip} (Windows portable build, in "
+            f"its folder: python_embeded\\python.exe {pip}), {again}; or {instead}.") from None
 
 
 # peft 0.15 and later import accelerate's `clear_device_cache` (new in accelerate 0.32) but declare accelerate 0.21 or

@@ -119,7 +119,8 @@ def test_a_broken_bitsandbytes_says_reinstall(monkeypatch):
 
     monkeypatch.setattr(checks.importlib, "import_module", broken)
     with pytest.raises(MissingPackageError, match=r"installed but does not import \(libbitsandbytes_cuda.so.*"
-                       r"python -m pip install --force-reinstall --no-deps bitsandbytes"):
+                       r"Close ComfyUI \(Windows keeps a loaded package's files locked\), then reinstall it.*"
+                       r"python -m pip install --force-reinstall --no-deps bitsandbytes.*then start ComfyUI again"):
         check_available("int8")
     check_available("fp8")
 
