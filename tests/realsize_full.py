@@ -27,6 +27,7 @@ import hashlib
 import json
 import os
 import pathlib
+import shutil
 import sys
 import time
 
@@ -45,6 +46,14 @@ def file_digest(path: pathlib.Path) -> str:
         for chunk in iter(lambda: f.read(1 << 24), b""):
             hasher.update(chunk)
     return hasher.hexdigest()
+
+
+def release_run(run) -> None:
+    """Release the run, then delete its folder: at real width it keeps two checkpoints (fp32 differences + AdamW state:
+    5.4 GiB each), and the runs of one process would otherwise pile up in ComfyUI's base until it exits (24 GiB)."""
+    folder = run.run_dir.path
+    run.release()
+    shutil.rmtree(folder)
 
 
 def init_run(model, latents, texts, config, optimizer, run_name: str, policy=None):
@@ -81,7 +90,7 @@ def train_two_steps(model, latents, texts, config, optimizer, run_name: str, pol
                # the trained weights the run keeps in host RAM (trained_weights host: all but the card blocks')
                "params_in_host_ram": sum(p.numel() for p in run.adapters.parameters_in_host_ram())
                if policy.trained_weights == "host" else 0}
-    run.release()
+    release_run(run)
     del run
     gc.collect()
     return figures
@@ -166,7 +175,7 @@ def run(size: int = 64) -> dict:
             name = T.HeadroomSaveLora.execute(run, "realsize", "realsize_full_difference", "fp32").args[0]
         report["phases"].append(peak.record("save (differences)"))
         differences = dict(run.adapters.differences())  # {"<layer>.weight" | "<layer>.bias": W' - W}, fp32
-        run.release()
+        release_run(run)
         del run
         gc.collect()
         # The lean options on the same model: fused backward (policy) and the bf16 difference (LoRA Config).

@@ -26,9 +26,11 @@ which the nodes do not (pyproject's `interop` extra; .ci/setup installs it), and
 from __future__ import annotations
 
 import argparse
+import atexit
 import importlib.util
 import json
 import pathlib
+import shutil
 import sys
 import tempfile
 import time
@@ -61,6 +63,8 @@ def _import_comfyui_and_headroom() -> None:
 
     args.cpu = True
     args.base_directory = tempfile.mkdtemp(prefix="headroom-pretrain-")
+    # A throw-away ComfyUI base (its input/ folder): removed when the script ends, as the tests' bases are.
+    atexit.register(shutil.rmtree, args.base_directory, ignore_errors=True)
     import comfy.model_management
 
     if "headroom" not in sys.modules:

@@ -139,6 +139,7 @@ def test_held_out_colour_is_not_drawn(comfyui):
 
 def test_pretrain_script_is_deterministic(comfyui, tmp_path):
     """workflows/pretrain_tiny.py, a few steps of each stage, twice: bit-identical files with the tiny model's keys."""
+    import os
     import subprocess
     import sys
 
@@ -147,9 +148,13 @@ def test_pretrain_script_is_deterministic(comfyui, tmp_path):
 
     script = pathlib.Path(__file__).resolve().parents[2] / "workflows" / "pretrain_tiny.py"
     outs = [tmp_path / f"run{i}.safetensors" for i in range(2)]
+    temp = tmp_path / "temp"  # the script's temp folder: its throw-away ComfyUI base goes there, and is removed
+    temp.mkdir()
     for out in outs:
         subprocess.run([sys.executable, str(script), "--vae-steps", "3", "--steps", "3", "--images", "432",
-                        "--vae-images", "64", "--out", str(out)], check=True, capture_output=True, timeout=300)
+                        "--vae-images", "64", "--out", str(out)], check=True, capture_output=True, timeout=300,
+                       env={**os.environ, "TMPDIR": str(temp)})
+    assert list(temp.iterdir()) == []
     first, second = (safetensors.torch.load_file(str(out)) for out in outs)
     assert first.keys() == second.keys()
     assert all(torch.equal(first[key], second[key]) for key in first)
