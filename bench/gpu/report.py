@@ -22,6 +22,7 @@ END = "<!-- gpu-kit:end -->"
 GOALS_GB = {"flux_dev": 6.0, "sdxl": 3.0, "qwen_image": 10.0}  # the goal lines: peak VRAM at 1024 px
 PLANNER_TOLERANCE = 0.10
 STREAMED_SLOWDOWN = 1.15
+KERNELS_SHOWN = 4  # of the kit's TOP_KERNELS per traced step, on the page
 LIMIT_GOAL = 1.15  # issue 41: a budget run within 1.15x its physical limit
 PREDICTION_TOLERANCE = 0.15  # issue 41: the predicted s/step within 15 % of the measured
 CALL_START_NOTE_S = 1.0  # a Steps call's start (load, attach, pinning) worth naming: what each call pays once
@@ -62,13 +63,48 @@ def physical_limit(r: dict, measured: dict[str, dict]) -> tuple[float | None, st
     t = r.get("step_time")
     if not t:
         return None, ""
+    compute = _measured_compute(r, measured)
+    if compute is not None:
+        return max(compute, t["transfer_s"]), "measured compute"
+    return t["limit_s"], "planned compute"
+
+
+def _measured_compute(r: dict, measured: dict[str, dict]) -> float | None:
+    """The same model's "ckpt" row's step (resident, every block checkpointed, no cap) where the row checkpoints
+    every block: the compute part of its limit, measured."""
     ckpt = measured.get(f"lora/{r['model']}/ckpt")
     blocks = r.get("plan_blocks") or {}
     every = blocks.get("checkpointed") and blocks.get("checkpointed") == blocks.get("resident", 0) + blocks.get(
         "streamed", 0)
     if ckpt and ckpt.get("status") == "ok" and ckpt.get("s_per_step") and every:
-        return max(ckpt["s_per_step"], t["transfer_s"]), "measured compute"
-    return t["limit_s"], "planned compute"
+        return ckpt["s_per_step"]
+    return None
+
+
+def phase_floor(r: dict, measured: dict[str, dict]) -> float | None:
+    """A row's physical limit phase by phase (time_model.StepTime.phase_limit_s): max(forward compute, forward
+    copies) + max(backward compute, backward copies) + the optimizer step, never under `physical_limit`. The ring
+    carries only its slots across the forward -> backward turn, so no schedule within the plan's memory hides a
+    forward's copies behind backward's compute. Where `physical_limit` measures the compute (the "ckpt" row) and the
+    resident row (no checkpointing) ran too, the forward is measured as their difference (the recompute is one
+    forward) and the rest of the ckpt step is backward's; else the plan's split, scaled to the measured compute where
+    there is one. None for a record without the split."""
+    t = r.get("step_time") or {}
+    if not t.get("forward_compute_s"):
+        return None
+    limit, _ = physical_limit(r, measured)
+    compute = _measured_compute(r, measured)
+    resident = measured.get(f"lora/{r['model']}/resident") or {}
+    resident_s = resident.get("s_per_step") if resident.get("status") == "ok" else None
+    if compute is not None and resident_s and 0 < resident_s < compute:
+        forward, backward, optimizer = compute - resident_s, resident_s, 0.0  # the optimizer step in the backward's
+    else:
+        planned = t["compute_s"] + t.get("optimizer_s", 0.0)
+        scale = compute / planned if compute is not None and planned > 0 else 1.0
+        forward, backward = t["forward_compute_s"] * scale, (t["compute_s"] - t["forward_compute_s"]) * scale
+        optimizer = t.get("optimizer_s", 0.0) * scale
+    return max(max(forward, t.get("forward_copy_s", 0.0)) + max(backward, t.get("backward_copy_s", 0.0)) + optimizer,
+               limit)
 
 
 def findings(measured: dict[str, dict]) -> dict[str, list[str]]:
@@ -103,8 +139,11 @@ def findings(measured: dict[str, dict]) -> dict[str, list[str]]:
         limit, _ = physical_limit(r, measured)
         if r["kind"] == "lora" and budget is not None and limit and r.get("s_per_step") and (
                 r["s_per_step"] > LIMIT_GOAL * limit):
+            floor = phase_floor(r, measured)
             out["limit"].append(f"`{ident}`: {r['s_per_step']:.2f} s/step = {r['s_per_step'] / limit:.2f}x its "
-                                f"physical limit {limit:.2f} s")
+                                f"physical limit {limit:.2f} s"
+                                + (f" ({r['s_per_step'] / floor:.2f}x its phase floor {floor:.2f} s)"
+                                   if floor and floor > limit else ""))
         predicted = r.get("predicted_s_per_step")
         if predicted and r.get("s_per_step") and abs(predicted / r["s_per_step"] - 1) > PREDICTION_TOLERANCE:
             timing = ("block times at the run's size" if (r.get("step_time") or {}).get("timed_at_run_size")
@@ -258,7 +297,10 @@ def section(records: list[dict]) -> str:
         host_copy = link.get("host_copy_bytes_per_s")
         lines += ["", "Streaming at the physical limit (issue 41): each row's measured step against the plan's "
                   "prediction and against its physical limit max(compute with its recompute, bytes crossing / "
-                  "pinned bandwidth); the allocator's counters (`torch.cuda.memory_stats`) over the timed steps, per "
+                  "pinned bandwidth), and phase by phase (the phase floor: max(forward compute, forward copies) + "
+                  "max(backward compute, backward copies) + the optimizer step; the ring carries only its slots "
+                  "across the forward -> backward turn, so a forward's copies cannot hide behind backward's "
+                  "compute); the allocator's counters (`torch.cuda.memory_stats`) over the timed steps, per "
                   "step. Pinned host->device bandwidth, measured once: "
                   + (f"{bandwidth / 1e9:.1f} GB/s" if bandwidth else "not measured (no CUDA device).")
                   + (f"; pageable (the streamed blocks past the pin limit) {pageable / 1e9:.1f} GB/s" if pageable
@@ -266,14 +308,16 @@ def section(records: list[dict]) -> str:
                   + (f"; the CPU's copies into pinned staging buffers (trained weights in host RAM, streamed state) "
                      f"{host_copy / 1e9:.1f} GB/s" if host_copy else "") + ("." if bandwidth else ""), "",
                   "| model | budget GiB / policy | blocks resident / streamed (ring slots) | s/step | predicted s | "
-                  "predicted / measured | physical limit s (compute from) | measured / limit | alloc. retries / "
-                  "step | sync-all-streams / step | OOMs |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "predicted / measured | physical limit s (compute from) | measured / limit | phase floor s | "
+                  "measured / floor | alloc. retries / step | sync-all-streams / step | OOMs |",
+                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in timed:
             blocks = r.get("plan_blocks") or {}
             placed = (f"{blocks.get('resident')} / {blocks.get('streamed')} ({blocks.get('slots')})"
                       if blocks.get("streamed") else f"{blocks.get('resident', '')} / 0")
             measured_s, predicted = r.get("s_per_step"), r.get("predicted_s_per_step")
             limit, source = physical_limit(r, measured)
+            floor = phase_floor(r, measured)
             per_step = (r.get("allocator") or {}).get("timed_per_step") or {}
             lines.append(
                 f"| {LABELS.get(r['model'], r['model'])} | {r['config']} | {placed} | "
@@ -282,13 +326,16 @@ def section(records: list[dict]) -> str:
                 f"{f'{predicted / measured_s:.2f}' if predicted and measured_s else ''} | "
                 f"{'' if limit is None else f'{limit:.3f} ({source})'} | "
                 f"{f'{measured_s / limit:.2f}x' if limit and measured_s else ''} | "
+                f"{'' if floor is None else f'{floor:.3f}'} | "
+                f"{f'{measured_s / floor:.2f}x' if floor and measured_s else ''} | "
                 + " | ".join("" if name not in per_step else f"{per_step[name]:g}"
                              for name in ("num_alloc_retries", "num_sync_all_streams", "num_ooms")) + " |")
         traced = [r for r in timed if r.get("overlap")]
         if traced:
-            lines += ["", "One steady streamed step traced (`torch.profiler`, the device waited for at its end): the "
+            lines += ["", "One steady step traced (`torch.profiler`, the device waited for at its end): the "
                       "device's seconds copying host->device, computing, both at once, and neither (idle: waiting "
-                      "for the CPU, or for a copy nothing overlapped).", "",
+                      "for the CPU, or for a copy nothing overlapped); the resident rows are the same work with the "
+                      "card to itself.", "",
                       "| model | budget GiB / policy | traced step s | copying s | computing s | both s | idle s | "
                       "copies |", "|---|---|---:|---:|---:|---:|---:|---:|"]
             for r in traced:
@@ -296,6 +343,15 @@ def section(records: list[dict]) -> str:
                 lines.append(f"| {LABELS.get(r['model'], r['model'])} | {r['config']} | {o['step_s']:.3f} | "
                              f"{o['copy_s']:.3f} | {o['compute_s']:.3f} | {o['overlap_s']:.3f} | {o['idle_s']:.3f} | "
                              f"{o['copies']} |")
+            kernels = [r for r in traced if r.get("kernels")]
+            if kernels:
+                lines += ["", "The kernels with the most device time in each traced step (launches, milliseconds): a "
+                          "budget row's kernels slower than its resident row's ran with less free memory (a "
+                          "convolution's algorithm, say); the same kernels with more idle time waited.", ""]
+                lines += [f"- {LABELS.get(r['model'], r['model'])} {r['config']}: "
+                          + "; ".join(f"`{name[:60]}` x{launches} {seconds * 1e3:.1f} ms"
+                                      for name, launches, seconds in r["kernels"][:KERNELS_SHOWN])
+                          for r in kernels]
     tests = measured.get("cuda_tests")
     if tests:
         lines += ["", f"CUDA-marked tests ({', '.join(tests.get('files', [])) or 'none found'}): "

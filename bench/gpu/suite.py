@@ -495,16 +495,16 @@ def train_and_measure(patcher, name: str, config: str, args, record: dict, polic
                               validation_base_device_bytes=plan.validation_base_device_bytes,
                               **plan_times(plan.to_dict()))
             counters = [allocator_counters(device)]
-            # issue 41: where a step under a budget spends its time: the last timed step traced (torch.profiler)
-            trace = StepTrace(run, traced_step=args.steps) if budget is not None else contextlib.nullcontext()
+            # issue 41: where a step spends its time: the last timed step traced (torch.profiler); resident rows too,
+            # the kernels a budget row's step runs set against those of the same work with the card to itself
+            trace = StepTrace(run, traced_step=args.steps)
             with counters_per_step():
                 T.HeadroomTrainSteps.execute(run, args.warmup)  # loads the model, kernels, allocator, optimizer state
                 counters.append(allocator_counters(device))
                 with trace:
                     T.HeadroomTrainSteps.execute(run, args.warmup + args.steps)
                 counters.append(allocator_counters(device))
-            if budget is not None:
-                record.update(trace.result())
+            record.update(trace.result())
             crossed = crossed_per_step(run)
             record["allocator"] = allocator_deltas(counters, args.steps, step_counters(run, args.warmup, counters[1]))
             training = [p for p in run.record.memory.phases if p["phase"] == "training"][-1]
@@ -613,7 +613,7 @@ class StepTrace:
         if not marks:
             return {"overlap_error": "the traced step is not in the trace"}
         start, end = marks[-1]
-        copies, kernels = [], []
+        copies, kernels, named = [], [], []
         for event in events:
             if event.device_type != torch.autograd.DeviceType.CUDA:
                 continue
@@ -624,7 +624,24 @@ class StepTrace:
                 copies.append(span)
             elif not event.name.startswith(("Memcpy", "Memset")):
                 kernels.append(span)
-        return {"overlap": overlap_figures(start, end, copies, kernels)}
+                named.append((event.name, *span))
+        return {"overlap": overlap_figures(start, end, copies, kernels), "kernels": top_kernels(named)}
+
+
+TOP_KERNELS = 8
+
+
+def top_kernels(kernels: list[tuple[str, float, float]], count: int = TOP_KERNELS) -> list[list]:
+    """The kernels with the most device time in the traced step, as [name (first 120 characters), launches, seconds]
+    (times in microseconds, as the profiler gives them): a budget row's slower step set against its resident row's
+    says whether its kernels themselves ran slower (a convolution's algorithm chosen with less free memory, say) or
+    the device waited."""
+    totals: dict[str, list] = {}
+    for name, begin, finish in kernels:
+        entry = totals.setdefault(name[:120], [name[:120], 0, 0.0])
+        entry[1] += 1
+        entry[2] += (finish - begin) / 1e6
+    return sorted(totals.values(), key=lambda entry: -entry[2])[:count]
 
 
 def overlap_figures(start: float, end: float, copies: list[tuple[float, float]],

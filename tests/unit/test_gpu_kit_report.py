@@ -5,6 +5,8 @@ import importlib.util
 import pathlib
 import sys
 
+import pytest
+
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 GIB = 1024 ** 3
@@ -55,12 +57,15 @@ def test_page_replaces_only_its_own_section(tmp_path):
 
 def test_rows_against_their_physical_limit_the_prediction_and_the_allocator():
     """Issue 41's rows: the ratio to max(compute, streamed bytes / bandwidth) (compute measured by the resident
-    every-block-checkpointed row where the row recomputes every block), predicted vs measured, allocator retries."""
-    def timed(config, s_per_step, predicted, compute, transfer, checkpointed, retries=0):
+    every-block-checkpointed row where the row recomputes every block), and phase by phase (the forward's copies
+    against its compute, the backward's against its), predicted vs measured, allocator retries."""
+    def timed(config, s_per_step, predicted, compute, transfer, checkpointed, retries=0, phases=None):
         row = lora(config, s_per_step, 5.0, 5.0, 5.0)
+        split = dict(zip(("forward_compute_s", "forward_copy_s", "backward_copy_s"), phases or ()))
         row.update(predicted_s_per_step=predicted, plan_blocks={"resident": 50, "streamed": 7,
                                                                 "checkpointed": checkpointed, "slots": 2},
-                   step_time={"compute_s": compute, "transfer_s": transfer, "limit_s": max(compute, transfer)},
+                   step_time={"compute_s": compute, "transfer_s": transfer, "limit_s": max(compute, transfer),
+                              "optimizer_s": 0.0, **split},
                    allocator={"timed": {"num_alloc_retries": retries, "num_ooms": 0, "num_sync_all_streams": 0},
                               "timed_per_step": {"num_alloc_retries": retries / 10, "num_sync_all_streams": 0.0,
                                                  "num_ooms": 0.0}})
@@ -72,15 +77,26 @@ def test_rows_against_their_physical_limit_the_prediction_and_the_allocator():
                 "host_copy_bytes_per_s": 12e9},
                lora("resident", 0.6, 10.0, 10.0, 10.0),
                timed("ckpt", 0.8, 0.8, 0.8, 0.0, 57),
-               timed("24GB", 0.9, 0.85, 0.7, 0.6, 57),  # every block recomputed: limit from the ckpt row, 0.8 s
-               timed("8GB", 1.5, 1.0, 0.7, 1.2, 20, retries=30)]  # selective: the plan's compute; 1.25x its limit
+               # every block recomputed: limit from the ckpt row, 0.8 s; phase by phase the forward measured as the ckpt
+               # row less the resident one (its recompute: 0.2 s): forward max(0.2, 0.35) + backward max(0.6, 0.25)
+               timed("24GB", 0.9, 0.85, 0.7, 0.6, 57, phases=(0.2, 0.35, 0.25)),
+               # selective: the plan's compute; 1.25x its limit; phase by phase max(0.2, 0.7) + max(0.7, 0.5) = 1.4 s
+               timed("8GB", 1.5, 1.0, 0.9, 1.2, 20, retries=30, phases=(0.2, 0.7, 0.5)),
+               timed("12GB", 1.45, 1.0, 0.9, 1.2, 20)]  # a record from before the split: no phase floor
     measured = module.latest(records)
     assert module.physical_limit(measured["lora/flux_dev/24GB"], measured) == (0.8, "measured compute")
     assert module.physical_limit(measured["lora/flux_dev/8GB"], measured) == (1.2, "planned compute")
     found = module.findings(measured)
-    assert found["limit"] == ["`lora/flux_dev/8GB`: 1.50 s/step = 1.25x its physical limit 1.20 s"]
-    assert found["predicted"] == ["`lora/flux_dev/8GB`: predicted 1.00 s/step vs measured 1.50 s (0.67x; block times "
-                                  "from the calibration fit)"]
+    assert module.phase_floor(measured["lora/flux_dev/24GB"], measured) == pytest.approx(0.35 + 0.6)
+    # without the resident row the plan's split, scaled to the measured compute (8 / 7): 0.35 + 0.5714
+    unsplit = {k: v for k, v in measured.items() if k != "lora/flux_dev/resident"}
+    assert module.phase_floor(measured["lora/flux_dev/24GB"], unsplit) == pytest.approx(0.35 + 0.5 * 8 / 7)
+    assert module.phase_floor(measured["lora/flux_dev/8GB"], measured) == pytest.approx(1.4)
+    assert module.phase_floor(measured["lora/flux_dev/12GB"], measured) is None
+    assert found["limit"] == ["`lora/flux_dev/8GB`: 1.50 s/step = 1.25x its physical limit 1.20 s (1.07x its phase "
+                              "floor 1.40 s)", "`lora/flux_dev/12GB`: 1.45 s/step = 1.21x its physical limit 1.20 s"]
+    assert found["predicted"][0] == ("`lora/flux_dev/8GB`: predicted 1.00 s/step vs measured 1.50 s (0.67x; block "
+                                     "times from the calibration fit)")
     measured["lora/flux_dev/8GB"]["step_time"]["timed_at_run_size"] = True  # planner.time_blocks, where it fits
     assert module.findings(measured)["predicted"][0].endswith("(0.67x; block times at the run's size)")
     assert found["allocator"] == ["`lora/flux_dev/8GB`: 30 allocator retries, 0 out-of-memory in the timed steps"]
@@ -101,8 +117,12 @@ def test_rows_against_their_physical_limit_the_prediction_and_the_allocator():
     assert ("Pinned host->device bandwidth, measured once: 50.0 GB/s; pageable (the streamed blocks past the pin "
             "limit) 21.0 GB/s; the CPU's copies into pinned staging buffers (trained weights in host RAM, streamed "
             "state) 12.0 GB/s." in text)
-    assert "| Flux.1-dev | 24GB | 50 / 7 (2) | 0.900 | 0.850 | 0.94 | 0.800 (measured compute) | 1.12x | 0 | 0 | 0 |" in text
-    assert "| Flux.1-dev | 8GB | 50 / 7 (2) | 1.500 | 1.000 | 0.67 | 1.200 (planned compute) | 1.25x | 3 | 0 | 0 |" in text
+    assert ("| Flux.1-dev | 24GB | 50 / 7 (2) | 0.900 | 0.850 | 0.94 | 0.800 (measured compute) | 1.12x | 0.950 | "
+            "0.95x | 0 | 0 | 0 |") in text
+    assert ("| Flux.1-dev | 8GB | 50 / 7 (2) | 1.500 | 1.000 | 0.67 | 1.200 (planned compute) | 1.25x | 1.400 | 1.07x "
+            "| 3 | 0 | 0 |") in text
+    assert "| Flux.1-dev | 12GB | 50 / 7 (2) | 1.450 | 1.000 | 0.69 | 1.200 (planned compute) | 1.21x |  |  | 0 |" in text
+    assert "phase by phase (the phase floor: max(forward compute, forward copies)" in text
 
 
 def test_the_kit_counts_the_allocator_per_step():
@@ -229,3 +249,13 @@ def test_a_traced_step_splits_into_copying_computing_both_and_idle():
            "predicted_s_per_step": 1.4, "overlap": figures}
     text = report().section([row])
     assert "| Flux.1-dev | 8GB | 0.010 | 0.004 | 0.004 | 0.001 | 0.003 | 2 |" in text
+    # the kernels with the most device time: launches and seconds summed per name, most first
+    kernels = suite.top_kernels([("conv_fft", 0, 3_000), ("gemm", 3_000, 4_000), ("conv_fft", 5_000, 6_000),
+                                 ("x" * 200, 6_000, 6_500)], count=2)
+    assert kernels == [["conv_fft", 2, 0.004], ["gemm", 1, 0.001]]
+    assert suite.top_kernels([("x" * 200, 0, 500)]) == [["x" * 120, 1, 0.0005]]
+    resident = {**lora("resident", 1.0, 5.0, 5.0, 5.0), "step_time": row["step_time"], "overlap": figures,
+                "kernels": [["winograd_conv", 12, 0.1], ["gemm", 40, 0.05]]}
+    text = report().section([{**row, "kernels": kernels}, resident])
+    assert "- Flux.1-dev 8GB: `conv_fft` x2 4.0 ms; `gemm` x1 1.0 ms" in text
+    assert "- Flux.1-dev resident: `winograd_conv` x12 100.0 ms; `gemm` x40 50.0 ms" in text
