@@ -45,6 +45,7 @@ import comfy.ops
 from ...training.data.files import save_safetensors
 from ...training.memory.planner import TrainableSpec
 from . import families
+from .comfy_model import training_blocks
 from .families import CONTROLNET_TYPES, ControlNetError, ControlNetType, controlnet_type_of
 from .families.base import ExportedControlNet
 
@@ -170,7 +171,15 @@ def controlnet_trainable(model_patcher, blocks: int, optimizer: str) -> Trainabl
     device (shapes only, no memory)."""
     controlnet_type, _, _, config = _controlnet_config(model_patcher, blocks)
     module = controlnet_type.make_module(config, torch.float32, "meta", comfy.ops.disable_weight_init)
-    return TrainableSpec.from_parameters(module.parameters(), optimizer)
+    return dataclasses.replace(TrainableSpec.from_parameters(module.parameters(), optimizer),
+                               without_backward=base_blocks_without_backward(model_patcher))
+
+
+def base_blocks_without_backward(model_patcher) -> int:
+    """How many of the base's first training blocks run no backward in a ControlNet run on it (the control joins
+    after them: ControlNetType.base_blocks_without_backward), for the planner's time model."""
+    names = [name for name, _ in training_blocks(model_patcher.model.diffusion_model)]
+    return controlnet_type_of(model_patcher).base_blocks_without_backward(names)
 
 
 def _json_able(value) -> bool:

@@ -20,7 +20,7 @@ from ...training.core.optimizers import host_step_rate
 from ...training.memory.policy import OffloadPolicy, PolicyError
 from ...training.core.trainer import PRECISIONS, auto_precision
 from ...training.data.cache_store import item_conditioning
-from . import families, video
+from . import controlnet_build, families, video
 from .comfy_model import (ComfyDenoiser, comfy_pinned_block_bytes, expected_cond_dims, model_blocks, quantized_layers,
                           quantized_weights_for_inference, replace_inference_tensors, restore_stock_forwards,
                           training_blocks, training_code_paths)
@@ -420,17 +420,29 @@ def lora_trainable(patcher, adapter: AdapterConfig, optimizer: str, paths: list[
     """The trainable tensors of a LoRA of `adapter`'s settings on this MODEL (its target layers at its rank)."""
     paths = paths if paths is not None else lora_target_paths(patcher, adapter)
     modules = [patcher.model.diffusion_model.get_submodule(p) for p in paths]
+    named_blocks = training_blocks(patcher.model.diffusion_model)
+    without = blocks_without_backward(patcher, named_blocks, paths)
     if adapter.kind == "full":
         spec = planner.TrainableSpec.of_full_layers(modules, optimizer, 2 if adapter.full_precision == "bf16_stochastic" else 4)
         prefix = first_block_prefix(patcher)
         first = [m for p, m in zip(paths, modules) if (p + ".").startswith(prefix)]
-        named_blocks = training_blocks(patcher.model.diffusion_model)
         blocks, outside = planner.unread_base(named_blocks, modules)
         return dataclasses.replace(spec, first_block_elements=planner.TrainableSpec.of_full_layers(first).param_count,
                                    unread_base_blocks=blocks, unread_base_outside=outside,
-                                   block_layers=planner.trained_per_block(named_blocks, modules))
+                                   block_layers=planner.trained_per_block(named_blocks, modules),
+                                   without_backward=without)
     ranks = layer_ranks(paths, adapter)
-    return planner.TrainableSpec.lora(modules, [ranks[p] for p in paths], optimizer)
+    return dataclasses.replace(planner.TrainableSpec.lora(modules, [ranks[p] for p in paths], optimizer),
+                               without_backward=without)
+
+
+def blocks_without_backward(patcher, named_blocks, trained_paths) -> int:
+    """The first blocks, with none of the trained layers in or before them: backward never runs them
+    (planner.TrainableSpec.without_backward). 0 for blocks that add into their inputs (Flux's): checkpointed, they
+    go through the reentrant checkpoint, whose anchor needs a gradient, so every one of them runs its backward."""
+    if families.inplace_blocks(patcher.model):
+        return 0
+    return planner.blocks_without_backward([name for name, _ in named_blocks], trained_paths)
 
 
 def first_block_prefix(patcher) -> str:
@@ -533,8 +545,13 @@ def _run_inputs(run) -> tuple:
     named_blocks = training_blocks(run.source_model.model.diffusion_model)
     blocks, outside = planner.unread_base(named_blocks, unread) if unread else ((), 0)
     per_block = planner.trained_per_block(named_blocks, unread) if unread else ()
+    if getattr(config, "adapter", None) is None:  # a ControlNet run: the base trains nothing, the control joins it
+        without_backward = controlnet_build.base_blocks_without_backward(run.source_model)
+    else:
+        without_backward = blocks_without_backward(run.source_model, named_blocks, list(run.adapters.layers))
     trainable = dataclasses.replace(planner.TrainableSpec.from_parameters(run.trainer.params, config.optimizer.name,
                                                                           full=adapter.kind == "full"),
+                                    without_backward=without_backward,
                                     state_ranks=run.trainer.state_ranks, weight_ranks=run.trainer.weight_ranks,
                                     first_block_elements=first, unread_base_blocks=blocks, unread_base_outside=outside,
                                     block_layers=per_block)

@@ -412,3 +412,47 @@ def test_a_card_fits_a_controlnet_run_counting_the_controlnet(comfyui):
     [text] = output.ui.as_dict()["text"]
     assert text.startswith(f"run '{run.run_dir.name}', step 0: started\n"), text  # the run it opened (issue 44)
     assert "\nTrain ControlNet: Init (Headroom): 8 GB: base resident" in text, text
+
+
+@pytest.mark.parametrize("family, checkpointing", [("sd15", False), ("sd15", True), ("sd3", False), ("flux", True),
+                                                   ("qwen_image", False)])
+def test_the_plan_knows_which_base_blocks_backward_skips(comfyui, family, checkpointing):
+    """A ControlNet run's `without_backward` (the base's first blocks, before the control joins it: the time model
+    leaves out their backward) is what a training step does: the base's leading blocks whose outputs need no gradient,
+    for the node's plan (controlnet_trainable) and an open run's (planning._run_inputs). A UNet's input and middle
+    blocks (cldm adds its control to the middle block's output and the skips); SD3's first joint block; none where
+    x_t is part of the graph (Flux, Qwen-Image add their control in place)."""
+    from headroom.nodes.bridge import planning
+    from headroom.nodes.bridge.comfy_model import training_blocks
+    from headroom.nodes.bridge.controlnet_build import controlnet_trainable
+    from headroom.nodes.train_controlnet import HeadroomTrainControlNetInit
+    from headroom.nodes.train_lora import HeadroomTrainSteps
+
+    model, clip, vae, latent_cache, text_cache = _caches(family, count=3)
+    run = HeadroomTrainControlNetInit.execute(**_init_inputs(
+        model, latent_cache, text_cache, _unique(f"skips_{family}"), gradient_checkpointing=checkpointing)).args[0]
+    needs_gradient = {}
+
+    def record(name):
+        def hook(module, args, output):
+            if torch.is_grad_enabled():
+                leaves = output if isinstance(output, (tuple, list)) else [output]
+                needs_gradient[name] = any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves)
+        return hook
+
+    blocks = training_blocks(model.model.diffusion_model)
+    handles = [block.register_forward_hook(record(name)) for name, block in blocks]
+    try:
+        HeadroomTrainSteps.execute(run, 1)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert set(needs_gradient) == {name for name, _ in blocks}
+    flags = [needs_gradient[name] for name, _ in blocks]
+    skipped = flags.index(True)
+    assert not any(flags[:skipped]) and all(flags[skipped:])
+    names = [name for name, _ in blocks]
+    assert skipped == (names.index("output_blocks.0.0") if family == "sd15" else 1 if family == "sd3" else 0)
+    assert planning._run_inputs(run)[1].without_backward == skipped
+    assert controlnet_trainable(model, 0, "AdamW").without_backward == skipped
+    run.release()

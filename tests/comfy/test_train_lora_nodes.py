@@ -1369,3 +1369,56 @@ def test_init_says_how_many_steps_an_epoch_is(comfyui, batch_size, grad_accumula
                 batch_size=batch_size, grad_accumulation=grad_accumulation)
     assert len(run.train_items) == 4
     assert f"an epoch (each training item once, repeat folders counted) is {expected}" in opened_text(run).splitlines()
+
+
+@pytest.mark.parametrize("family, targets, checkpointing", [
+    ("sd15", "preset", False), ("sdxl", "preset", False), ("sdxl", "preset", True), ("sdxl", "all_linear", False),
+    ("flux", "preset", True)])
+def test_the_plan_knows_which_blocks_backward_skips(comfyui, family, targets, checkpointing):
+    """The planner's `without_backward` (the first blocks with no trained layer in or before them: the time model
+    leaves out their backward) is what a training step does: the leading blocks whose outputs need no gradient, for
+    the node's plan (lora_trainable) and for an open run's (planning._run_inputs); never more."""
+    from headroom.nodes import train_lora as T
+    from headroom.nodes.bridge import planning
+    from headroom.nodes.bridge.comfy_model import training_blocks
+
+    model, clip, vae, latents, texts = _data(family)
+    run = _init(model, latents, texts, f"skips_{family}_{targets}_{checkpointing}", targets=targets,
+                gradient_checkpointing=checkpointing)
+    needs_gradient = {}
+
+    def record(name):
+        def hook(module, args, output):
+            if torch.is_grad_enabled():
+                leaves = output if isinstance(output, (tuple, list)) else [output]
+                needs_gradient[name] = any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves)
+        return hook
+
+    blocks = training_blocks(model.model.diffusion_model)
+    handles = [block.register_forward_hook(record(name)) for name, block in blocks]
+    try:
+        T.HeadroomTrainSteps.execute(run, 1)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert set(needs_gradient) == {name for name, _ in blocks}
+    flags = [needs_gradient[name] for name, _ in blocks]
+    skipped = flags.index(True)
+    assert not any(flags[:skipped]) and all(flags[skipped:])
+    if (family, targets) == ("sdxl", "preset"):
+        assert skipped > 0  # the UNet's first layers, before its first attention: conv_in, ResBlocks, a downsample
+    if family == "flux":
+        assert skipped == 0
+    if (family, targets) == ("sdxl", "all_linear"):
+        assert skipped == 1  # conv_in, a convolution: the first ResBlock has Linear layers
+    # Every target here lies inside the blocks (one outside may feed any block: the plan then says 0, test_time_model)
+    assert planning._run_inputs(run)[1].without_backward == skipped
+    lora = T.HeadroomLoraConfig.execute("lora", 8, 8.0, targets, False, 0.0, 0).args[0]
+    assert planning.lora_trainable(model, lora, "AdamW").without_backward == skipped
+    run.release()
+    # The memory plan needs no count of its own: its calibration forward (a latent needing no gradient, the adapter
+    # attached) saves nothing in those blocks for backward, as training does
+    with torch.inference_mode():
+        description = planning.describe_comfy_model(model, lora, "fp32")
+    saved = [b.saved.at(64, 77) for b in description.blocks]
+    assert all(value == 0 for value in saved[:skipped]) and all(value > 0 for value in saved[skipped:])

@@ -59,6 +59,12 @@ def test_the_step_is_the_per_block_pipeline_or_the_transfer_plus_what_does_not_o
     assert t.pipeline_s == pytest.approx(0.125 + 1.3 + 1.65)
     assert t.bound == "transfer" and t.total_s == pytest.approx(t.pipeline_s + 0.01)
     assert t.limit_s == pytest.approx(2.0)  # max(compute + optimizer, transfer)
+    # phase by phase: forward is bound by its copy (1.0 s against 0.55 s of compute), backward by its compute
+    # (1.225 s against a 1.0 s copy); the forward's idle link cannot carry backward's copy across the turn
+    assert (t.forward_compute_s, t.forward_copy_s, t.backward_copy_s) == pytest.approx((0.55, 1.0, 1.0))
+    assert t.phase_limit_s == pytest.approx(1.0 + 1.225 + 0.01) and t.to_dict()["phase_limit_s"] == t.phase_limit_s
+    assert ("physical limit 2.000 s, 2.235 s phase by phase: forward transfer-bound, backward compute-bound)"
+            in t.describe())
     # copies queued on the compute stream (trained weights in host RAM, streamed state, offloaded inputs): the card
     # computes nothing meanwhile, so they add to the step; the physical limit counts them as if overlapped
     serial = time_model.step_time(forward, 0.05, [0, 1, 2], bytes_, 1e9, serial_transfer_bytes=5 * 10 ** 8,
@@ -81,6 +87,7 @@ def test_the_step_is_the_per_block_pipeline_or_the_transfer_plus_what_does_not_o
     cpu = time_model.step_time([0.1, 0.2], 0.05, [1], [10 ** 9, 0], None, optimizer_s=0.01)
     assert cpu.transfer_s == cpu.fill_s == 0 and cpu.bound == "compute"
     assert cpu.total_s == pytest.approx(2.5 * 0.35 + 0.2 + 0.01)
+    assert cpu.phase_limit_s == cpu.limit_s == pytest.approx(cpu.total_s) and "phase by phase" not in cpu.describe()
     # on a plan: what streams crosses twice (forward, recompute), at the description's bandwidth
     d = flux_like()
     plan = estimate(d, LORA, SHAPE, OffloadPolicy(base_placement="streamed", checkpointing="blocks"))
@@ -418,7 +425,7 @@ def test_whole_block_placement_more_budget_more_resident_blocks_less_streamed_ti
         assert not set(p.resident_blocks) & set(p.streamed_blocks)
         assert set(p.streamed_blocks) <= set(p.checkpointed_blocks)  # a streamed block is always recomputed
         t = p.step_time
-        assert t.limit_s <= t.total_s <= t.limit_s + max(t.compute_s, t.transfer_s)
+        assert t.limit_s <= t.phase_limit_s <= t.total_s <= t.limit_s + max(t.compute_s, t.transfer_s)
         blocks = p.to_dict()["blocks"]
         assert blocks["resident"] == list(p.resident_blocks) and blocks["slots"] == p.stream_slots
         # resident blocks spread among the streamed ones hide the ring's copies: within 12 % of the physical limit
@@ -644,3 +651,26 @@ def test_after_the_probes_torch_keeps_no_pinned_buffer_cached():
     finally:
         time_model._measured_h2d.cache_clear()
         time_model.measured_host_copy.cache_clear()
+
+
+def test_blocks_backward_skips_run_no_backward_and_their_copies_move_to_the_turn():
+    """The first blocks with no trained layer in or before them (planner.blocks_without_backward) run no backward and
+    no recompute; the ring fetches the first of them in backward, for the next forward (weight_streaming._prefetch;
+    tests/unit/test_weight_streaming.py checks ring_fetches against the ring)."""
+    from headroom.training.memory.planner import blocks_without_backward
+
+    names = ["input_blocks.0.0", "input_blocks.1.0", "input_blocks.1.1", "input_blocks.10.1", "middle_block"]
+    assert blocks_without_backward(names, ["input_blocks.1.1.attn.to_q", "input_blocks.10.1.proj"]) == 2
+    assert blocks_without_backward(names, ["input_blocks.10.1.proj"]) == 3  # "input_blocks.1." is not its block
+    assert blocks_without_backward(names, ["input_blocks.1.1.attn.to_q", "time_embed.0"]) == 0  # feeds any block
+    assert blocks_without_backward(names, []) == 0
+    forward, bytes_ = [0.1, 0.2, 0.1, 0.1], [10 ** 9] * 4
+    every = time_model.step_time(forward, 0.05, [0, 1, 2, 3], bytes_, 1e9, slots=2)
+    skips = time_model.step_time(forward, 0.05, [0, 1, 2, 3], bytes_, 1e9, slots=2, without_backward=2)
+    assert every.compute_s - skips.compute_s == pytest.approx(2.5 * 0.3)  # blocks 0, 1: backward 1.5x + recompute
+    assert skips.recompute_s == pytest.approx(0.2)
+    assert time_model.ring_fetches(bytes_, 2, 2) == ([1, 2, 3], [0])  # block 1 no longer fetched twice
+    assert time_model.ring_fetches(bytes_, 2) == ([2, 3], [1, 0])
+    assert skips.transfer_s == pytest.approx(4.0) and every.transfer_s == pytest.approx(4.0)
+    assert (skips.forward_copy_s, skips.backward_copy_s) == pytest.approx((3.0, 1.0))
+    assert skips.total_s < every.total_s

@@ -175,6 +175,56 @@ def test_fetch_order_keeps_the_last_blocks_across_the_turn():
     assert streamer.fetch_log == [0, 1, 2, 3, 4, 5, 2, 1, 0] + [3, 4, 5, 2, 1, 0]
 
 
+def frozen_first(count, frozen=2):
+    """Blocks whose first `frozen` carry no trained weight: nothing before them needs a gradient, so backward never
+    runs them (SDXL's first five with attention-only targets; a UNet ControlNet's base input and middle blocks)."""
+    blocks = make_blocks(count=count)
+    for block in list(blocks)[:frozen]:
+        block.requires_grad_(False)
+    return blocks
+
+
+@pytest.mark.parametrize("slots, count", [(2, 4), (3, 6)])
+def test_backward_fetches_no_block_it_skips_and_leaves_the_next_forwards_first_in_the_ring(slots, count):
+    blocks = frozen_first(count)
+    with WeightStreamer(blocks, "cpu", slots=slots, exercise_on_cpu=True, record=True) as streamer:
+        trained = train(blocks, steps=2, checkpointing=enable_checkpointing)
+    assert_same(trained, train(frozen_first(count), steps=2, checkpointing=enable_checkpointing))
+    forward = [("forward", i) for i in range(count)]
+    backward = [("backward", i) for i in range(count - 1, 1, -1)]  # blocks 1 and 0 never run backward
+    assert streamer.install_log == (forward + backward) * 2
+    # Each block crosses once per step: backward's fetches are the blocks it runs and, past them, the next forward's
+    # first two (before: 2 slots fetched block 1 in backward for nothing, then block 0 in the next forward's start,
+    # with nothing to overlap; 3 slots fetched both in backward, which the next forward happened to want).
+    if slots == 2:
+        assert streamer.fetch_log == [0, 1, 2, 3] + [0] + [1, 2, 3] + [0]
+    else:
+        assert streamer.fetch_log == [0, 1, 2, 3, 4, 5] + [2, 0, 1] + [3, 4, 5] + [2, 0, 1]
+    assert streamer.fallback_fetches == 0
+
+
+@pytest.mark.parametrize("slots, count, frozen", [(2, 4, 0), (3, 6, 0), (2, 4, 2), (2, 6, 3), (3, 6, 1), (3, 6, 2),
+                                                 (3, 6, 4), (4, 8, 2)])
+def test_the_time_models_ring_fetches_are_the_rings(slots, count, frozen):
+    """time_model.ring_fetches says which blocks a steady step copies in forward and which in backward (the planner
+    prices each phase's copies from it): the ring's own, with and without blocks that backward skips."""
+    blocks = frozen_first(count, frozen)
+    restore = enable_checkpointing(blocks)
+    g = torch.Generator().manual_seed(7)
+    with WeightStreamer(blocks, "cpu", slots=slots, exercise_on_cpu=True, record=True) as streamer:
+        phases = []
+        for _ in range(2):
+            start = len(streamer.fetch_log)
+            x = torch.randn(3, 5, 16, generator=g)
+            for block in blocks:
+                x = block(x)
+            turn = len(streamer.fetch_log)
+            x.square().mean().backward()
+            phases.append((streamer.fetch_log[start:turn], streamer.fetch_log[turn:]))
+    restore()
+    assert phases[1] == time_model.ring_fetches([1] * count, slots, frozen)
+
+
 @pytest.mark.parametrize("slots", [2, 3])
 def test_a_forward_starts_the_next_copies_after_queueing_its_own_block(slots):
     """The next blocks' copies are started after a block's kernels are queued, not before: a refill waits on the CPU

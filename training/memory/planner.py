@@ -257,6 +257,12 @@ class TrainableSpec:
     # block and its trained elements, weight and bias): with its trained weights in host RAM a checkpointed block's
     # copies stay on the card from its recompute to its backward. Empty: not known.
     block_layers: tuple[tuple[tuple[str, int], ...], ...] = ()
+    # The first blocks (forward order) with no trained weight in or before them (`blocks_without_backward`): nothing
+    # there needs a gradient, so autograd runs no backward through them (SDXL's first five with attention targets).
+    # The time model leaves out their backward and recompute (their activations need no count of their own: the
+    # calibration forward saves none there, as training does; checkpointed, their inputs are still counted). 0: none,
+    # or not known.
+    without_backward: int = 0
     # Seconds per weight of the optimizer's step in host RAM on this machine (core/optimizers.host_step_s_per_weight,
     # measured by the nodes' planning); 0: not measured, time_model.DEFAULT_HOST_STEP_S_PER_WEIGHT.
     host_step_s_per_weight: float = 0.0
@@ -354,6 +360,17 @@ def trained_per_block(named_blocks: Sequence[tuple[str, torch.nn.Module]], targe
     wanted = {id(m) for m in targets}
     return tuple(tuple((name, TrainableSpec.of_full_layers([m]).param_count) for name, m in block.named_modules() if id(m) in wanted)
                  for _, block in named_blocks)
+
+
+def blocks_without_backward(block_names: Sequence[str], trained_paths: Iterable[str]) -> int:
+    """How many of the blocks (`block_names`, forward order, paths in the model) come before the first that holds a
+    trained layer (`trained_paths`): backward never runs them (TrainableSpec.without_backward). 0 where a trained layer
+    lies outside every block (an embedder's output feeds the first block: its gradient runs through all of them)."""
+    paths = list(trained_paths)
+    inside = [next((k for k, name in enumerate(block_names) if (p + ".").startswith(name + ".")), None) for p in paths]
+    if not paths or None in inside:
+        return 0
+    return min(inside)
 
 
 def in_call_order(layers: Sequence[tuple[str, int]], call_order: Sequence[str]) -> list[int]:
@@ -827,7 +844,8 @@ def estimate(description: ModelDescription, trainable: TrainableSpec, shape: Run
         time_model.optimizer_step_s(trainable.weight_bytes(), trainable.optimizer_bytes(), host_step,
                                     description.compute_device, h2d, host_rate, trainable.param_count),
         description.timed, slots, [b.backward_per_forward for b in blocks], description.outside_backward_per_forward,
-        pin_limit, description.pageable_h2d_bytes_per_s or None, staged, description.host_copy_bytes_per_s or None)
+        pin_limit, description.pageable_h2d_bytes_per_s or None, staged, description.host_copy_bytes_per_s or None,
+        trainable.without_backward)
     if description.timed_at_area:
         step = dataclasses.replace(step, timed_at_run_size=description.timed_at_area == area)
     return Plan(policy, [cache_text, cache_vae, training, validation, decode, save], budget_bytes, host_bytes=host,

@@ -22,7 +22,8 @@
   bandwidth, measured alike: `pinned_blocks` says which, as the streamer pins them): each
   streamed block twice (its forward, and its recompute in backward: a streamed block is always checkpointed), less
   the blocks still in the ring's slots at a turn (the last `slots` streamed blocks at forward -> backward, the
-  first `slots` at the next step's forward), offloaded block inputs there and back, a full fine-tune's trained
+  first `slots` at the next step's forward; the first blocks backward skips, `without_backward`, are fetched in
+  backward instead, for the next forward), offloaded block inputs there and back, a full fine-tune's trained
   weights in host RAM (in for forward and backward, the update back), streamed optimizer state (in and back). On a
   CPU nothing crosses.
 - the ring's copies overlap compute (copied ahead on a side stream while blocks compute), but those from pageable
@@ -31,7 +32,9 @@
   queued on the compute stream just before the layer that needs them (trained_weights_on_host.Crossings, the
   streamed state's rings, the offloaded block inputs' hooks), so the card computes nothing meanwhile and they add to
   the step. The physical limit of a streamed step is max(compute + optimizer, transfer) (`StepTime.limit_s`: every
-  copy overlapped); the prediction adds what the per-block pipeline loses to it and the serial copies.
+  copy overlapped); the prediction adds what the per-block pipeline loses to it and the serial copies. Phase by
+  phase (`StepTime.phase_limit_s`) the limit is higher where one phase is bound by the link and the other by compute:
+  a forward's copies cannot wait behind backward's compute (the ring carries only its slots across the turn).
 - the CPU's copies through the pinned staging buffers: a full fine-tune's trained weights in host RAM and streamed
   optimizer state are copied by the CPU into a staging buffer before each crossing in, and out of one after each
   crossing back (trained_weights_on_host.Crossings: pinned staging, not pinned weights, the module says why). The CPU
@@ -98,6 +101,11 @@ class StepTime:
     # Block times measured at this step's latent size (planner.time_blocks) rather than fitted from the calibration's
     # tiny forwards and extrapolated
     timed_at_run_size: bool = False
+    # The step by phase, for the phase floor (phase_limit_s): the forward's compute (the blocks' and the work outside
+    # them), and the ring's copies in each phase (those not queued on the compute stream)
+    forward_compute_s: float = 0.0
+    forward_copy_s: float = 0.0
+    backward_copy_s: float = 0.0
 
     @property
     def card_s(self) -> float:
@@ -114,6 +122,20 @@ class StepTime:
     def limit_s(self) -> float:
         """The physical limit: max(compute with its recompute + the optimizer step, bytes crossing / bandwidth)."""
         return max(self.compute_s + self.optimizer_s, self.transfer_s)
+
+    @property
+    def phase_limit_s(self) -> float:
+        """The physical limit phase by phase: max(forward compute, forward copies) + max(backward compute with the
+        recompute, backward copies) + the optimizer step, never under `limit_s`. The ring carries only its slots'
+        blocks across the forward -> backward turn, so a forward's copies cannot hide behind backward's compute: a
+        streamed Flux forward moves as many bytes as its backward in a third of the compute, and is bound by the
+        link while backward is bound by compute, however deep the ring (issue 41's limit assumes they all overlap)."""
+        if not self.forward_compute_s:  # not split (a record from before the split)
+            return self.limit_s
+        backward = self.compute_s - self.forward_compute_s
+        phases = (max(self.forward_compute_s, self.forward_copy_s) + max(backward, self.backward_copy_s)
+                  + self.optimizer_s)
+        return max(phases, self.limit_s)
 
     @property
     def ring_floor_s(self) -> float:
@@ -134,26 +156,43 @@ class StepTime:
         return "transfer" if self.transfer_s > self.compute_s else "compute"
 
     def to_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "total_s": self.total_s, "limit_s": self.limit_s, "bound": self.bound}
+        return {**dataclasses.asdict(self), "total_s": self.total_s, "limit_s": self.limit_s,
+                "phase_limit_s": self.phase_limit_s, "bound": self.bound}
 
     def describe(self) -> str:
         parts = [f"{self.serial_s:.3f} s of it on the compute stream" if self.serial_s else "",
                  f"{self.pageable_s:.3f} s from pageable memory" if self.pageable_s else ""]
         serial = f" ({', '.join(p for p in parts if p)})" if any(parts) else ""
         host = f"; the CPU's staging copies {self.host_copy_s:.3f} s" if self.host_copy_s else ""
+        phases = ""
+        if self.phase_limit_s > self.limit_s + 5e-4:  # one phase bound by the link, the other by compute
+            backward = self.compute_s - self.forward_compute_s
+            phases = (f", {self.phase_limit_s:.3f} s phase by phase: forward "
+                      f"{'transfer' if self.forward_copy_s > self.forward_compute_s else 'compute'}-bound, backward "
+                      f"{'transfer' if self.backward_copy_s > backward else 'compute'}-bound")
         text = (f"predicted {self.total_s:.3f} s/step ({self.bound}-bound: compute {self.compute_s:.3f} s incl. "
                 f"recompute {self.recompute_s:.3f} s, transfer {self.transfer_s:.3f} s{serial}; + optimizer "
-                f"{self.optimizer_s:.3f} s, fill {self.fill_s:.3f} s{host}; physical limit {self.limit_s:.3f} s)")
+                f"{self.optimizer_s:.3f} s, fill {self.fill_s:.3f} s{host}; physical limit {self.limit_s:.3f} s{phases})")
         if not self.timed:
             return text + " - block times not measured: estimated from weight bytes"
         return text + ("; block times measured at the run's size" if self.timed_at_run_size else "")
 
 
-def ring_fetches(streamed_block_bytes: Sequence[int], slots: int) -> tuple[list[int], list[int]]:
-    """The blocks the ring copies in a steady step: (in forward, in backward). Those still in a slot at a turn are
-    not copied again (weight_streaming.py): the first `slots` streamed blocks in forward, the last in backward."""
+def ring_fetches(streamed_block_bytes: Sequence[int], slots: int, without_backward: int = 0
+                 ) -> tuple[list[int], list[int]]:
+    """The blocks the ring copies in a steady step: (in forward, in backward), each in the order copied. Those still
+    in a slot at a turn are not copied again (weight_streaming.py): the last `slots` streamed blocks in backward, and
+    in forward the first ones. The first `without_backward` blocks run no backward: the ring fetches the first
+    `slots - 1` of them (of those streamed) in backward in place of the next forward, which then finds them in the
+    ring (and, with fewer than `slots` of them, the lowest blocks backward ran too)."""
     streamed = [i for i, size in enumerate(streamed_block_bytes) if size > 0]
-    return streamed[slots:], streamed[:max(0, len(streamed) - slots)]
+    skipped = [i for i in streamed if i < without_backward]
+    run = [i for i in streamed if i >= without_backward]
+    if not skipped or not run:
+        return streamed[slots:], streamed[:max(0, len(streamed) - slots)][::-1]
+    ahead = skipped[:slots - 1]
+    in_ring = set(ahead) if len(skipped) >= slots else set(streamed[:slots])
+    return [i for i in streamed if i not in in_ring], run[:max(0, len(run) - slots)][::-1] + ahead
 
 
 def pinned_blocks(streamed_block_bytes: Sequence[int], limit_bytes: int | None) -> set[int]:
@@ -191,7 +230,8 @@ def step_time(forward_s: Sequence[float], outside_forward_s: float, checkpointed
               optimizer_s: float = 0.0, timed: bool = True, slots: int = 2,
               backward_per_forward: Sequence[float] = (), outside_backward_per_forward: float = 0.0,
               pin_limit_bytes: int | None = None, pageable_bytes_per_s: float | None = None,
-              staged_bytes: int = 0, host_copy_bytes_per_s: float | None = None) -> StepTime:
+              staged_bytes: int = 0, host_copy_bytes_per_s: float | None = None, without_backward: int = 0
+              ) -> StepTime:
     """The predicted step. `forward_s`: each block's forward (batch included); `checkpointed`: the indices
     recomputed in backward; `streamed_block_bytes`: per block, the bytes streamed from host RAM (one copy; 0: a
     resident block); `h2d_bytes_per_s` None: nothing crosses (a CPU); `serial_transfer_bytes`: further bytes crossing
@@ -200,16 +240,21 @@ def step_time(forward_s: Sequence[float], outside_forward_s: float, checkpointed
     missing: BACKWARD_PER_FORWARD), and the same for the work outside the blocks; `pin_limit_bytes`: the host RAM the
     ring may pin (None: all of it; the blocks past it copy at `pageable_bytes_per_s`, None:
     DEFAULT_PAGEABLE_H2D_BYTES_PER_S); `staged_bytes`: the part of `serial_transfer_bytes` the CPU also copies through
-    the pinned staging buffers, at `host_copy_bytes_per_s` (None: DEFAULT_HOST_COPY_BYTES_PER_S)."""
+    the pinned staging buffers, at `host_copy_bytes_per_s` (None: DEFAULT_HOST_COPY_BYTES_PER_S); `without_backward`:
+    the first blocks, which no trained weight precedes, run no backward (nor its recompute; ring_fetches)."""
     ratios = [r if r > 0 else BACKWARD_PER_FORWARD for r in
               (*backward_per_forward[:len(forward_s)], *[0.0] * (len(forward_s) - len(backward_per_forward)))]
+    ratios = [0.0 if i < without_backward else r for i, r in enumerate(ratios)]
+    checkpointed = [i for i in checkpointed if i >= without_backward]
     outside_ratio = outside_backward_per_forward if outside_backward_per_forward > 0 else BACKWARD_PER_FORWARD
     recompute = sum(forward_s[i] for i in checkpointed)
     compute = (sum((1 + r) * f for r, f in zip(ratios, forward_s)) + (1 + outside_ratio) * outside_forward_s
                + recompute)
+    forward_compute = sum(forward_s) + outside_forward_s
     if h2d_bytes_per_s is None:
-        return StepTime(compute, recompute, 0.0, optimizer_s, 0.0, timed, compute)
-    forward_copies, backward_copies = (set(part) for part in ring_fetches(streamed_block_bytes, slots))
+        return StepTime(compute, recompute, 0.0, optimizer_s, 0.0, timed, compute, forward_compute_s=forward_compute)
+    forward_copies, backward_copies = (set(part) for part in ring_fetches(streamed_block_bytes, slots,
+                                                                         without_backward))
     pinned = pinned_blocks(streamed_block_bytes, pin_limit_bytes)
     pageable_rate = pageable_bytes_per_s or DEFAULT_PAGEABLE_H2D_BYTES_PER_S
     copy = [size / (h2d_bytes_per_s if i in pinned else pageable_rate) for i, size in enumerate(streamed_block_bytes)]
@@ -228,7 +273,10 @@ def step_time(forward_s: Sequence[float], outside_forward_s: float, checkpointed
     pageable_backward = [i for i in backward_copies if i not in pinned]
     held = sum(max(0.0, copy[i] - forward_s[order[position[i] - (slots - 1)]]) for i in pageable_forward)
     if slots > 2:
-        held += sum(max(0.0, copy[i] - backward[order[position[i] + slots - 1]]) for i in pageable_backward)
+        def overlapped(i):  # the block backward runs while a pageable copy of `i` holds the CPU (none past the end)
+            k = position[i] + slots - 1
+            return backward[order[k]] if k < len(order) else 0.0
+        held += sum(max(0.0, copy[i] - overlapped(i)) for i in pageable_backward)
     else:  # in the pipeline, not `serial`: a deeper ring overlaps them (ring_floor_s stays a floor for every depth)
         held += sum(copy[i] for i in pageable_backward)
     pipeline = ((1 + outside_ratio) * outside_forward_s + held
@@ -242,7 +290,9 @@ def step_time(forward_s: Sequence[float], outside_forward_s: float, checkpointed
     serial = serial_transfer_bytes / h2d_bytes_per_s
     return StepTime(compute, recompute, sum(copies) + serial, optimizer_s, 0.0, timed, pipeline, serial,
                     pageable_s=sum(copy[i] for i in (*pageable_forward, *pageable_backward)),
-                    host_copy_s=staged_bytes / (host_copy_bytes_per_s or DEFAULT_HOST_COPY_BYTES_PER_S))
+                    host_copy_s=staged_bytes / (host_copy_bytes_per_s or DEFAULT_HOST_COPY_BYTES_PER_S),
+                    forward_compute_s=forward_compute, forward_copy_s=sum(copy[i] for i in forward_copies),
+                    backward_copy_s=sum(copy[i] for i in backward_copies))
 
 
 def optimizer_step_s(weight_bytes: int, state_bytes: int, on_host: bool, device_type: str,

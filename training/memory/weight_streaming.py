@@ -31,8 +31,10 @@ backward (a gradient hook on each block's outputs, before checkpointing recomput
 but starts its copies before queueing its block, so with 3 or more slots a pageable block is fetched one block later
 than a pinned one (its slot would free only when the block running then ends, the device idle through the copy). A block still in a
 slot is installed without a copy: at the forward -> backward turn the last blocks are still there (backward starts
-with no fetch), and at the next step's forward the first ones. A block run out of order (not in a slot) is fetched
-synchronously into a free slot: correct rather than fast. Copies go host->device only; frozen weights are never
+with no fetch), and at the next step's forward the first ones. Backward fetches only the blocks it runs (those whose
+outputs needed a gradient in forward; autograd skips the ones no trained weight precedes, SDXL's first five with
+attention targets), then the next step's first blocks in their place. A block run out of order (not in a slot) is
+fetched synchronously into a free slot: correct rather than fast. Copies go host->device only; frozen weights are never
 copied back; trainable tensors (adapter weights) and what is resident are left where they are.
 
 A full fine-tune's trained layers compute with their trained copy alone (adapters.FullLayer): their base layers are
@@ -279,6 +281,9 @@ class WeightStreamer:
         self._by_storage: dict[int, _Slot] = {}  # slot buffer's data_ptr -> slot
         self._temps: dict[int, list[torch.Tensor]] = {}  # block -> its weights in a one-off buffer (no slot free)
         self._installed: set[int] = set()
+        # Blocks whose outputs needed a gradient in the last forward with grad: the ones backward will run. Those before
+        # the first trained weight (SDXL's first five with attention-only targets) never do: autograd skips them.
+        self._backward_blocks: set[int] = set()
         self._kept: list[_Block] = []  # resident blocks and non-block layers copied once at attach (installed)
         self._handles = []
         self._saving = None  # the saved-tensors hook context open while a block runs with grad
@@ -547,9 +552,14 @@ class WeightStreamer:
         return True
 
     def _prefetch(self, around: int, step: int) -> None:
-        """Keep the next `slots - 1` streamed blocks after `around` (step +1: forward, -1: backward) in slots."""
-        order = self._streamed if step > 0 else self._streamed[::-1]
-        later = [i for i in order if (i - around) * step > 0][:self.slot_count - 1]
+        """Keep the next `slots - 1` streamed blocks after `around` (step +1: forward, -1: backward) in slots. In
+        backward the next are those backward will run; past the last of them, the next step's first blocks (those
+        backward skips), so its forward starts with no copy and none is made for a block backward never runs."""
+        if step > 0:
+            later = [i for i in self._streamed if i > around][:self.slot_count - 1]
+        else:
+            later = [i for i in self._streamed[::-1] if i < around and i in self._backward_blocks]
+            later = (later + [i for i in self._streamed if i not in self._backward_blocks])[:self.slot_count - 1]
         if step < 0 and self.slot_count > 2 and self._copies_from_pageable_hold_the_cpu():
             # A copy from pageable memory holds the CPU until it is done. Backward starts copies before queueing its
             # block, and the deepest one's slot frees only when the block running now ends: started here the device
@@ -660,8 +670,12 @@ class WeightStreamer:
             # this block to run meanwhile instead of idling.
             self._prefetch(index, +1)
             tensors = _output_tensors(output)
-            if tensors and torch.is_grad_enabled():
-                register_multi_grad_hook(tensors, lambda grads: self._before_backward(index), mode="any")
+            if torch.is_grad_enabled():
+                if tensors:
+                    self._backward_blocks.add(index)
+                    register_multi_grad_hook(tensors, lambda grads: self._before_backward(index), mode="any")
+                else:  # nothing here needs a gradient: backward will not run this block
+                    self._backward_blocks.discard(index)
             return output
 
         return post_forward

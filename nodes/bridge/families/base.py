@@ -167,6 +167,13 @@ class ControlNetType:
         """Layers whose zero start makes an untrained ControlNet change nothing."""
         raise NotImplementedError
 
+    def base_blocks_without_backward(self, block_names: list[str]) -> int:
+        """How many of the base's first training blocks (`block_names`, forward order) run no backward in a run of
+        this type: the control joins the base after them and nothing before needs a gradient (the base is frozen;
+        planner.TrainableSpec.without_backward). 0: every block does, or not known (the time model then counts them
+        all: conservative)."""
+        return 0
+
     def copy_missing(self, key: str, source, target: torch.Tensor, depth: int) -> bool:
         """A ControlNet key the base lacks or has in another shape: fill `target` and return True when this type
         knows how (else the builder refuses the base)."""

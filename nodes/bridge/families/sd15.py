@@ -62,6 +62,11 @@ class CldmControlNet(ControlNetType):
     def default_blocks(self, depth: int) -> int:
         return depth  # the whole encoder: the stock loader derives the architecture from it
 
+    def base_blocks_without_backward(self, block_names: list[str]) -> int:
+        # The control joins the middle block's output and the skips the output blocks read: the base's input and
+        # middle blocks (about half its compute) need no gradient
+        return next((k for k, name in enumerate(block_names) if name.startswith("output_blocks.")), 0)
+
     def check_blocks(self, blocks: int, depth: int) -> None:
         if blocks != depth:
             raise ControlNetError(

@@ -88,6 +88,10 @@ class MMDiTControlNet(ControlNetType):
     def default_blocks(self, depth: int) -> int:
         return max(1, depth // 4)  # 6 of 24, as published SD3 ControlNets
 
+    def base_blocks_without_backward(self, block_names: list[str]) -> int:
+        # The control is added to each joint block's output: the first block's inputs and weights need no gradient
+        return 1 if block_names and block_names[0].startswith("joint_blocks.") else 0
+
     def constructor_config(self, base_config: dict, blocks: int) -> dict:
         config = dict(base_config)
         config["num_blocks"] = blocks
