@@ -172,14 +172,17 @@ def controlnet_trainable(model_patcher, blocks: int, optimizer: str) -> Trainabl
     controlnet_type, _, _, config = _controlnet_config(model_patcher, blocks)
     module = controlnet_type.make_module(config, torch.float32, "meta", comfy.ops.disable_weight_init)
     return dataclasses.replace(TrainableSpec.from_parameters(module.parameters(), optimizer),
-                               without_backward=base_blocks_without_backward(model_patcher))
+                               **controlnet_step_blocks(model_patcher, blocks))
 
 
-def base_blocks_without_backward(model_patcher) -> int:
-    """How many of the base's first training blocks run no backward in a ControlNet run on it (the control joins
-    after them: ControlNetType.base_blocks_without_backward), for the planner's time model."""
+def controlnet_step_blocks(model_patcher, blocks: int) -> dict[str, int]:
+    """For the planner's time model, a ControlNet run of `blocks` (0: the type's default) on this base: how many of the
+    base's first training blocks run no backward (the control joins after them) and how many the ControlNet copies
+    (TrainableSpec.without_backward, copied_blocks)."""
+    controlnet_type, blocks, _, _ = _controlnet_config(model_patcher, blocks)
     names = [name for name, _ in training_blocks(model_patcher.model.diffusion_model)]
-    return controlnet_type_of(model_patcher).base_blocks_without_backward(names)
+    return {"without_backward": controlnet_type.base_blocks_without_backward(names),
+            "copied_blocks": controlnet_type.copied_base_blocks(names, blocks)}
 
 
 def _json_able(value) -> bool:

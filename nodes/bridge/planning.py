@@ -546,12 +546,13 @@ def _run_inputs(run) -> tuple:
     blocks, outside = planner.unread_base(named_blocks, unread) if unread else ((), 0)
     per_block = planner.trained_per_block(named_blocks, unread) if unread else ()
     if getattr(config, "adapter", None) is None:  # a ControlNet run: the base trains nothing, the control joins it
-        without_backward = controlnet_build.base_blocks_without_backward(run.source_model)
+        step_blocks = controlnet_build.controlnet_step_blocks(run.source_model, config.blocks)
     else:
-        without_backward = blocks_without_backward(run.source_model, named_blocks, list(run.adapters.layers))
+        step_blocks = {"without_backward": blocks_without_backward(run.source_model, named_blocks,
+                                                                   list(run.adapters.layers))}
     trainable = dataclasses.replace(planner.TrainableSpec.from_parameters(run.trainer.params, config.optimizer.name,
                                                                           full=adapter.kind == "full"),
-                                    without_backward=without_backward,
+                                    **step_blocks,
                                     state_ranks=run.trainer.state_ranks, weight_ranks=run.trainer.weight_ranks,
                                     first_block_elements=first, unread_base_blocks=blocks, unread_base_outside=outside,
                                     block_layers=per_block)

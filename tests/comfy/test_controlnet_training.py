@@ -421,7 +421,8 @@ def test_the_plan_knows_which_base_blocks_backward_skips(comfyui, family, checkp
     leaves out their backward) is what a training step does: the base's leading blocks whose outputs need no gradient,
     for the node's plan (controlnet_trainable) and an open run's (planning._run_inputs). A UNet's input and middle
     blocks (cldm adds its control to the middle block's output and the skips); SD3's first joint block; none where
-    x_t is part of the graph (Flux, Qwen-Image add their control in place)."""
+    x_t is part of the graph (Flux, Qwen-Image add their control in place). And the ControlNet's own copies of the
+    base's first blocks, whose forward and backward the time model adds (`copied_blocks`)."""
     from headroom.nodes.bridge import planning
     from headroom.nodes.bridge.comfy_model import training_blocks
     from headroom.nodes.bridge.controlnet_build import controlnet_trainable
@@ -453,6 +454,17 @@ def test_the_plan_knows_which_base_blocks_backward_skips(comfyui, family, checkp
     assert not any(flags[:skipped]) and all(flags[skipped:])
     names = [name for name, _ in blocks]
     assert skipped == (names.index("output_blocks.0.0") if family == "sd15" else 1 if family == "sd3" else 0)
+    # The ControlNet's own copies of the base's first blocks: the time model runs their forward and backward again
+    copied = planning._run_inputs(run)[1].copied_blocks
+    own = run.controlnet.module
+    for name, block in blocks[:copied]:
+        assert [tuple(t.shape) for t in own.get_submodule(name).state_dict().values()] == [
+            tuple(t.shape) for t in block.state_dict().values()], name
+    if copied < len(blocks):
+        with pytest.raises(AttributeError):
+            own.get_submodule(blocks[copied][0])
+    assert copied == (skipped if family == "sd15" else run.controlnet.blocks) > 0
     assert planning._run_inputs(run)[1].without_backward == skipped
-    assert controlnet_trainable(model, 0, "AdamW").without_backward == skipped
+    planned = controlnet_trainable(model, 0, "AdamW")
+    assert (planned.without_backward, planned.copied_blocks) == (skipped, copied)
     run.release()

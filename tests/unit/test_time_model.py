@@ -674,3 +674,25 @@ def test_blocks_backward_skips_run_no_backward_and_their_copies_move_to_the_turn
     assert skips.transfer_s == pytest.approx(4.0) and every.transfer_s == pytest.approx(4.0)
     assert (skips.forward_copy_s, skips.backward_copy_s) == pytest.approx((3.0, 1.0))
     assert skips.total_s < every.total_s
+
+
+def test_a_controlnets_copies_of_the_first_blocks_run_their_forward_and_backward_again():
+    """A ControlNet run (TrainableSpec.copied_blocks): its trainable copy of the base's first blocks adds their forward
+    and backward, timed as the base's, and their recompute only where every block is checkpointed (the run checkpoints
+    its own blocks only then); the base's blocks before the control joins run no backward (without_backward)."""
+    forward, ratios = [0.1, 0.2, 0.3, 0.4], [2.0, 1.0, 1.0, 1.0]
+    base = dict(backward_per_forward=ratios, without_backward=2)
+    plain = time_model.step_time(forward, 0.05, [], [0] * 4, None, **base)
+    controlnet = time_model.step_time(forward, 0.05, [], [0] * 4, None, copied_blocks=2, **base)
+    assert controlnet.compute_s - plain.compute_s == pytest.approx(3 * 0.1 + 2 * 0.2)  # (1 + ratio) x forward
+    assert controlnet.forward_compute_s - plain.forward_compute_s == pytest.approx(0.3)
+    every = time_model.step_time(forward, 0.05, [0, 1, 2, 3], [0] * 4, None, copied_blocks=2, **base)
+    assert every.recompute_s == pytest.approx(0.3 + 0.4 + 0.1 + 0.2)  # the base's from block 2, the copies' two
+    some = time_model.step_time(forward, 0.05, [2, 3], [0] * 4, None, copied_blocks=2, **base)
+    assert some.recompute_s == pytest.approx(0.3 + 0.4)
+    # on a card, beside the ring: in the pipeline as the work outside the blocks
+    streamed = [0, 0, 10 ** 8, 10 ** 8]
+    ring = time_model.step_time(forward, 0.05, [2, 3], streamed, 1e9, **base)
+    with_copies = time_model.step_time(forward, 0.05, [2, 3], streamed, 1e9, copied_blocks=2, **base)
+    assert with_copies.pipeline_s - ring.pipeline_s == pytest.approx(0.7)
+    assert with_copies.transfer_s == ring.transfer_s

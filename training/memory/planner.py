@@ -263,6 +263,10 @@ class TrainableSpec:
     # calibration forward saves none there, as training does; checkpointed, their inputs are still counted). 0: none,
     # or not known.
     without_backward: int = 0
+    # A ControlNet's trainable copy of the base's first blocks (ControlNetType.copied_base_blocks: a UNet's input and
+    # middle blocks, the first N transformer blocks of the others): the time model adds their forward and backward
+    # again, timed as the base's. 0: no ControlNet.
+    copied_blocks: int = 0
     # Seconds per weight of the optimizer's step in host RAM on this machine (core/optimizers.host_step_s_per_weight,
     # measured by the nodes' planning); 0: not measured, time_model.DEFAULT_HOST_STEP_S_PER_WEIGHT.
     host_step_s_per_weight: float = 0.0
@@ -845,7 +849,7 @@ def estimate(description: ModelDescription, trainable: TrainableSpec, shape: Run
                                     description.compute_device, h2d, host_rate, trainable.param_count),
         description.timed, slots, [b.backward_per_forward for b in blocks], description.outside_backward_per_forward,
         pin_limit, description.pageable_h2d_bytes_per_s or None, staged, description.host_copy_bytes_per_s or None,
-        trainable.without_backward)
+        trainable.without_backward, trainable.copied_blocks)
     if description.timed_at_area:
         step = dataclasses.replace(step, timed_at_run_size=description.timed_at_area == area)
     return Plan(policy, [cache_text, cache_vae, training, validation, decode, save], budget_bytes, host_bytes=host,

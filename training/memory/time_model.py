@@ -230,8 +230,8 @@ def step_time(forward_s: Sequence[float], outside_forward_s: float, checkpointed
               optimizer_s: float = 0.0, timed: bool = True, slots: int = 2,
               backward_per_forward: Sequence[float] = (), outside_backward_per_forward: float = 0.0,
               pin_limit_bytes: int | None = None, pageable_bytes_per_s: float | None = None,
-              staged_bytes: int = 0, host_copy_bytes_per_s: float | None = None, without_backward: int = 0
-              ) -> StepTime:
+              staged_bytes: int = 0, host_copy_bytes_per_s: float | None = None, without_backward: int = 0,
+              copied_blocks: int = 0) -> StepTime:
     """The predicted step. `forward_s`: each block's forward (batch included); `checkpointed`: the indices
     recomputed in backward; `streamed_block_bytes`: per block, the bytes streamed from host RAM (one copy; 0: a
     resident block); `h2d_bytes_per_s` None: nothing crosses (a CPU); `serial_transfer_bytes`: further bytes crossing
@@ -241,16 +241,22 @@ def step_time(forward_s: Sequence[float], outside_forward_s: float, checkpointed
     ring may pin (None: all of it; the blocks past it copy at `pageable_bytes_per_s`, None:
     DEFAULT_PAGEABLE_H2D_BYTES_PER_S); `staged_bytes`: the part of `serial_transfer_bytes` the CPU also copies through
     the pinned staging buffers, at `host_copy_bytes_per_s` (None: DEFAULT_HOST_COPY_BYTES_PER_S); `without_backward`:
-    the first blocks, which no trained weight precedes, run no backward (nor its recompute; ring_fetches)."""
+    the first blocks, which no trained weight precedes, run no backward (nor its recompute; ring_fetches);
+    `copied_blocks`: a ControlNet's trainable copy of the first blocks (TrainableSpec.copied_blocks) runs their forward
+    and backward again, and their recompute where every block is checkpointed (the run checkpoints its own blocks only
+    then: policy.memory_features), on the card beside the ring, as the work outside the blocks."""
     ratios = [r if r > 0 else BACKWARD_PER_FORWARD for r in
               (*backward_per_forward[:len(forward_s)], *[0.0] * (len(forward_s) - len(backward_per_forward)))]
+    copied = range(min(copied_blocks, len(forward_s)))
+    copied_recompute = sum(forward_s[i] for i in copied) if len(set(checkpointed)) == len(forward_s) else 0.0
+    own = sum((1 + ratios[i]) * forward_s[i] for i in copied) + copied_recompute
     ratios = [0.0 if i < without_backward else r for i, r in enumerate(ratios)]
     checkpointed = [i for i in checkpointed if i >= without_backward]
     outside_ratio = outside_backward_per_forward if outside_backward_per_forward > 0 else BACKWARD_PER_FORWARD
-    recompute = sum(forward_s[i] for i in checkpointed)
+    recompute = sum(forward_s[i] for i in checkpointed) + copied_recompute
     compute = (sum((1 + r) * f for r, f in zip(ratios, forward_s)) + (1 + outside_ratio) * outside_forward_s
-               + recompute)
-    forward_compute = sum(forward_s) + outside_forward_s
+               + recompute - copied_recompute + own)
+    forward_compute = sum(forward_s) + outside_forward_s + sum(forward_s[i] for i in copied)
     if h2d_bytes_per_s is None:
         return StepTime(compute, recompute, 0.0, optimizer_s, 0.0, timed, compute, forward_compute_s=forward_compute)
     forward_copies, backward_copies = (set(part) for part in ring_fetches(streamed_block_bytes, slots,
@@ -279,7 +285,7 @@ def step_time(forward_s: Sequence[float], outside_forward_s: float, checkpointed
         held += sum(max(0.0, copy[i] - overlapped(i)) for i in pageable_backward)
     else:  # in the pipeline, not `serial`: a deeper ring overlaps them (ring_floor_s stays a floor for every depth)
         held += sum(copy[i] for i in pageable_backward)
-    pipeline = ((1 + outside_ratio) * outside_forward_s + held
+    pipeline = ((1 + outside_ratio) * outside_forward_s + own + held
                 + ring_pass(range(n), forward_s,
                             [c if i in forward_copies and i in pinned else 0.0 for i, c in enumerate(copy)],
                             streamed, slots)

@@ -174,6 +174,11 @@ class ControlNetType:
         all: conservative)."""
         return 0
 
+    def copied_base_blocks(self, block_names: list[str], blocks: int) -> int:
+        """How many of the base's first training blocks (`block_names`) a ControlNet of `blocks` copies: its own
+        trainable copies run their forward and backward again (planner.TrainableSpec.copied_blocks)."""
+        return min(blocks, len(block_names))
+
     def copy_missing(self, key: str, source, target: torch.Tensor, depth: int) -> bool:
         """A ControlNet key the base lacks or has in another shape: fill `target` and return True when this type
         knows how (else the builder refuses the base)."""

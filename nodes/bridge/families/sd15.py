@@ -67,6 +67,9 @@ class CldmControlNet(ControlNetType):
         # middle blocks (about half its compute) need no gradient
         return next((k for k, name in enumerate(block_names) if name.startswith("output_blocks.")), 0)
 
+    def copied_base_blocks(self, block_names: list[str], blocks: int) -> int:
+        return self.base_blocks_without_backward(block_names)  # the input and middle blocks, the whole encoder
+
     def check_blocks(self, blocks: int, depth: int) -> None:
         if blocks != depth:
             raise ControlNetError(
