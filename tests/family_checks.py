@@ -298,3 +298,33 @@ def cached_clips(tiny_name, size, frames, start_image="none", count=4, seed=0):
         latents = cache_nodes.HeadroomCacheLatents.execute(dataset, vae, start_image=start_image).args[0]
         texts = cache_nodes.HeadroomCacheText.execute(dataset, clip).args[0]
     return model, clip, vae, clips, latents, texts
+
+
+def blocks_backward_skips(model, run) -> tuple[list, int]:
+    """One training step of `run` (through HeadroomTrainSteps) with a hook on each of the base's training blocks: (the
+    blocks, how many leading ones had outputs needing no gradient: autograd runs no backward through them). Checks
+    that every block ran and that the ones after them all needed one."""
+    from headroom.nodes.bridge.comfy_model import training_blocks
+    from headroom.nodes.train_lora import HeadroomTrainSteps
+
+    needs_gradient = {}
+
+    def record(name):
+        def hook(module, args, output):
+            if torch.is_grad_enabled():
+                leaves = output if isinstance(output, (tuple, list)) else [output]
+                needs_gradient[name] = any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves)
+        return hook
+
+    blocks = training_blocks(model.model.diffusion_model)
+    handles = [block.register_forward_hook(record(name)) for name, block in blocks]
+    try:
+        HeadroomTrainSteps.execute(run, run.step + 1)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert set(needs_gradient) == {name for name, _ in blocks}
+    flags = [needs_gradient[name] for name, _ in blocks]
+    skipped = flags.index(True)
+    assert not any(flags[:skipped]) and all(flags[skipped:])
+    return blocks, skipped

@@ -423,35 +423,15 @@ def test_the_plan_knows_which_base_blocks_backward_skips(comfyui, family, checkp
     blocks (cldm adds its control to the middle block's output and the skips); SD3's first joint block; none where
     x_t is part of the graph (Flux, Qwen-Image add their control in place). And the ControlNet's own copies of the
     base's first blocks, whose forward and backward the time model adds (`copied_blocks`)."""
+    from family_checks import blocks_backward_skips
     from headroom.nodes.bridge import planning
-    from headroom.nodes.bridge.comfy_model import training_blocks
     from headroom.nodes.bridge.controlnet_build import controlnet_trainable
     from headroom.nodes.train_controlnet import HeadroomTrainControlNetInit
-    from headroom.nodes.train_lora import HeadroomTrainSteps
 
     model, clip, vae, latent_cache, text_cache = _caches(family, count=3)
     run = HeadroomTrainControlNetInit.execute(**_init_inputs(
         model, latent_cache, text_cache, _unique(f"skips_{family}"), gradient_checkpointing=checkpointing)).args[0]
-    needs_gradient = {}
-
-    def record(name):
-        def hook(module, args, output):
-            if torch.is_grad_enabled():
-                leaves = output if isinstance(output, (tuple, list)) else [output]
-                needs_gradient[name] = any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves)
-        return hook
-
-    blocks = training_blocks(model.model.diffusion_model)
-    handles = [block.register_forward_hook(record(name)) for name, block in blocks]
-    try:
-        HeadroomTrainSteps.execute(run, 1)
-    finally:
-        for handle in handles:
-            handle.remove()
-    assert set(needs_gradient) == {name for name, _ in blocks}
-    flags = [needs_gradient[name] for name, _ in blocks]
-    skipped = flags.index(True)
-    assert not any(flags[:skipped]) and all(flags[skipped:])
+    blocks, skipped = blocks_backward_skips(model, run)
     names = [name for name, _ in blocks]
     assert skipped == (names.index("output_blocks.0.0") if family == "sd15" else 1 if family == "sd3" else 0)
     # The ControlNet's own copies of the base's first blocks: the time model runs their forward and backward again

@@ -1378,33 +1378,14 @@ def test_the_plan_knows_which_blocks_backward_skips(comfyui, family, targets, ch
     """The planner's `without_backward` (the first blocks with no trained layer in or before them: the time model
     leaves out their backward) is what a training step does: the leading blocks whose outputs need no gradient, for
     the node's plan (lora_trainable) and for an open run's (planning._run_inputs); never more."""
+    from family_checks import blocks_backward_skips
     from headroom.nodes import train_lora as T
     from headroom.nodes.bridge import planning
-    from headroom.nodes.bridge.comfy_model import training_blocks
 
     model, clip, vae, latents, texts = _data(family)
     run = _init(model, latents, texts, f"skips_{family}_{targets}_{checkpointing}", targets=targets,
                 gradient_checkpointing=checkpointing)
-    needs_gradient = {}
-
-    def record(name):
-        def hook(module, args, output):
-            if torch.is_grad_enabled():
-                leaves = output if isinstance(output, (tuple, list)) else [output]
-                needs_gradient[name] = any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves)
-        return hook
-
-    blocks = training_blocks(model.model.diffusion_model)
-    handles = [block.register_forward_hook(record(name)) for name, block in blocks]
-    try:
-        T.HeadroomTrainSteps.execute(run, 1)
-    finally:
-        for handle in handles:
-            handle.remove()
-    assert set(needs_gradient) == {name for name, _ in blocks}
-    flags = [needs_gradient[name] for name, _ in blocks]
-    skipped = flags.index(True)
-    assert not any(flags[:skipped]) and all(flags[skipped:])
+    _, skipped = blocks_backward_skips(model, run)
     if (family, targets) == ("sdxl", "preset"):
         assert skipped > 0  # the UNet's first layers, before its first attention: conv_in, ResBlocks, a downsample
     if family == "flux":
