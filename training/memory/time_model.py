@@ -9,7 +9,8 @@
   the blocks. Never less than compute, nor than the copies.
 
 - compute: every block's forward and backward, the work outside the blocks, and the forward of each checkpointed
-  block again (its recompute in backward). Forward times are measured per block at the run's latent size, one
+  block again (its recompute in backward); no backward for the first blocks nothing trained precedes
+  (`without_backward`), and a ControlNet's copies of the first blocks once more (`copied_blocks`). Forward times are measured per block at the run's latent size, one
   item, under no_grad (planner.time_blocks, from the nodes: nodes/bridge/planning.time_at_run_size; a block ComfyUI
   left in host RAM is brought to the device first, so its time is compute), or, where that does not fit, in the
   calibration forwards (planner.measure_activations at 16-32 latent px, fitted as a line in the latent area: on a
