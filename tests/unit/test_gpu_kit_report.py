@@ -121,7 +121,8 @@ def test_rows_against_their_physical_limit_the_prediction_and_the_allocator():
             "0.95x | 0 | 0 | 0 |") in text
     assert ("| Flux.1-dev | 8GB | 50 / 7 (2) | 1.500 | 1.000 | 0.67 | 1.200 (planned compute) | 1.25x | 1.400 | 1.07x "
             "| 3 | 0 | 0 |") in text
-    assert "| Flux.1-dev | 12GB | 50 / 7 (2) | 1.450 | 1.000 | 0.69 | 1.200 (planned compute) | 1.21x |  |  | 0 |" in text
+    assert ("| Flux.1-dev | 12GB | 50 / 7 (2) | 1.450 | 1.000 | 0.69 | 1.200 (planned compute) | 1.21x |  |  | 0 |"
+            in text)
     assert "phase by phase (the phase floor: max(forward compute, forward copies)" in text
 
 

@@ -8,16 +8,17 @@
   nothing is left to overlap, and resident blocks between streamed ones hide their copies. Plus the work outside
   the blocks. Never less than compute, nor than the copies.
 
-- compute: every block's forward and backward, the work outside the blocks, and the forward of each checkpointed
-  block again (its recompute in backward); no backward for the first blocks nothing trained precedes
-  (`without_backward`), and a ControlNet's copies of the first blocks once more (`copied_blocks`). Forward times are measured per block at the run's latent size, one
-  item, under no_grad (planner.time_blocks, from the nodes: nodes/bridge/planning.time_at_run_size; a block ComfyUI
-  left in host RAM is brought to the device first, so its time is compute), or, where that does not fit, in the
-  calibration forwards (planner.measure_activations at 16-32 latent px, fitted as a line in the latent area: on a
-  GPU such tiny forwards are bound by launching kernels, so the line says little of a 128 px latent); backward is
-  each block's measured ratio of backward to forward times its forward (timed with the forward at the run's size,
-  once per kind of block: BlockProfile.backward_per_forward), else BACKWARD_PER_FORWARD. A block with no measured
-  time is costed at reading its weights once (weight bytes / device memory bandwidth): the least a forward can take.
+- compute: every block's forward and backward, the work outside the blocks, and the forward of each checkpointed block
+  again (its recompute in backward); no backward for the first blocks nothing trained precedes (`without_backward`),
+  and a ControlNet's copies of the first blocks once more (`copied_blocks`). Forward times are measured per block at
+  the run's latent size, one item, under no_grad (planner.time_blocks, from the nodes:
+  nodes/bridge/planning.time_at_run_size; a block ComfyUI left in host RAM is brought to the device first, so its time
+  is compute), or, where that does not fit, in the calibration forwards (planner.measure_activations at 16-32 latent
+  px, fitted as a line in the latent area: on a GPU such tiny forwards are bound by launching kernels, so the line
+  says little of a 128 px latent); backward is each block's measured ratio of backward to forward times its forward
+  (timed with the forward at the run's size, once per kind of block: BlockProfile.backward_per_forward), else
+  BACKWARD_PER_FORWARD. A block with no measured time is costed at reading its weights once (weight bytes / device
+  memory bandwidth): the least a forward can take.
 - transfer: the bytes crossing between host and device in a step over the pinned host->device bandwidth (a streamed
   block past what the run may pin - ComfyUI's pinned-memory share, Windows: 40 % of the RAM - over the pageable
   bandwidth, measured alike: `pinned_blocks` says which, as the streamer pins them): each
@@ -173,7 +174,8 @@ class StepTime:
                       f"{'transfer' if self.backward_copy_s > backward else 'compute'}-bound")
         text = (f"predicted {self.total_s:.3f} s/step ({self.bound}-bound: compute {self.compute_s:.3f} s incl. "
                 f"recompute {self.recompute_s:.3f} s, transfer {self.transfer_s:.3f} s{serial}; + optimizer "
-                f"{self.optimizer_s:.3f} s, fill {self.fill_s:.3f} s{host}; physical limit {self.limit_s:.3f} s{phases})")
+                f"{self.optimizer_s:.3f} s, fill {self.fill_s:.3f} s{host}; physical limit {self.limit_s:.3f} s"
+                f"{phases})")
         if not self.timed:
             return text + " - block times not measured: estimated from weight bytes"
         return text + ("; block times measured at the run's size" if self.timed_at_run_size else "")
@@ -254,9 +256,10 @@ def step_time(forward_s: Sequence[float], outside_forward_s: float, checkpointed
     ratios = [0.0 if i < without_backward else r for i, r in enumerate(ratios)]
     checkpointed = [i for i in checkpointed if i >= without_backward]
     outside_ratio = outside_backward_per_forward if outside_backward_per_forward > 0 else BACKWARD_PER_FORWARD
-    recompute = sum(forward_s[i] for i in checkpointed) + copied_recompute
+    base_recompute = sum(forward_s[i] for i in checkpointed)
+    recompute = base_recompute + copied_recompute
     compute = (sum((1 + r) * f for r, f in zip(ratios, forward_s)) + (1 + outside_ratio) * outside_forward_s
-               + recompute - copied_recompute + own)
+               + base_recompute + own)
     forward_compute = sum(forward_s) + outside_forward_s + sum(forward_s[i] for i in copied)
     if h2d_bytes_per_s is None:
         return StepTime(compute, recompute, 0.0, optimizer_s, 0.0, timed, compute, forward_compute_s=forward_compute)
