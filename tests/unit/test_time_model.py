@@ -399,6 +399,13 @@ def test_the_backward_is_timed_once_per_kind_of_block_and_prices_the_step(clock)
     rule = time_model.step_time(forward, 0.0, [], [0, 0, 0], None, backward_per_forward=(0.0, 0.0, 0.0))
     assert rule.compute_s == pytest.approx((1 + time_model.BACKWARD_PER_FORWARD) * sum(forward))
 
+    # A frozen block (a ControlNet run's base: nothing in it trains) is timed too: its backward is its input's gradient,
+    # which time_blocks' no_grad must not switch off (it did: the input's clone needed none, and the ratio read 0)
+    frozen = Block(4, 0.02, 0.2).requires_grad_(False)
+    with torch.no_grad():
+        alone = planner.time_blocks(lambda: frozen(torch.randn(2, 4)), [frozen], latent_area=64, backward=True)
+    assert alone.block_backward_per_forward == (pytest.approx(10.0),)
+
 
 def test_after_out_of_memory_a_selective_plan_is_followed_by_every_block_checkpointed():
     d = flux_like()

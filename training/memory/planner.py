@@ -1411,8 +1411,8 @@ def time_backward(block: torch.nn.Module, args: tuple, kwargs: dict, forward_s: 
     timed. 0 where it cannot tell (no output needs a gradient, or the forward took no time)."""
     sync = synchronize or (lambda: None)
     run = checkpointing.inplace_safe(block) if inplace_inputs else block
-    args, kwargs = pytree.tree_map_only(torch.Tensor, _needing_gradient, (args, kwargs))
-    with torch.enable_grad():
+    with torch.enable_grad():  # (time_blocks runs under no_grad: an input's clone made there would need none)
+        args, kwargs = pytree.tree_map_only(torch.Tensor, _needing_gradient, (args, kwargs))
         outputs = [t for t in pytree.tree_leaves(run(*args, **kwargs))
                    if isinstance(t, torch.Tensor) and t.requires_grad]
         if not outputs or forward_s <= 0:
