@@ -5,8 +5,10 @@ of the run's own policy with the block times as the planner takes them (a) fitte
 (16-32 latent px, extrapolated as a line in the latent area) and (b) timed at the run's latent size
 (planner.time_blocks, what the nodes use where it fits), beside (c) the measured median s/step of HeadroomTrainSteps
 after a warm-up step (HeadroomTrainLoraInit: LoRA rank 16, preset targets, AdamW, precision fp32, batch 1; with
-`--kind controlnet` HeadroomTrainControlNetInit, the type's default blocks, and (d) the prediction as made before the
-time model knew a ControlNet run: every base block's backward, none of the ControlNet's own compute). On a CPU
+`--kind controlnet` HeadroomTrainControlNetInit, the type's default blocks, planned from its own step's calibration
+(planning._ControlNetStep), and (d) the prediction from a LoRA's calibration, as made before; and (e) the plan's
+activations against what the run's training forward keeps for backward (the planner's counter on the run's step:
+saved without checkpointing, the held blocks' inputs with), from its own step's calibration and a LoRA's). On a CPU
 nothing crosses a link, so this checks the compute part of the time model (forward times, backward taken as 1.5x
 the forward, the recompute, the optimizer step); the GPU kit (bench/gpu/suite.py) records the same prediction beside
 each measured row on a card.
@@ -59,10 +61,31 @@ def data(arch: str, depth, size: int, kind: str = "lora"):
     return model, latents, texts
 
 
+def activations(plan, run, checkpointing: bool) -> float:
+    """The plan's block and outside activations over what the run's training forward keeps (planner.measure_activations
+    on its step, base and ControlNet blocks): saved and weight copies without checkpointing; the inputs of the blocks
+    that hold them (after those that run no backward) and the outside with."""
+    from headroom.nodes.bridge.comfy_model import training_blocks
+    from headroom.nodes.bridge.planning import _run_inputs
+    from headroom.training.memory import planner
+
+    diffusion_model = run.source_model.model.diffusion_model
+    base = [block for _, block in training_blocks(diffusion_model)]
+    own = [block for _, block in run.trainer.denoiser.blocks()[len(base):]]
+    weights = [*diffusion_model.parameters(), *diffusion_model.buffers(), *run.controlnet.parameters()]
+    with torch.inference_mode(False), torch.enable_grad():  # the bench runs nodes as ComfyUI does: inference mode
+        step = planner.measure_activations(lambda: run.trainer._micro_step_loss(0)[0], base + own, weights=weights)
+    items = plan.phase("training step").items
+    outside = items["saved activations outside the blocks"]
+    if checkpointing:
+        skipped = _run_inputs(run)[1].without_backward
+        return (items["checkpointed block inputs"] + outside) / (sum(step.block_inputs[skipped:]) + step.outside_saved)
+    return (items["saved activations, all blocks"] + items["weight copies kept for backward, all blocks (manual cast)"]
+            + outside) / (sum(step.block_saved) + sum(step.block_weight_copies) + step.outside_saved)
+
+
 def measure(model, latents, texts, checkpointing: bool, steps: int, kind: str = "lora") -> dict:
     """Predicted (fitted, timed at the run's size) and measured s/step of one run."""
-    import dataclasses
-
     from headroom.nodes import train_lora as T
     from headroom.nodes.bridge import planning
     from headroom.nodes.bridge.controlnet_build import controlnet_trainable
@@ -75,19 +98,22 @@ def measure(model, latents, texts, checkpointing: bool, steps: int, kind: str = 
         optimizer = T.HeadroomOptimizerConfig.execute("AdamW", 1e-4, 0.0, "constant", 0, 1000).args[0]
         shape = planning.cache_run_shape(model, latents, texts, 1, "bench")
         policy = OffloadPolicy(checkpointing="blocks" if checkpointing else "off")
-        if kind == "controlnet":  # planned as the ControlNet Init node plans: activations as with a default LoRA
-            lora = planning.AdapterConfig()
+        controlnet = None
+        if kind == "controlnet":  # planned as the ControlNet Init node plans: its own step's calibration
+            lora, controlnet = planning.AdapterConfig(), 0
             trainable = planning.with_host_step(controlnet_trainable(model, 0, "AdamW"))
         else:
             trainable = planning.with_host_step(planning.lora_trainable(model, lora, "AdamW"))
-        predicted = {}
+        predicted, plans = {}, {}
         planning.TIMING_BUDGET_S = float("inf")  # a real-width forward on a CPU takes seconds: timed all the same
         for name, timing in (("fitted", None), ("at_run_size", shape)):
-            description = planning.describe_comfy_model(model, lora, "fp32", timing=timing)
-            predicted[name] = planner.estimate(description, trainable, shape, policy).predicted_s_per_step
-        if kind == "controlnet":  # as predicted before: every base block's backward, no ControlNet compute
-            before = dataclasses.replace(trainable, without_backward=0, copied_blocks=0)
-            predicted["before"] = planner.estimate(description, before, shape, policy).predicted_s_per_step
+            description = planning.describe_comfy_model(model, lora, "fp32", timing=timing, controlnet=controlnet)
+            plans[name] = planner.estimate(description, trainable, shape, policy)
+            predicted[name] = plans[name].predicted_s_per_step
+        if kind == "controlnet":  # as planned before: from a LoRA's calibration (activations and block times)
+            description = planning.describe_comfy_model(model, lora, "fp32", timing=shape)
+            plans["before"] = planner.estimate(description, trainable, shape, policy)
+            predicted["before"] = plans["before"].predicted_s_per_step
         inputs = dict(model=model, latent_cache=latents, text_cache=texts, optimizer_config=optimizer,
                       run_name=f"bench_step_prediction_{os.getpid()}_{next(RUNS)}",  # a new run each: nothing resumed
                       seed=0, batch_size=1, grad_accumulation=1, precision="fp32", max_grad_norm=1.0,
@@ -97,6 +123,9 @@ def measure(model, latents, texts, checkpointing: bool, steps: int, kind: str = 
             run = HeadroomTrainControlNetInit.execute(**inputs).args[0]
         else:
             run = T.HeadroomTrainLoraInit.execute(lora_config=lora, **inputs).args[0]
+        if kind == "controlnet":
+            predicted["activations"] = {name: activations(plans[name], run, checkpointing)
+                                        for name in ("at_run_size", "before")}
         T.HeadroomTrainSteps.execute(run, 1)  # warm-up
         seconds = []
         for step in range(2, steps + 2):
@@ -125,6 +154,8 @@ def main() -> None:
         for checkpointing in (False, True):
             r = measure(model, latents, texts, checkpointing, args.steps, args.kind)
             before = f" {r['before']:.2f} ({r['before'] / r['measured']:.2f}x) |" if "before" in r else ""
+            if "activations" in r:
+                before += f" {r['activations']['at_run_size']:.2f}x ({r['activations']['before']:.2f}x) |"
             rows.append(f"| {arch} (depth {depth}) | {'on' if checkpointing else 'off'} | {r['measured']:.2f} | "
                         f"{r['fitted']:.2f} ({r['fitted'] / r['measured']:.2f}x) | "
                         f"{r['at_run_size']:.2f} ({r['at_run_size'] / r['measured']:.2f}x) |{before}")
@@ -133,10 +164,11 @@ def main() -> None:
           f"{datetime.date.today()}, {args.size} px, batch 1, "
           f"{'ControlNet (default blocks)' if args.kind == 'controlnet' else 'LoRA rank 16 (preset)'}, AdamW, fp32: "
           f"`{' '.join(shlex.quote(a) for a in ['python', *sys.argv])}`\n")
-    before = " predicted before, timed at run size |" if args.kind == "controlnet" else ""
+    before = (" predicted from a LoRA's calibration, timed at run size | planned / kept activations (from a LoRA's) |"
+              if args.kind == "controlnet" else "")
     print("| model | checkpointing | measured s/step | predicted, calibration fit | predicted, timed at run size |"
           + before)
-    print("|---|---|---:|---:|---:|" + ("---:|" if before else ""))
+    print("|---|---|---:|---:|---:|" + ("---:|---:|" if before else ""))
     print("\n".join(rows))
 
 

@@ -72,7 +72,7 @@ def start_controlnet_run(model, latent_cache, text_cache, optimizer_config, run_
 
         def plan_card(card):
             planned.append(plan_for_card(model, latent_cache, text_cache, card, trainable, train.batch_size,
-                                         train.precision, node))
+                                         train.precision, node, controlnet_blocks=blocks))
             return planned[-1]
 
         policy, plan_note = resolve_policy(policy, gradient_checkpointing, checkpoint_depth, node=node,

@@ -25,6 +25,9 @@ module's own constructor arguments:
   ControlNet from the config of the MODEL it is applied to and loads every weight from the file.
 - sd3 / flux / qwen_image: no loader builds these from the MODEL; a mismatch is reported in `ExportedControlNet.problem`
   (and in the file's metadata): the file is still written, but the stock loader would not rebuild it.
+
+`ControlNetDenoiser` is the engine's denoiser of a ControlNet step (the run trains through it; the planner's
+calibration measures a ControlNet run's step through it too: nodes/bridge/planning._ControlNetStep).
 """
 from __future__ import annotations
 
@@ -45,7 +48,7 @@ import comfy.ops
 from ...training.data.files import save_safetensors
 from ...training.memory.planner import TrainableSpec
 from . import families
-from .comfy_model import training_blocks
+from .comfy_model import ComfyDenoiser, model_blocks, training_blocks
 from .families import CONTROLNET_TYPES, ControlNetError, ControlNetType, controlnet_type_of
 from .families.base import ExportedControlNet
 
@@ -341,3 +344,34 @@ def check_control_cache(type_name: str, latent_cache, node: str) -> None:
         if tuple(control.shape) != expected:
             raise ControlNetError(f"{node}: the control of cached item {latent_cache.name(index)!r} has shape "
                                   f"{tuple(control.shape)}, expected {expected}; re-cache the dataset")
+
+
+CONTROL_HINT = "control_hint"  # the conditioning entry that carries an item's cached control through the trainer
+
+
+# --- the engine piece: a denoiser that adds the ControlNet's residuals ----------------------------------------
+class ControlNetDenoiser(ComfyDenoiser):
+    """The base MODEL (frozen) with the ControlNet's residuals, as the samplers apply a ControlNet."""
+
+    def __init__(self, patcher, controlnet: TrainableControlNet):
+        super().__init__(patcher)
+        self.controlnet = controlnet
+
+    def predict(self, x_t: torch.Tensor, sigma: torch.Tensor, conds) -> torch.Tensor:
+        controls = [cond[CONTROL_HINT] for cond in conds]
+        text_conds = [{k: v for k, v in cond.items() if k != CONTROL_HINT} for cond in conds]
+        hint = prepare_hint(self.controlnet, controls, x_t)
+        x_t, sigma = self.comfy_input(x_t, sigma)
+
+        def forward(index, x, s, cond):  # per batchable group (Qwen-Image: captions of different lengths)
+            part = hint if index is None else hint.index_select(0, index.to(hint.device))
+            return controlled_prediction(self.controlnet, self.model, x, s, cond, part)
+
+        return self.grouped_forward(x_t, sigma, self._item_conds(x_t, text_conds), forward)
+
+    def blocks(self) -> list[tuple[str, torch.nn.Module]]:
+        """The base's blocks and the ControlNet's copied ones (checkpointed, and made safe for Flux's in-place
+        input updates, by the trainer); its zero-initialised output projections are single layers."""
+        own = [(f"controlnet.{name}", block) for name, block in model_blocks(self.controlnet.module)
+               if not name.startswith(("zero_convs.", "controlnet_"))]
+        return super().blocks() + own

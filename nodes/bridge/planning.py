@@ -68,8 +68,10 @@ def budget_bytes(policy: OffloadPolicy, device: torch.device | None = None) -> i
 
 
 # --- describing a ComfyUI MODEL ------------------------------------------------------------------------------
-def calibration_cond(model, text_tokens: int, device: torch.device) -> dict[str, torch.Tensor]:
-    """Zero conditioning of the widths the model expects (what the text cache would hold)."""
+def calibration_cond(model, text_tokens: int, device: torch.device, x: torch.Tensor | None = None,
+                     extra=None) -> dict[str, torch.Tensor]:
+    """Zero conditioning of the widths the model expects (what the text cache would hold); with `extra`, its entries
+    for latent `x` too (a ControlNet run's control: _ControlNetStep.control)."""
     dims = expected_cond_dims(model)
     family = families.family_of(model)
     if family is not None and family.calibration_pooled_width is not None:  # SDXL: CLIP-G's pooled output
@@ -80,6 +82,8 @@ def calibration_cond(model, text_tokens: int, device: torch.device) -> dict[str,
     if family is not None and family.calibration_cond_shapes is not None:  # HiDream: its four encoders' outputs
         cond.update({name: torch.zeros(shape, device=device)
                      for name, shape in family.calibration_cond_shapes(model, text_tokens).items()})
+    if extra is not None:
+        cond.update(extra(x))
     return cond
 
 
@@ -102,27 +106,69 @@ def measure_model(patcher, adapter: AdapterConfig, precision: str = "bf16") -> l
     return measure_and_time(patcher, adapter, precision)[0]
 
 
-def measure_and_time(patcher, adapter: AdapterConfig, precision: str = "bf16", timing: planner.RunShape | None = None
-                     ) -> tuple[list[planner.ActivationSample], planner.BlockTimes | None]:
+def measure_and_time(patcher, adapter: AdapterConfig, precision: str = "bf16", timing: planner.RunShape | None = None,
+                     controlnet=None) -> tuple[list[planner.ActivationSample], planner.BlockTimes | None]:
     """measure_model's samples, and with `timing` (a run's shape) each block's forward timed at that shape
-    (time_at_run_size; None where it was skipped)."""
+    (time_at_run_size; None where it was skipped). With `controlnet` (a run's TrainableControlNet, or the blocks a new
+    one copies: 0 the type's default), the forwards are a ControlNet run's (_ControlNetStep): the samples' and times'
+    blocks are the base's then the ControlNet's own, and `adapter` is not used."""
     with training_code_paths():
-        return _measure(patcher, adapter, precision, timing)
+        return _measure(patcher, adapter, precision, timing, controlnet)
 
 
-def _measure(patcher, adapter: AdapterConfig, precision: str, timing: planner.RunShape | None = None
+class _ControlNetStep:
+    """A ControlNet run's forward for the calibration: the base frozen (no adapter), the ControlNet's copies of the
+    base's first blocks and its hint encoder trained. Measured, not modelled on a LoRA's: the base's blocks before the
+    control joins keep nothing, the copies keep what a block of trained weights keeps, and a UNet ControlNet's hint
+    encoder runs at the image's pixel size (SD1.5 at 64 px: 0.64x the activations a LoRA's calibration counted)."""
+
+    def __init__(self, patcher, controlnet):
+        self.built = isinstance(controlnet, int)
+        if self.built:  # a run about to open (its Init node's plan): one like the run's, freed after the calibration
+            controlnet = controlnet_build.build_controlnet(patcher, blocks=controlnet, device=patcher.load_device)
+        self.controlnet, self.key = controlnet, controlnet_build.CONTROL_HINT
+        self.denoiser = controlnet_build.ControlNetDenoiser(patcher, controlnet)
+        base = len(training_blocks(patcher.model.diffusion_model))
+        self.blocks = [block for _, block in self.denoiser.blocks()[base:]]
+
+    def control(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The conditioning entry of a random control for latent `x`, as the latent cache holds one: pixels [8h, 8w, 3]
+        in 0..1, or the raw VAE latent of the control image ([C, h, w]; [C, frames, h, w] with video latents)."""
+        if self.controlnet.hint == "pixels":
+            shape = (x.shape[-2] * 8, x.shape[-1] * 8, 3)
+        else:
+            shape = (self.controlnet.controlnet_type.hint_latent_format().latent_channels, *x.shape[2:])
+        return {self.key: torch.rand(shape, generator=torch.Generator().manual_seed(0))}
+
+    def attach(self, root: torch.nn.Module) -> None:
+        pass  # the base trains nothing: no adapter
+
+    def detach(self) -> None:
+        pass
+
+
+def _measure(patcher, adapter: AdapterConfig, precision: str, timing: planner.RunShape | None = None, controlnet=None
              ) -> tuple[list[planner.ActivationSample], planner.BlockTimes | None]:
     model = patcher.model
     diffusion_model = model.diffusion_model
     with torch.inference_mode(False):
-        comfy.model_management.load_models_gpu([patcher], memory_required=calibration_room(patcher))
+        room = calibration_room(patcher)
+        if room and isinstance(controlnet, int):  # and room for the ControlNet _ControlNetStep builds there
+            room += controlnet_build.controlnet_trainable(patcher, controlnet, "AdamW").param_bytes()
+        comfy.model_management.load_models_gpu([patcher], memory_required=room)
         with patcher.use_ejected():  # the bare module tree's weight keys (a run's clone loads with its adapters)
             replace_inference_tensors(diffusion_model, patcher)
         denoiser = ComfyDenoiser(patcher)
         blocks = [m for _, m in training_blocks(diffusion_model)]
         weights = [*diffusion_model.parameters(), *diffusion_model.buffers()]
         paths = lora_target_paths(patcher, adapter)
-        if adapter.kind == "full":
+        extra_cond = None
+        if controlnet is not None:
+            adapters = _ControlNetStep(patcher, controlnet)
+            denoiser, extra_cond = adapters.denoiser, adapters.control
+            blocks += adapters.blocks
+            weights += adapters.controlnet.parameters()  # trained tensors, not activations
+        elif adapter.kind == "full":
             # A full fine-tune's own weights are the size of the base's: measured with probes of the same layers
             # instead (_OneCopyProbe: what FullLayer keeps for backward, without making its weights); the trained
             # weights, their gradients and optimizer state are counted from their shapes (lora_trainable).
@@ -143,7 +189,7 @@ def _measure(patcher, adapter: AdapterConfig, precision: str, timing: planner.Ru
                     sigma = torch.full((1,), 0.5, device=denoiser.device)
                 else:
                     sigma = denoiser.sampling.sigmas[len(denoiser.sampling.sigmas) // 2].reshape(1).to(denoiser.device)
-                cond = calibration_cond(model, tokens, denoiser.device)
+                cond = calibration_cond(model, tokens, denoiser.device, x, extra_cond)
 
                 def run(x=x, sigma=sigma, cond=cond):
                     with torch.autocast(denoiser.device.type, dtype=dtype, enabled=dtype is not None):
@@ -159,7 +205,7 @@ def _measure(patcher, adapter: AdapterConfig, precision: str, timing: planner.Ru
                 samples.append(planner.measure_activations(run, blocks, weights=weights, latent_area=height * width,
                                                            text_tokens=tokens, synchronize=synchronize))
             timed = None if timing is None else time_at_run_size(model, denoiser, blocks, dtype, timing, synchronize,
-                                                                 samples)
+                                                                 samples, extra_cond)
         finally:
             adapters.detach()
             restore_stock_forwards(diffusion_model)
@@ -191,7 +237,8 @@ TIMING_BUDGET_S = 5.0
 
 
 def time_at_run_size(model, denoiser, blocks: list[torch.nn.Module], dtype, shape: planner.RunShape,
-                     synchronize=None, samples: list[planner.ActivationSample] = ()) -> planner.BlockTimes | None:
+                     synchronize=None, samples: list[planner.ActivationSample] = (), extra_cond=None
+                     ) -> planner.BlockTimes | None:
     """Each block's forward timed at the run's latent size (one item, the run's text length; planner.time_blocks),
     under no_grad with the calibration's adapters attached, and the first block of each kind's backward (its ratio to
     the forward: planner.time_blocks with backward): the time model then reads the compute the run's size needs,
@@ -225,7 +272,7 @@ def time_at_run_size(model, denoiser, blocks: list[torch.nn.Module], dtype, shap
         sigma = torch.full((1,), 0.5, device=device)
     else:
         sigma = denoiser.sampling.sigmas[len(denoiser.sampling.sigmas) // 2].reshape(1).to(device)
-    cond = calibration_cond(model, tokens, device)
+    cond = calibration_cond(model, tokens, device, x, extra_cond)
 
     def run():
         with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
@@ -327,21 +374,27 @@ class _OneCopyProbes:
 
 
 def describe_comfy_model(patcher, adapter: AdapterConfig, precision: str = "bf16", text_tokens: int | None = None,
-                         clip=None, vae=None, frames: int = 1, timing: planner.RunShape | None = None
-                         ) -> planner.ModelDescription:
+                         clip=None, vae=None, frames: int = 1, timing: planner.RunShape | None = None,
+                         controlnet=None) -> planner.ModelDescription:
     """The planner's description of a ComfyUI MODEL (and, optionally, its CLIP and VAE, whose estimates are for
-    `frames`-frame clips) for training a LoRA of `adapter`'s settings; with `timing` (the run's shape) its block
+    `frames`-frame clips) for training a LoRA of `adapter`'s settings, or with `controlnet` a ControlNet (a run's
+    TrainableControlNet, or the blocks a new one copies: measure_and_time); with `timing` (the run's shape) its block
     times measured at that shape (time_at_run_size), else fitted from the calibration forwards."""
     model = patcher.model
     diffusion_model = model.diffusion_model
     named_blocks = training_blocks(diffusion_model)
     if not named_blocks:
         raise ValueError(f"{type(diffusion_model).__name__} has no repeated blocks to plan with")
-    samples, timed = measure_and_time(patcher, adapter, precision, timing)
+    samples, timed = measure_and_time(patcher, adapter, precision, timing, controlnet)
     saved, inputs, outside = planner.fit_profile(samples)
     forward_s, outside_forward_s = planner.fit_times(samples) if timed is None else timed.laws()
     blocks = planner.describe_blocks(named_blocks, saved, inputs, samples, forward_s,
                                      () if timed is None else timed.block_backward_per_forward)
+    # A ControlNet run's own blocks, measured after the base's: what they keep and their times (the time model's
+    # copies: their backward also makes their weights' gradients)
+    controlnet_blocks = planner.trained_block_profiles(
+        saved[len(blocks):], inputs[len(blocks):], samples, len(blocks), forward_s[len(blocks):],
+        () if timed is None else timed.block_backward_per_forward[len(blocks):])
     device = torch.device(patcher.load_device)
     channels = model.latent_format.latent_channels
     probe = 64  # ComfyUI's estimate is linear in the latent area
@@ -354,7 +407,7 @@ def describe_comfy_model(patcher, adapter: AdapterConfig, precision: str = "bf16
     linears = [m.weight for _, block in named_blocks for m in block.modules()
                if isinstance(m, torch.nn.Linear) and not m.weight.requires_grad]
     description = dict(
-        name=type(model).__name__, blocks=blocks,
+        name=type(model).__name__, blocks=blocks, controlnet_blocks=controlnet_blocks,
         other_param_bytes=planner.frozen_bytes(diffusion_model) - sum(b.param_bytes for b in blocks),
         outside_saved=outside, latent_channels=channels, latent_downscale=family.latent_downscale if family else 8,
         text_tokens=text_tokens or (family.text_tokens if family else 77),
@@ -532,10 +585,11 @@ def _run_inputs(run) -> tuple:
     """The planner's inputs for an open run: its model measured as the Memory Plan node measures it, its trainable
     weights, batch, largest bucket and text length, and its policy's budget on the model's device."""
     config = run.config
-    adapter = getattr(config, "adapter", None) or AdapterConfig()  # ControlNet runs: activations as with a LoRA
+    adapter = getattr(config, "adapter", None) or AdapterConfig()  # (not used in a ControlNet run's calibration)
     shape = cache_run_shape(run.source_model, run.latent_cache, run.text_cache, config.train.batch_size,
                             "Train LoRA: Steps (Headroom)", config.train.grad_accum)
-    description = describe_comfy_model(run.source_model, adapter, config.train.precision, timing=shape)
+    description = describe_comfy_model(run.source_model, adapter, config.train.precision, timing=shape,
+                                       controlnet=run.controlnet if run.trains == "controlnet" else None)
     first = 0
     if adapter.kind == "full":  # the first block's trained elements (planner.first_block_gradients_later)
         prefix = first_block_prefix(run.source_model)
@@ -589,15 +643,16 @@ def cache_run_shape(patcher, latent_cache, text_cache, batch_size: int, node: st
 
 def plan_for_card(patcher, latent_cache, text_cache, policy: OffloadPolicy, trainable: planner.TrainableSpec,
                   batch_size: int, precision: str, node: str, adapter: AdapterConfig | None = None,
-                  grad_accum: int = 1) -> planner.Plan:
+                  grad_accum: int = 1, controlnet_blocks: int | None = None) -> planner.Plan:
     """The fastest policy whose planned peak fits `policy`'s card (planner.plan_auto), for a run opening on this
-    MODEL with these caches: the model measured as the Memory Plan node measures it (activations as with a LoRA of
-    `adapter`'s settings, the default for a ControlNet run)."""
+    MODEL with these caches: the model measured as the Memory Plan node measures it, with a LoRA of `adapter`'s
+    settings, or for a ControlNet run of `controlnet_blocks` (0: the type's default) with its ControlNet."""
     try:
         budget = budget_bytes(policy, torch.device(patcher.load_device))
     except PolicyError as error:
         raise ValueError(f"{node}: {error}") from None
     shape = cache_run_shape(patcher, latent_cache, text_cache, batch_size, node, grad_accum)
-    description = describe_comfy_model(patcher, adapter or AdapterConfig(), precision, timing=shape)
+    description = describe_comfy_model(patcher, adapter or AdapterConfig(), precision, timing=shape,
+                                       controlnet=controlnet_blocks)
     return planner.plan_auto(description, with_host_step(trainable), shape, policy, budget,
                              host_ram.host_room(policy.host_ram_budget_gb))

@@ -13,40 +13,8 @@ import torch
 from ...training.core.optimizers import OptimizerConfig
 from ...training.core.trainer import TrainConfig
 from .comfy_bridge import TrainingRun, config_json
-from .comfy_model import ComfyDenoiser, model_blocks
-from .controlnet_build import (TrainableControlNet, apply_controlnet, build_controlnet, comfy_controlnet,
-                               controlled_prediction, prepare_hint, save_controlnet)
-
-CONTROL_HINT = "control_hint"  # the conditioning entry that carries an item's cached control through the trainer
-
-
-# --- the engine piece: a denoiser that adds the ControlNet's residuals ----------------------------------------
-class ControlNetDenoiser(ComfyDenoiser):
-    """The base MODEL (frozen) with the ControlNet's residuals, as the samplers apply a ControlNet."""
-
-    def __init__(self, patcher, controlnet: TrainableControlNet):
-        super().__init__(patcher)
-        self.controlnet = controlnet
-
-    def predict(self, x_t: torch.Tensor, sigma: torch.Tensor, conds) -> torch.Tensor:
-        controls = [cond[CONTROL_HINT] for cond in conds]
-        text_conds = [{k: v for k, v in cond.items() if k != CONTROL_HINT} for cond in conds]
-        hint = prepare_hint(self.controlnet, controls, x_t)
-        x_t, sigma = self.comfy_input(x_t, sigma)
-
-        def forward(index, x, s, cond):  # per batchable group (Qwen-Image: captions of different lengths)
-            part = hint if index is None else hint.index_select(0, index.to(hint.device))
-            return controlled_prediction(self.controlnet, self.model, x, s, cond, part)
-
-        return self.grouped_forward(x_t, sigma, self._item_conds(x_t, text_conds), forward)
-
-    def blocks(self) -> list[tuple[str, torch.nn.Module]]:
-        """The base's blocks and the ControlNet's copied ones (checkpointed, and made safe for Flux's in-place
-        input updates, by the trainer); its zero-initialised output projections are single layers."""
-        own = [(f"controlnet.{name}", block) for name, block in model_blocks(self.controlnet.module)
-               if not name.startswith(("zero_convs.", "controlnet_"))]
-        return super().blocks() + own
-
+from .controlnet_build import (CONTROL_HINT, ControlNetDenoiser, TrainableControlNet, apply_controlnet,
+                               build_controlnet, comfy_controlnet, save_controlnet)
 
 # --- the ControlNet run ---------------------------------------------------------------------------------------
 @dataclasses.dataclass

@@ -448,3 +448,37 @@ def test_the_plan_knows_which_base_blocks_backward_skips(comfyui, family, checkp
     planned = controlnet_trainable(model, 0, "AdamW")
     assert (planned.without_backward, planned.copied_blocks) == (skipped, copied)
     run.release()
+
+
+@pytest.mark.parametrize("family", ["sd15", "sd3", "flux", "qwen_image"])
+def test_the_plan_counts_what_a_controlnet_step_keeps(comfyui, family):
+    """A ControlNet run's plan counts the activations of its own step (measured in a ControlNet calibration forward:
+    planning._ControlNetStep), not a LoRA's: the base's blocks before the control joins keep nothing, the
+    ControlNet's copies keep what trained blocks keep, and a UNet ControlNet's hint encoder (at the image's pixel
+    size) keeps its own outside the blocks. Against what the run's training forward keeps for backward, at the run's
+    size (family_checks.controlnet_plan_over_step): without checkpointing what each block keeps, with every block
+    checkpointed their inputs (the ControlNet's blocks are checkpointed too; the base's first blocks, which run no
+    backward, hold none). Before, the plan counted a LoRA's activations on the base: 0.64x of SD1.5's step here.
+    Real width: tests/realsize/test_controlnet_plan_real_width.py."""
+    from family_checks import controlnet_plan_over_step
+    from headroom.nodes.bridge import planning
+    from headroom.nodes.train_controlnet import HeadroomTrainControlNetInit
+
+    model, clip, vae, latent_cache, text_cache = _caches(family, count=3)
+    run = HeadroomTrainControlNetInit.execute(**_init_inputs(model, latent_cache, text_cache,
+                                                             _unique(f"kept_{family}"))).args[0]
+    description = planning._run_inputs(run)[0]  # as an open run plans (the OOM fallback's next policy)
+    assert len(description.controlnet_blocks) == len(run.trainer.denoiser.blocks()) - len(description.blocks) > 0
+    assert all(b.param_bytes == 0 for b in description.controlnet_blocks)  # their weights: the TrainableSpec's
+    planned, kept = controlnet_plan_over_step(run, checkpointing=False)
+    # Flux's tiny text cache is 256 tokens, the calibration's 8-16: the CPU's attention maps grow with the text length
+    # squared, a term the laws lack (CUDA's attention keeps no maps); the others within 10 %.
+    assert planned == pytest.approx(kept, rel=0.2 if family == "flux" else 0.1)
+    planned, kept = controlnet_plan_over_step(run, checkpointing=True)
+    # Qwen-Image's cached captions differ in length (its blocks run per caption length): the plan counts every item at
+    # the run's text length, here the longest, so its inputs are over the step's; the others within 10 %
+    if family == "qwen_image":
+        assert kept <= planned <= 1.25 * kept
+    else:
+        assert planned == pytest.approx(kept, rel=0.1)
+    run.release()

@@ -77,6 +77,32 @@ def test_checkpointing_keeps_only_block_inputs():
     assert offload.host_bytes["offloaded block inputs"] == 4 * 20 * MIB
 
 
+def test_a_controlnets_own_blocks_keep_their_activations_and_the_skipped_base_blocks_none():
+    """A ControlNet run's own blocks (ModelDescription.controlnet_blocks, measured in its step's calibration) keep what
+    they save beside the base's blocks, and only their inputs where every block is checkpointed (the run checkpoints
+    its own blocks only then; a selective plan leaves them whole); the base's first blocks, which run no backward
+    (TrainableSpec.without_backward), hold no input when checkpointed. The description keeps them through JSON."""
+    per_px = 1 / 4096
+    own = BlockProfile("trained block 0", 0, saved=ActivationLaw(0, 300 * MIB * per_px, 0),
+                       inputs=ActivationLaw(0, 30 * MIB * per_px, 0))
+    d = dataclasses.replace(toy_description(), controlnet_blocks=(own, own))
+    assert ModelDescription.from_dict(json.loads(json.dumps(d.to_dict()))) == d
+    trainable = dataclasses.replace(TRAINABLE, without_backward=1, copied_blocks=2)
+
+    def items(**policy):
+        return estimate(d, trainable, SHAPE, OffloadPolicy(**policy)).phase("training step").items
+
+    assert items()["saved activations, all blocks"] == 4 * 200 * MIB + 2 * 300 * MIB
+    every = items(checkpointing="blocks")
+    assert every["checkpointed block inputs"] == 3 * 20 * MIB + 2 * 30 * MIB
+    assert every["one block recomputed in backward"] == 300 * MIB
+    selective = items(checkpointing="blocks", checkpoint_blocks="2,3")
+    assert selective["checkpointed block inputs"] == 2 * 20 * MIB
+    assert selective["saved activations, blocks not checkpointed"] == 2 * 200 * MIB + 2 * 300 * MIB
+    offload = estimate(d, trainable, SHAPE, OffloadPolicy(checkpointing="blocks_cpu_offload"))
+    assert offload.host_bytes["offloaded block inputs"] == 3 * 20 * MIB + 2 * 30 * MIB
+
+
 def test_placement_storage_and_optimizer_items():
     d = toy_description()
     resident = estimate(d, TRAINABLE, SHAPE, OffloadPolicy()).phase("training step").items

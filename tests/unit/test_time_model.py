@@ -703,3 +703,12 @@ def test_a_controlnets_copies_of_the_first_blocks_run_their_forward_and_backward
     with_copies = time_model.step_time(forward, 0.05, [2, 3], streamed, 1e9, copied_blocks=2, **base)
     assert with_copies.pipeline_s - ring.pipeline_s == pytest.approx(0.7)
     assert with_copies.transfer_s == ring.transfer_s
+    # the ControlNet's own blocks timed (planning._ControlNetStep: ModelDescription.controlnet_blocks) stand for the
+    # copies, their backward as measured (weight gradients too), or the rule where none was measured
+    measured = time_model.step_time(forward, 0.05, [], [0] * 4, None, copied_blocks=2, copies=[(0.15, 2.5), (0.1, 0)],
+                                    **base)
+    rule = 1 + time_model.BACKWARD_PER_FORWARD
+    assert measured.compute_s - plain.compute_s == pytest.approx(3.5 * 0.15 + rule * 0.1)
+    assert measured.forward_compute_s - plain.forward_compute_s == pytest.approx(0.25)
+    every = time_model.step_time(forward, 0.05, [0, 1, 2, 3], [0] * 4, None, copies=[(0.15, 2.5), (0.1, 0)], **base)
+    assert every.recompute_s == pytest.approx(0.3 + 0.4 + 0.15 + 0.1)

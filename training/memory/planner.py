@@ -172,6 +172,10 @@ class ModelDescription:
     # Layers holding ComfyUI's quantized weights (a scaled fp8 / int8 / nvfp4 file): trained as they are, never
     # stored low-bit again (planner._storages); streamed as stored (weight_streaming packs their inner tensors).
     quantized_layers: int = 0
+    # A ControlNet run's own blocks (its trained copies of the base's first blocks), measured in its step's forward
+    # after the base's blocks: what each keeps for backward (no frozen weights: the TrainableSpec counts theirs).
+    # Empty for a LoRA run.
+    controlnet_blocks: tuple[BlockProfile, ...] = ()
 
     def frozen_bytes(self, storage: str = "as_loaded") -> int:
         return self.other_param_bytes + sum(b.weight_bytes(storage) for b in self.blocks)
@@ -182,11 +186,17 @@ class ModelDescription:
     @classmethod
     def from_dict(cls, data: dict) -> "ModelDescription":
         data = dict(data)
-        blocks = tuple(BlockProfile(**{**b, "saved": ActivationLaw(**b["saved"]), "inputs": ActivationLaw(**b["inputs"]),
-                                       "forward_s": ActivationLaw(**b.get("forward_s", {})),
-                                       "call_order": tuple(b.get("call_order", ()))})
-                       for b in data.pop("blocks"))
-        return cls(blocks=blocks, outside_saved=ActivationLaw(**data.pop("outside_saved")),
+
+        def profiles(stored) -> tuple[BlockProfile, ...]:
+            return tuple(BlockProfile(**{**b, "saved": ActivationLaw(**b["saved"]),
+                                         "inputs": ActivationLaw(**b["inputs"]),
+                                         "forward_s": ActivationLaw(**b.get("forward_s", {})),
+                                         "call_order": tuple(b.get("call_order", ()))})
+                         for b in stored)
+
+        blocks = profiles(data.pop("blocks"))
+        return cls(blocks=blocks, controlnet_blocks=profiles(data.pop("controlnet_blocks", ())),
+                   outside_saved=ActivationLaw(**data.pop("outside_saved")),
                    outside_forward_s=ActivationLaw(**data.pop("outside_forward_s", {})), **data)
 
     @property
@@ -265,7 +275,8 @@ class TrainableSpec:
     without_backward: int = 0
     # A ControlNet's trainable copy of the base's first blocks (ControlNetType.copied_base_blocks: a UNet's input and
     # middle blocks, the first N transformer blocks of the others): the time model adds their forward and backward
-    # again, timed as the base's. 0: no ControlNet.
+    # again, timed as the ControlNet's own blocks where measured (ModelDescription.controlnet_blocks), else as the
+    # base's. 0: no ControlNet.
     copied_blocks: int = 0
     # Seconds per weight of the optimizer's step in host RAM on this machine (core/optimizers.host_step_s_per_weight,
     # measured by the nodes' planning); 0: not measured, time_model.DEFAULT_HOST_STEP_S_PER_WEIGHT.
@@ -675,14 +686,25 @@ def estimate(description: ModelDescription, trainable: TrainableSpec, shape: Run
 
     # Which blocks are recomputed (policy checkpoint_blocks: selective checkpointing; "": every block).
     checkpointed = _checkpointed(policy, len(blocks))
-    kept = sorted(set(range(len(blocks))) - set(checkpointed))
+
+    # What the blocks keep for backward: the base's (its first blocks that run no backward keep nothing, their inputs
+    # included: TrainableSpec.without_backward), then a ControlNet run's own blocks (description.controlnet_blocks),
+    # recomputed only where every block is (policy.memory_features wraps the run's blocks so).
+    own = description.controlnet_blocks
+    saved = saved + [b.saved.at(area, tokens) * batch for b in own]
+    copies = copies + [b.copies_kept("as_loaded") for b in own]
+    inputs = [0 if i < trainable.without_backward else size for i, size in enumerate(inputs)] + [
+        b.inputs.at(area, tokens) * batch for b in own]
+    every_block = policy.checkpointing != "off" and policy.checkpoint_selection is None
+    recomputed = checkpointed + (list(range(len(blocks), len(saved))) if every_block else [])
+    kept = sorted(set(range(len(saved))) - set(recomputed))
 
     # Each memory feature says what it costs (its module's cost function); they are added up here.
     cuda = torch.device(description.compute_device).type == "cuda"
     parking = optimizer_placement_cost(policy, trainable, pinned=cuda)
-    if checkpointed and kept:  # selective: the features cost the checkpointed blocks, the others keep what they save
+    if recomputed and kept:  # selective: the features cost the checkpointed blocks, the others keep what they save
         def only(values):
-            return [values[i] for i in checkpointed]
+            return [values[i] for i in recomputed]
         block_activations = [feature(policy.checkpointing, only(saved), only(copies), only(inputs))
                              for feature in (checkpointing.activation_cost, activation_offload.activation_cost)]
         block_activations.append(FeatureCost(training={
@@ -832,7 +854,7 @@ def estimate(description: ModelDescription, trainable: TrainableSpec, shape: Run
     pinned = time_model.pinned_blocks(streamed_bytes, pin_limit)
     crossing = staged = 0  # staged: what the CPU also copies through the pinned staging buffers
     if policy.checkpointing == "blocks_cpu_offload":
-        crossing += 2 * int(sum(inputs[i] for i in checkpointed))  # block inputs to host RAM and back
+        crossing += 2 * int(sum(inputs[i] for i in recomputed))  # block inputs to host RAM and back
     if weights_on_host:
         # in for the forward, for recompute + backward; update back (but the blocks kept on the card)
         staged += 3 * (trainable.weight_bytes() - on_card_elements * trainable.element_size)
@@ -849,7 +871,8 @@ def estimate(description: ModelDescription, trainable: TrainableSpec, shape: Run
                                     description.compute_device, h2d, host_rate, trainable.param_count),
         description.timed, slots, [b.backward_per_forward for b in blocks], description.outside_backward_per_forward,
         pin_limit, description.pageable_h2d_bytes_per_s or None, staged, description.host_copy_bytes_per_s or None,
-        trainable.without_backward, trainable.copied_blocks)
+        trainable.without_backward, trainable.copied_blocks,
+        [(b.forward_s.at(area, tokens) * batch, b.backward_per_forward) for b in own] if description.timed else ())
     if description.timed_at_area:
         step = dataclasses.replace(step, timed_at_run_size=description.timed_at_area == area)
     return Plan(policy, [cache_text, cache_vae, training, validation, decode, save], budget_bytes, host_bytes=host,
@@ -1287,7 +1310,7 @@ def measure_activations(run_forward: Callable[[], object], blocks: Sequence[torc
             keys = {}
             for t in tensors:
                 keys.setdefault(_storage_key(t), _storage_bytes(t))
-            block_inputs[index] = sum(keys.values())
+            block_inputs[index] += sum(keys.values())  # each call's (a batch run in groups calls it per group)
             sync()
             started[0] = time.perf_counter()
 
@@ -1509,6 +1532,21 @@ def fit_times(samples: Sequence[ActivationSample]) -> tuple[list[ActivationLaw],
 
     blocks = [law([s.block_forward_s[i] for s in timed]) for i in range(len(timed[0].block_forward_s))]
     return blocks, law([s.outside_forward_s for s in timed])
+
+
+def trained_block_profiles(saved: Sequence[ActivationLaw], inputs: Sequence[ActivationLaw],
+                           samples: Sequence[ActivationSample], first: int, forward_s: Sequence[ActivationLaw] = (),
+                           backward_per_forward: Sequence[float] = ()) -> tuple[BlockProfile, ...]:
+    """Profiles of blocks whose weights are all trained (a ControlNet's copies: ModelDescription.controlnet_blocks),
+    measured after `first` frozen blocks in the same `samples` (and times): what they keep for backward and their
+    times, no frozen weights."""
+    return tuple(BlockProfile(
+        name=f"trained block {index}", param_bytes=0, saved=saved_law, inputs=inputs_law,
+        weight_copy_bytes=max((s.block_weight_copies[first + index] for s in samples if s.block_weight_copies),
+                              default=0),
+        forward_s=forward_s[index] if index < len(forward_s) else ActivationLaw(),
+        backward_per_forward=backward_per_forward[index] if index < len(backward_per_forward) else 0.0)
+        for index, (saved_law, inputs_law) in enumerate(zip(saved, inputs)))
 
 
 def describe_blocks(named_blocks: Sequence[tuple[str, torch.nn.Module]], saved: Sequence[ActivationLaw],

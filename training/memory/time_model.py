@@ -10,7 +10,8 @@
 
 - compute: every block's forward and backward, the work outside the blocks, and the forward of each checkpointed block
   again (its recompute in backward); no backward for the first blocks nothing trained precedes (`without_backward`),
-  and a ControlNet's copies of the first blocks once more (`copied_blocks`). Forward times are measured per block at
+  and a ControlNet's copies of the first blocks once more (`copies`: its own blocks as timed, else `copied_blocks` of
+  the base's). Forward times are measured per block at
   the run's latent size, one item, under no_grad (planner.time_blocks, from the nodes:
   nodes/bridge/planning.time_at_run_size; a block ComfyUI left in host RAM is brought to the device first, so its time
   is compute), or, where that does not fit, in the calibration forwards (planner.measure_activations at 16-32 latent
@@ -234,7 +235,7 @@ def step_time(forward_s: Sequence[float], outside_forward_s: float, checkpointed
               backward_per_forward: Sequence[float] = (), outside_backward_per_forward: float = 0.0,
               pin_limit_bytes: int | None = None, pageable_bytes_per_s: float | None = None,
               staged_bytes: int = 0, host_copy_bytes_per_s: float | None = None, without_backward: int = 0,
-              copied_blocks: int = 0) -> StepTime:
+              copied_blocks: int = 0, copies: Sequence[tuple[float, float]] = ()) -> StepTime:
     """The predicted step. `forward_s`: each block's forward (batch included); `checkpointed`: the indices
     recomputed in backward; `streamed_block_bytes`: per block, the bytes streamed from host RAM (one copy; 0: a
     resident block); `h2d_bytes_per_s` None: nothing crosses (a CPU); `serial_transfer_bytes`: further bytes crossing
@@ -247,12 +248,15 @@ def step_time(forward_s: Sequence[float], outside_forward_s: float, checkpointed
     the first blocks, which no trained weight precedes, run no backward (nor its recompute; ring_fetches);
     `copied_blocks`: a ControlNet's trainable copy of the first blocks (TrainableSpec.copied_blocks) runs their forward
     and backward again, and their recompute where every block is checkpointed (the run checkpoints its own blocks only
-    then: policy.memory_features), on the card beside the ring, as the work outside the blocks."""
+    then: policy.memory_features), on the card beside the ring, as the work outside the blocks; timed as the base
+    blocks they copy, or where `copies` is given as measured: the ControlNet's own blocks' (forward seconds, backward
+    per forward), whose backward also makes its weights' gradients (a base block's makes its input's only)."""
     ratios = [r if r > 0 else BACKWARD_PER_FORWARD for r in
               (*backward_per_forward[:len(forward_s)], *[0.0] * (len(forward_s) - len(backward_per_forward)))]
-    copied = range(min(copied_blocks, len(forward_s)))
-    copied_recompute = sum(forward_s[i] for i in copied) if len(set(checkpointed)) == len(forward_s) else 0.0
-    own = sum((1 + ratios[i]) * forward_s[i] for i in copied) + copied_recompute
+    copies = [(f, r if r > 0 else BACKWARD_PER_FORWARD) for f, r in copies] or [
+        (forward_s[i], ratios[i]) for i in range(min(copied_blocks, len(forward_s)))]
+    copied_recompute = sum(f for f, _ in copies) if len(set(checkpointed)) == len(forward_s) else 0.0
+    own = sum((1 + r) * f for f, r in copies) + copied_recompute
     ratios = [0.0 if i < without_backward else r for i, r in enumerate(ratios)]
     checkpointed = [i for i in checkpointed if i >= without_backward]
     outside_ratio = outside_backward_per_forward if outside_backward_per_forward > 0 else BACKWARD_PER_FORWARD
@@ -260,7 +264,7 @@ def step_time(forward_s: Sequence[float], outside_forward_s: float, checkpointed
     recompute = base_recompute + copied_recompute
     compute = (sum((1 + r) * f for r, f in zip(ratios, forward_s)) + (1 + outside_ratio) * outside_forward_s
                + base_recompute + own)
-    forward_compute = sum(forward_s) + outside_forward_s + sum(forward_s[i] for i in copied)
+    forward_compute = sum(forward_s) + outside_forward_s + sum(f for f, _ in copies)
     if h2d_bytes_per_s is None:
         return StepTime(compute, recompute, 0.0, optimizer_s, 0.0, timed, compute, forward_compute_s=forward_compute)
     forward_copies, backward_copies = (set(part) for part in ring_fetches(streamed_block_bytes, slots,
