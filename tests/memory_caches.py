@@ -39,6 +39,9 @@ class MemoryTextCache:
     def tag_orders(self, key):
         return 1 + len(self._orders.get(key, ()))
 
+    def text_length(self, key):  # TextCache.text_length
+        return max(c["cross_attn"].shape[0] for c in [self._conds[key], *self._orders.get(key, ())])
+
     def empty_conditioning(self):
         return self._empty
 

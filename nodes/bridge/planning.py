@@ -19,7 +19,7 @@ from ...training.core.adapters import AdapterConfig, AdapterSet, _CastProduct, l
 from ...training.core.optimizers import host_step_rate
 from ...training.memory.policy import OffloadPolicy, PolicyError
 from ...training.core.trainer import PRECISIONS, auto_precision
-from ...training.data.cache_store import item_conditioning
+from ...training.data.cache_store import longest_text
 from . import controlnet_build, families, video
 from .comfy_model import (ComfyDenoiser, comfy_pinned_block_bytes, expected_cond_dims, model_blocks, quantized_layers,
                           quantized_weights_for_inference, replace_inference_tensors, restore_stock_forwards,
@@ -633,10 +633,11 @@ def run_plan(run) -> planner.Plan:
 
 def cache_run_shape(patcher, latent_cache, text_cache, batch_size: int, node: str, grad_accum: int = 1
                     ) -> planner.RunShape:
-    """What a run's largest step processes: its largest bucket (clips' buckets are (w, h, frames)), its cached text
-    length, its batch (and its micro-steps per optimizer step)."""
+    """What a run's largest step processes: its largest bucket (clips' buckets are (w, h, frames)), its longest cached
+    text (captions differ in length where the text encoder does not pad), its batch (and its micro-steps per
+    optimizer step)."""
     width, height, *frames = max(latent_cache.buckets, key=lambda size: math.prod(size))
-    tokens = item_conditioning(text_cache, latent_cache, 0)["cross_attn"].shape[0]
+    tokens = longest_text(text_cache, latent_cache)
     latent_frames = video.check_frames(node, patcher.model, frames[0]) if frames else 1
     return planner.RunShape(batch_size, width, height, int(tokens), latent_frames, grad_accum)
 

@@ -136,6 +136,17 @@ def test_a_caption_longer_than_77_tokens_is_cached_whole_and_trains_beside_short
     with torch.inference_mode():
         loss = T.HeadroomTrainSteps.execute(run, 2).args[1]
     assert run.step == 2 and math.isfinite(loss)
+    # A plan counts the longest caption's text (read from the shards' headers), whichever item comes first
+    from headroom.nodes.bridge import planning
+
+    with torch.inference_mode():
+        dataset = cache_nodes.HeadroomDatasetFromImages.execute(data.images.flip(0), "\n".join(captions[::-1]), 32,
+                                                                32, "center", False, 0).args[0]
+        reversed_latents = cache_nodes.HeadroomCacheLatents.execute(dataset, vae).args[0]
+        reversed_texts = cache_nodes.HeadroomCacheText.execute(dataset, clip).args[0]
+    assert reversed_texts.conditioning(reversed_latents.text_key(0))["cross_attn"].shape[0] == 77
+    for cached in ((latents, texts), (reversed_latents, reversed_texts)):
+        assert planning.cache_run_shape(model, *cached, 2, "test").text_tokens == long.shape[0]
 
 
 def test_a_16x_vae_caches_its_own_latent_size_and_refuses_buckets_it_would_crop(cache_dir):

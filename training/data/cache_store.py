@@ -98,15 +98,27 @@ def reference_text_key(caption: str, reference_digest: str) -> str:
     return text_key(f"{caption}\x00reference:{reference_digest}")
 
 
+def _item_text_key(text_cache, latent_cache, index: int) -> str:
+    return latent_cache.reference_text_key(index) if getattr(text_cache, "per_reference", False) else \
+        latent_cache.text_key(index)
+
+
 def item_conditioning(text_cache, latent_cache, index: int, draw: int = 0) -> dict[str, torch.Tensor]:
     """Item `index`'s cached conditioning: its caption's, or, where the text cache encoded each caption with its
     item's reference image (`per_reference`), that item's own. `draw` (a random integer, training): picks one of the
     caption's cached tag orders (caption_tags); 0: the caption as written."""
-    key = latent_cache.reference_text_key(index) if getattr(text_cache, "per_reference", False) else \
-        latent_cache.text_key(index)
+    key = _item_text_key(text_cache, latent_cache, index)
     if draw == 0:
         return text_cache.conditioning(key)
     return text_cache.conditioning(key, draw % text_cache.tag_orders(key))
+
+
+def longest_text(text_cache, latent_cache) -> int:
+    """The most text tokens an item of `latent_cache` trains with (its cached "cross_attn" length, any tag order),
+    read from the shards' headers: text encoders that do not pad (Qwen-Image's) give each caption its own length,
+    and CLIP gives a caption past 77 tokens another 77."""
+    keys = {_item_text_key(text_cache, latent_cache, index) for index in range(len(latent_cache))}
+    return max((text_cache.text_length(key) for key in keys), default=0)
 
 
 # The conditioning entries a start-image node (WanImageToVideo) adds to a prompt, cached per item by `start_encode`.
@@ -456,6 +468,13 @@ class _ShardReader:
         self._lock = threading.Lock()
 
     def get(self, shard: str, tensor_name: str) -> torch.Tensor:
+        return self._with_handle(shard, lambda handle: handle.get_tensor(tensor_name))
+
+    def shape(self, shard: str, tensor_name: str) -> list[int]:
+        """A tensor's shape from its shard's header, its data not read."""
+        return self._with_handle(shard, lambda handle: list(handle.get_slice(tensor_name).get_shape()))
+
+    def _with_handle(self, shard: str, read):
         with self._lock:
             handle = self._handles.get(shard)
             if handle is None:
@@ -471,7 +490,7 @@ class _ShardReader:
                     self._handles.popitem(last=False)
             else:
                 self._handles.move_to_end(shard)
-            return handle.get_tensor(tensor_name)
+            return read(handle)
 
     def close(self) -> None:
         """Drop the open handles; the next read opens its shard again. Windows neither deletes nor replaces a mapped
@@ -711,6 +730,14 @@ class TextCache:
             )
         entry, shard, names = self._entries[key][order]
         return {name: self._reader.get(shard, f"{entry}/{name}") for name in names}
+
+    def text_length(self, key: str) -> int:
+        """The most tokens of the caption's cached conditioning ("cross_attn" [T, D]) over its tag orders."""
+        if key not in self._entries:
+            self.conditioning(key)  # its KeyError: a caption of another dataset
+        shapes = [self._reader.shape(shard, f"{entry}/cross_attn") for entry, shard, names in self._entries[key]
+                  if "cross_attn" in names]
+        return max((shape[0] for shape in shapes if shape), default=0)
 
     def empty_conditioning(self) -> dict[str, torch.Tensor]:
         return self.conditioning(self._empty_key)
