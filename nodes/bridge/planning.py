@@ -123,8 +123,7 @@ class _ControlNetStep:
     encoder runs at the image's pixel size (SD1.5 at 64 px: 0.64x the activations a LoRA's calibration counted)."""
 
     def __init__(self, patcher, controlnet):
-        self.built = isinstance(controlnet, int)
-        if self.built:  # a run about to open (its Init node's plan): one like the run's, freed after the calibration
+        if isinstance(controlnet, int):  # a run about to open (its Init node's plan): built as it will be, then freed
             controlnet = controlnet_build.build_controlnet(patcher, blocks=controlnet, device=patcher.load_device)
         self.controlnet, self.key = controlnet, controlnet_build.CONTROL_HINT
         self.denoiser = controlnet_build.ControlNetDenoiser(patcher, controlnet)
@@ -638,6 +637,7 @@ def cache_run_shape(patcher, latent_cache, text_cache, batch_size: int, node: st
     optimizer step)."""
     width, height, *frames = max(latent_cache.buckets, key=lambda size: math.prod(size))
     tokens = longest_text(text_cache, latent_cache)
+    text_cache.release_files()  # no shard left mapped by a plan (Windows could not delete the cache folder)
     latent_frames = video.check_frames(node, patcher.model, frames[0]) if frames else 1
     return planner.RunShape(batch_size, width, height, int(tokens), latent_frames, grad_accum)
 
