@@ -7,6 +7,7 @@ Used by the memory nodes (nodes/memory.py) and the training run (nodes/bridge/co
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 
 import torch
@@ -25,6 +26,8 @@ from .comfy_model import (ComfyDenoiser, comfy_pinned_block_bytes, expected_cond
                           quantized_weights_for_inference, replace_inference_tensors, restore_stock_forwards,
                           training_blocks, training_code_paths)
 from .encoders import frame_step, spatial_downscale
+
+log = logging.getLogger(__name__)
 
 # Calibration forwards (latent height, width, text tokens): three areas, two text lengths, so that attention
 # maps (quadratic in the area, or area x text) are fitted too. Multiples of 8 latent px: every UNet level divides.
@@ -161,9 +164,18 @@ def _measure(patcher, adapter: AdapterConfig, precision: str, timing: planner.Ru
         blocks = [m for _, m in training_blocks(diffusion_model)]
         weights = [*diffusion_model.parameters(), *diffusion_model.buffers()]
         paths = lora_target_paths(patcher, adapter)
-        extra_cond = None
+        extra_cond, step = None, None
         if controlnet is not None:
-            adapters = _ControlNetStep(patcher, controlnet)
+            try:
+                step = _ControlNetStep(patcher, controlnet)
+            except torch.cuda.OutOfMemoryError:
+                # No room for the ControlNet beside the base here: its run is planned as with a default LoRA (the
+                # copies timed as the base's blocks), as before the plan measured a ControlNet step
+                torch.cuda.empty_cache()
+                log.warning("Headroom: no device memory to measure a ControlNet step for the plan; its activations "
+                            "are estimated as with a LoRA")
+        if step is not None:
+            adapters = step
             denoiser, extra_cond = adapters.denoiser, adapters.control
             blocks += adapters.blocks
             weights += adapters.controlnet.parameters()  # trained tensors, not activations

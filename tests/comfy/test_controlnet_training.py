@@ -482,3 +482,24 @@ def test_the_plan_counts_what_a_controlnet_step_keeps(comfyui, family):
     else:
         assert planned == pytest.approx(kept, rel=0.1)
     run.release()
+
+
+def test_without_room_for_the_controlnet_the_plan_is_made_as_with_a_lora(comfyui, monkeypatch, caplog):
+    """Where the device has no room to build the ControlNet beside the base for the calibration (out of memory), the
+    plan is still made, as with a default LoRA (no ControlNet blocks profiled, the copies timed as the base's blocks),
+    and the log says so: planning never stops a run from opening."""
+    from headroom.nodes.bridge import controlnet_build, planning
+
+    model, clip, vae, latent_cache, text_cache = _caches("sd15", count=3)
+
+    def no_room(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory (played)")
+
+    monkeypatch.setattr(controlnet_build, "build_controlnet", no_room)
+    with caplog.at_level("WARNING"):
+        fallback = planning.describe_comfy_model(model, planning.AdapterConfig(), "fp32", controlnet=0)
+    assert fallback.controlnet_blocks == () and fallback.blocks
+    assert "no device memory to measure a ControlNet step" in caplog.text
+    monkeypatch.undo()
+    measured = planning.describe_comfy_model(model, planning.AdapterConfig(), "fp32", controlnet=0)
+    assert len(measured.controlnet_blocks) > 0
