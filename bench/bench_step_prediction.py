@@ -61,29 +61,6 @@ def data(arch: str, depth, size: int, kind: str = "lora"):
     return model, latents, texts
 
 
-def activations(plan, run, checkpointing: bool) -> float:
-    """The plan's block and outside activations over what the run's training forward keeps (planner.measure_activations
-    on its step, base and ControlNet blocks): saved and weight copies without checkpointing; the inputs of the blocks
-    that hold them (after those that run no backward) and the outside with."""
-    from headroom.nodes.bridge.comfy_model import training_blocks
-    from headroom.nodes.bridge.planning import _run_inputs
-    from headroom.training.memory import planner
-
-    diffusion_model = run.source_model.model.diffusion_model
-    base = [block for _, block in training_blocks(diffusion_model)]
-    own = [block for _, block in run.trainer.denoiser.blocks()[len(base):]]
-    weights = [*diffusion_model.parameters(), *diffusion_model.buffers(), *run.controlnet.parameters()]
-    with torch.inference_mode(False), torch.enable_grad():  # the bench runs nodes as ComfyUI does: inference mode
-        step = planner.measure_activations(lambda: run.trainer._micro_step_loss(0)[0], base + own, weights=weights)
-    items = plan.phase("training step").items
-    outside = items["saved activations outside the blocks"]
-    if checkpointing:
-        skipped = _run_inputs(run)[1].without_backward
-        return (items["checkpointed block inputs"] + outside) / (sum(step.block_inputs[skipped:]) + step.outside_saved)
-    return (items["saved activations, all blocks"] + items["weight copies kept for backward, all blocks (manual cast)"]
-            + outside) / (sum(step.block_saved) + sum(step.block_weight_copies) + step.outside_saved)
-
-
 def measure(model, latents, texts, checkpointing: bool, steps: int, kind: str = "lora") -> dict:
     """Predicted (fitted, timed at the run's size) and measured s/step of one run."""
     from headroom.nodes import train_lora as T
@@ -104,16 +81,15 @@ def measure(model, latents, texts, checkpointing: bool, steps: int, kind: str = 
             trainable = planning.with_host_step(controlnet_trainable(model, 0, "AdamW"))
         else:
             trainable = planning.with_host_step(planning.lora_trainable(model, lora, "AdamW"))
-        predicted, plans = {}, {}
+        predicted, descriptions = {}, {}
         planning.TIMING_BUDGET_S = float("inf")  # a real-width forward on a CPU takes seconds: timed all the same
         for name, timing in (("fitted", None), ("at_run_size", shape)):
-            description = planning.describe_comfy_model(model, lora, "fp32", timing=timing, controlnet=controlnet)
-            plans[name] = planner.estimate(description, trainable, shape, policy)
-            predicted[name] = plans[name].predicted_s_per_step
+            description = descriptions[name] = planning.describe_comfy_model(model, lora, "fp32", timing=timing,
+                                                                             controlnet=controlnet)
+            predicted[name] = planner.estimate(description, trainable, shape, policy).predicted_s_per_step
         if kind == "controlnet":  # as planned before: from a LoRA's calibration (activations and block times)
-            description = planning.describe_comfy_model(model, lora, "fp32", timing=shape)
-            plans["before"] = planner.estimate(description, trainable, shape, policy)
-            predicted["before"] = plans["before"].predicted_s_per_step
+            description = descriptions["before"] = planning.describe_comfy_model(model, lora, "fp32", timing=shape)
+            predicted["before"] = planner.estimate(description, trainable, shape, policy).predicted_s_per_step
         inputs = dict(model=model, latent_cache=latents, text_cache=texts, optimizer_config=optimizer,
                       run_name=f"bench_step_prediction_{os.getpid()}_{next(RUNS)}",  # a new run each: nothing resumed
                       seed=0, batch_size=1, grad_accumulation=1, precision="fp32", max_grad_norm=1.0,
@@ -123,9 +99,13 @@ def measure(model, latents, texts, checkpointing: bool, steps: int, kind: str = 
             run = HeadroomTrainControlNetInit.execute(**inputs).args[0]
         else:
             run = T.HeadroomTrainLoraInit.execute(lora_config=lora, **inputs).args[0]
-        if kind == "controlnet":
-            predicted["activations"] = {name: activations(plans[name], run, checkpointing)
-                                        for name in ("at_run_size", "before")}
+        if kind == "controlnet":  # the plan's activations over what the step keeps (tests/family_checks.py)
+            from family_checks import controlnet_plan_over_step
+
+            predicted["activations"] = {}
+            for name in ("at_run_size", "before"):
+                planned, kept = controlnet_plan_over_step(run, descriptions[name])[checkpointing]
+                predicted["activations"][name] = planned / kept
         T.HeadroomTrainSteps.execute(run, 1)  # warm-up
         seconds = []
         for step in range(2, steps + 2):

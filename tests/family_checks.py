@@ -330,13 +330,13 @@ def blocks_backward_skips(model, run) -> tuple[list, int]:
     return blocks, skipped
 
 
-def controlnet_plan_over_step(run, checkpointing: bool, description=None) -> tuple[float, float]:
-    """A ControlNet run's plan (planning._run_inputs: its own step's calibration) against what its training forward
-    keeps for backward (the planner's counter on the run's step, base and ControlNet blocks): (planned, kept) bytes of
-    the blocks and the rest, without checkpointing what they save (weight copies included), with every block
-    checkpointed the inputs of the blocks that hold them (the base's first blocks, which run no backward, hold none)
-    and the rest's saved. `description`: the model planned otherwise (the bench's from a LoRA's calibration). For the
-    tests and bench/bench_step_prediction.py."""
+def controlnet_plan_over_step(run, description=None) -> dict[bool, tuple[float, float]]:
+    """A ControlNet run's plan (its own step's calibration, as planning._run_inputs plans it) against what its training
+    forward keeps for backward (the planner's counter on the run's step, base and ControlNet blocks), by whether every
+    block is checkpointed: (planned, kept) bytes of the blocks and the rest; without checkpointing what they save
+    (weight copies included), with it the inputs of the blocks that hold them (the base's first blocks, which run no
+    backward, hold none) and the rest's saved. `description`: the model planned otherwise (the bench's from a LoRA's
+    calibration). For the tests and bench/bench_step_prediction.py."""
     from headroom.nodes.bridge import planning
     from headroom.nodes.bridge.comfy_model import training_blocks
     from headroom.nodes.bridge.controlnet_build import controlnet_trainable
@@ -350,17 +350,20 @@ def controlnet_plan_over_step(run, checkpointing: bool, description=None) -> tup
     with torch.inference_mode(False), torch.enable_grad():  # nodes run in inference mode, as ComfyUI runs them
         step = planner.measure_activations(lambda: run.trainer._micro_step_loss(0)[0], base + own, weights=weights)
     config = run.config
-    # as the run plans (planning._run_inputs), its block times fitted from the calibration (not timed at its size)
+    # its block times fitted from the calibration (not timed at the run's size: activations are the question here)
     description = description or planning.describe_comfy_model(run.source_model, planning.AdapterConfig(),
                                                                 config.train.precision, controlnet=run.controlnet)
     trainable = controlnet_trainable(run.source_model, config.blocks, config.optimizer.name)
     shape = planning.cache_run_shape(run.source_model, run.latent_cache, run.text_cache, config.train.batch_size, "test")
     assert len(description.blocks) == len(base)
-    policy = run.trainer.policy.replace(checkpointing="blocks" if checkpointing else "off", checkpoint_blocks="")
-    items = planner.estimate(description, trainable, shape, policy).phase("training step").items
-    outside = items["saved activations outside the blocks"]
-    if checkpointing:
-        return (items["checkpointed block inputs"] + outside,
-                sum(step.block_inputs[trainable.without_backward:]) + step.outside_saved)
-    return (items["saved activations, all blocks"] + items["weight copies kept for backward, all blocks (manual cast)"]
-            + outside, sum(step.block_saved) + sum(step.block_weight_copies) + step.outside_saved)
+    compared = {}
+    for checkpointing in (False, True):
+        policy = run.trainer.policy.replace(checkpointing="blocks" if checkpointing else "off", checkpoint_blocks="")
+        items = planner.estimate(description, trainable, shape, policy).phase("training step").items
+        outside = items["saved activations outside the blocks"]
+        compared[checkpointing] = (
+            (items["checkpointed block inputs"] + outside, sum(step.block_inputs[trainable.without_backward:])
+             + step.outside_saved) if checkpointing else
+            (items["saved activations, all blocks"] + items["weight copies kept for backward, all blocks (manual cast)"]
+             + outside, sum(step.block_saved) + sum(step.block_weight_copies) + step.outside_saved))
+    return compared

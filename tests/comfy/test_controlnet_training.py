@@ -470,11 +470,12 @@ def test_the_plan_counts_what_a_controlnet_step_keeps(comfyui, family):
     description = planning._run_inputs(run)[0]  # as an open run plans (the OOM fallback's next policy)
     assert len(description.controlnet_blocks) == len(run.trainer.denoiser.blocks()) - len(description.blocks) > 0
     assert all(b.param_bytes == 0 for b in description.controlnet_blocks)  # their weights: the TrainableSpec's
-    planned, kept = controlnet_plan_over_step(run, checkpointing=False)
+    compared = controlnet_plan_over_step(run)
+    planned, kept = compared[False]
     # Flux's tiny text cache is 256 tokens, the calibration's 8-16: the CPU's attention maps grow with the text length
     # squared, a term the laws lack (CUDA's attention keeps no maps); the others within 10 %.
     assert planned == pytest.approx(kept, rel=0.2 if family == "flux" else 0.1)
-    planned, kept = controlnet_plan_over_step(run, checkpointing=True)
+    planned, kept = compared[True]
     # Qwen-Image's cached captions differ in length (its blocks run per caption length): the plan counts every item at
     # the run's text length, here the longest, so its inputs are over the step's; the others within 10 %
     if family == "qwen_image":
