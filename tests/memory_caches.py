@@ -3,10 +3,13 @@ from __future__ import annotations
 
 
 class MemoryLatentCache:
-    def __init__(self, latents, text_keys, buckets=None):
-        self._latents, self._keys = latents, text_keys
+    def __init__(self, latents, text_keys, buckets=None, controls=None, control_kind=None):
+        # controls: each item's cached control (pixels [8h, 8w, 3] or a latent), of `control_kind` ("pixels" /
+        # "latents"), as a cache with control images holds them (controlnet_build.check_control_cache)
+        self._latents, self._keys, self._controls = latents, text_keys, controls
         self.buckets = buckets or {(32, 32): list(range(len(latents)))}
         self.latent_channels, self.fingerprint = latents[0].shape[0], "memory"
+        self.control_kind = control_kind if controls is not None else None
 
     def __len__(self):
         return len(self._latents)
@@ -21,7 +24,10 @@ class MemoryLatentCache:
         return 1
 
     def control(self, i):
-        return None
+        return None if self._controls is None else self._controls[i]
+
+    def name(self, i):
+        return f"item {i}"
 
     def release_files(self):  # nothing mapped
         pass

@@ -122,7 +122,7 @@ def findings(measured: dict[str, dict]) -> dict[str, list[str]]:
                 out["budget"].append(f"`{ident}`: out of memory under the {r['budget_gb']:g} GiB cap "
                                      f"({r.get('policy')})")
             continue
-        if r.get("kind") not in ("lora", "full"):  # full: a full fine-tune fitted to a card
+        if r.get("kind") not in ("lora", "full", "controlnet"):  # full: a full fine-tune fitted to a card
             continue
         peak, estimate = r.get("train_peak_allocated"), r.get("planner_train_bytes")
         # "partial" fills the budget's room with resident blocks: its planned step is the budget by construction,
@@ -279,6 +279,28 @@ def section(records: list[dict]) -> str:
                 f"{_gib(peak)} | {_gib(r.get('train_peak_reserved'))} | "
                 f"{f'{estimate / peak:.2f}' if peak and estimate else ''} | {_gib(r.get('train_peak_rss'))} | "
                 f"{'' if r.get('s_per_step') is None else format(r['s_per_step'], '.3f')} | {r.get('status')} |")
+    controlnets = sorted((r for r in measured.values() if r.get("kind") == "controlnet"),
+                         key=lambda r: (list(LABELS).index(r["model"]) if r["model"] in LABELS else 99,
+                                        _config_key(r["config"])))
+    if controlnets:
+        lines += ["", "ControlNet runs (Train ControlNet: Init, the type's default blocks, AdamW): planned from the "
+                  "ControlNet's own step (its calibration runs the ControlNet; the time model takes its blocks' "
+                  "measured times); `resident`: the whole card, a card: the Offload Policy's card set to it (emulated "
+                  "as above):", "",
+                  "| model | card | policy run | planner step GiB | peak alloc. GiB | peak reserved GiB | planner / "
+                  "measured | host RAM peak GiB | s/step | predicted s | predicted / measured | status |",
+                  "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+        for r in controlnets:
+            peak, estimate = r.get("train_peak_allocated"), r.get("planner_train_bytes")
+            measured_s, predicted = r.get("s_per_step"), r.get("predicted_s_per_step")
+            lines.append(
+                f"| {LABELS.get(r['model'], r['model'])} | {r['config']} | {r.get('policy', '')}"
+                f"{' (planner: does not fit)' if r.get('plan_fits') is False else ''} | {_gib(estimate)} | "
+                f"{_gib(peak)} | {_gib(r.get('train_peak_reserved'))} | "
+                f"{f'{estimate / peak:.2f}' if peak and estimate else ''} | {_gib(r.get('train_peak_rss'))} | "
+                f"{'' if measured_s is None else f'{measured_s:.3f}'} | "
+                f"{'' if predicted is None else f'{predicted:.3f}'} | "
+                f"{f'{predicted / measured_s:.2f}' if predicted and measured_s else ''} | {r.get('status')} |")
     placed = [r for r in lora if r.get("validation_seconds") and r.get("validation_seconds_training_placement")]
     if placed:
         lines += ["", "Validation on its own placement (issue 28): one Validate call (the loss at 4 noise levels), with "

@@ -100,15 +100,21 @@ FULL_HOST_CARDS = (16,)
 # full_finetune.md): the policy given (partial base, every block checkpointed), so the path runs in the dry run too.
 FULL_STREAMED_STATE_CARDS = (24,)
 FULL_STREAMED_STATE_MODELS = ("sd35_large",)
+# ControlNet runs (the type's default blocks: SDXL's encoder copied, Flux's first 2 double blocks; AdamW): the planned
+# peak and predicted s/step of a ControlNet's own step (its calibration runs the ControlNet, the time model takes its
+# blocks' measured times), never yet run on a GPU, against the measured. "resident": the whole card, planned for the
+# record; a card ("16GB"): the Offload Policy's card set to it, the Init node's plan (emulated as the budgets are).
+CONTROLNET_ROWS = {"sdxl": ("resident", "16GB"), "flux_dev": ("resident", "24GB")}
 
 
 def plan(models: list[str], budgets: list[float], policies: list[str], full_cards: tuple[float, ...] = FULL_CARDS,
          full_host_cards: tuple[float, ...] = FULL_HOST_CARDS,
-         full_streamed_state_cards: tuple[float, ...] = FULL_STREAMED_STATE_CARDS) -> list[tuple[str, str, list[str]]]:
+         full_streamed_state_cards: tuple[float, ...] = FULL_STREAMED_STATE_CARDS,
+         controlnet: bool = True) -> list[tuple[str, str, list[str]]]:
     """The measurements in order of value, as (kind, model, configs): configs "resident", "ckpt" (resident, every
     block checkpointed), a budget in GiB ("8GB"),
     "policy-<name>", or a full fine-tune's card ("full-24GB", "full-16GB-host", "full-24GB-streamed-state"); one model
-    build per entry. Flux-dev and SDXL resident and at the budgets the last lease left open come first (the first
+    build per entry. The ControlNet rows (CONTROLNET_ROWS) follow the full fine-tunes. Flux-dev and SDXL resident and at the budgets the last lease left open come first (the first
     command's share)."""
     # What the last H200 lease (2026-11-30) left open comes first: Flux-dev's 8 / 16 GiB rows again (their Steps
     # call's start, split now, and a traced step) and 6 GiB (validation's slack), SDXL resident (the calibration's
@@ -127,6 +133,8 @@ def plan(models: list[str], budgets: list[float], policies: list[str], full_card
         configs = fulls + (streamed_state if m in FULL_STREAMED_STATE_MODELS else [])
         if m in models and configs:
             steps.append(("full", m, configs))
+    if controlnet:
+        steps += [("controlnet", m, list(configs)) for m, configs in CONTROLNET_ROWS.items() if m in models]
     # SDXL at 16 GiB also with the smaller card made by a ballast allocation instead of the memory fraction (issue 41:
     # the 16 GiB row once ran 1.40x resident with the resident policy): "16GB-ballast" (Budget).
     for m in head:
@@ -304,9 +312,10 @@ def text_tokens(name: str, dry_run: bool) -> int:
     return 8 if dry_run else int(realsize_models.ARCHITECTURES[MODELS[name].arch]["text_tokens"])
 
 
-def caches(patcher, width: int, height: int, frames: int, tokens: int):
+def caches(patcher, width: int, height: int, frames: int, tokens: int, control: bool = False):
     """In-memory LATENT_CACHE / TEXT_CACHE of two items of this size (random latents of the model's format, random
-    conditioning of the widths the model expects)."""
+    conditioning of the widths the model expects); `control`: each item with a random control of the kind the
+    model's ControlNet type takes (pixels in 0..1, or a latent of the item's shape), as Cache Latents caches one."""
     from memory_caches import MemoryLatentCache, MemoryTextCache
 
     from headroom.nodes.bridge import video
@@ -324,7 +333,14 @@ def caches(patcher, width: int, height: int, frames: int, tokens: int):
     zeros = calibration_cond(model, tokens, torch.device("cpu"))
     cond = {key: torch.randn(value.shape, generator=generator) * 0.5 for key, value in zeros.items()}
     bucket = (width, height, frames) if frames > 1 else (width, height)
-    return (MemoryLatentCache(latents, ["caption", "caption"], {bucket: [0, 1]}),
+    controls, kind = None, None
+    if control:
+        from headroom.nodes.bridge.controlnet_build import controlnet_type_of
+
+        kind = controlnet_type_of(patcher).hint
+        controls = [torch.rand((latent.shape[-2] * 8, latent.shape[-1] * 8, 3) if kind == "pixels" else latent.shape,
+                               generator=generator) for latent in latents]
+    return (MemoryLatentCache(latents, ["caption", "caption"], {bucket: [0, 1]}, controls, kind),
             MemoryTextCache({"caption": cond}, {key: torch.zeros_like(value) for key, value in cond.items()}))
 
 
@@ -465,11 +481,34 @@ def full_run(patcher, name: str, config: str, args) -> dict:
     return train_and_measure(patcher, name, config, args, record, policy, lora, optimizer, latent_cache, text_cache)
 
 
+def controlnet_run(patcher, name: str, config: str, args) -> dict:
+    """A ControlNet run (CONTROLNET_ROWS): Train ControlNet: Init -> Steps -> Validate (loss), AdamW; "resident" with
+    the Offload Policy's defaults on the whole card, "16GB" with its card set to that size (the Init node plans from
+    its ControlNet's own step), the card emulated on the large one."""
+    from headroom.nodes import memory as M, train_lora as T
+    from headroom.training.memory.policy import OffloadPolicy
+
+    width, height, frames = shape(name, args.dry_run)
+    tokens = text_tokens(name, args.dry_run)
+    latent_cache, text_cache = caches(patcher, width, height, frames, tokens, control=True)
+    budget, _, _ = parse_config(config)
+    inputs = {field: default for field, _, default in OffloadPolicy.node_inputs()}
+    if budget is not None:
+        inputs.update(card=f"{budget:g} GB")
+    policy = M.HeadroomOffloadPolicy.execute(**inputs).args[0]
+    record = {"width": width, "height": height, "frames": frames, "text_tokens": tokens, "budget_gb": budget,
+              "work": "ControlNet: the type's default blocks, AdamW"}
+    optimizer = T.HeadroomOptimizerConfig.execute("AdamW", 1e-5, 0.0, "constant", 0, 1000).args[0]
+    return train_and_measure(patcher, name, config, args, record, policy, None, optimizer, latent_cache, text_cache)
+
+
 def train_and_measure(patcher, name: str, config: str, args, record: dict, policy, lora, optimizer, latent_cache,
                       text_cache) -> dict:
     """Init -> Steps (warm-up, then the timed steps) -> Validate (loss only), under the record's budget; the run's
-    own plan where no Memory Plan node gave one (a card's fit: the Init node plans)."""
+    own plan where no Memory Plan node gave one (a card's fit: the Init node plans). `lora` None: a ControlNet run
+    (Train ControlNet: Init)."""
     from headroom.nodes import train_lora as T
+    from headroom.nodes.train_controlnet import HeadroomTrainControlNetInit
     from headroom.nodes.bridge.planning import run_plan
     from headroom.training.memory.oom import is_out_of_memory
 
@@ -479,12 +518,14 @@ def train_and_measure(patcher, name: str, config: str, args, record: dict, polic
     try:
         with Budget(budget, device, ballast=config.endswith("-ballast")) as card, \
                 torch.inference_mode():  # as ComfyUI runs nodes
-            run = T.HeadroomTrainLoraInit.execute(
-                model=patcher, latent_cache=latent_cache, text_cache=text_cache, lora_config=lora,
-                optimizer_config=optimizer, run_name=f"gpukit_{name}_{config}", seed=0, batch_size=1,
-                grad_accumulation=1, precision="auto", max_grad_norm=1.0, caption_dropout=0.0,
+            inputs = dict(
+                model=patcher, latent_cache=latent_cache, text_cache=text_cache, optimizer_config=optimizer,
+                run_name=f"gpukit_{name}_{config}" if lora is not None else f"gpukit_controlnet_{name}_{config}",
+                seed=0, batch_size=1, grad_accumulation=1, precision="auto", max_grad_norm=1.0, caption_dropout=0.0,
                 timestep_sampling="uniform", loss_weighting="none", min_snr_gamma=5.0, noise_offset=0.0,
-                gradient_checkpointing=False, checkpoint_depth=1, holdout=0, policy=policy).args[0]
+                gradient_checkpointing=False, checkpoint_depth=1, holdout=0, policy=policy)
+            run = (T.HeadroomTrainLoraInit.execute(lora_config=lora, **inputs) if lora is not None else
+                   HeadroomTrainControlNetInit.execute(**inputs)).args[0]
             record["precision"] = run.trainer.config.precision
             if "planner_train_bytes" not in record:
                 plan = run_plan(run)
@@ -961,6 +1002,8 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--full-streamed-state-cards", default=",".join(map(str, FULL_STREAMED_STATE_CARDS)),
                         help=f"comma list of cards in GiB a full fine-tune of {', '.join(FULL_STREAMED_STATE_MODELS)} "
                         "with AdamW runs on with its optimizer state streamed from host RAM (none: leave it out)")
+    parser.add_argument("--no-controlnet", action="store_true", help="leave the ControlNet rows out (CONTROLNET_ROWS: "
+                        + "; ".join(f"{m} {', '.join(c)}" for m, c in CONTROLNET_ROWS.items()) + ")")
     parser.add_argument("--no-cuda-tests", action="store_true", help="leave the CUDA-marked tests out")
     parser.add_argument("--cuda-test-files", default=None,
                         help="comma-separated test files to run as the CUDA tests instead of every CUDA-marked one "
@@ -1002,7 +1045,8 @@ def main(argv: list[str] | None = None) -> int:
     full_host_cards = tuple(float(c) for c in args.full_host_cards.split(",") if c.strip() and c.strip() != "none")
     full_streamed_state_cards = tuple(float(c) for c in args.full_streamed_state_cards.split(",")
                                       if c.strip() and c.strip() != "none")
-    steps = plan(models, budgets, policies, full_cards, full_host_cards, full_streamed_state_cards)
+    steps = plan(models, budgets, policies, full_cards, full_host_cards, full_streamed_state_cards,
+                 controlnet=not args.no_controlnet)
     if args.no_cuda_tests:
         steps = [s for s in steps if s[0] != "cuda_tests"]
     if args.no_native:
@@ -1041,7 +1085,8 @@ def main(argv: list[str] | None = None) -> int:
                     if patcher is None:
                         patcher = build_model(name, args.dry_run)
                     counts = step_counts(args, kind, name, config)
-                    record = {"lora": lora_run, "full": full_run, "native": native_run}[kind](
+                    record = {"lora": lora_run, "full": full_run, "native": native_run,
+                              "controlnet": controlnet_run}[kind](
                         patcher, name, config, argparse.Namespace(**{**vars(args), **counts}))
                     record.update(warmup_steps=counts["warmup"], timed_steps=counts["steps"])
             except Exception as error:  # the model did not build, say: recorded, the kit goes on

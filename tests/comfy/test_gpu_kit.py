@@ -48,13 +48,14 @@ def test_dry_run_measures_resumes_and_writes_the_page(comfyui, tmp_path):
     page.write_text(OLD_PAGE)
 
     # the CUDA tests' step with one of their files (every one of them runs in this suite anyway)
-    suite(results, "--models", "sdxl", "--budgets", "8", "--no-native", "--policies", "none",
+    suite(results, "--models", "sdxl", "--budgets", "8", "--no-native", "--policies", "none", "--no-controlnet",
           "--cuda-test-files", "tests/unit/test_memory_stats.py")
     first = {r["id"]: r for r in measurements(results)}
     assert list(first) == ["cuda_tests", "h2d", "lora/sdxl/resident", "lora/sdxl/8GB"]
 
     # The time guard: nothing starts, what is left is recorded.
-    suite(results, "--models", "sdxl,wan22_14b", "--budgets", "8", "--policies", "streamed_ckpt", "--minutes", "0")
+    suite(results, "--models", "sdxl,wan22_14b", "--budgets", "8", "--policies", "streamed_ckpt", "--minutes", "0",
+          "--no-controlnet")
     records = [json.loads(line) for line in (results / "results.jsonl").read_text().splitlines()]
     assert len(measurements(results)) == 4
     assert records[-1]["type"] == "left"
@@ -62,7 +63,7 @@ def test_dry_run_measures_resumes_and_writes_the_page(comfyui, tmp_path):
                                   "lora/wan22_14b/8GB", "lora/sdxl/policy-streamed_ckpt"]
 
     suite(results, "--models", "sdxl,wan22_14b", "--budgets", "8", "--policies", "streamed_ckpt", "--page", str(page),
-          "--png", str(png))
+          "--png", str(png), "--no-controlnet")
     by_id = {r["id"]: r for r in measurements(results)}
     assert len(by_id) == len(measurements(results)) == 9  # nothing measured twice
     assert [r["id"] for r in measurements(results)][:4] == list(first)  # resumed after the first command
@@ -132,7 +133,7 @@ def test_dry_run_measures_flux_with_8_gib_left_to_pin(comfyui, tmp_path):
     before = (mm.MAX_PINNED_MEMORY, mm.TOTAL_PINNED_MEMORY)
     results = tmp_path / "results"
     suite(results, "--models", "flux_dev", "--budgets", "12", "--no-native", "--no-cuda-tests", "--policies", "none",
-          "--full-cards", "none", "--full-host-cards", "none", "--full-streamed-state-cards", "none")
+          "--full-cards", "none", "--full-host-cards", "none", "--full-streamed-state-cards", "none", "--no-controlnet")
     by_id = {r["id"]: r for r in measurements(results)}
     assert list(by_id) == ["h2d", "lora/flux_dev/resident", "lora/flux_dev/ckpt", "lora/flux_dev/12GB",
                            "lora/flux_dev/12GB-pin8"]
@@ -148,7 +149,7 @@ def test_dry_run_measures_a_full_fine_tune_fitted_to_a_card(comfyui, tmp_path):
     node's planner fitting it to a card; the row on the page."""
     results, page = tmp_path / "results", tmp_path / "gpu_kit.md"
     suite(results, "--models", "flux_dev", "--budgets", "8", "--no-native", "--no-cuda-tests", "--policies", "none",
-          "--full-cards", "24", "--full-host-cards", "16", "--page", str(page))
+          "--full-cards", "24", "--full-host-cards", "16", "--page", str(page), "--no-controlnet")
     by_id = {r["id"]: r for r in measurements(results)}
     assert list(by_id) == ["h2d", "lora/flux_dev/resident", "lora/flux_dev/ckpt", "lora/flux_dev/8GB",
                            "full/flux_dev/full-24GB", "full/flux_dev/full-16GB-host"]
@@ -194,3 +195,30 @@ def test_dry_run_measures_a_full_fine_tune_with_its_optimizer_state_streamed(com
     assert (run["state_crossed_to_device"], run["state_crossed_to_host"]) == ((steps - 1) * state, steps * state)
     assert "crossed_to_device_per_step" not in run  # the trained weights stay on the card
     assert "| SD3.5-Large | 24GB-streamed-state |" in page.read_text().split("Full fine-tunes")[1]
+
+
+def test_dry_run_measures_controlnet_runs_against_their_plan(comfyui, tmp_path):
+    """The kit's ControlNet rows (suite.CONTROLNET_ROWS): Train ControlNet: Init on a cache whose items carry a control
+    of the kind the model's ControlNet takes (SDXL's pixels, Flux's latents), resident (planned for the record) and
+    with the Offload Policy's card (the Init node's plan from its ControlNet's own step); planned peak and predicted
+    s/step beside the measured, on the page."""
+    results, page = tmp_path / "results", tmp_path / "gpu_kit.md"
+    suite(results, "--models", "sdxl,flux_dev", "--budgets", "", "--no-native", "--no-cuda-tests", "--policies", "none",
+          "--full-cards", "none", "--full-host-cards", "none", "--full-streamed-state-cards", "none", "--page", str(page))
+    by_id = {r["id"]: r for r in measurements(results)}
+    rows = ["controlnet/sdxl/resident", "controlnet/sdxl/16GB", "controlnet/flux_dev/resident",
+            "controlnet/flux_dev/24GB"]
+    assert list(by_id)[-4:] == rows
+    for ident in rows:
+        run = by_id[ident]
+        assert run["status"] == "ok", run.get("traceback")
+        assert run["planner_train_bytes"] > 0 and run["s_per_step"] > 0 and run["predicted_s_per_step"] > 0, run
+        assert run["train_peak_rss"] > 0 and run["loss"] == run["loss"] and run["work"].startswith("ControlNet")
+    for ident, card in (("controlnet/sdxl/16GB", 16), ("controlnet/flux_dev/24GB", 24)):
+        run = by_id[ident]  # the card's plan made by the ControlNet Init node, the card's budget less the reserve
+        assert run["budget_gb"] == card and run["policy_fields"]["vram_budget_gb"] == card - 1.0
+        assert run["plan_reason"].startswith(f"Train ControlNet: Init (Headroom): {card} GB:"), run["plan_reason"]
+    assert by_id["controlnet/sdxl/resident"]["budget_gb"] is None
+    text = page.read_text().split("ControlNet runs")[1]
+    for row in ("| SDXL | resident |", "| SDXL | 16GB |", "| Flux.1-dev | resident |", "| Flux.1-dev | 24GB |"):
+        assert row in text
