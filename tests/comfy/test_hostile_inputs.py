@@ -741,6 +741,45 @@ def test_hostile_cache_manifests_are_ignored_and_rebuilt(world, case, tmp_path):
     clear_error(RuntimeError(summary))
 
 
+@pytest.mark.parametrize("cache, case", [("text", "deleted"), ("text", "replaced"), ("latents", "replaced")])
+def test_a_shard_changed_after_caching_stops_training_naming_it_and_the_node_to_run(world, cache, case):
+    """A shard deleted, or replaced by a file without the entries its cache lists, after the caching node checked it
+    (the run's caches are ComfyUI's outputs of an earlier prompt): the next training step stops with an error naming
+    the shard and the caching node that rebuilds it, not safetensors' own, and the run keeps its last step."""
+    import folder_paths
+    from safetensors.torch import save_file
+
+    from test_train_lora_nodes import _data, _init
+
+    from headroom.nodes import train_lora as T
+    from headroom.training.data.cache_store import CacheStoreError
+
+    root = world["base"] / "models" / f"changed_shard_{cache}_{case}"
+    world["patch"].setitem(folder_paths.folder_names_and_paths, "headroom_cache", ([str(root)], set()))
+    model, _, _, latents, texts = _data("sd15")
+    run = _init(model, latents, texts, f"changed_shard_{cache}_{case}", rank=4, batch_size=2)
+    with torch.inference_mode():
+        T.HeadroomTrainSteps.execute(run, 1, checkpoint_minutes=0.0)
+    shards = sorted((root / cache / "shards").glob("*.safetensors"))
+    assert shards
+    for shard in shards:
+        if case == "deleted":
+            shard.unlink()
+        else:
+            save_file({"x": torch.zeros(1)}, str(shard))
+    with pytest.raises(CacheStoreError) as raised, torch.inference_mode():
+        T.HeadroomTrainSteps.execute(run, 3, checkpoint_minutes=0.0)
+    said = str(raised.value)
+    node = {"text": "Cache Text (Headroom)", "latents": "Cache Latents (Headroom)"}[cache]
+    assert said.startswith(f"cache shard models/changed_shard_{cache}_{case}/{cache}/shards/") and \
+        said.endswith(f"; run {node} again to rebuild it"), said
+    assert ("cannot be read (No such file or directory)" if case == "deleted" else
+            "the file changed after it was cached") in said, said
+    assert "File does not contain tensor" not in said  # safetensors' own words, with the entry's 64-digit key
+    assert run.step == run.trainer.saved_step == 1  # the last completed step on disk
+    clear_error(raised.value)
+
+
 # --- 6. NaN and infinity in every float input ---------------------------------------------------------------------------
 def _as_run(node_cls):
     """The class as ComfyUI's executor calls it: a copy (execution.py: PREPARE_CLASS_CLONE), named '...Clone'."""

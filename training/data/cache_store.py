@@ -459,38 +459,47 @@ class ShardWriter:
 
 
 class _ShardReader:
-    """A few memory-mapped shard handles, least recently used closed first."""
+    """A few memory-mapped shard handles, least recently used closed first. `node`: the caching node that rebuilds
+    these shards, for the error a shard changed since it was cached (deleted, replaced) raises."""
 
-    def __init__(self, shard_dir: Path, max_open: int = OPEN_SHARDS):
+    def __init__(self, shard_dir: Path, node: str, max_open: int = OPEN_SHARDS):
         self.shard_dir = Path(shard_dir)
+        self.node = node
         self.max_open = max_open
         self._handles: OrderedDict[str, object] = OrderedDict()
         self._lock = threading.Lock()
 
     def get(self, shard: str, tensor_name: str) -> torch.Tensor:
-        return self._with_handle(shard, lambda handle: handle.get_tensor(tensor_name))
+        return self._with_handle(shard, tensor_name, lambda handle: handle.get_tensor(tensor_name))
 
     def shape(self, shard: str, tensor_name: str) -> list[int]:
         """A tensor's shape from its shard's header, its data not read."""
-        return self._with_handle(shard, lambda handle: list(handle.get_slice(tensor_name).get_shape()))
+        return self._with_handle(shard, tensor_name, lambda handle: list(handle.get_slice(tensor_name).get_shape()))
 
-    def _with_handle(self, shard: str, read):
+    def _with_handle(self, shard: str, tensor_name: str, read):
+        again = f"run {self.node} again to rebuild it"
         with self._lock:
             handle = self._handles.get(shard)
             if handle is None:
                 try:
                     handle = safe_open(str(_contained_shard(self.shard_dir, shard)), framework="pt")
+                except UntrustedFileError as error:  # names the file and what is wrong with it
+                    raise CacheStoreError(f"{error}; {again}") from None
                 except Exception as error:
-                    raise CacheStoreError(
-                        f"cache shard {display_path(self.shard_dir / shard)} is missing or unreadable ({_short(error)}); "
-                        "run the caching node again to rebuild it"
-                    ) from None
+                    raise CacheStoreError(f"cache shard {display_path(self.shard_dir / shard)} is unreadable "
+                                          f"({_short(error)}); {again}") from None
                 self._handles[shard] = handle
                 while len(self._handles) > self.max_open:
                     self._handles.popitem(last=False)
             else:
                 self._handles.move_to_end(shard)
-            return read(handle)
+            try:
+                return read(handle)
+            except Exception as error:  # the file changed after the caching node checked it against the manifest
+                why = "" if tensor_name not in handle.keys() else f" ({_short(error)})"
+                raise CacheStoreError(f"cache shard {display_path(self.shard_dir / shard)} does not hold the "
+                                      f"{tensor_name.rpartition('/')[2]!r} of entry {tensor_name[:12]} its cache lists"
+                                      f"{why}: the file changed after it was cached; {again}") from None
 
     def close(self) -> None:
         """Drop the open handles; the next read opens its shard again. Windows neither deletes nor replaces a mapped
@@ -501,10 +510,10 @@ class _ShardReader:
             self._handles.clear()
 
     def __getstate__(self):  # handles cannot cross processes (e.g. DataLoader workers); reopen there
-        return {"shard_dir": self.shard_dir, "max_open": self.max_open}
+        return {"shard_dir": self.shard_dir, "node": self.node, "max_open": self.max_open}
 
     def __setstate__(self, state):
-        self.__init__(state["shard_dir"], state["max_open"])
+        self.__init__(state["shard_dir"], state["node"], state["max_open"])
 
 
 def _free_shard_name(shard_dir: Path, keys: Sequence[str]) -> str:
@@ -601,7 +610,7 @@ class LatentCache:
         self._frame_rates = list(frame_rates) if frame_rates is not None else [None] * len(items)
         # Times per epoch each item is trained on (its dataset item's repeat folder; 1 elsewhere).
         self._repeats = list(repeats) if repeats is not None else [1] * len(items)
-        self._reader = _ShardReader(self.root / "shards")
+        self._reader = _ShardReader(self.root / "shards", "Cache Latents (Headroom)")
         buckets: dict[tuple[int, int], list[int]] = {}
         for index, item in enumerate(items):
             buckets.setdefault(item[2], []).append(index)
@@ -705,7 +714,7 @@ class TextCache:
         self.memory_phases: list[dict] = []  # how building it went (memory_stats.PhaseRecorder records)
         self._entries = entries
         self._empty_key = empty_key
-        self._reader = _ShardReader(self.root / "shards")
+        self._reader = _ShardReader(self.root / "shards", "Cache Text (Headroom)")
 
     def release_files(self) -> None:
         """Unmap the shards read so far (_ShardReader.close): at the end of each training or validation call."""
