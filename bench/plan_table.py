@@ -1,5 +1,6 @@
-"""The planner's figures for the README's card table: for each shipped LoRA template, the fastest policy whose
-planned peak fits an 8 / 12 / 16 / 24 GB card (what the Offload Policy node's `card` resolves to), and that peak.
+"""The planner's figures for the README's card table: for each shipped LoRA template (and ControlNet template), the
+fastest policy whose planned peak fits an 8 / 12 / 16 / 24 GB card (what the Offload Policy node's `card` resolves
+to), and that peak.
 
     python bench/plan_table.py            # prints two Markdown tables (device peaks, host RAM), the versions and the date
     python bench/plan_table.py sdxl_lora  # only these templates
@@ -46,6 +47,8 @@ class Template:
     rank: int
     frames: int = 1
     scaled_fp8: bool = False  # the template loads a scaled fp8 file (ComfyUI's quantized layers: see as_scaled_fp8)
+    controlnet: bool = False  # a ControlNet run of the type's default blocks (no LoRA: rank unused), planned from its own step
+    policy: tuple = ()  # the template's Offload Policy fields beside its card, as (name, value) pairs
 
 
 # The templates' run settings (workflows/build_workflows.py): AdamW8bit, bf16, batch 1.
@@ -63,6 +66,12 @@ TEMPLATES = [
     Template("ltx2_lora", "LTX-2 19B", "ltx2", 1, 768, 512, 32, frames=49),
     Template("sd15_lora", "SD1.5", "sd15", None, 512, 512, 16),
     Template("sdxl_lora", "SDXL", "sdxl", None, 1024, 1024, 16),
+    # ControlNets: the measured model holds the blocks the ControlNet copies (Flux: 2 double blocks)
+    Template("sd15_controlnet", "SD1.5 ControlNet", "sd15", None, 512, 512, 16, controlnet=True),
+    Template("sdxl_controlnet", "SDXL ControlNet", "sdxl", None, 1024, 1024, 16, controlnet=True,
+             policy=(("fused_backward", True),)),
+    Template("flux_controlnet", "Flux.1 dev ControlNet", "flux_dev", (2, 1), 1024, 1024, 16, controlnet=True,
+             policy=(("fused_backward", True),)),
 ]
 
 
@@ -76,8 +85,11 @@ def halved(law):
 
 
 def describe(template: Template):
-    """(the planner's description of the full-size model, the LoRA's trainable tensors, the patcher on meta)."""
+    """(the planner's description of the full-size model, the LoRA's (or ControlNet's) trainable tensors, the patcher
+    on meta). A ControlNet's own blocks are measured on the measured model (its calibration runs the ControlNet step,
+    as the ControlNet Init node's plan does) and kept as measured: they are the same at any depth of the base."""
     from headroom.nodes.bridge.comfy_model import training_blocks
+    from headroom.nodes.bridge.controlnet_build import controlnet_trainable
     from headroom.nodes.bridge.planning import describe_comfy_model, lora_trainable
     from headroom.training.core.adapters import AdapterConfig
     from headroom.training.memory import planner
@@ -91,13 +103,16 @@ def describe(template: Template):
     dtype, precision = (torch.float32, "fp32") if unet else (torch.bfloat16, "bf16")
     measured_model = models.build_model(template.architecture, template.measured_depth, dtype=dtype, device="cpu",
                                         as_on_gpu=True)
-    measured = describe_comfy_model(measured_model, adapter, precision)
+    measured = describe_comfy_model(measured_model, adapter, precision,
+                                    controlnet=0 if template.controlnet else None)
     del measured_model
     if unet:
         measured = dataclasses.replace(
             measured, outside_saved=halved(measured.outside_saved), compute_element_size=2, stored_element_size=2,
             inference_bytes_per_latent_px=measured.inference_bytes_per_latent_px / 2,
-            blocks=tuple(dataclasses.replace(b, saved=halved(b.saved), inputs=halved(b.inputs)) for b in measured.blocks))
+            blocks=tuple(dataclasses.replace(b, saved=halved(b.saved), inputs=halved(b.inputs)) for b in measured.blocks),
+            controlnet_blocks=tuple(dataclasses.replace(b, saved=halved(b.saved), inputs=halved(b.inputs))
+                                    for b in measured.controlnet_blocks))
     full = models.build_model(template.architecture, None, device="meta", as_on_gpu=True)
     by_name = {block.name: block for block in measured.blocks}
     kinds = {}
@@ -112,13 +127,18 @@ def describe(template: Template):
     linears = [m.weight.numel() for _, block in named for m in block.modules() if isinstance(m, torch.nn.Linear)]
     # The time model as on a GPU: no block times (this CPU's would say nothing of a GPU's; each block is then costed
     # at reading its weights, training/memory/time_model.py) and the default host->device bandwidth.
+    untimed = planner.ActivationLaw()  # this CPU's seconds say nothing of a GPU's (below)
     description = dataclasses.replace(
         measured, blocks=blocks, largest_linear_numel=max(linears),
+        controlnet_blocks=tuple(dataclasses.replace(b, forward_s=untimed, backward_per_forward=0.0)
+                                for b in measured.controlnet_blocks),
         other_param_bytes=planner.frozen_bytes(full.model.diffusion_model) - sum(b.param_bytes for b in blocks),
         outside_forward_s=planner.ActivationLaw(), compute_device="cuda", h2d_bytes_per_s=0.0)
     if template.scaled_fp8:
         description = as_scaled_fp8(description)
-    return description, lora_trainable(full, adapter, "AdamW8bit"), full
+    trainable = controlnet_trainable(full, 0, "AdamW8bit") if template.controlnet else \
+        lora_trainable(full, adapter, "AdamW8bit")
+    return description, trainable, full
 
 
 def as_scaled_fp8(description):
@@ -181,7 +201,7 @@ def main() -> None:
         shape = planner.RunShape(1, template.width, template.height, None, latent_frames)
         cells, host_cells = [], []
         for card in CARDS_GB:
-            policy = OffloadPolicy(card=f"{card} GB")
+            policy = OffloadPolicy(card=f"{card} GB", **dict(template.policy))
             plan = planner.plan_auto(description, trainable, shape, policy, policy.budget_bytes())
             cells.append(cell(plan))
             host_cells.append(host_cell(plan))

@@ -7,8 +7,9 @@ import { api } from "../../scripts/api.js";
 
 export const TEMPLATE_ORDER = [
   "tiny_lora", "your_folder_lora", "tiny_controlnet", "memory_plan",
-  "sd15_lora", "sd15_full_finetune", "sd15_controlnet", "sdxl_lora", "sdxl_full_finetune", "sd35_lora",
-  "sd35_full_finetune", "flux_lora", "flux_full_finetune", "flux_kontext_lora", "flux2_klein_lora",
+  "sd15_lora", "sd15_full_finetune", "sd15_controlnet", "sdxl_lora", "sdxl_full_finetune", "sdxl_controlnet",
+  "sd35_lora", "sd35_full_finetune", "flux_lora", "flux_full_finetune", "flux_controlnet", "flux_kontext_lora",
+  "flux2_klein_lora",
   "zimage_lora", "qwen_image_lora", "qwen_image_edit_lora", "krea2_lora", "ideogram4_lora", "hidream_o1_lora",
   "wan21_lora", "hunyuan_video15_lora", "ltx2_lora",
 ];

@@ -563,14 +563,18 @@ def sdxl_full_finetune() -> Workflow:
                               "Full fine-tune (every layer, bf16)", 1e-6)
 
 
-def sdxl_lora() -> Workflow:
-    return real_model_lora(RealModel(
+def sdxl_model() -> RealModel:
+    return RealModel(
         "sdxl_lora", "SDXL", [checkpoint("sd_xl_base_1.0.safetensors")], (1, "MODEL"), (1, "CLIP"), (1, "VAE"),
         "- sd_xl_base_1.0.safetensors -> models/checkpoints/",
         resolution=1024, bucket_step=64, rank=16, optimizer="AdamW8bit", learning_rate=1e-4, precision="bf16",
         timestep_sampling="uniform", policy=policy("resident", "blocks"),
         sampling={"sample_steps": 25, "cfg": 6.0, "sampler_name": "euler", "scheduler": "normal", "width": 1024, "height": 1024},
-    ))
+    )
+
+
+def sdxl_lora() -> Workflow:
+    return real_model_lora(sdxl_model())
 
 
 def sd35_lora() -> Workflow:
@@ -589,7 +593,11 @@ def sd35_lora() -> Workflow:
 
 
 def flux_lora() -> Workflow:
-    return real_model_lora(RealModel(
+    return real_model_lora(flux_model())
+
+
+def flux_model() -> RealModel:
+    return RealModel(
         "flux_lora", "Flux.1 dev",
         [Node(1, "UNETLoader", 0, {"unet_name": "flux1-dev.safetensors"}, title="Load diffusion model"),
          Node(2, "DualCLIPLoader", 0, {"clip_name1": "clip_l.safetensors", "clip_name2": "t5xxl_fp16.safetensors",
@@ -602,7 +610,7 @@ def flux_lora() -> Workflow:
         resolution=1024, bucket_step=16, rank=16, optimizer="AdamW8bit", learning_rate=1e-4, precision="bf16",
         timestep_sampling="shifted", policy=policy("partial", "blocks"),
         sampling={"sample_steps": 20, "cfg": 1.0, "sampler_name": "euler", "scheduler": "simple", "width": 1024, "height": 1024},
-    ))
+    )
 
 
 FLUX_FULL_NOTE = """Flux.1 dev full fine-tune: trains the model's own weights (every linear layer of its 57 blocks, 11.8 B weights), not an adapter, on a 24 GB card.
@@ -693,6 +701,74 @@ def sd15_controlnet() -> Workflow:
         Node(16, "HeadroomVRAMMonitor", 4, links={"value": (15, "control_net_name")}, title="Memory after the run"),
         Node(17, "PreviewAny", 4, links={"source": (16, "report")}, title="Memory report"),
     ])
+
+
+def real_model_controlnet(spec: RealModel, memory: str, prompts: str) -> Workflow:
+    """A real model's ControlNet template: the dataset with its control folder, controls cached as pixels, the
+    ControlNet trained with fused backward (no full set of its gradients: what fits it on a 12 GB card), validated
+    with the first held-out item's control. `memory`: the Note's paragraph on what the planner plans."""
+    note = f"""{spec.label} ControlNet with cached latents, control images and text, validation and a memory report.
+
+Download (file -> ComfyUI folder):
+{spec.downloads}
+
+Your data, inside ComfyUI's input/ folder:
+- input/my_dataset: the images, each with a same-name .txt caption (photo1.png + photo1.txt)
+- input/my_dataset_control: the control image of each (photo1.png: its edge map, depth map, pose...)
+
+Memory: the ControlNet's own weights are trained in fp32 (a copy of the model's first blocks); the Offload policy's fused_backward steps each of them as soon as its gradient is ready and frees the gradient, so no full set of gradients exists (gradient clipping is then per tensor). {memory} The card is "this GPU (auto)": the planner picks the fastest settings that fit it.
+
+Queue it: the ControlNet (ComfyUI's own class) trains next to the frozen model, is validated every 500 steps with the first held-out control image and saved every 1000 steps to models/controlnet/headroom/ for the stock Load ControlNet Model node. Half of the samples train with the empty prompt (caption_dropout 0.5) so the ControlNet learns to follow the control alone."""
+    fused = {**spec.policy, "fused_backward": True}
+    return Workflow(spec.name, [
+        Note(100, 0, note, width=420, height=330),
+        *spec.loaders,
+        Node(5, "HeadroomOffloadPolicy", 0, fused, title="Offload policy"),
+        Node(10, "HeadroomDatasetFromFolder", 1,
+             {"folder": "my_dataset", "control_folder": "my_dataset_control", "resolution": spec.resolution,
+              "step": spec.bucket_step}, title="Dataset + control folders"),
+        Node(11, "HeadroomCacheLatents", 1, {"control_encoding": "pixels"},
+             links={"dataset": (10, "dataset"), "vae": spec.vae, "policy": (5, "policy")},
+             title="Cache latents + control"),
+        Node(12, "HeadroomCacheText", 1, links={"dataset": (10, "dataset"), "clip": spec.clip, "policy": (5, "policy")},
+             title="Cache text"),
+        Node(14, "HeadroomOptimizerConfig", 2,
+             {"optimizer": spec.optimizer, "learning_rate": spec.learning_rate, "schedule_steps": 5000},
+             title="Optimizer"),
+        Node(15, "HeadroomTrainControlNet", 3,
+             {"run_name": spec.name, "precision": spec.precision, "timestep_sampling": spec.timestep_sampling,
+              "gradient_checkpointing": gradient_checkpointing(fused), "holdout": 1, "steps": 5000,
+              "validate_every": 500, "save_every": 1000, "controlnet_subfolder": "headroom", "prompts": prompts,
+              "sample_seed": 0, **spec.sampling},
+             links={"model": spec.model, "latent_cache": (11, "latent_cache"), "text_cache": (12, "text_cache"),
+                    "optimizer_config": (14, "optimizer_config"), "clip": spec.clip, "vae": spec.vae,
+                    "policy": (5, "policy")},
+             title=f"Train ControlNet ({spec.label})", width=460, extra_height=LIVE_CHART_HEIGHT),
+        Node(16, "HeadroomVRAMMonitor", 4, links={"value": (15, "control_net_name")}, title="Memory after the run"),
+        Node(17, "PreviewAny", 4, links={"source": (16, "report")}, title="Memory report"),
+    ])
+
+
+CONTROLNET_PROMPTS = "a photo of a living room\na photo of a city street at night"
+
+
+def sdxl_controlnet() -> Workflow:
+    return real_model_controlnet(
+        dataclasses.replace(sdxl_model(), name="sdxl_controlnet", learning_rate=1e-5),
+        "Planned at 1024 px (bench/plan_table.py, not yet measured on a GPU): on a 12 GB card 11.0 GiB (part of the "
+        "base streamed from host RAM, blocks recomputed in backward), 16 GB 13.8 GiB (all on the card, blocks "
+        "recomputed), 24 GB 18.7 GiB (nothing recomputed); an 8 GB card only with the base stored in fp8 (numerics "
+        "change: the plan says so).", CONTROLNET_PROMPTS)
+
+
+def flux_controlnet() -> Workflow:
+    return real_model_controlnet(
+        dataclasses.replace(flux_model(), name="flux_controlnet", learning_rate=1e-5),
+        "The ControlNet copies the model's first 2 double blocks (XLabs layout, which the stock Load ControlNet Model "
+        "node reads). Planned at 1024 px (bench/plan_table.py, not yet measured on a GPU): on a 12 GB card 11.0 GiB "
+        "(about 19 GiB of the base streamed from host RAM, checkpoints kept there too), 16 / 24 GB 15.0 / 23.0 GiB "
+        "(the optimizer state streamed from host RAM); an 8 GB card only with the base stored in nf4 (bitsandbytes; "
+        "numerics change).", CONTROLNET_PROMPTS)
 
 
 MEMORY_PLAN_NOTE = """Memory plan only: how much device memory a LoRA run on this model needs, per phase (caching, training step, validation, save), itemised, and, in mode "auto", the fastest offload policy that fits the budget, with the reason. Nothing is trained.
@@ -1125,7 +1201,7 @@ WORKFLOWS = [tiny_lora, your_folder_lora, sd15_lora, sd15_full_finetune, sdxl_lo
              sd35_full_finetune, flux_lora, flux_full_finetune, flux2_klein_lora, qwen_image_lora, zimage_lora,
              krea2_lora, ideogram4_lora, hidream_o1_lora,
              qwen_image_edit_lora, flux_kontext_lora, wan21_lora, hunyuan_video15_lora, ltx2_lora,
-             tiny_controlnet, sd15_controlnet,
+             tiny_controlnet, sd15_controlnet, sdxl_controlnet, flux_controlnet,
              memory_plan]
 # Workflows small enough to run to completion on a CPU in the test suite (tests/server/test_workflows.py).
 TINY_WORKFLOWS = {"tiny_lora", "tiny_controlnet"}

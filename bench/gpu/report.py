@@ -283,7 +283,8 @@ def section(records: list[dict]) -> str:
                          key=lambda r: (list(LABELS).index(r["model"]) if r["model"] in LABELS else 99,
                                         _config_key(r["config"])))
     if controlnets:
-        lines += ["", "ControlNet runs (Train ControlNet: Init, the type's default blocks, AdamW): planned from the "
+        lines += ["", "ControlNet runs (Train ControlNet: Init, the type's default blocks, AdamW, fused backward): "
+                  "planned from the "
                   "ControlNet's own step (its calibration runs the ControlNet; the time model takes its blocks' "
                   "measured times); `resident`: the whole card, a card: the Offload Policy's card set to it (emulated "
                   "as above):", "",

@@ -100,10 +100,11 @@ FULL_HOST_CARDS = (16,)
 # full_finetune.md): the policy given (partial base, every block checkpointed), so the path runs in the dry run too.
 FULL_STREAMED_STATE_CARDS = (24,)
 FULL_STREAMED_STATE_MODELS = ("sd35_large",)
-# ControlNet runs (the type's default blocks: SDXL's encoder copied, Flux's first 2 double blocks; AdamW): the planned
-# peak and predicted s/step of a ControlNet's own step (its calibration runs the ControlNet, the time model takes its
-# blocks' measured times), never yet run on a GPU, against the measured. "resident": the whole card, planned for the
-# record; a card ("16GB"): the Offload Policy's card set to it, the Init node's plan (emulated as the budgets are).
+# ControlNet runs (the type's default blocks: SDXL's encoder copied, Flux's first 2 double blocks; AdamW, fused
+# backward as the templates sdxl_controlnet / flux_controlnet set it): the planned peak and predicted s/step of a
+# ControlNet's own step (its calibration runs the ControlNet, the time model takes its blocks' measured times), never
+# yet run on a GPU, against the measured. "resident": the whole card, planned for the record; a card ("16GB"): the
+# Offload Policy's card set to it, the Init node's plan (emulated as the budgets are).
 CONTROLNET_ROWS = {"sdxl": ("resident", "16GB"), "flux_dev": ("resident", "24GB")}
 
 
@@ -482,9 +483,10 @@ def full_run(patcher, name: str, config: str, args) -> dict:
 
 
 def controlnet_run(patcher, name: str, config: str, args) -> dict:
-    """A ControlNet run (CONTROLNET_ROWS): Train ControlNet: Init -> Steps -> Validate (loss), AdamW; "resident" with
-    the Offload Policy's defaults on the whole card, "16GB" with its card set to that size (the Init node plans from
-    its ControlNet's own step), the card emulated on the large one."""
+    """A ControlNet run (CONTROLNET_ROWS): Train ControlNet: Init -> Steps -> Validate (loss), AdamW, the Offload
+    Policy's fused_backward on as the SDXL and Flux ControlNet templates set it; "resident" with the policy's other
+    defaults on the whole card, "16GB" with its card set to that size (the Init node plans from its ControlNet's own
+    step), the card emulated on the large one."""
     from headroom.nodes import memory as M, train_lora as T
     from headroom.training.memory.policy import OffloadPolicy
 
@@ -493,11 +495,12 @@ def controlnet_run(patcher, name: str, config: str, args) -> dict:
     latent_cache, text_cache = caches(patcher, width, height, frames, tokens, control=True)
     budget, _, _ = parse_config(config)
     inputs = {field: default for field, _, default in OffloadPolicy.node_inputs()}
+    inputs.update(fused_backward=True)
     if budget is not None:
         inputs.update(card=f"{budget:g} GB")
     policy = M.HeadroomOffloadPolicy.execute(**inputs).args[0]
     record = {"width": width, "height": height, "frames": frames, "text_tokens": tokens, "budget_gb": budget,
-              "work": "ControlNet: the type's default blocks, AdamW"}
+              "work": "ControlNet: the type's default blocks, AdamW, fused backward"}
     optimizer = T.HeadroomOptimizerConfig.execute("AdamW", 1e-5, 0.0, "constant", 0, 1000).args[0]
     return train_and_measure(patcher, name, config, args, record, policy, None, optimizer, latent_cache, text_cache)
 

@@ -340,7 +340,15 @@ def test_templates_list_only_the_ui_workflows_each_with_its_thumbnail(comfy_serv
     page.wait_for_function("(cards) => document.querySelectorAll(cards).length > 0", arg=cards, timeout=30_000)
     page.wait_for_timeout(1500)  # the first row's pictures
     page.screenshot(path=str(ARTIFACTS / "templates.png"))
-    shown = page.evaluate("(cards) => Array.from(document.querySelectorAll(cards)).map((h) => h.textContent.trim())", cards)
+    titles = "(cards) => Array.from(document.querySelectorAll(cards)).map((h) => h.textContent.trim())"
+    shown = page.evaluate(titles, cards)
+    while True:  # the dialog renders its cards a page (24) at a time, the next as the last comes into view
+        page.locator(cards).last.scroll_into_view_if_needed()
+        page.wait_for_timeout(1000)
+        more = page.evaluate(titles, cards)
+        if len(more) == len(shown):
+            break
+        shown = more
     assert sorted(shown) == sorted(p.stem for p in WORKFLOWS.glob("*.json")), shown
     assert shown == template_order(), shown
     pictures = page.evaluate("() => Array.from(document.querySelectorAll('[role=dialog] img'))"

@@ -428,3 +428,44 @@ def test_image_workflow_runs_on_a_tiny_model_of_its_family(comfy_server, object_
         assert keys and all(key.endswith((".diff", ".diff_b")) for key in keys), keys[:5]
     validation = comfy_server.base_dir / "output" / "headroom_runs" / run_name / "validation"
     assert list(validation.iterdir()), f"no validation image in {validation}"
+
+
+# (workflow, family, image side): the ControlNet templates on a tiny model of their family.
+CONTROLNET_WORKFLOWS = [("sd15_controlnet", "sd15", 64), ("sdxl_controlnet", "sdxl", 64), ("flux_controlnet", "flux", 64)]
+
+
+@pytest.mark.parametrize("name, family, size", CONTROLNET_WORKFLOWS, ids=[w[0] for w in CONTROLNET_WORKFLOWS])
+def test_controlnet_workflow_runs_on_a_tiny_model_of_its_family(comfy_server, object_info, name, family, size):
+    """The shipped ControlNet graph (its Offload Policy, fused backward for SDXL's and Flux's, its validation sampler)
+    with the loader swapped for a tiny model of its family and a control folder beside the images, as the Note asks:
+    it trains, validates with the held-out item's control and saves a ControlNet where the stock Load ControlNet Model
+    node lists it."""
+    import torch
+    from PIL import Image, ImageDraw
+
+    prompt = with_tiny_model(json.loads((API / f"{name}_api.json").read_text()), object_info, family)
+    nodes = {node["class_type"]: node["inputs"] for node in prompt.values()}
+    assert nodes["HeadroomOffloadPolicy"]["fused_backward"] == (name != "sd15_controlnet")  # sd15's trains in fp16
+    run_name = f"{name}_{uuid.uuid4().hex[:8]}"
+    write_image_folder(comfy_server.base_dir / "input" / run_name, 3)
+    control = comfy_server.base_dir / "input" / f"{run_name}_control"
+    control.mkdir()
+    for index in range(3):  # each image's control: the outline of its circle, under the image's name
+        image = Image.new("RGB", (80, 64))
+        ImageDraw.Draw(image).ellipse((20, 12, 60, 52), outline=(255, 255, 255), width=3)
+        image.save(control / f"photo{index}.png")
+    nodes["HeadroomDatasetFromFolder"].update(folder=run_name, control_folder=control.name, resolution=size)
+    if nodes["HeadroomOptimizerConfig"]["optimizer"] == "AdamW8bit":
+        nodes["HeadroomOptimizerConfig"].update(optimizer="AdamW")  # bitsandbytes' 8-bit AdamW needs a GPU
+    nodes["HeadroomTrainControlNet"].update(run_name=run_name, precision="fp32", steps=2, validate_every=2,
+                                            save_every=2, width=size, height=size, sample_steps=2)
+    execution = comfy_server.run_workflow(prompt, timeout=900)
+    assert execution.status == "success", execution.error
+    saved = list((comfy_server.base_dir / "models" / "controlnet" / "headroom").glob(f"{run_name}*.safetensors"))
+    assert saved, f"no ControlNet of run {run_name} in models/controlnet/headroom"
+    validation = comfy_server.base_dir / "output" / "headroom_runs" / run_name / "validation"
+    assert list(validation.iterdir()), f"no validation image in {validation}"
+    # fused backward's optimizer state: one parameter group per trained tensor (the plain optimizer's: one group)
+    states = sorted((validation.parent / "checkpoints").glob("step_*/optimizer.pt"))
+    groups = torch.load(states[-1], map_location="cpu", weights_only=True)["optimizer"]["param_groups"]
+    assert (len(groups) > 1) == (name != "sd15_controlnet"), len(groups)
