@@ -47,7 +47,7 @@ class Template:
     rank: int
     frames: int = 1
     scaled_fp8: bool = False  # the template loads a scaled fp8 file (ComfyUI's quantized layers: see as_scaled_fp8)
-    controlnet: bool = False  # a ControlNet run of the type's default blocks (no LoRA: rank unused), planned from its own step
+    controlnet: bool = False  # a ControlNet of the type's default blocks (no LoRA: rank unused), planned from its step
     policy: tuple = ()  # the template's Offload Policy fields beside its card, as (name, value) pairs
 
 
@@ -110,7 +110,8 @@ def describe(template: Template):
         measured = dataclasses.replace(
             measured, outside_saved=halved(measured.outside_saved), compute_element_size=2, stored_element_size=2,
             inference_bytes_per_latent_px=measured.inference_bytes_per_latent_px / 2,
-            blocks=tuple(dataclasses.replace(b, saved=halved(b.saved), inputs=halved(b.inputs)) for b in measured.blocks),
+            blocks=tuple(dataclasses.replace(b, saved=halved(b.saved), inputs=halved(b.inputs))
+                         for b in measured.blocks),
             controlnet_blocks=tuple(dataclasses.replace(b, saved=halved(b.saved), inputs=halved(b.inputs))
                                     for b in measured.controlnet_blocks))
     full = models.build_model(template.architecture, None, device="meta", as_on_gpu=True)

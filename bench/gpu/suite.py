@@ -115,8 +115,8 @@ def plan(models: list[str], budgets: list[float], policies: list[str], full_card
     """The measurements in order of value, as (kind, model, configs): configs "resident", "ckpt" (resident, every
     block checkpointed), a budget in GiB ("8GB"),
     "policy-<name>", or a full fine-tune's card ("full-24GB", "full-16GB-host", "full-24GB-streamed-state"); one model
-    build per entry. The ControlNet rows (CONTROLNET_ROWS) follow the full fine-tunes. Flux-dev and SDXL resident and at the budgets the last lease left open come first (the first
-    command's share)."""
+    build per entry. Flux-dev and SDXL resident and at the budgets the last lease left open come first (the first
+    command's share); the ControlNet rows (CONTROLNET_ROWS) follow the full fine-tunes."""
     # What the last H200 lease (2026-11-30) left open comes first: Flux-dev's 8 / 16 GiB rows again (their Steps
     # call's start, split now, and a traced step) and 6 GiB (validation's slack), SDXL resident (the calibration's
     # warm-up) and 8 GiB (1.51x its limit), then the full fine-tunes (issue 42: never measured); the rows it answered

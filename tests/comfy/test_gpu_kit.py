@@ -204,7 +204,8 @@ def test_dry_run_measures_controlnet_runs_against_their_plan(comfyui, tmp_path):
     s/step beside the measured, on the page."""
     results, page = tmp_path / "results", tmp_path / "gpu_kit.md"
     suite(results, "--models", "sdxl,flux_dev", "--budgets", "", "--no-native", "--no-cuda-tests", "--policies", "none",
-          "--full-cards", "none", "--full-host-cards", "none", "--full-streamed-state-cards", "none", "--page", str(page))
+          "--full-cards", "none", "--full-host-cards", "none", "--full-streamed-state-cards", "none",
+          "--page", str(page))
     by_id = {r["id"]: r for r in measurements(results)}
     rows = ["controlnet/sdxl/resident", "controlnet/sdxl/16GB", "controlnet/flux_dev/resident",
             "controlnet/flux_dev/24GB"]

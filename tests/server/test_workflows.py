@@ -431,7 +431,8 @@ def test_image_workflow_runs_on_a_tiny_model_of_its_family(comfy_server, object_
 
 
 # (workflow, family, image side): the ControlNet templates on a tiny model of their family.
-CONTROLNET_WORKFLOWS = [("sd15_controlnet", "sd15", 64), ("sdxl_controlnet", "sdxl", 64), ("flux_controlnet", "flux", 64)]
+CONTROLNET_WORKFLOWS = [("sd15_controlnet", "sd15", 64), ("sdxl_controlnet", "sdxl", 64),
+                        ("flux_controlnet", "flux", 64)]
 
 
 @pytest.mark.parametrize("name, family, size", CONTROLNET_WORKFLOWS, ids=[w[0] for w in CONTROLNET_WORKFLOWS])

@@ -496,7 +496,10 @@ class _ShardReader:
             try:
                 return read(handle)
             except Exception as error:  # the file changed after the caching node checked it against the manifest
-                why = "" if tensor_name not in handle.keys() else f" ({_short(error)})"
+                try:  # safetensors' own words name the entry's 64-digit key: said only when it is another fault
+                    why = "" if tensor_name not in handle.keys() else f" ({_short(error)})"
+                except Exception:
+                    why = f" ({_short(error)})"
                 raise CacheStoreError(f"cache shard {display_path(self.shard_dir / shard)} does not hold the "
                                       f"{tensor_name.rpartition('/')[2]!r} of entry {tensor_name[:12]} its cache lists"
                                       f"{why}: the file changed after it was cached; {again}") from None
