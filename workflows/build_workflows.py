@@ -703,10 +703,28 @@ def sd15_controlnet() -> Workflow:
     ])
 
 
-def real_model_controlnet(spec: RealModel, memory: str, prompts: str) -> Workflow:
-    """A real model's ControlNet template: the dataset with its control folder, controls cached as pixels, the
-    ControlNet trained with fused backward (no full set of its gradients: what fits it on a 12 GB card), validated
-    with the first held-out item's control. `memory`: the Note's paragraph on what the planner plans."""
+def control_data_nodes(spec: RealModel, folder: str, encoding: str, titles: tuple[str, str, str],
+                       text_inputs: dict | None = None) -> list:
+    """Dataset From Folder on `folder` with its control folder `<folder>_control`, Cache Latents with the controls as
+    `encoding` and Cache Text (nodes 10-12), linked to the spec's VAE and CLIP and the policy node 5."""
+    return [
+        Node(10, "HeadroomDatasetFromFolder", 1,
+             {"folder": folder, "control_folder": f"{folder}_control", "resolution": spec.resolution,
+              "step": spec.bucket_step}, title=titles[0]),
+        Node(11, "HeadroomCacheLatents", 1, {"control_encoding": encoding},
+             links={"dataset": (10, "dataset"), "vae": spec.vae, "policy": (5, "policy")}, title=titles[1]),
+        Node(12, "HeadroomCacheText", 1, text_inputs or {},
+             links={"dataset": (10, "dataset"), "clip": spec.clip, "policy": (5, "policy")}, title=titles[2]),
+    ]
+
+
+def real_model_controlnet(model: RealModel, name: str, memory: str) -> Workflow:
+    """A real model's ControlNet template `name`: the dataset with its control folder, controls cached as pixels, the
+    ControlNet trained with fused backward (no full set of its gradients: what fits it on a 12 GB card) at a tenth of
+    the model's LoRA learning rate, validated with the first held-out item's control. `memory`: the Note's sentences on
+    what the planner plans."""
+    spec = dataclasses.replace(model, name=name, learning_rate=model.learning_rate / 10)
+    prompts = "a photo of a living room\na photo of a city street at night"
     note = f"""{spec.label} ControlNet with cached latents, control images and text, validation and a memory report.
 
 Download (file -> ComfyUI folder):
@@ -724,14 +742,8 @@ Queue it: the ControlNet (ComfyUI's own class) trains next to the frozen model, 
         Note(100, 0, note, width=420, height=330),
         *spec.loaders,
         Node(5, "HeadroomOffloadPolicy", 0, fused, title="Offload policy"),
-        Node(10, "HeadroomDatasetFromFolder", 1,
-             {"folder": "my_dataset", "control_folder": "my_dataset_control", "resolution": spec.resolution,
-              "step": spec.bucket_step}, title="Dataset + control folders"),
-        Node(11, "HeadroomCacheLatents", 1, {"control_encoding": "pixels"},
-             links={"dataset": (10, "dataset"), "vae": spec.vae, "policy": (5, "policy")},
-             title="Cache latents + control"),
-        Node(12, "HeadroomCacheText", 1, links={"dataset": (10, "dataset"), "clip": spec.clip, "policy": (5, "policy")},
-             title="Cache text"),
+        *control_data_nodes(spec, "my_dataset", "pixels",
+                            ("Dataset + control folders", "Cache latents + control", "Cache text")),
         Node(14, "HeadroomOptimizerConfig", 2,
              {"optimizer": spec.optimizer, "learning_rate": spec.learning_rate, "schedule_steps": 5000},
              title="Optimizer"),
@@ -749,26 +761,24 @@ Queue it: the ControlNet (ComfyUI's own class) trains next to the frozen model, 
     ])
 
 
-CONTROLNET_PROMPTS = "a photo of a living room\na photo of a city street at night"
+# What the planner plans for each ControlNet template (bench/plan_table.py), for its Note.
+SDXL_CONTROLNET_MEMORY = (
+    "Planned at 1024 px (bench/plan_table.py, not yet measured on a GPU): on a 12 GB card 11.0 GiB (part of the base "
+    "streamed from host RAM, blocks recomputed in backward), 16 GB 13.8 GiB (all on the card, blocks recomputed), 24 GB "
+    "18.7 GiB (nothing recomputed); an 8 GB card only with the base stored in fp8 (numerics change: the plan says so).")
+FLUX_CONTROLNET_MEMORY = (
+    "The ControlNet copies the model's first 2 double blocks (XLabs layout, which the stock Load ControlNet Model node "
+    "reads). Planned at 1024 px (bench/plan_table.py, not yet measured on a GPU): on a 12 GB card 11.0 GiB (about 19 GiB "
+    "of the base streamed from host RAM, checkpoints kept there too), 16 / 24 GB 15.0 / 23.0 GiB (the optimizer state "
+    "streamed from host RAM); an 8 GB card only with the base stored in nf4 (bitsandbytes; numerics change).")
 
 
 def sdxl_controlnet() -> Workflow:
-    return real_model_controlnet(
-        dataclasses.replace(sdxl_model(), name="sdxl_controlnet", learning_rate=1e-5),
-        "Planned at 1024 px (bench/plan_table.py, not yet measured on a GPU): on a 12 GB card 11.0 GiB (part of the "
-        "base streamed from host RAM, blocks recomputed in backward), 16 GB 13.8 GiB (all on the card, blocks "
-        "recomputed), 24 GB 18.7 GiB (nothing recomputed); an 8 GB card only with the base stored in fp8 (numerics "
-        "change: the plan says so).", CONTROLNET_PROMPTS)
+    return real_model_controlnet(sdxl_model(), "sdxl_controlnet", SDXL_CONTROLNET_MEMORY)
 
 
 def flux_controlnet() -> Workflow:
-    return real_model_controlnet(
-        dataclasses.replace(flux_model(), name="flux_controlnet", learning_rate=1e-5),
-        "The ControlNet copies the model's first 2 double blocks (XLabs layout, which the stock Load ControlNet Model "
-        "node reads). Planned at 1024 px (bench/plan_table.py, not yet measured on a GPU): on a 12 GB card 11.0 GiB "
-        "(about 19 GiB of the base streamed from host RAM, checkpoints kept there too), 16 / 24 GB 15.0 / 23.0 GiB "
-        "(the optimizer state streamed from host RAM); an 8 GB card only with the base stored in nf4 (bitsandbytes; "
-        "numerics change).", CONTROLNET_PROMPTS)
+    return real_model_controlnet(flux_model(), "flux_controlnet", FLUX_CONTROLNET_MEMORY)
 
 
 MEMORY_PLAN_NOTE = """Memory plan only: how much device memory a LoRA run on this model needs, per phase (caching, training step, validation, save), itemised, and, in mode "auto", the fastest offload policy that fits the budget, with the reason. Nothing is trained.
@@ -1133,14 +1143,9 @@ def edit_model_lora(spec: RealModel, reference_encoding: str, text_path: str) ->
         *spec.loaders,
         Node(5, "HeadroomOffloadPolicy", 0, spec.policy, title="Offload policy"),
         Node(6, "LoadImage", 0, {"image": "edit_reference.png"}, title="Validation reference image"),
-        Node(10, "HeadroomDatasetFromFolder", 1,
-             {"folder": "my_edit_dataset", "control_folder": "my_edit_dataset_control", "resolution": spec.resolution,
-              "step": spec.bucket_step}, title="Targets + reference folders"),
-        Node(11, "HeadroomCacheLatents", 1, {"control_encoding": "latents"},
-             links={"dataset": (10, "dataset"), "vae": spec.vae, "policy": (5, "policy")},
-             title="Cache latents + reference latents"),
-        Node(12, "HeadroomCacheText", 1, {"reference_encoding": reference_encoding},
-             links={"dataset": (10, "dataset"), "clip": spec.clip, "policy": (5, "policy")}, title="Cache instructions"),
+        *control_data_nodes(spec, "my_edit_dataset", "latents",
+                            ("Targets + reference folders", "Cache latents + reference latents", "Cache instructions"),
+                            {"reference_encoding": reference_encoding}),
         Node(13, "HeadroomLoraConfig", 2, {"rank": spec.rank, "alpha": float(spec.rank)}, title="LoRA"),
         Node(14, "HeadroomOptimizerConfig", 2,
              {"optimizer": spec.optimizer, "learning_rate": spec.learning_rate, "schedule_steps": 2000}, title="Optimizer"),
