@@ -764,13 +764,14 @@ Queue it: the ControlNet (ComfyUI's own class) trains next to the frozen model, 
 # What the planner plans for each ControlNet template (bench/plan_table.py), for its Note.
 SDXL_CONTROLNET_MEMORY = (
     "Planned at 1024 px (bench/plan_table.py, not yet measured on a GPU): on a 12 GB card 11.0 GiB (part of the base "
-    "streamed from host RAM, blocks recomputed in backward), 16 GB 13.8 GiB (all on the card, blocks recomputed), 24 GB "
-    "18.7 GiB (nothing recomputed); an 8 GB card only with the base stored in fp8 (numerics change: the plan says so).")
+    "streamed from host RAM, blocks recomputed in backward), 16 GB 13.8 GiB (all on the card, blocks recomputed), "
+    "24 GB 18.7 GiB (nothing recomputed); an 8 GB card only with the base stored in fp8 (numerics change: the plan "
+    "says so).")
 FLUX_CONTROLNET_MEMORY = (
     "The ControlNet copies the model's first 2 double blocks (XLabs layout, which the stock Load ControlNet Model node "
-    "reads). Planned at 1024 px (bench/plan_table.py, not yet measured on a GPU): on a 12 GB card 11.0 GiB (about 19 GiB "
-    "of the base streamed from host RAM, checkpoints kept there too), 16 / 24 GB 15.0 / 23.0 GiB (the optimizer state "
-    "streamed from host RAM); an 8 GB card only with the base stored in nf4 (bitsandbytes; numerics change).")
+    "reads). Planned at 1024 px (bench/plan_table.py, not yet measured on a GPU): on a 12 GB card 11.0 GiB (about "
+    "19 GiB of the base streamed from host RAM, checkpoints kept there too), 16 / 24 GB 15.0 / 23.0 GiB (the optimizer "
+    "state streamed from host RAM); an 8 GB card only with the base stored in nf4 (bitsandbytes; numerics change).")
 
 
 def sdxl_controlnet() -> Workflow:
