@@ -504,3 +504,29 @@ def test_without_room_for_the_controlnet_the_plan_is_made_as_with_a_lora(comfyui
     monkeypatch.undo()
     measured = planning.describe_comfy_model(model, planning.AdapterConfig(), "fp32", controlnet=0)
     assert len(measured.controlnet_blocks) > 0
+
+
+def test_a_cards_plan_note_says_what_fused_backward_would_allow_and_keeps_the_plan(comfyui):
+    """resolve_policy's note (the Init node's text before the run opens, and the log): where a card's plan fits but
+    the Offload Policy's fused_backward, off, would step much faster (a ControlNet's large fp32 gradients: the optimizer
+    then steps on the card instead of in host RAM), the note ends with that advice; the policy stays the one planned
+    (fused backward changes gradient clipping: the user turns it on)."""
+    from headroom.nodes.bridge.run_settings import resolve_policy
+    from headroom.training.memory import planner
+    from headroom.training.memory.policy import GIB, OffloadPolicy
+
+    mib, per_px = 2 ** 20, 1 / 4096
+    block = planner.BlockProfile("b", 512 * mib, linear_weight_bytes=256 * mib, linear_weight_numel=128 * mib,
+                                 linear_rows=4096, linear_count=8,
+                                 saved=planner.ActivationLaw(0, 200 * mib * per_px, 0),
+                                 inputs=planner.ActivationLaw(0, 20 * mib * per_px, 0))
+    description = planner.ModelDescription("toy", (block,) * 4, other_param_bytes=100 * mib, latent_channels=4,
+                                           inference_bytes_per_latent_px=10 * mib / 4096)
+    controlnet_sized = planner.TrainableSpec(((16384, 16384),) * 2, "AdamW")  # 2 GiB of fp32 weights
+    card = OffloadPolicy(card="8 GB")
+    plan = planner.plan_auto(description, controlnet_sized, planner.RunShape(batch=1, width=512, height=512), card,
+                             budget_bytes=7 * GIB)
+    assert plan.fits and plan.policy.optimizer_state == "cpu" and plan.advice.startswith(" With fused_backward on")
+    policy, note = resolve_policy(card, False, 1, plan_card=lambda _: plan, node="Train ControlNet: Init (Headroom)")
+    assert note.startswith("Train ControlNet: Init (Headroom): 8 GB: ") and note.endswith(plan.advice), note
+    assert not policy.fused_backward and policy.optimizer_state == "cpu"

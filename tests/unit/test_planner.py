@@ -250,6 +250,31 @@ def test_auto_lowers_precision_only_when_nothing_else_fits_and_says_so():
     assert nothing.fits is False and "nothing fits" in nothing.reason
 
 
+def test_fused_backward_is_said_where_it_fits_what_the_plan_cannot_or_is_much_faster_and_never_chosen():
+    """A run with large gradients (a ControlNet's fp32 weights): where nothing fits with the base as loaded, the reason
+    says that the Offload Policy's fused_backward would fit it, and with what; where the plan fits but steps its
+    optimizer in host RAM, the much faster step fused backward would allow. Never chosen (gradient clipping per tensor,
+    no fp16 or accumulation), and not weighed with gradient accumulation, when it is on, or for a LoRA's gradients."""
+    d = toy_description(blocks=4, block_weights=512 * MIB)
+    big = TrainableSpec(((16384, 16384),) * 2, "AdamW")  # 2 GiB of fp32 weights, as many bytes of gradients
+    tight = plan_auto(d, big, SHAPE, OffloadPolicy(), budget_bytes=5 * GIB)
+    assert tight.fits is False and not tight.policy.fused_backward
+    assert "With fused_backward on in the Offload Policy" in tight.reason, tight.reason
+    assert "it fits with the base as loaded: peak 5.00 GiB with " in tight.reason and \
+        tight.reason.endswith(", fused backward."), tight.reason
+    roomy = plan_auto(d, big, SHAPE, OffloadPolicy(), budget_bytes=7 * GIB)
+    assert roomy.fits and not roomy.policy.fused_backward and roomy.policy.optimizer_state == "cpu"
+    said = roomy.reason.split("With fused_backward on in the Offload Policy")[1]
+    fused_s, plan_s = (float(x) for x in said.split(": predicted ")[1].split(", with ")[0].split(" s/step instead of "))
+    assert fused_s <= planner.FUSED_ADVICE_SPEEDUP * plan_s
+    assert plan_s == pytest.approx(roomy.predicted_s_per_step, abs=1e-3)
+    accumulating = plan_auto(d, big, dataclasses.replace(SHAPE, grad_accum=2), OffloadPolicy(), budget_bytes=5 * GIB)
+    assert "fused_backward" not in accumulating.reason
+    on = plan_auto(d, big, SHAPE, OffloadPolicy(fused_backward=True), budget_bytes=5 * GIB)
+    assert on.fits and on.policy.fused_backward and "With fused_backward" not in on.reason
+    assert "fused_backward" not in plan_auto(d, TRAINABLE, SHAPE, OffloadPolicy(), budget_bytes=3 * GIB).reason
+
+
 def test_auto_tries_no_storage_whose_package_is_missing(monkeypatch):
     """int8 / nf4 need the optional bitsandbytes: without it auto never picks them (the run would fail when it opens)
     and, when nothing else fits, says what installing it would allow."""

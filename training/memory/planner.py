@@ -475,6 +475,9 @@ class Plan:
     # plan_auto: why the step is predicted SLOW_STEP_RATIO times or more that of a card holding the whole run
     # ("": it is not)
     slow: str = ""
+    # plan_auto: what the Offload Policy's fused_backward, off, would allow (_fused_backward_advice; "": nothing more),
+    # also at the end of `reason`
+    advice: str = ""
     # The host RAM the run may pin for its streamed blocks (ModelDescription.pinnable_bytes; None: not known, or nothing
     # crosses), and the streamed block bytes past it, which cross from pageable memory: slower, and priced so in the
     # predicted step (pinned_line says so).
@@ -1080,6 +1083,8 @@ def plan_auto(description: ModelDescription, trainable: TrainableSpec, shape: Ru
         plan.slow = _slowness(plan, estimate(description, trainable, shape, candidates[0], None))
         if plan.slow:
             plan.reason += f" Slow: {plan.slow}."
+        plan.advice = _fused_backward_advice(description, trainable, shape, base, budget_bytes, host_room, plan)
+        plan.reason += plan.advice
         return plan
     on_device = [p for p in tried if p.device_fits]
     if on_device:  # the card has room; host RAM has not, for any of them
@@ -1095,7 +1100,39 @@ def plan_auto(description: ModelDescription, trainable: TrainableSpec, shape: Ru
     if untried:
         smallest.reason += (f" Base storage {' / '.join(untried)} was not tried: it needs the optional package "
                             "bitsandbytes (python -m pip install bitsandbytes, then restart ComfyUI).")
+    smallest.advice = _fused_backward_advice(description, trainable, shape, base, budget_bytes, host_room)
+    smallest.reason += smallest.advice
     return smallest
+
+
+# The Offload Policy's fused_backward is weighed for a plan (and said, never chosen) where the gradients it frees are
+# at least this share of the budget (a ControlNet's fp32 weights: SDXL's 4.7 GiB; a LoRA's are a few hundred MiB), and
+# said where it fits what the plan does not, or is predicted at most FUSED_ADVICE_SPEEDUP of the plan's step.
+FUSED_ADVICE_SHARE = 1 / 16
+FUSED_ADVICE_SPEEDUP = 0.67
+
+
+def _fused_backward_advice(description: ModelDescription, trainable: TrainableSpec, shape: RunShape,
+                           base: OffloadPolicy, budget_bytes: int, host_room: HostRoom | None,
+                           chosen: Plan | None = None) -> str:
+    """What the Offload Policy's fused_backward would allow where the run keeps a full set of large gradients: fit
+    with the base as loaded where `chosen` (the plan made; None: nothing fits) does not, or a step predicted much
+    faster. Said, not chosen: it clips gradients per tensor and cannot run with fp16 or gradient accumulation. ""
+    where it is on, accumulation is asked, the gradients are small, or it allows nothing more."""
+    if base.fused_backward or shape.grad_accum > 1 or trainable.weight_bytes() < FUSED_ADVICE_SHARE * budget_bytes:
+        return ""
+    fused = plan_auto(description, trainable, shape, base.replace(fused_backward=True), budget_bytes, host_room)
+    if not fused.fits or fused.policy.base_storage != base.base_storage:
+        return ""
+    said = (" With fused_backward on in the Offload Policy (each trained tensor stepped in backward and its gradient "
+            "freed; gradient clipping per tensor; not with precision fp16 or gradient accumulation)")
+    if chosen is None or chosen.policy.base_storage != base.base_storage:
+        return (f"{said} it fits with the base as loaded: peak {format_bytes(fused.peak_bytes)} with "
+                f"{fused.policy.describe()}.")
+    if math.isfinite(_seconds(chosen)) and _seconds(fused) <= FUSED_ADVICE_SPEEDUP * _seconds(chosen):
+        return (f"{said}: predicted {_seconds(fused):.3f} s/step instead of {_seconds(chosen):.3f}, with "
+                f"{fused.policy.describe()}.")
+    return ""
 
 
 # The ring's device slots the planner weighs (with_best_slots): prefetch depth 1 to 3. Each slot more holds a block
