@@ -55,6 +55,23 @@ def _config_key(config: str) -> tuple:
     return (1, 0.0, "") if config == "resident" else (2, 0.0, config)
 
 
+def _model_order(r: dict) -> tuple:
+    """Rows by model (LABELS' order), then budget (_config_key)."""
+    return (list(LABELS).index(r["model"]) if r["model"] in LABELS else 99, _config_key(r["config"]))
+
+
+def _fitted_row(r: dict, config: str, *extra: str) -> str:
+    """A table row of a run fitted to a card (full fine-tunes, ControlNets): the policy run, planned and measured peaks,
+    host RAM, s/step, the `extra` cells, status."""
+    peak, estimate = r.get("train_peak_allocated"), r.get("planner_train_bytes")
+    cells = [LABELS.get(r["model"], r["model"]), config,
+             r.get("policy", "") + (" (planner: does not fit)" if r.get("plan_fits") is False else ""),
+             _gib(estimate), _gib(peak), _gib(r.get("train_peak_reserved")),
+             f"{estimate / peak:.2f}" if peak and estimate else "", _gib(r.get("train_peak_rss")),
+             "" if r.get("s_per_step") is None else f"{r['s_per_step']:.3f}", *extra, str(r.get("status"))]
+    return "| " + " | ".join(cells) + " |"
+
+
 def physical_limit(r: dict, measured: dict[str, dict]) -> tuple[float | None, str]:
     """A row's physical limit, max(compute with its recompute, bytes crossing / pinned bandwidth), and where its
     compute part comes from: the same model's "ckpt" row (resident, every block checkpointed, no cap: measured) when
@@ -227,9 +244,7 @@ def section(records: list[dict]) -> str:
         "| validation peak GiB | planner validation GiB | host RAM peak GiB | s/step | vs resident | status |",
         "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
-    lora = sorted((r for r in measured.values() if r.get("kind") == "lora"),
-                  key=lambda r: (list(LABELS).index(r["model"]) if r["model"] in LABELS else 99,
-                                 _config_key(r["config"])))
+    lora = sorted((r for r in measured.values() if r.get("kind") == "lora"), key=_model_order)
     resident = {r["model"]: r.get("s_per_step") for r in lora if r["config"] == "resident" and r.get("status") == "ok"}
     cards = {r.get("gpu") for r in measured.values()}
     if len(cards) > 1:  # figures compare only within one card: said above the table
@@ -271,17 +286,8 @@ def section(records: list[dict]) -> str:
                   "",
                   "| model | card | policy run | planner step GiB | peak alloc. GiB | peak reserved GiB | planner / "
                   "measured | host RAM peak GiB | s/step | status |", "|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
-        for r in full:
-            peak, estimate = r.get("train_peak_allocated"), r.get("planner_train_bytes")
-            lines.append(
-                f"| {LABELS.get(r['model'], r['model'])} | {r['config'].removeprefix('full-')} | {r.get('policy', '')}"
-                f"{' (planner: does not fit)' if r.get('plan_fits') is False else ''} | {_gib(estimate)} | "
-                f"{_gib(peak)} | {_gib(r.get('train_peak_reserved'))} | "
-                f"{f'{estimate / peak:.2f}' if peak and estimate else ''} | {_gib(r.get('train_peak_rss'))} | "
-                f"{'' if r.get('s_per_step') is None else format(r['s_per_step'], '.3f')} | {r.get('status')} |")
-    controlnets = sorted((r for r in measured.values() if r.get("kind") == "controlnet"),
-                         key=lambda r: (list(LABELS).index(r["model"]) if r["model"] in LABELS else 99,
-                                        _config_key(r["config"])))
+        lines += [_fitted_row(r, r["config"].removeprefix("full-")) for r in full]
+    controlnets = sorted((r for r in measured.values() if r.get("kind") == "controlnet"), key=_model_order)
     if controlnets:
         lines += ["", "ControlNet runs (Train ControlNet: Init, the type's default blocks, AdamW, fused backward): "
                   "planned from the "
@@ -292,16 +298,9 @@ def section(records: list[dict]) -> str:
                   "measured | host RAM peak GiB | s/step | predicted s | predicted / measured | status |",
                   "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
         for r in controlnets:
-            peak, estimate = r.get("train_peak_allocated"), r.get("planner_train_bytes")
             measured_s, predicted = r.get("s_per_step"), r.get("predicted_s_per_step")
-            lines.append(
-                f"| {LABELS.get(r['model'], r['model'])} | {r['config']} | {r.get('policy', '')}"
-                f"{' (planner: does not fit)' if r.get('plan_fits') is False else ''} | {_gib(estimate)} | "
-                f"{_gib(peak)} | {_gib(r.get('train_peak_reserved'))} | "
-                f"{f'{estimate / peak:.2f}' if peak and estimate else ''} | {_gib(r.get('train_peak_rss'))} | "
-                f"{'' if measured_s is None else f'{measured_s:.3f}'} | "
-                f"{'' if predicted is None else f'{predicted:.3f}'} | "
-                f"{f'{predicted / measured_s:.2f}' if predicted and measured_s else ''} | {r.get('status')} |")
+            lines.append(_fitted_row(r, r["config"], "" if predicted is None else f"{predicted:.3f}",
+                                     f"{predicted / measured_s:.2f}" if predicted and measured_s else ""))
     placed = [r for r in lora if r.get("validation_seconds") and r.get("validation_seconds_training_placement")]
     if placed:
         lines += ["", "Validation on its own placement (issue 28): one Validate call (the loss at 4 noise levels), with "
