@@ -49,6 +49,7 @@ class Template:
     scaled_fp8: bool = False  # the template loads a scaled fp8 file (ComfyUI's quantized layers: see as_scaled_fp8)
     controlnet: bool = False  # a ControlNet of the type's default blocks (no LoRA: rank unused), planned from its step
     policy: tuple = ()  # the template's Offload Policy fields beside its card, as (name, value) pairs
+    controlnet_precision: str = "fp32"  # a ControlNet template's controlnet_precision (bf16_stochastic: bf16 weights)
 
 
 # The templates' run settings (workflows/build_workflows.py): AdamW8bit, bf16, batch 1.
@@ -69,9 +70,9 @@ TEMPLATES = [
     # ControlNets: the measured model holds the blocks the ControlNet copies (Flux: 2 double blocks)
     Template("sd15_controlnet", "SD1.5 ControlNet", "sd15", None, 512, 512, 16, controlnet=True),
     Template("sdxl_controlnet", "SDXL ControlNet", "sdxl", None, 1024, 1024, 16, controlnet=True,
-             policy=(("fused_backward", True),)),
+             policy=(("fused_backward", True),), controlnet_precision="bf16_stochastic"),
     Template("flux_controlnet", "Flux.1 dev ControlNet", "flux_dev", (2, 1), 1024, 1024, 16, controlnet=True,
-             policy=(("fused_backward", True),)),
+             policy=(("fused_backward", True),), controlnet_precision="bf16_stochastic"),
 ]
 
 
@@ -91,6 +92,7 @@ def describe(template: Template):
     from headroom.nodes.bridge.comfy_model import training_blocks
     from headroom.nodes.bridge.controlnet_build import controlnet_trainable
     from headroom.nodes.bridge.planning import describe_comfy_model, lora_trainable
+    from headroom.nodes.bridge.run_controlnet import controlnet_dtype
     from headroom.training.core.adapters import AdapterConfig
     from headroom.training.memory import planner
 
@@ -137,7 +139,8 @@ def describe(template: Template):
         outside_forward_s=planner.ActivationLaw(), compute_device="cuda", h2d_bytes_per_s=0.0)
     if template.scaled_fp8:
         description = as_scaled_fp8(description)
-    trainable = controlnet_trainable(full, 0, "AdamW8bit") if template.controlnet else \
+    trainable = controlnet_trainable(full, 0, "AdamW8bit", controlnet_dtype(template.controlnet_precision)) \
+        if template.controlnet else \
         lora_trainable(full, adapter, "AdamW8bit")
     return description, trainable, full
 

@@ -13,6 +13,7 @@ import dataclasses
 from comfy_api.latest import io, ui
 
 from ..training.checks import check_finite, named
+from ..training.core.adapters import FULL_PRECISIONS
 from ..training.core.optimizers import OptimizerConfig
 from ..training.core.run_dir import RunFolderError, check_name, check_subfolder
 from ..training.memory import trained_weights_on_host
@@ -41,7 +42,7 @@ def start_controlnet_run(model, latent_cache, text_cache, optimizer_config, run_
                          devices: str = "1", masked_out_weight: float = 0.0, ip_noise_gamma: float = 0.0,
                          multires_noise_iterations: int = 0, multires_noise_discount: float = 0.3,
                          noise_offset_random_strength: bool = False, ip_noise_gamma_random_strength: bool = False,
-                         node: str = "Train ControlNet: Init (Headroom)",
+                         controlnet_precision: str = "fp32", node: str = "Train ControlNet: Init (Headroom)",
                          shown_on: str | None = None) -> TrainingRun:
     """Check every input (before any GPU work), then build or resume the run; `node`: the display name of the node
     opening it, for messages."""
@@ -66,7 +67,10 @@ def start_controlnet_run(model, latent_cache, text_cache, optimizer_config, run_
         check_caches(model.model, latent_cache, text_cache)
         train, batch_note = effective_batch(train, latent_cache, holdout, run_name, node)
         check_control_cache(type_name, latent_cache, node)
-        trainable = dataclasses.replace(controlnet_trainable(model, blocks, optimizer_config.name),
+        config = ControlNetRunConfig(controlnet_type=type_name, blocks=blocks, init_seed=init_seed,
+                                     optimizer=optimizer_config, train=train, holdout=holdout,
+                                     controlnet_precision=controlnet_precision)
+        trainable = dataclasses.replace(controlnet_trainable(model, blocks, optimizer_config.name, config.dtype),
                                         ema=train.ema_decay > 0)
         planned = []  # the card's plan, when one is made: its predicted s/step goes to the memory record
 
@@ -79,9 +83,8 @@ def start_controlnet_run(model, latent_cache, text_cache, optimizer_config, run_
                                            plan_card=plan_card)
         check_host_ram(policy, trainable, node)
         trained_weights_on_host.check_kind(policy, None)  # a full fine-tune's option: refused before the run opens
+        check_controlnet_precision(controlnet_precision, policy, train.precision)
         send_node_text(plan_note, shown_on)  # on the node before the run opens, and so before its first step
-        config = ControlNetRunConfig(controlnet_type=type_name, blocks=blocks, init_seed=init_seed,
-                                     optimizer=optimizer_config, train=train, holdout=holdout)
         run = open_on_devices(devices, model, open_controlnet_run,
                               (latent_cache, text_cache, config, runs_root(), run_name), {"policy": policy},
                               rank0_kwargs={"validation_control": validation_control,
@@ -93,6 +96,19 @@ def start_controlnet_run(model, latent_cache, text_cache, optimizer_config, run_
         return run
     except (ValueError, RunFolderError) as error:  # ControlNetError is a ValueError
         raise ValueError(named(node, str(error))) from error
+
+
+def check_controlnet_precision(controlnet_precision: str, policy, precision: str) -> None:
+    """bf16 ControlNet weights are stepped with stochastic rounding by fused backward alone, and compute in bf16."""
+    if controlnet_precision != "bf16_stochastic":
+        return
+    if not policy.fused_backward:
+        raise ValueError("controlnet_precision bf16_stochastic: the bf16 weights are stepped with stochastic rounding "
+                         "inside backward; turn fused_backward on in the Offload Policy (Headroom), or set "
+                         "controlnet_precision to fp32")
+    if precision != "bf16":
+        raise ValueError(f"controlnet_precision bf16_stochastic computes in bf16: set precision to bf16 (it is "
+                         f"{precision}), or controlnet_precision to fp32")
 
 
 def controlnet_inputs() -> list:
@@ -109,6 +125,15 @@ def controlnet_inputs() -> list:
         io.Float.Input("validation_strength", default=1.0, min=0.0, max=10.0, step=0.01,
                        tooltip="ControlNet strength of validation samples (as ControlNetApplyAdvanced's strength)."),
     ]
+
+
+def controlnet_precision_input():
+    """Added after the others (last: saved workflows keep their widget values in order)."""
+    return io.Combo.Input("controlnet_precision", options=list(FULL_PRECISIONS), default="fp32", advanced=True,
+                          optional=True,
+                          tooltip="The ControlNet's trained weights in fp32 (exact), or bf16_stochastic: bf16 weights, "
+                          "each update rounded stochastically (half their memory and their gradients', no fp32 copy; "
+                          "saved in bf16); needs the Offload Policy's fused_backward on and precision bf16.")
 
 
 def controlnet_run_inputs() -> list:
@@ -133,7 +158,7 @@ class HeadroomTrainControlNetInit(io.ComfyNode):
             "images and text; train it with Train Steps. Families: " + "; ".join(
                 t.description for t in CONTROLNET_TYPES.values()) + ".",
             inputs=[*controlnet_run_inputs(), *added_train_inputs(), devices_input(), masked_out_weight_input(),
-                    *extra_noise_inputs()],
+                    *extra_noise_inputs(), controlnet_precision_input()],
             outputs=[TrainingRunType.Output("run", tooltip="The training run, for Train Steps, Validate and Save."),
                      io.Int.Output("step", tooltip="Step the run starts from (resumed)."),
                      io.ControlNet.Output("control_net", tooltip="The run's ControlNet (in memory) for stock nodes.")],
@@ -198,7 +223,7 @@ class HeadroomTrainControlNet(io.ComfyNode):
             is_output_node=True,
             inputs=[*controlnet_run_inputs(), *schedule_inputs("controlnet_subfolder"),
                     *validation_inputs(optional=True), *checkpoint_inputs(), *added_train_inputs(), devices_input(),
-                    masked_out_weight_input(), keep_saves_input(), *extra_noise_inputs()],
+                    masked_out_weight_input(), keep_saves_input(), *extra_noise_inputs(), controlnet_precision_input()],
             outputs=[io.ControlNet.Output("control_net", tooltip="The trained ControlNet (in memory) for stock nodes."),
                      TrainingRunType.Output("run", tooltip="The training run, for Validate and Save nodes."),
                      io.String.Output("control_net_name",

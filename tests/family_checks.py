@@ -353,7 +353,7 @@ def controlnet_plan_over_step(run, description=None) -> dict[bool, tuple[float, 
     # its block times fitted from the calibration (not timed at the run's size: activations are the question here)
     description = description or planning.describe_comfy_model(run.source_model, planning.AdapterConfig(),
                                                                 config.train.precision, controlnet=run.controlnet)
-    trainable = controlnet_trainable(run.source_model, config.blocks, config.optimizer.name)
+    trainable = controlnet_trainable(run.source_model, config.blocks, config.optimizer.name, config.dtype)
     shape = planning.cache_run_shape(run.source_model, run.latent_cache, run.text_cache, config.train.batch_size, "test")
     assert len(description.blocks) == len(base)
     compared = {}

@@ -720,9 +720,9 @@ def control_data_nodes(spec: RealModel, folder: str, encoding: str, titles: tupl
 
 def real_model_controlnet(model: RealModel, name: str, memory: str) -> Workflow:
     """A real model's ControlNet template `name`: the dataset with its control folder, controls cached as pixels, the
-    ControlNet trained with fused backward (no full set of its gradients: what fits it on a 12 GB card) at a tenth of
-    the model's LoRA learning rate, validated with the first held-out item's control. `memory`: the Note's sentences on
-    what the planner plans."""
+    ControlNet trained in bf16 with fused backward (no fp32 copy and no full set of its gradients: what fits it on an
+    8 GB card without a lower-precision base) at a tenth of the model's LoRA learning rate, validated with the first
+    held-out item's control. `memory`: the Note's sentences on what the planner plans."""
     spec = dataclasses.replace(model, name=name, learning_rate=model.learning_rate / 10)
     prompts = "a photo of a living room\na photo of a city street at night"
     note = f"""{spec.label} ControlNet with cached latents, control images and text, validation and a memory report.
@@ -734,7 +734,7 @@ Your data, inside ComfyUI's input/ folder:
 - input/my_dataset: the images, each with a same-name .txt caption (photo1.png + photo1.txt)
 - input/my_dataset_control: the control image of each (photo1.png: its edge map, depth map, pose...)
 
-Memory: the ControlNet's own weights are trained in fp32 (a copy of the model's first blocks); the Offload policy's fused_backward steps each of them as soon as its gradient is ready and frees the gradient, so no full set of gradients exists (gradient clipping is then per tensor). {memory} The card is "this GPU (auto)": the planner picks the fastest settings that fit it.
+Memory: the ControlNet's own weights (a copy of the model's first blocks) are trained in bf16, each update rounded stochastically (controlnet_precision, an advanced input of the training node: half the memory of fp32 weights, no fp32 copy; fp32 is the exact option); the Offload policy's fused_backward steps each of them as soon as its gradient is ready and frees the gradient, so no full set of gradients exists (gradient clipping is then per tensor). {memory} The card is "this GPU (auto)": the planner picks the fastest settings that fit it.
 
 Queue it: the ControlNet (ComfyUI's own class) trains next to the frozen model, is validated every 500 steps with the first held-out control image and saved every 1000 steps to models/controlnet/headroom/ for the stock Load ControlNet Model node. Half of the samples train with the empty prompt (caption_dropout 0.5) so the ControlNet learns to follow the control alone."""
     fused = {**spec.policy, "fused_backward": True}
@@ -751,7 +751,7 @@ Queue it: the ControlNet (ComfyUI's own class) trains next to the frozen model, 
              {"run_name": spec.name, "precision": spec.precision, "timestep_sampling": spec.timestep_sampling,
               "gradient_checkpointing": gradient_checkpointing(fused), "holdout": 1, "steps": 5000,
               "validate_every": 500, "save_every": 1000, "controlnet_subfolder": "headroom", "prompts": prompts,
-              "sample_seed": 0, **spec.sampling},
+              "sample_seed": 0, "controlnet_precision": "bf16_stochastic", **spec.sampling},
              links={"model": spec.model, "latent_cache": (11, "latent_cache"), "text_cache": (12, "text_cache"),
                     "optimizer_config": (14, "optimizer_config"), "clip": spec.clip, "vae": spec.vae,
                     "policy": (5, "policy")},
@@ -763,15 +763,14 @@ Queue it: the ControlNet (ComfyUI's own class) trains next to the frozen model, 
 
 # What the planner plans for each ControlNet template (bench/plan_table.py), for its Note.
 SDXL_CONTROLNET_MEMORY = (
-    "Planned at 1024 px (bench/plan_table.py, not yet measured on a GPU): on a 12 GB card 11.0 GiB (part of the base "
-    "streamed from host RAM, blocks recomputed in backward), 16 GB 13.8 GiB (all on the card, blocks recomputed), "
-    "24 GB 18.7 GiB (nothing recomputed); an 8 GB card only with the base stored in fp8 (numerics change: the plan "
-    "says so).")
+    "Planned at 1024 px (bench/plan_table.py, not yet measured on a GPU): on an 8 GB card 7.0 GiB (part of the base "
+    "streamed from host RAM, blocks recomputed in backward, the optimizer state streamed), 12 GB 11.0 GiB, 16 GB "
+    "14.3 GiB (all on the card, 13 of 33 blocks recomputed), 24 GB 16.4 GiB (nothing recomputed).")
 FLUX_CONTROLNET_MEMORY = (
     "The ControlNet copies the model's first 2 double blocks (XLabs layout, which the stock Load ControlNet Model node "
-    "reads). Planned at 1024 px (bench/plan_table.py, not yet measured on a GPU): on a 12 GB card 11.0 GiB (about "
-    "19 GiB of the base streamed from host RAM, checkpoints kept there too), 16 / 24 GB 15.0 / 23.0 GiB (the optimizer "
-    "state streamed from host RAM); an 8 GB card only with the base stored in nf4 (bitsandbytes; numerics change).")
+    "reads). Planned at 1024 px (bench/plan_table.py, not yet measured on a GPU): on an 8 GB card 7.0 GiB (about "
+    "20 GiB of the base streamed from host RAM, checkpoints and the optimizer state there too), 12 / 16 / 24 GB "
+    "11.0 / 15.0 / 23.0 GiB (less of the base streamed).")
 
 
 def sdxl_controlnet() -> Workflow:

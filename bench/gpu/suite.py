@@ -101,9 +101,9 @@ FULL_HOST_CARDS = (16,)
 FULL_STREAMED_STATE_CARDS = (24,)
 FULL_STREAMED_STATE_MODELS = ("sd35_large",)
 # ControlNet runs (the type's default blocks: SDXL's encoder copied, Flux's first 2 double blocks; AdamW, fused
-# backward as the templates sdxl_controlnet / flux_controlnet set it): the planned peak and predicted s/step of a
-# ControlNet's own step (its calibration runs the ControlNet, the time model takes its blocks' measured times), never
-# yet run on a GPU, against the measured. "resident": the whole card, planned for the record; a card ("16GB"): the
+# backward and bf16 weights as the templates sdxl_controlnet / flux_controlnet set them): the planned peak and
+# predicted s/step of a ControlNet's own step (its calibration runs the ControlNet, the time model takes its blocks'
+# measured times), never yet run on a GPU, against the measured. "resident": the whole card, planned for the record; a card ("16GB"): the
 # Offload Policy's card set to it, the Init node's plan (emulated as the budgets are).
 CONTROLNET_ROWS = {"sdxl": ("resident", "16GB"), "flux_dev": ("resident", "24GB")}
 
@@ -484,7 +484,8 @@ def full_run(patcher, name: str, config: str, args) -> dict:
 
 def controlnet_run(patcher, name: str, config: str, args) -> dict:
     """A ControlNet run (CONTROLNET_ROWS): Train ControlNet: Init -> Steps -> Validate (loss), AdamW, the Offload
-    Policy's fused_backward on as the SDXL and Flux ControlNet templates set it; "resident" with the policy's other
+    Policy's fused_backward on and the ControlNet's weights in bf16 (controlnet_precision bf16_stochastic, precision
+    bf16) as the SDXL and Flux ControlNet templates set them; "resident" with the policy's other
     defaults on the whole card, "16GB" with its card set to that size (the Init node plans from its ControlNet's own
     step), the card emulated on the large one."""
     from headroom.nodes import memory as M, train_lora as T
@@ -500,16 +501,17 @@ def controlnet_run(patcher, name: str, config: str, args) -> dict:
         inputs.update(card=f"{budget:g} GB")
     policy = M.HeadroomOffloadPolicy.execute(**inputs).args[0]
     record = {"width": width, "height": height, "frames": frames, "text_tokens": tokens, "budget_gb": budget,
-              "work": "ControlNet: the type's default blocks, AdamW, fused backward"}
+              "work": "ControlNet: the type's default blocks, AdamW, fused backward, bf16 weights"}
     optimizer = T.HeadroomOptimizerConfig.execute("AdamW", 1e-5, 0.0, "constant", 0, 1000).args[0]
-    return train_and_measure(patcher, name, config, args, record, policy, None, optimizer, latent_cache, text_cache)
+    return train_and_measure(patcher, name, config, args, record, policy, None, optimizer, latent_cache, text_cache,
+                             precision="bf16", controlnet_precision="bf16_stochastic")
 
 
 def train_and_measure(patcher, name: str, config: str, args, record: dict, policy, lora, optimizer, latent_cache,
-                      text_cache) -> dict:
+                      text_cache, precision: str = "auto", **init_inputs) -> dict:
     """Init -> Steps (warm-up, then the timed steps) -> Validate (loss only), under the record's budget; the run's
     own plan where no Memory Plan node gave one (a card's fit: the Init node plans). `lora` None: a ControlNet run
-    (Train ControlNet: Init)."""
+    (Train ControlNet: Init); `init_inputs`: the Init node's further inputs."""
     from headroom.nodes import train_lora as T
     from headroom.nodes.train_controlnet import HeadroomTrainControlNetInit
     from headroom.nodes.bridge.planning import run_plan
@@ -524,9 +526,9 @@ def train_and_measure(patcher, name: str, config: str, args, record: dict, polic
             inputs = dict(
                 model=patcher, latent_cache=latent_cache, text_cache=text_cache, optimizer_config=optimizer,
                 run_name=f"gpukit_{name}_{config}" if lora is not None else f"gpukit_controlnet_{name}_{config}",
-                seed=0, batch_size=1, grad_accumulation=1, precision="auto", max_grad_norm=1.0, caption_dropout=0.0,
+                seed=0, batch_size=1, grad_accumulation=1, precision=precision, max_grad_norm=1.0, caption_dropout=0.0,
                 timestep_sampling="uniform", loss_weighting="none", min_snr_gamma=5.0, noise_offset=0.0,
-                gradient_checkpointing=False, checkpoint_depth=1, holdout=0, policy=policy)
+                gradient_checkpointing=False, checkpoint_depth=1, holdout=0, policy=policy, **init_inputs)
             run = (T.HeadroomTrainLoraInit.execute(lora_config=lora, **inputs) if lora is not None else
                    HeadroomTrainControlNetInit.execute(**inputs)).args[0]
             record["precision"] = run.trainer.config.precision

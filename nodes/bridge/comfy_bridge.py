@@ -67,7 +67,8 @@ CONFIG_ADDED_LATER = {"session.train.objective.loss_type": "mse", "session.train
                       "session.train.objective.multires_noise_iterations": 0,
                       "session.train.objective.multires_noise_discount": 0.3,
                       "session.train.objective.noise_offset_random_strength": False,
-                      "session.train.objective.ip_noise_gamma_random_strength": False}
+                      "session.train.objective.ip_noise_gamma_random_strength": False,
+                      "session.controlnet_precision": "fp32"}
 # Settings older run folders store that are no longer part of what a run is: checkpointing is the policy's (resolved
 # when a run opens, training/memory/policy.run_policy) and changes no weight, so a run resumes whatever it was.
 CONFIG_REMOVED_LATER = ("session.train.gradient_checkpointing", "session.train.checkpoint_depth")

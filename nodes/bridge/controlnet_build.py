@@ -169,11 +169,12 @@ def _controlnet_config(model_patcher, blocks: int) -> tuple[ControlNetType, int,
     return controlnet_type, blocks, depth, controlnet_type.constructor_config(base_config, blocks)
 
 
-def controlnet_trainable(model_patcher, blocks: int, optimizer: str) -> TrainableSpec:
-    """The trainable tensors of the ControlNet `build_controlnet` would make, for the planner: built on the meta
-    device (shapes only, no memory)."""
+def controlnet_trainable(model_patcher, blocks: int, optimizer: str, dtype: torch.dtype = torch.float32
+                         ) -> TrainableSpec:
+    """The trainable tensors of the ControlNet `build_controlnet` would make (its weights in `dtype`), for the
+    planner: built on the meta device (shapes only, no memory)."""
     controlnet_type, _, _, config = _controlnet_config(model_patcher, blocks)
-    module = controlnet_type.make_module(config, torch.float32, "meta", comfy.ops.disable_weight_init)
+    module = controlnet_type.make_module(config, dtype, "meta", comfy.ops.disable_weight_init)
     return dataclasses.replace(TrainableSpec.from_parameters(module.parameters(), optimizer),
                                **controlnet_step_blocks(model_patcher, blocks))
 
@@ -260,9 +261,30 @@ def comfy_controlnet(controlnet: TrainableControlNet) -> comfy.controlnet.Contro
         raise ControlNetError(f"the ControlNet module was built for {device} but has weights on {sorted(map(str, moved))}; "
                               "build it on the device it trains on")
     manual_cast = comfy.model_management.unet_manual_cast(controlnet.dtype, device)
+    if manual_cast is not None:
+        _cast_weights_when_sampling(module)
     control = controlnet.controlnet_type.comfy_controlnet(module, device, manual_cast)
     control.control_model_wrapped = controlnet.patcher
     return control
+
+
+def _cast_weights_when_sampling(module: torch.nn.Module) -> None:
+    """Where ComfyUI computes weights of this dtype in another (`unet_manual_cast`: bf16 weights on a CPU or a card
+    without bf16), the stock loader builds the module with casting ops; this one's ops (trained in their own dtype)
+    cast likewise, but only in a forward without gradients (sampling): the training forward reads the weights
+    themselves, whose gradients a cast copy would not reach (checkpointed recomputes included: they run with
+    gradients). A forward pre-hook, as the stock ControlNet object copies itself per sampling and keeps the module."""
+    if getattr(module, "_headroom_casts_when_sampling", False):
+        return
+    ops = [m for m in module.modules() if isinstance(m, comfy.ops.CastWeightBiasOp)]
+
+    def cast_without_grad(_module, _args):
+        cast = not torch.is_grad_enabled()
+        for op in ops:
+            op.comfy_cast_weights = cast
+
+    module.register_forward_pre_hook(cast_without_grad)
+    module._headroom_casts_when_sampling = True
 
 
 def apply_controlnet(positive, negative, control_net, image, strength: float = 1.0, start_percent: float = 0.0,

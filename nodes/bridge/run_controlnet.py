@@ -10,6 +10,7 @@ import dataclasses
 
 import torch
 
+from ...training.core.adapters import FULL_PRECISIONS
 from ...training.core.optimizers import OptimizerConfig
 from ...training.core.trainer import TrainConfig
 from .comfy_bridge import TrainingRun, config_json
@@ -26,11 +27,27 @@ class ControlNetRunConfig:
     optimizer: OptimizerConfig
     train: TrainConfig
     holdout: int
+    # The ControlNet's trained weights: fp32, or bf16 rounded stochastically in each step (fused backward steps them).
+    controlnet_precision: str = "fp32"
+
+    def __post_init__(self):
+        if self.controlnet_precision not in FULL_PRECISIONS:
+            raise ValueError(f"controlnet_precision={self.controlnet_precision!r}: choose one of "
+                             f"{', '.join(FULL_PRECISIONS)}")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the ControlNet's weights train in."""
+        return controlnet_dtype(self.controlnet_precision)
 
     def to_json(self) -> dict:
         """As run folders store it: the type under its historical key "family" (stored runs resume)."""
         stored = config_json(self)
         return {"family": stored.pop("controlnet_type"), **stored}
+
+
+def controlnet_dtype(controlnet_precision: str) -> torch.dtype:
+    return torch.bfloat16 if controlnet_precision == "bf16_stochastic" else torch.float32
 
 
 def default_validation_control(latent_cache, items) -> torch.Tensor | None:
@@ -66,7 +83,8 @@ class ControlNetTraining:
             self.validation_control = default_validation_control(run.latent_cache, run.validation_items)
         placement, config = run.placement, run.config
         self.controlnet = build_controlnet(run.source_model, blocks=config.blocks, seed=config.init_seed,
-                                           device=placement.patcher.load_device)  # copied from the full-precision base
+                                           dtype=config.dtype, device=placement.patcher.load_device)
+        # (copied from the full-precision base)
         if self.initial_weights is not None:  # a worker rank starts from rank 0's weights, whatever built them
             self.controlnet.load_state_dict(self.initial_weights)
             self.initial_weights = None

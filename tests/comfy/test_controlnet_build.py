@@ -120,27 +120,31 @@ def test_sd3_controlnet_of_all_joint_blocks_round_trips(comfyui, tmp_path):
     assert loaded.keys() == ours.keys() and all(torch.equal(ours[k], loaded[k]) for k in ours)
 
 
-@pytest.mark.parametrize("case", ["sd15", "sd2", "sdxl", "sd3", "flux", "unet-cldm"])
+@pytest.mark.parametrize("case", ["sd15", "sd2", "sdxl", "sd3", "flux", "unet-cldm", "sdxl-bf16", "flux-bf16"])
 def test_saved_controlnet_through_stock_nodes_reproduces_in_memory(comfyui, case):
+    """`-bf16`: a ControlNet trained in bf16 (controlnet_precision bf16_stochastic), saved in bf16; on a CPU ComfyUI
+    computes such weights in fp32, the stock loader's module holding them upcast and the in-memory one casting them
+    as it samples: the same numbers."""
     import comfy.controlnet
     import comfy.supported_models_base
     from headroom.nodes.bridge.controlnet_build import build_controlnet, comfy_controlnet
     from headroom.nodes.bridge.families.sd15 import _TINY_UNET as _UNET_SD15
     from headroom.nodes.bridge.tiny_models import build_tiny_models
 
-    family = {"unet-cldm": "sd15"}.get(case, case)
+    family = {"unet-cldm": "sd15"}.get(case, case.removesuffix("-bf16"))
     model, clip, vae = build_tiny_models(family, seed=0)
     if case == "unet-cldm":
         # A UNet whose attention geometry ComfyUI's detection knows (64-channel heads): plain cldm layout.
         model = _patcher(comfy.supported_models_base.BASE(dict(_UNET_SD15, model_channels=64)))
-    controlnet = build_controlnet(model, seed=3)
+    dtype = torch.bfloat16 if case.endswith("-bf16") else torch.float32
+    controlnet = build_controlnet(model, seed=3, dtype=dtype)
     _simulate_training(controlnet)
     latent_memory, image_memory = _sample(model, clip, vae, family, comfy_controlnet(controlnet), strength=0.8)
 
     exported, loaded = _stock_roundtrip(comfyui, controlnet, case)
     # sd2 / sdxl: the real 64-wide heads, which ComfyUI's detection rebuilds: the plain cldm layout
     expected_layout = {"sd15": "control-lora", "sd2": "cldm", "sdxl": "cldm", "sd3": "sd3-diffusers",
-                       "flux": "flux-xlabs", "unet-cldm": "cldm"}[case]
+                       "flux": "flux-xlabs", "unet-cldm": "cldm"}[case.removesuffix("-bf16")]
     assert exported.layout == expected_layout and exported.problem is None
     if case == "sd15":
         assert type(loaded) is comfy.controlnet.ControlLora  # built from the MODEL's own config at sampling time
@@ -148,7 +152,8 @@ def test_saved_controlnet_through_stock_nodes_reproduces_in_memory(comfyui, case
         theirs = loaded.control_model.state_dict()
         ours = controlnet.module.state_dict()
         assert type(loaded.control_model) is type(controlnet.module) and theirs.keys() == ours.keys()
-        assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+        assert all(ours[k].dtype == dtype for k in ours)
+        assert all(torch.equal(ours[k].to(theirs[k].dtype), theirs[k]) for k in ours)
     latent_file, image_file = _sample(model, clip, vae, family, loaded, strength=0.8)
     latent_plain, _ = _sample(model, clip, vae, family)
     assert (latent_memory - latent_plain).abs().max() > 1e-3, "the test ControlNet must change the result"

@@ -530,3 +530,88 @@ def test_a_cards_plan_note_says_what_fused_backward_would_allow_and_keeps_the_pl
     policy, note = resolve_policy(card, False, 1, plan_card=lambda _: plan, node="Train ControlNet: Init (Headroom)")
     assert note.startswith("Train ControlNet: Init (Headroom): 8 GB: ") and note.endswith(plan.advice), note
     assert not policy.fused_backward and policy.optimizer_state == "cpu"
+
+
+def _fused_policy():
+    from headroom.training.memory.policy import OffloadPolicy
+
+    return OffloadPolicy(fused_backward=True)
+
+
+def test_bf16_controlnet_weights_train_resume_exactly_and_load_in_the_stock_nodes(comfyui):
+    """controlnet_precision bf16_stochastic: the ControlNet's weights are bf16 (half the memory; the plan counts them
+    so), each update rounded stochastically inside backward; a resumed run continues the same rounding draws, and the
+    saved bf16 file is what the stock ControlNetLoader -> ControlNetApplyAdvanced -> KSampler graph samples."""
+    import folder_paths
+    import nodes
+    import safetensors
+    from headroom.nodes.bridge.controlnet_build import controlnet_trainable
+    from headroom.nodes.train_controlnet import HeadroomSaveControlNet, HeadroomTrainControlNetInit
+    from headroom.nodes.train_lora import HeadroomTrainSteps, HeadroomValidate
+
+    model, clip, vae, latent_cache, text_cache = _caches("sd15", count=4)
+    fp32_spec, bf16_spec = (controlnet_trainable(model, 0, "AdamW", dtype) for dtype in (torch.float32, torch.bfloat16))
+    assert bf16_spec.element_size == 2 and 2 * bf16_spec.weight_bytes() == fp32_spec.weight_bytes()
+    name = _unique("bf16")
+    settings = dict(batch_size=2, precision="bf16", policy=_fused_policy(), controlnet_precision="bf16_stochastic",
+                    validation_strength=0.9)
+    straight = HeadroomTrainControlNetInit.execute(**_init_inputs(model, latent_cache, text_cache, name + "_a",
+                                                                  **settings)).args[0]
+    initial = straight.controlnet.state_dict()
+    assert all(t.dtype == torch.bfloat16 for t in initial.values())
+    HeadroomTrainSteps.execute(straight, 4)
+    first = HeadroomTrainControlNetInit.execute(**_init_inputs(model, latent_cache, text_cache, name + "_b",
+                                                               **settings)).args[0]
+    HeadroomTrainSteps.execute(first, 2)
+    resumed, step = HeadroomTrainControlNetInit.execute(**_init_inputs(model, latent_cache, text_cache, name + "_b",
+                                                                       **settings)).args[:2]
+    assert step == 2 and resumed.resumed
+    HeadroomTrainSteps.execute(resumed, 4)
+    a, b = straight.controlnet.state_dict(), resumed.controlnet.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert all(t.dtype == torch.bfloat16 for t in a.values())
+    changed = [k for k in a if not torch.equal(a[k], initial[k])]
+    assert len(changed) > len(a) // 2, "most tensors move in 4 steps at lr 1e-3"
+    assert all(torch.isfinite(torch.tensor(loss)) for _, loss in straight.trainer.loss_history)
+
+    sample = dict(sample_seed=5, sample_steps=4, cfg=2.0, sampler_name="euler", scheduler="normal", width=64, height=64)
+    images = HeadroomValidate.execute(straight, clip=clip, vae=vae, prompts="a red circle", negative="blurry",
+                                      loss_timesteps=4, **sample).args[0]
+    saved = HeadroomSaveControlNet.execute(straight, "headroom-tests", "").args[0]
+    with safetensors.safe_open(folder_paths.get_full_path("controlnet", saved), "pt") as handle:
+        # (the tiny UNet's file is in the Control-LoRA layout: its empty `lora_controlnet` marker is no weight)
+        assert {handle.get_slice(key).get_dtype() for key in handle.keys() if key != "lora_controlnet"} == {"BF16"}
+    with torch.inference_mode():
+        control_net = nodes.ControlNetLoader().load_controlnet(saved)[0]
+        positive, negative = nodes.ControlNetApplyAdvanced().apply_controlnet(
+            nodes.CLIPTextEncode().encode(clip, "a red circle")[0], nodes.CLIPTextEncode().encode(clip, "blurry")[0],
+            control_net, straight.trained.validation_control, 0.9, 0.0, 1.0, vae=vae)
+        latent = nodes.EmptyLatentImage().generate(64, 64, 1)[0]
+        samples = nodes.KSampler().sample(model, 5, 4, 2.0, "euler", "normal", positive, negative, latent)[0]
+        stock_images = nodes.VAEDecode().decode(vae, samples)[0]
+    assert (stock_images - images).abs().max() <= 1e-3
+    # On a CPU ComfyUI computes bf16 weights in fp32: sampling cast them, training after it reads them as before
+    HeadroomTrainSteps.execute(straight, 5)
+    HeadroomTrainSteps.execute(resumed, 5)
+    a, b = straight.controlnet.state_dict(), resumed.controlnet.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(policy=None), r"controlnet_precision bf16_stochastic: .*turn fused_backward on in the Offload Policy "
+                        r"\(Headroom\), or set controlnet_precision to fp32"),
+    (dict(precision="fp32"), r"controlnet_precision bf16_stochastic computes in bf16: set precision to bf16 \(it is "
+                             r"fp32\), or controlnet_precision to fp32"),
+    (dict(controlnet_precision="fp16"), r"controlnet_precision='fp16': choose one of fp32, bf16_stochastic")])
+def test_bf16_controlnet_weights_refuse_what_cannot_step_them(comfyui, change, message):
+    """Before the run opens (nothing written), naming the node and what to set."""
+    from headroom.nodes.train_controlnet import HeadroomTrainControlNetInit
+
+    model, clip, vae, latent_cache, text_cache = _caches("sd15", count=3)
+    settings = {**dict(precision="bf16", policy=_fused_policy(), controlnet_precision="bf16_stochastic"), **change}
+    name = _unique("bf16_refused")
+    with pytest.raises(ValueError, match=r"^Train ControlNet: Init \(Headroom\): " + message):
+        HeadroomTrainControlNetInit.execute(**_init_inputs(model, latent_cache, text_cache, name, **settings))
+    from headroom.nodes.bridge.model_files import runs_root
+
+    assert not (runs_root() / name).exists()

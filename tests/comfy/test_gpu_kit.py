@@ -215,7 +215,8 @@ def test_dry_run_measures_controlnet_runs_against_their_plan(comfyui, tmp_path):
         assert run["status"] == "ok", run.get("traceback")
         assert run["planner_train_bytes"] > 0 and run["s_per_step"] > 0 and run["predicted_s_per_step"] > 0, run
         assert run["train_peak_rss"] > 0 and run["loss"] == run["loss"] and run["work"].startswith("ControlNet")
-        assert run["policy_fields"]["fused_backward"]  # as the SDXL and Flux ControlNet templates train
+        assert run["policy_fields"]["fused_backward"]  # as the SDXL and Flux ControlNet templates train:
+        assert run["precision"] == "bf16" and run["work"].endswith("bf16 weights")  # controlnet_precision bf16
     for ident, card in (("controlnet/sdxl/16GB", 16), ("controlnet/flux_dev/24GB", 24)):
         run = by_id[ident]  # the card's plan made by the ControlNet Init node, the card's budget less the reserve
         assert run["budget_gb"] == card and run["policy_fields"]["vram_budget_gb"] == card - 1.0

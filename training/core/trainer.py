@@ -260,9 +260,9 @@ class Trainer:
             self.scheduler = self.optimizer.schedule
         else:
             if bf16_weights:
-                raise ValueError("bf16 trained weights (full_precision bf16_stochastic) are stepped with stochastic "
-                                 "rounding by fused backward: turn fused_backward on in the Offload Policy, or set "
-                                 "full_precision to fp32")
+                raise ValueError("bf16 trained weights (LoRA Config full_precision, or a ControlNet's "
+                                 "controlnet_precision, bf16_stochastic) are stepped with stochastic rounding by fused "
+                                 "backward: turn fused_backward on in the Offload Policy, or set it to fp32")
             if self.policy.optimizer_state == "cpu":
                 self.optimizer = HostOptimizer(self.params, lambda host: create_optimizer(
                     host, optimizer_config, device="cpu", lr_scales=lr_scales))

@@ -247,7 +247,7 @@ class TrainableSpec:
     shapes: tuple[tuple[int, ...], ...]
     optimizer: str = "AdamW"
     ema: bool = False  # an EMA copy of the weights is kept in host RAM (core/ema.py)
-    element_size: int = 4  # bytes per trained weight: 4 (fp32), 2 (a full fine-tune's bf16 weights)
+    element_size: int = 4  # bytes per trained weight: 4 (fp32), 2 (bf16 weights: a full fine-tune's, a ControlNet's)
     # Ranks the optimizer state is sharded over (sharded_optimizer.py: a full fine-tune on several devices); 1: whole.
     state_ranks: int = 1
     # Ranks the weights, gradients and state are sharded over (sharded_weights.py: FSDP2, the launcher's
@@ -313,7 +313,7 @@ class TrainableSpec:
     @classmethod
     def from_parameters(cls, params: Iterable[torch.Tensor], optimizer: str = "AdamW", ema: bool = False,
                         full: bool = False) -> "TrainableSpec":
-        """The tensors a run trains (bf16 when every one is: a full fine-tune's bf16 weights)."""
+        """The tensors a run trains (bf16 when every one is: a full fine-tune's or a ControlNet's bf16 weights)."""
         params = list(params)
         element_size = 2 if params and all(p.dtype == torch.bfloat16 for p in params) else 4
         return cls(tuple(tuple(p.shape) for p in params), optimizer, ema, element_size=element_size, full=full)
