@@ -7,7 +7,8 @@ ignores any change under 2^-9), which is most of them at fine-tuning learning ra
 nearest stops learning. Rounding up or down at random, with the probability of the distance to each neighbour, keeps
 each update in expectation: the weight is an unbiased estimate of the fp32 master it replaces (Gupta et al. 2015;
 kohya sd-scripts and OneTrainer fine-tune whole models in bf16 so). Headroom rounds a full fine-tune's bf16 weights W'
-so (LoRA Config full_precision bf16_stochastic, stepped by fused_backward.py): 2 bytes per trained weight and its
+so (LoRA Config full_precision bf16_stochastic, stepped by fused_backward.py), and a ControlNet's (Train ControlNet's
+controlnet_precision bf16_stochastic): 2 bytes per trained weight and its
 gradient instead of 4; the noise is one bf16 step of the weight at most per update. fp32 remains the exact option.
 
 Written here because neither torch nor ComfyUI has it for bf16: comfy.float.stochastic_rounding rounds bf16 to
