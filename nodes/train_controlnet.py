@@ -71,7 +71,7 @@ def start_controlnet_run(model, latent_cache, text_cache, optimizer_config, run_
                                      optimizer=optimizer_config, train=train, holdout=holdout,
                                      controlnet_precision=controlnet_precision)
         trainable = dataclasses.replace(controlnet_trainable(model, blocks, optimizer_config.name, config.dtype),
-                                        ema=train.ema_decay > 0)
+                                        ema=train.ema_decay > 0, bf16_weights_input="controlnet_precision")
         planned = []  # the card's plan, when one is made: its predicted s/step goes to the memory record
 
         def plan_card(card):

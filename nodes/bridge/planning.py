@@ -492,6 +492,7 @@ def lora_trainable(patcher, adapter: AdapterConfig, optimizer: str, paths: list[
         first = [m for p, m in zip(paths, modules) if (p + ".").startswith(prefix)]
         blocks, outside = planner.unread_base(named_blocks, modules)
         return dataclasses.replace(spec, first_block_elements=planner.TrainableSpec.of_full_layers(first).param_count,
+                                   bf16_weights_input="LoRA Config's full_precision",
                                    unread_base_blocks=blocks, unread_base_outside=outside,
                                    block_layers=planner.trained_per_block(named_blocks, modules),
                                    without_backward=without)

@@ -275,6 +275,31 @@ def test_fused_backward_is_said_where_it_fits_what_the_plan_cannot_or_is_much_fa
     assert "fused_backward" not in plan_auto(d, TRAINABLE, SHAPE, OffloadPolicy(), budget_bytes=3 * GIB).reason
 
 
+def test_bf16_trained_weights_are_said_where_fused_backward_alone_allows_nothing_more():
+    """fp32 trained weights an input could train in bf16 (a ControlNet's controlnet_precision, a full fine-tune's
+    full_precision: TrainableSpec.bf16_weights_input): where fused backward alone fits nothing with the base as loaded
+    (or is on already), the plan says what bf16 weights with it would allow, naming the input; never chosen (the
+    numerics change). Fused backward alone is said first where it is enough."""
+    d = toy_description(blocks=4, block_weights=512 * MIB)
+    big = TrainableSpec(((16384, 16384),) * 2, "AdamW", bf16_weights_input="controlnet_precision")
+    off = plan_auto(d, big, SHAPE, OffloadPolicy(), budget_bytes=4 * GIB)
+    assert off.fits is False and off.reason.endswith(off.advice)
+    assert off.advice.startswith(" With controlnet_precision bf16_stochastic (the trained weights in bf16, each update "
+                                 "rounded stochastically; precision bf16) and fused_backward on in the Offload Policy")
+    assert "it fits with the base as loaded: peak 4.00 GiB with " in off.advice, off.advice
+    on = plan_auto(d, big, SHAPE, OffloadPolicy(fused_backward=True), budget_bytes=int(4.5 * GIB))
+    assert on.fits and on.policy.base_storage == "fp8"  # fp32 weights fit only with a lower-precision base
+    assert on.advice.startswith(" With controlnet_precision bf16_stochastic (") and "fused_backward" not in on.advice
+    assert "it fits with the base as loaded" in on.advice
+    fused_enough = plan_auto(d, big, SHAPE, OffloadPolicy(), budget_bytes=5 * GIB)
+    assert fused_enough.advice.startswith(" With fused_backward on") and "bf16" not in fused_enough.advice
+    adapters = dataclasses.replace(big, bf16_weights_input="")  # no input trains them in bf16: nothing said
+    assert plan_auto(d, adapters, SHAPE, OffloadPolicy(fused_backward=True), budget_bytes=int(4.5 * GIB)).advice == ""
+    already = dataclasses.replace(big, element_size=2)
+    assert "bf16_stochastic" not in plan_auto(d, already, SHAPE, OffloadPolicy(fused_backward=True),
+                                              budget_bytes=3 * GIB).reason
+
+
 def test_auto_tries_no_storage_whose_package_is_missing(monkeypatch):
     """int8 / nf4 need the optional bitsandbytes: without it auto never picks them (the run would fail when it opens)
     and, when nothing else fits, says what installing it would allow."""

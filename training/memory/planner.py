@@ -278,6 +278,10 @@ class TrainableSpec:
     # again, timed as the ControlNet's own blocks where measured (ModelDescription.controlnet_blocks), else as the
     # base's. 0: no ControlNet.
     copied_blocks: int = 0
+    # The input that would train these fp32 weights in bf16 with stochastic rounding (a ControlNet's
+    # "controlnet_precision", a full fine-tune's "full_precision"), for the plan's advice (_weights_advice); "": none
+    # (an adapter's small weights).
+    bf16_weights_input: str = ""
     # Seconds per weight of the optimizer's step in host RAM on this machine (core/optimizers.host_step_s_per_weight,
     # measured by the nodes' planning); 0: not measured, time_model.DEFAULT_HOST_STEP_S_PER_WEIGHT.
     host_step_s_per_weight: float = 0.0
@@ -475,8 +479,8 @@ class Plan:
     # plan_auto: why the step is predicted SLOW_STEP_RATIO times or more that of a card holding the whole run
     # ("": it is not)
     slow: str = ""
-    # plan_auto: what the Offload Policy's fused_backward, off, would allow (_fused_backward_advice; "": nothing more),
-    # also at the end of `reason`
+    # plan_auto: what the Offload Policy's fused_backward, off, or bf16 trained weights would allow (_weights_advice;
+    # "": nothing more), also at the end of `reason`
     advice: str = ""
     # The host RAM the run may pin for its streamed blocks (ModelDescription.pinnable_bytes; None: not known, or nothing
     # crosses), and the streamed block bytes past it, which cross from pageable memory: slower, and priced so in the
@@ -1083,7 +1087,7 @@ def plan_auto(description: ModelDescription, trainable: TrainableSpec, shape: Ru
         plan.slow = _slowness(plan, estimate(description, trainable, shape, candidates[0], None))
         if plan.slow:
             plan.reason += f" Slow: {plan.slow}."
-        plan.advice = _fused_backward_advice(description, trainable, shape, base, budget_bytes, host_room, plan)
+        plan.advice = _weights_advice(description, trainable, shape, base, budget_bytes, host_room, plan)
         plan.reason += plan.advice
         return plan
     on_device = [p for p in tried if p.device_fits]
@@ -1100,38 +1104,49 @@ def plan_auto(description: ModelDescription, trainable: TrainableSpec, shape: Ru
     if untried:
         smallest.reason += (f" Base storage {' / '.join(untried)} was not tried: it needs the optional package "
                             "bitsandbytes (python -m pip install bitsandbytes, then restart ComfyUI).")
-    smallest.advice = _fused_backward_advice(description, trainable, shape, base, budget_bytes, host_room)
+    smallest.advice = _weights_advice(description, trainable, shape, base, budget_bytes, host_room)
     smallest.reason += smallest.advice
     return smallest
 
 
-# The Offload Policy's fused_backward is weighed for a plan (and said, never chosen) where the gradients it frees are
-# at least this share of the budget (a ControlNet's fp32 weights: SDXL's 4.7 GiB; a LoRA's are a few hundred MiB), and
-# said where it fits what the plan does not, or is predicted at most FUSED_ADVICE_SPEEDUP of the plan's step.
+# The Offload Policy's fused_backward, and bf16 trained weights, are weighed for a plan (and said, never chosen) where
+# the gradients fused backward frees are at least this share of the budget (a ControlNet's fp32 weights: SDXL's
+# 4.7 GiB; a LoRA's are a few hundred MiB), and said where they fit what the plan does not, or are predicted at most
+# FUSED_ADVICE_SPEEDUP of the plan's step.
 FUSED_ADVICE_SHARE = 1 / 16
 FUSED_ADVICE_SPEEDUP = 0.67
+_FUSED_SAID = ("fused_backward on in the Offload Policy (each trained tensor stepped in backward and its gradient freed; "
+               "gradient clipping per tensor; not with precision fp16 or gradient accumulation)")
 
 
-def _fused_backward_advice(description: ModelDescription, trainable: TrainableSpec, shape: RunShape,
-                           base: OffloadPolicy, budget_bytes: int, host_room: HostRoom | None,
-                           chosen: Plan | None = None) -> str:
-    """What the Offload Policy's fused_backward would allow where the run keeps a full set of large gradients: fit
-    with the base as loaded where `chosen` (the plan made; None: nothing fits) does not, or a step predicted much
-    faster. Said, not chosen: it clips gradients per tensor and cannot run with fp16 or gradient accumulation. ""
-    where it is on, accumulation is asked, the gradients are small, or it allows nothing more."""
-    if base.fused_backward or shape.grad_accum > 1 or trainable.weight_bytes() < FUSED_ADVICE_SHARE * budget_bytes:
+def _weights_advice(description: ModelDescription, trainable: TrainableSpec, shape: RunShape, base: OffloadPolicy,
+                    budget_bytes: int, host_room: HostRoom | None, chosen: Plan | None = None) -> str:
+    """What the Offload Policy's fused_backward (where off) would allow where the run keeps a full set of large
+    gradients, or else its fp32 trained weights in bf16 (`trainable.bf16_weights_input`, which fused backward steps):
+    a fit with the base as loaded where `chosen` (the plan made; None: nothing fits) has none, or a step predicted much
+    faster. Said, not chosen: fused backward clips gradients per tensor and cannot run with fp16 or gradient
+    accumulation; bf16 weights change the numerics. "" where accumulation is asked, the gradients are small, or
+    neither allows anything more."""
+    if shape.grad_accum > 1 or trainable.weight_bytes() < FUSED_ADVICE_SHARE * budget_bytes:
         return ""
-    fused = plan_auto(description, trainable, shape, base.replace(fused_backward=True), budget_bytes, host_room)
-    if not fused.fits or fused.policy.base_storage != base.base_storage:
-        return ""
-    said = (" With fused_backward on in the Offload Policy (each trained tensor stepped in backward and its gradient "
-            "freed; gradient clipping per tensor; not with precision fp16 or gradient accumulation)")
-    if chosen is None or chosen.policy.base_storage != base.base_storage:
-        return (f"{said} it fits with the base as loaded: peak {format_bytes(fused.peak_bytes)} with "
-                f"{fused.policy.describe()}.")
-    if math.isfinite(_seconds(chosen)) and _seconds(fused) <= FUSED_ADVICE_SPEEDUP * _seconds(chosen):
-        return (f"{said}: predicted {_seconds(fused):.3f} s/step instead of {_seconds(chosen):.3f}, with "
-                f"{fused.policy.describe()}.")
+    fused = base.replace(fused_backward=True)
+    weighed = dataclasses.replace(trainable, bf16_weights_input="")  # (its plans weigh nothing more: fused is on)
+    options = [] if base.fused_backward else [(weighed, f" With {_FUSED_SAID}")]
+    if trainable.bf16_weights_input and trainable.element_size == 4:
+        options.append((dataclasses.replace(weighed, element_size=2),
+                        f" With {trainable.bf16_weights_input} bf16_stochastic (the trained weights in bf16, each "
+                        "update rounded stochastically; precision bf16)" +
+                        ("" if base.fused_backward else f" and {_FUSED_SAID}")))
+    for weights, said in options:
+        plan = plan_auto(description, weights, shape, fused, budget_bytes, host_room)
+        if not plan.fits or plan.policy.base_storage != base.base_storage:
+            continue
+        if chosen is None or chosen.policy.base_storage != base.base_storage:
+            return (f"{said} it fits with the base as loaded: peak {format_bytes(plan.peak_bytes)} with "
+                    f"{plan.policy.describe()}.")
+        if math.isfinite(_seconds(chosen)) and _seconds(plan) <= FUSED_ADVICE_SPEEDUP * _seconds(chosen):
+            return (f"{said}: predicted {_seconds(plan):.3f} s/step instead of {_seconds(chosen):.3f}, with "
+                    f"{plan.policy.describe()}.")
     return ""
 
 
