@@ -1115,8 +1115,8 @@ def plan_auto(description: ModelDescription, trainable: TrainableSpec, shape: Ru
 # FUSED_ADVICE_SPEEDUP of the plan's step.
 FUSED_ADVICE_SHARE = 1 / 16
 FUSED_ADVICE_SPEEDUP = 0.67
-_FUSED_SAID = ("fused_backward on in the Offload Policy (each trained tensor stepped in backward and its gradient freed; "
-               "gradient clipping per tensor; not with precision fp16 or gradient accumulation)")
+_FUSED_SAID = ("fused_backward on in the Offload Policy (each trained tensor stepped in backward and its gradient "
+               "freed; gradient clipping per tensor; not with precision fp16 or gradient accumulation)")
 
 
 def _weights_advice(description: ModelDescription, trainable: TrainableSpec, shape: RunShape, base: OffloadPolicy,
