@@ -90,9 +90,8 @@ def describe(template: Template):
     on meta). A ControlNet's own blocks are measured on the measured model (its calibration runs the ControlNet step,
     as the ControlNet Init node's plan does) and kept as measured: they are the same at any depth of the base."""
     from headroom.nodes.bridge.comfy_model import training_blocks
-    from headroom.nodes.bridge.controlnet_build import controlnet_trainable
+    from headroom.nodes.bridge.controlnet_build import controlnet_dtype, controlnet_trainable
     from headroom.nodes.bridge.planning import describe_comfy_model, lora_trainable
-    from headroom.nodes.bridge.run_controlnet import controlnet_dtype
     from headroom.training.core.adapters import AdapterConfig
     from headroom.training.memory import planner
 

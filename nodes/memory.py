@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from comfy_api.latest import io, ui
 
-from ..training.core.adapters import TARGET_MODES
+from ..training.core.adapters import FULL_PRECISIONS, TARGET_MODES
 from ..training.checks import MissingPackageError, check_finite
 from ..training.core.optimizers import OPTIMIZERS
 from ..training.memory import lowbit
@@ -26,7 +26,7 @@ from ..training.core.trainer import PRECISIONS
 from .inputs import layer_names_input
 from .io_types import OffloadPolicyType
 from .bridge.comfy_bridge import node_name
-from .bridge.planning import available_device_bytes, plan_lora_run
+from .bridge.planning import PLAN_KINDS, available_device_bytes, plan_lora_run
 
 CATEGORY = "Headroom/memory"
 MODES = ("estimate", "auto")
@@ -97,7 +97,8 @@ class HeadroomMemoryPlan(io.ComfyNode):
             display_name="Memory Plan (Headroom)",
             category=CATEGORY,
             description="Estimated peak device memory per phase (caching, training step, validation, save), itemised, "
-            "for training a LoRA on this MODEL; 'auto' picks the fastest policy that fits the budget and says why. "
+            "for training a LoRA, a full fine-tune or a ControlNet on this MODEL; 'auto' picks the fastest policy that "
+            "fits the budget and says why. "
             "Activations are measured by running the model at small sizes (a few seconds).",
             inputs=[
                 io.Model.Input("model", tooltip="The MODEL to plan for (e.g. from Load Checkpoint); it is loaded and "
@@ -134,6 +135,17 @@ class HeadroomMemoryPlan(io.ComfyNode):
                 layer_names_input("layer_ranks",
                                   "Ranks per layer of the planned LoRA, as LoRA Config's layer_ranks (empty: rank "
                                   "for all)."),
+                # Appended last and optional, as frames.
+                io.Combo.Input("kind", options=list(PLAN_KINDS), default="lora", optional=True, advanced=True,
+                               tooltip="What the planned run trains: lora (at rank), full (a full fine-tune of the "
+                               "targeted layers' weights, LoRA Config's kind full) or controlnet (a ControlNet of "
+                               "the family's default blocks, as Train ControlNet: Init plans it; rank and targets "
+                               "unused)."),
+                io.Combo.Input("trained_precision", options=list(FULL_PRECISIONS), default="fp32", optional=True,
+                               advanced=True,
+                               tooltip="Kinds full and controlnet: the trained weights in fp32, or bf16_stochastic "
+                               "(LoRA Config's full_precision, the ControlNet nodes' controlnet_precision: half "
+                               "their memory; needs the policy's fused_backward)."),
             ],
             outputs=[io.String.Output("plan_text", tooltip="The plan as text (also shown on the node)."),
                      io.String.Output("plan_json", tooltip="The plan as JSON: each phase's estimate, itemised."),
@@ -144,14 +156,14 @@ class HeadroomMemoryPlan(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, mode, batch_size, width, height, rank, targets, optimizer, precision, text_tokens,
-                policy=None, clip=None, vae=None, frames: int = 1, layers: str = "", layer_ranks: str = ""
-                ) -> io.NodeOutput:
+                policy=None, clip=None, vae=None, frames: int = 1, layers: str = "", layer_ranks: str = "",
+                kind: str = "lora", trained_precision: str = "fp32") -> io.NodeOutput:
         policy = policy if policy is not None else OffloadPolicy()
         if not isinstance(policy, OffloadPolicy):
             raise ValueError(f"{node_name(cls)}: policy must come from an Offload Policy (Headroom) node")
         plan = plan_lora_run(model, policy, mode, batch_size, width, height, rank, targets, optimizer, precision,
                              text_tokens, clip, vae, node=node_name(cls), frames=frames, layers=layers or "",
-                             layer_ranks=layer_ranks or "")
+                             layer_ranks=layer_ranks or "", kind=kind, trained_precision=trained_precision)
         text = plan.to_text()
         return io.NodeOutput(text, plan.to_json(), plan.policy, ui=ui.PreviewText(text))
 

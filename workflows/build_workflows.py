@@ -781,7 +781,7 @@ def flux_controlnet() -> Workflow:
     return real_model_controlnet(flux_model(), "flux_controlnet", FLUX_CONTROLNET_MEMORY)
 
 
-MEMORY_PLAN_NOTE = """Memory plan only: how much device memory a LoRA run on this model needs, per phase (caching, training step, validation, save), itemised, and, in mode "auto", the fastest offload policy that fits the budget, with the reason. Nothing is trained.
+MEMORY_PLAN_NOTE = """Memory plan only: how much device memory a LoRA run on this model needs, per phase (caching, training step, validation, save), itemised, and, in mode "auto", the fastest offload policy that fits the budget, with the reason. Nothing is trained. The node's advanced input kind plans a full fine-tune or a ControlNet instead.
 
 Pick the card on the policy node to plan for a card other than this one (this GPU (auto): this device, measured). Swap the loaders for your model; the Flux.1 dev files:
 - flux1-dev.safetensors -> models/diffusion_models/

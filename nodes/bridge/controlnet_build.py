@@ -169,6 +169,11 @@ def _controlnet_config(model_patcher, blocks: int) -> tuple[ControlNetType, int,
     return controlnet_type, blocks, depth, controlnet_type.constructor_config(base_config, blocks)
 
 
+def controlnet_dtype(controlnet_precision: str) -> torch.dtype:
+    """The dtype a ControlNet's weights train in for its controlnet_precision (fp32, bf16_stochastic)."""
+    return torch.bfloat16 if controlnet_precision == "bf16_stochastic" else torch.float32
+
+
 def controlnet_trainable(model_patcher, blocks: int, optimizer: str, dtype: torch.dtype = torch.float32
                          ) -> TrainableSpec:
     """The trainable tensors of the ControlNet `build_controlnet` would make (its weights in `dtype`), for the

@@ -517,31 +517,58 @@ def first_block_prefix(patcher) -> str:
     return blocks[0][0] + "." if blocks else "\0"
 
 
+# What the Memory Plan node plans (its `kind`): a LoRA of its rank, a full fine-tune of its targets (LoRA Config kind
+# full), or a ControlNet of its family's default blocks (Train ControlNet: Init).
+PLAN_KINDS = ("lora", "full", "controlnet")
+
+
 def plan_lora_run(model, policy: OffloadPolicy, mode: str, batch_size: int, width: int, height: int, rank: int,
                   targets: str, optimizer: str, precision: str, text_tokens: int, clip=None, vae=None,
-                  *, node: str, frames: int = 1, layers: str = "", layer_ranks: str = "") -> planner.Plan:
-    """The Memory Plan node's plan of a LoRA run on `model`: the estimate with `policy` (mode "estimate") or the
+                  *, node: str, frames: int = 1, layers: str = "", layer_ranks: str = "", kind: str = "lora",
+                  trained_precision: str = "fp32") -> planner.Plan:
+    """The Memory Plan node's plan of a run on `model`: the estimate with `policy` (mode "estimate") or the
     fastest policy that fits the budget (mode "auto"); precision "auto" and text_tokens 0 as the training nodes
     resolve them; `frames`: a video model's longest training clip; `layers`: LoRA Config's filter of the targets,
-    `layer_ranks` its ranks per layer; `node`: the node's display name, for messages."""
-    adapter = AdapterConfig(rank=rank, alpha=float(rank), targets=targets, layers=layers, layer_ranks=layer_ranks)
+    `layer_ranks` its ranks per layer; `kind` (PLAN_KINDS): a LoRA, a full fine-tune (its weights in
+    `trained_precision`, as LoRA Config's full_precision) or a ControlNet (its weights so, as the ControlNet nodes'
+    controlnet_precision), planned as their Init nodes plan a card; `node`: the node's display name, for messages."""
     if precision == "auto":
         precision = auto_precision(model.load_device)
     try:
+        if kind not in PLAN_KINDS:
+            raise ValueError(f"kind={kind!r}: choose one of {', '.join(PLAN_KINDS)}")
+        if trained_precision != "fp32" and kind == "lora":
+            raise ValueError(f"trained_precision {trained_precision} is for kinds full and controlnet (their trained "
+                             "weights); a LoRA's small factors train in fp32: set it to fp32")
+        if trained_precision == "bf16_stochastic" and not policy.fused_backward:
+            raise ValueError("trained_precision bf16_stochastic: bf16 weights are stepped with stochastic rounding "
+                             "inside backward; turn fused_backward on in the Offload Policy, or set it to fp32")
+        controlnet = kind == "controlnet"
+        adapter = AdapterConfig(rank=rank, alpha=float(rank), targets=targets, layers=layers, layer_ranks=layer_ranks,
+                                kind="full" if kind == "full" else "lora",
+                                full_precision=trained_precision if kind == "full" else "fp32")
         adapter.validate()
-        trained_weights_on_host.check_kind(policy, adapter.kind)  # a full fine-tune's option; this node plans LoRAs
+        trained_weights_on_host.check_kind(policy, None if controlnet else adapter.kind, "set kind full on this node")
         budget = budget_bytes(policy, torch.device(model.load_device))
-        paths = lora_target_paths(model, adapter)
+        if controlnet:
+            controlnet_build.controlnet_type_name(model)  # a family without a ControlNet layout: named, listed
+        paths = None if controlnet else lora_target_paths(model, adapter)
         latent_frames = video.check_frames(node, model.model, frames)
         if vae is not None and frames > 1 and frame_step(vae) is None:
             raise ValueError(f"frames={frames}, but this VAE ({type(vae.first_stage_model).__name__}) encodes images; "
                              "connect the video model's VAE")
         shape = planner.RunShape(batch_size, width, height, text_tokens or None, latent_frames)
         description = describe_comfy_model(model, adapter, precision, text_tokens or None, clip, vae, frames,
-                                           timing=shape)
+                                           timing=shape, controlnet=0 if controlnet else None)
     except (PolicyError, ValueError) as error:
         raise ValueError(named(node, str(error))) from None
-    trainable = with_host_step(lora_trainable(model, adapter, optimizer, paths))
+    if controlnet:  # as Train ControlNet: Init plans its card
+        trainable = dataclasses.replace(controlnet_build.controlnet_trainable(
+            model, 0, optimizer, controlnet_build.controlnet_dtype(trained_precision)),
+            bf16_weights_input="controlnet_precision")
+    else:
+        trainable = lora_trainable(model, adapter, optimizer, paths)
+    trainable = with_host_step(trainable)
     room = host_ram.host_room(policy.host_ram_budget_gb)
     if mode == "auto":
         return planner.plan_auto(description, trainable, shape, policy, budget, room)

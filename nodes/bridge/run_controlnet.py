@@ -15,7 +15,7 @@ from ...training.core.optimizers import OptimizerConfig
 from ...training.core.trainer import TrainConfig
 from .comfy_bridge import TrainingRun, config_json
 from .controlnet_build import (CONTROL_HINT, ControlNetDenoiser, TrainableControlNet, apply_controlnet,
-                               build_controlnet, comfy_controlnet, save_controlnet)
+                               build_controlnet, comfy_controlnet, controlnet_dtype, save_controlnet)
 
 # --- the ControlNet run ---------------------------------------------------------------------------------------
 @dataclasses.dataclass
@@ -44,10 +44,6 @@ class ControlNetRunConfig:
         """As run folders store it: the type under its historical key "family" (stored runs resume)."""
         stored = config_json(self)
         return {"family": stored.pop("controlnet_type"), **stored}
-
-
-def controlnet_dtype(controlnet_precision: str) -> torch.dtype:
-    return torch.bfloat16 if controlnet_precision == "bf16_stochastic" else torch.float32
 
 
 def default_validation_control(latent_cache, items) -> torch.Tensor | None:

@@ -353,3 +353,57 @@ def test_plan_errors_are_clear(comfyui):
     host = _policy(trained_weights="host", fused_backward=True, optimizer_state="cpu").result[0]
     with pytest.raises(ValueError, match=r"Memory Plan \(Headroom\): trained_weights 'host' keeps a full fine-tune's"):
         _plan(model, policy=host)  # it plans LoRAs: the Init node's card fit plans a full fine-tune
+
+
+@pytest.mark.parametrize("family", ["sd15", "flux"])
+def test_the_plan_of_a_controlnet_or_a_full_fine_tune_counts_what_they_train(comfyui, family):
+    """kind controlnet / full (appended inputs): the plan the ControlNet Init node makes of a card (its calibration runs
+    the ControlNet, its trainable tensors are the ControlNet's) or a full fine-tune's (its trained layers' weights),
+    in fp32 or, with fused backward, bf16 (trained_precision: half the bytes)."""
+    from headroom.nodes.bridge.controlnet_build import controlnet_trainable
+    from headroom.nodes.bridge.planning import lora_trainable
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
+    from headroom.training.core.adapters import AdapterConfig
+    from headroom.training.memory.policy import OffloadPolicy
+
+    model, _, _ = build_tiny_models(family)
+
+    def trained(**inputs) -> tuple[int, int]:
+        """(trainable weights, optimizer state) of the plan's training step"""
+        plan = json.loads(_plan(model, **inputs).result[1])
+        items = next(p for p in plan["phases"] if p["phase"] == "training step")["items"]
+        return (sum(value for name, value in items.items() if name.startswith("trainable weights")),
+                items["optimizer state (AdamW)"])
+
+    controlnet = controlnet_trainable(model, 0, "AdamW")
+    full = lora_trainable(model, AdapterConfig(kind="full", targets="preset"), "AdamW")
+    lora = trained()
+    for kind, spec in (("controlnet", controlnet), ("full", full)):
+        assert trained(kind=kind) == (spec.weight_bytes(), spec.optimizer_bytes()) and spec.weight_bytes() > lora[0]
+        fused = OffloadPolicy(fused_backward=True)
+        assert trained(kind=kind, policy=fused, trained_precision="bf16_stochastic")[0] == spec.weight_bytes() // 2
+    text = _plan(model, kind="controlnet", mode="auto", policy=OffloadPolicy(vram_budget_gb=4.0)).result[0]
+    assert "the fastest policy that fits" in text
+
+
+def test_plan_kinds_refuse_what_their_runs_refuse(comfyui):
+    """Named by the node, saying what to set: bf16 weights without fused backward, trained_precision on a LoRA, a
+    ControlNet of a family ComfyUI has no ControlNet layout for (the families listed)."""
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
+    from headroom.training.memory.policy import OffloadPolicy
+
+    model, _, _ = build_tiny_models("sd15")
+    with pytest.raises(ValueError, match=r"^Memory Plan \(Headroom\): trained_precision bf16_stochastic: .*turn "
+                                         r"fused_backward on in the Offload Policy, or set it to fp32"):
+        _plan(model, kind="controlnet", trained_precision="bf16_stochastic")
+    with pytest.raises(ValueError, match=r"^Memory Plan \(Headroom\): trained_precision bf16_stochastic is for kinds "
+                                         r"full and controlnet"):
+        _plan(model, trained_precision="bf16_stochastic", policy=OffloadPolicy(fused_backward=True))
+    host = _policy(trained_weights="host", fused_backward=True, optimizer_state="cpu").result[0]
+    with pytest.raises(ValueError, match=r"trained_weights 'host' keeps a full fine-tune's .* set kind full on this "
+                                         r"node, or set trained_weights 'device'"):
+        _plan(model, policy=host)
+    assert json.loads(_plan(model, policy=host, kind="full").result[1])["fits"] in (True, False)
+    flux2, _, _ = build_tiny_models("flux2")
+    with pytest.raises(ValueError, match=r"^Memory Plan \(Headroom\): .*(?i:flux\.?2).*"):
+        _plan(flux2, kind="controlnet")

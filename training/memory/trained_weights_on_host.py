@@ -81,10 +81,11 @@ def problem(policy) -> str | None:
     return None
 
 
-def check_kind(policy, kind: str | None) -> None:
-    """Only a full fine-tune's trained weights stream (an adapter's small factors stay on the card)."""
+def check_kind(policy, kind: str | None, to_full: str = "set kind full in the LoRA Config") -> None:
+    """Only a full fine-tune's trained weights stream (an adapter's small factors stay on the card); `to_full`: how the
+    node the user sees makes the run a full fine-tune."""
     if policy.trained_weights == "host" and kind != "full":
-        change = "set kind full in the LoRA Config, or " if kind else ""
+        change = f"{to_full}, or " if kind else ""
         raise ValueError(f"trained_weights 'host' keeps a full fine-tune's trained weights in host RAM; this run trains "
                          f"{'a ' + kind if kind else 'a ControlNet'}: {change}set trained_weights 'device' in the "
                          "Offload Policy")
