@@ -7,6 +7,7 @@ block checkpointed. The tiny models' check: tests/comfy/test_controlnet_training
 bench/bench_step_prediction.py --kind controlnet."""
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -61,6 +62,7 @@ def test_a_bf16_controlnet_trains_plans_and_loads_in_the_stock_nodes_at_real_wid
     from headroom.nodes.bridge.controlnet_build import controlnet_trainable
     from headroom.nodes.bridge.families import controlnet_type_of
     from headroom.nodes.train_controlnet import HeadroomSaveControlNet, HeadroomTrainControlNetInit
+    from headroom.nodes.memory import HeadroomMemoryPlan
     from headroom.nodes.train_lora import HeadroomOptimizerConfig, HeadroomTrainSteps
     from headroom.training.memory.policy import OffloadPolicy
 
@@ -87,6 +89,12 @@ def test_a_bf16_controlnet_trains_plans_and_loads_in_the_stock_nodes_at_real_wid
         spec = controlnet_trainable(model, 0, "AdamW", torch.bfloat16)
         assert 2 * spec.weight_bytes() == controlnet_trainable(model, 0, "AdamW").weight_bytes()
         assert spec.weight_bytes() == sum(t.numel() * 2 for t in run.trainer.params)
+        # The Memory Plan node's kind controlnet plans the same tensors (before any cache exists)
+        plan = json.loads(HeadroomMemoryPlan.execute(
+            model, "estimate", 1, 64, 64, 16, "preset", "AdamW", "bf16", 0, policy=OffloadPolicy(fused_backward=True),
+            kind="controlnet", trained_precision="bf16_stochastic").args[1])
+        items = next(p for p in plan["phases"] if p["phase"] == "training step")["items"]
+        assert items["trainable weights (bf16)"] == spec.weight_bytes()
         for checkpointing, (planned, kept) in controlnet_plan_over_step(run).items():
             print(f"bf16 ControlNet, checkpointing {checkpointing}: planned {planned / 2 ** 20:.1f} MiB, the step "
                   f"keeps {kept / 2 ** 20:.1f} MiB ({planned / kept:.3f}x)")
