@@ -16,10 +16,10 @@ import torch
 pytestmark = [pytest.mark.comfyui, pytest.mark.realsize]
 
 
-@pytest.mark.parametrize("arch, depth", [("sd15", None), ("sd35_large", 2)])
-def test_a_controlnet_runs_plan_counts_what_its_step_keeps_at_real_width(comfyui, arch, depth):
+def _controlnet_run(arch: str, depth, precision: str = "fp32", **init_inputs):
+    """(model, clip, vae, control images, run): a ControlNet run opened through the nodes on one synthetic image
+    cached with its control, at real width."""
     import realsize_models
-    from family_checks import controlnet_plan_over_step
     from headroom.nodes import cache as cache_nodes, data as data_nodes
     from headroom.nodes.bridge.families import controlnet_type_of
     from headroom.nodes.train_controlnet import HeadroomTrainControlNetInit
@@ -36,9 +36,17 @@ def test_a_controlnet_runs_plan_counts_what_its_step_keeps_at_real_width(comfyui
         run = HeadroomTrainControlNetInit.execute(
             model=model, latent_cache=latents, text_cache=texts, optimizer_config=optimizer,
             run_name=f"controlnet_plan_{arch}_{time.time_ns()}", seed=0, batch_size=1, grad_accumulation=1,
-            precision="fp32", max_grad_norm=1.0, caption_dropout=0.0, timestep_sampling="uniform",
+            precision=precision, max_grad_norm=1.0, caption_dropout=0.0, timestep_sampling="uniform",
             loss_weighting="none", min_snr_gamma=5.0, noise_offset=0.0, gradient_checkpointing=False,
-            checkpoint_depth=1, holdout=0).args[0]
+            checkpoint_depth=1, holdout=0, **init_inputs).args[0]
+    return model, clip, vae, controls, run
+
+
+@pytest.mark.parametrize("arch, depth", [("sd15", None), ("sd35_large", 2)])
+def test_a_controlnet_runs_plan_counts_what_its_step_keeps_at_real_width(comfyui, arch, depth):
+    from family_checks import controlnet_plan_over_step
+
+    *_, run = _controlnet_run(arch, depth)
     try:
         for checkpointing, (planned, kept) in controlnet_plan_over_step(run).items():
             print(f"{arch}, checkpointing {checkpointing}: planned {planned / 2 ** 20:.1f} MiB, the step keeps "
@@ -56,31 +64,15 @@ def test_a_bf16_controlnet_trains_plans_and_loads_in_the_stock_nodes_at_real_wid
     computes bf16 weights in fp32: the stock module holds them upcast, the in-memory one casts them)."""
     import folder_paths
     import nodes
-    import realsize_models
     from family_checks import controlnet_plan_over_step
-    from headroom.nodes import cache as cache_nodes, data as data_nodes
     from headroom.nodes.bridge.controlnet_build import controlnet_trainable
-    from headroom.nodes.bridge.families import controlnet_type_of
-    from headroom.nodes.train_controlnet import HeadroomSaveControlNet, HeadroomTrainControlNetInit
     from headroom.nodes.memory import HeadroomMemoryPlan
-    from headroom.nodes.train_lora import HeadroomOptimizerConfig, HeadroomTrainSteps
+    from headroom.nodes.train_controlnet import HeadroomSaveControlNet
+    from headroom.nodes.train_lora import HeadroomTrainSteps
     from headroom.training.memory.policy import OffloadPolicy
 
-    model, clip, vae = realsize_models.build_family("sd35_large", 2)
-    with torch.inference_mode():  # as ComfyUI runs nodes
-        images, captions, controls = data_nodes.HeadroomSyntheticDataset.execute(1, 64, 0).args
-        dataset = cache_nodes.HeadroomDatasetFromImages.execute(images, captions, 64, 64, "center", False, 0,
-                                                                control_images=controls).args[0]
-        latents = cache_nodes.HeadroomCacheLatents.execute(dataset, vae, controlnet_type_of(model).hint).args[0]
-        texts = cache_nodes.HeadroomCacheText.execute(dataset, clip).args[0]
-        optimizer = HeadroomOptimizerConfig.execute("AdamW", 1e-4, 0.0, "constant", 0, 1000).args[0]
-        run = HeadroomTrainControlNetInit.execute(
-            model=model, latent_cache=latents, text_cache=texts, optimizer_config=optimizer,
-            run_name=f"controlnet_bf16_{time.time_ns()}", seed=0, batch_size=1, grad_accumulation=1,
-            precision="bf16", max_grad_norm=1.0, caption_dropout=0.0, timestep_sampling="uniform",
-            loss_weighting="none", min_snr_gamma=5.0, noise_offset=0.0, gradient_checkpointing=False,
-            checkpoint_depth=1, holdout=0, policy=OffloadPolicy(fused_backward=True),
-            controlnet_precision="bf16_stochastic").args[0]
+    model, clip, vae, controls, run = _controlnet_run("sd35_large", 2, "bf16", controlnet_precision="bf16_stochastic",
+                                                      policy=OffloadPolicy(fused_backward=True))
     try:
         before = run.controlnet.state_dict()
         # (the image stream's: the last block's text stream feeds nothing, so its MLP gets no gradient)
