@@ -17,6 +17,7 @@ from ..training.core.adapters import FULL_PRECISIONS
 from ..training.core.optimizers import OptimizerConfig
 from ..training.core.run_dir import RunFolderError, check_name, check_subfolder
 from ..training.memory import trained_weights_on_host
+from ..training.memory.policy import OffloadPolicy
 from .bridge.comfy_bridge import TrainingRun, check_run_kind, node_id, node_name, send_node_text
 from .bridge.comfy_model import check_caches
 from .bridge.controlnet_build import check_control_cache, controlnet_trainable, controlnet_type_name
@@ -70,6 +71,8 @@ def start_controlnet_run(model, latent_cache, text_cache, optimizer_config, run_
         config = ControlNetRunConfig(controlnet_type=type_name, blocks=blocks, init_seed=init_seed,
                                      optimizer=optimizer_config, train=train, holdout=holdout,
                                      controlnet_precision=controlnet_precision)
+        if policy is None or isinstance(policy, OffloadPolicy):  # before the plan (other inputs: resolve_policy says)
+            check_controlnet_precision(controlnet_precision, policy or OffloadPolicy(), train.precision)
         trainable = dataclasses.replace(controlnet_trainable(model, blocks, optimizer_config.name, config.dtype),
                                         ema=train.ema_decay > 0, bf16_weights_input="controlnet_precision")
         planned = []  # the card's plan, when one is made: its predicted s/step goes to the memory record
@@ -83,7 +86,6 @@ def start_controlnet_run(model, latent_cache, text_cache, optimizer_config, run_
                                            plan_card=plan_card)
         check_host_ram(policy, trainable, node)
         trained_weights_on_host.check_kind(policy, None)  # a full fine-tune's option: refused before the run opens
-        check_controlnet_precision(controlnet_precision, policy, train.precision)
         send_node_text(plan_note, shown_on)  # on the node before the run opens, and so before its first step
         run = open_on_devices(devices, model, open_controlnet_run,
                               (latent_cache, text_cache, config, runs_root(), run_name), {"policy": policy},
