@@ -49,5 +49,5 @@ def test_a_run_stored_before_loss_types_resumes_and_a_changed_loss_type_is_refus
 
     resumed = _init(model, latents, texts, "loss_stored_before", rank=4)
     assert resumed.resumed and resumed.step == 2
-    with pytest.raises(ValueError, match=r"session\.train\.objective\.loss_type: stored None, now 'huber'"):
+    with pytest.raises(ValueError, match=r"session\.train\.objective\.loss_type: stored 'mse', now 'huber'"):
         _init(model, latents, texts, "loss_stored_before", rank=4, loss_type="huber")

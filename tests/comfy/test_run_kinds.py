@@ -123,10 +123,36 @@ def test_stored_family_names_are_unchanged(runs):
     lora_config, controlnet_config = lora_run.run_dir.read_config(), controlnet_run.run_dir.read_config()
     assert lora_config["session"]["family"] == "sd15"
     assert lora_run.metadata()["headroom.family"] == "sd15"
-    assert set(controlnet_config["session"]) == {"family", "blocks", "init_seed", "optimizer", "train", "holdout"}
+    assert set(controlnet_config["session"]) == {"family", "blocks", "init_seed", "optimizer", "train", "holdout",
+                                                 "controlnet_precision"}
     assert controlnet_config["session"]["family"] == "unet" and "controlnet_type" not in controlnet_config["session"]
     assert controlnet_run.controlnet.type_name == "unet"
     assert ", unet ControlNet, " in repr(controlnet_run)
+
+
+def test_controlnet_runs_stored_before_controlnet_precision_resume_as_fp32(runs):
+    """A ControlNet run folder written before the setting existed trained fp32 weights: it resumes with fp32 (the
+    default), and another value is refused naming the stored one."""
+    from headroom.nodes.train_controlnet import HeadroomTrainControlNetInit
+
+    _, _, controlnet_run = runs
+    path = controlnet_run.run_dir.path / "config.json"
+    stored = json.loads(path.read_text())
+    assert stored["session"].pop("controlnet_precision") == "fp32"
+    path.write_text(json.dumps(stored))  # as older versions wrote it
+    inputs = {key: value for key, value in _INPUTS.items() if key != "lora_config"}
+    again = HeadroomTrainControlNetInit.execute(**inputs, run_name=controlnet_run.run_dir.name).args[0]
+    assert again.run_dir.path == controlnet_run.run_dir.path and again.controlnet.dtype == torch.float32
+    with pytest.raises(ValueError, match=r"session.controlnet_precision: stored 'fp32', now 'bf16_stochastic'"):
+        HeadroomTrainControlNetInit.execute(**{**inputs, "precision": "bf16"}, run_name=controlnet_run.run_dir.name,
+                                            controlnet_precision="bf16_stochastic",
+                                            policy=_fused_policy())
+
+
+def _fused_policy():
+    from headroom.training.memory.policy import OffloadPolicy
+
+    return OffloadPolicy(fused_backward=True)
 
 
 def test_runs_stored_with_the_nodes_checkpointing_settings_resume(runs):

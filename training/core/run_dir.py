@@ -244,7 +244,9 @@ class RunDir:
                        and not (b is None and k in removed_later)
                        and not (k in renamed and b in renamed[k] and a == renamed[k][b])]
         if differences:
-            listed = "; ".join(f"{k}: stored {a!r}, now {b!r}" for k, a, b in differences[:6])
+            # (a run stored before a setting existed ran with its added_later value: shown as stored)
+            listed = "; ".join(f"{k}: stored {added_later[k] if a is None and k in added_later else a!r}, now {b!r}"
+                               for k, a, b in differences[:6])
             raise ValueError(
                 f"run '{self.name}' already exists at {self.display} with a different configuration ({listed}). "
                 "Use a new run name, or set the inputs back to the stored values to resume it."
