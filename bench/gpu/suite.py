@@ -103,8 +103,8 @@ FULL_STREAMED_STATE_MODELS = ("sd35_large",)
 # ControlNet runs (the type's default blocks: SDXL's encoder copied, Flux's first 2 double blocks; AdamW, fused
 # backward and bf16 weights as the templates sdxl_controlnet / flux_controlnet set them): the planned peak and
 # predicted s/step of a ControlNet's own step (its calibration runs the ControlNet, the time model takes its blocks'
-# measured times), never yet run on a GPU, against the measured. "resident": the whole card, planned for the record; a card ("16GB"): the
-# Offload Policy's card set to it, the Init node's plan (emulated as the budgets are).
+# measured times), never yet run on a GPU, against the measured. "resident": the whole card, planned for the record;
+# a card ("16GB"): the Offload Policy's card set to it, the Init node's plan (emulated as the budgets are).
 CONTROLNET_ROWS = {"sdxl": ("resident", "16GB"), "flux_dev": ("resident", "24GB")}
 
 
