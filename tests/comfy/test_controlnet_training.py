@@ -597,6 +597,10 @@ def test_bf16_controlnet_weights_train_resume_exactly_and_load_in_the_stock_node
         latent = nodes.EmptyLatentImage().generate(64, 64, 1)[0]
         samples = nodes.KSampler().sample(model, 5, 4, 2.0, "euler", "normal", positive, negative, latent)[0]
         stock_images = nodes.VAEDecode().decode(vae, samples)[0]
+        plain = nodes.VAEDecode().decode(vae, nodes.KSampler().sample(
+            model, 5, 4, 2.0, "euler", "normal", nodes.CLIPTextEncode().encode(clip, "a red circle")[0],
+            nodes.CLIPTextEncode().encode(clip, "blurry")[0], latent)[0])[0]
+    assert (images - plain).abs().max() > 1e-3, "after 4 steps the ControlNet must change the image"
     assert (stock_images - images).abs().max() <= 1e-3
     # On a CPU ComfyUI computes bf16 weights in fp32: sampling cast them, training after it reads them as before
     HeadroomTrainSteps.execute(straight, 5)
