@@ -26,7 +26,7 @@ from ..training.core.trainer import PRECISIONS
 from .inputs import layer_names_input
 from .io_types import OffloadPolicyType
 from .bridge.comfy_bridge import node_name
-from .bridge.planning import PLAN_KINDS, available_device_bytes, plan_lora_run
+from .bridge.planning import PLAN_KINDS, available_device_bytes, plan_run
 
 CATEGORY = "Headroom/memory"
 MODES = ("estimate", "auto")
@@ -161,7 +161,7 @@ class HeadroomMemoryPlan(io.ComfyNode):
         policy = policy if policy is not None else OffloadPolicy()
         if not isinstance(policy, OffloadPolicy):
             raise ValueError(f"{node_name(cls)}: policy must come from an Offload Policy (Headroom) node")
-        plan = plan_lora_run(model, policy, mode, batch_size, width, height, rank, targets, optimizer, precision,
+        plan = plan_run(model, policy, mode, batch_size, width, height, rank, targets, optimizer, precision,
                              text_tokens, clip, vae, node=node_name(cls), frames=frames, layers=layers or "",
                              layer_ranks=layer_ranks or "", kind=kind, trained_precision=trained_precision)
         text = plan.to_text()

@@ -458,7 +458,7 @@ def vae_estimates(vae, frames: int = 1) -> dict:
     decoded from [1, C, latent frames, h, w]: ComfyUI's formulas are not linear in frames, e.g. the Wan 2.1 VAE's steps
     up past 4), per pixel of one frame; ComfyUI's formulas are linear in a frame's area."""
     side = 512
-    step = frame_step(vae)  # None: an image VAE (plan_lora_run refuses it clips)
+    step = frame_step(vae)  # None: an image VAE (plan_run refuses it clips)
     latent = side // spatial_downscale(vae) if spatial_downscale(vae) > 1 else side // 8
     # A video VAE (latent_dim 3: Wan, HunyuanVideo 1.5; Wan 2.1 for Qwen-Image's images) takes 5-D shapes.
     pixel_frames, latent_frames = ((frames,), ((frames - 1) // step + 1,)) if step is not None else ((), ())
@@ -522,7 +522,7 @@ def first_block_prefix(patcher) -> str:
 PLAN_KINDS = ("lora", "full", "controlnet")
 
 
-def plan_lora_run(model, policy: OffloadPolicy, mode: str, batch_size: int, width: int, height: int, rank: int,
+def plan_run(model, policy: OffloadPolicy, mode: str, batch_size: int, width: int, height: int, rank: int,
                   targets: str, optimizer: str, precision: str, text_tokens: int, clip=None, vae=None,
                   *, node: str, frames: int = 1, layers: str = "", layer_ranks: str = "", kind: str = "lora",
                   trained_precision: str = "fp32") -> planner.Plan:
