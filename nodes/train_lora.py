@@ -26,7 +26,8 @@ from .bridge import lora_formats
 from .bridge.comfy_bridge import TrainingRun, check_run_kind, node_id, node_name, run_and_step, send_node_text
 from .bridge.comfy_model import (check_caches, check_quantized_kind, check_reference_cache, check_trainable,
                                  missing_inputs_note, model_family)
-from .bridge.model_files import prune_step_saves, runs_root, save_extracted_lora, save_lora, step_save_name
+from .bridge.model_files import (RESIZE_DTYPES, prune_step_saves, runs_root, save_extracted_lora, save_lora,
+                                 save_resized_lora, step_save_name)
 from .bridge.planning import check_host_ram, lora_trainable, plan_for_card
 from .bridge.rank_workers import open_on_devices, parse_devices
 from .bridge.run_lora import REFERENCES, SAVE_DTYPES, LoraRunConfig, open_lora_run
@@ -611,6 +612,53 @@ class HeadroomExtractLora(io.ComfyNode):
                                        "text": [f"{saved_text(run, 'LoRA', 'loras', name)}\n{kept}"]})
 
 
+class HeadroomResizeLora(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="HeadroomResizeLora",
+            display_name="Resize LoRA (Headroom)",
+            category=CATEGORY,
+            description="Save a LoRA file at a lower rank (kohya's resize_lora): each layer's update kept by its "
+            "largest singular directions, a smaller file for the same effect. Any file Load LoRA lists, in its own "
+            "format (ComfyUI, kohya, diffusers keys; text-encoder layers too); LoHa / LoKr / OFT layers and diff "
+            "patches are copied as they are.",
+            is_output_node=True,
+            inputs=[
+                io.Combo.Input("lora_name", options=folder_paths.get_filename_list("loras"),
+                               tooltip="The LoRA file to resize, from models/loras/ (as Load LoRA lists it). It is "
+                               "read, never changed."),
+                io.Int.Input("rank", default=16, min=0, max=4096,
+                             tooltip="Most directions kept per layer; a layer at this rank or below is copied as it "
+                             "is. 0: as many as energy needs."),
+                io.Float.Input("energy", default=0.0, min=0.0, max=1.0, step=0.001,
+                               tooltip="Keep, per layer, the fewest directions that hold this share of its update "
+                               "(0.9-0.99 is usual; capped by rank when rank is set; kohya's sv_fro measures the "
+                               "square root of it). 0: by rank alone."),
+                io.String.Input("subfolder", default="headroom",
+                                tooltip="Folder under models/loras/ (empty: models/loras/ itself)."),
+                io.String.Input("filename", default="",
+                                tooltip="Empty: <the file's name>_resized. Never the file being resized."),
+                io.Combo.Input("dtype", options=list(RESIZE_DTYPES), default="auto",
+                               tooltip="Precision of the resized layers: auto as the file stores them; fp32; bf16 / "
+                               "fp16 half the size."),
+            ],
+            outputs=[io.String.Output("lora_name", tooltip="The resized file's name, as Load LoRA lists it.")],
+        )
+
+    @classmethod
+    def execute(cls, lora_name: str, rank: int, energy: float, subfolder: str, filename: str,
+                dtype: str = "auto") -> io.NodeOutput:
+        node = node_name(cls)
+        check_finite(node, energy=energy)
+        try:
+            name, done = save_resized_lora(lora_name, rank, energy, subfolder, filename, dtype)
+        except ValueError as error:
+            raise ValueError(f"{node}: {error}") from error
+        return io.NodeOutput(name, ui={SAVED_KEY: [saved_file("LoRA", "loras", name)],
+                                       "text": [f"{lora_name} resized: saved to models/loras/{name}\n{done}"]})
+
+
 class HeadroomApplyTrainedLora(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
@@ -725,4 +773,4 @@ class HeadroomTrainLora(io.ComfyNode):
 
 
 NODES = [HeadroomLoraConfig, HeadroomOptimizerConfig, HeadroomTrainLoraInit, HeadroomTrainSteps, HeadroomValidate,
-         HeadroomSaveLora, HeadroomExtractLora, HeadroomApplyTrainedLora, HeadroomTrainLora]
+         HeadroomSaveLora, HeadroomExtractLora, HeadroomResizeLora, HeadroomApplyTrainedLora, HeadroomTrainLora]

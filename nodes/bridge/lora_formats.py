@@ -272,6 +272,67 @@ def diffusers_metadata(config: dict) -> dict[str, str]:
     return {DIFFUSERS_METADATA_KEY: json.dumps(config, indent=2, sort_keys=True), "format": "pt"}
 
 
+# Metadata a resized file must not carry over: hashes of the weights before (kohya's, modelspec's), and the run that
+# wrote it (a run's keep_saves removes only files whose metadata names it as their writer).
+_STALE_AFTER_RESIZE = ("sshs_model_hash", "sshs_legacy_hash", "modelspec.hash_sha256", "headroom.run")
+
+
+def resized_metadata(metadata: dict[str, str] | None, ranks: dict[str, int], alphas: dict[str, float],
+                     source: str, resize: dict) -> tuple[dict[str, str], list[str]]:
+    """A resized LoRA file's metadata (training/core/lora_resize.py): the source's, with its rank and alpha keys
+    (kohya's ss_network_dim / ss_network_alpha: "Dynamic" where layers differ, as sd-scripts' resize writes them;
+    Headroom's own; diffusers' PEFT LoraConfig: r, lora_alpha, rank_pattern, alpha_pattern per module) made to
+    match the new layers (`ranks` / `alphas` by layer name), stale hashes left out, and where it came from. Also
+    notes on what was left out. A diffusers config gets every layer's alpha = its rank (scale 1), as the stock loader
+    reads a file without alpha keys, so diffusers then applies what ComfyUI applies."""
+    out = {k: v for k, v in (metadata or {}).items() if k not in _STALE_AFTER_RESIZE}
+    notes = []
+    common = collections.Counter(ranks.values()).most_common(1)[0][0]
+    one_alpha = len(set(alphas.values())) == 1
+    if "ss_network_dim" in out:
+        out["ss_network_dim"] = str(common) if len(set(ranks.values())) == 1 else "Dynamic"
+        out["ss_network_alpha"] = f"{next(iter(alphas.values())):g}" if one_alpha else "Dynamic"
+    if "headroom.rank" in out:
+        out["headroom.rank"] = str(common)
+        out["headroom.alpha"] = f"{alphas[next(k for k, r in ranks.items() if r == common)]:g}"
+    if DIFFUSERS_METADATA_KEY in out:
+        try:
+            config = json.loads(out[DIFFUSERS_METADATA_KEY], parse_constant=_no_constant)
+            if not isinstance(config, dict):
+                raise ValueError("not an object")
+            out[DIFFUSERS_METADATA_KEY] = json.dumps(_resized_peft_config(config, ranks), indent=2, sort_keys=True)
+        except ValueError as error:
+            del out[DIFFUSERS_METADATA_KEY]
+            notes.append(f"its diffusers LoraConfig ({DIFFUSERS_METADATA_KEY}) could not be read ({error}) and was left "
+                         "out: diffusers reads the ranks from the weights")
+    out["headroom.resized_from"] = source
+    out["headroom.resize"] = json.dumps(resize, sort_keys=True)
+    return out, notes
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is no JSON number")
+
+
+def _resized_peft_config(config: dict, ranks: dict[str, int]) -> dict:
+    """The flattened "<component>.<field>" LoraConfig diffusers writes, with each component's r / lora_alpha the most
+    common rank of its layers and the other layers in rank_pattern / alpha_pattern (alpha = rank: scale 1)."""
+    components = {key.split(".", 1)[0] for key in config if "." in key and key.endswith(".r")}
+    if not components:
+        raise ValueError("no component's rank 'r' in it")
+    out = dict(config)
+    for component in sorted(components):
+        modules = {_diffusers_module(layer, component)[0]: rank for layer, rank in ranks.items()
+                   if layer.startswith(component + ".")}
+        if not modules:
+            continue
+        common = collections.Counter(modules.values()).most_common(1)[0][0]
+        others = {module: rank for module, rank in sorted(modules.items()) if rank != common}
+        out[f"{component}.r"] = out[f"{component}.lora_alpha"] = int(common)
+        out[f"{component}.rank_pattern"], out[f"{component}.alpha_pattern"] = others, dict(others)
+    return out
+
+
 def kohya_conv_args(kind: str, convolutions: list[tuple[int, float]]) -> dict[str, str]:
     """sd-scripts' / LyCORIS' `conv_dim` / `conv_alpha` network args (LoCon) for the (rank, alpha) of each trained
     convolution with a kernel larger than 1x1 (their 1x1 ones take network_dim / alpha, as ours take `rank` / `alpha`).

@@ -9,9 +9,11 @@ import re
 from collections.abc import Callable
 
 import folder_paths
+import torch
 
 from ...training.core.run_dir import NAME_MAX, check_name, check_subfolder
-from ...training.data.files import UntrustedFileError, open_regular, prune_temp
+from ...training.data.files import (UntrustedFileError, format_bytes, open_regular, prune_temp, relative_text,
+                                   save_safetensors)
 from . import lora_formats
 from .comfy_bridge import TrainingRun
 
@@ -78,6 +80,56 @@ def save_extracted_lora(run: TrainingRun, subfolder: str, filename: str, rank: i
                           lambda path: kept.append(lora.save_extracted(run, path, rank, energy, dtype, weights,
                                                                               caption_tags)))
     return name, kept[0]
+
+
+RESIZE_DTYPES = ("auto", "fp32", "bf16", "fp16")  # auto: each resized layer as the file stores it
+_TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def save_resized_lora(lora_name: str, rank: int, energy: float, subfolder: str, filename: str,
+                      dtype: str = "auto") -> tuple[str, str]:
+    """Write LoRA file `lora_name` (a name Load LoRA lists) at a lower rank (training/core/lora_resize.py) under
+    models/loras/<subfolder>/ (empty filename: <its name>_resized), its key names, format and metadata kept (ranks,
+    alphas and hashes made to match); returns (the name LoraLoader lists, what was done)."""
+    import comfy.utils
+
+    from ...training.core.lora_resize import resize_lora
+
+    if dtype not in RESIZE_DTYPES:
+        raise ValueError(f"dtype {dtype!r}: choose one of {', '.join(RESIZE_DTYPES)}")
+    source = folder_paths.get_full_path("loras", lora_name) if isinstance(lora_name, str) else None
+    if source is None:
+        raise ValueError(f"LoRA file {str(lora_name)[:120]!r} is not in models/loras/ (Load LoRA lists the names to use)")
+    check_subfolder(subfolder, "subfolder")
+    # The default name from the source's, in the characters a saved name may have ("my lora (v2)" -> "my_lora_v2_").
+    stem = re.sub(r"[^A-Za-z0-9_.-]|\.\.", "_", os.path.splitext(os.path.basename(source))[0]).lstrip("._-")
+    name = check_name(filename or f"{stem[:NAME_MAX] or 'lora'}_resized", "LoRA file name",
+                      longest=NAME_MAX + len("_step000000_extracted"))
+    name = name if name.endswith(".safetensors") else name + ".safetensors"
+    root = pathlib.Path(folder_paths.get_folder_paths("loras")[0])
+    path = root / subfolder / name if subfolder else root / name
+    if os.path.exists(path) and os.path.samefile(path, source):
+        raise ValueError(f"{name} is the file being resized: choose another filename (the source stays as it is)")
+    try:
+        state, metadata = comfy.utils.load_torch_file(source, safe_load=True, return_metadata=True)
+    except Exception as error:  # noqa: BLE001 - any failure to read it: what the user must know is which file
+        raise ValueError(f"LoRA file {lora_name} cannot be read ({type(error).__name__}: "
+                         f"{relative_text(str(error))[:200]})") from None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ValueError(f"LoRA file {lora_name} holds no tensors by name: it is not a LoRA")
+    try:
+        resized, report = resize_lora(state, rank=rank, energy=energy,
+                                      dtype=None if dtype == "auto" else getattr(torch, _TORCH_DTYPES[dtype]))
+        metadata, notes = lora_formats.resized_metadata(metadata if isinstance(metadata, dict) else None,
+                                                        report.new_ranks(), report.alphas, lora_name,
+                                                        {"rank": rank, "energy": energy, "dtype": dtype})
+    except ValueError as error:
+        raise ValueError(f"LoRA file {lora_name}: {error}") from None
+    prune_temp(path.parent)
+    save_safetensors(path, resized, "resized LoRA", metadata)
+    before, after = os.path.getsize(source), os.path.getsize(path)
+    summary = "; ".join([report.summary(), *notes, f"{format_bytes(before)} -> {format_bytes(after)}"])
+    return listed_name("loras", root, path), summary
 
 
 def save_trained_controlnet(run: TrainingRun, subfolder: str, filename: str, weights: str = "auto") -> str:

@@ -818,6 +818,8 @@ def _float_call(world, node: str, name: str, value: float):
         return _as_run(T.HeadroomApplyTrainedLora).execute(world["model"], run, value)
     if node == "HeadroomExtractLora":
         return _as_run(T.HeadroomExtractLora).execute(run, 8, value, "headroom", "", "fp32")
+    if node == "HeadroomResizeLora":  # checked before the file is looked for
+        return _as_run(T.HeadroomResizeLora).execute("none.safetensors", 8, value, "headroom", "", "auto")
     if node == "HeadroomOffloadPolicy":
         inputs = dict(vram_budget_gb=0.0, reserve_gb=1.0, base_placement="resident", base_storage="as_loaded",
                       checkpointing="off", checkpoint_depth=1, optimizer_state="gpu",
@@ -849,6 +851,7 @@ FLOAT_INPUTS = [("HeadroomLoraConfig", "alpha"), ("HeadroomLoraConfig", "dropout
                 ("HeadroomTrainControlNetInit", "min_snr_gamma"), ("HeadroomTrainControlNetInit", "noise_offset"),
                 ("HeadroomTrainControlNetInit", "validation_strength"), ("HeadroomTrainSteps", "checkpoint_minutes"),
                 ("HeadroomValidate", "cfg"), ("HeadroomApplyTrainedLora", "strength"), ("HeadroomExtractLora", "energy"),
+                ("HeadroomResizeLora", "energy"),
                 ("HeadroomOffloadPolicy", "vram_budget_gb"), ("HeadroomOffloadPolicy", "reserve_gb"),
                 ("HeadroomOffloadPolicy", "host_ram_budget_gb"),
                 ("HeadroomTrainLora", "checkpoint_minutes"), ("HeadroomValidate", "frame_rate"),

@@ -39,7 +39,7 @@ class Extracted:
                 f"{len(self.whole)} tensors whole, {self.unchanged} unchanged")
 
 
-def _rank_for(singular: torch.Tensor, rank: int, energy: float) -> int:
+def rank_for(singular: torch.Tensor, rank: int, energy: float) -> int:
     limit = singular.numel() if rank <= 0 else min(rank, singular.numel())
     if energy <= 0:
         return limit
@@ -84,7 +84,7 @@ def extract_from_differences(differences, *, rank: int = 0, energy: float = 0.0,
         target = prefix + module
         if difference.ndim >= 2 and name == "weight":
             u, s, vh = torch.linalg.svd(difference.flatten(1), full_matrices=False)
-            kept = _rank_for(s, rank, energy)
+            kept = rank_for(s, rank, energy)
             up = u[:, :kept] * s[:kept]
             down = vh[:kept].reshape(kept, *difference.shape[1:])
             out[f"{target}.lora_up.weight"] = up.reshape(up.shape[0], kept, *([1] * (difference.ndim - 2))).to(dtype)
