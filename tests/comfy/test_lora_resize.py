@@ -110,3 +110,22 @@ def test_resize_refuses_its_own_source_a_missing_file_and_a_broken_one(comfyui):
         with pytest.raises(ValueError, match=message) as caught, torch.inference_mode():
             T.HeadroomResizeLora.execute(*arguments)
         assert str(caught.value).startswith("Resize LoRA (Headroom): "), caught.value
+
+
+def test_a_dora_file_resizes_its_updates_and_keeps_its_scales(comfyui, caplog):
+    """DoRA: the up / down pairs are resized, each layer's dora_scale kept as it is; the stock loader reads every key
+    (the loader renormalises the resized update: close to the original, not its best approximation)."""
+    from safetensors.torch import load_file
+
+    import folder_paths
+
+    model, clip, run, comfy_name, _ = _save_both("sd15", "dora")
+    original, _ = _stock_loader_weights(model, clip, comfy_name, caplog)
+    resized_name = _resize(comfy_name, rank=2).args[0]
+    resized, _ = _stock_loader_weights(model, clip, resized_name, caplog)  # asserts every key loaded
+    assert resized.keys() == original.keys()
+    before = load_file(folder_paths.get_full_path_or_raise("loras", comfy_name))
+    after = load_file(folder_paths.get_full_path_or_raise("loras", resized_name))
+    scales = [key for key in before if key.endswith(".dora_scale")]
+    assert scales and all(torch.equal(after[key], before[key]) for key in scales)
+    assert all(after[key].shape[0] == 2 for key in after if key.endswith(".lora_down.weight"))
