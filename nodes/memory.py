@@ -139,13 +139,18 @@ class HeadroomMemoryPlan(io.ComfyNode):
                 io.Combo.Input("kind", options=list(PLAN_KINDS), default="lora", optional=True, advanced=True,
                                tooltip="What the planned run trains: lora (at rank), full (a full fine-tune of the "
                                "targeted layers' weights, LoRA Config's kind full) or controlnet (a ControlNet of "
-                               "the family's default blocks, as Train ControlNet: Init plans it; rank and targets "
+                               "controlnet_blocks blocks, as Train ControlNet: Init plans it; rank and targets "
                                "unused)."),
                 io.Combo.Input("trained_precision", options=list(FULL_PRECISIONS), default="fp32", optional=True,
                                advanced=True,
                                tooltip="Kinds full and controlnet: the trained weights in fp32, or bf16_stochastic "
                                "(LoRA Config's full_precision, the ControlNet nodes' controlnet_precision: half "
                                "their memory; needs the policy's fused_backward)."),
+                # Appended last and optional, as kind.
+                io.Int.Input("controlnet_blocks", default=0, min=0, max=1000, optional=True, advanced=True,
+                             tooltip="Kind controlnet: the blocks the planned ControlNet copies from the base, as "
+                             "the ControlNet nodes' blocks (0: the family's default; UNet ControlNets always copy "
+                             "the whole encoder)."),
             ],
             outputs=[io.String.Output("plan_text", tooltip="The plan as text (also shown on the node)."),
                      io.String.Output("plan_json", tooltip="The plan as JSON: each phase's estimate, itemised."),
@@ -157,13 +162,14 @@ class HeadroomMemoryPlan(io.ComfyNode):
     @classmethod
     def execute(cls, model, mode, batch_size, width, height, rank, targets, optimizer, precision, text_tokens,
                 policy=None, clip=None, vae=None, frames: int = 1, layers: str = "", layer_ranks: str = "",
-                kind: str = "lora", trained_precision: str = "fp32") -> io.NodeOutput:
+                kind: str = "lora", trained_precision: str = "fp32", controlnet_blocks: int = 0) -> io.NodeOutput:
         policy = policy if policy is not None else OffloadPolicy()
         if not isinstance(policy, OffloadPolicy):
             raise ValueError(f"{node_name(cls)}: policy must come from an Offload Policy (Headroom) node")
         plan = plan_run(model, policy, mode, batch_size, width, height, rank, targets, optimizer, precision,
                              text_tokens, clip, vae, node=node_name(cls), frames=frames, layers=layers or "",
-                             layer_ranks=layer_ranks or "", kind=kind, trained_precision=trained_precision)
+                             layer_ranks=layer_ranks or "", kind=kind, trained_precision=trained_precision,
+                             controlnet_blocks=controlnet_blocks)
         text = plan.to_text()
         return io.NodeOutput(text, plan.to_json(), plan.policy, ui=ui.PreviewText(text))
 

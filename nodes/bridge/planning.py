@@ -522,16 +522,27 @@ def first_block_prefix(patcher) -> str:
 PLAN_KINDS = ("lora", "full", "controlnet")
 
 
+def _check_controlnet_blocks(model, blocks: int) -> None:
+    """The ControlNet nodes' checks of their `blocks`, naming this node's input, controlnet_blocks."""
+    try:
+        controlnet_build.controlnet_step_blocks(model, blocks)
+    except ValueError as error:
+        text = str(error)
+        raise ValueError(("controlnet_" + text if text.startswith("blocks=") else text)
+                         .replace("set blocks to 0", "set controlnet_blocks to 0")) from None
+
+
 def plan_run(model, policy: OffloadPolicy, mode: str, batch_size: int, width: int, height: int, rank: int,
                   targets: str, optimizer: str, precision: str, text_tokens: int, clip=None, vae=None,
                   *, node: str, frames: int = 1, layers: str = "", layer_ranks: str = "", kind: str = "lora",
-                  trained_precision: str = "fp32") -> planner.Plan:
+                  trained_precision: str = "fp32", controlnet_blocks: int = 0) -> planner.Plan:
     """The Memory Plan node's plan of a run on `model`: the estimate with `policy` (mode "estimate") or the
     fastest policy that fits the budget (mode "auto"); precision "auto" and text_tokens 0 as the training nodes
     resolve them; `frames`: a video model's longest training clip; `layers`: LoRA Config's filter of the targets,
     `layer_ranks` its ranks per layer; `kind` (PLAN_KINDS): a LoRA, a full fine-tune (its weights in
     `trained_precision`, as LoRA Config's full_precision) or a ControlNet (its weights so, as the ControlNet nodes'
-    controlnet_precision), planned as their Init nodes plan a card; `node`: the node's display name, for messages."""
+    controlnet_precision; of `controlnet_blocks` blocks, as the ControlNet nodes' blocks, 0 the family's default),
+    planned as their Init nodes plan a card; `node`: the node's display name, for messages."""
     if precision == "auto":
         precision = auto_precision(model.load_device)
     try:
@@ -552,6 +563,7 @@ def plan_run(model, policy: OffloadPolicy, mode: str, batch_size: int, width: in
         budget = budget_bytes(policy, torch.device(model.load_device))
         if controlnet:
             controlnet_build.controlnet_type_name(model)  # a family without a ControlNet layout: named, listed
+            _check_controlnet_blocks(model, controlnet_blocks)
         paths = None if controlnet else lora_target_paths(model, adapter)
         latent_frames = video.check_frames(node, model.model, frames)
         if vae is not None and frames > 1 and frame_step(vae) is None:
@@ -559,12 +571,12 @@ def plan_run(model, policy: OffloadPolicy, mode: str, batch_size: int, width: in
                              "connect the video model's VAE")
         shape = planner.RunShape(batch_size, width, height, text_tokens or None, latent_frames)
         description = describe_comfy_model(model, adapter, precision, text_tokens or None, clip, vae, frames,
-                                           timing=shape, controlnet=0 if controlnet else None)
+                                           timing=shape, controlnet=controlnet_blocks if controlnet else None)
     except (PolicyError, ValueError) as error:
         raise ValueError(named(node, str(error))) from None
     if controlnet:  # as Train ControlNet: Init plans its card
         trainable = dataclasses.replace(controlnet_build.controlnet_trainable(
-            model, 0, optimizer, controlnet_build.controlnet_dtype(trained_precision)),
+            model, controlnet_blocks, optimizer, controlnet_build.controlnet_dtype(trained_precision)),
             bf16_weights_input="controlnet_precision")
     else:
         trainable = lora_trainable(model, adapter, optimizer, paths)

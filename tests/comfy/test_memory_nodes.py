@@ -386,6 +386,30 @@ def test_the_plan_of_a_controlnet_or_a_full_fine_tune_counts_what_they_train(com
     assert "the fastest policy that fits" in text
 
 
+def test_the_plan_of_a_controlnet_counts_the_blocks_it_copies(comfyui):
+    """controlnet_blocks (appended): the ControlNet of that many blocks, as the ControlNet nodes' blocks; what they
+    refuse is refused naming this node's input."""
+    from headroom.nodes.bridge.controlnet_build import controlnet_trainable
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
+
+    model, _, _ = build_tiny_models("sd3")  # 2 joint blocks: the default copies 1
+
+    def weights(**inputs) -> int:
+        plan = json.loads(_plan(model, kind="controlnet", **inputs).result[1])
+        items = next(p for p in plan["phases"] if p["phase"] == "training step")["items"]
+        return sum(value for name, value in items.items() if name.startswith("trainable weights"))
+
+    assert weights() == weights(controlnet_blocks=1) == controlnet_trainable(model, 1, "AdamW").weight_bytes()
+    assert weights(controlnet_blocks=2) == controlnet_trainable(model, 2, "AdamW").weight_bytes() > weights()
+    with pytest.raises(ValueError, match=r"^Memory Plan \(Headroom\): controlnet_blocks=3 is more than the base "
+                                         r"model's 2 joint blocks"):
+        weights(controlnet_blocks=3)
+    unet, _, _ = build_tiny_models("sd15")
+    with pytest.raises(ValueError, match=r"^Memory Plan \(Headroom\): controlnet_blocks=2: a UNet ControlNet copies "
+                                         r"the whole encoder .* set controlnet_blocks to 0"):
+        _plan(unet, kind="controlnet", controlnet_blocks=2)
+
+
 def test_plan_kinds_refuse_what_their_runs_refuse(comfyui):
     """Named by the node, saying what to set: bf16 weights without fused backward, trained_precision on a LoRA, a
     ControlNet of a family ComfyUI has no ControlNet layout for (the families listed)."""
