@@ -135,6 +135,14 @@ def test_a_broken_file_is_refused_naming_the_key(state, message):
         resize_lora(state, rank=1)
 
 
+def test_a_resized_layer_beyond_fp16s_range_is_refused_naming_the_way_out():
+    up, down = _pair(16, 8, 16, seed=10)
+    state = {"a.lora_up.weight": up.half(), "a.lora_down.weight": down.half(), "a.alpha": torch.tensor(1e12)}
+    with pytest.raises(ValueError, match="a: its resized weights exceed torch.float16's range .* fp32 or bf16"):
+        resize_lora(state, rank=2)
+    assert torch.isfinite(resize_lora(state, rank=2, dtype=torch.float32)[0]["a.lora_up.weight"]).all()
+
+
 def test_rank_or_energy_must_be_given():
     state = {"a.lora_up.weight": torch.ones(4, 2), "a.lora_down.weight": torch.ones(2, 4)}
     for settings in ({"rank": 0}, {"energy": 1.5}, {"rank": 2, "energy": float("nan")}):

@@ -176,6 +176,9 @@ def resize_lora(state: dict[str, torch.Tensor], *, rank: int = 0, energy: float 
         up, down = state[pair.up], state[pair.down]
         out[pair.up] = new_up.reshape(up.shape[0], kept, *up.shape[2:]).to(dtype or up.dtype).contiguous()
         out[pair.down] = new_down.reshape(kept, *down.shape[1:]).to(dtype or down.dtype).contiguous()
+        if not (torch.isfinite(out[pair.up]).all() and torch.isfinite(out[pair.down]).all()):
+            raise ValueError(f"{layer}: its resized weights exceed {out[pair.up].dtype}'s range (the file's alpha "
+                             "makes its update that large); save in fp32 or bf16")
         # alpha = the new rank: scale 1, the singular values are in the weights. A file without alphas is read at
         # scale 1 already, so none is added to it.
         if pair.alpha is not None:
