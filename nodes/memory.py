@@ -145,7 +145,8 @@ class HeadroomMemoryPlan(io.ComfyNode):
                                advanced=True,
                                tooltip="Kinds full and controlnet: the trained weights in fp32, or bf16_stochastic "
                                "(LoRA Config's full_precision, the ControlNet nodes' controlnet_precision: half "
-                               "their memory; needs the policy's fused_backward)."),
+                               "their memory; needs the policy's fused_backward, and for a ControlNet precision "
+                               "bf16)."),
                 # Appended last and optional, as kind.
                 io.Int.Input("controlnet_blocks", default=0, min=0, max=1000, optional=True, advanced=True,
                              tooltip="Kind controlnet: the blocks the planned ControlNet copies from the base, as "

@@ -17,6 +17,7 @@ from ..training.core.adapters import FULL_PRECISIONS
 from ..training.core.optimizers import OptimizerConfig
 from ..training.core.run_dir import RunFolderError, check_name, check_subfolder
 from ..training.memory import trained_weights_on_host
+from ..training.memory.fused_backward import FusedBackward
 from ..training.memory.policy import OffloadPolicy
 from .bridge.comfy_bridge import TrainingRun, check_run_kind, node_id, node_name, send_node_text
 from .bridge.comfy_model import check_caches
@@ -101,16 +102,9 @@ def start_controlnet_run(model, latent_cache, text_cache, optimizer_config, run_
 
 
 def check_controlnet_precision(controlnet_precision: str, policy, precision: str) -> None:
-    """bf16 ControlNet weights are stepped with stochastic rounding by fused backward alone, and compute in bf16."""
-    if controlnet_precision != "bf16_stochastic":
-        return
-    if not policy.fused_backward:
-        raise ValueError("controlnet_precision bf16_stochastic: the bf16 weights are stepped with stochastic rounding "
-                         "inside backward; turn fused_backward on in the Offload Policy (Headroom), or set "
-                         "controlnet_precision to fp32")
-    if precision != "bf16":
-        raise ValueError(f"controlnet_precision bf16_stochastic computes in bf16: set precision to bf16 (it is "
-                         f"{precision}), or controlnet_precision to fp32")
+    """bf16 ControlNet weights: fused backward and bf16 compute (FusedBackward.check_bf16_weights)."""
+    if controlnet_precision == "bf16_stochastic":
+        FusedBackward.check_bf16_weights("controlnet_precision", policy.fused_backward, precision)
 
 
 def controlnet_inputs() -> list:

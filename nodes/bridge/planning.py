@@ -18,6 +18,7 @@ from ...training.checks import named
 from ...training.memory import host_ram, planner, time_model, trained_weights_on_host, weight_streaming
 from ...training.core.adapters import AdapterConfig, AdapterSet, _CastProduct, layer_ranks
 from ...training.core.optimizers import host_step_rate
+from ...training.memory.fused_backward import FusedBackward
 from ...training.memory.policy import OffloadPolicy, PolicyError
 from ...training.core.trainer import PRECISIONS, auto_precision
 from ...training.data.cache_store import longest_text
@@ -551,10 +552,9 @@ def plan_run(model, policy: OffloadPolicy, mode: str, batch_size: int, width: in
         if trained_precision != "fp32" and kind == "lora":
             raise ValueError(f"trained_precision {trained_precision} is for kinds full and controlnet (their trained "
                              "weights); a LoRA's small factors train in fp32: set it to fp32")
-        if trained_precision == "bf16_stochastic" and not policy.fused_backward:
-            raise ValueError("trained_precision bf16_stochastic: bf16 weights are stepped with stochastic rounding "
-                             "inside backward; turn fused_backward on in the Offload Policy, or set it to fp32")
         controlnet = kind == "controlnet"
+        if trained_precision == "bf16_stochastic":  # as the runs refuse it; a ControlNet's also computes in bf16
+            FusedBackward.check_bf16_weights("trained_precision", policy.fused_backward, precision if controlnet else None)
         adapter = AdapterConfig(rank=rank, alpha=float(rank), targets=targets, layers=layers, layer_ranks=layer_ranks,
                                 kind="full" if kind == "full" else "lora",
                                 full_precision=trained_precision if kind == "full" else "fp32")

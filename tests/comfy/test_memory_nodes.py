@@ -381,7 +381,8 @@ def test_the_plan_of_a_controlnet_or_a_full_fine_tune_counts_what_they_train(com
     for kind, spec in (("controlnet", controlnet), ("full", full)):
         assert trained(kind=kind) == (spec.weight_bytes(), spec.optimizer_bytes()) and spec.weight_bytes() > lora[0]
         fused = OffloadPolicy(fused_backward=True)
-        assert trained(kind=kind, policy=fused, trained_precision="bf16_stochastic")[0] == spec.weight_bytes() // 2
+        bf16 = trained(kind=kind, policy=fused, trained_precision="bf16_stochastic", precision="bf16")
+        assert bf16[0] == spec.weight_bytes() // 2
     text = _plan(model, kind="controlnet", mode="auto", policy=OffloadPolicy(vram_budget_gb=4.0)).result[0]
     assert "the fastest policy that fits" in text
 
@@ -418,8 +419,12 @@ def test_plan_kinds_refuse_what_their_runs_refuse(comfyui):
 
     model, _, _ = build_tiny_models("sd15")
     with pytest.raises(ValueError, match=r"^Memory Plan \(Headroom\): trained_precision bf16_stochastic: .*turn "
-                                         r"fused_backward on in the Offload Policy, or set it to fp32"):
+                                         r"fused_backward on in the Offload Policy \(Headroom\), or set trained_precision to fp32"):
         _plan(model, kind="controlnet", trained_precision="bf16_stochastic")
+    with pytest.raises(ValueError, match=r"^Memory Plan \(Headroom\): trained_precision bf16_stochastic computes in "
+                                         r"bf16: set precision to bf16 \(it is fp32\), or trained_precision to fp32"):
+        _plan(model, kind="controlnet", trained_precision="bf16_stochastic", policy=OffloadPolicy(fused_backward=True))
+    _plan(model, kind="full", trained_precision="bf16_stochastic", policy=OffloadPolicy(fused_backward=True))  # it casts
     with pytest.raises(ValueError, match=r"^Memory Plan \(Headroom\): trained_precision bf16_stochastic is for kinds "
                                          r"full and controlnet"):
         _plan(model, trained_precision="bf16_stochastic", policy=OffloadPolicy(fused_backward=True))

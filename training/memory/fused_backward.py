@@ -102,6 +102,19 @@ class FusedBackward:
                          for index, param in enumerate(self.params)]
 
     @staticmethod
+    def check_bf16_weights(setting: str, fused_backward: bool, precision: str | None = None) -> None:
+        """Where a node's `setting` asks for bf16 trained weights (bf16_stochastic): they are stepped with stochastic
+        rounding by fused backward alone, and a module built in bf16 (a ControlNet's) computes in bf16 (`precision`:
+        the run's compute precision; None where the trained layers cast, a full fine-tune's)."""
+        if not fused_backward:
+            raise ValueError(f"{setting} bf16_stochastic: the bf16 weights are stepped with stochastic rounding inside "
+                             f"backward; turn fused_backward on in the Offload Policy (Headroom), or set {setting} to "
+                             "fp32")
+        if precision is not None and precision != "bf16":
+            raise ValueError(f"{setting} bf16_stochastic computes in bf16: set precision to bf16 (it is {precision}), "
+                             f"or {setting} to fp32")
+
+    @staticmethod
     def check_accumulation(grad_accum: int) -> None:
         if grad_accum != 1:
             raise ValueError(f"fused backward steps every parameter inside each backward pass: grad_accumulation "
