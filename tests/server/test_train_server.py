@@ -55,6 +55,21 @@ def test_saved_lora_through_stock_loraloader_reproduces_validation_image(comfy_s
     assert validation.shape == stock.shape == (64, 64, 3)
     assert np.abs(validation - stock).max() <= 1
 
+    # Resize LoRA through the API on the file saved after the server started (its combo lists it): at the trained rank
+    # every layer is copied, so the stock graph samples the same image; at rank 2 the file is another, smaller LoRA.
+    for rank, name in ((8, f"{run_name}_rank8"), (2, f"{run_name}_rank2")):
+        comfy_server.run_workflow({"1": {"class_type": "HeadroomResizeLora", "inputs": {
+            "lora_name": f"server_roundtrip/{run_name}.safetensors", "rank": rank, "energy": 0.0,
+            "subfolder": "server_roundtrip", "filename": name, "dtype": "auto"}}})
+        resized = lora_file.with_name(f"{name}.safetensors")
+        assert resized.is_file()
+        sampled = output_pixels(comfy_server, comfy_server.run_workflow(_stock_prompt(f"server_roundtrip/{name}.safetensors")))
+        if rank == 8:
+            assert np.array_equal(sampled, stock)
+        else:
+            assert resized.stat().st_size < lora_file.stat().st_size
+            assert not np.array_equal(sampled, stock)
+
 
 def test_interrupt_mid_training_saves_a_checkpoint_and_leaves_comfyui_idle(comfy_server):
     run_name = f"interrupt_{uuid.uuid4().hex[:8]}"
