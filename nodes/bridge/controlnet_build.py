@@ -155,18 +155,25 @@ def build_controlnet(model_patcher, blocks: int = 0, seed: int = 0, dtype: torch
                                patcher=patcher)
 
 
-def _controlnet_config(model_patcher, blocks: int) -> tuple[ControlNetType, int, int, dict]:
-    """(type, blocks copied, the base's depth, the module's constructor config) of the MODEL's ControlNet."""
+def _controlnet_config(model_patcher, blocks: int, input_name: str = "blocks"
+                       ) -> tuple[ControlNetType, int, int, dict]:
+    """(type, blocks copied, the base's depth, the module's constructor config) of the MODEL's ControlNet; a block
+    count it cannot have is refused naming `input_name`, the node input that set it."""
     controlnet_type = controlnet_type_of(model_patcher)
     depth = controlnet_type.base_depth(model_patcher.model.diffusion_model)
     if blocks < 0:
-        raise ControlNetError(f"blocks={blocks}: use 0 for the default or a positive block count")
+        raise ControlNetError(f"{input_name}={blocks}: use 0 for the default or a positive block count")
     if blocks == 0:
         blocks = controlnet_type.default_blocks(depth)
-    controlnet_type.check_blocks(blocks, depth)
+    controlnet_type.check_blocks(blocks, depth, input_name)
     base_config = {k: v for k, v in model_patcher.model.model_config.unet_config.items()
                    if k not in ("dtype", "device", "operations")}
     return controlnet_type, blocks, depth, controlnet_type.constructor_config(base_config, blocks)
+
+
+def check_controlnet_blocks(model_patcher, blocks: int, input_name: str) -> None:
+    """The ControlNet builders' checks of a block count, naming another node's input (the Memory Plan's)."""
+    _controlnet_config(model_patcher, blocks, input_name)
 
 
 def controlnet_dtype(controlnet_precision: str) -> torch.dtype:

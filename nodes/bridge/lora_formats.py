@@ -36,6 +36,7 @@ import comfy.lora_convert
 import comfy.utils
 import folder_paths
 
+from ...training.data.files import no_json_constants
 from . import families
 
 FORMATS = ("comfyui", "kohya", "diffusers")
@@ -297,7 +298,7 @@ def resized_metadata(metadata: dict[str, str] | None, ranks: dict[str, int], alp
         out["headroom.alpha"] = f"{alphas[next(k for k, r in ranks.items() if r == common)]:g}"
     if DIFFUSERS_METADATA_KEY in out:
         try:
-            config = json.loads(out[DIFFUSERS_METADATA_KEY], parse_constant=_no_constant)
+            config = json.loads(out[DIFFUSERS_METADATA_KEY], parse_constant=no_json_constants)
             if not isinstance(config, dict):
                 raise ValueError("not an object")
             out[DIFFUSERS_METADATA_KEY] = json.dumps(_resized_peft_config(config, ranks), indent=2, sort_keys=True)
@@ -308,10 +309,6 @@ def resized_metadata(metadata: dict[str, str] | None, ranks: dict[str, int], alp
     out["headroom.resized_from"] = source
     out["headroom.resize"] = json.dumps(resize, sort_keys=True)
     return out, notes
-
-
-def _no_constant(name: str):
-    raise ValueError(f"{name} is no JSON number")
 
 
 def _resized_peft_config(config: dict, ranks: dict[str, int]) -> dict:

@@ -16,6 +16,7 @@ from ...training.data.files import (UntrustedFileError, format_bytes, open_regul
                                    save_safetensors)
 from . import lora_formats
 from .comfy_bridge import TrainingRun
+from .run_lora import SAVE_DTYPES
 
 RUNS_SUBFOLDER = "headroom_runs"
 
@@ -82,8 +83,7 @@ def save_extracted_lora(run: TrainingRun, subfolder: str, filename: str, rank: i
     return name, kept[0]
 
 
-RESIZE_DTYPES = ("auto", "fp32", "bf16", "fp16")  # auto: each resized layer as the file stores it
-_TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+RESIZE_DTYPES = ("auto", *SAVE_DTYPES)  # auto: each resized layer as the file stores it
 
 
 def save_resized_lora(lora_name: str, rank: int, energy: float, subfolder: str, filename: str,
@@ -119,7 +119,7 @@ def save_resized_lora(lora_name: str, rank: int, energy: float, subfolder: str, 
         raise ValueError(f"LoRA file {lora_name} holds no tensors by name: it is not a LoRA")
     try:
         resized, report = resize_lora(state, rank=rank, energy=energy,
-                                      dtype=None if dtype == "auto" else getattr(torch, _TORCH_DTYPES[dtype]))
+                                      dtype=None if dtype == "auto" else SAVE_DTYPES[dtype])
         metadata, notes = lora_formats.resized_metadata(metadata if isinstance(metadata, dict) else None,
                                                         report.new_ranks(), report.alphas, lora_name,
                                                         {"rank": rank, "energy": energy, "dtype": dtype})

@@ -523,16 +523,6 @@ def first_block_prefix(patcher) -> str:
 PLAN_KINDS = ("lora", "full", "controlnet")
 
 
-def _check_controlnet_blocks(model, blocks: int) -> None:
-    """The ControlNet nodes' checks of their `blocks`, naming this node's input, controlnet_blocks."""
-    try:
-        controlnet_build.controlnet_step_blocks(model, blocks)
-    except ValueError as error:
-        text = str(error)
-        raise ValueError(("controlnet_" + text if text.startswith("blocks=") else text)
-                         .replace("set blocks to 0", "set controlnet_blocks to 0")) from None
-
-
 def plan_run(model, policy: OffloadPolicy, mode: str, batch_size: int, width: int, height: int, rank: int,
                   targets: str, optimizer: str, precision: str, text_tokens: int, clip=None, vae=None,
                   *, node: str, frames: int = 1, layers: str = "", layer_ranks: str = "", kind: str = "lora",
@@ -563,7 +553,7 @@ def plan_run(model, policy: OffloadPolicy, mode: str, batch_size: int, width: in
         budget = budget_bytes(policy, torch.device(model.load_device))
         if controlnet:
             controlnet_build.controlnet_type_name(model)  # a family without a ControlNet layout: named, listed
-            _check_controlnet_blocks(model, controlnet_blocks)
+            controlnet_build.check_controlnet_blocks(model, controlnet_blocks, "controlnet_blocks")
         paths = None if controlnet else lora_target_paths(model, adapter)
         latent_frames = video.check_frames(node, model.model, frames)
         if vae is not None and frames > 1 and frame_step(vae) is None:

@@ -23,7 +23,6 @@ peft resizes nothing, and ComfyUI's loader only applies files.
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
 import math
 
@@ -186,8 +185,3 @@ def resize_lora(state: dict[str, torch.Tensor], *, rank: int = 0, energy: float 
         report.alphas[layer] = float(kept)
     report.other_tensors = len(set(state) - paired)
     return out, report
-
-
-def common_rank(ranks: dict[str, int]) -> int:
-    """The most common of the layers' ranks (what a file's single network_dim / r names)."""
-    return collections.Counter(ranks.values()).most_common(1)[0][0]

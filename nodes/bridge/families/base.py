@@ -151,10 +151,11 @@ class ControlNetType:
     def default_blocks(self, depth: int) -> int:
         raise NotImplementedError
 
-    def check_blocks(self, blocks: int, depth: int) -> None:
+    def check_blocks(self, blocks: int, depth: int, input_name: str = "blocks") -> None:
+        """Refuse a block count this base cannot give; `input_name`: the node input that set it."""
         if blocks > depth:
-            raise ControlNetError(f"blocks={blocks} is more than the base model's {depth} {self.blocks_word}; use "
-                                  f"1..{depth} (0 = default)")
+            raise ControlNetError(f"{input_name}={blocks} is more than the base model's {depth} {self.blocks_word}; "
+                                  f"use 1..{depth} (0 = default)")
 
     def constructor_config(self, base_config: dict, blocks: int) -> dict:
         """The module's constructor arguments from the base's unet_config (without dtype / device / operations)."""

@@ -74,10 +74,10 @@ class InstantXQwenControlNet(ControlNetType):
         # 5, as InstantX's Qwen-Image ControlNet Union, or fewer where a shallow base would leave some unused.
         return max(n for n in range(1, min(5, depth) + 1) if self._reaching(n, depth) == n)
 
-    def check_blocks(self, blocks: int, depth: int) -> None:
-        super().check_blocks(blocks, depth)
+    def check_blocks(self, blocks: int, depth: int, input_name: str = "blocks") -> None:
+        super().check_blocks(blocks, depth, input_name)
         if self._reaching(blocks, depth) < blocks:
-            raise ControlNetError(f"blocks={blocks}: ComfyUI's Qwen-Image ControlNet repeats each block's output "
+            raise ControlNetError(f"{input_name}={blocks}: ComfyUI's Qwen-Image ControlNet repeats each block's output "
                                   f"ceil(60 / blocks) times over the base's blocks, so on this {depth}-block base only "
                                   f"{self._reaching(blocks, depth)} would ever be used; use "
                                   f"{self.default_blocks(depth)} (0 = default)")

@@ -70,11 +70,11 @@ class CldmControlNet(ControlNetType):
     def copied_base_blocks(self, block_names: list[str], blocks: int) -> int:
         return self.base_blocks_without_backward(block_names)  # the input and middle blocks, the whole encoder
 
-    def check_blocks(self, blocks: int, depth: int) -> None:
+    def check_blocks(self, blocks: int, depth: int, input_name: str = "blocks") -> None:
         if blocks != depth:
             raise ControlNetError(
-                f"blocks={blocks}: a UNet ControlNet copies the whole encoder ({depth} input blocks), which is how "
-                "ComfyUI's loader rebuilds it; set blocks to 0")
+                f"{input_name}={blocks}: a UNet ControlNet copies the whole encoder ({depth} input blocks), which is "
+                f"how ComfyUI's loader rebuilds it; set {input_name} to 0")
 
     def constructor_config(self, base_config: dict, blocks: int) -> dict:
         config = dict(base_config)
