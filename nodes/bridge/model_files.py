@@ -101,8 +101,8 @@ def save_resized_lora(lora_name: str, rank: int, energy: float, subfolder: str, 
     if source is None:
         raise ValueError(f"LoRA file {str(lora_name)[:120]!r} is not in models/loras/ (Load LoRA lists the names to use)")
     check_subfolder(subfolder, "subfolder")
-    # The default name from the source's, in the characters a saved name may have ("my lora (v2)" -> "my_lora_v2_").
-    stem = re.sub(r"[^A-Za-z0-9_.-]|\.\.", "_", os.path.splitext(os.path.basename(source))[0]).lstrip("._-")
+    # The default name from the source's, in the characters a saved name may have ("my lora (v2)" -> "my_lora_v2").
+    stem = re.sub(r"[^A-Za-z0-9_.-]+|\.\.", "_", os.path.splitext(os.path.basename(source))[0]).strip("._-")
     name = check_name(filename or f"{stem[:NAME_MAX] or 'lora'}_resized", "LoRA file name",
                       longest=NAME_MAX + len("_step000000_extracted"))
     name = name if name.endswith(".safetensors") else name + ".safetensors"
