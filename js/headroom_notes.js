@@ -27,7 +27,8 @@ const CHAR_WIDTH = 7.5; // px of a character of the 12 px font, about (for the w
 const MAX_HEIGHT = 480; // px; longer texts (a dataset's list of left-out files) scroll
 const NODE_TYPES = ["HeadroomTrainLoraInit", "HeadroomTrainControlNetInit", "HeadroomTrainSteps", "HeadroomTrainLora",
   "HeadroomTrainControlNet", "HeadroomValidate", "HeadroomSaveLora", "HeadroomExtractLora", "HeadroomSaveControlNet",
-  "HeadroomDatasetFromFolder", "HeadroomDatasetFromVideos", "HeadroomPreviewDataset", "HeadroomResizeLora"];
+  "HeadroomDatasetFromFolder", "HeadroomDatasetFromVideos", "HeadroomPreviewDataset", "HeadroomResizeLora",
+  "HeadroomMergeLoras"];
 const STALE_COLOR = "#8a8a8a";
 
 function notesWidget(node) {

@@ -26,8 +26,8 @@ from .bridge import lora_formats
 from .bridge.comfy_bridge import TrainingRun, check_run_kind, node_id, node_name, run_and_step, send_node_text
 from .bridge.comfy_model import (check_caches, check_quantized_kind, check_reference_cache, check_trainable,
                                  missing_inputs_note, model_family)
-from .bridge.model_files import (RESIZE_DTYPES, prune_step_saves, runs_root, save_extracted_lora, save_lora,
-                                 save_resized_lora, step_save_name)
+from .bridge.model_files import (MERGE_DTYPES, MERGE_NONE, RESIZE_DTYPES, prune_step_saves, runs_root,
+                                 save_extracted_lora, save_lora, save_resized_lora, step_save_name)
 from .bridge.planning import check_host_ram, lora_trainable, plan_for_card
 from .bridge.rank_workers import open_on_devices, parse_devices
 from .bridge.run_lora import REFERENCES, SAVE_DTYPES, LoraRunConfig, open_lora_run
@@ -659,6 +659,75 @@ class HeadroomResizeLora(io.ComfyNode):
                                        "text": [f"{lora_name} resized: saved to models/loras/{name}\n{done}"]})
 
 
+class HeadroomMergeLoras(io.ComfyNode):
+    SLOTS = 4  # lora_1 .. lora_4
+
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        loras = folder_paths.get_filename_list("loras")
+        slots = []
+        for index in range(1, cls.SLOTS + 1):
+            options = loras if index == 1 else [MERGE_NONE, *loras]
+            slots += [
+                io.Combo.Input(f"lora_{index}", options=options, **({} if index == 1 else {"default": MERGE_NONE}),
+                               tooltip=("A LoRA file to merge, from models/loras/ (as Load LoRA lists it), of any "
+                                        "format (ComfyUI, kohya, diffusers); read, never changed." if index == 1 else
+                                        f"Another LoRA file to merge; {MERGE_NONE}: this slot is empty.")),
+                io.Float.Input(f"strength_{index}", default=1.0, min=-100.0, max=100.0, step=0.01,
+                               tooltip=f"lora_{index}'s strength in the merge, as Load LoRA's strength (1 as trained, "
+                               "negative subtracts it, 0 leaves it out); on its diffusion-model and text-encoder "
+                               "layers alike."),
+            ]
+        return io.Schema(
+            node_id="HeadroomMergeLoras",
+            display_name="Merge LoRAs (Headroom)",
+            category=CATEGORY,
+            description="Merge LoRA files into one (kohya's svd_merge_lora): per layer the sum of their updates at "
+            "their strengths, what chained Load LoRA nodes apply, exact or at a lower rank (largest singular "
+            "directions). Files of any format merge (their layers are found through the MODEL's and CLIP's names, as "
+            "Load LoRA finds them); saved in ComfyUI's keys.",
+            is_output_node=True,
+            inputs=[
+                io.Model.Input("model", tooltip="The base model the LoRAs were trained for (as Load LoRA takes it): "
+                               "each file's layers are found by its names. Only its layer names and shapes are read."),
+                io.Clip.Input("clip", optional=True,
+                              tooltip="The checkpoint's CLIP, for files with text-encoder layers (kohya's lora_te_*); "
+                              "without it such files are refused."),
+                *slots,
+                io.Int.Input("rank", default=0, min=0, max=4096,
+                             tooltip="Most directions kept per layer. 0 (with energy 0): the exact sum, its rank the "
+                             "files' ranks added."),
+                io.Float.Input("energy", default=0.0, min=0.0, max=1.0, step=0.001,
+                               tooltip="Keep, per layer, the fewest directions that hold this share of its summed "
+                               "update (0.9-0.99 is usual; capped by rank when rank is set). 0: by rank alone."),
+                io.String.Input("subfolder", default="headroom",
+                                tooltip="Folder under models/loras/ (empty: models/loras/ itself)."),
+                io.String.Input("filename", default="",
+                                tooltip="Empty: <the files' names>_merged. Never one of the files being merged."),
+                io.Combo.Input("dtype", options=list(MERGE_DTYPES), default="auto",
+                               tooltip="Precision of the merged file: auto as the files store their weights (fp32 "
+                               "where they differ); fp32; bf16 / fp16 half the size."),
+            ],
+            outputs=[io.String.Output("lora_name", tooltip="The merged file's name, as Load LoRA lists it.")],
+        )
+
+    @classmethod
+    def execute(cls, model, rank: int, energy: float, subfolder: str, filename: str, dtype: str = "auto", clip=None,
+                **slots) -> io.NodeOutput:
+        from .bridge.merge_loras import save_merged_lora
+
+        node = node_name(cls)
+        strengths = {f"strength_{i}": slots.get(f"strength_{i}", 1.0) for i in range(1, cls.SLOTS + 1)}
+        check_finite(node, energy=energy, **strengths)
+        loras = [(slots.get(f"lora_{i}", MERGE_NONE), strengths[f"strength_{i}"]) for i in range(1, cls.SLOTS + 1)]
+        try:
+            name, done = save_merged_lora(model, clip, loras, rank, energy, subfolder, filename, dtype)
+        except ValueError as error:
+            raise ValueError(f"{node}: {error}") from error
+        return io.NodeOutput(name, ui={SAVED_KEY: [saved_file("LoRA", "loras", name)],
+                                       "text": [f"saved to models/loras/{name}\n{done}"]})
+
+
 class HeadroomApplyTrainedLora(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
@@ -773,4 +842,5 @@ class HeadroomTrainLora(io.ComfyNode):
 
 
 NODES = [HeadroomLoraConfig, HeadroomOptimizerConfig, HeadroomTrainLoraInit, HeadroomTrainSteps, HeadroomValidate,
-         HeadroomSaveLora, HeadroomExtractLora, HeadroomResizeLora, HeadroomApplyTrainedLora, HeadroomTrainLora]
+         HeadroomSaveLora, HeadroomExtractLora, HeadroomResizeLora, HeadroomMergeLoras, HeadroomApplyTrainedLora,
+         HeadroomTrainLora]

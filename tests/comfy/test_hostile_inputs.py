@@ -820,6 +820,11 @@ def _float_call(world, node: str, name: str, value: float):
         return _as_run(T.HeadroomExtractLora).execute(run, 8, value, "headroom", "", "fp32")
     if node == "HeadroomResizeLora":  # checked before the file is looked for
         return _as_run(T.HeadroomResizeLora).execute("none.safetensors", 8, value, "headroom", "", "auto")
+    if node == "HeadroomMergeLoras":  # checked before the files are looked for
+        strengths = {f"strength_{index}": 1.0 for index in range(1, 5)}
+        inputs = {"rank": 0, "energy": 0.0, **strengths, name: value}
+        return _as_run(T.HeadroomMergeLoras).execute(world["model"], subfolder="headroom", filename="", dtype="auto",
+                                                     lora_1="none.safetensors", **inputs)
     if node == "HeadroomOffloadPolicy":
         inputs = dict(vram_budget_gb=0.0, reserve_gb=1.0, base_placement="resident", base_storage="as_loaded",
                       checkpointing="off", checkpoint_depth=1, optimizer_state="gpu",
@@ -851,7 +856,8 @@ FLOAT_INPUTS = [("HeadroomLoraConfig", "alpha"), ("HeadroomLoraConfig", "dropout
                 ("HeadroomTrainControlNetInit", "min_snr_gamma"), ("HeadroomTrainControlNetInit", "noise_offset"),
                 ("HeadroomTrainControlNetInit", "validation_strength"), ("HeadroomTrainSteps", "checkpoint_minutes"),
                 ("HeadroomValidate", "cfg"), ("HeadroomApplyTrainedLora", "strength"), ("HeadroomExtractLora", "energy"),
-                ("HeadroomResizeLora", "energy"),
+                ("HeadroomResizeLora", "energy"), ("HeadroomMergeLoras", "energy"),
+                *(("HeadroomMergeLoras", f"strength_{index}") for index in range(1, 5)),
                 ("HeadroomOffloadPolicy", "vram_budget_gb"), ("HeadroomOffloadPolicy", "reserve_gb"),
                 ("HeadroomOffloadPolicy", "host_ram_budget_gb"),
                 ("HeadroomTrainLora", "checkpoint_minutes"), ("HeadroomValidate", "frame_rate"),

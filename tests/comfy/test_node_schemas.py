@@ -21,7 +21,8 @@ SNAPSHOT = pathlib.Path(__file__).resolve().parents[1] / "node_schemas.json"
 UPDATE_COMMAND = "python tests/comfy/test_node_schemas.py --update"
 # Combo options listed from a ComfyUI models folder: they depend on the files there, so the snapshot records the
 # fixed options and a placeholder for the listing.
-FOLDER_LISTED = {("HeadroomLoraConfig", "init_lora"): "loras", ("HeadroomResizeLora", "lora_name"): "loras"}
+FOLDER_LISTED = {("HeadroomLoraConfig", "init_lora"): "loras", ("HeadroomResizeLora", "lora_name"): "loras",
+                 **{("HeadroomMergeLoras", f"lora_{index}"): "loras" for index in range(1, 5)}}
 # The dataset nodes' folder choices: the subfolders of ComfyUI's input directory (nodes/bridge/cache_folders.py).
 INPUT_FOLDERS_LISTED = {("HeadroomDatasetFromFolder", "folder"), ("HeadroomDatasetFromVideos", "folder")}
 LEFT_OUT = {"tooltip"}  # prose; ComfyUI's info also has description / output_tooltips, left out too

@@ -70,6 +70,20 @@ def test_saved_lora_through_stock_loraloader_reproduces_validation_image(comfy_s
             assert resized.stat().st_size < lora_file.stat().st_size
             assert not np.array_equal(sampled, stock)
 
+    # Merge LoRAs through the API, the MODEL / CLIP from a node of the same prompt: half the saved file plus half of its
+    # rank-8 copy is the trained LoRA again, so the stock graph samples the same image (within rounding).
+    merged = f"{run_name}_merged_halves"
+    comfy_server.run_workflow({
+        "1": {"class_type": "HeadroomTinyModel", "inputs": dict(TINY_LORA["1"]["inputs"])},
+        "2": {"class_type": "HeadroomMergeLoras", "inputs": {
+            "model": ["1", 0], "clip": ["1", 1], "lora_1": f"server_roundtrip/{run_name}.safetensors",
+            "strength_1": 0.5, "lora_2": f"server_roundtrip/{run_name}_rank8.safetensors", "strength_2": 0.5,
+            "lora_3": "none", "strength_3": 1.0, "lora_4": "none", "strength_4": 1.0, "rank": 8, "energy": 0.0,
+            "subfolder": "server_roundtrip", "filename": merged, "dtype": "auto"}}})
+    sampled = output_pixels(comfy_server,
+                            comfy_server.run_workflow(_stock_prompt(f"server_roundtrip/{merged}.safetensors")))
+    assert np.abs(sampled - stock).max() <= 1
+
 
 def test_interrupt_mid_training_saves_a_checkpoint_and_leaves_comfyui_idle(comfy_server):
     run_name = f"interrupt_{uuid.uuid4().hex[:8]}"

@@ -45,7 +45,7 @@ def test_a_layer_above_the_rank_becomes_its_best_approximation_of_that_rank():
     s = torch.linalg.svdvals(before)
     assert report.ranks[layer] == (16, 4)
     assert report.energy[layer] == pytest.approx(float((s[:4] ** 2).sum() / (s ** 2).sum()), rel=1e-6)
-    assert "1 layers resized: rank 16 -> 4-4" in report.summary()
+    assert "1 layer resized: rank 16 -> 4-4" in report.summary()
 
 
 def test_layers_at_or_below_the_rank_are_copied_bit_for_bit():
@@ -105,7 +105,7 @@ def test_what_is_no_plain_pair_is_copied_and_counted():
                                                   "t.lora_up.weight", "t.lora_down.weight", "t.lora_mid.weight"))
     assert report.tucker == ["t"] and report.other_tensors == 4
     summary = report.summary()
-    assert "1 LoCon layers with a Tucker core" in summary and "4 other tensors" in summary
+    assert "1 LoCon layer with a Tucker core" in summary and "4 other tensors" in summary
 
 
 def test_a_rank_beyond_the_layers_sizes_and_an_untrained_layer_resize_cleanly():

@@ -44,6 +44,11 @@ PAIR_SUFFIXES = (
 )
 
 
+def counted(number: int, noun: str) -> str:
+    """'1 layer', '2 layers': a count and its noun (regular plurals)."""
+    return f"{number} {noun}{'' if number == 1 else 's'}"
+
+
 @dataclasses.dataclass
 class Pair:
     up: str
@@ -74,17 +79,18 @@ class Resized:
             before = sorted({b for b, _ in resized.values()})
             after = [a for _, a in resized.values()]
             shares = [self.energy[layer] for layer in resized]
-            lines.append(f"{len(resized)} layers resized: rank {'/'.join(map(str, before))} -> {min(after)}-"
+            lines.append(f"{counted(len(resized), 'layer')} resized: rank {'/'.join(map(str, before))} -> {min(after)}-"
                          f"{max(after)} (mean {sum(after) / len(after):.1f}), each keeping at least "
                          f"{min(shares):.1%} of its update's energy (mean {sum(shares) / len(shares):.1%})")
         else:
             lines.append("no layer was above the rank asked for: nothing resized")
         if self.kept_as_is:
-            lines.append(f"{len(self.kept_as_is)} layers already at or below it, copied as they are")
+            lines.append(f"{counted(len(self.kept_as_is), 'layer')} already at or below it, copied as they are")
         if self.tucker:
-            lines.append(f"{len(self.tucker)} LoCon layers with a Tucker core (lora_mid) copied as they are")
+            lines.append(f"{counted(len(self.tucker), 'LoCon layer')} with a Tucker core (lora_mid) copied as they are")
         if self.other_tensors:
-            lines.append(f"{self.other_tensors} other tensors (LoHa / LoKr / OFT / diff / DoRA scales) copied as they are")
+            lines.append(f"{counted(self.other_tensors, 'other tensor')} (LoHa / LoKr / OFT / diff / DoRA scales) "
+                         "copied as they are")
         return "; ".join(lines)
 
 
@@ -115,22 +121,48 @@ def _checked(state: dict[str, torch.Tensor], layer: str, pair: Pair) -> tuple[to
         if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point() or tensor.ndim < 2:
             raise ValueError(f"{key} is not a floating-point matrix ({getattr(tensor, 'dtype', type(tensor).__name__)}, "
                              f"shape {tuple(getattr(tensor, 'shape', ()))})")
+    alpha = None
+    if pair.alpha is not None:
+        alpha = state[pair.alpha]
+        if not isinstance(alpha, torch.Tensor) or alpha.numel() != 1 or alpha.dtype == torch.bool:
+            raise ValueError(f"{pair.alpha} must be one number (alpha), not {tuple(getattr(alpha, 'shape', ()))}")
+        alpha = float(alpha.detach().double().reshape(()))
+        if not math.isfinite(alpha):
+            raise ValueError(f"{pair.alpha} is {alpha}: alpha must be a finite number")
+    return checked_factors(layer, up, down, alpha)
+
+
+def checked_factors(layer: str, up: torch.Tensor, down: torch.Tensor,
+                    alpha: float | None) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """(up [out, r], down [r, n], scale) of one LoRA layer in float64 (convolutions flattened as the stock loader
+    flattens them), checked: they multiply, hold finite values, alpha is finite (None: scale 1)."""
     up2, down2 = up.detach().flatten(1).double(), down.detach().flatten(1).double()
     if up2.shape[1] != down2.shape[0] or down2.shape[0] == 0:
         raise ValueError(f"{layer}: its up weight {tuple(up.shape)} and down weight {tuple(down.shape)} do not multiply "
                          "(the up's second size must be the down's first, the rank)")
     if not (torch.isfinite(up2).all() and torch.isfinite(down2).all()):
         raise ValueError(f"{layer}: its up / down weights hold NaN or infinite values; the LoRA is broken")
-    scale = 1.0
-    if pair.alpha is not None:
-        alpha = state[pair.alpha]
-        if not isinstance(alpha, torch.Tensor) or alpha.numel() != 1 or alpha.dtype == torch.bool:
-            raise ValueError(f"{pair.alpha} must be one number (alpha), not {tuple(getattr(alpha, 'shape', ()))}")
-        value = float(alpha.detach().double().reshape(()))
-        if not math.isfinite(value):
-            raise ValueError(f"{pair.alpha} is {value}: alpha must be a finite number")
-        scale = value / down2.shape[0]  # as the stock loader: alpha / the down weight's rows
-    return up2, down2, scale
+    if alpha is None:
+        return up2, down2, 1.0
+    if not math.isfinite(alpha):
+        raise ValueError(f"{layer}: its alpha is {alpha}: alpha must be a finite number")
+    return up2, down2, alpha / down2.shape[0]  # as the stock loader: alpha / the down weight's rows
+
+
+def best_of_rank(up2: torch.Tensor, down2: torch.Tensor, scale: float, rank: int,
+                 energy: float) -> tuple[torch.Tensor, torch.Tensor, int, float]:
+    """The update `scale * up2 @ down2` (float64 matrices) by its largest singular directions, `rank_for(rank,
+    energy)` of them: (new up [out, k], new down [k, n], k, share of the update's squared norm kept). The singular
+    values are split evenly between the two (each side times their square roots)."""
+    # up @ down = Qu (Ru Rd^T) Qd^T: the SVD of the small middle matrix is the update's, without forming it.
+    q_up, r_up = torch.linalg.qr(up2)
+    q_down, r_down = torch.linalg.qr(down2.T)
+    u, s, vh = torch.linalg.svd((r_up @ r_down.T) * scale, full_matrices=False)
+    total = float((s ** 2).sum())
+    kept = rank_for(s, rank, energy) if total > 0 else 1  # an update of zeros (a LoRA never trained) needs one
+    share = float((s[:kept] ** 2).sum()) / total if total > 0 else 1.0
+    root = s[:kept].sqrt()
+    return (q_up @ u[:, :kept]) * root, root[:, None] * (vh[:kept] @ q_down.T), kept, share
 
 
 def resize_lora(state: dict[str, torch.Tensor], *, rank: int = 0, energy: float = 0.0,
@@ -156,22 +188,13 @@ def resize_lora(state: dict[str, torch.Tensor], *, rank: int = 0, energy: float 
             continue
         up2, down2, scale = _checked(state, layer, pair)
         before = down2.shape[0]
-        # up @ down = Qu (Ru Rd^T) Qd^T: the SVD of the small middle matrix is the update's, without forming it.
-        q_up, r_up = torch.linalg.qr(up2)
-        q_down, r_down = torch.linalg.qr(down2.T)
-        u, s, vh = torch.linalg.svd((r_up @ r_down.T) * scale, full_matrices=False)
-        total = float((s ** 2).sum())
-        kept = rank_for(s, rank, energy) if total > 0 else 1  # an update of zeros (a LoRA never trained) needs one
+        new_up, new_down, kept, report.energy[layer] = best_of_rank(up2, down2, scale, rank, energy)
         report.ranks[layer] = (before, kept)
-        report.energy[layer] = float((s[:kept] ** 2).sum()) / total if total > 0 else 1.0
         if kept >= before:
             report.ranks[layer] = (before, before)
             report.alphas[layer] = scale * before
             report.kept_as_is.append(layer)
             continue
-        root = s[:kept].sqrt()
-        new_up = (q_up @ u[:, :kept]) * root
-        new_down = root[:, None] * (vh[:kept] @ q_down.T)
         up, down = state[pair.up], state[pair.down]
         out[pair.up] = new_up.reshape(up.shape[0], kept, *up.shape[2:]).to(dtype or up.dtype).contiguous()
         out[pair.down] = new_down.reshape(kept, *down.shape[1:]).to(dtype or down.dtype).contiguous()
