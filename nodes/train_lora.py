@@ -26,7 +26,7 @@ from .bridge import lora_formats
 from .bridge.comfy_bridge import TrainingRun, check_run_kind, node_id, node_name, run_and_step, send_node_text
 from .bridge.comfy_model import (check_caches, check_quantized_kind, check_reference_cache, check_trainable,
                                  missing_inputs_note, model_family)
-from .bridge.model_files import (MERGE_DTYPES, MERGE_NONE, RESIZE_DTYPES, prune_step_saves, runs_root,
+from .bridge.model_files import (MERGE_DTYPES, MERGE_FORMATS, MERGE_NONE, RESIZE_DTYPES, prune_step_saves, runs_root,
                                  save_extracted_lora, save_lora, save_resized_lora, step_save_name)
 from .bridge.planning import check_host_ram, lora_trainable, plan_for_card
 from .bridge.rank_workers import open_on_devices, parse_devices
@@ -707,13 +707,17 @@ class HeadroomMergeLoras(io.ComfyNode):
                 io.Combo.Input("dtype", options=list(MERGE_DTYPES), default="auto",
                                tooltip="Precision of the merged file: auto as the files store their weights (fp32 "
                                "where they differ); fp32; bf16 / fp16 half the size."),
+                io.Combo.Input("format", options=list(MERGE_FORMATS), default="comfyui",
+                               tooltip="Key names of the merged file: comfyui (ComfyUI's own) or kohya (sd-scripts' "
+                               "lora_unet_* / lora_te_* with its ss_* metadata, for A1111 / Forge / Civitai); the "
+                               "stock Load LoRA reads both."),
             ],
             outputs=[io.String.Output("lora_name", tooltip="The merged file's name, as Load LoRA lists it.")],
         )
 
     @classmethod
-    def execute(cls, model, rank: int, energy: float, subfolder: str, filename: str, dtype: str = "auto", clip=None,
-                **slots) -> io.NodeOutput:
+    def execute(cls, model, rank: int, energy: float, subfolder: str, filename: str, dtype: str = "auto",
+                format: str = "comfyui", clip=None, **slots) -> io.NodeOutput:  # noqa: A002 - the input's name
         from .bridge.merge_loras import save_merged_lora
 
         node = node_name(cls)
@@ -721,7 +725,7 @@ class HeadroomMergeLoras(io.ComfyNode):
         check_finite(node, energy=energy, **strengths)
         loras = [(slots.get(f"lora_{i}", MERGE_NONE), strengths[f"strength_{i}"]) for i in range(1, cls.SLOTS + 1)]
         try:
-            name, done = save_merged_lora(model, clip, loras, rank, energy, subfolder, filename, dtype)
+            name, done = save_merged_lora(model, clip, loras, rank, energy, subfolder, filename, dtype, format)
         except ValueError as error:
             raise ValueError(f"{node}: {error}") from error
         return io.NodeOutput(name, ui={SAVED_KEY: [saved_file("LoRA", "loras", name)],

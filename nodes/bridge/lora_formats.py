@@ -88,6 +88,30 @@ def kohya_names(model, module_paths, family: str | None) -> dict[str, str]:
     return names
 
 
+# sd-scripts' text-encoder name prefixes by CLIP: one CLIP alone is lora_te_, SDXL's two lora_te1_ (L) / lora_te2_ (G).
+_KOHYA_TEXT_ENCODERS = {("clip_l", False): "lora_te_", ("clip_l", True): "lora_te1_", ("clip_g", False): "lora_te_",
+                        ("clip_g", True): "lora_te2_", ("clip_h", False): "lora_te_"}
+
+
+def kohya_text_encoder_names(key_map: dict, clip_keys: set[str], weights) -> dict[str, str]:
+    """{CLIP weight key: its kohya name} (`lora_te_text_model_encoder_layers_0_mlp_fc1`, SDXL's `lora_te1_...` /
+    `lora_te2_...`), taken from ComfyUI's key map of the CLIP (`key_map`), so every name maps back to its weight."""
+    pair = {"clip_l", "clip_g"} <= {key.split(".", 1)[0] for key in clip_keys}
+    by_weight: dict[str, list[str]] = {}
+    for name, weight in key_map.items():
+        if isinstance(weight, str) and weight in clip_keys and name.startswith("lora_te"):
+            by_weight.setdefault(weight, []).append(name)
+    names = {}
+    for weight in weights:
+        prefix = _KOHYA_TEXT_ENCODERS.get((weight.split(".", 1)[0], pair and weight.startswith(("clip_l.", "clip_g."))))
+        found = [name for name in by_weight.get(weight, []) if prefix and name.startswith(prefix)]
+        if len(found) != 1:
+            raise ValueError(f"text-encoder layer {weight} has no kohya name in ComfyUI's LoRA key map; save in the "
+                             "comfyui format")
+        names[weight] = found[0]
+    return names
+
+
 def to_kohya(state: dict[str, torch.Tensor], names: dict[str, str],
              prefix: str = "diffusion_model.") -> dict[str, torch.Tensor]:
     """Rename a ComfyUI-format adapter state dict (`<prefix><path>.<suffix>`) to kohya names."""
@@ -341,13 +365,14 @@ def kohya_conv_args(kind: str, convolutions: list[tuple[int, float]]) -> dict[st
     return {"conv_dim": str(int(rank)), "conv_alpha": f"{float(alpha):g}"}
 
 
-def kohya_metadata(family: str | None, kind: str, rank: int, alpha: float, steps: int, title: str,
+def kohya_metadata(family: str | None, kind: str, rank: int | str, alpha: float | str, steps: int | None, title: str,
                    resolution: tuple[int, int] | None, model=None,
                    network_args: dict[str, str] | None = None) -> dict[str, str]:
     """The sd-scripts metadata keys UIs read (network dim / alpha / base model / resolution / steps). `model`: the
     ComfyUI MODEL, for the family's model-dependent keys (Family.kohya_architecture: the variant's architecture
     string; Family.kohya_extra: SD2's v-prediction keys). `network_args`: more of sd-scripts' network args
-    (kohya_conv_args), written in `ss_network_args` as sd-scripts writes them."""
+    (kohya_conv_args), written in `ss_network_args` as sd-scripts writes them. `steps` None: not a trained file (a
+    merge), no step keys."""
     known = families.get(family)
     base_version, architecture = known.kohya_base if known is not None else ("", "")
     if known is not None and known.kohya_architecture is not None and model is not None:
@@ -356,8 +381,7 @@ def kohya_metadata(family: str | None, kind: str, rank: int, alpha: float, steps
         "ss_network_module": "networks.lora" if kind == "lora" else "lycoris.kohya",
         "ss_network_dim": str(rank),
         "ss_network_alpha": str(alpha),
-        "ss_steps": str(steps),
-        "ss_max_train_steps": str(steps),
+        **({} if steps is None else {"ss_steps": str(steps), "ss_max_train_steps": str(steps)}),
         "ss_output_name": title,
         "modelspec.sai_model_spec": "1.0.0",
         "modelspec.title": title,

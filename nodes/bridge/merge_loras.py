@@ -26,8 +26,10 @@ from ...training.core.lora_merge import Update, merge_updates
 from ...training.core.lora_resize import checked_factors
 from ...training.core.run_dir import NAME_MAX, check_name, check_subfolder
 from ...training.data.files import format_bytes, no_json_constants, prune_temp, relative_text, save_safetensors
+from . import lora_formats
+from .comfy_model import model_family
 from .lora_formats import _TEXT_ENCODER_PREFIXES, _row_permutation, _with_peft_attention_names
-from .model_files import MERGE_DTYPES, MERGE_NONE, listed_name
+from .model_files import MERGE_DTYPES, MERGE_FORMATS, MERGE_NONE, listed_name
 from .run_lora import MAX_SAVED_TAGS, SAVE_DTYPES
 
 # Keys of a file that belong to a layer without being its up / down (load_lora reads them beside the adapter).
@@ -49,20 +51,40 @@ class _Sources:
             self.shapes.update({key: tuple(value.shape) for key, value in clip_state.items()})
         self.has_clip = clip is not None
 
-    def saved_prefix(self, weight: str) -> str:
-        """The name a merged layer of `weight` is saved under (before `.lora_up.weight` / `.diff`): ComfyUI's generic
-        names, which its key map holds for every weight (`diffusion_model.<path>`, `text_encoders.<clip path>`)."""
-        if weight in self.clip_keys:
-            return "text_encoders." + weight[:-len(".weight")]
-        return weight[:-len(".weight")] if weight.endswith(".weight") else weight
+    def saved_names(self, model, weights: set[str], file_format: str) -> dict[str, str]:
+        """{weight: the name its merged layer is saved under (before `.lora_up.weight` / `.diff`)}. comfyui: ComfyUI's
+        generic names, which its key map holds for every weight (`diffusion_model.<path>`, `text_encoders.<clip
+        path>`); kohya: sd-scripts' (`lora_unet_*` as Save LoRA writes them, `lora_te_*` / `lora_te1_*` /
+        `lora_te2_*` for CLIP-L / CLIP-G layers), which A1111 / Forge read too."""
+        if file_format == "comfyui":
+            return {w: ("text_encoders." if w in self.clip_keys else "") + w[:-len(".weight")] for w in weights}
+        unet = sorted(w for w in weights if w not in self.clip_keys)
+        names = lora_formats.kohya_names(model, [w[len("diffusion_model."):-len(".weight")] for w in unet],
+                                         model_family(model.model))
+        out = {w: names[w[len("diffusion_model."):-len(".weight")]] for w in unet}
+        return out | lora_formats.kohya_text_encoder_names(self.key_map, self.clip_keys,
+                                                           [w for w in weights if w in self.clip_keys])
 
-    def saved_difference(self, target: str) -> str:
-        """The key a whole-tensor difference of `target` (a weight, bias or other tensor) is saved under."""
-        if target in self.clip_keys:  # the map names only the CLIP's weights: a bias is <its weight's name>.diff_b
-            if target.endswith(".weight"):
-                return f"text_encoders.{target[:-len('.weight')]}.diff"
-            return f"text_encoders.{target[:-len('.bias')]}.diff_b"
-        return f"{self.saved_prefix(target)}.diff"
+    def saved_keys(self, model, layers, differences, file_format: str) -> tuple[dict[str, str], dict[str, str]]:
+        """({weight: name} of the merged LoRA layers, {target: key} of the differences) in `file_format`."""
+        def owner(target: str) -> str | None:  # the weight whose name a difference takes (a bias: its layer's)
+            return target if target.endswith(".weight") else \
+                target[:-len(".bias")] + ".weight" if target.endswith(".bias") else None
+
+        owners = {target: owner(target) for target in differences}
+        for target, weight in owners.items():
+            if weight is None or weight not in self.shapes:
+                if file_format != "comfyui" or target in self.clip_keys:
+                    raise ValueError(f"the difference for {target} has no name in the {file_format} format: save in "
+                                     "the comfyui format")
+        names = self.saved_names(model, set(layers) | {w for w in owners.values() if w in self.shapes}, file_format)
+        keys = {}
+        for target, weight in owners.items():
+            if weight is None or weight not in self.shapes:
+                keys[target] = f"{target}.diff"  # ComfyUI's map names the model's other tensors as they are
+            else:
+                keys[target] = f"{names[weight]}.diff" if target == weight else f"{names[weight]}.diff_b"
+        return {w: names[w] for w in layers}, keys
 
 
 def _read(name: str, strength: float, sources: _Sources, layers: dict[str, list[Update]],
@@ -180,13 +202,15 @@ def _tag_frequency(metadatas: list[dict], notes: list[str], names: list[str]) ->
 
 
 def save_merged_lora(model, clip, loras: list[tuple[str, float]], rank: int, energy: float, subfolder: str,
-                     filename: str, dtype: str = "auto") -> tuple[str, str]:
+                     filename: str, dtype: str = "auto", file_format: str = "comfyui") -> tuple[str, str]:
     """Write the LoRA files `loras` ((name Load LoRA lists, strength); names "none" and strength 0 left out) merged
     into one under models/loras/<subfolder>/ (empty filename: <their names>_merged), each layer's summed update kept
     exact (rank 0, energy 0) or by its largest singular directions; returns (the name LoraLoader lists, what was
     done)."""
     if dtype not in MERGE_DTYPES:
         raise ValueError(f"dtype {dtype!r}: choose one of {', '.join(MERGE_DTYPES)}")
+    if file_format not in MERGE_FORMATS:
+        raise ValueError(f"format {file_format!r}: choose one of {', '.join(MERGE_FORMATS)}")
     if not 0 <= energy <= 1 or rank < 0:
         raise ValueError(f"rank must be 0 or more and energy in [0, 1] (rank {rank}, energy {energy})")
     chosen = [(name, strength) for name, strength in loras if name != MERGE_NONE and strength != 0]
@@ -223,22 +247,27 @@ def save_merged_lora(model, clip, loras: list[tuple[str, float]], rank: int, ene
     else:
         out_dtype = SAVE_DTYPES[dtype]
     state = {}
+    names, difference_keys = sources.saved_keys(model, merged, differences, file_format)
     for weight, (up, down) in merged.items():
-        shape, prefix, kept = sources.shapes[weight], sources.saved_prefix(weight), down.shape[0]
+        shape, prefix, kept = sources.shapes[weight], names[weight], down.shape[0]
         state[f"{prefix}.lora_up.weight"] = up.reshape(shape[0], kept, *([1] * (len(shape) - 2))).to(out_dtype)
         state[f"{prefix}.lora_down.weight"] = down.reshape(kept, *shape[1:]).to(out_dtype)
         state[f"{prefix}.alpha"] = torch.tensor(float(kept))  # scale 1: the strengths and alphas are in the weights
     for target, difference in differences.items():
-        state[sources.saved_difference(target)] = difference.to(out_dtype)
+        state[difference_keys[target]] = difference.to(out_dtype)
     overflow = next((key for key, tensor in state.items() if not torch.isfinite(tensor).all()), None)
     if overflow:
         raise ValueError(f"the merged {overflow} exceeds {out_dtype}'s range: save in fp32 or bf16")
     notes = [f"{len(folded)} weights with both a LoRA layer and a difference saved as differences"] if folded else []
-    names = [n for n, _ in chosen]
-    metadata = {"headroom.format": "comfyui",
+    metadata = {"headroom.format": file_format,
                 "headroom.merged_from": json.dumps([{"lora": n, "strength": s} for n, s in chosen]),
                 "headroom.merge": json.dumps({"rank": rank, "energy": energy, "dtype": dtype}, sort_keys=True),
-                **_tag_frequency(metadatas, notes, names)}
+                **_tag_frequency(metadatas, notes, [n for n, _ in chosen])}
+    if file_format == "kohya":  # what A1111 / Forge / Civitai show; one rank for all layers or "Dynamic"
+        ranks = {down.shape[0] for _, down in merged.values()}
+        dim = str(next(iter(ranks))) if len(ranks) == 1 else "Dynamic"
+        metadata |= lora_formats.kohya_metadata(model_family(model.model), "lora", dim, dim, None,
+                                                path.name[:-len(".safetensors")], None, model=model)
     prune_temp(path.parent)
     save_safetensors(path, {k: v.contiguous() for k, v in state.items()}, "merged LoRA", metadata)
     text = " + ".join(f"{n} x {s:g}" for n, s in chosen)

@@ -86,6 +86,7 @@ def save_extracted_lora(run: TrainingRun, subfolder: str, filename: str, rank: i
 RESIZE_DTYPES = ("auto", *SAVE_DTYPES)  # auto: each resized layer as the file stores it
 MERGE_DTYPES = RESIZE_DTYPES  # auto: the merged files' dtype where they share one, else fp32
 MERGE_NONE = "none"  # a Merge LoRAs slot left empty
+MERGE_FORMATS = ("comfyui", "kohya")  # Save LoRA's but diffusers (its PEFT configs are not written for merges)
 
 
 def save_resized_lora(lora_name: str, rank: int, energy: float, subfolder: str, filename: str,

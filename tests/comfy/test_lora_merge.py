@@ -13,14 +13,16 @@ from test_lora_formats import _patched_weights, _read, _save, _save_both, _write
 pytestmark = [pytest.mark.comfyui, pytest.mark.usefixtures("one_torch_thread")]
 
 
-def _merge(model, loras, clip=None, rank: int = 0, energy: float = 0.0, filename: str = "", dtype: str = "auto"):
+def _merge(model, loras, clip=None, rank: int = 0, energy: float = 0.0, filename: str = "", dtype: str = "auto",
+           file_format: str = "comfyui"):
     from headroom.nodes import train_lora as T
 
     slots = {}
     for index, (name, strength) in enumerate(loras, 1):
         slots |= {f"lora_{index}": name, f"strength_{index}": strength}
     with torch.inference_mode():
-        return T.HeadroomMergeLoras.execute(model, rank, energy, "merged", filename, dtype, clip=clip, **slots)
+        return T.HeadroomMergeLoras.execute(model, rank, energy, "merged", filename, dtype, file_format, clip=clip,
+                                            **slots)
 
 
 def _chain(model, clip, loras, caplog) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -104,6 +106,16 @@ def test_a_merged_file_is_the_chain_of_load_lora_nodes_it_replaces(comfyui, capl
     assert frequency["style"] == {"ohwx": 3, "red": 1} and run.run_dir.name in frequency
     assert metadata["headroom.format"] == "comfyui"
     assert all(_read_state(name)[k].dtype == torch.float32 for k in keys)  # fp32 and bf16 files: auto is fp32
+    # kohya's names (SD1.x: the diffusers block names, lora_te_ for the CLIP), the same weights for the stock loader
+    kohya = _merge(model, loras, clip=clip, filename="merged_kohya", file_format="kohya").args[0]
+    kohya_keys, kohya_metadata = _read(kohya)
+    assert all(k.startswith(("lora_unet_down_blocks_", "lora_unet_up_blocks_", "lora_unet_mid_block", "lora_te_"))
+               for k in kohya_keys), kohya_keys
+    assert len(kohya_keys) == len(keys) and kohya_metadata["ss_network_dim"] == "Dynamic"
+    assert kohya_metadata["ss_base_model_version"] == "sd_v1" and "ss_steps" not in kohya_metadata
+    kohya_model, kohya_clip = _chain(model, clip, [(kohya, 1.0)], caplog)
+    _assert_same(kohya_model, chained_model)
+    _assert_same(kohya_clip, chained_clip)
 
     reduced = _merge(model, loras, clip=clip, rank=2, filename="merged_rank2")
     assert "reduced from the sum of their ranks" in reduced.ui["text"][0], reduced.ui["text"][0]
@@ -201,3 +213,29 @@ def test_merge_refuses_what_it_cannot_merge_naming_the_file(comfyui):
         _merge(model, [(good, 1.0), (good, float("nan"))])
     # the same file twice at 0.5 is the file: allowed
     assert "the exact sum" in _merge(model, [(good, 0.5), (good, 0.5)], filename="merge_good_twice").ui["text"][0]
+
+
+def test_sdxl_text_encoder_layers_take_kohyas_te1_and_te2_names(comfyui, caplog):
+    """SDXL's two CLIPs: a file in ComfyUI's generic names (`text_encoders.clip_l...`, `text_encoders.clip_g...`)
+    merged in the kohya format takes sd-scripts' lora_te1_ (CLIP-L) / lora_te2_ (CLIP-G) names, and the stock loader
+    patches the same CLIP weights from both files."""
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
+
+    with torch.inference_mode():
+        model, clip, _ = build_tiny_models("sdxl", 0)
+    shapes = clip.cond_stage_model.state_dict()
+    generator = torch.Generator().manual_seed(3)
+    state = {}
+    for tower in ("clip_l", "clip_g"):
+        weight = f"{tower}.transformer.text_model.encoder.layers.0.mlp.fc1.weight"
+        out, inner = shapes[weight].shape
+        layer = "text_encoders." + weight.removesuffix(".weight")
+        state |= {f"{layer}.lora_up.weight": torch.randn(out, 2, generator=generator),
+                  f"{layer}.lora_down.weight": torch.randn(2, inner, generator=generator)}
+    source = _write_lora("merge_sdxl_text_encoders", state, {})
+    _, from_source = _chain(model, clip, [(source, 1.0)], caplog)
+    kohya = _merge(model, [(source, 1.0)], clip=clip, filename="merged_sdxl_kohya", file_format="kohya").args[0]
+    keys, _ = _read(kohya)
+    assert {k.split("_text_model_")[0] for k in keys} == {"lora_te1", "lora_te2"}, keys
+    _, from_kohya = _chain(model, clip, [(kohya, 1.0)], caplog)
+    _assert_same(from_kohya, from_source)

@@ -71,7 +71,8 @@ def test_saved_lora_through_stock_loraloader_reproduces_validation_image(comfy_s
             assert not np.array_equal(sampled, stock)
 
     # Merge LoRAs through the API, the MODEL / CLIP from a node of the same prompt: half the saved file plus half of its
-    # rank-8 copy is the trained LoRA again, so the stock graph samples the same image (within rounding).
+    # rank-8 copy is the trained LoRA again, so the stock graph samples the same image (within rounding) from the merged
+    # file in kohya's names.
     merged = f"{run_name}_merged_halves"
     comfy_server.run_workflow({
         "1": {"class_type": "HeadroomTinyModel", "inputs": dict(TINY_LORA["1"]["inputs"])},
@@ -79,7 +80,7 @@ def test_saved_lora_through_stock_loraloader_reproduces_validation_image(comfy_s
             "model": ["1", 0], "clip": ["1", 1], "lora_1": f"server_roundtrip/{run_name}.safetensors",
             "strength_1": 0.5, "lora_2": f"server_roundtrip/{run_name}_rank8.safetensors", "strength_2": 0.5,
             "lora_3": "none", "strength_3": 1.0, "lora_4": "none", "strength_4": 1.0, "rank": 8, "energy": 0.0,
-            "subfolder": "server_roundtrip", "filename": merged, "dtype": "auto"}}})
+            "subfolder": "server_roundtrip", "filename": merged, "dtype": "auto", "format": "kohya"}}})
     sampled = output_pixels(comfy_server,
                             comfy_server.run_workflow(_stock_prompt(f"server_roundtrip/{merged}.safetensors")))
     assert np.abs(sampled - stock).max() <= 1
