@@ -169,6 +169,8 @@ def _read(name: str, strength: float, sources: _Sources, layers: dict[str, list[
                              "clip, as Load LoRA takes it")
         raise ValueError(f"{source}: {len(unmapped)} of its tensors map to no layer of this model (e.g. {unmapped[0]}):"
                          " it was trained for another model family")
+    if not loaded:
+        raise ValueError(f"{source} holds no LoRA layer (only {', '.join(sorted(state)[:3])}...)")
     return metadata if isinstance(metadata, dict) else {}
 
 

@@ -187,6 +187,9 @@ def test_merge_refuses_what_it_cannot_merge_naming_the_file(comfyui):
                                       for side, shape in (("a", (out, 2)), ("b", (2, inner)))}, {})
     misfit = _write_lora("merge_misfit", {f"{layer}.lora_up.weight": torch.ones(out, 2),
                                           f"{layer}.lora_down.weight": torch.ones(2, inner + 1)}, {})
+    integers = _write_lora("merge_integers", {f"{layer}.lora_up.weight": torch.ones(out, 2, dtype=torch.int32),
+                                              f"{layer}.lora_down.weight": torch.ones(2, inner)}, {})
+    alpha_only = _write_lora("merge_alpha_only", {f"{layer}.alpha": torch.tensor(1.0)}, {})
     text_encoder = _write_lora("merge_text_encoder", _text_encoder_lora(clip, "te", 2, 1.0, torch.float32, 1), {})
     garbage = folder_paths.get_full_path_or_raise("loras", good).replace("merge_good", "merge_garbage")
     with open(garbage, "wb") as handle:
@@ -196,6 +199,8 @@ def test_merge_refuses_what_it_cannot_merge_naming_the_file(comfyui):
         ((model, [(good, 1.0), (broken, 1.0)]), r"LoRA file formats.merge_nan.safetensors: .*NaN"),
         ((model, [(good, 1.0), (loha, 1.0)]), r"merge_loha.safetensors: .* holds a loha update"),
         ((model, [(misfit, 1.0)]), r"merge_misfit.safetensors: .* does not fit the model's weight"),
+        ((model, [(integers, 1.0)]), r"merge_integers.safetensors: .* up weight is not a floating-point matrix"),
+        ((model, [(alpha_only, 1.0)]), r"merge_alpha_only.safetensors holds no LoRA layer"),
         ((model, [(text_encoder, 1.0)]), r"has text-encoder layers .*connect the checkpoint's CLIP"),
         ((flux_model, [(good, 1.0)]), r"merge_good.safetensors: .* map to no layer of this model"),
         ((model, [("none", 1.0), (good, 0.0)]), "no LoRA to merge"),

@@ -135,7 +135,12 @@ def _checked(state: dict[str, torch.Tensor], layer: str, pair: Pair) -> tuple[to
 def checked_factors(layer: str, up: torch.Tensor, down: torch.Tensor,
                     alpha: float | None) -> tuple[torch.Tensor, torch.Tensor, float]:
     """(up [out, r], down [r, n], scale) of one LoRA layer in float64 (convolutions flattened as the stock loader
-    flattens them), checked: they multiply, hold finite values, alpha is finite (None: scale 1)."""
+    flattens them), checked: they are floating-point matrices that multiply, hold finite values, alpha is finite (None:
+    scale 1)."""
+    for side, tensor in (("up", up), ("down", down)):
+        if not tensor.is_floating_point() or tensor.ndim < 2:
+            raise ValueError(f"{layer}: its {side} weight is not a floating-point matrix ({tensor.dtype}, shape "
+                             f"{tuple(tensor.shape)})")
     up2, down2 = up.detach().flatten(1).double(), down.detach().flatten(1).double()
     if up2.shape[1] != down2.shape[0] or down2.shape[0] == 0:
         raise ValueError(f"{layer}: its up weight {tuple(up.shape)} and down weight {tuple(down.shape)} do not multiply "
