@@ -12,24 +12,20 @@ from __future__ import annotations
 import json
 import math
 import os
-import pathlib
-import re
 
 import torch
 
 import comfy.lora
 import comfy.lora_convert
-import comfy.utils
-import folder_paths
 
 from ...training.core.lora_merge import Update, merge_updates
 from ...training.core.lora_resize import checked_factors
-from ...training.core.run_dir import NAME_MAX, check_name, check_subfolder
-from ...training.data.files import format_bytes, no_json_constants, prune_temp, relative_text, save_safetensors
+from ...training.core.run_dir import check_subfolder
+from ...training.data.files import format_bytes, no_json_constants, prune_temp, save_safetensors
 from . import lora_formats
 from .comfy_model import model_family
 from .lora_formats import _TEXT_ENCODER_PREFIXES, _row_permutation, _with_peft_attention_names
-from .model_files import MERGE_DTYPES, MERGE_FORMATS, MERGE_NONE, listed_name
+from .model_files import MERGE_DTYPES, MERGE_FORMATS, MERGE_NONE, listed_name, lora_output, read_lora_state
 from .run_lora import MAX_SAVED_TAGS, SAVE_DTYPES
 
 # Keys of a file that belong to a layer without being its up / down (load_lora reads them beside the adapter).
@@ -87,21 +83,11 @@ class _Sources:
         return {w: names[w] for w in layers}, keys
 
 
-def _read(name: str, strength: float, sources: _Sources, layers: dict[str, list[Update]],
-          differences: dict[str, torch.Tensor], dtypes: set) -> dict:
-    """Add LoRA file `name`'s updates at `strength` to `layers` / `differences` (by the model weight they patch);
-    returns its metadata. Every field of the (untrusted) file is checked; errors name it."""
+def _read(name: str, state: dict[str, torch.Tensor], strength: float, sources: _Sources,
+          layers: dict[str, list[Update]], differences: dict[str, torch.Tensor], dtypes: set) -> None:
+    """Add the updates of LoRA file `name` (its tensors: `state`) at `strength` to `layers` / `differences` (by the
+    model weight they patch). Every field of the (untrusted) file is checked; errors name it."""
     source = f"LoRA file {name}"
-    path = folder_paths.get_full_path("loras", name) if isinstance(name, str) else None
-    if path is None:
-        raise ValueError(f"{source[:140]} is not in models/loras/ (Load LoRA lists the names to use)")
-    try:
-        state, metadata = comfy.utils.load_torch_file(path, safe_load=True, return_metadata=True)
-    except Exception as error:  # noqa: BLE001 - any failure to read it: what the user must know is which file
-        raise ValueError(f"{source} cannot be read ({type(error).__name__}: "
-                         f"{relative_text(str(error))[:200]})") from None
-    if not isinstance(state, dict) or not state or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise ValueError(f"{source} holds no tensors by name: it is not a LoRA")
     try:
         state = comfy.lora_convert.convert_lora(state)
         loaded = comfy.lora.load_lora(state, sources.key_map, log_missing=False)
@@ -171,7 +157,6 @@ def _read(name: str, strength: float, sources: _Sources, layers: dict[str, list[
                          " it was trained for another model family")
     if not loaded:
         raise ValueError(f"{source} holds no LoRA layer (only {', '.join(sorted(state)[:3])}...)")
-    return metadata if isinstance(metadata, dict) else {}
 
 
 def _tag_frequency(metadatas: list[dict], notes: list[str], names: list[str]) -> dict[str, str]:
@@ -219,23 +204,14 @@ def save_merged_lora(model, clip, loras: list[tuple[str, float]], rank: int, ene
     if not chosen:
         raise ValueError("no LoRA to merge: choose at least one file (lora_1 ...) with a strength other than 0")
     check_subfolder(subfolder, "subfolder")
-    stems = [re.sub(r"[^A-Za-z0-9_.-]+|\.\.", "_", os.path.splitext(os.path.basename(name))[0]).strip("._-")
-             for name, _ in chosen]
-    default = "_".join(dict.fromkeys(s for s in stems if s))[:NAME_MAX].strip("._-") or "lora"
-    name = check_name(filename or f"{default}_merged", "LoRA file name", longest=NAME_MAX + len("_merged"))
-    name = name if name.endswith(".safetensors") else name + ".safetensors"
-    root = pathlib.Path(folder_paths.get_folder_paths("loras")[0])
-    path = root / subfolder / name if subfolder else root / name
+    files = [read_lora_state(name) for name, _ in chosen]  # (path, tensors, metadata) each
+    root, path = lora_output(subfolder, filename, [f[0] for f in files], "_merged", "one of the files being merged")
     sources = _Sources(model, clip)
     layers: dict[str, list[Update]] = {}
     differences: dict[str, torch.Tensor] = {}
     dtypes: set = set()
-    metadatas = []
-    for lora_name, strength in chosen:
-        full = folder_paths.get_full_path("loras", lora_name)
-        if full is not None and os.path.exists(path) and os.path.samefile(path, full):
-            raise ValueError(f"{name} is {lora_name}, one of the files being merged: choose another filename")
-        metadatas.append(_read(lora_name, strength, sources, layers, differences, dtypes))
+    for (lora_name, strength), (_, state, _) in zip(chosen, files):
+        _read(lora_name, state, strength, sources, layers, differences, dtypes)
     folded = sorted(set(layers) & set(differences))
     for weight in folded:  # one weight, one patch in a file: LoRA updates on a weight with a difference join it
         shape = sources.shapes[weight]
@@ -264,7 +240,7 @@ def save_merged_lora(model, clip, loras: list[tuple[str, float]], rank: int, ene
     metadata = {"headroom.format": file_format,
                 "headroom.merged_from": json.dumps([{"lora": n, "strength": s} for n, s in chosen]),
                 "headroom.merge": json.dumps({"rank": rank, "energy": energy, "dtype": dtype}, sort_keys=True),
-                **_tag_frequency(metadatas, notes, [n for n, _ in chosen])}
+                **_tag_frequency([f[2] or {} for f in files], notes, [n for n, _ in chosen])}
     if file_format == "kohya":  # what A1111 / Forge / Civitai show; one rank for all layers or "Dynamic"
         ranks = {down.shape[0] for _, down in merged.values()}
         dim = str(next(iter(ranks))) if len(ranks) == 1 else "Dynamic"

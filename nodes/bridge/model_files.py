@@ -89,41 +89,59 @@ MERGE_NONE = "none"  # a Merge LoRAs slot left empty
 MERGE_FORMATS = ("comfyui", "kohya")  # Save LoRA's but diffusers (its PEFT configs are not written for merges)
 
 
+def read_lora_state(lora_name: str) -> tuple[str, dict[str, torch.Tensor], dict | None]:
+    """(path, tensors, metadata) of LoRA file `lora_name` (a name Load LoRA lists), read as the stock loader reads it
+    (safetensors, or torch's weights-only unpickler); errors name the file."""
+    import comfy.utils
+
+    path = folder_paths.get_full_path("loras", lora_name) if isinstance(lora_name, str) else None
+    if path is None:
+        raise ValueError(f"LoRA file {str(lora_name)[:120]!r} is not in models/loras/ (Load LoRA lists the names to use)")
+    try:
+        state, metadata = comfy.utils.load_torch_file(path, safe_load=True, return_metadata=True)
+    except Exception as error:  # noqa: BLE001 - any failure to read it: what the user must know is which file
+        raise ValueError(f"LoRA file {lora_name} cannot be read ({type(error).__name__}: "
+                         f"{relative_text(str(error))[:200]})") from None
+    if not isinstance(state, dict) or not state or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ValueError(f"LoRA file {lora_name} holds no tensors by name: it is not a LoRA")
+    return path, state, metadata if isinstance(metadata, dict) else None
+
+
+def lora_output(subfolder: str, filename: str, sources: list[str], suffix: str,
+                reading: str) -> tuple[pathlib.Path, pathlib.Path]:
+    """(models/loras root, path) of a LoRA file a tool node writes: `filename`, or the `sources`' names (the
+    characters a saved name may have: "my lora (v2)" -> "my_lora_v2") joined + `suffix`; never one of the sources
+    (`reading`: what they are, for the refusal)."""
+    check_subfolder(subfolder, "subfolder")
+    stems = [re.sub(r"[^A-Za-z0-9_.-]+|\.\.", "_", os.path.splitext(os.path.basename(s))[0]).strip("._-")
+             for s in sources]
+    default = "_".join(dict.fromkeys(s for s in stems if s))[:NAME_MAX].strip("._-") or "lora"
+    name = check_name(filename or default + suffix, "LoRA file name", longest=NAME_MAX + len("_step000000_extracted"))
+    name = name if name.endswith(".safetensors") else name + ".safetensors"
+    root = pathlib.Path(folder_paths.get_folder_paths("loras")[0])
+    path = root / subfolder / name if subfolder else root / name
+    for source in sources:
+        if os.path.exists(path) and os.path.samefile(path, source):
+            raise ValueError(f"{name} is {reading}: choose another filename (the source stays as it is)")
+    return root, path
+
+
 def save_resized_lora(lora_name: str, rank: int, energy: float, subfolder: str, filename: str,
                       dtype: str = "auto") -> tuple[str, str]:
     """Write LoRA file `lora_name` (a name Load LoRA lists) at a lower rank (training/core/lora_resize.py) under
     models/loras/<subfolder>/ (empty filename: <its name>_resized), its key names, format and metadata kept (ranks,
     alphas and hashes made to match); returns (the name LoraLoader lists, what was done)."""
-    import comfy.utils
-
     from ...training.core.lora_resize import resize_lora
 
     if dtype not in RESIZE_DTYPES:
         raise ValueError(f"dtype {dtype!r}: choose one of {', '.join(RESIZE_DTYPES)}")
-    source = folder_paths.get_full_path("loras", lora_name) if isinstance(lora_name, str) else None
-    if source is None:
-        raise ValueError(f"LoRA file {str(lora_name)[:120]!r} is not in models/loras/ (Load LoRA lists the names to use)")
     check_subfolder(subfolder, "subfolder")
-    # The default name from the source's, in the characters a saved name may have ("my lora (v2)" -> "my_lora_v2").
-    stem = re.sub(r"[^A-Za-z0-9_.-]+|\.\.", "_", os.path.splitext(os.path.basename(source))[0]).strip("._-")
-    name = check_name(filename or f"{stem[:NAME_MAX] or 'lora'}_resized", "LoRA file name",
-                      longest=NAME_MAX + len("_step000000_extracted"))
-    name = name if name.endswith(".safetensors") else name + ".safetensors"
-    root = pathlib.Path(folder_paths.get_folder_paths("loras")[0])
-    path = root / subfolder / name if subfolder else root / name
-    if os.path.exists(path) and os.path.samefile(path, source):
-        raise ValueError(f"{name} is the file being resized: choose another filename (the source stays as it is)")
-    try:
-        state, metadata = comfy.utils.load_torch_file(source, safe_load=True, return_metadata=True)
-    except Exception as error:  # noqa: BLE001 - any failure to read it: what the user must know is which file
-        raise ValueError(f"LoRA file {lora_name} cannot be read ({type(error).__name__}: "
-                         f"{relative_text(str(error))[:200]})") from None
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise ValueError(f"LoRA file {lora_name} holds no tensors by name: it is not a LoRA")
+    source, state, metadata = read_lora_state(lora_name)
+    root, path = lora_output(subfolder, filename, [source], "_resized", "the file being resized")
     try:
         resized, report = resize_lora(state, rank=rank, energy=energy,
                                       dtype=None if dtype == "auto" else SAVE_DTYPES[dtype])
-        metadata, notes = lora_formats.resized_metadata(metadata if isinstance(metadata, dict) else None,
+        metadata, notes = lora_formats.resized_metadata(metadata,
                                                         report.new_ranks(), report.alphas, lora_name,
                                                         {"rank": rank, "energy": energy, "dtype": dtype})
     except ValueError as error:
