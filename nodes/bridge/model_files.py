@@ -96,7 +96,8 @@ def read_lora_state(lora_name: str) -> tuple[str, dict[str, torch.Tensor], dict 
 
     path = folder_paths.get_full_path("loras", lora_name) if isinstance(lora_name, str) else None
     if path is None:
-        raise ValueError(f"LoRA file {str(lora_name)[:120]!r} is not in models/loras/ (Load LoRA lists the names to use)")
+        raise ValueError(f"LoRA file {str(lora_name)[:120]!r} is not in models/loras/ (Load LoRA lists the names to "
+                         "use)")
     try:
         state, metadata = comfy.utils.load_torch_file(path, safe_load=True, return_metadata=True)
     except Exception as error:  # noqa: BLE001 - any failure to read it: what the user must know is which file
