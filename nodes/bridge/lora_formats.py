@@ -303,13 +303,15 @@ _STALE_AFTER_RESIZE = ("sshs_model_hash", "sshs_legacy_hash", "modelspec.hash_sh
 
 
 def resized_metadata(metadata: dict[str, str] | None, ranks: dict[str, int], alphas: dict[str, float],
-                     source: str, resize: dict) -> tuple[dict[str, str], list[str]]:
+                     source: str, resize: dict,
+                     convolutions: list[tuple[int, float]] = ()) -> tuple[dict[str, str], list[str]]:
     """A resized LoRA file's metadata (training/core/lora_resize.py): the source's, with its rank and alpha keys
     (kohya's ss_network_dim / ss_network_alpha: "Dynamic" where layers differ, as sd-scripts' resize writes them;
     Headroom's own; diffusers' PEFT LoraConfig: r, lora_alpha, rank_pattern, alpha_pattern per module) made to
     match the new layers (`ranks` / `alphas` by layer name), stale hashes left out, and where it came from. Also
     notes on what was left out. A diffusers config gets every layer's alpha = its rank (scale 1), as the stock loader
-    reads a file without alpha keys, so diffusers then applies what ComfyUI applies."""
+    reads a file without alpha keys, so diffusers then applies what ComfyUI applies. `convolutions`: (rank, alpha)
+    after, of each convolution with a kernel over 1x1, for kohya's conv_dim / conv_alpha network args."""
     out = {k: v for k, v in (metadata or {}).items() if k not in _STALE_AFTER_RESIZE}
     notes = []
     common = collections.Counter(ranks.values()).most_common(1)[0][0]
@@ -317,6 +319,8 @@ def resized_metadata(metadata: dict[str, str] | None, ranks: dict[str, int], alp
     if "ss_network_dim" in out:
         out["ss_network_dim"] = str(common) if len(set(ranks.values())) == 1 else "Dynamic"
         out["ss_network_alpha"] = f"{next(iter(alphas.values())):g}" if one_alpha else "Dynamic"
+    if "ss_network_args" in out:
+        out["ss_network_args"] = _resized_network_args(out["ss_network_args"], convolutions)
     if "headroom.rank" in out:
         out["headroom.rank"] = str(common)
         out["headroom.alpha"] = f"{alphas[next(k for k, r in ranks.items() if r == common)]:g}"
@@ -333,6 +337,19 @@ def resized_metadata(metadata: dict[str, str] | None, ranks: dict[str, int], alp
     out["headroom.resized_from"] = source
     out["headroom.resize"] = json.dumps(resize, sort_keys=True)
     return out, notes
+
+
+def _resized_network_args(text: str, convolutions: list[tuple[int, float]]) -> str:
+    """sd-scripts' network args after a resize: conv_dim / conv_alpha as kohya_conv_args writes them for the
+    convolutions' new ranks (left out where they differ); the text as it was where it is not a JSON object of them."""
+    try:
+        args = json.loads(text, parse_constant=no_json_constants)
+    except (ValueError, RecursionError):
+        return text
+    if not isinstance(args, dict) or "conv_dim" not in args:
+        return text
+    args = {k: v for k, v in args.items() if k not in ("conv_dim", "conv_alpha")}
+    return json.dumps({**args, **kohya_conv_args("lora", list(convolutions))})
 
 
 def _resized_peft_config(config: dict, ranks: dict[str, int]) -> dict:

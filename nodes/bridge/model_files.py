@@ -142,9 +142,9 @@ def save_resized_lora(lora_name: str, rank: int, energy: float, subfolder: str, 
     try:
         resized, report = resize_lora(state, rank=rank, energy=energy,
                                       dtype=None if dtype == "auto" else SAVE_DTYPES[dtype])
-        metadata, notes = lora_formats.resized_metadata(metadata,
-                                                        report.new_ranks(), report.alphas, lora_name,
-                                                        {"rank": rank, "energy": energy, "dtype": dtype})
+        metadata, notes = lora_formats.resized_metadata(metadata, report.new_ranks(), report.alphas, lora_name,
+                                                        {"rank": rank, "energy": energy, "dtype": dtype},
+                                                        list(report.convolutions.values()))
     except ValueError as error:
         raise ValueError(f"LoRA file {lora_name}: {error}") from None
     prune_temp(path.parent)

@@ -112,6 +112,28 @@ def test_resize_refuses_its_own_source_a_missing_file_and_a_broken_one(comfyui):
         assert str(caught.value).startswith("Resize LoRA (Headroom): "), caught.value
 
 
+def test_a_locon_files_conv_dim_is_made_true(comfyui):
+    """kohya's ss_network_args of a LoCon file name its 3x3 convolutions' rank (conv_dim / conv_alpha): after a resize
+    they name the new one, the other args kept; where the convolutions' ranks differ, conv_dim is left out (as Save LoRA
+    writes it)."""
+    generator = torch.Generator().manual_seed(0)
+    state = {"lora_unet_conv.lora_up.weight": torch.randn(8, 4, 1, 1, generator=generator),
+             "lora_unet_conv.lora_down.weight": torch.randn(4, 6, 3, 3, generator=generator),
+             "lora_unet_conv.alpha": torch.tensor(2.0),
+             "lora_unet_small_conv.lora_up.weight": torch.randn(8, 2, 1, 1, generator=generator),
+             "lora_unet_small_conv.lora_down.weight": torch.randn(2, 6, 3, 3, generator=generator),
+             "lora_unet_small_conv.alpha": torch.tensor(2.0),
+             "lora_unet_linear.lora_up.weight": torch.randn(8, 4, generator=generator),
+             "lora_unet_linear.lora_down.weight": torch.randn(4, 6, generator=generator),
+             "lora_unet_linear.alpha": torch.tensor(2.0)}
+    args = json.dumps({"conv_dim": "4", "conv_alpha": "2", "dropout": "0.1"})
+    name = _write_lora("resize_locon", state, {"ss_network_dim": "4", "ss_network_alpha": "2", "ss_network_args": args})
+    _, metadata = _read(_resize(name, rank=2, filename="resize_locon_2").args[0])
+    assert json.loads(metadata["ss_network_args"]) == {"dropout": "0.1", "conv_dim": "2", "conv_alpha": "2"}
+    _, metadata = _read(_resize(name, rank=3, filename="resize_locon_3").args[0])  # convolutions at 3 and 2
+    assert json.loads(metadata["ss_network_args"]) == {"dropout": "0.1"}
+
+
 def test_a_dora_file_resizes_its_updates_and_keeps_its_scales(comfyui, caplog):
     """DoRA: the up / down pairs are resized, each layer's dora_scale kept as it is; the stock loader reads every key
     (the loader renormalises the resized update: close to the original, not its best approximation)."""

@@ -76,9 +76,12 @@ def test_energy_keeps_the_fewest_directions_holding_that_share_and_rank_caps_it(
 def test_convolution_layers_resize_in_the_shape_the_loader_flattens():
     up, down = _pair(32, 8, 16, seed=5, conv=(3, 3))
     state = {"c.lora_up.weight": up, "c.lora_down.weight": down, "c.alpha": torch.tensor(8.0)}
-    resized, _ = resize_lora(state, rank=3)
+    one_by_one_up, one_by_one_down = _pair(32, 8, 16, seed=6, conv=(1, 1))
+    state |= {"p.lora_up.weight": one_by_one_up, "p.lora_down.weight": one_by_one_down}
+    resized, report = resize_lora(state, rank=3)
     assert resized["c.lora_up.weight"].shape == (32, 3, 1, 1) and resized["c.lora_down.weight"].shape == (3, 16, 3, 3)
     torch.testing.assert_close(_update(resized, "c"), _best(_update(state, "c"), 3), rtol=1e-5, atol=1e-5)
+    assert report.convolutions == {"c": (3, 3.0)}  # kohya's conv_dim layers: kernels over 1x1 only
 
 
 @pytest.mark.parametrize("up_suffix,down_suffix", PAIR_SUFFIXES)

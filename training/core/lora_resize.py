@@ -68,6 +68,8 @@ class Resized:
     kept_as_is: list[str] = dataclasses.field(default_factory=list)  # already at or below the rank they would get
     tucker: list[str] = dataclasses.field(default_factory=list)  # LoCon layers with a lora_mid, copied
     other_tensors: int = 0  # keys of no LoRA pair (LoHa, LoKr, OFT, diff, dora_scale, ...), copied
+    # (rank, alpha) after, of each convolution with a kernel over 1x1 (kohya's conv_dim / conv_alpha layers)
+    convolutions: dict[str, tuple[int, float]] = dataclasses.field(default_factory=dict)
 
     def new_ranks(self) -> dict[str, int]:
         return {layer: after for layer, (_, after) in self.ranks.items()}
@@ -187,9 +189,14 @@ def resize_lora(state: dict[str, torch.Tensor], *, rank: int = 0, energy: float 
     paired = set()
     for layer, pair in sorted(pairs.items()):
         paired |= {pair.up, pair.down} | ({pair.alpha} if pair.alpha else set())
+        spatial = state[pair.down].ndim > 2 and any(size != 1 for size in state[pair.down].shape[2:])
         if layer + ".lora_mid.weight" in state:
             paired.add(layer + ".lora_mid.weight")
             report.tucker.append(layer)
+            if spatial:  # its rank and alpha stay (metadata only: an unreadable alpha counts as its rank)
+                rows, alpha = state[pair.down].shape[0], state.get(pair.alpha) if pair.alpha else None
+                usable = isinstance(alpha, torch.Tensor) and alpha.numel() == 1 and alpha.is_floating_point()
+                report.convolutions[layer] = (rows, float(alpha.reshape(())) if usable else float(rows))
             continue
         up2, down2, scale = _checked(state, layer, pair)
         before = down2.shape[0]
@@ -199,6 +206,8 @@ def resize_lora(state: dict[str, torch.Tensor], *, rank: int = 0, energy: float 
             report.ranks[layer] = (before, before)
             report.alphas[layer] = scale * before
             report.kept_as_is.append(layer)
+            if spatial:
+                report.convolutions[layer] = (before, scale * before)
             continue
         up, down = state[pair.up], state[pair.down]
         out[pair.up] = new_up.reshape(up.shape[0], kept, *up.shape[2:]).to(dtype or up.dtype).contiguous()
@@ -211,5 +220,7 @@ def resize_lora(state: dict[str, torch.Tensor], *, rank: int = 0, energy: float 
         if pair.alpha is not None:
             out[pair.alpha] = torch.tensor(float(kept), dtype=state[pair.alpha].dtype)
         report.alphas[layer] = float(kept)
+        if spatial:
+            report.convolutions[layer] = (kept, float(kept))
     report.other_tensors = len(set(state) - paired)
     return out, report
