@@ -28,6 +28,7 @@ from .bridge.comfy_model import (check_caches, check_quantized_kind, check_refer
                                  missing_inputs_note, model_family)
 from .bridge.model_files import (MERGE_DTYPES, MERGE_FORMATS, MERGE_NONE, RESIZE_DTYPES, prune_step_saves, runs_root,
                                  save_extracted_lora, save_lora, save_resized_lora, step_save_name)
+from .bridge.merge_loras import save_merged_lora
 from .bridge.planning import check_host_ram, lora_trainable, plan_for_card
 from .bridge.rank_workers import open_on_devices, parse_devices
 from .bridge.run_lora import REFERENCES, SAVE_DTYPES, LoraRunConfig, open_lora_run
@@ -718,8 +719,6 @@ class HeadroomMergeLoras(io.ComfyNode):
     @classmethod
     def execute(cls, model, rank: int, energy: float, subfolder: str, filename: str, dtype: str = "auto",
                 format: str = "comfyui", clip=None, **slots) -> io.NodeOutput:  # noqa: A002 - the input's name
-        from .bridge.merge_loras import save_merged_lora
-
         node = node_name(cls)
         strengths = {f"strength_{i}": slots.get(f"strength_{i}", 1.0) for i in range(1, cls.SLOTS + 1)}
         check_finite(node, energy=energy, **strengths)
