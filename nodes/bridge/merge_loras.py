@@ -19,7 +19,7 @@ import comfy.lora
 import comfy.lora_convert
 
 from ...training.core.lora_merge import Update, merge_updates
-from ...training.core.lora_resize import checked_factors
+from ...training.core.lora_resize import checked_factors, counted
 from ...training.core.run_dir import check_subfolder
 from ...training.data.files import format_bytes, no_json_constants, prune_temp, save_safetensors
 from . import lora_formats
@@ -236,7 +236,8 @@ def save_merged_lora(model, clip, loras: list[tuple[str, float]], rank: int, ene
     overflow = next((key for key, tensor in state.items() if not torch.isfinite(tensor).all()), None)
     if overflow:
         raise ValueError(f"the merged {overflow} exceeds {out_dtype}'s range: save in fp32 or bf16")
-    notes = [f"{len(folded)} weights with both a LoRA layer and a difference saved as differences"] if folded else []
+    notes = [f"{counted(len(folded), 'weight')} with both a LoRA layer and a difference saved as differences"] \
+        if folded else []
     metadata = {"headroom.format": file_format,
                 "headroom.merged_from": json.dumps([{"lora": n, "strength": s} for n, s in chosen]),
                 "headroom.merge": json.dumps({"rank": rank, "energy": energy, "dtype": dtype}, sort_keys=True),

@@ -220,6 +220,39 @@ def test_merge_refuses_what_it_cannot_merge_naming_the_file(comfyui):
     assert "the exact sum" in _merge(model, [(good, 0.5), (good, 0.5)], filename="merge_good_twice").ui["text"][0]
 
 
+def test_a_lora_layer_and_a_difference_on_one_weight_are_saved_as_one_difference(comfyui, caplog):
+    """One file's LoRA layer and another's whole-tensor difference on the same weight: a file holds one patch per
+    weight, so the merge folds the LoRA update into the difference; the stock loader patches what the two chained
+    loaders do, in both formats (ComfyUI reads a `.diff` under kohya's names too)."""
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
+
+    with torch.inference_mode():
+        model, clip, _ = build_tiny_models("sd15", 0)
+    base = model.model.state_dict()
+    weight = next(k for k in base if k.endswith("attn2.to_k.weight"))
+    other = next(k for k in base if k.endswith("attn2.to_v.weight"))
+    generator = torch.Generator().manual_seed(5)
+    state = {}
+    for key in (weight, other):
+        out, inner = base[key].shape
+        layer = key.removesuffix(".weight")
+        state |= {f"{layer}.lora_up.weight": torch.randn(out, 2, generator=generator),
+                  f"{layer}.lora_down.weight": torch.randn(2, inner, generator=generator),
+                  f"{layer}.alpha": torch.tensor(1.0)}
+    lora = _write_lora("merge_fold_lora", state, {})
+    difference = _write_lora("merge_fold_difference", {
+        weight.removesuffix(".weight") + ".diff": torch.randn(base[weight].shape, generator=generator)}, {})
+    loras = [(lora, 0.6), (difference, -0.4)]
+    chained, _ = _chain(model, clip, loras, caplog)
+    for file_format in ("comfyui", "kohya"):
+        result = _merge(model, loras, filename=f"merge_fold_{file_format}", file_format=file_format)
+        assert "1 weight with both a LoRA layer and a difference saved as differences" in result.ui["text"][0]
+        keys, _ = _read(result.args[0])
+        assert sum(k.endswith(".diff") for k in keys) == 1 and sum(k.endswith(".lora_up.weight") for k in keys) == 1
+        merged, _ = _chain(model, clip, [(result.args[0], 1.0)], caplog)
+        _assert_same(merged, chained)
+
+
 def test_sdxl_text_encoder_layers_take_kohyas_te1_and_te2_names(comfyui, caplog):
     """SDXL's two CLIPs: a file in ComfyUI's generic names (`text_encoders.clip_l...`, `text_encoders.clip_g...`)
     merged in the kohya format takes sd-scripts' lora_te1_ (CLIP-L) / lora_te2_ (CLIP-G) names, and the stock loader
