@@ -2,8 +2,8 @@
 elements), a kohya-named rank-64 bf16 LoRA and a diffusers-named rank-32 fp32 one (its q / k / v three layers that are
 rows of ComfyUI's fused qkv) merged through the node, the model on the meta device (the merge reads only names and
 shapes). Exact (rank 0): the merged factors' product is the sum of the files' updates at their strengths (checked on
-probe vectors), the fused qkv at rank 64 + 3 x 32. At rank 64 the fused qkv's summed update (rank 160) is its best of that rank
-(Eckart-Young, as tests/realsize/test_lora_resize_real_width.py checks it), the MLP's (rank 64) kept exact."""
+probe vectors), the fused qkv at rank 64 + 3 x 32. At rank 64 the fused qkv's summed update (rank 160) is its best of
+that rank (Eckart-Young, as tests/realsize/test_lora_resize_real_width.py checks it), the MLP's (rank 64) kept exact."""
 from __future__ import annotations
 
 import time
@@ -30,7 +30,8 @@ def _files(generator):
         falloff = torch.linspace(1.0, 0.02 * (index + 1), 64) ** 2  # singular values falling off as trained ones do
         up = (torch.randn(out, 64, generator=generator) * falloff).bfloat16()
         down = (torch.randn(64, inner, generator=generator) / inner ** 0.5).bfloat16()
-        kohya |= {f"{layer}.lora_up.weight": up, f"{layer}.lora_down.weight": down, f"{layer}.alpha": torch.tensor(32.0)}
+        kohya |= {f"{layer}.lora_up.weight": up, f"{layer}.lora_down.weight": down,
+                  f"{layer}.alpha": torch.tensor(32.0)}
         pieces[WEIGHTS[name]].append((up.double() * (32 / 64) * STRENGTHS[0], down.double(), 0))
     for index, name in enumerate(DIFFUSERS):
         layer = f"transformer.transformer_blocks.0.attn.{name}"
