@@ -147,7 +147,8 @@ def test_a_diffusers_file_merges_with_a_comfyui_one_into_comfyuis_fused_layers(c
     weight. Half of the ComfyUI file plus half of the diffusers file of the same adapter is that adapter: the merged
     file patches what the ComfyUI file alone does, exactly at rank 0, and at the adapter's own rank too (the sum has
     that rank), in bf16 when asked. Exact, a fused weight's rank is the sum of its pieces' (each diffusers layer's up
-    zero outside its rows)."""
+    zero outside its rows). The diffusers file alone, merged at rank 4 in the kohya format, is the same adapter in
+    kohya's names: a conversion."""
     model, clip, run, comfy_name, _ = _save_both("flux", "lora")
     diffusers_name = _save(run, "flux_lora_diffusers_to_merge", "diffusers")
     original, _ = _chain(model, clip, [(comfy_name, 1.0)], caplog)
@@ -166,6 +167,17 @@ def test_a_diffusers_file_merges_with_a_comfyui_one_into_comfyuis_fused_layers(c
         ranks = {u.shape[1] for u in ups}
         # exact: the ranks add up (a fused qkv: 4 + the 3 diffusers layers' 4 each, zero outside their rows)
         assert ranks == {4} if rank else (min(ranks) == 8 and 16 in ranks), ranks
+    # one file at strength 1 is that file in another format: the diffusers file as kohya's names (fused at its rank)
+    converted = _merge(model, [(diffusers_name, 1.0)], rank=4, filename="flux_diffusers_as_kohya",
+                       file_format="kohya").args[0]
+    keys, metadata = _read(converted)
+    assert all(k.startswith("lora_unet_") for k in keys) and metadata["ss_network_dim"] == "4", keys
+    merged, _ = _chain(model, clip, [(converted, 1.0)], caplog)
+    base = model.model.state_dict()
+    assert merged.keys() == original.keys()
+    for key in original:
+        before, after = original[key].double() - base[key].double(), merged[key].double() - base[key].double()
+        assert (after - before).norm() <= 1e-5 * before.norm() + 1e-7, key
 
 
 def test_merge_refuses_what_it_cannot_merge_naming_the_file(comfyui):
