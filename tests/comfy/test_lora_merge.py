@@ -142,6 +142,15 @@ def _read_state(name: str) -> dict[str, torch.Tensor]:
     return load_file(folder_paths.get_full_path_or_raise("loras", name))
 
 
+def _assert_same_updates(merged: dict[str, torch.Tensor], original: dict[str, torch.Tensor],
+                         base: dict[str, torch.Tensor], tolerance: float, case) -> None:
+    """Each patched weight's update (patched - base) within `tolerance` of the original's, relative to its norm."""
+    assert merged.keys() == original.keys()
+    for key in original:
+        before, after = original[key].double() - base[key].double(), merged[key].double() - base[key].double()
+        assert (after - before).norm() <= tolerance * before.norm() + 1e-7, (key, case)
+
+
 def test_a_diffusers_file_merges_with_a_comfyui_one_into_comfyuis_fused_layers(comfyui, caplog):
     """Flux: the diffusers file writes ComfyUI's fused qkv as separate q / k / v layers, each rows of the fused
     weight. Half of the ComfyUI file plus half of the diffusers file of the same adapter is that adapter: the merged
@@ -156,11 +165,7 @@ def test_a_diffusers_file_merges_with_a_comfyui_one_into_comfyuis_fused_layers(c
         result = _merge(model, [(comfy_name, 0.5), (diffusers_name, 0.5)], clip=clip, rank=rank,
                         filename=f"flux_halves_{rank}_{dtype}", dtype=dtype)
         merged, _ = _chain(model, clip, [(result.args[0], 1.0)], caplog)
-        base = model.model.state_dict()
-        assert merged.keys() == original.keys()
-        for key in original:
-            before, after = original[key].double() - base[key].double(), merged[key].double() - base[key].double()
-            assert (after - before).norm() <= tolerance * before.norm() + 1e-7, (key, rank, dtype)
+        _assert_same_updates(merged, original, model.model.state_dict(), tolerance, (rank, dtype))
         state = _read_state(result.args[0])
         ups = [v for k, v in state.items() if k.endswith(".lora_up.weight")]
         assert {u.dtype for u in ups} == {torch.bfloat16 if dtype == "bf16" else torch.float32}
@@ -173,11 +178,7 @@ def test_a_diffusers_file_merges_with_a_comfyui_one_into_comfyuis_fused_layers(c
     keys, metadata = _read(converted)
     assert all(k.startswith("lora_unet_") for k in keys) and metadata["ss_network_dim"] == "4", keys
     merged, _ = _chain(model, clip, [(converted, 1.0)], caplog)
-    base = model.model.state_dict()
-    assert merged.keys() == original.keys()
-    for key in original:
-        before, after = original[key].double() - base[key].double(), merged[key].double() - base[key].double()
-        assert (after - before).norm() <= 1e-5 * before.norm() + 1e-7, key
+    _assert_same_updates(merged, original, model.model.state_dict(), 1e-5, "converted")
 
 
 def test_merge_refuses_what_it_cannot_merge_naming_the_file(comfyui):
