@@ -28,7 +28,7 @@ const MAX_HEIGHT = 480; // px; longer texts (a dataset's list of left-out files)
 const NODE_TYPES = ["HeadroomTrainLoraInit", "HeadroomTrainControlNetInit", "HeadroomTrainSteps", "HeadroomTrainLora",
   "HeadroomTrainControlNet", "HeadroomValidate", "HeadroomSaveLora", "HeadroomExtractLora", "HeadroomSaveControlNet",
   "HeadroomDatasetFromFolder", "HeadroomDatasetFromVideos", "HeadroomPreviewDataset", "HeadroomResizeLora",
-  "HeadroomMergeLoras"];
+  "HeadroomMergeLoras", "HeadroomInspectLora"];
 const STALE_COLOR = "#8a8a8a";
 
 function notesWidget(node) {

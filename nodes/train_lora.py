@@ -28,6 +28,7 @@ from .bridge.comfy_model import (check_caches, check_quantized_kind, check_refer
                                  missing_inputs_note, model_family)
 from .bridge.model_files import (MERGE_DTYPES, MERGE_FORMATS, MERGE_NONE, RESIZE_DTYPES, prune_step_saves, runs_root,
                                  save_extracted_lora, save_lora, save_resized_lora, step_save_name)
+from .bridge.inspect_lora import inspect_lora
 from .bridge.merge_loras import save_merged_lora
 from .bridge.planning import check_host_ram, lora_trainable, plan_for_card
 from .bridge.rank_workers import open_on_devices, parse_devices
@@ -731,6 +732,45 @@ class HeadroomMergeLoras(io.ComfyNode):
                                        "text": [f"saved to models/loras/{name}\n{done}"]})
 
 
+class HeadroomInspectLora(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="HeadroomInspectLora",
+            display_name="Inspect LoRA (Headroom)",
+            category=CATEGORY,
+            description="What a LoRA file holds (format, layer kinds, ranks, what it was trained on, its trigger "
+            "words) and, with a MODEL / CLIP connected, what the stock Load LoRA patches of it and what it skips "
+            "(a file for another model family, text-encoder layers without the CLIP): Load LoRA only logs those to "
+            "the console.",
+            is_output_node=True,
+            inputs=[
+                io.Model.Input("model", optional=True,
+                               tooltip="The model you would load the LoRA onto (as Load LoRA takes it): the report "
+                               "says how many of its weights the file patches. Only its layer names and shapes are "
+                               "read."),
+                io.Clip.Input("clip", optional=True,
+                              tooltip="The CLIP you would load the LoRA onto, for files with text-encoder layers "
+                              "(kohya's lora_te_*)."),
+                io.Combo.Input("lora_name", options=folder_paths.get_filename_list("loras"),
+                               tooltip="A LoRA file from models/loras/, as Load LoRA lists it; read, never changed."),
+            ],
+            outputs=[io.String.Output("report", tooltip="The report the node shows, as text."),
+                     io.String.Output("trigger_words",
+                                      tooltip="The words the LoRA was trained with, comma-separated (its "
+                                      "modelspec trigger phrase, else its most frequent caption tags); empty where "
+                                      "the file names none.")],
+        )
+
+    @classmethod
+    def execute(cls, lora_name: str, model=None, clip=None) -> io.NodeOutput:
+        try:
+            report, words = inspect_lora(lora_name, model, clip)
+        except ValueError as error:
+            raise ValueError(f"{node_name(cls)}: {error}") from error
+        return io.NodeOutput(report, words, ui={"text": [report]})
+
+
 class HeadroomApplyTrainedLora(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
@@ -845,5 +885,5 @@ class HeadroomTrainLora(io.ComfyNode):
 
 
 NODES = [HeadroomLoraConfig, HeadroomOptimizerConfig, HeadroomTrainLoraInit, HeadroomTrainSteps, HeadroomValidate,
-         HeadroomSaveLora, HeadroomExtractLora, HeadroomResizeLora, HeadroomMergeLoras, HeadroomApplyTrainedLora,
-         HeadroomTrainLora]
+         HeadroomSaveLora, HeadroomExtractLora, HeadroomResizeLora, HeadroomMergeLoras, HeadroomInspectLora,
+         HeadroomApplyTrainedLora, HeadroomTrainLora]

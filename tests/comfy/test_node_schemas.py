@@ -22,6 +22,7 @@ UPDATE_COMMAND = "python tests/comfy/test_node_schemas.py --update"
 # Combo options listed from a ComfyUI models folder: they depend on the files there, so the snapshot records the
 # fixed options and a placeholder for the listing.
 FOLDER_LISTED = {("HeadroomLoraConfig", "init_lora"): "loras", ("HeadroomResizeLora", "lora_name"): "loras",
+                 ("HeadroomInspectLora", "lora_name"): "loras",
                  **{("HeadroomMergeLoras", f"lora_{index}"): "loras" for index in range(1, 5)}}
 # The dataset nodes' folder choices: the subfolders of ComfyUI's input directory (nodes/bridge/cache_folders.py).
 INPUT_FOLDERS_LISTED = {("HeadroomDatasetFromFolder", "folder"), ("HeadroomDatasetFromVideos", "folder")}

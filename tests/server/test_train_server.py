@@ -85,6 +85,16 @@ def test_saved_lora_through_stock_loraloader_reproduces_validation_image(comfy_s
                             comfy_server.run_workflow(_stock_prompt(f"server_roundtrip/{merged}.safetensors")))
     assert np.abs(sampled - stock).max() <= 1
 
+    # Inspect LoRA through the API on the merged file: every layer applies to the tiny model (the stock graph above
+    # sampled it), the kohya names and the merge are said; its text reaches the history as the node shows it.
+    execution = comfy_server.run_workflow({
+        "1": {"class_type": "HeadroomTinyModel", "inputs": dict(TINY_LORA["1"]["inputs"])},
+        "2": {"class_type": "HeadroomInspectLora", "inputs": {
+            "model": ["1", 0], "clip": ["1", 1], "lora_name": f"server_roundtrip/{merged}.safetensors"}}})
+    [report] = execution.outputs["2"]["text"]
+    assert report.startswith("OK: Load LoRA patches ") and "kohya (lora_unet_* / lora_te_*) names" in report, report
+    assert "merged from" in report and f"{run_name}_rank8.safetensors" in report, report
+
 
 def test_interrupt_mid_training_saves_a_checkpoint_and_leaves_comfyui_idle(comfy_server):
     run_name = f"interrupt_{uuid.uuid4().hex[:8]}"

@@ -1,0 +1,266 @@
+"""Inspect LoRA (Headroom): what a LoRA file holds, and what the stock Load LoRA applies of it to a MODEL / CLIP.
+
+Load LoRA applies what matches and only logs the rest ("lora key not loaded" in the console, a shape error per
+layer): a file made for another family, a text-encoder part without the CLIP, or a naming ComfyUI's map misses
+patches nothing and the image is unchanged, with no error on the node. This module reads the file as the stock
+loader does (`comfy.sd.load_lora_for_models`: ComfyUI's key maps of the MODEL and CLIP, `comfy.lora_convert`,
+`comfy.lora.load_lora`), deliberately with the stock maps only (Merge LoRAs adds diffusers' SD1.x / SDXL attention
+names, which the stock loader skips), and says what is patched, what is skipped and why. The file and its metadata
+are untrusted: every value shown is typed, cut to length and stripped of control characters.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+
+import torch
+
+import comfy.lora
+import comfy.lora_convert
+
+from ...training.core.lora_resize import counted
+from ...training.data.files import format_bytes, no_json_constants
+from .comfy_model import model_family
+from .lora_formats import _TEXT_ENCODER_PREFIXES
+from .model_files import read_lora_state
+
+_SHOWN = 160  # characters of one metadata value in the report
+_TRIGGER_WORDS = 8  # the most frequent caption tags given as trigger words
+_TAG_FREQUENCY_MAX_BYTES = 4 << 20
+# The metadata a report shows, in this order: (key, label). kohya's ss_*, the SAI model spec, Headroom's own.
+_MADE_FOR = (("modelspec.architecture", "architecture"), ("ss_base_model_version", "base model"),
+             ("ss_sd_model_name", "trained on"))
+_TRAINING = (("ss_steps", "steps"), ("ss_epoch", "epochs"), ("ss_num_train_images", "images"),
+             ("ss_resolution", "resolution"), ("ss_learning_rate", "learning rate"),
+             ("ss_network_module", "network"), ("ss_network_dim", "dim"), ("ss_network_alpha", "alpha"),
+             ("ss_network_args", "network args"), ("headroom.format", "saved by Headroom as"),
+             ("headroom.merged_from", "merged from"))
+# How a key names its layer kind (LyCORIS / kohya / ComfyUI suffixes), to describe a file without a MODEL.
+_KIND_OF_SUFFIX = (("hada_w1_a", "LoHa"), ("lokr_w1", "LoKr"), ("lokr_w1_a", "LoKr"), ("oft_blocks", "OFT"),
+                   ("oft_diag", "OFT"), ("dora_scale", "DoRA"), ("lora_mid", "LoCon Tucker"), (".diff", "difference"),
+                   ("lora_down.weight", "LoRA"), ("lora_A.weight", "LoRA"), ("lora.down.weight", "LoRA"),
+                   ("lora_linear_layer.down.weight", "LoRA"))
+# What load_lora reads beside an adapter's own keys, by the mapped name (comfy/lora.py).
+_BESIDE = ("alpha", "dora_scale", "diff", "diff_b", "w_norm", "b_norm", "set_weight", "reshape_weight")
+_DOWN_SUFFIXES = ("lora_down.weight", "lora_A.weight", "lora.down.weight", "lora_linear_layer.down.weight")
+
+
+def shown(value, longest: int = _SHOWN) -> str:
+    """An untrusted metadata value as one safe line: control characters (newlines, escapes) as spaces, cut to
+    `longest` characters."""
+    text = re.sub(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]+", " ", str(value)).strip()
+    return text if len(text) <= longest else text[:longest - 3] + "..."
+
+
+def file_format(keys) -> str:
+    """The naming a LoRA file uses, from its keys."""
+    keys = list(keys)
+    if any(k.startswith(("diffusion_model.", "text_encoders.")) for k in keys):
+        return "ComfyUI (diffusion_model.* / text_encoders.*)"
+    if any(k.startswith(("lora_unet_", "lora_te")) for k in keys):
+        return "kohya (lora_unet_* / lora_te_*)"
+    if any(k.startswith("lycoris_") for k in keys):
+        return "LyCORIS (lycoris_*)"
+    if any(".lora_A." in k or ".lora_B." in k for k in keys):
+        return "diffusers / PEFT (lora_A / lora_B)"
+    return "other"
+
+
+def kinds(keys) -> dict[str, int]:
+    """{layer kind: how many keys name one} (LoRA, LoHa, LoKr, OFT, DoRA, difference...)."""
+    found: dict[str, int] = {}
+    for key in keys:
+        kind = next((k for suffix, k in _KIND_OF_SUFFIX if key.endswith(suffix)), None)
+        if kind:
+            found[kind] = found.get(kind, 0) + 1
+    return found
+
+
+def ranks(state: dict[str, torch.Tensor]) -> list[int]:
+    """The ranks of the file's LoRA layers (rows of each down weight)."""
+    return [int(t.shape[0]) for k, t in state.items() if k.endswith(_DOWN_SUFFIXES) and t.dim() >= 2]
+
+
+def trigger_words(metadata: dict) -> list[str]:
+    """The words a LoRA was trained with: modelspec's trigger phrase, else the most frequent caption tags in kohya's
+    ss_tag_frequency (Headroom's runs put their trigger word first), what LoRA managers show."""
+    phrase = metadata.get("modelspec.trigger_phrase")
+    if isinstance(phrase, str) and shown(phrase):
+        return [shown(word, 80) for word in phrase.split(",") if shown(word)][:_TRIGGER_WORDS]
+    text = metadata.get("ss_tag_frequency")
+    if not isinstance(text, str) or len(text) > _TAG_FREQUENCY_MAX_BYTES:
+        return []
+    try:
+        value = json.loads(text, parse_constant=no_json_constants)
+    except (ValueError, RecursionError):
+        return []
+    counts: dict[str, int] = {}
+    for tags in value.values() if isinstance(value, dict) else ():
+        for tag, count in tags.items() if isinstance(tags, dict) else ():
+            if isinstance(count, int) and not isinstance(count, bool) and count > 0 and shown(tag):
+                counts[shown(tag, 80)] = counts.get(shown(tag, 80), 0) + count
+    return [tag for tag, _ in sorted(counts.items(), key=lambda t: -t[1])[:_TRIGGER_WORDS]]
+
+
+def _merged_from(text) -> str:
+    """Merge LoRAs' record of its sources ([{"lora": name, "strength": number}...]) as "a x 0.5 + b x 0.5"; as it
+    is written where it is not that."""
+    try:
+        value = json.loads(text, parse_constant=no_json_constants) if len(text) < _TAG_FREQUENCY_MAX_BYTES else None
+        return " + ".join(f"{shown(item['lora'], 80)} x {item['strength']:g}" for item in value[:8]) + \
+            (" + ..." if len(value) > 8 else "")
+    except (ValueError, TypeError, KeyError, RecursionError):
+        return shown(text)
+
+
+def _fits(adapter, shape: tuple[int, ...], part) -> bool | None:
+    """Whether a plain LoRA layer, a difference or a set weight fits the weight it patches as ComfyUI applies it
+    (the layer's product reshaped to the weight, or to the rows `part` names); None where the kind is not checked
+    (LoHa, LoKr, OFT...)."""
+    if part and isinstance(part[0], tuple) and len(part[0]) == 3:  # (dim, offset, size): ComfyUI narrows the weight
+        dim, _, size = part[0]
+        shape = tuple(size if i == dim else n for i, n in enumerate(shape))
+    if isinstance(adapter, tuple):
+        return tuple(adapter[1][0].shape) == shape if adapter[0] in ("diff", "set") else None
+    if getattr(adapter, "name", None) != "lora":
+        return None
+    up, down, _, mid, _, reshape = adapter.weights
+    if mid is not None or reshape is not None:  # a Tucker core, a reshaped weight: not checked here
+        return None
+    # ComfyUI's product: up and down flattened to matrices, multiplied, reshaped to the weight
+    return up.dim() >= 2 and down.dim() >= 2 and math.prod(up.shape[1:]) == down.shape[0] and \
+        up.shape[0] * math.prod(down.shape[1:]) == math.prod(shape)
+
+
+def inspect_lora(lora_name: str, model=None, clip=None) -> tuple[str, str]:
+    """(report, trigger words) of LoRA file `lora_name` (a name Load LoRA lists): with `model` / `clip` first what
+    the stock Load LoRA patches of it and what it skips, then its format, layers and metadata."""
+    path, state, metadata = read_lora_state(lora_name)
+    metadata = metadata or {}
+    lines = []
+    if model is None and clip is None:
+        lines.append("connect the MODEL (and the CLIP) to see what Load LoRA applies of it")
+    else:
+        check = applied_by_load_lora(state, model, clip)
+        lines += [check.verdict(model, clip), *check.problems, *check.notes]
+    dtypes = sorted({str(t.dtype).replace("torch.", "") for t in state.values()})
+    found = ranks(state)
+    rank_text = "" if not found else f", rank {found[0]}" if min(found) == max(found) else \
+        f", ranks {min(found)}-{max(found)}"
+    lines += [f"file: {format_bytes(os.path.getsize(path))}, {counted(len(state), 'tensor')} ({', '.join(dtypes)}), "
+              f"{file_format(state)} names",
+              "layers: " + (", ".join(f"{kind} {n}" for kind, n in kinds(state).items()) or "none found") + rank_text]
+    made_for = [f"{shown(metadata[key])} ({label})" for key, label in _MADE_FOR if metadata.get(key)]
+    if made_for:
+        lines.append("made for: " + "; ".join(made_for))
+    training = [f"{label} {_merged_from(metadata[key]) if key == 'headroom.merged_from' else shown(metadata[key])}"
+                for key, label in _TRAINING if metadata.get(key)]
+    if training:
+        lines.append("trained: " + ", ".join(training))
+    words = trigger_words(metadata)
+    if words:
+        lines.append("trigger words: " + ", ".join(words))
+    return "\n".join(lines), ", ".join(words)
+
+
+@dataclasses.dataclass
+class LoadLoraCheck:
+    """What the stock Load LoRA does with a file: the weights it patches per part, and what it skips."""
+
+    model_weights: int = 0  # weights of the diffusion model patched
+    clip_weights: int = 0  # weights of the CLIP patched
+    unreadable: str = ""  # why ComfyUI's reader fails on the file
+    skipped: list[str] = dataclasses.field(default_factory=list)  # keys no weight matches ("lora key not loaded")
+    text_encoder: list[str] = dataclasses.field(default_factory=list)  # text-encoder keys, no CLIP connected
+    misfits: list[str] = dataclasses.field(default_factory=list)  # weights whose layer's shape does not fit
+    lacking: list[str] = dataclasses.field(default_factory=list)  # mapped weights the model lacks ("NOT LOADED")
+    unchecked: int = 0  # layers of kinds whose shapes ComfyUI checks only when sampling
+    tensors: int = 0
+    what: str = "MODEL"  # what was connected, for the text
+
+    @property
+    def problems(self) -> list[str]:
+        out = [f"! Load LoRA cannot read it: {self.unreadable}"] if self.unreadable else []
+        if self.text_encoder:
+            out.append(f"! {counted(len(self.text_encoder), 'text-encoder tensor')} (e.g. "
+                       f"{shown(self.text_encoder[0])}): connect the CLIP to check them (Load LoRA applies them to "
+                       "the CLIP)")
+        if self.skipped:
+            out.append(f"! {len(self.skipped)} of its {counted(self.tensors, 'tensor')} match no weight of this "
+                       f"{self.what}: Load LoRA skips them (its console says \"lora key not loaded\"), e.g. "
+                       f"{shown(self.skipped[0])}; the file is for another model family, or uses names ComfyUI does "
+                       "not map")
+        if self.misfits:
+            verb = "does not fit" if len(self.misfits) == 1 else "do not fit"
+            out.append(f"! {counted(len(self.misfits), 'layer')} {verb} the shape of the weight it patches (e.g. "
+                       f"{shown(self.misfits[0])}): ComfyUI logs an error and leaves it out; the file is for another "
+                       "model")
+        if self.lacking:
+            out.append(f"! {counted(len(self.lacking), 'layer')} name weights this model lacks (e.g. "
+                       f"{shown(self.lacking[0])}): Load LoRA says \"NOT LOADED\"")
+        return out
+
+    @property
+    def notes(self) -> list[str]:
+        return [f"({counted(self.unchecked, 'layer')} of kinds whose shapes ComfyUI checks only when sampling: LoHa, "
+                "LoKr, OFT, LoCon Tucker)"] if self.unchecked else []
+
+    def verdict(self, model, clip) -> str:
+        parts = []
+        if model is not None:
+            family = model_family(model.model)
+            parts.append(f"{counted(self.model_weights, 'weight')} of the diffusion model"
+                         + (f" ({family})" if family else ""))
+        if clip is not None:
+            parts.append(f"{counted(self.clip_weights, 'weight')} of the CLIP")
+        head = "NOTHING APPLIES" if not self.model_weights + self.clip_weights else \
+            "PARTLY APPLIES" if self.problems else "OK"
+        return f"{head}: Load LoRA patches {' and '.join(parts)}"
+
+
+def applied_by_load_lora(state: dict[str, torch.Tensor], model, clip) -> LoadLoraCheck:
+    """The file's tensors `state` as the stock loader applies them to `model` and / or `clip`."""
+    key_map: dict = {}
+    model_shapes: dict[str, tuple[int, ...]] = {}
+    clip_shapes: dict[str, tuple[int, ...]] = {}
+    if model is not None:  # the maps of comfy.sd.load_lora_for_models, in its order
+        key_map = comfy.lora.model_lora_keys_unet(model.model, key_map)
+        model_shapes = {k: tuple(v.shape) for k, v in model.model.state_dict().items()}
+    if clip is not None:
+        key_map = comfy.lora.model_lora_keys_clip(clip.cond_stage_model, key_map)
+        clip_shapes = {k: tuple(v.shape) for k, v in clip.cond_stage_model.state_dict().items()}
+    check = LoadLoraCheck(what="MODEL or CLIP" if model is not None and clip is not None else
+                          "MODEL" if model is not None else "CLIP")
+    try:
+        converted = comfy.lora_convert.convert_lora(state)
+        loaded = comfy.lora.load_lora(converted, key_map, log_missing=False)
+    except Exception as error:  # noqa: BLE001 - a malformed file makes ComfyUI's reader fail anywhere
+        check.unreadable = f"{type(error).__name__}: {shown(error, 200)}"
+        return check
+    check.tensors = len(converted)
+    used: set[str] = set()
+    for target, adapter in loaded.items():
+        weight = target if isinstance(target, str) else target[0]
+        used |= set(getattr(adapter, "loaded_keys", ()))
+        shape = model_shapes.get(weight) or clip_shapes.get(weight)
+        if shape is None:  # mapped, yet not a tensor of the model (ComfyUI logs "NOT LOADED")
+            check.lacking.append(weight)
+            continue
+        fits = _fits(adapter, shape, () if isinstance(target, str) else target[1:])
+        if fits is False:
+            check.misfits.append(weight)
+        elif weight in model_shapes:
+            check.model_weights += 1
+        else:
+            check.clip_weights += 1
+        check.unchecked += fits is None
+    # load_lora's "lora key not loaded": the keys no layer read (diffs are read without their loaded_keys)
+    read = used | {f"{key}.{suffix}" for key in key_map for suffix in _BESIDE}
+    skipped = [key for key in converted if key not in read]
+    if clip is None:
+        check.text_encoder = [key for key in skipped if key.startswith((*_TEXT_ENCODER_PREFIXES, "text_encoders."))]
+    check.skipped = [key for key in skipped if key not in set(check.text_encoder)]
+    return check

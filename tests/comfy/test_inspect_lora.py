@@ -1,0 +1,182 @@
+"""Inspect LoRA (Headroom): its report of what the stock Load LoRA applies of a file is what the stock LoraLoader does
+(the weights it patches, the keys it logs as not loaded, the layers whose shapes make it log an error), for files
+that fit, files for another family, text-encoder layers with and without the CLIP, misfit shapes; its metadata and
+trigger words read from untrusted fields (tiny models, in-process, CPU)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from test_lora_formats import _patched_weights, _save_both, _write_lora
+from test_lora_merge import _read_state, _text_encoder_lora
+
+pytestmark = [pytest.mark.comfyui, pytest.mark.usefixtures("one_torch_thread")]
+
+
+def _inspect(name: str, model=None, clip=None):
+    from headroom.nodes import train_lora as T
+
+    with torch.inference_mode():
+        return T.HeadroomInspectLora.execute(name, model, clip)
+
+
+def _check(name: str, model, clip):
+    from headroom.nodes.bridge.inspect_lora import applied_by_load_lora
+
+    return applied_by_load_lora(_read_state(name), model, clip)
+
+
+def _stock(name: str, model, clip, caplog) -> tuple[int, int, int, int]:
+    """What the stock LoraLoader does with `name` (on the model, and the CLIP where given): (model weights it
+    patches with a change, CLIP weights alike, "lora key not loaded" warnings, layers it logs an error for)."""
+    import comfy.lora
+    import nodes
+
+    caplog.clear()
+    with torch.inference_mode():
+        if clip is None:
+            lora_model = nodes.LoraLoaderModelOnly().load_lora_model_only(model, name, 1.0)[0]
+            lora_clip = None
+        else:
+            lora_model, lora_clip = nodes.LoraLoader().load_lora(model, clip, name, 1.0, 1.0)
+        not_loaded = caplog.text.count("lora key not loaded")
+        base = model.model.state_dict()
+        patched = _patched_weights(lora_model)
+        changed_model = sum(not torch.equal(patched[k], base[k].float()) for k in patched)
+        changed_clip = 0
+        if lora_clip is not None:
+            clip_base = clip.cond_stage_model.state_dict()
+            for key, patches in lora_clip.patcher.patches.items():
+                weight = comfy.lora.calculate_weight(patches, clip_base[key].float().clone(), key)
+                changed_clip += not torch.equal(weight, clip_base[key].float())
+    errors = sum(record.levelname == "ERROR" and record.getMessage().startswith("ERROR lora")
+                 for record in caplog.records)
+    return changed_model, changed_clip, not_loaded, errors
+
+
+def test_the_report_is_what_the_stock_loader_does(comfyui, caplog):
+    """A trained SD1.5 LoRA (ComfyUI's names), and a kohya file with text-encoder layers, one layer misfit and keys
+    of another family's: each count in the report is the stock loader's, on the MODEL alone and with the CLIP."""
+    model, clip, run, comfy_name, kohya_name = _save_both("sd15", "lora")
+    report, words = _inspect(comfy_name, model, clip).args
+    check = _check(comfy_name, model, clip)
+    assert report.startswith(f"OK: Load LoRA patches {check.model_weights} weights of the diffusion model (sd15) and "
+                             "0 weights of the CLIP"), report
+    assert (check.model_weights, check.clip_weights, 0, 0) == _stock(comfy_name, model, clip, caplog)
+    assert "ComfyUI (diffusion_model.* / text_encoders.*) names" in report and "LoRA " in report
+    assert words and report.splitlines()[-1] == f"trigger words: {words}"
+
+    state = dict(_read_state(kohya_name)) | _text_encoder_lora(clip, "te", 2, 1.0, torch.float32, 0)
+    down = next(k for k in sorted(state) if k.endswith(".lora_down.weight") and k.startswith("lora_unet_"))
+    state[down] = torch.zeros(state[down].shape[0], state[down].shape[1] + 1)  # one layer for another width
+    state["lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight"] = torch.zeros(4, 8)  # Flux's names
+    state["lora_unet_double_blocks_0_img_attn_qkv.lora_up.weight"] = torch.zeros(8, 4)
+    name = _write_lora("inspect_mixed", state, {})
+    layers = sum(k.endswith(".lora_down.weight") for k in state)
+    text_tensors = sum(k.startswith("lora_te_") for k in state)
+
+    check = _check(name, model, None)  # the MODEL alone: the text-encoder layers are said, not counted as skipped
+    assert len(check.text_encoder) == text_tensors and len(check.skipped) == 2 and len(check.misfits) == 1
+    assert (check.model_weights, 0, len(check.skipped) + len(check.text_encoder), 1) == \
+        _stock(name, model, None, caplog)
+    assert check.model_weights == layers - 3 - 1 - 1  # three text-encoder layers, the misfit, Flux's layer
+    report = _inspect(name, model).args[0]
+    lines = report.splitlines()
+    assert lines[0].startswith("PARTLY APPLIES: Load LoRA patches"), report
+    assert lines[1].startswith(f"! {text_tensors} text-encoder tensors (e.g. lora_te_") and "connect the CLIP" in lines[1]
+    assert lines[2].startswith(f"! 2 of its {len(state)} tensors match no weight of this MODEL") and \
+        "lora_unet_double_blocks_0_img_attn_qkv" in lines[2], report
+    assert lines[3].startswith("! 1 layer does not fit the shape of the weight it patches"), report
+    assert "kohya (lora_unet_* / lora_te_*) names" in report and f"LoRA {layers}" in report
+
+    check = _check(name, model, clip)  # with the CLIP: its three layers patched, as the stock loader's
+    assert (check.model_weights, check.clip_weights, 2, 1) == _stock(name, model, clip, caplog)
+    assert check.clip_weights == 3 and not check.text_encoder
+    report = _inspect(name, model, clip).args[0]
+    assert "and 3 weights of the CLIP" in report.splitlines()[0] and "match no weight of this MODEL or CLIP" in report
+
+
+def test_a_file_for_another_family_applies_nothing_and_says_so(comfyui, caplog):
+    """An SD1.5 LoRA on a Flux MODEL: the stock loader patches nothing and only logs; the node says so first."""
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
+
+    _, _, _, comfy_name, _ = _save_both("sd15", "lora")
+    with torch.inference_mode():
+        flux, _, _ = build_tiny_models("flux", 0)
+    tensors = len(_read_state(comfy_name))
+    assert _stock(comfy_name, flux, None, caplog) == (0, 0, tensors, 0)
+    report = _inspect(comfy_name, flux).args[0]
+    assert report.startswith("NOTHING APPLIES: Load LoRA patches 0 weights of the diffusion model (flux)"), report
+    assert f"! {tensors} of its {tensors} tensors match no weight of this MODEL" in report
+    assert "for another model family" in report
+
+
+def test_without_a_model_it_describes_the_file(comfyui):
+    """No MODEL: format, kinds, ranks, dtypes and metadata; the report asks for the MODEL to check more."""
+    from headroom.nodes import train_lora as T
+
+    model, _, run, _, kohya_name = _save_both("sd15", "loha")
+    report, words = _inspect(kohya_name).args
+    assert report.startswith("connect the MODEL (and the CLIP) to see what Load LoRA applies of it"), report
+    assert "LoHa " in report and "kohya (lora_unet_* / lora_te_*) names" in report and "float32" in report
+    assert "sd_v1 (base model)" in report and "trained: steps 2" in report, report
+    # with the MODEL: LoHa's shapes are not checked by the node, and it says so; the stock loader patches them all
+    check = _check(kohya_name, model, None)
+    assert check.model_weights == check.unchecked > 0 and not check.problems
+    assert "(%d layers of kinds whose shapes ComfyUI checks only when sampling" % check.unchecked in \
+        _inspect(kohya_name, model).args[0]
+    assert T.HeadroomInspectLora.define_schema().is_output_node
+
+
+def test_metadata_and_trigger_words_from_untrusted_fields(comfyui):
+    """Trigger words: modelspec's phrase first, else the most frequent tags summed over datasets; values with control
+    characters, huge or malformed JSON are shown cut to one line or left out, never a failure."""
+    model, _, _, comfy_name, _ = _save_both("sd15", "lora")
+    state = _read_state(comfy_name)
+    tags = json.dumps({"a": {"ohwx": 5, "red": 2, "bad": -1, "worse": True}, "b": {"red": 4}, "c": [1]})
+    name = _write_lora("inspect_tags", state, {"ss_tag_frequency": tags, "ss_steps": "12\n\x1b[31mred",
+                                               "modelspec.architecture": "x" * 5000})
+    report, words = _inspect(name, model).args
+    assert words == "red, ohwx", words
+    assert "trained: steps 12 [31mred" in report and "\x1b" not in report
+    assert "x" * 157 + "... (architecture)" in report and "x" * 161 not in report
+    merged = _write_lora("inspect_merged_from", state, {"headroom.merged_from": json.dumps(
+        [{"lora": "a.safetensors", "strength": 0.5}, {"lora": "b\nc.safetensors", "strength": -1}])})
+    assert "merged from a.safetensors x 0.5 + b c.safetensors x -1" in _inspect(merged, model).args[0]
+    merged = _write_lora("inspect_merged_from", state, {"headroom.merged_from": '[{"lora": 1}]'})
+    assert 'merged from [{"lora": 1}]' in _inspect(merged, model).args[0]
+    phrase = _write_lora("inspect_phrase", state, {"ss_tag_frequency": tags, "modelspec.trigger_phrase": "sks dog, \n"})
+    assert _inspect(phrase, model).args[1] == "sks dog"
+    for bad in ("{", "[1, 2]", "x" * (5 << 20), '{"a": {"t": NaN}}'):
+        assert _inspect(_write_lora("inspect_bad_tags", state, {"ss_tag_frequency": bad}), model).args[1] == ""
+
+
+def test_a_file_the_reader_cannot_use_is_refused_by_name(comfyui):
+    from headroom.nodes import train_lora as T
+
+    with pytest.raises(ValueError, match=r"Inspect LoRA \(Headroom\).*not_there.safetensors.*models/loras"):
+        T.HeadroomInspectLora.execute("not_there.safetensors")
+    name = _write_lora("inspect_no_tensors", {"x": torch.zeros(1, dtype=torch.int8)}, {})
+    report = _inspect(name).args[0]
+    assert "layers: none found" in report
+
+
+def test_a_file_comfyui_cannot_read_is_said_not_raised(comfyui):
+    """An alpha of two numbers: the stock LoraLoader raises on it; the report says so and still shows the file."""
+    import nodes
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
+
+    _, _, _, comfy_name, _ = _save_both("sd15", "lora")
+    state = dict(_read_state(comfy_name))
+    alpha = next(k for k in sorted(state) if k.endswith(".alpha"))
+    state[alpha] = torch.ones(2)
+    name = _write_lora("inspect_two_alphas", state, {})
+    with torch.inference_mode():
+        model, clip, _ = build_tiny_models("sd15", 0)
+        with pytest.raises(Exception):
+            nodes.LoraLoader().load_lora(model, clip, name, 1.0, 1.0)
+    report = _inspect(name, model, clip).args[0]
+    assert report.startswith("NOTHING APPLIES") and "! Load LoRA cannot read it: RuntimeError" in report, report
+    assert "layers: LoRA" in report
