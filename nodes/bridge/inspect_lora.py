@@ -175,7 +175,7 @@ class LoadLoraCheck:
     unreadable: str = ""  # why ComfyUI's reader fails on the file
     skipped: list[str] = dataclasses.field(default_factory=list)  # keys no weight matches ("lora key not loaded")
     text_encoder: list[str] = dataclasses.field(default_factory=list)  # text-encoder keys, no CLIP connected
-    misfits: list[str] = dataclasses.field(default_factory=list)  # weights whose layer's shape does not fit
+    misfits: list[str] = dataclasses.field(default_factory=list)  # weights a layer of which does not fit
     lacking: list[str] = dataclasses.field(default_factory=list)  # mapped weights the model lacks ("NOT LOADED")
     unchecked: int = 0  # layers of kinds whose shapes ComfyUI checks only when sampling
     tensors: int = 0
@@ -242,6 +242,8 @@ def applied_by_load_lora(state: dict[str, torch.Tensor], model, clip) -> LoadLor
         return check
     check.tensors = len(converted)
     used: set[str] = set()
+    model_patched: set[str] = set()
+    clip_patched: set[str] = set()
     for target, adapter in loaded.items():
         weight = target if isinstance(target, str) else target[0]
         used |= set(getattr(adapter, "loaded_keys", ()))
@@ -252,11 +254,10 @@ def applied_by_load_lora(state: dict[str, torch.Tensor], model, clip) -> LoadLor
         fits = _fits(adapter, shape, () if isinstance(target, str) else target[1:])
         if fits is False:
             check.misfits.append(weight)
-        elif weight in model_shapes:
-            check.model_weights += 1
-        else:
-            check.clip_weights += 1
+        else:  # a weight counted once however many layers patch parts of it (diffusers' q / k / v of a fused qkv)
+            (model_patched if weight in model_shapes else clip_patched).add(weight)
         check.unchecked += fits is None
+    check.model_weights, check.clip_weights = len(model_patched), len(clip_patched)
     # load_lora's "lora key not loaded": the keys no layer read (diffs are read without their loaded_keys)
     read = used | {f"{key}.{suffix}" for key in key_map for suffix in _BESIDE}
     skipped = [key for key in converted if key not in read]

@@ -39,29 +39,33 @@ class _Audit:
     base = outside = ""
     found: list[str] = []
     busy = False
+    READS = ("open", "os.listdir", "os.scandir")
+    WRITES = ("os.mkdir", "os.rename", "os.replace", "os.remove", "os.rmdir", "os.symlink", "os.truncate", "os.chmod",
+              "shutil.rmtree", "shutil.copyfile")
 
     @classmethod
     def hook(cls, event: str, args) -> None:
-        if not cls.on or cls.busy or not args:
+        # Only events whose first argument is a path: other events' may be bytes that are no path (marshal.loads'
+        # bytecode, when a node imports a module inside execute: realpath of its NUL bytes failed that import).
+        if not cls.on or cls.busy or not args or event not in cls.READS + cls.WRITES:
             return
         cls.busy = True
         try:
             path = args[0]
-            if isinstance(path, (str, bytes, os.PathLike)):
+            if isinstance(path, (str, bytes, os.PathLike)) and "\0" not in os.fsdecode(path):  # a NUL path: open fails
                 flags = args[2] if event == "open" and len(args) >= 3 and isinstance(args[2], int) else 0
                 # An O_NOFOLLOW open of a symlink fails without touching its target, and removing or renaming one
                 # acts on the link itself: judge the link's own path there.
                 nofollow = bool(flags & getattr(os, "O_NOFOLLOW", 0)) or event in (
                     "os.remove", "os.rename", "os.replace", "os.rmdir", "shutil.rmtree")
                 real = os.path.abspath(os.fsdecode(path)) if nofollow else os.path.realpath(os.fsdecode(path))
-                writing = event in ("os.mkdir", "os.rename", "os.replace", "os.remove", "os.rmdir", "os.symlink",
-                                    "os.truncate", "os.chmod", "shutil.rmtree", "shutil.copyfile")
+                writing = event in cls.WRITES
                 if event == "open" and len(args) >= 3:
                     mode, flags = args[1], args[2]
                     writing = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (
                         isinstance(flags, int) and bool(flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT)))
                 outside = real == cls.outside or real.startswith(cls.outside + os.sep)
-                if event in ("open", "os.listdir", "os.scandir") and (outside or real in SYSTEM_FILES):
+                if event in cls.READS and (outside or real in SYSTEM_FILES):
                     cls.found.append(f"{event} {real}")
                 elif writing and not (real == cls.base or real.startswith((cls.base + os.sep, "/proc/", "/dev/"))):
                     cls.found.append(f"write {event} {real}")
@@ -167,6 +171,26 @@ def world(comfyui, tmp_path_factory):
 
 def _watch(world) -> Watch:
     return Watch(world["outside"], world["base"])
+
+
+def test_a_module_imported_from_its_bytecode_while_watched_imports(tmp_path):
+    """A node that imports a module inside `execute`, whose bytecode another process already cached: the audit sees
+    marshal.loads with the bytecode, which is no path (judged as one, its NUL bytes failed the import: "embedded null
+    byte", in whichever worker imported second)."""
+    import importlib.util
+    import py_compile
+
+    source = tmp_path / "imported_inside_execute.py"
+    source.write_text("VALUE = 7\n")
+    compiled = py_compile.compile(str(source), cfile=str(tmp_path / "imported_inside_execute.pyc"), doraise=True)
+    spec = importlib.util.spec_from_file_location("imported_inside_execute", compiled)  # a sourceless loader
+    module = importlib.util.module_from_spec(spec)
+    _Audit.base, _Audit.outside, _Audit.found, _Audit.on = str(tmp_path), str(tmp_path / "outside"), [], True
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        _Audit.on = False
+    assert module.VALUE == 7 and not _Audit.found
 
 
 # --- 1. names -----------------------------------------------------------------------------------------------------
