@@ -414,3 +414,36 @@ def test_your_folder_template_lists_a_new_folder_after_pressing_r_and_trains_on_
                            arg=dataset, timeout=30_000)
     assert later in folder_choices(page, dataset)
     assert log.headroom_errors() == []
+
+
+def test_inspect_lora_says_on_the_node_what_load_lora_would_skip(comfy_server, browser_page):
+    """A LoRA made for Flux on the tiny SD1.5 model: the stock Load LoRA would patch nothing and only log it; Inspect
+    LoRA, connected as Load LoRA is, says so on the node in its first line, with the file's trigger word."""
+    import torch
+    from safetensors.torch import save_file
+
+    page, log = browser_page
+    folder = comfy_server.base_dir / "models" / "loras" / "browser"
+    folder.mkdir(parents=True, exist_ok=True)
+    name = f"flux_named_{uuid.uuid4().hex[:8]}.safetensors"
+    layer = "lora_unet_double_blocks_0_img_attn_qkv"
+    save_file({f"{layer}.lora_down.weight": torch.zeros(4, 64), f"{layer}.lora_up.weight": torch.zeros(192, 4)},
+              str(folder / name), metadata={"ss_tag_frequency": json.dumps({"1_ohwx": {"ohwx": 3, "dog": 1}})})
+    model = add_node(page, "HeadroomTinyModel", (50, 100))
+    inspect = add_node(page, "HeadroomInspectLora", (450, 100), alone=False)
+    page.evaluate("""([a, b]) => {
+        const source = window.app.graph.getNodeById(a), target = window.app.graph.getNodeById(b);
+        source.connect(0, target, target.findInputSlot('model'));
+        source.connect(1, target, target.findInputSlot('clip'));
+    }""", [model, inspect])
+    set_widget(page, inspect, "lora_name", f"browser/{name}")
+    queue_in_editor(page)
+    assert wait_outcome(page) == "success"
+    page.wait_for_function("([id, name]) => window.app.graph.getNodeById(id).widgets?.find((w) => w.name === name)"
+                           "?.element.textContent", arg=[inspect, NOTES])
+    text = notes(page, inspect)
+    assert text.startswith("NOTHING APPLIES: Load LoRA patches 0 weights of the diffusion model (sd15)"), text
+    assert "2 of its 2 tensors match no weight of this MODEL or CLIP" in text and "trigger words: ohwx, dog" in text
+    show_node(page, inspect)
+    shot(page, "inspect_lora")
+    assert log.headroom_errors() == []

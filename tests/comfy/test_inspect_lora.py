@@ -96,6 +96,10 @@ def test_the_report_is_what_the_stock_loader_does(comfyui, caplog):
     assert check.clip_weights == 3 and not check.text_encoder
     report = _inspect(name, model, clip).args[0]
     assert "and 3 weights of the CLIP" in report.splitlines()[0] and "match no weight of this MODEL or CLIP" in report
+    # the CLIP alone (as load_lora_for_models takes it without a model): the diffusion model's layers are skipped
+    report = _inspect(name, None, clip).args[0]
+    assert report.startswith("PARTLY APPLIES: Load LoRA patches 3 weights of the CLIP\n"), report
+    assert f"! {len(state) - text_tensors} of its {len(state)} tensors match no weight of this CLIP" in report
 
 
 def test_a_file_for_another_family_applies_nothing_and_says_so(comfyui, caplog):
