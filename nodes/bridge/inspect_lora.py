@@ -64,8 +64,9 @@ def file_format(keys) -> str:
         return "kohya (lora_unet_* / lora_te_*)"
     if any(k.startswith("lycoris_") for k in keys):
         return "LyCORIS (lycoris_*)"
-    if any(".lora_A." in k or ".lora_B." in k for k in keys):
-        return "diffusers / PEFT (lora_A / lora_B)"
+    if any(k.startswith(("unet.", "transformer.", "text_encoder.", "text_encoder_2.", "base_model.model."))
+           or ".lora_A." in k or ".lora_B." in k for k in keys):
+        return "diffusers / PEFT (unet.* / transformer.*)"
     return "other"
 
 

@@ -102,6 +102,22 @@ def test_the_report_is_what_the_stock_loader_does(comfyui, caplog):
     assert f"! {len(state) - text_tensors} of its {len(state)} tensors match no weight of this CLIP" in report
 
 
+@pytest.mark.parametrize("family", ["sd15", "flux"])
+def test_every_format_save_lora_writes_applies_whole(comfyui, caplog, family):
+    """Save LoRA's three formats of one trained adapter: each applies whole, as the stock loader applies it, and is
+    named by its format (SD1.5's diffusers file in diffusers' older attention-processor names, Flux's in PEFT's)."""
+    from test_lora_formats import _save
+
+    model, clip, run, comfy_name, kohya_name = _save_both(family, "lora")
+    diffusers_name = _save(run, f"{family}_inspect_diffusers", "diffusers")
+    for name, names in ((comfy_name, "ComfyUI"), (kohya_name, "kohya"), (diffusers_name, "diffusers / PEFT")):
+        report = _inspect(name, model, clip).args[0]
+        check = _check(name, model, clip)
+        assert report.startswith(f"OK: Load LoRA patches {check.model_weights} weights"), report
+        assert f", {names} (" in report.splitlines()[1], report
+        assert (check.model_weights, 0, 0, 0) == _stock(name, model, clip, caplog)
+
+
 def test_a_file_for_another_family_applies_nothing_and_says_so(comfyui, caplog):
     """An SD1.5 LoRA on a Flux MODEL: the stock loader patches nothing and only logs; the node says so first."""
     from headroom.nodes.bridge.tiny_models import build_tiny_models
