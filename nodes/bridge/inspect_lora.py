@@ -5,8 +5,9 @@ layer): a file made for another family, a text-encoder part without the CLIP, or
 patches nothing and the image is unchanged, with no error on the node. This module reads the file as the stock
 loader does (`comfy.sd.load_lora_for_models`: ComfyUI's key maps of the MODEL and CLIP, `comfy.lora_convert`,
 `comfy.lora.load_lora`), deliberately with the stock maps only (Merge LoRAs adds diffusers' SD1.x / SDXL attention
-names, which the stock loader skips), and says what is patched, what is skipped and why. The file and its metadata
-are untrusted: every value shown is typed, cut to length and stripped of control characters.
+names, which the stock loader skips), and says what is patched, what is skipped and why. A .safetensors file is read
+from its header (shapes and dtypes; tensors of a few elements whole): what the report needs, whatever the file's size.
+The file and its metadata are untrusted: every value shown is typed, cut to length and stripped of control characters.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import math
 import os
 import re
 
+import folder_paths
 import torch
 
 import comfy.lora
@@ -27,6 +29,11 @@ from .comfy_model import model_family
 from .lora_formats import _TEXT_ENCODER_PREFIXES
 from .model_files import read_lora_state
 
+_READ_WHOLE = 16  # elements: a tensor this small is read (alphas, reshape sizes), a larger one is its shape
+# safetensors' dtype names (the header's) as torch dtypes; another one is read whole
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                       "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 _SHOWN = 160  # characters of one metadata value in the report
 _TRIGGER_WORDS = 8  # the most frequent caption tags given as trigger words
 _TAG_FREQUENCY_MAX_BYTES = 4 << 20
@@ -136,10 +143,38 @@ def _fits(adapter, shape: tuple[int, ...], part) -> bool | None:
         up.shape[0] * math.prod(down.shape[1:]) == math.prod(shape)
 
 
+def header_state(path: str) -> tuple[dict[str, torch.Tensor], dict | None] | None:
+    """(tensors, metadata) of a .safetensors file read from its header alone: each tensor on the meta device with its
+    shape and dtype, the few-element ones (alphas, reshape sizes: load_lora reads their values) read whole. A 2 GB
+    file costs its header, not 2 GB of RAM and a read of every byte. None for other files and headers safetensors
+    refuses (the full reader then says why)."""
+    if not path.lower().endswith(".safetensors"):
+        return None
+    from safetensors import SafetensorError, safe_open
+
+    state = {}
+    try:
+        with safe_open(path, framework="pt") as handle:
+            for key in handle.keys():
+                piece = handle.get_slice(key)
+                shape, dtype = piece.get_shape(), _SAFETENSORS_DTYPES.get(piece.get_dtype())
+                state[key] = handle.get_tensor(key) if dtype is None or math.prod(shape) <= _READ_WHOLE else \
+                    torch.empty(shape, dtype=dtype, device="meta")
+            metadata = handle.metadata()
+    except (SafetensorError, OSError, ValueError, RuntimeError):
+        return None
+    return (state, metadata) if state else None
+
+
 def inspect_lora(lora_name: str, model=None, clip=None) -> tuple[str, str]:
     """(report, trigger words) of LoRA file `lora_name` (a name Load LoRA lists): with `model` / `clip` first what
     the stock Load LoRA patches of it and what it skips, then its format, layers and metadata."""
-    path, state, metadata = read_lora_state(lora_name)
+    path = folder_paths.get_full_path("loras", lora_name) if isinstance(lora_name, str) else None
+    header = header_state(path) if path else None
+    if header is None:  # not a readable .safetensors file: read whole, as the stock loader reads it (errors said)
+        path, state, metadata = read_lora_state(lora_name)
+    else:
+        state, metadata = header
     metadata = metadata or {}
     lines = []
     if model is None and clip is None:
@@ -184,24 +219,25 @@ class LoadLoraCheck:
 
     @property
     def problems(self) -> list[str]:
+        """What Load LoRA skips, worst first; each with its first key in sorted order (the same for any key order)."""
         out = [f"! Load LoRA cannot read it: {self.unreadable}"] if self.unreadable else []
         if self.text_encoder:
             out.append(f"! {counted(len(self.text_encoder), 'text-encoder tensor')} (e.g. "
-                       f"{shown(self.text_encoder[0])}): connect the CLIP to check them (Load LoRA applies them to "
+                       f"{shown(min(self.text_encoder))}): connect the CLIP to check them (Load LoRA applies them to "
                        "the CLIP)")
         if self.skipped:
             out.append(f"! {len(self.skipped)} of its {counted(self.tensors, 'tensor')} match no weight of this "
                        f"{self.what}: Load LoRA skips them (its console says \"lora key not loaded\"), e.g. "
-                       f"{shown(self.skipped[0])}; the file is for another model family, or uses names ComfyUI does "
+                       f"{shown(min(self.skipped))}; the file is for another model family, or uses names ComfyUI does "
                        "not map")
         if self.misfits:
             verb = "does not fit" if len(self.misfits) == 1 else "do not fit"
             out.append(f"! {counted(len(self.misfits), 'layer')} {verb} the shape of the weight it patches (e.g. "
-                       f"{shown(self.misfits[0])}): ComfyUI logs an error and leaves it out; the file is for another "
+                       f"{shown(min(self.misfits))}): ComfyUI logs an error and leaves it out; the file is for another "
                        "model")
         if self.lacking:
             out.append(f"! {counted(len(self.lacking), 'layer')} name weights this model lacks (e.g. "
-                       f"{shown(self.lacking[0])}): Load LoRA says \"NOT LOADED\"")
+                       f"{shown(min(self.lacking))}): Load LoRA says \"NOT LOADED\"")
         return out
 
     @property

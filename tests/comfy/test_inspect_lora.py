@@ -200,3 +200,30 @@ def test_a_file_comfyui_cannot_read_is_said_not_raised(comfyui):
     report = _inspect(name, model, clip).args[0]
     assert report.startswith("NOTHING APPLIES") and "! Load LoRA cannot read it: RuntimeError" in report, report
     assert "layers: LoRA" in report
+
+
+def test_a_safetensors_file_is_read_from_its_header_with_the_same_report(comfyui, monkeypatch):
+    """The header's shapes and dtypes (alphas read) give the report the whole file gives, without reading the
+    file's tensors; a .pt file (torch's weights-only reader, as Load LoRA's) is read whole, to the same report."""
+    import comfy.utils
+    import folder_paths
+    from headroom.nodes.bridge import inspect_lora
+
+    model, clip, _, comfy_name, kohya_name = _save_both("sd15", "lora")
+    state = dict(_read_state(kohya_name)) | _text_encoder_lora(clip, "te", 2, 1.0, torch.bfloat16, 0)
+    mixed = _write_lora("inspect_header_mixed", state, {"ss_tag_frequency": json.dumps({"d": {"ohwx": 2}})})
+    torch.save(state, folder_paths.get_folder_paths("loras")[0] + "/formats/inspect_header_mixed.pt")
+    folder_paths.filename_list_cache.pop("loras", None)
+    whole = {}
+    with monkeypatch.context() as patch:
+        patch.setattr(inspect_lora, "header_state", lambda path: None)
+        for name in (comfy_name, mixed):
+            whole[name] = _inspect(name, model).args
+    with monkeypatch.context() as patch:
+        patch.setattr(comfy.utils, "load_torch_file", lambda *a, **k: pytest.fail("the whole file was read"))
+        for name in (comfy_name, mixed):
+            assert _inspect(name, model).args == whole[name]
+    pt_report, pt_words = _inspect("formats/inspect_header_mixed.pt", model).args
+    assert pt_words == "" and [line for line in pt_report.splitlines() if not line.startswith(("file:", "trigger"))] \
+        == [line for line in whole[mixed][0].splitlines() if not line.startswith(("file:", "trigger"))]
+    assert "(bfloat16, float32)" in whole[mixed][0] and "(bfloat16, float32)" in pt_report
