@@ -5,9 +5,10 @@ layer): a file made for another family, a text-encoder part without the CLIP, or
 patches nothing and the image is unchanged, with no error on the node. This module reads the file as the stock
 loader does (`comfy.sd.load_lora_for_models`: ComfyUI's key maps of the MODEL and CLIP, `comfy.lora_convert`,
 `comfy.lora.load_lora`), deliberately with the stock maps only (Merge LoRAs adds diffusers' SD1.x / SDXL attention
-names, which the stock loader skips), and says what is patched, what is skipped and why. A .safetensors file is read
-from its header (shapes and dtypes; tensors of a few elements whole): what the report needs, whatever the file's size.
-The file and its metadata are untrusted: every value shown is typed, cut to length and stripped of control characters.
+names, which the stock loader skips: where those are all it skips, the report says Merge LoRAs rewrites the file), and
+says what is patched, what is skipped and why. A .safetensors file is read from its header (shapes and dtypes; tensors
+of a few elements whole): what the report needs, whatever the file's size. The file and its metadata are untrusted:
+every value shown is typed, cut to length and stripped of control characters.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ import comfy.lora_convert
 from ...training.core.lora_resize import counted
 from ...training.data.files import format_bytes, no_json_constants
 from .comfy_model import model_family
-from .lora_formats import _TEXT_ENCODER_PREFIXES
+from .lora_formats import _TEXT_ENCODER_PREFIXES, _with_peft_attention_names
 from .model_files import read_lora_state
 
 _READ_WHOLE = 16  # elements: a tensor this small is read (alphas, reshape sizes), a larger one is its shape
@@ -214,6 +215,7 @@ class LoadLoraCheck:
     misfits: list[str] = dataclasses.field(default_factory=list)  # weights a layer of which does not fit
     lacking: list[str] = dataclasses.field(default_factory=list)  # mapped weights the model lacks ("NOT LOADED")
     unchecked: int = 0  # layers of kinds whose shapes ComfyUI checks only when sampling
+    peft_names: bool = False  # every skipped key is a diffusers / PEFT attention name Merge LoRAs reads
     tensors: int = 0
     what: str = "MODEL"  # what was connected, for the text
 
@@ -242,8 +244,13 @@ class LoadLoraCheck:
 
     @property
     def notes(self) -> list[str]:
-        return [f"({counted(self.unchecked, 'layer')} of kinds whose shapes ComfyUI checks only when sampling: LoHa, "
-                "LoKr, OFT, LoCon Tucker)"] if self.unchecked else []
+        out = ["-> they are diffusers / PEFT attention names (attn1.to_q ...) that ComfyUI's key map lacks: Merge "
+               "LoRAs (Headroom) with this file alone at strength 1 writes it in ComfyUI's names, which Load LoRA "
+               "applies whole"] if self.peft_names else []
+        if self.unchecked:
+            out.append(f"({counted(self.unchecked, 'layer')} of kinds whose shapes ComfyUI checks only when sampling: "
+                       "LoHa, LoKr, OFT, LoCon Tucker)")
+        return out
 
     def verdict(self, model, clip) -> str:
         parts = []
@@ -301,4 +308,8 @@ def applied_by_load_lora(state: dict[str, torch.Tensor], model, clip) -> LoadLor
     if clip is None:
         check.text_encoder = [key for key in skipped if key.startswith((*_TEXT_ENCODER_PREFIXES, "text_encoders."))]
     check.skipped = [key for key in skipped if key not in set(check.text_encoder)]
+    if check.skipped and model is not None:  # what Merge LoRAs reads beyond the stock map (lora_formats says why)
+        wider = comfy.lora.load_lora(converted, _with_peft_attention_names(key_map), log_missing=False)
+        read_wider = {key for adapter in wider.values() for key in getattr(adapter, "loaded_keys", ())}
+        check.peft_names = all(key in read_wider or key in read for key in check.skipped)
     return check

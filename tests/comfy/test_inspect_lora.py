@@ -228,3 +228,47 @@ def test_a_safetensors_file_is_read_from_its_header_with_the_same_report(comfyui
     assert pt_words == "" and [line for line in pt_report.splitlines() if not line.startswith(("file:", "trigger"))] \
         == [line for line in whole[mixed][0].splitlines() if not line.startswith(("file:", "trigger"))]
     assert "(bfloat16, float32)" in whole[mixed][0] and "(bfloat16, float32)" in pt_report
+
+
+def test_peft_attention_names_the_stock_map_lacks_are_said_with_the_fix(comfyui, caplog):
+    """An SD1.5 LoRA whose attention layers carry PEFT's names (`unet...attn1.to_q.lora_A.weight`, as diffusers'
+    training scripts write them; here every layer of the trained file, as its targets are attention's): ComfyUI 0.33's
+    map lacks them and Load LoRA skips those layers. The report says so, and that Merge LoRAs rewrites the file; the
+    rewritten file applies whole, every weight the original patched."""
+    import comfy.lora
+    from headroom.nodes import train_lora as T
+    from headroom.nodes.bridge.lora_formats import _with_peft_attention_names
+
+    model, clip, _, comfy_name, _ = _save_both("sd15", "lora")
+    stock_map = comfy.lora.model_lora_keys_unet(model.model, {})
+    peft_of = {target: name for name, target in _with_peft_attention_names(stock_map).items()
+               if name not in stock_map and isinstance(target, str)}
+    state, renamed = {}, 0
+    for key, tensor in _read_state(comfy_name).items():
+        layer, _, suffix = key.partition(".lora_")
+        peft = peft_of.get(layer + ".weight") if suffix else None
+        if peft is None:
+            state[key] = tensor
+        elif suffix == "up.weight":  # PEFT keeps no alpha: its scale folded into B
+            rank = state.get(f"{peft}.lora_A.weight", _read_state(comfy_name)[f"{layer}.lora_down.weight"]).shape[0]
+            state[f"{peft}.lora_B.weight"] = tensor * (float(_read_state(comfy_name)[f"{layer}.alpha"]) / rank)
+            renamed += 1
+        elif suffix == "down.weight":
+            state[f"{peft}.lora_A.weight"] = tensor
+    state = {k: v for k, v in state.items() if not (k.endswith(".alpha") and k[:-len(".alpha")] + ".weight" in peft_of)}
+    assert renamed > 0
+    name = _write_lora("inspect_peft_attention", state, {})
+    full = _check(comfy_name, model, clip)
+    check = _check(name, model, clip)
+    assert check.peft_names and len(check.skipped) == 2 * renamed
+    assert (check.model_weights, 0, 2 * renamed, 0) == _stock(name, model, clip, caplog)
+    assert check.model_weights == full.model_weights - renamed
+    report = _inspect(name, model, clip).args[0]
+    assert report.startswith("NOTHING APPLIES" if not check.model_weights else "PARTLY APPLIES"), report
+    assert "-> they are diffusers / PEFT attention names" in report, report
+    with torch.inference_mode():
+        rewritten = T.HeadroomMergeLoras.execute(model, 0, 0.0, "formats", "inspect_peft_rewritten", "auto",
+                                                 lora_1=name, strength_1=1.0).args[0]
+    assert _inspect(rewritten, model, clip).args[0].startswith(
+        f"OK: Load LoRA patches {full.model_weights} weights of the diffusion model")
+    assert not _check(comfy_name, model, clip).peft_names  # said only where it is the whole story
