@@ -28,7 +28,7 @@ from .bridge.comfy_model import (check_caches, check_quantized_kind, check_refer
                                  missing_inputs_note, model_family)
 from .bridge.model_files import (MERGE_DTYPES, MERGE_FORMATS, MERGE_NONE, RESIZE_DTYPES, prune_step_saves, runs_root,
                                  save_extracted_lora, save_lora, save_resized_lora, step_save_name)
-from .bridge.inspect_lora import inspect_lora
+from .bridge.inspect_lora import file_fingerprint, inspect_lora
 from .bridge.merge_loras import save_merged_lora
 from .bridge.planning import check_host_ram, lora_trainable, plan_for_card
 from .bridge.rank_workers import open_on_devices, parse_devices
@@ -761,6 +761,10 @@ class HeadroomInspectLora(io.ComfyNode):
                                       "modelspec trigger phrase, else its most frequent caption tags); empty where "
                                       "the file names none.")],
         )
+
+    @classmethod
+    def fingerprint_inputs(cls, lora_name=None, **_) -> str:
+        return file_fingerprint(lora_name)
 
     @classmethod
     def execute(cls, lora_name: str, model=None, clip=None) -> io.NodeOutput:

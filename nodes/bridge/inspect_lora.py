@@ -37,7 +37,7 @@ _SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.
                        "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 _SHOWN = 160  # characters of one metadata value in the report
 _TRIGGER_WORDS = 8  # the most frequent caption tags given as trigger words
-_TAG_FREQUENCY_MAX_BYTES = 4 << 20
+_JSON_MAX_CHARACTERS = 4 << 20
 # The metadata a report shows, in this order: (key, label). kohya's ss_*, the SAI model spec, Headroom's own.
 _MADE_FOR = (("modelspec.architecture", "architecture"), ("ss_base_model_version", "base model"),
              ("ss_sd_model_name", "trained on"))
@@ -100,7 +100,7 @@ def trigger_words(metadata: dict) -> list[str]:
     if isinstance(phrase, str) and shown(phrase):
         return [shown(word, 80) for word in phrase.split(",") if shown(word)][:_TRIGGER_WORDS]
     text = metadata.get("ss_tag_frequency")
-    if not isinstance(text, str) or len(text) > _TAG_FREQUENCY_MAX_BYTES:
+    if not isinstance(text, str) or len(text) > _JSON_MAX_CHARACTERS:
         return []
     try:
         value = json.loads(text, parse_constant=no_json_constants)
@@ -118,7 +118,7 @@ def _merged_from(text) -> str:
     """Merge LoRAs' record of its sources ([{"lora": name, "strength": number}...]) as "a x 0.5 + b x 0.5"; as it
     is written where it is not that."""
     try:
-        value = json.loads(text, parse_constant=no_json_constants) if len(text) < _TAG_FREQUENCY_MAX_BYTES else None
+        value = json.loads(text, parse_constant=no_json_constants) if len(text) < _JSON_MAX_CHARACTERS else None
         return " + ".join(f"{shown(item['lora'], 80)} x {item['strength']:g}" for item in value[:8]) + \
             (" + ..." if len(value) > 8 else "")
     except (ValueError, TypeError, KeyError, RecursionError):
@@ -165,6 +165,17 @@ def header_state(path: str) -> tuple[dict[str, torch.Tensor], dict | None] | Non
     except (SafetensorError, OSError, ValueError, RuntimeError):
         return None
     return (state, metadata) if state else None
+
+
+def file_fingerprint(lora_name) -> str:
+    """What changes when the file named `lora_name` is replaced (its size and time): ComfyUI reuses a node's output
+    while its inputs are unchanged, and a file saved again under the same name must be inspected again."""
+    path = folder_paths.get_full_path("loras", lora_name) if isinstance(lora_name, str) else None
+    try:
+        status = os.stat(path) if path else None
+    except (OSError, ValueError) as error:
+        return f"unreadable: {error}"
+    return f"{status.st_size}:{status.st_mtime_ns}" if status else "not found"
 
 
 def inspect_lora(lora_name: str, model=None, clip=None) -> tuple[str, str]:

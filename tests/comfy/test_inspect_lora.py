@@ -272,3 +272,20 @@ def test_peft_attention_names_the_stock_map_lacks_are_said_with_the_fix(comfyui,
     assert _inspect(rewritten, model, clip).args[0].startswith(
         f"OK: Load LoRA patches {full.model_weights} weights of the diffusion model")
     assert not _check(comfy_name, model, clip).peft_names  # said only where it is the whole story
+
+
+def test_a_file_saved_again_under_its_name_is_inspected_again(comfyui):
+    """ComfyUI reruns a node whose fingerprint changed: the file's size and time are it."""
+    import os
+
+    import folder_paths
+    from headroom.nodes import train_lora as T
+
+    name = _write_lora("inspect_saved_again", {"a.lora_down.weight": torch.zeros(2, 4)}, {})
+    first = T.HeadroomInspectLora.fingerprint_inputs(lora_name=name)
+    assert T.HeadroomInspectLora.fingerprint_inputs(lora_name=name) == first
+    path = folder_paths.get_full_path_or_raise("loras", name)
+    _write_lora("inspect_saved_again", {"a.lora_down.weight": torch.zeros(4, 4)}, {})
+    os.utime(path, ns=(1, 1))  # the same size would still differ by its time
+    assert T.HeadroomInspectLora.fingerprint_inputs(lora_name=name) != first
+    assert T.HeadroomInspectLora.fingerprint_inputs(lora_name="missing.safetensors") == "not found"
