@@ -179,6 +179,10 @@ def test_a_file_the_reader_cannot_use_is_refused_by_name(comfyui):
 
     with pytest.raises(ValueError, match=r"Inspect LoRA \(Headroom\).*not_there.safetensors.*models/loras"):
         T.HeadroomInspectLora.execute("not_there.safetensors")
+    for hostile in ("../../../../etc/passwd", "/etc/passwd", "x\x00y.safetensors", "..\\..\\x", None, 7):
+        with pytest.raises(ValueError, match=r"^Inspect LoRA \(Headroom\): LoRA file .* is not in models/loras/"):
+            T.HeadroomInspectLora.execute(hostile)
+        assert T.HeadroomInspectLora.fingerprint_inputs(lora_name=hostile) == "not found"
     name = _write_lora("inspect_no_tensors", {"x": torch.zeros(1, dtype=torch.int8)}, {})
     report = _inspect(name).args[0]
     assert "layers: none found" in report
