@@ -27,7 +27,7 @@ import comfy.lora_convert
 from ...training.core.lora_resize import counted
 from ...training.data.files import format_bytes, no_json_constants
 from .comfy_model import model_family
-from .lora_formats import _TEXT_ENCODER_PREFIXES, _with_peft_attention_names
+from .lora_formats import _TEXT_ENCODER_PREFIXES, _with_peft_attention_names, keys_not_loaded
 from .model_files import read_lora_state
 
 _READ_WHOLE = 16  # elements: a tensor this small is read (alphas, reshape sizes), a larger one is its shape
@@ -51,8 +51,6 @@ _KIND_OF_SUFFIX = (("hada_w1_a", "LoHa"), ("lokr_w1", "LoKr"), ("lokr_w1_a", "Lo
                    ("oft_diag", "OFT"), ("dora_scale", "DoRA"), ("lora_mid", "LoCon Tucker"), (".diff", "difference"),
                    ("lora_down.weight", "LoRA"), ("lora_A.weight", "LoRA"), ("lora.down.weight", "LoRA"),
                    ("lora_linear_layer.down.weight", "LoRA"))
-# What load_lora reads beside an adapter's own keys, by the mapped name (comfy/lora.py).
-_BESIDE = ("alpha", "dora_scale", "diff", "diff_b", "w_norm", "b_norm", "set_weight", "reshape_weight")
 _DOWN_SUFFIXES = ("lora_down.weight", "lora_A.weight", "lora.down.weight", "lora_linear_layer.down.weight")
 
 
@@ -296,12 +294,10 @@ def applied_by_load_lora(state: dict[str, torch.Tensor], model, clip) -> LoadLor
         check.unreadable = f"{type(error).__name__}: {shown(error, 200)}"
         return check
     check.tensors = len(converted)
-    used: set[str] = set()
     model_patched: set[str] = set()
     clip_patched: set[str] = set()
     for target, adapter in loaded.items():
         weight = target if isinstance(target, str) else target[0]
-        used |= set(getattr(adapter, "loaded_keys", ()))
         shape = model_shapes.get(weight) or clip_shapes.get(weight)
         if shape is None:  # mapped, yet not a tensor of the model (ComfyUI logs "NOT LOADED")
             check.lacking.append(weight)
@@ -313,14 +309,12 @@ def applied_by_load_lora(state: dict[str, torch.Tensor], model, clip) -> LoadLor
             (model_patched if weight in model_shapes else clip_patched).add(weight)
         check.unchecked += fits is None
     check.model_weights, check.clip_weights = len(model_patched), len(clip_patched)
-    # load_lora's "lora key not loaded": the keys no layer read (diffs are read without their loaded_keys)
-    read = used | {f"{key}.{suffix}" for key in key_map for suffix in _BESIDE}
-    skipped = [key for key in converted if key not in read]
+    skipped = keys_not_loaded(converted, loaded, key_map)
     if clip is None:
         check.text_encoder = [key for key in skipped if key.startswith((*_TEXT_ENCODER_PREFIXES, "text_encoders."))]
     check.skipped = [key for key in skipped if key not in set(check.text_encoder)]
     if check.skipped and model is not None:  # what Merge LoRAs reads beyond the stock map (lora_formats says why)
-        wider = comfy.lora.load_lora(converted, _with_peft_attention_names(key_map), log_missing=False)
-        read_wider = {key for adapter in wider.values() for key in getattr(adapter, "loaded_keys", ())}
-        check.peft_names = all(key in read_wider or key in read for key in check.skipped)
+        wider_map = _with_peft_attention_names(key_map)
+        still = keys_not_loaded(converted, comfy.lora.load_lora(converted, wider_map, log_missing=False), wider_map)
+        check.peft_names = not set(check.skipped) & set(still)
     return check

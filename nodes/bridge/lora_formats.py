@@ -473,6 +473,19 @@ def _join_rows(module: str, pieces, model, source: str) -> tuple[torch.Tensor, t
     return down, torch.cat([p[3] * p[4] if p[4] != 1.0 else p[3] for p in pieces]), 1.0
 
 
+# Keys of a file that belong to a layer without being its up / down: load_lora reads them beside the adapter, by the
+# layer's mapped name, without listing them in the adapter's loaded_keys.
+_BESIDE_A_LAYER = (".alpha", ".dora_scale", ".diff", ".diff_b", ".w_norm", ".b_norm", ".set_weight", ".reshape_weight")
+
+
+def keys_not_loaded(state: dict, loaded: dict, key_map: dict) -> list[str]:
+    """The keys of a file's tensors `state` that `comfy.lora.load_lora(state, key_map)`, which returned `loaded`, left
+    unread: what the stock loader logs as "lora key not loaded"."""
+    read = {key for adapter in loaded.values() for key in getattr(adapter, "loaded_keys", ())}
+    return [key for key in state if key not in read and not (
+        key.endswith(_BESIDE_A_LAYER) and key[:key.rfind(".")] in key_map)]
+
+
 def _with_peft_attention_names(key_map: dict) -> dict:
     """ComfyUI's key map with the PEFT names of SD1.x / SDXL attention projections added (`unet.<block>.attn1.to_k`,
     `...to_out.0`: what diffusers' training scripts and `save_lora_weights` write). The map holds only the

@@ -24,12 +24,10 @@ from ...training.core.run_dir import check_subfolder
 from ...training.data.files import format_bytes, no_json_constants, prune_temp, save_safetensors
 from . import lora_formats
 from .comfy_model import model_family
-from .lora_formats import _TEXT_ENCODER_PREFIXES, _row_permutation, _with_peft_attention_names
+from .lora_formats import _TEXT_ENCODER_PREFIXES, _row_permutation, _with_peft_attention_names, keys_not_loaded
 from .model_files import MERGE_DTYPES, MERGE_FORMATS, MERGE_NONE, listed_name, lora_output, read_lora_state
 from .run_lora import MAX_SAVED_TAGS, SAVE_DTYPES
 
-# Keys of a file that belong to a layer without being its up / down (load_lora reads them beside the adapter).
-_BESIDE_A_LAYER = (".alpha", ".dora_scale", ".diff", ".diff_b", ".w_norm", ".b_norm")
 _TAG_FREQUENCY_MAX_BYTES = 4 << 20
 
 
@@ -93,7 +91,6 @@ def _read(name: str, state: dict[str, torch.Tensor], strength: float, sources: _
         loaded = comfy.lora.load_lora(state, sources.key_map, log_missing=False)
     except Exception as error:  # noqa: BLE001 - a malformed file makes ComfyUI's reader fail anywhere
         raise ValueError(f"{source} cannot be read as a LoRA ({type(error).__name__}: {str(error)[:200]})") from None
-    used: set[str] = set()
     for target, adapter in loaded.items():
         weight = target if isinstance(target, str) else target[0]
         shape = sources.shapes.get(weight)
@@ -110,7 +107,6 @@ def _read(name: str, state: dict[str, torch.Tensor], strength: float, sources: _
             differences[weight] = differences.get(weight, 0) + tensor.double() * strength
             dtypes.add(tensor.dtype)
             continue
-        used |= set(getattr(adapter, "loaded_keys", ()))
         held = getattr(adapter, "name", type(adapter).__name__)
         if held != "lora":
             raise ValueError(f"{source}: {weight} holds a {held} update; only plain LoRA layers (up / down) and "
@@ -146,8 +142,7 @@ def _read(name: str, state: dict[str, torch.Tensor], strength: float, sources: _
                              f"{shape}: it was trained for another model")
         layers.setdefault(weight, []).append(Update(placed, down2, scale * strength))
         dtypes |= {up.dtype, down.dtype}
-    unmapped = [key for key in state if key not in used and not (
-        key.endswith(_BESIDE_A_LAYER) and key[:key.rfind(".")] in sources.key_map)]
+    unmapped = keys_not_loaded(state, loaded, sources.key_map)
     if unmapped:
         text = [key for key in unmapped if key.startswith((*_TEXT_ENCODER_PREFIXES, "text_encoders."))]
         if text and not sources.has_clip:
