@@ -159,3 +159,68 @@ def test_a_large_file_leaves_the_page_cache_while_it_is_written(tmp_path, monkey
         handle.flush()
         assert path.stat().st_size == 32 << 20 and cached_bytes(path) <= 5 << 20  # at most the part since the last drop
     assert cached_bytes(path) == 0 and path.read_bytes() == bytes(32 << 20)
+
+
+_FILLED_PART_WAY = r"""
+import ctypes, json, os, subprocess, sys
+sys.path.insert(0, sys.argv[2])
+import conftest  # noqa: F401  (registers the repo as the package `headroom`)
+import torch
+from headroom.training.core.run_dir import RunDir
+from headroom.training.data import files
+from test_run_dir import _checkpoint
+
+disk = sys.argv[1]
+if ctypes.CDLL(None, use_errno=True).unshare(0x00020000) != 0:  # CLONE_NEWNS: the mount stays in this process
+    print(json.dumps({"skip": "unshare(CLONE_NEWNS): " + os.strerror(ctypes.get_errno())}))
+    sys.exit()
+for command in (["mount", "--make-rprivate", "/"], ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", disk]):
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode:
+        print(json.dumps({"skip": " ".join(command) + ": " + done.stderr.strip()}))
+        sys.exit()
+run = RunDir(disk, "run")
+run.save_checkpoint(_checkpoint(3))
+big = _checkpoint(6)
+big.optimizer["state"][0]["exp_avg"] = torch.randn(1 << 20)  # 4 MiB: the adapter fits, the optimizer state does not
+errors = {}
+try:
+    run.save_checkpoint(big)
+except Exception as error:
+    errors["checkpoint"] = f"{type(error).__name__}: {error}"
+for drop_cached in (False, True):  # both ways a file is opened (os_compat.open_to_write)
+    try:
+        files.write_atomic(os.path.join(disk, "state.pt"), lambda target: files.write_torch(
+            target, {"exp_avg": torch.randn(1 << 20)}, drop_cached), "the test's state", 4 << 20)
+    except Exception as error:
+        errors[f"drop_cached={drop_cached}"] = f"{type(error).__name__}: {error}"
+print(json.dumps({"errors": errors, "latest": run.latest_step(), "loaded": run.load_checkpoint().step,
+                  "left": sorted(str(p.relative_to(disk)) for p in __import__("pathlib").Path(disk).rglob(".*"))}))
+"""
+
+
+def test_a_disk_that_fills_part_way_through_the_optimizer_state_says_disk_full(tmp_path):
+    """A real full disk (a 1 MiB tmpfs) met after part of optimizer.pt is written: torch.save's zip writer raises
+    "unexpected pos ..." on its way out, over the file's OSError; the user sees the full disk (DiskFullError naming
+    the checkpoint), the earlier checkpoint stays the latest and loads, and no temp file is left."""
+    import os
+    import pathlib
+    import subprocess
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root (run as root, e.g. in CI's container)")
+    tests = pathlib.Path(__file__).resolve().parents[1]
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    done = subprocess.run([sys.executable, "-c", _FILLED_PART_WAY, str(disk), str(tests)], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(tests / "unit")})
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    if "skip" in result:
+        pytest.skip(f"no tmpfs could be mounted here: {result['skip']}")
+    assert sorted(result["errors"]) == ["checkpoint", "drop_cached=False", "drop_cached=True"], result
+    assert result["errors"]["checkpoint"].startswith("DiskFullError: disk full: checkpoint of run 'run' at step 6"), \
+        result
+    for way in ("drop_cached=False", "drop_cached=True"):
+        assert result["errors"][way].startswith("DiskFullError: disk full: the test's state"), result
+    assert result["latest"] == 3 and result["loaded"] == 3 and result["left"] == [], result

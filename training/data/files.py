@@ -404,7 +404,15 @@ def write_torch(target: Path, value: Any, drop_cached: bool = False) -> None:
     import torch
 
     with os_compat.open_to_write(target, drop_cached) as handle:  # a Python file: a full disk is an OSError(ENOSPC)
-        torch.save(value, handle)
+        try:
+            torch.save(value, handle)
+        except RuntimeError as error:
+            # torch's zip writer checks the file's position on its way out of a failed write ("unexpected pos 6656 vs
+            # 6548"), and that error replaces the file's own: a disk filled part-way through the file, seen only as
+            # a RuntimeError, would reach the user without "disk full". The file's error is the one raised.
+            if isinstance(error.__context__, OSError):
+                raise error.__context__ from None
+            raise
 
 
 def save_safetensors(path: str | os.PathLike, tensors: dict, what: str, metadata: dict[str, str] | None = None,
