@@ -29,7 +29,7 @@ from .inputs import (DEFAULT_CHECKPOINT_MINUTES, added_train_inputs, checkpoint_
                      validation_inputs, weights_input)
 from .io_types import TrainingRunType
 from .bridge.run_controlnet import ControlNetRunConfig, open_controlnet_run
-from .bridge.model_files import runs_root, save_trained_controlnet, step_save_name
+from .bridge.model_files import check_disk_room, runs_root, save_trained_controlnet, step_save_name
 from .bridge.planning import check_host_ram, plan_for_card
 from .bridge.rank_workers import open_on_devices
 from .bridge.run_settings import effective_batch, resolve_policy, run_fingerprint, train_config
@@ -86,14 +86,16 @@ def start_controlnet_run(model, latent_cache, text_cache, optimizer_config, run_
         policy, plan_note = resolve_policy(policy, gradient_checkpointing, checkpoint_depth, node=node,
                                            plan_card=plan_card)
         check_host_ram(policy, trainable, node)
+        disk_note = check_disk_room(run_name, trainable, node)
         trained_weights_on_host.check_kind(policy, None)  # a full fine-tune's option: refused before the run opens
-        send_node_text(plan_note, shown_on)  # on the node before the run opens, and so before its first step
+        # on the node before the run opens, and so before its first step
+        send_node_text("\n".join(n for n in (plan_note, disk_note) if n), shown_on)
         run = open_on_devices(devices, model, open_controlnet_run,
                               (latent_cache, text_cache, config, runs_root(), run_name), {"policy": policy},
                               rank0_kwargs={"validation_control": validation_control,
                                             "validation_strength": validation_strength})
         run.precision_note = note
-        run.batch_note, run.plan_note = batch_note, plan_note
+        run.batch_note, run.plan_note, run.disk_note = batch_note, plan_note, disk_note
         if planned:
             run.predicted_s_per_step = planned[-1].predicted_s_per_step
         return run

@@ -26,8 +26,9 @@ from .bridge import lora_formats
 from .bridge.comfy_bridge import TrainingRun, check_run_kind, node_id, node_name, run_and_step, send_node_text
 from .bridge.comfy_model import (check_caches, check_quantized_kind, check_reference_cache, check_trainable,
                                  missing_inputs_note, model_family)
-from .bridge.model_files import (MERGE_DTYPES, MERGE_FORMATS, MERGE_NONE, RESIZE_DTYPES, prune_step_saves, runs_root,
-                                 save_extracted_lora, save_lora, save_resized_lora, step_save_name)
+from .bridge.model_files import (MERGE_DTYPES, MERGE_FORMATS, MERGE_NONE, RESIZE_DTYPES, check_disk_room,
+                                 prune_step_saves, runs_root, save_extracted_lora, save_lora, save_resized_lora,
+                                 step_save_name)
 from .bridge.inspect_lora import file_fingerprint, inspect_lora
 from .bridge.merge_loras import save_merged_lora
 from .bridge.planning import check_host_ram, lora_trainable, plan_for_card
@@ -352,9 +353,10 @@ def start_lora_run(model, latent_cache, text_cache, lora_config, optimizer_confi
         policy, plan_note = resolve_policy(policy, gradient_checkpointing, checkpoint_depth, node=node,
                                            plan_card=plan_card)
         check_host_ram(policy, trainable, node)
+        disk_note = check_disk_room(run_name, trainable, node)
         inputs_note = missing_inputs_note(model.model, node)
         # on the node before the run opens, and so before its first step
-        send_node_text("\n".join(n for n in (plan_note, inputs_note) if n), shown_on)
+        send_node_text("\n".join(n for n in (plan_note, disk_note, inputs_note) if n), shown_on)
         if reference not in REFERENCES:
             raise ValueError(f"reference={reference!r}: choose one of {', '.join(map(repr, REFERENCES))}")
         if reference != "none":
@@ -370,7 +372,7 @@ def start_lora_run(model, latent_cache, text_cache, lora_config, optimizer_confi
         run = open_on_devices(devices, model, open_lora_run, (latent_cache, text_cache, config, runs_root(), run_name),
                               {"policy": policy, "prior": prior})
         run.precision_note = note
-        run.batch_note, run.plan_note, run.inputs_note = batch_note, plan_note, inputs_note
+        run.batch_note, run.plan_note, run.inputs_note, run.disk_note = batch_note, plan_note, inputs_note, disk_note
         if planned:
             run.predicted_s_per_step = planned[-1].predicted_s_per_step
         return run

@@ -60,6 +60,7 @@ class Case:
     # Files `act` may rewrite before the failing write: the memory record after each phase, and (validation)
     # the checkpoint of the validation loss, whose rotation removes the older copy of the step.
     volatile: tuple[str, ...] = ("memory_record.json",)
+    injected: bool = True  # False: a real full disk only (what the scenario meets is the free space, not a write)
 
 
 def _run(ctx: Context, name: str, steps: int = 0):
@@ -136,6 +137,10 @@ _VALIDATION_REWRITES = ("memory_record.json", "latest.json", "/checkpoints/")
 CASES = [
     Case("run config", "config.json", lambda c: _tag(c, "config"), lambda c: _run(c, c.state["tag"]),
          lambda c: _run(c, c.state["tag"]), "configuration of run"),
+    # On a full disk Init refuses before writing anything: not even one checkpoint of the run fits
+    # (nodes/bridge/model_files.check_disk_room).
+    Case("room for checkpoints", "", lambda c: _tag(c, "room"), lambda c: _run(c, c.state["tag"]),
+         lambda c: _run(c, c.state["tag"]), "the checkpoints of run", injected=False),
     Case("checkpoint weights", "adapter.safetensors", lambda c: _run(c, _tag(c, "weights"), 2),
          lambda c: _train(c, 3), _requeue_saves(3), "checkpoint of run"),
     Case("checkpoint optimizer state", "optimizer.pt", lambda c: _run(c, _tag(c, "optimizer"), 2),
@@ -163,9 +168,10 @@ CASES = [
     Case("text cache shard", ".safetensors", lambda c: _tag(c, "text"), lambda c: _cache(c, "text"),
          lambda c: _cache(c, "text"), "a cache shard"),
 ]
-# On a real full disk every write fails, so only scenarios whose target is the first write of `act` apply.
-TMPFS_CASES = ["run config", "checkpoint weights", "periodic checkpoint", "LoRA file", "latent cache shard",
-               "text cache shard"]
+# On a real full disk every write fails, so only scenarios whose target is the first write of `act` apply (Init's
+# first is the run config, but on a full disk it refuses before it: "room for checkpoints").
+TMPFS_CASES = ["room for checkpoints", "checkpoint weights", "periodic checkpoint", "LoRA file",
+               "latent cache shard", "text cache shard"]
 
 
 # The run's TensorBoard log (training/core/scalar_log.py) grows by a record per step: what it held must stay as it was.

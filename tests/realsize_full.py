@@ -73,6 +73,7 @@ def train_two_steps(model, latents, texts, config, optimizer, run_name: str, pol
     step holds what every later one does (fused backward makes each tensor's optimizer state as its gradient arrives,
     so the first step never holds all of it beside the activations). Returns the run's figures; the run is released."""
     from headroom.nodes import train_lora as T
+    from headroom.nodes.bridge.planning import lora_trainable
 
     with W.Peak() as peak:
         run = init_run(model, latents, texts, config, optimizer, run_name, policy)
@@ -82,7 +83,10 @@ def train_two_steps(model, latents, texts, config, optimizer, run_name: str, pol
         loss = float(T.HeadroomTrainSteps.execute(run, 2).args[1])
     report["phases"].append(peak.record(f"{phase}second step"))
     params = list(run.adapters.parameters())
-    figures = {"loss": loss, "s_per_step": peak.seconds, "dtypes": sorted({str(p.dtype) for p in params}),
+    latest = run.run_dir.path / json.loads((run.run_dir.path / "latest.json").read_text())["checkpoint"]
+    figures = {"checkpoint_bytes": sum(f.stat().st_size for f in latest.iterdir()),
+               "planned_checkpoint_bytes": lora_trainable(model, config, optimizer.name).checkpoint_bytes(),
+               "loss": loss, "s_per_step": peak.seconds, "dtypes": sorted({str(p.dtype) for p in params}),
                "trained_params": run.adapters.parameter_count(), "tensors": len(params),
                "trained_tensors": sum(int(bool(torch.any(p != 0))) for p in params),
                "most_gradients_alive": run.trainer.optimizer.most_gradients_alive,
@@ -170,6 +174,8 @@ def run(size: int = 64) -> dict:
         adapter = run.config.adapter
         report["trained_params"] = run.adapters.parameter_count()
         report["planned_params"] = lora_trainable(model, adapter, "AdamW").param_count
+        # what Init checked the disk's room with (nodes/bridge/model_files.check_disk_room)
+        report["planned_checkpoint_bytes"] = lora_trainable(model, adapter, "AdamW").checkpoint_bytes()
         report["layers"] = len(run.adapters.layers)
         with W.Peak() as peak:
             name = T.HeadroomSaveLora.execute(run, "realsize", "realsize_full_difference", "fp32").args[0]

@@ -458,6 +458,7 @@ class TrainingRun:
     plan_note = ""  # the policy the planner chose for the policy's card (nodes/bridge/run_settings.resolve_policy)
     batch_note = ""  # why the run trains smaller batches than batch_size (nodes/bridge/run_settings.effective_batch)
     inputs_note = ""  # inputs the MODEL's class takes that the caches do not hold (comfy_model.missing_inputs_note)
+    disk_note = ""  # its checkpoints at their peak need more than the disk has free (model_files.check_disk_room)
     # The planner's predicted s/step for this run (its card's plan, or the plan of its placement; None: no plan made),
     # recorded beside the measured one in the memory record (PhaseRecorder.step_time).
     predicted_s_per_step: float | None = None
@@ -466,9 +467,9 @@ class TrainingRun:
     @property
     def notes(self) -> list[str]:
         """What the node that opened the run tells the user about it (its UI text): precision, the policy fitted to
-        the card, the batch, inputs the model takes that the caches do not hold."""
-        return [note for note in (self.precision_note, self.plan_note, self.batch_note, self.inputs_note,
-                                  self.epoch_note) if note]
+        the card, the disk's room for its checkpoints, the batch, inputs the model takes that the caches do not hold."""
+        return [note for note in (self.precision_note, self.plan_note, self.disk_note, self.batch_note,
+                                  self.inputs_note, self.epoch_note) if note]
 
     @property
     def epoch_note(self) -> str:

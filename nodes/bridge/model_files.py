@@ -3,6 +3,7 @@ under models/<folder> and the name the stock loader lists it by, and the saves t
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pathlib
 import re
@@ -11,9 +12,11 @@ from collections.abc import Callable
 import folder_paths
 import torch
 
-from ...training.core.run_dir import NAME_MAX, check_name, check_subfolder
-from ...training.data.files import (UntrustedFileError, format_bytes, open_regular, prune_temp, relative_text,
-                                   save_safetensors)
+from ...training.core.run_dir import (KEEP_CHECKPOINTS, NAME_MAX, check_name, check_subfolder, checkpoints_on_disk,
+                                      disk_room_needed)
+from ...training.data.files import (DiskFullError, UntrustedFileError, display_path, format_bytes, free_bytes,
+                                   open_regular, prune_temp, relative_text, save_safetensors)
+from ...training.memory.planner import TrainableSpec
 from . import lora_formats
 from .comfy_bridge import TrainingRun
 from .run_lora import SAVE_DTYPES
@@ -23,6 +26,36 @@ RUNS_SUBFOLDER = "headroom_runs"
 
 def runs_root() -> pathlib.Path:
     return pathlib.Path(folder_paths.get_output_directory()) / RUNS_SUBFOLDER
+
+
+def check_disk_room(run_name: str, trainable: TrainableSpec, node: str) -> str:
+    """Before a run opens (LoRA and ControlNet Init nodes): its checkpoints against the free space on the disk of
+    output/headroom_runs. Not even one fits: DiskFullError, as a save that met the full disk would say, before
+    anything is written (its first save would fail after the steps it holds were trained). Fewer than it keeps at
+    its peak: the warning the node shows (a save that meets a full disk says so, and the run goes on in memory until
+    queueing again saves it). Else ""."""
+    free = free_bytes(runs_root() / run_name)
+    one = trainable.checkpoint_bytes()
+    if free is None or not one:
+        return ""
+    parts = [f"trained weights {format_bytes(trainable.weight_bytes())}",
+             f"{trainable.optimizer} state {format_bytes(trainable.optimizer_bytes())}"]
+    if trainable.ema:
+        parts.append(f"EMA {format_bytes(trainable.param_bytes())}")
+    where = display_path(runs_root())
+    if free < one:
+        raise DiskFullError(f"disk full: the checkpoints of run '{run_name}' cannot be saved in {where} (each needs "
+                            f"about {format_bytes(one)}: {', '.join(parts)}; {format_bytes(free)} is free there). Free "
+                            "space on that disk, or start ComfyUI with --output-directory on a disk with room, then "
+                            "queue again; nothing was written.")
+    needed = disk_room_needed(one, checkpoints_on_disk(runs_root(), run_name))
+    if free < needed:
+        message = (f"disk: each checkpoint of run '{run_name}' takes about {format_bytes(one)} ({', '.join(parts)}); "
+                   f"it keeps {KEEP_CHECKPOINTS} and writes the next beside them ({format_bytes(needed)} more at the "
+                   f"peak), and {format_bytes(free)} is free on the disk of {where}: a later save may find it full")
+        logging.warning("%s: %s", node, message)
+        return message
+    return ""
 
 
 def models_file(folder: str, subfolder: str, filename: str, run: TrainingRun, what: str) -> tuple[pathlib.Path, pathlib.Path]:

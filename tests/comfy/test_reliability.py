@@ -3,10 +3,9 @@ pruning, checkpoint re-saves and pruning, the checkpoint cadence, the cache comm
 reduced, names and floats, missing optional packages, paths in messages, a vanished run folder, re-queue saves."""
 from __future__ import annotations
 
-import io
+import dataclasses
 import json
 import os
-import pathlib
 import subprocess
 import sys
 import time
@@ -341,3 +340,57 @@ def test_the_missing_package_is_named_when_the_optimizer_is_chosen(comfyui, monk
                            r"package 'bitsandbytes'.*python_embeded\\python\.exe -m pip install bitsandbytes"):
             HeadroomOptimizerConfig.execute(name, 1e-4, 0.0, "constant", 0, 10)
     assert HeadroomOptimizerConfig.execute("AdamW", 1e-4, 0.0, "constant", 0, 10).result[0].name == "AdamW"
+
+
+@pytest.mark.comfyui
+@pytest.mark.parametrize("optimizer,ema", [("AdamW", False), ("Adafactor", True)])
+def test_init_sizes_a_checkpoint_as_it_is_written(comfyui, optimizer, ema):
+    """The size the Init node checks the disk's room with (planner.TrainableSpec.checkpoint_bytes: trained weights,
+    optimizer state, EMA, what each tensor adds to its file) is what the run's first checkpoint takes on disk, within
+    10 %, for a small adapter whose files' per-tensor entries are a third of it."""
+    from test_train_lora_nodes import _data, _init
+
+    from headroom.nodes import train_lora as T
+    from headroom.nodes.bridge.model_files import runs_root
+    from headroom.nodes.bridge.planning import lora_trainable
+
+    model, _, _, latents, texts = _data("sd15")
+    name = f"sized_{optimizer}"
+    run = _init(model, latents, texts, name, rank=4, batch_size=2, optimizer=optimizer,
+                ema_decay=0.99 if ema else 0.0)
+    with torch.inference_mode():
+        T.HeadroomTrainSteps.execute(run, 1)
+    written = sum(p.stat().st_size for p in (runs_root() / name / "checkpoints").rglob("*") if p.is_file())
+    spec = lora_trainable(model, run.config.adapter, optimizer)
+    estimated = dataclasses.replace(spec, ema=ema).checkpoint_bytes()
+    assert abs(written - estimated) <= 0.1 * written, (written, estimated)
+
+
+@pytest.mark.comfyui
+def test_init_warns_when_the_checkpoints_it_keeps_would_fill_the_disk(comfyui, monkeypatch):
+    """Room for one checkpoint but not for the two it keeps and the next: the run opens, and the Init node says how
+    much the checkpoints take against what is free (the refusal when not even one fits is met on a real full tmpfs:
+    tests/disk_full_cases.py "room for checkpoints"). The free space is the one thing faked here."""
+    from test_train_lora_nodes import _data, _init
+
+    from headroom.nodes import train_lora as T
+    from headroom.nodes.bridge import model_files
+    from headroom.nodes.bridge.planning import lora_trainable
+    from headroom.training.data.files import DiskFullError
+
+    model, _, _, latents, texts = _data("sd15")
+    run = _init(model, latents, texts, "roomy", rank=4, batch_size=2)
+    assert run.disk_note == "" and not any(note.startswith("disk:") for note in run.notes)  # this disk has room
+    one = lora_trainable(model, run.config.adapter, "AdamW").checkpoint_bytes()
+    run.release()
+    monkeypatch.setattr(model_files, "free_bytes", lambda path: 2 * one)
+    run = _init(model, latents, texts, "cramped", rank=4, batch_size=2)
+    assert run.disk_note.startswith("disk: each checkpoint of run 'cramped' takes about ") and \
+        "it keeps 2 and writes the next beside them" in run.disk_note, run.disk_note
+    assert run.disk_note in T.opened_text(run)
+    run.release()
+    monkeypatch.setattr(model_files, "free_bytes", lambda path: one - 1)
+    with pytest.raises(DiskFullError, match=r"disk full: the checkpoints of run 'tight' cannot be saved in "
+                                            r"output/headroom_runs \(each needs about .*AdamW state .* is free there\)"):
+        _init(model, latents, texts, "tight", rank=4, batch_size=2)
+    assert not (model_files.runs_root() / "tight").exists()  # nothing was written

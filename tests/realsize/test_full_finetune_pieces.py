@@ -112,6 +112,10 @@ def test_full_finetune_at_flux_width_goes_from_the_stock_loader_to_the_stock_loa
     assert report["checkpoint_bytes"] > 4 << 30 and report["checkpoint_cached_bytes"] <= 1 << 20, (
         report["checkpoint_bytes"], report["checkpoint_cached_bytes"])
     assert 0.85 <= ratio <= 1.15, report
+    # Init checks the disk's room with the checkpoint's planned size (model_files.check_disk_room): the file's, within 2 %
+    for prefix in ("", "lean_"):
+        written, planned = report[f"{prefix}checkpoint_bytes"], report[f"{prefix}planned_checkpoint_bytes"]
+        assert abs(planned / written - 1) <= 0.02, (prefix, written, planned)
     # The lean options (fused backward, bf16 difference) on the same model: every tensor trained in bf16, one gradient
     # at a time, and the planner's step within 15 % of the measured one.
     lean_peak = max(phases[f"fused backward + bf16 difference: {name}"]["peak_rss_bytes"]
@@ -182,6 +186,8 @@ def test_lean_full_finetune_is_planned_within_15_percent(arch, depth, tensors, l
     else:
         assert report["params_in_host_ram"] == 0
     assert 0.85 <= ratio <= 1.15, report
+    # Init checks the disk's room with the checkpoint's planned size (model_files.check_disk_room): the file's, within 2 %
+    assert abs(report["planned_checkpoint_bytes"] / report["checkpoint_bytes"] - 1) <= 0.02, report
 
 
 def test_host_weights_stepped_on_the_device_at_flux_width_are_the_host_steps():

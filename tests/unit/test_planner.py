@@ -77,6 +77,21 @@ def test_checkpointing_keeps_only_block_inputs():
     assert offload.host_bytes["offloaded block inputs"] == 4 * 20 * MIB
 
 
+def test_the_plan_says_what_a_checkpoint_takes_on_disk():
+    """Trained weights, optimizer state (AdamW: two fp32 moments) and the EMA copy, plus what each tensor adds to
+    its file; shown on the Memory Plan node and in its JSON (the two kept: run_dir.KEEP_CHECKPOINTS)."""
+    from headroom.training.core.run_dir import KEEP_CHECKPOINTS
+
+    params = TRAINABLE.param_count
+    plan = estimate(toy_description(), TRAINABLE, SHAPE, OffloadPolicy())
+    assert plan.checkpoint_bytes == TRAINABLE.checkpoint_bytes() == 12 * params + 20 * 1024 + (8 << 10)
+    with_ema = dataclasses.replace(TRAINABLE, ema=True)
+    assert with_ema.checkpoint_bytes() == 16 * params + 20 * (1024 + 160) + (8 << 10)
+    assert json.loads(plan.to_json())["checkpoint_bytes"] == plan.checkpoint_bytes
+    assert KEEP_CHECKPOINTS == 2 and "disk: about 60.0 MiB a checkpoint (trained weights and optimizer state); a run " \
+        "keeps two and writes the next beside them" in plan.to_text().splitlines(), plan.to_text()
+
+
 def test_a_controlnets_own_blocks_keep_their_activations_and_the_skipped_base_blocks_none():
     """A ControlNet run's own blocks (ModelDescription.controlnet_blocks, measured in its step's calibration) keep what
     they save beside the base's blocks, and only their inputs where every block is checkpointed (the run checkpoints

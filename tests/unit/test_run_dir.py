@@ -161,6 +161,23 @@ def test_a_large_file_leaves_the_page_cache_while_it_is_written(tmp_path, monkey
     assert cached_bytes(path) == 0 and path.read_bytes() == bytes(32 << 20)
 
 
+def test_the_room_checkpoints_need_counts_the_ones_a_run_already_has(tmp_path):
+    """A new run needs room for the two checkpoints it keeps and the next, written beside them before the oldest
+    goes; a resumed run's folders already take theirs. Only step folder names count (not temp or other names)."""
+    from headroom.training.core.run_dir import KEEP_CHECKPOINTS, checkpoints_on_disk, disk_room_needed
+
+    assert KEEP_CHECKPOINTS == 2 and checkpoints_on_disk(tmp_path, "run") == 0
+    assert disk_room_needed(100, 0) == 300
+    run = RunDir(tmp_path, "run")
+    run.save_checkpoint(_checkpoint(3))
+    (run.path / "checkpoints" / ".step_00000009.hrtmp-1-abc").mkdir()
+    (run.path / "checkpoints" / "notes.txt").write_text("x")
+    assert checkpoints_on_disk(tmp_path, "run") == 1 and disk_room_needed(100, 1) == 200
+    for step in (6, 9):
+        run.save_checkpoint(_checkpoint(step))
+    assert checkpoints_on_disk(tmp_path, "run") == 2 and disk_room_needed(100, 2) == 100
+
+
 _FILLED_PART_WAY = r"""
 import ctypes, json, os, subprocess, sys
 sys.path.insert(0, sys.argv[2])

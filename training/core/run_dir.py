@@ -423,6 +423,22 @@ class RunDir:
         )
 
 
+def checkpoints_on_disk(root: str | os.PathLike, name: str) -> int:
+    """How many checkpoint folders run `name` under `root` has now (a resumed run's: the room they take is taken);
+    names only, nothing in the folder is opened or followed."""
+    try:
+        entries = os.listdir(pathlib.Path(root) / name / "checkpoints")
+    except OSError:  # no run of that name yet, or nothing readable: none
+        return 0
+    return sum(1 for entry in entries if _CHECKPOINT_FOLDER.fullmatch(entry))
+
+
+def disk_room_needed(checkpoint_bytes: int, kept: int) -> int:
+    """The free space a run's checkpoints take at their peak beyond the `kept` folders already there: the ones it keeps
+    (KEEP_CHECKPOINTS) and the next, written beside them before the oldest goes (save_checkpoint, then _prune)."""
+    return max(1, KEEP_CHECKPOINTS + 1 - min(kept, KEEP_CHECKPOINTS)) * checkpoint_bytes
+
+
 def _json_history(history: list) -> list:
     """[step, value] pairs as strict JSON: a NaN / infinite value (a diverged validation) is written as null."""
     return [[step, value if math.isfinite(value) else None] for step, value in history]

@@ -247,7 +247,8 @@ def format_bytes(count: float, largest: str = "TiB") -> str:
             return f"{count:.1f} {unit}"
 
 
-def _free_bytes(path: Path) -> int | None:
+def free_bytes(path: Path) -> int | None:
+    """Free bytes on the disk of `path`, or of its nearest folder that exists (None: none can be asked)."""
     for folder in (path, *path.parents):
         try:
             return shutil.disk_usage(folder).free
@@ -269,7 +270,7 @@ def write_error(error: BaseException, what: str, path: Path, needed: int | None)
     """The clear error for a failed write of `what` to `path` (None: not a file-system problem; raise it as is)."""
     where = display_path(path)
     if is_disk_full(error):
-        free = _free_bytes(Path(path).parent)
+        free = free_bytes(Path(path).parent)
         need = f"it needs about {format_bytes(needed)}" if needed is not None else "it needs more room"
         has = f", {format_bytes(free)} is free there" if free is not None else ""
         return DiskFullError(

@@ -305,6 +305,16 @@ class TrainableSpec:
     def optimizer_bytes(self) -> int:
         return sum(self._state_bytes())
 
+    def checkpoint_bytes(self) -> int:
+        """One checkpoint of the run on disk (core/run_dir.save_checkpoint): the trained weights as trained, the whole
+        optimizer state (gathered: rank 0 writes it) and the EMA copy in fp32, with what each tensor adds to its file
+        (a safetensors header entry; torch.save's zip entries for the state's tensors: ~800 B per weight with AdamW's
+        three, the most of the optimizers') and the RNG state and histories. Those extras matter only for small
+        adapters (a tiny SD1.5 LoRA's 112 tensors: a third of its checkpoint; tests/comfy/test_reliability.py)."""
+        per_tensor = 1024 + (160 if self.ema else 0)
+        return (self.weight_bytes() + self.optimizer_bytes() + (self.param_bytes() if self.ema else 0)
+                + per_tensor * len(self.shapes) + (8 << 10))
+
     def optimizer_share_bytes(self) -> int:
         """The optimizer state one rank holds when it is sharded over `state_ranks` (the largest rank's share)."""
         if self.weight_ranks > 1:
@@ -487,6 +497,16 @@ class Plan:
     # predicted step (pinned_line says so).
     pinnable_bytes: int | None = None
     pageable_bytes: int = 0
+    # One checkpoint of the run on disk (TrainableSpec.checkpoint_bytes; 0: not known): the Init nodes check the free
+    # space under output/ for the ones a run keeps (nodes/bridge/model_files.check_disk_room).
+    checkpoint_bytes: int = 0
+
+    def disk_line(self) -> str:
+        """A checkpoint's size on disk, for a full fine-tune tens of GB ("" where not known)."""
+        if not self.checkpoint_bytes:
+            return ""
+        return (f"disk: about {format_bytes(self.checkpoint_bytes)} a checkpoint (trained weights and optimizer state); "
+                "a run keeps two and writes the next beside them")
 
     @property
     def predicted_s_per_step(self) -> float | None:
@@ -548,6 +568,7 @@ class Plan:
             "blocks": {"checkpointed": list(self.checkpointed_blocks), "resident": list(self.resident_blocks),
                        "streamed": list(self.streamed_blocks), "slots": self.stream_slots},
             "slow": self.slow, "pinnable_bytes": self.pinnable_bytes, "pageable_bytes": self.pageable_bytes,
+            "checkpoint_bytes": self.checkpoint_bytes,
         }
 
     def to_json(self) -> str:
@@ -627,6 +648,8 @@ class Plan:
                 lines.append(f"host RAM added in {phase}: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in items.items()))
         if self.host_room is not None:
             lines.append(self.host_room.describe(self.host_added_bytes))
+        if self.disk_line():
+            lines.append(self.disk_line())
         if self.reason:
             lines.append(self.reason)
         return "\n".join(lines)
@@ -887,7 +910,8 @@ def estimate(description: ModelDescription, trainable: TrainableSpec, shape: Run
                 host_added=host_added, host_room=host_room, step_time=step, checkpointed_blocks=tuple(checkpointed),
                 resident_blocks=tuple(resident), streamed_blocks=tuple(streamed), stream_slots=slots,
                 pinnable_bytes=pin_limit,
-                pageable_bytes=sum(size for i, size in enumerate(streamed_bytes) if size and i not in pinned))
+                pageable_bytes=sum(size for i, size in enumerate(streamed_bytes) if size and i not in pinned),
+                checkpoint_bytes=trainable.checkpoint_bytes())
 
 
 def planned_room(policy: OffloadPolicy, budget_bytes: int) -> int:
