@@ -390,7 +390,8 @@ def test_init_warns_when_the_checkpoints_it_keeps_would_fill_the_disk(comfyui, m
     assert run.disk_note in T.opened_text(run)
     run.release()
     monkeypatch.setattr(model_files, "free_bytes", lambda path: one - 1)
-    with pytest.raises(DiskFullError, match=r"disk full: the checkpoints of run 'tight' cannot be saved in "
-                                            r"output/headroom_runs \(each needs about .*AdamW state .* is free there\)"):
+    refused = (r"disk full: the checkpoints of run 'tight' cannot be saved in output/headroom_runs \(each needs "
+               r"about .*AdamW state .* is free there\)")
+    with pytest.raises(DiskFullError, match=refused):
         _init(model, latents, texts, "tight", rank=4, batch_size=2)
     assert not (model_files.runs_root() / "tight").exists()  # nothing was written

@@ -112,7 +112,7 @@ def test_full_finetune_at_flux_width_goes_from_the_stock_loader_to_the_stock_loa
     assert report["checkpoint_bytes"] > 4 << 30 and report["checkpoint_cached_bytes"] <= 1 << 20, (
         report["checkpoint_bytes"], report["checkpoint_cached_bytes"])
     assert 0.85 <= ratio <= 1.15, report
-    # Init checks the disk's room with the checkpoint's planned size (model_files.check_disk_room): the file's, within 2 %
+    # Init checks the disk's room with a checkpoint's planned size (model_files.check_disk_room): the file's, to 2 %
     for prefix in ("", "lean_"):
         written, planned = report[f"{prefix}checkpoint_bytes"], report[f"{prefix}planned_checkpoint_bytes"]
         assert abs(planned / written - 1) <= 0.02, (prefix, written, planned)
@@ -186,7 +186,7 @@ def test_lean_full_finetune_is_planned_within_15_percent(arch, depth, tensors, l
     else:
         assert report["params_in_host_ram"] == 0
     assert 0.85 <= ratio <= 1.15, report
-    # Init checks the disk's room with the checkpoint's planned size (model_files.check_disk_room): the file's, within 2 %
+    # Init checks the disk's room with a checkpoint's planned size (model_files.check_disk_room): the file's, to 2 %
     assert abs(report["planned_checkpoint_bytes"] / report["checkpoint_bytes"] - 1) <= 0.02, report
 
 

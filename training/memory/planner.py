@@ -505,8 +505,8 @@ class Plan:
         """A checkpoint's size on disk, for a full fine-tune tens of GB ("" where not known)."""
         if not self.checkpoint_bytes:
             return ""
-        return (f"disk: about {format_bytes(self.checkpoint_bytes)} a checkpoint (trained weights and optimizer state); "
-                "a run keeps two and writes the next beside them")
+        return (f"disk: about {format_bytes(self.checkpoint_bytes)} a checkpoint (trained weights and optimizer "
+                "state); a run keeps two and writes the next beside them")
 
     @property
     def predicted_s_per_step(self) -> float | None:
