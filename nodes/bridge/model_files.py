@@ -2,6 +2,7 @@
 under models/<folder> and the name the stock loader lists it by, and the saves themselves (LoRA, ControlNet)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -43,16 +44,22 @@ def check_disk_room(run_name: str, trainable: TrainableSpec, node: str) -> str:
     if trainable.ema:
         parts.append(f"EMA {format_bytes(trainable.param_bytes())}")
     where = display_path(runs_root())
+    # Adafactor (transformers', always installed) keeps a factored second moment only: where the state is most of a
+    # checkpoint (AdamW's two fp32 moments are two thirds of a full fine-tune's), the size it would have says what
+    # choosing it saves.
+    lean = dataclasses.replace(trainable, optimizer="Adafactor").checkpoint_bytes()
+    smaller = f" (with the Adafactor optimizer each would take about {format_bytes(lean)})" if lean * 1.5 <= one else ""
     if free < one:
         raise DiskFullError(f"disk full: the checkpoints of run '{run_name}' cannot be saved in {where} (each needs "
-                            f"about {format_bytes(one)}: {', '.join(parts)}; {format_bytes(free)} is free there). Free "
-                            "space on that disk, or start ComfyUI with --output-directory on a disk with room, then "
-                            "queue again; nothing was written.")
+                            f"about {format_bytes(one)}: {', '.join(parts)}; {format_bytes(free)} is free there"
+                            f"){smaller}. Free space on that disk, or start ComfyUI with --output-directory on a disk "
+                            "with room, then queue again; nothing was written.")
     needed = disk_room_needed(one, checkpoints_on_disk(runs_root(), run_name))
     if free < needed:
         message = (f"disk: each checkpoint of run '{run_name}' takes about {format_bytes(one)} ({', '.join(parts)}); "
                    f"it keeps {KEEP_CHECKPOINTS} and writes the next beside them ({format_bytes(needed)} more at the "
-                   f"peak), and {format_bytes(free)} is free on the disk of {where}: a later save may find it full")
+                   f"peak), and {format_bytes(free)} is free on the disk of {where}: a later save may find it full"
+                   f"{smaller}")
         logging.warning("%s: %s", node, message)
         return message
     return ""

@@ -376,7 +376,7 @@ def test_init_warns_when_the_checkpoints_it_keeps_would_fill_the_disk(comfyui, m
     from headroom.nodes import train_lora as T
     from headroom.nodes.bridge import model_files
     from headroom.nodes.bridge.planning import lora_trainable
-    from headroom.training.data.files import DiskFullError
+    from headroom.training.data.files import DiskFullError, format_bytes
 
     model, _, _, latents, texts = _data("sd15")
     run = _init(model, latents, texts, "roomy", rank=4, batch_size=2)
@@ -387,11 +387,15 @@ def test_init_warns_when_the_checkpoints_it_keeps_would_fill_the_disk(comfyui, m
     run = _init(model, latents, texts, "cramped", rank=4, batch_size=2)
     assert run.disk_note.startswith("disk: each checkpoint of run 'cramped' takes about ") and \
         "it keeps 2 and writes the next beside them" in run.disk_note, run.disk_note
+    # AdamW's two moments are most of it: what the optimizer with the least state would take is said
+    lean = dataclasses.replace(lora_trainable(model, run.config.adapter, "Adafactor"), ema=False).checkpoint_bytes()
+    assert run.disk_note.endswith(f"(with the Adafactor optimizer each would take about {format_bytes(lean)})")
     assert run.disk_note in T.opened_text(run)
     run.release()
     monkeypatch.setattr(model_files, "free_bytes", lambda path: one - 1)
     refused = (r"disk full: the checkpoints of run 'tight' cannot be saved in output/headroom_runs \(each needs "
-               r"about .*AdamW state .* is free there\)")
+               r"about .*AdamW state .* is free there\) \(with the Adafactor optimizer each would take about .*\)\. "
+               r"Free space on that disk")
     with pytest.raises(DiskFullError, match=refused):
         _init(model, latents, texts, "tight", rank=4, batch_size=2)
     assert not (model_files.runs_root() / "tight").exists()  # nothing was written
