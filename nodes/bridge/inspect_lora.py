@@ -123,23 +123,60 @@ def _merged_from(text) -> str:
         return shown(text)
 
 
+def _mm(a, b) -> tuple[int, ...] | None:
+    """The shape of ComfyUI's `torch.mm(a, b)` of a layer's two factors (None: they do not multiply)."""
+    if a is None or b is None or a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
+        return None
+    return a.shape[0], b.shape[1]
+
+
+def _tucker(core, b, a) -> tuple[int, ...] | None:
+    """The shape of ComfyUI's `einsum("i j k l, j r, i p -> p r k l", core, b, a)` (LoHa's and LoKr's CP core)."""
+    if core.dim() != 4 or b is None or a is None or b.dim() != 2 or a.dim() != 2 or \
+            core.shape[0] != a.shape[0] or core.shape[1] != b.shape[0]:
+        return None
+    return a.shape[1], b.shape[1], core.shape[2], core.shape[3]
+
+
 def _fits(adapter, shape: tuple[int, ...], part) -> bool | None:
-    """Whether a plain LoRA layer, a difference or a set weight fits the weight it patches as ComfyUI applies it
-    (the layer's product reshaped to the weight, or to the rows `part` names); None where the kind is not checked
-    (LoHa, LoKr, OFT...)."""
+    """Whether a layer fits the weight it patches as ComfyUI 0.33's weight adapters compute it (comfy/weight_adapter:
+    the layer's product reshaped to the weight, or to the rows `part` names): plain LoRA, LoHa, LoKr (CP cores too),
+    OFT, differences and set weights. A product whose factors do not multiply makes sampling fail; one of the wrong
+    size is logged as an error and left out. None where the kind is not checked (LoRA's Tucker core or reshape,
+    BOFT, GLoRA)."""
     if part and isinstance(part[0], tuple) and len(part[0]) == 3:  # (dim, offset, size): ComfyUI narrows the weight
         dim, _, size = part[0]
         shape = tuple(size if i == dim else n for i, n in enumerate(shape))
     if isinstance(adapter, tuple):
         return tuple(adapter[1][0].shape) == shape if adapter[0] in ("diff", "set") else None
-    if getattr(adapter, "name", None) != "lora":
-        return None
-    up, down, _, mid, _, reshape = adapter.weights
-    if mid is not None or reshape is not None:  # a Tucker core, a reshaped weight: not checked here
-        return None
-    # ComfyUI's product: up and down flattened to matrices, multiplied, reshaped to the weight
-    return up.dim() >= 2 and down.dim() >= 2 and math.prod(up.shape[1:]) == down.shape[0] and \
-        up.shape[0] * math.prod(down.shape[1:]) == math.prod(shape)
+    name, weights = getattr(adapter, "name", None), getattr(adapter, "weights", ())
+    if name == "lora":
+        up, down, _, mid, _, reshape = weights
+        if mid is not None or reshape is not None:  # a Tucker core, a reshaped weight: not checked here
+            return None
+        # ComfyUI's product: up and down flattened to matrices, multiplied, reshaped to the weight
+        return up.dim() >= 2 and down.dim() >= 2 and math.prod(up.shape[1:]) == down.shape[0] and \
+            up.shape[0] * math.prod(down.shape[1:]) == math.prod(shape)
+    if name == "loha":  # (w1a @ w1b) * (w2a @ w2b), each from a CP core where one is given; reshaped to the weight
+        w1a, w1b, _, w2a, w2b, t1, t2 = weights[:7]
+        m1 = _tucker(t1, w1b, w1a) if t1 is not None else _mm(w1a, w1b)
+        m2 = _tucker(t2, w2b, w2a) if t2 is not None else _mm(w2a, w2b)
+        if m1 is None or m2 is None:
+            return False
+        try:
+            return math.prod(torch.broadcast_shapes(m1, m2)) == math.prod(shape)
+        except RuntimeError:  # the two products' shapes do not broadcast
+            return False
+    if name == "lokr":  # kron(w1, w2), each given or a product (w2 also from a CP core); reshaped to the weight
+        w1, w2, _, w1_a, w1_b, w2_a, w2_b, t2 = weights[:8]
+        m1 = tuple(w1.shape) if w1 is not None else _mm(w1_a, w1_b)
+        m2 = tuple(w2.shape) if w2 is not None else _tucker(t2, w2_b, w2_a) if t2 is not None else _mm(w2_a, w2_b)
+        return m1 is not None and m2 is not None and math.prod(m1) * math.prod(m2) == math.prod(shape)
+    if name == "oft":  # block-diagonal rotation of the weight's rows: block count x block size = the rows
+        blocks = weights[0]
+        return blocks.dim() == 3 and blocks.shape[1] == blocks.shape[2] and len(shape) >= 1 and \
+            blocks.shape[0] * blocks.shape[1] == shape[0]
+    return None
 
 
 def header_state(path: str) -> tuple[dict[str, torch.Tensor], dict | None] | None:
@@ -223,7 +260,7 @@ class LoadLoraCheck:
     text_encoder: list[str] = dataclasses.field(default_factory=list)  # text-encoder keys, no CLIP connected
     misfits: list[str] = dataclasses.field(default_factory=list)  # weights a layer of which does not fit
     lacking: list[str] = dataclasses.field(default_factory=list)  # mapped weights the model lacks ("NOT LOADED")
-    unchecked: int = 0  # layers of kinds whose shapes ComfyUI checks only when sampling
+    unchecked: int = 0  # layers of kinds whose shapes are not checked here (_fits)
     peft_names: bool = False  # every skipped key is a diffusers / PEFT attention name Merge LoRAs reads
     tensors: int = 0
     what: str = "MODEL"  # what was connected, for the text
@@ -257,8 +294,8 @@ class LoadLoraCheck:
                "LoRAs (Headroom) with this file alone at strength 1 writes it in ComfyUI's names, which Load LoRA "
                "applies whole"] if self.peft_names else []
         if self.unchecked:
-            out.append(f"({counted(self.unchecked, 'layer')} of kinds whose shapes ComfyUI checks only when sampling: "
-                       "LoHa, LoKr, OFT, LoCon Tucker)")
+            out.append(f"({counted(self.unchecked, 'layer')} of kinds whose shapes are not checked here (LoCon Tucker, "
+                       "BOFT, GLoRA): ComfyUI checks them only when sampling)")
         return out
 
     def verdict(self, model, clip) -> str:

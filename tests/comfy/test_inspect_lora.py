@@ -51,7 +51,8 @@ def _stock(name: str, model, clip, caplog) -> tuple[int, int, int, int]:
             for key, patches in lora_clip.patcher.patches.items():
                 weight = comfy.lora.calculate_weight(patches, clip_base[key].float().clone(), key)
                 changed_clip += not torch.equal(weight, clip_base[key].float())
-    errors = sum(record.levelname == "ERROR" and record.getMessage().startswith("ERROR lora")
+    errors = sum(record.levelname == "ERROR" and record.getMessage().startswith(("ERROR lora ", "ERROR loha ",
+                                                                                   "ERROR lokr ", "ERROR oft "))
                  for record in caplog.records)
     return changed_model, changed_clip, not_loaded, errors
 
@@ -143,12 +144,44 @@ def test_without_a_model_it_describes_the_file(comfyui):
     assert report.startswith("connect the MODEL (and the CLIP) to see what Load LoRA applies of it"), report
     assert "LoHa " in report and "kohya (lora_unet_* / lora_te_*) names" in report and "float32" in report
     assert "sd_v1 (base model)" in report and "trained: steps 2" in report, report
-    # with the MODEL: LoHa's shapes are not checked by the node, and it says so; the stock loader patches them all
+    # with the MODEL: every LoHa layer's shape checked, and all fit
     check = _check(kohya_name, model, None)
-    assert check.model_weights == check.unchecked > 0 and not check.problems
-    assert "(%d layers of kinds whose shapes ComfyUI checks only when sampling" % check.unchecked in \
-        _inspect(kohya_name, model).args[0]
+    assert check.model_weights > 0 and check.unchecked == 0 and not check.problems
+    assert _inspect(kohya_name, model).args[0].startswith("OK: Load LoRA patches")
     assert T.HeadroomInspectLora.define_schema().is_output_node
+
+
+@pytest.mark.parametrize("family,kind,tensor", [("sd15", "loha", "hada_w1_b"), ("sd15", "oft", "oft_blocks"),
+                                                ("flux", "lokr", "lokr_w")])
+def test_loha_lokr_and_oft_layers_that_do_not_fit_are_the_ones_the_stock_loader_leaves_out(comfyui, caplog, family,
+                                                                                           kind, tensor):
+    """LoHa ((w1a @ w1b) * (w2a @ w2b)), LoKr (kron(w1, w2)) and OFT (block-diagonal rotation of the rows) as ComfyUI's
+    weight adapters compute them: a trained file fits whole; with one layer made for another width (LoHa's products
+    one column wider, a LoKr factor one row taller, OFT one block more) that layer is the one the stock loader logs an
+    error for and leaves out, and every count of the report is the stock loader's."""
+    model, _, _, comfy_name, _ = _save_both(family, kind)
+    check = _check(comfy_name, model, None)
+    assert check.model_weights > 0 and check.unchecked == 0 and not check.problems
+    assert (check.model_weights, 0, 0, 0) == _stock(comfy_name, model, None, caplog)
+
+    state = dict(_read_state(comfy_name))
+    key = next(k for k in sorted(state) if k.rsplit(".", 1)[-1].startswith(tensor) and state[k].dim() >= 2)
+    layer = key.rsplit(".", 1)[0]
+    if kind == "loha":  # both products one column wider: they multiply, and their product is not the weight's size
+        for part in ("hada_w1_b", "hada_w2_b"):
+            rows, cols = state[f"{layer}.{part}"].shape
+            state[f"{layer}.{part}"] = torch.zeros(rows, cols + 1)
+    else:  # a LoKr factor one row taller, OFT one block more
+        grown = list(state[key].shape)
+        grown[0] += 1
+        state[key] = torch.zeros(grown)
+    name = _write_lora(f"inspect_misfit_{kind}", state, {})
+    check = _check(name, model, None)
+    assert len(check.misfits) == 1 and check.unchecked == 0, (check.misfits, key)
+    assert (check.model_weights, 0, 0, 1) == _stock(name, model, None, caplog)
+    report = _inspect(name, model).args[0]
+    assert report.startswith("PARTLY APPLIES") and "! 1 layer does not fit the shape of the weight it patches" in \
+        report, report
 
 
 def test_metadata_and_trigger_words_from_untrusted_fields(comfyui):
