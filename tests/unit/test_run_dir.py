@@ -176,6 +176,10 @@ def test_the_room_checkpoints_need_counts_the_ones_a_run_already_has(tmp_path):
     for step in (6, 9):
         run.save_checkpoint(_checkpoint(step))
     assert checkpoints_on_disk(tmp_path, "run") == 2 and disk_room_needed(100, 2) == 100
+    # a run folder leading outside the root (an uploaded symlink) is not listed: the outside folder's steps count none
+    (tmp_path / "root").mkdir()
+    (tmp_path / "root" / "linked").symlink_to(run.path, target_is_directory=True)
+    assert checkpoints_on_disk(tmp_path / "root", "linked") == 0
 
 
 _FILLED_PART_WAY = r"""

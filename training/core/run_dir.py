@@ -425,9 +425,13 @@ class RunDir:
 
 def checkpoints_on_disk(root: str | os.PathLike, name: str) -> int:
     """How many checkpoint folders run `name` under `root` has now (a resumed run's: the room they take is taken);
-    names only, nothing in the folder is opened or followed."""
+    names only, nothing in them is opened. A run or checkpoints folder leading outside `root` (a symlink) is not
+    listed: none (opening the run refuses it, naming it)."""
+    folder = pathlib.Path(root) / name / "checkpoints"
+    if not is_within(folder, root):
+        return 0
     try:
-        entries = os.listdir(pathlib.Path(root) / name / "checkpoints")
+        entries = os.listdir(folder)
     except OSError:  # no run of that name yet, or nothing readable: none
         return 0
     return sum(1 for entry in entries if _CHECKPOINT_FOLDER.fullmatch(entry))
