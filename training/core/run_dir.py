@@ -440,7 +440,7 @@ def checkpoints_on_disk(root: str | os.PathLike, name: str) -> int:
 def disk_room_needed(checkpoint_bytes: int, kept: int) -> int:
     """The free space a run's checkpoints take at their peak beyond the `kept` folders already there: the ones it keeps
     (KEEP_CHECKPOINTS) and the next, written beside them before the oldest goes (save_checkpoint, then _prune)."""
-    return max(1, KEEP_CHECKPOINTS + 1 - min(kept, KEEP_CHECKPOINTS)) * checkpoint_bytes
+    return (KEEP_CHECKPOINTS + 1 - min(kept, KEEP_CHECKPOINTS)) * checkpoint_bytes
 
 
 def _json_history(history: list) -> list:

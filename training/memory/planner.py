@@ -648,8 +648,9 @@ class Plan:
                 lines.append(f"host RAM added in {phase}: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in items.items()))
         if self.host_room is not None:
             lines.append(self.host_room.describe(self.host_added_bytes))
-        if self.disk_line():
-            lines.append(self.disk_line())
+        disk = self.disk_line()
+        if disk:
+            lines.append(disk)
         if self.reason:
             lines.append(self.reason)
         return "\n".join(lines)
