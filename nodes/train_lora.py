@@ -444,7 +444,9 @@ class HeadroomTrainSteps(io.ComfyNode):
         run.train_to(steps, node_id=node_id(cls), checkpoint_every=checkpoint_every,
                      checkpoint_minutes=checkpoint_minutes)
         history = {**run.history(steps), **({"note": note} if note else {})}
-        text = [*([note] if note else []), *norms_text(run), *run.fallback.untold()]  # untold: the fallback, once
+        # room_note: the last save that removed the older checkpoint first, the disk holding no third
+        text = [*([note] if note else []), *norms_text(run), *run.fallback.untold(),
+                *([run.run_dir.room_note] if run.run_dir.room_note else [])]
         return io.NodeOutput(run, run.trainer.last_loss, run.step,
                              ui={HISTORY_KEY: [history], **({"text": text} if text else {})})
 

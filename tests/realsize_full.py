@@ -171,6 +171,16 @@ def run(size: int = 64) -> dict:
         latest = run.run_dir.path / json.loads((run.run_dir.path / "latest.json").read_text())["checkpoint"]
         report["checkpoint_bytes"] = sum(f.stat().st_size for f in latest.iterdir())
         report["checkpoint_cached_bytes"] = sum(page_cache.cached_bytes(f) for f in latest.iterdir())
+        # A disk with room for these two checkpoints but not a third: the next save removes the older first, sized
+        # from the latest folder (run_dir.RunDir._make_room; GBs here). Asked with the free space faked, no third
+        # checkpoint written.
+        from headroom.training.core import run_dir as R
+        real_free, R.free_bytes = R.free_bytes, lambda path: report["checkpoint_bytes"] // 2
+        try:
+            run.run_dir._make_room(latest.parent, 3, report["checkpoint_bytes"])
+        finally:
+            R.free_bytes = real_free
+        report["made_room"] = [sorted(p.name for p in latest.parent.iterdir()), latest.name, run.run_dir.room_note]
         adapter = run.config.adapter
         report["trained_params"] = run.adapters.parameter_count()
         report["planned_params"] = lora_trainable(model, adapter, "AdamW").param_count

@@ -467,9 +467,10 @@ class TrainingRun:
     @property
     def notes(self) -> list[str]:
         """What the node that opened the run tells the user about it (its UI text): precision, the policy fitted to
-        the card, the disk's room for its checkpoints, the batch, inputs the model takes that the caches do not hold."""
-        return [note for note in (self.precision_note, self.plan_note, self.disk_note, self.batch_note,
-                                  self.inputs_note, self.epoch_note) if note]
+        the card, the disk's room for its checkpoints (and a save that removed the older one first to make room),
+        the batch, inputs the model takes that the caches do not hold."""
+        return [note for note in (self.precision_note, self.plan_note, self.disk_note, self.run_dir.room_note,
+                                  self.batch_note, self.inputs_note, self.epoch_note) if note]
 
     @property
     def epoch_note(self) -> str:

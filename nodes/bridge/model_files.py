@@ -13,8 +13,7 @@ from collections.abc import Callable
 import folder_paths
 import torch
 
-from ...training.core.run_dir import (KEEP_CHECKPOINTS, NAME_MAX, check_name, check_subfolder, checkpoints_on_disk,
-                                      disk_room_needed)
+from ...training.core.run_dir import NAME_MAX, check_name, check_subfolder, checkpoints_on_disk, disk_room_needed
 from ...training.data.files import (DiskFullError, UntrustedFileError, display_path, format_bytes, free_bytes,
                                    open_regular, prune_temp, relative_text, save_safetensors)
 from ...training.memory.planner import TrainableSpec
@@ -31,10 +30,11 @@ def runs_root() -> pathlib.Path:
 
 def check_disk_room(run_name: str, trainable: TrainableSpec, node: str) -> str:
     """Before a run opens (LoRA and ControlNet Init nodes): its checkpoints against the free space on the disk of
-    output/headroom_runs. Not even one fits: DiskFullError, as a save that met the full disk would say, before
-    anything is written (its first save would fail after the steps it holds were trained). Fewer than it keeps at
-    its peak: the warning the node shows (a save that meets a full disk says so, and the run goes on in memory until
-    queueing again saves it). Else ""."""
+    output/headroom_runs. Not even one fits (beside a resumed run's latest; its older ones go first): DiskFullError,
+    as a save that met the full disk would say, before anything is written (its first save would fail after the
+    steps it holds were trained). Room for one but not for the latest and the next (each save writes the next
+    beside the latest, run_dir.RunDir._make_room): the warning the node shows (a save that meets a full disk says
+    so, and the run goes on in memory until queueing again saves it). Else ""."""
     free = free_bytes(runs_root() / run_name)
     one = trainable.checkpoint_bytes()
     if free is None or not one:
@@ -49,17 +49,17 @@ def check_disk_room(run_name: str, trainable: TrainableSpec, node: str) -> str:
     # choosing it saves.
     lean = dataclasses.replace(trainable, optimizer="Adafactor").checkpoint_bytes()
     smaller = f" (with the Adafactor optimizer each would take about {format_bytes(lean)})" if lean * 1.5 <= one else ""
-    if free < one:
+    kept = checkpoints_on_disk(runs_root(), run_name)
+    if free + max(0, kept - 1) * one < one:
         raise DiskFullError(f"disk full: the checkpoints of run '{run_name}' cannot be saved in {where} (each needs "
                             f"about {format_bytes(one)}: {', '.join(parts)}; {format_bytes(free)} is free there"
                             f"){smaller}. Free space on that disk, or start ComfyUI with --output-directory on a disk "
                             "with room, then queue again; nothing was written.")
-    needed = disk_room_needed(one, checkpoints_on_disk(runs_root(), run_name))
+    needed = disk_room_needed(one, kept)
     if free < needed:
         message = (f"disk: each checkpoint of run '{run_name}' takes about {format_bytes(one)} ({', '.join(parts)}); "
-                   f"it keeps {KEEP_CHECKPOINTS} and writes the next beside them ({format_bytes(needed)} more at the "
-                   f"peak), and {format_bytes(free)} is free on the disk of {where}: a later save may find it full"
-                   f"{smaller}")
+                   f"a save writes the next beside the latest ({format_bytes(needed)} more at the peak), and "
+                   f"{format_bytes(free)} is free on the disk of {where}: a later save will find it full{smaller}")
         logging.warning("%s: %s", node, message)
         return message
     return ""

@@ -368,14 +368,17 @@ def test_init_sizes_a_checkpoint_as_it_is_written(comfyui, optimizer, ema):
 
 @pytest.mark.comfyui
 def test_init_warns_when_the_checkpoints_it_keeps_would_fill_the_disk(comfyui, monkeypatch):
-    """Room for one checkpoint but not for the two it keeps and the next: the run opens, and the Init node says how
-    much the checkpoints take against what is free (the refusal when not even one fits is met on a real full tmpfs:
-    tests/disk_full_cases.py "room for checkpoints"). The free space is the one thing faked here."""
+    """Room for one checkpoint but not for the latest and the next written beside it: the run opens, and the Init
+    node says how much the checkpoints take against what is free (the refusal when not even one fits is met on a
+    real full tmpfs: tests/disk_full_cases.py "room for checkpoints"; room for two keeps saving: a save removes the
+    older first: a resumed run with nothing free opens, and its next save removes the older one first, as Train
+    Steps says). The free space is the one thing faked here."""
     from test_train_lora_nodes import _data, _init
 
     from headroom.nodes import train_lora as T
     from headroom.nodes.bridge import model_files
     from headroom.nodes.bridge.planning import lora_trainable
+    from headroom.training.core import run_dir
     from headroom.training.data.files import DiskFullError, format_bytes
 
     model, _, _, latents, texts = _data("sd15")
@@ -383,10 +386,15 @@ def test_init_warns_when_the_checkpoints_it_keeps_would_fill_the_disk(comfyui, m
     assert run.disk_note == "" and not any(note.startswith("disk:") for note in run.notes)  # this disk has room
     one = lora_trainable(model, run.config.adapter, "AdamW").checkpoint_bytes()
     run.release()
-    monkeypatch.setattr(model_files, "free_bytes", lambda path: 2 * one)
+    monkeypatch.setattr(model_files, "free_bytes", lambda path: 2 * one)  # room for two: no note
+    run = _init(model, latents, texts, "two_fit", rank=4, batch_size=2)
+    assert run.disk_note == "", run.disk_note
+    run.release()
+    monkeypatch.setattr(model_files, "free_bytes", lambda path: 2 * one - 1)
     run = _init(model, latents, texts, "cramped", rank=4, batch_size=2)
     assert run.disk_note.startswith("disk: each checkpoint of run 'cramped' takes about ") and \
-        "it keeps 2 and writes the next beside them" in run.disk_note, run.disk_note
+        "a save writes the next beside the latest" in run.disk_note and \
+        run.disk_note.count(": a later save will find it full") == 1, run.disk_note
     # AdamW's two moments are most of it: what the optimizer with the least state would take is said
     lean = dataclasses.replace(lora_trainable(model, run.config.adapter, "Adafactor"), ema=False).checkpoint_bytes()
     assert run.disk_note.endswith(f"(with the Adafactor optimizer each would take about {format_bytes(lean)})")
@@ -399,3 +407,22 @@ def test_init_warns_when_the_checkpoints_it_keeps_would_fill_the_disk(comfyui, m
     with pytest.raises(DiskFullError, match=refused):
         _init(model, latents, texts, "tight", rank=4, batch_size=2)
     assert not (model_files.runs_root() / "tight").exists()  # nothing was written
+    # a resumed run with its two checkpoints on disk and nothing free opens: its older one makes the room
+    monkeypatch.undo()
+    run = _init(model, latents, texts, "resumed", rank=4, batch_size=2)
+    with torch.inference_mode():
+        for step in (1, 2):
+            T.HeadroomTrainSteps.execute(run, step)
+    run.release()
+    monkeypatch.setattr(model_files, "free_bytes", lambda path: 0)
+    run = _init(model, latents, texts, "resumed", rank=4, batch_size=2)
+    assert run.step == 2 and run.disk_note == "", run.disk_note
+    # and its next save removes the older first (the disk holding half a checkpoint here), as Train Steps says
+    folder = model_files.runs_root() / "resumed" / "checkpoints"
+    monkeypatch.setattr(run_dir, "free_bytes", lambda path: run_dir._folder_bytes(folder / "step_00000002") // 2)
+    with torch.inference_mode():
+        text = T.HeadroomTrainSteps.execute(run, 3).ui["text"]
+    assert sorted(p.name for p in folder.iterdir()) == ["step_00000002", "step_00000003"]
+    assert [line for line in text if line.startswith("disk:")] == [run.run_dir.room_note] and \
+        run.run_dir.room_note.startswith("disk: the older checkpoint (step 1) was removed before step 3 was saved")
+    run.release()

@@ -112,6 +112,9 @@ def test_full_finetune_at_flux_width_goes_from_the_stock_loader_to_the_stock_loa
     assert report["checkpoint_bytes"] > 4 << 30 and report["checkpoint_cached_bytes"] <= 1 << 20, (
         report["checkpoint_bytes"], report["checkpoint_cached_bytes"])
     assert 0.85 <= ratio <= 1.15, report
+    folders, latest, note = report["made_room"]  # half a checkpoint free: the older went, the latest stayed
+    assert folders == [latest] and note.startswith("disk: the older checkpoint (step 1) was removed"), \
+        report["made_room"]
     # Init checks the disk's room with a checkpoint's planned size (model_files.check_disk_room): the file's, to 2 %
     for prefix in ("", "lean_"):
         written, planned = report[f"{prefix}checkpoint_bytes"], report[f"{prefix}planned_checkpoint_bytes"]

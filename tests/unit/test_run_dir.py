@@ -162,24 +162,152 @@ def test_a_large_file_leaves_the_page_cache_while_it_is_written(tmp_path, monkey
 
 
 def test_the_room_checkpoints_need_counts_the_ones_a_run_already_has(tmp_path):
-    """A new run needs room for the two checkpoints it keeps and the next, written beside them before the oldest
-    goes; a resumed run's folders already take theirs. Only step folder names count (not temp or other names)."""
+    """A new run needs room for its latest checkpoint and the next, written beside it (older ones go first where the
+    disk holds no more); a resumed run's folders already take theirs. Only step folder names count (not temp or
+    other names)."""
     from headroom.training.core.run_dir import KEEP_CHECKPOINTS, checkpoints_on_disk, disk_room_needed
 
     assert KEEP_CHECKPOINTS == 2 and checkpoints_on_disk(tmp_path, "run") == 0
-    assert disk_room_needed(100, 0) == 300
+    assert disk_room_needed(100, 0) == 200
     run = RunDir(tmp_path, "run")
     run.save_checkpoint(_checkpoint(3))
     (run.path / "checkpoints" / ".step_00000009.hrtmp-1-abc").mkdir()
     (run.path / "checkpoints" / "notes.txt").write_text("x")
-    assert checkpoints_on_disk(tmp_path, "run") == 1 and disk_room_needed(100, 1) == 200
+    assert checkpoints_on_disk(tmp_path, "run") == 1 and disk_room_needed(100, 1) == 100
     for step in (6, 9):
         run.save_checkpoint(_checkpoint(step))
-    assert checkpoints_on_disk(tmp_path, "run") == 2 and disk_room_needed(100, 2) == 100
+    assert checkpoints_on_disk(tmp_path, "run") == 2 and disk_room_needed(100, 2) == 0
     # a run folder leading outside the root (an uploaded symlink) is not listed: the outside folder's steps count none
     (tmp_path / "root").mkdir()
     (tmp_path / "root" / "linked").symlink_to(run.path, target_is_directory=True)
     assert checkpoints_on_disk(tmp_path / "root", "linked") == 0
+
+
+def _folders(run: RunDir) -> list[str]:
+    return sorted(p.name for p in (run.path / "checkpoints").iterdir())
+
+
+def test_a_save_removes_the_older_checkpoint_first_where_that_makes_the_room_it_needs(tmp_path, monkeypatch):
+    """A disk that holds two checkpoints but not a third: before a save, the older goes (the save's prune would
+    remove it after it anyway) and the latest stays until the next is whole; the run says so. Where removing would
+    not make the room, nothing is removed and the save says disk full as before. The free space is what is faked
+    (a real full tmpfs: the next test)."""
+    import errno
+
+    from headroom.training.core import run_dir as R
+    from headroom.training.data.files import DiskFullError
+
+    def checkpoint(step: int) -> Checkpoint:
+        made = _checkpoint(step)
+        made.adapter["a.lora_A.default.weight"] = torch.randn(1 << 18)  # 1 MiB: the files' own bytes a small part
+        return made
+
+    run = RunDir(tmp_path, "run")
+    for step in (3, 6):
+        run.save_checkpoint(checkpoint(step))
+    one = R._folder_bytes(run.path / "checkpoints" / "step_00000006")
+    assert one > 1 << 20 and run.room_note == ""
+    monkeypatch.setattr(R, "free_bytes", lambda path: one // 2)  # not one more, but one more once step 3 is gone
+    run.save_checkpoint(checkpoint(9))
+    assert _folders(run) == ["step_00000006", "step_00000009"] and run.latest_step() == 9
+    assert run.room_note.startswith("disk: the older checkpoint (step 3) was removed before step 9 was saved, to "
+                                    "make room ("), run.room_note
+    assert run.room_note.endswith("); the run keeps its latest checkpoint while it writes the next"), run.room_note
+    # room enough: nothing removed before the save (its prune keeps two, as always)
+    run.room_note = ""
+    monkeypatch.setattr(R, "free_bytes", lambda path: 1 << 40)
+    removed, remove = [], R._remove_folder
+    monkeypatch.setattr(R, "_remove_folder", lambda path: (removed.append(path.name), remove(path)))
+    run.save_checkpoint(checkpoint(12))
+    assert removed == ["step_00000006"] and run.room_note == ""  # by the prune, after the save
+    monkeypatch.undo()
+    # no room even with the older gone: it stays, and the save fails as it would have
+    monkeypatch.setattr(R, "free_bytes", lambda path: 0)
+    monkeypatch.setattr(R, "_folder_bytes", lambda path: 1000 if path.name == "step_00000009" else one)
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(R, "write_safetensors", full)
+    with pytest.raises(DiskFullError, match="checkpoint of run 'run' at step 15"):
+        run.save_checkpoint(checkpoint(15))
+    assert _folders(run) == ["step_00000009", "step_00000012"] and run.latest_step() == 12 and run.room_note == ""
+    # a damaged pointer is no reason to remove anything (the save replaces it, as before)
+    monkeypatch.undo()
+    (run.path / "latest.json").write_text("{")
+    monkeypatch.setattr(R, "free_bytes", lambda path: 0)
+    assert run.save_checkpoint(checkpoint(18)).name == "step_00000018" and run.latest_step() == 18
+    assert _folders(run) == ["step_00000012", "step_00000018"] and run.room_note == ""
+
+
+_TWO_FIT = r"""
+import ctypes, json, os, subprocess, sys
+sys.path.insert(0, sys.argv[2])
+import conftest  # noqa: F401  (registers the repo as the package `headroom`)
+import torch
+from headroom.training.core.run_dir import RunDir
+from test_run_dir import _checkpoint
+
+disk = sys.argv[1]
+if ctypes.CDLL(None, use_errno=True).unshare(0x00020000) != 0:  # CLONE_NEWNS: the mount stays in this process
+    print(json.dumps({"skip": "unshare(CLONE_NEWNS): " + os.strerror(ctypes.get_errno())}))
+    sys.exit()
+for command in (["mount", "--make-rprivate", "/"], ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", disk]):
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode:
+        print(json.dumps({"skip": " ".join(command) + ": " + done.stderr.strip()}))
+        sys.exit()
+run = RunDir(disk, "run")
+saved, notes, error = [], [], None
+
+
+def checkpoint(step):
+    made = _checkpoint(step)
+    made.adapter["a.lora_A.default.weight"] = torch.randn(1 << 17)  # 512 KiB
+    made.optimizer["state"][0]["exp_avg"] = torch.randn(1 << 18)  # 1 MiB: 1.5 MiB a checkpoint, two fit in 4 MiB
+    return made
+
+
+try:
+    for step in range(1, 6):
+        run.save_checkpoint(checkpoint(step))
+        saved.append(step)
+        notes.append(getattr(run, "room_note", ""))  # (getattr: the test says what fails without it)
+        run.room_note = ""
+except Exception as failed:
+    error = f"{type(failed).__name__}: {failed}"
+print(json.dumps({"saved": saved, "notes": notes, "error": error, "latest": run.latest_step(),
+                  "loaded": run.load_checkpoint().step,
+                  "folders": sorted(os.listdir(os.path.join(disk, "run", "checkpoints")))}))
+"""
+
+
+def test_a_disk_with_room_for_two_checkpoints_keeps_saving(tmp_path):
+    """A real tmpfs of 4 MiB and checkpoints of about 1.5 MiB: two fit, three do not. Each save from the third on
+    removes the older checkpoint first and goes through (before, the third save failed with disk full and every
+    later one too); the latest two are on disk and the latest loads."""
+    import os
+    import pathlib
+    import subprocess
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root (run as root, e.g. in CI's container)")
+    tests = pathlib.Path(__file__).resolve().parents[1]
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    done = subprocess.run([sys.executable, "-c", _TWO_FIT, str(disk), str(tests)], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(tests / "unit")})
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    if "skip" in result:
+        pytest.skip(f"no tmpfs could be mounted here: {result['skip']}")
+    assert result["error"] is None and result["saved"] == [1, 2, 3, 4, 5], result
+    assert result["notes"][:2] == ["", ""], result
+    for step, note in zip((3, 4, 5), result["notes"][2:]):
+        assert note.startswith(f"disk: the older checkpoint (step {step - 2}) was removed before step {step} was "
+                               "saved"), result
+    assert result["latest"] == 5 and result["loaded"] == 5, result
+    assert result["folders"] == ["step_00000004", "step_00000005"], result
 
 
 _FILLED_PART_WAY = r"""

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 import pathlib
@@ -38,8 +39,8 @@ from safetensors.torch import load_file
 
 from .. import os_compat, public_module
 from ..data.files import (UntrustedFileError, display_path, is_within, make_temp_dir, open_regular, path_in, prune_temp,
-                    read_json, save_safetensors, temp_name, tensor_bytes, write_bytes, write_error, write_json,
-                    write_new, write_safetensors, write_torch)
+                    format_bytes, free_bytes, read_json, save_safetensors, temp_name, tensor_bytes, write_bytes,
+                    write_error, write_json, write_new, write_safetensors, write_torch)
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 NAME_MAX = 100  # a run name's characters; a file named after the run adds "_step000123" and the like
@@ -127,6 +128,7 @@ class RunDir:
         if problem:
             raise ValueError(f"run name {self.name!r} in {display_path(self.root)}: {problem}")
         self._identity: tuple[int, int, int] | None = None  # config.json as this run read or wrote it
+        self.room_note = ""  # the last save that removed the older checkpoints first to make room (_make_room)
 
     @property
     def config_path(self) -> pathlib.Path:
@@ -297,6 +299,7 @@ class RunDir:
             + 64 * (len(checkpoint.loss_history) + len(checkpoint.validation_history)) + 65536
         tmp = None
         self.check_subfolder_inside(checkpoints)
+        self._make_room(checkpoints, checkpoint.step, needed)
         try:
             # A run opened through its config.json (check_present above) never re-creates a vanished folder.
             checkpoints.mkdir(parents=self._identity is None, exist_ok=True)
@@ -337,6 +340,37 @@ class RunDir:
         self._prune(keep=final)
         return final
 
+    def _make_room(self, checkpoints: pathlib.Path, step: int, needed: int) -> None:
+        """Before a save: where the disk would not hold the next checkpoint beside those kept, but would once the
+        older ones go, they go first (the save's _prune removes them after it anyway), so a disk with room for two
+        keeps saving. The latest stays until the next is whole. The next is sized as the larger of its tensors and
+        the latest on disk (the same tensors, with what the files add), plus a margin; where removing would not make
+        that room, nothing is removed and the save says "disk full" as it would have."""
+        free = free_bytes(checkpoints)
+        try:
+            pointer = self._pointer()
+            older = [path for path in _checkpoint_folders(checkpoints) if pointer is not None and path != pointer[1]]
+        except (CheckpointError, OSError):  # a damaged pointer or no folder: the save replaces / makes them
+            return
+        if free is None or not older:
+            return
+        latest = pointer[1]
+        want = int(max(needed, _folder_bytes(latest)) * 1.01) + (64 << 10)  # histories grow; blocks round up
+        if free >= want:
+            return
+        freed = sum(_folder_bytes(path) for path in older)
+        if free + freed < want:
+            return
+        steps = sorted({int(_CHECKPOINT_FOLDER.fullmatch(path.name).group(1)) for path in older})
+        for path in older:
+            _remove_folder(path)
+        which = f"checkpoint (step {steps[0]}) was" if len(steps) == 1 else \
+            f"checkpoints (steps {', '.join(map(str, steps))}) were"
+        self.room_note = (f"disk: the older {which} removed before step "
+                          f"{step} was saved, to make room ({format_bytes(free)} was free, a checkpoint takes about "
+                          f"{format_bytes(want)}); the run keeps its latest checkpoint while it writes the next")
+        logging.warning("run '%s': %s", self.name, self.room_note)
+
     @staticmethod
     def _new_folder_name(checkpoints: pathlib.Path, step: int) -> str:
         """step_N, or step_N.<k> when step N was saved before: the folder latest.json names is never replaced."""
@@ -360,13 +394,8 @@ class RunDir:
         earlier = [path for (step, _), path in folders if step < kept_step]
         doomed = [path for (step, _), path in folders if step >= kept_step]
         doomed += earlier[: max(0, len(earlier) - (KEEP_CHECKPOINTS - 1))]
-        for stale in doomed:  # renamed to a temp name first: a kill mid-delete leaves no half checkpoint named step_*
-            trash = stale.parent / temp_name(stale.name)
-            try:
-                os.replace(stale, trash)
-            except OSError:
-                continue
-            shutil.rmtree(trash, ignore_errors=True)
+        for stale in doomed:
+            _remove_folder(stale)
 
     def load_checkpoint(self) -> Checkpoint | None:
         """The checkpoint latest.json names, its structure checked (CheckpointError naming the problem)."""
@@ -423,6 +452,34 @@ class RunDir:
         )
 
 
+def _checkpoint_folders(checkpoints: pathlib.Path) -> list[pathlib.Path]:
+    """The step folders in a run's checkpoints folder (not symlinks: never followed, never removed through)."""
+    return [path for path in checkpoints.iterdir() if _CHECKPOINT_FOLDER.fullmatch(path.name) and not path.is_symlink()]
+
+
+def _folder_bytes(folder: pathlib.Path) -> int:
+    """The bytes of a checkpoint folder's files (flat; symlinks and anything not a file count nothing)."""
+    total = 0
+    try:
+        for entry in os.scandir(folder):
+            if entry.is_file(follow_symlinks=False):
+                total += entry.stat(follow_symlinks=False).st_size
+    except OSError:
+        pass
+    return total
+
+
+def _remove_folder(folder: pathlib.Path) -> None:
+    """Renamed to a temp name first: a kill mid-delete leaves no half checkpoint named step_* (a folder in use that
+    Windows will not rename stays, to go at a later save)."""
+    trash = folder.parent / temp_name(folder.name)
+    try:
+        os.replace(folder, trash)
+    except OSError:
+        return
+    shutil.rmtree(trash, ignore_errors=True)
+
+
 def checkpoints_on_disk(root: str | os.PathLike, name: str) -> int:
     """How many checkpoint folders run `name` under `root` has now (a resumed run's: the room they take is taken);
     names only, nothing in them is opened. A run or checkpoints folder leading outside `root` (a symlink) is not
@@ -438,9 +495,9 @@ def checkpoints_on_disk(root: str | os.PathLike, name: str) -> int:
 
 
 def disk_room_needed(checkpoint_bytes: int, kept: int) -> int:
-    """The free space a run's checkpoints take at their peak beyond the `kept` folders already there: the ones it keeps
-    (KEEP_CHECKPOINTS) and the next, written beside them before the oldest goes (save_checkpoint, then _prune)."""
-    return (KEEP_CHECKPOINTS + 1 - min(kept, KEEP_CHECKPOINTS)) * checkpoint_bytes
+    """The free space a run needs to keep saving, beyond the `kept` checkpoint folders already there: its latest and
+    the next, written beside it (where the disk holds no more, the older ones go first: RunDir._make_room)."""
+    return max(0, 2 - kept) * checkpoint_bytes
 
 
 def _json_history(history: list) -> list:

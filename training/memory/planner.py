@@ -506,7 +506,7 @@ class Plan:
         if not self.checkpoint_bytes:
             return ""
         return (f"disk: about {format_bytes(self.checkpoint_bytes)} a checkpoint (trained weights and optimizer "
-                "state); a run keeps two and writes the next beside them")
+                "state); a run keeps two (the older removed before a save where the disk has no room for a third)")
 
     @property
     def predicted_s_per_step(self) -> float | None:
