@@ -240,6 +240,42 @@ def test_a_save_removes_the_older_checkpoint_first_where_that_makes_the_room_it_
     assert _folders(run) == ["step_00000012", "step_00000018"] and run.room_note == ""
 
 
+def test_a_large_write_the_disk_cannot_hold_fails_before_it_starts(tmp_path, monkeypatch):
+    """A write of at least files.ROOM_CHECKED_BYTES (a full fine-tune's checkpoint, a large LoRA / ControlNet file)
+    that the free space cannot hold says "disk full" at once, as a write that met the full disk says it, before any
+    byte is written (not after minutes of writing, the disk full meanwhile); smaller ones just write, and a file
+    system that reports no size (some network and FUSE mounts: 0 total, 0 free) is not asked."""
+    import collections
+    import shutil
+
+    from headroom.training.data import files
+    from headroom.training.data.files import DiskFullError, format_bytes
+
+    big = {"w": torch.zeros(files.ROOM_CHECKED_BYTES // 4)}
+    monkeypatch.setattr(files, "free_bytes", lambda path: files.ROOM_CHECKED_BYTES - 1)
+    with pytest.raises(DiskFullError, match=rf"^disk full: big file could not be written to .*big\.safetensors \(it "
+                       rf"needs about {format_bytes(files.ROOM_CHECKED_BYTES + 4096)}, "
+                       rf"{format_bytes(files.ROOM_CHECKED_BYTES - 1)} is free there\)"):
+        files.save_safetensors(tmp_path / "big.safetensors", big, "big file")
+    assert list(tmp_path.iterdir()) == []  # not even a temp was made
+    files.save_safetensors(tmp_path / "small.safetensors", {"w": torch.zeros(4)}, "small file")  # not asked
+    # a checkpoint: after the older one made what room it could, before its temp folder
+    run = RunDir(tmp_path, "run")
+    run.save_checkpoint(_checkpoint(3))
+    large = _checkpoint(6)
+    large.optimizer["state"][0]["exp_avg"] = torch.zeros(files.ROOM_CHECKED_BYTES // 4)
+    with pytest.raises(DiskFullError, match="^disk full: checkpoint of run 'run' at step 6 could not be written"):
+        run.save_checkpoint(large)
+    assert _folders(run) == ["step_00000003"] and run.latest_step() == 3
+    # a file system that says nothing of its size
+    Usage = collections.namedtuple("Usage", "total used free")
+    monkeypatch.undo()
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: Usage(0, 0, 0))
+    assert files.free_bytes(tmp_path) is None
+    files.save_safetensors(tmp_path / "big.safetensors", big, "big file")
+    assert (tmp_path / "big.safetensors").stat().st_size > files.ROOM_CHECKED_BYTES
+
+
 _TWO_FIT = r"""
 import ctypes, json, os, subprocess, sys
 sys.path.insert(0, sys.argv[2])

@@ -38,9 +38,9 @@ import torch
 from safetensors.torch import load_file
 
 from .. import os_compat, public_module
-from ..data.files import (UntrustedFileError, display_path, is_within, make_temp_dir, open_regular, path_in, prune_temp,
-                    format_bytes, free_bytes, read_json, save_safetensors, temp_name, tensor_bytes, write_bytes,
-                    write_error, write_json, write_new, write_safetensors, write_torch)
+from ..data.files import (UntrustedFileError, check_room, display_path, format_bytes, free_bytes, is_within,
+                          make_temp_dir, open_regular, path_in, prune_temp, read_json, save_safetensors, temp_name,
+                          tensor_bytes, write_bytes, write_error, write_json, write_new, write_safetensors, write_torch)
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 NAME_MAX = 100  # a run name's characters; a file named after the run adds "_step000123" and the like
@@ -294,12 +294,13 @@ class RunDir:
         folder_name = self._new_folder_name(checkpoints, checkpoint.step)
         final = checkpoints / folder_name
         what = f"checkpoint of run '{self.name}' at step {checkpoint.step}"
-        needed = tensor_bytes(checkpoint.adapter) + tensor_bytes(checkpoint.optimizer) + tensor_bytes(checkpoint.rng) \
-            + tensor_bytes(checkpoint.ema or {}) \
-            + 64 * (len(checkpoint.loss_history) + len(checkpoint.validation_history)) + 65536
+        tensors = tensor_bytes(checkpoint.adapter) + tensor_bytes(checkpoint.optimizer) + tensor_bytes(checkpoint.rng) \
+            + tensor_bytes(checkpoint.ema or {})
+        needed = tensors + 64 * (len(checkpoint.loss_history) + len(checkpoint.validation_history)) + 65536
         tmp = None
         self.check_subfolder_inside(checkpoints)
         self._make_room(checkpoints, checkpoint.step, needed)
+        check_room(final, tensors, what, needed)  # a checkpoint the disk cannot hold fails before it is written
         try:
             # A run opened through its config.json (check_present above) never re-creates a vanished folder.
             checkpoints.mkdir(parents=self._identity is None, exist_ok=True)

@@ -11,7 +11,8 @@ Writes are atomic: a temp file (or folder) next to the target, fsynced, given th
 (mkstemp's 0600 / mkdtemp's 0700 otherwise stay), then renamed into place. Temp names carry the writer's pid
 (`.<name>.hrtmp-<pid>-<random>`), so the next open of a folder removes what a killed writer left (`prune_temp`).
 A write that fails for lack of space raises one `DiskFullError` that says what was being written, where, how much
-it needs and how much is free; the temp is removed and every file written before is as it was.
+it needs and how much is free; the temp is removed and every file written before is as it was. A large write
+(`ROOM_CHECKED_BYTES`) that the free space cannot hold says so before it starts (`check_room`).
 
 User-facing messages name paths relative to ComfyUI's folders ("output/headroom_runs/x"), never absolute
 server paths: the nodes register those folders (`register_display_root`), as this package imports nothing
@@ -38,6 +39,10 @@ _TEMP = re.compile(r"\..+\.hrtmp-(\d+)-[0-9a-f]+(?:\.tmp)?")
 _LEGACY_TEMP = re.compile(r"\.(?:step_\d{8}\..+|stale-.+|shard-.+\.tmp|manifest-.+\.tmp|probe-.+|.+\.tmp)")
 STALE_TEMP_SECONDS = 3600  # a temp of a live process this old is a leftover too (pids are reused)
 JSON_MAX_BYTES = 256 << 20
+# Writes of at least this many bytes ask the disk's free space first: one that cannot fit fails at once, not after
+# minutes of writing (a full fine-tune's checkpoint is tens of GB) that fill a disk other programs use too. Smaller
+# ones just write (a compressing file system may hold what its free space says it cannot).
+ROOM_CHECKED_BYTES = 64 << 20
 
 
 class UntrustedFileError(ValueError):
@@ -248,13 +253,26 @@ def format_bytes(count: float, largest: str = "TiB") -> str:
 
 
 def free_bytes(path: Path) -> int | None:
-    """Free bytes on the disk of `path`, or of its nearest folder that exists (None: none can be asked)."""
+    """Free bytes on the disk of `path`, or of its nearest folder that exists (None: none can be asked, or a file
+    system that says nothing: some network and FUSE mounts report a size and free space of 0)."""
     for folder in (path, *path.parents):
         try:
-            return shutil.disk_usage(folder).free
+            usage = shutil.disk_usage(folder)
         except OSError:
             continue
+        return usage.free if usage.total else None
     return None
+
+
+def check_room(path: Path, at_least: int, what: str, needed: int | None = None) -> None:
+    """Before writing `what` to `path`: a DiskFullError, as a write that met the full disk says it, where the
+    `at_least` bytes the write takes at the least (its tensors) are more than the disk has free. Writes under
+    ROOM_CHECKED_BYTES are not checked."""
+    if at_least < ROOM_CHECKED_BYTES:
+        return
+    free = free_bytes(Path(path).parent)
+    if free is not None and free < at_least:
+        raise write_error(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), what, path, needed or at_least)
 
 
 def is_disk_full(error: BaseException) -> bool:
@@ -288,10 +306,11 @@ def write_error(error: BaseException, what: str, path: Path, needed: int | None)
 
 
 def write_atomic(path: str | os.PathLike, write: Callable[[Path], None], what: str, needed: int | None = None,
-                 make_parents: bool = True) -> None:
+                 make_parents: bool = True, at_least: int = 0) -> None:
     """Write `path` through `write(temp path)` into a temp file beside it, then rename it into place. Any failure
     removes the temp and leaves the old `path` (if any) as it was; a file-system failure becomes a WriteError
-    (DiskFullError when out of space) naming `what`."""
+    (DiskFullError when out of space, before writing where the write takes `at_least` bytes and the disk has not
+    that much free: check_room) naming `what`."""
     path = Path(path)
     temp = None
     try:
@@ -301,6 +320,7 @@ def write_atomic(path: str | os.PathLike, write: Callable[[Path], None], what: s
                              "before is kept as it was.")
         if make_parents:
             path.parent.mkdir(parents=True, exist_ok=True)
+        check_room(path, at_least, what, needed)
         temp = path.parent / (temp_name(path.name) + ".tmp")
         _new_file(temp)
         write(temp)
@@ -337,7 +357,7 @@ def _write_bytes_to(data: bytes) -> Callable[[Path], None]:
 
 
 def write_bytes(path: str | os.PathLike, data: bytes, what: str, make_parents: bool = True) -> None:
-    write_atomic(path, _write_bytes_to(data), what, len(data), make_parents)
+    write_atomic(path, _write_bytes_to(data), what, len(data), make_parents, len(data))
 
 
 def write_json(path: str | os.PathLike, value: Any, what: str, make_parents: bool = True) -> None:
@@ -418,8 +438,9 @@ def write_torch(target: Path, value: Any, drop_cached: bool = False) -> None:
 
 def save_safetensors(path: str | os.PathLike, tensors: dict, what: str, metadata: dict[str, str] | None = None,
                      make_parents: bool = True) -> None:
-    write_atomic(path, lambda target: write_safetensors(target, tensors, metadata), what,
-                 tensor_bytes(tensors) + 4096, make_parents)
+    at_least = tensor_bytes(tensors)
+    write_atomic(path, lambda target: write_safetensors(target, tensors, metadata), what, at_least + 4096,
+                 make_parents, at_least)
 
 
 def make_temp_dir(folder: Path, name: str) -> Path:
