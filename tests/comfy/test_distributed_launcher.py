@@ -33,8 +33,11 @@ def _launch(tmp_path, ranks: int, steps: int, run_name: str = "dist", *extra: st
     if ranks > 1:
         args = ["-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port", str(_free_port()),
                 *args]
+    # TMPDIR: torchrun's agent makes a torchelastic_* folder per launch and leaves it; in the test's folder they go
+    # with it, not into the machine's /tmp.
+    (tmp_path / "tmp").mkdir(exist_ok=True)
     done = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=400,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path / "tmp")})
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     return done.stdout
 
