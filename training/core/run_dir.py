@@ -362,9 +362,10 @@ class RunDir:
         freed = sum(_folder_bytes(path) for path in older)
         if free + freed < want:
             return
-        steps = sorted({int(_CHECKPOINT_FOLDER.fullmatch(path.name).group(1)) for path in older})
-        for path in older:
-            _remove_folder(path)
+        removed = [path for path in older if _remove_folder(path)]
+        if not removed:  # e.g. Windows refused to rename a folder in use: the save says "disk full" if it must
+            return
+        steps = sorted({int(_CHECKPOINT_FOLDER.fullmatch(path.name).group(1)) for path in removed})
         which = f"checkpoint (step {steps[0]}) was" if len(steps) == 1 else \
             f"checkpoints (steps {', '.join(map(str, steps))}) were"
         self.room_note = (f"disk: the older {which} removed before step "
@@ -470,15 +471,16 @@ def _folder_bytes(folder: pathlib.Path) -> int:
     return total
 
 
-def _remove_folder(folder: pathlib.Path) -> None:
+def _remove_folder(folder: pathlib.Path) -> bool:
     """Renamed to a temp name first: a kill mid-delete leaves no half checkpoint named step_* (a folder in use that
-    Windows will not rename stays, to go at a later save)."""
+    Windows will not rename stays, to go at a later save: False)."""
     trash = folder.parent / temp_name(folder.name)
     try:
         os.replace(folder, trash)
     except OSError:
-        return
+        return False
     shutil.rmtree(trash, ignore_errors=True)
+    return True
 
 
 def checkpoints_on_disk(root: str | os.PathLike, name: str) -> int:
