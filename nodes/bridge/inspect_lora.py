@@ -140,10 +140,10 @@ def _tucker(core, b, a) -> tuple[int, ...] | None:
 
 def _fits(adapter, shape: tuple[int, ...], part) -> bool | None:
     """Whether a layer fits the weight it patches as ComfyUI 0.33's weight adapters compute it (comfy/weight_adapter:
-    the layer's product reshaped to the weight, or to the rows `part` names): plain LoRA, LoHa, LoKr (CP cores too),
-    OFT, differences and set weights. A product whose factors do not multiply makes sampling fail; one of the wrong
-    size is logged as an error and left out. None where the kind is not checked (LoRA's Tucker core or reshape,
-    BOFT, GLoRA)."""
+    the layer's product reshaped to the weight, or to the rows `part` names): LoRA (LoCon's Tucker core and a
+    reshaped weight too), LoHa, LoKr (CP cores too), OFT, BOFT, GLoRA, differences and set weights. A layer that does
+    not fit is logged as an error and left out, or (a Tucker core or reshape that does not fit) makes sampling fail.
+    None where the kind is not checked (one ComfyUI adds later)."""
     if part and isinstance(part[0], tuple) and len(part[0]) == 3:  # (dim, offset, size): ComfyUI narrows the weight
         dim, _, size = part[0]
         shape = tuple(size if i == dim else n for i, n in enumerate(shape))
@@ -152,11 +152,22 @@ def _fits(adapter, shape: tuple[int, ...], part) -> bool | None:
     name, weights = getattr(adapter, "name", None), getattr(adapter, "weights", ())
     if name == "lora":
         up, down, _, mid, _, reshape = weights
-        if mid is not None or reshape is not None:  # a Tucker core, a reshaped weight: not checked here
-            return None
+        if reshape is not None:  # the weight zero-padded to this shape first: never smaller in any dimension
+            if not isinstance(reshape, (list, tuple)) or len(reshape) != len(shape) or \
+                    not all(isinstance(n, int) and n >= size for n, size in zip(reshape, shape)):
+                return False
+            shape = tuple(reshape)
+        if down.dim() < 2 or up.dim() < 2:
+            return False
+        down_shape = tuple(down.shape)
+        if mid is not None:  # LoCon's Tucker core (r, r, kh, kw) folded into down: (r, in, kh, kw)
+            if mid.dim() != 4 or math.prod(down_shape[:1] + down_shape[2:]) != mid.shape[1] or \
+                    mid.shape[0] != down_shape[0]:
+                return False
+            down_shape = (down_shape[0], down_shape[1], mid.shape[2], mid.shape[3])
         # ComfyUI's product: up and down flattened to matrices, multiplied, reshaped to the weight
-        return up.dim() >= 2 and down.dim() >= 2 and math.prod(up.shape[1:]) == down.shape[0] and \
-            up.shape[0] * math.prod(down.shape[1:]) == math.prod(shape)
+        return math.prod(up.shape[1:]) == down_shape[0] and \
+            up.shape[0] * math.prod(down_shape[1:]) == math.prod(shape)
     if name == "loha":  # (w1a @ w1b) * (w2a @ w2b), each from a CP core where one is given; reshaped to the weight
         w1a, w1b, _, w2a, w2b, t1, t2 = weights[:7]
         m1 = _tucker(t1, w1b, w1a) if t1 is not None else _mm(w1a, w1b)
@@ -176,7 +187,54 @@ def _fits(adapter, shape: tuple[int, ...], part) -> bool | None:
         blocks = weights[0]
         return blocks.dim() == 3 and blocks.shape[1] == blocks.shape[2] and len(shape) >= 1 and \
             blocks.shape[0] * blocks.shape[1] == shape[0]
+    if name == "boft":  # ComfyUI 0.33 compares the layer's alpha with 0: without one it logs an error, leaves it out
+        return weights[2] is not None and _boft_fits(weights[0], weights[1], shape)
+    if name == "glora":
+        return _glora_fits(*weights[:5], shape)
     return None
+
+
+def _boft_fits(blocks, rescale, shape: tuple[int, ...]) -> bool:
+    """BOFT: `stages` butterfly stages of `count` rotations of `size` rows each; stage i pairs rows 2^i x size / 2
+    apart, so the rows split evenly into groups of 2^i x size at every stage, and count x size = the rows; the
+    rescale multiplies the rotated weight (it must broadcast to it)."""
+    if blocks.dim() != 4 or blocks.shape[2] != blocks.shape[3] or len(shape) < 1:
+        return False
+    stages, count, size = blocks.shape[0], blocks.shape[1], blocks.shape[2]
+    rows, half = shape[0], size // 2
+    if half == 0 or count * size != rows or any(rows % (2 * (2 ** i) * half) for i in range(stages)):
+        return False
+    if rescale is not None:
+        try:
+            return tuple(torch.broadcast_shapes(shape, tuple(rescale.shape))) == shape
+        except RuntimeError:
+            return False
+    return True
+
+
+def _glora_fits(a1, a2, b1, b2, alpha, shape: tuple[int, ...]) -> bool:
+    """GLoRA as ComfyUI computes it: the old LyCORIS form b2 @ b1 + (W @ a2) @ a1, where its shapes say so (a square
+    weight whose rank equals its rows), else (W a1) a2 + b1 @ b2; every factor flattened to a matrix."""
+    if min(a1.dim(), a2.dim(), b1.dim(), b2.dim()) < 2 or len(shape) < 2:
+        return False
+    old = b2.shape[1] == b1.shape[0] == a1.shape[0] == a2.shape[1]
+    ranked = old
+    if b2.shape[0] == b1.shape[1] == a1.shape[1] == a2.shape[0]:
+        ranked = True
+        old = old and a2.shape[0] == shape[0] and shape[0] == shape[1]
+    if not ranked and alpha is not None:  # ComfyUI finds no rank to scale alpha by: sampling fails
+        return False
+    (a1r, a1c), (a2r, a2c), (b1r, b1c), (b2r, b2c) = (
+        (w.shape[0], math.prod(w.shape[1:])) for w in (a1, a2, b1, b2))
+    if old:
+        if b2c != b1r or math.prod(shape[1:]) != a2r or a2c != a1r:
+            return False
+        try:
+            summed = torch.broadcast_shapes((b2r, b1c), (shape[0], a1c))
+        except RuntimeError:
+            return False
+        return math.prod(summed) == math.prod(shape)
+    return shape[1] == a1r and a1c == a2r and a2c == shape[1] and b1c == b2r and b1r * b2c == math.prod(shape)
 
 
 def header_state(path: str) -> tuple[dict[str, torch.Tensor], dict | None] | None:
@@ -281,8 +339,8 @@ class LoadLoraCheck:
         if self.misfits:
             verb = "does not fit" if len(self.misfits) == 1 else "do not fit"
             out.append(f"! {counted(len(self.misfits), 'layer')} {verb} the shape of the weight it patches (e.g. "
-                       f"{shown(min(self.misfits))}): ComfyUI logs an error and leaves it out; the file is for another "
-                       "model")
+                       f"{shown(min(self.misfits))}): ComfyUI logs an error and leaves it out (a LoCon Tucker core or a "
+                       "reshape that does not fit stops sampling instead); the file is for another model")
         if self.lacking:
             out.append(f"! {counted(len(self.lacking), 'layer')} name weights this model lacks (e.g. "
                        f"{shown(min(self.lacking))}): Load LoRA says \"NOT LOADED\"")
@@ -294,8 +352,8 @@ class LoadLoraCheck:
                "LoRAs (Headroom) with this file alone at strength 1 writes it in ComfyUI's names, which Load LoRA "
                "applies whole"] if self.peft_names else []
         if self.unchecked:
-            out.append(f"({counted(self.unchecked, 'layer')} of kinds whose shapes are not checked here (LoCon Tucker, "
-                       "BOFT, GLoRA): ComfyUI checks them only when sampling)")
+            out.append(f"({counted(self.unchecked, 'layer')} of kinds whose shapes are not checked here: ComfyUI "
+                       "checks them only when sampling)")
         return out
 
     def verdict(self, model, clip) -> str:

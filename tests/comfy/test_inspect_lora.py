@@ -51,9 +51,9 @@ def _stock(name: str, model, clip, caplog) -> tuple[int, int, int, int]:
             for key, patches in lora_clip.patcher.patches.items():
                 weight = comfy.lora.calculate_weight(patches, clip_base[key].float().clone(), key)
                 changed_clip += not torch.equal(weight, clip_base[key].float())
-    errors = sum(record.levelname == "ERROR" and record.getMessage().startswith(("ERROR lora ", "ERROR loha ",
-                                                                                   "ERROR lokr ", "ERROR oft "))
-                 for record in caplog.records)
+    errors = sum(record.levelname == "ERROR" and record.getMessage().startswith(
+        ("ERROR lora ", "ERROR loha ", "ERROR lokr ", "ERROR oft ", "ERROR boft ", "ERROR glora "))
+        for record in caplog.records)
     return changed_model, changed_clip, not_loaded, errors
 
 
@@ -182,6 +182,103 @@ def test_loha_lokr_and_oft_layers_that_do_not_fit_are_the_ones_the_stock_loader_
     report = _inspect(name, model).args[0]
     assert report.startswith("PARTLY APPLIES") and "! 1 layer does not fit the shape of the weight it patches" in \
         report, report
+
+
+def _lycoris_layers(model, grown: bool) -> dict[str, torch.Tensor]:
+    """Hand-made layers of the kinds Headroom does not train, for the tiny SD1.5 model in ComfyUI's names: a LoCon
+    with a Tucker core on a 3x3 convolution, a LoRA naming its weight's shape (reshape_weight), BOFT on a linear, GLoRA
+    on a linear (the newer form) and on a square linear whose rank equals its rows (LyCORIS' old form). `grown`: each
+    made for another width, one column or block more where ComfyUI multiplies them inside its error handling."""
+    g = torch.Generator().manual_seed(0)
+    weights = model.model.state_dict()
+    conv = next(k for k, w in sorted(weights.items()) if w.dim() == 4 and w.shape[2:] == (3, 3) and w.shape[1] >= 8)
+    linears = [k for k, w in sorted(weights.items()) if w.dim() == 2 and k.endswith(".weight")]
+    boft = next(k for k in linears if weights[k].shape[0] % 8 == 0)
+    glora = next(k for k in linears if weights[k].shape[0] != weights[k].shape[1] and k != boft)
+    square = next(k for k in linears if weights[k].shape[0] == weights[k].shape[1] and k not in (boft, glora))
+    reshaped = next(k for k in linears if k not in (boft, glora, square))
+    more = int(grown)
+
+    def name(key: str) -> str:
+        return key.removeprefix("diffusion_model.").removesuffix(".weight").join(("diffusion_model.", ""))
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * 0.1
+
+    out_c, in_c = weights[conv].shape[:2]
+    rows, cols = weights[glora].shape
+    side = weights[square].shape[0]
+    state = {
+        f"{name(conv)}.lora_up.weight": rand(out_c, 2 + more, 1, 1),
+        f"{name(conv)}.lora_down.weight": rand(2, in_c, 1, 1),
+        f"{name(conv)}.lora_mid.weight": rand(2, 2, 3, 3),
+        f"{name(reshaped)}.lora_up.weight": rand(weights[reshaped].shape[0], 2),
+        f"{name(reshaped)}.lora_down.weight": rand(2, weights[reshaped].shape[1] + more),
+        f"{name(reshaped)}.reshape_weight": torch.tensor(list(weights[reshaped].shape)),
+        f"{name(boft)}.oft_blocks": rand(2, weights[boft].shape[0] // 4 + more, 4, 4),
+        f"{name(boft)}.alpha": torch.tensor(1.0),  # its constraint (ComfyUI 0.33 fails a BOFT layer without one)
+        f"{name(glora)}.a1.weight": rand(cols, 2), f"{name(glora)}.a2.weight": rand(2, cols),
+        f"{name(glora)}.b1.weight": rand(rows, 2), f"{name(glora)}.b2.weight": rand(2, cols + more),
+        f"{name(square)}.a1.weight": rand(3, side), f"{name(square)}.a2.weight": rand(side, 3),
+        f"{name(square)}.b1.weight": rand(3, side), f"{name(square)}.b2.weight": rand(side + more, 3),
+    }
+    return state
+
+
+@pytest.mark.parametrize("grown", [False, True])
+def test_locon_tucker_reshaped_boft_and_glora_layers_are_checked_as_the_stock_loader_computes_them(comfyui, caplog,
+                                                                                                   grown):
+    """The kinds Headroom does not train but Load LoRA reads (LoCon's Tucker core, a reshaped weight, BOFT, GLoRA
+    in both its forms): a file of layers that fit is applied whole, with nothing left unchecked; the same layers made
+    for another width are the ones the stock loader logs an error for and leaves out, every count the stock
+    loader's."""
+    from test_train_lora_nodes import _data
+
+    model = _data("sd15")[0]
+    name = _write_lora(f"inspect_lycoris_{grown}", _lycoris_layers(model, grown), {})
+    check = _check(name, model, None)
+    assert check.unchecked == 0 and not check.skipped and not check.lacking, check
+    assert len(check.misfits) == (5 if grown else 0), check.misfits
+    assert (check.model_weights, 0, 0, len(check.misfits)) == _stock(name, model, None, caplog)
+    assert check.model_weights == (0 if grown else 5)
+
+
+def test_a_tucker_core_or_reshape_that_does_not_fit_is_a_misfit_and_fails_the_stock_sampling(comfyui):
+    """ComfyUI folds a LoCon's Tucker core into its down weight, and pads the weight to a LoRA's reshape_weight,
+    before its error handling: one that does not fit raises when the model is patched for sampling. The report
+    counts it a misfit."""
+    import comfy.lora
+    import nodes
+    from test_train_lora_nodes import _data
+
+    model = _data("sd15")[0]
+    state = _lycoris_layers(model, False)
+    layers = {key.rsplit(".", 2)[0] for key in state if key.endswith(".lora_mid.weight")}
+    reshaped = next(key for key in state if key.endswith(".reshape_weight"))
+    for broken, change in (("mid", lambda layer: {f"{layer}.lora_mid.weight": torch.zeros(3, 2, 3, 3)}),
+                           ("reshape", lambda layer: {reshaped: state[reshaped] - 1})):
+        bad = {**state, **change(next(iter(layers)))}
+        name = _write_lora(f"inspect_bad_{broken}", bad, {})
+        assert len(_check(name, model, None).misfits) == 1, broken
+        with torch.inference_mode():
+            patched = nodes.LoraLoaderModelOnly().load_lora_model_only(model, name, 1.0)[0]
+        base = patched.model.state_dict()
+        with pytest.raises(RuntimeError if broken == "mid" else ValueError):
+            for key, patches in patched.patches.items():
+                comfy.lora.calculate_weight(patches, base[key].float().clone(), key)
+
+
+def test_a_boft_layer_without_alpha_is_one_the_stock_loader_leaves_out(comfyui, caplog):
+    """ComfyUI 0.33 compares a BOFT layer's alpha with 0 inside its error handling: without one it logs an error and
+    leaves the layer out; the report counts it with the misfits, as the stock loader's counts."""
+    from test_train_lora_nodes import _data
+
+    model = _data("sd15")[0]
+    state = {key: value for key, value in _lycoris_layers(model, False).items() if not key.endswith(".alpha")}
+    name = _write_lora("inspect_boft_no_alpha", state, {})
+    check = _check(name, model, None)
+    assert len(check.misfits) == 1 and check.unchecked == 0, check.misfits
+    assert (check.model_weights, 0, 0, 1) == _stock(name, model, None, caplog)
 
 
 def test_metadata_and_trigger_words_from_untrusted_fields(comfyui):

@@ -4,7 +4,7 @@ kohya's names, and one in diffusers' whose q / k / v / MLP layers are rows of Co
 21504 x 3072 weight: past 2^24 elements), four of its layers made for SDXL's width. The counts in the report are what
 the stock loader does: the weights ComfyUI's LoraLoader patches, its "lora key not loaded" warnings, and the layers
 whose update it cannot compute (its per-layer error), found by computing each patched weight on the meta device. The
-same for LoHa, LoKr and OFT files of every block's linear layers, three of each made for another width."""
+same for LoHa, LoKr, OFT, BOFT and GLoRA files of every block's linear layers, three of each made for another width."""
 from __future__ import annotations
 
 import time
@@ -50,8 +50,8 @@ def _stock(model, name: str, caplog) -> tuple[int, int, int]:
     import nodes
 
     def errors() -> int:
-        return sum(record.getMessage().startswith(("ERROR lora ", "ERROR loha ", "ERROR lokr ", "ERROR oft "))
-                   for record in caplog.records)
+        return sum(record.getMessage().startswith(("ERROR lora ", "ERROR loha ", "ERROR lokr ", "ERROR oft ",
+                                                   "ERROR boft ", "ERROR glora ")) for record in caplog.records)
 
     caplog.clear()
     applied = 0
@@ -101,9 +101,9 @@ def test_a_whole_flux_dev_lora_is_reported_as_the_stock_loader_applies_it(comfyu
 
 
 def _lycoris_file(kind: str, shapes: dict, misfits: int) -> tuple[dict[str, torch.Tensor], int]:
-    """(A LoHa / LoKr / OFT file (zeros, bf16, kohya's names) on every linear weight of Flux's blocks, the first
-    `misfits` layers made for another width: LoHa's products one column wider, LoKr's w1 one row taller, OFT one block
-    more; the number of its layers)."""
+    """(A LoHa / LoKr / OFT / BOFT / GLoRA file (zeros, bf16, kohya's names) on every linear weight of Flux's blocks,
+    the first `misfits` layers made for another width: LoHa's products one column wider, LoKr's w1 one row taller,
+    OFT and BOFT one block more, GLoRA's b2 one column wider; the number of its layers)."""
     state, layers = {}, 0
     for weight, shape in sorted(shapes.items()):
         if len(shape) != 2 or not weight.endswith(".weight") or \
@@ -118,21 +118,26 @@ def _lycoris_file(kind: str, shapes: dict, misfits: int) -> tuple[dict[str, torc
         elif kind == "lokr":  # w1 4 x 4, w2 the rest as a rank-16 product (Flux's widths are multiples of 4)
             state |= {f"{name}.lokr_w1": torch.zeros(4 + wrong, 4), f"{name}.lokr_w2_a": torch.zeros(rows // 4, RANK),
                       f"{name}.lokr_w2_b": torch.zeros(RANK, columns // 4)}
-        else:  # OFT: blocks of 16 rows
+        elif kind == "oft":  # blocks of 16 rows
             state[f"{name}.oft_blocks"] = torch.zeros(rows // 16 + wrong, 16, 16)
+        elif kind == "boft":  # two butterfly stages of 16-row blocks (Flux's rows are multiples of 32)
+            state[f"{name}.oft_blocks"] = torch.zeros(2, rows // 16 + wrong, 16, 16)
+        else:  # GLoRA: (W a1) a2 + b1 b2, b2 one column wider
+            state |= {f"{name}.a1.weight": torch.zeros(columns, RANK), f"{name}.a2.weight": torch.zeros(RANK, columns),
+                      f"{name}.b1.weight": torch.zeros(rows, RANK),
+                      f"{name}.b2.weight": torch.zeros(RANK, columns + wrong)}
         state[f"{name}.alpha"] = torch.tensor(float(RANK))
         layers += 1
     return {k: v.to(torch.bfloat16) if v.dim() else v for k, v in state.items()}, layers
 
 
-@pytest.mark.parametrize("kind", ["loha", "lokr", "oft"])
-def test_loha_lokr_and_oft_files_of_a_whole_flux_dev_are_checked_as_the_stock_loader_computes_them(comfyui, caplog,
-                                                                                                  kind):
+@pytest.mark.parametrize("kind", ["loha", "lokr", "oft", "boft", "glora"])
+def test_lycoris_files_of_a_whole_flux_dev_are_checked_as_the_stock_loader_computes_them(comfyui, caplog, kind):
     """Every linear layer of Flux.1-dev's 57 blocks (its 21504 x 3072 linear1: past 2^24 elements), three made for
-    another width: the report says those three do not fit and every other weight is patched. For LoHa and LoKr that
-    is the stock loader's count, each patched weight computed on the meta device as ComfyUI computes it; OFT's
-    rotation needs values (an inverse), so its count is the file's design here and the stock loader's at tiny width
-    (tests/comfy/test_inspect_lora.py)."""
+    another width: the report says those three do not fit and every other weight is patched. For LoHa, LoKr and
+    GLoRA that is the stock loader's count, each patched weight computed on the meta device as ComfyUI computes it;
+    OFT's and BOFT's rotations need values (an inverse), so their count is the file's design here and the stock
+    loader's at tiny width (tests/comfy/test_inspect_lora.py)."""
     import realsize_models
     from headroom.nodes import train_lora as T
     from headroom.nodes.bridge.inspect_lora import applied_by_load_lora
@@ -147,7 +152,7 @@ def test_loha_lokr_and_oft_files_of_a_whole_flux_dev_are_checked_as_the_stock_lo
         report = T.HeadroomInspectLora.execute(name, model).args[0]
     check = applied_by_load_lora(state, model, None)
     assert (check.model_weights, len(check.misfits), len(check.skipped), check.unchecked) == (layers - 3, 3, 0, 0)
-    if kind != "oft":
+    if kind not in ("oft", "boft"):
         assert (check.model_weights, 0, 3) == _stock(model, name, caplog)
     assert report.startswith(f"PARTLY APPLIES: Load LoRA patches {layers - 3} weights of the diffusion model"), report
     assert "! 3 layers do not fit the shape of the weight it patches" in report, report
