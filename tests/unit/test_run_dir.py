@@ -281,23 +281,52 @@ def test_a_large_write_the_disk_cannot_hold_fails_before_it_starts(tmp_path, mon
     assert (tmp_path / "big.safetensors").stat().st_size > files.ROOM_CHECKED_BYTES
 
 
-_TWO_FIT = r"""
-import ctypes, json, os, subprocess, sys
+_ON_TMPFS = r"""
+import ctypes, json, os, pathlib, subprocess, sys
 sys.path.insert(0, sys.argv[2])
 import conftest  # noqa: F401  (registers the repo as the package `headroom`)
 import torch
 from headroom.training.core.run_dir import RunDir
+from headroom.training.data import files
 from test_run_dir import _checkpoint
 
 disk = sys.argv[1]
 if ctypes.CDLL(None, use_errno=True).unshare(0x00020000) != 0:  # CLONE_NEWNS: the mount stays in this process
     print(json.dumps({"skip": "unshare(CLONE_NEWNS): " + os.strerror(ctypes.get_errno())}))
     sys.exit()
-for command in (["mount", "--make-rprivate", "/"], ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", disk]):
+for command in (["mount", "--make-rprivate", "/"],
+                ["mount", "-t", "tmpfs", "-o", "size=" + sys.argv[3], "tmpfs", disk]):
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode:
         print(json.dumps({"skip": " ".join(command) + ": " + done.stderr.strip()}))
         sys.exit()
+"""
+
+
+def _on_tmpfs(tmp_path, size: str, script: str) -> dict:
+    """Run `script` in a child process on a real tmpfs of `size` mounted at `disk`, in a mount namespace of its own
+    (RunDir, files, torch and _checkpoint imported); the JSON of its last line. Skips where that cannot be mounted
+    (not root)."""
+    import os
+    import pathlib
+    import subprocess
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root (run as root, e.g. in CI's container)")
+    tests = pathlib.Path(__file__).resolve().parents[1]
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    done = subprocess.run([sys.executable, "-c", _ON_TMPFS + script, str(disk), str(tests), size],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(tests / "unit")})
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    if "skip" in result:
+        pytest.skip(f"no tmpfs could be mounted here: {result['skip']}")
+    return result
+
+
+_TWO_FIT = r"""
 run = RunDir(disk, "run")
 saved, notes, error = [], [], None
 
@@ -327,21 +356,7 @@ def test_a_disk_with_room_for_two_checkpoints_keeps_saving(tmp_path):
     """A real tmpfs of 4 MiB and checkpoints of about 1.5 MiB: two fit, three do not. Each save from the third on
     removes the older checkpoint first and goes through (before, the third save failed with disk full and every
     later one too); the latest two are on disk and the latest loads."""
-    import os
-    import pathlib
-    import subprocess
-
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root (run as root, e.g. in CI's container)")
-    tests = pathlib.Path(__file__).resolve().parents[1]
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    done = subprocess.run([sys.executable, "-c", _TWO_FIT, str(disk), str(tests)], capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(tests / "unit")})
-    assert done.returncode == 0, done.stderr[-4000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
-    if "skip" in result:
-        pytest.skip(f"no tmpfs could be mounted here: {result['skip']}")
+    result = _on_tmpfs(tmp_path, "4m", _TWO_FIT)
     assert result["error"] is None and result["saved"] == [1, 2, 3, 4, 5], result
     assert result["notes"][:2] == ["", ""], result
     for step, note in zip((3, 4, 5), result["notes"][2:]):
@@ -352,23 +367,6 @@ def test_a_disk_with_room_for_two_checkpoints_keeps_saving(tmp_path):
 
 
 _FILLED_PART_WAY = r"""
-import ctypes, json, os, subprocess, sys
-sys.path.insert(0, sys.argv[2])
-import conftest  # noqa: F401  (registers the repo as the package `headroom`)
-import torch
-from headroom.training.core.run_dir import RunDir
-from headroom.training.data import files
-from test_run_dir import _checkpoint
-
-disk = sys.argv[1]
-if ctypes.CDLL(None, use_errno=True).unshare(0x00020000) != 0:  # CLONE_NEWNS: the mount stays in this process
-    print(json.dumps({"skip": "unshare(CLONE_NEWNS): " + os.strerror(ctypes.get_errno())}))
-    sys.exit()
-for command in (["mount", "--make-rprivate", "/"], ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", disk]):
-    done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode:
-        print(json.dumps({"skip": " ".join(command) + ": " + done.stderr.strip()}))
-        sys.exit()
 run = RunDir(disk, "run")
 run.save_checkpoint(_checkpoint(3))
 big = _checkpoint(6)
@@ -385,7 +383,7 @@ for drop_cached in (False, True):  # both ways a file is opened (os_compat.open_
     except Exception as error:
         errors[f"drop_cached={drop_cached}"] = f"{type(error).__name__}: {error}"
 print(json.dumps({"errors": errors, "latest": run.latest_step(), "loaded": run.load_checkpoint().step,
-                  "left": sorted(str(p.relative_to(disk)) for p in __import__("pathlib").Path(disk).rglob(".*"))}))
+                  "left": sorted(str(p.relative_to(disk)) for p in pathlib.Path(disk).rglob(".*"))}))
 """
 
 
@@ -393,21 +391,7 @@ def test_a_disk_that_fills_part_way_through_the_optimizer_state_says_disk_full(t
     """A real full disk (a 1 MiB tmpfs) met after part of optimizer.pt is written: torch.save's zip writer raises
     "unexpected pos ..." on its way out, over the file's OSError; the user sees the full disk (DiskFullError naming
     the checkpoint), the earlier checkpoint stays the latest and loads, and no temp file is left."""
-    import os
-    import pathlib
-    import subprocess
-
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root (run as root, e.g. in CI's container)")
-    tests = pathlib.Path(__file__).resolve().parents[1]
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    done = subprocess.run([sys.executable, "-c", _FILLED_PART_WAY, str(disk), str(tests)], capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(tests / "unit")})
-    assert done.returncode == 0, done.stderr[-4000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
-    if "skip" in result:
-        pytest.skip(f"no tmpfs could be mounted here: {result['skip']}")
+    result = _on_tmpfs(tmp_path, "1m", _FILLED_PART_WAY)
     assert sorted(result["errors"]) == ["checkpoint", "drop_cached=False", "drop_cached=True"], result
     assert result["errors"]["checkpoint"].startswith("DiskFullError: disk full: checkpoint of run 'run' at step 6"), \
         result
