@@ -339,8 +339,8 @@ class LoadLoraCheck:
         if self.misfits:
             verb = "does not fit" if len(self.misfits) == 1 else "do not fit"
             out.append(f"! {counted(len(self.misfits), 'layer')} {verb} the shape of the weight it patches (e.g. "
-                       f"{shown(min(self.misfits))}): ComfyUI logs an error and leaves it out (a LoCon Tucker core or a "
-                       "reshape that does not fit stops sampling instead); the file is for another model")
+                       f"{shown(min(self.misfits))}): ComfyUI logs an error and leaves it out (a LoCon Tucker core or "
+                       "a reshape that does not fit stops sampling instead); the file is for another model")
         if self.lacking:
             out.append(f"! {counted(len(self.lacking), 'layer')} name weights this model lacks (e.g. "
                        f"{shown(min(self.lacking))}): Load LoRA says \"NOT LOADED\"")
