@@ -370,9 +370,9 @@ def test_init_sizes_a_checkpoint_as_it_is_written(comfyui, optimizer, ema):
 def test_init_warns_when_the_checkpoints_it_keeps_would_fill_the_disk(comfyui, monkeypatch):
     """Room for one checkpoint but not for the latest and the next written beside it: the run opens, and the Init
     node says how much the checkpoints take against what is free (the refusal when not even one fits is met on a
-    real full tmpfs: tests/disk_full_cases.py "room for checkpoints"; room for two keeps saving: a save removes the
-    older first: a resumed run with nothing free opens, and its next save removes the older one first, as Train
-    Steps says). The free space is the one thing faked here."""
+    real full tmpfs: tests/disk_full_cases.py "room for checkpoints"). Room for two keeps saving: a resumed run's
+    older checkpoint counts as room, and its next save removes it first, as Train Steps says. The free space is the
+    one thing faked here."""
     from test_train_lora_nodes import _data, _init
 
     from headroom.nodes import train_lora as T
@@ -386,11 +386,13 @@ def test_init_warns_when_the_checkpoints_it_keeps_would_fill_the_disk(comfyui, m
     assert run.disk_note == "" and not any(note.startswith("disk:") for note in run.notes)  # this disk has room
     one = lora_trainable(model, run.config.adapter, "AdamW").checkpoint_bytes()
     run.release()
-    monkeypatch.setattr(model_files, "free_bytes", lambda path: 2 * one)  # room for two: no note
+    two = run_dir.disk_room_needed(one, 0)  # room for two (with what a save asks to spare): no note
+    assert two > 2 * one
+    monkeypatch.setattr(model_files, "free_bytes", lambda path: two)
     run = _init(model, latents, texts, "two_fit", rank=4, batch_size=2)
     assert run.disk_note == "", run.disk_note
     run.release()
-    monkeypatch.setattr(model_files, "free_bytes", lambda path: 2 * one - 1)
+    monkeypatch.setattr(model_files, "free_bytes", lambda path: two - 1)
     run = _init(model, latents, texts, "cramped", rank=4, batch_size=2)
     assert run.disk_note.startswith("disk: each checkpoint of run 'cramped' takes about ") and \
         "a save writes the next beside the latest" in run.disk_note and \
@@ -407,7 +409,8 @@ def test_init_warns_when_the_checkpoints_it_keeps_would_fill_the_disk(comfyui, m
     with pytest.raises(DiskFullError, match=refused):
         _init(model, latents, texts, "tight", rank=4, batch_size=2)
     assert not (model_files.runs_root() / "tight").exists()  # nothing was written
-    # a resumed run with its two checkpoints on disk and nothing free opens: its older one makes the room
+    # a resumed run with its two checkpoints on disk: its older one's room counts (nothing free: it opens, and says
+    # a later save will find the disk full; half a checkpoint free: no note)
     monkeypatch.undo()
     run = _init(model, latents, texts, "resumed", rank=4, batch_size=2)
     with torch.inference_mode():
@@ -415,6 +418,10 @@ def test_init_warns_when_the_checkpoints_it_keeps_would_fill_the_disk(comfyui, m
             T.HeadroomTrainSteps.execute(run, step)
     run.release()
     monkeypatch.setattr(model_files, "free_bytes", lambda path: 0)
+    run = _init(model, latents, texts, "resumed", rank=4, batch_size=2)
+    assert run.step == 2 and "a later save will find it full" in run.disk_note, run.disk_note
+    run.release()
+    monkeypatch.setattr(model_files, "free_bytes", lambda path: one // 2)
     run = _init(model, latents, texts, "resumed", rank=4, batch_size=2)
     assert run.step == 2 and run.disk_note == "", run.disk_note
     # and its next save removes the older first (the disk holding half a checkpoint here), as Train Steps says

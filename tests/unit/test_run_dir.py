@@ -165,18 +165,23 @@ def test_the_room_checkpoints_need_counts_the_ones_a_run_already_has(tmp_path):
     """A new run needs room for its latest checkpoint and the next, written beside it (older ones go first where the
     disk holds no more); a resumed run's folders already take theirs. Only step folder names count (not temp or
     other names)."""
-    from headroom.training.core.run_dir import KEEP_CHECKPOINTS, checkpoints_on_disk, disk_room_needed
+    from headroom.training.core.run_dir import (KEEP_CHECKPOINTS, checkpoints_on_disk, disk_room_needed,
+                                                next_checkpoint_room)
 
+    one = 100 << 20  # a save asks for the next beside the latest with 1 % + 64 KiB to spare
+    assert next_checkpoint_room(one) == one + (1 << 20) + (64 << 10)
     assert KEEP_CHECKPOINTS == 2 and checkpoints_on_disk(tmp_path, "run") == 0
-    assert disk_room_needed(100, 0) == 200
+    assert disk_room_needed(one, 0) == one + next_checkpoint_room(one)
     run = RunDir(tmp_path, "run")
     run.save_checkpoint(_checkpoint(3))
     (run.path / "checkpoints" / ".step_00000009.hrtmp-1-abc").mkdir()
     (run.path / "checkpoints" / "notes.txt").write_text("x")
-    assert checkpoints_on_disk(tmp_path, "run") == 1 and disk_room_needed(100, 1) == 100
+    assert checkpoints_on_disk(tmp_path, "run") == 1 and disk_room_needed(one, 1) == next_checkpoint_room(one)
     for step in (6, 9):
         run.save_checkpoint(_checkpoint(step))
-    assert checkpoints_on_disk(tmp_path, "run") == 2 and disk_room_needed(100, 2) == 0
+    # the older folder's room counts: what the save asks for beyond it
+    assert checkpoints_on_disk(tmp_path, "run") == 2 and disk_room_needed(one, 2) == (1 << 20) + (64 << 10)
+    assert disk_room_needed(one, 3) == 0
     # a run folder leading outside the root (an uploaded symlink) is not listed: the outside folder's steps count none
     (tmp_path / "root").mkdir()
     (tmp_path / "root" / "linked").symlink_to(run.path, target_is_directory=True)

@@ -356,7 +356,7 @@ class RunDir:
         if free is None or not older:
             return
         latest = pointer[1]
-        want = int(max(needed, _folder_bytes(latest)) * 1.01) + (64 << 10)  # histories grow; blocks round up
+        want = next_checkpoint_room(max(needed, _folder_bytes(latest)))
         if free >= want:
             return
         freed = sum(_folder_bytes(path) for path in older)
@@ -497,10 +497,19 @@ def checkpoints_on_disk(root: str | os.PathLike, name: str) -> int:
     return sum(1 for entry in entries if _CHECKPOINT_FOLDER.fullmatch(entry))
 
 
+def next_checkpoint_room(checkpoint_bytes: int) -> int:
+    """The free space a save asks for beside the latest checkpoint (RunDir._make_room): the checkpoint, and a margin
+    for its histories' growth and the file system's blocks."""
+    return int(checkpoint_bytes * 1.01) + (64 << 10)
+
+
 def disk_room_needed(checkpoint_bytes: int, kept: int) -> int:
-    """The free space a run needs to keep saving, beyond the `kept` checkpoint folders already there: its latest and
-    the next, written beside it (where the disk holds no more, the older ones go first: RunDir._make_room)."""
-    return max(0, 2 - kept) * checkpoint_bytes
+    """The free space a run needs to keep saving, beyond the `kept` checkpoint folders already there: the first
+    checkpoint where there is none, then the next beside the latest (next_checkpoint_room), the older folders' room
+    counted (where the disk holds no more, they go first: RunDir._make_room)."""
+    if kept == 0:
+        return checkpoint_bytes + next_checkpoint_room(checkpoint_bytes)
+    return max(0, next_checkpoint_room(checkpoint_bytes) - (kept - 1) * checkpoint_bytes)
 
 
 def _json_history(history: list) -> list:
