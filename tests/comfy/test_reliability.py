@@ -389,7 +389,7 @@ def test_init_warns_when_the_checkpoints_it_keeps_would_fill_the_disk(comfyui, m
     two = run_dir.disk_room_needed(one, 0)  # room for two (with what a save asks to spare): no note
     assert two > 2 * one
     monkeypatch.setattr(model_files, "free_bytes", lambda path: two)
-    run = _init(model, latents, texts, "two_fit", rank=4, batch_size=2)
+    run = _init(model, latents, texts, "disk_two_fit", rank=4, batch_size=2)
     assert run.disk_note == "", run.disk_note
     run.release()
     monkeypatch.setattr(model_files, "free_bytes", lambda path: two - 1)
@@ -412,20 +412,20 @@ def test_init_warns_when_the_checkpoints_it_keeps_would_fill_the_disk(comfyui, m
     # a resumed run with its two checkpoints on disk: its older one's room counts (nothing free: it opens, and says
     # a later save will find the disk full; half a checkpoint free: no note)
     monkeypatch.undo()
-    run = _init(model, latents, texts, "resumed", rank=4, batch_size=2)
+    run = _init(model, latents, texts, "disk_resumed", rank=4, batch_size=2)
     with torch.inference_mode():
         for step in (1, 2):
             T.HeadroomTrainSteps.execute(run, step)
     run.release()
     monkeypatch.setattr(model_files, "free_bytes", lambda path: 0)
-    run = _init(model, latents, texts, "resumed", rank=4, batch_size=2)
+    run = _init(model, latents, texts, "disk_resumed", rank=4, batch_size=2)
     assert run.step == 2 and "a later save will find it full" in run.disk_note, run.disk_note
     run.release()
     monkeypatch.setattr(model_files, "free_bytes", lambda path: one // 2)
-    run = _init(model, latents, texts, "resumed", rank=4, batch_size=2)
+    run = _init(model, latents, texts, "disk_resumed", rank=4, batch_size=2)
     assert run.step == 2 and run.disk_note == "", run.disk_note
     # and its next save removes the older first (the disk holding half a checkpoint here), as Train Steps says
-    folder = model_files.runs_root() / "resumed" / "checkpoints"
+    folder = model_files.runs_root() / "disk_resumed" / "checkpoints"
     monkeypatch.setattr(run_dir, "free_bytes", lambda path: run_dir._folder_bytes(folder / "step_00000002") // 2)
     with torch.inference_mode():
         text = T.HeadroomTrainSteps.execute(run, 3).ui["text"]
