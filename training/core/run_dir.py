@@ -347,15 +347,17 @@ class RunDir:
         keeps saving. The latest stays until the next is whole. The next is sized as the larger of its tensors and
         the latest on disk (the same tensors, with what the files add), plus a margin; where removing would not make
         that room, nothing is removed and the save says "disk full" as it would have."""
-        free = free_bytes(checkpoints)
         try:
             pointer = self._pointer()
-            older = [path for path in _checkpoint_folders(checkpoints) if pointer is not None and path != pointer[1]]
+            if pointer is None:
+                return
+            latest = pointer[1]
+            older = [path for path in _checkpoint_folders(checkpoints) if path != latest]
         except (CheckpointError, OSError):  # a damaged pointer or no folder: the save replaces / makes them
             return
-        if free is None or not older:
+        free = free_bytes(checkpoints) if older else None
+        if free is None:
             return
-        latest = pointer[1]
         want = next_checkpoint_room(max(needed, _folder_bytes(latest)))
         if free >= want:
             return
@@ -387,12 +389,9 @@ class RunDir:
         """Keep the checkpoint just written and the newest of earlier steps (KEEP_CHECKPOINTS in all); older
         steps and other copies of the kept step go."""
         kept_step = int(_CHECKPOINT_FOLDER.fullmatch(keep.name).group(1))
-        folders = []
-        for path in (self.path / "checkpoints").iterdir():
-            match = _CHECKPOINT_FOLDER.fullmatch(path.name)
-            if match and path != keep and not path.is_symlink():
-                folders.append(((int(match.group(1)), int(match.group(2) or 0)), path))
-        folders.sort()
+        folders = sorted(((int(match.group(1)), int(match.group(2) or 0)), path)
+                         for path in _checkpoint_folders(self.path / "checkpoints") if path != keep
+                         for match in [_CHECKPOINT_FOLDER.fullmatch(path.name)])
         earlier = [path for (step, _), path in folders if step < kept_step]
         doomed = [path for (step, _), path in folders if step >= kept_step]
         doomed += earlier[: max(0, len(earlier) - (KEEP_CHECKPOINTS - 1))]

@@ -313,6 +313,7 @@ def write_atomic(path: str | os.PathLike, write: Callable[[Path], None], what: s
     that much free: check_room) naming `what`."""
     path = Path(path)
     temp = None
+    check_room(path, at_least, what, needed)  # before anything is made
     try:
         problem = os_compat.path_length_problem(path.parent, len(temp_name(path.name) + ".tmp"))
         if problem:
@@ -320,7 +321,6 @@ def write_atomic(path: str | os.PathLike, write: Callable[[Path], None], what: s
                              "before is kept as it was.")
         if make_parents:
             path.parent.mkdir(parents=True, exist_ok=True)
-        check_room(path, at_least, what, needed)
         temp = path.parent / (temp_name(path.name) + ".tmp")
         _new_file(temp)
         write(temp)
