@@ -231,7 +231,8 @@ def keep_saves_input():
     return io.Int.Input("keep_saves", advanced=True, default=0, min=0, max=10_000, optional=True,
                         tooltip="Keep only the newest this many of the run's step saves (<run>_step<N>) in the "
                         "subfolder, removing older ones after each save (ai-toolkit's max_step_saves_to_keep); only "
-                        "files this run wrote are removed. 0: keep every save.")
+                        "files this run wrote are removed; at 2 or more, where the disk has no room for the next "
+                        "save, the older ones go before it is written. 0: keep every save.")
 
 
 def validation_inputs(optional: bool) -> list:

@@ -27,8 +27,8 @@ from .bridge.comfy_bridge import TrainingRun, check_run_kind, node_id, node_name
 from .bridge.comfy_model import (check_caches, check_quantized_kind, check_reference_cache, check_trainable,
                                  missing_inputs_note, model_family)
 from .bridge.model_files import (MERGE_DTYPES, MERGE_FORMATS, MERGE_NONE, RESIZE_DTYPES, check_disk_room,
-                                 prune_step_saves, runs_root, save_extracted_lora, save_lora, save_resized_lora,
-                                 step_save_name)
+                                 make_room_for_step_save, prune_step_saves, runs_root, save_extracted_lora, save_lora,
+                                 save_resized_lora, saves_room_note, saves_to_come, step_save_name)
 from .bridge.inspect_lora import file_fingerprint, inspect_lora
 from .bridge.merge_loras import save_merged_lora
 from .bridge.planning import check_host_ram, lora_trainable, plan_for_card
@@ -822,6 +822,14 @@ def train_validate_save(node_cls, start, save, steps: int, validate_every: int, 
     run = start(**{k: v for k, v in inputs.items() if k not in names})
     note = steps_note(label, run, steps, "steps")
     previews, loss, name, saved, pruned, prune_problems = None, float("nan"), "", [], [], []
+    # the saves to come against the disk of models/<folder>: said before the first step (the Init part said the
+    # checkpoints'), on the node and in the log
+    disk_notes = [n for n in [saves_room_note(run, saved_as[1], subfolder, keep_saves,
+                                              saves_to_come(run.step, steps, save_every),
+                                              run.trained.save_bytes(run))] if n]
+    if disk_notes:
+        logging.warning("%s: %s", label, disk_notes[0])
+        send_node_text("\n".join([*run.notes, *disk_notes]), node_id(node_cls))
     while True:
         target = min(t for t in (steps, _next(run.step, validate_every), _next(run.step, save_every)) if t)
         run.train_to(target, node_id=node_id(node_cls), checkpoint_every=checkpoint_every,
@@ -834,6 +842,10 @@ def train_validate_save(node_cls, start, save, steps: int, validate_every: int, 
                 if "before_after" in run.last_validation:
                     saved.append(saved_file("before/after grid", "output", run.last_validation["before_after"]))
         if done or (save_every and run.step % save_every == 0):
+            room_note, problems = make_room_for_step_save(run, saved_as[1], subfolder, keep_saves,
+                                                          run.trained.save_bytes(run))
+            disk_notes += [room_note] if room_note else []
+            prune_problems += [f"Warning: {problem}" for problem in problems]
             name = save(run)
             saved.append(saved_file(*saved_as, name))
             if keep_saves:
@@ -846,7 +858,7 @@ def train_validate_save(node_cls, start, save, steps: int, validate_every: int, 
             break
     history = {**run.history(steps), **({"note": note} if note else {})}
     outputs = {**shown_images(run, previews), HISTORY_KEY: [history],
-               "text": [*run.notes, *([note] if note else []), *run.fallback.untold(),
+               "text": [*run.notes, *disk_notes, *([note] if note else []), *run.fallback.untold(),
                         *([saved_text(run, *saved_as, name)] if name else []),
                         *([f"{len(pruned)} older save(s) removed (keep_saves {keep_saves}): {', '.join(pruned)}"]
                           if pruned else []), *prune_problems],

@@ -13,7 +13,8 @@ from collections.abc import Callable
 import folder_paths
 import torch
 
-from ...training.core.run_dir import NAME_MAX, check_name, check_subfolder, checkpoints_on_disk, disk_room_needed
+from ...training.core.run_dir import (NAME_MAX, check_name, check_subfolder, checkpoints_on_disk, disk_room_needed,
+                                      next_checkpoint_room)
 from ...training.data.files import (DiskFullError, UntrustedFileError, display_path, format_bytes, free_bytes,
                                    open_regular, prune_temp, relative_text, save_safetensors)
 from ...training.memory.planner import TrainableSpec
@@ -206,32 +207,130 @@ def step_save_name(run: TrainingRun) -> str:
     return f"{run.run_dir.name}_step{run.step:06d}"
 
 
-def prune_step_saves(run: TrainingRun, folder: str, subfolder: str, keep: int) -> tuple[list[str], list[str]]:
-    """Remove all but the newest `keep` of the run's step saves (step_save_name) in models/<folder>/<subfolder>/, as
-    ai-toolkit's max_step_saves_to_keep does: (names removed, problems). A file is removed only when its metadata says
-    this run wrote it (the run's name and base fingerprint): a file of the same name from anything else stays. A
-    file that cannot be removed (on Windows: open in a loader) is named in the problems; the run goes on."""
+def _step_saves_folder(folder: str, subfolder: str) -> pathlib.Path:
     root = pathlib.Path(folder_paths.get_folder_paths(folder)[0])
-    directory = root / subfolder if subfolder else root
+    return root / subfolder if subfolder else root
+
+
+def _step_saves(run: TrainingRun, directory: pathlib.Path) -> list[os.DirEntry]:
+    """The files in `directory` named as `run`'s step saves (step_save_name), oldest step first (OSError: it cannot be
+    listed). Whether the run wrote them is asked of each where it matters (_written_by)."""
     pattern = re.compile(re.escape(run.run_dir.name) + r"_step(\d{6,})\.safetensors")
-    try:
-        entries = [(int(match[1]), entry) for entry in os.scandir(directory)
-                   if (match := pattern.fullmatch(entry.name)) and entry.is_file(follow_symlinks=False)]
-    except OSError as error:
-        return [], [f"older saves not pruned: {directory.name} cannot be listed ({error.strerror})"]
-    removed, problems = [], []
-    for _, entry in sorted(entries)[:-keep] if len(entries) > keep else []:
+    entries = [(int(match[1]), entry) for entry in os.scandir(directory)
+               if (match := pattern.fullmatch(entry.name)) and entry.is_file(follow_symlinks=False)]
+    return [entry for _, entry in sorted(entries, key=lambda pair: pair[0])]
+
+
+def _remove_step_saves(run: TrainingRun, folder: str, entries: list[os.DirEntry],
+                       enough: Callable[[int], bool] = lambda removed_bytes: False) -> tuple[list[str], list[str]]:
+    """Remove those of `entries` the run wrote, in order, until `enough(bytes removed)`: (names removed, problems).
+    A file that cannot be removed (on Windows: open in a loader) is named in the problems."""
+    removed, problems, removed_bytes = [], [], 0
+    for entry in entries:
+        if enough(removed_bytes):
+            break
         if not _written_by(run, entry.path):
             continue
         try:
+            size = entry.stat(follow_symlinks=False).st_size
             os.remove(entry.path)
         except OSError as error:
             problems.append(f"older save {entry.name} not removed ({error.strerror}; open in a loader?)")
             continue
         removed.append(entry.name)
+        removed_bytes += size
     if removed:
         folder_paths.filename_list_cache.pop(folder, None)  # the loaders' lists drop the removed names
     return removed, problems
+
+
+def prune_step_saves(run: TrainingRun, folder: str, subfolder: str, keep: int) -> tuple[list[str], list[str]]:
+    """Remove all but the newest `keep` of the run's step saves (step_save_name) in models/<folder>/<subfolder>/, as
+    ai-toolkit's max_step_saves_to_keep does: (names removed, problems). A file is removed only when its metadata says
+    this run wrote it (the run's name and base fingerprint): a file of the same name from anything else stays. A
+    file that cannot be removed (on Windows: open in a loader) is named in the problems; the run goes on."""
+    directory = _step_saves_folder(folder, subfolder)
+    try:
+        entries = _step_saves(run, directory)
+    except OSError as error:
+        return [], [f"older saves not pruned: {directory.name} cannot be listed ({error.strerror})"]
+    return _remove_step_saves(run, folder, entries[:-keep] if len(entries) > keep else [])
+
+
+def make_room_for_step_save(run: TrainingRun, folder: str, subfolder: str, keep: int,
+                            one: int) -> tuple[str, list[str]]:
+    """Before an all-in-one node's step save with keep_saves `keep` >= 2: where the disk of models/<folder>/<subfolder>
+    has no room for the next save (about as large as the run's newest there, else `one` bytes), but would have after
+    removing the run's older saves that the prune after the save removes anyway (all but the newest keep - 1), those
+    go first, oldest first, as few as make the room. At least one whole save stays while the next is written (with
+    keep 1 nothing is removed first: the save finds the disk full and says so). Returns (the note saying what was
+    removed, or "", problems)."""
+    if keep < 2:
+        return "", []
+    directory = _step_saves_folder(folder, subfolder)
+    free = free_bytes(directory)
+    try:
+        entries = _step_saves(run, directory)
+        older = entries[:-(keep - 1)]
+        if not older or free is None:
+            return "", []
+        newest = max(entries[-1].stat(follow_symlinks=False).st_size, one)
+        needed = next_checkpoint_room(newest)
+        if free >= needed:
+            return "", []
+        ours = [entry for entry in older if _written_by(run, entry.path)]
+        removable = sum(entry.stat(follow_symlinks=False).st_size for entry in ours)
+    except OSError:
+        return "", []  # a folder or file gone meanwhile: the save goes on (the prune after it says what it finds)
+    if free + removable < needed:
+        return "", []  # removing would not make the room: everything stays, and the save says disk full
+    removed, problems = _remove_step_saves(run, folder, ours, lambda removed_bytes: free + removed_bytes >= needed)
+    if not removed:
+        return "", problems
+    note = (f"disk: the older save(s) {', '.join(removed)} removed before step {run.step} was saved, to make room "
+            f"({format_bytes(free)} was free in {display_path(directory)}, a save takes about "
+            f"{format_bytes(newest)}); keep_saves {keep} keeps the newest {keep}")
+    logging.warning("%s", note)
+    return note, problems
+
+
+def saves_to_come(step: int, steps: int, save_every: int) -> int:
+    """How many step saves an all-in-one node makes from `step` to `steps`: every `save_every` steps and at the end."""
+    if steps <= step:
+        return 0
+    periodic = steps // save_every - step // save_every if save_every else 0
+    return periodic + (0 if save_every and steps % save_every == 0 else 1)
+
+
+def saves_room_note(run: TrainingRun, folder: str, subfolder: str, keep: int, to_come: int, one: int) -> str:
+    """Before an all-in-one node trains: where its `to_come` step saves (each about as large as the run's newest
+    there, else `one` bytes) will not fit the free space of models/<folder>/<subfolder> at their peak (with keep_saves
+    `keep`: the newest `keep` of the run's saves, beside which the next is written where the room is there, the older
+    ones removed first where not; make_room_for_step_save), the warning the node shows: a later save will find the
+    disk full (the run's checkpoint keeps its steps). Else ""."""
+    directory = _step_saves_folder(folder, subfolder)
+    free = free_bytes(directory)
+    if not to_come or free is None:
+        return ""
+    try:
+        sizes = [entry.stat(follow_symlinks=False).st_size for entry in _step_saves(run, directory)
+                 if _written_by(run, entry.path)]
+    except OSError:
+        sizes = []
+    one = max(sizes[-1] if sizes else 0, one)
+    if not one:
+        return ""
+    # At the peak: every save (keep 0), or the newest `keep` with the next written beside the only one (keep 1).
+    peak = len(sizes) + to_come if not keep else min(len(sizes) + to_come, max(keep, 2))
+    needed = peak * one - sum(sizes)
+    if free >= needed:
+        return ""
+    advice = ("set keep_saves (the newest that many are kept: 2 needs room for two), or save less often (save_every)"
+              if not keep else "lower keep_saves")
+    kept = f" (keep_saves {keep})" if keep else ""
+    return (f"disk: each save of run '{run.run_dir.name}' takes about {format_bytes(one)}; the {to_come} still to come "
+            f"need about {format_bytes(needed)} more{kept}, and {format_bytes(free)} is free on the disk of "
+            f"{display_path(directory)}: a later save will find it full. Free space there, or {advice}")
 
 
 def _written_by(run: TrainingRun, path: str) -> bool:

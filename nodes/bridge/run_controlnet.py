@@ -151,6 +151,10 @@ class ControlNetTraining:
         with run.weights(weights) as used:
             save_controlnet(self.controlnet, path, {**self.metadata(run), "headroom.weights": used})
 
+    def save_bytes(self, run) -> int:
+        """About what `save` writes: the ControlNet's tensors as it holds them (model_files.saves_room_note)."""
+        return sum(t.numel() * t.element_size() for t in self.controlnet.state_dict(copy=False).values())
+
     def describe(self, run) -> str:
         return f"{self.controlnet.type_name} ControlNet, {self.controlnet.blocks} blocks"
 

@@ -427,6 +427,12 @@ class LoraTraining:
         save_safetensors(path, state, f"LoRA {path.name}", metadata=metadata)
         return kept.summary()
 
+    def save_bytes(self, run) -> int:
+        """About what an all-in-one node's save (`save` in fp32, the comfyui format) writes: the trained tensors in
+        fp32 (a full fine-tune's differences are as many), before any save is on disk to say
+        (model_files.saves_room_note)."""
+        return 4 * sum(p.numel() for p in self.adapters.parameters())
+
     def describe(self, run) -> str:
         adapter = run.config.adapter
         if adapter.kind == "full":

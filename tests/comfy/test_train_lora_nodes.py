@@ -1356,6 +1356,58 @@ def test_keep_saves_removes_only_the_runs_own_older_step_saves(comfyui, monkeypa
                                "access the file") for line in last.ui["text"])
 
 
+def test_step_saves_make_room_on_a_short_disk_and_say_when_they_will_not_fit(comfyui, monkeypatch):
+    """keep_saves 2 on a disk with room for no third save: before the next save the older one goes first (the prune
+    after the save would remove it anyway), and the node says so; where removing would not make the room, nothing
+    is removed. keep_saves 0 with room for fewer saves than are to come: the node says so before the first step."""
+    import folder_paths
+
+    from headroom.nodes import train_lora as T
+    from headroom.nodes.bridge import model_files
+    from headroom.training.data.files import format_bytes
+
+    assert [model_files.saves_to_come(*case) for case in ((0, 10, 4), (0, 8, 4), (0, 5, 0), (5, 5, 2), (3, 10, 3),
+                                                           (4, 9, 4))] == [3, 2, 1, 0, 3, 2]
+    model, _, _, latents, texts = _data("sd15")
+    folder = pathlib.Path(folder_paths.get_folder_paths("loras")[0]) / "roomy"
+    with torch.inference_mode():
+        lora = T.HeadroomLoraConfig.execute("lora", 4, 4.0, "preset", False, 0.0, 0).args[0]
+        opt = T.HeadroomOptimizerConfig.execute("AdamW", 1e-3, 0.0, "constant", 0, 100).args[0]
+        inputs = dict(model=model, latent_cache=latents, text_cache=texts, lora_config=lora, optimizer_config=opt,
+                      run_name="keep_room", seed=0, batch_size=2, grad_accumulation=1, precision="fp32",
+                      max_grad_norm=1.0, caption_dropout=0.0, timestep_sampling="uniform", loss_weighting="none",
+                      min_snr_gamma=5.0, noise_offset=0.0, gradient_checkpointing=False, checkpoint_depth=1,
+                      holdout=0, validate_every=0, save_every=1, lora_subfolder="roomy")
+        first = T.HeadroomTrainLora.execute(steps=2, keep_saves=2, **inputs)
+        assert not [line for line in first.ui["text"] if line.startswith(("disk: each save", "disk: the older save"))]
+        one = (folder / "keep_room_step000002.safetensors").stat().st_size
+        run = first.args[1]
+        # what an all-in-one save writes, estimated before any is on disk: the trained tensors in fp32
+        assert one - 64 * 1024 < run.trained.save_bytes(run) <= one
+        # removing the older would not make the room: nothing removed (the save then says disk full)
+        monkeypatch.setattr(model_files, "free_bytes", lambda path: 0)
+        assert model_files.make_room_for_step_save(run, "loras", "roomy", 2, one) == ("", [])
+        assert len(list(folder.iterdir())) == 2
+        # room for one save, not with the margin a save asks for (1 % + 64 KiB): the older goes first
+        monkeypatch.setattr(model_files, "free_bytes", lambda path: one)
+        third = T.HeadroomTrainLora.execute(steps=3, keep_saves=2, **inputs)
+    assert sorted(p.name for p in folder.iterdir()) == ["keep_room_step000002.safetensors",
+                                                        "keep_room_step000003.safetensors"]
+    notes = [line for line in third.ui["text"] if line.startswith(("disk: each save", "disk: the older save"))]
+    assert notes == [f"disk: the older save(s) keep_room_step000001.safetensors removed before step 3 was saved, to "
+                     f"make room ({format_bytes(one)} was free in models/loras/roomy, a save takes about "
+                     f"{format_bytes(one)}); keep_saves 2 keeps the newest 2"], third.ui["text"]
+    # keep_saves 0, two saves to come and room for one: said before the first step, and the saves go on
+    with torch.inference_mode():
+        fifth = T.HeadroomTrainLora.execute(steps=5, keep_saves=0, **inputs)
+    assert [line for line in fifth.ui["text"] if line.startswith("disk: each save")] == [
+        f"disk: each save of run 'keep_room' takes about {format_bytes(one)}; the 2 still to come need about "
+        f"{format_bytes(2 * one)} more, and {format_bytes(one)} is free on the disk of models/loras/roomy: a "
+        "later save will find it full. Free space there, or set keep_saves (the newest that many are kept: 2 needs "
+        "room for two), or save less often (save_every)"]
+    assert len(list(folder.iterdir())) == 4
+
+
 @pytest.mark.parametrize("batch_size,grad_accumulation,expected", [(2, 1, "2 steps"), (2, 2, "1 step"),
                                                                   (3, 1, "2 steps"), (4, 2, "about 0.5 steps")])
 def test_init_says_how_many_steps_an_epoch_is(comfyui, batch_size, grad_accumulation, expected):
