@@ -1307,6 +1307,19 @@ def test_prompt_lines_with_kohyas_sample_options_sample_as_the_stock_nodes_would
     assert run.step == 0
 
 
+def _saving_every_step(model, latents, texts, run_name: str, subfolder: str, **more) -> dict:
+    """Train LoRA's inputs for a LoRA of rank 4 saved every step to models/loras/`subfolder`."""
+    from headroom.nodes import train_lora as T
+
+    lora = T.HeadroomLoraConfig.execute("lora", 4, 4.0, "preset", False, 0.0, 0).args[0]
+    opt = T.HeadroomOptimizerConfig.execute("AdamW", 1e-3, 0.0, "constant", 0, 100).args[0]
+    return dict(model=model, latent_cache=latents, text_cache=texts, lora_config=lora, optimizer_config=opt,
+                run_name=run_name, seed=0, batch_size=2, grad_accumulation=1, precision="fp32", max_grad_norm=1.0,
+                caption_dropout=0.0, timestep_sampling="uniform", loss_weighting="none", min_snr_gamma=5.0,
+                noise_offset=0.0, gradient_checkpointing=False, checkpoint_depth=1, holdout=0, validate_every=0,
+                save_every=1, lora_subfolder=subfolder, **more)
+
+
 def test_keep_saves_removes_only_the_runs_own_older_step_saves(comfyui, monkeypatch):
     """Train LoRA keep_saves 2, saving every step to 4 and then continuing to 5: the newest two step saves stay after
     each save; the older ones this run wrote are removed, and the node says which. A file of the same name that
@@ -1324,13 +1337,7 @@ def test_keep_saves_removes_only_the_runs_own_older_step_saves(comfyui, monkeypa
               metadata={"headroom.run": "keep_two", "headroom.base_fingerprint": "another model"})
     (folder / "keep_two_step000001.safetensors.txt").write_text("not a save")
     with torch.inference_mode():
-        lora = T.HeadroomLoraConfig.execute("lora", 4, 4.0, "preset", False, 0.0, 0).args[0]
-        opt = T.HeadroomOptimizerConfig.execute("AdamW", 1e-3, 0.0, "constant", 0, 100).args[0]
-        inputs = dict(model=model, latent_cache=latents, text_cache=texts, lora_config=lora, optimizer_config=opt,
-                      run_name="keep_two", seed=0, batch_size=2, grad_accumulation=1, precision="fp32",
-                      max_grad_norm=1.0, caption_dropout=0.0, timestep_sampling="uniform", loss_weighting="none",
-                      min_snr_gamma=5.0, noise_offset=0.0, gradient_checkpointing=False, checkpoint_depth=1,
-                      holdout=0, validate_every=0, save_every=1, lora_subfolder="pruned", keep_saves=2)
+        inputs = _saving_every_step(model, latents, texts, "keep_two", "pruned", keep_saves=2)
         first = T.HeadroomTrainLora.execute(steps=4, **inputs)
         assert sorted(p.name for p in folder.iterdir()) == [
             "keep_two_step000000.safetensors", "keep_two_step000001.safetensors.txt",
@@ -1371,13 +1378,7 @@ def test_step_saves_make_room_on_a_short_disk_and_say_when_they_will_not_fit(com
     model, _, _, latents, texts = _data("sd15")
     folder = pathlib.Path(folder_paths.get_folder_paths("loras")[0]) / "roomy"
     with torch.inference_mode():
-        lora = T.HeadroomLoraConfig.execute("lora", 4, 4.0, "preset", False, 0.0, 0).args[0]
-        opt = T.HeadroomOptimizerConfig.execute("AdamW", 1e-3, 0.0, "constant", 0, 100).args[0]
-        inputs = dict(model=model, latent_cache=latents, text_cache=texts, lora_config=lora, optimizer_config=opt,
-                      run_name="keep_room", seed=0, batch_size=2, grad_accumulation=1, precision="fp32",
-                      max_grad_norm=1.0, caption_dropout=0.0, timestep_sampling="uniform", loss_weighting="none",
-                      min_snr_gamma=5.0, noise_offset=0.0, gradient_checkpointing=False, checkpoint_depth=1,
-                      holdout=0, validate_every=0, save_every=1, lora_subfolder="roomy")
+        inputs = _saving_every_step(model, latents, texts, "keep_room", "roomy")
         first = T.HeadroomTrainLora.execute(steps=2, keep_saves=2, **inputs)
         assert not [line for line in first.ui["text"] if line.startswith(("disk: each save", "disk: the older save"))]
         one = (folder / "keep_room_step000002.safetensors").stat().st_size
