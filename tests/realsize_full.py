@@ -187,9 +187,12 @@ def run(size: int = 64) -> dict:
         # what Init checked the disk's room with (nodes/bridge/model_files.check_disk_room)
         report["planned_checkpoint_bytes"] = lora_trainable(model, adapter, "AdamW").checkpoint_bytes()
         report["layers"] = len(run.adapters.layers)
+        # what the all-in-one nodes size their saves with before one is on disk (model_files.saves_room_note)
+        report["save_bytes_estimate"] = run.trained.save_bytes(run)
         with W.Peak() as peak:
             name = T.HeadroomSaveLora.execute(run, "realsize", "realsize_full_difference", "fp32").args[0]
         report["phases"].append(peak.record("save (differences)"))
+        report["saved_bytes"] = os.path.getsize(folder_paths.get_full_path("loras", name))
         differences = dict(run.adapters.differences())  # {"<layer>.weight" | "<layer>.bias": W' - W}, fp32
         release_run(run)
         del run
