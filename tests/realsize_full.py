@@ -186,6 +186,7 @@ def run(size: int = 64) -> dict:
         report["planned_params"] = lora_trainable(model, adapter, "AdamW").param_count
         # what Init checked the disk's room with (nodes/bridge/model_files.check_disk_room)
         report["planned_checkpoint_bytes"] = lora_trainable(model, adapter, "AdamW").checkpoint_bytes()
+        report["planned_save_bytes"] = lora_trainable(model, adapter, "AdamW").save_bytes()  # the Memory Plan's
         report["layers"] = len(run.adapters.layers)
         # what the all-in-one nodes size their saves with before one is on disk (model_files.saves_room_note)
         report["save_bytes_estimate"] = run.trained.save_bytes(run)

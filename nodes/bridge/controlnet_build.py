@@ -187,7 +187,7 @@ def controlnet_trainable(model_patcher, blocks: int, optimizer: str, dtype: torc
     planner: built on the meta device (shapes only, no memory)."""
     controlnet_type, _, _, config = _controlnet_config(model_patcher, blocks)
     module = controlnet_type.make_module(config, dtype, "meta", comfy.ops.disable_weight_init)
-    return dataclasses.replace(TrainableSpec.from_parameters(module.parameters(), optimizer),
+    return dataclasses.replace(TrainableSpec.from_parameters(module.parameters(), optimizer), saved_as_trained=True,
                                **controlnet_step_blocks(model_patcher, blocks))
 
 

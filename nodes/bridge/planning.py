@@ -641,7 +641,8 @@ def _run_inputs(run) -> tuple:
     blocks, outside = planner.unread_base(named_blocks, unread) if unread else ((), 0)
     per_block = planner.trained_per_block(named_blocks, unread) if unread else ()
     if getattr(config, "adapter", None) is None:  # a ControlNet run: the base trains nothing, the control joins it
-        step_blocks = controlnet_build.controlnet_step_blocks(run.source_model, config.blocks)
+        step_blocks = {**controlnet_build.controlnet_step_blocks(run.source_model, config.blocks),
+                       "saved_as_trained": True}
     else:
         step_blocks = {"without_backward": blocks_without_backward(run.source_model, named_blocks,
                                                                    list(run.adapters.layers))}

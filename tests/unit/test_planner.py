@@ -17,6 +17,7 @@ from headroom.training.memory.lowbit import LowBitBase
 from headroom.training.core.optimizers import OptimizerConfig, create_optimizer
 from headroom.training.memory.planner import (ActivationLaw, BlockProfile, ModelDescription, RunShape, TrainableSpec, estimate,
                                        next_smaller_policy, plan_auto)
+from headroom.training.data.files import format_bytes
 from headroom.training.memory.policy import GIB, OffloadPolicy
 
 MIB = 2 ** 20
@@ -88,9 +89,12 @@ def test_the_plan_says_what_a_checkpoint_takes_on_disk():
     with_ema = dataclasses.replace(TRAINABLE, ema=True)
     assert with_ema.checkpoint_bytes() == 16 * params + 20 * (1024 + 160) + (8 << 10)
     assert json.loads(plan.to_json())["checkpoint_bytes"] == plan.checkpoint_bytes
+    # a save to models/ (all-in-one nodes: a LoRA's factors in fp32; a ControlNet's as trained)
+    assert plan.save_bytes == 4 * params and json.loads(plan.to_json())["save_bytes"] == plan.save_bytes
+    assert dataclasses.replace(TRAINABLE, element_size=2, saved_as_trained=True).save_bytes() == 2 * params
     assert KEEP_CHECKPOINTS == 2 and "disk: about 60.0 MiB a checkpoint (trained weights and optimizer state); a run " \
-        "keeps two (the older removed before a save where the disk has no room for a third)" \
-        in plan.to_text().splitlines(), plan.to_text()
+        f"keeps two (the older removed before a save where the disk has no room for a third); a save to models/ " \
+        f"about {format_bytes(4 * params)}" in plan.to_text().splitlines(), plan.to_text()
 
 
 def test_a_controlnets_own_blocks_keep_their_activations_and_the_skipped_base_blocks_none():

@@ -278,6 +278,9 @@ class TrainableSpec:
     # again, timed as the ControlNet's own blocks where measured (ModelDescription.controlnet_blocks), else as the
     # base's. 0: no ControlNet.
     copied_blocks: int = 0
+    # A save writes the trained weights as trained (a ControlNet's), not in fp32 (a LoRA's, a full fine-tune's
+    # differences): save_bytes.
+    saved_as_trained: bool = False
     # The input that would train these fp32 weights in bf16 with stochastic rounding (a ControlNet's
     # "controlnet_precision", a full fine-tune's "full_precision"), for the plan's advice (_weights_advice); "": none
     # (an adapter's small weights).
@@ -314,6 +317,12 @@ class TrainableSpec:
         per_tensor = 1024 + (160 if self.ema else 0)
         return (self.weight_bytes() + self.optimizer_bytes() + (self.param_bytes() if self.ema else 0)
                 + per_tensor * len(self.shapes) + (8 << 10))
+
+    def save_bytes(self) -> int:
+        """A save of the trained weights as the all-in-one nodes write it: a ControlNet's as trained, a LoRA's factors
+        and a full fine-tune's differences in fp32 (nodes/bridge/run_lora.LoraTraining.save_bytes; a full fine-tune's
+        are as many as its weights: twice a bf16 model file)."""
+        return self.weight_bytes() if self.saved_as_trained else self.param_bytes()
 
     def optimizer_share_bytes(self) -> int:
         """The optimizer state one rank holds when it is sharded over `state_ranks` (the largest rank's share)."""
@@ -500,13 +509,15 @@ class Plan:
     # One checkpoint of the run on disk (TrainableSpec.checkpoint_bytes; 0: not known): the Init nodes check the free
     # space under output/ for the ones a run keeps (nodes/bridge/model_files.check_disk_room).
     checkpoint_bytes: int = 0
+    save_bytes: int = 0  # one save of the trained weights (TrainableSpec.save_bytes; 0: not known), to models/
 
     def disk_line(self) -> str:
         """A checkpoint's size on disk, for a full fine-tune tens of GB ("" where not known)."""
         if not self.checkpoint_bytes:
             return ""
         return (f"disk: about {format_bytes(self.checkpoint_bytes)} a checkpoint (trained weights and optimizer "
-                "state); a run keeps two (the older removed before a save where the disk has no room for a third)")
+                "state); a run keeps two (the older removed before a save where the disk has no room for a third)"
+                + (f"; a save to models/ about {format_bytes(self.save_bytes)}" if self.save_bytes else ""))
 
     @property
     def predicted_s_per_step(self) -> float | None:
@@ -569,6 +580,7 @@ class Plan:
                        "streamed": list(self.streamed_blocks), "slots": self.stream_slots},
             "slow": self.slow, "pinnable_bytes": self.pinnable_bytes, "pageable_bytes": self.pageable_bytes,
             "checkpoint_bytes": self.checkpoint_bytes,
+            "save_bytes": self.save_bytes,
         }
 
     def to_json(self) -> str:
@@ -912,7 +924,7 @@ def estimate(description: ModelDescription, trainable: TrainableSpec, shape: Run
                 resident_blocks=tuple(resident), streamed_blocks=tuple(streamed), stream_slots=slots,
                 pinnable_bytes=pin_limit,
                 pageable_bytes=sum(size for i, size in enumerate(streamed_bytes) if size and i not in pinned),
-                checkpoint_bytes=trainable.checkpoint_bytes())
+                checkpoint_bytes=trainable.checkpoint_bytes(), save_bytes=trainable.save_bytes())
 
 
 def planned_room(policy: OffloadPolicy, budget_bytes: int) -> int:
