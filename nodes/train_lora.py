@@ -824,12 +824,12 @@ def train_validate_save(node_cls, start, save, steps: int, validate_every: int, 
     previews, loss, name, saved, pruned, prune_problems = None, float("nan"), "", [], [], []
     # the saves to come against the disk of models/<folder>: said before the first step (the Init part said the
     # checkpoints'), on the node and in the log
-    disk_notes = [n for n in [saves_room_note(run, saved_as[1], subfolder, keep_saves,
-                                              saves_to_come(run.step, steps, save_every),
-                                              run.trained.save_bytes(run))] if n]
-    if disk_notes:
-        logging.warning("%s: %s", label, disk_notes[0])
-        send_node_text("\n".join([*run.notes, *disk_notes]), node_id(node_cls))
+    saves_note = saves_room_note(run, saved_as[1], subfolder, keep_saves, saves_to_come(run.step, steps, save_every),
+                                 run.trained.save_bytes(run))
+    disk_notes = [saves_note] if saves_note else []
+    if saves_note:
+        logging.warning("%s: %s", label, saves_note)
+        send_node_text("\n".join([*run.notes, saves_note]), node_id(node_cls))
     while True:
         target = min(t for t in (steps, _next(run.step, validate_every), _next(run.step, save_every)) if t)
         run.train_to(target, node_id=node_id(node_cls), checkpoint_every=checkpoint_every,

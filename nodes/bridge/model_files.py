@@ -287,7 +287,8 @@ def make_room_for_step_save(run: TrainingRun, folder: str, subfolder: str, keep:
     removed, problems = _remove_step_saves(run, folder, ours, lambda removed_bytes: free + removed_bytes >= needed)
     if not removed:
         return "", problems
-    note = (f"disk: the older save(s) {', '.join(removed)} removed before step {run.step} was saved, to make room "
+    which = f"save {removed[0]} was" if len(removed) == 1 else f"saves {', '.join(removed)} were"
+    note = (f"disk: the older {which} removed before step {run.step} was saved, to make room "
             f"({format_bytes(free)} was free in {display_path(directory)}, a save takes about "
             f"{format_bytes(newest)}); keep_saves {keep} keeps the newest {keep}")
     logging.warning("%s", note)

@@ -1395,7 +1395,7 @@ def test_step_saves_make_room_on_a_short_disk_and_say_when_they_will_not_fit(com
     assert sorted(p.name for p in folder.iterdir()) == ["keep_room_step000002.safetensors",
                                                         "keep_room_step000003.safetensors"]
     notes = [line for line in third.ui["text"] if line.startswith(("disk: each save", "disk: the older save"))]
-    assert notes == [f"disk: the older save(s) keep_room_step000001.safetensors removed before step 3 was saved, to "
+    assert notes == [f"disk: the older save keep_room_step000001.safetensors was removed before step 3 was saved, to "
                      f"make room ({format_bytes(one)} was free in models/loras/roomy, a save takes about "
                      f"{format_bytes(one)}); keep_saves 2 keeps the newest 2"], third.ui["text"]
     # keep_saves 0, two saves to come and room for one: said before the first step, and the saves go on
