@@ -853,7 +853,8 @@ def train_validate_save(node_cls, start, save, steps: int, validate_every: int, 
                 pruned += removed
                 for problem in problems:
                     logging.warning("%s: %s", label, problem)
-                    prune_problems.append(f"Warning: {problem}")
+                    if f"Warning: {problem}" not in prune_problems:  # said already by the room made before the save
+                        prune_problems.append(f"Warning: {problem}")
         if done:
             break
     history = {**run.history(steps), **({"note": note} if note else {})}
