@@ -1,6 +1,7 @@
 """ControlNet training runs on the tiny models through the nodes: the training forward is the stock apply
 path, the ControlNet learns to follow the control, runs resume exactly, the trained file reproduces the
 run's own validation image through stock nodes, and bad caches fail clearly. Real ComfyUI, in-process, CPU."""
+import pathlib
 import time
 
 import pytest
@@ -339,6 +340,10 @@ def test_all_in_one_node_trains_validates_saves_and_continues(comfyui, family):
     assert output.ui is not None  # previews of the last validation
     # Its text names the run and step of the ControlNet it saved last (issue 44).
     assert output.ui["text"][-1] == f"run '{name}', step 4: ControlNet saved to models/controlnet/{saved}"
+    # what the all-in-one node sizes its saves to come with before one is on disk (model_files.saves_room_note): the
+    # ControlNet's tensors as held, the file's but for its header
+    written = pathlib.Path(folder_paths.get_full_path("controlnet", saved)).stat().st_size
+    assert written - 64 * 1024 < run.trained.save_bytes(run) <= written
 
     again_output = HeadroomTrainControlNet.execute(steps=6, **inputs)  # queued again with more steps: continues
     again = again_output.args[1]
