@@ -408,6 +408,31 @@ def test_bad_inputs_give_clear_errors(cache_dir, comfyui, tmp_path):
     assert not is_loaded(vae.patcher)
 
 
+def test_a_latent_cache_the_disk_cannot_hold_stops_after_one_item_and_says_how_to_move_it(cache_dir, comfyui,
+                                                                                          monkeypatch):
+    """Cache Latents with control images (cached as pixels) on a disk with room for one item: refused after the first,
+    which stays cached, with the way to put the cache on another disk; the VAE is unloaded as after any error."""
+    from headroom.nodes.bridge.encoders import is_loaded
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
+    from headroom.nodes.cache import HeadroomCacheLatents
+    from headroom.training.data import cache_store
+    from headroom.training.data.files import DiskFullError
+
+    _, dataset = synthetic_dataset(count=3, controls=True)
+    _, _, vae = build_tiny_models("sd15", seed=0)
+    monkeypatch.setattr(cache_store, "free_bytes", lambda path: 64 * 64 * 3 * 4)  # one control image's fp32 pixels
+    with torch.inference_mode(), pytest.raises(DiskFullError, match=r"^disk full: Cache Latents \(Headroom\) needs "
+                                               r"about .* more for the 2 item\(s\) still to encode .* for one of 64x64.* "
+                                               r"what was encoded so far is kept\. To keep the cache on another disk, add "
+                                               r"`headroom_cache: "):
+        HeadroomCacheLatents.execute(dataset, vae)
+    assert not is_loaded(vae.patcher)
+    monkeypatch.undo()
+    with torch.inference_mode():
+        summary = HeadroomCacheLatents.execute(dataset, vae).args[1]
+    assert "1 hits / 2 encoded" in summary, summary
+
+
 def test_cache_folder_is_registered_and_extra_model_paths_can_move_it(comfyui, tmp_path):
     import folder_paths
     import utils.extra_config

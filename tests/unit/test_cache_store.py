@@ -5,6 +5,7 @@ writes on a full disk, and the reading side (LatentCache / TextCache / bucket_ba
 The encoders here are small deterministic functions (this file tests the store, not an encoder);
 tests/comfy/test_cache_nodes.py runs the same paths with ComfyUI's real VAE and CLIP.
 """
+import dataclasses
 import hashlib
 import json
 import struct
@@ -340,6 +341,39 @@ def test_second_run_is_all_hits_with_zero_encoder_calls(tmp_path):
         assert again.text_key(i) == text_key(data.captions[i])
     assert again.latent_channels == 4 and again.control(0) is None
     assert "6 hits / 0 encoded" in report.summary()
+
+
+def test_a_latent_cache_the_disk_cannot_hold_is_refused_after_its_first_item_which_is_kept(tmp_path, monkeypatch):
+    """The items still to encode, sized as the first one scaled by their pixels, against the free space on the cache's
+    disk: where they would not fit (beyond 10 % for the estimate), a DiskFullError after one item, not after hours of
+    encoding; the item encoded is kept (queued again, it is a hit). Where they fit, nothing is said."""
+    from headroom.training.data import cache_store
+    from headroom.training.data.files import DiskFullError
+
+    data = generate_shapes(6, 64, seed=2)
+    dataset = dataset_from_tensors(data.images, data.captions, resolution=64, step=16)
+    sizing, _, _ = run_latents(dataset, tmp_path / "sizing")
+    one = sizing.latent(0).numel() * sizing.latent(0).element_size()
+    monkeypatch.setattr(cache_store, "free_bytes", lambda path: 4 * one)  # 5 still to encode, room for 4.4
+    vae = CountingVae()
+    with pytest.raises(DiskFullError, match=r"^disk full: Cache Latents \(Headroom\) needs about 5\.0 KiB more for "
+                       r"the 5 item\(s\) still to encode \(1\.0 KiB for one of 64x64\), and 4\.0 KiB is free on the disk of "
+                       r".*cache\. Free space on that disk, then queue again; what was encoded so far is kept\.$"):
+        run_latents(dataset, tmp_path / "cache", vae)
+    assert vae.calls == 1
+    monkeypatch.setattr(cache_store, "free_bytes", lambda path: 5 * one)
+    cache, report, vae = run_latents(dataset, tmp_path / "cache")
+    assert report.hits == 1 and report.misses == 5 and vae.calls == 5 and len(cache) == 6
+    # sized by pixels: each item at 64 px too is a quarter of one at 128 (5 x 4 + 6 x 1 = 26 KiB still to encode)
+    large = generate_shapes(6, 128, seed=2)
+    both = dataset_from_tensors(large.images, large.captions, resolution=128, step=16)
+    both = dataclasses.replace(both, extra_resolutions=(64,))
+    monkeypatch.setattr(cache_store, "free_bytes", lambda path: 22 * one)
+    with pytest.raises(DiskFullError, match=r"needs about 26\.0 KiB more for the 11 item\(s\) still to encode \(4\.0 "
+                       r"KiB for one of 128x128\), and 22\.0 KiB is free"):
+        run_latents(both, tmp_path / "both")
+    monkeypatch.setattr(cache_store, "free_bytes", lambda path: 24 * one)  # 26 within the estimate's 10 %
+    assert len(run_latents(both, tmp_path / "both")[0]) == 12
 
 
 def test_flip_caches_mirrored_variants_and_controls_at_bucket_size(tmp_path):

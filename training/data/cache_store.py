@@ -56,8 +56,9 @@ from .caption_tags import MAX_WILDCARD_TEXTS, WILDCARD, caption_lines, caption_v
 from .buckets import ENLARGED_NOTE_FACTOR, CropPlan, apply_crop, bucket_for, plan_crop, upscale_factor
 from .dataset import Dataset, DatasetError, reduce_factor
 from .video import clip_frame_rate, clip_frames, is_video
-from .files import (STALE_TEMP_SECONDS, UntrustedFileError, WriteError, display_path, format_bytes, open_regular,
-                    prune_temp, read_json, relative_text, resolve_inside, save_safetensors, write_bytes)
+from .files import (STALE_TEMP_SECONDS, DiskFullError, UntrustedFileError, WriteError, display_path, format_bytes,
+                    free_bytes, open_regular, prune_temp, read_json, relative_text, resolve_inside, save_safetensors,
+                    write_bytes)
 
 log = logging.getLogger(__name__)
 
@@ -830,6 +831,37 @@ def _bucket_key(plan: CropPlan, frames: tuple[int, ...] | None) -> tuple[int, ..
     return plan.bucket if frames is None or len(frames) == 1 else (*plan.bucket, len(frames))
 
 
+def _pixels(entry: _PlannedLatent) -> int:
+    """What an entry's tensors scale with: its bucket's area, times its frames for a clip."""
+    width, height = entry.plan.bucket
+    return width * height * (len(entry.frames) if entry.frames is not None else 1)
+
+
+# The share of the free space the entries still to encode may be estimated to need before Cache Latents refuses them:
+# the estimate scales the first entry by pixels, and an item with a mask the first lacks is a little larger.
+ROOM_ESTIMATE_SLACK = 1.1
+
+
+def _check_latent_room(writer: "ShardWriter", first: _PlannedLatent, first_bytes: int,
+                       rest: Sequence[_PlannedLatent]) -> None:
+    """After Cache Latents wrote its first new entry: the entries still to encode, sized as that one scaled by their
+    pixels (_pixels), against the free space on the cache's disk. Where they would not fit (beyond the estimate's
+    slack), a DiskFullError now, not after hours of encoding with the disk full meanwhile for every other program (a
+    ControlNet dataset's control images are cached as pixels: 12 MiB an image at 1024 px); what was encoded is kept
+    (written before the refusal: the writer keeps nothing on its way out of a WriteError)."""
+    store = writer.store
+    free = free_bytes(store.root)
+    needed = first_bytes * sum(_pixels(entry) for entry in rest) // max(_pixels(first), 1)
+    if free is None or needed <= free * ROOM_ESTIMATE_SLACK:
+        return
+    writer.flush()
+    raise DiskFullError(
+        f"disk full: Cache Latents (Headroom) needs about {format_bytes(needed)} more for the {len(rest)} item(s) "
+        f"still to encode ({format_bytes(first_bytes)} for one of {first.plan.bucket[0]}x{first.plan.bucket[1]}), and "
+        f"{format_bytes(free)} is free on the disk of {display_path(store.root)}. Free space on that disk, then queue "
+        "again; what was encoded so far is kept.")
+
+
 def cache_latents(
     dataset: Dataset,
     store: ShardStore,
@@ -951,6 +983,7 @@ def cache_latents(
         # ((item index, decode reduction), pixels, control pixels, mask pixels): the variants of an item decoded at one
         # reduction (mirrored ones; sizes that decode it alike) share a decode
         loaded: tuple | None = None
+        sized = False
         with store.writer() as writer:
             for done, entry in enumerate(misses, start=1):
                 check_interrupt()
@@ -996,6 +1029,10 @@ def cache_latents(
                     meta["frame_rate"] = entry.frame_rate
                 writer.add(entry.key, tensors, meta)
                 progress(report.hits + done, len(planned))
+                if not sized:  # the first new entry sizes the rest
+                    sized = True
+                    _check_latent_room(writer, entry, sum(t.numel() * t.element_size() for t in tensors.values()),
+                                       misses[done:])
         report.bytes_written = writer.bytes_written
 
     kept = [p for p in planned if p.item_index not in failed_items]
