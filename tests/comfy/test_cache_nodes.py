@@ -421,10 +421,10 @@ def test_a_latent_cache_the_disk_cannot_hold_stops_after_one_item_and_says_how_t
     _, dataset = synthetic_dataset(count=3, controls=True)
     _, _, vae = build_tiny_models("sd15", seed=0)
     monkeypatch.setattr(cache_store, "free_bytes", lambda path: 64 * 64 * 3 * 4)  # one control image's fp32 pixels
-    with torch.inference_mode(), pytest.raises(DiskFullError, match=r"^disk full: Cache Latents \(Headroom\) needs "
-                                               r"about .* more for the 2 item\(s\) still to encode .* for one of 64x64.* "
-                                               r"what was encoded so far is kept\. To keep the cache on another disk, add "
-                                               r"`headroom_cache: "):
+    refused = (r"^disk full: Cache Latents \(Headroom\) needs about .* more for the 2 item\(s\) still to encode .* for "
+               r"one of 64x64.* what was encoded so far is kept\. To keep the cache on another disk, add "
+               r"`headroom_cache: ")
+    with torch.inference_mode(), pytest.raises(DiskFullError, match=refused):
         HeadroomCacheLatents.execute(dataset, vae)
     assert not is_loaded(vae.patcher)
     monkeypatch.undo()

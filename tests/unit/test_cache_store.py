@@ -357,8 +357,9 @@ def test_a_latent_cache_the_disk_cannot_hold_is_refused_after_its_first_item_whi
     monkeypatch.setattr(cache_store, "free_bytes", lambda path: 4 * one)  # 5 still to encode, room for 4.4
     vae = CountingVae()
     with pytest.raises(DiskFullError, match=r"^disk full: Cache Latents \(Headroom\) needs about 5\.0 KiB more for "
-                       r"the 5 item\(s\) still to encode \(1\.0 KiB for one of 64x64\), and 4\.0 KiB is free on the disk of "
-                       r".*cache\. Free space on that disk, then queue again; what was encoded so far is kept\.$"):
+                       r"the 5 item\(s\) still to encode \(1\.0 KiB for one of 64x64\), and 4\.0 KiB is free on the "
+                       r"disk of .*cache\. Free space on that disk, then queue again; what was encoded so far is "
+                       r"kept\.$"):
         run_latents(dataset, tmp_path / "cache", vae)
     assert vae.calls == 1
     monkeypatch.setattr(cache_store, "free_bytes", lambda path: 5 * one)
