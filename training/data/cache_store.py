@@ -837,8 +837,8 @@ def _pixels(entry: _PlannedLatent) -> int:
     return width * height * (len(entry.frames) if entry.frames is not None else 1)
 
 
-# The share of the free space the entries still to encode may be estimated to need before Cache Latents refuses them:
-# the estimate scales the first entry by pixels, and an item with a mask the first lacks is a little larger.
+# How far the estimate of the entries still to encode may pass the free space before Cache Latents refuses them (10 %:
+# it scales the first entry by pixels, and an item with a mask that the first lacks is a little larger).
 ROOM_ESTIMATE_SLACK = 1.1
 
 
