@@ -326,12 +326,17 @@ def saves_room_note(run: TrainingRun, folder: str, subfolder: str, keep: int, to
     needed = peak * one - sum(sizes)
     if free >= needed:
         return ""
-    advice = ("set keep_saves (the newest that many are kept: 2 needs room for two), or save less often (save_every)"
-              if not keep else "lower keep_saves")
+    if not keep:
+        advice = (", or set keep_saves (the newest that many are kept: 2 needs room for two), or save less often "
+                  "(save_every)")
+    elif keep > 2:
+        advice = ", or lower keep_saves (2 needs room for two)"
+    else:  # keeping fewer does not help: a save is written beside the newest, so two are on disk at the peak
+        advice = " (the next save is written beside the newest: room for two is the least)"
     kept = f" (keep_saves {keep})" if keep else ""
     return (f"disk: each save of run '{run.run_dir.name}' takes about {format_bytes(one)}; the {to_come} still to come "
             f"need about {format_bytes(needed)} more{kept}, and {format_bytes(free)} is free on the disk of "
-            f"{display_path(directory)}: a later save will find it full. Free space there, or {advice}")
+            f"{display_path(directory)}: a later save will find it full. Free space there{advice}")
 
 
 def _written_by(run: TrainingRun, path: str) -> bool:

@@ -1422,6 +1422,13 @@ def test_step_saves_make_room_on_a_short_disk_and_say_when_they_will_not_fit(com
         "later save will find it full. Free space there, or set keep_saves (the newest that many are kept: 2 needs "
         "room for two), or save less often (save_every)"]
     assert len(list(folder.iterdir())) == 5
+    # what the note advises: keeping fewer, down to the two a save needs beside the newest (a folder with no saves)
+    run = fifth.args[1]
+    advice = {keep: model_files.saves_room_note(run, "loras", "roomless", keep, 4, one).split("Free space there")[-1]
+              for keep in (1, 2, 3)}
+    assert advice == {1: " (the next save is written beside the newest: room for two is the least)",
+                      2: " (the next save is written beside the newest: room for two is the least)",
+                      3: ", or lower keep_saves (2 needs room for two)"}
 
 
 @pytest.mark.parametrize("batch_size,grad_accumulation,expected", [(2, 1, "2 steps"), (2, 2, "1 step"),
