@@ -824,8 +824,9 @@ def train_validate_save(node_cls, start, save, steps: int, validate_every: int, 
     previews, loss, name, saved, pruned, prune_problems = None, float("nan"), "", [], [], []
     # the saves to come against the disk of models/<folder>: said before the first step (the Init part said the
     # checkpoints'), on the node and in the log
+    save_bytes = run.trained.save_bytes(run)  # before any save is on disk to size the next
     saves_note = saves_room_note(run, saved_as[1], subfolder, keep_saves, saves_to_come(run.step, steps, save_every),
-                                 run.trained.save_bytes(run))
+                                 save_bytes)
     disk_notes = [saves_note] if saves_note else []
     if saves_note:
         logging.warning("%s: %s", label, saves_note)
@@ -842,8 +843,7 @@ def train_validate_save(node_cls, start, save, steps: int, validate_every: int, 
                 if "before_after" in run.last_validation:
                     saved.append(saved_file("before/after grid", "output", run.last_validation["before_after"]))
         if done or (save_every and run.step % save_every == 0):
-            room_note, problems = make_room_for_step_save(run, saved_as[1], subfolder, keep_saves,
-                                                          run.trained.save_bytes(run))
+            room_note, problems = make_room_for_step_save(run, saved_as[1], subfolder, keep_saves, save_bytes)
             disk_notes += [room_note] if room_note else []
             prune_problems += [f"Warning: {problem}" for problem in problems]
             name = save(run)

@@ -221,16 +221,14 @@ def _step_saves(run: TrainingRun, directory: pathlib.Path) -> list[os.DirEntry]:
     return [entry for _, entry in sorted(entries, key=lambda pair: pair[0])]
 
 
-def _remove_step_saves(run: TrainingRun, folder: str, entries: list[os.DirEntry],
+def _remove_step_saves(folder: str, entries: list[os.DirEntry],
                        enough: Callable[[int], bool] = lambda removed_bytes: False) -> tuple[list[str], list[str]]:
-    """Remove those of `entries` the run wrote, in order, until `enough(bytes removed)`: (names removed, problems).
-    A file that cannot be removed (on Windows: open in a loader) is named in the problems."""
+    """Remove `entries` (the run's own: _written_by), in order, until `enough(bytes removed)`: (names removed,
+    problems). A file that cannot be removed (on Windows: open in a loader) is named in the problems."""
     removed, problems, removed_bytes = [], [], 0
     for entry in entries:
         if enough(removed_bytes):
             break
-        if not _written_by(run, entry.path):
-            continue
         try:
             size = entry.stat(follow_symlinks=False).st_size
             os.remove(entry.path)
@@ -254,7 +252,8 @@ def prune_step_saves(run: TrainingRun, folder: str, subfolder: str, keep: int) -
         entries = _step_saves(run, directory)
     except OSError as error:
         return [], [f"older saves not pruned: {directory.name} cannot be listed ({error.strerror})"]
-    return _remove_step_saves(run, folder, entries[:-keep] if len(entries) > keep else [])
+    older = entries[:-keep] if len(entries) > keep else []
+    return _remove_step_saves(folder, [entry for entry in older if _written_by(run, entry.path)])
 
 
 def make_room_for_step_save(run: TrainingRun, folder: str, subfolder: str, keep: int,
@@ -284,7 +283,7 @@ def make_room_for_step_save(run: TrainingRun, folder: str, subfolder: str, keep:
         return "", []  # a folder or file gone meanwhile: the save goes on (the prune after it says what it finds)
     if free + removable < needed:
         return "", []  # removing would not make the room: everything stays, and the save says disk full
-    removed, problems = _remove_step_saves(run, folder, ours, lambda removed_bytes: free + removed_bytes >= needed)
+    removed, problems = _remove_step_saves(folder, ours, lambda removed_bytes: free + removed_bytes >= needed)
     if not removed:
         return "", problems
     which = f"save {removed[0]} was" if len(removed) == 1 else f"saves {', '.join(removed)} were"
