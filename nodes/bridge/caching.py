@@ -105,6 +105,13 @@ def cache_clip_text(dataset, clip, policy=None, reference_encoding: str = "none"
         # Exactly CLIPTextEncode: tokenize, then encode_from_tokens_scheduled -> [[cond, {extras}]].
         return flatten(clip.encode_from_tokens_scheduled(clip.tokenize(text)))
 
+    def text_tokens(text: str) -> int:
+        # What the text's entry grows with: the longest token sequence the CLIP's tokenizer makes of it over its
+        # encoders (a long CLIP caption's chunks of 77 together; Flux's T5 sequence rather than its CLIP-L one).
+        counts = [sum(len(chunk) for chunk in chunks if isinstance(chunk, (list, tuple)))
+                  for chunks in clip.tokenize(text).values() if isinstance(chunks, (list, tuple))]
+        return max(counts, default=1)
+
     def encode_reference(text: str, image: torch.Tensor) -> dict[str, torch.Tensor]:
         return flatten(encode_with_reference(reference_encoding, clip, text, image.unsqueeze(0)))
 
@@ -141,7 +148,7 @@ def cache_clip_text(dataset, clip, policy=None, reference_encoding: str = "none"
             references=[item.control for item in dataset.items] if with_references else None,
             encode_with_reference=encode_reference if with_references else None,
             reference_encoding=reference_encoding if with_references else None,
-            tag_shuffles=tag_shuffles, keep_tags=keep_tags, tag_dropout=tag_dropout,
+            tag_shuffles=tag_shuffles, keep_tags=keep_tags, tag_dropout=tag_dropout, text_tokens=text_tokens,
         )
     cache.memory_phases = recorder.phases
     if dropped:

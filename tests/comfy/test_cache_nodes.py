@@ -433,6 +433,42 @@ def test_a_latent_cache_the_disk_cannot_hold_stops_after_one_item_and_says_how_t
     assert "1 hits / 2 encoded" in summary, summary
 
 
+def test_a_text_cache_the_disk_cannot_hold_is_sized_by_the_clips_tokens_and_stops_after_one_text(cache_dir, comfyui,
+                                                                                                 monkeypatch):
+    """Cache Text sizes the texts still to encode by the CLIP tokenizer's counts: the empty prompt first (77 tokens),
+    then a caption of 60 tags (4 chunks, 308 tokens) and a short one (77): five empty prompts' worth, refused on a disk
+    with room for three (counted as texts, two would have passed), with the way to move the cache; the CLIP unloaded;
+    the empty prompt stays cached."""
+    import nodes
+    from headroom.nodes import cache as cache_nodes
+    from headroom.nodes.bridge.encoders import is_loaded
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
+    from headroom.training.data import cache_store
+    from headroom.training.data.files import DiskFullError, format_bytes
+    from headroom.training.data.synthetic import generate_shapes
+
+    _, clip, _ = build_tiny_models("sd15", seed=0)
+    data = generate_shapes(2, 32, seed=0)
+    captions = [", ".join(f"tag{i}" for i in range(60)), "a red square"]
+    with torch.inference_mode():
+        dataset = cache_nodes.HeadroomDatasetFromImages.execute(data.images, "\n".join(captions), 32, 32, "center",
+                                                                False, 0).args[0]
+        (cond, extras), = nodes.CLIPTextEncode().encode(clip, "")[0]
+    empty = cond.nbytes + extras["pooled_output"].nbytes
+    monkeypatch.setattr(cache_store, "free_bytes", lambda path: 3 * empty)
+    refused = (r"^disk full: Cache Text \(Headroom\) needs about .* more for the 2 text\(s\) still to encode \(.* for one "
+               r"of 77 tokens\), .* what was encoded so far is kept\. To keep the cache on another disk, add "
+               r"`headroom_cache: ")
+    with torch.inference_mode(), pytest.raises(DiskFullError, match=refused) as error:
+        cache_nodes.HeadroomCacheText.execute(dataset, clip)
+    assert f"needs about {format_bytes(5 * empty)} more" in str(error.value)
+    assert not is_loaded(clip.patcher)
+    monkeypatch.undo()
+    with torch.inference_mode():
+        summary = cache_nodes.HeadroomCacheText.execute(dataset, clip).args[1]
+    assert "1 hits / 2 encoded" in summary, summary
+
+
 def test_cache_folder_is_registered_and_extra_model_paths_can_move_it(comfyui, tmp_path):
     import folder_paths
     import utils.extra_config
@@ -516,8 +552,9 @@ def test_graph_through_comfyui_executor_reruns_only_what_an_edited_caption_chang
         Image.fromarray((data.images[i].numpy() * 255).astype(np.uint8)).save(folder / f"{i}.png")
         (folder / f"{i}.txt").write_text(data.captions[i])
 
-    patchers, vae_calls = [], []
+    patchers, vae_calls, clip_encodes = [], [], []
     original_encode, original_tokenize = comfy.sd.VAE.encode, comfy.sd.CLIP.tokenize
+    original_clip_encode = comfy.sd.CLIP.encode_from_tokens_scheduled
 
     def vae_encode(self, pixels):
         vae_calls.append(pixels.shape)
@@ -529,9 +566,14 @@ def test_graph_through_comfyui_executor_reruns_only_what_an_edited_caption_chang
         patchers.append(self.patcher)
         return original_tokenize(self, text, *args, **kwargs)
 
+    def clip_encode(self, tokens, *args, **kwargs):
+        clip_encodes.append(tokens)
+        return original_clip_encode(self, tokens, *args, **kwargs)
+
     clip_calls = []
     monkeypatch.setattr(comfy.sd.VAE, "encode", vae_encode)
     monkeypatch.setattr(comfy.sd.CLIP, "tokenize", clip_tokenize)
+    monkeypatch.setattr(comfy.sd.CLIP, "encode_from_tokens_scheduled", clip_encode)
 
     executor = new_executor()
     prompt = {
@@ -547,16 +589,18 @@ def test_graph_through_comfyui_executor_reruns_only_what_an_edited_caption_chang
     def run(name):
         vae_calls.clear()
         clip_calls.clear()
+        clip_encodes.clear()
         # The caching nodes are not output nodes: run them as named outputs, as a graph whose sinks they are.
         executor.execute(copy.deepcopy(prompt), name, {}, ["3", "4"])
         assert executor.success, executor.status_messages
         return next(msg["nodes"] for event, msg in executor.status_messages if event == "execution_cached")
 
     assert run("first") == []
-    assert len(vae_calls) == 3 and sorted(clip_calls) == sorted(["", *data.captions])
+    # Each text encoded once (tokenized once more where the first sizes the rest against the disk)
+    assert len(vae_calls) == 3 and len(clip_encodes) == 4 and sorted(set(clip_calls)) == sorted(["", *data.captions])
     (folder / "1.txt").write_text("an edited caption")
     assert run("edited") == ["1"]  # only the model node is reused; the dataset node ran again
-    assert vae_calls == [] and clip_calls == ["an edited caption"]
+    assert vae_calls == [] and len(clip_encodes) == 1 and clip_calls == ["an edited caption"]
     assert patchers and not any(is_loaded(patcher) for patcher in patchers)
 
 

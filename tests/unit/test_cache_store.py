@@ -440,6 +440,44 @@ def test_editing_one_caption_reencodes_only_that_text(tmp_path):
         text.conditioning(text_key("never cached"))
 
 
+def test_a_text_cache_the_disk_cannot_hold_is_refused_after_its_first_text_sized_by_tokens(tmp_path, monkeypatch):
+    """An unpadded encoder's entry grows with its tokens, and the first text encoded is the empty prompt: the texts
+    still to encode are sized as the first scaled by their token counts, so four captions of 4 tokens are 16 times
+    one empty prompt of 1, not 4 times; where they would not fit, a DiskFullError after one text, which is kept.
+    Without a token count (captions encoded with reference images) each is sized as the first."""
+    from headroom.training.data import cache_store
+    from headroom.training.data.files import DiskFullError
+
+    calls = []
+
+    def tokens(text):
+        return 1 + len(text.split())
+
+    def encoder(text):  # 1 KiB per token: [tokens, 256] float32
+        calls.append(text)
+        return {"cross_attn": torch.full((tokens(text), 256), float(len(text)))}
+
+    captions = ["a red circle", "a blue square", "two green triangles", "one small star"]
+    def run(**kwargs):
+        return cache_text(captions, ShardStore(tmp_path / "text"), encoder, "fp-te", {}, **kwargs)
+
+    monkeypatch.setattr(cache_store, "free_bytes", lambda path: 8 * 1024)
+    with pytest.raises(DiskFullError, match=r"^disk full: Cache Text \(Headroom\) needs about 16\.0 KiB more for the 4 "
+                       r"text\(s\) still to encode \(1\.0 KiB for one of 1 token\), and 8\.0 KiB is free on the disk "
+                       r"of .*text\. Free space on that disk, then queue again; what was encoded so far is kept\.$"):
+        run(text_tokens=tokens)
+    assert calls == [""]
+    with pytest.raises(DiskFullError, match=r"needs about 4\.0 KiB more for the 4 text\(s\) still to encode \(1\.0 KiB "
+                       r"for the first\), and 2\.0 KiB is free"):
+        monkeypatch.setattr(cache_store, "free_bytes", lambda path: 2 * 1024)
+        cache_text(captions, ShardStore(tmp_path / "other"), encoder, "fp-te", {})
+    monkeypatch.setattr(cache_store, "free_bytes", lambda path: 15 * 1024)  # 16 within the estimate's 10 %
+    calls.clear()
+    cache, report = run(text_tokens=tokens)
+    assert report.hits == 1 and report.misses == 4 and calls == captions
+    assert cache.conditioning(text_key("two green triangles"))["cross_attn"].shape == (4, 256)
+
+
 def test_captions_encoded_with_their_reference_images_are_cached_per_item(tmp_path):
     """Qwen-Image-Edit's text path: one entry per (caption, reference image), found through each latent item's
     reference key; the same caption with another reference is another entry; a second run encodes nothing; the empty

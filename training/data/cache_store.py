@@ -837,29 +837,53 @@ def _pixels(entry: _PlannedLatent) -> int:
     return width * height * (len(entry.frames) if entry.frames is not None else 1)
 
 
-# How far the estimate of the entries still to encode may pass the free space before Cache Latents refuses them (10 %:
-# it scales the first entry by pixels, and an item with a mask that the first lacks is a little larger).
+# How far the estimate of the entries still to encode may pass the free space before a cache node refuses them (10 %:
+# Cache Latents scales the first entry by pixels, and an item with a mask that the first lacks is a little larger; Cache
+# Text scales it by tokens, and a text's pooled output does not grow with them).
 ROOM_ESTIMATE_SLACK = 1.1
 
 
-def _check_latent_room(writer: "ShardWriter", first: _PlannedLatent, first_bytes: int,
-                       rest: Sequence[_PlannedLatent]) -> None:
-    """After Cache Latents wrote its first new entry: the entries still to encode, sized as that one scaled by their
-    pixels (_pixels), against the free space on the cache's disk. Where they would not fit (beyond the estimate's
-    slack), a DiskFullError now, not after hours of encoding with the disk full meanwhile for every other program (a
-    ControlNet dataset's control images are cached as pixels: 12 MiB an image at 1024 px); what was encoded is kept
-    (written before the refusal: the writer keeps nothing on its way out of a WriteError)."""
+def _refuse_without_room(writer: "ShardWriter", needed: int, node: str, rest: str, one: str) -> None:
+    """After a cache node wrote its first new entry: `needed` bytes for the entries still to encode (`rest`, as told;
+    `one`: the first's size and what it was) against the free space on the cache's disk. Where they would not fit
+    (beyond the estimate's slack), a DiskFullError now, not after hours of encoding with the disk full meanwhile for
+    every other program; what was encoded is kept (written before the refusal: the writer keeps nothing on its way out
+    of a WriteError)."""
     store = writer.store
     free = free_bytes(store.root)
-    needed = first_bytes * sum(_pixels(entry) for entry in rest) // max(_pixels(first), 1)
     if free is None or needed <= free * ROOM_ESTIMATE_SLACK:
         return
     writer.flush()
     raise DiskFullError(
-        f"disk full: Cache Latents (Headroom) needs about {format_bytes(needed)} more for the {len(rest)} item(s) "
-        f"still to encode ({format_bytes(first_bytes)} for one of {first.plan.bucket[0]}x{first.plan.bucket[1]}), and "
+        f"disk full: {node} needs about {format_bytes(needed)} more for the {rest} still to encode ({one}), and "
         f"{format_bytes(free)} is free on the disk of {display_path(store.root)}. Free space on that disk, then queue "
         "again; what was encoded so far is kept.")
+
+
+def _check_latent_room(writer: "ShardWriter", first: _PlannedLatent, first_bytes: int,
+                       rest: Sequence[_PlannedLatent]) -> None:
+    """Cache Latents' items still to encode, sized as its first new one scaled by their pixels (_pixels), against the
+    disk (a ControlNet dataset's control images are cached as pixels: 12 MiB an image at 1024 px)."""
+    needed = first_bytes * sum(_pixels(entry) for entry in rest) // max(_pixels(first), 1)
+    width, height = first.plan.bucket
+    _refuse_without_room(writer, needed, "Cache Latents (Headroom)", f"{len(rest)} item(s)",
+                         f"{format_bytes(first_bytes)} for one of {width}x{height}")
+
+
+def _check_text_room(writer: "ShardWriter", first: str, first_bytes: int, rest: Sequence[str],
+                     text_tokens: Callable[[str], int] | None) -> None:
+    """Cache Text's texts still to encode, sized as its first new one scaled by their token counts (`text_tokens`, the
+    encoder's tokenizer: padded encoders such as CLIP give every short text the same count, unpadded ones such as
+    Qwen's do not, and the first is often the empty prompt), or each as large as the first without a count (captions
+    encoded with reference images, whose vision tokens the text alone does not count). A Flux caption is 4 MiB in
+    fp32 (256 T5 tokens x 4096), a Wan one 8 MiB, and tag orders multiply them."""
+    tokens = max(text_tokens(first), 1) if text_tokens is not None else None
+    if tokens is None:
+        needed, one = first_bytes * len(rest), f"{format_bytes(first_bytes)} for the first"
+    else:
+        needed = first_bytes * sum(text_tokens(text) for text in rest) // tokens
+        one = f"{format_bytes(first_bytes)} for one of {tokens} token" + ("s" if tokens != 1 else "")
+    _refuse_without_room(writer, needed, "Cache Text (Headroom)", f"{len(rest)} text(s)", one)
 
 
 def cache_latents(
@@ -1139,6 +1163,7 @@ def cache_text(
     tag_shuffles: int = 0,
     keep_tags: int = 0,
     tag_dropout: float = 0.0,
+    text_tokens: Callable[[str], int] | None = None,
 ) -> tuple[TextCache, CacheReport]:
     """Encode every distinct caption, and the empty prompt, that is not cached yet.
 
@@ -1150,6 +1175,8 @@ def cache_text(
     are encoded too, with the same reference, under the caption's key; with `tag_dropout`, each other order leaves
     out each of its shuffled tags with that probability. A caption of several lines (alternative captions) is
     cached line by line under its key (caption_tags.caption_variants), each line with its tag orders.
+    `text_tokens(text)`: how many tokens the encoder makes of a text, to size the texts still to encode after the
+    first (_check_text_room); without it, each is sized as the first.
     """
     started = time.monotonic()
     report = CacheReport(kind="text")
@@ -1198,6 +1225,9 @@ def cache_text(
                     raise ValueError("the text encoder gave no 'cross_attn' tensor")
                 writer.add(entry, tensors)
                 progress(report.hits + done, len(encodings))
+                if done == 1 and len(misses) > 1:  # the first new entry sizes the rest
+                    _check_text_room(writer, text, sum(t.numel() * t.element_size() for t in tensors.values()),
+                                     [text for text, _, _ in misses[1:]], None if source is not None else text_tokens)
         report.bytes_written = writer.bytes_written
 
     entries = store.entries
