@@ -17,7 +17,7 @@ from ..training.core.trainer import PRECISIONS
 from .bridge.comfy_bridge import WEIGHT_CHOICES
 from .io_types import LatentCacheType, LoraConfigType, OffloadPolicyType, OptimizerConfigType, TextCacheType
 from .bridge.rank_workers import DEVICES
-from .bridge.run_lora import LORA_APPLICATIONS, REFERENCES
+from .bridge.run_lora import LORA_APPLICATIONS, REFERENCES, SAVE_DTYPES
 
 DEFAULT_CHECKPOINT_MINUTES = 10.0
 
@@ -233,6 +233,14 @@ def keep_saves_input():
                         "subfolder, removing older ones after each save (ai-toolkit's max_step_saves_to_keep); only "
                         "files this run wrote are removed; at 2 or more, where the disk has no room for the next "
                         "save, the older ones go before it is written. 0: keep every save.")
+
+
+def save_dtype_input():
+    # Train LoRA's; appended last and optional: workflows saved before it existed save in fp32, as before.
+    return io.Combo.Input("save_dtype", advanced=True, options=list(SAVE_DTYPES), default="fp32", optional=True,
+                          tooltip="Precision of each saved file (Save LoRA's dtype, kohya's save_precision): fp32 as "
+                          "trained; bf16 / fp16 half the file (a full fine-tune's differences: half of 48 GB for "
+                          "Flux.1-dev). Validation's as_saved_file samples the file in this precision.")
 
 
 def validation_inputs(optional: bool) -> list:

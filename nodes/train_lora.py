@@ -42,8 +42,8 @@ from .inputs import (DEFAULT_CHECKPOINT_MINUTES, added_train_inputs, checkpoint_
                      layer_names_input, lora_config_input, masked_out_weight_input,
                      model_and_caches, noise_range_inputs, optimizer_config_input,
                      policy_input, prior_inputs, reference_images_input, reference_input, run_name_input,
-                     schedule_inputs, start_image_input, training_settings, validation_inputs, validation_names,
-                     weights_input)
+                     save_dtype_input, schedule_inputs, start_image_input, training_settings, validation_inputs,
+                     validation_names, weights_input)
 from .io_types import LoraConfigType, OptimizerConfigType, TrainingRunType
 
 CATEGORY = "Headroom/training"
@@ -806,12 +806,12 @@ class HeadroomApplyTrainedLora(io.ComfyNode):
 def train_validate_save(node_cls, start, save, steps: int, validate_every: int, save_every: int, inputs: dict,
                         saved_as: tuple[str, str] = ("LoRA", "loras"), checkpoint_every: int = 0,
                         checkpoint_minutes: float = DEFAULT_CHECKPOINT_MINUTES, subfolder: str = "",
-                        keep_saves: int = 0):
+                        keep_saves: int = 0, save_dtype: str = "fp32"):
     """The all-in-one loop: `start(**init inputs)` builds or resumes the run, which then trains to `steps`,
     validating every `validate_every` and saving (`save(run)` -> name) every `save_every` steps, and at the end;
     resumable checkpoints every `checkpoint_every` steps / `checkpoint_minutes` minutes; `keep_saves` > 0: after each
-    save, only the newest that many of the run's step saves in models/<saved_as folder>/`subfolder` are kept.
-    Returns (run, saved name, validation loss, UI output)."""
+    save, only the newest that many of the run's step saves in models/<saved_as folder>/`subfolder` are kept;
+    `save_dtype`: what `save` saves a LoRA run in (validation's as_saved_file samples that file). Returns (run, saved name, validation loss, UI output)."""
     label = node_name(node_cls)
     check_checkpoint_inputs(label, checkpoint_every, checkpoint_minutes)
     names = validation_names()
@@ -824,7 +824,7 @@ def train_validate_save(node_cls, start, save, steps: int, validate_every: int, 
     previews, loss, name, saved, pruned, prune_problems = None, float("nan"), "", [], [], []
     # the saves to come against the disk of models/<folder>: said before the first step (the Init part said the
     # checkpoints'), on the node and in the log
-    save_bytes = run.trained.save_bytes(run)  # before any save is on disk to size the next
+    save_bytes = run.trained.save_bytes(run, save_dtype)  # before any save is on disk to size the next
     saves_note = saves_room_note(run, saved_as[1], subfolder, keep_saves, saves_to_come(run.step, steps, save_every),
                                  save_bytes)
     disk_notes = [saves_note] if saves_note else []
@@ -837,7 +837,7 @@ def train_validate_save(node_cls, start, save, steps: int, validate_every: int, 
                      checkpoint_minutes=checkpoint_minutes)
         done = run.step >= steps
         if done or (validate_every and run.step % validate_every == 0):
-            _, previews, loss = validate(node_cls, run, **validation)
+            _, previews, loss = validate(node_cls, run, **validation, saved_dtype=save_dtype)
             if previews is not None:
                 saved.append(saved_file("validation grid", "output", run.last_validation["grid"]))
                 if "before_after" in run.last_validation:
@@ -885,7 +885,7 @@ class HeadroomTrainLora(io.ComfyNode):
                     *checkpoint_inputs(), *added_train_inputs(), *prior_inputs(), compare_base_input(),
                     reference_input(), reference_images_input(), frames_input(), *noise_range_inputs(),
                     devices_input(), start_image_input(), frame_rate_input(), masked_out_weight_input(),
-                    keep_saves_input(), *extra_noise_inputs()],
+                    keep_saves_input(), *extra_noise_inputs(), save_dtype_input()],
             outputs=[io.Model.Output("model", tooltip="The MODEL with the trained LoRA applied."),
                      TrainingRunType.Output("run", tooltip="The training run, for Validate, Save and Apply nodes."),
                      io.String.Output("lora_name", tooltip="The last saved LoRA, as Load LoRA lists it."),
@@ -895,13 +895,17 @@ class HeadroomTrainLora(io.ComfyNode):
 
     @classmethod
     def execute(cls, steps, validate_every, save_every, lora_subfolder, checkpoint_every=0,
-                checkpoint_minutes=DEFAULT_CHECKPOINT_MINUTES, keep_saves=0, **inputs) -> io.NodeOutput:
+                checkpoint_minutes=DEFAULT_CHECKPOINT_MINUTES, keep_saves=0, save_dtype="fp32",
+                **inputs) -> io.NodeOutput:
         check_subfolder(lora_subfolder, f"{node_name(cls)}: lora_subfolder")
+        if save_dtype not in SAVE_DTYPES:
+            raise ValueError(f"{node_name(cls)}: save_dtype={save_dtype!r}: choose one of {', '.join(SAVE_DTYPES)}")
         run, lora_name, loss, outputs = train_validate_save(
             cls, lambda **init: start_lora_run(**init, node=node_name(cls), shown_on=node_id(cls)),
-            lambda run: save_lora(run, lora_subfolder, step_save_name(run)),
+            lambda run: save_lora(run, lora_subfolder, step_save_name(run), save_dtype),
             steps, validate_every, save_every, inputs, checkpoint_every=checkpoint_every,
-            checkpoint_minutes=checkpoint_minutes, subfolder=lora_subfolder, keep_saves=keep_saves)
+            checkpoint_minutes=checkpoint_minutes, subfolder=lora_subfolder, keep_saves=keep_saves,
+            save_dtype=save_dtype)
         return io.NodeOutput(run.trained.patched_model(run), run, lora_name, loss, ui=outputs)
 
 

@@ -509,8 +509,8 @@ def saved_at_end(size: str, stock_save: str) -> str:
     """The Note's last paragraph for a large full fine-tune (as_full_finetune's save_at_end)."""
     return ("\n\nSaved once, at the end of the steps, to models/loras/headroom/ (about " + size + ": the differences to "
             "the base in fp32, so base + file is the trained model exactly); the run's checkpoints keep it resumable; "
-            "a Save LoRA (Headroom) node on the Train node's run output can save it in bf16, at half the size and not "
-            "exact. Stock Load LoRA applies the file; " + stock_save + ". docs/FULL_FINETUNE.md.")
+            "the Train node's save_dtype bf16 (advanced) saves it at half the size, not exact (its validation samples "
+            "that file). Stock Load LoRA applies the file; " + stock_save + ". docs/FULL_FINETUNE.md.")
 
 
 def lean_full_finetune(workflow: Workflow, name: str, label: str, note: str, targets: str, lora_title: str,

@@ -621,9 +621,10 @@ class TrainingRun:
         finally:
             model.remove_wrappers_with_key(comfy.patcher_extension.WrappersMP.SAMPLER_SAMPLE, SAMPLING_PLACEMENT_KEY)
 
-    def sampling_model(self, lora_application: str = "unmerged"):
-        """The ModelPatcher validation samples with, as the strategy makes it (a LoRA: `lora_application`)."""
-        return self.trained.sampling_model(self, lora_application)
+    def sampling_model(self, lora_application: str = "unmerged", saved_dtype: str = "fp32"):
+        """The ModelPatcher validation samples with, as the strategy makes it (a LoRA: `lora_application`, the file
+        saved in `saved_dtype`)."""
+        return self.trained.sampling_model(self, lora_application, saved_dtype)
 
     @contextlib.contextmanager
     def base_sampling_model(self):

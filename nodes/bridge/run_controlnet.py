@@ -121,8 +121,9 @@ class ControlNetTraining:
 
     # --- sampling -------------------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def sampling_model(self, run, lora_application: str = "unmerged"):
-        """The base clone with the ControlNet loaded; a LoRA's `lora_application` does not apply to a ControlNet."""
+    def sampling_model(self, run, lora_application: str = "unmerged", saved_dtype: str = "fp32"):
+        """The base clone with the ControlNet loaded; a LoRA's `lora_application` and `saved_dtype` do not apply to
+        a ControlNet."""
         with run.validating():
             yield run.placement.patcher
 
@@ -151,8 +152,9 @@ class ControlNetTraining:
         with run.weights(weights) as used:
             save_controlnet(self.controlnet, path, {**self.metadata(run), "headroom.weights": used})
 
-    def save_bytes(self, run) -> int:
-        """About what `save` writes: the ControlNet's tensors as it holds them (model_files.saves_room_note)."""
+    def save_bytes(self, run, dtype: str = "fp32") -> int:
+        """About what `save` writes: the ControlNet's tensors as it holds them (model_files.saves_room_note; `dtype`, a
+        LoRA save's, does not apply)."""
         return sum(t.numel() * t.element_size() for t in self.controlnet.state_dict(copy=False).values())
 
     def describe(self, run) -> str:

@@ -80,10 +80,11 @@ def attach_with_injection(patcher, adapters: AdapterSet, home=None) -> None:
     patcher.set_injections(INJECTION_KEY, [comfy.patcher_extension.PatcherInjection(inject=inject, eject=eject)])
 
 
-def comfy_patches(patcher, adapters: AdapterSet) -> dict:
-    """The adapter as ComfyUI weight patches, through the stock LoRA loading path."""
+def comfy_patches(patcher, adapters: AdapterSet, dtype: torch.dtype = torch.float32) -> dict:
+    """The adapter as ComfyUI weight patches, through the stock LoRA loading path, its tensors in `dtype` (as a file
+    saved in it holds them: the stock loader computes in fp32 from what the file holds)."""
     key_map = comfy.lora.model_lora_keys_unet(patcher.model, {})
-    return comfy.lora.load_lora(adapters.comfy_state_dict(), key_map, log_missing=True)
+    return comfy.lora.load_lora(adapters.comfy_state_dict(dtype=dtype), key_map, log_missing=True)
 
 
 def patched_base_reader(patcher):
@@ -138,8 +139,9 @@ class AsSavedWeight:
         return comfy.float.stochastic_rounding(merged, self.stored_dtype, seed=self.seed).to(weight.dtype)
 
 
-def as_saved_file_model(model, adapters: AdapterSet, strength: float = 1.0):
-    """A clone of `model` that samples as if the stock LoraLoader had loaded the adapter's saved file at `strength`,
+def as_saved_file_model(model, adapters: AdapterSet, strength: float = 1.0, saved_dtype: str = "fp32"):
+    """A clone of `model` that samples as if the stock LoraLoader had loaded the adapter's file saved in `saved_dtype`
+    (Save LoRA's dtype) at `strength`,
     without baking it into a second copy of the weights: one AsSavedWeight per patched weight (ComfyUI's own
     weight-wrapper hook, installed on the layers when ComfyUI loads the clone).
 
@@ -150,7 +152,7 @@ def as_saved_file_model(model, adapters: AdapterSet, strength: float = 1.0):
     stock's result. That holds one requantized copy of those layers' weights (their storage size) while the clone
     is loaded."""
     clone = model.clone()
-    patches = comfy_patches(clone, adapters)
+    patches = comfy_patches(clone, adapters, SAVE_DTYPES[saved_dtype])
     quantized = {k: v for k, v in patches.items() if _on_quantized_layer(clone.model, k if isinstance(k, str) else k[0])}
     clone.add_patches(quantized, strength)
     patched = model.clone()  # never loaded: only collects the patches as the stock loader lays them out
@@ -329,12 +331,12 @@ class LoraTraining:
 
     # --- sampling -------------------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def sampling_model(self, run, lora_application: str = "unmerged"):
+    def sampling_model(self, run, lora_application: str = "unmerged", saved_dtype: str = "fp32"):
         """The ModelPatcher validation samples with. "unmerged": the training clone with the adapter attached (its
         low-bit base too), computing the LoRA next to the frozen weights. "as_saved_file": what the stock LoraLoader
-        makes of the saved (fp32) file: a clone of the run's MODEL with the adapter as ComfyUI weight patches, baked
-        into the weights in their own dtype (comfy.lora + stochastic rounding) when ComfyUI loads the clone.
-        Either way the optimizer state is parked as the policy says."""
+        makes of the file saved in `saved_dtype` (Save LoRA's dtype): a clone of the run's MODEL with the adapter as
+        ComfyUI weight patches, baked into the weights in their own dtype (comfy.lora + stochastic rounding) when
+        ComfyUI loads the clone. Either way the optimizer state is parked as the policy says."""
         if lora_application not in LORA_APPLICATIONS:
             raise ValueError(f"lora_application={lora_application!r}: choose one of {', '.join(LORA_APPLICATIONS)}")
         if lora_application == "unmerged":
@@ -342,7 +344,7 @@ class LoraTraining:
                 yield run.placement.patcher
             return
         with run.trainer.parked_for_validation():
-            model = as_saved_file_model(run.source_model, self.adapters)
+            model = as_saved_file_model(run.source_model, self.adapters, saved_dtype=saved_dtype)
             try:
                 yield model
             finally:  # the patched weights leave memory now, not when gc finds the clone
@@ -427,11 +429,12 @@ class LoraTraining:
         save_safetensors(path, state, f"LoRA {path.name}", metadata=metadata)
         return kept.summary()
 
-    def save_bytes(self, run) -> int:
-        """About what an all-in-one node's save (`save` in fp32, the comfyui format) writes: the trained tensors in
-        fp32 (a full fine-tune's differences are as many), before any save is on disk to say
+    def save_bytes(self, run, dtype: str = "fp32") -> int:
+        """About what an all-in-one node's save (`save` in `dtype`, the comfyui format) writes: the trained tensors in
+        that dtype (a full fine-tune's differences are as many), before any save is on disk to say
         (model_files.saves_room_note)."""
-        return 4 * sum(p.numel() for p in self.adapters.parameters())
+        size = torch.empty((), dtype=SAVE_DTYPES[dtype]).element_size()
+        return size * sum(p.numel() for p in self.adapters.parameters())
 
     def describe(self, run) -> str:
         adapter = run.config.adapter

@@ -47,10 +47,11 @@ def sample_images(run: TrainingRun, clip, vae, prompts: list[str | SamplePrompt]
                   lora_application: str = "as_saved_file",
                   base: bool = False, references: list | None = None,
                   reference_encoding: str | None = None, frames: int = 1,
-                  starts: list | None = None, frame_rate: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  starts: list | None = None, frame_rate: float | None = None,
+                  saved_dtype: str = "fp32") -> tuple[torch.Tensor, torch.Tensor]:
     """Stock KSampler sampling (same noise, same sampler code) on the training model + what the run trains (a LoRA
-    as `lora_application` says, TrainingRun.sampling_model; a ControlNet run adds its control as
-    ControlNetApplyAdvanced does). base=True: the run's MODEL alone (before/after comparisons). `references`: one
+    as `lora_application` says, as_saved_file the file saved in `saved_dtype`: TrainingRun.sampling_model; a
+    ControlNet run adds its control as ControlNetApplyAdvanced does). base=True: the run's MODEL alone (before/after comparisons). `references`: one
     VAE latent per prompt (or None), appended to the positive and negative conditioning as the stock ReferenceLatent
     node does; with `reference_encoding` (a stock edit text-encode node, TextEncodeQwenImageEdit), `references` are
     reference images [1, H, W, 3] and both prompts are encoded with them by that node, as the stock edit workflow
@@ -67,7 +68,7 @@ def sample_images(run: TrainingRun, clip, vae, prompts: list[str | SamplePrompt]
     # comfy.sample.prepare_noise reseeds the global torch RNG; fork it so validating never changes what the
     # training run draws next (peft dropout uses the global RNG).
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-    model_context = run.base_sampling_model() if base else run.sampling_model(lora_application)
+    model_context = run.base_sampling_model() if base else run.sampling_model(lora_application, saved_dtype)
     # The base keeps to validation's own planned placement while the sampler runs (TrainingRun.sampling_placement).
     with torch.no_grad(), torch.random.fork_rng(devices=devices), model_context as sampled, \
             run.sampling_placement(sampled) as model, _fresh_model_caches(model):
@@ -255,13 +256,14 @@ def save_validation(run: TrainingRun, images: torch.Tensor, samples: torch.Tenso
 def validate(node_cls, run: TrainingRun, clip=None, vae=None, prompts="", negative="", sample_seed=0,
              sample_steps=20, cfg=4.0, sampler_name="euler", scheduler="normal", width=512, height=512,
              loss_timesteps=4, lora_application="as_saved_file", weights="auto", compare_base=False,
-             reference_images=None, frames=1, start_image=None, frame_rate=0.0):
+             reference_images=None, frames=1, start_image=None, frame_rate=0.0, saved_dtype="fp32"):
     """(images or None, previews or None, validation loss); tells the live view (`headroom.validate`).
     compare_base: the run's MODEL alone is sampled too (same prompts, seeds) and a before/after grid saved.
     reference_images: the samples' reference images (edit models), added as ReferenceLatent adds them.
     start_image: image-to-video models' start image(s), through their stock node (WanImageToVideo); default: the first
     cached clip's first frame. frame_rate: models that read one (LTX-2): the clips' rate, through the stock
-    LTXVConditioning node; 0: the first cached clip's (video.validation_frame_rate)."""
+    LTXVConditioning node; 0: the first cached clip's (video.validation_frame_rate). saved_dtype: the dtype the
+    all-in-one node saves in, whose file lora_application as_saved_file samples."""
     name = node_name(node_cls)
     check_finite(name, cfg=cfg, frame_rate=frame_rate)
     # kohya's --n / --d / --s / --l / --g / --w / --h read, ai-toolkit's [trigger] refused: before anything runs
@@ -284,7 +286,7 @@ def validate(node_cls, run: TrainingRun, clip=None, vae=None, prompts="", negati
                                                     sampler_name, scheduler, width, height, lora_application,
                                                     references=references,
                                                     reference_encoding=reference_text_encoding(run), frames=frames,
-                                                    starts=starts, frame_rate=rate)
+                                                    starts=starts, frame_rate=rate, saved_dtype=saved_dtype)
                 grid = save_validation(run, images, samples, labels, frames, rate)
                 if compare_base:
                     base_images = base_samples(run, clip, vae, lines, negative, sample_seed, sample_steps, cfg,

@@ -1478,3 +1478,54 @@ def test_the_plan_knows_which_blocks_backward_skips(comfyui, family, targets, ch
         description = planning.describe_comfy_model(model, lora, "fp32")
     saved = [b.saved.at(64, 77) for b in description.blocks]
     assert all(value == 0 for value in saved[:skipped]) and all(value > 0 for value in saved[skipped:])
+
+
+@pytest.mark.parametrize("kind", ["lora", "full"])
+def test_train_lora_saves_in_save_dtype_and_validates_that_file_as_the_stock_loader_reads_it(comfyui, kind):
+    """Train LoRA's save_dtype bf16 (kohya's save_precision): the file holds bf16 tensors (a full fine-tune's
+    differences too), half the fp32 save, sized so beforehand; its as_saved_file validation sample is exactly what the
+    stock LoraLoader + KSampler make of that file, and not what they make of the same run saved in fp32 (the rounding
+    is in the sample); a save_dtype no one offers is refused."""
+    import folder_paths
+    import nodes
+    from safetensors.torch import load_file
+    from headroom.nodes import train_lora as T
+
+    model, clip, vae, latents, texts = _data("sd15")
+    prompt = "a red circle at the center"
+    with torch.inference_mode():
+        inputs = _saving_every_step(model, latents, texts, f"save_bf16_{kind}", "dtypes", save_dtype="bf16",
+                                    clip=clip, vae=vae, prompts=prompt, negative="", sample_seed=3, sample_steps=3,
+                                    cfg=2.0, sampler_name="euler", scheduler="normal", width=32, height=32,
+                                    loss_timesteps=1)
+        inputs.update(save_every=0, optimizer_config=T.HeadroomOptimizerConfig.execute(
+            "AdamW", 2e-2, 0.0, "constant", 0, 100).args[0])
+        if kind == "full":
+            inputs["lora_config"] = T.HeadroomLoraConfig.execute("full", 4, 4.0, "preset", False, 0.0, 0).args[0]
+        _, run, name, _ = T.HeadroomTrainLora.execute(steps=3, **inputs).args
+        validated = load_file(str(run.run_dir.validation_dir / "step_00000003_latents.safetensors"))["samples"]
+        path = folder_paths.get_full_path("loras", name)
+        saved = load_file(path)
+        fp32_name = T.HeadroomSaveLora.execute(run, "dtypes", f"save_fp32_{kind}", "fp32").args[0]
+        positive = nodes.CLIPTextEncode().encode(clip, prompt)[0]
+        negative = nodes.CLIPTextEncode().encode(clip, "")[0]
+        empty = nodes.EmptyLatentImage().generate(32, 32, 1)[0]
+        stock = {}
+        for file in (name, fp32_name):
+            lora_model = nodes.LoraLoader().load_lora(model, clip, file, 1.0, 0.0)[0]
+            stock[file] = nodes.common_ksampler(lora_model, 3, 3, 2.0, "euler", "normal", positive, negative,
+                                                empty)[0]["samples"].float()
+            import comfy.model_management
+
+            comfy.model_management.unload_all_models()
+        with pytest.raises(ValueError, match=r"^Train LoRA \(Headroom\): save_dtype='fp8': choose one of fp32, bf16, "
+                           r"fp16$"):
+            T.HeadroomTrainLora.execute(steps=3, **{**inputs, "save_dtype": "fp8"})
+    assert {tensor.dtype for tensor in saved.values()} == {torch.bfloat16}
+    if kind == "full":
+        assert any(key.endswith(".diff") for key in saved)
+    estimate = run.trained.save_bytes(run, "bf16")
+    assert 2 * estimate == run.trained.save_bytes(run)
+    assert estimate <= pathlib.Path(path).stat().st_size <= estimate + 64 * 1024
+    assert torch.equal(validated, stock[name])
+    assert not torch.equal(validated, stock[fp32_name])
