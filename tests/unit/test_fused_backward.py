@@ -108,6 +108,36 @@ def test_fused_backward_resumes_exactly():
         again.load_state_dict({**state, "param_groups": state["param_groups"][:2]})
 
 
+def test_a_parameter_without_a_gradient_yet_follows_the_schedule_without_a_warning():
+    """A parameter the loss does not reach at first (here: until the third step) has not stepped its optimizer when
+    the schedule steps: no warning in the user's console, and its first update comes at the schedule's rate for that
+    step, as every other parameter's."""
+    import warnings
+
+    config = _config("AdamW")
+    model = _model()
+    unreached = torch.nn.Parameter(torch.zeros(4))
+    fused = FusedBackward([*model.parameters(), unreached], lambda group: create_optimizer(group, config),
+                          lambda opt: create_scheduler(opt, config))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for step, (x, y) in enumerate(_batches(3)):
+            loss = _loss(model, x, y) + (unreached.sum() if step == 2 else 0.0)
+            loss.backward()
+            fused.after_step()
+    reference = create_optimizer([torch.nn.Parameter(torch.zeros(1))], config)
+    schedule = create_scheduler(reference, config)
+    rates = []
+    for _ in range(3):
+        rates.append(reference.param_groups[0]["lr"])
+        reference.step()
+        schedule.step()
+    assert rates[2] < rates[0]  # the schedule moved
+    assert {optimizer.param_groups[0]["lr"] for optimizer in fused.optimizers} == {reference.param_groups[0]["lr"]}
+    # AdamW's first move is its rate times the gradient's sign: the third step's rate
+    assert torch.allclose(unreached.detach(), torch.full((4,), -rates[2]), rtol=1e-4)
+
+
 def test_fused_backward_clips_each_parameter_and_refuses_accumulation():
     """Clipping is per parameter (a global norm needs every gradient at once): a huge gradient moves each parameter
     by what a gradient of norm max_grad_norm would."""

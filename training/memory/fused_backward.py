@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import types
+import warnings
 from typing import Callable, Sequence
 
 import torch
@@ -304,8 +305,14 @@ class _Schedules:
         self.schedulers = schedulers
 
     def step(self) -> None:
-        for scheduler in self.schedulers:
-            scheduler.step()
+        # A parameter that has had no gradient yet (one the loss does not reach, such as the context outputs of an SD3
+        # ControlNet's last block) has not stepped its optimizer, and torch warns once in the user's console that the
+        # schedule steps before the optimizer. Nothing is skipped here: every schedule counts training steps, so a
+        # parameter's first update gets the rate of the step it comes at.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
+            for scheduler in self.schedulers:
+                scheduler.step()
 
     def state_dict(self) -> dict:
         return self.schedulers[0].state_dict() if self.schedulers else {}
