@@ -886,7 +886,8 @@ class HeadroomTrainLora(io.ComfyNode):
                     reference_input(), reference_images_input(), frames_input(), *noise_range_inputs(),
                     devices_input(), start_image_input(), frame_rate_input(), masked_out_weight_input(),
                     keep_saves_input(), *extra_noise_inputs(), save_dtype_input()],
-            outputs=[io.Model.Output("model", tooltip="The MODEL with the trained LoRA applied."),
+            outputs=[io.Model.Output("model", tooltip="The MODEL with the trained LoRA applied, as Load LoRA "
+                                     "applies the file saved (in save_dtype)."),
                      TrainingRunType.Output("run", tooltip="The training run, for Validate, Save and Apply nodes."),
                      io.String.Output("lora_name", tooltip="The last saved LoRA, as Load LoRA lists it."),
                      io.Float.Output("validation_loss", tooltip="Validation loss at the end.")],
@@ -906,7 +907,7 @@ class HeadroomTrainLora(io.ComfyNode):
             steps, validate_every, save_every, inputs, checkpoint_every=checkpoint_every,
             checkpoint_minutes=checkpoint_minutes, subfolder=lora_subfolder, keep_saves=keep_saves,
             save_dtype=save_dtype)
-        return io.NodeOutput(run.trained.patched_model(run), run, lora_name, loss, ui=outputs)
+        return io.NodeOutput(run.trained.patched_model(run, saved_dtype=save_dtype), run, lora_name, loss, ui=outputs)
 
 
 NODES = [HeadroomLoraConfig, HeadroomOptimizerConfig, HeadroomTrainLoraInit, HeadroomTrainSteps, HeadroomValidate,

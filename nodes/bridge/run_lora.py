@@ -355,11 +355,12 @@ class LoraTraining:
         return positive, negative
 
     # --- apply, save, describe ------------------------------------------------------------------------------
-    def patched_model(self, run, model=None, strength: float = 1.0):
-        """A clone of `model` (default: the MODEL the run trains) with the current adapter as weight patches."""
+    def patched_model(self, run, model=None, strength: float = 1.0, saved_dtype: str = "fp32"):
+        """A clone of `model` (default: the MODEL the run trains) with the current adapter as weight patches, as a
+        file saved in `saved_dtype` holds them (what Load LoRA of that file gives)."""
         model = model if model is not None else run.source_model
         clone = model.clone()
-        clone.add_patches(comfy_patches(clone, self.adapters), strength)
+        clone.add_patches(comfy_patches(clone, self.adapters, SAVE_DTYPES[saved_dtype]), strength)
         return clone
 
     def metadata(self, run) -> dict[str, str]:

@@ -42,6 +42,19 @@ def _fresh_model_caches(model):
         clear_model_caches(model.model.diffusion_model)
 
 
+def check_prompt_width(run: TrainingRun, conditioning: list) -> None:
+    """Refuse a `clip` input whose prompts are not as wide as the run's cached captions (another model's text encoder,
+    or a CLIPLoader set to another type), before sampling, instead of the sampler's "shapes cannot be multiplied"
+    deep inside the model: the MODEL takes what the captions were cached as."""
+    given = conditioning[0][0].shape[-1]
+    cached = run.text_cache.empty_conditioning()["cross_attn"].shape[-1]
+    if given != cached:
+        raise ValueError(f"run '{run.run_dir.name}': the clip input encodes prompts {given} wide, but the run's "
+                         f"captions were cached {cached} wide, as its MODEL takes them: connect the CLIP the captions "
+                         "were cached with (Cache Text's clip), or load this one with the model's type (the type of "
+                         "CLIPLoader / DualCLIPLoader)")
+
+
 def sample_images(run: TrainingRun, clip, vae, prompts: list[str | SamplePrompt], negative: str, seed: int, steps: int,
                   cfg: float, sampler_name: str, scheduler: str, width: int, height: int,
                   lora_application: str = "as_saved_file",
@@ -64,6 +77,7 @@ def sample_images(run: TrainingRun, clip, vae, prompts: list[str | SamplePrompt]
     (images, sampled latents)."""
     latent_frames = video.check_frames(f"run '{run.run_dir.name}'", run.source_model.model, frames)
     negative_cond = clip.encode_from_tokens_scheduled(clip.tokenize(negative))
+    check_prompt_width(run, negative_cond)
     latents = []
     # comfy.sample.prepare_noise reseeds the global torch RNG; fork it so validating never changes what the
     # training run draws next (peft dropout uses the global RNG).

@@ -1485,7 +1485,7 @@ def test_train_lora_saves_in_save_dtype_and_validates_that_file_as_the_stock_loa
     """Train LoRA's save_dtype bf16 (kohya's save_precision): the file holds bf16 tensors (a full fine-tune's
     differences too), half the fp32 save, sized so beforehand; its as_saved_file validation sample is exactly what the
     stock LoraLoader + KSampler make of that file, and not what they make of the same run saved in fp32 (the rounding
-    is in the sample); a save_dtype no one offers is refused."""
+    is in the sample), as is the node's MODEL output; a save_dtype no one offers is refused."""
     import folder_paths
     import nodes
     from safetensors.torch import load_file
@@ -1502,7 +1502,7 @@ def test_train_lora_saves_in_save_dtype_and_validates_that_file_as_the_stock_loa
             "AdamW", 2e-2, 0.0, "constant", 0, 100).args[0])
         if kind == "full":
             inputs["lora_config"] = T.HeadroomLoraConfig.execute("full", 4, 4.0, "preset", False, 0.0, 0).args[0]
-        _, run, name, _ = T.HeadroomTrainLora.execute(steps=3, **inputs).args
+        patched, run, name, _ = T.HeadroomTrainLora.execute(steps=3, **inputs).args
         validated = load_file(str(run.run_dir.validation_dir / "step_00000003_latents.safetensors"))["samples"]
         path = folder_paths.get_full_path("loras", name)
         saved = load_file(path)
@@ -1511,8 +1511,8 @@ def test_train_lora_saves_in_save_dtype_and_validates_that_file_as_the_stock_loa
         negative = nodes.CLIPTextEncode().encode(clip, "")[0]
         empty = nodes.EmptyLatentImage().generate(32, 32, 1)[0]
         stock = {}
-        for file in (name, fp32_name):
-            lora_model = nodes.LoraLoader().load_lora(model, clip, file, 1.0, 0.0)[0]
+        for file, lora_model in ((name, None), (fp32_name, None), ("output", patched)):
+            lora_model = lora_model or nodes.LoraLoader().load_lora(model, clip, file, 1.0, 0.0)[0]
             stock[file] = nodes.common_ksampler(lora_model, 3, 3, 2.0, "euler", "normal", positive, negative,
                                                 empty)[0]["samples"].float()
             import comfy.model_management
@@ -1527,5 +1527,25 @@ def test_train_lora_saves_in_save_dtype_and_validates_that_file_as_the_stock_loa
     estimate = run.trained.save_bytes(run, "bf16")
     assert 2 * estimate == run.trained.save_bytes(run)
     assert estimate <= pathlib.Path(path).stat().st_size <= estimate + 64 * 1024
-    assert torch.equal(validated, stock[name])
+    assert torch.equal(validated, stock[name]) and torch.equal(stock["output"], stock[name])  # the MODEL output too
     assert not torch.equal(validated, stock[fp32_name])
+
+
+def test_validate_refuses_a_clip_whose_prompts_the_model_cannot_take(comfyui):
+    """Another family's CLIP on Validate (prompts 4096 wide for a UNet that takes 32): refused before sampling, naming
+    both widths and the CLIP to connect, not the sampler's "shapes cannot be multiplied"; the right one then samples."""
+    from headroom.nodes import train_lora as T
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
+
+    model, clip, vae, latents, texts = _data("sd15")
+    _, other_clip, _ = build_tiny_models("sd3", 1)
+    run = _init(model, latents, texts, "wrong_clip", rank=4)
+    sampling = dict(prompts="a red circle", negative="", sample_seed=0, sample_steps=1, cfg=1.0, sampler_name="euler",
+                    scheduler="normal", width=32, height=32, loss_timesteps=1)
+    with torch.inference_mode():
+        with pytest.raises(ValueError, match=r"^run 'wrong_clip': the clip input encodes prompts 4096 wide, but the "
+                           r"run's captions were cached 32 wide, as its MODEL takes them: connect the CLIP the captions "
+                           r"were cached with \(Cache Text's clip\)"):
+            T.HeadroomValidate.execute(run, clip=other_clip, vae=vae, **sampling)
+        images = T.HeadroomValidate.execute(run, clip=clip, vae=vae, **sampling).args[0]
+    assert images.shape[0] == 1

@@ -160,13 +160,14 @@ def test_a_failed_run_leaves_neither_its_clone_loaded_nor_its_adapter_on_the_mod
         assert execution.error["node_id"] == "9"
     else:
         # The validation prompts are encoded with another family's text encoder (4096 wide; this UNet takes 32):
-        # the run trains and computes its validation loss, then sampling fails inside HeadroomValidate.
+        # the run trains and computes its validation loss, then HeadroomValidate refuses the CLIP before sampling.
         prompt["60"] = {"class_type": "HeadroomTinyModel", "inputs": {"family": "sd3", "seed": 1}}
         prompt["10"]["inputs"]["clip"] = ["60", 1]
         execution = comfy_server.wait(comfy_server.queue(prompt), timeout=600)
         assert execution.status == "error"
         assert execution.error["node_id"] == "10"
-        assert "shapes cannot be multiplied" in execution.error["exception_message"]
+        assert "the clip input encodes prompts 4096 wide, but the run's captions were cached 32 wide" in \
+            execution.error["exception_message"]
 
     # No /free: the failed node itself must have given the training clone back.
     still_loaded = loaded_models(comfy_server)
