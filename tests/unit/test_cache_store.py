@@ -476,6 +476,15 @@ def test_a_text_cache_the_disk_cannot_hold_is_refused_after_its_first_text_sized
     cache, report = run(text_tokens=tokens)
     assert report.hits == 1 and report.misses == 4 and calls == captions
     assert cache.conditioning(text_key("two green triangles"))["cross_attn"].shape == (4, 256)
+    # Past TOKEN_COUNT_SAMPLE texts an even sample is counted: 2 of 4 here (5 and 4 tokens), scaled to the 4 (18 KiB;
+    # all counted, 17)
+    monkeypatch.setattr(cache_store, "TOKEN_COUNT_SAMPLE", 2)
+    counted = []
+    longer = ["a big red circle", "a blue square", "two green triangles", "one small star"]
+    with pytest.raises(DiskFullError, match=r"needs about 18\.0 KiB more for the 4 text\(s\)"):
+        cache_text(longer, ShardStore(tmp_path / "sampled"), encoder, "fp-te", {},
+                   text_tokens=lambda text: counted.append(text) or tokens(text))
+    assert counted == ["", "a big red circle", "two green triangles"]  # the first, then every other one
 
 
 def test_captions_encoded_with_their_reference_images_are_cached_per_item(tmp_path):
