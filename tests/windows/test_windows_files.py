@@ -99,6 +99,25 @@ def test_dataset_ignores_explorer_files_and_caption_bom(windows, tmp_path):
     assert dataset.warnings == ()
 
 
+@pytest.mark.parametrize("encoding", ["utf-16-le", "utf-16-be", "utf-32-le"])
+def test_captions_windows_tools_write_in_utf16_are_read_by_their_byte_order_mark(windows, tmp_path, encoding):
+    """Windows PowerShell 5's `"..." > dog01.txt` and Notepad's "Unicode" write UTF-16 LE with a byte order mark:
+    read as the same caption (the same cache entry as the UTF-8 file). Without the mark such a file would read as
+    text with a NUL after every letter: refused, naming the file and the fix."""
+    from PIL import Image
+
+    from headroom.training.data.dataset import DatasetError, dataset_from_folder
+
+    Image.new("RGB", (64, 64), (10, 200, 30)).save(tmp_path / "dog01.png")
+    (tmp_path / "dog01.txt").write_bytes("\ufeffa photo of sks dog, café\r\n".encode(encoding))
+    dataset = dataset_from_folder(tmp_path, resolution=64, step=64)
+    assert [item.caption for item in dataset.items] == ["a photo of sks dog, café"]
+    (tmp_path / "dog01.txt").write_bytes("a photo of sks dog".encode("utf-16-le"))  # no mark
+    with pytest.raises(DatasetError, match=r"dog01\.txt: the caption holds NUL characters \(UTF-16 text without its "
+                       r"byte order mark\?\); re-save it as UTF-8"):
+        dataset_from_folder(tmp_path, resolution=64, step=64)
+
+
 @pytest.mark.parametrize("name", ["con", "NUL", "aux", "com1", "Lpt9", "con.backup", "run.", "nul.txt"])
 def test_names_windows_cannot_create_are_refused(name):
     # Refused on every OS (no imitation needed): a workflow made on Linux is queued on Windows too.

@@ -14,6 +14,7 @@ reduced to what their bucket needs (JPEG draft scaling, then an integer box redu
 """
 from __future__ import annotations
 
+import codecs
 import hashlib
 import math
 import os
@@ -661,14 +662,30 @@ def _read_caption(image_path: Path, roots: tuple[Path, ...], caption_path: Path 
                     "replace it")
         if real.stat().st_size > CAPTION_MAX_BYTES:
             return f"{display_path(caption_path)}: caption is larger than {CAPTION_MAX_BYTES >> 20} MiB; shorten it"
-        # Notepad's "UTF-8 with BOM" puts U+FEFF first, which would become part of the caption. Several lines are
-        # alternative captions (caption_tags.caption_lines): kept one per line, blank lines and indents dropped.
-        text = real.read_text(encoding="utf-8").removeprefix("\ufeff")
+        # Several lines are alternative captions (caption_tags.caption_lines): kept one per line, blank lines and
+        # indents dropped.
+        text = caption_text(real.read_bytes())
+        if "\x00" in text:  # UTF-16 without its byte order mark reads as UTF-8 with a NUL after every letter
+            return (f"{display_path(caption_path)}: the caption holds NUL characters (UTF-16 text without its byte "
+                    "order mark?); re-save it as UTF-8")
         return ("\n".join(line.strip() for line in text.splitlines() if line.strip()),)
     except UntrustedFileError as error:
         return str(error)
     except (OSError, UnicodeDecodeError) as error:
         return f"{display_path(caption_path)}: caption cannot be read as UTF-8 text ({error}); re-save it as UTF-8"
+
+
+def caption_text(data: bytes) -> str:
+    """A caption file's text: UTF-8, or the encoding its byte order mark names. Windows tools write marks: Notepad's
+    "UTF-8 with BOM" (U+FEFF first, which would become part of the caption), its "Unicode" and Windows PowerShell
+    5's `>` / Out-File (UTF-16 LE with a BOM, the default there). Without a mark: UTF-8 (UnicodeDecodeError
+    otherwise; a legacy code page cannot be told from UTF-8 mistakes)."""
+    for mark, encoding in ((codecs.BOM_UTF32_LE, "utf-32"), (codecs.BOM_UTF32_BE, "utf-32"),
+                           (codecs.BOM_UTF16_LE, "utf-16"), (codecs.BOM_UTF16_BE, "utf-16"),
+                           (codecs.BOM_UTF8, "utf-8-sig")):
+        if data.startswith(mark):
+            return data.decode(encoding)
+    return data.decode("utf-8")
 
 
 def _check_item(path: Path, controls: ByName, control_folder: Path | None,
