@@ -36,7 +36,7 @@ from .bridge.rank_workers import open_on_devices, parse_devices
 from .bridge.run_lora import REFERENCES, SAVE_DTYPES, LoraRunConfig, open_lora_run
 from .bridge.run_settings import effective_batch, resolve_policy, run_fingerprint, train_config
 from .bridge.sample_prompts import parse_prompts
-from .bridge.validation import validate
+from .bridge.validation import validate, validation_grids, validation_history
 from .inputs import (DEFAULT_CHECKPOINT_MINUTES, added_train_inputs, checkpoint_inputs, compare_base_input,
                      devices_input, extra_noise_inputs, frame_rate_input, frames_input, keep_saves_input,
                      layer_names_input, lora_config_input, masked_out_weight_input,
@@ -519,6 +519,44 @@ class HeadroomValidate(io.ComfyNode):
         return io.NodeOutput(images, loss, run, ui=ui_output)
 
 
+class HeadroomValidationHistory(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="HeadroomValidationHistory",
+            display_name="Validation History (Headroom)",
+            category=CATEGORY,
+            description="The run's validation samples over its steps as one picture: a row per validation (its step "
+            "at the left), a column per prompt, read from the grids Validate saved in the run folder. What training "
+            "did to each prompt, to pick the step to keep.",
+            is_output_node=True,
+            inputs=[TrainingRunType.Input("run", tooltip="The run whose validations to show (LoRA or ControlNet)."),
+                    io.Int.Input("last", default=8, min=0, max=1000,
+                                 tooltip="The newest this many validations, one row each; 0: all of them."),
+                    io.Int.Input("cell_size", default=256, min=32, max=2048, advanced=True,
+                                 tooltip="Each sample scaled down to at most this many pixels on its longer side "
+                                 "(never enlarged), so many validations fit one picture.")],
+            outputs=[io.Image.Output("history", tooltip="The picture: a row per validation, a column per prompt "
+                                     "(a clip's first frame), with the steps and prompts written around it.")],
+        )
+
+    @classmethod
+    def fingerprint_inputs(cls, run, last=8, cell_size=256):
+        # Runs again when the run folder holds other grids (a validation since, in this graph or another).
+        grids = validation_grids(run) if isinstance(run, TrainingRun) else []
+        return (getattr(run, "step", None), tuple(path.name for _, path in grids), last, cell_size)
+
+    @classmethod
+    def execute(cls, run: TrainingRun, last: int = 8, cell_size: int = 256) -> io.NodeOutput:
+        name = node_name(cls)
+        if not isinstance(run, TrainingRun):
+            raise ValueError(f"{name}: the run input must be a TRAINING_RUN from a Headroom Init or training node, "
+                             f"not {type(run).__name__}")
+        sheet, notes = validation_history(run, last, cell_size, name)
+        text = [f"{run_and_step(run)}: validation history, {sheet.shape[2]}x{sheet.shape[1]} px", *notes]
+        return io.NodeOutput(sheet, ui={**ui.PreviewImage(sheet, cls=cls).as_dict(), "text": text})
+
+
 # --- save / apply ------------------------------------------------------------------------------------------
 
 
@@ -911,5 +949,5 @@ class HeadroomTrainLora(io.ComfyNode):
 
 
 NODES = [HeadroomLoraConfig, HeadroomOptimizerConfig, HeadroomTrainLoraInit, HeadroomTrainSteps, HeadroomValidate,
-         HeadroomSaveLora, HeadroomExtractLora, HeadroomResizeLora, HeadroomMergeLoras, HeadroomInspectLora,
+         HeadroomValidationHistory, HeadroomSaveLora, HeadroomExtractLora, HeadroomResizeLora, HeadroomMergeLoras, HeadroomInspectLora,
          HeadroomApplyTrainedLora, HeadroomTrainLora]

@@ -6,9 +6,11 @@ import contextlib
 import logging
 import os
 import pathlib
+import re
 
 import numpy as np
 import torch
+from PIL import Image
 
 import comfy.model_management
 import comfy.sample
@@ -17,9 +19,9 @@ import node_helpers
 from comfy_api.latest import ui
 
 from ...training.checks import check_finite
-from ...training.core.validation_grid import grid_png, labelled_grid
+from ...training.core.validation_grid import grid_png, grid_samples, history_sheet, labelled_grid
 from ...training.data.cache_store import item_conditioning
-from ...training.data.files import save_safetensors, write_bytes
+from ...training.data.files import open_regular, relative_text, save_safetensors, write_bytes
 from ...training.memory.policy import PolicyError
 from . import video
 from .comfy_bridge import VALIDATE_EVENT, TrainingRun, node_id, node_name, send_event
@@ -326,3 +328,56 @@ def validate(node_cls, run: TrainingRun, clip=None, vae=None, prompts="", negati
     send_event(VALIDATE_EVENT, {"node": node_id(node_cls), "run": run.run_dir.name, "step": run.step,
                                 "val_loss": loss, "images": previews.values if previews is not None else []})
     return images, previews, loss
+
+
+# The run's validation grids Validation History reads (not the before/after grids beside them); each an untrusted file
+# under output/: read only when a regular file of at most these sizes (a 1024 px sample per prompt, 16 prompts, is
+# 17 Mpx; below PIL's own bomb warning at 89 Mpx; a clip grid of many frames may be larger and is left out, named).
+GRID_NAME = re.compile(r"step_(\d{8})\.png")
+MAX_GRID_BYTES = 256 << 20
+MAX_GRID_PIXELS = 64 << 20
+
+
+def validation_grids(run: TrainingRun) -> list[tuple[int, pathlib.Path]]:
+    """(step, path) of the run's validation grids, oldest first."""
+    folder = run.run_dir.validation_dir
+    if not folder.is_dir():
+        return []
+    with os.scandir(folder) as entries:
+        found = [(int(match.group(1)), pathlib.Path(entry.path)) for entry in entries
+                 if (match := GRID_NAME.fullmatch(entry.name))]
+    return sorted(found)
+
+
+def _grid_from_file(path: pathlib.Path) -> tuple:
+    with open_regular(path, "validation grid", MAX_GRID_BYTES) as handle, Image.open(handle) as image:
+        if image.width * image.height > MAX_GRID_PIXELS:  # checked from the header, before any pixel is decoded
+            raise ValueError(f"{image.width}x{image.height} pixels, more than the {MAX_GRID_PIXELS >> 20} Mpx this "
+                             "node reads; a clip grid's clips are beside it as WEBP files")
+        image.load()
+        return grid_samples(image)
+
+
+def validation_history(run: TrainingRun, last: int, cell_size: int, node: str) -> tuple[torch.Tensor, list[str]]:
+    """The run's last `last` validations (0: all) as one sheet [1, H, W, 3] (a row per step, a column per prompt:
+    training/core/validation_grid.history_sheet), and notes on the grids left out. `node`: for messages."""
+    grids = validation_grids(run)
+    if not grids:
+        raise ValueError(f"{node}: run '{run.run_dir.name}' has no validation grid yet: validate it with prompts "
+                         "(Validate LoRA, or validate_every on the Train node) first")
+    rows, notes = [], []
+    for step, path in grids[-last:] if last else grids:
+        try:
+            samples, prompts = _grid_from_file(path)
+        except (OSError, ValueError, KeyError, TypeError, Image.DecompressionBombError) as error:
+            notes.append(f"step {step}: {path.name} is not a readable validation grid "
+                         f"({relative_text(str(error))[:160]}); left out")
+            continue
+        rows.append((step, samples, prompts))
+    if not rows:
+        raise ValueError(f"{node}: none of run '{run.run_dir.name}''s validation grids can be read:\n- "
+                         + "\n- ".join(notes))
+    steps = f"steps {rows[0][0]}-{rows[-1][0]}" if len(rows) > 1 else f"step {rows[0][0]}"
+    title = f"{run.run_dir.name} \u00b7 {steps}"
+    sheet, left_out = history_sheet(rows, title, cell_size)
+    return torch.from_numpy(np.array(sheet.convert("RGB"))).float().div(255).unsqueeze(0), notes + left_out

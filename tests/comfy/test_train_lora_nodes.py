@@ -1549,3 +1549,47 @@ def test_validate_refuses_a_clip_whose_prompts_the_model_cannot_take(comfyui):
             T.HeadroomValidate.execute(run, clip=other_clip, vae=vae, **sampling)
         images = T.HeadroomValidate.execute(run, clip=clip, vae=vae, **sampling).args[0]
     assert images.shape[0] == 1
+
+
+def test_validation_history_shows_the_runs_validations_as_rows_and_leaves_out_what_it_cannot_read(comfyui):
+    """Three validations of two prompts through Validate, then Validation History: a row per step, the samples the
+    grids hold (the sheet as history_sheet makes it of the grids read back), `last` rows only when set; a PNG that is
+    no grid and a symlink among the grids are left out, named; a run never validated is refused, naming the node."""
+    import os
+
+    import numpy
+
+    from headroom.nodes import train_lora as T
+    from headroom.training.core import validation_grid as G
+
+    model, clip, vae, latents, texts = _data("sd15")
+    run = _init(model, latents, texts, "history", rank=4)
+    sampling = dict(prompts="a red circle\na blue square", negative="", sample_seed=0, sample_steps=1, cfg=1.0,
+                    sampler_name="euler", scheduler="normal", width=32, height=32, loss_timesteps=1)
+    with torch.inference_mode():
+        with pytest.raises(ValueError, match=r"^Validation History \(Headroom\): run 'history' has no validation grid "
+                           r"yet: validate it with prompts"):
+            T.HeadroomValidationHistory.execute(run)
+        for steps in (1, 2, 3):
+            T.HeadroomTrainSteps.execute(run, steps)
+            T.HeadroomValidate.execute(run, clip=clip, vae=vae, **sampling)
+    folder = run.run_dir.validation_dir
+    from PIL import Image
+
+    Image.new("RGB", (8, 8)).save(folder / "step_00000009.png")  # no grid record
+    os.symlink(folder / "step_00000001.png", folder / "step_00000010.png")
+    output = T.HeadroomValidationHistory.execute(run, 0)
+    sheet = output.args[0]
+    grids = [G.grid_samples(folder / f"step_{step:08d}.png") for step in (1, 2, 3)]
+    expected, _ = G.history_sheet([(step, *grid) for step, grid in zip((1, 2, 3), grids)], "history \u00b7 steps 1-3",
+                                  256)
+    assert torch.equal(sheet, torch.from_numpy(numpy.array(expected)).float().div(255).unsqueeze(0))
+    assert G.grid_layout(expected)["row_labels"] == ["step 1", "step 2", "step 3"]
+    text = output.ui["text"]
+    assert text[0].startswith("run 'history', step 3: validation history, ") and len(text) == 3
+    assert text[1].startswith("step 9: step_00000009.png is not a readable validation grid (not a Headroom "
+                              "validation grid") and text[1].endswith("; left out")
+    assert text[2].startswith("step 10: step_00000010.png is not a readable validation grid (") and "symlink" in text[2]
+    two = T.HeadroomValidationHistory.execute(run, 4).args[0]  # the newest 4 files: steps 2, 3 and the two left out
+    assert two.shape[1] < sheet.shape[1] and two.shape[2] == sheet.shape[2]
+    assert T.HeadroomValidationHistory.fingerprint_inputs(run, 0) != (run.step, (), 0, 256)

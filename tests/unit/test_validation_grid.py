@@ -178,3 +178,35 @@ def test_the_docs_picture_is_the_demos_grid_and_the_thumbnail_reads_it():
     width = bare.shape[0] * thumbnails.SIZE[0] // thumbnails.SIZE[1]
     expected = np.asarray(Image.fromarray(bare[:, :width]).resize(thumbnails.SIZE, Image.NEAREST))
     assert np.array_equal(thumbnail[40:180], expected[40:180])
+
+
+def test_a_history_sheet_is_a_row_per_validation_of_the_newest_prompts():
+    """Validations as rows, oldest first, titled with their steps; one of other prompts or size left out and named;
+    the samples at their own pixels below cell_size, scaled down above it; a clip grid gives its first frames."""
+    rows = [(step, _cells(1, 3, 32, seed=step)[0], PROMPTS) for step in (100, 200, 300)]
+    other = (150, _cells(1, 2, 32, seed=9)[0], PROMPTS[:2])
+    sheet, notes = G.history_sheet([rows[0], other, *rows[1:]], "demo_run \u00b7 steps 100-300", 256)
+    assert notes == ["step 150: other prompts or sample size than step 300's; left out"]
+    layout = G.grid_layout(_written(sheet))
+    assert layout["row_labels"] == ["step 100", "step 200", "step 300"] and layout["column_labels"] == PROMPTS
+    assert np.array_equal(G.grid_cells(_written(sheet)), np.stack([samples for _, samples, _ in rows]))
+    small, _ = G.history_sheet(rows, "t", 16)  # 32 px samples to 16
+    assert G.grid_cells(small).shape == (3, 3, 16, 16, 3)
+    # A clip grid (a row per prompt, its frames across): the first frames, under the prompts at its left
+    clips = _cells(3, 4, 32, seed=5)
+    grid = _written(G.labelled_grid(clips, "step 5", [(f"frame {i + 1}", 1) for i in range(4)], PROMPTS))
+    samples, prompts = G.grid_samples(grid)
+    assert np.array_equal(samples, clips[:, 0]) and prompts == PROMPTS
+
+
+def test_a_grids_record_is_untrusted():
+    """A record that is no JSON object, or holds NaN, is refused as a ValueError (Validation History leaves that grid
+    out, naming it); labels that are not one text per sample read as empty."""
+    grid = G.labelled_grid(_cells(1, 2), "t", [("a", 1), ("b", 1)])
+    for record in ("[1, 2]", '{"left": NaN}', "not json"):
+        grid.info[G.GRID_KEY] = record
+        with pytest.raises(ValueError):
+            G.grid_samples(grid)
+    grid = G.labelled_grid(_cells(1, 2), "t", [("a", 1), ("b", 1)])
+    grid.info[G.GRID_KEY] = grid.info[G.GRID_KEY].replace('"column_labels": ["a", "b"]', '"column_labels": [1]')
+    assert G.grid_samples(grid)[1] == ["", ""]

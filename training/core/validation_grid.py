@@ -178,6 +178,12 @@ def _opened(image: Image.Image | str | pathlib.Path) -> Image.Image:
         return opened.copy()  # with its info: the PNG's text chunks
 
 
+def _no_constant(name: str):
+    # json.loads reads NaN / Infinity, which JSON has not (this module imports nothing of the package: files.py's
+    # no_json_constants is not at hand for workflows/thumbnails.py, which loads it from its file)
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
 def grid_layout(image: Image.Image | str | pathlib.Path) -> dict:
     """What a validation grid's GRID_KEY chunk records: where its cells are ("left", "top": the first cell's corner;
     "rows", "columns", "height", "width") and its labels in full ("title", "column_labels", "row_labels")."""
@@ -185,7 +191,9 @@ def grid_layout(image: Image.Image | str | pathlib.Path) -> dict:
     recorded = image.info.get(GRID_KEY)
     if recorded is None:
         raise ValueError(f"not a Headroom validation grid: no '{GRID_KEY}' chunk says where its cells are")
-    layout = json.loads(recorded)
+    layout = json.loads(recorded, parse_constant=_no_constant)  # a grid under output/ is untrusted
+    if not isinstance(layout, dict):
+        raise ValueError(f"validation grid: its '{GRID_KEY}' chunk is not a record of its cells")
     left, top, count_rows, count_columns, height, width = (int(layout[key]) for key in
                                                            ("left", "top", "rows", "columns", "height", "width"))
     if min(left, top) < 0 or min(count_rows, count_columns, height, width) < 1 or \
@@ -204,3 +212,44 @@ def grid_cells(image: Image.Image | str | pathlib.Path) -> np.ndarray:
                                                ("left", "top", "rows", "columns", "height", "width"))
     pixels = np.asarray(image.convert("RGB"))[top:top + rows * height, left:left + columns * width]
     return np.ascontiguousarray(pixels.reshape(rows, height, columns, width, 3).transpose(0, 2, 1, 3, 4))  # a copy: writable
+
+
+def grid_samples(image: Image.Image | str | pathlib.Path) -> tuple[np.ndarray, list[str]]:
+    """A validation grid's samples, one per prompt [P, H, W, 3] uint8, and their prompts: a grid of pictures is one
+    row of them under their prompts; a grid of clips has a row per prompt (its label at the left), whose first frame
+    is taken. Labels that are not text, or not one per sample, read as empty."""
+    layout = grid_layout(image)
+    cells = grid_cells(image)
+    clips = bool(layout.get("row_labels"))
+    samples = cells[:, 0] if clips else cells[0]
+    labels = layout.get("row_labels" if clips else "column_labels")
+    if not isinstance(labels, list) or len(labels) != len(samples) or not all(isinstance(x, str) for x in labels):
+        labels = [""] * len(samples)
+    return samples, labels
+
+
+def history_sheet(rows: list[tuple[int, np.ndarray, list[str]]], title: str,
+                  cell_size: int) -> tuple[Image.Image, list[str]]:
+    """The samples of several validations of a run as one labelled grid: a row per validation (`rows`: (step,
+    samples [P, H, W, 3], prompts), oldest first; each row titled with its step), a column per prompt, each sample
+    scaled down to at most `cell_size` px on its longer side. The newest validation sets the prompts and sample
+    size; older ones of other prompts or sizes are left out, and said in the notes returned."""
+    _, newest, prompts = rows[-1]
+    kept, notes = [], []
+    for step, samples, labels in rows:
+        if samples.shape != newest.shape or labels != prompts:
+            notes.append(f"step {step}: other prompts or sample size than step {rows[-1][0]}'s; left out")
+            continue
+        kept.append((step, samples))
+    height, width = newest.shape[1:3]
+    scale = min(1.0, cell_size / max(height, width))
+    size = (max(1, round(width * scale)), max(1, round(height * scale)))
+
+    def fitted(sample: np.ndarray) -> np.ndarray:
+        if scale == 1.0:
+            return sample
+        return np.asarray(Image.fromarray(sample).resize(size, Image.LANCZOS))
+
+    cells = np.stack([np.stack([fitted(sample) for sample in samples]) for _, samples in kept])
+    image = labelled_grid(cells, title, [(prompt, 1) for prompt in prompts], [f"step {step}" for step, _ in kept])
+    return image, notes
