@@ -537,7 +537,8 @@ class HeadroomValidationHistory(io.ComfyNode):
                                  tooltip="Each sample scaled down to at most this many pixels on its longer side "
                                  "(never enlarged), so many validations fit one picture.")],
             outputs=[io.Image.Output("history", tooltip="The picture: a row per validation, a column per prompt "
-                                     "(a clip's first frame), with the steps and prompts written around it.")],
+                                     "(a clip's first frame), with the steps and prompts written around it (a black "
+                                     "64x64 image before the run's first validation with prompts).")],
         )
 
     @classmethod
@@ -552,7 +553,9 @@ class HeadroomValidationHistory(io.ComfyNode):
         if not isinstance(run, TrainingRun):
             raise ValueError(f"{name}: the run input must be a TRAINING_RUN from a Headroom Init or training node, "
                              f"not {type(run).__name__}")
-        sheet, notes = validation_history(run, last, cell_size, name)
+        sheet, notes = validation_history(run, last, cell_size)
+        if sheet is None:  # nothing to show: said on the node, a black image keeps the IMAGE output connected
+            return io.NodeOutput(torch.zeros(1, 64, 64, 3), ui={"text": notes})
         text = [f"{run_and_step(run)}: validation history, {sheet.shape[2]}x{sheet.shape[1]} px", *notes]
         return io.NodeOutput(sheet, ui={**ui.PreviewImage(sheet, cls=cls).as_dict(), "text": text})
 

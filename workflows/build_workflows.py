@@ -443,6 +443,8 @@ Queue it: latents and text embeddings are cached once (the text encoders and VAE
              title=f"Train LoRA ({spec.label})", width=460, extra_height=LIVE_CHART_HEIGHT),
         Node(16, "HeadroomVRAMMonitor", 4, links={"value": (15, "lora_name")}, title="Memory after the run"),
         Node(17, "PreviewAny", 4, links={"source": (16, "report")}, title="Memory report"),
+        Node(18, "HeadroomValidationHistory", 4, links={"run": (15, "run")}, title="Validations over the steps",
+             width=460, extra_height=300),
     ])
 
 

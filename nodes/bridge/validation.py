@@ -358,13 +358,14 @@ def _grid_from_file(path: pathlib.Path) -> tuple:
         return grid_samples(image)
 
 
-def validation_history(run: TrainingRun, last: int, cell_size: int, node: str) -> tuple[torch.Tensor, list[str]]:
+def validation_history(run: TrainingRun, last: int, cell_size: int) -> tuple[torch.Tensor | None, list[str]]:
     """The run's last `last` validations (0: all) as one sheet [1, H, W, 3] (a row per step, a column per prompt:
-    training/core/validation_grid.history_sheet), and notes on the grids left out. `node`: for messages."""
+    training/core/validation_grid.history_sheet), and notes on the grids left out; (None, why) where there is none
+    to show (a sink of a template graph: no error after a run trained without prompts)."""
     grids = validation_grids(run)
     if not grids:
-        raise ValueError(f"{node}: run '{run.run_dir.name}' has no validation grid yet: validate it with prompts "
-                         "(Validate LoRA, or validate_every on the Train node) first")
+        return None, [f"run '{run.run_dir.name}' has no validation grid yet: validate it with prompts (Validate "
+                      "LoRA, or the Train node's prompts and validate_every)"]
     rows, notes = [], []
     for step, path in grids[-last:] if last else grids:
         try:
@@ -375,8 +376,7 @@ def validation_history(run: TrainingRun, last: int, cell_size: int, node: str) -
             continue
         rows.append((step, samples, prompts))
     if not rows:
-        raise ValueError(f"{node}: none of run '{run.run_dir.name}''s validation grids can be read:\n- "
-                         + "\n- ".join(notes))
+        return None, [f"none of run '{run.run_dir.name}''s validation grids can be read", *notes]
     steps = f"steps {rows[0][0]}-{rows[-1][0]}" if len(rows) > 1 else f"step {rows[0][0]}"
     title = f"{run.run_dir.name} \u00b7 {steps}"
     sheet, left_out = history_sheet(rows, title, cell_size)
