@@ -367,14 +367,16 @@ def validation_history(run: TrainingRun, last: int, cell_size: int) -> tuple[tor
         return None, [f"run '{run.run_dir.name}' has no validation grid yet: validate it with prompts (Validate "
                       "LoRA, or the Train node's prompts and validate_every)"]
     rows, notes = [], []
-    for step, path in grids[-last:] if last else grids:
+    for step, path in reversed(grids):  # newest first, until `last` are read
+        if last and len(rows) == last:
+            break
         try:
             samples, prompts = _grid_from_file(path)
         except (OSError, ValueError, KeyError, TypeError, Image.DecompressionBombError) as error:
-            notes.append(f"step {step}: {path.name} is not a readable validation grid "
+            notes.insert(0, f"step {step}: {path.name} is not a readable validation grid "
                          f"({relative_text(str(error))[:160]}); left out")
             continue
-        rows.append((step, samples, prompts))
+        rows.insert(0, (step, samples, prompts))
     if not rows:
         return None, [f"none of run '{run.run_dir.name}''s validation grids can be read", *notes]
     steps = f"steps {rows[0][0]}-{rows[-1][0]}" if len(rows) > 1 else f"step {rows[0][0]}"
