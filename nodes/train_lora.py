@@ -852,7 +852,8 @@ def train_validate_save(node_cls, start, save, steps: int, validate_every: int, 
     validating every `validate_every` and saving (`save(run)` -> name) every `save_every` steps, and at the end;
     resumable checkpoints every `checkpoint_every` steps / `checkpoint_minutes` minutes; `keep_saves` > 0: after each
     save, only the newest that many of the run's step saves in models/<saved_as folder>/`subfolder` are kept;
-    `save_dtype`: what `save` saves a LoRA run in (validation's as_saved_file samples that file). Returns (run, saved name, validation loss, UI output)."""
+    `save_dtype`: what `save` saves a LoRA run in (validation's as_saved_file samples that file). Returns (run, saved
+    name, validation loss, UI output)."""
     label = node_name(node_cls)
     check_checkpoint_inputs(label, checkpoint_every, checkpoint_minutes)
     names = validation_names()
@@ -952,5 +953,5 @@ class HeadroomTrainLora(io.ComfyNode):
 
 
 NODES = [HeadroomLoraConfig, HeadroomOptimizerConfig, HeadroomTrainLoraInit, HeadroomTrainSteps, HeadroomValidate,
-         HeadroomValidationHistory, HeadroomSaveLora, HeadroomExtractLora, HeadroomResizeLora, HeadroomMergeLoras, HeadroomInspectLora,
-         HeadroomApplyTrainedLora, HeadroomTrainLora]
+         HeadroomValidationHistory, HeadroomSaveLora, HeadroomExtractLora, HeadroomResizeLora, HeadroomMergeLoras,
+         HeadroomInspectLora, HeadroomApplyTrainedLora, HeadroomTrainLora]

@@ -661,6 +661,8 @@ def tiny_controlnet() -> Workflow:
              title="Train ControlNet", width=460, extra_height=LIVE_CHART_HEIGHT),
         Node(8, "HeadroomVRAMMonitor", 4, links={"value": (7, "control_net_name")}, title="Memory after the run"),
         Node(9, "PreviewAny", 4, links={"source": (8, "report")}, title="Memory report"),
+        Node(10, "HeadroomValidationHistory", 4, links={"run": (7, "run")}, title="Validations over the steps",
+             width=460, extra_height=300),
     ])
 
 
@@ -702,6 +704,8 @@ def sd15_controlnet() -> Workflow:
              title="Train ControlNet (SD1.5)", width=460, extra_height=LIVE_CHART_HEIGHT),
         Node(16, "HeadroomVRAMMonitor", 4, links={"value": (15, "control_net_name")}, title="Memory after the run"),
         Node(17, "PreviewAny", 4, links={"source": (16, "report")}, title="Memory report"),
+        Node(18, "HeadroomValidationHistory", 4, links={"run": (15, "run")}, title="Validations over the steps",
+             width=460, extra_height=300),
     ])
 
 
@@ -760,6 +764,8 @@ Queue it: the ControlNet (ComfyUI's own class) trains next to the frozen model, 
              title=f"Train ControlNet ({spec.label})", width=460, extra_height=LIVE_CHART_HEIGHT),
         Node(16, "HeadroomVRAMMonitor", 4, links={"value": (15, "control_net_name")}, title="Memory after the run"),
         Node(17, "PreviewAny", 4, links={"source": (16, "report")}, title="Memory report"),
+        Node(18, "HeadroomValidationHistory", 4, links={"run": (15, "run")}, title="Validations over the steps",
+             width=460, extra_height=300),
     ])
 
 
@@ -999,6 +1005,8 @@ def wan21_lora() -> Workflow:
              title="Train LoRA (Wan 2.1)", width=460, extra_height=LIVE_CHART_HEIGHT),
         Node(16, "HeadroomVRAMMonitor", 4, links={"value": (15, "lora_name")}, title="Memory after the run"),
         Node(17, "PreviewAny", 4, links={"source": (16, "report")}, title="Memory report"),
+        Node(18, "HeadroomValidationHistory", 4, links={"run": (15, "run")}, title="Validations over the steps",
+             width=460, extra_height=300),
     ])
 
 
@@ -1158,6 +1166,8 @@ def edit_model_lora(spec: RealModel, reference_encoding: str, text_path: str) ->
              title=f"Train edit LoRA ({spec.label})", width=460, extra_height=LIVE_CHART_HEIGHT),
         Node(16, "HeadroomVRAMMonitor", 4, links={"value": (15, "lora_name")}, title="Memory after the run"),
         Node(17, "PreviewAny", 4, links={"source": (16, "report")}, title="Memory report"),
+        Node(18, "HeadroomValidationHistory", 4, links={"run": (15, "run")}, title="Validations over the steps",
+             width=460, extra_height=300),
     ])
 
 

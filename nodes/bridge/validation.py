@@ -75,19 +75,19 @@ def sample_images(run: TrainingRun, clip, vae, prompts: list[str | SamplePrompt]
                   reference_encoding: str | None = None, frames: int = 1,
                   starts: list | None = None, frame_rate: float | None = None,
                   saved_dtype: str = "fp32") -> tuple[torch.Tensor, torch.Tensor]:
-    """Stock KSampler sampling (same noise, same sampler code) on the training model + what the run trains (a LoRA
-    as `lora_application` says, as_saved_file the file saved in `saved_dtype`: TrainingRun.sampling_model; a
-    ControlNet run adds its control as ControlNetApplyAdvanced does). base=True: the run's MODEL alone (before/after comparisons). `references`: one
-    VAE latent per prompt (or None), appended to the positive and negative conditioning as the stock ReferenceLatent
-    node does; with `reference_encoding` (a stock edit text-encode node, TextEncodeQwenImageEdit), `references` are
-    reference images [1, H, W, 3] and both prompts are encoded with them by that node, as the stock edit workflow
-    does. frames > 1: clips of a video model from the stock empty video latent (nodes/bridge/video.py); their frames
-    come back as images, prompt after prompt. `starts`: one start image [1, H, W, 3] per prompt of an image-to-video
-    model, given with both prompts by its stock node (WanImageToVideo), whose latent the sampler starts from.
-    `frame_rate`: set on both prompts by the stock LTXVConditioning node (models that read it: LTX-2); None: the
-    model's default. A SamplePrompt's own negative / seed / steps / cfg (kohya's --n / --d / --s / --l) replace
-    those arguments for its sample; its guidance (--g) is set on the positive prompt as FluxGuidance sets it. Returns
-    (images, sampled latents)."""
+    """Stock KSampler sampling (same noise, same sampler code) on the training model + what the run trains (a LoRA as
+    `lora_application` says, as_saved_file the file saved in `saved_dtype`: TrainingRun.sampling_model; a ControlNet
+    run adds its control as ControlNetApplyAdvanced does). base=True: the run's MODEL alone (before/after
+    comparisons). `references`: one VAE latent per prompt (or None), appended to the positive and negative
+    conditioning as the stock ReferenceLatent node does; with `reference_encoding` (a stock edit text-encode node,
+    TextEncodeQwenImageEdit), `references` are reference images [1, H, W, 3] and both prompts are encoded with them
+    by that node, as the stock edit workflow does. frames > 1: clips of a video model from the stock empty video
+    latent (nodes/bridge/video.py); their frames come back as images, prompt after prompt. `starts`: one start image
+    [1, H, W, 3] per prompt of an image-to-video model, given with both prompts by its stock node (WanImageToVideo),
+    whose latent the sampler starts from. `frame_rate`: set on both prompts by the stock LTXVConditioning node
+    (models that read it: LTX-2); None: the model's default. A SamplePrompt's own negative / seed / steps / cfg
+    (kohya's --n / --d / --s / --l) replace those arguments for its sample; its guidance (--g) is set on the
+    positive prompt as FluxGuidance sets it. Returns (images, sampled latents)."""
     latent_frames = video.check_frames(f"run '{run.run_dir.name}'", run.source_model.model, frames)
     check_vae_channels(run, vae)
     negative_cond = clip.encode_from_tokens_scheduled(clip.tokenize(negative))

@@ -456,8 +456,9 @@ def test_a_text_cache_the_disk_cannot_hold_is_sized_by_the_clips_tokens_and_stop
         (cond, extras), = nodes.CLIPTextEncode().encode(clip, "")[0]
     empty = cond.nbytes + extras["pooled_output"].nbytes
     monkeypatch.setattr(cache_store, "free_bytes", lambda path: 3 * empty)
-    refused = (r"^disk full: Cache Text \(Headroom\) needs about .* more for the 2 text\(s\) still to encode \(.* for one "
-               r"of 77 tokens\), .* what was encoded so far is kept\. To keep the cache on another disk, add "
+    refused = (r"^disk full: Cache Text \(Headroom\) needs about .* more for the 2 text\(s\) still to encode "
+               r"\(.* for one of 77 tokens\), .* what was encoded so far is kept\. To keep the cache on another disk, "
+               r"add "
                r"`headroom_cache: ")
     with torch.inference_mode(), pytest.raises(DiskFullError, match=refused) as error:
         cache_nodes.HeadroomCacheText.execute(dataset, clip)

@@ -1545,8 +1545,8 @@ def test_validate_refuses_a_clip_or_vae_of_another_model(comfyui):
                     scheduler="normal", width=32, height=32, loss_timesteps=1)
     with torch.inference_mode():
         with pytest.raises(ValueError, match=r"^run 'wrong_clip': the clip input encodes prompts 4096 wide, but the "
-                           r"run's captions were cached 32 wide, as its MODEL takes them: connect the CLIP the captions "
-                           r"were cached with \(Cache Text's clip\)"):
+                           r"run's captions were cached 32 wide, as its MODEL takes them: connect the CLIP the "
+                           r"captions were cached with \(Cache Text's clip\)"):
             T.HeadroomValidate.execute(run, clip=other_clip, vae=vae, **sampling)
         with pytest.raises(ValueError, match=r"^run 'wrong_clip': the vae input decodes 16-channel latents, but the "
                            r"run's latents were cached with 4 channels, as its MODEL makes them: connect the VAE the "
