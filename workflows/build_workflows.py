@@ -303,6 +303,13 @@ TINY_VALIDATION_PROMPTS = "\n".join(f"a green {shape} at the {position}" for sha
     ("circle", "top right"), ("square", "bottom center"), ("triangle", "top center"), ("cross", "bottom left")])
 
 
+def history_node(train: int, node_id: int = 18) -> Node:
+    """Validation History on the run of the all-in-one Train node `train`: what ends the templates that train with one
+    (every validation so far, a row per step)."""
+    return Node(node_id, "HeadroomValidationHistory", 4, links={"run": (train, "run")},
+                title="Validations over the steps", width=460, extra_height=300)
+
+
 def tiny_lora() -> Workflow:
     return Workflow("tiny_lora", [
         Note(100, 0, TINY_NOTE, width=380, height=300),
@@ -443,8 +450,7 @@ Queue it: latents and text embeddings are cached once (the text encoders and VAE
              title=f"Train LoRA ({spec.label})", width=460, extra_height=LIVE_CHART_HEIGHT),
         Node(16, "HeadroomVRAMMonitor", 4, links={"value": (15, "lora_name")}, title="Memory after the run"),
         Node(17, "PreviewAny", 4, links={"source": (16, "report")}, title="Memory report"),
-        Node(18, "HeadroomValidationHistory", 4, links={"run": (15, "run")}, title="Validations over the steps",
-             width=460, extra_height=300),
+        history_node(15),
     ])
 
 
@@ -661,8 +667,7 @@ def tiny_controlnet() -> Workflow:
              title="Train ControlNet", width=460, extra_height=LIVE_CHART_HEIGHT),
         Node(8, "HeadroomVRAMMonitor", 4, links={"value": (7, "control_net_name")}, title="Memory after the run"),
         Node(9, "PreviewAny", 4, links={"source": (8, "report")}, title="Memory report"),
-        Node(10, "HeadroomValidationHistory", 4, links={"run": (7, "run")}, title="Validations over the steps",
-             width=460, extra_height=300),
+        history_node(7, node_id=10),
     ])
 
 
@@ -704,8 +709,7 @@ def sd15_controlnet() -> Workflow:
              title="Train ControlNet (SD1.5)", width=460, extra_height=LIVE_CHART_HEIGHT),
         Node(16, "HeadroomVRAMMonitor", 4, links={"value": (15, "control_net_name")}, title="Memory after the run"),
         Node(17, "PreviewAny", 4, links={"source": (16, "report")}, title="Memory report"),
-        Node(18, "HeadroomValidationHistory", 4, links={"run": (15, "run")}, title="Validations over the steps",
-             width=460, extra_height=300),
+        history_node(15),
     ])
 
 
@@ -764,8 +768,7 @@ Queue it: the ControlNet (ComfyUI's own class) trains next to the frozen model, 
              title=f"Train ControlNet ({spec.label})", width=460, extra_height=LIVE_CHART_HEIGHT),
         Node(16, "HeadroomVRAMMonitor", 4, links={"value": (15, "control_net_name")}, title="Memory after the run"),
         Node(17, "PreviewAny", 4, links={"source": (16, "report")}, title="Memory report"),
-        Node(18, "HeadroomValidationHistory", 4, links={"run": (15, "run")}, title="Validations over the steps",
-             width=460, extra_height=300),
+        history_node(15),
     ])
 
 
@@ -1005,8 +1008,7 @@ def wan21_lora() -> Workflow:
              title="Train LoRA (Wan 2.1)", width=460, extra_height=LIVE_CHART_HEIGHT),
         Node(16, "HeadroomVRAMMonitor", 4, links={"value": (15, "lora_name")}, title="Memory after the run"),
         Node(17, "PreviewAny", 4, links={"source": (16, "report")}, title="Memory report"),
-        Node(18, "HeadroomValidationHistory", 4, links={"run": (15, "run")}, title="Validations over the steps",
-             width=460, extra_height=300),
+        history_node(15),
     ])
 
 
@@ -1166,8 +1168,7 @@ def edit_model_lora(spec: RealModel, reference_encoding: str, text_path: str) ->
              title=f"Train edit LoRA ({spec.label})", width=460, extra_height=LIVE_CHART_HEIGHT),
         Node(16, "HeadroomVRAMMonitor", 4, links={"value": (15, "lora_name")}, title="Memory after the run"),
         Node(17, "PreviewAny", 4, links={"source": (16, "report")}, title="Memory report"),
-        Node(18, "HeadroomValidationHistory", 4, links={"run": (15, "run")}, title="Validations over the steps",
-             width=460, extra_height=300),
+        history_node(15),
     ])
 
 
