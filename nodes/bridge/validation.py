@@ -57,17 +57,6 @@ def check_prompt_width(run: TrainingRun, conditioning: list) -> None:
                          "CLIPLoader / DualCLIPLoader)")
 
 
-def check_vae_channels(run: TrainingRun, vae) -> None:
-    """Refuse a `vae` input that decodes other latents than the run's (another model's VAE), before sampling rather
-    than after it, where VAE Decode would fail on the channels."""
-    cached = int(run.latent_cache.latent_channels)
-    given = int(getattr(vae, "latent_channels", cached))
-    if given != cached:
-        raise ValueError(f"run '{run.run_dir.name}': the vae input decodes {given}-channel latents, but the run's "
-                         f"latents were cached with {cached} channels, as its MODEL makes them: connect the VAE the "
-                         "latents were cached with (Cache Latents' vae)")
-
-
 def sample_images(run: TrainingRun, clip, vae, prompts: list[str | SamplePrompt], negative: str, seed: int, steps: int,
                   cfg: float, sampler_name: str, scheduler: str, width: int, height: int,
                   lora_application: str = "as_saved_file",
@@ -89,7 +78,6 @@ def sample_images(run: TrainingRun, clip, vae, prompts: list[str | SamplePrompt]
     (kohya's --n / --d / --s / --l) replace those arguments for its sample; its guidance (--g) is set on the
     positive prompt as FluxGuidance sets it. Returns (images, sampled latents)."""
     latent_frames = video.check_frames(f"run '{run.run_dir.name}'", run.source_model.model, frames)
-    check_vae_channels(run, vae)
     negative_cond = clip.encode_from_tokens_scheduled(clip.tokenize(negative))
     check_prompt_width(run, negative_cond)
     latents = []

@@ -1531,15 +1531,14 @@ def test_train_lora_saves_in_save_dtype_and_validates_that_file_as_the_stock_loa
     assert not torch.equal(validated, stock[fp32_name])
 
 
-def test_validate_refuses_a_clip_or_vae_of_another_model(comfyui):
+def test_validate_refuses_a_clip_whose_prompts_the_model_cannot_take(comfyui):
     """Another family's CLIP on Validate (prompts 4096 wide for a UNet that takes 32): refused before sampling, naming
-    both widths and the CLIP to connect, not the sampler's "shapes cannot be multiplied"; another family's VAE (16
-    channels for the UNet's 4): refused before sampling, not after it at VAE Decode; the right ones then sample."""
+    both widths and the CLIP to connect, not the sampler's "shapes cannot be multiplied"; the right one then samples."""
     from headroom.nodes import train_lora as T
     from headroom.nodes.bridge.tiny_models import build_tiny_models
 
     model, clip, vae, latents, texts = _data("sd15")
-    _, other_clip, other_vae = build_tiny_models("sd3", 1)
+    _, other_clip, _ = build_tiny_models("sd3", 1)
     run = _init(model, latents, texts, "wrong_clip", rank=4)
     sampling = dict(prompts="a red circle", negative="", sample_seed=0, sample_steps=1, cfg=1.0, sampler_name="euler",
                     scheduler="normal", width=32, height=32, loss_timesteps=1)
@@ -1548,10 +1547,6 @@ def test_validate_refuses_a_clip_or_vae_of_another_model(comfyui):
                            r"run's captions were cached 32 wide, as its MODEL takes them: connect the CLIP the "
                            r"captions were cached with \(Cache Text's clip\)"):
             T.HeadroomValidate.execute(run, clip=other_clip, vae=vae, **sampling)
-        with pytest.raises(ValueError, match=r"^run 'wrong_clip': the vae input decodes 16-channel latents, but the "
-                           r"run's latents were cached with 4 channels, as its MODEL makes them: connect the VAE the "
-                           r"latents were cached with \(Cache Latents' vae\)$"):
-            T.HeadroomValidate.execute(run, clip=clip, vae=other_vae, **sampling)
         images = T.HeadroomValidate.execute(run, clip=clip, vae=vae, **sampling).args[0]
     assert images.shape[0] == 1
 
