@@ -209,3 +209,48 @@ def test_results_name_their_run_and_step_and_a_failed_or_cancelled_job_marks_old
     show_node(page, save)
     shot(page, "current_again")
     assert log.headroom_errors() == [], "\n".join(log.headroom_errors())
+
+
+def add_memory_plan(page, model: str) -> str:
+    """A Memory Plan of the graph's MODEL at the tiny model's size, on its own (nothing reads its outputs)."""
+    return page.evaluate("""(model) => {
+        const plan = window.LiteGraph.createNode('HeadroomMemoryPlan');
+        plan.pos = [100, 1200];
+        window.app.graph.add(plan);
+        for (const name of ['width', 'height']) plan.widgets.find((w) => w.name === name).value = 64;
+        window.app.graph.getNodeById(model).connect(0, plan, 0);
+        return String(plan.id);
+    }""", model)
+
+
+def test_validation_history_and_memory_plan_say_on_the_node_what_they_found(browser_page):
+    """Their text (ui `text`) was sent but not shown: a Memory Plan on its own showed nothing, and a Validation History
+    before the run's first validation a black image with no word why (the stock editor shows text only on Preview
+    Any). The tiny ControlNet template: first without prompts (no validation yet), then validating."""
+    page, log = browser_page
+    run_name = f"history_{uuid.uuid4().hex[:8]}"
+    workflow = json.loads((WORKFLOWS / "tiny_controlnet.json").read_text())
+    ids = {node["type"]: str(node["id"]) for node in workflow["nodes"]}
+    load_workflow(page, workflow)
+    train, history = ids["HeadroomTrainControlNet"], ids["HeadroomValidationHistory"]
+    for name, value in (("run_name", run_name), ("steps", 2), ("prompts", "")):
+        set_widget(page, train, name, value)
+    plan = add_memory_plan(page, ids["HeadroomTinyModel"])
+    queue_in_editor(page)
+    assert wait_outcome(page) == "success"
+    assert notes(page, history).startswith(f"run '{run_name}' has no validation grid yet: validate it with prompts")
+    assert notes(page, plan).startswith("Headroom memory plan: "), notes(page, plan)
+    show_node(page, plan)
+    shot(page, "memory_plan_alone")
+
+    for name, value in (("steps", 4), ("validate_every", 2), ("prompts", "a red circle in the center")):
+        set_widget(page, train, name, value)
+    queue_in_editor(page)
+    assert wait_outcome(page) == "success"
+    page.wait_for_timeout(500)
+    assert notes(page, history).startswith(f"run '{run_name}', step 4: validation history, "), notes(page, history)
+    show_node(page, history)
+    page.wait_for_function("(id) => window.app.graph.getNodeById(id).imgs?.every((i) => i.complete && i.naturalWidth)",
+                           arg=history, timeout=30_000)
+    shot(page, "validation_history")
+    assert stale(page, history) is None and log.headroom_errors() == [], "\n".join(log.headroom_errors())
