@@ -18,10 +18,10 @@ load back into them exactly):
    demo's LoRA teaches.
 
 Writes one fp16 safetensors file with checkpoint-style prefixes (model.diffusion_model. / cond_stage_model. /
-first_stage_model.) and the settings as metadata. One CPU thread (torch.set_num_threads(1)): the result is
-reproducible on a machine; docs/benchmarks/pretrain_demo.md has the time it took. A dev tool: it needs diffusers,
-which the nodes do not (pyproject's `interop` extra; .ci/setup installs it), and is left out of the Registry's archive
-(.comfyignore).
+first_stage_model.) and the settings as metadata. One CPU thread (torch.set_num_threads(1)) and a fixed
+free-memory figure for ComfyUI's chunking (FIXED_FREE_MEMORY): the result is reproducible on a machine, loaded or
+not; docs/benchmarks/pretrain_demo.md has the time it took. A dev tool: it needs diffusers, which the nodes do not
+(pyproject's `interop` extra; .ci/setup installs it), and is left out of the Registry's archive (.comfyignore).
 """
 from __future__ import annotations
 
