@@ -5,7 +5,8 @@
 // itself, under its widgets, where the user looks, wrapped at word boundaries to the node's width. The stock editor
 // shows such text only on its Preview Any node. workflows/build_workflows.py keeps room for it on the training and save
 // node types (NOTES_NODE_TYPES; a dataset node's text is rare, the others' short or on a node of their own: the node
-// grows when it comes). When a Headroom node fails, its error message is shown on it the same way (the stock editor
+// grows when it comes). A table's itemised rows (the Memory Plan's) are laid out as rows, each value at the right of
+// its line (appendTable). When a Headroom node fails, its error message is shown on it the same way (the stock editor
 // shows it only behind "View details").
 //
 // One text per node: ComfyUI's progress text (what a node says while it runs, e.g. the policy the Init node fitted to
@@ -68,6 +69,46 @@ function appendText(element, text) {
   });
 }
 
+// An itemised line of a table (the Memory Plan's "  frozen block weights (bf16)        1.2 GiB"): indented, then a
+// name, two or more spaces, and a value. Its columns are aligned with spaces for a fixed-width font; on the node (a
+// proportional font, wrapped to its width) they did not line up.
+const TABLE_ROW = /^( +)(\S.*?) {2,}(\S.*)$/;
+
+// `text` into `element` one block per line, a table row's name to the left and its value to the right of the line
+// (the name wraps, the value does not). The spaces between them and each line's break stay in the text, hidden, so
+// the element's textContent (what a copy or a test reads) is the node's text as it came.
+function appendTable(element, text) {
+  const hidden = (part) => {
+    const span = document.createElement("span");
+    span.style.display = "none";
+    span.textContent = part;
+    return span;
+  };
+  text.split("\n").forEach((line, i, lines) => {
+    const block = document.createElement("div");
+    const row = TABLE_ROW.exec(line);
+    if (row) {
+      const [, indent, name, value] = row;
+      const gap = line.slice(indent.length + name.length, line.length - value.length);
+      const left = document.createElement("span");
+      left.className = "headroom-row-name";
+      left.style.cssText = `flex:1 1 auto;padding-left:${indent.length * 0.28}em`;
+      appendText(left, name);
+      const right = document.createElement("span");
+      right.className = "headroom-row-value";
+      right.style.cssText = "flex:none;white-space:nowrap;margin-left:8px;font-variant-numeric:tabular-nums";
+      right.textContent = value;
+      block.style.display = "flex";
+      block.append(hidden(indent), left, hidden(gap), right);
+    } else {
+      appendText(block, line);
+      if (!line) block.append(document.createElement("br")); // an empty line keeps its height
+    }
+    if (i < lines.length - 1) block.append(hidden("\n"));
+    element.append(block);
+  });
+}
+
 // --- which job a node's result came from --------------------------------------------------------------------------
 // The job of this editor running now or last: {id, state: "running" | "done" | "failed" | "cancelled"}.
 let job = null;
@@ -99,8 +140,9 @@ function render(node) {
   if (text || existing) {
     const element = notesWidget(node).element;
     element.replaceChildren();
-    if (text && reason) element.append(`(${reason})\n`);
-    appendText(element, text);
+    const shown = text && reason ? `(${reason})\n${text}` : text;
+    if (text.split("\n").some((line) => TABLE_ROW.test(line))) appendTable(element, shown);
+    else appendText(element, shown);
     element.style.color = reason ? STALE_COLOR : "#d8d8d8";
     element.style.fontStyle = reason ? "italic" : "normal";
     element.style.display = text ? "block" : "none";

@@ -813,9 +813,7 @@ def memory_plan() -> Workflow:
         Node(5, "HeadroomMemoryPlan", 2,
              {"mode": "auto", "width": 1024, "height": 1024, "rank": 16, "optimizer": "AdamW8bit", "precision": "bf16"},
              links={"model": (1, "MODEL"), "policy": (4, "policy"), "clip": (2, "CLIP"), "vae": (3, "VAE")},
-             title="Memory plan"),
-        # The plan node is not an output node: ComfyUI runs it because this one shows its text.
-        Node(6, "PreviewAny", 3, links={"source": (5, "plan_text")}, title="Plan", width=520),
+             title="Memory plan", width=520),  # an output node: the plan shows on it (js/headroom_notes.js)
     ])
 
 

@@ -223,6 +223,22 @@ def add_memory_plan(page, model: str) -> str:
     }""", model)
 
 
+def plan_rows(page, node_id: str) -> dict:
+    """The itemised rows of a Memory Plan's notes as laid out: each row's name, value and the value's right edge (px),
+    the box's content right edge, and the job's plan text as the server sent it (its history)."""
+    return page.evaluate("""async (id) => {
+        const element = window.app.graph.getNodeById(id).widgets.find((w) => w.name === 'headroom_notes').element;
+        const style = getComputedStyle(element);
+        const box = element.getBoundingClientRect();
+        const rows = [...element.querySelectorAll('.headroom-row-value')].map((value) => ({
+            name: value.parentElement.querySelector('.headroom-row-name').textContent,
+            value: value.textContent, right: value.getBoundingClientRect().right}));
+        const history = await (await fetch('/api/history?max_items=1')).json();
+        const sent = Object.values(history)[0].outputs[id].text.join('\\n');
+        return {rows, sent, right: box.left + element.clientLeft + element.clientWidth - parseFloat(style.paddingRight)};
+    }""", node_id)
+
+
 def test_validation_history_and_memory_plan_say_on_the_node_what_they_found(browser_page):
     """Their text (ui `text`) was sent but not shown: a Memory Plan on its own showed nothing, and a Validation History
     before the run's first validation a black image with no word why (the stock editor shows text only on Preview
@@ -241,6 +257,14 @@ def test_validation_history_and_memory_plan_say_on_the_node_what_they_found(brow
     assert notes(page, history).startswith(f"run '{run_name}' has no validation grid yet: validate it with prompts")
     assert notes(page, plan).startswith("Headroom memory plan: "), notes(page, plan)
     show_node(page, plan)
+    # Its itemised rows: each value at the right of its line, the values' right edges aligned (the plan's columns
+    # are spaced for a fixed-width font: on the node they did not line up); the node's text is the plan as sent.
+    table = plan_rows(page, plan)
+    assert len(table["rows"]) >= 8, table
+    assert any(row["name"] == "trainable weights (fp32)" for row in table["rows"]), table["rows"]
+    assert all(abs(row["right"] - table["right"]) < 1.5 for row in table["rows"]), table
+    assert notes(page, plan) == table["sent"]
+    assert layout_of_notes(page, plan)["broken"] == []
     shot(page, "memory_plan_alone")
 
     for name, value in (("steps", 4), ("validate_every", 2), ("prompts", "a red circle in the center")):
