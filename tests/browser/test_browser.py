@@ -291,10 +291,39 @@ def test_a_graph_never_shows_another_runs_data(comfy_server, browser_page):
     assert log.headroom_errors() == [], "\n".join(log.headroom_errors())
 
 
+# The Offload Policy's text at its longest (nodes/memory.py: a card to fit, the auto budget, the host RAM, the card's
+# line), with a large machine's figures.
+POLICY_TEXT = ("budget fit to this GPU (auto), base resident/as_loaded, checkpointing blocks (depth 1), optimizer "
+               "state on gpu, parked during validation\nauto budget now: 139.80 GiB available - 1 GiB reserve = "
+               "138.80 GiB\nhost RAM: 10.80 GiB in use now, the run may grow it to 121.33 GiB (what the OS reports "
+               "available, less 2 GiB)\ncard this GPU (auto): when a training run opens, the planner picks the "
+               "fastest placement, storage, checkpointing and optimizer state that fit it, and the training node "
+               "shows them")
+
+
+def room_below(page, node_id: str, text: str) -> dict:
+    """The node shows `text` as its result (its onExecuted, as when it ran): its bottom once it has grown to fit it
+    (where the layout kept too little room), whether the text is cut, and the tops (their title bars) of the nodes
+    below it that share some of its columns."""
+    return page.evaluate("""([id, text]) => new Promise((resolve) => {
+        const node = window.app.graph.getNodeById(id);
+        node.onExecuted({text: [text]});
+        requestAnimationFrame(() => requestAnimationFrame(() => {
+            const [x, y] = node.pos, [w, h] = node.size;
+            const below = window.app.graph.nodes.filter((n) => n !== node && n.pos[0] < x + w
+                && n.pos[0] + n.size[0] > x && n.pos[1] > y);
+            const element = node.widgets.find((w) => w.name === 'headroom_notes')?.element;
+            resolve({bottom: y + h, shown: element?.textContent, cut: element.scrollHeight > element.clientHeight + 1,
+                     below: below.map((n) => ({title: n.title, top: n.pos[1] - window.LiteGraph.NODE_TITLE_HEIGHT}))});
+        }));
+    })""", [node_id, text])
+
+
 @pytest.mark.parametrize("name", sorted(p.stem for p in WORKFLOWS.glob("*.json")))
 def test_editor_turns_ui_workflow_into_the_shipped_api_workflow(shared_editor, name):
     """The editor itself converts each shipped UI workflow; the result must be the shipped API workflow.
-    The live view sits on the training nodes of it and on no other node."""
+    The live view sits on the training nodes of it and on no other node. An Offload Policy showing its text (the
+    budget and host RAM it leaves, at its longest) grows into the room the layout kept, over no node below it."""
     page, log = shared_editor
     lines_before, errors_before = len(log.lines), len(log.errors)
     api_path = WORKFLOWS / "api" / f"{name}_api.json"
@@ -317,6 +346,10 @@ def test_editor_turns_ui_workflow_into_the_shipped_api_workflow(shared_editor, n
         return {node_id: {"class_type": node["class_type"], "inputs": node["inputs"]} for node_id, node in prompt.items()}
 
     assert comparable(converted) == comparable(shipped)
+    for policy in (str(n["id"]) for n in workflow["nodes"] if n["type"] == "HeadroomOffloadPolicy"):
+        room = room_below(page, policy, POLICY_TEXT)
+        assert room["shown"] == POLICY_TEXT and not room["cut"], room
+        assert all(room["bottom"] <= node["top"] for node in room["below"]), f"{name}: the policy's text covers {room}"
     log.save(f"console_{name}.log", since=lines_before)
     errors = log.headroom_errors(since=errors_before)
     assert errors == [], "\n".join(errors)

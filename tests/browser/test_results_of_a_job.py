@@ -132,7 +132,7 @@ def test_results_name_their_run_and_step_and_a_failed_or_cancelled_job_marks_old
     ids = tiny_graph(page, run_name, 3)
     init, train, validate, save = (ids[t] for t in ("HeadroomTrainLoraInit", "HeadroomTrainSteps", "HeadroomValidate",
                                                     "HeadroomSaveLora"))
-    add_card_policy(page, init)
+    policy = add_card_policy(page, init)
     queue_in_editor(page)
     assert wait_outcome(page) == "success"
     page.wait_for_timeout(1000)
@@ -156,6 +156,14 @@ def test_results_name_their_run_and_step_and_a_failed_or_cancelled_job_marks_old
     assert layout["broken"] == [] and not layout["cut"], layout
     show_node(page, init)
     shot(page, "init_plan_once")
+    # The policy says on its node what it leaves: the budget on this machine now and the host RAM the run may use.
+    policy_notes = notes(page, policy)
+    assert policy_notes.startswith("budget fit to this GPU (auto), "), policy_notes
+    assert "\nauto budget now: " in policy_notes and "\nhost RAM: " in policy_notes, policy_notes
+    layout = layout_of_notes(page, policy)
+    assert layout["broken"] == [] and not layout["cut"] and stale(page, policy) is None, layout
+    show_node(page, policy)
+    shot(page, "policy_notes")
 
     # A job that fails at Init (another rank under the same run name: the run refuses it): Train steps, Validate and
     # Save did not run; their old results stay, marked as from an earlier job and why, not as current.
