@@ -49,12 +49,31 @@ function notesWidget(node) {
   widget = node.addDOMWidget(WIDGET_NAME, WIDGET_NAME, element, {
     serialize: false, // not an input: never sent in the prompt nor saved in widgets_values
     hideOnZoom: false,
-    // The laid-out text's height once the browser has it (fitNode), an estimate before.
-    getMinHeight: () => Math.min(
-      Math.max(14 + LINE_HEIGHT * lineCount(element.textContent, node.size[0]), element.scrollHeight + 2), MAX_HEIGHT),
+    getMinHeight: () => textHeight(element, node),
+    // Beside the node's images (a history, a grid, a preview) the text keeps its own height and the images get the
+    // room the node has to spare: a one-line note sat in a tall empty box over a small picture.
+    getMaxHeight: () => (node.imgs?.length ? textHeight(element, node) : undefined),
   });
   widget.serialize = false;
   return widget;
+}
+
+// The laid-out text's height once the browser has it (fitNode), an estimate before.
+function textHeight(element, node) {
+  return Math.min(Math.max(14 + LINE_HEIGHT * lineCount(element.textContent, node.size[0]), laidOutHeight(element)),
+    MAX_HEIGHT);
+}
+
+// The height (px, unzoomed) the element's text takes as laid out, with the box's padding; 0 where it is not shown.
+// Not its scrollHeight, which is never less than the box: a box once grown would keep its height.
+function laidOutHeight(element) {
+  const box = element.getBoundingClientRect();
+  if (!element.offsetHeight || !box.height) return 0;
+  const range = document.createRange();
+  range.selectNodeContents(element);
+  const style = getComputedStyle(element);
+  const padding = parseFloat(style.paddingTop) + parseFloat(style.paddingBottom);
+  return range.getBoundingClientRect().height * (element.offsetHeight / box.height) + padding + 2; // (canvas zoom)
 }
 
 // Lines a text takes in a node `width` wide (for the widget's height).

@@ -38,6 +38,9 @@ NOTES_NODE_TYPES = {"HeadroomTrainLoraInit", "HeadroomTrainControlNetInit", "Hea
                     "HeadroomTrainControlNet", "HeadroomSaveLora", "HeadroomSaveControlNet", "HeadroomOffloadPolicy"}
 NOTES_HEIGHT = 70
 NOTES_HEIGHTS = {"HeadroomOffloadPolicy": 210}
+# The stock Preview Any adds its text box and preview_mode widget when it first shows a text (a memory report): they
+# covered the top of the node below (the Validation History, in 21 templates).
+PREVIEW_HEIGHT = {"PreviewAny": 60}
 GAP = 40
 TITLE_HEIGHT = 30
 
@@ -136,7 +139,8 @@ def estimated_height(item, info: dict | None) -> int:
     text_boxes = sum(1 for _, _, s in specs if is_widget(s) and spec_options(s).get("multiline"))
     sockets = sum(1 for _, _, s in specs if not is_widget(s))
     notes = NOTES_HEIGHTS.get(item.type, NOTES_HEIGHT) if item.type in NOTES_NODE_TYPES else 0
-    return 46 + 22 * max(sockets, len(info["output"])) + 26 * widgets + 60 * text_boxes + notes + item.extra_height
+    return (46 + 22 * max(sockets, len(info["output"])) + 26 * widgets + 60 * text_boxes + notes
+            + PREVIEW_HEIGHT.get(item.type, 0) + item.extra_height)
 
 
 def layout(workflow: Workflow, object_info: dict) -> dict[int, tuple[list, list]]:

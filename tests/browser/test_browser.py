@@ -300,6 +300,12 @@ POLICY_TEXT = ("budget fit to this GPU (auto), base resident/as_loaded, checkpoi
                "fastest placement, storage, checkpointing and optimizer state that fit it, and the training node "
                "shows them")
 
+# A VRAM monitor's report on a GPU (nodes/bridge/memory_report.py), as the templates' Preview Any nodes show it.
+REPORT_TEXT = ("Headroom VRAM monitor: NVIDIA GeForce RTX 4090\ndriver: total 23.99 GiB, free 3.20 GiB (ComfyUI counts "
+               "5.10 GiB free, torch cache included)\ntorch: allocated 18.20 GiB, reserved 19.90 GiB\ntorch peak since "
+               "last reset: allocated 21.30 GiB, reserved 22.10 GiB\nprocess RSS: 9.80 GiB, peak 12.40 GiB\nloaded "
+               "models: 1\n- Flux: 22.17 GiB, 16.00 GiB on cuda:0 (partially loaded)")
+
 
 def room_below(page, node_id: str, text: str) -> dict:
     """The node shows `text` as its result (its onExecuted, as when it ran): its bottom once it has grown to fit it
@@ -313,7 +319,8 @@ def room_below(page, node_id: str, text: str) -> dict:
             const below = window.app.graph.nodes.filter((n) => n !== node && n.pos[0] < x + w
                 && n.pos[0] + n.size[0] > x && n.pos[1] > y);
             const element = node.widgets.find((w) => w.name === 'headroom_notes')?.element;
-            resolve({bottom: y + h, shown: element?.textContent, cut: element.scrollHeight > element.clientHeight + 1,
+            resolve({bottom: y + h, shown: element?.textContent ?? null,
+                     cut: Boolean(element) && element.scrollHeight > element.clientHeight + 1,
                      below: below.map((n) => ({title: n.title, top: n.pos[1] - window.LiteGraph.NODE_TITLE_HEIGHT}))});
         }));
     })""", [node_id, text])
@@ -323,7 +330,8 @@ def room_below(page, node_id: str, text: str) -> dict:
 def test_editor_turns_ui_workflow_into_the_shipped_api_workflow(shared_editor, name):
     """The editor itself converts each shipped UI workflow; the result must be the shipped API workflow.
     The live view sits on the training nodes of it and on no other node. An Offload Policy showing its text (the
-    budget and host RAM it leaves, at its longest) grows into the room the layout kept, over no node below it."""
+    budget and host RAM it leaves, at its longest) and a Preview Any showing a memory report grow into the room the
+    layout kept, over no node below them."""
     page, log = shared_editor
     lines_before, errors_before = len(log.lines), len(log.errors)
     api_path = WORKFLOWS / "api" / f"{name}_api.json"
@@ -350,6 +358,9 @@ def test_editor_turns_ui_workflow_into_the_shipped_api_workflow(shared_editor, n
         room = room_below(page, policy, POLICY_TEXT)
         assert room["shown"] == POLICY_TEXT and not room["cut"], room
         assert all(room["bottom"] <= node["top"] for node in room["below"]), f"{name}: the policy's text covers {room}"
+    for preview in (str(n["id"]) for n in workflow["nodes"] if n["type"] == "PreviewAny"):  # the stock node's text
+        room = room_below(page, preview, REPORT_TEXT)
+        assert all(room["bottom"] <= node["top"] for node in room["below"]), f"{name}: the text shown covers {room}"
     log.save(f"console_{name}.log", since=lines_before)
     errors = log.headroom_errors(since=errors_before)
     assert errors == [], "\n".join(errors)

@@ -247,6 +247,19 @@ def plan_rows(page, node_id: str) -> dict:
     }""", node_id)
 
 
+def notes_box(page, node_id: str) -> dict:
+    """The node's notes box height and the height its laid-out text takes in it (px, unzoomed, with its padding)."""
+    return page.evaluate("""(id) => {
+        const element = window.app.graph.getNodeById(id).widgets.find((w) => w.name === 'headroom_notes').element;
+        const range = document.createRange();
+        range.selectNodeContents(element);
+        const scale = element.offsetHeight / element.getBoundingClientRect().height;
+        const style = getComputedStyle(element);
+        return {box: element.offsetHeight, text: range.getBoundingClientRect().height * scale
+            + parseFloat(style.paddingTop) + parseFloat(style.paddingBottom)};
+    }""", node_id)
+
+
 def test_validation_history_and_memory_plan_say_on_the_node_what_they_found(browser_page):
     """Their text (ui `text`) was sent but not shown: a Memory Plan on its own showed nothing, and a Validation History
     before the run's first validation a black image with no word why (the stock editor shows text only on Preview
@@ -285,4 +298,7 @@ def test_validation_history_and_memory_plan_say_on_the_node_what_they_found(brow
     page.wait_for_function("(id) => window.app.graph.getNodeById(id).imgs?.every((i) => i.complete && i.naturalWidth)",
                            arg=history, timeout=30_000)
     shot(page, "validation_history")
+    # The note keeps its text's height; the node's spare room goes to the sheet (a one-line note sat in a tall box)
+    box = notes_box(page, history)
+    assert box["text"] - 1 <= box["box"] <= box["text"] + 6, box
     assert stale(page, history) is None and log.headroom_errors() == [], "\n".join(log.headroom_errors())
