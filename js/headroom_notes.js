@@ -94,6 +94,7 @@ function appendText(element, text) {
 // name, two or more spaces, and a value. Its columns are aligned with spaces for a fixed-width font; on the node (a
 // proportional font, wrapped to its width) they did not line up.
 const TABLE_ROW = /^( +)(\S.*?) {2,}(\S.*)$/;
+const TABLE_NODE_TYPES = ["HeadroomMemoryPlan"]; // whose text has such rows (others' may hold two spaces by chance)
 
 // `text` into `element` one block per line, a table row's name to the left and its value to the right of the line
 // (the name wraps, the value does not). The spaces between them and each line's break stay in the text, hidden, so
@@ -162,7 +163,7 @@ function render(node) {
     const element = notesWidget(node).element;
     element.replaceChildren();
     const shown = text && reason ? `(${reason})\n${text}` : text;
-    if (text.split("\n").some((line) => TABLE_ROW.test(line))) appendTable(element, shown);
+    if (TABLE_NODE_TYPES.includes(node.comfyClass)) appendTable(element, shown);
     else appendText(element, shown);
     element.style.color = reason ? STALE_COLOR : "#d8d8d8";
     element.style.fontStyle = reason ? "italic" : "normal";
