@@ -243,7 +243,8 @@ def plan_rows(page, node_id: str) -> dict:
             value: value.textContent, right: value.getBoundingClientRect().right}));
         const history = await (await fetch('/api/history?max_items=1')).json();
         const sent = Object.values(history)[0].outputs[id].text.join('\\n');
-        return {rows, sent, right: box.left + element.clientLeft + element.clientWidth - parseFloat(style.paddingRight)};
+        const right = box.left + element.clientLeft + element.clientWidth - parseFloat(style.paddingRight);
+        return {rows, sent, right};
     }""", node_id)
 
 
