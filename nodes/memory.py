@@ -74,7 +74,7 @@ class HeadroomOffloadPolicy(io.ComfyNode):
             lowbit.check_available(policy.base_storage)
         except MissingPackageError as error:
             raise MissingPackageError(f"{name}: {error}") from None
-        text = policy.describe()
+        text = policy.describe_before_fit() if policy.fits_card else policy.describe()
         if policy.budget_is_auto:
             available = available_device_bytes()
             text += (f"\nauto budget now: {available / GIB:.2f} GiB available - {policy.reserve_gb:g} GiB reserve = "

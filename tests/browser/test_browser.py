@@ -293,8 +293,9 @@ def test_a_graph_never_shows_another_runs_data(comfy_server, browser_page):
 
 # The Offload Policy's text at its longest (nodes/memory.py: a card to fit, the auto budget, the host RAM, the card's
 # line), with a large machine's figures.
-POLICY_TEXT = ("budget fit to this GPU (auto), base resident/as_loaded, checkpointing blocks (depth 1), optimizer "
-               "state on gpu, parked during validation\nauto budget now: 139.80 GiB available - 1 GiB reserve = "
+POLICY_TEXT = ("budget fit to this GPU (auto), base storage as_loaded to start from, a lower one only if nothing "
+               "fits, parked during validation, encoders kept loaded, fused backward, trained weights in host RAM"
+               "\nauto budget now: 139.80 GiB available - 1 GiB reserve = "
                "138.80 GiB\nhost RAM: 10.80 GiB in use now, the run may grow it to 121.33 GiB (what the OS reports "
                "available, less 2 GiB)\ncard this GPU (auto): when a training run opens, the planner picks the "
                "fastest placement, storage, checkpointing and optimizer state that fit it, and the training node "

@@ -110,6 +110,20 @@ def test_policy_node_shows_the_host_ram_the_run_may_use(comfyui):
     assert given.result[0].host_ram_budget_gb == 48.0 and "may grow it to 48.00 GiB\n" in given.ui.as_dict()["text"][0] + "\n"
 
 
+def test_a_policy_to_fit_to_a_card_says_what_the_fit_keeps_not_what_it_replaces(comfyui):
+    """Before a run opens, a card's fit has not chosen the placement, checkpointing and optimizer state: the node's
+    text said the policy's own (e.g. "base resident/as_loaded, checkpointing off") as if they were in effect."""
+    text = _policy(card="this GPU (auto)", fused_backward=True).ui.as_dict()["text"][0].split("\n")
+    assert text[0] == ("budget fit to this GPU (auto), base storage as_loaded to start from, a lower one only if "
+                       "nothing fits, parked during validation, fused backward"), text
+    assert text[-1].startswith("card this GPU (auto): when a training run opens, the planner picks the fastest ")
+    fp8 = _policy(card="24 GB", base_storage="fp8", park_optimizer_during_validation=False).ui.as_dict()["text"][0]
+    assert fp8.startswith("budget fit to 24 GB, base storage fp8 to start from\n"), fp8
+    custom = _policy(vram_budget_gb=8.0).ui.as_dict()["text"][0]  # its settings are what a run uses: said
+    assert custom.startswith("budget 8 GiB, base resident/as_loaded, checkpointing off, optimizer state on gpu, "
+                             "parked during validation\n"), custom
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_plan_describes_the_real_model_and_leaves_it_unchanged(comfyui, family):
     from headroom.nodes.bridge.comfy_model import training_blocks

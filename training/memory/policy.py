@@ -336,12 +336,23 @@ class OffloadPolicy:
         if self.checkpointing_enabled and self.checkpoint_selection is not None:
             depth += f", {len(self.checkpoint_selection)} selected blocks"
         return (f"budget {budget}, base {self.base_placement}/{self.base_storage}, checkpointing "
-                f"{self.checkpointing}{depth}, optimizer state {self.optimizer_state_said}"
-                + (", parked during validation" if self.park_optimizer_during_validation else "")
+                f"{self.checkpointing}{depth}, optimizer state {self.optimizer_state_said}" + self._kept_by_a_fit()
+                + (f" ({len(self.trained_card_blocks)} blocks' on the card)" if self.trained_card_blocks else ""))
+
+    def describe_before_fit(self) -> str:
+        """A policy to fit to a card, before a run opens: what the fit keeps. Its base placement, checkpointing and
+        optimizer state (and where a full fine-tune's trained weights live) are the planner's to choose when the run
+        opens (planner.candidate_policies), so they are not said as if in effect."""
+        lower = ", a lower one only if nothing fits" if self.base_storage == "as_loaded" else ""
+        return (f"budget fit to {self.card}, base storage {self.base_storage} to start from{lower}"
+                + self._kept_by_a_fit())
+
+    def _kept_by_a_fit(self) -> str:
+        """The settings a card's fit keeps as they are, in words (", parked during validation, fused backward")."""
+        return ((", parked during validation" if self.park_optimizer_during_validation else "")
                 + (", encoders kept loaded" if self.encoders == "keep_loaded" else "")
                 + (", fused backward" if self.fused_backward else "")
-                + (", trained weights in host RAM" if self.trained_weights == "host" else "")
-                + (f" ({len(self.trained_card_blocks)} blocks' on the card)" if self.trained_card_blocks else ""))
+                + (", trained weights in host RAM" if self.trained_weights == "host" else ""))
 
     # --- JSON ----------------------------------------------------------------------------------------------
     def to_dict(self) -> dict:
