@@ -4,7 +4,7 @@
 // the files skip_bad left out, captions with no image, a history with no validation yet, the plan, the budget and host
 // RAM a policy leaves) shown on the node itself, under its widgets, where the user looks, wrapped at word boundaries to
 // the node's width. The stock editor shows such text only on its Preview Any node. workflows/build_workflows.py keeps
-// room for it on the training, save and policy node types (NOTES_NODE_TYPES; a dataset node's text is rare, the others'
+// room for it on the training, save and policy node types (TEXT_ROOM; a dataset node's text is rare, the others'
 // short or on a node of their own: the node grows when it comes). A table's itemised rows (the Memory Plan's) are laid
 // out as rows, each value at the right of its line (appendTable). When a Headroom node fails, its error message is
 // shown on it the same way (the stock editor shows it only behind "View details").

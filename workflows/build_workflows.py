@@ -31,16 +31,15 @@ FRONTEND_ONLY_TYPES = {"Note", "MarkdownNote", "Reroute", "PrimitiveNode"}
 WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
 SEED_NAMES = {"seed", "noise_seed"}  # the editor gives these INT widgets a "control after generate" widget
 
-# Nodes that show their text output (js/headroom_notes.js: where a file was saved, how the run was set up, the
-# budget and host RAM a policy leaves), and the room kept for it, so a node that shows it does not grow over the node
-# below: px by node type (the Offload Policy's text, up to four long lines, takes about 13 wrapped lines at 340 px).
-NOTES_NODE_TYPES = {"HeadroomTrainLoraInit", "HeadroomTrainControlNetInit", "HeadroomTrainSteps", "HeadroomTrainLora",
-                    "HeadroomTrainControlNet", "HeadroomSaveLora", "HeadroomSaveControlNet", "HeadroomOffloadPolicy"}
-NOTES_HEIGHT = 70
-NOTES_HEIGHTS = {"HeadroomOffloadPolicy": 210}
-# The stock Preview Any adds its text box and preview_mode widget when it first shows a text (a memory report): they
-# covered the top of the node below (the Validation History, in 21 templates).
-PREVIEW_HEIGHT = {"PreviewAny": 60}
+# The room (px) kept under the nodes that show a text once they run, so a node that shows it does not grow over the
+# node below: Headroom's (js/headroom_notes.js: where a file was saved, how the run was set up; the Offload Policy's
+# budget and host RAM, up to four long lines, about 13 wrapped lines at 340 px), and the stock Preview Any's text box
+# and preview_mode widget, added when it first shows a text (a memory report covered the Validation History below it
+# in 21 templates).
+TEXT_ROOM = {**dict.fromkeys(["HeadroomTrainLoraInit", "HeadroomTrainControlNetInit", "HeadroomTrainSteps",
+                              "HeadroomTrainLora", "HeadroomTrainControlNet", "HeadroomSaveLora",
+                              "HeadroomSaveControlNet"], 70),
+             "HeadroomOffloadPolicy": 210, "PreviewAny": 60}
 GAP = 40
 TITLE_HEIGHT = 30
 
@@ -138,9 +137,8 @@ def estimated_height(item, info: dict | None) -> int:
     widgets = sum(1 + has_control_widget(n, s) for n, _, s in specs if is_widget(s))
     text_boxes = sum(1 for _, _, s in specs if is_widget(s) and spec_options(s).get("multiline"))
     sockets = sum(1 for _, _, s in specs if not is_widget(s))
-    notes = NOTES_HEIGHTS.get(item.type, NOTES_HEIGHT) if item.type in NOTES_NODE_TYPES else 0
-    return (46 + 22 * max(sockets, len(info["output"])) + 26 * widgets + 60 * text_boxes + notes
-            + PREVIEW_HEIGHT.get(item.type, 0) + item.extra_height)
+    return (46 + 22 * max(sockets, len(info["output"])) + 26 * widgets + 60 * text_boxes + TEXT_ROOM.get(item.type, 0)
+            + item.extra_height)
 
 
 def layout(workflow: Workflow, object_info: dict) -> dict[int, tuple[list, list]]:
