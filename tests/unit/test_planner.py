@@ -89,12 +89,18 @@ def test_the_plan_says_what_a_checkpoint_takes_on_disk():
     with_ema = dataclasses.replace(TRAINABLE, ema=True)
     assert with_ema.checkpoint_bytes() == 16 * params + 20 * (1024 + 160) + (8 << 10)
     assert json.loads(plan.to_json())["checkpoint_bytes"] == plan.checkpoint_bytes
-    # a save to models/ (all-in-one nodes: a LoRA's factors in fp32; a ControlNet's as trained)
+    # a save to models/ (all-in-one nodes: a LoRA's factors in fp32, or bf16 with Train LoRA's save_dtype; a
+    # ControlNet's as trained, no choice)
     assert plan.save_bytes == 4 * params and json.loads(plan.to_json())["save_bytes"] == plan.save_bytes
-    assert dataclasses.replace(TRAINABLE, element_size=2, saved_as_trained=True).save_bytes() == 2 * params
+    assert plan.save_bf16_bytes == 2 * params and json.loads(plan.to_json())["save_bf16_bytes"] == 2 * params
+    controlnet = dataclasses.replace(TRAINABLE, element_size=2, saved_as_trained=True)
+    assert controlnet.save_bytes() == 2 * params and controlnet.save_bf16_bytes() == 0
     assert KEEP_CHECKPOINTS == 2 and "disk: about 60.0 MiB a checkpoint (trained weights and optimizer state); a run " \
         f"keeps two (the older removed before a save where the disk has no room for a third); a save to models/ " \
-        f"about {format_bytes(4 * params)}" in plan.to_text().splitlines(), plan.to_text()
+        f"about {format_bytes(4 * params)} in fp32, {format_bytes(2 * params)} with save_dtype bf16" \
+        in plan.to_text().splitlines(), plan.to_text()
+    text = estimate(toy_description(), controlnet, SHAPE, OffloadPolicy()).to_text()
+    assert text.splitlines()[-1].endswith(f"a save to models/ about {format_bytes(2 * params)}"), text
 
 
 def test_a_controlnets_own_blocks_keep_their_activations_and_the_skipped_base_blocks_none():

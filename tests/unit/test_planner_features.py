@@ -64,7 +64,7 @@ def plans(estimate) -> dict:
 
 
 TIME_MODEL_KEYS = ("predicted_s_per_step", "step_time", "blocks")  # added with the time model: held in test_time_model
-DISK_KEYS = ("checkpoint_bytes", "save_bytes")  # a checkpoint, a save on disk (the disk checks): in test_planner
+DISK_KEYS = ("checkpoint_bytes", "save_bytes", "save_bf16_bytes")  # the disk checks: in test_planner
 
 
 def memory_figures(plan: dict) -> dict:

@@ -324,6 +324,10 @@ class TrainableSpec:
         are as many as its weights: twice a bf16 model file)."""
         return self.weight_bytes() if self.saved_as_trained else self.param_bytes()
 
+    def save_bf16_bytes(self) -> int:
+        """The same save with Train LoRA's `save_dtype` bf16 (0: a ControlNet's, saved as trained, has no choice)."""
+        return 0 if self.saved_as_trained else 2 * self.param_count
+
     def optimizer_share_bytes(self) -> int:
         """The optimizer state one rank holds when it is sharded over `state_ranks` (the largest rank's share)."""
         if self.weight_ranks > 1:
@@ -510,6 +514,7 @@ class Plan:
     # space under output/ for the ones a run keeps (nodes/bridge/model_files.check_disk_room).
     checkpoint_bytes: int = 0
     save_bytes: int = 0  # one save of the trained weights (TrainableSpec.save_bytes; 0: not known), to models/
+    save_bf16_bytes: int = 0  # and in bf16, where the save's dtype is a choice (TrainableSpec.save_bf16_bytes; 0: none)
 
     def disk_line(self) -> str:
         """A checkpoint's size on disk, for a full fine-tune tens of GB ("" where not known)."""
@@ -517,7 +522,9 @@ class Plan:
             return ""
         return (f"disk: about {format_bytes(self.checkpoint_bytes)} a checkpoint (trained weights and optimizer "
                 "state); a run keeps two (the older removed before a save where the disk has no room for a third)"
-                + (f"; a save to models/ about {format_bytes(self.save_bytes)}" if self.save_bytes else ""))
+                + (f"; a save to models/ about {format_bytes(self.save_bytes)}" if self.save_bytes else "")
+                + (f" in fp32, {format_bytes(self.save_bf16_bytes)} with save_dtype bf16" if self.save_bf16_bytes
+                   else ""))
 
     @property
     def predicted_s_per_step(self) -> float | None:
@@ -581,6 +588,7 @@ class Plan:
             "slow": self.slow, "pinnable_bytes": self.pinnable_bytes, "pageable_bytes": self.pageable_bytes,
             "checkpoint_bytes": self.checkpoint_bytes,
             "save_bytes": self.save_bytes,
+            "save_bf16_bytes": self.save_bf16_bytes,
         }
 
     def to_json(self) -> str:
@@ -924,7 +932,8 @@ def estimate(description: ModelDescription, trainable: TrainableSpec, shape: Run
                 resident_blocks=tuple(resident), streamed_blocks=tuple(streamed), stream_slots=slots,
                 pinnable_bytes=pin_limit,
                 pageable_bytes=sum(size for i, size in enumerate(streamed_bytes) if size and i not in pinned),
-                checkpoint_bytes=trainable.checkpoint_bytes(), save_bytes=trainable.save_bytes())
+                checkpoint_bytes=trainable.checkpoint_bytes(), save_bytes=trainable.save_bytes(),
+                save_bf16_bytes=trainable.save_bf16_bytes())
 
 
 def planned_room(policy: OffloadPolicy, budget_bytes: int) -> int:
