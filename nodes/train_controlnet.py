@@ -76,12 +76,12 @@ def start_controlnet_run(model, latent_cache, text_cache, optimizer_config, run_
             check_controlnet_precision(controlnet_precision, policy or OffloadPolicy(), train.precision)
         trainable = dataclasses.replace(controlnet_trainable(model, blocks, optimizer_config.name, config.dtype),
                                         ema=train.ema_decay > 0, bf16_weights_input="controlnet_precision")
-        planned = []  # the card's plan, when one is made: its predicted s/step goes to the memory record
+        planned = []  # the card's plan and its measured model, when one is made: the run keeps them
 
         def plan_card(card):
             planned.append(plan_for_card(model, latent_cache, text_cache, card, trainable, train.batch_size,
                                          train.precision, node, controlnet_blocks=blocks))
-            return planned[-1]
+            return planned[-1][0]
 
         policy, plan_note = resolve_policy(policy, gradient_checkpointing, checkpoint_depth, node=node,
                                            plan_card=plan_card)
@@ -96,8 +96,8 @@ def start_controlnet_run(model, latent_cache, text_cache, optimizer_config, run_
                                             "validation_strength": validation_strength})
         run.precision_note = note
         run.batch_note, run.plan_note, run.disk_note = batch_note, plan_note, disk_note
-        if planned:
-            run.predicted_s_per_step = planned[-1].predicted_s_per_step
+        if planned:  # its predicted s/step goes to the memory record; its measurement to the run's own plans
+            run.predicted_s_per_step, run.measured = planned[-1][0].predicted_s_per_step, planned[-1][1]
         return run
     except (ValueError, RunFolderError) as error:  # ControlNetError is a ValueError
         raise ValueError(named(node, str(error))) from error

@@ -343,12 +343,12 @@ def start_lora_run(model, latent_cache, text_cache, lora_config, optimizer_confi
         ranks = sharded_optimizer.state_ranks(parse_devices(devices), lora_config.kind, optimizer_config.name)
         trainable = dataclasses.replace(lora_trainable(model, lora_config, optimizer_config.name),
                                         ema=train.ema_decay > 0, state_ranks=ranks)
-        planned = []  # the card's plan, when one is made: its predicted s/step goes to the memory record
+        planned = []  # the card's plan and its measured model, when one is made: the run keeps them
 
         def plan_card(card):
             planned.append(plan_for_card(model, latent_cache, text_cache, card, trainable, train.batch_size,
                                          train.precision, node, lora_config, train.grad_accum))
-            return planned[-1]
+            return planned[-1][0]
 
         policy, plan_note = resolve_policy(policy, gradient_checkpointing, checkpoint_depth, node=node,
                                            plan_card=plan_card)
@@ -373,8 +373,8 @@ def start_lora_run(model, latent_cache, text_cache, lora_config, optimizer_confi
                               {"policy": policy, "prior": prior})
         run.precision_note = note
         run.batch_note, run.plan_note, run.inputs_note, run.disk_note = batch_note, plan_note, inputs_note, disk_note
-        if planned:
-            run.predicted_s_per_step = planned[-1].predicted_s_per_step
+        if planned:  # its predicted s/step goes to the memory record; its measurement to the run's own plans
+            run.predicted_s_per_step, run.measured = planned[-1][0].predicted_s_per_step, planned[-1][1]
         return run
     except (ValueError, RunFolderError) as error:
         raise ValueError(named(node, str(error))) from error

@@ -462,6 +462,9 @@ class TrainingRun:
     # The planner's predicted s/step for this run (its card's plan, or the plan of its placement; None: no plan made),
     # recorded beside the measured one in the memory record (PhaseRecorder.step_time).
     predicted_s_per_step: float | None = None
+    # The model as the run's plans measured it (planning.MeasuredModel: by its Init node's card plan, or its first
+    # plan), so its later plans do not measure it again; None: not measured yet.
+    measured = None
     load_seconds: float | None = None  # the last attach's ComfyUI load and placement (`attached`)
 
     @property

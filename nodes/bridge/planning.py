@@ -453,6 +453,38 @@ def describe_comfy_model(patcher, adapter: AdapterConfig, precision: str = "bf16
     return planner.ModelDescription(**description)
 
 
+@dataclasses.dataclass(frozen=True)
+class MeasuredModel:
+    """A MODEL's description (describe_comfy_model) and what it was measured for, kept by the run it was measured for
+    (TrainingRun.measured) so that the run's own plans (run_plan as it places its base, next_plan_for after an
+    out-of-memory error) do not measure the model again: on a GPU each measurement is ComfyUI's load, the calibration
+    forwards and the timing at the run's size. An Init node's card plan measures a LoRA or full fine-tune run's model
+    before the run opens, for the same inputs. Reused only for the same MODEL, adapter, precision, run shape and
+    ControlNet (a ControlNet Init's card plan measures a new one of its blocks in fp32: its run measures its own)."""
+    patcher: object
+    adapter: AdapterConfig
+    precision: str
+    shape: planner.RunShape
+    controlnet: object  # None, the blocks of a ControlNet built to measure (0: the type's default), or a run's own
+    description: planner.ModelDescription
+
+    def is_for(self, patcher, adapter: AdapterConfig, precision: str, shape: planner.RunShape, controlnet) -> bool:
+        blocks = type(controlnet) is int and type(self.controlnet) is int  # both the blocks of one to build
+        same_controlnet = self.controlnet is controlnet or (blocks and self.controlnet == controlnet)
+        return (self.patcher is patcher and self.adapter == adapter and self.precision == precision
+                and self.shape == shape and same_controlnet)
+
+
+def measured_for_run(patcher, adapter: AdapterConfig, precision: str, shape: planner.RunShape, controlnet=None,
+                     known: MeasuredModel | None = None) -> MeasuredModel:
+    """`known` where it was measured for these inputs, else the model measured now (describe_comfy_model, its block
+    times at `shape`; `controlnet` as measure_and_time takes it)."""
+    if known is not None and known.is_for(patcher, adapter, precision, shape, controlnet):
+        return known
+    return MeasuredModel(patcher, adapter, precision, shape, controlnet,
+                         describe_comfy_model(patcher, adapter, precision, timing=shape, controlnet=controlnet))
+
+
 def vae_estimates(vae, frames: int = 1) -> dict:
     """The VAE's weights and ComfyUI's own working-set estimates (`memory_used_encode / _decode`, what VAE Encode /
     Decode load with) for one item: an image, or a `frames`-frame clip for a video VAE (encoded as [1, 3, frames, H, W],
@@ -629,8 +661,10 @@ def _run_inputs(run) -> tuple:
     adapter = getattr(config, "adapter", None) or AdapterConfig()  # (not used in a ControlNet run's calibration)
     shape = cache_run_shape(run.source_model, run.latent_cache, run.text_cache, config.train.batch_size,
                             "Train LoRA: Steps (Headroom)", config.train.grad_accum)
-    description = describe_comfy_model(run.source_model, adapter, config.train.precision, timing=shape,
-                                       controlnet=run.controlnet if run.trains == "controlnet" else None)
+    # measured once per run: by its Init node's card plan, else by its first plan here
+    run.measured = measured_for_run(run.source_model, adapter, config.train.precision, shape,
+                                    run.controlnet if run.trains == "controlnet" else None, run.measured)
+    description = run.measured.description
     first = 0
     if adapter.kind == "full":  # the first block's trained elements (planner.first_block_gradients_later)
         prefix = first_block_prefix(run.source_model)
@@ -687,16 +721,17 @@ def cache_run_shape(patcher, latent_cache, text_cache, batch_size: int, node: st
 
 def plan_for_card(patcher, latent_cache, text_cache, policy: OffloadPolicy, trainable: planner.TrainableSpec,
                   batch_size: int, precision: str, node: str, adapter: AdapterConfig | None = None,
-                  grad_accum: int = 1, controlnet_blocks: int | None = None) -> planner.Plan:
+                  grad_accum: int = 1, controlnet_blocks: int | None = None
+                  ) -> tuple[planner.Plan, MeasuredModel]:
     """The fastest policy whose planned peak fits `policy`'s card (planner.plan_auto), for a run opening on this
     MODEL with these caches: the model measured as the Memory Plan node measures it, with a LoRA of `adapter`'s
-    settings, or for a ControlNet run of `controlnet_blocks` (0: the type's default) with its ControlNet."""
+    settings, or for a ControlNet run of `controlnet_blocks` (0: the type's default) with its ControlNet; and that
+    measurement, for the run to keep (TrainingRun.measured)."""
     try:
         budget = budget_bytes(policy, torch.device(patcher.load_device))
     except PolicyError as error:
         raise ValueError(f"{node}: {error}") from None
     shape = cache_run_shape(patcher, latent_cache, text_cache, batch_size, node, grad_accum)
-    description = describe_comfy_model(patcher, adapter or AdapterConfig(), precision, timing=shape,
-                                       controlnet=controlnet_blocks)
-    return planner.plan_auto(description, with_host_step(trainable), shape, policy, budget,
-                             host_ram.host_room(policy.host_ram_budget_gb))
+    measured = measured_for_run(patcher, adapter or AdapterConfig(), precision, shape, controlnet_blocks)
+    return planner.plan_auto(measured.description, with_host_step(trainable), shape, policy, budget,
+                             host_ram.host_room(policy.host_ram_budget_gb)), measured

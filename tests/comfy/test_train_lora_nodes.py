@@ -1032,6 +1032,51 @@ def test_a_card_resolves_to_the_fastest_policy_whose_planned_peak_fits_it(comfyu
     assert "s/step" in text  # the predicted step time, with the plan
 
 
+def test_a_run_measures_its_model_once_for_its_card_and_its_own_plans(comfyui, monkeypatch):
+    """The Init node's card plan measures the MODEL (calibration forwards, times at the run's size: on a GPU also
+    ComfyUI's load) for the run it opens; the run's own plans (run_plan as it places its base, next_plan_for after an
+    out-of-memory error) use that measurement, and a run without a card plan measures once, at its first plan. What
+    it was measured for differing (here the run's shape), it is measured again; a ControlNet Init's measurement (a new
+    ControlNet of its blocks) is never its run's."""
+    import dataclasses
+
+    from headroom.nodes.bridge import planning
+    from headroom.training.memory import planner
+
+    measured = []
+    measure = planning.measure_and_time
+    monkeypatch.setattr(planning, "measure_and_time", lambda *a, **k: measured.append(a[0]) or measure(*a, **k))
+    model, clip, vae, latents, texts = _data("sd15")
+    run = _init(model, latents, texts, "measured_once_card", rank=4, policy=_policy(card="8 GB"))
+    assert len(measured) == 1 and run.measured.patcher is model and run.measured.adapter == run.config.adapter
+    with torch.inference_mode():
+        plan = planning.run_plan(run)
+        planning.next_plan_for(run)
+        assert len(measured) == 1  # neither measured the model again
+        # the plan from the Init node's measurement is the plan from a new one (its memory figures; the times of a
+        # tiny model on a shared CPU differ from one measurement to the next)
+        description, trainable, shape, budget = planning._run_inputs(run)
+        again = planning.describe_comfy_model(model, run.config.adapter, run.config.train.precision, timing=shape)
+        fresh = planner.estimate(again, trainable, shape, run.policy, budget)
+        assert [p.total for p in plan.phases] == [p.total for p in fresh.phases]
+        measured.clear()
+        run.measured = dataclasses.replace(run.measured, shape=dataclasses.replace(shape, width=shape.width * 2))
+        planning.run_plan(run)
+        assert len(measured) == 1 and run.measured.shape == shape  # measured for another shape: measured again
+
+        own = _init(model, latents, texts, "measured_once_custom", rank=4, policy=_policy())
+        assert len(measured) == 1 and own.measured is None  # a custom policy: no card plan at the Init node
+        planning.run_plan(own)
+        planning.run_plan(own)
+        planning.next_plan_for(own)
+        assert len(measured) == 2 and own.measured.description is not None
+    controlnet = object()  # a ControlNet run's own, never the one its Init node's plan built to measure
+    assert not dataclasses.replace(own.measured, controlnet=0).is_for(
+        model, own.config.adapter, own.config.train.precision, own.measured.shape, controlnet)
+    assert dataclasses.replace(own.measured, controlnet=0).is_for(
+        model, own.config.adapter, own.config.train.precision, own.measured.shape, 0)
+
+
 def _plan_and_train_after_loads(monkeypatch, after_load, run_name: str):
     """Plan, open and train 2 steps on a tiny Flux whose every Headroom load of the diffusion model ends with
     `after_load(patcher)` (what a GPU load does that a CPU one does not); the shared MODEL keeps its values.
