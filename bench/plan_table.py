@@ -91,7 +91,7 @@ def describe(template: Template):
     as the ControlNet Init node's plan does) and kept as measured: they are the same at any depth of the base."""
     from headroom.nodes.bridge.comfy_model import training_blocks
     from headroom.nodes.bridge.controlnet_build import controlnet_dtype, controlnet_trainable
-    from headroom.nodes.bridge.planning import describe_comfy_model, lora_trainable
+    from headroom.nodes.bridge.planning import NewControlNet, describe_comfy_model, lora_trainable
     from headroom.training.core.adapters import AdapterConfig
     from headroom.training.memory import planner
 
@@ -104,8 +104,12 @@ def describe(template: Template):
     dtype, precision = (torch.float32, "fp32") if unet else (torch.bfloat16, "bf16")
     measured_model = models.build_model(template.architecture, template.measured_depth, dtype=dtype, device="cpu",
                                         as_on_gpu=True)
+    # A ControlNet built as its run's: bf16 weights where the template trains them so and the model computes in bf16
+    # (fp32 ones would keep their bf16 casts for backward); a UNet's measured in fp32, then halved below.
+    bf16 = not unet and template.controlnet_precision == "bf16_stochastic"
     measured = describe_comfy_model(measured_model, adapter, precision,
-                                    controlnet=0 if template.controlnet else None)
+                                    controlnet=NewControlNet(0, torch.bfloat16 if bf16 else torch.float32)
+                                    if template.controlnet else None)
     del measured_model
     if unet:
         measured = dataclasses.replace(

@@ -30,7 +30,7 @@ from .inputs import (DEFAULT_CHECKPOINT_MINUTES, added_train_inputs, checkpoint_
 from .io_types import TrainingRunType
 from .bridge.run_controlnet import ControlNetRunConfig, open_controlnet_run
 from .bridge.model_files import check_disk_room, runs_root, save_trained_controlnet, step_save_name
-from .bridge.planning import check_host_ram, plan_for_card
+from .bridge.planning import NewControlNet, check_host_ram, plan_for_card
 from .bridge.rank_workers import open_on_devices
 from .bridge.run_settings import effective_batch, resolve_policy, run_fingerprint, train_config
 from .train_lora import CATEGORY, SAVED_KEY, opened_text, saved_file, saved_text, train_validate_save
@@ -80,7 +80,7 @@ def start_controlnet_run(model, latent_cache, text_cache, optimizer_config, run_
 
         def plan_card(card):
             planned.append(plan_for_card(model, latent_cache, text_cache, card, trainable, train.batch_size,
-                                         train.precision, node, controlnet_blocks=blocks))
+                                         train.precision, node, controlnet=NewControlNet(blocks, config.dtype)))
             return planned[-1][0]
 
         policy, plan_note = resolve_policy(policy, gradient_checkpointing, checkpoint_depth, node=node,

@@ -176,6 +176,11 @@ def check_controlnet_blocks(model_patcher, blocks: int, input_name: str) -> None
     _controlnet_config(model_patcher, blocks, input_name)
 
 
+def resolved_blocks(model_patcher, blocks: int) -> int:
+    """The blocks a ControlNet of `blocks` copies (0: the type's default count)."""
+    return _controlnet_config(model_patcher, blocks)[1]
+
+
 def controlnet_dtype(controlnet_precision: str) -> torch.dtype:
     """The dtype a ControlNet's weights train in for its controlnet_precision (fp32, bf16_stochastic)."""
     return torch.bfloat16 if controlnet_precision == "bf16_stochastic" else torch.float32

@@ -110,12 +110,24 @@ def measure_model(patcher, adapter: AdapterConfig, precision: str = "bf16") -> l
     return measure_and_time(patcher, adapter, precision)[0]
 
 
+@dataclasses.dataclass(frozen=True)
+class NewControlNet:
+    """A ControlNet a plan builds to measure, then frees (_ControlNetStep): of `blocks` blocks as the ControlNet nodes'
+    (0: the type's default), its weights in `dtype` as its run's will be (controlnet_precision). Measured in fp32, a
+    bf16 run's ControlNet blocks were counted 1.27x (tiny SDXL) and 1.41x (tiny Flux) what they keep: fp32 weights keep
+    their bf16 casts for backward, bf16 weights keep none."""
+    blocks: int = 0
+    dtype: torch.dtype = torch.float32
+
+
 def measure_and_time(patcher, adapter: AdapterConfig, precision: str = "bf16", timing: planner.RunShape | None = None,
                      controlnet=None) -> tuple[list[planner.ActivationSample], planner.BlockTimes | None]:
     """measure_model's samples, and with `timing` (a run's shape) each block's forward timed at that shape
-    (time_at_run_size; None where it was skipped). With `controlnet` (a run's TrainableControlNet, or the blocks a new
-    one copies: 0 the type's default), the forwards are a ControlNet run's (_ControlNetStep): the samples' and times'
-    blocks are the base's then the ControlNet's own, and `adapter` is not used."""
+    (time_at_run_size; None where it was skipped). With `controlnet` (a run's TrainableControlNet, a NewControlNet, or
+    the blocks of an fp32 one: 0 the type's default), the forwards are a ControlNet run's (_ControlNetStep): the
+    samples' and times' blocks are the base's then the ControlNet's own, and `adapter` is not used."""
+    if isinstance(controlnet, int):
+        controlnet = NewControlNet(controlnet)
     with training_code_paths():
         return _measure(patcher, adapter, precision, timing, controlnet)
 
@@ -127,8 +139,9 @@ class _ControlNetStep:
     encoder runs at the image's pixel size (SD1.5 at 64 px: 0.64x the activations a LoRA's calibration counted)."""
 
     def __init__(self, patcher, controlnet):
-        if isinstance(controlnet, int):  # a run about to open (its Init node's plan): built as it will be, then freed
-            controlnet = controlnet_build.build_controlnet(patcher, blocks=controlnet, device=patcher.load_device)
+        if isinstance(controlnet, NewControlNet):  # a run about to open (its Init node's plan): built as it will be
+            controlnet = controlnet_build.build_controlnet(patcher, blocks=controlnet.blocks, dtype=controlnet.dtype,
+                                                           device=patcher.load_device)  # (then freed)
         self.controlnet, self.key = controlnet, controlnet_build.CONTROL_HINT
         self.denoiser = controlnet_build.ControlNetDenoiser(patcher, controlnet)
         base = len(training_blocks(patcher.model.diffusion_model))
@@ -156,8 +169,9 @@ def _measure(patcher, adapter: AdapterConfig, precision: str, timing: planner.Ru
     diffusion_model = model.diffusion_model
     with torch.inference_mode(False):
         room = calibration_room(patcher)
-        if room and isinstance(controlnet, int):  # and room for the ControlNet _ControlNetStep builds there
-            room += controlnet_build.controlnet_trainable(patcher, controlnet, "AdamW").param_bytes()
+        if room and isinstance(controlnet, NewControlNet):  # and room for the ControlNet _ControlNetStep builds there
+            room += controlnet_build.controlnet_trainable(patcher, controlnet.blocks, "AdamW",
+                                                          controlnet.dtype).weight_bytes()
         comfy.model_management.load_models_gpu([patcher], memory_required=room)
         with patcher.use_ejected():  # the bare module tree's weight keys (a run's clone loads with its adapters)
             replace_inference_tensors(diffusion_model, patcher)
@@ -390,7 +404,7 @@ def describe_comfy_model(patcher, adapter: AdapterConfig, precision: str = "bf16
                          controlnet=None) -> planner.ModelDescription:
     """The planner's description of a ComfyUI MODEL (and, optionally, its CLIP and VAE, whose estimates are for
     `frames`-frame clips) for training a LoRA of `adapter`'s settings, or with `controlnet` a ControlNet (a run's
-    TrainableControlNet, or the blocks a new one copies: measure_and_time); with `timing` (the run's shape) its block
+    TrainableControlNet, or a new one's: measure_and_time); with `timing` (the run's shape) its block
     times measured at that shape (time_at_run_size), else fitted from the calibration forwards."""
     model = patcher.model
     diffusion_model = model.diffusion_model
@@ -459,20 +473,31 @@ class MeasuredModel:
     (TrainingRun.measured) so that the run's own plans (run_plan as it places its base, next_plan_for after an
     out-of-memory error) do not measure the model again: on a GPU each measurement is ComfyUI's load, the calibration
     forwards and the timing at the run's size. An Init node's card plan measures a LoRA or full fine-tune run's model
-    before the run opens, for the same inputs. Reused only for the same MODEL, adapter, precision, run shape and
-    ControlNet (a ControlNet Init's card plan measures a new one of its blocks in fp32: its run measures its own)."""
+    before the run opens, for the same inputs (a ControlNet Init's, a new ControlNet of the run's blocks and dtype).
+    Reused only for the same MODEL, adapter, precision, run shape and ControlNet blocks and dtype."""
     patcher: object
     adapter: AdapterConfig
     precision: str
     shape: planner.RunShape
-    controlnet: object  # None, the blocks of a ControlNet built to measure (0: the type's default), or a run's own
+    controlnet: tuple | None  # the ControlNet measured with it (measured_controlnet): its blocks and weights' dtype
     description: planner.ModelDescription
 
     def is_for(self, patcher, adapter: AdapterConfig, precision: str, shape: planner.RunShape, controlnet) -> bool:
-        blocks = type(controlnet) is int and type(self.controlnet) is int  # both the blocks of one to build
-        same_controlnet = self.controlnet is controlnet or (blocks and self.controlnet == controlnet)
         return (self.patcher is patcher and self.adapter == adapter and self.precision == precision
-                and self.shape == shape and same_controlnet)
+                and self.shape == shape and self.controlnet == measured_controlnet(patcher, controlnet))
+
+
+def measured_controlnet(patcher, controlnet) -> tuple[int, torch.dtype] | None:
+    """What a calibration's ControlNet (as measure_and_time takes it) is to its measurement: its blocks and its
+    weights' dtype (None: no ControlNet). A new one of these and a run's own measure alike: their weights' values
+    change no activation."""
+    if controlnet is None:
+        return None
+    if isinstance(controlnet, int):
+        controlnet = NewControlNet(controlnet)
+    if isinstance(controlnet, NewControlNet):
+        return controlnet_build.resolved_blocks(patcher, controlnet.blocks), controlnet.dtype
+    return controlnet.blocks, next(iter(controlnet.module.parameters())).dtype
 
 
 def measured_for_run(patcher, adapter: AdapterConfig, precision: str, shape: planner.RunShape, controlnet=None,
@@ -481,7 +506,7 @@ def measured_for_run(patcher, adapter: AdapterConfig, precision: str, shape: pla
     times at `shape`; `controlnet` as measure_and_time takes it)."""
     if known is not None and known.is_for(patcher, adapter, precision, shape, controlnet):
         return known
-    return MeasuredModel(patcher, adapter, precision, shape, controlnet,
+    return MeasuredModel(patcher, adapter, precision, shape, measured_controlnet(patcher, controlnet),
                          describe_comfy_model(patcher, adapter, precision, timing=shape, controlnet=controlnet))
 
 
@@ -593,7 +618,9 @@ def plan_run(model, policy: OffloadPolicy, mode: str, batch_size: int, width: in
                              "connect the video model's VAE")
         shape = planner.RunShape(batch_size, width, height, text_tokens or None, latent_frames)
         description = describe_comfy_model(model, adapter, precision, text_tokens or None, clip, vae, frames,
-                                           timing=shape, controlnet=controlnet_blocks if controlnet else None)
+                                           timing=shape, controlnet=NewControlNet(
+                                               controlnet_blocks, controlnet_build.controlnet_dtype(trained_precision))
+                                           if controlnet else None)
     except (PolicyError, ValueError) as error:
         raise ValueError(named(node, str(error))) from None
     if controlnet:  # as Train ControlNet: Init plans its card
@@ -721,17 +748,17 @@ def cache_run_shape(patcher, latent_cache, text_cache, batch_size: int, node: st
 
 def plan_for_card(patcher, latent_cache, text_cache, policy: OffloadPolicy, trainable: planner.TrainableSpec,
                   batch_size: int, precision: str, node: str, adapter: AdapterConfig | None = None,
-                  grad_accum: int = 1, controlnet_blocks: int | None = None
+                  grad_accum: int = 1, controlnet: NewControlNet | None = None
                   ) -> tuple[planner.Plan, MeasuredModel]:
     """The fastest policy whose planned peak fits `policy`'s card (planner.plan_auto), for a run opening on this
     MODEL with these caches: the model measured as the Memory Plan node measures it, with a LoRA of `adapter`'s
-    settings, or for a ControlNet run of `controlnet_blocks` (0: the type's default) with its ControlNet; and that
+    settings, or for a ControlNet run with a new `controlnet` of its blocks and dtype; and that
     measurement, for the run to keep (TrainingRun.measured)."""
     try:
         budget = budget_bytes(policy, torch.device(patcher.load_device))
     except PolicyError as error:
         raise ValueError(f"{node}: {error}") from None
     shape = cache_run_shape(patcher, latent_cache, text_cache, batch_size, node, grad_accum)
-    measured = measured_for_run(patcher, adapter or AdapterConfig(), precision, shape, controlnet_blocks)
+    measured = measured_for_run(patcher, adapter or AdapterConfig(), precision, shape, controlnet)
     return planner.plan_auto(measured.description, with_host_step(trainable), shape, policy, budget,
                              host_ram.host_room(policy.host_ram_budget_gb)), measured

@@ -551,6 +551,45 @@ def _fused_policy():
     return OffloadPolicy(fused_backward=True)
 
 
+@pytest.mark.parametrize("family", ["sdxl", "flux"])
+def test_a_bf16_controlnets_card_plan_measures_its_runs_controlnet_once(comfyui, monkeypatch, family):
+    """A ControlNet Init fitting a card measures a new ControlNet of the run's blocks in the run's dtype (bf16 here, as
+    the SDXL and Flux templates train: bf16 weights keep no cast copies for backward; measured in fp32, its blocks
+    were counted 1.27-1.41x what the run keeps), and the run's own plans reuse that measurement: the model is measured
+    once per run, and the card's plan counts what the run's own ControlNet keeps."""
+    from headroom.nodes.bridge import planning
+    from headroom.nodes.memory import HeadroomOffloadPolicy
+    from headroom.nodes.train_controlnet import HeadroomTrainControlNetInit
+
+    measured = []
+    measure = planning.measure_and_time
+    monkeypatch.setattr(planning, "measure_and_time", lambda *a, **k: measured.append(a[0]) or measure(*a, **k))
+    model, clip, vae, latent_cache, text_cache = _caches(family, count=3)
+    settings = dict(vram_budget_gb=0.0, reserve_gb=1.0, base_placement="resident", base_storage="as_loaded",
+                    checkpointing="off", checkpoint_depth=1, optimizer_state="gpu", fused_backward=True,
+                    park_optimizer_during_validation=True, vae_tiled_decode="auto", encoders="unload_after_use")
+    card = HeadroomOffloadPolicy.execute(**settings, card="8 GB").args[0]
+    run = HeadroomTrainControlNetInit.execute(**_init_inputs(
+        model, latent_cache, text_cache, _unique(f"measured_once_{family}"), batch_size=2, precision="bf16",
+        policy=card, controlnet_precision="bf16_stochastic")).args[0]
+    assert len(measured) == 1 and run.measured.controlnet == (run.controlnet.blocks, torch.bfloat16)
+    with torch.inference_mode():
+        planning.run_plan(run)
+        planning.next_plan_for(run)
+        assert len(measured) == 1  # the run's own plans: the Init node's measurement
+        planned = [block.saved for block in run.measured.description.controlnet_blocks]
+        own = planning.describe_comfy_model(model, planning.AdapterConfig(), "bf16", timing=run.measured.shape,
+                                            controlnet=run.controlnet)
+        fp32 = planning.describe_comfy_model(model, planning.AdapterConfig(), "bf16", controlnet=0)
+    area, tokens = 32 * 32, 77
+    kept = sum(block.saved.at(area, tokens) for block in own.controlnet_blocks)
+    assert sum(law.at(area, tokens) for law in planned) == pytest.approx(kept, rel=1e-6)
+    counted_before = sum(block.saved.at(area, tokens) for block in fp32.controlnet_blocks)
+    print(f"{family}: a bf16 ControlNet's blocks keep {kept / 2 ** 20:.2f} MiB at 256 px, measured in fp32 "
+          f"{counted_before / 2 ** 20:.2f} MiB ({counted_before / kept:.2f}x)")
+    assert counted_before > 1.2 * kept
+
+
 def test_bf16_controlnet_weights_train_resume_exactly_and_load_in_the_stock_nodes(comfyui):
     """controlnet_precision bf16_stochastic: the ControlNet's weights are bf16 (half the memory; the plan counts them
     so), each update rounded stochastically inside backward; a resumed run continues the same rounding draws, and the

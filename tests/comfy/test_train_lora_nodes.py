@@ -1036,8 +1036,8 @@ def test_a_run_measures_its_model_once_for_its_card_and_its_own_plans(comfyui, m
     """The Init node's card plan measures the MODEL (calibration forwards, times at the run's size: on a GPU also
     ComfyUI's load) for the run it opens; the run's own plans (run_plan as it places its base, next_plan_for after an
     out-of-memory error) use that measurement, and a run without a card plan measures once, at its first plan. What
-    it was measured for differing (here the run's shape), it is measured again; a ControlNet Init's measurement (a new
-    ControlNet of its blocks) is never its run's."""
+    it was measured for differing (here the run's shape, or another adapter), it is measured again (a ControlNet run's:
+    tests/comfy/test_controlnet_training.py)."""
     import dataclasses
 
     from headroom.nodes.bridge import planning
@@ -1070,11 +1070,9 @@ def test_a_run_measures_its_model_once_for_its_card_and_its_own_plans(comfyui, m
         planning.run_plan(own)
         planning.next_plan_for(own)
         assert len(measured) == 2 and own.measured.description is not None
-    controlnet = object()  # a ControlNet run's own, never the one its Init node's plan built to measure
-    assert not dataclasses.replace(own.measured, controlnet=0).is_for(
-        model, own.config.adapter, own.config.train.precision, own.measured.shape, controlnet)
-    assert dataclasses.replace(own.measured, controlnet=0).is_for(
-        model, own.config.adapter, own.config.train.precision, own.measured.shape, 0)
+    other = dataclasses.replace(own.config.adapter, rank=8)  # another adapter: measured again
+    assert own.measured.is_for(model, own.config.adapter, own.config.train.precision, own.measured.shape, None)
+    assert not own.measured.is_for(model, other, own.config.train.precision, own.measured.shape, None)
 
 
 def _plan_and_train_after_loads(monkeypatch, after_load, run_name: str):
