@@ -61,10 +61,14 @@ def test_a_bf16_controlnet_trains_plans_and_loads_in_the_stock_nodes_at_real_wid
     ControlNet's weights bf16, stepped with stochastic rounding by fused backward (tensors of 2432 x 9728 = 23.7 M
     elements, past a float32's 2^24), its activations planned as its bf16 step keeps them, its trainable bytes half
     an fp32 one's; saved in bf16, the stock ControlNetLoader's module gives the in-memory one's control output (a CPU
-    computes bf16 weights in fp32: the stock module holds them upcast, the in-memory one casts them)."""
+    computes bf16 weights in fp32: the stock module holds them upcast, the in-memory one casts them). Its step's
+    activations planned as a card's plan measures them before the run opens: a new ControlNet of the run's blocks,
+    bf16 as the run's (planning.NewControlNet; an fp32 one keeps its weights' bf16 casts for backward: measured so,
+    the step without checkpointing was planned at 548 MiB, 5.0x the 110 MiB it keeps)."""
     import folder_paths
     import nodes
     from family_checks import controlnet_plan_over_step
+    from headroom.nodes.bridge import planning
     from headroom.nodes.bridge.controlnet_build import controlnet_trainable
     from headroom.nodes.memory import HeadroomMemoryPlan
     from headroom.nodes.train_controlnet import HeadroomSaveControlNet
@@ -87,7 +91,10 @@ def test_a_bf16_controlnet_trains_plans_and_loads_in_the_stock_nodes_at_real_wid
             kind="controlnet", trained_precision="bf16_stochastic").args[1])
         items = next(p for p in plan["phases"] if p["phase"] == "training step")["items"]
         assert items["trainable weights (bf16)"] == spec.weight_bytes()
-        for checkpointing, (planned, kept) in controlnet_plan_over_step(run).items():
+        # as the Init node's card plan measures it, before the run opens
+        new = planning.NewControlNet(run.config.blocks, run.config.dtype)
+        measured = planning.describe_comfy_model(model, planning.AdapterConfig(), "bf16", controlnet=new)
+        for checkpointing, (planned, kept) in controlnet_plan_over_step(run, measured).items():
             print(f"bf16 ControlNet, checkpointing {checkpointing}: planned {planned / 2 ** 20:.1f} MiB, the step "
                   f"keeps {kept / 2 ** 20:.1f} MiB ({planned / kept:.3f}x)")
             assert planned == pytest.approx(kept, rel=0.1), (checkpointing, planned, kept)
