@@ -609,9 +609,11 @@ def plan_run(model, policy: OffloadPolicy, mode: str, batch_size: int, width: in
         adapter.validate()
         trained_weights_on_host.check_kind(policy, None if controlnet else adapter.kind, "set kind full on this node")
         budget = budget_bytes(policy, torch.device(model.load_device))
+        new = None  # a ControlNet run's: built as its Init node's card plan builds it
         if controlnet:
             controlnet_build.controlnet_type_name(model)  # a family without a ControlNet layout: named, listed
             controlnet_build.check_controlnet_blocks(model, controlnet_blocks, "controlnet_blocks")
+            new = NewControlNet(controlnet_blocks, controlnet_build.controlnet_dtype(trained_precision))
         paths = None if controlnet else lora_target_paths(model, adapter)
         latent_frames = video.check_frames(node, model.model, frames)
         if vae is not None and frames > 1 and frame_step(vae) is None:
@@ -619,15 +621,12 @@ def plan_run(model, policy: OffloadPolicy, mode: str, batch_size: int, width: in
                              "connect the video model's VAE")
         shape = planner.RunShape(batch_size, width, height, text_tokens or None, latent_frames)
         description = describe_comfy_model(model, adapter, precision, text_tokens or None, clip, vae, frames,
-                                           timing=shape, controlnet=NewControlNet(
-                                               controlnet_blocks, controlnet_build.controlnet_dtype(trained_precision))
-                                           if controlnet else None)
+                                           timing=shape, controlnet=new)
     except (PolicyError, ValueError) as error:
         raise ValueError(named(node, str(error))) from None
     if controlnet:  # as Train ControlNet: Init plans its card
-        trainable = dataclasses.replace(controlnet_build.controlnet_trainable(
-            model, controlnet_blocks, optimizer, controlnet_build.controlnet_dtype(trained_precision)),
-            bf16_weights_input="controlnet_precision")
+        trainable = dataclasses.replace(controlnet_build.controlnet_trainable(model, new.blocks, optimizer, new.dtype),
+                                        bf16_weights_input="controlnet_precision")
     else:
         trainable = lora_trainable(model, adapter, optimizer, paths)
     trainable = with_host_step(trainable)
