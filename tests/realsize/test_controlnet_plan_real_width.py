@@ -56,7 +56,7 @@ def test_a_controlnet_runs_plan_counts_what_its_step_keeps_at_real_width(comfyui
         run.release()
 
 
-def test_a_bf16_controlnet_trains_plans_and_loads_in_the_stock_nodes_at_real_width(comfyui):
+def test_a_bf16_controlnet_trains_plans_and_loads_in_the_stock_nodes_at_real_width(comfyui, monkeypatch):
     """controlnet_precision bf16_stochastic (the SDXL and Flux templates' setting) at SD3.5-Large's width: the
     ControlNet's weights bf16, stepped with stochastic rounding by fused backward (tensors of 2432 x 9728 = 23.7 M
     elements, past a float32's 2^24), its activations planned as its bf16 step keeps them, its trainable bytes half
@@ -64,7 +64,8 @@ def test_a_bf16_controlnet_trains_plans_and_loads_in_the_stock_nodes_at_real_wid
     computes bf16 weights in fp32: the stock module holds them upcast, the in-memory one casts them). Its step's
     activations planned as a card's plan measures them before the run opens: a new ControlNet of the run's blocks,
     bf16 as the run's (planning.NewControlNet; an fp32 one keeps its weights' bf16 casts for backward: measured so,
-    the step without checkpointing was planned at 548 MiB, 5.0x the 110 MiB it keeps)."""
+    the step without checkpointing was planned at 548 MiB, 5.0x the 110 MiB it keeps). The Memory Plan node's kind
+    controlnet measures it so: its measurement is the one checked (one calibration at this width: ~40 s here)."""
     import folder_paths
     import nodes
     from family_checks import controlnet_plan_over_step
@@ -85,15 +86,18 @@ def test_a_bf16_controlnet_trains_plans_and_loads_in_the_stock_nodes_at_real_wid
         spec = controlnet_trainable(model, 0, "AdamW", torch.bfloat16)
         assert 2 * spec.weight_bytes() == controlnet_trainable(model, 0, "AdamW").weight_bytes()
         assert spec.weight_bytes() == sum(t.numel() * 2 for t in run.trainer.params)
-        # The Memory Plan node's kind controlnet plans the same tensors (before any cache exists)
+        # The Memory Plan node's kind controlnet plans the same tensors (before any cache exists), measuring a new
+        # ControlNet of the run's blocks and dtype as the Init node's card plan measures it before the run opens
+        describe, measured = planning.describe_comfy_model, []
+        monkeypatch.setattr(planning, "describe_comfy_model",
+                            lambda *a, **k: measured.append((k["controlnet"], describe(*a, **k))) or measured[-1][1])
         plan = json.loads(HeadroomMemoryPlan.execute(
             model, "estimate", 1, 64, 64, 16, "preset", "AdamW", "bf16", 0, policy=OffloadPolicy(fused_backward=True),
-            kind="controlnet", trained_precision="bf16_stochastic").args[1])
+            kind="controlnet", trained_precision="bf16_stochastic", controlnet_blocks=run.config.blocks).args[1])
         items = next(p for p in plan["phases"] if p["phase"] == "training step")["items"]
         assert items["trainable weights (bf16)"] == spec.weight_bytes()
-        # as the Init node's card plan measures it, before the run opens
-        new = planning.NewControlNet(run.config.blocks, run.config.dtype)
-        measured = planning.describe_comfy_model(model, planning.AdapterConfig(), "bf16", controlnet=new)
+        [(new, measured)] = measured
+        assert new == planning.NewControlNet(run.config.blocks, torch.bfloat16) and run.config.dtype == torch.bfloat16
         for checkpointing, (planned, kept) in controlnet_plan_over_step(run, measured).items():
             print(f"bf16 ControlNet, checkpointing {checkpointing}: planned {planned / 2 ** 20:.1f} MiB, the step "
                   f"keeps {kept / 2 ** 20:.1f} MiB ({planned / kept:.3f}x)")
