@@ -314,7 +314,7 @@ def made_in_inference_mode(tensor: torch.Tensor) -> bool:
     return False
 
 
-def replace_inference_tensors(module: torch.nn.Module, patcher=None) -> None:
+def replace_inference_tensors(module: torch.nn.Module, patcher=None, key_prefix: str = "diffusion_model.") -> None:
     """Give weights made under inference mode (ComfyUI's loaders run there) normal storage, same values.
 
     Autograd cannot save inference tensors for backward, and a frozen Linear's weight is saved to get the
@@ -322,9 +322,10 @@ def replace_inference_tensors(module: torch.nn.Module, patcher=None) -> None:
     (made_in_inference_mode); on the CPU they are the loader's tensors themselves. Either way they are cloned
     once here, the way ComfyUI's own weight patching swaps parameters (comfy.utils.set_attr_param).
 
-    `patcher`: the ComfyUI ModelPatcher whose diffusion_model `module` is. Weights it pinned in host RAM (its
-    partial load registers their memory with CUDA) are unpinned before their clone and the clone pinned again:
-    freeing memory still registered broke every later CUDA call of the process ("resource already mapped").
+    `patcher`: the ComfyUI ModelPatcher whose diffusion_model `module` is (`key_prefix` its weights' keys there: ""
+    for a CLIP's patcher, whose model is the module). Weights it pinned in host RAM (its partial load registers their
+    memory with CUDA) are unpinned before their clone and the clone pinned again: freeing memory still registered
+    broke every later CUDA call of the process ("resource already mapped").
 
     One tensor at a time, holding only names: the replaced tensor is freed before the next is cloned, so the
     weights never exist twice (a list of the parameters themselves kept every old one alive to the end:
@@ -335,7 +336,7 @@ def replace_inference_tensors(module: torch.nn.Module, patcher=None) -> None:
         names = [(name, True) for name, param in module.named_parameters() if made_in_inference_mode(param)]
         names += [(name, False) for name, buffer in module.named_buffers() if made_in_inference_mode(buffer)]
         for name, is_parameter in names:
-            key = f"diffusion_model.{name}"
+            key = key_prefix + name
             was_pinned = key in pinned
             if was_pinned:
                 patcher.unpin_weight(key)
