@@ -591,8 +591,13 @@ class TrainingRun:
                 yield
         finally:  # the MODEL's quantized weights usable by stock nodes again (a no-op for any other model)
             quantized_weights_for_inference(base, self.placement.patcher)
-            for cache in (self.latent_cache, self.text_cache, *self.trained.caches()):
-                cache.release_files()  # no cache shard left mapped between calls (Windows cannot delete one)
+            self.release_cache_files()
+
+    def release_cache_files(self) -> None:
+        """No cache shard left mapped between calls (Windows cannot delete or replace a mapped file: the cache folder
+        could not be deleted while ComfyUI ran): after each training or validation call, whatever it read."""
+        for cache in (self.latent_cache, self.text_cache, *self.trained.caches()):
+            cache.release_files()
 
     @contextlib.contextmanager
     def validating(self):

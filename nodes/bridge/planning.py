@@ -740,8 +740,10 @@ def cache_run_shape(patcher, latent_cache, text_cache, batch_size: int, node: st
     text (captions differ in length where the text encoder does not pad), its batch (and its micro-steps per
     optimizer step)."""
     width, height, *frames = max(latent_cache.buckets, key=lambda size: math.prod(size))
-    tokens = longest_text(text_cache, latent_cache)
-    text_cache.release_files()  # no shard left mapped by a plan (Windows could not delete the cache folder)
+    try:
+        tokens = longest_text(text_cache, latent_cache)
+    finally:  # no shard left mapped by a plan, also where one proved unreadable (Windows could not delete the folder)
+        text_cache.release_files()
     latent_frames = video.check_frames(node, patcher.model, frames[0]) if frames else 1
     return planner.RunShape(batch_size, width, height, int(tokens), latent_frames, grad_accum)
 

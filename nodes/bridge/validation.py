@@ -319,6 +319,9 @@ def validate(node_cls, run: TrainingRun, clip=None, vae=None, prompts="", negati
         for encoder in (clip, vae):
             if encoder is not None:
                 unload_encoder(encoder.patcher, run.policy)
+        # what validation read outside the model's attach (the prompt width check's empty caption, as_saved_file and
+        # compare_base sampling, which never attach): no shard left mapped after the call
+        run.release_cache_files()
     if previews is not None:
         output_dir = folder_paths.get_output_directory()
         run.last_validation = {"step": run.step, "images": previews.values,

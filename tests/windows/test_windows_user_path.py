@@ -150,7 +150,9 @@ print("NODES", len(nodes))
 def test_between_calls_a_run_holds_no_cache_file_so_the_cache_folder_can_be_deleted(windows, comfyui, cache_dir):
     """ComfyUI keeps a node's outputs, so a run lives on between queues with the caches it read. Windows deletes no
     file mapped or open: after Train Steps and Validate return, none of the cache's shards is held, and the user can
-    delete the cache folder in Explorer while ComfyUI runs (before: the shards the run read last stayed mapped)."""
+    delete the cache folder in Explorer while ComfyUI runs (before: the shards the run read last stayed mapped; and
+    after Validate with prompts, as_saved_file and compare_base sampling, which never attach the run's model: the
+    shard of the empty caption read for the prompts' width check)."""
     import shutil
 
     import windows_imitation
@@ -166,6 +168,9 @@ def test_between_calls_a_run_holds_no_cache_file_so_the_cache_folder_can_be_dele
     with torch.inference_mode():
         T.HeadroomTrainSteps.execute(run, 2)
         T.HeadroomValidate.execute(run, loss_timesteps=1)
+        T.HeadroomValidate.execute(run, clip=clip, vae=vae, prompts="a red circle", negative="", sample_seed=0,
+                                   sample_steps=1, cfg=1.0, sampler_name="euler", scheduler="normal", width=32,
+                                   height=32, loss_timesteps=1, lora_application="as_saved_file", compare_base=True)
     shards = [str(path.resolve()) for path in cache_dir.rglob("*.safetensors")]
     assert shards
     held = windows_imitation.mapped_files() | windows_imitation.open_files()
