@@ -85,6 +85,33 @@ def encode_with_reference(encoding: str, clip, text: str, image: torch.Tensor, v
     raise ValueError(f"reference_encoding={encoding!r}: choose one of {', '.join(REFERENCE_ENCODINGS)}")
 
 
+def flat_conditioning(conditioning, what: str, instead: str, dropped: set[str] | None = None
+                      ) -> dict[str, torch.Tensor]:
+    """One prompt's CLIP Text Encode result `[[cond, {extras}]]` as the text cache holds it (TextCache.conditioning):
+    "cross_attn" and every tensor extra without the batch dimension of 1, an extra given without one kept as given
+    and marked, a bool flag as a 0-d tensor; the names of other entries (hooks: a sampling-time feature, not part of
+    the text embedding) added to `dropped`. Several conditionings (scheduled hooks, one per keyframe) are refused:
+    "`what` has scheduled hooks ...; `instead`"."""
+    if len(conditioning) != 1:
+        raise ValueError(f"{what} has scheduled hooks, which give one conditioning per keyframe; {instead}")
+    cond, extras = conditioning[0]
+    tensors = {"cross_attn": unbatch(cond)}
+    for name, value in extras.items():
+        if isinstance(value, torch.Tensor) and value.ndim > 0 and value.shape[0] != 1:
+            # An entry the encoder gives without a batch dimension (one prompt's entries have a batch of 1), such
+            # as Anima's t5xxl_ids [tokens]: kept as given and marked, so the model gets it as the stock node
+            # gives it (comfy_model.model_inputs) rather than with a batch dimension added.
+            tensors[name] = value
+            tensors[name + AS_GIVEN] = torch.tensor(True)
+        elif isinstance(value, torch.Tensor):
+            tensors[name] = unbatch(value)
+        elif isinstance(value, bool):  # a flag extra_conds reads (LTX-2's unprocessed_ltxav_embeds): a 0-d tensor
+            tensors[name] = torch.tensor(value)
+        elif value is not None and dropped is not None:
+            dropped.add(name)
+    return tensors
+
+
 def cache_clip_text(dataset, clip, policy=None, reference_encoding: str = "none", *, node: str, tag_shuffles: int = 0,
                     keep_tags: int = 0, tag_dropout: float = 0.0):
     """(TextCache, summary) of the dataset's captions and the empty prompt encoded by `clip` (cached ones reused);
@@ -116,27 +143,8 @@ def cache_clip_text(dataset, clip, policy=None, reference_encoding: str = "none"
         return flatten(encode_with_reference(reference_encoding, clip, text, image.unsqueeze(0)))
 
     def flatten(conditioning) -> dict[str, torch.Tensor]:
-        if len(conditioning) != 1:
-            raise ValueError(
-                f"{node}: this CLIP has scheduled hooks, which give one conditioning per keyframe; "
-                "remove the hooks from the CLIP before caching"
-            )
-        cond, extras = conditioning[0]
-        tensors = {"cross_attn": unbatch(cond)}
-        for name, value in extras.items():
-            if isinstance(value, torch.Tensor) and value.ndim > 0 and value.shape[0] != 1:
-                # An entry the encoder gives without a batch dimension (one prompt's entries have a batch of 1), such
-                # as Anima's t5xxl_ids [tokens]: kept as given and marked, so the model gets it as the stock node
-                # gives it (comfy_model.model_inputs) rather than with a batch dimension added.
-                tensors[name] = value
-                tensors[name + AS_GIVEN] = torch.tensor(True)
-            elif isinstance(value, torch.Tensor):
-                tensors[name] = unbatch(value)
-            elif isinstance(value, bool):  # a flag extra_conds reads (LTX-2's unprocessed_ltxav_embeds): a 0-d tensor
-                tensors[name] = torch.tensor(value)
-            elif value is not None:
-                dropped.add(name)  # e.g. "hooks": a sampling-time feature, not part of the text embedding
-        return tensors
+        return flat_conditioning(conditioning, f"{node}: this CLIP", "remove the hooks from the CLIP before caching",
+                                 dropped)
 
     recorder = PhaseRecorder(clip.patcher.load_device)
     with_references = reference_encoding != "none"

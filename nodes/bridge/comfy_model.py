@@ -17,6 +17,7 @@ import math
 
 import torch
 
+import comfy.clip_model
 import comfy.model_base
 import comfy.model_management
 import comfy.model_sampling
@@ -489,20 +490,42 @@ class _OutOfPlaceLlamaBlock(comfy.text_encoders.llama.TransformerBlock):
         return x + self.mlp(self.post_attention_layernorm(x)), present_key_value
 
 
-def make_trainable(diffusion_model: torch.nn.Module) -> None:
-    """Give layers whose stock forward autograd cannot differentiate a forward it can, same values (the Llama-style
-    decoder layers of _OutOfPlaceLlamaBlock; their class is swapped in place, so ComfyUI's samplers, hooks and
-    checkpoint wrappers see the same modules)."""
-    for module in diffusion_model.modules():
-        if type(module) is comfy.text_encoders.llama.TransformerBlock:
-            module.__class__ = _OutOfPlaceLlamaBlock
+class _OutOfPlaceCLIPLayer(comfy.clip_model.CLIPLayer):
+    """ComfyUI's CLIP encoder layer (comfy/clip_model.py CLIPLayer) with its residuals added out of place while autograd
+    records: the stock forward adds them into the layer's input (`x += ...`), which the layer norm before it saved for
+    backward ("modified by an inplace operation"). The same additions in the same order: the same values. Without
+    grad (CLIP Text Encode, sampling) the stock forward runs as it is. A text-encoder LoRA trains through it
+    (text_encoder_lora)."""
+
+    def forward(self, x, mask=None, optimized_attention=None):
+        if not torch.is_grad_enabled():
+            return super().forward(x, mask, optimized_attention)
+        x = x + self.self_attn(self.layer_norm1(x), mask, optimized_attention)
+        return x + self.mlp(self.layer_norm2(x))
 
 
-def restore_stock_forwards(diffusion_model: torch.nn.Module) -> None:
-    """Undo make_trainable (the planner's measurement leaves the MODEL as it found it)."""
-    for module in diffusion_model.modules():
-        if type(module) is _OutOfPlaceLlamaBlock:
-            module.__class__ = comfy.text_encoders.llama.TransformerBlock
+# ComfyUI's layers whose stock forward autograd cannot differentiate -> the same layer with one it can
+_TRAINABLE_LAYERS = {comfy.text_encoders.llama.TransformerBlock: _OutOfPlaceLlamaBlock,
+                     comfy.clip_model.CLIPLayer: _OutOfPlaceCLIPLayer}
+
+
+def make_trainable(root: torch.nn.Module) -> None:
+    """Give layers whose stock forward autograd cannot differentiate a forward it can, same values (_TRAINABLE_LAYERS:
+    the Llama-style decoder layers of a diffusion model, a CLIP's encoder layers; their class is swapped in place, so
+    ComfyUI's samplers, hooks and checkpoint wrappers see the same modules)."""
+    for module in root.modules():
+        trainable = _TRAINABLE_LAYERS.get(type(module))
+        if trainable is not None:
+            module.__class__ = trainable
+
+
+def restore_stock_forwards(root: torch.nn.Module) -> None:
+    """Undo make_trainable (the planner's measurement leaves the MODEL as it found it, a text-encoder LoRA the CLIP)."""
+    stock = {trainable: layer for layer, trainable in _TRAINABLE_LAYERS.items()}
+    for module in root.modules():
+        layer = stock.get(type(module))
+        if layer is not None:
+            module.__class__ = layer
 
 
 def clear_model_caches(diffusion_model: torch.nn.Module) -> None:

@@ -15,10 +15,9 @@ import re
 
 import torch
 
-import comfy.clip_model
-
 from ...training.core.adapters import AdapterConfig, AdapterSet
-from .comfy_model import replace_inference_tensors
+from .caching import flat_conditioning
+from .comfy_model import make_trainable, replace_inference_tensors, restore_stock_forwards
 
 # The attention and MLP Linears of every encoder layer of a CLIP text model in ComfyUI's module tree
 # (comfy/clip_model.py under sd1_clip): sd-scripts' text-encoder targets (CLIPAttention, CLIPMLP). The final
@@ -43,25 +42,6 @@ def text_encoder_layers(clip) -> list[str]:
                          "text-encoder training trains CLIP-L / CLIP-G / OpenCLIP-H (SD1.5, SD2, SDXL, SD3, Flux's "
                          "CLIP-L), not T5 or LLM encoders")
     return paths
-
-
-class _OutOfPlaceCLIPLayer(comfy.clip_model.CLIPLayer):
-    """ComfyUI's CLIP encoder layer (comfy/clip_model.py CLIPLayer) with its residuals added out of place while autograd
-    records: the stock forward adds them into the layer's input (`x += ...`), which the layer norm before it saved for
-    backward ("modified by an inplace operation"). The same additions in the same order: the same values. Without
-    grad (CLIP Text Encode, sampling) the stock forward runs as it is."""
-
-    def forward(self, x, mask=None, optimized_attention=None):
-        if not torch.is_grad_enabled():
-            return super().forward(x, mask, optimized_attention)
-        x = x + self.self_attn(self.layer_norm1(x), mask, optimized_attention)
-        return x + self.mlp(self.layer_norm2(x))
-
-
-def _swap_layer_class(root: torch.nn.Module, stock: type, trainable: type) -> None:
-    for module in root.modules():
-        if type(module) is stock:
-            module.__class__ = trainable
 
 
 class TextEncoderLora:
@@ -91,12 +71,11 @@ class TextEncoderLora:
             replace_inference_tensors(self.root, self.clip.patcher, key_prefix="")
             self.adapters.to(device)
             self.adapters.attach(self.root)
-            # (the class swapped in place: ComfyUI's hooks and wrappers see the same modules)
-            _swap_layer_class(self.root, comfy.clip_model.CLIPLayer, _OutOfPlaceCLIPLayer)
+            make_trainable(self.root)  # ComfyUI's CLIPLayer adds its residuals in place, which autograd refuses
         try:
             yield self
         finally:
-            _swap_layer_class(self.root, _OutOfPlaceCLIPLayer, comfy.clip_model.CLIPLayer)
+            restore_stock_forwards(self.root)
             self.adapters.detach()
 
     def encode(self, text: str) -> dict[str, torch.Tensor]:
@@ -106,14 +85,8 @@ class TextEncoderLora:
         if self.adapters.attached_to is None:
             raise RuntimeError("TextEncoderLora.encode runs inside attached()")
         with torch.inference_mode(False), torch.enable_grad():
-            (cond, extras), *more = self.clip.encode_from_tokens_scheduled(self.clip.tokenize(text))
-        if more:
-            raise ValueError("this CLIP has scheduled hooks, which give one conditioning per keyframe: remove them "
-                             "from the CLIP to train its text encoder")
-        out = {"cross_attn": cond[0]}
-        out.update({name: value[0] for name, value in extras.items()
-                    if isinstance(value, torch.Tensor) and value.ndim > 0 and value.shape[0] == 1})
-        return out
+            conditioning = self.clip.encode_from_tokens_scheduled(self.clip.tokenize(text))
+        return flat_conditioning(conditioning, "this CLIP", "remove them from the CLIP to train its text encoder")
 
     def comfy_state_dict(self, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
         """The layers under the names the stock Load LoRA maps onto the CLIP (`text_encoders.<path>.lora_up.weight`,
