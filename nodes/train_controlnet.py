@@ -19,7 +19,8 @@ from ..training.core.run_dir import RunFolderError, check_name, check_subfolder
 from ..training.memory import trained_weights_on_host
 from ..training.memory.fused_backward import FusedBackward
 from ..training.memory.policy import OffloadPolicy
-from .bridge.comfy_bridge import TrainingRun, check_run_kind, node_id, node_name, send_node_text
+from .bridge.comfy_bridge import (TrainingRun, check_run_kind, node_id, node_name, release_cache_files,
+                                  send_node_text)
 from .bridge.comfy_model import check_caches
 from .bridge.controlnet_build import check_control_cache, controlnet_trainable, controlnet_type_name
 from .bridge.families import CONTROLNET_TYPES
@@ -101,6 +102,8 @@ def start_controlnet_run(model, latent_cache, text_cache, optimizer_config, run_
         return run
     except (ValueError, RunFolderError) as error:  # ControlNetError is a ValueError
         raise ValueError(named(node, str(error))) from error
+    finally:  # the checks and the plan read the caches: no shard left mapped (also on an error)
+        release_cache_files(latent_cache, text_cache)
 
 
 def check_controlnet_precision(controlnet_precision: str, policy, precision: str) -> None:

@@ -23,7 +23,8 @@ from ..training.core.optimizers import (LORAPLUS_MAX, OPTIMIZERS, SCALE_WEIGHT_N
 from ..training.core.run_dir import RunFolderError, check_name, check_subfolder
 from ..training.memory import sharded_optimizer
 from .bridge import lora_formats
-from .bridge.comfy_bridge import TrainingRun, check_run_kind, node_id, node_name, run_and_step, send_node_text
+from .bridge.comfy_bridge import (TrainingRun, check_run_kind, node_id, node_name, release_cache_files, run_and_step,
+                                  send_node_text)
 from .bridge.comfy_model import (check_caches, check_quantized_kind, check_reference_cache, check_trainable,
                                  missing_inputs_note, model_family)
 from .bridge.model_files import (MERGE_DTYPES, MERGE_FORMATS, MERGE_NONE, RESIZE_DTYPES, check_disk_room,
@@ -378,6 +379,8 @@ def start_lora_run(model, latent_cache, text_cache, lora_config, optimizer_confi
         return run
     except (ValueError, RunFolderError) as error:
         raise ValueError(named(node, str(error))) from error
+    finally:  # the checks and the plan read the caches: no shard left mapped (also on an error)
+        release_cache_files(latent_cache, text_cache, prior_latent_cache, prior_text_cache)
 
 
 class HeadroomTrainLoraInit(io.ComfyNode):

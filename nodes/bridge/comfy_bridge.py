@@ -178,6 +178,15 @@ RUN_KINDS = {
 }
 
 
+def release_cache_files(*caches) -> None:
+    """Unmap the shards the caches (None: not connected) read so far. Windows deletes or replaces no mapped file, and
+    ComfyUI keeps a node's inputs and outputs between prompts: a node that read a cache releases it before it returns,
+    or the user could not delete or move the cache folder while ComfyUI ran."""
+    for cache in caches:
+        if cache is not None:
+            cache.release_files()
+
+
 def check_run_kind(run, trains: str, node: str, action: str):
     """What `run` trains (its strategy) for a node that takes only LoRA runs (or only ControlNet runs); another
     kind of run, or something that is no run: a ValueError that names the node, and what to use instead for
@@ -594,10 +603,9 @@ class TrainingRun:
             self.release_cache_files()
 
     def release_cache_files(self) -> None:
-        """No cache shard left mapped between calls (Windows cannot delete or replace a mapped file: the cache folder
-        could not be deleted while ComfyUI ran): after each training or validation call, whatever it read."""
-        for cache in (self.latent_cache, self.text_cache, *self.trained.caches()):
-            cache.release_files()
+        """No cache shard left mapped between calls: after each training or validation call, whatever it read
+        (release_cache_files)."""
+        release_cache_files(self.latent_cache, self.text_cache, *self.trained.caches())
 
     @contextlib.contextmanager
     def validating(self):

@@ -177,3 +177,90 @@ def test_between_calls_a_run_holds_no_cache_file_so_the_cache_folder_can_be_dele
     assert not [shard for shard in shards if shard in held]
     shutil.rmtree(cache_dir)  # as Explorer deletes it: refused for a held file (tests/windows_imitation.py)
     assert not cache_dir.exists() and run.step == 2
+
+
+
+def _held_shards(cache_dir: pathlib.Path) -> list[str]:
+    """The cache's shard files this process holds mapped or open now (Windows would refuse to delete them)."""
+    import windows_imitation
+
+    held = windows_imitation.mapped_files() | windows_imitation.open_files()
+    return [path.name for path in cache_dir.rglob("*.safetensors") if str(path.resolve()) in held]
+
+
+def test_the_caching_and_init_nodes_return_holding_no_cache_shard(windows, comfyui, cache_dir):
+    """Before a run trains, the user caches and opens it; ComfyUI keeps those nodes' outputs. None of them returns
+    with a shard mapped (before: Cache Latents kept the shard it read the latent channels from, and both Init nodes
+    the one their checks read the first caption from), so the cache folder can be deleted in Explorer before the
+    first step, also after an Init that refused its inputs."""
+    import shutil
+
+    from headroom.nodes import cache as cache_nodes
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
+    from headroom.nodes.train_controlnet import HeadroomTrainControlNetInit
+    from headroom.nodes.train_lora import HeadroomLoraConfig, HeadroomOptimizerConfig, HeadroomTrainLoraInit
+    from headroom.training.data.synthetic import generate_shapes
+
+    with torch.inference_mode():
+        model, clip, vae = build_tiny_models("sd15", 0)
+        shapes = generate_shapes(4, 64, 0)
+        dataset = cache_nodes.HeadroomDatasetFromImages.execute(
+            shapes.images, "\n".join(shapes.captions), resolution=64, step=64, crop="center", flip=False, seed=0,
+            control_images=shapes.control_images).args[0]
+        latents = cache_nodes.HeadroomCacheLatents.execute(dataset, vae, "pixels").args[0]
+        assert not _held_shards(cache_dir)
+        texts = cache_nodes.HeadroomCacheText.execute(dataset, clip).args[0]
+        assert not _held_shards(cache_dir)
+        optimizer = HeadroomOptimizerConfig.execute("AdamW", 1e-3, 0.0, "constant", 0, 100).args[0]
+        lora = HeadroomLoraConfig.execute("lora", 4, 4.0, "preset", False, 0.0, 0).args[0]
+        common = dict(model=model, latent_cache=latents, text_cache=texts, optimizer_config=optimizer, seed=0,
+                      batch_size=2, grad_accumulation=1, precision="fp32", max_grad_norm=1.0, caption_dropout=0.0,
+                      timestep_sampling="uniform", loss_weighting="none", min_snr_gamma=5.0, noise_offset=0.0,
+                      gradient_checkpointing=False, checkpoint_depth=1, holdout=0)
+        HeadroomTrainLoraInit.execute(**common, lora_config=lora, run_name="windows_held_lora",
+                                      prior_latent_cache=latents, prior_text_cache=texts)
+        assert not _held_shards(cache_dir)
+        with pytest.raises(ValueError, match="reference"):  # SD1.5 takes no reference latents: refused after reading
+            HeadroomTrainLoraInit.execute(**common, lora_config=lora, run_name="windows_held_refused",
+                                          reference="control latents")
+        assert not _held_shards(cache_dir)
+        HeadroomTrainControlNetInit.execute(**common, run_name="windows_held_controlnet")
+        assert not _held_shards(cache_dir)
+    shutil.rmtree(cache_dir)  # as Explorer deletes it: refused for a held file (tests/windows_imitation.py)
+    assert not cache_dir.exists()
+
+
+def test_a_plan_that_finds_a_cache_shard_unreadable_leaves_none_of_the_others_mapped(windows, comfyui, cache_dir,
+                                                                                   monkeypatch):
+    """The planner reads every caption's cached text length (cache_run_shape) shard by shard. A shard that turns
+    unreadable meanwhile (deleted, truncated by a disk tool) stops the plan with an error naming it and the caching
+    node; the shards it had read before stay unmapped all the same, so the user can delete the cache folder and cache
+    again while ComfyUI runs."""
+    import shutil
+
+    from family_checks import cached_data
+    from headroom.nodes.bridge import planning
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
+    from headroom.training.data import cache_store
+
+    # One entry per shard (shard_bytes 1), so the plan maps one shard per caption before it meets the bad one.
+    monkeypatch.setattr(cache_store.ShardStore.__init__, "__defaults__", (1, None))
+    with torch.inference_mode():
+        model, clip, vae = build_tiny_models("sd15", 0)
+    latents, texts = cached_data(model, clip, vae, resolution=32)
+    assert len(list((cache_dir / "text").rglob("*.safetensors"))) >= 4
+    read, seen = texts.text_length, []
+
+    def length_after_the_next_shard_turned_bad(key):
+        if len(seen) == 1:  # the second caption's shard is cut short on disk before the plan reads it
+            shard = texts._entries[key][0][1]
+            (cache_dir / "text" / "shards" / shard).write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}")
+        seen.append(key)
+        return read(key)
+
+    monkeypatch.setattr(texts, "text_length", length_after_the_next_shard_turned_bad)
+    with pytest.raises(cache_store.CacheStoreError, match=r"unreadable.*Cache Text \(Headroom\) again"):
+        planning.cache_run_shape(model, latents, texts, 2, "Train LoRA: Init (Headroom)")
+    assert len(seen) == 2 and not _held_shards(cache_dir)
+    shutil.rmtree(cache_dir)
+    assert not cache_dir.exists()

@@ -1081,6 +1081,9 @@ def cache_latents(
                         frame_rates=[p.frame_rate for p in kept],
                         repeats=[dataset.items[p.item_index].repeats for p in kept])
     cache.latent_channels = int(cache.latent(0).shape[0])
+    # The node's output outlives the call (ComfyUI keeps it): the shard just read is unmapped again, or Windows could
+    # not delete the cache folder until a run released it
+    cache.release_files()
     report.items, report.buckets = len(cache), len(cache.buckets)
     report.bytes_total = sum(entries[p.key]["bytes"] for p in kept)
     report.seconds = time.monotonic() - started
