@@ -179,7 +179,8 @@ def test_keep_saves_names_a_step_save_another_program_holds_goes_on_and_removes_
                        "held_keep_step000004.safetensors"]  # step 2 pruned past the held one
     warnings = [line for line in held.ui["text"] if line.startswith("Warning:")]
     assert warnings == ["Warning: older save held_keep_step000001.safetensors not removed (The process cannot access "
-                        "the file because it is being used by another process; open in a loader?)"], held.ui["text"]
+                        "the file because it is being used by another process; open in a loader or another program? "
+                        "Once it is closed, the run's next save removes it)"], held.ui["text"]
     assert "1 older save(s) removed (keep_saves 2): held_keep_step000002.safetensors" in held.ui["text"]
 
     with torch.inference_mode():  # let go: the next save's prune removes it with the one now older
