@@ -233,7 +233,9 @@ def _remove_step_saves(folder: str, entries: list[os.DirEntry],
             size = entry.stat(follow_symlinks=False).st_size
             os.remove(entry.path)
         except OSError as error:
-            problems.append(f"older save {entry.name} not removed ({error.strerror}; open in a loader?)")
+            # a later prune tries it again: said, so the user knows closing the holder is enough
+            problems.append(f"older save {entry.name} not removed ({error.strerror}; open in a loader or another "
+                            "program? Once it is closed, the run's next save removes it)")
             continue
         removed.append(entry.name)
         removed_bytes += size
@@ -246,7 +248,8 @@ def prune_step_saves(run: TrainingRun, folder: str, subfolder: str, keep: int) -
     """Remove all but the newest `keep` of the run's step saves (step_save_name) in models/<folder>/<subfolder>/, as
     ai-toolkit's max_step_saves_to_keep does: (names removed, problems). A file is removed only when its metadata says
     this run wrote it (the run's name and base fingerprint): a file of the same name from anything else stays. A
-    file that cannot be removed (on Windows: open in a loader) is named in the problems; the run goes on."""
+    file that cannot be removed (on Windows: open in a loader) is named in the problems; the run goes on, and the
+    next prune tries it again."""
     directory = _step_saves_folder(folder, subfolder)
     try:
         entries = _step_saves(run, directory)

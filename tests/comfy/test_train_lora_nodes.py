@@ -1455,7 +1455,8 @@ def test_step_saves_make_room_on_a_short_disk_and_say_when_they_will_not_fit(com
     assert not [line for line in fourth.ui["text"] if line.startswith("disk: the older save")]
     assert [line for line in fourth.ui["text"] if line.startswith("Warning: older save")] == [
         "Warning: older save keep_room_step000002.safetensors not removed (The process cannot access the file because "
-        "it is being used by another process; open in a loader?)"], fourth.ui["text"]
+        "it is being used by another process; open in a loader or another program? Once it is closed, the run's next "
+        "save removes it)"], fourth.ui["text"]
     # keep_saves 0, two saves to come and room for one: said before the first step, and the saves go on
     with torch.inference_mode():
         fifth = T.HeadroomTrainLora.execute(steps=6, keep_saves=0, **inputs)
