@@ -20,7 +20,7 @@ from ..training.memory import trained_weights_on_host
 from ..training.memory.fused_backward import FusedBackward
 from ..training.memory.policy import OffloadPolicy
 from .bridge.comfy_bridge import (TrainingRun, check_run_kind, node_id, node_name, release_cache_files,
-                                  send_node_text)
+                                  said_by, send_node_text)
 from .bridge.comfy_model import check_caches
 from .bridge.controlnet_build import check_control_cache, controlnet_trainable, controlnet_type_name
 from .bridge.families import CONTROLNET_TYPES
@@ -203,10 +203,8 @@ class HeadroomSaveControlNet(io.ComfyNode):
     @classmethod
     def execute(cls, run, subfolder: str, filename: str, weights: str = "auto") -> io.NodeOutput:
         check_run_kind(run, "controlnet", node_name(cls), "save")
-        try:
+        with said_by(node_name(cls)):
             name = save_trained_controlnet(run, subfolder, filename, weights)
-        except ValueError as error:
-            raise ValueError(f"{node_name(cls)}: {error}") from error
         return io.NodeOutput(name, ui={SAVED_KEY: [saved_file("ControlNet", "controlnet", name)],
                                        "text": [saved_text(run, "ControlNet", "controlnet", name)]})
 

@@ -24,7 +24,7 @@ from ..training.core.run_dir import RunFolderError, check_name, check_subfolder
 from ..training.memory import sharded_optimizer
 from .bridge import lora_formats
 from .bridge.comfy_bridge import (TrainingRun, check_run_kind, node_id, node_name, release_cache_files, run_and_step,
-                                  send_node_text)
+                                  said_by, send_node_text)
 from .bridge.comfy_model import (check_caches, check_quantized_kind, check_reference_cache, check_trainable,
                                  missing_inputs_note, model_family)
 from .bridge.model_files import (MERGE_DTYPES, MERGE_FORMATS, MERGE_NONE, RESIZE_DTYPES, check_disk_room,
@@ -610,10 +610,8 @@ class HeadroomSaveLora(io.ComfyNode):
                 format: str = "comfyui", weights: str = "auto",  # noqa: A002 - the input's name
                 caption_tags: bool = True) -> io.NodeOutput:
         check_run_kind(run, "lora", node_name(cls), "save")
-        try:
+        with said_by(node_name(cls)):
             name = save_lora(run, subfolder, filename, dtype, format, weights, caption_tags)
-        except ValueError as error:
-            raise ValueError(f"{node_name(cls)}: {error}") from error
         return io.NodeOutput(name, ui={SAVED_KEY: [saved_file("LoRA", "loras", name)],
                                        "text": [saved_text(run, "LoRA", "loras", name)]})
 
@@ -654,10 +652,8 @@ class HeadroomExtractLora(io.ComfyNode):
         node = node_name(cls)
         check_finite(node, energy=energy)
         check_run_kind(run, "lora", node, "save")
-        try:
+        with said_by(node):
             name, kept = save_extracted_lora(run, subfolder, filename, rank, energy, dtype, weights, caption_tags)
-        except ValueError as error:
-            raise ValueError(f"{node}: {error}") from error
         return io.NodeOutput(name, ui={SAVED_KEY: [saved_file("LoRA", "loras", name)],
                                        "text": [f"{saved_text(run, 'LoRA', 'loras', name)}\n{kept}"]})
 
@@ -701,10 +697,8 @@ class HeadroomResizeLora(io.ComfyNode):
                 dtype: str = "auto") -> io.NodeOutput:
         node = node_name(cls)
         check_finite(node, energy=energy)
-        try:
+        with said_by(node):
             name, done = save_resized_lora(lora_name, rank, energy, subfolder, filename, dtype)
-        except ValueError as error:
-            raise ValueError(f"{node}: {error}") from error
         return io.NodeOutput(name, ui={SAVED_KEY: [saved_file("LoRA", "loras", name)],
                                        "text": [f"{lora_name} resized: saved to models/loras/{name}\n{done}"]})
 
@@ -772,10 +766,8 @@ class HeadroomMergeLoras(io.ComfyNode):
         strengths = {f"strength_{i}": slots.get(f"strength_{i}", 1.0) for i in range(1, cls.SLOTS + 1)}
         check_finite(node, energy=energy, **strengths)
         loras = [(slots.get(f"lora_{i}", MERGE_NONE), strengths[f"strength_{i}"]) for i in range(1, cls.SLOTS + 1)]
-        try:
+        with said_by(node):
             name, done = save_merged_lora(model, clip, loras, rank, energy, subfolder, filename, dtype, format)
-        except ValueError as error:
-            raise ValueError(f"{node}: {error}") from error
         return io.NodeOutput(name, ui={SAVED_KEY: [saved_file("LoRA", "loras", name)],
                                        "text": [f"saved to models/loras/{name}\n{done}"]})
 
@@ -891,7 +883,8 @@ def train_validate_save(node_cls, start, save, steps: int, validate_every: int, 
             room_note, problems = make_room_for_step_save(run, saved_as[1], subfolder, keep_saves, save_bytes)
             disk_notes += [room_note] if room_note else []
             prune_problems += [f"Warning: {problem}" for problem in problems]
-            name = save(run)
+            with said_by(label):
+                name = save(run)
             saved.append(saved_file(*saved_as, name))
             if keep_saves:
                 removed, problems = prune_step_saves(run, saved_as[1], subfolder, keep_saves)

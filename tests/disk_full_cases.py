@@ -61,6 +61,7 @@ class Case:
     # the checkpoint of the validation loss, whose rotation removes the older copy of the step.
     volatile: tuple[str, ...] = ("memory_record.json",)
     injected: bool = True  # False: a real full disk only (what the scenario meets is the free space, not a write)
+    node: str = ""  # the node whose error it is, where its message starts with the node's name
 
 
 def _run(ctx: Context, name: str, steps: int = 0):
@@ -160,7 +161,7 @@ CASES = [
     Case("validation latents", "_latents.safetensors", lambda c: _run(c, _tag(c, "latents"), 1), _validate,
          _validate, "validation latents of run", volatile=_VALIDATION_REWRITES),
     Case("LoRA file", "lora_out", lambda c: (_run(c, _tag(c, "lora"), 1), c.state.update(lora_name=f"lora_out_{c.state['tag']}")),
-         _save_lora, _save_lora, "LoRA lora_out"),
+         _save_lora, _save_lora, "LoRA lora_out", node="Save LoRA (Headroom)"),
     Case("latent cache shard", ".safetensors", lambda c: (_tag(c, "shard"), _fresh_images(c)),
          lambda c: _cache(c, "latents"), lambda c: _cache(c, "latents"), "a cache shard"),
     Case("latent cache manifest", "manifest.json", lambda c: (_tag(c, "manifest"), _fresh_images(c)),
@@ -197,7 +198,8 @@ def run_case(case: Case, ctx: Context, full_disk: Callable[[Case], contextlib.Ab
         else:
             case.act(ctx)
     if case.raises:
-        assert message.startswith("disk full: ") and case.what in message, message
+        said_by = f"{case.node}: " if case.node else ""
+        assert message.startswith(f"{said_by}disk full: ") and case.what in message, message
         assert "needs about" in message and "queue again" in message, message
         assert str(ctx.base) not in message and "/tmp/" not in message, f"absolute path in: {message}"
     after = snapshot(*folders)

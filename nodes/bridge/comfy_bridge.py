@@ -33,6 +33,7 @@ import comfy.utils
 
 from ...training.core.adapters import adapter_layer_types
 from ...training.memory.checkpointing import inplace_depth_problem, pinned_reading
+from ...training.checks import named
 from ...training.data.files import WriteError, open_regular
 from ...training.memory.lowbit import LowBitBase, LowBitLinear
 from ...training.memory import pinned_host
@@ -89,6 +90,18 @@ def node_name(node_cls) -> str:
     """The name users see, for error messages: the node's display name (ComfyUI runs a copy of the class, named
     '...Clone', so the class name is not it)."""
     return node_cls.define_schema().display_name
+
+
+@contextlib.contextmanager
+def said_by(node: str):
+    """Errors inside as node `node` says them (training.checks.named): a ValueError stays one; a WriteError (the disk
+    full, a file another program holds, a path Windows cannot take) keeps its own type, which ComfyUI's report shows."""
+    try:
+        yield
+    except ValueError as error:
+        raise ValueError(named(node, str(error))) from error
+    except WriteError as error:
+        raise type(error)(named(node, str(error))) from error
 
 
 def run_and_step(run) -> str:

@@ -66,7 +66,8 @@ def check_disk_room(run_name: str, trainable: TrainableSpec, node: str) -> str:
     return ""
 
 
-def models_file(folder: str, subfolder: str, filename: str, run: TrainingRun, what: str) -> tuple[pathlib.Path, pathlib.Path]:
+def models_file(folder: str, subfolder: str, filename: str, run: TrainingRun, what: str
+                ) -> tuple[pathlib.Path, pathlib.Path]:
     """(the models/<folder> root, the .safetensors path) a save node writes for `run`, names checked (empty
     filename: <run name>_step<N>)."""
     check_subfolder(subfolder, "subfolder")

@@ -85,13 +85,14 @@ def _merge(model, rank: int):
                                             lora_1=first, strength_1=1.0, lora_2=second, strength_2=1.0)
 
 
-@pytest.mark.parametrize("tool, what", [(_resize, "resized LoRA"), (_merge, "merged LoRA")], ids=["resize", "merge"])
+@pytest.mark.parametrize("tool, what, node", [(_resize, "resized LoRA", "Resize LoRA (Headroom)"),
+                                              (_merge, "merged LoRA", "Merge LoRAs (Headroom)")], ids=["resize", "merge"])
 def test_a_lora_tool_saving_over_a_file_another_program_holds_waits_then_names_it_and_keeps_the_old_one(
-        windows, sd15, monkeypatch, tool, what):
+        windows, sd15, monkeypatch, tool, what, node):
     """Resize LoRA / Merge LoRAs queued again with the same filename while the earlier result is open in another
     program (a Load LoRA of a second ComfyUI, an antivirus scan): Windows refuses to replace it. A holder that lets
-    go within the wait is waited for; one that does not is named with what to do, and the earlier file stays whole
-    beside no half-written temp."""
+    go within the wait is waited for; one that does not is named with what to do, by the node (its own error type,
+    which ComfyUI's report shows), and the earlier file stays whole beside no half-written temp."""
     import folder_paths
 
     model = sd15[0]
@@ -104,7 +105,7 @@ def test_a_lora_tool_saving_over_a_file_another_program_holds_waits_then_names_i
     with windows.hold_open(output), pytest.raises(WriteError) as raised:
         tool(model, 1)
     message = str(raised.value)
-    assert f"{what} could not be written to models/loras/{name}" in message, message
+    assert message.startswith(f"{node}: {what} could not be written to models/loras/{name}"), message
     assert "in use by another program" in message and "antivirus" in message and "Load LoRA" in message
     assert "Close it, then queue again" in message and "everything written before is kept" in message
     assert output.read_bytes() == earlier
