@@ -81,6 +81,34 @@ def cached_data(model, clip, vae, count=4, resolution=None, seed=0):
     return latents, texts
 
 
+def control_data(model, clip, vae, count=4, resolution=64, seed=0):
+    """(latent_cache, text_cache) of `count` synthetic shapes with their control images (cached as pixels), through
+    the real dataset and caching nodes: the caches LoRA and ControlNet Init nodes both open runs on."""
+    from headroom.nodes import cache as cache_nodes
+    from headroom.training.data.synthetic import generate_shapes
+
+    shapes = generate_shapes(count, resolution, seed)
+    with torch.inference_mode():  # as ComfyUI runs nodes
+        dataset = cache_nodes.HeadroomDatasetFromImages.execute(
+            shapes.images, "\n".join(shapes.captions), resolution=resolution, step=64, crop="center", flip=False,
+            seed=seed, control_images=shapes.control_images).args[0]
+        latents = cache_nodes.HeadroomCacheLatents.execute(dataset, vae, "pixels").args[0]
+        texts = cache_nodes.HeadroomCacheText.execute(dataset, clip).args[0]
+    return latents, texts
+
+
+def init_inputs(model, latents, texts, batch_size=1, lr=1e-3) -> dict:
+    """The inputs LoRA and ControlNet Init nodes share (but run_name), with plain settings: AdamW at `lr`, fp32, no
+    checkpointing, no holdout."""
+    from headroom.nodes.train_lora import HeadroomOptimizerConfig
+
+    optimizer = HeadroomOptimizerConfig.execute("AdamW", lr, 0.0, "constant", 0, 1000).args[0]
+    return dict(model=model, latent_cache=latents, text_cache=texts, optimizer_config=optimizer, seed=0,
+                batch_size=batch_size, grad_accumulation=1, precision="fp32", max_grad_norm=1.0, caption_dropout=0.0,
+                timestep_sampling="uniform", loss_weighting="none", min_snr_gamma=5.0, noise_offset=0.0,
+                gradient_checkpointing=False, checkpoint_depth=1, holdout=0)
+
+
 def init_run(model, latents, texts, run_name, rank, lr, targets, include_conv, schedule="constant", steps=1000,
              kind="lora"):
     from headroom.nodes import train_lora as T

@@ -16,27 +16,16 @@ _INPUTS = {}  # the LoRA Init inputs the fixture used (but run_name)
 @pytest.fixture(scope="module")
 def runs(comfyui):
     """(model, a LoRA run, a ControlNet run) on the tiny sd15 model, both at step 0."""
-    from headroom.nodes import cache as cache_nodes
+    from family_checks import control_data, init_inputs
     from headroom.nodes.bridge.tiny_models import build_tiny_models
     from headroom.nodes.train_controlnet import HeadroomTrainControlNetInit
-    from headroom.nodes.train_lora import HeadroomLoraConfig, HeadroomOptimizerConfig, HeadroomTrainLoraInit
-    from headroom.training.data.synthetic import generate_shapes
+    from headroom.nodes.train_lora import HeadroomLoraConfig, HeadroomTrainLoraInit
 
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         model, clip, vae = build_tiny_models("sd15", 0)
-        shapes = generate_shapes(2, 64, 0)
-        dataset = cache_nodes.HeadroomDatasetFromImages.execute(
-            shapes.images, "\n".join(shapes.captions), resolution=64, step=64, crop="center", flip=False, seed=0,
-            control_images=shapes.control_images).args[0]
-        latents = cache_nodes.HeadroomCacheLatents.execute(dataset, vae, "pixels").args[0]
-        texts = cache_nodes.HeadroomCacheText.execute(dataset, clip).args[0]
-        optimizer = HeadroomOptimizerConfig.execute("AdamW", 1e-3, 0.0, "constant", 0, 1000).args[0]
-        common = dict(model=model, latent_cache=latents, text_cache=texts, optimizer_config=optimizer, seed=0,
-                      batch_size=1, grad_accumulation=1, precision="fp32", max_grad_norm=1.0, caption_dropout=0.0,
-                      timestep_sampling="uniform", loss_weighting="none", min_snr_gamma=5.0, noise_offset=0.0,
-                      gradient_checkpointing=False, checkpoint_depth=1, holdout=0)
+        common = init_inputs(model, *control_data(model, clip, vae, count=2))
         lora_config = HeadroomLoraConfig.execute("lora", 4, 4.0, "preset", False, 0.0, 0).args[0]
         _INPUTS.update(common, lora_config=lora_config)
         lora_run = HeadroomTrainLoraInit.execute(lora_config=lora_config, run_name=f"kind_lora_{time.time_ns()}",

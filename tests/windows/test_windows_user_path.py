@@ -195,28 +195,17 @@ def test_the_caching_and_init_nodes_return_holding_no_cache_shard(windows, comfy
     first step, also after an Init that refused its inputs."""
     import shutil
 
-    from headroom.nodes import cache as cache_nodes
+    from family_checks import control_data, init_inputs
     from headroom.nodes.bridge.tiny_models import build_tiny_models
     from headroom.nodes.train_controlnet import HeadroomTrainControlNetInit
-    from headroom.nodes.train_lora import HeadroomLoraConfig, HeadroomOptimizerConfig, HeadroomTrainLoraInit
-    from headroom.training.data.synthetic import generate_shapes
+    from headroom.nodes.train_lora import HeadroomLoraConfig, HeadroomTrainLoraInit
 
     with torch.inference_mode():
         model, clip, vae = build_tiny_models("sd15", 0)
-        shapes = generate_shapes(4, 64, 0)
-        dataset = cache_nodes.HeadroomDatasetFromImages.execute(
-            shapes.images, "\n".join(shapes.captions), resolution=64, step=64, crop="center", flip=False, seed=0,
-            control_images=shapes.control_images).args[0]
-        latents = cache_nodes.HeadroomCacheLatents.execute(dataset, vae, "pixels").args[0]
+        latents, texts = control_data(model, clip, vae)
         assert not _held_shards(cache_dir)
-        texts = cache_nodes.HeadroomCacheText.execute(dataset, clip).args[0]
-        assert not _held_shards(cache_dir)
-        optimizer = HeadroomOptimizerConfig.execute("AdamW", 1e-3, 0.0, "constant", 0, 100).args[0]
         lora = HeadroomLoraConfig.execute("lora", 4, 4.0, "preset", False, 0.0, 0).args[0]
-        common = dict(model=model, latent_cache=latents, text_cache=texts, optimizer_config=optimizer, seed=0,
-                      batch_size=2, grad_accumulation=1, precision="fp32", max_grad_norm=1.0, caption_dropout=0.0,
-                      timestep_sampling="uniform", loss_weighting="none", min_snr_gamma=5.0, noise_offset=0.0,
-                      gradient_checkpointing=False, checkpoint_depth=1, holdout=0)
+        common = init_inputs(model, latents, texts, batch_size=2)
         HeadroomTrainLoraInit.execute(**common, lora_config=lora, run_name="windows_held_lora",
                                       prior_latent_cache=latents, prior_text_cache=texts)
         assert not _held_shards(cache_dir)
