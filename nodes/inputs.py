@@ -180,6 +180,22 @@ def extra_noise_inputs() -> list:
     ]
 
 
+def text_encoder_inputs(clip: bool = True) -> list:
+    """Training the CLIP's text encoders too (LoRA runs): optional and last, so workflows saved before they existed
+    keep working (off). The all-in-one node's `clip` (its validation prompts') serves it too: `clip` False leaves it
+    out here."""
+    clip_input = [io.Clip.Input("clip", advanced=True, optional=True,
+                                tooltip="The CLIP whose text encoders text_encoder_lr trains: the one the text cache "
+                                "was made with. Not needed when text_encoder_lr is 0.")] if clip else []
+    return [*clip_input, io.Float.Input(
+        "text_encoder_lr", advanced=True, default=0.0, min=0.0, max=1.0, step=1e-8, optional=True,
+        tooltip="Above 0: also train a LoRA (of LoRA Config's kind and rank) on the clip's CLIP text encoders, "
+        "CLIP-L / CLIP-G / OpenCLIP-H (SD1.5, SD2, SDXL, SD3, Flux's CLIP-L; not T5 or LLM encoders), at this "
+        "learning rate (kohya's text_encoder_lr; often half the model's or less): each step encodes its captions "
+        "through it instead of reading the text cache. Saved in the same file; Load LoRA applies it with "
+        "strength_clip, and validation encodes its prompts with it. 0: the text encoder is not trained.")]
+
+
 def layer_names_input(name: str, tooltip: str):
     """A LoRA Config / Memory Plan input of layer-name patterns (training/core/adapters.py reads them): advanced,
     optional and empty by default, so workflows saved before it existed keep working (every layer, one value)."""

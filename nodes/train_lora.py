@@ -37,14 +37,15 @@ from .bridge.rank_workers import open_on_devices, parse_devices
 from .bridge.run_lora import REFERENCES, SAVE_DTYPES, LoraRunConfig, open_lora_run
 from .bridge.run_settings import effective_batch, resolve_policy, run_fingerprint, train_config
 from .bridge.sample_prompts import parse_prompts
+from .bridge.text_encoder_lora import TEXT_ENCODER_KINDS, text_encoder_layers
 from .bridge.validation import validate, validation_grids, validation_history
 from .inputs import (DEFAULT_CHECKPOINT_MINUTES, added_train_inputs, checkpoint_inputs, compare_base_input,
                      devices_input, extra_noise_inputs, frame_rate_input, frames_input, keep_saves_input,
                      layer_names_input, lora_config_input, masked_out_weight_input,
                      model_and_caches, noise_range_inputs, optimizer_config_input,
                      policy_input, prior_inputs, reference_images_input, reference_input, run_name_input,
-                     save_dtype_input, schedule_inputs, start_image_input, training_settings, validation_inputs,
-                     validation_names, weights_input)
+                     save_dtype_input, schedule_inputs, start_image_input, text_encoder_inputs, training_settings,
+                     validation_inputs, validation_names, weights_input)
 from .io_types import LoraConfigType, OptimizerConfigType, TrainingRunType
 
 CATEGORY = "Headroom/training"
@@ -292,6 +293,39 @@ def _checked(node: str, validate) -> None:
 
 
 # --- init ----------------------------------------------------------------------------------------------------
+def check_text_encoder_training(clip, text_encoder_lr: float, lora_config: AdapterConfig,
+                                optimizer_config: OptimizerConfig, devices: str, text_cache) -> None:
+    """A run that trains the CLIP's text encoders too (text_encoder_lr > 0): its CLIP connected and holding a CLIP
+    text encoder (text_encoder_lora.text_encoder_layers), as wide as the cached captions, and settings it trains
+    with; ValueError saying what to change otherwise."""
+    if text_encoder_lr < 0:
+        raise ValueError(f"text_encoder_lr {text_encoder_lr:g} is negative: 0 (the text encoder not trained) or a "
+                         "learning rate above 0")
+    if text_encoder_lr == 0:
+        return
+    off = "or set text_encoder_lr to 0 (the text encoder not trained)"
+    if clip is None:
+        raise ValueError(f"text_encoder_lr {text_encoder_lr:g} trains the clip's text encoders, and no clip is "
+                         f"connected: connect the CLIP the text cache was made with, {off}")
+    if lora_config.kind not in TEXT_ENCODER_KINDS:
+        raise ValueError(f"text_encoder_lr: a text encoder trains a LoRA of kind {', '.join(TEXT_ENCODER_KINDS)}, "
+                         f"and LoRA Config's kind is {lora_config.kind}: choose one of those, {off}")
+    if lora_config.init_lora:
+        raise ValueError(f"text_encoder_lr with init_lora: a run continues a file's diffusion-model layers only, so "
+                         f"its text encoder would start anew: clear init_lora, {off}")
+    if parse_devices(devices) > 1:
+        raise ValueError(f"text_encoder_lr trains on one device: set devices to 1, {off}")
+    if optimizer_config.name == "Prodigy" and text_encoder_lr != optimizer_config.lr:
+        raise ValueError(f"text_encoder_lr {text_encoder_lr:g} with Prodigy, which finds one step size for all "
+                         f"trained weights: set it to learning_rate ({optimizer_config.lr:g}), {off}")
+    text_encoder_layers(clip)  # its ValueError names the CLIP's encoders where none is a CLIP text model
+    cached = text_cache.empty_conditioning()["cross_attn"].shape[-1]
+    given = clip.encode_from_tokens_scheduled(clip.tokenize(""))[0][0].shape[-1]
+    if given != cached:
+        raise ValueError(f"the clip encodes captions {given} wide, but the text cache holds them {cached} wide "
+                         f"(another model's text encoder): connect the CLIP the text cache was made with, {off}")
+
+
 def lora_run_inputs() -> list:
     """The inputs that open a LoRA run (Init and the all-in-one node): the shared groups (nodes/inputs.py)."""
     return [*model_and_caches(), lora_config_input(), optimizer_config_input(), run_name_input("my_lora"),
@@ -306,7 +340,7 @@ def start_lora_run(model, latent_cache, text_cache, lora_config, optimizer_confi
                    noise_min: float = 0.0, noise_max: float = 1.0, devices: str = "1",
                    masked_out_weight: float = 0.0, ip_noise_gamma: float = 0.0, multires_noise_iterations: int = 0,
                    multires_noise_discount: float = 0.3, noise_offset_random_strength: bool = False,
-                   ip_noise_gamma_random_strength: bool = False,
+                   ip_noise_gamma_random_strength: bool = False, clip=None, text_encoder_lr: float = 0.0,
                    node: str = "Train LoRA: Init (Headroom)", shown_on: str | None = None) -> TrainingRun:
     """Check every input (before any GPU work), then build or resume the run; `node`: the display name of the node
     opening it, for messages."""
@@ -315,7 +349,8 @@ def start_lora_run(model, latent_cache, text_cache, lora_config, optimizer_confi
         check_finite(node, max_grad_norm=max_grad_norm, caption_dropout=caption_dropout, min_snr_gamma=min_snr_gamma,
                      noise_offset=noise_offset, huber_delta=huber_delta, ema_decay=ema_decay, prior_ratio=prior_ratio,
                      noise_min=noise_min, noise_max=noise_max, masked_out_weight=masked_out_weight,
-                     ip_noise_gamma=ip_noise_gamma, multires_noise_discount=multires_noise_discount)
+                     ip_noise_gamma=ip_noise_gamma, multires_noise_discount=multires_noise_discount,
+                     text_encoder_lr=text_encoder_lr)
         if (prior_latent_cache is None) != (prior_text_cache is None):
             raise ValueError("prior images need both prior_latent_cache and prior_text_cache connected (or neither)")
         prior = (prior_latent_cache, prior_text_cache) if prior_latent_cache is not None else None
@@ -327,6 +362,7 @@ def start_lora_run(model, latent_cache, text_cache, lora_config, optimizer_confi
             raise ValueError("optimizer_config must come from an Optimizer Config (Headroom) node")
         lora_config.validate()
         optimizer_config.validate()
+        check_text_encoder_training(clip, text_encoder_lr, lora_config, optimizer_config, devices, text_cache)
         check_trainable(model.model)
         check_quantized_kind(model.model, lora_config.kind)
         train, note = train_config(model, run_name, node, seed, batch_size, grad_accumulation, precision, max_grad_norm,
@@ -369,9 +405,11 @@ def start_lora_run(model, latent_cache, text_cache, lora_config, optimizer_confi
             except ValueError as error:
                 raise ValueError(f"reference={reference!r}: {error}") from None
         config = LoraRunConfig(family=model_family(model.model), adapter=lora_config, optimizer=optimizer_config,
-                               train=train, holdout=holdout, reference=reference)
+                               train=train, holdout=holdout, reference=reference,
+                               text_encoder_lr=text_encoder_lr if text_encoder_lr > 0 else None)
+        encoder = {"clip": clip} if text_encoder_lr > 0 else {}  # (one device: check_text_encoder_training)
         run = open_on_devices(devices, model, open_lora_run, (latent_cache, text_cache, config, runs_root(), run_name),
-                              {"policy": policy, "prior": prior})
+                              {"policy": policy, "prior": prior, **encoder})
         run.precision_note = note
         run.batch_note, run.plan_note, run.inputs_note, run.disk_note = batch_note, plan_note, inputs_note, disk_note
         if planned:  # its predicted s/step goes to the memory record; its measurement to the run's own plans
@@ -393,7 +431,7 @@ class HeadroomTrainLoraInit(io.ComfyNode):
             description="Set up (or resume) a LoRA training run on this MODEL from cached latents and text. "
             "The MODEL itself is never modified: the adapter lives on a clone.",
             inputs=[*lora_run_inputs(), *added_train_inputs(), *prior_inputs(), reference_input(), *noise_range_inputs(),
-                    devices_input(), masked_out_weight_input(), *extra_noise_inputs()],
+                    devices_input(), masked_out_weight_input(), *extra_noise_inputs(), *text_encoder_inputs()],
             outputs=[TrainingRunType.Output("run", tooltip="The training run, for Train Steps, Validate, Save and Apply."),
                      io.Int.Output("step", tooltip="Step the run starts from (resumed).")],
             hidden=[io.Hidden.unique_id],
@@ -923,7 +961,7 @@ class HeadroomTrainLora(io.ComfyNode):
                     *checkpoint_inputs(), *added_train_inputs(), *prior_inputs(), compare_base_input(),
                     reference_input(), reference_images_input(), frames_input(), *noise_range_inputs(),
                     devices_input(), start_image_input(), frame_rate_input(), masked_out_weight_input(),
-                    keep_saves_input(), *extra_noise_inputs(), save_dtype_input()],
+                    keep_saves_input(), *extra_noise_inputs(), save_dtype_input(), *text_encoder_inputs(clip=False)],
             outputs=[io.Model.Output("model", tooltip="The MODEL with the trained LoRA applied, as Load LoRA "
                                      "applies the file saved (in save_dtype)."),
                      TrainingRunType.Output("run", tooltip="The training run, for Validate, Save and Apply nodes."),
@@ -940,7 +978,9 @@ class HeadroomTrainLora(io.ComfyNode):
         if save_dtype not in SAVE_DTYPES:
             raise ValueError(f"{node_name(cls)}: save_dtype={save_dtype!r}: choose one of {', '.join(SAVE_DTYPES)}")
         run, lora_name, loss, outputs = train_validate_save(
-            cls, lambda **init: start_lora_run(**init, node=node_name(cls), shown_on=node_id(cls)),
+            # its clip encodes the validation prompts, and is the one text_encoder_lr trains
+            cls, lambda **init: start_lora_run(**init, clip=inputs.get("clip"), node=node_name(cls),
+                                               shown_on=node_id(cls)),
             lambda run: save_lora(run, lora_subfolder, step_save_name(run), save_dtype),
             steps, validate_every, save_every, inputs, checkpoint_every=checkpoint_every,
             checkpoint_minutes=checkpoint_minutes, subfolder=lora_subfolder, keep_saves=keep_saves,

@@ -69,7 +69,7 @@ CONFIG_ADDED_LATER = {"session.train.objective.loss_type": "mse", "session.train
                       "session.train.objective.multires_noise_discount": 0.3,
                       "session.train.objective.noise_offset_random_strength": False,
                       "session.train.objective.ip_noise_gamma_random_strength": False,
-                      "session.controlnet_precision": "fp32"}
+                      "session.controlnet_precision": "fp32", "session.text_encoder_lr": None}
 # Settings older run folders store that are no longer part of what a run is: checkpointing is the policy's (resolved
 # when a run opens, training/memory/policy.run_policy) and changes no weight, so a run resumes whatever it was.
 CONFIG_REMOVED_LATER = ("session.train.gradient_checkpointing", "session.train.checkpoint_depth")
@@ -525,8 +525,10 @@ class TrainingRun:
         with torch.inference_mode(False):
             self.placement = Placement(model, self.policy)
             self.denoiser, trainable, options = trained.build(self)
-            self.trainer = Trainer(self.denoiser, trainable, latent_cache, text_cache, config.train, config.optimizer,
-                                   train_items=self.train_items, run_dir=self.run_dir, policy=self.policy, **options)
+            # (the captions the trainer reads: the text cache, or what the strategy reads in its place)
+            self.trainer = Trainer(self.denoiser, trainable, latent_cache, options.pop("text_cache", text_cache),
+                                   config.train, config.optimizer, train_items=self.train_items, run_dir=self.run_dir,
+                                   policy=self.policy, **options)
         problem = inplace_depth_problem(self.denoiser.inplace_blocks,
                                         self.policy.checkpoint_depth if self.policy.checkpointing_enabled else None)
         if problem is not None:  # before anything runs (the trainer would refuse at its first step)
@@ -662,6 +664,12 @@ class TrainingRun:
         self.trained.check_detached(self)
         with self.trainer.parked_for_validation():
             yield self.source_model
+
+    def prompt_clip(self, clip, lora_application: str = "as_saved_file", saved_dtype: str = "fp32"):
+        """The CLIP validation encodes its prompts with (a context): `clip`, with the run's text encoder where it
+        trains one (run_lora.LoraTraining.prompt_clip)."""
+        own = getattr(self.trained, "prompt_clip", None)
+        return own(self, clip, lora_application, saved_dtype) if own is not None else contextlib.nullcontext(clip)
 
     def sampling_conditioning(self, positive, negative, vae=None):
         """Validation conditioning for ComfyUI's samplers: the prompts as encoded, with what the strategy adds."""

@@ -35,6 +35,7 @@ from .comfy_model import (REFERENCE_LATENTS, ComfyDenoiser, check_caches, data_f
                           training_blocks, training_code_paths)
 from .lora_formats import read_lora_file
 from .start_image import item_start_extras
+from .text_encoder_lora import CaptionsThroughEncoder, TextEncoderLora, WithTextEncoder
 
 INJECTION_KEY = "headroom_adapter"
 # How validation applies a LoRA run's adapter: what the stock loader makes of the saved file, or computed beside the
@@ -204,6 +205,8 @@ class LoraRunConfig:
     train: TrainConfig
     holdout: int  # last N cached items held out for the validation loss (0: validate on the training items)
     reference: str = "none"  # REFERENCES: what each item passes as reference_latents (edit models)
+    # The learning rate of the CLIP's text encoders where the run trains them too (text_encoder_lora); None: it does not
+    text_encoder_lr: float | None = None
 
     def to_json(self) -> dict:
         return config_json(self)
@@ -215,9 +218,11 @@ class LoraTraining:
 
     trains = "lora"
 
-    def __init__(self, prior: tuple | None = None):
+    def __init__(self, prior: tuple | None = None, clip=None):
         self.prior = prior
+        self.clip = clip  # the CLIP whose text encoders the run trains too (config.text_encoder_lr); None: it does not
         self.adapters: AdapterSet | None = None  # built by `build`
+        self.text_encoder: TextEncoderLora | None = None  # built by `build` when the run trains the text encoder
 
     def caches(self) -> tuple:
         """The caches the run reads beside its own: the prior images' (comfy_bridge.TrainingRun.attached releases
@@ -264,6 +269,18 @@ class LoraTraining:
         self.adapters.to(home)
         attach_with_injection(patcher, self.adapters, home)
         options = {"prior": self.prior}
+        trainable = self.adapters
+        if config.text_encoder_lr is not None:
+            # The CLIP's text encoders trained too: their LoRA beside the CLIP's weights, and the captions encoded
+            # through it at each step where other runs read the text cache (the same texts, draws and dropout)
+            self.text_encoder = TextEncoderLora(self.clip, config.adapter)
+            # on the device the CLIP computes on from the start, so resumed optimizer state lands there too
+            self.text_encoder.adapters.to(self.clip.patcher.load_device)
+            trainable = WithTextEncoder(self.adapters, self.text_encoder,
+                                        config.text_encoder_lr / config.optimizer.lr)
+            options["text_cache"] = CaptionsThroughEncoder(run.text_cache, self.text_encoder)
+            if self.prior is not None:
+                options["prior"] = (self.prior[0], CaptionsThroughEncoder(self.prior[1], self.text_encoder))
         latent_cache = run.latent_cache
         extras = []
         if config.reference == "control latents":
@@ -285,11 +302,13 @@ class LoraTraining:
             extras.append(rates)
         if extras:
             options["item_extras"] = lambda item: {k: v for extra in extras for k, v in extra(item).items()}
-        return ComfyDenoiser(patcher), self.adapters, options
+        return ComfyDenoiser(patcher), trainable, options
 
     # --- on the device --------------------------------------------------------------------------------------
     def patchers(self, run) -> list:
-        return [run.placement.patcher]
+        """The training clone, and the CLIP where the run trains its text encoders (loaded with it, as ComfyUI loads
+        both for a prompt)."""
+        return [run.placement.patcher, *([self.clip.patcher] if self.text_encoder is not None else [])]
 
     def device_extra_bytes(self, trainer) -> int:
         """What the run adds on the device beyond the MODEL's weights (for ComfyUI's memory accounting): the
@@ -320,7 +339,8 @@ class LoraTraining:
         if self.adapters.attached_to is not patcher.model.diffusion_model:
             raise RuntimeError(f"run '{run.run_dir.name}': ComfyUI did not attach the adapter to the loaded model")
         try:
-            yield
+            with self.text_encoder.attached() if self.text_encoder is not None else contextlib.nullcontext():
+                yield
         finally:
             patcher.eject_model()
 
@@ -354,6 +374,28 @@ class LoraTraining:
         """A LoRA adds nothing to the prompts."""
         return positive, negative
 
+    @contextlib.contextmanager
+    def prompt_clip(self, run, clip, lora_application: str = "as_saved_file", saved_dtype: str = "fp32"):
+        """The CLIP validation encodes its prompts with: `clip` itself, or where the run trains the text encoder,
+        `clip` with it: "unmerged" (and `clip` the run's own) the LoRA attached beside the CLIP's weights, else what
+        the stock Load LoRA makes of the saved file's text-encoder layers (a clone of `clip` with them as weight
+        patches, baked in when ComfyUI loads it)."""
+        if self.text_encoder is None:
+            yield clip
+            return
+        if lora_application == "unmerged" and clip.cond_stage_model is self.clip.cond_stage_model:
+            with self.text_encoder.attached():
+                yield clip
+            return
+        patched = clip.clone()
+        key_map = comfy.lora.model_lora_keys_clip(patched.cond_stage_model, {})
+        patched.add_patches(comfy.lora.load_lora(self.text_encoder.comfy_state_dict(SAVE_DTYPES[saved_dtype]),
+                                                 key_map, log_missing=True), 1.0)
+        try:
+            yield patched
+        finally:  # the patched weights leave memory now, not when gc finds the clone
+            comfy.model_management.unload_model_and_clones(patched.patcher, unload_additional_models=False)
+
     # --- apply, save, describe ------------------------------------------------------------------------------
     def patched_model(self, run, model=None, strength: float = 1.0, saved_dtype: str = "fp32"):
         """A clone of `model` (default: the MODEL the run trains) with the current adapter as weight patches, as a
@@ -381,12 +423,16 @@ class LoraTraining:
         family, adapter = run.config.family, run.config.adapter
         if file_format == "kohya":  # refused before any work
             lora_formats.check_kohya_kind(adapter.kind)
+        if file_format == "diffusers" and self.text_encoder is not None:
+            raise ValueError("this run trains the text encoder too, whose layers are saved in the comfyui or kohya "
+                             "format: choose one of those")
         if file_format == "diffusers":
             lora_formats.check_diffusers_kind(adapter.kind)
             names = lora_formats.diffusers_names(run.source_model, self.adapters.layers, family)
         with run.weights(weights) as used:  # diffusers: fp32 here, cast after alpha is folded in
             state = self.adapters.comfy_state_dict(
                 dtype=torch.float32 if file_format == "diffusers" else SAVE_DTYPES[dtype])
+            encoder = self.text_encoder.comfy_state_dict(SAVE_DTYPES[dtype]) if self.text_encoder is not None else {}
         metadata = {**self.metadata(run), "headroom.weights": used,
                     **(caption_tag_metadata(run) if caption_tags else {})}
         if file_format == "diffusers":
@@ -403,6 +449,10 @@ class LoraTraining:
                 network_args=lora_formats.kohya_conv_args(adapter.kind, self._spatial_convolutions(adapter))))
             metadata.update(lora_formats.kohya_training_metadata(run.config.optimizer, run.config.train))
             metadata["headroom.format"] = "kohya"
+            if encoder:
+                encoder = self.text_encoder.kohya_state_dict(encoder)
+                metadata["ss_text_encoder_lr"] = str(run.config.text_encoder_lr)
+        state.update(encoder)
         save_safetensors(path, state, f"LoRA {path.name}", metadata=metadata)
 
     def _spatial_convolutions(self, adapter) -> list[tuple[int, float]]:
@@ -435,7 +485,8 @@ class LoraTraining:
         that dtype (a full fine-tune's differences are as many), before any save is on disk to say
         (model_files.saves_room_note)."""
         size = torch.empty((), dtype=SAVE_DTYPES[dtype]).element_size()
-        return size * sum(p.numel() for p in self.adapters.parameters())
+        encoder = self.text_encoder.parameters() if self.text_encoder is not None else []
+        return size * sum(p.numel() for p in [*self.adapters.parameters(), *encoder])
 
     def describe(self, run) -> str:
         adapter = run.config.adapter
@@ -443,10 +494,13 @@ class LoraTraining:
             return "full fine-tune"
         by = [name for name in ("layer_ranks", "layer_alphas") if getattr(adapter, name)]
         other = f" (other {' and '.join(n.removeprefix('layer_') for n in by)} by {' and '.join(by)})" if by else ""
-        return f"{adapter.kind} r{adapter.rank}{other}"
+        encoder = f" + text encoder ({len(self.text_encoder.paths)} layers)" if self.text_encoder is not None else ""
+        return f"{adapter.kind} r{adapter.rank}{other}{encoder}"
 
 
 def open_lora_run(model, latent_cache, text_cache, config: LoraRunConfig, run_root, run_name: str, policy=None,
-                  prior: tuple | None = None) -> TrainingRun:
-    """Build (or resume from its run folder) a LoRA run on `model`."""
-    return TrainingRun(model, latent_cache, text_cache, config, LoraTraining(prior), run_root, run_name, policy=policy)
+                  prior: tuple | None = None, clip=None) -> TrainingRun:
+    """Build (or resume from its run folder) a LoRA run on `model` (and, with config.text_encoder_lr, on `clip`'s
+    text encoders)."""
+    return TrainingRun(model, latent_cache, text_cache, config, LoraTraining(prior, clip), run_root, run_name,
+                       policy=policy)

@@ -2,10 +2,11 @@
 with `network_train_unet_only` off, the captions encoded through them with gradients as CLIP Text Encode encodes
 them, and the layers saved under the names the stock Load LoRA maps onto the CLIP (`text_encoders.<weight path>`).
 
-The engine's part of text-encoder training (docs/ARCHITECTURE.md): a run that trains the text encoder encodes its
-captions here at each step instead of reading the text cache. The adapters are peft's, as the diffusion model's
-(training.core.adapters.AdapterSet), attached to the CLIP's shared module tree only while a caption is encoded, so
-every other node keeps seeing the CLIP as loaded. T5 and the LLM encoders are not trained (as sd-scripts', whose
+Text-encoder training (Train LoRA's text_encoder_lr, nodes/bridge/run_lora.py): a run that trains the text encoder
+encodes its captions here at each step (CaptionsThroughEncoder) instead of reading the text cache, and trains both
+sets of layers as one (WithTextEncoder). The adapters are peft's, as the diffusion model's
+(training.core.adapters.AdapterSet), attached to the CLIP's shared module tree only while the run trains or validates,
+so every other node keeps seeing the CLIP as loaded. T5 and the LLM encoders are not trained (as sd-scripts', whose
 Flux / SD3 text-encoder LoRA is CLIP-L's and CLIP-G's only).
 """
 from __future__ import annotations
@@ -15,7 +16,11 @@ import re
 
 import torch
 
+import comfy.lora
+
 from ...training.core.adapters import AdapterConfig, AdapterSet
+from ...training.data.caption_tags import caption_variants
+from . import lora_formats
 from .caching import flat_conditioning
 from .comfy_model import make_trainable, replace_inference_tensors, restore_stock_forwards
 
@@ -24,6 +29,10 @@ from .comfy_model import make_trainable, replace_inference_tensors, restore_stoc
 # projection (text_projection) stays frozen, as there.
 _CLIP_LAYER = re.compile(r"(?:.+\.)?clip_[lgh]\.transformer\.text_model\.encoder\.layers\.\d+\."
                          r"(?:self_attn\.(?:q|k|v|out)_proj|mlp\.fc[12])")
+
+# The kinds a text encoder trains (its layers are peft's LoRA-family layers; OFT and full fine-tuning are the
+# diffusion model's own).
+TEXT_ENCODER_KINDS = ("lora", "dora", "loha", "lokr")
 
 # What the saved keys start with: ComfyUI's key map names every CLIP weight `text_encoders.<its path>` (comfy/lora.py
 # model_lora_keys_clip), so the stock loader maps the file on any CLIP that holds those layers.
@@ -49,8 +58,9 @@ class TextEncoderLora:
     (text_encoder_layers), made once, beside the CLIP's weights (its offload device: where ComfyUI keeps them)."""
 
     def __init__(self, clip, config: AdapterConfig):
-        if config.kind not in ("lora", "dora", "loha", "lokr"):
-            raise ValueError(f"kind {config.kind}: a text encoder trains a LoRA (kinds lora, dora, loha, lokr)")
+        if config.kind not in TEXT_ENCODER_KINDS:
+            raise ValueError(f"kind {config.kind}: a text encoder trains a LoRA "
+                             f"(kinds {', '.join(TEXT_ENCODER_KINDS)})")
         self.clip = clip
         self.root = clip.cond_stage_model
         self.paths = text_encoder_layers(clip)
@@ -62,7 +72,11 @@ class TextEncoderLora:
     @contextlib.contextmanager
     def attached(self):
         """The adapters in the CLIP's module tree, on the device ComfyUI loads the CLIP to, for the duration; detached
-        again (also on an error), so that the CLIP other nodes use is the CLIP as loaded."""
+        again (also on an error), so that the CLIP other nodes use is the CLIP as loaded. Inside another `attached`
+        (validation's prompts, then its model's attach), as it is."""
+        if self.adapters.attached_to is self.root:
+            yield self
+            return
         self.clip.load_model()
         device = self.clip.patcher.load_device
         with torch.inference_mode(False):
@@ -92,3 +106,95 @@ class TextEncoderLora:
         """The layers under the names the stock Load LoRA maps onto the CLIP (`text_encoders.<path>.lora_up.weight`,
         `.lora_down.weight`, `.alpha`), in `dtype`."""
         return self.adapters.comfy_state_dict(prefix=SAVED_PREFIX, dtype=dtype)
+
+    def kohya_state_dict(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`state` (comfy_state_dict's) under sd-scripts' names, `lora_te_*` (SDXL: `lora_te1_*` CLIP-L, `lora_te2_*`
+        CLIP-G), taken from ComfyUI's key map of the CLIP so the stock loader maps each back to its weight."""
+        weights = {path + ".weight": path for path in self.paths}
+        names = lora_formats.kohya_text_encoder_names(comfy.lora.model_lora_keys_clip(self.root, {}),
+                                                      set(self.root.state_dict()), list(weights))
+        return lora_formats.to_kohya(state, {weights[weight]: name for weight, name in names.items()},
+                                     prefix=SAVED_PREFIX)
+
+
+class CaptionsThroughEncoder:
+    """A text cache's captions encoded through a TextEncoderLora at each read, with gradients: what a run that trains
+    the text encoder reads where other runs read the cache (the trainer's `conditioning`, `empty_conditioning`,
+    `tag_orders`). Each cached key's texts are the ones Cache Text encoded for it (caption_tags.caption_variants with
+    the cache's tag shuffling: the caption as written first, then its other tag orders, or alternative lines), so a
+    draw picks the same text it would pick from the cache. Everything else is the cache's."""
+
+    def __init__(self, text_cache, encoder: TextEncoderLora):
+        if getattr(text_cache, "per_reference", False):
+            raise ValueError("this text cache encodes each caption with its item's reference image "
+                             f"({text_cache.reference_encoding}); a text encoder is trained on captions alone: cache "
+                             "the text with reference_encoding none, or set text_encoder_lr to 0")
+        self.text_cache, self.encoder = text_cache, encoder
+        shuffling = text_cache.tag_shuffling or {}
+        self._variants = {key: caption_variants(caption, shuffling.get("shuffles", 0), shuffling.get("keep", 0),
+                                                shuffling.get("dropout", 0.0))
+                          for key, caption in text_cache.captions.items()}
+        cached = set(text_cache.keys())
+        for key, texts in self._variants.items():
+            if key in cached and len(texts) != text_cache.tag_orders(key):
+                raise ValueError(f"the text cache holds {text_cache.tag_orders(key)} encodings of caption "
+                                 f"{texts[0][:60]!r} but its settings make {len(texts)}: run Cache Text again")
+
+    def conditioning(self, key: str, order: int = 0) -> dict[str, torch.Tensor]:
+        if key not in self._variants:
+            return self.text_cache.conditioning(key)  # its KeyError: a caption of another dataset
+        return self.encoder.encode(self._variants[key][order])
+
+    def empty_conditioning(self) -> dict[str, torch.Tensor]:
+        return self.encoder.encode("")
+
+    def __getattr__(self, name):  # tag_orders, text_length, release_files, fingerprint, ...: the cache's
+        if name == "text_cache":  # not set yet (a copy being made): no recursion
+            raise AttributeError(name)
+        return getattr(self.text_cache, name)
+
+
+class WithTextEncoder:
+    """A run's trained tensors when it trains the text encoder too: the diffusion model's adapters (`adapters`, an
+    AdapterSet) and the text encoder's (`text_encoder`, a TextEncoderLora), as one Trainable. The text encoder's
+    tensors come after the diffusion model's, their state under TEXT_ENCODER_KEYS; they train at `lr_scale` times
+    the optimizer's learning rate (the node's text_encoder_lr)."""
+
+    TEXT_ENCODER_KEYS = "text_encoder."
+
+    def __init__(self, adapters: AdapterSet, text_encoder: TextEncoderLora, lr_scale: float = 1.0):
+        self.adapters, self.text_encoder, self.lr_scale = adapters, text_encoder, lr_scale
+        self.config = adapters.config
+
+    @property
+    def layers(self) -> dict:
+        return {**self.adapters.layers, **{self.TEXT_ENCODER_KEYS + path: layer
+                                          for path, layer in self.text_encoder.adapters.layers.items()}}
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return [*self.adapters.parameters(), *self.text_encoder.parameters()]
+
+    def learning_rate_scales(self, loraplus_lr_ratio: float = 1.0) -> list[float]:
+        encoder = self.text_encoder.adapters.learning_rate_scales(loraplus_lr_ratio)
+        return [*self.adapters.learning_rate_scales(loraplus_lr_ratio), *(scale * self.lr_scale for scale in encoder)]
+
+    def cap_norms(self, max_norm: float) -> torch.Tensor:
+        """AdapterSet.cap_norms over both sets' layers: [layers scaled, mean norm, largest norm]."""
+        model, encoder = self.adapters.cap_norms(max_norm), self.text_encoder.adapters.cap_norms(max_norm)
+        counts = (len(self.adapters.layers), len(self.text_encoder.adapters.layers))
+        mean = (model[1] * counts[0] + encoder[1].to(model) * counts[1]) / sum(counts)
+        return torch.stack([model[0] + encoder[0].to(model), mean, torch.maximum(model[2], encoder[2].to(model))])
+
+    def state_dict(self, copy: bool = True) -> dict[str, torch.Tensor]:
+        encoder = self.text_encoder.adapters.state_dict(copy)
+        return {**self.adapters.state_dict(copy), **{self.TEXT_ENCODER_KEYS + k: v for k, v in encoder.items()}}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        prefix = self.TEXT_ENCODER_KEYS
+        self.adapters.load_state_dict({k: v for k, v in state.items() if not k.startswith(prefix)})
+        self.text_encoder.adapters.load_state_dict({k[len(prefix):]: v for k, v in state.items()
+                                                    if k.startswith(prefix)})
+
+    def train(self, mode: bool = True) -> None:
+        self.adapters.train(mode)
+        self.text_encoder.adapters.train(mode)

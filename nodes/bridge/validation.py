@@ -78,6 +78,17 @@ def sample_images(run: TrainingRun, clip, vae, prompts: list[str | SamplePrompt]
     (kohya's --n / --d / --s / --l) replace those arguments for its sample; its guidance (--g) is set on the
     positive prompt as FluxGuidance sets it. Returns (images, sampled latents)."""
     latent_frames = video.check_frames(f"run '{run.run_dir.name}'", run.source_model.model, frames)
+    with contextlib.ExitStack() as stack:
+        # the prompts through the run's text encoder where it trains one (as the stock Load LoRA applies it)
+        clip = clip if base else stack.enter_context(run.prompt_clip(clip, lora_application, saved_dtype))
+        return _sample_images(run, clip, vae, prompts, negative, seed, steps, cfg, sampler_name, scheduler, width,
+                              height, lora_application, base, references, reference_encoding, frames, latent_frames,
+                              starts, frame_rate, saved_dtype)
+
+
+def _sample_images(run, clip, vae, prompts, negative, seed, steps, cfg, sampler_name, scheduler, width, height,
+                   lora_application, base, references, reference_encoding, frames, latent_frames, starts, frame_rate,
+                   saved_dtype):
     negative_cond = clip.encode_from_tokens_scheduled(clip.tokenize(negative))
     check_prompt_width(run, negative_cond)
     latents = []

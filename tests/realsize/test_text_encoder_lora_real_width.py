@@ -3,7 +3,9 @@ CLIP-G (1280 wide, 32 layers), fp16 as ComfyUI's loaders store them, random weig
 (tests/realsize_models.py). Every attention and MLP Linear of both trained (264 layers, sd-scripts' text-encoder
 targets), two AdamW steps through the stock encoding path; the CLIP's weights bit for bit as loaded after; the saved
 layers mapped by the stock Load LoRA onto every one of them and encoding as the LoRA does (but for the rounding of the
-weights it bakes them into). The tiny families' check: tests/comfy/test_text_encoder_lora.py."""
+weights it bakes them into), in ComfyUI's names and in sd-scripts' (Save LoRA's kohya format: lora_te1_* / lora_te2_*).
+The tiny families' check: tests/comfy/test_text_encoder_lora.py; the nodes':
+tests/comfy/test_text_encoder_training.py."""
 from __future__ import annotations
 
 import logging
@@ -83,3 +85,15 @@ def test_a_text_encoder_lora_on_sdxls_clip_l_and_clip_g_at_real_size(comfyui, ca
         error = (loaded[key] - trained[key]).norm()
         print(f"{key}: the stock loader's encoding vs the LoRA's {error / effect:.3%} of the LoRA's effect")
         assert effect > 0 and error <= 0.02 * effect, (key, error / effect)
+
+    # Save LoRA's kohya format: sd-scripts' names from ComfyUI's key map of the real CLIPs, every one mapped back
+    kohya = lora.kohya_state_dict(lora.comfy_state_dict())
+    layers = {key.split(".")[0] for key in kohya}
+    assert len(layers) == len(lora.paths) and {name[:len("lora_te1_")] for name in layers} == {"lora_te1_", "lora_te2_"}
+    save_file(kohya, str(folder / f"kohya_{name}"))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING), torch.inference_mode():
+        _, clip_kohya = nodes.LoraLoader().load_lora(None, clip, f"kohya_{name}", 0.0, 1.0)
+    assert "lora key not loaded" not in caplog.text, caplog.text
+    assert len(clip_kohya.patcher.patches) == len(lora.paths)
+    assert torch.equal(_stock_encoding(clip_kohya, CAPTION)["cross_attn"], loaded["cross_attn"])

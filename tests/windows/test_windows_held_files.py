@@ -86,7 +86,8 @@ def _merge(model, rank: int):
 
 
 @pytest.mark.parametrize("tool, what, node", [(_resize, "resized LoRA", "Resize LoRA (Headroom)"),
-                                              (_merge, "merged LoRA", "Merge LoRAs (Headroom)")], ids=["resize", "merge"])
+                                              (_merge, "merged LoRA", "Merge LoRAs (Headroom)")],
+                         ids=["resize", "merge"])
 def test_a_lora_tool_saving_over_a_file_another_program_holds_waits_then_names_it_and_keeps_the_old_one(
         windows, sd15, monkeypatch, tool, what, node):
     """Resize LoRA / Merge LoRAs queued again with the same filename while the earlier result is open in another

@@ -1,0 +1,230 @@
+"""Training the CLIP's text encoders too (Train LoRA's text_encoder_lr; nodes/bridge/text_encoder_lora.py), through the
+nodes on the tiny families' real ComfyUI models (in-process, CPU): each step encodes its captions through the trained
+encoder exactly as the text cache holds them untrained, Validate samples what the stock Load LoRA (strength_clip 1)
++ CLIP Text Encode + KSampler make of the saved file, a kohya file maps onto the CLIP too, a resumed run continues
+exactly, and what it cannot train is refused naming the input."""
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.comfyui, pytest.mark.usefixtures("one_torch_thread")]
+
+PROMPT = "a red circle at the center"
+
+
+def _data(family: str, captions: str | None = None, tag_shuffles: int = 0):
+    """(model, clip, vae, latent cache, text cache) of 4 synthetic images at 32 px through the caching nodes;
+    `captions`: theirs instead of the synthetic ones."""
+    from headroom.nodes import cache as cache_nodes, data as data_nodes
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
+
+    with torch.inference_mode():  # as ComfyUI runs nodes
+        model, clip, vae = build_tiny_models(family, 0)
+        images, synthetic, _ = data_nodes.HeadroomSyntheticDataset.execute(4, 32, 0).args
+        dataset = cache_nodes.HeadroomDatasetFromImages.execute(images, captions or synthetic, 32, 32, "center",
+                                                                False, 0).args[0]
+        latents = cache_nodes.HeadroomCacheLatents.execute(dataset, vae).args[0]
+        texts = cache_nodes.HeadroomCacheText.execute(dataset, clip, tag_shuffles=tag_shuffles, keep_tags=1).args[0]
+    return model, clip, vae, latents, texts
+
+
+def _init(model, clip, latents, texts, name: str, text_encoder_lr=5e-3, kind="lora", optimizer="AdamW", lr=1e-2,
+          init_lora="none", caption_dropout=0.25, scale_weight_norms=0.0, **inputs):
+    from family_checks import init_inputs
+    from headroom.nodes import train_lora as T
+
+    with torch.inference_mode():
+        lora = T.HeadroomLoraConfig.execute(kind, 4, 4.0, "preset", False, 0.0, 0, init_lora=init_lora).args[0]
+        common = {**init_inputs(model, latents, texts, batch_size=2, lr=lr), "caption_dropout": caption_dropout}
+        common["optimizer_config"] = T.HeadroomOptimizerConfig.execute(
+            optimizer, lr, 0.0, "constant", 0, 100, scale_weight_norms=scale_weight_norms).args[0]
+        return T.HeadroomTrainLoraInit.execute(**{**common, **inputs}, lora_config=lora, run_name=name, clip=clip,
+                                               text_encoder_lr=text_encoder_lr).args[0]
+
+
+def _unique(name: str) -> str:
+    return f"{name}_{time.time_ns()}"
+
+
+def _clip_weights(clip) -> dict[str, torch.Tensor]:
+    return {key: value.clone() for key, value in clip.cond_stage_model.state_dict().items()}
+
+
+@pytest.mark.parametrize("family", ["sd15", "sdxl"])
+def test_validation_is_what_the_stock_loader_makes_of_the_saved_text_encoder_and_model(comfyui, caplog, family):
+    """20 steps training the text encoder beside the model; Validate's image (as_saved_file) equals the stock
+    LoraLoader (strength_model 1, strength_clip 1) + CLIPTextEncode + KSampler + VAEDecode of the saved file, which
+    patches every trained layer of both (no "lora key not loaded"); the text encoder's part changes the image; the
+    shared MODEL's and CLIP's weights are as loaded and the stock CLIP Text Encode of the run's CLIP is unchanged."""
+    import comfy.model_management
+    import nodes
+    from family_checks import base_weights
+    from headroom.nodes import train_lora as T
+
+    model, clip, vae, latents, texts = _data(family)
+    base, clip_base = base_weights(model), _clip_weights(clip)
+    with torch.inference_mode():
+        before = nodes.CLIPTextEncode().encode(clip, PROMPT)[0][0][0].clone()
+    run = _init(model, clip, latents, texts, _unique(f"te_{family}"))
+    layers = run.trained.text_encoder.paths
+    sampling = dict(sample_seed=7, sample_steps=4, cfg=3.0, sampler_name="euler", scheduler="simple", width=32,
+                    height=32)
+    with torch.inference_mode():
+        T.HeadroomTrainSteps.execute(run, 20)
+        images = T.HeadroomValidate.execute(run, clip=clip, vae=vae, prompts=PROMPT, negative="", loss_timesteps=1,
+                                            **sampling).args[0]
+        name = T.HeadroomSaveLora.execute(run, "headroom/text_encoder", "", "fp32").args[0]
+    assert "text encoder" in repr(run) and len(run.trainer.params) > len(run.adapters.parameters())
+
+    def stock(strength_clip: float):
+        lora_model, lora_clip = nodes.LoraLoader().load_lora(model, clip, name, 1.0, strength_clip)
+        positive = nodes.CLIPTextEncode().encode(lora_clip, PROMPT)[0]
+        negative = nodes.CLIPTextEncode().encode(lora_clip, "")[0]
+        empty = {"samples": torch.zeros(1, 4, 4, 4)}
+        image = nodes.VAEDecode().decode(vae, nodes.common_ksampler(
+            lora_model, 7, 4, 3.0, "euler", "simple", positive, negative, empty)[0])[0]
+        return image, lora_model, lora_clip
+
+    caplog.clear()
+    with caplog.at_level(logging.WARNING), torch.inference_mode():
+        with_encoder, lora_model, lora_clip = stock(1.0)
+        model_only, _, _ = stock(0.0)
+    assert "lora key not loaded" not in caplog.text, caplog.text
+    assert len(lora_model.patches) == len(run.adapters.layers)
+    assert len(lora_clip.patcher.patches) == len(layers) > 0, "a trained text-encoder layer was not patched"
+    difference = (images - with_encoder).abs().max().item()
+    print(f"{family}: {len(layers)} text-encoder layers; validation vs the stock chain: max abs diff {difference:.2e}; "
+          f"the text encoder's part of the image: {(with_encoder - model_only).abs().max().item():.2e}")
+    assert difference <= 1e-3
+    assert (with_encoder - model_only).abs().max().item() > 1e-3, "the trained text encoder should change the image"
+    comfy.model_management.unload_all_models()  # the loaded LoraLoader clones hold patched weights until unloaded
+    assert all(torch.equal(base[k], v) for k, v in base_weights(model).items()), "the shared MODEL changed"
+    assert all(torch.equal(clip_base[k], v) for k, v in _clip_weights(clip).items()), "the shared CLIP changed"
+    with torch.inference_mode():
+        assert torch.equal(nodes.CLIPTextEncode().encode(clip, PROMPT)[0][0][0], before)
+
+
+def test_each_step_encodes_the_texts_the_cache_holds_and_unmerged_validation_uses_the_trained_encoder(comfyui):
+    """Untrained, the captions through the text encoder are bit for bit what Cache Text cached, for every cached text
+    (tag-shuffled orders, the lines of a caption of several lines) and the empty prompt caption dropout uses; trained,
+    they differ, and validation's "unmerged" encodes its prompts through the trained encoder too (its image is the
+    as_saved_file one but for the rounding the stock loader bakes in)."""
+    from headroom.nodes import train_lora as T
+
+    captions = "ohwx, red, circle, center\nohwx, blue, square\na green triangle\nsmall, yellow, star, left"
+    model, clip, vae, latents, texts = _data("sd15", captions=captions, tag_shuffles=2)
+    run = _init(model, clip, latents, texts, _unique("te_texts"))
+    source = run.trainer.text_cache
+    keys = [key for key in texts.keys() if key in texts.captions]
+    orders = [(key, order) for key in keys for order in range(texts.tag_orders(key))]
+    assert len(orders) > len(keys) + 2  # shuffled orders and a caption's second line are among them
+
+    def encodings():
+        with torch.inference_mode(), run.attached():
+            return ([source.conditioning(key, order) for key, order in orders], source.empty_conditioning())
+
+    def same(a, b):
+        return a.keys() == b.keys() and all(torch.equal(a[name].float(), b[name].float()) for name in a)
+
+    untrained, empty = encodings()
+    assert all(same(got, texts.conditioning(key, order)) for got, (key, order) in zip(untrained, orders))
+    assert same(empty, texts.empty_conditioning())
+    with torch.inference_mode():
+        T.HeadroomTrainSteps.execute(run, 6)
+    trained, _ = encodings()
+    assert not any(same(a, b) for a, b in zip(trained, untrained))
+    sampling = dict(clip=clip, vae=vae, prompts=PROMPT, negative="", sample_seed=7, sample_steps=2, cfg=3.0,
+                    sampler_name="euler", scheduler="simple", width=32, height=32, loss_timesteps=1)
+    with torch.inference_mode():
+        unmerged = T.HeadroomValidate.execute(run, lora_application="unmerged", **sampling).args[0]
+        saved = T.HeadroomValidate.execute(run, **sampling).args[0]
+        no_encoder = T.HeadroomValidate.execute(
+            _init(model, clip, latents, texts, _unique("te_texts_model_only"), text_encoder_lr=0.0),
+            lora_application="unmerged", **sampling).args[0]
+    assert (unmerged - saved).abs().max().item() <= 1e-2
+    assert (unmerged - no_encoder).abs().max().item() > 1e-3
+
+
+def test_a_resumed_run_continues_the_text_encoder_exactly_and_a_kohya_file_maps_onto_the_clip(comfyui, caplog):
+    """Straight 6 steps against 3, a new Init of the same run (as after a restart), 3 more: the same weights of the
+    model and the text encoder and the same losses, with the text encoder at its own learning rate and
+    scale_weight_norms capping the layers of both. Saved in the kohya format, the text encoder's layers are
+    sd-scripts' lora_te_* names (the learning rate in ss_text_encoder_lr), and the stock loader maps all of them."""
+    import folder_paths
+    import nodes
+    from safetensors import safe_open
+
+    from headroom.nodes import train_lora as T
+
+    model, clip, vae, latents, texts = _data("sd15")
+    capped = dict(scale_weight_norms=0.05)
+    straight = _init(model, clip, latents, texts, _unique("te_straight"), **capped)
+    name = _unique("te_resumed")
+    first = _init(model, clip, latents, texts, name, **capped)
+    with torch.inference_mode():
+        T.HeadroomTrainSteps.execute(straight, 6)
+        T.HeadroomTrainSteps.execute(first, 3, checkpoint_every=3)
+    del first
+    second = _init(model, clip, latents, texts, name, **capped)
+    assert second.step == 3 and second.resumed
+    with torch.inference_mode():
+        T.HeadroomTrainSteps.execute(second, 6)
+    a, b = straight.trainer.trainable.state_dict(), second.trainer.trainable.state_dict()
+    assert a.keys() == b.keys() and any(key.startswith("text_encoder.") for key in a)
+    assert all(torch.equal(a[k], b[k]) for k in a), "the resumed run differs from the straight one"
+    assert second.trainer.loss_history == straight.trainer.loss_history
+    encoder_params = len(second.trained.text_encoder.parameters())
+    assert sorted((group["lr"], len(group["params"])) for group in second.trainer.optimizer.param_groups) == \
+        [(0.005, encoder_params), (0.01, len(second.adapters.parameters()))]  # text_encoder_lr, learning_rate
+    scaled = T.norms_text(second)[0]  # the cap reached both sets' layers: more than the model has are counted
+    assert f"of {len(second.adapters.layers) + len(second.trained.text_encoder.paths)} layers" in scaled, scaled
+    assert int(scaled.split(": ")[1].split(" of ")[0]) > 0, scaled
+
+    with torch.inference_mode():
+        saved = T.HeadroomSaveLora.execute(second, "headroom/text_encoder", "", "fp32", format="kohya").args[0]
+    with safe_open(folder_paths.get_full_path("loras", saved), "pt") as file:
+        keys, metadata = list(file.keys()), file.metadata()
+    encoder_layers = {key.split(".")[0] for key in keys if key.startswith("lora_te_")}
+    assert len(encoder_layers) == len(second.trained.text_encoder.paths)
+    assert metadata["ss_text_encoder_lr"] == "0.005"
+    caplog.clear()
+    with caplog.at_level(logging.WARNING), torch.inference_mode():
+        _, lora_clip = nodes.LoraLoader().load_lora(model, clip, saved, 1.0, 1.0)
+    assert "lora key not loaded" not in caplog.text, caplog.text
+    assert len(lora_clip.patcher.patches) == len(encoder_layers)
+
+
+def test_what_a_text_encoder_run_cannot_train_is_refused_naming_the_input(comfyui):
+    from headroom.nodes import train_lora as T
+
+    model, clip, vae, latents, texts = _data("sd15")
+    refused = [
+        (dict(clip=None), r"no clip is connected: connect the CLIP the text cache was made with"),
+        (dict(kind="oft"), r"trains a LoRA of kind lora, dora, loha, lokr, and LoRA Config's kind is oft"),
+        (dict(optimizer="Prodigy", lr=1.0), r"with Prodigy, which finds one step size"),
+        (dict(text_encoder_lr=-1e-4), r"text_encoder_lr -0.0001 is negative"),
+    ]
+    for change, message in refused:
+        with pytest.raises(ValueError, match=r"^Train LoRA: Init \(Headroom\): .*" + message):
+            _init(model, change.pop("clip", clip), latents, texts, _unique("te_refused"), **change)
+    _, sdxl_clip, _ = _data_clip("sdxl")
+    with pytest.raises(ValueError, match=r"the clip encodes captions 64 wide, but the text cache holds them 32 wide"):
+        _init(model, sdxl_clip, latents, texts, _unique("te_width"))
+    _, chroma_clip, _ = _data_clip("chroma")
+    with pytest.raises(ValueError, match=r"has no CLIP text encoder to train"):
+        _init(model, chroma_clip, latents, texts, _unique("te_t5"))
+    run = _init(model, clip, latents, texts, _unique("te_formats"))
+    with torch.inference_mode(), pytest.raises(ValueError, match=r"^Save LoRA \(Headroom\): this run trains the text "
+                                                                   r"encoder too.*comfyui or kohya"):
+        T.HeadroomSaveLora.execute(run, "headroom/text_encoder", "", "fp32", format="diffusers")
+
+
+def _data_clip(family: str):
+    from headroom.nodes.bridge.tiny_models import build_tiny_models
+
+    with torch.inference_mode():
+        return build_tiny_models(family, 0)
