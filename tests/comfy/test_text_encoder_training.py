@@ -151,8 +151,8 @@ def test_each_step_encodes_the_texts_the_cache_holds_and_unmerged_validation_use
 
 def test_a_resumed_run_continues_the_text_encoder_exactly_and_a_kohya_file_maps_onto_the_clip(comfyui, caplog):
     """Straight 6 steps against 3, a new Init of the same run (as after a restart), 3 more: the same weights of the
-    model and the text encoder and the same losses, with the text encoder at its own learning rate and
-    scale_weight_norms capping the layers of both. Saved in the kohya format, the text encoder's layers are
+    model and the text encoder and the same losses, with the text encoder at its own learning rate,
+    scale_weight_norms capping the layers of both and an EMA of both. Saved in the kohya format, the text encoder's layers are
     sd-scripts' lora_te_* names (the learning rate in ss_text_encoder_lr), and the stock loader maps all of them."""
     import folder_paths
     import nodes
@@ -161,7 +161,7 @@ def test_a_resumed_run_continues_the_text_encoder_exactly_and_a_kohya_file_maps_
     from headroom.nodes import train_lora as T
 
     model, clip, vae, latents, texts = _data("sd15")
-    capped = dict(scale_weight_norms=0.05)
+    capped = dict(scale_weight_norms=0.05, ema_decay=0.5)
     straight = _init(model, clip, latents, texts, _unique("te_straight"), **capped)
     name = _unique("te_resumed")
     first = _init(model, clip, latents, texts, name, **capped)
@@ -183,6 +183,10 @@ def test_a_resumed_run_continues_the_text_encoder_exactly_and_a_kohya_file_maps_
     scaled = T.norms_text(second)[0]  # the cap reached both sets' layers: more than the model has are counted
     assert f"of {len(second.adapters.layers) + len(second.trained.text_encoder.paths)} layers" in scaled, scaled
     assert int(scaled.split(": ")[1].split(" of ")[0]) > 0, scaled
+    trained = second.trained.text_encoder.comfy_state_dict()
+    with second.weights("ema"):  # Save's and Validate's weights "ema": the text encoder's average too
+        averaged = second.trained.text_encoder.comfy_state_dict()
+    assert any(not torch.equal(trained[key], averaged[key]) for key in trained)
 
     with torch.inference_mode():
         saved = T.HeadroomSaveLora.execute(second, "headroom/text_encoder", "", "fp32", format="kohya").args[0]
