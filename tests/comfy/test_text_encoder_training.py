@@ -110,7 +110,7 @@ def test_validation_is_what_the_stock_loader_makes_of_the_saved_text_encoder_and
 
 def test_each_step_encodes_the_texts_the_cache_holds_and_unmerged_validation_uses_the_trained_encoder(comfyui):
     """Untrained, the captions through the text encoder are bit for bit what Cache Text cached, for every cached text
-    (tag-shuffled orders, the lines of a caption of several lines) and the empty prompt caption dropout uses; trained,
+    (each caption's tag-shuffled orders) and the empty prompt caption dropout uses; trained,
     they differ, and validation's "unmerged" encodes its prompts through the trained encoder too (its image is the
     as_saved_file one but for the rounding the stock loader bakes in)."""
     from headroom.nodes import train_lora as T
@@ -121,7 +121,7 @@ def test_each_step_encodes_the_texts_the_cache_holds_and_unmerged_validation_use
     source = run.trainer.text_cache
     keys = [key for key in texts.keys() if key in texts.captions]
     orders = [(key, order) for key in keys for order in range(texts.tag_orders(key))]
-    assert len(orders) > len(keys) + 2  # shuffled orders and a caption's second line are among them
+    assert len(orders) > len(keys) + 2  # shuffled orders are among them
 
     def encodings():
         with torch.inference_mode(), run.attached():
