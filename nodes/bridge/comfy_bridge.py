@@ -493,9 +493,11 @@ class TrainingRun:
     def notes(self) -> list[str]:
         """What the node that opened the run tells the user about it (its UI text): precision, the policy fitted to
         the card, the disk's room for its checkpoints (and a save that removed the older one first to make room),
-        the batch, inputs the model takes that the caches do not hold."""
+        the batch, inputs the model takes that the caches do not hold, what the strategy adds (a text encoder)."""
+        trained = getattr(self.trained, "note", None)
         return [note for note in (self.precision_note, self.plan_note, self.disk_note, self.run_dir.room_note,
-                                  self.batch_note, self.inputs_note, self.epoch_note) if note]
+                                  self.batch_note, self.inputs_note, self.epoch_note,
+                                  trained(self) if trained is not None else "") if note]
 
     @property
     def epoch_note(self) -> str:

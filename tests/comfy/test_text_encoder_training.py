@@ -79,6 +79,8 @@ def test_validation_is_what_the_stock_loader_makes_of_the_saved_text_encoder_and
                                             **sampling).args[0]
         name = T.HeadroomSaveLora.execute(run, "headroom/text_encoder", "", "fp32").args[0]
     assert "text encoder" in repr(run) and len(run.trainer.params) > len(run.adapters.parameters())
+    said = f"text encoder trained too: {len(layers)} layers of {'clip_g, clip_l' if family == 'sdxl' else 'clip_l'}"
+    assert said in T.opened_text(run), T.opened_text(run)
 
     def stock(strength_clip: float):
         lora_model, lora_clip = nodes.LoraLoader().load_lora(model, clip, name, 1.0, strength_clip)
