@@ -889,7 +889,8 @@ FLOAT_INPUTS = [("HeadroomLoraConfig", "alpha"), ("HeadroomLoraConfig", "dropout
                 ("HeadroomCacheText", "tag_dropout"), ("HeadroomTrainLoraInit", "masked_out_weight"),
                 ("HeadroomTrainControlNetInit", "masked_out_weight"), ("HeadroomTrainLoraInit", "ip_noise_gamma"),
                 ("HeadroomTrainControlNetInit", "ip_noise_gamma"), ("HeadroomTrainLoraInit", "multires_noise_discount"),
-                ("HeadroomTrainControlNetInit", "multires_noise_discount")]
+                ("HeadroomTrainControlNetInit", "multires_noise_discount"),
+                ("HeadroomTrainLoraInit", "text_encoder_lr")]
 
 
 def display_name(node_id: str) -> str:
