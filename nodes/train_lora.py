@@ -362,7 +362,6 @@ def start_lora_run(model, latent_cache, text_cache, lora_config, optimizer_confi
             raise ValueError("optimizer_config must come from an Optimizer Config (Headroom) node")
         lora_config.validate()
         optimizer_config.validate()
-        check_text_encoder_training(clip, text_encoder_lr, lora_config, optimizer_config, devices, text_cache)
         check_trainable(model.model)
         check_quantized_kind(model.model, lora_config.kind)
         train, note = train_config(model, run_name, node, seed, batch_size, grad_accumulation, precision, max_grad_norm,
@@ -375,6 +374,7 @@ def start_lora_run(model, latent_cache, text_cache, lora_config, optimizer_confi
                                                     noise_offset_random_strength=noise_offset_random_strength,
                                                     ip_noise_gamma_random_strength=ip_noise_gamma_random_strength))
         check_caches(model.model, latent_cache, text_cache)
+        check_text_encoder_training(clip, text_encoder_lr, lora_config, optimizer_config, devices, text_cache)
         train, batch_note = effective_batch(train, latent_cache, holdout, run_name, node)
         # A full fine-tune on several devices shards its optimizer state (training/memory/sharded_optimizer.py).
         ranks = sharded_optimizer.state_ranks(parse_devices(devices), lora_config.kind, optimizer_config.name)
