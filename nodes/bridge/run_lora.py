@@ -18,6 +18,7 @@ import comfy.lora
 import comfy.model_management
 import comfy.model_patcher
 import comfy.patcher_extension
+import comfy.sd
 import comfy.utils
 
 from ...training.core.adapters import AdapterConfig, AdapterSet, layer_alphas, layer_ranks
@@ -387,10 +388,9 @@ class LoraTraining:
             with self.text_encoder.attached():
                 yield clip
             return
-        patched = clip.clone()
-        key_map = comfy.lora.model_lora_keys_clip(patched.cond_stage_model, {})
-        patched.add_patches(comfy.lora.load_lora(self.text_encoder.comfy_state_dict(SAVE_DTYPES[saved_dtype]),
-                                                 key_map, log_missing=True), 1.0)
+        # the stock Load LoRA's own loader (strength_clip 1) on the text-encoder layers the file holds
+        _, patched = comfy.sd.load_lora_for_models(None, clip, self.text_encoder.comfy_state_dict(
+            SAVE_DTYPES[saved_dtype]), 0.0, 1.0)
         try:
             yield patched
         finally:  # the patched weights leave memory now, not when gc finds the clone

@@ -78,27 +78,18 @@ def sample_images(run: TrainingRun, clip, vae, prompts: list[str | SamplePrompt]
     (kohya's --n / --d / --s / --l) replace those arguments for its sample; its guidance (--g) is set on the
     positive prompt as FluxGuidance sets it. Returns (images, sampled latents)."""
     latent_frames = video.check_frames(f"run '{run.run_dir.name}'", run.source_model.model, frames)
-    with contextlib.ExitStack() as stack:
-        # the prompts through the run's text encoder where it trains one (as the stock Load LoRA applies it)
-        clip = clip if base else stack.enter_context(run.prompt_clip(clip, lora_application, saved_dtype))
-        return _sample_images(run, clip, vae, prompts, negative, seed, steps, cfg, sampler_name, scheduler, width,
-                              height, lora_application, base, references, reference_encoding, frames, latent_frames,
-                              starts, frame_rate, saved_dtype)
-
-
-def _sample_images(run, clip, vae, prompts, negative, seed, steps, cfg, sampler_name, scheduler, width, height,
-                   lora_application, base, references, reference_encoding, frames, latent_frames, starts, frame_rate,
-                   saved_dtype):
-    negative_cond = clip.encode_from_tokens_scheduled(clip.tokenize(negative))
-    check_prompt_width(run, negative_cond)
     latents = []
     # comfy.sample.prepare_noise reseeds the global torch RNG; fork it so validating never changes what the
     # training run draws next (peft dropout uses the global RNG).
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    # The prompts through the run's text encoder where it trains one (TrainingRun.prompt_clip; base: the clip as given)
+    prompt_clip = contextlib.nullcontext(clip) if base else run.prompt_clip(clip, lora_application, saved_dtype)
     model_context = run.base_sampling_model() if base else run.sampling_model(lora_application, saved_dtype)
     # The base keeps to validation's own planned placement while the sampler runs (TrainingRun.sampling_placement).
-    with torch.no_grad(), torch.random.fork_rng(devices=devices), model_context as sampled, \
+    with prompt_clip as clip, torch.no_grad(), torch.random.fork_rng(devices=devices), model_context as sampled, \
             run.sampling_placement(sampled) as model, _fresh_model_caches(model):
+        negative_cond = clip.encode_from_tokens_scheduled(clip.tokenize(negative))
+        check_prompt_width(run, negative_cond)  # before any sampling
         for index, line in enumerate(prompts):
             line = line if isinstance(line, SamplePrompt) else SamplePrompt(line)
             prompt, negative_text = line.text, negative if line.negative is None else line.negative
