@@ -105,7 +105,8 @@ def test_everyday_training_node_is_small_and_folds_expert_inputs(browser_page, n
     hidden = set(folded["all"]) - set(folded["shown"])
     assert {"precision", "ema_decay", "devices", "checkpoint_minutes"} <= hidden, hidden
     if node_type == "HeadroomTrainLora":
-        assert {"frames", "frame_rate", "noise_min", "noise_max", "reference", "prior_ratio", "huber_delta"} <= hidden
+        assert {"frames", "frame_rate", "noise_min", "noise_max", "reference", "prior_ratio", "huber_delta",
+                "text_encoder_lr"} <= hidden
     assert folded["height"] < 1000, f"the folded node is {folded['height']} px tall"
     assert max(folded["gaps"]) <= 8, f"empty space between the widgets drawn: {folded['gaps']}"
     show_node(page, node)
