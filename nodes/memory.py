@@ -152,6 +152,12 @@ class HeadroomMemoryPlan(io.ComfyNode):
                              tooltip="Kind controlnet: the blocks the planned ControlNet copies from the base, as "
                              "the ControlNet nodes' blocks (0: the family's default; UNet ControlNets always copy "
                              "the whole encoder)."),
+                # Appended last and optional, as kind.
+                io.Boolean.Input("train_text_encoder", default=False, optional=True, advanced=True,
+                                 tooltip="Kind lora, clip connected: plan a run that trains the CLIP's text encoders "
+                                 "too (Train LoRA: Init's text_encoder_lr above 0): the CLIP's weights and each "
+                                 "caption's activations (measured on a caption of one full CLIP chunk, 75 tokens) "
+                                 "on the device in a step, and its LoRA at rank with the trained weights."),
             ],
             outputs=[io.String.Output("plan_text", tooltip="The plan as text (also shown on the node)."),
                      io.String.Output("plan_json", tooltip="The plan as JSON: each phase's estimate, itemised."),
@@ -163,14 +169,15 @@ class HeadroomMemoryPlan(io.ComfyNode):
     @classmethod
     def execute(cls, model, mode, batch_size, width, height, rank, targets, optimizer, precision, text_tokens,
                 policy=None, clip=None, vae=None, frames: int = 1, layers: str = "", layer_ranks: str = "",
-                kind: str = "lora", trained_precision: str = "fp32", controlnet_blocks: int = 0) -> io.NodeOutput:
+                kind: str = "lora", trained_precision: str = "fp32", controlnet_blocks: int = 0,
+                train_text_encoder: bool = False) -> io.NodeOutput:
         policy = policy if policy is not None else OffloadPolicy()
         if not isinstance(policy, OffloadPolicy):
             raise ValueError(f"{node_name(cls)}: policy must come from an Offload Policy (Headroom) node")
         plan = plan_run(model, policy, mode, batch_size, width, height, rank, targets, optimizer, precision,
                              text_tokens, clip, vae, node=node_name(cls), frames=frames, layers=layers or "",
                              layer_ranks=layer_ranks or "", kind=kind, trained_precision=trained_precision,
-                             controlnet_blocks=controlnet_blocks)
+                             controlnet_blocks=controlnet_blocks, train_text_encoder=train_text_encoder)
         text = plan.to_text()
         return io.NodeOutput(text, plan.to_json(), plan.policy, ui=ui.PreviewText(text))
 

@@ -37,7 +37,8 @@ from .bridge.rank_workers import open_on_devices, parse_devices
 from .bridge.run_lora import REFERENCES, SAVE_DTYPES, LoraRunConfig, open_lora_run
 from .bridge.run_settings import effective_batch, resolve_policy, run_fingerprint, train_config
 from .bridge.sample_prompts import parse_prompts
-from .bridge.text_encoder_lora import TEXT_ENCODER_KINDS, text_encoder_layers
+from .bridge.text_encoder_lora import (TEXT_ENCODER_KINDS, TextEncoderLora, longest_caption, text_encoder_layers,
+                                       with_text_encoder)
 from .bridge.validation import validate, validation_grids, validation_history
 from .inputs import (DEFAULT_CHECKPOINT_MINUTES, added_train_inputs, checkpoint_inputs, compare_base_input,
                      devices_input, extra_noise_inputs, frame_rate_input, frames_input, keep_saves_input,
@@ -378,12 +379,19 @@ def start_lora_run(model, latent_cache, text_cache, lora_config, optimizer_confi
         train, batch_note = effective_batch(train, latent_cache, holdout, run_name, node)
         # A full fine-tune on several devices shards its optimizer state (training/memory/sharded_optimizer.py).
         ranks = sharded_optimizer.state_ranks(parse_devices(devices), lora_config.kind, optimizer_config.name)
-        trainable = dataclasses.replace(lora_trainable(model, lora_config, optimizer_config.name),
-                                        ema=train.ema_decay > 0, state_ranks=ranks)
+        trainable = model_trainable = dataclasses.replace(lora_trainable(model, lora_config, optimizer_config.name),
+                                                          ema=train.ema_decay > 0, state_ranks=ranks)
+        # The text encoder's LoRA trains with the model's (host RAM, disk and a card's plan count its tensors); a card's
+        # plan also counts the CLIP's weights and each caption's activations on the device (measured when planned).
+        encoder = TextEncoderLora(clip, lora_config) if text_encoder_lr > 0 else None
+        if encoder is not None:
+            trainable = with_text_encoder(model_trainable, encoder)
         planned = []  # the card's plan and its measured model, when one is made: the run keeps them
 
         def plan_card(card):
-            planned.append(plan_for_card(model, latent_cache, text_cache, card, trainable, train.batch_size,
+            spec = trainable if encoder is None else with_text_encoder(model_trainable, encoder,
+                                                                       longest_caption(text_cache))
+            planned.append(plan_for_card(model, latent_cache, text_cache, card, spec, train.batch_size,
                                          train.precision, node, lora_config, train.grad_accum))
             return planned[-1][0]
 

@@ -27,6 +27,7 @@ from .comfy_model import (ComfyDenoiser, comfy_pinned_block_bytes, expected_cond
                           quantized_weights_for_inference, replace_inference_tensors, restore_stock_forwards,
                           training_blocks, training_code_paths)
 from .encoders import frame_step, spatial_downscale
+from .text_encoder_lora import TextEncoderLora, longest_caption, with_text_encoder
 
 log = logging.getLogger(__name__)
 
@@ -584,14 +585,17 @@ PLAN_KINDS = ("lora", "full", "controlnet")
 def plan_run(model, policy: OffloadPolicy, mode: str, batch_size: int, width: int, height: int, rank: int,
                   targets: str, optimizer: str, precision: str, text_tokens: int, clip=None, vae=None,
                   *, node: str, frames: int = 1, layers: str = "", layer_ranks: str = "", kind: str = "lora",
-                  trained_precision: str = "fp32", controlnet_blocks: int = 0) -> planner.Plan:
+                  trained_precision: str = "fp32", controlnet_blocks: int = 0,
+                  train_text_encoder: bool = False) -> planner.Plan:
     """The Memory Plan node's plan of a run on `model`: the estimate with `policy` (mode "estimate") or the
     fastest policy that fits the budget (mode "auto"); precision "auto" and text_tokens 0 as the training nodes
     resolve them; `frames`: a video model's longest training clip; `layers`: LoRA Config's filter of the targets,
     `layer_ranks` its ranks per layer; `kind` (PLAN_KINDS): a LoRA, a full fine-tune (its weights in
     `trained_precision`, as LoRA Config's full_precision) or a ControlNet (its weights so, as the ControlNet nodes'
     controlnet_precision; of `controlnet_blocks` blocks, as the ControlNet nodes' blocks, 0 the family's default),
-    planned as their Init nodes plan a card; `node`: the node's display name, for messages."""
+    planned as their Init nodes plan a card; `train_text_encoder`: a LoRA run training `clip`'s text encoders too
+    (text_encoder_lora.with_text_encoder, on a caption of one full CLIP chunk); `node`: the node's display name, for
+    messages."""
     if precision == "auto":
         precision = auto_precision(model.load_device)
     try:
@@ -615,6 +619,12 @@ def plan_run(model, policy: OffloadPolicy, mode: str, batch_size: int, width: in
             controlnet_build.check_controlnet_blocks(model, controlnet_blocks, "controlnet_blocks")
             new = NewControlNet(controlnet_blocks, controlnet_build.controlnet_dtype(trained_precision))
         paths = None if controlnet else lora_target_paths(model, adapter)
+        encoder = None
+        if train_text_encoder:
+            if kind != "lora" or clip is None:
+                raise ValueError("train_text_encoder plans a LoRA run training the CLIP's text encoders too: set kind "
+                                 "lora and connect the clip" + (f" (kind is {kind})" if kind != "lora" else ""))
+            encoder = TextEncoderLora(clip, adapter)
         latent_frames = video.check_frames(node, model.model, frames)
         if vae is not None and frames > 1 and frame_step(vae) is None:
             raise ValueError(f"frames={frames}, but this VAE ({type(vae.first_stage_model).__name__}) encodes images; "
@@ -629,6 +639,8 @@ def plan_run(model, policy: OffloadPolicy, mode: str, batch_size: int, width: in
                                         bf16_weights_input="controlnet_precision")
     else:
         trainable = lora_trainable(model, adapter, optimizer, paths)
+    if encoder is not None:  # any caption of up to 75 tokens is one such chunk (a longer one adds a chunk)
+        trainable = with_text_encoder(trainable, encoder, " ".join(["a"] * 75))
     trainable = with_host_step(trainable)
     room = host_ram.host_room(policy.host_ram_budget_gb)
     if mode == "auto":
@@ -713,6 +725,9 @@ def _run_inputs(run) -> tuple:
                                     state_ranks=run.trainer.state_ranks, weight_ranks=run.trainer.weight_ranks,
                                     first_block_elements=first, unread_base_blocks=blocks, unread_base_outside=outside,
                                     block_layers=per_block)
+    encoder = getattr(run.trained, "text_encoder", None)  # a LoRA run training the CLIP's text encoders too
+    if encoder is not None:  # its LoRA's tensors are in the trainer's; what its step holds beside them:
+        trainable = dataclasses.replace(trainable, text_encoder=encoder.training_cost(longest_caption(run.text_cache)))
     trainable = with_host_step(trainable)
     budget = budget_bytes(run.policy, torch.device(run.source_model.load_device))
     return description, trainable, shape, budget

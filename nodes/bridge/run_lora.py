@@ -489,13 +489,13 @@ class LoraTraining:
         return size * sum(p.numel() for p in [*self.adapters.parameters(), *encoder])
 
     def note(self, run) -> str:
-        """The text encoder a run trains too, said on its Init node: which encoders, how many layers, at what rate,
-        and that a card's plan does not count it."""
+        """The text encoder a run trains too, said on its Init node: which encoders, how many layers, at what
+        rate."""
         if self.text_encoder is None:
             return ""
         encoders = sorted({path.split(".", 1)[0] for path in self.text_encoder.paths})
         return (f"text encoder trained too: {len(self.text_encoder.paths)} layers of {', '.join(encoders)} at "
-                f"learning rate {run.config.text_encoder_lr:g} (a card's plan counts the model's training only)")
+                f"learning rate {run.config.text_encoder_lr:g}")
 
     def describe(self, run) -> str:
         adapter = run.config.adapter

@@ -12,6 +12,7 @@ Flux / SD3 text-encoder LoRA is CLIP-L's and CLIP-G's only).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import re
 
 import torch
@@ -20,6 +21,8 @@ import comfy.lora
 
 from ...training.core.adapters import AdapterConfig, AdapterSet
 from ...training.data.caption_tags import caption_variants
+from ...training.memory import planner
+from ...training.memory.text_encoder_training import TextEncoderTraining
 from . import lora_formats
 from .caching import flat_conditioning
 from .comfy_model import make_trainable, replace_inference_tensors, restore_stock_forwards
@@ -64,7 +67,9 @@ class TextEncoderLora:
         self.clip = clip
         self.root = clip.cond_stage_model
         self.paths = text_encoder_layers(clip)
-        self.adapters = AdapterSet(self.root, self.paths, config)
+        with torch.inference_mode(False):  # nodes run in inference mode, whose tensors autograd cannot train
+            self.adapters = AdapterSet(self.root, self.paths, config)
+        self._measured: tuple[str, TextEncoderTraining] | None = None  # training_cost's last (caption, cost)
 
     def parameters(self) -> list[torch.nn.Parameter]:
         return self.adapters.parameters()
@@ -101,6 +106,20 @@ class TextEncoderLora:
         with torch.inference_mode(False), torch.enable_grad():
             conditioning = self.clip.encode_from_tokens_scheduled(self.clip.tokenize(text))
         return flat_conditioning(conditioning, "this CLIP", "remove them from the CLIP to train its text encoder")
+
+    def training_cost(self, caption: str) -> TextEncoderTraining:
+        """What a training step holds on the device for the text encoder (the planner's TextEncoderTraining): the CLIP
+        as loaded, and what `caption`'s encode (a run's longest) keeps for backward, measured with the LoRA attached
+        (planner.measure_activations: the CLIP's and the LoRA's own weights are not counted). Measured once per
+        caption."""
+        measured = self._measured
+        if measured is None or measured[0] != caption:
+            with self.attached():
+                weights = [*self.root.parameters(), *self.root.buffers()]
+                sample = planner.measure_activations(lambda: self.encode(caption), [], weights)
+            self._measured = measured = (caption, TextEncoderTraining(
+                self.clip.patcher.model_size(), sample.outside_saved, len(self.paths)))
+        return measured[1]
 
     def comfy_state_dict(self, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
         """The layers under the names the stock Load LoRA maps onto the CLIP (`text_encoders.<path>.lora_up.weight`,
@@ -198,3 +217,18 @@ class WithTextEncoder:
     def train(self, mode: bool = True) -> None:
         self.adapters.train(mode)
         self.text_encoder.adapters.train(mode)
+
+
+def with_text_encoder(trainable: planner.TrainableSpec, encoder: TextEncoderLora,
+                      caption: str | None = None) -> planner.TrainableSpec:
+    """`trainable` (the diffusion model's) with the text encoder's LoRA tensors added, trained as the model's (host RAM,
+    disk and the plan count them so); with `caption` (the run's longest), also what a step holds on the device for
+    it (TextEncoderLora.training_cost), for a plan of the card."""
+    shapes = trainable.shapes + tuple(tuple(p.shape) for p in encoder.parameters())
+    cost = encoder.training_cost(caption) if caption is not None else trainable.text_encoder
+    return dataclasses.replace(trainable, shapes=shapes, text_encoder=cost)
+
+
+def longest_caption(text_cache) -> str:
+    """The longest caption of a text cache (what the planner measures a text encoder's step with); "" for none."""
+    return max(text_cache.captions.values(), key=len, default="")

@@ -5,6 +5,7 @@ encoder exactly as the text cache holds them untrained, Validate samples what th
 exactly, and what it cannot train is refused naming the input."""
 from __future__ import annotations
 
+import json
 import logging
 import time
 
@@ -234,3 +235,120 @@ def _data_clip(family: str):
 
     with torch.inference_mode():
         return build_tiny_models(family, 0)
+
+
+def _card_policy(**fields):
+    from headroom.nodes.memory import HeadroomOffloadPolicy
+
+    settings = dict(vram_budget_gb=0.0, reserve_gb=1.0, base_placement="resident", base_storage="as_loaded",
+                    checkpointing="off", checkpoint_depth=1, optimizer_state="gpu",
+                    park_optimizer_during_validation=True, vae_tiled_decode="auto", encoders="unload_after_use",
+                    card="8 GB")
+    return HeadroomOffloadPolicy.execute(**{**settings, **fields}).args[0]
+
+
+def _saved_by_an_encode(encoder, caption: str) -> int:
+    """What `caption`'s encode through the attached LoRA keeps for backward, counted here on its own: each distinct
+    storage autograd saves that is none of the CLIP's or the LoRA's weights."""
+    saved: dict[int, int] = {}
+    held = []
+
+    def pack(tensor):
+        key = tensor.untyped_storage().data_ptr()
+        if key not in weights:
+            saved.setdefault(key, tensor.untyped_storage().nbytes())
+            held.append(tensor)  # addresses stay unique while counting
+        return None
+
+    with encoder.attached():  # the LoRA's weights among the CLIP's
+        weights = {t.untyped_storage().data_ptr() for t in [*encoder.root.parameters(), *encoder.root.buffers()]}
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda _: None):
+            encoder.encode(caption)
+    return sum(saved.values())
+
+
+def test_a_plan_counts_the_text_encoder_it_trains_on_the_device(comfyui, monkeypatch):
+    """A run training the text encoder: its Init node's card plan and its own plan (the one it places its base by)
+    hold in the training step the CLIP as loaded and each caption's activations (what an encode of the run's longest
+    caption keeps for backward, times the batch), and count the text encoder's LoRA with the trained tensors (its
+    optimizer state, host RAM, checkpoints); the model's share of a budget shrinks by it; the node says how much of
+    a step is the text encoder's. A run without it plans as before."""
+    import dataclasses
+
+    from headroom.nodes import train_lora as T
+    from headroom.nodes.bridge import planning
+    from headroom.training.memory import planner, text_encoder_training
+
+    planned = []
+    plan_for_card = T.plan_for_card
+    monkeypatch.setattr(T, "plan_for_card", lambda *a, **k: planned.append((a[4], plan_for_card(*a, **k))) or
+                        planned[-1][1])  # (the trainable it plans, (plan, measured model))
+    captions = ["red", "a red circle with a blue square beside it on a grey ground, seen from above", "blue", "grey"]
+    model, clip, vae, latents, texts = _data("sdxl", captions=captions)
+    run = _init(model, clip, latents, texts, _unique("te_plan"), policy=_card_policy())
+    (trainable, (card_plan, _)), = planned
+    encoder = run.trained.text_encoder
+    per_caption = _saved_by_an_encode(encoder, captions[1])
+    assert per_caption > 0
+    step = card_plan.phase("training step").items
+    assert step[text_encoder_training.WEIGHTS] == clip.patcher.model_size() > 0
+    assert step["text encoder activations (2 captions)"] == 2 * per_caption  # batch_size 2
+    assert card_plan.text_encoder_bytes() == clip.patcher.model_size() + 2 * per_caption
+    # its LoRA: the trainer's tensors (the model's and the text encoder's) are the plan's
+    assert trainable.param_count == sum(p.numel() for p in run.trainer.params)
+    assert trainable.param_count > sum(p.numel() for p in run.adapters.parameters())
+    said = T.opened_text(run)
+    assert f"of a step {planner.format_bytes(card_plan.text_encoder_bytes())} for the text encoder" in said, said
+    assert "its compute is not in the predicted step time" in card_plan.to_text()
+
+    with torch.inference_mode():
+        own = planning.run_plan(run)
+        description, own_trainable, shape, budget = planning._run_inputs(run)
+    assert own.text_encoder_bytes() == card_plan.text_encoder_bytes()
+    assert own_trainable.param_count == trainable.param_count and own_trainable.text_encoder == trainable.text_encoder
+
+    # The same budget with and without the text encoder: "partial" keeps less of the base on the device beside it
+    model_only = dataclasses.replace(own_trainable, text_encoder=None,
+                                     shapes=tuple(tuple(p.shape) for p in run.adapters.parameters()))
+    partial = run.policy.replace(base_placement="partial", checkpointing="blocks")
+    alone = planner.estimate(description, model_only, shape, partial,
+                             int(planner.estimate(description, model_only, shape, run.policy).peak_bytes * 0.9))
+    both = planner.estimate(description, own_trainable, shape, partial, alone.budget_bytes)
+    assert alone.text_encoder_bytes() == 0 and "text encoder" not in alone.summary()
+    trained_more = 4 * (own_trainable.param_count - model_only.param_count) * 4  # weights, gradients, AdamW's two
+    assert both.base_device_bytes < alone.base_device_bytes
+    assert alone.base_device_bytes - both.base_device_bytes >= min(alone.base_device_bytes, trained_more)
+
+
+def test_memory_plan_plans_a_run_that_trains_the_text_encoder_too(comfyui):
+    """Memory Plan with train_text_encoder: the training step holds the CLIP as loaded and a batch of captions'
+    activations of one full CLIP chunk (75 tokens), and its trained weights, gradients and optimizer state count the
+    text encoder's LoRA at the planned rank; without it the plan is the model's alone. Refused, naming the input: kind
+    full, no clip, a CLIP with no CLIP encoder."""
+    from headroom.nodes.bridge.text_encoder_lora import TextEncoderLora
+    from headroom.nodes.memory import HeadroomMemoryPlan
+    from headroom.training.core.adapters import AdapterConfig
+    from headroom.training.memory import text_encoder_training
+
+    model, clip, _ = _data_clip("sdxl")
+    plan = dict(model=model, mode="estimate", batch_size=3, width=64, height=64, rank=4, targets="preset",
+                optimizer="AdamW", precision="fp32", text_tokens=0, clip=clip)
+    with torch.inference_mode():
+        alone = json.loads(HeadroomMemoryPlan.execute(**plan).args[1])
+        both = json.loads(HeadroomMemoryPlan.execute(**plan, train_text_encoder=True).args[1])
+    step = {phase["phase"]: phase["items"] for phase in both["phases"]}["training step"]
+    step_alone = {phase["phase"]: phase["items"] for phase in alone["phases"]}["training step"]
+    encoder = TextEncoderLora(clip, AdapterConfig(rank=4, alpha=4.0))
+    assert step[text_encoder_training.WEIGHTS] == clip.patcher.model_size()
+    assert step["text encoder activations (3 captions)"] == 3 * _saved_by_an_encode(encoder, " ".join(["a"] * 75))
+    assert not any(name.startswith("text encoder") for name in step_alone)
+    encoder_weights = 4 * sum(p.numel() for p in encoder.parameters())
+    assert step["trainable weights (fp32)"] - step_alone["trainable weights (fp32)"] == encoder_weights
+    assert step["optimizer state (AdamW)"] - step_alone["optimizer state (AdamW)"] == 2 * encoder_weights
+
+    _, chroma_clip, _ = _data_clip("chroma")
+    for change, message in [(dict(kind="full"), r"set kind lora and connect the clip \(kind is full\)"),
+                            (dict(clip=None), r"set kind lora and connect the clip$"),
+                            (dict(clip=chroma_clip), r"has no CLIP text encoder to train")]:
+        with torch.inference_mode(), pytest.raises(ValueError, match=r"^Memory Plan \(Headroom\): .*" + message):
+            HeadroomMemoryPlan.execute(**{**plan, **change}, train_text_encoder=True)

@@ -38,8 +38,8 @@ import torch
 import torch.utils._pytree as pytree  # torch's own nested-container walk (torch.utils.checkpoint uses it)
 
 from . import (activation_offload, checkpointing, fused_backward, host_ram, lowbit, optimizer_parking,
-               sharded_optimizer, sharded_weights, streamed_optimizer_state, time_model, trained_weights_on_host,
-               weight_streaming)
+               sharded_optimizer, sharded_weights, streamed_optimizer_state, text_encoder_training, time_model,
+               trained_weights_on_host, weight_streaming)
 from .cost import FeatureCost
 from .host_ram import HostRoom
 from .memory_stats import format_bytes
@@ -288,6 +288,9 @@ class TrainableSpec:
     # Seconds per weight of the optimizer's step in host RAM on this machine (core/optimizers.host_step_s_per_weight,
     # measured by the nodes' planning); 0: not measured, time_model.DEFAULT_HOST_STEP_S_PER_WEIGHT.
     host_step_s_per_weight: float = 0.0
+    # A run that trains the CLIP's text encoders too (text_encoder_training.py): the CLIP's weights and each caption's
+    # activations on the device in a step (its LoRA's tensors are in `shapes`). None: the model alone.
+    text_encoder: text_encoder_training.TextEncoderTraining | None = None
 
     @property
     def param_count(self) -> int:
@@ -609,6 +612,9 @@ class Plan:
             trained += f" but {len(p.trained_card_blocks)} blocks' kept on the card"
         text = (f"{base}, {checkpoint}, optimizer state {p.optimizer_state_said}{trained}; planned peak "
                 f"{format_bytes(self.peak_bytes)} ({self.peak.phase})")
+        encoder = self.text_encoder_bytes()
+        if encoder:
+            text += f", of a step {format_bytes(encoder)} for the text encoder"
         if self.budget_bytes is not None:
             text += f", budget {format_bytes(self.budget_bytes)}"
         if self.host_bytes:
@@ -622,6 +628,12 @@ class Plan:
         if self.slow:
             text += f" - SLOW: {self.slow}"
         return text + (" - DOES NOT FIT" if self.fits is False else "")
+
+    def text_encoder_bytes(self) -> int:
+        """What a training step holds on the device for a text encoder trained too (its CLIP's weights, a step's
+        captions' activations: text_encoder_training.py); 0: none."""
+        items = self.phase("training step").items
+        return sum(size for name, size in items.items() if name.startswith(text_encoder_training.ITEMS))
 
     def pinned_line(self) -> str:
         """What of the streamed blocks crosses from pageable memory, when some does ("" otherwise)."""
@@ -802,6 +814,9 @@ def estimate(description: ModelDescription, trainable: TrainableSpec, shape: Run
     activations["one layer's weight copy in flight (cast / dequantised)"] = int(max(
         in_flight_block, in_flight_any - sum(activations.values())))
     trainables = first_block_gradients_later(trainables, trainable, shape, policy, sum(activations.values()))
+    # Held through the whole step (the text encoder's backward runs after the model's): beside everything above
+    encoder = trainable.text_encoder.cost(batch) if trainable.text_encoder is not None else FeatureCost()
+    activations.update(encoder.training)
 
     # Validation (below) keeps the same frozen weights beside the adapter and ComfyUI's sampling working set.
     working_set = int(description.inference_bytes_per_latent_px * area * 2)
@@ -838,7 +853,7 @@ def estimate(description: ModelDescription, trainable: TrainableSpec, shape: Run
     validation_device = description.other_param_bytes + weight_streaming.resident_block_bytes(
         weight_streaming.validation_placement(policy.base_placement, device_budget is not None),
         validation_block_weights, validation_rest, device_budget)
-    features: list[FeatureCost] = [trained, parking, gradients, *block_activations, placement]
+    features: list[FeatureCost] = [trained, parking, gradients, *block_activations, placement, encoder]
     host = {name: value for cost in features for name, value in cost.host.items()}  # in host RAM instead
     left_apart = description.other_param_bytes - outer[outer_name] + sum(unread)
     if left_apart:
