@@ -395,3 +395,24 @@ def controlnet_plan_over_step(run, description=None) -> dict[bool, tuple[float, 
             (items["saved activations, all blocks"] + items["weight copies kept for backward, all blocks (manual cast)"]
              + outside, sum(step.block_saved) + sum(step.block_weight_copies) + step.outside_saved))
     return compared
+
+
+def saved_by_an_encode(encoder, caption: str) -> int:
+    """What `caption`'s encode through a text-encoder LoRA (nodes/bridge/text_encoder_lora.TextEncoderLora) keeps for
+    backward, counted here apart from the planner's measurement: each distinct storage autograd saves that is none of
+    the CLIP's or the LoRA's weights."""
+    saved: dict[int, int] = {}
+    held = []
+
+    def pack(tensor):
+        key = tensor.untyped_storage().data_ptr()
+        if key not in weights:
+            saved.setdefault(key, tensor.untyped_storage().nbytes())
+            held.append(tensor)  # addresses stay unique while counting
+        return None
+
+    with encoder.attached():  # the LoRA's weights among the CLIP's
+        weights = {t.untyped_storage().data_ptr() for t in [*encoder.root.parameters(), *encoder.root.buffers()]}
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda _: None):
+            encoder.encode(caption)
+    return sum(saved.values())

@@ -247,26 +247,6 @@ def _card_policy(**fields):
     return HeadroomOffloadPolicy.execute(**{**settings, **fields}).args[0]
 
 
-def _saved_by_an_encode(encoder, caption: str) -> int:
-    """What `caption`'s encode through the attached LoRA keeps for backward, counted here on its own: each distinct
-    storage autograd saves that is none of the CLIP's or the LoRA's weights."""
-    saved: dict[int, int] = {}
-    held = []
-
-    def pack(tensor):
-        key = tensor.untyped_storage().data_ptr()
-        if key not in weights:
-            saved.setdefault(key, tensor.untyped_storage().nbytes())
-            held.append(tensor)  # addresses stay unique while counting
-        return None
-
-    with encoder.attached():  # the LoRA's weights among the CLIP's
-        weights = {t.untyped_storage().data_ptr() for t in [*encoder.root.parameters(), *encoder.root.buffers()]}
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda _: None):
-            encoder.encode(caption)
-    return sum(saved.values())
-
-
 def test_a_plan_counts_the_text_encoder_it_trains_on_the_device(comfyui, monkeypatch):
     """A run training the text encoder: its Init node's card plan and its own plan (the one it places its base by)
     hold in the training step the CLIP as loaded and each caption's activations (what an encode of the run's longest
@@ -275,6 +255,7 @@ def test_a_plan_counts_the_text_encoder_it_trains_on_the_device(comfyui, monkeyp
     a step is the text encoder's. A run without it plans as before."""
     import dataclasses
 
+    from family_checks import saved_by_an_encode
     from headroom.nodes import train_lora as T
     from headroom.nodes.bridge import planning
     from headroom.training.memory import planner, text_encoder_training
@@ -288,7 +269,7 @@ def test_a_plan_counts_the_text_encoder_it_trains_on_the_device(comfyui, monkeyp
     run = _init(model, clip, latents, texts, _unique("te_plan"), policy=_card_policy())
     (trainable, (card_plan, _)), = planned
     encoder = run.trained.text_encoder
-    per_caption = _saved_by_an_encode(encoder, captions[1])
+    per_caption = saved_by_an_encode(encoder, captions[1])
     assert per_caption > 0
     step = card_plan.phase("training step").items
     assert step[text_encoder_training.WEIGHTS] == clip.patcher.model_size() > 0
@@ -325,6 +306,7 @@ def test_memory_plan_plans_a_run_that_trains_the_text_encoder_too(comfyui):
     activations of one full CLIP chunk (75 tokens), and its trained weights, gradients and optimizer state count the
     text encoder's LoRA at the planned rank; without it the plan is the model's alone. Refused, naming the input: kind
     full, no clip, a CLIP with no CLIP encoder."""
+    from family_checks import saved_by_an_encode
     from headroom.nodes.bridge.text_encoder_lora import TextEncoderLora
     from headroom.nodes.memory import HeadroomMemoryPlan
     from headroom.training.core.adapters import AdapterConfig
@@ -340,7 +322,7 @@ def test_memory_plan_plans_a_run_that_trains_the_text_encoder_too(comfyui):
     step_alone = {phase["phase"]: phase["items"] for phase in alone["phases"]}["training step"]
     encoder = TextEncoderLora(clip, AdapterConfig(rank=4, alpha=4.0))
     assert step[text_encoder_training.WEIGHTS] == clip.patcher.model_size()
-    assert step["text encoder activations (3 captions)"] == 3 * _saved_by_an_encode(encoder, " ".join(["a"] * 75))
+    assert step["text encoder activations (3 captions)"] == 3 * saved_by_an_encode(encoder, " ".join(["a"] * 75))
     assert not any(name.startswith("text encoder") for name in step_alone)
     encoder_weights = 4 * sum(p.numel() for p in encoder.parameters())
     assert step["trainable weights (fp32)"] - step_alone["trainable weights (fp32)"] == encoder_weights

@@ -32,6 +32,7 @@ def test_a_text_encoder_lora_on_sdxls_clip_l_and_clip_g_at_real_size(comfyui, ca
     import folder_paths
     import nodes
     import realsize_models
+    from family_checks import saved_by_an_encode
     from realsize_worker import weights_digest
     from safetensors.torch import save_file
 
@@ -49,6 +50,16 @@ def test_a_text_encoder_lora_on_sdxls_clip_l_and_clip_g_at_real_size(comfyui, ca
 
     lora = TextEncoderLora(clip, AdapterConfig(rank=16, alpha=16.0))
     assert len(lora.paths) == 6 * (12 + 32)
+    # What a plan counts for it in a training step (training/memory/text_encoder_training.py): the CLIP as loaded,
+    # and a caption's activations as an encode with the LoRA attached keeps them (counted apart here)
+    cost = lora.training_cost(CAPTION)
+    assert cost.weight_bytes == sum(t.numel() * t.element_size() for t in clip.cond_stage_model.state_dict().values())
+    assert cost.saved_bytes_per_caption == saved_by_an_encode(lora, CAPTION)
+    print(f"\nSDXL's CLIP as loaded {cost.weight_bytes / 2 ** 20:.0f} MiB, a caption's activations "
+          f"{cost.saved_bytes_per_caption / 2 ** 20:.0f} MiB")
+    # 77 tokens through 44 layers 768 / 1280 wide keep well over one fp32 copy of each layer's input (an int32 sum
+    # or a count of one encoder alone would not)
+    assert cost.saved_bytes_per_caption > 77 * 4 * (12 * 768 + 32 * 1280) * 6
     optimizer = torch.optim.AdamW(lora.parameters(), lr=1e-3)
     generator = torch.Generator().manual_seed(0)
     targets = {key: torch.randn(value.shape, generator=generator) for key, value in stock.items()}
