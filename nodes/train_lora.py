@@ -311,9 +311,6 @@ def check_text_encoder_training(clip, text_encoder_lr: float, lora_config: Adapt
     if lora_config.kind not in TEXT_ENCODER_KINDS:
         raise ValueError(f"text_encoder_lr: a text encoder trains a LoRA of kind {', '.join(TEXT_ENCODER_KINDS)}, "
                          f"and LoRA Config's kind is {lora_config.kind}: choose one of those, {off}")
-    if lora_config.init_lora:
-        raise ValueError(f"text_encoder_lr with init_lora: a run continues a file's diffusion-model layers only, so "
-                         f"its text encoder would start anew: clear init_lora, {off}")
     if parse_devices(devices) > 1:
         raise ValueError(f"text_encoder_lr trains on one device: set devices to 1, {off}")
     if optimizer_config.name == "Prodigy" and text_encoder_lr != optimizer_config.lr:
@@ -873,15 +870,24 @@ class HeadroomApplyTrainedLora(io.ComfyNode):
             inputs=[io.Model.Input("model", tooltip="The MODEL to patch, usually the one the run trains on."),
                     TrainingRunType.Input("run", tooltip="The LoRA run whose current adapter is applied."),
                     io.Float.Input("strength", default=1.0, min=-100.0, max=100.0, step=0.01,
-                                   tooltip="As Load LoRA's strength: 1 as trained, 0 off.")],
-            outputs=[io.Model.Output("model", tooltip="A copy of the MODEL with the adapter applied.")],
+                                   tooltip="As Load LoRA's strength: 1 as trained, 0 off."),
+                    # Appended last and optional: workflows saved before it existed keep working
+                    io.Clip.Input("clip", optional=True,
+                                  tooltip="A run that trains the text encoder too (text_encoder_lr): the CLIP to "
+                                  "patch with its text-encoder layers at strength (as Load LoRA's strength_clip), "
+                                  "usually the one the run trains. Prompts encoded with the clip output then match "
+                                  "what Validate samples.")],
+            outputs=[io.Model.Output("model", tooltip="A copy of the MODEL with the adapter applied."),
+                     io.Clip.Output("clip", tooltip="A copy of the clip input with the run's text-encoder layers "
+                                    "applied; the clip as given where the run does not train the text encoder "
+                                    "(nothing where none is connected).")],
         )
 
     @classmethod
-    def execute(cls, model, run: TrainingRun, strength: float) -> io.NodeOutput:
+    def execute(cls, model, run: TrainingRun, strength: float, clip=None) -> io.NodeOutput:
         lora = check_run_kind(run, "lora", node_name(cls), "apply")
         check_finite(node_name(cls), strength=strength)
-        return io.NodeOutput(lora.patched_model(run, model, strength))
+        return io.NodeOutput(lora.patched_model(run, model, strength), lora.patched_clip(run, clip, strength))
 
 
 # --- all in one --------------------------------------------------------------------------------------------
@@ -974,7 +980,10 @@ class HeadroomTrainLora(io.ComfyNode):
                                      "applies the file saved (in save_dtype)."),
                      TrainingRunType.Output("run", tooltip="The training run, for Validate, Save and Apply nodes."),
                      io.String.Output("lora_name", tooltip="The last saved LoRA, as Load LoRA lists it."),
-                     io.Float.Output("validation_loss", tooltip="Validation loss at the end.")],
+                     io.Float.Output("validation_loss", tooltip="Validation loss at the end."),
+                     io.Clip.Output("clip", tooltip="The clip input with the trained text-encoder layers applied as "
+                                    "Load LoRA applies the file saved (strength_clip 1), where text_encoder_lr "
+                                    "trains them; else the clip as given (nothing where none is connected).")],
             hidden=[io.Hidden.unique_id],
         )
 
@@ -993,7 +1002,8 @@ class HeadroomTrainLora(io.ComfyNode):
             steps, validate_every, save_every, inputs, checkpoint_every=checkpoint_every,
             checkpoint_minutes=checkpoint_minutes, subfolder=lora_subfolder, keep_saves=keep_saves,
             save_dtype=save_dtype)
-        return io.NodeOutput(run.trained.patched_model(run, saved_dtype=save_dtype), run, lora_name, loss, ui=outputs)
+        return io.NodeOutput(run.trained.patched_model(run, saved_dtype=save_dtype), run, lora_name, loss,
+                             run.trained.patched_clip(run, inputs.get("clip"), saved_dtype=save_dtype), ui=outputs)
 
 
 NODES = [HeadroomLoraConfig, HeadroomOptimizerConfig, HeadroomTrainLoraInit, HeadroomTrainSteps, HeadroomValidate,

@@ -498,17 +498,22 @@ def _with_peft_attention_names(key_map: dict) -> dict:
     return {**added, **key_map}
 
 
-def read_lora_file(model, name: str, kind: str = "lora") -> dict[str, tuple]:
+def read_lora_layers(model, name: str, kind: str = "lora", clip=None) -> tuple[dict[str, tuple], dict[str, tuple]]:
     """The adapters of a LoRA file under models/loras/, read the way the stock loader reads it (ComfyUI's format
     conversion and key map: ComfyUI, kohya, diffusers / PEFT names all work): {module path: (down, up, alpha / rank)}
-    of a plain LoRA file, or for kind oft {module path: (oft_blocks, alpha)} of an OFT file."""
+    of a plain LoRA file, or for kind oft {module path: (oft_blocks, alpha)} of an OFT file; and with `clip`, its
+    text encoders' layers too, as the stock Load LoRA maps them onto the CLIP (comfyui `text_encoders.*`, kohya
+    `lora_te*` names), by module path under the CLIP's `cond_stage_model` (without `clip`: none, the file's
+    text-encoder tensors left unread)."""
     source = f"LoRA file {name}"
     path = folder_paths.get_full_path("loras", name)
     if path is None:
         raise ValueError(f"{source} is not in models/loras/ (Load LoRA lists the names to use)")
     state = comfy.lora_convert.convert_lora(comfy.utils.load_torch_file(path, safe_load=True))
-    loaded = comfy.lora.load_lora(state, _with_peft_attention_names(comfy.lora.model_lora_keys_unet(model.model, {})),
-                                  log_missing=False)
+    key_map = _with_peft_attention_names(comfy.lora.model_lora_keys_unet(model.model, {}))
+    if clip is not None:  # the CLIP's weights are keyed by their own paths, the model's under "diffusion_model."
+        key_map.update(comfy.lora.model_lora_keys_clip(clip.cond_stage_model, {}))
+    loaded = comfy.lora.load_lora(state, key_map, log_missing=False)
     diffs = sorted(t if isinstance(t, str) else t[0] for t, a in loaded.items() if isinstance(a, tuple) and a[0] == "diff")
     if diffs:  # ComfyUI's Train LoRA + Save LoRA Weights always write them (its trained biases / norms)
         raise ValueError(
@@ -520,6 +525,7 @@ def read_lora_file(model, name: str, kind: str = "lora") -> dict[str, tuple]:
     wanted = "oft" if kind == "oft" else "lora"
     used = set()
     out: dict[str, tuple] = {}
+    encoder: dict[str, tuple] = {}  # the CLIP's
     parts: dict[str, list[tuple[int, int, torch.Tensor, torch.Tensor, float]]] = {}
     for target, adapter in loaded.items():
         used |= set(getattr(adapter, "loaded_keys", ()))
@@ -537,6 +543,13 @@ def read_lora_file(model, name: str, kind: str = "lora") -> dict[str, tuple]:
             article = "an" if held[:1] in ("a", "e", "i", "o", "u") else "a"
             raise ValueError(f"{source}: {weight_key} holds {article} {held} update; only plain LoRA files (up / down / "
                              f"alpha) can be continued{hint}")
+        if not weight_key.startswith("diffusion_model."):  # a text encoder's (read only with `clip`: kind lora)
+            up, down, alpha, mid, dora_scale, _ = adapter.weights
+            if part is not None or mid is not None or dora_scale is not None:
+                raise ValueError(f"{source}: {weight_key} of the text encoder is not a plain LoRA layer; only plain "
+                                 "LoRA text-encoder layers (up / down / alpha) can be continued")
+            encoder[weight_key[:-len(".weight")]] = (down, up, (alpha / down.shape[0]) if alpha is not None else 1.0)
+            continue
         module = weight_key[len("diffusion_model."):-len(".weight")]
         if wanted == "oft":
             blocks, rescale, alpha, dora_scale = adapter.weights
@@ -561,8 +574,9 @@ def read_lora_file(model, name: str, kind: str = "lora") -> dict[str, tuple]:
     for module, pieces in parts.items():
         out[module] = _join_rows(module, sorted(pieces, key=lambda p: p[0]), model, source)
     unmapped = [k for k in state if k not in used and not k.endswith(".alpha")
-                and not k.startswith(_TEXT_ENCODER_PREFIXES)]
-    if unmapped or not out:
-        raise ValueError(f"{source}: {len(unmapped)} of its tensors map to no layer of this model (e.g. "
+                and (clip is not None or not k.startswith(_TEXT_ENCODER_PREFIXES))]
+    if unmapped or not (out or encoder):
+        whose = "this model or its CLIP" if clip is not None else "this model"
+        raise ValueError(f"{source}: {len(unmapped)} of its tensors map to no layer of {whose} (e.g. "
                          f"{(unmapped or list(state) or ['none'])[0]}): it was trained for another model family")
-    return out
+    return out, encoder

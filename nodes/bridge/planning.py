@@ -20,6 +20,7 @@ from ...training.core.adapters import AdapterConfig, AdapterSet, _CastProduct, l
 from ...training.core.optimizers import host_step_rate
 from ...training.memory.fused_backward import FusedBackward
 from ...training.memory.policy import OffloadPolicy, PolicyError
+from ...training.memory.time_model import device_synchronize
 from ...training.core.trainer import PRECISIONS, auto_precision
 from ...training.data.cache_store import longest_text
 from . import controlnet_build, families, video
@@ -239,12 +240,6 @@ def _measure(patcher, adapter: AdapterConfig, precision: str, timing: planner.Ru
             restore_stock_forwards(diffusion_model)
             quantized_weights_for_inference(diffusion_model, patcher)  # stock nodes load the MODEL again after
     return samples, timed
-
-
-def device_synchronize(device: torch.device):
-    """What waits for `device`'s queued work before a time is read (CUDA: torch.cuda.synchronize); None on a CPU,
-    whose work is done when the call returns."""
-    return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
 
 
 def run_latent_shape(model, shape: planner.RunShape) -> tuple[int, ...]:

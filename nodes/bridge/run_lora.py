@@ -34,7 +34,7 @@ from . import families, lora_formats, video
 from .comfy_bridge import TrainingRun, config_json
 from .comfy_model import (REFERENCE_LATENTS, ComfyDenoiser, check_caches, data_fingerprint, model_blocks,
                           training_blocks, training_code_paths)
-from .lora_formats import read_lora_file
+from .lora_formats import read_lora_layers
 from .start_image import item_start_extras
 from .text_encoder_lora import CaptionsThroughEncoder, TextEncoderLora, WithTextEncoder
 
@@ -224,6 +224,7 @@ class LoraTraining:
         self.clip = clip  # the CLIP whose text encoders the run trains too (config.text_encoder_lr); None: it does not
         self.adapters: AdapterSet | None = None  # built by `build`
         self.text_encoder: TextEncoderLora | None = None  # built by `build` when the run trains the text encoder
+        self.continued_text_encoder_layers: int | None = None  # of init_lora's, where it continues the text encoder
 
     def caches(self) -> tuple:
         """The caches the run reads beside its own: the prior images' (comfy_bridge.TrainingRun.attached releases
@@ -262,19 +263,26 @@ class LoraTraining:
                                        base_reader=patched_base_reader(patcher),
                                        on_card=card_block_paths(diffusion_model, paths, run.policy),
                                        card_device=patcher.load_device)
+        trains_encoder = config.text_encoder_lr is not None
+        continued = {}  # init_lora's text-encoder layers (with text_encoder_lr)
         if config.adapter.init_lora:  # a resumed run's checkpoint replaces these (Trainer.resume)
-            self.adapters.start_from(read_lora_file(run.source_model, config.adapter.init_lora, config.adapter.kind),
-                                     f"LoRA file {config.adapter.init_lora}")
+            layers, continued = read_lora_layers(run.source_model, config.adapter.init_lora, config.adapter.kind,
+                                                 self.clip if trains_encoder else None)
+            self.adapters.start_from(layers, f"LoRA file {config.adapter.init_lora}")
         # Where the trained weights live (the compute device; host RAM for trained_weights host) from the start, so
         # resumed optimizer state lands there too.
         self.adapters.to(home)
         attach_with_injection(patcher, self.adapters, home)
         options = {"prior": self.prior}
         trainable = self.adapters
-        if config.text_encoder_lr is not None:
+        if trains_encoder:
             # The CLIP's text encoders trained too: their LoRA beside the CLIP's weights, and the captions encoded
             # through it at each step where other runs read the text cache (the same texts, draws and dropout)
             self.text_encoder = TextEncoderLora(self.clip, config.adapter)
+            if config.adapter.init_lora:  # the file's text-encoder layers continued; those it lacks start anew
+                self.text_encoder.adapters.start_from(continued, f"LoRA file {config.adapter.init_lora}'s text "
+                                                                 "encoder")
+                self.continued_text_encoder_layers = len(continued)
             # on the device the CLIP computes on from the start, so resumed optimizer state lands there too
             self.text_encoder.adapters.to(self.clip.patcher.load_device)
             trainable = WithTextEncoder(self.adapters, self.text_encoder,
@@ -388,9 +396,7 @@ class LoraTraining:
             with self.text_encoder.attached():
                 yield clip
             return
-        # the stock Load LoRA's own loader (strength_clip 1) on the text-encoder layers the file holds
-        _, patched = comfy.sd.load_lora_for_models(None, clip, self.text_encoder.comfy_state_dict(
-            SAVE_DTYPES[saved_dtype]), 0.0, 1.0)
+        patched = self.patched_clip(run, clip, 1.0, saved_dtype)
         try:
             yield patched
         finally:  # the patched weights leave memory now, not when gc finds the clone
@@ -404,6 +410,16 @@ class LoraTraining:
         clone = model.clone()
         clone.add_patches(comfy_patches(clone, self.adapters, SAVE_DTYPES[saved_dtype]), strength)
         return clone
+
+    def patched_clip(self, run, clip, strength: float = 1.0, saved_dtype: str = "fp32"):
+        """`clip` with the text-encoder layers a file saved in `saved_dtype` holds, as weight patches at `strength`:
+        what the stock Load LoRA of that file gives with strength_clip (its own loader,
+        comfy.sd.load_lora_for_models); `clip` itself where the run does not train the text encoder (or it is
+        None)."""
+        if self.text_encoder is None or clip is None:
+            return clip
+        return comfy.sd.load_lora_for_models(None, clip, self.text_encoder.comfy_state_dict(SAVE_DTYPES[saved_dtype]),
+                                             0.0, strength)[1]
 
     def metadata(self, run) -> dict[str, str]:
         config = run.config
@@ -494,8 +510,13 @@ class LoraTraining:
         if self.text_encoder is None:
             return ""
         encoders = sorted({path.split(".", 1)[0] for path in self.text_encoder.paths})
-        return (f"text encoder trained too: {len(self.text_encoder.paths)} layers of {', '.join(encoders)} at "
+        note = (f"text encoder trained too: {len(self.text_encoder.paths)} layers of {', '.join(encoders)} at "
                 f"learning rate {run.config.text_encoder_lr:g}")
+        continued = self.continued_text_encoder_layers
+        if continued is not None:
+            note += (f", {continued} of them continued from init_lora" if continued else
+                     "; init_lora holds no text-encoder layers: they start anew")
+        return note
 
     def describe(self, run) -> str:
         adapter = run.config.adapter

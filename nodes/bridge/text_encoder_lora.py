@@ -23,6 +23,7 @@ from ...training.core.adapters import AdapterConfig, AdapterSet
 from ...training.data.caption_tags import caption_variants
 from ...training.memory import planner
 from ...training.memory.text_encoder_training import TextEncoderTraining
+from ...training.memory.time_model import device_synchronize
 from . import lora_formats
 from .caching import flat_conditioning
 from .comfy_model import make_trainable, replace_inference_tensors, restore_stock_forwards
@@ -110,15 +111,17 @@ class TextEncoderLora:
     def training_cost(self, caption: str) -> TextEncoderTraining:
         """What a training step holds on the device for the text encoder (the planner's TextEncoderTraining): the CLIP
         as loaded, and what `caption`'s encode (a run's longest) keeps for backward, measured with the LoRA attached
-        (planner.measure_activations: the CLIP's and the LoRA's own weights are not counted). Measured once per
-        caption."""
+        (planner.measure_activations: the CLIP's and the LoRA's own weights are not counted), and how long it takes.
+        Measured once per caption."""
         measured = self._measured
         if measured is None or measured[0] != caption:
             with self.attached():
                 weights = [*self.root.parameters(), *self.root.buffers()]
-                sample = planner.measure_activations(lambda: self.encode(caption), [], weights)
+                synchronize = device_synchronize(torch.device(self.clip.patcher.load_device))
+                sample = planner.measure_activations(lambda: self.encode(caption), [], weights,
+                                                     synchronize=synchronize)
             self._measured = measured = (caption, TextEncoderTraining(
-                self.clip.patcher.model_size(), sample.outside_saved, len(self.paths)))
+                self.clip.patcher.model_size(), sample.outside_saved, len(self.paths), sample.outside_forward_s))
         return measured[1]
 
     def comfy_state_dict(self, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:

@@ -152,9 +152,9 @@ def test_devices_2_on_the_all_in_one_node_trains_like_one_device(comfyui):
                   lora_subfolder="headroom-tests", clip=clip, vae=vae, prompts="a shape", negative="", sample_seed=0,
                   sample_steps=1, cfg=1.0, sampler_name="euler", scheduler="simple", width=32, height=32)
     with torch.inference_mode():
-        _, one, _, one_loss = T.HeadroomTrainLora.execute(run_name="all_in_one_1", **inputs).args
+        _, one, _, one_loss, _ = T.HeadroomTrainLora.execute(run_name="all_in_one_1", **inputs).args
         # Trains to 2, validates on rank 0 while the worker waits, trains on to 4, validates and saves.
-        _, two, saved, two_loss = T.HeadroomTrainLora.execute(run_name="all_in_one_2", devices="2", **inputs).args
+        _, two, saved, two_loss, _ = T.HeadroomTrainLora.execute(run_name="all_in_one_2", devices="2", **inputs).args
     workers = two.ranks
     assert one.ranks is None and workers is not None and two.trainer.parallel.world_size == 2
     assert two.step == 4 and workers.replies() == {1: ("trained", 4)} and saved.endswith("all_in_one_2_step000004.safetensors")

@@ -494,7 +494,7 @@ def test_all_in_one_node_validates_and_saves(comfyui):
             save_every=4, lora_subfolder="headroom", clip=clip, vae=vae, prompts="a blue square", negative="",
             sample_seed=0, sample_steps=2, cfg=1.0, sampler_name="euler", scheduler="simple", width=32, height=32,
             loss_timesteps=2)
-    patched, run, lora_name, validation_loss = output.args
+    patched, run, lora_name, validation_loss, _ = output.args
     assert run.step == 6 and lora_name == "headroom/all_in_one_step000006.safetensors"
     assert "headroom/all_in_one_step000004.safetensors" in folder_paths.get_filename_list("loras")
     assert [step for step, _ in run.trainer.validation_history] == [3, 6]
@@ -1546,7 +1546,8 @@ def test_train_lora_saves_in_save_dtype_and_validates_that_file_as_the_stock_loa
             "AdamW", 2e-2, 0.0, "constant", 0, 100).args[0])
         if kind == "full":
             inputs["lora_config"] = T.HeadroomLoraConfig.execute("full", 4, 4.0, "preset", False, 0.0, 0).args[0]
-        patched, run, name, _ = T.HeadroomTrainLora.execute(steps=3, **inputs).args
+        patched, run, name, _, same_clip = T.HeadroomTrainLora.execute(steps=3, **inputs).args
+        assert same_clip is clip  # no text encoder trained: the clip as given
         validated = load_file(str(run.run_dir.validation_dir / "step_00000003_latents.safetensors"))["samples"]
         path = folder_paths.get_full_path("loras", name)
         saved = load_file(path)

@@ -928,10 +928,12 @@ def estimate(description: ModelDescription, trainable: TrainableSpec, shape: Run
         staged += 2 * trainable.optimizer_bytes()  # each tensor's state to the card for its step, and back
     crossing += staged
     host_step = policy.optimizer_state == "cpu" or description.compute_device == "cpu"
+    # a text encoder trained too: each caption's encode (text_encoder_training.py) before the model's forward
+    encoder_forward_s = trainable.text_encoder.forward_s * batch if trainable.text_encoder is not None else 0.0
     host_rate = trainable.host_step_s_per_weight or time_model.DEFAULT_HOST_STEP_S_PER_WEIGHT
     step = time_model.step_time(
         description.forward_seconds(area, tokens, batch, storage),
-        description.outside_forward_s.at(area, tokens) * batch, checkpointed,
+        description.outside_forward_s.at(area, tokens) * batch + encoder_forward_s, checkpointed,
         streamed_bytes, h2d, crossing,
         time_model.optimizer_step_s(trainable.weight_bytes(), trainable.optimizer_bytes(), host_step,
                                     description.compute_device, h2d, host_rate, trainable.param_count),

@@ -10,8 +10,8 @@ the budget shrinks by it).
 
 The text encoder's LoRA, its gradients and optimizer state are trained tensors like the model's adapters: their shapes
 are in the TrainableSpec, so they are placed, parked on the host, averaged (EMA), checkpointed and saved as the model's.
-The text encoder's compute is not in the time model's predicted step (its forward and backward are a few layers of 77
-tokens next to the model's blocks at the latent's size); the plan says so.
+Its compute joins the time model's work outside the blocks: each caption's encode as measured, and a backward priced
+as that work's.
 """
 from __future__ import annotations
 
@@ -30,10 +30,12 @@ class TextEncoderTraining:
     weight_bytes: int  # the CLIP as loaded (all its encoders, as stored)
     saved_bytes_per_caption: int  # what one caption's encode keeps for backward (its longest caption's, measured)
     layers: int = 0  # the text encoders' trained layers (for the plan's note)
+    forward_s: float = 0.0  # one caption's encode, measured with the same forward (0: not timed)
 
     def __post_init__(self):
-        if self.weight_bytes < 0 or self.saved_bytes_per_caption < 0:
-            raise ValueError(f"text encoder sizes must be >= 0, got {self.weight_bytes} / {self.saved_bytes_per_caption}")
+        if min(self.weight_bytes, self.saved_bytes_per_caption, self.forward_s) < 0:
+            raise ValueError(f"text encoder figures must be >= 0, got {self.weight_bytes} / "
+                             f"{self.saved_bytes_per_caption} / {self.forward_s}")
 
     def cost(self, captions: int) -> FeatureCost:
         """A step's cost with `captions` items (the micro-batch: each item encodes its caption)."""
@@ -42,4 +44,4 @@ class TextEncoderTraining:
                       ITEMS + f"activations ({captions} caption{'s' if captions != 1 else ''})":
                           captions * self.saved_bytes_per_caption},
             training_notes=[f"the text encoder trains too ({self.layers} layers): its LoRA is counted with the "
-                            "trained weights; its compute is not in the predicted step time"])
+                            "trained weights, its compute with the work outside the blocks"])

@@ -332,6 +332,12 @@ def fit_seconds(areas: Sequence[float], seconds: Sequence[float]) -> tuple[float
     return max(0.0, mean_t - slope * mean_a), slope
 
 
+def device_synchronize(device: torch.device):
+    """What waits for `device`'s queued work before a time is read (CUDA: torch.cuda.synchronize); None on a CPU,
+    whose work is done when the call returns."""
+    return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
+
+
 def _copy_bytes_per_s(source: torch.Tensor, target: torch.Tensor, synchronize=lambda: None) -> float:
     """Bytes per second of `target.copy_(source)`, timed over 3 copies after a warm-up (the first copy pays for
     setting the path up and touching the pages). `source` written first: untouched pageable memory maps the OS's
