@@ -34,10 +34,16 @@ class MemoryLatentCache:
 
 
 class MemoryTextCache:
-    def __init__(self, conds, empty, orders=None):
-        # orders: key -> the conditionings of the caption's other tag orders (TextCache.tag_orders)
+    def __init__(self, conds, empty, orders=None, captions=None):
+        # orders: key -> the conditionings of the caption's other tag orders (TextCache.tag_orders); captions: key ->
+        # the text each key was encoded from (TextCache.captions: what a run training the text encoder encodes)
         self._conds, self._empty, self.fingerprint = conds, empty, "memory"
         self._orders = orders or {}
+        self.captions = captions or {}
+        self.tag_shuffling = None
+
+    def keys(self):
+        return list(self._conds)
 
     def conditioning(self, key, order=0):
         return self._conds[key] if order == 0 else self._orders[key][order - 1]

@@ -139,7 +139,8 @@ def findings(measured: dict[str, dict]) -> dict[str, list[str]]:
                 out["budget"].append(f"`{ident}`: out of memory under the {r['budget_gb']:g} GiB cap "
                                      f"({r.get('policy')})")
             continue
-        if r.get("kind") not in ("lora", "full", "controlnet"):  # full: a full fine-tune fitted to a card
+        # full: a full fine-tune fitted to a card
+        if r.get("kind") not in ("lora", "full", "controlnet", "text_encoder"):
             continue
         peak, estimate = r.get("train_peak_allocated"), r.get("planner_train_bytes")
         # "partial" fills the budget's room with resident blocks: its planned step is the budget by construction,
@@ -301,6 +302,19 @@ def section(records: list[dict]) -> str:
             measured_s, predicted = r.get("s_per_step"), r.get("predicted_s_per_step")
             lines.append(_fitted_row(r, r["config"], "" if predicted is None else f"{predicted:.3f}",
                                      f"{predicted / measured_s:.2f}" if predicted and measured_s else ""))
+    encoders = sorted((r for r in measured.values() if r.get("kind") == "text_encoder"), key=_model_order)
+    if encoders:
+        lines += ["", "LoRA runs training the CLIP's text encoders too (Train LoRA: Init's text_encoder_lr, each step "
+                  "encoding a caption of one full CLIP chunk through them): the plan counts the CLIP on the card "
+                  "beside the model and each caption's measured activations (`text encoder GiB`); `resident`: the "
+                  "whole card, a card: the Offload Policy's card set to it (emulated as above):", "",
+                  "| model | card | policy run | planner step GiB | peak alloc. GiB | peak reserved GiB | planner / "
+                  "measured | host RAM peak GiB | s/step | text encoder GiB | predicted s | status |",
+                  "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+        for r in encoders:
+            predicted = r.get("predicted_s_per_step")
+            lines.append(_fitted_row(r, r["config"], _gib(r.get("planner_text_encoder_bytes")),
+                                     "" if predicted is None else f"{predicted:.3f}"))
     placed = [r for r in lora if r.get("validation_seconds") and r.get("validation_seconds_training_placement")]
     if placed:
         lines += ["", "Validation on its own placement (issue 28): one Validate call (the loss at 4 noise levels), with "

@@ -106,17 +106,22 @@ FULL_STREAMED_STATE_MODELS = ("sd35_large",)
 # measured times), never yet run on a GPU, against the measured. "resident": the whole card, planned for the record;
 # a card ("16GB"): the Offload Policy's card set to it, the Init node's plan (emulated as the budgets are).
 CONTROLNET_ROWS = {"sdxl": ("resident", "16GB"), "flux_dev": ("resident", "24GB")}
+# LoRA runs that train the CLIP's text encoders too (Train LoRA: Init's text_encoder_lr; SDXL's CLIP-L + CLIP-G at real
+# width, a caption of one full CLIP chunk): the plan counts the CLIP on the card and each caption's activations, never
+# yet run on a GPU, against the measured; "resident" on the whole card, "16GB" the Offload Policy's card set to it.
+TEXT_ENCODER_ROWS = {"sdxl": ("resident", "16GB")}
 
 
 def plan(models: list[str], budgets: list[float], policies: list[str], full_cards: tuple[float, ...] = FULL_CARDS,
          full_host_cards: tuple[float, ...] = FULL_HOST_CARDS,
          full_streamed_state_cards: tuple[float, ...] = FULL_STREAMED_STATE_CARDS,
-         controlnet: bool = True) -> list[tuple[str, str, list[str]]]:
+         controlnet: bool = True, text_encoder: bool = True) -> list[tuple[str, str, list[str]]]:
     """The measurements in order of value, as (kind, model, configs): configs "resident", "ckpt" (resident, every
     block checkpointed), a budget in GiB ("8GB"),
     "policy-<name>", or a full fine-tune's card ("full-24GB", "full-16GB-host", "full-24GB-streamed-state"); one model
     build per entry. Flux-dev and SDXL resident and at the budgets the last lease left open come first (the first
-    command's share); the ControlNet rows (CONTROLNET_ROWS) follow the full fine-tunes."""
+    command's share); the ControlNet rows (CONTROLNET_ROWS), then the text-encoder rows (TEXT_ENCODER_ROWS) follow the
+    full fine-tunes."""
     # What the last H200 lease (2026-11-30) left open comes first: Flux-dev's 8 / 16 GiB rows again (their Steps
     # call's start, split now, and a traced step) and 6 GiB (validation's slack), SDXL resident (the calibration's
     # warm-up) and 8 GiB (1.51x its limit), then the full fine-tunes (issue 42: never measured); the rows it answered
@@ -136,6 +141,8 @@ def plan(models: list[str], budgets: list[float], policies: list[str], full_card
             steps.append(("full", m, configs))
     if controlnet:
         steps += [("controlnet", m, list(configs)) for m, configs in CONTROLNET_ROWS.items() if m in models]
+    if text_encoder:
+        steps += [("text_encoder", m, list(configs)) for m, configs in TEXT_ENCODER_ROWS.items() if m in models]
     # SDXL at 16 GiB also with the smaller card made by a ballast allocation instead of the memory fraction (issue 41:
     # the 16 GiB row once ran 1.40x resident with the resident policy): "16GB-ballast" (Budget).
     for m in head:
@@ -313,10 +320,11 @@ def text_tokens(name: str, dry_run: bool) -> int:
     return 8 if dry_run else int(realsize_models.ARCHITECTURES[MODELS[name].arch]["text_tokens"])
 
 
-def caches(patcher, width: int, height: int, frames: int, tokens: int, control: bool = False):
+def caches(patcher, width: int, height: int, frames: int, tokens: int, control: bool = False, caption: str = ""):
     """In-memory LATENT_CACHE / TEXT_CACHE of two items of this size (random latents of the model's format, random
     conditioning of the widths the model expects); `control`: each item with a random control of the kind the
-    model's ControlNet type takes (pixels in 0..1, or a latent of the item's shape), as Cache Latents caches one."""
+    model's ControlNet type takes (pixels in 0..1, or a latent of the item's shape), as Cache Latents caches one;
+    `caption`: the text the conditioning stands for (what a run training the text encoder encodes)."""
     from memory_caches import MemoryLatentCache, MemoryTextCache
 
     from headroom.nodes.bridge import video
@@ -342,7 +350,8 @@ def caches(patcher, width: int, height: int, frames: int, tokens: int, control: 
         controls = [torch.rand((latent.shape[-2] * 8, latent.shape[-1] * 8, 3) if kind == "pixels" else latent.shape,
                                generator=generator) for latent in latents]
     return (MemoryLatentCache(latents, ["caption", "caption"], {bucket: [0, 1]}, controls, kind),
-            MemoryTextCache({"caption": cond}, {key: torch.zeros_like(value) for key, value in cond.items()}))
+            MemoryTextCache({"caption": cond}, {key: torch.zeros_like(value) for key, value in cond.items()},
+                            captions={"caption": caption} if caption else None))
 
 
 def free_device() -> None:
@@ -507,6 +516,40 @@ def controlnet_run(patcher, name: str, config: str, args) -> dict:
                              precision="bf16", controlnet_precision="bf16_stochastic")
 
 
+def text_encoder_run(patcher, name: str, config: str, args) -> dict:
+    """A LoRA run that trains the CLIP's text encoders too (TEXT_ENCODER_ROWS): Train LoRA: Init with the family's CLIP
+    at real width (the dry run: the tiny one) and text_encoder_lr, rank 16, AdamW; each step encodes the cache's
+    caption (one full CLIP chunk) through the trained encoder. "resident" on the whole card, "16GB" with the Offload
+    Policy's card set to that size (the Init node plans the CLIP with the model), emulated on the large one."""
+    from headroom.nodes import memory as M, train_lora as T
+    from headroom.training.memory.policy import OffloadPolicy
+
+    width, height, frames = shape(name, args.dry_run)
+    tokens = text_tokens(name, args.dry_run)
+    caption = " ".join(["a"] * 75)  # one full CLIP chunk: what any caption of up to 75 tokens costs
+    latent_cache, text_cache = caches(patcher, width, height, frames, tokens, caption=caption)
+    if args.dry_run:
+        from headroom.nodes.bridge.tiny_models import build_tiny_models
+
+        clip = build_tiny_models(MODELS[name].tiny, 0)[1]
+    else:
+        import realsize_models
+
+        with torch.inference_mode():  # as ComfyUI's loaders make the CLIP, in host RAM until a step loads it
+            clip = realsize_models.build_clip(MODELS[name].arch)
+    budget, _, _ = parse_config(config)
+    inputs = {field: default for field, _, default in OffloadPolicy.node_inputs()}
+    if budget is not None:
+        inputs.update(card=f"{budget:g} GB")
+    policy = M.HeadroomOffloadPolicy.execute(**inputs).args[0]
+    record = {"width": width, "height": height, "frames": frames, "text_tokens": tokens, "budget_gb": budget,
+              "work": "LoRA rank 16 + the CLIP's text encoders (text_encoder_lr 5e-05), AdamW"}
+    lora = T.HeadroomLoraConfig.execute("lora", 16, 16.0, "preset", False, 0.0, 0).args[0]
+    optimizer = T.HeadroomOptimizerConfig.execute("AdamW", 1e-4, 0.0, "constant", 0, 1000).args[0]
+    return train_and_measure(patcher, f"{name}_text_encoder", config, args, record, policy, lora, optimizer,
+                             latent_cache, text_cache, clip=clip, text_encoder_lr=5e-5)
+
+
 def train_and_measure(patcher, name: str, config: str, args, record: dict, policy, lora, optimizer, latent_cache,
                       text_cache, precision: str = "auto", **init_inputs) -> dict:
     """Init -> Steps (warm-up, then the timed steps) -> Validate (loss only), under the record's budget; the run's
@@ -539,7 +582,7 @@ def train_and_measure(patcher, name: str, config: str, args, record: dict, polic
                               planner_validation_bytes=plan.phase("validation").total,
                               base_device_bytes=plan.base_device_bytes,
                               validation_base_device_bytes=plan.validation_base_device_bytes,
-                              **plan_times(plan.to_dict()))
+                              planner_text_encoder_bytes=plan.text_encoder_bytes(), **plan_times(plan.to_dict()))
             counters = [allocator_counters(device)]
             # issue 41: where a step spends its time: the last timed step traced (torch.profiler); resident rows too,
             # the kernels a budget row's step runs set against those of the same work with the card to itself
@@ -1009,6 +1052,9 @@ def arguments() -> argparse.ArgumentParser:
                         "with AdamW runs on with its optimizer state streamed from host RAM (none: leave it out)")
     parser.add_argument("--no-controlnet", action="store_true", help="leave the ControlNet rows out (CONTROLNET_ROWS: "
                         + "; ".join(f"{m} {', '.join(c)}" for m, c in CONTROLNET_ROWS.items()) + ")")
+    parser.add_argument("--no-text-encoder", action="store_true", help="leave the text-encoder rows out "
+                        "(TEXT_ENCODER_ROWS: " + "; ".join(f"{m} {', '.join(c)}" for m, c in TEXT_ENCODER_ROWS.items())
+                        + ")")
     parser.add_argument("--no-cuda-tests", action="store_true", help="leave the CUDA-marked tests out")
     parser.add_argument("--cuda-test-files", default=None,
                         help="comma-separated test files to run as the CUDA tests instead of every CUDA-marked one "
@@ -1051,7 +1097,7 @@ def main(argv: list[str] | None = None) -> int:
     full_streamed_state_cards = tuple(float(c) for c in args.full_streamed_state_cards.split(",")
                                       if c.strip() and c.strip() != "none")
     steps = plan(models, budgets, policies, full_cards, full_host_cards, full_streamed_state_cards,
-                 controlnet=not args.no_controlnet)
+                 controlnet=not args.no_controlnet, text_encoder=not args.no_text_encoder)
     if args.no_cuda_tests:
         steps = [s for s in steps if s[0] != "cuda_tests"]
     if args.no_native:
@@ -1091,7 +1137,7 @@ def main(argv: list[str] | None = None) -> int:
                         patcher = build_model(name, args.dry_run)
                     counts = step_counts(args, kind, name, config)
                     record = {"lora": lora_run, "full": full_run, "native": native_run,
-                              "controlnet": controlnet_run}[kind](
+                              "controlnet": controlnet_run, "text_encoder": text_encoder_run}[kind](
                         patcher, name, config, argparse.Namespace(**{**vars(args), **counts}))
                     record.update(warmup_steps=counts["warmup"], timed_steps=counts["steps"])
             except Exception as error:  # the model did not build, say: recorded, the kit goes on

@@ -49,13 +49,13 @@ def test_dry_run_measures_resumes_and_writes_the_page(comfyui, tmp_path):
 
     # the CUDA tests' step with one of their files (every one of them runs in this suite anyway)
     suite(results, "--models", "sdxl", "--budgets", "8", "--no-native", "--policies", "none", "--no-controlnet",
-          "--cuda-test-files", "tests/unit/test_memory_stats.py")
+          "--no-text-encoder", "--cuda-test-files", "tests/unit/test_memory_stats.py")
     first = {r["id"]: r for r in measurements(results)}
     assert list(first) == ["cuda_tests", "h2d", "lora/sdxl/resident", "lora/sdxl/8GB"]
 
     # The time guard: nothing starts, what is left is recorded.
     suite(results, "--models", "sdxl,wan22_14b", "--budgets", "8", "--policies", "streamed_ckpt", "--minutes", "0",
-          "--no-controlnet")
+          "--no-controlnet", "--no-text-encoder")
     records = [json.loads(line) for line in (results / "results.jsonl").read_text().splitlines()]
     assert len(measurements(results)) == 4
     assert records[-1]["type"] == "left"
@@ -63,7 +63,7 @@ def test_dry_run_measures_resumes_and_writes_the_page(comfyui, tmp_path):
                                   "lora/wan22_14b/8GB", "lora/sdxl/policy-streamed_ckpt"]
 
     suite(results, "--models", "sdxl,wan22_14b", "--budgets", "8", "--policies", "streamed_ckpt", "--page", str(page),
-          "--png", str(png), "--no-controlnet")
+          "--png", str(png), "--no-controlnet", "--no-text-encoder")
     by_id = {r["id"]: r for r in measurements(results)}
     assert len(by_id) == len(measurements(results)) == 9  # nothing measured twice
     assert [r["id"] for r in measurements(results)][:4] == list(first)  # resumed after the first command
@@ -205,7 +205,7 @@ def test_dry_run_measures_controlnet_runs_against_their_plan(comfyui, tmp_path):
     results, page = tmp_path / "results", tmp_path / "gpu_kit.md"
     suite(results, "--models", "sdxl,flux_dev", "--budgets", "", "--no-native", "--no-cuda-tests", "--policies", "none",
           "--full-cards", "none", "--full-host-cards", "none", "--full-streamed-state-cards", "none",
-          "--page", str(page))
+          "--no-text-encoder", "--page", str(page))
     by_id = {r["id"]: r for r in measurements(results)}
     rows = ["controlnet/sdxl/resident", "controlnet/sdxl/16GB", "controlnet/flux_dev/resident",
             "controlnet/flux_dev/24GB"]
@@ -224,4 +224,31 @@ def test_dry_run_measures_controlnet_runs_against_their_plan(comfyui, tmp_path):
     assert by_id["controlnet/sdxl/resident"]["budget_gb"] is None
     text = page.read_text().split("ControlNet runs")[1]
     for row in ("| SDXL | resident |", "| SDXL | 16GB |", "| Flux.1-dev | resident |", "| Flux.1-dev | 24GB |"):
+        assert row in text
+
+
+def test_dry_run_measures_text_encoder_runs_against_their_plan(comfyui, tmp_path):
+    """The kit's text-encoder rows (suite.TEXT_ENCODER_ROWS): a LoRA run with the family's CLIP and text_encoder_lr,
+    resident (planned for the record) and with the Offload Policy's card (the Init node's plan, the CLIP counted on
+    the card); the planned peak, the text encoder's part of it and the predicted s/step beside the measured, on the
+    page."""
+    results, page = tmp_path / "results", tmp_path / "gpu_kit.md"
+    suite(results, "--models", "sdxl", "--budgets", "", "--no-native", "--no-cuda-tests", "--policies", "none",
+          "--full-cards", "none", "--full-host-cards", "none", "--full-streamed-state-cards", "none",
+          "--no-controlnet", "--page", str(page))
+    by_id = {r["id"]: r for r in measurements(results)}
+    rows = ["text_encoder/sdxl/resident", "text_encoder/sdxl/16GB"]
+    assert list(by_id)[-2:] == rows
+    for ident in rows:
+        run = by_id[ident]
+        assert run["status"] == "ok", run.get("traceback")
+        assert run["planner_train_bytes"] > run["planner_text_encoder_bytes"] > 0, run
+        assert run["s_per_step"] > 0 and run["predicted_s_per_step"] > 0 and run["loss"] == run["loss"], run
+        assert run["work"].startswith("LoRA rank 16 + the CLIP's text encoders")
+    card = by_id["text_encoder/sdxl/16GB"]
+    assert card["budget_gb"] == 16 and card["policy_fields"]["vram_budget_gb"] == 15.0
+    assert card["plan_reason"].startswith("Train LoRA: Init (Headroom): 16 GB:"), card["plan_reason"]
+    assert "for the text encoder" in card["plan_reason"]
+    text = page.read_text().split("training the CLIP's text encoders too")[1]
+    for row in ("| SDXL | resident |", "| SDXL | 16GB |"):
         assert row in text
