@@ -112,6 +112,29 @@ def kohya_text_encoder_names(key_map: dict, clip_keys: set[str], weights) -> dic
     return names
 
 
+# The diffusers pipeline components of the CLIP text encoders ComfyUI's key map names (SD1.5 / SD2 / Flux: one,
+# "text_encoder"; SDXL / SD3: CLIP-L "text_encoder", CLIP-G "text_encoder_2").
+DIFFUSERS_TEXT_ENCODERS = ("text_encoder.", "text_encoder_2.")
+
+
+def diffusers_text_encoder_names(key_map: dict, clip_keys: set[str], weights) -> dict[str, str]:
+    """{CLIP weight key: its diffusers layer name} (`text_encoder.text_model.encoder.layers.0.mlp.fc1`, SDXL's CLIP-G
+    `text_encoder_2.text_model...`), taken from ComfyUI's key map of the CLIP (`key_map`), so every name maps back
+    to its weight."""
+    by_weight: dict[str, list[str]] = {}
+    for name, weight in key_map.items():
+        if isinstance(weight, str) and weight in clip_keys and name.startswith(DIFFUSERS_TEXT_ENCODERS):
+            by_weight.setdefault(weight, []).append(name)
+    names = {}
+    for weight in weights:
+        found = by_weight.get(weight, [])
+        if len(found) != 1:
+            raise ValueError(f"text-encoder layer {weight} has no diffusers name in ComfyUI's LoRA key map; save in "
+                             "the comfyui or kohya format")
+        names[weight] = found[0]
+    return names
+
+
 def to_kohya(state: dict[str, torch.Tensor], names: dict[str, str],
              prefix: str = "diffusion_model.") -> dict[str, torch.Tensor]:
     """Rename a ComfyUI-format adapter state dict (`<prefix><path>.<suffix>`) to kohya names."""
@@ -254,10 +277,12 @@ def _diffusers_module(name: str, component: str) -> tuple[str, str, str]:
 
 
 def to_diffusers(state: dict[str, torch.Tensor], names: dict[str, list[tuple[str, torch.Tensor | None]]],
-                 family: str, dtype: torch.dtype, prefix: str = "diffusion_model.") -> tuple[dict[str, torch.Tensor], dict]:
+                 family: str | None, dtype: torch.dtype, prefix: str = "diffusion_model.",
+                 component: str | None = None) -> tuple[dict[str, torch.Tensor], dict]:
     """A ComfyUI-format plain-LoRA state dict (fp32) as diffusers names, alpha / rank folded into the up weights
-    (each split part gets its rows of up, the whole down); also the PEFT LoraConfig fields of the file."""
-    component = families.FAMILIES[family].diffusers_component
+    (each split part gets its rows of up, the whole down); also the PEFT LoraConfig fields of the file. The pipeline
+    component: the family's model (`family`), or `component` (a text encoder's)."""
+    component = component or families.FAMILIES[family].diffusers_component
     out: dict[str, torch.Tensor] = {}
     targets: dict[str, int] = {}  # diffusers module: its rank
     used = set()

@@ -439,20 +439,21 @@ class LoraTraining:
         family, adapter = run.config.family, run.config.adapter
         if file_format == "kohya":  # refused before any work
             lora_formats.check_kohya_kind(adapter.kind)
-        if file_format == "diffusers" and self.text_encoder is not None:
-            raise ValueError("this run trains the text encoder too, whose layers are saved in the comfyui or kohya "
-                             "format: choose one of those")
         if file_format == "diffusers":
             lora_formats.check_diffusers_kind(adapter.kind)
             names = lora_formats.diffusers_names(run.source_model, self.adapters.layers, family)
         with run.weights(weights) as used:  # diffusers: fp32 here, cast after alpha is folded in
             state = self.adapters.comfy_state_dict(
                 dtype=torch.float32 if file_format == "diffusers" else SAVE_DTYPES[dtype])
-            encoder = self.text_encoder.comfy_state_dict(SAVE_DTYPES[dtype]) if self.text_encoder is not None else {}
+            encoder = {} if self.text_encoder is None else self.text_encoder.comfy_state_dict(
+                torch.float32 if file_format == "diffusers" else SAVE_DTYPES[dtype])
         metadata = {**self.metadata(run), "headroom.weights": used,
                     **(caption_tag_metadata(run) if caption_tags else {})}
         if file_format == "diffusers":
             state, config = lora_formats.to_diffusers(state, names, family, SAVE_DTYPES[dtype])
+            if encoder:  # text_encoder(_2).* beside the model's component, each with its LoraConfig
+                encoder, encoder_config = self.text_encoder.diffusers_state_dict(encoder, SAVE_DTYPES[dtype])
+                config.update(encoder_config)
             metadata.update(lora_formats.diffusers_metadata(config))
             metadata["headroom.format"] = "diffusers"
         if file_format == "kohya":

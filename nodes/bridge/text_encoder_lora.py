@@ -139,6 +139,32 @@ class TextEncoderLora:
                                      prefix=SAVED_PREFIX)
 
 
+    def diffusers_state_dict(self, state: dict[str, torch.Tensor], dtype: torch.dtype
+                             ) -> tuple[dict[str, torch.Tensor], dict]:
+        """`state` (comfy_state_dict's, in fp32) under diffusers' names in `dtype`, alpha folded into up, PEFT's
+        `lora_A` / `lora_B` (what diffusers' save_lora_weights writes for a text encoder), per pipeline component
+        (`text_encoder`, SDXL's CLIP-G `text_encoder_2`), the names taken from ComfyUI's key map of the CLIP so the
+        stock loader maps each back; and each component's PEFT LoraConfig fields, prefixed by it."""
+        weights = {path + ".weight": path for path in self.paths}
+        names = lora_formats.diffusers_text_encoder_names(comfy.lora.model_lora_keys_clip(self.root, {}),
+                                                          set(self.root.state_dict()), list(weights))
+        out, config = {}, {}
+        for component in sorted({name.split(".", 1)[0] for name in names.values()}):
+            layers = {weights[weight]: [(name, None)] for weight, name in names.items()
+                      if name.split(".", 1)[0] == component}
+            part = {key: value for key, value in state.items()  # <path>.lora_up.weight, <path>.alpha
+                    if key[len(SAVED_PREFIX):].rsplit(".", 2 if key.endswith(".weight") else 1)[0] in layers}
+            tensors, fields = lora_formats.to_diffusers(part, layers, None, dtype, prefix=SAVED_PREFIX,
+                                                        component=component)
+            # transformers 5 flattens CLIPTextModel (no `text_model.`): diffusers then strips that prefix from the
+            # tensors' names but not from the config's target modules, which peft matches by their ends
+            targets = f"{component}.target_modules"
+            fields[targets] = sorted(module.removeprefix("text_model.") for module in fields[targets])
+            out.update(tensors)
+            config.update(fields)
+        return out, config
+
+
 class CaptionsThroughEncoder:
     """A text cache's captions encoded through a TextEncoderLora at each read, with gradients: what a run that trains
     the text encoder reads where other runs read the cache (the trainer's `conditioning`, `empty_conditioning`,

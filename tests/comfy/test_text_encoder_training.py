@@ -34,12 +34,12 @@ def _data(family: str, captions: str | None = None, tag_shuffles: int = 0):
 
 
 def _init(model, clip, latents, texts, name: str, text_encoder_lr=5e-3, kind="lora", optimizer="AdamW", lr=1e-2,
-          init_lora="none", caption_dropout=0.25, scale_weight_norms=0.0, **inputs):
+          init_lora="none", caption_dropout=0.25, scale_weight_norms=0.0, alpha=4.0, **inputs):
     from family_checks import init_inputs
     from headroom.nodes import train_lora as T
 
     with torch.inference_mode():
-        lora = T.HeadroomLoraConfig.execute(kind, 4, 4.0, "preset", False, 0.0, 0, init_lora=init_lora).args[0]
+        lora = T.HeadroomLoraConfig.execute(kind, 4, alpha, "preset", False, 0.0, 0, init_lora=init_lora).args[0]
         common = {**init_inputs(model, latents, texts, batch_size=2, lr=lr), "caption_dropout": caption_dropout}
         common["optimizer_config"] = T.HeadroomOptimizerConfig.execute(
             optimizer, lr, 0.0, "constant", 0, 100, scale_weight_norms=scale_weight_norms).args[0]
@@ -214,8 +214,6 @@ def test_a_resumed_run_continues_the_text_encoder_exactly_and_a_kohya_file_maps_
 
 
 def test_what_a_text_encoder_run_cannot_train_is_refused_naming_the_input(comfyui):
-    from headroom.nodes import train_lora as T
-
     model, clip, vae, latents, texts = _data("sd15")
     refused = [
         (dict(clip=None), r"no clip is connected: connect the CLIP the text cache was made with"),
@@ -232,10 +230,6 @@ def test_what_a_text_encoder_run_cannot_train_is_refused_naming_the_input(comfyu
     _, chroma_clip, _ = _data_clip("chroma")
     with pytest.raises(ValueError, match=r"has no CLIP text encoder to train"):
         _init(model, chroma_clip, latents, texts, _unique("te_t5"))
-    run = _init(model, clip, latents, texts, _unique("te_formats"))
-    with torch.inference_mode(), pytest.raises(ValueError, match=r"^Save LoRA \(Headroom\): this run trains the text "
-                                                                   r"encoder too.*comfyui or kohya"):
-        T.HeadroomSaveLora.execute(run, "headroom/text_encoder", "", "fp32", format="diffusers")
 
 
 def _data_clip(family: str):
@@ -414,3 +408,68 @@ def nodes_encode(clip) -> torch.Tensor:
     import nodes
 
     return nodes.CLIPTextEncode().encode(clip, PROMPT)[0][0][0]
+
+
+def test_a_diffusers_file_holds_the_text_encoders_for_the_stock_loader_and_diffusers(comfyui, caplog):
+    """Save LoRA's diffusers format with the text encoder (SDXL: CLIP-L as `text_encoder`, CLIP-G as
+    `text_encoder_2`, PEFT's lora_A / lora_B, alpha / rank 0.5 folded into up): the stock Load LoRA maps every layer
+    of the model and of both encoders, and encodes as with the comfyui-format file; diffusers' own SDXL reader loads
+    each component's layers with its LoraConfig into transformers' CLIP text models, each layer's update the run's."""
+    import warnings
+
+    import folder_paths
+    import nodes
+    import transformers
+    from diffusers import StableDiffusionXLPipeline
+    from headroom.nodes import train_lora as T
+
+    model, clip, vae, latents, texts = _data("sdxl")
+    run = _init(model, clip, latents, texts, _unique("te_diffusers"), lr=2e-2, alpha=2.0)  # alpha / rank folded in
+    with torch.inference_mode():
+        T.HeadroomTrainSteps.execute(run, 4)
+        names = {file_format: T.HeadroomSaveLora.execute(run, "headroom-tests", f"{run.run_dir.name}_{file_format}",
+                                                         "fp32", format=file_format).args[0]
+                 for file_format in ("comfyui", "diffusers")}
+    assert len(set(names.values())) == 2
+    encoder = run.trained.text_encoder
+    caplog.clear()
+    with caplog.at_level(logging.WARNING), torch.inference_mode():
+        loaded = {f: nodes.LoraLoader().load_lora(model, clip, name, 1.0, 1.0) for f, name in names.items()}
+    assert "lora key not loaded" not in caplog.text, caplog.text
+    lora_model, lora_clip = loaded["diffusers"]
+    assert len(lora_model.patches) == len(run.adapters.layers) and len(lora_clip.patcher.patches) == len(encoder.paths)
+    with torch.inference_mode():
+        plain, comfy_file, diffusers_file = (nodes.CLIPTextEncode().encode(c, PROMPT)[0][0]
+                                             for c in (clip, *(c for _, c in loaded.values())))
+    for part in (lambda e: e[0], lambda e: e[1]["pooled_output"]):  # as the comfyui file, to 0.1 % of its effect
+        effect = (part(comfy_file) - part(plain)).abs().max()
+        assert effect > 0 and (part(diffusers_file) - part(comfy_file)).abs().max() <= 1e-3 * effect
+
+    state, alphas, metadata = StableDiffusionXLPipeline.lora_state_dict(
+        folder_paths.get_full_path("loras", names["diffusers"]), return_lora_metadata=True)
+    for component, ours in (("text_encoder", "clip_l"), ("text_encoder_2", "clip_g")):
+        tower = encoder.root.get_submodule(f"{ours}.transformer.text_model")
+        layer = tower.encoder.layers[0]
+        config = transformers.CLIPTextConfig(
+            vocab_size=tower.embeddings.token_embedding.weight.shape[0],
+            hidden_size=tower.embeddings.token_embedding.weight.shape[1], intermediate_size=layer.mlp.fc1.out_features,
+            num_hidden_layers=len(tower.encoder.layers), num_attention_heads=layer.self_attn.heads,
+            max_position_embeddings=tower.embeddings.position_embedding.weight.shape[0])
+        model_class = transformers.CLIPTextModel if component == "text_encoder" else \
+            transformers.CLIPTextModelWithProjection
+        with torch.inference_mode(False), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            hf = model_class(config)
+            StableDiffusionXLPipeline.load_lora_into_text_encoder(state, alphas, hf, prefix=component,
+                                                                  adapter_name="headroom", metadata=metadata)
+        assert not [str(w.message) for w in caught if "unexpected" in str(w.message)]
+        injected = {name: module for name, module in hf.named_modules() if "headroom" in getattr(module, "lora_A", {})}
+        paths = [p for p in encoder.paths if p.startswith(ours + ".")]
+        assert len(injected) == len(paths) > 0, (component, len(injected), len(paths))
+        flat = not hasattr(hf, "text_model")  # transformers 5's CLIPTextModel: no `text_model.` in its names
+        with torch.no_grad():
+            for path in paths:
+                name = path[len(ours + ".transformer."):]
+                theirs = injected[name.removeprefix("text_model.") if flat else name].get_delta_weight("headroom")
+                mine = encoder.adapters.layers[path].get_delta_weight("default")
+                assert torch.allclose(theirs, mine, rtol=1e-5, atol=1e-7), path
