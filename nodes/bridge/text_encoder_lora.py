@@ -138,7 +138,6 @@ class TextEncoderLora:
         return lora_formats.to_kohya(state, {weights[weight]: name for weight, name in names.items()},
                                      prefix=SAVED_PREFIX)
 
-
     def diffusers_state_dict(self, state: dict[str, torch.Tensor], dtype: torch.dtype
                              ) -> tuple[dict[str, torch.Tensor], dict]:
         """`state` (comfy_state_dict's, in fp32) under diffusers' names in `dtype`, alpha folded into up, PEFT's
