@@ -387,7 +387,7 @@ def start_lora_run(model, latent_cache, text_cache, lora_config, optimizer_confi
 
         def plan_card(card):
             spec = trainable if encoder is None else with_text_encoder(model_trainable, encoder,
-                                                                       longest_caption(text_cache))
+                                                                       longest_caption(text_cache, clip))
             planned.append(plan_for_card(model, latent_cache, text_cache, card, spec, train.batch_size,
                                          train.precision, node, lora_config, train.grad_accum))
             return planned[-1][0]

@@ -722,7 +722,8 @@ def _run_inputs(run) -> tuple:
                                     block_layers=per_block)
     encoder = getattr(run.trained, "text_encoder", None)  # a LoRA run training the CLIP's text encoders too
     if encoder is not None:  # its LoRA's tensors are in the trainer's; what its step holds beside them:
-        trainable = dataclasses.replace(trainable, text_encoder=encoder.training_cost(longest_caption(run.text_cache)))
+        caption = longest_caption(run.text_cache, encoder.clip)
+        trainable = dataclasses.replace(trainable, text_encoder=encoder.training_cost(caption))
     trainable = with_host_step(trainable)
     budget = budget_bytes(run.policy, torch.device(run.source_model.load_device))
     return description, trainable, shape, budget

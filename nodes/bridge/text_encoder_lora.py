@@ -110,7 +110,7 @@ class TextEncoderLora:
 
     def training_cost(self, caption: str) -> TextEncoderTraining:
         """What a training step holds on the device for the text encoder (the planner's TextEncoderTraining): the CLIP
-        as loaded, and what `caption`'s encode (a run's longest) keeps for backward, measured with the LoRA attached
+        as loaded, and what `caption`'s encode (longest_caption's) keeps for backward, measured with the LoRA attached
         (planner.measure_activations: the CLIP's and the LoRA's own weights are not counted), and how long it takes.
         Measured once per caption."""
         measured = self._measured
@@ -177,10 +177,7 @@ class CaptionsThroughEncoder:
                              f"({text_cache.reference_encoding}); a text encoder is trained on captions alone: cache "
                              "the text with reference_encoding none, or set text_encoder_lr to 0")
         self.text_cache, self.encoder = text_cache, encoder
-        shuffling = text_cache.tag_shuffling or {}
-        self._variants = {key: caption_variants(caption, shuffling.get("shuffles", 0), shuffling.get("keep", 0),
-                                                shuffling.get("dropout", 0.0))
-                          for key, caption in text_cache.captions.items()}
+        self._variants = cached_texts(text_cache)
         cached = set(text_cache.keys())
         for key, texts in self._variants.items():
             if key in cached and len(texts) != text_cache.tag_orders(key):
@@ -257,6 +254,25 @@ def with_text_encoder(trainable: planner.TrainableSpec, encoder: TextEncoderLora
     return dataclasses.replace(trainable, shapes=shapes, text_encoder=cost)
 
 
-def longest_caption(text_cache) -> str:
-    """The longest caption of a text cache (what the planner measures a text encoder's step with); "" for none."""
-    return max(text_cache.captions.values(), key=len, default="")
+def cached_texts(text_cache) -> dict[str, list[str]]:
+    """Each cached caption's texts, as Cache Text encoded them (caption_tags.caption_variants with the cache's tag
+    shuffling): {key: [the caption as written (its first line), its other tag orders or lines, ...]}."""
+    shuffling = text_cache.tag_shuffling or {}
+    return {key: caption_variants(caption, shuffling.get("shuffles", 0), shuffling.get("keep", 0),
+                                  shuffling.get("dropout", 0.0))
+            for key, caption in text_cache.captions.items()}
+
+
+def longest_caption(text_cache, clip) -> str:
+    """The text a run training the text encoder encodes that is longest in `clip`'s tokens (what the planner measures
+    its step with): of every caption's texts (cached_texts: a caption of several lines is encoded a line at a time),
+    the one with the most tokens over the CLIP's encoders, as its tokenizer splits it (a caption's characters say
+    little: a word of another script can take a token a character, and CLIP adds a chunk of 77 per 75 tokens); ""
+    for none."""
+    texts = dict.fromkeys(text for variants in cached_texts(text_cache).values() for text in variants)
+    return max(texts, key=lambda text: _token_count(clip.tokenize(text)), default="")
+
+
+def _token_count(tokens: dict) -> int:
+    """The tokens (padding included) of clip.tokenize's {encoder: [chunk: [(token, weight, ...), ...], ...]}."""
+    return sum(len(chunk) for chunks in tokens.values() if isinstance(chunks, list) for chunk in chunks)

@@ -310,6 +310,31 @@ def test_a_plan_counts_the_text_encoder_it_trains_on_the_device(comfyui, monkeyp
     assert alone.base_device_bytes - both.base_device_bytes >= min(alone.base_device_bytes, trained_more)
 
 
+def test_a_plan_measures_the_text_the_run_encodes_with_the_most_tokens(comfyui, monkeypatch):
+    """The caption a plan measures a step's text encoder with is the text the run encodes that has the most of the
+    CLIP's tokens, not the most characters: a caption of two alternative lines is encoded a line at a time (one CLIP
+    chunk each, though both together make two), and a caption in Japanese of fewer characters makes three chunks."""
+    from family_checks import saved_by_an_encode
+    from headroom.nodes import train_lora as T
+    from headroom.nodes.bridge.text_encoder_lora import longest_caption
+
+    planned = []
+    plan_for_card = T.plan_for_card
+    monkeypatch.setattr(T, "plan_for_card", lambda *a, **k: planned.append(plan_for_card(*a, **k)) or planned[-1])
+    line = "a red circle with a blue square beside it on a grey ground seen from above in soft light " * 3
+    japanese = "東京の夜景、赤い丸と青い四角、灰色の地面、上から見た柔らかい光の中の街並み" * 3
+    captions = ["red", f"{line}\n{line}", japanese, "grey"]
+    model, clip, vae, latents, texts = _data("sdxl", captions=captions)
+    assert len(japanese) < len(line) < len(captions[1])
+    assert [len(clip.tokenize(text)["l"]) for text in (line, captions[1], japanese)] == [1, 2, 3]  # CLIP chunks
+    assert longest_caption(texts, clip) == japanese
+    run = _init(model, clip, latents, texts, _unique("te_tokens"), policy=_card_policy())
+    (card_plan, _), = planned
+    per_caption = saved_by_an_encode(run.trained.text_encoder, japanese)
+    assert per_caption > saved_by_an_encode(run.trained.text_encoder, captions[1])  # three chunks, not two
+    assert card_plan.phase("training step").items["text encoder activations (2 captions)"] == 2 * per_caption
+
+
 def test_memory_plan_plans_a_run_that_trains_the_text_encoder_too(comfyui):
     """Memory Plan with train_text_encoder: the training step holds the CLIP as loaded and a batch of captions'
     activations of one full CLIP chunk (75 tokens), and its trained weights, gradients and optimizer state count the
