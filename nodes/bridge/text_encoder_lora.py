@@ -7,7 +7,8 @@ encodes its captions here at each step (CaptionsThroughEncoder) instead of readi
 sets of layers as one (WithTextEncoder). The adapters are peft's, as the diffusion model's
 (training.core.adapters.AdapterSet), attached to the CLIP's shared module tree only while the run trains or validates,
 so every other node keeps seeing the CLIP as loaded. T5 and the LLM encoders are not trained (as sd-scripts', whose
-Flux / SD3 text-encoder LoRA is CLIP-L's and CLIP-G's only).
+Flux / SD3 text-encoder LoRA is CLIP-L's and CLIP-G's only); a Flux or SD3 run's steps take T5's part of each
+caption from the text cache rather than running T5 (t5_from_cache).
 """
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ import re
 import torch
 
 import comfy.lora
+import comfy.model_management
+from comfy.text_encoders import flux, sd3_clip
 
 from ...training.core.adapters import AdapterConfig, AdapterSet
 from ...training.data.caption_tags import caption_variants
@@ -98,27 +101,29 @@ class TextEncoderLora:
             restore_stock_forwards(self.root)
             self.adapters.detach()
 
-    def encode(self, text: str) -> dict[str, torch.Tensor]:
+    def encode(self, text: str, cached: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """The caption's conditioning as CLIP Text Encode gives it (tokenize, encode_from_tokens_scheduled), with
         gradients to the adapters: {"cross_attn": [T, D], "pooled_output": [D], ...} as the text cache holds it
-        (TextCache.conditioning). Inside `attached`."""
+        (TextCache.conditioning). `cached`: the text cache's conditioning of `text`, from which a frozen T5's part is
+        taken instead of running T5 (t5_from_cache). Inside `attached`."""
         if self.adapters.attached_to is None:
             raise RuntimeError("TextEncoderLora.encode runs inside attached()")
-        with torch.inference_mode(False), torch.enable_grad():
+        with torch.inference_mode(False), torch.enable_grad(), t5_from_cache(self.root, cached):
             conditioning = self.clip.encode_from_tokens_scheduled(self.clip.tokenize(text))
         return flat_conditioning(conditioning, "this CLIP", "remove them from the CLIP to train its text encoder")
 
-    def training_cost(self, caption: str) -> TextEncoderTraining:
+    def training_cost(self, caption: str, cached: dict[str, torch.Tensor] | None = None) -> TextEncoderTraining:
         """What a training step holds on the device for the text encoder (the planner's TextEncoderTraining): the CLIP
         as loaded, and what `caption`'s encode (longest_caption's) keeps for backward, measured with the LoRA attached
         (planner.measure_activations: the CLIP's and the LoRA's own weights are not counted), and how long it takes.
-        Measured once per caption."""
+        Measured once per caption; `cached`: its conditioning in the run's text cache, as the run's encodes take a
+        frozen T5's part from it (encode)."""
         measured = self._measured
         if measured is None or measured[0] != caption:
             with self.attached():
                 weights = [*self.root.parameters(), *self.root.buffers()]
                 synchronize = device_synchronize(torch.device(self.clip.patcher.load_device))
-                sample = planner.measure_activations(lambda: self.encode(caption), [], weights,
+                sample = planner.measure_activations(lambda: self.encode(caption, cached), [], weights,
                                                      synchronize=synchronize)
             self._measured = measured = (caption, TextEncoderTraining(
                 self.clip.patcher.model_size(), sample.outside_saved, len(self.paths), sample.outside_forward_s))
@@ -187,10 +192,10 @@ class CaptionsThroughEncoder:
     def conditioning(self, key: str, order: int = 0) -> dict[str, torch.Tensor]:
         if key not in self._variants:
             return self.text_cache.conditioning(key)  # its KeyError: a caption of another dataset
-        return self.encoder.encode(self._variants[key][order])
+        return self.encoder.encode(self._variants[key][order], self.text_cache.conditioning(key, order))
 
     def empty_conditioning(self) -> dict[str, torch.Tensor]:
-        return self.encoder.encode("")
+        return self.encoder.encode("", self.text_cache.empty_conditioning())
 
     def __getattr__(self, name):  # tag_orders, text_length, release_files, fingerprint, ...: the cache's
         if name == "text_cache":  # not set yet (a copy being made): no recursion
@@ -244,14 +249,59 @@ class WithTextEncoder:
         self.text_encoder.adapters.train(mode)
 
 
-def with_text_encoder(trainable: planner.TrainableSpec, encoder: TextEncoderLora,
-                      caption: str | None = None) -> planner.TrainableSpec:
+def with_text_encoder(trainable: planner.TrainableSpec, encoder: TextEncoderLora, caption: str | None = None,
+                      cached: dict[str, torch.Tensor] | None = None) -> planner.TrainableSpec:
     """`trainable` (the diffusion model's) with the text encoder's LoRA tensors added, trained as the model's (host RAM,
     disk and the plan count them so); with `caption` (the run's longest), also what a step holds on the device for
-    it (TextEncoderLora.training_cost), for a plan of the card."""
+    it (TextEncoderLora.training_cost; `cached`: its conditioning in the text cache), for a plan of the card."""
     shapes = trainable.shapes + tuple(tuple(p.shape) for p in encoder.parameters())
-    cost = encoder.training_cost(caption) if caption is not None else trainable.text_encoder
+    cost = encoder.training_cost(caption, cached) if caption is not None else trainable.text_encoder
     return dataclasses.replace(trainable, shapes=shapes, text_encoder=cost)
+
+
+@contextlib.contextmanager
+def t5_from_cache(root, cached: dict[str, torch.Tensor] | None):
+    """Inside it, the frozen T5-XXL of a Flux or SD3 CLIP (`root`, its cond_stage_model) gives its output for a
+    caption from `cached`, the text cache's conditioning of that caption, instead of running: a run that trains
+    CLIP-L / CLIP-G changes none of T5's part, which the cache holds as CLIP Text Encode made it (as sd-scripts
+    caches T5's outputs while training CLIP-L). Flux's conditioning is T5's output and CLIP-L's pooled one; SD3's,
+    the CLIP tokens' rows then T5's: T5's part is the cached rows after them, one per T5 token (an SD3 CLIP of
+    t5_attention_mask also gives the cached mask; a cache without one: T5 runs). The rest of the encode (tokenize,
+    the trained encoders, how ComfyUI joins them) is the stock CLIP's. Any other CLIP, no T5 or no `cached`: nothing
+    changes. That ComfyUI still loads T5 with the CLIP is unchanged; what is saved is T5's forward at each step (a
+    model's worth of weights read per caption, streamed where the CLIP is partly loaded)."""
+    t5 = getattr(root, "t5xxl", None)
+    if cached is None or t5 is None or not isinstance(root, (flux.FluxClipModel, sd3_clip.SD3ClipModel)) or (
+            getattr(root, "t5_attention_mask", False) and "attention_mask" not in cached):  # a cache made without it
+        yield
+        return
+    rows = cached["cross_attn"]
+
+    def from_cache(token_weight_pairs):
+        tokens = sum(len(section) for section in token_weight_pairs)
+        if tokens > rows.shape[0]:
+            raise ValueError(f"the text cache holds {rows.shape[0]} rows for a caption whose T5 tokens alone are "
+                             f"{tokens}: the cache was made with another text encoder; run Cache Text again")
+        # where the stock T5 puts its output (comfy/sd1_clip.py): the intermediate device, the CPU unless --gpu-only
+        device = comfy.model_management.intermediate_device()
+        out = rows[rows.shape[0] - tokens:][None].to(device)
+        if "attention_mask" in cached:  # as the stock T5 gives it: a third entry only with extras (sd1_clip)
+            return out, None, {"attention_mask": cached["attention_mask"][None].to(device)}
+        return out, None
+
+    t5.encode_token_weights = from_cache  # an instance attribute over the class's method, removed below
+    try:
+        yield
+    finally:
+        del t5.encode_token_weights
+
+
+def cached_conditioning(text_cache, text: str) -> dict[str, torch.Tensor] | None:
+    """The text cache's conditioning of `text` (one of a caption's cached texts: cached_texts); None: none holds it."""
+    for key, texts in cached_texts(text_cache).items():
+        if text in texts:
+            return text_cache.conditioning(key, texts.index(text))
+    return None
 
 
 def cached_texts(text_cache) -> dict[str, list[str]]:

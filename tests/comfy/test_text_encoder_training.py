@@ -17,14 +17,15 @@ pytestmark = [pytest.mark.comfyui, pytest.mark.usefixtures("one_torch_thread")]
 PROMPT = "a red circle at the center"
 
 
-def _data(family: str, captions: str | None = None, tag_shuffles: int = 0):
+def _data(family: str, captions: str | None = None, tag_shuffles: int = 0, clip=None):
     """(model, clip, vae, latent cache, text cache) of 4 synthetic images at 32 px through the caching nodes;
-    `captions`: theirs instead of the synthetic ones."""
+    `captions`: theirs instead of the synthetic ones; `clip`: that CLIP instead of the family's."""
     from headroom.nodes import cache as cache_nodes, data as data_nodes
     from headroom.nodes.bridge.tiny_models import build_tiny_models
 
     with torch.inference_mode():  # as ComfyUI runs nodes
-        model, clip, vae = build_tiny_models(family, 0)
+        model, tiny_clip, vae = build_tiny_models(family, 0)
+        clip = clip or tiny_clip
         images, synthetic, _ = data_nodes.HeadroomSyntheticDataset.execute(4, 32, 0).args
         dataset = cache_nodes.HeadroomDatasetFromImages.execute(images, captions or synthetic, 32, 32, "center",
                                                                 False, 0).args[0]
@@ -158,6 +159,93 @@ def test_each_step_encodes_the_texts_the_cache_holds_and_unmerged_validation_use
             lora_application="unmerged", **sampling).args[0]
     assert (unmerged - saved).abs().max().item() <= 1e-2
     assert (unmerged - no_encoder).abs().max().item() > 1e-3
+
+
+def _sd3_clip_with_t5(attention_mask: bool = False):
+    """The tiny SD3 CLIP (CLIP-L + CLIP-G) with a T5-XXL beside them, as the SD3.5 release's three encoders: one layer
+    of T5, as wide as ComfyUI's SD3 text encoder joins it to the CLIP tokens (4096); `attention_mask`: ComfyUI's
+    t5_attention_mask option (T5's mask in the conditioning)."""
+    import comfy.sd
+    import comfy.supported_models_base
+    import comfy.text_encoders.sd3_clip as sd3_clip
+
+    from headroom.nodes.bridge.families import sd3
+    from headroom.nodes.bridge.tiny_models import init_weights_
+
+    target = comfy.supported_models_base.ClipTarget(sd3_clip.SD3Tokenizer,
+                                                    sd3_clip.sd3_clip(t5=True, t5_attention_mask=attention_mask))
+    t5 = {"d_model": 4096, "d_ff": 64, "num_layers": 1, "num_heads": 2, "d_kv": 16}
+    with torch.inference_mode():
+        clip = comfy.sd.CLIP(target, parameters=0, model_options={**sd3.TINY.text_encoder_options,
+                                                                  "t5xxl_model_config": t5})
+        init_weights_(clip.cond_stage_model, 2 if attention_mask else 1)  # a cache of its own, the mask in it
+    return clip
+
+
+@pytest.mark.parametrize("family, attention_mask", [("flux", False), ("sd3", False), ("sd3", True)])
+def test_flux_and_sd3_runs_take_t5s_part_of_each_caption_from_the_cache(comfyui, family, attention_mask):
+    """A Flux or SD3 run training CLIP-L (/ CLIP-G) does not run the frozen T5 at its steps: T5's part of each caption
+    (Flux: the whole cross_attn; SD3: its rows after the CLIP tokens') is the text cache's, and the conditioning is
+    bit for bit the full encode through the CLIP with the trained layers (T5 run), before and after training, for
+    every cached text and the empty caption; the planner's measured encode does not run T5 either. Validation's
+    prompts, which no cache holds, run T5."""
+    from headroom.nodes import train_lora as T
+    from headroom.nodes.bridge.text_encoder_lora import cached_conditioning
+
+    tags = ["ohwx, red, circle, center", "ohwx, blue, square, top left", "a green triangle, small", "yellow, star"]
+    model, clip, vae, latents, texts = _data(family, captions="\n".join(tags), tag_shuffles=1,
+                                             clip=_sd3_clip_with_t5(attention_mask) if family == "sd3" else None)
+    t5 = clip.cond_stage_model.t5xxl
+    runs = []
+    t5.register_forward_pre_hook(lambda *_: runs.append(1))
+    run = _init(model, clip, latents, texts, _unique(f"te_t5_{family}"), policy=_card_policy())
+    source = run.trainer.text_cache
+    assert runs == [1]  # the Init's width check encodes "" through the whole CLIP; its card plan runs no T5
+    orders = [(key, order) for key in texts.captions for order in range(texts.tag_orders(key))]
+    texts_of = {key: variants for key, variants in source._variants.items()}
+    assert len(orders) > len(texts.captions)  # shuffled tag orders among them
+
+    def check():
+        runs.clear()
+        with torch.inference_mode(), run.attached():
+            taken = [source.conditioning(key, order) for key, order in orders] + [source.empty_conditioning()]
+            assert runs == [], "a step ran T5"
+            full = [run.trained.text_encoder.encode(texts_of[key][order]) for key, order in orders]
+            full.append(run.trained.text_encoder.encode(""))
+        assert len(runs) == len(orders) + 1
+        for got, want, cached in zip(taken, full, [*(texts.conditioning(k, o) for k, o in orders),
+                                                   texts.empty_conditioning()]):
+            assert got.keys() == want.keys() == cached.keys()
+            assert all(torch.equal(got[name], want[name]) for name in got)
+            t5_rows = want["cross_attn"].shape[0] - (0 if family == "flux" else 77)
+            assert torch.equal(got["cross_attn"][-t5_rows:], cached["cross_attn"][-t5_rows:])
+        return taken
+
+    untrained = check()
+    assert ("attention_mask" in untrained[0]) == attention_mask
+    with torch.inference_mode():
+        T.HeadroomTrainSteps.execute(run, 4)
+    trained = check()
+    assert not torch.equal(trained[0]["pooled_output"], untrained[0]["pooled_output"])  # CLIP-L learned
+    runs.clear()
+    caption = texts.captions[orders[0][0]]
+    run.trained.text_encoder.training_cost(caption, cached_conditioning(texts, caption))
+    assert runs == []
+    # a cache of fewer rows than T5's tokens (made with another text encoder) is refused, saying what to do
+    short = {**texts.conditioning(orders[0][0]), "cross_attn": texts.conditioning(orders[0][0])["cross_attn"][:3]}
+    with torch.inference_mode(), run.attached(), pytest.raises(ValueError, match="run Cache Text again"):
+        run.trained.text_encoder.encode(caption, short)
+    if attention_mask:  # a cache made by this CLIP without its mask option: T5 runs, as the stock encode
+        unmasked = {k: v for k, v in texts.conditioning(orders[0][0]).items() if k != "attention_mask"}
+        runs.clear()
+        with torch.inference_mode(), run.attached():
+            got, want = run.trained.text_encoder.encode(caption, unmasked), run.trained.text_encoder.encode(caption)
+        assert len(runs) == 2 and all(torch.equal(got[name], want[name]) for name in want)
+    with torch.inference_mode():
+        T.HeadroomValidate.execute(run, clip=clip, vae=vae, prompts=PROMPT, negative="", sample_seed=0, sample_steps=1,
+                                   cfg=1.0, sampler_name="euler", scheduler="simple", width=32, height=32,
+                                   loss_timesteps=1)
+    assert runs
 
 
 def test_a_resumed_run_continues_the_text_encoder_exactly_and_a_kohya_file_maps_onto_the_clip(comfyui, caplog):

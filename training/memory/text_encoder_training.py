@@ -3,7 +3,8 @@ step beside the diffusion model's own, for the planner (planner.estimate adds it
 the budget shrinks by it).
 
 - The CLIP as ComfyUI loads it for the step: every encoder it holds, a frozen T5 too (each step encodes its captions
-  through all of them, as CLIP Text Encode does). Flux's CLIP with T5-XXL in fp16 is ~9.5 GB of it.
+  through the trained encoders as CLIP Text Encode does; Flux's and SD3's take T5's part from the text cache instead
+  of running it, but ComfyUI loads T5 with the CLIP). Flux's CLIP with T5-XXL in fp16 is ~9.5 GB of it.
 - What each caption's encode keeps for backward until the diffusion model's backward reaches the conditioning
   (measured with the LoRA attached: nodes/bridge/text_encoder_lora.text_encoder_training), times the captions of a
   step (one encode per item).
