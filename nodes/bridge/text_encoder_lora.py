@@ -74,6 +74,8 @@ class TextEncoderLora:
         with torch.inference_mode(False):  # nodes run in inference mode, whose tensors autograd cannot train
             self.adapters = AdapterSet(self.root, self.paths, config)
         self._measured: tuple[str, TextEncoderTraining] | None = None  # training_cost's last (caption, cost)
+        # whether encode takes a frozen T5's part from the text cache (t5_from_cache): read the cache only then
+        self.reads_t5_from_cache = _joins_t5(self.root)
 
     def parameters(self) -> list[torch.nn.Parameter]:
         return self.adapters.parameters()
@@ -192,10 +194,12 @@ class CaptionsThroughEncoder:
     def conditioning(self, key: str, order: int = 0) -> dict[str, torch.Tensor]:
         if key not in self._variants:
             return self.text_cache.conditioning(key)  # its KeyError: a caption of another dataset
-        return self.encoder.encode(self._variants[key][order], self.text_cache.conditioning(key, order))
+        cached = self.text_cache.conditioning(key, order) if self.encoder.reads_t5_from_cache else None
+        return self.encoder.encode(self._variants[key][order], cached)
 
     def empty_conditioning(self) -> dict[str, torch.Tensor]:
-        return self.encoder.encode("", self.text_cache.empty_conditioning())
+        return self.encoder.encode("", self.text_cache.empty_conditioning() if self.encoder.reads_t5_from_cache
+                                   else None)
 
     def __getattr__(self, name):  # tag_orders, text_length, release_files, fingerprint, ...: the cache's
         if name == "text_cache":  # not set yet (a copy being made): no recursion
@@ -270,11 +274,11 @@ def t5_from_cache(root, cached: dict[str, torch.Tensor] | None):
     the trained encoders, how ComfyUI joins them) is the stock CLIP's. Any other CLIP, no T5 or no `cached`: nothing
     changes. That ComfyUI still loads T5 with the CLIP is unchanged; what is saved is T5's forward at each step (a
     model's worth of weights read per caption, streamed where the CLIP is partly loaded)."""
-    t5 = getattr(root, "t5xxl", None)
-    if cached is None or t5 is None or not isinstance(root, (flux.FluxClipModel, sd3_clip.SD3ClipModel)) or (
+    if cached is None or not _joins_t5(root) or (
             getattr(root, "t5_attention_mask", False) and "attention_mask" not in cached):  # a cache made without it
         yield
         return
+    t5 = root.t5xxl
     rows = cached["cross_attn"]
 
     def from_cache(token_weight_pairs):
@@ -294,6 +298,11 @@ def t5_from_cache(root, cached: dict[str, torch.Tensor] | None):
         yield
     finally:
         del t5.encode_token_weights
+
+
+def _joins_t5(root) -> bool:
+    """Whether `root` (a CLIP's cond_stage_model) is a Flux or SD3 CLIP holding a T5-XXL (t5_from_cache)."""
+    return isinstance(root, (flux.FluxClipModel, sd3_clip.SD3ClipModel)) and getattr(root, "t5xxl", None) is not None
 
 
 def cached_conditioning(text_cache, text: str) -> dict[str, torch.Tensor] | None:

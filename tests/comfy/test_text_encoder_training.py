@@ -131,6 +131,7 @@ def test_each_step_encodes_the_texts_the_cache_holds_and_unmerged_validation_use
     model, clip, vae, latents, texts = _data("sd15", captions=captions, tag_shuffles=2)
     run = _init(model, clip, latents, texts, _unique("te_texts"))
     source = run.trainer.text_cache
+    assert not run.trained.text_encoder.reads_t5_from_cache  # no T5: its steps read nothing of the cache
     keys = [key for key in texts.keys() if key in texts.captions]
     orders = [(key, order) for key in keys for order in range(texts.tag_orders(key))]
     assert len(orders) > len(keys) + 2  # shuffled orders are among them
@@ -200,6 +201,7 @@ def test_flux_and_sd3_runs_take_t5s_part_of_each_caption_from_the_cache(comfyui,
     t5.register_forward_pre_hook(lambda *_: runs.append(1))
     run = _init(model, clip, latents, texts, _unique(f"te_t5_{family}"), policy=_card_policy())
     source = run.trainer.text_cache
+    assert run.trained.text_encoder.reads_t5_from_cache
     assert runs == [1]  # the Init's width check encodes "" through the whole CLIP; its card plan runs no T5
     orders = [(key, order) for key in texts.captions for order in range(texts.tag_orders(key))]
     texts_of = {key: variants for key, variants in source._variants.items()}
