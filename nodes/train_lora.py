@@ -37,8 +37,8 @@ from .bridge.rank_workers import open_on_devices, parse_devices
 from .bridge.run_lora import REFERENCES, SAVE_DTYPES, LoraRunConfig, open_lora_run
 from .bridge.run_settings import effective_batch, resolve_policy, run_fingerprint, train_config
 from .bridge.sample_prompts import parse_prompts
-from .bridge.text_encoder_lora import (TEXT_ENCODER_KINDS, TextEncoderLora, cached_conditioning, longest_caption,
-                                       text_encoder_layers, with_text_encoder)
+from .bridge.text_encoder_lora import (TEXT_ENCODER_KINDS, TextEncoderLora, longest_caption, text_encoder_layers,
+                                       with_text_encoder)
 from .bridge.validation import validate, validation_grids, validation_history
 from .inputs import (DEFAULT_CHECKPOINT_MINUTES, added_train_inputs, checkpoint_inputs, compare_base_input,
                      devices_input, extra_noise_inputs, frame_rate_input, frames_input, keep_saves_input,
@@ -388,8 +388,7 @@ def start_lora_run(model, latent_cache, text_cache, lora_config, optimizer_confi
         def plan_card(card):
             spec = trainable
             if encoder is not None:
-                caption = longest_caption(text_cache, clip)
-                spec = with_text_encoder(model_trainable, encoder, caption, cached_conditioning(text_cache, caption))
+                spec = with_text_encoder(model_trainable, encoder, *longest_caption(text_cache, clip))
             planned.append(plan_for_card(model, latent_cache, text_cache, card, spec, train.batch_size,
                                          train.precision, node, lora_config, train.grad_accum))
             return planned[-1][0]

@@ -28,7 +28,7 @@ from .comfy_model import (ComfyDenoiser, comfy_pinned_block_bytes, expected_cond
                           quantized_weights_for_inference, replace_inference_tensors, restore_stock_forwards,
                           training_blocks, training_code_paths)
 from .encoders import frame_step, spatial_downscale
-from .text_encoder_lora import TextEncoderLora, cached_conditioning, longest_caption, with_text_encoder
+from .text_encoder_lora import TextEncoderLora, longest_caption, with_text_encoder
 
 log = logging.getLogger(__name__)
 
@@ -722,8 +722,7 @@ def _run_inputs(run) -> tuple:
                                     block_layers=per_block)
     encoder = getattr(run.trained, "text_encoder", None)  # a LoRA run training the CLIP's text encoders too
     if encoder is not None:  # its LoRA's tensors are in the trainer's; what its step holds beside them:
-        caption = longest_caption(run.text_cache, encoder.clip)
-        cost = encoder.training_cost(caption, cached_conditioning(run.text_cache, caption))
+        cost = encoder.training_cost(*longest_caption(run.text_cache, encoder.clip))
         trainable = dataclasses.replace(trainable, text_encoder=cost)
     trainable = with_host_step(trainable)
     budget = budget_bytes(run.policy, torch.device(run.source_model.load_device))

@@ -305,14 +305,6 @@ def _joins_t5(root) -> bool:
     return isinstance(root, (flux.FluxClipModel, sd3_clip.SD3ClipModel)) and getattr(root, "t5xxl", None) is not None
 
 
-def cached_conditioning(text_cache, text: str) -> dict[str, torch.Tensor] | None:
-    """The text cache's conditioning of `text` (one of a caption's cached texts: cached_texts); None: none holds it."""
-    for key, texts in cached_texts(text_cache).items():
-        if text in texts:
-            return text_cache.conditioning(key, texts.index(text))
-    return None
-
-
 def cached_texts(text_cache) -> dict[str, list[str]]:
     """Each cached caption's texts, as Cache Text encoded them (caption_tags.caption_variants with the cache's tag
     shuffling): {key: [the caption as written (its first line), its other tag orders or lines, ...]}."""
@@ -322,14 +314,20 @@ def cached_texts(text_cache) -> dict[str, list[str]]:
             for key, caption in text_cache.captions.items()}
 
 
-def longest_caption(text_cache, clip) -> str:
+def longest_caption(text_cache, clip) -> tuple[str, dict[str, torch.Tensor] | None]:
     """The text a run training the text encoder encodes that is longest in `clip`'s tokens (what the planner measures
-    its step with): of every caption's texts (cached_texts: a caption of several lines is encoded a line at a time),
-    the one with the most tokens over the CLIP's encoders, as its tokenizer splits it (a caption's characters say
-    little: a word of another script can take a token a character, and CLIP adds a chunk of 77 per 75 tokens); ""
-    for none."""
-    texts = dict.fromkeys(text for variants in cached_texts(text_cache).values() for text in variants)
-    return max(texts, key=lambda text: _token_count(clip.tokenize(text)), default="")
+    its step with), and its conditioning in the cache (a step's encode takes a frozen T5's part from it): of every
+    caption's texts (cached_texts: a caption of several lines is encoded a line at a time), the one with the most
+    tokens over the CLIP's encoders, as its tokenizer splits it (a caption's characters say little: a word of another
+    script can take a token a character, and CLIP adds a chunk of 77 per 75 tokens); ("", None) for none."""
+    texts: dict[str, tuple[str, int]] = {}  # text -> (key, order) of its first cached encoding
+    for key, variants in cached_texts(text_cache).items():
+        for order, text in enumerate(variants):
+            texts.setdefault(text, (key, order))
+    if not texts:
+        return "", None
+    text = max(texts, key=lambda text: _token_count(clip.tokenize(text)))
+    return text, text_cache.conditioning(*texts[text])
 
 
 def _token_count(tokens: dict) -> int:

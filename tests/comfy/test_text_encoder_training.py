@@ -191,7 +191,7 @@ def test_flux_and_sd3_runs_take_t5s_part_of_each_caption_from_the_cache(comfyui,
     every cached text and the empty caption; the planner's measured encode does not run T5 either. Validation's
     prompts, which no cache holds, run T5."""
     from headroom.nodes import train_lora as T
-    from headroom.nodes.bridge.text_encoder_lora import cached_conditioning
+    from headroom.nodes.bridge.text_encoder_lora import cached_texts
 
     tags = ["ohwx, red, circle, center", "ohwx, blue, square, top left", "a green triangle, small", "yellow, star"]
     model, clip, vae, latents, texts = _data(family, captions="\n".join(tags), tag_shuffles=1,
@@ -204,7 +204,7 @@ def test_flux_and_sd3_runs_take_t5s_part_of_each_caption_from_the_cache(comfyui,
     assert run.trained.text_encoder.reads_t5_from_cache
     assert runs == [1]  # the Init's width check encodes "" through the whole CLIP; its card plan runs no T5
     orders = [(key, order) for key in texts.captions for order in range(texts.tag_orders(key))]
-    texts_of = {key: variants for key, variants in source._variants.items()}
+    texts_of = cached_texts(texts)
     assert len(orders) > len(texts.captions)  # shuffled tag orders among them
 
     def check():
@@ -231,7 +231,7 @@ def test_flux_and_sd3_runs_take_t5s_part_of_each_caption_from_the_cache(comfyui,
     assert not torch.equal(trained[0]["pooled_output"], untrained[0]["pooled_output"])  # CLIP-L learned
     runs.clear()
     caption = texts.captions[orders[0][0]]
-    run.trained.text_encoder.training_cost(caption, cached_conditioning(texts, caption))
+    run.trained.text_encoder.training_cost(caption, texts.conditioning(orders[0][0]))
     assert runs == []
     # a cache of fewer rows than T5's tokens (made with another text encoder) is refused, saying what to do
     short = {**texts.conditioning(orders[0][0]), "cross_attn": texts.conditioning(orders[0][0])["cross_attn"][:3]}
@@ -417,7 +417,7 @@ def test_a_plan_measures_the_text_the_run_encodes_with_the_most_tokens(comfyui, 
     model, clip, vae, latents, texts = _data("sdxl", captions=captions)
     assert len(japanese) < len(line) < len(captions[1])
     assert [len(clip.tokenize(text)["l"]) for text in (line, captions[1], japanese)] == [1, 2, 3]  # CLIP chunks
-    assert longest_caption(texts, clip) == japanese
+    assert longest_caption(texts, clip)[0] == japanese
     run = _init(model, clip, latents, texts, _unique("te_tokens"), policy=_card_policy())
     (card_plan, _), = planned
     per_caption = saved_by_an_encode(run.trained.text_encoder, japanese)
